@@ -1,0 +1,270 @@
+"""Typed publish / subscribe / request-reply over NATS (the only I/O services share).
+
+A service never touches raw bytes: it publishes Structs to a :class:`Subject`
+from ``shared.subjects`` and receives decoded Structs in its handler. A payload
+that fails to decode is counted under ``dropped.<template>``, logged with its
+subject and dropped; an exception raised by a handler is counted under
+``handler_errors.<template>`` and logged. Neither reaches or stops the
+service loop (STYLE §4, "Dispatch").
+
+One decoder per message type is built once and reused (msgspec perf tips).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import nats
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg as NatsMsg
+from nats.aio.subscription import Subscription
+
+from shared import messages as m
+from shared.subjects import SVC_HEARTBEAT, SVC_STATS, Subject, Subjects
+
+Handler = Callable[[Any, str], Awaitable[None]]
+"""``async def handler(msg, subject) -> None``."""
+ReplyHandler = Callable[[Any, str], Awaitable[msgspec.Struct | None]]
+"""``async def handler(request, subject) -> reply or None (no reply)``."""
+
+_DECODERS: dict[Any, msgspec.msgpack.Decoder] = {}
+
+
+def decoder_for(msg_type: Any) -> msgspec.msgpack.Decoder:
+    """The shared msgpack decoder for a message type (built on first use)."""
+    dec = _DECODERS.get(msg_type)
+    if dec is None:
+        dec = _DECODERS[msg_type] = msgspec.msgpack.Decoder(msg_type)
+    return dec
+
+
+class BusError(RuntimeError):
+    """A request got no (decodable) reply in time."""
+
+
+class Bus:
+    """A NATS connection bound to a partition and a publishing instance.
+
+    Args:
+        nc: a connected nats-py client.
+        subjects: the partition's subject builder.
+        service: service kind (``router``, ``worker`` ...), used in heartbeats.
+        instance: instance id, stamped into every published message's ``src``.
+    """
+
+    def __init__(self, nc: NatsClient, subjects: Subjects, *, service: str, instance: str) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.service = service
+        self.instance = instance
+        self.counters: Counter[str] = Counter()
+        self.log = structlog.get_logger("bus").bind(instance=instance)
+        self._subs: list[Subscription] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- construction ---------------------------------------------------- #
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        subjects: Subjects,
+        *,
+        service: str,
+        instance: str,
+        connect_timeout: float = 5.0,
+        max_reconnect_attempts: int = -1,
+    ) -> "Bus":
+        """Connect to NATS and return a bus; reconnects forever by default.
+
+        Raises:
+            OSError / nats.errors.NoServersError: if no server answers in time.
+        """
+        counters: Counter[str] = Counter()
+        log = structlog.get_logger("bus").bind(instance=instance)
+
+        async def error_cb(e: Exception) -> None:
+            counters["nats.errors"] += 1
+            log.warning("nats error", error=repr(e))
+
+        async def disconnected_cb() -> None:
+            counters["nats.disconnects"] += 1
+            log.warning("nats disconnected")
+
+        async def reconnected_cb() -> None:
+            counters["nats.reconnects"] += 1
+            log.info("nats reconnected")
+
+        async def closed_cb() -> None:
+            log.debug("nats connection closed")
+
+        nc = await nats.connect(
+            url,
+            name=f"{service}:{instance}",
+            connect_timeout=connect_timeout,
+            max_reconnect_attempts=max_reconnect_attempts,
+            reconnect_time_wait=0.5,
+            error_cb=error_cb,
+            disconnected_cb=disconnected_cb,
+            reconnected_cb=reconnected_cb,
+            closed_cb=closed_cb,
+        )
+        bus = cls(nc, subjects, service=service, instance=instance)
+        bus.counters = counters
+        bus.log = log
+        return bus
+
+    # -- publish / subscribe --------------------------------------------- #
+
+    def _stamp(self, msg: msgspec.Struct) -> msgspec.Struct:
+        if isinstance(msg, m.Msg) and not msg.src:
+            return msgspec.structs.replace(msg, src=self.instance)
+        return msg
+
+    async def publish(self, subject: Subject, msg: msgspec.Struct, **params: str) -> None:
+        """Publish ``msg`` on ``subject`` formatted with ``params``."""
+        await self.nc.publish(self.subjects.format(subject, **params), m.encode(self._stamp(msg)))
+        self.counters["published." + subject.template] += 1
+
+    async def publish_raw(self, full_subject: str, payload: bytes) -> None:
+        """Publish bytes as they are (fuzz tests and bridges only)."""
+        await self.nc.publish(full_subject, payload)
+
+    def _decode(self, subject: Subject, raw: NatsMsg) -> Any:
+        try:
+            return decoder_for(subject.msg_type).decode(raw.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.counters["dropped." + subject.template] += 1
+            self.log.warning("malformed message dropped", subject=raw.subject, error=str(e), size=len(raw.data))
+            return None
+
+    async def subscribe(self, subject: Subject, handler: Handler, *, queue: str = "", **params: str) -> Subscription:
+        """Subscribe to ``subject`` (missing params become ``*``) with a typed handler."""
+        template = subject.template
+
+        async def cb(raw: NatsMsg) -> None:
+            msg = self._decode(subject, raw)
+            if msg is None:
+                return
+            self.counters["received." + template] += 1
+            try:
+                await handler(msg, raw.subject)
+            except Exception as e:  # a handler bug must not kill the subscription
+                self.counters["handler_errors." + template] += 1
+                self.log.exception("handler failed", subject=raw.subject, error=repr(e))
+
+        sub = await self.nc.subscribe(
+            self.subjects.wildcard(subject, **params),
+            queue=queue,
+            cb=cb,
+            pending_msgs_limit=1_000_000,
+            pending_bytes_limit=1024 * 1024 * 1024,
+        )
+        self._subs.append(sub)
+        return sub
+
+    async def serve(self, subject: Subject, handler: ReplyHandler, *, queue: str = "", **params: str) -> Subscription:
+        """Answer requests on ``subject``; the handler returns the reply Struct."""
+        template = subject.template
+
+        async def cb(raw: NatsMsg) -> None:
+            msg = self._decode(subject, raw)
+            if msg is None:
+                return
+            self.counters["received." + template] += 1
+            try:
+                reply = await handler(msg, raw.subject)
+            except Exception as e:
+                self.counters["handler_errors." + template] += 1
+                self.log.exception("request handler failed", subject=raw.subject, error=repr(e))
+                return
+            if reply is not None and raw.reply:
+                await self.nc.publish(raw.reply, m.encode(self._stamp(reply)))
+
+        sub = await self.nc.subscribe(self.subjects.wildcard(subject, **params), queue=queue, cb=cb)
+        self._subs.append(sub)
+        return sub
+
+    async def request(self, subject: Subject, msg: msgspec.Struct, *, timeout: float = 2.0, **params: str) -> Any:
+        """Send a request and return the decoded reply.
+
+        Raises:
+            BusError: on timeout, no responders, or an undecodable reply.
+        """
+        full = self.subjects.format(subject, **params)
+        try:
+            raw = await self.nc.request(full, m.encode(self._stamp(msg)), timeout=timeout)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError) as e:
+            self.counters["request_failed." + subject.template] += 1
+            raise BusError(f"no reply on {full}: {type(e).__name__}") from e
+        try:
+            return decoder_for(subject.reply_type).decode(raw.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.counters["dropped_reply." + subject.template] += 1
+            raise BusError(f"malformed reply on {full}: {e}") from e
+
+    # -- service plumbing ------------------------------------------------- #
+
+    async def start_service_plumbing(
+        self,
+        stats: Callable[[], tuple[dict[str, int], dict[str, float]]] | None = None,
+        *,
+        heartbeat_interval_s: float = 1.0,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
+        """Answer ``svc.stats.<instance>`` and publish a heartbeat every interval.
+
+        ``stats`` returns the service's own counters and gauges; the bus adds its
+        own counters (published/received/dropped per subject template).
+        """
+
+        async def on_stats(_req: m.StatsRequest, _subject: str) -> m.StatsReply:
+            counters, gauges = stats() if stats else ({}, {})
+            merged = dict(self.counters)
+            merged.update(counters)
+            return m.StatsReply(service=self.service, instance=self.instance, counters=merged, gauges=gauges)
+
+        await self.serve(SVC_STATS, on_stats, instance=self.instance)
+
+        async def beat() -> None:
+            while True:
+                try:
+                    await self.publish(
+                        SVC_HEARTBEAT,
+                        m.Heartbeat(
+                            service=self.service,
+                            instance=self.instance,
+                            pid=os.getpid(),
+                            ready=ready() if ready else True,
+                            wall_ts=time.time(),
+                        ),
+                        service=self.service,
+                    )
+                except Exception as e:  # connection hiccup: keep beating
+                    self.log.debug("heartbeat failed", error=repr(e))
+                await asyncio.sleep(heartbeat_interval_s)
+
+        self._tasks.append(asyncio.create_task(beat(), name=f"heartbeat-{self.instance}"))
+
+    async def close(self) -> None:
+        """Stop background tasks, drain subscriptions (in-flight handlers finish), close."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks.clear()
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=5.0)
+            except Exception:
+                await self.nc.close()

@@ -1,0 +1,53 @@
+"""The cluster's simulated clock.
+
+Every process maps wall time to simulated time the same way::
+
+    sim_now = (time.time() - origin) * speedup
+
+``origin`` is one wall instant shared by all processes of a cluster (the
+launcher passes it to every service), so simulated timestamps from different
+processes are comparable. With ``speedup = 1`` simulated time is wall time
+since the origin. Cores never read a clock: shells call :meth:`SimClock.now`
+and pass the value in (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+class SimClock:
+    """Simulated seconds since ``origin`` at ``speedup`` simulated s per wall s.
+
+    Args:
+        speedup: simulated seconds per wall second (> 0).
+        origin: wall epoch seconds of simulated time 0; 0 means "now".
+
+    Raises:
+        ValueError: if ``speedup`` is not positive.
+    """
+
+    def __init__(self, speedup: float = 1.0, origin: float = 0.0) -> None:
+        if speedup <= 0:
+            raise ValueError(f"speedup must be > 0, got {speedup}")
+        self.speedup = speedup
+        self.origin = origin or time.time()
+
+    def now(self) -> float:
+        """Current simulated time (s)."""
+        return (time.time() - self.origin) * self.speedup
+
+    def wall_at(self, sim_t: float) -> float:
+        """Wall epoch time at which simulated time ``sim_t`` is reached."""
+        return self.origin + sim_t / self.speedup
+
+    def to_wall(self, sim_duration_s: float) -> float:
+        """Wall seconds that a simulated duration lasts."""
+        return sim_duration_s / self.speedup
+
+    async def sleep_until(self, sim_t: float) -> None:
+        """Sleep (wall) until simulated time ``sim_t``; returns at once if past."""
+        delay = self.wall_at(sim_t) - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)

@@ -1,0 +1,224 @@
+"""One configuration model per service; file, environment and CLI flags derive from it.
+
+A service declares a frozen ``msgspec.Struct`` whose fields carry their help text
+in ``Annotated[T, Meta(description=...)]``. From that single declaration:
+
+* a config file (TOML) may set any field, at top level or in a ``[<service>]`` table;
+* the environment variable ``EI_<FIELD>`` (upper case) sets it;
+* the CLI flag ``--<field-with-dashes>`` sets it (booleans get ``--x/--no-x``).
+
+Precedence: default < file < environment < CLI. Values are validated by
+msgspec once, at the end, so a bad value from any source is a clear error
+naming the field (``ConfigError``), never a crash deep inside a service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+T = TypeVar("T", bound=Struct)
+
+ENV_PREFIX = "EI_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid."""
+
+
+class CommonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings every service process shares."""
+
+    nats_url: typing.Annotated[str, Meta(description="NATS server URL, e.g. nats://127.0.0.1:4222")] = (
+        "nats://127.0.0.1:4222"
+    )
+    partition: typing.Annotated[str, Meta(description="partition name; every subject lives under ei.<partition>.")] = "p0"
+    instance: typing.Annotated[str, Meta(description="instance id of this process (default: derived from the service)")] = ""
+    log_format: typing.Annotated[
+        Literal["console", "json"], Meta(description="console for humans, json for machines")
+    ] = "console"
+    log_level: typing.Annotated[str, Meta(description="debug, info, warning or error")] = "info"
+    speedup: typing.Annotated[
+        float, Meta(gt=0, description="simulated seconds per wall second (sim engine, clocks)")
+    ] = 1.0
+    clock_origin: typing.Annotated[
+        float, Meta(ge=0, description="wall time (epoch s) that is simulated time 0; 0 = process start")
+    ] = 0.0
+
+
+def _field_infos(cls: type[Struct]) -> list[msgspec.inspect.Field]:
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    return list(info.fields)
+
+
+def _description(field: msgspec.inspect.Field) -> str:
+    t = field.type
+    if isinstance(t, msgspec.inspect.Metadata):
+        return str(t.extra_json_schema.get("description", "")) if t.extra_json_schema else ""
+    return ""
+
+
+def _base_type(cls: type[Struct], name: str) -> Any:
+    hints = typing.get_type_hints(cls, include_extras=False)
+    return hints[name]
+
+
+def _is_bool(tp: Any) -> bool:
+    return tp is bool
+
+
+def _choices(tp: Any) -> list[str] | None:
+    if typing.get_origin(tp) is Literal:
+        return [str(a) for a in typing.get_args(tp)]
+    return None
+
+
+def _from_text(tp: Any, text: str) -> Any:
+    """Turn an environment or CLI string into a value msgspec can validate."""
+    if not isinstance(text, str):
+        return text
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        return [s for s in (p.strip() for p in text.split(",")) if s]
+    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp):
+        if text.lower() in ("", "none", "null"):
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _from_text(inner[0], text) if len(inner) == 1 else text
+    if tp is bool:
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"not a boolean: {text!r}")
+    return text
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[Struct]) -> None:
+    """Add one flag per config field to ``parser`` (defaults are left unset so
+    that file and environment values are not overridden by them)."""
+    fields = _field_infos(cls)
+    for f in fields:
+        tp = _base_type(cls, f.name)
+        desc = _description(f)
+        default = f.default if f.default is not msgspec.NODEFAULT else None
+        help_text = f"{desc} (env {env_name(f.name)}; default {default!r})"
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        if _is_bool(tp):
+            parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kw)
+            continue
+        choices = _choices(tp)
+        if choices:
+            kw["choices"] = choices
+        parser.add_argument(flag_name(f.name), metavar=f.name.upper(), **kw)
+
+
+def load_config(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    *,
+    section: str | None = None,
+    prog: str | None = None,
+    description: str | None = None,
+    env: dict[str, str] | None = None,
+) -> T:
+    """Build ``cls`` from defaults, ``--config FILE``, ``EI_*`` variables and flags.
+
+    Args:
+        cls: the service's config Struct.
+        argv: CLI arguments (default ``sys.argv[1:]``).
+        section: TOML table to read besides the top level (default: ``prog``).
+        env: environment mapping (default ``os.environ``).
+
+    Raises:
+        ConfigError: on an unknown key in the file, or a value that fails validation.
+        SystemExit: from argparse on ``--help`` or a malformed flag.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below")
+    add_arguments(parser, cls)
+    ns = parser.parse_args(argv)
+    return resolve_config(cls, vars(ns), section=section or prog, env=env)
+
+
+def resolve_config(
+    cls: type[T],
+    cli_values: dict[str, Any],
+    *,
+    section: str | None = None,
+    env: dict[str, str] | None = None,
+) -> T:
+    """Merge file (``cli_values['config']``), environment and CLI values into ``cls``.
+
+    Raises:
+        ConfigError: on an unknown file key or an invalid value.
+    """
+    env = os.environ if env is None else env
+    names = {f.name for f in _field_infos(cls)}
+    values: dict[str, Any] = {}
+    config_file = cli_values.get("config")
+    if config_file:
+        try:
+            data = tomllib.loads(Path(config_file).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config file {config_file}: {e}") from e
+        for key, val in data.items():
+            if isinstance(val, dict):
+                if section and key == section:
+                    for k2, v2 in val.items():
+                        k2 = k2.replace("-", "_")
+                        if k2 not in names:
+                            raise ConfigError(f"{config_file}: unknown setting [{key}].{k2}")
+                        values[k2] = v2
+                continue
+            key = key.replace("-", "_")
+            if key in names:
+                values[key] = val
+    for name in names:
+        text = env.get(env_name(name))
+        if text is not None:
+            values[name] = _from_text(_base_type(cls, name), text)
+    for name in names:
+        if name in cli_values:
+            values[name] = _from_text(_base_type(cls, name), cli_values[name])
+    try:
+        return msgspec.convert(values, cls, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid configuration: {e}") from e
+
+
+def to_argv(cfg: Struct, *, skip_defaults: bool = True) -> list[str]:
+    """CLI flags that reproduce ``cfg`` (the launcher uses this to spawn services)."""
+    out: list[str] = []
+    for f in _field_infos(type(cfg)):
+        value = getattr(cfg, f.name)
+        if skip_defaults and f.default is not msgspec.NODEFAULT and value == f.default:
+            continue
+        if isinstance(value, bool):
+            out.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):
+            out += [flag_name(f.name), ",".join(str(v) for v in value)]
+        elif value is None:
+            out += [flag_name(f.name), "none"]
+        else:
+            out += [flag_name(f.name), str(value)]
+    return out

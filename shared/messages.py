@@ -1,0 +1,413 @@
+"""Every message that travels over NATS, one type per subject (DESIGN §3).
+
+Producer → consumer flow, in the order of the subject table:
+
+    worker ──kv.events.<node>──────▶ kvdirectory      (KvEventBatch, per-node seq)
+    kvdirectory ──kv.resync.<node>─▶ worker           (KvResyncRequest → KvSnapshot)
+    router ──kv.lookup─────────────▶ kvdirectory      (KvLookupRequest → KvLookupReply)
+    router ──branch.events─────────▶ kvdirectory      (BranchStart | BranchEnd)
+    router ──route.placed──────────▶ kvdirectory      (RoutePlaced)
+    kvdirectory ──kv.counts.<node>─▶ worker           (CountUpdates)
+    worker ──node.state.<node>─────▶ router, planner  (NodeState)
+    worker ──node.iters.<node>─────▶ planner          (IterationRecords)
+    planner ──split.commands───────▶ workers, router  (SplitCommand)
+    worker ──split.applied─────────▶ all              (SplitApplied)
+    router ──work.<node>.prefill───▶ worker           (PrefillWork)
+    worker ──work.<node>.decode────▶ worker           (DecodeWork, prefill → decode hand-off)
+    router ──work.<node>.abort─────▶ worker           (RequestAbort)
+    worker ──req.<rid>.out─────────▶ router           (TokenChunk stream)
+    any ──svc.heartbeat.<service>──▶ launcher, tap    (Heartbeat)
+    any ◀─svc.stats.<instance>─────  tests, operators (StatsRequest → StatsReply)
+    planner ◀─split.get────────────  router, workers  (SplitQuery → SplitCommand)
+
+Rules (msgspec schema evolution): every message is a frozen, keyword-only
+Struct encoded as a msgpack *map* (never ``array_like``); fields are only ever
+appended, always with a default; an existing field never changes type.
+Unknown fields are skipped on decode, so old readers survive new writers.
+Times named ``*_at``/``ts`` are in *simulated* seconds on the shared cluster
+clock (``shared.clock``); durations named ``*_s`` are simulated seconds;
+token counts are tokens; ``block_hashes`` are the chained SGLang page hashes of
+``shared.hashing`` (signed int64).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+SCHEMA_VERSION = 1
+
+Tier = Literal["gpu", "host"]
+"""KV tier: ``gpu`` is L1 (GPU memory), ``host`` is L2 (host memory)."""
+
+Phase = Literal["prefill", "decode", "both"]
+"""Node phase: a prefill node, a decode node, or ``both`` (collocated)."""
+
+BranchKind = Literal["main", "fork", "subagent"]
+
+NonNeg = Annotated[int, Meta(ge=0)]
+NonNegF = Annotated[float, Meta(ge=0.0)]
+
+
+class Msg(Struct, frozen=True, kw_only=True):
+    """Envelope shared by every message: schema version and publisher id."""
+
+    v: int = SCHEMA_VERSION
+    """Schema version of the publisher."""
+    src: str = ""
+    """Instance id of the publisher (e.g. ``worker-w0``); set by the bus."""
+
+
+# --------------------------------------------------------------------------- #
+# kv.events.<node>  (worker → directory; JetStream-captured, replayable)
+# --------------------------------------------------------------------------- #
+
+
+class BlockStored(Struct, frozen=True, kw_only=True, tag=True, omit_defaults=True, gc=False):
+    """Blocks became resident in ``tier`` on the publishing node.
+
+    Mirrors SGLang's ``BlockStored`` (tag = class name, map layout) with a tier.
+    ``block_hashes`` are consecutive pages of one sequence, parent first.
+    """
+
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    """Hash of the page preceding ``block_hashes[0]``; None at a sequence start."""
+    tier: Tier = "gpu"
+    block_size: NonNeg = 0
+    """Tokens per block (page size); checked by the directory, mismatch = loud error."""
+
+
+class BlockRemoved(Struct, frozen=True, kw_only=True, tag=True, omit_defaults=True, gc=False):
+    """Blocks were evicted from ``tier`` on the publishing node."""
+
+    block_hashes: list[int]
+    tier: Tier = "gpu"
+
+
+class AllBlocksCleared(Struct, frozen=True, kw_only=True, tag=True, omit_defaults=True, gc=False):
+    """Every block of ``tier`` (or of every tier when ``tier`` is None) was dropped."""
+
+    tier: Tier | None = None
+
+
+KvEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KvEventBatch(Msg, frozen=True, kw_only=True):
+    """KV events of one engine step. ``seq`` starts at 1 and grows by exactly 1
+    per batch and node, so a consumer detects a lost or reordered batch."""
+
+    node: str
+    seq: Annotated[int, Meta(ge=1)]
+    ts: float = 0.0
+    events: list[KvEvent] = []
+
+
+# kv.resync.<node>  (directory → worker, request/reply)
+
+
+class KvResyncRequest(Msg, frozen=True, kw_only=True):
+    """Ask a worker for a full snapshot of its blocks after a sequence gap."""
+
+    node: str
+    reason: str = ""
+    expected_seq: int = 0
+    """The sequence number the requester expected next."""
+
+
+class KvSnapshot(Msg, frozen=True, kw_only=True):
+    """Every block a node holds, consistent with KV batch ``seq``: the requester
+    replaces its view of the node with it and applies batches with a higher seq."""
+
+    node: str
+    seq: NonNeg
+    block_size: NonNeg
+    gpu: list[int] = []
+    host: list[int] = []
+
+
+# kv.lookup  (router → directory, request/reply)
+
+
+class KvLookupRequest(Msg, frozen=True, kw_only=True):
+    """Where is this block path cached? ``block_hashes`` is the request's full path."""
+
+    block_hashes: list[int]
+    block_size: NonNeg
+
+
+class NodePrefix(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """Longest prefixes of a looked-up path held by one node, in blocks."""
+
+    node: str
+    gpu_blocks: NonNeg = 0
+    """Longest prefix whose every block is in this node's L1."""
+    host_blocks: NonNeg = 0
+    """Longest prefix whose every block is in this node's L2."""
+    local_blocks: NonNeg = 0
+    """Longest prefix whose every block is in this node's L1 or L2."""
+
+
+class KvLookupReply(Msg, frozen=True, kw_only=True):
+    """Answer to ``KvLookupRequest``; nodes with no matching prefix are omitted."""
+
+    block_size: NonNeg
+    nodes: list[NodePrefix] = []
+    longest_any: NonNeg = 0
+    """Longest prefix whose every block is held somewhere in the cluster (any node, any tier)."""
+    error: str | None = None
+    """Set when the lookup was refused (e.g. block-size mismatch); fields are then empty."""
+
+
+# --------------------------------------------------------------------------- #
+# branch.events, route.placed  (router → directory)
+# --------------------------------------------------------------------------- #
+
+
+class BranchStart(Msg, frozen=True, kw_only=True, tag=True):
+    """A new branch: the main branch of an agent, a fork, or a sub-agent."""
+
+    branch_id: str
+    kind: BranchKind = "main"
+    parent_branch_id: str | None = None
+    agent_id: str | None = None
+    ts: float = 0.0
+
+
+class BranchEnd(Msg, frozen=True, kw_only=True, tag=True):
+    """The harness ended a branch: none of its blocks will be read by it again."""
+
+    branch_id: str
+    ts: float = 0.0
+
+
+BranchEvent = Union[BranchStart, BranchEnd]
+
+
+class RoutePlaced(Msg, frozen=True, kw_only=True):
+    """Request ``rid`` of ``branch_id`` was placed on ``node`` for ``phase`` with
+    this block path (input of paper Alg. E.1/E.2)."""
+
+    rid: str
+    branch_id: str
+    node: str
+    phase: Phase
+    block_hashes: list[int] = []
+    ts: float = 0.0
+
+
+# kv.counts.<node>  (directory → worker)
+
+
+class CountUpdates(Msg, frozen=True, kw_only=True):
+    """New branch counts R[b, node] for blocks whose count changed (paper Alg. E.2)."""
+
+    node: str
+    seq: NonNeg = 0
+    hashes: list[int] = []
+    counts: list[NonNeg] = []
+    """``counts[i]`` is the new count of ``hashes[i]``."""
+
+
+# --------------------------------------------------------------------------- #
+# node.state.<node>, node.iters.<node>  (worker → router, planner)
+# --------------------------------------------------------------------------- #
+
+
+class QueuedWork(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """Prefill work of one queued request as the node sees it (Eq. 3 inputs)."""
+
+    rid: str
+    uncached_tokens: NonNeg = 0
+    cached_tokens: NonNeg = 0
+    restore_tokens: NonNeg = 0
+    """Cached tokens that must be restored from host memory (L2 → L1)."""
+
+
+class NodeState(Msg, frozen=True, kw_only=True):
+    """Snapshot of a node at an iteration launch (throttled) or heartbeat."""
+
+    node: str
+    seq: NonNeg = 0
+    ts: float = 0.0
+    phase: Phase = "both"
+    epoch: NonNeg = 0
+    """Epoch of the split command this node last applied."""
+    accepting: bool = True
+    """False while draining for a phase switch or shutting down."""
+    engine: str = "sim"
+    block_size: NonNeg = 0
+    running: NonNeg = 0
+    """Requests in the running batch (prefilling or decoding)."""
+    waiting: NonNeg = 0
+    """Requests queued for prefill (or waiting for decode KV room)."""
+    decoding: NonNeg = 0
+    remaining_s: NonNegF = 0.0
+    """Remaining time of the iteration in flight."""
+    queue: list[QueuedWork] = []
+    """Queued prefill requests in arrival order (Eq. 7's Q_n)."""
+    gpu_free_blocks: NonNeg = 0
+    gpu_total_blocks: NonNeg = 0
+    host_used_blocks: NonNeg = 0
+    host_total_blocks: NonNeg = 0
+
+
+class IterationRecord(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """One engine iteration, the sample the planner fits Eq. 1/2 on."""
+
+    start: float
+    duration_s: NonNegF
+    phase: Literal["prefill", "decode", "mixed"]
+    prefill_requests: NonNeg = 0
+    sum_uncached: NonNeg = 0
+    """Σ t_uc: uncached prompt tokens computed in this iteration."""
+    sum_qk_pairs: NonNeg = 0
+    """Σ A = Σ (t_uc·t_c + t_uc·(t_uc+1)/2) over the prefill chunks."""
+    sum_restored: NonNeg = 0
+    """Σ t_rst: tokens restored from host memory."""
+    sum_cached: NonNeg = 0
+    decode_batch: NonNeg = 0
+    """B: running requests in the decode part."""
+    repeat: Annotated[int, Meta(ge=1)] = 1
+    """Identical consecutive decode iterations folded into this record."""
+
+
+class IterationRecords(Msg, frozen=True, kw_only=True):
+    node: str
+    records: list[IterationRecord] = []
+
+
+# --------------------------------------------------------------------------- #
+# split.commands / split.applied / split.get
+# --------------------------------------------------------------------------- #
+
+
+class SplitCommand(Msg, frozen=True, kw_only=True):
+    """The PD split every node must serve from ``epoch`` on."""
+
+    epoch: NonNeg
+    phases: dict[str, Phase]
+    """node id → phase."""
+    reason: str = ""
+    decided_at: float = 0.0
+
+
+class SplitQuery(Msg, frozen=True, kw_only=True):
+    """Ask the planner for the current split (reply: SplitCommand)."""
+
+
+class SplitApplied(Msg, frozen=True, kw_only=True):
+    """Progress of one node through a split command."""
+
+    epoch: NonNeg
+    node: str
+    phase: Phase
+    status: Literal["draining", "serving"]
+    decided_at: float = 0.0
+    applied_at: float = 0.0
+    switch_s: NonNegF = 0.0
+    """decision → serving the new phase (only when ``status == 'serving'``)."""
+
+
+# --------------------------------------------------------------------------- #
+# work.<node>.prefill / work.<node>.decode / work.<node>.abort ; req.<rid>.out
+# --------------------------------------------------------------------------- #
+
+
+class PrefillWork(Msg, frozen=True, kw_only=True):
+    """A request dispatched to a node for prefill (and decode when collocated)."""
+
+    rid: str
+    prompt_tokens: Annotated[int, Meta(ge=1)]
+    max_tokens: Annotated[int, Meta(ge=1)]
+    block_size: Annotated[int, Meta(ge=1)]
+    block_hashes: list[int] = []
+    """Chained hashes of the prompt's full blocks (len == prompt_tokens // block_size)."""
+    token_ids: bytes = b""
+    """Prompt token ids as little-endian uint32 (empty when the engine needs none)."""
+    branch_id: str | None = None
+    decode_node: str | None = None
+    """Node that decodes after prefill; None = decode on this node (collocated)."""
+    sent_at: float = 0.0
+    epoch: NonNeg = 0
+
+
+class DecodeWork(Msg, frozen=True, kw_only=True):
+    """Prefill → decode hand-off: the request's KV is in flight to this node."""
+
+    rid: str
+    prompt_tokens: Annotated[int, Meta(ge=1)]
+    max_tokens: Annotated[int, Meta(ge=1)]
+    block_size: Annotated[int, Meta(ge=1)]
+    generated: NonNeg = 1
+    """Output tokens already produced (the prefill produced the first one)."""
+    block_hashes: list[int] = []
+    token_ids: bytes = b""
+    branch_id: str | None = None
+    prefill_node: str = ""
+    kv_ready_at: float = 0.0
+    """When the GPU-to-GPU KV transfer completes (simulated clock)."""
+    kv_bytes: NonNeg = 0
+
+
+class RequestAbort(Msg, frozen=True, kw_only=True):
+    """Drop request ``rid`` wherever it is on this node (client went away)."""
+
+    rid: str
+    reason: str = ""
+
+
+class TokenChunk(Msg, frozen=True, kw_only=True):
+    """Part of a request's output stream; the last chunk has ``finished``."""
+
+    rid: str
+    node: str = ""
+    index: NonNeg = 0
+    """Output position of ``token_ids[0]``."""
+    token_ids: list[int] = []
+    finished: bool = False
+    finish_reason: str | None = None
+    """``length`` (max_tokens reached), ``stop``, ``abort`` or ``error``."""
+    prompt_tokens: NonNeg = 0
+    cached_tokens: NonNeg = 0
+    """Prompt tokens served from cache (any tier); set on the first chunk."""
+    error: str | None = None
+    ts: float = 0.0
+
+
+# --------------------------------------------------------------------------- #
+# svc.heartbeat.<service>, svc.stats.<instance>
+# --------------------------------------------------------------------------- #
+
+
+class Heartbeat(Msg, frozen=True, kw_only=True):
+    """Liveness of a service process, published every second."""
+
+    service: str
+    instance: str
+    pid: NonNeg = 0
+    ready: bool = True
+    wall_ts: float = 0.0
+
+
+class StatsRequest(Msg, frozen=True, kw_only=True):
+    """Ask an instance for its counters (reply: StatsReply)."""
+
+
+class StatsReply(Msg, frozen=True, kw_only=True):
+    service: str
+    instance: str
+    counters: dict[str, int] = {}
+    gauges: dict[str, float] = {}
+
+
+ENCODER = msgspec.msgpack.Encoder()
+"""The one msgpack encoder every publisher uses."""
+
+
+def encode(msg: Struct) -> bytes:
+    """Encode a message to msgpack bytes."""
+    return ENCODER.encode(msg)

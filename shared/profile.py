@@ -1,0 +1,109 @@
+"""Hardware/model profiles: the numbers a simulated GPU node runs on (DESIGN §5).
+
+A profile is a TOML file (shipped ones live in ``shared/profiles/``) holding the
+Eq. 1/2 coefficients, KV bytes per token, L1/L2 capacities, link bandwidths and
+scheduler limits of one node. Shipped profiles write their derivation in
+comments. Load one with :func:`load_profile` by name (``gb300-glm52``) or path.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta, Struct
+
+from shared.itermodel import DecodeModel, PrefillModel
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+
+Pos = Annotated[float, Meta(gt=0)]
+PosInt = Annotated[int, Meta(gt=0)]
+
+
+class MemoryProfile(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    gpu_kv_tokens: PosInt
+    """L1: tokens of KV that fit in the node's GPU memory (all GPUs of the node)."""
+    host_kv_tokens: PosInt
+    """L2: tokens of KV that fit in the node's host memory (one deduplicated copy)."""
+
+
+class LinkProfile(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    gpu_to_gpu_bytes_per_s: Pos
+    """Prefill → decode KV transfer bandwidth (bytes/s)."""
+    gpu_to_gpu_latency_s: Annotated[float, Meta(ge=0)] = 0.0
+    peer_fetch_bytes_per_s: Pos = 52e9
+    """Peer L2 → local L2 fetch bandwidth over RDMA (bytes/s), shared by concurrent fetches."""
+    peer_fetch_latency_s: Annotated[float, Meta(ge=0)] = 0.0
+    host_to_gpu_bytes_per_s: Pos = 50e9
+    """Local L2 → L1 restore bandwidth (bytes/s)."""
+
+
+class SchedulerProfile(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    chunk_tokens: PosInt = 8192
+    """Token budget of one prefill iteration (chunked prefill)."""
+    max_running: PosInt = 64
+    """Cap on running requests per node."""
+
+
+class Profile(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One node type: model + hardware + parallelism."""
+
+    name: str
+    description: str = ""
+    block_size: PosInt = 64
+    """Tokens per KV block (page)."""
+    gpus_per_node: PosInt = 4
+    kv_bytes_per_token: PosInt
+    prefill: PrefillModel
+    decode: DecodeModel
+    memory: MemoryProfile
+    links: LinkProfile
+    scheduler: SchedulerProfile = SchedulerProfile()
+
+    @property
+    def gpu_blocks(self) -> int:
+        """L1 capacity in blocks."""
+        return self.memory.gpu_kv_tokens // self.block_size
+
+    @property
+    def host_blocks(self) -> int:
+        """L2 capacity in blocks."""
+        return self.memory.host_kv_tokens // self.block_size
+
+    def kv_transfer_s(self, tokens: int) -> float:
+        """GPU-to-GPU transfer time of ``tokens`` of KV (prefill → decode), s."""
+        return self.links.gpu_to_gpu_latency_s + tokens * self.kv_bytes_per_token / self.links.gpu_to_gpu_bytes_per_s
+
+    def restore_s(self, tokens: int) -> float:
+        """Host → GPU restore time of ``tokens`` of KV on one node, s."""
+        return tokens * self.kv_bytes_per_token / self.links.host_to_gpu_bytes_per_s
+
+
+class ProfileError(ValueError):
+    """A profile file is missing or invalid."""
+
+
+def available_profiles() -> list[str]:
+    """Names of the profiles shipped in ``shared/profiles``."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """Load a shipped profile by name or any profile file by path.
+
+    Raises:
+        ProfileError: if the file does not exist, is not TOML, or fails validation.
+    """
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILE_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ProfileError(f"profile {name_or_path!r} not found (shipped: {', '.join(available_profiles())})")
+    try:
+        data = tomllib.loads(path.read_text())
+        return msgspec.convert(data, Profile)
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as e:
+        raise ProfileError(f"invalid profile {path}: {e}") from e

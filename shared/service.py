@@ -1,0 +1,96 @@
+"""The process shell every service shares: config → logging → bus → run → drain.
+
+A service's ``__main__`` is three lines::
+
+    cfg = load_config(WorkerConfig, prog="worker")
+    setup_logging(cfg.log_format, cfg.log_level, service="worker")
+    run_service("worker", cfg, WorkerService)
+
+``WorkerService(cfg, bus, clock)`` must offer ``async start()``, ``async stop()``
+and ``stats() -> (counters, gauges)``; ``ready()`` is optional. SIGTERM and
+SIGINT set a stop event; the service is then stopped and the bus drained
+(in-flight handlers finish) before the connection closes (nats.py's graceful
+shutdown example).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from typing import Any, Protocol
+
+import structlog
+
+from shared.bus import Bus
+from shared.clock import SimClock
+from shared.config import CommonConfig
+from shared.subjects import Subjects
+
+try:  # uvloop is a core dependency on Linux/macOS; plain asyncio elsewhere.
+    import uvloop
+except ImportError:  # pragma: no cover
+    uvloop = None  # type: ignore[assignment]
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def stats(self) -> tuple[dict[str, int], dict[str, float]]: ...
+
+
+ServiceFactory = Callable[[Any, Bus, SimClock], Service]
+
+
+def instance_name(service: str, cfg: CommonConfig, suffix: str = "") -> str:
+    """The instance id: ``cfg.instance`` or ``<service>[-suffix]``."""
+    if cfg.instance:
+        return cfg.instance
+    return f"{service}-{suffix}" if suffix else service
+
+
+async def serve_until_stopped(
+    service_name: str,
+    cfg: CommonConfig,
+    factory: ServiceFactory,
+    *,
+    instance: str,
+    stop_event: asyncio.Event | None = None,
+) -> None:
+    """Connect, start the service, wait for ``stop_event`` (or a signal), then stop and drain.
+
+    Raises:
+        Whatever the factory or ``start()`` raise (a service that cannot start exits non-zero).
+    """
+    log = structlog.get_logger(service_name).bind(instance=instance)
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if stop_event is None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    clock = SimClock(cfg.speedup, cfg.clock_origin)
+    async with AsyncExitStack() as stack:
+        bus = await Bus.connect(cfg.nats_url, Subjects(cfg.partition), service=service_name, instance=instance)
+        stack.push_async_callback(bus.close)
+        svc = factory(cfg, bus, clock)
+        await svc.start()
+        stack.push_async_callback(svc.stop)
+        ready = getattr(svc, "ready", None)
+        await bus.start_service_plumbing(svc.stats, ready=ready)
+        log.info("service started", nats=cfg.nats_url, partition=cfg.partition, speedup=cfg.speedup)
+        await stop.wait()
+        log.info("service stopping")
+    log.info("service stopped")
+
+
+def run_service(service_name: str, cfg: CommonConfig, factory: ServiceFactory, *, instance: str | None = None) -> None:
+    """Run a service in this process until SIGINT/SIGTERM (uvloop when available)."""
+    inst = instance or instance_name(service_name, cfg)
+    coro = serve_until_stopped(service_name, cfg, factory, instance=inst)
+    if uvloop is not None:
+        uvloop.run(coro)
+    else:  # pragma: no cover
+        asyncio.run(coro)

@@ -1,0 +1,139 @@
+"""The one table from NATS subject template to message type (DESIGN §3).
+
+Every subject lives under a partition prefix ``ei.<partition>.``; no service
+writes a subject string by hand, it formats a :class:`Subject` from this table::
+
+    subj = Subjects("p0")
+    subj.format(KV_EVENTS, node="w0")      # 'ei.p0.kv.events.w0'
+    subj.wildcard(KV_EVENTS)               # 'ei.p0.kv.events.*'
+
+Node ids, request ids and instance ids are single NATS tokens: letters,
+digits, ``-`` and ``_`` only (:func:`check_token`).
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared import messages as m
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def check_token(value: str, what: str = "id") -> str:
+    """Return ``value`` if it is a valid single NATS subject token.
+
+    Raises:
+        ValueError: if it is empty or has characters other than ``[A-Za-z0-9_-]``.
+    """
+    if not isinstance(value, str) or not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must match [A-Za-z0-9_-]+ (one NATS subject token)")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subject:
+    """A subject template (relative to the partition prefix) and its message types."""
+
+    template: str
+    msg_type: Any
+    """Type carried (a Struct or a Union of tagged Structs)."""
+    reply_type: Any = None
+    """For request/reply subjects: the type of the reply."""
+    doc: str = ""
+    params: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        names = tuple(f for _, f, _, _ in string.Formatter().parse(self.template) if f)
+        object.__setattr__(self, "params", names)
+
+
+KV_EVENTS = Subject("kv.events.{node}", m.KvEventBatch, doc="worker → directory: KV block events")
+KV_RESYNC = Subject("kv.resync.{node}", m.KvResyncRequest, m.KvSnapshot, doc="directory → worker: full snapshot")
+KV_LOOKUP = Subject("kv.lookup", m.KvLookupRequest, m.KvLookupReply, doc="router → directory: prefix lookup")
+KV_COUNTS = Subject("kv.counts.{node}", m.CountUpdates, doc="directory → worker: branch counts")
+BRANCH_EVENTS = Subject("branch.events", m.BranchEvent, doc="router → directory: branch start/end")
+ROUTE_PLACED = Subject("route.placed", m.RoutePlaced, doc="router → directory: branch placed on node")
+NODE_STATE = Subject("node.state.{node}", m.NodeState, doc="worker → router, planner: node state")
+NODE_ITERS = Subject("node.iters.{node}", m.IterationRecords, doc="worker → planner: iteration records")
+SPLIT_COMMANDS = Subject("split.commands", m.SplitCommand, doc="planner → workers, router: PD split")
+SPLIT_APPLIED = Subject("split.applied", m.SplitApplied, doc="worker → all: switch progress")
+SPLIT_GET = Subject("split.get", m.SplitQuery, m.SplitCommand, doc="any → planner: current split")
+WORK_PREFILL = Subject("work.{node}.prefill", m.PrefillWork, doc="router → worker: prefill dispatch")
+WORK_DECODE = Subject("work.{node}.decode", m.DecodeWork, doc="prefill worker → decode worker: hand-off")
+WORK_ABORT = Subject("work.{node}.abort", m.RequestAbort, doc="router → worker: abort a request")
+REQ_OUT = Subject("req.{rid}.out", m.TokenChunk, doc="worker → router: token stream")
+SVC_HEARTBEAT = Subject("svc.heartbeat.{service}", m.Heartbeat, doc="any → launcher: liveness")
+SVC_STATS = Subject("svc.stats.{instance}", m.StatsRequest, m.StatsReply, doc="counters of one instance")
+
+ALL: tuple[Subject, ...] = (
+    KV_EVENTS,
+    KV_RESYNC,
+    KV_LOOKUP,
+    KV_COUNTS,
+    BRANCH_EVENTS,
+    ROUTE_PLACED,
+    NODE_STATE,
+    NODE_ITERS,
+    SPLIT_COMMANDS,
+    SPLIT_APPLIED,
+    SPLIT_GET,
+    WORK_PREFILL,
+    WORK_DECODE,
+    WORK_ABORT,
+    REQ_OUT,
+    SVC_HEARTBEAT,
+    SVC_STATS,
+)
+
+
+class Subjects:
+    """Subject builder for one partition.
+
+    Args:
+        partition: partition name (one NATS token), e.g. ``p0``.
+
+    Raises:
+        ValueError: if ``partition`` or a formatted parameter is not a valid token.
+    """
+
+    def __init__(self, partition: str = "p0") -> None:
+        self.partition = check_token(partition, "partition")
+        self.prefix = f"ei.{partition}."
+
+    def format(self, subject: Subject, **params: str) -> str:
+        """Full subject string with every ``{param}`` filled in."""
+        for name in subject.params:
+            check_token(params[name], name)
+        return self.prefix + subject.template.format(**params)
+
+    def wildcard(self, subject: Subject, **params: str) -> str:
+        """Full subject with the given params filled and the rest as ``*``."""
+        filled = {p: (check_token(params[p], p) if p in params else "*") for p in subject.params}
+        return self.prefix + subject.template.format(**filled)
+
+    def all_wildcard(self) -> str:
+        """``ei.<partition>.>``: every subject of this partition."""
+        return self.prefix + ">"
+
+    def match(self, full_subject: str) -> tuple[Subject, dict[str, str]] | None:
+        """Find the table entry of a concrete subject and its parameters, or None."""
+        if not full_subject.startswith(self.prefix):
+            return None
+        tokens = full_subject[len(self.prefix) :].split(".")
+        for subject in ALL:
+            tmpl = subject.template.split(".")
+            if len(tmpl) != len(tokens):
+                continue
+            params: dict[str, str] = {}
+            for t, tok in zip(tmpl, tokens):
+                if t.startswith("{"):
+                    params[t[1:-1]] = tok
+                elif t != tok:
+                    break
+            else:
+                return subject, params
+        return None

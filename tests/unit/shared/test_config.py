@@ -1,0 +1,44 @@
+from typing import Annotated, Literal
+
+import msgspec
+import pytest
+from msgspec import Meta
+
+from shared.config import CommonConfig, ConfigError, load_config, to_argv
+
+
+class DemoConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    nodes: Annotated[int, Meta(ge=1, description="number of nodes")] = 4
+    mode: Annotated[Literal["a", "b"], Meta(description="mode")] = "a"
+    fast: Annotated[bool, Meta(description="go fast")] = False
+    names: Annotated[list[str], Meta(description="names")] = []
+
+
+def test_precedence_default_file_env_cli(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('nodes = 2\nmode = "b"\n[demo]\nfast = true\n')
+    cfg = load_config(DemoConfig, ["--config", str(f)], prog="demo", env={})
+    assert (cfg.nodes, cfg.mode, cfg.fast) == (2, "b", True)
+    cfg = load_config(DemoConfig, ["--config", str(f)], prog="demo", env={"EI_NODES": "6"})
+    assert cfg.nodes == 6
+    cfg = load_config(DemoConfig, ["--config", str(f), "--nodes", "9", "--no-fast", "--names", "x,y"], prog="demo", env={"EI_NODES": "6"})
+    assert (cfg.nodes, cfg.fast, cfg.names) == (9, False, ["x", "y"])
+
+
+def test_bad_values_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="nodes"):
+        load_config(DemoConfig, ["--nodes", "0"], env={})
+    with pytest.raises(ConfigError, match="nodes"):
+        load_config(DemoConfig, [], env={"EI_NODES": "many"})
+    f = tmp_path / "c.toml"
+    f.write_text("[demo]\nbogus = 1\n")
+    with pytest.raises(ConfigError, match="bogus"):
+        load_config(DemoConfig, ["--config", str(f)], prog="demo", env={})
+    with pytest.raises(SystemExit):
+        load_config(DemoConfig, ["--mode", "c"], env={})
+
+
+def test_to_argv_roundtrip():
+    cfg = DemoConfig(nodes=3, fast=True, names=["a"], speedup=10.0)
+    again = load_config(DemoConfig, to_argv(cfg), env={})
+    assert msgspec.structs.asdict(again) == msgspec.structs.asdict(cfg)
