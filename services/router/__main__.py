@@ -1,0 +1,53 @@
+"""``python -m services.router``: run the router (HTTP ingress + routing) until SIGINT/SIGTERM.
+
+Example::
+
+    python -m services.router --host 127.0.0.1 --port 8000 --routing cache-aware \\
+        --tokenizer sim --model my-model --nats-url nats://127.0.0.1:4222
+"""
+
+from __future__ import annotations
+
+import sys
+
+from shared.config import ConfigError, load_config
+from shared.log import setup_logging
+from shared.service import run_service
+
+from services.router.config import RouterConfig
+from services.router.policy import make_policy
+from services.router.service import RouterService
+from services.router.tokenizer import TokenizerError, load_tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the config, check policy and tokenizer, run the service; returns the exit status."""
+    try:
+        cfg = load_config(RouterConfig, argv, prog="router", description="Evolving Infra router: OpenAI-compatible HTTP ingress and PD routing")
+    except ConfigError as e:
+        print(f"router: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_format, cfg.log_level, service="router")
+    try:
+        make_policy(
+            cfg.routing,
+            cache_threshold=cfg.cache_threshold,
+            balance_abs_threshold=cfg.balance_abs_threshold,
+            balance_rel_threshold=cfg.balance_rel_threshold,
+        )
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    except (ValueError, TokenizerError) as e:
+        print(f"router: {e}", file=sys.stderr)
+        return 2
+    for note in getattr(tokenizer, "notes", []):
+        print(f"router: note: {note}", file=sys.stderr)
+
+    def factory(c, bus, clock):  # type: ignore[no-untyped-def]
+        return RouterService(c, bus, clock, tokenizer=tokenizer)
+
+    run_service("router", cfg, factory, instance=cfg.instance or "router")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

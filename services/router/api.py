@@ -1,0 +1,404 @@
+"""OpenAI-compatible request bodies, header validation and response shapes.
+
+No I/O here: bodies are decoded from bytes into msgspec Structs (fast even
+for a prompt of ~300K token ids), semantic checks raise :class:`ApiError`
+with the HTTP status and the reason, and the response builders return plain
+dicts that the shell encodes with ``msgspec.json``.
+
+Sampling fields. The sim engine always generates exactly ``max_tokens``
+tokens, and :class:`~shared.messages.PrefillWork` carries no sampling
+parameters, so these are *accepted, validated and ignored*: ``temperature``
+[0, 2], ``top_p`` [0, 1], ``top_k``, ``min_p``, ``seed``, ``stop``,
+``presence_penalty``/``frequency_penalty`` [-2, 2], ``repetition_penalty``,
+``logit_bias``, ``ignore_eos``, ``user``, ``response_format``, ``tool_choice``,
+``parallel_tool_calls``, ``skip_special_tokens``. ``tools`` are rendered into
+the chat prompt. Rejected with 400 because they would change the response
+shape: ``n`` > 1, ``best_of`` > 1, ``echo``, ``logprobs``/``top_logprobs``,
+``suffix``, batched prompts. Unknown fields are ignored (clients send
+vendor extensions); a known field with a wrong type or value is a 400 naming
+the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+TokenId = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
+PosInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class ApiError(Exception):
+    """A request the router refuses; ``status`` is the HTTP status, ``reason`` the message."""
+
+    def __init__(self, status: int, reason: str, *, param: str | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.param = param
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+def error_body(status: int, reason: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": reason, "type": _ERROR_TYPES.get(status, "error"), "param": param, "code": status}}
+
+
+# --------------------------------------------------------------------------- #
+# request bodies
+# --------------------------------------------------------------------------- #
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(Struct, kw_only=True):
+    """Fields shared by both endpoints (see the module docstring for what is ignored)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature | None = None
+    top_p: Prob | None = None
+    top_k: int | None = None
+    min_p: Prob | None = None
+    n: PosInt = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/completions``; ``prompt`` is text or token ids."""
+
+    prompt: str | list[TokenId]
+    max_tokens: PosInt | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: PosInt | None = None
+    suffix: str | None = None
+
+
+class _AnyPrompt(Struct, kw_only=True):
+    """Second-chance decode of ``prompt`` to explain batched/ nested forms."""
+
+    prompt: Any = None
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: PosInt | None = None
+    max_completion_tokens: PosInt | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+_COMPLETION_DEC = msgspec.json.Decoder(CompletionRequest)
+_ANY_PROMPT_DEC = msgspec.json.Decoder(_AnyPrompt)
+_CHAT_DEC = msgspec.json.Decoder(ChatRequest)
+_TOKENS_DEC = msgspec.json.Decoder(list[TokenId])
+
+
+def _decode_error(e: Exception) -> ApiError:
+    return ApiError(400, f"invalid request body: {e}")
+
+
+def _check_common(req: _Sampling) -> None:
+    if req.n != 1:
+        raise ApiError(400, "n > 1 is not supported; send one request per sample", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+def parse_completion(body: bytes) -> tuple[CompletionRequest, str | list[int]]:
+    """Decode and check a completions body.
+
+    Returns:
+        ``(request, prompt)`` where ``prompt`` is the text or the token ids
+        (a one-element list ``[text]`` or ``[[ids]]`` is unwrapped).
+
+    Raises:
+        ApiError: 400 with the reason (invalid JSON, wrong type, value out of
+            range, unsupported option, batched or empty prompt).
+    """
+    try:
+        req = _COMPLETION_DEC.decode(body)
+    except msgspec.ValidationError as e:
+        if "$.prompt" not in str(e):
+            raise _decode_error(e) from e
+        req, prompt = _reparse_prompt(body, e)
+    except msgspec.DecodeError as e:
+        raise _decode_error(e) from e
+    else:
+        prompt = req.prompt
+    _check_common(req)
+    if req.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    if req.logprobs is not None:
+        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    if req.best_of not in (None, 1):
+        raise ApiError(400, "best_of > 1 is not supported", param="best_of")
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    if isinstance(prompt, str) and not prompt:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    if isinstance(prompt, list) and not prompt:
+        raise ApiError(400, "prompt is an empty token list", param="prompt")
+    return req, prompt
+
+
+def _reparse_prompt(body: bytes, err: msgspec.ValidationError) -> tuple[CompletionRequest, str | list[int]]:
+    """Accept ``[text]`` and ``[[ids]]``; explain batches; else re-raise ``err`` as a 400."""
+    raw = _ANY_PROMPT_DEC.decode(body).prompt
+    if isinstance(raw, list) and raw and all(isinstance(x, (str, list)) for x in raw):
+        if len(raw) > 1:
+            raise ApiError(400, f"batched prompts ({len(raw)} prompts in one request) are not supported; send one request per prompt", param="prompt")
+        inner = raw[0]
+        if isinstance(inner, list):
+            try:
+                prompt: str | list[int] = _TOKENS_DEC.decode(msgspec.json.encode(inner))
+            except msgspec.ValidationError as e:
+                raise ApiError(400, f"invalid request body: {e} - at `$.prompt[0]`", param="prompt") from e
+        else:
+            prompt = inner
+        # validate the other fields with a placeholder prompt
+        obj = msgspec.json.decode(body)
+        obj["prompt"] = ""
+        try:
+            req = msgspec.convert(obj, CompletionRequest)
+        except msgspec.ValidationError as e:
+            raise _decode_error(e) from e
+        return req, prompt
+    raise _decode_error(err) from err
+
+
+def parse_chat(body: bytes) -> ChatRequest:
+    """Decode and check a chat-completions body.
+
+    Raises:
+        ApiError: 400 with the reason (invalid JSON, wrong type or value,
+            no messages, non-text content part, unsupported option).
+    """
+    try:
+        req = _CHAT_DEC.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise _decode_error(e) from e
+    _check_common(req)
+    if req.logprobs or req.top_logprobs is not None:
+        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    for i, msg in enumerate(req.messages):
+        if isinstance(msg.content, list):
+            for j, part in enumerate(msg.content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(
+                        400, f"content part type {part.type!r} is not supported (text only)", param=f"messages[{i}].content[{j}]"
+                    )
+    return req
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """Messages as plain dicts for a chat template (``None`` fields dropped)."""
+    out: list[dict[str, Any]] = []
+    for msg in req.messages:
+        d: dict[str, Any] = {"role": msg.role}
+        if isinstance(msg.content, list):
+            d["content"] = "".join(p.text or "" for p in msg.content)
+        else:
+            d["content"] = msg.content if msg.content is not None else ""
+        if msg.name is not None:
+            d["name"] = msg.name
+        if msg.tool_calls is not None:
+            d["tool_calls"] = msg.tool_calls
+        if msg.tool_call_id is not None:
+            d["tool_call_id"] = msg.tool_call_id
+        out.append(d)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# agent headers
+# --------------------------------------------------------------------------- #
+
+BRANCH_KINDS = ("main", "fork", "subagent")
+
+
+def check_header_value(name: str, value: str, max_len: int) -> str:
+    """A header value used as an id: non-empty, at most ``max_len`` characters, no control characters.
+
+    Raises:
+        ApiError: 400 naming the header.
+    """
+    if not value:
+        raise ApiError(400, f"{name} is empty", param=name)
+    if len(value) > max_len:
+        raise ApiError(400, f"{name} is {len(value)} characters long; at most {max_len} allowed", param=name)
+    for ch in value:
+        o = ord(ch)
+        if o < 0x20 or o == 0x7F or 0x80 <= o < 0xA0:
+            raise ApiError(400, f"{name} contains a control character (U+{o:04X})", param=name)
+    return value
+
+
+class BranchHeaders(Struct, frozen=True, kw_only=True):
+    """Validated agent headers of one request."""
+
+    branch_id: str | None = None
+    parent_branch_id: str | None = None
+    kind: Literal["main", "fork", "subagent"] = "main"
+    agent_id: str | None = None
+
+
+def parse_branch_headers(headers: Any, max_len: int) -> BranchHeaders:
+    """Read ``X-Branch-Id``, ``X-Parent-Branch-Id``, ``X-Branch-Kind`` (fork | subagent | main) and ``X-Agent-Id``.
+
+    Args:
+        headers: a case-insensitive mapping (Starlette ``Headers``).
+        max_len: longest accepted id.
+
+    Raises:
+        ApiError: 400 for an empty, too long or control-character value, an
+            unknown kind, kind/parent without a branch id, or a branch that is
+            its own parent.
+    """
+    bid = headers.get("x-branch-id")
+    parent = headers.get("x-parent-branch-id")
+    kind = headers.get("x-branch-kind")
+    agent = headers.get("x-agent-id")
+    if bid is not None:
+        check_header_value("X-Branch-Id", bid, max_len)
+    if parent is not None:
+        check_header_value("X-Parent-Branch-Id", parent, max_len)
+    if agent is not None:
+        check_header_value("X-Agent-Id", agent, max_len)
+    if kind is not None and kind not in BRANCH_KINDS:
+        raise ApiError(400, f"X-Branch-Kind must be one of fork, subagent, main; got {kind[:64]!r}", param="X-Branch-Kind")
+    if bid is None and (parent is not None or kind is not None):
+        raise ApiError(400, "X-Parent-Branch-Id and X-Branch-Kind need an X-Branch-Id", param="X-Branch-Id")
+    if bid is not None and parent == bid:
+        raise ApiError(400, "a branch cannot be its own parent", param="X-Parent-Branch-Id")
+    return BranchHeaders(branch_id=bid, parent_branch_id=parent, kind=kind or "main", agent_id=agent)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- #
+# responses
+# --------------------------------------------------------------------------- #
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI ``usage`` with ``prompt_tokens_details.cached_tokens``."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_response(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": use,
+    }
+
+
+def chat_response(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": use,
+    }
+
+
+def completion_chunk(
+    rid: str, created: int, model: str, text: str, finish_reason: str | None, include_usage: bool
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def chat_chunk(
+    rid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None, include_usage: bool
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, Any]) -> dict[str, Any]:
+    """The final chunk of a stream with ``stream_options.include_usage``: no choices, usage set."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+
+
+def models_response(model: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "evolving-infra"}]}

@@ -1,0 +1,183 @@
+"""RouterCore: place a request (prefill node, decode node) and say what to publish.
+
+This file contains zero I/O: no asyncio, no NATS, no clock reads, no logging
+setup; every call takes ``now``. Its twin ``service.py`` contains zero routing
+logic: it decodes HTTP and NATS input, calls this core, and publishes the
+messages the core returns.
+
+One call places one request::
+
+    core = RouterCore(make_policy("cache-aware"), block_size=64, fence_after=3.0)
+    core.apply_state(node_state, now)            # from node.state.<node>
+    core.apply_split(split_command)              # from split.commands / split.get
+    out = core.route(RouteRequest(...), lookup, now)
+    if isinstance(out, NoRoute): answer 503 with out.reason
+    else: publish out.placed on route.placed, out.work on work.<out.prefill.node>.prefill
+    core.on_first_token(rid); core.finish(rid)   # from req.<rid>.out
+    for f in core.check_fences(now): fail f.rids  # periodic, see next_deadline()
+
+The discrete-event simulator drives the same object in virtual time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shared.messages import KvLookupReply, NodeState, PrefillWork, RequestAbort, RoutePlaced, SplitCommand
+
+from services.router.nodes import FencedNode, NodeLoad, NodeLoadView
+from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class NoRoute:
+    """No placement is possible now (HTTP 503); ``reason`` says why."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """A placement and the messages that carry it.
+
+    Attributes:
+        prefill: the policy's prefill choice (with its diagnostics).
+        decode: the decode binding; None when the prefill node is collocated (phase ``both``).
+        placed: ``RoutePlaced`` for the prefill placement, then (PD) the decode
+            placement; empty for a request without a branch (``route.placed``
+            says "branch β placed on node n", DESIGN §3: a request outside any
+            branch references no blocks later and must not pin any).
+        work: the ``PrefillWork`` to send on ``work.<prefill.node>.prefill``.
+        candidates: prefill candidates the policy saw (node-load view).
+        decode_candidates: decode candidates (empty when collocated).
+    """
+
+    prefill: PrefillChoice
+    decode: DecodeChoice | None
+    placed: list[RoutePlaced]
+    work: PrefillWork
+    candidates: Sequence[NodeLoad] = field(default_factory=tuple)
+    decode_candidates: Sequence[NodeLoad] = field(default_factory=tuple)
+
+    @property
+    def decode_node(self) -> str | None:
+        return self.decode.node if self.decode is not None else None
+
+
+class RouterCore:
+    """Routing core: node view + policy + placement bookkeeping.
+
+    Args:
+        policy: the prefill policy (and decode rule), see ``policy.make_policy``.
+        block_size: tokens per KV block; must equal the directory's and the engines'.
+        fence_after: state age (same unit as ``now``) after which a node is fenced.
+
+    Raises:
+        ValueError: if ``block_size`` < 1 or ``fence_after`` <= 0.
+    """
+
+    def __init__(self, policy: RoutingPolicy, *, block_size: int = 64, fence_after: float = 3.0) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.policy = policy
+        self.block_size = block_size
+        self.view = NodeLoadView(fence_after=fence_after)
+
+    # -- inputs ---------------------------------------------------------- #
+
+    def apply_state(self, state: NodeState, now: float) -> bool:
+        """See :meth:`NodeLoadView.apply_state` (True = node let back in)."""
+        return self.view.apply_state(state, now)
+
+    def apply_split(self, cmd: SplitCommand) -> bool:
+        """See :meth:`NodeLoadView.apply_split` (False = stale epoch, ignored)."""
+        return self.view.apply_split(cmd)
+
+    # -- routing ----------------------------------------------------------- #
+
+    def route(self, req: RouteRequest, lookup: KvLookupReply | None, now: float) -> RouteDecision | NoRoute:
+        """Place ``req``: choose prefill node (policy) and decode node (least loaded).
+
+        When no decode node is eligible, only collocated nodes (phase ``both``)
+        are offered to the policy. On success the request is counted in flight
+        on both nodes until :meth:`finish`.
+
+        Returns:
+            :class:`RouteDecision`, or :class:`NoRoute` with the reason.
+
+        Raises:
+            ValueError: if ``req.rid`` is already in flight or ``req.prompt_tokens`` < 1.
+        """
+        if req.prompt_tokens < 1:
+            raise ValueError("prompt_tokens must be >= 1")
+        pre = self.view.prefill_candidates(now)
+        if not pre:
+            return NoRoute(self.view.no_candidate_reason("prefill", now))
+        dec = self.view.decode_candidates(now)
+        offered = pre if dec else [n for n in pre if n.phase == "both"]
+        if not offered:
+            return NoRoute(self.view.no_candidate_reason("decode", now))
+        choice = self.policy.choose_prefill(req, lookup, offered, now)
+        chosen = next(n for n in offered if n.node == choice.node)
+        decode: DecodeChoice | None = None
+        if chosen.phase != "both":
+            decode = self.policy.choose_decode(req, dec, now)
+            if decode is None:  # pragma: no cover - dec is non-empty here
+                return NoRoute(self.view.no_candidate_reason("decode", now))
+        self.view.on_dispatch(req.rid, choice.node, decode.node if decode else None)
+        hashes = list(req.block_hashes)
+        placed: list[RoutePlaced] = []
+        if req.branch_id is not None:
+            branch = req.branch_id
+            placed.append(RoutePlaced(rid=req.rid, branch_id=branch, node=choice.node, phase=chosen.phase, block_hashes=hashes, ts=now))
+            if decode is not None:
+                placed.append(RoutePlaced(rid=req.rid, branch_id=branch, node=decode.node, phase="decode", block_hashes=hashes, ts=now))
+        work = PrefillWork(
+            rid=req.rid,
+            prompt_tokens=req.prompt_tokens,
+            max_tokens=req.max_tokens,
+            block_size=self.block_size,
+            block_hashes=hashes,
+            token_ids=req.token_ids,
+            branch_id=req.branch_id,
+            decode_node=decode.node if decode else None,
+            sent_at=now,
+            epoch=max(self.view.epoch, 0),
+        )
+        return RouteDecision(choice, decode, placed, work, tuple(offered), tuple(dec) if decode else ())
+
+    # -- request lifecycle --------------------------------------------------- #
+
+    def on_first_token(self, rid: str) -> None:
+        """First chunk of ``rid`` arrived (its prefill finished)."""
+        self.view.on_first_token(rid)
+
+    def finish(self, rid: str) -> tuple[str, str | None] | None:
+        """``rid`` is over (finished, failed); returns its placement or None if unknown."""
+        return self.view.on_finish(rid)
+
+    def abort(self, rid: str, reason: str, *, skip: str | None = None) -> list[tuple[str, RequestAbort]]:
+        """Forget ``rid`` and return the ``RequestAbort`` for each node it was on.
+
+        Args:
+            skip: a node not to notify (e.g. the one that reported the error).
+
+        Returns:
+            ``[(node, RequestAbort), ...]`` in placement order (prefill, decode);
+            empty if ``rid`` is not in flight.
+        """
+        placement = self.view.on_finish(rid)
+        if placement is None:
+            return []
+        return [(n, RequestAbort(rid=rid, reason=reason)) for n in placement if n is not None and n != skip]
+
+    # -- fencing -------------------------------------------------------------- #
+
+    def check_fences(self, now: float) -> list[FencedNode]:
+        """Fence silent nodes; see :meth:`NodeLoadView.check_fences`."""
+        return self.view.check_fences(now)
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`check_fences` should be called next (None: no node known)."""
+        return self.view.next_deadline()

@@ -1,0 +1,415 @@
+"""The router's view of the cluster: phases, last reported states, fencing, in-flight counts.
+
+This module contains zero I/O: no asyncio, no NATS, no clock reads, no logging
+setup. Every method that depends on time takes ``now`` (seconds in whatever
+clock the caller uses: the live shell passes simulated seconds from
+``shared.clock.SimClock``, the discrete-event simulator passes virtual time).
+The asyncio shell that feeds it lives in ``services/router/service.py``.
+
+What it keeps per node (:class:`NodeRecord`):
+
+* the last :class:`~shared.messages.NodeState` and ``last_seen`` (the ``now``
+  at which it arrived — receipt time, not the worker's ``ts``, so clock skew
+  between processes cannot fence a healthy node);
+* the phase the planner's latest :class:`~shared.messages.SplitCommand`
+  assigns it (``split_phase``), if any;
+* whether it is fenced (its last state is older than ``fence_after``);
+* the router's own in-flight counts: requests dispatched to it and not
+  finished (``inflight``), of which those still waiting for their first
+  token (``inflight_prefill``) and those bound to it for decode
+  (``inflight_decode``).
+
+Eligibility (:meth:`NodeLoadView.eligible`): a node is routable iff it has
+reported a state, is not fenced, reported ``accepting``, and — when the
+current split names it — reports the phase the split assigns (a node that
+has not yet applied a new split, or is draining for a switch, is skipped).
+Prefill candidates have phase ``prefill`` or ``both``; decode candidates
+have phase ``decode`` (``both`` = collocated: prefill and decode on one node).
+
+Operations (N nodes, R requests in flight):
+
+| operation                   | cost          |
+|-----------------------------|---------------|
+| apply_state / apply_split   | O(1) / O(N)   |
+| candidates(now)             | O(N log N)    |
+| on_dispatch / on_first_token / on_finish | O(1) |
+| check_fences(now)           | O(N)          |
+| next_deadline()             | O(N)          |
+| requests_on(node)           | O(R)          |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from shared.messages import NodeState, Phase, SplitCommand
+from shared.subjects import check_token
+
+PREFILL_PHASES: frozenset[str] = frozenset(("prefill", "both"))
+DECODE_PHASES: frozenset[str] = frozenset(("decode",))
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    """Everything the router knows about one node (mutable, owned by :class:`NodeLoadView`)."""
+
+    node: str
+    state: NodeState | None = None
+    """Last reported state (None until the node reports)."""
+    last_seen: float | None = None
+    """``now`` at which ``state`` arrived."""
+    split_phase: Phase | None = None
+    """Phase assigned by the current split command; None if the split does not name the node."""
+    fenced: bool = False
+    """Set by :meth:`NodeLoadView.check_fences`; cleared when the node reports again."""
+    fence_events: int = 0
+    inflight: int = 0
+    """Requests dispatched to this node (prefill or decode) and not finished."""
+    inflight_prefill: int = 0
+    """Requests dispatched here for prefill whose first token has not arrived."""
+    inflight_decode: int = 0
+    """Requests bound here for decode and not finished."""
+
+    @property
+    def phase(self) -> Phase | None:
+        """Effective phase: the split's assignment when known, else the reported phase."""
+        if self.split_phase is not None:
+            return self.split_phase
+        return self.state.phase if self.state is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLoad:
+    """Immutable load snapshot of one eligible node: what a routing policy sees.
+
+    ``inflight*`` are the router's own counts; ``running``/``waiting``/
+    ``decoding`` and ``state`` are from the node's last :class:`NodeState`
+    (``state_age`` seconds old, in the caller's clock).
+    """
+
+    node: str
+    phase: Phase
+    inflight: int = 0
+    inflight_prefill: int = 0
+    inflight_decode: int = 0
+    running: int = 0
+    waiting: int = 0
+    decoding: int = 0
+    gpu_free_blocks: int = 0
+    gpu_total_blocks: int = 0
+    state_age: float = 0.0
+    state: NodeState | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FencedNode:
+    """A node that :meth:`NodeLoadView.check_fences` just fenced out."""
+
+    node: str
+    age: float
+    """Age of its last state at fencing time (caller's clock units)."""
+    rids: tuple[str, ...] = ()
+    """Requests in flight on it (as prefill or decode node) when it was fenced."""
+
+
+@dataclass(slots=True)
+class _Flight:
+    prefill_node: str
+    decode_node: str | None
+    first_token: bool = False
+
+
+@dataclass(slots=True)
+class NodeLoadView:
+    """Cluster view for routing (sans-IO).
+
+    Args:
+        fence_after: a node whose last state is older than this (same unit as
+            ``now``) is fenced out. The live shell passes
+            ``fence_after_s * speedup`` so the threshold is in wall seconds.
+
+    Raises:
+        ValueError: if ``fence_after`` is not positive.
+    """
+
+    fence_after: float = 3.0
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    epoch: int = -1
+    """Epoch of the split command applied last (-1: none yet)."""
+    split_reason: str = ""
+    _flights: dict[str, _Flight] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.fence_after > 0:
+            raise ValueError(f"fence_after must be > 0, got {self.fence_after}")
+
+    # -- inputs ----------------------------------------------------------- #
+
+    def _record(self, node: str) -> NodeRecord:
+        rec = self.nodes.get(node)
+        if rec is None:
+            rec = self.nodes[node] = NodeRecord(node=node)
+        return rec
+
+    def apply_state(self, state: NodeState, now: float) -> bool:
+        """Record a node's state received at ``now``.
+
+        Returns:
+            True when the node was fenced and is let back in by this state.
+
+        Raises:
+            ValueError: if ``state.node`` is not a single NATS token (it is
+                used to build ``work.<node>.*`` subjects).
+        """
+        check_token(state.node, "node")
+        rec = self._record(state.node)
+        rec.state = state
+        rec.last_seen = now
+        if rec.fenced:
+            rec.fenced = False
+            return True
+        return False
+
+    def apply_split(self, cmd: SplitCommand) -> bool:
+        """Adopt a split command unless it is older than the current one.
+
+        Nodes named in ``cmd.phases`` get that phase; nodes not named fall back
+        to their reported phase. A command with the same epoch replaces the
+        current one (the planner's reply to ``split.get`` repeats it).
+
+        Returns:
+            False if ``cmd.epoch`` is lower than the applied epoch (ignored).
+
+        Raises:
+            ValueError: if a node id in ``cmd.phases`` is not a NATS token
+                (the command is then not applied at all).
+        """
+        if cmd.epoch < self.epoch:
+            return False
+        for node in cmd.phases:
+            check_token(node, "node")
+        for rec in self.nodes.values():
+            rec.split_phase = None
+        for node, phase in cmd.phases.items():
+            self._record(node).split_phase = phase
+        self.epoch = cmd.epoch
+        self.split_reason = cmd.reason
+        return True
+
+    # -- eligibility -------------------------------------------------------- #
+
+    def age(self, node: str, now: float) -> float | None:
+        """Age of the node's last state, or None if it never reported."""
+        rec = self.nodes.get(node)
+        if rec is None or rec.last_seen is None:
+            return None
+        return now - rec.last_seen
+
+    def is_stale(self, rec: NodeRecord, now: float) -> bool:
+        """True when the node is fenced or its last state is older than ``fence_after``."""
+        return rec.fenced or rec.last_seen is None or now - rec.last_seen > self.fence_after
+
+    def eligible(self, rec: NodeRecord, now: float) -> bool:
+        """Routable now: reported, not stale, accepting, phase agrees with the split."""
+        st = rec.state
+        if st is None or self.is_stale(rec, now) or not st.accepting:
+            return False
+        return rec.split_phase is None or rec.split_phase == st.phase
+
+    def _load(self, rec: NodeRecord, now: float) -> NodeLoad:
+        st = rec.state
+        assert st is not None and rec.last_seen is not None
+        return NodeLoad(
+            node=rec.node,
+            phase=st.phase,
+            inflight=rec.inflight,
+            inflight_prefill=rec.inflight_prefill,
+            inflight_decode=rec.inflight_decode,
+            running=st.running,
+            waiting=st.waiting,
+            decoding=st.decoding,
+            gpu_free_blocks=st.gpu_free_blocks,
+            gpu_total_blocks=st.gpu_total_blocks,
+            state_age=now - rec.last_seen,
+            state=st,
+        )
+
+    def candidates(self, phases: Iterable[str], now: float) -> list[NodeLoad]:
+        """Eligible nodes whose phase is in ``phases``, sorted by node id."""
+        wanted = frozenset(phases)
+        out = [
+            self._load(rec, now)
+            for rec in self.nodes.values()
+            if self.eligible(rec, now) and rec.state is not None and rec.state.phase in wanted
+        ]
+        out.sort(key=lambda x: x.node)
+        return out
+
+    def prefill_candidates(self, now: float) -> list[NodeLoad]:
+        """Eligible nodes with phase ``prefill`` or ``both``."""
+        return self.candidates(PREFILL_PHASES, now)
+
+    def decode_candidates(self, now: float) -> list[NodeLoad]:
+        """Eligible nodes with phase ``decode``."""
+        return self.candidates(DECODE_PHASES, now)
+
+    def routable(self, now: float) -> tuple[bool, str]:
+        """Whether a request could be placed now, and why not.
+
+        Returns:
+            ``(True, "")`` when a collocated node, or a prefill node and a decode
+            node, are eligible; else ``(False, reason)``.
+        """
+        pre = self.prefill_candidates(now)
+        if not pre:
+            return False, self.no_candidate_reason("prefill", now)
+        if any(n.phase == "both" for n in pre) or self.decode_candidates(now):
+            return True, ""
+        return False, self.no_candidate_reason("decode", now)
+
+    def no_candidate_reason(self, role: str, now: float) -> str:
+        """Human-readable reason why no node of ``role`` (prefill|decode) is eligible."""
+        phases = PREFILL_PHASES if role == "prefill" else DECODE_PHASES
+        parts: list[str] = []
+        for rec in sorted(self.nodes.values(), key=lambda r: r.node):
+            if rec.phase not in phases and (rec.state is None or rec.state.phase not in phases):
+                continue
+            if rec.state is None:
+                parts.append(f"{rec.node}: no state reported")
+            elif self.is_stale(rec, now):
+                parts.append(f"{rec.node}: fenced (last state {now - (rec.last_seen or now):.1f}s ago)")
+            elif not rec.state.accepting:
+                parts.append(f"{rec.node}: not accepting (draining)")
+            elif rec.split_phase is not None and rec.split_phase != rec.state.phase:
+                parts.append(f"{rec.node}: switching {rec.state.phase}->{rec.split_phase}")
+        what = "prefill (phase prefill or both)" if role == "prefill" else "decode (phase decode) or collocated (both)"
+        detail = "; ".join(parts) if parts else "no such node known"
+        return f"no live {what} node: {detail}"
+
+    # -- in-flight bookkeeping ------------------------------------------- #
+
+    def on_dispatch(self, rid: str, prefill_node: str, decode_node: str | None) -> None:
+        """Count request ``rid`` as in flight on its prefill (and decode) node.
+
+        Raises:
+            ValueError: if ``rid`` is already in flight.
+        """
+        if rid in self._flights:
+            raise ValueError(f"request {rid!r} is already in flight")
+        self._flights[rid] = _Flight(prefill_node, decode_node)
+        p = self._record(prefill_node)
+        p.inflight += 1
+        p.inflight_prefill += 1
+        if decode_node is not None:
+            d = self._record(decode_node)
+            d.inflight += 1
+            d.inflight_decode += 1
+
+    def on_first_token(self, rid: str) -> None:
+        """The first output token of ``rid`` arrived: its prefill is done (idempotent)."""
+        fl = self._flights.get(rid)
+        if fl is None or fl.first_token:
+            return
+        fl.first_token = True
+        self.nodes[fl.prefill_node].inflight_prefill -= 1
+
+    def on_finish(self, rid: str) -> tuple[str, str | None] | None:
+        """Forget ``rid`` (finished, failed or aborted); idempotent.
+
+        Returns:
+            ``(prefill_node, decode_node)`` it was placed on, or None if unknown.
+        """
+        fl = self._flights.pop(rid, None)
+        if fl is None:
+            return None
+        p = self.nodes[fl.prefill_node]
+        p.inflight -= 1
+        if not fl.first_token:
+            p.inflight_prefill -= 1
+        if fl.decode_node is not None:
+            d = self.nodes[fl.decode_node]
+            d.inflight -= 1
+            d.inflight_decode -= 1
+        return fl.prefill_node, fl.decode_node
+
+    def placement(self, rid: str) -> tuple[str, str | None] | None:
+        """``(prefill_node, decode_node)`` of an in-flight request, or None."""
+        fl = self._flights.get(rid)
+        return None if fl is None else (fl.prefill_node, fl.decode_node)
+
+    def requests_on(self, node: str) -> list[str]:
+        """In-flight requests placed on ``node`` as prefill or decode node."""
+        return [rid for rid, fl in self._flights.items() if fl.prefill_node == node or fl.decode_node == node]
+
+    @property
+    def inflight_total(self) -> int:
+        return len(self._flights)
+
+    # -- fencing ------------------------------------------------------------ #
+
+    def check_fences(self, now: float) -> list[FencedNode]:
+        """Fence every node whose last state is older than ``fence_after``.
+
+        Returns:
+            The nodes fenced by this call (not those already fenced), each with
+            the requests in flight on it; sorted by node id. The caller fails
+            those requests and then calls :meth:`on_finish` for each.
+        """
+        out: list[FencedNode] = []
+        for rec in sorted(self.nodes.values(), key=lambda r: r.node):
+            if rec.fenced or rec.last_seen is None:
+                continue
+            age = now - rec.last_seen
+            if age > self.fence_after:
+                rec.fenced = True
+                rec.fence_events += 1
+                out.append(FencedNode(node=rec.node, age=age, rids=tuple(self.requests_on(rec.node))))
+        return out
+
+    def next_deadline(self) -> float | None:
+        """Earliest ``now`` at which a currently unfenced node would be fenced, or None."""
+        times = [rec.last_seen + self.fence_after for rec in self.nodes.values() if not rec.fenced and rec.last_seen is not None]
+        return min(times) if times else None
+
+    # -- reporting ------------------------------------------------------------ #
+
+    def live_count(self, now: float) -> int:
+        """Nodes that are eligible now (any phase)."""
+        return sum(1 for rec in self.nodes.values() if self.eligible(rec, now))
+
+    def fenced_count(self) -> int:
+        return sum(1 for rec in self.nodes.values() if rec.fenced)
+
+    def snapshot(self, now: float) -> list[dict[str, object]]:
+        """One plain dict per node (for ``GET /v1/cluster``), sorted by node id."""
+        out: list[dict[str, object]] = []
+        for rec in sorted(self.nodes.values(), key=lambda r: r.node):
+            st = rec.state
+            out.append(
+                {
+                    "node": rec.node,
+                    "phase": rec.phase,
+                    "split_phase": rec.split_phase,
+                    "reported_phase": st.phase if st else None,
+                    "eligible": self.eligible(rec, now),
+                    "fenced": self.is_stale(rec, now) and st is not None,
+                    "fence_events": rec.fence_events,
+                    "state_age_s": None if rec.last_seen is None else round(now - rec.last_seen, 4),
+                    "accepting": st.accepting if st else None,
+                    "epoch": st.epoch if st else None,
+                    "engine": st.engine if st else None,
+                    "running": st.running if st else None,
+                    "waiting": st.waiting if st else None,
+                    "decoding": st.decoding if st else None,
+                    "queue_len": len(st.queue) if st else None,
+                    "gpu_free_blocks": st.gpu_free_blocks if st else None,
+                    "gpu_total_blocks": st.gpu_total_blocks if st else None,
+                    "host_used_blocks": st.host_used_blocks if st else None,
+                    "host_total_blocks": st.host_total_blocks if st else None,
+                    "inflight": rec.inflight,
+                    "inflight_prefill": rec.inflight_prefill,
+                    "inflight_decode": rec.inflight_decode,
+                }
+            )
+        return out

@@ -1,0 +1,336 @@
+"""Routing policies: which prefill node serves a request, which decode node it binds.
+
+This module contains zero I/O: no asyncio, no NATS, no clock reads, no logging
+setup. A policy is a small synchronous object; the live router
+(``services/router/service.py``) and the discrete-event simulator call the
+same code with ``now`` passed in.
+
+Interface (what the simulator calls)::
+
+    policy = make_policy("cache-aware", cache_threshold=0.3)       # or "round-robin"
+    req = RouteRequest(rid="r1", prompt_tokens=4096, block_hashes=hashes, max_tokens=16)
+    pre = policy.choose_prefill(req, lookup, view.prefill_candidates(now), now)   # -> PrefillChoice
+    dec = policy.choose_decode(req, view.decode_candidates(now), now)             # -> DecodeChoice | None
+
+``lookup`` is the directory's :class:`~shared.messages.KvLookupReply` for
+``req.block_hashes`` (or None when the directory did not answer — routing
+then has no cache information). ``candidates`` is a non-empty list of
+:class:`~services.router.nodes.NodeLoad` (the node-load view of the eligible
+nodes, from :class:`~services.router.nodes.NodeLoadView`). Policies never
+mutate the view; the caller records the placement with
+``NodeLoadView.on_dispatch`` (see :class:`services.router.core.RouterCore`,
+which does all of this in one call).
+
+New policies subclass :class:`RoutingPolicy`, set ``name`` and register with
+:func:`register_policy`; the router selects one by name (``--routing``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from shared.messages import KvLookupReply
+
+from services.router.nodes import NodeLoad
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One request to place.
+
+    Attributes:
+        rid: request id (one NATS token).
+        prompt_tokens: prompt length (tokens, >= 1).
+        block_hashes: chained page hashes of the prompt's full blocks
+            (``shared.hashing.block_hashes_packed``), ``len == prompt_tokens // block_size``.
+        max_tokens: output tokens to generate (>= 1).
+        token_ids: the prompt as packed little-endian uint32 (may be empty in simulation).
+        branch_id: the agent branch the request belongs to, if any.
+    """
+
+    rid: str
+    prompt_tokens: int
+    block_hashes: Sequence[int] = ()
+    max_tokens: int = 16
+    token_ids: bytes = b""
+    branch_id: str | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChoice:
+    """A policy's prefill decision with the numbers behind it (for the route log).
+
+    Attributes:
+        node: chosen prefill node.
+        path: which rule decided: ``imbalanced`` (load gate → min load),
+            ``cache_hit`` (match rate above threshold → longest match),
+            ``min_load`` (below threshold / no cache info), ``round_robin``.
+        matched_blocks: longest per-node prefix among the candidates (blocks).
+        match_rate: ``matched_blocks / num_blocks`` (0 when the prompt has no full block).
+        loads: load the policy compared, per candidate node.
+        matches: per-candidate local prefix (blocks) from the lookup.
+    """
+
+    node: str
+    path: str
+    matched_blocks: int = 0
+    match_rate: float = 0.0
+    loads: dict[str, int] = field(default_factory=dict)
+    matches: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeChoice:
+    """Decode binding: chosen node and the load each candidate had."""
+
+    node: str
+    loads: dict[str, int] = field(default_factory=dict)
+
+
+def decode_load(n: NodeLoad) -> int:
+    """Decode load of a node: ``running + waiting`` from its last state plus the
+    router's own in-flight requests bound to it (issue #5; the in-flight term
+    covers requests sent since that state, at the price of counting requests
+    the state already shows twice — equally for every node)."""
+    return n.running + n.waiting + n.inflight
+
+
+def least_loaded_decode(candidates: Sequence[NodeLoad]) -> DecodeChoice | None:
+    """The decode candidate with the lowest :func:`decode_load`; ties → smallest node id.
+
+    Returns:
+        None when ``candidates`` is empty.
+    """
+    if not candidates:
+        return None
+    loads = {n.node: decode_load(n) for n in candidates}
+    best = min(candidates, key=lambda n: (loads[n.node], n.node))
+    return DecodeChoice(node=best.node, loads=loads)
+
+
+class RoutingPolicy(abc.ABC):
+    """A prefill routing policy plus a decode binding rule (default: least loaded).
+
+    Subclasses implement :meth:`choose_prefill`; they keep any state they need
+    on the instance (no globals), never read a clock and never do I/O.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def choose_prefill(
+        self,
+        req: RouteRequest,
+        lookup: KvLookupReply | None,
+        candidates: Sequence[NodeLoad],
+        now: float,
+    ) -> PrefillChoice:
+        """Pick the prefill node among ``candidates``.
+
+        Args:
+            req: the request (prompt length, block path).
+            lookup: the KV directory's answer for ``req.block_hashes``; None when
+                the directory did not answer (route without cache information).
+            candidates: eligible prefill nodes (phase prefill or both), non-empty,
+                sorted by node id.
+            now: current time (caller's clock).
+
+        Raises:
+            ValueError: if ``candidates`` is empty.
+        """
+
+    def choose_decode(self, req: RouteRequest, candidates: Sequence[NodeLoad], now: float) -> DecodeChoice | None:
+        """Bind the decode node: least loaded (:func:`least_loaded_decode`).
+
+        Returns:
+            None when ``candidates`` is empty.
+        """
+        return least_loaded_decode(candidates)
+
+
+def _min_load(candidates: Sequence[NodeLoad], loads: dict[str, int]) -> NodeLoad:
+    return min(candidates, key=lambda n: (loads[n.node], n.node))
+
+
+class CacheAwarePolicy(RoutingPolicy):
+    """SGLang model gateway's ``cache_aware`` policy over the KV directory's exact prefixes.
+
+    Source: ``sgl-model-gateway/src/policies/cache_aware.rs`` (SGLang model
+    gateway) and its event-driven variant
+    ``experimental/sgl-router/src/policies/cache_aware_zmq.rs``. Per request:
+
+    1. **Imbalance gate.** ``load`` is the router's in-flight request count per
+       node (the gateway's ``worker.load()``: incremented at dispatch, released
+       when the response completes — on both prefill and decode workers in PD
+       mode). With ``max_load``/``min_load`` over the candidates, the system is
+       imbalanced iff ``(max_load − min_load) > balance_abs_threshold`` **and**
+       ``max_load > min_load × balance_rel_threshold``; then the min-load node
+       wins (path ``imbalanced``).
+    2. **Cache match.** Otherwise ``match_rate = matched / total`` where
+       ``total`` is the request's full-block count and ``matched`` the longest
+       prefix (in blocks) any candidate holds. If ``match_rate >
+       cache_threshold`` the node with that longest match wins (path
+       ``cache_hit``); among several nodes with the same longest match the
+       least loaded one (as ``cache_aware_zmq`` does), then the smallest node id.
+    3. **Fallback.** Else the min-load node (path ``min_load``). A prompt
+       shorter than one block, or a failed directory lookup, has match rate 0.
+
+    Ties in min-load are broken by node id (the gateway takes the first worker
+    in registry order).
+
+    Differences from the gateway, on purpose: the gateway's classic policy
+    matches request *text* against an approximate radix tree of its own
+    routing history; here ``matched`` comes from the KV directory's exact
+    per-node prefix built from the engines' KV events (the gateway's
+    event-driven ``cache_aware_zmq`` variant). The per-node match is
+    ``local_blocks``: the longest prefix held in the node's L1 (GPU) or L2
+    (host) — both are reusable without recomputation on that node. No tree is
+    kept here, so there is no eviction thread.
+
+    Defaults are the gateway CLI's (``--cache-threshold 0.3
+    --balance-abs-threshold 64 --balance-rel-threshold 1.5``), not the
+    library's ``CacheAwareConfig::default()`` (0.5 / 32 / 1.1).
+
+    Args:
+        cache_threshold: match rate above which the longest match wins, in [0, 1].
+        balance_abs_threshold: absolute in-flight spread (requests) for the gate, >= 0.
+        balance_rel_threshold: relative spread for the gate, >= 1.
+
+    Raises:
+        ValueError: on a threshold out of range.
+    """
+
+    name = "cache-aware"
+
+    def __init__(
+        self,
+        *,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+    ) -> None:
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        if balance_abs_threshold < 0:
+            raise ValueError(f"balance_abs_threshold must be >= 0, got {balance_abs_threshold}")
+        if balance_rel_threshold < 1.0:
+            raise ValueError(f"balance_rel_threshold must be >= 1, got {balance_rel_threshold}")
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+
+    def is_imbalanced(self, loads: Sequence[int]) -> bool:
+        """The gateway's imbalance test on in-flight loads (False for an empty list)."""
+        if not loads:
+            return False
+        max_load, min_load = max(loads), min(loads)
+        return (max_load - min_load) > self.balance_abs_threshold and max_load > min_load * self.balance_rel_threshold
+
+    def choose_prefill(
+        self,
+        req: RouteRequest,
+        lookup: KvLookupReply | None,
+        candidates: Sequence[NodeLoad],
+        now: float,
+    ) -> PrefillChoice:
+        if not candidates:
+            raise ValueError("no prefill candidates")
+        loads = {n.node: n.inflight for n in candidates}
+        matches: dict[str, int] = {}
+        if lookup is not None and lookup.error is None:
+            for p in lookup.nodes:
+                if p.node in loads and p.local_blocks:
+                    matches[p.node] = p.local_blocks
+        total = req.num_blocks
+        matched = min(max(matches.values(), default=0), total)
+        rate = matched / total if total else 0.0
+
+        if self.is_imbalanced(list(loads.values())):
+            node = _min_load(candidates, loads).node
+            return PrefillChoice(node, "imbalanced", matched, rate, loads, matches)
+        if rate > self.cache_threshold:
+            best = [n for n in candidates if matches.get(n.node, 0) >= matched]
+            node = _min_load(best, loads).node
+            return PrefillChoice(node, "cache_hit", matched, rate, loads, matches)
+        node = _min_load(candidates, loads).node
+        return PrefillChoice(node, "min_load", matched, rate, loads, matches)
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Cycle through the eligible prefill nodes in node-id order (a baseline).
+
+    The counter is the instance's own; when the candidate set changes the
+    cycle continues at ``counter mod len(candidates)``.
+    """
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose_prefill(
+        self,
+        req: RouteRequest,
+        lookup: KvLookupReply | None,
+        candidates: Sequence[NodeLoad],
+        now: float,
+    ) -> PrefillChoice:
+        if not candidates:
+            raise ValueError("no prefill candidates")
+        node = candidates[self._next % len(candidates)].node
+        self._next += 1
+        loads = {n.node: n.inflight for n in candidates}
+        return PrefillChoice(node, "round_robin", 0, 0.0, loads, {})
+
+
+PolicyFactory = Callable[..., RoutingPolicy]
+
+_REGISTRY: dict[str, PolicyFactory] = {}
+
+
+def register_policy(name: str, factory: PolicyFactory) -> None:
+    """Register a policy factory under ``name`` (``factory(**options) -> RoutingPolicy``).
+
+    Raises:
+        ValueError: if ``name`` is already registered.
+    """
+    if name in _REGISTRY:
+        raise ValueError(f"routing policy {name!r} is already registered")
+    _REGISTRY[name] = factory
+
+
+def policy_names() -> list[str]:
+    """Registered policy names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, **options: Any) -> RoutingPolicy:
+    """Build the policy registered as ``name``.
+
+    Options a policy does not take are ignored, so one config can carry the
+    knobs of every policy (e.g. ``cache_threshold`` is ignored by ``round-robin``).
+
+    Raises:
+        ValueError: for an unknown name (the message lists the known ones) or a
+            bad option value.
+    """
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(policy_names())}")
+    return factory(**options)
+
+
+def _cache_aware(**o: Any) -> RoutingPolicy:
+    keys = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+    return CacheAwarePolicy(**{k: o[k] for k in keys if k in o})
+
+
+register_policy(CacheAwarePolicy.name, _cache_aware)
+register_policy(RoundRobinPolicy.name, lambda **_o: RoundRobinPolicy())

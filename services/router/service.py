@@ -1,0 +1,832 @@
+"""RouterService: the asyncio shell around :class:`~services.router.core.RouterCore`.
+
+This file contains zero routing logic: it decodes HTTP and NATS input, calls
+the core (``core.py``, ``policy.py``, ``nodes.py``, ``branches.py``), and
+publishes what the core returns. Its twin ``core.py`` contains zero I/O.
+
+HTTP (uvicorn runs inside the service's own event loop, next to the bus):
+
+=====================================  =========================================================
+``POST /v1/completions``               OpenAI completions; ``prompt`` is text or token ids
+``POST /v1/chat/completions``          OpenAI chat completions
+``GET /v1/models``                     the served model
+``GET /healthz``                       200 when NATS is connected and a placement is possible, else 503
+``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts
+``POST /v1/branches/{id}/end``         end an agent branch (publishes ``BranchEnd``)
+=====================================  =========================================================
+
+NATS: subscribes ``node.state.*``, ``split.commands`` and (once) ``req.*.out``;
+requests ``split.get`` at start and ``kv.lookup`` per request; publishes
+``branch.events``, ``route.placed``, ``work.<node>.prefill`` and
+``work.<node>.abort``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shared import messages as m
+from shared.bus import Bus, BusError
+from shared.clock import SimClock
+from shared.hashing import block_hashes_packed
+from shared.subjects import BRANCH_EVENTS, KV_LOOKUP, NODE_STATE, REQ_OUT, ROUTE_PLACED, SPLIT_COMMANDS, SPLIT_GET, WORK_ABORT, WORK_PREFILL
+
+from services.router import api
+from services.router.branches import BranchError, BranchTable
+from services.router.config import RouterConfig
+from services.router.core import NoRoute, RouteDecision, RouterCore
+from services.router.policy import RouteRequest, make_policy
+from services.router.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+
+_JSON = msgspec.json.Encoder()
+_SSE_DONE = b"data: [DONE]\n\n"
+_BIG_TEXT = 32_768
+"""Characters above which tokenization runs in a worker thread."""
+
+
+@dataclass(slots=True)
+class _Failure:
+    """Put in a request's queue when it fails outside the token stream."""
+
+    status: int
+    reason: str
+
+
+@dataclass(slots=True)
+class _Pending:
+    rid: str
+    prefill_node: str
+    decode_node: str | None
+    queue: asyncio.Queue[m.TokenChunk | _Failure] = field(default_factory=asyncio.Queue)
+    first_seen: bool = False
+    done: bool = False
+    """The core no longer counts it (finished, failed or aborted)."""
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the service shell owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        pass
+
+
+class _StatusCounter:
+    """ASGI middleware counting responses by status code (``http_status.<code>``)."""
+
+    def __init__(self, app: ASGIApp, counters: Counter[str]) -> None:
+        self.app = app
+        self.counters = counters
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.counters[f"http_status.{message['status']}"] += 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class _AnyCharRoute(Route):
+    """A route whose ``path`` parameters may hold any character, newlines included,
+    so that a bad branch id reaches the handler and gets a 400 with a reason
+    instead of a 404."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.path_regex = re.compile(self.path_regex.pattern, re.DOTALL)
+
+
+def _bind_socket(host: str, port: int) -> socket.socket:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, stype, proto, _, addr = infos[0]
+    sock = socket.socket(family, stype, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+class RouterService:
+    """HTTP ingress and request routing over NATS (see the module docstring).
+
+    Args:
+        cfg: router settings.
+        bus: connected bus (partition and instance set).
+        clock: the cluster's simulated clock (``now`` for the core, ``ts`` fields).
+        tokenizer: a ready tokenizer; default: ``load_tokenizer(cfg.tokenizer)``.
+
+    Raises:
+        ValueError: unknown routing policy or bad policy option.
+        TokenizerError: the tokenizer cannot be loaded.
+    """
+
+    def __init__(self, cfg: RouterConfig, bus: Bus, clock: SimClock, *, tokenizer: Tokenizer | None = None) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.clock = clock
+        self.log = structlog.get_logger("router").bind(instance=bus.instance)
+        policy = make_policy(
+            cfg.routing,
+            cache_threshold=cfg.cache_threshold,
+            balance_abs_threshold=cfg.balance_abs_threshold,
+            balance_rel_threshold=cfg.balance_rel_threshold,
+        )
+        self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
+        self.core = RouterCore(policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup)
+        self.branches = BranchTable(cfg.max_ended_branches)
+        self.counters: Counter[str] = Counter()
+        self.port: int | None = None
+        self.app: ASGIApp = _StatusCounter(self._build_app(), self.counters)
+        self._pending: dict[str, _Pending] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._spawned: set[asyncio.Task[Any]] = set()
+        self._server: _Server | None = None
+        self._server_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._have_split = False
+        self._lookup_ok = True
+        self._bad_block_size: set[str] = set()
+        self._started_wall = time.time()
+
+    # ------------------------------------------------------------------ #
+    # lifecycle
+    # ------------------------------------------------------------------ #
+
+    async def start(self) -> None:
+        """Subscribe, ask the planner for the split (in the background), start HTTP.
+
+        Raises:
+            OSError: if the HTTP address cannot be bound.
+            RuntimeError: if uvicorn fails to start.
+        """
+        await self.bus.subscribe(NODE_STATE, self._on_state)
+        await self.bus.subscribe(SPLIT_COMMANDS, self._on_split)
+        await self.bus.subscribe(REQ_OUT, self._on_chunk)
+        self._tasks.append(asyncio.create_task(self._fetch_split(), name="router-split-get"))
+        self._tasks.append(asyncio.create_task(self._fence_loop(), name="router-fence"))
+        try:
+            await self._start_http()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_http(self) -> None:
+        try:
+            sock = _bind_socket(self.cfg.host, self.cfg.port)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror or e}") from e
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            loop="none",
+        )
+        self._server = _Server(config)
+        self._server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="router-http")
+        while not self._server.started:
+            if self._server_task.done():
+                exc = self._server_task.exception() if not self._server_task.cancelled() else None
+                raise RuntimeError(f"HTTP server failed to start: {exc!r}")
+            await asyncio.sleep(0.01)
+        if self.cfg.port_file:
+            path = Path(self.cfg.port_file)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(f"{self.port}\n")
+            os.replace(tmp, path)
+        self.log.info(
+            "router listening",
+            host=self.cfg.host,
+            port=self.port,
+            url=f"http://{self.cfg.host}:{self.port}",
+            routing=self.core.policy.name,
+            tokenizer=self.tokenizer.name,
+            model=self.cfg.model,
+            block_size=self.cfg.block_size,
+        )
+
+    async def stop(self) -> None:
+        """Refuse new requests, fail the in-flight ones (aborting them on their nodes), stop HTTP."""
+        self._stopping = True
+        for p in list(self._pending.values()):
+            self._abandon(p, "router shutting down", "shutdown")
+            p.queue.put_nowait(_Failure(503, "router shutting down"))
+        if self._server is not None and self._server_task is not None:
+            self._server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(self._server_task), timeout=10.0)
+            except (asyncio.TimeoutError, Exception):
+                self._server.force_exit = True
+                self._server_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._server_task
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        self._tasks.clear()
+        if self._spawned:
+            await asyncio.gather(*self._spawned, return_exceptions=True)
+        if self.cfg.port_file and self._server is not None and self._server.started:
+            with contextlib.suppress(OSError):
+                Path(self.cfg.port_file).unlink()
+        self.log.info("router stopped")
+
+    def ready(self) -> bool:
+        """HTTP up, NATS connected, and a placement possible."""
+        return (
+            self._server is not None
+            and self._server.started
+            and self.bus.nc.is_connected
+            and self.core.view.routable(self.clock.now())[0]
+        )
+
+    def stats(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Counters (requests by status, routed per node, lookups failed, fences, aborts, ...) and gauges."""
+        now = self.clock.now()
+        view = self.core.view
+        gauges = {
+            "inflight": float(view.inflight_total),
+            "pending_http": float(len(self._pending)),
+            "live_nodes": float(view.live_count(now)),
+            "live_prefill": float(len(view.prefill_candidates(now))),
+            "live_decode": float(len(view.decode_candidates(now))),
+            "fenced_nodes": float(view.fenced_count()),
+            "known_nodes": float(len(view.nodes)),
+            "split_epoch": float(view.epoch),
+            "branches_active": float(self.branches.active_count),
+            "http_port": float(self.port or 0),
+        }
+        return dict(self.counters), gauges
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a publish in the background (used where awaiting is not possible, e.g. under cancellation)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._spawned.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._spawned.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                self.counters["publish_errors"] += 1
+                self.log.warning("background publish failed", error=repr(t.exception()))
+
+        task.add_done_callback(done)
+
+    # ------------------------------------------------------------------ #
+    # NATS input
+    # ------------------------------------------------------------------ #
+
+    async def _on_state(self, st: m.NodeState, _subject: str) -> None:
+        try:
+            back = self.core.apply_state(st, self.clock.now())
+        except ValueError as e:
+            self.counters["states_bad_node_id"] += 1
+            self.log.warning("node state with an unusable node id dropped", error=str(e))
+            return
+        if back:
+            self.counters["unfenced"] += 1
+            self.log.info("node reports again; let back in", node=st.node, phase=st.phase)
+        if st.block_size and st.block_size != self.cfg.block_size and st.node not in self._bad_block_size:
+            self._bad_block_size.add(st.node)
+            self.counters["block_size_mismatch"] += 1
+            self.log.error(
+                "BLOCK SIZE MISMATCH: node reports a different KV block size; cache matches will be wrong",
+                node=st.node,
+                node_block_size=st.block_size,
+                router_block_size=self.cfg.block_size,
+            )
+
+    async def _on_split(self, cmd: m.SplitCommand, _subject: str) -> None:
+        self._apply_split(cmd, "split.commands")
+
+    def _apply_split(self, cmd: m.SplitCommand, source: str) -> None:
+        try:
+            applied = self.core.apply_split(cmd)
+        except ValueError as e:
+            self.counters["splits_bad_node_id"] += 1
+            self.log.warning("split command with an unusable node id dropped", error=str(e), epoch=cmd.epoch)
+            return
+        if not applied:
+            self.counters["splits_stale"] += 1
+            self.log.info("stale split command ignored", epoch=cmd.epoch, current=self.core.view.epoch)
+            return
+        self._have_split = True
+        self.counters["splits_applied"] += 1
+        self.log.info("split applied", source=source, epoch=cmd.epoch, phases=dict(cmd.phases), reason=cmd.reason)
+
+    async def _on_chunk(self, chunk: m.TokenChunk, _subject: str) -> None:
+        p = self._pending.get(chunk.rid)
+        if p is None:
+            self.counters["chunks_unknown_rid"] += 1
+            return
+        if not p.first_seen:
+            p.first_seen = True
+            self.core.on_first_token(chunk.rid)
+        if chunk.finished and not p.done:
+            p.done = True
+            if chunk.finish_reason in ("error", "abort"):
+                self.counters[f"finish.{chunk.finish_reason}"] += 1
+                for node, msg in self.core.abort(chunk.rid, f"{chunk.finish_reason} on {chunk.node}", skip=chunk.node):
+                    await self.bus.publish(WORK_ABORT, msg, node=node)
+            else:
+                self.core.finish(chunk.rid)
+        p.queue.put_nowait(chunk)
+
+    async def _fetch_split(self) -> None:
+        """Ask the planner for the split until it answers or ``split_get_timeout_s`` passes."""
+        deadline = time.monotonic() + self.cfg.split_get_timeout_s
+        attempt = 0
+        self.log.info("asking the planner for the current split (split.get)", timeout_s=self.cfg.split_get_timeout_s)
+        while not self._have_split:
+            attempt += 1
+            try:
+                cmd = await self.bus.request(SPLIT_GET, m.SplitQuery(), timeout=1.0)
+            except BusError as e:
+                if time.monotonic() >= deadline:
+                    self.counters["split_get_timeouts"] += 1
+                    self.log.warning(
+                        "planner did not answer split.get; routing by node-reported phases until a split.commands arrives",
+                        attempts=attempt,
+                        waited_s=self.cfg.split_get_timeout_s,
+                        error=str(e),
+                    )
+                    return
+                if attempt == 1 or attempt % 10 == 0:
+                    self.log.info("planner has not answered split.get yet; retrying", attempt=attempt, error=str(e))
+                await asyncio.sleep(0.5)
+                continue
+            if not self._have_split:
+                self._apply_split(cmd, "split.get")
+            return
+
+    async def _fence_loop(self) -> None:
+        """Fence nodes whose state went silent; wake at the core's next deadline (at most every 0.5 s)."""
+        while True:
+            now = self.clock.now()
+            for f in self.core.check_fences(now):
+                self._fence(f.node, f.age, f.rids)
+            deadline = self.core.next_deadline()
+            wait = 0.5 if deadline is None else min(0.5, max(0.01, self.clock.to_wall(deadline - now) + 0.005))
+            await asyncio.sleep(wait)
+
+    def _fence(self, node: str, age: float, rids: tuple[str, ...]) -> None:
+        self.counters["fenced"] += 1
+        self.log.warning(
+            "node fenced out: no node.state within fence_after_s",
+            node=node,
+            silent_wall_s=round(self.clock.to_wall(age), 3),
+            fence_after_s=self.cfg.fence_after_s,
+            inflight=len(rids),
+        )
+        reason = f"node {node} stopped answering (no state for {self.clock.to_wall(age):.1f}s); request failed"
+        for rid in rids:
+            p = self._pending.get(rid)
+            if p is not None:
+                self._abandon(p, reason, "fenced")
+                p.queue.put_nowait(_Failure(503, reason))
+            else:
+                for n, msg in self.core.abort(rid, reason):
+                    self._spawn(self.bus.publish(WORK_ABORT, msg, node=n))
+            self.counters["fenced_requests_failed"] += 1
+
+    def _abandon(self, p: _Pending, reason: str, why: str) -> None:
+        """Stop counting ``p`` and tell its nodes to drop it (idempotent, never awaits)."""
+        if p.done:
+            return
+        p.done = True
+        aborts = self.core.abort(p.rid, reason)
+        if aborts:
+            self.counters["aborts"] += 1
+            self.counters[f"aborts.{why}"] += 1
+        for node, msg in aborts:
+            self._spawn(self.bus.publish(WORK_ABORT, msg, node=node))
+
+    # ------------------------------------------------------------------ #
+    # HTTP
+    # ------------------------------------------------------------------ #
+
+    def _build_app(self) -> Starlette:
+        async def not_found(request: Request, exc: Exception) -> Response:
+            status = exc.status_code if isinstance(exc, HTTPException) else 404
+            reason = f"{request.method} {request.url.path}: " + ("not found" if status == 404 else "method not allowed")
+            return self._error(status, reason)
+
+        return Starlette(
+            routes=[
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/healthz", self._healthz, methods=["GET"]),
+                Route("/v1/cluster", self._cluster, methods=["GET"]),
+                _AnyCharRoute("/v1/branches/{branch_id:path}/end", self._end_branch, methods=["POST"]),
+            ],
+            exception_handlers={404: not_found, 405: not_found},
+        )
+
+    @staticmethod
+    def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+        return Response(_JSON.encode(obj), status_code=status, media_type="application/json", headers=headers)
+
+    def _error(self, status: int, reason: str, param: str | None = None) -> Response:
+        return self._json(api.error_body(status, reason, param), status)
+
+    async def _models(self, request: Request) -> Response:
+        return self._json(api.models_response(self.cfg.model, int(self._started_wall)))
+
+    async def _healthz(self, request: Request) -> Response:
+        if not self.bus.nc.is_connected:
+            return self._error(503, "not connected to NATS")
+        ok, reason = self.core.view.routable(self.clock.now())
+        if not ok:
+            return self._error(503, reason)
+        return self._json({"status": "ok"})
+
+    async def _cluster(self, request: Request) -> Response:
+        now = self.clock.now()
+        view = self.core.view
+        nodes = view.snapshot(now)
+        for n in nodes:
+            age = n["state_age_s"]
+            n["state_age_wall_s"] = None if age is None else round(self.clock.to_wall(float(age)), 4)  # type: ignore[arg-type]
+        ok, reason = view.routable(now)
+        return self._json(
+            {
+                "policy": self.core.policy.name,
+                "block_size": self.core.block_size,
+                "epoch": view.epoch,
+                "split_reason": view.split_reason,
+                "fence_after_s": self.cfg.fence_after_s,
+                "routable": ok,
+                "reason": reason,
+                "inflight": view.inflight_total,
+                "branches_active": self.branches.active_count,
+                "nodes": nodes,
+            }
+        )
+
+    async def _end_branch(self, request: Request) -> Response:
+        branch_id = request.path_params["branch_id"]
+        try:
+            api.check_header_value("branch_id", branch_id, self.cfg.max_id_len)
+            end = self.branches.end(branch_id, self.clock.now())
+        except api.ApiError as e:
+            return self._error(e.status, e.reason, e.param)
+        except BranchError as e:
+            return self._error(e.status, e.reason)
+        await self.bus.publish(BRANCH_EVENTS, end)
+        self.counters["branches_ended"] += 1
+        return self._json({"branch_id": branch_id, "ended": True})
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.cfg.max_body_bytes
+        cl = request.headers.get("content-length")
+        if cl is not None and cl.isdigit() and int(cl) > limit:
+            raise api.ApiError(413, f"request body of {cl} bytes exceeds max_body_bytes={limit}")
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise api.ApiError(413, f"request body exceeds max_body_bytes={limit}")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _prepare(self, request: Request, chat: bool) -> tuple[api.BranchHeaders, Any, np.ndarray, int]:
+        """Validate headers and body, tokenize; returns (headers, request, token ids, max_tokens).
+
+        Raises:
+            ApiError: the 4xx to answer.
+        """
+        hdrs = api.parse_branch_headers(request.headers, self.cfg.max_id_len)
+        body = await self._read_body(request)
+        prompt: str | list[int] | None = None
+        if chat:
+            req: Any = api.parse_chat(body)
+            max_tokens = req.max_completion_tokens or req.max_tokens or self.cfg.chat_default_max_tokens
+        else:
+            req, prompt = api.parse_completion(body)
+            max_tokens = req.max_tokens or 16
+        if req.model is not None and req.model != self.cfg.model:
+            raise api.ApiError(404, f"model {req.model!r} not found; this router serves {self.cfg.model!r}", param="model")
+        if max_tokens > self.cfg.max_output_tokens:
+            raise api.ApiError(400, f"max_tokens={max_tokens} exceeds the limit {self.cfg.max_output_tokens}", param="max_tokens")
+        try:
+            if chat:
+                messages = api.chat_messages(req)
+                size = sum(len(x.get("content") or "") for x in messages)
+                if size > _BIG_TEXT:
+                    ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, req.tools)
+                else:
+                    ids = self.tokenizer.apply_chat_template(messages, req.tools)
+            elif isinstance(prompt, str):
+                if len(prompt) > _BIG_TEXT:
+                    ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+                else:
+                    ids = self.tokenizer.encode(prompt)
+            else:
+                ids = prompt  # type: ignore[assignment]
+        except api.ApiError:
+            raise
+        except Exception as e:  # a chat template may raise on a malformed conversation
+            raise api.ApiError(400, f"cannot tokenize the prompt: {e}", param="messages" if chat else "prompt") from e
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size == 0:
+            raise api.ApiError(400, "prompt encodes to no tokens", param="prompt")
+        if arr.size > self.cfg.max_prompt_tokens:
+            raise api.ApiError(400, f"prompt has {arr.size} tokens; at most {self.cfg.max_prompt_tokens} allowed", param="prompt")
+        top = int(arr.max())
+        if top >= self.tokenizer.vocab_size:
+            raise api.ApiError(400, f"token id {top} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param="prompt")
+        return hdrs, req, arr, max_tokens
+
+    async def _lookup(self, hashes: list[int]) -> tuple[m.KvLookupReply | None, str]:
+        if not hashes:
+            return None, "skipped"
+        try:
+            rep = await self.bus.request(
+                KV_LOOKUP, m.KvLookupRequest(block_hashes=hashes, block_size=self.cfg.block_size), timeout=self.cfg.lookup_timeout_s
+            )
+        except BusError as e:
+            self.counters["lookups_failed"] += 1
+            if self._lookup_ok:
+                self._lookup_ok = False
+                self.log.warning("kv.lookup failed; routing without cache information", error=str(e))
+            return None, "failed"
+        if not self._lookup_ok:
+            self._lookup_ok = True
+            self.log.info("kv.lookup answers again")
+        if rep.error:
+            self.counters["lookups_refused"] += 1
+            self.log.error("kv.lookup refused; routing without cache information", error=rep.error)
+            return None, "refused"
+        if rep.block_size != self.cfg.block_size:
+            self.counters["lookups_block_size_mismatch"] += 1
+            self.log.error(
+                "BLOCK SIZE MISMATCH: the directory answers with another block size; routing without cache information",
+                directory_block_size=rep.block_size,
+                router_block_size=self.cfg.block_size,
+            )
+            return None, "block_size_mismatch"
+        return rep, "ok"
+
+    async def _wait_disconnect(self, receive: Receive) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    async def _next_item(self, p: _Pending, watcher: asyncio.Future[None] | None) -> m.TokenChunk | _Failure:
+        """Next chunk or failure of ``p``; a timeout becomes a 504 failure.
+
+        Raises:
+            _ClientGone: if ``watcher`` (the disconnect watcher) fires first.
+        """
+        if not p.queue.empty():
+            return p.queue.get_nowait()
+        get = asyncio.ensure_future(p.queue.get())
+        waiters: set[asyncio.Future[Any]] = {get} if watcher is None else {get, watcher}
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=self.cfg.request_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not get.done():
+                get.cancel()
+        if get in done:
+            return get.result()
+        if watcher is not None and watcher in done:
+            raise _ClientGone
+        reason = f"no output for {self.cfg.request_timeout_s:g}s (request_timeout_s)"
+        self._abandon(p, reason, "timeout")
+        return _Failure(504, reason)
+
+    def _chunk_failure(self, chunk: m.TokenChunk) -> _Failure | None:
+        if chunk.finish_reason == "error":
+            return _Failure(500, f"engine error on node {chunk.node or '?'}: {chunk.error or 'no detail'}")
+        if chunk.finish_reason == "abort":
+            return _Failure(503, f"request aborted by node {chunk.node or '?'}: {chunk.error or 'no detail'}")
+        return None
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        if self._stopping:
+            return self._error(503, "router is shutting down")
+        try:
+            hdrs, req, arr, max_tokens = await self._prepare(request, chat)
+            start = None
+            if hdrs.branch_id is not None:
+                start = self.branches.observe(
+                    hdrs.branch_id, self.clock.now(), kind=hdrs.kind, parent=hdrs.parent_branch_id, agent_id=hdrs.agent_id
+                )
+        except api.ApiError as e:
+            return self._error(e.status, e.reason, e.param)
+        except BranchError as e:
+            return self._error(e.status, e.reason, "X-Branch-Id")
+        if start is not None:
+            await self.bus.publish(BRANCH_EVENTS, start)
+            self.counters["branches_started"] += 1
+
+        packed = arr.astype("<u4").tobytes()
+        hashes = block_hashes_packed(packed, self.cfg.block_size)
+        lookup, lookup_status = await self._lookup(hashes)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rreq = RouteRequest(
+            rid=rid,
+            prompt_tokens=int(arr.size),
+            block_hashes=hashes,
+            max_tokens=max_tokens,
+            token_ids=packed,
+            branch_id=hdrs.branch_id,
+        )
+        now = self.clock.now()
+        out = self.core.route(rreq, lookup, now)
+        if isinstance(out, NoRoute):
+            self.counters["no_route"] += 1
+            self.log.warning("no route", rid=rid, reason=out.reason)
+            return self._error(503, out.reason)
+        self._log_route(rreq, out, lookup_status)
+        p = _Pending(rid=rid, prefill_node=out.prefill.node, decode_node=out.decode_node)
+        self._pending[rid] = p
+        try:
+            for placed in out.placed:
+                await self.bus.publish(ROUTE_PLACED, placed)
+            await self.bus.publish(WORK_PREFILL, out.work, node=out.prefill.node)
+        except Exception as e:
+            self._pending.pop(rid, None)
+            self._abandon(p, "dispatch failed", "dispatch_failed")
+            self.log.error("dispatch failed", rid=rid, error=repr(e))
+            return self._error(503, f"cannot dispatch to node {out.prefill.node}: {e}")
+        self.counters["routed"] += 1
+        self.counters[f"routed.prefill.{out.prefill.node}"] += 1
+        self.counters[f"route_path.{out.prefill.path}"] += 1
+        if out.decode_node is not None:
+            self.counters[f"routed.decode.{out.decode_node}"] += 1
+
+        headers = {"x-request-id": rid, "x-ei-prefill-node": out.prefill.node}
+        if out.decode_node is not None:
+            headers["x-ei-decode-node"] = out.decode_node
+        stream = bool(req.stream)
+        include_usage = bool(stream and req.stream_options is not None and req.stream_options.include_usage)
+        created = int(time.time())
+        watcher = asyncio.ensure_future(self._wait_disconnect(request.receive))
+        handed_off = False
+        try:
+            first = await self._next_item(p, watcher)
+            if isinstance(first, _Failure):
+                return self._error(first.status, first.reason)
+            fail = self._chunk_failure(first) if first.finished else None
+            if fail is not None:
+                return self._error(fail.status, fail.reason)
+            if stream:
+                handed_off = True
+                gen = self._stream(p, first, rreq, chat, created, include_usage)
+                return StreamingResponse(
+                    gen, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
+                )
+            ids: list[int] = list(first.token_ids)
+            prompt_tokens = first.prompt_tokens or rreq.prompt_tokens
+            cached = first.cached_tokens
+            last = first
+            while not last.finished:
+                item = await self._next_item(p, watcher)
+                if isinstance(item, _Failure):
+                    return self._error(item.status, item.reason)
+                if item.finished:
+                    fail = self._chunk_failure(item)
+                    if fail is not None:
+                        return self._error(fail.status, fail.reason)
+                ids.extend(item.token_ids)
+                last = item
+            text = self.tokenizer.decode(ids)
+            use = api.usage(prompt_tokens, len(ids), cached)
+            model = self.cfg.model
+            body = (api.chat_response if chat else api.completion_response)(rid, created, model, text, last.finish_reason, use)
+            return self._json(body, headers=headers)
+        except _ClientGone:
+            self._abandon(p, "client disconnected", "client_disconnect")
+            self.log.info("client disconnected; request aborted", rid=rid)
+            return Response(status_code=499)
+        finally:
+            if not watcher.done():
+                watcher.cancel()
+            if not handed_off:
+                self._pending.pop(rid, None)
+
+    async def _stream(
+        self, p: _Pending, first: m.TokenChunk, rreq: RouteRequest, chat: bool, created: int, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        """SSE body: data chunks, optional usage chunk, ``[DONE]``; an error event on failure."""
+        model = self.cfg.model
+        rid = p.rid
+        decoder = IncrementalDecoder(self.tokenizer)
+        prompt_tokens = first.prompt_tokens or rreq.prompt_tokens
+        cached = first.cached_tokens
+        completed = False
+
+        def sse(obj: Any) -> bytes:
+            return b"data: " + _JSON.encode(obj) + b"\n\n"
+
+        def piece(text: str, finish: str | None) -> bytes:
+            if chat:
+                delta = {"content": text} if text or finish is None else {}
+                return sse(api.chat_chunk(rid, created, model, delta, finish, include_usage))
+            return sse(api.completion_chunk(rid, created, model, text, finish, include_usage))
+
+        try:
+            if chat:
+                yield sse(api.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, include_usage))
+            item: m.TokenChunk | _Failure = first
+            while True:
+                if isinstance(item, _Failure):
+                    yield sse(api.error_body(item.status, item.reason))
+                    yield _SSE_DONE
+                    completed = True
+                    return
+                fail = self._chunk_failure(item) if item.finished else None
+                if fail is not None:
+                    yield sse(api.error_body(fail.status, fail.reason))
+                    yield _SSE_DONE
+                    completed = True
+                    return
+                text = decoder.push(item.token_ids)
+                if item.finished:
+                    text += decoder.flush()
+                    yield piece(text, item.finish_reason or "length")
+                    break
+                if text:
+                    yield piece(text, None)
+                item = await self._next_item(p, None)
+            if include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield sse(api.usage_chunk(rid, created, model, obj, api.usage(prompt_tokens, len(decoder.ids), cached)))
+            yield _SSE_DONE
+            completed = True
+        finally:
+            if not completed:
+                self._abandon(p, "client disconnected", "client_disconnect")
+            self._pending.pop(rid, None)
+
+    def _log_route(self, req: RouteRequest, out: RouteDecision, lookup_status: str) -> None:
+        pre = out.prefill
+        self.log.debug(
+            "route",
+            rid=req.rid,
+            branch=req.branch_id,
+            prompt_tokens=req.prompt_tokens,
+            blocks=req.num_blocks,
+            lookup=lookup_status,
+            policy=self.core.policy.name,
+            path=pre.path,
+            prefill=pre.node,
+            decode=out.decode_node,
+            matched_blocks=pre.matched_blocks,
+            match_rate=round(pre.match_rate, 4),
+            candidates=[n.node for n in out.candidates],
+            matches=pre.matches,
+            loads=pre.loads,
+            decode_loads=out.decode.loads if out.decode else {},
+        )

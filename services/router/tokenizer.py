@@ -1,0 +1,311 @@
+"""Pluggable tokenizers: ``sim`` (built in, deterministic) and ``hf:<local path>``.
+
+Interface (:class:`Tokenizer`)::
+
+    tok = load_tokenizer("sim")                 # or "hf:/models/Qwen3-8B"
+    ids = tok.encode("Hello, world!")           # list[int]
+    text = tok.decode(ids)                      # str
+    ids = tok.apply_chat_template(messages)     # list[int], generation prompt included
+    tok.vocab_size                              # token ids are in [0, vocab_size)
+
+``sim``: words (``\\w+``) and single punctuation characters become token ids by
+BLAKE2b (never Python's salted ``hash()``), so the same text gives the same ids
+in every process. Ids lie in ``[0, shared.hashing.SIM_VOCAB_SIZE)``. ``decode``
+spells every id as a pronounceable three-syllable placeholder word
+(``"kadobe"``), and ``encode`` maps such a word back to its id, so text the
+sim engine generated re-encodes to the very same ids (a later turn that
+quotes an earlier answer hits the same KV blocks). Its chat template is
+ChatML (``<|im_start|>role ... <|im_end|>``), with tools and tool calls
+rendered as JSON.
+
+``hf:<path>``: a Hugging Face ``tokenizer.json`` (``path`` is the file or the
+model folder holding it) loaded with the ``tokenizers`` package, imported
+lazily — it is not a core dependency. The chat template is the
+``chat_template`` of the folder's ``tokenizer_config.json`` rendered with
+``jinja2`` (also imported lazily, as transformers does); a folder without a
+template falls back to ChatML with a warning in :attr:`HFTokenizer.notes`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from shared.hashing import SIM_VOCAB_SIZE
+
+
+class TokenizerError(RuntimeError):
+    """A tokenizer cannot be loaded (missing package, missing file, bad spec)."""
+
+
+class Tokenizer(Protocol):
+    """What the router needs from a tokenizer."""
+
+    name: str
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (completion prompts; special tokens as the model adds them)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+        ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+        """Token ids of a chat, ending with the assistant generation prompt."""
+        ...
+
+
+# --------------------------------------------------------------------------- #
+# sim
+# --------------------------------------------------------------------------- #
+
+_CONSONANTS = "bdfghjklmnprstvz"  # 16
+_VOWELS = "aeiou"  # 5
+_SYLLABLES = [c + v for c in _CONSONANTS for v in _VOWELS]  # 80; 80**3 = 512000 >= SIM_VOCAB_SIZE
+_SYL_INDEX = {s: i for i, s in enumerate(_SYLLABLES)}
+_NSYL = len(_SYLLABLES)
+_WORD = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+_SIM_WORD = re.compile(r"^(?:[bdfghjklmnprstvz][aeiou]){3}$")
+
+
+def _render_chatml(messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    """ChatML rendering used by the sim tokenizer (and HF folders without a template)."""
+    parts: list[str] = []
+    if tools:
+        parts.append("<|im_start|>system\n# Tools\n" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "<|im_end|>\n")
+    for msg in messages:
+        content = msg.get("content")
+        if isinstance(content, list):
+            content = "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+        text = content or ""
+        if msg.get("tool_calls"):
+            text += "\n<tool_call>" + json.dumps(msg["tool_calls"], sort_keys=True, separators=(",", ":")) + "</tool_call>"
+        role = msg.get("role", "user")
+        if msg.get("name"):
+            role = f"{role} name={msg['name']}"
+        if msg.get("tool_call_id"):
+            role = f"{role} id={msg['tool_call_id']}"
+        parts.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
+    parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+class SimTokenizer:
+    """Deterministic built-in tokenizer for the sim engine (see module docstring).
+
+    Args:
+        vocab_size: ids are in ``[0, vocab_size)``; at most 80**3.
+    """
+
+    name = "sim"
+
+    def __init__(self, vocab_size: int = SIM_VOCAB_SIZE) -> None:
+        if not 0 < vocab_size <= _NSYL**3:
+            raise ValueError(f"sim vocab_size must be in (0, {_NSYL**3}], got {vocab_size}")
+        self.vocab_size = vocab_size
+        self._cache: dict[str, int] = {}
+
+    def word(self, token_id: int) -> str:
+        """Placeholder word of one id (ids outside the vocab print as ``<id>``)."""
+        if not 0 <= token_id < self.vocab_size:
+            return f"<{token_id}>"
+        a, rest = divmod(token_id, _NSYL * _NSYL)
+        b, c = divmod(rest, _NSYL)
+        return _SYLLABLES[a] + _SYLLABLES[b] + _SYLLABLES[c]
+
+    def token_id(self, piece: str) -> int:
+        """Id of one word or punctuation character."""
+        tid = self._cache.get(piece)
+        if tid is not None:
+            return tid
+        if _SIM_WORD.match(piece):
+            tid = (_SYL_INDEX[piece[0:2]] * _NSYL + _SYL_INDEX[piece[2:4]]) * _NSYL + _SYL_INDEX[piece[4:6]]
+            if tid >= self.vocab_size:
+                tid = None
+        if tid is None:
+            digest = hashlib.blake2b(piece.encode("utf-8"), digest_size=8).digest()
+            tid = int.from_bytes(digest, "little") % self.vocab_size
+        if len(self._cache) < 1_000_000:
+            self._cache[piece] = tid
+        return tid
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of the words and punctuation of ``text`` (whitespace is dropped)."""
+        tid = self.token_id
+        return [tid(m) for m in _WORD.findall(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Placeholder words joined by single spaces."""
+        w = self.word
+        return " ".join(w(int(i)) for i in ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+        """ChatML rendering of ``messages`` (+ tools) encoded with :meth:`encode`."""
+        return self.encode(_render_chatml(messages, tools))
+
+
+# --------------------------------------------------------------------------- #
+# hf:<path>
+# --------------------------------------------------------------------------- #
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` via the ``tokenizers`` package (lazy import).
+
+    Args:
+        path: ``tokenizer.json`` itself or a folder holding it (and optionally
+            ``tokenizer_config.json`` with ``chat_template``, ``bos_token``, ``eos_token``).
+
+    Raises:
+        TokenizerError: if ``tokenizers`` (or, for a folder with a chat
+            template, ``jinja2``) is not installed, or the files are missing or invalid.
+    """
+
+    name = "hf"
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            import tokenizers
+        except ImportError as e:
+            raise TokenizerError(
+                "the hf tokenizer needs the 'tokenizers' package, which is not a core dependency: "
+                "pip install tokenizers"
+            ) from e
+        p = Path(path).expanduser()
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if not file.is_file():
+            raise TokenizerError(f"no tokenizer.json at {file}")
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises its own Exception subclass
+            raise TokenizerError(f"cannot load {file}: {e}") from e
+        self.path = file
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.notes: list[str] = []
+        self._template: Any = None
+        self._special: dict[str, str] = {}
+        cfg_file = file.parent / "tokenizer_config.json"
+        template: str | None = None
+        if cfg_file.is_file():
+            try:
+                cfg = json.loads(cfg_file.read_text())
+            except (OSError, ValueError) as e:
+                raise TokenizerError(f"cannot read {cfg_file}: {e}") from e
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                val = cfg.get(key)
+                if isinstance(val, dict):
+                    val = val.get("content")
+                if isinstance(val, str):
+                    self._special[key] = val
+            raw = cfg.get("chat_template")
+            if isinstance(raw, list):  # named templates: take "default"
+                raw = next((t.get("template") for t in raw if isinstance(t, dict) and t.get("name") == "default"), None)
+            template = raw if isinstance(raw, str) else None
+        if template is None:
+            jinja_file = file.parent / "chat_template.jinja"
+            if jinja_file.is_file():
+                template = jinja_file.read_text()
+        if template is not None:
+            self._template = _compile_template(template)
+        else:
+            self.notes.append(f"no chat_template next to {file}; chat requests use ChatML")
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` with the model's special tokens (e.g. BOS) added, as vLLM does for completions."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` with special tokens skipped."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+        """Render the model's chat template (generation prompt on) and encode it without extra specials."""
+        if self._template is None:
+            text = _render_chatml(messages, tools)
+        else:
+            text = self._template.render(messages=messages, tools=tools, add_generation_prompt=True, **self._special)
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+
+def _compile_template(source: str) -> Any:
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+        raise TokenizerError("this model's chat template needs the 'jinja2' package: pip install jinja2") from e
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise TokenizerError(f"invalid chat template: {e}") from e
+
+
+# --------------------------------------------------------------------------- #
+# loading and incremental decoding
+# --------------------------------------------------------------------------- #
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """Build a tokenizer from its spec: ``sim`` or ``hf:<path>``.
+
+    Raises:
+        TokenizerError: on an unknown spec or a tokenizer that cannot load.
+    """
+    if spec == "sim":
+        return SimTokenizer()
+    if spec.startswith("hf:"):
+        path = spec[3:]
+        if not path:
+            raise TokenizerError("hf tokenizer needs a path: --tokenizer hf:/path/to/model")
+        return HFTokenizer(path)
+    raise TokenizerError(f"unknown tokenizer {spec!r}: use 'sim' or 'hf:<local path>'")
+
+
+class IncrementalDecoder:
+    """Turns a growing token list into text deltas (vLLM's prefix/read-offset scheme).
+
+    Each :meth:`push` decodes a short window of the latest ids and returns the
+    text it adds; a delta ending in U+FFFD (an incomplete UTF-8 sequence) is
+    held back until the next ids complete it. Concatenated deltas equal
+    ``decode(all ids)`` for tokenizers whose decoding is prefix-stable.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Append ``new_ids`` and return the new text (may be empty)."""
+        self.ids.extend(new_ids)
+        prefix_text = self.tok.decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        full = self.tok.decode(self.ids[self._prefix :])
+        if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+            delta = full[len(prefix_text) :]
+            self._prefix = self._read
+            self._read = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back (at the end of the stream)."""
+        prefix_text = self.tok.decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        full = self.tok.decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return full[len(prefix_text) :] if len(full) > len(prefix_text) else ""

@@ -1,0 +1,545 @@
+"""Router over a real nats-server: the worker, planner and directory side is played by the test.
+
+The router runs in-process through the same shell as ``python -m services.router``
+(``shared.service.serve_until_stopped``); a :class:`FakeCluster` on its own NATS
+connection answers ``split.get`` and ``kv.lookup``, publishes ``NodeState``s,
+consumes ``work.*.prefill`` and answers with ``TokenChunk``s on ``req.<rid>.out``.
+HTTP is driven with httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from shared import messages as m
+from shared.bus import Bus
+from shared.hashing import block_hashes, unpack_tokens
+from shared.service import serve_until_stopped
+from shared.subjects import (
+    BRANCH_EVENTS,
+    KV_LOOKUP,
+    NODE_STATE,
+    REQ_OUT,
+    ROUTE_PLACED,
+    SPLIT_COMMANDS,
+    SPLIT_GET,
+    SVC_STATS,
+    WORK_ABORT,
+    WORK_PREFILL,
+    Subjects,
+)
+
+from services.router.config import RouterConfig
+from services.router.service import RouterService
+from services.router.tokenizer import SimTokenizer
+
+pytestmark = pytest.mark.timeout(60)
+
+BS = 64
+HEARTBEAT_S = 0.1
+FENCE_S = 1.5
+
+
+@dataclass
+class FakeCluster:
+    """Workers, planner and directory as seen on the bus."""
+
+    bus: Bus
+    phases: dict[str, str]
+    alive: set[str] = field(default_factory=set)
+    answering: set[str] = field(default_factory=set)
+    """Nodes that answer prefill work; others only record it."""
+    stall_after_first: set[str] = field(default_factory=set)
+    """Nodes that send the first chunk and then nothing."""
+    error_nodes: set[str] = field(default_factory=set)
+    cached: dict[str, int] = field(default_factory=dict)
+    """node -> local prefix blocks reported by kv.lookup (and cached tokens reported)."""
+    lookup_enabled: bool = True
+    works: list[m.PrefillWork] = field(default_factory=list)
+    aborts: list[tuple[str, m.RequestAbort]] = field(default_factory=list)
+    branch_events: list[Any] = field(default_factory=list)
+    placed: list[m.RoutePlaced] = field(default_factory=list)
+    lookups: list[m.KvLookupRequest] = field(default_factory=list)
+    split_gets: int = 0
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def start(self) -> None:
+        await self.bus.serve(SPLIT_GET, self._split_get)
+        await self.bus.serve(KV_LOOKUP, self._lookup)
+        await self.bus.subscribe(WORK_PREFILL, self._work)
+        await self.bus.subscribe(WORK_ABORT, self._abort)
+        await self.bus.subscribe(BRANCH_EVENTS, self._record(self.branch_events))
+        await self.bus.subscribe(ROUTE_PLACED, self._record(self.placed))
+        self.alive = set(self.phases)
+        self.answering = set(self.phases)
+        await self.publish_states()
+        self.tasks.append(asyncio.create_task(self._beat()))
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    def _record(self, sink: list[Any]):
+        async def handler(msg: Any, _subject: str) -> None:
+            sink.append(msg)
+
+        return handler
+
+    async def publish_states(self) -> None:
+        for node in sorted(self.alive):
+            st = m.NodeState(node=node, phase=self.phases[node], epoch=1, block_size=BS, gpu_free_blocks=100, gpu_total_blocks=100)  # type: ignore[arg-type]
+            await self.bus.publish(NODE_STATE, st, node=node)
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            await self.publish_states()
+
+    async def _split_get(self, _q: m.SplitQuery, _s: str) -> m.SplitCommand:
+        self.split_gets += 1
+        return m.SplitCommand(epoch=1, phases=dict(self.phases), reason="test")  # type: ignore[arg-type]
+
+    async def _lookup(self, req: m.KvLookupRequest, _s: str) -> m.KvLookupReply | None:
+        self.lookups.append(req)
+        if not self.lookup_enabled:
+            return None
+        n = len(req.block_hashes)
+        nodes = [m.NodePrefix(node=k, local_blocks=min(v, n), gpu_blocks=min(v, n)) for k, v in self.cached.items() if v]
+        return m.KvLookupReply(block_size=req.block_size, nodes=nodes, longest_any=max((p.local_blocks for p in nodes), default=0))
+
+    async def _abort(self, msg: m.RequestAbort, subject: str) -> None:
+        self.aborts.append((subject.split(".")[-2], msg))
+
+    async def _work(self, w: m.PrefillWork, subject: str) -> None:
+        node = subject.split(".")[-2]
+        self.works.append(w)
+        if node not in self.answering:
+            return
+        out = lambda c: self.bus.publish(REQ_OUT, c, rid=w.rid)  # noqa: E731
+        cached = min(self.cached.get(node, 0), len(w.block_hashes)) * BS
+        if node in self.error_nodes:
+            await out(m.TokenChunk(rid=w.rid, node=node, finished=True, finish_reason="error", error="kv transfer failed"))
+            return
+        ids = [(7919 * (i + 1)) % 100_000 for i in range(w.max_tokens)]
+        decoder = w.decode_node or node
+        first = m.TokenChunk(
+            rid=w.rid, node=node, index=0, token_ids=ids[:1], prompt_tokens=w.prompt_tokens, cached_tokens=cached,
+            finished=w.max_tokens == 1, finish_reason="length" if w.max_tokens == 1 else None,
+        )
+        await out(first)
+        if node in self.stall_after_first:
+            return
+        for i in range(1, w.max_tokens, 3):
+            part = ids[i : i + 3]
+            last = i + len(part) >= w.max_tokens
+            await out(m.TokenChunk(rid=w.rid, node=decoder, index=i, token_ids=part, finished=last, finish_reason="length" if last else None))
+
+
+@dataclass
+class Env:
+    cluster: FakeCluster
+    service: RouterService
+    http: httpx.AsyncClient
+    bus: Bus
+    port_file: Path
+
+    async def stats(self) -> m.StatsReply:
+        return await self.bus.request(SVC_STATS, m.StatsRequest(), instance="router", timeout=2.0)
+
+
+async def _wait_for(pred, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def router_env(nats_url: str, tmp_path: Path, phases: dict[str, str], **cfg_kw: Any) -> AsyncIterator[Env]:
+    bus = await Bus.connect(nats_url, Subjects("p0"), service="fake", instance="fake-cluster")
+    cluster = FakeCluster(bus=bus, phases=phases)
+    await cluster.start()
+    port_file = tmp_path / "router.port"
+    settings: dict[str, Any] = {
+        "nats_url": nats_url,
+        "port": 0,
+        "port_file": str(port_file),
+        "fence_after_s": FENCE_S,
+        "split_get_timeout_s": 5.0,
+        "lookup_timeout_s": 0.5,
+        "request_timeout_s": 20.0,
+        "model": "test-model",
+        "log_level": "debug",
+    }
+    cfg = RouterConfig(**{**settings, **cfg_kw})
+    holder: dict[str, RouterService] = {}
+
+    def factory(c, b, clock):
+        holder["svc"] = RouterService(c, b, clock)
+        return holder["svc"]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_until_stopped("router", cfg, factory, instance="router", stop_event=stop))
+    try:
+        await _wait_for(lambda: port_file.exists() or task.done(), what="router port file")
+        if task.done():
+            task.result()
+        port = int(port_file.read_text())
+        svc = holder["svc"]
+        assert svc.port == port
+        await _wait_for(lambda: svc.core.view.epoch == 1 and svc.ready(), what="split applied and nodes live")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30.0) as http:
+            yield Env(cluster, svc, http, bus, port_file)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await cluster.stop()
+        await bus.close()
+
+
+def sse_events(body: str) -> list[Any]:
+    """Parse an SSE body into decoded JSON objects and the literal '[DONE]'."""
+    out: list[Any] = []
+    for block in body.split("\n\n"):
+        block = block.strip("\n")
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        out.append(data if data == "[DONE]" else msgspec.json.decode(data))
+    return out
+
+
+# --------------------------------------------------------------------------- #
+
+
+async def test_completion_with_token_ids_non_streaming(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        env.cluster.cached = {"p0": 2}
+        prompt = list(range(1000, 1200))  # 200 tokens = 3 full blocks
+        r = await env.http.post("/v1/completions", json={"model": "test-model", "prompt": prompt, "max_tokens": 5})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "text_completion" and body["model"] == "test-model" and body["id"].startswith("cmpl-")
+        assert isinstance(body["created"], int)
+        ids = [(7919 * (i + 1)) % 100_000 for i in range(5)]
+        assert body["choices"] == [{"index": 0, "text": SimTokenizer().decode(ids), "logprobs": None, "finish_reason": "length"}]
+        assert body["usage"] == {
+            "prompt_tokens": 200,
+            "completion_tokens": 5,
+            "total_tokens": 205,
+            "prompt_tokens_details": {"cached_tokens": 128},
+        }
+        assert r.headers["x-ei-prefill-node"] == "p0" and r.headers["x-ei-decode-node"] == "d0"
+        w = env.cluster.works[0]
+        assert w.rid == body["id"] and w.prompt_tokens == 200 and w.max_tokens == 5 and w.block_size == BS
+        assert list(unpack_tokens(w.token_ids)) == prompt
+        assert w.block_hashes == block_hashes(prompt, BS) and len(w.block_hashes) == 3
+        assert w.decode_node == "d0" and w.branch_id is None and w.epoch == 1
+        assert env.cluster.lookups[-1].block_hashes == w.block_hashes
+        assert env.service.core.view.inflight_total == 0
+        # with a branch, both placements are published on route.placed
+        r = await env.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}, headers={"X-Branch-Id": "b1"})
+        assert r.status_code == 200
+        await _wait_for(lambda: len(env.cluster.placed) == 2, what="route.placed")
+        assert sorted((p.node, p.phase, p.branch_id, p.rid) for p in env.cluster.placed) == [
+            ("d0", "decode", "b1", r.json()["id"]),
+            ("p0", "prefill", "b1", r.json()["id"]),
+        ]
+        assert env.cluster.placed[0].block_hashes == block_hashes(prompt, BS)
+
+        models = (await env.http.get("/v1/models")).json()
+        assert models["object"] == "list" and [d["id"] for d in models["data"]] == ["test-model"]
+        assert (await env.http.get("/healthz")).status_code == 200
+        cl = (await env.http.get("/v1/cluster")).json()
+        assert cl["epoch"] == 1 and cl["policy"] == "cache-aware" and cl["inflight"] == 0
+        assert {n["node"]: n["phase"] for n in cl["nodes"]} == {"d0": "decode", "p0": "prefill"}
+        assert all(n["fenced"] is False and n["state_age_wall_s"] < FENCE_S for n in cl["nodes"])
+        st = await env.stats()
+        assert st.counters["routed.prefill.p0"] == 2 and st.counters["routed.decode.d0"] == 2
+        assert st.counters["http_status.200"] >= 1 and st.gauges["inflight"] == 0
+        assert st.gauges["live_nodes"] == 2
+
+
+async def test_text_prompt_and_cache_aware_routing(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "p1": "prefill", "d0": "decode"}) as env:
+        text = " ".join(f"word{i}" for i in range(300))
+        expected_ids = SimTokenizer().encode(text)
+        # no cache anywhere: min load, ties to the smallest node id
+        r = await env.http.post("/v1/completions", json={"prompt": text})
+        assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == "p0"
+        assert r.json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens
+        assert list(unpack_tokens(env.cluster.works[-1].token_ids)) == expected_ids
+        # p1 holds the whole prefix: cache hit
+        env.cluster.cached = {"p1": 100}
+        r = await env.http.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == "p1"
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(expected_ids) // BS) * BS
+        st = await env.stats()
+        assert st.counters["route_path.min_load"] == 1 and st.counters["route_path.cache_hit"] == 1
+
+
+async def test_streaming_chat_collocated(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        env.cluster.cached = {"c0": 1}
+        messages = [{"role": "system", "content": "you are terse " * 30}, {"role": "user", "content": "hello there"}]
+        payload = {"model": "test-model", "messages": messages, "max_completion_tokens": 7, "stream": True, "stream_options": {"include_usage": True}}
+        async with env.http.stream("POST", "/v1/chat/completions", json=payload) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            body = (await r.aread()).decode()
+        events = sse_events(body)
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert all(c["object"] == "chat.completion.chunk" and c["id"].startswith("chatcmpl-") for c in chunks)
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        ids = [(7919 * (i + 1)) % 100_000 for i in range(7)]
+        assert text == SimTokenizer().decode(ids)
+        finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert finals[-1] == "length" and all(f is None for f in finals[:-1])
+        usage = chunks[-1]
+        assert usage["choices"] == []
+        prompt_tokens = len(SimTokenizer().apply_chat_template(messages))
+        assert usage["usage"] == {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 7,
+            "total_tokens": prompt_tokens + 7,
+            "prompt_tokens_details": {"cached_tokens": 64},
+        }
+        (w,) = env.cluster.works
+        assert w.decode_node is None and w.prompt_tokens == prompt_tokens
+        # non-streaming chat
+        r = await env.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
+        assert r.status_code == 200
+        b = r.json()
+        assert b["object"] == "chat.completion" and b["choices"][0]["message"]["role"] == "assistant"
+        assert b["choices"][0]["message"]["content"] == SimTokenizer().decode(ids[:3])
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+
+
+async def test_branch_headers_events_and_end_endpoint(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        h = {"X-Branch-Id": "agent7/branch:1", "X-Parent-Branch-Id": "agent7/main", "X-Branch-Kind": "fork", "X-Agent-Id": "agent7"}
+        for _ in range(2):
+            r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, headers=h)
+            assert r.status_code == 200, r.text
+        await _wait_for(lambda: len(env.cluster.placed) == 2, what="placements")
+        starts = [e for e in env.cluster.branch_events if isinstance(e, m.BranchStart)]
+        assert len(starts) == 1
+        s = starts[0]
+        assert (s.branch_id, s.kind, s.parent_branch_id, s.agent_id, s.src) == ("agent7/branch:1", "fork", "agent7/main", "agent7", "router")
+        assert {p.branch_id for p in env.cluster.placed} == {"agent7/branch:1"}
+        assert {w.branch_id for w in env.cluster.works} == {"agent7/branch:1"}
+        # a sub-agent with default-less headers
+        r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Branch-Id": "sub1", "X-Branch-Kind": "subagent", "X-Parent-Branch-Id": "agent7/main"})
+        assert r.status_code == 200
+        await _wait_for(lambda: len(env.cluster.branch_events) == 2, what="second BranchStart")
+        assert env.cluster.branch_events[1].kind == "subagent"
+
+        end = await env.http.post("/v1/branches/agent7%2Fbranch:1/end")
+        assert end.status_code == 200 and end.json() == {"branch_id": "agent7/branch:1", "ended": True}
+        await _wait_for(lambda: any(isinstance(e, m.BranchEnd) for e in env.cluster.branch_events), what="BranchEnd")
+        ends = [e for e in env.cluster.branch_events if isinstance(e, m.BranchEnd)]
+        assert [e.branch_id for e in ends] == ["agent7/branch:1"]
+
+        dup = await env.http.post("/v1/branches/agent7%2Fbranch:1/end")
+        assert dup.status_code == 409 and "already ended" in dup.json()["error"]["message"]
+        unknown = await env.http.post("/v1/branches/never-seen/end")
+        assert unknown.status_code == 404 and "unknown branch" in unknown.json()["error"]["message"]
+        ctrl = await env.http.post("/v1/branches/bad%0Aid/end")
+        assert ctrl.status_code == 400 and "control character" in ctrl.json()["error"]["message"]
+        again = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Branch-Id": "agent7/branch:1"})
+        assert again.status_code == 409 and "was ended" in again.json()["error"]["message"]
+
+        for headers, frag in [
+            ({"X-Branch-Id": "b", "X-Branch-Kind": "child"}, "X-Branch-Kind"),
+            ({"X-Branch-Id": "x" * 300}, "at most 256"),
+            ({"X-Branch-Kind": "fork"}, "need an X-Branch-Id"),
+            ({"X-Branch-Id": "a\x01b"}, "control character"),
+        ]:
+            r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers=headers)
+            assert r.status_code == 400 and frag in r.json()["error"]["message"], (headers, r.text)
+        st = await env.stats()
+        assert st.counters["branches_started"] == 2 and st.counters["branches_ended"] == 1
+        assert st.counters["http_status.400"] == 5 and st.counters["http_status.409"] == 2 and st.counters["http_status.404"] == 1
+
+
+async def test_bad_requests_get_4xx_with_reasons(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, max_prompt_tokens=1000) as env:
+        cases = [
+            (b"{oops", 400, "JSON is malformed"),
+            (b'{"prompt": [1, 2], "max_tokens": "many"}', 400, "$.max_tokens"),
+            (b'{"prompt": [1, 100000]}', 400, "outside the vocabulary"),
+            (b'{"prompt": [[1], [2]]}', 400, "batched prompts"),
+            (msgspec.json.encode({"prompt": list(range(1001))}), 400, "at most 1000"),
+            (b'{"prompt": [1], "model": "gpt-4"}', 404, "not found"),
+            (b'{"prompt": [1], "max_tokens": 10000000}', 400, "exceeds the limit"),
+            (b'{"prompt": "   "}', 400, "no tokens"),
+        ]
+        for body, status, frag in cases:
+            r = await env.http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == status and frag in r.json()["error"]["message"], (body[:40], r.text)
+        r = await env.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+        assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
+        r = await env.http.get("/v1/nothing")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        r = await env.http.get("/v1/completions")
+        assert r.status_code == 405 and "method not allowed" in r.json()["error"]["message"]
+        assert env.cluster.works == []  # nothing bad was dispatched
+        r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        assert r.status_code == 200
+
+
+async def test_no_nodes_and_worker_error(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        env.cluster.error_nodes.add("c0")
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert r.status_code == 500 and "kv transfer failed" in r.json()["error"]["message"]
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "stream": True})
+        assert r.status_code == 500
+        env.cluster.error_nodes.clear()
+        # the node goes away: healthz and requests answer 503 with the reason
+        env.cluster.alive.clear()
+        await _wait_for(lambda: not env.service.ready(), timeout=5, what="node fenced")
+        hz = await env.http.get("/healthz")
+        assert hz.status_code == 503 and "c0: fenced" in hz.json()["error"]["message"]
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert r.status_code == 503 and "no live prefill" in r.json()["error"]["message"]
+        env.cluster.alive.add("c0")
+        await _wait_for(lambda: env.service.ready(), timeout=5, what="node back")
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert r.status_code == 200
+        st = await env.stats()
+        assert st.counters["finish.error"] == 2 and st.counters["no_route"] == 1 and st.counters["unfenced"] == 1
+
+
+async def test_silent_node_is_fenced_and_traffic_moves(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "p1": "prefill", "d0": "decode"}) as env:
+        env.cluster.answering.discard("p0")  # p0 takes work and never answers
+        req = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}))
+        await _wait_for(lambda: len(env.cluster.works) == 1, what="work on p0")
+        rid = env.cluster.works[0].rid
+        assert env.service.core.view.placement(rid) == ("p0", "d0")
+        env.cluster.alive.discard("p0")  # ... and stops reporting
+        r = await asyncio.wait_for(req, 10)
+        assert r.status_code == 503
+        msg = r.json()["error"]["message"]
+        assert "p0 stopped answering" in msg
+        await _wait_for(lambda: len(env.cluster.aborts) >= 2, what="aborts")
+        assert sorted((n, a.rid) for n, a in env.cluster.aborts) == [("d0", rid), ("p0", rid)]
+        # new requests go elsewhere
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == "p1"
+        cl = (await env.http.get("/v1/cluster")).json()
+        p0 = next(n for n in cl["nodes"] if n["node"] == "p0")
+        assert p0["fenced"] is True and p0["eligible"] is False and p0["fence_events"] == 1
+        st = await env.stats()
+        assert st.counters["fenced"] == 1 and st.counters["fenced_requests_failed"] == 1 and st.counters["aborts.fenced"] == 1
+        assert st.gauges["fenced_nodes"] == 1
+        # it reports again: let back in
+        env.cluster.alive.add("p0")
+        env.cluster.answering.add("p0")
+        await _wait_for(lambda: len(env.service.core.view.prefill_candidates(env.service.clock.now())) == 2, what="p0 back")
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == "p0"
+
+
+async def test_fenced_mid_stream_gets_an_sse_error_event(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        env.cluster.stall_after_first.add("p0")
+        async with env.http.stream("POST", "/v1/completions", json={"prompt": [5] * 70, "max_tokens": 6, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            first = await anext(lines)
+            assert first.startswith("data: ") and msgspec.json.decode(first[6:])["choices"][0]["text"]
+            env.cluster.alive.discard("d0")  # the decode node dies after the first token
+            rest = "".join([line + "\n" async for line in lines])
+        events = sse_events(rest)
+        assert events[-1] == "[DONE]"
+        err = events[-2]["error"]
+        assert err["code"] == 503 and "d0 stopped answering" in err["message"]
+
+
+async def test_client_disconnect_publishes_aborts(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        env.cluster.answering.clear()
+        for stream in (False, True):
+            n = len(env.cluster.works)
+            req = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "stream": stream}))
+            await _wait_for(lambda n=n: len(env.cluster.works) == n + 1, what="work dispatched")
+            rid = env.cluster.works[-1].rid
+            req.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await req
+            await _wait_for(lambda rid=rid: {x for x, a in env.cluster.aborts if a.rid == rid} == {"p0", "d0"}, what="aborts")
+            await _wait_for(lambda: env.service.core.view.inflight_total == 0, what="request forgotten")
+        st = await env.stats()
+        assert st.counters["aborts.client_disconnect"] == 2
+
+
+async def test_malformed_payloads_are_counted_and_router_keeps_serving(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        subj = Subjects("p0")
+        await env.bus.publish_raw(subj.prefix + "req.cmpl-x.out", b"\xc1garbage")
+        await env.bus.publish_raw(subj.prefix + "node.state.c0", b"not msgpack")
+        await env.bus.publish_raw(subj.prefix + "split.commands", msgspec.msgpack.encode({"epoch": -3, "phases": {}}))
+        await env.bus.publish(REQ_OUT, m.TokenChunk(rid="cmpl-unknown", finished=True), rid="cmpl-unknown")
+        await env.bus.publish(NODE_STATE, m.NodeState(node="bad.id"), node="c0")
+        await env.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=0, phases={"c0": "both"}))  # older epoch
+
+        async def counters() -> dict[str, int]:
+            return (await env.stats()).counters
+
+        for _ in range(100):
+            c = await counters()
+            if c.get("splits_stale") and c.get("states_bad_node_id") and c.get("dropped.split.commands"):
+                break
+            await asyncio.sleep(0.05)
+        assert c["dropped.req.{rid}.out"] == 1
+        assert c["dropped.node.state.{node}"] == 1
+        assert c["dropped.split.commands"] == 1
+        assert c["chunks_unknown_rid"] == 1
+        assert c["states_bad_node_id"] == 1
+        assert c["splits_stale"] == 1
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 200
+        assert env.service.core.view.epoch == 1
+
+
+async def test_directory_down_routes_without_cache_and_counts(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, lookup_timeout_s=0.2) as env:
+        env.cluster.lookup_enabled = False  # the directory receives but never answers
+        r = await env.http.post("/v1/completions", json={"prompt": list(range(130)), "max_tokens": 2})
+        assert r.status_code == 200
+        short = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})  # no full block: no lookup
+        assert short.status_code == 200
+        st = await env.stats()
+        assert st.counters["lookups_failed"] == 1
+        assert len(env.cluster.lookups) == 1
+
+
+async def test_port_file_and_routing_by_name(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "p1": "prefill", "d0": "decode"}, routing="round-robin") as env:
+        assert int(env.port_file.read_text()) == env.service.port
+        nodes = []
+        for _ in range(4):
+            r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+            assert r.status_code == 200
+            nodes.append(r.headers["x-ei-prefill-node"])
+        assert nodes == ["p0", "p1", "p0", "p1"]
+        assert env.cluster.split_gets >= 1
+    assert not env.port_file.exists()  # removed on stop

@@ -1,0 +1,118 @@
+"""Request body validation (400 reasons), agent header validation, response shapes."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from services.router import api
+
+
+def bad(fn, body: dict | bytes, match: str, status: int = 400) -> None:
+    raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    with pytest.raises(api.ApiError, match=match) as ei:
+        fn(raw)
+    assert ei.value.status == status
+
+
+def test_completion_prompt_forms():
+    req, prompt = api.parse_completion(b'{"prompt": [1, 2, 3], "max_tokens": 4, "stream": true, "temperature": 0.5}')
+    assert prompt == [1, 2, 3] and req.max_tokens == 4 and req.stream
+    assert api.parse_completion(b'{"prompt": "hi"}')[1] == "hi"
+    assert api.parse_completion(b'{"prompt": ["hi"]}')[1] == "hi"
+    assert api.parse_completion(b'{"prompt": [[5, 6]], "max_tokens": 2}')[1] == [5, 6]
+    req, _ = api.parse_completion(b'{"prompt": "x", "ignore_eos": true, "stop": ["\\n"], "seed": 3, "unknown_vendor_field": {"a": 1}}')
+    assert req.ignore_eos and req.stop == ["\n"]
+
+
+def test_large_token_prompt_parses():
+    ids = list(range(300_000))
+    _, prompt = api.parse_completion(msgspec.json.encode({"prompt": ids, "max_tokens": 1}))
+    assert prompt == ids
+
+
+def test_completion_400_reasons():
+    bad(api.parse_completion, b"{not json", "JSON is malformed")
+    bad(api.parse_completion, b"[1, 2]", "Expected `object`")
+    bad(api.parse_completion, {"max_tokens": 3}, "missing required field `prompt`")
+    bad(api.parse_completion, {"prompt": 3}, r"\$.prompt")
+    bad(api.parse_completion, {"prompt": [1, -1]}, r">= 0 - at `\$.prompt\[1\]`")
+    bad(api.parse_completion, {"prompt": [1, 2**32]}, r"\$.prompt\[1\]")
+    bad(api.parse_completion, {"prompt": [[1], [2]]}, "batched prompts")
+    bad(api.parse_completion, {"prompt": ["a", "b"]}, "batched prompts")
+    bad(api.parse_completion, {"prompt": [["a"]]}, r"\$.prompt\[0\]")
+    bad(api.parse_completion, {"prompt": ""}, "prompt is empty")
+    bad(api.parse_completion, {"prompt": []}, "empty token list")
+    bad(api.parse_completion, {"prompt": "x", "max_tokens": 0}, r">= 1 - at `\$.max_tokens`")
+    bad(api.parse_completion, {"prompt": "x", "max_tokens": "5"}, r"Expected `int \| null`, got `str` - at `\$.max_tokens`")
+    bad(api.parse_completion, {"prompt": "x", "temperature": 3}, r"\$.temperature")
+    bad(api.parse_completion, {"prompt": "x", "top_p": 1.5}, r"\$.top_p")
+    bad(api.parse_completion, {"prompt": "x", "stream": "yes"}, r"\$.stream")
+    bad(api.parse_completion, {"prompt": "x", "n": 2}, "n > 1")
+    bad(api.parse_completion, {"prompt": "x", "echo": True}, "echo")
+    bad(api.parse_completion, {"prompt": "x", "logprobs": 2}, "logprobs")
+    bad(api.parse_completion, {"prompt": "x", "best_of": 3}, "best_of")
+    bad(api.parse_completion, {"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed when stream")
+    bad(api.parse_completion, {"prompt": ["a"], "max_tokens": -2}, r"\$.max_tokens")
+
+
+def test_chat_body():
+    req = api.parse_chat(
+        msgspec.json.encode(
+            {
+                "messages": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": "t1", "type": "function"}]},
+                    {"role": "tool", "content": "out", "tool_call_id": "t1"},
+                ],
+                "max_completion_tokens": 7,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
+    )
+    assert req.max_completion_tokens == 7 and req.stream_options.include_usage
+    msgs = api.chat_messages(req)
+    assert msgs[1]["content"] == "ab" and msgs[2]["content"] == "" and msgs[3]["tool_call_id"] == "t1"
+
+
+def test_chat_400_reasons():
+    bad(api.parse_chat, {"messages": []}, "length >= 1")
+    bad(api.parse_chat, {}, "missing required field `messages`")
+    bad(api.parse_chat, {"messages": [{"role": "wizard", "content": "x"}]}, r"\$.messages\[0\].role")
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": 5}]}, r"\$.messages\[0\].content")
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text only")
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens")
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs")
+
+
+def test_branch_headers():
+    h = api.parse_branch_headers({"x-branch-id": "b1", "x-parent-branch-id": "b0", "x-branch-kind": "fork", "x-agent-id": "ag"}, 16)
+    assert (h.branch_id, h.parent_branch_id, h.kind, h.agent_id) == ("b1", "b0", "fork", "ag")
+    assert api.parse_branch_headers({}, 16) == api.BranchHeaders()
+    assert api.parse_branch_headers({"x-branch-id": "any thing/with.dots:ok"}, 64).kind == "main"
+    for headers, match in [
+        ({"x-branch-id": "x" * 17}, "at most 16"),
+        ({"x-branch-id": "a\tb"}, "control character"),
+        ({"x-branch-id": "a\x7fb"}, "control character"),
+        ({"x-branch-id": ""}, "empty"),
+        ({"x-branch-id": "b", "x-branch-kind": "child"}, "fork, subagent, main"),
+        ({"x-branch-kind": "fork"}, "need an X-Branch-Id"),
+        ({"x-parent-branch-id": "p"}, "need an X-Branch-Id"),
+        ({"x-branch-id": "b", "x-parent-branch-id": "b"}, "own parent"),
+        ({"x-branch-id": "b", "x-agent-id": "\x01"}, "X-Agent-Id"),
+    ]:
+        with pytest.raises(api.ApiError, match=match) as ei:
+            api.parse_branch_headers(headers, 16)
+        assert ei.value.status == 400
+
+
+def test_response_shapes():
+    use = api.usage(10, 3, 4)
+    assert use == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 4}}
+    r = api.chat_response("id", 1, "m", "t", "length", use)
+    assert r["object"] == "chat.completion" and r["choices"][0]["message"] == {"role": "assistant", "content": "t"}
+    c = api.completion_chunk("id", 1, "m", "t", None, True)
+    assert c["usage"] is None and c["choices"][0]["text"] == "t"
+    assert api.error_body(404, "nope")["error"]["type"] == "not_found_error"

@@ -1,0 +1,122 @@
+"""Node view: eligibility, phases from the split, fencing by state age, in-flight counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.messages import SplitCommand
+
+from services.router.nodes import NodeLoadView
+
+from .helpers import state
+
+
+def view(**kw) -> NodeLoadView:
+    return NodeLoadView(fence_after=kw.pop("fence_after", 3.0))
+
+
+def test_candidates_by_phase_sorted():
+    v = view()
+    v.apply_state(state("p2", "prefill"), 0.0)
+    v.apply_state(state("c1", "both"), 0.0)
+    v.apply_state(state("d1", "decode", running=3), 0.0)
+    v.apply_state(state("p1", "prefill"), 0.0)
+    assert [n.node for n in v.prefill_candidates(1.0)] == ["c1", "p1", "p2"]
+    d = v.decode_candidates(1.0)
+    assert [n.node for n in d] == ["d1"] and d[0].running == 3 and d[0].state_age == 1.0
+
+
+def test_fencing_by_state_age_and_readmission():
+    v = view(fence_after=3.0)
+    v.apply_state(state("a"), 0.0)
+    v.apply_state(state("b"), 2.0)
+    v.on_dispatch("r1", "a", None)
+    v.on_dispatch("r2", "b", None)
+    assert v.check_fences(3.0) == []  # age 3.0 is not > 3.0
+    assert v.next_deadline() == 3.0
+    # a is stale before check_fences runs: already not a candidate
+    assert [n.node for n in v.prefill_candidates(3.5)] == ["b"]
+    fenced = v.check_fences(3.5)
+    assert [(f.node, f.age, f.rids) for f in fenced] == [("a", 3.5, ("r1",))]
+    assert v.check_fences(4.0) == []  # fenced only once
+    assert v.fenced_count() == 1
+    assert v.next_deadline() == 5.0  # b's
+    assert v.apply_state(state("a"), 4.0) is True  # let back in
+    assert v.apply_state(state("a"), 4.1) is False
+    assert [n.node for n in v.prefill_candidates(4.2)] == ["a", "b"]
+    assert v.nodes["a"].fence_events == 1
+
+
+def test_not_accepting_and_split_phase_mismatch_are_not_eligible():
+    v = view()
+    v.apply_state(state("a", "prefill", accepting=False), 0.0)
+    v.apply_state(state("b", "prefill"), 0.0)
+    v.apply_state(state("c", "decode"), 0.0)
+    assert [n.node for n in v.prefill_candidates(0.0)] == ["b"]
+    # the planner turns b into a decode node: b is skipped until it reports decode
+    assert v.apply_split(SplitCommand(epoch=2, phases={"b": "decode", "c": "decode"}))
+    assert v.prefill_candidates(0.0) == []
+    assert [n.node for n in v.decode_candidates(0.0)] == ["c"]
+    v.apply_state(state("b", "decode"), 0.1)
+    assert [n.node for n in v.decode_candidates(0.2)] == ["b", "c"]
+    assert v.nodes["b"].phase == "decode"
+    ok, reason = v.routable(0.2)
+    assert not ok and "prefill" in reason and "a: not accepting" in reason
+
+
+def test_stale_split_is_ignored_same_epoch_replaces():
+    v = view()
+    assert v.apply_split(SplitCommand(epoch=3, phases={"a": "prefill"}))
+    assert not v.apply_split(SplitCommand(epoch=2, phases={"a": "decode"}))
+    assert v.nodes["a"].split_phase == "prefill"
+    assert v.apply_split(SplitCommand(epoch=3, phases={"b": "decode"}))
+    assert v.nodes["a"].split_phase is None and v.nodes["b"].split_phase == "decode"
+
+
+def test_bad_node_ids_are_refused():
+    v = view()
+    with pytest.raises(ValueError):
+        v.apply_state(state("a.b"), 0.0)
+    with pytest.raises(ValueError):
+        v.apply_split(SplitCommand(epoch=1, phases={"x y": "prefill"}))
+    assert v.nodes == {} and v.epoch == -1
+
+
+def test_inflight_bookkeeping():
+    v = view()
+    v.apply_state(state("p"), 0.0)
+    v.apply_state(state("d", "decode"), 0.0)
+    v.on_dispatch("r1", "p", "d")
+    v.on_dispatch("r2", "p", "d")
+    with pytest.raises(ValueError):
+        v.on_dispatch("r1", "p", "d")
+    p, d = v.nodes["p"], v.nodes["d"]
+    assert (p.inflight, p.inflight_prefill, d.inflight, d.inflight_decode) == (2, 2, 2, 2)
+    v.on_first_token("r1")
+    v.on_first_token("r1")  # idempotent
+    assert p.inflight_prefill == 1
+    assert v.on_finish("r1") == ("p", "d")
+    assert v.on_finish("r1") is None
+    assert (p.inflight, p.inflight_prefill, d.inflight) == (1, 1, 1)
+    assert v.on_finish("r2") == ("p", "d")
+    assert (p.inflight, p.inflight_prefill, d.inflight, d.inflight_decode) == (0, 0, 0, 0)
+    assert v.inflight_total == 0
+
+
+def test_routable_reasons():
+    v = view()
+    assert v.routable(0.0) == (False, "no live prefill (phase prefill or both) node: no such node known")
+    v.apply_state(state("p"), 0.0)
+    ok, reason = v.routable(0.0)
+    assert not ok and "decode" in reason
+    v.apply_state(state("c", "both"), 0.0)
+    assert v.routable(0.0) == (True, "")
+    ok, reason = v.routable(10.0)
+    assert not ok and "fenced" in reason
+    snap = v.snapshot(10.0)
+    assert [s["node"] for s in snap] == ["c", "p"] and snap[0]["fenced"] is True
+
+
+def test_fence_after_must_be_positive():
+    with pytest.raises(ValueError):
+        NodeLoadView(fence_after=0)

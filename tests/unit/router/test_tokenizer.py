@@ -1,0 +1,138 @@
+"""Tokenizers: sim determinism across processes, round trip, chat template; hf loading errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.hashing import SIM_VOCAB_SIZE
+
+from services.router.tokenizer import HFTokenizer, IncrementalDecoder, SimTokenizer, TokenizerError, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[3]
+TEXT = "Hello, world! The quick brown fox (v2.0) jumps; ünïcödé 42 times."
+
+
+def test_sim_encode_is_stable_and_in_vocab():
+    tok = SimTokenizer()
+    ids = tok.encode(TEXT)
+    assert ids == tok.encode(TEXT) == SimTokenizer().encode(TEXT)
+    assert len(ids) == 19  # words and punctuation characters
+    assert all(0 <= i < SIM_VOCAB_SIZE for i in ids)
+    assert tok.encode("a  b\n\tc") == tok.encode("a b c")
+    assert tok.encode("") == []
+
+
+def test_sim_encode_is_the_same_in_another_process():
+    """Ids must not depend on the process (no salted hash())."""
+    code = (
+        "import json; from services.router.tokenizer import SimTokenizer; "
+        f"print(json.dumps(SimTokenizer().encode({TEXT!r})))"
+    )
+    env = {"PYTHONHASHSEED": "12345", "PATH": ""}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == SimTokenizer().encode(TEXT)
+
+
+def test_sim_decode_is_readable_and_round_trips():
+    tok = SimTokenizer()
+    ids = [0, 1, 79, 80, 6399, 6400, 99_999, 12_345]
+    text = tok.decode(ids)
+    words = text.split(" ")
+    assert len(words) == len(ids) and all(w.isalpha() and len(w) == 6 for w in words)
+    assert tok.encode(text) == ids
+    assert tok.decode([SIM_VOCAB_SIZE + 5]) == f"<{SIM_VOCAB_SIZE + 5}>"
+
+
+def test_sim_chat_template():
+    tok = SimTokenizer()
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = tok.apply_chat_template(msgs)
+    assert ids == tok.encode("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    # a longer conversation extends the shorter one's token prefix (prefix caching works across turns)
+    longer = tok.apply_chat_template(msgs + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}])
+    assert longer[: len(ids) - 3] == ids[:-3]
+    with_tools = tok.apply_chat_template(msgs, tools=[{"type": "function", "function": {"name": "ls"}}])
+    assert with_tools != ids
+
+
+def test_incremental_decoder_concatenates_to_full_decode():
+    tok = SimTokenizer()
+    ids = list(range(100, 130))
+    dec = IncrementalDecoder(tok)
+    parts = [dec.push(ids[i : i + k]) for i, k in ((0, 1), (1, 4), (5, 10), (15, 15))]
+    parts.append(dec.flush())
+    assert "".join(parts) == tok.decode(ids)
+    assert dec.push([]) == ""
+
+
+def test_load_tokenizer_specs():
+    assert isinstance(load_tokenizer("sim"), SimTokenizer)
+    with pytest.raises(TokenizerError, match="unknown tokenizer"):
+        load_tokenizer("gpt2")
+    with pytest.raises(TokenizerError, match="needs a path"):
+        load_tokenizer("hf:")
+
+
+def test_hf_without_the_package_says_how_to_install(tmp_path):
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        with pytest.raises(TokenizerError, match="pip install tokenizers"):
+            load_tokenizer(f"hf:{tmp_path}")
+    else:
+        with pytest.raises(TokenizerError, match="no tokenizer.json"):
+            load_tokenizer(f"hf:{tmp_path}")
+
+
+def _write_wordlevel_tokenizer(folder: Path, template: str | None) -> None:
+    import json
+
+    vocab = {"[UNK]": 0, "<s>": 1, "hello": 2, "world": 3, "user": 4, "assistant": 5, ":": 6, "!": 7}
+    tj = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [{"id": 1, "content": "<s>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
+        },
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(tj))
+    cfg: dict[str, object] = {"bos_token": "<s>"}
+    if template is not None:
+        cfg["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def test_hf_tokenizer_from_a_local_folder(tmp_path):
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}"
+    _write_wordlevel_tokenizer(tmp_path, template)
+    tok = load_tokenizer(f"hf:{tmp_path}")
+    assert isinstance(tok, HFTokenizer) and tok.vocab_size == 8
+    assert tok.encode("hello world!") == [1, 2, 3, 7]
+    assert tok.decode([1, 2, 3]) == "hello world"
+    assert tok.apply_chat_template([{"role": "user", "content": "hello"}]) == [1, 4, 6, 2, 5, 6]
+    # the file itself works as the path too
+    assert load_tokenizer(f"hf:{tmp_path / 'tokenizer.json'}").encode("world") == [1, 3]
+
+
+def test_hf_tokenizer_without_template_falls_back_to_chatml(tmp_path):
+    pytest.importorskip("tokenizers")
+    _write_wordlevel_tokenizer(tmp_path, None)
+    tok = load_tokenizer(f"hf:{tmp_path}")
+    assert isinstance(tok, HFTokenizer) and tok.notes and "ChatML" in tok.notes[0]
+    assert len(tok.apply_chat_template([{"role": "user", "content": "hello"}])) > 0
