@@ -1,0 +1,326 @@
+"""A local cluster: embedded nats-server + every service as its own OS process.
+
+``LocalCluster`` is what ``evolving-infra up`` and ``demo`` run, and what the
+end-to-end tests start. Each service is a separate ``python -m services.<x>``
+process that talks to the others only over NATS. Children run in their own
+session (a terminal Ctrl-C reaches only the launcher, which then stops them in
+order) and, on Linux, receive SIGTERM if the launcher dies (PR_SET_PDEATHSIG),
+so no process outlives the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgspec
+import structlog
+
+from shared import messages as m
+from shared.bus import Bus
+from shared.natsserver import EmbeddedNatsServer
+from shared.split import parse_split
+from shared.subjects import SVC_HEARTBEAT, Subjects
+
+log = structlog.get_logger("cluster")
+
+
+class ClusterError(RuntimeError):
+    """A service failed to start or died."""
+
+
+class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What to launch. Times are wall seconds unless named ``sim``."""
+
+    nodes: int = 4
+    """Worker nodes (one process each)."""
+    split: str = "2P2D"
+    """Initial PD split: ``collocated`` or ``xPyD`` with x + y == nodes."""
+    profile: str = "gb300-glm52"
+    speedup: float = 1.0
+    """Simulated seconds per wall second for every sim engine and clock."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    """Router HTTP port (0 = any free port)."""
+    routing: str = "cache-aware"
+    block_size: int = 64
+    partition: str = "p0"
+    model: str = "evolving-infra-sim"
+    nats_url: str | None = None
+    """External NATS server; None starts an embedded one."""
+    log_dir: str | None = None
+    """Where each service writes its log; None = a temp dir."""
+    log_level: str = "info"
+    stream_interval: int = 1
+    """Output tokens per streamed chunk (SGLang --stream-interval semantics)."""
+    ready_timeout_s: float = 60.0
+
+    def node_ids(self) -> list[str]:
+        return [f"w{i}" for i in range(self.nodes)]
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class _Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    log_file: object = None
+
+
+@dataclass
+class LocalCluster:
+    """Start/stop a whole cluster on this machine.
+
+    Usage::
+
+        async with LocalCluster(ClusterSpec(nodes=4, split="2P2D", speedup=50)) as c:
+            print(c.router_url)
+    """
+
+    spec: ClusterSpec
+    clock_origin: float = 0.0
+    nats: EmbeddedNatsServer | None = None
+    nats_url: str = ""
+    router_url: str = ""
+    log_dir: Path = field(default_factory=Path)
+    children: list[_Child] = field(default_factory=list)
+    _bus: Bus | None = None
+
+    async def __aenter__(self) -> "LocalCluster":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ #
+
+    def _common(self, instance: str) -> list[str]:
+        s = self.spec
+        return [
+            "--nats-url",
+            self.nats_url,
+            "--partition",
+            s.partition,
+            "--instance",
+            instance,
+            "--speedup",
+            repr(s.speedup),
+            "--clock-origin",
+            repr(self.clock_origin),
+            "--log-level",
+            s.log_level,
+            "--log-format",
+            "json",
+        ]
+
+    def _plan_children(self) -> list[_Child]:
+        s = self.spec
+        nodes = s.node_ids()
+        phases = ["both"] * len(nodes)
+        pd = parse_split(s.split, len(nodes))
+        if pd is not None:
+            phases = ["prefill"] * pd[0] + ["decode"] * pd[1]
+        py = [sys.executable, "-m"]
+        kids = [
+            _Child(
+                "kvdirectory",
+                py + ["services.kvdirectory"] + self._common("kvdirectory") + ["--block-size", str(s.block_size)],
+                self.log_dir / "kvdirectory.log",
+            ),
+            _Child(
+                "planner",
+                py + ["services.planner"] + self._common("planner") + ["--nodes", ",".join(nodes), "--split", s.split],
+                self.log_dir / "planner.log",
+            ),
+        ]
+        for node, phase in zip(nodes, phases):
+            kids.append(
+                _Child(
+                    f"worker-{node}",
+                    py
+                    + ["services.worker"]
+                    + self._common(f"worker-{node}")
+                    + [
+                        "--node",
+                        node,
+                        "--profile",
+                        s.profile,
+                        "--phase",
+                        phase,
+                        "--stream-interval",
+                        str(s.stream_interval),
+                    ],
+                    self.log_dir / f"worker-{node}.log",
+                )
+            )
+        self._port_file = self.log_dir / "router.port"
+        kids.append(
+            _Child(
+                "router",
+                py
+                + ["services.router"]
+                + self._common("router")
+                + [
+                    "--host",
+                    s.host,
+                    "--port",
+                    str(s.port),
+                    "--port-file",
+                    str(self._port_file),
+                    "--routing",
+                    s.routing,
+                    "--block-size",
+                    str(s.block_size),
+                    "--model",
+                    s.model,
+                ],
+                self.log_dir / "router.log",
+            )
+        )
+        return kids
+
+    async def start(self) -> None:
+        """Start NATS (unless external), then every service; wait until all are healthy.
+
+        Raises:
+            ClusterError: if a service exits early or is not healthy within ``ready_timeout_s``.
+        """
+        s = self.spec
+        parse_split(s.split, s.nodes)  # fail fast on a bad split
+        self.log_dir = Path(s.log_dir) if s.log_dir else Path(tempfile.mkdtemp(prefix="ei-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if s.nats_url:
+            self.nats_url = s.nats_url
+        else:
+            self.nats = EmbeddedNatsServer().start()
+            self.nats_url = self.nats.url
+        self.clock_origin = time.time()
+        self._bus = await Bus.connect(self.nats_url, Subjects(s.partition), service="launcher", instance="launcher")
+        seen: dict[str, m.Heartbeat] = {}
+
+        async def on_beat(hb: m.Heartbeat, _subject: str) -> None:
+            seen[hb.instance] = hb
+
+        await self._bus.subscribe(SVC_HEARTBEAT, on_beat)
+        self.children = self._plan_children()
+        for child in self.children:
+            child.log_file = open(child.log_path, "ab")
+            child.proc = subprocess.Popen(
+                child.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=child.log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+            )
+        try:
+            await self._wait_ready(seen)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _wait_ready(self, seen: dict[str, m.Heartbeat]) -> None:
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        expected = {c.name for c in self.children}
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            while True:
+                self.check_alive()
+                ready = {name for name, hb in seen.items() if hb.ready}
+                if expected <= ready and self._port_file.exists() and self._port_file.read_text().strip():
+                    self.router_url = f"http://{self.spec.host}:{self._port_file.read_text().strip()}"
+                    try:
+                        r = await http.get(self.router_url + "/healthz")
+                        if r.status_code == 200:
+                            return
+                    except httpx.HTTPError:
+                        pass
+                if time.monotonic() > deadline:
+                    missing = sorted(expected - ready)
+                    raise ClusterError(
+                        f"cluster not healthy after {self.spec.ready_timeout_s:.0f} s; waiting for {missing or ['router /healthz']}"
+                        f" (logs in {self.log_dir})"
+                    )
+                await asyncio.sleep(0.1)
+
+    def check_alive(self) -> None:
+        """Raise if any service process has exited.
+
+        Raises:
+            ClusterError: naming the dead service, its exit code and its log's tail.
+        """
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is not None:
+                tail = ""
+                try:
+                    tail = c.log_path.read_text(errors="replace")[-1500:]
+                except OSError:
+                    pass
+                raise ClusterError(f"{c.name} exited with code {c.proc.returncode}; log {c.log_path}:\n{tail}")
+
+    def pids(self) -> dict[str, int]:
+        """Process ids of every service (and the embedded nats-server)."""
+        out = {c.name: c.proc.pid for c in self.children if c.proc}
+        if self.nats and self.nats.pid:
+            out["nats-server"] = self.nats.pid
+        return out
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every service (router first, workers last), wait, SIGKILL stragglers, stop NATS."""
+        order = sorted(self.children, key=lambda c: {"router": 0, "planner": 1, "kvdirectory": 2}.get(c.name, 3))
+        for c in order:
+            if c.proc and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in order:
+            if c.proc is None:
+                continue
+            while c.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if c.proc.poll() is None:
+                log.warning("service did not stop in time; killing", service=c.name)
+                c.proc.kill()
+                c.proc.wait()
+            if c.log_file:
+                c.log_file.close()  # type: ignore[attr-defined]
+                c.log_file = None
+        if self._bus is not None:
+            await self._bus.close()
+            self._bus = None
+        if self.nats:
+            self.nats.stop()
+            self.nats = None
+
+    def describe(self) -> dict[str, object]:
+        """What is running, for humans and for the `up` ready line."""
+        return {
+            "router_url": self.router_url,
+            "nats_url": self.nats_url,
+            "log_dir": str(self.log_dir),
+            "split": self.spec.split,
+            "speedup": self.spec.speedup,
+            "pids": self.pids(),
+        }
+
+
+def write_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,217 @@
+"""``evolving-infra up`` and ``evolving-infra demo``.
+
+``up`` starts an embedded nats-server (unless ``--nats-url``) and every service
+as its own OS process, waits until all are healthy, prints where the router
+listens, and stops everything cleanly on Ctrl-C / SIGTERM.
+
+``demo`` does the same, replays real Claude Code sessions through the router
+(closed loop, N concurrent agents), writes ``OUT/report.json`` plus
+``OUT/requests.jsonl`` and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, write_json
+from shared.log import setup_logging
+from shared.profile import available_profiles
+from shared.split import SplitError, parse_split
+
+DEMO_TRACE = "claude-code-sample.jsonl.gz"
+
+
+def demo_trace_path() -> Path:
+    """The Claude Code sample shipped with the package (see evolving_infra/data/SOURCE.md)."""
+    return Path(str(resources.files("evolving_infra") / "data" / DEMO_TRACE))
+
+
+def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, speedup: float) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--nodes", type=int, default=nodes, help=f"worker nodes, one process each (default {nodes})")
+    g.add_argument("--split", default=split, help=f"initial PD split: 'collocated' or xPyD with x+y = nodes (default {split})")
+    g.add_argument(
+        "--profile",
+        default="gb300-glm52",
+        help=f"node profile: a shipped name ({', '.join(available_profiles()) or 'none found'}) or a TOML path",
+    )
+    g.add_argument("--speedup", type=float, default=speedup, help=f"simulated seconds per wall second (default {speedup:g})")
+    g.add_argument("--host", default="127.0.0.1", help="router HTTP bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="router HTTP port; 0 = any free port (default 8000)")
+    g.add_argument("--routing", default="cache-aware", help="prefill routing policy (default cache-aware)")
+    g.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
+    g.add_argument("--partition", default="p0", help="partition name; subjects live under ei.<partition>. (default p0)")
+    g.add_argument("--nats-url", default=None, help="use this NATS server instead of starting an embedded one")
+    g.add_argument("--log-dir", default=None, help="directory for each service's log (default: a temp dir)")
+    g.add_argument("--log-level", default="info", help="service log level (default info)")
+    g.add_argument("--stream-interval", type=int, default=1, help="output tokens per streamed chunk (default 1)")
+    g.add_argument("--ready-timeout", type=float, default=90.0, help="wall seconds to wait for all services (default 90)")
+
+
+def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
+    try:
+        parse_split(args.split, args.nodes)
+    except SplitError as e:
+        raise SystemExit(f"error: {e}")
+    values = dict(
+        nodes=args.nodes,
+        split=args.split,
+        profile=args.profile,
+        speedup=args.speedup,
+        host=args.host,
+        port=args.port,
+        routing=args.routing,
+        block_size=args.block_size,
+        partition=args.partition,
+        nats_url=args.nats_url,
+        log_dir=args.log_dir,
+        log_level=args.log_level,
+        stream_interval=args.stream_interval,
+        ready_timeout_s=args.ready_timeout,
+    )
+    values.update(overrides)
+    return ClusterSpec(**values)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- up
+
+
+async def _up(args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    cluster = LocalCluster(_spec(args))
+    try:
+        await cluster.start()
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    info = cluster.describe()
+    write_json(cluster.log_dir / "cluster.json", info)
+    print(f"cluster ready: router {cluster.router_url}  (split {args.split}, {args.nodes} workers, speedup {args.speedup:g})")
+    print(f"  NATS {cluster.nats_url}   logs {cluster.log_dir}   trace with: evolving-infra tap --nats-url {cluster.nats_url}")
+    print("READY " + json.dumps(info), flush=True)
+    try:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                cluster.check_alive()
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        await cluster.stop()
+        return 1
+    print("stopping ...", flush=True)
+    await cluster.stop()
+    print("stopped", flush=True)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    setup_logging("console", "warning")
+    return asyncio.run(_up(args))
+
+
+# ----------------------------------------------------------------------------- demo
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    from evolving_infra.replay.core import Arrival
+    from evolving_infra.replay.live import LiveReplayer
+    from evolving_infra.report.write import build_report, print_summary, write_report
+    from evolving_infra.traces.io import read_trace
+    from shared.clock import SimClock
+
+    trace_path = Path(args.trace) if args.trace else demo_trace_path()
+    trace = read_trace(trace_path)
+    agents = list(dict.fromkeys(r.agent for r in trace.requests))[: args.sessions]
+    keep = set(agents)
+    requests = [r for r in trace.requests if r.agent in keep]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(args.log_dir) if args.log_dir else out / "logs"
+    spec = _spec(args, log_dir=str(log_dir), block_size=trace.header.block_size)
+    print(
+        f"demo: {len(agents)} Claude Code sessions, {len(requests)} requests from {trace_path.name}; "
+        f"{spec.nodes} workers at {spec.split}, speedup {spec.speedup:g}, {args.concurrency} concurrent agents",
+        flush=True,
+    )
+    wall0 = time.monotonic()
+    async with LocalCluster(spec) as cluster:
+        print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, logs {cluster.log_dir}", flush=True)
+        clock = SimClock(spec.speedup, cluster.clock_origin)
+        replayer = LiveReplayer(cluster.router_url, clock, block_size=trace.header.block_size, model=spec.model)
+        result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency))
+        cluster.check_alive()
+    ideal = trace_stats_ideal(requests, trace.header.block_size)
+    notes = list(trace.header.meta.get("notes", [])) if isinstance(trace.header.meta.get("notes"), list) else []
+    cap = trace.header.meta.get("max_requests_per_branch")
+    if cap:
+        notes.append(f"sessions capped to the first {cap} requests of each branch")
+    meta = {
+        "command": "demo",
+        "argv": sys.argv[1:],
+        "trace": str(trace_path),
+        "trace_source": trace.header.source,
+        "cluster": {"nodes": spec.nodes, "split": spec.split, "profile": spec.profile, "routing": spec.routing},
+        "speedup": spec.speedup,
+        "arrival": {"kind": "closed", "concurrency": args.concurrency},
+        "wall_s": time.monotonic() - wall0,
+        "replay_wall_s": result.wall_s,
+        "branch_end_failures": result.branch_end_failures,
+        "notes": notes,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal)
+    path = write_report(out, report, sorted(result.records, key=lambda r: r.sent_at))
+    print_summary(report)
+    print(f"report: {path}")
+    ok = report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"]
+    return 0 if ok else 1
+
+
+def trace_stats_ideal(requests: list, block_size: int) -> float | None:
+    """h* of exactly the replayed requests (unlimited shared cache, file order)."""
+    from evolving_infra.traces.stats import ideal_kv_hit_rate
+
+    return ideal_kv_hit_rate(requests, block_size)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    setup_logging("console", "warning")
+    return asyncio.run(_demo(args))
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "up",
+        help="start NATS and every service as its own process; Ctrl-C stops all",
+        description="Start an embedded nats-server (unless --nats-url) and the directory, planner, workers and router, "
+        "each as its own OS process; wait until all are healthy; Ctrl-C stops everything cleanly.",
+    )
+    _add_cluster_args(p, nodes=4, split="2P2D", speedup=1.0)
+    p.set_defaults(func=cmd_up)
+
+    d = sub.add_parser(
+        "demo",
+        help="up + replay real Claude Code sessions + report",
+        description="Start a local cluster, replay real Claude Code sessions (shipped sample) closed-loop through the "
+        "router, and write OUT/report.json, OUT/requests.jsonl and the services' logs under OUT/logs.",
+    )
+    _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0)
+    d.add_argument("--out", default="demo-out", help="output directory for report.json (default demo-out)")
+    d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample")
+    d.add_argument("--sessions", type=int, default=60, help="sessions (agents) to replay (default 60)")
+    d.add_argument("--concurrency", type=int, default=16, help="concurrent agents, closed loop (default 16)")
+    d.set_defaults(func=cmd_demo, port=0)

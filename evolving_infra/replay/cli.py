@@ -1,0 +1,98 @@
+"""``evolving-infra replay``: the harness side, against a running cluster's router."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from evolving_infra.replay.core import Arrival, ReplayError
+from shared.log import setup_logging
+
+
+async def _replay(args: argparse.Namespace) -> int:
+    from evolving_infra.replay.live import LiveReplayer
+    from evolving_infra.report.write import build_report, print_summary, write_report
+    from evolving_infra.traces.io import TraceError, read_trace
+    from evolving_infra.traces.stats import ideal_kv_hit_rate
+    from shared.clock import SimClock
+
+    if args.from_kind == "canonical":
+        try:
+            trace = read_trace(Path(args.input[0]))
+        except TraceError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        from evolving_infra.traces.convert import convert_inputs
+
+        trace = convert_inputs(args.from_kind, [Path(p) for p in args.input], progress=True)
+    if args.max_requests_per_branch or args.sessions:
+        from evolving_infra.traces.io import sample_sessions
+
+        trace = sample_sessions(trace, args.sessions or 10**9, seed=args.seed, max_requests_per_branch=args.max_requests_per_branch)
+    try:
+        arrival = Arrival(kind=args.arrival, concurrency=args.concurrency, rate_per_min=args.rate, cap=args.cap, seed=args.seed)
+    except ReplayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    clock = SimClock(args.speedup)
+    replayer = LiveReplayer(args.router_url, clock, block_size=trace.header.block_size, model=args.model)
+    wall0 = time.monotonic()
+    result = await replayer.run(trace.requests, arrival)
+    meta = {
+        "command": "replay",
+        "argv": sys.argv[1:],
+        "input": args.input,
+        "trace_source": trace.header.source,
+        "router_url": args.router_url,
+        "speedup": args.speedup,
+        "arrival": {"kind": args.arrival, "concurrency": args.concurrency, "rate_per_min": args.rate, "cap": args.cap},
+        "wall_s": time.monotonic() - wall0,
+        "notes": list(trace.header.meta.get("notes", []) or []),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    sent = {r.id for r in result.records}
+    ideal = ideal_kv_hit_rate([r for r in trace.requests if r.id in sent], trace.header.block_size)
+    report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal)
+    path = write_report(Path(args.out), report, sorted(result.records, key=lambda r: r.sent_at))
+    print_summary(report)
+    print(f"report: {path}")
+    return 0 if report["requests_failed"] == 0 else 1
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    setup_logging("console", "warning")
+    return asyncio.run(_replay(args))
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "replay",
+        help="replay agent traces against a running router",
+        description="Replay a canonical agent trace (or raw traces converted on the fly) against a running cluster: "
+        "each request is sent after its predecessors complete plus the recorded pause, with branch headers; "
+        "branches are ended; TTFT, E2E, tokens and cached tokens are recorded per request.",
+    )
+    p.add_argument("input", nargs="+", help="canonical trace file, or raw trace files/folders with --from")
+    p.add_argument(
+        "--from",
+        dest="from_kind",
+        default="canonical",
+        choices=["canonical", "claude-code-weka", "mooncake", "mini-swe-agent", "azure"],
+        help="input kind (default canonical)",
+    )
+    p.add_argument("--router-url", default="http://127.0.0.1:8000", help="router base URL")
+    p.add_argument("--speedup", type=float, default=1.0, help="the cluster's speedup (simulated s per wall s)")
+    p.add_argument("--model", default="evolving-infra-sim", help="model name sent with requests")
+    p.add_argument("--arrival", choices=["closed", "open", "trace"], default="closed", help="arrival process")
+    p.add_argument("--concurrency", type=int, default=16, help="closed loop: concurrent agents")
+    p.add_argument("--rate", type=float, default=10.0, help="open loop: agent arrivals per minute")
+    p.add_argument("--cap", type=int, default=0, help="open loop: admission cap (0 = none)")
+    p.add_argument("--sessions", type=int, default=0, help="replay at most this many agents (0 = all)")
+    p.add_argument("--max-requests-per-branch", type=int, default=0, help="cap each branch to its first K requests (0 = no cap)")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling and open-loop arrivals")
+    p.add_argument("--out", default="replay-out", help="output directory for report.json")
+    p.set_defaults(func=cmd_replay)

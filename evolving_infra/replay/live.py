@@ -1,0 +1,235 @@
+"""Live replayer: drives a running cluster's router over HTTP, as an agent harness would.
+
+Each request goes to ``POST /v1/completions`` with the prompt as token ids
+(blocks of the trace turned into deterministic tokens), ``max_tokens`` = the
+recorded output length, ``ignore_eos``, streaming with usage, and the agent
+headers ``X-Branch-Id`` (+ ``X-Branch-Kind`` / ``X-Parent-Branch-Id`` on a
+branch's first request, ``X-Agent-Id``). A branch's last request is followed
+by ``POST /v1/branches/{id}/end``. Timing follows :class:`ReplayCore` on the
+cluster's simulated clock; TTFT and E2E are measured at the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+import structlog
+from tqdm import tqdm
+
+from evolving_infra.replay.core import Arrival, EndBranch, ReplayCore, SendRequest
+from evolving_infra.report.records import RequestRecord
+from evolving_infra.traces.schema import TraceRequest
+from evolving_infra.traces.tokens import prompt_token_ids
+from shared.clock import SimClock
+
+log = structlog.get_logger("replay")
+
+_JSON = msgspec.json.Encoder()
+_DEC = msgspec.json.Decoder()
+
+
+@dataclass
+class ReplayResult:
+    records: list[RequestRecord]
+    start: float
+    """Simulated time the replay started."""
+    end: float
+    wall_s: float
+    agents: int
+    branch_end_failures: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class LiveReplayer:
+    """Replays trace requests against ``router_url`` on ``clock``.
+
+    Args:
+        router_url: e.g. ``http://127.0.0.1:8000``.
+        clock: the cluster's simulated clock (same speedup and origin as the services).
+        block_size: tokens per trace block id.
+        model: model name sent in requests.
+        request_timeout_s: wall seconds before a request is abandoned (counted as failed).
+    """
+
+    def __init__(
+        self,
+        router_url: str,
+        clock: SimClock,
+        *,
+        block_size: int,
+        model: str = "evolving-infra-sim",
+        request_timeout_s: float = 600.0,
+        progress: bool = True,
+        max_connections: int = 512,
+    ) -> None:
+        self.router_url = router_url.rstrip("/")
+        self.clock = clock
+        self.block_size = block_size
+        self.model = model
+        self.request_timeout_s = request_timeout_s
+        self.progress = progress
+        self.max_connections = max_connections
+        self._branch_kind: dict[str, str] = {}
+
+    async def run(self, requests: Sequence[TraceRequest], arrival: Arrival, *, max_agents: int | None = None) -> ReplayResult:
+        """Replay until every agent has finished; returns one record per request sent."""
+        wall0 = time.monotonic()
+        start = self.clock.now()
+        core = ReplayCore(requests, arrival, start=start, max_agents=max_agents)
+        agents = set(list(dict.fromkeys(r.agent for r in requests))[:max_agents])
+        total = sum(1 for r in requests if r.agent in agents)
+        for r in requests:
+            if r.kind is not None:
+                self._branch_kind[r.branch] = r.kind
+        records: list[RequestRecord] = []
+        wake = asyncio.Event()
+        tasks: set[asyncio.Task[None]] = set()
+        end_failures = 0
+        bar = tqdm(total=total, desc="replay", unit="req", disable=not self.progress, dynamic_ncols=True)
+        limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections)
+        async with httpx.AsyncClient(base_url=self.router_url, timeout=httpx.Timeout(self.request_timeout_s), limits=limits) as http:
+
+            async def send(action: SendRequest) -> None:
+                rec = await self._send(http, action)
+                records.append(rec)
+                bar.update(1)
+                for follow in core.on_complete(action.req.agent, action.req.id, self.clock.now(), ok=rec.ok):
+                    if isinstance(follow, EndBranch):
+                        spawn(end(follow))
+                wake.set()
+
+            async def end(action: EndBranch) -> None:
+                nonlocal end_failures
+                try:
+                    resp = await http.post(f"/v1/branches/{action.branch}/end")
+                    if resp.status_code >= 400:
+                        end_failures += 1
+                        log.warning("branch end refused", branch=action.branch, status=resp.status_code, body=resp.text[:200])
+                except httpx.HTTPError as e:
+                    end_failures += 1
+                    log.warning("branch end failed", branch=action.branch, error=repr(e))
+
+            def spawn(coro: object) -> None:
+                t = asyncio.create_task(coro)  # type: ignore[arg-type]
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+
+            while not core.done:
+                for action in core.poll(self.clock.now()):
+                    if isinstance(action, SendRequest):
+                        spawn(send(action))
+                    else:
+                        spawn(end(action))
+                nxt = core.next_time()
+                wake.clear()
+                timeout = None if nxt is None else max(0.0, self.clock.wall_at(nxt) - time.time())
+                if nxt is None and not tasks:
+                    break  # nothing due and nothing in flight: the trace is exhausted
+                try:
+                    await asyncio.wait_for(wake.wait(), timeout=timeout)
+                except asyncio.TimeoutError:
+                    pass
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        bar.close()
+        return ReplayResult(
+            records=records,
+            start=start,
+            end=self.clock.now(),
+            wall_s=time.monotonic() - wall0,
+            agents=core.agents_total,
+            branch_end_failures=end_failures,
+        )
+
+    def _headers(self, action: SendRequest) -> dict[str, str]:
+        req = action.req
+        h = {"X-Branch-Id": req.branch, "X-Agent-Id": req.agent}
+        if action.new_branch:
+            kind = req.kind or "main"
+            if kind in ("fork", "subagent"):
+                h["X-Branch-Kind"] = kind
+            if req.parent_branch:
+                h["X-Parent-Branch-Id"] = req.parent_branch
+        return h
+
+    async def _send(self, http: httpx.AsyncClient, action: SendRequest) -> RequestRecord:
+        req = action.req
+        tokens = prompt_token_ids(req, self.block_size)
+        body = {
+            "model": self.model,
+            "prompt": tokens.tolist(),
+            "max_tokens": req.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        wait = action.admission_wait_s
+        rec = RequestRecord(
+            id=req.id,
+            agent=req.agent,
+            branch=req.branch,
+            branch_kind=self._branch_kind.get(req.branch, "main"),
+            sent_at=self.clock.now(),
+            admission_wait_s=wait,
+            expected_prompt_tokens=req.input_tokens,
+            expected_completion_tokens=req.output_tokens,
+        )
+        t0 = rec.sent_at
+        first: float | None = None
+        n_out = 0
+        try:
+            async with http.stream(
+                "POST",
+                "/v1/completions",
+                content=_JSON.encode(body),
+                headers={**self._headers(action), "Content-Type": "application/json"},
+            ) as resp:
+                rec.status = resp.status_code
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    rec.ok = False
+                    rec.error = f"HTTP {resp.status_code}: {text[:300]}"
+                    rec.finished_at = self.clock.now()
+                    return rec
+                rec.prefill_node = resp.headers.get("x-ei-prefill-node")
+                rec.decode_node = resp.headers.get("x-ei-decode-node")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    obj = _DEC.decode(data)
+                    if "error" in obj:
+                        rec.ok = False
+                        rec.error = str(obj["error"].get("message", obj["error"]) if isinstance(obj["error"], dict) else obj["error"])
+                        break
+                    for choice in obj.get("choices") or ():
+                        if choice.get("text") or choice.get("finish_reason"):
+                            if first is None and choice.get("text"):
+                                first = self.clock.now()
+                    usage = obj.get("usage")
+                    if usage:
+                        rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                        n_out = int(usage.get("completion_tokens", 0))
+                        details = usage.get("prompt_tokens_details") or {}
+                        rec.cached_tokens = int(details.get("cached_tokens") or 0)
+        except (httpx.HTTPError, msgspec.DecodeError) as e:
+            rec.ok = False
+            rec.error = f"{type(e).__name__}: {e}"
+        done = self.clock.now()
+        rec.finished_at = done
+        rec.completion_tokens = n_out
+        if rec.ok:
+            if first is None:
+                rec.ok = False
+                rec.error = rec.error or "stream ended without tokens"
+            else:
+                rec.ttft_s = first - t0 + wait
+                rec.e2e_s = done - t0 + wait
+        return rec

@@ -1,0 +1,79 @@
+"""Per-request records: what a replay (live or simulated) measured for each request.
+
+Times are simulated seconds (live: wall seconds × speedup on the cluster clock).
+One record per line in ``requests.jsonl`` next to ``report.json``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import msgspec
+
+
+class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Measurements of one request (send → first token → last token)."""
+
+    id: str
+    """Trace request id."""
+    agent: str
+    branch: str
+    branch_kind: str = "main"
+    sent_at: float
+    """Simulated time the request was sent."""
+    ok: bool = True
+    status: int = 200
+    error: str | None = None
+    ttft_s: float | None = None
+    """Send → first token, plus the agent's admission wait on its first request."""
+    e2e_s: float | None = None
+    """Send → last token, plus the admission wait on the agent's first request."""
+    admission_wait_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens served from KV cache (any tier), as reported in usage."""
+    expected_prompt_tokens: int = 0
+    expected_completion_tokens: int = 0
+    prefill_node: str | None = None
+    decode_node: str | None = None
+    finished_at: float | None = None
+    """Simulated time of the last token (or of the failure)."""
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2E − TTFT) / (completion tokens − 1), for requests with ≥ 2 tokens."""
+        if self.ttft_s is None or self.e2e_s is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
+
+
+_ENC = msgspec.json.Encoder()
+_DEC = msgspec.json.Decoder(RequestRecord)
+
+
+def write_records(path: Path, records: Iterable[RequestRecord]) -> None:
+    """Write records as JSON Lines, in the given order."""
+    with open(path, "wb") as f:
+        for r in records:
+            f.write(_ENC.encode(r))
+            f.write(b"\n")
+
+
+def read_records(path: Path) -> list[RequestRecord]:
+    """Read a ``requests.jsonl`` file.
+
+    Raises:
+        ValueError: naming the line number of an undecodable line.
+    """
+    out: list[RequestRecord] = []
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(_DEC.decode(line))
+            except msgspec.DecodeError as e:
+                raise ValueError(f"{path}: line {i}: {e}") from e
+    return out

@@ -1,0 +1,102 @@
+"""``evolving-infra tap``: print decoded messages of a live cluster (how users trace it).
+
+Subscribes to subjects of a partition (all of them by default) and prints one
+line per message: wall time, subject, message type and its fields as JSON.
+Long lists (block hashes, token ids) are abbreviated unless ``--full``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+import msgspec
+import nats
+
+from shared.bus import decoder_for
+from shared.subjects import ALL, Subjects
+
+
+def _abbrev(value: Any, limit: int) -> Any:
+    if isinstance(value, list):
+        items = [_abbrev(v, limit) for v in value[:limit]]
+        if len(value) > limit:
+            items.append(f"... +{len(value) - limit}")
+        return items
+    if isinstance(value, dict):
+        return {k: _abbrev(v, limit) for k, v in value.items()}
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    return value
+
+
+def render(subjects: Subjects, subject: str, data: bytes, *, full: bool = False) -> str:
+    """One printable line for a raw message (decoded with its subject's type)."""
+    match = subjects.match(subject)
+    stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 1000) % 1000:03d}"
+    if match is None:
+        return f"{stamp} {subject} <unknown subject> {len(data)} bytes"
+    subj, _ = match
+    try:
+        msg = decoder_for(subj.msg_type).decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return f"{stamp} {subject} <malformed {subj.template}: {e}>"
+    body = msgspec.to_builtins(msg, enc_hook=lambda b: f"<{len(b)} bytes>" if isinstance(b, bytes) else str(b))
+    if not full:
+        body = _abbrev(body, 8)
+    return f"{stamp} {subject} {type(msg).__name__} {json.dumps(body, separators=(',', ':'), default=str)}"
+
+
+async def _tap(args: argparse.Namespace) -> int:
+    subjects = Subjects(args.partition)
+    templates = {s.template.split(".")[0] for s in ALL}
+    patterns = args.subjects or [subjects.all_wildcard()]
+    patterns = [p if p.startswith("ei.") else subjects.prefix + p for p in patterns]
+    excluded = [subjects.prefix + e for e in args.exclude]
+    nc = await nats.connect(args.nats_url, name="tap")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    count = 0
+
+    async def cb(msg: nats.aio.msg.Msg) -> None:
+        nonlocal count
+        if any(msg.subject.startswith(e.rstrip(">*")) for e in excluded):
+            return
+        print(render(subjects, msg.subject, msg.data, full=args.full), flush=True)
+        count += 1
+        if args.max and count >= args.max:
+            stop.set()
+
+    for p in patterns:
+        await nc.subscribe(p, cb=cb)
+    print(f"tapping {', '.join(patterns)} on {args.nats_url} (known roots: {', '.join(sorted(templates))}); Ctrl-C to stop", file=sys.stderr)
+    await stop.wait()
+    await nc.drain()
+    return 0
+
+
+def cmd_tap(args: argparse.Namespace) -> int:
+    return asyncio.run(_tap(args))
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "tap",
+        help="print decoded messages of a live cluster",
+        description="Subscribe to subjects of a partition and print decoded messages live. SUBJECT may be relative to "
+        "the partition (e.g. 'kv.events.*', 'node.state.>', 'split.>') or absolute ('ei.p0.>').",
+    )
+    p.add_argument("subjects", nargs="*", metavar="SUBJECT", help="subjects or wildcards (default: everything)")
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server (the URL `up` printed)")
+    p.add_argument("--partition", default="p0", help="partition (default p0)")
+    p.add_argument("--exclude", action="append", default=[], metavar="PREFIX", help="skip subjects under this relative prefix (repeatable), e.g. req.")
+    p.add_argument("--full", action="store_true", help="print long lists in full")
+    p.add_argument("--max", type=int, default=0, help="stop after this many messages (0 = never)")
+    p.set_defaults(func=cmd_tap)
