@@ -127,6 +127,12 @@ class KvSnapshot(Msg, frozen=True, kw_only=True):
     block_size: NonNeg
     gpu: list[int] = []
     host: list[int] = []
+    gpu_parents: list[int | None] = []
+    """``gpu_parents[i]`` is the parent hash of ``gpu[i]`` (None at a sequence
+    start); empty when the worker does not know them. Lets the directory place
+    blocks it never saw in its prefix tree."""
+    host_parents: list[int | None] = []
+    """Same for ``host``."""
 
 
 # kv.lookup  (router → directory, request/reply)
@@ -151,6 +157,16 @@ class NodePrefix(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False
     """Longest prefix whose every block is in this node's L1 or L2."""
 
 
+class FetchRange(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """Blocks ``[start, end)`` of a looked-up path that ``node`` holds in ``tier``:
+    where a prefill node fetches them from (host copies preferred, DESIGN §1)."""
+
+    node: str
+    start: NonNeg
+    end: NonNeg
+    tier: Tier = "host"
+
+
 class KvLookupReply(Msg, frozen=True, kw_only=True):
     """Answer to ``KvLookupRequest``; nodes with no matching prefix are omitted."""
 
@@ -160,6 +176,10 @@ class KvLookupReply(Msg, frozen=True, kw_only=True):
     """Longest prefix whose every block is held somewhere in the cluster (any node, any tier)."""
     error: str | None = None
     """Set when the lookup was refused (e.g. block-size mismatch); fields are then empty."""
+    sources: list[FetchRange] = []
+    """Fetch plan covering blocks ``[0, longest_any)``, in order; a prefill node n
+    fetches the part beyond its ``local_blocks`` from ranges held by other nodes
+    (``services.kvdirectory.lookup.fetch_plan`` computes t_c,n and x_n of Eq. 7)."""
 
 
 # --------------------------------------------------------------------------- #

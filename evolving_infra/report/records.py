@@ -40,6 +40,8 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     decode_node: str | None = None
     finished_at: float | None = None
     """Simulated time of the last token (or of the failure)."""
+    queue_s: float | None = None
+    """Time the request waited in its prefill node's queue (arrival → prefill start), when reported."""
 
     @property
     def tpot_s(self) -> float | None:

@@ -11,7 +11,11 @@ Block ids: ``blocks`` lists the ids of the input's *full* blocks of
 ``block_size`` tokens (``len(blocks) == input_tokens // block_size``). Ids are
 chained: equal ids at equal positions mean an equal prefix. Replayers turn ids
 into token ids with ``shared.hashing.tokens_for_blocks`` and the partial tail
-into request-private tokens with ``shared.hashing.tokens_for_tail``.
+into request-private tokens with ``shared.hashing.tokens_for_tail``
+(``evolving_infra.traces.tokens.prompt_token_ids``). Ids lie in
+[0, :data:`MAX_BLOCK_ID`].
+
+Reading, validation and writing: ``evolving_infra.traces.io``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ from msgspec import Meta, Struct
 
 FORMAT = "evolving-infra-trace"
 VERSION = 1
+
+MAX_BLOCK_ID = (1 << 48) - 1
+"""Block ids lie in [0, MAX_BLOCK_ID]: ``shared.hashing.tokens_for_blocks`` turns
+``(id << 16) + j`` into token ``j`` of block ``id``, which is distinct for every
+(id, j) only below 2**48. Ids from 2**47 up are reserved for request-private ids
+(``evolving_infra.traces.tokens.PrivateIds``)."""
 
 BranchKind = Literal["main", "fork", "subagent"]
 
