@@ -396,6 +396,9 @@ class TokenChunk(Msg, frozen=True, kw_only=True):
     """Prompt tokens served from cache (any tier); set on the first chunk."""
     error: str | None = None
     ts: float = 0.0
+    queue_s: float | None = None
+    """On the first chunk: time the request waited in the prefill node's queue
+    (arrival on the node → its first prefill chunk), simulated seconds."""
 
 
 # --------------------------------------------------------------------------- #

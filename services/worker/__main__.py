@@ -1,0 +1,30 @@
+"""``python -m services.worker --node w0 --profile gb300-glm52 --phase both --speedup 100 --nats-url ...``"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from shared.config import ConfigError, load_config
+from shared.log import setup_logging
+from shared.profile import ProfileError, load_profile
+from shared.service import run_service
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the config, check the profile, run the worker until SIGINT/SIGTERM."""
+    try:
+        cfg = load_config(WorkerConfig, argv, prog="worker", description="Evolving Infra worker (symmetric engine host)")
+        load_profile(cfg.profile)
+    except (ConfigError, ProfileError) as e:
+        print(f"worker: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_format, cfg.log_level, service="worker")
+    run_service("worker", cfg, WorkerService, instance=cfg.instance or f"worker-{cfg.node}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The ``sim`` engine: a simulated GPU whose iteration times come from a profile (DESIGN §5).
+
+Every scheduling decision (batching, chunking, paged blocks, eviction) is made
+by the real scheduler core; only the time an iteration takes is computed, by
+paper Eq. 1/2 with the profile's coefficients, instead of measured. Output
+token ids are a deterministic function of (rid, position), so two runs (or the
+live stack and the simulator) stream identical tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from shared.hashing import SIM_VOCAB_SIZE
+from shared.profile import Profile
+from services.worker.engines.base import Engine
+from services.worker.plan import IterationPlan
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GOLDEN) & _MASK
+    z = x
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def sim_output_tokens(rid: str, start: int, count: int) -> list[int]:
+    """Deterministic output token ids of ``rid`` at positions ``[start, start + count)``.
+
+    Token ``j`` is ``splitmix64(seed(rid) + j·φ64) mod SIM_VOCAB_SIZE`` with
+    ``seed`` the first 8 bytes of SHA-256(rid); every id lies in [0, SIM_VOCAB_SIZE).
+
+    Raises:
+        ValueError: if ``start`` or ``count`` is negative.
+    """
+    if start < 0 or count < 0:
+        raise ValueError(f"start and count must be >= 0, got {start}, {count}")
+    seed = int.from_bytes(hashlib.sha256(rid.encode()).digest()[:8], "little")
+    return [_splitmix64((seed + j * _GOLDEN) & _MASK) % SIM_VOCAB_SIZE for j in range(start, start + count)]
+
+
+class SimEngine(Engine):
+    """Executes a plan by returning its profile duration (Eq. 1/2, computed by the scheduler)."""
+
+    name = "sim"
+    simulated = True
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+
+    def execute(self, plan: IterationPlan) -> float:
+        """Duration of ``plan`` in simulated seconds: ``iterations × iteration_s``."""
+        return plan.iterations * plan.iteration_s
+
+    def output_tokens(self, rid: str, start: int, count: int) -> list[int]:
+        return sim_output_tokens(rid, start, count)

@@ -1,0 +1,124 @@
+"""Plan and output types of the engine scheduler (internal, not wire messages).
+
+Contains zero I/O. ``dataclass(slots=True)`` with a comment per field, as
+vLLM's ``SchedulerOutput`` (STYLE §1.3). Times are simulated seconds, counts
+are tokens unless a field says blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.messages import DecodeWork
+
+
+class WorkRejected(ValueError):
+    """Work this node cannot serve (bad input, wrong phase, never fits): answer it
+    with an error, never crash. ``rid`` is the request, ``reason`` says why."""
+
+    def __init__(self, rid: str, reason: str) -> None:
+        super().__init__(f"{rid}: {reason}")
+        self.rid = rid
+        self.reason = reason
+
+
+class SchedulerError(RuntimeError):
+    """The caller misused the scheduler (e.g. ``schedule()`` while a plan is in flight)."""
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One request's share of the prefill part of an iteration."""
+
+    rid: str
+    tokens: int
+    """t_uc of this chunk: uncached prompt tokens computed in this iteration."""
+    cached_before: int
+    """t_c of this chunk: prompt tokens already in KV before it (cached prefix + earlier chunks)."""
+    restored: int
+    """t_rst: prompt tokens restored from L2 into L1 for this iteration (first chunk only)."""
+    completes: bool
+    """True if this chunk finishes the prompt; the iteration then produces the first output token."""
+
+
+@dataclass(slots=True)
+class IterationPlan:
+    """What the node computes from ``start`` to ``end``: ``iterations`` identical
+    iterations of ``iteration_s`` each (more than one only for a skip-ahead
+    pure-decode plan)."""
+
+    start: float
+    """Launch time (simulated s)."""
+    iterations: int
+    """k: identical consecutive iterations folded into this plan (1 in live mode)."""
+    iteration_s: float
+    """Duration of one iteration (s): Eq. 1 part + Eq. 2 part (mixed: minus the smaller fixed cost)."""
+    end: float
+    """``start + iterations * iteration_s``."""
+    prefill: list[PrefillChunk]
+    """Prefill chunks, running requests first, then newly admitted ones."""
+    decode: list[str]
+    """rids of the decoding requests (B = len(decode))."""
+    prefill_s: float
+    """Eq. 1 part of one iteration (0 without chunks)."""
+    decode_s: float
+    """Eq. 2 part of one iteration (0 without decoding requests)."""
+    sum_uncached: int
+    """Σ t_uc over the chunks."""
+    sum_qk_pairs: int
+    """Σ A over the chunks, A = qk_pairs(t_uc, t_c)."""
+    sum_restored: int
+    """Σ t_rst over the chunks."""
+    sum_cached: int
+    """Σ t_c (``cached_before``) over the chunks."""
+    reqs: list[Any] = field(default_factory=list, repr=False)
+    """Scheduler-internal request objects, prefill chunks first then decode (same order)."""
+
+    @property
+    def phase(self) -> str:
+        """``prefill``, ``decode`` or ``mixed`` (the IterationRecord phase)."""
+        if self.prefill and self.decode:
+            return "mixed"
+        return "prefill" if self.prefill else "decode"
+
+    @property
+    def duration_s(self) -> float:
+        """Total simulated time of the plan (s)."""
+        return self.end - self.start
+
+
+@dataclass(slots=True)
+class TokensOut:
+    """Output tokens of one request produced by a plan."""
+
+    rid: str
+    index: int
+    """Output position of the first of these tokens (0 = the first token, from prefill)."""
+    count: int
+    """Tokens produced (≥ 1, except a final event of a request that produced none)."""
+    finished: bool
+    """True if the request is done on this node (max_tokens reached)."""
+    finish_reason: str | None
+    """``length`` when finished, else None."""
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens served from cache on this node (L1 hit + L2 restore) at admission."""
+    at: float
+    """Simulated time the tokens became available (end of the plan)."""
+    queue_s: float | None = None
+    """First token only: time from arrival on this node to the launch of its first prefill chunk (s)."""
+
+
+@dataclass(slots=True)
+class HandOff:
+    """Prefill done on this node; decode continues on ``decode_node`` (PD disaggregation)."""
+
+    rid: str
+    decode_node: str
+    work: DecodeWork
+    """What to publish on ``work.<decode_node>.decode`` (kv_ready_at set)."""
+    at: float
+
+
+OutputEvent = TokensOut | HandOff

@@ -1,0 +1,263 @@
+"""The worker service over a real nats-server: token stream, KV events, node state,
+iteration records, PD hand-off between two workers, resync, split commands, abort,
+and malformed payloads on every subscribed subject."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from contextlib import asynccontextmanager
+
+import msgspec
+import pytest
+
+from shared import messages as m
+from shared.bus import Bus, BusError
+from shared.hashing import block_hashes, tokens_for_blocks
+from shared.service import serve_until_stopped
+from shared.subjects import (
+    KV_COUNTS,
+    KV_EVENTS,
+    KV_RESYNC,
+    NODE_ITERS,
+    NODE_STATE,
+    REQ_OUT,
+    SPLIT_APPLIED,
+    SPLIT_COMMANDS,
+    SVC_STATS,
+    WORK_ABORT,
+    WORK_DECODE,
+    WORK_PREFILL,
+    Subjects,
+)
+from services.worker.config import WorkerConfig
+from services.worker.engines.sim import sim_output_tokens
+from services.worker.service import WorkerService
+
+pytestmark = pytest.mark.timeout(60)
+BS = 4  # tiny profile block size
+
+
+class Client:
+    """A test-side bus that records everything the workers publish."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
+        self.kv: dict[str, list[m.KvEventBatch]] = defaultdict(list)
+        self.states: dict[str, list[m.NodeState]] = defaultdict(list)
+        self.iters: dict[str, list[m.IterationRecords]] = defaultdict(list)
+        self.applied: list[m.SplitApplied] = []
+
+    @classmethod
+    async def connect(cls, url: str) -> "Client":
+        c = cls(await Bus.connect(url, Subjects("p0"), service="test", instance="test"))
+
+        async def on_chunk(msg, subj):
+            c.chunks[msg.rid].append(msg)
+
+        async def on_kv(msg, subj):
+            c.kv[msg.node].append(msg)
+
+        async def on_state(msg, subj):
+            c.states[msg.node].append(msg)
+
+        async def on_iters(msg, subj):
+            c.iters[msg.node].append(msg)
+
+        async def on_applied(msg, subj):
+            c.applied.append(msg)
+
+        await c.bus.subscribe(REQ_OUT, on_chunk)
+        await c.bus.subscribe(KV_EVENTS, on_kv)
+        await c.bus.subscribe(NODE_STATE, on_state)
+        await c.bus.subscribe(NODE_ITERS, on_iters)
+        await c.bus.subscribe(SPLIT_APPLIED, on_applied)
+        await c.bus.nc.flush()
+        return c
+
+    async def until(self, pred, timeout: float = 10.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def finished(self, rid: str) -> bool:
+        return any(ch.finished for ch in self.chunks[rid])
+
+    async def stats(self, node: str) -> m.StatsReply:
+        reply = await self.bus.request(SVC_STATS, m.StatsRequest(), instance=f"worker-{node}")
+        bugs = {k: v for k, v in reply.counters.items() if k.startswith(("handler_errors", "loop_errors"))}
+        assert not bugs, f"worker {node} hit internal errors: {bugs}"
+        return reply
+
+
+@asynccontextmanager
+async def workers(url: str, *specs: dict):
+    """Run workers in-process (one shared clock origin, as the launcher gives them)."""
+    origin = time.time()
+    stops, tasks = [], []
+    probe = await Bus.connect(url, Subjects("p0"), service="probe", instance="probe")
+    try:
+        for spec in specs:
+            spec = {"profile": "tiny", "speedup": 10.0, "idle_state_interval_s": 0.2, "iters_flush_s": 0.1,
+                    "check_invariants": True, **spec}
+            cfg = WorkerConfig(nats_url=url, clock_origin=origin, **spec)
+            stop = asyncio.Event()
+            stops.append(stop)
+            tasks.append(asyncio.create_task(
+                serve_until_stopped("worker", cfg, WorkerService, instance=f"worker-{cfg.node}", stop_event=stop)))
+            for _ in range(200):  # ready once svc.stats answers (after start())
+                try:
+                    await probe.request(SVC_STATS, m.StatsRequest(), instance=f"worker-{cfg.node}", timeout=0.2)
+                    break
+                except BusError:
+                    await asyncio.sleep(0.02)
+            else:
+                raise AssertionError(f"worker {cfg.node} did not start")
+        yield
+    finally:
+        for s in stops:
+            s.set()
+        for t in tasks:
+            await asyncio.wait_for(t, 10)
+        await probe.close()
+
+
+def prompt(rid: str, ids: list[int], tail: int, max_tokens: int, decode_node: str | None = None, bs: int = BS) -> m.PrefillWork:
+    return m.PrefillWork(
+        rid=rid,
+        prompt_tokens=len(ids) * bs + tail,
+        max_tokens=max_tokens,
+        block_size=bs,
+        block_hashes=block_hashes(tokens_for_blocks(ids, bs), bs),
+        decode_node=decode_node,
+    )
+
+
+def check_stream(chunks: list[m.TokenChunk], rid: str, max_tokens: int) -> None:
+    assert chunks[0].index == 0 and len(chunks[0].token_ids) == 1
+    idx = 0
+    for ch in chunks:
+        assert ch.index == idx, "chunks are contiguous"
+        idx += len(ch.token_ids)
+    assert idx == max_tokens
+    assert [ch.finished for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].finish_reason == "length"
+    assert [t for ch in chunks for t in ch.token_ids] == sim_output_tokens(rid, 0, max_tokens)
+
+
+async def test_token_stream_kv_events_state_iters_and_resync(nats_url):
+    c = await Client.connect(nats_url)
+    async with workers(nats_url, {"node": "w0"}):
+        w = prompt("r1", list(range(1, 11)), tail=1, max_tokens=6)
+        await c.bus.publish(WORK_PREFILL, w, node="w0")
+        await c.until(lambda: c.finished("r1"), what="r1 to finish")
+        chunks = c.chunks["r1"]
+        check_stream(chunks, "r1", 6)
+        assert (chunks[0].prompt_tokens, chunks[0].cached_tokens, chunks[0].node) == (41, 0, "w0")
+        assert chunks[0].queue_s is not None and chunks[0].queue_s >= 0
+
+        # same prompt again: 10 full pages cached, (41 - 1) // 4 = 10 pages usable
+        await c.bus.publish(WORK_PREFILL, msgspec.structs.replace(w, rid="r2"), node="w0")
+        await c.until(lambda: c.finished("r2"), what="r2 to finish")
+        assert c.chunks["r2"][0].cached_tokens == 40
+
+        await c.until(lambda: c.iters["w0"], timeout=3, what="iteration records")
+        await asyncio.sleep(0.3)
+        batches = c.kv["w0"]
+        assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
+        assert batches[0].events[0] == m.AllBlocksCleared()
+        stored = {(e.tier, h) for b in batches for e in b.events if isinstance(e, m.BlockStored) for h in e.block_hashes}
+        assert {("gpu", h) for h in w.block_hashes} <= stored and {("host", h) for h in w.block_hashes} <= stored
+
+        st = c.states["w0"][-1]
+        assert (st.node, st.engine, st.gpu_total_blocks, st.host_total_blocks, st.block_size) == ("w0", "sim", 64, 256, 4)
+        assert [s.seq for s in c.states["w0"]] == sorted(s.seq for s in c.states["w0"])
+        recs = [r for batch in c.iters["w0"] for r in batch.records]
+        assert {"prefill", "decode"} <= {r.phase for r in recs}
+
+        snap = await c.bus.request(KV_RESYNC, m.KvResyncRequest(node="w0"), node="w0")
+        assert snap.seq == c.kv["w0"][-1].seq and snap.block_size == 4
+        assert set(w.block_hashes) <= set(snap.gpu) and set(w.block_hashes) <= set(snap.host)
+
+        stats = await c.stats("w0")
+        assert stats.counters["requests.completed"] == 2
+        assert stats.counters["iterations"] >= 8 and stats.counters["kv.batches"] == len(batches)
+        assert stats.gauges["gpu_total_blocks"] == 64 and stats.gauges["running"] == 0
+    await c.bus.close()
+
+
+async def test_pd_handoff_between_two_workers(nats_url):
+    c = await Client.connect(nats_url)
+    async with workers(nats_url, {"node": "w0", "phase": "prefill"}, {"node": "w1", "phase": "decode", "stream_interval": 3}):
+        await c.bus.publish(WORK_PREFILL, prompt("pd1", [5, 6, 7], tail=2, max_tokens=12, decode_node="w1"), node="w0")
+        await c.until(lambda: c.finished("pd1"), what="pd1 to finish")
+        chunks = c.chunks["pd1"]
+        check_stream(chunks, "pd1", 12)
+        assert chunks[0].node == "w0" and all(ch.node == "w1" for ch in chunks[1:])
+        assert all(len(ch.token_ids) >= 3 for ch in chunks[1:-1]), "stream_interval coalesces"
+        s0, s1 = await c.stats("w0"), await c.stats("w1")
+        assert s0.counters["requests.handed_off"] == 1 and s0.counters.get("requests.completed", 0) == 0
+        assert s1.counters["requests.received.decode"] == 1 and s1.counters["requests.completed"] == 1
+        await c.until(lambda: any(isinstance(e, m.BlockStored) for b in c.kv["w1"] for e in b.events),
+                      what="decode node KV events")
+    await c.bus.close()
+
+
+async def test_malformed_payloads_are_counted_and_the_worker_keeps_serving(nats_url):
+    c = await Client.connect(nats_url)
+    async with workers(nats_url, {"node": "w0"}):
+        subs = Subjects("p0")
+        targets = [WORK_PREFILL, WORK_DECODE, WORK_ABORT, SPLIT_COMMANDS, KV_COUNTS, KV_RESYNC]
+        for subj in targets:
+            params = {"node": "w0"} if "node" in subj.params else {}
+            await c.bus.publish_raw(subs.format(subj, **params), b"\xc1 not msgpack")
+        await c.bus.publish(KV_COUNTS, m.CountUpdates(node="w0", hashes=[1, 2], counts=[1]), node="w0")
+        await c.bus.nc.flush()
+        # bad input that decodes: wrong block size, never fits L1
+        await c.bus.publish(WORK_PREFILL, prompt("bad-bs", [1, 2], tail=0, max_tokens=2, bs=8), node="w0")
+        await c.bus.publish(WORK_PREFILL, prompt("too-big", list(range(60)), tail=0, max_tokens=100), node="w0")
+        await c.bus.publish(WORK_PREFILL, prompt("ok", [3, 4], tail=1, max_tokens=3), node="w0")
+        await c.until(lambda: c.finished("ok") and c.finished("bad-bs") and c.finished("too-big"))
+        for rid, why in (("bad-bs", "block size"), ("too-big", "KV blocks")):
+            (ch,) = c.chunks[rid]
+            assert (ch.finished, ch.finish_reason) == (True, "error") and why in ch.error
+        check_stream(c.chunks["ok"], "ok", 3)
+        stats = await c.stats("w0")
+        for subj in targets:
+            assert stats.counters[f"dropped.{subj.template}"] == 1, subj.template
+        assert stats.counters["requests.errored"] == 2 and stats.counters["counts.invalid"] == 1
+    await c.bus.close()
+
+
+async def test_split_commands_and_abort(nats_url):
+    c = await Client.connect(nats_url)
+    async with workers(nats_url, {"node": "w0", "speedup": 1.0}):
+        await c.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=1, phases={"w0": "decode", "w9": "prefill"}))
+        await c.until(lambda: c.applied, what="split.applied")
+        assert (c.applied[0].node, c.applied[0].phase, c.applied[0].status) == ("w0", "decode", "serving")
+        await c.until(lambda: c.states["w0"] and c.states["w0"][-1].phase == "decode", what="phase in state")
+        assert c.states["w0"][-1].epoch == 1
+        await c.bus.publish(WORK_PREFILL, prompt("refused", [1], tail=1, max_tokens=2), node="w0")
+        await c.until(lambda: c.finished("refused"))
+        assert "serves decode" in c.chunks["refused"][0].error
+        await c.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=1, phases={"w0": "both"}))  # stale epoch
+        await c.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=2, phases={"w0": "both"}))
+        await c.until(lambda: len(c.applied) == 2, what="second split.applied")
+        assert c.applied[1].phase == "both"
+
+        await c.bus.publish(WORK_PREFILL, prompt("long", [1, 2], tail=1, max_tokens=220), node="w0")
+        await c.until(lambda: len(c.chunks["long"]) >= 2, what="long to stream")
+        await c.bus.publish(WORK_ABORT, m.RequestAbort(rid="long", reason="client gone"), node="w0")
+        await c.until(lambda: c.finished("long"), what="abort chunk")
+        last = c.chunks["long"][-1]
+        assert (last.finish_reason, last.error) == ("abort", "client gone")
+        assert sum(len(ch.token_ids) for ch in c.chunks["long"]) < 220
+        stats = await c.stats("w0")
+        assert stats.counters["requests.aborted"] == 1 and stats.counters["split.ignored"] == 1
+        assert stats.gauges["running"] == 0 and stats.gauges["gpu_free_blocks"] == 64
+    await c.bus.close()

@@ -1,0 +1,258 @@
+"""L1/L2 block pools: prefix match, L2 restore, leaf-first LRU eviction, write-through, events."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored
+from services.worker.blocks import KvBlockManager, KvInvariantError
+from services.worker.eviction import BranchCountPolicy, EvictionQueue, LruPolicy, get_policy
+
+
+def P(*hashes: int) -> list[int]:
+    """A block path given by its (synthetic) hashes, parent first."""
+    return list(hashes)
+
+
+def compute(kv: KvBlockManager, path: list[int], extra_slots: int = 0) -> None:
+    """A request computes ``path`` from scratch (plus extra reserved slots) and leaves."""
+    n_gpu, _ = kv.match(path, len(path))
+    assert kv.admit(path, n_gpu, len(path) - n_gpu + extra_slots)
+    kv.fill(path, n_gpu, len(path))
+    kv.release(path, len(path), extra_slots)
+
+
+def holders_none(kv: KvBlockManager) -> None:
+    kv.check([])
+
+
+def removed(events, tier):
+    return [h for e in events if isinstance(e, BlockRemoved) and e.tier == tier for h in e.block_hashes]
+
+
+def stored(events, tier):
+    return [e for e in events if isinstance(e, BlockStored) and e.tier == tier]
+
+
+def test_fresh_manager_announces_clear_and_rejects_small_host():
+    kv = KvBlockManager(8, 32, 4)
+    assert kv.take_events() == [AllBlocksCleared()]
+    assert kv.take_events() == []
+    with pytest.raises(ValueError, match="at least as large"):
+        KvBlockManager(8, 4, 4)
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        KvBlockManager(8, 32, 4, "fifo")
+
+
+def test_prefix_match_l1_then_l2_extension():
+    kv = KvBlockManager(4, 16, 4)
+    a = P(1, 2, 3, 4)
+    compute(kv, a)
+    assert kv.match(a, 4) == (4, 0)
+    assert kv.match(P(1, 2, 9), 3) == (2, 0)
+    assert kv.match(a, 2) == (2, 0), "limit caps the match"
+    # a new path fills L1: a's blocks are evicted from L1 but stay in L2
+    compute(kv, P(5, 6, 7, 8))
+    assert kv.match(a, 4) == (0, 4)
+    assert kv.match(a, 4, use_host=False) == (0, 0)
+    holders_none(kv)
+
+
+def test_l2_restore_moves_blocks_back_to_l1_without_host_events():
+    kv = KvBlockManager(4, 16, 4)
+    a = P(1, 2, 3)
+    compute(kv, a)
+    compute(kv, P(5, 6, 7, 8))
+    kv.take_events()
+    n_gpu, n_host = kv.match(a, 3)
+    assert (n_gpu, n_host) == (0, 3)
+    assert kv.admit(a, n_gpu, 3)
+    kv.fill(a, 0, 3)  # restore
+    ev = kv.take_events()
+    assert [e.block_hashes for e in stored(ev, "gpu")] == [[1, 2, 3]]
+    assert stored(ev, "host") == [], "restored blocks are already in L2"
+    assert kv.host.blocks[1].pinned and kv.host.blocks[3].pinned
+    kv.check([(a, 3, 0)])
+
+
+def test_lru_eviction_is_leaf_first_and_lru_across_paths():
+    kv = KvBlockManager(6, 64, 4)
+    old = P(1, 2, 3)
+    new = P(4, 5, 6)
+    compute(kv, old)
+    compute(kv, new)
+    kv.take_events()
+    assert kv.reserve(6)
+    ev = kv.take_events()
+    assert removed(ev, "gpu") == [3, 2, 1, 6, 5, 4], "oldest path first, its leaf before its parents"
+    kv.gpu.unreserve(6)
+    kv.check([])
+
+
+def test_shared_prefix_never_cut_in_the_middle():
+    kv = KvBlockManager(5, 64, 4)
+    a = P(1, 2, 3)
+    b_ = P(1, 2, 4)  # shares blocks 1, 2 with a
+    compute(kv, a)
+    n_gpu, _ = kv.match(b_, 3)
+    assert n_gpu == 2
+    assert kv.admit(b_, 2, 1)
+    kv.fill(b_, 2, 3)
+    # while b holds 1, 2, 4 only block 3 (a's leaf) is evictable
+    assert kv.gpu.available == 1 + 1  # one free slot + block 3
+    kv.take_events()
+    assert kv.reserve(2)
+    assert removed(kv.take_events(), "gpu") == [3]
+    kv.gpu.unreserve(2)
+    kv.release(b_, 3, 0)
+    assert kv.reserve(5)
+    assert removed(kv.take_events(), "gpu") == [4, 2, 1]
+    kv.gpu.unreserve(5)
+    kv.check([])
+
+
+def test_hit_takes_block_out_of_eviction_and_release_makes_it_newest():
+    kv = KvBlockManager(4, 64, 4)
+    compute(kv, P(1, 2))
+    compute(kv, P(3, 4))
+    assert kv.admit(P(1, 2), 2, 0)  # hit on the older path
+    kv.release(P(1, 2), 2, 0)  # now newer than 3, 4
+    kv.take_events()
+    assert kv.reserve(4)
+    assert removed(kv.take_events(), "gpu") == [4, 3, 2, 1]
+
+
+def test_admission_never_over_commits_and_changes_nothing_on_failure():
+    kv = KvBlockManager(4, 16, 4)
+    a = P(1, 2, 3)
+    assert kv.admit(a, 0, 3)
+    kv.fill(a, 0, 3)
+    before = (dict(kv.gpu.blocks), kv.gpu.reserved, len(kv.gpu.evictable))
+    assert not kv.admit(P(7, 8), 0, 2), "only one slot is free and nothing is evictable"
+    assert (dict(kv.gpu.blocks), kv.gpu.reserved, len(kv.gpu.evictable)) == before
+    assert not kv.reserve(2)
+    # a hit whose blocks are evictable does not count them as room
+    kv.release(a, 3, 0)
+    assert kv.gpu.available == 4
+    assert not kv.admit(a, 3, 2), "3 hits are evictable: only 1 slot left for 2 new ones"
+    assert kv.admit(a, 3, 1)
+    kv.check([(a, 3, 1)])
+
+
+def test_write_through_stores_every_l1_block_in_l2_with_events():
+    kv = KvBlockManager(4, 16, 4)
+    kv.take_events()
+    a = P(11, 12, 13)
+    assert kv.admit(a, 0, 4)
+    kv.fill(a, 0, 2)
+    kv.fill(a, 2, 3)
+    ev = kv.take_events()
+    g = stored(ev, "gpu")
+    h = stored(ev, "host")
+    assert [(e.block_hashes, e.parent_block_hash) for e in g] == [([11, 12], None), ([13], 12)]
+    assert [(e.block_hashes, e.parent_block_hash) for e in h] == [([11, 12], None), ([13], 12)]
+    assert all(e.block_size == 4 for e in g + h)
+    # events come in order: gpu store before its host write-through
+    assert ev.index(g[0]) < ev.index(h[0]) < ev.index(g[1])
+    assert set(kv.gpu.blocks) <= set(kv.host.blocks)
+    kv.check([(a, 3, 1)])
+
+
+def test_l2_evicts_lru_unpinned_blocks_when_full():
+    kv = KvBlockManager(2, 4, 4)
+    compute(kv, P(1, 2))
+    compute(kv, P(3, 4))  # evicts 1, 2 from L1 (leaf first): L2 holds 1..4
+    kv.take_events()
+    compute(kv, P(5, 6))  # L1 evicts 3, 4; L2 must evict 2, 1 (unpinned in that order)
+    ev = kv.take_events()
+    assert removed(ev, "gpu") == [4, 3]
+    assert removed(ev, "host") == [2, 1]
+    assert sorted(kv.host.blocks) == [3, 4, 5, 6]
+    kv.check([])
+
+
+def test_fill_dedupes_a_page_computed_meanwhile():
+    kv = KvBlockManager(8, 32, 4)
+    a = P(1, 2)
+    assert kv.admit(a, 0, 2)
+    assert kv.admit(a, 0, 2)  # second request, same prompt, admitted before the first computed it
+    kv.fill(a, 0, 2)
+    kv.take_events()
+    kv.fill(a, 0, 2)
+    assert kv.take_events() == [], "no event for pages already resident"
+    assert kv.gpu.blocks[1].ref == 2 and kv.gpu.reserved == 0
+    kv.check([(a, 2, 0), (a, 2, 0)])
+
+
+def test_snapshot_lists_both_tiers():
+    kv = KvBlockManager(2, 8, 4)
+    compute(kv, P(1, 2))
+    compute(kv, P(3))
+    gpu, host = kv.snapshot()
+    assert sorted(gpu) == [1, 3] and sorted(host) == [1, 2, 3]
+
+
+def test_eviction_queue_orders_by_group_then_stamp():
+    class Blk:
+        def __init__(self, h, stamp, count=0):
+            self.hash, self.last_access, self.count, self.group = h, stamp, count, 0
+
+    q = EvictionQueue(BranchCountPolicy())
+    a, b_, c = Blk(1, 1, count=2), Blk(2, 2), Blk(3, 3, count=1)
+    for x in (a, b_, c):
+        q.push(x)
+    assert [x.hash for x in q.ordered()] == [2, 1, 3]
+    c.count, c.last_access = 0, 4
+    assert q.regroup(c)
+    assert [x.hash for x in q.ordered()] == [2, 3, 1]
+    assert q.pop().hash == 2 and len(q) == 2 and 3 in q
+    q.remove(c)
+    assert q.pop() is a and q.pop() is None
+    assert get_policy("lru").name == "lru" and isinstance(get_policy("lru"), LruPolicy)
+
+
+def test_branch_count_evicts_zero_count_host_blocks_first():
+    kv = KvBlockManager(2, 4, 4, host_policy="branch-count")
+    compute(kv, P(1, 2))
+    compute(kv, P(3, 4))  # L2: 1, 2 unpinned (older), 3, 4 pinned
+    # the directory says an active branch still references 1, 2
+    assert kv.update_counts([1, 2, 99], [1, 1, 5]) == 2
+    compute(kv, P(7, 8))  # L1 evicts 3, 4 → unpinned with count 0; L2 must drop two blocks
+    ev = kv.take_events()
+    assert removed(ev, "host") == [4, 3], "zero-count blocks go first although 1, 2 are older"
+    kv.check([])
+    with pytest.raises(ValueError):
+        kv.update_counts([1], [1, 2])
+
+
+def test_lru_ignores_counts_for_ordering():
+    kv = KvBlockManager(2, 4, 4, host_policy="lru")
+    compute(kv, P(1, 2))
+    compute(kv, P(3, 4))
+    assert kv.update_counts([1, 2], [1, 1]) == 0
+    kv.take_events()
+    compute(kv, P(7, 8))
+    assert removed(kv.take_events(), "host") == [2, 1]
+
+
+def test_check_catches_a_pool_that_loses_a_release():
+    kv = KvBlockManager(4, 16, 4)
+    a = P(1, 2)
+    assert kv.admit(a, 0, 2)
+    kv.fill(a, 0, 2)
+    kv.gpu.blocks[2].ref -= 1  # simulate a release that forgot one block
+    with pytest.raises(KvInvariantError, match="ref"):
+        kv.check([(a, 2, 0)])
+
+
+def test_branch_count_keeps_a_forks_shared_prefix_behind_its_new_page():
+    kv = KvBlockManager(3, 16, 4, host_policy="branch-count")
+    compute(kv, P(1, 2, 3))
+    compute(kv, P(5, 6, 7))  # 1, 2, 3 leave L1
+    kv.update_counts([1, 2, 3], [1, 1, 1])
+    compute(kv, P(1, 2, 4))  # fork: restores 1, 2, computes 4
+    compute(kv, P(8, 9, 10))  # 1, 2, 4 leave L1 (4 first)
+    kv.update_counts([4], [1])  # the fork branch now references 4
+    order = [x.hash for x in kv.host.evictable.ordered() if x.group == 1]
+    assert order == [3, 4, 2, 1], "4 must go before its parents 2, 1"
+    kv.check([])
