@@ -38,6 +38,14 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     idle_state_interval_s: Annotated[
         float, Meta(gt=0, description="wall seconds between node.state publications when no iteration launches (liveness)")
     ] = 1.0
+    fold_wall_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="wall seconds of identical decode iterations folded into one engine step (cut short at the "
+            "next iteration boundary when new work arrives); 0 = one iteration per step",
+        ),
+    ] = 0.005
     iters_flush_s: Annotated[float, Meta(gt=0, description="wall seconds between node.iters batches")] = 0.5
     check_invariants: Annotated[
         bool, Meta(description="run the full O(blocks) scheduler invariant check after every step (debug)")

@@ -449,6 +449,27 @@ class EngineScheduler:
         self._check()
         return out
 
+    def truncate(self, plan: IterationPlan, now: float) -> float:
+        """Cut a folded pure-decode plan at the first iteration boundary at or after ``now``.
+
+        New work that arrives while k identical decode iterations are in flight
+        joins at the next iteration boundary, as it would without folding: the
+        plan keeps ``j = max(1, ceil((now − start)/iteration_s))`` iterations.
+        Returns the plan's (possibly earlier) end. A plan of one iteration, or a
+        ``now`` past the plan's last boundary, is left unchanged.
+
+        Raises:
+            SchedulerError: if ``plan`` is not the plan in flight.
+        """
+        if plan is not self._inflight:
+            raise SchedulerError("truncate() got a plan that is not in flight")
+        if plan.iterations > 1 and not plan.prefill and plan.iteration_s > 0:
+            j = max(1, _ceil_div_f(now - plan.start, plan.iteration_s)) if now > plan.start else 1
+            if j < plan.iterations:
+                plan.iterations = j
+                plan.end = plan.start + j * plan.iteration_s
+        return plan.end
+
     def next_deadline(self) -> float | None:
         """Earliest ``kv_ready_at`` of a decode request still waiting for its KV, or None.
         The caller should call :meth:`schedule` again at that time when idle."""

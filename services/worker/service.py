@@ -52,7 +52,7 @@ from shared.subjects import (
 from services.worker.config import WorkerConfig
 from services.worker.engines.base import Engine
 from services.worker.engines.sim import SimEngine
-from services.worker.plan import HandOff, TokensOut, WorkRejected
+from services.worker.plan import HandOff, IterationPlan, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
 
 ENGINES: dict[str, type[SimEngine]] = {"sim": SimEngine}
@@ -299,7 +299,8 @@ class WorkerService:
     async def _step(self) -> None:
         self._wake.clear()
         now = self.clock.now()
-        plan = self.core.schedule(now)
+        horizon = now + self.cfg.fold_wall_s * self.clock.speedup if self.cfg.fold_wall_s > 0 else None
+        plan = self.core.schedule(now, horizon)
         await self._flush_kv(now)
         if plan is None:
             deadline = self.core.next_deadline()
@@ -314,9 +315,7 @@ class WorkerService:
         duration = self.engine.execute(plan)
         end = plan.start + duration
         if self.engine.simulated:
-            delay = self.clock.wall_at(end) - time.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            end = await self._wait_for_plan_end(plan, end)
         now = max(self.clock.now(), end)
         outs = self.core.finish_iteration(plan, now)
         for out in outs:
@@ -326,6 +325,23 @@ class WorkerService:
                 await self._handoff(out)
         self._records.extend(self.core.take_records())
         await self._flush_kv(now)
+
+    async def _wait_for_plan_end(self, plan: IterationPlan, end: float) -> float:
+        """Sleep until the plan's end on the simulated clock; new work arriving while
+        folded decode iterations run cuts the plan at the next iteration boundary."""
+        while True:
+            delay = self.clock.wall_at(end) - time.time()
+            if delay <= 0:
+                return end
+            if plan.iterations == 1:
+                await asyncio.sleep(delay)
+                return end
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except TimeoutError:
+                return end
+            self._wake.clear()
+            end = self.core.truncate(plan, self.clock.now())
 
     async def _emit_tokens(self, out: TokensOut, now: float) -> None:
         rid = out.rid

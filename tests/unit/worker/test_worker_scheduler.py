@@ -437,6 +437,29 @@ def test_skip_ahead_stops_before_the_horizon(b):
     assert rec.repeat == plan.iterations and rec.phase == "decode" and rec.decode_batch == 1
 
 
+def test_truncate_cuts_a_folded_plan_at_the_next_boundary(b):
+    folded = b.sched(phase="decode")
+    folded.add_decode(b.decode("r", [1, 2], max_tokens=200), 0.0)
+    plan = folded.schedule(0.0, horizon=1e9)
+    k = plan.iterations
+    assert k > 3
+    cut_at = plan.start + 2.5 * plan.iteration_s
+    end = folded.truncate(plan, cut_at)
+    assert plan.iterations == 3 and end == pytest.approx(plan.start + 3 * plan.iteration_s)
+    assert folded.truncate(plan, plan.start + 10 * plan.iteration_s) == end  # a later cut never grows it back
+    outs = finish(folded, plan)
+    single = b.sched(phase="decode")
+    single.add_decode(b.decode("r", [1, 2], max_tokens=200), 0.0)
+    got = []
+    t = 0.0
+    for _ in range(3):
+        p = single.schedule(t)
+        got += finish(single, p)
+        t = p.end
+    assert sum(o.count for o in tokens(outs)) == sum(o.count for o in tokens(got))
+    assert t == pytest.approx(end)
+
+
 def test_no_skip_ahead_while_prefill_runs(b):
     s = b.sched()
     s.add_prefill(b.prefill("a", [1], max_tokens=30), 0.0)
