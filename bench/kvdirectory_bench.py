@@ -1,0 +1,303 @@
+"""KV directory benchmark: ingest rate, lookup latency, memory per million blocks.
+
+    .venv/bin/python bench/kvdirectory_bench.py --quick        # ~20 s
+    .venv/bin/python bench/kvdirectory_bench.py                # larger run
+
+Measures, on one core, with a fixed seed:
+
+* ingest: ``KvDirectory.apply_kv_batch`` on engine-like batches (each batch one
+  BlockStored of 64 new blocks extending a chain, plus BlockRemoved of older
+  blocks once a node is "full"), in block events per second; baseline: a
+  naive directory of per-(node, tier) sets.
+* lookup: a 2,000-block path across 64 nodes, every node holding some prefix
+  of it in GPU and host (scenario ``shared``: 16 distinct prefix lengths;
+  ``worst``: 64 distinct lengths per tier), p50/p99 in µs; baseline: walk the
+  path per node and tier over the naive sets (what a per-node dict walk costs).
+* memory: tracemalloc delta of the directory per million indexed blocks
+  (blocks held by one node in both tiers, the directory's state only).
+
+Appends the command, date, commit, machine and a results table to
+bench/RESULTS.md (creating it with a title line when missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.kvdirectory.core import KvDirectory  # noqa: E402
+from shared.messages import BlockRemoved, BlockStored, KvEventBatch, encode  # noqa: E402
+
+BS = 64
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+class NaiveDirectory:
+    """Baseline: per-(node, tier) sets, lookups walk the path for every node and tier."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, str], set[int]] = {}
+
+    def apply(self, batch: KvEventBatch) -> None:
+        for ev in batch.events:
+            s = self.held.setdefault((batch.node, ev.tier), set())
+            if isinstance(ev, BlockStored):
+                s.update(ev.block_hashes)
+            else:
+                s.difference_update(ev.block_hashes)
+
+    def lookup(self, path: list[int]) -> dict[str, tuple[int, int, int]]:
+        out = {}
+        nodes = {n for n, _ in self.held}
+        for n in nodes:
+            g = self.held.get((n, "gpu"), set())
+            h = self.held.get((n, "host"), set())
+            res = []
+            for test in (lambda b: b in g, lambda b: b in h, lambda b: b in g or b in h):
+                k = 0
+                for b in path:
+                    if not test(b):
+                        break
+                    k += 1
+                res.append(k)
+            if res[2]:
+                out[n] = tuple(res)
+        return out
+
+
+def make_ingest_batches(rng: random.Random, nodes: int, total_blocks: int, keep: int) -> list[KvEventBatch]:
+    """Engine-like stream: each node extends chains 64 blocks at a time and, past
+    ``keep`` blocks, evicts leaf-first (the tail of its oldest chain), as radix caches do."""
+    batches = []
+    seq = [0] * nodes
+    chains: list[list[list[int]]] = [[[]] for _ in range(nodes)]  # per node: chains, oldest first
+    count = [0] * nodes
+    made = 0
+    while made < total_blocks:
+        n = rng.randrange(nodes)
+        chain = chains[n][-1]
+        if len(chain) >= 2048 or rng.random() < 0.05:
+            chain = []
+            chains[n].append(chain)
+        new = [rng.getrandbits(63) for _ in range(64)]
+        events: list = [
+            BlockStored(block_hashes=new, parent_block_hash=chain[-1] if chain else None, tier="gpu", block_size=BS),
+        ]
+        chain += new
+        count[n] += 64
+        made += 64
+        if count[n] > keep:
+            oldest = chains[n][0]
+            tail = oldest[-64:]
+            del oldest[-64:]
+            if not oldest:
+                chains[n].pop(0)
+            events.append(BlockRemoved(block_hashes=tail[::-1], tier="gpu"))
+            count[n] -= len(tail)
+            made += len(tail)
+        seq[n] += 1
+        batches.append(KvEventBatch(node=f"n{n}", seq=seq[n], events=events))
+    return batches
+
+
+def bench_ingest(quick: bool, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    total = 300_000 if quick else 2_000_000
+    batches = make_ingest_batches(rng, 16, total, keep=8192)
+    events = sum(len(ev.block_hashes) for b in batches for ev in b.events)
+    d = KvDirectory(BS)
+    gc.collect()
+    t = time.perf_counter()
+    for b in batches:
+        d.apply_kv_batch(b, 0.0)
+    core_s = time.perf_counter() - t
+    naive = NaiveDirectory()
+    t = time.perf_counter()
+    for b in batches:
+        naive.apply(b)
+    naive_s = time.perf_counter() - t
+    return {"events": events, "core_eps": events / core_s, "naive_eps": events / naive_s}
+
+
+def setup_lookup(scenario: str, seed: int) -> tuple[KvDirectory, NaiveDirectory, list[int]]:
+    rng = random.Random(seed)
+    path = [rng.getrandbits(63) for _ in range(2000)]
+    d = KvDirectory(BS)
+    naive = NaiveDirectory()
+    for n in range(64):
+        if scenario == "shared":  # shared system prompt everywhere, a few nodes with deep prefixes
+            g = rng.choice([200, 200, 200, 600, 1200, 2000])
+            h = rng.choice([200, 600, 2000])
+            g, h = min(g, 2000), min(h, 2000)
+        else:  # every node a different length per tier
+            g, h = rng.randrange(1, 2001), rng.randrange(1, 2001)
+        events = []
+        for tier, k in (("gpu", g), ("host", h)):
+            for s in range(0, k, 64):
+                events.append(BlockStored(block_hashes=path[s : min(k, s + 64)], parent_block_hash=path[s - 1] if s else None, tier=tier, block_size=BS))
+        b = KvEventBatch(node=f"n{n}", seq=1, events=events)
+        d.apply_kv_batch(b, 0.0)
+        naive.apply(b)
+    return d, naive, path
+
+
+def bench_lookup(quick: bool, seed: int, scenario: str) -> dict[str, float]:
+    d, naive, path = setup_lookup(scenario, seed)
+    reps = 2000 if quick else 20000
+    ts = []
+    res = d.lookup(path)
+    want = naive.lookup(path)
+    got = {p.node: (p.gpu_blocks, p.host_blocks, p.local_blocks) for p in res.nodes}
+    assert got == want, "core and naive lookups disagree"
+    gc.disable()
+    try:
+        for _ in range(reps):
+            t = time.perf_counter_ns()
+            d.lookup(path)
+            ts.append(time.perf_counter_ns() - t)
+        ets = []
+        for _ in range(reps // 4):
+            t = time.perf_counter_ns()
+            encode(d.lookup(path).to_reply(BS))
+            ets.append(time.perf_counter_ns() - t)
+        nts = []
+        for _ in range(max(20, reps // 100)):
+            t = time.perf_counter_ns()
+            naive.lookup(path)
+            nts.append(time.perf_counter_ns() - t)
+    finally:
+        gc.enable()
+    ts.sort()
+    nts.sort()
+    ets.sort()
+    return {
+        "encode_p50_us": ets[len(ets) // 2] / 1e3,
+        "p50_us": ts[len(ts) // 2] / 1e3,
+        "p99_us": ts[int(len(ts) * 0.99)] / 1e3,
+        "naive_p50_us": nts[len(nts) // 2] / 1e3,
+        "naive_p99_us": nts[int(len(nts) * 0.99)] / 1e3,
+        "distinct_prefixes": len(d.index.prefix_drops(path)),
+    }
+
+
+def bench_memory(quick: bool, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    blocks = 200_000 if quick else 1_000_000
+    batches = []
+    for i in range(0, blocks, 2000):
+        chain = [rng.getrandbits(63) for _ in range(2000)]
+        evs = []
+        for s in range(0, 2000, 64):
+            for tier in ("gpu", "host"):
+                evs.append(BlockStored(block_hashes=chain[s : s + 64], parent_block_hash=chain[s - 1] if s else None, tier=tier, block_size=BS))
+        batches.append(KvEventBatch(node=f"n{(i // 2000) % 8}", seq=1 + i // 16000, events=evs))
+    seqs: dict[str, int] = {}
+    fixed = []
+    for b in batches:
+        seqs[b.node] = seqs.get(b.node, 0) + 1
+        fixed.append(KvEventBatch(node=b.node, seq=seqs[b.node], events=b.events))
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    d = KvDirectory(BS)
+    for b in fixed:
+        d.apply_kv_batch(b, 0.0)
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    n = len(d.index)
+    return {"blocks": n, "bytes_per_block": used / n, "mib_per_million": used / n * 1e6 / 2**20}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (CI / smoke)")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--no-write", action="store_true", help="print only, do not append to bench/RESULTS.md")
+    args = ap.parse_args(argv)
+    ing = bench_ingest(args.quick, args.seed)
+    lk_shared = bench_lookup(args.quick, args.seed, "shared")
+    lk_worst = bench_lookup(args.quick, args.seed, "worst")
+    mem = bench_memory(args.quick, args.seed)
+    rows = [
+        ("ingest, block events/s (target ≥ 500K)", f"{ing['core_eps']:,.0f}", f"{ing['naive_eps']:,.0f}", f"{ing['core_eps'] / ing['naive_eps']:.2f}", f"{ing['events']:,} events, 16 nodes"),
+    ]
+    for name, lk in (("shared", lk_shared), ("worst", lk_worst)):
+        rows.append(
+            (
+                f"lookup 2,000 blocks × 64 nodes [{name}] p50 µs",
+                f"{lk['p50_us']:.1f}",
+                f"{lk['naive_p50_us']:.0f}",
+                f"{lk['naive_p50_us'] / lk['p50_us']:.0f}× faster",
+                f"{lk['distinct_prefixes']} distinct prefix lengths",
+            )
+        )
+        rows.append(
+            (
+                f"lookup 2,000 blocks × 64 nodes [{name}] p99 µs (target ≤ 100)",
+                f"{lk['p99_us']:.1f}",
+                f"{lk['naive_p99_us']:.0f}",
+                f"{lk['naive_p99_us'] / lk['p99_us']:.0f}× faster",
+                "",
+            )
+        )
+        rows.append(
+            (
+                f"lookup + KvLookupReply msgpack encode [{name}] p50 µs",
+                f"{lk['encode_p50_us']:.1f}",
+                "",
+                "",
+                "what the kv.lookup handler does per request",
+            )
+        )
+    rows.append(("memory per million blocks, MiB", f"{mem['mib_per_million']:.0f}", "", "", f"{mem['bytes_per_block']:.0f} B/block over {mem['blocks']:,} blocks, 8 nodes, GPU+host"))
+    table = ["| metric | KvDirectory | naive | ratio | notes |", "|---|---|---|---|---|"]
+    table += ["| " + " | ".join(r) + " |" for r in rows]
+    cmd = "python bench/kvdirectory_bench.py" + (" --quick" if args.quick else "") + (f" --seed {args.seed}" if args.seed != 1234 else "")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}, "
+        f"Python {platform.python_version()}, load average {load:.1f} at the end of the run"
+    )
+    section = "\n".join(
+        [
+            "",
+            f"## kvdirectory ({'quick' if args.quick else 'full'}) — {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+            "",
+            f"- command: `{cmd}`",
+            f"- commit: `{git_commit()}`",
+            f"- machine: {machine} (shared VM; single-threaded Python; p99 includes preemption by other processes)",
+            "",
+            *table,
+            "",
+        ]
+    )
+    print(section)
+    if not args.no_write:
+        if not RESULTS.exists():
+            RESULTS.write_text("# Benchmark results\n")
+        with RESULTS.open("a") as f:
+            f.write(section)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

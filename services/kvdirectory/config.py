@@ -1,0 +1,34 @@
+"""Configuration of the KV directory service (one Struct; flags and env derive from it)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta
+
+from shared.config import CommonConfig
+
+
+class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings of ``python -m services.kvdirectory``."""
+
+    block_size: Annotated[int, Meta(gt=0, description="tokens per KV block; events and lookups with another size are rejected")] = 64
+    max_blocks: Annotated[
+        int, Meta(gt=0, description="cap on indexed blocks; new blocks past it are not indexed (counted as cap.rejected_blocks)")
+    ] = 16_000_000
+    branch_ttl_s: Annotated[
+        float, Meta(gt=0, description="simulated seconds of silence after which a branch is expired and its counts released")
+    ] = 1800.0
+    resync_buffer_batches: Annotated[
+        int, Meta(gt=0, description="KV batches buffered per node while it awaits a resync snapshot")
+    ] = 4096
+    resync_timeout_s: Annotated[float, Meta(gt=0, description="wall seconds to wait for a kv.resync reply")] = 2.0
+    resync_backoff_max_s: Annotated[float, Meta(gt=0, description="longest wall-clock pause between resync retries")] = 5.0
+    counts_flush_s: Annotated[float, Meta(gt=0, description="wall seconds between kv.counts.<node> flushes")] = 0.05
+    counts_flush_updates: Annotated[
+        int, Meta(gt=0, description="flush kv.counts at once when this many block counts changed")
+    ] = 4096
+    reuse_hit_scope: Annotated[
+        Literal["cluster", "local"],
+        Meta(description="lost-reuse accounting: cluster = shared pool hits, local = the node's own cache only"),
+    ] = "cluster"

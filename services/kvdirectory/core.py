@@ -1,0 +1,446 @@
+"""KvDirectory: the sans-IO core of the cluster-wide KV directory (paper §4.3, DESIGN §4).
+
+This module contains zero I/O: no asyncio, no NATS, no clock, no logging
+setup. Every mutating call takes ``now`` (simulated seconds); the shell
+(``service.py``) decodes messages, calls the core, publishes what
+:meth:`KvDirectory.take_count_updates` returns and logs what the results say.
+
+Pieces (one module each):
+
+* :mod:`.index` — which node holds which block in which tier (prefix tree
+  keyed by chained hash, with completeness masks for fast lookups);
+* :mod:`.branches` — branch table and counts R[b, n] (Alg. E.1, E.2), outbox;
+* :mod:`.lookup` — lookup answers and the router's Eq. 7 fetch plan;
+* :mod:`.reuse` — lost KV reuse attribution (Appendix C.1).
+
+Per-node KV event streams (this module): batches must arrive with
+``seq = last + 1``. A gap (or a publisher restart, ``seq`` back to 1) puts the
+node in *awaiting resync*: its view is frozen as it was before the gap, later
+batches are buffered (at most ``resync_buffer_batches``; oldest dropped first,
+counted), and the shell asks the worker for a snapshot. If the missing
+batches arrive late (reordering), the buffer drains in order and the node
+recovers without a snapshot. A snapshot replaces the node's presence wholesale
+and the buffered batches after its ``seq`` are applied on top. Other nodes,
+and the rest of the tree, are never touched.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shared.messages import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    BranchEnd,
+    BranchStart,
+    CountUpdates,
+    KvEventBatch,
+    KvResyncRequest,
+    KvSnapshot,
+    RoutePlaced,
+)
+
+from .branches import Branch, BranchTable
+from .index import GPU, HOST, TIER_INDEX, TIERS, BlockIndex
+from .lookup import LookupResult, build_lookup
+from .reuse import ReuseRecord, attribute_lost_reuse, lost_reuse_shares
+
+ApplyStatus = Literal["applied", "stale", "gap", "buffered", "recovered", "resynced", "rejected"]
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    """What happened to one KV batch or snapshot.
+
+    ``need_resync``: the node awaits a snapshot; the shell should make sure a
+    ``kv.resync.<node>`` request is in flight (one per node is enough).
+    """
+
+    status: ApplyStatus
+    node: str
+    seq: int
+    expected_seq: int
+    """Next sequence number the directory expects from the node after this call."""
+    need_resync: bool = False
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    mismatched_block_sizes: list[int] = field(default_factory=list)
+    """block_size of every rejected ``BlockStored`` (or snapshot) in the batch."""
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class PlaceResult:
+    """What a ``RoutePlaced`` did."""
+
+    branch_id: str
+    node: str
+    version: int = 0
+    bumped: bool = False
+    """The path did not extend the previous one: context rewritten (Alg. E.1)."""
+    rejected: str | None = None
+    released_nodes: list[str] = field(default_factory=list)
+    """Same-phase sources released right away (target already held v_β)."""
+    reuse: ReuseRecord | None = None
+    """Lost-reuse record (prefill placements only)."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    known: bool = False
+    next_seq: int = 1
+    awaiting: bool = False
+    needs_snapshot: bool = False
+    """Only a snapshot can end the wait (first contact, restart, buffer overflow)."""
+    buffer: dict[int, KvEventBatch] = field(default_factory=dict)
+    last_ts: float = 0.0
+    """``ts`` of the last applied batch (tells a restart from a late duplicate)."""
+
+
+_EVICT_KEYS = {
+    (t, pos): f"evictions.{TIERS[t]}.{'positive_count' if pos else 'zero_count'}" for t in (GPU, HOST) for pos in (0, 1)
+}
+
+
+class KvDirectory:
+    """Cluster-wide KV directory: block presence, branch counts, lookups.
+
+    Args:
+        block_size: tokens per block; a ``BlockStored``, snapshot or lookup with
+            another size is rejected and counted (never applied).
+        max_blocks: cap on indexed blocks (``cap.rejected_blocks`` counts blocks refused).
+        branch_ttl_s: a branch silent this long (simulated s) is expired.
+        resync_buffer_batches: batches buffered per node while it awaits a resync.
+        reuse_hit_scope: ``cluster`` (shared pool: hit = longest prefix anywhere)
+            or ``local`` (hit = the node's own prefix) for lost-reuse accounting.
+        max_updates_per_msg: largest ``CountUpdates`` message.
+
+    Raises:
+        ValueError: on a non-positive ``block_size`` or an unknown scope.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        max_blocks: int = 16_000_000,
+        branch_ttl_s: float = 1800.0,
+        resync_buffer_batches: int = 4096,
+        reuse_hit_scope: Literal["cluster", "local"] = "cluster",
+        max_updates_per_msg: int = 4096,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        if reuse_hit_scope not in ("cluster", "local"):
+            raise ValueError(f"reuse_hit_scope must be 'cluster' or 'local', got {reuse_hit_scope!r}")
+        self.block_size = block_size
+        self.resync_buffer_batches = resync_buffer_batches
+        self.reuse_hit_scope = reuse_hit_scope
+        self.counters: Counter[str] = Counter()
+        self.index = BlockIndex(max_blocks)
+        self.branches = BranchTable(self.index, self.counters, ttl_s=branch_ttl_s, max_updates_per_msg=max_updates_per_msg)
+        self.names: list[str] = []
+        self._ids: dict[str, int] = {}
+        self._streams: list[_Stream] = []
+
+    # ------------------------------------------------------------------ #
+    # nodes
+    # ------------------------------------------------------------------ #
+
+    def node_id(self, name: str) -> int:
+        """Dense index of a node id (registered on first use)."""
+        i = self._ids.get(name)
+        if i is None:
+            i = self._ids[name] = len(self.names)
+            self.names.append(name)
+            self._streams.append(_Stream())
+            self.index.ensure_node(i)
+            self.branches.add_node(name)
+        return i
+
+    def awaiting_resync(self, node: str) -> bool:
+        """True while ``node``'s KV view waits for a snapshot or a missing batch."""
+        i = self._ids.get(node)
+        return i is not None and self._streams[i].awaiting
+
+    def resync_request(self, node: str, reason: str = "sequence gap") -> KvResyncRequest:
+        """The ``kv.resync.<node>`` request to send for a node awaiting resync."""
+        st = self._streams[self.node_id(node)]
+        return KvResyncRequest(node=node, reason=reason, expected_seq=st.next_seq)
+
+    # ------------------------------------------------------------------ #
+    # KV events
+    # ------------------------------------------------------------------ #
+
+    def apply_kv_batch(self, batch: KvEventBatch, now: float) -> ApplyResult:
+        """Ingest one ``kv.events.<node>`` batch (see the module docstring for ordering)."""
+        n = self.node_id(batch.node)
+        st = self._streams[n]
+        seq = batch.seq
+        res = ApplyResult(status="applied", node=batch.node, seq=seq, expected_seq=st.next_seq)
+        if not st.known:
+            st.known = True
+            if seq != 1:  # joined late, or batch 1 is late: buffer, wait for 1.. or a snapshot
+                self.counters["kv.gaps.first_contact"] += 1
+                st.awaiting = True
+                return self._buffer(st, batch, res, "gap")
+        if seq == 1 and st.next_seq > 1 and (batch.ts > st.last_ts or batch.ts == 0.0):
+            # publisher restarted (a late duplicate of batch 1 has an older ts): old state void
+            self.counters["kv.seq_restarts"] += 1
+            st.awaiting = st.needs_snapshot = True
+            st.next_seq = 1
+            st.buffer.clear()
+            return self._buffer(st, batch, res, "gap")
+        if seq < st.next_seq:
+            self.counters["kv.batches_stale"] += 1
+            res.status = "stale"
+            res.need_resync = st.awaiting
+            return res
+        if st.awaiting:
+            if seq == st.next_seq and not st.needs_snapshot:
+                self._apply_events(n, batch, res)
+                st.next_seq += 1
+                self._drain(n, st, res)
+                if not st.buffer:
+                    st.awaiting = False
+                    self.counters["kv.recovered_without_resync"] += 1
+                    res.status = "recovered"
+                else:
+                    res.status = "buffered"
+                    res.need_resync = True
+                res.expected_seq = st.next_seq
+                return res
+            return self._buffer(st, batch, res, "buffered")
+        if seq > st.next_seq:
+            self.counters["kv.gaps"] += 1
+            st.awaiting = True
+            return self._buffer(st, batch, res, "gap")
+        self._apply_events(n, batch, res)
+        st.next_seq += 1
+        res.expected_seq = st.next_seq
+        return res
+
+    def _buffer(self, st: _Stream, batch: KvEventBatch, res: ApplyResult, status: ApplyStatus) -> ApplyResult:
+        st.buffer[batch.seq] = batch
+        self.counters["kv.batches_buffered"] += 1
+        while len(st.buffer) > self.resync_buffer_batches:
+            del st.buffer[min(st.buffer)]
+            st.needs_snapshot = True  # what was dropped can only come back in a snapshot
+            self.counters["kv.buffer_overflow_batches"] += 1
+        res.status = status
+        res.need_resync = True
+        res.expected_seq = st.next_seq
+        return res
+
+    def _drain(self, n: int, st: _Stream, res: ApplyResult) -> None:
+        """Apply buffered batches that are next in sequence; forget older ones."""
+        buf = st.buffer
+        for s in [s for s in buf if s < st.next_seq]:
+            del buf[s]
+        while st.next_seq in buf:
+            self._apply_events(n, buf.pop(st.next_seq), res)
+            st.next_seq += 1
+
+    def _apply_events(self, n: int, batch: KvEventBatch, res: ApplyResult) -> None:
+        index, table, counters = self.index, self.branches, self.counters
+        counters["kv.batches_applied"] += 1
+        st = self._streams[n]
+        if batch.ts > st.last_ts:
+            st.last_ts = batch.ts
+        for ev in batch.events:
+            t = type(ev)
+            if t is BlockStored:
+                if ev.block_size != self.block_size:  # Dynamo #13904: never silently
+                    counters["kv.block_size_mismatch"] += 1
+                    counters["kv.block_size_mismatch_blocks"] += len(ev.block_hashes)
+                    res.mismatched_block_sizes.append(ev.block_size)
+                    continue
+                tier = TIER_INDEX[ev.tier]
+                newly = index.store(n, tier, ev.block_hashes, ev.parent_block_hash)
+                table.on_stored(n, tier, newly)
+                res.blocks_stored += len(ev.block_hashes)
+                counters["kv.blocks_stored"] += len(ev.block_hashes)
+            elif t is BlockRemoved:
+                tier = TIER_INDEX[ev.tier]
+                removed = index.remove(n, tier, ev.block_hashes)
+                pos = table.on_removed(n, tier, removed)
+                counters[_EVICT_KEYS[tier, 1]] += pos
+                counters[_EVICT_KEYS[tier, 0]] += len(removed) - pos
+                res.blocks_removed += len(ev.block_hashes)
+                counters["kv.blocks_removed"] += len(ev.block_hashes)
+            elif t is AllBlocksCleared:
+                for tier, removed in index.clear(n, None if ev.tier is None else TIER_INDEX[ev.tier]):
+                    table.on_removed(n, tier, removed)
+                    counters["kv.cleared_blocks"] += len(removed)
+                counters["kv.clears"] += 1
+
+    def apply_snapshot(self, snap: KvSnapshot, now: float) -> ApplyResult:
+        """Replace a node's presence with a ``KvSnapshot`` and continue from ``snap.seq + 1``.
+
+        Accepted when it is at least as recent as the directory's view
+        (``seq ≥ expected − 1``), or whenever only a snapshot can repair the
+        node (first contact, publisher restart, buffer overflow); otherwise
+        ignored (status ``stale``). A block-size mismatch is rejected and counted.
+        """
+        n = self.node_id(snap.node)
+        st = self._streams[n]
+        res = ApplyResult(status="resynced", node=snap.node, seq=snap.seq, expected_seq=st.next_seq)
+        if snap.block_size != self.block_size:
+            self.counters["kv.snapshot_block_size_mismatch"] += 1
+            res.status = "rejected"
+            res.mismatched_block_sizes.append(snap.block_size)
+            res.need_resync = st.awaiting
+            return res
+        if st.known and not st.needs_snapshot and snap.seq < st.next_seq - 1:
+            self.counters["kv.snapshots_stale"] += 1  # older than the view we already have
+            res.status = "stale"
+            res.need_resync = st.awaiting
+            return res
+        for tier, hashes, parents in ((GPU, snap.gpu, snap.gpu_parents), (HOST, snap.host, snap.host_parents)):
+            pmap = dict(zip(hashes, parents)) if len(parents) == len(hashes) else None
+            added, removed = self.index.replace(n, tier, hashes, pmap)
+            self.branches.on_removed(n, tier, removed)
+            self.branches.on_stored(n, tier, added)
+            res.blocks_stored += len(added)
+            res.blocks_removed += len(removed)
+            self.counters["kv.resync_added_blocks"] += len(added)
+            self.counters["kv.resync_removed_blocks"] += len(removed)
+        self.counters["kv.resyncs"] += 1
+        st.known = True
+        st.next_seq = snap.seq + 1
+        st.needs_snapshot = False
+        self._drain(n, st, res)
+        st.awaiting = bool(st.buffer)
+        res.need_resync = st.awaiting
+        res.expected_seq = st.next_seq
+        return res
+
+    # ------------------------------------------------------------------ #
+    # lookups (pure)
+    # ------------------------------------------------------------------ #
+
+    def lookup(self, block_hashes: Sequence[int]) -> LookupResult:
+        """Longest prefixes of a block path per node and tier, cluster-wide, and
+        the fetch plan (see :mod:`.lookup`). Pure query."""
+        return build_lookup(self.index, self.names, block_hashes)
+
+    # ------------------------------------------------------------------ #
+    # branches (Alg. E.1 / E.2)
+    # ------------------------------------------------------------------ #
+
+    def branch_start(
+        self, branch_id: str, now: float, *, kind: str = "main", parent: str | None = None, agent: str | None = None
+    ) -> str:
+        """A new branch (v = 1, empty path). Returns the table's verdict (see ``BranchTable.start``)."""
+        return self.branches.start(branch_id, kind, parent, agent, now)
+
+    def branch_end(self, branch_id: str, now: float) -> str:
+        """End a branch: release its counts everywhere. Returns ``ended``/``duplicate_end``/``unknown``."""
+        return self.branches.end(branch_id, now)
+
+    def place(self, branch_id: str, node: str, phase: str, block_hashes: Sequence[int], now: float) -> PlaceResult:
+        """Branch placed on a node for a phase with this block path (``RoutePlaced``)."""
+        n = self.node_id(node)
+        path = list(block_hashes)
+        out = self.branches.place(branch_id, n, phase, path, now)
+        res = PlaceResult(branch_id=branch_id, node=node, version=out.version, bumped=out.bumped, rejected=out.rejected)
+        if out.rejected:
+            return res
+        res.released_nodes = [self.names[m] for m in out.released_nodes]
+        if phase in ("prefill", "both") and path:
+            res.reuse = self._reuse(n, path, out.history_blocks, out.prev_prefill_node)
+        return res
+
+    def _reuse(self, n: int, path: list[int], history: int, prev: int | None) -> ReuseRecord:
+        lk = self.lookup(path)
+        local = lk.node(self.names[n]).local_blocks
+        ideal = max(history, lk.longest_any)
+        hit = lk.longest_any if self.reuse_hit_scope == "cluster" else local
+        prev_name = self.names[prev] if prev is not None else None
+        lost, cause = attribute_lost_reuse(ideal, hit, self.names[n], prev_name)
+        c = self.counters
+        c["reuse.ideal_tokens"] += ideal * self.block_size
+        c["reuse.hit_tokens"] += min(hit, ideal) * self.block_size
+        if lost:
+            c["reuse.lost_tokens." + cause] += lost * self.block_size
+        return ReuseRecord(ideal, hit, lost, cause, self.names[n], prev_name)
+
+    def node_phase_changed(self, node: str, old: str | None, new: str, now: float) -> int:
+        """A node now serves ``new``: D→P resets its counts, P→D keeps them. Returns branches released."""
+        return self.branches.node_phase_changed(self.node_id(node), old, new)
+
+    def node_phase(self, node: str) -> str | None:
+        """Phase the directory knows for a node (split.applied, else last placement)."""
+        i = self._ids.get(node)
+        return None if i is None else self.branches.phase_of(i)
+
+    def apply(self, msg: KvEventBatch | KvSnapshot | BranchStart | BranchEnd | RoutePlaced, now: float) -> object:
+        """Dispatch any input message to its method (for simulators and tests)."""
+        match msg:
+            case KvEventBatch():
+                return self.apply_kv_batch(msg, now)
+            case KvSnapshot():
+                return self.apply_snapshot(msg, now)
+            case BranchStart():
+                return self.branch_start(msg.branch_id, now, kind=msg.kind, parent=msg.parent_branch_id, agent=msg.agent_id)
+            case BranchEnd():
+                return self.branch_end(msg.branch_id, now)
+            case RoutePlaced():
+                return self.place(msg.branch_id, msg.node, msg.phase, msg.block_hashes, now)
+        raise TypeError(f"KvDirectory.apply: unsupported message {type(msg).__name__}")
+
+    def branch(self, branch_id: str) -> Branch | None:
+        """The branch table row (read only), or None."""
+        return self.branches.branches.get(branch_id)
+
+    def count(self, node: str, block: int) -> int:
+        """R[block, node]."""
+        i = self._ids.get(node)
+        return 0 if i is None else self.branches.R[i].get(block, 0)
+
+    # ------------------------------------------------------------------ #
+    # time, outbox, observability
+    # ------------------------------------------------------------------ #
+
+    def expire(self, now: float) -> list[str]:
+        """Expire branches silent for ``branch_ttl_s``; returns their ids."""
+        return self.branches.expire(now)
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`expire` next has work (simulated s), or None."""
+        return self.branches.next_deadline()
+
+    def take_count_updates(self) -> list[CountUpdates]:
+        """Drain the per-node count changes (``kv.counts.<node>`` messages)."""
+        return self.branches.take_count_updates()
+
+    def pending_count_updates(self) -> int:
+        """Blocks with a count change not yet taken."""
+        return self.branches.pending_updates()
+
+    def all_counters(self) -> dict[str, int]:
+        """Every counter of the core (directory + index)."""
+        out = dict(self.counters)
+        out.update(self.index.counters)
+        return out
+
+    def gauges(self) -> dict[str, float]:
+        """Current sizes: blocks indexed, copies by (count > 0, tier), branches, lost-reuse shares."""
+        g: dict[str, float] = {"blocks.indexed": float(len(self.index)), "branches.active": float(len(self.branches.branches))}
+        for t in (GPU, HOST):
+            copies = sum(len(h[t]) for h in self.index.held)
+            counted = sum(c[t] for c in self.branches.counted_copies)
+            g[f"copies.{TIERS[t]}"] = float(copies)
+            g[f"copies.{TIERS[t]}.positive_count"] = float(counted)
+            g[f"copies.{TIERS[t]}.zero_count"] = float(copies - counted)
+        g["counts.entries"] = float(sum(len(r) for r in self.branches.R))
+        g["nodes"] = float(len(self.names))
+        g["nodes.awaiting_resync"] = float(sum(1 for s in self._streams if s.awaiting))
+        lost = {k.rsplit(".", 1)[1]: v for k, v in self.counters.items() if k.startswith("reuse.lost_tokens.")}
+        for k, v in lost_reuse_shares(lost, self.counters["reuse.ideal_tokens"]).items():
+            g["reuse." + k] = v
+        return g

@@ -1,0 +1,173 @@
+"""Lookup answers of the KV directory and the router's view of them (paper Eq. 7).
+
+Pure functions; no I/O, no mutation of the index.
+
+For a request path π (chained block hashes) the directory answers:
+
+* per node n: the longest prefix of π held in its GPU (L1), in its host
+  memory (L2), and in either ("local"), in blocks;
+* ``longest_any``: the longest prefix whose every block is held by *some* node
+  in some tier. This is t_c of the request in blocks (paper Alg. E.3 line 6:
+  "longest prefix of r cached on n or on another node"), the same for every n;
+* ``sources``: a fetch plan covering ``[0, longest_any)``: host copies first
+  (prefill nodes read peers' L2, DESIGN §1), GPU copies only where no host copy
+  covers a block.
+
+:func:`fetch_plan` turns that into the router's t_c,n and x_n for one node:
+x_n = blocks of ``[local_n, t_c)`` whose chosen source is another node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shared.messages import FetchRange, KvLookupReply, NodePrefix
+
+from .index import GPU, HOST, BlockIndex, tier_bit
+
+
+@dataclass(slots=True)
+class LookupResult:
+    """Answer of :meth:`KvDirectory.lookup` (all lengths in blocks)."""
+
+    path_blocks: int
+    nodes: list[NodePrefix] = field(default_factory=list)
+    """Nodes with a non-empty local prefix, in node registration order."""
+    longest_any: int = 0
+    sources: list[FetchRange] = field(default_factory=list)
+
+    def to_reply(self, block_size: int) -> KvLookupReply:
+        """The ``kv.lookup`` wire reply."""
+        return KvLookupReply(block_size=block_size, nodes=self.nodes, longest_any=self.longest_any, sources=self.sources)
+
+    def node(self, name: str) -> NodePrefix:
+        """Prefixes of one node (zeros when it holds none)."""
+        for p in self.nodes:
+            if p.node == name:
+                return p
+        return NodePrefix(node=name)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPlan:
+    """Eq. 7 inputs for one prefill node n (tokens = blocks × block size)."""
+
+    node: str
+    cached_tokens: int
+    """t_c,n: longest prefix cached on n or anywhere."""
+    local_tokens: int
+    """Tokens of the prefix already on n (either tier)."""
+    fetch_tokens: int
+    """x_n: tokens of the cached prefix that n must fetch from other nodes."""
+    ranges: tuple[FetchRange, ...]
+    """Where to fetch them from (block ranges of the path)."""
+
+
+def fetch_plan(
+    nodes: Sequence[NodePrefix], longest_any: int, sources: Sequence[FetchRange], node: str, block_size: int
+) -> FetchPlan:
+    """t_c,n, x_n and fetch ranges of ``node`` for a lookup answer (paper Eq. 7, Alg. E.3 l.6).
+
+    Works on a :class:`LookupResult` or a decoded ``KvLookupReply`` alike.
+    """
+    local = 0
+    for p in nodes:
+        if p.node == node:
+            local = p.local_blocks
+            break
+    ranges = []
+    fetch = 0
+    for r in sources:
+        if r.node == node or r.end <= local:
+            continue
+        start = max(r.start, local)
+        ranges.append(FetchRange(node=r.node, start=start, end=r.end, tier=r.tier))
+        fetch += r.end - start
+    return FetchPlan(
+        node=node,
+        cached_tokens=longest_any * block_size,
+        local_tokens=local * block_size,
+        fetch_tokens=fetch * block_size,
+        ranges=tuple(ranges),
+    )
+
+
+def fetch_plan_for_reply(reply: KvLookupReply, node: str) -> FetchPlan:
+    """:func:`fetch_plan` over a ``KvLookupReply`` (the router's entry point)."""
+    return fetch_plan(reply.nodes, reply.longest_any, reply.sources, node, reply.block_size)
+
+
+def build_lookup(index: BlockIndex, names: Sequence[str], path: Sequence[int]) -> LookupResult:
+    """Answer a lookup from the index (pure query).
+
+    Cost: one ``bisect`` per distinct prefix length (see ``BlockIndex.prefix_drops``),
+    O(1) per (node, tier) bit to decode, plus a walk of the blocks beyond the
+    best host/GPU prefix when the cluster's prefix is a mosaic of nodes (rare:
+    engines evict leaves first).
+    """
+    res = LookupResult(path_blocks=len(path))
+    drops = index.prefix_drops(path)
+    if not drops:
+        return res
+    nn = len(names)
+    flat = [0] * (3 * nn + 2)  # indexed by bit_length: 1 = anywhere, 2+3i gpu, 3+3i host, 4+3i local
+    for length, bits in drops:
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            flat[low.bit_length()] = length
+    res.longest_any = flat[1]
+    gpu = flat[2::3]
+    host = flat[3::3]
+    local = flat[4::3]
+    res.nodes = [
+        NodePrefix(node=names[i], gpu_blocks=gpu[i], host_blocks=host[i], local_blocks=lo)
+        for i, lo in enumerate(local)
+        if lo
+    ]
+    res.sources = _sources(index, names, path, gpu[:nn], host[:nn], res.longest_any)
+    return res
+
+
+def _sources(
+    index: BlockIndex, names: Sequence[str], path: Sequence[int], gpu: list[int], host: list[int], t_c: int
+) -> list[FetchRange]:
+    """Greedy cover of ``path[:t_c]``: best host prefix, then best GPU prefix,
+    then (mosaic tail) block by block, host copies first; ties → lowest node index."""
+    if t_c == 0:
+        return []
+    out: list[FetchRange] = []
+    pos = 0
+    hmax = max(host)
+    if hmax > 0:
+        pos = hmax
+        out.append(FetchRange(node=names[host.index(hmax)], start=0, end=pos, tier="host"))
+    gmax = max(gpu)
+    if gmax > pos:
+        out.append(FetchRange(node=names[gpu.index(gmax)], start=pos, end=gmax, tier="gpu"))
+        pos = gmax
+    cur: tuple[int, int] | None = None
+    start = pos
+    for i in range(pos, t_c):
+        pc = index.presence(path[i])
+        if cur is not None and pc & tier_bit(*cur):
+            continue
+        if cur is not None:
+            out.append(FetchRange(node=names[cur[0]], start=start, end=i, tier="gpu" if cur[1] == GPU else "host"))
+        cur = _pick(pc, len(names))
+        start = i
+        if cur is None:  # cannot happen while comp is consistent; stop the plan here
+            return out
+    if cur is not None:
+        out.append(FetchRange(node=names[cur[0]], start=start, end=t_c, tier="gpu" if cur[1] == GPU else "host"))
+    return out
+
+
+def _pick(pc: int, n_nodes: int) -> tuple[int, int] | None:
+    """(node, tier) of the lowest-index node holding a block, host tier first."""
+    for tier in (HOST, GPU):
+        for node in range(n_nodes):
+            if pc & tier_bit(node, tier):
+                return node, tier
+    return None

@@ -1,0 +1,226 @@
+"""DirectoryService: the asyncio shell around :class:`KvDirectory`.
+
+This module contains zero decision logic: it subscribes, decodes (through the
+bus), calls the core with ``clock.now()``, publishes the core's outbox, logs
+what the core's results report, and runs the resync requests.
+
+Subjects in: ``kv.events.*``, ``branch.events``, ``route.placed``,
+``split.applied``; served: ``kv.lookup``; out: ``kv.counts.<node>``; requests:
+``kv.resync.<node>``. A malformed payload is counted by the bus
+(``dropped.<template>``) and dropped; nothing here stops on bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import structlog
+
+from shared import messages as m
+from shared.bus import Bus, BusError
+from shared.clock import SimClock
+from shared.subjects import BRANCH_EVENTS, KV_COUNTS, KV_EVENTS, KV_LOOKUP, KV_RESYNC, ROUTE_PLACED, SPLIT_APPLIED
+
+from .config import DirectoryConfig
+from .core import KvDirectory
+
+
+class DirectoryService:
+    """The KV directory process: one core, its subscriptions and background tasks.
+
+    Args:
+        cfg: service configuration.
+        bus: connected bus (subjects already bound to the partition).
+        clock: simulated cluster clock; only this shell reads it.
+    """
+
+    def __init__(self, cfg: DirectoryConfig, bus: Bus, clock: SimClock) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.clock = clock
+        self.core = KvDirectory(
+            cfg.block_size,
+            max_blocks=cfg.max_blocks,
+            branch_ttl_s=cfg.branch_ttl_s,
+            resync_buffer_batches=cfg.resync_buffer_batches,
+            reuse_hit_scope=cfg.reuse_hit_scope,
+        )
+        self.counters: Counter[str] = Counter()
+        self.log = structlog.get_logger("kvdirectory").bind(instance=bus.instance)
+        self._resyncs: dict[str, asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._flush_lock = asyncio.Lock()
+        self._stopping = False
+
+    # ------------------------------------------------------------------ #
+    # lifecycle
+    # ------------------------------------------------------------------ #
+
+    async def start(self) -> None:
+        """Subscribe to every input subject, serve lookups, start the flush loop."""
+        await self.bus.subscribe(KV_EVENTS, self._on_kv)
+        await self.bus.subscribe(BRANCH_EVENTS, self._on_branch)
+        await self.bus.subscribe(ROUTE_PLACED, self._on_placed)
+        await self.bus.subscribe(SPLIT_APPLIED, self._on_split)
+        await self.bus.serve(KV_LOOKUP, self._on_lookup)
+        self._tasks.append(asyncio.create_task(self._flush_loop(), name="kvdirectory-flush"))
+
+    async def stop(self) -> None:
+        """Cancel resyncs and the flush loop, then publish the last count updates."""
+        self._stopping = True
+        tasks = self._tasks + list(self._resyncs.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        try:
+            await self.flush_counts()
+        except Exception as e:  # connection already gone: nothing to lose but counts
+            self.log.warning("final count flush failed", error=repr(e))
+
+    def ready(self) -> bool:
+        return not self._stopping
+
+    # ------------------------------------------------------------------ #
+    # handlers
+    # ------------------------------------------------------------------ #
+
+    async def _on_kv(self, batch: m.KvEventBatch, subject: str) -> None:
+        res = self.core.apply_kv_batch(batch, self.clock.now())
+        if res.mismatched_block_sizes:
+            self.log.error(
+                "KV events with a foreign block size rejected",
+                node=batch.node,
+                seq=batch.seq,
+                got=sorted(set(res.mismatched_block_sizes)),
+                expected=self.core.block_size,
+            )
+        if res.status == "gap":
+            self.log.warning("KV sequence gap; resync requested", node=batch.node, seq=batch.seq, expected=res.expected_seq)
+        if res.need_resync:
+            self._ensure_resync(batch.node)
+        await self._maybe_flush()
+
+    async def _on_branch(self, ev: m.BranchStart | m.BranchEnd, subject: str) -> None:
+        now = self.clock.now()
+        if isinstance(ev, m.BranchStart):
+            verdict = self.core.branch_start(ev.branch_id, now, kind=ev.kind, parent=ev.parent_branch_id, agent=ev.agent_id)
+            if verdict in ("duplicate", "ended"):
+                self.log.warning("branch start refused", branch=ev.branch_id, verdict=verdict)
+        else:
+            verdict = self.core.branch_end(ev.branch_id, now)
+            if verdict != "ended":
+                self.log.warning("branch end for no active branch", branch=ev.branch_id, verdict=verdict)
+        await self._maybe_flush()
+
+    async def _on_placed(self, msg: m.RoutePlaced, subject: str) -> None:
+        res = self.core.place(msg.branch_id, msg.node, msg.phase, msg.block_hashes, self.clock.now())
+        if res.rejected:
+            self.log.warning("placement refused", branch=msg.branch_id, node=msg.node, rid=msg.rid, reason=res.rejected)
+        await self._maybe_flush()
+
+    async def _on_split(self, msg: m.SplitApplied, subject: str) -> None:
+        if msg.status != "serving":
+            return
+        old = self.core.node_phase(msg.node)
+        if old != msg.phase:
+            released = self.core.node_phase_changed(msg.node, old, msg.phase, self.clock.now())
+            self.log.info("node phase changed", node=msg.node, old=old, new=msg.phase, released_branches=released)
+            await self._maybe_flush()
+
+    async def _on_lookup(self, req: m.KvLookupRequest, subject: str) -> m.KvLookupReply:
+        if req.block_size != self.core.block_size:
+            self.counters["lookup.block_size_mismatch"] += 1
+            self.log.error("lookup with a foreign block size refused", got=req.block_size, expected=self.core.block_size)
+            return m.KvLookupReply(
+                block_size=self.core.block_size,
+                error=f"block size mismatch: request {req.block_size}, directory {self.core.block_size}",
+            )
+        self.counters["lookups"] += 1
+        return self.core.lookup(req.block_hashes).to_reply(self.core.block_size)
+
+    # ------------------------------------------------------------------ #
+    # resync (never blocks other nodes' ingestion: one task per node)
+    # ------------------------------------------------------------------ #
+
+    def _ensure_resync(self, node: str) -> None:
+        t = self._resyncs.get(node)
+        if (t is None or t.done()) and not self._stopping:
+            self._resyncs[node] = asyncio.create_task(self._resync(node), name=f"kvdirectory-resync-{node}")
+
+    async def _resync(self, node: str) -> None:
+        delay = 0.1
+        while self.core.awaiting_resync(node) and not self._stopping:
+            req = self.core.resync_request(node)
+            self.counters["resync.requests"] += 1
+            try:
+                snap = await self.bus.request(KV_RESYNC, req, timeout=self.cfg.resync_timeout_s, node=node)
+            except BusError as e:
+                self.counters["resync.failures"] += 1
+                self.log.warning("resync request failed; retrying", node=node, error=str(e), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.cfg.resync_backoff_max_s)
+                continue
+            if snap.node != node:
+                self.counters["resync.wrong_node"] += 1
+                self.log.error("resync reply for another node ignored", node=node, got=snap.node)
+                await asyncio.sleep(delay)
+                continue
+            res = self.core.apply_snapshot(snap, self.clock.now())
+            if res.status == "rejected":
+                self.log.error("resync snapshot with a foreign block size rejected", node=node, got=snap.block_size)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.cfg.resync_backoff_max_s)
+            else:
+                self.log.info("node resynced", node=node, seq=snap.seq, status=res.status, added=res.blocks_stored, removed=res.blocks_removed)
+                delay = 0.1
+            await self._maybe_flush()
+
+    # ------------------------------------------------------------------ #
+    # count updates and expiry
+    # ------------------------------------------------------------------ #
+
+    async def _maybe_flush(self) -> None:
+        if self.core.pending_count_updates() >= self.cfg.counts_flush_updates:
+            await self.flush_counts()
+
+    async def flush_counts(self) -> int:
+        """Publish every pending ``kv.counts.<node>`` message; returns how many."""
+        async with self._flush_lock:
+            msgs = self.core.take_count_updates()
+            for cu in msgs:
+                await self.bus.publish(KV_COUNTS, cu, node=cu.node)
+            return len(msgs)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.counts_flush_s)
+            try:
+                now = self.clock.now()
+                deadline = self.core.next_deadline()
+                if deadline is not None and deadline <= now:
+                    gone = self.core.expire(now)
+                    if gone:
+                        self.log.info("branches expired", count=len(gone), first=gone[0])
+                await self.flush_counts()
+            except Exception as e:  # keep flushing whatever one round hit
+                self.counters["flush.errors"] += 1
+                self.log.exception("count flush failed", error=repr(e))
+
+    # ------------------------------------------------------------------ #
+    # observability
+    # ------------------------------------------------------------------ #
+
+    def stats(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Counters (core + shell) and gauges for ``svc.stats.<instance>``."""
+        counters = self.core.all_counters()
+        counters.update(self.counters)
+        gauges = self.core.gauges()
+        gauges["resync.in_flight"] = float(sum(1 for t in self._resyncs.values() if not t.done()))
+        gauges["wall_ts"] = time.time()
+        return counters, gauges

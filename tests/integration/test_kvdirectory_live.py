@@ -1,0 +1,227 @@
+"""The KV directory service over a real nats-server (in-process service, real bus)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from services.kvdirectory.config import DirectoryConfig
+from services.kvdirectory.service import DirectoryService
+from shared import messages as m
+from shared.bus import Bus
+from shared.service import serve_until_stopped
+from shared.subjects import (
+    BRANCH_EVENTS,
+    KV_COUNTS,
+    KV_EVENTS,
+    KV_LOOKUP,
+    KV_RESYNC,
+    ROUTE_PLACED,
+    SPLIT_APPLIED,
+    SVC_STATS,
+    Subjects,
+)
+
+BS = 64
+PATH = [101, 102, 103, 104, 105, 106]
+
+
+@asynccontextmanager
+async def running_directory(nats_url: str, **over) -> AsyncIterator[Bus]:
+    """Start the service in-process; yield a client bus; stop and drain on exit."""
+    cfg = DirectoryConfig(nats_url=nats_url, block_size=BS, resync_timeout_s=0.5, counts_flush_s=0.02, **over)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_until_stopped("kvdirectory", cfg, DirectoryService, instance="kvdirectory", stop_event=stop))
+    client = await Bus.connect(nats_url, Subjects(cfg.partition), service="test", instance="test")
+    try:
+        for _ in range(100):  # until the service answers its stats subject
+            try:
+                await client.request(SVC_STATS, m.StatsRequest(), timeout=0.2, instance="kvdirectory")
+                break
+            except Exception:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.05)
+        yield client
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await client.close()
+
+
+async def stats(client: Bus) -> m.StatsReply:
+    return await client.request(SVC_STATS, m.StatsRequest(), timeout=2.0, instance="kvdirectory")
+
+
+async def eventually(check: Callable[[], object], timeout: float = 5.0) -> None:
+    """Await until ``check()`` (sync or async) returns truthy."""
+    end = asyncio.get_running_loop().time() + timeout
+    while True:
+        r = check()
+        if asyncio.iscoroutine(r):
+            r = await r
+        if r:
+            return
+        if asyncio.get_running_loop().time() > end:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def lookup(client: Bus, path: list[int], block_size: int = BS) -> m.KvLookupReply:
+    return await client.request(KV_LOOKUP, m.KvLookupRequest(block_hashes=path, block_size=block_size), timeout=2.0)
+
+
+def stored(hashes, tier="gpu", parent=None, size=BS) -> m.BlockStored:
+    return m.BlockStored(block_hashes=hashes, parent_block_hash=parent, tier=tier, block_size=size)
+
+
+async def test_events_reach_lookups_and_evictions_show(nats_url):
+    async with running_directory(nats_url) as c:
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w0", seq=1, events=[stored(PATH), stored(PATH[:4], "host")]), node="w0")
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w1", seq=1, events=[stored(PATH[:2], "host")]), node="w1")
+
+        async def full():
+            r = await lookup(c, PATH)
+            return r.longest_any == 6 and len(r.nodes) == 2
+
+        await eventually(full)
+        r = await lookup(c, PATH)
+        by = {p.node: p for p in r.nodes}
+        assert (by["w0"].gpu_blocks, by["w0"].host_blocks, by["w0"].local_blocks) == (6, 4, 6)
+        assert (by["w1"].gpu_blocks, by["w1"].host_blocks, by["w1"].local_blocks) == (0, 2, 2)
+        assert r.sources[0] == m.FetchRange(node="w0", start=0, end=4, tier="host")
+        # w0 evicts the tail from GPU: its GPU prefix shrinks, host prefix stays
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w0", seq=2, events=[m.BlockRemoved(block_hashes=PATH[4:])]), node="w0")
+
+        async def evicted():
+            r = await lookup(c, PATH)
+            return r.longest_any == 4
+
+        await eventually(evicted)
+        r = await lookup(c, PATH)
+        assert {p.node: p.gpu_blocks for p in r.nodes} == {"w0": 4, "w1": 0}
+
+
+async def test_gap_triggers_resync_and_snapshot_is_applied(nats_url):
+    async with running_directory(nats_url) as c:
+        asked: list[m.KvResyncRequest] = []
+        fail_first = {"left": 1}
+
+        async def answer(req: m.KvResyncRequest, subject: str) -> m.KvSnapshot | None:
+            asked.append(req)
+            if fail_first["left"]:  # the first request times out: the service must retry
+                fail_first["left"] -= 1
+                return None
+            return m.KvSnapshot(node="w2", seq=5, block_size=BS, host=PATH, host_parents=[None] + PATH[:-1])
+
+        await c.serve(KV_RESYNC, answer, node="w2")
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w2", seq=1, events=[stored(PATH[:1])]), node="w2")
+        # seq 2..4 lost; 5 arrives: the directory must ask w2 for a snapshot
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w2", seq=5, events=[stored(PATH[:1], "host")]), node="w2")
+        await eventually(lambda: len(asked) >= 2)
+        assert asked[0].node == "w2" and asked[0].expected_seq == 2
+
+        async def resynced():
+            r = await lookup(c, PATH)
+            return r.longest_any == 6
+
+        await eventually(resynced)
+        r = await lookup(c, PATH)
+        assert r.nodes[0].node == "w2" and r.nodes[0].host_blocks == 6
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w2", seq=6, events=[m.BlockRemoved(block_hashes=PATH[3:], tier="host")]), node="w2")
+
+        async def applied_after():
+            return (await lookup(c, PATH)).longest_any == 3
+
+        await eventually(applied_after)
+        s = await stats(c)
+        assert s.counters["kv.gaps"] == 1 and s.counters["kv.resyncs"] == 1
+        assert s.counters["resync.failures"] >= 1
+        assert s.gauges["nodes.awaiting_resync"] == 0
+
+
+async def test_malformed_payloads_are_counted_and_service_keeps_serving(nats_url):
+    async with running_directory(nats_url) as c:
+        subj = c.subjects
+        targets = {
+            KV_EVENTS.template: subj.format(KV_EVENTS, node="w0"),
+            BRANCH_EVENTS.template: subj.format(BRANCH_EVENTS),
+            ROUTE_PLACED.template: subj.format(ROUTE_PLACED),
+            SPLIT_APPLIED.template: subj.format(SPLIT_APPLIED),
+            KV_LOOKUP.template: subj.format(KV_LOOKUP),
+        }
+        for full in targets.values():
+            await c.publish_raw(full, b"\xc1 not msgpack")
+            await c.publish_raw(full, m.encode(m.StatsRequest()))  # valid msgpack, wrong schema
+        await c.nc.flush()
+
+        async def counted():
+            s = await stats(c)
+            return all(s.counters.get(f"dropped.{t}", 0) >= 1 for t in targets)
+
+        await eventually(counted)
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w0", seq=1, events=[stored(PATH)]), node="w0")
+
+        async def still_serving():
+            return (await lookup(c, PATH)).longest_any == 6
+
+        await eventually(still_serving)
+
+
+async def test_block_size_mismatch_is_rejected_loudly(nats_url):
+    async with running_directory(nats_url) as c:
+        await c.publish(
+            KV_EVENTS,
+            m.KvEventBatch(node="w0", seq=1, events=[stored(PATH, size=32), stored(PATH[:2])]),
+            node="w0",
+        )
+
+        async def counted():
+            s = await stats(c)
+            return s.counters.get("kv.block_size_mismatch", 0) == 1
+
+        await eventually(counted)
+        r = await lookup(c, PATH)
+        assert r.longest_any == 2  # the foreign-size event was not applied, the rest was
+        bad = await lookup(c, PATH, block_size=16)
+        assert bad.error and "block size" in bad.error and bad.nodes == []
+        s = await stats(c)
+        assert s.counters["lookup.block_size_mismatch"] == 1
+
+
+async def test_counts_are_pushed_to_workers_and_follow_branch_events(nats_url):
+    async with running_directory(nats_url) as c:
+        got: dict[str, dict[int, int]] = {"w0": {}, "w1": {}}
+
+        async def on_counts(cu: m.CountUpdates, subject: str) -> None:
+            got[cu.node].update(zip(cu.hashes, cu.counts))
+
+        await c.subscribe(KV_COUNTS, on_counts)
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w1", seq=1, events=[stored(PATH[:3], "host")]), node="w1")
+        await c.publish(BRANCH_EVENTS, m.BranchStart(branch_id="a1"))
+        await asyncio.sleep(0.05)
+        await c.publish(ROUTE_PLACED, m.RoutePlaced(rid="r1", branch_id="a1", node="w0", phase="prefill", block_hashes=PATH[:3]))
+        await c.publish(ROUTE_PLACED, m.RoutePlaced(rid="r1", branch_id="a1", node="w1", phase="decode", block_hashes=PATH[:3]))
+        await eventually(lambda: got["w0"].get(101) == 1 and got["w1"].get(103) == 1)
+        # w1 switches D→P: its counts reset
+        await c.publish(SPLIT_APPLIED, m.SplitApplied(epoch=1, node="w1", phase="prefill", status="serving"))
+        await eventually(lambda: got["w1"].get(103) == 0)
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a1"))
+        await eventually(lambda: all(v == 0 for v in got["w0"].values()))
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a1"))  # duplicate end: counted, nothing applied
+
+        async def dup_counted():
+            return (await stats(c)).counters.get("branch.duplicate_end", 0) == 1
+
+        await eventually(dup_counted)
+
+
+@pytest.mark.parametrize("argv", [["--block-size", "32", "--branch-ttl-s", "60"]])
+def test_config_from_flags(argv):
+    from shared.config import load_config
+
+    cfg = load_config(DirectoryConfig, argv, prog="kvdirectory", env={})
+    assert cfg.block_size == 32 and cfg.branch_ttl_s == 60.0

@@ -1,0 +1,412 @@
+"""KvDirectory core: explicit scenarios, no bus, explicit ``now``."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.kvdirectory.core import KvDirectory
+from services.kvdirectory.lookup import fetch_plan, fetch_plan_for_reply
+from services.kvdirectory.reuse import attribute_lost_reuse, lost_reuse_shares
+from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
+
+BS = 16
+P = list(range(1, 11))  # one chained path of 10 blocks: parent of P[i] is P[i-1]
+
+
+class Feed:
+    """Per-node sequence numbers for building batches."""
+
+    def __init__(self, d: KvDirectory) -> None:
+        self.d = d
+        self.seq: dict[str, int] = {}
+
+    def batch(self, node: str, *events, ts: float = 1.0) -> KvEventBatch:
+        self.seq[node] = self.seq.get(node, 0) + 1
+        return KvEventBatch(node=node, seq=self.seq[node], ts=ts, events=list(events))
+
+    def send(self, node: str, *events, ts: float = 1.0):
+        return self.d.apply_kv_batch(self.batch(node, *events, ts=ts), ts)
+
+
+def st(hashes, tier="gpu", parent=None, size=BS):
+    if parent is None and hashes and hashes[0] != P[0] and hashes[0] in P:
+        parent = P[P.index(hashes[0]) - 1]
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, tier=tier, block_size=size)
+
+
+def counts(d: KvDirectory, node: str, blocks) -> list[int]:
+    return [d.count(node, b) for b in blocks]
+
+
+@pytest.fixture
+def d() -> KvDirectory:
+    return KvDirectory(BS, branch_ttl_s=100.0)
+
+
+# --------------------------------------------------------------------------- #
+# Alg. E.1 / E.2
+# --------------------------------------------------------------------------- #
+
+
+def test_new_branch_counts_its_path_and_extension_keeps_version(d):
+    d.branch_start("b", 0.0)
+    r = d.place("b", "p0", "prefill", P[:4], 1.0)
+    assert (r.version, r.bumped) == (1, False)
+    assert counts(d, "p0", P[:5]) == [1, 1, 1, 1, 0]
+    r = d.place("b", "p0", "prefill", P[:6], 2.0)
+    assert (r.version, r.bumped) == (1, False)
+    assert counts(d, "p0", P[:7]) == [1] * 6 + [0]
+
+
+def test_compaction_bumps_version_and_releases_dropped_history_on_every_node(d):
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", P[:6], 1.0)
+    d.place("b", "d0", "decode", P[:6], 1.0)
+    summary = [P[0], P[1], 901, 902]  # compaction keeps two blocks and writes a summary
+    r = d.place("b", "p1", "prefill", summary, 2.0)
+    assert (r.version, r.bumped) == (2, True)
+    assert counts(d, "p0", P[:6]) == [1, 1, 0, 0, 0, 0]
+    assert counts(d, "d0", P[:6]) == [1, 1, 0, 0, 0, 0]  # other phase: kept, minus the dropped history
+    assert counts(d, "p1", summary) == [1, 1, 1, 1]
+    assert d.counters["branch.version_bumps"] == 1
+
+
+def test_fork_counts_parent_blocks_without_touching_parent(d):
+    d.branch_start("main", 0.0)
+    d.place("main", "p0", "prefill", P[:5], 1.0)
+    d.branch_start("f", 1.0, kind="fork", parent="main")
+    r = d.place("f", "p0", "prefill", P[:5] + [777], 2.0)
+    assert r.version == 1 and not r.bumped  # a fork starts with an empty path
+    assert counts(d, "p0", P[:5]) == [2] * 5
+    d.branch_end("f", 3.0)
+    assert counts(d, "p0", P[:5]) == [1] * 5
+    d.branch_start("s", 3.0, kind="subagent", parent="main")
+    d.place("s", "p0", "prefill", [555, 556], 3.0)
+    assert counts(d, "p0", P[:5]) == [1] * 5 and counts(d, "p0", [555, 556]) == [1, 1]
+
+
+def test_same_phase_move_releases_source_once_target_holds_version(d):
+    f = Feed(d)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", P[:4], 1.0)
+    r = d.place("b", "p1", "prefill", P[:5], 2.0)
+    assert r.released_nodes == []  # p1 does not hold v_β yet
+    assert counts(d, "p0", P[:4]) == [1] * 4
+    f.send("p1", st(P[:4]))  # not yet the last block of π_β
+    assert counts(d, "p0", P[:4]) == [1] * 4
+    f.send("p1", st(P[4:5], "host"))
+    assert counts(d, "p0", P[:4]) == [0] * 4
+    assert counts(d, "p1", P[:5]) == [1] * 5
+    assert d.counters["moves.released_sources"] == 1
+
+
+def test_move_to_node_already_holding_releases_at_once(d):
+    f = Feed(d)
+    f.send("p1", st(P[:5], "host"))
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", P[:5], 1.0)
+    r = d.place("b", "p1", "prefill", P[:5], 2.0)
+    assert r.released_nodes == ["p0"]
+    assert counts(d, "p0", P[:5]) == [0] * 5
+
+
+def test_cross_phase_keeps_both_and_phase_switches(d):
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", P[:3], 1.0)
+    d.place("b", "d0", "decode", P[:3], 1.0)
+    assert counts(d, "p0", P[:3]) == [1] * 3 and counts(d, "d0", P[:3]) == [1] * 3
+    assert d.node_phase_changed("p0", "prefill", "decode", 2.0) == 0  # P→D keeps
+    assert counts(d, "p0", P[:3]) == [1] * 3
+    assert d.node_phase_changed("d0", "decode", "prefill", 2.0) == 1  # D→P resets
+    assert counts(d, "d0", P[:3]) == [0] * 3
+    assert d.counters["phase.reset_branches"] == 1
+
+
+def test_branch_end_releases_everything_and_errors_are_counted(d):
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", P[:3], 1.0)
+    d.place("b", "d0", "decode", P[:3], 1.0)
+    assert d.branch_end("b", 2.0) == "ended"
+    assert counts(d, "p0", P[:3]) == [0] * 3 and counts(d, "d0", P[:3]) == [0] * 3
+    assert d.branch_end("b", 2.0) == "duplicate_end"
+    assert d.branch_end("zz", 2.0) == "unknown"
+    r = d.place("b", "p0", "prefill", P[:3], 3.0)  # late placement of an ended branch
+    assert r.rejected == "ended_branch" and counts(d, "p0", P[:3]) == [0] * 3
+    assert d.branch_start("b", 3.0) == "ended"
+    c = d.counters
+    assert (c["branch.duplicate_end"], c["branch.unknown_end"], c["place.ended_branch"], c["branch.start_after_end"]) == (1, 1, 1, 1)
+
+
+def test_placement_before_start_creates_branch_then_start_merges(d):
+    d.place("b", "p0", "prefill", P[:2], 1.0)
+    assert d.counters["branch.implicit_start"] == 1
+    assert d.branch_start("b", 1.0, kind="fork", parent="x") == "merged"
+    assert d.branch("b").kind == "fork"
+    assert d.branch_start("b", 1.0) == "duplicate"
+
+
+def test_silent_branches_expire(d):
+    d.branch_start("old", 0.0)
+    d.place("old", "p0", "prefill", P[:2], 0.0)
+    d.branch_start("new", 50.0)
+    assert d.next_deadline() == 100.0
+    assert d.expire(99.0) == []
+    assert d.expire(100.0) == ["old"]
+    assert counts(d, "p0", P[:2]) == [0, 0]
+    assert d.counters["branch.expired"] == 1 and d.next_deadline() == 150.0
+
+
+def test_negative_count_is_refused_and_counted(d):
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", P[:2], 1.0)
+    del d.branches.R[d.node_id("p0")][P[0]]  # corrupt the state on purpose
+    d.branch_end("b", 2.0)
+    assert d.counters["count.negative_prevented"] == 1
+    assert d.count("p0", P[0]) == 0
+
+
+# --------------------------------------------------------------------------- #
+# count updates and observability
+# --------------------------------------------------------------------------- #
+
+
+def test_count_updates_are_batched_per_node_and_only_changes(d):
+    f = Feed(d)
+    f.send("p0", st(P[:3], "host"))
+    d.branch_start("a", 0.0)
+    d.place("a", "p0", "prefill", P[:3], 1.0)
+    d.branch_start("tmp", 0.0)
+    d.place("tmp", "p0", "prefill", [50], 1.0)
+    d.branch_end("tmp", 1.0)  # 0 → 1 → 0 before a drain: nothing to send
+    msgs = d.take_count_updates()
+    assert [(u.node, u.seq, u.hashes, u.counts) for u in msgs] == [("p0", 1, P[:3], [1, 1, 1])]
+    assert d.take_count_updates() == []
+    g = d.gauges()
+    assert g["copies.host.positive_count"] == 3 and g["copies.host.zero_count"] == 0
+    f.send("p0", st(P[3:5], "host"))
+    assert d.gauges()["copies.host.zero_count"] == 2
+    f.send("p0", BlockRemoved(block_hashes=[P[0], P[4]], tier="host"))
+    assert d.counters["evictions.host.positive_count"] == 1
+    assert d.counters["evictions.host.zero_count"] == 1
+    # a counted block that comes back to host memory gets its count re-sent
+    f.send("p0", st(P[:1], "host"))
+    assert [(u.hashes, u.counts) for u in d.take_count_updates()] == [([P[0]], [1])]
+
+
+# --------------------------------------------------------------------------- #
+# KV event streams: gaps, reordering, resync, restarts
+# --------------------------------------------------------------------------- #
+
+
+def test_gap_freezes_node_and_snapshot_repairs_without_dropping_the_tree(d):
+    f = Feed(d)
+    f.send("w0", st(P[:4]))
+    f.send("w1", st(P[:6], "host"))
+    f.batch("w0", st(P[4:6]))  # lost
+    r = f.send("w0", BlockRemoved(block_hashes=[P[0]]))
+    assert (r.status, r.need_resync, r.expected_seq) == ("gap", True, 2)
+    assert d.awaiting_resync("w0") and not d.awaiting_resync("w1")
+    lk = d.lookup(P)
+    assert lk.node("w0").gpu_blocks == 4 and lk.node("w1").host_blocks == 6  # frozen view, other node intact
+    r = f.send("w1", BlockRemoved(block_hashes=[P[5]], tier="host"))
+    assert r.status == "applied"  # other nodes keep ingesting
+    req = d.resync_request("w0")
+    assert req.expected_seq == 2
+    snap = KvSnapshot(node="w0", seq=2, block_size=BS, gpu=P[:6], gpu_parents=[None] + P[:5])
+    r = d.apply_snapshot(snap, 2.0)
+    assert (r.status, r.need_resync, r.expected_seq) == ("resynced", False, 4)  # buffered seq 3 applied on top
+    assert d.lookup(P).node("w0").gpu_blocks == 0  # P[0] removed by batch 3
+    assert d.lookup(P).longest_any == 6  # P[0] from w1's host, P[1:6] from w0's GPU
+    assert not d.awaiting_resync("w0")
+
+
+def test_reordered_batch_recovers_without_resync(d):
+    f = Feed(d)
+    b1 = f.batch("w0", st(P[:2]))
+    b2 = f.batch("w0", st(P[2:3]))
+    b3 = f.batch("w0", BlockRemoved(block_hashes=[P[2]]))
+    assert d.apply_kv_batch(b1, 1.0).status == "applied"
+    assert d.apply_kv_batch(b3, 1.0).status == "gap"
+    assert d.lookup(P).node("w0").gpu_blocks == 2
+    r = d.apply_kv_batch(b2, 1.0)
+    assert (r.status, r.need_resync, r.expected_seq) == ("recovered", False, 4)
+    assert d.lookup(P).node("w0").gpu_blocks == 2
+    assert d.apply_kv_batch(b2, 1.0).status == "stale"
+    assert d.counters["kv.recovered_without_resync"] == 1
+
+
+def test_stale_snapshot_ignored_and_foreign_block_size_rejected(d):
+    f = Feed(d)
+    f.send("w0", st(P[:3]))
+    f.send("w0", st(P[3:4]))
+    assert d.apply_snapshot(KvSnapshot(node="w0", seq=0, block_size=BS), 1.0).status == "stale"
+    assert d.lookup(P).node("w0").gpu_blocks == 4
+    r = d.apply_snapshot(KvSnapshot(node="w0", seq=5, block_size=BS * 2), 1.0)
+    assert r.status == "rejected" and d.counters["kv.snapshot_block_size_mismatch"] == 1
+
+
+def test_publisher_restart_needs_a_snapshot(d):
+    f = Feed(d)
+    f.send("w0", st(P[:3]), ts=1.0)
+    f.send("w0", st(P[3:4]), ts=2.0)
+    late_dup = KvEventBatch(node="w0", seq=1, ts=1.0, events=[st(P[:3])])
+    assert d.apply_kv_batch(late_dup, 3.0).status == "stale"
+    restarted = KvEventBatch(node="w0", seq=1, ts=5.0, events=[st(P[:1])])
+    r = d.apply_kv_batch(restarted, 5.0)
+    assert r.status == "gap" and r.need_resync
+    r = d.apply_kv_batch(KvEventBatch(node="w0", seq=2, ts=5.0, events=[st(P[1:2])]), 5.0)
+    assert r.status == "buffered"  # only a snapshot can end a restart
+    r = d.apply_snapshot(KvSnapshot(node="w0", seq=1, block_size=BS, gpu=P[:1], gpu_parents=[None]), 6.0)
+    assert (r.status, r.expected_seq) == ("resynced", 3)
+    assert d.lookup(P).node("w0").gpu_blocks == 2
+    assert d.counters["kv.seq_restarts"] == 1
+
+
+def test_buffer_overflow_requires_a_snapshot():
+    d = KvDirectory(BS, resync_buffer_batches=2)
+    f = Feed(d)
+    f.send("w0", st(P[:1]))
+    f.batch("w0", st(P[1:2]))  # lost
+    for i in range(3):
+        f.send("w0", st(P[2 + i : 3 + i]))
+    assert d.counters["kv.buffer_overflow_batches"] == 1
+    r = d.apply_snapshot(KvSnapshot(node="w0", seq=2, block_size=BS, gpu=P[:2], gpu_parents=[None, P[0]]), 1.0)
+    assert r.need_resync  # seq 3 was dropped from the buffer: the hole remains
+    r = d.apply_snapshot(KvSnapshot(node="w0", seq=5, block_size=BS, gpu=P[:5], gpu_parents=[None] + P[:4]), 1.0)
+    assert not r.need_resync and d.lookup(P).node("w0").gpu_blocks == 5
+
+
+def test_block_size_mismatch_rejects_that_event_only(d):
+    f = Feed(d)
+    r = f.send("w0", st(P[:3], size=BS * 4), st(P[:2]))
+    assert r.mismatched_block_sizes == [BS * 4]
+    assert d.counters["kv.block_size_mismatch"] == 1 and d.counters["kv.block_size_mismatch_blocks"] == 3
+    assert d.lookup(P).node("w0").gpu_blocks == 2
+
+
+def test_clear_one_tier_or_all(d):
+    f = Feed(d)
+    f.send("w0", st(P[:3]), st(P[:3], "host"))
+    f.send("w0", AllBlocksCleared(tier="gpu"))
+    p = d.lookup(P).node("w0")
+    assert (p.gpu_blocks, p.host_blocks) == (0, 3)
+    f.send("w0", AllBlocksCleared())
+    assert d.lookup(P).nodes == [] and len(d.index) == 0
+
+
+# --------------------------------------------------------------------------- #
+# index: memory bound, missing parents, lookups
+# --------------------------------------------------------------------------- #
+
+
+def test_entries_follow_evictions(d):
+    f = Feed(d)
+    f.send("w0", st(P[:5]), st(P[:5], "host"))
+    f.send("w1", st(P[:2], "host"))
+    assert len(d.index) == 5
+    f.send("w0", AllBlocksCleared())
+    assert len(d.index) == 2
+    f.send("w1", BlockRemoved(block_hashes=P[:2], tier="host"))
+    assert len(d.index) == 0 and d.gauges()["blocks.indexed"] == 0
+
+
+def test_cap_bites_with_a_counter():
+    d = KvDirectory(BS, max_blocks=4)
+    f = Feed(d)
+    f.send("w0", st(P[:6]))
+    assert len(d.index) == 4 and d.index.counters["cap.rejected_blocks"] == 2
+    assert d.lookup(P).node("w0").gpu_blocks == 4  # under-reports, never invents
+
+
+def test_missing_parent_keeps_the_subtree_and_joins_when_parent_arrives(d):
+    """Dynamo rejects a store whose parent is unknown (whole subtree lost); we keep it."""
+    f = Feed(d)
+    f.send("w0", st(P[:2]))
+    f.send("w0", st(P[3:6]))  # P[2] was never reported: a hole
+    assert d.lookup(P).node("w0").gpu_blocks == 2
+    assert d.lookup(P[:2]).longest_any == 2
+    f.send("w0", st(P[2:3]))
+    assert d.lookup(P).node("w0").gpu_blocks == 6  # the kept subtree joins the prefix
+
+
+def test_snapshot_without_parents_joins_once_parents_are_reported(d):
+    d.apply_snapshot(KvSnapshot(node="w0", seq=0, block_size=BS, host=P[:3]), 1.0)  # old worker: no parents
+    assert d.lookup(P).node("w0").host_blocks == 0  # cannot place them in the tree yet
+    f = Feed(d)
+    f.send("w0", st(P[:3], "host"))
+    assert d.lookup(P).node("w0").host_blocks == 3
+
+
+def test_lookup_holes_mosaic_and_fetch_plan(d):
+    f = Feed(d)
+    f.send("a", st(P[:3], "host"), st(P[:6]))
+    f.send("b", st(P[:8], "host"))
+    f.send("c", st(P[:2]), st(P[3:10], "host", parent=P[2]))  # c lacks P[2]: a hole
+    f.send("a", BlockRemoved(block_hashes=P[4:6]))
+    lk = d.lookup(P)
+    assert lk.longest_any == 10
+    assert {(p.node, p.gpu_blocks, p.host_blocks, p.local_blocks) for p in lk.nodes} == {
+        ("a", 4, 3, 4),
+        ("b", 0, 8, 8),
+        ("c", 2, 0, 2),
+    }
+    assert [(r.node, r.start, r.end, r.tier) for r in lk.sources] == [("b", 0, 8, "host"), ("c", 8, 10, "host")]
+    plan = fetch_plan(lk.nodes, lk.longest_any, lk.sources, "a", BS)
+    assert (plan.cached_tokens, plan.local_tokens, plan.fetch_tokens) == (10 * BS, 4 * BS, 6 * BS)
+    assert [(r.node, r.start, r.end) for r in plan.ranges] == [("b", 4, 8), ("c", 8, 10)]
+    reply = lk.to_reply(BS)
+    assert fetch_plan_for_reply(reply, "c").fetch_tokens == 6 * BS  # its own range is not a fetch
+    assert d.lookup([]).nodes == [] and d.lookup([12345]).longest_any == 0
+
+
+def test_lookup_falls_back_to_gpu_copies(d):
+    f = Feed(d)
+    f.send("a", st(P[:2], "host"), st(P[:5]))
+    lk = d.lookup(P)
+    assert [(r.node, r.start, r.end, r.tier) for r in lk.sources] == [("a", 0, 2, "host"), ("a", 2, 5, "gpu")]
+
+
+# --------------------------------------------------------------------------- #
+# lost reuse (paper C.1)
+# --------------------------------------------------------------------------- #
+
+
+def test_attribute_lost_reuse():
+    assert attribute_lost_reuse(10, 10, "p0", "p0") == (0, "none")
+    assert attribute_lost_reuse(10, 4, "p0", "p0") == (6, "eviction")
+    assert attribute_lost_reuse(10, 4, "p1", "p0") == (6, "routing")
+    assert attribute_lost_reuse(10, 4, "p1", None) == (6, "unattributed")
+    s = lost_reuse_shares({"eviction": 30, "routing": 10}, 400)
+    assert s == {"lost_reuse": 0.1, "eviction": 0.75, "routing": 0.25}
+
+
+def test_lost_reuse_is_attributed_at_prefill_placements():
+    d = KvDirectory(BS, reuse_hit_scope="local")
+    f = Feed(d)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", P[:4], 1.0)
+    f.send("p0", st(P[:4]), st(P[:4], "host"))
+    f.send("p0", BlockRemoved(block_hashes=P[2:4]), BlockRemoved(block_hashes=P[2:4], tier="host"))  # LRU evicted
+    r = d.place("b", "p0", "prefill", P[:6], 2.0)
+    assert (r.reuse.ideal_blocks, r.reuse.hit_blocks, r.reuse.lost_blocks, r.reuse.cause) == (4, 2, 2, "eviction")
+    f.send("p1", st(P[:6], "host"))
+    r = d.place("b", "p2", "prefill", P[:7], 3.0)  # routed away from its KV
+    assert (r.reuse.lost_blocks, r.reuse.cause) == (6, "routing")
+    assert d.counters["reuse.lost_tokens.eviction"] == 2 * BS
+    assert d.counters["reuse.lost_tokens.routing"] == 6 * BS
+    assert d.gauges()["reuse.eviction"] == pytest.approx(0.25)
+
+
+def test_apply_dispatch_and_bad_arguments():
+    from shared.messages import BranchEnd, BranchStart, RoutePlaced
+
+    d = KvDirectory(BS)
+    assert d.apply(BranchStart(branch_id="x"), 0.0) == "started"
+    assert d.apply(RoutePlaced(rid="r", branch_id="x", node="n", phase="prefill", block_hashes=P[:1]), 0.0).version == 1
+    assert d.apply(BranchEnd(branch_id="x"), 0.0) == "ended"
+    with pytest.raises(TypeError):
+        d.apply(object(), 0.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        KvDirectory(0)
+    with pytest.raises(ValueError):
+        KvDirectory(BS, reuse_hit_scope="nowhere")  # type: ignore[arg-type]
