@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "evolving_infra.replay.cli",  # replay
     "evolving_infra.traces.cli",  # trace validate|stats|convert|generate
     "evolving_infra.tap",  # tap
+    "evolving_infra.report.cli",  # report show|compare
 )
 
 

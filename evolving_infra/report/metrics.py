@@ -1,21 +1,64 @@
-"""The paper's metrics from per-request records (§6 "Metrics", DESIGN §6).
+"""The paper's metrics from per-request records and the run timeline (§6.1–6.3, Appendix C).
+
+Pure functions over :class:`RequestRecord` lists (no I/O, no clock). Times are
+simulated seconds.
 
 * throughput: completed requests per simulated second over the measured span;
-* TTFT and E2E latency: mean, P50, P95 (P95 by linear interpolation, numpy default);
-* TPOT: mean over requests with ≥ 2 output tokens of (E2E − TTFT)/(tokens − 1);
-* KV hit rate h = Σ cached prompt tokens / Σ prompt tokens;
-* lost KV reuse = 1 − h / h*, with h* the ideal hit rate of the replayed requests
-  (unlimited cache shared by all nodes, no switches; computed from the trace).
+  over time, completions per window (by ``finished_at``) / window length.
+* TTFT and E2E latency: mean, P50, P95 (P95 by linear interpolation, numpy default).
+* TPOT: mean over requests with ≥ 2 output tokens of (E2E − TTFT)/(tokens − 1).
+* KV hit rate h = Σ cached prompt tokens / Σ prompt tokens (completed requests).
+* lost KV reuse = 1 − h / h* (Figure 3, Figure 6), with h* the ideal hit rate of
+  the replayed requests (unlimited cache shared by all nodes, no phase switches).
+  h* comes from the caller (computed from the trace); failing that, from
+  ``RequestRecord.ideal_cached_tokens``. Over time it needs the per-request
+  field: per window, 1 − Σ cached / Σ ideal cached tokens (Appendix D.4: "the
+  share of these tokens that a run recomputes").
+* prefill queueing time (Appendix C.3, Table C.2): mean and P95 of
+  ``queue_s`` (arrival at the prefill node → start of its prefill) over the
+  requests that report it.
+* prefill queue imbalance (Appendix C.3: "the queueing time on the most loaded
+  prefill node relative to the average across prefill nodes, computed per
+  minute and averaged over the measurement period"); see
+  :func:`prefill_queue_imbalance` for the exact definition of load.
+* phase switches and time per switch (Appendix C.1), PD split over time
+  (Figure 7a, Appendix C.2): from a :class:`RunTimeline`, see
+  :func:`timeline_metrics`.
+* per period of a shifting run (§6.3, Table C.4): :func:`period_metrics`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from evolving_infra.report.records import RequestRecord
+from evolving_infra.report.timeline import RunTimeline
+
+WINDOW_S = 60.0
+"""Default window of the time series and of the imbalance: one minute (Appendix C.3)."""
+
+# key, label, kind, lower_is_better (None: neither). kind: s | rps | rate | x | count
+HEADLINE_METRICS: tuple[tuple[str, str, str, bool | None], ...] = (
+    ("throughput_rps", "Throughput (req/s)", "rps", False),
+    ("ttft_mean_s", "TTFT mean", "s", True),
+    ("ttft_p95_s", "TTFT P95", "s", True),
+    ("e2e_mean_s", "E2E mean", "s", True),
+    ("e2e_p95_s", "E2E P95", "s", True),
+    ("tpot_mean_s", "TPOT mean", "s", True),
+    ("kv_hit_rate", "KV hit rate h", "rate", False),
+    ("ideal_kv_hit_rate", "Ideal KV hit rate h*", "rate", None),
+    ("lost_kv_reuse", "Lost KV reuse 1 - h/h*", "rate", True),
+    ("prefill_queue_mean_s", "Prefill queue mean", "s", True),
+    ("prefill_queue_p95_s", "Prefill queue P95", "s", True),
+    ("prefill_queue_imbalance", "Prefill queue imbalance (max/mean)", "x", True),
+    ("switches", "Phase switches", "count", None),
+    ("switch_time_mean_s", "Time per switch", "s", True),
+)
+"""The metrics every view shows (terminal, HTML, compare), in display order."""
 
 
 def _pct(values: Sequence[float], q: float) -> float | None:
@@ -26,19 +69,121 @@ def _mean(values: Sequence[float]) -> float | None:
     return float(np.mean(np.asarray(values, dtype=float))) if len(values) else None
 
 
+def measured_span(records: Sequence[RequestRecord]) -> tuple[float, float]:
+    """``(start, end)``: first send → last finish (simulated seconds); ``(0, 0)`` without records."""
+    start = min((r.sent_at for r in records), default=0.0)
+    end = max((r.finished_at for r in records if r.finished_at is not None), default=start)
+    return start, max(end, start)
+
+
+def _windows(start: float, end: float, window_s: float) -> list[tuple[float, float]]:
+    """``[a, b)`` windows of ``window_s`` covering ``[start, end]``; the last one may be shorter."""
+    if window_s <= 0:
+        raise ValueError(f"window_s must be > 0, got {window_s}")
+    if end <= start:
+        return []
+    n = max(1, math.ceil((end - start) / window_s - 1e-9))
+    return [(start + i * window_s, min(end, start + (i + 1) * window_s)) for i in range(n)]
+
+
+def _window_index(t: float, start: float, end: float, window_s: float, n: int) -> int | None:
+    """Index of the window holding ``t``; ``t == end`` falls into the last window."""
+    if t < start or t > end or n == 0:
+        return None
+    return min(int((t - start) // window_s), n - 1)
+
+
+def prefill_queue_by_node(records: Sequence[RequestRecord]) -> dict[str, dict[str, float | int | None]]:
+    """Per prefill node: requests reporting a queue time, mean / P95 / total queue seconds."""
+    by: dict[str, list[float]] = {}
+    for r in records:
+        if r.queue_s is not None and r.prefill_node is not None:
+            by.setdefault(r.prefill_node, []).append(r.queue_s)
+    return {
+        node: {"requests": len(v), "mean_s": _mean(v), "p95_s": _pct(v, 95), "total_s": float(sum(v))}
+        for node, v in sorted(by.items())
+    }
+
+
+def prefill_queue_imbalance(
+    records: Sequence[RequestRecord],
+    *,
+    start: float,
+    end: float,
+    window_s: float = WINDOW_S,
+    timeline: RunTimeline | None = None,
+) -> tuple[float | None, list[float | None]]:
+    """Prefill queue imbalance: per minute, most loaded prefill node / mean over prefill nodes.
+
+    Paper Appendix C.3 (Table C.2): "the queueing time on the most loaded
+    prefill node relative to the average across prefill nodes, computed per
+    minute and averaged over the measurement period". Made precise from what
+    records carry:
+
+    * a request *starts prefill* at ``sent_at + queue_s`` on ``prefill_node``
+      (``sent_at`` is after any admission wait, and routing takes no simulated
+      time); only requests that report ``queue_s`` and ``prefill_node`` count;
+    * the *load* of node n in window [a, b) is the total queue seconds of the
+      requests that started prefill on n in that window;
+    * the prefill nodes of a window are the nodes that started at least one
+      such prefill in it, plus, when the timeline names them
+      (``SplitPoint.prefill_nodes``), every node that served prefill at some
+      instant of the window (an idle prefill node counts with load 0);
+    * ratio of the window = max load / mean load; a window whose mean load is
+      0 (no queueing anywhere) has no ratio and is skipped; a window with one
+      prefill node has ratio 1.
+
+    Args:
+        records: the run's records.
+        start, end: measured span (simulated seconds).
+        window_s: window length (default 60 s, "per minute").
+        timeline: optional, for the idle prefill nodes.
+
+    Returns:
+        ``(mean over windows with a ratio or None, ratio per window or None)``.
+
+    Raises:
+        ValueError: if ``window_s <= 0``.
+    """
+    wins = _windows(start, end, window_s)
+    loads: list[dict[str, float]] = [{} for _ in wins]
+    for r in records:
+        if r.queue_s is None or r.prefill_node is None:
+            continue
+        i = _window_index(r.sent_at + r.queue_s, start, end, window_s, len(wins))
+        if i is None:
+            continue
+        loads[i][r.prefill_node] = loads[i].get(r.prefill_node, 0.0) + r.queue_s
+    ratios: list[float | None] = []
+    for (a, b), load in zip(wins, loads):
+        nodes = set(load)
+        if timeline is not None and load:
+            nodes |= timeline.prefill_nodes_between(a, b)
+        values = [load.get(n, 0.0) for n in nodes]
+        mean = sum(values) / len(values) if values else 0.0
+        ratios.append(max(values) / mean if mean > 0 else None)
+    valid = [x for x in ratios if x is not None]
+    return (float(np.mean(valid)) if valid else None), ratios
+
+
 def summarize(
     records: Sequence[RequestRecord],
     *,
     ideal_kv_hit_rate: float | None = None,
     start: float | None = None,
     end: float | None = None,
-) -> dict[str, float | int | None]:
-    """Headline metrics of a run.
+    timeline: RunTimeline | None = None,
+    window_s: float = WINDOW_S,
+) -> dict[str, Any]:
+    """Headline metrics of a run (or of a slice of it).
 
     Args:
         records: one per request sent.
-        ideal_kv_hit_rate: h* of the replayed requests (for ``lost_kv_reuse``).
+        ideal_kv_hit_rate: h* of the replayed requests (for ``lost_kv_reuse``); when None and
+            records carry ``ideal_cached_tokens``, h* = Σ ideal cached / Σ prompt tokens.
         start, end: measured span in simulated seconds (default: first send → last finish).
+        timeline: optional, lets the imbalance count idle prefill nodes.
+        window_s: window of the prefill queue imbalance (default 60 s).
 
     Returns:
         A flat dict with the report keys (None where a metric has no samples).
@@ -47,21 +192,29 @@ def summarize(
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
     tpot = [t for r in ok if (t := r.tpot_s) is not None]
-    if start is None:
-        start = min((r.sent_at for r in records), default=0.0)
-    if end is None:
-        end = max((r.finished_at for r in records if r.finished_at is not None), default=start)
+    span = measured_span(records)
+    start = span[0] if start is None else start
+    end = span[1] if end is None else end
     duration = max(end - start, 0.0)
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     h = cached / prompt if prompt else None
+    if ideal_kv_hit_rate is None:
+        with_ideal = [r for r in ok if r.ideal_cached_tokens is not None]
+        ideal_prompt = sum(r.prompt_tokens for r in with_ideal)
+        if with_ideal and ideal_prompt:
+            ideal_kv_hit_rate = sum(r.ideal_cached_tokens or 0 for r in with_ideal) / ideal_prompt
     lost = None
     if h is not None and ideal_kv_hit_rate:
         lost = max(0.0, 1.0 - h / ideal_kv_hit_rate)
+    queue = [r.queue_s for r in records if r.queue_s is not None]
+    imbalance, _ = prefill_queue_imbalance(records, start=start, end=end, window_s=window_s, timeline=timeline)
     return {
         "requests_sent": len(records),
         "requests_completed": len(ok),
         "requests_failed": len(records) - len(ok),
+        "start_s": start,
+        "end_s": end,
         "duration_s": duration,
         "throughput_rps": (len(ok) / duration) if duration > 0 else None,
         "ttft_mean_s": _mean(ttft),
@@ -77,10 +230,177 @@ def summarize(
         "kv_hit_rate": h,
         "ideal_kv_hit_rate": ideal_kv_hit_rate,
         "lost_kv_reuse": lost,
+        "prefill_queue_samples": len(queue),
+        "prefill_queue_mean_s": _mean(queue),
+        "prefill_queue_p95_s": _pct(queue, 95),
+        "prefill_queue_imbalance": imbalance,
     }
 
 
+def timeline_metrics(timeline: RunTimeline | None, *, start: float | None = None, end: float | None = None) -> dict[str, Any]:
+    """Phase switches, time per switch and the PD split over time (Appendix C.1, C.2).
+
+    * ``switches``: completed node phase switches (one per node that changed
+      phase; a split change from 6P3D to 8P1D is two switches), counted by
+      ``applied_at`` in ``[start, end]`` when given;
+    * ``switch_time_mean_s``: mean ``switch_s`` (decision → serving the new
+      phase, drain included) over those switches;
+    * ``split_changes``: split points after the first (in the window);
+    * ``split_timeline``: ``[[t, split], ...]`` in time order (all points);
+    * ``final_split``: the split in force at ``end`` (or the last one).
+
+    All values are None when there is no timeline.
+    """
+    if timeline is None:
+        return {
+            "switches": None,
+            "switch_time_mean_s": None,
+            "split_changes": None,
+            "split_timeline": None,
+            "final_split": None,
+        }
+    lo = -math.inf if start is None else start
+    hi = math.inf if end is None else end
+    sw = [s for s in timeline.switches if lo <= s.applied_at <= hi]
+    points = timeline.split_timeline
+    changes = sum(1 for p in points[1:] if lo <= p.t <= hi)
+    final = timeline.split_at(hi) if end is not None else (points[-1] if points else None)
+    return {
+        "switches": len(sw),
+        "switch_time_mean_s": _mean([s.switch_s for s in sw]),
+        "split_changes": changes,
+        "split_timeline": [[p.t, p.split] for p in points],
+        "final_split": final.split if final is not None else None,
+    }
+
+
+def time_series(
+    records: Sequence[RequestRecord],
+    *,
+    start: float,
+    end: float,
+    window_s: float = WINDOW_S,
+    timeline: RunTimeline | None = None,
+) -> dict[str, Any]:
+    """Per-window series over ``[start, end]`` (simulated seconds).
+
+    Keys: ``window_s``; ``t_s`` (window starts); ``completed`` (requests
+    finished OK in the window); ``throughput_rps`` (completed / window length);
+    ``ttft_mean_s`` (requests sent in the window); ``prefill_queue_imbalance``
+    (:func:`prefill_queue_imbalance`); ``lost_kv_reuse`` — per window of
+    ``sent_at``, 1 − Σ cached / Σ ``ideal_cached_tokens`` over completed
+    requests that carry the field; the key is absent when no record carries
+    it (the report then says so in ``notes``; it is never estimated).
+    """
+    wins = _windows(start, end, window_s)
+    n = len(wins)
+    completed = [0] * n
+    ttft: list[list[float]] = [[] for _ in wins]
+    cached = [0] * n
+    ideal = [0] * n
+    have_ideal = False
+    for r in records:
+        if not r.ok:
+            continue
+        if r.finished_at is not None:
+            i = _window_index(r.finished_at, start, end, window_s, n)
+            if i is not None:
+                completed[i] += 1
+        j = _window_index(r.sent_at, start, end, window_s, n)
+        if j is None:
+            continue
+        if r.ttft_s is not None:
+            ttft[j].append(r.ttft_s)
+        if r.ideal_cached_tokens is not None:
+            have_ideal = True
+            cached[j] += r.cached_tokens
+            ideal[j] += r.ideal_cached_tokens
+    _, imbalance = prefill_queue_imbalance(records, start=start, end=end, window_s=window_s, timeline=timeline)
+    out: dict[str, Any] = {
+        "window_s": window_s,
+        "t_s": [a for a, _ in wins],
+        "completed": completed,
+        "throughput_rps": [c / (b - a) if b > a else None for c, (a, b) in zip(completed, wins)],
+        "ttft_mean_s": [_mean(v) for v in ttft],
+        "prefill_queue_imbalance": imbalance,
+    }
+    if have_ideal:
+        out["lost_kv_reuse"] = [max(0.0, 1.0 - c / i) if i > 0 else None for c, i in zip(cached, ideal)]
+    return out
+
+
+def period_metrics(
+    records: Sequence[RequestRecord],
+    periods: Sequence[Mapping[str, Any]],
+    *,
+    timeline: RunTimeline | None = None,
+    window_s: float = WINDOW_S,
+) -> list[dict[str, Any]]:
+    """Headline metrics per period of a shifting run (§6.3, Figure 7, Table C.4).
+
+    Each period is ``{name, start_s, end_s}`` (simulated seconds). Latency, TPOT,
+    KV hit rate and queue metrics use the requests *sent* in ``[start_s, end_s)``;
+    throughput is the requests *completed* (any send time) in ``[start_s, end_s)``
+    divided by ``end_s − start_s``; switches count those applied in the period;
+    ``final_split`` is the split in force at ``end_s``. h* per period comes only
+    from ``RequestRecord.ideal_cached_tokens`` (the run's overall h* is not
+    reused for a period).
+
+    Raises:
+        ValueError: naming the period, if it lacks ``start_s``/``end_s``, they are not
+            numbers, or ``end_s <= start_s``.
+    """
+    out: list[dict[str, Any]] = []
+    for k, p in enumerate(periods):
+        if not isinstance(p, Mapping):
+            raise ValueError(f"period {k}: expected a mapping with name, start_s, end_s, got {p!r}")  # noqa: TRY004
+        name = str(p.get("name", f"period-{k}"))
+        try:
+            a, b = float(p["start_s"]), float(p["end_s"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"period {name!r}: needs numeric start_s and end_s ({e})") from e
+        if b <= a:
+            raise ValueError(f"period {name!r}: end_s {b} must be > start_s {a}")
+        sel = [r for r in records if a <= r.sent_at < b]
+        row: dict[str, Any] = {"name": name}
+        row.update(summarize(sel, start=a, end=b, timeline=timeline, window_s=window_s))
+        done = sum(1 for r in records if r.ok and r.finished_at is not None and a <= r.finished_at < b)
+        row["requests_completed_in_period"] = done
+        row["throughput_rps"] = done / (b - a)
+        tm = timeline_metrics(timeline, start=a, end=b)
+        row["switches"] = tm["switches"]
+        row["switch_time_mean_s"] = tm["switch_time_mean_s"]
+        row["final_split"] = tm["final_split"]
+        out.append(row)
+    return out
+
+
+def cdf(values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Empirical CDF: sorted values and cumulative fractions in (0, 1]."""
+    x = np.sort(np.asarray(values, dtype=float))
+    y = np.arange(1, len(x) + 1, dtype=float) / max(len(x), 1)
+    return x, y
+
+
 def fmt_seconds(v: float | None) -> str:
+    """``"1.234 s"`` (3 decimals below 100 s, 1 above), ``"-"`` for None or NaN."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{v:.3f} s" if v < 100 else f"{v:.1f} s"
+
+
+def fmt_value(v: Any, kind: str) -> str:
+    """Format a metric value by kind (``s``, ``rps``, ``rate``, ``x``, ``count``); ``"-"`` for None."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if kind == "s":
+        return fmt_seconds(float(v))
+    if kind == "rps":
+        return f"{float(v):.3f}"
+    if kind == "rate":
+        return f"{100 * float(v):.2f}%"
+    if kind == "x":
+        return f"{float(v):.2f}x"
+    if kind == "count":
+        return f"{int(v):,}" if float(v).is_integer() else f"{float(v):.2f}"
+    return str(v)

@@ -42,6 +42,10 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Simulated time of the last token (or of the failure)."""
     queue_s: float | None = None
     """Time the request waited in its prefill node's queue (arrival → prefill start), when reported."""
+    ideal_cached_tokens: int | None = None
+    """Prompt tokens whose KV an earlier request of the run produced: this request's share of the
+    ideal hit rate h* (unlimited cache shared by all nodes, no phase switches), when the producer
+    knows it. Enables lost KV reuse per time window in the report."""
 
     @property
     def tpot_s(self) -> float | None:

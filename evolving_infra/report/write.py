@@ -1,8 +1,11 @@
-"""``report.json`` + ``requests.jsonl`` + a terminal summary for one run.
+"""``report.json`` + ``requests.jsonl`` + plots + ``report.html`` + a terminal summary for one run.
 
 Every command that produces a report (``demo``, ``replay``, later ``simulate``)
-calls :func:`write_report` with its records and the run's settings. Times in
-the report are simulated seconds; ``wall_s`` is the run's wall-clock time.
+calls :func:`build_report` with its records, the run's settings and, when it
+knows it, the run's :class:`~evolving_infra.report.timeline.RunTimeline`, then
+:func:`write_report`. Times in the report are simulated seconds; ``meta.wall_s``
+is the run's wall-clock time. Keys are documented in ``README.md`` next to this
+file.
 """
 
 from __future__ import annotations
@@ -13,8 +16,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from evolving_infra.report.metrics import fmt_seconds, summarize
-from evolving_infra.report.records import RequestRecord, write_records
+import msgspec
+
+from evolving_infra.report.metrics import (
+    HEADLINE_METRICS,
+    WINDOW_S,
+    fmt_seconds,
+    fmt_value,
+    period_metrics,
+    prefill_queue_by_node,
+    summarize,
+    time_series,
+    timeline_metrics,
+)
+from evolving_infra.report.records import RequestRecord, read_records, write_records
+from evolving_infra.report.timeline import RunTimeline, timeline_from_builtins
+
+REPORT_JSON = "report.json"
+REQUESTS_JSONL = "requests.jsonl"
+REPORT_HTML = "report.html"
 
 
 def build_report(
@@ -23,9 +43,30 @@ def build_report(
     meta: Mapping[str, Any],
     ideal_kv_hit_rate: float | None = None,
     extra: Mapping[str, Any] | None = None,
+    timeline: RunTimeline | None = None,
+    window_s: float = WINDOW_S,
 ) -> dict[str, Any]:
-    """The report dict: headline metrics, agent structure counts, run metadata."""
-    report: dict[str, Any] = dict(summarize(records, ideal_kv_hit_rate=ideal_kv_hit_rate))
+    """The report dict: headline metrics, per-window series, per-period metrics, run metadata.
+
+    Args:
+        records: one per request sent (any order).
+        meta: run settings, stored under ``meta``. ``meta["periods"]``, a list of
+            ``{name, start_s, end_s}``, adds per-period metrics under ``periods``.
+        ideal_kv_hit_rate: h* of the replayed requests (paper Figure 3), for ``lost_kv_reuse``.
+        extra: keys a producer adds (e.g. ``ttft_prediction_abs_error_median_s``,
+            ``lost_kv_reuse_eviction_share``, ``final_split``, ``wall_s``, ``sim_speed``);
+            they are stored at top level and override computed keys of the same name.
+        timeline: the PD split over time and phase switches; without it
+            ``switches``, ``switch_time_mean_s``, ``split_timeline`` and ``final_split`` are None.
+        window_s: window of the time series and the prefill queue imbalance (default 60 s).
+
+    Returns:
+        A JSON-serialisable dict (see ``evolving_infra/report/README.md``).
+    """
+    report: dict[str, Any] = dict(
+        summarize(records, ideal_kv_hit_rate=ideal_kv_hit_rate, timeline=timeline, window_s=window_s)
+    )
+    report.update(timeline_metrics(timeline))
     report["sessions"] = len({r.agent for r in records})
     report["subagent_branches"] = len({r.branch for r in records if r.branch_kind == "subagent"})
     report["fork_branches"] = len({r.branch for r in records if r.branch_kind == "fork"})
@@ -36,40 +77,141 @@ def build_report(
             key = (r.error or f"HTTP {r.status}")[:120]
             errors[key] = errors.get(key, 0) + 1
     report["errors"] = errors
+    report["prefill_queue_by_node"] = prefill_queue_by_node(records)
+    series = time_series(records, start=report["start_s"], end=report["end_s"], window_s=window_s, timeline=timeline)
+    report["series"] = series
+    notes: list[str] = []
+    if "lost_kv_reuse" not in series:
+        notes.append(
+            "lost KV reuse over time not computed: records carry no ideal_cached_tokens "
+            "(per-request h* share); only the run-level value is reported"
+        )
+    if report["prefill_queue_samples"] == 0:
+        notes.append("prefill queue metrics not available: no record reports queue_s")
+    if timeline is None:
+        notes.append("no split timeline given: switches, switch time and PD split over time not reported")
+    periods = meta.get("periods")
+    if periods:
+        try:
+            report["periods"] = period_metrics(records, periods, timeline=timeline, window_s=window_s)
+        except ValueError as e:
+            report["periods"] = None
+            notes.append(f"periods not computed: {e}")
+    report["report_notes"] = notes
+    report["timeline"] = msgspec.to_builtins(timeline) if timeline is not None else None
     if extra:
         report.update(extra)
     report["meta"] = dict(meta)
     return report
 
 
-def write_report(out_dir: Path, report: Mapping[str, Any], records: Sequence[RequestRecord]) -> Path:
-    """Write ``report.json`` and ``requests.jsonl`` into ``out_dir``; returns the report path."""
+def write_report(
+    out_dir: Path,
+    report: Mapping[str, Any],
+    records: Sequence[RequestRecord],
+    *,
+    plots: bool = True,
+) -> Path:
+    """Write ``report.json``, ``requests.jsonl`` and (``plots=True``) the PNGs and ``report.html``.
+
+    The JSON and the records are written first; a plotting failure is printed to
+    stderr and does not lose them (``evolving-infra report show DIR`` redraws).
+
+    Returns:
+        The path of ``report.json``.
+    """
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "report.json"
+    path = out_dir / REPORT_JSON
     path.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
-    write_records(out_dir / "requests.jsonl", records)
+    write_records(out_dir / REQUESTS_JSONL, records)
+    if plots:
+        try:
+            render_run(out_dir, report, records)
+        except Exception as e:  # noqa: BLE001 - the run's data is already on disk
+            print(f"warning: plots for {out_dir} failed ({type(e).__name__}: {e}); "
+                  f"retry with: evolving-infra report show {out_dir}", file=sys.stderr)
     return path
 
 
-def print_summary(report: Mapping[str, Any], file: TextIO = sys.stdout) -> None:
-    """Human-readable summary of a report."""
+def render_run(out_dir: Path, report: Mapping[str, Any], records: Sequence[RequestRecord]) -> Path:
+    """Draw the run's PNGs into ``out_dir`` and write ``report.html``; returns the HTML path."""
+    from evolving_infra.report.html import run_page
+    from evolving_infra.report.plots import plot_run
+
+    timeline = timeline_from_builtins(report.get("timeline"))
+    images = plot_run(Path(out_dir), report, records, timeline)
+    html_path = Path(out_dir) / REPORT_HTML
+    html_path.write_text(run_page(report, images, base=Path(out_dir)), encoding="utf-8")
+    return html_path
+
+
+def load_run(run_dir: Path) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """Read ``report.json`` and ``requests.jsonl`` (empty list if absent) of a run directory.
+
+    Raises:
+        FileNotFoundError: if ``report.json`` is missing.
+        ValueError: if ``report.json`` is not a JSON object or a records line is malformed.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / REPORT_JSON
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no report.json (is {run_dir} a run directory?)")
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: {e}") from e
+    if not isinstance(report, dict):
+        raise ValueError(f"{path}: expected a JSON object")  # noqa: TRY004 - malformed file, one error type
+    rec_path = run_dir / REQUESTS_JSONL
+    records = read_records(rec_path) if rec_path.is_file() else []
+    return report, records
+
+
+def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None:
+    """Human-readable summary of a report to ``file`` (default stdout); tolerates reports missing newer keys."""
+    g = report.get
+    meta = g("meta") or {}
+
     def pct(v: Any) -> str:
         return "-" if v is None else f"{100 * v:.1f}%"
 
+    wall = g("wall_s") or meta.get("wall_s")
     lines = [
-        f"requests   sent {report['requests_sent']}  completed {report['requests_completed']}  failed {report['requests_failed']}",
-        f"sessions   {report['sessions']}  (sub-agent branches {report['subagent_branches']}, branches {report['branches']})",
-        f"duration   {fmt_seconds(report['duration_s'])} simulated"
-        + (f", {report['meta'].get('wall_s', 0):.1f} s wall" if report.get("meta", {}).get("wall_s") else ""),
-        f"throughput {report['throughput_rps']:.3f} req/s" if report.get("throughput_rps") else "throughput -",
-        f"TTFT       mean {fmt_seconds(report['ttft_mean_s'])}  p50 {fmt_seconds(report['ttft_p50_s'])}  p95 {fmt_seconds(report['ttft_p95_s'])}",
-        f"E2E        mean {fmt_seconds(report['e2e_mean_s'])}  p95 {fmt_seconds(report['e2e_p95_s'])}",
-        f"TPOT       mean {fmt_seconds(report['tpot_mean_s'])}",
-        f"KV hit     {pct(report['kv_hit_rate'])}  (ideal {pct(report.get('ideal_kv_hit_rate'))}, lost KV reuse {pct(report.get('lost_kv_reuse'))})",
+        f"requests   sent {g('requests_sent', 0)}  completed {g('requests_completed', 0)}  failed {g('requests_failed', 0)}",
+        f"sessions   {g('sessions', 0)}  (sub-agent branches {g('subagent_branches', 0)}, branches {g('branches', 0)})",
+        f"duration   {fmt_seconds(g('duration_s'))} simulated" + (f", {wall:.1f} s wall" if wall else ""),
+        f"throughput {g('throughput_rps'):.3f} req/s" if g("throughput_rps") else "throughput -",
+        f"TTFT       mean {fmt_seconds(g('ttft_mean_s'))}  p50 {fmt_seconds(g('ttft_p50_s'))}  p95 {fmt_seconds(g('ttft_p95_s'))}",
+        f"E2E        mean {fmt_seconds(g('e2e_mean_s'))}  p95 {fmt_seconds(g('e2e_p95_s'))}",
+        f"TPOT       mean {fmt_seconds(g('tpot_mean_s'))}",
+        f"KV hit     {pct(g('kv_hit_rate'))}  (ideal {pct(g('ideal_kv_hit_rate'))}, lost KV reuse {pct(g('lost_kv_reuse'))})",
     ]
-    for note in report.get("meta", {}).get("notes", []):
+    if g("prefill_queue_samples"):
+        lines.append(
+            f"prefill Q  mean {fmt_seconds(g('prefill_queue_mean_s'))}  p95 {fmt_seconds(g('prefill_queue_p95_s'))}  "
+            f"imbalance {fmt_value(g('prefill_queue_imbalance'), 'x')} (most loaded / mean, per minute)"
+        )
+    if g("switches") is not None:
+        lines.append(
+            f"PD split   final {g('final_split') or '-'}  switches {g('switches')}  "
+            f"time per switch {fmt_seconds(g('switch_time_mean_s'))}"
+        )
+    elif g("final_split"):
+        lines.append(f"PD split   final {g('final_split')}")
+    known = {k for k, *_ in HEADLINE_METRICS}
+    for key in ("ttft_prediction_abs_error_median_s", "lost_kv_reuse_eviction_share", "sim_speed"):
+        if g(key) is not None and key not in known:
+            lines.append(f"{key} {g(key)}")
+    for p in g("periods") or []:
+        lines.append(
+            f"period     {p.get('name')}: {fmt_value(p.get('throughput_rps'), 'rps')} req/s, "
+            f"E2E mean {fmt_seconds(p.get('e2e_mean_s'))}, TTFT p95 {fmt_seconds(p.get('ttft_p95_s'))}, "
+            f"split {p.get('final_split') or '-'}"
+        )
+    for note in meta.get("notes", []) or []:
         lines.append(f"note       {note}")
-    if report.get("errors"):
-        for err, n in sorted(report["errors"].items(), key=lambda kv: -kv[1])[:5]:
+    if g("errors"):
+        for err, n in sorted(g("errors").items(), key=lambda kv: -kv[1])[:5]:
             lines.append(f"error      {n}× {err}")
-    print("\n".join(lines), file=file)
+    print("\n".join(lines), file=file if file is not None else sys.stdout)

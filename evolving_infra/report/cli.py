@@ -1,0 +1,96 @@
+"""``evolving-infra report show RUN_DIR`` and ``evolving-infra report compare RUN_DIR... [--out DIR]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from evolving_infra.report.write import REPORT_JSON, build_report, load_run, print_summary, render_run
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Print the summary of one run and redraw its PNGs and ``report.html`` from disk."""
+    run_dir = Path(args.run_dir)
+    try:
+        report, records = load_run(run_dir)
+        if args.recompute:
+            report = recompute(report, records)
+            (run_dir / REPORT_JSON).write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_summary(report)
+    if not args.no_plots:
+        try:
+            path = render_run(run_dir, report, records)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"html: {path}")
+    return 0
+
+
+def recompute(report: dict, records: list) -> dict:  # type: ignore[type-arg]
+    """Recompute the metrics of a stored report from its records, stored timeline, h* and meta.
+
+    Keys the stored report has and :func:`build_report` does not produce (a
+    producer's ``extra``) are kept; computed keys are refreshed.
+
+    Raises:
+        ValueError: if the stored timeline is malformed.
+    """
+    from evolving_infra.report.timeline import timeline_from_builtins
+
+    timeline = timeline_from_builtins(report.get("timeline"))
+    window_s = float((report.get("series") or {}).get("window_s") or 60.0)
+    meta = report.get("meta") or {}
+    fresh = build_report(records, meta=meta, ideal_kv_hit_rate=report.get("ideal_kv_hit_rate"), timeline=timeline, window_s=window_s)
+    extra = {k: v for k, v in report.items() if k not in fresh}
+    fresh.update(extra)
+    return fresh
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Write the side-by-side HTML, PNGs and table of several runs."""
+    from evolving_infra.report.compare import format_table, write_compare
+
+    try:
+        path, runs, table = write_compare([Path(d) for d in args.run_dirs], Path(args.out))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table([r.label for r in runs], table))
+    print(f"html: {path}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "report",
+        help="show one run's report or compare runs side by side",
+        description="Render the metrics and plots of runs written by demo, replay or simulate "
+        "(RUN_DIR holds report.json and requests.jsonl).",
+    )
+    rs = p.add_subparsers(dest="report_command", metavar="SUBCOMMAND", required=True)
+    s = rs.add_parser(
+        "show",
+        help="print a run's summary and redraw its plots and report.html",
+        description="Print the summary of RUN_DIR/report.json and redraw RUN_DIR/*.png and RUN_DIR/report.html "
+        "from report.json and requests.jsonl.",
+    )
+    s.add_argument("run_dir", metavar="RUN_DIR")
+    s.add_argument("--recompute", action="store_true",
+                   help="recompute the metrics from requests.jsonl and rewrite report.json (keeps producer-added keys)")
+    s.add_argument("--no-plots", action="store_true", help="only print the summary")
+    s.set_defaults(func=cmd_show)
+    c = rs.add_parser(
+        "compare",
+        help="side-by-side HTML, overlaid CDFs and a metric table with ratios to the first run",
+        description="Compare runs: writes OUT/compare.html (self-contained), OUT/compare_*.png and OUT/compare.json; "
+        "ratios are value / value of the first RUN_DIR.",
+    )
+    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    c.add_argument("--out", default="compare-out", help="output directory (default compare-out)")
+    c.set_defaults(func=cmd_compare)

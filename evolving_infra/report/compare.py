@@ -1,0 +1,132 @@
+"""Side-by-side comparison of runs (``evolving-infra report compare RUN_DIR...``).
+
+Reads each run's ``report.json`` + ``requests.jsonl``, and writes into the
+output directory ``compare.html`` (self-contained), the comparison PNGs and
+``compare.json`` (the table). Ratios are value / value of the first run, the
+way the paper quotes a baseline against Evolving Infra (Figure 6, 7b/c) when
+the first run is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from evolving_infra.report.html import compare_page, fmt_key, label_of
+from evolving_infra.report.metrics import HEADLINE_METRICS
+from evolving_infra.report.plots import RunData, plot_compare
+from evolving_infra.report.timeline import timeline_from_builtins
+from evolving_infra.report.write import load_run
+
+COMPARE_HTML = "compare.html"
+COMPARE_JSON = "compare.json"
+
+# Rows beyond the headline metrics: (key, lower_is_better)
+_MORE_ROWS: tuple[tuple[str, bool | None], ...] = (
+    ("requests_completed", False),
+    ("requests_failed", True),
+    ("duration_s", None),
+    ("ttft_p50_s", True),
+    ("e2e_p50_s", True),
+    ("split_changes", None),
+    ("final_split", None),
+    ("ttft_prediction_abs_error_median_s", True),
+    ("lost_kv_reuse_eviction_share", None),
+    ("wall_s", None),
+    ("sim_speed", False),
+)
+
+
+def load_runs(dirs: Sequence[Path]) -> list[RunData]:
+    """Each run directory as :class:`RunData`; labels from ``meta.label`` or the directory name, made unique.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`evolving_infra.report.write.load_run`.
+    """
+    runs: list[RunData] = []
+    seen: dict[str, int] = {}
+    for d in dirs:
+        report, records = load_run(Path(d))
+        label = str((report.get("meta") or {}).get("label") or Path(d).resolve().name)
+        n = seen.get(label, 0)
+        seen[label] = n + 1
+        if n:
+            label = f"{label} ({n + 1})"
+        runs.append(RunData(label=label, report=report, records=records, timeline=timeline_from_builtins(report.get("timeline"))))
+    return runs
+
+
+def _ratio(v: Any, base: Any) -> float | None:
+    if isinstance(v, bool) or isinstance(base, bool):
+        return None
+    if isinstance(v, (int, float)) and isinstance(base, (int, float)) and base != 0:
+        return float(v) / float(base)
+    return None
+
+
+def compare_table(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per metric that at least one report has.
+
+    Each row: ``key``, ``label``, ``values`` (one per report, None where absent),
+    ``ratios`` (value / first report's value; None for the first, for
+    non-numbers, or when the first is 0 or None), ``lower_is_better``.
+    """
+    rows: list[dict[str, Any]] = []
+    keys: list[tuple[str, str, bool | None]] = [(k, label, lib) for k, label, _, lib in HEADLINE_METRICS]
+    keys += [(k, label_of(k), lib) for k, lib in _MORE_ROWS]
+    for key, label, lib in keys:
+        values = [r.get(key) if key != "wall_s" else (r.get("wall_s") or (r.get("meta") or {}).get("wall_s")) for r in reports]
+        if all(v is None for v in values):
+            continue
+        ratios = [None] + [_ratio(v, values[0]) for v in values[1:]]
+        rows.append({"key": key, "label": label, "values": values, "ratios": ratios, "lower_is_better": lib})
+    return rows
+
+
+def format_table(labels: Sequence[str], table: Sequence[Mapping[str, Any]]) -> str:
+    """The comparison table as fixed-width text for the terminal."""
+    head = ["metric"] + [labels[0]] + [f"{lab} (ratio)" for lab in labels[1:]]
+    lines = [head]
+    for row in table:
+        cells = [row["label"]]
+        for i, (v, r) in enumerate(zip(row["values"], row["ratios"])):
+            text = fmt_key(row["key"], v)
+            if i and r is not None:
+                text += f" ({r:.2f}x)"
+            cells.append(text)
+        lines.append(cells)
+    widths = [max(len(line[c]) for line in lines) for c in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def write_compare(dirs: Sequence[Path], out: Path) -> tuple[Path, list[RunData], list[dict[str, Any]]]:
+    """Compare run directories; write ``compare.html``, ``compare.json`` and the PNGs into ``out``.
+
+    Returns:
+        ``(html path, runs, table)``.
+
+    Raises:
+        ValueError: if fewer than two directories are given, or a run is malformed.
+        FileNotFoundError: if a directory has no ``report.json``.
+    """
+    if len(dirs) < 2:
+        raise ValueError("report compare needs at least two run directories")
+    runs = load_runs(dirs)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = compare_table([r.report for r in runs])
+    plots = plot_compare(out, runs)
+    info = []
+    for d, r in zip(dirs, runs):
+        meta = r.report.get("meta") or {}
+        cluster = meta.get("cluster") if isinstance(meta.get("cluster"), Mapping) else {}
+        info.append({"label": r.label, "dir": str(d), "command": meta.get("command"),
+                     "split": cluster.get("split"), "date": meta.get("date")})
+    (out / COMPARE_JSON).write_text(
+        json.dumps({"runs": info, "metrics": table, "plots": [p.file for p in plots]}, indent=2, default=str) + "\n"
+    )
+    html_path = out / COMPARE_HTML
+    html_path.write_text(compare_page(info, table, plots, base=out), encoding="utf-8")
+    return html_path, runs, table

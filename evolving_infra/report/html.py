@@ -1,0 +1,276 @@
+"""Self-contained HTML pages: one run (``report.html``) and a comparison (``compare.html``).
+
+Each page has inline CSS and embeds every plot as a base64 PNG (so the page can
+be mailed or moved alone); each ``<img>`` also names its PNG file next to the
+page in ``data-file``. Text is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from evolving_infra.report.metrics import HEADLINE_METRICS, fmt_value
+from evolving_infra.report.plots import PlotFile
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.5rem auto;max-width:1200px;color:#222;padding:0 1rem}
+h1{font-size:1.4rem;margin-bottom:.2rem} h2{font-size:1.1rem;margin-top:1.8rem;border-bottom:1px solid #ddd;padding-bottom:.2rem}
+.sub{color:#666;font-size:.9rem}
+table{border-collapse:collapse;font-size:.88rem;margin:.5rem 0}
+th,td{border:1px solid #ddd;padding:.25rem .6rem;text-align:right;vertical-align:top}
+th{background:#f4f4f4} td.k,th.k{text-align:left}
+tr.sec td{background:#fafafa;font-weight:600;text-align:left}
+.better{color:#1a7f37} .worse{color:#b42318}
+.grid{display:flex;flex-wrap:wrap;gap:1rem}
+figure{margin:0;flex:1 1 520px;max-width:100%} figure img{max-width:100%;border:1px solid #eee}
+figcaption{font-size:.8rem;color:#555}
+ul.notes{font-size:.85rem;color:#444} code{font-size:.85rem}
+"""
+
+# Keys never shown in the generic "other" rows (structured or shown elsewhere).
+_STRUCTURED = {
+    "meta", "errors", "series", "timeline", "periods", "prefill_queue_by_node", "report_notes", "split_timeline",
+}
+
+_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Requests", ("requests_sent", "requests_completed", "requests_failed", "sessions", "subagent_branches",
+                  "fork_branches", "branches", "duration_s", "throughput_rps")),
+    ("Latency", ("ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "e2e_mean_s", "e2e_p50_s", "e2e_p95_s", "tpot_mean_s",
+                 "ttft_prediction_abs_error_median_s")),
+    ("KV cache", ("kv_hit_rate", "ideal_kv_hit_rate", "lost_kv_reuse", "lost_kv_reuse_eviction_share",
+                  "prompt_tokens_total", "cached_tokens_total", "completion_tokens_total")),
+    ("Prefill queue", ("prefill_queue_mean_s", "prefill_queue_p95_s", "prefill_queue_imbalance", "prefill_queue_samples")),
+    ("PD split", ("switches", "switch_time_mean_s", "split_changes", "final_split")),
+)
+
+_LABELS = {k: label for k, label, _, _ in HEADLINE_METRICS} | {
+    "requests_sent": "Requests sent",
+    "requests_completed": "Requests completed",
+    "requests_failed": "Requests failed",
+    "sessions": "Sessions (agents)",
+    "subagent_branches": "Sub-agent branches",
+    "fork_branches": "Fork branches",
+    "branches": "Branches",
+    "duration_s": "Duration (simulated)",
+    "ttft_p50_s": "TTFT P50",
+    "e2e_p50_s": "E2E P50",
+    "ttft_prediction_abs_error_median_s": "TTFT prediction |error| median",
+    "lost_kv_reuse_eviction_share": "Lost KV reuse due to eviction",
+    "prompt_tokens_total": "Prompt tokens",
+    "cached_tokens_total": "Cached prompt tokens",
+    "completion_tokens_total": "Completion tokens",
+    "prefill_queue_samples": "Requests reporting queue time",
+    "split_changes": "Split changes",
+    "final_split": "Final split",
+    "wall_s": "Wall time",
+    "sim_speed": "Simulation speed (sim s / wall s)",
+}
+
+_RATE_KEYS = {"kv_hit_rate", "ideal_kv_hit_rate", "lost_kv_reuse", "lost_kv_reuse_eviction_share"}
+
+
+def kind_of(key: str) -> str:
+    """Display kind of a report key: ``s``, ``rps``, ``rate``, ``x``, ``count`` or ``other``."""
+    for k, _, kind, _ in HEADLINE_METRICS:
+        if k == key:
+            return kind
+    if key in _RATE_KEYS or key.endswith(("_share", "_rate")):
+        return "rate"
+    if key.endswith("_s"):
+        return "s"
+    if key.endswith("_rps"):
+        return "rps"
+    return "count"
+
+
+def fmt_key(key: str, value: Any) -> str:
+    """A report value formatted for display by its key."""
+    if isinstance(value, (bool, str)):
+        return str(value)
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and math.isnan(value):
+            return "-"
+        kind = kind_of(key)
+        if kind == "count" and isinstance(value, float) and not value.is_integer():
+            return f"{value:.3g}"
+        return fmt_value(value, kind)
+    if value is None:
+        return "-"
+    return str(value)
+
+
+def label_of(key: str) -> str:
+    """Human label of a report key (the key itself when unknown)."""
+    return _LABELS.get(key, key)
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def img_tag(plot: PlotFile, base: Path) -> str:
+    """``<figure>`` embedding ``base / plot.file`` as base64, naming the file in ``data-file``.
+
+    Raises:
+        FileNotFoundError: if the PNG is missing.
+    """
+    data = base64.b64encode((Path(base) / plot.file).read_bytes()).decode("ascii")
+    return (
+        f'<figure><img alt="{_e(plot.title)}" data-file="{_e(plot.file)}" src="data:image/png;base64,{data}">'
+        f"<figcaption><b>{_e(plot.title)}</b> — {_e(plot.caption)} (<code>{_e(plot.file)}</code>)</figcaption></figure>"
+    )
+
+
+def _page(title: str, body: str) -> str:
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>\n{body}\n</body></html>\n"
+    )
+
+
+def _summary_table(report: Mapping[str, Any]) -> str:
+    rows: list[str] = []
+    shown: set[str] = set()
+    for section, keys in _SECTIONS:
+        present = [k for k in keys if k in report]
+        if not present:
+            continue
+        rows.append(f'<tr class="sec"><td colspan="2">{_e(section)}</td></tr>')
+        for k in present:
+            rows.append(f'<tr><td class="k">{_e(label_of(k))}</td><td>{_e(fmt_key(k, report[k]))}</td></tr>')
+            shown.add(k)
+    other = [k for k, v in sorted(report.items())
+             if k not in shown and k not in _STRUCTURED and (v is None or isinstance(v, (int, float, str, bool)))
+             and k not in ("start_s", "end_s")]
+    if other:
+        rows.append('<tr class="sec"><td colspan="2">Other</td></tr>')
+        for k in other:
+            rows.append(f'<tr><td class="k">{_e(label_of(k))}</td><td>{_e(fmt_key(k, report[k]))}</td></tr>')
+    return "<table>" + "".join(rows) + "</table>"
+
+
+def _periods_table(periods: Sequence[Mapping[str, Any]]) -> str:
+    cols = ("throughput_rps", "requests_sent", "ttft_mean_s", "ttft_p95_s", "e2e_mean_s", "e2e_p95_s", "tpot_mean_s",
+            "kv_hit_rate", "prefill_queue_mean_s", "prefill_queue_imbalance", "switches", "final_split")
+    head = '<tr><th class="k">Period</th><th>Span (s)</th>' + "".join(f"<th>{_e(label_of(c))}</th>" for c in cols) + "</tr>"
+    body = []
+    for p in periods:
+        span = f"{p.get('start_s', 0):g} – {p.get('end_s', 0):g}"
+        cells = "".join(f"<td>{_e(fmt_key(c, p.get(c)))}</td>" for c in cols)
+        body.append(f'<tr><td class="k">{_e(p.get("name"))}</td><td>{_e(span)}</td>{cells}</tr>')
+    return "<table>" + head + "".join(body) + "</table>"
+
+
+def _queue_table(by_node: Mapping[str, Mapping[str, Any]]) -> str:
+    head = '<tr><th class="k">Prefill node</th><th>Requests</th><th>Mean (s)</th><th>P95 (s)</th><th>Total (s)</th></tr>'
+    body = "".join(
+        f'<tr><td class="k">{_e(n)}</td><td>{v.get("requests")}</td><td>{_e(fmt_value(v.get("mean_s"), "s"))}</td>'
+        f'<td>{_e(fmt_value(v.get("p95_s"), "s"))}</td><td>{_e(fmt_value(v.get("total_s"), "s"))}</td></tr>'
+        for n, v in by_node.items()
+    )
+    return "<table>" + head + body + "</table>"
+
+
+def _meta_list(meta: Mapping[str, Any]) -> str:
+    def show(v: Any) -> str:
+        if isinstance(v, (dict, list)):
+            return json.dumps(v, default=str)
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    items = []
+    for k in ("command", "label", "trace", "trace_source", "input", "cluster", "speedup", "arrival", "periods",
+              "wall_s", "date"):
+        if meta.get(k) not in (None, "", [], {}):
+            items.append(f"<li><b>{_e(k)}</b>: <code>{_e(show(meta[k]))}</code></li>")
+    if meta.get("argv"):
+        items.append(f"<li><b>argv</b>: <code>{_e(' '.join(map(str, meta['argv'])))}</code></li>")
+    return "<ul class=\"notes\">" + "".join(items) + "</ul>" if items else ""
+
+
+def _notes(report: Mapping[str, Any]) -> str:
+    notes = list((report.get("meta") or {}).get("notes") or []) + list(report.get("report_notes") or [])
+    errs = report.get("errors") or {}
+    items = [f"<li>{_e(n)}</li>" for n in notes]
+    items += [f"<li>error ×{n}: <code>{_e(e)}</code></li>" for e, n in sorted(errs.items(), key=lambda kv: -kv[1])[:10]]
+    return '<h2>Notes</h2><ul class="notes">' + "".join(items) + "</ul>" if items else ""
+
+
+def run_page(report: Mapping[str, Any], plots: Sequence[PlotFile], *, base: Path) -> str:
+    """The HTML page of one run: metadata, summary table, per-period and per-node tables, plots, notes.
+
+    Args:
+        report: a ``report.json`` dict.
+        plots: the PNGs written into ``base`` (embedded in the page).
+        base: directory holding the PNGs.
+    """
+    meta = report.get("meta") or {}
+    title = f"Evolving Infra report — {meta.get('label') or meta.get('command') or 'run'}"
+    parts = [f"<h1>{_e(title)}</h1>", f'<div class="sub">{_e(meta.get("date", ""))}</div>', _meta_list(meta)]
+    parts.append("<h2>Summary</h2>" + _summary_table(report))
+    if report.get("periods"):
+        parts.append("<h2>Per period</h2>" + _periods_table(report["periods"]))
+    if report.get("prefill_queue_by_node"):
+        parts.append("<h2>Prefill queue by node</h2>" + _queue_table(report["prefill_queue_by_node"]))
+    if plots:
+        parts.append('<h2>Plots</h2><div class="grid">' + "".join(img_tag(p, base) for p in plots) + "</div>")
+    parts.append(_notes(report))
+    return _page(title, "\n".join(parts))
+
+
+def compare_page(
+    runs: Sequence[Mapping[str, Any]],
+    table: Sequence[Mapping[str, Any]],
+    plots: Sequence[PlotFile],
+    *,
+    base: Path,
+) -> str:
+    """The side-by-side page: runs, metric table with ratios to the first run, overlaid plots.
+
+    Args:
+        runs: one dict per run with ``label``, ``dir``, ``command``, ``split``, ``date``.
+        table: :func:`evolving_infra.report.compare.compare_table` rows.
+        plots: the PNGs written into ``base`` (embedded in the page).
+        base: directory holding the PNGs.
+    """
+    labels = [str(r["label"]) for r in runs]
+    title = "Evolving Infra comparison — " + " vs ".join(labels)
+    cols = ("label", "dir", "command", "split", "date")
+    runs_t = (
+        '<table><tr><th class="k">Run</th><th class="k">Directory</th><th class="k">Command</th>'
+        '<th class="k">Initial split</th><th class="k">Date</th></tr>'
+        + "".join("<tr>" + "".join(f'<td class="k">{_e(r.get(c) or "")}</td>' for c in cols) + "</tr>" for r in runs)
+        + "</table>"
+    )
+    head = '<tr><th class="k">Metric</th>' + "".join(
+        f"<th>{_e(lab)}</th>" + (f"<th>ratio vs {_e(labels[0])}</th>" if i else "") for i, lab in enumerate(labels)
+    ) + "</tr>"
+    body = []
+    for row in table:
+        cells = []
+        for i, (v, ratio) in enumerate(zip(row["values"], row["ratios"])):
+            cells.append(f"<td>{_e(fmt_key(row['key'], v))}</td>")
+            if i:
+                cls = ""
+                if ratio is not None and row.get("lower_is_better") is not None and ratio != 1:
+                    good = (ratio < 1) == bool(row["lower_is_better"])
+                    cls = ' class="better"' if good else ' class="worse"'
+                cells.append(f"<td{cls}>{'-' if ratio is None else f'{ratio:.2f}x'}</td>")
+        body.append(f'<tr><td class="k">{_e(row["label"])}</td>{"".join(cells)}</tr>')
+    parts = [
+        f"<h1>{_e(title)}</h1>",
+        "<h2>Runs</h2>" + runs_t,
+        "<h2>Metrics</h2>"
+        f'<div class="sub">ratio = value / value of the first run ({_e(labels[0])}); green: better, red: worse.</div>'
+        "<table>" + head + "".join(body) + "</table>",
+    ]
+    if plots:
+        parts.append('<h2>Plots</h2><div class="grid">' + "".join(img_tag(p, base) for p in plots) + "</div>")
+    return _page(title, "\n".join(parts))

@@ -1,0 +1,185 @@
+"""Report metrics on hand-made records (paper §6, Appendix C)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evolving_infra.report.metrics import period_metrics, prefill_queue_imbalance, summarize, time_series
+from evolving_infra.report.timeline import RunTimeline, SplitPoint
+from evolving_infra.report.write import build_report
+
+from .helpers import rec, switching_timeline
+
+ISSUE2_KEYS = (
+    "requests_sent", "requests_completed", "requests_failed", "throughput_rps", "ttft_mean_s", "ttft_p50_s",
+    "ttft_p95_s", "e2e_mean_s", "e2e_p95_s", "tpot_mean_s", "kv_hit_rate", "sessions", "subagent_branches",
+    "duration_s",
+)
+ISSUE5_KEYS = (
+    "ideal_kv_hit_rate", "lost_kv_reuse", "prefill_queue_mean_s", "prefill_queue_imbalance", "switches",
+    "switch_time_mean_s", "split_timeline",
+)
+
+
+def test_latency_percentiles_and_throughput():
+    # TTFT 1..20 s, E2E = TTFT + 10 s; sent every second from t=0
+    records = [rec(i, sent_at=float(i), ttft=float(i + 1), e2e=float(i + 11)) for i in range(20)]
+    s = summarize(records)
+    assert s["ttft_mean_s"] == pytest.approx(10.5)
+    assert s["ttft_p50_s"] == pytest.approx(10.5)
+    # linear interpolation: rank 0.95 * 19 = 18.05 → 19 + 0.05 * (20 - 19)
+    assert s["ttft_p95_s"] == pytest.approx(19.05)
+    assert s["e2e_mean_s"] == pytest.approx(20.5)
+    assert s["e2e_p95_s"] == pytest.approx(29.05)
+    # span: first send 0 → last finish 19 + 30 = 49 s
+    assert s["start_s"] == 0.0 and s["end_s"] == pytest.approx(49.0)
+    assert s["throughput_rps"] == pytest.approx(20 / 49.0)
+
+
+def test_tpot_skips_single_token_and_failed_requests():
+    records = [
+        rec(0, ttft=1.0, e2e=3.0, out=5),  # (3 - 1) / 4 = 0.5
+        rec(1, ttft=1.0, e2e=4.0, out=3),  # (4 - 1) / 2 = 1.5
+        rec(2, ttft=1.0, e2e=1.0, out=1),  # one token: no TPOT
+        rec(3, ok=False, out=9),
+    ]
+    s = summarize(records)
+    assert s["tpot_mean_s"] == pytest.approx((0.5 + 1.5) / 2)
+    assert s["requests_failed"] == 1 and s["requests_completed"] == 3
+    assert s["ttft_mean_s"] == pytest.approx(1.0)  # the failed request has no TTFT
+
+
+def test_kv_hit_rate_and_lost_kv_reuse():
+    records = [
+        rec(0, prompt=100, cached=50),
+        rec(1, prompt=100, cached=30),
+        rec(2, prompt=1000, cached=1000, ok=False),  # failed: not counted
+    ]
+    s = summarize(records, ideal_kv_hit_rate=0.8)
+    assert s["kv_hit_rate"] == pytest.approx(0.4)
+    assert s["lost_kv_reuse"] == pytest.approx(1 - 0.4 / 0.8)
+    assert s["ideal_kv_hit_rate"] == 0.8
+
+
+def test_ideal_hit_rate_from_record_field_when_caller_has_none():
+    records = [rec(0, prompt=100, cached=40, ideal=80), rec(1, prompt=100, cached=40, ideal=80)]
+    s = summarize(records)
+    assert s["ideal_kv_hit_rate"] == pytest.approx(0.8)
+    assert s["lost_kv_reuse"] == pytest.approx(0.5)
+    # without any source of h*, lost KV reuse is not reported
+    s2 = summarize([rec(0, prompt=100, cached=40)])
+    assert s2["ideal_kv_hit_rate"] is None and s2["lost_kv_reuse"] is None
+
+
+def test_prefill_queue_mean_p95():
+    records = [rec(i, queue=float(q)) for i, q in enumerate([1, 2, 3, 4])] + [rec(9, queue=None)]
+    s = summarize(records)
+    assert s["prefill_queue_samples"] == 4
+    assert s["prefill_queue_mean_s"] == pytest.approx(2.5)
+    assert s["prefill_queue_p95_s"] == pytest.approx(3.85)
+
+
+def test_prefill_queue_imbalance_two_nodes():
+    # load = total queue seconds of the requests that *start prefill* on the node in the minute.
+    # minute 0: w0 queues 1 + 2 = 3 s, w1 queues 1 s → max / mean = 3 / 2 = 1.5
+    # minute 1: w0 2 s; w1 20 s from the request sent at 50 s, which starts prefill at
+    #           50 + 20 = 70 s and so belongs to minute 1 → 20 / 11
+    records = [
+        rec(0, sent_at=0.0, node="w0", queue=1.0),
+        rec(1, sent_at=10.0, node="w0", queue=2.0),
+        rec(2, sent_at=20.0, node="w1", queue=1.0),
+        rec(3, sent_at=65.0, node="w0", queue=2.0),
+        rec(4, sent_at=50.0, node="w1", queue=20.0),
+    ]
+    mean, per = prefill_queue_imbalance(records, start=0.0, end=120.0)
+    assert per[0] == pytest.approx(3.0 / 2.0)
+    assert per[1] == pytest.approx(20.0 / 11.0)
+    assert mean == pytest.approx((1.5 + 20.0 / 11.0) / 2)
+
+
+def test_imbalance_counts_idle_prefill_nodes_from_timeline_and_skips_idle_minutes():
+    records = [rec(0, sent_at=5.0, node="w0", queue=2.0), rec(1, sent_at=70.0, node="w0", queue=0.0)]
+    # records alone: one node in minute 0 → 1.0; minute 1 has no queueing → skipped
+    mean, per = prefill_queue_imbalance(records, start=0.0, end=120.0)
+    assert per == [pytest.approx(1.0), None]
+    assert mean == pytest.approx(1.0)
+    # the timeline says w1 also served prefill: it idled with load 0 → 2 / 1 = 2
+    tl = RunTimeline(split_timeline=[SplitPoint(t=0.0, split="2P2D", prefill=2, decode=2, prefill_nodes=["w0", "w1"])])
+    mean, per = prefill_queue_imbalance(records, start=0.0, end=120.0, timeline=tl)
+    assert per[0] == pytest.approx(2.0)
+    assert mean == pytest.approx(2.0)
+    # no queue data at all → None
+    assert prefill_queue_imbalance([rec(0)], start=0.0, end=60.0) == (None, [None])
+
+
+def test_time_series_throughput_and_lost_kv_reuse():
+    records = [
+        rec(0, sent_at=0.0, e2e=10.0, prompt=100, cached=20, ideal=40),  # finishes 10 s
+        rec(1, sent_at=5.0, e2e=10.0, prompt=100, cached=40, ideal=40),  # finishes 15 s
+        rec(2, sent_at=70.0, e2e=50.0, prompt=100, cached=0, ideal=50),  # finishes 120 s = end
+    ]
+    ts = time_series(records, start=0.0, end=120.0, window_s=60.0)
+    assert ts["t_s"] == [0.0, 60.0]
+    assert ts["completed"] == [2, 1]
+    assert ts["throughput_rps"] == [pytest.approx(2 / 60), pytest.approx(1 / 60)]
+    # window 0: 1 - 60 / 80; window 1: 1 - 0 / 50
+    assert ts["lost_kv_reuse"] == [pytest.approx(0.25), pytest.approx(1.0)]
+    # without the per-request field the series is absent, never estimated
+    plain = [rec(0, sent_at=0.0, e2e=10.0, cached=20)]
+    assert "lost_kv_reuse" not in time_series(plain, start=0.0, end=60.0)
+
+
+def test_build_report_keys_timeline_and_extra():
+    records = [rec(i, sent_at=10.0 * i, node=f"w{i % 2}", queue=0.5, kind="subagent" if i == 3 else "main",
+                   branch=f"b{i % 2}" if i != 3 else "sub") for i in range(30)]
+    report = build_report(records, meta={"command": "t"}, ideal_kv_hit_rate=0.5, timeline=switching_timeline(),
+                          extra={"sim_speed": 123.0, "final_split": "override"})
+    for k in ISSUE2_KEYS + ISSUE5_KEYS + ("final_split", "series", "timeline", "prefill_queue_by_node"):
+        assert k in report, k
+    # 3 node switches: w1 P→D (decided 95, applied 100: 5 s), w1 D→P (3 s), w2 D→P (4 s)
+    assert report["switches"] == 3
+    assert report["switch_time_mean_s"] == pytest.approx((5.0 + 3.0 + 4.0) / 3)
+    assert report["split_timeline"] == [[0.0, "2P2D"], [100.0, "1P3D"], [203.0, "2P2D"], [204.0, "3P1D"]]
+    assert report["final_split"] == "override"  # extra wins over computed keys
+    assert report["sim_speed"] == 123.0
+    assert report["subagent_branches"] == 1
+    assert report["meta"] == {"command": "t"}
+    json.dumps(report)  # serialisable as is
+
+
+def test_build_report_without_timeline_says_so():
+    report = build_report([rec(0)], meta={})
+    assert report["switches"] is None and report["split_timeline"] is None and report["final_split"] is None
+    assert any("no split timeline" in n for n in report["report_notes"])
+    assert any("lost KV reuse over time" in n for n in report["report_notes"])
+    assert report["prefill_queue_mean_s"] is None and report["prefill_queue_imbalance"] is None
+
+
+def test_periods_split_by_send_time():
+    # period A [0, 60): 3 requests TTFT 1 s; period B [60, 120): 2 requests TTFT 5 s
+    records = [rec(i, sent_at=10.0 * i, ttft=1.0, e2e=2.0) for i in range(3)]
+    records += [rec(10 + i, sent_at=60.0 + 10 * i, ttft=5.0, e2e=58.0 if i == 1 else 8.0) for i in range(2)]
+    tl = switching_timeline()  # switches applied at 100 s (1P3D), 203 s, 204 s
+    periods = [{"name": "A", "start_s": 0, "end_s": 60}, {"name": "B", "start_s": 60, "end_s": 120}]
+    rows = period_metrics(records, periods, timeline=tl)
+    a, b = rows
+    assert (a["name"], a["requests_sent"], a["ttft_mean_s"]) == ("A", 3, pytest.approx(1.0))
+    assert (b["name"], b["requests_sent"], b["ttft_mean_s"]) == ("B", 2, pytest.approx(5.0))
+    # throughput counts completions inside the period: A has 3, B has the one finished at 68 s
+    # (the other finishes at 70 + 58 = 128 s, after B)
+    assert a["throughput_rps"] == pytest.approx(3 / 60) and b["throughput_rps"] == pytest.approx(1 / 60)
+    assert a["switches"] == 0 and b["switches"] == 1
+    assert a["final_split"] == "2P2D" and b["final_split"] == "1P3D"
+    report = build_report(records, meta={"periods": periods}, timeline=tl)
+    assert [p["name"] for p in report["periods"]] == ["A", "B"]
+
+
+def test_bad_periods_keep_the_report():
+    with pytest.raises(ValueError, match="'X'"):
+        period_metrics([rec(0)], [{"name": "X", "start_s": 5, "end_s": 5}])
+    report = build_report([rec(0)], meta={"periods": [{"name": "X", "start_s": "soon"}]})
+    assert report["periods"] is None
+    assert any("periods not computed" in n for n in report["report_notes"])
+    assert report["requests_sent"] == 1

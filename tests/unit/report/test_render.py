@@ -1,0 +1,161 @@
+"""Plots, report.html, ``report show`` and ``report compare`` on synthetic run directories."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from evolving_infra.cli import main
+from evolving_infra.report.compare import compare_table
+
+from .helpers import make_run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class _Imgs(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.imgs: list[dict[str, str | None]] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):  # type: ignore[no-untyped-def]
+        if tag == "img":
+            self.imgs.append(dict(attrs))
+
+    def handle_data(self, data):  # type: ignore[no-untyped-def]
+        self.text.append(data)
+
+
+def check_page(page: Path) -> tuple[list[str], str]:
+    """Every image the page references exists and decodes as a PNG; returns the referenced files and the text."""
+    parser = _Imgs()
+    parser.feed(page.read_text(encoding="utf-8"))
+    assert parser.imgs, f"{page} shows no plots"
+    files = []
+    for img in parser.imgs:
+        src = img.get("src") or ""
+        if src.startswith("data:"):
+            head, _, data = src.partition(",")
+            assert head == "data:image/png;base64"
+            raw = base64.b64decode(data, validate=True)
+        else:
+            raw = (page.parent / src).read_bytes()
+        assert raw.startswith(PNG_MAGIC)
+        Image.open(io.BytesIO(raw)).verify()
+        name = img.get("data-file")
+        if name:
+            assert (page.parent / name).is_file(), name
+            assert (page.parent / name).read_bytes() == raw
+            files.append(name)
+    return files, " ".join(parser.text)
+
+
+def test_write_report_writes_plots_and_page(tmp_path: Path):
+    run = make_run(tmp_path, "ei", periods=[{"name": "first", "start_s": 0, "end_s": 120}, {"name": "second", "start_s": 120, "end_s": 240}])
+    files, text = check_page(run / "report.html")
+    assert set(files) == {"ttft_cdf.png", "e2e_cdf.png", "throughput.png", "split_timeline.png", "lost_kv_reuse.png", "prefill_queue.png"}
+    assert "Lost KV reuse" in text and "Per period" in text and "second" in text
+    report = json.loads((run / "report.json").read_text())
+    assert report["switches"] == 3 and len(report["periods"]) == 2
+
+
+def test_no_timeline_means_no_split_plot(tmp_path: Path):
+    run = make_run(tmp_path, "static", timeline=False)
+    files, text = check_page(run / "report.html")
+    assert "split_timeline.png" not in files and not (run / "split_timeline.png").exists()
+    assert "no split timeline" in text
+
+
+def test_report_show_redraws_from_disk(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    run = make_run(tmp_path, "ei", plots=False)
+    assert not list(run.glob("*.png")) and not (run / "report.html").exists()
+    assert main(["report", "show", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "PD split   final 3P1D  switches 3" in out
+    files, _ = check_page(run / "report.html")
+    assert "split_timeline.png" in files and "ttft_cdf.png" in files
+
+
+def test_report_show_recompute_keeps_producer_keys(tmp_path: Path):
+    run = make_run(tmp_path, "ei", plots=False)
+    report = json.loads((run / "report.json").read_text())
+    report["sim_speed"] = 42.0
+    report["ttft_mean_s"] = -1.0  # stale computed value
+    del report["series"]
+    (run / "report.json").write_text(json.dumps(report))
+    assert main(["report", "show", "--recompute", "--no-plots", str(run)]) == 0
+    fresh = json.loads((run / "report.json").read_text())
+    assert fresh["sim_speed"] == 42.0
+    assert fresh["ttft_mean_s"] > 0 and "series" in fresh
+
+
+def test_report_compare_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    a = make_run(tmp_path, "evolving", scale=1.0, plots=False)
+    b = make_run(tmp_path, "static", scale=2.0, timeline=False, plots=False)
+    out = tmp_path / "cmp"
+    assert main(["report", "compare", str(a), str(b), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "TTFT mean" in printed and "(2.00x)" in printed
+    files, text = check_page(out / "compare.html")
+    assert {"compare_ttft_cdf.png", "compare_e2e_cdf.png", "compare_metrics.png", "compare_split_timeline.png"} <= set(files)
+    assert "evolving" in text and "static" in text and "ratio vs evolving" in text
+    table = json.loads((out / "compare.json").read_text())
+    rows = {r["key"]: r for r in table["metrics"]}
+    # every latency of run b is twice run a's (scale 2): ratio 2 on TTFT and E2E
+    assert rows["ttft_mean_s"]["ratios"][1] == pytest.approx(2.0)
+    assert rows["e2e_p95_s"]["ratios"][1] == pytest.approx(2.0)
+    assert rows["switches"]["values"] == [3, None] and rows["switches"]["ratios"] == [None, None]
+
+
+def test_compare_table_ratios_and_missing():
+    rows = {r["key"]: r for r in compare_table([{"throughput_rps": 2.0, "final_split": "3P6D"}, {"throughput_rps": 5.0, "final_split": "4P5D"}, {}])}
+    assert rows["throughput_rps"]["ratios"] == [None, pytest.approx(2.5), None]
+    assert rows["final_split"]["ratios"] == [None, None, None]
+    assert "ttft_mean_s" not in rows  # absent everywhere: no row
+
+
+def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    a = make_run(tmp_path, "only", plots=False)
+    assert main(["report", "compare", str(a), "--out", str(tmp_path / "c")]) == 2
+    assert main(["report", "show", str(tmp_path / "missing")]) == 2
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "report.json").write_text("[1, 2]")
+    assert main(["report", "compare", str(a), str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "at least two" in err and "no report.json" in err and "expected a JSON object" in err
+
+
+def test_plot_failure_keeps_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    from evolving_infra.report import plots
+    from evolving_infra.report.write import build_report, write_report
+
+    from .helpers import rec
+
+    def broken(*_a, **_k):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no fonts")
+
+    monkeypatch.setattr(plots, "plot_run", broken)
+    path = write_report(tmp_path / "run", build_report([rec(0)], meta={}), [rec(0)])
+    assert json.loads(path.read_text())["requests_sent"] == 1
+    assert (tmp_path / "run" / "requests.jsonl").read_text().count("\n") == 1
+    assert "report show" in capsys.readouterr().err
+
+
+def test_page_shows_producer_keys_and_escapes(tmp_path: Path):
+    from evolving_infra.report.html import run_page
+    from evolving_infra.report.write import build_report
+
+    from .helpers import rec
+
+    report = build_report([rec(0)], meta={"command": "<sim>"}, extra={"sim_speed": 250.0, "ttft_prediction_abs_error_median_s": 0.125})
+    page = run_page(report, [], base=tmp_path)
+    assert "Simulation speed" in page and "250" in page
+    assert "TTFT prediction |error| median" in page and "0.125 s" in page
+    assert "<sim>" not in page and "&lt;sim&gt;" in page
