@@ -29,8 +29,9 @@ import structlog
 from shared import messages as m
 from shared.bus import Bus
 from shared.natsserver import EmbeddedNatsServer
-from shared.split import parse_split
-from shared.subjects import SVC_HEARTBEAT, Subjects
+from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
+from shared.split import parse_split, split_phases
+from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
 
 log = structlog.get_logger("cluster")
 
@@ -103,6 +104,8 @@ class LocalCluster:
     router_url: str = ""
     log_dir: Path = field(default_factory=Path)
     children: list[_Child] = field(default_factory=list)
+    recorder: TimelineRecorder | None = None
+    """Collects ``split.applied`` events into the run's PD-split timeline."""
     _bus: Bus | None = None
 
     async def __aenter__(self) -> "LocalCluster":
@@ -222,6 +225,13 @@ class LocalCluster:
             seen[hb.instance] = hb
 
         await self._bus.subscribe(SVC_HEARTBEAT, on_beat)
+        self.recorder = TimelineRecorder(split_phases(s.split, s.node_ids()), t0=0.0)
+
+        async def on_applied(msg: m.SplitApplied, _subject: str) -> None:
+            assert self.recorder is not None
+            self.recorder.on_applied(msg)
+
+        await self._bus.subscribe(SPLIT_APPLIED, on_applied)
         self.children = self._plan_children()
         for child in self.children:
             child.log_file = open(child.log_path, "ab")
@@ -276,6 +286,10 @@ class LocalCluster:
                 except OSError:
                     pass
                 raise ClusterError(f"{c.name} exited with code {c.proc.returncode}; log {c.log_path}:\n{tail}")
+
+    def timeline(self) -> RunTimeline | None:
+        """The PD split over time as the workers reported it (``split.applied``)."""
+        return self.recorder.timeline() if self.recorder else None
 
     def pids(self) -> dict[str, int]:
         """Process ids of every service (and the embedded nats-server)."""

@@ -126,6 +126,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 async def _demo(args: argparse.Namespace) -> int:
     from evolving_infra.replay.core import Arrival
     from evolving_infra.replay.live import LiveReplayer
+    from evolving_infra.report.ideal import annotate_ideal
     from evolving_infra.report.write import build_report, print_summary, write_report
     from evolving_infra.traces.io import read_trace
     from shared.clock import SimClock
@@ -151,11 +152,13 @@ async def _demo(args: argparse.Namespace) -> int:
         replayer = LiveReplayer(cluster.router_url, clock, block_size=trace.header.block_size, model=spec.model)
         result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency))
         cluster.check_alive()
-    ideal = trace_stats_ideal(requests, trace.header.block_size)
+        timeline = cluster.timeline()
+    ideal = annotate_ideal(result.records, {r.id: r for r in requests}, trace.header.block_size)
     notes = list(trace.header.meta.get("notes", [])) if isinstance(trace.header.meta.get("notes"), list) else []
-    cap = trace.header.meta.get("max_requests_per_branch")
+    sample = trace.header.meta.get("sample") or {}
+    cap = sample.get("max_requests_per_branch") if isinstance(sample, dict) else None
     if cap:
-        notes.append(f"sessions capped to the first {cap} requests of each branch")
+        notes.append(f"sessions capped to the first {cap} requests of each branch (replayed trace: {trace_path.name})")
     meta = {
         "command": "demo",
         "argv": sys.argv[1:],
@@ -170,19 +173,12 @@ async def _demo(args: argparse.Namespace) -> int:
         "notes": notes,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal)
+    report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, timeline=timeline)
     path = write_report(out, report, sorted(result.records, key=lambda r: r.sent_at))
     print_summary(report)
     print(f"report: {path}")
     ok = report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"]
     return 0 if ok else 1
-
-
-def trace_stats_ideal(requests: list, block_size: int) -> float | None:
-    """h* of exactly the replayed requests (unlimited shared cache, file order)."""
-    from evolving_infra.traces.stats import ideal_kv_hit_rate
-
-    return ideal_kv_hit_rate(requests, block_size)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -68,6 +68,7 @@ class Bus:
         self.log = structlog.get_logger("bus").bind(instance=instance)
         self._subs: list[Subscription] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
 
     # -- construction ---------------------------------------------------- #
 
@@ -87,25 +88,26 @@ class Bus:
         Raises:
             OSError / nats.errors.NoServersError: if no server answers in time.
         """
-        counters: Counter[str] = Counter()
-        log = structlog.get_logger("bus").bind(instance=instance)
+        bus = cls(NatsClient(), subjects, service=service, instance=instance)
 
         async def error_cb(e: Exception) -> None:
-            counters["nats.errors"] += 1
-            log.warning("nats error", error=repr(e))
+            bus.counters["nats.errors"] += 1
+            bus.log.warning("nats error", error=repr(e))
 
         async def disconnected_cb() -> None:
-            counters["nats.disconnects"] += 1
-            log.warning("nats disconnected")
+            if bus._closing:
+                return
+            bus.counters["nats.disconnects"] += 1
+            bus.log.warning("nats disconnected")
 
         async def reconnected_cb() -> None:
-            counters["nats.reconnects"] += 1
-            log.info("nats reconnected")
+            bus.counters["nats.reconnects"] += 1
+            bus.log.info("nats reconnected")
 
         async def closed_cb() -> None:
-            log.debug("nats connection closed")
+            bus.log.debug("nats connection closed")
 
-        nc = await nats.connect(
+        await bus.nc.connect(
             url,
             name=f"{service}:{instance}",
             connect_timeout=connect_timeout,
@@ -116,9 +118,6 @@ class Bus:
             reconnected_cb=reconnected_cb,
             closed_cb=closed_cb,
         )
-        bus = cls(nc, subjects, service=service, instance=instance)
-        bus.counters = counters
-        bus.log = log
         return bus
 
     # -- publish / subscribe --------------------------------------------- #
@@ -255,6 +254,7 @@ class Bus:
 
     async def close(self) -> None:
         """Stop background tasks, drain subscriptions (in-flight handlers finish), close."""
+        self._closing = True
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -16,7 +16,7 @@ async def _replay(args: argparse.Namespace) -> int:
     from evolving_infra.replay.live import LiveReplayer
     from evolving_infra.report.write import build_report, print_summary, write_report
     from evolving_infra.traces.io import TraceError, read_trace
-    from evolving_infra.traces.stats import ideal_kv_hit_rate
+    from evolving_infra.report.ideal import annotate_ideal
     from shared.clock import SimClock
 
     if args.from_kind == "canonical":
@@ -30,7 +30,7 @@ async def _replay(args: argparse.Namespace) -> int:
 
         trace = convert_inputs(args.from_kind, [Path(p) for p in args.input], progress=True)
     if args.max_requests_per_branch or args.sessions:
-        from evolving_infra.traces.io import sample_sessions
+        from evolving_infra.traces.sample import sample_sessions
 
         trace = sample_sessions(trace, args.sessions or 10**9, seed=args.seed, max_requests_per_branch=args.max_requests_per_branch)
     try:
@@ -54,8 +54,7 @@ async def _replay(args: argparse.Namespace) -> int:
         "notes": list(trace.header.meta.get("notes", []) or []),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    sent = {r.id for r in result.records}
-    ideal = ideal_kv_hit_rate([r for r in trace.requests if r.id in sent], trace.header.block_size)
+    ideal = annotate_ideal(result.records, {r.id: r for r in trace.requests}, trace.header.block_size)
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal)
     path = write_report(Path(args.out), report, sorted(result.records, key=lambda r: r.sent_at))
     print_summary(report)
