@@ -1,0 +1,212 @@
+"""``evolving-infra trace ...``: validate, stats, convert, generate, sample (spec: docs/trace-format.md).
+
+Exit status: 0 success; 1 the trace has problems (validate) ; 2 bad input or
+arguments (unreadable file, conversion error, malformed trace for stats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["register"]
+
+
+def _progress_default() -> bool:
+    return sys.stderr.isatty()
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from evolving_infra.traces.io import iter_validate
+
+    status = 0
+    for path in args.files:
+        try:
+            problems = list(iter_validate(path))
+        except OSError as e:
+            print(f"{path}: cannot read: {e}", file=sys.stderr)
+            status = 2
+            continue
+        if problems:
+            status = max(status, 1)
+            for p in problems:
+                print(f"{path}:{p.line}: {p.reason}")
+            print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
+        elif not args.quiet:
+            print(f"{path}: ok")
+    return status
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from evolving_infra.traces.io import TraceError
+    from evolving_infra.traces.stats import format_stats, trace_stats_file
+
+    results: dict[str, dict] = {}
+    for path in args.files:
+        try:
+            results[path] = trace_stats_file(path)
+        except TraceError as e:
+            print(str(e), file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"{path}: cannot read: {e}", file=sys.stderr)
+            return 2
+    if args.json:
+        obj = results[args.files[0]] if len(args.files) == 1 else results
+        print(json.dumps(obj, indent=2))
+    else:
+        print("\n\n".join(format_stats(s) for s in results.values()))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from evolving_infra.traces.convert import ConvertError, convert_to_file
+
+    options: dict[str, object] = {}
+    if args.block_size is not None:
+        options["block_size"] = args.block_size
+    if args.from_kind == "claude-code-weka":
+        options["shared_prefix"] = not args.no_shared_prefix
+    elif args.no_shared_prefix:
+        print("error: --no-shared-prefix applies to claude-code-weka only", file=sys.stderr)
+        return 2
+    if args.from_kind == "mooncake":
+        options["infer_sessions"] = args.infer_sessions
+        options["min_shared_blocks"] = args.min_shared_blocks
+    elif args.infer_sessions:
+        print("error: --infer-sessions applies to mooncake only", file=sys.stderr)
+        return 2
+    progress = _progress_default() if args.progress is None else args.progress
+    try:
+        header, n = convert_to_file(args.from_kind, args.inputs, args.output, progress=progress, **options)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    counts = header.meta.get("counts", {})
+    extra = ", ".join(f"{k} {v}" for k, v in counts.items() if k != "requests")
+    print(f"{args.output}: {n} requests" + (f" ({extra})" if extra else ""), file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from evolving_infra.traces.generate import GENERATORS, GenerateError, generate
+    from evolving_infra.traces.io import write_trace
+
+    if args.duration is not None and args.requests_per_agent is not None:
+        print("error: give --duration or --requests-per-agent, not both", file=sys.stderr)
+        return 2
+    try:
+        trace = generate(
+            args.kind,
+            seed=args.seed,
+            agents=args.agents,
+            duration_s=args.duration,
+            requests_per_agent=args.requests_per_agent,
+            block_size=args.block_size,
+        )
+    except GenerateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n = write_trace(args.output, trace.header, trace.requests)
+    print(f"{args.output}: {n} requests, {len(trace.agents())} agents ({GENERATORS[args.kind]})", file=sys.stderr)
+    if args.check:
+        from evolving_infra.traces.generate.common import check_trace_targets, targets_from_meta
+
+        bad = 0
+        for t, actual, ok in check_trace_targets(trace, targets_from_meta(trace.header.meta)):
+            bad += not ok
+            where = f" [{t.subset}]" if t.subset else ""
+            print(f"  {'ok ' if ok else 'OFF'} {t.key}{where}: target {t.value:g}, got {actual:g}  ({t.source})")
+        if bad:
+            print(f"{bad} target(s) off by more than their tolerance (non-default options change what is expected)", file=sys.stderr)
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from evolving_infra.traces.io import TraceError, read_trace, sample_sessions, write_trace
+
+    try:
+        trace = read_trace(args.input)
+    except TraceError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    out = sample_sessions(trace, args.sessions or 10**12, seed=args.seed, max_requests_per_branch=args.max_requests_per_branch or None)
+    n = write_trace(args.output, out.header, out.requests)
+    print(f"{args.output}: {n} requests, {len(out.agents())} agents", file=sys.stderr)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``trace`` command group to the top-level CLI."""
+    from evolving_infra.traces.convert import CONVERTERS
+    from evolving_infra.traces.generate import GENERATORS
+
+    p = sub.add_parser(
+        "trace",
+        help="canonical agent traces: validate, stats, convert, generate, sample",
+        description="Work with canonical agent traces (docs/trace-format.md).",
+    )
+    tsub = p.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
+
+    v = tsub.add_parser("validate", help="check a trace; report every bad line with its number and reason")
+    v.add_argument("files", nargs="+", help="trace files (.jsonl or .jsonl.gz)")
+    v.add_argument("-q", "--quiet", action="store_true", help="print nothing for valid files")
+    v.set_defaults(func=cmd_validate)
+
+    s = tsub.add_parser("stats", help="requests, sessions, branches, compactions, token and pause distributions, h*")
+    s.add_argument("files", nargs="+", help="trace files")
+    s.add_argument("--json", action="store_true", help="print a JSON object (one file) or {file: object} (several)")
+    s.set_defaults(func=cmd_stats)
+
+    c = tsub.add_parser("convert", help="convert public traces into the canonical format")
+    c.add_argument("--from", dest="from_kind", required=True, choices=sorted(CONVERTERS), help="input kind")
+    c.add_argument("inputs", nargs="+", help="input files or folders")
+    c.add_argument("-o", "--output", required=True, help="output trace (.jsonl, or .jsonl.gz to compress)")
+    c.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="output block size in tokens (default: the source's, 64 for claude-code-weka / mini-swe-agent / azure, "
+        "512 for mooncake); conversion rule in docs/trace-format.md §4",
+    )
+    c.add_argument("--no-shared-prefix", action="store_true", help="claude-code-weka: keep the tool+system prefix per session")
+    c.add_argument("--infer-sessions", action="store_true", help="mooncake: link rows that extend an earlier row's path into agents")
+    c.add_argument("--min-shared-blocks", type=int, default=2, help="mooncake: shortest earlier path a row may extend (default 2)")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="show a progress bar (default: when stderr is a terminal)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    c.set_defaults(func=cmd_convert)
+
+    gen = tsub.add_parser("generate", help="generate a calibrated synthetic agent workload")
+    gen.add_argument("kind", choices=sorted(GENERATORS), help="workload")
+    gen.add_argument("--seed", type=int, default=0, help="RNG seed (same seed and options: byte-identical output)")
+    gen.add_argument("-o", "--output", required=True, help="output trace (.jsonl or .jsonl.gz)")
+    gen.add_argument("--agents", type=int, default=None, help="agents to generate (default per workload)")
+    gen.add_argument("--duration", type=float, default=None, help="each agent runs until its estimated busy time reaches this many seconds")
+    gen.add_argument("--requests-per-agent", type=int, default=None, help="main-branch requests per agent (instead of the fitted task length)")
+    gen.add_argument("--block-size", type=int, default=64, help="tokens per block id (default 64)")
+    gen.add_argument("--check", action="store_true", help="print the calibration targets against the generated trace's stats")
+    gen.set_defaults(func=cmd_generate)
+
+    sm = tsub.add_parser("sample", help="keep N agents and cap every branch (sample_sessions)")
+    sm.add_argument("input", help="trace file")
+    sm.add_argument("-o", "--output", required=True, help="output trace")
+    sm.add_argument("--sessions", type=int, default=0, help="agents to keep (0 = all)")
+    sm.add_argument("--max-requests-per-branch", type=int, default=0, help="keep each branch's first K requests (0 = no cap)")
+    sm.add_argument("--seed", type=int, default=0, help="seed of the agent draw")
+    sm.set_defaults(func=cmd_sample)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``trace`` group alone (``python -m evolving_infra.traces.cli ...``)."""
+    parser = argparse.ArgumentParser(prog="evolving-infra")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(["trace", *(argv if argv is not None else sys.argv[1:])])
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,161 @@
+"""Shared pieces of the converters: input expansion, the conversion object, streaming output."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from evolving_infra.traces.io import Trace, encode_line
+from evolving_infra.traces.schema import FORMAT, VERSION, TraceHeader, TraceRequest
+
+__all__ = ["ConvertError", "Conversion", "expand_inputs", "lcp", "progress_iter", "write_conversion"]
+
+
+class ConvertError(ValueError):
+    """A raw input cannot be converted; the message names the file and the reason."""
+
+
+def expand_inputs(paths: Sequence[str | os.PathLike[str]], patterns: Sequence[str]) -> list[Path]:
+    """Files named directly, plus files under named folders matching ``patterns`` (recursive), sorted.
+
+    A folder contributes its matching files in sorted path order; explicitly
+    named files keep the given order. Duplicates are removed.
+
+    Raises:
+        ConvertError: a path does not exist, or a folder holds no matching file.
+    """
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            found = sorted({f for pat in patterns for f in p.rglob(pat) if f.is_file()})
+            if not found:
+                raise ConvertError(f"{p}: no input files matching {' or '.join(patterns)}")
+            out.extend(found)
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise ConvertError(f"{p}: no such file or folder")
+    return list(dict.fromkeys(out))
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id lists; exact for any lists.
+
+    Fast path for chained ids (an equal id at position j implies equal
+    prefixes): binary search on single elements, then one slice comparison to
+    verify; if the lists are not chained there, a binary search on slice
+    equality (C-speed compares) gives the exact answer.
+    """
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    if a[n - 1] == b[n - 1] and a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1  # candidate: a[:lo] == b[:lo], a[hi] != b[hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if a[mid] == b[mid]:
+            lo = mid + 1
+        else:
+            hi = mid
+    if a[:lo] == b[:lo] and a[lo] != b[lo]:
+        return lo
+    lo, hi = 0, n - 1  # a[:lo] == b[:lo] holds; a[:hi+1] != b[:hi+1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def progress_iter(items: Sequence[Any], *, enabled: bool, desc: str) -> Iterable[Any]:
+    """``items`` wrapped in a tqdm bar on stderr when ``enabled``."""
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="file", file=sys.stderr, leave=False)
+
+
+class Conversion:
+    """A streaming conversion: iterate :meth:`requests` once, then read :attr:`header`.
+
+    The header is complete only after the requests are exhausted (it records
+    counts found on the way, e.g. clipped lengths).
+    """
+
+    def __init__(self, requests: Iterator[TraceRequest], header: Callable[[], TraceHeader]):
+        self._requests = requests
+        self._header = header
+        self._done = False
+
+    def requests(self) -> Iterator[TraceRequest]:
+        yield from self._requests
+        self._done = True
+
+    @property
+    def header(self) -> TraceHeader:
+        if not self._done:
+            raise RuntimeError("Conversion.header is known only after requests() is exhausted")
+        return self._header()
+
+    def to_trace(self) -> Trace:
+        reqs = list(self.requests())
+        return Trace(self.header, reqs)
+
+
+def make_header(*, block_size: int, source: str, description: str, meta: dict[str, Any]) -> TraceHeader:
+    return TraceHeader(format=FORMAT, version=VERSION, block_size=block_size, source=source, description=description, meta=meta)
+
+
+def write_conversion(conv: Conversion, out: str | os.PathLike[str]) -> tuple[TraceHeader, int]:
+    """Stream a conversion into ``out`` (gzip when the name ends in ``.gz``), header first.
+
+    Requests are spooled to a temporary file next to ``out`` while the header's
+    counts are collected, then header + requests are written; the bytes are the
+    same as :func:`evolving_infra.traces.io.write_trace` would give.
+
+    Returns:
+        (header, number of requests).
+    """
+    outp = Path(out)
+    outp.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with tempfile.NamedTemporaryFile("wb", dir=outp.parent, prefix=outp.name + ".", suffix=".body", delete=False) as body:
+        body_path = Path(body.name)
+        try:
+            for r in conv.requests():
+                body.write(encode_line(r))
+                body.write(b"\n")
+                n += 1
+        except BaseException:
+            body.close()
+            body_path.unlink(missing_ok=True)
+            raise
+    header = conv.header
+    tmp = outp.with_name(outp.name + ".tmp")
+    try:
+        with open(tmp, "wb") as raw:
+            if outp.name.endswith(".gz"):
+                with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
+                    gz.write(encode_line(header) + b"\n")
+                    with open(body_path, "rb") as src:
+                        shutil.copyfileobj(src, gz, 1 << 20)
+            else:
+                raw.write(encode_line(header) + b"\n")
+                with open(body_path, "rb") as src:
+                    shutil.copyfileobj(src, raw, 1 << 20)
+        os.replace(tmp, outp)
+    finally:
+        body_path.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+    return header, n

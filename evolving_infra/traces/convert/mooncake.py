@@ -1,0 +1,218 @@
+"""Mooncake FAST'25 traces (JSONL) → canonical trace (spec: docs/trace-format.md §7.2).
+
+Input rows: ``timestamp`` (ms from trace start), ``input_length``,
+``output_length``, ``hash_ids`` (global, chained, 512 tokens per block; the last
+id usually covers a partial block).
+
+* **Blocks.** At the native 512-token size, ``blocks`` = the ids of the full
+  blocks, ``hash_ids[:input_length // 512]`` (ids are kept as they are). At a
+  finer size (``block_size`` 64, 128, 256) block ``b`` becomes ``b·m + k``,
+  ``k < m = 512 / block_size``, and the fine blocks inside the partial last
+  block come from its id too (the source hashed that partial content), see
+  ``tokens.rechunk_blocks``.
+* **Timing.** Without sessions, every row is its own agent with one request,
+  ``arrival_s`` = ``timestamp / 1000``. Rows are written in timestamp order.
+* **Sessions (option ``infer_sessions``).** A row *extends* an earlier row when
+  its full-block path starts with that row's whole full-block path, sharing at
+  least ``min_shared_blocks`` blocks (default 2: the one-block system header
+  ``0`` that 99.99 % of the rows share is not a conversation). The row joins
+  the agent of the longest such earlier row and goes ``after`` it; if that row
+  already has a successor in its branch the new row starts a ``fork`` branch.
+  ``pause_s`` is then the recorded send-to-send gap (Mooncake records no
+  completion times, so the replayed gap also includes the earlier row's
+  service time: an upper bound of the real client pause); ``t_s`` counts from
+  the agent's first row, ``arrival_s`` sits on that first row.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from evolving_infra.traces.convert.common import Conversion, ConvertError, expand_inputs, make_header, progress_iter
+from evolving_infra.traces.schema import TraceRequest
+from evolving_infra.traces.tokens import rechunk_blocks
+
+KIND = "mooncake"
+PATTERNS = ("*.jsonl", "*.jsonl.gz")
+SOURCE_BLOCK_SIZE = 512
+ORIGIN = {
+    "repository": "github.com/kvcache-ai/Mooncake",
+    "folder": "FAST25-release/traces/",
+    "commit": "3cca71daccf2a7afb8fe3f0295358f70e3a69fdb",
+    "license": "Apache-2.0 (repository LICENSE-APACHE)",
+}
+
+
+class _Row(msgspec.Struct):
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int] = []
+
+
+_DECODER = msgspec.json.Decoder(_Row)
+
+
+@dataclass(slots=True)
+class _Node:
+    key: str
+    agent: str
+    branch: str
+    ts: float
+    has_successor: bool = False
+
+
+@dataclass(slots=True)
+class _State:
+    counts: Counter[str] = field(default_factory=Counter)
+
+
+def _read_rows(path: Path) -> list[_Row]:
+    import gzip
+
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    rows: list[_Row] = []
+    for n, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = _DECODER.decode(line)
+        except msgspec.DecodeError as e:
+            raise ConvertError(f"{path}: line {n}: {e}") from None
+        if row.input_length < 1 or row.output_length < 0:
+            raise ConvertError(f"{path}: line {n}: input_length must be >= 1 and output_length >= 0")
+        if len(row.hash_ids) < row.input_length // SOURCE_BLOCK_SIZE:
+            raise ConvertError(f"{path}: line {n}: {len(row.hash_ids)} hash_ids for {row.input_length} tokens")
+        rows.append(row)
+    return rows
+
+
+def convert(
+    inputs: Sequence[str | Path],
+    *,
+    progress: bool = False,
+    block_size: int = SOURCE_BLOCK_SIZE,
+    infer_sessions: bool = False,
+    min_shared_blocks: int = 2,
+) -> Conversion:
+    """Convert Mooncake JSONL files (or folders) to a canonical trace, streamed.
+
+    Several files are converted one after another, each with its own clock and
+    agents named ``<file stem>:<row>``; block ids are kept as they are (one
+    file = one id space: do not mix files whose ids mean different things in one
+    replay).
+
+    Args:
+        block_size: output block size (512 native; 64/128/256 split blocks, see module docstring).
+        infer_sessions: link rows into agents by prefix extension (module docstring).
+        min_shared_blocks: the shortest earlier path a row may extend.
+
+    Raises:
+        ConvertError: missing input, malformed row, or a block size that does not divide 512.
+    """
+    if block_size > SOURCE_BLOCK_SIZE or SOURCE_BLOCK_SIZE % block_size:
+        raise ConvertError(f"mooncake: block_size must divide {SOURCE_BLOCK_SIZE}, got {block_size}")
+    if min_shared_blocks < 1:
+        raise ConvertError("mooncake: min_shared_blocks must be >= 1")
+    files = expand_inputs(inputs, PATTERNS)
+    st = _State()
+
+    def gen() -> Iterator[TraceRequest]:
+        for path in progress_iter(files, enabled=progress, desc=KIND):
+            yield from _convert_file(path, block_size, infer_sessions, min_shared_blocks, st)
+
+    def header():  # type: ignore[no-untyped-def]
+        return make_header(
+            block_size=block_size,
+            source=f"{KIND}: {', '.join(str(p) for p in inputs)}",
+            description="Mooncake FAST'25 trace (Kimi production / synthetic), global prefix block ids",
+            meta={
+                "converter": KIND,
+                "origin": ORIGIN,
+                "options": {"block_size": block_size, "infer_sessions": infer_sessions, "min_shared_blocks": min_shared_blocks},
+                "inputs": [p.name for p in files],
+                "block_ids": "source hash_ids (512 tokens); at a finer size b*(512/block_size)+k",
+                "clock": "arrival_s = timestamp/1000 per file; each file starts at 0",
+                "counts": dict(sorted(st.counts.items())),
+            },
+        )
+
+    return Conversion(gen(), header)
+
+
+def _convert_file(path: Path, bs: int, infer: bool, min_shared: int, st: _State) -> Iterator[TraceRequest]:
+    rows = _read_rows(path)
+    order = sorted(range(len(rows)), key=lambda i: (rows[i].timestamp, i))
+    stem = path.name.split(".")[0]
+    # (path length L, id at L-1) -> row node; ids are chained, so the pair names the whole path
+    index: dict[tuple[int, int], _Node] = {}
+    agent_start: dict[str, float] = {}
+    fork_count: Counter[str] = Counter()
+    staged: list[dict[str, object]] = []
+    for i in order:
+        row = rows[i]
+        key = f"{stem}:{i}"
+        ts = row.timestamp / 1000.0
+        nfull = row.input_length // SOURCE_BLOCK_SIZE
+        full = row.hash_ids[:nfull]
+        parent: _Node | None = None
+        if infer:
+            for L in range(nfull, max(min_shared, 1) - 1, -1):
+                node = index.get((L, full[L - 1]))
+                if node is not None:
+                    parent = node
+                    break
+        if bs == SOURCE_BLOCK_SIZE:
+            blocks = list(full)
+        else:
+            tail = row.hash_ids[nfull] if len(row.hash_ids) > nfull else None
+            blocks = rechunk_blocks(full, row.input_length, SOURCE_BLOCK_SIZE, bs, tail_block=tail)
+        out_tokens = row.output_length
+        if out_tokens < 1:
+            out_tokens = 1
+            st.counts["output_tokens_clipped"] += 1
+        fields: dict[str, object] = {
+            "id": key,
+            "input_tokens": row.input_length,
+            "output_tokens": out_tokens,
+            "blocks": blocks,
+        }
+        if parent is None:
+            agent, branch = key, f"{key}:main"
+            agent_start[agent] = ts
+            fields.update(agent=agent, branch=branch, kind="main", t_s=0.0, arrival_s=ts)
+            st.counts["agents"] += 1
+        else:
+            agent = parent.agent
+            if parent.has_successor:
+                fork_count[agent] += 1
+                branch = f"{agent}:fork{fork_count[agent]}"
+                fields.update(kind="fork", parent_branch=parent.branch)
+                st.counts["fork_branches"] += 1
+            else:
+                branch = parent.branch
+            parent.has_successor = True
+            fields.update(
+                agent=agent,
+                branch=branch,
+                after=[parent.key],
+                pause_s=round(max(0.0, ts - parent.ts), 6),
+                t_s=round(ts - agent_start[agent], 6),
+            )
+            st.counts["linked_rows"] += 1
+        if infer and nfull >= 1:
+            index[(nfull, full[-1])] = _Node(key, agent, branch, ts)
+        staged.append(fields)
+    last: dict[object, int] = {}
+    for n, f in enumerate(staged):
+        last[f["branch"]] = n
+    for n, f in enumerate(staged):
+        st.counts["requests"] += 1
+        yield TraceRequest(ends_branch=last[f["branch"]] == n, **f)  # type: ignore[arg-type]

@@ -1,0 +1,443 @@
+"""Read, validate and write canonical agent traces (spec: docs/trace-format.md).
+
+A trace file is JSON Lines, optionally gzip-compressed (detected by the gzip
+magic bytes, so the name does not matter when reading; ``.gz`` names are
+compressed when writing). Line 1 is a :class:`~evolving_infra.traces.schema.TraceHeader`,
+every further line a :class:`~evolving_infra.traces.schema.TraceRequest`.
+
+Validation is streaming and never stops at the first problem: every bad line is
+reported as ``line N: reason`` and the lines after it are still checked, so
+nothing after a bad line is silently lost. Rules (each a :class:`TraceProblem`):
+
+* line 1 is the header (``format`` = ``evolving-infra-trace``, ``version`` ≤ the
+  version this code reads, ``block_size`` > 0);
+* every other line decodes as a request (valid JSON, required fields present,
+  ``input_tokens``/``output_tokens`` ≥ 1, ``pause_s`` ≥ 0, known ``kind``);
+* request ids are unique;
+* ``after`` lists earlier requests of the same agent, each once;
+* ``len(blocks) == input_tokens // block_size`` and every id is in [0, 2**48);
+* a branch's first request sets ``kind``; ``fork``/``subagent`` branches set
+  ``parent_branch``, which is a branch of the same agent that appeared earlier in
+  the file; a ``main`` branch has no parent; later requests of a branch set
+  neither; every request of a branch has the same agent;
+* no request follows its branch's ``ends_branch`` request, and every branch ends
+  (its last request has ``ends_branch``).
+
+Cascades are avoided: a request or branch defined on a bad line is still
+remembered when its id can be read, so the lines that refer to it are not
+reported again; only the bad line itself is.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from evolving_infra.traces.schema import FORMAT, MAX_BLOCK_ID, VERSION, TraceHeader, TraceRequest
+
+__all__ = [
+    "Trace",
+    "TraceError",
+    "TraceProblem",
+    "iter_requests",
+    "iter_validate",
+    "open_trace_bytes",
+    "read_header",
+    "read_trace",
+    "sample_sessions",
+    "write_trace",
+]
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_HEADER_DECODER = msgspec.json.Decoder(TraceHeader)
+_REQUEST_DECODER = msgspec.json.Decoder(TraceRequest)
+_ANY_DECODER = msgspec.json.Decoder()
+_ENCODER = msgspec.json.Encoder(order="deterministic")
+
+
+class TraceProblem(msgspec.Struct, frozen=True):
+    """One bad line: 1-based ``line`` number and a human-readable ``reason``."""
+
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+class TraceError(ValueError):
+    """A trace file has problems; ``problems`` lists every one, in line order.
+
+    ``str(err)`` is ``"<path>: N problem(s)"`` followed by one ``line N: reason``
+    per problem.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], problems: list[TraceProblem]):
+        self.path = str(path)
+        self.problems = problems
+        lines = [f"{self.path}: {len(problems)} problem(s)"] + [str(p) for p in problems]
+        super().__init__("\n".join(lines))
+
+
+@dataclass(slots=True)
+class Trace:
+    """A whole trace in memory: the header and the requests in file order."""
+
+    header: TraceHeader
+    requests: list[TraceRequest] = field(default_factory=list)
+
+    def agents(self) -> list[str]:
+        """Agent ids in order of first appearance."""
+        return list(dict.fromkeys(r.agent for r in self.requests))
+
+    def by_agent(self) -> dict[str, list[TraceRequest]]:
+        """Requests grouped by agent (file order kept inside each group)."""
+        out: dict[str, list[TraceRequest]] = {}
+        for r in self.requests:
+            out.setdefault(r.agent, []).append(r)
+        return out
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def open_trace_bytes(path: str | os.PathLike[str]) -> IO[bytes]:
+    """Open a trace file for binary reading, decompressing gzip if the file starts with its magic."""
+    f = open(path, "rb")  # noqa: SIM115 - returned to the caller
+    magic = f.read(2)
+    f.seek(0)
+    if magic == _GZIP_MAGIC:
+        return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
+    return f
+
+
+def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
+    with open_trace_bytes(path) as f:
+        for n, raw in enumerate(f, start=1):
+            if raw.endswith(b"\n"):
+                raw = raw[:-1]
+                if raw.endswith(b"\r"):
+                    raw = raw[:-1]
+            yield n, raw
+
+
+def _short(err: Exception) -> str:
+    return str(err).replace("\n", " ")
+
+
+@dataclass(slots=True)
+class _Branch:
+    agent: str
+    first_line: int
+    last_line: int
+    ended_line: int = 0
+
+
+class _Validator:
+    """Streaming checker: feed lines in order, then call :meth:`finish`.
+
+    Cascades are avoided: a request or branch defined on a bad line is still
+    remembered (when its id can be read), so later lines that refer to it are
+    judged on their own merits and only the bad line itself is reported.
+    """
+
+    def __init__(self) -> None:
+        self.header: TraceHeader | None = None
+        self.block_size: int | None = None
+        self.problems: list[TraceProblem] = []
+        self.ids: dict[str, str | None] = {}  # request id -> agent (None: unreadable line)
+        self.id_line: dict[str, int] = {}
+        self.branches: dict[str, _Branch] = {}
+
+    def _bad(self, line: int, reason: str) -> None:
+        self.problems.append(TraceProblem(line, reason))
+
+    def feed(self, line: int, raw: bytes) -> TraceRequest | None:
+        """Check one line; return the request when the line is a valid request."""
+        if line == 1:
+            return self._feed_header(raw)
+        return self._feed_request(line, raw)
+
+    def _feed_header(self, raw: bytes) -> TraceRequest | None:
+        if not raw.strip():
+            self._bad(1, "empty line: expected the trace header")
+            return None
+        try:
+            header = _HEADER_DECODER.decode(raw)
+        except msgspec.DecodeError as e:
+            # Not a header. If it is a request, check it as one so it is not lost.
+            try:
+                _REQUEST_DECODER.decode(raw)
+            except msgspec.DecodeError:
+                self._bad(1, f"invalid trace header: {_short(e)}")
+                return None
+            self._bad(1, f'missing trace header (expected {{"format": "{FORMAT}", "block_size": ...}} first)')
+            self._feed_request(1, raw)
+            return None
+        if header.version > VERSION:
+            self._bad(1, f"unsupported trace format version {header.version} (this code reads up to {VERSION})")
+        self.header = header
+        self.block_size = header.block_size
+        return None
+
+    def _remember_unreadable(self, line: int, raw: bytes) -> None:
+        try:
+            obj = _ANY_DECODER.decode(raw)
+        except msgspec.DecodeError:
+            return
+        if not isinstance(obj, dict):
+            return
+        rid, br, agent = obj.get("id"), obj.get("branch"), obj.get("agent")
+        agent = agent if isinstance(agent, str) else None
+        if isinstance(rid, str) and rid not in self.ids:
+            self.ids[rid] = agent
+            self.id_line[rid] = line
+        if isinstance(br, str) and br not in self.branches and agent is not None:
+            self.branches[br] = _Branch(agent, line, line, line if obj.get("ends_branch") is True else 0)
+
+    def _feed_request(self, line: int, raw: bytes) -> TraceRequest | None:
+        if not raw.strip():
+            self._bad(line, "empty line")
+            return None
+        try:
+            req = _REQUEST_DECODER.decode(raw)
+        except msgspec.ValidationError as e:
+            self._bad(line, f"invalid request: {_short(e)}")
+            self._remember_unreadable(line, raw)
+            return None
+        except msgspec.DecodeError as e:
+            self._bad(line, f"invalid JSON: {_short(e)}")
+            return None
+        n_before = len(self.problems)
+        self._check_request(line, req)
+        return req if len(self.problems) == n_before else None
+
+    def _check_request(self, line: int, req: TraceRequest) -> None:
+        bad = self._bad
+        if req.id in self.ids:
+            bad(line, f"duplicate request id {req.id!r} (first on line {self.id_line[req.id]})")
+        bs = self.block_size
+        if bs is not None and len(req.blocks) != req.input_tokens // bs:
+            bad(
+                line,
+                f"len(blocks) = {len(req.blocks)} but input_tokens // block_size = "
+                f"{req.input_tokens} // {bs} = {req.input_tokens // bs}",
+            )
+        if req.blocks and (min(req.blocks) < 0 or max(req.blocks) > MAX_BLOCK_ID):
+            bad(line, f"block ids must be in [0, {MAX_BLOCK_ID}] (2**48 - 1)")
+        seen_after: set[str] = set()
+        for dep in req.after:
+            if dep in seen_after:
+                bad(line, f"after lists {dep!r} twice")
+                continue
+            seen_after.add(dep)
+            if dep not in self.ids:
+                bad(line, f"after references unknown request {dep!r} (it must appear earlier in the file)")
+                continue
+            agent = self.ids[dep]
+            if agent is not None and agent != req.agent:
+                bad(line, f"after references request {dep!r} of another agent ({agent!r})")
+        if req.id not in self.ids:
+            self.ids[req.id] = req.agent
+            self.id_line[req.id] = line
+        br = self.branches.get(req.branch)
+        if br is None:
+            self._check_branch_start(line, req)
+            self.branches[req.branch] = _Branch(req.agent, line, line, line if req.ends_branch else 0)
+            return
+        if br.agent != req.agent:
+            bad(line, f"branch {req.branch!r} belongs to agent {br.agent!r}, not {req.agent!r}")
+        if br.ended_line:
+            bad(line, f"branch {req.branch!r} already ended on line {br.ended_line}")
+        if req.kind is not None:
+            bad(line, f"kind is set only on a branch's first request (branch {req.branch!r} started on line {br.first_line})")
+        if req.parent_branch is not None:
+            bad(line, f"parent_branch is set only on a branch's first request (branch {req.branch!r} started on line {br.first_line})")
+        br.last_line = line
+        if req.ends_branch and not br.ended_line:
+            br.ended_line = line
+
+    def _check_branch_start(self, line: int, req: TraceRequest) -> None:
+        bad = self._bad
+        if req.kind is None:
+            bad(line, f"first request of branch {req.branch!r} must set kind (main, fork or subagent)")
+            return
+        if req.kind == "main":
+            if req.parent_branch is not None:
+                bad(line, f"main branch {req.branch!r} must not have a parent_branch")
+            return
+        parent = req.parent_branch
+        if parent is None:
+            bad(line, f"{req.kind} branch {req.branch!r} must set parent_branch")
+            return
+        if parent == req.branch:
+            bad(line, f"branch {req.branch!r} cannot be its own parent")
+            return
+        pb = self.branches.get(parent)
+        if pb is None:
+            bad(line, f"parent branch {parent!r} of {req.kind} branch {req.branch!r} does not exist earlier in the file")
+        elif pb.agent != req.agent:
+            bad(line, f"parent branch {parent!r} belongs to agent {pb.agent!r}, not {req.agent!r}")
+
+    def finish(self, n_lines: int) -> None:
+        if n_lines == 0:
+            self._bad(1, "empty file: expected the trace header")
+            return
+        if self.header is None and not any(p.line == 1 for p in self.problems):
+            self._bad(1, "missing trace header")
+        for name, br in self.branches.items():
+            if not br.ended_line:
+                self._bad(br.last_line, f"branch {name!r} never ends (its last request has no ends_branch)")
+        self.problems.sort(key=lambda p: p.line)
+
+
+_READ_ERRORS: tuple[type[Exception], ...] = (EOFError, gzip.BadGzipFile, zlib.error)
+
+
+def _scan(path: str | os.PathLike[str], v: "_Validator") -> Iterator[TraceRequest]:
+    n = 0
+    try:
+        for n, raw in _lines(path):
+            req = v.feed(n, raw)
+            if req is not None:
+                yield req
+    except _READ_ERRORS as e:
+        v._bad(n + 1, f"unreadable compressed data after line {n}: {e}")
+    v.finish(n)
+
+
+def iter_validate(path: str | os.PathLike[str]) -> Iterator[TraceProblem]:
+    """Yield every problem of a trace file, in line order.
+
+    Streams the file (memory grows with the number of requests and branches,
+    not with their blocks); the problems are yielded once the whole file has
+    been read, sorted by line (a branch that never ends is only known at the end).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    v = _Validator()
+    for _ in _scan(path, v):
+        pass
+    yield from v.problems
+
+
+def read_header(path: str | os.PathLike[str]) -> TraceHeader:
+    """Decode only the header line.
+
+    Raises:
+        TraceError: line 1 is missing or not a valid header.
+    """
+    for n, raw in _lines(path):
+        try:
+            return _HEADER_DECODER.decode(raw)
+        except msgspec.DecodeError as e:
+            raise TraceError(path, [TraceProblem(n, f"invalid trace header: {_short(e)}")]) from None
+    raise TraceError(path, [TraceProblem(1, "empty file: expected the trace header")])
+
+
+def iter_requests(path: str | os.PathLike[str]) -> tuple[TraceHeader, Iterator[TraceRequest]]:
+    """Header plus a lazy iterator over the requests, validating as it goes.
+
+    For files too large to hold in memory (e.g. all converted Claude Code
+    sessions). The iterator raises :class:`TraceError` with every problem at the
+    end of the file if any line was bad (valid requests before that are yielded).
+
+    Raises:
+        TraceError: the header is invalid (immediately), or any line is bad (at the end).
+    """
+    header = read_header(path)
+
+    def gen() -> Iterator[TraceRequest]:
+        v = _Validator()
+        yield from _scan(path, v)
+        if v.problems:
+            raise TraceError(path, v.problems)
+
+    return header, gen()
+
+
+def read_trace(path: str | os.PathLike[str]) -> Trace:
+    """Read and validate a whole trace file (``.gz`` supported).
+
+    Returns:
+        :class:`Trace` with the header and every request in file order.
+
+    Raises:
+        TraceError: one or more lines are bad; ``err.problems`` lists every one
+            as ``line N: reason`` (the whole file is checked first).
+        OSError: the file cannot be read.
+    """
+    v = _Validator()
+    requests = list(_scan(path, v))
+    if v.problems:
+        raise TraceError(path, v.problems)
+    assert v.header is not None
+    return Trace(v.header, requests)
+
+
+def validate_requests(header: TraceHeader, requests: Iterable[TraceRequest]) -> list[TraceProblem]:
+    """Check in-memory requests with the file rules; line numbers count the header as line 1."""
+    v = _Validator()
+    v.feed(1, encode_line(header))
+    n = 1
+    for n, req in enumerate(requests, start=2):
+        v.feed(n, encode_line(req))
+    v.finish(n)
+    return v.problems
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def encode_line(obj: Any) -> bytes:
+    """One JSON object (msgspec, dict keys sorted, struct fields in declaration order), no newline."""
+    return _ENCODER.encode(obj)
+
+
+def write_trace(path: str | os.PathLike[str] | IO[bytes], header: TraceHeader, requests: Iterable[TraceRequest]) -> int:
+    """Write a trace; bytes are a pure function of the arguments.
+
+    ``path`` ending in ``.gz`` is gzip-compressed with mtime 0 and no stored
+    file name, so the same trace always gives the same bytes. ``path`` may also
+    be an open binary file object (written uncompressed). ``requests`` may be a
+    generator (written as it is consumed).
+
+    Returns:
+        The number of requests written.
+    """
+    if isinstance(path, (str, os.PathLike)):
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        with open(tmp, "wb") as raw:
+            if p.name.endswith(".gz"):
+                with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
+                    n = _write_lines(gz, header, requests)
+            else:
+                n = _write_lines(raw, header, requests)
+        os.replace(tmp, p)
+        return n
+    return _write_lines(path, header, requests)
+
+
+def _write_lines(f: IO[bytes], header: TraceHeader, requests: Iterable[TraceRequest]) -> int:
+    enc = _ENCODER.encode
+    f.write(enc(header) + b"\n")
+    n = 0
+    for r in requests:
+        f.write(enc(r) + b"\n")
+        n += 1
+    f.flush()
+    return n
+
+
+# Re-exported here because the replayer imports it from io.
+from evolving_infra.traces.sample import sample_sessions  # noqa: E402

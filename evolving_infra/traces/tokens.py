@@ -1,0 +1,148 @@
+"""Token ids and block-size conversion for trace requests (spec: docs/trace-format.md §4).
+
+A trace stores block ids, not tokens. Replayers and the simulator turn a
+request into token ids with :func:`prompt_token_ids`: each full block id maps to
+``block_size`` deterministic token ids (``shared.hashing.tokens_for_blocks``),
+and the partial tail (``input_tokens % block_size`` tokens) maps to tokens
+private to the request (``shared.hashing.tokens_for_tail`` keyed by the request
+id). Equal leading block ids therefore give equal leading tokens, hence equal
+SGLang page hashes in every component.
+
+Block-size conversion (:func:`rechunk_blocks`) is explicit, never implicit:
+
+* finer (e.g. 512 → 64, ``m = 8``): coarse block ``b`` becomes the fine blocks
+  ``b*m + k`` for ``k = 0..m-1``. Two requests that share a coarse block share
+  all of its fine blocks; requests that share only part of a coarse block are
+  not known to share anything finer (the source did not record it). Full fine
+  blocks inside the coarse partial tail get fresh private ids (from a
+  :class:`PrivateIds` allocator, in [2**47, 2**48)) unless the source knows the
+  tail's coarse id (``tail_block``, e.g. Mooncake's last hash id).
+* coarser (e.g. 64 → 512, ``m = 8``): coarse block ``j`` takes the id of its
+  last fine block, ``blocks[m*j + m - 1]``. Ids are chained (an id stands for its
+  whole prefix), so this is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceRequest
+from shared.hashing import tokens_for_blocks, tokens_for_tail
+
+__all__ = ["MAX_BLOCK_ID", "PRIVATE_ID_BASE", "PrivateIds", "prompt_token_ids", "rechunk_blocks", "rechunk_request"]
+
+PRIVATE_ID_BASE = 1 << 47
+"""Ids in [PRIVATE_ID_BASE, MAX_BLOCK_ID] are fresh private ids made by :class:`PrivateIds`;
+converters and generators keep their own ids below it."""
+
+
+def prompt_token_ids(req: TraceRequest, block_size: int) -> np.ndarray:
+    """Token ids of a request's whole input (uint32, length ``req.input_tokens``).
+
+    ``tokens_for_blocks(req.blocks)`` followed by ``tokens_for_tail(req.id,
+    req.input_tokens % block_size)``.
+
+    Raises:
+        ValueError: ``len(req.blocks) != req.input_tokens // block_size``.
+    """
+    if len(req.blocks) != req.input_tokens // block_size:
+        raise ValueError(
+            f"request {req.id!r}: {len(req.blocks)} blocks but input_tokens // block_size = {req.input_tokens // block_size}"
+        )
+    head = tokens_for_blocks(req.blocks, block_size) if req.blocks else np.empty(0, dtype=np.uint32)
+    tail_n = req.input_tokens % block_size
+    if not tail_n:
+        return head
+    return np.concatenate([head, tokens_for_tail(req.id, tail_n)])
+
+
+class PrivateIds:
+    """Sequential allocator of never-shared block ids in [PRIVATE_ID_BASE, MAX_BLOCK_ID].
+
+    Deterministic: the same calls in the same order give the same ids. One
+    allocator per output trace.
+    """
+
+    __slots__ = ("next",)
+
+    def __init__(self, start: int = PRIVATE_ID_BASE) -> None:
+        self.next = start
+
+    def take(self, n: int) -> range:
+        """``n`` fresh ids.
+
+        Raises:
+            ValueError: the private range is exhausted.
+        """
+        start = self.next
+        if start + n - 1 > MAX_BLOCK_ID:
+            raise ValueError("private block id range exhausted")
+        self.next = start + n
+        return range(start, start + n)
+
+
+def rechunk_blocks(
+    blocks: Sequence[int],
+    input_tokens: int,
+    from_size: int,
+    to_size: int,
+    *,
+    private: PrivateIds | None = None,
+    tail_block: int | None = None,
+) -> list[int]:
+    """Block ids of the same input at another block size (module docstring has the rule).
+
+    Args:
+        blocks: ids of the full ``from_size`` blocks (``len == input_tokens // from_size``).
+        input_tokens: input length in tokens.
+        from_size, to_size: block sizes in tokens; one must divide the other.
+        private: allocator for the fine blocks of a coarse tail without a source id
+            (required when there are such blocks).
+        tail_block: the source's id of the partial coarse block, if it has one.
+
+    Returns:
+        ``input_tokens // to_size`` ids.
+
+    Raises:
+        ValueError: sizes do not divide one another, ``blocks`` has the wrong
+            length, an id is too large to split (the result must stay below
+            PRIVATE_ID_BASE), or private ids are needed and ``private`` is None.
+    """
+    if len(blocks) != input_tokens // from_size:
+        raise ValueError(f"{len(blocks)} blocks but input_tokens // from_size = {input_tokens // from_size}")
+    if to_size == from_size:
+        return list(blocks)
+    n_out = input_tokens // to_size
+    if to_size > from_size:
+        if to_size % from_size:
+            raise ValueError(f"block size {to_size} is not a multiple of {from_size}")
+        m = to_size // from_size
+        return [blocks[m * j + m - 1] for j in range(n_out)]
+    if from_size % to_size:
+        raise ValueError(f"block size {from_size} is not a multiple of {to_size}")
+    m = from_size // to_size
+    limit = (PRIVATE_ID_BASE - 1) // m
+    out: list[int] = []
+    for b in blocks:
+        if not 0 <= b <= limit:
+            raise ValueError(f"block id {b} cannot be split by {m} (ids must be in [0, {limit}])")
+        base = b * m
+        out.extend(range(base, base + m))
+    rest = n_out - len(out)
+    if rest:
+        if tail_block is not None and 0 <= tail_block <= limit:
+            out.extend(range(tail_block * m, tail_block * m + rest))
+        elif private is None:
+            raise ValueError("the coarse tail holds full fine blocks: pass a PrivateIds allocator")
+        else:
+            out.extend(private.take(rest))
+    return out
+
+
+def rechunk_request(req: TraceRequest, from_size: int, to_size: int, private: PrivateIds | None = None) -> TraceRequest:
+    """``req`` with its blocks converted from ``from_size`` to ``to_size`` tokens (see :func:`rechunk_blocks`)."""
+    blocks = rechunk_blocks(req.blocks, req.input_tokens, from_size, to_size, private=private)
+    return msgspec.structs.replace(req, blocks=blocks)

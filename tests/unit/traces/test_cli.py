@@ -1,0 +1,69 @@
+"""`evolving-infra trace ...`: the interface used by the checks (convert, stats --json, validate, generate)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.cli import main as top_main
+from evolving_infra.traces.cli import main
+from tests.conftest import shared_traces_or_skip
+
+REQUIRED_KEYS = ("requests", "sessions", "subagent_branches", "compactions", "input_tokens_total", "output_tokens_total", "ideal_kv_hit_rate")
+
+
+def test_convert_stats_validate_claude_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = shared_traces_or_skip("claude-code-weka")
+    out = tmp_path / "cc.jsonl"
+    inputs = [str(folder / "trace_0003.json.gz"), str(folder / "trace_0010.json.gz")]
+    assert top_main(["trace", "convert", "--from", "claude-code-weka", *inputs, "-o", str(out), "--no-progress"]) == 0
+    assert top_main(["trace", "validate", str(out)]) == 0
+    capsys.readouterr()
+    assert top_main(["trace", "stats", str(out), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    for k in REQUIRED_KEYS:
+        assert k in stats
+    assert stats["sessions"] == 2 and stats["subagent_branches"] == 6
+    assert main(["stats", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "ideal KV hit rate h*" in table and "requests" in table
+
+
+def test_validate_reports_line_numbers_and_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"format": "evolving-infra-trace", "block_size": 4}\n'
+        '{"id": "a", "agent": "x", "branch": "x:m", "input_tokens": 4, "output_tokens": 1, "blocks": [1], "kind": "main"}\n'
+        "not json\n"
+        '{"id": "b", "agent": "x", "branch": "x:m", "input_tokens": -1, "output_tokens": 1, "after": ["a"]}\n'
+        '{"id": "c", "agent": "x", "branch": "x:s", "input_tokens": 4, "output_tokens": 1, "blocks": [2], "kind": "subagent", '
+        '"parent_branch": "x:none", "after": ["a"], "ends_branch": true}\n'
+        '{"id": "d", "agent": "x", "branch": "x:m", "input_tokens": 4, "output_tokens": 1, "blocks": [1], "after": ["a"], "ends_branch": true}\n'
+    )
+    assert main(["validate", str(bad)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[1] for line in out] == ["3", "4", "5"]
+    assert "invalid JSON" in out[0] and "input_tokens" in out[1] and "x:none" in out[2]
+    assert main(["stats", str(bad)]) == 2  # stats refuses a malformed trace, listing the lines
+    assert "line 3:" in capsys.readouterr().err
+
+
+def test_generate_and_sample(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    g = tmp_path / "p.jsonl.gz"
+    assert main(["generate", "putnam", "--seed", "2", "--agents", "12", "-o", str(g), "--check"]) == 0
+    assert "pause_s.mean" in capsys.readouterr().out
+    s = tmp_path / "s.jsonl"
+    assert main(["sample", str(g), "-o", str(s), "--sessions", "5", "--max-requests-per-branch", "3"]) == 0
+    assert main(["validate", "-q", str(s)]) == 0
+    capsys.readouterr()
+    assert main(["stats", str(s), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["sessions"] == 5 and st["requests"] <= 15
+
+
+def test_convert_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["convert", "--from", "azure", str(tmp_path / "missing.csv"), "-o", str(tmp_path / "o.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["convert", "--from", "azure", str(tmp_path), "-o", str(tmp_path / "o.jsonl"), "--infer-sessions"]) == 2

@@ -1,0 +1,171 @@
+"""mooncake, mini-swe-agent and azure converters on the real files in ../shared/traces."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.traces.convert import ConvertError, convert_inputs, convert_to_file
+from evolving_infra.traces.convert.azure import parse_timestamp
+from evolving_infra.traces.io import iter_validate, validate_requests
+from evolving_infra.traces.stats import trace_stats
+from tests.conftest import shared_traces_or_skip
+
+
+def _mooncake_raw_hit_rate(path: Path) -> tuple[int, float]:
+    """Independent h* of the raw Mooncake rows (full 512-token blocks, prefix semantics, timestamp order)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows.sort(key=lambda r: r["timestamp"])
+    seen: set[int] = set()
+    hit = total = 0
+    for r in rows:
+        full = r["hash_ids"][: r["input_length"] // 512]
+        n = 0
+        while n < len(full) and full[n] in seen:
+            n += 1
+        seen.update(full)
+        hit += n * 512
+        total += r["input_length"]
+    return len(rows), hit / total
+
+
+def test_mooncake_plain_and_sessions(tmp_path: Path) -> None:
+    src = shared_traces_or_skip("mooncake", "conversation_trace.jsonl")
+    n_rows, h_raw = _mooncake_raw_hit_rate(src)
+    out = tmp_path / "mc.jsonl"
+    header, n = convert_to_file("mooncake", [src], out)
+    assert n == n_rows and header.block_size == 512
+    assert list(iter_validate(out)) == []
+    from evolving_infra.traces.stats import trace_stats_file
+
+    s = trace_stats_file(out)
+    assert s["sessions"] == n_rows and s["ideal_kv_hit_rate"] == pytest.approx(h_raw)
+    arrivals = [json.loads(line).get("arrival_s") for line in out.read_text().splitlines()[1:]]
+    assert arrivals == sorted(arrivals)
+
+    sess = convert_inputs("mooncake", [src], infer_sessions=True)
+    assert validate_requests(sess.header, sess.requests) == []
+    ss = trace_stats(sess)
+    assert ss["requests"] == n_rows and ss["sessions"] < n_rows
+    assert ss["ideal_kv_hit_rate"] == pytest.approx(h_raw)  # same order, same blocks
+    by_id = {r.id: r for r in sess.requests}
+    for r in sess.requests:  # a linked row extends its predecessor's whole full-block path
+        if r.after:
+            (p,) = r.after
+            prev = by_id[p]
+            assert len(prev.blocks) >= 2 and r.blocks[: len(prev.blocks)] == prev.blocks
+    assert sess.header.meta["options"]["infer_sessions"] is True
+
+
+def test_mooncake_block_size_64() -> None:
+    src = shared_traces_or_skip("mooncake", "conversation_trace.jsonl")
+    t = convert_inputs("mooncake", [src], block_size=64)
+    assert validate_requests(t.header, t.requests) == []
+    first = json.loads(src.read_text().splitlines()[0])
+    r0 = t.requests[0]
+    assert r0.input_tokens == first["input_length"] and len(r0.blocks) == first["input_length"] // 64
+    assert r0.blocks[:8] == [first["hash_ids"][0] * 8 + k for k in range(8)]
+    assert trace_stats(t)["ideal_kv_hit_rate"] >= _mooncake_raw_hit_rate(src)[1] - 1e-9
+    with pytest.raises(ConvertError):
+        convert_inputs("mooncake", [src], block_size=100)
+
+
+def _swe_files(n: int = 3) -> list[Path]:
+    folder = shared_traces_or_skip("mini-swe-agent")
+    return sorted(folder.rglob("*.traj.json.gz"))[:n]
+
+
+def test_mini_swe_agent_counts_timing_and_prefix_ids() -> None:
+    paths = _swe_files(3)
+    t = convert_inputs("mini-swe-agent", paths)
+    assert validate_requests(t.header, t.requests) == []
+    s = trace_stats(t)
+    calls = prompt = completion = 0
+    gaps = []
+    for p in paths:
+        d = json.loads(gzip.decompress(p.read_bytes()))
+        prev_recv = None
+        last_tool_ts = None
+        for m in d["messages"]:
+            if m["role"] == "assistant":
+                u = m["extra"]["response"]["usage"]
+                calls += 1
+                prompt += u["prompt_tokens"]
+                completion += max(1, u["completion_tokens"])
+                if prev_recv is not None and last_tool_ts is not None:
+                    gaps.append(max(0.0, last_tool_ts - prev_recv))
+                prev_recv, last_tool_ts = m["extra"]["timestamp"], None
+            elif m["role"] == "tool":
+                last_tool_ts = m["extra"]["timestamp"]
+    assert (s["requests"], s["sessions"], s["input_tokens_total"], s["output_tokens_total"]) == (calls, len(paths), prompt, completion)
+    assert s["branches_by_kind"] == {"main": len(paths), "fork": 0, "subagent": 0}
+    assert sorted(r.pause_s for r in t.requests if r.after) == pytest.approx(sorted(gaps), abs=1e-5)
+    # append-only history: each call's blocks extend the previous call's blocks
+    by_agent = t.by_agent()
+    for reqs in by_agent.values():
+        reqs.sort(key=lambda r: int(r.id.rsplit(":", 1)[1]))
+        for a, b in zip(reqs, reqs[1:]):
+            assert b.blocks[: len(a.blocks)] == a.blocks
+    # tool definitions + system prompt + task template head: the same first 5 blocks (320 tokens,
+    # what DeepSeek reports as cached on each task's first call) in every task, then the task differs
+    firsts = [reqs[0].blocks for reqs in by_agent.values()]
+    assert firsts[0][:5] == firsts[1][:5] == firsts[2][:5]
+    assert firsts[0][5] != firsts[1][5]
+    assert 0.9 < s["ideal_kv_hit_rate"] < 1.0
+
+
+def test_mini_swe_agent_ids_depend_on_content_only() -> None:
+    paths = _swe_files(2)
+    a = convert_inputs("mini-swe-agent", paths)
+    b = convert_inputs("mini-swe-agent", list(reversed(paths)))
+    key = {r.id: r.blocks for r in a.requests}
+    assert all(key[r.id] == r.blocks for r in b.requests)
+
+
+def test_azure(tmp_path: Path) -> None:
+    folder = shared_traces_or_skip("azure-llm-2023")
+    files = sorted(folder.glob("*.csv"))
+    rows = []
+    for f in files:
+        with f.open() as fh:
+            rows += [(parse_timestamp(r["TIMESTAMP"]), int(r["ContextTokens"]), max(1, int(r["GeneratedTokens"]))) for r in csv.DictReader(fh)]
+    out = tmp_path / "az.jsonl.gz"
+    header, n = convert_to_file("azure", [folder], out)
+    assert n == len(rows)
+    assert list(iter_validate(out)) == []
+    from evolving_infra.traces.stats import trace_stats_file
+
+    s = trace_stats_file(out)
+    assert s["input_tokens_total"] == sum(r[1] for r in rows) and s["output_tokens_total"] == sum(r[2] for r in rows)
+    assert s["ideal_kv_hit_rate"] == 0.0 and s["sessions"] == len(rows)
+    t0 = min(r[0] for r in rows)
+    first = json.loads(gzip.decompress(out.read_bytes()).splitlines()[1])
+    assert first["arrival_s"] == 0.0 and header.meta["clock"]["origin_unix_s"] == pytest.approx(t0)
+    assert parse_timestamp("2023-11-16 18:17:03.9799600") == pytest.approx(1700158623.97996)
+
+
+def test_missing_input_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConvertError, match="no such file"):
+        convert_inputs("azure", [tmp_path / "nope.csv"])
+    bad = tmp_path / "t.json"
+    bad.write_text('{"requests": "x"}')
+    with pytest.raises(ConvertError, match="t.json"):
+        convert_inputs("claude-code-weka", [bad])
+    with pytest.raises(ConvertError, match="unknown trace kind"):
+        convert_inputs("nope", [bad])
+
+
+@pytest.mark.slow
+def test_all_mini_swe_agent_trajectories_convert_and_validate(tmp_path: Path) -> None:
+    folder = shared_traces_or_skip("mini-swe-agent")
+    files = sorted(folder.rglob("*.traj.json.gz"))
+    out = tmp_path / "msa.jsonl"
+    header, n = convert_to_file("mini-swe-agent", [folder], out)
+    assert list(iter_validate(out)) == []
+    assert header.meta["counts"]["agents"] == len(files)
+    calls = sum(sum(1 for m in json.loads(gzip.decompress(f.read_bytes()))["messages"] if m["role"] == "assistant") for f in files)
+    assert n == calls

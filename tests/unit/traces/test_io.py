@@ -1,0 +1,162 @@
+"""Trace I/O: round trip, deterministic bytes, and line-numbered validation of malformed files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.traces.io import TraceError, iter_requests, iter_validate, read_trace, write_trace
+from evolving_infra.traces.schema import FORMAT, TraceHeader, TraceRequest
+
+REPO = Path(__file__).resolve().parents[3]
+HEADER = {"format": FORMAT, "block_size": 4}
+
+
+def _req(rid: str, **kw) -> dict:
+    d = {"id": rid, "agent": "a", "branch": "a:main", "input_tokens": 9, "output_tokens": 3, "blocks": [1, 2]}
+    d.update(kw)
+    return d
+
+
+def _write_lines(path: Path, lines: list[object]) -> Path:
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def _good_lines() -> list[object]:
+    return [
+        HEADER,
+        _req("r0", kind="main"),
+        _req("s0", branch="a:sub", kind="subagent", parent_branch="a:main", after=["r0"], blocks=[7, 8], ends_branch=True),
+        _req("r1", after=["r0", "s0"], pause_s=1.5, input_tokens=13, blocks=[1, 2, 3], ends_branch=True),
+    ]
+
+
+def test_round_trip_and_deterministic_bytes(tmp_path: Path) -> None:
+    src = _write_lines(tmp_path / "in.jsonl", _good_lines())
+    t = read_trace(src)
+    assert [r.id for r in t.requests] == ["r0", "s0", "r1"]
+    assert t.requests[2].after == ["r0", "s0"] and t.requests[2].pause_s == 1.5
+    assert t.agents() == ["a"]
+    for name in ("a.jsonl", "b.jsonl.gz"):
+        out = tmp_path / name
+        write_trace(out, t.header, t.requests)
+        assert read_trace(out).requests == t.requests
+    first = (tmp_path / "b.jsonl.gz").read_bytes()
+    write_trace(tmp_path / "b.jsonl.gz", t.header, iter(t.requests))
+    assert (tmp_path / "b.jsonl.gz").read_bytes() == first  # gzip with mtime 0: same bytes
+    assert gzip.decompress(first) == (tmp_path / "a.jsonl").read_bytes()
+
+
+def test_header_meta_keys_sorted(tmp_path: Path) -> None:
+    h = TraceHeader(format=FORMAT, block_size=4, meta={"z": 1, "a": {"y": 2, "b": 3}})
+    write_trace(tmp_path / "t.jsonl", h, [])
+    line = (tmp_path / "t.jsonl").read_text().splitlines()[0]
+    assert line.index('"a"') < line.index('"z"') and line.index('"b"') < line.index('"y"')
+
+
+def test_malformed_lines_reported_with_numbers_and_nothing_lost(tmp_path: Path) -> None:
+    lines = [
+        HEADER,  # 1
+        _req("r0", kind="main"),  # 2 ok
+        '{"id": "broken", "agent": ',  # 3 bad JSON
+        {k: v for k, v in _req("r1", after=["r0"]).items() if k != "agent"},  # 4 missing field
+        _req("r2", after=["r0"], input_tokens=-5, blocks=[]),  # 5 negative length
+        _req("o0", branch="a:orphan", kind="subagent", parent_branch="a:nope", after=["r0"], ends_branch=True),  # 6 orphan sub-agent
+        _req("r3", after=["r0"], blocks=[1]),  # 7 wrong number of blocks
+        _req("r4", after=["ghost"]),  # 8 unknown predecessor
+        _req("r0", after=["r3"]),  # 9 duplicate id
+        _req("r5", after=["r4"], ends_branch=True),  # 10 ok: depends on line 8's request (no cascade)
+        _req("x0", agent="b", branch="b:main", after=["r5"], kind="main", ends_branch=True),  # 11 after of another agent
+    ]
+    path = _write_lines(tmp_path / "bad.jsonl", lines)
+    problems = list(iter_validate(path))
+    by_line = {}
+    for p in problems:
+        by_line.setdefault(p.line, []).append(p.reason)
+    assert sorted(by_line) == [3, 4, 5, 6, 7, 8, 9, 11], problems
+    assert "invalid JSON" in by_line[3][0]
+    assert "agent" in by_line[4][0]
+    assert "input_tokens" in by_line[5][0] and ">= 1" in by_line[5][0]
+    assert any("parent branch 'a:nope'" in r and "does not exist" in r for r in by_line[6])
+    assert any("len(blocks) = 1" in r for r in by_line[7])
+    assert any("unknown request 'ghost'" in r for r in by_line[8])
+    assert any("duplicate request id 'r0'" in r and "line 2" in r for r in by_line[9])
+    assert any("another agent" in r for r in by_line[11])
+    with pytest.raises(TraceError) as ei:
+        read_trace(path)
+    msg = str(ei.value)
+    for n in (3, 4, 5, 6, 7, 8, 9, 11):
+        assert re.search(rf"^line {n}: ", msg, re.M), msg
+    assert ei.value.problems == problems
+
+
+def test_branch_rules(tmp_path: Path) -> None:
+    lines = [
+        HEADER,
+        _req("r0"),  # 2 first request of a branch without kind
+        _req("r1", after=["r0"], kind="main"),  # 3 kind on a later request
+        _req("f0", branch="a:f", kind="fork", after=["r0"]),  # 4 fork without parent
+        _req("r2", after=["r1"], ends_branch=True),  # 5 ok
+        _req("r3", after=["r2"]),  # 6 after the branch ended
+        _req("m0", branch="a:m2", kind="main", parent_branch="a:main", ends_branch=True),  # 7 main with a parent
+    ]
+    problems = list(iter_validate(_write_lines(tmp_path / "b.jsonl", lines)))
+    lines_with = {p.line for p in problems}
+    assert {2, 3, 4, 6, 7} <= lines_with and 5 not in lines_with
+    # the fork branch never ends: reported on its last line
+    assert any(p.line == 4 and "never ends" in p.reason for p in problems)
+
+
+def test_header_problems(tmp_path: Path) -> None:
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    assert [p.line for p in iter_validate(empty)] == [1]
+    no_header = _write_lines(tmp_path / "n.jsonl", [_req("r0", kind="main", ends_branch=True)])
+    problems = list(iter_validate(no_header))
+    assert len(problems) == 1 and "missing trace header" in problems[0].reason
+    newer = _write_lines(tmp_path / "v.jsonl", [{**HEADER, "version": 99}])
+    assert "unsupported" in next(iter(iter_validate(newer))).reason
+
+
+def test_iter_requests_streams_then_raises(tmp_path: Path) -> None:
+    lines = _good_lines() + ['{"nope"']
+    header, it = iter_requests(_write_lines(tmp_path / "s.jsonl", lines))
+    assert header.block_size == 4
+    got = []
+    with pytest.raises(TraceError) as ei:
+        for r in it:
+            got.append(r.id)
+    assert got == ["r0", "s0", "r1"]
+    assert [p.line for p in ei.value.problems] == [5]
+
+
+def test_block_id_range(tmp_path: Path) -> None:
+    lines = [HEADER, _req("r0", kind="main", blocks=[1, 2**48], ends_branch=True)]
+    problems = list(iter_validate(_write_lines(tmp_path / "r.jsonl", lines)))
+    assert [p.line for p in problems] == [2] and "2**48" in problems[0].reason
+
+
+def test_spec_example_is_valid(tmp_path: Path) -> None:
+    """The example in docs/trace-format.md §9 validates and has the h* the spec states."""
+    from evolving_infra.traces.stats import trace_stats
+
+    text = (REPO / "docs" / "trace-format.md").read_text()
+    block = text.split("## 9. Example", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    path = tmp_path / "example.jsonl"
+    path.write_text(block.strip() + "\n")
+    t = read_trace(path)
+    s = trace_stats(t)
+    assert s["requests"] == 4 and s["subagent_branches"] == 1 and s["compactions"] == 1
+    assert s["ideal_kv_hit_rate"] == pytest.approx(256 / 780)
+
+
+def test_write_request_fields_omit_defaults(tmp_path: Path) -> None:
+    r = TraceRequest(id="x", agent="a", branch="b", input_tokens=1, output_tokens=1, kind="main", ends_branch=True)
+    write_trace(tmp_path / "o.jsonl", TraceHeader(format=FORMAT, block_size=64), [r])
+    line = (tmp_path / "o.jsonl").read_text().splitlines()[1]
+    assert json.loads(line) == {"id": "x", "agent": "a", "branch": "b", "input_tokens": 1, "output_tokens": 1, "kind": "main", "ends_branch": True}
