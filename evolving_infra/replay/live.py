@@ -163,7 +163,7 @@ class LiveReplayer:
         body = {
             "model": self.model,
             "prompt": tokens.tolist(),
-            "max_tokens": req.output_tokens,
+            "max_tokens": max(1, req.output_tokens),
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},

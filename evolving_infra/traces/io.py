@@ -12,7 +12,7 @@ nothing after a bad line is silently lost. Rules (each a :class:`TraceProblem`):
 * line 1 is the header (``format`` = ``evolving-infra-trace``, ``version`` ≤ the
   version this code reads, ``block_size`` > 0);
 * every other line decodes as a request (valid JSON, required fields present,
-  ``input_tokens``/``output_tokens`` ≥ 1, ``pause_s`` ≥ 0, known ``kind``);
+  ``input_tokens`` ≥ 1, ``output_tokens`` ≥ 0, ``pause_s`` ≥ 0, known ``kind``);
 * request ids are unique;
 * ``after`` lists earlier requests of the same agent, each once;
 * ``len(blocks) == input_tokens // block_size`` and every id is in [0, 2**48);

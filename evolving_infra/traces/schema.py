@@ -60,7 +60,10 @@ class TraceRequest(Struct, frozen=True, kw_only=True, omit_defaults=True):
     branch: str
     """Branch id, unique within the file: one context and its sequence of requests."""
     input_tokens: Annotated[int, Meta(ge=1)]
-    output_tokens: Annotated[int, Meta(ge=1)]
+    output_tokens: Annotated[int, Meta(ge=0)]
+    """Recorded output length. 0 occurs in real traces (a response with no
+    tokens); replayers and the simulator then ask for 1 token, the least an
+    OpenAI-compatible server generates."""
     blocks: list[int] = []
     """Ids of the input's full blocks (``len == input_tokens // block_size``)."""
     kind: BranchKind | None = None

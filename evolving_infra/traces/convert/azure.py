@@ -96,8 +96,7 @@ def convert(inputs: Sequence[str | Path], *, progress: bool = False, block_size:
             nb = ctx // block_size
             out = gen_tokens
             if out < 1:
-                out = 1
-                counts["output_tokens_clipped"] += 1
+                counts["output_tokens_zero"] += 1
             counts["requests"] += 1
             yield TraceRequest(
                 id=key,

@@ -51,9 +51,9 @@ Rules (each checked on the 530 shared sessions; see docs/trace-format.md):
   map to ids shared by every session: ``namespace · 10**4 + position``, with
   namespace 0 for main agents and one per sub-agent type. This models the
   tool-definition + system prompt that all Claude Code sessions share.
-* **Lengths.** ``input_tokens`` = ``in``, ``output_tokens`` = ``max(out, 1)``
-  (23 of the shared requests record 0 output tokens; the header counts the
-  clipped ones).
+* **Lengths.** ``input_tokens`` = ``in``, ``output_tokens`` = ``out``, 0 kept as recorded
+  (23 of the shared requests record 0 output tokens; the header counts them as
+  ``output_tokens_zero``; replayers ask for at least 1 token).
 """
 
 from __future__ import annotations
@@ -396,8 +396,7 @@ class _Converter:
                 blocks = rechunk_blocks(blocks, e.in_, src_bs, bs, private=self.private)
             out_tokens = e.out
             if out_tokens < 1:
-                out_tokens = 1
-                self.counts["output_tokens_clipped"] += 1
+                self.counts["output_tokens_zero"] += 1
             in_tokens = e.in_
             if in_tokens < 1:
                 in_tokens = 1

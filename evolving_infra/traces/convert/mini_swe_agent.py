@@ -240,8 +240,7 @@ def _convert_file(path: Path, bs: int, counts: Counter[str]) -> list[tuple[float
             pause = max(0.0, send - prev_recv) if prev_recv is not None else 0.0
         out_tokens = c
         if out_tokens < 1:
-            out_tokens = 1
-            counts["output_tokens_clipped"] += 1
+            counts["output_tokens_zero"] += 1
         req = TraceRequest(
             id=f"{agent}:{n_call}",
             agent=agent,

@@ -176,8 +176,7 @@ def _convert_file(path: Path, bs: int, infer: bool, min_shared: int, st: _State)
             blocks = rechunk_blocks(full, row.input_length, SOURCE_BLOCK_SIZE, bs, tail_block=tail)
         out_tokens = row.output_length
         if out_tokens < 1:
-            out_tokens = 1
-            st.counts["output_tokens_clipped"] += 1
+            st.counts["output_tokens_zero"] += 1
         fields: dict[str, object] = {
             "id": key,
             "input_tokens": row.input_length,

@@ -29,13 +29,12 @@ def _files(names=FILES) -> list[Path]:
 
 def raw_totals(paths: list[Path]) -> dict[str, int]:
     """Independent totals straight from the raw session files."""
-    t = {"requests": 0, "subagents": 0, "input": 0, "output_raw": 0, "output_clipped": 0, "zero_outputs": 0}
+    t = {"requests": 0, "subagents": 0, "input": 0, "output_raw": 0, "zero_outputs": 0}
 
     def req(e: dict) -> None:
         t["requests"] += 1
         t["input"] += e["in"]
         t["output_raw"] += e["out"]
-        t["output_clipped"] += max(e["out"], 1)
         t["zero_outputs"] += e["out"] < 1
 
     for p in paths:
@@ -60,8 +59,8 @@ def test_totals_match_raw_files() -> None:
     assert s["requests"] == raw["requests"]
     assert s["subagent_branches"] == raw["subagents"] > 0
     assert s["input_tokens_total"] == raw["input"]
-    assert s["output_tokens_total"] == raw["output_clipped"]
-    assert raw["output_clipped"] - raw["output_raw"] == raw["zero_outputs"] == trace.header.meta["counts"].get("output_tokens_clipped", 0)
+    assert s["output_tokens_total"] == raw["output_raw"]
+    assert raw["zero_outputs"] == trace.header.meta["counts"].get("output_tokens_zero", 0)
 
 
 def test_subagent_timing_and_join_rule() -> None:
@@ -209,7 +208,7 @@ def test_all_sessions_convert_validate_and_match_raw_totals(tmp_path: Path) -> N
         raw["requests"],
         raw["subagents"],
         raw["input"],
-        raw["output_clipped"],
+        raw["output_raw"],
     )
     assert s["sessions"] == len(paths)
     # the Claude-Code generator's targets are these real stats
