@@ -5,6 +5,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
+MOONCAKE := $(VENV)/.mooncake
+
 .PHONY: demo test install clean
 
 $(STAMP): pyproject.toml
@@ -13,13 +15,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# Mooncake's CPU transfer engine (+ libibverbs, unpacked into the venv without root)
+# for the real-bytes KV pool tests; see scripts/install-mooncake.sh.
+$(MOONCAKE): $(STAMP) scripts/install-mooncake.sh
+	VENV=$(VENV) scripts/install-mooncake.sh
+	touch $(MOONCAKE)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/evolving-infra demo --out demo-out
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q
+test: $(STAMP) $(MOONCAKE)
+	EI_REQUIRE_MOONCAKE=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

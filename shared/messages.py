@@ -8,6 +8,7 @@ Producer → consumer flow, in the order of the subject table:
     router ──branch.events─────────▶ kvdirectory      (BranchStart | BranchEnd)
     router ──route.placed──────────▶ kvdirectory      (RoutePlaced)
     kvdirectory ──kv.counts.<node>─▶ worker           (CountUpdates)
+    worker ──kv.pool.<node>────────▶ worker           (PoolLocate → PoolLocation, real-bytes L2)
     worker ──node.state.<node>─────▶ router, planner  (NodeState)
     worker ──node.iters.<node>─────▶ planner          (IterationRecords)
     planner ──split.commands───────▶ workers, router  (SplitCommand)
@@ -19,6 +20,9 @@ Producer → consumer flow, in the order of the subject table:
     any ──svc.heartbeat.<service>──▶ launcher, tap    (Heartbeat)
     any ◀─svc.stats.<instance>─────  tests, operators (StatsRequest → StatsReply)
     planner ◀─split.get────────────  router, workers  (SplitQuery → SplitCommand)
+    planner ──planner.decisions────▶ tap, report      (PlannerDecision, every evaluation)
+    planner ◀─split.set────────────  operator CLI     (SplitSetRequest → SplitSetReply)
+    planner ──planner.models───────▶ router           (PlannerModels)
 
 Rules (msgspec schema evolution): every message is a frozen, keyword-only
 Struct encoded as a msgpack *map* (never ``array_like``); fields are only ever
@@ -36,6 +40,8 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 from msgspec import Meta, Struct
+
+from shared.itermodel import DecodeModel, PrefillModel
 
 SCHEMA_VERSION = 1
 
@@ -232,6 +238,46 @@ class CountUpdates(Msg, frozen=True, kw_only=True):
     """``counts[i]`` is the new count of ``hashes[i]``."""
 
 
+# kv.pool.<node>  (worker → worker, request/reply: real-bytes host KV pool)
+
+
+class PoolLocate(Msg, frozen=True, kw_only=True):
+    """Where in ``node``'s registered host KV buffer are these blocks?
+    (``services.worker.kvpool``; the puller then reads them with Mooncake.)"""
+
+    node: str
+    """The holder asked (checked against its own id)."""
+    block_hashes: list[int]
+    lease_s: NonNegF = 5.0
+    """Wall seconds the holder keeps every located slot from reuse, even if it
+    evicts the block meanwhile (the puller is about to read it)."""
+
+
+class PoolLocation(Msg, frozen=True, kw_only=True):
+    """Answer to :class:`PoolLocate`: transfer-engine address and slot of each block."""
+
+    node: str
+    session: str = ""
+    """Mooncake session id of the holder's transfer engine (``ip:rpc_port``,
+    P2PHANDSHAKE metadata): the ``target`` of the puller's reads."""
+    protocol: str = "tcp"
+    base_addr: NonNeg = 0
+    """Address of the holder's registered buffer (slot 0) in the holder's process."""
+    slot_bytes: NonNeg = 0
+    """Bytes per block slot; puller and holder must agree."""
+    block_hashes: list[int] = []
+    """Echo of the request, same order."""
+    offsets: list[int] = []
+    """``offsets[i]``: byte offset of ``block_hashes[i]``'s slot from ``base_addr``; -1 = not held."""
+    checksums: list[int] = []
+    """``checksums[i]``: CRC-32 of that slot recorded when the block was stored (0 when not held)."""
+    checksum_algo: str = "crc32"
+    payload: Literal["synthetic", "external"] = "synthetic"
+    """``synthetic``: payloads derive from the block hash (puller can recompute them)."""
+    error: str | None = None
+    """Set when the holder refused the request; the lists are then empty."""
+
+
 # --------------------------------------------------------------------------- #
 # node.state.<node>, node.iters.<node>  (worker → router, planner)
 # --------------------------------------------------------------------------- #
@@ -333,6 +379,70 @@ class SplitApplied(Msg, frozen=True, kw_only=True):
 
 
 # --------------------------------------------------------------------------- #
+# planner.decisions / split.set  (planner → tap, report; operator → planner)
+# --------------------------------------------------------------------------- #
+
+
+class CandidateGain(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """One candidate split of a planning window (paper Eq. 6 and its significance gate)."""
+
+    prefill_nodes: NonNeg
+    """p: prefill nodes of the candidate."""
+    split: str
+    """The candidate as ``xPyD``."""
+    mean_gain: float = 0.0
+    """ḡ: mean over slices of Θ(candidate) − Θ(current), requests/s."""
+    std_gain: float = 0.0
+    """σ_g: sample standard deviation of the per-slice gains (req/s)."""
+    threshold: float = 0.0
+    """z·σ_g/√m: the gain ḡ must exceed to qualify (z = 2 in the paper)."""
+    qualifies: bool = False
+    changes: NonNeg = 0
+    """Nodes that switch phase to reach it (fewest-change assignment)."""
+    ttft_p95_s: float | None = None
+    """SLO guard: predicted P95 TTFT of the candidate (s); None when the guard is off; inf = overloaded."""
+    vetoed: str = ""
+    """Why the SLO guard vetoed a qualifying candidate (empty = not vetoed)."""
+
+
+class PlannerDecision(Msg, frozen=True, kw_only=True):
+    """One planner evaluation and its outcome, switch or not (STYLE §2.3: decisions explain themselves)."""
+
+    seq: NonNeg = 0
+    ts: float = 0.0
+    """Simulated time of the decision."""
+    policy: str = ""
+    """``evolving``, ``dynamo``, ``arrow``, ``static`` or ``operator``."""
+    action: str = "no_switch"
+    """``switch``, ``no_switch``, ``skip`` (busy / cooldown / too little data), ``warmup``."""
+    split_before: str = ""
+    split_after: str = ""
+    epoch: NonNeg = 0
+    """Epoch of the split in force after the decision."""
+    reason: str = ""
+    candidates: list[CandidateGain] = []
+    metrics: dict[str, float] = {}
+    """Every numeric term behind the decision (Θ, q̄, λ, queue load, KV utilisation ...)."""
+
+
+class SplitSetRequest(Msg, frozen=True, kw_only=True):
+    """Operator → planner: adopt ``split`` (``xPyD`` or ``collocated``) now."""
+
+    split: str
+    reason: str = "operator"
+
+
+class SplitSetReply(Msg, frozen=True, kw_only=True):
+    """Planner's answer to :class:`SplitSetRequest`."""
+
+    ok: bool
+    error: str | None = None
+    """Why the split was refused (malformed, wrong node count ...)."""
+    command: SplitCommand | None = None
+    """The new split command (new epoch) when ``ok``."""
+
+
+# --------------------------------------------------------------------------- #
 # work.<node>.prefill / work.<node>.decode / work.<node>.abort ; req.<rid>.out
 # --------------------------------------------------------------------------- #
 
@@ -353,6 +463,11 @@ class PrefillWork(Msg, frozen=True, kw_only=True):
     """Node that decodes after prefill; None = decode on this node (collocated)."""
     sent_at: float = 0.0
     epoch: NonNeg = 0
+    fetch: list[FetchRange] = []
+    """Fetch plan chosen by the router (``ttft`` routing): block ranges of the
+    prompt's path to copy from peers' memory while the request waits in this
+    node's queue (paper §4.2, Alg. E.3 l.12). Empty = fetch nothing (the node
+    uses its own cache and recomputes the rest)."""
 
 
 class DecodeWork(Msg, frozen=True, kw_only=True):
@@ -425,6 +540,46 @@ class StatsReply(Msg, frozen=True, kw_only=True):
     instance: str
     counters: dict[str, int] = {}
     gauges: dict[str, float] = {}
+
+
+# --------------------------------------------------------------------------- #
+# planner.models  (planner → router)
+# --------------------------------------------------------------------------- #
+
+
+class NodeModels(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """Iteration-time models of one node as the planner fitted them (paper §5.1).
+
+    A field left unset (None / 0) means "not fitted yet": the consumer keeps
+    what it had (the profile's coefficients at first).
+    """
+
+    node: str
+    prefill: PrefillModel | None = None
+    """Eq. 1 coefficients c0..c3 (s, s/token, s/pair, s/token)."""
+    decode: DecodeModel | None = None
+    """Eq. 2 coefficients and MoE/MTP shape."""
+    mean_chunk_tokens: NonNegF = 0.0
+    """t̄_n: mean uncached tokens per prefill iteration (0 = not measured)."""
+    restored_share: NonNegF = 0.0
+    """f_n: share of cached tokens restored from host memory."""
+    samples: NonNeg = 0
+    """Iteration records the fit used."""
+    source: Literal["profile", "fitted", "peer"] = "fitted"
+    """``fitted``: NNLS on this node's warm-up records; ``peer``: median of the
+    fitted nodes (this node had too few records); ``profile``: the hardware profile."""
+    fit_error: NonNegF = 0.0
+    """Mean relative error of the model on the records it was fitted on (0 = not fitted)."""
+
+
+class PlannerModels(Msg, frozen=True, kw_only=True):
+    """Fitted iteration-time models per node; published by the planner after each
+    fit or remeasurement of t̄_n / f_n (Alg. E.3 l.1, l.15)."""
+
+    models: list[NodeModels] = []
+    fitted_at: float = 0.0
+    frozen: bool = False
+    """True once the warm-up fit is frozen (afterwards only t̄_n and f_n change)."""
 
 
 ENCODER = msgspec.msgpack.Encoder()

@@ -55,6 +55,7 @@ KV_EVENTS = Subject("kv.events.{node}", m.KvEventBatch, doc="worker → director
 KV_RESYNC = Subject("kv.resync.{node}", m.KvResyncRequest, m.KvSnapshot, doc="directory → worker: full snapshot")
 KV_LOOKUP = Subject("kv.lookup", m.KvLookupRequest, m.KvLookupReply, doc="router → directory: prefix lookup")
 KV_COUNTS = Subject("kv.counts.{node}", m.CountUpdates, doc="directory → worker: branch counts")
+KV_POOL = Subject("kv.pool.{node}", m.PoolLocate, m.PoolLocation, doc="worker → worker: locate blocks in a real-bytes host KV pool")
 BRANCH_EVENTS = Subject("branch.events", m.BranchEvent, doc="router → directory: branch start/end")
 ROUTE_PLACED = Subject("route.placed", m.RoutePlaced, doc="router → directory: branch placed on node")
 NODE_STATE = Subject("node.state.{node}", m.NodeState, doc="worker → router, planner: node state")
@@ -62,18 +63,22 @@ NODE_ITERS = Subject("node.iters.{node}", m.IterationRecords, doc="worker → pl
 SPLIT_COMMANDS = Subject("split.commands", m.SplitCommand, doc="planner → workers, router: PD split")
 SPLIT_APPLIED = Subject("split.applied", m.SplitApplied, doc="worker → all: switch progress")
 SPLIT_GET = Subject("split.get", m.SplitQuery, m.SplitCommand, doc="any → planner: current split")
+PLANNER_DECISIONS = Subject("planner.decisions", m.PlannerDecision, doc="planner → all: every planner decision")
+SPLIT_SET = Subject("split.set", m.SplitSetRequest, m.SplitSetReply, doc="operator → planner: adopt a split")
 WORK_PREFILL = Subject("work.{node}.prefill", m.PrefillWork, doc="router → worker: prefill dispatch")
 WORK_DECODE = Subject("work.{node}.decode", m.DecodeWork, doc="prefill worker → decode worker: hand-off")
 WORK_ABORT = Subject("work.{node}.abort", m.RequestAbort, doc="router → worker: abort a request")
 REQ_OUT = Subject("req.{rid}.out", m.TokenChunk, doc="worker → router: token stream")
 SVC_HEARTBEAT = Subject("svc.heartbeat.{service}", m.Heartbeat, doc="any → launcher: liveness")
 SVC_STATS = Subject("svc.stats.{instance}", m.StatsRequest, m.StatsReply, doc="counters of one instance")
+PLANNER_MODELS = Subject("planner.models", m.PlannerModels, doc="planner → router: fitted iteration-time models per node")
 
 ALL: tuple[Subject, ...] = (
     KV_EVENTS,
     KV_RESYNC,
     KV_LOOKUP,
     KV_COUNTS,
+    KV_POOL,
     BRANCH_EVENTS,
     ROUTE_PLACED,
     NODE_STATE,
@@ -87,6 +92,9 @@ ALL: tuple[Subject, ...] = (
     REQ_OUT,
     SVC_HEARTBEAT,
     SVC_STATS,
+    PLANNER_MODELS,
+    PLANNER_DECISIONS,
+    SPLIT_SET,
 )
 
 

@@ -1,0 +1,374 @@
+"""``HostKvBuffer``: one host memory region cut into fixed-size block slots (the sans-IO core).
+
+The buffer is a single ``numpy.uint8`` array of ``num_slots * slot_bytes``
+bytes; the shell registers it once with Mooncake's transfer engine so peers
+can read any slot by address. This class only does bookkeeping and memory
+writes: it never does network I/O, never reads a clock (callers pass ``now``,
+wall seconds from a monotonic clock, because leases protect real transfers)
+and never logs.
+
+Slot states (every slot is in exactly one)::
+
+    free ──put / reserve──▶ held / pending
+    pending ──commit──▶ held        pending ──abort──▶ free
+    held ──evict──▶ free            (no lease left)
+    held ──evict──▶ released ──lease ends (next allocation)──▶ free
+
+* **held**: committed block, visible to ``has``/``locate``; its CRC-32 is kept.
+* **pending**: reserved for a block being fetched from a peer; written by the
+  transfer, invisible until ``commit`` (after the checksum matched).
+* **released**: evicted while a peer may still be reading it (``locate``
+  granted a lease); reused only after the lease ends, so a peer never reads a
+  slot that was rewritten under it within its lease. A read after the lease is
+  caught by the checksum.
+
+Operations (n = blocks in the call):
+
+| operation | cost |
+|---|---|
+| ``put`` | O(slot_bytes) write + CRC (synthetic payload: + generation) |
+| ``evict``, ``has``, ``reserve``, ``abort`` | O(1) (+ O(log r) when a lease is pending, r = released slots) |
+| ``commit`` | O(1) |
+| ``locate``, ``apply_kv_events`` | O(n) (+ a put's cost per stored block) |
+| ``check`` | O(num_slots) |
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterable
+from typing import Literal
+
+import numpy as np
+
+from services.worker.kvpool.payload import checksum, fill_payload
+
+PayloadKind = Literal["synthetic", "external"]
+
+DEFAULT_CPU_SLOT_BYTES = 64 * 1024
+"""Default bytes per block slot for CPU runs (tests, demo, sim workers).
+
+A real GLM-5.2 block (64 tokens × 54.6 KB, ``shared/profiles/gb300-glm52.toml``)
+is 3,494,400 B; a node's whole L2 at that size does not fit a CPU test box,
+so CPU runs use 64 KiB slots unless ``slot_bytes`` is given (the benchmark uses
+the real block size)."""
+
+MIN_SLOT_BYTES = 64
+
+
+class PoolFull(RuntimeError):
+    """No free slot: every slot is held, pending, or released but still leased."""
+
+
+class HostKvBuffer:
+    """Fixed-size block slots in one contiguous host buffer, keyed by block hash.
+
+    Args:
+        num_slots: number of block slots (≥ 1).
+        slot_bytes: bytes per slot (≥ 64); every block occupies one whole slot.
+        payload: ``synthetic`` — ``put(h)`` writes the hash-derived payload of
+            ``payload.fill_payload`` (any node can recompute it);
+            ``external`` — ``put(h, data)`` copies the caller's bytes (real KV).
+
+    Raises:
+        ValueError: on a non-positive size or an unknown payload kind.
+    """
+
+    def __init__(self, num_slots: int, slot_bytes: int, *, payload: PayloadKind = "synthetic") -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if slot_bytes < MIN_SLOT_BYTES:
+            raise ValueError(f"slot_bytes must be >= {MIN_SLOT_BYTES}, got {slot_bytes}")
+        if payload not in ("synthetic", "external"):
+            raise ValueError(f"payload must be 'synthetic' or 'external', got {payload!r}")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.payload: PayloadKind = payload
+        self.memory = np.zeros(num_slots * slot_bytes, dtype=np.uint8)
+        """The region to register with the transfer engine (never reallocated)."""
+        self._slot_of: dict[int, int] = {}
+        self._pending: dict[int, int] = {}
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._released: list[tuple[float, int]] = []  # heap of (lease end, slot)
+        self._checksum = np.zeros(num_slots, dtype=np.uint32)
+        self._lease_until = np.zeros(num_slots, dtype=np.float64)
+        self.counters: Counter[str] = Counter()
+
+    # -- geometry --------------------------------------------------------- #
+
+    @property
+    def base_addr(self) -> int:
+        """Virtual address of slot 0 in this process (what peers read relative to)."""
+        return int(self.memory.ctypes.data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.memory.nbytes)
+
+    def slot_view(self, slot: int) -> np.ndarray:
+        """The ``slot_bytes`` bytes of ``slot`` (a writable view)."""
+        start = slot * self.slot_bytes
+        return self.memory[start : start + self.slot_bytes]
+
+    # -- queries ---------------------------------------------------------- #
+
+    def has(self, block_hash: int) -> bool:
+        """True if the block is held (committed); pending fetches do not count."""
+        return block_hash in self._slot_of
+
+    def slot(self, block_hash: int) -> int | None:
+        """Slot index of a held block, or None."""
+        return self._slot_of.get(block_hash)
+
+    def view(self, block_hash: int) -> np.ndarray:
+        """The held block's bytes (a writable view of its slot).
+
+        Raises:
+            KeyError: if the block is not held.
+        """
+        return self.slot_view(self._slot_of[block_hash])
+
+    def stored_checksum(self, block_hash: int) -> int:
+        """CRC-32 recorded when the block was put or committed.
+
+        Raises:
+            KeyError: if the block is not held.
+        """
+        return int(self._checksum[self._slot_of[block_hash]])
+
+    def verify(self, block_hash: int) -> bool:
+        """Recompute the held block's CRC-32 and compare with the recorded one.
+
+        Raises:
+            KeyError: if the block is not held.
+        """
+        slot = self._slot_of[block_hash]
+        return checksum(self.slot_view(slot)) == int(self._checksum[slot])
+
+    def hashes(self) -> list[int]:
+        """Held block hashes (in insertion order)."""
+        return list(self._slot_of)
+
+    @property
+    def held(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def free(self) -> int:
+        """Slots immediately allocatable, not counting released slots whose lease ended."""
+        return len(self._free)
+
+    @property
+    def released(self) -> int:
+        return len(self._released)
+
+    # -- writes ----------------------------------------------------------- #
+
+    def put(self, block_hash: int, now: float, data: bytes | bytearray | memoryview | np.ndarray | None = None) -> int:
+        """Store a block (the node now holds it in L2) and return its slot.
+
+        ``synthetic`` buffers take no ``data`` and write the hash-derived
+        payload; ``external`` buffers copy ``data`` (at most ``slot_bytes``
+        bytes, the rest of the slot is zeroed). The CRC-32 of the whole slot is
+        recorded. A block already held is left as it is (counted ``put_existing``).
+
+        Raises:
+            PoolFull: no slot can be allocated at ``now``.
+            ValueError: ``data`` given to a synthetic buffer, missing for an
+                external one, or longer than ``slot_bytes``.
+        """
+        if self.payload == "synthetic" and data is not None:
+            raise ValueError("a synthetic buffer generates its payload from the hash: put(h, now) takes no data")
+        if self.payload == "external" and data is None:
+            raise ValueError("an external buffer needs the block's bytes: put(h, now, data)")
+        existing = self._slot_of.get(block_hash)
+        if existing is not None:
+            self.counters["put_existing"] += 1
+            return existing
+        src = None
+        if data is not None:
+            src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+            if src.shape[0] > self.slot_bytes:
+                raise ValueError(f"block data is {src.shape[0]} B, larger than the {self.slot_bytes} B slot")
+        slot = self._alloc(now)
+        view = self.slot_view(slot)
+        if src is None:
+            fill_payload(view, block_hash)
+        else:
+            view[: src.shape[0]] = src
+            view[src.shape[0] :] = 0
+        self._checksum[slot] = checksum(view)
+        self._slot_of[block_hash] = slot
+        self.counters["put"] += 1
+        return slot
+
+    def evict(self, block_hash: int, now: float) -> bool:
+        """Drop a held block (the node evicted it from L2). False if it was not held.
+
+        The slot is free at once unless a peer holds a lease on it; then it is
+        reused only after the lease ends.
+        """
+        slot = self._slot_of.pop(block_hash, None)
+        if slot is None:
+            return False
+        self.counters["evict"] += 1
+        if self._lease_until[slot] > now:
+            heapq.heappush(self._released, (float(self._lease_until[slot]), slot))
+            self.counters["evict_leased"] += 1
+        else:
+            self._free.append(slot)
+        return True
+
+    def clear(self, now: float) -> int:
+        """Evict every held block (AllBlocksCleared of the host tier); returns how many."""
+        hashes = list(self._slot_of)
+        for h in hashes:
+            self.evict(h, now)
+        return len(hashes)
+
+    def apply_kv_events(self, events: Iterable[object], now: float) -> int:
+        """Mirror the host tier of a worker's KV events (``shared.messages`` ``KvEvent``s,
+        e.g. ``EngineScheduler.take_kv_events()``): ``BlockStored(tier="host")`` →
+        put (synthetic buffers only), ``BlockRemoved(tier="host")`` → evict,
+        ``AllBlocksCleared`` of the host tier or of every tier → clear. GPU
+        events are ignored. A put that finds no free slot is counted
+        (``put_full``) and skipped. Returns the number of blocks put or evicted.
+
+        Raises:
+            ValueError: for an external buffer (its payloads come from the engine, not from events).
+        """
+        from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored
+
+        if self.payload != "synthetic":
+            raise ValueError("only a synthetic buffer can follow KV events (an external one needs the bytes)")
+        changed = 0
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                if ev.tier != "host":
+                    continue
+                for h in ev.block_hashes:
+                    if h in self._slot_of:
+                        continue
+                    try:
+                        self.put(h, now)
+                        changed += 1
+                    except PoolFull:
+                        self.counters["put_full"] += 1
+            elif isinstance(ev, BlockRemoved):
+                if ev.tier == "host":
+                    changed += sum(self.evict(h, now) for h in ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                if ev.tier in (None, "host"):
+                    changed += self.clear(now)
+        return changed
+
+    # -- peer side: what a holder answers --------------------------------- #
+
+    def locate(self, hashes: Iterable[int], now: float, lease_s: float) -> list[tuple[int, int] | None]:
+        """For each hash, ``(byte offset from base_addr, CRC-32)`` if held, else None.
+
+        Every located slot gets a lease until ``now + lease_s``: if it is
+        evicted before then, it is not reused until the lease ends.
+        """
+        out: list[tuple[int, int] | None] = []
+        until = now + max(0.0, lease_s)
+        for h in hashes:
+            slot = self._slot_of.get(h)
+            if slot is None:
+                out.append(None)
+                self.counters["locate_miss"] += 1
+                continue
+            if self._lease_until[slot] < until:
+                self._lease_until[slot] = until
+            out.append((slot * self.slot_bytes, int(self._checksum[slot])))
+            self.counters["locate_hit"] += 1
+        return out
+
+    # -- puller side: slots for incoming blocks ---------------------------- #
+
+    def reserve(self, block_hash: int, now: float) -> int | None:
+        """Reserve a slot for a block about to be fetched; None if the block is
+        already held or already being fetched.
+
+        Raises:
+            PoolFull: no slot can be allocated at ``now``.
+        """
+        if block_hash in self._slot_of or block_hash in self._pending:
+            return None
+        slot = self._alloc(now)
+        self._pending[block_hash] = slot
+        return slot
+
+    def commit(self, block_hash: int, crc: int) -> bool:
+        """Make a fetched block held, recording its verified CRC-32.
+
+        Returns False (and frees the reserved slot) if the block became held
+        meanwhile through ``put``: the local copy wins.
+
+        Raises:
+            KeyError: if the block was not reserved.
+        """
+        slot = self._pending.pop(block_hash)
+        if block_hash in self._slot_of:
+            self._free.append(slot)
+            self.counters["commit_superseded"] += 1
+            return False
+        self._checksum[slot] = crc & 0xFFFF_FFFF
+        self._lease_until[slot] = 0.0
+        self._slot_of[block_hash] = slot
+        self.counters["commit"] += 1
+        return True
+
+    def abort(self, block_hash: int) -> None:
+        """Give back the slot reserved for a block whose fetch failed or did not verify.
+
+        Raises:
+            KeyError: if the block was not reserved.
+        """
+        slot = self._pending.pop(block_hash)
+        self._free.append(slot)
+        self.counters["abort"] += 1
+
+    def pending_slot(self, block_hash: int) -> int:
+        """Slot reserved for a block being fetched.
+
+        Raises:
+            KeyError: if the block was not reserved.
+        """
+        return self._pending[block_hash]
+
+    # -- internals -------------------------------------------------------- #
+
+    def _alloc(self, now: float) -> int:
+        while self._released and self._released[0][0] <= now:
+            _, slot = heapq.heappop(self._released)
+            self._free.append(slot)
+        if not self._free:
+            self.counters["pool_full"] += 1
+            msg = f"all {self.num_slots} slots in use ({len(self._slot_of)} held, {len(self._pending)} pending"
+            if self._released:
+                msg += f", {len(self._released)} evicted but leased until >= {self._released[0][0]:.3f}"
+            raise PoolFull(msg + ")")
+        return self._free.pop()
+
+    def check(self) -> None:
+        """Verify the slot partition invariant (every slot in exactly one state).
+
+        Raises:
+            AssertionError: on a violation.
+        """
+        seen: list[int] = list(self._slot_of.values()) + list(self._pending.values()) + self._free + [
+            s for _, s in self._released
+        ]
+        assert len(seen) == self.num_slots, f"{len(seen)} slots accounted for, {self.num_slots} exist"
+        assert sorted(seen) == list(range(self.num_slots)), "a slot is in two states or missing"
+
+    def occupancy(self) -> dict[str, int]:
+        """Slots per state: held, pending, free, released."""
+        return {"held": self.held, "pending": self.pending, "free": self.free, "released": self.released}
+

@@ -1,0 +1,414 @@
+"""``HostKvPool``: a node's real-bytes L2 pool — registered slots, ``kv.pool.<node>`` server, Mooncake pulls.
+
+The asyncio shell around :class:`~services.worker.kvpool.buffer.HostKvBuffer`.
+It registers the buffer with this process's Mooncake transfer engine, answers
+``kv.pool.<node>`` (``PoolLocate → PoolLocation``) so peers learn the session,
+base address and slot of each block, and pulls blocks from peers::
+
+    puller                              holder (node h)
+      │ PoolLocate(hashes, lease_s) ─────▶ buffer.locate(): offsets, CRC-32s, lease
+      │ ◀──── PoolLocation(session, base_addr, slot_bytes, offsets, checksums)
+      │ buffer.reserve() a local slot per located block
+      │ Mooncake batch_transfer_sync_read(session, local slots, base_addr + offsets)   [thread]
+      │ CRC-32 of every landed slot == advertised (and, synthetic payloads,
+      │   == the CRC this node computes from the hash itself)                         [thread]
+      │ commit() verified blocks; abort() the rest → FetchResult
+
+What to fetch is the engine's decision (the router's fetch plan, DESIGN §4);
+this class only moves and verifies bytes. A block whose checksum does not
+match is counted (``fetch_mismatch``), its slot freed, and it is reported
+missing: it is never used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from nats.aio.subscription import Subscription
+
+from services.worker.kvpool.buffer import DEFAULT_CPU_SLOT_BYTES, HostKvBuffer, PayloadKind, PoolFull
+from services.worker.kvpool.fetchcore import cancel_plan, plan_fetch, settle_fetch
+from services.worker.kvpool.payload import CHECKSUM_ALGO, checksum, expected_checksum
+from services.worker.kvpool.transport import MooncakeEndpoint
+from shared import messages as m
+from shared.bus import Bus, BusError
+from shared.subjects import KV_POOL, check_token
+
+MAX_LOCATE_BLOCKS = 4096
+"""Most hashes per PoolLocate (≈ 40 KB of msgpack each way); fetch splits longer lists."""
+MAX_LEASE_S = 60.0
+"""Longest lease a holder grants, whatever a peer asks."""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """Outcome of :meth:`HostKvPool.fetch`. Hash lists keep the request order.
+
+    Attributes:
+        peer: node fetched from.
+        requested: distinct hashes asked for.
+        fetched: blocks now held locally, each checksum-verified.
+        already: blocks that were held locally already (not transferred).
+        missing: blocks not obtained: the peer lacks them, no local slot was
+            free, the transfer failed, or their checksum did not match.
+        mismatched: the subset of ``missing`` whose bytes failed the checksum.
+        bytes: bytes the transfer engine moved (fetched + mismatched blocks).
+        seconds: wall time of the whole call (locate + transfer + verify).
+        locate_s, transfer_s, verify_s: its parts (wall seconds).
+        error: why nothing was fetched (peer unreachable, refused, incompatible); None otherwise.
+    """
+
+    peer: str
+    requested: int
+    fetched: tuple[int, ...] = ()
+    already: tuple[int, ...] = ()
+    missing: tuple[int, ...] = ()
+    mismatched: tuple[int, ...] = ()
+    bytes: int = 0
+    seconds: float = 0.0
+    locate_s: float = 0.0
+    transfer_s: float = 0.0
+    verify_s: float = 0.0
+    error: str | None = None
+    reasons: dict[str, int] = field(default_factory=dict)
+    """Missing blocks per reason: ``not_held``, ``no_room``, ``busy``, ``transfer``, ``mismatch``, ``error``."""
+
+    @property
+    def verified(self) -> bool:
+        """True when no transferred block failed its checksum (every fetched block is verified)."""
+        return not self.mismatched and self.error is None
+
+    @property
+    def transfer_gbps(self) -> float:
+        """Transfer-engine throughput of this fetch, GB/s (10^9 B/s); 0 when nothing moved."""
+        return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
+
+
+class HostKvPool:
+    """Real-bytes host KV pool of one node (issue 6 part 2).
+
+    Args:
+        node: this node's id (one NATS token); it answers ``kv.pool.<node>``.
+        bus: the node's bus (a worker passes its own).
+        num_slots: block slots (a worker: its profile's ``host_blocks``, so
+            the pool mirrors L2 exactly).
+        slot_bytes: bytes per block; default 64 KiB for CPU runs
+            (``DEFAULT_CPU_SLOT_BYTES``), ``block_size × kv_bytes_per_token``
+            for full-size blocks (3,494,400 B for GLM-5.2 at 64 tokens).
+        payload: ``synthetic`` (hash-derived bytes) or ``external`` (real KV).
+        host: address peers reach this process on (its Mooncake session host).
+        lease_s: lease asked of holders per fetch (wall seconds).
+        locate_timeout_s: NATS request timeout of PoolLocate.
+        verify_identity: with synthetic payloads, also check each fetched
+            block against the CRC this node computes from the hash (catches a
+            holder storing wrong bytes under a hash), not only against the
+            holder's advertised CRC.
+        endpoint: an existing :class:`MooncakeEndpoint` (one per process).
+        clock: wall clock for leases (monotonic seconds).
+
+    Raises:
+        MooncakeUnavailable: Mooncake is not installed (names the install script).
+        TransferError: the transfer engine failed to start or register the buffer.
+        ValueError: bad node id or sizes.
+    """
+
+    def __init__(
+        self,
+        node: str,
+        bus: Bus,
+        *,
+        num_slots: int,
+        slot_bytes: int = DEFAULT_CPU_SLOT_BYTES,
+        payload: PayloadKind = "synthetic",
+        host: str = "127.0.0.1",
+        lease_s: float = 5.0,
+        locate_timeout_s: float = 2.0,
+        verify_identity: bool = True,
+        endpoint: MooncakeEndpoint | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node = check_token(node, "node")
+        self.bus = bus
+        self.buffer = HostKvBuffer(num_slots, slot_bytes, payload=payload)
+        self.endpoint = endpoint if endpoint is not None else MooncakeEndpoint(host=host)
+        self.endpoint.register(self.buffer.memory)
+        self.lease_s = lease_s
+        self.locate_timeout_s = locate_timeout_s
+        self.verify_identity = verify_identity and payload == "synthetic"
+        self.clock = clock
+        self.counters = self.buffer.counters
+        self._sub: Subscription | None = None
+        self._expected: dict[int, int] = {}
+
+    # -- lifecycle -------------------------------------------------------- #
+
+    @property
+    def session(self) -> str:
+        """Mooncake session id peers read from (``host:rpc_port``)."""
+        return self.endpoint.session
+
+    async def start(self) -> None:
+        """Answer ``kv.pool.<node>``."""
+        self._sub = await self.bus.serve(KV_POOL, self._on_locate, node=self.node)
+
+    async def stop(self) -> None:
+        """Stop answering and unregister the buffer (in-flight pulls by peers then fail cleanly)."""
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # connection already closed: nothing left to stop
+                pass
+            self._sub = None
+        self.endpoint.unregister(self.buffer.base_addr)
+
+    def ready(self) -> bool:
+        return self._sub is not None
+
+    # -- residency (what the worker's L2 holds) --------------------------- #
+
+    def put(self, block_hash: int, data: bytes | memoryview | None = None) -> bool:
+        """The node now holds ``block_hash`` in L2: give it a slot and its payload.
+
+        Returns False (counted ``put_full``) when no slot is free: the block
+        then simply is not in the pool (peers asking for it are told so).
+
+        Raises:
+            ValueError: ``data`` does not fit the pool's payload kind or slot size.
+        """
+        try:
+            self.buffer.put(block_hash, self.clock(), data)
+        except PoolFull:
+            self.counters["put_full"] += 1
+            return False
+        if self.verify_identity:
+            self._remember_expected(block_hash, self.buffer.stored_checksum(block_hash))
+        return True
+
+    def evict(self, block_hash: int) -> bool:
+        """The node dropped ``block_hash`` from L2. False if the pool did not hold it."""
+        return self.buffer.evict(block_hash, self.clock())
+
+    def has(self, block_hash: int) -> bool:
+        return self.buffer.has(block_hash)
+
+    def apply_kv_events(self, events: Iterable[m.BlockStored | m.BlockRemoved | m.AllBlocksCleared]) -> int:
+        """Mirror the host tier of a worker's KV events (``EngineScheduler.take_kv_events()``):
+        ``BlockStored(tier=host)`` → put, ``BlockRemoved(tier=host)`` → evict,
+        ``AllBlocksCleared`` of the host tier (or of every tier) → clear; GPU
+        events are ignored (:meth:`HostKvBuffer.apply_kv_events`). Returns the
+        number of blocks changed. Synthetic pools only.
+
+        Raises:
+            ValueError: for an external-payload pool.
+        """
+        return self.buffer.apply_kv_events(events, self.clock())
+
+    # -- holder side ------------------------------------------------------ #
+
+    async def _on_locate(self, req: m.PoolLocate, _subject: str) -> m.PoolLocation:
+        base = dict(
+            node=self.node,
+            session=self.session,
+            protocol=self.endpoint.protocol,
+            base_addr=self.buffer.base_addr,
+            slot_bytes=self.buffer.slot_bytes,
+            checksum_algo=CHECKSUM_ALGO,
+            payload=self.buffer.payload,
+        )
+        if req.node != self.node:
+            self.counters["locate_refused"] += 1
+            return m.PoolLocation(**base, error=f"this is node {self.node!r}, not {req.node!r}")
+        if len(req.block_hashes) > MAX_LOCATE_BLOCKS:
+            self.counters["locate_refused"] += 1
+            return m.PoolLocation(**base, error=f"{len(req.block_hashes)} hashes > {MAX_LOCATE_BLOCKS} per request")
+        self.counters["locate"] += 1
+        locs = self.buffer.locate(req.block_hashes, self.clock(), min(req.lease_s, MAX_LEASE_S))
+        return m.PoolLocation(
+            **base,
+            block_hashes=list(req.block_hashes),
+            offsets=[-1 if loc is None else loc[0] for loc in locs],
+            checksums=[0 if loc is None else loc[1] for loc in locs],
+        )
+
+    # -- puller side ------------------------------------------------------ #
+
+    async def locate(self, peer: str, hashes: Sequence[int]) -> m.PoolLocation:
+        """Ask ``peer`` where it holds ``hashes`` (one request per 4096 hashes, merged).
+
+        Raises:
+            BusError: no (decodable) reply in time.
+            ValueError: the peer refused or sent an inconsistent answer.
+        """
+        replies: list[m.PoolLocation] = []
+        for i in range(0, max(1, len(hashes)), MAX_LOCATE_BLOCKS):
+            chunk = list(hashes[i : i + MAX_LOCATE_BLOCKS])
+            rep = await self.bus.request(
+                KV_POOL,
+                m.PoolLocate(node=peer, block_hashes=chunk, lease_s=self.lease_s),
+                timeout=self.locate_timeout_s,
+                node=peer,
+            )
+            if rep.error:
+                raise ValueError(f"peer {peer} refused: {rep.error}")
+            if rep.block_hashes != chunk or len(rep.offsets) != len(chunk) or len(rep.checksums) != len(chunk):
+                raise ValueError(f"peer {peer} answered for other blocks or with ragged lists")
+            if replies and (rep.session, rep.base_addr, rep.slot_bytes) != (
+                replies[0].session,
+                replies[0].base_addr,
+                replies[0].slot_bytes,
+            ):
+                raise ValueError(f"peer {peer} changed its transfer endpoint between requests")
+            replies.append(rep)
+        first = replies[0]
+        if len(replies) == 1:
+            return first
+        return m.PoolLocation(
+            node=first.node,
+            session=first.session,
+            protocol=first.protocol,
+            base_addr=first.base_addr,
+            slot_bytes=first.slot_bytes,
+            block_hashes=[h for r in replies for h in r.block_hashes],
+            offsets=[o for r in replies for o in r.offsets],
+            checksums=[c for r in replies for c in r.checksums],
+            checksum_algo=first.checksum_algo,
+            payload=first.payload,
+        )
+
+    def _incompatible(self, loc: m.PoolLocation) -> str | None:
+        if not loc.session:
+            return "peer has no transfer endpoint"
+        if loc.protocol != self.endpoint.protocol:
+            return f"peer transport {loc.protocol!r} != ours {self.endpoint.protocol!r}"
+        if loc.slot_bytes != self.buffer.slot_bytes:
+            return f"peer slot_bytes {loc.slot_bytes} != ours {self.buffer.slot_bytes}"
+        if loc.checksum_algo != CHECKSUM_ALGO:
+            return f"peer checksum {loc.checksum_algo!r} != {CHECKSUM_ALGO!r}"
+        if loc.payload != self.buffer.payload:
+            return f"peer payload kind {loc.payload!r} != ours {self.buffer.payload!r}"
+        return None
+
+    async def fetch(self, peer: str, hashes: Sequence[int]) -> FetchResult:
+        """Pull ``hashes`` from ``peer``'s pool into this one, verifying every block.
+
+        Blocks already held here are skipped (``already``). Every transferred
+        block's CRC-32 is checked against the holder's (and, for synthetic
+        payloads with ``verify_identity``, against the one derived from its
+        hash); a mismatch is counted and the block reported missing. Never
+        raises for peer-side problems: they come back in ``error`` / ``missing``.
+
+        Raises:
+            ValueError: ``peer`` is not a valid node id or is this node.
+        """
+        check_token(peer, "peer")
+        if peer == self.node:
+            raise ValueError("a node cannot fetch from itself")
+        t0 = time.perf_counter()
+        uniq = list(dict.fromkeys(hashes))
+        already = [h for h in uniq if self.buffer.has(h)]
+        want = [h for h in uniq if not self.buffer.has(h)]
+        self.counters["fetch_calls"] += 1
+        if not want:
+            return FetchResult(peer=peer, requested=len(uniq), already=tuple(already), seconds=time.perf_counter() - t0)
+
+        def failed(err: str, locate_s: float) -> FetchResult:
+            self.counters["fetch_errors"] += 1
+            self.counters["fetch_missing"] += len(want)
+            return FetchResult(
+                peer=peer,
+                requested=len(uniq),
+                already=tuple(already),
+                missing=tuple(want),
+                seconds=time.perf_counter() - t0,
+                locate_s=locate_s,
+                error=err,
+                reasons={"error": len(want)},
+            )
+
+        try:
+            loc = await self.locate(peer, want)
+        except (BusError, ValueError) as e:
+            return failed(str(e), time.perf_counter() - t0)
+        locate_s = time.perf_counter() - t0
+        bad = self._incompatible(loc)
+        if bad:
+            return failed(bad, locate_s)
+
+        plan = plan_fetch(self.buffer, want, loc.offsets, loc.checksums, self.clock())
+        sb = self.buffer.slot_bytes
+        base, peer_base, session = self.buffer.base_addr, loc.base_addr, loc.session
+        reads = plan.reads
+        identity = self.verify_identity
+        known = {r.block_hash: self._expected[r.block_hash] for r in reads if r.block_hash in self._expected}
+
+        def transfer_and_verify() -> tuple[set[int], list[int], dict[int, int], float, float]:
+            # Runs in a worker thread: Mooncake's sync read and zlib.crc32 release the GIL.
+            t1 = time.perf_counter()
+            local = [base + r.local_slot * sb for r in reads]
+            remote = [peer_base + r.remote_offset for r in reads]
+            failed_idx: set[int] = set()
+            if self.endpoint.read(session, local, remote, [sb] * len(reads)) != 0:
+                # The batch API does not say which transfer failed: retry one by one.
+                for i in range(len(reads)):
+                    if self.endpoint.read_one(session, local[i], remote[i], sb) != 0:
+                        failed_idx.add(i)
+            t2 = time.perf_counter()
+            crcs = [-1 if i in failed_idx else checksum(self.buffer.slot_view(r.local_slot)) for i, r in enumerate(reads)]
+            expected: dict[int, int] = {}
+            if identity:
+                for i, r in enumerate(reads):
+                    if i not in failed_idx:
+                        h = r.block_hash
+                        expected[h] = known[h] if h in known else expected_checksum(h, sb)
+            return failed_idx, crcs, expected, t2 - t1, time.perf_counter() - t2
+
+        failed_idx: set[int] = set()
+        crcs: list[int] = []
+        expected: dict[int, int] = {}
+        transfer_s = verify_s = 0.0
+        if reads:
+            try:
+                failed_idx, crcs, expected, transfer_s, verify_s = await asyncio.to_thread(transfer_and_verify)
+            except BaseException:
+                cancel_plan(self.buffer, plan)
+                raise
+        out = settle_fetch(self.buffer, plan, failed=failed_idx, crcs=crcs, expected=expected if identity else None)
+        if identity:
+            for h in out.fetched:
+                self._remember_expected(h, expected[h])
+        already.extend(out.superseded)  # a local put won the race; the local copy stays
+        order = {h: i for i, h in enumerate(uniq)}
+        return FetchResult(
+            peer=peer,
+            requested=len(uniq),
+            fetched=tuple(out.fetched),
+            already=tuple(sorted(already, key=order.__getitem__)),
+            missing=tuple(sorted(out.missing, key=order.__getitem__)),
+            mismatched=tuple(out.mismatched),
+            bytes=out.bytes_moved,
+            seconds=time.perf_counter() - t0,
+            locate_s=locate_s,
+            transfer_s=transfer_s,
+            verify_s=verify_s,
+            reasons=out.reasons,
+        )
+
+    def _remember_expected(self, block_hash: int, crc: int) -> None:
+        # Bounded memo of hash-derived CRCs (FIFO, at most one entry per slot).
+        if len(self._expected) >= self.buffer.num_slots:
+            self._expected.pop(next(iter(self._expected)))
+        self._expected[block_hash] = crc
+
+    # -- observability ---------------------------------------------------- #
+
+    def stats(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Counters (``kvpool.*``: puts, evictions, locates, fetched blocks/bytes,
+        mismatches ...) and gauges (slot occupancy, pool bytes)."""
+        counters = {f"kvpool.{k}": int(v) for k, v in self.counters.items()}
+        gauges = {f"kvpool.slots_{k}": float(v) for k, v in self.buffer.occupancy().items()}
+        gauges["kvpool.slot_bytes"] = float(self.buffer.slot_bytes)
+        gauges["kvpool.pool_bytes"] = float(self.buffer.nbytes)
+        return counters, gauges
