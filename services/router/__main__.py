@@ -29,12 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(cfg.log_format, cfg.log_level, service="router")
     try:
-        make_policy(
-            cfg.routing,
-            cache_threshold=cfg.cache_threshold,
-            balance_abs_threshold=cfg.balance_abs_threshold,
-            balance_rel_threshold=cfg.balance_rel_threshold,
-        )
+        make_policy(cfg.routing, **cfg.policy_options())  # unknown policy, bad option or profile → exit 2
         tokenizer = load_tokenizer(cfg.tokenizer)
     except (ValueError, TokenizerError) as e:
         print(f"router: {e}", file=sys.stderr)

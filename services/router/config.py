@@ -17,7 +17,46 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     port_file: Annotated[
         str, Meta(description="if set, write the bound HTTP port (decimal, newline) to this file once listening")
     ] = ""
-    routing: Annotated[str, Meta(description="prefill routing policy by name: cache-aware | round-robin")] = "cache-aware"
+    routing: Annotated[
+        str,
+        Meta(
+            description="prefill routing policy by name: ttft (predicted TTFT, paper Eq. 7; the evolving set's) | "
+            "cache-aware (SGLang gateway) | dynamo-kv (Dynamo KV router cost) | round-robin | sticky (branch affinity)"
+        ),
+    ] = "cache-aware"
+    profile: Annotated[
+        str,
+        Meta(description="ttft: hardware/model profile (shared/profiles name or TOML path) whose Eq. 1/2 coefficients "
+             "predict a node until the planner publishes its fitted models"),
+    ] = "gb300-glm52"
+    ttft_chunk_tokens: Annotated[
+        int, Meta(ge=0, description="ttft: prefill tokens per iteration in the replay; 0 = the profile's (8192)")
+    ] = 0
+    ttft_fetch_base_s: Annotated[float, Meta(ge=0, description="ttft: τ(x) fixed part, s (paper: 0.45)")] = 0.45
+    ttft_fetch_per_token_s: Annotated[float, Meta(ge=0, description="ttft: τ(x) per fetched token, s (paper: 1e-6)")] = 1e-6
+    ttft_fetch_min_tokens: Annotated[
+        int, Meta(ge=0, description="ttft: no fetch below this many tokens (recomputed instead; paper: 512)")
+    ] = 512
+    ttft_copy_price_s_per_token: Annotated[
+        float, Meta(ge=0, description="ttft: κ, copy price charged per fetched token, s (the paper gives no value)")
+    ] = 1e-7
+    ttft_state_max_age_s: Annotated[
+        float, Meta(gt=0, description="ttft: simulated seconds after which a node's state is not trusted (paper: 5)")
+    ] = 5.0
+    dynamo_overlap_score_credit: Annotated[
+        float, Meta(ge=0, description="dynamo-kv: credit per block cached in GPU memory (Dynamo default 1.0)")
+    ] = 1.0
+    dynamo_host_cache_hit_weight: Annotated[
+        float, Meta(ge=0, le=1, description="dynamo-kv: credit per block cached in host memory (Dynamo default 0.75)")
+    ] = 0.75
+    dynamo_prefill_load_scale: Annotated[float, Meta(ge=0, description="dynamo-kv: s, weight of the prefill term (Dynamo default 1.0)")] = 1.0
+    dynamo_temperature: Annotated[
+        float, Meta(ge=0, description="dynamo-kv: softmax temperature; 0 = argmin (Dynamo default)")
+    ] = 0.0
+    sticky_ttl_s: Annotated[
+        float, Meta(gt=0, description="sticky: simulated seconds a branch's binding lives after its last request (SGLang gateway: 600)")
+    ] = 600.0
+    seed: Annotated[int, Meta(description="seed of randomized policies (dynamo-kv with temperature > 0)")] = 0
     tokenizer: Annotated[str, Meta(description="sim (built-in, deterministic) or hf:<local path to tokenizer.json or model folder>")] = "sim"
     model: Annotated[str, Meta(description="model name served (GET /v1/models; requests naming another model get 404)")] = "evolving-infra-sim"
     block_size: Annotated[int, Meta(ge=1, description="tokens per KV block; must equal the directory's and the engines'")] = 64
@@ -50,3 +89,25 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     max_body_bytes: Annotated[int, Meta(ge=1024, description="largest accepted HTTP request body (bytes); larger gets 413")] = 64 * 1024 * 1024
     max_id_len: Annotated[int, Meta(ge=1, le=4096, description="longest accepted X-Branch-Id / X-Parent-Branch-Id / X-Agent-Id")] = 256
     max_ended_branches: Annotated[int, Meta(ge=0, description="ended branch ids remembered (duplicate end -> 409)")] = 100_000
+
+    def policy_options(self) -> dict[str, object]:
+        """Every policy knob, for ``make_policy(routing, **options)`` (each policy takes its own)."""
+        return {
+            "cache_threshold": self.cache_threshold,
+            "balance_abs_threshold": self.balance_abs_threshold,
+            "balance_rel_threshold": self.balance_rel_threshold,
+            "block_size": self.block_size,
+            "profile": self.profile,
+            "ttft_chunk_tokens": self.ttft_chunk_tokens,
+            "ttft_fetch_base_s": self.ttft_fetch_base_s,
+            "ttft_fetch_per_token_s": self.ttft_fetch_per_token_s,
+            "ttft_fetch_min_tokens": self.ttft_fetch_min_tokens,
+            "ttft_copy_price_s_per_token": self.ttft_copy_price_s_per_token,
+            "ttft_state_max_age_s": self.ttft_state_max_age_s,
+            "dynamo_overlap_score_credit": self.dynamo_overlap_score_credit,
+            "dynamo_host_cache_hit_weight": self.dynamo_host_cache_hit_weight,
+            "dynamo_prefill_load_scale": self.dynamo_prefill_load_scale,
+            "dynamo_temperature": self.dynamo_temperature,
+            "sticky_ttl_s": self.sticky_ttl_s,
+            "seed": self.seed,
+        }

@@ -13,8 +13,15 @@ One call places one request::
     out = core.route(RouteRequest(...), lookup, now)
     if isinstance(out, NoRoute): answer 503 with out.reason
     else: publish out.placed on route.placed, out.work on work.<out.prefill.node>.prefill
-    core.on_first_token(rid); core.finish(rid)   # from req.<rid>.out
+    core.on_first_token(rid, now, first_token_at=chunk.ts, queue_s=chunk.queue_s)   # first chunk
+    core.finish(rid, now)                        # last chunk, failure or abort
     for f in core.check_fences(now): fail f.rids  # periodic, see next_deadline()
+    core.apply_models(planner_models, now)       # from planner.models
+    core.end_branch(branch_id, now)              # POST /v1/branches/{id}/end
+
+The policy learns everything through its hooks (``RoutingPolicy.on_*``), which
+this core calls; ``core.metrics`` accumulates the TTFT prediction error and
+the per-node queue time at each first token.
 
 The discrete-event simulator drives the same object in virtual time.
 """
@@ -24,8 +31,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.messages import KvLookupReply, NodeState, PrefillWork, RequestAbort, RoutePlaced, SplitCommand
+from shared.messages import KvLookupReply, NodeState, PlannerModels, PrefillWork, RequestAbort, RoutePlaced, SplitCommand
 
+from services.router.metrics import RouteMetrics, TtftSample
 from services.router.nodes import FencedNode, NodeLoad, NodeLoadView
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy
 
@@ -64,6 +72,11 @@ class RouteDecision:
     def decode_node(self) -> str | None:
         return self.decode.node if self.decode is not None else None
 
+    @property
+    def predicted_ttft_s(self) -> float | None:
+        """The policy's predicted TTFT (s from the decision), if it predicts one."""
+        return self.prefill.predicted_ttft_s
+
 
 class RouterCore:
     """Routing core: node view + policy + placement bookkeeping.
@@ -83,12 +96,25 @@ class RouterCore:
         self.policy = policy
         self.block_size = block_size
         self.view = NodeLoadView(fence_after=fence_after)
+        self.metrics = RouteMetrics()
+        self._routed: dict[str, tuple[str, float, float | None]] = {}
+        """rid → (prefill node, decision time, predicted TTFT) until its first token."""
 
     # -- inputs ---------------------------------------------------------- #
 
     def apply_state(self, state: NodeState, now: float) -> bool:
-        """See :meth:`NodeLoadView.apply_state` (True = node let back in)."""
-        return self.view.apply_state(state, now)
+        """See :meth:`NodeLoadView.apply_state` (True = node let back in); the policy sees the state too."""
+        back = self.view.apply_state(state, now)
+        self.policy.on_state(state, now)
+        return back
+
+    def apply_models(self, msg: PlannerModels, now: float) -> int:
+        """The planner's fitted models: handed to the policy (returns nodes whose models changed)."""
+        return self.policy.on_models(msg, now)
+
+    def end_branch(self, branch_id: str, now: float) -> None:
+        """The harness ended ``branch_id`` (the policy may drop its affinity)."""
+        self.policy.on_branch_end(branch_id, now)
 
     def apply_split(self, cmd: SplitCommand) -> bool:
         """See :meth:`NodeLoadView.apply_split` (False = stale epoch, ignored)."""
@@ -126,6 +152,8 @@ class RouterCore:
             if decode is None:  # pragma: no cover - dec is non-empty here
                 return NoRoute(self.view.no_candidate_reason("decode", now))
         self.view.on_dispatch(req.rid, choice.node, decode.node if decode else None)
+        self.policy.on_dispatch(req, choice, decode.node if decode else None, now)
+        self._routed[req.rid] = (choice.node, now, choice.predicted_ttft_s)
         hashes = list(req.block_hashes)
         placed: list[RoutePlaced] = []
         if req.branch_id is not None:
@@ -144,20 +172,48 @@ class RouterCore:
             decode_node=decode.node if decode else None,
             sent_at=now,
             epoch=max(self.view.epoch, 0),
+            fetch=list(choice.fetch),
         )
         return RouteDecision(choice, decode, placed, work, tuple(offered), tuple(dec) if decode else ())
 
     # -- request lifecycle --------------------------------------------------- #
 
-    def on_first_token(self, rid: str) -> None:
-        """First chunk of ``rid`` arrived (its prefill finished)."""
+    def on_first_token(
+        self, rid: str, now: float | None = None, *, first_token_at: float | None = None, queue_s: float | None = None
+    ) -> TtftSample | None:
+        """First chunk of ``rid`` arrived (its prefill finished); idempotent.
+
+        Args:
+            now: arrival time of the chunk (router clock); used as the first-token
+                time when ``first_token_at`` is not given.
+            first_token_at: the worker's time of the first token (``TokenChunk.ts``, > 0).
+            queue_s: the chunk's ``queue_s`` (time queued on the prefill node).
+
+        Returns:
+            The sample accounted in :attr:`metrics` (predicted vs measured TTFT,
+            queue time), or None if ``rid`` is unknown or already had its first token.
+        """
         self.view.on_first_token(rid)
+        info = self._routed.pop(rid, None)
+        if info is None:
+            return None
+        node, decided_at, predicted = info
+        at = first_token_at if first_token_at else now
+        measured = at - decided_at if at is not None else None
+        sample = TtftSample(rid=rid, node=node, predicted_s=predicted, measured_s=measured, queue_s=queue_s)
+        self.metrics.observe(sample)
+        self.policy.on_first_token(rid, at if at is not None else decided_at)
+        return sample
 
-    def finish(self, rid: str) -> tuple[str, str | None] | None:
+    def finish(self, rid: str, now: float | None = None) -> tuple[str, str | None] | None:
         """``rid`` is over (finished, failed); returns its placement or None if unknown."""
-        return self.view.on_finish(rid)
+        self._routed.pop(rid, None)
+        placement = self.view.on_finish(rid)
+        if placement is not None:
+            self.policy.on_finish(rid, now if now is not None else 0.0)
+        return placement
 
-    def abort(self, rid: str, reason: str, *, skip: str | None = None) -> list[tuple[str, RequestAbort]]:
+    def abort(self, rid: str, reason: str, *, skip: str | None = None, now: float | None = None) -> list[tuple[str, RequestAbort]]:
         """Forget ``rid`` and return the ``RequestAbort`` for each node it was on.
 
         Args:
@@ -167,9 +223,11 @@ class RouterCore:
             ``[(node, RequestAbort), ...]`` in placement order (prefill, decode);
             empty if ``rid`` is not in flight.
         """
+        self._routed.pop(rid, None)
         placement = self.view.on_finish(rid)
         if placement is None:
             return []
+        self.policy.on_finish(rid, now if now is not None else 0.0)
         return [(n, RequestAbort(rid=rid, reason=reason)) for n in placement if n is not None and n != skip]
 
     # -- fencing -------------------------------------------------------------- #

@@ -278,7 +278,7 @@ class NodeLoadView:
             if rec.state is None:
                 parts.append(f"{rec.node}: no state reported")
             elif self.is_stale(rec, now):
-                parts.append(f"{rec.node}: fenced (last state {now - (rec.last_seen or now):.1f}s ago)")
+                parts.append(f"{rec.node}: fenced (last state {now - (rec.last_seen if rec.last_seen is not None else now):.1f}s ago)")
             elif not rec.state.accepting:
                 parts.append(f"{rec.node}: not accepting (draining)")
             elif rec.split_phase is not None and rec.split_phase != rec.state.phase:

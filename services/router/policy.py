@@ -7,7 +7,7 @@ same code with ``now`` passed in.
 
 Interface (what the simulator calls)::
 
-    policy = make_policy("cache-aware", cache_threshold=0.3)       # or "round-robin"
+    policy = make_policy("ttft", profile="gb300-glm52")   # or cache-aware, dynamo-kv, round-robin, sticky
     req = RouteRequest(rid="r1", prompt_tokens=4096, block_hashes=hashes, max_tokens=16)
     pre = policy.choose_prefill(req, lookup, view.prefill_candidates(now), now)   # -> PrefillChoice
     dec = policy.choose_decode(req, view.decode_candidates(now), now)             # -> DecodeChoice | None
@@ -21,8 +21,19 @@ mutate the view; the caller records the placement with
 ``NodeLoadView.on_dispatch`` (see :class:`services.router.core.RouterCore`,
 which does all of this in one call).
 
+After a placement the caller tells the policy what happened through its
+hooks (``on_dispatch``, ``on_first_token``, ``on_finish``), and forwards node
+states (``on_state``), branch ends (``on_branch_end``) and the planner's
+fitted models (``on_models``); :class:`~services.router.core.RouterCore` does
+all of this. Policies that keep no state ignore them.
+
 New policies subclass :class:`RoutingPolicy`, set ``name`` and register with
 :func:`register_policy`; the router selects one by name (``--routing``).
+Registered: ``ttft`` (``services/router/ttft.py``, the paper's router),
+``cache-aware``, ``round-robin`` (here), ``dynamo-kv`` and ``sticky``
+(``services/router/baselines.py``). A wrapper that changes one decision
+(e.g. the simulator's round-robin decode binding) subclasses
+:class:`PolicyWrapper`, which forwards every hook to the wrapped policy.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from shared.messages import KvLookupReply
+from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels
 
 from services.router.nodes import NodeLoad
 
@@ -76,6 +87,14 @@ class PrefillChoice:
         match_rate: ``matched_blocks / num_blocks`` (0 when the prompt has no full block).
         loads: load the policy compared, per candidate node.
         matches: per-candidate local prefix (blocks) from the lookup.
+        predicted_ttft_s: the policy's predicted TTFT on ``node`` (s from the
+            decision to the end of the prefill); None for policies that do not
+            predict it.
+        estimates: per-candidate score breakdown, each with ``node`` and
+            ``as_dict()`` (``ttft``: wait, own prefill, exposed fetch, copy
+            price; ``dynamo-kv``: the cost terms); empty when the policy has none.
+        fetch: block ranges ``node`` should fetch from peers while the request
+            waits (sent in ``PrefillWork.fetch``); empty = none.
     """
 
     node: str
@@ -84,6 +103,9 @@ class PrefillChoice:
     match_rate: float = 0.0
     loads: dict[str, int] = field(default_factory=dict)
     matches: dict[str, int] = field(default_factory=dict)
+    predicted_ttft_s: float | None = None
+    estimates: tuple[Any, ...] = ()
+    fetch: tuple[FetchRange, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +175,64 @@ class RoutingPolicy(abc.ABC):
             None when ``candidates`` is empty.
         """
         return least_loaded_decode(candidates)
+
+    # -- hooks (default: no state kept) ----------------------------------- #
+
+    def on_state(self, state: NodeState, now: float) -> None:
+        """A node's :class:`NodeState` arrived (after the node view applied it)."""
+
+    def on_dispatch(self, req: RouteRequest, choice: PrefillChoice, decode_node: str | None, now: float) -> None:
+        """``req`` was placed on ``choice.node`` (and bound to ``decode_node``) and is being sent."""
+
+    def on_first_token(self, rid: str, now: float) -> None:
+        """The first output token of ``rid`` arrived: its prefill is done (called at most once per rid)."""
+
+    def on_finish(self, rid: str, now: float) -> None:
+        """``rid`` is over: finished, failed or aborted (called at most once per rid)."""
+
+    def on_branch_end(self, branch_id: str, now: float) -> None:
+        """The harness ended ``branch_id``."""
+
+    def on_models(self, msg: PlannerModels, now: float) -> int:
+        """The planner published fitted models; returns how many nodes' models changed."""
+        return 0
+
+
+class PolicyWrapper(RoutingPolicy):
+    """A policy that delegates everything to ``inner``; subclass it to override one decision.
+
+    Every hook is forwarded, so a stateful inner policy (``ttft``, ``dynamo-kv``,
+    ``sticky``) keeps seeing node states, dispatches, first tokens and ends.
+    ``name`` is the inner policy's.
+    """
+
+    def __init__(self, inner: RoutingPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
+
+    def choose_prefill(self, req: RouteRequest, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> PrefillChoice:
+        return self.inner.choose_prefill(req, lookup, candidates, now)
+
+    def choose_decode(self, req: RouteRequest, candidates: Sequence[NodeLoad], now: float) -> DecodeChoice | None:
+        return self.inner.choose_decode(req, candidates, now)
+
+    def on_state(self, state: NodeState, now: float) -> None:
+        self.inner.on_state(state, now)
+
+    def on_dispatch(self, req: RouteRequest, choice: PrefillChoice, decode_node: str | None, now: float) -> None:
+        self.inner.on_dispatch(req, choice, decode_node, now)
+
+    def on_first_token(self, rid: str, now: float) -> None:
+        self.inner.on_first_token(rid, now)
+
+    def on_finish(self, rid: str, now: float) -> None:
+        self.inner.on_finish(rid, now)
+
+    def on_branch_end(self, branch_id: str, now: float) -> None:
+        self.inner.on_branch_end(branch_id, now)
+
+    def on_models(self, msg: PlannerModels, now: float) -> int:
+        return self.inner.on_models(msg, now)
 
 
 def _min_load(candidates: Sequence[NodeLoad], loads: dict[str, int]) -> NodeLoad:
@@ -332,5 +412,49 @@ def _cache_aware(**o: Any) -> RoutingPolicy:
     return CacheAwarePolicy(**{k: o[k] for k in keys if k in o})
 
 
+def _ttft(**o: Any) -> RoutingPolicy:
+    from shared.profile import Profile, load_profile
+
+    from services.router.ttft import FetchModel, NodeCoefficients, TtftPolicy, TtftPredictor
+
+    prof = o.get("profile", "gb300-glm52")
+    profile = prof if isinstance(prof, Profile) else load_profile(str(prof))
+    default = NodeCoefficients.from_profile(profile, int(o.get("ttft_chunk_tokens", 0)))
+    fetch = FetchModel(
+        base_s=float(o.get("ttft_fetch_base_s", 0.45)),
+        per_token_s=float(o.get("ttft_fetch_per_token_s", 1e-6)),
+        min_tokens=int(o.get("ttft_fetch_min_tokens", 512)),
+    )
+    predictor = TtftPredictor(
+        default,
+        fetch=fetch,
+        copy_price_s_per_token=float(o.get("ttft_copy_price_s_per_token", 1e-7)),
+        state_max_age_s=float(o.get("ttft_state_max_age_s", 5.0)),
+    )
+    return TtftPolicy(predictor, block_size=int(o.get("block_size", profile.block_size)))
+
+
+def _dynamo_kv(**o: Any) -> RoutingPolicy:
+    from services.router.baselines import DynamoKvPolicy
+
+    return DynamoKvPolicy(
+        block_size=int(o.get("block_size", 64)),
+        overlap_score_credit=float(o.get("dynamo_overlap_score_credit", 1.0)),
+        host_cache_hit_weight=float(o.get("dynamo_host_cache_hit_weight", 0.75)),
+        prefill_load_scale=float(o.get("dynamo_prefill_load_scale", 1.0)),
+        temperature=float(o.get("dynamo_temperature", 0.0)),
+        seed=int(o.get("seed", 0)),
+    )
+
+
+def _sticky(**o: Any) -> RoutingPolicy:
+    from services.router.baselines import StickyPolicy
+
+    return StickyPolicy(ttl_s=float(o.get("sticky_ttl_s", 600.0)))
+
+
 register_policy(CacheAwarePolicy.name, _cache_aware)
 register_policy(RoundRobinPolicy.name, lambda **_o: RoundRobinPolicy())
+register_policy("ttft", _ttft)
+register_policy("dynamo-kv", _dynamo_kv)
+register_policy("sticky", _sticky)

@@ -15,7 +15,7 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 ``POST /v1/branches/{id}/end``         end an agent branch (publishes ``BranchEnd``)
 =====================================  =========================================================
 
-NATS: subscribes ``node.state.*``, ``split.commands`` and (once) ``req.*.out``;
+NATS: subscribes ``node.state.*``, ``split.commands``, ``planner.models`` and (once) ``req.*.out``;
 requests ``split.get`` at start and ``kv.lookup`` per request; publishes
 ``branch.events``, ``route.placed``, ``work.<node>.prefill`` and
 ``work.<node>.abort``.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import socket
@@ -51,7 +52,18 @@ from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.hashing import block_hashes_packed
-from shared.subjects import BRANCH_EVENTS, KV_LOOKUP, NODE_STATE, REQ_OUT, ROUTE_PLACED, SPLIT_COMMANDS, SPLIT_GET, WORK_ABORT, WORK_PREFILL
+from shared.subjects import (
+    BRANCH_EVENTS,
+    KV_LOOKUP,
+    NODE_STATE,
+    PLANNER_MODELS,
+    REQ_OUT,
+    ROUTE_PLACED,
+    SPLIT_COMMANDS,
+    SPLIT_GET,
+    WORK_ABORT,
+    WORK_PREFILL,
+)
 
 from services.router import api
 from services.router.branches import BranchError, BranchTable
@@ -81,6 +93,9 @@ class _Pending:
     decode_node: str | None
     queue: asyncio.Queue[m.TokenChunk | _Failure] = field(default_factory=asyncio.Queue)
     first_seen: bool = False
+    predicted_ttft_s: float | None = None
+    queue_s: float | None = None
+    """``queue_s`` of the first chunk (time queued on the prefill node)."""
     done: bool = False
     """The core no longer counts it (finished, failed or aborted)."""
 
@@ -163,12 +178,7 @@ class RouterService:
         self.bus = bus
         self.clock = clock
         self.log = structlog.get_logger("router").bind(instance=bus.instance)
-        policy = make_policy(
-            cfg.routing,
-            cache_threshold=cfg.cache_threshold,
-            balance_abs_threshold=cfg.balance_abs_threshold,
-            balance_rel_threshold=cfg.balance_rel_threshold,
-        )
+        policy = make_policy(cfg.routing, **cfg.policy_options())
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
         self.core = RouterCore(policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup)
         self.branches = BranchTable(cfg.max_ended_branches)
@@ -199,6 +209,7 @@ class RouterService:
         """
         await self.bus.subscribe(NODE_STATE, self._on_state)
         await self.bus.subscribe(SPLIT_COMMANDS, self._on_split)
+        await self.bus.subscribe(PLANNER_MODELS, self._on_models)
         await self.bus.subscribe(REQ_OUT, self._on_chunk)
         self._tasks.append(asyncio.create_task(self._fetch_split(), name="router-split-get"))
         self._tasks.append(asyncio.create_task(self._fence_loop(), name="router-fence"))
@@ -298,7 +309,11 @@ class RouterService:
             "branches_active": float(self.branches.active_count),
             "http_port": float(self.port or 0),
         }
-        return dict(self.counters), gauges
+        counters = dict(self.counters)
+        mc, mg = self.core.metrics.export()
+        counters.update(mc)
+        gauges.update(mg)
+        return counters, gauges
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run a publish in the background (used where awaiting is not possible, e.g. under cancellation)."""
@@ -355,22 +370,43 @@ class RouterService:
         self.counters["splits_applied"] += 1
         self.log.info("split applied", source=source, epoch=cmd.epoch, phases=dict(cmd.phases), reason=cmd.reason)
 
+    async def _on_models(self, msg: m.PlannerModels, _subject: str) -> None:
+        changed = self.core.apply_models(msg, self.clock.now())
+        self.counters["models_received"] += 1
+        if changed:
+            self.counters["models_applied"] += 1
+            self.log.info("planner models applied", nodes=changed, fitted_at=msg.fitted_at, frozen=msg.frozen)
+
     async def _on_chunk(self, chunk: m.TokenChunk, _subject: str) -> None:
         p = self._pending.get(chunk.rid)
         if p is None:
             self.counters["chunks_unknown_rid"] += 1
             return
+        now = self.clock.now()
+        failed = chunk.finish_reason in ("error", "abort")
         if not p.first_seen:
             p.first_seen = True
-            self.core.on_first_token(chunk.rid)
+            p.queue_s = chunk.queue_s
+            if not failed:
+                sample = self.core.on_first_token(chunk.rid, now, first_token_at=chunk.ts or None, queue_s=chunk.queue_s)
+                if sample is not None and sample.error_s is not None:
+                    self.log.debug(
+                        "first token",
+                        rid=chunk.rid,
+                        prefill=sample.node,
+                        predicted_ttft_s=round(sample.predicted_s or 0.0, 6),
+                        measured_ttft_s=round(sample.measured_s or 0.0, 6),
+                        error_s=round(sample.error_s, 6),
+                        queue_s=chunk.queue_s,
+                    )
         if chunk.finished and not p.done:
             p.done = True
-            if chunk.finish_reason in ("error", "abort"):
+            if failed:
                 self.counters[f"finish.{chunk.finish_reason}"] += 1
-                for node, msg in self.core.abort(chunk.rid, f"{chunk.finish_reason} on {chunk.node}", skip=chunk.node):
+                for node, msg in self.core.abort(chunk.rid, f"{chunk.finish_reason} on {chunk.node}", skip=chunk.node, now=now):
                     await self.bus.publish(WORK_ABORT, msg, node=node)
             else:
-                self.core.finish(chunk.rid)
+                self.core.finish(chunk.rid, now)
         p.queue.put_nowait(chunk)
 
     async def _fetch_split(self) -> None:
@@ -426,7 +462,7 @@ class RouterService:
                 self._abandon(p, reason, "fenced")
                 p.queue.put_nowait(_Failure(503, reason))
             else:
-                for n, msg in self.core.abort(rid, reason):
+                for n, msg in self.core.abort(rid, reason, now=self.clock.now()):
                     self._spawn(self.bus.publish(WORK_ABORT, msg, node=n))
             self.counters["fenced_requests_failed"] += 1
 
@@ -435,7 +471,7 @@ class RouterService:
         if p.done:
             return
         p.done = True
-        aborts = self.core.abort(p.rid, reason)
+        aborts = self.core.abort(p.rid, reason, now=self.clock.now())
         if aborts:
             self.counters["aborts"] += 1
             self.counters[f"aborts.{why}"] += 1
@@ -515,6 +551,7 @@ class RouterService:
         except BranchError as e:
             return self._error(e.status, e.reason)
         await self.bus.publish(BRANCH_EVENTS, end)
+        self.core.end_branch(branch_id, self.clock.now())
         self.counters["branches_ended"] += 1
         return self._json({"branch_id": branch_id, "ended": True})
 
@@ -689,7 +726,7 @@ class RouterService:
             self.log.warning("no route", rid=rid, reason=out.reason)
             return self._error(503, out.reason)
         self._log_route(rreq, out, lookup_status)
-        p = _Pending(rid=rid, prefill_node=out.prefill.node, decode_node=out.decode_node)
+        p = _Pending(rid=rid, prefill_node=out.prefill.node, decode_node=out.decode_node, predicted_ttft_s=out.predicted_ttft_s)
         self._pending[rid] = p
         try:
             for placed in out.placed:
@@ -745,6 +782,7 @@ class RouterService:
             use = api.usage(prompt_tokens, len(ids), cached)
             model = self.cfg.model
             body = (api.chat_response if chat else api.completion_response)(rid, created, model, text, last.finish_reason, use)
+            body["ei"] = self._ei(p)
             return self._json(body, headers=headers)
         except _ClientGone:
             self._abandon(p, "client disconnected", "client_disconnect")
@@ -770,11 +808,14 @@ class RouterService:
         def sse(obj: Any) -> bytes:
             return b"data: " + _JSON.encode(obj) + b"\n\n"
 
-        def piece(text: str, finish: str | None) -> bytes:
+        def piece_obj(text: str, finish: str | None) -> dict[str, Any]:
             if chat:
                 delta = {"content": text} if text or finish is None else {}
-                return sse(api.chat_chunk(rid, created, model, delta, finish, include_usage))
-            return sse(api.completion_chunk(rid, created, model, text, finish, include_usage))
+                return api.chat_chunk(rid, created, model, delta, finish, include_usage)
+            return api.completion_chunk(rid, created, model, text, finish, include_usage)
+
+        def piece(text: str, finish: str | None) -> bytes:
+            return sse(piece_obj(text, finish))
 
         try:
             if chat:
@@ -795,14 +836,18 @@ class RouterService:
                 text = decoder.push(item.token_ids)
                 if item.finished:
                     text += decoder.flush()
-                    yield piece(text, item.finish_reason or "length")
+                    last = piece_obj(text, item.finish_reason or "length")
+                    last["ei"] = self._ei(p)
+                    yield sse(last)
                     break
                 if text:
                     yield piece(text, None)
                 item = await self._next_item(p, None)
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                yield sse(api.usage_chunk(rid, created, model, obj, api.usage(prompt_tokens, len(decoder.ids), cached)))
+                usage = api.usage_chunk(rid, created, model, obj, api.usage(prompt_tokens, len(decoder.ids), cached))
+                usage["ei"] = self._ei(p)
+                yield sse(usage)
             yield _SSE_DONE
             completed = True
         finally:
@@ -810,7 +855,20 @@ class RouterService:
                 self._abandon(p, "client disconnected", "client_disconnect")
             self._pending.pop(rid, None)
 
+    @staticmethod
+    def _ei(p: _Pending) -> dict[str, Any]:
+        """The ``ei`` object of a response: placement, queue time, predicted TTFT (s)."""
+        return {
+            "prefill_node": p.prefill_node,
+            "decode_node": p.decode_node,
+            "queue_s": p.queue_s,
+            "predicted_ttft_s": None if p.predicted_ttft_s is None else round(p.predicted_ttft_s, 6),
+        }
+
     def _log_route(self, req: RouteRequest, out: RouteDecision, lookup_status: str) -> None:
+        """One structured debug line per routing decision, with every candidate's score breakdown."""
+        if not self.log.is_enabled_for(logging.DEBUG):
+            return
         pre = out.prefill
         self.log.debug(
             "route",
@@ -829,4 +887,7 @@ class RouterService:
             matches=pre.matches,
             loads=pre.loads,
             decode_loads=out.decode.loads if out.decode else {},
+            predicted_ttft_s=None if pre.predicted_ttft_s is None else round(pre.predicted_ttft_s, 6),
+            breakdown={e.node: e.as_dict() for e in pre.estimates},
+            fetch=[(r.node, r.start, r.end, r.tier) for r in pre.fetch],
         )

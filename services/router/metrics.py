@@ -1,0 +1,180 @@
+"""Routing metrics: TTFT prediction error and per-node prefill queue time (sans-IO).
+
+This module contains zero I/O. :class:`RouteMetrics` is fed by
+:class:`~services.router.core.RouterCore` at each request's first token and
+exported by the service's ``stats()`` (``svc.stats.router``); the simulator
+can read the same object.
+
+* **TTFT prediction error**: predicted TTFT (the policy's, from the decision
+  to the end of the prefill) minus the measured one (decision → the first
+  chunk's ``ts`` on the worker), both in simulated seconds. The absolute
+  error goes into a fixed-bucket histogram (Prometheus style: counters
+  ``ttft_pred_abs_err_s.bucket.le_<edge>`` cumulative, ``.count``, gauge
+  ``.sum``); the median / p95 over the last ``window`` samples are gauges.
+* **queue time per prefill node**: ``TokenChunk.queue_s`` of each first
+  chunk (arrival on the node → its first prefill chunk), per node: count,
+  mean, p95 (window), max; and ``prefill_queue_imbalance`` = the largest
+  per-node mean over the mean of the per-node means (paper App. C.3: "the most
+  loaded prefill node queues requests 1.75–1.85× as long as the average
+  node").
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ABS_ERR_EDGES_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Bucket upper bounds (s) of the TTFT prediction error histogram (+Inf implied)."""
+
+QUEUE_EDGES_S: tuple[float, ...] = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+"""Bucket upper bounds (s) of the per-node queue time histograms (+Inf implied)."""
+
+
+def _fmt_edge(x: float) -> str:
+    return f"{x:g}"
+
+
+class Histogram:
+    """Fixed buckets over all samples plus exact quantiles over the last ``window`` samples.
+
+    Args:
+        edges: increasing bucket upper bounds; a sample ``x`` falls in the first
+            bucket with ``x <= edge`` (or the implied +Inf bucket).
+        window: samples kept for quantiles (>= 1).
+
+    Raises:
+        ValueError: if ``edges`` is not strictly increasing or ``window`` < 1.
+    """
+
+    __slots__ = ("edges", "counts", "count", "sum", "max", "recent")
+
+    def __init__(self, edges: Sequence[float], window: int = 10_000) -> None:
+        if any(b <= a for a, b in zip(edges, edges[1:])):
+            raise ValueError("histogram edges must be strictly increasing")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.edges = tuple(edges)
+        self.counts = [0] * (len(self.edges) + 1)
+        self.count = 0
+        self.sum = 0.0
+        self.max = 0.0
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def observe(self, x: float) -> None:
+        """Add one sample (NaN is ignored)."""
+        if math.isnan(x):
+            return
+        self.counts[bisect.bisect_left(self.edges, x)] += 1
+        self.count += 1
+        self.sum += x
+        if x > self.max or self.count == 1:
+            self.max = x
+        self.recent.append(x)
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count else None
+
+    def quantile(self, q: float) -> float | None:
+        """Exact ``q``-quantile (nearest rank, lower median for even counts) of the recent window; None when empty."""
+        if not self.recent:
+            return None
+        xs = sorted(self.recent)
+        i = min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))
+        return xs[i]
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``[(le, cumulative count), ...]`` including ``+Inf``."""
+        out: list[tuple[str, int]] = []
+        acc = 0
+        for edge, c in zip(self.edges, self.counts):
+            acc += c
+            out.append((_fmt_edge(edge), acc))
+        out.append(("inf", acc + self.counts[-1]))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class TtftSample:
+    """One request's first token as the metrics saw it (simulated seconds)."""
+
+    rid: str
+    node: str
+    predicted_s: float | None
+    measured_s: float | None
+    queue_s: float | None
+
+    @property
+    def error_s(self) -> float | None:
+        """predicted − measured (None unless both are known)."""
+        if self.predicted_s is None or self.measured_s is None:
+            return None
+        return self.predicted_s - self.measured_s
+
+
+class RouteMetrics:
+    """TTFT prediction error and per-node queue time.
+
+    Args:
+        window: recent samples kept per histogram for quantiles.
+    """
+
+    def __init__(self, window: int = 10_000) -> None:
+        self.window = window
+        self.ttft_abs_err = Histogram(ABS_ERR_EDGES_S, window)
+        self.ttft_signed_err_sum = 0.0
+        self.ttft_over = 0
+        """Predictions above the measured TTFT."""
+        self.queue: dict[str, Histogram] = {}
+
+    def observe(self, sample: TtftSample) -> None:
+        """Account one first token (missing parts are skipped)."""
+        err = sample.error_s
+        if err is not None:
+            self.ttft_abs_err.observe(abs(err))
+            self.ttft_signed_err_sum += err
+            if err > 0:
+                self.ttft_over += 1
+        if sample.queue_s is not None and sample.queue_s >= 0:
+            h = self.queue.get(sample.node)
+            if h is None:
+                h = self.queue[sample.node] = Histogram(QUEUE_EDGES_S, self.window)
+            h.observe(sample.queue_s)
+
+    def queue_imbalance(self) -> float | None:
+        """Largest per-node mean queue time over the mean of the per-node means (None without samples or all zero)."""
+        means = [h.mean for h in self.queue.values() if h.count]
+        if not means:
+            return None
+        avg = sum(means) / len(means)  # type: ignore[arg-type]
+        if avg <= 0:
+            return None
+        return max(means) / avg  # type: ignore[type-var, operator]
+
+    def export(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Counters and gauges for ``stats()`` (names in the module docstring)."""
+        counters: dict[str, int] = {}
+        gauges: dict[str, float] = {}
+        h = self.ttft_abs_err
+        if h.count:
+            for le, c in h.cumulative():
+                counters[f"ttft_pred_abs_err_s.bucket.le_{le}"] = c
+            counters["ttft_pred_abs_err_s.count"] = h.count
+            counters["ttft_pred_over"] = self.ttft_over
+            gauges["ttft_pred_abs_err_s.sum"] = h.sum
+            gauges["ttft_pred_abs_err_s.median"] = h.quantile(0.5) or 0.0
+            gauges["ttft_pred_abs_err_s.p95"] = h.quantile(0.95) or 0.0
+            gauges["ttft_pred_err_s.mean_signed"] = self.ttft_signed_err_sum / h.count
+        for node, q in sorted(self.queue.items()):
+            counters[f"queue_s.count.{node}"] = q.count
+            gauges[f"queue_s.mean.{node}"] = q.mean or 0.0
+            gauges[f"queue_s.p95.{node}"] = q.quantile(0.95) or 0.0
+            gauges[f"queue_s.max.{node}"] = q.max
+        imb = self.queue_imbalance()
+        if imb is not None:
+            gauges["prefill_queue_imbalance"] = imb
+        return counters, gauges

@@ -1,0 +1,823 @@
+"""TTFT predictor (paper Eq. 3 and 7, Alg. E.3 inner loop) and the ``ttft`` routing policy.
+
+This module contains zero I/O: no asyncio, no NATS, no clock reads, no
+logging. Every call takes ``now`` (simulated seconds on the cluster clock;
+the discrete-event simulator passes virtual time).
+
+For a request r and every prefill candidate n the predictor computes
+
+    T̂_n = Ŵ_n + T_P^req(w_n) + max(0, τ(x_n) − Ŵ_n) + κ·x_n
+
+* **work on n** (Alg. E.3 l.6–7) from the KV directory's lookup, by the rule
+  of :func:`services.kvdirectory.lookup.fetch_plan` (inlined in the loop over
+  candidates for speed and property-tested equal to it; ``fetch_plan`` itself
+  gives the chosen node's ranges): ``t_c,n`` = longest prefix
+  cached on n *or anywhere* (``longest_any``), ``x_n`` = its tokens that only
+  other nodes hold, ``t_uc,n = t_in − t_c,n``. Two engine rules are applied on
+  top: at most ``(t_in − 1) // bs`` blocks come from cache (at least one token
+  is computed, the worker's and vLLM's rule), and a fetch shorter than
+  ``fetch.min_tokens`` (512) is not made: those tokens are recomputed
+  (``τ = 0``, ``x_n = 0``, ``t_c,n`` = the local prefix). Tokens to restore
+  from host memory: ``t_rst = t_c,n − (prefix in n's L1)`` (L2 hits and
+  fetched blocks are loaded into L1 at admission).
+* **wait Ŵ_n**: the remaining time of n's iteration in flight (``remaining_s``
+  of its last :class:`~shared.messages.NodeState`, aged by the state's age)
+  plus the replay of n's queue. The queue is the state's ``queue`` (arrival
+  order) followed by the requests this router sent to n that no state of n has
+  listed yet (de-duplicated by rid: a send is "reported" once a state of n
+  lists its rid, and is forgotten at its first token).
+* **replay** (Alg. E.3: "replaying the chunked prefill iterations of n in
+  arrival order, which also accounts for requests that share an iteration"):
+  queue items are packed FCFS into iterations of ``budget`` tokens
+  (``chunk_tokens`` = 8,192, minus ``ceil(t_fwd)`` per decoding request on a
+  collocated node); an item's chunk in an iteration adds its tokens to Σt_uc,
+  ``A(chunk, cached before the chunk)`` to ΣA and, in its first iteration, its
+  restore tokens to Σt_rst; each iteration lasts Eq. 1 (``+ T_D(B) − min(c0,
+  d0)`` with B decoding requests on a collocated node, one forward pass).
+  Summed over one request's chunks this is exactly Eq. 3 with its real packing
+  in place of the averages: ``c0·(iterations) + c1·t_uc + c2·A(t_uc, t_c) +
+  c3·t_rst`` (ΣA over the chunks equals ``A(t_uc, t_c)``), i.e. Eq. 3 with
+  ``t̄_n = t_uc / ceil(t_uc / budget)`` and ``f_n·t_c = t_rst``; when requests
+  share an iteration they share its ``c0``, which Eq. 3's ``t_uc/t̄_n``
+  approximates on average.
+* **shared first iteration**: the queue's last iteration is usually not full.
+  If the request's fetch is done by the time that iteration starts
+  (``τ(x_n) ≤ Ŵ_share``), the request's first chunk joins it: Ŵ_n is the start
+  of that iteration and T_P^req(w_n) runs from there to the end of the
+  request's last chunk (so it includes the queue tail's tokens in the shared
+  iteration — the first token cannot come before that iteration ends).
+  Otherwise the request cannot join an iteration that launches before its KV
+  has arrived: Ŵ_n is the end of the whole queue, T_P^req(w_n) is the request
+  computed alone and the exposed fetch is ``max(0, τ(x_n) − Ŵ_n)``.
+* **stale state** (older than ``state_max_age_s`` = 5 s by its ``ts``): not
+  trusted. The node is then treated as unknown: its reported queue and
+  remaining time are ignored and the wait is the replay of every request this
+  router sent to n that has not produced its first token (reported or not),
+  from their dispatch-time work — the router's own record. An idle node whose
+  last heartbeat is old is therefore still predicted idle, and a node the
+  router keeps loading is still charged for that load. A node that never
+  reported is treated the same way.
+* **choice**: argmin of T̂_n; candidates within ``tie_eps_s`` of the minimum
+  are ties → the node with the longest prefix of r in its own memory
+  (``local_blocks``), then the smallest node id.
+* **known error sources**: a request arriving later that joins r's last
+  iteration (FCFS fills its leftover budget) lengthens it — at most one
+  iteration, and no prediction made at r's arrival can know it; the engine's
+  ``max_running`` cap and KV-admission stalls are not replayed.
+
+The predicted TTFT carried in the decision is ``Ŵ + T_P^req + exposed fetch``
+(seconds from the decision to the end of the request's prefill; the first
+decode iteration is left out, it is the same on every prefill node); the copy
+price ``κ·x_n`` only enters the score.
+
+Coefficients per node come from the planner's fitted models
+(:class:`~shared.messages.PlannerModels` on ``planner.models``) once one
+names the node, and from the profile until then.
+
+Cost per decision with N candidates: O(N·S) (S = fetch ranges in the lookup,
+usually 1–3), O(1) per node beyond that: each node's queue replay is cached and
+recomputed only when its state, its sends or its coefficients change
+(O(queue) then; an item spanning many full iterations is one closed-form
+step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from shared.itermodel import DecodeModel, PrefillModel, qk_pairs
+from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels, QueuedWork
+from shared.profile import Profile
+
+from services.kvdirectory.lookup import fetch_plan
+from services.router.nodes import NodeLoad
+from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy, decode_load
+
+# --------------------------------------------------------------------------- #
+# parameters
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True, slots=True)
+class FetchModel:
+    """τ(x): time to fetch ``x`` tokens of KV from peers (paper App. E.3).
+
+    ``τ(x) = base_s + per_token_s·x`` for ``x ≥ min_tokens``; below
+    ``min_tokens`` no fetch is made (τ = 0; the tokens are recomputed).
+    Paper values: 0.45 s, 1 µs/token, 512 tokens.
+
+    Raises:
+        ValueError: on a negative parameter.
+    """
+
+    base_s: float = 0.45
+    per_token_s: float = 1e-6
+    min_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.base_s < 0 or self.per_token_s < 0 or self.min_tokens < 0:
+            raise ValueError(f"fetch model parameters must be >= 0, got {self}")
+
+    def time(self, tokens: int) -> float:
+        """τ(tokens) in seconds (0 below ``min_tokens``)."""
+        if tokens <= 0 or tokens < self.min_tokens:
+            return 0.0
+        return self.base_s + self.per_token_s * tokens
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCoefficients:
+    """Iteration-time models one node is predicted with.
+
+    Attributes:
+        prefill: Eq. 1 coefficients.
+        decode: Eq. 2 model (used for the decode part of a collocated node's iterations).
+        chunk_tokens: token budget of one prefill iteration (8,192).
+        source: ``profile`` (the router's ``--profile``) or ``planner-<source>``
+            (from ``planner.models``: ``planner-fitted``, ``planner-peer``,
+            ``planner-profile``).
+        mean_chunk_tokens: t̄_n as last published by the planner (informational;
+            the replay uses the real packing).
+        restored_share: f_n as last published (informational; the replay uses
+            each request's restore tokens).
+    """
+
+    prefill: PrefillModel
+    decode: DecodeModel
+    chunk_tokens: int = 8192
+    source: str = "profile"
+    mean_chunk_tokens: float = 0.0
+    restored_share: float = 0.0
+
+    @classmethod
+    def from_profile(cls, profile: Profile, chunk_tokens: int = 0) -> NodeCoefficients:
+        """Coefficients of a profile; ``chunk_tokens`` > 0 overrides the profile's budget."""
+        return cls(
+            prefill=profile.prefill,
+            decode=profile.decode,
+            chunk_tokens=chunk_tokens or profile.scheduler.chunk_tokens,
+            source="profile",
+        )
+
+    def decode_part(self, decoding: int) -> tuple[int, float]:
+        """``(budget, extra_s)`` of an iteration with ``decoding`` decode requests:
+        prefill budget left (>= 1 token) and the time the decode part adds
+        (``T_D(B) − min(c0, d0)``, one forward pass; 0 when B = 0)."""
+        if decoding <= 0:
+            return self.chunk_tokens, 0.0
+        per = max(1, math.ceil(self.decode.tokens_per_forward))
+        budget = max(1, self.chunk_tokens - decoding * per)
+        extra = self.decode.iteration_time(decoding) - min(self.prefill.c0, self.decode.d0)
+        return budget, max(0.0, extra)
+
+
+# --------------------------------------------------------------------------- #
+# results
+# --------------------------------------------------------------------------- #
+
+
+class CandidateEstimate(NamedTuple):
+    """Predicted TTFT of a request on one prefill node, with its breakdown (s, tokens)."""
+
+    node: str
+    score_s: float
+    """What the argmin compares: ``ttft_s + copy_s``."""
+    ttft_s: float
+    """Predicted time from the decision to the end of the prefill: wait + prefill + exposed fetch."""
+    wait_s: float
+    """Ŵ_n: until the request's first chunk starts."""
+    prefill_s: float
+    """T_P^req(w_n): from that start to the end of its last chunk's iteration."""
+    fetch_s: float
+    """τ(x_n) (0 when no fetch)."""
+    exposed_fetch_s: float
+    """max(0, τ(x_n) − Ŵ_n)."""
+    copy_s: float
+    """κ·x_n."""
+    uncached_tokens: int
+    cached_tokens: int
+    """t_c,n after the engine's cap (and without a fetch below the threshold)."""
+    local_tokens: int
+    """Prefix in n's own memory (L1 ∪ L2), tokens."""
+    fetch_tokens: int
+    """x_n (0 below the fetch threshold)."""
+    restore_tokens: int
+    queue_items: int
+    """Queue items replayed (reported + unreported sends, or router-tracked when untrusted)."""
+    trusted: bool
+    """The node's state was fresh enough to use."""
+    shared: bool
+    """The first chunk shares an iteration with the queue tail."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """Rounded fields for a log line (ms precision for times)."""
+        return {
+            "score_s": round(self.score_s, 6),
+            "ttft_s": round(self.ttft_s, 6),
+            "wait_s": round(self.wait_s, 6),
+            "prefill_s": round(self.prefill_s, 6),
+            "fetch_s": round(self.fetch_s, 6),
+            "exposed_fetch_s": round(self.exposed_fetch_s, 6),
+            "copy_s": round(self.copy_s, 6),
+            "t_uc": self.uncached_tokens,
+            "t_c": self.cached_tokens,
+            "local": self.local_tokens,
+            "x": self.fetch_tokens,
+            "t_rst": self.restore_tokens,
+            "queue": self.queue_items,
+            "trusted": self.trusted,
+            "shared": self.shared,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Outcome of :meth:`TtftPredictor.predict`.
+
+    Attributes:
+        best: the chosen candidate's estimate.
+        estimates: every candidate's estimate, in candidate order.
+        ties: how many candidates were within ``tie_eps_s`` of the minimum score.
+        fetch: fetch ranges for ``best`` (block ranges of the path, clipped to
+            its cached prefix); empty when ``best.fetch_tokens == 0``.
+    """
+
+    best: CandidateEstimate
+    estimates: tuple[CandidateEstimate, ...]
+    ties: int = 1
+    fetch: tuple[FetchRange, ...] = ()
+
+
+# --------------------------------------------------------------------------- #
+# per-node bookkeeping
+# --------------------------------------------------------------------------- #
+
+
+class QueueReplay(NamedTuple):
+    """Replay of a queue, times relative to the end of the iteration in flight."""
+
+    t_open: float
+    """Start of the last (not full) iteration, or of the next fresh one when ``used == 0``."""
+    used: int
+    """Tokens already in that iteration."""
+    sum_uc: float
+    sum_qk: float
+    sum_rst: float
+    items: int
+    budget: int
+    extra_s: float
+    """Decode part added to every iteration (collocated node)."""
+
+
+def replay_queue(items: Iterable[QueuedWork], coef: NodeCoefficients, decoding: int = 0) -> QueueReplay:
+    """Pack queue items FCFS into chunked-prefill iterations (Eq. 1 per iteration).
+
+    Args:
+        items: queued work in arrival order (``uncached_tokens`` still to compute,
+            ``cached_tokens`` already cached or computed, ``restore_tokens`` to load).
+        coef: the node's coefficients.
+        decoding: decode requests sharing every iteration (collocated node).
+
+    Returns:
+        The replay summary: start of the open (last, not full) iteration
+        relative to the start of the replay, its content, and the item count.
+
+    Cost: O(len(items)); an item spanning several full iterations is one step.
+    """
+    p = coef.prefill
+    c0, c1, c2, c3 = p.c0, p.c1, p.c2, p.c3
+    budget, extra = coef.decode_part(decoding)
+    fixed = c0 + extra
+    t = 0.0
+    used = 0
+    uc = qk = rst = 0.0
+    n = 0
+    for it in items:
+        rem = it.uncached_tokens
+        if rem <= 0:
+            continue
+        n += 1
+        cb = it.cached_tokens
+        r = it.restore_tokens
+        if used:
+            take = min(rem, budget - used)
+            uc += take
+            qk += qk_pairs(take, cb)
+            rst += r
+            r = 0
+            cb += take
+            rem -= take
+            used += take
+            if used == budget:
+                t += fixed + c1 * uc + c2 * qk + c3 * rst
+                used = 0
+                uc = qk = rst = 0.0
+        if rem:
+            full = rem // budget
+            if full:
+                tok = full * budget
+                t += full * fixed + c1 * tok + c2 * qk_pairs(tok, cb) + c3 * r
+                r = 0
+                cb += tok
+                rem -= tok
+            if rem:
+                used = rem
+                uc = float(rem)
+                qk = qk_pairs(rem, cb)
+                rst = float(r)
+    return QueueReplay(t, used, uc, qk, rst, n, budget, extra)
+
+
+@dataclass(slots=True)
+class _Send:
+    work: QueuedWork
+    seen: bool = False
+    """A state of the node listed this rid (it is in, or has left, the reported queue)."""
+
+
+class _NodeTrack:
+    __slots__ = ("node", "state", "sends", "trusted_ctx", "fallback_ctx")
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.state: NodeState | None = None
+        self.sends: dict[str, _Send] = {}
+        self.trusted_ctx: tuple | None = None  # type: ignore[type-arg]
+        """Replay of the reported queue + unreported sends, with the node's coefficients (None = recompute)."""
+        self.fallback_ctx: tuple | None = None  # type: ignore[type-arg]
+        """Replay of every send not yet at its first token (untrusted state)."""
+
+    def invalidate(self) -> None:
+        self.trusted_ctx = None
+        self.fallback_ctx = None
+
+
+# --------------------------------------------------------------------------- #
+# the predictor
+# --------------------------------------------------------------------------- #
+
+
+class TtftPredictor:
+    """Predicted TTFT per prefill node (sans-IO, deterministic).
+
+    Args:
+        default: coefficients of a node the planner has not published (the profile's).
+        fetch: τ(x).
+        copy_price_s_per_token: κ, seconds charged per fetched token (the
+            duplicate KV a fetch creates; the paper gives no value — 1e-7 s/token,
+            i.e. a tenth of the fetch's per-token time, is our default).
+        state_max_age_s: a state older than this (``now − state.ts``) is not trusted (5 s).
+        tie_eps_s: scores within this of the minimum are ties.
+
+    Raises:
+        ValueError: on a negative κ, a non-positive ``state_max_age_s`` or a negative ``tie_eps_s``.
+    """
+
+    def __init__(
+        self,
+        default: NodeCoefficients,
+        *,
+        fetch: FetchModel | None = None,
+        copy_price_s_per_token: float = 1e-7,
+        state_max_age_s: float = 5.0,
+        tie_eps_s: float = 1e-9,
+    ) -> None:
+        if copy_price_s_per_token < 0:
+            raise ValueError(f"copy_price_s_per_token must be >= 0, got {copy_price_s_per_token}")
+        if not state_max_age_s > 0:
+            raise ValueError(f"state_max_age_s must be > 0, got {state_max_age_s}")
+        if tie_eps_s < 0:
+            raise ValueError(f"tie_eps_s must be >= 0, got {tie_eps_s}")
+        self.default = default
+        self.fetch = fetch if fetch is not None else FetchModel()
+        self._fetch_base = self.fetch.base_s
+        self._fetch_per_token = self.fetch.per_token_s
+        self._fetch_min = self.fetch.min_tokens
+        self.kappa = copy_price_s_per_token
+        self.state_max_age_s = state_max_age_s
+        self.tie_eps_s = tie_eps_s
+        self.coefs: dict[str, NodeCoefficients] = {}
+        self._nodes: dict[str, _NodeTrack] = {}
+        self._rid_node: dict[str, str] = {}
+        self.models_rejected = 0
+
+    # -- inputs ---------------------------------------------------------- #
+
+    def _track(self, node: str) -> _NodeTrack:
+        tr = self._nodes.get(node)
+        if tr is None:
+            tr = self._nodes[node] = _NodeTrack(node)
+        return tr
+
+    def coefficients(self, node: str) -> NodeCoefficients:
+        """The coefficients ``node`` is predicted with."""
+        return self.coefs.get(node, self.default)
+
+    def apply_state(self, state: NodeState, now: float) -> None:
+        """A node's state arrived: it replaces the previous one; sends it lists become reported."""
+        tr = self._track(state.node)
+        tr.state = state
+        if tr.sends:
+            sends = tr.sends
+            for q in state.queue:
+                s = sends.get(q.rid)
+                if s is not None:
+                    s.seen = True
+        tr.invalidate()
+
+    def apply_models(self, msg: PlannerModels) -> int:
+        """Adopt the planner's fitted models (per node; unset parts keep the current ones).
+
+        A model with a negative or non-finite coefficient is ignored and
+        counted in ``models_rejected``.
+
+        Returns:
+            Number of nodes whose coefficients changed.
+        """
+        changed = 0
+        for nm in msg.models:
+            cur = self.coefficients(nm.node)
+            pre, dec = nm.prefill, nm.decode
+            if pre is not None and not _valid(pre.c0, pre.c1, pre.c2, pre.c3):
+                self.models_rejected += 1
+                continue
+            if dec is not None and not _valid(dec.d0, dec.d1, dec.d2, dec.tokens_per_forward, dec.accepted_per_iteration):
+                self.models_rejected += 1
+                continue
+            new = NodeCoefficients(
+                prefill=pre if pre is not None else cur.prefill,
+                decode=dec if dec is not None else cur.decode,
+                chunk_tokens=cur.chunk_tokens,
+                source=f"planner-{getattr(nm, 'source', 'fitted')}" if (pre is not None or dec is not None) else cur.source,
+                mean_chunk_tokens=nm.mean_chunk_tokens or cur.mean_chunk_tokens,
+                restored_share=nm.restored_share or cur.restored_share,
+            )
+            if new != cur:
+                self.coefs[nm.node] = new
+                changed += 1
+                tr = self._nodes.get(nm.node)
+                if tr is not None:
+                    tr.invalidate()
+        return changed
+
+    def on_dispatch(self, rid: str, node: str, *, uncached_tokens: int, cached_tokens: int = 0, restore_tokens: int = 0) -> None:
+        """The router sent ``rid`` to ``node`` with this (dispatch-time) work.
+
+        Raises:
+            ValueError: if ``rid`` is already tracked.
+        """
+        if rid in self._rid_node:
+            raise ValueError(f"request {rid!r} is already tracked")
+        tr = self._track(node)
+        work = QueuedWork(rid=rid, uncached_tokens=uncached_tokens, cached_tokens=cached_tokens, restore_tokens=restore_tokens)
+        tr.sends[rid] = _Send(work)
+        self._rid_node[rid] = node
+        tr.invalidate()
+
+    def forget(self, rid: str) -> bool:
+        """``rid`` produced its first token, finished, failed or was aborted (idempotent).
+
+        Returns:
+            True if it was tracked.
+        """
+        node = self._rid_node.pop(rid, None)
+        if node is None:
+            return False
+        tr = self._nodes[node]
+        del tr.sends[rid]
+        tr.invalidate()
+        return True
+
+    def tracked(self, node: str) -> int:
+        """Requests sent to ``node`` that have not produced their first token."""
+        tr = self._nodes.get(node)
+        return len(tr.sends) if tr is not None else 0
+
+    def unreported(self, node: str) -> int:
+        """Of those, how many no state of ``node`` has listed yet."""
+        tr = self._nodes.get(node)
+        return sum(1 for s in tr.sends.values() if not s.seen) if tr is not None else 0
+
+    # -- the wait ---------------------------------------------------------- #
+
+    def _ctx(self, tr: _NodeTrack, now: float) -> tuple[tuple, float, bool]:  # type: ignore[type-arg]
+        """(replay context, base = aged remaining time, trusted) of a node at ``now``."""
+        st = tr.state
+        if st is not None:
+            age = now - st.ts
+            if age <= self.state_max_age_s:
+                c = tr.trusted_ctx
+                if c is None:
+                    listed = {w.rid for w in st.queue} if tr.sends else ()
+                    items: Iterable[QueuedWork] = (
+                        [*st.queue, *(x.work for r, x in tr.sends.items() if not x.seen and r not in listed)] if tr.sends else st.queue
+                    )
+                    c = tr.trusted_ctx = self._make_ctx(tr.node, items, st.decoding)
+                rem = st.remaining_s - (age if age > 0.0 else 0.0)
+                return c, (rem if rem > 0.0 else 0.0), True
+        c = tr.fallback_ctx
+        if c is None:
+            c = tr.fallback_ctx = self._make_ctx(tr.node, [x.work for x in tr.sends.values()], 0)
+        return c, 0.0, False
+
+    def _make_ctx(self, node: str, items: Iterable[QueuedWork], decoding: int) -> tuple:  # type: ignore[type-arg]
+        coef = self.coefficients(node)
+        s = replay_queue(items, coef, decoding)
+        p = coef.prefill
+        return (s.t_open, s.used, s.sum_uc, s.sum_qk, s.sum_rst, s.items, s.budget, p.c0 + s.extra_s, p.c1, p.c2, p.c3)
+
+    def wait(self, node: str, now: float) -> float:
+        """Ŵ for a request that cannot share an iteration: until n's queue is done (s)."""
+        (t_open, used, suc, sqk, srst, _n, _b, fixed, c1, c2, c3), base, _ = self._ctx(self._track(node), now)
+        return base + t_open + (fixed + c1 * suc + c2 * sqk + c3 * srst if used else 0.0)
+
+    def _score(self, works: list[tuple[str, int, int, int, int, int]], now: float) -> list[CandidateEstimate]:
+        """Estimates of ``(node, t_uc, t_c, t_rst, x, local)`` work items (the hot loop:
+        attribute reads hoisted, no helper calls but a cache miss, plain arithmetic)."""
+        nodes = self._nodes
+        max_age = self.state_max_age_s
+        f_base, f_per, f_min = self._fetch_base, self._fetch_per_token, self._fetch_min
+        kappa = self.kappa
+        out: list[CandidateEstimate] = []
+        append = out.append
+        for node, t_uc, t_c, rst, x, local in works:
+            tr = nodes.get(node) or self._track(node)
+            st = tr.state
+            ctx = tr.trusted_ctx
+            if ctx is not None and st is not None and now - st.ts <= max_age:  # fast path: cached replay
+                age = now - st.ts
+                base = st.remaining_s - (age if age > 0.0 else 0.0)
+                if base < 0.0:
+                    base = 0.0
+                trusted = True
+            else:
+                ctx, base, trusted = self._ctx(tr, now)
+            t_open, used, suc, sqk, srst, items, budget, fixed, c1, c2, c3 = ctx
+            tau = f_base + f_per * x if (x > 0 and x >= f_min) else 0.0
+            w_share = base + t_open
+            a_all = t_uc * t_c + t_uc * (t_uc + 1) / 2.0  # qk_pairs(t_uc, t_c)
+            if used and tau <= w_share:
+                room = budget - used
+                k1 = t_uc if t_uc < room else room
+                a1 = k1 * t_c + k1 * (k1 + 1) / 2.0
+                own = fixed + c1 * (suc + k1) + c2 * (sqk + a1) + c3 * (srst + rst)
+                rest = t_uc - k1
+                if rest:
+                    own += -(-rest // budget) * fixed + c1 * rest + c2 * (a_all - a1)
+                wait = w_share
+                exposed = 0.0
+                shared = True
+            else:
+                wait = w_share + (fixed + c1 * suc + c2 * sqk + c3 * srst if used else 0.0)
+                own = -(-t_uc // budget) * fixed + c1 * t_uc + c2 * a_all + c3 * rst
+                exposed = tau - wait if tau > wait else 0.0
+                shared = False
+            copy = kappa * x
+            ttft = wait + own + exposed
+            append(
+                _new_estimate(
+                    CandidateEstimate, (node, ttft + copy, ttft, wait, own, tau, exposed, copy, t_uc, t_c, local, x, rst, items, trusted, shared)
+                )
+            )
+        return out
+
+    # -- one candidate ---------------------------------------------------- #
+
+    def estimate(
+        self,
+        node: str,
+        now: float,
+        *,
+        uncached_tokens: int,
+        cached_tokens: int,
+        restore_tokens: int = 0,
+        fetch_tokens: int = 0,
+        local_tokens: int = 0,
+    ) -> CandidateEstimate:
+        """Predicted TTFT of a request with this work on ``node`` (Eq. 7 + App. E.3).
+
+        Args:
+            uncached_tokens: t_uc,n (>= 1).
+            cached_tokens: t_c,n (after the fetch threshold and the engine's cap).
+            restore_tokens: cached tokens loaded from host memory into L1.
+            fetch_tokens: x_n (τ is 0 below the fetch threshold).
+            local_tokens: prefix in n's own memory (for the tie rule and the log).
+
+        Raises:
+            ValueError: if ``uncached_tokens`` < 1.
+        """
+        if uncached_tokens < 1:
+            raise ValueError(f"uncached_tokens must be >= 1, got {uncached_tokens}")
+        return self._score([(node, uncached_tokens, cached_tokens, restore_tokens, fetch_tokens, local_tokens)], now)[0]
+
+    # -- one decision ------------------------------------------------------ #
+
+    def predict(self, req: RouteRequest, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> Prediction:
+        """Estimate every candidate and pick the argmin (ties → longest own prefix, then node id).
+
+        ``candidates`` must be sorted by node id (as ``NodeLoadView`` returns them).
+
+        The work on each node (t_c,n, x_n, local prefix) follows
+        :func:`services.kvdirectory.lookup.fetch_plan`: ``x_n`` = blocks of the
+        plan's ranges beyond n's own prefix held by other nodes. It is computed
+        here in the loop, with the same rule (property-tested equal to
+        ``fetch_plan``), because a ``fetch_plan`` call per candidate (objects per
+        range) costs more than the rest of the estimate; ``fetch_plan`` gives
+        the chosen node's ranges.
+
+        Raises:
+            ValueError: if ``candidates`` is empty or ``req.prompt_tokens`` < 1.
+        """
+        if not candidates:
+            raise ValueError("no prefill candidates")
+        t_in = req.prompt_tokens
+        if t_in < 1:
+            raise ValueError("prompt_tokens must be >= 1")
+        works: list[tuple[str, int, int, int, int, int]] = []
+        append = works.append
+        if lookup is None or lookup.error is not None or lookup.longest_any <= 0:
+            for n in candidates:
+                append((n.node, t_in, 0, 0, 0, 0))
+        else:
+            bs = lookup.block_size
+            cap = ((t_in - 1) // bs) * bs
+            min_fetch = self._fetch_min
+            prefixes = {p.node: p for p in lookup.nodes}
+            srcs = [(r.node, r.start, r.end) for r in lookup.sources]
+            longest_t = lookup.longest_any * bs
+            for n in candidates:
+                name = n.node
+                pre = prefixes.get(name)
+                if pre is None:
+                    local = gpu = 0
+                else:
+                    local, gpu = pre.local_blocks, pre.gpu_blocks
+                xb = 0
+                for sn, a, b in srcs:  # fetch_plan's rule: ranges of other nodes beyond the own prefix
+                    if b <= local or sn == name:
+                        continue
+                    xb += b - (a if a > local else local)
+                t_c = longest_t
+                x = xb * bs
+                local_t = local * bs
+                own = local_t if local_t < cap else cap
+                if t_c > cap:  # the engine computes at least one token: the prefix's tail is recomputed
+                    t_c = cap
+                    if x > t_c - own:
+                        x = t_c - own
+                if x < min_fetch:  # no fetch below the threshold: recompute beyond the own prefix
+                    t_c, x = own, 0
+                g = gpu * bs
+                append((name, t_in - t_c, t_c, t_c - (g if g < t_c else t_c), x, local_t))
+        ests = self._score(works, now)
+        best = ests[0]
+        lo = best.score_s
+        for e in ests:
+            if e.score_s < lo:
+                lo = e.score_s
+                best = e
+        limit = lo + self.tie_eps_s
+        ties = 0
+        best = None  # type: ignore[assignment]
+        for e in ests:  # candidates are in node-id order: the first longest own prefix wins
+            if e.score_s <= limit:
+                ties += 1
+                if best is None or e.local_tokens > best.local_tokens:
+                    best = e
+        ranges: tuple[FetchRange, ...] = ()
+        if best.fetch_tokens and lookup is not None:
+            own_prefix = tuple(p for p in lookup.nodes if p.node == best.node)
+            plan = fetch_plan(own_prefix, lookup.longest_any, lookup.sources, best.node, lookup.block_size)
+            ranges = _clip_ranges(plan.ranges, best.cached_tokens // lookup.block_size)
+        return Prediction(best=best, estimates=tuple(ests), ties=ties, fetch=ranges)
+
+
+_new_estimate = tuple.__new__
+"""Build a CandidateEstimate from a tuple without NamedTuple's Python-level ``__new__``."""
+
+
+def _valid(*xs: float) -> bool:
+    return all(math.isfinite(x) and x >= 0 for x in xs)
+
+
+def _clip_ranges(ranges: Sequence[FetchRange], end_block: int) -> tuple[FetchRange, ...]:
+    out = []
+    for r in ranges:
+        if r.start >= end_block:
+            break
+        out.append(r if r.end <= end_block else FetchRange(node=r.node, start=r.start, end=end_block, tier=r.tier))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- #
+# the routing policy
+# --------------------------------------------------------------------------- #
+
+
+def decode_footprint_blocks(req: RouteRequest, block_size: int) -> int:
+    """L1 blocks a request needs on its decode node: ``ceil((prompt + max_tokens) / bs)``."""
+    return -(-(req.prompt_tokens + req.max_tokens) // block_size)
+
+
+class TtftPolicy(RoutingPolicy):
+    """Route to the prefill node with the smallest predicted TTFT (paper §5.3, Eq. 7, Alg. E.3).
+
+    Prefill: :class:`TtftPredictor` (see the module docstring for the exact
+    rules). The decision carries the predicted TTFT, every candidate's
+    breakdown and the fetch plan the chosen node should run while the request
+    waits (sent in ``PrefillWork.fetch``).
+
+    Decode (Alg. E.3 l.13, "the node in D with KV room for r and the fewest
+    requests"): among decode candidates whose last state shows at least
+    ``ceil((prompt + max_tokens)/bs)`` free L1 blocks beyond the footprints of
+    the requests the router bound to them that are still in prefill (their KV
+    has not reached the node, so no state counts it yet), the one with the
+    fewest requests
+    (``running + waiting + in flight``); if none has room, the one with the
+    fewest requests. The binding is made at dispatch: the worker-side binding
+    at prefill start is a proposal (README).
+
+    Args:
+        predictor: the TTFT predictor (owned by the policy from now on).
+        block_size: tokens per block (for the decode footprint).
+    """
+
+    name = "ttft"
+
+    def __init__(self, predictor: TtftPredictor, *, block_size: int = 64) -> None:
+        self.predictor = predictor
+        self.block_size = block_size
+        self._decode_reserved: dict[str, int] = {}
+        self._rid_decode: dict[str, tuple[str, int]] = {}
+
+    def choose_prefill(self, req: RouteRequest, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> PrefillChoice:
+        pred = self.predictor.predict(req, lookup, candidates, now)
+        best = pred.best
+        total = req.num_blocks
+        matched = 0
+        if lookup is not None and lookup.error is None and lookup.nodes:
+            matched = min(max(p.local_blocks for p in lookup.nodes), total)
+        # loads / matches stay empty: every candidate's estimate (queue, own prefix) is in ``estimates``
+        return PrefillChoice(
+            best.node,
+            "ttft" if pred.ties == 1 else "ttft_tie",
+            matched,
+            matched / total if total else 0.0,
+            predicted_ttft_s=best.ttft_s,
+            estimates=pred.estimates,
+            fetch=pred.fetch,
+        )
+
+    def choose_decode(self, req: RouteRequest, candidates: Sequence[NodeLoad], now: float) -> DecodeChoice | None:
+        if not candidates:
+            return None
+        need = decode_footprint_blocks(req, self.block_size)
+        loads = {n.node: decode_load(n) for n in candidates}
+        room = [n for n in candidates if n.gpu_free_blocks - self._decode_reserved.get(n.node, 0) >= need]
+        pool = room or candidates
+        best = min(pool, key=lambda n: (loads[n.node], n.node))
+        return DecodeChoice(node=best.node, loads=loads)
+
+    # -- hooks ----------------------------------------------------------------- #
+
+    def on_state(self, state: NodeState, now: float) -> None:
+        self.predictor.apply_state(state, now)
+
+    def on_dispatch(self, req: RouteRequest, choice: PrefillChoice, decode_node: str | None, now: float) -> None:
+        est = next((e for e in choice.estimates if isinstance(e, CandidateEstimate) and e.node == choice.node), None)
+        if est is None:  # a choice made elsewhere: charge the whole prompt
+            self.predictor.on_dispatch(req.rid, choice.node, uncached_tokens=req.prompt_tokens)
+        else:
+            self.predictor.on_dispatch(
+                req.rid, choice.node, uncached_tokens=est.uncached_tokens, cached_tokens=est.cached_tokens, restore_tokens=est.restore_tokens
+            )
+        if decode_node is not None:
+            blocks = decode_footprint_blocks(req, self.block_size)
+            self._rid_decode[req.rid] = (decode_node, blocks)
+            self._decode_reserved[decode_node] = self._decode_reserved.get(decode_node, 0) + blocks
+
+    def _release_decode(self, rid: str) -> None:
+        d = self._rid_decode.pop(rid, None)
+        if d is not None:
+            node, blocks = d
+            left = self._decode_reserved.get(node, 0) - blocks
+            if left > 0:
+                self._decode_reserved[node] = left
+            else:
+                self._decode_reserved.pop(node, None)
+
+    def on_first_token(self, rid: str, now: float) -> None:
+        # prefill done: the decode node reserves the KV itself on the hand-off,
+        # so its next state shows the room taken
+        self.predictor.forget(rid)
+        self._release_decode(rid)
+
+    def on_finish(self, rid: str, now: float) -> None:
+        self.predictor.forget(rid)
+        self._release_decode(rid)
+
+    def on_models(self, msg: PlannerModels, now: float) -> int:
+        return self.predictor.apply_models(msg)

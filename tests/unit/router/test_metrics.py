@@ -1,0 +1,37 @@
+"""Routing metrics: TTFT prediction error histogram, per-node queue time, queue imbalance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.router.metrics import Histogram, RouteMetrics, TtftSample
+
+
+def test_histogram_buckets_are_cumulative_and_quantiles_exact_on_the_window():
+    h = Histogram((0.1, 1.0), window=3)
+    for x in (0.05, 0.1, 0.5, 2.0, math.nan):
+        h.observe(x)
+    assert h.count == 4 and h.sum == pytest.approx(2.65) and h.max == 2.0
+    assert h.cumulative() == [("0.1", 2), ("1", 3), ("inf", 4)]
+    assert list(h.recent) == [0.1, 0.5, 2.0] and h.quantile(0.5) == 0.5 and h.quantile(1.0) == 2.0
+    with pytest.raises(ValueError):
+        Histogram((1.0, 1.0))
+
+
+def test_route_metrics_export():
+    m = RouteMetrics()
+    m.observe(TtftSample("r1", "a", predicted_s=1.0, measured_s=1.2, queue_s=0.5))
+    m.observe(TtftSample("r2", "a", predicted_s=2.0, measured_s=1.95, queue_s=1.5))
+    m.observe(TtftSample("r3", "b", predicted_s=None, measured_s=0.3, queue_s=0.5))
+    m.observe(TtftSample("r4", "b", predicted_s=1.0, measured_s=None, queue_s=None))
+    counters, gauges = m.export()
+    assert counters["ttft_pred_abs_err_s.count"] == 2 and counters["ttft_pred_over"] == 1
+    assert counters["ttft_pred_abs_err_s.bucket.le_0.1"] == 1 and counters["ttft_pred_abs_err_s.bucket.le_0.25"] == 2
+    assert gauges["ttft_pred_abs_err_s.median"] == pytest.approx(0.05) and gauges["ttft_pred_err_s.mean_signed"] == pytest.approx(-0.075)
+    assert counters["queue_s.count.a"] == 2 and counters["queue_s.count.b"] == 1
+    assert gauges["queue_s.mean.a"] == pytest.approx(1.0) and gauges["queue_s.max.a"] == 1.5
+    # most loaded node's mean queue (1.0) over the mean of the node means (0.75)
+    assert gauges["prefill_queue_imbalance"] == pytest.approx(1.0 / 0.75)
+    assert RouteMetrics().export() == ({}, {})

@@ -1,0 +1,467 @@
+"""TTFT predictor (paper Eq. 3 and 7, App. E.3) on hand-computed cases, and the ``ttft`` policy.
+
+Unless a test says otherwise the node model is c0 = 10 ms per iteration,
+c1 = 0.1 ms per uncached token, no attention or restore cost, 100-token
+iterations: an iteration of u tokens lasts 0.01 + 1e-4·u s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from shared.itermodel import DecodeModel, PrefillModel, qk_pairs
+from shared.messages import FetchRange, KvLookupReply, NodePrefix, NodeModels, NodeState, PlannerModels, QueuedWork
+
+from services.kvdirectory.lookup import fetch_plan
+from services.router.core import RouteDecision, RouterCore
+from services.router.nodes import NodeLoad
+from services.router.policy import PolicyWrapper, RouteRequest, make_policy
+from services.router.ttft import FetchModel, NodeCoefficients, TtftPolicy, TtftPredictor, replay_queue
+
+DEC = DecodeModel(d0=0.004, d1=0.0, d2=0.001, tokens_per_forward=2.0)
+SIMPLE = NodeCoefficients(prefill=PrefillModel(c0=0.01, c1=1e-4, c2=0.0, c3=0.0), decode=DEC, chunk_tokens=100)
+
+
+def it(u: int) -> float:
+    """Duration of one iteration of ``u`` uncached tokens under SIMPLE."""
+    return 0.01 + 1e-4 * u
+
+
+def predictor(**kw) -> TtftPredictor:
+    return TtftPredictor(SIMPLE, **kw)
+
+
+def q(rid: str, uc: int, c: int = 0, rst: int = 0) -> QueuedWork:
+    return QueuedWork(rid=rid, uncached_tokens=uc, cached_tokens=c, restore_tokens=rst)
+
+
+def st(node: str, ts: float, remaining: float = 0.0, queue=(), **kw) -> NodeState:
+    return NodeState(node=node, phase=kw.pop("phase", "prefill"), ts=ts, remaining_s=remaining, queue=list(queue), **kw)
+
+
+def cand(*nodes: str) -> list[NodeLoad]:
+    return [NodeLoad(node=n, phase="prefill") for n in sorted(nodes)]
+
+
+# --------------------------------------------------------------------------- #
+# Eq. 3 and the replay
+# --------------------------------------------------------------------------- #
+
+
+def test_lone_request_is_eq3_with_its_real_packing():
+    """Replaying one request alone gives Eq. 3 with t̄ = t_uc/ceil(t_uc/chunk) and f·t_c = t_rst."""
+    pm = PrefillModel(c0=0.015, c1=2.27e-5, c2=1.8e-10, c3=1.6e-8)
+    coef = NodeCoefficients(prefill=pm, decode=DEC, chunk_tokens=8192)
+    p = TtftPredictor(coef, copy_price_s_per_token=0.0)
+    t_uc, t_c, rst = 20_000, 100_000, 30_000
+    e = p.estimate("n", 0.0, uncached_tokens=t_uc, cached_tokens=t_c, restore_tokens=rst)
+    eq3 = pm.request_time(t_uc, t_c, mean_chunk_tokens=t_uc / 3, restored_share=rst / t_c)
+    assert e.prefill_s == pytest.approx(eq3, rel=1e-12)
+    # spelled out: 3 iterations, A(t_uc, t_c) summed over the chunks equals A of the whole request
+    by_hand = 3 * 0.015 + 2.27e-5 * t_uc + 1.8e-10 * (t_uc * t_c + t_uc * (t_uc + 1) / 2) + 1.6e-8 * rst
+    assert e.prefill_s == pytest.approx(by_hand, rel=1e-12)
+    assert e.wait_s == 0.0 and e.ttft_s == e.prefill_s and e.trusted is False
+
+
+def test_chunk_sums_of_qk_pairs_telescope():
+    """Σ over chunks of A(chunk, cached before it) == A(t_uc, t_c): why the replay's closed form is exact."""
+    for t_uc, t_c, chunk in [(250, 0, 100), (8193, 12345, 8192), (1, 7, 3), (999, 0, 1)]:
+        done, total = 0, 0.0
+        while done < t_uc:
+            k = min(chunk, t_uc - done)
+            total += qk_pairs(k, t_c + done)
+            done += k
+        assert total == pytest.approx(qk_pairs(t_uc, t_c), rel=1e-12)
+
+
+def _naive_replay(items, coef: NodeCoefficients, decoding: int = 0):
+    """Chunk-by-chunk packing as the worker's scheduler does it (FCFS, budget per iteration)."""
+    budget, extra = coef.decode_part(decoding)
+    p = coef.prefill
+    t, iters = 0.0, []
+    cur: list[tuple[int, int, int]] = []  # (tokens, cached before, restore)
+    used = 0
+    for w in items:
+        rem, cb, r = w.uncached_tokens, w.cached_tokens, w.restore_tokens
+        while rem > 0:
+            k = min(rem, budget - used)
+            cur.append((k, cb, r))
+            r = 0
+            cb += k
+            rem -= k
+            used += k
+            if used == budget:
+                iters.append(cur)
+                cur, used = [], 0
+    for chunks in iters:
+        t += p.c0 + extra + sum(p.c1 * k + p.c2 * qk_pairs(k, cb) + p.c3 * r for k, cb, r in chunks)
+    return t, used, cur
+
+
+def test_replay_matches_chunk_by_chunk_packing():
+    pm = PrefillModel(c0=0.015, c1=2.27e-5, c2=1.8e-10, c3=1.6e-8)
+    coef = NodeCoefficients(prefill=pm, decode=DEC, chunk_tokens=8192)
+    items = [q("a", 5000, 1000, 1000), q("b", 20_000, 64_000, 64_000), q("c", 10), q("d", 8182, 5), q("e", 3000, 0)]
+    for decoding in (0, 3):
+        s = replay_queue(items, coef, decoding)
+        t, used, cur = _naive_replay(items, coef, decoding)
+        assert s.t_open == pytest.approx(t, rel=1e-12)
+        assert s.used == used and s.items == 5
+        assert s.sum_uc == sum(k for k, _, _ in cur)
+        assert s.sum_qk == pytest.approx(sum(qk_pairs(k, cb) for k, cb, _ in cur), rel=1e-12)
+        assert s.sum_rst == sum(r for _, _, r in cur)
+
+
+def test_collocated_decode_shares_every_iteration():
+    """B decoding requests take ceil(t_fwd) tokens each and add T_D(B) − min(c0, d0) per iteration."""
+    p = predictor()
+    p.apply_state(st("c", 0.0, phase="both", decoding=5), 0.0)
+    budget, extra = SIMPLE.decode_part(5)
+    assert budget == 100 - 5 * 2 and extra == pytest.approx((0.004 + 0.0 + 0.001 * 5) - 0.004)
+    e = p.estimate("c", 0.0, uncached_tokens=180, cached_tokens=0)
+    assert e.prefill_s == pytest.approx(2 * (0.01 + extra) + 1e-4 * 180)
+
+
+# --------------------------------------------------------------------------- #
+# Eq. 7: wait, shared iteration, stale state, unreported sends
+# --------------------------------------------------------------------------- #
+
+
+def test_wait_is_remaining_time_plus_queue_service_times():
+    """Ŵ = T_rem + Σ T_P^req(w_j) when nothing shares an iteration (queue items fill whole iterations)."""
+    p = predictor()
+    p.apply_state(st("n", 10.0, remaining=0.3, queue=[q("a", 100), q("b", 200, 50)]), 10.0)
+    e = p.estimate("n", 10.0, uncached_tokens=70, cached_tokens=0)
+    assert e.wait_s == pytest.approx(0.3 + it(100) + 2 * it(100))  # 0.3 + 0.02 + 0.04
+    assert e.prefill_s == pytest.approx(it(70))
+    assert e.ttft_s == pytest.approx(0.36 + 0.017) and not e.shared and e.queue_items == 2
+
+
+def test_request_shares_the_queue_tails_iteration():
+    """Queue a:150 → [a100] [a50 + r40]: the request's first chunk joins the tail's iteration.
+
+    Ŵ = T_rem + 0.02 (start of the shared iteration); T_P^req = the shared iteration
+    (90 tokens: 0.019); TTFT 0.2 + 0.02 + 0.019 = 0.239 — one iteration's c0 less than
+    running it after the tail (0.2 + 0.02 + 0.015 + 0.014 = 0.249).
+    """
+    p = predictor()
+    p.apply_state(st("n", 5.0, remaining=0.2, queue=[q("a", 150)]), 5.0)
+    e = p.estimate("n", 5.0, uncached_tokens=40, cached_tokens=0)
+    assert e.shared
+    assert e.wait_s == pytest.approx(0.2 + 0.02)
+    assert e.prefill_s == pytest.approx(it(90))
+    assert e.ttft_s == pytest.approx(0.239)
+    # a longer request fills the shared iteration (50 of its tokens) and continues alone
+    e = p.estimate("n", 5.0, uncached_tokens=180, cached_tokens=0)  # [a50 + r50] [r100] [r30]
+    assert e.shared and e.wait_s == pytest.approx(0.22) and e.prefill_s == pytest.approx(0.02 + 0.02 + 0.013)
+
+
+def test_shared_iteration_charges_attention_on_the_new_chunk():
+    pm = PrefillModel(c0=0.01, c1=1e-4, c2=1e-8, c3=1e-6)
+    p = TtftPredictor(NodeCoefficients(prefill=pm, decode=DEC, chunk_tokens=100))
+    p.apply_state(st("n", 0.0, queue=[q("a", 30, 10, 10)]), 0.0)  # tail: 30 tokens after 10 cached, 10 restored
+    e = p.estimate("n", 0.0, uncached_tokens=120, cached_tokens=500, restore_tokens=200)
+    first = 0.01 + 1e-4 * (30 + 70) + 1e-8 * (qk_pairs(30, 10) + qk_pairs(70, 500)) + 1e-6 * (10 + 200)
+    second = 0.01 + 1e-4 * 50 + 1e-8 * qk_pairs(50, 570)
+    assert e.shared and e.wait_s == 0.0
+    assert e.prefill_s == pytest.approx(first + second, rel=1e-12)
+
+
+def test_remaining_time_is_aged_by_the_states_age():
+    p = predictor()
+    p.apply_state(st("n", 10.0, remaining=1.5, queue=[q("a", 100)]), 10.2)
+    assert p.estimate("n", 11.0, uncached_tokens=100, cached_tokens=0).wait_s == pytest.approx(0.5 + 0.02)
+    assert p.estimate("n", 12.0, uncached_tokens=100, cached_tokens=0).wait_s == pytest.approx(0.0 + 0.02)
+
+
+def test_stale_state_is_not_trusted_only_router_sends_count():
+    """A state older than 5 s: its queue and remaining time are ignored; the router's
+    own in-flight sends (reported or not) are the queue."""
+    p = predictor()
+    p.apply_state(st("n", 0.0, remaining=1.0, queue=[q("old", 500), q("r1", 150)]), 0.0)
+    p.on_dispatch("r1", "n", uncached_tokens=150)  # listed by the state: reported
+    p.on_dispatch("r2", "n", uncached_tokens=30)  # not listed: unreported
+    fresh = p.estimate("n", 4.0, uncached_tokens=10, cached_tokens=0)
+    # trusted at age 4: remaining 1.0 aged to 0; queue old:500, r1:150, r2:30 → 6 full iterations, open 80
+    assert fresh.trusted and fresh.wait_s == pytest.approx(6 * it(100)) and fresh.prefill_s == pytest.approx(it(90))
+    stale = p.estimate("n", 6.0, uncached_tokens=10, cached_tokens=0)
+    # untrusted at age 6: queue = r1:150, r2:30 → [r1 100] [r1 50 + r2 30 + new 10]
+    assert not stale.trusted and stale.queue_items == 2
+    assert stale.wait_s == pytest.approx(it(100)) and stale.prefill_s == pytest.approx(it(90))
+    # an idle node with an old heartbeat and no sends is predicted idle
+    p.apply_state(st("idle", 0.0, remaining=3.0, queue=[q("x", 900)]), 0.0)
+    e = p.estimate("idle", 100.0, uncached_tokens=100, cached_tokens=0)
+    assert not e.trusted and e.wait_s == 0.0 and e.ttft_s == pytest.approx(it(100))
+
+
+def test_unreported_sends_extend_the_queue_and_are_deduplicated_by_rid():
+    p = predictor()
+    p.apply_state(st("n", 1.0, queue=[q("a", 100)]), 1.0)
+    p.on_dispatch("b", "n", uncached_tokens=60)  # sent after the state
+    e = p.estimate("n", 1.0, uncached_tokens=30, cached_tokens=0)
+    assert e.queue_items == 2 and p.unreported("n") == 1
+    assert e.wait_s == pytest.approx(it(100)) and e.shared and e.prefill_s == pytest.approx(it(90))
+    # the next state lists b (with its progress): counted once, from the state
+    p.apply_state(st("n", 1.1, queue=[q("b", 60)]), 1.1)
+    e = p.estimate("n", 1.1, uncached_tokens=30, cached_tokens=0)
+    assert e.queue_items == 1 and p.unreported("n") == 0 and p.tracked("n") == 1
+    assert e.wait_s == 0.0 and e.prefill_s == pytest.approx(it(90))
+    # b left the reported queue (prefill done) before its first token reached the router: not counted
+    p.apply_state(st("n", 1.2, queue=[]), 1.2)
+    assert p.estimate("n", 1.2, uncached_tokens=30, cached_tokens=0).queue_items == 0
+    assert p.forget("b") and not p.forget("b") and p.tracked("n") == 0
+    p.on_dispatch("c", "n", uncached_tokens=1)
+    with pytest.raises(ValueError, match="already tracked"):
+        p.on_dispatch("c", "m", uncached_tokens=1)
+
+
+# --------------------------------------------------------------------------- #
+# fetch: shorter / longer than the wait, threshold, copy price
+# --------------------------------------------------------------------------- #
+
+BS = 64
+
+
+def _lookup_on(node: str, blocks: int, tier: str = "host") -> KvLookupReply:
+    pre = NodePrefix(node=node, gpu_blocks=blocks if tier == "gpu" else 0, host_blocks=blocks if tier == "host" else 0, local_blocks=blocks)
+    return KvLookupReply(block_size=BS, nodes=[pre], longest_any=blocks, sources=[FetchRange(node=node, start=0, end=blocks, tier=tier)])  # type: ignore[arg-type]
+
+
+def test_fetch_shorter_than_the_wait_is_hidden():
+    """x = 1,280 tokens on a: τ = 0.45 + 1.28 ms = 0.45128 s < Ŵ = 0.8 s → no exposed fetch."""
+    p = predictor(copy_price_s_per_token=1e-7)
+    p.apply_state(st("a", 0.0, remaining=0.8), 0.0)
+    p.apply_state(st("b", 0.0, remaining=2.0), 0.0)
+    req = RouteRequest(rid="r", prompt_tokens=20 * BS + 100, block_hashes=list(range(20)))
+    pred = p.predict(req, _lookup_on("b", 20), cand("a", "b"), 0.0)
+    a, b = pred.estimates
+    assert (a.cached_tokens, a.fetch_tokens, a.uncached_tokens, a.restore_tokens) == (1280, 1280, 100, 1280)
+    assert a.fetch_s == pytest.approx(0.45128) and a.exposed_fetch_s == 0.0
+    assert a.copy_s == pytest.approx(1.28e-4)
+    assert a.ttft_s == pytest.approx(0.8 + it(100)) and a.score_s == pytest.approx(0.8 + it(100) + 1.28e-4)
+    assert (b.cached_tokens, b.fetch_tokens, b.local_tokens, b.restore_tokens) == (1280, 0, 1280, 1280)
+    assert b.ttft_s == pytest.approx(2.0 + it(100))
+    assert pred.best.node == "a"
+    assert pred.fetch == (FetchRange(node="b", start=0, end=20, tier="host"),)
+
+
+def test_fetch_longer_than_the_wait_is_exposed():
+    """Ŵ_a = 0.1 s < τ = 0.45128 s → exposed 0.35128 s; TTFT_a = 0.1 + 0.02 + 0.35128 = 0.47128.
+    b holds the prefix but waits 0.5 s: TTFT_b = 0.52 → a still wins (0.47128 + κx < 0.52)."""
+    p = predictor(copy_price_s_per_token=1e-7)
+    p.apply_state(st("a", 0.0, remaining=0.1), 0.0)
+    p.apply_state(st("b", 0.0, remaining=0.5), 0.0)
+    req = RouteRequest(rid="r", prompt_tokens=20 * BS + 100, block_hashes=list(range(20)))
+    pred = p.predict(req, _lookup_on("b", 20), cand("a", "b"), 0.0)
+    a, b = pred.estimates
+    assert a.wait_s == pytest.approx(0.1) and a.exposed_fetch_s == pytest.approx(0.35128)
+    assert a.ttft_s == pytest.approx(0.47128) and b.ttft_s == pytest.approx(0.52)
+    assert pred.best.node == "a"
+    # with b a bit less loaded, staying on the prefix's holder wins
+    p.apply_state(st("b", 0.0, remaining=0.44), 0.0)
+    assert p.predict(req, _lookup_on("b", 20), cand("a", "b"), 0.0).best.node == "b"
+
+
+def test_an_exposed_fetch_cannot_join_the_tails_iteration():
+    """Queue tail a:50 would start at Ŵ = 0; the fetch (0.45128 s) is not done then, so the request
+    waits for the whole queue (0.015) and runs alone: exposed = 0.45128 − 0.015."""
+    p = predictor(copy_price_s_per_token=0.0)
+    p.apply_state(st("a", 0.0, queue=[q("t", 50)]), 0.0)
+    e = p.estimate("a", 0.0, uncached_tokens=40, cached_tokens=1280, restore_tokens=1280, fetch_tokens=1280)
+    assert not e.shared and e.wait_s == pytest.approx(it(50))
+    assert e.exposed_fetch_s == pytest.approx(0.45128 - 0.015) and e.prefill_s == pytest.approx(it(40))
+    assert e.ttft_s == pytest.approx(0.45128 + it(40))
+
+
+def test_no_fetch_below_512_tokens_the_tokens_are_recomputed():
+    p = predictor()
+    req = RouteRequest(rid="r", prompt_tokens=7 * BS + 10, block_hashes=list(range(7)))
+    pred = p.predict(req, _lookup_on("b", 7), cand("a", "b"), 0.0)  # 448 tokens < 512
+    a = pred.estimates[0]
+    assert (a.fetch_tokens, a.fetch_s, a.cached_tokens, a.uncached_tokens, a.copy_s) == (0, 0.0, 0, 458, 0.0)
+    assert FetchModel().time(511) == 0.0 and FetchModel().time(512) == pytest.approx(0.45 + 512e-6)
+
+
+def test_prefix_partly_local_fetches_only_the_rest_and_keeps_one_token_to_compute():
+    """a holds blocks [0, 10) in L1, b holds [0, 30) in L2; the prompt is exactly 30 blocks, so
+    the engine computes the last block: t_c = 29 blocks, x = 19 blocks, restore = 19 blocks."""
+    look = KvLookupReply(
+        block_size=BS,
+        nodes=[NodePrefix(node="a", gpu_blocks=10, local_blocks=10), NodePrefix(node="b", host_blocks=30, local_blocks=30)],
+        longest_any=30,
+        sources=[FetchRange(node="b", start=0, end=30, tier="host")],
+    )
+    p = predictor()
+    req = RouteRequest(rid="r", prompt_tokens=30 * BS, block_hashes=list(range(30)))
+    pred = p.predict(req, look, cand("a", "b"), 0.0)
+    a, b = pred.estimates
+    assert (a.cached_tokens, a.fetch_tokens, a.local_tokens, a.restore_tokens, a.uncached_tokens) == (29 * BS, 19 * BS, 10 * BS, 19 * BS, BS)
+    assert (b.cached_tokens, b.fetch_tokens, b.restore_tokens, b.uncached_tokens) == (29 * BS, 0, 29 * BS, BS)
+    assert pred.best.node == "b" and pred.fetch == ()
+    # a is chosen when b is busy: its fetch plan is clipped to the cached prefix
+    p.apply_state(st("b", 0.0, remaining=5.0), 0.0)
+    pred = p.predict(req, look, cand("a", "b"), 0.0)
+    assert pred.best.node == "a" and pred.fetch == (FetchRange(node="b", start=10, end=29, tier="host"),)
+
+
+# --------------------------------------------------------------------------- #
+# ties
+# --------------------------------------------------------------------------- #
+
+
+def test_ties_go_to_the_longest_own_prefix_then_node_id():
+    p = predictor()
+    req = RouteRequest(rid="r", prompt_tokens=6 * BS, block_hashes=list(range(6)))
+    # no cache anywhere: all equal → smallest node id
+    pred = p.predict(req, None, cand("c", "a", "b"), 0.0)
+    assert pred.best.node == "a" and pred.ties == 3
+    # b holds 5 blocks, c all 6: both use 5 (the engine computes the last block) → equal TTFT;
+    # the tie goes to c, the longest prefix in its own memory, though b sorts first
+    look = KvLookupReply(
+        block_size=BS,
+        nodes=[NodePrefix(node="b", gpu_blocks=5, local_blocks=5), NodePrefix(node="c", gpu_blocks=6, local_blocks=6)],
+        longest_any=6,
+        sources=[FetchRange(node="c", start=0, end=6, tier="gpu")],
+    )
+    pred = p.predict(req, look, cand("a", "b", "c"), 0.0)
+    b, c = pred.estimates[1], pred.estimates[2]
+    assert b.ttft_s == c.ttft_s and pred.ties == 2 and pred.best.node == "c"
+
+
+# --------------------------------------------------------------------------- #
+# models from the planner
+# --------------------------------------------------------------------------- #
+
+
+def test_planner_models_replace_the_profile_per_node():
+    p = predictor()
+    slow = PrefillModel(c0=0.02, c1=2e-4, c2=0.0, c3=0.0)
+    assert p.apply_models(PlannerModels(models=[NodeModels(node="a", prefill=slow, mean_chunk_tokens=90.0)])) == 1
+    assert p.coefficients("a").source == "planner-fitted" and p.coefficients("b").source == "profile"
+    assert p.estimate("a", 0.0, uncached_tokens=100, cached_tokens=0).ttft_s == pytest.approx(0.02 + 0.02)
+    assert p.estimate("b", 0.0, uncached_tokens=100, cached_tokens=0).ttft_s == pytest.approx(it(100))
+    # a cached replay is recomputed with the new model
+    p.apply_state(st("b", 0.0, queue=[q("x", 100)]), 0.0)
+    assert p.estimate("b", 0.0, uncached_tokens=100, cached_tokens=0).wait_s == pytest.approx(it(100))
+    p.apply_models(PlannerModels(models=[NodeModels(node="b", prefill=slow)]))
+    assert p.estimate("b", 0.0, uncached_tokens=100, cached_tokens=0).wait_s == pytest.approx(0.04)
+    bad = PrefillModel(c0=-1.0, c1=0.0, c2=0.0, c3=0.0)
+    nan = PrefillModel(c0=math.nan, c1=0.0, c2=0.0, c3=0.0)
+    assert p.apply_models(PlannerModels(models=[NodeModels(node="a", prefill=bad), NodeModels(node="a", prefill=nan)])) == 0
+    assert p.models_rejected == 2 and p.coefficients("a").prefill == slow
+
+
+# --------------------------------------------------------------------------- #
+# the policy in the router core
+# --------------------------------------------------------------------------- #
+
+
+def _core() -> RouterCore:
+    pol = TtftPolicy(predictor(copy_price_s_per_token=1e-7), block_size=BS)
+    return RouterCore(pol, block_size=BS)
+
+
+def test_registry_builds_ttft_from_a_profile_and_a_wrapper_forwards_hooks():
+    pol = make_policy("ttft", profile="tiny", block_size=4, ttft_fetch_min_tokens=64, ttft_copy_price_s_per_token=2e-7)
+    assert isinstance(pol, TtftPolicy) and pol.predictor.default.chunk_tokens == 32
+    assert pol.predictor.fetch.min_tokens == 64 and pol.predictor.kappa == 2e-7
+    assert pol.predictor.default.prefill.c0 == 0.002  # tiny.toml
+    wrapped = PolicyWrapper(pol)
+    c = RouterCore(wrapped, block_size=4)
+    c.apply_state(st("a", 0.0, phase="both", queue=[q("x", 64)]), 0.0)
+    assert wrapped.name == "ttft" and pol.predictor.estimate("a", 0.0, uncached_tokens=1, cached_tokens=0).queue_items == 1
+    out = c.route(RouteRequest(rid="r", prompt_tokens=8), None, 0.0)
+    assert isinstance(out, RouteDecision) and pol.predictor.tracked("a") == 1
+    c.finish("r", 0.1)
+    assert pol.predictor.tracked("a") == 0
+
+
+def test_core_balances_by_predicted_ttft_and_sends_the_fetch_plan():
+    c = _core()
+    for n in ("a", "b"):
+        c.apply_state(st(n, 0.0), 0.0)
+    c.apply_state(st("d", 0.0, phase="decode", gpu_free_blocks=1000), 0.0)
+    req = RouteRequest(rid="r1", prompt_tokens=20 * BS + 100, block_hashes=list(range(20)), branch_id="br")
+    out = c.route(req, _lookup_on("b", 20), 0.0)
+    assert isinstance(out, RouteDecision)
+    # b holds the prefix, both idle: b (no fetch)
+    assert out.prefill.node == "b" and out.work.fetch == [] and out.predicted_ttft_s == pytest.approx(it(100))
+    assert out.prefill.path == "ttft" and len(out.prefill.estimates) == 2
+    # b now has r1 unreported (1,380 tokens, 1,280 cached → 100 uncached); a second request of the
+    # same prefix: b waits 0.02, a must fetch (0.45128 exposed) → b again
+    out2 = c.route(RouteRequest(rid="r2", prompt_tokens=20 * BS + 100, block_hashes=list(range(20))), _lookup_on("b", 20), 0.0)
+    assert isinstance(out2, RouteDecision) and out2.prefill.node == "b"
+    e_b = next(e for e in out2.prefill.estimates if e.node == "b")
+    assert e_b.queue_items == 1 and e_b.shared is False and e_b.wait_s == pytest.approx(it(100))
+    # b reports a long backlog: the next request goes to a, with the fetch plan from b
+    c.apply_state(st("b", 0.1, remaining=3.0, queue=[q("r1", 100, 1280), q("r2", 100, 1280)]), 0.1)
+    out3 = c.route(RouteRequest(rid="r3", prompt_tokens=20 * BS + 100, block_hashes=list(range(20))), _lookup_on("b", 20), 0.1)
+    assert isinstance(out3, RouteDecision) and out3.prefill.node == "a"
+    assert out3.work.fetch == [FetchRange(node="b", start=0, end=20, tier="host")]
+    assert out3.predicted_ttft_s == pytest.approx(0.45128 + it(100))
+    # first token: the prediction error is measured against the worker's first-token time
+    s = c.on_first_token("r3", 0.7, first_token_at=0.65, queue_s=0.4)
+    assert s is not None and s.node == "a" and s.measured_s == pytest.approx(0.55)
+    assert s.error_s == pytest.approx(0.47128 - 0.55)
+    counters, gauges = c.metrics.export()
+    assert counters["ttft_pred_abs_err_s.count"] == 1 and gauges["queue_s.mean.a"] == pytest.approx(0.4)
+    assert c.policy.predictor.tracked("a") == 0  # forgotten at its first token
+    assert c.finish("r3", 1.0) is not None and c.on_first_token("r3", 1.0) is None
+
+
+def test_decode_binding_needs_kv_room_then_fewest_requests():
+    c = _core()
+    c.apply_state(st("p", 0.0), 0.0)
+    c.apply_state(st("d1", 0.0, phase="decode", gpu_free_blocks=100, running=0), 0.0)
+    c.apply_state(st("d2", 0.0, phase="decode", gpu_free_blocks=10_000, running=5), 0.0)
+    small = RouteRequest(rid="s", prompt_tokens=50 * BS, max_tokens=BS, block_hashes=list(range(50)))
+    out = c.route(small, None, 0.0)
+    assert isinstance(out, RouteDecision) and out.decode_node == "d1"  # 51 blocks fit in d1's 100: fewest requests
+    big = RouteRequest(rid="b", prompt_tokens=60 * BS, max_tokens=BS, block_hashes=list(range(60)))
+    out = c.route(big, None, 0.0)
+    assert isinstance(out, RouteDecision) and out.decode_node == "d2"  # d1 has 100 − 51 reserved = 49 < 61 blocks
+    c.on_first_token("s", 0.5)  # s's KV is now on d1 and its next state counts it
+    c.apply_state(st("d1", 0.6, phase="decode", gpu_free_blocks=100 - 51, running=1), 0.6)
+    out = c.route(RouteRequest(rid="c", prompt_tokens=10 * BS, block_hashes=list(range(10))), None, 0.6)
+    assert isinstance(out, RouteDecision) and out.decode_node == "d1"
+
+
+# --------------------------------------------------------------------------- #
+# the work on each node follows the directory's fetch_plan
+# --------------------------------------------------------------------------- #
+
+@hs.composite
+def _lookups(draw):
+    names = [f"n{i}" for i in range(draw(hs.integers(2, 6)))]
+    longest = draw(hs.integers(1, 60))
+    cuts = sorted(set(draw(hs.lists(hs.integers(1, longest - 1), max_size=4)) if longest > 1 else []))
+    bounds = [0, *cuts, longest]
+    sources = [
+        FetchRange(node=draw(hs.sampled_from(names)), start=a, end=b, tier=draw(hs.sampled_from(["gpu", "host"])))
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    prefixes = []
+    for n in names:
+        local = draw(hs.integers(0, longest))
+        if local:
+            prefixes.append(NodePrefix(node=n, gpu_blocks=draw(hs.integers(0, local)), local_blocks=local))
+    return KvLookupReply(block_size=BS, nodes=prefixes, longest_any=longest, sources=sources), names
+
+
+@settings(max_examples=200, deadline=None)
+@given(_lookups())
+def test_cached_fetched_and_local_tokens_equal_fetch_plan(lk_names):
+    look, names = lk_names
+    p = TtftPredictor(SIMPLE, fetch=FetchModel(min_tokens=0))
+    req = RouteRequest(rid="r", prompt_tokens=look.longest_any * BS + 1, block_hashes=list(range(look.longest_any)))
+    pred = p.predict(req, look, cand(*names), 0.0)
+    for e in pred.estimates:
+        fp = fetch_plan(look.nodes, look.longest_any, look.sources, e.node, BS)
+        assert (e.cached_tokens, e.fetch_tokens, e.local_tokens) == (fp.cached_tokens, fp.fetch_tokens, fp.local_tokens)
+    if pred.best.fetch_tokens:
+        fp = fetch_plan(look.nodes, look.longest_any, look.sources, pred.best.node, BS)
+        assert pred.fetch == fp.ranges
