@@ -484,13 +484,17 @@ def test_state_reports_queue_kv_and_remaining_time(b):
     assert st.remaining_s == pytest.approx(plan.iteration_s * 3 / 4)
     assert (st.running, st.waiting, st.decoding, st.phase, st.block_size) == (1, 1, 0, "both", 4)
     assert [q.rid for q in st.queue] == ["a", "b"]
-    assert (st.queue[0].uncached_tokens, st.queue[0].cached_tokens) == (48, 0)
+    # the chunk in flight (32 tokens) is covered by remaining_s, not listed again
+    assert (st.queue[0].uncached_tokens, st.queue[0].cached_tokens) == (16, 32)
     assert st.gpu_total_blocks == 64 and st.gpu_free_blocks == 64 - 13
     finish(s, plan)
     st = s.state(plan.end)
     assert (st.queue[0].uncached_tokens, st.queue[0].cached_tokens) == (16, 32)
     assert st.host_used_blocks == 8 and st.host_total_blocks == 256
     assert st.remaining_s == 0.0
+    plan = s.schedule(plan.end)  # the last chunk of "a" is in flight: "a" leaves the queue
+    st = s.state(plan.start)
+    assert [q.rid for q in st.queue] == ["b"]
 
 
 def test_records_match_plans(b, run):
