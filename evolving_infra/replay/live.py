@@ -213,6 +213,14 @@ class LiveReplayer:
                         if choice.get("text") or choice.get("finish_reason"):
                             if first is None and choice.get("text"):
                                 first = self.clock.now()
+                    ei = obj.get("ei")
+                    if ei:
+                        rec.prefill_node = ei.get("prefill_node") or rec.prefill_node
+                        rec.decode_node = ei.get("decode_node") or rec.decode_node
+                        if ei.get("queue_s") is not None:
+                            rec.queue_s = float(ei["queue_s"])
+                        if ei.get("predicted_ttft_s") is not None:
+                            rec.predicted_ttft_s = float(ei["predicted_ttft_s"])
                     usage = obj.get("usage")
                     if usage:
                         rec.prompt_tokens = int(usage.get("prompt_tokens", 0))

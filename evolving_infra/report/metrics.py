@@ -208,6 +208,11 @@ def summarize(
     if h is not None and ideal_kv_hit_rate:
         lost = max(0.0, 1.0 - h / ideal_kv_hit_rate)
     queue = [r.queue_s for r in records if r.queue_s is not None]
+    pred_err = [
+        abs(r.ttft_s - r.admission_wait_s - r.predicted_ttft_s)
+        for r in ok
+        if r.predicted_ttft_s is not None and r.ttft_s is not None
+    ]
     imbalance, _ = prefill_queue_imbalance(records, start=start, end=end, window_s=window_s, timeline=timeline)
     return {
         "requests_sent": len(records),
@@ -234,6 +239,9 @@ def summarize(
         "prefill_queue_mean_s": _mean(queue),
         "prefill_queue_p95_s": _pct(queue, 95),
         "prefill_queue_imbalance": imbalance,
+        "ttft_prediction_samples": len(pred_err),
+        "ttft_prediction_abs_error_median_s": _pct(pred_err, 50),
+        "ttft_prediction_abs_error_p95_s": _pct(pred_err, 95),
     }
 
 

@@ -46,6 +46,11 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Prompt tokens whose KV an earlier request of the run produced: this request's share of the
     ideal hit rate h* (unlimited cache shared by all nodes, no phase switches), when the producer
     knows it. Enables lost KV reuse per time window in the report."""
+    predicted_ttft_s: float | None = None
+    """The router's TTFT prediction for this request (``ttft`` routing, paper Eq. 7), when it made one."""
+    first_token_at: float | None = None
+    """Simulated time the first token was produced on the prefill node, when the producer knows it
+    (the simulator does; the live replayer measures at the client instead)."""
 
     @property
     def tpot_s(self) -> float | None:

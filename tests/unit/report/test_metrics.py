@@ -183,3 +183,15 @@ def test_bad_periods_keep_the_report():
     assert report["periods"] is None
     assert any("periods not computed" in n for n in report["report_notes"])
     assert report["requests_sent"] == 1
+
+
+def test_ttft_prediction_error_median():
+    rs = [rec(i, ttft=t) for i, t in enumerate((1.0, 2.0, 4.0))]
+    for r, p in zip(rs, (1.5, 2.0, 1.0)):  # |errors| 0.5, 0.0, 3.0
+        r.predicted_ttft_s = p
+    rs[0].admission_wait_s = 0.25  # the admission wait is not the router's to predict
+    rs[0].ttft_s = 1.25
+    s = summarize(rs + [rec(9, ttft=7.0)])  # a request without a prediction is left out
+    assert s["ttft_prediction_samples"] == 3
+    assert s["ttft_prediction_abs_error_median_s"] == pytest.approx(0.5)
+    assert summarize([rec(0)])["ttft_prediction_abs_error_median_s"] is None
