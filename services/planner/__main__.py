@@ -8,7 +8,7 @@ from shared.service import run_service
 
 
 def main() -> None:
-    cfg = load_config(PlannerConfig, prog="planner", description="Evolving Infra planner: PD split and iteration records")
+    cfg = load_config(PlannerConfig, prog="planner", description="Evolving Infra planner: PD split, online iteration-time models and split policies")
     setup_logging(cfg.log_format, cfg.log_level, service="planner")
     run_service("planner", cfg, PlannerService, instance=cfg.instance or "planner")
 

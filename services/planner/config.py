@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import Meta
 
@@ -18,3 +18,26 @@ class PlannerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fiel
     announce_interval_s: Annotated[
         float, Meta(gt=0, description="wall seconds between re-publications of the current split (late joiners)")
     ] = 5.0
+    planner: Annotated[
+        Literal["static", "evolving", "dynamo", "arrow"],
+        Meta(
+            description="split policy: static (never switches), evolving (paper §5.2: online NNLS models + "
+            "significance-gated planner + SLO guard), dynamo (load-based thresholds), arrow (TTFT/TPOT SLOs)"
+        ),
+    ] = "static"
+    profile: Annotated[
+        str, Meta(description="node profile (shared/profiles name or TOML path): model priors, MoE shape, limits")
+    ] = "gb300-glm52"
+    planner_args: Annotated[
+        list[str],
+        Meta(
+            description="policy parameters as key=value, comma-separated (e.g. t_learn_s=300,window_s=600,"
+            "slo_guard=false); keys are the fields of EvolvingParams / DynamoParams / ArrowParams"
+        ),
+    ] = []
+    max_tick_wait_s: Annotated[
+        float, Meta(gt=0, description="wall seconds the tick loop sleeps at most before asking the policy again")
+    ] = 1.0
+    busy_timeout_s: Annotated[
+        float, Meta(gt=0, description="simulated seconds a node may take to confirm a phase switch before it stops blocking planning")
+    ] = 900.0

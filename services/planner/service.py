@@ -1,7 +1,15 @@
-"""Planner service shell: publishes split commands, answers ``split.get``, stores iteration records.
+"""Planner service shell: subscribe, decode, call the core, publish what it returns.
 
-Zero decision logic here (it lives in ``core.py``): subscribe, decode, call the
-core, publish what it returns.
+Contains zero decision logic (it lives in ``core.py`` and the policies). Inputs:
+``node.iters.*``, ``node.state.*``, ``req.*.out`` (request completions for w̄),
+``split.applied``; request/reply: ``split.get``, ``split.set``. Outputs:
+``split.commands`` (at start, on every new epoch, and every
+``announce_interval_s``), ``planner.decisions`` (every decision),
+``planner.models`` (when the models change, and with each announcement).
+
+The tick loop sleeps on the cluster clock until the policy's ``next_tick()``
+(at most ``max_tick_wait_s`` wall seconds at a time), then calls
+``core.tick(now)``.
 """
 
 from __future__ import annotations
@@ -12,60 +20,179 @@ import structlog
 
 from services.planner.config import PlannerConfig
 from services.planner.core import PlannerCore
+from services.planner.policy import make_planner, parse_planner_args
 from shared import messages as m
 from shared.bus import Bus
 from shared.clock import SimClock
-from shared.subjects import NODE_ITERS, SPLIT_APPLIED, SPLIT_COMMANDS, SPLIT_GET
+from shared.profile import load_profile
+from shared.split import SplitError
+from shared.subjects import (
+    NODE_ITERS,
+    NODE_STATE,
+    PLANNER_DECISIONS,
+    PLANNER_MODELS,
+    REQ_OUT,
+    SPLIT_APPLIED,
+    SPLIT_COMMANDS,
+    SPLIT_GET,
+    SPLIT_SET,
+)
 
 
 class PlannerService:
-    """Announces the split (at start, then every ``announce_interval_s``) and collects records."""
+    """Runs the selected planner policy over the bus (see the module docstring).
+
+    Raises:
+        ValueError / SplitError / ProfileError: on a bad node list, split, profile or planner argument.
+    """
 
     def __init__(self, cfg: PlannerConfig, bus: Bus, clock: SimClock) -> None:
         self.cfg = cfg
         self.bus = bus
         self.clock = clock
-        self.core = PlannerCore(cfg.nodes, cfg.split, history=cfg.history)
-        self.log = structlog.get_logger("planner")
+        profile = load_profile(cfg.profile)
+        policy = make_planner(cfg.planner, cfg.nodes, profile, **parse_planner_args(cfg.planner_args))
+        self.core = PlannerCore(cfg.nodes, cfg.split, history=cfg.history, policy=policy, busy_timeout_s=cfg.busy_timeout_s)
+        self.log = structlog.get_logger("planner").bind(policy=cfg.planner)
         self.applied: dict[str, m.SplitApplied] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._wake = asyncio.Event()
+        self.counters: dict[str, int] = {"split.set.ok": 0, "split.set.refused": 0, "decisions": 0, "models.published": 0}
 
     async def start(self) -> None:
         await self.bus.subscribe(NODE_ITERS, self._on_iters)
+        await self.bus.subscribe(NODE_STATE, self._on_state)
+        await self.bus.subscribe(REQ_OUT, self._on_chunk)
         await self.bus.subscribe(SPLIT_APPLIED, self._on_applied)
         await self.bus.serve(SPLIT_GET, self._on_get)
+        await self.bus.serve(SPLIT_SET, self._on_set)
         await self.bus.publish(SPLIT_COMMANDS, self.core.command)
         self.log.info("split announced", split=self.core.split, epoch=self.core.command.epoch)
-        self._task = asyncio.create_task(self._announce_loop(), name="planner-announce")
+        await self._publish_models(force=True)
+        self._tasks.append(asyncio.create_task(self._announce_loop(), name="planner-announce"))
+        self._tasks.append(asyncio.create_task(self._tick_loop(), name="planner-tick"))
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
             try:
-                await self._task
+                await t
             except asyncio.CancelledError:
                 pass
+        self._tasks.clear()
+
+    # -- loops ------------------------------------------------------------------ #
 
     async def _announce_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.announce_interval_s)
             await self.bus.publish(SPLIT_COMMANDS, self.core.command)
+            await self._publish_models(force=True)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            nxt = self.core.next_tick()
+            now = self.clock.now()
+            if nxt is not None and nxt <= now:
+                await self._tick(now)
+                continue
+            wait = self.cfg.max_tick_wait_s
+            if nxt is not None:
+                wait = min(wait, max(0.0, self.clock.to_wall(nxt - now)))
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=wait)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _tick(self, now: float) -> None:
+        try:
+            cmd = self.core.tick(now)
+        except Exception as e:  # a policy bug must not stop the planner loop
+            self.counters["tick.errors"] = self.counters.get("tick.errors", 0) + 1
+            self.log.exception("planner tick failed", error=repr(e))
+            await asyncio.sleep(self.cfg.max_tick_wait_s)
+            return
+        if cmd is not None:
+            await self.bus.publish(SPLIT_COMMANDS, cmd)
+            self.log.info("split changed", split=self.core.split, epoch=cmd.epoch, reason=cmd.reason)
+        await self._flush()
+
+    async def _flush(self) -> None:
+        for d in self.core.take_decisions():
+            self.counters["decisions"] += 1
+            self.log.info(
+                "[decision]",
+                action=d.action,
+                current=d.split_before,
+                recommended=d.split_after,
+                reason=d.reason,
+                candidates=[(c.split, round(c.mean_gain, 4), round(c.threshold, 4), c.vetoed) for c in d.candidates],
+                **{k: round(v, 4) for k, v in d.metrics.items()},
+            )
+            await self.bus.publish(PLANNER_DECISIONS, d)
+        await self._publish_models()
+
+    async def _publish_models(self, *, force: bool = False) -> None:
+        models = self.core.take_models()
+        if models is None and force:
+            models = self.core.current_models()
+        if models is not None:
+            await self.bus.publish(PLANNER_MODELS, models)
+            self.counters["models.published"] += 1
+
+    # -- handlers ----------------------------------------------------------------- #
 
     async def _on_iters(self, msg: m.IterationRecords, _subject: str) -> None:
-        if not self.core.add_records(msg):
+        if not self.core.add_records(msg, self.clock.now()):
             self.log.warning("iteration records from an unknown node dropped", node=msg.node)
+
+    async def _on_state(self, msg: m.NodeState, _subject: str) -> None:
+        self.core.on_node_state(msg, self.clock.now())
+
+    async def _on_chunk(self, msg: m.TokenChunk, _subject: str) -> None:
+        self.core.on_token_chunk(msg, self.clock.now())
 
     async def _on_applied(self, msg: m.SplitApplied, _subject: str) -> None:
         self.applied[msg.node] = msg
+        self.core.on_split_applied(msg, self.clock.now())
 
     async def _on_get(self, _req: m.SplitQuery, _subject: str) -> m.SplitCommand:
         return self.core.command
+
+    async def _on_set(self, req: m.SplitSetRequest, _subject: str) -> m.SplitSetReply:
+        now = self.clock.now()
+        try:
+            cmd = self.core.set_split(req.split, now, reason=req.reason or "operator")
+        except (SplitError, ValueError) as e:
+            self.counters["split.set.refused"] += 1
+            self.log.warning("split set refused", split=req.split, error=str(e))
+            return m.SplitSetReply(ok=False, error=str(e))
+        self.counters["split.set.ok"] += 1
+        await self.bus.publish(SPLIT_COMMANDS, cmd)
+        self.log.info("split set by operator", split=self.core.split, epoch=cmd.epoch)
+        await self._flush()
+        await self._tick(now)  # the policy sees the new split at once
+        return m.SplitSetReply(ok=True, command=cmd)
+
+    # -- stats ---------------------------------------------------------------------- #
 
     def stats(self) -> tuple[dict[str, int], dict[str, float]]:
         counters = {
             "iteration_records": self.core.records_total,
             "iteration_records_unknown_node": self.core.records_unknown_node,
+            "node_states_unknown_node": self.core.states_unknown_node,
             "split_epoch": self.core.command.epoch,
+            "requests_completed": self.core.tracker.completed,
+            "requests_dropped": self.core.tracker.dropped,
+            "switches": self.core.switches,
+            "ticks": self.core.ticks,
+            **self.counters,
         }
         gauges = {f"records.{n}": float(len(r)) for n, r in self.core.records.items()}
+        gauges["requests_inflight"] = float(len(self.core.tracker))
+        nxt = self.core.next_tick()
+        if nxt is not None:
+            gauges["next_tick_s"] = float(nxt)
         return counters, gauges

@@ -1,0 +1,85 @@
+"""``evolving-infra split set|get``: ask the live planner to adopt a PD split, or show the current one.
+
+``split set 4P5D`` sends a ``SplitSetRequest`` on ``split.set``; the planner
+validates it against its node list and, when it fits, publishes the split under
+a new epoch on ``split.commands`` and replies with that command. ``split get``
+asks ``split.get``. Exit status: 0 on success, 1 when the planner refused the
+split (the reason is printed), 2 when no planner answered or the input is malformed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+
+from shared import messages as m
+from shared.bus import Bus, BusError
+from shared.split import split_name
+from shared.subjects import SPLIT_GET, SPLIT_SET, Subjects
+
+_SPEC = re.compile(r"^\s*(\d+\s*[pP]\s*\d+\s*[dD]|collocated|both|agg|aggregated)\s*$", re.IGNORECASE)
+
+
+def _print_command(cmd: m.SplitCommand, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"epoch": cmd.epoch, "split": split_name(cmd.phases), "phases": cmd.phases, "reason": cmd.reason, "decided_at": cmd.decided_at}))
+    else:
+        nodes = " ".join(f"{n}={p}" for n, p in cmd.phases.items())
+        print(f"epoch {cmd.epoch}: {split_name(cmd.phases)} ({nodes}); reason: {cmd.reason}")
+
+
+async def _run(args: argparse.Namespace) -> int:
+    try:
+        bus = await Bus.connect(
+            args.nats_url, Subjects(args.partition), service="cli", instance="split-cli", connect_timeout=args.timeout, max_reconnect_attempts=0
+        )
+    except Exception as e:  # no server: a clear message, not a traceback
+        print(f"error: cannot connect to NATS at {args.nats_url}: {e}", file=sys.stderr)
+        return 2
+    try:
+        if args.split_command == "get":
+            cmd = await bus.request(SPLIT_GET, m.SplitQuery(), timeout=args.timeout)
+            _print_command(cmd, args.json)
+            return 0
+        reply = await bus.request(SPLIT_SET, m.SplitSetRequest(split=args.split, reason=args.reason), timeout=args.timeout)
+    except BusError as e:
+        print(f"error: no planner answered on partition {args.partition!r} ({e})", file=sys.stderr)
+        return 2
+    finally:
+        await bus.close()
+    if not reply.ok or reply.command is None:
+        print(f"error: planner refused split {args.split!r}: {reply.error}", file=sys.stderr)
+        return 1
+    _print_command(reply.command, args.json)
+    return 0
+
+
+def cmd_split(args: argparse.Namespace) -> int:
+    if args.split_command == "set" and not _SPEC.match(args.split):
+        print(f"error: split {args.split!r} must look like '4P5D' or 'collocated'", file=sys.stderr)
+        return 2
+    return asyncio.run(_run(args))
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "split",
+        help="show or set the PD split of a live cluster (operator override of the planner)",
+        description="Ask the planner of a live cluster for its split (get) or to adopt one now (set). The planner checks "
+        "the split against its nodes and publishes it under a new epoch; its policy then plans from that split "
+        "(the evolving planner restarts its cooldown).",
+    )
+    ss = p.add_subparsers(dest="split_command", metavar="ACTION", required=True)
+    for name, help_text in (("set", "adopt a split now, e.g. `split set 4P5D`"), ("get", "print the current split and epoch")):
+        q = ss.add_parser(name, help=help_text)
+        if name == "set":
+            q.add_argument("split", metavar="SPLIT", help="xPyD (x prefill + y decode nodes = all nodes) or 'collocated'")
+            q.add_argument("--reason", default="operator", help="reason recorded with the decision")
+        q.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server (the URL `up` printed)")
+        q.add_argument("--partition", default="p0", help="partition (default p0)")
+        q.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the planner")
+        q.add_argument("--json", action="store_true", help="print the command as JSON")
+    p.set_defaults(func=cmd_split)

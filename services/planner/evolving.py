@@ -1,0 +1,629 @@
+"""The paper's planner (§5.1, §5.2, Alg. E.3 outer loop) plus an SLO guard (beyond the paper).
+
+Contains zero I/O; every method takes ``now`` (simulated s).
+
+Life cycle:
+
+1. **Warm-up** (``t_learn_s``, paper 1,800 s): the first :meth:`tick` switches
+   every node to ``both`` (collocated) and remembers the split it found as the
+   initial split. Every iteration record goes into the node's
+   :class:`~services.planner.fit.FitSamples`.
+2. **Freeze**: at the warm-up end each node's Eq. 1/2 coefficients are fitted by
+   NNLS (``fit.fit_node``) and frozen; a node with too few records gets the median
+   of the fitted nodes (``peer``), or the profile. The decision is "go to the
+   initial split" (for an initial ``collocated`` split: the p with the best mean Θ
+   over the warm-up).
+3. **Windows** (``window_s`` = 600 s, ``slices`` m = 10): at each window end,
+   t̄_n and f_n are re-measured; for every prefill count p ≠ |P| the fewest-change
+   candidate gets per-slice gains g_i = Θ(cand; w̄_i, q̄_i) − Θ(cur; w̄_i, q̄_i)
+   (Eq. 5, 6); it qualifies if mean(g) > z·std(g)/√m (z = 2); the qualifying
+   candidate with the largest mean gain is applied. No planning while a node
+   is busy (draining/switching) or within ``cooldown_s`` (120 s) of a switch.
+4. **SLO guard** (``slo_guard``, on by default; ``slo_guard=False`` is the paper's
+   planner exactly). Motivation: paper App. D.3, where one switch to 2P7D left
+   prefill requests queueing for 120–275 s at P95 for ten minutes. With the same
+   models and the observed arrival rate λ̂ (``Observer.arrival_rate``), the
+   prefill pool of a split is an M/M/c queue (``throughput.ttft_quantile``):
+
+   * *veto*: a qualifying candidate whose predicted P95 TTFT exceeds
+     ``ttft_target_s`` (15 s, D.3's target) and is worse than the current split's
+     is not applied;
+   * *reversal*: every slice (60 s) outside warm-up, cooldown and busy periods,
+     if the current split's predicted P95 TTFT over the last ``guard_lookback_s``
+     exceeds the target **and** the observed prefill backlog (mean Eq. 7 wait
+     Ŵ_n over prefill nodes, from their latest states) exceeds
+     ``guard_backlog_share`` × target, switch to the smallest p > |P| whose
+     predicted P95 TTFT meets the target, whose decode pool can sustain λ̂ at a
+     full batch, and whose Θ is within ``guard_max_theta_loss`` of the current
+     one. Both conditions must hold, so a sub-agent burst (backlog without a
+     sustained rate) or a rate the models think too high while queues stay
+     short does not switch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.messages import CandidateGain, IterationRecord, NodeModels, NodeState, Phase, PlannerModels
+from shared.profile import Profile
+from shared.split import SplitError, assign_min_change, split_name, split_phases
+from services.planner.fit import FitSamples, fit_node, median_decode, median_prefill
+from services.planner.observe import Observer, SliceStats
+from services.planner.policy import PolicyBase, RequestDone, SplitDecision
+from services.planner.throughput import (
+    ModelTable,
+    NodeModelState,
+    candidate_masks,
+    queue_wait,
+    significance,
+    theta,
+    ttft_quantile,
+    ttft_quantiles,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EvolvingParams:
+    """Parameters of :class:`EvolvingPlanner` (defaults: paper App. E.3 unless noted)."""
+
+    t_learn_s: float = 1800.0
+    """Collocated warm-up during which the models are fitted (paper: 1,800 s)."""
+    window_s: float = 600.0
+    """Planning window T_win (paper: 600 s)."""
+    slices: int = 10
+    """Slices m per window (paper: 60-s slices, m = 10)."""
+    z: float = 2.0
+    """Significance: a candidate qualifies if mean(g) > z·std(g)/√m (paper: 2)."""
+    cooldown_s: float = 120.0
+    """No planning this long after a switch (paper: 120 s)."""
+    min_slices: int = 3
+    """Slices with completed requests needed to evaluate a window (ours)."""
+    min_requests_per_slice: int = 1
+    """Completed requests for a slice to count (ours)."""
+    min_fit_samples: int = 8
+    """Records with a prefill (decode) part needed to fit that side of a node (ours)."""
+    fit_cap: int = 50_000
+    """Records kept per node for the fit (uniform reservoir sample; ours)."""
+    max_batch: int = 0
+    """Cap on B in Eq. 4 (0 = the profile's ``scheduler.max_running``)."""
+    initial_split: str | None = None
+    """Split to serve after the warm-up (None = the phases at the first tick)."""
+    slo_guard: bool = True
+    """Enable the SLO guard (beyond the paper; False = the paper's planner)."""
+    ttft_target_s: float = 15.0
+    """Guard target for the TTFT quantile (paper App. D.3: P95 within 15 s)."""
+    ttft_quantile: float = 0.95
+    guard_lookback_s: float = 180.0
+    """Arrival rate and w̄ of the reversal check come from this much history (whole slices)."""
+    guard_backlog_share: float = 0.5
+    """Reversal needs the observed mean prefill wait above this share of the target."""
+    guard_max_theta_loss: float = 0.10
+    """A reversal target may lose at most this share of the current Θ."""
+    sample_interval_s: float = 5.0
+    """Extra ticks this often so that a caller that reports node states only at ticks (the
+    simulator) gives the time averages q̄_i enough samples (ours; 0 = no extra ticks)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sample_interval_s < 0:
+            raise ValueError("sample_interval_s must be >= 0")
+        if self.t_learn_s < 0 or self.window_s <= 0 or self.cooldown_s < 0:
+            raise ValueError("t_learn_s and cooldown_s must be >= 0 and window_s > 0")
+        if self.slices < 2:
+            raise ValueError(f"slices must be >= 2 (a standard deviation needs two), got {self.slices}")
+        if not 2 <= self.min_slices <= self.slices:
+            raise ValueError(f"min_slices must be in [2, slices], got {self.min_slices}")
+        if self.z < 0 or self.ttft_target_s <= 0 or not 0 < self.ttft_quantile < 1:
+            raise ValueError("z must be >= 0, ttft_target_s > 0, ttft_quantile in (0, 1)")
+        if self.guard_lookback_s <= 0 or self.guard_backlog_share < 0 or not 0 <= self.guard_max_theta_loss <= 1:
+            raise ValueError("guard_lookback_s > 0, guard_backlog_share >= 0, guard_max_theta_loss in [0, 1]")
+
+
+class EvolvingPlanner(PolicyBase):
+    """The paper's online phase-split planner with the SLO guard (module docstring).
+
+    Args:
+        nodes: node ids in cluster order.
+        profile: node profile: Eq. 1/2 priors and MoE/MTP shape, ``max_running``, chunk size.
+        params: :class:`EvolvingParams`.
+
+    Raises:
+        ValueError: bad nodes or an ``initial_split`` that does not fit them.
+    """
+
+    name = "evolving"
+
+    def __init__(self, nodes: Sequence[str], profile: Profile, params: EvolvingParams | None = None) -> None:
+        super().__init__(nodes, profile)
+        self.p = params or EvolvingParams()
+        if self.p.initial_split is not None:
+            split_phases(self.p.initial_split, self.nodes)  # validate early
+        self.slice_s = self.p.window_s / self.p.slices
+        self.max_batch = float(self.p.max_batch or profile.scheduler.max_running)
+        self.lookback = max(1, round(self.p.guard_lookback_s / self.slice_s))
+        keep = max(self.p.slices, self.lookback) + 2 + math.ceil(self.p.t_learn_s / self.slice_s)
+        self.obs = Observer(self.nodes, self.slice_s, origin=0.0, keep_buckets=min(keep, 4096))
+        self.samples = {n: FitSamples(self.p.fit_cap, seed=self.p.seed * 1_000_003 + i) for i, n in enumerate(self.nodes)}
+        self.state: dict[str, NodeModelState] = {
+            n: NodeModelState(profile.prefill, profile.decode, float(profile.scheduler.chunk_tokens), 0.0) for n in self.nodes
+        }
+        self.frozen = False
+        self.frozen_at: float | None = None
+        self.stage = "start"
+        self.initial: dict[str, Phase] | None = None
+        self.expected: dict[str, Phase] = {}
+        self.warmup_end = 0.0
+        self.next_window_end = math.inf
+        self.next_guard = math.inf
+        self.last_switch_at = -math.inf
+        self.next_sample = 0.0
+        self._models_seq = 0
+        self._table: tuple[tuple[tuple[str, ...], int], ModelTable] | None = None
+        self.windows = 0
+        """Windows evaluated (including skipped ones)."""
+
+    # -- inputs ------------------------------------------------------------ #
+
+    def on_iterations(self, node: str, records: Sequence[IterationRecord], now: float) -> None:
+        """Warm-up: sample records for the fit; always: t̄_n / f_n inputs. O(records)."""
+        s = self.samples.get(node)
+        if s is None:
+            return
+        if not self.frozen:
+            s.add(records)
+        self.obs.on_iterations(node, records, now)
+
+    def on_node_state(self, state: NodeState, now: float) -> None:
+        if state.node in self.samples:
+            self.obs.on_node_state(state, now)
+
+    def on_request_done(self, done: RequestDone, now: float) -> None:
+        self.obs.on_request_done(done, now)
+
+    def on_switch_done(self, node: str, phase: Phase, now: float) -> None:
+        """A node finished switching: the cooldown runs from the last switch completion too."""
+        self.last_switch_at = max(self.last_switch_at, now)
+
+    # -- schedule ---------------------------------------------------------- #
+
+    def next_tick(self) -> float | None:
+        if self.stage == "start":
+            return 0.0
+        nxt = self.warmup_end if self.stage == "warmup" else self.next_window_end
+        if self.stage == "pd" and self.p.slo_guard:
+            nxt = min(nxt, self.next_guard)
+        if self.p.sample_interval_s > 0:
+            nxt = min(nxt, self.next_sample)
+        return nxt
+
+    def tick(self, now: float, phases: Mapping[str, Phase], busy: Set[str]) -> SplitDecision | None:
+        """Advance the state machine to ``now`` (see the module docstring); returns a decision
+        only when the phase map should change."""
+        phases = dict(phases)
+        self.obs.advance(now)
+        if self.p.sample_interval_s > 0 and now + 1e-9 >= self.next_sample:
+            while self.next_sample <= now + 1e-9:
+                self.next_sample += self.p.sample_interval_s
+        if self.stage == "start":
+            return self._start(now, phases)
+        external = [n for n in phases if n not in busy and self.expected.get(n, phases[n]) != phases[n]]
+        if self.stage == "warmup":
+            if external:
+                return self._freeze(now, phases, reason=f"split changed externally during warm-up ({split_name(phases)})")
+            if now + 1e-9 >= self.warmup_end:
+                return self._freeze(now, phases)
+            return None
+        if external:
+            self.expected = dict(phases)
+            self.last_switch_at = now
+            self._decide(now, "no_switch", phases, None, f"split changed externally to {split_name(phases)}; cooldown restarts")
+        if now + 1e-9 >= self.next_window_end:
+            w_end = self.next_window_end
+            while self.next_window_end <= now + 1e-9:
+                self.next_window_end += self.p.window_s
+            self._advance_guard(now)
+            return self._window(now, w_end, phases, busy)
+        if self.p.slo_guard and now + 1e-9 >= self.next_guard:
+            self._advance_guard(now)
+            return self._guard(now, phases, busy)
+        return None
+
+    def _advance_guard(self, now: float) -> None:
+        self.next_guard = self.obs.start_of(self.obs.index(now) + 1)  # first grid boundary after now
+
+    # -- warm-up ------------------------------------------------------------ #
+
+    def _start(self, now: float, phases: dict[str, Phase]) -> SplitDecision | None:
+        self.initial = split_phases(self.p.initial_split, self.nodes) if self.p.initial_split else dict(phases)
+        self.warmup_end = max(now, self.obs.start_of(self.obs.ceil_index(now + self.p.t_learn_s)))
+        self.stage = "warmup"
+        both: dict[str, Phase] = {n: "both" for n in phases}
+        self.expected = both
+        if self.p.t_learn_s <= 0:
+            self.expected = dict(phases)
+            return self._freeze(now, phases)
+        return self._decide(
+            now,
+            "warmup",
+            phases,
+            both,
+            f"warm-up: every node serves both phases until t={self.warmup_end:.0f}s to fit the iteration-time models",
+            metrics={"warmup_end": self.warmup_end},
+        )
+
+    def _fit(self) -> dict[str, float]:
+        """Fit every node, fill the unfitted from peers or the profile, freeze. Returns summary metrics."""
+        prof = self.profile
+        fits = {n: fit_node(self.samples[n], prof.prefill, prof.decode, min_samples=self.p.min_fit_samples) for n in self.nodes}
+        pre = [f.prefill for f in fits.values() if f.prefill is not None]
+        dec = [f.decode for f in fits.values() if f.decode is not None]
+        peer_p = median_prefill(pre) if pre else None
+        peer_d = median_decode(dec, prof.decode) if dec else None
+        errors = []
+        for n, f in fits.items():
+            st = self.state[n]
+            src = "fitted"
+            if f.prefill is not None:
+                st.prefill = f.prefill
+            elif peer_p is not None:
+                st.prefill, src = peer_p, "peer"
+            else:
+                st.prefill, src = prof.prefill, "profile"
+            if f.decode is not None:
+                st.decode = f.decode
+            elif peer_d is not None:
+                st.decode = peer_d
+                src = "peer" if src == "fitted" else src
+            else:
+                st.decode, src = prof.decode, "profile"
+            st.source = src
+            st.samples = len(self.samples[n])
+            st.fit_error = f.fit_error
+            if f.prefill is not None or f.decode is not None:
+                errors.append(f.fit_error)
+        self.frozen = True
+        for s in self.samples.values():
+            s.rows = []  # frozen: the samples are no longer needed
+        return {
+            "nodes_fitted": float(sum(1 for f in fits.values() if f.prefill is not None and f.decode is not None)),
+            "fit_error_mean": float(np.mean(errors)) if errors else math.nan,
+        }
+
+    def _freeze(self, now: float, phases: dict[str, Phase], reason: str = "") -> SplitDecision | None:
+        k_end = self.obs.index(now + 1e-9)
+        k_start = max(self.obs.index(now - self.p.t_learn_s + 1e-9), k_end - self.obs.keep)
+        self._remeasure(k_start, k_end)
+        metrics = self._fit()
+        self.frozen_at = now
+        self._models_seq += 1
+        self.stage = "pd"
+        self.next_window_end = self.obs.start_of(self.obs.ceil_index(now) + self.p.slices)
+        self._advance_guard(now)
+        assert self.initial is not None
+        if reason:  # external change: keep what the operator set
+            self.expected = dict(phases)
+            self.last_switch_at = now
+            self._decide(now, "no_switch", phases, None, f"models frozen early: {reason}", metrics=metrics)
+            return None
+        target = self.initial
+        if all(v == "both" for v in target.values()):
+            target, extra = self._best_from_warmup(k_start, k_end, phases)
+            metrics.update(extra)
+        self.expected = dict(target)
+        if target != phases:
+            self.last_switch_at = now
+        return self._decide(
+            now,
+            "switch",
+            phases,
+            target,
+            f"warm-up over: models frozen, serving {split_name(target)}",
+            metrics=metrics,
+        )
+
+    def _best_from_warmup(self, k0: int, k1: int, phases: Mapping[str, Phase]) -> tuple[dict[str, Phase], dict[str, float]]:
+        """Initial split ``collocated``: the p with the largest mean Θ over the warm-up slices."""
+        w = [s for s in self.obs.slices(k0, max(1, k1 - k0)) if s.n > 0 and s.q > 0]
+        base: dict[str, Phase] = {n: "decode" for n in phases}
+        n_nodes = len(base)
+        if not w or n_nodes < 2:
+            p = max(1, n_nodes // 2)
+            return assign_min_change(base, p) if n_nodes >= 2 else dict(phases), {"best_p": float(p)}
+        counts, mask, _ = candidate_masks(base)
+        th = self._theta(list(base), mask, counts, w)
+        p = int(counts[int(np.argmax(th.mean(axis=1)))])
+        return assign_min_change(base, p), {"best_p": float(p)}
+
+    # -- measurement ---------------------------------------------------------- #
+
+    def _remeasure(self, k0: int, k1: int) -> dict[str, float]:
+        """Re-measure t̄_n and f_n over buckets [k0, k1) (Alg. E.3 line 15)."""
+        tb: dict[str, float] = {}
+        fs: dict[str, float] = {}
+        for n in self.nodes:
+            t = self.obs.mean_chunk_tokens(n, k0, k1)
+            if t is not None:
+                tb[n] = t
+            f = self.obs.restored_share(n, k0, k1)
+            if f is not None:
+                fs[n] = f
+        t_pool = float(np.mean(list(tb.values()))) if tb else None
+        f_pool = float(np.mean(list(fs.values()))) if fs else None
+        for n in self.nodes:
+            st = self.state[n]
+            if n in tb:
+                st.mean_chunk_tokens = tb[n]
+            elif t_pool is not None:
+                st.mean_chunk_tokens = t_pool
+            if n in fs:
+                st.restored_share = fs[n]
+            elif f_pool is not None:
+                st.restored_share = f_pool
+        self._models_seq += 1
+        return {"mean_chunk_tokens": t_pool or math.nan, "restored_share": f_pool or math.nan}
+
+    def table(self, order: Sequence[str]) -> ModelTable:
+        """Coefficient arrays in ``order``; rebuilt only when the models change."""
+        key = (tuple(order), self._models_seq)
+        if self._table is None or self._table[0] != key:
+            self._table = (key, ModelTable(order, self.state))
+        return self._table[1]
+
+    def models_changed(self) -> None:
+        """Call after editing ``self.state`` directly (tests, benchmarks): drops cached tables."""
+        self._models_seq += 1
+
+    def _theta(self, order: list[str], mask: np.ndarray, counts: np.ndarray, w: Sequence[SliceStats]) -> np.ndarray:
+        table = self.table(order)
+        mu_p = table.prefill_rates(w)
+        mu_d = table.decode_rates(w, len(order) - counts, self.max_batch)
+        return theta(mask, mu_p, mu_d)
+
+    def _ttft(self, order: list[str], mask_row: np.ndarray, w: SliceStats, lam: float) -> float:
+        mu = self.table(order).prefill_rates([w])[:, 0]
+        return ttft_quantile(mu[mask_row], lam, self.p.ttft_quantile)
+
+    # -- the window decision (Eq. 5, 6) --------------------------------------- #
+
+    def evaluate(self, phases: Mapping[str, Phase], w: Sequence[SliceStats], lam: float | None = None) -> tuple[list[CandidateGain], dict[str, float], int | None]:
+        """Gains of every candidate on slices ``w`` and the gate (pure; used by :meth:`tick` and tests).
+
+        Returns:
+            ``(candidates, metrics, best_p)``: one :class:`CandidateGain` per p ≠ |P|,
+            the Θ terms, and the prefill count to switch to (None = stay). With the
+            guard on and ``lam`` given, vetoes are applied.
+        """
+        order = list(phases)
+        counts, mask, p0 = candidate_masks(phases)
+        valid = [s for s in w if s.n >= self.p.min_requests_per_slice and s.q > 0]
+        m = len(valid)
+        th = self._theta(order, mask, counts, valid)
+        cur = th[p0 - 1]
+        gains = th - cur[None, :]
+        mean, std, thr, qual = significance(gains, self.p.z)
+        guard = self.p.slo_guard and lam is not None
+        pooled = _pool(valid)
+        ttft = np.full(len(counts), math.nan)
+        if guard:
+            mu = self.table(order).prefill_rates([pooled])[:, 0]
+            ttft = ttft_quantiles(mu, mask, float(lam), self.p.ttft_quantile)  # type: ignore[arg-type]
+        cands: list[CandidateGain] = []
+        best: int | None = None
+        best_gain = -math.inf
+        for j, p in enumerate(counts):
+            if p == p0:
+                continue
+            veto = ""
+            if guard and qual[j] and ttft[j] > self.p.ttft_target_s and ttft[j] > ttft[p0 - 1]:
+                veto = f"predicted P{round(self.p.ttft_quantile * 100)} TTFT {ttft[j]:.1f}s > target {self.p.ttft_target_s:.1f}s"
+            cands.append(
+                CandidateGain(
+                    prefill_nodes=int(p),
+                    split=f"{p}P{len(order) - p}D",
+                    mean_gain=float(mean[j]),
+                    std_gain=float(std[j]),
+                    threshold=float(thr[j]),
+                    qualifies=bool(qual[j]),
+                    changes=int(abs(p - p0)),
+                    ttft_p95_s=float(ttft[j]) if guard else None,
+                    vetoed=veto,
+                )
+            )
+            if qual[j] and not veto and mean[j] > best_gain:
+                best, best_gain = int(p), float(mean[j])
+        metrics = {
+            "theta_current": float(cur.mean()),
+            "slices": float(m),
+            "q_mean": float(np.mean([s.q for s in valid])),
+            "t_uc_mean": pooled.t_uc,
+            "t_c_mean": pooled.t_c,
+            "t_out_mean": pooled.t_out,
+        }
+        if guard:
+            metrics["arrival_rate"] = float(lam)  # type: ignore[arg-type]
+            metrics["ttft_current_s"] = float(ttft[p0 - 1])
+        return cands, metrics, best
+
+    def _window(self, now: float, w_end: float, phases: dict[str, Phase], busy: Set[str]) -> SplitDecision | None:
+        self.windows += 1
+        k1 = self.obs.index(w_end + 1e-9)
+        k0 = k1 - self.p.slices
+        remeasured = self._remeasure(k0, k1)
+        if busy:
+            self._decide(now, "skip", phases, None, f"node(s) {sorted(busy)} still switching", metrics=remeasured)
+            return None
+        if now - self.last_switch_at < self.p.cooldown_s:
+            self._decide(now, "skip", phases, None, f"within {self.p.cooldown_s:.0f}s of the last switch", metrics=remeasured)
+            return None
+        if any(v == "both" for v in phases.values()) or not 1 <= sum(v == "prefill" for v in phases.values()) < len(phases):
+            self._decide(now, "skip", phases, None, f"split {split_name(phases)} is not a PD split", metrics=remeasured)
+            return None
+        w = self.obs.slices(k0, self.p.slices)
+        valid = [s for s in w if s.n >= self.p.min_requests_per_slice and s.q > 0]
+        if len(valid) < self.p.min_slices:
+            self._decide(
+                now, "skip", phases, None, f"{len(valid)} slice(s) with completed requests, need {self.p.min_slices}", metrics=remeasured
+            )
+            return None
+        lam = self.obs.arrival_rate(k0, k1) if self.p.slo_guard else None
+        cands, metrics, best = self.evaluate(phases, w, lam)
+        metrics.update(remeasured)
+        if best is None:
+            vetoed = [c.split for c in cands if c.vetoed]
+            why = "no candidate is significantly better"
+            if vetoed:
+                why += f"; SLO guard vetoed {', '.join(vetoed)}"
+            self._decide(now, "no_switch", phases, None, why, candidates=cands, metrics=metrics)
+            return None
+        target = assign_min_change(phases, best)
+        chosen = next(c for c in cands if c.prefill_nodes == best)
+        self.expected = dict(target)
+        self.last_switch_at = now
+        return self._decide(
+            now,
+            "switch",
+            phases,
+            target,
+            f"{chosen.split}: mean gain {chosen.mean_gain:.3f} req/s > {chosen.threshold:.3f} (z·σ/√m) over {int(metrics['slices'])} slices",
+            candidates=cands,
+            metrics=metrics,
+        )
+
+    # -- the SLO guard's reversal --------------------------------------------- #
+
+    def backlog(self, phases: Mapping[str, Phase]) -> float:
+        """Mean predicted wait Ŵ_n (Eq. 7) over the prefill nodes, from their latest states (s)."""
+        waits = []
+        for n, ph in phases.items():
+            if ph != "prefill":
+                continue
+            st = self.obs.latest.get(n)
+            if st is None:
+                continue
+            waits.append(queue_wait(self.state[n], st.remaining_s, st.queue))
+        return float(np.mean(waits)) if waits else 0.0
+
+    def _guard(self, now: float, phases: dict[str, Phase], busy: Set[str]) -> SplitDecision | None:
+        if busy or now - self.last_switch_at < self.p.cooldown_s:
+            return None
+        n_p = sum(v == "prefill" for v in phases.values())
+        if any(v == "both" for v in phases.values()) or not 1 <= n_p < len(phases):
+            return None
+        k1 = self.obs.index(now + 1e-9)
+        k0 = k1 - self.lookback
+        w = self.obs.pooled(k0, k1)
+        if w.n == 0:
+            return None
+        lam = self.obs.arrival_rate(k0, k1)
+        order = list(phases)
+        counts, mask, p0 = candidate_masks(phases)
+        ttft_cur = self._ttft(order, mask[p0 - 1], w, lam)
+        if ttft_cur <= self.p.ttft_target_s:
+            return None
+        backlog = self.backlog(phases)
+        metrics = {"arrival_rate": lam, "ttft_current_s": ttft_cur, "backlog_s": backlog, "q_mean": w.q}
+        if backlog <= self.p.guard_backlog_share * self.p.ttft_target_s:
+            return None  # the rate alone says overload but the queues are short: trust the queues
+        table = self.table(order)
+        mu_p = table.prefill_rates([w])[:, 0]
+        cap_d = table.decode_capacity(w.t_out, self.max_batch)
+        th = theta(mask, mu_p[:, None], table.decode_rates([w], len(order) - counts, self.max_batch))[:, 0]
+        cands: list[CandidateGain] = []
+        target_p: int | None = None
+        for j, p in enumerate(counts):
+            if p <= p0:
+                continue
+            t = ttft_quantile(mu_p[mask[j]], lam, self.p.ttft_quantile)
+            dec_ok = float(cap_d[~mask[j]].sum()) >= lam
+            th_ok = th[j] >= (1.0 - self.p.guard_max_theta_loss) * th[p0 - 1]
+            veto = "" if (t <= self.p.ttft_target_s and dec_ok and th_ok) else (
+                "TTFT target not met" if t > self.p.ttft_target_s else ("decode cannot sustain λ" if not dec_ok else "Θ loss too large")
+            )
+            cands.append(
+                CandidateGain(
+                    prefill_nodes=int(p),
+                    split=f"{p}P{len(order) - p}D",
+                    mean_gain=float(th[j] - th[p0 - 1]),
+                    qualifies=not veto,
+                    changes=int(p - p0),
+                    ttft_p95_s=float(t),
+                    vetoed=veto,
+                )
+            )
+            if not veto:
+                target_p = int(p)
+                break
+        if target_p is None:
+            self._decide(
+                now,
+                "no_switch",
+                phases,
+                None,
+                f"SLO guard: predicted TTFT {ttft_cur:.1f}s > {self.p.ttft_target_s:.1f}s but no split with more prefill nodes meets it",
+                candidates=cands,
+                metrics=metrics,
+            )
+            return None
+        target = assign_min_change(phases, target_p)
+        self.expected = dict(target)
+        self.last_switch_at = now
+        return self._decide(
+            now,
+            "switch",
+            phases,
+            target,
+            f"SLO guard: predicted P{round(self.p.ttft_quantile * 100)} TTFT {ttft_cur:.1f}s > {self.p.ttft_target_s:.1f}s "
+            f"and backlog {backlog:.1f}s; reverse to {split_name(target)}",
+            candidates=cands,
+            metrics=metrics,
+        )
+
+    # -- outputs -------------------------------------------------------------- #
+
+    def models(self) -> PlannerModels:
+        """The models in force (profile values before the freeze), for ``planner.models``."""
+        return PlannerModels(
+            models=[
+                NodeModels(
+                    node=n,
+                    prefill=st.prefill,
+                    decode=st.decode,
+                    mean_chunk_tokens=st.mean_chunk_tokens,
+                    restored_share=st.restored_share,
+                    samples=st.samples,
+                    source=st.source,  # type: ignore[arg-type]
+                    fit_error=st.fit_error,
+                )
+                for n, st in self.state.items()
+            ],
+            fitted_at=self.frozen_at or 0.0,
+            frozen=self.frozen,
+        )
+
+    @property
+    def models_version(self) -> int:
+        """Grows whenever the models change (fit, re-measurement): publish when it moved."""
+        return self._models_seq
+
+
+def _pool(w: Sequence[SliceStats]) -> SliceStats:
+    """Request-weighted pool of slices (q̄ averaged over slices)."""
+    n = sum(s.n for s in w)
+    if n == 0:
+        return SliceStats(0, 0.0, 0.0, 0.0, 0.0, float(np.mean([s.q for s in w])) if w else 0.0, 0.0)
+    return SliceStats(
+        n,
+        sum(s.t_uc * s.n for s in w) / n,
+        sum(s.t_c * s.n for s in w) / n,
+        sum(s.qk * s.n for s in w) / n,
+        sum(s.t_out * s.n for s in w) / n,
+        float(np.mean([s.q for s in w])),
+        sum(s.prompt * s.n for s in w) / n,
+    )
+
+
+__all__ = ["EvolvingParams", "EvolvingPlanner", "SplitError"]

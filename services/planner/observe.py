@@ -1,0 +1,289 @@
+"""What the planners measure from their inputs, bucketed on a fixed time grid (sans-IO).
+
+Contains zero I/O and no clock: every input carries ``now`` (simulated s).
+:class:`Observer` turns the three input streams into per-bucket sums the
+planners query by bucket index (a bucket is one planner slice, e.g. 60 s,
+on a grid that starts at ``origin``):
+
+* ``NodeState`` (per node, at iteration launches) → the latest state per node,
+  and the time integral of the **requests in decode** (for q̄_i of Eq. 5) and
+  the **prefill queue length** at every bucket start (for the arrival rate);
+* ``RequestDone`` → per bucket of completion: count and sums of t_uc, t_c,
+  A = qk_pairs(t_uc, t_c) and t_out (for w̄_i); per bucket of *first token*:
+  a count (for the arrival rate); per prefill node: cached tokens (for f_n);
+* ``IterationRecord`` (per node, bucketed by its start) → prefill iterations,
+  their uncached and restored tokens (for t̄_n, f_n) and decode iteration time
+  (for Arrow's TPOT).
+
+Definitions (DESIGN §4): requests in decode on node n =
+``decoding + (waiting if phase == 'decode')`` (running decode batch plus
+hand-offs waiting for KV room or transfer); prefill queue of n =
+``len(queue)`` for prefill and collocated nodes (queued plus partly computed
+prompts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from shared.itermodel import qk_pairs
+from shared.messages import IterationRecord, NodeState
+
+if TYPE_CHECKING:
+    from services.planner.policy import RequestDone
+
+
+@dataclass(slots=True)
+class Bucket:
+    """Sums of one grid bucket ``[origin + k·size, origin + (k+1)·size)``."""
+
+    decode_integral: float = 0.0
+    """∫ requests in decode dt over the covered part (request·s)."""
+    covered_s: float = 0.0
+    """Seconds of the bucket the integral covers."""
+    queue_at_start: float | None = None
+    """Cluster prefill queue length (requests) at the bucket start."""
+    n_done: int = 0
+    sum_uc: float = 0.0
+    sum_c: float = 0.0
+    sum_qk: float = 0.0
+    sum_out: float = 0.0
+    sum_prompt: float = 0.0
+    n_first: int = 0
+    """Requests whose first token fell in this bucket (reported at completion)."""
+    cached_by_node: dict[str, float] = field(default_factory=dict)
+    """Σ t_c of the requests each node prefilled (by completion bucket)."""
+    prefill_iters: dict[str, int] = field(default_factory=dict)
+    prefill_uncached: dict[str, float] = field(default_factory=dict)
+    restored: dict[str, float] = field(default_factory=dict)
+    decode_iters: dict[str, float] = field(default_factory=dict)
+    """Decode iterations (folded records count ``repeat``)."""
+    decode_time: dict[str, float] = field(default_factory=dict)
+    """Σ duration·repeat of iterations with a decode part (s)."""
+
+
+@dataclass(slots=True)
+class SliceStats:
+    """One slice of a planning window: w̄_i and q̄_i (paper §5.2)."""
+
+    n: int
+    """Requests completed in the slice."""
+    t_uc: float
+    t_c: float
+    qk: float
+    """Mean A per request (Eq. 3 is linear in t_uc, A and t_c, so this gives the mean occupancy)."""
+    t_out: float
+    q: float
+    """q̄_i: time-averaged requests in decode (cluster-wide)."""
+    prompt: float
+    """Mean full prompt length (t_uc + t_c)."""
+
+
+class Observer:
+    """Bucketed measurements for a planner (see the module docstring).
+
+    Args:
+        nodes: node ids.
+        bucket_s: bucket length (s), > 0.
+        origin: simulated time of bucket 0's start.
+        keep_buckets: buckets kept behind the newest one (older are dropped).
+
+    Raises:
+        ValueError: on a non-positive ``bucket_s`` or ``keep_buckets``.
+    """
+
+    def __init__(self, nodes: Sequence[str], bucket_s: float, origin: float = 0.0, keep_buckets: int = 64) -> None:
+        if bucket_s <= 0 or keep_buckets < 1:
+            raise ValueError(f"bucket_s must be > 0 and keep_buckets >= 1 (got {bucket_s}, {keep_buckets})")
+        self.nodes = list(nodes)
+        self.bucket_s = float(bucket_s)
+        self.origin = float(origin)
+        self.keep = keep_buckets
+        self.buckets: dict[int, Bucket] = {}
+        self.latest: dict[str, NodeState] = {}
+        self.latest_at: dict[str, float] = {}
+        self._dec: dict[str, float] = {}
+        self._que: dict[str, float] = {}
+        self.decode_now = 0.0
+        """Requests in decode, cluster-wide, per the latest states."""
+        self.queue_now = 0.0
+        """Prefill queue length, cluster-wide, per the latest states."""
+        self._t: float | None = None
+        self._newest = -(10**9)
+
+    # -- grid -------------------------------------------------------------- #
+
+    def index(self, t: float) -> int:
+        """Bucket index of time ``t``."""
+        return math.floor((t - self.origin) / self.bucket_s + 1e-9)
+
+    def ceil_index(self, t: float) -> int:
+        """Index of the first bucket that starts at or after ``t`` (within 1 ns)."""
+        return math.ceil((t - self.origin) / self.bucket_s - 1e-9)
+
+    def start_of(self, k: int) -> float:
+        return self.origin + k * self.bucket_s
+
+    def bucket(self, k: int) -> Bucket:
+        b = self.buckets.get(k)
+        if b is None:
+            b = self.buckets[k] = Bucket()
+            if k > self._newest:
+                self._newest = k
+                floor = k - self.keep
+                if len(self.buckets) > self.keep + 8:
+                    for old in [i for i in self.buckets if i < floor]:
+                        del self.buckets[old]
+        return b
+
+    def advance(self, now: float) -> None:
+        """Integrate the step functions up to ``now`` (idempotent; never goes back). O(buckets crossed)."""
+        if self._t is None:
+            self._t = now
+            b = self.bucket(self.index(now))
+            if b.queue_at_start is None:
+                b.queue_at_start = self.queue_now
+            return
+        t = self._t
+        while t < now:
+            k = self.index(t)
+            end = min(now, self.start_of(k + 1))
+            if end <= t:  # float guard at a boundary
+                end = min(now, self.start_of(k + 2))
+            b = self.bucket(k)
+            b.decode_integral += self.decode_now * (end - t)
+            b.covered_s += end - t
+            if end >= self.start_of(k + 1) - 1e-9:
+                nb = self.bucket(k + 1)
+                if nb.queue_at_start is None:
+                    nb.queue_at_start = self.queue_now
+            t = end
+        self._t = max(self._t, now)
+
+    # -- inputs ------------------------------------------------------------ #
+
+    def on_node_state(self, state: NodeState, now: float) -> None:
+        """Latest state of its node; updates the integrated decode population. O(1) amortised."""
+        self.advance(now)
+        n = state.node
+        self.latest[n] = state
+        self.latest_at[n] = now
+        dec = float(state.decoding + (state.waiting if state.phase == "decode" else 0))
+        que = float(len(state.queue)) if state.phase != "decode" else 0.0
+        self.decode_now += dec - self._dec.get(n, 0.0)
+        self.queue_now += que - self._que.get(n, 0.0)
+        self._dec[n] = dec
+        self._que[n] = que
+
+    def on_request_done(self, done: RequestDone, now: float) -> None:
+        """Account a finished request in the bucket of ``now`` (w̄) and of its first token. O(1)."""
+        b = self.bucket(self.index(now))
+        t_c = float(max(0, done.cached_tokens))
+        t_uc = float(max(0, done.prompt_tokens - done.cached_tokens))
+        b.n_done += 1
+        b.sum_uc += t_uc
+        b.sum_c += t_c
+        b.sum_qk += qk_pairs(t_uc, t_c)
+        b.sum_out += float(max(1, done.output_tokens))
+        b.sum_prompt += float(done.prompt_tokens)
+        b.cached_by_node[done.prefill_node] = b.cached_by_node.get(done.prefill_node, 0.0) + t_c
+        k_first = self.index(done.arrived_at + done.ttft_s)
+        if k_first in self.buckets or k_first >= self._newest - self.keep:
+            self.bucket(k_first).n_first += 1
+
+    def on_iterations(self, node: str, records: Iterable[IterationRecord], now: float) -> None:
+        """Account iteration records by their start time. O(records)."""
+        for r in records:
+            b = self.bucket(self.index(r.start))
+            if r.phase != "decode":
+                b.prefill_iters[node] = b.prefill_iters.get(node, 0) + 1
+                b.prefill_uncached[node] = b.prefill_uncached.get(node, 0.0) + r.sum_uncached
+                b.restored[node] = b.restored.get(node, 0.0) + r.sum_restored
+            if r.phase != "prefill":
+                b.decode_iters[node] = b.decode_iters.get(node, 0.0) + r.repeat
+                b.decode_time[node] = b.decode_time.get(node, 0.0) + r.duration_s * r.repeat
+
+    # -- queries ----------------------------------------------------------- #
+
+    def _range(self, k0: int, k1: int) -> list[Bucket]:
+        return [self.buckets[k] for k in range(k0, k1) if k in self.buckets]
+
+    def slices(self, k0: int, m: int) -> list[SliceStats]:
+        """w̄_i and q̄_i of buckets ``k0 .. k0+m-1`` (a slice with no completed request has n = 0)."""
+        out: list[SliceStats] = []
+        for k in range(k0, k0 + m):
+            b = self.buckets.get(k)
+            if b is None or b.n_done == 0:
+                q = (b.decode_integral / b.covered_s) if b is not None and b.covered_s > 0 else 0.0
+                out.append(SliceStats(0, 0.0, 0.0, 0.0, 0.0, q, 0.0))
+                continue
+            n = b.n_done
+            q = b.decode_integral / b.covered_s if b.covered_s > 0 else self.decode_now
+            out.append(SliceStats(n, b.sum_uc / n, b.sum_c / n, b.sum_qk / n, b.sum_out / n, q, b.sum_prompt / n))
+        return out
+
+    def pooled(self, k0: int, k1: int) -> SliceStats:
+        """w̄ and q̄ pooled over buckets ``[k0, k1)``."""
+        bs = self._range(k0, k1)
+        n = sum(b.n_done for b in bs)
+        cov = sum(b.covered_s for b in bs)
+        q = sum(b.decode_integral for b in bs) / cov if cov > 0 else self.decode_now
+        if n == 0:
+            return SliceStats(0, 0.0, 0.0, 0.0, 0.0, q, 0.0)
+        return SliceStats(
+            n,
+            sum(b.sum_uc for b in bs) / n,
+            sum(b.sum_c for b in bs) / n,
+            sum(b.sum_qk for b in bs) / n,
+            sum(b.sum_out for b in bs) / n,
+            q,
+            sum(b.sum_prompt for b in bs) / n,
+        )
+
+    def mean_chunk_tokens(self, node: str, k0: int, k1: int) -> float | None:
+        """t̄_n: mean uncached tokens per prefill iteration of ``node`` over ``[k0, k1)``, or None."""
+        bs = self._range(k0, k1)
+        it = sum(b.prefill_iters.get(node, 0) for b in bs)
+        if it == 0:
+            return None
+        return sum(b.prefill_uncached.get(node, 0.0) for b in bs) / it
+
+    def restored_share(self, node: str, k0: int, k1: int) -> float | None:
+        """f_n: tokens ``node`` restored from host / cached tokens of the requests it prefilled, or None."""
+        bs = self._range(k0, k1)
+        cached = sum(b.cached_by_node.get(node, 0.0) for b in bs)
+        if cached <= 0:
+            return None
+        return min(1.0, sum(b.restored.get(node, 0.0) for b in bs) / cached)
+
+    def tpot(self, node: str, k0: int, k1: int, accepted_per_iteration: float) -> float | None:
+        """Mean time per output token on ``node`` over ``[k0, k1)``: mean decode iteration / t_acc, or None."""
+        bs = self._range(k0, k1)
+        it = sum(b.decode_iters.get(node, 0.0) for b in bs)
+        if it <= 0:
+            return None
+        return sum(b.decode_time.get(node, 0.0) for b in bs) / it / max(accepted_per_iteration, 1e-9)
+
+    def arrival_rate(self, k0: int, k1: int) -> float:
+        """λ̂ over buckets ``[k0, k1)`` (requests/s) by conservation at the prefill queue.
+
+        arrivals = first tokens + (queue at the end − queue at the start). First
+        tokens are known at completion, so a request still decoding at the end is
+        counted through the decode population (``decode_now``, requests that
+        started decoding inside the range when decode time ≪ range). Call at the
+        end of the range (after :meth:`advance`).
+        """
+        length = (k1 - k0) * self.bucket_s
+        if length <= 0:
+            return 0.0
+        bs = self._range(k0, k1)
+        first = sum(b.n_first for b in bs)
+        start = self.buckets.get(k0)
+        q0 = start.queue_at_start if start is not None and start.queue_at_start is not None else self.queue_now
+        return max(0.0, (first + self.decode_now + self.queue_now - q0) / length)
+
+    def requests_in(self, k0: int, k1: int) -> int:
+        return sum(b.n_done for b in self._range(k0, k1))

@@ -1,0 +1,274 @@
+"""The planner policy interface shared by the live planner and the simulator, and its registry.
+
+Contains zero I/O: a policy is a synchronous state machine (STYLE §2.1, the
+Dynamo planner's ``on_tick``). Every method takes ``now`` (simulated s); the
+caller feeds it what the cluster reports and calls :meth:`PlannerPolicy.tick`
+when :meth:`PlannerPolicy.next_tick` says ("the core schedules itself",
+STYLE §2.2). The live shell (``service.py`` via ``core.py``) and the
+discrete-event simulator drive the same objects.
+
+Contract::
+
+    pol = make_planner("evolving", nodes, profile, t_learn_s=600)
+    pol.on_iterations(node, records, now)       # node.iters.<node>
+    pol.on_node_state(state, now)               # node.state.<node>
+    pol.on_request_done(done, now)              # a finished request (w̄ input)
+    pol.on_switch_done(node, phase, now)        # a node serves its new phase
+    d = pol.tick(now, phases, busy)             # at pol.next_tick()
+    if d is not None: apply d.phases            # only returned when phases change
+    for ev in pol.take_decisions(): publish     # every evaluation, switch or not
+
+Additive extensions beyond the interface the simulator was given:
+:meth:`take_decisions` (every decision, including "no switch", as
+``PlannerDecision`` messages) and :meth:`models` (the per-node Eq. 1–4 models
+for ``planner.models``); both have defaults on :class:`PolicyBase`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from shared.messages import CandidateGain, IterationRecord, NodeState, Phase, PlannerDecision
+from shared.profile import Profile
+from shared.split import split_name
+
+PLANNERS: tuple[str, ...] = ("static", "evolving", "dynamo", "arrow")
+
+
+@dataclass(slots=True, frozen=True)
+class RequestDone:
+    """A finished request as the planner sees it (w̄ of paper §5.2, arrivals for the SLO guard).
+
+    In the simulator every field is exact. The live planner builds it from the
+    ``req.<rid>.out`` token stream (``core.RequestTracker``): ``arrived_at`` is
+    the first-token time minus the wait in the prefill node's queue
+    (``TokenChunk.queue_s``), ``ttft_s`` that wait, ``e2e_s`` arrival → last token.
+    The planners only use ``arrived_at + ttft_s`` (first-token time) and the token counts.
+    """
+
+    rid: str
+    prefill_node: str
+    decode_node: str
+    prompt_tokens: int
+    cached_tokens: int
+    """t_c: prompt tokens served from KV (any tier, after any fetch)."""
+    output_tokens: int
+    """t_out."""
+    arrived_at: float
+    ttft_s: float
+    e2e_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class SplitDecision:
+    """A new phase map to apply, with why. ``diagnostics['decision']`` is the
+    :class:`PlannerDecision` (as a dict) that explains it."""
+
+    phases: dict[str, Phase]
+    reason: str
+    diagnostics: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class PlannerPolicy(Protocol):
+    """What the simulator and the live planner call (see the module docstring)."""
+
+    name: str
+
+    def on_iterations(self, node: str, records: Sequence[IterationRecord], now: float) -> None: ...
+
+    def on_node_state(self, state: NodeState, now: float) -> None: ...
+
+    def on_request_done(self, done: RequestDone, now: float) -> None: ...
+
+    def on_switch_done(self, node: str, phase: Phase, now: float) -> None: ...
+
+    def tick(self, now: float, phases: Mapping[str, Phase], busy: Set[str]) -> SplitDecision | None: ...
+
+    def next_tick(self) -> float | None: ...
+
+
+class PolicyBase:
+    """Shared plumbing: node list, the decision outbox, ``PlannerDecision`` construction.
+
+    Args:
+        nodes: node ids (cluster order).
+        profile: the node profile (Eq. 1/2 priors, scheduler limits).
+
+    Raises:
+        ValueError: on an empty or duplicate node list.
+    """
+
+    name = "base"
+
+    def __init__(self, nodes: Sequence[str], profile: Profile) -> None:
+        if not nodes:
+            raise ValueError("a planner needs at least one node")
+        if len(set(nodes)) != len(nodes):
+            raise ValueError(f"duplicate node ids in {list(nodes)}")
+        self.nodes = list(nodes)
+        self.profile = profile
+        self._outbox: list[PlannerDecision] = []
+        self._seq = 0
+        self.switches = 0
+        """Decisions returned that changed the phase map."""
+
+    # -- default no-op inputs --------------------------------------------- #
+
+    def on_iterations(self, node: str, records: Sequence[IterationRecord], now: float) -> None:
+        return None
+
+    def on_node_state(self, state: NodeState, now: float) -> None:
+        return None
+
+    def on_request_done(self, done: RequestDone, now: float) -> None:
+        return None
+
+    def on_switch_done(self, node: str, phase: Phase, now: float) -> None:
+        return None
+
+    # -- outputs ---------------------------------------------------------- #
+
+    def take_decisions(self) -> list[PlannerDecision]:
+        """Drain the decisions made since the last call (every evaluation, switch or not)."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def models(self) -> Any:
+        """The per-node models this policy plans with (``PlannerModels``), or None."""
+        return None
+
+    def _decide(
+        self,
+        now: float,
+        action: str,
+        before: Mapping[str, Phase],
+        after: Mapping[str, Phase] | None,
+        reason: str,
+        *,
+        candidates: Sequence[CandidateGain] = (),
+        metrics: Mapping[str, float] | None = None,
+    ) -> SplitDecision | None:
+        """Record a decision event; return a :class:`SplitDecision` if ``after`` changes the phases."""
+        self._seq += 1
+        clean = {k: float(v) for k, v in (metrics or {}).items() if v is not None and not math.isnan(float(v))}
+        changed = after is not None and dict(after) != dict(before)
+        ev = PlannerDecision(
+            seq=self._seq,
+            ts=now,
+            policy=self.name,
+            action=action if (changed or action != "switch") else "no_switch",
+            split_before=split_name(before),
+            split_after=split_name(after if changed and after is not None else before),
+            reason=reason,
+            candidates=list(candidates),
+            metrics=clean,
+        )
+        self._outbox.append(ev)
+        if not changed or after is None:
+            return None
+        self.switches += 1
+        return SplitDecision(phases=dict(after), reason=reason, diagnostics={"decision": _as_dict(ev)})
+
+
+def _as_dict(ev: PlannerDecision) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.to_builtins(ev)
+
+
+class StaticPlanner(PolicyBase):
+    """Never switches (the best-static-split baseline, and the default of the live planner)."""
+
+    name = "static"
+
+    def tick(self, now: float, phases: Mapping[str, Phase], busy: Set[str]) -> SplitDecision | None:
+        return None
+
+    def next_tick(self) -> float | None:
+        return None
+
+
+def make_planner(name: str, nodes: Sequence[str], profile: Profile, **kw: Any) -> PlannerPolicy:
+    """Build a planner policy by name: ``static``, ``evolving``, ``dynamo`` or ``arrow``.
+
+    Keyword arguments are the fields of the policy's parameter dataclass
+    (``EvolvingParams``, ``DynamoParams``, ``ArrowParams``); ``static`` takes none.
+
+    Raises:
+        ValueError: unknown name, unknown or invalid parameter, bad node list.
+    """
+    if name == "static":
+        if kw:
+            raise ValueError(f"planner 'static' takes no parameters, got {sorted(kw)}")
+        return StaticPlanner(nodes, profile)
+    if name == "evolving":
+        from services.planner.evolving import EvolvingParams, EvolvingPlanner
+
+        return EvolvingPlanner(nodes, profile, params_from(EvolvingParams, kw, name))
+    if name == "dynamo":
+        from services.planner.baselines import DynamoParams, DynamoPlanner
+
+        return DynamoPlanner(nodes, profile, params_from(DynamoParams, kw, name))
+    if name == "arrow":
+        from services.planner.baselines import ArrowParams, ArrowPlanner
+
+        return ArrowPlanner(nodes, profile, params_from(ArrowParams, kw, name))
+    raise ValueError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
+
+
+def params_from(cls: Any, kw: Mapping[str, Any], name: str) -> Any:
+    """Build a frozen parameter dataclass from keyword arguments, with a clear error.
+
+    Raises:
+        ValueError: an unknown key (the message lists the valid ones) or a value the
+            dataclass's ``__post_init__`` rejects.
+    """
+    import dataclasses
+
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kw) - valid)
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {unknown} for planner {name!r}; valid: {sorted(valid)}")
+    try:
+        return cls(**kw)
+    except TypeError as e:
+        raise ValueError(f"planner {name!r}: {e}") from e
+
+
+def parse_planner_args(items: Sequence[str]) -> dict[str, Any]:
+    """``["t_learn_s=60", "slo_guard=false"]`` → ``{"t_learn_s": 60.0, "slo_guard": False}``.
+
+    Values: ``true/false`` → bool, ints, floats, ``none`` → None, else the string.
+
+    Raises:
+        ValueError: an item without ``=`` or with an empty key.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"planner argument {item!r} must look like key=value")
+        v = raw.strip()
+        low = v.lower()
+        val: Any
+        if low in ("true", "yes", "on"):
+            val = True
+        elif low in ("false", "no", "off"):
+            val = False
+        elif low in ("none", "null"):
+            val = None
+        else:
+            try:
+                val = int(v)
+            except ValueError:
+                try:
+                    val = float(v)
+                except ValueError:
+                    val = v
+        out[key] = val
+    return out

@@ -1,0 +1,224 @@
+"""The planner service over a real nats-server: online fit → models published, evolving decisions
+and epochs, the operator's ``split set`` (in-process and through the CLI), w̄ from token streams,
+and malformed payloads counted on every subscribed subject."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from contextlib import asynccontextmanager
+
+import msgspec
+import pytest
+
+from shared import messages as m
+from shared.bus import Bus, BusError
+from shared.profile import load_profile
+from shared.service import serve_until_stopped
+from shared.split import split_name
+from shared.subjects import (
+    NODE_ITERS,
+    NODE_STATE,
+    PLANNER_DECISIONS,
+    PLANNER_MODELS,
+    REQ_OUT,
+    SPLIT_APPLIED,
+    SPLIT_COMMANDS,
+    SPLIT_GET,
+    SPLIT_SET,
+    SVC_STATS,
+    Subjects,
+)
+from evolving_infra import split_cli
+from services.planner.config import PlannerConfig
+from services.planner.service import PlannerService
+from tests.unit.planner.helpers import records
+
+pytestmark = pytest.mark.timeout(60)
+NODES = ["w0", "w1", "w2", "w3"]
+TINY = load_profile("tiny")
+
+
+class Client:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.commands: list[m.SplitCommand] = []
+        self.models: list[m.PlannerModels] = []
+        self.decisions: list[m.PlannerDecision] = []
+
+    @classmethod
+    async def connect(cls, url: str) -> "Client":
+        c = cls(await Bus.connect(url, Subjects("p0"), service="test", instance="test"))
+
+        async def on_cmd(msg, _s):
+            c.commands.append(msg)
+
+        async def on_models(msg, _s):
+            c.models.append(msg)
+
+        async def on_dec(msg, _s):
+            c.decisions.append(msg)
+
+        await c.bus.subscribe(SPLIT_COMMANDS, on_cmd)
+        await c.bus.subscribe(PLANNER_MODELS, on_models)
+        await c.bus.subscribe(PLANNER_DECISIONS, on_dec)
+        await c.bus.nc.flush()
+        return c
+
+    async def until(self, pred, timeout: float = 10.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    async def stats(self) -> m.StatsReply:
+        reply = await self.bus.request(SVC_STATS, m.StatsRequest(), instance="planner")
+        bugs = {k: v for k, v in reply.counters.items() if k.startswith(("handler_errors", "tick.errors"))}
+        assert not bugs, f"planner hit internal errors: {bugs}"
+        return reply
+
+
+@asynccontextmanager
+async def planner(url: str, **kw):
+    cfg = PlannerConfig(nats_url=url, nodes=NODES, split="2P2D", clock_origin=time.time(), announce_interval_s=0.5, **kw)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_until_stopped("planner", cfg, PlannerService, instance="planner", stop_event=stop))
+    probe = await Bus.connect(url, Subjects("p0"), service="probe", instance="probe")
+    try:
+        for _ in range(200):
+            try:
+                await probe.request(SVC_STATS, m.StatsRequest(), instance="planner", timeout=0.2)
+                break
+            except BusError:
+                await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("planner did not start")
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await probe.close()
+
+
+async def test_records_in_models_out_and_epochs(nats_url):
+    c = await Client.connect(nats_url)
+    args = ["t_learn_s=20", "window_s=600", "fit_cap=5000"]
+    async with planner(nats_url, planner="evolving", profile="tiny", speedup=10.0, planner_args=args):
+        # the warm-up: every node collocated under epoch 2
+        await c.until(lambda: any(cmd.epoch == 2 for cmd in c.commands), what="warm-up command")
+        warm = next(cmd for cmd in c.commands if cmd.epoch == 2)
+        assert split_name(warm.phases) == "collocated"
+        await c.until(lambda: c.models, what="profile models at start")
+        assert not c.models[0].frozen and {x.source for x in c.models[0].models} == {"profile"}
+        for i, n in enumerate(NODES):
+            await c.bus.publish(
+                SPLIT_APPLIED, m.SplitApplied(epoch=2, node=n, phase="both", status="serving"), node=n
+            )
+            await c.bus.publish(NODE_ITERS, m.IterationRecords(node=n, records=records(200, TINY.prefill, TINY.decode, seed=i)), node=n)
+        # t_learn = 20 sim s = 2 wall s: the fit freezes, the initial split comes back under epoch 3
+        await c.until(lambda: any(x.frozen for x in c.models), timeout=15, what="frozen models")
+        frozen = next(x for x in c.models if x.frozen)
+        assert {x.node for x in frozen.models} == set(NODES)
+        for nm in frozen.models:
+            assert nm.source == "fitted" and nm.samples == 200
+            assert nm.prefill.c1 == pytest.approx(TINY.prefill.c1, rel=1e-3)
+            assert nm.decode.d2 == pytest.approx(TINY.decode.d2, rel=1e-3)
+        await c.until(lambda: any(cmd.epoch == 3 for cmd in c.commands), what="initial split after warm-up")
+        assert split_name(next(cmd for cmd in c.commands if cmd.epoch == 3).phases) == "2P2D"
+        reply = await c.bus.request(SPLIT_GET, m.SplitQuery())
+        assert reply.epoch == 3
+        await c.until(lambda: len(c.decisions) >= 2, what="decision events")
+        assert [d.action for d in c.decisions[:2]] == ["warmup", "switch"] and c.decisions[1].epoch == 3
+        stats = await c.stats()
+        assert stats.counters["iteration_records"] == 800 and stats.counters["split_epoch"] == 3
+    await c.bus.close()
+
+
+async def test_token_streams_become_completed_requests(nats_url):
+    c = await Client.connect(nats_url)
+    async with planner(nats_url):
+        for i in range(3):
+            rid = f"r{i}"
+            await c.bus.publish(REQ_OUT, m.TokenChunk(rid=rid, node="w0", index=0, token_ids=[1], prompt_tokens=50, cached_tokens=20, ts=1.0), rid=rid)
+            await c.bus.publish(REQ_OUT, m.TokenChunk(rid=rid, node="w2", index=1, token_ids=[2, 3], finished=True, finish_reason="length", ts=2.0), rid=rid)
+        await c.bus.nc.flush()
+
+        async def completed():
+            return (await c.stats()).counters.get("requests_completed", 0)
+
+        deadline = time.monotonic() + 5
+        while await completed() < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert await completed() == 3
+    await c.bus.close()
+
+
+async def test_split_set_new_epoch_and_refusals(nats_url, capsys):
+    c = await Client.connect(nats_url)
+    async with planner(nats_url):
+        reply = await c.bus.request(SPLIT_SET, m.SplitSetRequest(split="3P1D", reason="test"))
+        assert reply.ok and reply.command.epoch == 2 and split_name(reply.command.phases) == "3P1D"
+        await c.until(lambda: any(cmd.epoch == 2 for cmd in c.commands), what="epoch 2 published")
+        await c.until(lambda: any(d.policy == "operator" for d in c.decisions), what="operator decision event")
+        bad = await c.bus.request(SPLIT_SET, m.SplitSetRequest(split="3P3D"))
+        assert not bad.ok and "cluster has 4" in bad.error and bad.command is None
+        assert (await c.bus.request(SPLIT_GET, m.SplitQuery())).epoch == 2
+
+        # the operator CLI, as a user runs it
+        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+
+        async def cli(*args: str) -> tuple[int, str, str]:
+            p = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "evolving_infra.cli", "split", *args,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            )
+            out, err = await p.communicate()
+            return p.returncode, out.decode(), err.decode()
+
+        rc, out, _ = await cli("set", "1P3D", "--nats-url", nats_url)
+        assert rc == 0 and "epoch 3: 1P3D" in out
+        rc, _, err = await cli("set", "5P5D", "--nats-url", nats_url)
+        assert rc == 1 and "refused" in err and "covers 10 nodes" in err
+        # malformed input never reaches the bus; `get` prints the current command
+        assert split_cli.cmd_split(argparse.Namespace(split_command="set", split="lots-of-prefill")) == 2
+        ns = argparse.Namespace(split_command="get", nats_url=nats_url, partition="p0", timeout=5.0, json=True)
+        assert await split_cli._run(ns) == 0
+        out = capsys.readouterr().out
+        assert '"split": "1P3D"' in out and '"epoch": 3' in out
+        stats = await c.stats()
+        assert stats.counters["split.set.ok"] == 2 and stats.counters["split.set.refused"] == 2
+    await c.bus.close()
+
+
+async def test_malformed_payloads_are_counted_and_the_planner_keeps_serving(nats_url):
+    c = await Client.connect(nats_url)
+    subs = Subjects("p0")
+    async with planner(nats_url, planner="evolving", planner_args=["t_learn_s=1000"]):
+        targets = [
+            (NODE_ITERS, {"node": "w0"}),
+            (NODE_STATE, {"node": "w1"}),
+            (SPLIT_APPLIED, {}),
+            (REQ_OUT, {"rid": "x"}),
+            (SPLIT_GET, {}),
+            (SPLIT_SET, {}),
+        ]
+        for subj, params in targets:
+            await c.bus.publish_raw(subs.format(subj, **params), b"\xc1 not msgpack")
+        # well-formed msgpack but invalid: a negative duration fails validation
+        invalid = msgspec.msgpack.encode({"node": "w0", "records": [{"start": 0.0, "duration_s": -1.0, "phase": "decode"}]})
+        await c.bus.publish_raw(subs.format(NODE_ITERS, node="w0"), invalid)
+        await c.bus.nc.flush()
+        await asyncio.sleep(0.3)
+        stats = await c.stats()
+        for subj, _ in targets:
+            want = 2 if subj is NODE_ITERS else 1
+            assert stats.counters[f"dropped.{subj.template}"] == want, subj.template
+        assert stats.counters["iteration_records"] == 0
+        reply = await c.bus.request(SPLIT_SET, m.SplitSetRequest(split="2P2D"))
+        assert reply.ok
+    await c.bus.close()

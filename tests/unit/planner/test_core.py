@@ -1,0 +1,101 @@
+"""PlannerCore (epochs, busy bookkeeping, operator split, decision and model outboxes) and RequestTracker."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.messages import IterationRecords, SplitApplied, TokenChunk
+from shared.profile import load_profile
+from shared.split import SplitError, split_name
+from services.planner.core import PlannerCore, RequestTracker
+from services.planner.policy import make_planner
+
+from .helpers import records, state
+
+GB = load_profile("gb300-glm52")
+NODES = ["w0", "w1", "w2", "w3"]
+
+
+def test_request_tracker_builds_request_done_from_token_streams():
+    t = RequestTracker()
+    assert t.on_chunk(TokenChunk(rid="a", node="w0", index=0, token_ids=[1], prompt_tokens=100, cached_tokens=60, ts=10.0, queue_s=2.0), 10.0) is None
+    assert t.on_chunk(TokenChunk(rid="a", node="w2", index=1, token_ids=[2, 3], ts=10.5), 10.5) is None
+    d = t.on_chunk(TokenChunk(rid="a", node="w2", index=3, token_ids=[4, 5], finished=True, finish_reason="length", ts=11.0), 11.0)
+    assert d is not None
+    assert (d.prefill_node, d.decode_node, d.prompt_tokens, d.cached_tokens, d.output_tokens) == ("w0", "w2", 100, 60, 5)
+    assert d.arrived_at + d.ttft_s == pytest.approx(10.0)  # first-token time
+    assert d.e2e_s == pytest.approx(3.0)
+    # a one-token request finishes on its first chunk
+    one = t.on_chunk(TokenChunk(rid="b", node="w1", index=0, token_ids=[9], prompt_tokens=8, finished=True, finish_reason="length", ts=5.0), 5.0)
+    assert one is not None and one.output_tokens == 1
+    # aborted and unknown streams give nothing
+    t.on_chunk(TokenChunk(rid="c", node="w1", index=0, token_ids=[1], prompt_tokens=8, ts=1.0), 1.0)
+    assert t.on_chunk(TokenChunk(rid="c", node="w1", index=1, finished=True, finish_reason="abort"), 2.0) is None
+    assert t.on_chunk(TokenChunk(rid="zz", index=4, finished=True), 2.0) is None
+    assert (t.completed, t.dropped, len(t)) == (2, 1, 0)
+
+
+def test_request_tracker_is_bounded():
+    t = RequestTracker(max_inflight=2)
+    for i in range(3):
+        t.on_chunk(TokenChunk(rid=f"r{i}", index=0, token_ids=[1], prompt_tokens=4), 0.0)
+    assert len(t) == 2 and t.dropped == 1
+
+
+def test_static_core_keeps_split_and_counts_unknown_nodes():
+    core = PlannerCore(NODES, "2P2D")
+    assert core.split == "2P2D" and core.next_tick() is None
+    assert core.tick(5.0) is None and core.command.epoch == 1
+    assert core.add_records(IterationRecords(node="wx", records=records(2, GB.prefill, GB.decode))) == 0
+    assert not core.on_node_state(state("wx", "decode"), 0.0)
+    assert core.records_unknown_node == 1 and core.states_unknown_node == 1
+    assert core.take_models() is None
+
+
+def test_operator_split_new_epoch_pending_until_applied():
+    core = PlannerCore(NODES, "2P2D")
+    cmd = core.set_split("3P1D", 7.0)
+    assert cmd.epoch == 2 and split_name(cmd.phases) == "3P1D" and cmd.decided_at == 7.0
+    assert core.busy(8.0) == {"w2"}  # the only node whose phase changed
+    core.on_split_applied(SplitApplied(epoch=2, node="w2", phase="prefill", status="serving"), 9.0)
+    assert core.busy(9.0) == set()
+    ev = core.take_decisions()
+    assert ev[0].policy == "operator" and ev[0].split_after == "3P1D" and ev[0].epoch == 2
+    with pytest.raises(SplitError):
+        core.set_split("3P3D", 10.0)
+    with pytest.raises(SplitError):
+        core.set_split("banana", 10.0)
+    assert core.command.epoch == 2
+
+
+def test_busy_times_out_and_follows_draining_states():
+    core = PlannerCore(NODES, "2P2D", busy_timeout_s=100.0)
+    core.set_split("1P3D", 0.0)
+    assert core.busy(50.0) == {"w1"}
+    assert core.busy(101.0) == set()
+    core.on_node_state(state("w0", "prefill", accepting=False), 102.0)
+    assert core.busy(102.0) == {"w0"}
+    core.on_node_state(state("w0", "prefill"), 103.0)
+    assert core.busy(103.0) == set()
+
+
+def test_evolving_core_publishes_epochs_decisions_and_models():
+    pol = make_planner("evolving", NODES, GB, t_learn_s=60.0, window_s=600.0, sample_interval_s=0.0)
+    core = PlannerCore(NODES, "2P2D", policy=pol)
+    assert core.take_models() is not None  # profile models before the fit
+    assert core.next_tick() == 0.0
+    cmd = core.tick(0.0)
+    assert cmd is not None and cmd.epoch == 2 and split_name(cmd.phases) == "collocated"
+    assert core.busy(1.0) == set(NODES)
+    for n in NODES:
+        core.on_split_applied(SplitApplied(epoch=2, node=n, phase="both", status="serving"), 2.0)
+        core.add_records(IterationRecords(node=n, records=records(100, GB.prefill, GB.decode, seed=1)), 30.0)
+    assert core.busy(2.0) == set()
+    assert core.next_tick() == 60.0
+    cmd = core.tick(60.0)
+    assert cmd is not None and cmd.epoch == 3 and split_name(cmd.phases) == "2P2D"
+    models = core.take_models()
+    assert models is not None and models.frozen and all(m.source == "fitted" for m in models.models)
+    assert core.take_models() is None  # unchanged since
+    evs = core.take_decisions()
+    assert [e.action for e in evs] == ["warmup", "switch"] and [e.epoch for e in evs] == [2, 3]

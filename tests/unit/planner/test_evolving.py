@@ -1,0 +1,269 @@
+"""EvolvingPlanner: warm-up and freeze, the window gate, cooldown and busy skips, the SLO guard."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shared.profile import load_profile
+from shared.split import split_name, split_phases
+from services.planner.evolving import EvolvingParams, EvolvingPlanner
+from services.planner.policy import make_planner
+
+from .helpers import done, records, sl, state
+
+GB = load_profile("gb300-glm52")
+NODES = [f"w{i}" for i in range(9)]
+
+
+def planner(**kw) -> EvolvingPlanner:
+    kw.setdefault("t_learn_s", 0.0)
+    pl = make_planner("evolving", NODES, GB, **kw)
+    assert isinstance(pl, EvolvingPlanner)
+    return pl
+
+
+def start(pl: EvolvingPlanner, split: str = "4P5D", now: float = 0.0):
+    phases = split_phases(split, NODES)
+    d = pl.tick(now, phases, set())
+    return d.phases if d else phases
+
+
+def feed(pl, phases, t0: float, t1: float, *, rate: float, t_uc=6000, t_c=100_000, t_out=1000, q=60.0, queue_growth=0.0, queue0=0.0):
+    """Steady traffic from t0 to t1 (1-s steps): ``rate`` completions/s, ``q`` requests in decode,
+    prefill queue ``queue0 + queue_growth·t`` spread over the prefill nodes."""
+    pre = [n for n, v in phases.items() if v != "decode"]
+    dec = [n for n, v in phases.items() if v != "prefill"]
+    acc = 0.0
+    i = 0
+    t = t0
+    while t < t1:
+        queued = queue0 + queue_growth * t
+        for n in phases:
+            pl.on_node_state(
+                state(
+                    n,
+                    phases[n],
+                    queue=int(round(queued / len(pre))) if n in pre else 0,
+                    qwork=(t_uc, t_c),
+                    decoding=int(round(q / len(dec))) if n in dec else 0,
+                ),
+                t,
+            )
+        acc += rate
+        while acc >= 1.0:
+            acc -= 1.0
+            i += 1
+            pl.on_request_done(done(f"r{t}-{i}", t, prompt=t_uc + t_c, cached=t_c, out=t_out, node=pre[i % len(pre)]), t)
+        t += 1.0
+
+
+def run_to(pl, phases, t_end, busy=frozenset(), **traffic):
+    """Feed traffic and tick whenever the planner asks, applying its decisions; returns (phases, decisions)."""
+    decisions = []
+    t = pl.next_tick()
+    last = 0.0
+    while t is not None and t <= t_end:
+        feed(pl, phases, last, t, **traffic)
+        last = t
+        d = pl.tick(t, phases, busy)
+        if d is not None:
+            decisions.append((t, d))
+            phases = d.phases
+        t = pl.next_tick()
+    return phases, decisions
+
+
+def test_warmup_is_collocated_then_fits_and_serves_the_initial_split():
+    pl = planner(t_learn_s=600.0, window_s=600.0, sample_interval_s=0.0)
+    phases = split_phases("6P3D", NODES)
+    d = pl.tick(0.0, phases, set())
+    assert d is not None and set(d.phases.values()) == {"both"}
+    assert pl.next_tick() == 600.0
+    ev = pl.take_decisions()
+    assert ev[0].action == "warmup" and ev[0].split_before == "6P3D" and ev[0].split_after == "collocated"
+    for k, n in enumerate(NODES[:-1]):  # the last node reports nothing: it gets the peers' median
+        pl.on_iterations(n, records(300, GB.prefill, GB.decode, seed=k, noise=0.02), 10.0)
+    assert pl.tick(300.0, d.phases, set()) is None  # not yet
+    d2 = pl.tick(600.0, d.phases, set())
+    assert d2 is not None and split_name(d2.phases) == "6P3D" and d2.phases == phases
+    assert pl.frozen
+    m = pl.models()
+    assert m.frozen and {x.source for x in m.models} == {"fitted", "peer"}
+    fitted = next(x for x in m.models if x.node == "w0")
+    assert fitted.prefill.c2 == pytest.approx(GB.prefill.c2, rel=0.1)
+    assert fitted.samples == 300 and 0 < fitted.fit_error < 0.05
+    # frozen: later records change nothing
+    before = pl.state["w0"].prefill
+    pl.on_iterations("w0", records(50, GB.prefill, GB.decode, seed=99), 700.0)
+    assert pl.state["w0"].prefill == before
+    assert pl.next_tick() == 660.0  # guard check at the next slice boundary
+    assert [e.action for e in pl.take_decisions()] == ["switch"]
+
+
+def test_collocated_initial_split_picks_the_best_split_from_the_warmup():
+    pl = planner(t_learn_s=600.0)
+    both = split_phases("collocated", NODES)
+    assert pl.tick(0.0, both, set()) is None  # already collocated
+    feed(pl, both, 0.0, 600.0, rate=3.0, t_uc=500, t_c=10_000, t_out=3000, q=120)
+    d = pl.tick(600.0, both, set())
+    assert d is not None
+    assert split_name(d.phases) == "1P8D"  # decode-heavy work: one prefill node is enough
+
+
+def test_window_switches_when_a_split_is_significantly_better():
+    pl = planner()
+    phases = start(pl, "6P3D")
+    phases, decisions = run_to(pl, phases, 600.0, rate=3.0, t_uc=3000, t_c=97_000, t_out=2000, q=90)
+    assert len(decisions) == 1
+    t, d = decisions[0]
+    assert t == 600.0 and split_name(d.phases) != "6P3D"
+    ev = [e for e in pl.take_decisions() if e.action == "switch"][-1]
+    chosen = next(c for c in ev.candidates if c.split == ev.split_after)
+    assert chosen.qualifies and chosen.mean_gain > chosen.threshold
+    assert chosen.mean_gain == max(c.mean_gain for c in ev.candidates if c.qualifies)
+    assert len(ev.candidates) == 7  # every p ≠ |P| of 9 nodes
+    assert chosen.changes == abs(6 - int(ev.split_after.split("P")[0]))
+
+
+def test_no_switch_at_the_best_split_is_logged_with_the_gains():
+    pl = planner()
+    phases = start(pl, "6P3D")
+    phases, _ = run_to(pl, phases, 600.0, rate=3.0, t_uc=3000, t_c=97_000, t_out=2000, q=90)
+    pl.take_decisions()
+    best = split_name(phases)
+    phases2, decisions = run_to(pl, phases, 1200.0, rate=3.0, t_uc=3000, t_c=97_000, t_out=2000, q=90)
+    evs = [e for e in pl.take_decisions() if e.ts == 1200.0]
+    assert evs and evs[-1].action == "no_switch"
+    assert all(not c.qualifies and c.mean_gain < 0 for c in evs[-1].candidates)
+    assert split_name(phases2) == best == "1P8D" and decisions == []
+    assert "theta_current" in evs[-1].metrics
+
+
+def test_busy_and_cooldown_skip_the_window():
+    pl = planner(cooldown_s=120.0)
+    phases = start(pl, "6P3D")
+    feed(pl, phases, 0.0, 600.0, rate=3.0, t_uc=3000, t_c=97_000, t_out=2000, q=90)
+    assert pl.tick(600.0, phases, {"w3"}) is None
+    ev = pl.take_decisions()[-1]
+    assert ev.action == "skip" and "w3" in ev.reason
+    # a switch completing at 1150 puts the 1200 window end inside the cooldown
+    pl.on_switch_done("w3", "prefill", 1150.0)
+    feed(pl, phases, 600.0, 1200.0, rate=3.0, t_uc=3000, t_c=97_000, t_out=2000, q=90)
+    assert pl.tick(1200.0, phases, set()) is None
+    ev = [e for e in pl.take_decisions() if e.ts == 1200.0][-1]
+    assert ev.action == "skip" and "last switch" in ev.reason
+
+
+def test_an_external_split_change_restarts_the_cooldown():
+    pl = planner(cooldown_s=300.0)
+    phases = start(pl, "4P5D")
+    other = split_phases("5P4D", NODES)
+    feed(pl, other, 0.0, 600.0, rate=3.0, t_uc=3000, t_c=97_000, t_out=2000, q=90)
+    assert pl.tick(400.0, other, set()) is None
+    assert "externally" in pl.take_decisions()[-1].reason
+    assert pl.tick(600.0, other, set()) is None
+    assert pl.take_decisions()[-1].action == "skip"
+
+
+def test_too_few_slices_with_requests_skip():
+    pl = planner()
+    phases = start(pl, "4P5D")
+    feed(pl, phases, 540.0, 600.0, rate=1.0)  # only the last slice has completions
+    assert pl.tick(600.0, phases, set()) is None
+    ev = pl.take_decisions()[-1]
+    assert ev.action == "skip" and "slice" in ev.reason
+
+
+# --------------------------------------------------------------------------- #
+# SLO guard
+# --------------------------------------------------------------------------- #
+
+# Work of the D.3-like case: μ_P ≈ 3.9 req/s per prefill node; decode-heavy outputs make
+# Θ prefer fewer prefill nodes than the arrival rate can bear.
+D3 = dict(t_uc=6000, t_c=100_000, t_out=3000, q=60)
+
+
+def test_guard_vetoes_a_split_that_cannot_take_the_arrival_rate():
+    w = [sl(**D3, n=50) for _ in range(10)]
+    phases = split_phases("4P5D", NODES)
+    off = planner(slo_guard=False)
+    cands, _, best_off = off.evaluate(phases, w)
+    assert best_off == 1  # the paper's planner: 1P8D has the largest Θ
+    on = planner()
+    cands, metrics, best_on = on.evaluate(phases, w, lam=5.0)
+    c1 = next(c for c in cands if c.prefill_nodes == 1)
+    assert c1.qualifies and c1.ttft_p95_s == math.inf and "TTFT" in c1.vetoed
+    assert best_on == 2  # the best candidate that keeps P95 TTFT within 15 s
+    assert next(c for c in cands if c.prefill_nodes == 2).ttft_p95_s < 15.0
+    assert metrics["arrival_rate"] == 5.0
+
+
+def test_guard_changes_nothing_at_a_moderate_arrival_rate():
+    w = [sl(**D3, n=50) for _ in range(10)]
+    phases = split_phases("4P5D", NODES)
+    _, _, best_off = planner(slo_guard=False).evaluate(phases, w)
+    _, _, best_on = planner().evaluate(phases, w, lam=2.0)
+    assert best_on == best_off
+
+
+def test_guard_reverses_a_split_that_queues_prefill():
+    """D.3: after a switch to 2P7D the arrival rate exceeds what two prefill nodes serve
+    and the queue grows; the guard moves a node back within minutes."""
+    pl = planner(cooldown_s=120.0, window_s=600.0)
+    phases = start(pl, "2P7D")
+    # 2 prefill nodes complete 7.7 req/s; 9 req/s arrive: the queue grows 1.3 req/s
+    phases, decisions = run_to(pl, phases, 420.0, rate=7.7, queue_growth=1.3, t_uc=6000, t_c=100_000, t_out=1000, q=60)
+    assert decisions, "the guard should have reversed the split"
+    t, d = decisions[0]
+    assert t < 600.0  # before the window end
+    assert split_name(d.phases) == "3P6D"
+    ev = [e for e in pl.take_decisions() if e.action == "switch"][0]
+    assert ev.reason.startswith("SLO guard") and ev.metrics["backlog_s"] > 7.5
+    assert ev.metrics["arrival_rate"] == pytest.approx(9.0, rel=0.15)
+
+
+def test_guard_ignores_a_burst_backlog_at_a_sustainable_rate():
+    pl = planner()
+    phases = start(pl, "2P7D")
+    # a long queue (a sub-agent burst) but only 3 req/s arrive: two nodes drain it
+    phases, decisions = run_to(pl, phases, 540.0, rate=3.0, queue0=120.0, t_uc=6000, t_c=100_000, t_out=1000, q=60)
+    assert decisions == []
+    assert not [e for e in pl.take_decisions() if e.reason.startswith("SLO guard")]
+
+
+def test_guard_off_is_the_papers_planner():
+    pl = planner(slo_guard=False)
+    phases = start(pl, "2P7D")
+    phases, decisions = run_to(pl, phases, 540.0, rate=7.7, queue_growth=1.3, t_uc=6000, t_c=100_000, t_out=1000, q=60)
+    assert decisions == []
+    assert not [e for e in pl.take_decisions() if "guard" in e.reason]
+    assert pl.next_tick() == 545.0  # sampling ticks only (every 5 s)
+    quiet = planner(slo_guard=False, sample_interval_s=0.0)
+    start(quiet, "2P7D")
+    assert quiet.next_tick() == 600.0  # only window ends
+
+
+def test_sampling_ticks_give_per_slice_decode_averages():
+    """A caller that reports node states only at ticks (the simulator) still gets q̄ per slice."""
+    pl = planner()
+    phases = split_phases("4P5D", NODES)
+    t = pl.next_tick()
+    while t is not None and t < 600.0:
+        q = 30 if t < 300 else 90  # the decode population changes mid-window
+        for n, ph in phases.items():
+            pl.on_node_state(state(n, ph, decoding=q // 5 if ph == "decode" else 0), t)
+        assert pl.tick(t, phases, set()) is None
+        t = pl.next_tick()
+    qs = [s.q for s in pl.obs.slices(0, 10)]
+    assert qs[:5] == pytest.approx([30.0] * 5) and qs[5:] == pytest.approx([90.0] * 5)
+
+
+def test_params_are_validated():
+    with pytest.raises(ValueError):
+        EvolvingParams(slices=1)
+    with pytest.raises(ValueError):
+        make_planner("evolving", NODES, GB, bogus=1)
+    with pytest.raises(ValueError):
+        make_planner("evolving", NODES, GB, initial_split="3P3D")
