@@ -4590,10 +4590,10 @@ FIT = json.loads(
     0.9999,
     1.0
    ],
-   "mean": 438.95756355815365,
+   "mean": 438.956929355319,
    "n": 36266,
    "values": [
-    1.0,
+    0.0,
     58.0,
     70.0,
     77.0,
@@ -8165,7 +8165,7 @@ FIT = json.loads(
   "forks_per_request": 0.003366643509859456,
   "input_growth_tokens.p50": 670.0,
   "input_tokens.p50": 104050.0,
-  "output_tokens.mean": 443.09716471053673,
+  "output_tokens.mean": 443.0965580904655,
   "output_tokens.p50": 221.0,
   "pause_s.p50": 10.0,
   "pause_s.p95": 440.0,
