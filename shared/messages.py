@@ -17,6 +17,8 @@ Producer → consumer flow, in the order of the subject table:
     worker ──work.<node>.decode────▶ worker           (DecodeWork, prefill → decode hand-off)
     router ──work.<node>.abort─────▶ worker           (RequestAbort)
     worker ──req.<rid>.out─────────▶ router           (TokenChunk stream)
+    router ◀─route.bind────────────  worker           (DecodeBindRequest → DecodeBindReply)
+    router ◀─work.requeue──────────  worker           (WorkRequeue → WorkRequeueReply)
     any ──svc.heartbeat.<service>──▶ launcher, tap    (Heartbeat)
     any ◀─svc.stats.<instance>─────  tests, operators (StatsRequest → StatsReply)
     planner ◀─split.get────────────  router, workers  (SplitQuery → SplitCommand)
@@ -376,6 +378,15 @@ class SplitApplied(Msg, frozen=True, kw_only=True):
     applied_at: float = 0.0
     switch_s: NonNegF = 0.0
     """decision → serving the new phase (only when ``status == 'serving'``)."""
+    received_at: float = 0.0
+    """When the node received the command (simulated s); ``received_at − decided_at`` is
+    the command's propagation."""
+    drained_at: float = 0.0
+    """``serving`` only: when the last request running on the node finished (= ``received_at``
+    when nothing had to drain). ``drained_at − received_at`` is the drain; the control
+    overhead beyond draining is ``switch_s − (drained_at − received_at)``."""
+    requeued: NonNeg = 0
+    """Queued requests the node handed back to the router for re-routing (``work.requeue``)."""
 
 
 # --------------------------------------------------------------------------- #
@@ -468,6 +479,10 @@ class PrefillWork(Msg, frozen=True, kw_only=True):
     prompt's path to copy from peers' memory while the request waits in this
     node's queue (paper §4.2, Alg. E.3 l.12). Empty = fetch nothing (the node
     uses its own cache and recomputes the rest)."""
+    decode_binding: Literal["dispatch", "start"] = "dispatch"
+    """``dispatch``: ``decode_node`` is the binding. ``start`` (with ``decode_node``
+    None, on a prefill node): the worker asks the router for the decode node on
+    ``route.bind`` when the request's prefill starts (paper Eq. 7, App. D.1)."""
 
 
 class DecodeWork(Msg, frozen=True, kw_only=True):
@@ -486,6 +501,47 @@ class DecodeWork(Msg, frozen=True, kw_only=True):
     kv_ready_at: float = 0.0
     """When the GPU-to-GPU KV transfer completes (simulated clock)."""
     kv_bytes: NonNeg = 0
+
+
+class DecodeBindRequest(Msg, frozen=True, kw_only=True):
+    """Worker → router (``route.bind``): the prefill of ``rid`` starts now; which node decodes it?"""
+
+    rid: str
+    prefill_node: str
+    prompt_tokens: NonNeg = 0
+    max_tokens: NonNeg = 0
+    branch_id: str | None = None
+
+
+class DecodeBindReply(Msg, frozen=True, kw_only=True):
+    """Router's answer: the decode node with KV room and the fewest requests, or None (``reason``)."""
+
+    rid: str
+    decode_node: str | None = None
+    reason: str = ""
+
+
+class WorkRequeue(Msg, frozen=True, kw_only=True):
+    """Worker → router (``work.requeue``): ``node`` hands back work it will not serve
+    (queued when its phase switch began, or arrived for a phase it no longer serves).
+    Exactly one of ``prefill`` / ``decode`` is set; the node has already forgotten it."""
+
+    rid: str
+    node: str
+    reason: str = ""
+    epoch: NonNeg = 0
+    """The split epoch the node was switching to."""
+    prefill: PrefillWork | None = None
+    decode: DecodeWork | None = None
+
+
+class WorkRequeueReply(Msg, frozen=True, kw_only=True):
+    """``accepted``: the router owns the request again (it re-routes it to exactly one node);
+    False: the request is no longer pending there (finished, failed or aborted) — drop it."""
+
+    rid: str
+    accepted: bool = False
+    reason: str = ""
 
 
 class RequestAbort(Msg, frozen=True, kw_only=True):
@@ -514,6 +570,13 @@ class TokenChunk(Msg, frozen=True, kw_only=True):
     queue_s: float | None = None
     """On the first chunk: time the request waited in the prefill node's queue
     (arrival on the node → its first prefill chunk), simulated seconds."""
+    fetch_s: float | None = None
+    """On the first chunk, when the prefill node fetched prefix KV from peers: fetch
+    start → blocks in its L2 (simulated s)."""
+    exposed_fetch_s: float | None = None
+    """On the first chunk, with a fetch: the part of it that outlasted the queue wait (s)."""
+    fetched_tokens: NonNeg = 0
+    """On the first chunk: prompt tokens whose KV was fetched from peers' host memory."""
 
 
 # --------------------------------------------------------------------------- #

@@ -72,6 +72,8 @@ REQ_OUT = Subject("req.{rid}.out", m.TokenChunk, doc="worker → router: token s
 SVC_HEARTBEAT = Subject("svc.heartbeat.{service}", m.Heartbeat, doc="any → launcher: liveness")
 SVC_STATS = Subject("svc.stats.{instance}", m.StatsRequest, m.StatsReply, doc="counters of one instance")
 PLANNER_MODELS = Subject("planner.models", m.PlannerModels, doc="planner → router: fitted iteration-time models per node")
+ROUTE_BIND = Subject("route.bind", m.DecodeBindRequest, m.DecodeBindReply, doc="worker → router: decode node at prefill start")
+WORK_REQUEUE = Subject("work.requeue", m.WorkRequeue, m.WorkRequeueReply, doc="worker → router: hand back work for re-routing")
 
 ALL: tuple[Subject, ...] = (
     KV_EVENTS,
@@ -95,6 +97,8 @@ ALL: tuple[Subject, ...] = (
     PLANNER_MODELS,
     PLANNER_DECISIONS,
     SPLIT_SET,
+    ROUTE_BIND,
+    WORK_REQUEUE,
 )
 
 

@@ -283,6 +283,15 @@ class DynamoKvPolicy(RoutingPolicy):
         if decode_node is not None:
             self._blocks(decode_node).add(hashes)
 
+    def on_decode_bound(self, req: RouteRequest, decode_node: str, now: float) -> None:
+        a = self._active.get(req.rid)
+        if a is None:
+            return
+        if a.decode_node is not None:
+            self._blocks(a.decode_node).remove(a.hashes)
+        a.decode_node = decode_node
+        self._blocks(decode_node).add(a.hashes)
+
     def _prefill_done(self, a: _Active) -> None:
         if a.prefill_open:
             a.prefill_open = False

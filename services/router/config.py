@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import Meta
 
@@ -69,6 +69,14 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     balance_rel_threshold: Annotated[
         float, Meta(ge=1.0, description="cache-aware: max load / min load above which load is imbalanced (gateway CLI default)")
     ] = 1.5
+    decode_binding: Annotated[
+        Literal["dispatch", "prefill-start"],
+        Meta(
+            description="when a PD request's decode node is chosen: prefill-start = when its prefill starts on the "
+            "prefill node (route.bind; paper Eq. 7, sees decode load and KV room at that moment) | dispatch = "
+            "with the prefill node"
+        ),
+    ] = "prefill-start"
     fence_after_s: Annotated[
         float, Meta(gt=0, description="wall seconds without a node.state after which a node is fenced out")
     ] = 3.0

@@ -13,6 +13,8 @@ One call places one request::
     out = core.route(RouteRequest(...), lookup, now)
     if isinstance(out, NoRoute): answer 503 with out.reason
     else: publish out.placed on route.placed, out.work on work.<out.prefill.node>.prefill
+    bind = core.bind_decode(rid, now)            # route.bind (decode_binding="prefill-start")
+    core.requeue(rid, now); core.route(...)      # work.requeue of a prefill: forget, route again
     core.on_first_token(rid, now, first_token_at=chunk.ts, queue_s=chunk.queue_s)   # first chunk
     core.finish(rid, now)                        # last chunk, failure or abort
     for f in core.check_fences(now): fail f.rids  # periodic, see next_deadline()
@@ -33,6 +35,10 @@ from dataclasses import dataclass, field
 
 from shared.messages import KvLookupReply, NodeState, PlannerModels, PrefillWork, RequestAbort, RoutePlaced, SplitCommand
 
+DECODE_BINDINGS: tuple[str, ...] = ("dispatch", "prefill-start")
+"""When the decode node of a PD request is chosen: at dispatch (``PrefillWork.decode_node``),
+or when its prefill starts on the prefill node (``route.bind``, paper Eq. 7 / App. D.1)."""
+
 from services.router.metrics import RouteMetrics, TtftSample
 from services.router.nodes import FencedNode, NodeLoad, NodeLoadView
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy
@@ -43,6 +49,25 @@ class NoRoute:
     """No placement is possible now (HTTP 503); ``reason`` says why."""
 
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBinding:
+    """A decode node chosen after dispatch (:meth:`RouterCore.bind_decode`).
+
+    Attributes:
+        decode: the policy's choice (with the loads it compared).
+        prefill_node: the request's prefill node.
+        placed: ``RoutePlaced`` for the decode placement (empty without a branch).
+    """
+
+    decode: DecodeChoice
+    prefill_node: str
+    placed: list[RoutePlaced] = field(default_factory=list)
+
+    @property
+    def node(self) -> str:
+        return self.decode.node
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +110,26 @@ class RouterCore:
         policy: the prefill policy (and decode rule), see ``policy.make_policy``.
         block_size: tokens per KV block; must equal the directory's and the engines'.
         fence_after: state age (same unit as ``now``) after which a node is fenced.
+        decode_binding: ``dispatch`` (the decode node is chosen in :meth:`route`) or
+            ``prefill-start`` (a request placed on a prefill node goes out with
+            ``decode_binding="start"`` and no decode node; the worker asks
+            :meth:`bind_decode` when its prefill starts). Collocated placements
+            are unaffected.
 
     Raises:
-        ValueError: if ``block_size`` < 1 or ``fence_after`` <= 0.
+        ValueError: if ``block_size`` < 1, ``fence_after`` <= 0 or an unknown ``decode_binding``.
     """
 
-    def __init__(self, policy: RoutingPolicy, *, block_size: int = 64, fence_after: float = 3.0) -> None:
+    def __init__(
+        self, policy: RoutingPolicy, *, block_size: int = 64, fence_after: float = 3.0, decode_binding: str = "dispatch"
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if decode_binding not in DECODE_BINDINGS:
+            raise ValueError(f"decode_binding must be one of {DECODE_BINDINGS}, got {decode_binding!r}")
+        self.decode_binding = decode_binding
+        self._unbound: dict[str, RouteRequest] = {}
+        """rid → request, dispatched to a prefill node with its decode node still to bind."""
         self.policy = policy
         self.block_size = block_size
         self.view = NodeLoadView(fence_after=fence_after)
@@ -147,13 +184,16 @@ class RouterCore:
         choice = self.policy.choose_prefill(req, lookup, offered, now)
         chosen = next(n for n in offered if n.node == choice.node)
         decode: DecodeChoice | None = None
-        if chosen.phase != "both":
+        late = chosen.phase != "both" and self.decode_binding == "prefill-start"
+        if chosen.phase != "both" and not late:
             decode = self.policy.choose_decode(req, dec, now)
             if decode is None:  # pragma: no cover - dec is non-empty here
                 return NoRoute(self.view.no_candidate_reason("decode", now))
         self.view.on_dispatch(req.rid, choice.node, decode.node if decode else None)
         self.policy.on_dispatch(req, choice, decode.node if decode else None, now)
         self._routed[req.rid] = (choice.node, now, choice.predicted_ttft_s)
+        if late:
+            self._unbound[req.rid] = req
         hashes = list(req.block_hashes)
         placed: list[RoutePlaced] = []
         if req.branch_id is not None:
@@ -173,8 +213,73 @@ class RouterCore:
             sent_at=now,
             epoch=max(self.view.epoch, 0),
             fetch=list(choice.fetch),
+            decode_binding="start" if late else "dispatch",
         )
         return RouteDecision(choice, decode, placed, work, tuple(offered), tuple(dec) if decode else ())
+
+    def bind_decode(
+        self,
+        rid: str,
+        now: float,
+        *,
+        req: RouteRequest | None = None,
+        exclude: str | None = None,
+        prefill_node: str | None = None,
+    ) -> DecodeBinding | NoRoute:
+        """Choose the decode node of in-flight ``rid`` now (paper Eq. 7, Alg. E.3 l.13: the
+        decode node with KV room and the fewest requests, at prefill start).
+
+        Two uses: the first binding of a request routed with ``decode_binding="start"``
+        (``route.bind`` from its prefill node when the prefill starts), and a new
+        binding after a decode node handed a request back (``work.requeue``; pass
+        ``req`` rebuilt from its ``DecodeWork`` and ``exclude`` = that node). The view
+        and the policy (``on_decode_bound``) move the request to the new node.
+        ``prefill_node``: the asker; refused unless it is the request's prefill node
+        (a stale ask after the request was re-routed). O(N log N) + ``choose_decode``.
+
+        Returns:
+            :class:`DecodeBinding`, or :class:`NoRoute` when ``rid`` is not in flight,
+            was bound already (first use), is placed on another prefill node, or no
+            decode node is eligible now.
+        """
+        placement = self.view.placement(rid)
+        if placement is None:
+            return NoRoute(f"request {rid} is not in flight")
+        if prefill_node is not None and placement[0] != prefill_node:
+            return NoRoute(f"request {rid} is placed on {placement[0]}, not {prefill_node}")
+        if req is None:
+            req = self._unbound.get(rid)
+            if req is None:
+                return NoRoute(f"request {rid} has no decode binding pending")
+        prefill = placement[0]
+        cands = [n for n in self.view.decode_candidates(now) if n.node != prefill and n.node != exclude]
+        choice = self.policy.choose_decode(req, cands, now) if cands else None
+        if choice is None:
+            return NoRoute(self.view.no_candidate_reason("decode", now))
+        self._unbound.pop(rid, None)
+        self.view.rebind(rid, choice.node)
+        self.policy.on_decode_bound(req, choice.node, now)
+        placed: list[RoutePlaced] = []
+        if req.branch_id is not None:
+            placed.append(
+                RoutePlaced(rid=rid, branch_id=req.branch_id, node=choice.node, phase="decode", block_hashes=list(req.block_hashes), ts=now)
+            )
+        return DecodeBinding(choice, prefill, placed)
+
+    def requeue(self, rid: str, now: float) -> bool:
+        """A prefill node handed ``rid`` back before starting it (phase switch): forget its
+        placement (view, policy, pending binding) so that :meth:`route` can place it again
+        with the same rid. Returns False if ``rid`` is not in flight. O(1) (+ the policy)."""
+        self._routed.pop(rid, None)
+        self._unbound.pop(rid, None)
+        if self.view.on_finish(rid) is None:
+            return False
+        self.policy.on_finish(rid, now)
+        return True
+
+    def pending_binding(self, rid: str) -> bool:
+        """True while ``rid`` waits for :meth:`bind_decode` (dispatched with ``decode_binding="start"``)."""
+        return rid in self._unbound
 
     # -- request lifecycle --------------------------------------------------- #
 
@@ -208,6 +313,7 @@ class RouterCore:
     def finish(self, rid: str, now: float | None = None) -> tuple[str, str | None] | None:
         """``rid`` is over (finished, failed); returns its placement or None if unknown."""
         self._routed.pop(rid, None)
+        self._unbound.pop(rid, None)
         placement = self.view.on_finish(rid)
         if placement is not None:
             self.policy.on_finish(rid, now if now is not None else 0.0)
@@ -224,6 +330,7 @@ class RouterCore:
             empty if ``rid`` is not in flight.
         """
         self._routed.pop(rid, None)
+        self._unbound.pop(rid, None)
         placement = self.view.on_finish(rid)
         if placement is None:
             return []

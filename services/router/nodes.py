@@ -32,7 +32,7 @@ Operations (N nodes, R requests in flight):
 |-----------------------------|---------------|
 | apply_state / apply_split   | O(1) / O(N)   |
 | candidates(now)             | O(N log N)    |
-| on_dispatch / on_first_token / on_finish | O(1) |
+| on_dispatch / on_first_token / on_finish / rebind | O(1) |
 | check_fences(now)           | O(N)          |
 | next_deadline()             | O(N)          |
 | requests_on(node)           | O(R)          |
@@ -332,6 +332,28 @@ class NodeLoadView:
             d.inflight -= 1
             d.inflight_decode -= 1
         return fl.prefill_node, fl.decode_node
+
+    def rebind(self, rid: str, decode_node: str) -> bool:
+        """Bind in-flight ``rid`` to ``decode_node`` (decode binding at prefill start, or a
+        new decode node after the old one handed the request back); the first-token
+        state is kept. Returns False if ``rid`` is not in flight. O(1).
+
+        Raises:
+            ValueError: if ``decode_node`` is not a single NATS token.
+        """
+        fl = self._flights.get(rid)
+        if fl is None:
+            return False
+        check_token(decode_node, "node")
+        if fl.decode_node is not None:
+            old = self.nodes[fl.decode_node]
+            old.inflight -= 1
+            old.inflight_decode -= 1
+        fl.decode_node = decode_node
+        d = self._record(decode_node)
+        d.inflight += 1
+        d.inflight_decode += 1
+        return True
 
     def placement(self, rid: str) -> tuple[str, str | None] | None:
         """``(prefill_node, decode_node)`` of an in-flight request, or None."""

@@ -184,6 +184,11 @@ class RoutingPolicy(abc.ABC):
     def on_dispatch(self, req: RouteRequest, choice: PrefillChoice, decode_node: str | None, now: float) -> None:
         """``req`` was placed on ``choice.node`` (and bound to ``decode_node``) and is being sent."""
 
+    def on_decode_bound(self, req: RouteRequest, decode_node: str, now: float) -> None:
+        """``req`` (dispatched earlier) is now bound to ``decode_node``: the binding made when
+        its prefill started (``RouterCore.bind_decode``), or a new decode node after the old
+        one handed the request back. Replaces any earlier decode binding of ``req.rid``."""
+
     def on_first_token(self, rid: str, now: float) -> None:
         """The first output token of ``rid`` arrived: its prefill is done (called at most once per rid)."""
 
@@ -221,6 +226,9 @@ class PolicyWrapper(RoutingPolicy):
 
     def on_dispatch(self, req: RouteRequest, choice: PrefillChoice, decode_node: str | None, now: float) -> None:
         self.inner.on_dispatch(req, choice, decode_node, now)
+
+    def on_decode_bound(self, req: RouteRequest, decode_node: str, now: float) -> None:
+        self.inner.on_decode_bound(req, decode_node, now)
 
     def on_first_token(self, rid: str, now: float) -> None:
         self.inner.on_first_token(rid, now)

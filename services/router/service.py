@@ -16,9 +16,10 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 =====================================  =========================================================
 
 NATS: subscribes ``node.state.*``, ``split.commands``, ``planner.models`` and (once) ``req.*.out``;
-requests ``split.get`` at start and ``kv.lookup`` per request; publishes
-``branch.events``, ``route.placed``, ``work.<node>.prefill`` and
-``work.<node>.abort``.
+serves ``route.bind`` (decode node at prefill start) and ``work.requeue`` (work a node hands
+back during a phase switch); requests ``split.get`` at start and ``kv.lookup`` per request;
+publishes ``branch.events``, ``route.placed``, ``work.<node>.prefill``, ``work.<node>.decode``
+(a re-bound hand-off) and ``work.<node>.abort``.
 """
 
 from __future__ import annotations
@@ -58,17 +59,20 @@ from shared.subjects import (
     NODE_STATE,
     PLANNER_MODELS,
     REQ_OUT,
+    ROUTE_BIND,
     ROUTE_PLACED,
     SPLIT_COMMANDS,
     SPLIT_GET,
     WORK_ABORT,
+    WORK_DECODE,
     WORK_PREFILL,
+    WORK_REQUEUE,
 )
 
 from services.router import api
 from services.router.branches import BranchError, BranchTable
 from services.router.config import RouterConfig
-from services.router.core import NoRoute, RouteDecision, RouterCore
+from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
 from services.router.policy import RouteRequest, make_policy
 from services.router.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
@@ -96,6 +100,9 @@ class _Pending:
     predicted_ttft_s: float | None = None
     queue_s: float | None = None
     """``queue_s`` of the first chunk (time queued on the prefill node)."""
+    fetch_s: float | None = None
+    """``fetch_s`` / ``exposed_fetch_s`` of the first chunk (peer fetch while queued)."""
+    exposed_fetch_s: float | None = None
     done: bool = False
     """The core no longer counts it (finished, failed or aborted)."""
 
@@ -180,12 +187,17 @@ class RouterService:
         self.log = structlog.get_logger("router").bind(instance=bus.instance)
         policy = make_policy(cfg.routing, **cfg.policy_options())
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
-        self.core = RouterCore(policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup)
+        self.core = RouterCore(
+            policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup, decode_binding=cfg.decode_binding
+        )
         self.branches = BranchTable(cfg.max_ended_branches)
         self.counters: Counter[str] = Counter()
         self.port: int | None = None
         self.app: ASGIApp = _StatusCounter(self._build_app(), self.counters)
         self._pending: dict[str, _Pending] = {}
+        self._parked: dict[str, m.WorkRequeue] = {}
+        """Handed-back work that found no eligible node yet (retried on every node state)."""
+        self._retrying = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._spawned: set[asyncio.Task[Any]] = set()
         self._server: _Server | None = None
@@ -211,6 +223,8 @@ class RouterService:
         await self.bus.subscribe(SPLIT_COMMANDS, self._on_split)
         await self.bus.subscribe(PLANNER_MODELS, self._on_models)
         await self.bus.subscribe(REQ_OUT, self._on_chunk)
+        await self.bus.serve(ROUTE_BIND, self._on_bind)
+        await self.bus.serve(WORK_REQUEUE, self._on_requeue)
         self._tasks.append(asyncio.create_task(self._fetch_split(), name="router-split-get"))
         self._tasks.append(asyncio.create_task(self._fence_loop(), name="router-fence"))
         try:
@@ -308,6 +322,7 @@ class RouterService:
             "split_epoch": float(view.epoch),
             "branches_active": float(self.branches.active_count),
             "http_port": float(self.port or 0),
+            "parked": float(len(self._parked)),
         }
         counters = dict(self.counters)
         mc, mg = self.core.metrics.export()
@@ -342,6 +357,9 @@ class RouterService:
         if back:
             self.counters["unfenced"] += 1
             self.log.info("node reports again; let back in", node=st.node, phase=st.phase)
+        if self._parked and not self._retrying and st.accepting:
+            self._retrying = True
+            self._spawn(self._retry_parked())
         if st.block_size and st.block_size != self.cfg.block_size and st.node not in self._bad_block_size:
             self._bad_block_size.add(st.node)
             self.counters["block_size_mismatch"] += 1
@@ -387,6 +405,7 @@ class RouterService:
         if not p.first_seen:
             p.first_seen = True
             p.queue_s = chunk.queue_s
+            p.fetch_s, p.exposed_fetch_s = chunk.fetch_s, chunk.exposed_fetch_s
             if not failed:
                 sample = self.core.on_first_token(chunk.rid, now, first_token_at=chunk.ts or None, queue_s=chunk.queue_s)
                 if sample is not None and sample.error_s is not None:
@@ -408,6 +427,117 @@ class RouterService:
             else:
                 self.core.finish(chunk.rid, now)
         p.queue.put_nowait(chunk)
+
+    # -- decode binding at prefill start, work handed back ------------------ #
+
+    async def _on_bind(self, req: m.DecodeBindRequest, _subject: str) -> m.DecodeBindReply:
+        """``route.bind``: the prefill of ``req.rid`` starts on ``req.prefill_node``; choose its decode node."""
+        p = self._pending.get(req.rid)
+        if p is None or p.done:
+            self.counters["bind.not_pending"] += 1
+            return m.DecodeBindReply(rid=req.rid, reason="request is not pending at the router")
+        out = self.core.bind_decode(req.rid, self.clock.now(), prefill_node=req.prefill_node)
+        if isinstance(out, NoRoute):
+            self.counters["bind.no_route"] += 1
+            return m.DecodeBindReply(rid=req.rid, reason=out.reason)
+        await self._bound(p, out)
+        self.counters["bind.ok"] += 1
+        return m.DecodeBindReply(rid=req.rid, decode_node=out.node)
+
+    async def _bound(self, p: _Pending, out: DecodeBinding) -> None:
+        p.decode_node = out.node
+        for placed in out.placed:
+            await self.bus.publish(ROUTE_PLACED, placed)
+        self.counters[f"routed.decode.{out.node}"] += 1
+        if self.log.is_enabled_for(logging.DEBUG):
+            self.log.debug("decode bound", rid=p.rid, prefill=out.prefill_node, decode=out.node, loads=out.decode.loads)
+
+    async def _on_requeue(self, msg: m.WorkRequeue, _subject: str) -> m.WorkRequeueReply:
+        """``work.requeue``: a node hands back work it will not serve (phase switch).
+
+        Exactly one node serves each request: the handing-back node has forgotten
+        it; the router accepts it only while it is pending and placed on that node
+        (for that role), then places it on exactly one other node — or parks it
+        until a node is eligible. A duplicate or stale hand-back is refused.
+        """
+        rid = msg.rid
+        p = self._pending.get(rid)
+        if p is None or p.done:
+            self.counters["requeue.not_pending"] += 1
+            return m.WorkRequeueReply(rid=rid, reason="request is not pending at the router")
+        placement = self.core.view.placement(rid)
+        if (msg.prefill is None) == (msg.decode is None):
+            self.counters["requeue.malformed"] += 1
+            return m.WorkRequeueReply(rid=rid, reason="exactly one of prefill / decode must be set")
+        role = 0 if msg.prefill is not None else 1
+        if placement is None or placement[role] != msg.node:
+            self.counters["requeue.stale"] += 1
+            return m.WorkRequeueReply(rid=rid, reason=f"request is not placed on {msg.node} for {'prefill' if role == 0 else 'decode'}")
+        self.counters[f"requeue.{'prefill' if role == 0 else 'decode'}"] += 1
+        if role == 0:
+            self.core.requeue(rid, self.clock.now())
+        self.log.info("work handed back", rid=rid, node=msg.node, role="prefill" if role == 0 else "decode", reason=msg.reason)
+        self._spawn(self._place_again(msg))
+        return m.WorkRequeueReply(rid=rid, accepted=True)
+
+    async def _place_again(self, msg: m.WorkRequeue) -> bool:
+        """Route handed-back work to one eligible node; park it when there is none. True if placed."""
+        rid = msg.rid
+        p = self._pending.get(rid)
+        if p is None or p.done:
+            self._parked.pop(rid, None)
+            return True
+        now = self.clock.now()
+        if msg.prefill is not None:
+            w = msg.prefill
+            rreq = RouteRequest(
+                rid=rid,
+                prompt_tokens=w.prompt_tokens,
+                block_hashes=w.block_hashes,
+                max_tokens=w.max_tokens,
+                token_ids=w.token_ids,
+                branch_id=w.branch_id,
+            )
+            lookup, status = await self._lookup(list(w.block_hashes)) if w.block_hashes else (None, "skipped")
+            if p.done:
+                return True
+            out = self.core.route(rreq, lookup, self.clock.now())
+            if isinstance(out, NoRoute):
+                self._park(msg, out.reason)
+                return False
+            self._log_route(rreq, out, status)
+            p.prefill_node, p.decode_node, p.predicted_ttft_s = out.prefill.node, out.decode_node, out.predicted_ttft_s
+            for placed in out.placed:
+                await self.bus.publish(ROUTE_PLACED, placed)
+            await self.bus.publish(WORK_PREFILL, out.work, node=out.prefill.node)
+            self.counters[f"routed.prefill.{out.prefill.node}"] += 1
+            self.counters["requeue.rerouted"] += 1
+        else:
+            d = msg.decode
+            assert d is not None
+            rreq = RouteRequest(rid=rid, prompt_tokens=d.prompt_tokens, block_hashes=d.block_hashes, max_tokens=d.max_tokens, branch_id=d.branch_id)
+            bound = self.core.bind_decode(rid, now, req=rreq, exclude=msg.node)
+            if isinstance(bound, NoRoute):
+                self._park(msg, bound.reason)
+                return False
+            await self._bound(p, bound)
+            await self.bus.publish(WORK_DECODE, d, node=bound.node)
+            self.counters["requeue.rebound"] += 1
+        self._parked.pop(rid, None)
+        return True
+
+    def _park(self, msg: m.WorkRequeue, reason: str) -> None:
+        if msg.rid not in self._parked:
+            self.counters["requeue.parked"] += 1
+            self.log.info("handed-back work parked until a node is eligible", rid=msg.rid, reason=reason)
+        self._parked[msg.rid] = msg
+
+    async def _retry_parked(self) -> None:
+        try:
+            for msg in list(self._parked.values()):
+                await self._place_again(msg)
+        finally:
+            self._retrying = False
 
     async def _fetch_split(self) -> None:
         """Ask the planner for the split until it answers or ``split_get_timeout_s`` passes."""
@@ -743,9 +873,6 @@ class RouterService:
         if out.decode_node is not None:
             self.counters[f"routed.decode.{out.decode_node}"] += 1
 
-        headers = {"x-request-id": rid, "x-ei-prefill-node": out.prefill.node}
-        if out.decode_node is not None:
-            headers["x-ei-decode-node"] = out.decode_node
         stream = bool(req.stream)
         include_usage = bool(stream and req.stream_options is not None and req.stream_options.include_usage)
         created = int(time.time())
@@ -758,6 +885,11 @@ class RouterService:
             fail = self._chunk_failure(first) if first.finished else None
             if fail is not None:
                 return self._error(fail.status, fail.reason)
+            # placement as of the first token: a handed-back request was placed again, and the
+            # decode node of a request bound at prefill start is known only from then on
+            headers = {"x-request-id": rid, "x-ei-prefill-node": p.prefill_node}
+            if p.decode_node is not None:
+                headers["x-ei-decode-node"] = p.decode_node
             if stream:
                 handed_off = True
                 gen = self._stream(p, first, rreq, chat, created, include_usage)
@@ -857,12 +989,14 @@ class RouterService:
 
     @staticmethod
     def _ei(p: _Pending) -> dict[str, Any]:
-        """The ``ei`` object of a response: placement, queue time, predicted TTFT (s)."""
+        """The ``ei`` object of a response: placement, queue time, predicted TTFT, peer fetch (s)."""
         return {
             "prefill_node": p.prefill_node,
             "decode_node": p.decode_node,
             "queue_s": p.queue_s,
             "predicted_ttft_s": None if p.predicted_ttft_s is None else round(p.predicted_ttft_s, 6),
+            "fetch_s": p.fetch_s,
+            "exposed_fetch_s": p.exposed_fetch_s,
         }
 
     def _log_route(self, req: RouteRequest, out: RouteDecision, lookup_status: str) -> None:

@@ -737,8 +737,10 @@ class TtftPolicy(RoutingPolicy):
     has not reached the node, so no state counts it yet), the one with the
     fewest requests
     (``running + waiting + in flight``); if none has room, the one with the
-    fewest requests. The binding is made at dispatch: the worker-side binding
-    at prefill start is a proposal (README).
+    fewest requests. The binding is made when the prefill starts
+    (``RouterCore.bind_decode`` over ``route.bind``, the router's default
+    ``--decode-binding prefill-start``) or at dispatch (``dispatch``); either
+    way the reservation lasts until the first token.
 
     Args:
         predictor: the TTFT predictor (owned by the policy from now on).
@@ -798,6 +800,12 @@ class TtftPolicy(RoutingPolicy):
             blocks = decode_footprint_blocks(req, self.block_size)
             self._rid_decode[req.rid] = (decode_node, blocks)
             self._decode_reserved[decode_node] = self._decode_reserved.get(decode_node, 0) + blocks
+
+    def on_decode_bound(self, req: RouteRequest, decode_node: str, now: float) -> None:
+        self._release_decode(req.rid)
+        blocks = decode_footprint_blocks(req, self.block_size)
+        self._rid_decode[req.rid] = (decode_node, blocks)
+        self._decode_reserved[decode_node] = self._decode_reserved.get(decode_node, 0) + blocks
 
     def _release_decode(self, rid: str) -> None:
         d = self._rid_decode.pop(rid, None)

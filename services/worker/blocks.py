@@ -354,6 +354,62 @@ class HostBlockPool:
                 q.push(b)
         self._stamp = stamp
 
+    def store_fetched(self, path: Sequence[int], lo: int, hi: int) -> int:
+        """Insert pages ``path[lo:hi]`` pulled from a peer's L2 (not in L1: unpinned).
+
+        Pages already present are left as they are. Room is made by evicting
+        the lowest-key unpinned blocks other than the pages of ``path[:hi]``
+        (the request's own prefix); if too few are left, the deepest new pages
+        are not stored (the request recomputes them). New pages are stamped deepest first and
+        their queued ancestors restamped after them, so eviction stays leaf-first.
+        Emits ``BlockRemoved(host)`` for evictions and one ``BlockStored(host)``
+        per run of new pages. Returns the pages stored. O(hi + evicted).
+        """
+        blocks = self.blocks
+        new = [i for i in range(lo, min(hi, len(path))) if path[i] not in blocks]
+        if not new:
+            return 0
+        q = self.evictable
+        protected = set(path[:hi])
+        need = len(blocks) + len(new) - self.capacity
+        evicted: list[int] = []
+        if need > 0:
+            for od in q.groups:
+                for h in od:
+                    if h not in protected:
+                        evicted.append(h)
+                        if len(evicted) == need:
+                            break
+                if len(evicted) == need:
+                    break
+            for h in evicted:
+                q.remove(blocks.pop(h))
+            need -= len(evicted)
+        if need > 0:
+            new = new[: len(new) - need]
+        if evicted:
+            self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
+        if not new:
+            return 0
+        made: list[HostBlock] = []
+        for i in reversed(new):
+            self._stamp += 1
+            b = HostBlock(path[i], path[i - 1] if i else None, i, self._stamp)
+            b.pinned = False
+            blocks[b.hash] = b
+            q.push(b)
+            made.append(b)
+        for b in made:  # deepest first: each lift leaves the shallower pages newest
+            if b.parent is not None and b.parent in blocks and blocks[b.parent].last_access < b.last_access:
+                self._lift_ancestors(b)
+        start = prev = new[0]
+        for i in new[1:] + [-1]:
+            if i != prev + 1:
+                self.events.append(_stored(list(path[start : prev + 1]), path[start - 1] if start else None, "host", self.block_size))
+                start = i
+            prev = i
+        return len(new)
+
     def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
         """Apply branch counts R[b, node] from the KV directory (``CountUpdates``).
 
@@ -479,6 +535,11 @@ class KvBlockManager:
         convert reserved slots, then write them through to L2."""
         for s, e in self.gpu.fill(path, lo, hi):
             self.host.store(path, s, e)
+
+    def store_fetched(self, path: Sequence[int], lo: int, hi: int) -> int:
+        """Pages ``path[lo:hi]`` arrived from a peer's L2 into this node's L2 (not L1);
+        see :meth:`HostBlockPool.store_fetched`. Returns the pages stored."""
+        return self.host.store_fetched(path, lo, hi)
 
     def release(self, path: Sequence[int], n_held: int, reserved: int) -> None:
         """A request leaves: unreference ``path[:n_held]`` (tail first), free ``reserved`` slots."""

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
+from services.worker.kvpool.config import DEFAULT_MAX_POOL_BYTES
 from shared.config import CommonConfig
 from shared.subjects import check_token
 
@@ -50,6 +51,36 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     check_invariants: Annotated[
         bool, Meta(description="run the full O(blocks) scheduler invariant check after every step (debug)")
     ] = False
+    bind_timeout_s: Annotated[
+        float,
+        Meta(gt=0, description="wall seconds a prefill that started may wait for its decode node (route.bind, retried "
+             "while no decode node is eligible) before the request fails"),
+    ] = 10.0
+    requeue_timeout_s: Annotated[
+        float, Meta(gt=0, description="wall seconds to wait for the router to take back handed-back work (work.requeue)")
+    ] = 5.0
+    # real-bytes host KV pool (services/worker/kvpool, issue 6 part 2); the fields of KvPoolSettings
+    kv_pool: Annotated[
+        Literal["off", "real"],
+        Meta(description="off = L2 is bookkeeping only (sim); real = every L2 block has a payload in a "
+        "Mooncake-registered host buffer and fetches pull it from peers over TCP (needs scripts/install-mooncake.sh)"),
+    ] = "off"
+    kv_pool_slot_bytes: Annotated[
+        int, Meta(ge=0, description="real pool: bytes per block slot; 0 = min(profile block bytes, 64 KiB)")
+    ] = 0
+    kv_pool_max_bytes: Annotated[
+        int, Meta(gt=0, description="real pool: refuse to start when host_blocks × slot bytes exceeds this")
+    ] = DEFAULT_MAX_POOL_BYTES
+    kv_pool_host: Annotated[
+        str, Meta(description="real pool: address peers reach this worker's transfer engine on (its session host)")
+    ] = "127.0.0.1"
+    kv_pool_ports: Annotated[
+        str, Meta(description="real pool: Mooncake RPC+TCP port range 'lo-hi' within 1024-32767 (>= 2 ports); "
+        "empty = Mooncake's 15000-17000")
+    ] = ""
+    kv_pool_lease_s: Annotated[
+        float, Meta(ge=0, description="real pool: wall seconds a holder keeps located slots from reuse")
+    ] = 5.0
 
     def __post_init__(self) -> None:
         check_token(self.node, "node")

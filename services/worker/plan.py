@@ -74,6 +74,10 @@ class IterationPlan:
     """Σ t_c (``cached_before``) over the chunks."""
     reqs: list[Any] = field(default_factory=list, repr=False)
     """Scheduler-internal request objects, prefill chunks first then decode (same order)."""
+    admitted: list[str] = field(default_factory=list)
+    """rids whose prefill *starts* in this plan (first chunk admitted), in admission order.
+    A caller that binds the decode node at prefill start (paper Eq. 7, DESIGN §4) binds
+    these with ``EngineScheduler.bind_decode`` before the plan finishes."""
 
     @property
     def phase(self) -> str:
@@ -108,6 +112,16 @@ class TokensOut:
     """Simulated time the tokens became available (end of the plan)."""
     queue_s: float | None = None
     """First token only: time from arrival on this node to the launch of its first prefill chunk (s)."""
+    fetch_s: float | None = None
+    """First token only, when the request fetched blocks from peers: fetch start (arrival) →
+    blocks resident in this node's L2 (s)."""
+    exposed_fetch_s: float | None = None
+    """First token only, with a fetch: the part of the fetch that outlasted the queue wait —
+    from the first ``schedule()`` that would have admitted the request but skipped it
+    because its fetch was incomplete, to the fetch's completion (0 if never skipped) (s)."""
+    fetched_tokens: int = 0
+    """First token only: prompt tokens whose KV was fetched from peers into L2 (and then
+    restored into L1, so they are part of ``cached_tokens``)."""
 
 
 @dataclass(slots=True)

@@ -28,21 +28,32 @@ Iteration time (paper Eq. 1/2, ``shared.itermodel``): prefill part
 ``c0 + c1·Σt_uc + c2·ΣA + c3·Σt_rst`` over the chunks; decode part
 ``T_D(B)`` over the B decoding requests; a mixed iteration is one forward pass,
 so it pays the fixed cost once: ``T_P + T_D − min(c0, d0)``.
+
+Peer fetch (paper §4.2): a prefill request with a fetch plan pulls the prefix
+pages it lacks from peers' L2 into this node's L2 while it waits; the node's
+fetches share its inbound link (processor sharing, ``fetch.FetchLink``). A
+waiting request whose fetch is incomplete keeps its place but is skipped, so
+later requests may start first and only the part of the fetch that outlasts
+the wait delays it (``TokensOut.exposed_fetch_s``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.itermodel import qk_pairs
 from shared.messages import DecodeWork, IterationRecord, KvEvent, NodeState, Phase, PrefillWork, QueuedWork
 from shared.profile import Profile
 from services.worker.blocks import KvBlockManager
+from services.worker.fetch import FetchLink, FetchStarted, FetchState
 from services.worker.plan import HandOff, IterationPlan, OutputEvent, PrefillChunk, SchedulerError, TokensOut, WorkRejected
 
 # request states: each live request is in exactly one container
 WAITING = "waiting"  # prefill queue, holds no KV
+BOOTSTRAP = "bootstrap"  # prefill queued behind a gate (decode KV not reserved yet), holds no KV
+RESERVED = "reserved"  # decode KV reserved before the hand-off arrived (SGLang PD pre-allocation)
 PREFILLING = "prefilling"  # running: prompt partly computed
 DECODE_QUEUED = "decode_queued"  # hand-off received, waiting for L1 room
 TRANSFERRING = "transferring"  # L1 reserved, KV arriving (kv_ready_at) or waiting for a running slot
@@ -50,6 +61,8 @@ DECODING = "decoding"  # running: producing output tokens
 DONE = "done"
 
 PHASES: tuple[str, ...] = ("prefill", "decode", "both")
+_UNBOUND = ""
+"""``handoff_to`` of a ``decode_later`` request before :meth:`EngineScheduler.bind_decode`."""
 _MILLI = 1000
 
 
@@ -93,6 +106,10 @@ class _Request:
     q_gpu: int = 0
     q_host: int = 0
     """Prefix match (pages in L1, then in L2) last seen while waiting, for NodeState.queue."""
+    awaiting_handoff: bool = False
+    """Decode side: reserved with :meth:`EngineScheduler.reserve`; the DecodeWork has not arrived."""
+    fetch: FetchState | None = None
+    """Prefill side: the peer fetch of this request's prefix (kept after completion for metrics)."""
 
 
 class EngineScheduler:
@@ -105,6 +122,9 @@ class EngineScheduler:
         host_eviction: host (L2) eviction policy: ``lru`` or ``branch-count``.
         check_invariants: run the full O(blocks) invariant check after every
             step (tests, debug); the O(1) checks always run.
+        external_fetch: real-bytes mode: every fetch the scheduler starts is also
+            reported by :meth:`take_fetch_starts`, and completes only once both the
+            link model is done and the caller reported :meth:`fetch_done`.
 
     Raises:
         ValueError: unknown phase or policy, or a profile whose token budget
@@ -120,6 +140,7 @@ class EngineScheduler:
         *,
         host_eviction: str = "lru",
         check_invariants: bool = False,
+        external_fetch: bool = False,
     ) -> None:
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
@@ -145,6 +166,22 @@ class EngineScheduler:
         self.decode_queue: OrderedDict[str, _Request] = OrderedDict()
         self.transferring: OrderedDict[str, _Request] = OrderedDict()
         self.running: OrderedDict[str, _Request] = OrderedDict()
+        self.bootstrap: OrderedDict[str, _Request] = OrderedDict()
+        """Prefill requests waiting for :meth:`open_gate` (decode KV reserved elsewhere)."""
+        self.reserved: OrderedDict[str, _Request] = OrderedDict()
+        """Decode reservations made by :meth:`reserve` whose hand-off has not arrived."""
+        self._granted: list[str] = []
+        links = profile.links
+        self.link = FetchLink(links.peer_fetch_bytes_per_s, links.peer_fetch_latency_s)
+        """The node's inbound peer link, shared by the fetches of queued requests."""
+        self.external_fetch = external_fetch
+        self._fetching: set[str] = set()
+        """rids whose fetch is incomplete (each is waiting or gated)."""
+        self._fetch_starts: list[FetchStarted] = []
+        self.fetch_counters: dict[str, int] = {}
+        """``started``, ``completed``, ``cancelled``, ``blocks`` (fetched pages), ``missing``
+        (pages the real transfer did not deliver), ``nothing`` (plan adds no page),
+        ``ignored_decode`` (a fetch plan sent to a decode node)."""
         self.n_decoding = 0
         self._inflight: IterationPlan | None = None
         self._records: list[IterationRecord] = []
@@ -185,9 +222,22 @@ class EngineScheduler:
                 rid, f"request needs {footprint} KV blocks but node {self.node} has {self.kv.gpu.capacity} in GPU memory"
             )
 
-    def add_prefill(self, work: PrefillWork, now: float) -> None:
+    def add_prefill(self, work: PrefillWork, now: float, *, gated: bool = False, decode_later: bool = False) -> None:
         """Queue a request for prefill (and decode here when ``work.decode_node`` is None
         or this node). O(prompt pages) for the prefix match.
+
+        Args:
+            gated: the request may not start before :meth:`open_gate` (SGLang PD: the
+                prefill waits in a bootstrap queue until its decode node has reserved
+                KV, paper D.1); it then joins the waiting queue at its tail.
+            decode_later: the request is handed off after prefill but its decode node is
+                chosen when the prefill starts (paper Eq. 7): ``work.decode_node`` must be
+                None and the caller binds it with :meth:`bind_decode` for every rid in
+                ``IterationPlan.admitted`` before finishing that plan.
+
+        A non-empty ``work.fetch`` (the router's fetch plan) starts a peer fetch of the
+        prefix pages this node lacks (see :meth:`_start_fetch`); the request keeps its
+        place in the queue but is not admitted before the fetch completes.
 
         Raises:
             WorkRejected: duplicate rid, the node does not serve prefill, block-size or
@@ -195,8 +245,12 @@ class EngineScheduler:
                 footprint larger than this node's L1.
         """
         rid = work.rid
+        if work.fetch and self.phase == "decode":
+            self._count("ignored_decode")  # decode nodes never fetch (DESIGN §4); the work is refused below
         self._check_common(rid, work.block_size, work.prompt_tokens, len(work.block_hashes), "prefill")
-        decode_here = work.decode_node is None or work.decode_node == self.node
+        if decode_later and work.decode_node is not None:
+            raise WorkRejected(rid, "decode_later needs a work without decode_node")
+        decode_here = not decode_later and (work.decode_node is None or work.decode_node == self.node)
         if decode_here and self.phase == "prefill":
             raise WorkRejected(rid, f"node {self.node} serves prefill only: the work must name a decode node")
         bs = self.block_size
@@ -211,12 +265,124 @@ class EngineScheduler:
             arrived_at=now,
             footprint=footprint,
             limit=(work.prompt_tokens - 1) // bs,
-            handoff_to=None if decode_here else work.decode_node,
+            handoff_to=None if decode_here else (work.decode_node or _UNBOUND),
             prefill_work=work,
         )
         r.q_gpu, r.q_host = self.kv.match(r.path, r.limit)
         self.requests[rid] = r
+        if work.fetch:
+            self._start_fetch(r, work, now)
+        if gated:
+            r.state = BOOTSTRAP
+            self.bootstrap[rid] = r
+        else:
+            self.waiting[rid] = r
+
+    def open_gate(self, rid: str, now: float) -> bool:
+        """Let a gated prefill request (``add_prefill(gated=True)``) join the waiting queue
+        (at its tail). Returns False if ``rid`` is not gated on this node. O(1)."""
+        r = self.bootstrap.pop(rid, None)
+        if r is None:
+            return False
+        r.state = WAITING
         self.waiting[rid] = r
+        return True
+
+    def bind_decode(self, rid: str, decode_node: str) -> None:
+        """Name the decode node of a ``decode_later`` request (at its prefill start).
+
+        Raises:
+            SchedulerError: if ``rid`` is not a prefill request of this node waiting for a binding.
+        """
+        r = self.requests.get(rid)
+        if r is None or r.handoff_to != _UNBOUND:
+            raise SchedulerError(f"{rid} is not waiting for a decode binding on node {self.node}")
+        if not decode_node or decode_node == self.node:
+            raise SchedulerError(f"{rid}: decode node must be another node, got {decode_node!r}")
+        r.handoff_to = decode_node
+
+    def reserve(self, rid: str, prompt_tokens: int, max_tokens: int, now: float) -> bool:
+        """Reserve this decode node's L1 for a request before its prefill runs elsewhere
+        (SGLang PD decode pre-allocation, paper D.1). FIFO with hand-offs waiting for room.
+
+        The later :meth:`add_decode` of the same rid uses the reservation. Returns True
+        if reserved now; False if queued — the rid then appears in :meth:`take_granted`
+        once reserved (during a later :meth:`schedule`).
+
+        Raises:
+            WorkRejected: duplicate rid, the node does not serve decode, or a footprint
+                larger than this node's L1.
+        """
+        if rid in self.requests:
+            raise WorkRejected(rid, f"request {rid} is already on node {self.node}")
+        if self.phase == "prefill":
+            raise WorkRejected(rid, f"node {self.node} serves prefill; decode reservation refused")
+        if max_tokens < 1 or prompt_tokens < 1:
+            raise WorkRejected(rid, "reservation needs prompt_tokens >= 1 and max_tokens >= 1")
+        footprint = _ceil_div(prompt_tokens + max_tokens, self.block_size)
+        self._check_fits(rid, footprint)
+        r = _Request(
+            rid=rid,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            path=[],
+            state=DECODE_QUEUED,
+            arrived_at=now,
+            footprint=footprint,
+            limit=0,
+            awaiting_handoff=True,
+        )
+        self.requests[rid] = r
+        if not self.decode_queue and self.kv.reserve(footprint):
+            r.reserved = footprint
+            r.state = RESERVED
+            self.reserved[rid] = r
+            return True
+        self.decode_queue[rid] = r
+        return False
+
+    def take_granted(self) -> list[str]:
+        """Drain the rids whose queued :meth:`reserve` got its L1 room (in grant order)."""
+        out = self._granted
+        self._granted = []
+        return out
+
+    def take_queued(self, now: float) -> list[PrefillWork]:
+        """Remove every prefill request that has not started (gated, then waiting, each in
+        arrival order) and return its work, for re-routing elsewhere (phase switch:
+        paper §4.2, "the router moves the queued requests of each switching node").
+        They hold no KV. O(queued)."""
+        out: list[PrefillWork] = []
+        for cont in (self.bootstrap, self.waiting):
+            for r in cont.values():
+                assert r.prefill_work is not None
+                self._cancel_fetch(r, now)
+                out.append(r.prefill_work)
+                del self.requests[r.rid]
+                r.state = DONE
+            cont.clear()
+        self._check()
+        return out
+
+    @property
+    def idle(self) -> bool:
+        """True when the node holds no request (any state) and no plan is in flight."""
+        return not self.requests and self._inflight is None
+
+    def clear_caches(self, now: float) -> None:
+        """Empty L1 and L2 (a relaunched engine, or a switch that strands the node's KV).
+
+        The KV outbox then holds ``AllBlocksCleared()`` (a fresh block manager), so a
+        consumer drops everything the node reported. Pending events not yet taken are
+        dropped with it (they describe blocks that no longer exist).
+
+        Raises:
+            SchedulerError: if any request is still on the node or a plan is in flight.
+        """
+        if not self.idle:
+            raise SchedulerError(f"clear_caches on node {self.node} with {len(self.requests)} requests / a plan in flight")
+        host_policy = self.kv.host.evictable.policy.name
+        self.kv = KvBlockManager(self.profile.gpu_blocks, self.profile.host_blocks, self.profile.block_size, host_policy)
 
     def add_decode(self, work: DecodeWork, now: float) -> None:
         """Accept a prefill → decode hand-off. Reserves L1 for prompt + max_tokens now if
@@ -229,6 +395,9 @@ class EngineScheduler:
                 than this node's L1.
         """
         rid = work.rid
+        held = self.requests.get(rid)
+        if held is not None and held.awaiting_handoff:
+            return self._decode_into_reservation(held, work, now)
         self._check_common(rid, work.block_size, work.prompt_tokens, len(work.block_hashes), "decode")
         if work.generated >= work.max_tokens:
             raise WorkRejected(rid, f"nothing to decode: generated {work.generated} >= max_tokens {work.max_tokens}")
@@ -254,12 +423,38 @@ class EngineScheduler:
         else:
             self.decode_queue[rid] = r
 
+    def _decode_into_reservation(self, r: _Request, work: DecodeWork, now: float) -> None:
+        """The hand-off of a request reserved with :meth:`reserve` arrived."""
+        rid = work.rid
+        if work.block_size != self.block_size:
+            raise WorkRejected(rid, f"block size mismatch: work has {work.block_size}, node {self.node} uses {self.block_size}")
+        if work.prompt_tokens != r.prompt_tokens or work.max_tokens != r.max_tokens:
+            raise WorkRejected(
+                rid,
+                f"hand-off ({work.prompt_tokens} prompt, {work.max_tokens} max) does not match the reservation "
+                f"({r.prompt_tokens}, {r.max_tokens})",
+            )
+        if len(work.block_hashes) != work.prompt_tokens // self.block_size:
+            raise WorkRejected(rid, f"{len(work.block_hashes)} block hashes for {work.prompt_tokens} prompt tokens")
+        if work.generated >= work.max_tokens:
+            raise WorkRejected(rid, f"nothing to decode: generated {work.generated} >= max_tokens {work.max_tokens}")
+        r.path = list(work.block_hashes)
+        r.generated = work.generated
+        r.awaiting_handoff = False
+        if r.state == RESERVED:
+            del self.reserved[rid]
+            r.ready_at = work.kv_ready_at
+            r.state = TRANSFERRING
+            self.transferring[rid] = r
+        # else still DECODE_QUEUED: the transfer starts when room is reserved (_promote_decode)
+
     def abort(self, rid: str, now: float) -> bool:
         """Drop ``rid`` wherever it is on this node and release its KV.
         Returns False if the node does not hold it. O(pages held)."""
         r = self.requests.pop(rid, None)
         if r is None:
             return False
+        self._cancel_fetch(r, now)
         self._container(r.state).pop(rid)
         if r.state == DECODING:
             self.n_decoding -= 1
@@ -272,6 +467,136 @@ class EngineScheduler:
         """Branch counts from the KV directory (``kv.counts.<node>``); see
         :meth:`HostBlockPool.update_counts`. Returns the host blocks moved."""
         return self.kv.update_counts(hashes, counts)
+
+    # ------------------------------------------------------------------ #
+    # peer fetch into L2 while queued (paper §4.2, DESIGN §1)
+    # ------------------------------------------------------------------ #
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.fetch_counters[key] = self.fetch_counters.get(key, 0) + n
+
+    def _start_fetch(self, r: _Request, work: PrefillWork, now: float) -> None:
+        """Start pulling the prefix pages ``r`` lacks from the peers of ``work.fetch``.
+
+        The fetched run starts at the request's local prefix (L1 then L2, as
+        matched on arrival) and follows the plan's ranges while they are
+        contiguous, come from another node and lie below the cache cap
+        ``(prompt − 1) // block_size``; a gap, a range naming this node (the
+        directory is behind) or the cap ends it — pages past a hole can never
+        extend the prefix. Its bytes (pages × block_size × kv_bytes_per_token)
+        share the node's inbound link with the other fetches. O(ranges + pages).
+        """
+        lo = pos = r.q_gpu + r.q_host
+        cap = r.limit
+        spans: list[tuple[str, int, int]] = []
+        for fr in sorted(work.fetch, key=lambda f: f.start):
+            if pos >= cap:
+                break
+            if fr.end <= pos:
+                continue
+            if fr.start > pos or fr.node == self.node:
+                break
+            end = min(fr.end, cap)
+            spans.append((fr.node, pos, end))
+            pos = end
+        if pos <= lo:
+            self._count("nothing")
+            return
+        p = self.profile
+        r.fetch = FetchState(lo=lo, hi=pos, started_at=now, external=self.external_fetch)
+        self.link.start(r.rid, (pos - lo) * self.block_size * p.kv_bytes_per_token, now)
+        self._fetching.add(r.rid)
+        r.q_host += pos - lo  # what the queue entry will restore once the fetch is in
+        self._count("started")
+        self._count("blocks", pos - lo)
+        if self.external_fetch:
+            self._fetch_starts.append(FetchStarted(r.rid, [(n, r.path[a:b]) for n, a, b in spans], now))
+
+    def take_fetch_starts(self) -> list[FetchStarted]:
+        """Drain the fetches started since the last call (only with ``external_fetch``):
+        the caller moves the bytes and reports each with :meth:`fetch_done`."""
+        out = self._fetch_starts
+        self._fetch_starts = []
+        return out
+
+    def fetch_done(self, rid: str, missing: Iterable[int], now: float) -> bool:
+        """The real transfer of ``rid``'s fetch finished (``external_fetch`` mode).
+
+        ``missing``: hashes not delivered or whose checksum failed; the fetch keeps
+        the pages before the first missing one and the request recomputes the rest.
+        The fetch completes now if the link model is done, else when it is.
+        Returns False (nothing changes) if ``rid`` has no real transfer pending
+        (aborted, handed back, or reported already). O(pages) at completion.
+        """
+        r = self.requests.get(rid)
+        f = r.fetch if r is not None else None
+        if r is None or f is None or f.done_at is not None or not f.external:
+            return False
+        f.external = False
+        f.missing = frozenset(missing)
+        if f.sim_done_at is not None:
+            self._complete_fetch(r, max(now, f.sim_done_at))
+        return True
+
+    @property
+    def fetching(self) -> int:
+        """Queued requests whose fetch is incomplete."""
+        return len(self._fetching)
+
+    def _advance_fetches(self, now: float) -> None:
+        """Complete every fetch the link finished by ``now`` (real-bytes: and reported)."""
+        for rid, t in self.link.pop_done(now):
+            r = self.requests[rid]
+            f = r.fetch
+            assert f is not None
+            f.sim_done_at = t
+            if not f.external:
+                self._complete_fetch(r, t)
+
+    def _complete_fetch(self, r: _Request, t: float) -> None:
+        """The fetched pages are in this node's L2 from ``t`` (BlockStored host events)."""
+        f = r.fetch
+        assert f is not None
+        f.done_at = t
+        self._fetching.discard(r.rid)
+        hi = f.hi
+        if f.missing:
+            for i in range(f.lo, f.hi):
+                if r.path[i] in f.missing:
+                    hi = i
+                    break
+            self._count("missing", f.hi - hi)
+        self.kv.store_fetched(r.path, f.lo, hi)
+        f.stored = hi - f.lo
+        self._count("completed")
+        r.q_gpu, r.q_host = self.kv.match(r.path, r.limit)
+
+    def _cancel_fetch(self, r: _Request, now: float) -> None:
+        """``r`` leaves before its fetch completed: free its share of the link."""
+        f = r.fetch
+        if f is None or f.done_at is not None:
+            return
+        self.link.cancel(r.rid, now)
+        self._fetching.discard(r.rid)
+        self._count("cancelled")
+
+    def _head_admissible(self, now: float) -> _Request | None:
+        """The oldest waiting request whose fetch is complete (or that has none).
+
+        Rule: a waiting request whose fetch is incomplete keeps its place but is
+        skipped, so later requests may start before it — only the part of a
+        fetch that outlasts the queue wait delays its request. The first skip
+        is recorded (``exposed_fetch_s``). O(1) without fetches, else O(skipped).
+        """
+        if not self._fetching:
+            return next(iter(self.waiting.values()), None)
+        for r in self.waiting.values():
+            f = r.fetch
+            if f is None or f.done_at is not None:
+                return r
+            if f.skipped_at is None:
+                f.skipped_at = now
+        return None
 
     # ------------------------------------------------------------------ #
     # step
@@ -295,6 +620,8 @@ class EngineScheduler:
         if self._inflight is not None:
             raise SchedulerError("schedule() called while a plan is in flight; call finish_iteration() first")
         self._promote_decode(now)
+        if len(self.link):
+            self._advance_fetches(now)
         budget = self.chunk_tokens
         decode_reqs: list[_Request] = []
         prefill_reqs: list[_Request] = []
@@ -311,13 +638,15 @@ class EngineScheduler:
                 chunks.append(self._chunk(r, n, restored=0))
                 prefill_reqs.append(r)
                 budget -= n
+        admitted: list[str] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            r = next(iter(self.waiting.values()))
-            if not self._admit(r, now):
+            r = self._head_admissible(now)
+            if r is None or not self._admit(r, now):
                 break
             n = min(r.prompt_tokens - r.cached, budget)
             chunks.append(self._chunk(r, n, restored=r.restored))
             prefill_reqs.append(r)
+            admitted.append(r.rid)
             budget -= n
         if budget < 0:
             raise SchedulerError(f"token budget went negative ({budget})")
@@ -352,6 +681,7 @@ class EngineScheduler:
             sum_restored=sum_rst,
             sum_cached=sum_c,
             reqs=prefill_reqs + decode_reqs,
+            admitted=admitted,
         )
         self._inflight = plan
         self._check()
@@ -398,6 +728,9 @@ class EngineScheduler:
                     cached_tokens=r.cached,
                     at=now,
                     queue_s=r.admitted_at - r.arrived_at,
+                    fetch_s=r.fetch.fetch_s if r.fetch is not None else None,
+                    exposed_fetch_s=r.fetch.exposed_s if r.fetch is not None else None,
+                    fetched_tokens=r.fetch.stored * self.block_size if r.fetch is not None else 0,
                 )
             )
             if done:
@@ -471,11 +804,15 @@ class EngineScheduler:
         return plan.end
 
     def next_deadline(self) -> float | None:
-        """Earliest ``kv_ready_at`` of a decode request still waiting for its KV, or None.
-        The caller should call :meth:`schedule` again at that time when idle."""
-        if not self.transferring:
-            return None
-        return min(r.ready_at for r in self.transferring.values())
+        """Earliest ``kv_ready_at`` of a decode request still waiting for its KV, or
+        completion of a peer fetch (link model), or None. The caller should call
+        :meth:`schedule` again at that time when idle. A real-bytes fetch whose link
+        part is done waits for :meth:`fetch_done` (an input), not for a deadline."""
+        t = self.link.next_completion() if len(self.link) else None
+        if self.transferring:
+            ready = min(r.ready_at for r in self.transferring.values())
+            t = ready if t is None or ready < t else t
+        return t
 
     # ------------------------------------------------------------------ #
     # outboxes and views
@@ -502,15 +839,22 @@ class EngineScheduler:
 
     def state(self, now: float) -> NodeState:
         """The node's state for ``node.state.<node>``; the shell fills seq, epoch,
-        accepting and engine. ``queue`` lists in-progress chunked prefills (their
-        remaining tokens) then waiting requests (their prefix match when last seen)."""
+        accepting and engine. ``queue`` lists in-progress chunked prefills (the
+        tokens left after the chunk in flight, which ``remaining_s`` already
+        covers; a prompt that the chunk in flight completes is not listed), then
+        waiting requests (their prefix match when last seen)."""
         bs = self.block_size
         queue: list[QueuedWork] = []
+        in_flight: dict[str, int] = {}
+        if self._inflight is not None:
+            for c in self._inflight.prefill:
+                in_flight[c.rid] = c.tokens
         for r in self.running.values():
             if r.state == PREFILLING:
-                done = r.cached + r.computed
-                queue.append(QueuedWork(rid=r.rid, uncached_tokens=r.prompt_tokens - done, cached_tokens=done))
-        for r in self.waiting.values():
+                done = r.cached + r.computed + in_flight.get(r.rid, 0)
+                if done < r.prompt_tokens:
+                    queue.append(QueuedWork(rid=r.rid, uncached_tokens=r.prompt_tokens - done, cached_tokens=done))
+        for r in (*self.waiting.values(), *self.bootstrap.values()):
             cached = (r.q_gpu + r.q_host) * bs
             queue.append(
                 QueuedWork(
@@ -528,7 +872,11 @@ class EngineScheduler:
             phase=self.phase,
             block_size=bs,
             running=len(self.running),
-            waiting=len(self.waiting) + len(self.decode_queue) + len(self.transferring),
+            waiting=len(self.waiting)
+            + len(self.bootstrap)
+            + len(self.decode_queue)
+            + len(self.transferring)
+            + len(self.reserved),
             decoding=self.n_decoding,
             remaining_s=remaining,
             queue=queue,
@@ -551,6 +899,10 @@ class EngineScheduler:
             return self.decode_queue
         if state == TRANSFERRING:
             return self.transferring
+        if state == BOOTSTRAP:
+            return self.bootstrap
+        if state == RESERVED:
+            return self.reserved
         raise SchedulerError(f"request in state {state} has no container")
 
     def _chunk(self, r: _Request, n: int, restored: int) -> PrefillChunk:
@@ -589,6 +941,11 @@ class EngineScheduler:
                 break
             del self.decode_queue[r.rid]
             r.reserved = r.footprint
+            if r.awaiting_handoff:
+                r.state = RESERVED
+                self.reserved[r.rid] = r
+                self._granted.append(r.rid)
+                continue
             # the transfer starts once room is reserved (SGLang decode pre-allocation)
             r.ready_at = now + self.profile.kv_transfer_s(r.prompt_tokens)
             r.state = TRANSFERRING
@@ -621,6 +978,8 @@ class EngineScheduler:
     def _handoff(self, r: _Request, now: float) -> HandOff:
         w = r.prefill_work
         assert w is not None and r.handoff_to is not None
+        if r.handoff_to == _UNBOUND:
+            raise SchedulerError(f"{r.rid} finished prefill on {self.node} without a decode binding (bind_decode)")
         p = self.profile
         work = DecodeWork(
             rid=r.rid,
@@ -655,12 +1014,22 @@ class EngineScheduler:
         for r in self.transferring.values():
             if now < r.ready_at < h:
                 h = r.ready_at
+        fetch_at = self.link.next_completion() if len(self.link) else None
+        if fetch_at is not None and now < fetch_at < h:
+            h = fetch_at
         k_h = _ceil_div_f(h - now, iteration_s) if h > now else 1
         return max(1, min(k_finish, k_h))
 
     def _check(self) -> None:
         """Invariants after every step: O(1) always, the full check when enabled."""
-        n = len(self.waiting) + len(self.running) + len(self.decode_queue) + len(self.transferring)
+        n = (
+            len(self.waiting)
+            + len(self.running)
+            + len(self.decode_queue)
+            + len(self.transferring)
+            + len(self.bootstrap)
+            + len(self.reserved)
+        )
         if n != len(self.requests):
             raise SchedulerError(f"{len(self.requests)} requests but {n} in state containers")
         if len(self.running) > self.max_running:
@@ -685,6 +1054,8 @@ class EngineScheduler:
             ("running", self.running, (PREFILLING, DECODING)),
             ("decode_queue", self.decode_queue, (DECODE_QUEUED,)),
             ("transferring", self.transferring, (TRANSFERRING,)),
+            ("bootstrap", self.bootstrap, (BOOTSTRAP,)),
+            ("reserved", self.reserved, (RESERVED,)),
         ):
             for rid, r in cont.items():
                 if r.state not in states or self.requests.get(rid) is not r or rid in seen:
@@ -697,14 +1068,26 @@ class EngineScheduler:
         if self.n_decoding != sum(1 for r in self.running.values() if r.state == DECODING):
             raise SchedulerError("n_decoding out of sync")
         for r in self.requests.values():
-            if r.state in (WAITING, DECODE_QUEUED) and (r.held or r.reserved):
+            if r.state in (WAITING, DECODE_QUEUED, BOOTSTRAP) and (r.held or r.reserved):
                 raise SchedulerError(f"{r.rid} holds KV while {r.state}")
-            if r.state in (PREFILLING, DECODING, TRANSFERRING) and r.held + r.reserved != r.footprint:
+            if (r.awaiting_handoff and r.state not in (RESERVED, DECODE_QUEUED)) or (r.state == RESERVED and not r.awaiting_handoff):
+                raise SchedulerError(f"{r.rid}: awaiting_handoff={r.awaiting_handoff} in state {r.state}")
+            if r.state in (PREFILLING, DECODING, TRANSFERRING, RESERVED) and r.held + r.reserved != r.footprint:
                 raise SchedulerError(f"{r.rid}: holds {r.held}+{r.reserved} slots, footprint {r.footprint}")
             if r.state == PREFILLING and not 0 <= r.computed < r.prompt_tokens - r.cached:
                 raise SchedulerError(f"{r.rid}: computed {r.computed} out of range")
             if r.state == DECODING and not 1 <= r.generated < r.max_tokens:
                 raise SchedulerError(f"{r.rid}: generated {r.generated} out of range")
+            f = r.fetch
+            incomplete = f is not None and f.done_at is None
+            if incomplete != (r.rid in self._fetching):
+                raise SchedulerError(f"{r.rid}: fetch incomplete={incomplete} but fetching set says {r.rid in self._fetching}")
+            if incomplete and r.state not in (WAITING, BOOTSTRAP):
+                raise SchedulerError(f"{r.rid}: {r.state} with an incomplete fetch")
+            if incomplete and (f.sim_done_at is None) != (r.rid in self.link):
+                raise SchedulerError(f"{r.rid}: fetch on the link={r.rid in self.link}, link done at {f.sim_done_at}")
+        if len(self._fetching) > len(self.requests) or len(self.link) > len(self._fetching):
+            raise SchedulerError(f"{len(self._fetching)} fetching, {len(self.link)} on the link, {len(self.requests)} requests")
         self.kv.check([(r.path, r.held, r.reserved) for r in self.requests.values()])
 
 

@@ -10,10 +10,24 @@ Subjects (DESIGN §3, ``shared/subjects.py``):
     in   work.<node>.prefill (PrefillWork)   work.<node>.decode (DecodeWork)
          work.<node>.abort (RequestAbort)    split.commands (SplitCommand)
          kv.counts.<node> (CountUpdates)     kv.resync.<node> (request → KvSnapshot)
+         kv.pool.<node> (PoolLocate → PoolLocation, ``--kv-pool real``)
     out  req.<rid>.out (TokenChunk)          kv.events.<node> (KvEventBatch, seq 1, 2, ...)
          node.state.<node> (NodeState)       node.iters.<node> (IterationRecords)
          work.<decode node>.decode (DecodeWork, PD hand-off)
-         split.applied (SplitApplied)
+         split.applied (SplitApplied: draining, serving)
+    req  route.bind (DecodeBindRequest → DecodeBindReply: decode node at prefill start)
+         work.requeue (WorkRequeue → WorkRequeueReply: work handed back in a phase switch)
+         kv.pool.<peer> (real-bytes fetches)
+
+In-place phase switch (paper §4.2, DESIGN §1) on a ``SplitCommand`` that changes
+this node's phase: ``split.applied(draining)``; ``accepting=False`` (the router
+stops routing here); every queued request that has not started is handed back
+to the router (``work.requeue``), and so is any work of a phase the node does
+not serve that arrives later; running requests finish in place (a draining
+decode node still takes hand-offs already bound to it); once nothing runs,
+``set_phase`` and ``split.applied(serving, switch_s)``. The engine, its L1/L2
+and the real-bytes pool stay up throughout. A switch *to* ``both`` needs no
+drain (both serves every phase's work).
 
 Live loop: ``plan = core.schedule(now)``; wait until the plan's end on the
 simulated clock (the wall deadline is fixed at launch, so Python overhead is
@@ -32,7 +46,7 @@ import msgspec
 import structlog
 
 from shared import messages as m
-from shared.bus import Bus
+from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.profile import load_profile
 from shared.subjects import (
@@ -42,21 +56,42 @@ from shared.subjects import (
     NODE_ITERS,
     NODE_STATE,
     REQ_OUT,
+    ROUTE_BIND,
     SPLIT_APPLIED,
     SPLIT_COMMANDS,
     WORK_ABORT,
     WORK_DECODE,
     WORK_PREFILL,
+    WORK_REQUEUE,
     check_token,
 )
 from services.worker.config import WorkerConfig
 from services.worker.engines.base import Engine
 from services.worker.engines.sim import SimEngine
-from services.worker.plan import HandOff, IterationPlan, TokensOut, WorkRejected
+from services.worker.fetch import FetchStarted
+from services.worker.plan import HandOff, IterationPlan, SchedulerError, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
 
 ENGINES: dict[str, type[SimEngine]] = {"sim": SimEngine}
 """Engine kinds by ``WorkerConfig.engine``."""
+
+
+@dataclass(slots=True)
+class _Switch:
+    """An in-place phase switch in progress (between ``draining`` and ``serving``)."""
+
+    epoch: int
+    target: m.Phase
+    decided_at: float
+    """``SplitCommand.decided_at`` (simulated s)."""
+    received_at: float
+    requeued: int = 0
+    drained_at: float | None = None
+
+
+def _drain_needed(old: str, new: str) -> bool:
+    """A switch to ``both`` serves every phase's work at once; any other change drains first."""
+    return new != "both" and new != old
 
 
 @dataclass(slots=True)
@@ -93,6 +128,7 @@ class WorkerService:
             cfg.phase,
             host_eviction=cfg.host_eviction,
             check_invariants=cfg.check_invariants,
+            external_fetch=cfg.kv_pool == "real",
         )
         self.engine: Engine = ENGINES[cfg.engine](self.profile)
         self.counters: Counter[str] = Counter()
@@ -106,6 +142,13 @@ class WorkerService:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._last_state_wall = 0.0
+        self._switch: _Switch | None = None
+        self._bind_later: dict[str, m.PrefillWork] = {}
+        """Queued requests whose decode node is chosen at prefill start (``route.bind``)."""
+        self._binds: dict[str, asyncio.Task[None]] = {}
+        """route.bind in flight per rid (started when the request's first chunk is admitted)."""
+        self._spawned: set[asyncio.Task[None]] = set()
+        self.kvpool = None  # HostKvPool with --kv-pool real (imported lazily: Mooncake is optional)
 
     # ------------------------------------------------------------------ #
     # lifecycle
@@ -120,6 +163,8 @@ class WorkerService:
         await b.subscribe(SPLIT_COMMANDS, self._on_split)
         await b.subscribe(KV_COUNTS, self._on_counts, node=node)
         await b.serve(KV_RESYNC, self._on_resync, node=node)
+        if self.cfg.kv_pool == "real":
+            await self._start_kvpool()
         self.accepting = True
         now = self.clock.now()
         await self._flush_kv(now)
@@ -132,17 +177,44 @@ class WorkerService:
             self._tasks.append(asyncio.create_task(coro, name=f"worker-{node}-{name}"))
         self.log.info("worker started", profile=self.profile.name, phase=self.core.phase, engine=self.engine.name)
 
+    async def _start_kvpool(self) -> None:
+        """``--kv-pool real``: a Mooncake-registered buffer mirroring L2, serving ``kv.pool.<node>``
+        (``services/worker/kvpool/README.md``, "Wiring into the worker").
+
+        Raises:
+            MooncakeUnavailable / TransferError / ValueError: Mooncake missing, the engine
+                failed, or the pool geometry is refused (the process exits with the message).
+        """
+        from services.worker.kvpool.config import parse_port_range, pool_geometry
+        from services.worker.kvpool.pool import HostKvPool
+        from services.worker.kvpool.transport import set_port_range
+
+        cfg = self.cfg
+        ports = parse_port_range(cfg.kv_pool_ports)
+        if ports:
+            set_port_range(*ports)
+        slots, slot_bytes = pool_geometry(self.profile, cfg.kv_pool_slot_bytes, cfg.kv_pool_max_bytes)
+        self.kvpool = HostKvPool(
+            cfg.node, self.bus, num_slots=slots, slot_bytes=slot_bytes, host=cfg.kv_pool_host, lease_s=cfg.kv_pool_lease_s
+        )
+        await self.kvpool.start()
+        self.log.info("real-bytes host KV pool up", session=self.kvpool.session, slots=slots, slot_bytes=slot_bytes)
+
     async def stop(self) -> None:
         """Stop the loop, flush iteration records and announce ``accepting=False``."""
         self.accepting = False
-        for t in self._tasks:
+        for t in (*self._tasks, *self._binds.values(), *self._spawned):
             t.cancel()
-        for t in self._tasks:
+        for t in (*self._tasks, *self._binds.values(), *self._spawned):
             try:
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks.clear()
+        self._binds.clear()
+        self._spawned.clear()
+        if self.kvpool is not None:
+            await self.kvpool.stop()
         try:
             await self._flush_iters()
             await self._publish_state(self.clock.now())
@@ -167,9 +239,30 @@ class WorkerService:
             "epoch": float(self.epoch),
             "kv_seq": float(self.kv_seq),
         }
+        gauges["fetching"] = float(self.core.fetching)
+        gauges["switching"] = 1.0 if self._switch is not None else 0.0
         counters = dict(self.counters)
         counters["iterations"] = self.core.iterations
+        for k, v in self.core.fetch_counters.items():
+            counters[f"fetch.{k}"] = v
+        if self.kvpool is not None:
+            pc, pg = self.kvpool.stats()
+            counters.update(pc)
+            gauges.update(pg)
         return counters, gauges
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        """Run ``coro`` in the background; stop() cancels it; errors are counted and logged."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._spawned.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._spawned.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                self.counters["task_errors"] += 1
+                self.log.warning("background task failed", error=repr(t.exception()))
+
+        task.add_done_callback(done)
 
     # ------------------------------------------------------------------ #
     # handlers
@@ -181,6 +274,12 @@ class WorkerService:
         if not self._valid_rid(work.rid):
             return
         now = self.clock.now()
+        if self.accepting and (self._switch is not None or self.core.phase == "decode") and work.rid not in self.core.requests:
+            # arrived after this node stopped serving prefill (switch race): the router re-routes it
+            why = "draining for a phase switch" if self._switch is not None else "serves decode"
+            await self._hand_back(m.WorkRequeue(rid=work.rid, node=self.node, reason=f"node {self.node} {why}", prefill=work))
+            return
+        late = False
         try:
             if not self.accepting:
                 raise WorkRejected(work.rid, f"node {self.node} is shutting down")
@@ -189,10 +288,14 @@ class WorkerService:
                     check_token(work.decode_node, "decode_node")
                 except ValueError as e:
                     raise WorkRejected(work.rid, str(e)) from None
-            self.core.add_prefill(work, now)
+            late = work.decode_binding == "start" and work.decode_node is None and self.core.phase == "prefill"
+            self.core.add_prefill(work, now, decode_later=late)
         except WorkRejected as e:
             await self._reject(e, now)
             return
+        if late and work.max_tokens > 1:  # a one-token request ends at its prefill: nothing to bind
+            self._bind_later[work.rid] = work
+        self._start_transfers()
         self._wake.set()
 
     async def _on_decode(self, work: m.DecodeWork, _subject: str) -> None:
@@ -201,6 +304,12 @@ class WorkerService:
         if not self._valid_rid(work.rid):
             return
         now = self.clock.now()
+        if self.accepting and self.core.phase == "prefill" and work.rid not in self.core.requests:
+            # bound here while this node served decode; it has switched since: the KV goes to
+            # another decode node instead (transfer restarts now)
+            moved = msgspec.structs.replace(work, kv_ready_at=now + self.profile.kv_transfer_s(work.prompt_tokens))
+            await self._hand_back(m.WorkRequeue(rid=work.rid, node=self.node, reason=f"node {self.node} serves prefill", decode=moved))
+            return
         try:
             if not self.accepting:
                 raise WorkRejected(work.rid, f"node {self.node} is shutting down")
@@ -213,6 +322,10 @@ class WorkerService:
 
     async def _on_abort(self, msg: m.RequestAbort, _subject: str) -> None:
         now = self.clock.now()
+        self._bind_later.pop(msg.rid, None)
+        bind = self._binds.pop(msg.rid, None)
+        if bind is not None:
+            bind.cancel()
         if not self.core.abort(msg.rid, now):
             self.counters["aborts.unknown"] += 1
             return
@@ -232,7 +345,11 @@ class WorkerService:
                 ),
                 rid=msg.rid,
             )
-        self._wake.set()  # freed KV may admit waiting work
+        self._wake.set()  # freed KV may admit waiting work; a drain may be over
+
+    # ------------------------------------------------------------------ #
+    # in-place phase switch
+    # ------------------------------------------------------------------ #
 
     async def _on_split(self, cmd: m.SplitCommand, _subject: str) -> None:
         if cmd.epoch <= self.epoch:
@@ -243,21 +360,203 @@ class WorkerService:
         if phase is None:
             return
         now = self.clock.now()
-        self.core.set_phase(phase, now)
-        self.counters["split.applied"] += 1
-        await self.bus.publish(
-            SPLIT_APPLIED,
-            m.SplitApplied(
-                epoch=cmd.epoch,
-                node=self.node,
-                phase=phase,
-                status="serving",
-                decided_at=cmd.decided_at,
-                applied_at=now,
-                switch_s=max(0.0, now - cmd.decided_at),
-            ),
-        )
+        sw = self._switch
+        if sw is not None:
+            if phase == sw.target:
+                sw.epoch = cmd.epoch
+                return
+            if phase == self.core.phase:  # reversed before the drain ended: serve the old phase again
+                self.counters["split.cancelled"] += 1
+                self._switch = None
+                sw.epoch, sw.target = cmd.epoch, phase
+                await self._serving(sw, now)
+                return
+            sw.epoch, sw.target, sw.decided_at = cmd.epoch, phase, cmd.decided_at
+            self.counters["split.retargeted"] += 1
+            self._wake.set()
+            return
+        if phase == self.core.phase:
+            await self._publish_applied(
+                m.SplitApplied(epoch=cmd.epoch, node=self.node, phase=phase, status="serving", decided_at=cmd.decided_at,
+                               applied_at=now, received_at=now, drained_at=now)
+            )  # fmt: skip
+            return
+        sw = _Switch(epoch=cmd.epoch, target=phase, decided_at=cmd.decided_at, received_at=now)
+        self.counters["split.switches"] += 1
+        if not _drain_needed(self.core.phase, phase) or self.core.idle:  # nothing to drain
+            sw.drained_at = now
+            await self._serving(sw, now)
+            return
+        self._switch = sw
+        queued = self.core.take_queued(now)
+        sw.requeued = len(queued)
+        for w in queued:
+            self._bind_later.pop(w.rid, None)
+        self.log.info("switch started: draining", target=phase, epoch=cmd.epoch, requeued=len(queued), running=len(self.core.running))
+        await self._publish_applied(
+            m.SplitApplied(epoch=cmd.epoch, node=self.node, phase=phase, status="draining", decided_at=cmd.decided_at,
+                           applied_at=now, received_at=now, requeued=len(queued))
+        )  # fmt: skip
+        await self._publish_state(now)  # accepting=False: the router stops routing here
+        if queued:
+            reason = f"node {self.node} switches to {phase}"
+            await asyncio.gather(*(self._hand_back(m.WorkRequeue(rid=w.rid, node=self.node, reason=reason, epoch=cmd.epoch, prefill=w)) for w in queued))
+        await self._maybe_switch(self.clock.now())
+        self._wake.set()
+
+    async def _maybe_switch(self, now: float) -> None:
+        """Finish the switch in progress once nothing runs on the node (``now`` = when it drained)."""
+        sw = self._switch
+        if sw is None or not self.core.idle or self._binds:
+            return
+        self._switch = None
+        sw.drained_at = max(now, sw.received_at)
+        await self._serving(sw, self.clock.now())
+
+    async def _serving(self, sw: _Switch, now: float) -> None:
+        """Serve ``sw.target`` from now on; announce it (state first: the router routes by it)."""
+        old = self.core.phase
+        self.core.set_phase(sw.target, now)
+        drained = sw.drained_at if sw.drained_at is not None else now
         await self._publish_state(now)
+        await self._publish_applied(
+            m.SplitApplied(
+                epoch=sw.epoch,
+                node=self.node,
+                phase=sw.target,
+                status="serving",
+                decided_at=sw.decided_at,
+                applied_at=now,
+                switch_s=max(0.0, now - sw.decided_at),
+                received_at=sw.received_at,
+                drained_at=drained,
+                requeued=sw.requeued,
+            )
+        )
+        self.log.info(
+            "switch done: serving",
+            old=old,
+            new=sw.target,
+            epoch=sw.epoch,
+            switch_s=round(now - sw.decided_at, 4),
+            drain_s=round(drained - sw.received_at, 4),
+            overhead_s=round(now - drained + sw.received_at - sw.decided_at, 4),
+        )
+        self._wake.set()
+
+    async def _publish_applied(self, msg: m.SplitApplied) -> None:
+        self.counters[f"split.{msg.status}"] += 1
+        if msg.status == "serving":
+            self.counters["split.applied"] += 1
+        await self.bus.publish(SPLIT_APPLIED, msg)
+
+    async def _hand_back(self, msg: m.WorkRequeue) -> None:
+        """Give work back to the router (``work.requeue``); this node has forgotten it.
+
+        The router re-routes it to exactly one node or refuses it (no longer pending:
+        dropped here). No answer: the request fails with an error chunk, so nothing hangs.
+        """
+        kind = "prefill" if msg.prefill is not None else "decode"
+        self.counters[f"requeue.{kind}"] += 1
+        try:
+            reply = await self.bus.request(WORK_REQUEUE, msg, timeout=self.cfg.requeue_timeout_s)
+        except BusError as e:
+            self.counters["requeue.failed"] += 1
+            why = f"{msg.reason}; the router did not take the request back: {e}"
+            await self._reject(WorkRejected(msg.rid, why), self.clock.now())
+            return
+        self.counters["requeue.accepted" if reply.accepted else "requeue.refused"] += 1
+
+    # ------------------------------------------------------------------ #
+    # decode binding at prefill start, real-bytes fetches
+    # ------------------------------------------------------------------ #
+
+    def _bind_started(self, plan: IterationPlan, now: float) -> None:
+        """Ask the router for the decode node of every request whose prefill starts in ``plan``."""
+        for rid in plan.admitted:
+            work = self._bind_later.pop(rid, None)
+            if work is not None:
+                self._binds[rid] = asyncio.create_task(self._bind(work, now), name=f"bind-{rid}")
+
+    async def _bind(self, work: m.PrefillWork, started: float) -> None:
+        """``route.bind`` until the router names a decode node (retried while none is eligible)."""
+        rid = work.rid
+        deadline = time.monotonic() + self.cfg.bind_timeout_s
+        req = m.DecodeBindRequest(
+            rid=rid, prefill_node=self.node, prompt_tokens=work.prompt_tokens, max_tokens=work.max_tokens, branch_id=work.branch_id
+        )
+        reason = "no answer"
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    rep = await self.bus.request(ROUTE_BIND, req, timeout=max(0.05, min(2.0, deadline - time.monotonic())))
+                except BusError as e:  # router restarting or gone: retry until the deadline
+                    reason = str(e)
+                    self.counters["bind.retries"] += 1
+                    await asyncio.sleep(0.05)
+                    continue
+                if rep.decode_node is not None:
+                    if rid in self.core.requests:
+                        try:
+                            check_token(rep.decode_node, "decode_node")
+                            self.core.bind_decode(rid, rep.decode_node)
+                        except (ValueError, SchedulerError) as e:
+                            reason = str(e)
+                            break
+                        self.counters["bind.ok"] += 1
+                    return
+                reason = rep.reason
+                if "not pending" in reason or "not in flight" in reason or "placed on" in reason:
+                    break  # the router gave up on it (aborted, re-routed): nothing to bind
+                self.counters["bind.retries"] += 1
+                await asyncio.sleep(0.05)
+            self.counters["bind.failed"] += 1
+            now = self.clock.now()
+            if self.core.abort(rid, now):
+                self._streams.pop(rid, None)
+                await self._reject(WorkRejected(rid, f"no decode node for the request: {reason}"), now)
+        finally:
+            self._binds.pop(rid, None)
+            self._wake.set()
+
+    def _start_transfers(self) -> None:
+        """Real-bytes mode: move the bytes of every fetch the core started (Mooncake)."""
+        if self.kvpool is None:
+            return
+        for fs in self.core.take_fetch_starts():
+            self._spawn(self._transfer(fs))
+
+    async def _transfer(self, fs: FetchStarted) -> None:
+        assert self.kvpool is not None
+        results = await asyncio.gather(*(self.kvpool.fetch(peer, hashes) for peer, hashes in fs.sources), return_exceptions=True)
+        missing: set[int] = set()
+        c = self.counters
+        for (peer, hashes), res in zip(fs.sources, results):
+            c["kvfetch.calls"] += 1
+            c["kvfetch.blocks_requested"] += len(hashes)
+            if isinstance(res, BaseException):
+                c["kvfetch.errors"] += 1
+                missing.update(hashes)
+                self.log.warning("real-bytes fetch failed", rid=fs.rid, peer=peer, error=repr(res))
+                continue
+            c["kvfetch.blocks_fetched"] += len(res.fetched)
+            c["kvfetch.blocks_already"] += len(res.already)
+            c["kvfetch.blocks_missing"] += len(res.missing)
+            c["kvfetch.blocks_mismatched"] += len(res.mismatched)
+            c["kvfetch.bytes"] += res.bytes
+            if res.error:
+                c["kvfetch.errors"] += 1
+                self.log.warning("real-bytes fetch refused", rid=fs.rid, peer=peer, error=res.error)
+            missing.update(res.missing)
+        now = self.clock.now()
+        path = [h for _, hs in fs.sources for h in hs]
+        cut = next((i for i, h in enumerate(path) if h in missing), len(path))
+        if not self.core.fetch_done(fs.rid, missing, now):
+            c["kvfetch.late"] += 1  # the request left (abort, hand-back) while the bytes moved
+            cut = 0
+        for h in path[cut:]:  # pages L2 will never hold (past a missing one, or unused): free their slots
+            if h not in self.core.kv.host:
+                self.kvpool.evict(h)
         self._wake.set()
 
     async def _on_counts(self, msg: m.CountUpdates, _subject: str) -> None:
@@ -273,6 +572,8 @@ class WorkerService:
         # snapshot is exactly the state after batch `seq`
         events = self.core.take_kv_events()
         gpu, host = self.core.snapshot()
+        if events and self.kvpool is not None:
+            self.kvpool.apply_kv_events(events)
         if events:
             self.kv_seq += 1
         seq = self.kv_seq
@@ -299,9 +600,13 @@ class WorkerService:
     async def _step(self) -> None:
         self._wake.clear()
         now = self.clock.now()
+        if self._switch is not None:
+            await self._maybe_switch(now)
         horizon = now + self.cfg.fold_wall_s * self.clock.speedup if self.cfg.fold_wall_s > 0 else None
         plan = self.core.schedule(now, horizon)
         await self._flush_kv(now)
+        if plan is not None and plan.admitted and self._bind_later:
+            self._bind_started(plan, now)
         if plan is None:
             deadline = self.core.next_deadline()
             timeout = None if deadline is None else max(0.0, self.clock.wall_at(deadline) - time.time())
@@ -316,6 +621,10 @@ class WorkerService:
         end = plan.start + duration
         if self.engine.simulated:
             end = await self._wait_for_plan_end(plan, end)
+        if self._binds:  # a prompt that completes now needs its decode node (route.bind)
+            waits = [self._binds[c.rid] for c in plan.prefill if c.completes and c.rid in self._binds]
+            if waits:
+                await asyncio.gather(*waits, return_exceptions=True)
         now = max(self.clock.now(), end)
         outs = self.core.finish_iteration(plan, now)
         for out in outs:
@@ -325,6 +634,8 @@ class WorkerService:
                 await self._handoff(out)
         self._records.extend(self.core.take_records())
         await self._flush_kv(now)
+        if self._switch is not None:
+            await self._maybe_switch(now)
 
     async def _wait_for_plan_end(self, plan: IterationPlan, end: float) -> float:
         """Sleep until the plan's end on the simulated clock; new work arriving while
@@ -361,6 +672,9 @@ class WorkerService:
                     cached_tokens=out.cached_tokens,
                     ts=now,
                     queue_s=out.queue_s,
+                    fetch_s=out.fetch_s,
+                    exposed_fetch_s=out.exposed_fetch_s,
+                    fetched_tokens=out.fetched_tokens,
                 ),
                 rid=rid,
             )
@@ -425,6 +739,8 @@ class WorkerService:
         events = self.core.take_kv_events()
         if not events:
             return
+        if self.kvpool is not None:  # the real-bytes pool mirrors L2 (host-tier events)
+            self.kvpool.apply_kv_events(events)
         self.kv_seq += 1
         await self._publish_kv(self.kv_seq, events, now)
 
@@ -438,7 +754,7 @@ class WorkerService:
             self.core.state(now),
             seq=self.state_seq,
             epoch=self.epoch,
-            accepting=self.accepting,
+            accepting=self.accepting and self._switch is None,
             engine=self.engine.name,
         )
         self._last_state_wall = time.time()

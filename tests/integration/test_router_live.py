@@ -183,6 +183,7 @@ async def router_env(nats_url: str, tmp_path: Path, phases: dict[str, str], **cf
         "request_timeout_s": 20.0,
         "model": "test-model",
         "log_level": "debug",
+        "decode_binding": "dispatch",  # the fake workers do not ask route.bind (test_dataplane_live covers it)
     }
     cfg = RouterConfig(**{**settings, **cfg_kw})
     holder: dict[str, RouterService] = {}

@@ -136,6 +136,7 @@ async def ttft_env(nats_url: str, tmp_path: Path) -> AsyncIterator[Env]:
     cfg = RouterConfig(
         nats_url=nats_url, port=0, port_file=str(port_file), routing="ttft", profile="gb300-glm52", clock_origin=origin,
         fence_after_s=2.0, split_get_timeout_s=5.0, lookup_timeout_s=1.0, request_timeout_s=20.0, model="test-model", log_level="debug",
+        decode_binding="dispatch",  # the fake workers do not ask route.bind
     )  # fmt: skip
     holder: dict[str, RouterService] = {}
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import random
 
+import msgspec
 import pytest
 
+from shared.messages import FetchRange
 from services.worker.blocks import KvBlockManager, KvInvariantError
 from services.worker.plan import HandOff, SchedulerError, TokensOut, WorkRejected
 
@@ -24,15 +26,17 @@ def drive(b, seed: int, ops: int) -> dict[str, int]:
     rng = random.Random(seed)
     prof = b.profile()
     nodes = {
-        "w0": b.sched(prof, phase="both", node="w0", host_eviction=rng.choice(["lru", "branch-count"])),
+        "w0": b.sched(prof, phase="both", node="w0", host_eviction=rng.choice(["lru", "branch-count"]),
+                      external_fetch=rng.random() < 0.5),
         "w1": b.sched(prof, phase="decode", node="w1"),
     }
     inflight = {n: None for n in nodes}
     now = 0.0
     stems = [[rng.randrange(10_000) for _ in range(rng.randint(1, 12))] for _ in range(8)]
     live: dict[str, str] = {}  # rid -> node
+    transfers: list = []  # FetchStarted not yet reported (external_fetch)
     produced: dict[str, int] = {}
-    stats = {"finished": 0, "handoffs": 0, "aborts": 0, "rejected": 0, "folded": 0}
+    stats = {"finished": 0, "handoffs": 0, "aborts": 0, "rejected": 0, "folded": 0, "fetch_plans": 0}
     next_id = 0
 
     def check_all():
@@ -48,11 +52,23 @@ def drive(b, seed: int, ops: int) -> dict[str, int]:
             next_id += 1
             w = b.prefill(rid, ids, tail=rng.randint(0 if ids else 1, 3), max_tokens=rng.randint(1, 30),
                           decode_node=rng.choice([None, "w1"]))
+            if ids and rng.random() < 0.3:  # the router's fetch plan: the prefix from a peer's L2
+                cut = rng.randint(0, len(ids))
+                w = msgspec.structs.replace(
+                    w, fetch=[FetchRange(node="w9", start=0, end=cut), FetchRange(node="w8", start=cut, end=len(ids))]
+                )
+                stats["fetch_plans"] += 1
             try:
                 nodes["w0"].add_prefill(w, now)
                 live[rid] = "w0"
             except WorkRejected:
                 stats["rejected"] += 1
+            transfers.extend(nodes["w0"].take_fetch_starts())
+        elif op < 0.27 and transfers:  # real-bytes mode: a transfer reports, some blocks missing
+            fs = transfers.pop(rng.randrange(len(transfers)))
+            hashes = [h for _, hs in fs.sources for h in hs]
+            missing = rng.sample(hashes, rng.randint(0, min(2, len(hashes))))
+            nodes["w0"].fetch_done(fs.rid, missing, now)
         elif op < 0.32 and live:  # abort anywhere, possibly while in flight
             rid = rng.choice(sorted(live))
             assert nodes[live.pop(rid)].abort(rid, now)
@@ -99,6 +115,7 @@ def drive(b, seed: int, ops: int) -> dict[str, int]:
         check_all()
         for s in nodes.values():
             s.take_kv_events()
+    stats["fetched"] = nodes["w0"].fetch_counters.get("completed", 0)
     return stats
 
 
@@ -106,6 +123,7 @@ def drive(b, seed: int, ops: int) -> dict[str, int]:
 def test_random_operations_keep_invariants(b, seed):
     stats = drive(b, seed, OPS)
     assert stats["finished"] > 10 and stats["handoffs"] > 0 and stats["aborts"] > 0, stats
+    assert stats["fetched"] > 0, stats
 
 
 def test_harness_catches_a_core_that_leaks_releases(b, monkeypatch):

@@ -1,0 +1,202 @@
+"""Peer fetches into a node's host memory (L2): the shared inbound link and its outputs.
+
+Contains zero I/O: no clock, no asyncio, no network (DESIGN §2). The
+``EngineScheduler`` owns one :class:`FetchLink` per node; the live shell and the
+simulator only see the scheduler's methods (``next_deadline`` covers fetch
+completions) and, in real-bytes mode, the :class:`FetchStarted` outputs.
+
+Model (paper §4.2, DESIGN §1 "the L2 of all nodes is one shared pool"): a
+prefill node pulls the blocks of a request's prefix that only peers hold into
+its own L2 while the request waits in its queue. Every fetch of a node shares
+the node's inbound peer link (``profile.links.peer_fetch_bytes_per_s``) by
+**processor sharing**: with n fetches moving bytes, each gets bandwidth / n.
+A fetch of b bytes started at t₀ finishes ``peer_fetch_latency_s`` after its
+last byte moved (one fixed latency per fetch, not shared). Completion times
+are recomputed lazily on every start, cancel and query, O(active fetches)
+each (O(k·n) when k fetches drain between two calls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from collections.abc import Hashable
+
+_EPS_BYTES = 1e-6
+"""Remaining bytes at or below this count as drained (float round-off)."""
+
+
+class FetchLink:
+    """One node's inbound peer link shared by concurrent fetches (processor sharing).
+
+    Args:
+        bytes_per_s: link bandwidth (bytes/s, > 0).
+        latency_s: fixed latency added to each fetch after its last byte (s, ≥ 0).
+
+    Raises:
+        ValueError: for a non-positive bandwidth or a negative latency.
+
+    Operations (n = fetches moving bytes, d = drained ones waiting out their latency):
+
+    | operation | cost |
+    |---|---|
+    | ``start`` / ``cancel`` | O(n) + the drains since the last call |
+    | ``next_completion`` | O(n + d) |
+    | ``pop_done(now)`` | O(n + d log d) |
+    """
+
+    __slots__ = ("bytes_per_s", "latency_s", "_active", "_drained", "_last")
+
+    def __init__(self, bytes_per_s: float, latency_s: float = 0.0) -> None:
+        if not bytes_per_s > 0:
+            raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s}")
+        if latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {latency_s}")
+        self.bytes_per_s = float(bytes_per_s)
+        self.latency_s = float(latency_s)
+        self._active: dict[Hashable, float] = {}
+        """key → bytes still to move (insertion order = start order)."""
+        self._drained: dict[Hashable, float] = {}
+        """key → completion time (last byte moved + latency)."""
+        self._last = 0.0
+        """Time up to which ``_active`` is accounted."""
+
+    def __len__(self) -> int:
+        return len(self._active) + len(self._drained)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._active or key in self._drained
+
+    @property
+    def moving(self) -> int:
+        """Fetches currently sharing the link (bytes left to move)."""
+        return len(self._active)
+
+    def _advance(self, now: float) -> None:
+        """Account the link up to ``now``: drain every fetch whose last byte moved by then."""
+        active = self._active
+        last = self._last
+        while active:
+            n = len(active)
+            rate = self.bytes_per_s / n
+            kmin = min(active, key=active.__getitem__)
+            rmin = active[kmin]
+            t_drain = last + max(rmin, 0.0) / rate
+            if t_drain > now:
+                moved = (now - last) * rate
+                for k in active:
+                    active[k] -= moved
+                last = now
+                break
+            for k in active:
+                active[k] -= rmin
+            del active[kmin]
+            self._drained[kmin] = t_drain + self.latency_s
+            last = t_drain
+            for k in [k for k, r in active.items() if r <= _EPS_BYTES]:  # equal sizes drain together
+                del active[k]
+                self._drained[k] = t_drain + self.latency_s
+        if now > last:
+            last = now
+        self._last = last
+
+    def start(self, key: Hashable, nbytes: float, now: float) -> None:
+        """A fetch of ``nbytes`` starts at ``now``; the others slow down from now on.
+
+        Raises:
+            ValueError: if ``key`` is already on the link or ``nbytes`` < 0.
+        """
+        if key in self:
+            raise ValueError(f"fetch {key!r} is already on the link")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        self._advance(now)
+        if nbytes <= _EPS_BYTES:
+            self._drained[key] = now + self.latency_s
+        else:
+            self._active[key] = float(nbytes)
+
+    def cancel(self, key: Hashable, now: float) -> bool:
+        """Drop a fetch (its request left); the others speed up from ``now``. False if unknown."""
+        self._advance(now)
+        if self._active.pop(key, None) is not None:
+            return True
+        return self._drained.pop(key, None) is not None
+
+    def next_completion(self) -> float | None:
+        """Earliest completion time of any fetch on the link (None when empty).
+
+        Exact under processor sharing: the fetch with the fewest bytes left drains
+        first, and every fetch pays the same latency after its last byte.
+        """
+        best = min(self._drained.values(), default=None)
+        if self._active:
+            rmin = min(self._active.values())
+            t = self._last + max(rmin, 0.0) * len(self._active) / self.bytes_per_s + self.latency_s
+            best = t if best is None or t < best else best
+        return best
+
+    def pop_done(self, now: float) -> list[tuple[Hashable, float]]:
+        """Remove and return ``(key, completion time)`` of every fetch complete at ``now``,
+        in completion order (ties: start order)."""
+        self._advance(now)
+        done = [(k, t) for k, t in self._drained.items() if t <= now]
+        if not done:
+            return []
+        for k, _ in done:
+            del self._drained[k]
+        done.sort(key=lambda kt: kt[1])
+        return done
+
+
+@dataclass(slots=True, eq=False)
+class FetchState:
+    """The fetch of one queued request (scheduler-internal; one per request at most)."""
+
+    lo: int
+    """First page of the request's path fetched (its local prefix when it arrived)."""
+    hi: int
+    """One past the last page fetched (≤ the request's cache cap ``(prompt − 1) // block_size``)."""
+    started_at: float
+    external: bool = False
+    """Real-bytes mode: the shell's transfer has not reported yet (``fetch_done``)."""
+    sim_done_at: float | None = None
+    """When the link model finished it (None while bytes are moving)."""
+    missing: frozenset[int] = frozenset()
+    """Blocks the real transfer did not deliver (or whose checksum failed): recomputed."""
+    skipped_at: float | None = None
+    """First ``schedule()`` that would have admitted the request but skipped it (fetch incomplete)."""
+    done_at: float | None = None
+    """Completion: the blocks are in L2 from then on (None while fetching)."""
+    stored: int = 0
+    """Pages of ``[lo, hi)`` usable after completion (up to the first missing one)."""
+
+    @property
+    def fetch_s(self) -> float | None:
+        """Start → completion (s), None while fetching."""
+        return None if self.done_at is None else self.done_at - self.started_at
+
+    @property
+    def exposed_s(self) -> float | None:
+        """The part that outlasted the queue wait: skip → completion (0 if never skipped)."""
+        if self.done_at is None:
+            return None
+        return 0.0 if self.skipped_at is None else max(0.0, self.done_at - self.skipped_at)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchStarted:
+    """A fetch the scheduler started (real-bytes mode: the shell moves the bytes).
+
+    The scheduler's simulated completion waits for :meth:`EngineScheduler.fetch_done`
+    with the same ``rid``; whichever of the two is later completes the fetch.
+    """
+
+    rid: str
+    sources: list[tuple[str, list[int]]] = field(default_factory=list)
+    """``(peer node, block hashes)`` per source, in path order (the router's fetch plan
+    clipped to the blocks this node lacked when the request arrived)."""
+    at: float = 0.0
+    """Simulated time the fetch started (the request's arrival on the node)."""
+
+
+__all__ = ["FetchLink", "FetchStarted", "FetchState"]

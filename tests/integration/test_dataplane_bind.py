@@ -1,0 +1,179 @@
+"""Decode binding at prefill start, live (issue 6 part 3): router, three workers, a real nats-server.
+
+Request B is dispatched to the prefill node w0 while a long prefill (A) occupies
+it; between B's dispatch and the start of its prefill the test loads decode node
+w2 with a long decode (a hand-off sent straight to it). With
+``--decode-binding prefill-start`` (the default) B's decode node is chosen when
+its prefill starts — w1, the idle one — through ``route.bind``; with
+``dispatch`` it was fixed at dispatch — w2, which was the least loaded then
+(A, bound to w1 at its own dispatch, was still running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared import messages as m
+from shared.bus import Bus, BusError
+from shared.service import serve_until_stopped
+from shared.subjects import NODE_STATE, REQ_OUT, SVC_STATS, WORK_ABORT, WORK_DECODE, WORK_PREFILL, Subjects
+from services.router.config import RouterConfig
+from services.router.service import RouterService
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+
+pytestmark = pytest.mark.timeout(90)
+BS = 4
+
+SLOW_PREFILL = """
+name = "slow-prefill"
+block_size = 4
+kv_bytes_per_token = 1000
+[prefill]
+c0 = 0.002
+c1 = 2.0e-3
+c2 = 0.0
+c3 = 1.0e-6
+[decode]
+d0 = 0.002
+d1 = 0.001
+d2 = 0.0005
+active_experts = 2
+experts = 8
+tokens_per_forward = 2.0
+accepted_per_iteration = 1.5
+[memory]
+gpu_kv_tokens = 8192
+host_kv_tokens = 32768
+[links]
+gpu_to_gpu_bytes_per_s = 1.0e8
+gpu_to_gpu_latency_s = 0.001
+[scheduler]
+chunk_tokens = 64
+max_running = 16
+"""
+
+
+async def _until(pred, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await pred() if asyncio.iscoroutinefunction(pred) else pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def _complete(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as http:
+        return await http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens})
+
+
+@pytest.mark.parametrize("binding,expected", [("prefill-start", "w1"), ("dispatch", "w2")])
+async def test_decode_node_is_chosen_when_the_prefill_starts(nats_url, tmp_path: Path, binding: str, expected: str):
+    profile = tmp_path / "slow.toml"
+    profile.write_text(SLOW_PREFILL)
+    origin = time.time()
+    port_file = tmp_path / "router.port"
+    states: dict[str, m.NodeState] = {}
+    router: dict[str, RouterService] = {}
+    async with AsyncExitStack() as stack:
+        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-bind")
+        stack.push_async_callback(bus.close)
+
+        async def on_state(st: m.NodeState, _s: str) -> None:
+            states[st.node] = st
+
+        await bus.subscribe(NODE_STATE, on_state)
+        stops: list[asyncio.Event] = []
+        tasks: list[asyncio.Task] = []
+
+        async def shutdown() -> None:
+            for s in stops:
+                s.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        stack.push_async_callback(shutdown)
+        for node, phase in (("w0", "prefill"), ("w1", "decode"), ("w2", "decode")):
+            cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node=node, phase=phase, profile=str(profile),
+                               idle_state_interval_s=0.2, state_interval_s=0.01)  # fmt: skip
+            stops.append(asyncio.Event())
+            tasks.append(asyncio.create_task(serve_until_stopped("worker", cfg, WorkerService, instance=f"worker-{node}", stop_event=stops[-1])))
+        rcfg = RouterConfig(
+            nats_url=nats_url, clock_origin=origin, port=0, port_file=str(port_file), block_size=BS, decode_binding=binding,
+            split_get_timeout_s=0.2, lookup_timeout_s=0.05, fence_after_s=5.0, request_timeout_s=30.0,
+        )  # fmt: skip
+
+        def factory(c, b, clock):
+            router["svc"] = RouterService(c, b, clock)
+            return router["svc"]
+
+        stops.append(asyncio.Event())
+        tasks.append(asyncio.create_task(serve_until_stopped("router", rcfg, factory, instance="router", stop_event=stops[-1])))
+        await _until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and len(states) == 3, "router ready")
+        url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+
+        a = asyncio.create_task(_complete(url, list(range(1, 601)), 1))  # ≈ 1.2 s of prefill on w0
+        await _until(lambda: states["w0"].running == 1, "A prefilling on w0")
+        b = asyncio.create_task(_complete(url, list(range(1000, 1040)), 4))
+        await _until(lambda: len(states["w0"].queue) >= 1 and states["w0"].waiting == 1, "B queued on w0 behind A")
+        # load w2 now, after B's dispatch and before its prefill starts
+        x = m.DecodeWork(rid="x-load", prompt_tokens=8, max_tokens=6_000, block_size=BS, block_hashes=[11, 12],
+                         prefill_node="w0", kv_ready_at=0.0)  # fmt: skip
+        await bus.publish(WORK_DECODE, x, node="w2")
+        await _until(lambda: states["w2"].running >= 1, "w2 decoding the load")
+        assert not b.done() and states["w0"].waiting == 1  # B has not started its prefill yet
+        ra, rb = await a, await b
+        assert ra.status_code == 200 and rb.status_code == 200, (ra.text, rb.text)
+        body = rb.json()
+        assert body["usage"]["completion_tokens"] == 4
+        assert body["ei"]["decode_node"] == rb.headers["x-ei-decode-node"] == expected
+        stats = await bus.request(SVC_STATS, m.StatsRequest(), instance="router", timeout=5.0)
+        assert stats.counters.get("bind.ok", 0) == (1 if binding == "prefill-start" else 0)
+        if binding == "prefill-start":
+            w0 = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=5.0)).counters
+            assert w0["bind.ok"] == 1 and w0.get("bind.failed", 0) == 0
+        await bus.publish(WORK_ABORT, m.RequestAbort(rid="x-load", reason="test over"), node="w2")
+        await _until(lambda: states["w2"].running == 0, "the load aborted")
+
+
+async def test_prefill_fails_cleanly_when_no_router_binds_a_decode_node(nats_url):
+    """No router answers route.bind: the started prefill fails with an error chunk after
+    ``bind_timeout_s`` (nothing hangs) and the node is left empty."""
+    chunks: list[m.TokenChunk] = []
+    async with AsyncExitStack() as stack:
+        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-nobind")
+        stack.push_async_callback(bus.close)
+
+        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
+            chunks.append(c)
+
+        await bus.subscribe(REQ_OUT, on_chunk)
+        stop = asyncio.Event()
+        cfg = WorkerConfig(nats_url=nats_url, node="w0", phase="prefill", profile="tiny", bind_timeout_s=0.3, check_invariants=True)
+        task = asyncio.create_task(serve_until_stopped("worker", cfg, WorkerService, instance="worker-w0", stop_event=stop))
+
+        async def stopper() -> None:
+            stop.set()
+            await task
+
+        stack.push_async_callback(stopper)
+        for _ in range(100):
+            try:
+                await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=0.2)
+                break
+            except BusError:
+                await asyncio.sleep(0.02)
+        work = m.PrefillWork(rid="lonely", prompt_tokens=9, max_tokens=4, block_size=BS, block_hashes=[1, 2], decode_binding="start")
+        await bus.publish(WORK_PREFILL, work, node="w0")
+        await _until(lambda: any(c.finished for c in chunks), "the error chunk", timeout=10)
+        (c,) = chunks
+        assert c.finish_reason == "error" and "no decode node" in (c.error or "")
+        stats = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=2.0))
+        assert stats.counters["bind.failed"] == 1 and stats.gauges["running"] == 0 and stats.gauges["waiting"] == 0
+        assert stats.counters.get("loop_errors", 0) == 0

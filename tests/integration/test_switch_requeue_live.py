@@ -1,0 +1,135 @@
+"""Work handed back during an in-place switch, live (router + three workers, one process, real nats-server).
+
+w0 (prefill) has one prefill running and four queued when a split swaps it with
+w2: w0 → decode, w2 → prefill. w0 hands the four back (``work.requeue``) and
+finishes the running one in place; w2 is still draining a decode, so no node
+serves prefill: the router parks the four until w2 reports serving prefill,
+then places each exactly once there. Every request completes with all its
+tokens; both switches report ``draining`` then ``serving`` with their drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared import messages as m
+from shared.bus import Bus
+from shared.clock import SimClock
+from shared.service import serve_until_stopped
+from shared.subjects import NODE_STATE, REQ_OUT, SPLIT_APPLIED, SPLIT_COMMANDS, SVC_STATS, WORK_ABORT, WORK_DECODE, Subjects
+from services.router.config import RouterConfig
+from services.router.service import RouterService
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+
+from .test_dataplane_bind import SLOW_PREFILL, _until
+
+pytestmark = pytest.mark.timeout(90)
+BS = 4
+
+
+async def test_queued_work_is_handed_back_parked_and_served_exactly_once(nats_url, tmp_path: Path):
+    profile = tmp_path / "slow.toml"
+    profile.write_text(SLOW_PREFILL)
+    origin = time.time()
+    clock = SimClock(1.0, origin)
+    port_file = tmp_path / "router.port"
+    states: dict[str, m.NodeState] = {}
+    applied: list[m.SplitApplied] = []
+    chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
+    router: dict[str, RouterService] = {}
+    async with AsyncExitStack() as stack:
+        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-requeue")
+        stack.push_async_callback(bus.close)
+
+        async def on_state(st: m.NodeState, _s: str) -> None:
+            states[st.node] = st
+
+        async def on_applied(a: m.SplitApplied, _s: str) -> None:
+            applied.append(a)
+
+        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
+            chunks[c.rid].append(c)
+
+        await bus.subscribe(NODE_STATE, on_state)
+        await bus.subscribe(SPLIT_APPLIED, on_applied)
+        await bus.subscribe(REQ_OUT, on_chunk)
+        stops: list[asyncio.Event] = []
+        tasks: list[asyncio.Task] = []
+
+        async def shutdown() -> None:
+            for s in stops:
+                s.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        stack.push_async_callback(shutdown)
+        for node, phase in (("w0", "prefill"), ("w1", "decode"), ("w2", "decode")):
+            cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node=node, phase=phase, profile=str(profile),
+                               idle_state_interval_s=0.2, state_interval_s=0.01, check_invariants=True)  # fmt: skip
+            stops.append(asyncio.Event())
+            tasks.append(asyncio.create_task(serve_until_stopped("worker", cfg, WorkerService, instance=f"worker-{node}", stop_event=stops[-1])))
+        rcfg = RouterConfig(nats_url=nats_url, clock_origin=origin, port=0, port_file=str(port_file), block_size=BS,
+                            split_get_timeout_s=0.2, lookup_timeout_s=0.05, fence_after_s=5.0, request_timeout_s=30.0)  # fmt: skip
+
+        def factory(c, b, clk):
+            router["svc"] = RouterService(c, b, clk)
+            return router["svc"]
+
+        stops.append(asyncio.Event())
+        tasks.append(asyncio.create_task(serve_until_stopped("router", rcfg, factory, instance="router", stop_event=stops[-1])))
+        await _until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and len(states) == 3, "router ready")
+        url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+
+        # w2 decodes a long request: its switch to prefill must drain it first
+        x = m.DecodeWork(rid="x-long", prompt_tokens=8, max_tokens=5_000, block_size=BS, block_hashes=[1, 2], prefill_node="w0")
+        await bus.publish(WORK_DECODE, x, node="w2")
+        await _until(lambda: states["w2"].running == 1, "w2 decoding")
+
+        async def complete(i: int) -> httpx.Response:
+            prompt = [(i * 1000 + k) % 40_000 for k in range(200)]  # ≈ 0.4 s of prefill each
+            async with httpx.AsyncClient(timeout=30) as http:
+                return await http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+
+        reqs = [asyncio.create_task(complete(i)) for i in range(5)]
+        await _until(lambda: states["w0"].running == 1 and states["w0"].waiting == 4, "one prefill running, four queued on w0")
+        await bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=1, phases={"w0": "decode", "w1": "decode", "w2": "prefill"},
+                                                          reason="swap", decided_at=clock.now()))  # fmt: skip
+        await _until(lambda: router["svc"].counters.get("requeue.parked", 0) == 4, "the four handed back and parked")
+        assert not any(t.done() for t in reqs)
+        await asyncio.sleep(0.3)
+        await bus.publish(WORK_ABORT, m.RequestAbort(rid="x-long", reason="end the drain"), node="w2")
+        responses = await asyncio.gather(*reqs)
+        rstats = router["svc"].counters
+
+        assert [r.status_code for r in responses] == [200] * 5, [r.text for r in responses]
+        placed = [r.json()["ei"]["prefill_node"] for r in responses]
+        assert sorted(placed) == ["w0"] + ["w2"] * 4  # the running one finished in place, the four moved
+        for r in responses:
+            rid = r.headers["x-request-id"]
+            assert r.json()["usage"]["completion_tokens"] == 3
+            cs = sorted(chunks[rid], key=lambda c: c.index)
+            pos = 0
+            for c in cs:  # every output position exactly once
+                assert c.index == pos and c.finish_reason in (None, "length"), cs
+                pos += len(c.token_ids)
+            assert pos == 3 and [c.finished for c in cs] == [False] * (len(cs) - 1) + [True]
+            assert len({c.node for c in cs if c.index == 0}) == 1
+        assert rstats["requeue.prefill"] == 4 and rstats["requeue.rerouted"] == 4 and rstats["requeue.parked"] == 4
+        w0 = [a for a in applied if a.node == "w0"]
+        w2 = [a for a in applied if a.node == "w2"]
+        assert [(a.status, a.phase) for a in w0] == [("draining", "decode"), ("serving", "decode")]
+        assert [(a.status, a.phase) for a in w2] == [("draining", "prefill"), ("serving", "prefill")]
+        assert w0[0].requeued == 4 and w0[1].requeued == 4
+        for a in (w0[1], w2[1]):
+            drain = a.drained_at - a.received_at
+            assert drain > 0 and a.switch_s >= drain and a.switch_s - drain <= 1.0, a
+        assert w2[1].drained_at - w2[1].received_at >= 0.3  # waited for the long decode (ended by the abort)
+        w0c = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=5.0)).counters
+        assert w0c["requeue.accepted"] == 4 and w0c.get("requeue.failed", 0) == 0 and w0c["split.serving"] == 1
