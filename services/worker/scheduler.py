@@ -837,24 +837,28 @@ class EngineScheduler:
         """The plan between ``schedule()`` and ``finish_iteration()``, if any."""
         return self._inflight
 
-    def state(self, now: float) -> NodeState:
+    def state(self, now: float, *, with_queue: bool = True) -> NodeState:
         """The node's state for ``node.state.<node>``; the shell fills seq, epoch,
         accepting and engine. ``queue`` lists in-progress chunked prefills (the
         tokens left after the chunk in flight, which ``remaining_s`` already
         covers; a prompt that the chunk in flight completes is not listed), then
-        waiting requests (their prefix match when last seen)."""
+        waiting requests (their prefix match when last seen).
+
+        ``with_queue=False`` leaves ``queue`` empty, O(1) instead of O(queue): for a
+        reader that uses only the counts (the simulator's router under a routing
+        policy that never reads the queue)."""
         bs = self.block_size
         queue: list[QueuedWork] = []
         in_flight: dict[str, int] = {}
-        if self._inflight is not None:
+        if self._inflight is not None and with_queue:
             for c in self._inflight.prefill:
                 in_flight[c.rid] = c.tokens
-        for r in self.running.values():
+        for r in self.running.values() if with_queue else ():
             if r.state == PREFILLING:
                 done = r.cached + r.computed + in_flight.get(r.rid, 0)
                 if done < r.prompt_tokens:
                     queue.append(QueuedWork(rid=r.rid, uncached_tokens=r.prompt_tokens - done, cached_tokens=done))
-        for r in (*self.waiting.values(), *self.bootstrap.values()):
+        for r in (*self.waiting.values(), *self.bootstrap.values()) if with_queue else ():
             cached = (r.q_gpu + r.q_host) * bs
             queue.append(
                 QueuedWork(

@@ -159,3 +159,12 @@ def test_branch_count_policy_survives_clear(b):
     s = b.sched(b.profile(), phase="both", host_eviction="branch-count")
     s.clear_caches(0.0)
     assert s.kv.host.evictable.policy.name == "branch-count"
+
+
+def test_state_without_queue_keeps_the_counts(b):
+    s = b.sched(b.profile(), phase="prefill", node="w0")
+    for i in range(3):
+        s.add_prefill(b.prefill(f"r{i}", [10 * i + 1, 10 * i + 2], max_tokens=3, decode_node="w1"), 0.0)
+    full, light = s.state(0.0), s.state(0.0, with_queue=False)
+    assert len(full.queue) == 3 and light.queue == []
+    assert (light.waiting, light.running, light.gpu_free_blocks) == (full.waiting, full.running, full.gpu_free_blocks)

@@ -1,0 +1,280 @@
+"""``evolving-infra simulate`` and ``evolving-infra fidelity``.
+
+``simulate`` runs a trace (or a generated workload) through the discrete-event
+simulator (``evolving_infra.sim``) and writes the same ``report.json``,
+``requests.jsonl``, plots and ``report.html`` as a live replay; ``--sweep``
+runs several policy sets or splits on the same input and writes a comparison.
+``fidelity`` runs one small trace through the live stack and the simulator and
+prints the relative differences (``evolving_infra.sim.fidelity``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from evolving_infra.sim.config import ForcedSwitch, SimConfig, SimConfigError
+from evolving_infra.sim.policies import DECODE_BINDINGS, DEFAULT_RELAUNCH_S, EVICTIONS, ROUTING_DECODE, SET_NAMES, SWITCH_MODES
+
+
+def parse_options(items: list[str] | None, flag: str) -> dict[str, Any]:
+    """``["k=v", ...]`` → dict with ints, floats, booleans and None decoded.
+
+    Raises:
+        SimConfigError: an item without ``=``.
+    """
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise SimConfigError(f"{flag} {item!r} must look like key=value")
+        v = raw.strip()
+        low = v.lower()
+        val: Any
+        if low in ("true", "yes", "on"):
+            val = True
+        elif low in ("false", "no", "off"):
+            val = False
+        elif low in ("none", "null"):
+            val = None
+        else:
+            try:
+                val = int(v)
+            except ValueError:
+                try:
+                    val = float(v)
+                except ValueError:
+                    val = v
+        out[key] = val
+    return out
+
+
+def parse_switch(item: str) -> ForcedSwitch:
+    """``T:NODE:PHASE`` (e.g. ``600:w3:prefill``).
+
+    Raises:
+        SimConfigError: on a malformed item.
+    """
+    parts = item.split(":")
+    if len(parts) != 3 or parts[2] not in ("prefill", "decode", "both"):
+        raise SimConfigError(f"--switch-at {item!r} must look like SECONDS:NODE:prefill|decode|both")
+    try:
+        t = float(parts[0])
+    except ValueError:
+        raise SimConfigError(f"--switch-at {item!r}: {parts[0]!r} is not a number of seconds") from None
+    return ForcedSwitch(t=t, node=parts[1], phase=parts[2])
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """The :class:`SimConfig` the flags describe.
+
+    Raises:
+        SimConfigError: contradictory or malformed flags.
+    """
+    if args.arrival_rate is not None and args.concurrency is not None:
+        raise SimConfigError("give --concurrency (closed loop) or --arrival-rate (open loop), not both")
+    if args.arrival_rate is not None:
+        arrival, rate, conc = "open", args.arrival_rate, 16
+    elif args.trace_arrivals:
+        arrival, rate, conc = "trace", 1.0, 16
+    else:
+        arrival, rate, conc = "closed", 1.0, args.concurrency if args.concurrency is not None else 16
+    return SimConfig(
+        nodes=args.nodes,
+        profile=args.profile,
+        gpus_per_node=args.gpus_per_node,
+        host_capacity_tokens=args.host_capacity_tokens,
+        block_size=args.block_size,
+        policy=args.policy,
+        split=args.split,
+        routing=args.routing,
+        decode_routing=args.decode_routing,
+        planner=args.planner,
+        eviction=args.eviction,
+        decode_binding=args.decode_binding,
+        switch_mode=args.switch_mode,
+        relaunch_s=args.relaunch_s,
+        routing_options=parse_options(args.routing_opt, "--routing-opt"),
+        planner_options=parse_options(args.planner_opt, "--planner-opt"),
+        arrival=arrival,
+        concurrency=conc,
+        arrival_rate=rate,
+        cap=args.cap,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        seed=args.seed,
+        max_agents=args.max_agents,
+        max_pause_s=args.max_pause,
+        tile=args.tile,
+        partitions=args.partitions,
+        workers=args.workers,
+        state_staleness_s=args.state_staleness_s,
+        msg_latency_s=args.msg_latency_s,
+        forced_switches=tuple(parse_switch(s) for s in args.switch_at or ()),
+        label=args.label,
+    )
+
+
+def load_workload(args: argparse.Namespace) -> tuple[list[Any], int, dict[str, Any]]:
+    """The requests to replay, their block size, and provenance for ``meta``.
+
+    Raises:
+        SimConfigError: no input, or an unreadable trace / bad generator options.
+    """
+    from evolving_infra.traces.io import TraceError, read_trace
+
+    if bool(args.trace) == bool(args.workload):
+        raise SimConfigError("give exactly one of --trace FILE or --workload KIND")
+    if args.trace:
+        try:
+            trace = read_trace(Path(args.trace))
+        except (TraceError, OSError) as e:
+            raise SimConfigError(f"--trace: {e}") from e
+        return trace.requests, trace.header.block_size, {"trace": str(args.trace), "trace_source": trace.header.source}
+    from evolving_infra.traces.generate import GenerateError, generate
+
+    try:
+        trace = generate(
+            args.workload,
+            seed=args.workload_seed,
+            agents=args.agents,
+            duration_s=args.agent_duration,
+            block_size=64,
+        )
+    except GenerateError as e:
+        raise SimConfigError(f"--workload: {e}") from e
+    return trace.requests, trace.header.block_size, {"workload": args.workload, "workload_seed": args.workload_seed,
+                                                     "trace_source": trace.header.source}
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from evolving_infra.report.write import print_summary, write_report
+    from evolving_infra.sim.run import simulate
+    from evolving_infra.sim.sweep import run_sweep
+
+    t0 = time.monotonic()
+    try:
+        cfg = config_from_args(args)
+        requests, bs, prov = load_workload(args)
+    except SimConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup = time.monotonic() - t0
+    out = Path(args.out)
+    if args.sweep:
+        try:
+            return run_sweep(cfg, requests, bs, args.sweep, out, meta=prov, plots=not args.no_plots, parallel=args.sweep_workers)
+        except SimConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    try:
+        res = simulate(cfg, requests, bs, meta=prov, setup_wall_s=setup)
+    except SimConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    path = write_report(out, res.report, res.records, plots=not args.no_plots)
+    print_summary(res.report)
+    r = res.report
+    print(
+        f"simulated {r['simulated_s']:.0f} s in {r['wall_s']:.1f} s wall ({r['sim_speed']:.0f}x), "
+        f"relaunches {r['relaunches']}, out of service {100 * r['out_of_service_share']:.1f}% of the time, "
+        f"reroutes {r['reroutes']}, unfinished {r['requests_unfinished']}"
+    )
+    if r.get("closed_loop_exhausted_at_s") is not None:
+        print(f"note: the input ran out of agents at {r['closed_loop_exhausted_at_s']:.0f} s (closed loop: concurrency "
+              "fell from then on); give more agents (--workload --agents, or --tile)")
+    print(f"report: {path}")
+    return 0 if r["requests_failed"] == 0 else 1
+
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("input")
+    src.add_argument("--trace", default=None, help="canonical trace (.jsonl or .jsonl.gz)")
+    src.add_argument("--workload", default=None, choices=("putnam", "claude-code", "osworld", "shift"),
+                     help="generate this workload instead of reading a trace (evolving_infra.traces.generate)")
+    src.add_argument("--agents", type=int, default=None, help="--workload: agents to generate (default per workload)")
+    src.add_argument("--agent-duration", type=float, default=None, help="--workload: busy seconds per generated agent")
+    src.add_argument("--workload-seed", type=int, default=0, help="--workload: generator seed (default 0)")
+    src.add_argument("--max-agents", type=int, default=None, help="replay only the first N agents of the input")
+    src.add_argument("--tile", type=int, default=1,
+                     help="replay every agent this many times as distinct agents (private block ids per copy), "
+                     "for clusters larger than the trace")
+    src.add_argument("--max-pause", type=float, default=None,
+                     help="cap every pause (tool/think time) at this many seconds (30 s reproduces the paper's CC mean pause)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, default=9, help="nodes (default 9)")
+    c.add_argument("--gpus-per-node", type=int, default=None,
+                   help="must equal the profile's gpus_per_node (a profile is one node; write a profile for another size)")
+    c.add_argument("--profile", default="gb300-glm52", help="node profile name or TOML path (default gb300-glm52)")
+    c.add_argument("--split", default=None, help="initial split xPyD (default: the policy set's, else round(2N/3) prefill)")
+    c.add_argument("--host-capacity-tokens", type=int, default=None, help="per-node L2 capacity in tokens (default: the profile's)")
+    c.add_argument("--block-size", type=int, default=None,
+                   help="simulation block size in tokens; the trace is converted (e.g. 512 for speed; default: the profile's)")
+    c.add_argument("--partitions", type=int, default=1, help="partitions (paper D.2): agents bound by hash, one cluster slice each")
+    c.add_argument("--workers", type=int, default=1, help="processes running partitions in parallel (default 1)")
+    pol = p.add_argument_group("policies (explicit flags override the policy set)")
+    pol.add_argument("--policy", default="static", help=f"policy set: {', '.join(SET_NAMES)} (default static)")
+    pol.add_argument("--routing", default=None, help="prefill routing policy (services/router/policy.py registry)")
+    pol.add_argument("--decode-routing", default=None, choices=ROUTING_DECODE, help="decode binding rule")
+    pol.add_argument("--planner", default=None, help="planner (services/planner/policy.py: static, dynamo, arrow, evolving)")
+    pol.add_argument("--eviction", default=None, choices=EVICTIONS, help="host (L2) eviction")
+    pol.add_argument("--decode-binding", default=None, choices=DECODE_BINDINGS,
+                     help="enqueue = decode KV reserved at dispatch (SGLang PD); prefill-start = bound when prefill starts; "
+                     "route = bound at dispatch, reserved at hand-off (the live stack)")
+    pol.add_argument("--switch-mode", default=None, choices=SWITCH_MODES, help="phase switch mechanics")
+    pol.add_argument("--relaunch-s", type=float, default=DEFAULT_RELAUNCH_S, help=f"relaunch downtime (default {DEFAULT_RELAUNCH_S:g} s)")
+    pol.add_argument("--routing-opt", action="append", metavar="K=V", help="routing policy option (repeatable)")
+    pol.add_argument("--planner-opt", action="append", metavar="K=V", help="planner parameter (repeatable)")
+    pol.add_argument("--switch-at", action="append", metavar="T:NODE:PHASE", help="force a phase switch (repeatable)")
+    a = p.add_argument_group("arrivals and run length")
+    a.add_argument("--concurrency", type=int, default=None, help="closed loop: concurrent agents (default 16)")
+    a.add_argument("--arrival-rate", type=float, default=None, help="open loop: Poisson agent arrivals per minute")
+    a.add_argument("--cap", type=int, default=0, help="open loop: most agents running at once (0 = no cap)")
+    a.add_argument("--trace-arrivals", action="store_true", help="agents start at their recorded arrival_s")
+    a.add_argument("--duration", type=float, default=None, help="stop at this simulated second (default: when the input is exhausted)")
+    a.add_argument("--warmup", type=float, default=0.0, help="leave requests sent before this second out of the metrics")
+    a.add_argument("--seed", type=int, default=0, help="seed of the arrival process and seeded policies (default 0)")
+    s = p.add_argument_group("simulation")
+    s.add_argument("--state-staleness-s", type=float, default=0.0, help="router sees node states at most this old (default 0)")
+    s.add_argument("--msg-latency-s", type=float, default=0.0, help="constant message latency (default 0)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", required=True, help="output directory (report.json, requests.jsonl, plots)")
+    o.add_argument("--label", default=None, help="run label in comparisons (default: the policy set)")
+    o.add_argument("--no-plots", action="store_true", help="write report.json and requests.jsonl only")
+    o.add_argument("--sweep", nargs="+", metavar="KIND",
+                   help="'splits [xPyD,...]' (every split, or the listed ones) or 'policies SET,SET,...'; "
+                   "writes one run per item under OUT/ and OUT/compare/")
+    o.add_argument("--sweep-workers", type=int, default=1, help="sweep items run in parallel processes (default 1)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "simulate",
+        help="discrete-event simulation of a cluster serving a trace (same cores as the live services)",
+        description="Simulate a cluster (nodes, profile, partitions) serving a trace or generated workload under an "
+        "arrival process, in virtual time with the production router, planner, KV directory and engine scheduler. "
+        "Writes OUT/report.json, OUT/requests.jsonl and plots, as a live replay does.",
+    )
+    add_simulate_args(p)
+    p.set_defaults(func=cmd_simulate)
+
+    from evolving_infra.sim.fidelity import add_fidelity_args, cmd_fidelity
+
+    f = sub.add_parser(
+        "fidelity",
+        help="run one small trace through the live stack and the simulator; print their relative differences",
+        description="Replay the same small trace through a local live cluster (the demo path, at a speed-up) and "
+        "through the simulator with matching settings; print the relative difference of throughput, mean TTFT and "
+        "mean E2E, and write OUT/live, OUT/sim and OUT/fidelity.json.",
+    )
+    add_fidelity_args(f)
+    f.set_defaults(func=cmd_fidelity)
+
+
+def dump(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")

@@ -1,0 +1,235 @@
+"""Settings of a simulated run, and their resolution into concrete components.
+
+:class:`SimConfig` holds what the user asked for (a policy set plus explicit
+overrides, cluster size, profile, arrival process, run length);
+:func:`resolve` turns it into a :class:`Resolved` run: one profile (block size
+and host capacity applied), the policy set with overrides, the components
+found by name (routing in ``services.router.policy``, planner in
+``services.planner.policy``), and the initial split. Errors are
+:class:`SimConfigError` with a message that names the flag to fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from evolving_infra.replay.core import Arrival
+from evolving_infra.sim.planners import planner_module, planner_names, routing_available
+from evolving_infra.sim.policies import (
+    DEFAULT_RELAUNCH_S,
+    PolicyError,
+    PolicySet,
+    default_split,
+    policy_set,
+    with_overrides,
+)
+from shared.profile import Profile, ProfileError, load_profile
+from shared.split import SplitError, parse_split
+
+
+class SimConfigError(ValueError):
+    """The run cannot be set up as asked; the message says which flag to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedSwitch:
+    """A phase switch the run forces at time ``t`` (tests, what-if runs), besides the planner's."""
+
+    t: float
+    node: str
+    phase: str
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """What to simulate. ``None`` means "the policy set's / profile's choice"."""
+
+    nodes: int = 9
+    profile: str = "gb300-glm52"
+    gpus_per_node: int | None = None
+    """Must equal the profile's ``gpus_per_node`` (a profile is one node; write a new
+    profile for another node size)."""
+    host_capacity_tokens: int | None = None
+    """Per-node L2 capacity override (tokens); ≥ the profile's L1 capacity."""
+    block_size: int | None = None
+    """Simulation block size (tokens); the trace is converted (``rechunk_request``)."""
+    policy: str = "static"
+    split: str | None = None
+    routing: str | None = None
+    decode_routing: str | None = None
+    planner: str | None = None
+    eviction: str | None = None
+    decode_binding: str | None = None
+    switch_mode: str | None = None
+    relaunch_s: float = DEFAULT_RELAUNCH_S
+    routing_options: dict[str, Any] = field(default_factory=dict)
+    planner_options: dict[str, Any] = field(default_factory=dict)
+    arrival: str = "closed"
+    """``closed`` (``concurrency`` agents), ``open`` (``arrival_rate`` agents/min, ``cap``) or ``trace``."""
+    concurrency: int = 16
+    arrival_rate: float = 1.0
+    cap: int = 0
+    duration_s: float | None = None
+    """Stop at this simulated time (None: when every agent has finished)."""
+    warmup_s: float = 0.0
+    """Requests sent before this are simulated but left out of the report's metrics."""
+    seed: int = 0
+    max_agents: int | None = None
+    tile: int = 1
+    """Replay every agent of the input this many times as distinct agents
+    (``evolving_infra.sim.workload.TiledWorkload``), for clusters larger than the trace."""
+    max_pause_s: float | None = None
+    """Cap every request's pause (tool / think time) at this many seconds. Real Claude Code
+    sessions pause 154 s per request on average (p50 10 s, p99 47 min: users away);
+    the paper's CC runs report 12.9–18.6 s (DESIGN §6a), which a 30 s cap reproduces (14.7 s)."""
+    partitions: int = 1
+    workers: int = 1
+    state_staleness_s: float = 0.0
+    """The router refreshes a node's state at most this often (0: the state at the decision)."""
+    msg_latency_s: float = 0.0
+    """Constant delay of work dispatch, hand-off and client delivery (0: instantaneous)."""
+    forced_switches: tuple[ForcedSwitch, ...] = ()
+    label: str | None = None
+    decode_kv_events: str = "auto"
+    """``auto``: decode-phase nodes' KV events reach the directory only when a decision can
+    read them (see ``ClusterSim``); ``always``: always (slower, same results)."""
+
+    def arrival_for(self, share: float = 1.0, seed_offset: int = 0) -> Arrival:
+        """The arrival process (for a partition holding ``share`` of the agents)."""
+        if self.arrival == "closed":
+            return Arrival(kind="closed", concurrency=max(1, round(self.concurrency * share)), seed=self.seed + seed_offset)
+        if self.arrival == "open":
+            cap = max(1, round(self.cap * share)) if self.cap else 0
+            return Arrival(kind="open", rate_per_min=self.arrival_rate * share, cap=cap, seed=self.seed + seed_offset)
+        if self.arrival == "trace":
+            return Arrival(kind="trace", seed=self.seed + seed_offset)
+        raise SimConfigError(f"arrival must be closed, open or trace, got {self.arrival!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """A run's concrete components (what ``report.json`` records under ``meta.sim``)."""
+
+    cfg: SimConfig
+    profile: Profile
+    policy: PolicySet
+    split: str
+    nodes_per_partition: list[int]
+    planner_source: str
+
+
+def _profile(cfg: SimConfig) -> Profile:
+    try:
+        p = load_profile(cfg.profile)
+    except ProfileError as e:
+        raise SimConfigError(f"--profile: {e}") from e
+    if cfg.gpus_per_node is not None and cfg.gpus_per_node != p.gpus_per_node:
+        raise SimConfigError(
+            f"--gpus-per-node {cfg.gpus_per_node} does not match profile {p.name!r} ({p.gpus_per_node} GPUs per node): "
+            "a profile describes one node (its Eq. 1/2 coefficients depend on the node's parallelism), so write a "
+            "profile for that node size instead of scaling one"
+        )
+    top: dict[str, Any] = {}
+    if cfg.block_size is not None:
+        if cfg.block_size < 1:
+            raise SimConfigError("--block-size must be >= 1")
+        top["block_size"] = cfg.block_size
+    if cfg.host_capacity_tokens is not None:
+        if cfg.host_capacity_tokens < p.memory.gpu_kv_tokens:
+            raise SimConfigError(
+                f"--host-capacity-tokens {cfg.host_capacity_tokens} is below the node's GPU KV capacity "
+                f"({p.memory.gpu_kv_tokens} tokens): L2 is written through and must hold L1"
+            )
+        top["memory"] = msgspec.structs.replace(p.memory, host_kv_tokens=cfg.host_capacity_tokens)
+    return msgspec.structs.replace(p, **top) if top else p
+
+
+def _split_nodes(total: int, k: int) -> list[int]:
+    base, extra = divmod(total, k)
+    return [base + (1 if i < extra else 0) for i in range(k)]
+
+
+def resolve(cfg: SimConfig) -> Resolved:
+    """Apply the policy set, overrides and checks.
+
+    Raises:
+        SimConfigError: unknown set or component, bad split, bad sizes.
+    """
+    if cfg.nodes < 1:
+        raise SimConfigError("--nodes must be >= 1")
+    if cfg.partitions < 1 or cfg.partitions > cfg.nodes:
+        raise SimConfigError(f"--partitions must be in [1, nodes={cfg.nodes}]")
+    if cfg.workers < 1:
+        raise SimConfigError("--workers must be >= 1")
+    if cfg.relaunch_s < 0 or cfg.msg_latency_s < 0 or cfg.state_staleness_s < 0 or cfg.warmup_s < 0:
+        raise SimConfigError("--relaunch-s, --msg-latency-s, --state-staleness-s and --warmup must be >= 0")
+    if cfg.decode_kv_events not in ("auto", "always"):
+        raise SimConfigError("decode_kv_events must be 'auto' or 'always'")
+    if cfg.max_pause_s is not None and cfg.max_pause_s < 0:
+        raise SimConfigError("--max-pause must be >= 0")
+    if cfg.duration_s is not None and cfg.duration_s <= 0:
+        raise SimConfigError("--duration must be > 0")
+    try:
+        ps = policy_set(cfg.policy)
+        ps = with_overrides(
+            ps,
+            routing=cfg.routing,
+            decode_routing=cfg.decode_routing,
+            planner=cfg.planner,
+            eviction=cfg.eviction,
+            decode_binding=cfg.decode_binding,
+            switch_mode=cfg.switch_mode,
+        )
+    except PolicyError as e:
+        raise SimConfigError(str(e)) from e
+    subs: list[str] = []
+    if not routing_available(ps.routing):
+        if ps.name == "evolving" and cfg.routing is None:
+            subs.append(f"routing {ps.routing} not registered -> cache-aware")
+            ps = with_overrides(ps, routing="cache-aware")
+        else:
+            from services.router.policy import policy_names
+
+            raise SimConfigError(
+                f"routing policy {ps.routing!r} (policy set {ps.name}) is not registered in services/router/policy.py; "
+                f"known: {', '.join(policy_names())}"
+            )
+    if ps.planner not in planner_names():
+        if ps.name == "evolving" and cfg.planner is None:
+            subs.append(f"planner {ps.planner} not available -> static")
+            ps = with_overrides(ps, planner="static")
+        elif planner_module() is None:
+            raise SimConfigError(
+                f"planner {ps.planner!r} (policy set {ps.name}) needs services/planner/policy.py, which does not exist "
+                "in this tree; only the built-in 'static' planner can run"
+            )
+        else:
+            raise SimConfigError(f"planner {ps.planner!r} is not registered; known: {', '.join(planner_names())}")
+    if subs:
+        from dataclasses import replace
+
+        ps = replace(ps, substitutions=tuple(subs))
+    profile = _profile(cfg)
+    parts = _split_nodes(cfg.nodes, cfg.partitions)
+    split = cfg.split or ps.split or default_split(parts[0])
+    for n in sorted(set(parts)):
+        try:
+            parse_split(split, n)
+        except SplitError as e:
+            raise SimConfigError(
+                f"split {split!r} does not fit a partition of {n} nodes ({e}); use --split or --nodes"
+                + (" divisible by --partitions" if cfg.partitions > 1 else "")
+            ) from e
+    if ps.switch_mode == "none" and cfg.forced_switches:
+        raise SimConfigError("forced switches need a switch mode (policy set or --switch-mode relaunch|strand|inplace)")
+    return Resolved(
+        cfg=cfg,
+        profile=profile,
+        policy=ps,
+        split=split,
+        nodes_per_partition=parts,
+        planner_source="services.planner.policy" if planner_module() is not None else "sim built-in",
+    )

@@ -1,0 +1,231 @@
+"""Fidelity check: the same small trace through the live stack and through the simulator.
+
+Live: ``evolving_infra.cluster.LocalCluster`` (NATS, every service in its own
+process, sim engines at ``--speedup``) replayed by
+``evolving_infra.replay.live.LiveReplayer`` — the ``demo`` path. Simulated:
+``evolving_infra.sim.run.simulate`` with the settings the live stack runs:
+the same profile, nodes and split, the router's routing policy with its own
+least-loaded decode binding, the decode node bound at dispatch and its KV
+reserved when the hand-off arrives (``--decode-binding route``), LRU host
+eviction, no phase switches, the same closed-loop concurrency.
+
+The printed relative difference is ``(simulated − live) / live``.
+
+What the two do not share, and why numbers can differ: the live workers publish
+node states at most every 50 ms of wall time (the simulator's router sees the
+state at the decision), messages take real time through NATS, and at a high
+speed-up each engine iteration carries a few hundred µs of Python overhead,
+which stretches simulated time in the live run (see ``services/worker/README.md``).
+Pick a speed-up at which the live run keeps up (``--speedup``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+FIDELITY_KEYS = ("throughput_rps", "ttft_mean_s", "e2e_mean_s")
+
+
+@dataclass(frozen=True, slots=True)
+class FidelitySettings:
+    """What both runs share."""
+
+    trace: str | None = None
+    """Canonical trace; None = the shipped Claude Code sample (``demo``'s)."""
+    sessions: int = 6
+    concurrency: int = 3
+    nodes: int = 4
+    split: str = "2P2D"
+    profile: str = "gb300-glm52"
+    routing: str = "cache-aware"
+    speedup: float = 5.0
+    max_requests_per_branch: int = 0
+    """Cap every branch to its first K requests (0 = no cap) to keep the live run short."""
+    max_pause_s: float | None = 10.0
+    """Cap every pause (both runs), so that a low speed-up keeps the live run short."""
+
+
+def load_requests(s: FidelitySettings) -> tuple[list[Any], int, str]:
+    """The first ``sessions`` agents of the trace (branches capped when asked)."""
+    from evolving_infra.launcher import demo_trace_path
+    from evolving_infra.traces.io import read_trace
+
+    path = Path(s.trace) if s.trace else demo_trace_path()
+    trace = read_trace(path)
+    if s.max_requests_per_branch:
+        from evolving_infra.traces.sample import sample_sessions
+
+        trace = sample_sessions(trace, s.sessions, seed=0, max_requests_per_branch=s.max_requests_per_branch)
+        reqs = list(trace.requests)
+    else:
+        agents = list(dict.fromkeys(r.agent for r in trace.requests))[: s.sessions]
+        keep = set(agents)
+        reqs = [r for r in trace.requests if r.agent in keep]
+    if s.max_pause_s is not None:
+        import msgspec
+
+        cap = s.max_pause_s
+        reqs = [r if r.pause_s <= cap else msgspec.structs.replace(r, pause_s=cap) for r in reqs]
+    return reqs, trace.header.block_size, str(path)
+
+
+async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path) -> dict[str, Any]:
+    """Replay ``requests`` through a local live cluster; returns its report (also written to ``out``)."""
+    from evolving_infra.cluster import ClusterSpec, LocalCluster
+    from evolving_infra.replay.core import Arrival
+    from evolving_infra.replay.live import LiveReplayer
+    from evolving_infra.report.ideal import annotate_ideal
+    from evolving_infra.report.write import build_report, write_report
+    from shared.clock import SimClock
+
+    spec = ClusterSpec(
+        nodes=s.nodes,
+        split=s.split,
+        profile=s.profile,
+        speedup=s.speedup,
+        port=0,
+        routing=s.routing,
+        block_size=bs,
+        log_dir=str(out / "logs"),
+        log_level="warning",
+        ready_timeout_s=120.0,
+    )
+    wall0 = time.monotonic()
+    async with LocalCluster(spec) as cluster:
+        clock = SimClock(spec.speedup, cluster.clock_origin)
+        replayer = LiveReplayer(cluster.router_url, clock, block_size=bs, model=spec.model, progress=False)
+        result = await replayer.run(requests, Arrival(kind="closed", concurrency=s.concurrency))
+        cluster.check_alive()
+    ideal = annotate_ideal(result.records, {r.id: r for r in requests}, bs)
+    meta = {
+        "command": "fidelity (live)",
+        "label": "live",
+        "cluster": {"nodes": s.nodes, "split": s.split, "profile": s.profile, "routing": s.routing},
+        "speedup": s.speedup,
+        "arrival": {"kind": "closed", "concurrency": s.concurrency},
+        "wall_s": time.monotonic() - wall0,
+        "replay_wall_s": result.wall_s,
+    }
+    report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, extra={"wall_s": result.wall_s})
+    write_report(out, report, sorted(result.records, key=lambda r: r.sent_at), plots=False)
+    return report
+
+
+def run_sim(s: FidelitySettings, requests: list[Any], bs: int, out: Path) -> dict[str, Any]:
+    """The simulator with the live stack's settings; returns its report (also written to ``out``)."""
+    from evolving_infra.report.write import write_report
+    from evolving_infra.sim.config import SimConfig
+    from evolving_infra.sim.run import simulate
+
+    cfg = SimConfig(
+        nodes=s.nodes,
+        profile=s.profile,
+        policy="static",
+        split=s.split,
+        routing=s.routing,
+        decode_routing="least-loaded",
+        decode_binding="route",
+        eviction="lru",
+        arrival="closed",
+        concurrency=s.concurrency,
+        label="sim",
+    )
+    res = simulate(cfg, requests, bs, meta={"command": "fidelity (sim)"})
+    write_report(out, res.report, res.records, plots=False)
+    return res.report
+
+
+def relative_differences(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, float | None]:
+    """``(sim − live) / live`` for throughput, mean TTFT and mean E2E (None when undefined)."""
+    out: dict[str, float | None] = {}
+    for k in FIDELITY_KEYS:
+        a, b = live.get(k), sim.get(k)
+        out[k] = (b - a) / a if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
+    return out
+
+
+def fidelity(s: FidelitySettings, out: Path) -> dict[str, Any]:
+    """Run both and return ``{settings, live, sim, relative_difference}`` (also ``out/fidelity.json``)."""
+    requests, bs, path = load_requests(s)
+    out.mkdir(parents=True, exist_ok=True)
+    live = asyncio.run(run_live(s, requests, bs, out / "live"))
+    sim = run_sim(s, requests, bs, out / "sim")
+    rel = relative_differences(live, sim)
+    result = {
+        "settings": asdict(s),
+        "trace": path,
+        "requests": len(requests),
+        "live": {k: live.get(k) for k in (*FIDELITY_KEYS, "requests_completed", "requests_failed", "kv_hit_rate", "wall_s")},
+        "sim": {k: sim.get(k) for k in (*FIDELITY_KEYS, "requests_completed", "requests_failed", "kv_hit_rate", "wall_s")},
+        "relative_difference": rel,
+    }
+    (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
+
+
+def format_result(res: dict[str, Any]) -> str:
+    """The comparison as a small table."""
+    lines = [f"{'metric':<16}{'live':>12}{'sim':>12}{'sim vs live':>14}"]
+    for k in (*FIDELITY_KEYS, "kv_hit_rate"):
+        a, b = res["live"].get(k), res["sim"].get(k)
+        rel = res["relative_difference"].get(k)
+        lines.append(
+            f"{k:<16}{(f'{a:.4f}' if a is not None else '-'):>12}{(f'{b:.4f}' if b is not None else '-'):>12}"
+            f"{(f'{100 * rel:+.1f}%' if rel is not None else '-'):>14}"
+        )
+    lines.append(
+        f"requests {res['requests']}: live completed {res['live'].get('requests_completed')} "
+        f"(failed {res['live'].get('requests_failed')}), sim completed {res['sim'].get('requests_completed')}; "
+        f"live wall {res['live'].get('wall_s') or 0:.1f} s, sim wall {res['sim'].get('wall_s') or 0:.2f} s"
+    )
+    return "\n".join(lines)
+
+
+def add_fidelity_args(p: argparse.ArgumentParser) -> None:
+    d = FidelitySettings()
+    p.add_argument("--trace", default=None, help="canonical trace (default: the shipped Claude Code sample)")
+    p.add_argument("--sessions", type=int, default=d.sessions, help=f"agents replayed (default {d.sessions})")
+    p.add_argument("--max-requests-per-branch", type=int, default=0, help="cap each branch to its first K requests")
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help=f"closed-loop agents (default {d.concurrency})")
+    p.add_argument("--nodes", type=int, default=d.nodes, help=f"nodes (default {d.nodes})")
+    p.add_argument("--split", default=d.split, help=f"split (default {d.split})")
+    p.add_argument("--profile", default=d.profile, help=f"profile (default {d.profile})")
+    p.add_argument("--routing", default=d.routing, help=f"routing policy (default {d.routing})")
+    p.add_argument("--speedup", type=float, default=d.speedup, help=f"live speed-up (default {d.speedup:g})")
+    p.add_argument("--max-pause", type=float, default=d.max_pause_s, help=f"cap every pause, both runs (default {d.max_pause_s:g} s)")
+    p.add_argument("--out", default="fidelity-out", help="output directory (default fidelity-out)")
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from evolving_infra.cluster import ClusterError
+    from shared.log import setup_logging
+
+    setup_logging("console", "warning")
+    s = FidelitySettings(
+        trace=args.trace,
+        sessions=args.sessions,
+        concurrency=args.concurrency,
+        nodes=args.nodes,
+        split=args.split,
+        profile=args.profile,
+        routing=args.routing,
+        speedup=args.speedup,
+        max_requests_per_branch=args.max_requests_per_branch,
+        max_pause_s=args.max_pause,
+    )
+    try:
+        res = fidelity(s, Path(args.out))
+    except ClusterError as e:
+        print(f"error: live cluster: {e}", file=sys.stderr)
+        return 1
+    print(format_result(res))
+    print(f"fidelity: {Path(args.out) / 'fidelity.json'}")
+    ok = res["live"].get("requests_failed") == 0 and res["sim"].get("requests_failed") == 0
+    return 0 if ok else 1

@@ -1,0 +1,352 @@
+"""One simulated run: load the workload, split it over partitions, run them, merge, report.
+
+``simulate(cfg, requests, trace_block_size)`` is the library entry point;
+``evolving-infra simulate`` (``cli.py``) wraps it. Partitions (paper D.2): a
+global router binds each agent to one of ``k`` partitions by a stable hash of
+its agent id (CRC-32, not Python's salted ``hash``); each partition is a full,
+independent cluster slice with its own router, planner and KV directory
+(:class:`~evolving_infra.sim.cluster.ClusterSim`), run in its own process when
+``workers > 1``. The closed-loop concurrency (or the open-loop arrival rate
+and cap) is split over partitions in proportion to their agents; results are
+merged into one report.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import resource
+import sys
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgspec
+
+from evolving_infra.report.records import RequestRecord
+from evolving_infra.report.timeline import RunTimeline, SplitPoint, SwitchRecord
+from evolving_infra.report.write import build_report
+from evolving_infra.sim.cluster import ClusterResult, ClusterSim, SimStats
+from evolving_infra.sim.config import Resolved, SimConfig, SimConfigError, resolve
+from evolving_infra.sim.workload import PlainWorkload, TiledWorkload, WorkloadError
+from evolving_infra.traces.schema import TraceRequest
+from evolving_infra.traces.tokens import PrivateIds, rechunk_request
+
+WALL_CLOCK_KEYS = ("wall_s", "sim_wall_s", "setup_wall_s", "sim_speed", "peak_rss_mb")
+"""Top-level ``report.json`` keys that measure the host (wall clock, memory), not the
+simulated system; with ``meta.date`` and ``meta.wall_s`` they are the only keys two runs
+with the same inputs may differ in."""
+
+_REC_ENC = msgspec.msgpack.Encoder()
+_REC_DEC = msgspec.msgpack.Decoder(list[RequestRecord])
+
+
+@dataclass(slots=True)
+class SimRun:
+    """The outcome of :func:`simulate`."""
+
+    report: dict[str, Any]
+    records: list[RequestRecord]
+    """Records in the report (sent at or after the warm-up), ordered by send time."""
+    timeline: RunTimeline
+    stats: SimStats
+    resolved: Resolved
+
+
+def partition_of(agent: str, k: int) -> int:
+    """The partition a user (agent) is bound to: CRC-32 of its id mod ``k`` (stable across runs)."""
+    return zlib.crc32(agent.encode()) % k if k > 1 else 0
+
+
+def node_names(partition: int, n: int, partitions: int) -> list[str]:
+    """Node ids of a partition: ``w0..`` for one partition, ``p<k>w<i>`` otherwise."""
+    return [f"w{i}" for i in range(n)] if partitions == 1 else [f"p{partition}w{i}" for i in range(n)]
+
+
+def convert_block_size(requests: Sequence[TraceRequest], from_size: int, to_size: int) -> list[TraceRequest]:
+    """Requests at the simulation's block size (``evolving_infra.traces.tokens.rechunk_request``).
+
+    Coarser blocks (e.g. 64 → 512) are exact in what they share (chained ids) but
+    round every shared prefix down to a whole coarse block, so reuse is
+    under-counted by up to one block per request; finer ones cannot invent
+    sharing the source did not record. Ids are chained, so the converted ids are
+    usable as block hashes directly.
+    """
+    if from_size == to_size:
+        return list(requests)
+    private = PrivateIds()
+    return [rechunk_request(r, from_size, to_size, private) for r in requests]
+
+
+# ---------------------------------------------------------------------------- partitions
+
+_FORK: dict[str, Any] = {}
+"""State handed to forked partition workers (set before the pool starts, read-only after)."""
+
+
+def _run_partition(k: int) -> tuple[int, bytes, RunTimeline, SimStats, list[str], dict[str, str]]:
+    run: Resolved = _FORK["run"]
+    res = _simulate_partition(run, k, _FORK["workload"], _FORK["keep"], _FORK["shares"][k])
+    return k, _REC_ENC.encode(res.records), res.timeline, res.stats, res.nodes, dict(res.initial_phases)
+
+
+@contextmanager
+def quiet_gc() -> Iterator[None]:
+    """Keep the cyclic GC off the loaded trace and slow down its young generations.
+
+    The trace (millions of block ids in lists) is frozen into the permanent
+    generation, and gen-0 collections run every 100,000 allocations instead of
+    700: the cores allocate many small objects (blocks, events), and a full
+    collection walking the trace every few thousand allocations doubled the run
+    time. Results do not depend on it.
+    """
+    old = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
+
+
+def _simulate_partition(run: Resolved, k: int, workload: Any, keep: set[str] | None, share: float) -> ClusterResult:
+    cfg = run.cfg
+    names = node_names(k, run.nodes_per_partition[k], cfg.partitions)
+    forced = [f for f in cfg.forced_switches if f.node in names]
+    reqs = workload.partition(lambda a: partition_of(a, cfg.partitions), k, keep)
+    with quiet_gc():
+        sim = ClusterSim(run, reqs, names, cfg.arrival_for(share, seed_offset=k), forced=forced, blocks_of=workload.blocks_of)
+        return sim.run_to_end()
+
+
+def merge_timelines(timelines: Sequence[RunTimeline]) -> RunTimeline:
+    """One cluster-wide timeline from the partitions' timelines (counts summed at every change)."""
+    if len(timelines) == 1:
+        return timelines[0]
+    events: list[tuple[float, int, int, SplitPoint]] = []
+    for i, tl in enumerate(timelines):
+        for j, p in enumerate(tl.split_timeline):
+            events.append((p.t, i, j, p))
+    events.sort(key=lambda e: (e[0], e[1], e[2]))
+    current: list[SplitPoint | None] = [None] * len(timelines)
+    points: list[SplitPoint] = []
+    for idx, (t, i, _, p) in enumerate(events):
+        current[i] = p
+        if idx + 1 < len(events) and events[idx + 1][0] == t:
+            continue  # fold simultaneous changes into one point
+        live = [c for c in current if c is not None]
+        pre = sum(c.prefill for c in live)
+        dec = sum(c.decode for c in live)
+        name = "collocated" if all(c.split == "collocated" for c in live) else f"{pre}P{dec}D"
+        points.append(
+            SplitPoint(
+                t=t,
+                split=name,
+                epoch=max(c.epoch for c in live),
+                prefill=pre,
+                decode=dec,
+                switching=sum(c.switching for c in live),
+                prefill_nodes=[n for c in live for n in c.prefill_nodes],
+            )
+        )
+    switches: list[SwitchRecord] = sorted((s for tl in timelines for s in tl.switches), key=lambda s: (s.applied_at, s.node))
+    return RunTimeline(split_timeline=points, switches=switches)
+
+
+def merge_stats(stats: Sequence[SimStats]) -> SimStats:
+    out = SimStats()
+    for s in stats:
+        for f in ("events", "plans", "iterations", "truncations", "routed", "reroutes", "parked", "rejected",
+                  "handoffs", "kv_batches", "planner_ticks", "unfinished"):
+            setattr(out, f, getattr(out, f) + getattr(s, f))
+        out.planner_decisions.extend(s.planner_decisions)
+        out.ttft_pred_abs_err.extend(s.ttft_pred_abs_err)
+        out.out_of_service.extend(s.out_of_service)
+        out.end_time = max(out.end_time, s.end_time)
+        if s.closed_loop_exhausted_at is not None:
+            out.closed_loop_exhausted_at = min(out.closed_loop_exhausted_at or s.closed_loop_exhausted_at, s.closed_loop_exhausted_at)
+    out.planner_decisions.sort(key=lambda d: d.get("ts", 0.0))
+    out.out_of_service.sort(key=lambda o: (o[1], o[0]))
+    return out
+
+
+def _union_length(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    total = 0.0
+    cur_s = cur_e = None
+    for s, e in sorted((max(s, lo), min(e, hi)) for s, e in intervals):
+        if e <= s:
+            continue
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s  # type: ignore[operator]
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s  # type: ignore[operator]
+    return total
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process plus its largest finished child (MiB; Linux ru_maxrss is KiB)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return (own + kids) / 1024.0
+
+
+# ---------------------------------------------------------------------------- run
+
+
+def simulate(
+    cfg: SimConfig,
+    requests: Sequence[TraceRequest],
+    trace_block_size: int,
+    *,
+    meta: dict[str, Any] | None = None,
+    setup_wall_s: float = 0.0,
+) -> SimRun:
+    """Simulate ``requests`` (a trace at ``trace_block_size``) under ``cfg`` and build the report.
+
+    Raises:
+        SimConfigError: the configuration cannot run (bad flag, missing component).
+    """
+    wall0 = time.monotonic()
+    run = resolve(cfg)
+    bs = run.profile.block_size
+    try:
+        reqs = convert_block_size(requests, trace_block_size, bs)
+    except ValueError as e:
+        raise SimConfigError(f"--block-size {bs}: cannot convert the trace's {trace_block_size}-token blocks ({e})") from e
+    if cfg.max_pause_s is not None:
+        cap = cfg.max_pause_s
+        reqs = [r if r.pause_s <= cap else msgspec.structs.replace(r, pause_s=cap) for r in reqs]
+    k = cfg.partitions
+    try:
+        workload: Any = TiledWorkload(reqs, cfg.tile) if cfg.tile != 1 else PlainWorkload(reqs)
+    except WorkloadError as e:
+        raise SimConfigError(str(e)) from e
+    agents = workload.agents
+    keep: set[str] | None = None
+    if cfg.max_agents is not None:
+        # keep the first max_agents agents of the input (as ReplayCore does for one cluster)
+        agents = agents[: cfg.max_agents]
+        keep = set(agents)
+    counts = [0] * k
+    for a in agents:
+        counts[partition_of(a, k)] += 1
+    n_agents = max(len(agents), 1)
+    shares = [c / n_agents for c in counts]
+    conv_s = time.monotonic() - wall0
+    t0 = time.monotonic()
+    results: list[tuple[list[RequestRecord], RunTimeline, SimStats, list[str], dict[str, str]]] = [None] * k  # type: ignore[list-item]
+    if k == 1 or cfg.workers == 1:
+        for i in range(k):
+            r = _simulate_partition(run, i, workload, keep, shares[i])
+            results[i] = (r.records, r.timeline, r.stats, r.nodes, dict(r.initial_phases))
+    else:
+        _FORK.update(run=run, workload=workload, keep=keep, shares=shares)
+        try:
+            ctx = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(max_workers=min(cfg.workers, k), mp_context=ctx) as pool:
+                for i, blob, tl, st, nodes, phases in pool.map(_run_partition, range(k)):
+                    results[i] = (_REC_DEC.decode(blob), tl, st, nodes, phases)
+        finally:
+            _FORK.clear()
+    sim_wall = time.monotonic() - t0
+    records = [rec for res in results for rec in res[0]]
+    records.sort(key=lambda r: (r.sent_at, r.id))
+    timeline = merge_timelines([res[1] for res in results])
+    stats = merge_stats([res[2] for res in results])
+    nodes = [n for res in results for n in res[3]]
+    kept = [r for r in records if r.sent_at >= cfg.warmup_s]
+    wall = time.monotonic() - wall0 + setup_wall_s
+    end = stats.end_time
+    lo = cfg.warmup_s
+    oos = [(s, e) for _, s, e in stats.out_of_service]
+    node_s = sum(max(0.0, min(e, end) - max(s, lo)) for s, e in oos)
+    span = max(end - lo, 1e-9)
+    ps = run.policy
+    extra: dict[str, Any] = {
+        "wall_s": wall,
+        "sim_wall_s": sim_wall,
+        "setup_wall_s": setup_wall_s + conv_s,
+        "sim_speed": end / wall if wall > 0 else None,
+        "peak_rss_mb": peak_rss_mb(),
+        "simulated_s": end,
+        "requests_unfinished": stats.unfinished,
+        "closed_loop_exhausted_at_s": stats.closed_loop_exhausted_at,
+        "requests_warmup_excluded": len(records) - len(kept),
+        "relaunches": len(stats.out_of_service),
+        "out_of_service_node_s": node_s,
+        "out_of_service_share": _union_length(oos, lo, end) / span,
+        "reroutes": stats.reroutes,
+        "sim_stats": {
+            "events": stats.events,
+            "plans": stats.plans,
+            "iterations": stats.iterations,
+            "truncations": stats.truncations,
+            "routed": stats.routed,
+            "parked": stats.parked,
+            "rejected": stats.rejected,
+            "handoffs": stats.handoffs,
+            "kv_batches": stats.kv_batches,
+            "planner_ticks": stats.planner_ticks,
+            "planner_evaluations": len(stats.planner_decisions),
+        },
+        "planner_decisions": [d for d in stats.planner_decisions if d.get("action", "switch") == "switch"][:500],
+        "out_of_service": [list(o) for o in stats.out_of_service],
+    }
+    if stats.ttft_pred_abs_err:
+        import statistics
+
+        extra["ttft_prediction_abs_error_median_s"] = statistics.median(stats.ttft_pred_abs_err)
+    if timeline.split_timeline and timeline.split_timeline[-1].split:
+        extra["final_split"] = timeline.split_timeline[-1].split
+    m: dict[str, Any] = {
+        "command": "simulate",
+        "label": cfg.label or ps.name,
+        "argv": sys.argv[1:],
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "cluster": {
+            "nodes": cfg.nodes,
+            "gpus_per_node": run.profile.gpus_per_node,
+            "gpus": cfg.nodes * run.profile.gpus_per_node,
+            "split": run.split,
+            "profile": run.profile.name,
+            "routing": ps.routing,
+            "partitions": k,
+            "node_ids": nodes if len(nodes) <= 64 else nodes[:64] + ["..."],
+        },
+        "policy": asdict(ps),
+        "planner_source": run.planner_source,
+        "block_size": bs,
+        "trace_block_size": trace_block_size,
+        "host_kv_tokens": run.profile.memory.host_kv_tokens,
+        "gpu_kv_tokens": run.profile.memory.gpu_kv_tokens,
+        "relaunch_s": cfg.relaunch_s,
+        "arrival": {
+            "kind": cfg.arrival,
+            "concurrency": cfg.concurrency if cfg.arrival == "closed" else None,
+            "rate_per_min": cfg.arrival_rate if cfg.arrival == "open" else None,
+            "cap": cfg.cap if cfg.arrival == "open" else None,
+        },
+        "duration_s": cfg.duration_s,
+        "warmup_s": cfg.warmup_s,
+        "max_pause_s": cfg.max_pause_s,
+        "tile": cfg.tile,
+        "agents": len(agents),
+        "seed": cfg.seed,
+        "workers": cfg.workers,
+        "state_staleness_s": cfg.state_staleness_s,
+        "msg_latency_s": cfg.msg_latency_s,
+        "wall_s": wall,
+    }
+    if meta:
+        m.update(meta)
+    report = build_report(kept, meta=m, extra=extra, timeline=timeline)
+    return SimRun(report=report, records=kept, timeline=timeline, stats=stats, resolved=run)

@@ -1,0 +1,168 @@
+"""``evolving-infra simulate --sweep``: several policy sets or splits on the same input, compared.
+
+``--sweep splits`` runs every split ``xPyD`` of the (per-partition) node count,
+or the listed ones (``--sweep splits 3P6D,4P5D``); under a ``static`` policy set
+each item is ``static:xPyD``, under an adaptive set the split is its initial
+one. ``--sweep policies dynamo,arrow,static:4P5D`` runs each named set; the
+explicit flags of the command (e.g. ``--eviction``) apply to every item.
+
+Each item is a full run written to ``OUT/<label>/`` (``:`` becomes ``_``);
+``OUT/compare/`` holds ``evolving-infra report compare`` of all of them, and
+``OUT/sweep.json`` a summary with the best item by throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import re
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from evolving_infra.sim.config import SimConfig, SimConfigError
+from evolving_infra.traces.schema import TraceRequest
+
+SUMMARY_KEYS = (
+    "throughput_rps",
+    "ttft_mean_s",
+    "ttft_p95_s",
+    "e2e_mean_s",
+    "e2e_p95_s",
+    "kv_hit_rate",
+    "lost_kv_reuse",
+    "switches",
+    "switch_time_mean_s",
+    "final_split",
+    "relaunches",
+    "out_of_service_share",
+    "requests_completed",
+    "wall_s",
+    "sim_speed",
+)
+
+
+def sweep_items(cfg: SimConfig, spec: Sequence[str]) -> list[tuple[str, SimConfig]]:
+    """The runs a ``--sweep`` spec stands for, as ``(label, config)``.
+
+    Raises:
+        SimConfigError: unknown sweep kind, or an empty list.
+    """
+    if not spec:
+        raise SimConfigError("--sweep needs 'splits' or 'policies SET,SET,...'")
+    kind, rest = spec[0], [x for part in spec[1:] for x in part.split(",") if x.strip()]
+    items: list[tuple[str, SimConfig]] = []
+    if kind == "splits":
+        n = cfg.nodes // cfg.partitions
+        splits = [s.strip().upper() for s in rest] or [f"{p}P{n - p}D" for p in range(1, n)]
+        if not splits:
+            raise SimConfigError("--sweep splits needs at least 2 nodes per partition")
+        static = cfg.policy == "static" or cfg.policy.startswith("static:")
+        for sp in splits:
+            if static:
+                label = f"static:{sp}"
+                items.append((label, replace(cfg, policy=label, split=None, label=label)))
+            else:
+                label = f"{cfg.policy}@{sp}"
+                items.append((label, replace(cfg, split=sp, label=label)))
+    elif kind == "policies":
+        if not rest:
+            raise SimConfigError("--sweep policies needs a list, e.g. 'policies dynamo,arrow,static:4P5D'")
+        for name in rest:
+            items.append((name.strip(), replace(cfg, policy=name.strip(), label=name.strip())))
+    else:
+        raise SimConfigError(f"unknown --sweep kind {kind!r}: use 'splits' or 'policies'")
+    return items
+
+
+def safe_dir(label: str) -> str:
+    """A directory name for a label (``static:4P5D`` → ``static_4P5D``)."""
+    return re.sub(r"[^A-Za-z0-9._@-]+", "_", label)
+
+
+_FORK: dict[str, Any] = {}
+
+
+def _run_item(i: int) -> dict[str, Any]:
+    label, cfg = _FORK["items"][i]
+    return _simulate_item(label, cfg, _FORK["requests"], _FORK["bs"], _FORK["out"], _FORK["meta"], _FORK["plots"])
+
+
+def _simulate_item(
+    label: str, cfg: SimConfig, requests: Sequence[TraceRequest], bs: int, out: Path, meta: dict[str, Any], plots: bool
+) -> dict[str, Any]:
+    from evolving_infra.report.write import write_report
+    from evolving_infra.sim.run import simulate
+
+    res = simulate(cfg, requests, bs, meta=dict(meta, sweep_label=label))
+    d = out / safe_dir(label)
+    write_report(d, res.report, res.records, plots=plots)
+    row = {k: res.report.get(k) for k in SUMMARY_KEYS}
+    row.update(label=label, dir=str(d))
+    return row
+
+
+def run_sweep(
+    cfg: SimConfig,
+    requests: Sequence[TraceRequest],
+    bs: int,
+    spec: Sequence[str],
+    out: Path,
+    *,
+    meta: dict[str, Any] | None = None,
+    plots: bool = True,
+    parallel: int = 1,
+) -> int:
+    """Run every item of ``spec``, write their reports and the comparison; print the table.
+
+    Returns:
+        The process exit status (0, or 1 if an item had failed requests).
+
+    Raises:
+        SimConfigError: a malformed spec or an item that cannot run (checked before any run).
+    """
+    from evolving_infra.report.compare import format_table, write_compare
+    from evolving_infra.sim.config import resolve
+
+    items = sweep_items(cfg, spec)
+    sizes = {resolve(c).profile.block_size for _, c in items}  # fails before any run
+    if len(sizes) == 1:  # convert the trace's blocks once, not once per item
+        from evolving_infra.sim.run import convert_block_size
+
+        (sim_bs,) = sizes
+        requests = convert_block_size(requests, bs, sim_bs)
+        bs = sim_bs
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(meta or {})
+    rows: list[dict[str, Any]] = []
+    if parallel > 1 and len(items) > 1:
+        _FORK.update(items=items, requests=requests, bs=bs, out=out, meta=meta, plots=plots)
+        try:
+            ctx = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(max_workers=min(parallel, len(items)), mp_context=ctx) as pool:
+                rows = list(pool.map(_run_item, range(len(items))))
+        finally:
+            _FORK.clear()
+    else:
+        for label, c in items:
+            rows.append(_simulate_item(label, c, requests, bs, out, meta, plots))
+            print(f"  {label}: {rows[-1]['throughput_rps'] or 0:.3f} req/s, TTFT {rows[-1]['ttft_mean_s'] or 0:.2f} s, "
+                  f"E2E {rows[-1]['e2e_mean_s'] or 0:.2f} s", flush=True)
+    dirs = [Path(r["dir"]) for r in rows]
+    best = max(rows, key=lambda r: r["throughput_rps"] or 0.0)
+    summary = {"sweep": list(spec), "items": rows, "best_by_throughput": best["label"]}
+    (out / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    if len(dirs) >= 2:
+        _, runs, table = write_compare(dirs, out / "compare")
+        print(format_table([r.label for r in runs], table))
+        print(f"compare: {out / 'compare' / 'compare.html'}")
+    print(f"best by throughput: {best['label']} ({best['throughput_rps'] or 0:.3f} req/s)")
+    print(f"sweep: {out / 'sweep.json'}")
+    failed = 0
+    for r in rows:
+        rep = json.loads((Path(r["dir"]) / "report.json").read_text())
+        failed += rep.get("requests_failed") or 0
+    return 0 if failed == 0 else 1

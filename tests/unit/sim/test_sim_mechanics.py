@@ -1,0 +1,177 @@
+"""Phase-switch mechanics (relaunch, strand, in place), parking, decode binding modes."""
+
+from __future__ import annotations
+
+import pytest
+
+from evolving_infra.sim.cluster import ClusterSim
+from evolving_infra.sim.config import ForcedSwitch, SimConfig, resolve
+from evolving_infra.sim.run import simulate
+from shared.messages import AllBlocksCleared
+
+from .conftest import BS, chain_agent, small_trace
+
+
+def build(cfg: SimConfig, reqs, nodes=None):
+    run = resolve(cfg)
+    names = nodes or [f"w{i}" for i in range(cfg.nodes)]
+    sim = ClusterSim(run, reqs, names, cfg.arrival_for(), forced=cfg.forced_switches)
+    batches: list[tuple[float, str, list]] = []
+    orig = sim.directory.apply_kv_batch
+
+    def spy(batch, now):
+        batches.append((now, batch.node, list(batch.events)))
+        return orig(batch, now)
+
+    sim.directory.apply_kv_batch = spy  # type: ignore[method-assign]
+    return sim, batches
+
+
+def switch_cfg(mode: str, **kw: object) -> SimConfig:
+    kw.setdefault("relaunch_s", 2.0)
+    return SimConfig(
+        nodes=3,
+        profile="tiny",
+        policy="static:2P1D",
+        switch_mode=mode,
+        concurrency=12,
+        forced_switches=(ForcedSwitch(0.001, "w0", "decode"),),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def clears(batches, node: str) -> list[float]:
+    return [t for t, n, ev in batches[1:] if n == node and any(isinstance(e, AllBlocksCleared) for e in ev) and t > 0]
+
+
+def test_relaunch_drains_goes_out_of_service_and_empties_caches():
+    reqs = small_trace(12, 8, pause=0.3)
+    sim, batches = build(switch_cfg("relaunch"), reqs)
+    res = sim.run_to_end()
+    st = res.stats
+    assert len(res.records) == len(reqs) and all(r.ok for r in res.records), "nothing lost"
+    assert st.reroutes > 0, "requests queued on the switching node were routed elsewhere"
+    ((node, down, up),) = st.out_of_service
+    assert node == "w0" and up - down == pytest.approx(2.0)
+    (sw,) = res.timeline.switches
+    assert (sw.node, sw.from_phase, sw.to_phase) == ("w0", "prefill", "decode")
+    assert sw.decided_at == pytest.approx(0.001) and sw.applied_at == pytest.approx(up) and sw.switch_s >= 2.0
+    assert clears(batches, "w0") == [pytest.approx(down)], "L1 and L2 emptied when the relaunch starts"
+    for r in res.records:
+        if r.sent_at >= 0.001:
+            assert r.prefill_node != "w0", "no routing to the switching node"
+        if r.decode_node == "w0":
+            assert r.sent_at + (r.ttft_s or 0) >= up - 1e-9, "w0 decodes only after it serves again"
+    assert any(r.decode_node == "w0" for r in res.records), "w0 serves its new phase"
+    # after the relaunch no KV of the old incarnation is known anywhere
+    held_before = {h for t, n, ev in batches if n == "w0" and t <= down for e in ev for h in getattr(e, "block_hashes", [])}
+    stored_after = {h for t, n, ev in batches if n == "w0" and t > down for e in ev for h in getattr(e, "block_hashes", [])}
+    lk = sim.directory.lookup(sorted(held_before - stored_after)[:1]) if held_before - stored_after else None
+    if lk is not None:
+        assert all(p.node != "w0" for p in lk.nodes)
+
+
+def test_strand_switches_in_place_without_downtime_but_loses_the_kv():
+    reqs = small_trace(12, 8, pause=0.3)
+    sim, batches = build(switch_cfg("strand"), reqs)
+    res = sim.run_to_end()
+    assert len(res.records) == len(reqs) and all(r.ok for r in res.records)
+    assert res.stats.out_of_service == [] and res.stats.reroutes > 0
+    (sw,) = res.timeline.switches
+    assert sw.switch_s < 0.5, "only the drain"
+    assert clears(batches, "w0") == [pytest.approx(sw.applied_at)]
+
+
+def test_inplace_switch_keeps_the_kv():
+    reqs = small_trace(12, 8, pause=0.3)
+    sim, batches = build(switch_cfg("inplace"), reqs)
+    res = sim.run_to_end()
+    assert len(res.records) == len(reqs)
+    (sw,) = res.timeline.switches
+    assert clears(batches, "w0") == []
+    assert sim.nodes["w0"].sched.phase == "decode"
+
+
+def test_requests_wait_when_no_node_serves_a_phase_then_complete():
+    # 1P2D: the only prefill node leaves prefill while w1 becomes the new one
+    cfg = SimConfig(
+        nodes=3,
+        profile="tiny",
+        policy="static:1P2D",
+        switch_mode="inplace",
+        concurrency=8,
+        forced_switches=(ForcedSwitch(0.001, "w0", "decode"), ForcedSwitch(0.001, "w1", "prefill")),
+    )
+    res = simulate(cfg, small_trace(8, 4, pause=0.05), BS)
+    assert res.stats.parked > 0
+    assert res.report["requests_completed"] == 32 and res.report["final_split"] == "1P2D"
+    assert res.report["switches"] == 2
+
+
+def binding_run(mode: str):
+    # prompt 36 tokens + 40 output = 19 blocks of the decode node's 64: three fit at once
+    reqs = []
+    for i in range(6):
+        reqs += chain_agent(f"b{i}", 1, first_blocks=9, tail=0, output=40, base=(i + 1) * 1000)
+    cfg = SimConfig(nodes=2, profile="tiny", policy="static:1P1D", decode_binding=mode, concurrency=6)
+    return simulate(cfg, reqs, BS)
+
+
+def test_enqueue_reservation_holds_prefill_until_decode_room():
+    res = binding_run("enqueue")
+    starts = sorted(r.sent_at + r.queue_s for r in res.records)
+    first_finish = min(r.finished_at for r in res.records)
+    assert starts[2] < first_finish <= starts[3] + 1e-12, "the 4th prefill waits for a decode reservation"
+
+
+@pytest.mark.parametrize("mode", ["prefill-start", "route"])
+def test_late_binding_lets_prefill_run_ahead(mode):
+    res = binding_run(mode)
+    starts = sorted(r.sent_at + r.queue_s for r in res.records)
+    first_finish = min(r.finished_at for r in res.records)
+    assert starts[-1] < first_finish, "every prefill starts before any decode finishes"
+    assert res.report["requests_completed"] == 6
+
+
+def test_prefill_start_binding_happens_when_the_prefill_starts():
+    reqs = small_trace(8, 4)
+    cfg = SimConfig(nodes=4, profile="tiny", policy="static:2P2D", decode_binding="prefill-start", concurrency=8)
+    sim, _ = build(cfg, reqs)
+    bound: dict[str, float] = {}
+    orig = sim._bind_at_prefill_start
+
+    def spy(pnode, f, t):
+        bound[f.req.id] = t
+        return orig(pnode, f, t)
+
+    sim._bind_at_prefill_start = spy  # type: ignore[method-assign]
+    res = sim.run_to_end()
+    assert len(bound) == len(reqs)
+    for r in res.records:
+        assert bound[r.id] == pytest.approx(r.sent_at + r.queue_s)
+        assert r.decode_node in ("w2", "w3")
+
+
+def test_message_latency_delays_every_hop():
+    reqs = chain_agent("solo", 1, first_blocks=5, tail=0, output=4)
+    base = simulate(SimConfig(nodes=2, profile="tiny", policy="static:1P1D", concurrency=1), reqs, BS).records[0]
+    lat = simulate(SimConfig(nodes=2, profile="tiny", policy="static:1P1D", concurrency=1, msg_latency_s=0.01), reqs, BS).records[0]
+    transfer = 0.0012  # tiny: 1 ms + 20 tokens x 1 KB / 100 MB/s; the KV moves while the hand-off travels
+    assert lat.ttft_s == pytest.approx(base.ttft_s + 0.02)  # dispatch + first token back
+    assert lat.e2e_s == pytest.approx(base.e2e_s - transfer + 0.03)  # dispatch + max(hand-off, transfer) + last token back
+
+
+@pytest.mark.parametrize("mode", ["relaunch", "strand", "none"])
+def test_unsent_decode_kv_events_change_nothing(mode):
+    """Decode nodes' KV events are not sent when no decision can read them: same report."""
+    reqs = small_trace(12, 8, pause=0.3)
+    forced = (ForcedSwitch(0.5, "w2", "prefill"), ForcedSwitch(0.5, "w0", "decode")) if mode != "none" else ()
+    kw = dict(nodes=3, profile="tiny", policy="static:2P1D", concurrency=12, relaunch_s=0.5, forced_switches=forced)
+    if mode != "none":
+        kw["switch_mode"] = mode
+    a = simulate(SimConfig(**kw), reqs, BS)  # type: ignore[arg-type]
+    b = simulate(SimConfig(decode_kv_events="always", **kw), reqs, BS)  # type: ignore[arg-type]
+    assert a.stats.kv_batches < b.stats.kv_batches
+    assert [(r.id, r.ttft_s, r.e2e_s, r.cached_tokens, r.prefill_node, r.decode_node) for r in a.records] == [
+        (r.id, r.ttft_s, r.e2e_s, r.cached_tokens, r.prefill_node, r.decode_node) for r in b.records
+    ]

@@ -1,0 +1,127 @@
+"""Partitions (merge, parallel = serial), sweeps, the CLI."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import replace
+
+from evolving_infra.cli import main
+from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.run import merge_timelines, partition_of, simulate
+from evolving_infra.sim.sweep import run_sweep, sweep_items
+from evolving_infra.report.timeline import RunTimeline, SplitPoint
+from evolving_infra.traces.io import write_trace
+from evolving_infra.traces.schema import FORMAT, TraceHeader
+
+from .conftest import BS, small_trace, strip_wall
+
+
+def test_partitions_bind_agents_by_hash_and_merge():
+    reqs = small_trace(10, 4, pause=0.05)
+    cfg = SimConfig(nodes=4, profile="tiny", policy="static:1P1D", partitions=2, concurrency=6)
+    serial = simulate(cfg, reqs, BS)
+    parallel = simulate(replace(cfg, workers=2), reqs, BS)
+    a, b = strip_wall(serial.report), strip_wall(parallel.report)
+    assert a["meta"].pop("workers") == 1 and b["meta"].pop("workers") == 2
+    assert a == b
+    assert [r.e2e_s for r in serial.records] == [r.e2e_s for r in parallel.records]
+    assert serial.report["requests_completed"] == len(reqs)
+    for r in serial.records:
+        k = zlib.crc32(r.agent.encode()) % 2
+        assert partition_of(r.agent, 2) == k
+        assert r.prefill_node.startswith(f"p{k}w") and r.decode_node.startswith(f"p{k}w")
+    assert serial.report["final_split"] == "2P2D"
+    assert serial.report["meta"]["cluster"]["partitions"] == 2
+
+
+def test_merge_timelines_sums_partitions():
+    a = RunTimeline(split_timeline=[SplitPoint(t=0, split="1P1D", prefill=1, decode=1, prefill_nodes=["p0w0"]),
+                                    SplitPoint(t=5, split="1P1D", prefill=1, decode=1, switching=1, prefill_nodes=["p0w0"])])
+    b = RunTimeline(split_timeline=[SplitPoint(t=0, split="1P1D", prefill=1, decode=1, prefill_nodes=["p1w0"]),
+                                    SplitPoint(t=3, split="2P0D", prefill=2, decode=0, prefill_nodes=["p1w0", "p1w1"])])
+    m = merge_timelines([a, b])
+    assert [(p.t, p.split, p.switching) for p in m.split_timeline] == [(0, "2P2D", 0), (3, "3P1D", 0), (5, "3P1D", 1)]
+    assert m.split_timeline[1].prefill_nodes == ["p0w0", "p1w0", "p1w1"]
+
+
+def test_sweep_items():
+    cfg = SimConfig(nodes=4, profile="tiny", policy="static")
+    assert [label for label, _ in sweep_items(cfg, ["splits"])] == ["static:1P3D", "static:2P2D", "static:3P1D"]
+    assert [label for label, _ in sweep_items(cfg, ["splits", "2P2D,3p1d"])] == ["static:2P2D", "static:3P1D"]
+    items = sweep_items(SimConfig(nodes=4, policy="dynamo"), ["splits", "2P2D"])
+    assert items[0][0] == "dynamo@2P2D" and items[0][1].split == "2P2D"
+    pol = sweep_items(cfg, ["policies", "dynamo,arrow", "static:2P2D"])
+    assert [label for label, _ in pol] == ["dynamo", "arrow", "static:2P2D"]
+
+
+def test_sweep_writes_runs_comparison_and_summary(tmp_path, capsys):
+    reqs = small_trace(6, 4, pause=0.02)
+    cfg = SimConfig(nodes=3, profile="tiny", policy="static", concurrency=6)
+    rc = run_sweep(cfg, reqs, BS, ["splits"], tmp_path, plots=False, parallel=2)
+    assert rc == 0
+    summary = json.loads((tmp_path / "sweep.json").read_text())
+    assert [i["label"] for i in summary["items"]] == ["static:1P2D", "static:2P1D"]
+    assert summary["best_by_throughput"] in ("static:1P2D", "static:2P1D")
+    for d in ("static_1P2D", "static_2P1D"):
+        rep = json.loads((tmp_path / d / "report.json").read_text())
+        assert rep["requests_completed"] == len(reqs) and rep["meta"]["label"] == d.replace("_", ":")
+    comp = json.loads((tmp_path / "compare" / "compare.json").read_text())
+    assert [r["label"] for r in comp["runs"]] == ["static:1P2D", "static:2P1D"]
+    assert "best by throughput" in capsys.readouterr().out
+
+
+def test_cli_simulate_writes_a_report(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    write_trace(path, TraceHeader(format=FORMAT, block_size=BS, source="test"), small_trace(4, 3))
+    out = tmp_path / "run"
+    rc = main(["simulate", "--trace", str(path), "--out", str(out), "--profile", "tiny", "--nodes", "3",
+               "--policy", "arrow", "--eviction", "branch-count", "--concurrency", "2", "--no-plots", "--seed", "4"])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["requests_completed"] == 12 and rep["wall_s"] > 0 and rep["sim_speed"] > 0
+    assert rep["meta"]["policy"]["eviction"] == "branch-count" and rep["meta"]["policy"]["planner"] == "arrow"
+    assert (out / "requests.jsonl").read_text().count("\n") == 12
+    assert "simulated" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_flags(tmp_path, capsys):
+    rc = main(["simulate", "--out", str(tmp_path), "--profile", "tiny"])
+    assert rc == 2 and "--trace" in capsys.readouterr().err
+    rc = main(["simulate", "--workload", "putnam", "--out", str(tmp_path), "--concurrency", "2", "--arrival-rate", "1"])
+    assert rc == 2 and "not both" in capsys.readouterr().err
+    rc = main(["simulate", "--workload", "putnam", "--out", str(tmp_path), "--switch-at", "x:w0:decode"])
+    assert rc == 2 and "switch-at" in capsys.readouterr().err
+
+
+def _with_shared_prefix(reqs, shared=(7, 8)):
+    import msgspec
+
+    return [msgspec.structs.replace(r, blocks=list(shared) + r.blocks, input_tokens=r.input_tokens + BS * len(shared)) for r in reqs]
+
+
+def test_tiled_workload_copies_agents_with_private_blocks():
+    from evolving_infra.sim.workload import COPY_SHIFT, TiledWorkload
+
+    base = _with_shared_prefix(small_trace(2, 3))
+    w = TiledWorkload(base, 3)
+    assert w.agents == ["a0~0", "a1~0", "a0~1", "a1~1", "a0~2", "a1~2"]
+    assert w.shared == frozenset({7, 8})
+    stubs = w.partition(lambda a: 0, 0)
+    assert len(stubs) == 18 and all(s.blocks == [] for s in stubs)
+    s = next(x for x in stubs if x.id == "a0-r1~2")
+    assert s.after == ["a0-r0~2"] and s.branch == "a0-main~2" and s.agent == "a0~2"
+    tpl = next(r for r in base if r.id == "a0-r1")
+    assert w.blocks_of(s) == [7, 8] + [b + (2 << COPY_SHIFT) for b in tpl.blocks[2:]]
+    assert w.blocks_of(next(x for x in stubs if x.id == "a0-r1~0")) == tpl.blocks
+
+
+def test_tiled_run_reuses_within_a_copy_only():
+    base = _with_shared_prefix(small_trace(2, 3))
+    cfg = SimConfig(nodes=3, profile="tiny", policy="static:2P1D", concurrency=6, tile=3)
+    res = simulate(cfg, base, BS)
+    assert res.report["requests_completed"] == 18 and res.report["meta"]["agents"] == 6
+    firsts = [r for r in res.records if r.id.startswith("a0-r0~")]
+    assert sorted(r.ideal_cached_tokens for r in firsts) == [0, 2 * BS, 2 * BS], "copies share only the common prefix"
+    seconds = [r for r in res.records if r.id.startswith("a0-r1~")]
+    assert all(r.ideal_cached_tokens >= 6 * BS for r in seconds), "each copy reuses its own history"
