@@ -6,7 +6,8 @@ with :meth:`KvBlockManager.take_events` (vLLM ``block_pool.py``, STYLE §1.4).
 
 Block identity is the chained SGLang page hash of ``shared.hashing`` (signed
 int64). A request's *block path* is the list of hashes of its full prompt
-pages, parent first; the page before ``path[0]`` is the sequence start.
+pages, parent first; the page before ``path[0]`` is the sequence start. Equal
+hashes name equal prefixes, so a hash determines its position and ancestors.
 
 L1 (``GpuBlockPool``) holds slots. A slot is either *hashed* (it caches a full
 page whose hash is known; ``ref`` running requests use it) or *reserved* (owned
@@ -17,18 +18,44 @@ release their path from the last block back to the first, each release taking
 a newer stamp, so a parent is always newer than its children and LRU evicts
 leaves before parents: a cached prefix is never cut in the middle.
 
-L2 (``HostBlockPool``) is written through: every page that becomes resident in
-L1 (computed, received from a prefill node, or restored) is also stored in
-L2. A host block whose page is in L1 is *pinned* (not evictable), as in
-SGLang HiCache, whose ``evict_host`` only frees the host copy of nodes already
-evicted from the device (``python/sglang/srt/mem_cache/hiradix_cache.py``).
-L2 therefore always contains L1 (it must be at least as large), and host
-blocks become evictable in the order L1 evicts them, leaves first.
+L2 (``HostBlockPool`` / ``RunHostPool``) is written through: every page that
+becomes resident in L1 (computed, received from a prefill node, or restored)
+is also stored in L2. A host block whose page is in L1 is *pinned* (not
+evictable), as in SGLang HiCache, whose ``evict_host`` only frees the host copy
+of nodes already evicted from the device
+(``python/sglang/srt/mem_cache/hiradix_cache.py``). L2 therefore always
+contains L1 (it must be at least as large), and host blocks become evictable
+in the order L1 evicts them, leaves first.
+
+Representation (runs of blocks, SGLang ``radix_cache.py`` style compressed
+edges): a Claude Code prompt is ~240 blocks of 512 tokens (~1,900 of 64) and
+consecutive requests of a branch share almost all of them, so the pools store
+*runs* — consecutive pages of one sequence — instead of one object per block:
+
+* L1 is a radix tree of runs (``_GpuRun``): children keyed by their first
+  hash, split where paths diverge or where a request's held prefix ends, and
+  merged again when a parent and its only child end up with the same ``ref``.
+  Every block of a run has the run's ``ref``. The unreferenced runs form the
+  eviction queue (oldest first; inside a run the deepest block goes first),
+  and eviction cuts whole runs or the deep end of the oldest one. Prefix
+  match, acquire, fill, release and eviction are O(runs on the path), not
+  O(blocks); the block hashes an event lists are taken by list slicing.
+* L2 under a one-group policy (``lru``) is ``RunHostPool``: the pinned blocks
+  are exactly L1's (counted, not stored twice), the unpinned ones are runs in
+  an LRU queue indexed by first hash. Pinning (an L1 restore) takes the
+  shallow end of a run; eviction takes the deep end of the oldest.
+* L2 under ``branch-count`` is the per-block ``HostBlockPool`` (counts move
+  single blocks between eviction groups, so blocks are kept one by one).
+
+Both keep exactly the per-block semantics (same results, same KV events in
+the same order; ``tests/property/test_worker_blocks_model.py`` checks them
+against the per-block model on random operation streams).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Tier
 from services.worker.eviction import EvictionPolicy, EvictionQueue, LruPolicy, get_policy
@@ -38,21 +65,569 @@ class KvInvariantError(AssertionError):
     """A block-pool invariant does not hold (a bug in the worker, never bad input)."""
 
 
-class GpuBlock:
-    """A hashed L1 block."""
+def _stored(run: list[int], parent: int | None, tier: Tier, block_size: int) -> BlockStored:
+    return BlockStored(block_hashes=run, parent_block_hash=parent, tier=tier, block_size=block_size)
 
-    __slots__ = ("hash", "parent", "ref", "last_access", "count", "group")
 
-    def __init__(self, h: int, parent: int | None, stamp: int) -> None:
+def _common(keys: list[int], path: Sequence[int], pos: int, n: int) -> int:
+    """Length of the common prefix of ``keys`` (a run: consecutive pages of one sequence) and
+    ``path[pos:n]``, given ``keys[0] == path[pos]``. Chained hashes: two pages with the same
+    hash have the same prefix, so equal last pages mean equal runs (O(1)); where they diverge
+    the split point is found by bisection over slices, O(len) in C."""
+    size = len(keys)
+    end = pos + size
+    if end <= n:
+        if path[end - 1] == keys[-1]:
+            return size
+        hi = size
+    else:
+        hi = n - pos
+        if path[n - 1] == keys[hi - 1]:
+            return hi
+    lo = 1  # keys[:lo] matches, keys[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if path[pos + lo : pos + mid] == keys[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+# --------------------------------------------------------------------------- #
+# intrusive FIFO of runs
+# --------------------------------------------------------------------------- #
+
+
+class _Link:
+    __slots__ = ("prev", "next")
+
+    def __init__(self) -> None:
+        self.prev: Any = None
+        self.next: Any = None
+
+
+class _RunQueue:
+    """Doubly linked list of runs, oldest first; ``blocks`` counts the blocks queued.
+    Append, insert after, unlink and head are O(1)."""
+
+    __slots__ = ("head", "blocks")
+
+    def __init__(self) -> None:
+        h = _Link()
+        h.prev = h.next = h
+        self.head = h
+        self.blocks = 0
+
+    def append(self, r: Any) -> None:
+        h = self.head
+        t = h.prev
+        r.prev = t
+        r.next = h
+        t.next = r
+        h.prev = r
+
+    def insert_after(self, a: Any, r: Any) -> None:
+        b = a.next
+        r.prev = a
+        r.next = b
+        a.next = r
+        b.prev = r
+
+    def unlink(self, r: Any) -> None:
+        p, n = r.prev, r.next
+        p.next = n
+        n.prev = p
+        r.prev = r.next = None
+
+    def first(self) -> Any:
+        n = self.head.next
+        return None if n is self.head else n
+
+    def last(self) -> Any:
+        p = self.head.prev
+        return None if p is self.head else p
+
+    def __iter__(self) -> Iterator[Any]:
+        h = self.head
+        r = h.next
+        while r is not h:
+            nxt = r.next
+            yield r
+            r = nxt
+
+
+class _BlockView:
+    """One block of a run pool as the per-block pools show it (for checks and tests; a copy)."""
+
+    __slots__ = ("hash", "parent", "ref", "pinned", "last_access", "count", "group", "depth")
+
+    def __init__(self, h: int, parent: int | None, **kw: Any) -> None:
         self.hash = h
         self.parent = parent
-        """Hash of the preceding page; None at a sequence start."""
-        self.ref = 1
-        """Running requests of this node that use the block."""
-        self.last_access = stamp
-        """Logical stamp (per-pool counter) of the last release; orders eviction."""
-        self.count = 0
-        self.group = 0
+        self.ref = kw.get("ref", 0)
+        self.pinned = kw.get("pinned", True)
+        self.last_access = kw.get("last_access", 0)
+        self.count = kw.get("count", 0)
+        self.group = kw.get("group", 0)
+        self.depth = kw.get("depth", 0)
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.hash, self.parent, self.ref, self.pinned, self.last_access, self.count, self.group, self.depth)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _BlockView) and self._key() == other._key()
+
+    def __repr__(self) -> str:
+        return f"_BlockView(hash={self.hash}, parent={self.parent}, ref={self.ref}, pinned={self.pinned})"
+
+
+# --------------------------------------------------------------------------- #
+# L1
+# --------------------------------------------------------------------------- #
+
+
+class _GpuRun:
+    """A radix-tree node of L1: consecutive resident pages, one ``ref`` for all of them."""
+
+    __slots__ = ("keys", "depth", "parent", "children", "ref", "prev", "next")
+
+    def __init__(self, keys: list[int], depth: int, parent: _GpuRun | None, ref: int) -> None:
+        self.keys = keys
+        """Block hashes, parent first (``keys[i]`` is the parent of ``keys[i + 1]``)."""
+        self.depth = depth
+        """Position of ``keys[0]`` in its sequence (0 = first page)."""
+        self.parent = parent
+        """Run holding the parent of ``keys[0]``; None at a sequence start."""
+        self.children: dict[int, _GpuRun] | None = None
+        """Child runs by first hash (they all hang below ``keys[-1]``)."""
+        self.ref = ref
+        self.prev: Any = None
+        self.next: Any = None
+        """Eviction-queue links (queued ⇔ ``ref == 0``)."""
+
+
+class _GpuQueueView:
+    """``GpuBlockPool.evictable``: the unreferenced blocks in eviction order (read only)."""
+
+    def __init__(self, pool: GpuBlockPool) -> None:
+        self._pool = pool
+        self.policy: EvictionPolicy = pool.policy
+
+    def __len__(self) -> int:
+        return self._pool.queue.blocks
+
+    def __contains__(self, h: int) -> bool:
+        return any(h in r.keys for r in self._pool.queue)
+
+    def ordered(self) -> list[_BlockView]:
+        """Every queued block in eviction order (O(n); for checks and tests)."""
+        out = []
+        for r in self._pool.queue:
+            keys = r.keys
+            for i in range(len(keys) - 1, -1, -1):
+                p = keys[i - 1] if i else (r.parent.keys[-1] if r.parent is not None else None)
+                out.append(_BlockView(keys[i], p, ref=0, depth=r.depth + i))
+        return out
+
+
+class GpuBlockPool:
+    """L1: ``capacity`` slots of ``block_size`` tokens, LRU eviction of unreferenced blocks.
+
+    Args:
+        capacity: slots (``profile.gpu_blocks``).
+        block_size: tokens per block.
+        events: the shared outbox KV events are appended to.
+        policy: eviction key; L1 supports one-group policies only (``lru``).
+
+    Raises:
+        ValueError: on non-positive sizes or a policy with more than one group.
+
+    Paths given to the mutating methods must respect the pool's protocol: a
+    request fills pages only below pages it holds, and holds a prefix of its path.
+    """
+
+    tier: Tier = "gpu"
+
+    def __init__(self, capacity: int, block_size: int, events: list[KvEvent], policy: EvictionPolicy | None = None) -> None:
+        if capacity <= 0 or block_size <= 0:
+            raise ValueError("capacity and block_size must be > 0")
+        self.policy: EvictionPolicy = policy or LruPolicy()
+        if self.policy.groups != 1:
+            raise ValueError("the GPU pool evicts in LRU order (one-group policies only)")
+        self.capacity = capacity
+        self.block_size = block_size
+        self.events = events
+        self.roots: dict[int, _GpuRun] = {}
+        """Runs that start a sequence, by first hash."""
+        self.queue = _RunQueue()
+        """Unreferenced runs, oldest first."""
+        self.hashed = 0
+        """Hashed (resident) blocks."""
+        self.reserved = 0
+        """Slots owned by requests that hold no hashed page (yet)."""
+        self.evicted_runs: list[tuple[list[int], int, int | None]] = []
+        """Runs evicted by the last :meth:`reserve`, in eviction order: ``(hashes parent first,
+        depth of the first, its parent)``; each run's pages left deepest first."""
+
+    # -- sizes (O(1)) ----------------------------------------------------- #
+
+    @property
+    def free(self) -> int:
+        """Slots neither hashed nor reserved."""
+        return self.capacity - self.hashed - self.reserved
+
+    @property
+    def available(self) -> int:
+        """Slots a reservation can get: free plus unreferenced hashed blocks."""
+        return self.capacity - self.hashed - self.reserved + self.queue.blocks
+
+    @property
+    def evictable(self) -> _GpuQueueView:
+        """The eviction queue, block by block (a read-only view)."""
+        return _GpuQueueView(self)
+
+    def __contains__(self, h: int) -> bool:
+        """O(blocks); for checks and tests."""
+        return any(h in r.keys for r in self._runs())
+
+    # -- walks ------------------------------------------------------------ #
+
+    def _runs(self) -> Iterator[_GpuRun]:
+        """Every run, parents before children (deterministic)."""
+        stack = list(reversed(self.roots.values()))
+        while stack:
+            r = stack.pop()
+            yield r
+            if r.children:
+                stack.extend(reversed(r.children.values()))
+
+    def _cover(self, path: Sequence[int], n: int) -> tuple[list[_GpuRun], int]:
+        """Runs covering ``path[:n]`` (all resident), root first, and where the last one ends
+        (≥ n). Inside a run every block has one resident child, so only first hashes are looked up."""
+        runs: list[_GpuRun] = []
+        pos = 0
+        children = self.roots
+        while pos < n:
+            r = children.get(path[pos]) if children is not None else None
+            if r is None:
+                raise KvInvariantError(f"block {path[pos]} (position {pos}) is not resident in L1")
+            runs.append(r)
+            pos += len(r.keys)
+            children = r.children
+        return runs, pos
+
+    def _split(self, r: _GpuRun, k: int) -> _GpuRun:
+        """Split ``r`` after its first ``k`` blocks. ``r`` keeps the deep part (its children and
+        its queue place); the new shallow run is returned (queued right after ``r`` if ``r`` is:
+        its blocks are newer)."""
+        keys = r.keys
+        up = _GpuRun(keys[:k], r.depth, r.parent, r.ref)
+        up.children = {keys[k]: r}
+        if r.parent is None:
+            self.roots[keys[0]] = up
+        else:
+            r.parent.children[keys[0]] = up  # type: ignore[index]
+        del keys[:k]
+        r.depth += k
+        r.parent = up
+        if r.prev is not None:
+            self.queue.insert_after(r, up)
+        return up
+
+    def _cover_range(self, path: Sequence[int], lo: int, hi: int) -> list[_GpuRun]:
+        """Runs covering exactly ``path[lo:hi]`` (resident), splitting at ``lo`` and ``hi``."""
+        runs, end = self._cover(path, hi)
+        if end > hi:
+            last = runs[-1]
+            runs[-1] = self._split(last, hi - last.depth)
+        i = 0
+        while runs[i].depth + len(runs[i].keys) <= lo:
+            i += 1
+        if i:
+            runs = runs[i:]
+        r0 = runs[0]
+        if r0.depth < lo:
+            self._split(r0, lo - r0.depth)  # r0 keeps [lo, ...)
+        return runs
+
+    def _merge(self, r: _GpuRun, c: _GpuRun) -> None:
+        """Absorb ``r``'s only child ``c`` (same ref) into ``r``; ``c`` leaves the queue."""
+        r.keys.extend(c.keys)
+        r.children = c.children
+        if c.children:
+            for g in c.children.values():
+                g.parent = r
+        if c.prev is not None:
+            self.queue.unlink(c)
+            self.queue.blocks -= len(c.keys)
+
+    # -- queries ---------------------------------------------------------- #
+
+    def match_prefix(self, path: Sequence[int], limit: int) -> int:
+        """Number of leading blocks of ``path[:limit]`` resident in L1. O(runs on the path)."""
+        n = min(limit, len(path))
+        pos = 0
+        children: dict[int, _GpuRun] | None = self.roots
+        while pos < n and children:
+            r = children.get(path[pos])
+            if r is None:
+                break
+            keys = r.keys
+            end = pos + len(keys)
+            if end <= n and path[end - 1] == keys[-1]:  # chained: same last page, same run
+                pos = end
+                children = r.children
+                continue
+            return pos + _common(keys, path, pos, n)
+        return pos
+
+    def unreferenced_among(self, path: Sequence[int], n: int) -> int:
+        """How many of the resident blocks ``path[:n]`` have ``ref == 0``. O(runs)."""
+        if n <= 0:
+            return 0
+        runs, end = self._cover(path, n)
+        k = 0
+        for r in runs:
+            if r.ref == 0:
+                k += len(r.keys)
+        if runs[-1].ref == 0:
+            k -= end - n
+        return k
+
+    # -- mutations ------------------------------------------------------- #
+
+    def acquire(self, path: Sequence[int], n: int) -> None:
+        """Reference the resident blocks ``path[:n]`` (a prefix hit). O(runs)."""
+        if n <= 0:
+            return
+        q = self.queue
+        for r in self._cover_range(path, 0, n):
+            if r.ref == 0:
+                q.unlink(r)
+                q.blocks -= len(r.keys)
+            r.ref += 1
+
+    def reserve(self, n: int) -> list[int] | None:
+        """Reserve ``n`` slots, evicting unreferenced blocks in eviction order.
+
+        Returns the evicted hashes (possibly empty), or None — with nothing
+        changed — when fewer than ``n`` slots are available. Emits one
+        ``BlockRemoved(gpu)`` for the evictions; :attr:`evicted_runs` lists them
+        as runs. O(runs evicted + hashes).
+        """
+        if n > self.available:
+            return None
+        need = n - self.free
+        evicted: list[int] = []
+        out: list[tuple[list[int], int, int | None]] = []
+        self.evicted_runs = out
+        if need > 0:
+            q = self.queue
+            roots = self.roots
+            while need > 0:
+                r = q.head.next
+                keys = r.keys
+                if r.children:
+                    raise KvInvariantError(f"L1 would evict block {keys[-1]} before its child")
+                size = len(keys)
+                p = r.parent
+                if size <= need:
+                    q.unlink(r)
+                    if p is None:
+                        del roots[keys[0]]
+                    else:
+                        ch = p.children
+                        del ch[keys[0]]  # type: ignore[union-attr]
+                        if not ch:
+                            p.children = None
+                    evicted.extend(reversed(keys))
+                    out.append((keys, r.depth, p.keys[-1] if p is not None else None))
+                    need -= size
+                    q.blocks -= size
+                    self.hashed -= size
+                else:
+                    cut = size - need
+                    piece = keys[cut:]
+                    del keys[cut:]
+                    evicted.extend(reversed(piece))
+                    out.append((piece, r.depth + cut, keys[-1]))
+                    q.blocks -= need
+                    self.hashed -= need
+                    need = 0
+            self.events.append(BlockRemoved(block_hashes=evicted, tier="gpu"))
+        self.reserved += n
+        return evicted
+
+    def unreserve(self, n: int) -> None:
+        """Give back ``n`` reserved slots."""
+        if n > self.reserved:
+            raise KvInvariantError(f"unreserve {n} > reserved {self.reserved}")
+        self.reserved -= n
+
+    def fill(self, path: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]]:
+        """Turn ``hi - lo`` reserved slots into the pages ``path[lo:hi]``, referenced once.
+
+        A page already resident (computed meanwhile by another request) is
+        referenced instead and its reserved slot freed. Emits one
+        ``BlockStored(gpu)`` per run of new pages and returns those runs as
+        ``(start, end)`` index ranges into ``path`` (L1 is prefix-closed, so the
+        new pages are one run: the resident ones come first). The caller holds
+        ``path[:lo]``. O(runs on the path + new pages).
+        """
+        if hi - lo > self.reserved:
+            raise KvInvariantError(f"fill {hi - lo} blocks with {self.reserved} reserved")
+        self.reserved -= hi - lo
+        if hi <= lo:
+            return []
+        # one walk: the runs holding the resident prefix path[:m] of path[:hi]
+        runs: list[_GpuRun] = []
+        pos = 0
+        children: dict[int, _GpuRun] | None = self.roots
+        while pos < hi and children:
+            r = children.get(path[pos])
+            if r is None:
+                break
+            runs.append(r)
+            keys = r.keys
+            end = pos + len(keys)
+            if end <= hi and path[end - 1] == keys[-1]:
+                pos = end
+                children = r.children
+                continue
+            pos += _common(keys, path, pos, hi)
+            break
+        m = pos
+        if m < lo:
+            raise KvInvariantError(f"fill from {lo} but only {m} pages of the path are resident")
+        if runs:
+            last = runs[-1]
+            if last.depth + len(last.keys) > m:  # the last run goes on past m: cut it there
+                runs[-1] = self._split(last, m - last.depth)
+        if m > lo:  # pages computed meanwhile by another request: referenced, not stored
+            i = len(runs) - 1
+            while runs[i].depth > lo:
+                i -= 1
+            r0 = runs[i]
+            if r0.depth < lo:
+                self._split(r0, lo - r0.depth)  # r0 keeps [lo, ...)
+            q = self.queue
+            for r in runs[i:]:
+                if r.ref == 0:
+                    q.unlink(r)
+                    q.blocks -= len(r.keys)
+                r.ref += 1
+        if m == hi:
+            return []
+        new = list(path[m:hi])
+        if m == 0:
+            parent = None
+            run = _GpuRun(new[:], 0, None, 1)  # the event keeps its own list
+            self.roots[new[0]] = run
+        else:
+            p = runs[-1]
+            parent = path[m - 1]
+            if not p.children and p.ref == 1:
+                p.keys.extend(new)  # the filling request is the run's only holder: extend it
+            else:
+                run = _GpuRun(new[:], m, p, 1)
+                if p.children is None:
+                    p.children = {new[0]: run}
+                else:
+                    p.children[new[0]] = run
+        self.hashed += hi - m
+        self.events.append(_stored(new, parent, "gpu", self.block_size))
+        return [(m, hi)]
+
+    def release(self, path: Sequence[int], n: int) -> None:
+        """Drop one reference from each of ``path[:n]``, last block first. O(runs).
+
+        Blocks reaching ``ref == 0`` become evictable at the queue's tail (deepest
+        first), so the path's parents end up newer than its children.
+
+        Raises:
+            KvInvariantError: a block would be released below zero.
+        """
+        if n <= 0:
+            return
+        q = self.queue
+        runs = self._cover_range(path, 0, n)
+        for r in reversed(runs):
+            ref = r.ref - 1
+            if ref < 0:
+                raise KvInvariantError(f"block {r.keys[-1]} released below zero")
+            r.ref = ref
+            ch = r.children
+            if ch is not None and len(ch) == 1:
+                for c in ch.values():
+                    if c.ref == ref and (ref > 0 or q.head.prev is c):
+                        self._merge(r, c)  # same holders: one run again
+            if ref == 0:
+                q.append(r)
+                q.blocks += len(r.keys)
+
+    def snapshot(self) -> list[int]:
+        """Hashes of every hashed block, parents first. O(n)."""
+        out: list[int] = []
+        for r in self._runs():
+            out.extend(r.keys)
+        return out
+
+    # -- views for checks and tests ------------------------------------- #
+
+    @property
+    def blocks(self) -> dict[int, _BlockView]:
+        """Every hashed block as ``hash → view`` (hash, parent, ref, depth). A copy, O(n)."""
+        out: dict[int, _BlockView] = {}
+        for r in self._runs():
+            p = r.parent.keys[-1] if r.parent is not None else None
+            for i, h in enumerate(r.keys):
+                out[h] = _BlockView(h, p, ref=r.ref, depth=r.depth + i)
+                p = h
+        return out
+
+    def check_structure(self) -> None:
+        """Radix-tree invariants (O(n)): links, first-hash keys, depths, queue ⇔ ref 0, counts.
+
+        Raises:
+            KvInvariantError: naming the first one that fails.
+        """
+        seen: set[int] = set()
+        total = 0
+        queued = 0
+        for r in self._runs():
+            if not r.keys:
+                raise KvInvariantError("empty L1 run")
+            if r.ref < 0:
+                raise KvInvariantError(f"L1 run at {r.keys[0]} has ref {r.ref}")
+            p = r.parent
+            if p is None:
+                if r.depth != 0 or self.roots.get(r.keys[0]) is not r:
+                    raise KvInvariantError(f"L1 root run {r.keys[0]} misfiled (depth {r.depth})")
+            else:
+                if not p.children or p.children.get(r.keys[0]) is not r or r.depth != p.depth + len(p.keys):
+                    raise KvInvariantError(f"L1 run {r.keys[0]} misfiled under {p.keys[-1]}")
+                if r.ref > p.ref:
+                    raise KvInvariantError(f"L1 run {r.keys[0]} has ref {r.ref} > its parent's {p.ref}")
+            if r.children is not None and not r.children:
+                raise KvInvariantError(f"L1 run {r.keys[0]}: empty children dict")
+            for h in r.keys:
+                if h in seen:
+                    raise KvInvariantError(f"L1 block {h} in two runs")
+                seen.add(h)
+            total += len(r.keys)
+            if (r.ref == 0) != (r.prev is not None):
+                raise KvInvariantError(f"L1 run {r.keys[0]}: ref {r.ref} but queued={r.prev is not None}")
+            queued += len(r.keys) if r.ref == 0 else 0
+        if total != self.hashed:
+            raise KvInvariantError(f"L1 counts {self.hashed} hashed blocks, runs hold {total}")
+        if queued != self.queue.blocks or sum(len(r.keys) for r in self.queue) != queued:
+            raise KvInvariantError(f"L1 queue counts {self.queue.blocks} blocks, {queued} unreferenced")
+
+
+# --------------------------------------------------------------------------- #
+# L2, per block (any policy)
+# --------------------------------------------------------------------------- #
 
 
 class HostBlock:
@@ -73,184 +648,9 @@ class HostBlock:
         self.group = 0
 
 
-def _stored(run: list[int], parent: int | None, tier: Tier, block_size: int) -> BlockStored:
-    return BlockStored(block_hashes=run, parent_block_hash=parent, tier=tier, block_size=block_size)
-
-
-class GpuBlockPool:
-    """L1: ``capacity`` slots of ``block_size`` tokens, LRU eviction of unreferenced blocks.
-
-    Args:
-        capacity: slots (``profile.gpu_blocks``).
-        block_size: tokens per block.
-        events: the shared outbox KV events are appended to.
-    """
-
-    tier: Tier = "gpu"
-
-    def __init__(self, capacity: int, block_size: int, events: list[KvEvent], policy: EvictionPolicy | None = None) -> None:
-        if capacity <= 0 or block_size <= 0:
-            raise ValueError("capacity and block_size must be > 0")
-        self.capacity = capacity
-        self.block_size = block_size
-        self.events = events
-        self.blocks: dict[int, GpuBlock] = {}
-        self.evictable = EvictionQueue(policy or LruPolicy())
-        self.reserved = 0
-        """Slots owned by requests that hold no hashed page (yet)."""
-        self._stamp = 0
-
-    # -- sizes (O(1)) ----------------------------------------------------- #
-
-    @property
-    def free(self) -> int:
-        """Slots neither hashed nor reserved."""
-        return self.capacity - len(self.blocks) - self.reserved
-
-    @property
-    def available(self) -> int:
-        """Slots a reservation can get: free plus unreferenced hashed blocks."""
-        return self.free + len(self.evictable)
-
-    def __contains__(self, h: int) -> bool:
-        return h in self.blocks
-
-    # -- queries ---------------------------------------------------------- #
-
-    def match_prefix(self, path: Sequence[int], limit: int) -> int:
-        """Number of leading blocks of ``path[:limit]`` resident in L1. O(matched)."""
-        blocks = self.blocks
-        n = 0
-        for i in range(min(limit, len(path))):
-            if path[i] not in blocks:
-                break
-            n += 1
-        return n
-
-    def unreferenced_among(self, path: Sequence[int], n: int) -> int:
-        """How many of the resident blocks ``path[:n]`` have ``ref == 0``. O(n)."""
-        blocks = self.blocks
-        k = 0
-        for i in range(n):
-            if blocks[path[i]].ref == 0:
-                k += 1
-        return k
-
-    # -- mutations ------------------------------------------------------- #
-
-    def acquire(self, path: Sequence[int], n: int) -> None:
-        """Reference the resident blocks ``path[:n]`` (a prefix hit). O(n)."""
-        blocks = self.blocks
-        groups = self.evictable.groups
-        for i in range(n):
-            b = blocks[path[i]]
-            if b.ref == 0:
-                del groups[b.group][b.hash]
-            b.ref += 1
-
-    def reserve(self, n: int) -> list[int] | None:
-        """Reserve ``n`` slots, evicting unreferenced blocks in eviction order.
-
-        Returns the evicted hashes (possibly empty), or None — with nothing
-        changed — when fewer than ``n`` slots are available. Emits one
-        ``BlockRemoved(gpu)`` for the evictions.
-        """
-        if n > self.available:
-            return None
-        need = n - self.free
-        evicted: list[int] = []
-        if need > 0:
-            blocks = self.blocks
-            for od in self.evictable.groups:
-                while need > 0 and od:
-                    h = od.popitem(last=False)[0]
-                    del blocks[h]
-                    evicted.append(h)
-                    need -= 1
-            self.events.append(BlockRemoved(block_hashes=evicted, tier="gpu"))
-        self.reserved += n
-        return evicted
-
-    def unreserve(self, n: int) -> None:
-        """Give back ``n`` reserved slots."""
-        if n > self.reserved:
-            raise KvInvariantError(f"unreserve {n} > reserved {self.reserved}")
-        self.reserved -= n
-
-    def fill(self, path: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]]:
-        """Turn ``hi - lo`` reserved slots into the pages ``path[lo:hi]``, referenced once.
-
-        A page already resident (computed meanwhile by another request) is
-        referenced instead and its reserved slot freed. Emits one
-        ``BlockStored(gpu)`` per run of new pages and returns those runs as
-        ``(start, end)`` index ranges into ``path``. O(hi - lo).
-        """
-        if hi - lo > self.reserved:
-            raise KvInvariantError(f"fill {hi - lo} blocks with {self.reserved} reserved")
-        self.reserved -= hi - lo
-        blocks = self.blocks
-        groups = self.evictable.groups
-        stamp = self._stamp
-        runs: list[tuple[int, int]] = []
-        start = -1
-        parent = path[lo - 1] if lo else None
-        for i in range(lo, hi):
-            h = path[i]
-            b = blocks.get(h)
-            if b is None:
-                blocks[h] = GpuBlock(h, parent, stamp)
-                if start < 0:
-                    start = i
-            else:
-                if b.ref == 0:
-                    del groups[b.group][h]
-                b.ref += 1
-                if start >= 0:
-                    runs.append((start, i))
-                    start = -1
-            parent = h
-        if start >= 0:
-            runs.append((start, hi))
-        for s, e in runs:
-            self.events.append(_stored(list(path[s:e]), path[s - 1] if s else None, "gpu", self.block_size))
-        return runs
-
-    def release(self, path: Sequence[int], n: int) -> None:
-        """Drop one reference from each of ``path[:n]``, last block first. O(n).
-
-        Blocks reaching ``ref == 0`` become evictable with a fresh stamp, so
-        the path's parents end up newer than its children.
-        """
-        if n <= 0:
-            return
-        blocks = self.blocks
-        q = self.evictable
-        od0 = q.groups[0]
-        single = q.single
-        stamp = self._stamp
-        for h in path[n - 1 :: -1]:
-            b = blocks[h]
-            r = b.ref - 1
-            b.ref = r
-            if r == 0:
-                stamp += 1
-                b.last_access = stamp
-                if single:
-                    od0[h] = b
-                else:
-                    q.push(b)
-            elif r < 0:
-                self._stamp = stamp
-                raise KvInvariantError(f"block {h} released below zero")
-        self._stamp = stamp
-
-    def snapshot(self) -> list[int]:
-        """Hashes of every hashed block. O(n)."""
-        return list(self.blocks)
-
-
 class HostBlockPool:
-    """L2: ``capacity`` blocks, written through from L1, evicted by a policy key.
+    """L2: ``capacity`` blocks, written through from L1, evicted by a policy key, one
+    object per block (any policy; ``KvBlockManager`` uses it for ``branch-count``).
 
     Args:
         capacity: blocks (``profile.host_blocks``).
@@ -287,6 +687,10 @@ class HostBlockPool:
                 break
             n += 1
         return n
+
+    def match_after_l1(self, path: Sequence[int], start: int, limit: int) -> int:
+        """:meth:`match_from` where ``start`` is the end of the path's L1 prefix."""
+        return self.match_from(path, start, limit)
 
     def store(self, path: Sequence[int], lo: int, hi: int) -> None:
         """Write through the pages ``path[lo:hi]`` that just became resident in L1.
@@ -353,6 +757,11 @@ class HostBlockPool:
             else:
                 q.push(b)
         self._stamp = stamp
+
+    def unpin_runs(self, runs: Sequence[tuple[list[int], int, int | None]]) -> None:
+        """:meth:`unpin` of the runs L1 evicted (``GpuBlockPool.evicted_runs``), each deepest first."""
+        for keys, _depth, _parent in runs:
+            self.unpin(keys[::-1])
 
     def store_fetched(self, path: Sequence[int], lo: int, hi: int) -> int:
         """Insert pages ``path[lo:hi]`` pulled from a peer's L2 (not in L1: unpinned).
@@ -464,6 +873,448 @@ class HostBlockPool:
     def snapshot(self) -> list[int]:
         return list(self.blocks)
 
+    def view(self) -> tuple[dict[int, Any], list[Any]]:
+        """``(hash → block, queued blocks in eviction order)`` for checks."""
+        return self.blocks, self.evictable.ordered()
+
+    def check_structure(self) -> None:
+        """Nothing beyond what :meth:`KvBlockManager.check` verifies block by block."""
+
+
+# --------------------------------------------------------------------------- #
+# L2, runs (one-group policies)
+# --------------------------------------------------------------------------- #
+
+
+class _HostRun:
+    """Consecutive unpinned L2 pages of one sequence, queued together."""
+
+    __slots__ = ("keys", "depth", "parent", "stamp", "prev", "next")
+
+    def __init__(self, keys: list[int], depth: int, parent: int | None, stamp: int) -> None:
+        self.keys = keys
+        """Block hashes, parent first."""
+        self.depth = depth
+        """Position of ``keys[0]`` in its sequence."""
+        self.parent = parent
+        """Hash of the page before ``keys[0]`` (None at a sequence start)."""
+        self.stamp = stamp
+        """Stamp of ``keys[-1]`` (evicted first); ``keys[i]`` has ``stamp + len(keys) - 1 - i``."""
+        self.prev: Any = None
+        self.next: Any = None
+
+
+_PINNED, _RUN, _MISSING = 0, 1, 2
+
+
+class _HostQueueView:
+    """``RunHostPool.evictable``: the unpinned blocks in eviction order (read only)."""
+
+    def __init__(self, pool: RunHostPool) -> None:
+        self._pool = pool
+        self.policy: EvictionPolicy = pool.policy
+
+    def __len__(self) -> int:
+        return self._pool.queue.blocks
+
+    def __contains__(self, h: int) -> bool:
+        return any(h in r.keys for r in self._pool.queue)
+
+    def ordered(self) -> list[_BlockView]:
+        """Every queued block in eviction order (O(n); for checks and tests)."""
+        out = []
+        for r in self._pool.queue:
+            keys = r.keys
+            last = len(keys) - 1
+            for i in range(last, -1, -1):
+                out.append(
+                    _BlockView(keys[i], keys[i - 1] if i else r.parent, pinned=False, last_access=r.stamp + last - i, depth=r.depth + i)
+                )
+        return out
+
+
+class RunHostPool:
+    """L2 for one-group policies (``lru``), stored as runs: pinned pages are L1's pages
+    (counted here, kept by L1), unpinned pages are runs in one LRU queue.
+
+    Args:
+        capacity: blocks (``profile.host_blocks``).
+        block_size: tokens per block.
+        events: the shared outbox.
+        gpu: the node's L1 (pinned ⇔ in L1).
+        policy: a one-group eviction policy (``lru``).
+
+    Raises:
+        ValueError: on non-positive sizes or a policy with more than one group.
+
+    Same operations and events as :class:`HostBlockPool` under ``lru``.
+    ``update_counts`` only validates (under one group, counts move nothing and
+    nothing else reads them).
+    """
+
+    tier: Tier = "host"
+
+    def __init__(
+        self, capacity: int, block_size: int, events: list[KvEvent], gpu: GpuBlockPool, policy: EvictionPolicy | None = None
+    ) -> None:
+        if capacity <= 0 or block_size <= 0:
+            raise ValueError("capacity and block_size must be > 0")
+        self.policy: EvictionPolicy = policy or LruPolicy()
+        if self.policy.groups != 1:
+            raise ValueError("RunHostPool serves one-group policies; use HostBlockPool")
+        self.capacity = capacity
+        self.block_size = block_size
+        self.events = events
+        self.gpu = gpu
+        self.first: dict[int, _HostRun] = {}
+        """Unpinned runs by first hash. The run holding an unpinned page whose parent is not in
+        the same run starts with that page, so a path is matched run by run."""
+        self.members: set[int] = set()
+        """Every L2 hash (pinned or not); changes only when a page enters or leaves L2."""
+        self.queue = _RunQueue()
+        self.pinned = 0
+        """Pinned pages (= L1 pages once a fill has been written through)."""
+        self._stamp = 0
+
+    @property
+    def used(self) -> int:
+        return self.pinned + self.queue.blocks
+
+    @property
+    def evictable(self) -> _HostQueueView:
+        return _HostQueueView(self)
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.members
+
+    # -- walks ------------------------------------------------------------ #
+
+    def _next_start(self, path: Sequence[int], pos: int, n: int) -> int:
+        """Smallest ``j`` in ``(pos, n)`` where an unpinned run starts with ``path[j]``, else n."""
+        first = self.first
+        if not first or pos + 1 >= n or first.keys().isdisjoint(path[pos + 1 : n]):
+            return n
+        j = pos + 1
+        while path[j] not in first:
+            j += 1
+        return j
+
+    def _match_runs(self, path: Sequence[int], pos: int, n: int) -> int:
+        """End of the consecutive unpinned pages of ``path`` from ``pos`` (below ``n``)."""
+        first = self.first
+        while pos < n:
+            r = first.get(path[pos])
+            if r is None:
+                break
+            pos += _common(r.keys, path, pos, n)
+        return pos
+
+    def _locate(self, path: Sequence[int], n: int) -> list[tuple[int, int, int, _HostRun | None]]:
+        """``path[:n]`` as pieces ``(start, end, kind, run)``: the L1 prefix (pinned), unpinned
+        runs (each piece is the leading part of its run) and missing stretches."""
+        g = self.gpu.match_prefix(path, n)
+        out: list[tuple[int, int, int, _HostRun | None]] = [(0, g, _PINNED, None)] if g else []
+        first = self.first
+        pos = g
+        while pos < n:
+            r = first.get(path[pos])
+            if r is not None:
+                e = pos + _common(r.keys, path, pos, n)
+                out.append((pos, e, _RUN, r))
+            else:
+                e = self._next_start(path, pos, n)
+                out.append((pos, e, _MISSING, None))
+            pos = e
+        return out
+
+    def _take_shallow(self, r: _HostRun, c: int) -> None:
+        """Remove the first ``c`` pages of ``r`` from the queue (pinned, or moved)."""
+        keys = r.keys
+        first = self.first
+        del first[keys[0]]
+        self.queue.blocks -= c
+        if c >= len(keys):
+            self.queue.unlink(r)
+            return
+        r.parent = keys[c - 1]
+        del keys[:c]
+        r.depth += c
+        first[keys[0]] = r
+
+    def _evict(self, e: int, out: list[int]) -> None:
+        """Evict ``e`` pages from the head of the queue (deepest first inside a run)."""
+        q = self.queue
+        first = self.first
+        while e > 0:
+            r = q.first()
+            if r is None:
+                raise KvInvariantError("host pool full of pinned blocks (host capacity < GPU capacity?)")
+            keys = r.keys
+            size = len(keys)
+            if size <= e:
+                q.unlink(r)
+                del first[keys[0]]
+                out.extend(reversed(keys))
+                q.blocks -= size
+                e -= size
+            else:
+                cut = size - e
+                out.extend(reversed(keys[cut:]))
+                del keys[cut:]
+                r.stamp += e
+                q.blocks -= e
+                e = 0
+
+    def _push(self, keys: list[int], depth: int, parent: int | None) -> _HostRun:
+        """Queue ``keys`` (parent first) as the newest run, stamped deepest first."""
+        r = _HostRun(keys, depth, parent, self._stamp + 1)
+        self._stamp += len(keys)
+        self.queue.append(r)
+        self.queue.blocks += len(keys)
+        self.first[keys[0]] = r
+        return r
+
+    # -- queries ---------------------------------------------------------- #
+
+    def match_from(self, path: Sequence[int], start: int, limit: int) -> int:
+        """Number of consecutive blocks ``path[start:limit]`` present in L2. O(runs)."""
+        n = min(limit, len(path))
+        if start >= n:
+            return 0
+        g = self.gpu.match_prefix(path, n)
+        if start <= g:
+            return self._match_runs(path, g, n) - start
+        for s, e, kind, _ in self._locate(path, n):
+            if s <= start < e:
+                return 0 if kind == _MISSING else self._match_runs(path, e, n) - start
+        return 0
+
+    def match_after_l1(self, path: Sequence[int], start: int, limit: int) -> int:
+        """:meth:`match_from` where ``start`` is the end of the path's L1 prefix. O(runs)."""
+        n = min(limit, len(path))
+        if start >= n:
+            return 0
+        return self._match_runs(path, start, n) - start
+
+    # -- mutations -------------------------------------------------------- #
+
+    def store(self, path: Sequence[int], lo: int, hi: int) -> None:
+        """Write through the pages ``path[lo:hi]`` that just became resident in L1.
+
+        Present (unpinned) pages are pinned; missing ones are inserted pinned,
+        evicting the oldest unpinned blocks when full. Emits ``BlockRemoved(host)``
+        for the evictions and one ``BlockStored(host)`` per run of new pages.
+        O(runs + new pages).
+        """
+        first = self.first
+        q = self.queue
+        evicted: list[int] = []
+        runs: list[tuple[int, int]] = []
+        start = -1
+        pos = lo
+        new = 0
+        while pos < hi:
+            r = first.get(path[pos]) if first else None
+            if r is not None:
+                c = _common(r.keys, path, pos, hi)
+                self._take_shallow(r, c)
+                self.pinned += c
+                if start >= 0:
+                    runs.append((start, pos))
+                    start = -1
+                pos += c
+                continue
+            nxt = self._next_start(path, pos, hi)
+            k = nxt - pos
+            e = self.pinned + q.blocks + k - self.capacity
+            if e > 0:
+                self._evict(e, evicted)
+            self.pinned += k
+            new += k
+            if start < 0:
+                start = pos
+            pos = nxt
+        if start >= 0:
+            runs.append((start, hi))
+        members = self.members
+        if evicted:
+            members.difference_update(evicted)
+            self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
+        bs = self.block_size
+        for s, e in runs:
+            run = list(path[s:e])
+            members.update(run)
+            self.events.append(_stored(run, path[s - 1] if s else None, "host", bs))
+
+    def unpin_runs(self, runs: Sequence[tuple[list[int], int, int | None]]) -> None:
+        """The runs L1 evicted (``GpuBlockPool.evicted_runs``, each deepest first) become
+        evictable here, in that order. O(runs)."""
+        for keys, depth, parent in runs:
+            self.pinned -= len(keys)
+            self._push(keys, depth, parent)
+
+    def store_fetched(self, path: Sequence[int], lo: int, hi: int) -> int:
+        """Insert pages ``path[lo:hi]`` pulled from a peer's L2 (not in L1: unpinned).
+
+        Same rules and events as :meth:`HostBlockPool.store_fetched`: pages
+        already present are left; room comes from the oldest unpinned blocks
+        outside ``path[:hi]``; if too few, the deepest new pages are dropped; new
+        pages are stamped deepest first and their queued ancestors restamped after
+        them. O(runs + pages of the path).
+        """
+        n = min(hi, len(path))
+        if lo >= n:
+            return 0
+        ranges = [(max(s, lo), e) for s, e, kind, _ in self._locate(path, n) if kind == _MISSING and e > lo]
+        n_new = sum(e - s for s, e in ranges)
+        if not n_new:
+            return 0
+        q = self.queue
+        need = self.used + n_new - self.capacity
+        evicted: list[int] = []
+        if need > 0:
+            first = self.first
+            r = q.first()
+            while r is not None and need > 0:
+                nxt = r.next if r.next is not q.head else None
+                keys = r.keys
+                d = r.depth
+                c = _common(keys, path, d, n) if d < n and path[d] == keys[0] else 0
+                t = min(len(keys) - c, need)
+                if t > 0:
+                    size = len(keys)
+                    evicted.extend(reversed(keys[size - t :]))
+                    q.blocks -= t
+                    need -= t
+                    if t == size:
+                        q.unlink(r)
+                        del first[keys[0]]
+                    else:
+                        del keys[size - t :]
+                        r.stamp += t
+                r = nxt
+        if need > 0:  # not enough room: the deepest new pages are not stored
+            while need > 0:
+                s, e = ranges[-1]
+                if e - s <= need:
+                    ranges.pop()
+                    need -= e - s
+                else:
+                    ranges[-1] = (s, e - need)
+                    need = 0
+        if evicted:
+            self.members.difference_update(evicted)
+            self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
+        if not ranges:
+            return 0
+        stored = 0
+        for s, e in reversed(ranges):  # deepest run first, each stamped deepest first
+            self._push(list(path[s:e]), s, path[s - 1] if s else None)
+            stored += e - s
+        for x, _e in reversed(ranges):  # lifts, deepest first (HostBlockPool._lift_ancestors)
+            if x:
+                self._lift(path, x)
+        bs = self.block_size
+        for s, e in ranges:
+            run = list(path[s:e])
+            self.members.update(run)
+            self.events.append(_stored(run, path[s - 1] if s else None, "host", bs))
+        return stored
+
+    def _lift(self, path: Sequence[int], x: int) -> None:
+        """If ``path[x - 1]`` is unpinned and older than ``path[x]``, move the unpinned chain
+        above ``x`` to the queue's tail, nearest first (``HostBlockPool._lift_ancestors``)."""
+        pieces = self._locate(path, x + 1)
+        cs, _ce, _ck, child = pieces[-1]  # path[x]: unpinned (stored or lifted in this call)
+        if cs < x or len(pieces) < 2 or pieces[-2][2] != _RUN:
+            return  # same run as its parent (a lift made the parent newer), parent pinned or not in L2
+        assert child is not None
+        del pieces[-1]
+        s, e, _, r = pieces[-1]
+        assert r is not None
+        if r.stamp + len(r.keys) - 1 - (x - 1 - s) >= child.stamp + len(child.keys) - 1:
+            return
+        i = len(pieces) - 1
+        while i > 0 and pieces[i - 1][2] == _RUN:
+            i -= 1
+        y = pieces[i][0]
+        for s, e, _, r in pieces[i:]:
+            self._take_shallow(r, e - s)  # type: ignore[arg-type]
+        self._push(list(path[y:x]), y, path[y - 1] if y else None)
+
+    def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
+        """Branch counts from the KV directory: under a one-group policy they move nothing
+        (and nothing reads them), so they are only validated. Returns 0.
+
+        Raises:
+            ValueError: if ``hashes`` and ``counts`` differ in length.
+        """
+        if len(hashes) != len(counts):
+            raise ValueError(f"{len(hashes)} hashes but {len(counts)} counts")
+        return 0
+
+    def snapshot(self) -> list[int]:
+        """Every L2 hash: the pinned (L1) ones, then the unpinned ones in eviction order. O(n)."""
+        out = self.gpu.snapshot()
+        for r in self.queue:
+            out.extend(r.keys)
+        return out
+
+    # -- views for checks and tests ------------------------------------- #
+
+    @property
+    def blocks(self) -> dict[int, _BlockView]:
+        """Every L2 block as ``hash → view`` (pinned ones from L1). A copy, O(n)."""
+        out: dict[int, _BlockView] = {}
+        for h, v in self.gpu.blocks.items():
+            out[h] = _BlockView(h, v.parent, pinned=True, depth=v.depth)
+        for v in self.evictable.ordered():
+            out[v.hash] = v
+        return out
+
+    def view(self) -> tuple[dict[int, Any], list[Any]]:
+        """``(hash → block, queued blocks in eviction order)`` for checks."""
+        return self.blocks, self.evictable.ordered()
+
+    def check_structure(self) -> None:
+        """Run invariants (O(n)): first-hash index, stamps, counts, membership set.
+
+        Raises:
+            KvInvariantError: naming the first one that fails.
+        """
+        seen: set[int] = set()
+        total = 0
+        last_stamp = 0
+        for r in self.queue:
+            if not r.keys:
+                raise KvInvariantError("empty L2 run")
+            if self.first.get(r.keys[0]) is not r:
+                raise KvInvariantError(f"L2 run {r.keys[0]} not indexed by its first hash")
+            if r.stamp <= last_stamp:
+                raise KvInvariantError(f"L2 run {r.keys[0]} stamped {r.stamp} after {last_stamp}")
+            last_stamp = r.stamp + len(r.keys) - 1
+            for h in r.keys:
+                if h in seen:
+                    raise KvInvariantError(f"L2 block {h} in two runs")
+                seen.add(h)
+            total += len(r.keys)
+        if len(self.first) != sum(1 for _ in self.queue):
+            raise KvInvariantError(f"L2 first-hash index has {len(self.first)} runs")
+        if total != self.queue.blocks:
+            raise KvInvariantError(f"L2 queue counts {self.queue.blocks} blocks, runs hold {total}")
+        if self.pinned != self.gpu.hashed:
+            raise KvInvariantError(f"L2 counts {self.pinned} pinned blocks, L1 holds {self.gpu.hashed}")
+        gpu = set(self.gpu.snapshot())
+        if seen & gpu:
+            raise KvInvariantError(f"L2 blocks both pinned and queued: {sorted(seen & gpu)[:5]}")
+        if self.members != seen | gpu:
+            raise KvInvariantError("L2 membership set out of sync")
+
+
+# --------------------------------------------------------------------------- #
+# the node's L1 + L2
+# --------------------------------------------------------------------------- #
+
 
 class KvBlockManager:
     """L1 + L2 of one node with write-through and one shared event outbox.
@@ -490,7 +1341,12 @@ class KvBlockManager:
         self.block_size = block_size
         self.events: list[KvEvent] = [AllBlocksCleared()]
         self.gpu = GpuBlockPool(gpu_blocks, block_size, self.events)
-        self.host = HostBlockPool(host_blocks, block_size, self.events, get_policy(host_policy))
+        policy = get_policy(host_policy)
+        self.host: RunHostPool | HostBlockPool
+        if policy.groups == 1:
+            self.host = RunHostPool(host_blocks, block_size, self.events, self.gpu, policy)
+        else:
+            self.host = HostBlockPool(host_blocks, block_size, self.events, policy)
 
     # -- queries ---------------------------------------------------------- #
 
@@ -498,10 +1354,10 @@ class KvBlockManager:
         """Longest prefix of ``path[:limit]`` in L1, then how far L2 extends it.
 
         Returns ``(gpu_blocks, host_blocks)``: the first ``gpu_blocks`` pages are
-        in L1 and the next ``host_blocks`` must be restored from L2.
+        in L1 and the next ``host_blocks`` must be restored from L2. O(runs).
         """
         n_gpu = self.gpu.match_prefix(path, limit)
-        n_host = self.host.match_from(path, n_gpu, limit) if use_host else 0
+        n_host = self.host.match_after_l1(path, n_gpu, limit) if use_host else 0
         return n_gpu, n_host
 
     # -- request lifecycle ------------------------------------------------ #
@@ -518,7 +1374,7 @@ class KvBlockManager:
         evicted = gpu.reserve(new_slots)
         assert evicted is not None
         if evicted:
-            self.host.unpin(evicted)
+            self.host.unpin_runs(gpu.evicted_runs)
         return True
 
     def reserve(self, n: int) -> bool:
@@ -527,7 +1383,7 @@ class KvBlockManager:
         if evicted is None:
             return False
         if evicted:
-            self.host.unpin(evicted)
+            self.host.unpin_runs(self.gpu.evicted_runs)
         return True
 
     def fill(self, path: Sequence[int], lo: int, hi: int) -> None:
@@ -576,8 +1432,10 @@ class KvBlockManager:
         def fail(msg: str) -> None:
             raise KvInvariantError(msg)
 
+        gpu.check_structure()
+        host.check_structure()
         if gpu.free < 0:
-            fail(f"L1 over-committed: {len(gpu.blocks)} hashed + {gpu.reserved} reserved > {gpu.capacity}")
+            fail(f"L1 over-committed: {gpu.hashed} hashed + {gpu.reserved} reserved > {gpu.capacity}")
         refs: dict[int, int] = {}
         reserved = 0
         for path, held, res in holders:
@@ -586,33 +1444,36 @@ class KvBlockManager:
                 refs[path[i]] = refs.get(path[i], 0) + 1
         if reserved != gpu.reserved:
             fail(f"reserved slots: requests hold {reserved}, pool counts {gpu.reserved}")
-        for h, b in gpu.blocks.items():
+        gblocks = gpu.blocks
+        gqueue = {b.hash for b in gpu.evictable.ordered()}
+        hblocks, hqueue = host.view()
+        for h, b in gblocks.items():
             if b.ref != refs.get(h, 0):
                 fail(f"L1 block {h}: ref {b.ref} but {refs.get(h, 0)} holders")
-            if (b.ref == 0) != (h in gpu.evictable):
-                fail(f"L1 block {h}: ref {b.ref} but evictable={h in gpu.evictable}")
-            if h not in host.blocks or not host.blocks[h].pinned:
+            if (b.ref == 0) != (h in gqueue):
+                fail(f"L1 block {h}: ref {b.ref} but evictable={h in gqueue}")
+            if h not in hblocks or not hblocks[h].pinned:
                 fail(f"L1 block {h} not pinned in L2 (write-through broken)")
-            if b.parent is not None and b.parent not in gpu.blocks:
+            if b.parent is not None and b.parent not in gblocks:
                 fail(f"L1 block {h} resident without its parent {b.parent} (prefix cut)")
-        if set(refs) - set(gpu.blocks):
+        if set(refs) - set(gblocks):
             fail("a request holds a page that is not resident in L1")
-        if len(host.blocks) > host.capacity:
-            fail(f"L2 over capacity: {len(host.blocks)} > {host.capacity}")
+        if len(hblocks) > host.capacity:
+            fail(f"L2 over capacity: {len(hblocks)} > {host.capacity}")
         n_unpinned = 0
-        for h, hb in host.blocks.items():
-            if hb.pinned != (h in gpu.blocks):
-                fail(f"L2 block {h}: pinned={hb.pinned} but in L1={h in gpu.blocks}")
+        for h, hb in hblocks.items():
+            if hb.pinned != (h in gblocks):
+                fail(f"L2 block {h}: pinned={hb.pinned} but in L1={h in gblocks}")
             n_unpinned += not hb.pinned
-        if n_unpinned != len(host.evictable):
-            fail(f"L2 evictable queue has {len(host.evictable)} blocks, {n_unpinned} unpinned")
-        for pool in (gpu, host):
-            queue = pool.evictable.ordered()
-            for a, b in zip(queue, queue[1:]):
-                if (a.group, a.last_access) >= (b.group, b.last_access):
-                    fail(f"{pool.tier} eviction queue out of key order at {a.hash}, {b.hash}")
+        if n_unpinned != len(hqueue):
+            fail(f"L2 evictable queue has {len(hqueue)} blocks, {n_unpinned} unpinned")
+        for tier, queue in (("gpu", gpu.evictable.ordered()), ("host", hqueue)):
+            if tier == "host":
+                for a, b in zip(queue, queue[1:]):
+                    if (a.group, a.last_access) >= (b.group, b.last_access):
+                        fail(f"{tier} eviction queue out of key order at {a.hash}, {b.hash}")
             pos = {b.hash: i for i, b in enumerate(queue)}
             for b in queue:
                 p = b.parent
                 if p is not None and p in pos and pos[p] < pos[b.hash] and queue[pos[p]].group == b.group:
-                    fail(f"{pool.tier}: parent {p} would be evicted before its child {b.hash}")
+                    fail(f"{tier}: parent {p} would be evicted before its child {b.hash}")
