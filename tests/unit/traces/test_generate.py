@@ -139,3 +139,45 @@ def test_cli_generate_writes_identical_files(tmp_path: Path) -> None:
     import gzip
 
     assert gzip.decompress(b.read_bytes()) == a.read_bytes()
+
+
+def test_osworld_screenshot_pruning_keeps_10_to_19_and_rewrites_after_the_header() -> None:
+    """OSWorld's Anthropic agent: keep the 10 most recent tool-result screenshots, remove in chunks of 10."""
+    from evolving_infra.traces.generate import osworld
+
+    p = osworld.PARAMS
+    step = int(p["screenshot_tokens"])
+    t = generate("osworld", seed=2, agents=12, requests_per_agent=45)
+    main: dict[str, list] = {}
+    for r in t.requests:
+        if r.branch.endswith(":main"):
+            main.setdefault(r.branch, []).append(r)
+    assert len(main) == 12
+    for reqs in main.values():
+        for j, r in enumerate(reqs):
+            # request j carries j tool-result screenshots before pruning; 20, 30, 40 trigger a removal of 10
+            assert r.compaction == (j >= 20 and j % 10 == 0)
+            if r.compaction:
+                prev = reqs[j - 1]
+                # fewer tokens than the previous request plus one step: ten screenshots went away
+                assert r.input_tokens < prev.input_tokens + step - 9 * step
+                # the system prompt and task (header) keep their blocks; the rest is rewritten
+                n = len(prev.blocks)
+                shared = next((i for i in range(n) if i >= len(r.blocks) or r.blocks[i] != prev.blocks[i]), n)
+                assert 2000 // t.header.block_size <= shared < n
+            elif j:
+                assert r.blocks[: len(reqs[j - 1].blocks)] == reqs[j - 1].blocks  # append-only in between
+
+
+def test_osworld_without_pruning_is_append_only() -> None:
+    from evolving_infra.traces.generate import osworld
+
+    saved = dict(osworld.PARAMS)
+    try:
+        osworld.PARAMS["screenshots_kept"] = None
+        t = generate("osworld", seed=2, agents=4, requests_per_agent=30)
+    finally:
+        osworld.PARAMS.clear()
+        osworld.PARAMS.update(saved)
+    assert not any(r.compaction for r in t.requests)
+    assert trace_stats(t)["ideal_kv_hit_rate"] > 0.9
