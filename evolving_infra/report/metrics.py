@@ -14,6 +14,12 @@ simulated seconds.
   ``RequestRecord.ideal_cached_tokens``. Over time it needs the per-request
   field: per window, 1 − Σ cached / Σ ideal cached tokens (Appendix D.4: "the
   share of these tokens that a run recomputes").
+* lost KV reuse by cause (Appendix C.1: "We attribute a loss to eviction when
+  the request runs on the same prefill node as the previous request in its
+  branch, and to routing when it runs on a different one"): per record,
+  lost = max(0, ideal cached − cached) tokens, attributed by the producer in
+  ``RequestRecord.lost_reuse_cause``; ``lost_kv_reuse_<cause>_share`` = the
+  cause's share of Σ lost (see :func:`lost_reuse_by_cause`).
 * prefill queueing time (Appendix C.3, Table C.2): mean and P95 of
   ``queue_s`` (arrival at the prefill node → start of its prefill) over the
   requests that report it.
@@ -166,6 +172,34 @@ def prefill_queue_imbalance(
     return (float(np.mean(valid)) if valid else None), ratios
 
 
+LOST_REUSE_CAUSES = ("eviction", "routing", "unattributed")
+"""Causes of lost KV reuse (paper Appendix C.1; ``unattributed``: a branch's first request)."""
+
+
+def lost_reuse_by_cause(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Lost KV reuse split by cause (paper Appendix C.1), over completed records the producer
+    attributed (``lost_reuse_cause`` set and ``ideal_cached_tokens`` known).
+
+    Returns:
+        ``lost_kv_reuse_<cause>_share`` for each of :data:`LOST_REUSE_CAUSES` (the cause's lost
+        tokens / all lost tokens; 0.0 when nothing was lost) and ``lost_kv_reuse_tokens`` (Σ lost
+        tokens); every value None when no record is attributed. O(records).
+    """
+    lost = dict.fromkeys(LOST_REUSE_CAUSES, 0)
+    seen = False
+    for r in records:
+        if not r.ok or r.lost_reuse_cause is None or r.ideal_cached_tokens is None:
+            continue
+        seen = True
+        miss = r.ideal_cached_tokens - r.cached_tokens
+        if miss > 0 and r.lost_reuse_cause in lost:
+            lost[r.lost_reuse_cause] += miss
+    total = sum(lost.values())
+    out: dict[str, Any] = {f"lost_kv_reuse_{c}_share": ((v / total if total else 0.0) if seen else None) for c, v in lost.items()}
+    out["lost_kv_reuse_tokens"] = total if seen else None
+    return out
+
+
 def summarize(
     records: Sequence[RequestRecord],
     *,
@@ -235,6 +269,7 @@ def summarize(
         "kv_hit_rate": h,
         "ideal_kv_hit_rate": ideal_kv_hit_rate,
         "lost_kv_reuse": lost,
+        **lost_reuse_by_cause(ok),
         "prefill_queue_samples": len(queue),
         "prefill_queue_mean_s": _mean(queue),
         "prefill_queue_p95_s": _pct(queue, 95),

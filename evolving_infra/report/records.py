@@ -51,6 +51,12 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_token_at: float | None = None
     """Simulated time the first token was produced on the prefill node, when the producer knows it
     (the simulator does; the live replayer measures at the client instead)."""
+    lost_reuse_cause: str | None = None
+    """Paper Appendix C.1 cause of this request's lost KV reuse (``ideal_cached_tokens −
+    cached_tokens``): ``eviction`` (it ran on the same prefill node as the previous request of its
+    branch — for a fork's first request, its parent's), ``routing`` (another node), ``unattributed``
+    (no previous request), ``none`` (nothing lost); None when the producer does not attribute
+    (``services.kvdirectory.reuse.attribute_lost_reuse``)."""
 
     @property
     def tpot_s(self) -> float | None:

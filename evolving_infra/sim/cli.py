@@ -116,6 +116,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         state_staleness_s=args.state_staleness_s,
         msg_latency_s=args.msg_latency_s,
         forced_switches=tuple(parse_switch(s) for s in args.switch_at or ()),
+        switch_every_s=args.switch_every,
+        switch_to=args.switch_to,
+        switch_control_s=args.switch_control_s,
+        pool_fetch_min_tokens=args.pool_fetch_min_tokens,
         label=args.label,
     )
 
@@ -135,7 +139,9 @@ def load_workload(args: argparse.Namespace) -> tuple[list[Any], int, dict[str, A
             trace = read_trace(Path(args.trace))
         except (TraceError, OSError) as e:
             raise SimConfigError(f"--trace: {e}") from e
-        return trace.requests, trace.header.block_size, {"trace": str(args.trace), "trace_source": trace.header.source}
+        return trace.requests, trace.header.block_size, _with_periods(
+            {"trace": str(args.trace), "trace_source": trace.header.source}, trace.header.meta
+        )
     from evolving_infra.traces.generate import GenerateError, generate
 
     try:
@@ -148,8 +154,44 @@ def load_workload(args: argparse.Namespace) -> tuple[list[Any], int, dict[str, A
         )
     except GenerateError as e:
         raise SimConfigError(f"--workload: {e}") from e
-    return trace.requests, trace.header.block_size, {"workload": args.workload, "workload_seed": args.workload_seed,
-                                                     "trace_source": trace.header.source}
+    return trace.requests, trace.header.block_size, _with_periods(
+        {"workload": args.workload, "workload_seed": args.workload_seed, "trace_source": trace.header.source}, trace.header.meta
+    )
+
+
+def _with_periods(prov: dict[str, Any], header_meta: dict[str, Any]) -> dict[str, Any]:
+    """``prov`` plus the trace's period schedule (``trace generate shift``), if it has one:
+    ``schedule_periods`` (the header's table) and ``periods`` (``{name, start_s, end_s}``, per-period metrics)."""
+    if header_meta.get("periods"):
+        from evolving_infra.sim.schedule import period_table
+
+        prov["schedule_periods"] = header_meta["periods"]
+        prov["periods"] = period_table(header_meta)
+    return prov
+
+
+def apply_schedule(cfg: SimConfig, args: argparse.Namespace, prov: dict[str, Any]) -> SimConfig:
+    """A trace with a period schedule runs it (closed loops per pool, ``evolving_infra.sim.schedule``)
+    unless an arrival process is given (``--concurrency``, ``--arrival-rate``, ``--trace-arrivals``);
+    then its periods are dropped from ``prov``.
+
+    Raises:
+        SimConfigError: a malformed schedule.
+    """
+    table = prov.pop("schedule_periods", None)
+    if table is None:
+        return cfg
+    if args.concurrency is not None or args.arrival_rate is not None or args.trace_arrivals:
+        prov.pop("periods", None)
+        return cfg
+    from dataclasses import replace
+
+    from evolving_infra.sim.schedule import windows_from_meta
+
+    try:
+        return replace(cfg, schedule=windows_from_meta({"periods": table}))
+    except ValueError as e:
+        raise SimConfigError(str(e)) from e
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -161,6 +203,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
         requests, bs, prov = load_workload(args)
+        cfg = apply_schedule(cfg, args, prov)
     except SimConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -226,11 +269,23 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     pol.add_argument("--decode-binding", default=None, choices=DECODE_BINDINGS,
                      help="enqueue = decode KV reserved at dispatch (SGLang PD); prefill-start = bound when prefill starts; "
                      "route = bound at dispatch, reserved at hand-off (the live stack)")
-    pol.add_argument("--switch-mode", default=None, choices=SWITCH_MODES, help="phase switch mechanics")
+    pol.add_argument("--switch-mode", default=None, choices=SWITCH_MODES,
+                     help="phase switch mechanics: decoupled = drain in place, KV kept in a pool every prefill node "
+                     "reads (paper §4; inplace = alias); relaunch = Dynamo (downtime --relaunch-s, KV lost); "
+                     "strand = Arrow (in place, KV lost); none")
+    pol.add_argument("--switch-control-s", type=float, default=0.0,
+                     help="in-place switches: seconds from the end of the drain to serving the new phase (default 0)")
     pol.add_argument("--relaunch-s", type=float, default=DEFAULT_RELAUNCH_S, help=f"relaunch downtime (default {DEFAULT_RELAUNCH_S:g} s)")
     pol.add_argument("--routing-opt", action="append", metavar="K=V", help="routing policy option (repeatable)")
     pol.add_argument("--planner-opt", action="append", metavar="K=V", help="planner parameter (repeatable)")
     pol.add_argument("--switch-at", action="append", metavar="T:NODE:PHASE", help="force a phase switch (repeatable)")
+    pol.add_argument("--switch-every", type=float, default=None, metavar="SECONDS",
+                     help="force a split change every SECONDS, alternating between --split and --switch-to "
+                     "(fewest nodes changed)")
+    pol.add_argument("--switch-to", default=None, metavar="xPyD", help="the other split of --switch-every")
+    pol.add_argument("--pool-fetch-min-tokens", type=int, default=512,
+                     help="decoupled data plane, routers that plan no fetch (cache-aware, ...): smallest peer fetch "
+                     "made while queued, in tokens (default 512, as the ttft router)")
     a = p.add_argument_group("arrivals and run length")
     a.add_argument("--concurrency", type=int, default=None, help="closed loop: concurrent agents (default 16)")
     a.add_argument("--arrival-rate", type=float, default=None, help="open loop: Poisson agent arrivals per minute")

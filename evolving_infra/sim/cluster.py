@@ -33,6 +33,7 @@ is at the decision, or at most ``state_staleness_s`` old.
 from __future__ import annotations
 
 import heapq
+from itertools import islice, takewhile
 import math
 
 import msgspec
@@ -46,16 +47,20 @@ from evolving_infra.report.records import RequestRecord
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from evolving_infra.sim.config import ForcedSwitch, Resolved
 from evolving_infra.sim.planners import make_planner, make_routing, request_done_type
+from evolving_infra.sim.schedule import ScheduledReplay
+from evolving_infra.sim.policies import LOCAL_KV_MODES, SHARED_POOL_MODES
 from evolving_infra.traces.schema import TraceRequest
 from services.kvdirectory.core import KvDirectory
+from services.kvdirectory.lookup import fetch_plan_for_reply
+from services.kvdirectory.reuse import attribute_lost_reuse
 from services.router.core import NoRoute, RouterCore
 from services.router.policy import RouteRequest
 from services.worker.plan import HandOff, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
-from shared.messages import DecodeWork, KvEventBatch, Phase, PrefillWork, SplitApplied, SplitCommand
-from shared.split import split_phases
+from shared.messages import DecodeWork, FetchRange, KvEventBatch, KvLookupReply, Phase, PrefillWork, SplitApplied, SplitCommand
+from shared.split import SplitError, assign_min_change, parse_split, split_phases
 
-PLAN_END, WAKE, TICK, RELAUNCH_END, FORCED, CALL, STOP = range(7)
+PLAN_END, WAKE, TICK, RELAUNCH_END, FORCED, CALL, STOP, PERIODIC, SWITCH_END = range(9)
 
 QUEUE_READING_ROUTERS = frozenset({"ttft"})
 """Routing policies that read ``NodeState.queue`` (Eq. 7's sum over queued work); the others
@@ -64,11 +69,49 @@ get node states without the queue list (O(1) per node instead of O(queue))."""
 LOCAL_PREFIX_ROUTERS = frozenset({"cache-aware", "dynamo-kv", "sticky", "round-robin"})
 """Routing policies that read only the prefill candidates' own prefixes from the KV directory
 (no shared pool: ``longest_any`` and fetch sources unused)."""
+GPU_BLIND_ROUTERS = frozenset({"cache-aware", "sticky", "round-robin"})
+"""Routing policies that never read a lookup's ``gpu_blocks`` (``dynamo-kv`` and ``ttft`` credit
+device hits): with them the directory's GPU tier is read by nobody unless branch counts are kept."""
 HORIZON_S = 1.0e6
 """Horizon given to ``schedule``: far enough that only completions and KV arrivals bound a fold;
 new work cuts the fold with ``truncate`` instead."""
 
-SERVING, DRAINING, RELAUNCHING = "serving", "draining", "relaunching"
+SERVING, DRAINING, RELAUNCHING, SWITCHING = "serving", "draining", "relaunching", "switching"
+"""Node status: ``switching`` = drained, in the in-place switch's control time (serves nothing)."""
+
+FETCH_PLANNING_ROUTERS = frozenset({"ttft"})
+"""Routing policies that plan peer fetches themselves (``PrefillChoice.fetch``); with the shared
+pool the simulator plans one for the others (:func:`pool_fetch`)."""
+
+POOL_FETCH_MIN_TOKENS = 512
+"""No pool fetch below this many tokens (recomputed instead): the ``ttft`` router's default
+``--ttft-fetch-min-tokens`` (DESIGN §4, "x ≥ 512 (no fetch below)")."""
+
+
+def pool_fetch(lookup: KvLookupReply | None, node: str, prompt_tokens: int, min_tokens: int = POOL_FETCH_MIN_TOKENS) -> list[FetchRange]:
+    """The decoupled data plane's fetch for a request placed on ``node`` by a router that plans
+    no fetch (paper §4.2: any prefill node reads the shared pool while the request queues).
+
+    The ranges of the cluster's longest cached prefix beyond ``node``'s own prefix that other
+    nodes hold (``services.kvdirectory.lookup.fetch_plan``, host copies first), clipped to the
+    engine's cache cap ``(prompt − 1) // block_size`` blocks; empty when that is under
+    ``min_tokens`` tokens or there is no lookup. The engine fetches them while the request
+    waits (``EngineScheduler._start_fetch``). O(ranges).
+    """
+    if lookup is None or lookup.error is not None or lookup.longest_any <= 0 or prompt_tokens < 2:
+        return []
+    bs = lookup.block_size
+    cap = (prompt_tokens - 1) // bs
+    plan = fetch_plan_for_reply(lookup, node)
+    out: list[FetchRange] = []
+    blocks = 0
+    for r in plan.ranges:
+        if r.start >= cap:
+            continue
+        end = r.end if r.end <= cap else cap
+        out.append(r if end == r.end else FetchRange(node=r.node, start=r.start, end=end, tier=r.tier))
+        blocks += end - r.start
+    return out if blocks * bs >= min_tokens else []
 
 
 class SimError(RuntimeError):
@@ -96,6 +139,12 @@ class _Node:
     state_at: float = -math.inf
     dirty: bool = True
     out_since: float = 0.0
+    drained_at: float = 0.0
+    """When the current switch's drain ended (the last running request left)."""
+    requeued: int = 0
+    """Queued requests the current switch handed back for re-routing."""
+    host_at_switch: tuple[int, int] = (0, 0)
+    """(blocks in its L2, of which no other node's L2 holds a copy) at the switch decision."""
 
 
 @dataclass(slots=True, eq=False)
@@ -116,6 +165,17 @@ class _Flight:
     work: PrefillWork | None = None
     decode_later: bool = False
     """Routed PD with the decode node to be bound at prefill start."""
+    started: bool = False
+    """Its prefill was admitted on its prefill node (for the decode-reservation meter)."""
+    decided_at: float = 0.0
+    """Time of the routing decision that placed it (its last one, after a re-route)."""
+    predicted: float | None = None
+    """The router's predicted TTFT at that decision (s from the decision; ``ttft`` routing)."""
+    first_token_at: float | None = None
+    """Time the prefill node produced the first token."""
+    prev_prefill: str | None = None
+    """Prefill node of the branch's previous request (a fork's first request: its parent's), for
+    the paper's C.1 attribution of lost KV reuse."""
 
 
 @dataclass(slots=True)
@@ -143,6 +203,34 @@ class SimStats:
     agents; concurrency falls from then on)."""
     ttft_pred_abs_err: list[float] = field(default_factory=list)
     """|predicted − measured| TTFT (s) of every first token whose routing policy predicted one."""
+    host_evictions: dict[str, int] = field(default_factory=dict)
+    """L2 evictions the KV directory classified, by the evicting node's phase and the block's
+    branch count on it: ``<phase>.zero_count`` / ``<phase>.positive_count`` (whole run)."""
+    counted_samples: int = 0
+    counted_sum: float = 0.0
+    counted_max: int = 0
+    """Blocks that active branches reference (count > 0) on a node serving prefill, sampled at
+    every request sent: samples, Σ of the per-send mean over those nodes, max over nodes and sends."""
+    directory: dict[str, float] = field(default_factory=dict)
+    """The KV directory's counters at the end of the run (``KvDirectory.all_counters``: branch
+    starts/ends/expiries/version bumps, moves, evictions by count) and ``end.copies.*`` gauges."""
+    switch_log: list[dict[str, Any]] = field(default_factory=list)
+    """Every completed node switch: node, from/to phase, mode, decided_at, drained_at,
+    served_at, drain_s (decision → drained), downtime_s (drained → serving: relaunch or
+    control time, the node serves nothing), switch_s (decision → serving), requeued, host_blocks
+    and unique_host_blocks (its L2 at the decision, and the part no other node's L2 holds)."""
+    pool_fetch_plans: int = 0
+    """Fetch plans the simulator made for a router that plans none (decoupled data plane)."""
+    fetch_plans_dropped: int = 0
+    """Router fetch plans dropped because the switch mode keeps KV local (relaunch, strand)."""
+    periodic_skipped: int = 0
+    """``switch_every`` changes that could not be made (too many nodes still switching)."""
+    resv_node_s: float = 0.0
+    """∫ decode KV blocks reserved for requests whose hand-off has not arrived dt (warm-up excluded)."""
+    resv_waiting_node_s: float = 0.0
+    """The same, only reservations of requests whose prefill has not started."""
+    decode_cap_node_s: float = 0.0
+    """∫ L1 blocks of the nodes serving decode dt (warm-up excluded)."""
 
 
 @dataclass(slots=True)
@@ -195,20 +283,48 @@ class ClusterSim:
         self.latency = cfg.msg_latency_s
         self.staleness = cfg.state_staleness_s
         self.duration = cfg.duration_s
+        # The directory always hears branch starts/ends and placements (as live: the router
+        # publishes them whatever the engines' eviction), so it keeps the counts R and classifies
+        # evictions under every policy; only branch-count engines are sent the counts.
         self.track_branches = ps.eviction == "branch-count"
         # Decode-phase nodes' KV is invisible to every decision when the router reads only the
-        # candidates' own prefixes, no branch counts are kept, and a node that leaves decode
-        # empties its caches (or never switches): their KV events are then not sent at all
-        # (tested: identical reports). With a shared pool (ttft), branch counts or in-place
-        # switches they are sent, as live.
+        # candidates' own prefixes and a node that leaves decode empties its caches (or never
+        # switches): nothing reads a decode node's L2, so neither its content nor its eviction
+        # order (branch counts included) can change a result. Their KV events and decode
+        # placements are then not sent at all (tested: identical reports). With a shared pool
+        # (ttft) or in-place switches they are sent, as live.
         self.skip_decode_kv = (
             cfg.decode_kv_events == "auto"
             and ps.routing in LOCAL_PREFIX_ROUTERS
-            and not self.track_branches
             and ps.switch_mode in ("none", "relaunch", "strand")
         )
+        # GPU-tier KV events: L2 is written through, so every node's host copy holds its GPU
+        # copy and a lookup's local prefixes, longest_any and fetch sources (host copies first)
+        # are the same without them; only NodePrefix.gpu_blocks differs. Routers that never read
+        # it, with no branch counts, get the same decisions: the events are not sent (tested:
+        # identical reports; decode_kv_events="always" sends everything).
+        self.skip_gpu_kv = cfg.decode_kv_events == "auto" and ps.routing in GPU_BLIND_ROUTERS and not self.track_branches
+        # the data plane: decoupled = one pool every prefill node reads (router's fetch plan,
+        # else pool_fetch); relaunch / strand = local KV only (a router's fetch plan is dropped)
+        self.switch_control_s = cfg.switch_control_s
+        self.pool = ps.switch_mode in SHARED_POOL_MODES
+        self.make_pool_fetch = self.pool and ps.routing not in FETCH_PLANNING_ROUTERS
+        self.pool_fetch_min = cfg.pool_fetch_min_tokens
+        self.drop_fetch = ps.switch_mode in LOCAL_KV_MODES
+        self.switch_every = cfg.switch_every_s
+        self.switch_splits = (run.split, cfg.switch_to)
+        # decode-reservation meter (paper D.1): rid -> [blocks, prefill not started yet]
+        self._resv: dict[str, list[Any]] = {}
+        self._resv_sum = 0
+        self._resv_wait = 0
+        self._resv_t = 0.0
+        self._meter_from = cfg.warmup_s
         names = list(node_names)
         self.phases: dict[str, Phase] = split_phases(run.split, names)
+        self.planner, self.planner_source = make_planner(ps.planner, names, self.profile, **cfg.planner_options)
+        start_phases = getattr(self.planner, "start_phases", None)
+        if callable(start_phases):  # evolving: launch collocated for the warm-up; run.split comes after it
+            self.phases = dict(start_phases(self.phases))
         self.initial_phases = dict(self.phases)
         self.nodes: dict[str, _Node] = {
             n: _Node(n, EngineScheduler(n, self.profile, self.phases[n], host_eviction=ps.eviction), self.phases[n]) for n in names
@@ -218,20 +334,32 @@ class ClusterSim:
             self.directory.node_id(n)
         ropts: dict[str, Any] = {"profile": self.profile, "block_size": self.bs, "seed": cfg.seed}
         ropts.update(cfg.routing_options)
-        self.router = RouterCore(make_routing(ps.routing, ps.decode_routing, **ropts), block_size=self.bs, fence_after=math.inf)
+        # prefill-start: the router core defers the decode choice to ``bind_decode`` at the
+        # prefill start (the live router's route.bind path); enqueue / route: chosen in route()
+        self.router = RouterCore(
+            make_routing(ps.routing, ps.decode_routing, **ropts),
+            block_size=self.bs,
+            fence_after=math.inf,
+            decode_binding="prefill-start" if self.binding == "prefill-start" else "dispatch",
+        )
         self._apply_models = getattr(self.router, "apply_models", None)
         self.epoch = 1
         self.router.apply_split(SplitCommand(epoch=1, phases=dict(self.phases), reason="initial", decided_at=0.0))
-        self.planner, self.planner_source = make_planner(ps.planner, names, self.profile, **cfg.planner_options)
         self._feed_planner = ps.planner != "static"
         self._RequestDone = request_done_type()
-        self.replay = ReplayCore(requests, arrival, start=0.0, max_agents=cfg.max_agents)
+        self.replay: Any = (
+            ScheduledReplay(requests, cfg.schedule, seed=cfg.seed)
+            if cfg.schedule
+            else ReplayCore(requests, arrival, start=0.0, max_agents=cfg.max_agents)
+        )
         self.timeline = TimelineRecorder(self.phases, t0=0.0, epoch=1)
         self.stats = SimStats()
         self.records: list[RequestRecord] = []
         self.flights: dict[str, _Flight] = {}
         self.parked: OrderedDict[str, _Flight] = OrderedDict()
         self.branch_kind: dict[str, str] = {}
+        self._last_prefill: dict[str, str] = {}
+        """branch → prefill node of its last request that produced a first token (paper C.1)."""
         for r in requests:
             if r.kind is not None and r.branch not in self.branch_kind:
                 self.branch_kind[r.branch] = r.kind
@@ -243,6 +371,9 @@ class ClusterSim:
             if f.node not in self.nodes:
                 raise ValueError(f"forced switch names unknown node {f.node!r}")
             self._push(f.t, FORCED, f.node, f.phase)
+        if self.switch_every is not None:
+            self._push(self.switch_every, PERIODIC, 1, None)
+        self._decode_cap = sum(self.profile.gpu_blocks for p in self.phases.values() if p == "decode")
         nt = self.planner.next_tick()
         if nt is not None:
             self._push(max(nt, 0.0), TICK, None, None)
@@ -285,6 +416,10 @@ class ClusterSim:
                     self._on_relaunch_end(a, t)
                 elif kind == FORCED:
                     self._start_switch(self.nodes[a], b, t, "forced")
+                elif kind == PERIODIC:
+                    self._on_periodic(a, t)
+                elif kind == SWITCH_END:
+                    self._on_switch_end(a, t)
                 elif kind == STOP:
                     break
             elif t_rep is not None:
@@ -297,7 +432,12 @@ class ClusterSim:
             else:
                 break
         stats.end_time = self.now
+        self._meter(self.now)
         stats.unfinished = len(self.flights) + len(self.parked)
+        stats.directory = dict(self.directory.all_counters())
+        for k, v in self.directory.gauges().items():
+            if k.startswith("copies."):  # blocks by (count > 0, tier) at the end
+                stats.directory["end." + k] = v
         for n in self.nodes.values():
             if n.status == RELAUNCHING:
                 stats.out_of_service.append((n.name, n.out_since, self.now))
@@ -325,24 +465,41 @@ class ClusterSim:
         req = action.req
         blocks = req.blocks if self._blocks_of is None else self._blocks_of(req)
         seen = self._seen
-        hit = 0
-        for b in blocks:
-            if b in seen:
-                hit += 1
-            else:
-                break
-        seen.update(blocks)
+        hit = len(list(takewhile(seen.__contains__, blocks)))  # leading blocks sent before (C loop)
+        seen.update(islice(blocks, hit, None))  # the first ``hit`` are in already
         kind = self.branch_kind.get(req.branch, "main")
-        if action.new_branch and self.track_branches:
-            self.directory.branch_start(req.branch, t, kind=req.kind or "main", parent=req.parent_branch, agent=req.agent)
+        directory = self.directory
+        if action.new_branch:
+            directory.branch_start(req.branch, t, kind=req.kind or "main", parent=req.parent_branch, agent=req.agent)
+        dl = directory.next_deadline()
+        if dl is not None and dl <= t:  # the live shell's expiry loop: silent branches end
+            directory.expire(t)
+            self._flush_counts()
+        st = self.stats
+        tot = k = 0
+        for n in self.nodes.values():  # the KV active branches reference per prefill node
+            if n.phase != "decode":
+                c = directory.counted_blocks(n.name)
+                tot += c
+                k += 1
+                if c > st.counted_max:
+                    st.counted_max = c
+        if k:
+            st.counted_samples += 1
+            st.counted_sum += tot / k
         rr = RouteRequest(
             rid=req.id,
             prompt_tokens=req.input_tokens,
             block_hashes=blocks,
             max_tokens=req.output_tokens,
-            branch_id=req.branch if self.track_branches else None,
+            branch_id=req.branch,
         )
         f = _Flight(req=req, rr=rr, sent_at=t, wait=action.admission_wait_s, ideal=hit * self.bs, kind=kind)
+        # paper C.1: the previous request of the branch (a fork's first: its parent's) ran here
+        prev = self._last_prefill.get(req.branch)
+        if prev is None and action.new_branch and kind == "fork" and req.parent_branch is not None:
+            prev = self._last_prefill.get(req.parent_branch)
+        f.prev_prefill = prev
         self.flights[req.id] = f
         footprint = -(-(req.input_tokens + req.output_tokens) // self.bs)
         if footprint > self.profile.gpu_blocks:
@@ -352,9 +509,8 @@ class ClusterSim:
 
     def _end_branch(self, action: EndBranch, t: float) -> None:
         self.router.end_branch(action.branch, t)
-        if self.track_branches:
-            self.directory.branch_end(action.branch, t)
-            self._flush_counts()
+        self.directory.branch_end(action.branch, t)
+        self._flush_counts()
 
     # ------------------------------------------------------------------ #
     # routing
@@ -385,40 +541,44 @@ class ClusterSim:
         pnode = self.nodes[out.prefill.node]
         dname = out.decode_node
         work = out.work
-        if self.track_branches:
-            for placed in out.placed:
-                if placed.phase != "decode" or self.binding != "prefill-start":
-                    self.directory.place(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t)
-            self._flush_counts()
+        if work.fetch:
+            if self.drop_fetch:  # relaunch / strand: a prefill node reuses only its own KV
+                self.stats.fetch_plans_dropped += 1
+                work = msgspec.structs.replace(work, fetch=[])
+        elif self.make_pool_fetch:  # decoupled data plane: read the rest of the prefix from the pool
+            ranges = pool_fetch(lookup, pnode.name, rr.prompt_tokens, self.pool_fetch_min)
+            if ranges:
+                self.stats.pool_fetch_plans += 1
+                work = msgspec.structs.replace(work, fetch=ranges)
+        for placed in out.placed:  # prefill-start: the decode placement comes with the binding
+            if placed.phase != "decode" or not self.skip_decode_kv:  # decode: only where decode KV is seen
+                self.directory.place(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t)
+        self._flush_counts()
         f.prefill = pnode.name
+        f.decided_at = t
+        f.predicted = out.predicted_ttft_s
         pnode.bound += 1
         gated = False
-        decode_later = False
+        # prefill-start: the core dispatched the work with no decode node
+        # (decode_binding="start"); it is bound by RouterCore.bind_decode at the prefill start
+        decode_later = work.decode_binding == "start"
+        f.decode_later = decode_later
         if dname is not None:
-            if self.binding == "prefill-start":
-                # the router's core binds decode at dispatch; this mode binds at prefill start
-                view = self.router.view
-                view.on_finish(rr.rid)
-                view.on_dispatch(rr.rid, pnode.name, None)
-                work = _replace_decode(work, None)
-                decode_later = True
-                f.decode_later = True
-            else:
-                f.decode = dname
-                dnode = self.nodes[dname]
-                dnode.bound += 1
-                if self.binding == "enqueue":
-                    try:
-                        granted = dnode.sched.reserve(rr.rid, rr.prompt_tokens, rr.max_tokens, t)
-                    except WorkRejected as e:
-                        self._reject(f, e.reason, t)
-                        return
-                    self._flush_kv(dnode, t)
-                    dnode.dirty = True
-                    gated = not granted
+            f.decode = dname
+            dnode = self.nodes[dname]
+            dnode.bound += 1
+            if self.binding == "enqueue":
+                try:
+                    granted = dnode.sched.reserve(rr.rid, rr.prompt_tokens, rr.max_tokens, t)
+                except WorkRejected as e:
+                    self._reject(f, e.reason, t)
+                    return
+                self._flush_kv(dnode, t)
+                dnode.dirty = True
+                gated = not granted
+                if granted:
+                    self._resv_add(rr.rid, rr.prompt_tokens, rr.max_tokens, True, t)
         f.work = work
-        if not decode_later:
-            f.decode_later = False
         self._deliver(t, self._add_prefill, f, work, gated, decode_later)
 
     def _deliver(self, t: float, fn: Callable[..., None], *args: Any) -> None:
@@ -470,6 +630,7 @@ class ClusterSim:
             self._maybe_finish_drain(p, t)
         if f.decode is not None:
             d = self.nodes[f.decode]
+            self._resv_drop(f.req.id, t)
             if d.sched.abort(f.req.id, t):
                 self._flush_kv(d, t)
                 self._kick(d, t)  # freed room may grant queued reservations
@@ -501,7 +662,7 @@ class ClusterSim:
                     n.token += 1
                     self._push(end, PLAN_END, n, n.token)
             return
-        if n.status == RELAUNCHING:
+        if n.status == RELAUNCHING or n.status == SWITCHING:
             return
         plan = sched.schedule(t, t + HORIZON_S)
         n.dirty = True
@@ -524,12 +685,21 @@ class ClusterSim:
         granted = n.sched.take_granted()
         for rid in granted:
             f = self.flights.get(rid)
-            if f is None or f.prefill is None:
+            if f is None:
+                continue
+            self._resv_add(rid, f.rr.prompt_tokens, f.rr.max_tokens, not f.started, t)
+            if f.prefill is None:
                 continue
             p = self.nodes[f.prefill]
             if p.sched.open_gate(rid, t):
                 p.dirty = True
                 self._kick(p, t)
+        if plan is not None and plan.admitted and self.binding == "enqueue":
+            for rid in plan.admitted:  # the reservation meter: these prefills have started
+                f = self.flights.get(rid)
+                if f is not None:
+                    f.started = True
+                    self._resv_started(rid, t)
         if plan is not None and plan.admitted and self.binding == "prefill-start":
             for rid in plan.admitted:
                 f = self.flights[rid]
@@ -539,27 +709,33 @@ class ClusterSim:
     def _bind_at_prefill_start(self, pnode: _Node, f: _Flight, t: float) -> None:
         """Paper Eq. 7 / D.1: the decode node is chosen, and its KV reserved, when the prefill starts."""
         self._refresh_states(t)
-        view = self.router.view
-        cands = view.decode_candidates(t)
-        choice = self.router.policy.choose_decode(f.rr, cands, t) if cands else None
-        if choice is not None:
-            dname = choice.node
-        else:  # every decode node is switching: the least loaded node still in decode phase
-            pool = [d for d in self.nodes.values() if d.phase == "decode" and d.status != RELAUNCHING]
+        bound = self.router.bind_decode(f.req.id, t, prefill_node=pnode.name)  # the live route.bind
+        if isinstance(bound, NoRoute):
+            # every decode node is switching (the live worker would retry route.bind every
+            # 50 ms; here the prefill has started and needs a target now): the least loaded
+            # node still in decode phase, bound through the same core call
+            pool = [
+                d for d in self.nodes.values()
+                if d.phase == "decode" and d.status != RELAUNCHING and d.status != SWITCHING and d.name != pnode.name
+            ]
             if not pool:
                 raise SimError(f"{f.req.id} started prefill on {pnode.name} but no node serves decode")
-            dname = min(pool, key=lambda d: (d.bound, d.name)).name
-        view.on_finish(f.req.id)
-        view.on_dispatch(f.req.id, pnode.name, dname)
+            force = min(pool, key=lambda d: (d.bound, d.name)).name
+            bound = self.router.bind_decode(f.req.id, t, prefill_node=pnode.name, node=force)
+            if isinstance(bound, NoRoute):
+                raise SimError(f"{f.req.id}: the router refused its decode binding: {bound.reason}")
+        dname = bound.node
         pnode.sched.bind_decode(f.req.id, dname)
         d = self.nodes[dname]
         f.decode = dname
         d.bound += 1
-        d.sched.reserve(f.req.id, f.rr.prompt_tokens, f.rr.max_tokens, t)
+        if d.sched.reserve(f.req.id, f.rr.prompt_tokens, f.rr.max_tokens, t):
+            self._resv_add(f.req.id, f.rr.prompt_tokens, f.rr.max_tokens, False, t)
         d.dirty = True
         self._flush_kv(d, t)
-        if self.track_branches:
-            self.directory.place(f.rr.branch_id, dname, "decode", f.rr.block_hashes, t)  # type: ignore[arg-type]
+        if not self.skip_decode_kv:  # decode placements only where the directory sees decode KV
+            for placed in bound.placed:
+                self.directory.place(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t)
             self._flush_counts()
 
     def _on_wake(self, n: _Node, t: float) -> None:
@@ -590,6 +766,7 @@ class ClusterSim:
                         if f.decode is not None and f.decode != n.name:
                             # finished at prefill (max_tokens 1): release the decode binding
                             d = self.nodes[f.decode]
+                            self._resv_drop(out.rid, t)
                             if d.sched.abort(out.rid, t):
                                 self._flush_kv(d, t)
                                 self._kick(d, t)
@@ -608,6 +785,7 @@ class ClusterSim:
     def _add_decode(self, t: float, h: HandOff) -> None:
         d = self.nodes[h.decode_node]
         work: DecodeWork = h.work
+        self._resv_drop(h.rid, t)  # the reservation now holds a hand-off: no longer a pre-allocation
         try:
             d.sched.add_decode(work, t)
         except WorkRejected as e:
@@ -633,10 +811,13 @@ class ClusterSim:
         if f is None:
             return
         f.first_at = t
+        f.first_token_at = out.at
         f.queue_s = out.queue_s
         f.cached = out.cached_tokens
         f.prompt = out.prompt_tokens
-        sample = self.router.on_first_token(out.rid, t, first_token_at=t, queue_s=out.queue_s)
+        if f.prefill is not None:
+            self._last_prefill[f.req.branch] = f.prefill
+        sample = self.router.on_first_token(out.rid, t, first_token_at=out.at, queue_s=out.queue_s)
         if sample is not None and sample.predicted_s is not None and sample.measured_s is not None:
             self.stats.ttft_pred_abs_err.append(abs(sample.predicted_s - sample.measured_s))
 
@@ -696,6 +877,11 @@ class ClusterSim:
             finished_at=t,
             queue_s=f.queue_s,
             ideal_cached_tokens=f.ideal,
+            # the prediction counts from its decision; a request parked or re-routed was decided
+            # after its send, so the record's prediction (of send → first token) adds that delay
+            predicted_ttft_s=(f.decided_at - f.sent_at + f.predicted) if ok and f.predicted is not None else None,
+            first_token_at=f.first_token_at,
+            lost_reuse_cause=attribute_lost_reuse(f.ideal, f.cached, f.prefill or "", f.prev_prefill)[1] if ok else None,
         )
 
     # ------------------------------------------------------------------ #
@@ -706,14 +892,30 @@ class ClusterSim:
         events = n.sched.take_kv_events()
         if not events or (self.skip_decode_kv and n.phase == "decode"):
             return
-        n.kv_seq += 1
         self.stats.kv_batches += 1
-        self.directory.apply_kv_batch(KvEventBatch(node=n.name, seq=n.kv_seq, ts=t, events=events), t)
-        if self.track_branches:
-            self._flush_counts()
+        if self.skip_gpu_kv:
+            events = [e for e in events if e.tier != "gpu"]
+            if not events:
+                return
+        n.kv_seq += 1
+        d = self.directory
+        c = d.counters
+        z, p = c["evictions.host.zero_count"], c["evictions.host.positive_count"]
+        d.apply_kv_batch(KvEventBatch(node=n.name, seq=n.kv_seq, ts=t, events=events), t)
+        z, p = c["evictions.host.zero_count"] - z, c["evictions.host.positive_count"] - p
+        if z or p:  # host evictions by (count > 0) and by the phase of the evicting node
+            ev = self.stats.host_evictions
+            ev[n.phase + ".zero_count"] = ev.get(n.phase + ".zero_count", 0) + z
+            ev[n.phase + ".positive_count"] = ev.get(n.phase + ".positive_count", 0) + p
+        self._flush_counts()
 
     def _flush_counts(self) -> None:
-        for cu in self.directory.take_count_updates():
+        """Count changes (``kv.counts.<node>``) to the engines at once; engines whose eviction
+        ignores counts (``lru``) are not sent them (the outbox is drained either way)."""
+        updates = self.directory.take_count_updates()
+        if not self.track_branches:
+            return
+        for cu in updates:
             node = self.nodes.get(cu.node)
             if node is not None:
                 node.sched.update_counts(cu.hashes, cu.counts)
@@ -765,11 +967,19 @@ class ClusterSim:
         self.timeline.on_applied(
             SplitApplied(epoch=self.epoch, node=n.name, phase=phase, status="draining", decided_at=t, applied_at=t)
         )
+        own = set(n.sched.snapshot()[1])
+        others: set[int] = set()
+        for m in self.nodes.values():
+            if m is not n:
+                others.update(m.sched.snapshot()[1])
+        n.host_at_switch = (len(own), len(own - others))
         queued = n.sched.take_queued(t)
+        n.requeued = 0
         for work in queued:
             f = self.flights.get(work.rid)
             if f is None:
                 continue
+            n.requeued += 1
             n.bound -= 1
             f.prefill = None
             self._unbind(f, t)
@@ -783,15 +993,99 @@ class ClusterSim:
             return
         old, new = n.phase, n.target
         assert new is not None
+        n.drained_at = t
         if self.switch_mode in ("relaunch", "strand"):
             n.sched.clear_caches(t)
             self._flush_kv(n, t)
-        if self.switch_mode == "relaunch" and self.relaunch_s > 0:
-            n.status = RELAUNCHING
-            n.out_since = t
-            self._push(t + self.relaunch_s, RELAUNCH_END, n, None)
+        if self.switch_mode == "relaunch":
+            if self.relaunch_s > 0:
+                n.status = RELAUNCHING
+                n.out_since = t
+                self._push(t + self.relaunch_s, RELAUNCH_END, n, None)
+                return
+        elif self.switch_control_s > 0:  # in place: the engine reconfigures, serving nothing meanwhile
+            n.status = SWITCHING
+            self._push(t + self.switch_control_s, SWITCH_END, n, None)
             return
         self._serve(n, old, new, t)
+
+    def _on_switch_end(self, n: _Node, t: float) -> None:
+        assert n.target is not None
+        self._serve(n, n.phase, n.target, t)
+
+    def _on_periodic(self, k: int, t: float) -> None:
+        """``switch_every``: at k·period move to ``switch_to`` (odd k) or back to ``split`` (even k),
+        changing the fewest nodes (``assign_min_change``) among those not already switching."""
+        spec = self.switch_splits[k % 2 == 1]
+        self._push(t + self.switch_every, PERIODIC, k + 1, None)  # type: ignore[operator]
+        assert spec is not None
+        pd = parse_split(spec, len(self.nodes))
+        assert pd is not None  # checked by resolve()
+        busy = {name for name, n in self.nodes.items() if n.status != SERVING}
+        free = {name: ph for name, ph in self.phases.items() if name not in busy}
+        need = pd[0] - sum(1 for name in busy if self.phases[name] == "prefill")
+        if need == sum(1 for ph in free.values() if ph == "prefill"):
+            return  # already there (or on the way)
+        if not free or not 0 <= need <= len(free):
+            self.stats.periodic_skipped += 1
+            return
+        if 1 <= need <= len(free) - 1:
+            try:
+                want = assign_min_change(free, need)
+            except SplitError:  # pragma: no cover - range checked above
+                self.stats.periodic_skipped += 1
+                return
+        else:
+            want = {name: ("prefill" if need else "decode") for name in free}
+        changes = {name: ph for name, ph in want.items() if ph != free[name]}
+        reason = f"periodic {spec}"
+        self.stats.planner_decisions.append({"ts": t, "reason": reason, "changes": dict(changes), "action": "switch"})
+        for name, ph in changes.items():
+            self._start_switch(self.nodes[name], ph, t, reason)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ #
+    # decode-reservation meter (paper D.1)
+    # ------------------------------------------------------------------ #
+
+    def _meter(self, t: float) -> None:
+        """Integrate the reserved and capacity block counts up to ``t`` (from the warm-up on)."""
+        lo = self._resv_t if self._resv_t > self._meter_from else self._meter_from
+        if t > lo:
+            dt = t - lo
+            st = self.stats
+            st.resv_node_s += self._resv_sum * dt
+            st.resv_waiting_node_s += self._resv_wait * dt
+            st.decode_cap_node_s += self._decode_cap * dt
+        if t > self._resv_t:
+            self._resv_t = t
+
+    def _resv_add(self, rid: str, prompt: int, max_tokens: int, waiting: bool, t: float) -> None:
+        """A decode reservation of ``rid`` was granted (before its hand-off)."""
+        if rid in self._resv:
+            return
+        self._meter(t)
+        blocks = -(-(prompt + max_tokens) // self.bs)
+        self._resv[rid] = [blocks, waiting]
+        self._resv_sum += blocks
+        if waiting:
+            self._resv_wait += blocks
+
+    def _resv_started(self, rid: str, t: float) -> None:
+        """The prefill of reserved ``rid`` started: its reservation no longer waits for prefill."""
+        e = self._resv.get(rid)
+        if e is not None and e[1]:
+            self._meter(t)
+            e[1] = False
+            self._resv_wait -= e[0]
+
+    def _resv_drop(self, rid: str, t: float) -> None:
+        """``rid``'s reservation ends (hand-off arrived, abort, re-route)."""
+        e = self._resv.pop(rid, None)
+        if e is not None:
+            self._meter(t)
+            self._resv_sum -= e[0]
+            if e[1]:
+                self._resv_wait -= e[0]
 
     def _on_relaunch_end(self, n: _Node, t: float) -> None:
         self.stats.out_of_service.append((n.name, n.out_since, t))
@@ -799,17 +1093,29 @@ class ClusterSim:
         self._serve(n, n.phase, n.target, t)
 
     def _serve(self, n: _Node, old: Phase, new: Phase, t: float) -> None:
+        if (old == "decode") != (new == "decode"):
+            self._meter(t)
+            self._decode_cap += self.profile.gpu_blocks if new == "decode" else -self.profile.gpu_blocks
+        self.stats.switch_log.append(
+            {
+                "node": n.name, "from": old, "to": new, "mode": self.switch_mode,
+                "decided_at": n.decided_at, "drained_at": n.drained_at, "served_at": t,
+                "drain_s": n.drained_at - n.decided_at, "downtime_s": t - n.drained_at,
+                "switch_s": t - n.decided_at, "requeued": n.requeued,
+                "host_blocks": n.host_at_switch[0], "unique_host_blocks": n.host_at_switch[1],
+            }
+        )
         n.sched.set_phase(new, t)
         n.phase = new
         n.status = SERVING
         n.target = None
         n.dirty = True
         self.directory.node_phase_changed(n.name, old, new, t)
-        if self.track_branches:
-            self._flush_counts()
+        self._flush_counts()
         self.timeline.on_applied(
             SplitApplied(
-                epoch=n.epoch, node=n.name, phase=new, status="serving", decided_at=n.decided_at, applied_at=t, switch_s=t - n.decided_at
+                epoch=n.epoch, node=n.name, phase=new, status="serving", decided_at=n.decided_at, applied_at=t,
+                switch_s=t - n.decided_at, received_at=n.decided_at, drained_at=n.drained_at, requeued=n.requeued,
             )
         )
         if self._feed_planner:
@@ -819,7 +1125,3 @@ class ClusterSim:
             self.parked.clear()
             for f in parked:
                 self._dispatch(f, t)
-
-
-def _replace_decode(work: PrefillWork, node: str | None) -> PrefillWork:
-    return msgspec.structs.replace(work, decode_node=node)

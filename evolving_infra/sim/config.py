@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from evolving_infra.replay.core import Arrival
+from evolving_infra.sim.schedule import Window
 from evolving_infra.sim.planners import planner_module, planner_names, routing_available
 from evolving_infra.sim.policies import (
     DEFAULT_RELAUNCH_S,
@@ -92,10 +93,27 @@ class SimConfig:
     msg_latency_s: float = 0.0
     """Constant delay of work dispatch, hand-off and client delivery (0: instantaneous)."""
     forced_switches: tuple[ForcedSwitch, ...] = ()
+    switch_every_s: float | None = None
+    """Force a split change every this many simulated seconds, alternating between ``split``
+    and ``switch_to`` (at k·period: ``switch_to`` for odd k, ``split`` for even k); the
+    nodes that change are chosen by the fewest-changes rule (``shared.split.assign_min_change``)
+    among the nodes not already switching."""
+    switch_to: str | None = None
+    """The other split of ``switch_every_s`` (``xPyD``)."""
+    switch_control_s: float = 0.0
+    """In-place switches (``decoupled``, ``strand``): time from the end of the drain to serving
+    the new phase (the engine's reconfiguration; the live sim engine measures 1–6 ms, the
+    paper's in-place switch ≥ 0.7 s including the drain). The node serves nothing meanwhile."""
+    pool_fetch_min_tokens: int = 512
+    """Decoupled data plane with a router that plans no fetch: the smallest peer fetch made
+    (tokens; shorter ones are recomputed) — the ``ttft`` router's ``--ttft-fetch-min-tokens``."""
     label: str | None = None
     decode_kv_events: str = "auto"
     """``auto``: decode-phase nodes' KV events reach the directory only when a decision can
     read them (see ``ClusterSim``); ``always``: always (slower, same results)."""
+    schedule: tuple[Window, ...] = ()
+    """Closed loops per agent pool on a schedule (``evolving_infra.sim.schedule``; the
+    ``periods`` of a ``trace generate shift`` trace): replaces ``arrival`` when given."""
 
     def arrival_for(self, share: float = 1.0, seed_offset: int = 0) -> Arrival:
         """The arrival process (for a partition holding ``share`` of the agents)."""
@@ -160,6 +178,8 @@ def resolve(cfg: SimConfig) -> Resolved:
     """
     if cfg.nodes < 1:
         raise SimConfigError("--nodes must be >= 1")
+    if cfg.schedule and cfg.partitions != 1:
+        raise SimConfigError("a scheduled workload (periods of a shift trace) runs on one partition; drop --partitions")
     if cfg.partitions < 1 or cfg.partitions > cfg.nodes:
         raise SimConfigError(f"--partitions must be in [1, nodes={cfg.nodes}]")
     if cfg.workers < 1:
@@ -223,8 +243,25 @@ def resolve(cfg: SimConfig) -> Resolved:
                 f"split {split!r} does not fit a partition of {n} nodes ({e}); use --split or --nodes"
                 + (" divisible by --partitions" if cfg.partitions > 1 else "")
             ) from e
-    if ps.switch_mode == "none" and cfg.forced_switches:
-        raise SimConfigError("forced switches need a switch mode (policy set or --switch-mode relaunch|strand|inplace)")
+    if ps.switch_mode == "none" and (cfg.forced_switches or cfg.switch_every_s is not None):
+        raise SimConfigError("forced switches need a switch mode (policy set or --switch-mode decoupled|relaunch|strand)")
+    if cfg.switch_control_s < 0:
+        raise SimConfigError("--switch-control-s must be >= 0")
+    if cfg.pool_fetch_min_tokens < 0:
+        raise SimConfigError("--pool-fetch-min-tokens must be >= 0")
+    if (cfg.switch_every_s is None) != (cfg.switch_to is None):
+        raise SimConfigError("--switch-every and --switch-to go together (alternate between --split and --switch-to)")
+    if cfg.switch_every_s is not None:
+        if cfg.switch_every_s <= 0:
+            raise SimConfigError("--switch-every must be > 0 seconds")
+        for n in sorted(set(parts)):
+            try:
+                if parse_split(cfg.switch_to, n) is None:  # type: ignore[arg-type]
+                    raise SplitError("a periodic switch needs an xPyD split, not collocated")
+                if parse_split(split, n) is None:
+                    raise SplitError(f"--split {split!r} is collocated; a periodic switch alternates xPyD splits")
+            except SplitError as e:
+                raise SimConfigError(f"--switch-to {cfg.switch_to!r}: {e}") from e
     return Resolved(
         cfg=cfg,
         profile=profile,

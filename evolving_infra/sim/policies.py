@@ -27,10 +27,21 @@ Choices:
   SGLang PD, paper D.1), ``prefill-start`` (chosen and reserved when the
   prefill starts: paper Eq. 7 / D.1), or ``route`` (chosen at dispatch,
   reserved when the hand-off arrives: what the live router + worker do today).
-* ``switch_mode``: how a node changes phase: ``relaunch`` (Dynamo: drain,
-  out of service ``relaunch_s``, L1 and L2 emptied), ``strand`` (Arrow: drain,
-  switch in place, KV stranded = emptied, no downtime), ``inplace`` (drain,
-  switch in place, KV kept in the node's L1/L2), ``none`` (no switches).
+* ``switch_mode``: how a node changes phase, and which KV a prefill node can read:
+
+  - ``decoupled`` (the paper's decoupled data plane, §4.1–§4.2): drain running
+    requests in place, hand queued ones back for re-routing, serve the new phase
+    after ``switch_control_s``; the node's L1/L2 stay and every node's L2 is one
+    shared pool — a prefill node fetches, while the request queues, the part of
+    the cluster's longest cached prefix that it lacks (the router's fetch plan
+    with ``ttft``; otherwise the simulator builds one from the directory lookup,
+    ``evolving_infra.sim.cluster.pool_fetch``). ``inplace`` is an alias kept for
+    old command lines.
+  - ``relaunch`` (Dynamo: drain, out of service ``relaunch_s``, L1 and L2 emptied),
+  - ``strand`` (Arrow: drain, switch in place after ``switch_control_s``, KV
+    stranded = emptied);
+    both reuse only what the prefill node itself holds (fetch plans dropped).
+  - ``none`` (no switches; the router's fetch plans, if any, are kept).
 """
 
 from __future__ import annotations
@@ -40,7 +51,14 @@ from dataclasses import dataclass, replace
 
 ROUTING_DECODE = ("round-robin", "least-loaded")
 DECODE_BINDINGS = ("enqueue", "prefill-start", "route")
-SWITCH_MODES = ("relaunch", "strand", "inplace", "none")
+SWITCH_MODES = ("decoupled", "relaunch", "strand", "inplace", "none")
+SWITCH_MODE_ALIASES = {"inplace": "decoupled"}
+"""Accepted names that mean another mode: ``inplace`` (the in-place switch keeping the node's
+KV) is the decoupled plane's switch; since the shared pool it names ``decoupled``."""
+SHARED_POOL_MODES = frozenset({"decoupled"})
+"""Switch modes whose prefill nodes read peers' KV (fetch while queued)."""
+LOCAL_KV_MODES = frozenset({"relaunch", "strand"})
+"""Switch modes whose prefill nodes reuse only their own KV (a router's fetch plan is dropped)."""
 EVICTIONS = ("lru", "branch-count")
 
 DEFAULT_RELAUNCH_S = 750.0
@@ -151,7 +169,8 @@ def _evolving() -> PolicySet:
     """Evolving Infra: whatever of the paper's mechanisms exist in this tree.
 
     Today: branch-count host eviction (§5.3), decode bound at prefill start
-    (Eq. 7 / D.1), in-place switches keeping the node's KV (§4.1), and — when
+    (Eq. 7 / D.1), the decoupled data plane (§4.1–§4.2: in-place switches keeping
+    the node's KV, fetches from peers' host memory), and — when
     registered — the ``ttft`` router (Eq. 7) and the ``evolving`` planner
     (Eq. 5/6); otherwise cache-aware routing and a static split, recorded in
     ``substitutions``. Grows with later issues.
@@ -163,9 +182,9 @@ def _evolving() -> PolicySet:
         planner="evolving",
         eviction="branch-count",
         decode_binding="prefill-start",
-        switch_mode="inplace",
+        switch_mode="decoupled",
         split=None,
-        source="Evolving Infra (paper §4–§5): ttft router, evolving planner, branch-count eviction, in-place switch",
+        source="Evolving Infra (paper §4–§5): ttft router, evolving planner, branch-count eviction, decoupled data plane",
     )
 
 
@@ -212,4 +231,6 @@ def with_overrides(ps: PolicySet, **over: str | None) -> PolicySet:
     for k, allowed in checks.items():
         if k in clean and clean[k] not in allowed:
             raise PolicyError(f"--{k.replace('_', '-')} must be one of {', '.join(allowed)}, got {clean[k]!r}")
+    if "switch_mode" in clean:
+        clean["switch_mode"] = SWITCH_MODE_ALIASES.get(clean["switch_mode"], clean["switch_mode"])  # type: ignore[arg-type]
     return replace(ps, **clean) if clean else ps

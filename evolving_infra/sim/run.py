@@ -165,14 +165,60 @@ def merge_stats(stats: Sequence[SimStats]) -> SimStats:
                   "handoffs", "kv_batches", "planner_ticks", "unfinished"):
             setattr(out, f, getattr(out, f) + getattr(s, f))
         out.planner_decisions.extend(s.planner_decisions)
+        out.switch_log.extend(s.switch_log)
+        for f in ("pool_fetch_plans", "fetch_plans_dropped", "periodic_skipped", "resv_node_s", "resv_waiting_node_s",
+                  "decode_cap_node_s"):
+            setattr(out, f, getattr(out, f) + getattr(s, f))
         out.ttft_pred_abs_err.extend(s.ttft_pred_abs_err)
+        out.counted_samples += s.counted_samples
+        out.counted_sum += s.counted_sum
+        out.counted_max = max(out.counted_max, s.counted_max)
+        for src, dst in ((s.host_evictions, out.host_evictions), (s.directory, out.directory)):
+            for key, v in src.items():
+                dst[key] = dst.get(key, 0) + v
         out.out_of_service.extend(s.out_of_service)
         out.end_time = max(out.end_time, s.end_time)
         if s.closed_loop_exhausted_at is not None:
             out.closed_loop_exhausted_at = min(out.closed_loop_exhausted_at or s.closed_loop_exhausted_at, s.closed_loop_exhausted_at)
     out.planner_decisions.sort(key=lambda d: d.get("ts", 0.0))
     out.out_of_service.sort(key=lambda o: (o[1], o[0]))
+    out.switch_log.sort(key=lambda d: (d["served_at"], d["node"]))
     return out
+
+
+def switch_keys(stats: SimStats) -> dict[str, Any]:
+    """Report keys of the phase switches beyond the timeline's ``switches`` / ``switch_time_mean_s``.
+
+    Over every completed node switch (as ``switches``): ``switch_drain_mean_s`` (decision →
+    the last running request left), ``switch_downtime_mean_s`` (drained → serving the new
+    phase: relaunch or in-place control time, the node serves nothing), ``switch_downtime_node_s``
+    (their sum), ``switch_requeued`` (queued requests handed back for re-routing),
+    ``switch_unique_host_share`` (of the switching nodes' L2 blocks at the decision, the share
+    no other node's L2 held: what a switch that empties the node loses), and ``switch_log``
+    (the first 500 switches)."""
+    log = stats.switch_log
+    n = len(log)
+    return {
+        "switch_drain_mean_s": sum(d["drain_s"] for d in log) / n if n else None,
+        "switch_downtime_mean_s": sum(d["downtime_s"] for d in log) / n if n else None,
+        "switch_downtime_node_s": sum(d["downtime_s"] for d in log),
+        "switch_requeued": sum(d["requeued"] for d in log),
+        "switch_unique_host_share": (sum(d["unique_host_blocks"] for d in log) / hb
+                                     if (hb := sum(d["host_blocks"] for d in log)) else None),
+        "switch_log": log[:500],
+    }
+
+
+def reservation_keys(stats: SimStats) -> dict[str, Any]:
+    """Decode KV held by reservations made before the hand-off (paper D.1), time-averaged over the
+    measured span: ``decode_kv_reserved_share`` (all pre-hand-off reservations / L1 of the nodes
+    serving decode) and ``decode_kv_reserved_waiting_share`` (only requests whose prefill has not
+    started: SGLang's pre-allocation while queued); None without decode capacity."""
+    cap = stats.decode_cap_node_s
+    return {
+        "decode_kv_reserved_share": stats.resv_node_s / cap if cap > 0 else None,
+        "decode_kv_reserved_waiting_share": stats.resv_waiting_node_s / cap if cap > 0 else None,
+    }
 
 
 def _union_length(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
@@ -190,6 +236,33 @@ def _union_length(intervals: Sequence[tuple[float, float]], lo: float, hi: float
     if cur_e is not None:
         total += cur_e - cur_s  # type: ignore[operator]
     return total
+
+
+def directory_keys(stats: SimStats, block_size: int) -> dict[str, Any]:
+    """Report keys of the KV directory (summed over partitions, whole run, warm-up included).
+
+    ``host_evictions`` — L2 evictions by the evicting node's phase and the block's branch count
+    there (``prefill.zero_count``, ``prefill.positive_count``, ...; paper §5.3: branch-count
+    evicts positive-count blocks only when no zero-count block is left; decode nodes appear only
+    when their KV events reach the directory); ``host_evictions_positive_share`` — positive-count
+    share of the L2 evictions of nodes serving prefill (``prefill`` and ``both``; None without
+    any); ``kv_directory`` — the directory's counters (branch starts, ends, expiries, version
+    bumps, same-phase moves, evictions by count and tier) and ``end.copies.*`` (blocks by tier
+    and count > 0 at the end); ``counted_kv_tokens_per_prefill_node_mean`` / ``_max`` — tokens
+    of KV that active branches reference on a node serving prefill, sampled at every request
+    sent (mean over sends of the mean over nodes; max over both): the host memory
+    ``branch-count`` eviction needs to keep every active branch's KV."""
+    ev = dict(sorted(stats.host_evictions.items()))
+    z = ev.get("prefill.zero_count", 0) + ev.get("both.zero_count", 0)
+    p = ev.get("prefill.positive_count", 0) + ev.get("both.positive_count", 0)
+    return {
+        "host_evictions": ev,
+        "host_evictions_positive_share": p / (z + p) if z + p else None,
+        "kv_directory": dict(sorted(stats.directory.items())),
+        "counted_kv_tokens_per_prefill_node_mean": (stats.counted_sum / stats.counted_samples * block_size
+                                                    if stats.counted_samples else None),
+        "counted_kv_tokens_per_prefill_node_max": stats.counted_max * block_size,
+    }
 
 
 def peak_rss_mb() -> float:
@@ -285,6 +358,8 @@ def simulate(
         "out_of_service_node_s": node_s,
         "out_of_service_share": _union_length(oos, lo, end) / span,
         "reroutes": stats.reroutes,
+        **switch_keys(stats),
+        **reservation_keys(stats),
         "sim_stats": {
             "events": stats.events,
             "plans": stats.plans,
@@ -297,14 +372,20 @@ def simulate(
             "kv_batches": stats.kv_batches,
             "planner_ticks": stats.planner_ticks,
             "planner_evaluations": len(stats.planner_decisions),
+            "pool_fetch_plans": stats.pool_fetch_plans,
+            "fetch_plans_dropped": stats.fetch_plans_dropped,
+            "periodic_skipped": stats.periodic_skipped,
         },
         "planner_decisions": [d for d in stats.planner_decisions if d.get("action", "switch") == "switch"][:500],
         "out_of_service": [list(o) for o in stats.out_of_service],
     }
+    extra.update(directory_keys(stats, bs))
     if stats.ttft_pred_abs_err:
         import statistics
 
-        extra["ttft_prediction_abs_error_median_s"] = statistics.median(stats.ttft_pred_abs_err)
+        # the router core's own samples, warm-up included (the report's
+        # ttft_prediction_abs_error_median_s comes from the measured records)
+        extra["ttft_prediction_abs_error_median_all_s"] = statistics.median(stats.ttft_pred_abs_err)
     if timeline.split_timeline and timeline.split_timeline[-1].split:
         extra["final_split"] = timeline.split_timeline[-1].split
     m: dict[str, Any] = {
@@ -329,6 +410,10 @@ def simulate(
         "host_kv_tokens": run.profile.memory.host_kv_tokens,
         "gpu_kv_tokens": run.profile.memory.gpu_kv_tokens,
         "relaunch_s": cfg.relaunch_s,
+        "switch_control_s": cfg.switch_control_s,
+        "switch_every_s": cfg.switch_every_s,
+        "switch_to": cfg.switch_to,
+        "pool_fetch_min_tokens": cfg.pool_fetch_min_tokens,
         "arrival": {
             "kind": cfg.arrival,
             "concurrency": cfg.concurrency if cfg.arrival == "closed" else None,

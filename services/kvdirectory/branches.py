@@ -21,7 +21,8 @@ Transitions (one method each):
 ``end``                          ``Release(β, m)`` for m ∈ N_β; β is forgotten (its id remembered
                                  for ``ended_memory`` ids so a late placement is refused)
 ``node_phase_changed`` D→P       ``Release(β, n)`` for every β counting on n; P→D keeps counts
-``expire``                       a branch silent for ``ttl_s`` is ended and counted
+``expire``                       a branch silent for ``ttl_s`` is ended and counted (a start or
+                                 placement of a fork / sub-agent counts as activity of its parents)
 ===============================  =============================================================
 
 Counts are *logical* references: a host eviction does not change them (DESIGN
@@ -285,6 +286,22 @@ class BranchTable:
     def _touch(self, b: Branch, now: float) -> None:
         b.last_seen = max(b.last_seen, now)
         self.branches.move_to_end(b.bid)
+        self._touch_ancestors(b, now)
+
+    def _touch_ancestors(self, b: Branch, now: float) -> None:
+        """A fork or sub-agent that is active keeps its waiting parents from expiring: the
+        parent is waiting for it, not silent. O(depth); stops at the first ancestor already
+        touched at ``now`` (its own ancestors were touched with it)."""
+        seen = 0
+        p = b.parent
+        while p is not None and seen < 64:  # bounded: ids are the harness's, a cycle must not hang
+            pb = self.branches.get(p)
+            if pb is None or pb.last_seen >= now:
+                return
+            pb.last_seen = now
+            self.branches.move_to_end(p)
+            p = pb.parent
+            seen += 1
 
     def _remember_ended(self, bid: str, now: float) -> None:
         self.ended[bid] = now
@@ -313,6 +330,7 @@ class BranchTable:
             return "ended"
         b = Branch(bid=bid, kind=kind, parent=parent, agent=agent, last_seen=now)
         self.branches[bid] = b
+        self._touch_ancestors(b, now)
         self.counters["branch.started"] += 1
         return "started"
 

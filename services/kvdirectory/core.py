@@ -402,6 +402,12 @@ class KvDirectory:
         i = self._ids.get(node)
         return 0 if i is None else self.branches.R[i].get(block, 0)
 
+    def counted_blocks(self, node: str) -> int:
+        """Blocks with R[block, node] > 0 (held there or not): the KV that active branches
+        reference on ``node``. O(1)."""
+        i = self._ids.get(node)
+        return 0 if i is None else len(self.branches.R[i])
+
     # ------------------------------------------------------------------ #
     # time, outbox, observability
     # ------------------------------------------------------------------ #

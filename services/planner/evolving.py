@@ -237,8 +237,32 @@ class EvolvingPlanner(PolicyBase):
 
     # -- warm-up ------------------------------------------------------------ #
 
+    def start_phases(self, phases: Mapping[str, Phase]) -> dict[str, Phase]:
+        """The phases a cluster driven by this planner should launch in. O(N).
+
+        With a warm-up (``t_learn_s`` > 0) every node serves ``both`` from the
+        start (paper §5.1, Alg. E.3 line 1: the models are fitted in a collocated
+        mode), and ``phases`` — unless ``initial_split`` is set — becomes the split
+        served after the warm-up. A caller that launches its nodes this way (the
+        simulator) never routes a request to the configured split before the
+        warm-up; a caller that does not (the live planner) gets the same warm-up
+        from the first :meth:`tick`, which switches every node to ``both``.
+        Without a warm-up: ``phases`` unchanged. Optional: call before the first tick.
+
+        Raises:
+            RuntimeError: after the first :meth:`tick`.
+        """
+        if self.stage != "start":
+            raise RuntimeError("start_phases must be called before the first tick")
+        if self.initial is None:
+            self.initial = split_phases(self.p.initial_split, self.nodes) if self.p.initial_split else dict(phases)
+        if self.p.t_learn_s <= 0:
+            return dict(phases)
+        return {n: "both" for n in phases}
+
     def _start(self, now: float, phases: dict[str, Phase]) -> SplitDecision | None:
-        self.initial = split_phases(self.p.initial_split, self.nodes) if self.p.initial_split else dict(phases)
+        if self.initial is None:
+            self.initial = split_phases(self.p.initial_split, self.nodes) if self.p.initial_split else dict(phases)
         self.warmup_end = max(now, self.obs.start_of(self.obs.ceil_index(now + self.p.t_learn_s)))
         self.stage = "warmup"
         both: dict[str, Phase] = {n: "both" for n in phases}
@@ -439,6 +463,7 @@ class EvolvingPlanner(PolicyBase):
             "theta_current": float(cur.mean()),
             "slices": float(m),
             "q_mean": float(np.mean([s.q for s in valid])),
+            "prefill_queue_mean": float(np.mean([s.queued for s in valid])),
             "t_uc_mean": pooled.t_uc,
             "t_c_mean": pooled.t_c,
             "t_out_mean": pooled.t_out,
@@ -614,7 +639,8 @@ def _pool(w: Sequence[SliceStats]) -> SliceStats:
     """Request-weighted pool of slices (q̄ averaged over slices)."""
     n = sum(s.n for s in w)
     if n == 0:
-        return SliceStats(0, 0.0, 0.0, 0.0, 0.0, float(np.mean([s.q for s in w])) if w else 0.0, 0.0)
+        return SliceStats(0, 0.0, 0.0, 0.0, 0.0, float(np.mean([s.q for s in w])) if w else 0.0, 0.0,
+                          float(np.mean([s.queued for s in w])) if w else 0.0)
     return SliceStats(
         n,
         sum(s.t_uc * s.n for s in w) / n,
@@ -623,6 +649,7 @@ def _pool(w: Sequence[SliceStats]) -> SliceStats:
         sum(s.t_out * s.n for s in w) / n,
         float(np.mean([s.q for s in w])),
         sum(s.prompt * s.n for s in w) / n,
+        float(np.mean([s.queued for s in w])),
     )
 
 

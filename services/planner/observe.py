@@ -44,6 +44,8 @@ class Bucket:
     """∫ requests in decode dt over the covered part (request·s)."""
     covered_s: float = 0.0
     """Seconds of the bucket the integral covers."""
+    queue_integral: float = 0.0
+    """∫ cluster prefill queue length dt over the covered part (request·s)."""
     queue_at_start: float | None = None
     """Cluster prefill queue length (requests) at the bucket start."""
     n_done: int = 0
@@ -80,6 +82,8 @@ class SliceStats:
     """q̄_i: time-averaged requests in decode (cluster-wide)."""
     prompt: float
     """Mean full prompt length (t_uc + t_c)."""
+    queued: float = 0.0
+    """Time-averaged requests waiting for prefill (cluster-wide prefill queues)."""
 
 
 class Observer:
@@ -155,6 +159,7 @@ class Observer:
                 end = min(now, self.start_of(k + 2))
             b = self.bucket(k)
             b.decode_integral += self.decode_now * (end - t)
+            b.queue_integral += self.queue_now * (end - t)
             b.covered_s += end - t
             if end >= self.start_of(k + 1) - 1e-9:
                 nb = self.bucket(k + 1)
@@ -216,13 +221,16 @@ class Observer:
         out: list[SliceStats] = []
         for k in range(k0, k0 + m):
             b = self.buckets.get(k)
+            cov = b is not None and b.covered_s > 0
             if b is None or b.n_done == 0:
-                q = (b.decode_integral / b.covered_s) if b is not None and b.covered_s > 0 else 0.0
-                out.append(SliceStats(0, 0.0, 0.0, 0.0, 0.0, q, 0.0))
+                q = (b.decode_integral / b.covered_s) if cov else 0.0  # type: ignore[union-attr]
+                qq = (b.queue_integral / b.covered_s) if cov else 0.0  # type: ignore[union-attr]
+                out.append(SliceStats(0, 0.0, 0.0, 0.0, 0.0, q, 0.0, qq))
                 continue
             n = b.n_done
-            q = b.decode_integral / b.covered_s if b.covered_s > 0 else self.decode_now
-            out.append(SliceStats(n, b.sum_uc / n, b.sum_c / n, b.sum_qk / n, b.sum_out / n, q, b.sum_prompt / n))
+            q = b.decode_integral / b.covered_s if cov else self.decode_now
+            qq = b.queue_integral / b.covered_s if cov else self.queue_now
+            out.append(SliceStats(n, b.sum_uc / n, b.sum_c / n, b.sum_qk / n, b.sum_out / n, q, b.sum_prompt / n, qq))
         return out
 
     def pooled(self, k0: int, k1: int) -> SliceStats:
@@ -231,8 +239,9 @@ class Observer:
         n = sum(b.n_done for b in bs)
         cov = sum(b.covered_s for b in bs)
         q = sum(b.decode_integral for b in bs) / cov if cov > 0 else self.decode_now
+        qq = sum(b.queue_integral for b in bs) / cov if cov > 0 else self.queue_now
         if n == 0:
-            return SliceStats(0, 0.0, 0.0, 0.0, 0.0, q, 0.0)
+            return SliceStats(0, 0.0, 0.0, 0.0, 0.0, q, 0.0, qq)
         return SliceStats(
             n,
             sum(b.sum_uc for b in bs) / n,
@@ -241,6 +250,7 @@ class Observer:
             sum(b.sum_out for b in bs) / n,
             q,
             sum(b.sum_prompt for b in bs) / n,
+            qq,
         )
 
     def mean_chunk_tokens(self, node: str, k0: int, k1: int) -> float | None:

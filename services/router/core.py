@@ -225,6 +225,7 @@ class RouterCore:
         req: RouteRequest | None = None,
         exclude: str | None = None,
         prefill_node: str | None = None,
+        node: str | None = None,
     ) -> DecodeBinding | NoRoute:
         """Choose the decode node of in-flight ``rid`` now (paper Eq. 7, Alg. E.3 l.13: the
         decode node with KV room and the fewest requests, at prefill start).
@@ -236,6 +237,10 @@ class RouterCore:
         and the policy (``on_decode_bound``) move the request to the new node.
         ``prefill_node``: the asker; refused unless it is the request's prefill node
         (a stale ask after the request was re-routed). O(N log N) + ``choose_decode``.
+        ``node``: bind to this node instead of asking the policy (the simulator's
+        fallback when no decode node is eligible at a prefill start that cannot wait);
+        it must be known to the view and not the prefill node, else ``ValueError``.
+        The policy still sees the binding (``on_decode_bound``).
 
         Returns:
             :class:`DecodeBinding`, or :class:`NoRoute` when ``rid`` is not in flight,
@@ -252,8 +257,13 @@ class RouterCore:
             if req is None:
                 return NoRoute(f"request {rid} has no decode binding pending")
         prefill = placement[0]
-        cands = [n for n in self.view.decode_candidates(now) if n.node != prefill and n.node != exclude]
-        choice = self.policy.choose_decode(req, cands, now) if cands else None
+        if node is not None:
+            if node == prefill or node not in self.view.nodes:
+                raise ValueError(f"cannot bind {rid} to decode node {node!r}: it is the prefill node or has never reported")
+            choice: DecodeChoice | None = DecodeChoice(node=node)
+        else:
+            cands = [n for n in self.view.decode_candidates(now) if n.node != prefill and n.node != exclude]
+            choice = self.policy.choose_decode(req, cands, now) if cands else None
         if choice is None:
             return NoRoute(self.view.no_candidate_reason("decode", now))
         self._unbound.pop(rid, None)

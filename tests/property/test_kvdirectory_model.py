@@ -83,10 +83,18 @@ class Reference:
     def phase_of(self, node: str) -> str | None:
         return self.node_phase.get(node) or self.placed_phase.get(node)
 
-    def start(self, bid: str, now: float) -> None:
+    def start(self, bid: str, now: float, parent: str | None = None) -> None:
         if bid in self.branches or bid in self.ended:
             return
-        self.branches[bid] = dict(version=1, path=[], counted={}, pending={}, seen=now)
+        self.branches[bid] = dict(version=1, path=[], counted={}, pending={}, seen=now, parent=parent)
+        self.touch_parents(bid, now)
+
+    def touch_parents(self, bid: str, now: float) -> None:
+        """A child's activity keeps its waiting parents alive (expiry)."""
+        p = self.branches[bid].get("parent")
+        while p is not None and p in self.branches:
+            self.branches[p]["seen"] = max(self.branches[p]["seen"], now)
+            p = self.branches[p].get("parent")
 
     def end(self, bid: str, now: float) -> None:
         self.branches.pop(bid, None)
@@ -100,6 +108,7 @@ class Reference:
             self.start(bid, now)
         br = self.branches[bid]
         br["seen"] = max(br["seen"], now)
+        self.touch_parents(bid, now)
         old = br["path"]
         if old and path[: len(old)] != old:  # E.1: not a prefix → rewritten context
             br["version"] += 1
@@ -320,7 +329,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         bid = f"b{self.next_branch}"
         parent = data.draw(st.sampled_from(sorted(self.paths))) if kind != "main" and self.paths else None
         self.core.branch_start(bid, self.now, kind=kind, parent=parent)
-        self.ref.start(bid, self.now)
+        self.ref.start(bid, self.now, parent)
         if kind == "fork" and parent:  # a fork continues from its parent's context
             self.paths[bid] = list(self.paths[parent])
         else:

@@ -156,6 +156,20 @@ def test_silent_branches_expire(d):
     assert d.counters["branch.expired"] == 1 and d.next_deadline() == 150.0
 
 
+def test_a_parent_waiting_for_an_active_sub_agent_does_not_expire(d):
+    d.branch_start("main", 0.0)
+    d.place("main", "p0", "prefill", P[:4], 0.0)
+    d.branch_start("sub", 60.0, kind="subagent", parent="main")
+    d.place("sub", "p1", "prefill", [101, 102], 90.0)
+    d.branch_start("fork", 95.0, kind="fork", parent="sub")
+    d.place("fork", "p1", "prefill", [101, 102, 103], 150.0)  # grandchild: main and sub stay alive
+    assert d.expire(120.0) == [] and d.expire(200.0) == []
+    assert counts(d, "p0", P[:4]) == [1, 1, 1, 1], "the parent's KV keeps its count while it waits"
+    assert d.next_deadline() == 250.0
+    assert sorted(d.expire(250.0)) == ["fork", "main", "sub"]
+    assert counts(d, "p0", P[:4]) == [0, 0, 0, 0]
+
+
 def test_negative_count_is_refused_and_counted(d):
     d.branch_start("b", 0.0)
     d.place("b", "p0", "prefill", P[:2], 1.0)

@@ -81,6 +81,26 @@ def test_bind_refusals():
     assert c.bind_decode("r1", 0.2).node == "d2"  # type: ignore[union-attr]
 
 
+def test_bind_to_a_named_node_when_none_is_eligible():
+    """The simulator's fallback: a started prefill whose decode nodes are all draining."""
+    c = core("dynamo-kv")
+    pd(c)
+    c.route(rq("r1"), None, 0.0)
+    c.apply_state(state("d1", "decode", accepting=False), 0.1)
+    c.apply_state(state("d2", "decode", accepting=False), 0.1)
+    assert isinstance(c.bind_decode("r1", 0.1), NoRoute)
+    with pytest.raises(ValueError):
+        c.bind_decode("r1", 0.1, node="p1")  # the prefill node
+    with pytest.raises(ValueError):
+        c.bind_decode("r1", 0.1, node="d9")  # never reported
+    b = c.bind_decode("r1", 0.1, prefill_node="p1", node="d2")
+    assert isinstance(b, DecodeBinding) and b.node == "d2" and c.view.placement("r1") == ("p1", "d2")
+    assert c.policy.active_blocks("d2") > 0  # type: ignore[attr-defined]  # the policy saw the binding
+    assert not c.pending_binding("r1")
+    c.finish("r1", 1.0)
+    assert c.policy.active_blocks("d2") == 0  # type: ignore[attr-defined]
+
+
 def test_abort_and_finish_forget_a_pending_binding():
     c = core()
     pd(c)

@@ -86,7 +86,8 @@ def test_policy_sets_and_overrides():
     a = policy_set("arrow")
     assert (a.planner, a.switch_mode, a.decode_binding) == ("arrow", "strand", "prefill-start")
     e = policy_set("evolving")
-    assert (e.eviction, e.switch_mode, e.decode_binding) == ("branch-count", "inplace", "prefill-start")
+    assert (e.eviction, e.switch_mode, e.decode_binding) == ("branch-count", "decoupled", "prefill-start")
+    assert with_overrides(d, switch_mode="inplace").switch_mode == "decoupled", "inplace is an alias"
     assert with_overrides(d, eviction="branch-count").eviction == "branch-count"
     with pytest.raises(PolicyError, match="must be one of"):
         with_overrides(d, switch_mode="teleport")

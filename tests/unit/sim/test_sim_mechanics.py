@@ -161,12 +161,15 @@ def test_message_latency_delays_every_hop():
     assert lat.e2e_s == pytest.approx(base.e2e_s - transfer + 0.03)  # dispatch + max(hand-off, transfer) + last token back
 
 
+@pytest.mark.parametrize("eviction", ["lru", "branch-count"])
 @pytest.mark.parametrize("mode", ["relaunch", "strand", "none"])
-def test_unsent_decode_kv_events_change_nothing(mode):
-    """Decode nodes' KV events are not sent when no decision can read them: same report."""
+def test_unsent_decode_kv_events_change_nothing(mode, eviction):
+    """Decode nodes' KV events (and decode placements) are not sent when no decision can read
+    them: same report, branch counts included (nothing reads a decode node's L2)."""
     reqs = small_trace(12, 8, pause=0.3)
     forced = (ForcedSwitch(0.5, "w2", "prefill"), ForcedSwitch(0.5, "w0", "decode")) if mode != "none" else ()
-    kw = dict(nodes=3, profile="tiny", policy="static:2P1D", concurrency=12, relaunch_s=0.5, forced_switches=forced)
+    kw = dict(nodes=3, profile="tiny", policy="static:2P1D", concurrency=12, relaunch_s=0.5, forced_switches=forced,
+              eviction=eviction, host_capacity_tokens=256)
     if mode != "none":
         kw["switch_mode"] = mode
     a = simulate(SimConfig(**kw), reqs, BS)  # type: ignore[arg-type]
@@ -175,3 +178,41 @@ def test_unsent_decode_kv_events_change_nothing(mode):
     assert [(r.id, r.ttft_s, r.e2e_s, r.cached_tokens, r.prefill_node, r.decode_node) for r in a.records] == [
         (r.id, r.ttft_s, r.e2e_s, r.cached_tokens, r.prefill_node, r.decode_node) for r in b.records
     ]
+
+
+@pytest.mark.parametrize("routing", ["cache-aware", "round-robin"])
+@pytest.mark.parametrize("mode", ["none", "decoupled"])
+def test_unsent_gpu_kv_events_change_nothing(mode, routing):
+    """GPU-tier KV events are not sent when the router reads no GPU prefix and no branch counts
+    are kept: L2 ⊇ L1, so lookups (local prefixes, longest_any, host-first fetch sources, the
+    shared pool's fetches under decoupled switching) are the same. Same records."""
+    reqs = small_trace(12, 8, pause=0.3)
+    forced = (ForcedSwitch(0.5, "w2", "prefill"), ForcedSwitch(0.5, "w0", "decode")) if mode != "none" else ()
+    kw = dict(nodes=3, profile="tiny", policy="static:2P1D", concurrency=12, forced_switches=forced, routing=routing)
+    if mode != "none":
+        kw.update(switch_mode=mode, pool_fetch_min_tokens=1)
+    sim_a, batches_a = build(SimConfig(**kw), reqs)  # type: ignore[arg-type]
+    a = sim_a.run_to_end()
+    sim_b, batches_b = build(SimConfig(decode_kv_events="always", **kw), reqs)  # type: ignore[arg-type]
+    b = sim_b.run_to_end()
+    assert sim_a.skip_gpu_kv and not sim_b.skip_gpu_kv
+    gpu_a = sum(1 for _, _, evs in batches_a for e in evs if getattr(e, "tier", None) == "gpu")
+    gpu_b = sum(1 for _, _, evs in batches_b for e in evs if getattr(e, "tier", None) == "gpu")
+    assert gpu_a == 0 and gpu_b > 0
+    assert sim_a.pool == (mode == "decoupled")
+    fetched = sum(n.sched.fetch_counters.get("completed", 0) for n in sim_a.nodes.values())
+    assert fetched == sum(n.sched.fetch_counters.get("completed", 0) for n in sim_b.nodes.values())
+    if mode == "decoupled" and routing == "round-robin":
+        assert fetched > 0  # agents move between prefill nodes: the pool's fetch sources are read
+    assert [r for r in a.records] == [r for r in b.records]
+    assert a.stats.events == b.stats.events and a.stats.plans == b.stats.plans
+
+
+def test_gpu_kv_events_sent_when_read():
+    """dynamo-kv credits device hits (gpu_blocks) and branch-count keeps counts: GPU events go out."""
+    reqs = small_trace(4, 3)
+    for kw in (dict(routing="dynamo-kv"), dict(eviction="branch-count")):
+        sim, batches = build(SimConfig(nodes=3, profile="tiny", policy="static:2P1D", concurrency=4, **kw), reqs)  # type: ignore[arg-type]
+        sim.run_to_end()
+        assert not sim.skip_gpu_kv
+        assert any(getattr(e, "tier", None) == "gpu" for _, _, evs in batches for e in evs)

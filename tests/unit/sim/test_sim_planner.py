@@ -1,0 +1,139 @@
+"""The evolving planner inside the simulator: warm-up, window decisions applied, the gate.
+
+A small test profile (the ``tiny`` one with costlier prefill and room for
+batches) and hand-made agents: 16 steady agents whose requests each append
+64 tokens and decode 20 (2P2D is their best split on 4 nodes), plus, in the
+burst test, 300 one-request agents (16-token prompts, 1 output token: a
+swarm of sub-agents) that all start within 10 ms.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.sim.config import SimConfig, SimConfigError, resolve
+from evolving_infra.sim.run import simulate
+from evolving_infra.sim.schedule import ScheduledReplay, Window, windows_from_meta
+
+from .conftest import BS, chain_agent
+
+TINY = Path(__file__).resolve().parents[3] / "shared" / "profiles" / "tiny.toml"
+PLANNER = {"t_learn_s": 1.0, "window_s": 2.0, "slices": 4, "cooldown_s": 0.2, "sample_interval_s": 0.05}
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> str:
+    text = (
+        TINY.read_text()
+        .replace('name = "tiny"', 'name = "planner-test"')
+        .replace("c0 = 0.002", "c0 = 0.01")
+        .replace("c1 = 1.0e-5", "c1 = 1.0e-4")
+        .replace("gpu_kv_tokens = 256", "gpu_kv_tokens = 8192")
+        .replace("host_kv_tokens = 1024", "host_kv_tokens = 32768")
+        .replace("chunk_tokens = 32", "chunk_tokens = 512")
+        .replace("max_running = 8", "max_running = 16")
+    )
+    path = tmp_path_factory.mktemp("profile") / "planner-test.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def steady(agents: int = 16, n: int = 25) -> list:
+    out = []
+    for a in range(agents):
+        out += chain_agent(f"s{a}", n, first_blocks=4, growth=16, tail=1, output=20, pause=0.02, base=(a + 1) * 10_000)
+    return out
+
+
+def swarm(k: int) -> list:
+    out = []
+    for a in range(k):
+        out += chain_agent(f"b{a}", 1, first_blocks=4, growth=0, tail=0, output=1, base=(500 + a) * 10_000)
+    return out
+
+
+def run(profile: str, reqs: list, split: str, windows: tuple[Window, ...], **opts: float):
+    cfg = SimConfig(nodes=4, profile=profile, policy="evolving", split=split, seed=1, schedule=windows,
+                    planner_options={**PLANNER, **opts})
+    return simulate(cfg, reqs, BS)
+
+
+def after_warmup(report: dict) -> list[dict]:
+    return [d for d in report["planner_decisions"] if not d["reason"].startswith("warm-up over")]
+
+
+def test_evolving_warms_up_collocated_then_switches_on_a_clear_imbalance(profile):
+    reqs = steady()
+    res = run(profile, reqs, "1P3D", (Window("s", 0.0, 1e9, 16),))
+    r = res.report
+    assert r["requests_completed"] == len(reqs) and r["requests_failed"] == 0
+    # the cluster launches collocated; the warm-up ends in the initial split (--split), then
+    # the first window finds 1P3D prefill-starved and moves one node
+    tl = r["split_timeline"]
+    assert tl[0] == [0.0, "collocated"]
+    assert [p[1] for p in tl if p[1] in ("1P3D", "2P2D")][:1] == ["1P3D"]
+    warm = next(d for d in res.stats.planner_decisions if d["reason"].startswith("warm-up over"))
+    assert warm["ts"] == pytest.approx(1.0) and warm["split_after"] == "1P3D"
+    assert warm["metrics"]["nodes_fitted"] == 4, "iteration records of every node reached the fit"
+    (sw,) = after_warmup(r)
+    assert (sw["split_before"], sw["split_after"]) == ("1P3D", "2P2D")
+    assert sw["ts"] == pytest.approx(3.0) and sw["metrics"]["slices"] >= 3, "completions reached the window"
+    assert r["final_split"] == "2P2D"
+    assert r["switches"] == 4 + 1, "4 nodes leave the warm-up, 1 node moves to prefill"
+    assert not any(rec.prefill_node is None for rec in res.records)
+
+
+def test_the_significance_gate_keeps_a_short_burst_from_switching(profile):
+    reqs = steady() + swarm(300)
+    windows = (Window("s", 0.0, 1e9, 16), Window("b", 1.6, 1.61, 300))  # all 300 start at 1.6 s
+    gated = run(profile, reqs, "2P2D", windows)
+    assert gated.report["requests_completed"] == len(reqs)
+    assert after_warmup(gated.report) == [] and gated.report["final_split"] == "2P2D"
+    burst_window = next(d for d in gated.stats.planner_decisions if d["ts"] == pytest.approx(3.0))
+    c = next(c for c in burst_window["candidates"] if c["split"] == "3P1D")
+    assert 0 < c["mean_gain"] < c["threshold"] and not c.get("qualifies", False), "the burst raised the mean gain, not above z·σ/√m"
+    # without the gate (z = 0) the same burst switches to 3P1D
+    ungated = run(profile, reqs, "2P2D", windows, z=0.0)
+    (sw,) = after_warmup(ungated.report)[:1]
+    assert (sw["split_before"], sw["split_after"], sw["ts"]) == ("2P2D", "3P1D", pytest.approx(3.0))
+
+
+def test_schedule_windows_from_a_shift_header_and_errors():
+    meta = {"periods": [
+        {"name": "a", "start_s": 0.0, "end_s": 10.0, "concurrency": {"putnam": 4},
+         "agents": {"putnam": {"prefix": "shift.a.putnam.", "count": 9}}},
+        {"name": "b", "start_s": 10.0, "end_s": 20.0, "concurrency": {"putnam": 2, "osworld": 1},
+         "agents": {"putnam": {"prefix": "shift.b.putnam.", "count": 5}, "osworld": {"prefix": "shift.b.osworld.", "count": 3}}},
+    ]}
+    w = windows_from_meta(meta, share=0.5)
+    assert w == (Window("shift.a.putnam.", 0.0, 10.0, 2), Window("shift.b.putnam.", 10.0, 20.0, 1),
+                 Window("shift.b.osworld.", 10.0, 20.0, 1))
+    with pytest.raises(ValueError, match="periods"):
+        windows_from_meta({})
+    with pytest.raises(SimConfigError, match="one partition"):
+        resolve(SimConfig(nodes=4, profile="tiny", policy="static:2P2D", partitions=2, schedule=w))
+
+
+def test_scheduled_replay_starts_pools_in_their_windows_and_stops_replacing():
+    reqs = []
+    for a in range(6):
+        reqs += chain_agent(f"p.{a}", 2, output=2, pause=1.0, base=(a + 1) * 10_000)
+    rep = ScheduledReplay(reqs, (Window("p.", 5.0, 7.5, 2),))
+    assert rep.next_time() == 5.0 and rep.poll(4.9) == []
+    sent = {a.req.agent for a in rep.poll(5.0)}
+    assert sent == {"p.0", "p.1"}
+    # p.0 finishes inside the window (p.2 replaces it); p.1 after the window (nobody replaces it)
+    rep.on_complete("p.0", "p.0-r0", 5.5)
+    assert [a.req.id for a in rep.poll(6.5)] == ["p.0-r1"]
+    rep.on_complete("p.0", "p.0-r1", 6.5)
+    assert [a.req.id for a in rep.poll(6.5)] == ["p.2-r0"]
+    rep.on_complete("p.1", "p.1-r0", 7.0)
+    assert [a.req.id for a in rep.poll(8.0)] == ["p.1-r1"]
+    rep.on_complete("p.1", "p.1-r1", 8.0)
+    assert rep.running_agents == {"p.2"} and not rep.done
+    rep.on_complete("p.2", "p.2-r0", 8.0)
+    assert [a.req.id for a in rep.poll(9.0)] == ["p.2-r1"]
+    rep.on_complete("p.2", "p.2-r1", 9.0)
+    assert rep.done and rep.finished_agents == ["p.0", "p.1", "p.2"] and rep.next_time() is None
