@@ -34,7 +34,8 @@ async def _replay(args: argparse.Namespace) -> int:
 
         trace = sample_sessions(trace, args.sessions or 10**9, seed=args.seed, max_requests_per_branch=args.max_requests_per_branch)
     try:
-        arrival = Arrival(kind=args.arrival, concurrency=args.concurrency, rate_per_min=args.rate, cap=args.cap, seed=args.seed)
+        arrival = Arrival(kind=args.arrival, concurrency=args.concurrency, rate_per_min=args.rate, cap=args.cap, seed=args.seed,
+                          order=args.agent_order)
     except ReplayError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -93,5 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--sessions", type=int, default=0, help="replay at most this many agents (0 = all)")
     p.add_argument("--max-requests-per-branch", type=int, default=0, help="cap each branch to its first K requests (0 = no cap)")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and open-loop arrivals")
+    p.add_argument("--agent-order", choices=("trace", "shuffled"), default="trace",
+                   help="order in which agents enter (closed and open loops): as in the trace, or shuffled by --seed")
     p.add_argument("--out", default="replay-out", help="output directory for report.json")
     p.set_defaults(func=cmd_replay)

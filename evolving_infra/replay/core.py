@@ -47,8 +47,14 @@ class Arrival:
     cap: int = 0
     """open: admission cap (agents running at once); 0 = unlimited."""
     seed: int = 0
+    order: Literal["trace", "shuffled"] = "trace"
+    """closed / open: the order in which the input's agents enter — as in the trace, or a
+    permutation drawn from ``seed`` (a different sample of sessions for the same
+    concurrency, to measure run-to-run spread)."""
 
     def __post_init__(self) -> None:
+        if self.order not in ("trace", "shuffled"):
+            raise ReplayError(f"agent order must be 'trace' or 'shuffled', got {self.order!r}")
         if self.kind == "closed" and self.concurrency < 1:
             raise ReplayError("closed-loop concurrency must be >= 1")
         if self.kind == "open" and self.rate_per_min <= 0:
@@ -151,6 +157,10 @@ class ReplayCore:
     def _plan_arrivals(self) -> None:
         ids = list(self._agents)
         kind = self.arrival.kind
+        if self.arrival.order == "shuffled" and kind != "trace":
+            # its own stream: the open loop's inter-arrival draws stay those of the trace order
+            perm = np.random.default_rng([self.arrival.seed, 1]).permutation(len(ids))
+            ids = [ids[i] for i in perm]
         if kind == "closed":
             self._waiting_agents.extend(ids)
             for _ in range(min(self.arrival.concurrency, len(ids))):

@@ -108,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         duration_s=args.duration,
         warmup_s=args.warmup,
         seed=args.seed,
+        agent_order=args.agent_order,
         max_agents=args.max_agents,
         max_pause_s=args.max_pause,
         tile=args.tile,
@@ -294,6 +295,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--duration", type=float, default=None, help="stop at this simulated second (default: when the input is exhausted)")
     a.add_argument("--warmup", type=float, default=0.0, help="leave requests sent before this second out of the metrics")
     a.add_argument("--seed", type=int, default=0, help="seed of the arrival process and seeded policies (default 0)")
+    a.add_argument("--agent-order", choices=("trace", "shuffled"), default="trace",
+                   help="order in which the input's agents enter (closed and open loops): as in the trace (default), "
+                   "or shuffled by --seed (another sample of sessions, for run-to-run spread)")
     s = p.add_argument_group("simulation")
     s.add_argument("--state-staleness-s", type=float, default=0.0, help="router sees node states at most this old (default 0)")
     s.add_argument("--msg-latency-s", type=float, default=0.0, help="constant message latency (default 0)")

@@ -78,6 +78,9 @@ class SimConfig:
     warmup_s: float = 0.0
     """Requests sent before this are simulated but left out of the report's metrics."""
     seed: int = 0
+    agent_order: str = "trace"
+    """``trace``: agents enter in the input's order; ``shuffled``: in a permutation drawn
+    from ``seed`` (closed and open loops; ``replay.core.Arrival.order``)."""
     max_agents: int | None = None
     tile: int = 1
     """Replay every agent of the input this many times as distinct agents
@@ -118,10 +121,12 @@ class SimConfig:
     def arrival_for(self, share: float = 1.0, seed_offset: int = 0) -> Arrival:
         """The arrival process (for a partition holding ``share`` of the agents)."""
         if self.arrival == "closed":
-            return Arrival(kind="closed", concurrency=max(1, round(self.concurrency * share)), seed=self.seed + seed_offset)
+            return Arrival(kind="closed", concurrency=max(1, round(self.concurrency * share)), seed=self.seed + seed_offset,
+                           order=self.agent_order)  # type: ignore[arg-type]
         if self.arrival == "open":
             cap = max(1, round(self.cap * share)) if self.cap else 0
-            return Arrival(kind="open", rate_per_min=self.arrival_rate * share, cap=cap, seed=self.seed + seed_offset)
+            return Arrival(kind="open", rate_per_min=self.arrival_rate * share, cap=cap, seed=self.seed + seed_offset,
+                           order=self.agent_order)  # type: ignore[arg-type]
         if self.arrival == "trace":
             return Arrival(kind="trace", seed=self.seed + seed_offset)
         raise SimConfigError(f"arrival must be closed, open or trace, got {self.arrival!r}")
@@ -186,6 +191,8 @@ def resolve(cfg: SimConfig) -> Resolved:
         raise SimConfigError("--workers must be >= 1")
     if cfg.relaunch_s < 0 or cfg.msg_latency_s < 0 or cfg.state_staleness_s < 0 or cfg.warmup_s < 0:
         raise SimConfigError("--relaunch-s, --msg-latency-s, --state-staleness-s and --warmup must be >= 0")
+    if cfg.agent_order not in ("trace", "shuffled"):
+        raise SimConfigError(f"--agent-order must be trace or shuffled, got {cfg.agent_order!r}")
     if cfg.decode_kv_events not in ("auto", "always"):
         raise SimConfigError("decode_kv_events must be 'auto' or 'always'")
     if cfg.max_pause_s is not None and cfg.max_pause_s < 0:

@@ -92,3 +92,21 @@ def test_failed_request_still_releases_dependents():
     core.on_complete("A", "a1", 1.0, ok=False)
     assert sends(core.poll(1.0)) == [("a2", 1.0)]
     assert core.failed == 1
+
+
+def _first_wave(order, seed, kind="closed"):
+    reqs = [R(f"{a}1", a, f"{a}/m", ends=True) for a in "ABCDEFGHIJ"]
+    core = ReplayCore(reqs, Arrival(kind, concurrency=4, rate_per_min=60.0, seed=seed, order=order))
+    return [x[0][0] for x in sends(core.poll(1e9))][:4]
+
+
+def test_shuffled_agent_order_is_seeded_and_a_permutation():
+    assert _first_wave("trace", 1) == _first_wave("trace", 2) == list("ABCD")
+    a, b = _first_wave("shuffled", 1), _first_wave("shuffled", 2)
+    assert a == _first_wave("shuffled", 1)  # deterministic per seed
+    assert a != b and len(set(a)) == 4  # another sample of agents, each once
+    reqs = [R(f"{x}1", x, f"{x}/m", ends=True) for x in "ABCDEFGHIJ"]
+    core = ReplayCore(reqs, Arrival("open", rate_per_min=60.0, seed=3, order="shuffled"))
+    assert sorted(x[0][0] for x in sends(core.poll(1e9))) == list("ABCDEFGHIJ")  # open loop: everyone, once
+    with pytest.raises(ReplayError, match="order"):
+        Arrival("closed", order="random")  # type: ignore[arg-type]
