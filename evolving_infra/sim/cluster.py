@@ -491,7 +491,7 @@ class ClusterSim:
             rid=req.id,
             prompt_tokens=req.input_tokens,
             block_hashes=blocks,
-            max_tokens=req.output_tokens,
+            max_tokens=max(1, req.output_tokens),  # as the live replayer asks: a recorded 0 still gets one token
             branch_id=req.branch,
         )
         f = _Flight(req=req, rr=rr, sent_at=t, wait=action.admission_wait_s, ideal=hit * self.bs, kind=kind)
@@ -501,7 +501,7 @@ class ClusterSim:
             prev = self._last_prefill.get(req.parent_branch)
         f.prev_prefill = prev
         self.flights[req.id] = f
-        footprint = -(-(req.input_tokens + req.output_tokens) // self.bs)
+        footprint = -(-(req.input_tokens + max(1, req.output_tokens)) // self.bs)
         if footprint > self.profile.gpu_blocks:
             self._reject(f, f"request needs {footprint} KV blocks but a node has {self.profile.gpu_blocks} in GPU memory", t)
             return
@@ -836,7 +836,7 @@ class ClusterSim:
                     decode_node=f.decode or f.prefill or "",
                     prompt_tokens=f.prompt,
                     cached_tokens=f.cached,
-                    output_tokens=f.req.output_tokens,
+                    output_tokens=f.rr.max_tokens,
                     arrived_at=f.sent_at,
                     ttft_s=(f.first_at if f.first_at is not None else t) - f.sent_at,
                     e2e_s=t - f.sent_at,
@@ -868,7 +868,7 @@ class ClusterSim:
             e2e_s=(t - f.sent_at + f.wait) if ok else None,
             admission_wait_s=f.wait,
             prompt_tokens=f.prompt or req.input_tokens,
-            completion_tokens=req.output_tokens if ok else 0,
+            completion_tokens=f.rr.max_tokens if ok else 0,
             cached_tokens=f.cached,
             expected_prompt_tokens=req.input_tokens,
             expected_completion_tokens=req.output_tokens,

@@ -22,6 +22,10 @@ class WorkRejected(ValueError):
         self.rid = rid
         self.reason = reason
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # picklable with its two arguments (the simulator runs in worker processes)
+        return (type(self), (self.rid, self.reason))
+
 
 class SchedulerError(RuntimeError):
     """The caller misused the scheduler (e.g. ``schedule()`` while a plan is in flight)."""

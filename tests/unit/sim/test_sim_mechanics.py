@@ -216,3 +216,14 @@ def test_gpu_kv_events_sent_when_read():
         sim.run_to_end()
         assert not sim.skip_gpu_kv
         assert any(getattr(e, "tier", None) == "gpu" for _, _, evs in batches for e in evs)
+
+
+@pytest.mark.parametrize("binding", ["enqueue", "prefill-start", "route"])
+def test_recorded_zero_output_gets_one_token_as_live(binding):
+    """Real CC sessions record 23 zero-length outputs; the live replayer asks for max(1, n)
+    tokens, and so does the simulator (a 0 once crashed the decode reservation)."""
+    reqs = small_trace(3, 4, output=0, pause=0.1)
+    res = simulate(SimConfig(nodes=3, profile="tiny", policy="static:2P1D", decode_binding=binding, concurrency=3), reqs, BS)
+    assert len(res.records) == len(reqs) and all(r.ok for r in res.records)
+    assert {r.completion_tokens for r in res.records} == {1}
+    assert {r.expected_completion_tokens for r in res.records} == {0}
