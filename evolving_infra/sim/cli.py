@@ -140,9 +140,15 @@ def load_workload(args: argparse.Namespace) -> tuple[list[Any], int, dict[str, A
             trace = read_trace(Path(args.trace))
         except (TraceError, OSError) as e:
             raise SimConfigError(f"--trace: {e}") from e
-        return trace.requests, trace.header.block_size, _with_periods(
-            {"trace": str(args.trace), "trace_source": trace.header.source}, trace.header.meta
-        )
+        from evolving_infra.traces.tokens import rechain_blocks
+
+        reqs, remapped = rechain_blocks(trace.requests)
+        prov: dict[str, Any] = {"trace": str(args.trace), "trace_source": trace.header.source}
+        if remapped:
+            print(f"note: {args.trace}: {remapped} block occurrences followed another prefix than their id's first "
+                  "occurrence (ids must be chained, docs/trace-format.md); remapped to fresh ids", file=sys.stderr)
+            prov["block_ids_rechained"] = remapped
+        return reqs, trace.header.block_size, _with_periods(prov, trace.header.meta)
     from evolving_infra.traces.generate import GenerateError, generate
 
     try:

@@ -146,3 +146,51 @@ def rechunk_request(req: TraceRequest, from_size: int, to_size: int, private: Pr
     """``req`` with its blocks converted from ``from_size`` to ``to_size`` tokens (see :func:`rechunk_blocks`)."""
     blocks = rechunk_blocks(req.blocks, req.input_tokens, from_size, to_size, private=private)
     return msgspec.structs.replace(req, blocks=blocks)
+
+
+def rechain_blocks(requests: Sequence[TraceRequest]) -> tuple[list[TraceRequest], int]:
+    """Requests whose block ids are chained (docs/trace-format.md: an id stands for its whole
+    prefix), remapping every occurrence of an id that follows another prefix than at its first
+    occurrence to a fresh id per (new parent id, old id).
+
+    A trace that breaks the rule (a converter bug, a hand-written trace) would otherwise make
+    the engines' radix pools — which take a hash to name its prefix — hold one block under two
+    parents. Requests that need no change are returned as they are (same objects).
+    O(total blocks) dict probes.
+
+    Returns:
+        ``(requests, remapped)``: the requests in the same order and the number of block
+        occurrences remapped (0 for a chained trace).
+    """
+    parent_of: dict[int, int] = {}
+    alt: dict[tuple[int, int], int] = {}
+    fresh = 1 + max((max(r.blocks) for r in requests if r.blocks), default=0)
+    out: list[TraceRequest] = []
+    remapped = 0
+    missing = -2  # never a parent (parents are ids >= 0 or -1 for the sequence start)
+    for r in requests:
+        prev = -1
+        blocks = r.blocks
+        new: list[int] | None = None
+        for i, b in enumerate(blocks):
+            p = parent_of.get(b, missing)
+            if p == missing:
+                parent_of[b] = prev
+                nb = b
+            elif p == prev:
+                nb = b
+            else:
+                key = (prev, b)
+                nb = alt.get(key, -1)
+                if nb < 0:
+                    nb = alt[key] = fresh
+                    parent_of[nb] = prev
+                    fresh += 1
+                remapped += 1
+            if nb != b and new is None:
+                new = list(blocks[:i])
+            if new is not None:
+                new.append(nb)
+            prev = nb
+        out.append(r if new is None else msgspec.structs.replace(r, blocks=new))
+    return out, remapped

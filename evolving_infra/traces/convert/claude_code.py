@@ -488,10 +488,19 @@ class _Converter:
                 raise ConvertError(f"{path}: local hash id out of [0, {FILE_ID_STRIDE})")
             j = 0
             if walk and shared:
+                # a shared id stands for its namespace's canonical prefix up to its position, so it
+                # continues the path only at that position and after the same namespace's ids (a raw
+                # id can recur after another prefix: session 256 of the Weka set reuses one of its main
+                # prefix's ids in a sub-agent's); ids stay chained (docs/trace-format.md)
                 get = shared.get
+                prev_ns = head[-1] // SHARED_NS_STRIDE if head else -1
+                pos = start
                 for x in rest:
-                    if get(x) is None:
+                    sid = get(x)
+                    if sid is None or sid % SHARED_NS_STRIDE != pos or (prev_ns >= 0 and sid // SHARED_NS_STRIDE != prev_ns):
                         break
+                    prev_ns = sid // SHARED_NS_STRIDE
+                    pos += 1
                     j += 1
             if j:
                 head = head + [shared[x] for x in rest[:j]]

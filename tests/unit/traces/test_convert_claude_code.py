@@ -217,3 +217,9 @@ def test_all_sessions_convert_validate_and_match_raw_totals(tmp_path: Path) -> N
 
     for key, value in load_fit()["targets"].items():
         assert stat_at(s, key) == pytest.approx(value), key
+    # ids are chained (docs/trace-format.md): an id always follows the same id; the engines'
+    # radix pools rely on it (session 256 once put a shared main-prefix id after a sub-agent's prefix)
+    from evolving_infra.traces.io import read_trace
+    from evolving_infra.traces.tokens import rechain_blocks
+
+    assert rechain_blocks(read_trace(out).requests)[1] == 0

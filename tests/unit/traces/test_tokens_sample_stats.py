@@ -117,3 +117,23 @@ def test_stats_structure_keys() -> None:
     assert s["subagent_branches"] == 2 and s["fork_branches"] == 2
     assert s["subagent_spawns"] == 1 and s["subagent_fanout"]["mean"] == 2.0  # both spawned after m0
     assert s["input_tokens_total"] == 8 * 13 and s["output_tokens_total"] == 2 * 13
+
+
+def test_rechain_blocks_gives_an_id_one_prefix() -> None:
+    from evolving_infra.traces.tokens import rechain_blocks
+
+    reqs = [
+        R("a1", blocks=[1, 2, 3], n_in=12),
+        R("a2", blocks=[1, 2, 3, 4], n_in=16),
+        R("b1", agent="b", branch="b:main", blocks=[7, 8, 3, 4], n_in=16),  # 3 after 8: another prefix
+        R("b2", agent="b", branch="b:main", blocks=[7, 8, 3, 4, 5], n_in=20),
+    ]
+    out, remapped = rechain_blocks(reqs)
+    assert out[0] is reqs[0] and out[1] is reqs[1]  # chained requests are left as they are
+    assert remapped == 4  # 3 and 4 of b1 and of b2
+    b1, b2 = out[2].blocks, out[3].blocks
+    assert b1[:2] == [7, 8] and b1[2] > 8 and b1[3] > 8 and b1[2] != b1[3]
+    assert b2[:4] == b1 and b2[4] == 5  # the same new prefix keeps its ids; 5 was never seen elsewhere
+    again, n = rechain_blocks(out)
+    assert n == 0 and all(x is y for x, y in zip(again, out))
+
