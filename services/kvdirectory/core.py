@@ -226,6 +226,10 @@ class KvDirectory:
 
     def _buffer(self, st: _Stream, batch: KvEventBatch, res: ApplyResult, status: ApplyStatus) -> ApplyResult:
         st.buffer[batch.seq] = batch
+        if batch.ts > st.last_ts:
+            # received, if not applied: a later snapshot covers it, and a late duplicate of an
+            # older batch 1 (ts ≤ this one's) must read as stale, not as a publisher restart
+            st.last_ts = batch.ts
         self.counters["kv.batches_buffered"] += 1
         while len(st.buffer) > self.resync_buffer_batches:
             del st.buffer[min(st.buffer)]

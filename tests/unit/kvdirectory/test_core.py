@@ -424,3 +424,13 @@ def test_apply_dispatch_and_bad_arguments():
         KvDirectory(0)
     with pytest.raises(ValueError):
         KvDirectory(BS, reuse_hit_scope="nowhere")  # type: ignore[arg-type]
+
+
+def test_late_batch_one_after_a_snapshot_is_stale_not_a_restart(d):
+    """Batch 1 lost, batch 2 buffered as a gap, a snapshot at seq 2, then batch 1 arrives late:
+    stale (found by the property test: it once read as a publisher restart)."""
+    b1 = KvEventBatch(node="w0", seq=1, ts=1.0, events=[st([1002])])
+    b2 = KvEventBatch(node="w0", seq=2, ts=1.0, events=[AllBlocksCleared()])
+    assert d.apply_kv_batch(b2, 1.0).status == "gap"
+    assert d.apply_snapshot(KvSnapshot(node="w0", seq=2, block_size=BS), 1.0).status == "resynced"
+    assert d.apply_kv_batch(b1, 1.0).status == "stale"
