@@ -4,7 +4,15 @@ Runs ``evolving-infra fidelity``'s library path: the first sessions of the
 shipped Claude Code sample through ``LocalCluster`` + ``LiveReplayer`` (real NATS,
 every service a process, sim engines at a 2.5× speed-up) and through the
 simulator with the live stack's settings. Throughput and mean TTFT must agree
-within 10 % (bench/RESULTS.md has the measured numbers).
+within 10 % (bench/RESULTS.md has the measured numbers, with cache-aware routing).
+
+Routing is ``sticky`` here: with three agents the mean TTFT depends on how their
+sessions are spread over the two prefill nodes, and ``cache-aware`` breaks ties
+on node load that the live router sees a little late — on a fresh clone one run
+in about five spread them 38/46 instead of 71/13 requests per node and the live
+TTFT halved. ``sticky`` binds each branch at its first request (fewest in-flight,
+ties → node id), so live and simulated runs place alike and the test compares
+what it is for: the timing model.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from evolving_infra.sim.fidelity import FidelitySettings, fidelity, format_resul
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_live_and_simulated_runs_agree(tmp_path):
-    res = fidelity(FidelitySettings(sessions=6, concurrency=3, speedup=2.5, max_pause_s=10.0), tmp_path)
+    res = fidelity(FidelitySettings(sessions=6, concurrency=3, speedup=2.5, max_pause_s=10.0, routing="sticky"), tmp_path)
     print(format_result(res))
     assert res["live"]["requests_failed"] == 0 and res["sim"]["requests_failed"] == 0
     assert res["live"]["requests_completed"] == res["sim"]["requests_completed"] == res["requests"]
