@@ -81,6 +81,14 @@ def prompt_of(seed: int, blocks: int = 8) -> list[int]:
     return [(seed * 1000 + i) % 90_000 for i in range(blocks * BS)]
 
 
+def flood_prompt(k: int, blocks: int = 8) -> list[int]:
+    """The k-th of 2,000 prompts that share no block with each other or with ``prompt_of(s)``
+    for s < 50 (distinct first tokens from 50,000; ``prompt_of`` wraps at 90,000, so seeds
+    that differ by 90 give the same prompt — the flood once re-sent the target itself)."""
+    assert 0 <= k < 2000
+    return [50_000 + k * 17 + i for i in range(blocks * BS)]
+
+
 async def test_request_end_to_end_with_prefix_reuse(cluster, bus):
     prompt = prompt_of(1)
     first = await complete(cluster.router_url, prompt, max_tokens=7, headers={"X-Branch-Id": "agent-1"})
@@ -110,7 +118,7 @@ async def test_lookups_follow_evictions(cluster, bus):
     # on load), so the test counts what each node got.
     before = (await stats(bus, "router")).counters
     for batch in range(8):
-        await asyncio.gather(*(complete(cluster.router_url, prompt_of(100 + batch * 20 + i), max_tokens=2) for i in range(20)))
+        await asyncio.gather(*(complete(cluster.router_url, flood_prompt(batch * 20 + i), max_tokens=2) for i in range(20)))
     after = (await stats(bus, "router")).counters
     got = {
         n: sum(after.get(f"routed.{ph}.{n}", 0) - before.get(f"routed.{ph}.{n}", 0) for ph in ("prefill", "decode"))
