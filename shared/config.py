@@ -222,3 +222,41 @@ def to_argv(cfg: Struct, *, skip_defaults: bool = True) -> list[str]:
         else:
             out += [flag_name(f.name), str(value)]
     return out
+
+
+def parse_key_values(items: Sequence[str], what: str = "argument") -> dict[str, Any]:
+    """``["t_learn_s=60", "slo-guard=false"]`` → ``{"t_learn_s": 60, "slo_guard": False}``: free-form
+    options of a pluggable component (a planner's or router's parameters), keys with ``-``
+    read as ``_``.
+
+    Values: ``true/yes/on`` / ``false/no/off`` → bool, ``none/null`` → None, ints, floats,
+    else the string.
+
+    Raises:
+        ValueError: an item without ``=`` or with an empty key (the message names ``what``).
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"{what} {item!r} must look like key=value")
+        v = raw.strip()
+        low = v.lower()
+        val: Any
+        if low in ("true", "yes", "on"):
+            val = True
+        elif low in ("false", "no", "off"):
+            val = False
+        elif low in ("none", "null"):
+            val = None
+        else:
+            try:
+                val = int(v)
+            except ValueError:
+                try:
+                    val = float(v)
+                except ValueError:
+                    val = v
+        out[key] = val
+    return out

@@ -19,6 +19,7 @@ from typing import Any
 
 from evolving_infra.sim.config import ForcedSwitch, SimConfig, SimConfigError
 from evolving_infra.sim.policies import DECODE_BINDINGS, DEFAULT_RELAUNCH_S, EVICTIONS, ROUTING_DECODE, SET_NAMES, SWITCH_MODES
+from shared.config import parse_key_values
 
 
 def parse_options(items: list[str] | None, flag: str) -> dict[str, Any]:
@@ -27,31 +28,10 @@ def parse_options(items: list[str] | None, flag: str) -> dict[str, Any]:
     Raises:
         SimConfigError: an item without ``=``.
     """
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise SimConfigError(f"{flag} {item!r} must look like key=value")
-        v = raw.strip()
-        low = v.lower()
-        val: Any
-        if low in ("true", "yes", "on"):
-            val = True
-        elif low in ("false", "no", "off"):
-            val = False
-        elif low in ("none", "null"):
-            val = None
-        else:
-            try:
-                val = int(v)
-            except ValueError:
-                try:
-                    val = float(v)
-                except ValueError:
-                    val = v
-        out[key] = val
-    return out
+    try:
+        return parse_key_values(items or [], flag)
+    except ValueError as e:
+        raise SimConfigError(str(e)) from None
 
 
 def parse_switch(item: str) -> ForcedSwitch:

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from shared.config import parse_key_values
 from shared.messages import CandidateGain, IterationRecord, NodeState, Phase, PlannerDecision
 from shared.profile import Profile
 from shared.split import split_name
@@ -247,28 +248,4 @@ def parse_planner_args(items: Sequence[str]) -> dict[str, Any]:
     Raises:
         ValueError: an item without ``=`` or with an empty key.
     """
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise ValueError(f"planner argument {item!r} must look like key=value")
-        v = raw.strip()
-        low = v.lower()
-        val: Any
-        if low in ("true", "yes", "on"):
-            val = True
-        elif low in ("false", "no", "off"):
-            val = False
-        elif low in ("none", "null"):
-            val = None
-        else:
-            try:
-                val = int(v)
-            except ValueError:
-                try:
-                    val = float(v)
-                except ValueError:
-                    val = v
-        out[key] = val
-    return out
+    return parse_key_values(items, "planner argument")
