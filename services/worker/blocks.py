@@ -207,10 +207,11 @@ class _GpuRun:
         """Eviction-queue links (queued ⇔ ``ref == 0``)."""
 
 
-class _GpuQueueView:
-    """``GpuBlockPool.evictable``: the unreferenced blocks in eviction order (read only)."""
+class _RunQueueView:
+    """A pool's eviction queue of runs seen block by block (read only): size and membership;
+    subclasses list the blocks (``ordered``)."""
 
-    def __init__(self, pool: GpuBlockPool) -> None:
+    def __init__(self, pool: Any) -> None:
         self._pool = pool
         self.policy: EvictionPolicy = pool.policy
 
@@ -219,6 +220,10 @@ class _GpuQueueView:
 
     def __contains__(self, h: int) -> bool:
         return any(h in r.keys for r in self._pool.queue)
+
+
+class _GpuQueueView(_RunQueueView):
+    """``GpuBlockPool.evictable``: the unreferenced blocks in eviction order (read only)."""
 
     def ordered(self) -> list[_BlockView]:
         """Every queued block in eviction order (O(n); for checks and tests)."""
@@ -907,18 +912,8 @@ class _HostRun:
 _PINNED, _RUN, _MISSING = 0, 1, 2
 
 
-class _HostQueueView:
+class _HostQueueView(_RunQueueView):
     """``RunHostPool.evictable``: the unpinned blocks in eviction order (read only)."""
-
-    def __init__(self, pool: RunHostPool) -> None:
-        self._pool = pool
-        self.policy: EvictionPolicy = pool.policy
-
-    def __len__(self) -> int:
-        return self._pool.queue.blocks
-
-    def __contains__(self, h: int) -> bool:
-        return any(h in r.keys for r in self._pool.queue)
 
     def ordered(self) -> list[_BlockView]:
         """Every queued block in eviction order (O(n); for checks and tests)."""
