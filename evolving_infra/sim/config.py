@@ -18,7 +18,7 @@ import msgspec
 
 from evolving_infra.replay.core import Arrival
 from evolving_infra.sim.schedule import Window
-from evolving_infra.sim.planners import planner_module, planner_names, routing_available
+from evolving_infra.sim.planners import PLANNER_MODULE, planner_names, routing_available
 from evolving_infra.sim.policies import (
     DEFAULT_RELAUNCH_S,
     PolicyError,
@@ -228,11 +228,6 @@ def resolve(cfg: SimConfig) -> Resolved:
         if ps.name == "evolving" and cfg.planner is None:
             subs.append(f"planner {ps.planner} not available -> static")
             ps = with_overrides(ps, planner="static")
-        elif planner_module() is None:
-            raise SimConfigError(
-                f"planner {ps.planner!r} (policy set {ps.name}) needs services/planner/policy.py, which does not exist "
-                "in this tree; only the built-in 'static' planner can run"
-            )
         else:
             raise SimConfigError(f"planner {ps.planner!r} is not registered; known: {', '.join(planner_names())}")
     if subs:
@@ -275,5 +270,5 @@ def resolve(cfg: SimConfig) -> Resolved:
         policy=ps,
         split=split,
         nodes_per_partition=parts,
-        planner_source="services.planner.policy" if planner_module() is not None else "sim built-in",
+        planner_source=PLANNER_MODULE,
     )

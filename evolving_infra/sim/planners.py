@@ -4,12 +4,9 @@ The simulator runs the *same* planner policies as the live planner service
 (``services.planner.policy.make_planner``) and the same routing policies as the
 router (``services.router.policy.make_policy``). This module finds them by name
 at run time and says clearly when one is missing, so the simulator never
-carries its own copy of a policy. Two small pieces belong to the simulator
+carries its own copy of a policy. One small piece belongs to the simulator
 itself:
 
-* :class:`StaticPlanner` — the fixed split, used only when
-  ``services/planner/policy.py`` does not exist in the tree (it never switches,
-  so there is nothing to diverge from);
 * :class:`RoundRobinDecode` — a routing-policy wrapper that keeps the wrapped
   policy's prefill choice and binds decode nodes round-robin, the SGLang Model
   Gateway's PD behaviour that the paper's baselines use (§6.1 "cache-aware
@@ -23,14 +20,13 @@ Planner interface (``services/planner/policy.py``)::
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence, Set as AbstractSet
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.messages import IterationRecord, KvLookupReply, NodeState, Phase
 from shared.profile import Profile
 
+from services.planner import policy as planner_policy
 from services.router.nodes import NodeLoad
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy, make_policy, policy_names
 
@@ -39,31 +35,6 @@ PLANNER_MODULE = "services.planner.policy"
 
 class ComponentMissing(LookupError):
     """A policy named by the run is not registered in this tree."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestDoneLocal:
-    """Field-for-field twin of ``services.planner.policy.RequestDone``, used only when that
-    module does not exist (the built-in :class:`StaticPlanner` ignores it)."""
-
-    rid: str
-    prefill_node: str | None
-    decode_node: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    arrived_at: float
-    ttft_s: float
-    e2e_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class SplitDecisionLocal:
-    """Twin of ``services.planner.policy.SplitDecision`` for the built-in planner."""
-
-    phases: dict[str, Phase]
-    reason: str
-    diagnostics: dict[str, Any] = field(default_factory=dict)
 
 
 class PlannerLike(Protocol):
@@ -77,79 +48,27 @@ class PlannerLike(Protocol):
     def next_tick(self) -> float | None: ...
 
 
-class StaticPlanner:
-    """A fixed split: never decides anything (paper §6.1 "best static split").
-
-    Used only when ``services/planner/policy.py`` is absent; otherwise the
-    planner service's own ``static`` policy runs.
-    """
-
-    name = "static"
-
-    def on_iterations(self, node: str, records: Sequence[IterationRecord], now: float) -> None:
-        return None
-
-    def on_node_state(self, state: NodeState, now: float) -> None:
-        return None
-
-    def on_request_done(self, done: Any, now: float) -> None:
-        return None
-
-    def on_switch_done(self, node: str, phase: Phase, now: float) -> None:
-        return None
-
-    def tick(self, now: float, phases: Mapping[str, Phase], busy: AbstractSet[str]) -> None:
-        return None
-
-    def next_tick(self) -> float | None:
-        return None
-
-
-def planner_module() -> Any | None:
-    """``services.planner.policy`` if it exists in this tree, else None."""
-    try:
-        return importlib.import_module(PLANNER_MODULE)
-    except ModuleNotFoundError as e:
-        if e.name != PLANNER_MODULE:
-            raise
-        return None
-
-
 def planner_names() -> list[str]:
-    """Planner names available now (the planner service's ``PLANNERS``, or ``static`` alone)."""
-    mod = planner_module()
-    if mod is None:
-        return ["static"]
-    return list(getattr(mod, "PLANNERS", ("static",)))
+    """Planner names registered in the planner service (``services.planner.policy.PLANNERS``)."""
+    return list(planner_policy.PLANNERS)
 
 
 def make_planner(name: str, nodes: Sequence[str], profile: Profile, **options: Any) -> tuple[PlannerLike, str]:
-    """Build planner ``name`` for ``nodes``; returns ``(planner, where)`` with ``where`` =
-    ``services.planner.policy`` or ``sim built-in``.
+    """Build planner ``name`` for ``nodes``; returns ``(planner, PLANNER_MODULE)``.
 
     Raises:
-        ComponentMissing: the planner module is absent and ``name`` is not ``static``,
-            or the module does not know ``name``.
+        ComponentMissing: the planner service does not know ``name``, or its options are wrong.
     """
-    mod = planner_module()
-    if mod is None:
-        if name == "static":
-            return StaticPlanner(), "sim built-in (services/planner/policy.py absent)"
-        raise ComponentMissing(
-            f"planner {name!r} is not available: services/planner/policy.py does not exist in this tree "
-            "(only the built-in 'static' planner can run)"
-        )
     try:
-        return mod.make_planner(name, list(nodes), profile, **options), PLANNER_MODULE
+        return planner_policy.make_planner(name, list(nodes), profile, **options), PLANNER_MODULE
     except ValueError as e:
         known = ", ".join(planner_names())
         raise ComponentMissing(f"planner {name!r} could not be built ({e}); known planners: {known}") from e
 
 
 def request_done_type() -> type:
-    """``RequestDone`` of the planner module, or the local twin."""
-    mod = planner_module()
-    return getattr(mod, "RequestDone", RequestDoneLocal) if mod is not None else RequestDoneLocal
+    """The planner service's ``RequestDone``."""
+    return planner_policy.RequestDone
 
 
 def routing_available(name: str) -> bool:
