@@ -434,3 +434,30 @@ def test_late_batch_one_after_a_snapshot_is_stale_not_a_restart(d):
     assert d.apply_kv_batch(b2, 1.0).status == "gap"
     assert d.apply_snapshot(KvSnapshot(node="w0", seq=2, block_size=BS), 1.0).status == "resynced"
     assert d.apply_kv_batch(b1, 1.0).status == "stale"
+
+
+def test_a_hash_repeated_inside_one_store_is_indexed_as_block_by_block():
+    # the new-chain fast path must not build a cycle out of a repeated hash
+    from services.kvdirectory.index import GPU, BlockIndex
+
+    fast, slow = BlockIndex(), BlockIndex()
+    for ix in (fast, slow):
+        ix.ensure_node(0)
+    chain = [11, 12, 11, 13]
+    assert fast.store(0, GPU, chain, None) == [11, 12, 13]
+    for i, h in enumerate(chain):
+        slow.store(0, GPU, [h], chain[i - 1] if i else None)
+    assert fast.entries == slow.entries and dict(fast.negcomp) == dict(slow.negcomp)
+    assert fast.counters == slow.counters and fast.counters["stored.parent_conflict"] == 1
+    assert fast.prefix_drops(chain) == slow.prefix_drops(chain)
+
+
+def test_index_entries_leave_the_cyclic_collector(d):
+    # millions of entries must not be walked by every full collection (a lookup stall)
+    import gc
+
+    f = Feed(d)
+    f.send("w0", st(P), st(P[:4], "host"))
+    f.send("w1", st(P[:3], "host"), BlockRemoved(block_hashes=[P[9]], tier="gpu"))
+    gc.collect()
+    assert not any(gc.is_tracked(e) for e in d.index.entries.values())
