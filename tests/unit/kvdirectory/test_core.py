@@ -461,3 +461,29 @@ def test_index_entries_leave_the_cyclic_collector(d):
     f.send("w1", st(P[:3], "host"), BlockRemoved(block_hashes=[P[9]], tier="gpu"))
     gc.collect()
     assert not any(gc.is_tracked(e) for e in d.index.entries.values())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_decode_drops_bytes_path_matches_per_bit_path(seed, monkeypatch):
+    import random
+
+    from services.kvdirectory import lookup
+
+    rng = random.Random(seed)
+    nn = rng.randint(1, 70)
+    positions = list(range(3 * nn + 1))
+    rng.shuffle(positions)
+    k = rng.randint(1, min(16, len(positions)))  # disjoint bit sets, one per distinct length
+    cuts = sorted(rng.sample(range(1, len(positions)), k - 1)) if k > 1 else []
+    groups = [positions[a:b] for a, b in zip([0, *cuts], [*cuts, len(positions)])]
+    lengths = sorted(rng.sample(range(1, 3000), k))
+    drops = [(n, sum(1 << p for p in g)) for n, g in zip(lengths, groups)]
+    fast = lookup.decode_drops(drops, nn)
+    monkeypatch.setattr(lookup, "_FEW_DROPS", 0)
+    per_bit = lookup.decode_drops(drops, nn)
+    assert fast == per_bit
+    want = [0] * (3 * nn + 1)
+    for n, g in zip(lengths, groups):
+        for p in g:
+            want[p] = n
+    assert per_bit == (want[0], want[1::3], want[2::3], want[3::3])
