@@ -84,9 +84,10 @@ step).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from operator import itemgetter
+from typing import Any, NamedTuple, overload
 
 from shared.itermodel import DecodeModel, PrefillModel, qk_pairs
 from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels, QueuedWork
@@ -233,6 +234,52 @@ class CandidateEstimate(NamedTuple):
         }
 
 
+class CandidateEstimates(Sequence[CandidateEstimate]):
+    """The per-candidate estimates of one decision (a read-only sequence).
+
+    The hot loop makes plain tuples; each :class:`CandidateEstimate` is built
+    when it is read (the debug log, tests), not for every candidate of every
+    decision. The tuples are a snapshot: later state changes do not alter them.
+    """
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: Sequence[tuple[Any, ...]]) -> None:
+        self._raw = raw
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    @overload
+    def __getitem__(self, i: int) -> CandidateEstimate: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[CandidateEstimate]: ...
+
+    def __getitem__(self, i: int | slice) -> CandidateEstimate | list[CandidateEstimate]:
+        if isinstance(i, slice):
+            return [CandidateEstimate._make(r) for r in self._raw[i]]
+        return CandidateEstimate._make(self._raw[i])
+
+    def __iter__(self) -> Iterator[CandidateEstimate]:
+        return map(CandidateEstimate._make, self._raw)
+
+    def find(self, node: str) -> CandidateEstimate | None:
+        """The estimate of ``node`` (None when it was not a candidate); builds only that one."""
+        for r in self._raw:
+            if r[0] == node:
+                return CandidateEstimate._make(r)
+        return None
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, CandidateEstimates):
+            return list(self._raw) == list(other._raw)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"CandidateEstimates({list(self)!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """Outcome of :meth:`TtftPredictor.predict`.
@@ -246,7 +293,7 @@ class Prediction:
     """
 
     best: CandidateEstimate
-    estimates: tuple[CandidateEstimate, ...]
+    estimates: CandidateEstimates
     ties: int = 1
     fetch: tuple[FetchRange, ...] = ()
 
@@ -527,16 +574,20 @@ class TtftPredictor:
         coef = self.coefficients(node)
         s = replay_queue(items, coef, decoding)
         p = coef.prefill
-        return (s.t_open, s.used, s.sum_uc, s.sum_qk, s.sum_rst, s.items, s.budget, p.c0 + s.extra_s, p.c1, p.c2, p.c3)
+        fixed = p.c0 + s.extra_s
+        # the open iteration's time so far (0 when none is open), and what is left of its budget
+        busy = fixed + p.c1 * s.sum_uc + p.c2 * s.sum_qk + p.c3 * s.sum_rst if s.used else 0.0
+        return (s.t_open, busy, s.used, s.budget - s.used, s.items, s.budget, fixed, p.c1, p.c2, p.c3)
 
     def wait(self, node: str, now: float) -> float:
         """Ŵ for a request that cannot share an iteration: until n's queue is done (s)."""
-        (t_open, used, suc, sqk, srst, _n, _b, fixed, c1, c2, c3), base, _ = self._ctx(self._track(node), now)
-        return base + t_open + (fixed + c1 * suc + c2 * sqk + c3 * srst if used else 0.0)
+        ctx, base, _ = self._ctx(self._track(node), now)
+        return base + ctx[0] + ctx[1]
 
-    def _score(self, works: list[tuple[str, int, int, int, int, int]], now: float) -> list[CandidateEstimate]:
-        """Estimates of ``(node, t_uc, t_c, t_rst, x, local)`` work items (the hot loop:
-        attribute reads hoisted, no helper calls but a cache miss, plain arithmetic)."""
+    def _score(self, works: list[tuple[str, int, int, int, int, int]], now: float) -> list[tuple[Any, ...]]:
+        """Estimates of ``(node, t_uc, t_c, t_rst, x, local)`` work items, as plain tuples in
+        :class:`CandidateEstimate` field order (the hot loop: attribute reads hoisted, no
+        helper calls but a cache miss, plain arithmetic, no object but the tuple)."""
         nodes = self._nodes
         max_age = self.state_max_age_s
         f_base, f_per, f_min = self._fetch_base, self._fetch_per_token, self._fetch_min
@@ -555,15 +606,14 @@ class TtftPredictor:
                 trusted = True
             else:
                 ctx, base, trusted = self._ctx(tr, now)
-            t_open, used, suc, sqk, srst, items, budget, fixed, c1, c2, c3 = ctx
+            t_open, busy, used, room, items, budget, fixed, c1, c2, c3 = ctx
             tau = f_base + f_per * x if (x > 0 and x >= f_min) else 0.0
             w_share = base + t_open
             a_all = t_uc * t_c + t_uc * (t_uc + 1) / 2.0  # qk_pairs(t_uc, t_c)
             if used and tau <= w_share:
-                room = budget - used
                 k1 = t_uc if t_uc < room else room
                 a1 = k1 * t_c + k1 * (k1 + 1) / 2.0
-                own = fixed + c1 * (suc + k1) + c2 * (sqk + a1) + c3 * (srst + rst)
+                own = busy + c1 * k1 + c2 * a1 + c3 * rst
                 rest = t_uc - k1
                 if rest:
                     own += -(-rest // budget) * fixed + c1 * rest + c2 * (a_all - a1)
@@ -571,17 +621,13 @@ class TtftPredictor:
                 exposed = 0.0
                 shared = True
             else:
-                wait = w_share + (fixed + c1 * suc + c2 * sqk + c3 * srst if used else 0.0)
+                wait = w_share + busy
                 own = -(-t_uc // budget) * fixed + c1 * t_uc + c2 * a_all + c3 * rst
                 exposed = tau - wait if tau > wait else 0.0
                 shared = False
             copy = kappa * x
             ttft = wait + own + exposed
-            append(
-                _new_estimate(
-                    CandidateEstimate, (node, ttft + copy, ttft, wait, own, tau, exposed, copy, t_uc, t_c, local, x, rst, items, trusted, shared)
-                )
-            )
+            append((node, ttft + copy, ttft, wait, own, tau, exposed, copy, t_uc, t_c, local, x, rst, items, trusted, shared))
         return out
 
     # -- one candidate ---------------------------------------------------- #
@@ -611,7 +657,7 @@ class TtftPredictor:
         """
         if uncached_tokens < 1:
             raise ValueError(f"uncached_tokens must be >= 1, got {uncached_tokens}")
-        return self._score([(node, uncached_tokens, cached_tokens, restore_tokens, fetch_tokens, local_tokens)], now)[0]
+        return CandidateEstimate._make(self._score([(node, uncached_tokens, cached_tokens, restore_tokens, fetch_tokens, local_tokens)], now)[0])
 
     # -- one decision ------------------------------------------------------ #
 
@@ -672,31 +718,27 @@ class TtftPredictor:
                     t_c, x = own, 0
                 g = gpu * bs
                 append((name, t_in - t_c, t_c, t_c - (g if g < t_c else t_c), x, local_t))
-        ests = self._score(works, now)
-        best = ests[0]
-        lo = best.score_s
-        for e in ests:
-            if e.score_s < lo:
-                lo = e.score_s
-                best = e
-        limit = lo + self.tie_eps_s
+        raw = self._score(works, now)
+        limit = min(map(_SCORE, raw)) + self.tie_eps_s
         ties = 0
-        best = None  # type: ignore[assignment]
-        for e in ests:  # candidates are in node-id order: the first longest own prefix wins
-            if e.score_s <= limit:
+        top: tuple[Any, ...] | None = None
+        for e in raw:  # candidates are in node-id order: the first longest own prefix wins
+            if e[1] <= limit:
                 ties += 1
-                if best is None or e.local_tokens > best.local_tokens:
-                    best = e
+                if top is None or e[10] > top[10]:
+                    top = e
+        assert top is not None
+        best = CandidateEstimate._make(top)
         ranges: tuple[FetchRange, ...] = ()
         if best.fetch_tokens and lookup is not None:
             own_prefix = tuple(p for p in lookup.nodes if p.node == best.node)
             plan = fetch_plan(own_prefix, lookup.longest_any, lookup.sources, best.node, lookup.block_size)
             ranges = _clip_ranges(plan.ranges, best.cached_tokens // lookup.block_size)
-        return Prediction(best=best, estimates=tuple(ests), ties=ties, fetch=ranges)
+        return Prediction(best=best, estimates=CandidateEstimates(raw), ties=ties, fetch=ranges)
 
 
-_new_estimate = tuple.__new__
-"""Build a CandidateEstimate from a tuple without NamedTuple's Python-level ``__new__``."""
+_SCORE = itemgetter(1)
+"""``score_s`` of a plain estimate tuple."""
 
 
 def _valid(*xs: float) -> bool:
@@ -789,7 +831,8 @@ class TtftPolicy(RoutingPolicy):
         self.predictor.apply_state(state, now)
 
     def on_dispatch(self, req: RouteRequest, choice: PrefillChoice, decode_node: str | None, now: float) -> None:
-        est = next((e for e in choice.estimates if isinstance(e, CandidateEstimate) and e.node == choice.node), None)
+        ests = choice.estimates
+        est = ests.find(choice.node) if isinstance(ests, CandidateEstimates) else None
         if est is None:  # a choice made elsewhere: charge the whole prompt
             self.predictor.on_dispatch(req.rid, choice.node, uncached_tokens=req.prompt_tokens)
         else:
