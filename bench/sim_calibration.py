@@ -42,6 +42,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from _common import rechained  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
 PAPER_BEST = {"putnam": "2P7D", "osworld": "6P3D", "cc": "4P5D"}
@@ -79,7 +80,7 @@ def traces(cache: Path, needed: set[str]) -> dict[str, tuple[list[Any], int]]:
         subprocess.run([sys.executable, "-m", "evolving_infra.cli", "trace", "convert", "--from", "claude-code-weka",
                         str(SHARED_CC), "-o", str(cc), "--no-progress"], cwd=REPO, check=True)
     tr = read_trace(cc)
-    out["cc"] = (tr.requests, tr.header.block_size)
+    out["cc"] = (rechained(tr.requests), tr.header.block_size)
     return out
 
 

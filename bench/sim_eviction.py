@@ -52,6 +52,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from _common import rechained  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
@@ -90,7 +91,7 @@ def load_trace(cache: Path) -> tuple[list[Any], int]:
         reqs = convert_block_size(tr.requests, tr.header.block_size, BLOCK)  # what simulate() would do
         write_trace(small, msgspec.structs.replace(tr.header, block_size=BLOCK), reqs)
     tr = read_trace(small)
-    return list(tr.requests), tr.header.block_size
+    return rechained(tr.requests), tr.header.block_size
 
 
 def config(host: int | None, eviction: str, duration: float, pause: float | None = 30.0, seed: int = SEED) -> Any:

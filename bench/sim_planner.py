@@ -54,6 +54,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from _common import rechained  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
@@ -94,7 +95,7 @@ def cc_trace(cache: Path) -> tuple[list[Any], int]:
         write_trace(tmp, header, reqs)
         tmp.rename(p512)
     tr = read_trace(p512)
-    return tr.requests, tr.header.block_size
+    return rechained(tr.requests), tr.header.block_size
 
 
 def replace_header(header: Any, bs: int) -> Any:

@@ -49,6 +49,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from _common import rechained  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
@@ -121,7 +122,7 @@ def load_trace(cache: Path) -> tuple[list[Any], int]:
         subprocess.run([sys.executable, "-m", "evolving_infra.cli", "trace", "convert", "--from", "claude-code-weka",
                         str(SHARED_CC), "-o", str(cc), "--no-progress"], cwd=REPO, check=True)
     tr = read_trace(cc)
-    return convert_block_size(tr.requests, tr.header.block_size, BLOCK), BLOCK
+    return rechained(convert_block_size(tr.requests, tr.header.block_size, BLOCK)), BLOCK
 
 
 _FORK: dict[str, Any] = {}

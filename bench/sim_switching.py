@@ -40,6 +40,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from _common import rechained  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
@@ -65,7 +66,7 @@ def load_cc(cache: Path) -> tuple[list[Any], int]:
         subprocess.run([sys.executable, "-m", "evolving_infra.cli", "trace", "convert", "--from", "claude-code-weka",
                         str(SHARED_CC), "-o", str(cc), "--no-progress"], cwd=REPO, check=True)
     tr = read_trace(cc)
-    return tr.requests, tr.header.block_size
+    return rechained(tr.requests), tr.header.block_size
 
 
 def _run(item: tuple[str, Any, str]) -> dict[str, Any]:
