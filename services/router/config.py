@@ -43,6 +43,14 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     ttft_state_max_age_s: Annotated[
         float, Meta(gt=0, description="ttft: simulated seconds after which a node's state is not trusted (paper: 5)")
     ] = 5.0
+    ttft_prune_above: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="ttft: with more prefill candidates than this, score only those whose lower bound can win "
+            "(same decision; the debug route log still scores all)",
+        ),
+    ] = 16
     dynamo_overlap_score_credit: Annotated[
         float, Meta(ge=0, description="dynamo-kv: credit per block cached in GPU memory (Dynamo default 1.0)")
     ] = 1.0
@@ -112,6 +120,7 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
             "ttft_fetch_min_tokens": self.ttft_fetch_min_tokens,
             "ttft_copy_price_s_per_token": self.ttft_copy_price_s_per_token,
             "ttft_state_max_age_s": self.ttft_state_max_age_s,
+            "ttft_prune_above": self.ttft_prune_above,
             "dynamo_overlap_score_credit": self.dynamo_overlap_score_credit,
             "dynamo_host_cache_hit_weight": self.dynamo_host_cache_hit_weight,
             "dynamo_prefill_load_scale": self.dynamo_prefill_load_scale,

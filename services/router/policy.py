@@ -438,6 +438,8 @@ def _ttft(**o: Any) -> RoutingPolicy:
         fetch=fetch,
         copy_price_s_per_token=float(o.get("ttft_copy_price_s_per_token", 1e-7)),
         state_max_age_s=float(o.get("ttft_state_max_age_s", 5.0)),
+        prune_above=int(o.get("ttft_prune_above", 16)),
+        breakdown=bool(o.get("ttft_breakdown", False)),
     )
     return TtftPolicy(predictor, block_size=int(o.get("block_size", profile.block_size)))
 

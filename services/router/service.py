@@ -185,7 +185,8 @@ class RouterService:
         self.bus = bus
         self.clock = clock
         self.log = structlog.get_logger("router").bind(instance=bus.instance)
-        policy = make_policy(cfg.routing, **cfg.policy_options())
+        # at debug level the route log carries every candidate's breakdown: score them all
+        policy = make_policy(cfg.routing, **cfg.policy_options(), ttft_breakdown=self.log.is_enabled_for(logging.DEBUG))
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
         self.core = RouterCore(
             policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup, decode_binding=cfg.decode_binding

@@ -418,9 +418,14 @@ class TtftPredictor:
             i.e. a tenth of the fetch's per-token time, is our default).
         state_max_age_s: a state older than this (``now − state.ts``) is not trusted (5 s).
         tie_eps_s: scores within this of the minimum are ties.
+        prune_above: with more candidates than this, score only those whose lower
+            bound can still win (:meth:`predict`); the decision is the same.
+        breakdown: always score every candidate (set when the route log is at
+            debug level, so its line carries every candidate's breakdown).
 
     Raises:
-        ValueError: on a negative κ, a non-positive ``state_max_age_s`` or a negative ``tie_eps_s``.
+        ValueError: on a negative κ, a non-positive ``state_max_age_s``, a negative
+            ``tie_eps_s`` or a negative ``prune_above``.
     """
 
     def __init__(
@@ -431,6 +436,8 @@ class TtftPredictor:
         copy_price_s_per_token: float = 1e-7,
         state_max_age_s: float = 5.0,
         tie_eps_s: float = 1e-9,
+        prune_above: int = 16,
+        breakdown: bool = False,
     ) -> None:
         if copy_price_s_per_token < 0:
             raise ValueError(f"copy_price_s_per_token must be >= 0, got {copy_price_s_per_token}")
@@ -446,6 +453,10 @@ class TtftPredictor:
         self.kappa = copy_price_s_per_token
         self.state_max_age_s = state_max_age_s
         self.tie_eps_s = tie_eps_s
+        if prune_above < 0:
+            raise ValueError(f"prune_above must be >= 0, got {prune_above}")
+        self.prune_above = prune_above
+        self.breakdown = breakdown
         self.coefs: dict[str, NodeCoefficients] = {}
         self._nodes: dict[str, _NodeTrack] = {}
         self._rid_node: dict[str, str] = {}
@@ -661,8 +672,10 @@ class TtftPredictor:
 
     # -- one decision ------------------------------------------------------ #
 
-    def predict(self, req: RouteRequest, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> Prediction:
-        """Estimate every candidate and pick the argmin (ties → longest own prefix, then node id).
+    def predict(
+        self, req: RouteRequest, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float, *, breakdown: bool | None = None
+    ) -> Prediction:
+        """Estimate the candidates and pick the argmin (ties → longest own prefix, then node id).
 
         ``candidates`` must be sorted by node id (as ``NodeLoadView`` returns them).
 
@@ -674,6 +687,19 @@ class TtftPredictor:
         range) costs more than the rest of the estimate; ``fetch_plan`` gives
         the chosen node's ranges.
 
+        With more than ``prune_above`` candidates (and ``breakdown`` off), only
+        the candidates that can still win are scored: each node's lower bound
+        Ŵ_n ≥ T_n^rem + open iteration, plus the prefill of the fewest uncached
+        tokens any node could have (c1·t_uc + c2·A at the cluster's longest
+        prefix; exposed fetch and copy price ≥ 0) orders them, and scoring stops
+        at the first bound above the best score + ``tie_eps_s``. The choice, the
+        ties and the predicted TTFT are those of scoring every candidate
+        (property-tested); ``estimates`` then holds only the scored ones.
+
+        Args:
+            breakdown: score every candidate (the debug log's full breakdown);
+                None = the predictor's ``breakdown`` setting.
+
         Raises:
             ValueError: if ``candidates`` is empty or ``req.prompt_tokens`` < 1.
         """
@@ -682,43 +708,11 @@ class TtftPredictor:
         t_in = req.prompt_tokens
         if t_in < 1:
             raise ValueError("prompt_tokens must be >= 1")
-        works: list[tuple[str, int, int, int, int, int]] = []
-        append = works.append
-        if lookup is None or lookup.error is not None or lookup.longest_any <= 0:
-            for n in candidates:
-                append((n.node, t_in, 0, 0, 0, 0))
+        full = self.breakdown if breakdown is None else breakdown
+        if full or len(candidates) <= self.prune_above:
+            raw = self._score(self._works(t_in, lookup, candidates), now)
         else:
-            bs = lookup.block_size
-            cap = ((t_in - 1) // bs) * bs
-            min_fetch = self._fetch_min
-            prefixes = {p.node: p for p in lookup.nodes}
-            srcs = [(r.node, r.start, r.end) for r in lookup.sources]
-            longest_t = lookup.longest_any * bs
-            for n in candidates:
-                name = n.node
-                pre = prefixes.get(name)
-                if pre is None:
-                    local = gpu = 0
-                else:
-                    local, gpu = pre.local_blocks, pre.gpu_blocks
-                xb = 0
-                for sn, a, b in srcs:  # fetch_plan's rule: ranges of other nodes beyond the own prefix
-                    if b <= local or sn == name:
-                        continue
-                    xb += b - (a if a > local else local)
-                t_c = longest_t
-                x = xb * bs
-                local_t = local * bs
-                own = local_t if local_t < cap else cap
-                if t_c > cap:  # the engine computes at least one token: the prefix's tail is recomputed
-                    t_c = cap
-                    if x > t_c - own:
-                        x = t_c - own
-                if x < min_fetch:  # no fetch below the threshold: recompute beyond the own prefix
-                    t_c, x = own, 0
-                g = gpu * bs
-                append((name, t_in - t_c, t_c, t_c - (g if g < t_c else t_c), x, local_t))
-        raw = self._score(works, now)
+            raw = self._score_pruned(t_in, lookup, candidates, now)
         limit = min(map(_SCORE, raw)) + self.tie_eps_s
         ties = 0
         top: tuple[Any, ...] | None = None
@@ -736,9 +730,97 @@ class TtftPredictor:
             ranges = _clip_ranges(plan.ranges, best.cached_tokens // lookup.block_size)
         return Prediction(best=best, estimates=CandidateEstimates(raw), ties=ties, fetch=ranges)
 
+    def _works(self, t_in: int, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad]) -> list[tuple[str, int, int, int, int, int]]:
+        """``(node, t_uc, t_c, t_rst, x, local)`` of a prompt of ``t_in`` tokens on each candidate."""
+        works: list[tuple[str, int, int, int, int, int]] = []
+        append = works.append
+        if lookup is None or lookup.error is not None or lookup.longest_any <= 0:
+            for n in candidates:
+                append((n.node, t_in, 0, 0, 0, 0))
+            return works
+        bs = lookup.block_size
+        cap = ((t_in - 1) // bs) * bs
+        min_fetch = self._fetch_min
+        prefixes = {p.node: p for p in lookup.nodes}
+        srcs = [(r.node, r.start, r.end) for r in lookup.sources]
+        longest_t = lookup.longest_any * bs
+        for n in candidates:
+            name = n.node
+            pre = prefixes.get(name)
+            if pre is None:
+                local = gpu = 0
+            else:
+                local, gpu = pre.local_blocks, pre.gpu_blocks
+            xb = 0
+            for sn, a, b in srcs:  # fetch_plan's rule: ranges of other nodes beyond the own prefix
+                if b <= local or sn == name:
+                    continue
+                xb += b - (a if a > local else local)
+            t_c = longest_t
+            x = xb * bs
+            local_t = local * bs
+            own = local_t if local_t < cap else cap
+            if t_c > cap:  # the engine computes at least one token: the prefix's tail is recomputed
+                t_c = cap
+                if x > t_c - own:
+                    x = t_c - own
+            if x < min_fetch:  # no fetch below the threshold: recompute beyond the own prefix
+                t_c, x = own, 0
+            g = gpu * bs
+            append((name, t_in - t_c, t_c, t_c - (g if g < t_c else t_c), x, local_t))
+        return works
+
+    def _score_pruned(self, t_in: int, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> list[tuple[Any, ...]]:
+        """Score candidates in order of a lower bound, in batches, until no bound can win (see
+        :meth:`predict`). Returns the scored ones' plain estimates in candidate order."""
+        if lookup is None or lookup.error is not None or lookup.longest_any <= 0:
+            t_c = 0
+        else:
+            bs = lookup.block_size
+            t_c = min(lookup.longest_any * bs, ((t_in - 1) // bs) * bs)
+        u = t_in - t_c  # the fewest uncached tokens on any node
+        a_u = u * t_c + u * (u + 1) / 2.0
+        nodes = self._nodes
+        max_age = self.state_max_age_s
+        bounds: list[tuple[float, int]] = []
+        append = bounds.append
+        for i, n in enumerate(candidates):  # the same context as _score's (cached replay, aged state)
+            tr = nodes.get(n.node) or self._track(n.node)
+            st = tr.state
+            ctx = tr.trusted_ctx
+            if ctx is not None and st is not None and now - st.ts <= max_age:
+                age = now - st.ts
+                base = st.remaining_s - (age if age > 0.0 else 0.0)
+                if base < 0.0:
+                    base = 0.0
+            else:
+                ctx, base, _ = self._ctx(tr, now)
+            append((base + ctx[0] + ctx[7] * u + ctx[8] * a_u - _BOUND_SLACK_S, i))  # Ŵ ≥ base + t_open; own ≥ c1·u + c2·A
+        bounds.sort()
+        scored: list[tuple[int, tuple[Any, ...]]] = []
+        limit = math.inf
+        pos, n_all = 0, len(bounds)
+        while pos < n_all and bounds[pos][0] <= limit:
+            batch = []
+            while pos < n_all and bounds[pos][0] <= limit and len(batch) < _PRUNE_BATCH:
+                batch.append(bounds[pos][1])
+                pos += 1
+            rows = self._score(self._works(t_in, lookup, [candidates[i] for i in batch]), now)
+            scored.extend(zip(batch, rows))
+            best = min(map(_SCORE, rows)) + self.tie_eps_s
+            if best < limit:
+                limit = best
+        scored.sort(key=_FIRST)
+        return [r for _, r in scored]
+
 
 _SCORE = itemgetter(1)
 """``score_s`` of a plain estimate tuple."""
+_FIRST = itemgetter(0)
+_PRUNE_BATCH = 8
+"""Candidates scored per step of the pruned search (amortises the per-call work)."""
+_BOUND_SLACK_S = 1e-9
+"""Subtracted from every lower bound: float rounding never prunes a winner or a tie."""
 
 
 def _valid(*xs: float) -> bool:

@@ -465,3 +465,70 @@ def test_cached_fetched_and_local_tokens_equal_fetch_plan(lk_names):
     if pred.best.fetch_tokens:
         fp = fetch_plan(look.nodes, look.longest_any, look.sources, pred.best.node, BS)
         assert pred.fetch == fp.ranges
+
+
+
+# --------------------------------------------------------------------------- #
+# pruned scoring decides as scoring every candidate does
+# --------------------------------------------------------------------------- #
+
+ATTN = NodeCoefficients(prefill=PrefillModel(c0=1e-4, c1=1e-4, c2=2e-9, c3=1e-6), decode=DEC, chunk_tokens=100)
+
+
+@hs.composite
+def _clusters(draw):
+    n = draw(hs.integers(1, 40))
+    names = [f"n{i:02d}" for i in range(n)]
+    longest = draw(hs.integers(0, 60))
+    prefixes, sources = [], []
+    if longest:
+        sources = [FetchRange(node=draw(hs.sampled_from(names)), start=0, end=longest, tier="host")]
+        for name in names:
+            local = draw(hs.integers(0, longest))
+            if local:
+                prefixes.append(NodePrefix(node=name, gpu_blocks=draw(hs.integers(0, local)), local_blocks=local))
+    look = KvLookupReply(block_size=BS, nodes=prefixes, longest_any=longest, sources=sources) if longest else None
+    states = {}
+    for name in names:
+        kind = draw(hs.sampled_from(["fresh", "fresh", "stale", "none"]))
+        if kind == "none":
+            continue
+        queue = [q(f"{name}q{j}", draw(hs.integers(1, 3000)), draw(hs.integers(0, 3000))) for j in range(draw(hs.integers(0, 4)))]
+        ts = -10.0 if kind == "stale" else -draw(hs.floats(0.0, 4.0))
+        states[name] = st(name, ts, remaining=draw(hs.floats(0.0, 2.0)), queue=queue)
+    sends = draw(hs.lists(hs.tuples(hs.sampled_from(names), hs.integers(1, 3000)), max_size=6))
+    prompt = draw(hs.integers(1, 61 * BS))
+    ties = draw(hs.booleans())  # no state, no sends, no lookup: identical nodes, every score ties
+    return names, look, states, sends, prompt, ties
+
+
+@settings(max_examples=300, deadline=None)
+@given(_clusters())
+def test_pruned_scoring_picks_what_scoring_every_candidate_picks(cluster):
+    names, look, states, sends, prompt, ties = cluster
+    p = TtftPredictor(ATTN, prune_above=0)
+    if ties:
+        look = None
+    else:
+        for name, state in states.items():
+            p.apply_state(state, 0.0)
+        for j, (name, uc) in enumerate(sends):
+            p.on_dispatch(f"s{j}", name, uncached_tokens=uc)
+    req = RouteRequest(rid="r", prompt_tokens=prompt, block_hashes=list(range(prompt // BS)))
+    full = p.predict(req, look, cand(*names), 0.0, breakdown=True)
+    pruned = p.predict(req, look, cand(*names), 0.0)
+    assert (pruned.best, pruned.ties, pruned.fetch) == (full.best, full.ties, full.fetch)
+    every = {e.node: e for e in full.estimates}
+    assert len(full.estimates) == len(names) and all(every[e.node] == e for e in pruned.estimates)
+    if ties:
+        assert pruned.ties == len(names)
+
+
+def test_pruning_scores_only_candidates_that_can_win():
+    p = TtftPredictor(SIMPLE, prune_above=0)
+    for i in range(40):  # node i has i seconds of work queued ahead
+        p.apply_state(st(f"n{i:02d}", 0.0, remaining=float(i)), 0.0)
+    req = RouteRequest(rid="r", prompt_tokens=1000, block_hashes=list(range(1000 // BS)))
+    pred = p.predict(req, None, cand(*[f"n{i:02d}" for i in range(40)]), 0.0)
+    assert pred.best.node == "n00" and len(pred.estimates) == 8  # one batch: every other bound is > 1 s worse
+    assert len(p.predict(req, None, cand(*[f"n{i:02d}" for i in range(40)]), 0.0, breakdown=True).estimates) == 40
