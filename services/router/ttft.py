@@ -90,7 +90,7 @@ from operator import itemgetter
 from typing import Any, NamedTuple, overload
 
 from shared.itermodel import DecodeModel, PrefillModel, qk_pairs
-from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels, QueuedWork
+from shared.messages import FetchRange, KvLookupReply, NodePrefix, NodeState, PlannerModels, QueuedWork
 from shared.profile import Profile
 
 from services.kvdirectory.lookup import fetch_plan
@@ -730,19 +730,34 @@ class TtftPredictor:
             ranges = _clip_ranges(plan.ranges, best.cached_tokens // lookup.block_size)
         return Prediction(best=best, estimates=CandidateEstimates(raw), ties=ties, fetch=ranges)
 
-    def _works(self, t_in: int, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad]) -> list[tuple[str, int, int, int, int, int]]:
-        """``(node, t_uc, t_c, t_rst, x, local)`` of a prompt of ``t_in`` tokens on each candidate."""
+    @staticmethod
+    def _lookup_view(lookup: KvLookupReply | None) -> tuple[dict[str, NodePrefix], list[tuple[str, int, int]]] | None:
+        """A lookup's per-node prefixes by name and its source ranges (None: nothing cached)."""
+        if lookup is None or lookup.error is not None or lookup.longest_any <= 0:
+            return None
+        return {p.node: p for p in lookup.nodes}, [(r.node, r.start, r.end) for r in lookup.sources]
+
+    def _works(
+        self,
+        t_in: int,
+        lookup: KvLookupReply | None,
+        candidates: Sequence[NodeLoad],
+        view: tuple[dict[str, NodePrefix], list[tuple[str, int, int]]] | None | bool = True,
+    ) -> list[tuple[str, int, int, int, int, int]]:
+        """``(node, t_uc, t_c, t_rst, x, local)`` of a prompt of ``t_in`` tokens on each candidate
+        (``view``: :meth:`_lookup_view` of ``lookup`` when the caller has it, True = build it)."""
         works: list[tuple[str, int, int, int, int, int]] = []
         append = works.append
-        if lookup is None or lookup.error is not None or lookup.longest_any <= 0:
+        if view is True:
+            view = self._lookup_view(lookup)
+        if not view or lookup is None:
             for n in candidates:
                 append((n.node, t_in, 0, 0, 0, 0))
             return works
+        prefixes, srcs = view
         bs = lookup.block_size
         cap = ((t_in - 1) // bs) * bs
         min_fetch = self._fetch_min
-        prefixes = {p.node: p for p in lookup.nodes}
-        srcs = [(r.node, r.start, r.end) for r in lookup.sources]
         longest_t = lookup.longest_any * bs
         for n in candidates:
             name = n.node
@@ -778,6 +793,7 @@ class TtftPredictor:
         else:
             bs = lookup.block_size
             t_c = min(lookup.longest_any * bs, ((t_in - 1) // bs) * bs)
+        view = self._lookup_view(lookup)
         u = t_in - t_c  # the fewest uncached tokens on any node
         a_u = u * t_c + u * (u + 1) / 2.0
         nodes = self._nodes
@@ -805,7 +821,7 @@ class TtftPredictor:
             while pos < n_all and bounds[pos][0] <= limit and len(batch) < _PRUNE_BATCH:
                 batch.append(bounds[pos][1])
                 pos += 1
-            rows = self._score(self._works(t_in, lookup, [candidates[i] for i in batch]), now)
+            rows = self._score(self._works(t_in, lookup, [candidates[i] for i in batch], view), now)
             scored.extend(zip(batch, rows))
             best = min(map(_SCORE, rows)) + self.tie_eps_s
             if best < limit:
