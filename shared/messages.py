@@ -406,7 +406,8 @@ class CandidateGain(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=Fa
     std_gain: float = 0.0
     """σ_g: sample standard deviation of the per-slice gains (req/s)."""
     threshold: float = 0.0
-    """z·σ_g/√m: the gain ḡ must exceed to qualify (z = 2 in the paper)."""
+    """What ḡ must exceed to qualify: z·σ_g/√m (z = 2 in the paper), or the planner's
+    minimum gain (a share of the current Θ) when that is larger."""
     qualifies: bool = False
     changes: NonNeg = 0
     """Nodes that switch phase to reach it (fewest-change assignment)."""

@@ -16,11 +16,12 @@ Life cycle:
 3. **Windows** (``window_s`` = 600 s, ``slices`` m = 10): at each window end,
    t̄_n and f_n are re-measured; for every prefill count p ≠ |P| the fewest-change
    candidate gets per-slice gains g_i = Θ(cand; w̄_i, q̄_i) − Θ(cur; w̄_i, q̄_i)
-   (Eq. 5, 6); it qualifies if mean(g) > z·std(g)/√m (z = 2); the qualifying
+   (Eq. 5, 6); it qualifies if mean(g) > z·std(g)/√m (z = 2) and (beyond the
+   paper, ``min_gain_share``) mean(g) > 3% of the current Θ; the qualifying
    candidate with the largest mean gain is applied. No planning while a node
    is busy (draining/switching) or within ``cooldown_s`` (120 s) of a switch.
-4. **SLO guard** (``slo_guard``, on by default; ``slo_guard=False`` is the paper's
-   planner exactly). Motivation: paper App. D.3, where one switch to 2P7D left
+4. **SLO guard** (``slo_guard``, on by default; ``slo_guard=False`` with
+   ``min_gain_share=0`` is the paper's planner exactly). Motivation: paper App. D.3, where one switch to 2P7D left
    prefill requests queueing for 120–275 s at P95 for ten minutes. With the same
    models and the observed arrival rate λ̂ (``Observer.arrival_rate``), the
    prefill pool of a split is an M/M/c queue (``throughput.ttft_quantile``):
@@ -78,6 +79,11 @@ class EvolvingParams:
     """Slices m per window (paper: 60-s slices, m = 10)."""
     z: float = 2.0
     """Significance: a candidate qualifies if mean(g) > z·std(g)/√m (paper: 2)."""
+    min_gain_share: float = 0.03
+    """Hysteresis (beyond the paper; 0 = the paper's gate): a candidate must also gain more
+    than this share of the current split's mean Θ. The per-slice gains come from the same
+    deterministic models, so two splits whose Θ differ by ~1% pass the z-test as easily as
+    a real gain and the planner flips between them (3P6D ↔ 2P7D on real CC sessions)."""
     cooldown_s: float = 120.0
     """No planning this long after a switch (paper: 120 s)."""
     min_slices: int = 3
@@ -93,7 +99,7 @@ class EvolvingParams:
     initial_split: str | None = None
     """Split to serve after the warm-up (None = the phases at the first tick)."""
     slo_guard: bool = True
-    """Enable the SLO guard (beyond the paper; False = the paper's planner)."""
+    """Enable the SLO guard (beyond the paper; False, with ``min_gain_share=0``, = the paper's planner)."""
     ttft_target_s: float = 15.0
     """Guard target for the TTFT quantile (paper App. D.3: P95 within 15 s)."""
     ttft_quantile: float = 0.95
@@ -117,6 +123,8 @@ class EvolvingParams:
             raise ValueError(f"slices must be >= 2 (a standard deviation needs two), got {self.slices}")
         if not 2 <= self.min_slices <= self.slices:
             raise ValueError(f"min_slices must be in [2, slices], got {self.min_slices}")
+        if not 0 <= self.min_gain_share < 1:
+            raise ValueError(f"min_gain_share must be in [0, 1), got {self.min_gain_share}")
         if self.z < 0 or self.ttft_target_s <= 0 or not 0 < self.ttft_quantile < 1:
             raise ValueError("z must be >= 0, ttft_target_s > 0, ttft_quantile in (0, 1)")
         if self.guard_lookback_s <= 0 or self.guard_backlog_share < 0 or not 0 <= self.guard_max_theta_loss <= 1:
@@ -429,6 +437,9 @@ class EvolvingPlanner(PolicyBase):
         cur = th[p0 - 1]
         gains = th - cur[None, :]
         mean, std, thr, qual = significance(gains, self.p.z)
+        if self.p.min_gain_share > 0:  # hysteresis: a near-tie is no reason to switch
+            thr = np.maximum(thr, self.p.min_gain_share * float(cur.mean()))
+            qual = mean > thr
         guard = self.p.slo_guard and lam is not None
         pooled = _pool(valid)
         ttft = np.full(len(counts), math.nan)
@@ -513,7 +524,8 @@ class EvolvingPlanner(PolicyBase):
             "switch",
             phases,
             target,
-            f"{chosen.split}: mean gain {chosen.mean_gain:.3f} req/s > {chosen.threshold:.3f} (z·σ/√m) over {int(metrics['slices'])} slices",
+            f"{chosen.split}: mean gain {chosen.mean_gain:.3f} req/s > {chosen.threshold:.3f} "
+            f"(max of z·σ/√m and {self.p.min_gain_share:g}·Θ) over {int(metrics['slices'])} slices",
             candidates=cands,
             metrics=metrics,
         )

@@ -267,3 +267,20 @@ def test_params_are_validated():
         make_planner("evolving", NODES, GB, bogus=1)
     with pytest.raises(ValueError):
         make_planner("evolving", NODES, GB, initial_split="3P3D")
+
+
+def test_min_gain_share_keeps_a_near_tie_from_switching():
+    w = [sl(**D3, n=50) for _ in range(10)]
+    phases = split_phases("4P5D", NODES)
+    cands, metrics, best = planner(slo_guard=False, min_gain_share=0.0).evaluate(phases, w)
+    assert best is not None
+    top = next(c for c in cands if c.prefill_nodes == best)
+    share = top.mean_gain / metrics["theta_current"]  # the best candidate's gain as a share of Θ
+    assert top.qualifies and top.threshold < top.mean_gain
+    cands, _, best_above = planner(slo_guard=False, min_gain_share=share * 0.99).evaluate(phases, w)
+    assert best_above == best
+    cands, _, best_below = planner(slo_guard=False, min_gain_share=min(share * 1.01, 0.99)).evaluate(phases, w)
+    assert best_below is None  # no candidate gains that share of Θ: stay
+    assert all(not c.qualifies and c.threshold >= share * metrics["theta_current"] for c in cands)
+    with pytest.raises(ValueError, match="min_gain_share"):
+        planner(min_gain_share=1.0)
