@@ -18,12 +18,14 @@ def _progress_default() -> bool:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from evolving_infra.traces.io import iter_validate
+    from evolving_infra.traces.io import iter_chain_problems, iter_requests, iter_validate
 
     status = 0
     for path in args.files:
         try:
             problems = list(iter_validate(path))
+            if not problems:  # a well-formed file: are its block ids chained?
+                problems = list(iter_chain_problems(iter_requests(path)[1]))
         except OSError as e:
             print(f"{path}: cannot read: {e}", file=sys.stderr)
             status = 2
@@ -149,7 +151,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     tsub = p.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
 
-    v = tsub.add_parser("validate", help="check a trace; report every bad line with its number and reason")
+    v = tsub.add_parser(
+        "validate", help="check a trace (format invariants, then chained block ids); report every bad line with its number and reason"
+    )
     v.add_argument("files", nargs="+", help="trace files (.jsonl or .jsonl.gz)")
     v.add_argument("-q", "--quiet", action="store_true", help="print nothing for valid files")
     v.set_defaults(func=cmd_validate)

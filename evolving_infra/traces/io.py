@@ -329,6 +329,47 @@ def iter_validate(path: str | os.PathLike[str]) -> Iterator[TraceProblem]:
     yield from v.problems
 
 
+CHAIN_REPORT_LIMIT = 20
+"""Unchained requests :func:`iter_chain_problems` reports one by one before it summarises."""
+
+
+def iter_chain_problems(requests: Iterable[TraceRequest], first_line: int = 2) -> Iterator[TraceProblem]:
+    """Requests whose block ids break the chained-ids rule (docs/trace-format.md §4).
+
+    An id stands for its whole prefix, so it must follow the same id (or start the
+    path) wherever it appears. Yields one problem per offending request (its first
+    offending block) for the first :data:`CHAIN_REPORT_LIMIT` such requests, then one
+    summary problem with the total. ``read_trace`` does not check this (``simulate
+    --trace`` remaps such ids with ``tokens.rechain_blocks`` and says how many);
+    ``trace validate`` does. O(total blocks) dict probes; memory O(distinct ids).
+
+    Args:
+        requests: in file order; request k is on line ``first_line + k``.
+    """
+    parent_of: dict[int, int] = {}
+    bad = 0
+    last_line = first_line
+    for k, r in enumerate(requests):
+        prev = -1
+        for i, b in enumerate(r.blocks):
+            p = parent_of.setdefault(b, prev)
+            if p != prev:
+                bad += 1
+                last_line = first_line + k
+                if bad <= CHAIN_REPORT_LIMIT:
+                    before = "the path's start" if p == -1 else f"id {p}"
+                    here = "the path's start" if prev == -1 else f"id {prev}"
+                    yield TraceProblem(
+                        first_line + k,
+                        f"block {i} (id {b}) follows {here} here but {before} earlier: ids are not chained "
+                        "(docs/trace-format.md §4; simulate --trace remaps them)",
+                    )
+                break
+            prev = b
+    if bad > CHAIN_REPORT_LIMIT:
+        yield TraceProblem(last_line, f"{bad} requests in all break the chained-ids rule ({bad - CHAIN_REPORT_LIMIT} not listed)")
+
+
 def read_header(path: str | os.PathLike[str]) -> TraceHeader:
     """Decode only the header line.
 

@@ -67,3 +67,34 @@ def test_convert_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["convert", "--from", "azure", str(tmp_path / "missing.csv"), "-o", str(tmp_path / "o.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
     assert main(["convert", "--from", "azure", str(tmp_path), "-o", str(tmp_path / "o.jsonl"), "--infer-sessions"]) == 2
+
+
+def test_validate_reports_unchained_block_ids(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    head = '{"format": "evolving-infra-trace", "block_size": 4}\n'
+
+    def req(rid: str, blocks: list[int], first: bool = False) -> str:
+        kind = ', "kind": "main"' if first else ""
+        end = ', "ends_branch": true' if rid == "c" else ""
+        after = "" if first else f', "after": ["{chr(ord(rid) - 1)}"]'
+        return (f'{{"id": "{rid}", "agent": "x", "branch": "x:m", "input_tokens": {4 * len(blocks)}, "output_tokens": 1, '
+                f'"blocks": {blocks}{kind}{after}{end}}}\n')
+
+    good = tmp_path / "good.jsonl"
+    good.write_text(head + req("a", [1, 2], True) + req("b", [1, 2, 3]) + req("c", [1, 4]))
+    assert main(["validate", str(good)]) == 0
+    bad = tmp_path / "bad.jsonl"  # id 2 follows id 1 on line 2, then starts the path on line 4
+    bad.write_text(head + req("a", [1, 2], True) + req("b", [1, 2, 3]) + req("c", [2, 5]))
+    assert main(["validate", str(bad)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[1].startswith(f"{bad}:4: block 0 (id 2) follows the path's start here but id 1 earlier")
+
+
+def test_chain_problems_are_summarised_past_the_limit() -> None:
+    from evolving_infra.traces.io import CHAIN_REPORT_LIMIT, iter_chain_problems
+    from evolving_infra.traces.schema import TraceRequest
+
+    reqs = [TraceRequest(id="r0", agent="x", branch="x:m", input_tokens=8, output_tokens=1, blocks=[1, 2], kind="main")]
+    reqs += [TraceRequest(id=f"r{k}", agent="x", branch="x:m", input_tokens=8, output_tokens=1, blocks=[100 + k, 2]) for k in range(1, 26)]
+    probs = list(iter_chain_problems(reqs))
+    assert [p.line for p in probs[:CHAIN_REPORT_LIMIT]] == list(range(3, 3 + CHAIN_REPORT_LIMIT))
+    assert len(probs) == CHAIN_REPORT_LIMIT + 1 and probs[-1].line == 27 and probs[-1].reason.startswith("25 requests in all")
