@@ -578,6 +578,16 @@ class GpuBlockPool:
             out.extend(r.keys)
         return out
 
+    def snapshot_parents(self) -> tuple[list[int], list[int | None]]:
+        """:meth:`snapshot` and each block's parent hash (None at a sequence start). O(n)."""
+        hashes: list[int] = []
+        parents: list[int | None] = []
+        for r in self._runs():
+            hashes.extend(r.keys)
+            parents.append(r.parent.keys[-1] if r.parent is not None else None)
+            parents.extend(r.keys[:-1])
+        return hashes, parents
+
     # -- views for checks and tests ------------------------------------- #
 
     @property
@@ -877,6 +887,11 @@ class HostBlockPool:
 
     def snapshot(self) -> list[int]:
         return list(self.blocks)
+
+    def snapshot_parents(self) -> tuple[list[int], list[int | None]]:
+        """:meth:`snapshot` and each block's parent hash (None at a sequence start). O(n)."""
+        blocks = self.blocks
+        return list(blocks), [b.parent for b in blocks.values()]
 
     def view(self) -> tuple[dict[int, Any], list[Any]]:
         """``(hash → block, queued blocks in eviction order)`` for checks."""
@@ -1255,6 +1270,15 @@ class RunHostPool:
             out.extend(r.keys)
         return out
 
+    def snapshot_parents(self) -> tuple[list[int], list[int | None]]:
+        """:meth:`snapshot` and each block's parent hash (None at a sequence start). O(n)."""
+        hashes, parents = self.gpu.snapshot_parents()
+        for r in self.queue:
+            hashes.extend(r.keys)
+            parents.append(r.parent)
+            parents.extend(r.keys[:-1])
+        return hashes, parents
+
     # -- views for checks and tests ------------------------------------- #
 
     @property
@@ -1408,8 +1432,16 @@ class KvBlockManager:
         return out
 
     def snapshot(self) -> tuple[list[int], list[int]]:
-        """``(gpu hashes, host hashes)`` for a resync reply. O(n)."""
+        """``(gpu hashes, host hashes)``. O(n)."""
         return self.gpu.snapshot(), self.host.snapshot()
+
+    def snapshot_parents(self) -> tuple[list[int], list[int | None], list[int], list[int | None]]:
+        """``(gpu hashes, their parents, host hashes, their parents)`` for a resync reply
+        (``KvSnapshot``): the directory needs the parents to place the blocks in its prefix
+        tree; without them a resynced node's blocks join no complete prefix. O(n)."""
+        g, gp = self.gpu.snapshot_parents()
+        h, hp = self.host.snapshot_parents()
+        return g, gp, h, hp
 
     # -- checks ------------------------------------------------------------ #
 

@@ -832,6 +832,10 @@ class EngineScheduler:
         """``(L1 hashes, L2 hashes)`` as of the events drained so far plus pending ones."""
         return self.kv.snapshot()
 
+    def snapshot_parents(self) -> tuple[list[int], list[int | None], list[int], list[int | None]]:
+        """``(L1 hashes, their parents, L2 hashes, their parents)``: a resync reply's content."""
+        return self.kv.snapshot_parents()
+
     @property
     def inflight(self) -> IterationPlan | None:
         """The plan between ``schedule()`` and ``finish_iteration()``, if any."""

@@ -571,7 +571,7 @@ class WorkerService:
         # drain pending events and snapshot in one synchronous step, so the
         # snapshot is exactly the state after batch `seq`
         events = self.core.take_kv_events()
-        gpu, host = self.core.snapshot()
+        gpu, gpu_parents, host, host_parents = self.core.snapshot_parents()
         if events and self.kvpool is not None:
             self.kvpool.apply_kv_events(events)
         if events:
@@ -580,7 +580,9 @@ class WorkerService:
         if events:
             await self._publish_kv(seq, events, now)
         self.counters["kv.resyncs"] += 1
-        return m.KvSnapshot(node=self.node, seq=seq, block_size=self.profile.block_size, gpu=gpu, host=host)
+        return m.KvSnapshot(
+            node=self.node, seq=seq, block_size=self.profile.block_size, gpu=gpu, host=host, gpu_parents=gpu_parents, host_parents=host_parents
+        )
 
     # ------------------------------------------------------------------ #
     # loop

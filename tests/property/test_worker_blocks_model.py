@@ -87,6 +87,10 @@ class Pair:
         ga, ha = self.new.snapshot()
         gb, hb = self.ref.snapshot()
         assert sorted(ga) == sorted(gb) and sorted(ha) == sorted(hb)
+        ga, gpa, ha, hpa = self.new.snapshot_parents()
+        gb, gpb, hb, hpb = self.ref.snapshot_parents()
+        assert dict(zip(ga, gpa)) == dict(zip(gb, gpb)) and dict(zip(ha, hpa)) == dict(zip(hb, hpb))
+        assert len(ga) == len(gpa) == len(set(ga)) and len(ha) == len(hpa) == len(set(ha))
         self.new.check(holders)
 
 

@@ -226,6 +226,9 @@ class GpuBlockPool:
         """Hashes of every hashed block. O(n)."""
         return list(self.blocks)
 
+    def snapshot_parents(self) -> tuple[list[int], list[int | None]]:
+        return list(self.blocks), [b.parent for b in self.blocks.values()]
+
 
 class HostBlockPool:
     """L2: ``capacity`` blocks, written through from L1, evicted by a policy key.
@@ -442,6 +445,9 @@ class HostBlockPool:
     def snapshot(self) -> list[int]:
         return list(self.blocks)
 
+    def snapshot_parents(self) -> tuple[list[int], list[int | None]]:
+        return list(self.blocks), [b.parent for b in self.blocks.values()]
+
 
 class KvBlockManager:
     """L1 + L2 of one node with write-through and one shared event outbox.
@@ -537,6 +543,11 @@ class KvBlockManager:
     def snapshot(self) -> tuple[list[int], list[int]]:
         """``(gpu hashes, host hashes)`` for a resync reply. O(n)."""
         return self.gpu.snapshot(), self.host.snapshot()
+
+    def snapshot_parents(self) -> tuple[list[int], list[int | None], list[int], list[int | None]]:
+        g, gp = self.gpu.snapshot_parents()
+        h, hp = self.host.snapshot_parents()
+        return g, gp, h, hp
 
     # -- checks ------------------------------------------------------------ #
 

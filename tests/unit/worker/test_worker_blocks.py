@@ -256,3 +256,26 @@ def test_branch_count_keeps_a_forks_shared_prefix_behind_its_new_page():
     order = [x.hash for x in kv.host.evictable.ordered() if x.group == 1]
     assert order == [3, 4, 2, 1], "4 must go before its parents 2, 1"
     kv.check([])
+
+
+@pytest.mark.parametrize("policy", ["lru", "branch-count"])
+def test_resync_snapshot_rebuilds_the_nodes_prefixes_in_the_kv_directory(policy):
+    # a directory that missed a node's events resyncs from this snapshot: with the parents
+    # every block joins its prefix again (without them none would: lookups would miss)
+    from services.kvdirectory.core import KvDirectory
+    from shared.messages import KvSnapshot
+
+    kv = KvBlockManager(6, 16, 4, policy)
+    compute(kv, P(1, 2, 3))
+    compute(kv, P(1, 2, 7, 8))
+    compute(kv, P(20, 21, 22, 23, 24))  # L1 holds 6: older blocks stay in L2 only
+    g, gp, h, hp = kv.snapshot_parents()
+    d = KvDirectory(4)
+    d.apply_snapshot(KvSnapshot(node="w0", seq=3, block_size=4, gpu=g, gpu_parents=gp, host=h, host_parents=hp), 0.0)
+    for path in (P(1, 2, 3), P(1, 2, 7, 8), P(20, 21, 22, 23, 24)):
+        got = d.lookup(path).node("w0")
+        assert got.host_blocks == len(path) and got.local_blocks == len(path)
+    assert d.lookup(P(20, 21, 22, 23, 24)).node("w0").gpu_blocks == sum(1 for x in (20, 21, 22, 23, 24) if x in g)
+    bare = KvDirectory(4)  # the same snapshot without parents: the blocks are known, no prefix is
+    bare.apply_snapshot(KvSnapshot(node="w0", seq=3, block_size=4, gpu=g, host=h), 0.0)
+    assert bare.lookup(P(1, 2, 3)).node("w0").local_blocks == 0
