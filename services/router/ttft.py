@@ -710,7 +710,7 @@ class TtftPredictor:
             raise ValueError("prompt_tokens must be >= 1")
         full = self.breakdown if breakdown is None else breakdown
         if full or len(candidates) <= self.prune_above:
-            raw = self._score(self._works(t_in, lookup, candidates), now)
+            raw = self._score(self._works(t_in, lookup, candidates, self._lookup_view(lookup)), now)
         else:
             raw = self._score_pruned(t_in, lookup, candidates, now)
         limit = min(map(_SCORE, raw)) + self.tie_eps_s
@@ -742,15 +742,13 @@ class TtftPredictor:
         t_in: int,
         lookup: KvLookupReply | None,
         candidates: Sequence[NodeLoad],
-        view: tuple[dict[str, NodePrefix], list[tuple[str, int, int]]] | None | bool = True,
+        view: tuple[dict[str, NodePrefix], list[tuple[str, int, int]]] | None,
     ) -> list[tuple[str, int, int, int, int, int]]:
         """``(node, t_uc, t_c, t_rst, x, local)`` of a prompt of ``t_in`` tokens on each candidate
-        (``view``: :meth:`_lookup_view` of ``lookup`` when the caller has it, True = build it)."""
+        (``view`` = :meth:`_lookup_view` of ``lookup``, built once per decision)."""
         works: list[tuple[str, int, int, int, int, int]] = []
         append = works.append
-        if view is True:
-            view = self._lookup_view(lookup)
-        if not view or lookup is None:
+        if view is None or lookup is None:
             for n in candidates:
                 append((n.node, t_in, 0, 0, 0, 0))
             return works
