@@ -328,29 +328,12 @@ class BlockIndex:
             pc = e[0] & (keep if h in other else keep_both)
             if pc == ANY_BIT:
                 pc = 0
-            if pc == 0 and e[2] is None:
-                # a leaf held nowhere (the usual, leaf-first eviction): drop it inline,
-                # and its ancestors too when that leaves them empty and childless
+            if pc == 0 and e[2] is None:  # a leaf held nowhere (the usual eviction): drop it
                 neg.pop(h, None)
-                del entries[h]
-                p = e[1]
-                if p is not None and p is not UNKNOWN:
-                    pe = entries[p]
-                    ch = pe[2]
-                    if type(ch) is int:
-                        if pe[0] == 0:
-                            self._drop(p, pe)
-                        else:
-                            entries[p] = (pe[0], pe[1], None)
-                    else:
-                        ch.remove(h)
-                        if len(ch) == 1:
-                            entries[p] = (pe[0], pe[1], next(iter(ch)))
+                self._drop(h, e)
             else:
                 e = entries[h] = (pc, e[1], e[2])
                 self._set_comp(h, e[2], pc & self._parent_comp(e))
-                if pc == 0 and e[2] is None:
-                    self._drop(h, e)
             removed.append(h)
         return removed
 
