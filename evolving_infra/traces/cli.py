@@ -18,14 +18,12 @@ def _progress_default() -> bool:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from evolving_infra.traces.io import iter_chain_problems, iter_requests, iter_validate
+    from evolving_infra.traces.io import iter_validate
 
     status = 0
     for path in args.files:
         try:
-            problems = list(iter_validate(path))
-            if not problems:  # a well-formed file: are its block ids chained?
-                problems = list(iter_chain_problems(iter_requests(path)[1]))
+            problems = list(iter_validate(path, chained=True))
         except OSError as e:
             print(f"{path}: cannot read: {e}", file=sys.stderr)
             status = 2

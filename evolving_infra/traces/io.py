@@ -313,20 +313,27 @@ def _scan(path: str | os.PathLike[str], v: "_Validator") -> Iterator[TraceReques
     v.finish(n)
 
 
-def iter_validate(path: str | os.PathLike[str]) -> Iterator[TraceProblem]:
+def iter_validate(path: str | os.PathLike[str], *, chained: bool = False) -> Iterator[TraceProblem]:
     """Yield every problem of a trace file, in line order.
 
     Streams the file (memory grows with the number of requests and branches,
     not with their blocks); the problems are yielded once the whole file has
     been read, sorted by line (a branch that never ends is only known at the end).
 
+    Args:
+        chained: also check, in the same pass, that block ids are chained
+            (:func:`iter_chain_problems`; memory O(distinct ids)). Reported only
+            when the file has no other problem.
+
     Raises:
         OSError: the file cannot be read.
     """
     v = _Validator()
-    for _ in _scan(path, v):
+    requests = _scan(path, v)
+    chain = list(iter_chain_problems(requests)) if chained else []
+    for _ in requests:  # (drained already when chained)
         pass
-    yield from v.problems
+    yield from v.problems or chain
 
 
 CHAIN_REPORT_LIMIT = 20
