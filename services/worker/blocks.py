@@ -573,10 +573,7 @@ class GpuBlockPool:
 
     def snapshot(self) -> list[int]:
         """Hashes of every hashed block, parents first. O(n)."""
-        out: list[int] = []
-        for r in self._runs():
-            out.extend(r.keys)
-        return out
+        return self.snapshot_parents()[0]
 
     def snapshot_parents(self) -> tuple[list[int], list[int | None]]:
         """:meth:`snapshot` and each block's parent hash (None at a sequence start). O(n)."""
@@ -1265,10 +1262,7 @@ class RunHostPool:
 
     def snapshot(self) -> list[int]:
         """Every L2 hash: the pinned (L1) ones, then the unpinned ones in eviction order. O(n)."""
-        out = self.gpu.snapshot()
-        for r in self.queue:
-            out.extend(r.keys)
-        return out
+        return self.snapshot_parents()[0]
 
     def snapshot_parents(self) -> tuple[list[int], list[int | None]]:
         """:meth:`snapshot` and each block's parent hash (None at a sequence start). O(n)."""
