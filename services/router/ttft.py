@@ -786,12 +786,11 @@ class TtftPredictor:
     def _score_pruned(self, t_in: int, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> list[tuple[Any, ...]]:
         """Score candidates in order of a lower bound, in batches, until no bound can win (see
         :meth:`predict`). Returns the scored ones' plain estimates in candidate order."""
-        if lookup is None or lookup.error is not None or lookup.longest_any <= 0:
-            t_c = 0
-        else:
+        view = self._lookup_view(lookup)
+        t_c = 0  # the longest cached prefix any node could use (the engine's cap as in _works)
+        if view is not None and lookup is not None:
             bs = lookup.block_size
             t_c = min(lookup.longest_any * bs, ((t_in - 1) // bs) * bs)
-        view = self._lookup_view(lookup)
         u = t_in - t_c  # the fewest uncached tokens on any node
         a_u = u * t_c + u * (u + 1) / 2.0
         nodes = self._nodes
