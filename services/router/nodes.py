@@ -31,7 +31,7 @@ Operations (N nodes, R requests in flight):
 | operation                   | cost          |
 |-----------------------------|---------------|
 | apply_state / apply_split   | O(1) / O(N)   |
-| candidates(now)             | O(N log N)    |
+| candidates(now)             | O(N) after a change, O(1) + a copy otherwise |
 | on_dispatch / on_first_token / on_finish / rebind | O(1) |
 | check_fences(now)           | O(N)          |
 | next_deadline()             | O(N)          |
@@ -70,6 +70,8 @@ class NodeRecord:
     """Requests dispatched here for prefill whose first token has not arrived."""
     inflight_decode: int = 0
     """Requests bound here for decode and not finished."""
+    load: NodeLoad | None = field(default=None, repr=False, compare=False)
+    """This record as a :class:`NodeLoad` (built on demand; None after any change)."""
 
     @property
     def phase(self) -> Phase | None:
@@ -84,8 +86,8 @@ class NodeLoad:
     """Immutable load snapshot of one eligible node: what a routing policy sees.
 
     ``inflight*`` are the router's own counts; ``running``/``waiting``/
-    ``decoding`` and ``state`` are from the node's last :class:`NodeState`
-    (``state_age`` seconds old, in the caller's clock).
+    ``decoding`` and ``state`` are from the node's last :class:`NodeState`,
+    received at ``last_seen`` (the caller's clock; :meth:`state_age` at ``now``).
     """
 
     node: str
@@ -98,8 +100,12 @@ class NodeLoad:
     decoding: int = 0
     gpu_free_blocks: int = 0
     gpu_total_blocks: int = 0
-    state_age: float = 0.0
+    last_seen: float = 0.0
     state: NodeState | None = None
+
+    def state_age(self, now: float) -> float:
+        """Age of ``state`` at ``now`` (caller's clock units)."""
+        return now - self.last_seen
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +145,14 @@ class NodeLoadView:
     """Epoch of the split command applied last (-1: none yet)."""
     split_reason: str = ""
     _flights: dict[str, _Flight] = field(default_factory=dict)
+    _gen: int = 0
+    """Bumped by every change of a record (state, split, fence, in-flight counts)."""
+    _by_id: list[NodeRecord] | None = None
+    """Records sorted by node id (None after a node is added)."""
+    _lists: dict[frozenset[str], tuple[int, float, float, list[NodeLoad]]] = field(default_factory=dict)
+    """Candidate lists by phase set: ``(gen, built at, oldest listed last_seen, list)``; valid
+    while ``gen`` holds and no listed node went stale (a stale one can only come back
+    with a new state, which bumps ``gen``)."""
 
     def __post_init__(self) -> None:
         if not self.fence_after > 0:
@@ -150,7 +164,13 @@ class NodeLoadView:
         rec = self.nodes.get(node)
         if rec is None:
             rec = self.nodes[node] = NodeRecord(node=node)
+            self._by_id = None
         return rec
+
+    def _changed(self, rec: NodeRecord) -> None:
+        """Drop ``rec``'s cached :class:`NodeLoad` and every cached candidate list."""
+        rec.load = None
+        self._gen += 1
 
     def apply_state(self, state: NodeState, now: float) -> bool:
         """Record a node's state received at ``now``.
@@ -166,6 +186,7 @@ class NodeLoadView:
         rec = self._record(state.node)
         rec.state = state
         rec.last_seen = now
+        self._changed(rec)
         if rec.fenced:
             rec.fenced = False
             return True
@@ -191,6 +212,7 @@ class NodeLoadView:
             check_token(node, "node")
         for rec in self.nodes.values():
             rec.split_phase = None
+            self._changed(rec)
         for node, phase in cmd.phases.items():
             self._record(node).split_phase = phase
         self.epoch = cmd.epoch
@@ -217,34 +239,58 @@ class NodeLoadView:
             return False
         return rec.split_phase is None or rec.split_phase == st.phase
 
-    def _load(self, rec: NodeRecord, now: float) -> NodeLoad:
-        st = rec.state
-        assert st is not None and rec.last_seen is not None
-        return NodeLoad(
-            node=rec.node,
-            phase=st.phase,
-            inflight=rec.inflight,
-            inflight_prefill=rec.inflight_prefill,
-            inflight_decode=rec.inflight_decode,
-            running=st.running,
-            waiting=st.waiting,
-            decoding=st.decoding,
-            gpu_free_blocks=st.gpu_free_blocks,
-            gpu_total_blocks=st.gpu_total_blocks,
-            state_age=now - rec.last_seen,
-            state=st,
-        )
+    def _load(self, rec: NodeRecord) -> NodeLoad:
+        ld = rec.load
+        if ld is None:
+            st = rec.state
+            assert st is not None and rec.last_seen is not None
+            ld = rec.load = NodeLoad(
+                node=rec.node,
+                phase=st.phase,
+                inflight=rec.inflight,
+                inflight_prefill=rec.inflight_prefill,
+                inflight_decode=rec.inflight_decode,
+                running=st.running,
+                waiting=st.waiting,
+                decoding=st.decoding,
+                gpu_free_blocks=st.gpu_free_blocks,
+                gpu_total_blocks=st.gpu_total_blocks,
+                last_seen=rec.last_seen,
+                state=st,
+            )
+        return ld
 
     def candidates(self, phases: Iterable[str], now: float) -> list[NodeLoad]:
-        """Eligible nodes whose phase is in ``phases``, sorted by node id."""
-        wanted = frozenset(phases)
-        out = [
-            self._load(rec, now)
-            for rec in self.nodes.values()
-            if self.eligible(rec, now) and rec.state is not None and rec.state.phase in wanted
-        ]
-        out.sort(key=lambda x: x.node)
-        return out
+        """Eligible nodes whose phase is in ``phases``, sorted by node id (a new list).
+
+        The list is kept until a record changes or ``now`` leaves the interval
+        in which no listed node can go stale; each node's :class:`NodeLoad` is
+        kept until that node's record changes.
+        """
+        wanted = phases if isinstance(phases, frozenset) else frozenset(phases)
+        hit = self._lists.get(wanted)
+        if hit is not None and hit[0] == self._gen and hit[1] <= now and now - hit[2] <= self.fence_after:
+            return list(hit[3])
+        by_id = self._by_id
+        if by_id is None:
+            by_id = self._by_id = sorted(self.nodes.values(), key=lambda r: r.node)
+        out: list[NodeLoad] = []
+        oldest = float("inf")
+        fence = self.fence_after
+        for rec in by_id:  # eligible(rec, now) and phase in wanted, inlined (no call per node)
+            st = rec.state
+            if st is None or rec.fenced or not st.accepting or st.phase not in wanted:
+                continue
+            if rec.split_phase is not None and rec.split_phase != st.phase:
+                continue
+            seen = rec.last_seen
+            if seen is None or now - seen > fence:
+                continue
+            if seen < oldest:
+                oldest = seen
+            out.append(rec.load or self._load(rec))
+        self._lists[wanted] = (self._gen, now, oldest, out)
+        return list(out)
 
     def prefill_candidates(self, now: float) -> list[NodeLoad]:
         """Eligible nodes with phase ``prefill`` or ``both``."""
@@ -301,10 +347,12 @@ class NodeLoadView:
         p = self._record(prefill_node)
         p.inflight += 1
         p.inflight_prefill += 1
+        self._changed(p)
         if decode_node is not None:
             d = self._record(decode_node)
             d.inflight += 1
             d.inflight_decode += 1
+            self._changed(d)
 
     def on_first_token(self, rid: str) -> None:
         """The first output token of ``rid`` arrived: its prefill is done (idempotent)."""
@@ -312,7 +360,9 @@ class NodeLoadView:
         if fl is None or fl.first_token:
             return
         fl.first_token = True
-        self.nodes[fl.prefill_node].inflight_prefill -= 1
+        p = self.nodes[fl.prefill_node]
+        p.inflight_prefill -= 1
+        self._changed(p)
 
     def on_finish(self, rid: str) -> tuple[str, str | None] | None:
         """Forget ``rid`` (finished, failed or aborted); idempotent.
@@ -327,10 +377,12 @@ class NodeLoadView:
         p.inflight -= 1
         if not fl.first_token:
             p.inflight_prefill -= 1
+        self._changed(p)
         if fl.decode_node is not None:
             d = self.nodes[fl.decode_node]
             d.inflight -= 1
             d.inflight_decode -= 1
+            self._changed(d)
         return fl.prefill_node, fl.decode_node
 
     def rebind(self, rid: str, decode_node: str) -> bool:
@@ -349,10 +401,12 @@ class NodeLoadView:
             old = self.nodes[fl.decode_node]
             old.inflight -= 1
             old.inflight_decode -= 1
+            self._changed(old)
         fl.decode_node = decode_node
         d = self._record(decode_node)
         d.inflight += 1
         d.inflight_decode += 1
+        self._changed(d)
         return True
 
     def placement(self, rid: str) -> tuple[str, str | None] | None:
@@ -386,6 +440,7 @@ class NodeLoadView:
             if age > self.fence_after:
                 rec.fenced = True
                 rec.fence_events += 1
+                self._changed(rec)
                 out.append(FencedNode(node=rec.node, age=age, rids=tuple(self.requests_on(rec.node))))
         return out
 

@@ -89,7 +89,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, NamedTuple, overload
 
-from shared.itermodel import DecodeModel, PrefillModel, qk_pairs
+from shared.itermodel import DecodeModel, PrefillModel
 from shared.messages import FetchRange, KvLookupReply, NodePrefix, NodeState, PlannerModels, QueuedWork
 from shared.profile import Profile
 
@@ -342,7 +342,7 @@ def replay_queue(items: Iterable[QueuedWork], coef: NodeCoefficients, decoding: 
     used = 0
     uc = qk = rst = 0.0
     n = 0
-    for it in items:
+    for it in items:  # qk_pairs(k, cb) = k·cb + k·(k+1)/2 inlined (hot: one call per queue item)
         rem = it.uncached_tokens
         if rem <= 0:
             continue
@@ -350,9 +350,11 @@ def replay_queue(items: Iterable[QueuedWork], coef: NodeCoefficients, decoding: 
         cb = it.cached_tokens
         r = it.restore_tokens
         if used:
-            take = min(rem, budget - used)
+            take = budget - used
+            if rem < take:
+                take = rem
             uc += take
-            qk += qk_pairs(take, cb)
+            qk += take * cb + take * (take + 1) / 2.0
             rst += r
             r = 0
             cb += take
@@ -366,14 +368,14 @@ def replay_queue(items: Iterable[QueuedWork], coef: NodeCoefficients, decoding: 
             full = rem // budget
             if full:
                 tok = full * budget
-                t += full * fixed + c1 * tok + c2 * qk_pairs(tok, cb) + c3 * r
+                t += full * fixed + c1 * tok + c2 * (tok * cb + tok * (tok + 1) / 2.0) + c3 * r
                 r = 0
                 cb += tok
                 rem -= tok
             if rem:
                 used = rem
                 uc = float(rem)
-                qk = qk_pairs(rem, cb)
+                qk = rem * cb + rem * (rem + 1) / 2.0
                 rst = float(r)
     return QueueReplay(t, used, uc, qk, rst, n, budget, extra)
 
@@ -396,10 +398,6 @@ class _NodeTrack:
         """Replay of the reported queue + unreported sends, with the node's coefficients (None = recompute)."""
         self.fallback_ctx: tuple | None = None  # type: ignore[type-arg]
         """Replay of every send not yet at its first token (untrusted state)."""
-
-    def invalidate(self) -> None:
-        self.trusted_ctx = None
-        self.fallback_ctx = None
 
 
 # --------------------------------------------------------------------------- #
@@ -461,6 +459,12 @@ class TtftPredictor:
         self._nodes: dict[str, _NodeTrack] = {}
         self._rid_node: dict[str, str] = {}
         self.models_rejected = 0
+        self._bounds: dict[str, tuple[float, float, float, float, float, float, float]] = {}
+        """Per node with a cached trusted replay, what the pruned search's lower bound needs:
+        ``(ts + remaining_s, remaining_s, t_open, fixed, c1, c2, ts)`` of its state and
+        replay (``fixed`` = c0 + the decode part of a collocated node's iterations)."""
+        self._bounds_oldest = math.inf
+        """≤ the oldest ``ts`` in ``_bounds`` (entries older than ``state_max_age_s`` are purged)."""
 
     # -- inputs ---------------------------------------------------------- #
 
@@ -469,6 +473,12 @@ class TtftPredictor:
         if tr is None:
             tr = self._nodes[node] = _NodeTrack(node)
         return tr
+
+    def _invalidate(self, tr: _NodeTrack) -> None:
+        """Drop a node's cached replays (its state, sends or coefficients changed)."""
+        tr.trusted_ctx = None
+        tr.fallback_ctx = None
+        self._bounds.pop(tr.node, None)
 
     def coefficients(self, node: str) -> NodeCoefficients:
         """The coefficients ``node`` is predicted with."""
@@ -484,7 +494,7 @@ class TtftPredictor:
                 s = sends.get(q.rid)
                 if s is not None:
                     s.seen = True
-        tr.invalidate()
+        self._invalidate(tr)
 
     def apply_models(self, msg: PlannerModels) -> int:
         """Adopt the planner's fitted models (per node; unset parts keep the current ones).
@@ -518,7 +528,7 @@ class TtftPredictor:
                 changed += 1
                 tr = self._nodes.get(nm.node)
                 if tr is not None:
-                    tr.invalidate()
+                    self._invalidate(tr)
         return changed
 
     def on_dispatch(self, rid: str, node: str, *, uncached_tokens: int, cached_tokens: int = 0, restore_tokens: int = 0) -> None:
@@ -533,7 +543,7 @@ class TtftPredictor:
         work = QueuedWork(rid=rid, uncached_tokens=uncached_tokens, cached_tokens=cached_tokens, restore_tokens=restore_tokens)
         tr.sends[rid] = _Send(work)
         self._rid_node[rid] = node
-        tr.invalidate()
+        self._invalidate(tr)
 
     def forget(self, rid: str) -> bool:
         """``rid`` produced its first token, finished, failed or was aborted (idempotent).
@@ -546,7 +556,7 @@ class TtftPredictor:
             return False
         tr = self._nodes[node]
         del tr.sends[rid]
-        tr.invalidate()
+        self._invalidate(tr)
         return True
 
     def tracked(self, node: str) -> int:
@@ -574,6 +584,9 @@ class TtftPredictor:
                         [*st.queue, *(x.work for r, x in tr.sends.items() if not x.seen and r not in listed)] if tr.sends else st.queue
                     )
                     c = tr.trusted_ctx = self._make_ctx(tr.node, items, st.decoding)
+                    self._bounds[tr.node] = (st.ts + st.remaining_s, st.remaining_s, c[0], c[6], c[7], c[8], st.ts)
+                    if st.ts < self._bounds_oldest:
+                        self._bounds_oldest = st.ts
                 rem = st.remaining_s - (age if age > 0.0 else 0.0)
                 return c, (rem if rem > 0.0 else 0.0), True
         c = tr.fallback_ctx
@@ -690,8 +703,8 @@ class TtftPredictor:
         With more than ``prune_above`` candidates (and ``breakdown`` off), only
         the candidates that can still win are scored: each node's lower bound
         Ŵ_n ≥ T_n^rem + open iteration, plus the prefill of the fewest uncached
-        tokens any node could have (c1·t_uc + c2·A at the cluster's longest
-        prefix; exposed fetch and copy price ≥ 0) orders them, and scoring stops
+        tokens any node could have (one iteration's fixed part + c1·t_uc + c2·A at
+        the cluster's longest prefix; exposed fetch and copy price ≥ 0) orders them, and scoring stops
         at the first bound above the best score + ``tie_eps_s``. The choice, the
         ties and the predicted TTFT are those of scoring every candidate
         (property-tested); ``estimates`` then holds only the scored ones.
@@ -785,7 +798,14 @@ class TtftPredictor:
 
     def _score_pruned(self, t_in: int, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> list[tuple[Any, ...]]:
         """Score candidates in order of a lower bound, in batches, until no bound can win (see
-        :meth:`predict`). Returns the scored ones' plain estimates in candidate order."""
+        :meth:`predict`). Returns the scored ones' plain estimates in candidate order.
+
+        A node's bound needs its aged remaining time, ``max(0, min(rem, ts + rem − now))``
+        (= ``_ctx``'s ``max(0, rem − max(0, now − ts))``), and its replay's ``t_open``,
+        fixed part, c1 and c2; ``_bounds`` keeps those per node while its trusted replay
+        is cached, so one comprehension bounds every such node. The others (changed since
+        the last decision, stale or never reported) go through ``_ctx``, which caches
+        them again."""
         view = self._lookup_view(lookup)
         t_c = 0  # the longest cached prefix any node could use (the engine's cap as in _works)
         if view is not None and lookup is not None:
@@ -793,30 +813,31 @@ class TtftPredictor:
             t_c = min(lookup.longest_any * bs, ((t_in - 1) // bs) * bs)
         u = t_in - t_c  # the fewest uncached tokens on any node
         a_u = u * t_c + u * (u + 1) / 2.0
-        nodes = self._nodes
-        max_age = self.state_max_age_s
-        bounds: list[tuple[float, int]] = []
-        append = bounds.append
-        for i, n in enumerate(candidates):  # the same context as _score's (cached replay, aged state)
-            tr = nodes.get(n.node) or self._track(n.node)
-            st = tr.state
-            ctx = tr.trusted_ctx
-            if ctx is not None and st is not None and now - st.ts <= max_age:
-                age = now - st.ts
-                base = st.remaining_s - (age if age > 0.0 else 0.0)
-                if base < 0.0:
-                    base = 0.0
-            else:
-                ctx, base, _ = self._ctx(tr, now)
-            append((base + ctx[0] + ctx[7] * u + ctx[8] * a_u - _BOUND_SLACK_S, i))  # Ŵ ≥ base + t_open; own ≥ c1·u + c2·A
-        bounds.sort()
+        if now - self._bounds_oldest > self.state_max_age_s:
+            self._purge_stale_bounds(now)
+        names = [n.node for n in candidates]
+        vals: list[Any] = list(map(self._bounds.get, names))
+        if None in vals:
+            i = -1
+            try:
+                while True:
+                    i = vals.index(None, i + 1)
+                    ctx, base, _ = self._ctx(self._nodes.get(names[i]) or self._track(names[i]), now)
+                    vals[i] = (math.inf, base, ctx[0], ctx[6], ctx[7], ctx[8], now)  # min(rem, inf) = base, the aged remaining time
+            except ValueError:
+                pass
+        bounds = [  # Ŵ ≥ aged remaining + t_open; own prefill ≥ one iteration's fixed part + c1·u + c2·A
+            (rem if (d := end - now) > rem else (d if d > 0.0 else 0.0)) + t_open + fixed + c1 * u + c2 * a_u - _BOUND_SLACK_S
+            for end, rem, t_open, fixed, c1, c2, _ in vals
+        ]
+        order = sorted(range(len(bounds)), key=bounds.__getitem__)  # stable: ties in candidate order
         scored: list[tuple[int, tuple[Any, ...]]] = []
         limit = math.inf
-        pos, n_all = 0, len(bounds)
-        while pos < n_all and bounds[pos][0] <= limit:
+        pos, n_all = 0, len(order)
+        while pos < n_all and bounds[order[pos]] <= limit:
             batch = []
-            while pos < n_all and bounds[pos][0] <= limit and len(batch) < _PRUNE_BATCH:
-                batch.append(bounds[pos][1])
+            while pos < n_all and bounds[order[pos]] <= limit and len(batch) < _PRUNE_BATCH:
+                batch.append(order[pos])
                 pos += 1
             rows = self._score(self._works(t_in, lookup, [candidates[i] for i in batch], view), now)
             scored.extend(zip(batch, rows))
@@ -826,6 +847,12 @@ class TtftPredictor:
         scored.sort(key=_FIRST)
         return [r for _, r in scored]
 
+    def _purge_stale_bounds(self, now: float) -> None:
+        """Drop ``_bounds`` entries whose state is no longer trusted at ``now``."""
+        max_age = self.state_max_age_s
+        self._bounds = {k: v for k, v in self._bounds.items() if now - v[6] <= max_age}
+        self._bounds_oldest = min((v[6] for v in self._bounds.values()), default=math.inf)
+
 
 _SCORE = itemgetter(1)
 """``score_s`` of a plain estimate tuple."""
@@ -834,6 +861,7 @@ _PRUNE_BATCH = 8
 """Candidates scored per step of the pruned search (amortises the per-call work)."""
 _BOUND_SLACK_S = 1e-9
 """Subtracted from every lower bound: float rounding never prunes a winner or a tie."""
+
 
 
 def _valid(*xs: float) -> bool:

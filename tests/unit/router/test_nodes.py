@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from shared.messages import SplitCommand
 
-from services.router.nodes import NodeLoadView
+from services.router.nodes import DECODE_PHASES, PREFILL_PHASES, NodeLoadView
 
 from .helpers import state
 
@@ -23,7 +25,7 @@ def test_candidates_by_phase_sorted():
     v.apply_state(state("p1", "prefill"), 0.0)
     assert [n.node for n in v.prefill_candidates(1.0)] == ["c1", "p1", "p2"]
     d = v.decode_candidates(1.0)
-    assert [n.node for n in d] == ["d1"] and d[0].running == 3 and d[0].state_age == 1.0
+    assert [n.node for n in d] == ["d1"] and d[0].running == 3 and d[0].state_age(1.0) == 1.0
 
 
 def test_fencing_by_state_age_and_readmission():
@@ -120,3 +122,60 @@ def test_routable_reasons():
 def test_fence_after_must_be_positive():
     with pytest.raises(ValueError):
         NodeLoadView(fence_after=0)
+
+
+# --------------------------------------------------------------------------- #
+# cached candidate lists == recomputed from eligible() after any change
+# --------------------------------------------------------------------------- #
+
+_NODES = ["a", "b", "c", "d"]
+_op = hs.one_of(
+    hs.tuples(hs.just("state"), hs.sampled_from(_NODES), hs.sampled_from(["prefill", "decode", "both"]), hs.booleans(), hs.integers(0, 5)),
+    hs.tuples(hs.just("split"), hs.dictionaries(hs.sampled_from(_NODES), hs.sampled_from(["prefill", "decode"]), max_size=4)),
+    hs.tuples(hs.just("dispatch"), hs.sampled_from(_NODES), hs.sampled_from([None, *_NODES])),
+    hs.tuples(hs.just("first"), hs.integers(0, 20)),
+    hs.tuples(hs.just("finish"), hs.integers(0, 20)),
+    hs.tuples(hs.just("rebind"), hs.integers(0, 20), hs.sampled_from(_NODES)),
+    hs.tuples(hs.just("fences")),
+    hs.tuples(hs.just("time"), hs.floats(-0.5, 2.5)),
+)
+
+
+def _expected(v: NodeLoadView, phases: frozenset[str], now: float) -> list[tuple]:
+    out = []
+    for rec in sorted(v.nodes.values(), key=lambda r: r.node):
+        if v.eligible(rec, now) and rec.state is not None and rec.state.phase in phases:
+            st = rec.state
+            out.append((rec.node, st.phase, rec.inflight, rec.inflight_prefill, rec.inflight_decode, st.running, rec.last_seen, st))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=hs.lists(_op, max_size=40))
+def test_cached_candidates_match_a_fresh_computation(ops):
+    v = view(fence_after=1.0)
+    now, epoch, rid = 0.0, 0, 0
+    for op in ops:
+        kind = op[0]
+        if kind == "state":
+            v.apply_state(state(op[1], op[2], running=op[4], accepting=op[3]), now)
+        elif kind == "split":
+            epoch += 1
+            v.apply_split(SplitCommand(epoch=epoch, phases=op[1]))
+        elif kind == "dispatch":
+            if op[2] != op[1]:
+                v.on_dispatch(f"r{rid}", op[1], op[2])
+                rid += 1
+        elif kind == "first":
+            v.on_first_token(f"r{op[1]}")
+        elif kind == "finish":
+            v.on_finish(f"r{op[1]}")
+        elif kind == "rebind":
+            v.rebind(f"r{op[1]}", op[2])
+        elif kind == "fences":
+            v.check_fences(now)
+        else:
+            now += op[1]
+        for phases in (PREFILL_PHASES, DECODE_PHASES):
+            got = [(n.node, n.phase, n.inflight, n.inflight_prefill, n.inflight_decode, n.running, n.last_seen, n.state) for n in v.candidates(phases, now)]
+            assert got == _expected(v, phases, now), (kind, now)

@@ -481,8 +481,14 @@ def _clusters(draw):
     names = [f"n{i:02d}" for i in range(n)]
     longest = draw(hs.integers(0, 60))
     prefixes, sources = [], []
-    if longest:
-        sources = [FetchRange(node=draw(hs.sampled_from(names)), start=0, end=longest, tier="host")]
+    if longest:  # 1–3 ranges by random nodes, contiguous or (rarely, not from the directory) with a gap
+        cuts = sorted(set(draw(hs.lists(hs.integers(1, longest), max_size=2))) | {longest})
+        start = 0
+        for end in cuts:
+            if draw(hs.integers(0, 9)) == 0 and end - start > 1:
+                start += 1
+            sources.append(FetchRange(node=draw(hs.sampled_from(names)), start=start, end=end, tier=draw(hs.sampled_from(["host", "gpu"]))))
+            start = end
         for name in names:
             local = draw(hs.integers(0, longest))
             if local:
@@ -502,11 +508,20 @@ def _clusters(draw):
     return names, look, states, sends, prompt, ties
 
 
-@settings(max_examples=300, deadline=None)
-@given(_clusters())
-def test_pruned_scoring_picks_what_scoring_every_candidate_picks(cluster):
+@hs.composite
+def _predictor_params(draw):
+    """Coefficients, τ and κ (the pruned search's bounds use every one of them)."""
+    c0 = draw(hs.sampled_from([1e-4, 0.01, 0.05]))
+    coef = NodeCoefficients(prefill=PrefillModel(c0=c0, c1=1e-4, c2=2e-9, c3=1e-6), decode=DEC, chunk_tokens=100)
+    fetch = FetchModel(base_s=draw(hs.sampled_from([0.0, 0.05, 0.45])), per_token_s=draw(hs.sampled_from([0.0, 1e-6, 1e-4])), min_tokens=draw(hs.sampled_from([0, 64, 512])))
+    return {"default": coef, "fetch": fetch, "copy_price_s_per_token": draw(hs.sampled_from([0.0, 1e-7, 1e-5]))}
+
+
+@settings(max_examples=400, deadline=None)
+@given(_clusters(), _predictor_params())
+def test_pruned_scoring_picks_what_scoring_every_candidate_picks(cluster, params):
     names, look, states, sends, prompt, ties = cluster
-    p = TtftPredictor(ATTN, prune_above=0)
+    p = TtftPredictor(prune_above=0, **params)
     if ties:
         look = None
     else:
@@ -532,3 +547,65 @@ def test_pruning_scores_only_candidates_that_can_win():
     pred = p.predict(req, None, cand(*[f"n{i:02d}" for i in range(40)]), 0.0)
     assert pred.best.node == "n00" and len(pred.estimates) == 8  # one batch: every other bound is > 1 s worse
     assert len(p.predict(req, None, cand(*[f"n{i:02d}" for i in range(40)]), 0.0, breakdown=True).estimates) == 40
+
+
+def test_pruning_sees_a_node_whose_queue_drained_since_the_last_decision():
+    p = TtftPredictor(SIMPLE, prune_above=0)
+    names = [f"n{i:02d}" for i in range(20)]
+    for i, n in enumerate(names):
+        p.apply_state(st(n, 0.0, remaining=1.0 + i), 0.0)
+    req = RouteRequest(rid="r", prompt_tokens=1000, block_hashes=list(range(1000 // BS)))
+    assert p.predict(req, None, cand(*names), 0.0).best.node == "n00"
+    p.apply_state(st("n19", 0.5, remaining=0.0), 0.5)  # the busiest node is now idle
+    assert p.predict(req, None, cand(*names), 0.5).best.node == "n19"
+
+
+@hs.composite
+def _histories(draw):
+    names, look, _, _, _, _ = draw(_clusters())
+    steps = []
+    for _ in range(draw(hs.integers(1, 8))):
+        events = []
+        for _ in range(draw(hs.integers(0, 5))):
+            kind = draw(hs.sampled_from(["state", "send", "forget", "models"]))
+            name = draw(hs.sampled_from(names))
+            if kind == "state":
+                queue = [q(f"{name}x{j}", draw(hs.integers(1, 3000)), draw(hs.integers(0, 3000))) for j in range(draw(hs.integers(0, 4)))]
+                events.append(("state", name, draw(hs.floats(0.0, 2.0)), draw(hs.floats(0.0, 2.0)), queue))
+            elif kind == "send":
+                events.append(("send", name, draw(hs.integers(1, 3000))))
+            elif kind == "forget":
+                events.append(("forget", draw(hs.integers(0, 20))))
+            else:
+                c1 = draw(hs.sampled_from([1e-4, 3e-4]))
+                events.append(("models", name, c1))
+        steps.append((events, draw(hs.floats(0.0, 3.0)), draw(hs.integers(1, 61 * BS))))
+    return names, look, steps
+
+
+@settings(max_examples=200, deadline=None)
+@given(_histories(), _predictor_params())
+def test_pruned_scoring_stays_exact_across_decisions(history, params):
+    """The pruned search's cached bounds follow every state, send, forget, model change and
+    the passing of time (states going stale): decision after decision it picks what a
+    predictor that scores every candidate picks."""
+    names, look, steps = history
+    pruned, full = TtftPredictor(prune_above=0, **params), TtftPredictor(breakdown=True, **params)
+    now, sent = 0.0, 0
+    for events, dt, prompt in steps:
+        for ev in events:
+            for p in (pruned, full):
+                if ev[0] == "state":
+                    p.apply_state(st(ev[1], now - ev[2], remaining=ev[3], queue=ev[4]), now)
+                elif ev[0] == "send":
+                    p.on_dispatch(f"s{sent}", ev[1], uncached_tokens=ev[2])
+                elif ev[0] == "forget":
+                    p.forget(f"s{ev[1]}")
+                else:
+                    pre = PrefillModel(c0=1e-4, c1=ev[2], c2=2e-9, c3=1e-6)
+                    p.apply_models(PlannerModels(models=[NodeModels(node=ev[1], prefill=pre)]))
+            sent += ev[0] == "send"
+        req = RouteRequest(rid="r", prompt_tokens=prompt, block_hashes=list(range(prompt // BS)))
+        a, b = pruned.predict(req, look, cand(*names), now), full.predict(req, look, cand(*names), now)
+        assert (a.best, a.ties, a.fetch) == (b.best, b.ties, b.fetch)
+        now += dt
