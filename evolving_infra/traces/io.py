@@ -30,6 +30,7 @@ reported again; only the bad line itself is.
 
 from __future__ import annotations
 
+import gc
 import gzip
 import os
 import zlib
@@ -422,9 +423,19 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
         TraceError: one or more lines are bad; ``err.problems`` lists every one
             as ``line N: reason`` (the whole file is checked first).
         OSError: the file cannot be read.
+
+    The cyclic garbage collector is paused while the file is read (and restored after): the
+    decoded requests hold no reference cycles, and the collections that walked the growing
+    list of requests took ~25% of reading a 35,000-request trace.
     """
     v = _Validator()
-    requests = list(_scan(path, v))
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        requests = list(_scan(path, v))
+    finally:
+        if was_enabled:
+            gc.enable()
     if v.problems:
         raise TraceError(path, v.problems)
     assert v.header is not None
