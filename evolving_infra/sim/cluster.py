@@ -528,7 +528,8 @@ class ClusterSim:
     def _dispatch(self, f: _Flight, t: float) -> None:
         """Route ``f`` (router core + policy) and send its work to the chosen node(s)."""
         rr = f.rr
-        lookup = self.directory.lookup(rr.block_hashes).to_reply(self.bs) if rr.block_hashes else None
+        found = self.directory.lookup(rr.block_hashes) if rr.block_hashes else None
+        lookup = found.to_reply(self.bs) if found is not None else None
         self._refresh_states(t)
         out = self.router.route(rr, lookup, t)
         if isinstance(out, NoRoute):
@@ -552,7 +553,10 @@ class ClusterSim:
                 work = msgspec.structs.replace(work, fetch=ranges)
         for placed in out.placed:  # prefill-start: the decode placement comes with the binding
             if placed.phase != "decode" or not self.skip_decode_kv:  # decode: only where decode KV is seen
-                self.directory.place(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t)
+                # no KV event since the lookup above: the directory's lost-reuse record reuses it
+                same = found is not None and placed.block_hashes == rr.block_hashes
+                self.directory.place(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t,
+                                     lookup=found if same else None)
         self._flush_counts()
         f.prefill = pnode.name
         f.decided_at = t
@@ -911,11 +915,12 @@ class ClusterSim:
 
     def _flush_counts(self) -> None:
         """Count changes (``kv.counts.<node>``) to the engines at once; engines whose eviction
-        ignores counts (``lru``) are not sent them (the outbox is drained either way)."""
-        updates = self.directory.take_count_updates()
+        ignores counts (``lru``) are not sent them (the outbox is emptied either way, without
+        building the messages)."""
         if not self.track_branches:
+            self.directory.drop_count_updates()
             return
-        for cu in updates:
+        for cu in self.directory.take_count_updates():
             node = self.nodes.get(cu.node)
             if node is not None:
                 node.sched.update_counts(cu.hashes, cu.counts)
