@@ -50,6 +50,7 @@ from evolving_infra.sim.planners import make_planner, make_routing, request_done
 from evolving_infra.sim.schedule import ScheduledReplay
 from evolving_infra.sim.policies import LOCAL_KV_MODES, SHARED_POOL_MODES
 from evolving_infra.traces.schema import TraceRequest
+from evolving_infra.traces.tokens import shared_prefix_len
 from services.kvdirectory.core import KvDirectory
 from services.kvdirectory.lookup import fetch_plan_for_reply
 from services.kvdirectory.reuse import attribute_lost_reuse
@@ -364,6 +365,9 @@ class ClusterSim:
             if r.kind is not None and r.branch not in self.branch_kind:
                 self.branch_kind[r.branch] = r.kind
         self._seen: set[int] = set()
+        """Every block id sent so far (for the requests' ideal cached tokens)."""
+        self._sent_path: dict[str, Sequence[int]] = {}
+        """branch → block ids of its last request sent (all in ``_seen``), until the branch ends."""
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
         self.now = 0.0
@@ -465,8 +469,16 @@ class ClusterSim:
         req = action.req
         blocks = req.blocks if self._blocks_of is None else self._blocks_of(req)
         seen = self._seen
-        hit = len(list(takewhile(seen.__contains__, blocks)))  # leading blocks sent before (C loop)
+        # leading blocks sent before: those shared with the branch's (a new fork: its parent's)
+        # last request are (one slice comparison), the rest are looked up (C loops)
+        paths = self._sent_path
+        last = paths.get(req.branch)
+        if last is None and req.parent_branch is not None:
+            last = paths.get(req.parent_branch)
+        k = shared_prefix_len(last, blocks) if last is not None else 0
+        hit = k + len(list(takewhile(seen.__contains__, islice(blocks, k, None))))
         seen.update(islice(blocks, hit, None))  # the first ``hit`` are in already
+        paths[req.branch] = blocks
         kind = self.branch_kind.get(req.branch, "main")
         directory = self.directory
         if action.new_branch:
@@ -508,6 +520,7 @@ class ClusterSim:
         self._dispatch(f, t)
 
     def _end_branch(self, action: EndBranch, t: float) -> None:
+        self._sent_path.pop(action.branch, None)
         self.router.end_branch(action.branch, t)
         self.directory.branch_end(action.branch, t)
         self._flush_counts()

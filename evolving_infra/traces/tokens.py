@@ -32,7 +32,16 @@ import numpy as np
 from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceRequest
 from shared.hashing import tokens_for_blocks, tokens_for_tail
 
-__all__ = ["MAX_BLOCK_ID", "PRIVATE_ID_BASE", "PrivateIds", "prompt_token_ids", "rechunk_blocks", "rechunk_request"]
+__all__ = [
+    "MAX_BLOCK_ID",
+    "PRIVATE_ID_BASE",
+    "PrivateIds",
+    "prompt_token_ids",
+    "rechain_blocks",
+    "rechunk_blocks",
+    "rechunk_request",
+    "shared_prefix_len",
+]
 
 PRIVATE_ID_BASE = 1 << 47
 """Ids in [PRIVATE_ID_BASE, MAX_BLOCK_ID] are fresh private ids made by :class:`PrivateIds`;
@@ -153,7 +162,7 @@ _Ref = tuple[Sequence[int], Sequence[int], "list[int] | None"]
 was remapped, else ``acc`` with ``acc[i]`` = remapped occurrences among its first ``i`` ids."""
 
 
-def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two id lists: one slice comparison when one
     extends the other, else bisection over the unknown window (O(len) element comparisons in C)."""
     n = min(len(a), len(b))
@@ -209,7 +218,7 @@ def rechain_blocks(requests: Sequence[TraceRequest]) -> tuple[list[TraceRequest]
         prev = -1
         if ref is not None and blocks:
             src, dst, acc = ref
-            k = _shared_prefix(src, blocks)
+            k = shared_prefix_len(src, blocks)
             if k:
                 if acc is not None and acc[k]:
                     remapped += acc[k]
