@@ -475,8 +475,8 @@ class ClusterSim:
         last = paths.get(req.branch)
         if last is None and req.parent_branch is not None:
             last = paths.get(req.parent_branch)
-        k = shared_prefix_len(last, blocks) if last is not None else 0
-        hit = k + len(list(takewhile(seen.__contains__, islice(blocks, k, None))))
+        shared = shared_prefix_len(last, blocks) if last is not None else 0
+        hit = shared + len(list(takewhile(seen.__contains__, islice(blocks, shared, None))))
         seen.update(islice(blocks, hit, None))  # the first ``hit`` are in already
         paths[req.branch] = blocks
         kind = self.branch_kind.get(req.branch, "main")
