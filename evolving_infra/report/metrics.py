@@ -165,7 +165,7 @@ def prefill_queue_imbalance(
         nodes = set(load)
         if timeline is not None and load:
             nodes |= timeline.prefill_nodes_between(a, b)
-        values = [load.get(n, 0.0) for n in nodes]
+        values = [load.get(n, 0.0) for n in sorted(nodes)]  # fixed order: the float sum is reproducible
         mean = sum(values) / len(values) if values else 0.0
         ratios.append(max(values) / mean if mean > 0 else None)
     valid = [x for x in ratios if x is not None]

@@ -50,6 +50,7 @@ from evolving_infra.sim.planners import make_planner, make_routing, request_done
 from evolving_infra.sim.schedule import ScheduledReplay
 from evolving_infra.sim.policies import LOCAL_KV_MODES, SHARED_POOL_MODES
 from evolving_infra.traces.schema import TraceRequest
+from evolving_infra.traces.tokens import shared_prefix_len
 from services.kvdirectory.core import KvDirectory
 from services.kvdirectory.lookup import fetch_plan_for_reply
 from services.kvdirectory.reuse import attribute_lost_reuse
@@ -364,6 +365,9 @@ class ClusterSim:
             if r.kind is not None and r.branch not in self.branch_kind:
                 self.branch_kind[r.branch] = r.kind
         self._seen: set[int] = set()
+        """Every block id sent so far (for the requests' ideal cached tokens)."""
+        self._sent_path: dict[str, Sequence[int]] = {}
+        """branch → block ids of its last request sent (all in ``_seen``), until the branch ends."""
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
         self.now = 0.0
@@ -465,8 +469,16 @@ class ClusterSim:
         req = action.req
         blocks = req.blocks if self._blocks_of is None else self._blocks_of(req)
         seen = self._seen
-        hit = len(list(takewhile(seen.__contains__, blocks)))  # leading blocks sent before (C loop)
+        # leading blocks sent before: those shared with the branch's (a new fork: its parent's)
+        # last request are (one slice comparison), the rest are looked up (C loops)
+        paths = self._sent_path
+        last = paths.get(req.branch)
+        if last is None and req.parent_branch is not None:
+            last = paths.get(req.parent_branch)
+        shared = shared_prefix_len(last, blocks) if last is not None else 0
+        hit = shared + len(list(takewhile(seen.__contains__, islice(blocks, shared, None))))
         seen.update(islice(blocks, hit, None))  # the first ``hit`` are in already
+        paths[req.branch] = blocks
         kind = self.branch_kind.get(req.branch, "main")
         directory = self.directory
         if action.new_branch:
@@ -508,6 +520,7 @@ class ClusterSim:
         self._dispatch(f, t)
 
     def _end_branch(self, action: EndBranch, t: float) -> None:
+        self._sent_path.pop(action.branch, None)
         self.router.end_branch(action.branch, t)
         self.directory.branch_end(action.branch, t)
         self._flush_counts()
@@ -528,7 +541,8 @@ class ClusterSim:
     def _dispatch(self, f: _Flight, t: float) -> None:
         """Route ``f`` (router core + policy) and send its work to the chosen node(s)."""
         rr = f.rr
-        lookup = self.directory.lookup(rr.block_hashes).to_reply(self.bs) if rr.block_hashes else None
+        found = self.directory.lookup(rr.block_hashes) if rr.block_hashes else None
+        lookup = found.to_reply(self.bs) if found is not None else None
         self._refresh_states(t)
         out = self.router.route(rr, lookup, t)
         if isinstance(out, NoRoute):
@@ -552,7 +566,10 @@ class ClusterSim:
                 work = msgspec.structs.replace(work, fetch=ranges)
         for placed in out.placed:  # prefill-start: the decode placement comes with the binding
             if placed.phase != "decode" or not self.skip_decode_kv:  # decode: only where decode KV is seen
-                self.directory.place(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t)
+                # no KV event since the lookup above: the directory's lost-reuse record reuses it
+                same = found is not None and placed.block_hashes == rr.block_hashes
+                self.directory.place(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t,
+                                     lookup=found if same else None)
         self._flush_counts()
         f.prefill = pnode.name
         f.decided_at = t
@@ -911,11 +928,12 @@ class ClusterSim:
 
     def _flush_counts(self) -> None:
         """Count changes (``kv.counts.<node>``) to the engines at once; engines whose eviction
-        ignores counts (``lru``) are not sent them (the outbox is drained either way)."""
-        updates = self.directory.take_count_updates()
+        ignores counts (``lru``) are not sent them (the outbox is emptied either way, without
+        building the messages)."""
         if not self.track_branches:
+            self.directory.drop_count_updates()
             return
-        for cu in updates:
+        for cu in self.directory.take_count_updates():
             node = self.nodes.get(cu.node)
             if node is not None:
                 node.sched.update_counts(cu.hashes, cu.counts)

@@ -64,8 +64,9 @@ class TraceRequest(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Recorded output length. 0 occurs in real traces (a response with no
     tokens); replayers and the simulator then ask for 1 token, the least an
     OpenAI-compatible server generates."""
-    blocks: list[int] = []
-    """Ids of the input's full blocks (``len == input_tokens // block_size``)."""
+    blocks: list[Annotated[int, Meta(ge=0, le=MAX_BLOCK_ID)]] = []
+    """Ids of the input's full blocks (``len == input_tokens // block_size``); decoding checks
+    each is in [0, MAX_BLOCK_ID] (constructing a request does not)."""
     kind: BranchKind | None = None
     """Set on a branch's first request: ``main``, ``fork`` or ``subagent``."""
     parent_branch: str | None = None

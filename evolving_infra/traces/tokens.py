@@ -32,7 +32,16 @@ import numpy as np
 from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceRequest
 from shared.hashing import tokens_for_blocks, tokens_for_tail
 
-__all__ = ["MAX_BLOCK_ID", "PRIVATE_ID_BASE", "PrivateIds", "prompt_token_ids", "rechunk_blocks", "rechunk_request"]
+__all__ = [
+    "MAX_BLOCK_ID",
+    "PRIVATE_ID_BASE",
+    "PrivateIds",
+    "prompt_token_ids",
+    "rechain_blocks",
+    "rechunk_blocks",
+    "rechunk_request",
+    "shared_prefix_len",
+]
 
 PRIVATE_ID_BASE = 1 << 47
 """Ids in [PRIVATE_ID_BASE, MAX_BLOCK_ID] are fresh private ids made by :class:`PrivateIds`;
@@ -148,6 +157,27 @@ def rechunk_request(req: TraceRequest, from_size: int, to_size: int, private: Pr
     return msgspec.structs.replace(req, blocks=blocks)
 
 
+_Ref = tuple[Sequence[int], Sequence[int], "list[int] | None"]
+"""A request :func:`rechain_blocks` has walked: its input ids, its output ids, and None when none
+was remapped, else ``acc`` with ``acc[i]`` = remapped occurrences among its first ``i`` ids."""
+
+
+def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id lists: one slice comparison when one
+    extends the other, else bisection over the unknown window (O(len) element comparisons in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def rechain_blocks(requests: Sequence[TraceRequest]) -> tuple[list[TraceRequest], int]:
     """Requests whose block ids are chained (docs/trace-format.md: an id stands for its whole
     prefix), remapping every occurrence of an id that follows another prefix than at its first
@@ -156,7 +186,12 @@ def rechain_blocks(requests: Sequence[TraceRequest]) -> tuple[list[TraceRequest]
     A trace that breaks the rule (a converter bug, a hand-written trace) would otherwise make
     the engines' radix pools — which take a hash to name its prefix — hold one block under two
     parents. Requests that need no change are returned as they are (same objects).
-    O(total blocks) dict probes.
+
+    Cost: the leading ids a request shares with the previous request of its branch (else of
+    its parent branch, else of its agent) are not walked again — the walk of an id list it has
+    already seen gives the same output and changes no state (the maps only gain keys), so only
+    the remap count of that prefix is carried over. A conversation, whose requests extend one
+    another, costs O(new ids) dict probes per request plus O(shared ids) slice comparisons in C.
 
     Returns:
         ``(requests, remapped)``: the requests in the same order and the number of block
@@ -164,15 +199,33 @@ def rechain_blocks(requests: Sequence[TraceRequest]) -> tuple[list[TraceRequest]
     """
     parent_of: dict[int, int] = {}
     alt: dict[tuple[int, int], int] = {}
-    fresh = 1 + max((max(r.blocks) for r in requests if r.blocks), default=0)
+    fresh = -1  # next fresh id: 1 + the largest id of the input, computed at the first remap
     out: list[TraceRequest] = []
     remapped = 0
     missing = -2  # never a parent (parents are ids >= 0 or -1 for the sequence start)
+    # the last request walked per branch and per agent (the reference of the next one)
+    last_branch: dict[str, _Ref] = {}
+    last_agent: dict[str, _Ref] = {}
     for r in requests:
-        prev = -1
         blocks = r.blocks
+        ref = last_branch.get(r.branch)
+        if ref is None and r.parent_branch is not None:
+            ref = last_branch.get(r.parent_branch)
+        if ref is None:
+            ref = last_agent.get(r.agent)
         new: list[int] | None = None
-        for i, b in enumerate(blocks):
+        k = 0
+        prev = -1
+        if ref is not None and blocks:
+            src, dst, acc = ref
+            k = shared_prefix_len(src, blocks)
+            if k:
+                if acc is not None and acc[k]:
+                    remapped += acc[k]
+                    new = list(dst[:k])
+                prev = dst[k - 1]
+        for i in range(k, len(blocks)):
+            b = blocks[i]
             p = parent_of.get(b, missing)
             if p == missing:
                 parent_of[b] = prev
@@ -183,6 +236,8 @@ def rechain_blocks(requests: Sequence[TraceRequest]) -> tuple[list[TraceRequest]
                 key = (prev, b)
                 nb = alt.get(key, -1)
                 if nb < 0:
+                    if fresh < 0:
+                        fresh = 1 + max((max(q.blocks) for q in requests if q.blocks), default=0)
                     nb = alt[key] = fresh
                     parent_of[nb] = prev
                     fresh += 1
@@ -192,5 +247,15 @@ def rechain_blocks(requests: Sequence[TraceRequest]) -> tuple[list[TraceRequest]
             if new is not None:
                 new.append(nb)
             prev = nb
-        out.append(r if new is None else msgspec.structs.replace(r, blocks=new))
+        if new is None:
+            out.append(r)
+            entry: _Ref = (blocks, blocks, None)
+        else:
+            out.append(msgspec.structs.replace(r, blocks=new))
+            acc_new = [0]
+            for x, y in zip(blocks, new):  # a remapped id is fresh, so it differs from the input's
+                acc_new.append(acc_new[-1] + (x != y))
+            entry = (blocks, new, acc_new)
+        last_branch[r.branch] = entry
+        last_agent[r.agent] = entry
     return out, remapped

@@ -489,6 +489,17 @@ class BranchTable:
         """Blocks with an unsent count change, over all nodes."""
         return sum(len(o) for o in self.outbox)
 
+    def drop_count_updates(self) -> int:
+        """Empty the outbox without building messages, for a caller whose engines ignore counts
+        (the simulator under ``lru`` eviction); message sequence numbers do not advance, as no
+        message is made. Returns the blocks dropped. O(nodes + blocks dropped)."""
+        dropped = 0
+        for out in self.outbox:
+            if out:
+                dropped += len(out)
+                out.clear()
+        return dropped
+
     def take_count_updates(self) -> list[CountUpdates]:
         """Drain the outbox: per node, the new count of every block whose count
         changed since the last drain (a change undone before the drain is not sent)."""

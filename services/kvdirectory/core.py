@@ -346,8 +346,25 @@ class KvDirectory:
         """End a branch: release its counts everywhere. Returns ``ended``/``duplicate_end``/``unknown``."""
         return self.branches.end(branch_id, now)
 
-    def place(self, branch_id: str, node: str, phase: str, block_hashes: Sequence[int], now: float) -> PlaceResult:
-        """Branch placed on a node for a phase with this block path (``RoutePlaced``)."""
+    def place(
+        self,
+        branch_id: str,
+        node: str,
+        phase: str,
+        block_hashes: Sequence[int],
+        now: float,
+        *,
+        lookup: LookupResult | None = None,
+    ) -> PlaceResult:
+        """Branch placed on a node for a phase with this block path (``RoutePlaced``).
+
+        Args:
+            lookup: :meth:`lookup` of ``block_hashes`` made with no KV event or snapshot
+                applied since (a caller that has just looked the path up to route it, as the
+                simulator does); a prefill placement's lost-reuse record reads it instead of
+                looking the path up again. None (the service): looked up here. Same result
+                either way (a lookup reads only block presence).
+        """
         n = self.node_id(node)
         path = list(block_hashes)
         out = self.branches.place(branch_id, n, phase, path, now)
@@ -356,11 +373,11 @@ class KvDirectory:
             return res
         res.released_nodes = [self.names[m] for m in out.released_nodes]
         if phase in ("prefill", "both") and path:
-            res.reuse = self._reuse(n, path, out.history_blocks, out.prev_prefill_node)
+            res.reuse = self._reuse(n, path, out.history_blocks, out.prev_prefill_node, lookup)
         return res
 
-    def _reuse(self, n: int, path: list[int], history: int, prev: int | None) -> ReuseRecord:
-        lk = self.lookup(path)
+    def _reuse(self, n: int, path: list[int], history: int, prev: int | None, lookup: LookupResult | None = None) -> ReuseRecord:
+        lk = lookup if lookup is not None else self.lookup(path)
         local = lk.node(self.names[n]).local_blocks
         ideal = max(history, lk.longest_any)
         hit = lk.longest_any if self.reuse_hit_scope == "cluster" else local
@@ -427,6 +444,11 @@ class KvDirectory:
     def take_count_updates(self) -> list[CountUpdates]:
         """Drain the per-node count changes (``kv.counts.<node>`` messages)."""
         return self.branches.take_count_updates()
+
+    def drop_count_updates(self) -> int:
+        """Discard the pending count changes without building messages (a caller whose engines
+        ignore counts); returns the blocks dropped. See ``BranchTable.drop_count_updates``."""
+        return self.branches.drop_count_updates()
 
     def pending_count_updates(self) -> int:
         """Blocks with a count change not yet taken."""

@@ -207,6 +207,33 @@ def test_count_updates_are_batched_per_node_and_only_changes(d):
     assert [(u.hashes, u.counts) for u in d.take_count_updates()] == [([P[0]], [1])]
 
 
+def test_place_with_the_callers_lookup_gives_the_same_reuse_record():
+    """place(lookup=...) (the simulator passes its routing lookup) == place() looking it up."""
+    out = []
+    for pass_lookup in (False, True):
+        d = KvDirectory(BS, branch_ttl_s=100.0)
+        f = Feed(d)
+        f.send("p0", st(P[:3], "host"))
+        f.send("p1", st(P[:6], "host"))
+        d.branch_start("b", 0.0)
+        d.place("b", "p0", "prefill", P[:2], 1.0)
+        lk = d.lookup(P[:8]) if pass_lookup else None
+        r = d.place("b", "p0", "prefill", P[:8], 2.0, lookup=lk)
+        out.append((r.reuse, dict(d.counters)))
+    assert out[0] == out[1]
+    assert out[0][0].hit_blocks == 6 and out[0][0].ideal_blocks == 6
+
+
+def test_dropping_count_updates_empties_the_outbox_without_messages(d):
+    d.branch_start("a", 0.0)
+    d.place("a", "p0", "prefill", P[:3], 1.0)
+    assert d.pending_count_updates() == 3
+    assert d.drop_count_updates() == 3
+    assert d.pending_count_updates() == 0 and d.take_count_updates() == []
+    d.place("a", "p0", "prefill", P[:4], 2.0)
+    assert [(u.seq, u.hashes, u.counts) for u in d.take_count_updates()] == [(1, [P[3]], [1])]
+
+
 # --------------------------------------------------------------------------- #
 # KV event streams: gaps, reordering, resync, restarts
 # --------------------------------------------------------------------------- #

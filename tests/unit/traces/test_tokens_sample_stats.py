@@ -137,3 +137,60 @@ def test_rechain_blocks_gives_an_id_one_prefix() -> None:
     again, n = rechain_blocks(out)
     assert n == 0 and all(x is y for x, y in zip(again, out))
 
+
+
+def _rechain_reference(requests: list[TraceRequest]) -> tuple[list[list[int]], int]:
+    """rechain_blocks' rule walked id by id over every request (no shared-prefix skipping)."""
+    parent_of: dict[int, int] = {}
+    alt: dict[tuple[int, int], int] = {}
+    fresh = 1 + max((max(r.blocks) for r in requests if r.blocks), default=0)
+    out: list[list[int]] = []
+    remapped = 0
+    for r in requests:
+        prev, new = -1, []
+        for b in r.blocks:
+            p = parent_of.setdefault(b, prev)
+            nb = b
+            if p != prev:
+                nb = alt.get((prev, b), -1)
+                if nb < 0:
+                    nb = alt[prev, b] = fresh
+                    parent_of[nb] = prev
+                    fresh += 1
+                remapped += 1
+            new.append(nb)
+            prev = nb
+        out.append(new)
+    return out, remapped
+
+
+def test_rechain_blocks_matches_the_id_by_id_walk_on_random_traces() -> None:
+    """The shared-prefix skip (previous request of the branch / parent branch / agent) changes
+    nothing: same ids, same remap count, unchanged requests returned as they are."""
+    import random
+
+    from evolving_infra.traces.tokens import rechain_blocks
+
+    for seed in range(400):
+        rng = random.Random(seed)
+        ctx: dict[str, list[int]] = {}
+        reqs = []
+        for j in range(rng.randint(1, 30)):
+            agent = f"a{rng.randrange(3)}"
+            branch = f"{agent}:b{rng.randrange(3)}"
+            base = ctx.get(branch, [])
+            u = rng.random()
+            if u < 0.5:
+                blocks = base + [rng.randrange(30) for _ in range(rng.randint(0, 5))]  # extends the branch
+            elif u < 0.75:
+                blocks = base[: rng.randint(0, len(base))] + [rng.randrange(30) for _ in range(rng.randint(0, 5))]
+            else:
+                other = rng.choice(list(ctx.values())) if ctx else []
+                blocks = other[: rng.randint(0, len(other))] + [rng.randrange(30) for _ in range(rng.randint(0, 3))]
+            ctx[branch] = blocks
+            parent = f"{agent}:b{rng.randrange(3)}" if rng.random() < 0.3 else None
+            reqs.append(R(f"r{j}", agent=agent, branch=branch, n_in=len(blocks), blocks=blocks, parent_branch=parent))
+        ids, remapped = _rechain_reference(reqs)
+        out, n = rechain_blocks(reqs)
+        assert n == remapped and [r.blocks for r in out] == ids, seed
+        assert all((o is r) == (i == r.blocks) for o, r, i in zip(out, reqs, ids)), seed
