@@ -153,8 +153,12 @@ class KvLookupRequest(Msg, frozen=True, kw_only=True):
     block_size: NonNeg
 
 
-class NodePrefix(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
-    """Longest prefixes of a looked-up path held by one node, in blocks."""
+class NodePrefix(Struct, frozen=True, omit_defaults=True, gc=False):
+    """Longest prefixes of a looked-up path held by one node, in blocks.
+
+    Positional construction ``NodePrefix(node, gpu, host, local)`` is allowed (the
+    directory builds one per node per lookup with ``map``); the wire form is by name.
+    """
 
     node: str
     gpu_blocks: NonNeg = 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 
 from shared.messages import FetchRange, KvLookupReply, NodePrefix
 
@@ -102,31 +103,70 @@ def build_lookup(index: BlockIndex, names: Sequence[str], path: Sequence[int]) -
     """Answer a lookup from the index (pure query).
 
     Cost: one ``bisect`` per distinct prefix length (see ``BlockIndex.prefix_drops``),
-    O(1) per (node, tier) bit to decode, plus a walk of the blocks beyond the
-    best host/GPU prefix when the cluster's prefix is a mosaic of nodes (rare:
-    engines evict leaves first).
+    a few bytes operations per length to decode them (per set bit beyond
+    ``_FEW_DROPS`` lengths), one ``NodePrefix`` per node holding a prefix, plus a
+    walk of the blocks beyond the best host/GPU prefix when the cluster's prefix is
+    a mosaic of nodes (rare: engines evict leaves first).
     """
     res = LookupResult(path_blocks=len(path))
     drops = index.prefix_drops(path)
     if not drops:
         return res
     nn = len(names)
-    res.longest_any, gpu, host, local = decode_drops(drops, nn)
-    res.nodes = [
-        NodePrefix(node=names[i], gpu_blocks=gpu[i], host_blocks=host[i], local_blocks=lo)
-        for i, lo in enumerate(local)
-        if lo
-    ]
-    res.sources = _sources(index, names, path, gpu[:nn], host[:nn], res.longest_any)
+    if len(drops) <= _FEW_DROPS:
+        res.longest_any, lengths, gb, hb, lb = _decode_few(drops, nn)
+        get = lengths.__getitem__
+        res.nodes = list(compress(map(NodePrefix, names, map(get, gb), map(get, hb), map(get, lb)), lb))
+        h, g = max(hb), max(gb)  # drop indices grow with length: the first max is the lowest node index
+        best_host, best_gpu = (hb.index(h), lengths[h]), (gb.index(g), lengths[g])
+    else:
+        res.longest_any, gpu, host, local = _decode_per_bit(drops, nn)
+        res.nodes = list(compress(map(NodePrefix, names, gpu, host, local), local))
+        h, g = max(host), max(gpu)
+        best_host, best_gpu = (host.index(h), h), (gpu.index(g), g)
+    res.sources = _sources(index, names, path, best_host, best_gpu, res.longest_any)
     return res
 
 
 _FEW_DROPS = 16
-"""Up to this many distinct prefix lengths a lookup decodes them per run with bytes
-operations (~1 µs per length); beyond, per set bit (~0.2 µs each, 3 per node)."""
+"""Up to this many distinct prefix lengths a lookup decodes them with bytes operations
+(~2 µs per length); beyond, per set bit (~0.2 µs each, 3 per node)."""
 
-_OCTAL_SECTION = [bytes.maketrans(b"01234567", bytes((d >> s) & 1 for d in range(8))) for s in range(3)]
-"""Octal digit (one node's gpu/host/local bits) → 0/1 byte for section s."""
+_DIGIT = [bytes.maketrans(b"01", bytes((0, k))) for k in range(_FEW_DROPS + 1)]
+"""Binary digit → 0 or ``k`` (the k-th distinct length)."""
+
+
+def _decode_few(drops: Sequence[tuple[int, int]], nn: int) -> tuple[int, list[int], bytes, bytes, bytes]:
+    """``(longest_any, lengths, gpu, host, local)``: ``lengths[0] = 0`` then the drops'
+    lengths; byte i of ``gpu`` / ``host`` / ``local`` indexes node i's length in ``lengths``.
+
+    Each drop's bits, written in binary with one digit per (node, section), are
+    translated into one byte per digit, 0 or the drop's index; the bit sets are
+    disjoint, so their sum as integers puts every (node, section)'s index in its
+    byte. At most ``_FEW_DROPS`` drops (indices must fit the translate tables).
+    """
+    width = 3 * nn
+    fmt = f"0{width}b"
+    total = 0
+    lengths = [0]
+    longest_any = 0
+    for k, (length, bits) in enumerate(drops, 1):
+        if bits & 1:
+            longest_any = length
+        total += int.from_bytes(format(bits >> 1, fmt).encode().translate(_DIGIT[k]), "big")
+        lengths.append(length)
+    b = total.to_bytes(width, "little")
+    return longest_any, lengths, b[0::3], b[1::3], b[2::3]
+
+
+def _decode_per_bit(drops: Sequence[tuple[int, int]], nn: int) -> tuple[int, list[int], list[int], list[int]]:
+    flat = [0] * (3 * nn + 1)
+    for length, bits in drops:
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            flat[low.bit_length() - 1] = length
+    return flat[0], flat[1::3], flat[2::3], flat[3::3]
 
 
 def decode_drops(drops: Sequence[tuple[int, int]], nn: int) -> tuple[int, list[int], list[int], list[int]]:
@@ -139,54 +179,37 @@ def decode_drops(drops: Sequence[tuple[int, int]], nn: int) -> tuple[int, list[i
     Returns:
         ``(longest_any, gpu[nn], host[nn], local[nn])``.
 
-    With few distinct lengths, each *run* (the bits still complete from one length
-    to the next) is written in octal, one digit per node, and translated into one
-    0/1 byte per node and section; summing those as integers counts, per node and
-    section, the runs it stays complete for, which indexes its length. Otherwise
-    every set bit is visited.
+    Up to ``_FEW_DROPS`` distinct lengths by bytes operations (``_decode_few``, what
+    :func:`build_lookup` uses without building these lists); beyond, per set bit.
     """
     if len(drops) > _FEW_DROPS:
-        flat = [0] * (3 * nn + 1)
-        for length, bits in drops:
-            while bits:
-                low = bits & -bits
-                bits ^= low
-                flat[low.bit_length() - 1] = length
-        return flat[0], flat[1::3], flat[2::3], flat[3::3]
-    lengths = [0]
-    sums = [0, 0, 0]
-    run = 0
-    longest_any = 0
-    for length, bits in reversed(drops):
-        run |= bits
-        if bits & 1:
-            longest_any = length
-        digits = format(run >> 1, "o").encode()
-        for s in range(3):
-            sums[s] += int.from_bytes(digits.translate(_OCTAL_SECTION[s]), "big")
-    lengths.extend(length for length, _ in drops)
+        return _decode_per_bit(drops, nn)
+    longest_any, lengths, gb, hb, lb = _decode_few(drops, nn)
     get = lengths.__getitem__
-    gpu, host, local = (list(map(get, c.to_bytes(nn, "little"))) for c in sums)
-    return longest_any, gpu, host, local
+    return longest_any, list(map(get, gb)), list(map(get, hb)), list(map(get, lb))
 
 
 def _sources(
-    index: BlockIndex, names: Sequence[str], path: Sequence[int], gpu: list[int], host: list[int], t_c: int
+    index: BlockIndex,
+    names: Sequence[str],
+    path: Sequence[int],
+    best_host: tuple[int, int],
+    best_gpu: tuple[int, int],
+    t_c: int,
 ) -> list[FetchRange]:
-    """Greedy cover of ``path[:t_c]``: best host prefix, then best GPU prefix,
-    then (mosaic tail) block by block, host copies first; ties → lowest node index."""
+    """Greedy cover of ``path[:t_c]``: best host prefix, then best GPU prefix, then (mosaic
+    tail) block by block, host copies first; ties → lowest node index. ``best_host`` and
+    ``best_gpu``: (node index, prefix length in blocks) of the longest prefix in that tier."""
     if t_c == 0:
         return []
     out: list[FetchRange] = []
     pos = 0
-    hmax = max(host)
-    if hmax > 0:
-        pos = hmax
-        out.append(FetchRange(node=names[host.index(hmax)], start=0, end=pos, tier="host"))
-    gmax = max(gpu)
-    if gmax > pos:
-        out.append(FetchRange(node=names[gpu.index(gmax)], start=pos, end=gmax, tier="gpu"))
-        pos = gmax
+    if best_host[1] > 0:
+        pos = best_host[1]
+        out.append(FetchRange(node=names[best_host[0]], start=0, end=pos, tier="host"))
+    if best_gpu[1] > pos:
+        out.append(FetchRange(node=names[best_gpu[0]], start=pos, end=best_gpu[1], tier="gpu"))
+        pos = best_gpu[1]
     cur: tuple[int, int] | None = None
     start = pos
     for i in range(pos, t_c):
