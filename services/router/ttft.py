@@ -86,7 +86,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple, overload
 
 from shared.itermodel import DecodeModel, PrefillModel
@@ -332,52 +332,42 @@ def replay_queue(items: Iterable[QueuedWork], coef: NodeCoefficients, decoding: 
         The replay summary: start of the open (last, not full) iteration
         relative to the start of the replay, its content, and the item count.
 
-    Cost: O(len(items)); an item spanning several full iterations is one step.
+    FCFS packing fills every iteration to ``budget`` tokens but the last, so the
+    replay is closed-form: Q queued tokens make ``Q // budget`` full iterations
+    and an open one holding the queue's last ``Q % budget`` tokens. The full
+    iterations take ``(Q // budget)·fixed + c1·(Q − open) + c2·(ΣA − A_open) +
+    c3·(Σt_rst − t_rst,open)``, where an item's chunks sum to its whole A
+    (``A(k, cb) = k·cb + k·(k+1)/2`` is additive over consecutive chunks) and its
+    restore tokens load with its first chunk. Cost: O(len(items)), a few
+    operations per item, plus a walk back over the items in the open iteration.
     """
     p = coef.prefill
-    c0, c1, c2, c3 = p.c0, p.c1, p.c2, p.c3
     budget, extra = coef.decode_part(decoding)
-    fixed = c0 + extra
-    t = 0.0
-    used = 0
-    uc = qk = rst = 0.0
-    n = 0
-    for it in items:  # qk_pairs(k, cb) = k·cb + k·(k+1)/2 inlined (hot: one call per queue item)
-        rem = it.uncached_tokens
-        if rem <= 0:
-            continue
-        n += 1
-        cb = it.cached_tokens
-        r = it.restore_tokens
-        if used:
-            take = budget - used
-            if rem < take:
-                take = rem
-            uc += take
-            qk += take * cb + take * (take + 1) / 2.0
-            rst += r
-            r = 0
-            cb += take
-            rem -= take
-            used += take
-            if used == budget:
-                t += fixed + c1 * uc + c2 * qk + c3 * rst
-                used = 0
-                uc = qk = rst = 0.0
-        if rem:
-            full = rem // budget
-            if full:
-                tok = full * budget
-                t += full * fixed + c1 * tok + c2 * (tok * cb + tok * (tok + 1) / 2.0) + c3 * r
-                r = 0
-                cb += tok
-                rem -= tok
-            if rem:
-                used = rem
-                uc = float(rem)
-                qk = rem * cb + rem * (rem + 1) / 2.0
-                rst = float(r)
-    return QueueReplay(t, used, uc, qk, rst, n, budget, extra)
+    fixed = p.c0 + extra
+    live = [it for it in items if it.uncached_tokens > 0]
+    q_tok = 0
+    a_all = 0.0
+    r_all = 0
+    for it in live:
+        k = it.uncached_tokens
+        q_tok += k
+        a_all += k * it.cached_tokens + k * (k + 1) / 2.0
+        r_all += it.restore_tokens
+    used = q_tok % budget
+    qk = 0.0
+    rst = 0
+    left = used
+    for it in reversed(live) if used else ():  # the open iteration: the queue's last `used` tokens
+        k = it.uncached_tokens
+        take = k if k < left else left
+        qk += take * (it.cached_tokens + k - take) + take * (take + 1) / 2.0  # the item's last chunk
+        if take == k:
+            rst += it.restore_tokens
+        left -= take
+        if not left:
+            break
+    t_open = (q_tok // budget) * fixed + p.c1 * (q_tok - used) + p.c2 * (a_all - qk) + p.c3 * (r_all - rst)
+    return QueueReplay(t_open, used, float(used), qk, float(rst), len(live), budget, extra)
 
 
 @dataclass(slots=True)
@@ -857,6 +847,7 @@ class TtftPredictor:
 _SCORE = itemgetter(1)
 """``score_s`` of a plain estimate tuple."""
 _FIRST = itemgetter(0)
+_LOCAL_BLOCKS = attrgetter("local_blocks")
 _PRUNE_BATCH = 8
 """Candidates scored per step of the pruned search (amortises the per-call work)."""
 _BOUND_SLACK_S = 1e-9
@@ -926,7 +917,7 @@ class TtftPolicy(RoutingPolicy):
         total = req.num_blocks
         matched = 0
         if lookup is not None and lookup.error is None and lookup.nodes:
-            matched = min(max(p.local_blocks for p in lookup.nodes), total)
+            matched = min(max(map(_LOCAL_BLOCKS, lookup.nodes)), total)
         # loads / matches stay empty: every candidate's estimate (queue, own prefix) is in ``estimates``
         return PrefillChoice(
             best.node,

@@ -107,13 +107,28 @@ def test_replay_matches_chunk_by_chunk_packing():
     coef = NodeCoefficients(prefill=pm, decode=DEC, chunk_tokens=8192)
     items = [q("a", 5000, 1000, 1000), q("b", 20_000, 64_000, 64_000), q("c", 10), q("d", 8182, 5), q("e", 3000, 0)]
     for decoding in (0, 3):
-        s = replay_queue(items, coef, decoding)
-        t, used, cur = _naive_replay(items, coef, decoding)
-        assert s.t_open == pytest.approx(t, rel=1e-12)
-        assert s.used == used and s.items == 5
-        assert s.sum_uc == sum(k for k, _, _ in cur)
-        assert s.sum_qk == pytest.approx(sum(qk_pairs(k, cb) for k, cb, _ in cur), rel=1e-12)
-        assert s.sum_rst == sum(r for _, _, r in cur)
+        _check_replay(items, coef, decoding)
+
+
+def _check_replay(items, coef, decoding):
+    s = replay_queue(items, coef, decoding)
+    t, used, cur = _naive_replay(items, coef, decoding)
+    assert s.t_open == pytest.approx(t, rel=1e-9, abs=1e-12)
+    assert s.used == used and s.items == sum(1 for it in items if it.uncached_tokens > 0)
+    assert s.sum_uc == sum(k for k, _, _ in cur)
+    assert s.sum_qk == pytest.approx(sum(qk_pairs(k, cb) for k, cb, _ in cur), rel=1e-9, abs=1e-9)
+    assert s.sum_rst == sum(r for _, _, r in cur)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    hs.lists(hs.tuples(hs.integers(0, 20_000), hs.integers(0, 100_000), hs.integers(0, 50_000)), max_size=8),
+    hs.sampled_from([16, 100, 1000, 8192]),
+    hs.integers(0, 6),
+)
+def test_closed_form_replay_matches_chunk_by_chunk_packing(raw, chunk, decoding):
+    coef = NodeCoefficients(prefill=PrefillModel(c0=0.015, c1=2.27e-5, c2=1.8e-10, c3=1.6e-8), decode=DEC, chunk_tokens=chunk)
+    _check_replay([q(f"r{i}", uc, c, r) for i, (uc, c, r) in enumerate(raw)], coef, decoding)
 
 
 def test_collocated_decode_shares_every_iteration():
