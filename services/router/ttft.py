@@ -77,8 +77,8 @@ names the node, and from the profile until then.
 Cost per decision with N candidates: O(N·S) (S = fetch ranges in the lookup,
 usually 1–3), O(1) per node beyond that: each node's queue replay is cached and
 recomputed only when its state, its sends or its coefficients change
-(O(queue) then; an item spanning many full iterations is one closed-form
-step).
+(O(queue) then, a few operations per item: FCFS packing fills every iteration
+but the last, so the replay is closed-form, see :func:`replay_queue`).
 """
 
 from __future__ import annotations
