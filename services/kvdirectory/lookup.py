@@ -160,6 +160,9 @@ def _decode_few(drops: Sequence[tuple[int, int]], nn: int) -> tuple[int, list[in
 
 
 def _decode_per_bit(drops: Sequence[tuple[int, int]], nn: int) -> tuple[int, list[int], list[int], list[int]]:
+    """``(longest_any, gpu[nn], host[nn], local[nn])`` in blocks from :meth:`BlockIndex.prefix_drops`
+    (``[(length, bits)]``, disjoint bit sets; bit ``1+3i+s`` is node i, section s = gpu,
+    host, local), visiting every set bit."""
     flat = [0] * (3 * nn + 1)
     for length, bits in drops:
         while bits:
@@ -167,26 +170,6 @@ def _decode_per_bit(drops: Sequence[tuple[int, int]], nn: int) -> tuple[int, lis
             bits ^= low
             flat[low.bit_length() - 1] = length
     return flat[0], flat[1::3], flat[2::3], flat[3::3]
-
-
-def decode_drops(drops: Sequence[tuple[int, int]], nn: int) -> tuple[int, list[int], list[int], list[int]]:
-    """Longest prefixes from :meth:`BlockIndex.prefix_drops` (all in blocks).
-
-    Args:
-        drops: ``[(length, bits)]`` in increasing length, disjoint bit sets.
-        nn: number of nodes (bit ``1+3i+s`` is node i, section s = gpu, host, local).
-
-    Returns:
-        ``(longest_any, gpu[nn], host[nn], local[nn])``.
-
-    Up to ``_FEW_DROPS`` distinct lengths by bytes operations (``_decode_few``, what
-    :func:`build_lookup` uses without building these lists); beyond, per set bit.
-    """
-    if len(drops) > _FEW_DROPS:
-        return _decode_per_bit(drops, nn)
-    longest_any, lengths, gb, hb, lb = _decode_few(drops, nn)
-    get = lengths.__getitem__
-    return longest_any, list(map(get, gb)), list(map(get, hb)), list(map(get, lb))
 
 
 def _sources(

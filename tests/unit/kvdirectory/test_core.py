@@ -491,7 +491,7 @@ def test_index_entries_leave_the_cyclic_collector(d):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_decode_drops_bytes_path_matches_per_bit_path(seed, monkeypatch):
+def test_decode_few_bytes_path_matches_per_bit_path(seed):
     import random
 
     from services.kvdirectory import lookup
@@ -505,9 +505,9 @@ def test_decode_drops_bytes_path_matches_per_bit_path(seed, monkeypatch):
     groups = [positions[a:b] for a, b in zip([0, *cuts], [*cuts, len(positions)])]
     lengths = sorted(rng.sample(range(1, 3000), k))
     drops = [(n, sum(1 << p for p in g)) for n, g in zip(lengths, groups)]
-    fast = lookup.decode_drops(drops, nn)
-    monkeypatch.setattr(lookup, "_FEW_DROPS", 0)
-    per_bit = lookup.decode_drops(drops, nn)
+    longest_any, table, gb, hb, lb = lookup._decode_few(drops, nn)
+    fast = (longest_any, [table[i] for i in gb], [table[i] for i in hb], [table[i] for i in lb])
+    per_bit = lookup._decode_per_bit(drops, nn)
     assert fast == per_bit
     want = [0] * (3 * nn + 1)
     for n, g in zip(lengths, groups):
