@@ -183,8 +183,8 @@ def apply_schedule(cfg: SimConfig, args: argparse.Namespace, prov: dict[str, Any
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """``evolving-infra simulate``: the run with the cyclic GC paused outside its loop
-    (``evolving_infra.sim.run.paused_gc``: no collection walks the trace while it loads)."""
-    from evolving_infra.sim.run import paused_gc
+    (``evolving_infra.traces.io.paused_gc``: no collection walks the trace while it loads)."""
+    from evolving_infra.traces.io import paused_gc
 
     with paused_gc():
         return _cmd_simulate(args)

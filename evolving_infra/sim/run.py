@@ -33,6 +33,7 @@ from evolving_infra.report.write import build_report
 from evolving_infra.sim.cluster import ClusterResult, ClusterSim, SimStats
 from evolving_infra.sim.config import Resolved, SimConfig, SimConfigError, resolve
 from evolving_infra.sim.workload import PlainWorkload, TiledWorkload, WorkloadError
+from evolving_infra.traces.io import paused_gc
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechunk_request
 
@@ -92,24 +93,6 @@ def _run_partition(k: int) -> tuple[int, bytes, RunTimeline, SimStats, list[str]
     run: Resolved = _FORK["run"]
     res = _simulate_partition(run, k, _FORK["workload"], _FORK["keep"], _FORK["shares"][k])
     return k, _REC_ENC.encode(res.records), res.timeline, res.stats, res.nodes, dict(res.initial_phases)
-
-
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """Pause the cyclic GC (restored on exit) while a run sets up: reading, converting and
-    freezing the trace (:func:`quiet_gc` collects during the loop itself).
-
-    The trace's requests and block lists stay live to the end and hold no cycles, but every
-    collection that reached them visited each of their millions of block ids (~0.25 s a pass
-    for the cc500 trace); paused, none does before :func:`quiet_gc` freezes them.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @contextmanager

@@ -35,6 +35,7 @@ import gzip
 import os
 import zlib
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -47,9 +48,11 @@ __all__ = [
     "Trace",
     "TraceError",
     "TraceProblem",
+    "iter_chain_problems",
     "iter_requests",
     "iter_validate",
     "open_trace_bytes",
+    "paused_gc",
     "read_header",
     "read_trace",
     "sample_sessions",
@@ -403,6 +406,23 @@ def iter_chain_problems(requests: Iterable[TraceRequest], first_line: int = 2) -
         yield TraceProblem(last_line, f"{bad} requests in all break the chained-ids rule ({bad - CHAIN_REPORT_LIMIT} not listed)")
 
 
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic GC (restored on exit) while traces are read, converted or frozen.
+
+    Decoded requests hold no reference cycles, but every collection that reaches them
+    visits each of their block-id lists: ~25% of reading a 35,000-request trace, and
+    ~0.25 s a pass over the cc500 trace once it is loaded.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def read_header(path: str | os.PathLike[str]) -> TraceHeader:
     """Decode only the header line.
 
@@ -454,13 +474,8 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     list of requests took ~25% of reading a 35,000-request trace.
     """
     v = _Validator()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with paused_gc():
         requests = list(_scan(path, v))
-    finally:
-        if was_enabled:
-            gc.enable()
     if v.problems:
         raise TraceError(path, v.problems)
     assert v.header is not None
