@@ -269,6 +269,14 @@ def sw_list(s: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------- experiments
 
 
+def planner_options(t_learn: float, guard: bool) -> dict[str, Any]:
+    """``evolving`` planner options: guard on = our default planner (SLO guard + minimum gain);
+    off = the paper's planner (no SLO guard and no minimum gain)."""
+    if guard:
+        return {"t_learn_s": t_learn, "slo_guard": True}
+    return {"t_learn_s": t_learn, "slo_guard": False, "min_gain_share": 0.0}
+
+
 def exp_convergence(a: argparse.Namespace, out: Path) -> tuple[list[str], dict[str, dict[str, Any]]]:
     q = a.quick
     t_learn = 300.0 if q else 600.0
@@ -280,9 +288,7 @@ def exp_convergence(a: argparse.Namespace, out: Path) -> tuple[list[str], dict[s
     for guard in (True, False):
         for s in SPLITS:
             name = f"evolving-{s}" + ("" if guard else "-noguard")
-            # guard off = the paper's planner: no SLO guard and no minimum gain (hysteresis)
-            opts = {"t_learn_s": t_learn, "slo_guard": guard} if guard else {"t_learn_s": t_learn, "slo_guard": False, "min_gain_share": 0.0}
-            specs.append((name, "cc", dict(base, policy="evolving", split=s, planner_options=opts), warm, end, str(out)))
+            specs.append((name, "cc", dict(base, policy="evolving", split=s, planner_options=planner_options(t_learn, guard)), warm, end, str(out)))
     specs.append(("dynamo-6P3D", "cc", dict(base, policy="dynamo", split="6P3D"), warm, end, str(out)))
     log(f"--- convergence: {len(specs)} runs of {end:.0f} simulated s")
     res = run_all(specs, a.workers)
@@ -413,10 +419,8 @@ def exp_guard(a: argparse.Namespace, out: Path, conv: dict[str, Any] | None) -> 
     rate = a.guard_rate
     base = dict(nodes=9, arrival="open", arrival_rate=rate, max_pause_s=30.0, block_size=512, seed=2, duration_s=end,
                 warmup_s=t_learn, policy="evolving", split="4P5D")
-    # off = the paper's planner (no guard, no minimum gain); on = our default planner
-    specs = [(f"open-{rate:g}-guard-{'on' if g else 'off'}", "cc",
-              dict(base, planner_options={"t_learn_s": t_learn, "slo_guard": g} if g else {"t_learn_s": t_learn, "slo_guard": False, "min_gain_share": 0.0}),
-              t_learn, end, str(out)) for g in (False, True)]
+    specs = [(f"open-{rate:g}-guard-{'on' if g else 'off'}", "cc", dict(base, planner_options=planner_options(t_learn, g)), t_learn, end, str(out))
+             for g in (False, True)]
     log(f"--- SLO guard: open loop {rate:g} agents/min, {end:.0f} simulated s")
     res = run_all(specs, a.workers)
     off, on = res[specs[0][0]], res[specs[1][0]]

@@ -854,7 +854,6 @@ _BOUND_SLACK_S = 1e-9
 """Subtracted from every lower bound: float rounding never prunes a winner or a tie."""
 
 
-
 def _valid(*xs: float) -> bool:
     return all(math.isfinite(x) and x >= 0 for x in xs)
 
