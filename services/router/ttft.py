@@ -290,12 +290,16 @@ class Prediction:
         ties: how many candidates were within ``tie_eps_s`` of the minimum score.
         fetch: fetch ranges for ``best`` (block ranges of the path, clipped to
             its cached prefix); empty when ``best.fetch_tokens == 0``.
+        longest_local_blocks: the longest prefix of the path any node of the
+            lookup holds in its own memory (L1 ∪ L2), blocks; 0 without a lookup
+            or when nothing is cached.
     """
 
     best: CandidateEstimate
     estimates: CandidateEstimates
     ties: int = 1
     fetch: tuple[FetchRange, ...] = ()
+    longest_local_blocks: int = 0
 
 
 # --------------------------------------------------------------------------- #
@@ -712,10 +716,11 @@ class TtftPredictor:
         if t_in < 1:
             raise ValueError("prompt_tokens must be >= 1")
         full = self.breakdown if breakdown is None else breakdown
+        view = self._lookup_view(lookup)
         if full or len(candidates) <= self.prune_above:
-            raw = self._score(self._works(t_in, lookup, candidates, self._lookup_view(lookup)), now)
+            raw = self._score(self._works(t_in, lookup, candidates, view), now)
         else:
-            raw = self._score_pruned(t_in, lookup, candidates, now)
+            raw = self._score_pruned(t_in, lookup, view, candidates, now)
         limit = min(map(_SCORE, raw)) + self.tie_eps_s
         ties = 0
         top: tuple[Any, ...] | None = None
@@ -727,25 +732,30 @@ class TtftPredictor:
         assert top is not None
         best = CandidateEstimate._make(top)
         ranges: tuple[FetchRange, ...] = ()
-        if best.fetch_tokens and lookup is not None:
-            own_prefix = tuple(p for p in lookup.nodes if p.node == best.node)
-            plan = fetch_plan(own_prefix, lookup.longest_any, lookup.sources, best.node, lookup.block_size)
+        if best.fetch_tokens and lookup is not None and view is not None:
+            own = view[0].get(best.node)
+            plan = fetch_plan((own,) if own is not None else (), lookup.longest_any, lookup.sources, best.node, lookup.block_size)
             ranges = _clip_ranges(plan.ranges, best.cached_tokens // lookup.block_size)
-        return Prediction(best=best, estimates=CandidateEstimates(raw), ties=ties, fetch=ranges)
+        return Prediction(
+            best=best, estimates=CandidateEstimates(raw), ties=ties, fetch=ranges, longest_local_blocks=view[2] if view is not None else 0
+        )
 
     @staticmethod
-    def _lookup_view(lookup: KvLookupReply | None) -> tuple[dict[str, NodePrefix], list[tuple[str, int, int]]] | None:
-        """A lookup's per-node prefixes by name and its source ranges (None: nothing cached)."""
+    def _lookup_view(lookup: KvLookupReply | None) -> _LookupView | None:
+        """A lookup's per-node prefixes by name, its source ranges and the longest prefix a node
+        holds in its own memory, blocks (None: nothing cached). Built once per decision."""
         if lookup is None or lookup.error is not None or lookup.longest_any <= 0:
             return None
-        return {p.node: p for p in lookup.nodes}, [(r.node, r.start, r.end) for r in lookup.sources]
+        nodes = lookup.nodes
+        prefixes = {p.node: p for p in nodes}
+        return prefixes, [(r.node, r.start, r.end) for r in lookup.sources], max(map(_LOCAL_BLOCKS, nodes), default=0)
 
     def _works(
         self,
         t_in: int,
         lookup: KvLookupReply | None,
         candidates: Sequence[NodeLoad],
-        view: tuple[dict[str, NodePrefix], list[tuple[str, int, int]]] | None,
+        view: _LookupView | None,
     ) -> list[tuple[str, int, int, int, int, int]]:
         """``(node, t_uc, t_c, t_rst, x, local)`` of a prompt of ``t_in`` tokens on each candidate
         (``view`` = :meth:`_lookup_view` of ``lookup``, built once per decision)."""
@@ -755,7 +765,7 @@ class TtftPredictor:
             for n in candidates:
                 append((n.node, t_in, 0, 0, 0, 0))
             return works
-        prefixes, srcs = view
+        prefixes, srcs, _ = view
         bs = lookup.block_size
         cap = ((t_in - 1) // bs) * bs
         min_fetch = self._fetch_min
@@ -786,7 +796,9 @@ class TtftPredictor:
             append((name, t_in - t_c, t_c, t_c - (g if g < t_c else t_c), x, local_t))
         return works
 
-    def _score_pruned(self, t_in: int, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> list[tuple[Any, ...]]:
+    def _score_pruned(
+        self, t_in: int, lookup: KvLookupReply | None, view: _LookupView | None, candidates: Sequence[NodeLoad], now: float
+    ) -> list[tuple[Any, ...]]:
         """Score candidates in order of a lower bound, in batches, until no bound can win (see
         :meth:`predict`). Returns the scored ones' plain estimates in candidate order.
 
@@ -796,7 +808,6 @@ class TtftPredictor:
         is cached, so one comprehension bounds every such node. The others (changed since
         the last decision, stale or never reported) go through ``_ctx``, which caches
         them again."""
-        view = self._lookup_view(lookup)
         t_c = 0  # the longest cached prefix any node could use (the engine's cap as in _works)
         if view is not None and lookup is not None:
             bs = lookup.block_size
@@ -848,6 +859,9 @@ _SCORE = itemgetter(1)
 """``score_s`` of a plain estimate tuple."""
 _FIRST = itemgetter(0)
 _LOCAL_BLOCKS = attrgetter("local_blocks")
+_LookupView = tuple[dict[str, NodePrefix], list[tuple[str, int, int]], int]
+"""What :meth:`TtftPredictor._lookup_view` returns: prefixes by node, ``(node, start, end)`` source
+ranges, the longest own prefix (blocks)."""
 _PRUNE_BATCH = 8
 """Candidates scored per step of the pruned search (amortises the per-call work)."""
 _BOUND_SLACK_S = 1e-9
@@ -914,9 +928,7 @@ class TtftPolicy(RoutingPolicy):
         pred = self.predictor.predict(req, lookup, candidates, now)
         best = pred.best
         total = req.num_blocks
-        matched = 0
-        if lookup is not None and lookup.error is None and lookup.nodes:
-            matched = min(max(map(_LOCAL_BLOCKS, lookup.nodes)), total)
+        matched = min(pred.longest_local_blocks, total)
         # loads / matches stay empty: every candidate's estimate (queue, own prefix) is in ``estimates``
         return PrefillChoice(
             best.node,
