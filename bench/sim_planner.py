@@ -4,8 +4,9 @@ Three experiments on 9 nodes × 4 GB300 (``gb300-glm52``), 512-token blocks, fix
 
 a. **Convergence** (paper §6.4, Figure 8a): the real Claude Code sessions,
    126 concurrent agents (closed loop, pauses ≤ 30 s), policy set ``evolving``
-   from the initial splits 3P6D, 4P5D, 5P4D and 6P3D, with the SLO guard on
-   (default) and off (the paper's planner), plus ``dynamo`` from 6P3D. Each
+   from the initial splits 3P6D, 4P5D, 5P4D and 6P3D, with our planner
+   (default: latency objective, SLO guard, 3% minimum gain) and the paper's
+   (Θ objective, no guard, no minimum gain), plus ``dynamo`` from 6P3D. Each
    run: a collocated warm-up of ``t_learn`` (excluded from the metrics), then
    the measured time. Reports the final split of each start, the spread of the
    mean E2E latency (max/min − 1; paper ≤ 1.8%), planner switches per hour
@@ -24,10 +25,10 @@ b. **Shifting composition** (§6.3, Figure 7): ``trace generate shift``
    window's best, and the throughput ratios to the best static split and to
    ``dynamo`` (paper 1.28×, 2.14×). Plot: ``bench/figures/planner_shift_split*.png``.
 c. **SLO guard** (beyond the paper, D.3's failure): an open-loop run of the
-   real CC sessions (Poisson agent arrivals, no cap) from 4P5D with the guard
-   off and on, the same arrivals; per minute P95 TTFT and prefill queue, the
-   prefill-node count, switches. Plus (a)'s closed-loop runs with the guard on
-   vs off (switches). Plot: ``bench/figures/planner_guard*.png``.
+   real CC sessions (Poisson agent arrivals, no cap) from 4P5D with the paper's
+   planner and ours (guard on), the same arrivals; per minute P95 TTFT and prefill
+   queue, the prefill-node count, switches. Plus (a)'s closed-loop runs, paper's
+   vs ours (switches). The guard alone, on the Θ objective: ``bench/planner_bench.py``. Plot: ``bench/figures/planner_guard*.png``.
 
 Appends a section to ``bench/RESULTS.md``; ``--quick`` shortens every run
 (and says so in the section).
@@ -270,11 +271,12 @@ def sw_list(s: dict[str, Any]) -> str:
 
 
 def planner_options(t_learn: float, guard: bool) -> dict[str, Any]:
-    """``evolving`` planner options: guard on = our default planner (SLO guard + minimum gain);
-    off = the paper's planner (no SLO guard and no minimum gain)."""
+    """``evolving`` planner options: ``guard`` = our default planner (latency objective, SLO
+    guard, 3% minimum gain); otherwise the paper's planner (Θ objective, no SLO guard, no
+    minimum gain)."""
     if guard:
-        return {"t_learn_s": t_learn, "slo_guard": True}
-    return {"t_learn_s": t_learn, "slo_guard": False, "min_gain_share": 0.0}
+        return {"t_learn_s": t_learn}
+    return {"t_learn_s": t_learn, "objective": "throughput", "slo_guard": False, "min_gain_share": 0.0}
 
 
 def exp_convergence(a: argparse.Namespace, out: Path) -> tuple[list[str], dict[str, dict[str, Any]]]:
@@ -301,9 +303,10 @@ def exp_convergence(a: argparse.Namespace, out: Path) -> tuple[list[str], dict[s
                     f"{s['e2e_mean_s']:.2f} | {s['ttft_mean_s']:.2f} / {s['ttft_p95_s']:.2f} | {s['kv_hit_rate']:.3f} |")
     lines = ["", f"**(a) Convergence from four initial splits** (real CC sessions, 126 concurrent agents, pauses ≤ 30 s, "
              f"collocated warm-up {t_learn:.0f} s, first {warm:.0f} s excluded, {measured:.0f} s measured; paper: 30-min warm-up, 1 h; "
-             f"guard on = our default planner (SLO guard + 3% minimum gain), guard off = the paper's planner)", "", *rows, ""]
+             f"ours = our default planner (latency objective, SLO guard, 3% minimum gain), -noguard = the paper's planner "
+             f"(Θ objective, no guard, no minimum gain))", "", *rows, ""]
     verdicts = []
-    for tag, suffix in (("guard on", ""), ("guard off (paper's planner)", "-noguard")):
+    for tag, suffix in (("ours", ""), ("paper's planner", "-noguard")):
         runs = [res[f"evolving-{s}{suffix}"] for s in SPLITS]
         finals = {r["final_split"] for r in runs}
         e2e = [r["e2e_mean_s"] for r in runs]
@@ -431,7 +434,7 @@ def exp_guard(a: argparse.Namespace, out: Path, conv: dict[str, Any] | None) -> 
 
     rows = ["| planner | switches after warm-up (when, to) | minutes with P95 TTFT > 15 s | worst minute P95 TTFT s | worst minute P95 prefill queue s | req/s | TTFT P95 s | E2E mean s |",
             "|---|---|---|---|---|---|---|---|"]
-    for tag, s in (("paper's (guard off)", off), ("ours (SLO guard + 3% minimum gain)", on)):
+    for tag, s in (("paper's (Θ, no guard)", off), ("ours (latency objective, SLO guard, 3% minimum gain)", on)):
         m = [x for x in s["minute_ttft_p95"][int(t_learn // 60):] if x is not None]
         mq = [x for x in s["minute_queue_p95"][int(t_learn // 60):] if x is not None]
         rows.append(f"| {tag} | {sw_list(s)} | {over(s, 15.0):.0f} | {fmt(max(m) if m else None, 1)} | {fmt(max(mq) if mq else None, 1)} | "
@@ -440,19 +443,19 @@ def exp_guard(a: argparse.Namespace, out: Path, conv: dict[str, Any] | None) -> 
              f"the request rate rises as agents accumulate; pauses ≤ 30 s; from 4P5D; collocated warm-up {t_learn:.0f} s; "
              f"{end:.0f} s simulated; same arrivals for both)", "", *rows]
     fig = plot_guard(off, on, t_learn, end, a.quick)
-    lines.append(f"\n![guard off vs on]({fig.relative_to(REPO / 'bench')})")
-    verdicts = [f"guard open loop: {over(off, 15.0):.0f} min > 15 s off vs {over(on, 15.0):.0f} min on"]
+    lines.append(f"\n![paper's planner vs ours]({fig.relative_to(REPO / 'bench')})")
+    verdicts = [f"open loop: {over(off, 15.0):.0f} min > 15 s with the paper's planner vs {over(on, 15.0):.0f} min with ours"]
     if conv:
         measured_h = None
-        rows2 = ["", "Closed loop (runs of (a)): planner switches after the warm-up, guard off vs on", "",
-                 "| initial split | guard off | guard on | guard reversals | E2E mean off / on s |", "|---|---|---|---|---|"]
+        rows2 = ["", "Closed loop (runs of (a)): planner switches after the warm-up, paper's planner vs ours", "",
+                 "| initial split | paper's | ours | guard reversals | E2E mean paper's / ours s |", "|---|---|---|---|---|"]
         extra = 0
         for s in SPLITS:
             f, n = conv[f"evolving-{s}-noguard"], conv[f"evolving-{s}"]
             extra += len(n["planner_switches_measured"]) - len(f["planner_switches_measured"])
             rows2.append(f"| {s} | {sw_list(f)} | {sw_list(n)} | {len(n['guard_switches'])} | {f['e2e_mean_s']:.2f} / {n['e2e_mean_s']:.2f} |")
         lines += rows2
-        verdicts.append(f"guard closed loop: {extra:+d} switches with the guard over the four starts")
+        verdicts.append(f"closed loop: {extra:+d} switches with our planner over the four starts")
         del measured_h
     return lines, verdicts
 
@@ -542,7 +545,7 @@ def plot_shift(res: dict[str, Any], wins: list[tuple[float, float]], best: list[
 def plot_guard(off: dict[str, Any], on: dict[str, Any], t_learn: float, end: float, quick: bool) -> Path:
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 4.6), dpi=100, sharex=True)
-    for s, lab, c in ((off, "paper's planner (guard off)", "tab:red"), (on, "with SLO guard", "tab:blue")):
+    for s, lab, c in ((off, "paper's planner", "tab:red"), (on, "ours (latency objective, SLO guard)", "tab:blue")):
         ys = [y if y is not None else float("nan") for y in s["minute_ttft_p95"]]
         ax1.plot([k + 0.5 for k in range(len(ys))], ys, color=c, lw=1.2, label=lab)
         xs, ps = _steps(s["split_timeline"], end)
@@ -555,7 +558,7 @@ def plot_guard(off: dict[str, Any], on: dict[str, Any], t_learn: float, end: flo
     ax2.set_xlabel("minute")
     for ax in (ax1, ax2):
         ax.axvline(t_learn / 60, color="grey", lw=0.6)
-    fig.suptitle("Open-loop CC: P95 TTFT and PD split, guard off vs on", fontsize=9)
+    fig.suptitle("Open-loop CC: P95 TTFT and PD split, paper's planner vs ours", fontsize=9)
     path = FIGURES / f"planner_guard{'_quick' if quick else ''}.png"
     FIGURES.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -406,12 +406,13 @@ class CandidateGain(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=Fa
     split: str
     """The candidate as ``xPyD``."""
     mean_gain: float = 0.0
-    """ḡ: mean over slices of Θ(candidate) − Θ(current), requests/s."""
+    """ḡ: mean over slices of the gain (``objective``): Θ(candidate) − Θ(current), requests/s,
+    or the predicted mean latency saved, s."""
     std_gain: float = 0.0
-    """σ_g: sample standard deviation of the per-slice gains (req/s)."""
+    """σ_g: sample standard deviation of the per-slice gains (unit of ``mean_gain``)."""
     threshold: float = 0.0
     """What ḡ must exceed to qualify: z·σ_g/√m (z = 2 in the paper), or the planner's
-    minimum gain (a share of the current Θ) when that is larger."""
+    minimum gain (a share of the current Θ, or of its predicted latency) when that is larger."""
     qualifies: bool = False
     changes: NonNeg = 0
     """Nodes that switch phase to reach it (fewest-change assignment)."""
@@ -419,6 +420,13 @@ class CandidateGain(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=Fa
     """SLO guard: predicted P95 TTFT of the candidate (s); None when the guard is off; inf = overloaded."""
     vetoed: str = ""
     """Why the SLO guard vetoed a qualifying candidate (empty = not vetoed)."""
+    objective: str = "throughput"
+    """What the gains measure: ``throughput`` (Θ(candidate) − Θ(current), req/s; the paper)
+    or ``latency`` (predicted mean latency of the current split − the candidate's, s)."""
+    theta: float | None = None
+    """Mean Θ of the candidate over the window's slices (req/s, Eq. 5)."""
+    latency_s: float | None = None
+    """``latency`` objective: the candidate's predicted mean latency (s; inf = prefill overloaded)."""
 
 
 class PlannerDecision(Msg, frozen=True, kw_only=True):

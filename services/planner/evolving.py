@@ -20,8 +20,24 @@ Life cycle:
    paper, ``min_gain_share``) mean(g) > 3% of the current Θ; the qualifying
    candidate with the largest mean gain is applied. No planning while a node
    is busy (draining/switching) or within ``cooldown_s`` (120 s) of a switch.
+
+   **Objective** (``objective``; beyond the paper, default ``latency``). With
+   ``throughput`` the gains are Θ's, as in the paper. With ``latency`` they are
+   the predicted mean latency a request saves per slice
+   (:func:`~services.planner.throughput.mean_latencies`: the prefill pool as an
+   M/G/c queue at the slice's request rate with the window's measured spread of
+   Eq. 3 work, plus the Eq. 3 service and the Eq. 4 decode time at B = q̄/|D|),
+   under the same gate (the minimum gain is then a share of the current
+   latency); a window whose current split is predicted overloaded (λ ≥ cμ̄ in a
+   slice) is decided on Θ. Why: in a closed loop of agents whose think time
+   sets the request rate, Θ of every split that keeps up is within a few percent
+   (the decode term at the observed population is the current throughput), so
+   the paper's gate drifts toward the fewest prefill nodes (Θ's decode term
+   grows with |D|) and ends wherever the noise stops it; on real Claude Code
+   sessions it ended at 2P7D or 3P6D depending on the start, with mean E2E
+   1.6–2.3× that of static 4P5D (``bench/RESULTS.md``).
 4. **SLO guard** (``slo_guard``, on by default; ``slo_guard=False`` with
-   ``min_gain_share=0`` is the paper's planner exactly). Motivation: paper App. D.3, where one switch to 2P7D left
+   ``min_gain_share=0`` and ``objective="throughput"`` is the paper's planner exactly). Motivation: paper App. D.3, where one switch to 2P7D left
    prefill requests queueing for 120–275 s at P95 for ten minutes. With the same
    models and the observed arrival rate λ̂ (``Observer.arrival_rate``), the
    prefill pool of a split is an M/M/c queue (``throughput.ttft_quantile``):
@@ -59,6 +75,7 @@ from services.planner.throughput import (
     ModelTable,
     NodeModelState,
     candidate_masks,
+    mean_latencies,
     queue_wait,
     significance,
     theta,
@@ -84,6 +101,15 @@ class EvolvingParams:
     than this share of the current split's mean Θ. The per-slice gains come from the same
     deterministic models, so two splits whose Θ differ by ~1% pass the z-test as easily as
     a real gain and the planner flips between them (3P6D ↔ 2P7D on real CC sessions)."""
+    objective: str = "latency"
+    """What the window decision optimises. ``throughput``: Θ (Eq. 5), the paper. ``latency``
+    (beyond the paper): minus the predicted mean latency of a request
+    (:func:`~services.planner.throughput.mean_latencies`: M/M/c prefill queueing at the
+    measured arrival rate + own prefill + decode at B = q̄/|D|), with the same gate on its
+    per-slice gains; a window in which the current split's prefill pool is predicted
+    overloaded (λ ≥ cμ̄ in some slice) is decided on Θ. In a closed loop whose agents'
+    think time, not the cluster, sets the request rate, Θ of the splits that keep up
+    differs by a few percent and says nothing of what the split does to latency."""
     cooldown_s: float = 120.0
     """No planning this long after a switch (paper: 120 s)."""
     min_slices: int = 3
@@ -99,7 +125,8 @@ class EvolvingParams:
     initial_split: str | None = None
     """Split to serve after the warm-up (None = the phases at the first tick)."""
     slo_guard: bool = True
-    """Enable the SLO guard (beyond the paper; False, with ``min_gain_share=0``, = the paper's planner)."""
+    """Enable the SLO guard (beyond the paper; False, with ``min_gain_share=0`` and
+    ``objective="throughput"``, = the paper's planner)."""
     ttft_target_s: float = 15.0
     """Guard target for the TTFT quantile (paper App. D.3: P95 within 15 s)."""
     ttft_quantile: float = 0.95
@@ -123,6 +150,8 @@ class EvolvingParams:
             raise ValueError(f"slices must be >= 2 (a standard deviation needs two), got {self.slices}")
         if not 2 <= self.min_slices <= self.slices:
             raise ValueError(f"min_slices must be in [2, slices], got {self.min_slices}")
+        if self.objective not in ("throughput", "latency"):
+            raise ValueError(f"objective must be 'throughput' or 'latency', got {self.objective!r}")
         if not 0 <= self.min_gain_share < 1:
             raise ValueError(f"min_gain_share must be in [0, 1), got {self.min_gain_share}")
         if self.z < 0 or self.ttft_target_s <= 0 or not 0 < self.ttft_quantile < 1:
@@ -415,6 +444,20 @@ class EvolvingPlanner(PolicyBase):
         mu_d = table.decode_rates(w, len(order) - counts, self.max_batch)
         return theta(mask, mu_p, mu_d)
 
+    def _latency(self, order: list[str], mask: np.ndarray, counts: np.ndarray, w: Sequence[SliceStats]) -> np.ndarray:
+        """Predicted mean latency per candidate and slice (s), shape (P, m); the arrival rate of a
+        slice is its completions per second (the closed loop's steady state). The service SCV
+        is the window's (all its requests pooled): it describes the workload's spread of
+        prompt work, which one 60-s slice with a few long prompts estimates poorly."""
+        table = self.table(order)
+        d_counts = len(order) - counts
+        mu_p = table.prefill_rates(w)
+        mu_d = table.decode_rates(w, d_counts, self.max_batch)
+        lam = np.array([s.n / self.slice_s for s in w])
+        q = np.array([s.q for s in w])
+        scv = np.full(len(w), float(table.prefill_scv([_pool(w)])[0]))
+        return mean_latencies(mask, mu_p, mu_d, lam, q, d_counts, self.max_batch, scv=scv)
+
     def _ttft(self, order: list[str], mask_row: np.ndarray, w: SliceStats, lam: float) -> float:
         mu = self.table(order).prefill_rates([w])[:, 0]
         return ttft_quantile(mu[mask_row], lam, self.p.ttft_quantile)
@@ -435,11 +478,26 @@ class EvolvingPlanner(PolicyBase):
         m = len(valid)
         th = self._theta(order, mask, counts, valid)
         cur = th[p0 - 1]
-        gains = th - cur[None, :]
-        mean, std, thr, qual = significance(gains, self.p.z)
-        if self.p.min_gain_share > 0:  # hysteresis: a near-tie is no reason to switch
-            thr = np.maximum(thr, self.p.min_gain_share * float(cur.mean()))
-            qual = mean > thr
+        objective = "throughput"
+        lat = np.full(th.shape, math.nan)
+        if self.p.objective == "latency":
+            lat = self._latency(order, mask, counts, valid)
+            if np.isfinite(lat[p0 - 1]).all():
+                objective = "latency"
+        if objective == "latency":
+            feasible = np.isfinite(lat).all(axis=1)
+            cur_l = lat[p0 - 1]
+            gains = np.where(feasible[:, None], cur_l[None, :] - lat, 0.0)  # seconds of predicted latency saved
+            mean, std, thr, qual = significance(gains, self.p.z)
+            if self.p.min_gain_share > 0:
+                thr = np.maximum(thr, self.p.min_gain_share * float(cur_l.mean()))
+            qual = (mean > thr) & feasible
+        else:
+            gains = th - cur[None, :]
+            mean, std, thr, qual = significance(gains, self.p.z)
+            if self.p.min_gain_share > 0:  # hysteresis: a near-tie is no reason to switch
+                thr = np.maximum(thr, self.p.min_gain_share * float(cur.mean()))
+                qual = mean > thr
         guard = self.p.slo_guard and lam is not None
         pooled = _pool(valid)
         ttft = np.full(len(counts), math.nan)
@@ -466,12 +524,16 @@ class EvolvingPlanner(PolicyBase):
                     changes=int(abs(p - p0)),
                     ttft_p95_s=float(ttft[j]) if guard else None,
                     vetoed=veto,
+                    objective=objective,
+                    theta=float(th[j].mean()),
+                    latency_s=float(lat[j].mean()) if objective == "latency" else None,
                 )
             )
             if qual[j] and not veto and mean[j] > best_gain:
                 best, best_gain = int(p), float(mean[j])
         metrics = {
             "theta_current": float(cur.mean()),
+            "latency_objective": 1.0 if objective == "latency" else 0.0,
             "slices": float(m),
             "q_mean": float(np.mean([s.q for s in valid])),
             "prefill_queue_mean": float(np.mean([s.queued for s in valid])),
@@ -479,6 +541,8 @@ class EvolvingPlanner(PolicyBase):
             "t_c_mean": pooled.t_c,
             "t_out_mean": pooled.t_out,
         }
+        if objective == "latency":
+            metrics["latency_current_s"] = float(lat[p0 - 1].mean())
         if guard:
             metrics["arrival_rate"] = float(lam)  # type: ignore[arg-type]
             metrics["ttft_current_s"] = float(ttft[p0 - 1])
@@ -524,8 +588,13 @@ class EvolvingPlanner(PolicyBase):
             "switch",
             phases,
             target,
-            f"{chosen.split}: mean gain {chosen.mean_gain:.3f} req/s > {chosen.threshold:.3f} "
-            f"(max of z·σ/√m and {self.p.min_gain_share:g}·Θ) over {int(metrics['slices'])} slices",
+            (
+                f"{chosen.split}: predicted mean latency {chosen.latency_s:.2f}s, {chosen.mean_gain:.3f}s below the current "
+                f"> {chosen.threshold:.3f}s (max of z·σ/√m and {self.p.min_gain_share:g}·latency) over {int(metrics['slices'])} slices"
+                if chosen.objective == "latency"
+                else f"{chosen.split}: mean gain {chosen.mean_gain:.3f} req/s > {chosen.threshold:.3f} "
+                f"(max of z·σ/√m and {self.p.min_gain_share:g}·Θ) over {int(metrics['slices'])} slices"
+            ),
             candidates=cands,
             metrics=metrics,
         )
@@ -662,6 +731,7 @@ def _pool(w: Sequence[SliceStats]) -> SliceStats:
         float(np.mean([s.q for s in w])),
         sum(s.prompt * s.n for s in w) / n,
         float(np.mean([s.queued for s in w])),
+        tuple(sum(s.moments2[i] * s.n for s in w) / n for i in range(6)) if all(s.moments2 for s in w) else (),
     )
 
 

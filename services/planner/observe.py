@@ -54,6 +54,8 @@ class Bucket:
     sum_qk: float = 0.0
     sum_out: float = 0.0
     sum_prompt: float = 0.0
+    sum_m2: list[float] = field(default_factory=lambda: [0.0] * 6)
+    """Σ of the second-moment terms of the completed requests (:data:`MOMENTS2` order)."""
     n_first: int = 0
     """Requests whose first token fell in this bucket (reported at completion)."""
     cached_by_node: dict[str, float] = field(default_factory=dict)
@@ -84,6 +86,20 @@ class SliceStats:
     """Mean full prompt length (t_uc + t_c)."""
     queued: float = 0.0
     """Time-averaged requests waiting for prefill (cluster-wide prefill queues)."""
+    moments2: tuple[float, ...] = ()
+    """Mean second moments of the completed requests' work, in the order of
+    :data:`MOMENTS2`: E[t_uc²], E[A²], E[t_c²], E[t_uc·A], E[t_uc·t_c], E[A·t_c]
+    (empty = unknown). With Eq. 3 linear in (t_uc, A, t_c) they give the variance
+    of a request's prefill occupancy (the planner's ``latency`` objective)."""
+
+
+MOMENTS2 = ("uc·uc", "qk·qk", "c·c", "uc·qk", "uc·c", "qk·c")
+"""Order of :attr:`SliceStats.moments2` (uc = t_uc, qk = A, c = t_c)."""
+
+
+def moments2_of(t_uc: float, qk: float, t_c: float) -> tuple[float, float, float, float, float, float]:
+    """One request's second-moment terms in :data:`MOMENTS2` order."""
+    return (t_uc * t_uc, qk * qk, t_c * t_c, t_uc * qk, t_uc * t_c, qk * t_c)
 
 
 class Observer:
@@ -191,7 +207,11 @@ class Observer:
         b.n_done += 1
         b.sum_uc += t_uc
         b.sum_c += t_c
-        b.sum_qk += qk_pairs(t_uc, t_c)
+        qk = qk_pairs(t_uc, t_c)
+        b.sum_qk += qk
+        m2 = b.sum_m2
+        for i, v in enumerate(moments2_of(t_uc, qk, t_c)):
+            m2[i] += v
         b.sum_out += float(max(1, done.output_tokens))
         b.sum_prompt += float(done.prompt_tokens)
         b.cached_by_node[done.prefill_node] = b.cached_by_node.get(done.prefill_node, 0.0) + t_c
@@ -230,7 +250,11 @@ class Observer:
             n = b.n_done
             q = b.decode_integral / b.covered_s if cov else self.decode_now
             qq = b.queue_integral / b.covered_s if cov else self.queue_now
-            out.append(SliceStats(n, b.sum_uc / n, b.sum_c / n, b.sum_qk / n, b.sum_out / n, q, b.sum_prompt / n, qq))
+            out.append(
+                SliceStats(
+                    n, b.sum_uc / n, b.sum_c / n, b.sum_qk / n, b.sum_out / n, q, b.sum_prompt / n, qq, tuple(v / n for v in b.sum_m2)
+                )
+            )
         return out
 
     def pooled(self, k0: int, k1: int) -> SliceStats:
@@ -251,6 +275,7 @@ class Observer:
             q,
             sum(b.sum_prompt for b in bs) / n,
             qq,
+            tuple(sum(b.sum_m2[i] for b in bs) / n for i in range(6)),
         )
 
     def mean_chunk_tokens(self, node: str, k0: int, k1: int) -> float | None:

@@ -98,6 +98,28 @@ class ModelTable:
         )
         return 1.0 / np.maximum(t, 1e-9)
 
+    def prefill_scv(self, w: Sequence[SliceStats]) -> np.ndarray:
+        """Squared coefficient of variation of one request's Eq. 3 occupancy per slice, shape (m,).
+
+        Eq. 3 is linear in the request's work, ``S = α·t_uc + c2·A + β·t_c`` (α = c0/t̄ + c1,
+        β = c3·f, averaged over the nodes), so ``E[S²]`` follows from the slice's mean second
+        moments (:attr:`SliceStats.moments2`) and ``SCV = E[S²]/E[S]² − 1``. A slice without
+        second moments gets 1 (exponential service: M/M/c).
+        """
+        alpha = float(np.mean(self.c0 / self.tbar + self.c1))
+        c2 = float(np.mean(self.c2))
+        beta = float(np.mean(self.c3 * self.f))
+        out = np.ones(len(w))
+        for i, s in enumerate(w):
+            if not s.moments2:
+                continue
+            uu, aa, cc, ua, uc, ac = s.moments2
+            es = alpha * s.t_uc + c2 * s.qk + beta * s.t_c
+            es2 = alpha * alpha * uu + c2 * c2 * aa + beta * beta * cc + 2.0 * (alpha * c2 * ua + alpha * beta * uc + c2 * beta * ac)
+            if es > 0:
+                out[i] = max(0.0, es2 / (es * es) - 1.0)
+        return out
+
     def decode_iteration(self, batch: np.ndarray) -> np.ndarray:
         """T_D,n(B) for a batch array of any shape S → shape (N, *S) (Eq. 2).
 
@@ -255,6 +277,60 @@ def ttft_quantiles(mu: np.ndarray, mask: np.ndarray, lam: float, q: float = 0.95
     wait = np.where(cw > tail, np.log(np.maximum(cw, tail) / tail) / rate, 0.0)
     out[ok] = wait + 1.0 / mm
     return out
+
+
+def mean_latencies(
+    mask: np.ndarray,
+    mu_p: np.ndarray,
+    mu_d: np.ndarray,
+    lam: np.ndarray,
+    q: np.ndarray,
+    decode_counts: np.ndarray,
+    max_batch: float,
+    scv: np.ndarray | None = None,
+) -> np.ndarray:
+    """Predicted mean latency of a request (s) per candidate and slice (beyond the paper; the
+    planner's ``latency`` objective). Shape (P, m).
+
+    ``L[p, i] = W_q + 1/μ̄ + T_D(B)·t̄_out/t_acc``: the prefill pool of candidate p is an
+    M/G/c queue (c = its prefill nodes, μ̄ = their mean Eq. 3 rate ``mu_p[n, i]``, Poisson
+    arrivals at ``lam[i]`` requests/s, service SCV ``scv[i]``) with the Lee–Longton
+    approximation ``W_q = (1 + SCV)/2 · C(c, λ/μ̄)/(cμ̄ − λ)`` (Erlang C; SCV = 1 is M/M/c,
+    exact); the decode part is one request's Eq. 4 occupancy at ``B = q̄_i/|D_p|`` (the
+    batch Eq. 4 uses), i.e. ``B/μ_D`` averaged over the decode nodes. ``inf`` where λ ≥ cμ̄
+    (the prefill queue grows without bound).
+
+    Args:
+        mask: (P, N) prefill membership per candidate (:func:`candidate_masks`).
+        mu_p: (N, m) prefill rates (:meth:`ModelTable.prefill_rates`).
+        mu_d: (N, P, m) decode rates (:meth:`ModelTable.decode_rates`).
+        lam: (m,) arrival rate per slice, requests/s.
+        q: (m,) requests in decode per slice (q̄_i).
+        decode_counts: (P,) decode nodes per candidate.
+        max_batch: the cap on B that ``mu_d`` was computed with.
+        scv: (m,) squared coefficient of variation of the prefill occupancy
+            (:meth:`ModelTable.prefill_scv`); None = 1 (M/M/c).
+    """
+    pm = mask.astype(float)
+    c = pm.sum(axis=1)[:, None]  # (P, 1)
+    mbar = (pm @ mu_p) / np.maximum(c, 1.0)  # (P, m)
+    lam2 = np.broadcast_to(np.asarray(lam, dtype=float)[None, :], mbar.shape)
+    ok = (c > 0) & (mbar > 0) & (lam2 < c * mbar)
+    a = np.where(ok, lam2 / np.where(mbar > 0, mbar, 1.0), 0.0)
+    b = np.ones_like(a)  # Erlang B recursion, vectorised over candidates and slices
+    for k in range(1, int(c.max()) + 1):
+        b = np.where(k <= c, a * b / (k + a * b), b)
+    cw = b / np.maximum(1.0 - (a / np.maximum(c, 1.0)) * (1.0 - b), 1e-12)
+    rate = np.where(ok, c * mbar - lam2, 1.0)
+    wait = np.where(lam2 > 0, cw / rate, 0.0)
+    if scv is not None:
+        wait = wait * (1.0 + np.asarray(scv, dtype=float)[None, :]) / 2.0
+    prefill = np.where(ok, wait + 1.0 / np.where(mbar > 0, mbar, 1.0), np.inf)
+    bsz = np.clip(np.asarray(q, dtype=float)[None, :] / np.maximum(decode_counts, 1)[:, None], 1e-6, max_batch)  # (P, m)
+    dm = (~mask).astype(float)
+    per_node = bsz[None, :, :] / np.maximum(mu_d, 1e-12)  # (N, P, m): T_D(B)·t_out/t_acc on node n
+    decode = np.einsum("pn,npi->pi", dm, per_node) / np.maximum(decode_counts, 1)[:, None]
+    return prefill + decode
 
 
 def queue_wait(model: NodeModelState, remaining_s: float, queue: Sequence[QueuedWork]) -> float:

@@ -188,10 +188,10 @@ D3 = dict(t_uc=6000, t_c=100_000, t_out=3000, q=60)
 def test_guard_vetoes_a_split_that_cannot_take_the_arrival_rate():
     w = [sl(**D3, n=50) for _ in range(10)]
     phases = split_phases("4P5D", NODES)
-    off = planner(slo_guard=False)
+    off = planner(slo_guard=False, objective="throughput")
     cands, _, best_off = off.evaluate(phases, w)
     assert best_off == 1  # the paper's planner: 1P8D has the largest Θ
-    on = planner()
+    on = planner(objective="throughput")
     cands, metrics, best_on = on.evaluate(phases, w, lam=5.0)
     c1 = next(c for c in cands if c.prefill_nodes == 1)
     assert c1.qualifies and c1.ttft_p95_s == math.inf and "TTFT" in c1.vetoed
@@ -234,13 +234,13 @@ def test_guard_ignores_a_burst_backlog_at_a_sustainable_rate():
 
 
 def test_guard_off_is_the_papers_planner():
-    pl = planner(slo_guard=False)
+    pl = planner(slo_guard=False, min_gain_share=0.0, objective="throughput")
     phases = start(pl, "2P7D")
     phases, decisions = run_to(pl, phases, 540.0, rate=7.7, queue_growth=1.3, t_uc=6000, t_c=100_000, t_out=1000, q=60)
     assert decisions == []
     assert not [e for e in pl.take_decisions() if "guard" in e.reason]
     assert pl.next_tick() == 545.0  # sampling ticks only (every 5 s)
-    quiet = planner(slo_guard=False, sample_interval_s=0.0)
+    quiet = planner(slo_guard=False, min_gain_share=0.0, objective="throughput", sample_interval_s=0.0)
     start(quiet, "2P7D")
     assert quiet.next_tick() == 600.0  # only window ends
 
@@ -272,15 +272,45 @@ def test_params_are_validated():
 def test_min_gain_share_keeps_a_near_tie_from_switching():
     w = [sl(**D3, n=50) for _ in range(10)]
     phases = split_phases("4P5D", NODES)
-    cands, metrics, best = planner(slo_guard=False, min_gain_share=0.0).evaluate(phases, w)
+    cands, metrics, best = planner(slo_guard=False, min_gain_share=0.0, objective="throughput").evaluate(phases, w)
     assert best is not None
     top = next(c for c in cands if c.prefill_nodes == best)
     share = top.mean_gain / metrics["theta_current"]  # the best candidate's gain as a share of Θ
     assert top.qualifies and top.threshold < top.mean_gain
-    cands, _, best_above = planner(slo_guard=False, min_gain_share=share * 0.99).evaluate(phases, w)
+    cands, _, best_above = planner(slo_guard=False, min_gain_share=share * 0.99, objective="throughput").evaluate(phases, w)
     assert best_above == best
-    cands, _, best_below = planner(slo_guard=False, min_gain_share=min(share * 1.01, 0.99)).evaluate(phases, w)
+    cands, _, best_below = planner(slo_guard=False, min_gain_share=min(share * 1.01, 0.99), objective="throughput").evaluate(phases, w)
     assert best_below is None  # no candidate gains that share of Θ: stay
     assert all(not c.qualifies and c.threshold >= share * metrics["theta_current"] for c in cands)
     with pytest.raises(ValueError, match="min_gain_share"):
         planner(min_gain_share=1.0)
+
+
+LAT = dict(t_uc=20_000, t_c=50_000, t_out=300, q=12)
+"""Prefill-heavy slices: Θ keeps rising up to 7P2D while the predicted latency is lowest at 5P4D."""
+
+
+def test_latency_objective_picks_the_lowest_predicted_latency():
+    phases = split_phases("4P5D", NODES)
+    w = [sl(**LAT, n=300) for _ in range(10)]  # 5 requests/s
+    _, _, best_thr = planner(slo_guard=False, objective="throughput").evaluate(phases, w)
+    cands, metrics, best = planner(slo_guard=False).evaluate(phases, w)  # the default objective: latency
+    assert metrics["latency_objective"] == 1.0
+    assert all(c.objective == "latency" for c in cands)
+    feasible = [c for c in cands if math.isfinite(c.latency_s)]
+    top = min(feasible, key=lambda c: c.latency_s)
+    assert best == top.prefill_nodes == 5 and best_thr == 7
+    assert top.qualifies and top.mean_gain == pytest.approx(metrics["latency_current_s"] - top.latency_s)
+    assert len(feasible) < len(cands) and not any(c.qualifies for c in cands if not math.isfinite(c.latency_s))
+    # a gain below the minimum share of the current latency: stay (3P6D is 2% faster at 1.67 req/s)
+    w = [sl(**LAT, n=100) for _ in range(10)]
+    cands, metrics, best = planner(slo_guard=False, objective="latency").evaluate(phases, w)
+    c3 = next(c for c in cands if c.prefill_nodes == 3)
+    assert best is None and 0 < c3.mean_gain < c3.threshold == pytest.approx(0.03 * metrics["latency_current_s"])
+    # the current split's prefill pool is predicted overloaded: the window is decided on Θ
+    w = [sl(**LAT, n=400) for _ in range(10)]
+    cands, metrics, best = planner(slo_guard=False, objective="latency").evaluate(phases, w)
+    assert metrics["latency_objective"] == 0.0 and all(c.objective == "throughput" for c in cands)
+    assert best == planner(slo_guard=False, objective="throughput").evaluate(phases, w)[2]
+    with pytest.raises(ValueError, match="objective"):
+        planner(objective="e2e")

@@ -14,13 +14,16 @@ from services.planner.throughput import (
     NodeModelState,
     candidate_masks,
     erlang_c,
+    mean_latencies,
     queue_wait,
     significance,
     theta,
     ttft_quantile,
 )
 
-from .helpers import sl, state
+from services.planner.observe import Observer
+
+from .helpers import done, sl, state
 
 GB = load_profile("gb300-glm52")
 
@@ -118,6 +121,70 @@ def test_ttft_quantile():
     assert ttft_quantile([1.0], 0.5, 0.95) == pytest.approx(math.log(10) / 0.5 + 1.0)
     lo, hi = (ttft_quantile([2.0] * c, 5.0) for c in (3, 4))
     assert hi < lo  # one more prefill node shortens the predicted wait
+
+
+def test_mean_latency_by_hand():
+    """Three nodes; candidates p = 1 (node a prefill) and p = 2 (a, b prefill); two slices."""
+    mask = np.array([[True, False, False], [True, True, False]])
+    mu_p = np.array([[2.0, 1.0], [2.0, 1.0], [2.0, 1.0]])  # (N, m) prefill rates
+    mu_d = np.full((3, 2, 2), 0.5)  # (N, P, m) decode rates
+    lam = np.array([1.0, 0.5])
+    q = np.array([4.0, 2.0])
+    d_counts = np.array([2, 1])
+    lat = mean_latencies(mask, mu_p, mu_d, lam, q, d_counts, max_batch=64.0)
+    # p = 1, slice 0: M/M/1 with μ = 2, λ = 1: W_q = ρ/(μ − λ) = 0.5, + 1/μ = 0.5; decode B = 4/2 = 2, B/μ_D = 4
+    assert lat[0, 0] == pytest.approx(0.5 + 0.5 + 4.0)
+    # p = 1, slice 1: μ = 1, λ = 0.5: W_q = 0.5/0.5 = 1, + 1; decode B = 1, B/μ_D = 2
+    assert lat[0, 1] == pytest.approx(1.0 + 1.0 + 2.0)
+    # p = 2, slice 1: M/M/2 with μ = 1, λ = 0.5 (a = 0.5, ρ = 0.25):
+    # C = (a²/2!)/(1−ρ) / (1 + a + (a²/2!)/(1−ρ)) = (1/6)/(5/3) = 0.1, W_q = C/(2μ − λ) = 0.1/1.5;
+    # decode: one node, B = 2, B/μ_D = 4
+    assert lat[1, 1] == pytest.approx(0.1 / 1.5 + 1.0 + 4.0)
+    assert lat[1, 1] == pytest.approx(erlang_c(2, 0.5) / 1.5 + 1.0 + 4.0)
+    # λ ≥ cμ: the prefill queue grows without bound
+    over = mean_latencies(mask, mu_p, mu_d, np.array([2.0, 2.0]), q, d_counts, max_batch=64.0)
+    assert math.isinf(over[0, 0]) and math.isinf(over[0, 1]) and math.isinf(over[1, 1]) and math.isfinite(over[1, 0])
+    # no arrivals: no wait, only the service times
+    idle = mean_latencies(mask, mu_p, mu_d, np.zeros(2), q, d_counts, max_batch=64.0)
+    assert idle[1, 0] == pytest.approx(0.5 + 8.0)
+    # a batch above the cap is charged at the cap
+    capped = mean_latencies(mask, mu_p, mu_d, lam, np.array([400.0, 2.0]), d_counts, max_batch=64.0)
+    assert capped[1, 0] == pytest.approx(lat[1, 0] - 8.0 + 64.0 / 0.5)
+
+
+def test_prefill_scv_is_the_variance_of_eq3_over_the_requests():
+    """Observer second moments → SCV of the Eq. 3 occupancy = var/mean² of the per-request Eq. 3 times."""
+    rng = random.Random(3)
+    # agent-like: mostly short new parts on long cached prefixes, now and then a whole new prompt
+    work = [(rng.randint(100, 3000), rng.randint(20_000, 300_000)) if rng.random() < 0.9 else (rng.randint(20_000, 120_000), 0) for _ in range(200)]
+    obs = Observer(["a", "b"], 60.0)
+    for i, (uc, c) in enumerate(work):
+        obs.on_request_done(done(f"r{i}", 10.0 + i * 0.1, prompt=uc + c, cached=c, node="a"), 10.0 + i * 0.1)
+    obs.advance(60.0)
+    w = obs.slices(0, 1)
+    assert w[0].n == len(work) and len(w[0].moments2) == 6
+    pooled = obs.pooled(0, 1)
+    assert pooled.moments2 == pytest.approx(w[0].moments2)
+    st = NodeModelState(GB.prefill, GB.decode, 5000.0, 0.2)
+    times = np.array([st.prefill_request_time(float(uc), float(c)) for uc, c in work])
+    expect = times.var() / times.mean() ** 2
+    got = ModelTable(["a", "b"], {"a": st, "b": st}).prefill_scv(w)
+    assert got.shape == (1,) and got[0] == pytest.approx(expect, rel=1e-6)
+    assert expect > 1.0  # more variable than exponential service
+    # no second moments (hand-made slices): exponential service
+    assert table(["a"]).prefill_scv([sl()])[0] == 1.0
+
+
+def test_mean_latency_scales_the_wait_by_the_service_scv():
+    mask = np.array([[True, False]])
+    mu_p = np.array([[2.0], [2.0]])
+    mu_d = np.full((2, 1, 1), 0.5)
+    args = (mask, mu_p, mu_d, np.array([1.0]), np.array([1.0]), np.array([1]), 64.0)
+    base = mean_latencies(*args)[0, 0]  # M/M/1: W_q = 0.5, service 0.5, decode 2
+    assert base == pytest.approx(0.5 + 0.5 + 2.0)
+    assert mean_latencies(*args, scv=np.array([1.0]))[0, 0] == pytest.approx(base)
+    assert mean_latencies(*args, scv=np.array([0.0]))[0, 0] == pytest.approx(0.25 + 0.5 + 2.0)  # M/D/1: half the wait
+    assert mean_latencies(*args, scv=np.array([9.0]))[0, 0] == pytest.approx(2.5 + 0.5 + 2.0)
 
 
 def test_queue_wait_is_eq7_sum():
