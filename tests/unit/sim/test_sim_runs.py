@@ -92,6 +92,9 @@ def test_cli_rejects_bad_flags(tmp_path, capsys):
     assert rc == 2 and "not both" in capsys.readouterr().err
     rc = main(["simulate", "--workload", "putnam", "--out", str(tmp_path), "--switch-at", "x:w0:decode"])
     assert rc == 2 and "switch-at" in capsys.readouterr().err
+    rc = main(["simulate", "--workload", "putnam", "--agents", "2", "--nodes", "2", "--duration", "10", "--out", str(tmp_path),
+               "--policy", "evolving", "--planner-opt", "objective=e2e", "--no-plots"])
+    assert rc == 2 and "objective must be" in capsys.readouterr().err
 
 
 def _with_shared_prefix(reqs, shared=(7, 8)):
