@@ -128,6 +128,7 @@ class PlannerService:
                 current=d.split_before,
                 recommended=d.split_after,
                 reason=d.reason,
+                objective=d.candidates[0].objective if d.candidates else None,  # unit of the gains: req/s (throughput) or s (latency)
                 candidates=[(c.split, round(c.mean_gain, 4), round(c.threshold, 4), c.vetoed) for c in d.candidates],
                 **{k: round(v, 4) for k, v in d.metrics.items()},
             )
