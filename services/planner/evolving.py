@@ -52,7 +52,8 @@ Life cycle:
      ``guard_backlog_share`` × target, switch to the smallest p > |P| whose
      predicted P95 TTFT meets the target, whose decode pool can sustain λ̂ at a
      full batch, and whose Θ is within ``guard_max_theta_loss`` of the current
-     one. Both conditions must hold, so a sub-agent burst (backlog without a
+     one — with the ``latency`` objective, of the p > |P| that pass, the one with
+     the lowest predicted mean latency over the lookback. Both conditions must hold, so a sub-agent burst (backlog without a
      sustained rate) or a rate the models think too high while queues stay
      short does not switch.
 """
@@ -638,8 +639,16 @@ class EvolvingPlanner(PolicyBase):
         mu_p = table.prefill_rates([w])[:, 0]
         cap_d = table.decode_capacity(w.t_out, self.max_batch)
         th = theta(mask, mu_p[:, None], table.decode_rates([w], len(order) - counts, self.max_batch))[:, 0]
+        latency = self.p.objective == "latency"
+        lat = None
+        if latency:  # the reversal goes to the passing split with the lowest predicted mean latency
+            d_counts = len(order) - counts
+            mu_d = table.decode_rates([w], d_counts, self.max_batch)
+            scv = table.prefill_scv([w])
+            lat = mean_latencies(mask, mu_p[:, None], mu_d, np.array([lam]), np.array([w.q]), d_counts, self.max_batch, scv=scv)[:, 0]
         cands: list[CandidateGain] = []
         target_p: int | None = None
+        best_lat = math.inf
         for j, p in enumerate(counts):
             if p <= p0:
                 continue
@@ -658,11 +667,17 @@ class EvolvingPlanner(PolicyBase):
                     changes=int(p - p0),
                     ttft_p95_s=float(t),
                     vetoed=veto,
+                    theta=float(th[j]),
+                    latency_s=float(lat[j]) if lat is not None else None,
                 )
             )
-            if not veto:
+            if veto:
+                continue
+            if lat is None:  # throughput objective: the smallest p that passes
                 target_p = int(p)
                 break
+            if lat[j] < best_lat:
+                target_p, best_lat = int(p), float(lat[j])
         if target_p is None:
             self._decide(
                 now,

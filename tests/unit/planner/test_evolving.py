@@ -314,3 +314,24 @@ def test_latency_objective_picks_the_lowest_predicted_latency():
     assert best == planner(slo_guard=False, objective="throughput").evaluate(phases, w)[2]
     with pytest.raises(ValueError, match="objective"):
         planner(objective="e2e")
+
+
+def test_guard_reversal_goes_to_the_lowest_predicted_latency_with_the_latency_objective():
+    """Prefill-heavy work on 2P7D with the queue growing: the Θ objective reverses to the
+    smallest passing p (3P6D), the latency objective to the passing p with the lowest
+    predicted mean latency (4P5D here)."""
+    heavy = dict(rate=2.6, queue_growth=0.6, t_uc=20_000, t_c=50_000, t_out=200, q=6)
+    got = {}
+    for objective in ("throughput", "latency"):
+        pl = planner(cooldown_s=120.0, window_s=600.0, objective=objective)
+        phases = start(pl, "2P7D")
+        _, decisions = run_to(pl, phases, 420.0, **heavy)
+        assert len(decisions) == 1 and decisions[0][0] < 600.0
+        ev = [e for e in pl.take_decisions() if e.action == "switch"][0]
+        assert ev.reason.startswith("SLO guard")
+        got[objective] = (split_name(decisions[0][1].phases), ev.candidates)
+    assert got["throughput"][0] == "3P6D" and len(got["throughput"][1]) == 1  # stops at the first that passes
+    split, cands = got["latency"]
+    passing = [c for c in cands if c.qualifies]
+    assert len(passing) > 1 and all(c.latency_s is not None for c in cands)
+    assert split == min(passing, key=lambda c: c.latency_s).split == "4P5D"
