@@ -12,7 +12,7 @@ Life cycle:
    NNLS (``fit.fit_node``) and frozen; a node with too few records gets the median
    of the fitted nodes (``peer``), or the profile. The decision is "go to the
    initial split" (for an initial ``collocated`` split: the p with the best mean Θ
-   over the warm-up).
+   over the warm-up, or the lowest predicted latency with the ``latency`` objective).
 3. **Windows** (``window_s`` = 600 s, ``slices`` m = 10): at each window end,
    t̄_n and f_n are re-measured; for every prefill count p ≠ |P| the fewest-change
    candidate gets per-slice gains g_i = Θ(cand; w̄_i, q̄_i) − Θ(cur; w̄_i, q̄_i)
@@ -388,7 +388,9 @@ class EvolvingPlanner(PolicyBase):
         )
 
     def _best_from_warmup(self, k0: int, k1: int, phases: Mapping[str, Phase]) -> tuple[dict[str, Phase], dict[str, float]]:
-        """Initial split ``collocated``: the p with the largest mean Θ over the warm-up slices."""
+        """Initial split ``collocated``: the p with the largest mean Θ over the warm-up slices, or,
+        with the ``latency`` objective, the lowest mean predicted latency (Θ when every split is
+        predicted overloaded)."""
         w = [s for s in self.obs.slices(k0, max(1, k1 - k0)) if s.n > 0 and s.q > 0]
         base: dict[str, Phase] = {n: "decode" for n in phases}
         n_nodes = len(base)
@@ -396,6 +398,11 @@ class EvolvingPlanner(PolicyBase):
             p = max(1, n_nodes // 2)
             return assign_min_change(base, p) if n_nodes >= 2 else dict(phases), {"best_p": float(p)}
         counts, mask, _ = candidate_masks(base)
+        if self.p.objective == "latency":
+            lat = self._latency(list(base), mask, counts, w).mean(axis=1)
+            if np.isfinite(lat).any():  # the split with the lowest predicted mean latency
+                p = int(counts[int(np.argmin(lat))])
+                return assign_min_change(base, p), {"best_p": float(p), "best_latency_s": float(lat.min())}
         th = self._theta(list(base), mask, counts, w)
         p = int(counts[int(np.argmax(th.mean(axis=1)))])
         return assign_min_change(base, p), {"best_p": float(p)}

@@ -335,3 +335,17 @@ def test_guard_reversal_goes_to_the_lowest_predicted_latency_with_the_latency_ob
     passing = [c for c in cands if c.qualifies]
     assert len(passing) > 1 and all(c.latency_s is not None for c in cands)
     assert split == min(passing, key=lambda c: c.latency_s).split == "4P5D"
+
+
+def test_collocated_initial_split_with_the_latency_objective_minimises_predicted_latency():
+    both = split_phases("collocated", NODES)
+    got = {}
+    for objective in ("throughput", "latency"):
+        pl = planner(t_learn_s=600.0, objective=objective)
+        assert pl.tick(0.0, both, set()) is None
+        feed(pl, both, 0.0, 600.0, rate=5.0, t_uc=20_000, t_c=50_000, t_out=300, q=12)
+        d = pl.tick(600.0, both, set())
+        assert d is not None
+        got[objective] = (split_name(d.phases), pl.take_decisions()[-1].metrics)
+    assert got["throughput"][0] == "6P3D"  # Θ: the prefill-capacity side binds up to here
+    assert got["latency"][0] == "5P4D" and got["latency"][1]["best_latency_s"] > 0
