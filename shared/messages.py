@@ -426,7 +426,9 @@ class CandidateGain(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=Fa
     theta: float | None = None
     """Mean Θ of the candidate over the window's slices (req/s, Eq. 5)."""
     latency_s: float | None = None
-    """``latency`` objective: the candidate's predicted mean latency (s; inf = prefill overloaded)."""
+    """Predicted mean latency of a request on the candidate (s) when the planner computed it
+    (windows decided on latency, and the SLO guard's reversal under the ``latency``
+    objective); inf = its prefill or decode pool cannot take the rate (JSON: null)."""
 
 
 class PlannerDecision(Msg, frozen=True, kw_only=True):

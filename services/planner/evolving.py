@@ -105,12 +105,15 @@ class EvolvingParams:
     objective: str = "latency"
     """What the window decision optimises. ``throughput``: Θ (Eq. 5), the paper. ``latency``
     (beyond the paper): minus the predicted mean latency of a request
-    (:func:`~services.planner.throughput.mean_latencies`: M/M/c prefill queueing at the
-    measured arrival rate + own prefill + decode at B = q̄/|D|), with the same gate on its
-    per-slice gains; a window in which the current split's prefill pool is predicted
-    overloaded (λ ≥ cμ̄ in some slice) is decided on Θ. In a closed loop whose agents'
-    think time, not the cluster, sets the request rate, Θ of the splits that keep up
-    differs by a few percent and says nothing of what the split does to latency."""
+    (:func:`~services.planner.throughput.mean_latencies`: M/G/c prefill queueing at the
+    measured request rate with the window's spread of Eq. 3 work + own prefill + decode at
+    B = q̄/|D|), with the same gate on its per-slice gains. Slices in which the current
+    split is predicted overloaded (prefill λ ≥ cμ̄, or λ above its decode pool's full-batch
+    capacity; a burst of completions) are left out of the gate; a window with fewer than
+    half its slices (or fewer than ``min_slices``) left is decided on Θ. A candidate
+    predicted overloaded in a remaining slice does not qualify. In a closed loop whose
+    agents' think time, not the cluster, sets the request rate, Θ of the splits that keep
+    up differs by a few percent and says nothing of what the split does to latency."""
     cooldown_s: float = 120.0
     """No planning this long after a switch (paper: 120 s)."""
     min_slices: int = 3
@@ -464,7 +467,9 @@ class EvolvingPlanner(PolicyBase):
         lam = np.array([s.n / self.slice_s for s in w])
         q = np.array([s.q for s in w])
         scv = np.full(len(w), float(table.prefill_scv([_pool(w)])[0]))
-        return mean_latencies(mask, mu_p, mu_d, lam, q, d_counts, self.max_batch, scv=scv)
+        per_tok = table.decode_capacity(1.0, self.max_batch)  # full-batch rate at t_out = 1, (N,)
+        cap = ((~mask).astype(float) @ per_tok)[:, None] / np.maximum(np.array([s.t_out for s in w]), 1.0)[None, :]
+        return mean_latencies(mask, mu_p, mu_d, lam, q, d_counts, self.max_batch, scv=scv, decode_capacity=cap)
 
     def _ttft(self, order: list[str], mask_row: np.ndarray, w: SliceStats, lam: float) -> float:
         mu = self.table(order).prefill_rates([w])[:, 0]
@@ -488,18 +493,22 @@ class EvolvingPlanner(PolicyBase):
         cur = th[p0 - 1]
         objective = "throughput"
         lat = np.full(th.shape, math.nan)
+        used = m
         if self.p.objective == "latency":
-            lat = self._latency(order, mask, counts, valid)
-            if np.isfinite(lat[p0 - 1]).all():
+            lat_all = self._latency(order, mask, counts, valid)
+            keep = np.isfinite(lat_all[p0 - 1])  # slices where the current split keeps up
+            used = int(keep.sum())
+            if used >= max(2, self.p.min_slices, (m + 1) // 2):
                 objective = "latency"
+                lat = lat_all[:, keep]
         if objective == "latency":
             feasible = np.isfinite(lat).all(axis=1)
             cur_l = lat[p0 - 1]
-            gains = np.where(feasible[:, None], cur_l[None, :] - lat, 0.0)  # seconds of predicted latency saved
+            gains = np.where(feasible[:, None], cur_l[None, :] - np.where(np.isfinite(lat), lat, 0.0), 0.0)  # s saved
             mean, std, thr, qual = significance(gains, self.p.z)
             if self.p.min_gain_share > 0:
                 thr = np.maximum(thr, self.p.min_gain_share * float(cur_l.mean()))
-            qual = (mean > thr) & feasible
+            qual = (mean > thr) & feasible  # an overloaded candidate (latency_s = inf) reports gain 0 and never qualifies
         else:
             gains = th - cur[None, :]
             mean, std, thr, qual = significance(gains, self.p.z)
@@ -551,6 +560,7 @@ class EvolvingPlanner(PolicyBase):
         }
         if objective == "latency":
             metrics["latency_current_s"] = float(lat[p0 - 1].mean())
+            metrics["latency_slices"] = float(used)
         if guard:
             metrics["arrival_rate"] = float(lam)  # type: ignore[arg-type]
             metrics["ttft_current_s"] = float(ttft[p0 - 1])

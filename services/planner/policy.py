@@ -155,7 +155,8 @@ class PolicyBase:
     ) -> SplitDecision | None:
         """Record a decision event; return a :class:`SplitDecision` if ``after`` changes the phases."""
         self._seq += 1
-        clean = {k: float(v) for k, v in (metrics or {}).items() if v is not None and not math.isnan(float(v))}
+        # non-finite values are left out: JSON has no inf/NaN (they would come back as null)
+        clean = {k: float(v) for k, v in (metrics or {}).items() if v is not None and math.isfinite(float(v))}
         changed = after is not None and dict(after) != dict(before)
         ev = PlannerDecision(
             seq=self._seq,

@@ -288,6 +288,7 @@ def mean_latencies(
     decode_counts: np.ndarray,
     max_batch: float,
     scv: np.ndarray | None = None,
+    decode_capacity: np.ndarray | None = None,
 ) -> np.ndarray:
     """Predicted mean latency of a request (s) per candidate and slice (beyond the paper; the
     planner's ``latency`` objective). Shape (P, m).
@@ -298,7 +299,9 @@ def mean_latencies(
     approximation ``W_q = (1 + SCV)/2 · C(c, λ/μ̄)/(cμ̄ − λ)`` (Erlang C; SCV = 1 is M/M/c,
     exact); the decode part is one request's Eq. 4 occupancy at ``B = q̄_i/|D_p|`` (the
     batch Eq. 4 uses), i.e. ``B/μ_D`` averaged over the decode nodes. ``inf`` where λ ≥ cμ̄
-    (the prefill queue grows without bound).
+    (the prefill queue grows without bound), where λ ≥ the decode pool's capacity at a full
+    batch (``decode_capacity``; past ``max_batch`` B no longer grows and Eq. 4 alone would
+    not show the decode queue) and for a candidate without decode nodes.
 
     Args:
         mask: (P, N) prefill membership per candidate (:func:`candidate_masks`).
@@ -310,6 +313,8 @@ def mean_latencies(
         max_batch: the cap on B that ``mu_d`` was computed with.
         scv: (m,) squared coefficient of variation of the prefill occupancy
             (:meth:`ModelTable.prefill_scv`); None = 1 (M/M/c).
+        decode_capacity: (P, m) requests/s the candidate's decode nodes finish at a full
+            batch (:meth:`ModelTable.decode_capacity` summed over them); None = unbounded.
     """
     pm = mask.astype(float)
     c = pm.sum(axis=1)[:, None]  # (P, 1)
@@ -330,6 +335,9 @@ def mean_latencies(
     dm = (~mask).astype(float)
     per_node = bsz[None, :, :] / np.maximum(mu_d, 1e-12)  # (N, P, m): T_D(B)·t_out/t_acc on node n
     decode = np.einsum("pn,npi->pi", dm, per_node) / np.maximum(decode_counts, 1)[:, None]
+    decode = np.where(np.asarray(decode_counts)[:, None] > 0, decode, np.inf)
+    if decode_capacity is not None:
+        decode = np.where(lam2 < decode_capacity, decode, np.inf)
     return prefill + decode
 
 

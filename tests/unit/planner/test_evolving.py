@@ -136,7 +136,10 @@ def test_no_switch_at_the_best_split_is_logged_with_the_gains():
     phases2, decisions = run_to(pl, phases, 1200.0, rate=3.0, t_uc=3000, t_c=97_000, t_out=2000, q=90)
     evs = [e for e in pl.take_decisions() if e.ts == 1200.0]
     assert evs and evs[-1].action == "no_switch"
-    assert all(not c.qualifies and c.mean_gain < 0 for c in evs[-1].candidates)
+    assert all(not c.qualifies for c in evs[-1].candidates)
+    # every candidate is slower, or overloaded (8P1D: one decode node cannot finish the requests)
+    assert all(c.mean_gain < 0 or (c.latency_s == math.inf and c.mean_gain == 0) for c in evs[-1].candidates)
+    assert next(c for c in evs[-1].candidates if c.split == "8P1D").latency_s == math.inf
     assert split_name(phases2) == best == "1P8D" and decisions == []
     assert "theta_current" in evs[-1].metrics
 
@@ -349,3 +352,48 @@ def test_collocated_initial_split_with_the_latency_objective_minimises_predicted
         got[objective] = (split_name(d.phases), pl.take_decisions()[-1].metrics)
     assert got["throughput"][0] == "6P3D"  # Θ: the prefill-capacity side binds up to here
     assert got["latency"][0] == "5P4D" and got["latency"][1]["best_latency_s"] > 0
+
+
+def test_latency_objective_sees_an_overloaded_decode_pool():
+    """Past max_running the batch stops growing, so Eq. 4 alone would rate a split with too few
+    decode nodes as fast: its full-batch capacity below λ makes it infeasible."""
+    phases = split_phases("4P5D", NODES)
+    w = [sl(t_uc=20_000, t_c=50_000, t_out=2000, q=600, n=300) for _ in range(10)]  # 5 requests/s
+    cands, metrics, best = planner(slo_guard=False).evaluate(phases, w)
+    assert metrics["latency_objective"] == 1.0
+    c8 = next(c for c in cands if c.prefill_nodes == 8)
+    assert c8.latency_s == math.inf and not c8.qualifies
+    assert best is not None and best != 8
+    assert next(c for c in cands if c.prefill_nodes == best).latency_s < math.inf
+
+
+def test_a_burst_slice_is_left_out_of_the_latency_gate():
+    """One slice whose completions bunch up beyond what the current split's prefill pool is
+    predicted to serve does not send the window to Θ (which would pick another split)."""
+    phases = split_phases("5P4D", NODES)
+    norm = [sl(**LAT, n=300) for _ in range(10)]
+    burst = norm[:9] + [sl(**LAT, n=520)]
+    _, m_norm, b_norm = planner(slo_guard=False).evaluate(phases, norm)
+    _, m_burst, b_burst = planner(slo_guard=False).evaluate(phases, burst)
+    assert m_norm["latency_objective"] == m_burst["latency_objective"] == 1.0
+    assert m_norm["latency_slices"] == 10 and m_burst["latency_slices"] == 9
+    assert b_norm is None and b_burst is None  # 5P4D is the latency optimum: stay
+    # overloaded in most slices: the window is decided on Θ
+    heavy = [sl(**LAT, n=520) for _ in range(6)] + norm[:4]
+    _, m_heavy, b_heavy = planner(slo_guard=False).evaluate(phases, heavy)
+    assert m_heavy["latency_objective"] == 0.0
+    assert b_heavy == planner(slo_guard=False, objective="throughput").evaluate(phases, heavy)[2]
+
+
+def test_decision_metrics_leave_out_non_finite_values():
+    """JSON has no inf or NaN: a decision's metrics keep only finite values, so it round-trips typed."""
+    import msgspec
+
+    from shared.messages import PlannerDecision
+
+    pl = planner()
+    phases = split_phases("4P5D", NODES)
+    pl._decide(0.0, "no_switch", phases, None, "test", metrics={"ttft_current_s": math.inf, "x": math.nan, "q_mean": 3.0})
+    ev = pl.take_decisions()[-1]
+    assert ev.metrics == {"q_mean": 3.0}
+    assert msgspec.json.decode(msgspec.json.encode(ev), type=PlannerDecision) == ev

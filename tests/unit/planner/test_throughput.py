@@ -147,6 +147,13 @@ def test_mean_latency_by_hand():
     # no arrivals: no wait, only the service times
     idle = mean_latencies(mask, mu_p, mu_d, np.zeros(2), q, d_counts, max_batch=64.0)
     assert idle[1, 0] == pytest.approx(0.5 + 8.0)
+    # λ at or above the decode pool's full-batch capacity, or no decode node: overloaded
+    cap = np.array([[2.0, 0.4], [0.9, 0.9]])  # (P, m) requests/s
+    dlim = mean_latencies(mask, mu_p, mu_d, lam, q, d_counts, max_batch=64.0, decode_capacity=cap)
+    assert dlim[0, 0] == pytest.approx(lat[0, 0]) and math.isinf(dlim[0, 1]) and math.isinf(dlim[1, 0])
+    assert dlim[1, 1] == pytest.approx(lat[1, 1])
+    none = mean_latencies(mask, mu_p, mu_d, lam, q, np.array([2, 0]), max_batch=64.0)
+    assert math.isinf(none[1, 0]) and math.isfinite(none[0, 0])
     # a batch above the cap is charged at the cap
     capped = mean_latencies(mask, mu_p, mu_d, lam, np.array([400.0, 2.0]), d_counts, max_batch=64.0)
     assert capped[1, 0] == pytest.approx(lat[1, 0] - 8.0 + 64.0 / 0.5)
