@@ -951,8 +951,8 @@ class ClusterSim:
         decision = planner.tick(t, dict(self.phases), busy)
         take = getattr(planner, "take_decisions", None)
         if callable(take):
-            for ev in take():
-                self.stats.planner_decisions.append(msgspec.to_builtins(ev))
+            for ev in take():  # as JSON has it: an inf (an overloaded candidate) is null, report.json stays valid JSON
+                self.stats.planner_decisions.append(msgspec.json.decode(msgspec.json.encode(ev)))
         if decision is not None:
             changes = {k: v for k, v in decision.phases.items() if k in self.nodes and v != self.phases[k] and k not in busy}
             if not callable(take):

@@ -94,6 +94,9 @@ def test_the_significance_gate_keeps_a_short_burst_from_switching(profile):
     burst_window = next(d for d in gated.stats.planner_decisions if d["ts"] == pytest.approx(3.0))
     c = next(c for c in burst_window["candidates"] if c["split"] == "3P1D")
     assert 0 < c["mean_gain"] < c["threshold"] and not c.get("qualifies", False), "the burst raised the mean gain, not above z·σ/√m"
+    # 1P3D cannot take the burst: its predicted TTFT and latency are inf, recorded as JSON's null
+    c1 = next(c for c in burst_window["candidates"] if c["split"] == "1P3D")
+    assert c1["ttft_p95_s"] is None and c1["latency_s"] is None
     # without the gate (z = 0) the same burst switches to 3P1D
     ungated = run(profile, reqs, "2P2D", windows, z=0.0)
     (sw,) = after_warmup(ungated.report)[:1]
