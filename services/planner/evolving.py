@@ -449,21 +449,30 @@ class EvolvingPlanner(PolicyBase):
         """Call after editing ``self.state`` directly (tests, benchmarks): drops cached tables."""
         self._models_seq += 1
 
-    def _theta(self, order: list[str], mask: np.ndarray, counts: np.ndarray, w: Sequence[SliceStats]) -> np.ndarray:
+    def _rates(self, order: list[str], counts: np.ndarray, w: Sequence[SliceStats]) -> tuple[ModelTable, np.ndarray, np.ndarray]:
+        """``(table, μP (N, m), μD (N, P, m))`` of every candidate on slices ``w`` (Eq. 3, 4)."""
         table = self.table(order)
-        mu_p = table.prefill_rates(w)
-        mu_d = table.decode_rates(w, len(order) - counts, self.max_batch)
+        return table, table.prefill_rates(w), table.decode_rates(w, len(order) - counts, self.max_batch)
+
+    def _theta(self, order: list[str], mask: np.ndarray, counts: np.ndarray, w: Sequence[SliceStats]) -> np.ndarray:
+        _, mu_p, mu_d = self._rates(order, counts, w)
         return theta(mask, mu_p, mu_d)
 
-    def _latency(self, order: list[str], mask: np.ndarray, counts: np.ndarray, w: Sequence[SliceStats]) -> np.ndarray:
+    def _latency(
+        self,
+        order: list[str],
+        mask: np.ndarray,
+        counts: np.ndarray,
+        w: Sequence[SliceStats],
+        rates: tuple[ModelTable, np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray:
         """Predicted mean latency per candidate and slice (s), shape (P, m); the arrival rate of a
         slice is its completions per second (the closed loop's steady state). The service SCV
         is the window's (all its requests pooled): it describes the workload's spread of
-        prompt work, which one 60-s slice with a few long prompts estimates poorly."""
-        table = self.table(order)
+        prompt work, which one 60-s slice with a few long prompts estimates poorly.
+        ``rates``: :meth:`_rates` of the same arguments when the caller has them."""
+        table, mu_p, mu_d = rates if rates is not None else self._rates(order, counts, w)
         d_counts = len(order) - counts
-        mu_p = table.prefill_rates(w)
-        mu_d = table.decode_rates(w, d_counts, self.max_batch)
         lam = np.array([s.n / self.slice_s for s in w])
         q = np.array([s.q for s in w])
         scv = np.full(len(w), float(table.prefill_scv([_pool(w)])[0]))
@@ -489,13 +498,14 @@ class EvolvingPlanner(PolicyBase):
         counts, mask, p0 = candidate_masks(phases)
         valid = [s for s in w if s.n >= self.p.min_requests_per_slice and s.q > 0]
         m = len(valid)
-        th = self._theta(order, mask, counts, valid)
+        rates = self._rates(order, counts, valid)
+        th = theta(mask, rates[1], rates[2])
         cur = th[p0 - 1]
         objective = "throughput"
         lat = np.full(th.shape, math.nan)
         used = m
         if self.p.objective == "latency":
-            lat_all = self._latency(order, mask, counts, valid)
+            lat_all = self._latency(order, mask, counts, valid, rates)
             keep = np.isfinite(lat_all[p0 - 1])  # slices where the current split keeps up
             used = int(keep.sum())
             if used >= max(2, self.p.min_slices, (m + 1) // 2):
@@ -655,12 +665,11 @@ class EvolvingPlanner(PolicyBase):
         table = self.table(order)
         mu_p = table.prefill_rates([w])[:, 0]
         cap_d = table.decode_capacity(w.t_out, self.max_batch)
-        th = theta(mask, mu_p[:, None], table.decode_rates([w], len(order) - counts, self.max_batch))[:, 0]
-        latency = self.p.objective == "latency"
+        d_counts = len(order) - counts
+        mu_d = table.decode_rates([w], d_counts, self.max_batch)
+        th = theta(mask, mu_p[:, None], mu_d)[:, 0]
         lat = None
-        if latency:  # the reversal goes to the passing split with the lowest predicted mean latency
-            d_counts = len(order) - counts
-            mu_d = table.decode_rates([w], d_counts, self.max_batch)
+        if self.p.objective == "latency":  # the reversal goes to the passing split with the lowest predicted mean latency
             scv = table.prefill_scv([w])
             lat = mean_latencies(mask, mu_p[:, None], mu_d, np.array([lam]), np.array([w.q]), d_counts, self.max_batch, scv=scv)[:, 0]
         cands: list[CandidateGain] = []

@@ -224,6 +224,16 @@ def erlang_c(c: int, a: float) -> float:
     return b / (1.0 - rho * (1.0 - b))
 
 
+def erlang_c_array(c: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """:func:`erlang_c` element-wise (c servers, offered load a), vectorised through the same
+    Erlang B recursion; meaningful where 0 ≤ a < c (callers mask the rest). Any shapes that
+    broadcast together; the denominator is floored at 1e-12 (a within ~1e-12 of c)."""
+    b = np.ones_like(a)
+    for k in range(1, int(np.max(c)) + 1):
+        b = np.where(k <= c, a * b / (k + a * b), b)
+    return b / np.maximum(1.0 - (a / np.maximum(c, 1.0)) * (1.0 - b), 1e-12)
+
+
 def ttft_quantile(mu: Sequence[float] | np.ndarray, lam: float, q: float = 0.95) -> float:
     """Predicted q-quantile of TTFT (s) for arrivals at rate ``lam`` on a prefill pool.
 
@@ -267,11 +277,7 @@ def ttft_quantiles(mu: np.ndarray, mask: np.ndarray, lam: float, q: float = 0.95
         return out
     cc, mm = c[ok], m[ok]
     a = lam / mm
-    b = np.ones_like(a)  # Erlang B recursion, vectorised over candidates
-    for k in range(1, int(cc.max()) + 1):
-        nb = a * b / (k + a * b)
-        b = np.where(k <= cc, nb, b)
-    cw = b / (1.0 - (a / cc) * (1.0 - b))
+    cw = erlang_c_array(cc, a)
     tail = 1.0 - q
     rate = cc * mm - lam
     wait = np.where(cw > tail, np.log(np.maximum(cw, tail) / tail) / rate, 0.0)
@@ -322,10 +328,7 @@ def mean_latencies(
     lam2 = np.broadcast_to(np.asarray(lam, dtype=float)[None, :], mbar.shape)
     ok = (c > 0) & (mbar > 0) & (lam2 < c * mbar)
     a = np.where(ok, lam2 / np.where(mbar > 0, mbar, 1.0), 0.0)
-    b = np.ones_like(a)  # Erlang B recursion, vectorised over candidates and slices
-    for k in range(1, int(c.max()) + 1):
-        b = np.where(k <= c, a * b / (k + a * b), b)
-    cw = b / np.maximum(1.0 - (a / np.maximum(c, 1.0)) * (1.0 - b), 1e-12)
+    cw = erlang_c_array(c, a)
     rate = np.where(ok, c * mbar - lam2, 1.0)
     wait = np.where(lam2 > 0, cw / rate, 0.0)
     if scv is not None:
