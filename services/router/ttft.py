@@ -818,15 +818,11 @@ class TtftPredictor:
             self._purge_stale_bounds(now)
         names = [n.node for n in candidates]
         vals: list[Any] = list(map(self._bounds.get, names))
-        if None in vals:
-            i = -1
-            try:
-                while True:
-                    i = vals.index(None, i + 1)
-                    ctx, base, _ = self._ctx(self._nodes.get(names[i]) or self._track(names[i]), now)
-                    vals[i] = (math.inf, base, ctx[0], ctx[6], ctx[7], ctx[8], now)  # min(rem, inf) = base, the aged remaining time
-            except ValueError:
-                pass
+        i = -1
+        for _ in range(vals.count(None)):  # nodes without a cached bound (C-level scans, no Python loop over all)
+            i = vals.index(None, i + 1)
+            ctx, base, _ = self._ctx(self._nodes.get(names[i]) or self._track(names[i]), now)
+            vals[i] = (math.inf, base, ctx[0], ctx[6], ctx[7], ctx[8], now)  # min(rem, inf) = base, the aged remaining time
         bounds = [  # Ŵ ≥ aged remaining + t_open; own prefill ≥ one iteration's fixed part + c1·u + c2·A
             (rem if (d := end - now) > rem else (d if d > 0.0 else 0.0)) + t_open + fixed + c1 * u + c2 * a_u - _BOUND_SLACK_S
             for end, rem, t_open, fixed, c1, c2, _ in vals
