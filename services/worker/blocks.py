@@ -25,7 +25,9 @@ evictable), as in SGLang HiCache, whose ``evict_host`` only frees the host copy
 of nodes already evicted from the device
 (``python/sglang/srt/mem_cache/hiradix_cache.py``). L2 therefore always
 contains L1 (it must be at least as large), and host blocks become evictable
-in the order L1 evicts them, leaves first.
+in the order L1 evicts them, leaves first. A queued request *holds* the L2
+prefix its peer fetch brought in until it is admitted (``KvBlockManager.hold``):
+held pages keep their place in the eviction queue and are skipped.
 
 Representation (runs of blocks, SGLang ``radix_cache.py`` style compressed
 edges): a Claude Code prompt is ~240 blocks of 512 tokens (~1,900 of 64) and
@@ -67,6 +69,29 @@ class KvInvariantError(AssertionError):
 
 def _stored(run: list[int], parent: int | None, tier: Tier, block_size: int) -> BlockStored:
     return BlockStored(block_hashes=run, parent_block_hash=parent, tier=tier, block_size=block_size)
+
+
+def _hold(holds: dict[int, int], present: Any, hashes: Sequence[int]) -> list[int]:
+    """Add one hold to each leading page of ``hashes`` found in ``present``; returns them."""
+    out: list[int] = []
+    for h in hashes:
+        if h not in present:
+            break
+        holds[h] = holds.get(h, 0) + 1
+        out.append(h)
+    return out
+
+
+def _unhold(holds: dict[int, int], hashes: Sequence[int]) -> None:
+    """Remove one hold from each of ``hashes`` (a hold broken by a write-through is gone already)."""
+    for h in hashes:
+        c = holds.get(h)
+        if c is None:
+            continue
+        if c > 1:
+            holds[h] = c - 1
+        else:
+            del holds[h]
 
 
 def _common(keys: list[int], path: Sequence[int], pos: int, n: int) -> int:
@@ -682,10 +707,40 @@ class HostBlockPool:
         self.blocks: dict[int, HostBlock] = {}
         self.evictable = EvictionQueue(policy or LruPolicy())
         self._stamp = 0
+        self.holds: dict[int, int] = {}
+        """Held pages (hash → number of holds): queued requests' fetched prefixes, skipped by
+        eviction in place (see :meth:`KvBlockManager.hold`)."""
 
     @property
     def used(self) -> int:
         return len(self.blocks)
+
+    def hold(self, hashes: Sequence[int]) -> list[int]:
+        """Hold the present leading pages of ``hashes`` (a path prefix, parent first); returns
+        them (stops at the first absent page). O(pages)."""
+        return _hold(self.holds, self.blocks, hashes)
+
+    def unhold(self, hashes: Sequence[int]) -> None:
+        """Drop one hold of each of ``hashes`` (as :meth:`hold` returned them). O(pages)."""
+        _unhold(self.holds, hashes)
+
+    def _victim(self) -> int:
+        """Remove and return the first queued block that is not held; if every queued block is
+        held, the first queued one, whose hold is broken (a write-through must find room)."""
+        groups = self.evictable.groups
+        holds = self.holds
+        if holds:
+            for od in groups:
+                for h in od:
+                    if h not in holds:
+                        del od[h]
+                        return h
+        for od in groups:
+            if od:
+                h = od.popitem(last=False)[0]
+                holds.pop(h, None)
+                return h
+        raise KvInvariantError("host pool full of pinned blocks (host capacity < GPU capacity?)")
 
     def __contains__(self, h: int) -> bool:
         return h in self.blocks
@@ -731,12 +786,7 @@ class HostBlockPool:
                     start = -1
             else:
                 if len(blocks) >= capacity:
-                    for od in groups:
-                        if od:
-                            victim = od.popitem(last=False)[0]
-                            break
-                    else:
-                        raise KvInvariantError("host pool full of pinned blocks (host capacity < GPU capacity?)")
+                    victim = self._victim()
                     del blocks[victim]
                     evicted.append(victim)
                 stamp += 1
@@ -780,7 +830,8 @@ class HostBlockPool:
 
         Pages already present are left as they are. Room is made by evicting
         the lowest-key unpinned blocks other than the pages of ``path[:hi]``
-        (the request's own prefix); if too few are left, the deepest new pages
+        (the request's own prefix) and held pages (another queued request's
+        fetched prefix: a fetch never breaks a hold); if too few are left, the deepest new pages
         are not stored (the request recomputes them). New pages are stamped deepest first and
         their queued ancestors restamped after them, so eviction stays leaf-first.
         Emits ``BlockRemoved(host)`` for evictions and one ``BlockStored(host)``
@@ -792,6 +843,8 @@ class HostBlockPool:
             return 0
         q = self.evictable
         protected = set(path[:hi])
+        if self.holds:
+            protected.update(self.holds)
         need = len(blocks) + len(new) - self.capacity
         evicted: list[int] = []
         if need > 0:
@@ -982,10 +1035,30 @@ class RunHostPool:
         self.pinned = 0
         """Pinned pages (= L1 pages once a fill has been written through)."""
         self._stamp = 0
+        self.holds: dict[int, int] = {}
+        """Held pages (hash → number of holds), skipped by eviction in place. Holds are path
+        prefixes, so inside a run the held pages are its shallow end."""
 
     @property
     def used(self) -> int:
         return self.pinned + self.queue.blocks
+
+    def hold(self, hashes: Sequence[int]) -> list[int]:
+        """See :meth:`HostBlockPool.hold`."""
+        return _hold(self.holds, self.members, hashes)
+
+    def unhold(self, hashes: Sequence[int]) -> None:
+        """See :meth:`HostBlockPool.unhold`."""
+        _unhold(self.holds, hashes)
+
+    def _free_tail(self, keys: list[int], lim: int) -> int:
+        """How many of the deepest ``keys`` (at most ``lim``) are not held."""
+        holds = self.holds
+        size = len(keys)
+        t = 0
+        while t < lim and keys[size - 1 - t] not in holds:
+            t += 1
+        return t
 
     @property
     def evictable(self) -> _HostQueueView:
@@ -1049,7 +1122,37 @@ class RunHostPool:
         first[keys[0]] = r
 
     def _evict(self, e: int, out: list[int]) -> None:
-        """Evict ``e`` pages from the head of the queue (deepest first inside a run)."""
+        """Evict ``e`` pages from the head of the queue (deepest first inside a run), skipping
+        held pages; if only held pages are left, from the head regardless (holds broken)."""
+        q = self.queue
+        first = self.first
+        if self.holds:
+            r = q.first()
+            while r is not None and e > 0:
+                nxt = r.next if r.next is not q.head else None
+                keys = r.keys
+                size = len(keys)
+                t = self._free_tail(keys, min(size, e))
+                if t:
+                    out.extend(reversed(keys[size - t :]))
+                    q.blocks -= t
+                    e -= t
+                    if t == size:
+                        q.unlink(r)
+                        del first[keys[0]]
+                    else:
+                        del keys[size - t :]
+                        r.stamp += t
+                r = nxt
+            if e > 0:
+                n0 = len(out)
+                self._evict_head(e, out)
+                for h in out[n0:]:
+                    self.holds.pop(h, None)
+            return
+        self._evict_head(e, out)
+
+    def _evict_head(self, e: int, out: list[int]) -> None:
         q = self.queue
         first = self.first
         while e > 0:
@@ -1179,6 +1282,7 @@ class RunHostPool:
         q = self.queue
         need = self.used + n_new - self.capacity
         evicted: list[int] = []
+        holds = self.holds
         if need > 0:
             first = self.first
             r = q.first()
@@ -1188,6 +1292,8 @@ class RunHostPool:
                 d = r.depth
                 c = _common(keys, path, d, n) if d < n and path[d] == keys[0] else 0
                 t = min(len(keys) - c, need)
+                if t > 0 and holds:
+                    t = self._free_tail(keys, t)
                 if t > 0:
                     size = len(keys)
                     evicted.extend(reversed(keys[size - t :]))
@@ -1410,6 +1516,30 @@ class KvBlockManager:
         see :meth:`HostBlockPool.store_fetched`. Returns the pages stored."""
         return self.host.store_fetched(path, lo, hi)
 
+    def hold(self, path: Sequence[int], n: int) -> list[int]:
+        """Keep the L2 copy of ``path[:n]`` while a queued request waits to restore it.
+
+        A peer fetch lands in L2 unpinned, and before this a queued request could
+        find its fetched pages evicted by other fetches and write-throughs by the
+        time it was admitted, and recompute them (seen on real Claude Code
+        sessions: 500K-token prefixes fetched, evicted within 4 s, recomputed in
+        40 s while the router had predicted 1 s). Held pages stay where they are
+        in the eviction queue and are skipped: a fetch never evicts them (it
+        stores fewer pages instead), and a write-through evicts one only when
+        every queued page is held (the hold is then broken: a page L1 needs
+        always finds room). As SGLang HiCache locks the host nodes a prefetch
+        loads for a waiting request (``inc_lock_ref`` in
+        ``hiradix_cache.py``'s ``prefetch_from_storage``).
+
+        Returns the held hashes, the present leading pages of ``path[:n]`` (L1
+        pages count: they are in L2 too); pass them to :meth:`unhold`. O(n).
+        """
+        return self.host.hold(path[:n])
+
+    def unhold(self, hashes: Sequence[int]) -> None:
+        """Drop the hold :meth:`hold` returned ``hashes`` for (at admission, abort, re-route)."""
+        self.host.unhold(hashes)
+
     def release(self, path: Sequence[int], n_held: int, reserved: int) -> None:
         """A request leaves: unreference ``path[:n_held]`` (tail first), free ``reserved`` slots."""
         self.gpu.release(path, n_held)
@@ -1481,6 +1611,9 @@ class KvBlockManager:
             fail("a request holds a page that is not resident in L1")
         if len(hblocks) > host.capacity:
             fail(f"L2 over capacity: {len(hblocks)} > {host.capacity}")
+        for h in host.holds:
+            if h not in hblocks:
+                fail(f"L2 hold on block {h}, which is not in L2")
         n_unpinned = 0
         for h, hb in hblocks.items():
             if hb.pinned != (h in gblocks):

@@ -169,6 +169,9 @@ class FetchState:
     """Completion: the blocks are in L2 from then on (None while fetching)."""
     stored: int = 0
     """Pages of ``[lo, hi)`` usable after completion (up to the first missing one)."""
+    held: list[int] | None = None
+    """Hashes of the prefix this request holds in L2 from completion until it is admitted or
+    leaves (``KvBlockManager.hold``); None when it holds nothing."""
 
     @property
     def fetch_s(self) -> float | None:

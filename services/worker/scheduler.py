@@ -570,10 +570,16 @@ class EngineScheduler:
         f.stored = hi - f.lo
         self._count("completed")
         r.q_gpu, r.q_host = self.kv.match(r.path, r.limit)
+        if r.q_host:  # keep the L2 prefix (fetched pages and their ancestors) until admission
+            f.held = self.kv.hold(r.path, r.q_gpu + r.q_host)
 
     def _cancel_fetch(self, r: _Request, now: float) -> None:
-        """``r`` leaves before its fetch completed: free its share of the link."""
+        """``r`` leaves the node: free its share of the link (fetch incomplete) or the L2
+        pages its completed fetch holds (not admitted yet)."""
         f = r.fetch
+        if f is not None and f.held is not None:
+            self.kv.unhold(f.held)
+            f.held = None
         if f is None or f.done_at is not None:
             return
         self.link.cancel(r.rid, now)
@@ -931,6 +937,10 @@ class EngineScheduler:
             self.kv.fill(r.path, n_gpu, n_gpu + n_host)
             r.held += n_host
             r.reserved -= n_host
+        f = r.fetch
+        if f is not None and f.held is not None:  # the restored pages are pinned by L1 now
+            self.kv.unhold(f.held)
+            f.held = None
         bs = self.block_size
         r.cached = (n_gpu + n_host) * bs
         r.restored = n_host * bs

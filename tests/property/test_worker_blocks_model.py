@@ -53,7 +53,7 @@ def _ev(events):
 
 def _state(kv):
     g = {h: b.ref for h, b in kv.gpu.blocks.items()}
-    h = {x: b.pinned for x, b in kv.host.blocks.items()}
+    h = {x: (b.pinned, kv.host.holds.get(x, 0)) for x, b in kv.host.blocks.items()}
     gq = [b.hash for b in kv.gpu.evictable.ordered()]
     hq = [(b.hash, b.group) for b in kv.host.evictable.ordered()]
     return g, h, gq, hq, kv.gpu.reserved, kv.gpu.available, kv.host.used
@@ -121,7 +121,8 @@ def drive(seed: int, ops: int, policy: str | None = None) -> dict[str, int]:
         return p
 
     live: list[list] = []  # [path, held, reserved]
-    stats = {"admitted": 0, "refused": 0, "filled": 0, "released": 0, "decode": 0, "fetched": 0, "counts": 0}
+    open_holds: list[list[int]] = []  # hashes of each open hold
+    stats = {"admitted": 0, "refused": 0, "filled": 0, "released": 0, "decode": 0, "fetched": 0, "counts": 0, "holds": 0}
     for _ in range(ops):
         op = rng.random()
         if op < 0.25:  # a prefill request: match, admit, restore from L2
@@ -167,7 +168,13 @@ def drive(seed: int, ops: int, policy: str | None = None) -> dict[str, int]:
             lo = rng.choice([n_gpu + n_host, rng.randint(0, len(path))])
             hi = rng.randint(lo, len(path) + 1)
             stats["fetched"] += pair.call("store_fetched", path, lo, hi)
-        elif op < 0.88:  # branch counts from the directory
+        elif op < 0.84 and paths:  # a queued request holds its L2 prefix (fetch completed)
+            path = rng.choice(paths)
+            open_holds.append(pair.call("hold", path, rng.randint(0, len(path))))
+            stats["holds"] += 1
+        elif op < 0.87 and open_holds:  # ... and is admitted or leaves
+            pair.call("unhold", open_holds.pop(rng.randrange(len(open_holds))))
+        elif op < 0.90:  # branch counts from the directory
             known = sorted(pair.ref.host.blocks) + [10**9]
             hs = rng.sample(known, min(len(known), rng.randint(1, 6)))
             if rng.random() < 0.3 and paths:  # a whole path, as the directory sends them
@@ -188,7 +195,7 @@ def drive(seed: int, ops: int, policy: str | None = None) -> dict[str, int]:
 @pytest.mark.parametrize("policy", ["lru", "branch-count"])
 def test_runs_equal_per_block_model(seed, policy):
     stats = drive(seed, OPS, policy)
-    assert stats["admitted"] > 10 and stats["released"] > 10 and stats["decode"] > 0, stats
+    assert stats["admitted"] > 10 and stats["released"] > 10 and stats["decode"] > 0 and stats["holds"] > 0, stats
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

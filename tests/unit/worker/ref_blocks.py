@@ -251,10 +251,27 @@ class HostBlockPool:
         self.blocks: dict[int, HostBlock] = {}
         self.evictable = EvictionQueue(policy or LruPolicy())
         self._stamp = 0
+        self.holds: dict[int, int] = {}
 
     @property
     def used(self) -> int:
         return len(self.blocks)
+
+    def hold(self, hashes: Sequence[int]) -> list[int]:
+        out = []
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            self.holds[h] = self.holds.get(h, 0) + 1
+            out.append(h)
+        return out
+
+    def unhold(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            if h in self.holds:
+                self.holds[h] -= 1
+                if not self.holds[h]:
+                    del self.holds[h]
 
     def __contains__(self, h: int) -> bool:
         return h in self.blocks
@@ -296,12 +313,13 @@ class HostBlockPool:
                     start = -1
             else:
                 if len(blocks) >= capacity:
-                    for od in groups:
-                        if od:
-                            victim = od.popitem(last=False)[0]
-                            break
-                    else:
+                    queued = [x for od in groups for x in od]
+                    if not queued:
                         raise KvInvariantError("host pool full of pinned blocks (host capacity < GPU capacity?)")
+                    free = [x for x in queued if x not in self.holds]
+                    victim = free[0] if free else queued[0]  # all held: the hold is broken
+                    del groups[blocks[victim].group][victim]
+                    self.holds.pop(victim, None)
                     del blocks[victim]
                     evicted.append(victim)
                 stamp += 1
@@ -351,7 +369,7 @@ class HostBlockPool:
         if not new:
             return 0
         q = self.evictable
-        protected = set(path[:hi])
+        protected = set(path[:hi]) | set(self.holds)
         need = len(blocks) + len(new) - self.capacity
         evicted: list[int] = []
         if need > 0:
@@ -524,6 +542,12 @@ class KvBlockManager:
         """Pages ``path[lo:hi]`` arrived from a peer's L2 into this node's L2 (not L1);
         see :meth:`HostBlockPool.store_fetched`. Returns the pages stored."""
         return self.host.store_fetched(path, lo, hi)
+
+    def hold(self, path: Sequence[int], n: int) -> list[int]:
+        return self.host.hold(path[:n])
+
+    def unhold(self, hashes: Sequence[int]) -> None:
+        self.host.unhold(hashes)
 
     def release(self, path: Sequence[int], n_held: int, reserved: int) -> None:
         """A request leaves: unreference ``path[:n_held]`` (tail first), free ``reserved`` slots."""

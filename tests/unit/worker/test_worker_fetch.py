@@ -234,3 +234,74 @@ def test_skip_ahead_stops_at_a_fetch_completion(b, run):
     done_at = s.next_deadline()
     plan = s.schedule(t, horizon=1e9)
     assert plan.iterations > 1 and plan.start + (plan.iterations - 1) * plan.iteration_s < done_at <= plan.end
+
+
+# --------------------------------------------------------------------------- #
+# a queued request keeps what it fetched until it is admitted
+# --------------------------------------------------------------------------- #
+
+
+def _fetch_race(b, run, host_eviction: str):
+    """L2 of 80 pages, 40 of them pinned (W's prompt, left in L1). A (W's prompt + 1 token)
+    occupies the node for one 1-s iteration; r's 30 fetched pages land at 0.12 s while it
+    queues behind A; at 0.2 s s fetches 30 more pages, which need 20 evictions and find no
+    unpinned page but r's."""
+    p = b.profile(
+        links__peer_fetch_latency_s=0.0,
+        links__peer_fetch_bytes_per_s=1e6,
+        memory__host_kv_tokens=320,
+        prefill__c0=1.0,
+    )
+    s = b.sched(p, phase="both", host_eviction=host_eviction)
+    s.add_prefill(b.prefill("W", list(range(100, 140)), tail=1, max_tokens=1), 0.0)
+    outs, _, t0 = run(s, 0.0)
+    assert s.kv.host.used == 40
+    s.add_prefill(b.prefill("A", list(range(100, 140)), tail=1, max_tokens=1), t0)  # cached: 1 token to compute
+    s.add_prefill(with_fetch(b.prefill("r", list(range(1, 31)), tail=1, max_tokens=1), ("w9", 0, 30)), t0)
+    plan = s.schedule(t0)
+    assert plan is not None and [c.rid for c in plan.prefill] == ["A"] and plan.end - t0 > 0.5
+    # while A's iteration runs, r's fetch completes (0.12 s) and s's starts (0.2 s)
+    s.add_prefill(with_fetch(b.prefill("s", list(range(41, 71)), tail=1, max_tokens=1), ("w8", 0, 30)), t0 + 0.2)
+    now = plan.end
+    outs.extend(s.finish_iteration(plan, now))
+    more, _, _ = run(s, now)
+    return s, outs + more
+
+
+@pytest.mark.parametrize("host_eviction", ["lru", "branch-count"])
+def test_fetched_pages_are_held_until_the_request_is_admitted(b, run, host_eviction):
+    s, outs = _fetch_race(b, run, host_eviction)
+    r, later = first_token(outs, "r"), first_token(outs, "s")
+    assert r.fetched_tokens == 120 and r.cached_tokens == 120  # nothing r fetched was evicted before it ran
+    assert later.fetched_tokens == 120 and later.cached_tokens == 40  # s kept only what fit beside the held pages (10 of 30)
+    assert s.kv.host.holds == {}  # admission dropped the hold
+    s.check()
+
+
+def test_without_the_hold_the_fetch_would_be_lost(b, run, monkeypatch):
+    """The same race with holds disabled: s's fetch evicts 20 of r's fetched pages, which r
+    recomputes (the failure the hold removes; shows the race above is a real one)."""
+    from services.worker.blocks import KvBlockManager
+
+    monkeypatch.setattr(KvBlockManager, "hold", lambda self, path, n: [])
+    _, outs = _fetch_race(b, run, "lru")
+    r = first_token(outs, "r")
+    assert r.fetched_tokens == 120 and r.cached_tokens == 40
+
+
+def test_an_aborted_or_rerouted_request_drops_its_hold(b, run):
+    p = b.profile(links__peer_fetch_latency_s=0.0, links__peer_fetch_bytes_per_s=1e6, prefill__c1=0.01)
+    s = b.sched(p, phase="both")
+    s.add_prefill(b.prefill("A", list(range(100, 130)), tail=1, max_tokens=1), 0.0)
+    for rid, base in (("x", 1), ("y", 41)):
+        s.add_prefill(with_fetch(b.prefill(rid, list(range(base, base + 10)), tail=1, max_tokens=1), ("w9", 0, 10)), 0.0)
+    plan = s.schedule(0.0)
+    s.finish_iteration(plan, plan.end)
+    s.schedule(plan.end)  # the fetches (80 ms) completed during A's first iteration
+    assert s.requests["x"].fetch.held and len(s.kv.host.holds) == 20
+    assert s.abort("x", plan.end)
+    assert len(s.kv.host.holds) == 10
+    s.finish_iteration(s._inflight, s._inflight.end)
+    assert [w.rid for w in s.take_queued(s._inflight.end if s._inflight else 1.0)] == ["y"]
+    assert s.kv.host.holds == {}
+    s.check()
