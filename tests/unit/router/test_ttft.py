@@ -624,3 +624,103 @@ def test_pruned_scoring_stays_exact_across_decisions(history, params):
         a, b = pruned.predict(req, look, cand(*names), now), full.predict(req, look, cand(*names), now)
         assert (a.best, a.ties, a.fetch) == (b.best, b.ties, b.fetch)
         now += dt
+
+
+def test_pruning_follows_bounds_that_move_between_decisions():
+    """Decision after decision on the same predictor, each node's bound moves: a state from the
+    future, a busy node going stale (only the router's own sends count then), a node whose
+    remaining time runs out, per-node coefficients. Each decision equals scoring every candidate."""
+    names = [f"n{i:02d}" for i in range(24)]
+    pruned, full = TtftPredictor(SIMPLE, prune_above=0), TtftPredictor(SIMPLE, breakdown=True)
+    req = RouteRequest(rid="r", prompt_tokens=1000, block_hashes=list(range(1000 // BS)))
+
+    def both(f):
+        for p in (pruned, full):
+            f(p)
+
+    def check(now: float, nodes=names) -> str:
+        a, b = pruned.predict(req, None, cand(*nodes), now), full.predict(req, None, cand(*nodes), now)
+        assert (a.best, a.ties) == (b.best, b.ties)
+        return a.best.node
+
+    for i, n in enumerate(names):  # node i: 1 + i seconds ahead
+        both(lambda p, i=i, n=n: p.apply_state(st(n, 0.0, remaining=1.0 + i), 0.0))
+    assert check(0.0) == "n00"
+    both(lambda p: p.apply_state(st("n20", 0.9, remaining=0.05), 0.5))  # a state from 0.4 s ahead
+    assert check(0.5) == "n20"
+    assert check(0.6) == "n20"
+    both(lambda p: p.apply_state(st("n20", 0.7, remaining=30.0), 0.7))
+    assert check(0.7) == "n00"
+    assert check(1.2) == "n00"  # n00's remaining time runs out at 1.0: its bound stops falling
+    both(lambda p: p.apply_state(st("n01", 1.2, remaining=0.0, queue=[q("x", 5000)]), 1.2))
+    both(lambda p: p.on_dispatch("s", "n01", uncached_tokens=50))
+    assert check(1.3) == "n00"
+    both(lambda p: p.forget("s"))
+    for i, n in enumerate(names[:-1]):  # busy states for all but n23 (its state of 0.0 has 24 s left)
+        both(lambda p, i=i, n=n: p.apply_state(st(n, 4.0, remaining=10.0 + i), 4.0))
+    assert check(4.0) == "n00"
+    assert check(5.5) == "n23"  # n23's state is stale: predicted idle
+    for i, n in enumerate(names):
+        both(lambda p, i=i, n=n: p.apply_state(st(n, 7.0, remaining=0.5 + 0.01 * i), 7.0))
+    assert check(7.0) == "n00"
+    fast = PrefillModel(c0=0.001, c1=1e-5, c2=0.0, c3=0.0)
+    both(lambda p: p.apply_models(PlannerModels(models=[NodeModels(node="n17", prefill=fast)])))
+    assert check(7.0) == "n17"  # the least c1 of any node orders the search
+    assert check(7.0, names[:12]) == "n00"  # another candidate list
+    assert check(7.1, names[10:]) == "n17"
+    assert check(3.0) == check(3.0, names)  # an earlier clock
+
+
+@hs.composite
+def _moving_histories(draw):
+    names, look, _, _, _, _ = draw(_clusters())
+    steps = []
+    for _ in range(draw(hs.integers(1, 10))):
+        events = []
+        for _ in range(draw(hs.integers(0, 5))):
+            kind = draw(hs.sampled_from(["state", "state", "send", "forget", "models"]))
+            name = draw(hs.sampled_from(names))
+            if kind == "state":  # ts from 7 s before (stale on arrival) to 1 s after now (clock skew)
+                queue = [q(f"{name}x{j}", draw(hs.integers(1, 3000)), draw(hs.integers(0, 3000))) for j in range(draw(hs.integers(0, 4)))]
+                events.append(("state", name, draw(hs.floats(-1.0, 7.0)), draw(hs.floats(0.0, 2.0)), queue))
+            elif kind == "send":
+                events.append(("send", name, draw(hs.integers(1, 3000))))
+            elif kind == "forget":
+                events.append(("forget", draw(hs.integers(0, 20))))
+            else:
+                events.append(("models", name, draw(hs.sampled_from([3e-5, 1e-4, 3e-4])), draw(hs.sampled_from([0.0, 2e-9, 1e-8])), draw(hs.sampled_from([1e-4, 0.02]))))
+        subset = sorted(draw(hs.sets(hs.sampled_from(names), min_size=1)))
+        dt = draw(hs.one_of(hs.floats(0.0, 3.0), hs.just(0.0), hs.floats(-1.0, 0.0)))  # now and then the clock goes back
+        steps.append((events, dt, draw(hs.integers(1, 61 * BS)), subset))
+    return names, look, steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(_moving_histories(), _predictor_params())
+def test_pruned_scoring_stays_exact_as_bounds_move(history, params):
+    """Like the test above, with what moves a node in the pruned search's order: states from the
+    future and stale on arrival, remaining times running out, per-node c0/c1/c2, candidate
+    lists that change, a clock that goes back."""
+    names, look, steps = history
+    pruned, full = TtftPredictor(prune_above=0, **params), TtftPredictor(breakdown=True, **params)
+    now, sent = 0.0, 0
+    for events, dt, prompt, subset in steps:
+        for ev in events:
+            for p in (pruned, full):
+                if ev[0] == "state":
+                    p.apply_state(st(ev[1], now - ev[2], remaining=ev[3], queue=ev[4]), now)
+                elif ev[0] == "send":
+                    p.on_dispatch(f"s{sent}", ev[1], uncached_tokens=ev[2])
+                elif ev[0] == "forget":
+                    p.forget(f"s{ev[1]}")
+                else:
+                    pre = PrefillModel(c0=ev[4], c1=ev[2], c2=ev[3], c3=1e-6)
+                    p.apply_models(PlannerModels(models=[NodeModels(node=ev[1], prefill=pre)]))
+            sent += ev[0] == "send"
+        req = RouteRequest(rid="r", prompt_tokens=prompt, block_hashes=list(range(prompt // BS)))
+        for nodes in (names, subset):
+            a, b = pruned.predict(req, look, cand(*nodes), now), full.predict(req, look, cand(*nodes), now)
+            assert (a.best, a.ties, a.fetch) == (b.best, b.ties, b.fetch)
+            every = {e.node: e for e in b.estimates}
+            assert all(every[e.node] == e for e in a.estimates)
+        now += dt
