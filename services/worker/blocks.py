@@ -1121,28 +1121,31 @@ class RunHostPool:
         r.depth += c
         first[keys[0]] = r
 
+    def _cut_tail(self, r: _HostRun, t: int, out: list[int]) -> None:
+        """Evict the ``t`` deepest pages of run ``r`` (0 < t ≤ its size) into ``out``, deepest first."""
+        keys = r.keys
+        size = len(keys)
+        out.extend(reversed(keys[size - t :]))
+        self.queue.blocks -= t
+        if t == size:
+            self.queue.unlink(r)
+            del self.first[keys[0]]
+        else:
+            del keys[size - t :]
+            r.stamp += t
+
     def _evict(self, e: int, out: list[int]) -> None:
         """Evict ``e`` pages from the head of the queue (deepest first inside a run), skipping
         held pages; if only held pages are left, from the head regardless (holds broken)."""
         q = self.queue
-        first = self.first
         if self.holds:
             r = q.first()
             while r is not None and e > 0:
                 nxt = r.next if r.next is not q.head else None
-                keys = r.keys
-                size = len(keys)
-                t = self._free_tail(keys, min(size, e))
+                t = self._free_tail(r.keys, min(len(r.keys), e))
                 if t:
-                    out.extend(reversed(keys[size - t :]))
-                    q.blocks -= t
+                    self._cut_tail(r, t, out)
                     e -= t
-                    if t == size:
-                        q.unlink(r)
-                        del first[keys[0]]
-                    else:
-                        del keys[size - t :]
-                        r.stamp += t
                 r = nxt
             if e > 0:
                 n0 = len(out)
@@ -1154,26 +1157,13 @@ class RunHostPool:
 
     def _evict_head(self, e: int, out: list[int]) -> None:
         q = self.queue
-        first = self.first
         while e > 0:
             r = q.first()
             if r is None:
                 raise KvInvariantError("host pool full of pinned blocks (host capacity < GPU capacity?)")
-            keys = r.keys
-            size = len(keys)
-            if size <= e:
-                q.unlink(r)
-                del first[keys[0]]
-                out.extend(reversed(keys))
-                q.blocks -= size
-                e -= size
-            else:
-                cut = size - e
-                out.extend(reversed(keys[cut:]))
-                del keys[cut:]
-                r.stamp += e
-                q.blocks -= e
-                e = 0
+            t = min(len(r.keys), e)
+            self._cut_tail(r, t, out)
+            e -= t
 
     def _push(self, keys: list[int], depth: int, parent: int | None) -> _HostRun:
         """Queue ``keys`` (parent first) as the newest run, stamped deepest first."""
@@ -1284,7 +1274,6 @@ class RunHostPool:
         evicted: list[int] = []
         holds = self.holds
         if need > 0:
-            first = self.first
             r = q.first()
             while r is not None and need > 0:
                 nxt = r.next if r.next is not q.head else None
@@ -1295,16 +1284,8 @@ class RunHostPool:
                 if t > 0 and holds:
                     t = self._free_tail(keys, t)
                 if t > 0:
-                    size = len(keys)
-                    evicted.extend(reversed(keys[size - t :]))
-                    q.blocks -= t
+                    self._cut_tail(r, t, evicted)
                     need -= t
-                    if t == size:
-                        q.unlink(r)
-                        del first[keys[0]]
-                    else:
-                        del keys[size - t :]
-                        r.stamp += t
                 r = nxt
         if need > 0:  # not enough room: the deepest new pages are not stored
             while need > 0:

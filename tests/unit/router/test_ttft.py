@@ -598,6 +598,26 @@ def _histories(draw):
     return names, look, steps
 
 
+def _apply_events(predictors, events, now: float, sent: int) -> int:
+    """Apply drawn events (state / send / forget / models) to every predictor; returns the
+    number of sends so far. A models event is ``(kind, node, c1[, c2, c0])``."""
+    for ev in events:
+        for p in predictors:
+            if ev[0] == "state":
+                p.apply_state(st(ev[1], now - ev[2], remaining=ev[3], queue=ev[4]), now)
+            elif ev[0] == "send":
+                p.on_dispatch(f"s{sent}", ev[1], uncached_tokens=ev[2])
+            elif ev[0] == "forget":
+                p.forget(f"s{ev[1]}")
+            else:
+                c2 = ev[3] if len(ev) > 3 else 2e-9
+                c0 = ev[4] if len(ev) > 4 else 1e-4
+                pre = PrefillModel(c0=c0, c1=ev[2], c2=c2, c3=1e-6)
+                p.apply_models(PlannerModels(models=[NodeModels(node=ev[1], prefill=pre)]))
+        sent += ev[0] == "send"
+    return sent
+
+
 @settings(max_examples=200, deadline=None)
 @given(_histories(), _predictor_params())
 def test_pruned_scoring_stays_exact_across_decisions(history, params):
@@ -608,18 +628,7 @@ def test_pruned_scoring_stays_exact_across_decisions(history, params):
     pruned, full = TtftPredictor(prune_above=0, **params), TtftPredictor(breakdown=True, **params)
     now, sent = 0.0, 0
     for events, dt, prompt in steps:
-        for ev in events:
-            for p in (pruned, full):
-                if ev[0] == "state":
-                    p.apply_state(st(ev[1], now - ev[2], remaining=ev[3], queue=ev[4]), now)
-                elif ev[0] == "send":
-                    p.on_dispatch(f"s{sent}", ev[1], uncached_tokens=ev[2])
-                elif ev[0] == "forget":
-                    p.forget(f"s{ev[1]}")
-                else:
-                    pre = PrefillModel(c0=1e-4, c1=ev[2], c2=2e-9, c3=1e-6)
-                    p.apply_models(PlannerModels(models=[NodeModels(node=ev[1], prefill=pre)]))
-            sent += ev[0] == "send"
+        sent = _apply_events((pruned, full), events, now, sent)
         req = RouteRequest(rid="r", prompt_tokens=prompt, block_hashes=list(range(prompt // BS)))
         a, b = pruned.predict(req, look, cand(*names), now), full.predict(req, look, cand(*names), now)
         assert (a.best, a.ties, a.fetch) == (b.best, b.ties, b.fetch)
@@ -705,18 +714,7 @@ def test_pruned_scoring_stays_exact_as_bounds_move(history, params):
     pruned, full = TtftPredictor(prune_above=0, **params), TtftPredictor(breakdown=True, **params)
     now, sent = 0.0, 0
     for events, dt, prompt, subset in steps:
-        for ev in events:
-            for p in (pruned, full):
-                if ev[0] == "state":
-                    p.apply_state(st(ev[1], now - ev[2], remaining=ev[3], queue=ev[4]), now)
-                elif ev[0] == "send":
-                    p.on_dispatch(f"s{sent}", ev[1], uncached_tokens=ev[2])
-                elif ev[0] == "forget":
-                    p.forget(f"s{ev[1]}")
-                else:
-                    pre = PrefillModel(c0=ev[4], c1=ev[2], c2=ev[3], c3=1e-6)
-                    p.apply_models(PlannerModels(models=[NodeModels(node=ev[1], prefill=pre)]))
-            sent += ev[0] == "send"
+        sent = _apply_events((pruned, full), events, now, sent)
         req = RouteRequest(rid="r", prompt_tokens=prompt, block_hashes=list(range(prompt // BS)))
         for nodes in (names, subset):
             a, b = pruned.predict(req, look, cand(*nodes), now), full.predict(req, look, cand(*nodes), now)
