@@ -27,10 +27,10 @@ estimates being the paper's Table C.3 values (Putnam 15.5 s, OSWorld 24.5 s):
 the pool must last for a system up to 10× faster per request than the paper's.
 With the full estimate (before) the simulator's calibrated profile ran out of
 OSWorld agents: at 288 agents its OSWorld requests took 3.6–6 s at 3P6D–5P4D,
-an agent lived ~150 s instead of ~770 s, and every split from 2P7D up sent its
-whole pool (~55K requests) within the first 40 minutes of the OSWorld hour (the
-mixed hour's OSWorld quarter too), so later windows measured the pool, not the
-split.
+an agent lived ~150 s instead of ~770 s, and every split from 2P7D to 7P2D sent
+its whole pool (~55K requests) before the OSWorld hour ended, 3P6D–7P2D within
+30–40 minutes (the mixed hour's OSWorld quarter ran out too), so later windows
+measured the pool, not the split.
 ``requests_per_agent`` fixes every agent's main-branch length.
 """
 
