@@ -573,13 +573,18 @@ class EngineScheduler:
         if r.q_host:  # keep the L2 prefix (fetched pages and their ancestors) until admission
             f.held = self.kv.hold(r.path, r.q_gpu + r.q_host)
 
-    def _cancel_fetch(self, r: _Request, now: float) -> None:
-        """``r`` leaves the node: free its share of the link (fetch incomplete) or the L2
-        pages its completed fetch holds (not admitted yet)."""
+    def _drop_hold(self, r: _Request) -> None:
+        """Release the L2 prefix ``r``'s completed fetch holds, if it holds one (idempotent)."""
         f = r.fetch
         if f is not None and f.held is not None:
             self.kv.unhold(f.held)
             f.held = None
+
+    def _cancel_fetch(self, r: _Request, now: float) -> None:
+        """``r`` leaves the node: free its share of the link (fetch incomplete) or the L2
+        pages its completed fetch holds (not admitted yet)."""
+        self._drop_hold(r)
+        f = r.fetch
         if f is None or f.done_at is not None:
             return
         self.link.cancel(r.rid, now)
@@ -937,10 +942,7 @@ class EngineScheduler:
             self.kv.fill(r.path, n_gpu, n_gpu + n_host)
             r.held += n_host
             r.reserved -= n_host
-        f = r.fetch
-        if f is not None and f.held is not None:  # the restored pages are pinned by L1 now
-            self.kv.unhold(f.held)
-            f.held = None
+        self._drop_hold(r)  # the restored pages are pinned by L1 now
         bs = self.block_size
         r.cached = (n_gpu + n_host) * bs
         r.restored = n_host * bs
