@@ -34,7 +34,10 @@ pages it lacks from peers' L2 into this node's L2 while it waits; the node's
 fetches share its inbound link (processor sharing, ``fetch.FetchLink``). A
 waiting request whose fetch is incomplete keeps its place but is skipped, so
 later requests may start first and only the part of the fetch that outlasts
-the wait delays it (``TokensOut.exposed_fetch_s``).
+the wait delays it (``TokensOut.exposed_fetch_s``). Prefill budget goes in
+queue order: once its fetch is in, a request that a long prompt overtook is
+admitted ahead of that prompt's next chunk instead of waiting for its whole
+prefill (chunked prefill lets the two share iterations).
 """
 
 from __future__ import annotations
@@ -110,6 +113,8 @@ class _Request:
     """Decode side: reserved with :meth:`EngineScheduler.reserve`; the DecodeWork has not arrived."""
     fetch: FetchState | None = None
     """Prefill side: the peer fetch of this request's prefix (kept after completion for metrics)."""
+    seq: int = 0
+    """Prefill side: order of joining the waiting queue (the order prefill budget is given in)."""
 
 
 class EngineScheduler:
@@ -177,6 +182,7 @@ class EngineScheduler:
         self.external_fetch = external_fetch
         self._fetching: set[str] = set()
         """rids whose fetch is incomplete (each is waiting or gated)."""
+        self._seq = 0
         self._fetch_starts: list[FetchStarted] = []
         self.fetch_counters: dict[str, int] = {}
         """``started``, ``completed``, ``cancelled``, ``blocks`` (fetched pages), ``missing``
@@ -276,7 +282,7 @@ class EngineScheduler:
             r.state = BOOTSTRAP
             self.bootstrap[rid] = r
         else:
-            self.waiting[rid] = r
+            self._enqueue(r)
 
     def open_gate(self, rid: str, now: float) -> bool:
         """Let a gated prefill request (``add_prefill(gated=True)``) join the waiting queue
@@ -285,8 +291,13 @@ class EngineScheduler:
         if r is None:
             return False
         r.state = WAITING
-        self.waiting[rid] = r
+        self._enqueue(r)
         return True
+
+    def _enqueue(self, r: _Request) -> None:
+        self._seq += 1
+        r.seq = self._seq
+        self.waiting[r.rid] = r
 
     def bind_decode(self, rid: str, decode_node: str) -> None:
         """Name the decode node of a ``decode_later`` request (at its prefill start).
@@ -635,30 +646,29 @@ class EngineScheduler:
             self._advance_fetches(now)
         budget = self.chunk_tokens
         decode_reqs: list[_Request] = []
+        prefilling: list[_Request] = []
         prefill_reqs: list[_Request] = []
         chunks: list[PrefillChunk] = []
+        admitted: list[str] = []
         for r in self.running.values():
             if r.state == DECODING:
                 decode_reqs.append(r)
+            elif r.state == PREFILLING:
+                prefilling.append(r)
         budget -= len(decode_reqs) * self.fwd_tokens
-        for r in self.running.values():
+        if len(prefilling) > 1:
+            prefilling.sort(key=_by_seq)
+        for r in prefilling:
+            if self.waiting and budget > 0 and next(iter(self.waiting.values())).seq < r.seq:
+                budget = self._admit_waiting(now, budget, r.seq, chunks, prefill_reqs, admitted)
             if budget <= 0:
                 break
-            if r.state == PREFILLING:
-                n = min(r.prompt_tokens - r.cached - r.computed, budget)
-                chunks.append(self._chunk(r, n, restored=0))
-                prefill_reqs.append(r)
-                budget -= n
-        admitted: list[str] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            r = self._head_admissible(now)
-            if r is None or not self._admit(r, now):
-                break
-            n = min(r.prompt_tokens - r.cached, budget)
-            chunks.append(self._chunk(r, n, restored=r.restored))
+            n = min(r.prompt_tokens - r.cached - r.computed, budget)
+            chunks.append(self._chunk(r, n, restored=0))
             prefill_reqs.append(r)
-            admitted.append(r.rid)
             budget -= n
+        if budget > 0 and self.waiting:
+            budget = self._admit_waiting(now, budget, None, chunks, prefill_reqs, admitted)
         if budget < 0:
             raise SchedulerError(f"token budget went negative ({budget})")
         if not chunks and not decode_reqs:
@@ -930,6 +940,36 @@ class EngineScheduler:
             rid=r.rid, tokens=n, cached_before=before, restored=restored, completes=before + n >= r.prompt_tokens
         )
 
+    def _admit_waiting(
+        self,
+        now: float,
+        budget: int,
+        before: int | None,
+        chunks: list[PrefillChunk],
+        prefill_reqs: list[_Request],
+        admitted: list[str],
+    ) -> int:
+        """Admit waiting requests in queue order (see :meth:`_head_admissible`) while
+        budget, running slots and L1 room last, giving each its first chunk; returns
+        the budget left.
+
+        ``before``: only requests that joined the queue before this ``seq`` — the
+        ones a running prefill overtook while their fetch was in flight. Admitted
+        ahead of that prefill's next chunk, they take their place back: the prefill
+        budget goes in queue order, so a fetching request is not left waiting for
+        the whole prefill of a long prompt that started while it fetched.
+        """
+        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+            r = self._head_admissible(now)
+            if r is None or (before is not None and r.seq > before) or not self._admit(r, now):
+                break
+            n = min(r.prompt_tokens - r.cached, budget)
+            chunks.append(self._chunk(r, n, restored=r.restored))
+            prefill_reqs.append(r)
+            admitted.append(r.rid)
+            budget -= n
+        return budget
+
     def _admit(self, r: _Request, now: float) -> bool:
         """Move the head of the waiting queue to running if L1 can hold its footprint."""
         n_gpu, n_host = self.kv.match(r.path, r.limit)
@@ -1109,6 +1149,10 @@ class EngineScheduler:
         if len(self._fetching) > len(self.requests) or len(self.link) > len(self._fetching):
             raise SchedulerError(f"{len(self._fetching)} fetching, {len(self.link)} on the link, {len(self.requests)} requests")
         self.kv.check([(r.path, r.held, r.reserved) for r in self.requests.values()])
+
+
+def _by_seq(r: _Request) -> int:
+    return r.seq
 
 
 def _ceil_div_f(a: float, b: float) -> int:

@@ -305,3 +305,26 @@ def test_an_aborted_or_rerouted_request_drops_its_hold(b, run):
     assert [w.rid for w in s.take_queued(s._inflight.end if s._inflight else 1.0)] == ["y"]
     assert s.kv.host.holds == {}
     s.check()
+
+
+def test_a_request_overtaken_while_fetching_takes_its_place_back(b, run):
+    """F fetches while L, a long prompt behind it, starts (F is skipped). Once F's
+    fetch is in, F is admitted ahead of L's next chunk and shares L's iterations,
+    instead of waiting for L's whole prefill."""
+    p = b.profile(links__peer_fetch_latency_s=0.005)
+    s = b.sched(p, phase="both")
+    s.add_prefill(with_fetch(b.prefill("F", list(range(1, 11)), tail=1, max_tokens=2), ("w9", 0, 10)), 0.0)
+    s.add_prefill(b.prefill("L", list(range(100, 148)), tail=1, max_tokens=2), 0.0)
+    outs, plans, _ = run(s, 0.0)
+    fetched_at = 0.005 + 10 * BYTES_PER_BLOCK / 1e8
+    first_l = plans[0]
+    assert first_l.admitted == ["L"]
+    l_prefill = [pl for pl in plans if any(c.rid == "L" for c in pl.prefill)]
+    assert l_prefill[-1].end > fetched_at + 2 * first_l.iteration_s  # L outlasts F's fetch by far
+    # F starts in the first iteration launched after its fetch completed, sharing it with L
+    f_start = next(pl for pl in plans if "F" in pl.admitted)
+    assert f_start.start == min(pl.start for pl in plans if pl.start >= fetched_at)
+    assert [c.rid for c in f_start.prefill] == ["F", "L"]
+    tf, tl = first_token(outs, "F"), first_token(outs, "L")
+    assert tf.exposed_fetch_s == pytest.approx(fetched_at)
+    assert tf.at < tl.at and tf.queue_s < first_l.iteration_s + fetched_at
