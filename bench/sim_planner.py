@@ -179,6 +179,7 @@ def summarize(name: str, res: Any, t_learn: float, end: float) -> dict[str, Any]
         "minute_queue_p95": [_pct(x, 0.95) for x in queue],
         "window_completed": done,
         "sim_wall_s": rep.get("sim_wall_s"),
+        "schedule_exhausted": rep.get("schedule_exhausted") or [],
     }
 
 
@@ -408,6 +409,14 @@ def exp_shift(a: argparse.Namespace, out: Path) -> tuple[list[str], list[str]]:
         if p["name"] == "warmup":
             continue
         lines.append(f"- period {p['name']}: evolving {p['throughput_rps']:.3f} req/s, split at the end {p['final_split']}")
+    dry = [(name, w) for name, s in sorted(res.items()) for w in s.get("schedule_exhausted") or []]
+    if dry:  # measurements after a pool ran dry reflect the pool's size, not the split
+        first = min(w["exhausted_at_s"] for _, w in dry)
+        lines.append(f"- **WARNING: {len({n for n, _ in dry})} runs' pools ran dry before their period ended, the first at "
+                     f"{first / 60:.0f}′; windows after that measure the pool, not the split**: "
+                     + ", ".join(f"{n} {w['prefix']} at {w['exhausted_at_s'] / 60:.0f}′" for n, w in dry[:8]))
+    else:
+        lines.append("- no run's closed-loop pool ran dry before its period ended")
     fig = plot_shift(res, wins, best_evo_p, statics, meta, a.quick)
     lines.append(f"\n![split over time]({fig.relative_to(REPO / 'bench')})")
     verdicts = [f"shift: {100 * share:.0f}% of windows within one node; {t_evo / t_sg:.2f}× best SGLang static, "

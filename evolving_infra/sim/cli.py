@@ -228,6 +228,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if r.get("closed_loop_exhausted_at_s") is not None:
         print(f"note: the input ran out of agents at {r['closed_loop_exhausted_at_s']:.0f} s (closed loop: concurrency "
               "fell from then on); give more agents (--workload --agents, or --tile)")
+    for w in r.get("schedule_exhausted") or []:
+        print(f"warning: pool {w['prefix']!r} ({w['agents']} agents) ran dry at {w['exhausted_at_s']:.0f} s, before its "
+              f"period ends at {w['end_s']:.0f} s: its concurrency fell from {w['concurrency']} from then on, so later "
+              "windows measure the pool, not the cluster; generate more agents ('trace generate shift')", file=sys.stderr)
     print(f"report: {path}")
     return 0 if r["requests_failed"] == 0 else 1
 

@@ -202,6 +202,9 @@ class SimStats:
     closed_loop_exhausted_at: float | None = None
     """Closed loop: first time a finished agent could not be replaced (the input ran out of
     agents; concurrency falls from then on)."""
+    schedule_exhausted: list[dict[str, Any]] = field(default_factory=list)
+    """Period schedule: the windows whose pool ran dry before their end
+    (:meth:`~evolving_infra.sim.schedule.ScheduledReplay.exhausted`)."""
     ttft_pred_abs_err: list[float] = field(default_factory=list)
     """|predicted − measured| TTFT (s) of every first token whose routing policy predicted one."""
     host_evictions: dict[str, int] = field(default_factory=dict)
@@ -436,6 +439,8 @@ class ClusterSim:
             else:
                 break
         stats.end_time = self.now
+        if isinstance(self.replay, ScheduledReplay):
+            stats.schedule_exhausted = self.replay.exhausted()
         self._meter(self.now)
         stats.unfinished = len(self.flights) + len(self.parked)
         stats.directory = dict(self.directory.all_counters())

@@ -187,6 +187,7 @@ def merge_stats(stats: Sequence[SimStats]) -> SimStats:
         out.end_time = max(out.end_time, s.end_time)
         if s.closed_loop_exhausted_at is not None:
             out.closed_loop_exhausted_at = min(out.closed_loop_exhausted_at or s.closed_loop_exhausted_at, s.closed_loop_exhausted_at)
+        out.schedule_exhausted.extend(s.schedule_exhausted)
     out.planner_decisions.sort(key=lambda d: d.get("ts", 0.0))
     out.out_of_service.sort(key=lambda o: (o[1], o[0]))
     out.switch_log.sort(key=lambda d: (d["served_at"], d["node"]))
@@ -372,6 +373,7 @@ def _simulate(
         "simulated_s": end,
         "requests_unfinished": stats.unfinished,
         "closed_loop_exhausted_at_s": stats.closed_loop_exhausted_at,
+        "schedule_exhausted": sorted(stats.schedule_exhausted, key=lambda w: (w["exhausted_at_s"], w["prefix"])),
         "requests_warmup_excluded": len(records) - len(kept),
         "relaunches": len(stats.out_of_service),
         "out_of_service_node_s": node_s,

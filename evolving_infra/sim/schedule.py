@@ -84,11 +84,16 @@ class _WindowLoop(ReplayCore):
 
     def __init__(self, requests: Sequence[TraceRequest], window: Window, seed: int) -> None:
         self.end_s = window.end_s
+        self.exhausted_at: float | None = None
+        """First time, before ``end_s``, that a finished agent could not be replaced (the
+        pool ran dry: the window's concurrency falls from then on)."""
         super().__init__(requests, Arrival(kind="closed", concurrency=window.concurrency, seed=seed), start=window.start_s)
 
     def _finish_agent(self, agent_id: str, now: float) -> None:
         if now >= self.end_s:
             self._waiting_agents.clear()  # the window is over: no replacement
+        elif not self._waiting_agents and self.exhausted_at is None:
+            self.exhausted_at = now
         super()._finish_agent(agent_id, now)
 
     @property
@@ -162,6 +167,23 @@ class ScheduledReplay:
         for lp in self.loops:
             out.extend(lp.poll(now))
         return out
+
+    def exhausted(self) -> list[dict[str, Any]]:
+        """``[{prefix, start_s, end_s, concurrency, agents, exhausted_at_s}]`` of the windows
+        whose pool ran dry before their end (measurements after ``exhausted_at_s`` there
+        reflect the pool's size, not the cluster: generate a larger pool)."""
+        return [
+            {
+                "prefix": w.prefix,
+                "start_s": w.start_s,
+                "end_s": w.end_s,
+                "concurrency": w.concurrency,
+                "agents": lp.agents_total,
+                "exhausted_at_s": lp.exhausted_at,
+            }
+            for w, lp in zip(self.windows, self.loops)
+            if lp.exhausted_at is not None
+        ]
 
     def on_complete(self, agent_id: str, rid: str, now: float, *, ok: bool = True) -> list[Action]:
         lp = self._loop_of.get(agent_id)

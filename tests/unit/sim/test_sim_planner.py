@@ -82,6 +82,11 @@ def test_evolving_warms_up_collocated_then_switches_on_a_clear_imbalance(profile
     assert sw["ts"] == pytest.approx(3.0) and sw["metrics"]["slices"] >= 3, "completions reached the window"
     assert r["final_split"] == "2P2D"
     assert r["switches"] == 4 + 1, "4 nodes leave the warm-up, 1 node moves to prefill"
+    # the window never ends, the pool has its 16 agents only: reported as run dry at the first finish
+    (dry,) = r["schedule_exhausted"]
+    first_done = min(rec.finished_at for rec in res.records if rec.finished_at is not None)
+    assert dry["prefix"] == "s" and dry["agents"] == 16 and dry["concurrency"] == 16
+    assert dry["exhausted_at_s"] >= first_done and dry["end_s"] == 1e9
     assert not any(rec.prefill_node is None for rec in res.records)
 
 
@@ -140,3 +145,23 @@ def test_scheduled_replay_starts_pools_in_their_windows_and_stops_replacing():
     assert [a.req.id for a in rep.poll(9.0)] == ["p.2-r1"]
     rep.on_complete("p.2", "p.2-r1", 9.0)
     assert rep.done and rep.finished_agents == ["p.0", "p.1", "p.2"] and rep.next_time() is None
+
+
+def test_a_pool_that_runs_dry_inside_its_window_is_reported():
+    reqs = []
+    for a in range(3):
+        reqs += chain_agent(f"p.{a}", 1, output=2, base=(a + 1) * 10_000)
+    rep = ScheduledReplay(reqs, (Window("p.", 0.0, 10.0, 2),))
+    assert {a.req.agent for a in rep.poll(0.0)} == {"p.0", "p.1"}
+    rep.on_complete("p.0", "p.0-r0", 1.0)  # p.2 replaces it
+    assert rep.exhausted() == []
+    assert [a.req.agent for a in rep.poll(1.0)] == ["p.2"]
+    rep.on_complete("p.1", "p.1-r0", 2.0)  # nobody left to replace it, 8 s before the window ends
+    rep.on_complete("p.2", "p.2-r0", 3.0)
+    assert rep.exhausted() == [{"prefix": "p.", "start_s": 0.0, "end_s": 10.0, "concurrency": 2, "agents": 3, "exhausted_at_s": 2.0}]
+    # finishing after the window's end is not running dry
+    late = ScheduledReplay(reqs, (Window("p.", 0.0, 0.5, 2),))
+    late.poll(0.0)
+    late.on_complete("p.0", "p.0-r0", 1.0)
+    late.on_complete("p.1", "p.1-r0", 2.0)
+    assert late.exhausted() == [] and late.done
