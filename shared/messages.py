@@ -591,7 +591,8 @@ class TokenChunk(Msg, frozen=True, kw_only=True):
     exposed_fetch_s: float | None = None
     """On the first chunk, with a fetch: the part of it that outlasted the queue wait (s)."""
     fetched_tokens: NonNeg = 0
-    """On the first chunk: prompt tokens whose KV was fetched from peers' host memory."""
+    """On the first chunk: prompt tokens whose KV was fetched from peers' host memory and
+    used (restored at the request's start; fetched pages evicted before it are not counted)."""
 
 
 # --------------------------------------------------------------------------- #

@@ -124,8 +124,9 @@ class TokensOut:
     from the first ``schedule()`` that would have admitted the request but skipped it
     because its fetch was incomplete, to the fetch's completion (0 if never skipped) (s)."""
     fetched_tokens: int = 0
-    """First token only: prompt tokens whose KV was fetched from peers into L2 (and then
-    restored into L1, so they are part of ``cached_tokens``)."""
+    """First token only: prompt tokens whose KV was fetched from peers into L2 and was
+    still there when the request started (restored into L1, so part of ``cached_tokens``);
+    pages fetched but not stored, or lost before admission, are not counted."""
 
 
 @dataclass(slots=True)

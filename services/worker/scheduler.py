@@ -751,7 +751,7 @@ class EngineScheduler:
                     queue_s=r.admitted_at - r.arrived_at,
                     fetch_s=r.fetch.fetch_s if r.fetch is not None else None,
                     exposed_fetch_s=r.fetch.exposed_s if r.fetch is not None else None,
-                    fetched_tokens=r.fetch.stored * self.block_size if r.fetch is not None else 0,
+                    fetched_tokens=r.fetch.used * self.block_size if r.fetch is not None else 0,
                 )
             )
             if done:
@@ -983,6 +983,9 @@ class EngineScheduler:
             r.held += n_host
             r.reserved -= n_host
         self._drop_hold(r)  # the restored pages are pinned by L1 now
+        f = r.fetch
+        if f is not None and f.done_at is not None:
+            f.used = max(0, min(n_gpu + n_host, f.hi) - f.lo)
         bs = self.block_size
         r.cached = (n_gpu + n_host) * bs
         r.restored = n_host * bs
