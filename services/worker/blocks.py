@@ -1498,7 +1498,9 @@ class KvBlockManager:
         return self.host.store_fetched(path, lo, hi)
 
     def hold(self, path: Sequence[int], n: int) -> list[int]:
-        """Keep the L2 copy of ``path[:n]`` while a queued request waits to restore it.
+        """Keep the L2 copy of ``path[:n]`` while a queued request waits to restore it
+        (the scheduler holds a request's local prefix from its arrival, and the prefix
+        its fetch extended from the fetch's completion).
 
         A peer fetch lands in L2 unpinned, and before this a queued request could
         find its fetched pages evicted by other fetches and write-throughs by the

@@ -173,9 +173,6 @@ class FetchState:
     """Pages of ``[lo, hi)`` in the prefix the request restored at admission: fewer than
     ``stored`` when L2 had no room for all of them (other requests' held prefixes) or a
     broken hold lost some before admission."""
-    held: list[int] | None = None
-    """Hashes of the prefix this request holds in L2 from completion until it is admitted or
-    leaves (``KvBlockManager.hold``); None when it holds nothing."""
 
     @property
     def fetch_s(self) -> float | None:

@@ -115,6 +115,9 @@ class _Request:
     """Prefill side: the peer fetch of this request's prefix (kept after completion for metrics)."""
     seq: int = 0
     """Prefill side: order of joining the waiting queue (the order prefill budget is given in)."""
+    l2_hold: list[int] | None = None
+    """Prefill side, queued: hashes of the local prefix this request holds in L2 until it
+    is admitted or leaves (``KvBlockManager.hold``); None when it holds nothing."""
 
 
 class EngineScheduler:
@@ -276,6 +279,8 @@ class EngineScheduler:
         )
         r.q_gpu, r.q_host = self.kv.match(r.path, r.limit)
         self.requests[rid] = r
+        if r.q_host:  # keep the L2 part of the prefix it was routed for until admission
+            r.l2_hold = self.kv.hold(r.path, r.q_gpu + r.q_host)
         if work.fetch:
             self._start_fetch(r, work, now)
         if gated:
@@ -581,19 +586,19 @@ class EngineScheduler:
         f.stored = hi - f.lo
         self._count("completed")
         r.q_gpu, r.q_host = self.kv.match(r.path, r.limit)
-        if r.q_host:  # keep the L2 prefix (fetched pages and their ancestors) until admission
-            f.held = self.kv.hold(r.path, r.q_gpu + r.q_host)
+        self._drop_hold(r)
+        if r.q_host:  # hold the extended L2 prefix (fetched pages and their ancestors) until admission
+            r.l2_hold = self.kv.hold(r.path, r.q_gpu + r.q_host)
 
     def _drop_hold(self, r: _Request) -> None:
-        """Release the L2 prefix ``r``'s completed fetch holds, if it holds one (idempotent)."""
-        f = r.fetch
-        if f is not None and f.held is not None:
-            self.kv.unhold(f.held)
-            f.held = None
+        """Release the L2 prefix queued request ``r`` holds, if it holds one (idempotent)."""
+        if r.l2_hold is not None:
+            self.kv.unhold(r.l2_hold)
+            r.l2_hold = None
 
     def _cancel_fetch(self, r: _Request, now: float) -> None:
-        """``r`` leaves the node: free its share of the link (fetch incomplete) or the L2
-        pages its completed fetch holds (not admitted yet)."""
+        """``r`` leaves the node: release the L2 prefix it holds (not admitted yet) and free
+        its share of the link (fetch incomplete)."""
         self._drop_hold(r)
         f = r.fetch
         if f is None or f.done_at is not None:

@@ -289,6 +289,44 @@ def test_without_the_hold_the_fetch_would_be_lost(b, run, monkeypatch):
     assert r.fetched_tokens == 40 and r.cached_tokens == 40  # 30 pages fetched, 10 left to restore
 
 
+def _local_prefix_race(b, run, host_eviction: str):
+    """L2 of 80 pages. X's 30 pages were computed and pushed out of L1 by W's 40 (7 of them
+    are left only in L2); r, queued behind A (W's prompt again, one 1-s iteration), has X's
+    30 pages as its local prefix, no fetch; at 0.2 s s's fetch of 30 new pages needs room."""
+    p = b.profile(links__peer_fetch_latency_s=0.0, links__peer_fetch_bytes_per_s=1e6, memory__host_kv_tokens=320, prefill__c0=1.0)
+    s = b.sched(p, phase="both", host_eviction=host_eviction)
+    s.add_prefill(b.prefill("X", list(range(1, 31)), tail=1, max_tokens=1), 0.0)
+    _, _, t = run(s, 0.0)
+    s.add_prefill(b.prefill("W", list(range(100, 140)), tail=1, max_tokens=1), t)
+    _, _, t = run(s, t)
+    s.add_prefill(b.prefill("A", list(range(100, 140)), tail=1, max_tokens=1), t)
+    s.add_prefill(b.prefill("r", list(range(1, 31)), tail=1, max_tokens=1), t)
+    assert (s.requests["r"].q_gpu, s.requests["r"].q_host) == (23, 7)
+    plan = s.schedule(t)
+    assert [c.rid for c in plan.prefill] == ["A"] and plan.end - t > 0.5
+    s.add_prefill(with_fetch(b.prefill("s", list(range(41, 71)), tail=1, max_tokens=1), ("w8", 0, 30)), t + 0.2)
+    outs = s.finish_iteration(plan, plan.end)
+    more, _, _ = run(s, plan.end)
+    return s, outs + more
+
+
+@pytest.mark.parametrize("host_eviction", ["lru", "branch-count"])
+def test_a_queued_request_holds_its_local_l2_prefix_from_arrival(b, run, host_eviction):
+    s, outs = _local_prefix_race(b, run, host_eviction)
+    assert first_token(outs, "r").cached_tokens == 120  # its whole prefix was still there at admission
+    assert first_token(outs, "s").fetched_tokens == 40  # s stored what fit beside r's held pages
+    assert s.kv.host.holds == {}
+    s.check()
+
+
+def test_without_the_arrival_hold_the_local_prefix_would_be_lost(b, run, monkeypatch):
+    from services.worker.blocks import KvBlockManager
+
+    monkeypatch.setattr(KvBlockManager, "hold", lambda self, path, n: [])
+    _, outs = _local_prefix_race(b, run, "lru")
+    assert first_token(outs, "r").cached_tokens < 120
+
+
 def test_an_aborted_or_rerouted_request_drops_its_hold(b, run):
     p = b.profile(links__peer_fetch_latency_s=0.0, links__peer_fetch_bytes_per_s=1e6, prefill__c1=0.01)
     s = b.sched(p, phase="both")
@@ -298,7 +336,7 @@ def test_an_aborted_or_rerouted_request_drops_its_hold(b, run):
     plan = s.schedule(0.0)
     s.finish_iteration(plan, plan.end)
     s.schedule(plan.end)  # the fetches (80 ms) completed during A's first iteration
-    assert s.requests["x"].fetch.held and len(s.kv.host.holds) == 20
+    assert s.requests["x"].l2_hold and len(s.kv.host.holds) == 20
     assert s.abort("x", plan.end)
     assert len(s.kv.host.holds) == 10
     s.finish_iteration(s._inflight, s._inflight.end)
