@@ -468,11 +468,33 @@ class TtftPredictor:
             tr = self._nodes[node] = _NodeTrack(node)
         return tr
 
-    def _invalidate(self, tr: _NodeTrack) -> None:
-        """Drop a node's cached replays (its state, sends or coefficients changed)."""
+    def _invalidate(self, tr: _NodeTrack, *, replay: bool = False) -> None:
+        """A node's state, sends or coefficients changed: drop its cached replays. With
+        ``replay`` (a new state or new coefficients, which arrive off the request path),
+        replay its queue now, so the next decisions read it instead of replaying it (as a
+        Dynamo router's indexer applies KV events before the decisions that read them);
+        a dispatch or a first token leaves it to the next decision that needs it."""
         tr.trusted_ctx = None
         tr.fallback_ctx = None
-        self._bounds.pop(tr.node, None)
+        st = tr.state
+        if replay and st is not None and st.phase != "decode":
+            self._trusted_ctx(tr, st)
+        else:
+            self._bounds.pop(tr.node, None)
+
+    def _trusted_ctx(self, tr: _NodeTrack, st: NodeState) -> tuple:  # type: ignore[type-arg]
+        """Replay the node's reported queue plus its unreported sends; cache it with the lower
+        bound the pruned search reads (``_bounds``). Whether ``st`` is still trusted is
+        decided when a decision reads it (its age then)."""
+        listed = {w.rid for w in st.queue} if tr.sends else ()
+        items: Iterable[QueuedWork] = (
+            [*st.queue, *(x.work for r, x in tr.sends.items() if not x.seen and r not in listed)] if tr.sends else st.queue
+        )
+        c = tr.trusted_ctx = self._make_ctx(tr.node, items, st.decoding)
+        self._bounds[tr.node] = (st.ts + st.remaining_s, st.remaining_s, c[0], c[6], c[7], c[8], st.ts)
+        if st.ts < self._bounds_oldest:
+            self._bounds_oldest = st.ts
+        return c
 
     def coefficients(self, node: str) -> NodeCoefficients:
         """The coefficients ``node`` is predicted with."""
@@ -488,7 +510,7 @@ class TtftPredictor:
                 s = sends.get(q.rid)
                 if s is not None:
                     s.seen = True
-        self._invalidate(tr)
+        self._invalidate(tr, replay=True)
 
     def apply_models(self, msg: PlannerModels) -> int:
         """Adopt the planner's fitted models (per node; unset parts keep the current ones).
@@ -522,7 +544,7 @@ class TtftPredictor:
                 changed += 1
                 tr = self._nodes.get(nm.node)
                 if tr is not None:
-                    self._invalidate(tr)
+                    self._invalidate(tr, replay=True)
         return changed
 
     def on_dispatch(self, rid: str, node: str, *, uncached_tokens: int, cached_tokens: int = 0, restore_tokens: int = 0) -> None:
@@ -573,14 +595,7 @@ class TtftPredictor:
             if age <= self.state_max_age_s:
                 c = tr.trusted_ctx
                 if c is None:
-                    listed = {w.rid for w in st.queue} if tr.sends else ()
-                    items: Iterable[QueuedWork] = (
-                        [*st.queue, *(x.work for r, x in tr.sends.items() if not x.seen and r not in listed)] if tr.sends else st.queue
-                    )
-                    c = tr.trusted_ctx = self._make_ctx(tr.node, items, st.decoding)
-                    self._bounds[tr.node] = (st.ts + st.remaining_s, st.remaining_s, c[0], c[6], c[7], c[8], st.ts)
-                    if st.ts < self._bounds_oldest:
-                        self._bounds_oldest = st.ts
+                    c = self._trusted_ctx(tr, st)
                 rem = st.remaining_s - (age if age > 0.0 else 0.0)
                 return c, (rem if rem > 0.0 else 0.0), True
         c = tr.fallback_ctx

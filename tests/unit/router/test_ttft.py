@@ -575,6 +575,28 @@ def test_pruning_sees_a_node_whose_queue_drained_since_the_last_decision():
     assert p.predict(req, None, cand(*names), 0.5).best.node == "n19"
 
 
+def test_a_new_state_is_replayed_on_arrival_not_by_the_next_decision(monkeypatch):
+    """Queue replays of reported states are done by ``apply_state`` (off the request path);
+    a decision that follows replays nothing. A dispatch leaves its replay to the decision."""
+    p = TtftPredictor(SIMPLE, prune_above=0)
+    names = [f"n{i:02d}" for i in range(20)]
+    for i, n in enumerate(names):
+        p.apply_state(st(n, 0.0, remaining=0.1 * i, queue=[q(f"x{i}", 100 * i)]), 0.0)
+    p.apply_state(st("d0", 0.0, phase="decode"), 0.0)
+    replays: list[str] = []
+    make = TtftPredictor._make_ctx
+    monkeypatch.setattr(TtftPredictor, "_make_ctx", lambda self, node, items, dec: replays.append(node) or make(self, node, items, dec))
+    req = RouteRequest(rid="r", prompt_tokens=1000, block_hashes=list(range(1000 // BS)))
+    first = p.predict(req, None, cand(*names), 0.0)
+    assert replays == []
+    p.apply_state(st("n05", 0.2, remaining=0.0), 0.2)
+    assert replays == ["n05"]
+    p.on_dispatch("r", first.best.node, uncached_tokens=1000)
+    assert replays == ["n05"]
+    assert p.predict(req, None, cand(*names), 0.2).best.node == "n05"
+    assert replays == ["n05", first.best.node]  # the dispatched node, at the decision that reads it
+
+
 @hs.composite
 def _histories(draw):
     names, look, _, _, _, _ = draw(_clusters())
