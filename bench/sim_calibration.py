@@ -42,7 +42,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from _common import rechained  # noqa: E402
+from _common import commit_label, rechained  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
 PAPER_BEST = {"putnam": "2P7D", "osworld": "6P3D", "cc": "4P5D"}
@@ -289,16 +289,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"of the time, splits {r['splits']}")
         order = sorted(rows, key=lambda r: -r["throughput_rps"])
         verdicts.append("baseline order by throughput: " + " > ".join(r["label"] for r in order) + " (paper §3.2: static > dynamo > arrow)")
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        sha = "unknown"
+    sha = commit_label(REPO)
     mode = "quick" if q else "full"
     head = [
         f"## simulator calibration ({mode}) — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         f"- command: `python bench/sim_calibration.py{' --quick' if q else ''} --workers {a.workers}`",
-        f"- commit: `{sha}` (+ uncommitted simulator files)",
+        f"- commit: {sha}",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, load average "
         f"{os.getloadavg()[0]:.1f} at the end (shared VM); total wall {time.monotonic() - t0:.0f} s",
         "- cluster: 9 nodes × 4 GPUs, `gb300-glm52` (OSWorld: `gb300-kimi-k26`); generated traces `--seed 1` (Putnam 3,000 agents, OSWorld 1,200); "

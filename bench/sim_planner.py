@@ -55,7 +55,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from _common import rechained  # noqa: E402
+from _common import commit_label, rechained  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
@@ -637,17 +637,14 @@ def main(argv: list[str] | None = None) -> int:
         lines, v = exp_guard(a, out, conv)
         sections += lines
         verdicts += v
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        sha = "unknown"
+    sha = commit_label(REPO)
     mode = "quick" if a.quick else "full"
     head = [
         f"## online planner in the simulator ({mode}) — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         f"- command: `python bench/sim_planner.py{' --quick' if a.quick else ''} --workers {a.workers}"
         f"{'' if only == {'conv', 'shift', 'guard'} else ' --only ' + a.only}`",
-        f"- commit: `{sha}` (+ uncommitted planner/simulator files)",
+        f"- commit: {sha}",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, load average "
         f"{os.getloadavg()[0]:.1f} at the end (shared VM); total wall {time.monotonic() - t0:.0f} s",
         "- cluster: 9 nodes × 4 GPUs, `gb300-glm52`, 512-token blocks; policy sets `evolving` (ttft routing, "
