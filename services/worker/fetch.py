@@ -167,12 +167,10 @@ class FetchState:
     """First ``schedule()`` that would have admitted the request but skipped it (fetch incomplete)."""
     done_at: float | None = None
     """Completion: the blocks are in L2 from then on (None while fetching)."""
-    stored: int = 0
-    """Pages of ``[lo, hi)`` usable after completion (up to the first missing one)."""
     used: int = 0
     """Pages of ``[lo, hi)`` in the prefix the request restored at admission: fewer than
-    ``stored`` when L2 had no room for all of them (other requests' held prefixes) or a
-    broken hold lost some before admission."""
+    fetched when the transfer missed some, L2 had no room for all of them (other requests'
+    held prefixes) or a broken hold lost some before admission."""
 
     @property
     def fetch_s(self) -> float | None:

@@ -372,7 +372,7 @@ class EngineScheduler:
         for cont in (self.bootstrap, self.waiting):
             for r in cont.values():
                 assert r.prefill_work is not None
-                self._cancel_fetch(r, now)
+                self._drop_queue_claims(r, now)
                 out.append(r.prefill_work)
                 del self.requests[r.rid]
                 r.state = DONE
@@ -470,7 +470,7 @@ class EngineScheduler:
         r = self.requests.pop(rid, None)
         if r is None:
             return False
-        self._cancel_fetch(r, now)
+        self._drop_queue_claims(r, now)
         self._container(r.state).pop(rid)
         if r.state == DECODING:
             self.n_decoding -= 1
@@ -583,7 +583,6 @@ class EngineScheduler:
                     break
             self._count("missing", f.hi - hi)
         self.kv.store_fetched(r.path, f.lo, hi)
-        f.stored = hi - f.lo
         self._count("completed")
         r.q_gpu, r.q_host = self.kv.match(r.path, r.limit)
         self._drop_hold(r)
@@ -596,9 +595,9 @@ class EngineScheduler:
             self.kv.unhold(r.l2_hold)
             r.l2_hold = None
 
-    def _cancel_fetch(self, r: _Request, now: float) -> None:
-        """``r`` leaves the node: release the L2 prefix it holds (not admitted yet) and free
-        its share of the link (fetch incomplete)."""
+    def _drop_queue_claims(self, r: _Request, now: float) -> None:
+        """``r`` leaves the node (abort, re-route): release what it claims while queued — the
+        L2 prefix it holds (not admitted yet) and its share of the link (fetch incomplete)."""
         self._drop_hold(r)
         f = r.fetch
         if f is None or f.done_at is not None:
