@@ -344,34 +344,76 @@ def replay_queue(items: Iterable[QueuedWork], coef: NodeCoefficients, decoding: 
     (``A(k, cb) = k·cb + k·(k+1)/2`` is additive over consecutive chunks) and its
     restore tokens load with its first chunk. Cost: O(len(items)), a few
     operations per item, plus a walk back over the items in the open iteration.
+    The sums are integers (``k·(k+1)`` is even), so a fold extended or shrunk by
+    one item (:class:`_QueueFold`) gives exactly this replay.
     """
-    p = coef.prefill
-    budget, extra = coef.decode_part(decoding)
-    fixed = p.c0 + extra
-    live = [it for it in items if it.uncached_tokens > 0]
-    q_tok = 0
-    a_all = 0.0
-    r_all = 0
-    for it in live:
+    return _QueueFold(items).replay(coef, decoding)
+
+
+class _QueueFold:
+    """The sums :func:`replay_queue` folds a queue into (tokens, ΣA, restore tokens; all
+    integers) and its live items (``uncached_tokens > 0``) in order. An item appended
+    or removed updates the sums exactly, so :meth:`replay` then equals a replay of the
+    changed queue from scratch (what a dispatch or a first token changes, without
+    re-folding the whole queue)."""
+
+    __slots__ = ("live", "q_tok", "a_all", "r_all")
+
+    def __init__(self, items: Iterable[QueuedWork]) -> None:
+        live = self.live = [it for it in items if it.uncached_tokens > 0]
+        q_tok = a_all = r_all = 0
+        for it in live:
+            k = it.uncached_tokens
+            q_tok += k
+            a_all += k * it.cached_tokens + k * (k + 1) // 2
+            r_all += it.restore_tokens
+        self.q_tok, self.a_all, self.r_all = q_tok, a_all, r_all
+
+    def append(self, it: QueuedWork) -> bool:
+        """Add ``it`` at the end of the queue; False (nothing changes) when it has no uncached tokens."""
         k = it.uncached_tokens
-        q_tok += k
-        a_all += k * it.cached_tokens + k * (k + 1) / 2.0
-        r_all += it.restore_tokens
-    used = q_tok % budget
-    qk = 0.0
-    rst = 0
-    left = used
-    for it in reversed(live) if used else ():  # the open iteration: the queue's last `used` tokens
-        k = it.uncached_tokens
-        take = k if k < left else left
-        qk += take * (it.cached_tokens + k - take) + take * (take + 1) / 2.0  # the item's last chunk
-        if take == k:
-            rst += it.restore_tokens
-        left -= take
-        if not left:
-            break
-    t_open = (q_tok // budget) * fixed + p.c1 * (q_tok - used) + p.c2 * (a_all - qk) + p.c3 * (r_all - rst)
-    return QueueReplay(t_open, used, float(used), qk, float(rst), len(live), budget, extra)
+        if k <= 0:
+            return False
+        self.live.append(it)
+        self.q_tok += k
+        self.a_all += k * it.cached_tokens + k * (k + 1) // 2
+        self.r_all += it.restore_tokens
+        return True
+
+    def remove(self, it: QueuedWork) -> bool:
+        """Take the item ``it`` (this very object) out; False when it is not in the fold."""
+        live = self.live
+        for i in range(len(live) - 1, -1, -1):  # sends sit at the end of the queue
+            if live[i] is it:
+                del live[i]
+                k = it.uncached_tokens
+                self.q_tok -= k
+                self.a_all -= k * it.cached_tokens + k * (k + 1) // 2
+                self.r_all -= it.restore_tokens
+                return True
+        return False
+
+    def replay(self, coef: NodeCoefficients, decoding: int = 0) -> QueueReplay:
+        """The replay of the folded queue with ``coef`` (see :func:`replay_queue`)."""
+        p = coef.prefill
+        budget, extra = coef.decode_part(decoding)
+        q_tok = self.q_tok
+        used = q_tok % budget
+        qk = 0
+        rst = 0
+        left = used
+        for it in reversed(self.live) if used else ():  # the open iteration: the queue's last `used` tokens
+            k = it.uncached_tokens
+            take = k if k < left else left
+            qk += take * (it.cached_tokens + k - take) + take * (take + 1) // 2  # the item's last chunk
+            if take == k:
+                rst += it.restore_tokens
+            left -= take
+            if not left:
+                break
+        fixed = p.c0 + extra
+        t_open = (q_tok // budget) * fixed + p.c1 * (q_tok - used) + p.c2 * (self.a_all - qk) + p.c3 * (self.r_all - rst)
+        return QueueReplay(t_open, used, float(used), float(qk), float(rst), len(self.live), budget, extra)
 
 
 @dataclass(slots=True)
@@ -382,7 +424,7 @@ class _Send:
 
 
 class _NodeTrack:
-    __slots__ = ("node", "state", "sends", "trusted_ctx", "fallback_ctx")
+    __slots__ = ("node", "state", "sends", "trusted_ctx", "fold", "fallback_ctx")
 
     def __init__(self, node: str) -> None:
         self.node = node
@@ -390,6 +432,8 @@ class _NodeTrack:
         self.sends: dict[str, _Send] = {}
         self.trusted_ctx: tuple | None = None  # type: ignore[type-arg]
         """Replay of the reported queue + unreported sends, with the node's coefficients (None = recompute)."""
+        self.fold: _QueueFold | None = None
+        """The fold ``trusted_ctx`` was made from (valid while ``trusted_ctx`` is set)."""
         self.fallback_ctx: tuple | None = None  # type: ignore[type-arg]
         """Replay of every send not yet at its first token (untrusted state)."""
 
@@ -455,8 +499,10 @@ class TtftPredictor:
         self.models_rejected = 0
         self._bounds: dict[str, tuple[float, float, float, float, float, float, float]] = {}
         """Per node with a cached trusted replay, what the pruned search's lower bound needs:
-        ``(ts + remaining_s, remaining_s, t_open, fixed, c1, c2, ts)`` of its state and
-        replay (``fixed`` = c0 + the decode part of a collocated node's iterations)."""
+        ``(ts + remaining_s, remaining_s, t_open, first, c1, c2, ts)`` of its state and
+        replay, where ``first`` = the open iteration's time so far when the queue leaves
+        one open, else one iteration's fixed part (c0 + the decode part of a collocated
+        node's iterations)."""
         self._bounds_oldest = math.inf
         """≤ the oldest ``ts`` in ``_bounds`` (entries older than ``state_max_age_s`` are purged)."""
 
@@ -490,8 +536,14 @@ class TtftPredictor:
         items: Iterable[QueuedWork] = (
             [*st.queue, *(x.work for r, x in tr.sends.items() if not x.seen and r not in listed)] if tr.sends else st.queue
         )
-        c = tr.trusted_ctx = self._make_ctx(tr.node, items, st.decoding)
-        self._bounds[tr.node] = (st.ts + st.remaining_s, st.remaining_s, c[0], c[6], c[7], c[8], st.ts)
+        fold = tr.fold = _QueueFold(items)
+        return self._set_trusted(tr, st, fold)
+
+    def _set_trusted(self, tr: _NodeTrack, st: NodeState, fold: _QueueFold) -> tuple:  # type: ignore[type-arg]
+        """Cache the trusted replay of ``fold`` and its lower-bound entry (see ``_bounds``)."""
+        c = tr.trusted_ctx = self._make_ctx(tr.node, fold, st.decoding)
+        # busy (the open iteration so far) when one is open, else one iteration's fixed part
+        self._bounds[tr.node] = (st.ts + st.remaining_s, st.remaining_s, c[0], c[1] if c[2] else c[6], c[7], c[8], st.ts)
         if st.ts < self._bounds_oldest:
             self._bounds_oldest = st.ts
         return c
@@ -559,7 +611,14 @@ class TtftPredictor:
         work = QueuedWork(rid=rid, uncached_tokens=uncached_tokens, cached_tokens=cached_tokens, restore_tokens=restore_tokens)
         tr.sends[rid] = _Send(work)
         self._rid_node[rid] = node
-        self._invalidate(tr)
+        tr.fallback_ctx = None
+        st = tr.state
+        if tr.trusted_ctx is not None and st is not None and tr.fold is not None:
+            # the send joins the end of the trusted queue (unless a state lists a reused rid)
+            if not any(w.rid == rid for w in st.queue) and tr.fold.append(work):
+                self._set_trusted(tr, st, tr.fold)
+        else:
+            self._invalidate(tr)
 
     def forget(self, rid: str) -> bool:
         """``rid`` produced its first token, finished, failed or was aborted (idempotent).
@@ -571,8 +630,13 @@ class TtftPredictor:
         if node is None:
             return False
         tr = self._nodes[node]
-        del tr.sends[rid]
-        self._invalidate(tr)
+        send = tr.sends.pop(rid)
+        tr.fallback_ctx = None
+        # a send a state has listed is not in the trusted queue (the state's queue, or
+        # its leaving it, speaks for it): nothing to replay; an unlisted one leaves it
+        if not send.seen and tr.trusted_ctx is not None and tr.fold is not None and tr.state is not None:
+            if tr.fold.remove(send.work):
+                self._set_trusted(tr, tr.state, tr.fold)
         return True
 
     def tracked(self, node: str) -> int:
@@ -600,12 +664,12 @@ class TtftPredictor:
                 return c, (rem if rem > 0.0 else 0.0), True
         c = tr.fallback_ctx
         if c is None:
-            c = tr.fallback_ctx = self._make_ctx(tr.node, [x.work for x in tr.sends.values()], 0)
+            c = tr.fallback_ctx = self._make_ctx(tr.node, _QueueFold([x.work for x in tr.sends.values()]), 0)
         return c, 0.0, False
 
-    def _make_ctx(self, node: str, items: Iterable[QueuedWork], decoding: int) -> tuple:  # type: ignore[type-arg]
+    def _make_ctx(self, node: str, fold: _QueueFold, decoding: int) -> tuple:  # type: ignore[type-arg]
         coef = self.coefficients(node)
-        s = replay_queue(items, coef, decoding)
+        s = fold.replay(coef, decoding)
         p = coef.prefill
         fixed = p.c0 + s.extra_s
         # the open iteration's time so far (0 when none is open), and what is left of its budget
@@ -711,9 +775,12 @@ class TtftPredictor:
 
         With more than ``prune_above`` candidates (and ``breakdown`` off), only
         the candidates that can still win are scored: each node's lower bound
-        Ŵ_n ≥ T_n^rem + open iteration, plus the prefill of the fewest uncached
-        tokens any node could have (one iteration's fixed part + c1·t_uc + c2·A at
-        the cluster's longest prefix; exposed fetch and copy price ≥ 0) orders them, and scoring stops
+        T̂_n ≥ T_n^rem + start of the open iteration + max(its time so far, one
+        iteration's fixed part) + c1·t_uc + c2·A of the fewest uncached tokens any
+        node could have (the cluster's longest prefix; exposed fetch and copy
+        price ≥ 0) orders them — a request that joins the open iteration pays its
+        time so far in its own prefill, one that does not waits for it and then
+        pays at least one iteration's fixed part — and scoring stops
         at the first bound above the best score + ``tie_eps_s``. The choice, the
         ties and the predicted TTFT are those of scoring every candidate
         (property-tested); ``estimates`` then holds only the scored ones.
@@ -837,10 +904,10 @@ class TtftPredictor:
         for _ in range(vals.count(None)):  # nodes without a cached bound (C-level scans, no Python loop over all)
             i = vals.index(None, i + 1)
             ctx, base, _ = self._ctx(self._nodes.get(names[i]) or self._track(names[i]), now)
-            vals[i] = (math.inf, base, ctx[0], ctx[6], ctx[7], ctx[8], now)  # min(rem, inf) = base, the aged remaining time
-        bounds = [  # Ŵ ≥ aged remaining + t_open; own prefill ≥ one iteration's fixed part + c1·u + c2·A
-            (rem if (d := end - now) > rem else (d if d > 0.0 else 0.0)) + t_open + fixed + c1 * u + c2 * a_u - _BOUND_SLACK_S
-            for end, rem, t_open, fixed, c1, c2, _ in vals
+            vals[i] = (math.inf, base, ctx[0], ctx[1] if ctx[2] else ctx[6], ctx[7], ctx[8], now)  # min(rem, inf) = base, the aged remaining time
+        bounds = [  # T̂ ≥ aged remaining + t_open + max(busy, fixed) + c1·u + c2·A (see predict)
+            (rem if (d := end - now) > rem else (d if d > 0.0 else 0.0)) + t_open + first + c1 * u + c2 * a_u - _BOUND_SLACK_S
+            for end, rem, t_open, first, c1, c2, _ in vals
         ]
         order = sorted(range(len(bounds)), key=bounds.__getitem__)  # stable: ties in candidate order
         scored: list[tuple[int, tuple[Any, ...]]] = []

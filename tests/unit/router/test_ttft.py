@@ -21,6 +21,7 @@ from services.router.core import RouteDecision, RouterCore
 from services.router.nodes import NodeLoad
 from services.router.policy import PolicyWrapper, RouteRequest, make_policy
 from services.router.ttft import FetchModel, NodeCoefficients, TtftPolicy, TtftPredictor, replay_queue
+import services.router.ttft as ttft_mod
 
 DEC = DecodeModel(d0=0.004, d1=0.0, d2=0.001, tokens_per_forward=2.0)
 SIMPLE = NodeCoefficients(prefill=PrefillModel(c0=0.01, c1=1e-4, c2=0.0, c3=0.0), decode=DEC, chunk_tokens=100)
@@ -577,24 +578,62 @@ def test_pruning_sees_a_node_whose_queue_drained_since_the_last_decision():
 
 def test_a_new_state_is_replayed_on_arrival_not_by_the_next_decision(monkeypatch):
     """Queue replays of reported states are done by ``apply_state`` (off the request path);
-    a decision that follows replays nothing. A dispatch leaves its replay to the decision."""
+    a decision that follows replays nothing. A dispatch and a first token change the
+    node's cached replay by one item, without replaying its queue."""
     p = TtftPredictor(SIMPLE, prune_above=0)
     names = [f"n{i:02d}" for i in range(20)]
     for i, n in enumerate(names):
         p.apply_state(st(n, 0.0, remaining=0.1 * i, queue=[q(f"x{i}", 100 * i)]), 0.0)
     p.apply_state(st("d0", 0.0, phase="decode"), 0.0)
-    replays: list[str] = []
-    make = TtftPredictor._make_ctx
-    monkeypatch.setattr(TtftPredictor, "_make_ctx", lambda self, node, items, dec: replays.append(node) or make(self, node, items, dec))
+    replays: list[int] = []
+    fold = ttft_mod._QueueFold.__init__
+    monkeypatch.setattr(ttft_mod._QueueFold, "__init__", lambda self, items: replays.append(1) or fold(self, items))
     req = RouteRequest(rid="r", prompt_tokens=1000, block_hashes=list(range(1000 // BS)))
     first = p.predict(req, None, cand(*names), 0.0)
     assert replays == []
     p.apply_state(st("n05", 0.2, remaining=0.0), 0.2)
-    assert replays == ["n05"]
+    assert replays == [1]
+    wait = p.wait(first.best.node, 0.2)
     p.on_dispatch("r", first.best.node, uncached_tokens=1000)
-    assert replays == ["n05"]
+    assert p.wait(first.best.node, 0.2) == pytest.approx(wait + it(100) * 10)  # ten full iterations more
     assert p.predict(req, None, cand(*names), 0.2).best.node == "n05"
-    assert replays == ["n05", first.best.node]  # the dispatched node, at the decision that reads it
+    p.forget("r")
+    assert p.wait(first.best.node, 0.2) == pytest.approx(wait)
+    assert replays == [1]  # neither the dispatch, nor the first token, nor the decisions re-folded a queue
+
+
+def _assert_cached_replays_are_fresh(p: TtftPredictor) -> None:
+    """Every cached trusted replay (kept up to date by dispatches and first tokens) and its
+    lower-bound entry equal a replay of the node's queue from scratch, to the bit."""
+    for tr in list(p._nodes.values()):
+        if tr.trusted_ctx is None or tr.state is None:
+            continue
+        cached, bound = tr.trusted_ctx, p._bounds.get(tr.node)
+        assert p._trusted_ctx(tr, tr.state) == cached
+        if bound is not None:
+            assert p._bounds[tr.node] == bound
+
+
+@settings(max_examples=200, deadline=None)
+@given(_clusters(), hs.lists(hs.tuples(hs.sampled_from(["send", "forget", "state"]), hs.integers(0, 39), hs.integers(0, 3000), hs.integers(0, 3000)), max_size=40))
+def test_dispatches_and_first_tokens_update_a_cached_replay_exactly(cluster, ops):
+    names, _, states, _, _, _ = cluster
+    p = TtftPredictor(ATTN, prune_above=0)
+    for state in states.values():
+        p.apply_state(state, 0.0)
+    for j, (kind, i, uc, cb) in enumerate(ops):
+        node = names[i % len(names)]
+        if kind == "send":  # some sends have nothing left to compute (not in a replay)
+            p.on_dispatch(f"s{j}", node, uncached_tokens=uc, cached_tokens=cb, restore_tokens=cb // 2)
+        elif kind == "forget":
+            p.forget(f"s{i}")
+        else:  # a state that lists some sends to the node (they become reported), and maybe a reused rid
+            tr = p._nodes.get(node)
+            listed = [q(r, 10, 0) for r in (tr.sends if tr is not None else ())][: uc % 3] + ([q(f"s{j + 1}", 7, 0)] if cb % 5 == 0 else [])
+            p.apply_state(st(node, 0.0, remaining=0.1, queue=listed), 0.0)
+        for name in names:  # decisions read (and cache) every node's replay
+            p.wait(name, 0.0)
+        _assert_cached_replays_are_fresh(p)
 
 
 @hs.composite
