@@ -11,14 +11,16 @@ Measures, on one core, with a fixed seed:
   prefix of the path (random lengths, L1 and L2, ``shared`` lookup) and
   reports a queue of 0–6 requests. Between two timed decisions (untimed): one
   node's state changes, the chosen node gets the dispatch (``on_dispatch``),
-  and the request dispatched 32 decisions earlier gets its first token — so
-  the ``ttft`` policy re-replays at least two nodes' queues per decision, as
-  in a live router. Rows with 16 and 64 (``cold``) new states per decision:
+  and the request dispatched 32 decisions earlier gets its first token, as
+  in a live router (the ``ttft`` policy updates those two nodes' cached
+  queue replays by one item in its hooks, outside ``choose_prefill``; the
+  ``RouterCore.route`` column includes the dispatch's). Rows with 16 and 64
+  (``cold``) new states per decision:
   a live router hears from every busy node at most every 50 ms (the worker's
   ``state_interval_s``), so at ~80 decisions/s about 16 of 64 nodes have a
   new state. The ``ttft`` policy replays a node's queue when its state
   arrives (``apply_state``, timed per state in its own column), so those
-  replays are not in the decision; a dispatch's and a first token's are.
+  replays are not in the decision.
   Thread CPU time is reported
   next to wall time (it leaves out preemption by other processes). Column ``RouterCore.route``: the whole
   core call (candidate view, policy, dispatch hooks, ``PrefillWork``). Row

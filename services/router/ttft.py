@@ -74,11 +74,13 @@ Coefficients per node come from the planner's fitted models
 (:class:`~shared.messages.PlannerModels` on ``planner.models``) once one
 names the node, and from the profile until then.
 
-Cost per decision with N candidates: O(N·S) (S = fetch ranges in the lookup,
-usually 1–3), O(1) per node beyond that: each node's queue replay is cached and
-recomputed only when its state, its sends or its coefficients change
-(O(queue) then, a few operations per item: FCFS packing fills every iteration
-but the last, so the replay is closed-form, see :func:`replay_queue`).
+Cost per decision with N candidates: O(N) for the pruned search's bounds, O(S)
+per scored candidate (S = fetch ranges in the lookup, usually 1–3): each node's
+queue replay is cached; a new state or new coefficients replay the queue when
+they arrive (O(queue), a few operations per item: FCFS packing fills every
+iteration but the last, so the replay is closed-form, see :func:`replay_queue`),
+and a dispatch or a first token adds or takes out one item of the cached fold
+(integer sums, so the result is the replay's to the bit).
 """
 
 from __future__ import annotations
@@ -497,12 +499,12 @@ class TtftPredictor:
         self._nodes: dict[str, _NodeTrack] = {}
         self._rid_node: dict[str, str] = {}
         self.models_rejected = 0
-        self._bounds: dict[str, tuple[float, float, float, float, float, float, float]] = {}
+        self._bounds: dict[str, tuple[float, float, float, float, float, float]] = {}
         """Per node with a cached trusted replay, what the pruned search's lower bound needs:
-        ``(ts + remaining_s, remaining_s, t_open, first, c1, c2, ts)`` of its state and
-        replay, where ``first`` = the open iteration's time so far when the queue leaves
+        ``(ts + remaining_s, remaining_s, t_open + first − slack, c1, c2, ts)`` of its state
+        and replay, where ``first`` = the open iteration's time so far when the queue leaves
         one open, else one iteration's fixed part (c0 + the decode part of a collocated
-        node's iterations)."""
+        node's iterations), and ``slack`` = ``_BOUND_SLACK_S``."""
         self._bounds_oldest = math.inf
         """≤ the oldest ``ts`` in ``_bounds`` (entries older than ``state_max_age_s`` are purged)."""
 
@@ -543,7 +545,7 @@ class TtftPredictor:
         """Cache the trusted replay of ``fold`` and its lower-bound entry (see ``_bounds``)."""
         c = tr.trusted_ctx = self._make_ctx(tr.node, fold, st.decoding)
         # busy (the open iteration so far) when one is open, else one iteration's fixed part
-        self._bounds[tr.node] = (st.ts + st.remaining_s, st.remaining_s, c[0], c[1] if c[2] else c[6], c[7], c[8], st.ts)
+        self._bounds[tr.node] = (st.ts + st.remaining_s, st.remaining_s, c[0] + (c[1] if c[2] else c[6]) - _BOUND_SLACK_S, c[7], c[8], st.ts)
         if st.ts < self._bounds_oldest:
             self._bounds_oldest = st.ts
         return c
@@ -885,11 +887,11 @@ class TtftPredictor:
         :meth:`predict`). Returns the scored ones' plain estimates in candidate order.
 
         A node's bound needs its aged remaining time, ``max(0, min(rem, ts + rem − now))``
-        (= ``_ctx``'s ``max(0, rem − max(0, now − ts))``), and its replay's ``t_open``,
-        fixed part, c1 and c2; ``_bounds`` keeps those per node while its trusted replay
-        is cached, so one comprehension bounds every such node. The others (changed since
-        the last decision, stale or never reported) go through ``_ctx``, which caches
-        them again."""
+        (= ``_ctx``'s ``max(0, rem − max(0, now − ts))``), and its replay's ``t_open`` plus
+        first-iteration part, c1 and c2; ``_bounds`` keeps those per node while its trusted
+        replay is cached (a dispatch or a first token updates it in place), so one
+        comprehension bounds every such node. The others (new coefficients, stale or never
+        reported) go through ``_ctx``, which caches them again."""
         t_c = 0  # the longest cached prefix any node could use (the engine's cap as in _works)
         if view is not None and lookup is not None:
             bs = lookup.block_size
@@ -904,10 +906,10 @@ class TtftPredictor:
         for _ in range(vals.count(None)):  # nodes without a cached bound (C-level scans, no Python loop over all)
             i = vals.index(None, i + 1)
             ctx, base, _ = self._ctx(self._nodes.get(names[i]) or self._track(names[i]), now)
-            vals[i] = (math.inf, base, ctx[0], ctx[1] if ctx[2] else ctx[6], ctx[7], ctx[8], now)  # min(rem, inf) = base, the aged remaining time
+            vals[i] = (math.inf, base, ctx[0] + (ctx[1] if ctx[2] else ctx[6]) - _BOUND_SLACK_S, ctx[7], ctx[8], now)  # min(rem, inf) = base, the aged remaining time
         bounds = [  # T̂ ≥ aged remaining + t_open + max(busy, fixed) + c1·u + c2·A (see predict)
-            (rem if (d := end - now) > rem else (d if d > 0.0 else 0.0)) + t_open + first + c1 * u + c2 * a_u - _BOUND_SLACK_S
-            for end, rem, t_open, first, c1, c2, _ in vals
+            (rem if (d := end - now) > rem else (d if d > 0.0 else 0.0)) + k + c1 * u + c2 * a_u
+            for end, rem, k, c1, c2, _ in vals
         ]
         order = sorted(range(len(bounds)), key=bounds.__getitem__)  # stable: ties in candidate order
         scored: list[tuple[int, tuple[Any, ...]]] = []
@@ -929,8 +931,8 @@ class TtftPredictor:
     def _purge_stale_bounds(self, now: float) -> None:
         """Drop ``_bounds`` entries whose state is no longer trusted at ``now``."""
         max_age = self.state_max_age_s
-        self._bounds = {k: v for k, v in self._bounds.items() if now - v[6] <= max_age}
-        self._bounds_oldest = min((v[6] for v in self._bounds.values()), default=math.inf)
+        self._bounds = {k: v for k, v in self._bounds.items() if now - v[5] <= max_age}
+        self._bounds_oldest = min((v[5] for v in self._bounds.values()), default=math.inf)
 
 
 _SCORE = itemgetter(1)
