@@ -1,13 +1,17 @@
 """Router benchmark: routing decision latency, and TTFT prediction error against the worker's scheduler.
 
-    .venv/bin/python bench/router_bench.py --quick        # ~30 s
+    .venv/bin/python bench/router_bench.py --quick        # ~1 min
     .venv/bin/python bench/router_bench.py                # more decisions and runs
 
 Measures, on one core, with a fixed seed:
 
 * **decision latency** of ``policy.choose_prefill`` for a 2,000-block prompt
   (128K tokens) at 8, 16 and 64 prefill nodes, for ``ttft`` (target p99 ≤ 200 µs
-  at 64), ``cache-aware`` and ``dynamo-kv``; p50/p99 in µs. Every node holds a
+  at 64), ``cache-aware`` and ``dynamo-kv``; p50/p99 in µs. The target's cell
+  (``ttft`` at 64 nodes) runs 3 (quick) or 5 times with different seeds, each
+  next to a run of the reference loop below: this VM's speed drifts by ~1.6×
+  within minutes, so one run's p99 says as much about the VM as about the
+  router; the table shows the run with the median p99. Every node holds a
   prefix of the path (random lengths, L1 and L2, ``shared`` lookup) and
   reports a queue of 0–6 requests. Between two timed decisions (untimed): one
   node's state changes, the chosen node gets the dispatch (``on_dispatch``),
@@ -297,8 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     decisions = 1500 if args.quick else 8000
     lat_rows = []
+    reps = 3 if args.quick else 5
+    runs_64: list[tuple[dict[str, float], dict[str, float]]] = []
     for n in (8, 16, 64):
         res = {p: bench_decisions(p, n, decisions, args.seed) for p in ("ttft", "cache-aware", "dynamo-kv")}
+        if n == 64:  # the target's cell: repeated, each run next to a reference loop (this VM's speed drifts)
+            runs_64 = [(res["ttft"], bench_reference_loop(64, decisions, args.seed))]
+            runs_64 += [(bench_decisions("ttft", 64, decisions, args.seed + r), bench_reference_loop(64, decisions, args.seed)) for r in range(1, reps)]
+            res["ttft"] = sorted((r for r, _ in runs_64), key=lambda r: r["p99_us"])[len(runs_64) // 2]
         tt = res["ttft"]
         lat_rows.append(
             (
@@ -321,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     ref = bench_reference_loop(64, decisions, args.seed)
     lat_rows.append(("64, reference loop (no router code)", f"{ref['p50_us']:.1f} / {ref['p99_us']:.1f} / {ref['min_us']:.1f}", "", "", "", "", "", ""))
+    per_run = ", ".join(f"{r['p99_us']:.0f} ({x['p50_us']:.0f})" for r, x in runs_64)
+    lat_rows.append((f"64, each of {len(runs_64)} runs: ttft p99 (reference loop p50) µs", per_run, "", "", "", "", "", ""))
 
     n_req = 150 if args.quick else 600
     seeds = (1, 2, 3) if args.quick else (1, 2, 3, 4, 5, 6)
@@ -351,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             f"- commit: `{git_commit()}` (plus the working tree)",
             f"- machine: {machine} (shared VM; single-threaded Python; p99 includes preemption by other processes)",
             f"- decision latency: `choose_prefill` for a 2,000-block prompt, {decisions:,} decisions per cell (first 10% dropped); "
+            f"the 64-node `ttft` cell is run {reps} times (seeds {args.seed}…{args.seed + reps - 1}), each next to a run of the reference loop, "
+            "and shows the run with the median p99 (every run's p99 in the last row); "
             "every node holds a random prefix of the path and a queue of 0–6 requests; between decisions one node's state changes, "
             "the chosen node gets the dispatch and an older request its first token; rows with more new states per decision "
             "(a live router gets a state from every busy node at most every 50 ms: at ~80 decisions/s that is ~16 of 64); "
