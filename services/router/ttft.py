@@ -282,9 +282,8 @@ class CandidateEstimates(Sequence[CandidateEstimate]):
         return f"CandidateEstimates({list(self)!r})"
 
 
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    """Outcome of :meth:`TtftPredictor.predict`.
+class Prediction(NamedTuple):
+    """Outcome of :meth:`TtftPredictor.predict` (a named tuple: built once per decision).
 
     Attributes:
         best: the chosen candidate's estimate.
