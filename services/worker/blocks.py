@@ -82,9 +82,22 @@ def _hold(holds: dict[int, int], present: Any, hashes: Sequence[int]) -> list[in
     return out
 
 
-def _unhold(holds: dict[int, int], hashes: Sequence[int]) -> None:
-    """Remove one hold from each of ``hashes`` (a hold broken by a write-through is gone already)."""
+def _unhold(holds: dict[int, int], broken: dict[int, int], hashes: Sequence[int]) -> None:
+    """Remove one hold from each of ``hashes``.
+
+    A hold a write-through broke (:func:`_break_hold`) is still owed an unhold by its
+    holder; that unhold is taken from ``broken`` first, so it never drops the hold a
+    later holder took on the same page once it was stored again. Holders are not told
+    apart: if the later holder unholds first, the page stays held until the earlier one
+    does (a page kept a little longer, never one released early)."""
     for h in hashes:
+        b = broken.get(h)
+        if b is not None:
+            if b > 1:
+                broken[h] = b - 1
+            else:
+                del broken[h]
+            continue
         c = holds.get(h)
         if c is None:
             continue
@@ -92,6 +105,14 @@ def _unhold(holds: dict[int, int], hashes: Sequence[int]) -> None:
             holds[h] = c - 1
         else:
             del holds[h]
+
+
+def _break_hold(holds: dict[int, int], broken: dict[int, int], h: int) -> None:
+    """Page ``h`` leaves L2 although held (every queued page was held): its holds move to
+    ``broken``, where their holders' unholds are taken from (see :func:`_unhold`)."""
+    c = holds.pop(h, None)
+    if c:
+        broken[h] = broken.get(h, 0) + c
 
 
 def _common(keys: list[int], path: Sequence[int], pos: int, n: int) -> int:
@@ -710,6 +731,8 @@ class HostBlockPool:
         self.holds: dict[int, int] = {}
         """Held pages (hash → number of holds): queued requests' fetched prefixes, skipped by
         eviction in place (see :meth:`KvBlockManager.hold`)."""
+        self.broken: dict[int, int] = {}
+        """Holds broken by a write-through (hash → unholds still owed by their holders)."""
 
     @property
     def used(self) -> int:
@@ -721,8 +744,9 @@ class HostBlockPool:
         return _hold(self.holds, self.blocks, hashes)
 
     def unhold(self, hashes: Sequence[int]) -> None:
-        """Drop one hold of each of ``hashes`` (as :meth:`hold` returned them). O(pages)."""
-        _unhold(self.holds, hashes)
+        """Drop one hold of each of ``hashes`` (as :meth:`hold` returned them); a hold that
+        was broken meanwhile is settled without touching a later holder's. O(pages)."""
+        _unhold(self.holds, self.broken, hashes)
 
     def _victim(self) -> int:
         """Remove and return the first queued block that is not held; if every queued block is
@@ -738,7 +762,7 @@ class HostBlockPool:
         for od in groups:
             if od:
                 h = od.popitem(last=False)[0]
-                holds.pop(h, None)
+                _break_hold(holds, self.broken, h)
                 return h
         raise KvInvariantError("host pool full of pinned blocks (host capacity < GPU capacity?)")
 
@@ -1038,6 +1062,8 @@ class RunHostPool:
         self.holds: dict[int, int] = {}
         """Held pages (hash → number of holds), skipped by eviction in place. Holds are path
         prefixes, so inside a run the held pages are its shallow end."""
+        self.broken: dict[int, int] = {}
+        """Holds broken by a write-through (see :attr:`HostBlockPool.broken`)."""
 
     @property
     def used(self) -> int:
@@ -1049,7 +1075,7 @@ class RunHostPool:
 
     def unhold(self, hashes: Sequence[int]) -> None:
         """See :meth:`HostBlockPool.unhold`."""
-        _unhold(self.holds, hashes)
+        _unhold(self.holds, self.broken, hashes)
 
     def _free_tail(self, keys: list[int], lim: int) -> int:
         """How many of the deepest ``keys`` (at most ``lim``) are not held."""
@@ -1151,7 +1177,7 @@ class RunHostPool:
                 n0 = len(out)
                 self._evict_head(e, out)
                 for h in out[n0:]:
-                    self.holds.pop(h, None)
+                    _break_hold(self.holds, self.broken, h)
             return
         self._evict_head(e, out)
 

@@ -56,7 +56,7 @@ def _state(kv):
     h = {x: (b.pinned, kv.host.holds.get(x, 0)) for x, b in kv.host.blocks.items()}
     gq = [b.hash for b in kv.gpu.evictable.ordered()]
     hq = [(b.hash, b.group) for b in kv.host.evictable.ordered()]
-    return g, h, gq, hq, kv.gpu.reserved, kv.gpu.available, kv.host.used
+    return g, h, dict(kv.host.broken), gq, hq, kv.gpu.reserved, kv.gpu.available, kv.host.used
 
 
 class Pair:

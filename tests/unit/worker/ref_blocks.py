@@ -252,6 +252,7 @@ class HostBlockPool:
         self.evictable = EvictionQueue(policy or LruPolicy())
         self._stamp = 0
         self.holds: dict[int, int] = {}
+        self.broken: dict[int, int] = {}
 
     @property
     def used(self) -> int:
@@ -268,7 +269,11 @@ class HostBlockPool:
 
     def unhold(self, hashes: Sequence[int]) -> None:
         for h in hashes:
-            if h in self.holds:
+            if self.broken.get(h):  # a broken hold's unhold settles the broken count first
+                self.broken[h] -= 1
+                if not self.broken[h]:
+                    del self.broken[h]
+            elif h in self.holds:
                 self.holds[h] -= 1
                 if not self.holds[h]:
                     del self.holds[h]
@@ -319,7 +324,8 @@ class HostBlockPool:
                     free = [x for x in queued if x not in self.holds]
                     victim = free[0] if free else queued[0]  # all held: the hold is broken
                     del groups[blocks[victim].group][victim]
-                    self.holds.pop(victim, None)
+                    if victim in self.holds:
+                        self.broken[victim] = self.broken.get(victim, 0) + self.holds.pop(victim)
                     del blocks[victim]
                     evicted.append(victim)
                 stamp += 1

@@ -279,3 +279,28 @@ def test_resync_snapshot_rebuilds_the_nodes_prefixes_in_the_kv_directory(policy)
     bare = KvDirectory(4)  # the same snapshot without parents: the blocks are known, no prefix is
     bare.apply_snapshot(KvSnapshot(node="w0", seq=3, block_size=4, gpu=g, host=h), 0.0)
     assert bare.lookup(P(1, 2, 3)).node("w0").local_blocks == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "branch-count"])
+def test_a_broken_hold_is_settled_without_dropping_a_later_holders_hold(policy):
+    """A write-through breaks A's hold on pages 1–4 (every queued L2 page is held); the
+    pages come back and B holds them. A's unhold, owed since the break, must not drop
+    B's hold: before, the break forgot A's count and A's unhold took B's."""
+    kv = KvBlockManager(4, 8, 4, policy)
+    compute(kv, P(1, 2, 3, 4))
+    compute(kv, P(5, 6, 7, 8))  # 1–4 leave L1: unpinned in L2, which is full
+    held_a = kv.hold(P(1, 2, 3, 4), 4)
+    held_a2 = kv.hold(P(5, 6, 7, 8), 4)
+    compute(kv, P(9, 10, 11, 12))  # 5–8 leave L1: every queued L2 page is held, 4 must go
+    again = [h for h in (1, 2, 3, 4, 5, 6, 7, 8) if h not in kv.host]
+    assert len(again) == 4 and all(kv.host.holds.get(h) is None for h in again)
+    compute(kv, again)  # the broken pages are computed again (a prefix: 1–4 or 5–8)
+    held_b = kv.hold(again, 4)
+    assert held_b == again and all(kv.host.holds[h] == 1 for h in again)
+    kv.unhold(held_a if again[0] == 1 else held_a2)  # the holder whose hold broke leaves
+    assert all(kv.host.holds.get(h) == 1 for h in again), "B's hold must survive A's late unhold"
+    assert kv.host.broken == {}
+    kv.unhold(held_b)
+    kv.unhold(held_a2 if again[0] == 1 else held_a)
+    assert kv.host.holds == {} and kv.host.broken == {}
+    holders_none(kv)
