@@ -29,13 +29,14 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from _common import commit_label  # noqa: E402
 
 from services.kvdirectory.core import KvDirectory  # noqa: E402
 from shared.messages import BlockRemoved, BlockStored, KvEventBatch, encode  # noqa: E402
@@ -239,13 +240,6 @@ def bench_memory(quick: bool, seed: int) -> dict[str, float]:
     return {"blocks": n, "bytes_per_block": used / n, "mib_per_million": used / n * 1e6 / 2**20}
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CI / smoke)")
@@ -317,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             f"## kvdirectory ({'quick' if args.quick else 'full'}) — {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
             "",
             f"- command: `{cmd}`",
-            f"- commit: `{git_commit()}`",
+            f"- commit: {commit_label(REPO)}",
             f"- machine: {machine} (shared VM; single-threaded Python; p99 includes preemption by other processes)",
             "",
             *table,

@@ -43,6 +43,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from _common import commit_label  # noqa: E402
 
 from services.worker.kvpool.payload import checksum, fill_payload  # noqa: E402
 from services.worker.kvpool.transport import (  # noqa: E402
@@ -159,13 +160,6 @@ async def bench_transfer(nblocks: int, block_bytes: int, reps: int) -> dict[str,
     return res
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="64 MiB, 3 repetitions")
@@ -236,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             f"## kvpool real bytes ({'quick' if args.quick else 'full'}) — {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
             "",
             f"- command: `{cmd}`",
-            f"- commit: `{git_commit()}` (+ uncommitted kvpool files)",
+            f"- commit: {commit_label(REPO)}",
             f"- machine: {machine} (shared VM: holder, puller and other jobs share the cores)",
             f"- Mooncake: mooncake-transfer-engine-non-cuda 0.3.13.post1 (`{Path(getattr(mod, '__file__', '?')).name}`), "
             f"TCP transport, {total / 2**20:.0f} MiB per repetition, {reps} repetitions",

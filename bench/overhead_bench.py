@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from _common import commit_label  # noqa: E402
 
 from evolving_infra.cluster import ClusterSpec, LocalCluster  # noqa: E402
 from shared.log import setup_logging  # noqa: E402
@@ -110,13 +110,12 @@ def main() -> None:
     n = 30 if args.quick else 200
     sizes = [1_000, 10_000, 100_000]
     rows, _ = asyncio.run(run(n, sizes))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     lines = [
         "",
         "## Live stack: added cost per request over NATS on loopback (overhead_bench.py)",
         "",
         f"- command: `python bench/overhead_bench.py{' --quick' if args.quick else ''}`",
-        f"- date: {time.strftime('%Y-%m-%d %H:%M')}, commit {commit}, {platform.machine()} {platform.python_version()}, 2 shared cores",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M')}, commit {commit_label(REPO)}, {platform.machine()} {platform.python_version()}, 2 shared cores",
         "- what: HTTP in → first SSE token out, one request at a time, through router → kv.lookup → work.<node>.prefill →"
         " engine step → req.<rid>.out → SSE, with a zero-time profile (so simulated GPU time is 0 and all of it is control plane);"
         f" {n} requests per row after 3 warm-up requests; fresh random prompts (no cache hits); 1P1D, every service its own process.",

@@ -45,14 +45,15 @@ import math
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from _common import commit_label  # noqa: E402
 
 from shared.itermodel import DecodeModel, PrefillModel, qk_pairs  # noqa: E402
 from shared.messages import IterationRecord, PrefillWork  # noqa: E402
@@ -407,15 +408,6 @@ def bench_guard(seed: int) -> list[tuple[str, tuple, tuple]]:
 # --------------------------------------------------------------------------- #
 
 
-def git_commit() -> str:
-    try:
-        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "services/planner"], capture_output=True, text=True).stdout.strip()
-        return c + (" + uncommitted planner files" if dirty else "")
-    except Exception:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter sim-engine run, fewer repetitions")
@@ -476,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             f"## planner ({'quick' if args.quick else 'full'}) — {stamp}",
             "",
             f"- command: `{cmd}`",
-            f"- commit: `{git_commit()}`",
+            f"- commit: {commit_label(REPO)}",
             f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}, "
             f"load average {load:.1f} at the end of the run (shared VM; single-threaded Python)",
             f"- sim engine: profile gb300-glm52, one collocated node, 56 closed-loop agents, {sim['records']:,} iteration records "

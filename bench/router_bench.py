@@ -55,12 +55,13 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from _common import commit_label  # noqa: E402
 
 from shared.messages import FetchRange, KvLookupReply, NodePrefix, NodeState, PrefillWork, QueuedWork  # noqa: E402
 from shared.profile import load_profile  # noqa: E402
@@ -286,13 +287,6 @@ def prediction_errors(seed: int, mean_gap_s: float, n_requests: int, *, fix_infl
 # --------------------------------------------------------------------------- #
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer decisions and runs (CI / smoke)")
@@ -360,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             f"## router ({'quick' if args.quick else 'full'}) — {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
             "",
             f"- command: `{cmd}`",
-            f"- commit: `{git_commit()}` (plus the working tree)",
+            f"- commit: {commit_label(REPO)}",
             f"- machine: {machine} (shared VM; single-threaded Python; p99 includes preemption by other processes)",
             f"- decision latency: `choose_prefill` for a 2,000-block prompt, {decisions:,} decisions per cell (first 10% dropped); "
             f"the 64-node `ttft` cell is run {reps} times (seeds {args.seed}…{args.seed + reps - 1}), each next to a run of the reference loop, "

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from _common import commit_label  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 
 _W: dict[str, Any] = {}
@@ -124,19 +124,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"TTFT {r['ttft_mean_s']:.2f} / {r['ttft_p95_s']:.2f} s, {r['wall_s']:.0f} s wall")
                 rows.append(r)
         summary.write_text(json.dumps(rows, indent=1))
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--short", "evolving_infra/traces/generate/osworld.py", "shared/profiles"],
-                               cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        sha, dirty = "unknown", ""
     cmd = "python bench/sim_binding.py" + (" --quick" if a.quick else "")
     lines = [
         f"## simulator: decode binding at prefill start vs reservation at enqueue, OSWorld-like (paper D.1) ({mode}) — "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
-        f"- command: `{cmd}`; commit `{sha}` (+ uncommitted simulator files"
-        + (f"; uncommitted: {' '.join(dirty.split())}" if dirty else "") + f"); machine: {platform.machine()}, "
+        f"- command: `{cmd}`; commit {commit_label(REPO)}; machine: {platform.machine()}, "
         f"{os.cpu_count()} shared CPUs, load average {os.getloadavg()[0]:.1f} at the end; total wall {time.monotonic() - t0:.0f} s",
         f"- workload: `trace generate osworld --seed 1 --agents {agents_total}` (the generator in the tree at the run), closed loop "
         f"{a.agents} agents, {a.block_size}-token blocks; 9 nodes × 4 GB300, profile `{profile}`; {warm:.0f} s warm-up, "

@@ -52,7 +52,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from _common import rechained  # noqa: E402
+from _common import commit_label, rechained  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
@@ -253,10 +253,6 @@ def main(argv: list[str] | None = None) -> int:
             if lru and bc:
                 v = "no loss under LRU" if ll == 0 else f"{lb / ll:.2f}× LRU — {'met' if lb <= 0.5 * ll else 'MISSED'}"
                 verdicts.append(f"{pz} @ {h / 1e6:.2f}M: {v}")
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        sha = "unknown"
     expired = sum(r["expired"] for r in rows)
     head = [
         f"## simulator: branch-count vs LRU host eviction ({mode}) — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -264,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- command: `python bench/sim_eviction.py{' --quick' if q else ''}{f' --workers {a.workers}' if a.workers > 1 else ''}"
         f"{f' --hosts {a.hosts}' if a.hosts else ''}{f' --pauses {a.pauses}' if a.pauses != '30,recorded' else ''}"
         f"{f' --seeds {a.seeds}' if a.seeds else ''}`",
-        f"- commit: `{sha}` (+ uncommitted working tree)",
+        f"- commit: {commit_label(REPO)}",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, load average "
         f"{os.getloadavg()[0]:.1f} at the end (shared VM); total wall {time.monotonic() - t0:.0f} s",
         f"- settings: 9 nodes × 4 GPUs `gb300-glm52`, `--policy static:4P5D` (cache-aware prefill routing, round-robin "

@@ -49,7 +49,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from _common import rechained  # noqa: E402
+from _common import commit_label, rechained  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
@@ -232,15 +232,13 @@ def plot(rows: list[dict[str, Any]], levels: list[int], path: Path) -> None:
 
 def section(rows: list[dict[str, Any]], a: argparse.Namespace, levels: list[int], duration: float, warmup: float,
             fig: Path, total_wall: float) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     mode = "quick" if a.quick else "full"
     lines = [
         f"## TTFT routing on real Claude Code sessions ({mode}) — {date}",
         "",
         f"- command: `python bench/sim_routing.py{' --quick' if a.quick else ''} --workers {a.workers}`",
-        f"- commit: `{commit}`{' (+ uncommitted changes)' if dirty else ''}; machine: {platform.machine()}, "
+        f"- commit: {commit_label(REPO)}; machine: {platform.machine()}, "
         f"{os.cpu_count()} shared CPUs, Python {platform.python_version()}; total wall {total_wall:.0f} s",
         f"- cluster: 9 nodes × 4 GPUs `gb300-glm52`, fixed split 4P5D; trace: all 530 real Claude Code sessions "
         f"(`claude-code-weka`), pauses ≤ 30 s, closed loop at {', '.join(map(str, levels))} agents, {BLOCK}-token blocks, "

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+from _common import commit_label  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 CLI = [sys.executable, "-m", "evolving_infra.cli"]
 
@@ -70,16 +71,6 @@ def machine() -> str:
         load = float("nan")
     return (f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}, "
             f"load average {load:.1f} at the end (shared VM: other jobs run on the same cores)")
-
-
-def commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "evolving_infra/sim", "services/worker"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + (" (+ uncommitted simulator files)" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         f"## simulator speed ({mode}) — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         f"- command: `{cmd}`",
-        f"- commit: `{commit()}`",
+        f"- commit: {commit_label(REPO)}",
         f"- machine: {machine()}",
         "- workload: `trace generate claude-code --agents 500 --seed 1 --block-size 512`, `--max-pause 30`, closed loop",
         *[f"- note: {n}" for n in notes],

@@ -40,7 +40,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from _common import rechained  # noqa: E402
+from _common import commit_label, rechained  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
@@ -210,10 +210,6 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(r)
         summary.write_text(json.dumps(rows, indent=1, default=str))
     by = {r["label"]: r for r in rows}
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        sha = "unknown"
     fig_name = f"sim_switching_{mode}.png"
     drew = figure(rows, a.warmup, FIGURES / fig_name)
     cmd = "python bench/sim_switching.py" + (" --quick" if a.quick else "")
@@ -223,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         f"## simulator: phase switches on real Claude Code — decoupled vs relaunch vs strand ({mode}) — "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
-        f"- command: `{cmd}`; commit `{sha}` (+ uncommitted simulator files); machine: {platform.machine()}, "
+        f"- command: `{cmd}`; commit {commit_label(REPO)}; machine: {platform.machine()}, "
         f"{os.cpu_count()} shared CPUs, load average {os.getloadavg()[0]:.1f} at the end; total wall {time.monotonic() - t0:.0f} s",
         f"- workload: all 530 real Claude Code sessions (`claude-code-weka`), closed loop {a.agents} agents, pauses ≤ 30 s, "
         f"512-token blocks, seed 1; 9 nodes × 4 GB300 (`gb300-glm52`, L1 2.06M / L2 "

@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ import msgspec
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _common import commit_label  # noqa: E402
 
 from evolving_infra.traces.convert import convert_to_file  # noqa: E402
 
@@ -44,15 +44,6 @@ def _cpu() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def _commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "evolving_infra/traces"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        return head + (" + uncommitted changes in evolving_infra/traces" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             f"- command: `{cmd}` (times `convert_to_file('claude-code-weka', files, OUT.jsonl)`, "
             "the call behind `evolving-infra trace convert --from claude-code-weka`)\n"
             f"- date: {dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n"
-            f"- commit: {_commit()}\n"
+            f"- commit: {commit_label(REPO)}\n"
             f"- machine: {_cpu()}, {os.cpu_count()} CPUs (shared with other jobs), Python {platform.python_version()}, "
             f"msgspec {msgspec.__version__}\n"
             f"- input: {args.src} ({len(files)} gzip files)\n\n{table}\n"
