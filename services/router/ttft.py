@@ -10,8 +10,8 @@ For a request r and every prefill candidate n the predictor computes
 
 * **work on n** (Alg. E.3 l.6–7) from the KV directory's lookup, by the rule
   of :func:`services.kvdirectory.lookup.fetch_plan` (inlined in the loop over
-  candidates for speed and property-tested equal to it; ``fetch_plan`` itself
-  gives the chosen node's ranges): ``t_c,n`` = longest prefix
+  candidates for speed and property-tested equal to it, as is the chosen
+  node's ranges): ``t_c,n`` = longest prefix
   cached on n *or anywhere* (``longest_any``), ``x_n`` = its tokens that only
   other nodes hold, ``t_uc,n = t_in − t_c,n``. Two engine rules are applied on
   top: at most ``(t_in − 1) // bs`` blocks come from cache (at least one token
@@ -95,7 +95,6 @@ from shared.itermodel import DecodeModel, PrefillModel
 from shared.messages import FetchRange, KvLookupReply, NodePrefix, NodeState, PlannerModels, QueuedWork
 from shared.profile import Profile
 
-from services.kvdirectory.lookup import fetch_plan
 from services.router.nodes import NodeLoad
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy, decode_load
 
@@ -771,8 +770,8 @@ class TtftPredictor:
         plan's ranges beyond n's own prefix held by other nodes. It is computed
         here in the loop, with the same rule (property-tested equal to
         ``fetch_plan``), because a ``fetch_plan`` call per candidate (objects per
-        range) costs more than the rest of the estimate; ``fetch_plan`` gives
-        the chosen node's ranges.
+        range) costs more than the rest of the estimate; the chosen node's
+        ranges come from the same rule (``_fetch_ranges``, also property-tested).
 
         With more than ``prune_above`` candidates (and ``breakdown`` off), only
         the candidates that can still win are scored: each node's lower bound
@@ -816,9 +815,7 @@ class TtftPredictor:
         best = CandidateEstimate._make(top)
         ranges: tuple[FetchRange, ...] = ()
         if best.fetch_tokens and lookup is not None and view is not None:
-            own = view[0].get(best.node)
-            plan = fetch_plan((own,) if own is not None else (), lookup.longest_any, lookup.sources, best.node, lookup.block_size)
-            ranges = _clip_ranges(plan.ranges, best.cached_tokens // lookup.block_size)
+            ranges = _fetch_ranges(lookup.sources, best.node, best.local_tokens // lookup.block_size, best.cached_tokens // lookup.block_size)
         return Prediction(
             best=best, estimates=CandidateEstimates(raw), ties=ties, fetch=ranges, longest_local_blocks=view[2] if view is not None else 0
         )
@@ -951,12 +948,20 @@ def _valid(*xs: float) -> bool:
     return all(math.isfinite(x) and x >= 0 for x in xs)
 
 
-def _clip_ranges(ranges: Sequence[FetchRange], end_block: int) -> tuple[FetchRange, ...]:
+def _fetch_ranges(sources: Sequence[FetchRange], node: str, local: int, end_block: int) -> tuple[FetchRange, ...]:
+    """The ranges ``node`` fetches: :func:`~services.kvdirectory.lookup.fetch_plan`'s rule
+    (sources held by other nodes, beyond its own prefix of ``local`` blocks) clipped to its
+    cached prefix ``[0, end_block)`` (property-tested equal to ``fetch_plan`` + clipping;
+    without its per-call ``FetchPlan``, this is 1 µs per decision instead of 4)."""
     out = []
-    for r in ranges:
-        if r.start >= end_block:
+    for r in sources:
+        if r.node == node or r.end <= local:
+            continue
+        start = r.start if r.start > local else local
+        if start >= end_block:
             break
-        out.append(r if r.end <= end_block else FetchRange(node=r.node, start=r.start, end=end_block, tier=r.tier))
+        end = r.end if r.end < end_block else end_block
+        out.append(r if start == r.start and end == r.end else FetchRange(node=r.node, start=start, end=end, tier=r.tier))
     return tuple(out)
 
 

@@ -469,18 +469,29 @@ def _lookups(draw):
 
 
 @settings(max_examples=200, deadline=None)
-@given(_lookups())
-def test_cached_fetched_and_local_tokens_equal_fetch_plan(lk_names):
+@given(_lookups(), hs.integers(0, 40))
+def test_cached_fetched_and_local_tokens_equal_fetch_plan(lk_names, short):
+    """Every candidate's work, and the chosen node's fetch ranges, follow ``fetch_plan``; a
+    prompt that ends inside the cached prefix (``short`` blocks before its end) gets the
+    plan's ranges clipped to the blocks it can use (at least one token is computed)."""
     look, names = lk_names
     p = TtftPredictor(SIMPLE, fetch=FetchModel(min_tokens=0))
-    req = RouteRequest(rid="r", prompt_tokens=look.longest_any * BS + 1, block_hashes=list(range(look.longest_any)))
+    prompt = max(1, look.longest_any - short) * BS + (1 if short == 0 else 0)
+    req = RouteRequest(rid="r", prompt_tokens=prompt, block_hashes=list(range(prompt // BS)))
     pred = p.predict(req, look, cand(*names), 0.0)
-    for e in pred.estimates:
-        fp = fetch_plan(look.nodes, look.longest_any, look.sources, e.node, BS)
-        assert (e.cached_tokens, e.fetch_tokens, e.local_tokens) == (fp.cached_tokens, fp.fetch_tokens, fp.local_tokens)
+    if short == 0:
+        for e in pred.estimates:
+            fp = fetch_plan(look.nodes, look.longest_any, look.sources, e.node, BS)
+            assert (e.cached_tokens, e.fetch_tokens, e.local_tokens) == (fp.cached_tokens, fp.fetch_tokens, fp.local_tokens)
     if pred.best.fetch_tokens:
         fp = fetch_plan(look.nodes, look.longest_any, look.sources, pred.best.node, BS)
-        assert pred.fetch == fp.ranges
+        end = pred.best.cached_tokens // BS
+        clipped = []
+        for r in fp.ranges:
+            if r.start >= end:
+                break
+            clipped.append(r if r.end <= end else FetchRange(node=r.node, start=r.start, end=end, tier=r.tier))
+        assert pred.fetch == tuple(clipped)
 
 
 
