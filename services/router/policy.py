@@ -104,7 +104,7 @@ class PrefillChoice:
     loads: dict[str, int] = field(default_factory=dict)
     matches: dict[str, int] = field(default_factory=dict)
     predicted_ttft_s: float | None = None
-    estimates: tuple[Any, ...] = ()
+    estimates: Sequence[Any] = ()
     fetch: tuple[FetchRange, ...] = ()
 
 

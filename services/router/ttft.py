@@ -689,7 +689,7 @@ class TtftPredictor:
         max_age = self.state_max_age_s
         f_base, f_per, f_min = self._fetch_base, self._fetch_per_token, self._fetch_min
         kappa = self.kappa
-        out: list[CandidateEstimate] = []
+        out: list[tuple[Any, ...]] = []
         append = out.append
         for node, t_uc, t_c, rst, x, local in works:
             tr = nodes.get(node) or self._track(node)
@@ -912,7 +912,7 @@ class TtftPredictor:
         limit = math.inf
         pos, n_all = 0, len(order)
         while pos < n_all and bounds[order[pos]] <= limit:
-            batch = []
+            batch: list[int] = []
             while pos < n_all and bounds[order[pos]] <= limit and len(batch) < _PRUNE_BATCH:
                 batch.append(order[pos])
                 pos += 1
