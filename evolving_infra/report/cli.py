@@ -54,7 +54,7 @@ def recompute(report: dict, records: list) -> dict:  # type: ignore[type-arg]
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Write the side-by-side HTML, PNGs and table of several runs."""
-    from evolving_infra.report.compare import format_table, write_compare
+    from evolving_infra.report.compare import format_table, input_differences, write_compare
 
     try:
         path, runs, table = write_compare([Path(d) for d in args.run_dirs], Path(args.out))
@@ -62,6 +62,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table([r.label for r in runs], table))
+    diffs = input_differences([r.report for r in runs], [r.label for r in runs])
+    for d in diffs:
+        print(f"warning: the runs served different inputs — {d}", file=sys.stderr)
+    if diffs:
+        print("warning: ratios between them (requests completed, throughput) compare different workloads or durations", file=sys.stderr)
     print(f"html: {path}")
     return 0
 

@@ -23,6 +23,12 @@ from evolving_infra.report.write import load_run
 COMPARE_HTML = "compare.html"
 COMPARE_JSON = "compare.json"
 
+INPUT_KEYS: tuple[str, ...] = (
+    "trace", "agents", "tile", "max_pause_s", "arrival", "duration_s", "warmup_s", "seed", "block_size", "agent_order",
+)
+"""``meta`` keys that define what a run served and for how long: runs that differ in one of
+them answer different questions, and their ratios (requests completed, throughput) mislead."""
+
 # Rows beyond the headline metrics: (key, lower_is_better)
 _MORE_ROWS: tuple[tuple[str, bool | None], ...] = (
     ("requests_completed", False),
@@ -101,6 +107,19 @@ def format_table(labels: Sequence[str], table: Sequence[Mapping[str, Any]]) -> s
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
 
 
+def input_differences(reports: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> list[str]:
+    """One line per :data:`INPUT_KEYS` key whose ``meta`` value differs between runs that record
+    it (a key no run records, e.g. in a live replay's report, is skipped), naming each run's value.
+    Empty when the runs served the same input for the same time."""
+    out = []
+    metas = [r.get("meta") if isinstance(r.get("meta"), Mapping) else {} for r in reports]
+    for key in INPUT_KEYS:
+        vals = [m.get(key) for m in metas]
+        if any(v is not None for v in vals) and any(v != vals[0] for v in vals[1:]):
+            out.append(f"{key}: " + ", ".join(f"{lab}={v}" for lab, v in zip(labels, vals)))
+    return out
+
+
 def write_compare(dirs: Sequence[Path], out: Path) -> tuple[Path, list[RunData], list[dict[str, Any]]]:
     """Compare run directories; write ``compare.html``, ``compare.json`` and the PNGs into ``out``.
 
@@ -124,8 +143,10 @@ def write_compare(dirs: Sequence[Path], out: Path) -> tuple[Path, list[RunData],
         cluster = meta.get("cluster") if isinstance(meta.get("cluster"), Mapping) else {}
         info.append({"label": r.label, "dir": str(d), "command": meta.get("command"),
                      "split": cluster.get("split"), "date": meta.get("date")})
+    diffs = input_differences([r.report for r in runs], [r.label for r in runs])
     (out / COMPARE_JSON).write_text(
-        json.dumps({"runs": info, "metrics": table, "plots": [p.file for p in plots]}, indent=2, default=str) + "\n"
+        json.dumps({"runs": info, "input_differences": diffs, "metrics": table, "plots": [p.file for p in plots]}, indent=2, default=str)
+        + "\n"
     )
     html_path = out / COMPARE_HTML
     html_path.write_text(compare_page(info, table, plots, base=out), encoding="utf-8")

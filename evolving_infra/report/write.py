@@ -200,9 +200,14 @@ def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None
     elif g("final_split"):
         lines.append(f"PD split   final {g('final_split')}")
     known = {k for k, *_ in HEADLINE_METRICS}
-    for key in ("ttft_prediction_abs_error_median_s", "lost_kv_reuse_eviction_share", "sim_speed"):
+    extras = (
+        ("ttft_prediction_abs_error_median_s", "TTFT prediction |error| median", fmt_seconds),
+        ("lost_kv_reuse_eviction_share", "lost KV reuse due to eviction", pct),
+        ("sim_speed", "sim speed", lambda v: f"{v:.0f}x real time"),
+    )
+    for key, name, show in extras:
         if g(key) is not None and key not in known:
-            lines.append(f"{key} {g(key)}")
+            lines.append(f"{name} {show(g(key))}")
     for p in g("periods") or []:
         lines.append(
             f"period     {p.get('name')}: {fmt_value(p.get('throughput_rps'), 'rps')} req/s, "

@@ -159,3 +159,16 @@ def test_page_shows_producer_keys_and_escapes(tmp_path: Path):
     assert "Simulation speed" in page and "250" in page
     assert "TTFT prediction |error| median" in page and "0.125 s" in page
     assert "<sim>" not in page and "&lt;sim&gt;" in page
+
+
+def test_compare_warns_when_runs_served_different_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    same_a = make_run(tmp_path, "a", plots=False, trace="cc.jsonl.gz", duration_s=3600.0)
+    same_b = make_run(tmp_path, "b", plots=False, trace="cc.jsonl.gz", duration_s=3600.0)
+    short = make_run(tmp_path, "short", plots=False, trace="cc.jsonl.gz", duration_s=600.0)
+    assert main(["report", "compare", str(same_a), str(same_b), "--out", str(tmp_path / "c1")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "c1" / "compare.json").read_text())["input_differences"] == []
+    assert main(["report", "compare", str(same_a), str(short), "--out", str(tmp_path / "c2")]) == 0
+    err = capsys.readouterr().err
+    assert "different inputs" in err and "duration_s: a=3600.0, short=600.0" in err and "trace" not in err
+    assert json.loads((tmp_path / "c2" / "compare.json").read_text())["input_differences"] == ["duration_s: a=3600.0, short=600.0"]
