@@ -625,6 +625,21 @@ def _assert_cached_replays_are_fresh(p: TtftPredictor) -> None:
             assert p._bounds[tr.node] == bound
 
 
+def test_a_dispatch_whose_rid_the_state_already_lists_does_not_count_twice():
+    """A state that lists a rid before the router records its dispatch (a rid reused after
+    its first token, or a state that overtook the send): the request is in the reported
+    queue once, and the dispatch leaves the cached replay as a fresh replay makes it."""
+    p = TtftPredictor(SIMPLE, prune_above=0)
+    p.apply_state(st("n", 0.0, remaining=0.0, queue=[q("r", 300)]), 0.0)
+    before = p.wait("n", 0.0)
+    p.on_dispatch("r", "n", uncached_tokens=300)
+    assert p.wait("n", 0.0) == before == pytest.approx(3 * it(100))
+    _assert_cached_replays_are_fresh(p)
+    p.on_dispatch("s", "n", uncached_tokens=100)  # an ordinary send still extends the queue
+    assert p.wait("n", 0.0) == pytest.approx(before + it(100))
+    _assert_cached_replays_are_fresh(p)
+
+
 @settings(max_examples=200, deadline=None)
 @given(_clusters(), hs.lists(hs.tuples(hs.sampled_from(["send", "forget", "state"]), hs.integers(0, 39), hs.integers(0, 3000), hs.integers(0, 3000)), max_size=40))
 def test_dispatches_and_first_tokens_update_a_cached_replay_exactly(cluster, ops):
