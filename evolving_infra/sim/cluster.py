@@ -52,7 +52,7 @@ from evolving_infra.sim.policies import LOCAL_KV_MODES, SHARED_POOL_MODES
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import shared_prefix_len
 from services.kvdirectory.core import KvDirectory
-from services.kvdirectory.lookup import fetch_plan_for_reply
+from services.kvdirectory.lookup import fetch_ranges
 from services.kvdirectory.reuse import attribute_lost_reuse
 from services.router.core import NoRoute, RouterCore
 from services.router.policy import RouteRequest
@@ -94,7 +94,7 @@ def pool_fetch(lookup: KvLookupReply | None, node: str, prompt_tokens: int, min_
     no fetch (paper §4.2: any prefill node reads the shared pool while the request queues).
 
     The ranges of the cluster's longest cached prefix beyond ``node``'s own prefix that other
-    nodes hold (``services.kvdirectory.lookup.fetch_plan``, host copies first), clipped to the
+    nodes hold (``services.kvdirectory.lookup.fetch_ranges``, host copies first), clipped to the
     engine's cache cap ``(prompt − 1) // block_size`` blocks; empty when that is under
     ``min_tokens`` tokens or there is no lookup. The engine fetches them while the request
     waits (``EngineScheduler._start_fetch``). O(ranges).
@@ -102,17 +102,9 @@ def pool_fetch(lookup: KvLookupReply | None, node: str, prompt_tokens: int, min_
     if lookup is None or lookup.error is not None or lookup.longest_any <= 0 or prompt_tokens < 2:
         return []
     bs = lookup.block_size
-    cap = (prompt_tokens - 1) // bs
-    plan = fetch_plan_for_reply(lookup, node)
-    out: list[FetchRange] = []
-    blocks = 0
-    for r in plan.ranges:
-        if r.start >= cap:
-            continue
-        end = r.end if r.end <= cap else cap
-        out.append(r if end == r.end else FetchRange(node=r.node, start=r.start, end=end, tier=r.tier))
-        blocks += end - r.start
-    return out if blocks * bs >= min_tokens else []
+    local = next((p.local_blocks for p in lookup.nodes if p.node == node), 0)
+    out = list(fetch_ranges(lookup.sources, node, local, (prompt_tokens - 1) // bs))
+    return out if sum(r.end - r.start for r in out) * bs >= min_tokens else []
 
 
 class SimError(RuntimeError):

@@ -77,21 +77,34 @@ def fetch_plan(
         if p.node == node:
             local = p.local_blocks
             break
-    ranges = []
-    fetch = 0
-    for r in sources:
-        if r.node == node or r.end <= local:
-            continue
-        start = max(r.start, local)
-        ranges.append(FetchRange(node=r.node, start=start, end=r.end, tier=r.tier))
-        fetch += r.end - start
+    ranges = fetch_ranges(sources, node, local)
     return FetchPlan(
         node=node,
         cached_tokens=longest_any * block_size,
         local_tokens=local * block_size,
-        fetch_tokens=fetch * block_size,
-        ranges=tuple(ranges),
+        fetch_tokens=sum(r.end - r.start for r in ranges) * block_size,
+        ranges=ranges,
     )
+
+
+def fetch_ranges(sources: Sequence[FetchRange], node: str, local: int, end_block: int | None = None) -> tuple[FetchRange, ...]:
+    """The block ranges ``node`` fetches (x_n's ranges, paper Eq. 7): the ``sources`` held by
+    other nodes, beyond ``node``'s own prefix of ``local`` blocks, clipped to ``[0, end_block)``
+    when given (a prompt that ends inside the cached prefix uses only its first blocks).
+    A source range that needs no cut is returned as is. O(len(sources))."""
+    out = []
+    for r in sources:
+        if r.node == node or r.end <= local:
+            continue
+        start = r.start if r.start > local else local
+        end = r.end
+        if end_block is not None:
+            if start >= end_block:
+                break
+            if end > end_block:
+                end = end_block
+        out.append(r if start == r.start and end == r.end else FetchRange(node=r.node, start=start, end=end, tier=r.tier))
+    return tuple(out)
 
 
 def fetch_plan_for_reply(reply: KvLookupReply, node: str) -> FetchPlan:

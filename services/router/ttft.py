@@ -10,8 +10,9 @@ For a request r and every prefill candidate n the predictor computes
 
 * **work on n** (Alg. E.3 l.6–7) from the KV directory's lookup, by the rule
   of :func:`services.kvdirectory.lookup.fetch_plan` (inlined in the loop over
-  candidates for speed and property-tested equal to it, as is the chosen
-  node's ranges): ``t_c,n`` = longest prefix
+  candidates for speed and property-tested equal to it; the chosen node's
+  ranges come from its :func:`~services.kvdirectory.lookup.fetch_ranges`):
+  ``t_c,n`` = longest prefix
   cached on n *or anywhere* (``longest_any``), ``x_n`` = its tokens that only
   other nodes hold, ``t_uc,n = t_in − t_c,n``. Two engine rules are applied on
   top: at most ``(t_in − 1) // bs`` blocks come from cache (at least one token
@@ -95,6 +96,7 @@ from shared.itermodel import DecodeModel, PrefillModel
 from shared.messages import FetchRange, KvLookupReply, NodePrefix, NodeState, PlannerModels, QueuedWork
 from shared.profile import Profile
 
+from services.kvdirectory.lookup import fetch_ranges
 from services.router.nodes import NodeLoad
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy, decode_load
 
@@ -518,8 +520,10 @@ class TtftPredictor:
         """A node's state, sends or coefficients changed: drop its cached replays. With
         ``replay`` (a new state or new coefficients, which arrive off the request path),
         replay its queue now, so the next decisions read it instead of replaying it (as a
-        Dynamo router's indexer applies KV events before the decisions that read them);
-        a dispatch or a first token leaves it to the next decision that needs it."""
+        Dynamo router's indexer applies KV events before the decisions that read them).
+        Without ``replay`` the node's next decision replays it (a dispatch to a node with no
+        cached replay; a dispatch or first token on a cached one updates it in place, see
+        :meth:`on_dispatch` and :meth:`forget`)."""
         tr.trusted_ctx = None
         tr.fallback_ctx = None
         st = tr.state
@@ -771,7 +775,8 @@ class TtftPredictor:
         here in the loop, with the same rule (property-tested equal to
         ``fetch_plan``), because a ``fetch_plan`` call per candidate (objects per
         range) costs more than the rest of the estimate; the chosen node's
-        ranges come from the same rule (``_fetch_ranges``, also property-tested).
+        ranges come from ``fetch_plan``'s own range rule (:func:`~services.kvdirectory.lookup.fetch_ranges`,
+        clipped to its cached prefix), without a ``FetchPlan`` per decision.
 
         With more than ``prune_above`` candidates (and ``breakdown`` off), only
         the candidates that can still win are scored: each node's lower bound
@@ -815,7 +820,7 @@ class TtftPredictor:
         best = CandidateEstimate._make(top)
         ranges: tuple[FetchRange, ...] = ()
         if best.fetch_tokens and lookup is not None and view is not None:
-            ranges = _fetch_ranges(lookup.sources, best.node, best.local_tokens // lookup.block_size, best.cached_tokens // lookup.block_size)
+            ranges = fetch_ranges(lookup.sources, best.node, best.local_tokens // lookup.block_size, best.cached_tokens // lookup.block_size)
         return Prediction(
             best=best, estimates=CandidateEstimates(raw), ties=ties, fetch=ranges, longest_local_blocks=view[2] if view is not None else 0
         )
@@ -946,23 +951,6 @@ _BOUND_SLACK_S = 1e-9
 
 def _valid(*xs: float) -> bool:
     return all(math.isfinite(x) and x >= 0 for x in xs)
-
-
-def _fetch_ranges(sources: Sequence[FetchRange], node: str, local: int, end_block: int) -> tuple[FetchRange, ...]:
-    """The ranges ``node`` fetches: :func:`~services.kvdirectory.lookup.fetch_plan`'s rule
-    (sources held by other nodes, beyond its own prefix of ``local`` blocks) clipped to its
-    cached prefix ``[0, end_block)`` (property-tested equal to ``fetch_plan`` + clipping;
-    without its per-call ``FetchPlan``, this is 1 µs per decision instead of 4)."""
-    out = []
-    for r in sources:
-        if r.node == node or r.end <= local:
-            continue
-        start = r.start if r.start > local else local
-        if start >= end_block:
-            break
-        end = r.end if r.end < end_block else end_block
-        out.append(r if start == r.start and end == r.end else FetchRange(node=r.node, start=start, end=end, tier=r.tier))
-    return tuple(out)
 
 
 # --------------------------------------------------------------------------- #
