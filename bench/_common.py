@@ -27,7 +27,7 @@ def rechained(requests: Sequence[Any]) -> list[Any]:
 def commit_label(repo: Any, paths: Sequence[str] = ("services", "shared", "evolving_infra", "bench")) -> str:
     """Markdown for a results section: ``"`abc1234`"``, with ``" (+ uncommitted changes in
     services/worker, ...)"`` when ``git status`` shows changes under ``paths`` (figures that a
-    benchmark rewrites and ``bench/RESULTS.md`` are not counted); ``"unknown"`` outside git."""
+    benchmark rewrites and ``bench/RESULTS*.md`` are not counted); ``"unknown"`` outside git."""
     import subprocess
 
     try:
@@ -35,6 +35,6 @@ def commit_label(repo: Any, paths: Sequence[str] = ("services", "shared", "evolv
         st = subprocess.run(["git", "status", "--porcelain", "--", *paths], cwd=repo, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    changed = [f for line in st.splitlines() if (f := line[3:]) and not f.startswith("bench/figures/") and f != "bench/RESULTS.md"]
+    changed = [f for line in st.splitlines() if (f := line[3:]) and not f.startswith("bench/figures/") and f not in ("bench/RESULTS.md", "bench/RESULTS-history.md")]
     dirs = sorted({"/".join(f.split("/")[:2]) for f in changed})
     return f"`{sha}`" + (f" (+ uncommitted changes in {', '.join(dirs)})" if dirs else "")

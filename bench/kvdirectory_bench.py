@@ -17,7 +17,7 @@ Measures, on one core, with a fixed seed:
   (blocks held by one node in both tiers, the directory's state only).
 
 Appends the command, date, commit, machine and a results table to
-bench/RESULTS.md (creating it with a title line when missing).
+bench/RESULTS-history.md (creating it with a title line when missing).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from services.kvdirectory.core import KvDirectory  # noqa: E402
 from shared.messages import BlockRemoved, BlockStored, KvEventBatch, encode  # noqa: E402
 
 BS = 64
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS = Path(__file__).resolve().parent / "RESULTS-history.md"
 
 
 class NaiveDirectory:
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CI / smoke)")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--no-write", action="store_true", help="print only, do not append to bench/RESULTS.md")
+    ap.add_argument("--no-write", action="store_true", help="print only, do not append to bench/RESULTS-history.md")
     args = ap.parse_args(argv)
     ing = bench_ingest(args.quick, args.seed)
     lk_shared = bench_lookup(args.quick, args.seed, "shared")
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     print(section)
     if not args.no_write:
         if not RESULTS.exists():
-            RESULTS.write_text("# Benchmark results\n")
+            RESULTS.write_text("# Benchmark results: history\n")
         with RESULTS.open("a") as f:
             f.write(section)
     return 0

@@ -21,7 +21,7 @@ Needs Mooncake (``scripts/install-mooncake.sh``). Two processes: a holder
 * checksum and payload-generation cost per byte (CRC-32, BLAKE2b-64, SFC64).
 
 Appends the command, date, commit, machine and a results table to
-``bench/RESULTS.md``.
+``bench/RESULTS-history.md``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from shared.log import setup_logging  # noqa: E402
 from shared.natsserver import EmbeddedNatsServer  # noqa: E402
 from shared.subjects import Subjects  # noqa: E402
 
-RESULTS = REPO / "bench" / "RESULTS.md"
+RESULTS = REPO / "bench" / "RESULTS-history.md"
 GLM_BLOCK_BYTES = 64 * 54_600
 
 
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=0, help="total MiB to move (default 64 quick / 256 full)")
     ap.add_argument("--block-bytes", type=int, default=GLM_BLOCK_BYTES, help="bytes per block (default one GLM-5.2 block)")
     ap.add_argument("--reps", type=int, default=0, help="repetitions (default 3 quick / 5 full)")
-    ap.add_argument("--no-write", action="store_true", help="print only, do not append to bench/RESULTS.md")
+    ap.add_argument("--no-write", action="store_true", help="print only, do not append to bench/RESULTS-history.md")
     args = ap.parse_args(argv)
     mib = args.mib or (64 if args.quick else 256)
     reps = args.reps or (3 if args.quick else 5)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     print(section)
     if not args.no_write:
         if not RESULTS.exists():
-            RESULTS.write_text("# Benchmark results\n")
+            RESULTS.write_text("# Benchmark results: history\n")
         with RESULTS.open("a") as f:
             f.write(section)
     return 0

@@ -13,7 +13,7 @@ Usage::
     python bench/overhead_bench.py            # 200 requests per prompt size
     python bench/overhead_bench.py --quick    # 30 requests per prompt size
 
-Appends a section to bench/RESULTS.md.
+Appends a section to bench/RESULTS-history.md.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ async def run(n: int, sizes: list[int]) -> tuple[list[tuple[str, float, float, f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="30 requests per size instead of 200")
-    ap.add_argument("--no-write", action="store_true", help="do not append to bench/RESULTS.md")
+    ap.add_argument("--no-write", action="store_true", help="do not append to bench/RESULTS-history.md")
     args = ap.parse_args()
     setup_logging("console", "warning")
     n = 30 if args.quick else 200
@@ -129,7 +129,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        with open(REPO / "bench" / "RESULTS.md", "a") as f:
+        with open(REPO / "bench" / "RESULTS-history.md", "a") as f:
             f.write(text)
 
 

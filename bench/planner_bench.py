@@ -32,7 +32,7 @@ Measures, on one core, with a fixed seed:
   the SLO guard) at 64 nodes × 10 slices, p50/p99 µs; baseline: the same Θ in a
   pure-Python loop over candidates, slices and nodes.
 
-Appends the command, date, commit, machine and a results table to bench/RESULTS.md.
+Appends the command, date, commit, machine and a results table to bench/RESULTS-history.md.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from services.planner.throughput import NodeModelState  # noqa: E402
 from services.worker.plan import TokensOut  # noqa: E402
 from services.worker.scheduler import EngineScheduler  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS = Path(__file__).resolve().parent / "RESULTS-history.md"
 PROFILE = load_profile("gb300-glm52")
 # deliberately wrong priors (2–3× off): only what the records leave undetermined falls back to them
 PRIOR_P = PrefillModel(c0=0.03, c1=5e-5, c2=5e-10, c3=5e-8)
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter sim-engine run, fewer repetitions")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--no-write", action="store_true", help="print only, do not append to bench/RESULTS.md")
+    ap.add_argument("--no-write", action="store_true", help="print only, do not append to bench/RESULTS-history.md")
     args = ap.parse_args(argv)
     sim = bench_sim_fit(args.quick, args.seed)
     fig5 = bench_figure5(args.seed)
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not args.no_write:
         if not RESULTS.exists():
-            RESULTS.write_text("# Benchmark results\n")
+            RESULTS.write_text("# Benchmark results: history\n")
         with RESULTS.open("a") as f:
             f.write("\n" + text)
     return 0

@@ -43,7 +43,7 @@ Measures, on one core, with a fixed seed:
   error in s.
 
 Appends the command, date, commit, machine and the results tables to
-bench/RESULTS.md.
+bench/RESULTS-history.md.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from services.worker.scheduler import EngineScheduler  # noqa: E402
 
 BS = 64
 BLOCKS = 2000
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS = Path(__file__).resolve().parent / "RESULTS-history.md"
 
 
 # --------------------------------------------------------------------------- #
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer decisions and runs (CI / smoke)")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--no-write", action="store_true", help="print only, do not append to bench/RESULTS.md")
+    ap.add_argument("--no-write", action="store_true", help="print only, do not append to bench/RESULTS-history.md")
     args = ap.parse_args(argv)
     decisions = 1500 if args.quick else 8000
     lat_rows = []
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     print(section)
     if not args.no_write:
         if not RESULTS.exists():
-            RESULTS.write_text("# Benchmark results\n")
+            RESULTS.write_text("# Benchmark results: history\n")
         with RESULTS.open("a") as f:
             f.write(section)
     return 0

@@ -37,7 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from _common import commit_label  # noqa: E402
-RESULTS = REPO / "bench" / "RESULTS.md"
+RESULTS = REPO / "bench" / "RESULTS-history.md"
 
 _W: dict[str, Any] = {}
 

@@ -22,7 +22,7 @@
    CC sweep); Arrow runs on the symmetric engines of Evolving Infra (§3;
    ``gb300-glm52``).
 
-Appends a section to ``bench/RESULTS.md``. ``--quick`` shortens every run.
+Appends a section to ``bench/RESULTS-history.md``. ``--quick`` shortens every run.
 
     python bench/sim_calibration.py --quick --workers 2
 """
@@ -43,7 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from _common import commit_label, rechained  # noqa: E402
-RESULTS = REPO / "bench" / "RESULTS.md"
+RESULTS = REPO / "bench" / "RESULTS-history.md"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
 PAPER_BEST = {"putnam": "2P7D", "osworld": "6P3D", "cc": "4P5D"}
 

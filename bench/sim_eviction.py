@@ -29,7 +29,7 @@ directory, which tracks branches under both policies), throughput, mean/P95 TTFT
 that active branches reference per prefill node (mean/max, sampled at every send). Target
 (issue 5): branch-count's lost KV reuse ≤ ½ of LRU's at the same capacity (a capacity where
 under 10% of LRU's lost reuse is due to eviction has no eviction pressure: n/a). A plot goes to
-``bench/figures/``; a section is appended to ``bench/RESULTS.md``.
+``bench/figures/``; a section is appended to ``bench/RESULTS-history.md``.
 
     python bench/sim_eviction.py --quick           # 3 capacities, 1 order, 1,500 s (600 s warm-up)
     python bench/sim_eviction.py --workers 2       # 6 capacities + the profile's, 3 orders, 2,400 s (600 s warm-up)
@@ -54,7 +54,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from _common import commit_label, rechained  # noqa: E402
-RESULTS = REPO / "bench" / "RESULTS.md"
+RESULTS = REPO / "bench" / "RESULTS-history.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
 SEED = 1

@@ -30,7 +30,7 @@ c. **SLO guard** (beyond the paper, D.3's failure): an open-loop run of the
    queue, the prefill-node count, switches. Plus (a)'s closed-loop runs, paper's
    vs ours (switches). The guard alone, on the Θ objective: ``bench/planner_bench.py``. Plot: ``bench/figures/planner_guard*.png``.
 
-Appends a section to ``bench/RESULTS.md``; ``--quick`` shortens every run
+Appends a section to ``bench/RESULTS-history.md``; ``--quick`` shortens every run
 (and says so in the section).
 
     python bench/sim_planner.py --quick --workers 2
@@ -56,7 +56,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from _common import commit_label, rechained  # noqa: E402
-RESULTS = REPO / "bench" / "RESULTS.md"
+RESULTS = REPO / "bench" / "RESULTS-history.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
 SPLITS = ("3P6D", "4P5D", "5P4D", "6P3D")

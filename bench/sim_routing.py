@@ -23,7 +23,7 @@ mean per-node queueing time per minute, App. C.2), lost KV reuse (1 − h/h*),
 throughput, mean prefill queueing, the share of requests placed on their branch's
 previous prefill node, and for ``ttft`` the |TTFT − admission wait − predicted|
 error (median, P95). A plot of the TTFT CDFs goes to ``bench/figures/``.
-Appends a section to ``bench/RESULTS.md``.
+Appends a section to ``bench/RESULTS-history.md``.
 
     python bench/sim_routing.py --quick            # 90 agents, 1,800 s (600 s warm-up), 3 routers + §3.3 cache-aware
     python bench/sim_routing.py --workers 2        # 90 and 126 agents, 30 min warm-up + 1 h measured
@@ -50,7 +50,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from _common import commit_label, rechained  # noqa: E402
-RESULTS = REPO / "bench" / "RESULTS.md"
+RESULTS = REPO / "bench" / "RESULTS-history.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
 SEED = 1

@@ -14,7 +14,7 @@ Two scale targets (issue 4):
 
 Every run is the real command (``evolving-infra simulate ... --no-plots``) in a
 fresh process, so wall time and peak memory (``ru_maxrss`` of the process and
-its partition workers) are per run. Appends a section to ``bench/RESULTS.md``.
+its partition workers) are per run. Appends a section to ``bench/RESULTS-history.md``.
 
     python bench/sim_speed.py --quick      # ~5 min on 2 shared cores
     python bench/sim_speed.py              # full: the 3,072-GPU hour takes ~1 h of 2 cores
@@ -35,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 from _common import commit_label  # noqa: E402
-RESULTS = REPO / "bench" / "RESULTS.md"
+RESULTS = REPO / "bench" / "RESULTS-history.md"
 CLI = [sys.executable, "-m", "evolving_infra.cli"]
 
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="shorter runs; the 3,072-GPU hour is extrapolated from one partition")
     ap.add_argument("--repeats", type=int, default=None, help="repeats of the 9x4 run (default 3, quick 2)")
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "ei-sim-bench"), help="trace cache directory")
-    ap.add_argument("--no-append", action="store_true", help="print only; do not append to bench/RESULTS.md")
+    ap.add_argument("--no-append", action="store_true", help="print only; do not append to bench/RESULTS-history.md")
     ap.add_argument("--skip-3072", action="store_true", help="only the 9x4 target")
     a = ap.parse_args(argv)
     cache = Path(a.cache)

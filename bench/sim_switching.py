@@ -19,7 +19,7 @@ plane: ``decoupled`` fetches prefixes other nodes hold while a request queues) d
 Two references without switches separate what the switches cost from what the
 data plane gives in steady state: ``static (local KV)`` and ``static + pool``.
 
-Appends a section to ``bench/RESULTS.md`` and a figure to ``bench/figures/``.
+Appends a section to ``bench/RESULTS-history.md`` and a figure to ``bench/figures/``.
 
     python bench/sim_switching.py --quick
 """
@@ -41,7 +41,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from _common import commit_label, rechained  # noqa: E402
-RESULTS = REPO / "bench" / "RESULTS.md"
+RESULTS = REPO / "bench" / "RESULTS-history.md"
 FIGURES = REPO / "bench" / "figures"
 SHARED_CC = REPO.parent / "shared" / "traces" / "claude-code-weka"
 PAPER = {"decoupled": ("0.3%", "0.7–19 s"), "relaunch": ("5.1%", "~700 s (681 s CC)"), "strand": ("55.5%", "≈0 (in place)")}

@@ -5,10 +5,10 @@ Times ``evolving-infra trace convert --from claude-code-weka <folder> -o OUT.jso
 process over the same files: reading them with the standard library
 (``json.load(gzip.open(...))``, the naive reader) and the parse floor
 (``gzip.decompress`` + ``msgspec.json.decode``). Appends command, date, commit,
-machine and a results table to ``bench/RESULTS.md``.
+machine and a results table to ``bench/RESULTS-history.md``.
 
     .venv/bin/python bench/trace_convert_bench.py            # all sessions
-    .venv/bin/python bench/trace_convert_bench.py --quick    # first 50 sessions, no RESULTS.md entry
+    .venv/bin/python bench/trace_convert_bench.py --quick    # first 50 sessions, no RESULTS-history.md entry
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def _cpu() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--src", type=Path, default=REPO.parent / "shared" / "traces" / "claude-code-weka")
-    ap.add_argument("--quick", action="store_true", help="first 50 sessions only; do not append to RESULTS.md")
-    ap.add_argument("--results", type=Path, default=REPO / "bench" / "RESULTS.md")
+    ap.add_argument("--quick", action="store_true", help="first 50 sessions only; do not append to RESULTS-history.md")
+    ap.add_argument("--results", type=Path, default=REPO / "bench" / "RESULTS-history.md")
     args = ap.parse_args(argv)
     files = sorted(args.src.glob("trace_*.json*"))
     if not files:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             f"- input: {args.src} ({len(files)} gzip files)\n\n{table}\n"
         )
         if not args.results.exists():
-            args.results.write_text("# Benchmark results\n")
+            args.results.write_text("# Benchmark results: history\n")
         with args.results.open("a") as fh:
             fh.write(section)
         print(f"appended to {args.results}", file=sys.stderr)
