@@ -21,6 +21,7 @@ the field.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -278,6 +279,33 @@ def check_header_value(name: str, value: str, max_len: int) -> str:
         o = ord(ch)
         if o < 0x20 or o == 0x7F or 0x80 <= o < 0xA0:
             raise ApiError(400, f"{name} contains a control character (U+{o:04X})", param=name)
+    return value
+
+
+REQUEST_ID_MAX_LEN = 128
+"""Longest accepted ``X-Request-ID``."""
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def parse_request_id(value: str | None) -> str | None:
+    """The client's ``X-Request-ID``, kept as the request's id (``rid``) on every node and in every log.
+
+    The id names the request's NATS subject (``req.<rid>.out``), so it must be one subject
+    token: 1 to :data:`REQUEST_ID_MAX_LEN` characters of ``[A-Za-z0-9_-]`` (a UUID fits).
+    ``None`` (no header) means the router makes one.
+
+    Raises:
+        ApiError: 400 naming the header for an empty, too long or otherwise unusable id
+            (not replaced by one of ours: the client's records could not be joined with ours).
+    """
+    if value is None:
+        return None
+    if not value:
+        raise ApiError(400, "X-Request-ID is empty", param="X-Request-ID")
+    if len(value) > REQUEST_ID_MAX_LEN:
+        raise ApiError(400, f"X-Request-ID is {len(value)} characters long; at most {REQUEST_ID_MAX_LEN} allowed", param="X-Request-ID")
+    if not _REQUEST_ID.fullmatch(value):
+        raise ApiError(400, "X-Request-ID may hold only letters, digits, '-' and '_'", param="X-Request-ID")
     return value
 
 

@@ -10,7 +10,7 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 ``POST /v1/completions``               OpenAI completions; ``prompt`` is text or token ids
 ``POST /v1/chat/completions``          OpenAI chat completions
 ``GET /v1/models``                     the served model
-``GET /healthz``                       200 when NATS is connected and a placement is possible, else 503
+``GET /healthz``, ``GET /health``      200 when NATS is connected and a placement is possible, else 503
 ``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts
 ``POST /v1/branches/{id}/end``         end an agent branch (publishes ``BranchEnd``)
 =====================================  =========================================================
@@ -109,6 +109,21 @@ class _Pending:
 
 class _ClientGone(Exception):
     pass
+
+
+class _SseResponse(StreamingResponse):
+    """A streaming response that calls ``on_close`` when it ends in any way (cancelled too),
+    for the case where the body generator never started and so never ran its own ``finally``."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 class _Server(uvicorn.Server):
@@ -625,6 +640,7 @@ class RouterService:
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/healthz", self._healthz, methods=["GET"]),
+                Route("/health", self._healthz, methods=["GET"]),  # the name guidellm and vLLM use
                 Route("/v1/cluster", self._cluster, methods=["GET"]),
                 _AnyCharRoute("/v1/branches/{branch_id:path}/end", self._end_branch, methods=["POST"]),
             ],
@@ -824,6 +840,9 @@ class RouterService:
         if self._stopping:
             return self._error(503, "router is shutting down")
         try:
+            client_rid = api.parse_request_id(request.headers.get("x-request-id"))
+            if client_rid is not None and client_rid in self._pending:
+                raise api.ApiError(409, f"X-Request-ID {client_rid!r} is already in flight", param="X-Request-ID")
             hdrs, req, arr, max_tokens = await self._prepare(request, chat)
             start = None
             if hdrs.branch_id is not None:
@@ -841,7 +860,10 @@ class RouterService:
         packed = arr.astype("<u4").tobytes()
         hashes = block_hashes_packed(packed, self.cfg.block_size)
         lookup, lookup_status = await self._lookup(hashes)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        # the client's X-Request-ID is the rid on every node and in every log line, so records join
+        rid = client_rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if rid in self._pending:  # the same X-Request-ID arrived while this one was tokenized
+            return self._error(409, f"X-Request-ID {rid!r} is already in flight", "X-Request-ID")
         rreq = RouteRequest(
             rid=rid,
             prompt_tokens=int(arr.size),
@@ -875,10 +897,25 @@ class RouterService:
             self.counters[f"routed.decode.{out.decode_node}"] += 1
 
         stream = bool(req.stream)
-        include_usage = bool(stream and req.stream_options is not None and req.stream_options.include_usage)
+        opts = req.stream_options
+        include_usage = bool(stream and opts is not None and opts.include_usage)
+        continuous_usage = bool(stream and opts is not None and opts.continuous_usage_stats)
         created = int(time.time())
+        if stream:
+            # status and headers go out now, at acceptance (a client sees its request taken before
+            # the first token); what fails before the first token is an SSE error event. The nodes
+            # are the placement at dispatch: the ``ei`` object of the last chunk has the final one.
+            headers = {"x-request-id": rid, "x-ei-prefill-node": p.prefill_node}
+            if p.decode_node is not None:
+                headers["x-ei-decode-node"] = p.decode_node
+            gen = self._stream(p, rreq, chat, created, include_usage, continuous_usage)
+            return _SseResponse(
+                gen,
+                on_close=lambda: self._close_stream(p),
+                media_type="text/event-stream",
+                headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+            )
         watcher = asyncio.ensure_future(self._wait_disconnect(request.receive))
-        handed_off = False
         try:
             first = await self._next_item(p, watcher)
             if isinstance(first, _Failure):
@@ -891,12 +928,6 @@ class RouterService:
             headers = {"x-request-id": rid, "x-ei-prefill-node": p.prefill_node}
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
-            if stream:
-                handed_off = True
-                gen = self._stream(p, first, rreq, chat, created, include_usage)
-                return StreamingResponse(
-                    gen, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
-                )
             ids: list[int] = list(first.token_ids)
             prompt_tokens = first.prompt_tokens or rreq.prompt_tokens
             cached = first.cached_tokens
@@ -924,36 +955,47 @@ class RouterService:
         finally:
             if not watcher.done():
                 watcher.cancel()
-            if not handed_off:
-                self._pending.pop(rid, None)
+            self._pending.pop(rid, None)
 
     async def _stream(
-        self, p: _Pending, first: m.TokenChunk, rreq: RouteRequest, chat: bool, created: int, include_usage: bool
+        self, p: _Pending, rreq: RouteRequest, chat: bool, created: int, include_usage: bool, continuous_usage: bool
     ) -> AsyncIterator[bytes]:
-        """SSE body: data chunks, optional usage chunk, ``[DONE]``; an error event on failure."""
+        """SSE body from acceptance on: data chunks (one per TokenChunk whose text is not empty),
+        optional usage chunk, ``[DONE]``; an error event on failure. With ``continuous_usage``
+        (``stream_options.continuous_usage_stats``, vLLM) every data chunk carries ``usage`` so far.
+        A client that goes away cancels this generator (Starlette): the request is aborted."""
         model = self.cfg.model
         rid = p.rid
         decoder = IncrementalDecoder(self.tokenizer)
-        prompt_tokens = first.prompt_tokens or rreq.prompt_tokens
-        cached = first.cached_tokens
+        prompt_tokens = rreq.prompt_tokens
+        cached = 0
         completed = False
 
         def sse(obj: Any) -> bytes:
             return b"data: " + _JSON.encode(obj) + b"\n\n"
 
+        def with_usage(obj: dict[str, Any]) -> dict[str, Any]:
+            if continuous_usage:
+                obj["usage"] = api.usage(prompt_tokens, len(decoder.ids), cached)
+            return obj
+
         def piece_obj(text: str, finish: str | None) -> dict[str, Any]:
             if chat:
                 delta = {"content": text} if text or finish is None else {}
-                return api.chat_chunk(rid, created, model, delta, finish, include_usage)
-            return api.completion_chunk(rid, created, model, text, finish, include_usage)
+                return with_usage(api.chat_chunk(rid, created, model, delta, finish, include_usage))
+            return with_usage(api.completion_chunk(rid, created, model, text, finish, include_usage))
 
         def piece(text: str, finish: str | None) -> bytes:
             return sse(piece_obj(text, finish))
 
         try:
-            if chat:
-                yield sse(api.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, include_usage))
-            item: m.TokenChunk | _Failure = first
+            item: m.TokenChunk | _Failure = await self._next_item(p, None)
+            if isinstance(item, m.TokenChunk) and self._chunk_failure(item) is None:
+                prompt_tokens = item.prompt_tokens or rreq.prompt_tokens
+                cached = item.cached_tokens
+                if chat:
+                    role = {"role": "assistant", "content": ""}
+                    yield sse(with_usage(api.chat_chunk(rid, created, model, role, None, include_usage)))
             while True:
                 if isinstance(item, _Failure):
                     yield sse(api.error_body(item.status, item.reason))
@@ -987,6 +1029,12 @@ class RouterService:
             if not completed:
                 self._abandon(p, "client disconnected", "client_disconnect")
             self._pending.pop(rid, None)
+
+    def _close_stream(self, p: _Pending) -> None:
+        """After an SSE response: forget ``p`` if its body never ran (the client left before it started)."""
+        if self._pending.get(p.rid) is p:
+            self._abandon(p, "client disconnected", "client_disconnect")
+            self._pending.pop(p.rid, None)
 
     @staticmethod
     def _ei(p: _Pending) -> dict[str, Any]:

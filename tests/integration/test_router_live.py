@@ -410,8 +410,12 @@ async def test_no_nodes_and_worker_error(nats_url, tmp_path):
         env.cluster.error_nodes.add("c0")
         r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
         assert r.status_code == 500 and "kv transfer failed" in r.json()["error"]["message"]
+        # a stream's status and headers go out at acceptance: the failure is an SSE error event
         r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "stream": True})
-        assert r.status_code == 500
+        assert r.status_code == 200
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500
+        assert "kv transfer failed" in events[-2]["error"]["message"]
         env.cluster.error_nodes.clear()
         # the node goes away: healthz and requests answer 503 with the reason
         env.cluster.alive.clear()

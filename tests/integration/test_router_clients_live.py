@@ -1,0 +1,117 @@
+"""The router's HTTP API as benchmark clients (NVIDIA AIPerf, guidellm, vLLM's bench) use it.
+
+Real nats-server; workers, planner and directory played by ``FakeCluster`` of
+``test_router_live`` (same fixtures). Each test is a gap a client run found:
+``/health``; ``X-Request-ID`` kept as the request's id; usage in every chunk with
+``stream_options.continuous_usage_stats``; a stream's status and headers sent at
+acceptance, before the first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import httpx
+import pytest
+
+from tests.integration.test_router_live import _wait_for, router_env, sse_events
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_health_alias_answers_like_healthz(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        for path in ("/health", "/healthz"):
+            r = await env.http.get(path)
+            assert r.status_code == 200 and r.json() == {"status": "ok"}, path
+        env.cluster.alive.clear()
+        await _wait_for(lambda: not env.service.ready(), timeout=5, what="node fenced")
+        r = await env.http.get("/health")
+        assert r.status_code == 503 and "c0: fenced" in r.json()["error"]["message"]
+
+
+async def test_client_request_id_is_the_rid_everywhere(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        rid = "0b0f8c3e-5a1d-4f6e-9c7a-1234567890ab"
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}, headers={"X-Request-ID": rid})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == rid and r.json()["id"] == rid
+        assert env.cluster.works[-1].rid == rid  # the nodes (and their logs) see the client's id
+        payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+        r = await env.http.post("/v1/chat/completions", json=payload, headers={"x-request-id": "chat_42"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "chat_42"
+        events = sse_events(r.text)
+        assert {e["id"] for e in events[:-1]} == {"chat_42"} and env.cluster.works[-1].rid == "chat_42"
+        # without the header the router makes one and says which
+        r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        assert r.headers["x-request-id"] == r.json()["id"] and r.json()["id"].startswith("cmpl-")
+        # unusable ids: 400 with the reason, nothing dispatched
+        n = len(env.cluster.works)
+        for value, frag in [("a.b", "letters, digits"), ("x" * 129, "at most 128"), ("id with space", "letters, digits"), ("", "empty")]:
+            r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Request-ID": value})
+            assert r.status_code == 400 and frag in r.json()["error"]["message"], (value, r.text)
+            assert r.json()["error"]["param"] == "X-Request-ID"
+        assert len(env.cluster.works) == n
+        # the same id twice at once: the second is refused, the first is served
+        env.cluster.answering.clear()
+        first = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Request-ID": "dup"}))
+        await _wait_for(lambda: len(env.cluster.works) == n + 1, what="first dispatched")
+        r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Request-ID": "dup"})
+        assert r.status_code == 409 and "already in flight" in r.json()["error"]["message"]
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+
+
+async def test_continuous_usage_stats_puts_usage_in_every_chunk(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        for chat in (True, False):
+            body: dict = {"max_tokens": 7, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            if chat:
+                body["messages"] = [{"role": "user", "content": "hello there"}]
+            else:
+                body["prompt"] = [5, 6, 7, 8]
+            r = await env.http.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            chunks = sse_events(r.text)[:-1]
+            assert all(c.get("usage") for c in chunks), chunks
+            done = [c["usage"]["completion_tokens"] for c in chunks]
+            assert done == sorted(done) and done[-1] == 7  # tokens so far, never going back
+            prompt = chunks[0]["usage"]["prompt_tokens"]
+            assert all(c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"] for c in chunks)
+            assert chunks[-1]["choices"] == []  # include_usage's final chunk is still there
+        # without it, data chunks carry no usage (include_usage: null until the last)
+        r = await env.http.post("/v1/completions", json={"prompt": [5], "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}})
+        chunks = sse_events(r.text)[:-1]
+        assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+async def test_stream_status_and_headers_go_out_before_the_first_token(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        env.cluster.answering.clear()  # the node takes the work and produces nothing yet
+        payload = {"prompt": [1, 2, 3], "max_tokens": 3, "stream": True}
+        async with env.http.stream("POST", "/v1/completions", json=payload, headers={"X-Request-ID": "early"}) as r:
+            # this returned without any token: status and headers came at acceptance
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["x-request-id"] == "early" and r.headers["x-ei-prefill-node"] == "p0"
+            await _wait_for(lambda: [w.rid for w in env.cluster.works] == ["early"], what="work dispatched")
+        # leaving before the first token aborts the work on its nodes
+        await _wait_for(lambda: {n for n, a in env.cluster.aborts if a.rid == "early"} == {"p0", "d0"}, what="aborts")
+        await _wait_for(lambda: env.service.core.view.inflight_total == 0 and not env.service._pending, what="forgotten")
+        # a node that answers later streams normally on the response already started
+        env.cluster.answering.add("p0")
+        async with env.http.stream("POST", "/v1/completions", json=payload) as r:
+            assert r.status_code == 200
+            events = sse_events((await r.aread()).decode())
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_stream_with_no_output_ends_with_an_error_event(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, request_timeout_s=1.0) as env:
+        env.cluster.answering.clear()
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True})
+        assert r.status_code == 200
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 504
+        assert isinstance(r, httpx.Response)
