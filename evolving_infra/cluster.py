@@ -65,9 +65,20 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     stream_interval: int = 1
     """Output tokens per streamed chunk (SGLang --stream-interval semantics)."""
     ready_timeout_s: float = 60.0
+    metrics: bool = False
+    """Give every service a Prometheus ``--metrics-port`` (free loopback ports; see ``metrics_urls``)."""
 
     def node_ids(self) -> list[str]:
         return [f"w{i}" for i in range(self.nodes)]
+
+
+def _free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (the kernel's choice; the service binds it moments later)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _pdeathsig() -> None:  # runs in the child between fork and exec
@@ -106,6 +117,8 @@ class LocalCluster:
     children: list[_Child] = field(default_factory=list)
     recorder: TimelineRecorder | None = None
     """Collects ``split.applied`` events into the run's PD-split timeline."""
+    metrics_urls: dict[str, str] = field(default_factory=dict)
+    """instance (``router``, ``planner``, ``kvdirectory``, ``worker-w0`` ...) → its ``/metrics`` URL (``spec.metrics``)."""
     _bus: Bus | None = None
 
     async def __aenter__(self) -> "LocalCluster":
@@ -119,7 +132,12 @@ class LocalCluster:
 
     def _common(self, instance: str) -> list[str]:
         s = self.spec
-        return [
+        extra: list[str] = []
+        if s.metrics:
+            port = _free_port(s.host)
+            self.metrics_urls[instance] = f"http://{s.host}:{port}/metrics"
+            extra = ["--metrics-port", str(port), "--metrics-host", s.host]
+        return extra + [
             "--nats-url",
             self.nats_url,
             "--partition",
@@ -333,6 +351,7 @@ class LocalCluster:
             "split": self.spec.split,
             "speedup": self.spec.speedup,
             "pids": self.pids(),
+            **({"metrics": dict(self.metrics_urls)} if self.metrics_urls else {}),
         }
 
 

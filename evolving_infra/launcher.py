@@ -53,6 +53,12 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, spe
     g.add_argument("--log-level", default="info", help="service log level (default info)")
     g.add_argument("--stream-interval", type=int, default=1, help="output tokens per streamed chunk (default 1)")
     g.add_argument("--ready-timeout", type=float, default=90.0, help="wall seconds to wait for all services (default 90)")
+    g.add_argument(
+        "--metrics",
+        action="store_true",
+        help="give every service a Prometheus /metrics port (free loopback ports, listed in the READY line); "
+        "the router also serves /metrics on its HTTP port",
+    )
 
 
 def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
@@ -75,6 +81,7 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         log_level=args.log_level,
         stream_interval=args.stream_interval,
         ready_timeout_s=args.ready_timeout,
+        metrics=args.metrics,
     )
     values.update(overrides)
     return ClusterSpec(**values)  # type: ignore[arg-type]

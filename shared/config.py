@@ -53,6 +53,12 @@ class CommonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     clock_origin: typing.Annotated[
         float, Meta(ge=0, description="wall time (epoch s) that is simulated time 0; 0 = process start")
     ] = 0.0
+    metrics_port: typing.Annotated[
+        int, Meta(ge=0, le=65535, description="serve Prometheus GET /metrics on this TCP port; 0 = off")
+    ] = 0
+    metrics_host: typing.Annotated[
+        str, Meta(description="bind address of the metrics port (0.0.0.0 inside a container)")
+    ] = "127.0.0.1"
 
 
 def _field_infos(cls: type[Struct]) -> list[msgspec.inspect.Field]:

@@ -10,7 +10,9 @@ A service's ``__main__`` is three lines::
 and ``stats() -> (counters, gauges)``; ``ready()`` is optional. SIGTERM and
 SIGINT set a stop event; the service is then stopped and the bus drained
 (in-flight handlers finish) before the connection closes (nats.py's graceful
-shutdown example).
+shutdown example). With ``--metrics-port N`` (N > 0) the shell also serves the
+service's Prometheus registry (its ``registry`` attribute, see ``shared.metrics``)
+on ``GET http://<metrics-host>:N/metrics``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import structlog
 from shared.bus import Bus
 from shared.clock import SimClock
 from shared.config import CommonConfig
+from shared.metrics import MetricsServer, service_registry
 from shared.subjects import Subjects
 
 try:  # uvloop is a core dependency on Linux/macOS; plain asyncio elsewhere.
@@ -80,6 +83,10 @@ async def serve_until_stopped(
         stack.push_async_callback(svc.stop)
         ready = getattr(svc, "ready", None)
         await bus.start_service_plumbing(svc.stats, ready=ready)
+        if cfg.metrics_port:
+            metrics = MetricsServer(service_registry(svc, bus), cfg.metrics_host, cfg.metrics_port)
+            await metrics.start()
+            stack.push_async_callback(metrics.stop)
         log.info("service started", nats=cfg.nats_url, partition=cfg.partition, speedup=cfg.speedup)
         await stop.wait()
         log.info("service stopping")

@@ -17,14 +17,17 @@ import time
 from collections import Counter
 
 import structlog
+from prometheus_client import Histogram
 
 from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
+from shared.metrics import HANDLER_BUCKETS_S, FuncCollector, make_registry
 from shared.subjects import BRANCH_EVENTS, KV_COUNTS, KV_EVENTS, KV_LOOKUP, KV_RESYNC, ROUTE_PLACED, SPLIT_APPLIED
 
 from .config import DirectoryConfig
 from .core import KvDirectory
+from .prom import directory_families
 
 
 class DirectoryService:
@@ -48,6 +51,15 @@ class DirectoryService:
             reuse_hit_scope=cfg.reuse_hit_scope,
         )
         self.counters: Counter[str] = Counter()
+        self.registry = make_registry(bus)
+        """Prometheus registry served on ``--metrics-port`` (``services/kvdirectory/prom.py``)."""
+        self.registry.register(FuncCollector(lambda: directory_families(self)))
+        self._ingest_s = Histogram(
+            "ei_kvdirectory_ingest_seconds", "Wall time to apply one kv.events batch (s)", buckets=HANDLER_BUCKETS_S, registry=self.registry
+        )
+        self._lookup_s = Histogram(
+            "ei_kvdirectory_lookup_seconds", "Wall time to answer one kv.lookup (s)", buckets=HANDLER_BUCKETS_S, registry=self.registry
+        )
         self.log = structlog.get_logger("kvdirectory").bind(instance=bus.instance)
         self._resyncs: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -91,7 +103,9 @@ class DirectoryService:
     # ------------------------------------------------------------------ #
 
     async def _on_kv(self, batch: m.KvEventBatch, subject: str) -> None:
+        t0 = time.perf_counter()
         res = self.core.apply_kv_batch(batch, self.clock.now())
+        self._ingest_s.observe(time.perf_counter() - t0)
         if res.mismatched_block_sizes:
             self.log.error(
                 "KV events with a foreign block size rejected",
@@ -142,7 +156,10 @@ class DirectoryService:
                 error=f"block size mismatch: request {req.block_size}, directory {self.core.block_size}",
             )
         self.counters["lookups"] += 1
-        return self.core.lookup(req.block_hashes).to_reply(self.core.block_size)
+        t0 = time.perf_counter()
+        reply = self.core.lookup(req.block_hashes).to_reply(self.core.block_size)
+        self._lookup_s.observe(time.perf_counter() - t0)
+        return reply
 
     # ------------------------------------------------------------------ #
     # resync (never blocks other nodes' ingestion: one task per node)

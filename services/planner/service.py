@@ -17,13 +17,16 @@ from __future__ import annotations
 import asyncio
 
 import structlog
+from prometheus_client import Histogram
 
 from services.planner.config import PlannerConfig
+from services.planner.prom import SWITCH_BUCKETS_S, planner_families
 from services.planner.core import PlannerCore
 from services.planner.policy import make_planner, parse_planner_args
 from shared import messages as m
 from shared.bus import Bus
 from shared.clock import SimClock
+from shared.metrics import FuncCollector, make_registry
 from shared.profile import load_profile
 from shared.split import SplitError
 from shared.subjects import (
@@ -58,6 +61,17 @@ class PlannerService:
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
         self.counters: dict[str, int] = {"split.set.ok": 0, "split.set.refused": 0, "decisions": 0, "models.published": 0}
+        self.registry = make_registry(bus)
+        """Prometheus registry served on ``--metrics-port`` (``services/planner/prom.py``)."""
+        self.registry.register(FuncCollector(lambda: planner_families(self)))
+        self._switch_s = Histogram(
+            "ei_split_switch_seconds", "Node phase switch: decision to serving the new phase (simulated s)",
+            buckets=SWITCH_BUCKETS_S, registry=self.registry,
+        )
+        self._drain_s = Histogram(
+            "ei_split_switch_drain_seconds", "Part of a node phase switch spent draining its running requests (simulated s)",
+            buckets=SWITCH_BUCKETS_S, registry=self.registry,
+        )
 
     async def start(self) -> None:
         await self.bus.subscribe(NODE_ITERS, self._on_iters)
@@ -156,6 +170,9 @@ class PlannerService:
         self.core.on_token_chunk(msg, self.clock.now())
 
     async def _on_applied(self, msg: m.SplitApplied, _subject: str) -> None:
+        if msg.status == "serving" and self.applied.get(msg.node) != msg:
+            self._switch_s.observe(msg.switch_s)
+            self._drain_s.observe(max(0.0, msg.drained_at - msg.received_at))
         self.applied[msg.node] = msg
         self.core.on_split_applied(msg, self.clock.now())
 

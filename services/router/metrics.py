@@ -1,16 +1,20 @@
-"""Routing metrics: TTFT prediction error and per-node prefill queue time (sans-IO).
+"""Routing metrics: request latencies, TTFT prediction error, per-node queue time (sans-IO).
 
-This module contains zero I/O. :class:`RouteMetrics` is fed by
-:class:`~services.router.core.RouterCore` at each request's first token and
-exported by the service's ``stats()`` (``svc.stats.router``); the simulator
-can read the same object.
+This module contains zero I/O and does not import ``prometheus_client``: it
+records into :class:`Histogram` buckets; the router shell exports them as
+Prometheus histograms at scrape time (``services/router/prom.py``, ``GET
+/metrics``) and a summary through ``stats()`` (``svc.stats.router``). The
+simulator can read the same object.
 
+* **request latencies** (:meth:`RouteMetrics.observe_request`, fed by the shell,
+  simulated seconds): TTFT = HTTP arrival → first output chunk at the router,
+  E2E = HTTP arrival → last chunk, TPOT = (E2E − TTFT) / (output tokens − 1).
 * **TTFT prediction error**: predicted TTFT (the policy's, from the decision
   to the end of the prefill) minus the measured one (decision → the first
   chunk's ``ts`` on the worker), both in simulated seconds. The absolute
-  error goes into a fixed-bucket histogram (Prometheus style: counters
-  ``ttft_pred_abs_err_s.bucket.le_<edge>`` cumulative, ``.count``, gauge
-  ``.sum``); the median / p95 over the last ``window`` samples are gauges.
+  error goes into a fixed-bucket histogram (``/metrics``:
+  ``ei_router_ttft_prediction_abs_error_seconds``; ``stats()``: ``.count``,
+  ``.sum``, and the median / p95 over the last ``window`` samples as gauges).
 * **queue time per prefill node**: ``TokenChunk.queue_s`` of each first
   chunk (arrival on the node → its first prefill chunk), per node: count,
   mean, p95 (window), max; and ``prefill_queue_imbalance`` = the largest
@@ -32,6 +36,12 @@ ABS_ERR_EDGES_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 
 QUEUE_EDGES_S: tuple[float, ...] = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 """Bucket upper bounds (s) of the per-node queue time histograms (+Inf implied)."""
+
+LATENCY_EDGES_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+"""Bucket upper bounds (s) of the TTFT and E2E histograms (+Inf implied)."""
+
+TPOT_EDGES_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+"""Bucket upper bounds (s) of the time-per-output-token histogram (+Inf implied)."""
 
 
 def _fmt_edge(x: float) -> str:
@@ -125,6 +135,16 @@ class RouteMetrics:
 
     def __init__(self, window: int = 10_000) -> None:
         self.window = window
+        self.ttft = Histogram(LATENCY_EDGES_S, window)
+        """Measured TTFT per request (s): HTTP arrival → first output chunk."""
+        self.tpot = Histogram(TPOT_EDGES_S, window)
+        """Time per output token after the first (s); requests with one output token are not counted."""
+        self.e2e = Histogram(LATENCY_EDGES_S, window)
+        """End-to-end latency of a served request (s): HTTP arrival → last chunk."""
+        self.prompt_tokens = 0
+        """Σ prompt tokens of requests that got a first token."""
+        self.cached_tokens = 0
+        """Σ of those prompt tokens whose KV was reused (local or fetched) instead of computed."""
         self.ttft_abs_err = Histogram(ABS_ERR_EDGES_S, window)
         self.ttft_signed_err_sum = 0.0
         self.ttft_over = 0
@@ -145,6 +165,23 @@ class RouteMetrics:
                 h = self.queue[sample.node] = Histogram(QUEUE_EDGES_S, self.window)
             h.observe(sample.queue_s)
 
+    def observe_first_token(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's first output chunk: its TTFT (s) and how much of its prompt was cached (tokens)."""
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens += max(0, prompt_tokens)
+        self.cached_tokens += max(0, min(cached_tokens, prompt_tokens))
+
+    def observe_finished(self, ttft_s: float, e2e_s: float, output_tokens: int) -> None:
+        """A served request's last chunk: E2E (s) and, with more than one output token, TPOT (s/token)."""
+        self.e2e.observe(e2e_s)
+        if output_tokens > 1:
+            self.tpot.observe(max(0.0, e2e_s - ttft_s) / (output_tokens - 1))
+
+    @property
+    def kv_hit_rate(self) -> float | None:
+        """Σ cached / Σ prompt tokens over first tokens (None before any)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
     def queue_imbalance(self) -> float | None:
         """Largest per-node mean queue time over the mean of the per-node means (None without samples or all zero)."""
         means = [h.mean for h in self.queue.values() if h.count]
@@ -159,10 +196,15 @@ class RouteMetrics:
         """Counters and gauges for ``stats()`` (names in the module docstring)."""
         counters: dict[str, int] = {}
         gauges: dict[str, float] = {}
+        for name, lat in (("ttft_s", self.ttft), ("tpot_s", self.tpot), ("e2e_s", self.e2e)):
+            if lat.count:
+                counters[f"{name}.count"] = lat.count
+                gauges[f"{name}.p50"] = lat.quantile(0.5) or 0.0
+                gauges[f"{name}.p95"] = lat.quantile(0.95) or 0.0
+        if self.kv_hit_rate is not None:
+            gauges["kv_hit_rate"] = self.kv_hit_rate
         h = self.ttft_abs_err
         if h.count:
-            for le, c in h.cumulative():
-                counters[f"ttft_pred_abs_err_s.bucket.le_{le}"] = c
             counters["ttft_pred_abs_err_s.count"] = h.count
             counters["ttft_pred_over"] = self.ttft_over
             gauges["ttft_pred_abs_err_s.sum"] = h.sum

@@ -12,6 +12,7 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 ``GET /v1/models``                     the served model
 ``GET /healthz``, ``GET /health``      200 when NATS is connected and a placement is possible, else 503
 ``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts
+``GET /metrics``                       Prometheus text format (``services/router/prom.py`` lists the metrics)
 ``POST /v1/branches/{id}/end``         end an agent branch (publishes ``BranchEnd``)
 =====================================  =========================================================
 
@@ -53,6 +54,7 @@ from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.hashing import block_hashes_packed
+from shared.metrics import FuncCollector, make_registry, metrics_response
 from shared.subjects import (
     BRANCH_EVENTS,
     KV_LOOKUP,
@@ -74,6 +76,7 @@ from services.router.branches import BranchError, BranchTable
 from services.router.config import RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
 from services.router.policy import RouteRequest, make_policy
+from services.router.prom import router_families
 from services.router.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 _JSON = msgspec.json.Encoder()
@@ -105,6 +108,10 @@ class _Pending:
     exposed_fetch_s: float | None = None
     done: bool = False
     """The core no longer counts it (finished, failed or aborted)."""
+    t_in: float = 0.0
+    """HTTP arrival (simulated s): TTFT and E2E start here."""
+    ttft_s: float | None = None
+    out_tokens: int = 0
 
 
 class _ClientGone(Exception):
@@ -137,8 +144,12 @@ class _Server(uvicorn.Server):
         pass
 
 
+_GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
 class _StatusCounter:
-    """ASGI middleware counting responses by status code (``http_status.<code>``)."""
+    """ASGI middleware counting responses by status code (``http_status.<code>``; generation
+    requests also under ``requests.<code>``)."""
 
     def __init__(self, app: ASGIApp, counters: Counter[str]) -> None:
         self.app = app
@@ -152,6 +163,8 @@ class _StatusCounter:
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 self.counters[f"http_status.{message['status']}"] += 1
+                if scope["path"] in _GENERATE_PATHS:
+                    self.counters[f"requests.{message['status']}"] += 1
             await send(message)
 
         await self.app(scope, receive, counting_send)
@@ -208,6 +221,9 @@ class RouterService:
         )
         self.branches = BranchTable(cfg.max_ended_branches)
         self.counters: Counter[str] = Counter()
+        self.registry = make_registry(bus)
+        """Prometheus registry (``GET /metrics`` here and on ``--metrics-port``)."""
+        self.registry.register(FuncCollector(lambda: router_families(self)))
         self.port: int | None = None
         self.app: ASGIApp = _StatusCounter(self._build_app(), self.counters)
         self._pending: dict[str, _Pending] = {}
@@ -418,11 +434,14 @@ class RouterService:
             return
         now = self.clock.now()
         failed = chunk.finish_reason in ("error", "abort")
+        p.out_tokens += len(chunk.token_ids)
         if not p.first_seen:
             p.first_seen = True
             p.queue_s = chunk.queue_s
             p.fetch_s, p.exposed_fetch_s = chunk.fetch_s, chunk.exposed_fetch_s
             if not failed:
+                p.ttft_s = now - p.t_in
+                self.core.metrics.observe_first_token(p.ttft_s, chunk.prompt_tokens, chunk.cached_tokens)
                 sample = self.core.on_first_token(chunk.rid, now, first_token_at=chunk.ts or None, queue_s=chunk.queue_s)
                 if sample is not None and sample.error_s is not None:
                     self.log.debug(
@@ -442,6 +461,9 @@ class RouterService:
                     await self.bus.publish(WORK_ABORT, msg, node=node)
             else:
                 self.core.finish(chunk.rid, now)
+                self.counters[f"finish.{chunk.finish_reason or 'length'}"] += 1
+                if p.ttft_s is not None:
+                    self.core.metrics.observe_finished(p.ttft_s, now - p.t_in, p.out_tokens)
         p.queue.put_nowait(chunk)
 
     # -- decode binding at prefill start, work handed back ------------------ #
@@ -642,6 +664,7 @@ class RouterService:
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/health", self._healthz, methods=["GET"]),  # the name guidellm and vLLM use
                 Route("/v1/cluster", self._cluster, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
                 _AnyCharRoute("/v1/branches/{branch_id:path}/end", self._end_branch, methods=["POST"]),
             ],
             exception_handlers={404: not_found, 405: not_found},
@@ -664,6 +687,9 @@ class RouterService:
         if not ok:
             return self._error(503, reason)
         return self._json({"status": "ok"})
+
+    async def _metrics(self, request: Request) -> Response:
+        return metrics_response(self.registry)
 
     async def _cluster(self, request: Request) -> Response:
         now = self.clock.now()
@@ -837,6 +863,7 @@ class RouterService:
         return None
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
+        t_in = self.clock.now()
         if self._stopping:
             return self._error(503, "router is shutting down")
         try:
@@ -879,7 +906,9 @@ class RouterService:
             self.log.warning("no route", rid=rid, reason=out.reason)
             return self._error(503, out.reason)
         self._log_route(rreq, out, lookup_status)
-        p = _Pending(rid=rid, prefill_node=out.prefill.node, decode_node=out.decode_node, predicted_ttft_s=out.predicted_ttft_s)
+        p = _Pending(
+            rid=rid, prefill_node=out.prefill.node, decode_node=out.decode_node, predicted_ttft_s=out.predicted_ttft_s, t_in=t_in
+        )
         self._pending[rid] = p
         try:
             for placed in out.placed:

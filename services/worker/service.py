@@ -65,6 +65,8 @@ from shared.subjects import (
     WORK_REQUEUE,
     check_token,
 )
+from shared.metrics import FuncCollector, make_registry
+from services.worker.prom import worker_families
 from services.worker.config import WorkerConfig
 from services.worker.engines.base import Engine
 from services.worker.engines.sim import SimEngine
@@ -132,6 +134,9 @@ class WorkerService:
         )
         self.engine: Engine = ENGINES[cfg.engine](self.profile)
         self.counters: Counter[str] = Counter()
+        self.registry = make_registry(bus)
+        """Prometheus registry served on ``--metrics-port`` (``services/worker/prom.py``)."""
+        self.registry.register(FuncCollector(lambda: worker_families(self)))
         self.log = structlog.get_logger("worker").bind(node=cfg.node)
         self.epoch = 0
         self.kv_seq = 0

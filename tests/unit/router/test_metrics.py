@@ -28,10 +28,25 @@ def test_route_metrics_export():
     m.observe(TtftSample("r4", "b", predicted_s=1.0, measured_s=None, queue_s=None))
     counters, gauges = m.export()
     assert counters["ttft_pred_abs_err_s.count"] == 2 and counters["ttft_pred_over"] == 1
-    assert counters["ttft_pred_abs_err_s.bucket.le_0.1"] == 1 and counters["ttft_pred_abs_err_s.bucket.le_0.25"] == 2
+    assert m.ttft_abs_err.cumulative()[:5] == [("0.005", 0), ("0.01", 0), ("0.025", 0), ("0.05", 0), ("0.1", 1)]
+    assert m.ttft_abs_err.cumulative()[5] == ("0.25", 2)
     assert gauges["ttft_pred_abs_err_s.median"] == pytest.approx(0.05) and gauges["ttft_pred_err_s.mean_signed"] == pytest.approx(-0.075)
     assert counters["queue_s.count.a"] == 2 and counters["queue_s.count.b"] == 1
     assert gauges["queue_s.mean.a"] == pytest.approx(1.0) and gauges["queue_s.max.a"] == 1.5
     # most loaded node's mean queue (1.0) over the mean of the node means (0.75)
     assert gauges["prefill_queue_imbalance"] == pytest.approx(1.0 / 0.75)
     assert RouteMetrics().export() == ({}, {})
+
+
+def test_request_latencies_tpot_and_kv_hit_rate():
+    m = RouteMetrics()
+    m.observe_first_token(0.2, prompt_tokens=1000, cached_tokens=750)
+    m.observe_finished(0.2, 1.2, output_tokens=11)  # 1.0 s over 10 tokens after the first
+    m.observe_first_token(0.4, prompt_tokens=1000, cached_tokens=2000)  # cached clipped to the prompt
+    m.observe_finished(0.4, 0.4, output_tokens=1)  # one token: no TPOT sample
+    assert m.ttft.count == 2 and m.e2e.count == 2 and m.tpot.count == 1
+    assert m.tpot.sum == pytest.approx(0.1)
+    assert m.kv_hit_rate == pytest.approx(1750 / 2000)
+    counters, gauges = m.export()
+    assert counters["ttft_s.count"] == 2 and counters["tpot_s.count"] == 1
+    assert gauges["ttft_s.p95"] == pytest.approx(0.4) and gauges["kv_hit_rate"] == pytest.approx(0.875)

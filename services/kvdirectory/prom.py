@@ -1,0 +1,56 @@
+"""The KV directory's Prometheus families: reuse (h vs h*), lost KV reuse, index size, handler latency.
+
+Served on ``--metrics-port`` when set. Token counts follow the directory's
+definitions (``services/kvdirectory/reuse.py``, paper §3.3 / App. C.1): per
+prefill placement, the ideal hit h* (an unlimited cache shared by all nodes)
+and the hit h the cluster could serve; lost KV reuse = 1 − h/h*.
+
+==============================================  =========  ========================================================
+name                                            type       meaning
+==============================================  =========  ========================================================
+``ei_kv_reuse_ideal_tokens_total``              counter    Σ h*: prompt tokens an ideal shared cache would reuse
+``ei_kv_reuse_hit_tokens_total``                counter    Σ h: of those, tokens held somewhere (hit)
+``ei_kv_reuse_lost_tokens_total{cause}``        counter    Σ (h* − h) by cause: eviction / routing / unattributed
+``ei_kv_lost_reuse_ratio``                      gauge      1 − Σh / Σh* (0 before any placement)
+``ei_kv_hit_ratio``                             gauge      Σh / Σh*
+``ei_kvdirectory_blocks_indexed``               gauge      distinct KV blocks the directory knows
+``ei_kvdirectory_copies{tier}``                 gauge      block copies held, by tier (gpu = L1, host = L2)
+``ei_kvdirectory_ingest_seconds``               histogram  wall time to apply one ``kv.events`` batch
+``ei_kvdirectory_lookup_seconds``               histogram  wall time to answer one ``kv.lookup``
+==============================================  =========  ========================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import Metric
+
+from shared.metrics import by_prefix, counter_family, gauge_family
+
+LOSS_CAUSES = ("eviction", "routing", "unattributed")
+"""Causes of lost reuse (``services/kvdirectory/reuse.py``, paper App. C.1)."""
+
+if TYPE_CHECKING:
+    from services.kvdirectory.service import DirectoryService
+
+
+def directory_families(svc: "DirectoryService") -> Iterator[Metric]:
+    """The reuse and index families (the latency histograms live on the registry)."""
+    c = svc.core.counters
+    ideal = float(c.get("reuse.ideal_tokens", 0))
+    hit = float(c.get("reuse.hit_tokens", 0))
+    yield counter_family("ei_kv_reuse_ideal_tokens", "Prompt tokens an ideal shared cache would reuse (h*)", {(): ideal})
+    yield counter_family("ei_kv_reuse_hit_tokens", "Prompt tokens reused from a cache somewhere in the cluster (h)", {(): hit})
+    lost = {(cause,): 0.0 for cause in LOSS_CAUSES}  # every cause from the start: rate() sees its first increase
+    lost.update(by_prefix(c, "reuse.lost_tokens."))
+    yield counter_family("ei_kv_reuse_lost_tokens", "Lost KV reuse (h* - h) in tokens, by cause", lost, ["cause"])
+    yield gauge_family("ei_kv_lost_reuse_ratio", "Lost KV reuse: 1 - h/h*", {(): (1.0 - hit / ideal) if ideal else 0.0})
+    yield gauge_family("ei_kv_hit_ratio", "KV hit over ideal hit: h/h*", {(): (hit / ideal) if ideal else 0.0})
+    g = svc.core.gauges()
+    yield gauge_family("ei_kvdirectory_blocks_indexed", "Distinct KV blocks the directory knows", {(): g.get("blocks.indexed", 0.0)})
+    yield gauge_family(
+        "ei_kvdirectory_copies", "KV block copies held, by tier (gpu = L1, host = L2)",
+        {(t,): v for t in ("gpu", "host") if (v := g.get(f"copies.{t}")) is not None}, ["tier"],
+    )

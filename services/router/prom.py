@@ -1,0 +1,81 @@
+"""The router's Prometheus families, built at scrape time from the core's records (shell side).
+
+Served on the router's HTTP port (``GET /metrics``) and on ``--metrics-port``
+when set. Latencies are simulated seconds of the cluster clock (= wall seconds
+at ``--speedup 1``).
+
+==================================================  =========  ==========================================================
+name                                                type       meaning
+==================================================  =========  ==========================================================
+``ei_router_ttft_seconds``                          histogram  HTTP arrival → first output chunk, per request
+``ei_router_tpot_seconds``                          histogram  (E2E − TTFT) / (output tokens − 1), served requests
+``ei_router_e2e_seconds``                           histogram  HTTP arrival → last chunk, served requests
+``ei_router_queue_seconds{node}``                   histogram  time queued on the prefill node (first chunk's queue_s)
+``ei_router_ttft_prediction_abs_error_seconds``     histogram  abs(predicted − measured TTFT) of the routing policy
+``ei_router_requests_total{code}``                  counter    generation requests (completions, chat) by HTTP status
+``ei_router_requests_finished_total{reason}``       counter    requests whose last chunk arrived, by finish reason
+``ei_router_prompt_tokens_total``                   counter    prompt tokens of requests that got a first token
+``ei_router_cached_prompt_tokens_total``            counter    of those, tokens whose KV was reused (hit)
+``ei_router_kv_hit_ratio``                          gauge      cached / prompt tokens so far
+``ei_router_routed_total{phase,node}``              counter    placements (prefill / decode) per node
+``ei_router_inflight_requests``                     gauge      requests placed and not finished
+``ei_router_split_epoch``                           gauge      epoch of the split the router applies
+``ei_router_live_nodes{phase}``                     gauge      nodes routable now (prefill / decode candidates)
+==================================================  =========  ==========================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import Metric
+
+from shared.metrics import by_prefix, counter_family, gauge_family, histogram_family
+
+if TYPE_CHECKING:
+    from services.router.service import RouterService
+
+
+def router_families(svc: "RouterService") -> Iterator[Metric]:
+    """Every router family (table in the module docstring) from ``svc``'s core and counters."""
+    mt = svc.core.metrics
+    c = svc.counters
+    yield histogram_family("ei_router_ttft_seconds", "Time to first token (s): HTTP arrival to the first output chunk", {(): mt.ttft})
+    yield histogram_family("ei_router_tpot_seconds", "Time per output token after the first (s), served requests", {(): mt.tpot})
+    yield histogram_family("ei_router_e2e_seconds", "End-to-end latency (s): HTTP arrival to the last chunk, served requests", {(): mt.e2e})
+    yield histogram_family(
+        "ei_router_queue_seconds",
+        "Time a request queued on its prefill node before its first prefill chunk (s)",
+        {(node,): h for node, h in sorted(mt.queue.items())},
+        ["node"],
+    )
+    yield histogram_family(
+        "ei_router_ttft_prediction_abs_error_seconds",
+        "Absolute error of the routing policy's predicted TTFT (s; policies that predict)",
+        {(): mt.ttft_abs_err},
+    )
+    yield counter_family(
+        "ei_router_requests", "Generation requests (completions, chat completions) by HTTP status code", by_prefix(c, "requests."), ["code"]
+    )
+    yield counter_family(
+        "ei_router_requests_finished", "Requests whose last chunk reached the router, by finish reason", by_prefix(c, "finish."), ["reason"]
+    )
+    yield counter_family("ei_router_prompt_tokens", "Prompt tokens of requests that got a first token", {(): mt.prompt_tokens})
+    yield counter_family(
+        "ei_router_cached_prompt_tokens", "Prompt tokens whose KV was reused (local or fetched) instead of computed", {(): mt.cached_tokens}
+    )
+    yield gauge_family("ei_router_kv_hit_ratio", "Cached over prompt tokens so far (KV hit rate)", {(): mt.kv_hit_rate or 0.0})
+    routed = {("prefill", k[0]): v for k, v in by_prefix(c, "routed.prefill.").items()}
+    routed.update({("decode", k[0]): v for k, v in by_prefix(c, "routed.decode.").items()})
+    yield counter_family("ei_router_routed", "Placements per node and phase", routed, ["phase", "node"])
+    view = svc.core.view
+    now = svc.clock.now()
+    yield gauge_family("ei_router_inflight_requests", "Requests placed and not finished", {(): float(view.inflight_total)})
+    yield gauge_family("ei_router_split_epoch", "Epoch of the PD split the router applies", {(): float(view.epoch)})
+    yield gauge_family(
+        "ei_router_live_nodes",
+        "Nodes the router can place on now, by phase",
+        {("prefill",): float(len(view.prefill_candidates(now))), ("decode",): float(len(view.decode_candidates(now)))},
+        ["phase"],
+    )

@@ -1,0 +1,57 @@
+"""The worker's Prometheus families (one node), built at scrape time from the engine scheduler.
+
+Served on ``--metrics-port`` when set. Every series carries ``node``.
+
+=========================================  =======  ===============================================================
+name                                       type     meaning
+=========================================  =======  ===============================================================
+``ei_node_phase{node,phase}``              gauge    1 for the phase the node serves (prefill / decode / both), else 0
+``ei_node_queue_depth{node}``              gauge    requests queued for prefill (or waiting for decode KV room)
+``ei_node_running_batch{node}``            gauge    requests in the running batch (prefilling or decoding)
+``ei_node_decoding{node}``                 gauge    requests decoding
+``ei_node_kv_l1_used_blocks{node}``        gauge    KV blocks in use in GPU memory (L1)
+``ei_node_kv_l1_capacity_blocks{node}``    gauge    KV blocks GPU memory holds
+``ei_node_kv_l2_used_blocks{node}``        gauge    KV blocks in host memory (L2)
+``ei_node_kv_l2_capacity_blocks{node}``    gauge    KV blocks host memory holds
+``ei_node_switching{node}``                gauge    1 while draining for a phase switch
+``ei_node_iterations_total{node}``         counter  engine iterations run
+``ei_node_split_epoch{node}``              gauge    epoch of the split command the node last applied
+=========================================  =======  ===============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import Metric
+
+from shared.metrics import counter_family, gauge_family
+
+if TYPE_CHECKING:
+    from services.worker.service import WorkerService
+
+PHASES = ("prefill", "decode", "both")
+
+
+def worker_families(svc: "WorkerService") -> Iterator[Metric]:
+    """Every worker family (table in the module docstring) for ``svc``'s node."""
+    st = svc.core.state(svc.clock.now(), with_queue=False)
+    n = svc.node
+    yield gauge_family(
+        "ei_node_phase", "1 for the phase the node serves, else 0", {(n, ph): float(st.phase == ph) for ph in PHASES}, ["node", "phase"]
+    )
+    g = {
+        "ei_node_queue_depth": ("Requests queued for prefill (or waiting for decode KV room)", st.waiting),
+        "ei_node_running_batch": ("Requests in the running batch (prefilling or decoding)", st.running),
+        "ei_node_decoding": ("Requests decoding", st.decoding),
+        "ei_node_kv_l1_used_blocks": ("KV blocks in use in GPU memory (L1)", st.gpu_total_blocks - st.gpu_free_blocks),
+        "ei_node_kv_l1_capacity_blocks": ("KV blocks GPU memory (L1) holds", st.gpu_total_blocks),
+        "ei_node_kv_l2_used_blocks": ("KV blocks held in host memory (L2)", st.host_used_blocks),
+        "ei_node_kv_l2_capacity_blocks": ("KV blocks host memory (L2) holds", st.host_total_blocks),
+        "ei_node_switching": ("1 while draining for a phase switch", 1 if svc._switch is not None else 0),
+        "ei_node_split_epoch": ("Epoch of the split command the node last applied", svc.epoch),
+    }
+    for name, (doc, v) in g.items():
+        yield gauge_family(name, doc, {(n,): float(v)}, ["node"])
+    yield counter_family("ei_node_iterations", "Engine iterations run", {(n,): float(svc.core.iterations)}, ["node"])

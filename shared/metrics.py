@@ -1,0 +1,265 @@
+"""Prometheus export for every service (``prometheus-client``); the shells' side of metrics.
+
+The sans-IO cores record what they measure in plain Python objects (counters,
+:class:`services.router.metrics.Histogram` buckets); the shells turn them into
+Prometheus metric families *at scrape time* through collectors registered on a
+per-service :class:`prometheus_client.CollectorRegistry` (one registry per
+service object, so several services in one process never collide). Shell-only
+measurements (the directory's ingest and lookup latency) use
+``prometheus_client.Histogram`` directly.
+
+Every scrape runs on the service's own event loop (the ``/metrics`` handler is
+an ASGI route served by uvicorn inside that loop), so collectors read the
+service's state without locks.
+
+Names follow Prometheus conventions: ``ei_`` prefix, base units in the name
+(``_seconds``, ``_tokens``, ``_blocks``), ``_total`` on counters. Times taken
+from the cluster's :class:`~shared.clock.SimClock` are *simulated* seconds
+(equal to wall seconds at ``--speedup 1``, i.e. in any real deployment); the
+directory's handler latencies are wall seconds (``time.perf_counter``).
+
+Served:
+
+* ``GET /metrics`` on the router's HTTP port (the router's own registry);
+* ``GET /metrics`` on ``--metrics-host:--metrics-port`` of every service when
+  ``--metrics-port`` is non-zero (0 = off, the default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import structlog
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)
+"""Bucket upper bounds (s) of request latency histograms (TTFT, E2E, queue time); +Inf implied."""
+
+TPOT_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+"""Bucket upper bounds (s) of the time-per-output-token histogram; +Inf implied."""
+
+HANDLER_BUCKETS_S: tuple[float, ...] = (
+    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)
+"""Bucket upper bounds (wall s) of in-process handler latencies (directory ingest / lookup); +Inf implied."""
+
+
+class BucketHistogram(Protocol):
+    """What :func:`histogram_family` reads: a core's fixed-bucket histogram."""
+
+    edges: tuple[float, ...]
+    counts: list[int]
+    """Per-bucket (non-cumulative) counts, ``len(edges) + 1`` with the +Inf bucket last."""
+    sum: float
+
+
+def _le(x: float) -> str:
+    return floatToGoString(x)  # the same ``le`` text as prometheus_client's own histograms
+
+
+def histogram_buckets(h: BucketHistogram) -> list[tuple[str, float]]:
+    """Cumulative ``[(le, count), ..., ("+Inf", count)]`` of a core histogram (Prometheus ``le`` semantics)."""
+    out: list[tuple[str, float]] = []
+    acc = 0
+    for edge, c in zip(h.edges, h.counts):
+        acc += c
+        out.append((_le(edge), float(acc)))
+    out.append(("+Inf", float(acc + h.counts[-1])))
+    return out
+
+
+def histogram_family(
+    name: str, doc: str, series: Mapping[tuple[str, ...], BucketHistogram], labels: Sequence[str] = ()
+) -> HistogramMetricFamily:
+    """A Prometheus histogram family from core histograms, one series per label tuple.
+
+    Args:
+        name: metric name without ``_bucket``/``_sum``/``_count`` (e.g. ``ei_request_ttft_seconds``).
+        doc: HELP text (say the unit).
+        series: label values (``len(labels)`` strings) → histogram.
+        labels: label names.
+    """
+    fam = HistogramMetricFamily(name, doc, labels=list(labels))
+    for values, h in series.items():
+        fam.add_metric(list(values), histogram_buckets(h), h.sum)
+    return fam
+
+
+def counter_family(name: str, doc: str, values: Mapping[tuple[str, ...], float], labels: Sequence[str] = ()) -> CounterMetricFamily:
+    """A counter family (``name`` without ``_total``; the exposition adds it) from label tuple → value."""
+    fam = CounterMetricFamily(name, doc, labels=list(labels))
+    for lv, v in values.items():
+        fam.add_metric(list(lv), float(v))
+    return fam
+
+
+def gauge_family(name: str, doc: str, values: Mapping[tuple[str, ...], float], labels: Sequence[str] = ()) -> GaugeMetricFamily:
+    """A gauge family from label tuple → value."""
+    fam = GaugeMetricFamily(name, doc, labels=list(labels))
+    for lv, v in values.items():
+        fam.add_metric(list(lv), float(v))
+    return fam
+
+
+class FuncCollector(Collector):
+    """A collector whose families come from ``fn()`` at every scrape (the service's current state)."""
+
+    def __init__(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        self.fn = fn
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.fn()
+
+    def describe(self) -> list[Metric]:  # no eager describe: fn() reads live state
+        return []
+
+
+def by_prefix(counters: Mapping[str, int], prefix: str) -> dict[tuple[str, ...], float]:
+    """``{"dropped.a": 2, "dropped.b": 1}``, ``"dropped."`` → ``{("a",): 2, ("b",): 1}``."""
+    n = len(prefix)
+    return {(k[n:],): float(v) for k, v in counters.items() if k.startswith(prefix)}
+
+
+def bus_families(counters: Mapping[str, int]) -> Iterator[Metric]:
+    """The bus's per-subject counters (``shared.bus.Bus.counters``) as Prometheus families.
+
+    ``subject`` is the subject template (``ei.{partition}.work.{node}.prefill`` style,
+    as in ``shared/subjects.py``), so label cardinality is bounded by the templates.
+    """
+    yield counter_family(
+        "ei_bus_messages_dropped",
+        "Malformed NATS messages counted and dropped, by subject template",
+        by_prefix(counters, "dropped."),
+        ["subject"],
+    )
+    yield counter_family(
+        "ei_bus_handler_errors", "Handler exceptions (message dropped, service kept running), by subject template",
+        by_prefix(counters, "handler_errors."), ["subject"],
+    )
+    yield counter_family(
+        "ei_bus_messages_received", "Decoded NATS messages handed to a handler, by subject template",
+        by_prefix(counters, "received."), ["subject"],
+    )
+    yield counter_family(
+        "ei_bus_messages_published", "NATS messages published, by subject template", by_prefix(counters, "published."), ["subject"]
+    )
+    yield counter_family(
+        "ei_bus_requests_failed", "NATS requests without a (decodable) reply in time, by subject template",
+        by_prefix(counters, "request_failed."), ["subject"],
+    )
+    yield counter_family(
+        "ei_nats_reconnects", "Reconnections to the NATS server", {(): float(counters.get("nats.reconnects", 0))}
+    )
+
+
+def metrics_payload(registry: CollectorRegistry) -> bytes:
+    """The registry in the Prometheus text exposition format (version 0.0.4)."""
+    return generate_latest(registry)
+
+
+def metrics_response(registry: CollectorRegistry) -> Response:
+    """A Starlette response for ``GET /metrics``."""
+    return Response(metrics_payload(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the service shell owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[no-untyped-def, override]
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        pass
+
+
+class MetricsServer:
+    """``GET /metrics`` (and ``GET /healthz``) on its own port, inside the running event loop.
+
+    Args:
+        registry: what to expose.
+        host: bind address (``0.0.0.0`` inside a container).
+        port: TCP port (1-65535; the caller does not start it for 0).
+    """
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self.registry = registry
+        self.host = host
+        self.port = port
+        self._server: _QuietServer | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Bind and serve.
+
+        Raises:
+            OSError: the address cannot be bound (the service then does not start).
+        """
+
+        async def metrics(_request: Request) -> Response:
+            return metrics_response(self.registry)
+
+        async def healthz(_request: Request) -> Response:
+            return Response(b'{"status":"ok"}', media_type="application/json")
+
+        app = Starlette(routes=[Route("/metrics", metrics, methods=["GET"]), Route("/healthz", healthz, methods=["GET"])])
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise OSError(e.errno, f"cannot listen for metrics on {self.host}:{self.port}: {e.strerror or e}") from e
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        cfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="none", timeout_graceful_shutdown=2)
+        self._server = _QuietServer(cfg)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="metrics-http")
+        while not self._server.started:
+            if self._task.done():
+                exc = self._task.exception() if not self._task.cancelled() else None
+                raise OSError(f"metrics server failed to start: {exc!r}")
+            await asyncio.sleep(0.01)
+        structlog.get_logger("metrics").info("metrics listening", url=f"http://{self.host}:{self.port}/metrics")
+
+    async def stop(self) -> None:
+        """Stop serving (waits up to 5 s, then cancels)."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=5.0)
+        except (asyncio.TimeoutError, Exception):
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+
+
+def make_registry(bus: Any = None) -> CollectorRegistry:
+    """A fresh registry for one service, with the bus's per-subject counters when ``bus`` is given."""
+    reg = CollectorRegistry(auto_describe=False)
+    if bus is not None:
+        reg.register(FuncCollector(lambda: bus_families(bus.counters)))
+    return reg
+
+
+def service_registry(svc: Any, bus: Any = None) -> CollectorRegistry:
+    """The service's registry (its ``registry`` attribute, built with :func:`make_registry`) or a fresh one
+    holding only the bus's counters."""
+    reg = getattr(svc, "registry", None)
+    return reg if isinstance(reg, CollectorRegistry) else make_registry(bus)

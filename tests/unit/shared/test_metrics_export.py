@@ -1,0 +1,70 @@
+"""shared.metrics: core histograms exported as Prometheus families, the bus's counters, the metrics port."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, Histogram as PromHistogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.router.metrics import Histogram
+from shared.metrics import FuncCollector, MetricsServer, bus_families, histogram_family, make_registry
+
+
+def _samples(reg: CollectorRegistry, name: str) -> list[tuple[str, list, float]]:
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    return sorted((s.name, sorted(s.labels.items()), s.value) for s in fams[name].samples if not s.name.endswith("_created"))
+
+
+def test_core_histogram_exports_like_prometheus_clients_own_histogram():
+    edges = (0.1, 0.5, 1.0)
+    xs = [0.05, 0.1, 0.100001, 0.5, 0.7, 1.0, 3.0, 0.0]
+    core = Histogram(edges)
+    ref_reg = CollectorRegistry()
+    ref = PromHistogram("ei_x_seconds", "x", buckets=edges, registry=ref_reg)
+    for x in xs:
+        core.observe(x)
+        ref.observe(x)
+    reg = CollectorRegistry()
+    reg.register(FuncCollector(lambda: [histogram_family("ei_x_seconds", "x", {(): core})]))
+    assert _samples(reg, "ei_x_seconds") == _samples(ref_reg, "ei_x_seconds")
+
+
+def test_bus_counters_become_per_subject_families():
+    counters = Counter({"dropped.kv.events.{node}": 2, "received.kv.lookup": 5, "handler_errors.kv.lookup": 1, "nats.reconnects": 3})
+
+    class FakeBus:  # only .counters is read
+        pass
+
+    bus = FakeBus()
+    bus.counters = counters  # type: ignore[attr-defined]
+    reg = make_registry(bus)
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    dropped = {s.labels["subject"]: s.value for s in fams["ei_bus_messages_dropped"].samples}
+    assert dropped == {"kv.events.{node}": 2}
+    assert [s.value for s in fams["ei_bus_handler_errors"].samples] == [1]
+    assert [s.value for s in fams["ei_nats_reconnects"].samples] == [3]
+    counters["dropped.kv.events.{node}"] += 1  # read at scrape time
+    assert {s.value for s in next(iter(text_string_to_metric_families(generate_latest(reg).decode()))).samples} == {3}
+    assert list(bus_families(Counter()))  # empty families still parse
+
+
+async def test_metrics_server_serves_the_registry_and_refuses_a_taken_port():
+    core = Histogram((1.0,))
+    core.observe(0.5)
+    reg = CollectorRegistry()
+    reg.register(FuncCollector(lambda: [histogram_family("ei_y_seconds", "y", {(): core})]))
+    srv = MetricsServer(reg, "127.0.0.1", 0)
+    await srv.start()
+    try:
+        async with httpx.AsyncClient(timeout=5) as http:
+            r = await http.get(f"http://127.0.0.1:{srv.port}/metrics")
+        assert r.status_code == 200 and 'ei_y_seconds_bucket{le="1.0"} 1.0' in r.text
+        with pytest.raises(OSError, match="cannot listen for metrics"):
+            await MetricsServer(reg, "127.0.0.1", srv.port).start()
+    finally:
+        await srv.stop()
+    await asyncio.sleep(0)
