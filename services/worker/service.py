@@ -662,19 +662,24 @@ class WorkerService:
             end = self.core.truncate(plan, self.clock.now())
 
     async def _emit_tokens(self, out: TokensOut, now: float) -> None:
+        """Publish ``out``'s tokens on ``req.<rid>.out``: the first token at once with the prompt
+        accounting, then chunks of exactly ``stream_interval`` tokens (the last may be shorter),
+        also when one engine step folded several decode iterations (SGLang ``--stream-interval``:
+        1 = one token per chunk)."""
         rid = out.rid
         tokens = self.engine.output_tokens(rid, out.index, out.count)
         if out.index == 0:
             # the first token streams at once and carries the prompt accounting
+            alone = out.finished and len(tokens) <= 1
             await self.bus.publish(
                 REQ_OUT,
                 m.TokenChunk(
                     rid=rid,
                     node=self.node,
                     index=0,
-                    token_ids=tokens,
-                    finished=out.finished,
-                    finish_reason=out.finish_reason,
+                    token_ids=tokens[:1],
+                    finished=alone,
+                    finish_reason=out.finish_reason if alone else None,
                     prompt_tokens=out.prompt_tokens,
                     cached_tokens=out.cached_tokens,
                     ts=now,
@@ -685,34 +690,38 @@ class WorkerService:
                 ),
                 rid=rid,
             )
-            if out.finished:
+            if alone:
                 self.counters["requests.completed"] += 1
-            else:
-                self._streams[rid] = _Stream(start=out.count)
-            return
-        st = self._streams.get(rid)
-        if st is None:
-            st = self._streams[rid] = _Stream(start=out.index)
+                return
+            st = self._streams[rid] = _Stream(start=1)
+            tokens = tokens[1:]
+        else:
+            st = self._streams.get(rid)
+            if st is None:
+                st = self._streams[rid] = _Stream(start=out.index)
         st.pending.extend(tokens)
-        if out.finished or len(st.pending) >= self.cfg.stream_interval:
+        size = self.cfg.stream_interval
+        while len(st.pending) >= size or (out.finished and st.pending) or (out.finished and not st.pending and rid in self._streams):
+            part, st.pending = st.pending[:size], st.pending[size:]
+            last = out.finished and not st.pending
             await self.bus.publish(
                 REQ_OUT,
                 m.TokenChunk(
                     rid=rid,
                     node=self.node,
                     index=st.start,
-                    token_ids=st.pending,
-                    finished=out.finished,
-                    finish_reason=out.finish_reason,
+                    token_ids=part,
+                    finished=last,
+                    finish_reason=out.finish_reason if last else None,
                     ts=now,
                 ),
                 rid=rid,
             )
-            st.start += len(st.pending)
-            st.pending = []
-        if out.finished:
-            del self._streams[rid]
-            self.counters["requests.completed"] += 1
+            st.start += len(part)
+            if last:
+                del self._streams[rid]
+                self.counters["requests.completed"] += 1
+                break
 
     async def _handoff(self, h: HandOff) -> None:
         self._streams.pop(h.rid, None)

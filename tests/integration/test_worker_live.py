@@ -208,6 +208,23 @@ async def test_pd_handoff_between_two_workers(nats_url):
     await c.bus.close()
 
 
+async def test_stream_interval_is_exact_when_decode_iterations_fold(nats_url):
+    """One engine step may fold many decode iterations (fold_wall_s); the chunks still hold
+    exactly stream_interval tokens (SGLang --stream-interval 1 = one token per chunk)."""
+    c = await Client.connect(nats_url)
+    fold = {"fold_wall_s": 1.0}
+    async with workers(nats_url, {"node": "w0", **fold}, {"node": "w1", "stream_interval": 3, **fold}):
+        for node, rid in (("w0", "one"), ("w1", "three")):
+            await c.bus.publish(WORK_PREFILL, prompt(rid, [5, 6, 7], tail=2, max_tokens=40), node=node)
+            await c.until(lambda rid=rid: c.finished(rid), what=f"{rid} to finish")
+            check_stream(c.chunks[rid], rid, 40)
+        assert [len(ch.token_ids) for ch in c.chunks["one"]] == [1] * 40
+        assert [len(ch.token_ids) for ch in c.chunks["three"]] == [1] + [3] * 13
+        iters = (await c.stats("w0")).counters["iterations"]
+        assert iters < 40, "decode iterations were folded (else this test shows nothing)"
+    await c.bus.close()
+
+
 async def test_malformed_payloads_are_counted_and_the_worker_keeps_serving(nats_url):
     c = await Client.connect(nats_url)
     async with workers(nats_url, {"node": "w0"}):
