@@ -6,6 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 MOONCAKE := $(VENV)/.mooncake
+HF       := $(VENV)/.hf
 
 .PHONY: demo test install clean
 
@@ -21,12 +22,17 @@ $(MOONCAKE): $(STAMP) scripts/install-mooncake.sh
 	VENV=$(VENV) scripts/install-mooncake.sh
 	touch $(MOONCAKE)
 
+# real tokenizers (--tokenizer hf:<path>): the project's optional 'hf' extra
+$(HF): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[hf]'
+	touch $(HF)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/evolving-infra demo --out demo-out
 
-test: $(STAMP) $(MOONCAKE)
+test: $(STAMP) $(MOONCAKE) $(HF)
 	EI_REQUIRE_MOONCAKE=1 $(BIN)/python -m pytest -q
 
 clean:

@@ -67,6 +67,8 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     ready_timeout_s: float = 60.0
     metrics: bool = False
     """Give every service a Prometheus ``--metrics-port`` (free loopback ports; see ``metrics_urls``)."""
+    tokenizer: str = "sim"
+    """Router tokenizer (``sim`` | ``hf:<local path>``); the workers draw output ids from its vocabulary."""
 
     def node_ids(self) -> list[str]:
         return [f"w{i}" for i in range(self.nodes)]
@@ -190,6 +192,8 @@ class LocalCluster:
                         phase,
                         "--stream-interval",
                         str(s.stream_interval),
+                        "--tokenizer",
+                        s.tokenizer,
                     ],
                     self.log_dir / f"worker-{node}.log",
                 )
@@ -214,6 +218,8 @@ class LocalCluster:
                     str(s.block_size),
                     "--model",
                     s.model,
+                    "--tokenizer",
+                    s.tokenizer,
                 ],
                 self.log_dir / "router.log",
             )

@@ -52,6 +52,12 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, spe
     g.add_argument("--log-dir", default=None, help="directory for each service's log (default: a temp dir)")
     g.add_argument("--log-level", default="info", help="service log level (default info)")
     g.add_argument("--stream-interval", type=int, default=1, help="output tokens per streamed chunk (default 1)")
+    g.add_argument(
+        "--tokenizer",
+        default="sim",
+        help="sim (built in) or hf:<local tokenizer.json or model folder> (needs the hf extra: pip install -e '.[hf]'); "
+        "with hf the sim engines emit whole words of that vocabulary, so clients can count tokens from the text (default sim)",
+    )
     g.add_argument("--ready-timeout", type=float, default=90.0, help="wall seconds to wait for all services (default 90)")
     g.add_argument(
         "--metrics",
@@ -66,6 +72,13 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         parse_split(args.split, args.nodes)
     except SplitError as e:
         raise SystemExit(f"error: {e}")
+    if args.tokenizer != "sim":  # fail here, with the reason, not in every service's log
+        from services.router.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
+
+        try:
+            output_vocabulary(load_tokenizer(args.tokenizer))
+        except TokenizerError as e:
+            raise SystemExit(f"error: --tokenizer {args.tokenizer}: {e}")
     values = dict(
         nodes=args.nodes,
         split=args.split,
@@ -82,6 +95,7 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         stream_interval=args.stream_interval,
         ready_timeout_s=args.ready_timeout,
         metrics=args.metrics,
+        tokenizer=args.tokenizer,
     )
     values.update(overrides)
     return ClusterSpec(**values)  # type: ignore[arg-type]

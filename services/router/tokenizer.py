@@ -174,8 +174,8 @@ class HFTokenizer:
             import tokenizers
         except ImportError as e:
             raise TokenizerError(
-                "the hf tokenizer needs the 'tokenizers' package, which is not a core dependency: "
-                "pip install tokenizers"
+                "the hf tokenizer needs the 'tokenizers' package (the project's 'hf' extra; `make install` does "
+                "not install it): pip install -e '.[hf]'  (or: pip install tokenizers jinja2)"
             ) from e
         p = Path(path).expanduser()
         file = p / "tokenizer.json" if p.is_dir() else p
@@ -233,6 +233,36 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
 
+    def output_ids(self) -> list[int]:
+        """Ids a simulated engine may emit so that a client can count them from the text.
+
+        A token qualifies when its text is one word of 2–16 ASCII letters and that word
+        after a space encodes to exactly this token (``Ġword`` in byte-level BPE, ``▁word``
+        in SentencePiece, a whole word in word-level vocabularies). Any sequence of them
+        decodes to space-separated words that re-encode to the same ids, so a client that
+        tokenizes the streamed text (AIPerf, guidellm) counts what ``usage`` says.
+
+        Returns:
+            sorted ids (deterministic for a given ``tokenizer.json``).
+
+        Raises:
+            TokenizerError: if the vocabulary has no such token.
+        """
+        candidates: list[tuple[int, str]] = []
+        pieces = self._tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=True)
+        for i, piece in enumerate(pieces):
+            if _OUT_WORD.fullmatch(piece):
+                candidates.append((i, piece.strip()))
+        encoded = self._tok.encode_batch([" " + w for _, w in candidates], add_special_tokens=False)
+        ids = [i for (i, _), enc in zip(candidates, encoded) if enc.ids == [i]]
+        if not ids:
+            raise TokenizerError(f"{self.path}: no token is a whole word that re-encodes to itself; cannot simulate output")
+        return ids
+
+
+_OUT_WORD = re.compile(r" ?[A-Za-z]{2,16}")
+
+
 def _compile_template(source: str) -> Any:
     try:
         from jinja2.exceptions import TemplateError
@@ -258,6 +288,20 @@ def _compile_template(source: str) -> Any:
 # --------------------------------------------------------------------------- #
 # loading and incremental decoding
 # --------------------------------------------------------------------------- #
+
+
+def output_vocabulary(tok: Tokenizer) -> list[int] | None:
+    """The ids a sim engine draws its output from when the router uses ``tok``.
+
+    ``None`` for the sim tokenizer (every id in ``[0, SIM_VOCAB_SIZE)`` decodes to a word
+    that re-encodes to it); for ``hf:`` the whole-word ids of :meth:`HFTokenizer.output_ids`.
+
+    Raises:
+        TokenizerError: if ``tok`` has no usable output ids.
+    """
+    if isinstance(tok, HFTokenizer):
+        return tok.output_ids()
+    return None
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -11,6 +11,7 @@ from shared.profile import ProfileError, load_profile
 from shared.service import run_service
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
+from services.router.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -21,8 +22,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ProfileError) as e:
         print(f"worker: {e}", file=sys.stderr)
         return 2
+    try:
+        vocab = output_vocabulary(load_tokenizer(cfg.tokenizer))
+    except TokenizerError as e:
+        print(f"worker: {e}", file=sys.stderr)
+        return 2
     setup_logging(cfg.log_format, cfg.log_level, service="worker")
-    run_service("worker", cfg, WorkerService, instance=cfg.instance or f"worker-{cfg.node}")
+
+    def factory(c, bus, clock):  # type: ignore[no-untyped-def]
+        return WorkerService(c, bus, clock, vocab=vocab)
+
+    run_service("worker", cfg, factory, instance=cfg.instance or f"worker-{cfg.node}")
     return 0
 
 

@@ -26,6 +26,11 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Literal["prefill", "decode", "both"], Meta(description="phase served at start: prefill, decode or both (collocated)")
     ] = "both"
     engine: Annotated[Literal["sim"], Meta(description="engine kind; sim = profile-timed simulated GPU")] = "sim"
+    tokenizer: Annotated[
+        str,
+        Meta(description="the router's tokenizer (sim | hf:<local path>); with hf the sim engine emits only ids of "
+             "whole words of that vocabulary, so a client that tokenizes the streamed text counts what usage says"),
+    ] = "sim"
     host_eviction: Annotated[
         Literal["lru", "branch-count"],
         Meta(description="host (L2) eviction order: lru, or branch-count = zero-count blocks first (kv.counts)"),

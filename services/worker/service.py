@@ -70,6 +70,7 @@ from services.worker.prom import worker_families
 from services.worker.config import WorkerConfig
 from services.worker.engines.base import Engine
 from services.worker.engines.sim import SimEngine
+from services.router.tokenizer import load_tokenizer, output_vocabulary  # the router's tokenizers: one spec
 from services.worker.fetch import FetchStarted
 from services.worker.plan import HandOff, IterationPlan, SchedulerError, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
@@ -112,13 +113,16 @@ class WorkerService:
         cfg: the worker configuration.
         bus: a connected bus (instance ``worker-<node>``).
         clock: the cluster's simulated clock.
+        vocab: output ids for the sim engine (``output_vocabulary`` of ``cfg.tokenizer``,
+            computed here when not given).
 
     Raises:
         shared.profile.ProfileError: if the profile cannot be loaded.
         ValueError: if the profile does not suit the scheduler (see EngineScheduler).
+        TokenizerError: if ``cfg.tokenizer`` cannot be loaded.
     """
 
-    def __init__(self, cfg: WorkerConfig, bus: Bus, clock: SimClock) -> None:
+    def __init__(self, cfg: WorkerConfig, bus: Bus, clock: SimClock, *, vocab: list[int] | None = None) -> None:
         self.cfg = cfg
         self.bus = bus
         self.clock = clock
@@ -132,7 +136,9 @@ class WorkerService:
             check_invariants=cfg.check_invariants,
             external_fetch=cfg.kv_pool == "real",
         )
-        self.engine: Engine = ENGINES[cfg.engine](self.profile)
+        if vocab is None and cfg.tokenizer != "sim":
+            vocab = output_vocabulary(load_tokenizer(cfg.tokenizer))
+        self.engine: Engine = ENGINES[cfg.engine](self.profile, vocab)
         self.counters: Counter[str] = Counter()
         self.registry = make_registry(bus)
         """Prometheus registry served on ``--metrics-port`` (``services/worker/prom.py``)."""

@@ -10,6 +10,7 @@ live stack and the simulator) stream identical tokens.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 from shared.hashing import SIM_VOCAB_SIZE
 from shared.profile import Profile
@@ -28,19 +29,28 @@ def _splitmix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
-def sim_output_tokens(rid: str, start: int, count: int) -> list[int]:
+def sim_output_tokens(rid: str, start: int, count: int, vocab: Sequence[int] | None = None) -> list[int]:
     """Deterministic output token ids of ``rid`` at positions ``[start, start + count)``.
 
-    Token ``j`` is ``splitmix64(seed(rid) + j·φ64) mod SIM_VOCAB_SIZE`` with
-    ``seed`` the first 8 bytes of SHA-256(rid); every id lies in [0, SIM_VOCAB_SIZE).
+    Draw ``j`` is ``x_j = splitmix64(seed(rid) + j·φ64)`` with ``seed`` the first 8 bytes
+    of SHA-256(rid). Without ``vocab`` the token is ``x_j mod SIM_VOCAB_SIZE`` (the sim
+    tokenizer's ids); with ``vocab`` (the ids of a real tokenizer that a client can count
+    from the text, :func:`services.router.tokenizer.output_vocabulary`) it is
+    ``vocab[x_j mod len(vocab)]``, so every id lies inside that tokenizer's vocabulary.
 
     Raises:
-        ValueError: if ``start`` or ``count`` is negative.
+        ValueError: if ``start`` or ``count`` is negative, or ``vocab`` is empty.
     """
     if start < 0 or count < 0:
         raise ValueError(f"start and count must be >= 0, got {start}, {count}")
     seed = int.from_bytes(hashlib.sha256(rid.encode()).digest()[:8], "little")
-    return [_splitmix64((seed + j * _GOLDEN) & _MASK) % SIM_VOCAB_SIZE for j in range(start, start + count)]
+    draws = (_splitmix64((seed + j * _GOLDEN) & _MASK) for j in range(start, start + count))
+    if vocab is None:
+        return [x % SIM_VOCAB_SIZE for x in draws]
+    if not vocab:
+        raise ValueError("vocab is empty")
+    n = len(vocab)
+    return [vocab[x % n] for x in draws]
 
 
 class SimEngine(Engine):
@@ -49,12 +59,14 @@ class SimEngine(Engine):
     name = "sim"
     simulated = True
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, vocab: Sequence[int] | None = None) -> None:
         self.profile = profile
+        self.vocab = vocab
+        """Output ids to draw from (a real tokenizer's whole words); None = the sim tokenizer's."""
 
     def execute(self, plan: IterationPlan) -> float:
         """Duration of ``plan`` in simulated seconds: ``iterations × iteration_s``."""
         return plan.iterations * plan.iteration_s
 
     def output_tokens(self, rid: str, start: int, count: int) -> list[int]:
-        return sim_output_tokens(rid, start, count)
+        return sim_output_tokens(rid, start, count, self.vocab)

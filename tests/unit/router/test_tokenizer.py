@@ -136,3 +136,44 @@ def test_hf_tokenizer_without_template_falls_back_to_chatml(tmp_path):
     tok = load_tokenizer(f"hf:{tmp_path}")
     assert isinstance(tok, HFTokenizer) and tok.notes and "ChatML" in tok.notes[0]
     assert len(tok.apply_chat_template([{"role": "user", "content": "hello"}])) > 0
+
+
+def test_output_vocabulary_of_a_byte_level_bpe_round_trips(tmp_path):
+    """The sim engine's output ids under a real tokenizer: inside its vocabulary, and any
+    sequence of them decodes to text that re-encodes to the same ids (clients count usage)."""
+    pytest.importorskip("tokenizers")
+    import random
+
+    from services.router.tokenizer import output_vocabulary
+    from services.worker.engines.sim import sim_output_tokens
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    tok = load_tokenizer(f"hf:{write_bpe_tokenizer(tmp_path)}")
+    assert isinstance(tok, HFTokenizer)
+    vocab = output_vocabulary(tok)
+    assert vocab is not None and 100 < len(vocab) < tok.vocab_size and vocab == sorted(set(vocab))
+    assert output_vocabulary(load_tokenizer("sim")) is None
+    rng = random.Random(7)
+    for n in (1, 2, 64, 500):
+        seq = [rng.choice(vocab) for _ in range(n)]
+        assert tok._tok.encode(tok.decode(seq), add_special_tokens=False).ids == seq
+    ids = sim_output_tokens("chatcmpl-abc", 0, 64, vocab)
+    assert set(ids) <= set(vocab) and ids == sim_output_tokens("chatcmpl-abc", 0, 64, vocab)
+    assert sim_output_tokens("chatcmpl-abc", 10, 5, vocab) == ids[10:15]
+    # streamed piece by piece (the router's incremental decoder), the text still counts 64 tokens
+    dec = IncrementalDecoder(tok)
+    text = "".join(dec.push([i]) for i in ids) + dec.flush()
+    assert len(tok._tok.encode(text, add_special_tokens=False).ids) == 64
+    # without the vocabulary, ids fall outside it: decoded text loses them
+    raw = sim_output_tokens("chatcmpl-abc", 0, 64)
+    assert max(raw) >= tok.vocab_size
+
+
+def test_output_vocabulary_of_a_word_level_tokenizer(tmp_path):
+    pytest.importorskip("tokenizers")
+    from services.router.tokenizer import output_vocabulary
+
+    _write_wordlevel_tokenizer(tmp_path, None)
+    tok = load_tokenizer(f"hf:{tmp_path}")
+    assert output_vocabulary(tok) == [2, 3, 4, 5]  # the words; not [UNK], <s>, ':' or '!'
+    assert tok.encode(tok.decode([5, 2, 2, 4])) == [1, 5, 2, 2, 4]
