@@ -2,10 +2,13 @@
 
 A service never touches raw bytes: it publishes Structs to a :class:`Subject`
 from ``shared.subjects`` and receives decoded Structs in its handler. A payload
-that fails to decode is counted under ``dropped.<template>``, logged with its
-subject and dropped; an exception raised by a handler is counted under
-``handler_errors.<template>`` and logged. Neither reaches or stops the
-service loop (STYLE §4, "Dispatch").
+that fails to decode, or that decodes but fails the edge checks of
+``shared.validate`` (non-finite times, unbounded lists, a node id that is not
+the subject's ...), is counted under ``dropped.<template>`` (the latter also
+under ``invalid.<template>``) and dropped; an exception raised by a handler is
+counted under ``handler_errors.<template>``. Both are logged at a bounded rate
+(``shared.ratelog``: the first few per subject and interval, then one summary
+line). Neither reaches or stops the service loop (STYLE §4, "Dispatch").
 
 One decoder per message type is built once and reused (msgspec perf tips).
 """
@@ -27,7 +30,10 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription
 
 from shared import messages as m
+from shared.ratelog import RateLimitedLog
 from shared.subjects import SVC_HEARTBEAT, SVC_STATS, Subject, Subjects
+from shared.validate import check as validate_msg
+from shared.validate import subject_params
 
 Handler = Callable[[Any, str], Awaitable[None]]
 """``async def handler(msg, subject) -> None``."""
@@ -69,6 +75,11 @@ class Bus:
         self._subs: list[Subscription] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self.droplog = RateLimitedLog(self.log, first=5, interval_s=10.0)
+        """Bounds the lines written for dropped messages and handler errors."""
+        self.known_nodes: frozenset[str] | None = None
+        """Node ids of the cluster when this service knows them: messages naming
+        another node are dropped (``shared.validate``). None = any well-formed id."""
 
     # -- construction ---------------------------------------------------- #
 
@@ -138,11 +149,18 @@ class Bus:
 
     def _decode(self, subject: Subject, raw: NatsMsg) -> Any:
         try:
-            return decoder_for(subject.msg_type).decode(raw.data)
+            msg = decoder_for(subject.msg_type).decode(raw.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self.counters["dropped." + subject.template] += 1
-            self.log.warning("malformed message dropped", subject=raw.subject, error=str(e), size=len(raw.data))
+            self.droplog.event(subject.template, "malformed message dropped", subject=raw.subject, error=str(e)[:200], size=len(raw.data))
             return None
+        why = validate_msg(msg, subject_params(subject.template, self.subjects.prefix, raw.subject), self.known_nodes)
+        if why is not None:
+            self.counters["dropped." + subject.template] += 1
+            self.counters["invalid." + subject.template] += 1
+            self.droplog.event(subject.template, "invalid message dropped", subject=raw.subject, error=why[:200], size=len(raw.data))
+            return None
+        return msg
 
     async def subscribe(self, subject: Subject, handler: Handler, *, queue: str = "", **params: str) -> Subscription:
         """Subscribe to ``subject`` (missing params become ``*``) with a typed handler."""
@@ -157,7 +175,7 @@ class Bus:
                 await handler(msg, raw.subject)
             except Exception as e:  # a handler bug must not kill the subscription
                 self.counters["handler_errors." + template] += 1
-                self.log.exception("handler failed", subject=raw.subject, error=repr(e))
+                self.droplog.event("handler." + template, "handler failed", level="exception", subject=raw.subject, error=repr(e)[:200])
 
         sub = await self.nc.subscribe(
             self.subjects.wildcard(subject, **params),
@@ -182,7 +200,7 @@ class Bus:
                 reply = await handler(msg, raw.subject)
             except Exception as e:
                 self.counters["handler_errors." + template] += 1
-                self.log.exception("request handler failed", subject=raw.subject, error=repr(e))
+                self.droplog.event("handler." + template, "request handler failed", level="exception", subject=raw.subject, error=repr(e)[:200])
                 return
             if reply is not None and raw.reply:
                 await self.nc.publish(raw.reply, m.encode(self._stamp(reply)))
@@ -204,10 +222,15 @@ class Bus:
             self.counters["request_failed." + subject.template] += 1
             raise BusError(f"no reply on {full}: {type(e).__name__}") from e
         try:
-            return decoder_for(subject.reply_type).decode(raw.data)
+            reply = decoder_for(subject.reply_type).decode(raw.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self.counters["dropped_reply." + subject.template] += 1
             raise BusError(f"malformed reply on {full}: {e}") from e
+        why = validate_msg(reply, None, self.known_nodes)
+        if why is not None:
+            self.counters["dropped_reply." + subject.template] += 1
+            raise BusError(f"invalid reply on {full}: {why}")
+        return reply
 
     # -- service plumbing ------------------------------------------------- #
 
@@ -248,6 +271,7 @@ class Bus:
                     )
                 except Exception as e:  # connection hiccup: keep beating
                     self.log.debug("heartbeat failed", error=repr(e))
+                self.droplog.flush()
                 await asyncio.sleep(heartbeat_interval_s)
 
         self._tasks.append(asyncio.create_task(beat(), name=f"heartbeat-{self.instance}"))

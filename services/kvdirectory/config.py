@@ -24,6 +24,15 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
     ] = 4096
     resync_timeout_s: Annotated[float, Meta(gt=0, description="wall seconds to wait for a kv.resync reply")] = 2.0
     resync_backoff_max_s: Annotated[float, Meta(gt=0, description="longest wall-clock pause between resync retries")] = 5.0
+    resync_min_interval_s: Annotated[
+        float, Meta(gt=0, description="least wall seconds between two resync requests to one node (a forged sequence jump cannot start a storm)")
+    ] = 1.0
+    nodes: Annotated[
+        list[str], Meta(description="node ids of the cluster, comma-separated; messages naming others are dropped (empty = any id, up to max_nodes)")
+    ] = []
+    max_nodes: Annotated[
+        int, Meta(gt=0, description="most nodes the directory tracks; KV events of further node ids are dropped (counted as kv.nodes_over_limit)")
+    ] = 1024
     counts_flush_s: Annotated[float, Meta(gt=0, description="wall seconds between kv.counts.<node> flushes")] = 0.05
     counts_flush_updates: Annotated[
         int, Meta(gt=0, description="flush kv.counts at once when this many block counts changed")

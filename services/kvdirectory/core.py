@@ -162,6 +162,10 @@ class KvDirectory:
             self.branches.add_node(name)
         return i
 
+    def has_node(self, node: str) -> bool:
+        """True once ``node`` has an id (KV events, a snapshot or a placement named it)."""
+        return node in self._ids
+
     def awaiting_resync(self, node: str) -> bool:
         """True while ``node``'s KV view waits for a snapshot or a missing batch."""
         i = self._ids.get(node)
@@ -317,6 +321,13 @@ class KvDirectory:
         st.known = True
         st.next_seq = snap.seq + 1
         st.needs_snapshot = False
+        # the node had published up to snap.seq when it took the snapshot: a buffered batch
+        # further ahead than a full buffer of later batches was never published by it
+        # (a forged sequence jump); keeping it would keep the node awaiting a resync forever
+        beyond = [s for s in st.buffer if s > snap.seq + self.resync_buffer_batches]
+        for s in beyond:
+            del st.buffer[s]
+        self.counters["kv.batches_beyond_snapshot"] += len(beyond)
         self._drain(n, st, res)
         st.awaiting = bool(st.buffer)
         res.need_resync = st.awaiting

@@ -65,6 +65,10 @@ class DirectoryService:
         self._tasks: list[asyncio.Task[None]] = []
         self._flush_lock = asyncio.Lock()
         self._stopping = False
+        self._last_resync: dict[str, float] = {}
+        """Monotonic time of the last resync request per node (at most one per ``resync_min_interval_s``)."""
+        if cfg.nodes:
+            bus.known_nodes = frozenset(cfg.nodes)
 
     # ------------------------------------------------------------------ #
     # lifecycle
@@ -103,6 +107,10 @@ class DirectoryService:
     # ------------------------------------------------------------------ #
 
     async def _on_kv(self, batch: m.KvEventBatch, subject: str) -> None:
+        if not self.core.has_node(batch.node) and len(self.core.names) >= self.cfg.max_nodes:
+            self.counters["kv.nodes_over_limit"] += 1
+            self.bus.droplog.event("kv.nodes_over_limit", "KV events of a node past max_nodes dropped", node=batch.node)
+            return
         t0 = time.perf_counter()
         res = self.core.apply_kv_batch(batch, self.clock.now())
         self._ingest_s.observe(time.perf_counter() - t0)
@@ -173,6 +181,12 @@ class DirectoryService:
     async def _resync(self, node: str) -> None:
         delay = 0.1
         while self.core.awaiting_resync(node) and not self._stopping:
+            wait = self._last_resync.get(node, -1e18) + self.cfg.resync_min_interval_s - time.monotonic()
+            if wait > 0:  # rate limit: one request per node per interval, whatever the batches say
+                self.counters["resync.rate_limited"] += 1
+                await asyncio.sleep(wait)
+                continue
+            self._last_resync[node] = time.monotonic()
             req = self.core.resync_request(node)
             self.counters["resync.requests"] += 1
             try:

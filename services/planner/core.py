@@ -137,6 +137,8 @@ class PlannerCore:
         self._models_seen = -1
         self.ticks = 0
         self.switches = 0
+        self.foreign_commands = 0
+        """Split commands seen on the bus that this planner did not issue."""
 
     @property
     def split(self) -> str:
@@ -237,6 +239,37 @@ class PlannerCore:
             )
         )
         return cmd
+
+    def on_foreign_command(self, cmd: SplitCommand, now: float, max_step: int) -> SplitCommand | None:
+        """A split command on the bus that is not this planner's current one.
+
+        The planner alone issues epochs: a command it did not issue whose epoch is at
+        least its own (nodes and router adopted it, or would) is answered by re-issuing
+        the planner's phases under ``cmd.epoch + 1``, so the forged split lasts one
+        round trip and every later command (policy or operator ``split set``) is newer
+        than it. An older foreign command is stale everywhere and only counted; one
+        more than ``max_step`` above the planner's epoch was refused by every receiver
+        (``shared.validate.epoch_step_ok``) and is only counted too.
+
+        Returns:
+            The re-issued command to publish, or None.
+        """
+        if cmd.epoch == self.command.epoch and dict(cmd.phases) == dict(self.command.phases):
+            return None  # our own, echoed back
+        self.foreign_commands += 1
+        if cmd.epoch < self.command.epoch or cmd.epoch - self.command.epoch > max_step:
+            return None
+        old = cmd.phases
+        self.command = SplitCommand(
+            epoch=cmd.epoch + 1,
+            phases=dict(self.command.phases),
+            reason=f"planner re-issued its split over a foreign command (epoch {cmd.epoch})",
+            decided_at=now,
+        )
+        for n, ph in self.command.phases.items():
+            if old.get(n) != ph:
+                self.pending[n] = (self.command.epoch, now)
+        return self.command
 
     def _adopt(self, phases: dict[str, Phase], now: float, reason: str) -> SplitCommand:
         old = self.command.phases

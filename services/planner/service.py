@@ -29,6 +29,7 @@ from shared.clock import SimClock
 from shared.metrics import FuncCollector, make_registry
 from shared.profile import load_profile
 from shared.split import SplitError
+from shared.validate import MAX_EPOCH_STEP
 from shared.subjects import (
     NODE_ITERS,
     NODE_STATE,
@@ -72,6 +73,7 @@ class PlannerService:
             "ei_split_switch_drain_seconds", "Part of a node phase switch spent draining its running requests (simulated s)",
             buckets=SWITCH_BUCKETS_S, registry=self.registry,
         )
+        bus.known_nodes = frozenset(cfg.nodes)
 
     async def start(self) -> None:
         await self.bus.subscribe(NODE_ITERS, self._on_iters)
@@ -80,6 +82,7 @@ class PlannerService:
         await self.bus.subscribe(SPLIT_APPLIED, self._on_applied)
         await self.bus.serve(SPLIT_GET, self._on_get)
         await self.bus.serve(SPLIT_SET, self._on_set)
+        await self.bus.subscribe(SPLIT_COMMANDS, self._on_command)
         await self.bus.publish(SPLIT_COMMANDS, self.core.command)
         self.log.info("split announced", split=self.core.split, epoch=self.core.command.epoch)
         await self._publish_models(force=True)
@@ -176,6 +179,16 @@ class PlannerService:
         self.applied[msg.node] = msg
         self.core.on_split_applied(msg, self.clock.now())
 
+    async def _on_command(self, cmd: m.SplitCommand, _subject: str) -> None:
+        """``split.commands`` as everyone receives it: a command this planner did not issue
+        is answered by re-issuing the planner's split above its epoch (``core.on_foreign_command``)."""
+        again = self.core.on_foreign_command(cmd, self.clock.now(), MAX_EPOCH_STEP)
+        if again is not None:
+            await self.bus.publish(SPLIT_COMMANDS, again)
+            self.bus.droplog.event(
+                "split.foreign", "foreign split command overridden", level="warning", foreign_epoch=cmd.epoch, src=cmd.src, epoch=again.epoch
+            )
+
     async def _on_get(self, _req: m.SplitQuery, _subject: str) -> m.SplitCommand:
         return self.core.command
 
@@ -205,6 +218,7 @@ class PlannerService:
             "requests_completed": self.core.tracker.completed,
             "requests_dropped": self.core.tracker.dropped,
             "switches": self.core.switches,
+            "split.foreign": self.core.foreign_commands,
             "ticks": self.core.ticks,
             **self.counters,
         }

@@ -55,6 +55,7 @@ from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.hashing import block_hashes_packed
 from shared.metrics import FuncCollector, make_registry, metrics_response
+from shared.validate import epoch_step_ok
 from shared.subjects import (
     BRANCH_EVENTS,
     KV_LOOKUP,
@@ -403,6 +404,10 @@ class RouterService:
             )
 
     async def _on_split(self, cmd: m.SplitCommand, _subject: str) -> None:
+        if not epoch_step_ok(self.core.view.epoch, cmd.epoch):
+            self.counters["splits_epoch_jump_refused"] += 1
+            self.bus.droplog.event("split.epoch_jump", "split command with a forged epoch jump refused", epoch=cmd.epoch, current=self.core.view.epoch)
+            return
         self._apply_split(cmd, "split.commands")
 
     def _apply_split(self, cmd: m.SplitCommand, source: str) -> None:
@@ -431,6 +436,12 @@ class RouterService:
         p = self._pending.get(chunk.rid)
         if p is None:
             self.counters["chunks_unknown_rid"] += 1
+            return
+        if chunk.node not in (p.prefill_node, p.decode_node):
+            # only the nodes the request was placed on stream it: a chunk naming another
+            # node (or none) must not end or fill someone's stream
+            self.counters["chunks_wrong_node"] += 1
+            self.bus.droplog.event("chunks_wrong_node", "token chunk from a node the request is not on dropped", rid=chunk.rid, node=chunk.node)
             return
         now = self.clock.now()
         failed = chunk.finish_reason in ("error", "abort")

@@ -49,6 +49,7 @@ from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.profile import load_profile
+from shared.validate import epoch_step_ok
 from shared.subjects import (
     KV_COUNTS,
     KV_EVENTS,
@@ -321,6 +322,12 @@ class WorkerService:
             moved = msgspec.structs.replace(work, kv_ready_at=now + self.profile.kv_transfer_s(work.prompt_tokens))
             await self._hand_back(m.WorkRequeue(rid=work.rid, node=self.node, reason=f"node {self.node} serves prefill", decode=moved))
             return
+        latest = now + 2.0 * self.profile.kv_transfer_s(work.prompt_tokens) + 1.0
+        if work.kv_ready_at > latest:
+            # a hand-off's KV arrives within its transfer time: a later kv_ready_at would hold
+            # the reservation (L1 blocks) idle for that long
+            self.counters["decode.kv_ready_clamped"] += 1
+            work = msgspec.structs.replace(work, kv_ready_at=latest)
         try:
             if not self.accepting:
                 raise WorkRejected(work.rid, f"node {self.node} is shutting down")
@@ -365,6 +372,10 @@ class WorkerService:
     async def _on_split(self, cmd: m.SplitCommand, _subject: str) -> None:
         if cmd.epoch <= self.epoch:
             self.counters["split.ignored"] += 1
+            return
+        if not epoch_step_ok(self.epoch, cmd.epoch):
+            self.counters["split.epoch_jump_refused"] += 1
+            self.bus.droplog.event("split.epoch_jump", "split command with a forged epoch jump refused", epoch=cmd.epoch, current=self.epoch)
             return
         self.epoch = cmd.epoch
         phase = cmd.phases.get(self.node)

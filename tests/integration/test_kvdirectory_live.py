@@ -225,3 +225,37 @@ def test_config_from_flags(argv):
 
     cfg = load_config(DirectoryConfig, argv, prog="kvdirectory", env={})
     assert cfg.block_size == 32 and cfg.branch_ttl_s == 60.0
+
+
+async def test_forged_sequence_jumps_cause_at_most_one_resync_per_interval(nats_url):
+    """Issue 18: a flood of KV batches with seq 10^12+ (forged) must not start a resync storm:
+    at most one kv.resync request per node per resync_min_interval_s, and the node's real
+    batches keep applying after its snapshot."""
+    async with running_directory(nats_url, resync_min_interval_s=0.5) as c:
+        asked: list[float] = []
+
+        async def answer(req: m.KvResyncRequest, subject: str) -> m.KvSnapshot:
+            asked.append(asyncio.get_running_loop().time())
+            return m.KvSnapshot(node="w0", seq=1, block_size=BS, gpu=PATH[:1], gpu_parents=[None])
+
+        await c.serve(KV_RESYNC, answer, node="w0")
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w0", seq=1, events=[stored(PATH[:1])]), node="w0")
+        t0 = asyncio.get_running_loop().time()
+        for i in range(60):  # 3 s of forged jumps, 20 per second
+            await c.publish(KV_EVENTS, m.KvEventBatch(node="w0", seq=10**12 + i, events=[stored(PATH[1:2])]), node="w0")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        elapsed = asyncio.get_running_loop().time() - t0
+        assert 1 <= len(asked) <= elapsed / 0.5 + 1, (len(asked), elapsed)
+        assert all(b - a >= 0.45 for a, b in zip(asked, asked[1:]))
+        n_asked = len(asked)
+        await asyncio.sleep(1.2)
+        assert len(asked) == n_asked  # the flood is over: no more resyncs (no loop)
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w0", seq=2, events=[stored(PATH[1:3])]), node="w0")
+
+        async def applied():
+            return (await lookup(c, PATH)).longest_any == 3
+
+        await eventually(applied)
+        s = await stats(c)
+        assert s.gauges["nodes.awaiting_resync"] == 0 and s.counters["kv.batches_beyond_snapshot"] >= 1

@@ -514,3 +514,19 @@ def test_decode_few_bytes_path_matches_per_bit_path(seed):
         for p in g:
             want[p] = n
     assert per_bit == (want[0], want[1::3], want[2::3], want[3::3])
+
+
+def test_forged_sequence_jump_ends_with_one_snapshot():
+    """A batch with seq 10^12 (forged) is buffered as a gap; the node's snapshot, taken at its
+    real seq, discards it (no node publishes that far past its snapshot), so the node is no
+    longer awaiting a resync: one resync, not a storm (issue 18)."""
+    d = KvDirectory(BS, resync_buffer_batches=8)
+    f = Feed(d)
+    f.send("w0", st(P[:1]))
+    r = d.apply_kv_batch(KvEventBatch(node="w0", seq=10**12, events=[st(P[1:2])]), 1.0)
+    assert r.need_resync and d.awaiting_resync("w0")
+    r = d.apply_snapshot(KvSnapshot(node="w0", seq=1, block_size=BS, gpu=P[:1], gpu_parents=[None]), 2.0)
+    assert not r.need_resync and not d.awaiting_resync("w0")
+    assert d.counters["kv.batches_beyond_snapshot"] == 1
+    f.send("w0", st(P[1:2]))  # the worker's real next batch (seq 2) applies normally
+    assert d.lookup(P).node("w0").gpu_blocks == 2 and not d.awaiting_resync("w0")

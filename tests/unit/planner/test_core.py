@@ -99,3 +99,27 @@ def test_evolving_core_publishes_epochs_decisions_and_models():
     assert core.take_models() is None  # unchanged since
     evs = core.take_decisions()
     assert [e.action for e in evs] == ["warmup", "switch"] and [e.epoch for e in evs] == [2, 3]
+
+
+def test_foreign_split_command_is_overridden_above_its_epoch():
+    """The planner alone issues epochs: a forged command at an epoch ≥ the planner's is
+    answered by the planner's own split one epoch above it; the operator's next split is
+    newer still, so it always takes effect (issue 18)."""
+    from shared.messages import SplitCommand
+
+    core = PlannerCore(NODES, "2P2D")
+    own = core.command
+    assert core.on_foreign_command(own, 1.0, 1000) is None  # our own echo
+    assert core.foreign_commands == 0
+    stale = SplitCommand(epoch=0, phases={n: "decode" for n in NODES})
+    assert core.on_foreign_command(stale, 1.0, 1000) is None and core.foreign_commands == 1
+    huge = SplitCommand(epoch=10**15, phases={n: "both" for n in NODES})
+    assert core.on_foreign_command(huge, 1.0, 1000) is None  # refused by every receiver too
+    assert core.command == own
+    forged = SplitCommand(epoch=own.epoch + 50, phases={"w0": "prefill", "w1": "decode", "w2": "decode", "w3": "decode"})
+    again = core.on_foreign_command(forged, 2.0, 1000)
+    assert again is not None and again.epoch == own.epoch + 51 and again.phases == own.phases
+    assert core.command is again and core.foreign_commands == 3
+    assert set(core.pending) == {"w1"}  # the node the forged command moved must switch back
+    op = core.set_split("3P1D", 3.0)
+    assert op.epoch == again.epoch + 1 and split_name(op.phases) == "3P1D"

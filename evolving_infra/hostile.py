@@ -1,0 +1,241 @@
+"""Hostile input for every bus subject: what the fuzz test and ``bench/fuzz_bench.py`` send.
+
+For each subject of ``shared.subjects.ALL`` :func:`samples` builds well-formed
+messages (what an honest publisher sends), and :func:`payloads` derives from
+them a stream of hostile payloads of four kinds, in rotation:
+
+* ``random``: random bytes (0 – 256 of them);
+* ``truncated``: a valid message cut short;
+* ``mutated``: a valid message with 1 – 8 random bytes flipped (may still decode);
+* ``hostile``: a valid-shaped message with one field set to a hostile value —
+  NaN, ±inf, ±1e300, negative or 2^62 integers, huge strings and lists, an
+  invented node, a sequence jump, a split with no prefill node, a finished token
+  chunk from another node (``hostile_variants``).
+
+Everything is deterministic for a given ``random.Random`` seed. No I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+
+from shared import messages as m
+from shared.itermodel import DecodeModel, PrefillModel
+from shared.subjects import (
+    ALL,
+    BRANCH_EVENTS,
+    KV_COUNTS,
+    KV_EVENTS,
+    KV_LOOKUP,
+    KV_POOL,
+    KV_RESYNC,
+    NODE_ITERS,
+    NODE_STATE,
+    PLANNER_DECISIONS,
+    PLANNER_MODELS,
+    REQ_OUT,
+    ROUTE_BIND,
+    ROUTE_PLACED,
+    SPLIT_APPLIED,
+    SPLIT_COMMANDS,
+    SPLIT_GET,
+    SPLIT_SET,
+    SVC_HEARTBEAT,
+    SVC_STATS,
+    WORK_ABORT,
+    WORK_DECODE,
+    WORK_PREFILL,
+    WORK_REQUEUE,
+    Subject,
+)
+
+KINDS = ("random", "truncated", "mutated", "hostile")
+
+_BS = 64
+
+
+def _prefill(rid: str = "fz-1", decode_node: str | None = None) -> m.PrefillWork:
+    return m.PrefillWork(
+        rid=rid, prompt_tokens=256, max_tokens=4, block_size=_BS, block_hashes=[11, 12, 13, 14], decode_node=decode_node, sent_at=1.0
+    )
+
+
+def _decode(rid: str = "fz-1", prefill_node: str = "w0") -> m.DecodeWork:
+    return m.DecodeWork(
+        rid=rid, prompt_tokens=256, max_tokens=4, block_size=_BS, block_hashes=[11, 12, 13, 14], prefill_node=prefill_node, kv_ready_at=1.0
+    )
+
+
+def samples(nodes: tuple[str, ...] = ("w0", "w1")) -> dict[str, tuple[dict[str, str], msgspec.Struct]]:
+    """One well-formed message per subject template, with the subject parameters to publish it under.
+
+    Args:
+        nodes: node ids of the target cluster (the first names the publisher, the
+            second a peer); at least two.
+
+    Returns:
+        ``{template: (params, message)}`` covering every subject of ``ALL``.
+    """
+    a, b = nodes[0], nodes[1]
+    phases = {a: "prefill", b: "decode"}
+    out: dict[str, tuple[dict[str, str], msgspec.Struct]] = {
+        KV_EVENTS.template: (
+            {"node": a},
+            m.KvEventBatch(node=a, seq=1, ts=1.0, events=[m.BlockStored(block_hashes=[1, 2], block_size=_BS), m.BlockRemoved(block_hashes=[3])]),
+        ),
+        KV_RESYNC.template: ({"node": a}, m.KvResyncRequest(node=a, reason="fuzz", expected_seq=2)),
+        KV_LOOKUP.template: ({}, m.KvLookupRequest(block_hashes=[1, 2, 3], block_size=_BS)),
+        KV_COUNTS.template: ({"node": a}, m.CountUpdates(node=a, seq=1, hashes=[1, 2], counts=[1, 0])),
+        KV_POOL.template: ({"node": a}, m.PoolLocate(node=a, block_hashes=[1, 2], lease_s=1.0)),
+        BRANCH_EVENTS.template: ({}, m.BranchStart(branch_id="fz-branch", kind="fork", parent_branch_id="fz-root", ts=1.0)),
+        ROUTE_PLACED.template: ({}, m.RoutePlaced(rid="fz-1", branch_id="fz-branch", node=a, phase="prefill", block_hashes=[1, 2], ts=1.0)),
+        NODE_STATE.template: (
+            {"node": a},
+            m.NodeState(
+                node=a, seq=1, ts=1.0, phase="prefill", epoch=1, block_size=_BS, running=1, waiting=1, remaining_s=0.01,
+                queue=[m.QueuedWork(rid="fz-q", uncached_tokens=64)], gpu_free_blocks=10, gpu_total_blocks=100,
+            ),
+        ),
+        NODE_ITERS.template: (
+            {"node": a},
+            m.IterationRecords(node=a, records=[m.IterationRecord(start=1.0, duration_s=0.01, phase="prefill", prefill_requests=1, sum_uncached=64)]),
+        ),
+        SPLIT_COMMANDS.template: ({}, m.SplitCommand(epoch=1, phases=phases, reason="fuzz", decided_at=1.0)),
+        SPLIT_APPLIED.template: ({}, m.SplitApplied(epoch=1, node=a, phase="prefill", status="serving", decided_at=1.0, applied_at=1.1)),
+        SPLIT_GET.template: ({}, m.SplitQuery()),
+        PLANNER_DECISIONS.template: ({}, m.PlannerDecision(seq=1, ts=1.0, policy="static", split_before="1P1D", split_after="1P1D")),
+        SPLIT_SET.template: ({}, m.SplitSetRequest(split="1P1D", reason="fuzz")),
+        WORK_PREFILL.template: ({"node": a}, _prefill()),
+        WORK_DECODE.template: ({"node": b}, _decode()),
+        WORK_ABORT.template: ({"node": a}, m.RequestAbort(rid="fz-1", reason="fuzz")),
+        REQ_OUT.template: ({"rid": "fz-1"}, m.TokenChunk(rid="fz-1", node=a, index=0, token_ids=[5], ts=1.0)),
+        SVC_HEARTBEAT.template: ({"service": "worker"}, m.Heartbeat(service="worker", instance=f"worker-{a}", pid=1, wall_ts=1.0)),
+        SVC_STATS.template: ({"instance": "router"}, m.StatsRequest()),
+        PLANNER_MODELS.template: (
+            {},
+            m.PlannerModels(
+                models=[m.NodeModels(node=a, prefill=PrefillModel(c0=0.01, c1=1e-5, c2=1e-9, c3=1e-6), decode=DecodeModel(d0=0.01, d1=0.0, d2=1e-4))],
+                fitted_at=1.0,
+            ),
+        ),
+        ROUTE_BIND.template: ({}, m.DecodeBindRequest(rid="fz-1", prefill_node=a, prompt_tokens=256, max_tokens=4)),
+        WORK_REQUEUE.template: ({}, m.WorkRequeue(rid="fz-1", node=a, reason="fuzz", prefill=_prefill())),
+    }
+    missing = {s.template for s in ALL} - set(out)
+    assert not missing, f"no sample for {missing}"
+    return out
+
+
+_BAD_FLOATS = (math.nan, math.inf, -math.inf, 1e300, -1e300)
+_BAD_INTS = (2**62, 10**15, 2**53 + 1, 2**31)
+_NEG_INTS = (-1, -(2**62))
+
+
+def _bad_value(value: Any, rng: random.Random, big: int) -> Any:
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, float):
+        return rng.choice(_BAD_FLOATS)
+    if isinstance(value, int):
+        return rng.choice(_BAD_INTS + _NEG_INTS)
+    if isinstance(value, str):
+        return rng.choice(("", "x" * 5000, "a.b", "w-invented", "\x00\xff"))
+    if isinstance(value, bytes):
+        return rng.randbytes(rng.randint(1, 64))
+    if isinstance(value, list):
+        if value and isinstance(value[0], int):
+            return list(range(big))
+        return value * max(1, big // max(1, len(value))) if value else [0] * big
+    if isinstance(value, dict):
+        return {f"n{i}": "decode" for i in range(min(big, 10_000))}
+    if value is None:
+        return rng.choice((math.nan, 1e300, -1, "x" * 100))
+    return None
+
+
+def hostile_variants(template: str, params: dict[str, str], msg: msgspec.Struct, rng: random.Random, *, big: int = 300_000) -> list[tuple[dict[str, str], msgspec.Struct]]:
+    """Valid-shaped hostile versions of ``msg``: one field hostile each, plus the attacks of issue 18.
+
+    Args:
+        template / params / msg: one entry of :func:`samples`.
+        rng: source of the choices.
+        big: length of the huge lists (ints), entries.
+
+    Returns:
+        ``[(params, message)]``; params may name another node (an invented one).
+    """
+    out: list[tuple[dict[str, str], msgspec.Struct]] = []
+    for f in msgspec.structs.fields(msg):
+        if f.name in ("v", "src"):
+            continue
+        bad = _bad_value(getattr(msg, f.name), rng, big)
+        if bad is not None:
+            out.append((params, msgspec.structs.replace(msg, **{f.name: bad})))
+    node = params.get("node")
+    if node is not None and hasattr(msg, "node"):
+        inv = f"x{rng.randrange(10**9)}"
+        out.append(({**params, "node": inv}, msgspec.structs.replace(msg, node=inv)))  # invented node
+        out.append(({**params, "node": "w1" if node != "w1" else "w0"}, msg))  # another node's subject (spoof)
+    if isinstance(msg, m.KvEventBatch):
+        out.append((params, msgspec.structs.replace(msg, seq=10**12)))  # sequence jump
+        out.append((params, msgspec.structs.replace(msg, events=[m.BlockStored(block_hashes=list(range(big)), block_size=_BS)])))
+    if isinstance(msg, m.SplitCommand):
+        out.append((params, msgspec.structs.replace(msg, epoch=10**15, phases={k: "decode" for k in msg.phases})))
+        out.append((params, msgspec.structs.replace(msg, epoch=10**15)))
+        out.append((params, msgspec.structs.replace(msg, phases={**msg.phases, "ghost": "prefill"})))
+    if isinstance(msg, m.DecodeWork):
+        out.append((params, msgspec.structs.replace(msg, kv_ready_at=1e300)))
+        out.append((params, msgspec.structs.replace(msg, kv_ready_at=math.nan)))
+        out.append((params, msgspec.structs.replace(msg, kv_ready_at=1e9)))  # finite, far future: clamped
+    if isinstance(msg, m.TokenChunk):
+        out.append((params, msgspec.structs.replace(msg, finished=True, finish_reason="stop", node="w1")))
+    return out
+
+
+HUGE_BYTES = 64 * 1024
+"""Payloads larger than this count against ``max_huge``."""
+
+
+def payloads(
+    subject: Subject, params: dict[str, str], msg: msgspec.Struct, rng: random.Random, count: int, *, big: int = 300_000, max_huge: int = 16
+) -> Iterator[tuple[str, dict[str, str], bytes]]:
+    """``count`` hostile payloads for one subject: ``(kind, params, bytes)``, kinds in rotation.
+
+    Args:
+        subject: the subject (its template names the kind of message).
+        params / msg: the subject's sample (:func:`samples`).
+        rng: source of randomness (seed it for a reproducible run).
+        count: payloads to produce.
+        big: length of huge lists in ``hostile`` payloads.
+        max_huge: at most this many payloads above :data:`HUGE_BYTES` (megabytes
+            each); afterwards the rotation skips them.
+    """
+    valid = m.encode(msg)
+    variants = hostile_variants(subject.template, params, msg, rng, big=big)
+    encoded = [(p, m.encode(v)) for p, v in variants]
+    small = [e for e in encoded if len(e[1]) <= HUGE_BYTES] or encoded[:1]
+    huge_sent = 0
+    for i in range(count):
+        kind = KINDS[i % len(KINDS)]
+        if kind == "random":
+            yield kind, params, rng.randbytes(rng.randint(0, 256))
+        elif kind == "truncated":
+            yield kind, params, valid[: rng.randrange(len(valid))]
+        elif kind == "mutated":
+            b = bytearray(valid)
+            for _ in range(rng.randint(1, 8)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            yield kind, params, bytes(b)
+        else:
+            p, raw = encoded[(i // len(KINDS)) % len(encoded)]
+            if len(raw) > HUGE_BYTES:
+                if huge_sent >= max_huge:
+                    p, raw = small[(i // len(KINDS)) % len(small)]
+                else:
+                    huge_sent += 1
+            yield kind, p, raw

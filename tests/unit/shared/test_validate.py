@@ -1,0 +1,154 @@
+"""Edge validation (shared.validate), rate-limited drop logs (shared.ratelog) and the hostile samples."""
+
+from __future__ import annotations
+
+import math
+import random
+import typing
+
+import msgspec
+
+from evolving_infra.hostile import hostile_variants, payloads, samples
+from shared import messages as m
+from shared.bus import decoder_for
+from shared.ratelog import RateLimitedLog
+from shared.subjects import ALL, KV_EVENTS, Subjects
+from shared.validate import CHECKERS, MAX_EPOCH_STEP, check, epoch_step_ok, split_problem, subject_params
+
+
+def _members(tp: typing.Any) -> list[type]:
+    if tp is None:
+        return []
+    args = typing.get_args(tp)
+    return list(args) if args else [tp]
+
+
+def test_every_message_type_of_every_subject_has_a_checker():
+    for s in ALL:
+        for t in _members(s.msg_type) + _members(s.reply_type):
+            assert t in CHECKERS, (s.template, t)
+
+
+def test_every_sample_passes_and_round_trips():
+    for template, (params, msg) in samples().items():
+        assert check(msg, params) is None, template
+        s = next(x for x in ALL if x.template == template)
+        assert check(decoder_for(s.msg_type).decode(m.encode(msg)), params) is None
+
+
+def test_publisher_fields_must_match_the_subject():
+    st = m.NodeState(node="w1")
+    assert check(st, {"node": "w1"}) is None
+    assert "does not match" in check(st, {"node": "w0"})  # w0's subject carrying w1's state: spoof
+    batch = m.KvEventBatch(node="w0", seq=1)
+    assert "does not match" in check(batch, {"node": "w9"})
+    chunk = m.TokenChunk(rid="a", node="w0")
+    assert "does not match" in check(chunk, {"rid": "b"})
+
+
+def test_known_nodes_are_enforced_when_given():
+    batch = m.KvEventBatch(node="x123", seq=1)
+    assert check(batch, {"node": "x123"}) is None
+    assert "not a node of this cluster" in check(batch, {"node": "x123"}, frozenset({"w0", "w1"}))
+
+
+def test_times_must_be_finite_and_in_range():
+    base = samples()["work.{node}.decode"][1]
+    for bad in (math.nan, math.inf, -math.inf, 1e300, -1e300):
+        assert "kv_ready_at" in check(msgspec.structs.replace(base, kv_ready_at=bad)), bad
+    st = samples()["node.state.{node}"][1]
+    assert "remaining_s" in check(msgspec.structs.replace(st, remaining_s=math.nan))
+    assert "ts" in check(msgspec.structs.replace(st, ts=math.inf))
+
+
+def test_sizes_counts_and_lists_are_bounded():
+    big = m.KvEventBatch(node="w0", seq=1, events=[m.BlockStored(block_hashes=list(range(1_000_000)), block_size=64)])
+    assert "block hashes" in check(big)
+    assert "seq" in check(m.KvEventBatch(node="w0", seq=2**60))
+    w = samples()["work.{node}.prefill"][1]
+    assert "block hashes" in check(msgspec.structs.replace(w, prompt_tokens=10**6))
+    assert "token_ids" in check(msgspec.structs.replace(w, token_ids=b"\x00" * 3))
+    assert "fetch range" in check(msgspec.structs.replace(w, fetch=[m.FetchRange(node="w1", start=0, end=99)]))
+    assert "counts" in check(m.CountUpdates(node="w0", hashes=[1, 2], counts=[1]))
+    st = samples()["node.state.{node}"][1]
+    assert "queue" in check(msgspec.structs.replace(st, queue=[m.QueuedWork(rid="q")] * 70_000))
+    assert "gpu_free_blocks" in check(msgspec.structs.replace(st, gpu_free_blocks=10**6))
+
+
+def test_split_commands_need_prefill_and_decode_and_known_nodes():
+    assert split_problem({"w0": "prefill", "w1": "decode"}) is None
+    assert split_problem({"w0": "both"}) is None
+    assert split_problem({}) == "names no node"
+    assert split_problem({"w0": "decode", "w1": "decode"}) == "has no prefill node"
+    assert split_problem({"w0": "prefill"}) == "has no decode node"
+    assert "unknown node" in split_problem({"w0": "both", "ghost": "both"}, frozenset({"w0"}))
+    assert "no prefill" in check(m.SplitCommand(epoch=10**15, phases={"w0": "decode", "w1": "decode"}))
+
+
+def test_epoch_step():
+    assert epoch_step_ok(-1, 1) and epoch_step_ok(0, MAX_EPOCH_STEP) and epoch_step_ok(5, 5 + MAX_EPOCH_STEP)
+    assert not epoch_step_ok(-1, 10**15) and not epoch_step_ok(5, 6 + MAX_EPOCH_STEP)
+
+
+def test_subject_params():
+    s = Subjects("p0")
+    assert subject_params(KV_EVENTS.template, s.prefix, s.format(KV_EVENTS, node="w3")) == {"node": "w3"}
+    assert subject_params(KV_EVENTS.template, s.prefix, "ei.p1.kv.events.w3") == {}
+    assert subject_params(KV_EVENTS.template, s.prefix, "ei.p0.kv.events") == {}
+
+
+def test_every_hostile_variant_is_refused_or_harmless_and_check_never_raises():
+    """Most hostile variants fail the checks; the rest are values the services handle
+    (a far-future kv_ready_at is clamped by the worker, an epoch jump is refused by
+    the receivers, a bool flip or an invented branch id is legal input)."""
+    rng = random.Random(1)
+    refused = 0
+    total = 0
+    for template, (params, msg) in samples().items():
+        s = next(x for x in ALL if x.template == template)
+        for p, v in hostile_variants(template, params, msg, rng, big=70_000):
+            raw = m.encode(v)
+            try:
+                dec = decoder_for(s.msg_type).decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                refused += 1
+                total += 1
+                continue
+            total += 1
+            refused += check(dec, p) is not None
+    assert total > 100 and refused / total > 0.6
+
+
+def test_payload_rotation_and_huge_cap():
+    rng = random.Random(2)
+    s = KV_EVENTS
+    params, msg = samples()[s.template]
+    out = list(payloads(s, params, msg, rng, 400, big=300_000, max_huge=2))
+    assert {k for k, _, _ in out} == {"random", "truncated", "mutated", "hostile"}
+    assert sum(len(raw) > 64 * 1024 for _, _, raw in out) == 2
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict]] = []
+
+    def warning(self, event: str, **kw: object) -> None:
+        self.lines.append((event, kw))
+
+
+def test_rate_limited_log_writes_first_n_then_one_summary_per_interval():
+    now = [0.0]
+    log = _Log()
+    rl = RateLimitedLog(log, first=3, interval_s=10.0, clock=lambda: now[0])
+    for _ in range(100_000):
+        rl.event("kv.events.{node}", "malformed message dropped")
+    assert len(log.lines) == 3 and rl.suppressed_total == 99_997
+    rl.flush()  # interval not over: nothing more
+    assert len(log.lines) == 3
+    now[0] = 10.5
+    rl.flush()
+    assert log.lines[-1][0] == "log lines suppressed" and log.lines[-1][1]["suppressed"] == 99_997
+    rl.event("kv.events.{node}", "malformed message dropped")  # a new interval logs again
+    assert len(log.lines) == 5 and rl.lines == 5
+    rl.event("other", "x")
+    assert len(log.lines) == 6
