@@ -7,6 +7,7 @@ STAMP  := $(VENV)/.installed
 
 MOONCAKE := $(VENV)/.mooncake
 HF       := $(VENV)/.hf
+TORCH    := $(VENV)/.torch
 
 .PHONY: demo test install clean
 
@@ -26,13 +27,18 @@ $(MOONCAKE): $(STAMP) scripts/install-mooncake.sh
 $(HF): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[hf]'
 	touch $(HF)
+# The torch engine's extra (PyTorch CPU build, safetensors, tokenizers, transformers);
+# `make test` needs it, `make demo` (sim engine) does not.
+$(TORCH): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,torch]'
+	touch $(TORCH)
 
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/evolving-infra demo --out demo-out
 
-test: $(STAMP) $(MOONCAKE) $(HF)
+test: $(STAMP) $(MOONCAKE) $(HF) $(TORCH)
 	EI_REQUIRE_MOONCAKE=1 $(BIN)/python -m pytest -q
 
 clean:

@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "evolving_infra.report.cli",  # report show|compare
     "evolving_infra.split_cli",  # split set|get
     "evolving_infra.sim.cli",  # simulate, fidelity
+    "evolving_infra.model_cli",  # model init (torch engine)
 )
 
 

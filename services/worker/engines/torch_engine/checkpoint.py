@@ -1,0 +1,217 @@
+"""``evolving-infra model init``: a seeded random Llama/Qwen3 checkpoint in the Hugging Face layout.
+
+Writes ``config.json``, ``model.safetensors``, ``tokenizer.json`` (a byte-level
+BPE trained here by ``tokenizers`` on the text the repository ships: its
+README and docs, else on text generated from a fixed seed), ``tokenizer_config.json``
+(ChatML chat template, eos ``<|im_end|>``) and ``generation_config.json``.
+``transformers``' ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` load the folder as
+it is, and so does :class:`~services.worker.engines.torch_engine.model.PagedDecoder`.
+
+Weights are drawn so that the untrained model is *sensitive* to its context
+(untied embeddings N(0, 1), tied N(0, 0.05²), projections N(0, 1/fan_in), norms near 1): greedy outputs
+change when any K/V page is wrong, which the engine's correctness tests rely on.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_REPO = Path(__file__).resolve().parents[4]
+
+
+def corpus(max_chars: int = 400_000) -> list[str]:
+    """Training text for the tokenizer: the repository's README and docs (Markdown),
+    or, when the package is installed without them, 2,000 sentences generated from a
+    fixed seed. Returns a list of documents."""
+    docs: list[str] = []
+    total = 0
+    for pattern in ("README.md", "docs/*.md", "services/*/README.md"):
+        for p in sorted(_REPO.glob(pattern)):
+            try:
+                t = p.read_text(errors="replace")
+            except OSError:
+                continue
+            docs.append(t)
+            total += len(t)
+            if total >= max_chars:
+                return docs
+    if docs:
+        return docs
+    rng = random.Random(0)
+    words = (
+        "the agent reads a file and calls a tool then the model writes code prefill decode cache block page "
+        "request token fork branch session node router worker memory host gpu time batch"
+    ).split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) + "." for _ in range(2000)]
+
+
+def train_tokenizer(vocab: int, out: Path) -> int:
+    """Train a byte-level BPE of at most ``vocab`` ids on :func:`corpus` and write
+    ``out/tokenizer.json``. Returns the tokenizer's vocabulary size (≤ ``vocab``; the
+    256 byte symbols and the special tokens are always in it).
+
+    Raises:
+        ValueError: if ``vocab`` < 300 (no room for the bytes and merges).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab < 300:
+        raise ValueError(f"--vocab must be >= 300 (256 bytes + specials + merges), got {vocab}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
+def model_config(
+    arch: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, context: int, eos_id: int
+) -> dict[str, Any]:
+    """``config.json`` content for ``arch`` (``llama`` or ``qwen3``).
+
+    ``llama`` uses Llama 3's ``rope_scaling`` (``rope_type: llama3``, factor 8,
+    original context ``context // 4``, so the scaling changes frequencies within the
+    context) and untied embeddings; ``qwen3`` ties them and has q/k norms.
+
+    Raises:
+        ValueError: unknown arch, ``hidden`` not divisible by ``heads``, or ``heads``
+            not divisible by ``kv_heads``.
+    """
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(f"--arch must be llama or qwen3, got {arch!r}")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden {hidden} must divide by heads {heads}, heads by kv_heads {kv_heads}")
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 3,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": context,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "eos_token_id": eos_id,
+        "bos_token_id": None,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if arch == "llama":
+        common.update(
+            architectures=["LlamaForCausalLM"],
+            model_type="llama",
+            tie_word_embeddings=False,
+            mlp_bias=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": max(16, context // 4),
+            },
+        )
+    else:
+        common.update(
+            architectures=["Qwen3ForCausalLM"],
+            model_type="qwen3",
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=None,
+            rope_scaling=None,
+        )
+    return common
+
+
+def init_model(
+    out: str | Path,
+    *,
+    arch: str = "llama",
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 512,
+    context: int = 2048,
+    seed: int = 0,
+) -> Path:
+    """Write a seeded random checkpoint folder (see module docstring); returns its path.
+
+    Same arguments and seed → the same weights and tokenizer.
+
+    Raises:
+        ValueError: bad sizes (see :func:`model_config`, :func:`train_tokenizer`).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    n_vocab = train_tokenizer(vocab, folder)
+    from tokenizers import Tokenizer
+
+    eos = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id("<|im_end|>")
+    cfg = model_config(arch, layers, hidden, heads, kv_heads, max(vocab, n_vocab), context, eos)
+    g = torch.Generator().manual_seed(seed)
+    D = cfg["head_dim"]
+    V, H, I = cfg["vocab_size"], hidden, cfg["intermediate_size"]
+
+    def lin(o: int, i: int) -> torch.Tensor:
+        return torch.randn(o, i, generator=g) / i**0.5
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    # tied embeddings (qwen3): small, so the residual stream is not dominated by the
+    # input token's own embedding (which would make the untrained model echo its input)
+    emb_std = 0.05 if cfg["tie_word_embeddings"] else 1.0
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": emb_std * torch.randn(V, H, generator=g)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(H)
+        w[p + "post_attention_layernorm.weight"] = norm(H)
+        w[p + "self_attn.q_proj.weight"] = lin(heads * D, H)
+        w[p + "self_attn.k_proj.weight"] = lin(kv_heads * D, H)
+        w[p + "self_attn.v_proj.weight"] = lin(kv_heads * D, H)
+        w[p + "self_attn.o_proj.weight"] = lin(H, heads * D)
+        w[p + "mlp.gate_proj.weight"] = lin(I, H)
+        w[p + "mlp.up_proj.weight"] = lin(I, H)
+        w[p + "mlp.down_proj.weight"] = lin(H, I)
+        if arch == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = norm(D)
+            w[p + "self_attn.k_norm.weight"] = norm(D)
+    w["model.norm.weight"] = norm(H)
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = lin(V, H) * 4.0
+    save_file({k: v.contiguous() for k, v in w.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}, indent=2) + "\n")
+    tok_cfg = {
+        "chat_template": CHATML_TEMPLATE,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "model_max_length": context,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {},
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return folder

@@ -1,0 +1,551 @@
+"""The ``torch`` engine: executes the scheduler's iteration plans with a real decoder (DESIGN §5).
+
+Every decision (batching, chunking, admission, which page is cached, evicted,
+restored or written through) is the scheduler's; this engine computes what the
+plan says and keeps the *physical* KV in step with the scheduler's block pools:
+
+* L1: per layer ``K``/``V`` of ``[gpu_blocks, block_size, kv_heads, head_dim]``
+  (:meth:`PagedDecoder.new_cache`); a page is either *hashed* (``page_of[hash]``,
+  a cached prompt page the scheduler's L1 pool holds), *private* to one live
+  request (its partial prompt page and decode pages), or free.
+* L2: a host tensor ``[host_blocks, layers, 2, block_size, kv_heads, head_dim]``
+  (``host_slot[hash]``), the real bytes of every block the scheduler's L2 pool holds.
+
+The pools' KV events are the source of truth (:meth:`apply_kv_events`, called
+with each batch the shell drains, before the plan runs):
+
+==============================  =============================================================
+``BlockStored(gpu, h)``         computed by a request this iteration → that page becomes
+                                hashed; else restored from L2 (copy host → page); else the
+                                bytes of a hand-off (:meth:`accept_decode`) → page
+``BlockStored(host, h)``        write-through: copy L1 page → host slot; else a page fetched
+                                from a peer (:meth:`put_fetched`) → host slot
+``BlockRemoved(gpu|host, h)``   free the page / the host slot
+``AllBlocksCleared``            drop the maps of that tier
+==============================  =============================================================
+
+A page computed by two requests in one iteration is stored once; the other
+request's private copy is dropped and its block table points at the stored
+page (the scheduler deduplicates it the same way). :meth:`check` proves that
+the maps equal the pools' contents, every L1 page's bytes equal its L2 copy,
+and pages are conserved (hashed + private + free = capacity).
+
+Greedy decoding (argmax); one output token per decode iteration, so the
+profile must have ``tokens_per_forward == accepted_per_iteration == 1``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.hashing import unpack_tokens
+from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, DecodeWork, KvEvent, PrefillWork
+from shared.profile import Profile
+from services.worker.engines.base import Engine
+from services.worker.engines.torch_engine.model import ModelConfigError, PagedDecoder, SeqBatch
+from services.worker.plan import IterationPlan
+
+
+class KvMapError(RuntimeError):
+    """The engine's physical KV map disagrees with the scheduler's block pools (a bug)."""
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_device() -> torch.device:
+    """``cuda`` when a CUDA device is present, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(slots=True)
+class _Seq:
+    """One request's tokens and block table on this engine."""
+
+    prompt: list[int]
+    out: list[int] = field(default_factory=list)
+    """Output token ids produced so far (a hand-off arrives with the first one)."""
+    table: list[int] = field(default_factory=list)
+    """Physical L1 page of each ``block_size`` tokens written so far."""
+    own: set[int] = field(default_factory=set)
+    """Pages of ``table`` private to this request (not hashed)."""
+    incoming: dict[int, torch.Tensor] | None = None
+    """Hand-off: KV of every prompt page by page index, ``[layers, 2, block_size, kv_heads, head_dim]``."""
+    path: list[int] = field(default_factory=list)
+    """Hand-off: the prompt's block hashes (keys of the engine's incoming pages)."""
+    computed: int = 0
+    """Tokens whose K/V are in ``table``'s pages."""
+
+
+class TorchEngine(Engine):
+    """A real decoder executing :class:`IterationPlan` s over paged L1 and a host L2.
+
+    Args:
+        profile: the node's profile: ``block_size`` is the page size,
+            ``gpu_blocks`` the L1 pages, ``host_blocks`` the L2 slots.
+        model_dir: a Hugging Face folder (config.json, ``*.safetensors``, tokenizer.json).
+        dtype: ``float32``, ``bfloat16`` or ``float16``; None = float32 on CPU, bfloat16 on CUDA.
+        device: ``cpu``, ``cuda`` or ``cuda:N``; None = :func:`default_device`.
+        check: run :meth:`check` after every event batch (tests, debug).
+
+    Raises:
+        ModelConfigError: missing/unsupported config or weights, a profile whose
+            decode emits other than one token per iteration, or an unknown dtype.
+    """
+
+    name = "torch"
+    simulated = False
+
+    def __init__(
+        self,
+        profile: Profile,
+        model_dir: str | Path,
+        *,
+        dtype: str | None = None,
+        device: str | None = None,
+        check: bool = False,
+    ) -> None:
+        dec = profile.decode
+        if dec.tokens_per_forward != 1 or dec.accepted_per_iteration != 1:
+            raise ModelConfigError(
+                f"profile {profile.name}: the torch engine decodes one token per iteration; "
+                f"tokens_per_forward={dec.tokens_per_forward}, accepted_per_iteration={dec.accepted_per_iteration}"
+            )
+        dev = torch.device(device) if device else default_device()
+        if dtype is None:
+            dt = torch.float32 if dev.type == "cpu" else torch.bfloat16
+        elif dtype in DTYPES:
+            dt = DTYPES[dtype]
+        else:
+            raise ModelConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.profile = profile
+        self.model = PagedDecoder.from_folder(model_dir, dt, dev)
+        self.cfg = self.model.cfg
+        self.device = dev
+        self.page_size = profile.block_size
+        self.pages = profile.gpu_blocks
+        self.k_cache, self.v_cache = self.model.new_cache(self.pages, self.page_size)
+        c = self.cfg
+        self.host = torch.zeros(
+            (profile.host_blocks, c.num_layers, 2, self.page_size, c.num_kv_heads, c.head_dim),
+            dtype=dt,
+            pin_memory=dev.type == "cuda",
+        )
+        self.page_of: dict[int, int] = {}
+        self.host_slot: dict[int, int] = {}
+        self._free = list(range(self.pages - 1, -1, -1))
+        self._host_free = list(range(profile.host_blocks - 1, -1, -1))
+        self.seqs: dict[str, _Seq] = {}
+        self._pending: dict[int, list[tuple[str, int]]] = {}
+        """Prompt pages completed by the last plan, by hash: [(rid, page)] awaiting BlockStored(gpu)."""
+        self._fetched: dict[int, torch.Tensor] = {}
+        """Pages fetched from a peer (real bytes), by hash, until their BlockStored(host)."""
+        self._handoffs: dict[str, torch.Tensor] = {}
+        self._incoming: dict[int, torch.Tensor] = {}
+        """Hand-off pages by hash, until their BlockStored(gpu) (or until already resident)."""
+        self.check_each = check
+        self.counters: dict[str, int] = {}
+        """``restored_pages``, ``written_through``, ``handoff_pages_in``, ``fetched_pages``,
+        ``dedup_pages``, ``forwards``, ``tokens``."""
+
+    # ------------------------------------------------------------------ #
+    # work registration
+    # ------------------------------------------------------------------ #
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def context_error(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request does not fit the model's context (None if it does)."""
+        limit = self.cfg.max_position_embeddings
+        if prompt_tokens + max_tokens > limit:
+            return f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds the model's context of {limit} tokens"
+        return None
+
+    def accept_prefill(self, work: PrefillWork) -> None:
+        """Register the prompt of ``work`` (before the scheduler queues it).
+
+        Raises:
+            ValueError: token ids missing, not matching ``prompt_tokens``, out of the
+                vocabulary, or longer than the model's context.
+        """
+        ids = self._ids(work.rid, work.token_ids, work.prompt_tokens, work.prompt_tokens)
+        err = self.context_error(work.prompt_tokens, work.max_tokens)
+        if err:
+            raise ValueError(err)
+        self.seqs[work.rid] = _Seq(prompt=ids)
+
+    def accept_decode(self, work: DecodeWork, kv: torch.Tensor | None) -> None:
+        """Register a hand-off: ``work.token_ids`` holds the prompt then the output
+        produced so far (see :meth:`handoff_work`); ``kv`` is the prompt's K/V,
+        ``[pages, layers, 2, block_size, kv_heads, head_dim]`` with
+        ``pages = ceil(prompt / block_size)`` (see :meth:`take_handoff`).
+
+        Raises:
+            ValueError: token ids or KV missing or of the wrong size.
+        """
+        n = work.prompt_tokens + work.generated
+        ids = self._ids(work.rid, work.token_ids, n, n)
+        pages = -(-work.prompt_tokens // self.page_size)
+        if kv is None or kv.shape[0] != pages or tuple(kv.shape[1:]) != tuple(self.host.shape[1:]):
+            got = None if kv is None else tuple(kv.shape)
+            raise ValueError(f"{work.rid}: hand-off KV of shape {got}, expected {pages} pages of {tuple(self.host.shape[1:])}")
+        s = _Seq(prompt=ids[: work.prompt_tokens], out=ids[work.prompt_tokens :])
+        s.incoming = {i: kv[i] for i in range(pages)}
+        s.path = list(work.block_hashes)
+        for i, h in enumerate(work.block_hashes):
+            self._incoming[h] = kv[i]
+        self.seqs[work.rid] = s
+
+    def _ids(self, rid: str, packed: bytes, lo: int, hi: int) -> list[int]:
+        try:
+            ids = unpack_tokens(packed).tolist()
+        except ValueError as e:
+            raise ValueError(f"{rid}: {e}") from e
+        if not lo <= len(ids) <= hi:
+            raise ValueError(f"{rid}: {len(ids)} token ids, expected {lo}")
+        if ids and max(ids) >= self.cfg.vocab_size:
+            raise ValueError(f"{rid}: token id {max(ids)} outside the model's vocabulary ({self.cfg.vocab_size})")
+        return ids
+
+    def handoff_work(self, work: DecodeWork) -> DecodeWork:
+        """The hand-off message with the output produced here appended to ``token_ids``."""
+        import msgspec
+
+        from shared.hashing import pack_tokens
+
+        s = self.seqs[work.rid]
+        return msgspec.structs.replace(work, token_ids=pack_tokens(s.prompt + s.out[: work.generated]))
+
+    def take_handoff(self, rid: str) -> torch.Tensor:
+        """The prompt K/V of a request that finished its prefill here for another node
+        (captured when its last chunk ran), ``[pages, layers, 2, block_size, kv_heads,
+        head_dim]`` on the host; removed from the engine.
+
+        Raises:
+            KeyError: no hand-off pending for ``rid``.
+        """
+        return self._handoffs.pop(rid)
+
+    def put_fetched(self, h: int, kv: torch.Tensor) -> None:
+        """Real bytes of page ``h`` fetched from a peer's L2, ``[layers, 2, block_size,
+        kv_heads, head_dim]``; stored into L2 at its ``BlockStored(host)`` event."""
+        self._fetched[h] = kv
+
+    def host_page(self, h: int) -> torch.Tensor:
+        """The L2 bytes of page ``h`` (``[layers, 2, block_size, kv_heads, head_dim]``, a view).
+
+        Raises:
+            KeyError: ``h`` is not in L2.
+        """
+        return self.host[self.host_slot[h]]
+
+    # ------------------------------------------------------------------ #
+    # KV events → physical map
+    # ------------------------------------------------------------------ #
+
+    def _alloc(self) -> int:
+        if not self._free:
+            raise KvMapError("no free L1 page: the engine's pages exceed the scheduler's L1 accounting")
+        return self._free.pop()
+
+    def _page_kv(self, page: int) -> torch.Tensor:
+        return torch.stack(
+            [torch.stack((self.k_cache[i][page], self.v_cache[i][page])) for i in range(self.cfg.num_layers)]
+        )
+
+    def _write_page(self, page: int, kv: torch.Tensor) -> None:
+        kv = kv.to(self.device, non_blocking=True)
+        for i in range(self.cfg.num_layers):
+            self.k_cache[i][page].copy_(kv[i, 0])
+            self.v_cache[i][page].copy_(kv[i, 1])
+
+    def apply_kv_events(self, events: list[KvEvent], live: set[str] | dict[str, Any] | None = None) -> None:
+        """Apply one drained batch of the scheduler's KV events (see module docstring),
+        then settle deduplicated pages and, with ``live`` (the scheduler's requests),
+        forget the requests that left (:meth:`gc`). The shell calls it for every
+        drain, also an empty one.
+
+        Raises:
+            KvMapError: an event the engine has no bytes for (a bug).
+        """
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                if ev.tier == "gpu":
+                    for h in ev.block_hashes:
+                        self._store_gpu(h)
+                else:
+                    for h in ev.block_hashes:
+                        self._store_host(h)
+            elif isinstance(ev, BlockRemoved):
+                if ev.tier == "gpu":
+                    for h in ev.block_hashes:
+                        p = self.page_of.pop(h, None)
+                        if p is None:
+                            raise KvMapError(f"BlockRemoved(gpu) of {h} that has no L1 page")
+                        self._free.append(p)
+                else:
+                    for h in ev.block_hashes:
+                        slot = self.host_slot.pop(h, None)
+                        if slot is None:
+                            raise KvMapError(f"BlockRemoved(host) of {h} that has no L2 slot")
+                        self._host_free.append(slot)
+            elif isinstance(ev, AllBlocksCleared):
+                if ev.tier in (None, "gpu"):
+                    self._free.extend(self.page_of.values())
+                    self.page_of.clear()
+                if ev.tier in (None, "host"):
+                    self._host_free.extend(self.host_slot.values())
+                    self.host_slot.clear()
+        self._resolve_pending()
+        if live is not None:
+            self.gc(live)
+
+    def _store_gpu(self, h: int) -> None:
+        if h in self.page_of:
+            raise KvMapError(f"BlockStored(gpu) of {h} already in L1")
+        cands = self._pending.get(h)
+        if cands:
+            rid, page = cands.pop(0)
+            if not cands:
+                del self._pending[h]
+            s = self.seqs.get(rid)
+            if s is not None:
+                s.own.discard(page)
+            self.page_of[h] = page
+            return
+        if h in self.host_slot:  # restore L2 → L1
+            page = self._alloc()
+            self._write_page(page, self.host[self.host_slot[h]])
+            self.page_of[h] = page
+            self._count("restored_pages")
+            return
+        kv = self._incoming.pop(h, None)
+        if kv is not None:  # a hand-off's page
+            page = self._alloc()
+            self._write_page(page, kv)
+            self.page_of[h] = page
+            self._count("handoff_pages_in")
+            return
+        raise KvMapError(f"BlockStored(gpu) of {h}: not computed, not in L2, not handed off")
+
+    def _store_host(self, h: int) -> None:
+        if h in self.host_slot:
+            raise KvMapError(f"BlockStored(host) of {h} already in L2")
+        if not self._host_free:
+            raise KvMapError("no free L2 slot: the engine's slots exceed the scheduler's L2 accounting")
+        slot = self._host_free.pop()
+        page = self.page_of.get(h)
+        if page is not None:  # write-through L1 → L2
+            self.host[slot].copy_(self._page_kv(page))
+            self._count("written_through")
+        else:
+            kv = self._fetched.pop(h, None)
+            if kv is None:
+                self._host_free.append(slot)
+                raise KvMapError(f"BlockStored(host) of {h}: not in L1 and not fetched")
+            self.host[slot].copy_(kv)
+            self._count("fetched_pages")
+        self.host_slot[h] = slot
+
+    def _resolve_pending(self) -> None:
+        """Pages a request computed that another request stored first: point its table
+        at the stored page and free its copy (the scheduler referenced the stored page)."""
+        for h, cands in list(self._pending.items()):
+            stored = self.page_of.get(h)
+            if stored is None:
+                continue
+            for rid, page in cands:
+                s = self.seqs.get(rid)
+                if s is not None and page in s.own:
+                    s.table[s.table.index(page)] = stored
+                    s.own.discard(page)
+                    self._free.append(page)
+                    self._count("dedup_pages")
+            del self._pending[h]
+
+    def gc(self, live: set[str] | dict[str, Any]) -> None:
+        """Forget requests not in ``live`` (the scheduler's requests): free their private pages."""
+        for rid in [r for r in self.seqs if r not in live]:
+            s = self.seqs.pop(rid)
+            self._free.extend(s.own)
+            for h in s.path if s.incoming is not None else ():
+                self._incoming.pop(h, None)
+            self._handoffs.pop(rid, None)
+        for h, cands in list(self._pending.items()):
+            keep = [(r, p) for r, p in cands if r in self.seqs]
+            if keep:
+                self._pending[h] = keep
+            else:
+                del self._pending[h]
+
+    # ------------------------------------------------------------------ #
+    # execution
+    # ------------------------------------------------------------------ #
+
+    def execute(self, plan: IterationPlan) -> float:
+        """Run the plan's iterations (one forward each) and return the measured wall
+        seconds. Sets ``plan.iteration_s`` to the measured time per iteration (and
+        ``plan.end``), so the scheduler's ``IterationRecord`` carries measured times
+        (paper Eq. 1/2 fitted on them by the planner).
+
+        Raises:
+            KvMapError: a page the plan needs is not where the KV events put it.
+        """
+        t0 = time.perf_counter()
+        n_chunks = len(plan.prefill)
+        for it in range(plan.iterations):
+            self._forward(plan, n_chunks, first=it == 0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - t0
+        plan.iteration_s = wall / plan.iterations
+        plan.end = plan.start + wall
+        return wall
+
+    def _seq_for(self, r: Any) -> _Seq:
+        s = self.seqs.get(r.rid)
+        if s is None:
+            w = r.prefill_work
+            if w is None:
+                raise KvMapError(f"{r.rid}: no tokens registered (accept_decode was not called)")
+            self.accept_prefill(w)
+            s = self.seqs[r.rid]
+        return s
+
+    def _ensure_pages(self, s: _Seq, upto: int) -> None:
+        need = -(-upto // self.page_size)
+        while len(s.table) < need:
+            p = self._alloc()
+            s.table.append(p)
+            s.own.add(p)
+
+    def _forward(self, plan: IterationPlan, n_chunks: int, first: bool) -> None:
+        ps = self.page_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        batch: list[SeqBatch] = []
+        logits_at: list[int] = []
+        sample: list[_Seq] = []
+        chunk_pages: list[tuple[_Seq, Any, int, int]] = []
+        chunks = list(zip(plan.prefill, plan.reqs[:n_chunks])) if first else []
+        for c, r in chunks:
+            s = self._seq_for(r)
+            start = c.cached_before
+            if not s.table and start:  # first chunk: the cached prefix (hits + restores)
+                full = start // ps
+                try:
+                    s.table = [self.page_of[h] for h in r.path[:full]]
+                except KeyError as e:
+                    raise KvMapError(f"{r.rid}: cached page {e} has no L1 page") from e
+                s.computed = start
+            if s.computed != start:
+                raise KvMapError(f"{r.rid}: chunk starts at {start} but {s.computed} tokens are in KV")
+            self._ensure_pages(s, start + c.tokens)
+            off = len(tokens)
+            tokens.extend(s.prompt[start : start + c.tokens])
+            positions.extend(range(start, start + c.tokens))
+            batch.append(SeqBatch(offset=off, n=c.tokens, ctx=start, block_table=s.table))
+            s.computed = start + c.tokens
+            chunk_pages.append((s, r, start // ps, s.computed // ps))
+            if c.completes:
+                logits_at.append(len(tokens) - 1)
+                sample.append(s)
+        for r in plan.reqs[n_chunks:]:
+            s = self.seqs.get(r.rid)
+            if s is None:
+                raise KvMapError(f"{r.rid}: decode without registered tokens")
+            if s.incoming is not None:  # hand-off: prompt pages are in L1 now; copy the partial one
+                full = len(s.prompt) // ps
+                s.table = [self.page_of[h] for h in r.path[:full]]
+                if len(s.prompt) % ps:
+                    p = self._alloc()
+                    self._write_page(p, s.incoming[full])
+                    s.table.append(p)
+                    s.own.add(p)
+                s.incoming = None
+                for h in r.path:
+                    self._incoming.pop(h, None)
+                s.computed = len(s.prompt)
+            pos = len(s.prompt) + len(s.out) - 1
+            if s.computed != pos:
+                raise KvMapError(f"{r.rid}: decode at position {pos} but {s.computed} tokens are in KV")
+            self._ensure_pages(s, pos + 1)
+            off = len(tokens)
+            tokens.append(s.out[-1])
+            positions.append(pos)
+            batch.append(SeqBatch(offset=off, n=1, ctx=pos, block_table=s.table))
+            s.computed = pos + 1
+            logits_at.append(off)
+            sample.append(s)
+        if not tokens:
+            return
+        dev = self.device
+        logits = self.model(
+            torch.tensor(tokens, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            batch,
+            self.k_cache,
+            self.v_cache,
+            torch.tensor(logits_at, dtype=torch.int64, device=dev),
+        )
+        nxt = logits.argmax(dim=-1).tolist()
+        for s, t in zip(sample, nxt):
+            s.out.append(int(t))
+        self._count("forwards")
+        self._count("tokens", len(tokens))
+        # prompt pages completed by this plan: candidates for BlockStored(gpu)
+        for s, r, lo, hi in chunk_pages:
+            for i in range(lo, min(hi, len(r.path))):
+                page = s.table[i]
+                if page in s.own:
+                    self._pending.setdefault(r.path[i], []).append((r.rid, page))
+        for (c, r) in chunks:
+            if c.completes and r.handoff_to is not None:
+                s = self.seqs[r.rid]
+                n = -(-len(s.prompt) // ps)
+                self._handoffs[r.rid] = torch.stack([self._page_kv(p) for p in s.table[:n]]).cpu()
+
+    def output_tokens(self, rid: str, start: int, count: int) -> list[int]:
+        """Token ids of ``rid`` at output positions ``[start, start + count)``.
+
+        Raises:
+            KeyError: ``rid`` unknown (already forgotten by :meth:`gc`).
+        """
+        return self.seqs[rid].out[start : start + count]
+
+    # ------------------------------------------------------------------ #
+    # invariants
+    # ------------------------------------------------------------------ #
+
+    def check(self, gpu_hashes: list[int], host_hashes: list[int], *, bytes_check: bool = True) -> None:
+        """Prove the physical map matches the pools (``scheduler.snapshot()``): L1 pages
+        = the L1 pool's hashes, L2 slots = the L2 pool's, pages and slots conserved,
+        no page in two places, and (``bytes_check``) every L1 page's bytes equal its
+        L2 copy (write-through). O(blocks × page bytes).
+
+        Raises:
+            KvMapError: naming the first mismatch.
+        """
+        if set(self.page_of) != set(gpu_hashes):
+            extra = set(self.page_of) - set(gpu_hashes)
+            missing = set(gpu_hashes) - set(self.page_of)
+            raise KvMapError(f"L1 map differs from the pool: {len(extra)} extra, {len(missing)} missing")
+        if set(self.host_slot) != set(host_hashes):
+            raise KvMapError("L2 map differs from the pool")
+        own = [p for s in self.seqs.values() for p in s.own]
+        used = list(self.page_of.values()) + own + self._free
+        if len(used) != self.pages or len(set(used)) != self.pages:
+            raise KvMapError(f"L1 pages not conserved: {len(self.page_of)} hashed + {len(own)} private + {len(self._free)} free")
+        slots = list(self.host_slot.values()) + self._host_free
+        if len(slots) != self.host.shape[0] or len(set(slots)) != len(slots):
+            raise KvMapError("L2 slots not conserved")
+        if bytes_check:
+            for h, p in self.page_of.items():
+                if not torch.equal(self._page_kv(p).cpu(), self.host[self.host_slot[h]].cpu()):
+                    raise KvMapError(f"L1 page of {h} differs from its L2 copy")

@@ -1,0 +1,111 @@
+"""A node without a bus: the scheduler core and the torch engine driven in one process.
+
+Sans-IO like the core: time is the sum of the engine's measured iteration
+times (s), never a sleep. Used by the engine's correctness tests and by
+``bench/engine_bench.py``; the live worker (``services/worker/service.py``)
+drives the same two objects over NATS with the same calls in the same order:
+``schedule`` → drain KV events into the engine → ``execute`` →
+``finish_iteration`` → read output tokens → drain KV events into the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.messages import DecodeWork, PrefillWork
+from shared.profile import Profile
+from services.worker.engines.torch_engine.engine import TorchEngine
+from services.worker.plan import HandOff, TokensOut
+from services.worker.scheduler import EngineScheduler
+
+
+@dataclass(slots=True)
+class Finished:
+    """A request's complete result on the node that finished it."""
+
+    rid: str
+    tokens: list[int]
+    """Output token ids, all positions (a decode node's include the prefill node's first token)."""
+    cached_tokens: int
+    """Prompt tokens served from cache where its prefill ran (L1 hit + L2 restore)."""
+
+
+@dataclass
+class LocalNode:
+    """One node: :class:`EngineScheduler` + :class:`TorchEngine`, with full invariant checks.
+
+    Args:
+        node: node id; profile: its profile; model_dir: the model folder;
+        phase: ``prefill``, ``decode`` or ``both``; check: full invariants after every step.
+    """
+
+    node: str
+    profile: Profile
+    model_dir: str
+    phase: str = "both"
+    check: bool = True
+    now: float = 0.0
+    core: EngineScheduler = field(init=False)
+    engine: TorchEngine = field(init=False)
+    handoffs: list[tuple[HandOff, torch.Tensor]] = field(default_factory=list)
+    finished: dict[str, Finished] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
+    records: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.core = EngineScheduler(self.node, self.profile, self.phase, check_invariants=self.check)  # type: ignore[arg-type]
+        self.engine = TorchEngine(self.profile, self.model_dir, check=self.check)
+        self._drain()
+
+    def _drain(self) -> None:
+        self.engine.apply_kv_events(self.core.take_kv_events(), self.core.requests)
+        if self.check:
+            gpu, host = self.core.snapshot()
+            self.engine.check(gpu, host)
+
+    def add_prefill(self, work: PrefillWork) -> None:
+        """Queue prefill work (raises WorkRejected / ValueError as the scheduler / engine do)."""
+        self.engine.accept_prefill(work)
+        self.core.add_prefill(work, self.now)
+
+    def add_decode(self, work: DecodeWork, kv: torch.Tensor) -> None:
+        """Accept a hand-off with its prompt K/V (``TorchEngine.take_handoff`` of the prefill node)."""
+        self.engine.accept_decode(work, kv)
+        self.core.add_decode(msgspec_replace(work, kv_ready_at=self.now), self.now)
+
+    def step(self) -> bool:
+        """Run one plan; False when there is nothing to run."""
+        plan = self.core.schedule(self.now)
+        self._drain()
+        if plan is None:
+            return False
+        self.engine.execute(plan)
+        self.now = plan.end
+        outs = self.core.finish_iteration(plan, self.now)
+        for o in outs:
+            if isinstance(o, TokensOut):
+                if o.index == 0:
+                    self.cached[o.rid] = o.cached_tokens
+                if o.finished:
+                    toks = self.engine.output_tokens(o.rid, 0, o.index + o.count)
+                    self.finished[o.rid] = Finished(o.rid, toks, self.cached.get(o.rid, 0))
+            elif isinstance(o, HandOff):
+                work = self.engine.handoff_work(o.work)
+                self.handoffs.append((HandOff(o.rid, o.decode_node, work, o.at), self.engine.take_handoff(o.rid)))
+        self.records.extend(self.core.take_records())
+        self._drain()
+        return True
+
+    def run(self, max_steps: int = 100_000) -> None:
+        """Step until idle (or ``max_steps``)."""
+        for _ in range(max_steps):
+            if not self.step():
+                return
+
+
+def msgspec_replace(work: DecodeWork, **kw: object) -> DecodeWork:
+    import msgspec
+
+    return msgspec.structs.replace(work, **kw)

@@ -1,0 +1,189 @@
+"""The torch engine computes what the reference forward computes, on every KV path.
+
+Greedy outputs of requests served by ``EngineScheduler`` + ``TorchEngine``
+(paged L1, write-through L2, restores, prefix hits, deduplicated pages, mixed
+prefill/decode batches, prefill → decode hand-off with real K/V pages) equal
+``transformers``' own ``generate()`` on the same folder (float32, CPU). Each
+path is counted and must occur. Needs the ``torch`` extra; skipped without it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from shared.hashing import block_hashes, pack_tokens  # noqa: E402
+from shared.messages import PrefillWork  # noqa: E402
+from shared.profile import load_profile  # noqa: E402
+from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
+from services.worker.engines.torch_engine.engine import KvMapError, TorchEngine  # noqa: E402
+from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
+from services.worker.engines.torch_engine.model import ModelConfigError  # noqa: E402
+
+PROFILE = load_profile("torch-tiny-cpu")
+BS = PROFILE.block_size
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"model-{request.param}")
+    init_model(folder, arch=request.param, layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=1024, seed=3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    hf.eval()
+    return str(folder), hf
+
+
+class Ref:
+    """Reference greedy outputs by transformers, memoised per (prompt, max_tokens)."""
+
+    def __init__(self, hf) -> None:
+        self.hf = hf
+        self.cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def __call__(self, prompt: list[int], n: int) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in self.cache:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+            self.cache[key] = out[0, len(prompt) :].tolist()
+        return self.cache[key]
+
+
+def work(rid: str, prompt: list[int], max_tokens: int, decode_node: str | None = None) -> PrefillWork:
+    return PrefillWork(
+        rid=rid,
+        prompt_tokens=len(prompt),
+        max_tokens=max_tokens,
+        block_size=BS,
+        block_hashes=block_hashes(prompt, BS),
+        token_ids=pack_tokens(prompt),
+        decode_node=decode_node,
+    )
+
+
+def toks(rng: random.Random, n: int, vocab: int = 500) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def test_collocated_paths_equal_reference(model):
+    """Recompute, L1 hit, L2 restore, same-iteration dedup, fork, mixed batches."""
+    folder, hf = model
+    ref = Ref(hf)
+    node = LocalNode("a", PROFILE, folder)
+    rng = random.Random(7)
+    paths = {"recompute": 0, "l1_hit": 0, "l2_restore": 0, "dedup": 0, "mixed": 0}
+    prompts: dict[str, list[int]] = {}
+
+    def submit(rid: str, prompt: list[int], n: int) -> None:
+        prompts[rid] = prompt
+        node.add_prefill(work(rid, prompt, n))
+
+    # turn 1 of an agent session, with two unrelated requests in the same batch
+    sys_prompt = toks(rng, 70)
+    submit("t1", sys_prompt + toks(rng, 30), 10)
+    submit("x1", toks(rng, 45), 6)
+    node.run()
+    # turn 2 quotes turn 1's answer (L1 hit); fork: two branches of the same context at once
+    t2 = prompts["t1"] + node.finished["t1"].tokens + toks(rng, 20)
+    submit("t2", t2, 8)
+    node.step()  # t2 decodes while the fork's prefills arrive: mixed iterations
+    submit("fork_a", t2 + toks(rng, 12), 8)
+    submit("fork_b", t2 + toks(rng, 17), 8)
+    # the same new prompt twice at once: both compute its pages in one iteration (dedup)
+    same = toks(rng, 40)
+    submit("dup1", same, 5)
+    submit("dup2", same, 5)
+    node.run()
+    # a sub-agent with its own prompt and many unrelated requests: they evict turn 2 from L1
+    for i in range(8):
+        submit(f"fill{i}", toks(rng, 120), 4)
+        node.run()
+    # turn 3 continues turn 2: its prefix is back from L2 (restored), the rest recomputed
+    t3 = t2 + node.finished["t2"].tokens + toks(rng, 9)
+    submit("t3", t3, 8)
+    node.run()
+
+    for rid, prompt in prompts.items():
+        got = node.finished[rid]
+        assert got.tokens == ref(prompt, len(got.tokens)), rid
+    mixed = sum(1 for r in node.records if r.phase == "mixed")
+    paths["mixed"] = mixed
+    paths["recompute"] = sum(1 for rid in prompts if node.finished[rid].cached_tokens == 0)
+    paths["l1_hit"] = sum(1 for rid in ("t2", "fork_a", "fork_b") if node.finished[rid].cached_tokens > 0)
+    paths["l2_restore"] = node.engine.counters.get("restored_pages", 0)
+    paths["dedup"] = node.engine.counters.get("dedup_pages", 0)
+    assert node.finished["t3"].cached_tokens >= len(t2) // BS * BS - BS
+    assert all(v > 0 for v in paths.values()), paths
+    assert node.engine.counters["written_through"] > 0
+    # measured times reach the iteration records (the planner fits Eq. 1/2 on them)
+    assert all(r.duration_s > 0 for r in node.records)
+    assert len({round(r.duration_s, 9) for r in node.records}) > 1
+
+
+def test_handoff_decodes_from_real_pages(model):
+    """Prefill on one node, decode on another from the handed-off K/V (no recompute)."""
+    folder, hf = model
+    ref = Ref(hf)
+    p = LocalNode("p", PROFILE, folder, phase="prefill")
+    d = LocalNode("d", PROFILE, folder, phase="decode")
+    rng = random.Random(11)
+    prompts = {f"h{i}": toks(rng, 37 + 16 * i) for i in range(3)}  # partial last pages
+    prompts["h3"] = prompts["h0"][:32] + toks(rng, 16)  # full last page, shares h0's prefix
+    for rid, pr in prompts.items():
+        p.add_prefill(work(rid, pr, 9, decode_node="d"))
+    p.run()
+    assert len(p.handoffs) == 4
+    for h, kv in p.handoffs:
+        d.add_decode(h.work, kv)
+    d.run()
+    for rid, pr in prompts.items():
+        got = d.finished[rid].tokens
+        assert len(got) == 9
+        assert got == ref(pr, 9), rid
+    assert d.engine.counters["handoff_pages_in"] > 0
+    assert d.engine.counters.get("tokens", 0) == 4 * 8  # only decode tokens computed on d
+
+
+def test_corrupted_restore_is_detected(model):
+    """The bytes check catches an L1 page that differs from its L2 copy."""
+    folder, _ = model
+    node = LocalNode("a", PROFILE, folder)
+    rng = random.Random(1)
+    node.add_prefill(work("r", toks(rng, 33), 2))
+    node.run()
+    h, page = next(iter(node.engine.page_of.items()))
+    node.engine.k_cache[0][page].add_(1.0)
+    gpu, host = node.core.snapshot()
+    with pytest.raises(KvMapError, match="differs from its L2 copy"):
+        node.engine.check(gpu, host)
+
+
+def test_bad_model_folders(tmp_path, model):
+    folder, _ = model
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        TorchEngine(PROFILE, tmp_path)
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ModelConfigError, match="not supported"):
+        TorchEngine(PROFILE, tmp_path)
+    import msgspec
+
+    spec = msgspec.structs.replace(PROFILE.decode, accepted_per_iteration=1.5)
+    with pytest.raises(ModelConfigError, match="one token per iteration"):
+        TorchEngine(msgspec.structs.replace(PROFILE, decode=spec), folder)
+    eng = TorchEngine(PROFILE, folder)
+    with pytest.raises(ValueError, match="context"):
+        eng.accept_prefill(work("long", [1] * 1000, 100))
+
+
+def test_model_init_cli(tmp_path):
+    from evolving_infra.cli import main
+
+    assert main(["model", "init", str(tmp_path / "bad"), "--vocab", "100"]) == 2
+    assert main(["model", "init", str(tmp_path / "m"), "--arch", "qwen3", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1"]) == 0
+    eng = TorchEngine(PROFILE, tmp_path / "m")
+    assert eng.cfg.arch == "qwen3" and eng.cfg.num_layers == 1 and eng.cfg.qk_norm
