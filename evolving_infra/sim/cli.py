@@ -50,6 +50,21 @@ def parse_switch(item: str) -> ForcedSwitch:
     return ForcedSwitch(t=t, node=parts[1], phase=parts[2])
 
 
+def parse_slow(item: str) -> tuple[str, float]:
+    """``NODE:FACTOR`` (e.g. ``w0:5``).
+
+    Raises:
+        SimConfigError: on a malformed item.
+    """
+    node, sep, factor = item.rpartition(":")
+    try:
+        if not sep or not node:
+            raise ValueError
+        return node, float(factor)
+    except ValueError:
+        raise SimConfigError(f"--slow-node {item!r} must look like NODE:FACTOR (e.g. w0:5)") from None
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """The :class:`SimConfig` the flags describe.
 
@@ -102,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         switch_control_s=args.switch_control_s,
         pool_fetch_min_tokens=args.pool_fetch_min_tokens,
         label=args.label,
+        node_slowdown=tuple(parse_slow(s) for s in getattr(args, "slow_node", None) or ()),
     )
 
 
@@ -193,7 +209,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from evolving_infra.report.write import print_summary, write_report
     from evolving_infra.sim.planners import ComponentMissing
-    from evolving_infra.sim.run import simulate
+    from evolving_infra.sim.run import simulate, write_decisions
     from evolving_infra.sim.sweep import run_sweep
 
     t0 = time.monotonic()
@@ -218,6 +234,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     path = write_report(out, res.report, res.records, plots=not args.no_plots)
+    write_decisions(out, res.stats.planner_decisions)
     print_summary(res.report)
     r = res.report
     print(
@@ -261,6 +278,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="simulation block size in tokens; the trace is converted (e.g. 512 for speed; default: the profile's)")
     c.add_argument("--partitions", type=int, default=1, help="partitions (paper D.2): agents bound by hash, one cluster slice each")
     c.add_argument("--workers", type=int, default=1, help="processes running partitions in parallel (default 1)")
+    c.add_argument("--slow-node", action="append", metavar="NODE:FACTOR",
+                   help="that node's engine runs FACTOR times slower than the profile (router and planner not told; "
+                   "repeatable; what-if runs of the online per-node models)")
     pol = p.add_argument_group("policies (explicit flags override the policy set)")
     pol.add_argument("--policy", default="static", help=f"policy set: {', '.join(SET_NAMES)} (default static)")
     pol.add_argument("--routing", default=None, help="prefill routing policy (services/router/policy.py registry)")

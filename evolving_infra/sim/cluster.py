@@ -47,6 +47,7 @@ from evolving_infra.report.records import RequestRecord
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from evolving_infra.sim.config import ForcedSwitch, Resolved
 from evolving_infra.sim.planners import make_planner, make_routing, request_done_type
+from services.planner.online import OnlineModels
 from evolving_infra.sim.schedule import ScheduledReplay
 from evolving_infra.sim.policies import LOCAL_KV_MODES, SHARED_POOL_MODES
 from evolving_infra.traces.schema import TraceRequest
@@ -58,6 +59,7 @@ from services.router.core import NoRoute, RouterCore
 from services.router.policy import RouteRequest
 from services.worker.plan import HandOff, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
+from shared.profile import Profile
 from shared.messages import DecodeWork, FetchRange, KvEventBatch, KvLookupReply, Phase, PrefillWork, SplitApplied, SplitCommand
 from shared.split import SplitError, assign_min_change, parse_split, split_phases
 
@@ -240,6 +242,16 @@ class ClusterResult:
     initial_phases: dict[str, Phase]
 
 
+def slowed(profile: Profile, factor: float) -> Profile:
+    """``profile`` with its Eq. 1/2 time coefficients (c0..c3, d0..d2) multiplied by ``factor``
+    (``SimConfig.node_slowdown``); ``profile`` itself when ``factor`` is 1."""
+    if factor == 1.0:
+        return profile
+    pre = msgspec.structs.replace(profile.prefill, **{k: getattr(profile.prefill, k) * factor for k in ("c0", "c1", "c2", "c3")})
+    dec = msgspec.structs.replace(profile.decode, **{k: getattr(profile.decode, k) * factor for k in ("d0", "d1", "d2")})
+    return msgspec.structs.replace(profile, prefill=pre, decode=dec)
+
+
 class ClusterSim:
     """A cluster of ``len(node_names)`` nodes serving ``requests`` under ``arrival``.
 
@@ -322,8 +334,10 @@ class ClusterSim:
         if callable(start_phases):  # evolving: launch collocated for the warm-up; run.split comes after it
             self.phases = dict(start_phases(self.phases))
         self.initial_phases = dict(self.phases)
+        slow = dict(cfg.node_slowdown)
         self.nodes: dict[str, _Node] = {
-            n: _Node(n, EngineScheduler(n, self.profile, self.phases[n], host_eviction=ps.eviction), self.phases[n]) for n in names
+            n: _Node(n, EngineScheduler(n, slowed(self.profile, slow.get(n, 1.0)), self.phases[n], host_eviction=ps.eviction), self.phases[n])
+            for n in names
         }
         self.directory = KvDirectory(self.bs)
         for n in names:
@@ -342,6 +356,11 @@ class ClusterSim:
         self.epoch = 1
         self.router.apply_split(SplitCommand(epoch=1, phases=dict(self.phases), reason="initial", decided_at=0.0))
         self._feed_planner = ps.planner != "static"
+        self._online: OnlineModels | None = None
+        """Issue 21: the router's per-node models refitted from the iteration records when the
+        planner publishes none of its own (static, dynamo, arrow), as the live planner does."""
+        if self._apply_models is not None and ps.routing == "ttft" and getattr(self.planner, "models_version", None) is None:
+            self._online = OnlineModels(names, self.profile)
         self._RequestDone = request_done_type()
         self.replay: Any = (
             ScheduledReplay(requests, cfg.schedule, seed=cfg.seed)
@@ -768,6 +787,13 @@ class ClusterSim:
         records = sched.take_records()
         if self._feed_planner and records:
             self.planner.on_iterations(n.name, records, t)
+        online = self._online
+        if online is not None and records:
+            online.add(n.name, records)
+            if online.due(t):
+                msg = online.refit(t)
+                if msg is not None:
+                    self._apply_models(msg, t)  # type: ignore[misc]
         self._flush_kv(n, t)
         for out in outs:
             if type(out) is TokensOut:

@@ -111,6 +111,10 @@ class SimConfig:
     """Decoupled data plane with a router that plans no fetch: the smallest peer fetch made
     (tokens; shorter ones are recomputed) — the ``ttft`` router's ``--ttft-fetch-min-tokens``."""
     label: str | None = None
+    node_slowdown: tuple[tuple[str, float], ...] = ()
+    """``(node, factor)``: that node's engine runs ``factor`` times slower than the profile (its
+    Eq. 1/2 coefficients scaled); the router and the planner are not told (what-if runs, and
+    the test that the router's online models find a slow node)."""
     decode_kv_events: str = "auto"
     """``auto``: decode-phase nodes' KV events reach the directory only when a decision can
     read them (see ``ClusterSim``); ``always``: always (slower, same results)."""
@@ -249,6 +253,9 @@ def resolve(cfg: SimConfig) -> Resolved:
         raise SimConfigError("forced switches need a switch mode (policy set or --switch-mode decoupled|relaunch|strand)")
     if cfg.switch_control_s < 0:
         raise SimConfigError("--switch-control-s must be >= 0")
+    for node, factor in cfg.node_slowdown:
+        if not factor > 0:
+            raise SimConfigError(f"--slow-node {node}:{factor}: the factor must be > 0")
     if cfg.pool_fetch_min_tokens < 0:
         raise SimConfigError("--pool-fetch-min-tokens must be >= 0")
     if (cfg.switch_every_s is None) != (cfg.switch_to is None):

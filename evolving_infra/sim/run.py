@@ -37,6 +37,35 @@ from evolving_infra.traces.io import paused_gc
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechunk_request
 
+DECISIONS_JSONL = "decisions.jsonl"
+"""Every planner evaluation of a simulated run (switch, no switch, skip, warm-up), one JSON per line."""
+
+
+def _count_actions(decisions: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Planner evaluations per action (``switch``, ``no_switch``, ``skip``, ``warmup``)."""
+    out: dict[str, int] = {}
+    for d in decisions:
+        a = str(d.get("action", "switch"))
+        out[a] = out.get(a, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def write_decisions(out_dir: Any, decisions: Sequence[dict[str, Any]]) -> Any:
+    """Write ``decisions`` (``SimStats.planner_decisions``: each a ``PlannerDecision`` as JSON,
+    or ``{ts, reason, changes, action}`` for planners without ``take_decisions``) to
+    ``out_dir/decisions.jsonl``, in time order, the same records the live planner publishes on
+    ``planner.decisions``. Returns the path."""
+    import json
+    from pathlib import Path
+
+    path = Path(out_dir) / DECISIONS_JSONL
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for d in decisions:
+            f.write(json.dumps(d, sort_keys=True, default=str) + "\n")
+    return path
+
+
 WALL_CLOCK_KEYS = ("wall_s", "sim_wall_s", "setup_wall_s", "sim_speed", "peak_rss_mb")
 """Top-level ``report.json`` keys that measure the host (wall clock, memory), not the
 simulated system; with ``meta.date`` and ``meta.wall_s`` they are the only keys two runs
@@ -398,6 +427,8 @@ def _simulate(
             "periodic_skipped": stats.periodic_skipped,
         },
         "planner_decisions": [d for d in stats.planner_decisions if d.get("action", "switch") == "switch"][:500],
+        "planner_evaluations_by_action": _count_actions(stats.planner_decisions),
+        "planner_decisions_file": DECISIONS_JSONL,
         "out_of_service": [list(o) for o in stats.out_of_service],
     }
     extra.update(directory_keys(stats, bs))

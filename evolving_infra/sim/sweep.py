@@ -94,11 +94,12 @@ def _simulate_item(
     label: str, cfg: SimConfig, requests: Sequence[TraceRequest], bs: int, out: Path, meta: dict[str, Any], plots: bool
 ) -> dict[str, Any]:
     from evolving_infra.report.write import write_report
-    from evolving_infra.sim.run import simulate
+    from evolving_infra.sim.run import simulate, write_decisions
 
     res = simulate(cfg, requests, bs, meta=dict(meta, sweep_label=label))
     d = out / safe_dir(label)
     write_report(d, res.report, res.records, plots=plots)
+    write_decisions(d, res.stats.planner_decisions)
     row = {k: res.report.get(k) for k in SUMMARY_KEYS}
     row.update(label=label, dir=str(d))
     return row

@@ -35,6 +35,12 @@ class PlannerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fiel
             "slo_guard=false); keys are the fields of EvolvingParams / DynamoParams / ArrowParams"
         ),
     ] = []
+    refit_interval_s: Annotated[
+        float,
+        Meta(gt=0, description="simulated seconds between the online refits of each node's Eq. 1/2 models from its "
+             "iteration records, published on planner.models for the router (policies without models of their own: "
+             "static, dynamo, arrow)"),
+    ] = 60.0
     max_tick_wait_s: Annotated[
         float, Meta(gt=0, description="wall seconds the tick loop sleeps at most before asking the policy again")
     ] = 1.0

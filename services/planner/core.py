@@ -38,6 +38,7 @@ from shared.messages import (
 )
 from shared.split import split_name, split_phases
 from shared.subjects import check_token
+from services.planner.online import OnlineModels
 from services.planner.policy import PlannerPolicy, PolicyBase, RequestDone, StaticPlanner
 
 
@@ -102,6 +103,9 @@ class PlannerCore:
         policy: the planner policy (default: ``static``).
         busy_timeout_s: a node that has not confirmed a phase change (``split.applied``
             status ``serving``) within this long stops counting as busy.
+        online: per-node models refitted from the iteration records for the router
+            (``online.OnlineModels``), used when the policy publishes no models of its own
+            (``static``, ``dynamo``, ``arrow``): :meth:`take_models` returns its refits.
 
     Raises:
         ValueError / SplitError: on an invalid node id or a split that does not fit the nodes.
@@ -115,6 +119,7 @@ class PlannerCore:
         history: int = 100_000,
         policy: PlannerPolicy | None = None,
         busy_timeout_s: float = 900.0,
+        online: OnlineModels | None = None,
     ) -> None:
         if not nodes:
             raise ValueError("the planner needs at least one node")
@@ -135,6 +140,8 @@ class PlannerCore:
         self.draining: set[str] = set()
         self._decisions: list[PlannerDecision] = []
         self._models_seen = -1
+        self.online = online if getattr(self.policy, "models_version", None) is None else None
+        self._online_last: PlannerModels | None = None
         self.ticks = 0
         self.switches = 0
         self.foreign_commands = 0
@@ -157,6 +164,8 @@ class PlannerCore:
         store.extend(msg.records)
         self.records_total += len(msg.records)
         self.policy.on_iterations(msg.node, msg.records, now)
+        if self.online is not None:
+            self.online.add(msg.node, msg.records)
         return len(msg.records)
 
     def on_node_state(self, state: NodeState, now: float) -> bool:
@@ -292,9 +301,15 @@ class PlannerCore:
         out, self._decisions = self._decisions, []
         return out
 
-    def take_models(self) -> PlannerModels | None:
-        """The policy's models if they changed since the last call (evolving only), else None."""
+    def take_models(self, now: float | None = None) -> PlannerModels | None:
+        """The policy's models if they changed since the last call (evolving), else — for a
+        policy without models and ``now`` given — the online refit when one is due, else None."""
         version = getattr(self.policy, "models_version", None)
+        if version is None and self.online is not None and now is not None:
+            msg = self.online.refit(now)
+            if msg is not None:
+                self._online_last = msg
+            return msg
         if version is None or version == self._models_seen:
             return None
         self._models_seen = version
@@ -302,6 +317,8 @@ class PlannerCore:
 
     def current_models(self) -> PlannerModels | None:
         """The policy's models now (for re-announcement), or None when it has none."""
+        if self._online_last is not None:
+            return self._online_last
         if not isinstance(self.policy, PolicyBase):
             return None
         m = self.policy.models()

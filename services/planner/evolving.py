@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -140,6 +141,18 @@ class EvolvingParams:
     """Reversal needs the observed mean prefill wait above this share of the target."""
     guard_max_theta_loss: float = 0.10
     """A reversal target may lose at most this share of the current Θ."""
+    guard_sustain_slices: int = 3
+    """"Sustained" (ours, issue 21): the reversal needs a violation (predicted quantile over the
+    target *and* backlog over ``guard_backlog_share`` × target) at this many consecutive guard
+    checks, one per slice (3 = 120 s after the first at 60-s slices), with the backlog never
+    falling by more than ``guard_drain_share`` from one check to the next. A burst that has
+    ended drains its queue, so its streak restarts and it does not switch. 1 = the
+    pre-issue-21 guard (one check)."""
+    guard_drain_share: float = 0.10
+    """A check whose backlog is below (1 − this) × the previous check's restarts the streak (ours)."""
+    no_data_retry_s: float = 600.0
+    """Warm-up end without fitted data (no node with ``min_fit_samples`` prefill and decode
+    records): the warm-up is extended by this long and nothing is frozen or switched (ours)."""
     sample_interval_s: float = 5.0
     """Extra ticks this often so that a caller that reports node states only at ticks (the
     simulator) gives the time averages q̄_i enough samples (ours; 0 = no extra ticks)."""
@@ -162,6 +175,8 @@ class EvolvingParams:
             raise ValueError("z must be >= 0, ttft_target_s > 0, ttft_quantile in (0, 1)")
         if self.guard_lookback_s <= 0 or self.guard_backlog_share < 0 or not 0 <= self.guard_max_theta_loss <= 1:
             raise ValueError("guard_lookback_s > 0, guard_backlog_share >= 0, guard_max_theta_loss in [0, 1]")
+        if self.guard_sustain_slices < 1 or self.no_data_retry_s <= 0 or not 0 <= self.guard_drain_share < 1:
+            raise ValueError("guard_sustain_slices must be >= 1, no_data_retry_s > 0, guard_drain_share in [0, 1)")
 
 
 class EvolvingPlanner(PolicyBase):
@@ -186,7 +201,7 @@ class EvolvingPlanner(PolicyBase):
         self.slice_s = self.p.window_s / self.p.slices
         self.max_batch = float(self.p.max_batch or profile.scheduler.max_running)
         self.lookback = max(1, round(self.p.guard_lookback_s / self.slice_s))
-        keep = max(self.p.slices, self.lookback) + 2 + math.ceil(self.p.t_learn_s / self.slice_s)
+        keep = max(self.p.slices, self.lookback, self.p.guard_sustain_slices) + 2 + math.ceil(self.p.t_learn_s / self.slice_s)
         self.obs = Observer(self.nodes, self.slice_s, origin=0.0, keep_buckets=min(keep, 4096))
         self.samples = {n: FitSamples(self.p.fit_cap, seed=self.p.seed * 1_000_003 + i) for i, n in enumerate(self.nodes)}
         self.state: dict[str, NodeModelState] = {
@@ -206,6 +221,8 @@ class EvolvingPlanner(PolicyBase):
         self._table: tuple[tuple[tuple[str, ...], int], ModelTable] | None = None
         self.windows = 0
         """Windows evaluated (including skipped ones)."""
+        self._guard_backlogs: list[float] = []
+        """Backlogs (s) of the current streak of consecutive guard checks that found a violation."""
 
     # -- inputs ------------------------------------------------------------ #
 
@@ -310,7 +327,7 @@ class EvolvingPlanner(PolicyBase):
         self.expected = both
         if self.p.t_learn_s <= 0:
             self.expected = dict(phases)
-            return self._freeze(now, phases)
+            return self._freeze(now, phases, priors=True)
         return self._decide(
             now,
             "warmup",
@@ -320,10 +337,26 @@ class EvolvingPlanner(PolicyBase):
             metrics={"warmup_end": self.warmup_end},
         )
 
-    def _fit(self) -> dict[str, float]:
-        """Fit every node, fill the unfitted from peers or the profile, freeze. Returns summary metrics."""
+    def _fits(self) -> dict[str, Any]:
+        """NNLS fit of every node's samples (``fit.fit_node``), nothing applied yet."""
         prof = self.profile
-        fits = {n: fit_node(self.samples[n], prof.prefill, prof.decode, min_samples=self.p.min_fit_samples) for n in self.nodes}
+        return {n: fit_node(self.samples[n], prof.prefill, prof.decode, min_samples=self.p.min_fit_samples) for n in self.nodes}
+
+    @staticmethod
+    def no_data(fits: Mapping[str, Any]) -> str:
+        """Why ``fits`` cannot be frozen ("" when they can): no node fitted its prefill side,
+        or none its decode side (each needs ``min_fit_samples`` records with that part)."""
+        n_pre = sum(1 for f in fits.values() if f.prefill is not None)
+        n_dec = sum(1 for f in fits.values() if f.decode is not None)
+        if n_pre and n_dec:
+            return ""
+        recs = sum(max(f.prefill_samples, f.decode_samples) for f in fits.values()) if fits else 0
+        return f"no data: {n_pre} node(s) with a fitted prefill model, {n_dec} with a fitted decode model ({recs} usable iteration records)"
+
+    def _fit(self, fits: Mapping[str, Any]) -> dict[str, float]:
+        """Apply ``fits``, fill the unfitted from peers or the profile, freeze. Returns summary metrics.
+        Callers check :meth:`no_data` first: at least one fitted node per side."""
+        prof = self.profile
         pre = [f.prefill for f in fits.values() if f.prefill is not None]
         dec = [f.decode for f in fits.values() if f.decode is not None]
         peer_p = median_prefill(pre) if pre else None
@@ -358,11 +391,31 @@ class EvolvingPlanner(PolicyBase):
             "fit_error_mean": float(np.mean(errors)) if errors else math.nan,
         }
 
-    def _freeze(self, now: float, phases: dict[str, Phase], reason: str = "") -> SplitDecision | None:
+    def _freeze(self, now: float, phases: dict[str, Phase], reason: str = "", *, priors: bool = False) -> SplitDecision | None:
+        """End of the warm-up: fit, freeze and go to the initial split. Without fitted data
+        (:meth:`no_data`) nothing is frozen or switched and the warm-up is extended, unless
+        ``priors`` (``t_learn_s`` = 0: the operator asked for no warm-up, so the profile's
+        coefficients are the models, and the decision says so)."""
         k_end = self.obs.index(now + 1e-9)
         k_start = max(self.obs.index(now - self.p.t_learn_s + 1e-9), k_end - self.obs.keep)
+        fits = self._fits()
+        missing = self.no_data(fits)
+        if missing and not priors:  # issue 21 (llm-d-autoscaling #1212): never freeze, never switch on the priors alone
+            self.warmup_end = now + self.p.no_data_retry_s
+            self.expected = dict(phases)
+            self._decide(
+                now,
+                "no_switch",
+                phases,
+                None,
+                f"{missing}; models not frozen, split kept ({split_name(phases)}), warm-up extended to t={self.warmup_end:.0f}s"
+                + (f" ({reason})" if reason else ""),
+                metrics={"nodes_fitted": 0.0, "warmup_end": self.warmup_end},
+            )
+            return None
         self._remeasure(k_start, k_end)
-        metrics = self._fit()
+        metrics = self._fit(fits)
+        why = f"no warm-up (t_learn_s=0), {missing}: the profile's coefficients are the models" if missing else "warm-up over: models frozen"
         self.frozen_at = now
         self._models_seq += 1
         self.stage = "pd"
@@ -386,7 +439,7 @@ class EvolvingPlanner(PolicyBase):
             "switch",
             phases,
             target,
-            f"warm-up over: models frozen, serving {split_name(target)}",
+            f"{why}, serving {split_name(target)}",
             metrics=metrics,
         )
 
@@ -642,6 +695,14 @@ class EvolvingPlanner(PolicyBase):
         return float(np.mean(waits)) if waits else 0.0
 
     def _guard(self, now: float, phases: dict[str, Phase], busy: Set[str]) -> SplitDecision | None:
+        """One reversal check (module docstring, item 4); a check that finds no violation ends the streak."""
+        n_before = len(self._guard_backlogs)
+        d = self._guard_check(now, phases, busy)
+        if len(self._guard_backlogs) == n_before or d is not None:
+            self._guard_backlogs = []
+        return d
+
+    def _guard_check(self, now: float, phases: dict[str, Phase], busy: Set[str]) -> SplitDecision | None:
         if busy or now - self.last_switch_at < self.p.cooldown_s:
             return None
         n_p = sum(v == "prefill" for v in phases.values())
@@ -662,6 +723,25 @@ class EvolvingPlanner(PolicyBase):
         metrics = {"arrival_rate": lam, "ttft_current_s": ttft_cur, "backlog_s": backlog, "q_mean": w.q}
         if backlog <= self.p.guard_backlog_share * self.p.ttft_target_s:
             return None  # the rate alone says overload but the queues are short: trust the queues
+        k_sus = self.p.guard_sustain_slices
+        prev = self._guard_backlogs[-1] if self._guard_backlogs else None
+        if prev is not None and backlog < (1.0 - self.p.guard_drain_share) * prev:
+            self._guard_backlogs = []  # draining: whatever caused the backlog has ended
+        self._guard_backlogs.append(backlog)
+        streak = len(self._guard_backlogs)
+        metrics["sustained_checks"] = float(streak)
+        if streak < k_sus:
+            self._decide(
+                now,
+                "no_switch",
+                phases,
+                None,
+                f"SLO guard: predicted TTFT {ttft_cur:.1f}s > {self.p.ttft_target_s:.1f}s and backlog {backlog:.1f}s, "
+                f"not yet sustained: {streak} of {k_sus} consecutive slice checks"
+                + (f" (the backlog fell from {prev:.1f}s: a burst that ended does not switch)" if prev is not None and streak == 1 else ""),
+                metrics=metrics,
+            )
+            return None
         table = self.table(order)
         mu_p = table.prefill_rates([w])[:, 0]
         cap_d = table.decode_capacity(w.t_out, self.max_batch)

@@ -5,7 +5,10 @@ Contains zero decision logic (it lives in ``core.py`` and the policies). Inputs:
 ``split.applied``; request/reply: ``split.get``, ``split.set``. Outputs:
 ``split.commands`` (at start, on every new epoch, and every
 ``announce_interval_s``), ``planner.decisions`` (every decision),
-``planner.models`` (when the models change, and with each announcement).
+``planner.models`` (when the models change, and with each announcement; for a
+policy without models of its own — static, dynamo, arrow — the online refits of
+``online.py`` every ``refit_interval_s``, so the router's per-node models follow
+the nodes whatever the policy).
 
 The tick loop sleeps on the cluster clock until the policy's ``next_tick()``
 (at most ``max_tick_wait_s`` wall seconds at a time), then calls
@@ -22,6 +25,7 @@ from prometheus_client import Histogram
 from services.planner.config import PlannerConfig
 from services.planner.prom import SWITCH_BUCKETS_S, planner_families
 from services.planner.core import PlannerCore
+from services.planner.online import OnlineModels
 from services.planner.policy import make_planner, parse_planner_args
 from shared import messages as m
 from shared.bus import Bus
@@ -56,7 +60,10 @@ class PlannerService:
         self.clock = clock
         profile = load_profile(cfg.profile)
         policy = make_planner(cfg.planner, cfg.nodes, profile, **parse_planner_args(cfg.planner_args))
-        self.core = PlannerCore(cfg.nodes, cfg.split, history=cfg.history, policy=policy, busy_timeout_s=cfg.busy_timeout_s)
+        online = OnlineModels(cfg.nodes, profile, refit_interval_s=cfg.refit_interval_s) if cfg.nodes else None
+        self.core = PlannerCore(
+            cfg.nodes, cfg.split, history=cfg.history, policy=policy, busy_timeout_s=cfg.busy_timeout_s, online=online
+        )
         self.log = structlog.get_logger("planner").bind(policy=cfg.planner)
         self.applied: dict[str, m.SplitApplied] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -122,6 +129,7 @@ class PlannerService:
                 await asyncio.wait_for(self._wake.wait(), timeout=wait)
             except asyncio.TimeoutError:
                 pass
+            await self._publish_models()  # online refits for the router (policies without models of their own)
 
     async def _tick(self, now: float) -> None:
         try:
@@ -153,7 +161,7 @@ class PlannerService:
         await self._publish_models()
 
     async def _publish_models(self, *, force: bool = False) -> None:
-        models = self.core.take_models()
+        models = self.core.take_models(self.clock.now())
         if models is None and force:
             models = self.core.current_models()
         if models is not None:

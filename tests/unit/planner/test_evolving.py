@@ -107,6 +107,8 @@ def test_collocated_initial_split_picks_the_best_split_from_the_warmup():
     both = split_phases("collocated", NODES)
     assert pl.tick(0.0, both, set()) is None  # already collocated
     feed(pl, both, 0.0, 600.0, rate=3.0, t_uc=500, t_c=10_000, t_out=3000, q=120)
+    for k, n in enumerate(NODES):  # the fit needs iteration records (without them: no data, no switch)
+        pl.on_iterations(n, records(100, GB.prefill, GB.decode, seed=k), 300.0)
     d = pl.tick(600.0, both, set())
     assert d is not None
     assert split_name(d.phases) == "1P8D"  # decode-heavy work: one prefill node is enough
@@ -347,6 +349,8 @@ def test_collocated_initial_split_with_the_latency_objective_minimises_predicted
         pl = planner(t_learn_s=600.0, objective=objective)
         assert pl.tick(0.0, both, set()) is None
         feed(pl, both, 0.0, 600.0, rate=5.0, t_uc=20_000, t_c=50_000, t_out=300, q=12)
+        for k, n in enumerate(NODES):  # the fit needs iteration records (without them: no data, no switch)
+            pl.on_iterations(n, records(100, GB.prefill, GB.decode, seed=k), 300.0)
         d = pl.tick(600.0, both, set())
         assert d is not None
         got[objective] = (split_name(d.phases), pl.take_decisions()[-1].metrics)
@@ -397,3 +401,81 @@ def test_decision_metrics_leave_out_non_finite_values():
     ev = pl.take_decisions()[-1]
     assert ev.metrics == {"q_mean": 3.0}
     assert msgspec.json.decode(msgspec.json.encode(ev), type=PlannerDecision) == ev
+
+
+# --------------------------------------------------------------------------- #
+# issue 21: no data, no freeze; a burst that ended does not move the guard
+# --------------------------------------------------------------------------- #
+
+
+def test_no_iteration_records_no_freeze_no_switch_and_the_decision_says_no_data():
+    """llm-d-autoscaling #1212: a planner whose nodes never report iterations must not freeze
+    the profile's coefficients nor leave the warm-up on them."""
+    pl = planner(t_learn_s=600.0, sample_interval_s=0.0)
+    phases = split_phases("6P3D", NODES)
+    both = pl.tick(0.0, phases, set()).phases
+    feed(pl, both, 0.0, 600.0, rate=3.0)  # requests complete, node states arrive; no node.iters
+    assert pl.tick(600.0, both, set()) is None
+    assert not pl.frozen and not pl.models().frozen
+    ev = pl.take_decisions()[-1]
+    assert ev.action == "no_switch" and ev.reason.startswith("no data") and "not frozen" in ev.reason
+    assert ev.split_after == "" or ev.split_after == ev.split_before
+    assert pl.next_tick() == 1200.0  # the warm-up is extended by no_data_retry_s
+    for k, n in enumerate(NODES):  # data arrives: the next check fits, freezes and serves the initial split
+        pl.on_iterations(n, records(100, GB.prefill, GB.decode, seed=k), 900.0)
+    d = pl.tick(1200.0, both, set())
+    assert d is not None and split_name(d.phases) == "6P3D" and pl.frozen
+    ev = pl.take_decisions()[-1]
+    assert ev.action == "switch" and ev.metrics["nodes_fitted"] == 9.0
+
+
+def _burst(pl, phases, t_end, *, burst_s, growth):
+    """2P7D serving D.3-like work: 3 req/s until t=300, then a prefill burst of ``burst_s``
+    (the queue grows ``growth`` req/s while the two prefill nodes complete 7.7 req/s), then the
+    queue drains at 4.7 req/s. Ticks as the planner asks; returns the decisions that changed phases."""
+    work = dict(t_uc=6000, t_c=100_000, t_out=1000, q=60)
+    t_b1 = 300.0 + burst_s
+    peak = growth * burst_s
+    segments = [(0.0, 300.0, dict(rate=3.0))]
+    segments.append((300.0, t_b1, dict(rate=7.7, queue0=-growth * 300.0, queue_growth=growth)))
+    t_empty = t_b1 + peak / 4.7
+    segments.append((t_b1, t_empty, dict(rate=7.7, queue0=peak + 4.7 * t_b1, queue_growth=-4.7)))
+    segments.append((t_empty, 1e9, dict(rate=3.0)))
+    out = []
+    last = 0.0
+    t = pl.next_tick()
+    while t is not None and t <= t_end:
+        for a, b, kw in segments:
+            lo, hi = max(a, last), min(b, t)
+            if lo < hi:
+                feed(pl, phases, lo, hi, **work, **kw)
+        last = t
+        d = pl.tick(t, phases, set())
+        if d is not None:
+            out.append((t, d))
+            phases = d.phases
+        t = pl.next_tick()
+    return out
+
+
+def test_guard_a_60s_burst_that_ended_does_not_switch():
+    pl = planner(cooldown_s=120.0, window_s=1200.0, objective="throughput")  # no window end before t=1200
+    phases = start(pl, "2P7D")
+    pl.take_decisions()
+    switches = _burst(pl, phases, 1100.0, burst_s=60.0, growth=15.0)  # 23 req/s for a minute
+    assert switches == []
+    evs = pl.take_decisions()
+    guard = [e for e in evs if e.reason.startswith("SLO guard")]
+    assert guard and all(e.action == "no_switch" for e in guard)
+    assert any("not yet sustained" in e.reason for e in guard)  # kept with its reason
+
+
+def test_guard_a_sustained_overload_switches():
+    pl = planner(cooldown_s=120.0, window_s=1200.0, objective="throughput")
+    phases = start(pl, "2P7D")
+    switches = _burst(pl, phases, 1100.0, burst_s=700.0, growth=1.5)  # 9.2 req/s from t=300 on
+    assert len(switches) == 1
+    t, d = switches[0]
+    assert 480.0 < t <= 800.0 and split_name(d.phases) == "3P6D"
+    ev = [e for e in pl.take_decisions() if e.action == "switch"][-1]
+    assert ev.reason.startswith("SLO guard") and ev.metrics["sustained_checks"] >= 3

@@ -165,3 +165,26 @@ def test_a_pool_that_runs_dry_inside_its_window_is_reported():
     late.on_complete("p.0", "p.0-r0", 1.0)
     late.on_complete("p.1", "p.1-r0", 2.0)
     assert late.exhausted() == [] and late.done
+
+
+def test_simulate_writes_every_planner_evaluation_with_its_reason(profile, tmp_path):
+    """Issue 21: the simulator's output keeps every evaluation (switch, no switch, skip, warm-up)
+    in decisions.jsonl, as the live planner publishes them on planner.decisions; the report
+    counts them per action."""
+    import json
+
+    from evolving_infra.sim.run import DECISIONS_JSONL, write_decisions
+
+    reqs = steady() + swarm(300)
+    windows = (Window("s", 0.0, 1e9, 16), Window("b", 1.6, 1.61, 300))
+    res = run(profile, reqs, "2P2D", windows)
+    path = write_decisions(tmp_path, res.stats.planner_decisions)
+    assert path.name == DECISIONS_JSONL
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    actions = {r["action"] for r in rows}
+    assert {"warmup", "switch", "no_switch"} <= actions, actions
+    assert all(r["reason"] for r in rows)
+    assert [r["ts"] for r in rows] == sorted(r["ts"] for r in rows)
+    by = res.report["planner_evaluations_by_action"]
+    assert sum(by.values()) == len(rows) and by["no_switch"] >= 1
+    assert res.report["planner_decisions_file"] == DECISIONS_JSONL
