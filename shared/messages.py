@@ -498,6 +498,17 @@ class PrefillWork(Msg, frozen=True, kw_only=True):
     """``dispatch``: ``decode_node`` is the binding. ``start`` (with ``decode_node``
     None, on a prefill node): the worker asks the router for the decode node on
     ``route.bind`` when the request's prefill starts (paper Eq. 7, App. D.1)."""
+    attempt: NonNeg = 0
+    """Dispatch attempt of ``rid`` (fencing token): 0 at the first dispatch, +1 each time the
+    router re-dispatches the request after its node was fenced. A node serves only the newest
+    attempt it has seen; the router drops output of any older one (issue #22)."""
+    output_offset: NonNeg = 0
+    """Output tokens the client already has: a re-dispatch of a request whose decode node
+    died sends prompt + those tokens as the new prompt; the new output's position 0 is
+    output position ``output_offset`` of the request (the engine indexes its outputs so)."""
+    router: str = ""
+    """Instance id of the router that owns the request (its ``route.bind.<router>`` and
+    ``work.requeue.<router>`` subjects); empty = the default instance ``router``."""
 
 
 class DecodeWork(Msg, frozen=True, kw_only=True):
@@ -516,6 +527,14 @@ class DecodeWork(Msg, frozen=True, kw_only=True):
     kv_ready_at: float = 0.0
     """When the GPU-to-GPU KV transfer completes (simulated clock)."""
     kv_bytes: NonNeg = 0
+    attempt: NonNeg = 0
+    """Dispatch attempt of ``rid`` (fencing token): 0 at the first dispatch, +1 each time the
+    router re-dispatches the request after its node was fenced. A node serves only the newest
+    attempt it has seen; the router drops output of any older one (issue #22)."""
+    output_offset: NonNeg = 0
+    """See ``PrefillWork.output_offset``."""
+    router: str = ""
+    """See ``PrefillWork.router``."""
 
 
 class DecodeBindRequest(Msg, frozen=True, kw_only=True):
@@ -526,6 +545,8 @@ class DecodeBindRequest(Msg, frozen=True, kw_only=True):
     prompt_tokens: NonNeg = 0
     max_tokens: NonNeg = 0
     branch_id: str | None = None
+    attempt: NonNeg = 0
+    """The work's ``attempt``; the router refuses to bind an older attempt than its own."""
 
 
 class DecodeBindReply(Msg, frozen=True, kw_only=True):
@@ -548,6 +569,8 @@ class WorkRequeue(Msg, frozen=True, kw_only=True):
     """The split epoch the node was switching to."""
     prefill: PrefillWork | None = None
     decode: DecodeWork | None = None
+    attempt: NonNeg = 0
+    """The work's ``attempt``; a hand-back of an older attempt than the router's is refused."""
 
 
 class WorkRequeueReply(Msg, frozen=True, kw_only=True):
@@ -560,10 +583,13 @@ class WorkRequeueReply(Msg, frozen=True, kw_only=True):
 
 
 class RequestAbort(Msg, frozen=True, kw_only=True):
-    """Drop request ``rid`` wherever it is on this node (client went away)."""
+    """Drop request ``rid`` wherever it is on this node (client went away, node fenced)."""
 
     rid: str
     reason: str = ""
+    attempt: NonNeg = 0
+    """Drop attempts <= this one only: a stale abort (sent when an earlier attempt was fenced)
+    never kills a newer attempt that was re-dispatched to the same node."""
 
 
 class TokenChunk(Msg, frozen=True, kw_only=True):
@@ -593,6 +619,8 @@ class TokenChunk(Msg, frozen=True, kw_only=True):
     fetched_tokens: NonNeg = 0
     """On the first chunk: prompt tokens whose KV was fetched from peers' host memory and
     used (restored at the request's start; fetched pages evicted before it are not counted)."""
+    attempt: NonNeg = 0
+    """The work's ``attempt`` (the router drops chunks of an older attempt)."""
 
 
 # --------------------------------------------------------------------------- #

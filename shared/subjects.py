@@ -72,8 +72,12 @@ REQ_OUT = Subject("req.{rid}.out", m.TokenChunk, doc="worker → router: token s
 SVC_HEARTBEAT = Subject("svc.heartbeat.{service}", m.Heartbeat, doc="any → launcher: liveness")
 SVC_STATS = Subject("svc.stats.{instance}", m.StatsRequest, m.StatsReply, doc="counters of one instance")
 PLANNER_MODELS = Subject("planner.models", m.PlannerModels, doc="planner → router: fitted iteration-time models per node")
-ROUTE_BIND = Subject("route.bind", m.DecodeBindRequest, m.DecodeBindReply, doc="worker → router: decode node at prefill start")
-WORK_REQUEUE = Subject("work.requeue", m.WorkRequeue, m.WorkRequeueReply, doc="worker → router: hand back work for re-routing")
+ROUTE_BIND = Subject(
+    "route.bind.{router}", m.DecodeBindRequest, m.DecodeBindReply, doc="worker → owning router: decode node at prefill start"
+)
+WORK_REQUEUE = Subject(
+    "work.requeue.{router}", m.WorkRequeue, m.WorkRequeueReply, doc="worker → owning router: hand back work for re-routing"
+)
 
 ALL: tuple[Subject, ...] = (
     KV_EVENTS,

@@ -39,6 +39,7 @@ DECODE_BINDINGS: tuple[str, ...] = ("dispatch", "prefill-start")
 """When the decode node of a PD request is chosen: at dispatch (``PrefillWork.decode_node``),
 or when its prefill starts on the prefill node (``route.bind``, paper Eq. 7 / App. D.1)."""
 
+from services.router.faults import usable_lookup
 from services.router.metrics import RouteMetrics, TtftSample
 from services.router.nodes import FencedNode, NodeLoad, NodeLoadView
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy
@@ -162,6 +163,9 @@ class RouterCore:
     def route(self, req: RouteRequest, lookup: KvLookupReply | None, now: float) -> RouteDecision | NoRoute:
         """Place ``req``: choose prefill node (policy) and decode node (least loaded).
 
+        Nodes the view cannot count on (fenced: :meth:`NodeLoadView.usable`) are removed
+        from ``lookup`` first (:func:`~services.router.faults.usable_lookup`).
+
         When no decode node is eligible, only collocated nodes (phase ``both``)
         are offered to the policy. On success the request is counted in flight
         on both nodes until :meth:`finish`.
@@ -181,6 +185,8 @@ class RouterCore:
         offered = pre if dec else [n for n in pre if n.phase == "both"]
         if not offered:
             return NoRoute(self.view.no_candidate_reason("decode", now))
+        # no prefix credit and no fetch source on a fenced node (issue #22)
+        lookup = usable_lookup(lookup, lambda n: self.view.usable(n, now))
         choice = self.policy.choose_prefill(req, lookup, offered, now)
         chosen = next(n for n in offered if n.node == choice.node)
         decode: DecodeChoice | None = None

@@ -116,7 +116,7 @@ class FencedNode:
     age: float
     """Age of its last state at fencing time (caller's clock units)."""
     rids: tuple[str, ...] = ()
-    """Requests in flight on it (as prefill or decode node) when it was fenced."""
+    """Requests in flight that depend on it when it was fenced (:meth:`NodeLoadView.requests_depending_on`)."""
 
 
 @dataclass(slots=True)
@@ -418,6 +418,25 @@ class NodeLoadView:
         """In-flight requests placed on ``node`` as prefill or decode node."""
         return [rid for rid, fl in self._flights.items() if fl.prefill_node == node or fl.decode_node == node]
 
+    def requests_depending_on(self, node: str) -> list[str]:
+        """In-flight requests that cannot go on without ``node``: those it decodes, and those
+        whose prefill it runs and has not finished. A request whose prefill finished on
+        ``node`` and decodes on another node depends on its decode node only (issue #22)."""
+        return [
+            rid
+            for rid, fl in self._flights.items()
+            if fl.decode_node == node or (fl.prefill_node == node and (not fl.first_token or fl.decode_node is None))
+        ]
+
+    def usable(self, node: str, now: float) -> bool:
+        """True when ``node`` reports and is not fenced (its cache may be counted on: prefix
+        credit, fetch sources). Unknown nodes count as usable (the directory may know a node
+        before its first state reaches this router)."""
+        rec = self.nodes.get(node)
+        if rec is None or (rec.last_seen is None and not rec.fenced):
+            return True
+        return not self.is_stale(rec, now)
+
     @property
     def inflight_total(self) -> int:
         return len(self._flights)
@@ -441,7 +460,7 @@ class NodeLoadView:
                 rec.fenced = True
                 rec.fence_events += 1
                 self._changed(rec)
-                out.append(FencedNode(node=rec.node, age=age, rids=tuple(self.requests_on(rec.node))))
+                out.append(FencedNode(node=rec.node, age=age, rids=tuple(self.requests_depending_on(rec.node))))
         return out
 
     def next_deadline(self) -> float | None:

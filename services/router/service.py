@@ -76,6 +76,7 @@ from services.router import api
 from services.router.branches import BranchError, BranchTable
 from services.router.config import RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
+from services.router.faults import continuation
 from services.router.policy import RouteRequest, make_policy
 from services.router.prom import router_families
 from services.router.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
@@ -113,6 +114,22 @@ class _Pending:
     """HTTP arrival (simulated s): TTFT and E2E start here."""
     ttft_s: float | None = None
     out_tokens: int = 0
+    rreq: RouteRequest | None = None
+    """The request as first routed (its prompt: the base of a continuation)."""
+    cur: RouteRequest | None = None
+    """The request of the current attempt (``rreq``, or a continuation after a decode node died)."""
+    attempt: int = 0
+    """Dispatch attempt (fencing token): chunks, binds and hand-backs of other attempts are refused."""
+    offset: int = 0
+    """Output position of the current attempt's first output token."""
+    attempt_first: bool = False
+    """The current attempt's first chunk arrived (its prefill finished)."""
+    next_index: int = 0
+    """Output position of the next token the client does not have yet."""
+    tokens: list[int] = field(default_factory=list)
+    """Output token ids delivered to the client so far (in order)."""
+    stale_aborted: set[tuple[str, int]] = field(default_factory=set)
+    """(node, attempt) pairs told to drop a superseded attempt."""
 
 
 class _ClientGone(Exception):
@@ -256,8 +273,9 @@ class RouterService:
         await self.bus.subscribe(SPLIT_COMMANDS, self._on_split)
         await self.bus.subscribe(PLANNER_MODELS, self._on_models)
         await self.bus.subscribe(REQ_OUT, self._on_chunk)
-        await self.bus.serve(ROUTE_BIND, self._on_bind)
-        await self.bus.serve(WORK_REQUEUE, self._on_requeue)
+        # replies that concern a request go to the router that owns it (PrefillWork.router)
+        await self.bus.serve(ROUTE_BIND, self._on_bind, router=self.bus.instance)
+        await self.bus.serve(WORK_REQUEUE, self._on_requeue, router=self.bus.instance)
         self._tasks.append(asyncio.create_task(self._fetch_split(), name="router-split-get"))
         self._tasks.append(asyncio.create_task(self._fence_loop(), name="router-fence"))
         try:
@@ -437,6 +455,12 @@ class RouterService:
         if p is None:
             self.counters["chunks_unknown_rid"] += 1
             return
+        if p.done:
+            self.counters["chunks_after_end"] += 1
+            return
+        if chunk.attempt != p.attempt:
+            self._stale_chunk(p, chunk)
+            return
         if chunk.node not in (p.prefill_node, p.decode_node):
             # only the nodes the request was placed on stream it: a chunk naming another
             # node (or none) must not end or fill someone's stream
@@ -445,7 +469,20 @@ class RouterService:
             return
         now = self.clock.now()
         failed = chunk.finish_reason in ("error", "abort")
+        if not failed:
+            skip = p.next_index - chunk.index
+            if skip > 0:  # output the client already has (a duplicate, or a continuation's overlap)
+                if skip >= len(chunk.token_ids) and not chunk.finished:
+                    self.counters["chunks_duplicate"] += 1
+                    return
+                chunk = msgspec.structs.replace(chunk, index=p.next_index, token_ids=chunk.token_ids[skip:])
+            p.next_index = chunk.index + len(chunk.token_ids)
+            p.tokens.extend(chunk.token_ids)
         p.out_tokens += len(chunk.token_ids)
+        if not p.attempt_first:
+            p.attempt_first = True
+            if not failed and p.first_seen:  # a re-dispatched attempt's first token: its prefill is done
+                self.core.on_first_token(chunk.rid, now, first_token_at=chunk.ts or None, queue_s=chunk.queue_s)
         if not p.first_seen:
             p.first_seen = True
             p.queue_s = chunk.queue_s
@@ -469,13 +506,25 @@ class RouterService:
             if failed:
                 self.counters[f"finish.{chunk.finish_reason}"] += 1
                 for node, msg in self.core.abort(chunk.rid, f"{chunk.finish_reason} on {chunk.node}", skip=chunk.node, now=now):
-                    await self.bus.publish(WORK_ABORT, msg, node=node)
+                    await self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node)
             else:
                 self.core.finish(chunk.rid, now)
                 self.counters[f"finish.{chunk.finish_reason or 'length'}"] += 1
                 if p.ttft_s is not None:
                     self.core.metrics.observe_finished(p.ttft_s, now - p.t_in, p.out_tokens)
         p.queue.put_nowait(chunk)
+
+    def _stale_chunk(self, p: _Pending, chunk: m.TokenChunk) -> None:
+        """A chunk of another attempt than ``p``'s current one (a fenced node that came back):
+        dropped, and the node told once to drop that attempt (never double-served)."""
+        self.counters["chunks_stale_attempt"] += 1
+        key = (chunk.node, chunk.attempt)
+        if chunk.attempt < p.attempt and not chunk.finished and chunk.node and key not in p.stale_aborted:
+            p.stale_aborted.add(key)
+            self.counters["aborts.superseded"] += 1
+            self.log.info("output of a superseded attempt dropped; node told to stop", rid=p.rid, node=chunk.node, attempt=chunk.attempt)
+            abort = m.RequestAbort(rid=p.rid, reason=f"attempt {chunk.attempt} superseded by attempt {p.attempt}", attempt=chunk.attempt)
+            self._spawn(self.bus.publish(WORK_ABORT, abort, node=chunk.node))
 
     # -- decode binding at prefill start, work handed back ------------------ #
 
@@ -485,6 +534,9 @@ class RouterService:
         if p is None or p.done:
             self.counters["bind.not_pending"] += 1
             return m.DecodeBindReply(rid=req.rid, reason="request is not pending at the router")
+        if req.attempt != p.attempt:
+            self.counters["bind.stale_attempt"] += 1
+            return m.DecodeBindReply(rid=req.rid, reason=f"stale attempt {req.attempt} (the router's is {p.attempt})")
         out = self.core.bind_decode(req.rid, self.clock.now(), prefill_node=req.prefill_node)
         if isinstance(out, NoRoute):
             self.counters["bind.no_route"] += 1
@@ -519,6 +571,9 @@ class RouterService:
             self.counters["requeue.malformed"] += 1
             return m.WorkRequeueReply(rid=rid, reason="exactly one of prefill / decode must be set")
         role = 0 if msg.prefill is not None else 1
+        if msg.attempt != p.attempt:
+            self.counters["requeue.stale_attempt"] += 1
+            return m.WorkRequeueReply(rid=rid, reason=f"stale attempt {msg.attempt} (the router's is {p.attempt})")
         if placement is None or placement[role] != msg.node:
             self.counters["requeue.stale"] += 1
             return m.WorkRequeueReply(rid=rid, reason=f"request is not placed on {msg.node} for {'prefill' if role == 0 else 'decode'}")
@@ -558,9 +613,9 @@ class RouterService:
             p.prefill_node, p.decode_node, p.predicted_ttft_s = out.prefill.node, out.decode_node, out.predicted_ttft_s
             for placed in out.placed:
                 await self.bus.publish(ROUTE_PLACED, placed)
-            await self.bus.publish(WORK_PREFILL, out.work, node=out.prefill.node)
+            await self.bus.publish(WORK_PREFILL, self._work(p, out), node=out.prefill.node)
             self.counters[f"routed.prefill.{out.prefill.node}"] += 1
-            self.counters["requeue.rerouted"] += 1
+            self.counters["redispatch.placed" if msg.reason.startswith("redispatch:") else "requeue.rerouted"] += 1
         else:
             d = msg.decode
             assert d is not None
@@ -570,7 +625,7 @@ class RouterService:
                 self._park(msg, bound.reason)
                 return False
             await self._bound(p, bound)
-            await self.bus.publish(WORK_DECODE, d, node=bound.node)
+            await self.bus.publish(WORK_DECODE, msgspec.structs.replace(d, attempt=p.attempt, router=self.bus.instance), node=bound.node)
             self.counters["requeue.rebound"] += 1
         self._parked.pop(rid, None)
         return True
@@ -634,16 +689,71 @@ class RouterService:
             fence_after_s=self.cfg.fence_after_s,
             inflight=len(rids),
         )
-        reason = f"node {node} stopped answering (no state for {self.clock.to_wall(age):.1f}s); request failed"
+        reason = f"node {node} stopped answering (no state for {self.clock.to_wall(age):.1f}s)"
         for rid in rids:
             p = self._pending.get(rid)
+            if p is not None and not p.done and p.cur is not None:
+                self._redispatch(p, node, reason)
+                continue
             if p is not None:
-                self._abandon(p, reason, "fenced")
-                p.queue.put_nowait(_Failure(503, reason))
+                self._abandon(p, reason + "; request failed", "fenced")
+                p.queue.put_nowait(_Failure(503, reason + "; request failed"))
             else:
                 for n, msg in self.core.abort(rid, reason, now=self.clock.now()):
                     self._spawn(self.bus.publish(WORK_ABORT, msg, node=n))
             self.counters["fenced_requests_failed"] += 1
+
+    def _work(self, p: _Pending, out: RouteDecision) -> m.PrefillWork:
+        """The work to publish for ``out``: stamped with ``p``'s attempt, output offset and this router as owner."""
+        return msgspec.structs.replace(out.work, attempt=p.attempt, output_offset=p.offset, router=self.bus.instance)
+
+    def _redispatch(self, p: _Pending, node: str, reason: str) -> None:
+        """``p`` depends on fenced ``node``: route it again instead of failing it (issue #22).
+
+        Its prefill had not finished: the same request goes out again (a new kv.lookup finds its
+        prefix where it still is). Its decode node died: prompt + the tokens the client has
+        become the new prompt and the stream continues after them (or, when that cannot be
+        exact, it ends with a 503 saying why). Every node of the old attempt is told to drop it;
+        output of the old attempt is refused from now on (``attempt`` + 1).
+        """
+        now = self.clock.now()
+        old = p.attempt
+        for n, msg in self.core.abort(p.rid, reason, now=now):
+            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=old), node=n))
+        p.attempt += 1
+        assert p.rreq is not None and p.cur is not None
+        if p.attempt_first:  # its decode (or collocated) node died while decoding
+            left = p.rreq.max_tokens - len(p.tokens)
+            if left <= 0:  # every token arrived, only the end was lost
+                self.counters["redispatch.ended_at_router"] += 1
+                p.done = True
+                p.queue.put_nowait(m.TokenChunk(rid=p.rid, node=node, index=p.next_index, finished=True, finish_reason="length", attempt=p.attempt))
+                return
+            cont = continuation(p.rreq, p.tokens, block_size=self.cfg.block_size, max_prompt_tokens=self.cfg.max_prompt_tokens)
+            if isinstance(cont, str):
+                self.counters["redispatch.decode_failed"] += 1
+                why = f"{reason} after {len(p.tokens)} output tokens; the stream cannot be continued exactly: {cont}"
+                self.log.warning("decode node lost; stream ended with an error", rid=p.rid, node=node, reason=cont)
+                p.done = True
+                p.queue.put_nowait(_Failure(503, why))
+                return
+            p.cur, p.offset = cont, len(p.tokens)
+            self.counters["redispatch.decode"] += 1
+        else:
+            self.counters["redispatch.prefill"] += 1
+        p.attempt_first = False
+        self.counters["redispatched"] += 1
+        self.log.info(
+            "request re-dispatched after its node was fenced",
+            rid=p.rid, node=node, attempt=p.attempt, output_offset=p.offset, prompt_tokens=p.cur.prompt_tokens,
+        )  # fmt: skip
+        c = p.cur
+        work = m.PrefillWork(
+            rid=p.rid, prompt_tokens=c.prompt_tokens, max_tokens=c.max_tokens, block_size=self.cfg.block_size,
+            block_hashes=list(c.block_hashes), token_ids=c.token_ids, branch_id=c.branch_id,
+            attempt=p.attempt, output_offset=p.offset, router=self.bus.instance,
+        )  # fmt: skip
+        self._spawn(self._place_again(m.WorkRequeue(rid=p.rid, node=node, reason=f"redispatch: {reason}", prefill=work, attempt=p.attempt)))
 
     def _abandon(self, p: _Pending, reason: str, why: str) -> None:
         """Stop counting ``p`` and tell its nodes to drop it (idempotent, never awaits)."""
@@ -655,7 +765,7 @@ class RouterService:
             self.counters["aborts"] += 1
             self.counters[f"aborts.{why}"] += 1
         for node, msg in aborts:
-            self._spawn(self.bus.publish(WORK_ABORT, msg, node=node))
+            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node))
 
     # ------------------------------------------------------------------ #
     # HTTP
@@ -920,11 +1030,12 @@ class RouterService:
         p = _Pending(
             rid=rid, prefill_node=out.prefill.node, decode_node=out.decode_node, predicted_ttft_s=out.predicted_ttft_s, t_in=t_in
         )
+        p.rreq = p.cur = rreq
         self._pending[rid] = p
         try:
             for placed in out.placed:
                 await self.bus.publish(ROUTE_PLACED, placed)
-            await self.bus.publish(WORK_PREFILL, out.work, node=out.prefill.node)
+            await self.bus.publish(WORK_PREFILL, self._work(p, out), node=out.prefill.node)
         except Exception as e:
             self._pending.pop(rid, None)
             self._abandon(p, "dispatch failed", "dispatch_failed")
@@ -1082,6 +1193,7 @@ class RouterService:
         return {
             "prefill_node": p.prefill_node,
             "decode_node": p.decode_node,
+            "redispatches": p.attempt,
             "queue_s": p.queue_s,
             "predicted_ttft_s": None if p.predicted_ttft_s is None else round(p.predicted_ttft_s, 6),
             "fetch_s": p.fetch_s,

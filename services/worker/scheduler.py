@@ -1060,6 +1060,9 @@ class EngineScheduler:
             prefill_node=self.node,
             kv_ready_at=now + p.kv_transfer_s(r.prompt_tokens),
             kv_bytes=r.prompt_tokens * p.kv_bytes_per_token,
+            attempt=w.attempt,
+            output_offset=w.output_offset,
+            router=w.router,
         )
         return HandOff(rid=r.rid, decode_node=r.handoff_to, work=work, at=now)
 

@@ -98,6 +98,21 @@ def _drain_needed(old: str, new: str) -> bool:
     return new != "both" and new != old
 
 
+@dataclass(frozen=True, slots=True)
+class _Owner:
+    """Who a request on this node belongs to: its dispatch attempt (fencing token), the output
+    position of its first output here, and the router that owns it (issue #22)."""
+
+    attempt: int = 0
+    offset: int = 0
+    router: str = ""
+
+    @property
+    def router_id(self) -> str:
+        """The owner's instance id (``route.bind.<id>``, ``work.requeue.<id>``); default ``router``."""
+        return self.router or "router"
+
+
 @dataclass(slots=True)
 class _Stream:
     """Output tokens of one request not yet streamed (stream_interval coalescing)."""
@@ -160,6 +175,8 @@ class WorkerService:
         self._binds: dict[str, asyncio.Task[None]] = {}
         """route.bind in flight per rid (started when the request's first chunk is admitted)."""
         self._spawned: set[asyncio.Task[None]] = set()
+        self._owners: dict[str, _Owner] = {}
+        """rid → attempt, output offset and owning router of every request on this node."""
         self.kvpool = None  # HostKvPool with --kv-pool real (imported lazily: Mooncake is optional)
 
     # ------------------------------------------------------------------ #
@@ -286,6 +303,8 @@ class WorkerService:
         if not self._valid_rid(work.rid):
             return
         now = self.clock.now()
+        if not self._newest_attempt(work.rid, work.attempt, now):
+            return
         if self.accepting and (self._switch is not None or self.core.phase == "decode") and work.rid not in self.core.requests:
             # arrived after this node stopped serving prefill (switch race): the router re-routes it
             why = "draining for a phase switch" if self._switch is not None else "serves decode"
@@ -303,8 +322,9 @@ class WorkerService:
             late = work.decode_binding == "start" and work.decode_node is None and self.core.phase == "prefill"
             self.core.add_prefill(work, now, decode_later=late)
         except WorkRejected as e:
-            await self._reject(e, now)
+            await self._reject(e, now, attempt=work.attempt)
             return
+        self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router)
         if late and work.max_tokens > 1:  # a one-token request ends at its prefill: nothing to bind
             self._bind_later[work.rid] = work
         self._start_transfers()
@@ -316,6 +336,8 @@ class WorkerService:
         if not self._valid_rid(work.rid):
             return
         now = self.clock.now()
+        if not self._newest_attempt(work.rid, work.attempt, now):
+            return
         if self.accepting and self.core.phase == "prefill" and work.rid not in self.core.requests:
             # bound here while this node served decode; it has switched since: the KV goes to
             # another decode node instead (transfer restarts now)
@@ -333,13 +355,44 @@ class WorkerService:
                 raise WorkRejected(work.rid, f"node {self.node} is shutting down")
             self.core.add_decode(work, now)
         except WorkRejected as e:
-            await self._reject(e, now)
+            await self._reject(e, now, attempt=work.attempt)
             return
+        self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router)
         await self._flush_kv(now)  # a reservation may have evicted blocks
         self._wake.set()
 
+    def _newest_attempt(self, rid: str, attempt: int, now: float) -> bool:
+        """Fencing: True if work of ``attempt`` may be served here. An older attempt than the
+        one this node holds is dropped (counted); a newer one replaces the held one (the router
+        re-dispatched the request after fencing this node, and dispatched it here again)."""
+        held = self._owners.get(rid)
+        if held is None or rid not in self.core.requests:
+            return True
+        if attempt <= held.attempt:
+            self.counters["requests.stale_attempt"] += 1
+            self.log.info("work of an old attempt dropped", rid=rid, attempt=attempt, held=held.attempt)
+            return False
+        self._forget(rid)
+        self.core.abort(rid, now)
+        self.counters["requests.superseded"] += 1
+        return True
+
+    def _forget(self, rid: str) -> None:
+        """Drop this shell's per-request state of ``rid`` (binding, stream, owner)."""
+        self._bind_later.pop(rid, None)
+        bind = self._binds.pop(rid, None)
+        if bind is not None:
+            bind.cancel()
+        self._streams.pop(rid, None)
+        self._owners.pop(rid, None)
+
     async def _on_abort(self, msg: m.RequestAbort, _subject: str) -> None:
         now = self.clock.now()
+        held = self._owners.get(msg.rid)
+        if held is not None and held.attempt > msg.attempt:
+            self.counters["aborts.stale_attempt"] += 1  # aimed at an attempt this node no longer holds
+            return
+        owner = self._owners.pop(msg.rid, None) or _Owner(attempt=msg.attempt)
         self._bind_later.pop(msg.rid, None)
         bind = self._binds.pop(msg.rid, None)
         if bind is not None:
@@ -355,11 +408,12 @@ class WorkerService:
                 m.TokenChunk(
                     rid=msg.rid,
                     node=self.node,
-                    index=st.start if st else 0,
+                    index=owner.offset + (st.start if st else 0),
                     finished=True,
                     finish_reason="abort",
                     error=msg.reason or None,
                     ts=now,
+                    attempt=owner.attempt,
                 ),
                 rid=msg.rid,
             )
@@ -480,12 +534,16 @@ class WorkerService:
         """
         kind = "prefill" if msg.prefill is not None else "decode"
         self.counters[f"requeue.{kind}"] += 1
+        work = msg.prefill if msg.prefill is not None else msg.decode
+        assert work is not None
+        owner = self._owners.pop(msg.rid, None) or _Owner(work.attempt, work.output_offset, work.router)
+        msg = msgspec.structs.replace(msg, attempt=work.attempt)
         try:
-            reply = await self.bus.request(WORK_REQUEUE, msg, timeout=self.cfg.requeue_timeout_s)
+            reply = await self.bus.request(WORK_REQUEUE, msg, timeout=self.cfg.requeue_timeout_s, router=owner.router_id)
         except BusError as e:
             self.counters["requeue.failed"] += 1
             why = f"{msg.reason}; the router did not take the request back: {e}"
-            await self._reject(WorkRejected(msg.rid, why), self.clock.now())
+            await self._reject(WorkRejected(msg.rid, why), self.clock.now(), attempt=owner.attempt)
             return
         self.counters["requeue.accepted" if reply.accepted else "requeue.refused"] += 1
 
@@ -505,13 +563,17 @@ class WorkerService:
         rid = work.rid
         deadline = time.monotonic() + self.cfg.bind_timeout_s
         req = m.DecodeBindRequest(
-            rid=rid, prefill_node=self.node, prompt_tokens=work.prompt_tokens, max_tokens=work.max_tokens, branch_id=work.branch_id
-        )
+            rid=rid, prefill_node=self.node, prompt_tokens=work.prompt_tokens, max_tokens=work.max_tokens, branch_id=work.branch_id,
+            attempt=work.attempt,
+        )  # fmt: skip
+        router = _Owner(router=work.router).router_id
         reason = "no answer"
         try:
             while time.monotonic() < deadline:
                 try:
-                    rep = await self.bus.request(ROUTE_BIND, req, timeout=max(0.05, min(2.0, deadline - time.monotonic())))
+                    rep = await self.bus.request(
+                        ROUTE_BIND, req, timeout=max(0.05, min(2.0, deadline - time.monotonic())), router=router
+                    )
                 except BusError as e:  # router restarting or gone: retry until the deadline
                     reason = str(e)
                     self.counters["bind.retries"] += 1
@@ -528,7 +590,7 @@ class WorkerService:
                         self.counters["bind.ok"] += 1
                     return
                 reason = rep.reason
-                if "not pending" in reason or "not in flight" in reason or "placed on" in reason:
+                if "not pending" in reason or "not in flight" in reason or "placed on" in reason or "stale attempt" in reason:
                     break  # the router gave up on it (aborted, re-routed): nothing to bind
                 self.counters["bind.retries"] += 1
                 await asyncio.sleep(0.05)
@@ -536,7 +598,10 @@ class WorkerService:
             now = self.clock.now()
             if self.core.abort(rid, now):
                 self._streams.pop(rid, None)
-                await self._reject(WorkRejected(rid, f"no decode node for the request: {reason}"), now)
+                owner = self._owners.pop(rid, None)
+                await self._reject(
+                    WorkRejected(rid, f"no decode node for the request: {reason}"), now, attempt=owner.attempt if owner else work.attempt
+                )
         finally:
             self._binds.pop(rid, None)
             self._wake.set()
@@ -684,7 +749,11 @@ class WorkerService:
         also when one engine step folded several decode iterations (SGLang ``--stream-interval``:
         1 = one token per chunk)."""
         rid = out.rid
-        tokens = self.engine.output_tokens(rid, out.index, out.count)
+        owner = self._owners.get(rid) or _Owner()
+        base = owner.offset  # output position of this node's first output (a re-dispatched decode continues)
+        tokens = self.engine.output_tokens(rid, base + out.index, out.count)
+        if out.finished:
+            self._owners.pop(rid, None)
         if out.index == 0:
             # the first token streams at once and carries the prompt accounting
             alone = out.finished and len(tokens) <= 1
@@ -693,7 +762,7 @@ class WorkerService:
                 m.TokenChunk(
                     rid=rid,
                     node=self.node,
-                    index=0,
+                    index=base,
                     token_ids=tokens[:1],
                     finished=alone,
                     finish_reason=out.finish_reason if alone else None,
@@ -704,6 +773,7 @@ class WorkerService:
                     fetch_s=out.fetch_s,
                     exposed_fetch_s=out.exposed_fetch_s,
                     fetched_tokens=out.fetched_tokens,
+                    attempt=owner.attempt,
                 ),
                 rid=rid,
             )
@@ -726,11 +796,12 @@ class WorkerService:
                 m.TokenChunk(
                     rid=rid,
                     node=self.node,
-                    index=st.start,
+                    index=base + st.start,
                     token_ids=part,
                     finished=last,
                     finish_reason=out.finish_reason if last else None,
                     ts=now,
+                    attempt=owner.attempt,
                 ),
                 rid=rid,
             )
@@ -742,6 +813,7 @@ class WorkerService:
 
     async def _handoff(self, h: HandOff) -> None:
         self._streams.pop(h.rid, None)
+        self._owners.pop(h.rid, None)
         await self.bus.publish(WORK_DECODE, h.work, node=h.decode_node)
         self.counters["requests.handed_off"] += 1
 
@@ -759,12 +831,16 @@ class WorkerService:
             return False
         return True
 
-    async def _reject(self, e: WorkRejected, now: float) -> None:
+    async def _reject(self, e: WorkRejected, now: float, *, attempt: int | None = None) -> None:
+        """Fail ``e.rid`` with an error chunk (of ``attempt``; default: the attempt held here)."""
         self.counters["requests.errored"] += 1
         self.log.warning("work rejected", rid=e.rid, reason=e.reason)
+        owner = self._owners.pop(e.rid, None)
+        if attempt is None:
+            attempt = owner.attempt if owner is not None else 0
         await self.bus.publish(
             REQ_OUT,
-            m.TokenChunk(rid=e.rid, node=self.node, finished=True, finish_reason="error", error=e.reason, ts=now),
+            m.TokenChunk(rid=e.rid, node=self.node, finished=True, finish_reason="error", error=e.reason, ts=now, attempt=attempt),
             rid=e.rid,
         )
 

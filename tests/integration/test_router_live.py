@@ -49,6 +49,11 @@ HEARTBEAT_S = 0.1
 FENCE_S = 1.5
 
 
+def output_token(position: int) -> int:
+    """The fake engine's output token at output position ``position`` (deterministic)."""
+    return (7919 * (position + 1)) % 100_000
+
+
 @dataclass
 class FakeCluster:
     """Workers, planner and directory as seen on the bus."""
@@ -59,7 +64,7 @@ class FakeCluster:
     answering: set[str] = field(default_factory=set)
     """Nodes that answer prefill work; others only record it."""
     stall_after_first: set[str] = field(default_factory=set)
-    """Nodes that send the first chunk and then nothing."""
+    """Nodes that send the first chunk of a first attempt (``attempt`` 0) and then nothing."""
     error_nodes: set[str] = field(default_factory=set)
     cached: dict[str, int] = field(default_factory=dict)
     """node -> local prefix blocks reported by kv.lookup (and cached tokens reported)."""
@@ -130,21 +135,24 @@ class FakeCluster:
         out = lambda c: self.bus.publish(REQ_OUT, c, rid=w.rid)  # noqa: E731
         cached = min(self.cached.get(node, 0), len(w.block_hashes)) * BS
         if node in self.error_nodes:
-            await out(m.TokenChunk(rid=w.rid, node=node, finished=True, finish_reason="error", error="kv transfer failed"))
+            await out(m.TokenChunk(rid=w.rid, node=node, finished=True, finish_reason="error", error="kv transfer failed", attempt=w.attempt))
             return
-        ids = [(7919 * (i + 1)) % 100_000 for i in range(w.max_tokens)]
+        # like a worker: output positions from the work's output_offset, chunks stamped with its attempt
+        off, att = w.output_offset, w.attempt
+        ids = [output_token(off + i) for i in range(w.max_tokens)]
         decoder = w.decode_node or node
         first = m.TokenChunk(
-            rid=w.rid, node=node, index=0, token_ids=ids[:1], prompt_tokens=w.prompt_tokens, cached_tokens=cached,
-            finished=w.max_tokens == 1, finish_reason="length" if w.max_tokens == 1 else None,
+            rid=w.rid, node=node, index=off, token_ids=ids[:1], prompt_tokens=w.prompt_tokens, cached_tokens=cached,
+            finished=w.max_tokens == 1, finish_reason="length" if w.max_tokens == 1 else None, attempt=att,
         )
         await out(first)
-        if node in self.stall_after_first:
+        if node in self.stall_after_first and att == 0:
             return
         for i in range(1, w.max_tokens, 3):
             part = ids[i : i + 3]
             last = i + len(part) >= w.max_tokens
-            await out(m.TokenChunk(rid=w.rid, node=decoder, index=i, token_ids=part, finished=last, finish_reason="length" if last else None))
+            await out(m.TokenChunk(rid=w.rid, node=decoder, index=off + i, token_ids=part, finished=last,
+                                   finish_reason="length" if last else None, attempt=att))  # fmt: skip
 
 
 @dataclass
@@ -432,28 +440,29 @@ async def test_no_nodes_and_worker_error(nats_url, tmp_path):
         assert st.counters["finish.error"] == 2 and st.counters["no_route"] == 1 and st.counters["unfenced"] == 1
 
 
-async def test_silent_node_is_fenced_and_traffic_moves(nats_url, tmp_path):
+async def test_silent_prefill_node_is_fenced_and_its_request_redispatched(nats_url, tmp_path):
     async with router_env(nats_url, tmp_path, {"p0": "prefill", "p1": "prefill", "d0": "decode"}) as env:
         env.cluster.answering.discard("p0")  # p0 takes work and never answers
         req = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}))
         await _wait_for(lambda: len(env.cluster.works) == 1, what="work on p0")
         rid = env.cluster.works[0].rid
         assert env.service.core.view.placement(rid) == ("p0", "d0")
+        assert env.cluster.works[0].attempt == 0 and env.cluster.works[0].router == "router"
         env.cluster.alive.discard("p0")  # ... and stops reporting
         r = await asyncio.wait_for(req, 10)
-        assert r.status_code == 503
-        msg = r.json()["error"]["message"]
-        assert "p0 stopped answering" in msg
+        # re-dispatched, not failed: the same request on p1, attempt 1
+        assert r.status_code == 200, r.text
+        assert r.headers["x-ei-prefill-node"] == "p1" and r.json()["ei"]["redispatches"] == 1
+        again = [w for w in env.cluster.works if w.rid == rid]
+        assert [(w.attempt, w.prompt_tokens, w.output_offset) for w in again] == [(0, 3, 0), (1, 3, 0)]
         await _wait_for(lambda: len(env.cluster.aborts) >= 2, what="aborts")
-        assert sorted((n, a.rid) for n, a in env.cluster.aborts) == [("d0", rid), ("p0", rid)]
-        # new requests go elsewhere
-        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
-        assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == "p1"
+        assert sorted((n, a.rid, a.attempt) for n, a in env.cluster.aborts) == [("d0", rid, 0), ("p0", rid, 0)]
         cl = (await env.http.get("/v1/cluster")).json()
         p0 = next(n for n in cl["nodes"] if n["node"] == "p0")
         assert p0["fenced"] is True and p0["eligible"] is False and p0["fence_events"] == 1
         st = await env.stats()
-        assert st.counters["fenced"] == 1 and st.counters["fenced_requests_failed"] == 1 and st.counters["aborts.fenced"] == 1
+        assert st.counters["fenced"] == 1 and st.counters["redispatched"] == 1 and st.counters["redispatch.prefill"] == 1
+        assert st.counters.get("fenced_requests_failed", 0) == 0
         assert st.gauges["fenced_nodes"] == 1
         # it reports again: let back in
         env.cluster.alive.add("p0")
@@ -463,20 +472,71 @@ async def test_silent_node_is_fenced_and_traffic_moves(nats_url, tmp_path):
         assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == "p0"
 
 
-async def test_fenced_mid_stream_gets_an_sse_error_event(nats_url, tmp_path):
-    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+async def test_stale_attempt_output_is_dropped_and_its_node_told_to_stop(nats_url, tmp_path):
+    """A fenced node that comes back and still sends output of the old attempt never reaches the client."""
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "p1": "prefill", "d0": "decode"}) as env:
+        env.cluster.answering.clear()
+        req = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}))
+        await _wait_for(lambda: len(env.cluster.works) == 1, what="work dispatched")
+        first = env.cluster.works[0]
+        node0 = env.service.core.view.placement(first.rid)[0]
+        env.cluster.alive.discard(node0)
+        await _wait_for(lambda: len(env.cluster.works) == 2, what="re-dispatch")
+        assert env.cluster.works[1].attempt == 1
+        env.cluster.alive.add(node0)  # back: it sends the old attempt's output
+        await env.bus.publish(REQ_OUT, m.TokenChunk(rid=first.rid, node=node0, index=0, token_ids=[5, 6], attempt=0), rid=first.rid)
+        await _wait_for(lambda: any(a.attempt == 0 and n == node0 and "superseded" in a.reason for n, a in env.cluster.aborts), what="abort")
+        other = env.service.core.view.placement(first.rid)[0]
+        ids = [output_token(i) for i in range(4)]
+        for i, t in enumerate(ids):
+            await env.bus.publish(REQ_OUT, m.TokenChunk(rid=first.rid, node=other, index=i, token_ids=[t], attempt=1, finished=i == 3,
+                                                        finish_reason="length" if i == 3 else None), rid=first.rid)  # fmt: skip
+        r = await asyncio.wait_for(req, 10)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == env.service.tokenizer.decode(ids)
+        st = await env.stats()
+        assert st.counters["chunks_stale_attempt"] == 1 and st.counters["aborts.superseded"] == 1
+
+
+async def test_decode_node_dies_mid_stream_and_the_stream_continues(nats_url, tmp_path):
+    """The decode node dies after the first token: prompt + that token are prefilled again
+    elsewhere and the stream goes on from output position 1: no token repeated or lost."""
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode", "d1": "decode"}) as env:
+        env.cluster.stall_after_first.add("p0")
+        prompt = [5] * 70
+        async with env.http.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            first = await anext(lines)
+            dead = env.cluster.works[0].decode_node
+            env.cluster.alive.discard(dead)  # the decode node dies after the first token
+            rest = "".join([line + "\n" async for line in lines])
+        events = sse_events(first + "\n\n" + rest)
+        assert events[-1] == "[DONE]"
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        assert text == env.service.tokenizer.decode([output_token(i) for i in range(6)])
+        again = env.cluster.works[1]
+        assert again.attempt == 1 and again.output_offset == 1 and again.max_tokens == 5
+        assert again.prompt_tokens == 71 and unpack_tokens(again.token_ids).tolist() == prompt + [output_token(0)]
+        assert again.decode_node != dead and events[-2]["ei"]["redispatches"] == 1
+        st = await env.stats()
+        assert st.counters["redispatch.decode"] == 1 and st.counters.get("finish.error", 0) == 0
+
+
+async def test_decode_continuation_that_cannot_be_exact_ends_with_a_clear_error(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode", "d1": "decode"}, max_prompt_tokens=70) as env:
         env.cluster.stall_after_first.add("p0")
         async with env.http.stream("POST", "/v1/completions", json={"prompt": [5] * 70, "max_tokens": 6, "stream": True}) as r:
             assert r.status_code == 200
             lines = r.aiter_lines()
-            first = await anext(lines)
-            assert first.startswith("data: ") and msgspec.json.decode(first[6:])["choices"][0]["text"]
-            env.cluster.alive.discard("d0")  # the decode node dies after the first token
+            await anext(lines)
+            env.cluster.alive.discard(env.cluster.works[0].decode_node)
             rest = "".join([line + "\n" async for line in lines])
         events = sse_events(rest)
         assert events[-1] == "[DONE]"
         err = events[-2]["error"]
-        assert err["code"] == 503 and "d0 stopped answering" in err["message"]
+        assert err["code"] == 503 and "cannot be continued exactly" in err["message"] and "max_prompt_tokens=70" in err["message"]
+        st = await env.stats()
+        assert st.counters["redispatch.decode_failed"] == 1
 
 
 async def test_client_disconnect_publishes_aborts(nats_url, tmp_path):
