@@ -1,0 +1,53 @@
+"""Faults on a live cluster (issue #22): every service its own process over a real nats-server,
+replaying real Claude Code sessions (the shipped sample, tool pauses dropped so the load is on
+the cluster when the fault hits). Nothing supervises the processes: what a fault costs is what
+the services themselves recover (``evolving_infra.faultkit``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.faultkit import Fault, FaultCluster, FaultRun, FaultSpec, demo_requests, replay_with_faults
+
+pytestmark = pytest.mark.timeout(240)
+
+
+async def _run(tmp_path: Path, faults: list[Fault], *, spec: FaultSpec | None = None, agents: int = 8, per_agent: int = 10) -> FaultRun:
+    reqs, bs = demo_requests(agents, max_per_agent=per_agent)
+    async with FaultCluster(spec or FaultSpec(), tmp_path / "cluster") as fc:
+        run = await replay_with_faults(fc, reqs, faults, concurrency=8, block_size=bs)
+    assert run.sent == len(reqs)
+    return run
+
+
+def _no_loss(run: FaultRun) -> None:
+    assert run.lost == 0 and run.failures == [], run.failures[:5]
+    assert run.completed == run.sent
+    assert run.wrong_length == 0  # no token repeated or dropped by a re-dispatch
+
+
+async def test_sigkill_of_a_prefill_worker_loses_no_request(tmp_path):
+    run = await _run(tmp_path, [Fault("kill", "worker-w0", 3.0)])
+    _no_loss(run)
+    c = run.router_counters["router"]
+    assert c["fenced"] == 1 and run.fence_s is not None and run.fence_s < 5.0
+    assert run.redispatched >= 1 and c.get("redispatch.prefill", 0) >= 1, c
+    assert c.get("fenced_requests_failed", 0) == 0
+
+
+async def test_sigkill_of_a_decode_worker_continues_its_streams_elsewhere(tmp_path):
+    run = await _run(tmp_path, [Fault("kill", "worker-w3", 3.0)])
+    _no_loss(run)
+    c = run.router_counters["router"]
+    assert c["fenced"] == 1 and c.get("redispatch.decode", 0) >= 1, c
+    assert c.get("redispatch.decode_failed", 0) == 0
+
+
+async def test_sigstop_10s_then_sigcont_never_double_serves(tmp_path):
+    run = await _run(tmp_path, [Fault("stop", "worker-w0", 3.0, hold_s=10.0)])
+    _no_loss(run)
+    c = run.router_counters["router"]
+    assert c["fenced"] == 1 and c["unfenced"] == 1 and run.redispatched >= 1, c
+    assert run.fence_s is not None and run.fence_s < 5.0
