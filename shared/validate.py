@@ -362,6 +362,14 @@ def _prefill(w: m.PrefillWork, p: dict[str, str], nodes: Collection[str] | None)
     _len(w.fetch, "fetch", MAX_LIST)
     for f in w.fetch:
         _fetch_range(f, len(w.block_hashes))
+    _owner(w.attempt, w.output_offset, w.router)
+
+
+def _owner(attempt: int, output_offset: int, router: str) -> None:
+    """Fencing token, output offset and owning router of a work (issue #22)."""
+    _int(attempt, "attempt", MAX_SEQ)
+    _int(output_offset, "output_offset", MAX_TOKENS)
+    _tok(router, "router", optional=True)
 
 
 def _decode(w: m.DecodeWork, p: dict[str, str], nodes: Collection[str] | None) -> None:
@@ -371,11 +379,13 @@ def _decode(w: m.DecodeWork, p: dict[str, str], nodes: Collection[str] | None) -
     _text(w.branch_id, "branch_id", MAX_ID_LEN)
     _time(w.kv_ready_at, "kv_ready_at")
     _int(w.kv_bytes, "kv_bytes", MAX_BIG)
+    _owner(w.attempt, w.output_offset, w.router)
 
 
 def _abort(a: m.RequestAbort, p: dict[str, str], nodes: Collection[str] | None) -> None:
     _tok(a.rid, "rid")
     _text(a.reason, "reason")
+    _int(a.attempt, "attempt", MAX_SEQ)
 
 
 def _chunk(c: m.TokenChunk, p: dict[str, str], nodes: Collection[str] | None) -> None:
@@ -395,6 +405,7 @@ def _chunk(c: m.TokenChunk, p: dict[str, str], nodes: Collection[str] | None) ->
     _dur(c.queue_s, "queue_s")
     _dur(c.fetch_s, "fetch_s")
     _dur(c.exposed_fetch_s, "exposed_fetch_s")
+    _int(c.attempt, "attempt", MAX_SEQ)
 
 
 def _bind_req(r: m.DecodeBindRequest, p: dict[str, str], nodes: Collection[str] | None) -> None:
@@ -404,6 +415,7 @@ def _bind_req(r: m.DecodeBindRequest, p: dict[str, str], nodes: Collection[str] 
     _int(r.prompt_tokens, "prompt_tokens", MAX_TOKENS)
     _int(r.max_tokens, "max_tokens", MAX_TOKENS)
     _text(r.branch_id, "branch_id", MAX_ID_LEN)
+    _int(r.attempt, "attempt", MAX_SEQ)
 
 
 def _bind_reply(r: m.DecodeBindReply, p: dict[str, str], nodes: Collection[str] | None) -> None:
@@ -418,6 +430,7 @@ def _requeue(r: m.WorkRequeue, p: dict[str, str], nodes: Collection[str] | None)
     _known(r.node, nodes, "node")
     _int(r.epoch, "epoch", MAX_SEQ)
     _text(r.reason, "reason")
+    _int(r.attempt, "attempt", MAX_SEQ)
     if (r.prefill is None) == (r.decode is None):
         raise Invalid("exactly one of prefill / decode must be set")
     if r.prefill is not None:
