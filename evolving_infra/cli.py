@@ -19,7 +19,7 @@ COMMAND_MODULES = (
     "evolving_infra.traces.cli",  # trace validate|stats|convert|generate
     "evolving_infra.tap",  # tap
     "evolving_infra.report.cli",  # report show|compare
-    "evolving_infra.split_cli",  # split set|get
+    "evolving_infra.split_cli",  # split get|set
     "evolving_infra.sim.cli",  # simulate, fidelity
     "evolving_infra.model_cli",  # model init (torch engine)
 )

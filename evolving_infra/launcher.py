@@ -117,23 +117,39 @@ async def _up(args: argparse.Namespace) -> int:
         return 1
     info = cluster.describe()
     write_json(cluster.log_dir / "cluster.json", info)
-    print(f"cluster ready: router {cluster.router_url}  (split {args.split}, {args.nodes} workers, speedup {args.speedup:g})")
-    print(f"  NATS {cluster.nats_url}   logs {cluster.log_dir}   trace with: evolving-infra tap --nats-url {cluster.nats_url}")
-    print("READY " + json.dumps(info), flush=True)
+    state = _write_state({**info, "partition": args.partition})
     try:
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                cluster.check_alive()
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"cluster ready: router {cluster.router_url}  (split {args.split}, {args.nodes} workers, speedup {args.speedup:g})")
+        print(f"  NATS {cluster.nats_url}   logs {cluster.log_dir}   trace with: evolving-infra tap (or split get)")
+        print("READY " + json.dumps(info), flush=True)
+        try:
+            while not stop.is_set():
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    cluster.check_alive()
+        except ClusterError as e:
+            print(f"error: {e}", file=sys.stderr)
+            await cluster.stop()
+            return 1
+        print("stopping ...", flush=True)
         await cluster.stop()
-        return 1
-    print("stopping ...", flush=True)
-    await cluster.stop()
-    print("stopped", flush=True)
-    return 0
+        print("stopped", flush=True)
+        return 0
+    finally:
+        if state is not None:
+            state.unlink(missing_ok=True)
+
+
+def _write_state(info: dict[str, object]) -> Path | None:
+    """The state file that lets `split` and `tap` find this cluster (evolving_infra.state); None if unwritable."""
+    from evolving_infra.state import write_state
+
+    try:
+        return write_state(info)
+    except OSError as e:
+        print(f"warning: cannot write the cluster state file ({e}); give `split`/`tap` --nats-url", file=sys.stderr)
+        return None
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -1,10 +1,13 @@
-"""``evolving-infra split set|get``: ask the live planner to adopt a PD split, or show the current one.
+"""``evolving-infra split get|set``: show the live planner's PD split, or ask it to adopt one.
 
 ``split set 4P5D`` sends a ``SplitSetRequest`` on ``split.set``; the planner
 validates it against its node list and, when it fits, publishes the split under
 a new epoch on ``split.commands`` and replies with that command. ``split get``
-asks ``split.get``. Exit status: 0 on success, 1 when the planner refused the
-split (the reason is printed), 2 when no planner answered or the input is malformed.
+asks ``split.get``. Without ``--nats-url`` the NATS server is the one of the running
+``evolving-infra up`` cluster (its state file, :mod:`evolving_infra.state`). Nothing is
+retried past ``--timeout``. Exit status: 0 on success, 1 when the planner refused the
+split (the reason is printed), 2 when no cluster is found, no planner answered or the
+input is malformed.
 """
 
 from __future__ import annotations
@@ -33,11 +36,20 @@ def _print_command(cmd: m.SplitCommand, as_json: bool) -> None:
 
 async def _run(args: argparse.Namespace) -> int:
     try:
-        bus = await Bus.connect(
-            args.nats_url, Subjects(args.partition), service="cli", instance="split-cli", connect_timeout=args.timeout, max_reconnect_attempts=0
+        bus = await asyncio.wait_for(
+            Bus.connect(
+                args.nats_url,
+                Subjects(args.partition),
+                service="cli",
+                instance="split-cli",
+                connect_timeout=min(args.timeout, 2.0),
+                max_reconnect_attempts=1,  # nats-py: 0 retries the first connect forever; 1 = two tries
+                allow_reconnect=False,
+            ),
+            timeout=args.timeout,
         )
-    except Exception as e:  # no server: a clear message, not a traceback
-        print(f"error: cannot connect to NATS at {args.nats_url}: {e}", file=sys.stderr)
+    except Exception as e:  # no server: a clear message, not a traceback, within --timeout
+        print(f"error: cannot connect to NATS at {args.nats_url}: no server answered ({e!r})", file=sys.stderr)
         return 2
     try:
         if args.split_command == "get":
@@ -61,6 +73,14 @@ def cmd_split(args: argparse.Namespace) -> int:
     if args.split_command == "set" and not _SPEC.match(args.split):
         print(f"error: split {args.split!r} must look like '4P5D' or 'collocated'", file=sys.stderr)
         return 2
+    if args.nats_url is None:
+        from evolving_infra.state import ClusterNotFound, find_nats_url
+
+        try:
+            args.nats_url = find_nats_url(args.partition)
+        except ClusterNotFound as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return asyncio.run(_run(args))
 
 
@@ -73,13 +93,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "(the evolving planner restarts its cooldown).",
     )
     ss = p.add_subparsers(dest="split_command", metavar="ACTION", required=True)
-    for name, help_text in (("set", "adopt a split now, e.g. `split set 4P5D`"), ("get", "print the current split and epoch")):
+    for name, help_text in (("get", "print the current split and epoch"), ("set", "adopt a split now, e.g. `split set 4P5D`")):
         q = ss.add_parser(name, help=help_text)
         if name == "set":
             q.add_argument("split", metavar="SPLIT", help="xPyD (x prefill + y decode nodes = all nodes) or 'collocated'")
             q.add_argument("--reason", default="operator", help="reason recorded with the decision")
-        q.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server (the URL `up` printed)")
+        q.add_argument(
+            "--nats-url",
+            default=None,
+            help="NATS server (default: the running `evolving-infra up` cluster's, from the state file it writes)",
+        )
         q.add_argument("--partition", default="p0", help="partition (default p0)")
-        q.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the planner")
+        q.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for NATS and for the planner (default 5)")
         q.add_argument("--json", action="store_true", help="print the command as JSON")
     p.set_defaults(func=cmd_split)

@@ -2,7 +2,10 @@
 
 Subscribes to subjects of a partition (all of them by default) and prints one
 line per message: wall time, subject, message type and its fields as JSON.
-Long lists (block hashes, token ids) are abbreviated unless ``--full``.
+Long lists (block hashes, token ids) are abbreviated unless ``--full``. Without
+``--nats-url`` it taps the running ``evolving-infra up`` cluster (its state file,
+:mod:`evolving_infra.state`). It fails within seconds when no server answers and stops
+when the connection is lost (no endless reconnecting).
 """
 
 from __future__ import annotations
@@ -58,8 +61,27 @@ async def _tap(args: argparse.Namespace) -> int:
     patterns = args.subjects or [subjects.all_wildcard()]
     patterns = [p if p.startswith("ei.") else subjects.prefix + p for p in patterns]
     excluded = [subjects.prefix + e for e in args.exclude]
-    nc = await nats.connect(args.nats_url, name="tap")
     stop = asyncio.Event()
+    lost: list[str] = []
+
+    async def closed_cb() -> None:
+        if not stop.is_set():
+            lost.append("connection to NATS lost (the cluster stopped?)")
+            stop.set()
+
+    async def quiet(_e: Exception) -> None:  # the failure is reported once, below
+        pass
+
+    try:
+        nc = await asyncio.wait_for(
+            nats.connect(
+                args.nats_url, name="tap", connect_timeout=2, max_reconnect_attempts=1, allow_reconnect=False, closed_cb=closed_cb,
+                error_cb=quiet,
+            ), timeout=5
+        )
+    except Exception as e:  # no server: a clear message within seconds, not a traceback
+        print(f"error: cannot connect to NATS at {args.nats_url}: no server answered ({e!r})", file=sys.stderr)
+        return 2
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -78,11 +100,22 @@ async def _tap(args: argparse.Namespace) -> int:
         await nc.subscribe(p, cb=cb)
     print(f"tapping {', '.join(patterns)} on {args.nats_url} (known roots: {', '.join(sorted(templates))}); Ctrl-C to stop", file=sys.stderr)
     await stop.wait()
+    if lost:
+        print(f"error: {lost[0]}", file=sys.stderr)
+        return 1
     await nc.drain()
     return 0
 
 
 def cmd_tap(args: argparse.Namespace) -> int:
+    if args.nats_url is None:
+        from evolving_infra.state import ClusterNotFound, find_nats_url
+
+        try:
+            args.nats_url = find_nats_url(args.partition)
+        except ClusterNotFound as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return asyncio.run(_tap(args))
 
 
@@ -94,7 +127,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "the partition (e.g. 'kv.events.*', 'node.state.>', 'split.>') or absolute ('ei.p0.>').",
     )
     p.add_argument("subjects", nargs="*", metavar="SUBJECT", help="subjects or wildcards (default: everything)")
-    p.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server (the URL `up` printed)")
+    p.add_argument(
+        "--nats-url", default=None, help="NATS server (default: the running `evolving-infra up` cluster's, from the state file it writes)"
+    )
     p.add_argument("--partition", default="p0", help="partition (default p0)")
     p.add_argument("--exclude", action="append", default=[], metavar="PREFIX", help="skip subjects under this relative prefix (repeatable), e.g. req.")
     p.add_argument("--full", action="store_true", help="print long lists in full")

@@ -93,8 +93,10 @@ class Bus:
         instance: str,
         connect_timeout: float = 5.0,
         max_reconnect_attempts: int = -1,
+        allow_reconnect: bool = True,
     ) -> "Bus":
-        """Connect to NATS and return a bus; reconnects forever by default.
+        """Connect to NATS and return a bus; reconnects forever by default
+        (``allow_reconnect=False``: one attempt, for command-line tools that must fail fast).
 
         Raises:
             OSError / nats.errors.NoServersError: if no server answers in time.
@@ -123,6 +125,7 @@ class Bus:
             name=f"{service}:{instance}",
             connect_timeout=connect_timeout,
             max_reconnect_attempts=max_reconnect_attempts,
+            allow_reconnect=allow_reconnect,
             reconnect_time_wait=0.5,
             error_cb=error_cb,
             disconnected_cb=disconnected_cb,

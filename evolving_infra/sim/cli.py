@@ -229,7 +229,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     try:
-        res = simulate(cfg, requests, bs, meta=prov, setup_wall_s=setup)
+        res = simulate(cfg, requests, bs, meta=prov, setup_wall_s=setup, progress=True)
     except (SimConfigError, ComponentMissing) as e:  # a component's bad option (--planner-opt ...) names itself
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -406,8 +406,11 @@ class ClusterSim:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, a, b))
 
-    def run_to_end(self) -> ClusterResult:
-        """Run until every agent has finished (or ``duration_s``); returns the result."""
+    def run_to_end(self, progress: Callable[[float, int], None] | None = None) -> ClusterResult:
+        """Run until every agent has finished (or ``duration_s``); returns the result.
+
+        ``progress(now, completed)`` is called every 4,096 events (the caller decides what to
+        show and when; simulated seconds, requests completed so far)."""
         heap = self._heap
         replay = self.replay
         stats = self.stats
@@ -417,6 +420,8 @@ class ClusterSim:
         while True:
             if not flights and not parked and replay.done:
                 break  # every agent finished: only planner ticks / relaunches would follow
+            if progress is not None and not stats.events & 4095:
+                progress(self.now, len(self.records))
             t_rep = replay.next_time()
             if heap and (t_rep is None or heap[0][0] < t_rep):
                 t, _, kind, a, b = pop(heap)

@@ -157,7 +157,64 @@ def _simulate_partition(run: Resolved, k: int, workload: Any, keep: set[str] | N
     reqs = workload.partition(lambda a: partition_of(a, cfg.partitions), k, keep)
     with quiet_gc():
         sim = ClusterSim(run, reqs, names, cfg.arrival_for(share, seed_offset=k), forced=forced, blocks_of=workload.blocks_of)
-        return sim.run_to_end()
+        label = f"partition {k + 1}/{cfg.partitions}" if cfg.partitions > 1 else "simulate"
+        progress = ProgressLine(label, sim.duration) if _FORK.get("progress") else None
+        try:
+            return sim.run_to_end(progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
+
+
+class ProgressLine:
+    """How far a simulation has got, on stderr: on a terminal one line redrawn every 0.5 s;
+    otherwise (a log file, a pipe, CI) one line every ``every_s`` seconds of wall time.
+
+    Called by :meth:`ClusterSim.run_to_end` with the simulated time (s) and the requests
+    completed so far; it reads the wall clock itself.
+
+    Args:
+        label: what is running (``simulate``, ``partition 2/8``).
+        duration_s: simulated seconds to run, or None (until the agents finish).
+        every_s: wall seconds between lines when stderr is not a terminal.
+        stream: where to write (default ``sys.stderr``).
+    """
+
+    def __init__(self, label: str, duration_s: float | None, every_s: float = 5.0, stream: Any = None) -> None:
+        self.label = label
+        self.duration_s = duration_s
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every_s = 0.5 if self.tty else every_s
+        self.t0 = time.monotonic()
+        self.next_at = self.t0 + self.every_s
+        self.lines = 0
+
+    def line(self, now: float, completed: int) -> str:
+        wall = time.monotonic() - self.t0
+        if self.duration_s:
+            done = f"{now:,.0f} of {self.duration_s:,.0f} simulated s ({100 * min(now / self.duration_s, 1):.0f}%)"
+        else:
+            done = f"{now:,.0f} simulated s"
+        return f"{self.label}: {done}, {completed:,} requests completed, {wall:,.0f} s wall"
+
+    def __call__(self, now: float, completed: int) -> None:
+        t = time.monotonic()
+        if t < self.next_at:
+            return
+        self.next_at = t + self.every_s
+        self.lines += 1
+        if self.tty:
+            self.stream.write("\r" + self.line(now, completed) + "\x1b[K")
+        else:
+            self.stream.write(self.line(now, completed) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End a terminal's redrawn line (its last state stays visible)."""
+        if self.tty and self.lines:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def merge_timelines(timelines: Sequence[RunTimeline]) -> RunTimeline:
@@ -319,14 +376,21 @@ def simulate(
     *,
     meta: dict[str, Any] | None = None,
     setup_wall_s: float = 0.0,
+    progress: bool = False,
 ) -> SimRun:
     """Simulate ``requests`` (a trace at ``trace_block_size``) under ``cfg`` and build the report.
+
+    ``progress``: print how far each partition has simulated on stderr (:class:`ProgressLine`).
 
     Raises:
         SimConfigError: the configuration cannot run (bad flag, missing component).
     """
-    with paused_gc():  # the loop (quiet_gc) collects; the setup around it leaves the trace alone
-        return _simulate(cfg, requests, trace_block_size, meta=meta, setup_wall_s=setup_wall_s)
+    _FORK["progress"] = progress
+    try:
+        with paused_gc():  # the loop (quiet_gc) collects; the setup around it leaves the trace alone
+            return _simulate(cfg, requests, trace_block_size, meta=meta, setup_wall_s=setup_wall_s)
+    finally:
+        _FORK.pop("progress", None)
 
 
 def _simulate(

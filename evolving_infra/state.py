@@ -1,0 +1,112 @@
+"""How command-line tools find the running local cluster: the state file ``up`` writes.
+
+``evolving-infra up`` writes ``<state dir>/up-<pid>.json`` once every service is healthy —
+the router URL, the NATS URL, the partition, the log folder and every process id — and
+removes it when it stops cleanly. ``split`` and ``tap`` read it when no ``--nats-url`` is
+given. A file whose launcher process is gone (killed, machine rebooted) is stale: it is
+removed when found, and says so. The state dir is ``$EI_STATE_DIR`` if set, else
+``$XDG_RUNTIME_DIR/evolving-infra``, else ``~/.local/state/evolving-infra``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+class ClusterNotFound(RuntimeError):
+    """No running local cluster (or several, and nothing says which); the message says what to do."""
+
+
+def state_dir() -> Path:
+    """Folder of the state files (see the module docstring); not created here."""
+    if os.environ.get("EI_STATE_DIR"):
+        return Path(os.environ["EI_STATE_DIR"])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "evolving-infra"
+    return Path.home() / ".local" / "state" / "evolving-infra"
+
+
+def write_state(info: dict[str, Any], pid: int | None = None) -> Path:
+    """Write this launcher's state file atomically; returns its path.
+
+    Args:
+        info: what runs (``router_url``, ``nats_url``, ``partition``, ``log_dir``, ``pids``, ...).
+        pid: the launcher's process id (default: this process).
+
+    Raises:
+        OSError: if the state dir cannot be created or written.
+    """
+    pid = os.getpid() if pid is None else pid
+    folder = state_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"up-{pid}.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({**info, "pid": pid}, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def running_clusters(*, remove_stale: bool = True) -> list[dict[str, Any]]:
+    """State of every cluster whose launcher is alive, oldest file first.
+
+    Unreadable files and files of dead launchers are removed (``remove_stale``), with a note
+    on stderr, so a crash leaves no lasting trace.
+    """
+    folder = state_dir()
+    if not folder.is_dir():
+        return []
+    out: list[dict[str, Any]] = []
+    for path in sorted(folder.glob("up-*.json"), key=lambda p: p.stat().st_mtime):
+        try:
+            info = json.loads(path.read_text())
+            pid = int(info["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            info, pid = None, -1
+        if info is not None and pid > 0 and _alive(pid):
+            info["state_file"] = str(path)
+            out.append(info)
+        elif remove_stale:
+            try:
+                path.unlink()
+                print(f"note: removed a stale cluster state file {path} (its launcher, pid {pid}, is gone)", file=sys.stderr)
+            except OSError:
+                pass
+    return out
+
+
+def find_nats_url(partition: str | None = None) -> str:
+    """The NATS URL of the one running local cluster (of ``partition``, if given).
+
+    Raises:
+        ClusterNotFound: none runs, or several and they are not told apart by ``partition``.
+    """
+    found = running_clusters()
+    if partition is not None:
+        found = [c for c in found if c.get("partition", "p0") == partition] or found
+    if not found:
+        raise ClusterNotFound(
+            f"no running local cluster found (no live state file in {state_dir()}); start one with "
+            "`evolving-infra up`, or pass --nats-url for a cluster started otherwise"
+        )
+    if len(found) > 1:
+        listed = "; ".join(f"{c.get('nats_url')} (router {c.get('router_url')}, pid {c.get('pid')})" for c in found)
+        raise ClusterNotFound(f"{len(found)} local clusters are running: {listed}; pass --nats-url to pick one")
+    return str(found[0]["nats_url"])

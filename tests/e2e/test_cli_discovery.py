@@ -1,0 +1,90 @@
+"""`split` and `tap` find the running `up` cluster through its state file, or fail within
+seconds with a clear message (no endless reconnecting to a default port)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _cli(state: Path, *args: str, timeout: float = 30) -> tuple[int, str, float]:
+    env = {**os.environ, "EI_STATE_DIR": str(state)}
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "evolving_infra.cli", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_split_get_without_a_cluster_fails_within_10_s(tmp_path):
+    rc, out, wall = _cli(tmp_path / "state", "split", "get")
+    assert rc != 0 and wall < 10, (rc, wall, out)
+    assert "no running local cluster" in out and "evolving-infra up" in out and "--nats-url" in out
+    rc, out, wall = _cli(tmp_path / "state", "tap")
+    assert rc != 0 and wall < 10 and "no running local cluster" in out
+    # an explicit URL where nothing listens: refused at once, not retried
+    url = f"nats://127.0.0.1:{_free_port()}"
+    for args in (("split", "get", "--nats-url", url), ("split", "set", "2P2D", "--nats-url", url), ("tap", "--nats-url", url)):
+        rc, out, wall = _cli(tmp_path / "state", *args)
+        assert rc == 2 and wall < 10 and f"cannot connect to NATS at {url}" in out, (args, wall, out)
+
+
+def test_stale_state_file_is_removed_and_said(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = state / f"up-{dead.pid}.json"
+    stale.write_text(json.dumps({"pid": dead.pid, "nats_url": "nats://127.0.0.1:1", "router_url": "http://127.0.0.1:1"}))
+    (state / "up-garbage.json").write_text("{not json")
+    rc, out, wall = _cli(state, "split", "get")
+    assert rc != 0 and wall < 10 and "removed a stale cluster state file" in out and "no running local cluster" in out
+    assert list(state.iterdir()) == []
+
+
+def test_up_writes_the_state_file_split_and_tap_use_it_and_it_is_removed(tmp_path):
+    state = tmp_path / "state"
+    env = {**os.environ, "EI_STATE_DIR": str(state)}
+    cmd = [
+        sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "2", "--split", "1P1D", "--profile", "tiny",
+        "--block-size", "4", "--port", "0", "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        info = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and info is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("READY "):
+                info = json.loads(line[len("READY ") :])
+        assert info is not None
+        (path,) = state.glob("up-*.json")
+        saved = json.loads(path.read_text())
+        assert saved["pid"] == proc.pid and saved["nats_url"] == info["nats_url"] and saved["router_url"] == info["router_url"]
+        assert saved["partition"] == "p0" and saved["pids"] == info["pids"]
+        rc, out, _ = _cli(state, "split", "get", "--json")
+        assert rc == 0, out
+        (line,) = [x for x in out.splitlines() if x.startswith('{"epoch"')]
+        assert json.loads(line)["split"] == "1P1D"
+        rc, out, _ = _cli(state, "tap", "--max", "1", "node.state.*")
+        assert rc == 0 and "NodeState" in out, out
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    assert not path.exists()  # removed on a clean exit

@@ -1,0 +1,64 @@
+"""`simulate` shows how far it has got on stderr, also when stderr is a file or a pipe."""
+
+from __future__ import annotations
+
+import io
+
+from evolving_infra.sim import run as sim_run
+from evolving_infra.sim.config import SimConfig
+from evolving_infra.sim.run import ProgressLine, simulate
+
+from .conftest import BS, small_trace
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_line_not_a_terminal_prints_whole_lines_every_few_seconds():
+    out = io.StringIO()
+    p = ProgressLine("simulate", 3600.0, stream=out)
+    assert not p.tty and p.every_s == 5.0
+    p(10.0, 3)  # before every_s: nothing
+    assert out.getvalue() == ""
+    p.next_at = 0.0
+    p(1800.0, 1234)
+    line = out.getvalue()
+    assert line.startswith("simulate: 1,800 of 3,600 simulated s (50%), 1,234 requests completed, ") and line.endswith(" s wall\n")
+    assert "\r" not in line
+    p.close()
+    assert out.getvalue() == line
+
+
+def test_progress_line_on_a_terminal_redraws_one_line():
+    out = _Tty()
+    p = ProgressLine("partition 2/8", None, stream=out)
+    assert p.tty and p.every_s == 0.5
+    p.next_at = 0.0
+    p(42.0, 7)
+    p.next_at = 0.0
+    p(84.0, 9)
+    p.close()
+    text = out.getvalue()
+    assert text.count("\r") == 2 and text.endswith("\n") and "partition 2/8: 84 simulated s, 9 requests completed" in text
+
+
+def test_simulate_with_progress_writes_to_stderr(monkeypatch, capsys):
+    monkeypatch.setattr(sim_run.ProgressLine, "__init__", _every_call(ProgressLine.__init__))
+    reqs = small_trace(8, 6, pause=0.05)
+    res = simulate(SimConfig(nodes=2, profile="tiny", policy="static:1P1D", concurrency=4), reqs, BS, progress=True)
+    err = capsys.readouterr().err
+    assert res.report["requests_completed"] == len(reqs)
+    assert err.count("simulate: ") >= 1 and "requests completed" in err
+    simulate(SimConfig(nodes=2, profile="tiny", policy="static:1P1D", concurrency=4), reqs, BS)
+    assert capsys.readouterr().err == ""  # off unless asked (sweeps, benchmarks)
+
+
+def _every_call(init):
+    def patched(self, label, duration_s, every_s=5.0, stream=None):
+        init(self, label, duration_s, every_s, stream)
+        self.every_s = 0.0
+        self.next_at = 0.0
+
+    return patched
