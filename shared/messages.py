@@ -216,7 +216,19 @@ class BranchEnd(Msg, frozen=True, kw_only=True, tag=True):
     ts: float = 0.0
 
 
-BranchEvent = Union[BranchStart, BranchEnd]
+class BranchToolCall(Msg, frozen=True, kw_only=True, tag=True):
+    """The harness says a tool call of the branch is outstanding (issue 21): the directory keeps
+    the branch active, and its blocks counted, until ``ts + expected_s`` (0 = the directory's
+    ``--max-tool-hold-s``) or the branch's next request; ``outstanding=False`` ends the hold."""
+
+    branch_id: str
+    outstanding: bool = True
+    expected_s: NonNegF = 0.0
+    """Expected tool run time, s (0 = unknown)."""
+    ts: float = 0.0
+
+
+BranchEvent = Union[BranchStart, BranchEnd, BranchToolCall]
 
 
 class RoutePlaced(Msg, frozen=True, kw_only=True):

@@ -22,7 +22,17 @@ Transitions (one method each):
                                  for ``ended_memory`` ids so a late placement is refused)
 ``node_phase_changed`` D→P       ``Release(β, n)`` for every β counting on n; P→D keeps counts
 ``expire``                       a branch silent for ``ttl_s`` is ended and counted (a start or
-                                 placement of a fork / sub-agent counts as activity of its parents)
+                                 placement of a fork / sub-agent counts as activity of its parents;
+                                 a branch with a tool call outstanding is kept until its hold ends)
+``resume`` (issue 21)            a start or placement of an *expired* branch re-creates it (v = 1,
+                                 π = ∅, its kind / parent / agent remembered) and is counted in
+                                 ``branch.resumed``: an agent back from a pause longer than the
+                                 TTL is served, never refused; only an explicitly *ended* id is
+                                 refused (``place.ended_branch``)
+``hold`` (issue 21)              "tool call outstanding" (``BranchToolCall``): the branch counts as
+                                 active until ``now + expected_s`` (at most ``max_hold_s``) or its
+                                 next placement, whichever comes first, and expires no earlier than
+                                 a TTL after the hold ends (re-checked every TTL); its counts stay
 ===============================  =============================================================
 
 Counts are *logical* references: a host eviction does not change them (DESIGN
@@ -70,6 +80,8 @@ class Branch:
     """Created by a placement that came before its BranchStart."""
     requests: int = 0
     last_prefill_node: int | None = None
+    hold_until: float = 0.0
+    """A tool call is outstanding until this time (simulated s; 0 = none): no expiry before it."""
 
 
 @dataclass(slots=True)
@@ -94,7 +106,8 @@ class BranchTable:
         index: the block index (read only: presence checks).
         counters: the directory's counter dict (shared, instance-owned).
         ttl_s: silence (simulated s) after which a branch is expired.
-        ended_memory: how many ended branch ids are remembered.
+        ended_memory: how many ended (and, separately, expired) branch ids are remembered.
+        max_hold_s: longest hold of a "tool call outstanding" hint (simulated s).
         max_updates_per_msg: split a node's count updates into messages of at most this many.
     """
 
@@ -106,8 +119,12 @@ class BranchTable:
         ttl_s: float = 1800.0,
         ended_memory: int = 65536,
         max_updates_per_msg: int = 4096,
+        max_hold_s: float = 14400.0,
     ) -> None:
         self.index = index
+        self.max_hold_s = max_hold_s
+        self.expired: OrderedDict[str, tuple[str, str | None, str | None]] = OrderedDict()
+        """Ids expired by the TTL (oldest first) → (kind, parent, agent), for their resume."""
         self.counters = counters
         self.ttl_s = ttl_s
         self.ended_memory = ended_memory
@@ -328,11 +345,51 @@ class BranchTable:
         if bid in self.ended:
             self.counters["branch.start_after_end"] += 1
             return "ended"
+        if self.expired.pop(bid, None) is not None:
+            b = Branch(bid=bid, kind=kind, parent=parent, agent=agent, last_seen=now)
+            self.branches[bid] = b
+            self._touch_ancestors(b, now)
+            self.counters["branch.resumed"] += 1
+            return "resumed"
         b = Branch(bid=bid, kind=kind, parent=parent, agent=agent, last_seen=now)
         self.branches[bid] = b
         self._touch_ancestors(b, now)
         self.counters["branch.started"] += 1
         return "started"
+
+    def _resume(self, bid: str, now: float, *, implicit: bool = False) -> Branch | None:
+        """Re-create an expired branch (a resume, counted); None when ``bid`` did not expire.
+        ``implicit``: a placement came first, the router's BranchStart may follow (merged)."""
+        meta = self.expired.pop(bid, None)
+        if meta is None:
+            return None
+        b = Branch(bid=bid, kind=meta[0], parent=meta[1], agent=meta[2], last_seen=now, implicit=implicit)
+        self.branches[bid] = b
+        self.counters["branch.resumed"] += 1
+        return b
+
+    def hold(self, bid: str, outstanding: bool, expected_s: float, now: float) -> str:
+        """"Tool call outstanding" hint: keep ``bid`` (and its counts) from expiring until
+        ``now + expected_s`` (0 or more than ``max_hold_s``: ``max_hold_s``), or release the hold
+        (``outstanding`` False). An expired branch is resumed first.
+
+        Returns:
+            ``held``, ``released``, ``ended`` (an explicitly ended id: ignored) or ``unknown``.
+        """
+        b = self.branches.get(bid) or self._resume(bid, now)
+        if b is None:
+            key = "ended" if bid in self.ended else "unknown"
+            self.counters[f"branch.hold_{key}"] += 1
+            return key
+        self._touch(b, now)
+        if not outstanding:
+            b.hold_until = 0.0
+            self.counters["branch.hold_released"] += 1
+            return "released"
+        span = expected_s if 0 < expected_s <= self.max_hold_s else self.max_hold_s
+        b.hold_until = max(b.hold_until, now + span)
+        self.counters["branch.holds"] += 1
+        return "held"
 
     def end(self, bid: str, now: float) -> str:
         """BranchEnd: release the branch on every node and forget it.
@@ -342,6 +399,10 @@ class BranchTable:
         """
         b = self.branches.pop(bid, None)
         if b is None:
+            if self.expired.pop(bid, None) is not None:  # ended by the harness after the TTL expired it
+                self._remember_ended(bid, now)
+                self.counters["branch.ended_after_expiry"] += 1
+                return "ended"
             if bid in self.ended:
                 self.counters["branch.duplicate_end"] += 1
                 return "duplicate_end"
@@ -372,10 +433,13 @@ class BranchTable:
             if bid in self.ended:
                 self.counters["place.ended_branch"] += 1
                 return PlaceOutcome(branch=None, rejected="ended_branch")
-            b = Branch(bid=bid, implicit=True, last_seen=now)
-            self.branches[bid] = b
-            self.counters["branch.implicit_start"] += 1
+            b = self._resume(bid, now, implicit=True)
+            if b is None:
+                b = Branch(bid=bid, implicit=True, last_seen=now)
+                self.branches[bid] = b
+                self.counters["branch.implicit_start"] += 1
         self._touch(b, now)
+        b.hold_until = 0.0  # the tool returned: the branch made its next request
         out = PlaceOutcome(branch=b, prev_prefill_node=b.last_prefill_node)
         # -- Alg. E.1 ------------------------------------------------------
         old = b.path
@@ -461,9 +525,17 @@ class BranchTable:
             bid, b = next(iter(self.branches.items()))
             if b.last_seen + self.ttl_s > now:
                 break
+            if b.hold_until + self.ttl_s > now:  # a tool call is outstanding (or returned < a TTL ago): checked again a TTL later
+                b.last_seen = now
+                self.branches.move_to_end(bid)
+                self.counters["branch.hold_kept"] += 1
+                continue
             del self.branches[bid]
             self._drop_branch(b)
-            self._remember_ended(bid, now)
+            self.expired[bid] = (b.kind, b.parent, b.agent)
+            self.expired.move_to_end(bid)
+            while len(self.expired) > self.ended_memory:
+                self.expired.popitem(last=False)
             gone.append(bid)
         if gone:
             self.counters["branch.expired"] += len(gone)

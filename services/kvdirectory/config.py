@@ -19,6 +19,11 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
     branch_ttl_s: Annotated[
         float, Meta(gt=0, description="simulated seconds of silence after which a branch is expired and its counts released")
     ] = 1800.0
+    max_tool_hold_s: Annotated[
+        float,
+        Meta(gt=0, description="simulated seconds a 'tool call outstanding' hint (branch.events BranchToolCall) keeps "
+             "a branch and its counts from expiring at most"),
+    ] = 14400.0
     resync_buffer_batches: Annotated[
         int, Meta(gt=0, description="KV batches buffered per node while it awaits a resync snapshot")
     ] = 4096

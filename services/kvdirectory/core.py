@@ -37,6 +37,7 @@ from shared.messages import (
     BlockStored,
     BranchEnd,
     BranchStart,
+    BranchToolCall,
     CountUpdates,
     KvEventBatch,
     KvResyncRequest,
@@ -118,6 +119,7 @@ class KvDirectory:
         reuse_hit_scope: ``cluster`` (shared pool: hit = longest prefix anywhere)
             or ``local`` (hit = the node's own prefix) for lost-reuse accounting.
         max_updates_per_msg: largest ``CountUpdates`` message.
+        max_tool_hold_s: longest "tool call outstanding" hold (``BranchToolCall``), simulated s.
 
     Raises:
         ValueError: on a non-positive ``block_size`` or an unknown scope.
@@ -132,6 +134,7 @@ class KvDirectory:
         resync_buffer_batches: int = 4096,
         reuse_hit_scope: Literal["cluster", "local"] = "cluster",
         max_updates_per_msg: int = 4096,
+        max_tool_hold_s: float = 14400.0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -142,7 +145,9 @@ class KvDirectory:
         self.reuse_hit_scope = reuse_hit_scope
         self.counters: Counter[str] = Counter()
         self.index = BlockIndex(max_blocks)
-        self.branches = BranchTable(self.index, self.counters, ttl_s=branch_ttl_s, max_updates_per_msg=max_updates_per_msg)
+        self.branches = BranchTable(
+            self.index, self.counters, ttl_s=branch_ttl_s, max_updates_per_msg=max_updates_per_msg, max_hold_s=max_tool_hold_s
+        )
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
         self._streams: list[_Stream] = []
@@ -353,6 +358,12 @@ class KvDirectory:
         """A new branch (v = 1, empty path). Returns the table's verdict (see ``BranchTable.start``)."""
         return self.branches.start(branch_id, kind, parent, agent, now)
 
+    def branch_hold(self, branch_id: str, outstanding: bool, expected_s: float, now: float) -> str:
+        """A "tool call outstanding" hint (``BranchToolCall``): the branch and its counts stay
+        active until ``now + expected_s`` or its next placement (see ``BranchTable.hold``).
+        Returns ``held``/``released``/``ended``/``unknown``."""
+        return self.branches.hold(branch_id, outstanding, expected_s, now)
+
     def branch_end(self, branch_id: str, now: float) -> str:
         """End a branch: release its counts everywhere. Returns ``ended``/``duplicate_end``/``unknown``."""
         return self.branches.end(branch_id, now)
@@ -410,7 +421,7 @@ class KvDirectory:
         i = self._ids.get(node)
         return None if i is None else self.branches.phase_of(i)
 
-    def apply(self, msg: KvEventBatch | KvSnapshot | BranchStart | BranchEnd | RoutePlaced, now: float) -> object:
+    def apply(self, msg: KvEventBatch | KvSnapshot | BranchStart | BranchEnd | BranchToolCall | RoutePlaced, now: float) -> object:
         """Dispatch any input message to its method (for simulators and tests)."""
         match msg:
             case KvEventBatch():
@@ -421,6 +432,8 @@ class KvDirectory:
                 return self.branch_start(msg.branch_id, now, kind=msg.kind, parent=msg.parent_branch_id, agent=msg.agent_id)
             case BranchEnd():
                 return self.branch_end(msg.branch_id, now)
+            case BranchToolCall():
+                return self.branch_hold(msg.branch_id, msg.outstanding, msg.expected_s, now)
             case RoutePlaced():
                 return self.place(msg.branch_id, msg.node, msg.phase, msg.block_hashes, now)
         raise TypeError(f"KvDirectory.apply: unsupported message {type(msg).__name__}")

@@ -47,6 +47,7 @@ class DirectoryService:
             cfg.block_size,
             max_blocks=cfg.max_blocks,
             branch_ttl_s=cfg.branch_ttl_s,
+            max_tool_hold_s=cfg.max_tool_hold_s,
             resync_buffer_batches=cfg.resync_buffer_batches,
             reuse_hit_scope=cfg.reuse_hit_scope,
         )
@@ -128,9 +129,13 @@ class DirectoryService:
             self._ensure_resync(batch.node)
         await self._maybe_flush()
 
-    async def _on_branch(self, ev: m.BranchStart | m.BranchEnd, subject: str) -> None:
+    async def _on_branch(self, ev: m.BranchStart | m.BranchEnd | m.BranchToolCall, subject: str) -> None:
         now = self.clock.now()
-        if isinstance(ev, m.BranchStart):
+        if isinstance(ev, m.BranchToolCall):
+            verdict = self.core.branch_hold(ev.branch_id, ev.outstanding, ev.expected_s, now)
+            if verdict in ("ended", "unknown"):
+                self.log.warning("tool-call hint for no active branch", branch=ev.branch_id, verdict=verdict)
+        elif isinstance(ev, m.BranchStart):
             verdict = self.core.branch_start(ev.branch_id, now, kind=ev.kind, parent=ev.parent_branch_id, agent=ev.agent_id)
             if verdict in ("duplicate", "ended"):
                 self.log.warning("branch start refused", branch=ev.branch_id, verdict=verdict)

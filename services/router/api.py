@@ -21,6 +21,8 @@ the field.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -285,6 +287,37 @@ def check_header_value(name: str, value: str, max_len: int) -> str:
 REQUEST_ID_MAX_LEN = 128
 """Longest accepted ``X-Request-ID``."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def parse_tool_call(body: bytes) -> tuple[bool, float]:
+    """Body of ``POST /v1/branches/{id}/tool-call``: ``{"outstanding": bool, "expected_s": seconds}``,
+    both optional (defaults ``true`` and 0 = unknown, held up to the router's ``--max-tool-hold-s``);
+    an empty body is the defaults.
+
+    Returns:
+        ``(outstanding, expected_s)``.
+
+    Raises:
+        ApiError: 400 for a body that is not a JSON object, an unknown key, or a bad value.
+    """
+    if not body.strip():
+        return True, 0.0
+    try:
+        obj = json.loads(body)
+    except ValueError as e:
+        raise ApiError(400, f"tool-call body is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "tool-call body must be a JSON object")
+    extra = set(obj) - {"outstanding", "expected_s"}
+    if extra:
+        raise ApiError(400, f"unknown tool-call field(s) {sorted(extra)}; known: outstanding, expected_s", param=sorted(extra)[0])
+    outstanding = obj.get("outstanding", True)
+    if not isinstance(outstanding, bool):
+        raise ApiError(400, "outstanding must be true or false", param="outstanding")
+    expected = obj.get("expected_s", 0.0)
+    if isinstance(expected, bool) or not isinstance(expected, (int, float)) or not math.isfinite(expected) or expected < 0:
+        raise ApiError(400, "expected_s must be a finite number of seconds >= 0", param="expected_s")
+    return outstanding, float(expected)
 
 
 def parse_request_id(value: str | None) -> str | None:

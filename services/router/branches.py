@@ -14,8 +14,19 @@ Transitions (one branch id)::
     unknown --end------> error UnknownBranch      (HTTP 404)
 
 Ended ids are remembered up to ``max_ended`` (oldest forgotten first), so an
-id ended long ago behaves as unknown again. Active branches are kept until
-they end (the harness owns their lifetime).
+id ended long ago behaves as unknown again.
+
+Expiry (issue 21), as the KV directory does it (``services/kvdirectory/branches.py``):
+an active branch without a request for ``ttl_s`` is forgotten — a request of a
+fork or sub-agent counts as activity of its parents, and a "tool call
+outstanding" hint (:meth:`BranchTable.tool_call`) keeps it until the hint's end.
+A request of an expired branch is a **resume**: accepted, counted
+(``resumed``), and a new ``BranchStart`` (the remembered kind, parent, agent)
+is published so that the directory counts the branch again::
+
+    active  --ttl_s silent--> expired (remembered up to max_ended)
+    expired --observe-------> active   (emits BranchStart; resumed += 1)
+    expired --end-----------> ended    (emits BranchEnd)
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shared.messages import BranchEnd, BranchKind, BranchStart
+from shared.messages import BranchEnd, BranchKind, BranchStart, BranchToolCall
 
 
 class BranchError(Exception):
@@ -57,21 +68,73 @@ class _Branch:
     agent_id: str | None
     started_at: float
     requests: int = 0
+    last_seen: float = 0.0
+    hold_until: float = 0.0
 
 
 class BranchTable:
     """Active and recently ended branches (sans-IO).
 
     Args:
-        max_ended: how many ended branch ids to remember (>= 0).
+        max_ended: how many ended (and, separately, expired) branch ids to remember (>= 0).
+        ttl_s: a branch without a request this long (simulated s) expires (the directory's
+            ``--branch-ttl-s``); ``math.inf`` = never.
+        max_hold_s: longest "tool call outstanding" hold (the directory's ``--max-tool-hold-s``).
+
+    Raises:
+        ValueError: a negative ``max_ended`` or a non-positive ``ttl_s`` / ``max_hold_s``.
     """
 
-    def __init__(self, max_ended: int = 100_000) -> None:
+    def __init__(self, max_ended: int = 100_000, *, ttl_s: float = 1800.0, max_hold_s: float = 14400.0) -> None:
         if max_ended < 0:
             raise ValueError(f"max_ended must be >= 0, got {max_ended}")
+        if not ttl_s > 0 or not max_hold_s > 0:
+            raise ValueError("ttl_s and max_hold_s must be > 0")
         self.max_ended = max_ended
-        self._active: dict[str, _Branch] = {}
+        self.ttl_s = ttl_s
+        self.max_hold_s = max_hold_s
+        self._active: OrderedDict[str, _Branch] = OrderedDict()
+        """Active branches, least recently active first."""
         self._ended: OrderedDict[str, float] = OrderedDict()
+        self._expired: OrderedDict[str, _Branch] = OrderedDict()
+        self.expired = 0
+        """Branches expired so far."""
+        self.resumed = 0
+        """Requests of an expired branch accepted as a resume."""
+
+    def _touch(self, branch_id: str, b: _Branch, now: float) -> None:
+        b.last_seen = max(b.last_seen, now)
+        self._active.move_to_end(branch_id)
+        p, depth = b.parent, 0
+        while p is not None and depth < 64:  # a waiting parent is not silent (bounded: ids are the client's)
+            pb = self._active.get(p)
+            if pb is None or pb.last_seen >= now:
+                return
+            pb.last_seen = now
+            self._active.move_to_end(p)
+            p, depth = pb.parent, depth + 1
+
+    def expire(self, now: float) -> list[str]:
+        """Forget branches without a request for ``ttl_s``; a branch whose tool-call hold has not
+        ended ``ttl_s`` ago is kept and re-checked a TTL later (never expired before hold end + TTL).
+        Returns their ids. O(expired)."""
+        gone = []
+        while self._active:
+            bid, b = next(iter(self._active.items()))
+            if b.last_seen + self.ttl_s > now:
+                break
+            if b.hold_until + self.ttl_s > now:  # held, or its hold ended less than a TTL ago
+                b.last_seen = now
+                self._active.move_to_end(bid)
+                continue
+            del self._active[bid]
+            if self.max_ended:
+                self._expired[bid] = b
+                while len(self._expired) > self.max_ended:
+                    self._expired.popitem(last=False)
+            gone.append(bid)
+        self.expired += len(gone)
+        return gone
 
     def observe(
         self,
@@ -91,14 +154,54 @@ class BranchTable:
         Raises:
             BranchEnded: if the branch was ended.
         """
+        self.expire(now)
         b = self._active.get(branch_id)
         if b is not None:
             b.requests += 1
+            b.hold_until = 0.0  # the tool returned
+            self._touch(branch_id, b, now)
             return None
         if branch_id in self._ended:
             raise BranchEnded(f"branch {branch_id!r} was ended; start a new branch id")
-        self._active[branch_id] = _Branch(kind, parent, agent_id, now, 1)
+        old = self._expired.pop(branch_id, None)
+        if old is not None:  # a resume after a pause longer than the TTL: accepted, announced again
+            self.resumed += 1
+            kind, parent, agent_id = old.kind, old.parent, old.agent_id
+        b = _Branch(kind, parent, agent_id, now, 1, now)
+        self._active[branch_id] = b
+        self._touch(branch_id, b, now)
         return BranchStart(branch_id=branch_id, kind=kind, parent_branch_id=parent, agent_id=agent_id, ts=now)
+
+    def tool_call(self, branch_id: str, now: float, *, outstanding: bool = True, expected_s: float = 0.0) -> BranchToolCall:
+        """"Tool call outstanding" hint: keep ``branch_id`` from expiring until ``now + expected_s``
+        (0 or more than ``max_hold_s``: ``max_hold_s``) or its next request; ``outstanding=False``
+        ends the hold.
+
+        Returns:
+            The ``BranchToolCall`` to publish (the directory keeps the branch's blocks counted).
+
+        Raises:
+            BranchEnded: the branch was ended.
+            UnknownBranch: no request of it was seen (nor of it before it expired).
+            ValueError: a negative or non-finite ``expected_s``.
+        """
+        if not (expected_s >= 0 and expected_s != float("inf")):
+            raise ValueError(f"expected_s must be a finite number >= 0, got {expected_s!r}")
+        self.expire(now)
+        if branch_id in self._ended:
+            raise BranchEnded(f"branch {branch_id!r} was ended")
+        b = self._active.get(branch_id)
+        if b is None:
+            old = self._expired.pop(branch_id, None)
+            if old is None:
+                raise UnknownBranch(f"unknown branch {branch_id!r}: no request with X-Branch-Id {branch_id!r} was seen")
+            b = old
+            self._active[branch_id] = b
+            self.resumed += 1
+        self._touch(branch_id, b, now)
+        span = expected_s if 0 < expected_s <= self.max_hold_s else self.max_hold_s
+        b.hold_until = max(b.hold_until, now + span) if outstanding else 0.0
+        return BranchToolCall(branch_id=branch_id, outstanding=outstanding, expected_s=expected_s, ts=now)
 
     def end(self, branch_id: str, now: float) -> BranchEnd:
         """End ``branch_id``.
@@ -112,7 +215,7 @@ class BranchTable:
         """
         if branch_id in self._ended:
             raise BranchAlreadyEnded(f"branch {branch_id!r} already ended")
-        if self._active.pop(branch_id, None) is None:
+        if self._active.pop(branch_id, None) is None and self._expired.pop(branch_id, None) is None:
             raise UnknownBranch(f"unknown branch {branch_id!r}: no request with X-Branch-Id {branch_id!r} was seen")
         if self.max_ended:
             self._ended[branch_id] = now

@@ -105,6 +105,14 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     max_body_bytes: Annotated[int, Meta(ge=1024, description="largest accepted HTTP request body (bytes); larger gets 413")] = 64 * 1024 * 1024
     max_id_len: Annotated[int, Meta(ge=1, le=4096, description="longest accepted X-Branch-Id / X-Parent-Branch-Id / X-Agent-Id")] = 256
     max_ended_branches: Annotated[int, Meta(ge=0, description="ended branch ids remembered (duplicate end -> 409)")] = 100_000
+    branch_ttl_s: Annotated[
+        float,
+        Meta(gt=0, description="simulated seconds without a request after which a branch expires (as the directory's "
+             "--branch-ttl-s); its next request is a resume: accepted, re-announced (BranchStart)"),
+    ] = 1800.0
+    max_tool_hold_s: Annotated[
+        float, Meta(gt=0, description="longest hold of a tool-call hint (POST /v1/branches/{id}/tool-call), simulated s")
+    ] = 14400.0
 
     def policy_options(self) -> dict[str, object]:
         """Every policy knob, for ``make_policy(routing, **options)`` (each policy takes its own)."""

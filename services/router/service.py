@@ -14,6 +14,9 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 ``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts
 ``GET /metrics``                       Prometheus text format (``services/router/prom.py`` lists the metrics)
 ``POST /v1/branches/{id}/end``         end an agent branch (publishes ``BranchEnd``)
+``POST /v1/branches/{id}/tool-call``   "tool call outstanding" hint, body ``{"outstanding": true, "expected_s": 120}``
+                                       (both optional): keeps the branch and its KV counted while the
+                                       tool runs (publishes ``BranchToolCall``)
 =====================================  =========================================================
 
 NATS: subscribes ``node.state.*``, ``split.commands``, ``planner.models`` and (once) ``req.*.out``;
@@ -237,7 +240,7 @@ class RouterService:
         self.core = RouterCore(
             policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup, decode_binding=cfg.decode_binding
         )
-        self.branches = BranchTable(cfg.max_ended_branches)
+        self.branches = BranchTable(cfg.max_ended_branches, ttl_s=cfg.branch_ttl_s, max_hold_s=cfg.max_tool_hold_s)
         self.counters: Counter[str] = Counter()
         self.registry = make_registry(bus)
         """Prometheus registry (``GET /metrics`` here and on ``--metrics-port``)."""
@@ -372,6 +375,8 @@ class RouterService:
             "known_nodes": float(len(view.nodes)),
             "split_epoch": float(view.epoch),
             "branches_active": float(self.branches.active_count),
+            "branches_expired": float(self.branches.expired),
+            "branches_resumed": float(self.branches.resumed),
             "http_port": float(self.port or 0),
             "parked": float(len(self._parked)),
         }
@@ -787,6 +792,7 @@ class RouterService:
                 Route("/v1/cluster", self._cluster, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
                 _AnyCharRoute("/v1/branches/{branch_id:path}/end", self._end_branch, methods=["POST"]),
+                _AnyCharRoute("/v1/branches/{branch_id:path}/tool-call", self._tool_call, methods=["POST"]),
             ],
             exception_handlers={404: not_found, 405: not_found},
         )
@@ -848,6 +854,22 @@ class RouterService:
         self.core.end_branch(branch_id, self.clock.now())
         self.counters["branches_ended"] += 1
         return self._json({"branch_id": branch_id, "ended": True})
+
+    async def _tool_call(self, request: Request) -> Response:
+        """``POST /v1/branches/{id}/tool-call``: the branch waits for a tool (issue 21)."""
+        branch_id = request.path_params["branch_id"]
+        try:
+            api.check_header_value("branch_id", branch_id, self.cfg.max_id_len)
+            body = await self._read_body(request)
+            outstanding, expected_s = api.parse_tool_call(body)
+            ev = self.branches.tool_call(branch_id, self.clock.now(), outstanding=outstanding, expected_s=expected_s)
+        except api.ApiError as e:
+            return self._error(e.status, e.reason, e.param)
+        except BranchError as e:
+            return self._error(e.status, e.reason)
+        await self.bus.publish(BRANCH_EVENTS, ev)
+        self.counters["branch_tool_calls"] += 1
+        return self._json({"branch_id": branch_id, "outstanding": outstanding, "expected_s": expected_s})
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.cfg.max_body_bytes

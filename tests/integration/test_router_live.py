@@ -387,6 +387,35 @@ async def test_branch_headers_events_and_end_endpoint(nats_url, tmp_path):
         assert st.counters["http_status.400"] == 5 and st.counters["http_status.409"] == 2 and st.counters["http_status.404"] == 1
 
 
+async def test_branch_resumed_after_expiry_and_tool_call_hint(nats_url, tmp_path):
+    """Issue 21: a branch idle longer than the TTL is expired by the router as by the directory;
+    its next request is served (a resume, re-announced with BranchStart), never refused; the
+    tool-call endpoint publishes the hint the directory holds the branch's counts with."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, branch_ttl_s=0.5) as env:
+        h = {"X-Branch-Id": "sa1", "X-Branch-Kind": "subagent", "X-Parent-Branch-Id": "m1", "X-Agent-Id": "ag"}
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, headers=h)
+        assert r.status_code == 200, r.text
+        tc = await env.http.post("/v1/branches/sa1/tool-call", json={"expected_s": 30})
+        assert tc.status_code == 200 and tc.json() == {"branch_id": "sa1", "outstanding": True, "expected_s": 30.0}
+        await _wait_for(lambda: any(isinstance(e, m.BranchToolCall) for e in env.cluster.branch_events), what="BranchToolCall")
+        ev = next(e for e in env.cluster.branch_events if isinstance(e, m.BranchToolCall))
+        assert (ev.branch_id, ev.outstanding, ev.expected_s) == ("sa1", True, 30.0)
+        bad = await env.http.post("/v1/branches/sa1/tool-call", json={"expected_s": -1})
+        assert bad.status_code == 400 and "expected_s" in bad.json()["error"]["message"]
+        assert (await env.http.post("/v1/branches/nobody/tool-call")).status_code == 404
+        done = await env.http.post("/v1/branches/sa1/tool-call", json={"outstanding": False})
+        assert done.status_code == 200
+        # the next request (after the hold was released) clears nothing; silence past the TTL expires it
+        await asyncio.sleep(1.2)
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 1}, headers={"X-Branch-Id": "sa1"})
+        assert r.status_code == 200, r.text  # a resume, not 409
+        await _wait_for(lambda: sum(isinstance(e, m.BranchStart) for e in env.cluster.branch_events) == 2, what="re-announcement")
+        again = [e for e in env.cluster.branch_events if isinstance(e, m.BranchStart)][-1]
+        assert (again.branch_id, again.kind, again.parent_branch_id, again.agent_id) == ("sa1", "subagent", "m1", "ag")
+        st = await env.stats()
+        assert st.gauges["branches_resumed"] == 1.0 and st.gauges["branches_expired"] >= 1.0
+
+
 async def test_bad_requests_get_4xx_with_reasons(nats_url, tmp_path):
     async with router_env(nats_url, tmp_path, {"c0": "both"}, max_prompt_tokens=1000) as env:
         cases = [

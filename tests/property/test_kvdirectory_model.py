@@ -51,6 +51,8 @@ class Reference:
         self.frozen: dict[str, bool] = {n: False for n in NODES}
         self.branches: dict[str, dict] = {}
         self.ended: dict[str, float] = {}
+        self.expired: dict[str, str | None] = {}
+        """Expired by the TTL (id → parent): a later start or placement resumes them."""
         """Ended ids, remembered for TTL after their end (then a placement restarts them)."""
         self.node_phase: dict[str, str] = {}
         self.placed_phase: dict[str, str] = {}
@@ -87,6 +89,7 @@ class Reference:
     def start(self, bid: str, now: float, parent: str | None = None) -> None:
         if bid in self.branches or bid in self.ended:
             return
+        self.expired.pop(bid, None)  # an expired branch active again: a resume (issue 21)
         self.branches[bid] = dict(version=1, path=[], counted={}, pending={}, seen=now, parent=parent)
         self.touch_parents(bid, now)
 
@@ -99,6 +102,7 @@ class Reference:
 
     def end(self, bid: str, now: float) -> None:
         self.branches.pop(bid, None)
+        self.expired.pop(bid, None)
         if bid not in self.ended:
             self.ended[bid] = now
 
@@ -106,7 +110,7 @@ class Reference:
         if bid in self.ended:
             return
         if bid not in self.branches:
-            self.start(bid, now)
+            self.start(bid, now, self.expired.get(bid))  # a resumed branch keeps its parent
         br = self.branches[bid]
         br["seen"] = max(br["seen"], now)
         self.touch_parents(bid, now)
@@ -140,7 +144,7 @@ class Reference:
 
     def expire(self, now: float) -> None:
         for bid in [b for b, br in self.branches.items() if br["seen"] + TTL <= now]:
-            self.end(bid, now)
+            self.expired[bid] = self.branches.pop(bid).get("parent")  # resumable, not ended
         for bid in [b for b, t in self.ended.items() if t + TTL <= now]:
             del self.ended[bid]
 

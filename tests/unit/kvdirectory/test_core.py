@@ -530,3 +530,43 @@ def test_forged_sequence_jump_ends_with_one_snapshot():
     assert d.counters["kv.batches_beyond_snapshot"] == 1
     f.send("w0", st(P[1:2]))  # the worker's real next batch (seq 2) applies normally
     assert d.lookup(P).node("w0").gpu_blocks == 2 and not d.awaiting_resync("w0")
+
+
+def test_a_branch_active_again_after_expiry_is_resumed_not_refused(d):
+    """Issue 21: an agent back from a pause longer than the TTL is served; the resume is counted.
+    Only an explicitly ended branch is refused."""
+    d.branch_start("b", 0.0, kind="subagent", parent="main", agent="a1")
+    d.place("b", "p0", "prefill", P[:3], 0.0)
+    assert d.expire(100.0) == ["b"] and counts(d, "p0", P[:3]) == [0] * 3
+    r = d.place("b", "p0", "prefill", P[:4], 5000.0)  # long after the TTL (100 s here)
+    assert r.rejected is None
+    assert counts(d, "p0", P[:4]) == [1] * 4
+    b = d.branch("b")
+    assert (b.kind, b.parent, b.agent) == ("subagent", "main", "a1")
+    assert d.counters["branch.resumed"] == 1 and d.counters["place.ended_branch"] == 0
+    assert d.branch_start("b", 5000.0) == "merged"  # the router's re-announcement merges
+    # the same through a start first
+    assert d.expire(5100.0) == ["b"]
+    assert d.branch_start("b", 9000.0) == "resumed" and d.counters["branch.resumed"] == 2
+    # an explicit end of an expired branch is an end; then placements are refused
+    assert d.expire(9100.0) == ["b"]
+    assert d.branch_end("b", 9200.0) == "ended" and d.counters["branch.ended_after_expiry"] == 1
+    assert d.place("b", "p0", "prefill", P[:4], 9300.0).rejected == "ended_branch"
+
+
+def test_a_tool_call_outstanding_keeps_the_branch_counted_until_it_returns(d):
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", P[:3], 0.0)
+    assert d.branch_hold("b", True, 500.0, 10.0) == "held"  # the tool is expected to run 500 s
+    assert d.expire(100.0) == [] and d.expire(300.0) == []
+    assert counts(d, "p0", P[:3]) == [1] * 3, "the blocks stay counted while the tool runs"
+    assert d.counters["branch.hold_kept"] >= 1
+    d.place("b", "p0", "prefill", P[:4], 520.0)  # the tool returned: the next request clears the hold
+    assert d.branch("b").hold_until == 0.0
+    assert d.expire(620.0) == ["b"]  # then the normal TTL
+    # no expected duration: held up to max_hold_s; a release ends the hold
+    d.branch_start("c", 1000.0)
+    assert d.branch_hold("c", True, 0.0, 1000.0) == "held" and d.branch("c").hold_until == 1000.0 + d.branches.max_hold_s
+    assert d.branch_hold("c", False, 0.0, 1050.0) == "released"
+    assert d.expire(1150.0) == ["c"]
+    assert d.branch_hold("nope", True, 10.0, 1200.0) == "unknown"

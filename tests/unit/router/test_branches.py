@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.messages import BranchEnd, BranchStart
+from shared.messages import BranchEnd, BranchStart, BranchToolCall
 
 from services.router.branches import BranchAlreadyEnded, BranchEnded, BranchTable, UnknownBranch
 
@@ -43,3 +43,34 @@ def test_ended_ids_are_bounded():
     with pytest.raises(UnknownBranch):  # "a" was forgotten
         t.end("a", 0.0)
     assert t.observe("a", 1.0) is not None
+
+
+def test_idle_branches_expire_and_a_later_request_is_a_resume():
+    """Issue 21: the router's table expires idle branches as the directory does; a request of an
+    expired branch is accepted (a resume, counted) and re-announced with its remembered kind."""
+    t = BranchTable(ttl_s=100.0)
+    t.observe("main", 0.0, agent_id="a")
+    t.observe("sub", 10.0, kind="subagent", parent="main", agent_id="a")
+    t.observe("sub", 90.0)  # the sub-agent's activity keeps its waiting parent alive
+    assert t.expire(150.0) == [] and t.is_active("main")
+    assert sorted(t.expire(190.0)) == ["main", "sub"] and t.active_count == 0 and t.expired == 2
+    s = t.observe("sub", 5000.0, kind="main")  # back after a long pause: accepted, not 409
+    assert s == BranchStart(branch_id="sub", kind="subagent", parent_branch_id="main", agent_id="a", ts=5000.0)
+    assert t.resumed == 1 and t.is_active("sub")
+    assert t.end("main", 5001.0) == BranchEnd(branch_id="main", ts=5001.0)  # an expired branch can be ended
+    with pytest.raises(BranchEnded):
+        t.observe("main", 5002.0)
+
+
+def test_a_tool_call_hint_keeps_the_branch_until_it_returns():
+    t = BranchTable(ttl_s=100.0, max_hold_s=1000.0)
+    t.observe("b", 0.0)
+    ev = t.tool_call("b", 50.0, expected_s=400.0)
+    assert ev == BranchToolCall(branch_id="b", outstanding=True, expected_s=400.0, ts=50.0)
+    assert t.expire(300.0) == [] and t.is_active("b")
+    assert t.observe("b", 460.0) is None  # the tool returned: the hold ends, the TTL runs again
+    assert t.expire(561.0) == ["b"]
+    with pytest.raises(UnknownBranch):
+        t.tool_call("nope", 600.0)
+    with pytest.raises(ValueError):
+        t.tool_call("b", 600.0, expected_s=-1.0)
