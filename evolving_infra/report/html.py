@@ -61,7 +61,7 @@ _LABELS = {k: label for k, label, _, _ in HEADLINE_METRICS} | {
     "ttft_p50_s": "TTFT P50",
     "e2e_p50_s": "E2E P50",
     "ttft_prediction_abs_error_median_s": "TTFT prediction |error| median",
-    "lost_kv_reuse_eviction_share": "Lost KV reuse due to eviction",
+    "lost_kv_reuse_eviction_share": "Share of the lost KV reuse due to eviction",
     "prompt_tokens_total": "Prompt tokens",
     "cached_tokens_total": "Cached prompt tokens",
     "completion_tokens_total": "Completion tokens",

@@ -202,7 +202,7 @@ def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None
     known = {k for k, *_ in HEADLINE_METRICS}
     extras = (
         ("ttft_prediction_abs_error_median_s", "TTFT prediction |error| median", fmt_seconds),
-        ("lost_kv_reuse_eviction_share", "lost KV reuse due to eviction", pct),
+        ("lost_kv_reuse_eviction_share", "share of the lost KV reuse due to eviction", pct),
         ("sim_speed", "sim speed", lambda v: f"{v:.0f}x real time"),
     )
     for key, name, show in extras:

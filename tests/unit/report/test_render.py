@@ -172,3 +172,14 @@ def test_compare_warns_when_runs_served_different_inputs(tmp_path: Path, capsys:
     err = capsys.readouterr().err
     assert "different inputs" in err and "duration_s: a=3600.0, short=600.0" in err and "trace" not in err
     assert json.loads((tmp_path / "c2" / "compare.json").read_text())["input_differences"] == ["duration_s: a=3600.0, short=600.0"]
+
+
+def test_eviction_share_label_says_it_is_a_share_of_the_lost_reuse(capsys: pytest.CaptureFixture[str]):
+    """0.6 is 60% of what was lost (e.g. 60% of 0.1%), not 60% of the reuse: the label must say so."""
+    from evolving_infra.report.html import _LABELS
+    from evolving_infra.report.write import print_summary
+
+    print_summary({"lost_kv_reuse": 0.001, "lost_kv_reuse_eviction_share": 0.6, "meta": {}})
+    out = capsys.readouterr().out
+    assert "share of the lost KV reuse due to eviction 60.0%" in out
+    assert _LABELS["lost_kv_reuse_eviction_share"] == "Share of the lost KV reuse due to eviction"
