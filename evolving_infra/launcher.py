@@ -33,7 +33,7 @@ def demo_trace_path() -> Path:
     return Path(str(resources.files("evolving_infra") / "data" / DEMO_TRACE))
 
 
-def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, speedup: float) -> None:
+def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, speedup: float, port: int = 8000) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--nodes", type=int, default=nodes, help=f"worker nodes, one process each (default {nodes})")
     g.add_argument("--split", default=split, help=f"initial PD split: 'collocated' or xPyD with x+y = nodes (default {split})")
@@ -44,7 +44,7 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, spe
     )
     g.add_argument("--speedup", type=float, default=speedup, help=f"simulated seconds per wall second (default {speedup:g})")
     g.add_argument("--host", default="127.0.0.1", help="router HTTP bind address (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="router HTTP port; 0 = any free port (default 8000)")
+    g.add_argument("--port", type=int, default=port, help=f"router HTTP port; 0 = any free port (default {port})")
     g.add_argument("--routing", default="cache-aware", help="prefill routing policy (default cache-aware)")
     g.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
     g.add_argument("--partition", default="p0", help="partition name; subjects live under ei.<partition>. (default p0)")
@@ -242,7 +242,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Start a local cluster, replay real Claude Code sessions (shipped sample) closed-loop through the "
         "router, and write OUT/report.json, OUT/requests.jsonl and the services' logs under OUT/logs.",
     )
-    _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0)
+    _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0)
     d.add_argument("--out", default="demo-out", help="output directory for report.json (default demo-out)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample")
     d.add_argument("--sessions", type=int, default=60, help="sessions (agents) to replay (default 60)")
