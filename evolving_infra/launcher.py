@@ -186,7 +186,9 @@ async def _demo(args: argparse.Namespace) -> int:
     async with LocalCluster(spec) as cluster:
         print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, logs {cluster.log_dir}", flush=True)
         clock = SimClock(spec.speedup, cluster.clock_origin)
-        replayer = LiveReplayer(cluster.router_url, clock, block_size=trace.header.block_size, model=spec.model)
+        replayer = LiveReplayer(
+            cluster.router_url, clock, block_size=trace.header.block_size, model=spec.model, vocab_size=_vocab_size(spec.tokenizer)
+        )
         result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency))
         cluster.check_alive()
         timeline = cluster.timeline()
@@ -216,6 +218,15 @@ async def _demo(args: argparse.Namespace) -> int:
     print(f"report: {path}")
     ok = report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"]
     return 0 if ok else 1
+
+
+def _vocab_size(tokenizer: str) -> int | None:
+    """The router tokenizer's vocabulary size for the replayer's prompt ids; None for ``sim`` (the trace's own ids)."""
+    if tokenizer == "sim":
+        return None
+    from services.router.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer).vocab_size
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -67,8 +67,12 @@ class LiveReplayer:
         request_timeout_s: float = 600.0,
         progress: bool = True,
         max_connections: int = 512,
+        vocab_size: int | None = None,
     ) -> None:
         self.router_url = router_url.rstrip("/")
+        self.vocab_size = vocab_size
+        """The router's vocabulary when it is smaller than the trace's ids (a real tokenizer):
+        prompt ids are taken modulo it (same blocks → same ids, so prefixes are still shared)."""
         self.clock = clock
         self.block_size = block_size
         self.model = model
@@ -164,6 +168,8 @@ class LiveReplayer:
     async def _send(self, http: httpx.AsyncClient, action: SendRequest) -> RequestRecord:
         req = action.req
         tokens = prompt_token_ids(req, self.block_size)
+        if self.vocab_size is not None:
+            tokens = tokens % self.vocab_size
         body = {
             "model": self.model,
             "prompt": tokens.tolist(),

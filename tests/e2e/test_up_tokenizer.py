@@ -79,3 +79,16 @@ def test_unusable_tokenizer_is_a_clear_error_before_anything_starts(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "no tokenizer.json" in out and "--tokenizer" in out, out
     assert time.monotonic() - t0 < 30
+
+
+def test_demo_with_a_real_tokenizer_completes_every_request(tmp_path):
+    """The replayed trace's token ids (up to 100K) are taken modulo the router's smaller vocabulary."""
+    folder = write_bpe_tokenizer(tmp_path / "tok")
+    cmd = [
+        sys.executable, "-m", "evolving_infra.cli", "demo", "--sessions", "2", "--concurrency", "2", "--speedup", "100",
+        "--tokenizer", f"hf:{folder}", "--out", str(tmp_path / "demo"),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    report = json.loads((tmp_path / "demo" / "report.json").read_text())
+    assert report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"] > 0
