@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "evolving_infra.split_cli",  # split get|set
     "evolving_infra.sim.cli",  # simulate, fidelity
     "evolving_infra.model_cli",  # model init (torch engine)
+    "evolving_infra.auth_cli",  # auth gen
 )
 
 

@@ -27,6 +27,7 @@ import msgspec
 import structlog
 
 from shared import messages as m
+from shared.auth import AuthError, Credentials, NatsAuth, generate
 from shared.bus import Bus
 from shared.natsserver import EmbeddedNatsServer
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
@@ -69,6 +70,15 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Give every service a Prometheus ``--metrics-port`` (free loopback ports; see ``metrics_urls``)."""
     tokenizer: str = "sim"
     """Router tokenizer (``sim`` | ``hf:<local path>``); the workers draw output ids from its vocabulary."""
+    nats_auth: str = "nkeys"
+    """Embedded NATS: ``nkeys`` (default) or ``password`` = every service connects as its own
+    identity with least-privilege permissions (``shared.auth``; credentials in
+    ``<log_dir>/nats-creds``); ``off`` = open server on loopback (any local process may
+    publish anything; a warning says so)."""
+    nats_creds_dir: str | None = None
+    """External NATS (``nats_url``): folder with one credentials file per instance
+    (``<instance>.nk`` / ``.creds`` / ``.pass``, as ``evolving-infra auth gen`` writes);
+    None = connect without credentials."""
 
     def node_ids(self) -> list[str]:
         return [f"w{i}" for i in range(self.nodes)]
@@ -122,6 +132,8 @@ class LocalCluster:
     metrics_urls: dict[str, str] = field(default_factory=dict)
     """instance (``router``, ``planner``, ``kvdirectory``, ``worker-w0`` ...) → its ``/metrics`` URL (``spec.metrics``)."""
     _bus: Bus | None = None
+    creds: Credentials | None = None
+    """Credentials generated for the embedded server (None when it runs open or NATS is external)."""
 
     async def __aenter__(self) -> "LocalCluster":
         await self.start()
@@ -236,13 +248,31 @@ class LocalCluster:
         parse_split(s.split, s.nodes)  # fail fast on a bad split
         self.log_dir = Path(s.log_dir) if s.log_dir else Path(tempfile.mkdtemp(prefix="ei-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if s.nats_url:
-            self.nats_url = s.nats_url
-        else:
-            self.nats = EmbeddedNatsServer().start()
-            self.nats_url = self.nats.url
         self.clock_origin = time.time()
-        self._bus = await Bus.connect(self.nats_url, Subjects(s.partition), service="launcher", instance="launcher")
+        self.nats_url = s.nats_url or ""
+        self.children = self._plan_children()
+        instances = [_flag(c.argv, "--instance") for c in self.children]
+        if s.nats_url:
+            self.creds = None
+        elif s.nats_auth == "off":
+            log.warning("embedded NATS runs OPEN on loopback: any local process may publish and read every subject (nats_auth=off)")
+        else:
+            if s.nats_auth not in ("nkeys", "password"):
+                raise ClusterError(f"nats_auth must be nkeys, password or off, not {s.nats_auth!r}")
+            self.creds = generate(self.log_dir / "nats-creds", instances, partition=s.partition, mode=s.nats_auth)  # type: ignore[arg-type]
+        if not s.nats_url:
+            self.nats = EmbeddedNatsServer(auth_block=self.creds.server_block if self.creds else "").start()
+            self.nats_url = self.nats.url
+            if self.creds:
+                log.info("embedded NATS with per-service credentials", mode=s.nats_auth, creds=str(self.creds.directory))
+        for c in self.children:
+            _set_flag(c.argv, "--nats-url", self.nats_url)
+            path = self.creds_file(_flag(c.argv, "--instance"))
+            if path:
+                c.argv += ["--nats-creds", path]
+        self._bus = await Bus.connect(
+            self.nats_url, Subjects(s.partition), service="launcher", instance="launcher", auth=self.client_auth("launcher")
+        )
         seen: dict[str, m.Heartbeat] = {}
 
         async def on_beat(hb: m.Heartbeat, _subject: str) -> None:
@@ -256,7 +286,6 @@ class LocalCluster:
             self.recorder.on_applied(msg)
 
         await self._bus.subscribe(SPLIT_APPLIED, on_applied)
-        self.children = self._plan_children()
         for child in self.children:
             child.log_file = open(child.log_path, "ab")
             child.proc = subprocess.Popen(
@@ -295,6 +324,32 @@ class LocalCluster:
                         f" (logs in {self.log_dir})"
                     )
                 await asyncio.sleep(0.1)
+
+    def creds_file(self, name: str) -> str | None:
+        """Credentials file of identity ``name`` (generated, or from ``nats_creds_dir``), or None."""
+        if self.creds is not None:
+            path = self.creds.files.get(name)
+            return str(path) if path else None
+        if self.spec.nats_creds_dir:
+            for ext in (".nk", ".creds", ".pass"):
+                p = Path(self.spec.nats_creds_dir) / f"{name}{ext}"
+                if p.exists():
+                    return str(p)
+        return None
+
+    def client_auth(self, name: str = "admin") -> NatsAuth | None:
+        """NATS client options of identity ``name`` (``admin``: everything; ``operator``:
+        ``split set`` and stats) for tools and tests; None when NATS runs without credentials.
+
+        Raises:
+            AuthError: credentials exist but none for ``name``.
+        """
+        path = self.creds_file(name)
+        if path is None:
+            if self.creds is not None:
+                raise AuthError(f"no NATS credentials for {name!r}")
+            return None
+        return NatsAuth.from_file(path)
 
     def check_alive(self) -> None:
         """Raise if any service process has exited.
@@ -353,12 +408,23 @@ class LocalCluster:
         return {
             "router_url": self.router_url,
             "nats_url": self.nats_url,
+            "nats_auth": self.spec.nats_auth if not self.spec.nats_url else ("creds" if self.spec.nats_creds_dir else "none"),
+            "nats_operator_creds": self.creds_file("operator"),
+            "nats_admin_creds": self.creds_file("admin"),
             "log_dir": str(self.log_dir),
             "split": self.spec.split,
             "speedup": self.spec.speedup,
             "pids": self.pids(),
             **({"metrics": dict(self.metrics_urls)} if self.metrics_urls else {}),
         }
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def _set_flag(argv: list[str], flag: str, value: str) -> None:
+    argv[argv.index(flag) + 1] = value
 
 
 def write_json(path: Path, data: object) -> None:

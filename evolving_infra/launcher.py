@@ -49,6 +49,18 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, spe
     g.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
     g.add_argument("--partition", default="p0", help="partition name; subjects live under ei.<partition>. (default p0)")
     g.add_argument("--nats-url", default=None, help="use this NATS server instead of starting an embedded one")
+    g.add_argument(
+        "--nats-auth",
+        choices=("nkeys", "password", "off"),
+        default="nkeys",
+        help="embedded NATS: nkeys (default) / password = each service its own identity with least-privilege permissions, "
+        "credentials in <log-dir>/nats-creds; off = open server on loopback (any local process may publish anything)",
+    )
+    g.add_argument(
+        "--nats-creds-dir",
+        default=None,
+        help="with --nats-url: folder of per-instance credentials (<instance>.nk|.creds|.pass, see 'evolving-infra auth gen')",
+    )
     g.add_argument("--log-dir", default=None, help="directory for each service's log (default: a temp dir)")
     g.add_argument("--log-level", default="info", help="service log level (default info)")
     g.add_argument("--stream-interval", type=int, default=1, help="output tokens per streamed chunk (default 1)")
@@ -90,6 +102,8 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         block_size=args.block_size,
         partition=args.partition,
         nats_url=args.nats_url,
+        nats_auth=args.nats_auth,
+        nats_creds_dir=args.nats_creds_dir,
         log_dir=args.log_dir,
         log_level=args.log_level,
         stream_interval=args.stream_interval,
@@ -121,6 +135,13 @@ async def _up(args: argparse.Namespace) -> int:
     try:
         print(f"cluster ready: router {cluster.router_url}  (split {args.split}, {args.nodes} workers, speedup {args.speedup:g})")
         print(f"  NATS {cluster.nats_url}   logs {cluster.log_dir}   trace with: evolving-infra tap (or split get)")
+        if cluster.creds is not None:
+            print(
+                f"  NATS auth {args.nats_auth}: each service its own identity; split and tap on this machine find the "
+                f"operator / admin credentials through the state file; elsewhere: EI_NATS_CREDS={cluster.creds_file('operator')}"
+            )
+        elif not args.nats_url:
+            print("  NATS is OPEN (--nats-auth off): any local process can publish and read every subject (loopback only)")
         print("READY " + json.dumps(info), flush=True)
         try:
             while not stop.is_set():

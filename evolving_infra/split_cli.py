@@ -19,6 +19,8 @@ import re
 import sys
 
 from shared import messages as m
+from evolving_infra.auth_cli import tool_auth
+from shared.auth import AuthError
 from shared.bus import Bus, BusError
 from shared.split import split_name
 from shared.subjects import SPLIT_GET, SPLIT_SET, Subjects
@@ -36,6 +38,11 @@ def _print_command(cmd: m.SplitCommand, as_json: bool) -> None:
 
 async def _run(args: argparse.Namespace) -> int:
     try:
+        auth = tool_auth(args.nats_url, getattr(args, "nats_creds", ""), "nats_operator_creds")
+    except AuthError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         bus = await asyncio.wait_for(
             Bus.connect(
                 args.nats_url,
@@ -45,9 +52,13 @@ async def _run(args: argparse.Namespace) -> int:
                 connect_timeout=min(args.timeout, 2.0),
                 max_reconnect_attempts=1,  # nats-py: 0 retries the first connect forever; 1 = two tries
                 allow_reconnect=False,
+                auth=auth,
             ),
             timeout=args.timeout,
         )
+    except BusError as e:  # refused credentials
+        print(f"error: cannot connect to NATS at {args.nats_url}: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # no server: a clear message, not a traceback, within --timeout
         print(f"error: cannot connect to NATS at {args.nats_url}: no server answered ({e!r})", file=sys.stderr)
         return 2
@@ -104,6 +115,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
             help="NATS server (default: the running `evolving-infra up` cluster's, from the state file it writes)",
         )
         q.add_argument("--partition", default="p0", help="partition (default p0)")
+        q.add_argument(
+            "--nats-creds",
+            default="",
+            help="credentials of the operator identity; default: env EI_NATS_CREDS (or EI_NATS_USER/EI_NATS_PASSWORD), "
+            "else the operator credentials of the local cluster `up` started",
+        )
         q.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for NATS and for the planner (default 5)")
         q.add_argument("--json", action="store_true", help="print the command as JSON")
     p.set_defaults(func=cmd_split)

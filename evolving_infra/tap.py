@@ -21,6 +21,8 @@ from typing import Any
 import msgspec
 import nats
 
+from evolving_infra.auth_cli import tool_auth
+from shared.auth import AuthError
 from shared.bus import decoder_for
 from shared.subjects import ALL, Subjects
 
@@ -73,10 +75,15 @@ async def _tap(args: argparse.Namespace) -> int:
         pass
 
     try:
+        opts = tool_auth(args.nats_url, getattr(args, "nats_creds", ""), "nats_admin_creds").connect_options()
+    except AuthError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         nc = await asyncio.wait_for(
             nats.connect(
                 args.nats_url, name="tap", connect_timeout=2, max_reconnect_attempts=1, allow_reconnect=False, closed_cb=closed_cb,
-                error_cb=quiet,
+                error_cb=quiet, **opts,
             ), timeout=5
         )
     except Exception as e:  # no server: a clear message within seconds, not a traceback
@@ -131,6 +138,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--nats-url", default=None, help="NATS server (default: the running `evolving-infra up` cluster's, from the state file it writes)"
     )
     p.add_argument("--partition", default="p0", help="partition (default p0)")
+    p.add_argument(
+        "--nats-creds",
+        default="",
+        help="credentials (admin reads everything); default: env EI_NATS_CREDS (or EI_NATS_USER/EI_NATS_PASSWORD), "
+        "else the admin credentials of the local cluster `up` started",
+    )
     p.add_argument("--exclude", action="append", default=[], metavar="PREFIX", help="skip subjects under this relative prefix (repeatable), e.g. req.")
     p.add_argument("--full", action="store_true", help="print long lists in full")
     p.add_argument("--max", type=int, default=0, help="stop after this many messages (0 = never)")

@@ -16,6 +16,7 @@ One decoder per message type is built once and reused (msgspec perf tips).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections import Counter
@@ -30,6 +31,7 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription
 
 from shared import messages as m
+from shared.auth import NatsAuth
 from shared.ratelog import RateLimitedLog
 from shared.subjects import SVC_HEARTBEAT, SVC_STATS, Subject, Subjects
 from shared.validate import check as validate_msg
@@ -94,18 +96,30 @@ class Bus:
         connect_timeout: float = 5.0,
         max_reconnect_attempts: int = -1,
         allow_reconnect: bool = True,
+        auth: NatsAuth | None = None,
     ) -> "Bus":
         """Connect to NATS and return a bus; reconnects forever by default
         (``allow_reconnect=False``: one attempt, for command-line tools that must fail fast).
 
+        ``auth`` (``shared.auth``): nkey seed / creds file / user+password and TLS of
+        this identity; None = connect without credentials (an open server).
+
         Raises:
+            AuthError: unreadable TLS files.
+            BusError: the server refused the credentials ("Authorization Violation").
             OSError / nats.errors.NoServersError: if no server answers in time.
         """
         bus = cls(NatsClient(), subjects, service=service, instance=instance)
+        refused = asyncio.Event()
 
         async def error_cb(e: Exception) -> None:
             bus.counters["nats.errors"] += 1
-            bus.log.warning("nats error", error=repr(e))
+            text = str(e).lower()
+            if "permissions violation" in text:
+                bus.counters["nats.permission_violations"] += 1
+            if not bus.nc.is_connected and ("authorization violation" in text or "authentication" in text):
+                refused.set()  # wrong or missing credentials: retrying cannot help
+            bus.droplog.event("nats.errors", "nats error", error=repr(e)[:300])
 
         async def disconnected_cb() -> None:
             if bus._closing:
@@ -120,7 +134,7 @@ class Bus:
         async def closed_cb() -> None:
             bus.log.debug("nats connection closed")
 
-        await bus.nc.connect(
+        connecting = asyncio.ensure_future(bus.nc.connect(
             url,
             name=f"{service}:{instance}",
             connect_timeout=connect_timeout,
@@ -131,7 +145,24 @@ class Bus:
             disconnected_cb=disconnected_cb,
             reconnected_cb=reconnected_cb,
             closed_cb=closed_cb,
-        )
+            **(auth.connect_options() if auth is not None else {}),
+        ))
+        refusal = asyncio.ensure_future(refused.wait())
+        await asyncio.wait({connecting, refusal}, return_when=asyncio.FIRST_COMPLETED)
+        refusal.cancel()
+        if not connecting.done():
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            with contextlib.suppress(Exception):
+                await bus.nc.close()
+            raise BusError(f"NATS at {url} refused the credentials of {instance!r} (Authorization Violation)")
+        try:
+            connecting.result()
+        except Exception as e:
+            if refused.is_set():
+                raise BusError(f"NATS at {url} refused the credentials of {instance!r} (Authorization Violation)") from e
+            raise
         return bus
 
     # -- publish / subscribe --------------------------------------------- #

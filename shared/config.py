@@ -41,6 +41,14 @@ class CommonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     nats_url: typing.Annotated[str, Meta(description="NATS server URL, e.g. nats://127.0.0.1:4222")] = (
         "nats://127.0.0.1:4222"
     )
+    nats_creds: typing.Annotated[
+        str, Meta(description="NATS credentials of this identity: nkey seed file (SU...), .creds JWT file or user:password file; empty = none")
+    ] = ""
+    nats_user: typing.Annotated[str, Meta(description="NATS user (password auth; use EI_NATS_PASSWORD for the password)")] = ""
+    nats_password: typing.Annotated[str, Meta(description="NATS password of nats_user (set it through the environment, not a flag)")] = ""
+    nats_tls_ca: typing.Annotated[str, Meta(description="CA file to verify a TLS NATS server; empty = no TLS unless the URL is tls://")] = ""
+    nats_tls_cert: typing.Annotated[str, Meta(description="client certificate for NATS TLS (with nats_tls_key)")] = ""
+    nats_tls_key: typing.Annotated[str, Meta(description="client key for NATS TLS")] = ""
     partition: typing.Annotated[str, Meta(description="partition name; every subject lives under ei.<partition>.")] = "p0"
     instance: typing.Annotated[str, Meta(description="instance id of this process (default: derived from the service)")] = ""
     log_format: typing.Annotated[

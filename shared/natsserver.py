@@ -5,6 +5,12 @@ read back from the server's own log line, so two servers never race for a
 port. JetStream is on with storage in a temporary directory that is removed on
 shutdown. ``max_payload`` is raised to 16 MiB so a prefill dispatch of a
 several-hundred-thousand-token prompt (packed uint32 token ids) fits one message.
+
+With ``auth_block`` (``shared.auth.generate(...).server_block``) every client must
+authenticate and gets only its identity's permissions; without it the server is
+open to any local process (loopback only). JetStream storage is capped
+(``JS_MAX_FILE_BYTES`` / ``JS_MAX_MEMORY_BYTES``): the system creates no streams,
+and an open server must not let a client fill the disk with one.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from pathlib import Path
 _LISTEN = re.compile(r"Listening for client connections on [^\s]*?:(\d+)")
 
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+JS_MAX_FILE_BYTES = 256 * 1024 * 1024
+JS_MAX_MEMORY_BYTES = 64 * 1024 * 1024
 
 
 class NatsServerError(RuntimeError):
@@ -60,12 +68,14 @@ class EmbeddedNatsServer:
             print(srv.url)   # nats://127.0.0.1:<port>
 
     Args:
-        jetstream: enable JetStream (storage in a temp dir).
+        jetstream: enable JetStream (storage in a temp dir, capped).
         startup_timeout_s: wall seconds to wait for the listen line.
+        auth_block: an ``authorization { ... }`` config section (``shared.auth``); empty = open.
     """
 
-    def __init__(self, *, jetstream: bool = True, startup_timeout_s: float = 10.0) -> None:
+    def __init__(self, *, jetstream: bool = True, startup_timeout_s: float = 10.0, auth_block: str = "") -> None:
         self.jetstream = jetstream
+        self.auth_block = auth_block
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
@@ -99,7 +109,12 @@ class EmbeddedNatsServer:
             f'log_file: "{log_file}"',
         ]
         if self.jetstream:
-            lines.append(f'jetstream {{ store_dir: "{Path(self._tmp) / "js"}" }}')
+            lines.append(
+                f'jetstream {{ store_dir: "{Path(self._tmp) / "js"}", max_file_store: {JS_MAX_FILE_BYTES}, '
+                f"max_memory_store: {JS_MAX_MEMORY_BYTES} }}"
+            )
+        if self.auth_block:
+            lines.append(self.auth_block)
         conf.write_text("\n".join(lines) + "\n")
         self.proc = subprocess.Popen(
             [binary, "-c", str(conf)],

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from shared.auth import NatsAuth
 from shared.bus import Bus
 from shared.clock import SimClock
 from shared.config import CommonConfig
@@ -76,7 +77,11 @@ async def serve_until_stopped(
             loop.add_signal_handler(sig, stop.set)
     clock = SimClock(cfg.speedup, cfg.clock_origin)
     async with AsyncExitStack() as stack:
-        bus = await Bus.connect(cfg.nats_url, Subjects(cfg.partition), service=service_name, instance=instance)
+        auth = NatsAuth.from_settings(
+            creds=cfg.nats_creds, user=cfg.nats_user, password=cfg.nats_password,
+            tls_ca=cfg.nats_tls_ca, tls_cert=cfg.nats_tls_cert, tls_key=cfg.nats_tls_key, name=instance,
+        )
+        bus = await Bus.connect(cfg.nats_url, Subjects(cfg.partition), service=service_name, instance=instance, auth=auth)
         stack.push_async_callback(bus.close)
         svc = factory(cfg, bus, clock)
         await svc.start()
@@ -87,7 +92,7 @@ async def serve_until_stopped(
             metrics = MetricsServer(service_registry(svc, bus), cfg.metrics_host, cfg.metrics_port)
             await metrics.start()
             stack.push_async_callback(metrics.stop)
-        log.info("service started", nats=cfg.nats_url, partition=cfg.partition, speedup=cfg.speedup)
+        log.info("service started", nats=cfg.nats_url, partition=cfg.partition, speedup=cfg.speedup, nats_auth=auth.enabled)
         await stop.wait()
         log.info("service stopping")
     log.info("service stopped")

@@ -44,7 +44,7 @@ async def cluster(tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def bus(cluster):
-    b = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="e2e-test")
+    b = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="e2e-test", auth=cluster.client_auth("admin"))
     yield b
     await b.close()
 

@@ -74,7 +74,7 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
                     await asyncio.sleep(0.2)
 
         scraper = asyncio.create_task(scrape_loop())
-        bus = await Bus.connect(cluster.nats_url, Subjects(spec.partition), service="test", instance="metrics-test")
+        bus = await Bus.connect(cluster.nats_url, Subjects(spec.partition), service="test", instance="metrics-test", auth=cluster.client_auth("admin"))
         await bus.publish_raw(Subjects(spec.partition).format(KV_EVENTS, node="w0"), b"\xc1 not msgpack")
         await bus.close()
         replayer = LiveReplayer(cluster.router_url, SimClock(spec.speedup, cluster.clock_origin), block_size=trace.header.block_size, progress=False)

@@ -145,7 +145,7 @@ async def test_switch_nodes_back_and_forth_under_load(tmp_path):
     spec = ClusterSpec(nodes=4, split="2P2D", profile=str(profile), speedup=1.0, port=0, block_size=BS,
                        log_dir=str(tmp_path / "logs"), ready_timeout_s=60.0)  # fmt: skip
     async with LocalCluster(spec) as cluster:
-        bus = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="test-switch")
+        bus = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="test-switch", auth=cluster.client_auth("admin"))
         chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
         applied: list[m.SplitApplied] = []
 
@@ -183,7 +183,7 @@ async def test_switch_nodes_back_and_forth_under_load(tmp_path):
                         await asyncio.sleep(0.005)
                 if k == 0:  # the operator's command line
                     proc = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "evolving_infra.cli", "split", "set", split, "--nats-url", cluster.nats_url, "--json",
+                        sys.executable, "-m", "evolving_infra.cli", "split", "set", split, "--nats-url", cluster.nats_url, "--json", "--nats-creds", str(cluster.creds_file("operator")),
                         cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                     )  # fmt: skip
                     outb, errb = await asyncio.wait_for(proc.communicate(), 30)

@@ -1,0 +1,337 @@
+"""NATS identities with least privilege: credentials, the server's permission table, client options.
+
+Every service connects as its own identity; the server lets each one publish
+and subscribe only the subjects of its role (DESIGN §3's subject table):
+
+================  ==============================================================================
+identity          may publish (relative to ``ei.<partition>.``)
+================  ==============================================================================
+``planner``       ``split.commands`` (it alone issues epochs), ``planner.decisions``, ``planner.models``
+``router``        ``work.*.prefill``, ``work.*.decode`` (re-bound hand-offs), ``work.*.abort``,
+                  ``branch.events``, ``route.placed``; requests ``kv.lookup``, ``split.get``
+``kvdirectory``   ``kv.counts.*``; requests ``kv.resync.*``
+``worker-<n>``    ``kv.events.<n>``, ``node.state.<n>``, ``node.iters.<n>`` (its own node only),
+                  ``split.applied``, ``req.*.out``, ``work.*.decode`` (hand-off to a decode node);
+                  requests ``work.requeue``, ``route.bind``, ``kv.pool.*``
+``operator``      requests ``split.set`` (through the planner), ``split.get``, ``svc.stats.*``
+``launcher``      requests ``svc.stats.*`` (reads heartbeats and ``split.applied``)
+``admin``         everything (``evolving-infra tap``, debugging); no service uses it
+================  ==============================================================================
+
+Subscriptions follow the same table (a worker receives only its own ``work.<n>.*``,
+``kv.counts.<n>``, ``kv.resync.<n>``, ``kv.pool.<n>``; only the router and the planner
+(completions for w̄) read ``req.*.out``). Every identity publishes its own
+heartbeat and answers ``svc.stats.<its name>``; replies go back through
+``allow_responses`` and each identity reads only its own inbox prefix
+``_INBOX.<name>.`` (:attr:`NatsAuth.inbox_prefix`), so no one reads another's
+replies. Nobody may use the JetStream API (``$JS.API.>``): the system creates no
+streams, so no client can create one.
+
+Credentials are nkeys (Ed25519 key pairs, the ``nkeys`` package nats-py uses):
+the server holds the public keys, each process a seed file readable only by its
+owner. User/password is the fallback (``EI_NATS_USER`` / ``EI_NATS_PASSWORD``),
+TLS optional (``EI_NATS_TLS_CA`` and, for client certificates,
+``EI_NATS_TLS_CERT`` / ``EI_NATS_TLS_KEY``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import ssl
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+AuthMode = Literal["nkeys", "password", "off"]
+
+KINDS = ("planner", "router", "kvdirectory", "worker", "operator", "launcher", "admin")
+
+
+class AuthError(ValueError):
+    """Credentials are missing, unreadable or inconsistent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """One NATS user: ``name`` (``worker-w0``), its ``kind`` (``worker``) and, for a worker, its node."""
+
+    name: str
+    kind: str
+    node: str = ""
+
+
+def identity(name: str) -> Identity:
+    """The identity of a service instance name: ``worker-w0`` → worker of node ``w0``;
+    ``router``, ``router-1`` → router; other names must be a kind (``planner``, ``operator`` ...).
+
+    Raises:
+        AuthError: for a name of no known kind.
+    """
+    if name.startswith("worker-"):
+        return Identity(name, "worker", name[len("worker-") :])
+    kind = name.split("-", 1)[0]
+    if kind not in KINDS or kind == "worker":
+        raise AuthError(f"no NATS identity kind for {name!r} (kinds: {', '.join(KINDS)})")
+    return Identity(name, kind)
+
+
+def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
+    """The server permissions of one identity: ``{"publish": [...], "subscribe": [...]}`` (full subjects).
+
+    Request subjects are in ``publish`` (the request goes out there); replies need no
+    entry (``allow_responses``). See the module table.
+    """
+    p = f"ei.{partition}."
+    n = ident.node
+    pub: list[str]
+    sub: list[str]
+    if ident.kind == "admin":
+        return {"publish": [">"], "subscribe": [">"]}
+    if ident.kind == "planner":
+        pub = ["split.commands", "planner.decisions", "planner.models"]
+        sub = ["node.iters.*", "node.state.*", "req.*.out", "split.applied", "split.get", "split.set", "split.commands"]
+    elif ident.kind == "router":
+        pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "kv.lookup", "split.get"]
+        sub = ["node.state.*", "split.commands", "planner.models", "req.*.out", "route.bind", "work.requeue"]
+    elif ident.kind == "kvdirectory":
+        pub = ["kv.counts.*", "kv.resync.*"]
+        sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup"]
+    elif ident.kind == "worker":
+        if not n:
+            raise AuthError(f"worker identity {ident.name!r} names no node")
+        pub = [
+            f"kv.events.{n}", f"node.state.{n}", f"node.iters.{n}", "split.applied", "req.*.out",
+            "work.*.decode", "work.requeue", "route.bind", "kv.pool.*", "split.get",
+        ]
+        sub = [f"work.{n}.prefill", f"work.{n}.decode", f"work.{n}.abort", "split.commands", f"kv.counts.{n}", f"kv.resync.{n}", f"kv.pool.{n}"]
+    elif ident.kind == "operator":
+        pub = ["split.set", "split.get", "svc.stats.*"]
+        sub = ["svc.heartbeat.*", "split.applied", "split.commands", "planner.decisions", "node.state.*"]
+    elif ident.kind == "launcher":
+        pub = ["svc.stats.*"]
+        sub = ["svc.heartbeat.*", "split.applied"]
+    else:
+        raise AuthError(f"unknown identity kind {ident.kind!r}")
+    pub = [p + s for s in pub] + [f"{p}svc.heartbeat.{ident.kind}"]
+    sub = [p + s for s in sub] + [f"{p}svc.stats.{ident.name}", f"_INBOX.{ident.name}.>"]
+    return {"publish": pub, "subscribe": sub}
+
+
+# --------------------------------------------------------------------------- #
+# credentials
+# --------------------------------------------------------------------------- #
+
+
+def new_nkey_seed() -> tuple[bytes, str]:
+    """A fresh user nkey: ``(seed, public key)``; the seed is the secret (``SU...``).
+
+    Raises:
+        AuthError: if the ``nkeys`` package is missing.
+    """
+    try:
+        import nkeys
+    except ImportError as e:  # pragma: no cover - a core dependency
+        raise AuthError("nkeys credentials need the 'nkeys' package (pip install nkeys)") from e
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    kp = nkeys.from_seed(bytearray(seed))
+    return seed, kp.public_key.decode()
+
+
+def _write_secret(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+@dataclass
+class Credentials:
+    """Credentials generated for a set of identities (see :func:`generate`).
+
+    ``files[name]`` is the nkey seed file (``nkeys``) or a ``user:password``
+    file (``password``) of identity ``name``; ``server_block`` the
+    ``authorization { ... }`` section for the server's config file.
+    """
+
+    mode: AuthMode
+    directory: Path
+    files: dict[str, Path] = field(default_factory=dict)
+    server_block: str = ""
+
+    def auth_for(self, name: str) -> "NatsAuth":
+        """Client options of identity ``name``.
+
+        Raises:
+            AuthError: no credentials were generated for ``name``.
+        """
+        if name not in self.files:
+            raise AuthError(f"no NATS credentials for {name!r}; have {sorted(self.files)}")
+        return NatsAuth.from_file(self.files[name])
+
+
+def _conf_list(items: Iterable[str]) -> str:
+    return "[" + ", ".join(f'"{s}"' for s in items) + "]"
+
+
+def generate(
+    directory: str | Path, names: Sequence[str], *, partition: str = "p0", mode: AuthMode = "nkeys"
+) -> Credentials:
+    """Create credentials for ``names`` (plus ``operator``, ``launcher`` and ``admin``) in ``directory``.
+
+    Args:
+        directory: created if missing; files are mode 0600.
+        names: service instance names (``planner``, ``router``, ``worker-w0`` ...).
+        partition: the partition whose subjects the permissions name.
+        mode: ``nkeys`` (default) or ``password`` (random 32-byte hex passwords).
+
+    Returns:
+        The credential files and the server's ``authorization`` block.
+
+    Raises:
+        AuthError: a name of no known kind, or ``mode`` is ``off``.
+    """
+    if mode == "off":
+        raise AuthError("generate() needs mode nkeys or password")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    creds = Credentials(mode=mode, directory=d)
+    users: list[str] = []
+    all_names = list(dict.fromkeys([*names, "operator", "launcher", "admin"]))
+    for name in all_names:
+        ident = identity(name)
+        perms = permissions(ident, partition)
+        body = (
+            f"permissions: {{ publish: {{ allow: {_conf_list(perms['publish'])} }}, "
+            f"subscribe: {{ allow: {_conf_list(perms['subscribe'])} }}, allow_responses: true }}"
+        )
+        if mode == "nkeys":
+            seed, public = new_nkey_seed()
+            path = d / f"{name}.nk"
+            _write_secret(path, seed + b"\n")
+            users.append(f'  {{ nkey: "{public}", {body} }}')
+        else:
+            password = secrets.token_hex(32)
+            path = d / f"{name}.pass"
+            _write_secret(path, f"{name}:{password}\n".encode())
+            users.append(f'  {{ user: "{name}", password: "{password}", {body} }}')
+        creds.files[name] = path
+    creds.server_block = "authorization {\n users = [\n" + ",\n".join(users) + "\n ]\n}\n"
+    return creds
+
+
+# --------------------------------------------------------------------------- #
+# client side
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class NatsAuth:
+    """How one client authenticates: nkey seed file, ``.creds`` (JWT) file, or user/password; optional TLS.
+
+    :meth:`connect_options` gives the keyword arguments for ``nats.aio.client.Client.connect``.
+    """
+
+    name: str = ""
+    """Identity name (the inbox prefix ``_INBOX.<name>`` the server lets it read); empty = default inbox."""
+    nkeys_seed: str = ""
+    user_credentials: str = ""
+    user: str = ""
+    password: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.nkeys_seed or self.user_credentials or self.user)
+
+    @property
+    def inbox_prefix(self) -> str:
+        return f"_INBOX.{self.name}" if self.name and self.enabled else "_INBOX"
+
+    @classmethod
+    def from_file(cls, path: str | Path, **tls: str) -> "NatsAuth":
+        """Credentials from a file: an nkey seed (``SU...``, ``*.nk``), a ``.creds`` JWT file,
+        or ``user:password`` (``*.pass``). The identity name is the file's stem.
+
+        Raises:
+            AuthError: the file is missing or holds none of these.
+        """
+        p = Path(path)
+        try:
+            text = p.read_text().strip()
+        except OSError as e:
+            raise AuthError(f"cannot read NATS credentials {p}: {e}") from e
+        name = p.stem
+        if text.startswith("SU"):
+            return cls(name=name, nkeys_seed=str(p), **tls)
+        if "BEGIN NATS USER JWT" in text:
+            return cls(name=name, user_credentials=str(p), **tls)
+        if ":" in text and "\n" not in text:
+            user, password = text.split(":", 1)
+            return cls(name=user, user=user, password=password, **tls)
+        raise AuthError(f"{p}: not an nkey seed (SU...), a .creds file or user:password")
+
+    @classmethod
+    def from_settings(
+        cls, *, creds: str = "", user: str = "", password: str = "", tls_ca: str = "", tls_cert: str = "", tls_key: str = "", name: str = ""
+    ) -> "NatsAuth":
+        """From service settings (``--nats-creds`` / ``EI_NATS_CREDS`` etc.); all empty = no auth.
+
+        Raises:
+            AuthError: unreadable credentials file, or a user without a password.
+        """
+        tls = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
+        if creds:
+            return cls.from_file(creds, **tls)
+        if user:
+            if not password:
+                raise AuthError("a NATS user needs a password (EI_NATS_PASSWORD)")
+            return cls(name=name or user, user=user, password=password, **tls)
+        return cls(**tls)
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.aio.client.Client.connect``.
+
+        Raises:
+            AuthError: unreadable TLS files.
+        """
+        out: dict[str, Any] = {}
+        if self.nkeys_seed:
+            out["nkeys_seed"] = self.nkeys_seed
+        if self.user_credentials:
+            out["user_credentials"] = self.user_credentials
+        if self.user:
+            out["user"], out["password"] = self.user, self.password
+        if self.enabled:
+            out["inbox_prefix"] = self.inbox_prefix
+        if self.tls_ca or self.tls_cert:
+            try:
+                ctx = ssl.create_default_context(cafile=self.tls_ca or None)
+                if self.tls_cert:
+                    ctx.load_cert_chain(self.tls_cert, self.tls_key or None)
+            except (OSError, ssl.SSLError) as e:
+                raise AuthError(f"cannot load NATS TLS files: {e}") from e
+            out["tls"] = ctx
+        return out
+
+
+def auth_from_env(name: str = "") -> NatsAuth:
+    """Client auth from ``EI_NATS_CREDS`` / ``EI_NATS_USER`` + ``EI_NATS_PASSWORD`` / ``EI_NATS_TLS_*``
+    (what the CLI tools use when no flag is given).
+
+    Raises:
+        AuthError: as :meth:`NatsAuth.from_settings`.
+    """
+    e = os.environ.get
+    return NatsAuth.from_settings(
+        creds=e("EI_NATS_CREDS", ""),
+        user=e("EI_NATS_USER", ""),
+        password=e("EI_NATS_PASSWORD", ""),
+        tls_ca=e("EI_NATS_TLS_CA", ""),
+        tls_cert=e("EI_NATS_TLS_CERT", ""),
+        tls_key=e("EI_NATS_TLS_KEY", ""),
+        name=name,
+    )

@@ -1,0 +1,169 @@
+"""Authenticated NATS with least privilege, against a real nats-server (issue 18 must-shows).
+
+* a client without credentials (or with a forged key) cannot connect;
+* a worker's identity cannot publish a split command, another node's KV events or
+  node state, nor read request outputs or use JetStream;
+* on a whole cluster (every service its own process and identity): a hostile split
+  command (published with the planner's own key, the only identity allowed to) does
+  not wedge it, and the operator's ``split set`` afterwards takes effect and serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import httpx
+import nats
+import pytest
+import pytest_asyncio
+
+from evolving_infra.cluster import ClusterSpec, LocalCluster
+from shared import messages as m
+from shared.auth import generate
+from shared.bus import Bus
+from shared.natsserver import EmbeddedNatsServer
+from shared.subjects import KV_EVENTS, NODE_STATE, REQ_OUT, SPLIT_COMMANDS, SVC_STATS, Subjects
+
+NAMES = ["planner", "router", "kvdirectory", "worker-w0", "worker-w1"]
+
+
+@pytest.fixture
+def secured(tmp_path):
+    creds = generate(tmp_path / "creds", NAMES)
+    with EmbeddedNatsServer(auth_block=creds.server_block) as srv:
+        yield srv, creds
+
+
+async def _connect(srv: EmbeddedNatsServer, creds, name: str) -> Bus:
+    return await Bus.connect(srv.url, Subjects("p0"), service=name.split("-")[0], instance=name, auth=creds.auth_for(name), max_reconnect_attempts=0)
+
+
+async def test_no_credentials_no_connection(secured, tmp_path):
+    srv, creds = secured
+    with pytest.raises(Exception, match="Authorization Violation"):
+        await nats.connect(srv.url, allow_reconnect=False, connect_timeout=3)
+    other = generate(tmp_path / "other", ["worker-w0"])  # a well-formed key the server does not know
+    with pytest.raises(Exception, match="Authorization Violation"):
+        await nats.connect(srv.url, allow_reconnect=False, connect_timeout=3, **other.auth_for("worker-w0").connect_options())
+
+
+async def test_worker_identity_is_confined_to_its_own_subjects(secured):
+    srv, creds = secured
+    admin = await _connect(srv, creds, "admin")
+    w0 = await _connect(srv, creds, "worker-w0")
+    seen: list[str] = []
+
+    async def on_any(msg) -> None:
+        seen.append(msg.subject)
+
+    raw = await admin.nc.subscribe("ei.p0.>", cb=on_any)
+    await admin.nc.flush()
+    # forbidden: a split command, w1's KV events and state
+    await w0.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=10**15, phases={"w0": "decode", "w1": "decode"}))
+    await w0.publish(KV_EVENTS, m.KvEventBatch(node="w1", seq=10**12), node="w1")
+    await w0.publish(NODE_STATE, m.NodeState(node="w1", accepting=False), node="w1")
+    # allowed: its own KV events and state
+    await w0.publish(KV_EVENTS, m.KvEventBatch(node="w0", seq=1), node="w0")
+    await w0.publish(NODE_STATE, m.NodeState(node="w0"), node="w0")
+    await w0.nc.flush()
+    for _ in range(50):
+        if len(seen) >= 2 and w0.counters["nats.errors"] >= 3:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    assert sorted(seen) == ["ei.p0.kv.events.w0", "ei.p0.node.state.w0"]
+    assert w0.counters["nats.errors"] >= 3  # the server answered each forbidden publish with a permissions violation
+    # a worker cannot read request outputs nor create a JetStream stream
+    leaked: list[bytes] = []
+
+    async def on_out(msg) -> None:
+        leaked.append(msg.data)
+
+    await w0.nc.subscribe("ei.p0.req.*.out", cb=on_out)
+    await w0.nc.flush()
+    await admin.publish(REQ_OUT, m.TokenChunk(rid="secret", node="w1", token_ids=[1, 2]), rid="secret")
+    await admin.nc.flush()
+    with pytest.raises(Exception):
+        await w0.nc.request("$JS.API.STREAM.CREATE.evil", b'{"name":"evil","subjects":["evil.>"]}', timeout=1.0)
+    await asyncio.sleep(0.3)
+    assert leaked == []
+    await raw.unsubscribe()
+    for b in (w0, admin):
+        await b.close()
+
+
+# --------------------------------------------------------------------------- #
+# whole cluster, auth on (the default of `up`)
+# --------------------------------------------------------------------------- #
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(tmp_path_factory):
+    spec = ClusterSpec(nodes=2, split="1P1D", profile="tiny", speedup=5.0, port=0, block_size=4, log_dir=str(tmp_path_factory.mktemp("logs")), ready_timeout_s=90.0)
+    async with LocalCluster(spec) as c:
+        yield c
+
+
+async def _complete(url: str) -> int:
+    async with httpx.AsyncClient(timeout=30) as http:
+        r = await http.post(url + "/v1/completions", json={"prompt": list(range(1, 13)), "max_tokens": 3})
+        return r.status_code
+
+
+async def _router_epoch(url: str) -> int:
+    async with httpx.AsyncClient(timeout=10) as http:
+        return (await http.get(url + "/v1/cluster")).json()["epoch"]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_hostile_split_does_not_wedge_and_operator_split_set_restores(cluster):
+    assert cluster.creds is not None and cluster.describe()["nats_auth"] == "nkeys"
+    assert await _complete(cluster.router_url) == 200
+    before = await _router_epoch(cluster.router_url)
+    # a stolen planner key (the only identity allowed on split.commands): the issue's forged
+    # command (epoch 10^15, every node decode) and a valid-shaped hostile one (phases swapped)
+    rogue = await Bus.connect(cluster.nats_url, Subjects("p0"), service="planner", instance="planner-rogue", auth=cluster.client_auth("planner"))
+    await rogue.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=10**15, phases={"w0": "decode", "w1": "decode"}))
+    await rogue.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=before + 100, phases={"w0": "decode", "w1": "prefill"}))
+    await rogue.nc.flush()
+    await rogue.close()
+    # the planner re-issues its split above the hostile epoch; service goes on
+    for _ in range(200):
+        if await _router_epoch(cluster.router_url) == before + 101:
+            break
+        await asyncio.sleep(0.05)
+    assert await _router_epoch(cluster.router_url) == before + 101
+    # the operator's split set (through the planner, operator identity) always takes effect
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "evolving_infra.cli", "split", "set", "1P1D", "--nats-url", cluster.nats_url, "--json",
+         "--nats-creds", str(cluster.creds_file("operator"))],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f'"epoch": {before + 102}' in proc.stdout
+    for _ in range(200):
+        if await _router_epoch(cluster.router_url) == before + 102:
+            break
+        await asyncio.sleep(0.05)
+    assert await _router_epoch(cluster.router_url) == before + 102
+    for _ in range(5):
+        assert await _complete(cluster.router_url) == 200
+    # the operator identity cannot publish a split command itself, and a bare split-cli without credentials is refused
+    bare = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "evolving_infra.cli", "split", "get", "--nats-url", cluster.nats_url, "--timeout", "2"],
+        capture_output=True, text=True, timeout=60, env={k: v for k, v in __import__("os").environ.items() if not k.startswith("EI_NATS")},
+    )
+    assert bare.returncode == 2 and "Authorization Violation" in bare.stderr
+    admin = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="auth-test", auth=cluster.client_auth("admin"))
+    try:
+        planner = await admin.request(SVC_STATS, m.StatsRequest(), instance="planner", timeout=5.0)
+        assert planner.counters["split.foreign"] >= 1
+        router = await admin.request(SVC_STATS, m.StatsRequest(), instance="router", timeout=5.0)
+        assert router.counters.get("invalid.split.commands", 0) >= 1  # the all-decode 10^15 command
+        for inst in ("router", "planner", "kvdirectory", "worker-w0", "worker-w1"):
+            st = await admin.request(SVC_STATS, m.StatsRequest(), instance=inst, timeout=5.0)
+            assert st.counters.get("nats.errors", 0) == 0, (inst, st.counters)  # no permission the service needs is missing
+    finally:
+        await admin.close()
