@@ -123,8 +123,8 @@ def samples(nodes: tuple[str, ...] = ("w0", "w1")) -> dict[str, tuple[dict[str, 
                 fitted_at=1.0,
             ),
         ),
-        ROUTE_BIND.template: ({}, m.DecodeBindRequest(rid="fz-1", prefill_node=a, prompt_tokens=256, max_tokens=4)),
-        WORK_REQUEUE.template: ({}, m.WorkRequeue(rid="fz-1", node=a, reason="fuzz", prefill=_prefill())),
+        ROUTE_BIND.template: ({"router": "router"}, m.DecodeBindRequest(rid="fz-1", prefill_node=a, prompt_tokens=256, max_tokens=4)),
+        WORK_REQUEUE.template: ({"router": "router"}, m.WorkRequeue(rid="fz-1", node=a, reason="fuzz", prefill=_prefill())),
     }
     missing = {s.template for s in ALL} - set(out)
     assert not missing, f"no sample for {missing}"

@@ -12,7 +12,7 @@ identity          may publish (relative to ``ei.<partition>.``)
 ``kvdirectory``   ``kv.counts.*``; requests ``kv.resync.*``
 ``worker-<n>``    ``kv.events.<n>``, ``node.state.<n>``, ``node.iters.<n>`` (its own node only),
                   ``split.applied``, ``req.*.out``, ``work.*.decode`` (hand-off to a decode node);
-                  requests ``work.requeue``, ``route.bind``, ``kv.pool.*``
+                  requests ``work.requeue.*``, ``route.bind.*`` (the owning router), ``kv.pool.*``
 ``operator``      requests ``split.set`` (through the planner), ``split.get``, ``svc.stats.*``
 ``launcher``      requests ``svc.stats.*`` (reads heartbeats and ``split.applied``)
 ``admin``         everything (``evolving-infra tap``, debugging); no service uses it
@@ -77,6 +77,22 @@ def identity(name: str) -> Identity:
     return Identity(name, kind)
 
 
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard match: ``*`` is one token, a final ``>`` one or more."""
+    pt, st = pattern.split("."), subject.split(".")
+    for i, p in enumerate(pt):
+        if p == ">":
+            return len(st) > i
+        if i >= len(st) or (p != "*" and p != st[i]):
+            return False
+    return len(pt) == len(st)
+
+
+def allowed(perms: dict[str, Any], action: str, subject: str) -> bool:
+    """True when ``perms`` (from :func:`permissions`) let ``action`` (``publish`` / ``subscribe``) use ``subject``."""
+    return any(subject_matches(p, subject) for p in perms[action])
+
+
 def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
     """The server permissions of one identity: ``{"publish": [...], "subscribe": [...]}`` (full subjects).
 
@@ -94,7 +110,7 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
         sub = ["node.iters.*", "node.state.*", "req.*.out", "split.applied", "split.get", "split.set", "split.commands"]
     elif ident.kind == "router":
         pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "kv.lookup", "split.get"]
-        sub = ["node.state.*", "split.commands", "planner.models", "req.*.out", "route.bind", "work.requeue"]
+        sub = ["node.state.*", "split.commands", "planner.models", "req.*.out", f"route.bind.{ident.name}", f"work.requeue.{ident.name}"]
     elif ident.kind == "kvdirectory":
         pub = ["kv.counts.*", "kv.resync.*"]
         sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup"]
@@ -103,7 +119,7 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
             raise AuthError(f"worker identity {ident.name!r} names no node")
         pub = [
             f"kv.events.{n}", f"node.state.{n}", f"node.iters.{n}", "split.applied", "req.*.out",
-            "work.*.decode", "work.requeue", "route.bind", "kv.pool.*", "split.get",
+            "work.*.decode", "work.requeue.*", "route.bind.*", "kv.pool.*", "split.get",
         ]
         sub = [f"work.{n}.prefill", f"work.{n}.decode", f"work.{n}.abort", "split.commands", f"kv.counts.{n}", f"kv.resync.{n}", f"kv.pool.{n}"]
     elif ident.kind == "operator":

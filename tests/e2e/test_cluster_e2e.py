@@ -160,7 +160,7 @@ async def test_sequence_gap_triggers_resync_from_the_worker(cluster, bus):
 
 async def test_malformed_payload_on_every_subject_is_counted_and_dropped(cluster, bus):
     subjects = Subjects("p0")
-    params = {"node": "w0", "rid": "deadbeef", "service": "worker", "instance": "nobody"}
+    params = {"node": "w0", "rid": "deadbeef", "service": "worker", "instance": "nobody", "router": "router"}
     garbage = b"\xc1\xff not msgpack"
     for s in ALL:
         await bus.publish_raw(subjects.format(s, **{p: params[p] for p in s.params}), garbage)

@@ -1,0 +1,75 @@
+"""The NATS permission table (shared.auth): every subject has a publisher and a subscriber, roles are confined."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from evolving_infra.hostile import samples
+from shared.auth import AuthError, NatsAuth, allowed, generate, identity, permissions, subject_matches
+from shared.subjects import ALL, Subjects
+
+SERVICES = ["planner", "router", "kvdirectory", "worker-w0", "worker-w1", "operator", "launcher"]
+
+
+def _full(template: str, params: dict[str, str]) -> str:
+    return Subjects("p0").prefix + template.format(**params)
+
+
+def test_subject_matching():
+    assert subject_matches("a.*.c", "a.b.c") and not subject_matches("a.*.c", "a.b.d")
+    assert subject_matches("a.>", "a.b.c") and not subject_matches("a.>", "a")
+    assert not subject_matches("a.b", "a.b.c") and subject_matches("a.b.c", "a.b.c")
+
+
+def test_every_subject_has_a_publisher_and_a_subscriber():
+    """A subject the table forgets breaks the cluster silently under auth: this fails first."""
+    perms = {n: permissions(identity(n)) for n in SERVICES}
+    for template, (params, _msg) in samples(("w0", "w1")).items():
+        subject = _full(template, {k: ("router" if k == "router" else v) for k, v in params.items()})
+        pubs = [n for n, p in perms.items() if allowed(p, "publish", subject)]
+        subs = [n for n, p in perms.items() if allowed(p, "subscribe", subject)]
+        assert pubs and subs, (template, pubs, subs)
+    assert {s.template for s in ALL} == set(samples())
+
+
+def test_roles_are_confined():
+    w0 = permissions(identity("worker-w0"))
+    p = Subjects("p0").prefix
+    assert not allowed(w0, "publish", p + "split.commands")
+    assert not allowed(w0, "publish", p + "kv.events.w1") and allowed(w0, "publish", p + "kv.events.w0")
+    assert not allowed(w0, "publish", p + "node.state.w1") and allowed(w0, "publish", p + "node.state.w0")
+    assert not allowed(w0, "publish", p + "work.w1.prefill")
+    assert not allowed(w0, "subscribe", p + "req.x.out") and not allowed(w0, "subscribe", p + "work.w1.prefill")
+    assert not allowed(w0, "subscribe", "_INBOX.router.abc")
+    for n in SERVICES:
+        perm = permissions(identity(n))
+        assert not allowed(perm, "publish", "$JS.API.STREAM.CREATE.x"), n
+        if n != "planner":
+            assert not allowed(perm, "publish", p + "split.commands"), n
+        if n not in ("router", "planner"):
+            assert not allowed(perm, "subscribe", p + "req.r1.out"), n
+        if n != "router":
+            assert not allowed(perm, "publish", p + "work.w0.prefill"), n
+    op = permissions(identity("operator"))
+    assert allowed(op, "publish", p + "split.set") and not allowed(op, "publish", p + "split.commands")
+    with pytest.raises(AuthError):
+        identity("mallory")
+
+
+def test_generate_writes_private_files_and_a_server_block(tmp_path):
+    for mode in ("nkeys", "password"):
+        creds = generate(tmp_path / mode, ["planner", "worker-w0"], mode=mode)
+        assert set(creds.files) == {"planner", "worker-w0", "operator", "launcher", "admin"}
+        for path in creds.files.values():
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert creds.server_block.startswith("authorization {") and "allow_responses: true" in creds.server_block
+        a = creds.auth_for("worker-w0")
+        assert a.enabled and a.inbox_prefix == "_INBOX.worker-w0"
+        opts = a.connect_options()
+        assert opts["inbox_prefix"] == "_INBOX.worker-w0" and ("nkeys_seed" in opts or opts["user"] == "worker-w0")
+    assert not NatsAuth.from_settings().enabled and NatsAuth.from_settings().connect_options() == {}
+    with pytest.raises(AuthError):
+        NatsAuth.from_settings(user="x")
