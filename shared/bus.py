@@ -173,8 +173,17 @@ class Bus:
         return msg
 
     async def publish(self, subject: Subject, msg: msgspec.Struct, **params: str) -> None:
-        """Publish ``msg`` on ``subject`` formatted with ``params``."""
-        await self.nc.publish(self.subjects.format(subject, **params), m.encode(self._stamp(msg)))
+        """Publish ``msg`` on ``subject`` formatted with ``params``.
+
+        Raises:
+            BusError: the client refused the message (connection closed, reconnect buffer
+                full: ``OutboundBufferLimitError``), so that no NATS exception escapes bare.
+        """
+        try:
+            await self.nc.publish(self.subjects.format(subject, **params), m.encode(self._stamp(msg)))
+        except nats.errors.Error as e:
+            self.counters["publish_failed." + subject.template] += 1
+            raise BusError(f"cannot publish on {subject.template}: {type(e).__name__}: {e}") from e
         self.counters["published." + subject.template] += 1
 
     async def publish_raw(self, full_subject: str, payload: bytes) -> None:
@@ -252,7 +261,7 @@ class Bus:
         full = self.subjects.format(subject, **params)
         try:
             raw = await self.nc.request(full, m.encode(self._stamp(msg)), timeout=timeout)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError) as e:
+        except (nats.errors.Error, asyncio.TimeoutError) as e:  # timeout, no responders, closed, buffer full
             self.counters["request_failed." + subject.template] += 1
             raise BusError(f"no reply on {full}: {type(e).__name__}") from e
         try:

@@ -850,7 +850,11 @@ class RouterService:
             return self._error(e.status, e.reason, e.param)
         except BranchError as e:
             return self._error(e.status, e.reason)
-        await self.bus.publish(BRANCH_EVENTS, end)
+        try:
+            await self.bus.publish(BRANCH_EVENTS, end)
+        except BusError as e:
+            self.counters["bus_errors"] += 1
+            return self._error(503, f"message bus unavailable: {e}")
         self.core.end_branch(branch_id, self.clock.now())
         self.counters["branches_ended"] += 1
         return self._json({"branch_id": branch_id, "ended": True})
@@ -886,10 +890,19 @@ class RouterService:
         return b"".join(parts)
 
     async def _completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=False)
+        return await self._bus_guard(self._generate(request, chat=False))
 
     async def _chat(self, request: Request) -> Response:
-        return await self._generate(request, chat=True)
+        return await self._bus_guard(self._generate(request, chat=True))
+
+    async def _bus_guard(self, handler: Coroutine[Any, Any, Response]) -> Response:
+        """A bus failure (NATS down, reconnect buffer full) is a 503 with the reason, never a bare 500."""
+        try:
+            return await handler
+        except BusError as e:
+            self.counters["bus_errors"] += 1
+            self.log.warning("request failed on the message bus", error=str(e))
+            return self._error(503, f"message bus unavailable: {e}")
 
     async def _prepare(self, request: Request, chat: bool) -> tuple[api.BranchHeaders, Any, np.ndarray, int]:
         """Validate headers and body, tokenize; returns (headers, request, token ids, max_tokens).

@@ -224,8 +224,9 @@ class WorkerService:
             set_port_range(*ports)
         slots, slot_bytes = pool_geometry(self.profile, cfg.kv_pool_slot_bytes, cfg.kv_pool_max_bytes)
         self.kvpool = HostKvPool(
-            cfg.node, self.bus, num_slots=slots, slot_bytes=slot_bytes, host=cfg.kv_pool_host, lease_s=cfg.kv_pool_lease_s
-        )
+            cfg.node, self.bus, num_slots=slots, slot_bytes=slot_bytes, host=cfg.kv_pool_host, lease_s=cfg.kv_pool_lease_s,
+            locate_timeout_s=cfg.kv_pool_locate_timeout_s, fetch_timeout_s=cfg.kv_pool_fetch_timeout_s,
+        )  # fmt: skip
         await self.kvpool.start()
         self.log.info("real-bytes host KV pool up", session=self.kvpool.session, slots=slots, slot_bytes=slot_bytes)
 
@@ -633,7 +634,9 @@ class WorkerService:
             c["kvfetch.bytes"] += res.bytes
             if res.error:
                 c["kvfetch.errors"] += 1
-                self.log.warning("real-bytes fetch refused", rid=fs.rid, peer=peer, error=res.error)
+                for why, n in res.reasons.items():  # timeout / error: the pages are recomputed
+                    c[f"kvfetch.failed.{why}"] += n
+                self.log.warning("real-bytes fetch failed; the missing pages are recomputed", rid=fs.rid, peer=peer, error=res.error)
             missing.update(res.missing)
         now = self.clock.now()
         path = [h for _, hs in fs.sources for h in hs]

@@ -13,6 +13,7 @@ unless ``EI_REQUIRE_MOONCAKE`` is set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -172,6 +173,140 @@ async def test_prefix_in_a_peer_l2_is_pulled_with_mooncake_and_every_checksum_ma
             await asyncio.sleep(0.05)
         assert held["w1"].host_blocks >= 40
     finally:
+        await bus.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+FROZEN_PEER_PROFILE = """
+name = "tiny-big-l2"
+description = "tiny with room for a 1,500-page prompt in L1 and L2 (frozen-peer fetch test)"
+gpus_per_node = 1
+block_size = 4
+kv_bytes_per_token = 1000
+[prefill]
+c0 = 0.002
+c1 = 1.0e-5
+c2 = 1.0e-8
+c3 = 1.0e-6
+[decode]
+d0 = 0.002
+d1 = 0.001
+d2 = 0.0005
+active_experts = 2
+experts = 8
+tokens_per_forward = 2.0
+accepted_per_iteration = 1.5
+[memory]
+gpu_kv_tokens = 6400
+host_kv_tokens = 6400
+[links]
+gpu_to_gpu_bytes_per_s = 1.0e8
+gpu_to_gpu_latency_s = 0.001
+peer_fetch_bytes_per_s = 1.0e8
+peer_fetch_latency_s = 0.001
+host_to_gpu_bytes_per_s = 1.0e8
+[scheduler]
+chunk_tokens = 512
+max_running = 8
+"""
+
+
+async def test_a_peer_frozen_mid_read_costs_the_fetch_timeout_then_the_pages_are_recomputed(nats_url, mooncake_or_skip, tmp_path):
+    """Issue #22: w1 pulls a 1,500-page prefix (64 KiB pages, ~100 MB) from w0's pool; w0 is
+    frozen (SIGSTOP) the moment it answers the locate, so the Mooncake read hangs. The fetch
+    gives up after --kv-pool-fetch-timeout-s, the request recomputes the pages and completes;
+    the read's slots come back once w0 runs again."""
+    import signal
+
+    pages, fetch_timeout = 1500, 2.0
+    profile = tmp_path / "big.toml"
+    profile.write_text(FROZEN_PEER_PROFILE)
+    origin = time.time()
+    common = ["--nats-url", nats_url, "--speedup", "1.0", "--clock-origin", repr(origin), "--log-format", "json"]
+    procs, logs = [], []
+    logs.append(tmp_path / "kvdirectory.log")
+    procs.append(_spawn(["services.kvdirectory", *common, "--instance", "kvdirectory", "--block-size", str(BS)], logs[-1]))
+    for node in ("w0", "w1"):
+        lo, hi = pick_port_range()
+        logs.append(tmp_path / f"worker-{node}.log")
+        procs.append(
+            _spawn(
+                ["services.worker", *common, "--instance", f"worker-{node}", "--node", node, "--profile", str(profile),
+                 "--phase", "both", "--kv-pool", "real", "--kv-pool-ports", f"{lo}-{hi}", "--kv-pool-slot-bytes", "65536",
+                 "--kv-pool-fetch-timeout-s", repr(fetch_timeout), "--idle-state-interval-s", "0.2"],
+                logs[-1],
+            )
+        )  # fmt: skip
+    bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-frozen")
+    chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
+    frozen_at: list[float] = []
+
+    async def on_chunk(msg: m.TokenChunk, _s: str) -> None:
+        chunks[msg.rid].append(msg)
+
+    async def run(work: m.PrefillWork, node: str, timeout_s: float) -> list[m.TokenChunk]:
+        await bus.publish(WORK_PREFILL, work, node=node)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(c.finished for c in chunks[work.rid]):
+                return chunks[work.rid]
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"{work.rid} did not finish on {node} within {timeout_s} s")
+
+    try:
+        await bus.subscribe(REQ_OUT, on_chunk)
+        await _wait_up(bus, ["kvdirectory", "worker-w0", "worker-w1"], procs, logs)
+        ids = list(range(10_000, 10_000 + pages))
+        out = await run(_work("warm", ids, tail=1, max_tokens=2), "w0", 60)
+        assert out[-1].finish_reason == "length"
+        longer = _work("pull", ids + [900], tail=1, max_tokens=3)
+        for _ in range(200):
+            reply = await bus.request(KV_LOOKUP, m.KvLookupRequest(block_hashes=longer.block_hashes, block_size=BS), timeout=5.0)
+            if reply.longest_any == pages:
+                break
+            await asyncio.sleep(0.05)
+        plan = fetch_plan_for_reply(reply, "w1")
+        assert plan.fetch_tokens == pages * BS
+        w0 = procs[1]
+
+        async def freeze_on_locate_reply(msg) -> None:  # w0's answer to w1's locate, on w1's inbox
+            if not frozen_at:
+                os.kill(w0.pid, signal.SIGSTOP)
+                frozen_at.append(time.monotonic())
+
+        sub = await bus.nc.subscribe("_INBOX.>", cb=freeze_on_locate_reply)
+        work = m.PrefillWork(**{**{f: getattr(longer, f) for f in longer.__struct_fields__}, "fetch": list(plan.ranges)})
+        t0 = time.monotonic()
+        out = await run(work, "w1", 30)
+        took = time.monotonic() - t0
+        await sub.unsubscribe()
+        assert frozen_at, "w0 never answered the locate"
+        first = out[0]
+        assert out[-1].finish_reason == "length" and sum(len(c.token_ids) for c in out) == 3
+        assert first.fetched_tokens == 0  # nothing came from the frozen peer: the prefix was recomputed
+        assert took < fetch_timeout + 5.0, took  # bounded: the fetch timeout plus the recompute
+        os.kill(w0.pid, signal.SIGCONT)
+        c1 = (await _stats(bus, "worker-w1")).counters
+        assert c1["kvpool.fetch_failed.timeout"] == 1 and c1["kvfetch.failed.timeout"] == pages, c1
+        assert c1["fetch.started"] == 1
+        # the stuck read returns once w0 runs again: its slots are given back
+        for _ in range(100):
+            c1 = (await _stats(bus, "worker-w1")).counters
+            if c1.get("kvpool.abort", 0) >= pages:
+                break
+            await asyncio.sleep(0.1)
+        assert c1.get("kvpool.abort", 0) >= pages, c1
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
         await bus.close()
         for p in procs:
             p.terminate()

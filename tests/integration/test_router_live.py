@@ -638,3 +638,16 @@ async def test_port_file_and_routing_by_name(nats_url, tmp_path):
         assert nodes == ["p0", "p1", "p0", "p1"]
         assert env.cluster.split_gets >= 1
     assert not env.port_file.exists()  # removed on stop
+
+
+async def test_a_bus_failure_is_a_503_with_the_reason_not_a_bare_500(nats_url, tmp_path):
+    """Issue #22: a NATS error while a request is handled (here: the router's connection is
+    closed under it) reaches the client as a JSON 503 saying so, never a plain-text 500."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        await env.service.bus.nc.close()
+        for path, body in (("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):  # fmt: skip
+            r = await env.http.post(path, json=body, headers={"X-Branch-Id": f"b-{len(path)}"})
+            assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+            assert "message bus unavailable" in r.json()["error"]["message"] and "ConnectionClosedError" in r.json()["error"]["message"]
+        assert env.service.counters["bus_errors"] == 2

@@ -42,6 +42,14 @@ class KvPoolSettings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     kv_pool_lease_s: Annotated[
         float, Meta(ge=0, description="wall seconds a holder keeps located slots from reuse")
     ] = 5.0
+    kv_pool_locate_timeout_s: Annotated[
+        float, Meta(gt=0, description="wall seconds to wait for a peer's answer to a locate (kv.pool.<peer>)")
+    ] = 2.0
+    kv_pool_fetch_timeout_s: Annotated[
+        float,
+        Meta(gt=0, description="wall seconds a Mooncake read from a peer may take; past it the fetch fails "
+             "(reason timeout) and the request recomputes the missing pages"),
+    ] = 10.0
 
 
 def parse_port_range(text: str) -> tuple[int, int] | None:

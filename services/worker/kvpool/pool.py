@@ -26,6 +26,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.aio.subscription import Subscription
 
@@ -101,7 +102,10 @@ class HostKvPool:
         payload: ``synthetic`` (hash-derived bytes) or ``external`` (real KV).
         host: address peers reach this process on (its Mooncake session host).
         lease_s: lease asked of holders per fetch (wall seconds).
-        locate_timeout_s: NATS request timeout of PoolLocate.
+        locate_timeout_s: NATS request timeout of PoolLocate (wall s).
+        fetch_timeout_s: longest wall time of the Mooncake read of one fetch; past it
+            :meth:`fetch` returns the blocks as missing (reason ``timeout``) at once, and the
+            slots the read targets come back when the stuck read returns (issue #22).
         verify_identity: with synthetic payloads, also check each fetched
             block against the CRC this node computes from the hash (catches a
             holder storing wrong bytes under a hash), not only against the
@@ -126,6 +130,7 @@ class HostKvPool:
         host: str = "127.0.0.1",
         lease_s: float = 5.0,
         locate_timeout_s: float = 2.0,
+        fetch_timeout_s: float = 10.0,
         verify_identity: bool = True,
         endpoint: MooncakeEndpoint | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -137,6 +142,7 @@ class HostKvPool:
         self.endpoint.register(self.buffer.memory)
         self.lease_s = lease_s
         self.locate_timeout_s = locate_timeout_s
+        self.fetch_timeout_s = fetch_timeout_s
         self.verify_identity = verify_identity and payload == "synthetic"
         self.clock = clock
         self.counters = self.buffer.counters
@@ -314,8 +320,9 @@ class HostKvPool:
         if not want:
             return FetchResult(peer=peer, requested=len(uniq), already=tuple(already), seconds=time.perf_counter() - t0)
 
-        def failed(err: str, locate_s: float) -> FetchResult:
+        def failed(err: str, locate_s: float, reason: str = "error") -> FetchResult:
             self.counters["fetch_errors"] += 1
+            self.counters[f"fetch_failed.{reason}"] += 1
             self.counters["fetch_missing"] += len(want)
             return FetchResult(
                 peer=peer,
@@ -325,7 +332,7 @@ class HostKvPool:
                 seconds=time.perf_counter() - t0,
                 locate_s=locate_s,
                 error=err,
-                reasons={"error": len(want)},
+                reasons={reason: len(want)},
             )
 
         try:
@@ -370,8 +377,26 @@ class HostKvPool:
         expected: dict[int, int] = {}
         transfer_s = verify_s = 0.0
         if reads:
+            # bounded wait: a peer that stops answering mid-read must not hold the request
+            # (issue #22). The thread cannot be interrupted: on timeout the plan's slots are
+            # released only when the read returns (they are its target until then).
+            read = asyncio.ensure_future(asyncio.to_thread(transfer_and_verify))
+
+            def release(_f: asyncio.Future[Any]) -> None:
+                cancel_plan(self.buffer, plan)
+                if not _f.cancelled():
+                    _f.exception()  # retrieved: a late failure is not an unhandled one
+
             try:
-                failed_idx, crcs, expected, transfer_s, verify_s = await asyncio.to_thread(transfer_and_verify)
+                done, _ = await asyncio.wait({read}, timeout=self.fetch_timeout_s)
+            except BaseException:
+                read.add_done_callback(release)
+                raise
+            if not done:
+                read.add_done_callback(release)
+                return failed(f"Mooncake read from {peer} took more than {self.fetch_timeout_s:g} s (fetch_timeout_s)", locate_s, "timeout")
+            try:
+                failed_idx, crcs, expected, transfer_s, verify_s = read.result()
             except BaseException:
                 cancel_plan(self.buffer, plan)
                 raise
