@@ -98,7 +98,7 @@ def cmd_split(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "split",
-        help="show or set the PD split of a live cluster (operator override of the planner)",
+        help="get | set: show or set the PD split of the running cluster (operator override of the planner)",
         description="Ask the planner of a live cluster for its split (get) or to adopt one now (set). The planner checks "
         "the split against its nodes and publishes it under a new epoch; its policy then plans from that split "
         "(the evolving planner restarts its cooldown).",

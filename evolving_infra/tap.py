@@ -129,7 +129,7 @@ def cmd_tap(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "tap",
-        help="print decoded messages of a live cluster",
+        help="print decoded messages of the running cluster (up's, or --nats-url)",
         description="Subscribe to subjects of a partition and print decoded messages live. SUBJECT may be relative to "
         "the partition (e.g. 'kv.events.*', 'node.state.>', 'split.>') or absolute ('ei.p0.>').",
     )
