@@ -24,7 +24,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Annotated, Any, Literal
+import functools
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -34,6 +36,9 @@ PosInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+_T = TypeVar("_T")
 
 
 class ApiError(Exception):
@@ -155,6 +160,20 @@ def _check_common(req: _Sampling) -> None:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
 
+def _bounded_nesting(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """JSON nested deeper than the decoder's recursion limit is a 400, never a 500 (issue 18)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> _T:
+        try:
+            return fn(*args, **kwargs)
+        except RecursionError:
+            raise ApiError(400, "invalid request body: JSON nested too deeply") from None
+
+    return wrapper
+
+
+@_bounded_nesting
 def parse_completion(body: bytes) -> tuple[CompletionRequest, str | list[int]]:
     """Decode and check a completions body.
 
@@ -217,6 +236,7 @@ def _reparse_prompt(body: bytes, err: msgspec.ValidationError) -> tuple[Completi
     raise _decode_error(err) from err
 
 
+@_bounded_nesting
 def parse_chat(body: bytes) -> ChatRequest:
     """Decode and check a chat-completions body.
 
@@ -289,6 +309,7 @@ REQUEST_ID_MAX_LEN = 128
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]+")
 
 
+@_bounded_nesting
 def parse_tool_call(body: bytes) -> tuple[bool, float]:
     """Body of ``POST /v1/branches/{id}/tool-call``: ``{"outstanding": bool, "expected_s": seconds}``,
     both optional (defaults ``true`` and 0 = unknown, held up to the router's ``--max-tool-hold-s``);

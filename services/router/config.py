@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import msgspec
 from msgspec import Meta
 
 from shared.config import CommonConfig
@@ -103,6 +104,24 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         int, Meta(ge=1, description="max_tokens of a chat request that sets neither max_tokens nor max_completion_tokens")
     ] = 256
     max_body_bytes: Annotated[int, Meta(ge=1024, description="largest accepted HTTP request body (bytes); larger gets 413")] = 64 * 1024 * 1024
+    api_keys_file: Annotated[
+        str, Meta(description="file of accepted API keys, one per line (# comments); with keys set, requests need 'Authorization: Bearer <key>' (else 401)")
+    ] = ""
+    api_keys: Annotated[
+        str, Meta(description="accepted API keys, comma-separated (set it through the environment, EI_API_KEYS, not a flag); empty and no file = open")
+    ] = ""
+    api_key_public_paths: Annotated[
+        list[str], Meta(description="paths served without an API key, comma-separated")
+    ] = msgspec.field(default_factory=lambda: ["/healthz", "/health", "/metrics"])
+    api_key_max_inflight: Annotated[
+        int, Meta(ge=0, description="requests one API key may have in flight (streams until they end); one more gets 429; 0 = unlimited")
+    ] = 256
+    header_timeout_s: Annotated[
+        float, Meta(gt=0, description="wall seconds a connection may take to send a complete request head; then it is closed (slowloris)")
+    ] = 10.0
+    body_timeout_s: Annotated[
+        float, Meta(gt=0, description="wall seconds to receive a whole request body; then 408 and the connection is closed")
+    ] = 30.0
     max_id_len: Annotated[int, Meta(ge=1, le=4096, description="longest accepted X-Branch-Id / X-Parent-Branch-Id / X-Agent-Id")] = 256
     max_ended_branches: Annotated[int, Meta(ge=0, description="ended branch ids remembered (duplicate end -> 409)")] = 100_000
     branch_ttl_s: Annotated[

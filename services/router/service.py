@@ -76,6 +76,7 @@ from shared.subjects import (
 )
 
 from services.router import api
+from services.router.ingress import IngressGuard, guarded_h11, load_api_keys
 from services.router.branches import BranchError, BranchTable
 from services.router.config import RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
@@ -246,7 +247,15 @@ class RouterService:
         """Prometheus registry (``GET /metrics`` here and on ``--metrics-port``)."""
         self.registry.register(FuncCollector(lambda: router_families(self)))
         self.port: int | None = None
-        self.app: ASGIApp = _StatusCounter(self._build_app(), self.counters)
+        guard = IngressGuard(
+            self._build_app(),
+            load_api_keys(cfg.api_keys_file, cfg.api_keys),
+            public_paths=cfg.api_key_public_paths,
+            max_inflight=cfg.api_key_max_inflight,
+            counters=self.counters,
+        )
+        self.api_keys_on = guard.enabled
+        self.app: ASGIApp = _StatusCounter(guard, self.counters)
         self._pending: dict[str, _Pending] = {}
         self._parked: dict[str, m.WorkRequeue] = {}
         """Handed-back work that found no eligible node yet (retried on every node state)."""
@@ -300,6 +309,7 @@ class RouterService:
             lifespan="off",
             timeout_graceful_shutdown=5,
             loop="none",
+            http=guarded_h11(self.cfg.header_timeout_s, self.counters),
         )
         self._server = _Server(config)
         self._server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="router-http")
@@ -882,11 +892,16 @@ class RouterService:
             raise api.ApiError(413, f"request body of {cl} bytes exceeds max_body_bytes={limit}")
         parts: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise api.ApiError(413, f"request body exceeds max_body_bytes={limit}")
-            parts.append(chunk)
+        try:
+            async with asyncio.timeout(self.cfg.body_timeout_s):  # a stalled body must not hold the connection
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise api.ApiError(413, f"request body exceeds max_body_bytes={limit}")
+                    parts.append(chunk)
+        except TimeoutError:
+            self.counters["http.body_timeouts"] += 1
+            raise api.ApiError(408, f"request body not received within body_timeout_s={self.cfg.body_timeout_s:g} s") from None
         return b"".join(parts)
 
     async def _completions(self, request: Request) -> Response:

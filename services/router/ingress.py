@@ -1,0 +1,182 @@
+"""Router ingress guards: API keys, per-key concurrency, header read timeout (issue 18).
+
+* :class:`IngressGuard` (ASGI middleware): with API keys configured, every path
+  except the public ones (``/healthz``, ``/health``, ``/metrics`` by default)
+  needs ``Authorization: Bearer <key>``; a missing or unknown key gets 401 with
+  ``WWW-Authenticate: Bearer``. Keys are compared as SHA-256 digests (no key
+  text is kept in memory in the clear beyond loading, and the lookup takes the
+  same time for every wrong key). Each key may have at most ``max_inflight``
+  requests in flight (a stream counts until it ends); one more gets 429 with
+  ``Retry-After``. A 408 (body not received in time) or 413 also closes the
+  connection (``Connection: close``): the rest of that body is never read.
+* :func:`guarded_h11`: uvicorn's h11 protocol with a header deadline: a
+  connection that has not sent a complete request head within
+  ``header_timeout_s`` of opening (or of its previous response) is closed
+  (slowloris). Body read time is bounded by the router (``body_timeout_s``).
+
+Keys come from a file (one per line, ``#`` comments) and/or a comma-separated
+value (``EI_API_KEYS``); see :func:`load_api_keys`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+_JSON = msgspec.json.Encoder()
+
+
+class ApiKeyError(ValueError):
+    """The API key file cannot be read, or it names no key."""
+
+
+def load_api_keys(path: str = "", inline: str = "") -> frozenset[str]:
+    """API keys from a file (one per line; blank lines and ``#`` comments skipped) and a
+    comma-separated string; empty set = no keys (the router is open).
+
+    Raises:
+        ApiKeyError: ``path`` is given but unreadable or holds no key.
+    """
+    keys: set[str] = {k.strip() for k in inline.split(",") if k.strip()}
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ApiKeyError(f"cannot read API keys from {path}: {e}") from e
+        file_keys = {ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")}
+        if not file_keys:
+            raise ApiKeyError(f"{path} holds no API key")
+        keys |= file_keys
+    return frozenset(keys)
+
+
+def _digest(key: str | bytes) -> bytes:
+    return hashlib.sha256(key if isinstance(key, bytes) else key.encode()).digest()
+
+
+def _error(status: int, message: str, code: str) -> bytes:
+    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "error")
+    return _JSON.encode({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+class IngressGuard:
+    """ASGI middleware in front of the router's app (see the module docstring).
+
+    Args:
+        app: the wrapped ASGI app.
+        keys: accepted API keys; empty = no authentication (and no per-key limit).
+        public_paths: paths served without a key.
+        max_inflight: requests in flight per key; 0 = unlimited.
+        counters: where ``http.unauthorized``, ``http.key_limited`` are counted.
+    """
+
+    def __init__(self, app: ASGIApp, keys: Iterable[str], *, public_paths: Iterable[str] = ("/healthz", "/health", "/metrics"),
+                 max_inflight: int = 0, counters: Counter[str] | None = None) -> None:
+        self.app = app
+        self._digests = {_digest(k): f"key{i}" for i, k in enumerate(sorted(keys))}
+        self.public = frozenset(public_paths)
+        self.max_inflight = max_inflight
+        self.inflight: Counter[str] = Counter()
+        self.counters = counters if counters is not None else Counter()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    async def _reply(self, send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), *headers]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] in (408, 413):
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        if not self._digests or scope["path"] in self.public:
+            await self.app(scope, receive, closing_send)
+            return
+        who = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer" and token.strip():
+                    who = self._digests.get(_digest(token.strip()))
+                break
+        if who is None:
+            self.counters["http.unauthorized"] += 1
+            await self._reply(
+                send, 401, _error(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "invalid_api_key"),
+                [(b"www-authenticate", b'Bearer realm="evolving-infra"'), (b"connection", b"close")],
+            )
+            return
+        if self.max_inflight and self.inflight[who] >= self.max_inflight:
+            self.counters["http.key_limited"] += 1
+            await self._reply(
+                send, 429, _error(429, f"this API key has {self.max_inflight} requests in flight; retry when one ends", "too_many_requests"),
+                [(b"retry-after", b"1"), (b"connection", b"close")],
+            )
+            return
+        self.inflight[who] += 1
+        try:
+            await self.app(scope, receive, closing_send)
+        finally:
+            self.inflight[who] -= 1
+            if not self.inflight[who]:
+                del self.inflight[who]
+
+
+def guarded_h11(header_timeout_s: float, counters: Counter[str]) -> type[H11Protocol]:
+    """uvicorn's h11 protocol closing connections whose request head is not complete
+    within ``header_timeout_s`` wall seconds (counted as ``http.header_timeouts``)."""
+
+    class GuardedH11Protocol(H11Protocol):
+        _head_timer: Any = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_expired)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_expired(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or self.cycle.response_complete:  # still waiting for a request head
+                counters["http.header_timeouts"] += 1
+                self.transport.close()
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            before = self.cycle
+            super().handle_events()
+            if self.cycle is not before:  # a request head arrived
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            self._arm()  # the next request's head must come in time too (a pipelined one disarms it)
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol

@@ -1,0 +1,123 @@
+"""Router ingress under hostile HTTP clients (issue 18): API keys, deep JSON, stalled bodies and heads, per-key limit.
+
+Real router (in-process uvicorn on a free port) over a real nats-server, with the
+fake cluster of ``test_router_live`` answering on the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from tests.integration.test_router_live import _wait_for, router_env
+
+BODY = {"prompt": [1, 2, 3], "max_tokens": 2}
+
+
+async def test_api_keys_401_without_or_with_a_wrong_key(nats_url, tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# router keys\nfile-key-1\n\n")
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, api_keys_file=str(keys), api_keys="env-key-2") as env:
+        url = f"http://127.0.0.1:{env.service.port}"
+        async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+            r = await http.post("/v1/completions", json=BODY)
+            assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            for bad in ("Bearer nope", "Basic file-key-1", "Bearer file-key-1x", "file-key-1"):
+                assert (await http.post("/v1/completions", json=BODY, headers={"Authorization": bad})).status_code == 401, bad
+            assert (await http.get("/v1/models")).status_code == 401
+            for key in ("file-key-1", "env-key-2"):
+                r = await http.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 200, r.text
+            assert (await http.get("/healthz")).status_code == 200  # public by default
+        assert env.service.counters["http.unauthorized"] == 6 and env.service.api_keys_on
+
+
+async def test_deep_json_is_400_never_500(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        deep = b"[" * 100_000 + b"]" * 100_000
+        for path, body in (
+            ("/v1/completions", b'{"prompt": ' + deep + b"}"),
+            ("/v1/completions", b'{"prompt": "x", "tool_choice": ' + b'{"a":' * 50_000 + b"1" + b"}" * 50_000 + b"}"),
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": ' + deep + b"}"),
+            ("/v1/completions", deep),
+        ):
+            r = await env.http.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (path, r.status_code, r.text[:200])
+            assert "error" in r.json()
+        assert (await env.http.post("/v1/completions", json=BODY)).status_code == 200
+        assert env.service.counters.get("http_status.500", 0) == 0
+
+
+async def _stalled_body(port: int) -> tuple[bytes, float]:
+    """Send a head announcing 1,000 body bytes, send 10, stall; return what came back and when the server closed."""
+    t0 = time.monotonic()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), timeout=30.0)  # until EOF: the server closes
+    writer.close()
+    return data, time.monotonic() - t0
+
+
+async def test_200_stalled_bodies_are_closed_after_the_read_timeout_and_service_goes_on(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, body_timeout_s=1.0) as env:
+        port = env.service.port
+        stalled = [asyncio.create_task(_stalled_body(port)) for _ in range(200)]
+        await asyncio.sleep(0.3)
+        r = await env.http.post("/v1/completions", json=BODY)  # served while 200 connections stall
+        assert r.status_code == 200
+        results = await asyncio.gather(*stalled)
+        for data, took in results:
+            assert data.startswith(b"HTTP/1.1 408"), data[:100]
+            assert took < 15.0
+        assert env.service.counters["http.body_timeouts"] == 200
+        assert (await env.http.post("/v1/completions", json=BODY)).status_code == 200
+
+
+async def test_stalled_request_head_is_closed(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, header_timeout_s=1.0) as env:
+        t0 = time.monotonic()
+        reader, writer = await asyncio.open_connection("127.0.0.1", env.service.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), timeout=20.0)
+        assert data == b"" and time.monotonic() - t0 < 10.0  # closed without an answer
+        writer.close()
+        # an idle connection after a response is closed the same way
+        reader, writer = await asyncio.open_connection("127.0.0.1", env.service.port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        first = await asyncio.wait_for(reader.read(65536), timeout=10.0)
+        assert first.startswith(b"HTTP/1.1 200")
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost")  # a second head that never ends
+        await writer.drain()
+        rest = await asyncio.wait_for(reader.read(), timeout=20.0)
+        assert rest == b""
+        writer.close()
+        assert env.service.counters["http.header_timeouts"] >= 2
+
+
+async def test_per_key_concurrency_limit_429(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, api_keys="k1,k2", api_key_max_inflight=1) as env:
+        env.cluster.answering.discard("c0")  # c0 records work and never answers: the first request stays in flight
+        url = f"http://127.0.0.1:{env.service.port}"
+        async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+            hold = asyncio.create_task(http.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k1"}))
+            await _wait_for(lambda: len(env.cluster.works) == 1, what="first request dispatched")
+            r = await http.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k1"})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            env.cluster.answering.add("c0")
+            r = await http.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k2"})  # another key is not limited
+            assert r.status_code == 200
+            hold.cancel()
+            try:
+                await hold
+            except (asyncio.CancelledError, httpx.HTTPError):
+                pass
+            await _wait_for(lambda: not env.service.app.app.inflight if hasattr(env.service.app, "app") else True, what="in-flight released")
+            r = await http.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k1"})
+            assert r.status_code == 200
+        assert env.service.counters["http.key_limited"] == 1
