@@ -215,7 +215,7 @@ def _pool_location(r: m.PoolLocation, p: dict[str, str], nodes: Collection[str] 
     _text(r.session, "session", 256)
 
 
-def _branch(e: m.BranchStart | m.BranchEnd, p: dict[str, str], nodes: Collection[str] | None) -> None:
+def _branch(e: m.BranchStart | m.BranchEnd | m.BranchToolCall, p: dict[str, str], nodes: Collection[str] | None) -> None:
     _text(e.branch_id, "branch_id", MAX_ID_LEN)
     if not e.branch_id:
         raise Invalid("empty branch_id")
@@ -223,6 +223,8 @@ def _branch(e: m.BranchStart | m.BranchEnd, p: dict[str, str], nodes: Collection
     if isinstance(e, m.BranchStart):
         _text(e.parent_branch_id, "parent_branch_id", MAX_ID_LEN)
         _text(e.agent_id, "agent_id", MAX_ID_LEN)
+    if isinstance(e, m.BranchToolCall):
+        _dur(e.expected_s, "expected_s")
 
 
 def _placed(r: m.RoutePlaced, p: dict[str, str], nodes: Collection[str] | None) -> None:
@@ -504,6 +506,7 @@ CHECKERS: dict[type, Checker] = {
     m.PoolLocation: _pool_location,
     m.BranchStart: _branch,
     m.BranchEnd: _branch,
+    m.BranchToolCall: _branch,
     m.RoutePlaced: _placed,
     m.NodeState: _node_state,
     m.IterationRecords: _iters,
