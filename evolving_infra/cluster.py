@@ -79,6 +79,14 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """External NATS (``nats_url``): folder with one credentials file per instance
     (``<instance>.nk`` / ``.creds`` / ``.pass``, as ``evolving-infra auth gen`` writes);
     None = connect without credentials."""
+    engine: str = "sim"
+    """Worker engine: ``sim`` or ``torch`` (a real model, ``model_dir``)."""
+    model_dir: str = ""
+    """``torch`` engine: the local Hugging Face model folder every worker loads."""
+    worker_args: tuple[str, ...] = ()
+    """Extra worker flags (e.g. ``--check-invariants``, ``--kv-pool real``)."""
+    max_context_tokens: int = 0
+    """Router: refuse (400) prompt + max_tokens above this (the torch model's context); 0 = no limit."""
 
     def node_ids(self) -> list[str]:
         return [f"w{i}" for i in range(self.nodes)]
@@ -206,7 +214,9 @@ class LocalCluster:
                         str(s.stream_interval),
                         "--tokenizer",
                         s.tokenizer,
-                    ],
+                    ]
+                    + (["--engine", s.engine, "--model", s.model_dir] if s.engine != "sim" else [])
+                    + list(s.worker_args),
                     self.log_dir / f"worker-{node}.log",
                 )
             )
@@ -232,7 +242,8 @@ class LocalCluster:
                     s.model,
                     "--tokenizer",
                     s.tokenizer,
-                ],
+                ]
+                + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else []),
                 self.log_dir / "router.log",
             )
         )

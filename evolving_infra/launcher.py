@@ -46,7 +46,22 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, spe
     g.add_argument("--host", default="127.0.0.1", help="router HTTP bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=port, help=f"router HTTP port; 0 = any free port (default {port})")
     g.add_argument("--routing", default="cache-aware", help="prefill routing policy (default cache-aware)")
-    g.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
+    g.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block (default 64; --engine torch: the profile's page size)"
+    )
+    g.add_argument(
+        "--engine",
+        choices=("sim", "torch"),
+        default="sim",
+        help="worker engine: sim (profile-timed simulated GPU) or torch (a real model from --model DIR; the torch extra)",
+    )
+    g.add_argument(
+        "--model",
+        dest="model_dir",
+        default="",
+        help="--engine torch: local Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
+        "`evolving-infra model init DIR` writes a tiny one",
+    )
     g.add_argument("--partition", default="p0", help="partition name; subjects live under ei.<partition>. (default p0)")
     g.add_argument("--nats-url", default=None, help="use this NATS server instead of starting an embedded one")
     g.add_argument(
@@ -79,11 +94,57 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, spe
     )
 
 
+def _torch_values(args: argparse.Namespace) -> dict[str, object]:
+    """Cluster fields for ``--engine``: with ``torch``, check the model folder here (a clear
+    error at start-up, not in every worker's log), default the profile to ``torch-tiny-cpu``,
+    the block size to the profile's page size (any other is refused), the tokenizer to the
+    model's own, and the served model name to the folder's name."""
+    if args.engine == "sim":
+        if args.model_dir:
+            raise SystemExit("error: --model needs --engine torch")
+        return {"block_size": args.block_size or 64}
+    if not args.model_dir:
+        raise SystemExit("error: --engine torch needs --model DIR (evolving-infra model init DIR writes a tiny one)")
+    try:
+        from services.worker.engines.torch_engine.model import ModelConfig, ModelConfigError
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"error: --engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'")
+    from shared.profile import ProfileError, load_profile
+
+    try:
+        context = ModelConfig.load(args.model_dir).max_position_embeddings
+    except ModelConfigError as e:
+        raise SystemExit(f"error: --model {args.model_dir}: {e}")
+    if args.profile == "gb300-glm52":  # the sim default: a GLM-5.2 node is not this model
+        args.profile = "torch-tiny-cpu"
+    try:
+        page = load_profile(args.profile).block_size
+    except ProfileError as e:
+        raise SystemExit(f"error: --profile {args.profile}: {e}")
+    if args.block_size is not None and args.block_size != page:
+        raise SystemExit(
+            f"error: --block-size {args.block_size} differs from the torch engine's page size {page} "
+            f"(profile {args.profile}); the router, directory and engine must use one block size"
+        )
+    if args.tokenizer == "sim":
+        args.tokenizer = f"hf:{args.model_dir}"
+    return {
+        "engine": "torch",
+        "model_dir": str(Path(args.model_dir).resolve()),
+        "profile": args.profile,
+        "block_size": page,
+        "tokenizer": args.tokenizer,
+        "model": Path(args.model_dir).resolve().name,
+        "max_context_tokens": context,
+    }
+
+
 def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
     try:
         parse_split(args.split, args.nodes)
     except SplitError as e:
         raise SystemExit(f"error: {e}")
+    torch_values = _torch_values(args)
     if args.tokenizer != "sim":  # fail here, with the reason, not in every service's log
         from services.router.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
@@ -111,6 +172,7 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         metrics=args.metrics,
         tokenizer=args.tokenizer,
     )
+    values.update(torch_values)
     values.update(overrides)
     return ClusterSpec(**values)  # type: ignore[arg-type]
 

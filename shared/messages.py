@@ -547,6 +547,12 @@ class DecodeWork(Msg, frozen=True, kw_only=True):
     """See ``PrefillWork.output_offset``."""
     router: str = ""
     """See ``PrefillWork.router``."""
+    output_ids: list[int] = []
+    """Real engines (``torch``): the ``generated`` output token ids the prefill node produced
+    (the decode node continues from the last one); empty for the sim engine."""
+    kv: bytes = b""
+    """Real engines (``torch``): the prompt's K/V pages, ``ceil(prompt / block_size)`` pages
+    of the engine's page layout (``TorchEngine.handoff``); empty for the sim engine."""
 
 
 class DecodeBindRequest(Msg, frozen=True, kw_only=True):

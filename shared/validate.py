@@ -382,6 +382,7 @@ def _decode(w: m.DecodeWork, p: dict[str, str], nodes: Collection[str] | None) -
     _time(w.kv_ready_at, "kv_ready_at")
     _int(w.kv_bytes, "kv_bytes", MAX_BIG)
     _owner(w.attempt, w.output_offset, w.router)
+    _len(w.output_ids, "output_ids", w.max_tokens)
 
 
 def _abort(a: m.RequestAbort, p: dict[str, str], nodes: Collection[str] | None) -> None:

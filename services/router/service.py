@@ -962,6 +962,11 @@ class RouterService:
             raise api.ApiError(400, "prompt encodes to no tokens", param="prompt")
         if arr.size > self.cfg.max_prompt_tokens:
             raise api.ApiError(400, f"prompt has {arr.size} tokens; at most {self.cfg.max_prompt_tokens} allowed", param="prompt")
+        ctx = self.cfg.max_context_tokens
+        if ctx and arr.size + max_tokens > ctx:
+            raise api.ApiError(
+                400, f"prompt ({arr.size} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {ctx} tokens", param="max_tokens"
+            )
         top = int(arr.max())
         if top >= self.tokenizer.vocab_size:
             raise api.ApiError(400, f"token id {top} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param="prompt")

@@ -25,7 +25,18 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     phase: Annotated[
         Literal["prefill", "decode", "both"], Meta(description="phase served at start: prefill, decode or both (collocated)")
     ] = "both"
-    engine: Annotated[Literal["sim"], Meta(description="engine kind; sim = profile-timed simulated GPU")] = "sim"
+    engine: Annotated[
+        Literal["sim", "torch"],
+        Meta(description="engine kind; sim = profile-timed simulated GPU, torch = a real model (--model DIR, torch extra)"),
+    ] = "sim"
+    model: Annotated[
+        str, Meta(description="torch engine: local Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+    ] = ""
+    dtype: Annotated[
+        Literal["", "float32", "bfloat16", "float16"],
+        Meta(description="torch engine: weight/KV dtype; empty = float32 on CPU, bfloat16 on CUDA"),
+    ] = ""
+    device: Annotated[str, Meta(description="torch engine: cpu, cuda or cuda:N; empty = cuda when present, else cpu")] = ""
     tokenizer: Annotated[
         str,
         Meta(description="the router's tokenizer (sim | hf:<local path>); with hf the sim engine emits only ids of "

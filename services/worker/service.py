@@ -48,7 +48,7 @@ import structlog
 from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
-from shared.profile import load_profile
+from shared.profile import Profile, load_profile
 from shared.validate import epoch_step_ok
 from shared.subjects import (
     KV_COUNTS,
@@ -77,7 +77,23 @@ from services.worker.plan import HandOff, IterationPlan, SchedulerError, TokensO
 from services.worker.scheduler import EngineScheduler
 
 ENGINES: dict[str, type[SimEngine]] = {"sim": SimEngine}
-"""Engine kinds by ``WorkerConfig.engine``."""
+"""Engine kinds by ``WorkerConfig.engine`` (``torch``: :func:`make_torch_engine`)."""
+
+
+def make_torch_engine(cfg: WorkerConfig, profile: Profile) -> Engine:
+    """The ``torch`` engine of ``cfg`` (imported lazily: torch is an extra).
+
+    Raises:
+        ValueError: no ``--model``, the torch extra missing, or a model folder the engine
+            cannot serve (``ModelConfigError``: missing/unsupported config or weights).
+    """
+    if not cfg.model:
+        raise ValueError("--engine torch needs --model DIR (a local Hugging Face model folder)")
+    try:
+        from services.worker.engines.torch_engine.engine import TorchEngine
+    except ModuleNotFoundError as e:
+        raise ValueError(f"--engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'") from e
+    return TorchEngine(profile, cfg.model, dtype=cfg.dtype or None, device=cfg.device or None, check=cfg.check_invariants)
 
 
 @dataclass(slots=True)
@@ -154,7 +170,7 @@ class WorkerService:
         )
         if vocab is None and cfg.tokenizer != "sim":
             vocab = output_vocabulary(load_tokenizer(cfg.tokenizer))
-        self.engine: Engine = ENGINES[cfg.engine](self.profile, vocab)
+        self.engine: Engine = make_torch_engine(cfg, self.profile) if cfg.engine == "torch" else ENGINES[cfg.engine](self.profile, vocab)
         self.counters: Counter[str] = Counter()
         self.registry = make_registry(bus)
         """Prometheus registry served on ``--metrics-port`` (``services/worker/prom.py``)."""
@@ -275,6 +291,8 @@ class WorkerService:
         counters["iterations"] = self.core.iterations
         for k, v in self.core.fetch_counters.items():
             counters[f"fetch.{k}"] = v
+        for k, v in getattr(self.engine, "counters", {}).items():  # the torch engine's KV paths
+            counters[f"engine.{k}"] = v
         if self.kvpool is not None:
             pc, pg = self.kvpool.stats()
             counters.update(pc)
@@ -321,6 +339,10 @@ class WorkerService:
                 except ValueError as e:
                     raise WorkRejected(work.rid, str(e)) from None
             late = work.decode_binding == "start" and work.decode_node is None and self.core.phase == "prefill"
+            try:
+                self.engine.accept_prefill(work)
+            except ValueError as e:
+                raise WorkRejected(work.rid, str(e)) from None
             self.core.add_prefill(work, now, decode_later=late)
         except WorkRejected as e:
             await self._reject(e, now, attempt=work.attempt)
@@ -354,6 +376,10 @@ class WorkerService:
         try:
             if not self.accepting:
                 raise WorkRejected(work.rid, f"node {self.node} is shutting down")
+            try:
+                self.engine.accept_decode(work)
+            except ValueError as e:
+                raise WorkRejected(work.rid, str(e)) from None
             self.core.add_decode(work, now)
         except WorkRejected as e:
             await self._reject(e, now, attempt=work.attempt)
@@ -661,6 +687,7 @@ class WorkerService:
         # drain pending events and snapshot in one synchronous step, so the
         # snapshot is exactly the state after batch `seq`
         events = self.core.take_kv_events()
+        self.engine.on_kv_events(events, self.core.requests, self.core.snapshot)
         gpu, gpu_parents, host, host_parents = self.core.snapshot_parents()
         if events and self.kvpool is not None:
             self.kvpool.apply_kv_events(events)
@@ -709,7 +736,7 @@ class WorkerService:
             return
         if time.time() - self._last_state_wall >= self.cfg.state_interval_s:
             await self._publish_state(now)
-        duration = self.engine.execute(plan)
+        duration = await asyncio.to_thread(self.engine.execute, plan) if self.engine.threaded else self.engine.execute(plan)
         end = plan.start + duration
         if self.engine.simulated:
             end = await self._wait_for_plan_end(plan, end)
@@ -817,7 +844,7 @@ class WorkerService:
     async def _handoff(self, h: HandOff) -> None:
         self._streams.pop(h.rid, None)
         self._owners.pop(h.rid, None)
-        await self.bus.publish(WORK_DECODE, h.work, node=h.decode_node)
+        await self.bus.publish(WORK_DECODE, self.engine.handoff(h.work), node=h.decode_node)
         self.counters["requests.handed_off"] += 1
 
     # ------------------------------------------------------------------ #
@@ -849,6 +876,7 @@ class WorkerService:
 
     async def _flush_kv(self, now: float) -> None:
         events = self.core.take_kv_events()
+        self.engine.on_kv_events(events, self.core.requests, self.core.snapshot)
         if not events:
             return
         if self.kvpool is not None:  # the real-bytes pool mirrors L2 (host-tier events)

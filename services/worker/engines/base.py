@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from typing import Any
+
+from shared.messages import DecodeWork, KvEvent, PrefillWork
 from services.worker.plan import IterationPlan
 
 
@@ -19,6 +22,9 @@ class Engine(ABC):
 
     name: str = ""
     """Engine kind reported in ``NodeState.engine`` (``sim``)."""
+    threaded: bool = False
+    """True if the shell should run :meth:`execute` in a worker thread (a real forward pass:
+    the event loop keeps serving heartbeats and inputs meanwhile)."""
     simulated: bool = True
     """True if executing a plan takes no wall time: the shell then waits until the
     plan's end on the simulated clock (``SimClock.wall_at(plan.start + duration)``)."""
@@ -32,3 +38,22 @@ class Engine(ABC):
     def output_tokens(self, rid: str, start: int, count: int) -> list[int]:
         """Token ids of request ``rid`` at output positions ``[start, start + count)``
         that the last executed plans produced."""
+
+    # Hooks of engines that hold real KV (the torch engine); the sim engine keeps the defaults.
+
+    def accept_prefill(self, work: PrefillWork) -> None:
+        """Called before the scheduler queues ``work``. Raises ValueError to refuse it
+        (e.g. a prompt longer than the model's context)."""
+
+    def accept_decode(self, work: DecodeWork) -> None:
+        """Called before the scheduler takes a hand-off (``work.kv`` carries K/V bytes
+        a real engine needs). Raises ValueError to refuse it."""
+
+    def on_kv_events(self, events: list[KvEvent], live: Any, snapshot: Any = None) -> None:
+        """Every batch of KV events the shell drains (also an empty one), in order;
+        ``live`` holds the rids the scheduler still has; ``snapshot()`` returns the
+        pools' ``(L1 hashes, L2 hashes)`` (for an engine's invariant check)."""
+
+    def handoff(self, work: DecodeWork) -> DecodeWork:
+        """The hand-off message to publish for a request whose prefill finished here."""
+        return work

@@ -138,8 +138,8 @@ def test_handoff_decodes_from_real_pages(model):
         p.add_prefill(work(rid, pr, 9, decode_node="d"))
     p.run()
     assert len(p.handoffs) == 4
-    for h, kv in p.handoffs:
-        d.add_decode(h.work, kv)
+    for h in p.handoffs:
+        d.add_decode(h.work)
     d.run()
     for rid, pr in prompts.items():
         got = d.finished[rid].tokens

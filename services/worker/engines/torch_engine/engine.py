@@ -36,7 +36,10 @@ profile must have ``tokens_per_forward == accepted_per_iteration == 1``.
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,19 @@ from shared.profile import Profile
 from services.worker.engines.base import Engine
 from services.worker.engines.torch_engine.model import ModelConfigError, PagedDecoder, SeqBatch
 from services.worker.plan import IterationPlan
+
+
+def _locked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a method under the engine's lock: the live shell runs :meth:`TorchEngine.execute`
+    in a worker thread (so the event loop keeps publishing heartbeats) while its handlers
+    register work and apply KV events."""
+
+    @functools.wraps(fn)
+    def wrapper(self: TorchEngine, *args: Any, **kw: Any) -> Any:
+        with self._lock:
+            return fn(self, *args, **kw)
+
+    return wrapper
 
 
 class KvMapError(RuntimeError):
@@ -100,6 +116,8 @@ class TorchEngine(Engine):
 
     name = "torch"
     simulated = False
+    threaded = True
+    """The shell runs :meth:`execute` in a worker thread (methods take the engine's lock)."""
 
     def __init__(
         self,
@@ -149,6 +167,7 @@ class TorchEngine(Engine):
         self._incoming: dict[int, torch.Tensor] = {}
         """Hand-off pages by hash, until their BlockStored(gpu) (or until already resident)."""
         self.check_each = check
+        self._lock = threading.RLock()
         self.counters: dict[str, int] = {}
         """``restored_pages``, ``written_through``, ``handoff_pages_in``, ``fetched_pages``,
         ``dedup_pages``, ``forwards``, ``tokens``."""
@@ -167,6 +186,7 @@ class TorchEngine(Engine):
             return f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds the model's context of {limit} tokens"
         return None
 
+    @_locked
     def accept_prefill(self, work: PrefillWork) -> None:
         """Register the prompt of ``work`` (before the scheduler queues it).
 
@@ -180,22 +200,30 @@ class TorchEngine(Engine):
             raise ValueError(err)
         self.seqs[work.rid] = _Seq(prompt=ids)
 
-    def accept_decode(self, work: DecodeWork, kv: torch.Tensor | None) -> None:
-        """Register a hand-off: ``work.token_ids`` holds the prompt then the output
-        produced so far (see :meth:`handoff_work`); ``kv`` is the prompt's K/V,
-        ``[pages, layers, 2, block_size, kv_heads, head_dim]`` with
-        ``pages = ceil(prompt / block_size)`` (see :meth:`take_handoff`).
+    @_locked
+    def accept_decode(self, work: DecodeWork) -> None:
+        """Register a hand-off: ``work.token_ids`` holds the prompt, ``work.output_ids`` the
+        output produced so far, ``work.kv`` the prompt's K/V pages (as :meth:`handoff`
+        writes them): ``ceil(prompt / block_size)`` pages of ``[layers, 2, block_size,
+        kv_heads, head_dim]`` in this engine's dtype.
 
         Raises:
             ValueError: token ids or KV missing or of the wrong size.
         """
-        n = work.prompt_tokens + work.generated
+        n = work.prompt_tokens
         ids = self._ids(work.rid, work.token_ids, n, n)
+        if len(work.output_ids) != work.generated or any(not 0 <= t < self.cfg.vocab_size for t in work.output_ids):
+            raise ValueError(f"{work.rid}: hand-off has {len(work.output_ids)} output ids in the vocabulary, expected {work.generated}")
         pages = -(-work.prompt_tokens // self.page_size)
-        if kv is None or kv.shape[0] != pages or tuple(kv.shape[1:]) != tuple(self.host.shape[1:]):
-            got = None if kv is None else tuple(kv.shape)
-            raise ValueError(f"{work.rid}: hand-off KV of shape {got}, expected {pages} pages of {tuple(self.host.shape[1:])}")
-        s = _Seq(prompt=ids[: work.prompt_tokens], out=ids[work.prompt_tokens :])
+        per_page = self.host[0].numel() * self.host.element_size()
+        if len(work.kv) != pages * per_page:
+            raise ValueError(
+                f"{work.rid}: hand-off carries {len(work.kv)} bytes of KV, expected {pages} pages × {per_page} B "
+                "(same model, dtype and page size on both nodes)"
+            )
+        raw = torch.frombuffer(bytearray(work.kv), dtype=torch.uint8)
+        kv = raw.view(self.host.dtype).reshape(pages, *self.host.shape[1:])
+        s = _Seq(prompt=ids, out=list(work.output_ids))
         s.incoming = {i: kv[i] for i in range(pages)}
         s.path = list(work.block_hashes)
         for i, h in enumerate(work.block_hashes):
@@ -213,25 +241,36 @@ class TorchEngine(Engine):
             raise ValueError(f"{rid}: token id {max(ids)} outside the model's vocabulary ({self.cfg.vocab_size})")
         return ids
 
-    def handoff_work(self, work: DecodeWork) -> DecodeWork:
-        """The hand-off message with the output produced here appended to ``token_ids``."""
-        import msgspec
-
-        from shared.hashing import pack_tokens
-
-        s = self.seqs[work.rid]
-        return msgspec.structs.replace(work, token_ids=pack_tokens(s.prompt + s.out[: work.generated]))
-
-    def take_handoff(self, rid: str) -> torch.Tensor:
-        """The prompt K/V of a request that finished its prefill here for another node
-        (captured when its last chunk ran), ``[pages, layers, 2, block_size, kv_heads,
-        head_dim]`` on the host; removed from the engine.
+    @_locked
+    def handoff(self, work: DecodeWork) -> DecodeWork:
+        """The hand-off of a request whose prefill finished here: ``output_ids`` = the
+        output produced here, ``kv`` = the prompt's K/V pages (captured when its last
+        chunk ran; see :meth:`accept_decode` for the layout).
 
         Raises:
-            KeyError: no hand-off pending for ``rid``.
+            KeyError: ``work.rid`` did not finish a prefill for another node here.
         """
-        return self._handoffs.pop(rid)
+        import msgspec
 
+        s = self.seqs[work.rid]
+        kv = self._handoffs.pop(work.rid)
+        self._count("handoff_pages_out", kv.shape[0])
+        raw = kv.contiguous().view(torch.uint8).numpy().tobytes()
+        return msgspec.structs.replace(work, output_ids=s.out[: work.generated], kv=raw)
+
+    @_locked
+    def on_kv_events(self, events: list[KvEvent], live: Any, snapshot: Any = None) -> None:
+        """The shell's hook: :meth:`apply_kv_events` with gc, then (``check`` mode, with
+        the pools' ``snapshot``) :meth:`check`.
+
+        Raises:
+            KvMapError: see :meth:`apply_kv_events` and :meth:`check`.
+        """
+        self.apply_kv_events(events, live)
+        if self.check_each and snapshot is not None:
+            self.check(*snapshot())
+
+    @_locked
     def put_fetched(self, h: int, kv: torch.Tensor) -> None:
         """Real bytes of page ``h`` fetched from a peer's L2, ``[layers, 2, block_size,
         kv_heads, head_dim]``; stored into L2 at its ``BlockStored(host)`` event."""
@@ -265,6 +304,7 @@ class TorchEngine(Engine):
             self.k_cache[i][page].copy_(kv[i, 0])
             self.v_cache[i][page].copy_(kv[i, 1])
 
+    @_locked
     def apply_kv_events(self, events: list[KvEvent], live: set[str] | dict[str, Any] | None = None) -> None:
         """Apply one drained batch of the scheduler's KV events (see module docstring),
         then settle deduplicated pages and, with ``live`` (the scheduler's requests),
@@ -388,6 +428,7 @@ class TorchEngine(Engine):
     # execution
     # ------------------------------------------------------------------ #
 
+    @_locked
     def execute(self, plan: IterationPlan) -> float:
         """Run the plan's iterations (one forward each) and return the measured wall
         seconds. Sets ``plan.iteration_s`` to the measured time per iteration (and
@@ -511,6 +552,7 @@ class TorchEngine(Engine):
                 n = -(-len(s.prompt) // ps)
                 self._handoffs[r.rid] = torch.stack([self._page_kv(p) for p in s.table[:n]]).cpu()
 
+    @_locked
     def output_tokens(self, rid: str, start: int, count: int) -> list[int]:
         """Token ids of ``rid`` at output positions ``[start, start + count)``.
 
@@ -523,6 +565,7 @@ class TorchEngine(Engine):
     # invariants
     # ------------------------------------------------------------------ #
 
+    @_locked
     def check(self, gpu_hashes: list[int], host_hashes: list[int], *, bytes_check: bool = True) -> None:
         """Prove the physical map matches the pools (``scheduler.snapshot()``): L1 pages
         = the L1 pool's hashes, L2 slots = the L2 pool's, pages and slots conserved,

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from shared.messages import DecodeWork, PrefillWork
 from shared.profile import Profile
 from services.worker.engines.torch_engine.engine import TorchEngine
@@ -38,7 +36,8 @@ class LocalNode:
 
     Args:
         node: node id; profile: its profile; model_dir: the model folder;
-        phase: ``prefill``, ``decode`` or ``both``; check: full invariants after every step.
+        phase: ``prefill``, ``decode`` or ``both``; check: full invariants after every step;
+        device, dtype: as :class:`TorchEngine`.
     """
 
     node: str
@@ -46,33 +45,35 @@ class LocalNode:
     model_dir: str
     phase: str = "both"
     check: bool = True
+    device: str | None = None
+    """``cpu``/``cuda``; None = cuda when present."""
+    dtype: str | None = None
+    """None = float32 on CPU, bfloat16 on CUDA."""
     now: float = 0.0
     core: EngineScheduler = field(init=False)
     engine: TorchEngine = field(init=False)
-    handoffs: list[tuple[HandOff, torch.Tensor]] = field(default_factory=list)
+    handoffs: list[HandOff] = field(default_factory=list)
+    """Hand-offs this node produced; their ``work.kv`` carries the prompt's K/V."""
     finished: dict[str, Finished] = field(default_factory=dict)
     cached: dict[str, int] = field(default_factory=dict)
     records: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.core = EngineScheduler(self.node, self.profile, self.phase, check_invariants=self.check)  # type: ignore[arg-type]
-        self.engine = TorchEngine(self.profile, self.model_dir, check=self.check)
+        self.engine = TorchEngine(self.profile, self.model_dir, dtype=self.dtype, device=self.device, check=self.check)
         self._drain()
 
     def _drain(self) -> None:
-        self.engine.apply_kv_events(self.core.take_kv_events(), self.core.requests)
-        if self.check:
-            gpu, host = self.core.snapshot()
-            self.engine.check(gpu, host)
+        self.engine.on_kv_events(self.core.take_kv_events(), self.core.requests, self.core.snapshot)
 
     def add_prefill(self, work: PrefillWork) -> None:
         """Queue prefill work (raises WorkRejected / ValueError as the scheduler / engine do)."""
         self.engine.accept_prefill(work)
         self.core.add_prefill(work, self.now)
 
-    def add_decode(self, work: DecodeWork, kv: torch.Tensor) -> None:
-        """Accept a hand-off with its prompt K/V (``TorchEngine.take_handoff`` of the prefill node)."""
-        self.engine.accept_decode(work, kv)
+    def add_decode(self, work: DecodeWork) -> None:
+        """Accept a hand-off carrying its prompt K/V (``TorchEngine.handoff`` of the prefill node)."""
+        self.engine.accept_decode(work)
         self.core.add_decode(msgspec_replace(work, kv_ready_at=self.now), self.now)
 
     def step(self) -> bool:
@@ -92,8 +93,7 @@ class LocalNode:
                     toks = self.engine.output_tokens(o.rid, 0, o.index + o.count)
                     self.finished[o.rid] = Finished(o.rid, toks, self.cached.get(o.rid, 0))
             elif isinstance(o, HandOff):
-                work = self.engine.handoff_work(o.work)
-                self.handoffs.append((HandOff(o.rid, o.decode_node, work, o.at), self.engine.take_handoff(o.rid)))
+                self.handoffs.append(HandOff(o.rid, o.decode_node, self.engine.handoff(o.work), o.at))
         self.records.extend(self.core.take_records())
         self._drain()
         return True
