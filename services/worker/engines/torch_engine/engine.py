@@ -96,6 +96,8 @@ class _Seq:
     """Hand-off: the prompt's block hashes (keys of the engine's incoming pages)."""
     computed: int = 0
     """Tokens whose K/V are in ``table``'s pages."""
+    offset: int = 0
+    """Output position of ``out[0]`` for the client (``output_offset`` of a re-dispatched request)."""
 
 
 class TorchEngine(Engine):
@@ -198,7 +200,7 @@ class TorchEngine(Engine):
         err = self.context_error(work.prompt_tokens, work.max_tokens)
         if err:
             raise ValueError(err)
-        self.seqs[work.rid] = _Seq(prompt=ids)
+        self.seqs[work.rid] = _Seq(prompt=ids, offset=work.output_offset)
 
     @_locked
     def accept_decode(self, work: DecodeWork) -> None:
@@ -223,7 +225,7 @@ class TorchEngine(Engine):
             )
         raw = torch.frombuffer(bytearray(work.kv), dtype=torch.uint8)
         kv = raw.view(self.host.dtype).reshape(pages, *self.host.shape[1:])
-        s = _Seq(prompt=ids, out=list(work.output_ids))
+        s = _Seq(prompt=ids, out=list(work.output_ids), offset=work.output_offset)
         s.incoming = {i: kv[i] for i in range(pages)}
         s.path = list(work.block_hashes)
         for i, h in enumerate(work.block_hashes):
@@ -554,12 +556,14 @@ class TorchEngine(Engine):
 
     @_locked
     def output_tokens(self, rid: str, start: int, count: int) -> list[int]:
-        """Token ids of ``rid`` at output positions ``[start, start + count)``.
+        """Token ids of ``rid`` at output positions ``[start, start + count)`` (positions of the
+        client's output: a re-dispatched request's first output here is ``output_offset``).
 
         Raises:
             KeyError: ``rid`` unknown (already forgotten by :meth:`gc`).
         """
-        return self.seqs[rid].out[start : start + count]
+        s = self.seqs[rid]
+        return s.out[start - s.offset : start - s.offset + count]
 
     # ------------------------------------------------------------------ #
     # invariants
