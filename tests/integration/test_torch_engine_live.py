@@ -58,7 +58,7 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
         return [rng.randrange(3, 500) for _ in range(n)]
 
     async with LocalCluster(spec) as cluster:
-        bus = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="test-torch")
+        bus = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="test-torch", auth=cluster.client_auth("admin"))
         chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
         applied: list[m.SplitApplied] = []
 
