@@ -272,7 +272,12 @@ async def _demo(args: argparse.Namespace) -> int:
         replayer = LiveReplayer(
             cluster.router_url, clock, block_size=trace.header.block_size, model=spec.model, vocab_size=_vocab_size(spec.tokenizer)
         )
-        result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency))
+        state = _write_state({**cluster.describe(), "partition": spec.partition})  # `tap` / `split get` during the demo
+        try:
+            result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency))
+        finally:
+            if state is not None:
+                state.unlink(missing_ok=True)
         cluster.check_alive()
         timeline = cluster.timeline()
     ideal = annotate_ideal(result.records, {r.id: r for r in requests}, trace.header.block_size)

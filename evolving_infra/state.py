@@ -1,6 +1,6 @@
 """How command-line tools find the running local cluster: the state file ``up`` writes.
 
-``evolving-infra up`` writes ``<state dir>/up-<pid>.json`` once every service is healthy —
+``evolving-infra up`` (and ``demo``, while it replays) writes ``<state dir>/up-<pid>.json`` once every service is healthy —
 the router URL, the NATS URL, the partition, the log folder and every process id — and
 removes it when it stops cleanly. ``split`` and ``tap`` read it when no ``--nats-url`` is
 given. A file whose launcher process is gone (killed, machine rebooted) is stale: it is

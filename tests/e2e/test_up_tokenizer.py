@@ -5,6 +5,7 @@ of the streamed text (tokenizing it, as AIPerf and guidellm do) equals ``usage``
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -88,7 +89,16 @@ def test_demo_with_a_real_tokenizer_completes_every_request(tmp_path):
         sys.executable, "-m", "evolving_infra.cli", "demo", "--sessions", "2", "--concurrency", "2", "--speedup", "100",
         "--tokenizer", f"hf:{folder}", "--out", str(tmp_path / "demo"),
     ]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    state = tmp_path / "state"  # the demo's state file lets `tap` / `split get` find it while it replays
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "EI_STATE_DIR": str(state)})
+    seen: list[dict] = []
+    deadline = time.monotonic() + 170
+    while p.poll() is None and time.monotonic() < deadline:
+        seen += [json.loads(f.read_text()) for f in state.glob("up-*.json")] if not seen else []
+        time.sleep(0.2)
+    out = p.communicate(timeout=10)[0]
+    assert p.returncode == 0, out[-3000:]
+    assert seen and seen[0]["pid"] == p.pid and seen[0]["router_url"].startswith("http://")
+    assert not list(state.glob("up-*.json"))  # removed when the demo ends
     report = json.loads((tmp_path / "demo" / "report.json").read_text())
     assert report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"] > 0
