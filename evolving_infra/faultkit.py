@@ -280,6 +280,10 @@ class FaultRun:
     wrong_length: int = 0
     """Completed requests whose output length differs from the trace's (a repeated or lost token)."""
     failures: list[tuple[int, str]] = field(default_factory=list)
+    groups: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per router (its clients' share of the agents): sent, completed, lost, and of the lost
+    ``refused`` (the router was gone when the request was sent: a client would reconnect to
+    another router) and ``broken`` (a stream open on it when it died, or any other failure)."""
     router_counters: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
@@ -381,7 +385,8 @@ async def replay_with_faults(
         return await rep.run([r for r in requests if r.agent in keep], Arrival(kind="closed", concurrency=max(1, concurrency // len(routers))))
 
     injector = asyncio.create_task(inject())
-    results = await asyncio.gather(*(one(i, g) for i, g in zip(routers, groups) if g))
+    used = [(i, g) for i, g in zip(routers, groups) if g]
+    results = await asyncio.gather(*(one(i, g) for i, g in used))
     await injector
     wall = time.monotonic() - t0
     records = [r for res in results for r in res.records]
@@ -398,7 +403,14 @@ async def replay_with_faults(
         victims = [r.finished_at for r in completed if r.finished_at is not None and r.sent_at <= t_fault < r.finished_at]
         if victims:
             recover = round((max(victims) - t_fault) / fc.spec.speedup, 3)
+    by_group: dict[str, dict[str, int]] = {}
+    for (i, _g), res in zip(used, results):
+        bad = [r for r in res.records if not r.ok]
+        refused = sum(1 for r in bad if (r.error or "").startswith("ConnectError"))
+        by_group[names[i]] = {"sent": len(res.records), "completed": len(res.records) - len(bad), "lost": len(bad),
+                              "refused": refused, "broken": len(bad) - refused}  # fmt: skip
     return FaultRun(
+        groups=by_group,
         sent=len(records),
         completed=len(completed),
         lost=len(records) - len(completed),

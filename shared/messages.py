@@ -600,6 +600,22 @@ class WorkRequeueReply(Msg, frozen=True, kw_only=True):
     reason: str = ""
 
 
+class RouteSent(Msg, frozen=True, kw_only=True):
+    """Router → other routers (``route.sent``): this router placed ``rid`` (issue #22, router
+    replicas). Every router counts the others' sends in its node-load view until the request's
+    first token (prefill) and its end (decode), seen on ``req.<rid>.out`` like its own; sent
+    again when the decode node is bound at prefill start and on each re-dispatch."""
+
+    router: str
+    rid: str
+    prefill_node: str
+    decode_node: str | None = None
+    prompt_tokens: NonNeg = 0
+    """Prompt tokens the prefill node computes or restores (tokens)."""
+    max_tokens: NonNeg = 0
+    attempt: NonNeg = 0
+
+
 class RequestAbort(Msg, frozen=True, kw_only=True):
     """Drop request ``rid`` wherever it is on this node (client went away, node fenced)."""
 

@@ -75,6 +75,7 @@ PLANNER_MODELS = Subject("planner.models", m.PlannerModels, doc="planner → rou
 ROUTE_BIND = Subject(
     "route.bind.{router}", m.DecodeBindRequest, m.DecodeBindReply, doc="worker → owning router: decode node at prefill start"
 )
+ROUTE_SENT = Subject("route.sent", m.RouteSent, doc="router → routers: a placement (others count it in their load view)")
 WORK_REQUEUE = Subject(
     "work.requeue.{router}", m.WorkRequeue, m.WorkRequeueReply, doc="worker → owning router: hand back work for re-routing"
 )
@@ -103,6 +104,7 @@ ALL: tuple[Subject, ...] = (
     SPLIT_SET,
     ROUTE_BIND,
     WORK_REQUEUE,
+    ROUTE_SENT,
 )
 
 

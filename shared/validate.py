@@ -427,6 +427,16 @@ def _bind_reply(r: m.DecodeBindReply, p: dict[str, str], nodes: Collection[str] 
     _text(r.reason, "reason")
 
 
+def _route_sent(r: m.RouteSent, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _tok(r.router, "router")
+    _tok(r.rid, "rid")
+    _tok(r.prefill_node, "prefill_node")
+    _tok(r.decode_node, "decode_node", optional=True)
+    _int(r.prompt_tokens, "prompt_tokens", MAX_TOKENS)
+    _int(r.max_tokens, "max_tokens", MAX_TOKENS)
+    _int(r.attempt, "attempt", MAX_SEQ)
+
+
 def _requeue(r: m.WorkRequeue, p: dict[str, str], nodes: Collection[str] | None) -> None:
     _tok(r.rid, "rid")
     _tok(r.node, "node")
@@ -524,6 +534,7 @@ CHECKERS: dict[type, Checker] = {
     m.DecodeBindRequest: _bind_req,
     m.DecodeBindReply: _bind_reply,
     m.WorkRequeue: _requeue,
+    m.RouteSent: _route_sent,
     m.WorkRequeueReply: _requeue_reply,
     m.Heartbeat: _heartbeat,
     m.StatsRequest: _empty,

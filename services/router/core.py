@@ -33,7 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.messages import KvLookupReply, NodeState, PlannerModels, PrefillWork, RequestAbort, RoutePlaced, SplitCommand
+from shared.messages import KvLookupReply, NodeState, PlannerModels, PrefillWork, RequestAbort, RoutePlaced, RouteSent, SplitCommand
+from shared.subjects import check_token
 
 DECODE_BINDINGS: tuple[str, ...] = ("dispatch", "prefill-start")
 """When the decode node of a PD request is chosen: at dispatch (``PrefillWork.decode_node``),
@@ -352,6 +353,32 @@ class RouterCore:
             return []
         self.policy.on_finish(rid, now if now is not None else 0.0)
         return [(n, RequestAbort(rid=rid, reason=reason)) for n in placement if n is not None and n != skip]
+
+    # -- other routers' sends (router replicas) ------------------------------ #
+
+    def remote_dispatch(self, msg: RouteSent, now: float) -> bool:
+        """Count another router's placement in the view and the policy (issue #22): its
+        request loads ``msg.prefill_node`` until its first token and ``msg.decode_node`` until
+        its end, like this router's own. A rid already counted (a re-dispatch, a decode
+        binding) replaces its placement. Returns False for an unusable node id. O(1) + policy."""
+        try:
+            check_token(msg.prefill_node, "node")
+            if msg.decode_node is not None:
+                check_token(msg.decode_node, "node")
+        except ValueError:
+            return False
+        if self.view.placement(msg.rid) is not None:
+            self.view.on_finish(msg.rid)
+            self.policy.on_finish(msg.rid, now)
+        req = RouteRequest(rid=msg.rid, prompt_tokens=max(1, msg.prompt_tokens), max_tokens=max(1, msg.max_tokens))
+        self.view.on_dispatch(msg.rid, msg.prefill_node, msg.decode_node)
+        self.policy.on_dispatch(req, PrefillChoice(node=msg.prefill_node, path="remote"), msg.decode_node, now)
+        return True
+
+    def remote_first_token(self, rid: str, now: float) -> None:
+        """Another router's request produced its first token: its prefill node is free of it."""
+        self.view.on_first_token(rid)
+        self.policy.on_first_token(rid, now)
 
     # -- fencing -------------------------------------------------------------- #
 

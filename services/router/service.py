@@ -67,6 +67,7 @@ from shared.subjects import (
     REQ_OUT,
     ROUTE_BIND,
     ROUTE_PLACED,
+    ROUTE_SENT,
     SPLIT_COMMANDS,
     SPLIT_GET,
     WORK_ABORT,
@@ -81,6 +82,7 @@ from services.router.branches import BranchError, BranchTable
 from services.router.config import RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
 from services.router.faults import continuation
+from services.router.replicas import RemoteSends
 from services.router.policy import RouteRequest, make_policy
 from services.router.prom import router_families
 from services.router.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
@@ -257,6 +259,8 @@ class RouterService:
         self.api_keys_on = guard.enabled
         self.app: ASGIApp = _StatusCounter(guard, self.counters)
         self._pending: dict[str, _Pending] = {}
+        self._remote = RemoteSends()
+        """Requests other routers placed (counted in ``core.view``, never aborted here)."""
         self._parked: dict[str, m.WorkRequeue] = {}
         """Handed-back work that found no eligible node yet (retried on every node state)."""
         self._retrying = False
@@ -285,6 +289,7 @@ class RouterService:
         await self.bus.subscribe(SPLIT_COMMANDS, self._on_split)
         await self.bus.subscribe(PLANNER_MODELS, self._on_models)
         await self.bus.subscribe(REQ_OUT, self._on_chunk)
+        await self.bus.subscribe(ROUTE_SENT, self._on_route_sent)  # other routers' placements
         # replies that concern a request go to the router that owns it (PrefillWork.router)
         await self.bus.serve(ROUTE_BIND, self._on_bind, router=self.bus.instance)
         await self.bus.serve(WORK_REQUEUE, self._on_requeue, router=self.bus.instance)
@@ -389,6 +394,7 @@ class RouterService:
             "branches_resumed": float(self.branches.resumed),
             "http_port": float(self.port or 0),
             "parked": float(len(self._parked)),
+            "remote_inflight": float(len(self._remote)),
         }
         counters = dict(self.counters)
         mc, mg = self.core.metrics.export()
@@ -468,7 +474,7 @@ class RouterService:
     async def _on_chunk(self, chunk: m.TokenChunk, _subject: str) -> None:
         p = self._pending.get(chunk.rid)
         if p is None:
-            self.counters["chunks_unknown_rid"] += 1
+            self._remote_chunk(chunk)
             return
         if p.done:
             self.counters["chunks_after_end"] += 1
@@ -562,6 +568,7 @@ class RouterService:
 
     async def _bound(self, p: _Pending, out: DecodeBinding) -> None:
         p.decode_node = out.node
+        self._announce(p)
         for placed in out.placed:
             await self.bus.publish(ROUTE_PLACED, placed)
         self.counters[f"routed.decode.{out.node}"] += 1
@@ -691,6 +698,9 @@ class RouterService:
             now = self.clock.now()
             for f in self.core.check_fences(now):
                 self._fence(f.node, f.age, f.rids)
+            for rid in self._remote.expired(time.time(), self.cfg.request_timeout_s):
+                self.core.finish(rid, now)  # its owner went away without its end reaching the bus
+                self.counters["remote.expired"] += 1
             deadline = self.core.next_deadline()
             wait = 0.5 if deadline is None else min(0.5, max(0.01, self.clock.to_wall(deadline - now) + 0.005))
             await asyncio.sleep(wait)
@@ -706,6 +716,10 @@ class RouterService:
         )
         reason = f"node {node} stopped answering (no state for {self.clock.to_wall(age):.1f}s)"
         for rid in rids:
+            if self._remote.forget(rid):  # another router's request: its owner re-dispatches it
+                self.core.finish(rid, self.clock.now())
+                self.counters["remote.fenced"] += 1
+                continue
             p = self._pending.get(rid)
             if p is not None and not p.done and p.cur is not None:
                 self._redispatch(p, node, reason)
@@ -719,8 +733,42 @@ class RouterService:
             self.counters["fenced_requests_failed"] += 1
 
     def _work(self, p: _Pending, out: RouteDecision) -> m.PrefillWork:
-        """The work to publish for ``out``: stamped with ``p``'s attempt, output offset and this router as owner."""
-        return msgspec.structs.replace(out.work, attempt=p.attempt, output_offset=p.offset, router=self.bus.instance)
+        """The work to publish for ``out``: stamped with ``p``'s attempt, output offset and this
+        router as owner; the placement is announced to the other routers (``route.sent``)."""
+        work = msgspec.structs.replace(out.work, attempt=p.attempt, output_offset=p.offset, router=self.bus.instance)
+        p.prefill_node, p.decode_node = out.prefill.node, out.decode_node
+        self._announce(p, work.prompt_tokens, work.max_tokens)
+        return work
+
+    def _announce(self, p: _Pending, prompt_tokens: int = 0, max_tokens: int = 0) -> None:
+        """``route.sent`` for ``p``'s current placement (other routers count it in their load view)."""
+        c = p.cur
+        sent = m.RouteSent(
+            router=self.bus.instance, rid=p.rid, prefill_node=p.prefill_node, decode_node=p.decode_node, attempt=p.attempt,
+            prompt_tokens=prompt_tokens or (c.prompt_tokens if c else 0), max_tokens=max_tokens or (c.max_tokens if c else 0),
+        )  # fmt: skip
+        self._spawn(self.bus.publish(ROUTE_SENT, sent))
+
+    async def _on_route_sent(self, msg: m.RouteSent, _subject: str) -> None:
+        if msg.router == self.bus.instance or msg.rid in self._pending:
+            return
+        if self._remote.sent(msg.rid, msg.router, msg.attempt, time.time()):
+            if self.core.remote_dispatch(msg, self.clock.now()):
+                self.counters["remote.sent"] += 1
+            else:
+                self._remote.forget(msg.rid)
+                self.counters["remote.bad_node"] += 1
+
+    def _remote_chunk(self, chunk: m.TokenChunk) -> None:
+        """A chunk of a request this router does not own: another router's (load view) or unknown."""
+        what = self._remote.chunk(chunk.rid, chunk.attempt, chunk.finished)
+        if what == "first":
+            self.core.remote_first_token(chunk.rid, self.clock.now())
+        elif what == "end":
+            self.core.finish(chunk.rid, self.clock.now())
+            self.counters["remote.ended"] += 1
+        elif chunk.rid not in self._remote:
+            self.counters["chunks_unknown_rid"] += 1
 
     def _redispatch(self, p: _Pending, node: str, reason: str) -> None:
         """``p`` depends on fenced ``node``: route it again instead of failing it (issue #22).
@@ -847,6 +895,8 @@ class RouterService:
                 "reason": reason,
                 "inflight": view.inflight_total,
                 "branches_active": self.branches.active_count,
+                "router": self.bus.instance,
+                "remote_inflight": self._remote.by_router(),
                 "nodes": nodes,
             }
         )

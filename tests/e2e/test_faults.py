@@ -51,3 +51,27 @@ async def test_sigstop_10s_then_sigcont_never_double_serves(tmp_path):
     c = run.router_counters["router"]
     assert c["fenced"] == 1 and c["unfenced"] == 1 and run.redispatched >= 1, c
     assert run.fence_s is not None and run.fence_s < 5.0
+
+
+async def test_two_routers_serve_one_cluster_and_killing_one_breaks_only_its_open_streams(tmp_path):
+    """Issue #22, router replicas: half the agents go through each router at once (PD with the
+    decode node bound at prefill start, so every request needs a route.bind answered by its own
+    router); then router-1 is SIGKILLed mid-run: router's clients lose nothing, router-1's lose
+    at most the streams open on it at that moment (later sends are refused: a client reconnects
+    to another router)."""
+    spec = FaultSpec(routers=2)
+    reqs, bs = demo_requests(8, max_per_agent=6)
+    async with FaultCluster(spec, tmp_path / "cluster") as fc:
+        both = await replay_with_faults(fc, reqs, [], concurrency=8, block_size=bs, routers=[0, 1])
+        _no_loss(both)
+        for name in ("router", "router-1"):
+            c = both.router_counters[name]
+            assert c["remote.sent"] > 0 and c.get("bind.ok", 0) > 0, (name, c)  # saw the other's sends, bound its own
+            assert c.get("bind.not_pending", 0) == 0 and c.get("requeue.not_pending", 0) == 0, (name, c)
+        reqs2, _ = demo_requests(16, max_per_agent=6)
+        reqs2 = [r for r in reqs2 if r.agent not in {q.agent for q in reqs}]
+        killed = await replay_with_faults(fc, reqs2, [Fault("kill", "router-1", 2.0)], concurrency=8, block_size=bs, routers=[0, 1])
+    g0, g1 = killed.groups["router"], killed.groups["router-1"]
+    assert g0["lost"] == 0 and g0["completed"] == g0["sent"], killed.failures[:5]
+    assert g1["broken"] <= 4, killed.failures  # at most its open streams (4 agents in flight on it)
+    assert g1["lost"] == g1["broken"] + g1["refused"]

@@ -1,0 +1,80 @@
+"""Other routers' requests in this router's load view (issue #22: router replicas).
+
+Pure bookkeeping; no I/O. Several routers serve one partition; each publishes a
+``RouteSent`` on ``route.sent`` for every placement it makes, and every router counts the
+others' placements in its ``NodeLoadView`` and policy (``RouterCore.remote_dispatch``)
+until the request's first token (prefill load) and its end (decode load), which it sees on
+``req.<rid>.out`` like its own. :class:`RemoteSends` remembers which rids are another
+router's, with their attempt, so that their chunks update the view, a fence never aborts
+them (only the owner re-dispatches its requests), and a request whose owner vanished
+without an end ever reaching the bus is forgotten after ``ttl`` (the router's request
+timeout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class RemoteSend:
+    """One request another router placed."""
+
+    router: str
+    attempt: int
+    since: float
+    """Wall time (s) of its last ``RouteSent``."""
+    first_token: bool = False
+
+
+class RemoteSends:
+    """rid → :class:`RemoteSend` of the requests other routers own. O(1) per operation, O(R) per sweep."""
+
+    def __init__(self) -> None:
+        self._sends: dict[str, RemoteSend] = {}
+
+    def __len__(self) -> int:
+        return len(self._sends)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._sends
+
+    def sent(self, rid: str, router: str, attempt: int, wall: float) -> bool:
+        """A ``RouteSent``: True when it should be counted (newer or equal attempt than known)."""
+        old = self._sends.get(rid)
+        if old is not None and attempt < old.attempt:
+            return False
+        self._sends[rid] = RemoteSend(router, attempt, wall)
+        return True
+
+    def chunk(self, rid: str, attempt: int, finished: bool) -> str | None:
+        """A chunk of another router's request: ``"first"`` (its first token: free its prefill
+        node), ``"end"`` (forget it), or None (nothing to do: unknown rid, other attempt, later token)."""
+        s = self._sends.get(rid)
+        if s is None or attempt != s.attempt:
+            return None
+        if finished:
+            del self._sends[rid]
+            return "end"
+        if not s.first_token:
+            s.first_token = True
+            return "first"
+        return None
+
+    def forget(self, rid: str) -> bool:
+        """Drop ``rid`` (its node was fenced: the owner re-dispatches it and says so again)."""
+        return self._sends.pop(rid, None) is not None
+
+    def expired(self, wall: float, ttl: float) -> list[str]:
+        """Forget and return the rids last sent more than ``ttl`` wall seconds before ``wall``."""
+        old = [rid for rid, s in self._sends.items() if wall - s.since > ttl]
+        for rid in old:
+            del self._sends[rid]
+        return old
+
+    def by_router(self) -> dict[str, int]:
+        """Requests counted per owning router."""
+        out: dict[str, int] = {}
+        for s in self._sends.values():
+            out[s.router] = out.get(s.router, 0) + 1
+        return out
