@@ -41,6 +41,7 @@ from shared.subjects import (
     REQ_OUT,
     ROUTE_BIND,
     ROUTE_PLACED,
+    ROUTE_SENT,
     SPLIT_APPLIED,
     SPLIT_COMMANDS,
     SPLIT_GET,
@@ -94,6 +95,7 @@ def samples(nodes: tuple[str, ...] = ("w0", "w1")) -> dict[str, tuple[dict[str, 
         KV_POOL.template: ({"node": a}, m.PoolLocate(node=a, block_hashes=[1, 2], lease_s=1.0)),
         BRANCH_EVENTS.template: ({}, m.BranchStart(branch_id="fz-branch", kind="fork", parent_branch_id="fz-root", ts=1.0)),
         ROUTE_PLACED.template: ({}, m.RoutePlaced(rid="fz-1", branch_id="fz-branch", node=a, phase="prefill", block_hashes=[1, 2], ts=1.0)),
+        ROUTE_SENT.template: ({}, m.RouteSent(router="fz-router", rid="fz-1", prefill_node=a, prompt_tokens=8, max_tokens=2)),
         NODE_STATE.template: (
             {"node": a},
             m.NodeState(

@@ -8,7 +8,8 @@ identity          may publish (relative to ``ei.<partition>.``)
 ================  ==============================================================================
 ``planner``       ``split.commands`` (it alone issues epochs), ``planner.decisions``, ``planner.models``
 ``router``        ``work.*.prefill``, ``work.*.decode`` (re-bound hand-offs), ``work.*.abort``,
-                  ``branch.events``, ``route.placed``; requests ``kv.lookup``, ``split.get``
+                  ``branch.events``, ``route.placed``, ``route.sent`` (read by the other routers);
+                  requests ``kv.lookup``, ``split.get``
 ``kvdirectory``   ``kv.counts.*``; requests ``kv.resync.*``
 ``worker-<n>``    ``kv.events.<n>``, ``node.state.<n>``, ``node.iters.<n>`` (its own node only),
                   ``split.applied``, ``req.*.out``, ``work.*.decode`` (hand-off to a decode node);
@@ -109,8 +110,9 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
         pub = ["split.commands", "planner.decisions", "planner.models"]
         sub = ["node.iters.*", "node.state.*", "req.*.out", "split.applied", "split.get", "split.set", "split.commands"]
     elif ident.kind == "router":
-        pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "kv.lookup", "split.get"]
-        sub = ["node.state.*", "split.commands", "planner.models", "req.*.out", f"route.bind.{ident.name}", f"work.requeue.{ident.name}"]
+        pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "route.sent", "kv.lookup", "split.get"]
+        sub = ["node.state.*", "split.commands", "planner.models", "req.*.out", "route.sent",
+               f"route.bind.{ident.name}", f"work.requeue.{ident.name}"]  # fmt: skip
     elif ident.kind == "kvdirectory":
         pub = ["kv.counts.*", "kv.resync.*"]
         sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup"]
