@@ -1,9 +1,12 @@
 """``evolving-infra tap``: print decoded messages of a live cluster (how users trace it).
 
-Subscribes to subjects of a partition (all of them by default) and prints one
-line per message: wall time, subject, message type and its fields as JSON.
-Long lists (block hashes, token ids) are abbreviated unless ``--full``. Without
-``--nats-url`` it taps the running ``evolving-infra up`` cluster (its state file,
+Subscribes to subjects of a partition (all of them by default, or the given
+subjects / wildcards) and prints one line per message: wall time, subject,
+message type and its fields as JSON. Long lists (block hashes, token ids) are
+abbreviated unless ``--full``. ``--json`` prints one JSON object per line
+instead (``ts`` epoch s, ``subject``, ``type``, ``msg``, and ``traceparent``
+when the message carries one), for ``jq`` and scripts. Without ``--nats-url`` it
+taps the running ``evolving-infra up`` cluster (its state file,
 :mod:`evolving_infra.state`). It fails within seconds when no server answers and stops
 when the connection is lost (no endless reconnecting).
 """
@@ -38,6 +41,27 @@ def _abbrev(value: Any, limit: int) -> Any:
     if isinstance(value, bytes):
         return f"<{len(value)} bytes>"
     return value
+
+
+def render_json(subjects: Subjects, subject: str, data: bytes, headers: dict[str, str] | None = None, *, full: bool = False) -> str:
+    """One JSON line for a raw message: ``{"ts", "subject", "type", "msg"}`` (+ ``traceparent``; ``error`` when
+    the subject is unknown or the payload does not decode)."""
+    out: dict[str, Any] = {"ts": round(time.time(), 6), "subject": subject}
+    if headers and "traceparent" in headers:
+        out["traceparent"] = headers["traceparent"]
+    match = subjects.match(subject)
+    if match is None:
+        out.update(type=None, error="unknown subject", size=len(data))
+        return json.dumps(out, separators=(",", ":"))
+    subj, _ = match
+    try:
+        msg = decoder_for(subj.msg_type).decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        out.update(type=None, error=f"malformed {subj.template}: {e}", size=len(data))
+        return json.dumps(out, separators=(",", ":"))
+    body = msgspec.to_builtins(msg, enc_hook=lambda b: f"<{len(b)} bytes>" if isinstance(b, bytes) else str(b))
+    out.update(type=type(msg).__name__, msg=body if full else _abbrev(body, 8))
+    return json.dumps(out, separators=(",", ":"), default=str)
 
 
 def render(subjects: Subjects, subject: str, data: bytes, *, full: bool = False) -> str:
@@ -98,7 +122,10 @@ async def _tap(args: argparse.Namespace) -> int:
         nonlocal count
         if any(msg.subject.startswith(e.rstrip(">*")) for e in excluded):
             return
-        print(render(subjects, msg.subject, msg.data, full=args.full), flush=True)
+        if args.json:
+            print(render_json(subjects, msg.subject, msg.data, msg.headers, full=args.full), flush=True)
+        else:
+            print(render(subjects, msg.subject, msg.data, full=args.full), flush=True)
         count += 1
         if args.max and count >= args.max:
             stop.set()
@@ -146,5 +173,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--exclude", action="append", default=[], metavar="PREFIX", help="skip subjects under this relative prefix (repeatable), e.g. req.")
     p.add_argument("--full", action="store_true", help="print long lists in full")
+    p.add_argument("--json", action="store_true", help="one JSON object per line: ts, subject, type, msg (+ traceparent)")
     p.add_argument("--max", type=int, default=0, help="stop after this many messages (0 = never)")
     p.set_defaults(func=cmd_tap)

@@ -11,6 +11,12 @@ counted under ``handler_errors.<template>``. Both are logged at a bounded rate
 line). Neither reaches or stops the service loop (STYLE §4, "Dispatch").
 
 One decoder per message type is built once and reused (msgspec perf tips).
+
+Tracing (``shared/tracing.py``): ``publish``/``request`` take optional NATS
+``headers`` (the W3C ``traceparent`` from ``tracing.inject``); with tracing on,
+a received message carrying ``traceparent`` is handled inside a CONSUMER
+(subscribe) or SERVER (serve) span named ``<service> <subject template>``.
+With tracing off nothing is added and headers are not read.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from nats.aio.subscription import Subscription
 from shared import messages as m
 from shared.auth import NatsAuth
 from shared.ratelog import RateLimitedLog
+from shared import tracing
 from shared.subjects import SVC_HEARTBEAT, SVC_STATS, Subject, Subjects
 from shared.validate import check as validate_msg
 from shared.validate import subject_params
@@ -172,15 +179,15 @@ class Bus:
             return msgspec.structs.replace(msg, src=self.instance)
         return msg
 
-    async def publish(self, subject: Subject, msg: msgspec.Struct, **params: str) -> None:
-        """Publish ``msg`` on ``subject`` formatted with ``params``.
+    async def publish(self, subject: Subject, msg: msgspec.Struct, *, headers: dict[str, str] | None = None, **params: str) -> None:
+        """Publish ``msg`` on ``subject`` formatted with ``params`` (``headers``: NATS headers, e.g. ``traceparent``).
 
         Raises:
             BusError: the client refused the message (connection closed, reconnect buffer
                 full: ``OutboundBufferLimitError``), so that no NATS exception escapes bare.
         """
         try:
-            await self.nc.publish(self.subjects.format(subject, **params), m.encode(self._stamp(msg)))
+            await self.nc.publish(self.subjects.format(subject, **params), m.encode(self._stamp(msg)), headers=headers)
         except nats.errors.Error as e:
             self.counters["publish_failed." + subject.template] += 1
             raise BusError(f"cannot publish on {subject.template}: {type(e).__name__}: {e}") from e
@@ -214,11 +221,19 @@ class Bus:
             if msg is None:
                 return
             self.counters["received." + template] += 1
+            span = token = None
+            if tracing.ENABLED and raw.headers and "traceparent" in raw.headers:
+                span = tracing.start(f"{self.service} {template}", tracing.extract(raw.headers), kind=tracing.SpanKind.CONSUMER)
+                token = tracing.attach(tracing.trace.set_span_in_context(span))
             try:
                 await handler(msg, raw.subject)
             except Exception as e:  # a handler bug must not kill the subscription
                 self.counters["handler_errors." + template] += 1
                 self.droplog.event("handler." + template, "handler failed", level="exception", subject=raw.subject, error=repr(e)[:200])
+            finally:
+                if span is not None:
+                    tracing.detach(token)
+                    span.end()
 
         sub = await self.nc.subscribe(
             self.subjects.wildcard(subject, **params),
@@ -239,12 +254,20 @@ class Bus:
             if msg is None:
                 return
             self.counters["received." + template] += 1
+            span = token = None
+            if tracing.ENABLED and raw.headers and "traceparent" in raw.headers:
+                span = tracing.start(f"{self.service} {template}", tracing.extract(raw.headers), kind=tracing.SpanKind.SERVER)
+                token = tracing.attach(tracing.trace.set_span_in_context(span))
             try:
                 reply = await handler(msg, raw.subject)
             except Exception as e:
                 self.counters["handler_errors." + template] += 1
                 self.droplog.event("handler." + template, "request handler failed", level="exception", subject=raw.subject, error=repr(e)[:200])
                 return
+            finally:
+                if span is not None:
+                    tracing.detach(token)
+                    span.end()
             if reply is not None and raw.reply:
                 await self.nc.publish(raw.reply, m.encode(self._stamp(reply)))
 
@@ -252,15 +275,17 @@ class Bus:
         self._subs.append(sub)
         return sub
 
-    async def request(self, subject: Subject, msg: msgspec.Struct, *, timeout: float = 2.0, **params: str) -> Any:
-        """Send a request and return the decoded reply.
+    async def request(
+        self, subject: Subject, msg: msgspec.Struct, *, timeout: float = 2.0, headers: dict[str, str] | None = None, **params: str
+    ) -> Any:
+        """Send a request and return the decoded reply (``headers``: NATS headers, e.g. ``traceparent``).
 
         Raises:
             BusError: on timeout, no responders, or an undecodable reply.
         """
         full = self.subjects.format(subject, **params)
         try:
-            raw = await self.nc.request(full, m.encode(self._stamp(msg)), timeout=timeout)
+            raw = await self.nc.request(full, m.encode(self._stamp(msg)), timeout=timeout, headers=headers)
         except (nats.errors.Error, asyncio.TimeoutError) as e:  # timeout, no responders, closed, buffer full
             self.counters["request_failed." + subject.template] += 1
             raise BusError(f"no reply on {full}: {type(e).__name__}") from e

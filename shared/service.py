@@ -18,6 +18,7 @@ on ``GET http://<metrics-host>:N/metrics``.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -29,6 +30,7 @@ from shared.auth import NatsAuth
 from shared.bus import Bus
 from shared.clock import SimClock
 from shared.config import CommonConfig
+from shared import tracing
 from shared.metrics import MetricsServer, service_registry
 from shared.subjects import Subjects
 
@@ -76,7 +78,11 @@ async def serve_until_stopped(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
     clock = SimClock(cfg.speedup, cfg.clock_origin)
+    if tracing.setup(service_name, instance):
+        log.info("tracing on: OTLP/HTTP export", endpoint=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     async with AsyncExitStack() as stack:
+        stack.callback(tracing.shutdown)
         auth = NatsAuth.from_settings(
             creds=cfg.nats_creds, user=cfg.nats_user, password=cfg.nats_password,
             tls_ca=cfg.nats_tls_ca, tls_cert=cfg.nats_tls_cert, tls_key=cfg.nats_tls_key, name=instance,

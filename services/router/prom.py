@@ -58,9 +58,9 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
     yield counter_family(
         "ei_router_requests", "Generation requests (completions, chat completions) by HTTP status code", by_prefix(c, "requests."), ["code"]
     )
-    yield counter_family(
-        "ei_router_requests_finished", "Requests whose last chunk reached the router, by finish reason", by_prefix(c, "finish."), ["reason"]
-    )
+    finished = by_prefix(c, "finished.")  # served: stop / length
+    finished.update(by_prefix(c, "finish."))  # failed: error / abort
+    yield counter_family("ei_router_requests_finished", "Requests whose last chunk reached the router, by finish reason", finished, ["reason"])
     yield counter_family("ei_router_prompt_tokens", "Prompt tokens of requests that got a first token", {(): mt.prompt_tokens})
     yield counter_family(
         "ei_router_cached_prompt_tokens", "Prompt tokens whose KV was reused (local or fetched) instead of computed", {(): mt.cached_tokens}

@@ -54,6 +54,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared import messages as m
+from shared import tracing
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.hashing import block_hashes_packed
@@ -118,6 +119,8 @@ class _Pending:
     """The core no longer counts it (finished, failed or aborted)."""
     t_in: float = 0.0
     """HTTP arrival (simulated s): TTFT and E2E start here."""
+    tr: "_ReqTrace | None" = None
+    """The request's spans when tracing is on (``shared/tracing.py``)."""
     ttft_s: float | None = None
     out_tokens: int = 0
     rreq: RouteRequest | None = None
@@ -136,6 +139,23 @@ class _Pending:
     """Output token ids delivered to the client so far (in order)."""
     stale_aborted: set[tuple[str, int]] = field(default_factory=set)
     """(node, attempt) pairs told to drop a superseded attempt."""
+
+
+@dataclass(slots=True)
+class _ReqTrace:
+    """Spans of one request at the router (tracing on only)."""
+
+    span: Any
+    """``router.request``: HTTP ingress → response end."""
+    first_ns: int = 0
+    """Wall ns of the first output chunk (``router.stream_out`` starts here)."""
+
+    def end(self, status: int) -> None:
+        now = time.time_ns()
+        if self.first_ns:
+            tracing.record("router.stream_out", self.span, self.first_ns, now)
+        self.span.set_attribute("http.status_code", status)
+        self.span.end(end_time=now)
 
 
 class _ClientGone(Exception):
@@ -500,6 +520,8 @@ class RouterService:
             p.next_index = chunk.index + len(chunk.token_ids)
             p.tokens.extend(chunk.token_ids)
         p.out_tokens += len(chunk.token_ids)
+        if p.tr is not None and not p.tr.first_ns:
+            p.tr.first_ns = time.time_ns()
         if not p.attempt_first:
             p.attempt_first = True
             if not failed and p.first_seen:  # a re-dispatched attempt's first token: its prefill is done
@@ -530,7 +552,7 @@ class RouterService:
                     await self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node)
             else:
                 self.core.finish(chunk.rid, now)
-                self.counters[f"finish.{chunk.finish_reason or 'length'}"] += 1
+                self.counters[f"finished.{chunk.finish_reason or 'length'}"] += 1  # failures: finish.<reason>
                 if p.ttft_s is not None:
                     self.core.metrics.observe_finished(p.ttft_s, now - p.t_in, p.out_tokens)
         p.queue.put_nowait(chunk)
@@ -563,6 +585,8 @@ class RouterService:
             self.counters["bind.no_route"] += 1
             return m.DecodeBindReply(rid=req.rid, reason=out.reason)
         await self._bound(p, out)
+        if tracing.ENABLED:  # the bus's ``router route.bind`` server span, child of the worker's
+            tracing.trace.get_current_span().set_attribute("ei.decode_node", out.node)
         self.counters["bind.ok"] += 1
         return m.DecodeBindReply(rid=req.rid, decode_node=out.node)
 
@@ -1022,12 +1046,16 @@ class RouterService:
             raise api.ApiError(400, f"token id {top} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param="prompt")
         return hdrs, req, arr, max_tokens
 
-    async def _lookup(self, hashes: list[int]) -> tuple[m.KvLookupReply | None, str]:
+    async def _lookup(self, hashes: list[int], tr: _ReqTrace | None = None) -> tuple[m.KvLookupReply | None, str]:
         if not hashes:
             return None, "skipped"
+        span = None if tr is None else tracing.start("router.kv_lookup", tr.span, kind=tracing.SpanKind.CLIENT)
         try:
             rep = await self.bus.request(
-                KV_LOOKUP, m.KvLookupRequest(block_hashes=hashes, block_size=self.cfg.block_size), timeout=self.cfg.lookup_timeout_s
+                KV_LOOKUP,
+                m.KvLookupRequest(block_hashes=hashes, block_size=self.cfg.block_size),
+                timeout=self.cfg.lookup_timeout_s,
+                headers=None if span is None else tracing.inject(span),
             )
         except BusError as e:
             self.counters["lookups_failed"] += 1
@@ -1035,6 +1063,9 @@ class RouterService:
                 self._lookup_ok = False
                 self.log.warning("kv.lookup failed; routing without cache information", error=str(e))
             return None, "failed"
+        finally:
+            if span is not None:
+                span.end()
         if not self._lookup_ok:
             self._lookup_ok = True
             self.log.info("kv.lookup answers again")
@@ -1089,6 +1120,31 @@ class RouterService:
         return None
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
+        if not tracing.ENABLED:
+            return await self._generate_traced(request, chat, None)
+        span = tracing.start(
+            "router.request", tracing.extract(request.headers), kind=tracing.SpanKind.SERVER, attributes={"http.route": request.url.path}
+        )
+        tr = _ReqTrace(span)
+        try:
+            resp = await self._generate_traced(request, chat, tr)
+        except BaseException:
+            tr.end(500)
+            raise
+        if isinstance(resp, _SseResponse):
+            close = resp._on_close
+
+            def on_close() -> None:
+                close()
+                tr.end(resp.status_code)
+
+            resp._on_close = on_close
+        else:
+            tr.end(resp.status_code)
+        return resp
+
+    async def _generate_traced(self, request: Request, chat: bool, tr: _ReqTrace | None) -> Response:
+        """The generation endpoints; ``tr``: the request's spans (None when tracing is off)."""
         t_in = self.clock.now()
         if self._stopping:
             return self._error(503, "router is shutting down")
@@ -1112,7 +1168,7 @@ class RouterService:
 
         packed = arr.astype("<u4").tobytes()
         hashes = block_hashes_packed(packed, self.cfg.block_size)
-        lookup, lookup_status = await self._lookup(hashes)
+        lookup, lookup_status = await self._lookup(hashes, tr)
         # the client's X-Request-ID is the rid on every node and in every log line, so records join
         rid = client_rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if rid in self._pending:  # the same X-Request-ID arrived while this one was tokenized
@@ -1126,21 +1182,38 @@ class RouterService:
             branch_id=hdrs.branch_id,
         )
         now = self.clock.now()
+        route_span = None if tr is None else tracing.start("router.route", tr.span)
         out = self.core.route(rreq, lookup, now)
+        if route_span is not None:
+            assert tr is not None
+            tr.span.set_attribute("ei.rid", rid)
+            if isinstance(out, NoRoute):
+                route_span.set_attribute("ei.no_route", out.reason)
+            else:
+                route_span.set_attributes(
+                    {"ei.policy": self.core.policy.name, "ei.prefill_node": out.prefill.node, "ei.decode_node": out.decode_node or "",
+                     "ei.lookup": lookup_status, "ei.matched_blocks": out.prefill.matched_blocks, "ei.prompt_tokens": rreq.prompt_tokens}
+                )
+                if out.predicted_ttft_s is not None:
+                    route_span.set_attribute("ei.predicted_ttft_s", out.predicted_ttft_s)
+            route_span.end()
         if isinstance(out, NoRoute):
             self.counters["no_route"] += 1
             self.log.warning("no route", rid=rid, reason=out.reason)
             return self._error(503, out.reason)
         self._log_route(rreq, out, lookup_status)
         p = _Pending(
-            rid=rid, prefill_node=out.prefill.node, decode_node=out.decode_node, predicted_ttft_s=out.predicted_ttft_s, t_in=t_in
+            rid=rid, prefill_node=out.prefill.node, decode_node=out.decode_node, predicted_ttft_s=out.predicted_ttft_s, t_in=t_in,
+            tr=tr,
         )
         p.rreq = p.cur = rreq
         self._pending[rid] = p
         try:
             for placed in out.placed:
                 await self.bus.publish(ROUTE_PLACED, placed)
-            await self.bus.publish(WORK_PREFILL, self._work(p, out), node=out.prefill.node)
+            await self.bus.publish(
+                WORK_PREFILL, self._work(p, out), node=out.prefill.node, headers=None if tr is None else tracing.inject(tr.span)
+            )
         except Exception as e:
             self._pending.pop(rid, None)
             self._abandon(p, "dispatch failed", "dispatch_failed")

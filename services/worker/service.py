@@ -66,7 +66,9 @@ from shared.subjects import (
     WORK_REQUEUE,
     check_token,
 )
+from shared import tracing
 from shared.metrics import FuncCollector, make_registry
+from services.worker.traced import WorkerTraces
 from services.worker.prom import worker_families
 from services.worker.config import WorkerConfig
 from services.worker.engines.base import Engine
@@ -193,6 +195,8 @@ class WorkerService:
         self._spawned: set[asyncio.Task[None]] = set()
         self._owners: dict[str, _Owner] = {}
         """rid → attempt, output offset and owning router of every request on this node."""
+        self._traces = WorkerTraces(cfg.node, clock.speedup)
+        """Spans of traced requests (empty unless tracing is on and requests carry ``traceparent``)."""
         self.kvpool = None  # HostKvPool with --kv-pool real (imported lazily: Mooncake is optional)
 
     # ------------------------------------------------------------------ #
@@ -350,6 +354,8 @@ class WorkerService:
         self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router)
         if late and work.max_tokens > 1:  # a one-token request ends at its prefill: nothing to bind
             self._bind_later[work.rid] = work
+        if tracing.ENABLED:
+            self._traces.arrived(work.rid, decode=False)
         self._start_transfers()
         self._wake.set()
 
@@ -385,6 +391,8 @@ class WorkerService:
             await self._reject(e, now, attempt=work.attempt)
             return
         self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router)
+        if tracing.ENABLED:
+            self._traces.arrived(work.rid, decode=True)
         await self._flush_kv(now)  # a reservation may have evicted blocks
         self._wake.set()
 
@@ -421,6 +429,8 @@ class WorkerService:
             return
         owner = self._owners.pop(msg.rid, None) or _Owner(attempt=msg.attempt)
         self._bind_later.pop(msg.rid, None)
+        if self._traces:
+            self._traces.forget(msg.rid)
         bind = self._binds.pop(msg.rid, None)
         if bind is not None:
             bind.cancel()
@@ -565,6 +575,8 @@ class WorkerService:
         assert work is not None
         owner = self._owners.pop(msg.rid, None) or _Owner(work.attempt, work.output_offset, work.router)
         msg = msgspec.structs.replace(msg, attempt=work.attempt)
+        if self._traces:
+            self._traces.forget(msg.rid)
         try:
             reply = await self.bus.request(WORK_REQUEUE, msg, timeout=self.cfg.requeue_timeout_s, router=owner.router_id)
         except BusError as e:
@@ -595,11 +607,14 @@ class WorkerService:
         )  # fmt: skip
         router = _Owner(router=work.router).router_id
         reason = "no answer"
+        parent = self._traces.parent(rid) if self._traces else None
+        span = None if parent is None else tracing.start("worker.decode_binding", parent, kind=tracing.SpanKind.CLIENT)
+        headers = None if span is None else tracing.inject(span)
         try:
             while time.monotonic() < deadline:
                 try:
                     rep = await self.bus.request(
-                        ROUTE_BIND, req, timeout=max(0.05, min(2.0, deadline - time.monotonic())), router=router
+                        ROUTE_BIND, req, timeout=max(0.05, min(2.0, deadline - time.monotonic())), router=router, headers=headers
                     )
                 except BusError as e:  # router restarting or gone: retry until the deadline
                     reason = str(e)
@@ -630,6 +645,8 @@ class WorkerService:
                     WorkRejected(rid, f"no decode node for the request: {reason}"), now, attempt=owner.attempt if owner else work.attempt
                 )
         finally:
+            if span is not None:
+                span.end()
             self._binds.pop(rid, None)
             self._wake.set()
 
@@ -726,6 +743,8 @@ class WorkerService:
         await self._flush_kv(now)
         if plan is not None and plan.admitted and self._bind_later:
             self._bind_started(plan, now)
+        if plan is not None and plan.admitted and self._traces:
+            self._traces.admitted(plan.admitted)
         if plan is None:
             deadline = self.core.next_deadline()
             timeout = None if deadline is None else max(0.0, self.clock.wall_at(deadline) - time.time())
@@ -779,6 +798,11 @@ class WorkerService:
         also when one engine step folded several decode iterations (SGLang ``--stream-interval``:
         1 = one token per chunk)."""
         rid = out.rid
+        if self._traces:
+            self._traces.tokens(
+                rid, out.index, out.finished, fetch_s=out.fetch_s, exposed_fetch_s=out.exposed_fetch_s,
+                fetched_tokens=out.fetched_tokens or 0, output_tokens=out.index + out.count,
+            )
         owner = self._owners.get(rid) or _Owner()
         base = owner.offset  # output position of this node's first output (a re-dispatched decode continues)
         tokens = self.engine.output_tokens(rid, base + out.index, out.count)
@@ -844,7 +868,8 @@ class WorkerService:
     async def _handoff(self, h: HandOff) -> None:
         self._streams.pop(h.rid, None)
         self._owners.pop(h.rid, None)
-        await self.bus.publish(WORK_DECODE, self.engine.handoff(h.work), node=h.decode_node)
+        headers = self._traces.handoff(h.rid, h.decode_node) if self._traces else None
+        await self.bus.publish(WORK_DECODE, self.engine.handoff(h.work), node=h.decode_node, headers=headers)
         self.counters["requests.handed_off"] += 1
 
     # ------------------------------------------------------------------ #
@@ -864,6 +889,8 @@ class WorkerService:
     async def _reject(self, e: WorkRejected, now: float, *, attempt: int | None = None) -> None:
         """Fail ``e.rid`` with an error chunk (of ``attempt``; default: the attempt held here)."""
         self.counters["requests.errored"] += 1
+        if self._traces:
+            self._traces.forget(e.rid)
         self.log.warning("work rejected", rid=e.rid, reason=e.reason)
         owner = self._owners.pop(e.rid, None)
         if attempt is None:

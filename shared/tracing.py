@@ -1,0 +1,153 @@
+"""OpenTelemetry traces across the services, W3C ``traceparent`` carried in NATS message headers.
+
+Off unless the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) variable is set and ``OTEL_SDK_DISABLED``
+is not ``true``. Off, every hook is one test of the module flag :data:`ENABLED`
+(and, on receive, of a message's headers): no span objects, no header is added.
+
+On, :func:`setup` (called by ``shared.service`` for every service process)
+installs an SDK ``TracerProvider`` whose resource names the service
+(``service.name=evolving-infra-<service>``, ``service.instance.id=<instance>``)
+with a batch OTLP/HTTP exporter (protobuf, ``<endpoint>/v1/traces``). Sampling
+is the SDK's, from the standard variables: ``OTEL_TRACES_SAMPLER`` (default
+``parentbased_always_on``) and ``OTEL_TRACES_SAMPLER_ARG``; e.g.
+``OTEL_TRACES_SAMPLER=parentbased_traceidratio OTEL_TRACES_SAMPLER_ARG=0.01``
+traces 1 % of requests, and the other services follow the router's decision
+through the ``sampled`` flag of ``traceparent``.
+
+Propagation: a publisher passes ``headers=tracing.inject(ctx)`` to
+:meth:`shared.bus.Bus.publish` / :meth:`~shared.bus.Bus.request`; the bus, on a
+message with a ``traceparent`` header, opens a CONSUMER (or SERVER, for a
+request) span ``<service> <subject template>`` and runs the handler inside it,
+so the handler's spans and :func:`current` are its children.
+
+Spans of one request (names; attributes prefixed ``ei.``):
+
+=================================  ==========  =================================================================
+span                               process     covers
+=================================  ==========  =================================================================
+``router.request``                 router      HTTP ingress → response end (root; ``ei.rid``, ``http.route``)
+``router.kv_lookup``               router      the ``kv.lookup`` request → ``kvdirectory kv.lookup`` (server span)
+``router.route``                   router      routing decision (``ei.prefill_node``, ``ei.decode_node``,
+                                               ``ei.predicted_ttft_s``, ``ei.policy``, ``ei.matched_blocks``)
+``worker work.{node}.prefill``     prefill     receipt of the work (consumer)
+``worker.queue_wait``              prefill     arrival → admitted to a prefill batch
+``worker.fetch``                   prefill     peer KV fetch issued while queued (``ei.fetch_s``, simulated)
+``worker.prefill``                 prefill     admitted → first token
+``worker.decode_binding``          prefill     ``route.bind`` request → ``router route.bind.{router}`` (server span,
+                                               ``ei.decode_node``)
+``worker.handoff``                 prefill     the PD hand-off to the decode node (``ei.decode_node``)
+``worker work.{node}.decode``      decode      receipt of the hand-off (consumer)
+``worker.decode``                  decode      arrival → last token (``ei.output_tokens``)
+``router.stream_out``              router      first chunk → response end
+=================================  ==========  =================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+ENABLED: bool = False
+"""True once :func:`setup` installed an exporter in this process."""
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_tracer: trace.Tracer = trace.NoOpTracer()
+_provider: Any = None
+
+
+def wanted(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment asks for traces (an OTLP endpoint is set and the SDK is not disabled)."""
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+def setup(service: str, instance: str, *, env: Mapping[str, str] | None = None) -> bool:
+    """Install the OTLP/HTTP exporter when :func:`wanted`; returns :data:`ENABLED`.
+
+    Idempotent per process (the first call wins). The exporter reads the standard
+    ``OTEL_EXPORTER_OTLP_*`` variables (endpoint, headers, timeout, compression).
+    """
+    global ENABLED, _tracer, _provider
+    if ENABLED or not wanted(env):
+        return ENABLED
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    resource = Resource.create(
+        {"service.name": f"evolving-infra-{service}", "service.instance.id": instance, "process.pid": os.getpid()}
+    )
+    _provider = TracerProvider(resource=resource)
+    _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    _tracer = _provider.get_tracer("evolving_infra")
+    ENABLED = True
+    return True
+
+
+def shutdown() -> None:
+    """Export what is buffered and stop (a service's last step); no-op when off."""
+    global ENABLED, _tracer, _provider
+    if _provider is not None:
+        _provider.shutdown()
+    _provider = None
+    _tracer = trace.NoOpTracer()
+    ENABLED = False
+
+
+def tracer() -> trace.Tracer:
+    """This process's tracer (a no-op one when off)."""
+    return _tracer
+
+
+def start(name: str, parent: otel_context.Context | Span | None = None, *, kind: SpanKind = SpanKind.INTERNAL,
+          start_ns: int | None = None, attributes: Mapping[str, Any] | None = None) -> Span:
+    """Start a span (end it with ``span.end()``). ``parent``: a span, a context, or None = the current context."""
+    ctx = trace.set_span_in_context(parent) if isinstance(parent, Span) else parent
+    return _tracer.start_span(name, context=ctx, kind=kind, start_time=start_ns, attributes=dict(attributes or {}))
+
+
+def record(name: str, parent: otel_context.Context | Span | None, start_ns: int, end_ns: int,
+           attributes: Mapping[str, Any] | None = None) -> Span:
+    """A finished span over ``[start_ns, end_ns]`` (wall ns, ``time.time_ns()``), e.g. a queue wait seen afterwards."""
+    span = start(name, parent, start_ns=start_ns, attributes=attributes)
+    span.end(end_time=max(start_ns, end_ns))
+    return span
+
+
+def current() -> otel_context.Context:
+    """The current context (inside a bus handler: the message's consumer span)."""
+    return otel_context.get_current()
+
+
+def inject(parent: otel_context.Context | Span | None = None) -> dict[str, str] | None:
+    """``{"traceparent": ...}`` for ``parent`` (span, context or the current one); None when off or nothing to carry."""
+    if not ENABLED:
+        return None
+    ctx = trace.set_span_in_context(parent) if isinstance(parent, Span) else parent
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return carrier or None
+
+
+def extract(headers: Mapping[str, str]) -> otel_context.Context:
+    """The remote parent context a message's headers carry."""
+    return _PROPAGATOR.extract(headers)
+
+
+def attach(ctx: otel_context.Context) -> object:
+    """Make ``ctx`` current; returns the token for :func:`detach`."""
+    return otel_context.attach(ctx)
+
+
+def detach(token: object) -> None:
+    otel_context.detach(token)  # type: ignore[arg-type]

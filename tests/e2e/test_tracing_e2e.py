@@ -1,0 +1,127 @@
+"""OpenTelemetry traces across processes (issue 20, traces must-show).
+
+A 1P1D cluster of real processes over a real nats-server exports spans with the
+real OTLP/HTTP exporter (``OTEL_EXPORTER_OTLP_ENDPOINT``) to an in-process OTLP
+receiver started by this test (protobuf ``ExportTraceServiceRequest`` on
+``POST /v1/traces``). One request through the router must yield one trace whose
+spans come from the router, the directory and both workers' processes, every
+parent link resolving inside the trace (W3C ``traceparent`` carried in NATS
+headers), with the routing decision's attributes on ``router.route``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from evolving_infra.cluster import ClusterSpec, LocalCluster
+from shared.subjects import KV_LOOKUP, ROUTE_BIND, WORK_DECODE, WORK_PREFILL
+
+RID = "trace-e2e-1"
+# the bus names a received message's span "<service> <subject template>"
+LOOKUP, BIND = f"kvdirectory {KV_LOOKUP.template}", f"router {ROUTE_BIND.template}"
+PREFILL_IN, DECODE_IN = f"worker {WORK_PREFILL.template}", f"worker {WORK_DECODE.template}"
+
+
+class OtlpReceiver:
+    """A minimal OTLP/HTTP trace receiver: keeps (resource attributes, span) of every export."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[dict, object]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.headers.get("content-encoding") == "gzip":
+                    body = gzip.decompress(body)
+                req = ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                for rs in req.resource_spans:
+                    res = {a.key: a.value for a in rs.resource.attributes}
+                    for ss in rs.scope_spans:
+                        for sp in ss.spans:
+                            receiver.spans.append((res, sp))
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "OtlpReceiver":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _attrs(span) -> dict:
+    out = {}
+    for a in span.attributes:
+        v = a.value
+        out[a.key] = v.string_value if v.HasField("string_value") else v.double_value if v.HasField("double_value") else v.int_value
+    return out
+
+
+@pytest.mark.timeout(300)
+async def test_one_request_is_one_trace_across_router_directory_and_both_workers(tmp_path, monkeypatch):
+    with OtlpReceiver() as rx:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.url)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        spec = ClusterSpec(
+            nodes=2, split="1P1D", speedup=20.0, port=0, routing="ttft", block_size=64, log_dir=str(tmp_path / "logs"), ready_timeout_s=120.0
+        )
+        async with LocalCluster(spec) as cluster:
+            body = {"prompt": list(range(1, 700)), "max_tokens": 6, "stream": True}
+            async with httpx.AsyncClient(timeout=60) as http:
+                async with http.stream("POST", cluster.router_url + "/v1/completions", json=body, headers={"X-Request-ID": RID}) as r:
+                    assert r.status_code == 200
+                    text = (await r.aread()).decode()
+            assert "[DONE]" in text and '"error"' not in text
+        # the cluster stopped: every service flushed its spans on shutdown
+
+    by_rid = {sp.trace_id for res, sp in rx.spans if _attrs(sp).get("ei.rid") == RID}
+    assert len(by_rid) == 1, f"spans naming the request belong to {len(by_rid)} traces"
+    tid = by_rid.pop()
+    trace = [(res, sp) for res, sp in rx.spans if sp.trace_id == tid]
+    ids = {sp.span_id for _, sp in trace}
+    roots = [sp for _, sp in trace if not sp.parent_span_id]
+    assert [sp.name for sp in roots] == ["router.request"]
+    assert all(sp.parent_span_id in ids for _, sp in trace if sp.parent_span_id), "a parent link leaves the trace"
+
+    names = {sp.name for _, sp in trace}
+    expected = {
+        "router.request", "router.kv_lookup", LOOKUP, "router.route",
+        PREFILL_IN, "worker.queue_wait", "worker.prefill", "worker.decode_binding", BIND,
+        "worker.handoff", DECODE_IN, "worker.decode", "router.stream_out",
+    }
+    assert expected <= names, sorted(expected - names)
+
+    where = {sp.name: res["service.instance.id"].string_value for res, sp in trace}
+    assert where["router.request"] == where["router.route"] == where[BIND] == "router"
+    assert where[LOOKUP] == "kvdirectory"
+    assert where["worker.prefill"] == where["worker.handoff"] == where["worker.decode_binding"] == "worker-w0"
+    assert where["worker.decode"] == where[DECODE_IN] == "worker-w1"
+    pids = {res["service.instance.id"].string_value: res["process.pid"].int_value for res, _ in trace}
+    assert len(set(pids.values())) == 4, pids  # four processes
+
+    span = {sp.name: sp for _, sp in trace}
+    route = _attrs(span["router.route"])
+    assert route["ei.prefill_node"] == "w0" and route["ei.policy"] == "ttft" and route["ei.predicted_ttft_s"] > 0
+    assert _attrs(span[BIND])["ei.decode_node"] == "w1"
+    # parent chain: the decode node's span descends from the prefill node's hand-off
+    assert span[DECODE_IN].parent_span_id == span["worker.handoff"].span_id
+    assert span[LOOKUP].parent_span_id == span["router.kv_lookup"].span_id
+    assert span[BIND].parent_span_id == span["worker.decode_binding"].span_id
