@@ -193,7 +193,7 @@ async def _up(args: argparse.Namespace) -> int:
         return 1
     info = cluster.describe()
     write_json(cluster.log_dir / "cluster.json", info)
-    state = _write_state({**info, "partition": args.partition})
+    state = _write_state({**info, "partition": args.partition, "tokenizer": cluster.spec.tokenizer})
     try:
         print(f"cluster ready: router {cluster.router_url}  (split {args.split}, {args.nodes} workers, speedup {args.speedup:g})")
         print(f"  NATS {cluster.nats_url}   logs {cluster.log_dir}   trace with: evolving-infra tap (or split get)")
@@ -272,7 +272,7 @@ async def _demo(args: argparse.Namespace) -> int:
         replayer = LiveReplayer(
             cluster.router_url, clock, block_size=trace.header.block_size, model=spec.model, vocab_size=_vocab_size(spec.tokenizer)
         )
-        state = _write_state({**cluster.describe(), "partition": spec.partition})  # `tap` / `split get` during the demo
+        state = _write_state({**cluster.describe(), "partition": spec.partition, "tokenizer": spec.tokenizer})  # tap, split get, replay
         try:
             result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency))
         finally:

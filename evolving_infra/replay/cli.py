@@ -39,8 +39,9 @@ async def _replay(args: argparse.Namespace) -> int:
     except ReplayError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    vocab_size = _use_running_cluster(args)
     clock = SimClock(args.speedup)
-    replayer = LiveReplayer(args.router_url, clock, block_size=trace.header.block_size, model=args.model)
+    replayer = LiveReplayer(args.router_url, clock, block_size=trace.header.block_size, model=args.model, vocab_size=vocab_size)
     wall0 = time.monotonic()
     result = await replayer.run(trace.requests, arrival)
     meta = {
@@ -61,6 +62,32 @@ async def _replay(args: argparse.Namespace) -> int:
     print_summary(report)
     print(f"report: {path}")
     return 0 if report["requests_failed"] == 0 else 1
+
+
+def _use_running_cluster(args: argparse.Namespace) -> int | None:
+    """Fill ``--router-url`` / ``--speedup`` left unset from the running ``up`` cluster's state file
+    (:mod:`evolving_infra.state`), else ``http://127.0.0.1:8000`` and 1; returns the router tokenizer's
+    vocabulary size when it is not the sim one (the replayer takes prompt ids modulo it)."""
+    from evolving_infra.state import running_clusters
+
+    info: dict = {}
+    if args.router_url is None:
+        found = running_clusters()
+        if len(found) == 1:
+            info = found[0]
+            print(f"replaying against the running cluster: router {info.get('router_url')} (state {info.get('state_file')})",
+                  file=sys.stderr)
+        elif len(found) > 1:
+            print(f"note: {len(found)} local clusters are running; using --router-url's default (pass it to pick one)", file=sys.stderr)
+        args.router_url = info.get("router_url") or "http://127.0.0.1:8000"
+    if args.speedup is None:
+        args.speedup = float(info.get("speedup") or 1.0)
+    tokenizer = info.get("tokenizer") or "sim"
+    if tokenizer == "sim":
+        return None
+    from services.router.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer).vocab_size
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -84,8 +111,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         choices=["canonical", "claude-code-weka", "mooncake", "mini-swe-agent", "azure"],
         help="input kind (default canonical)",
     )
-    p.add_argument("--router-url", default="http://127.0.0.1:8000", help="router base URL")
-    p.add_argument("--speedup", type=float, default=1.0, help="the cluster's speedup (simulated s per wall s)")
+    p.add_argument(
+        "--router-url", default=None, help="router base URL (default: the running `up` cluster's, else http://127.0.0.1:8000)"
+    )
+    p.add_argument(
+        "--speedup", type=float, default=None, help="the cluster's speedup, simulated s per wall s (default: the running cluster's, else 1)"
+    )
     p.add_argument("--model", default="evolving-infra-sim", help="model name sent with requests")
     p.add_argument("--arrival", choices=["closed", "open", "trace"], default="closed", help="arrival process")
     p.add_argument("--concurrency", type=int, default=16, help="closed loop: concurrent agents")

@@ -78,7 +78,7 @@ def test_up_writes_the_state_file_split_and_tap_use_it_and_it_is_removed(tmp_pat
         (path,) = state.glob("up-*.json")
         saved = json.loads(path.read_text())
         assert saved["pid"] == proc.pid and saved["nats_url"] == info["nats_url"] and saved["router_url"] == info["router_url"]
-        assert saved["partition"] == "p0" and saved["pids"] == info["pids"]
+        assert saved["partition"] == "p0" and saved["pids"] == info["pids"] and saved["tokenizer"] == "sim"
         rc, out, _ = _cli(state, "split", "get", "--json", "--timeout", "30")
         assert rc == 0, out
         (line,) = [x for x in out.splitlines() if x.startswith('{"epoch"')]

@@ -1,0 +1,45 @@
+"""`replay` without --router-url / --speedup takes them (and the tokenizer) from the running `up` cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from evolving_infra.replay.cli import _use_running_cluster
+from evolving_infra.state import write_state
+
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"router_url": None, "speedup": None, **kw})
+
+
+def test_defaults_without_a_cluster(tmp_path, monkeypatch):
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path))
+    a = _args()
+    assert _use_running_cluster(a) is None
+    assert (a.router_url, a.speedup) == ("http://127.0.0.1:8000", 1.0)
+
+
+def test_the_running_cluster_fills_what_is_unset(tmp_path, monkeypatch):
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path))
+    write_state({"router_url": "http://127.0.0.1:43210", "nats_url": "nats://x", "speedup": 50.0, "tokenizer": "sim"}, pid=os.getpid())
+    a = _args()
+    assert _use_running_cluster(a) is None
+    assert (a.router_url, a.speedup) == ("http://127.0.0.1:43210", 50.0)
+    b = _args(router_url="http://elsewhere:1", speedup=2.0)  # given flags win, and nothing is read
+    assert _use_running_cluster(b) is None and (b.router_url, b.speedup) == ("http://elsewhere:1", 2.0)
+
+
+def test_a_real_tokenizer_gives_the_vocabulary_size(tmp_path, monkeypatch):
+    pytest.importorskip("tokenizers")
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    folder = write_bpe_tokenizer(tmp_path / "tok", vocab_size=1500)
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))
+    path = write_state({"router_url": "http://127.0.0.1:1", "speedup": 20.0, "tokenizer": f"hf:{folder}"}, pid=os.getpid())
+    assert json.loads(path.read_text())["tokenizer"] == f"hf:{folder}"
+    a = _args()
+    assert _use_running_cluster(a) == 1500 and a.speedup == 20.0
