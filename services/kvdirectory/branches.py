@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from shared.messages import CountUpdates
 
-from .index import GPU, HOST, BlockIndex
+from .index import GPU, HOST, BlockIndex, tier_bit
 
 _EMPTY: frozenset[int] = frozenset()
 
@@ -182,7 +182,8 @@ class BranchTable:
         if add or rem:
             R = self.R[n]
             out = self.outbox[n]
-            held_g, held_h = self.index.held[n]
+            where = self.index.where
+            gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
             cc = self.counted_copies[n]
             for h in add:
                 c = R.get(h, 0)
@@ -190,10 +191,12 @@ class BranchTable:
                 if h not in out:
                     out[h] = c
                 if c == 0:
-                    if h in held_g:
-                        cc[GPU] += 1
-                    if h in held_h:
-                        cc[HOST] += 1
+                    r = where.get(h)
+                    if r is not None:
+                        if r.pc & gb:
+                            cc[GPU] += 1
+                        if r.pc & hb:
+                            cc[HOST] += 1
             for h in rem:
                 c = R.get(h, 0)
                 if c <= 0:
@@ -203,10 +206,12 @@ class BranchTable:
                     out[h] = c
                 if c == 1:
                     del R[h]
-                    if h in held_g:
-                        cc[GPU] -= 1
-                    if h in held_h:
-                        cc[HOST] -= 1
+                    r = where.get(h)
+                    if r is not None:
+                        if r.pc & gb:
+                            cc[GPU] -= 1
+                        if r.pc & hb:
+                            cc[HOST] -= 1
                 else:
                     R[h] = c - 1
         if target:

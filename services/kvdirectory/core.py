@@ -488,7 +488,7 @@ class KvDirectory:
         """Current sizes: blocks indexed, copies by (count > 0, tier), branches, lost-reuse shares."""
         g: dict[str, float] = {"blocks.indexed": float(len(self.index)), "branches.active": float(len(self.branches.branches))}
         for t in (GPU, HOST):
-            copies = sum(len(h[t]) for h in self.index.held)
+            copies = sum(c[t] for c in self.index.copies)
             counted = sum(c[t] for c in self.branches.counted_copies)
             g[f"copies.{TIERS[t]}"] = float(copies)
             g[f"copies.{TIERS[t]}.positive_count"] = float(counted)

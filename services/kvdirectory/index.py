@@ -3,16 +3,8 @@
 This module contains zero I/O and zero branch logic; :mod:`.core` drives it.
 
 The prefix tree is keyed by chained block hash (``shared.hashing``): a chained
-hash names its whole prefix, so one dict entry per hash *is* a tree node, and a
-request's block path is a root-to-node walk of that tree. Each entry stores
-
-``entries[h] = (pc, parent, children)`` and ``negcomp[h] = -comp`` (absent = 0)
-
-Entries are tuples, replaced on change, not lists mutated in place: a tuple of
-ints is untracked by Python's cyclic garbage collector after its first young
-collection, so millions of entries add nothing to full collections (with one
-list per entry a full collection walked every entry: ~0.2 s per 2M entries,
-a lookup stall, and about 40% of ingest time went to the collector).
+hash names its whole prefix, so a request's block path is a root-to-node walk
+of that tree. Per block the index knows
 
 * ``pc`` — presence bits: bit 0 = held anywhere; for node index ``i`` bit
   ``1+3i`` = in its GPU (L1), ``2+3i`` = in its host memory (L2), ``3+3i`` =
@@ -24,26 +16,44 @@ a lookup stall, and about 40% of ingest time went to the collector).
   so the longest prefix per node and tier is found by ``bisect`` over the
   path instead of a walk of every block: O(k · log L) C-level dict probes for
   k distinct prefix lengths, not O(L · nodes). ``comp`` lives negated in its
-  own dict (a subclass whose missing keys read 0) so that ``bisect`` can use
-  that dict's ``__getitem__`` as its key function without a Python frame.
-* ``parent`` — parent hash, ``None`` at a sequence start, :data:`UNKNOWN` for
-  a placeholder created because a child named it before it was ever stored.
-* ``children`` — ``None``, one child hash (an int: most blocks have one
-  child), a list, or (above :data:`_SET_FANOUT`) a set of the child hashes
-  present in the index; used to push ``comp`` changes down.
+  own dict ``negcomp[h] = -comp`` (a subclass whose missing keys read 0) so
+  that ``bisect`` can use that dict's ``__getitem__`` as its key function
+  without a Python frame.
+* its parent — parent hash, ``None`` at a sequence start, :data:`UNKNOWN` for
+  a placeholder created because a child named it before it was ever stored
+  (or a snapshot block reported without its parent) — and its children.
+
+Representation (runs of blocks, as the worker's block pools and SGLang's radix
+cache store compressed edges): engines store and evict *runs* — a Claude Code
+prompt is ~1,900 blocks of 64 tokens, written through to host memory and
+evicted deepest first in runs — and the blocks of a run share their presence.
+So the tree is kept as maximal runs (:class:`_Run`): consecutive blocks of one
+sequence with the same ``pc`` (hence the same ``comp``) where every block but
+the last has exactly one child. ``where[h]`` is the run holding block ``h``;
+``negcomp`` keeps one entry per block (one shared int per run), so lookups are
+what they were. A store or removal costs O(runs touched) Python steps plus
+C-level dict updates per block: a new chain that extends a run with the same
+presence is appended to it; a chain indexed elsewhere is matched run by run by
+slice comparison; removals listed deepest first (or parent first) are matched
+as run ends. Runs are split where presence changes and joined again when it
+evens out, so two indexes with the same blocks have the same runs. Per block
+this costs one ``where`` slot, one ``negcomp`` slot and one list slot (about
+150 B with the hash int itself, against ~430 B with one tuple entry per block
+and per-(node, tier) held sets, ``tests/unit/kvdirectory/ref_index.py``); run
+objects are few, so the cyclic garbage collector walks runs, not blocks.
 
 A block whose parent is missing is *stored* anyway (unlike Dynamo's
 ``ParentBlockNotFound``, which rejects the whole store); it is simply not part
 of a complete prefix until the parent shows up, when ``comp`` propagates down.
 
-Entries follow evictions: an entry held nowhere and with no indexed child is
+Entries follow evictions: a block held nowhere and with no indexed child is
 deleted, and so are the ancestors that this leaves empty and childless.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from itertools import repeat
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -66,9 +76,6 @@ class _Unknown:
 
 UNKNOWN: Any = _Unknown()
 """Parent of a placeholder entry whose own parent was never reported."""
-
-_SET_FANOUT = 16
-"""A children list longer than this becomes a set (O(1) removal under wide fan-out)."""
 
 
 class _ZeroDict(dict):  # type: ignore[type-arg]
@@ -95,25 +102,91 @@ def decode_bit(pos: int) -> tuple[int, int]:
     return divmod(pos - 1, 3)
 
 
+class _Run:
+    """Consecutive blocks of one sequence with the same presence bits (a compressed edge of
+    the prefix tree): ``keys[i]`` is the parent of ``keys[i + 1]``, and every block but the
+    last has exactly one indexed child (the next key)."""
+
+    __slots__ = ("keys", "parent", "pc", "comp", "children")
+
+    def __init__(self, keys: list[int], parent: Any, pc: int, comp: int) -> None:
+        self.keys = keys
+        """Block hashes, parent first (``[]`` once the run is deleted)."""
+        self.parent = parent
+        """Parent hash of ``keys[0]``: None at a sequence start, :data:`UNKNOWN` for a
+        placeholder or a block whose parent was never reported."""
+        self.pc = pc
+        """Presence bits of every block of the run."""
+        self.comp = comp
+        """Completeness bits of every block of the run (``pc & comp(parent)``)."""
+        self.children: dict[int, _Run] | None = None
+        """Child runs (hanging below ``keys[-1]``) by first hash; None when it has none."""
+
+
+def _drain(it: Iterable[Any]) -> None:
+    """Run an iterator of C calls to the end (``map(d.__delitem__, keys)`` without a Python loop)."""
+    deque(it, maxlen=0)
+
+
+def _match(keys: list[int], j: int, hashes: list[int], i: int) -> int:
+    """Length of the common prefix of ``keys[j:]`` and ``hashes[i:]``, given
+    ``keys[j] == hashes[i]``: one slice comparison (C) when they agree to the end of
+    either, else a bisection over slices."""
+    m = min(len(keys) - j, len(hashes) - i)
+    if m == 1 or keys[j : j + m] == hashes[i : i + m]:
+        return m
+    lo, hi = 1, m  # keys[j:j+lo] matches, keys[j:j+hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if keys[j + lo : j + mid] == hashes[i + lo : i + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _match_down(keys: list[int], j: int, hashes: list[int], i: int) -> int:
+    """Length of the common prefix of ``hashes[i:]`` and ``keys[j::-1]`` (a run listed deepest
+    first, as engines evict), given ``keys[j] == hashes[i]``."""
+    m = min(j + 1, len(hashes) - i)
+    if m == 1:
+        return 1
+    rev = keys[j - m + 1 : j + 1]
+    rev.reverse()
+    if rev == hashes[i : i + m]:
+        return m
+    lo, hi = 1, m
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if rev[lo:mid] == hashes[i + lo : i + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class BlockIndex:
-    """Presence of blocks per (node, tier) with prefix completeness masks.
+    """Presence of blocks per (node, tier) with prefix completeness masks, stored as runs.
 
     Args:
         max_blocks: cap on indexed entries; a new block past the cap is not
             indexed (counted in ``counters['cap.rejected_blocks']``), so a
             lookup under-reports rather than inventing a hit.
 
-    Node ids are small integers assigned by the caller (:mod:`.core`).
+    Node ids are small integers assigned by the caller (:mod:`.core`). Every
+    mutation keeps the per-block semantics of one entry per block (the property
+    tests check them against a brute-force model); runs only change what a
+    mutation costs: O(runs touched) Python steps plus C-level dict updates.
     """
 
     def __init__(self, max_blocks: int = 16_000_000) -> None:
         self.max_blocks = max_blocks
-        self.entries: dict[int, tuple[Any, ...]] = {}
-        """hash → ``(pc, parent, children)``."""
+        self.where: dict[int, _Run] = {}
+        """hash → the run holding it (every indexed block, placeholders included)."""
         self.negcomp: _ZeroDict = _ZeroDict()
-        """hash → ``-comp`` for every entry whose ``comp`` is not 0."""
-        self.held: list[tuple[set[int], set[int]]] = []
-        """``held[node][tier]``: hashes present on that node in that tier."""
+        """hash → ``-comp`` for every block whose ``comp`` is not 0."""
+        self.copies: list[list[int]] = []
+        """``copies[node][tier]``: blocks present on that node in that tier."""
         self.counters: dict[str, int] = {
             "cap.rejected_blocks": 0,
             "stored.duplicate_blocks": 0,
@@ -123,101 +196,199 @@ class BlockIndex:
         }
 
     # ------------------------------------------------------------------ #
-    # nodes
+    # nodes and views
     # ------------------------------------------------------------------ #
 
     def ensure_node(self, node: int) -> None:
         """Make room for node index ``node`` (indices are dense, from 0)."""
-        while len(self.held) <= node:
-            self.held.append((set(), set()))
+        while len(self.copies) <= node:
+            self.copies.append([0, 0])
 
     def holds(self, node: int, h: int) -> bool:
         """True when ``node`` holds block ``h`` in either tier."""
-        g, hs = self.held[node]
-        return h in g or h in hs
+        r = self.where.get(h)
+        return r is not None and bool(r.pc & local_bit(node))
+
+    def runs(self) -> list[_Run]:
+        """Every run, in order of first appearance in :attr:`where` (deterministic). O(blocks), C-level."""
+        return list(dict.fromkeys(self.where.values()))
+
+    def held_blocks(self, node: int, tier: int) -> list[int]:
+        """Hashes present on (node, tier), each run deepest block first. O(blocks)."""
+        tb = tier_bit(node, tier)
+        out: list[int] = []
+        for r in self.runs():
+            if r.pc & tb:
+                out.extend(reversed(r.keys))
+        return out
+
+    @property
+    def entries(self) -> dict[int, int]:
+        """hash → first hash of its run, for every indexed block (a copy, for checks and
+        tests: two indexes with the same blocks, parents and presence have equal views,
+        as runs are kept maximal)."""
+        return {h: r.keys[0] for h, r in self.where.items()}
+
+    def run_count(self) -> int:
+        """Number of runs (O(blocks), C-level)."""
+        return len(dict.fromkeys(self.where.values()))
 
     # ------------------------------------------------------------------ #
     # internal tree maintenance
     # ------------------------------------------------------------------ #
 
-    def _parent_comp(self, e: tuple[Any, ...]) -> int:
-        p = e[1]
+    def _alive(self, r: _Run) -> bool:
+        return bool(r.keys) and self.where.get(r.keys[0]) is r
+
+    def _parent_comp(self, r: _Run) -> int:
+        p = r.parent
         if p is None:
             return -1
         if p is UNKNOWN:
             return 0
-        return -self.negcomp[p]
+        return self.where[p].comp
 
-    def _set_comp(self, h: int, children: Any, c: int) -> None:
-        """Set ``comp(h)`` to ``c`` and push the change down to ``children`` when it changed."""
-        neg = self.negcomp
-        if c == -neg[h]:
+    def _set_comp(self, r: _Run, c: int) -> None:
+        """Set ``comp`` of run ``r`` to ``c`` and push the change down, only where it changes."""
+        if c == r.comp:
             return
-        if c:
-            neg[h] = -c
-        else:
-            del neg[h]
-        if children is not None:
-            self._propagate(c, (children,) if type(children) is int else children)
-
-    def _add_child(self, parent: int, h: int) -> None:
-        entries = self.entries
-        pe = entries.get(parent)
-        if pe is None:
-            entries[parent] = (0, UNKNOWN, h)
-            return
-        ch = pe[2]
-        if ch is None:
-            entries[parent] = (pe[0], pe[1], h)
-        elif type(ch) is int:
-            entries[parent] = (pe[0], pe[1], [ch, h])
-        elif type(ch) is list:
-            ch.append(h)
-            if len(ch) > _SET_FANOUT:
-                entries[parent] = (pe[0], pe[1], set(ch))
-        else:
-            ch.add(h)
-
-    def _propagate(self, comp: int, children: Iterable[int]) -> None:
-        """Push a new ``comp`` down to descendants, only where it changes."""
-        entries = self.entries
         neg = self.negcomp
-        stack = [(comp, children)]
+        stack = [(r, c)]
         while stack:
-            pc, chs = stack.pop()
-            for c in chs:
-                ce = entries[c]
-                nc = ce[0] & pc
-                if nc != -neg[c]:
-                    if nc:
-                        neg[c] = -nc
-                    else:
-                        del neg[c]
-                    cc = ce[2]
-                    if cc is not None:
-                        stack.append((nc, (cc,) if type(cc) is int else cc))
+            r, c = stack.pop()
+            old = r.comp
+            if c == old:
+                continue
+            r.comp = c
+            if c:
+                neg.update(dict.fromkeys(r.keys, -c))
+            else:
+                _drain(map(neg.__delitem__, r.keys))
+            ch = r.children
+            if ch is not None:
+                for cr in ch.values():
+                    stack.append((cr, cr.pc & c))
 
-    def _drop(self, h: int, e: tuple[Any, ...]) -> None:
-        """Delete an empty, childless entry and the ancestors this leaves empty."""
-        entries = self.entries
+    def _split(self, r: _Run, j: int) -> tuple[_Run, _Run]:
+        """Cut run ``r`` after its first ``j`` keys (0 < j < len); returns (head, tail). The
+        smaller part becomes a new run (its blocks are re-pointed in :attr:`where`)."""
+        where = self.where
+        keys = r.keys
+        if 2 * j <= len(keys):
+            head = _Run(keys[:j], r.parent, r.pc, r.comp)
+            del keys[:j]
+            r.parent = head.keys[-1]
+            head.children = {keys[0]: r}
+            p = head.parent
+            if p is not None and p is not UNKNOWN:
+                where[p].children[head.keys[0]] = head  # type: ignore[index]
+            where.update(dict.fromkeys(head.keys, head))
+            return head, r
+        tail = _Run(keys[j:], keys[j - 1], r.pc, r.comp)
+        del keys[j:]
+        tail.children = r.children
+        r.children = {tail.keys[0]: tail}
+        where.update(dict.fromkeys(tail.keys, tail))
+        return r, tail
+
+    def _isolate(self, r: _Run, a: int, b: int) -> _Run:
+        """Split ``r`` so that its keys ``[a, b)`` form one run; returns that run."""
+        if b < len(r.keys):
+            r = self._split(r, b)[0]
+        if a > 0:
+            r = self._split(r, a)[1]
+        return r
+
+    def _join(self, a: _Run, b: _Run) -> _Run:
+        """One run of ``a`` and its only child ``b`` (same presence, hence same comp);
+        the smaller one's blocks are re-pointed. Returns the survivor."""
+        where = self.where
+        if len(a.keys) >= len(b.keys):
+            a.keys.extend(b.keys)
+            a.children = b.children
+            where.update(dict.fromkeys(b.keys, a))
+            return a
+        b.keys[:0] = a.keys
+        b.parent = a.parent
+        p = a.parent
+        if p is not None and p is not UNKNOWN:
+            where[p].children[a.keys[0]] = b  # type: ignore[index]
+        where.update(dict.fromkeys(a.keys, b))
+        return b
+
+    def _settle(self, r: _Run) -> None:
+        """Keep runs maximal around ``r``: join it with its parent run and with its only child
+        when their presence bits are equal."""
+        if not self._alive(r):
+            return
+        where = self.where
         while True:
-            del entries[h]
-            p = e[1]
+            p = r.parent
+            if p is None or p is UNKNOWN:
+                break
+            a = where[p]
+            if a.pc != r.pc or len(a.children) != 1 or a is r:  # type: ignore[arg-type]
+                break
+            r = self._join(a, r)
+        while True:
+            ch = r.children
+            if ch is None or len(ch) != 1:
+                return
+            (c,) = ch.values()
+            if c.pc != r.pc or c is r:  # (a cycle: only inconsistent parent reports make one)
+                return
+            r = self._join(r, c)
+
+    def _attach(self, p: int, r: _Run) -> None:
+        """Hang run ``r`` below block ``p`` (its parent): a placeholder is created for a ``p``
+        that is not indexed, and ``p``'s run is split after ``p`` when ``p`` is inside it."""
+        where = self.where
+        a = where.get(p)
+        if a is None:
+            a = where[p] = _Run([p], UNKNOWN, 0, 0)
+        elif a.keys[-1] != p:
+            a = self._split(a, a.keys.index(p) + 1)[0]
+        if a.children is None:
+            a.children = {r.keys[0]: r}
+        else:
+            a.children[r.keys[0]] = r
+
+    def _new_run(self, keys: list[int], parent: Any, pc: int) -> _Run:
+        """Index new blocks ``keys`` (a chain below ``parent``) with presence ``pc``."""
+        r = _Run(keys, parent, pc, 0)
+        self.where.update(dict.fromkeys(keys, r))
+        if parent is not None and parent is not UNKNOWN:
+            self._attach(parent, r)
+        c = pc & self._parent_comp(r)
+        if c:
+            r.comp = c
+            self.negcomp.update(dict.fromkeys(keys, -c))
+        return r
+
+    def _drop_run(self, r: _Run) -> None:
+        """Delete run ``r`` (held nowhere, childless) and the ancestors this leaves empty and childless."""
+        where = self.where
+        while True:
+            keys = r.keys
+            _drain(map(where.__delitem__, keys))
+            if r.comp:
+                _drain(map(self.negcomp.__delitem__, keys))
+            r.keys = []
+            p = r.parent
             if p is None or p is UNKNOWN:
                 return
-            pe = entries[p]
-            ch = pe[2]
-            if type(ch) is int:
-                pe = entries[p] = (pe[0], pe[1], None)
-            else:
-                ch.remove(h)
+            a = where[p]
+            ch = a.children
+            del ch[keys[0]]  # type: ignore[union-attr]
+            if ch:
                 if len(ch) == 1:
-                    entries[p] = (pe[0], pe[1], next(iter(ch)))
+                    self._settle(a)
                 return
-            if pe[0] == 0:
-                h, e = p, pe
-                continue
-            return
+            a.children = None
+            if a.pc:
+                self._settle(a)
+                return
+            r = a
 
     # ------------------------------------------------------------------ #
     # mutation
@@ -231,78 +402,113 @@ class BlockIndex:
 
         Returns:
             The hashes that were not present on (node, tier) before, in order.
+
+        Cost: O(runs touched) plus C-level dict updates per block (a brand-new chain is one
+        run; a chain already indexed elsewhere is matched run by run with slice comparisons).
         """
-        entries = self.entries
-        neg = self.negcomp
-        s = self.held[node][tier]
+        where = self.where
+        counters = self.counters
         tb = tier_bit(node, tier)
         bits = tb | local_bit(node) | ANY_BIT
-        newly: list[int] = []
-        pe: tuple[Any, ...] | None = None
-        if parent is None:
-            pcomp = -1
-        else:
-            pe = entries.get(parent)
-            pcomp = -neg[parent]
-            if pe is None or pe[0] == 0:
-                self.counters["stored.without_parent"] += 1
-        room = self.max_blocks - len(entries)
+        if parent is not None:
+            pr = where.get(parent)
+            if pr is None or pr.pc == 0:
+                counters["stored.without_parent"] += 1
+        hashes = hashes if type(hashes) is list else list(hashes)
         k = len(hashes)
-        if k > 1 and room > k and entries.keys().isdisjoint(hashes):
-            # Fast path, the common engine case: a brand-new chain of blocks.
-            before = len(entries)
-            entries.update(zip(hashes, zip(repeat(bits), [parent, *hashes[:-1]], [*hashes[1:], None])))
-            if len(entries) - before == k:
-                if parent is not None:
-                    self._add_child(parent, hashes[0])
-                pcomp &= bits
-                if pcomp:
-                    neg.update(dict.fromkeys(hashes, -pcomp))
-                s.update(hashes)
-                return list(hashes)
-            for h in hashes:  # a hash repeats inside the chain: undo, go block by block
-                entries.pop(h, None)
-        prev = parent
-        for h in hashes:
-            e = entries.get(h)
-            if e is None:
+        if not k:
+            return []
+        cnt = self.copies[node]
+        room = self.max_blocks - len(where)
+        if room > k and where.keys().isdisjoint(hashes):
+            # the common engine case: a brand-new chain of blocks
+            pr = where.get(parent) if parent is not None else None
+            if pr is not None and pr.pc == bits and pr.children is None and pr.keys[-1] == parent:
+                # ... that extends a run with the same presence: append to it
+                where.update(dict.fromkeys(hashes, pr))
+                if len(where) - (self.max_blocks - room) == k:
+                    pr.keys.extend(hashes)
+                    if pr.comp:
+                        self.negcomp.update(dict.fromkeys(hashes, -pr.comp))
+                    cnt[tier] += k
+                    return hashes[:]
+                for h in hashes:  # a hash repeats inside the chain: undo, take the general path
+                    where.pop(h, None)
+            elif len(set(hashes)) == k:
+                self._settle(self._new_run(hashes[:], parent, bits))
+                cnt[tier] += k
+                return hashes[:]
+        newly: list[int] = []
+        touched: list[_Run] = []
+        prev: Any = parent
+        i = 0
+        while i < k:
+            h = hashes[i]
+            r = where.get(h)
+            if r is None:  # new blocks hashes[i:e]
+                rest = hashes[i:]
+                if where.keys().isdisjoint(rest) and len(set(rest)) == k - i:
+                    e = k
+                else:
+                    seen: set[int] = set()
+                    e = i
+                    while e < k:
+                        x = hashes[e]
+                        if x in where or x in seen:
+                            break
+                        seen.add(x)
+                        e += 1
                 if room <= 0:
-                    self.counters["cap.rejected_blocks"] += len(hashes) - len(newly)
+                    counters["cap.rejected_blocks"] += k - len(newly)
                     break
                 room -= 1
-                e = entries[h] = (bits, prev, None)
+                recount = False
                 if prev is not None:
-                    if pe is not None and pe[2] is None:
-                        entries[prev] = (pe[0], pe[1], h)  # fast path: appending to a chain
-                    else:
-                        self._add_child(prev, h)
-                        room = self.max_blocks - len(entries)
-                pcomp &= bits
-                if pcomp:
-                    neg[h] = -pcomp
-                s.add(h)
-                newly.append(h)
+                    pr = where.get(prev)
+                    recount = pr is None or pr.keys[-1] != prev or pr.children is not None
+                more = e - i - 1
+                if recount:  # the first block's parent had children or was missing (placeholder)
+                    room = self.max_blocks - len(where) - 1 - (prev not in where)
+                fit = 1 + max(0, min(more, room))
+                seg = hashes[i : i + fit]
+                touched.append(self._new_run(seg, prev, bits))
+                room -= fit - 1
+                newly.extend(seg)
+                cnt[tier] += fit
+                if fit <= more:
+                    counters["cap.rejected_blocks"] += k - len(newly)
+                    break
+                prev = hashes[e - 1]
+                i = e
+                continue
+            keys = r.keys
+            j = 0 if keys[0] == h else keys.index(h)
+            rp = keys[j - 1] if j else r.parent
+            relinked = False
+            if rp is UNKNOWN:  # a placeholder (or snapshot block) learns its parent
+                r.parent = prev
+                if prev is not None:
+                    self._attach(prev, r)
+                relinked = True
+            elif rp != prev:  # chained hashes name their parent; keep the first report
+                counters["stored.parent_conflict"] += 1
+            m = _match(keys, j, hashes, i)
+            if r.pc & tb:
+                counters["stored.duplicate_blocks"] += m
+                if relinked:
+                    self._set_comp(r, r.pc & self._parent_comp(r))
+                    touched.append(r)
             else:
-                pc, ep, ch = e
-                if ep is UNKNOWN:
-                    ep = prev
-                    if prev is not None:
-                        self._add_child(prev, h)
-                elif ep != prev:
-                    # Chained hashes name their parent; keep the first report.
-                    self.counters["stored.parent_conflict"] += 1
-                    pcomp = self._parent_comp(e)
-                if pc & tb:
-                    self.counters["stored.duplicate_blocks"] += 1
-                else:
-                    pc |= bits
-                    s.add(h)
-                    newly.append(h)
-                e = entries[h] = (pc, ep, ch)
-                pcomp &= pc
-                self._set_comp(h, ch, pcomp)
-            prev = h
-            pe = e
+                s = self._isolate(r, j, j + m)
+                s.pc |= bits
+                self._set_comp(s, s.pc & self._parent_comp(s))
+                touched.append(s)
+                newly.extend(hashes[i : i + m])
+                cnt[tier] += m
+            prev = hashes[i + m - 1]
+            i += m
+        for r in touched:
+            self._settle(r)
         return newly
 
     def remove(self, node: int, tier: int, hashes: Iterable[int]) -> list[int]:
@@ -310,31 +516,63 @@ class BlockIndex:
 
         Returns:
             The hashes that were present and are now removed.
+
+        Cost: O(runs touched) plus C-level work per block when the hashes list runs of
+        blocks (deepest first, as engines evict, or parent first).
         """
-        entries = self.entries
-        neg = self.negcomp
-        s = self.held[node][tier]
-        other = self.held[node][1 - tier]
-        keep = ~tier_bit(node, tier)
+        where = self.where
+        tb = tier_bit(node, tier)
+        other = tier_bit(node, 1 - tier)
+        keep = ~tb
         keep_both = keep & ~local_bit(node)
+        hashes = hashes if type(hashes) is list else list(hashes)
+        k = len(hashes)
         removed: list[int] = []
-        for h in hashes:
-            try:
-                s.remove(h)
-            except KeyError:
-                self.counters["removed.unknown_blocks"] += 1
+        touched: list[_Run] = []
+        unknown = 0
+        i = 0
+        while i < k:
+            h = hashes[i]
+            r = where.get(h)
+            if r is None or not r.pc & tb:
+                unknown += 1
+                i += 1
                 continue
-            e = entries[h]
-            pc = e[0] & (keep if h in other else keep_both)
+            keys = r.keys
+            last = len(keys) - 1
+            j = last if keys[-1] == h else keys.index(h)
+            if j < last and i + 1 < k and hashes[i + 1] == keys[j + 1]:
+                m = _match(keys, j, hashes, i)  # parent first
+                a, b = j, j + m
+            else:
+                m = _match_down(keys, j, hashes, i)  # deepest first
+                a, b = j - m + 1, j + 1
+            removed.extend(hashes[i : i + m])
+            i += m
+            pc = r.pc
+            pc &= keep if pc & other else keep_both
             if pc == ANY_BIT:
                 pc = 0
-            if pc == 0 and e[2] is None:  # a leaf held nowhere (the usual eviction): drop it
-                neg.pop(h, None)
-                self._drop(h, e)
+            if pc == 0 and b == last + 1 and r.children is None:
+                # leaves held nowhere (the usual eviction): drop them
+                if a == 0:
+                    self._drop_run(r)
+                else:
+                    gone = keys[a:]
+                    del keys[a:]
+                    _drain(map(where.__delitem__, gone))
+                    if r.comp:
+                        _drain(map(self.negcomp.__delitem__, gone))
             else:
-                e = entries[h] = (pc, e[1], e[2])
-                self._set_comp(h, e[2], pc & self._parent_comp(e))
-            removed.append(h)
+                s = self._isolate(r, a, b)
+                s.pc = pc
+                self._set_comp(s, pc & self._parent_comp(s))
+                touched.append(s)
+        if unknown:
+            self.counters["removed.unknown_blocks"] += unknown
+        self.copies[node][tier] -= len(removed)
+        for r in touched:
+            self._settle(r)
         return removed
 
     def clear(self, node: int, tier: int | None) -> list[tuple[int, list[int]]]:
@@ -345,8 +583,7 @@ class BlockIndex:
         """
         out = []
         for t in (GPU, HOST) if tier is None else (tier,):
-            hs = list(self.held[node][t])
-            out.append((t, self.remove(node, t, hs)))
+            out.append((t, self.remove(node, t, self.held_blocks(node, t))))
         return out
 
     def replace(
@@ -364,32 +601,38 @@ class BlockIndex:
             (added hashes, removed hashes).
         """
         want = set(hashes)
-        have = self.held[node][tier]
+        have = set(self.held_blocks(node, tier))
         removed = self.remove(node, tier, list(have - want))
         added: list[int] = []
-        entries = self.entries
+        where = self.where
         bits = tier_bit(node, tier) | local_bit(node) | ANY_BIT
-        for h in want - have:
-            e = entries.get(h)
-            if e is None or e[1] is UNKNOWN:
+        touched: list[_Run] = []
+        for h in want - (have & want):  # (the same set, and the same order, as the old per-block sets gave)
+            r = where.get(h)
+            if r is None or (r.parent is UNKNOWN and r.keys[0] == h):
                 if parents is not None and h in parents:
                     p = parents[h]
                 else:
                     p = UNKNOWN
                     self.counters["stored.without_parent"] += 1
-                if e is None:
-                    if len(entries) >= self.max_blocks:
+                if r is None:
+                    if len(where) >= self.max_blocks:
                         self.counters["cap.rejected_blocks"] += 1
                         continue
-                    e = (0, p, None)
+                    r = self._new_run([h], p, 0)
                 else:
-                    e = (e[0], p, e[2])
-                if p is not None and p is not UNKNOWN:
-                    self._add_child(p, h)
-            e = entries[h] = (e[0] | bits, e[1], e[2])
-            have.add(h)
-            self._set_comp(h, e[2], e[0] & self._parent_comp(e))
+                    r.parent = p
+                    if p is not None and p is not UNKNOWN:
+                        self._attach(p, r)
+            j = r.keys.index(h)
+            s = self._isolate(r, j, j + 1)
+            s.pc |= bits
+            self._set_comp(s, s.pc & self._parent_comp(s))
+            touched.append(s)
             added.append(h)
+        self.copies[node][tier] += len(added)
+        for r in touched:
+            self._settle(r)
         return added, removed
 
     # ------------------------------------------------------------------ #
@@ -429,12 +672,44 @@ class BlockIndex:
 
     def presence(self, h: int) -> int:
         """Presence bits of one block (0 when not indexed)."""
-        e = self.entries.get(h)
-        return e[0] if e is not None else 0
+        r = self.where.get(h)
+        return r.pc if r is not None else 0
 
     def complete_bits(self, h: int) -> int:
         """Completeness bits of one block (0 when not indexed)."""
         return -self.negcomp[h]
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.where)
+
+    def check(self) -> None:
+        """Invariants (O(blocks); for tests): runs maximal and well linked, ``where`` and
+        ``negcomp`` consistent with the runs, ``comp = pc & comp(parent)``, copies counted.
+
+        Raises:
+            AssertionError: naming the first one that fails.
+        """
+        where = self.where
+        seen = 0
+        copies = [[0, 0] for _ in self.copies]
+        for r in self.runs():
+            assert r.keys and all(where[h] is r for h in r.keys), "where out of sync"
+            seen += len(r.keys)
+            assert r.comp == r.pc & self._parent_comp(r), f"comp of run {r.keys[0]}"
+            for h in r.keys:
+                assert self.negcomp.get(h, 0) == -r.comp, f"negcomp of {h}"
+            assert r.pc or r.children, f"run {r.keys[0]} held nowhere and childless"
+            p = r.parent
+            if p is not None and p is not UNKNOWN:
+                a = where[p]
+                assert a.keys[-1] == p and a.children and a.children.get(r.keys[0]) is r, f"run {r.keys[0]} misfiled"
+                assert not (len(a.children) == 1 and a.pc == r.pc), f"run {r.keys[0]} not joined to its parent"
+            for c in (r.children or {}).values():
+                assert c.parent == r.keys[-1], f"child run {c.keys[0]} of {r.keys[-1]}"
+            for n in range(len(copies)):
+                for t in (GPU, HOST):
+                    if r.pc & tier_bit(n, t):
+                        copies[n][t] += len(r.keys)
+        assert seen == len(where), "runs do not cover where"
+        assert len(self.negcomp) == sum(1 for h in where if -self.negcomp.get(h, 0)), "stale negcomp"
+        assert copies == self.copies, f"copies {self.copies} != {copies}"

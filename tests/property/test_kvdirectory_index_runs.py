@@ -1,0 +1,146 @@
+"""Differential test: the run-based ``BlockIndex`` against the per-block model it replaced.
+
+``services/kvdirectory/index.py`` stores runs of blocks (consecutive blocks of one
+sequence with the same presence bits); ``tests/unit/kvdirectory/ref_index.py`` is the
+per-block index it replaced (one tuple per block, per-(node, tier) held sets). Both get
+the same random operation streams on 3 nodes — stores of path segments (parents right,
+missing, wrong or unknown; a hash repeated inside one store), removals deepest first,
+parent first, in random order and with unknown hashes, clears of one or both tiers,
+snapshots with and without parents — some under a small ``max_blocks`` cap, and after
+every operation:
+
+* the return values are equal (newly stored, removed, snapshot added/removed);
+* the counters, the entry count, every block's presence bits and the whole
+  completeness dict (``negcomp``) are equal; copies per (node, tier) equal the held sets;
+* ``prefix_drops`` of the paths agree (what lookups read);
+* the run index passes its own ``check`` (runs maximal, ``where`` / ``negcomp`` in sync).
+
+Paths are chained (a tree of fresh ids with shared prefixes and forks). Inputs that
+would link a block below its own descendant (only inconsistent parent reports can) are
+not drawn: the per-block model's behaviour on such cycles is not a specification.
+Seeds: ``EI_INDEX_DIFF_SEEDS`` (default 30), ``EI_INDEX_DIFF_OPS`` (default 300).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from services.kvdirectory import index as run_index
+from tests.unit.kvdirectory import ref_index
+
+SEEDS = int(os.environ.get("EI_INDEX_DIFF_SEEDS", "30"))
+OPS = int(os.environ.get("EI_INDEX_DIFF_OPS", "300"))
+NODES = 3
+
+
+class Forest:
+    """Chained paths: fresh ids, each path a prefix of another plus new blocks."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.parent: dict[int, int | None] = {}
+        self.next = 100
+        self.paths = [self.fresh(rng.randint(1, 12), []) for _ in range(4)]
+
+    def fresh(self, k: int, after: list[int]) -> list[int]:
+        out = list(after)
+        prev = after[-1] if after else None
+        for _ in range(k):
+            self.next += 1
+            self.parent[self.next] = prev
+            prev = self.next
+            out.append(prev)
+        return out
+
+    def grow(self) -> None:
+        base = self.rng.choice(self.paths)
+        self.paths.append(self.fresh(self.rng.randint(1, 8), base[: self.rng.randint(0, len(base))]))
+
+    def segment(self) -> tuple[list[int], int]:
+        p = self.rng.choice(self.paths)
+        a = self.rng.randrange(len(p))
+        return p[a : self.rng.randint(a + 1, len(p))], a
+
+
+def _compare(a: ref_index.BlockIndex, b: run_index.BlockIndex, paths: list[list[int]], where: str) -> None:
+    b.check()
+    assert len(a) == len(b), where
+    assert set(a.entries) == set(b.where), where
+    assert dict(a.negcomp) == dict(b.negcomp), where
+    assert all(a.presence(h) == b.presence(h) for h in a.entries), where
+    assert a.counters == b.counters, where
+    assert [[len(s) for s in held] for held in a.held] == b.copies, where
+    for p in paths:
+        assert a.prefix_drops(p) == b.prefix_drops(p), where
+
+
+def _run(seed: int, ops: int) -> None:
+    rng = random.Random(seed)
+    cap = {"max_blocks": 30} if seed % 5 == 0 else {}
+    relink_free = seed % 2 == 1  # odd seeds: snapshots always carry parents, hashes repeat in stores
+    a, b = ref_index.BlockIndex(**cap), run_index.BlockIndex(**cap)
+    for n in range(NODES):
+        a.ensure_node(n)
+        b.ensure_node(n)
+    f = Forest(rng)
+    for step in range(ops):
+        op = rng.random()
+        node, tier = rng.randrange(NODES), rng.randrange(2)
+        where = f"seed {seed} step {step}"
+        if op < 0.1:
+            f.grow()
+            continue
+        if op < 0.5:
+            hs, at = f.segment()
+            parent = f.parent[hs[0]] if at else None
+            if rng.random() < 0.05:
+                parent = rng.choice([None, 99_999])  # missing or wrong parent
+            if relink_free and len(hs) > 2 and rng.random() < 0.05:
+                hs = hs + [hs[0]]  # a hash repeated inside one store
+            assert a.store(node, tier, hs, parent) == b.store(node, tier, hs, parent), where
+        elif op < 0.85:
+            hs, _ = f.segment()
+            mode = rng.random()
+            if mode < 0.6:
+                hs = hs[::-1]  # deepest first, as engines evict
+            elif mode < 0.7:
+                hs = rng.sample(hs, len(hs))
+            if rng.random() < 0.1:
+                hs = hs + [424_242] + hs[:1]  # an unknown hash and a repeated one
+            assert a.remove(node, tier, hs) == b.remove(node, tier, hs), where
+        elif op < 0.9:
+            t = rng.choice([None, 0, 1])
+            ra, rb = a.clear(node, t), b.clear(node, t)
+            assert [(t, sorted(x)) for t, x in ra] == [(t, sorted(x)) for t, x in rb], where
+        else:
+            p = rng.choice(f.paths)
+            hs = rng.sample(p, rng.randint(0, len(p)))
+            parents = {h: f.parent[h] for h in hs} if relink_free or rng.random() < 0.7 else None
+            ra, rb = a.replace(node, tier, hs, parents), b.replace(node, tier, hs, parents)
+            assert (sorted(ra[0]), sorted(ra[1])) == (sorted(rb[0]), sorted(rb[1])), where
+        _compare(a, b, f.paths[:8], where)
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_run_index_matches_the_per_block_index(seed: int) -> None:
+    _run(seed, OPS)
+
+
+def test_engine_like_stream_stays_in_few_runs() -> None:
+    """A chain stored 64 blocks at a time on GPU then host, and evicted deepest first, is one
+    run per distinct presence, not one entry object per block."""
+    b = run_index.BlockIndex()
+    b.ensure_node(0)
+    chain = list(range(1, 2001))
+    for s in range(0, 2000, 64):
+        for tier in (0, 1):
+            b.store(0, tier, chain[s : s + 64], chain[s - 1] if s else None)
+    assert b.run_count() == 1 and len(b) == 2000
+    b.remove(0, 0, chain[:1000:-1])  # L1 evicts the deep end
+    assert b.run_count() == 2
+    b.remove(0, 1, chain[:1000:-1])
+    assert b.run_count() == 1 and len(b) == 1001
+    b.check()
