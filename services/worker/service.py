@@ -242,9 +242,13 @@ class WorkerService:
         ports = parse_port_range(cfg.kv_pool_ports)
         if ports:
             set_port_range(*ports)
-        slots, slot_bytes = pool_geometry(self.profile, cfg.kv_pool_slot_bytes, cfg.kv_pool_max_bytes)
+        page = self.engine.pool_slot_bytes()  # a real engine's pages are the payload (external)
+        slots, slot_bytes = pool_geometry(self.profile, cfg.kv_pool_slot_bytes or page, cfg.kv_pool_max_bytes)
+        if page and slot_bytes != page:
+            raise ValueError(f"--kv-pool-slot-bytes {slot_bytes} differs from the {self.engine.name} engine's page of {page} B")
         self.kvpool = HostKvPool(
             cfg.node, self.bus, num_slots=slots, slot_bytes=slot_bytes, host=cfg.kv_pool_host, lease_s=cfg.kv_pool_lease_s,
+            payload="external" if page else "synthetic",
             locate_timeout_s=cfg.kv_pool_locate_timeout_s, fetch_timeout_s=cfg.kv_pool_fetch_timeout_s,
         )  # fmt: skip
         await self.kvpool.start()
@@ -681,6 +685,9 @@ class WorkerService:
                     c[f"kvfetch.failed.{why}"] += n
                 self.log.warning("real-bytes fetch failed; the missing pages are recomputed", rid=fs.rid, peer=peer, error=res.error)
             missing.update(res.missing)
+        for res in results:  # a real engine takes the fetched bytes before the core stores the pages
+            if not isinstance(res, BaseException) and res.fetched:
+                self.engine.on_fetched(self.kvpool, res.fetched)
         now = self.clock.now()
         path = [h for _, hs in fs.sources for h in hs]
         cut = next((i for i, h in enumerate(path) if h in missing), len(path))
@@ -707,7 +714,8 @@ class WorkerService:
         self.engine.on_kv_events(events, self.core.requests, self.core.snapshot)
         gpu, gpu_parents, host, host_parents = self.core.snapshot_parents()
         if events and self.kvpool is not None:
-            self.kvpool.apply_kv_events(events)
+            if not self.engine.mirror_pool(self.kvpool, events):
+                self.kvpool.apply_kv_events(events)
         if events:
             self.kv_seq += 1
         seq = self.kv_seq
@@ -907,7 +915,8 @@ class WorkerService:
         if not events:
             return
         if self.kvpool is not None:  # the real-bytes pool mirrors L2 (host-tier events)
-            self.kvpool.apply_kv_events(events)
+            if not self.engine.mirror_pool(self.kvpool, events):
+                self.kvpool.apply_kv_events(events)
         self.kv_seq += 1
         await self._publish_kv(self.kv_seq, events, now)
 

@@ -57,3 +57,18 @@ class Engine(ABC):
     def handoff(self, work: DecodeWork) -> DecodeWork:
         """The hand-off message to publish for a request whose prefill finished here."""
         return work
+
+    def mirror_pool(self, pool: Any, events: list[KvEvent]) -> bool:
+        """Real-bytes pool (``--kv-pool real``): put this engine's L2 bytes of the host-tier
+        events into ``pool`` (a ``HostKvPool`` with external payloads). Returns False when the
+        engine has no bytes of its own (sim): the pool then follows the events with synthetic
+        payloads."""
+        return False
+
+    def on_fetched(self, pool: Any, hashes: Any) -> None:
+        """Pages ``hashes`` were fetched from a peer into ``pool`` (checksum-verified), before
+        the scheduler stores them in L2: an engine with real KV takes their bytes."""
+
+    def pool_slot_bytes(self) -> int:
+        """Bytes of one KV page in this engine's layout (0 = the pool's default slot size)."""
+        return 0

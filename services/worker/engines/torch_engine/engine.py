@@ -278,6 +278,39 @@ class TorchEngine(Engine):
         kv_heads, head_dim]``; stored into L2 at its ``BlockStored(host)`` event."""
         self._fetched[h] = kv
 
+    def pool_slot_bytes(self) -> int:
+        """Bytes of one page in L2 (``layers × 2 × block_size × kv_heads × head_dim × dtype``)."""
+        return self.host[0].numel() * self.host.element_size()
+
+    @_locked
+    def mirror_pool(self, pool: Any, events: list[KvEvent]) -> bool:
+        """Copy the real bytes of the host-tier events into ``pool`` (a ``HostKvPool`` with
+        ``payload="external"``, registered with Mooncake), which serves them to peers: a
+        ``BlockStored(host)`` page is put (unless the pool already holds it: a page fetched
+        from a peer lands there first), a ``BlockRemoved(host)`` page is evicted,
+        ``AllBlocksCleared`` of the host tier clears it. A page the pool has no slot for
+        (``put_full``) is simply not offered to peers. Call after :meth:`apply_kv_events`."""
+        for ev in events:
+            if isinstance(ev, BlockStored) and ev.tier == "host":
+                for h in ev.block_hashes:
+                    if not pool.has(h) and h in self.host_slot:
+                        pool.put(h, self.host[self.host_slot[h]].reshape(-1).view(torch.uint8).numpy())
+            elif isinstance(ev, BlockRemoved) and ev.tier == "host":
+                for h in ev.block_hashes:
+                    pool.evict(h)
+            elif isinstance(ev, AllBlocksCleared) and ev.tier in (None, "host"):
+                pool.buffer.clear(pool.clock())
+        return True
+
+    def on_fetched(self, pool: Any, hashes: Any) -> None:
+        """Take the bytes of pages fetched from a peer into ``pool`` (verified by the pool's
+        CRC) for their coming ``BlockStored(host)`` (:meth:`put_fetched`)."""
+        shape = tuple(self.host.shape[1:])
+        for h in hashes:
+            if pool.has(h):
+                raw = torch.from_numpy(pool.buffer.view(h).copy())
+                self.put_fetched(h, raw.view(self.host.dtype).reshape(shape))
+
     def host_page(self, h: int) -> torch.Tensor:
         """The L2 bytes of page ``h`` (``[layers, 2, block_size, kv_heads, head_dim]``, a view).
 

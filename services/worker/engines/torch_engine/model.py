@@ -12,8 +12,9 @@ shape ``[pages, page_size, kv_heads, head_dim]``; a sequence's keys are found
 through its block table (list of page indices, one per ``page_size`` tokens).
 ``forward`` runs one iteration over a mixed batch: prefill chunks (many query
 tokens each) and decode requests (one query token each) in one pass over the
-layers; the projections and MLP run on all tokens at once, attention per
-prefill chunk and batched over the decode requests.
+layers; the projections and MLP run on all tokens at once, attention in two
+batched SDPA calls over gathered pages (the decode requests; the prefill chunks,
+padded to the longest).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -186,6 +188,51 @@ class SeqBatch:
     block_table: list[int]
 
 
+@dataclass(slots=True)
+class _Group:
+    """Sequences attended in one batched SDPA call: their queries padded to ``Q``, their
+    keys gathered from ``npg`` pages each (padding masked out)."""
+
+    q_idx: torch.Tensor
+    """[B, Q] indices of the queries in the flat token tensor (padding: any valid index)."""
+    valid: torch.Tensor
+    """[B, Q] bool: a real query."""
+    q_flat: torch.Tensor
+    """[Σn] the flat indices of the real queries, in ``valid``'s row-major order."""
+    table: torch.Tensor
+    """[B, npg] pages (padding: page 0, masked)."""
+    mask: torch.Tensor
+    """[B, 1, Q, npg·page_size] bool: query i of sequence b sees key j iff j ≤ ctx_b + i
+    (padded query rows see key 0 only, so no row is empty)."""
+
+    @staticmethod
+    def build(seqs: list[SeqBatch], ps: int, dev: torch.device) -> _Group | None:
+        if not seqs:
+            return None
+        B = len(seqs)
+        Q = max(sq.n for sq in seqs)
+        npg = max(-(-(sq.ctx + sq.n) // ps) for sq in seqs)
+        q_idx = np.zeros((B, Q), dtype=np.int64)
+        valid = np.zeros((B, Q), dtype=bool)
+        table = np.zeros((B, npg), dtype=np.int64)
+        last = np.zeros((B, Q), dtype=np.int64)  # last key position each query sees
+        for b, sq in enumerate(seqs):
+            q_idx[b, : sq.n] = np.arange(sq.offset, sq.offset + sq.n)
+            q_idx[b, sq.n :] = sq.offset
+            valid[b, : sq.n] = True
+            k = -(-(sq.ctx + sq.n) // ps)
+            table[b, :k] = sq.block_table[:k]
+            last[b, : sq.n] = np.arange(sq.ctx, sq.ctx + sq.n)
+        mask = np.arange(npg * ps)[None, None, :] <= last[:, :, None]
+        return _Group(
+            q_idx=torch.from_numpy(q_idx).to(dev),
+            valid=torch.from_numpy(valid).to(dev),
+            q_flat=torch.from_numpy(q_idx[valid]).to(dev),
+            table=torch.from_numpy(table).to(dev),
+            mask=torch.from_numpy(mask[:, None]).to(dev),
+        )
+
+
 class PagedDecoder(torch.nn.Module):
     """The decoder's weights and its forward over paged KV.
 
@@ -301,29 +348,15 @@ class PagedDecoder(torch.nn.Module):
         nh, nkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         ps = k_cache[0].shape[1]
         dev = self.device
-        # where each new token's K/V goes: flat slot = page * page_size + offset
-        slots = torch.empty(tokens.shape[0], dtype=torch.int64)
-        pos_cpu = positions.cpu() if positions.device.type != "cpu" else positions
-        for s in seqs:
-            bt = torch.tensor(s.block_table, dtype=torch.int64)
-            p = pos_cpu[s.offset : s.offset + s.n]
-            slots[s.offset : s.offset + s.n] = bt[p // ps] * ps + p % ps
-        slots = slots.to(dev)
-        # attention groups: each prefill chunk alone, the decode requests together
-        decodes = [s for s in seqs if s.n == 1]
-        prefills = [s for s in seqs if s.n > 1]
-        dec_idx = dec_gather = dec_mask = None
-        if decodes:
-            lens = [s.ctx + 1 for s in decodes]
-            npg = max(-(-n // ps) for n in lens)
-            table = torch.zeros(len(decodes), npg, dtype=torch.int64)
-            for i, s in enumerate(decodes):
-                k = -(-lens[i] // ps)
-                table[i, :k] = torch.tensor(s.block_table[:k], dtype=torch.int64)
-            dec_gather = table.to(dev)
-            ar = torch.arange(npg * ps)
-            dec_mask = (ar[None, :] < torch.tensor(lens)[:, None]).to(dev)[:, None, None, :]  # [B,1,1,L]
-            dec_idx = torch.tensor([s.offset for s in decodes], dtype=torch.int64, device=dev)
+        # where each new token's K/V goes: flat slot = page * page_size + offset (numpy: no per-seq tensors)
+        slots_np = np.empty(tokens.shape[0], dtype=np.int64)
+        for sq in seqs:
+            p = np.arange(sq.ctx, sq.ctx + sq.n)
+            slots_np[sq.offset : sq.offset + sq.n] = np.asarray(sq.block_table, dtype=np.int64)[p // ps] * ps + p % ps
+        slots = torch.from_numpy(slots_np).to(dev)
+        # attention groups, each one batched SDPA over gathered pages: the decode requests
+        # (one query each), and the prefill chunks (padded to the longest chunk)
+        groups = [g for g in (_Group.build([q for q in seqs if q.n == 1], ps, dev), _Group.build([q for q in seqs if q.n > 1], ps, dev)) if g]
         cos_sin = positions.to(dev).float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((cos_sin, cos_sin), dim=-1)
         cos = emb.cos().to(self.dtype)[:, None, :]
@@ -346,29 +379,13 @@ class PagedDecoder(torch.nn.Module):
             kc.view(-1, nkv, D).index_copy_(0, slots, k.to(kc.dtype))
             vc.view(-1, nkv, D).index_copy_(0, slots, v.contiguous().to(vc.dtype))
             attn = torch.empty(T, nh, D, dtype=x.dtype, device=dev)
-            for s in prefills:
-                total = s.ctx + s.n
-                k_pages = -(-total // ps)
-                bt = torch.tensor(s.block_table[:k_pages], dtype=torch.int64, device=dev)
-                ks = kc[bt].reshape(-1, nkv, D)[:total].transpose(0, 1)  # [nkv, L, D]
-                vs = vc[bt].reshape(-1, nkv, D)[:total].transpose(0, 1)
-                qs = q[s.offset : s.offset + s.n].transpose(0, 1)  # [nh, n, D]
-                # query i (position ctx + i) sees keys at positions <= ctx + i
-                qi = torch.arange(s.n, device=dev)[:, None] + s.ctx
-                kj = torch.arange(total, device=dev)[None, :]
-                mask = kj <= qi
-                o = F.scaled_dot_product_attention(
-                    qs[None], ks[None], vs[None], attn_mask=mask[None, None], scale=scale, enable_gqa=nh != nkv
-                )[0]
-                attn[s.offset : s.offset + s.n] = o.transpose(0, 1)
-            if decodes:
-                assert dec_gather is not None and dec_idx is not None
-                B = dec_gather.shape[0]
-                ks = kc[dec_gather].reshape(B, -1, nkv, D).transpose(1, 2)  # [B, nkv, L, D]
-                vs = vc[dec_gather].reshape(B, -1, nkv, D).transpose(1, 2)
-                qs = q[dec_idx][:, :, None, :]  # [B, nh, 1, D]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=dec_mask, scale=scale, enable_gqa=nh != nkv)
-                attn[dec_idx] = o[:, :, 0, :]
+            for g in groups:
+                B = g.table.shape[0]
+                ks = kc[g.table].reshape(B, -1, nkv, D).transpose(1, 2)  # [B, nkv, L, D]
+                vs = vc[g.table].reshape(B, -1, nkv, D).transpose(1, 2)
+                qs = q[g.q_idx].transpose(1, 2)  # [B, nh, Q, D]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=scale, enable_gqa=nh != nkv)
+                attn[g.q_flat] = o.transpose(1, 2)[g.valid]
             x = x + F.linear(attn.reshape(T, nh * D), L["o"])
             h = _rms(x, L["post_norm"], c.rms_norm_eps)
             gu = F.linear(h, L["gate_up"])
