@@ -55,6 +55,15 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8000
     """Router HTTP port (0 = any free port)."""
     routing: str = "cache-aware"
+    """Router ``--routing`` (``up``/``demo`` set it from ``--policy``, ``evolving_infra.policy_args``)."""
+    planner: str = "static"
+    """Planner ``--planner``: static, evolving, dynamo, arrow."""
+    planner_args: tuple[str, ...] = ()
+    """Planner ``--planner-args`` items (``key=value``)."""
+    eviction: str = "lru"
+    """Workers' ``--host-eviction``: lru or branch-count."""
+    decode_binding: str = "prefill-start"
+    """Router ``--decode-binding``: prefill-start or dispatch."""
     block_size: int = 64
     partition: str = "p0"
     model: str = "evolving-infra-sim"
@@ -192,7 +201,11 @@ class LocalCluster:
             ),
             _Child(
                 "planner",
-                py + ["services.planner"] + self._common("planner") + ["--nodes", ",".join(nodes), "--split", s.split],
+                py
+                + ["services.planner"]
+                + self._common("planner")
+                + ["--nodes", ",".join(nodes), "--split", s.split, "--planner", s.planner, "--profile", s.profile]
+                + (["--planner-args", ",".join(s.planner_args)] if s.planner_args else []),
                 self.log_dir / "planner.log",
             ),
         ]
@@ -214,6 +227,8 @@ class LocalCluster:
                         str(s.stream_interval),
                         "--tokenizer",
                         s.tokenizer,
+                        "--host-eviction",
+                        s.eviction,
                     ]
                     + (["--engine", s.engine, "--model", s.model_dir] if s.engine != "sim" else [])
                     + list(s.worker_args),
@@ -236,6 +251,10 @@ class LocalCluster:
                     str(self._port_file),
                     "--routing",
                     s.routing,
+                    "--decode-binding",
+                    s.decode_binding,
+                    "--profile",
+                    s.profile,
                     "--block-size",
                     str(s.block_size),
                     "--model",

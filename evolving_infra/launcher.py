@@ -20,6 +20,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, write_json
 from shared.log import setup_logging
 from shared.profile import available_profiles
@@ -36,7 +37,13 @@ def demo_trace_path() -> Path:
 def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, speedup: float, port: int = 8000) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--nodes", type=int, default=nodes, help=f"worker nodes, one process each (default {nodes})")
-    g.add_argument("--split", default=split, help=f"initial PD split: 'collocated' or xPyD with x+y = nodes (default {split})")
+    g.add_argument(
+        "--split",
+        default=None,
+        help=f"initial PD split: 'collocated' or xPyD with x+y = nodes (default: a static:xPyD policy's, else {split}; "
+        "the evolving planner serves it after its collocated warm-up)",
+    )
+    p.set_defaults(default_split=split)
     g.add_argument(
         "--profile",
         default="gb300-glm52",
@@ -45,7 +52,6 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, spe
     g.add_argument("--speedup", type=float, default=speedup, help=f"simulated seconds per wall second (default {speedup:g})")
     g.add_argument("--host", default="127.0.0.1", help="router HTTP bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=port, help=f"router HTTP port; 0 = any free port (default {port})")
-    g.add_argument("--routing", default="cache-aware", help="prefill routing policy (default cache-aware)")
     g.add_argument(
         "--block-size", type=int, default=None, help="tokens per KV block (default 64; --engine torch: the profile's page size)"
     )
@@ -92,6 +98,30 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, spe
         help="give every service a Prometheus /metrics port (free loopback ports, listed in the READY line); "
         "the router also serves /metrics on its HTTP port",
     )
+    add_policy_args(p, live=True)
+
+
+DEMO_PLANNER = {"t_learn_s": 900.0}
+"""The demo's evolving planner: a 900-s collocated warm-up (18 s of wall time at speed-up 50) instead
+of the paper's 1,800 s, so that most of the demo's ~6,700 simulated seconds run after it and the
+planner's 600-s windows get to decide (``--planner-opt t_learn_s=...`` overrides)."""
+
+
+def _policy(args: argparse.Namespace) -> LivePolicy:
+    """The live policy of ``args``, its split applied to ``args.split``; planner options checked
+    by building the planner once (a bad option fails here, not in the planner's log)."""
+    from services.planner.policy import make_planner, parse_planner_args
+    from shared.profile import ProfileError, load_profile
+
+    pol = live_policy(args, planner_defaults=DEMO_PLANNER if args.command == "demo" else None)
+    if args.split is None:
+        args.split = pol.split or args.default_split
+    try:
+        make_planner(pol.planner, [f"w{i}" for i in range(max(args.nodes, 1))], load_profile(args.profile),
+                     **parse_planner_args(list(pol.planner_args)))
+    except (ValueError, TypeError, ProfileError) as e:
+        raise SystemExit(f"error: --planner {pol.planner} / --planner-opt: {e}") from None
+    return pol
 
 
 def _torch_values(args: argparse.Namespace) -> dict[str, object]:
@@ -140,6 +170,8 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
+    pol = args.live_policy if getattr(args, "live_policy", None) else _policy(args)
+    args.live_policy = pol
     try:
         parse_split(args.split, args.nodes)
     except SplitError as e:
@@ -159,7 +191,11 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         speedup=args.speedup,
         host=args.host,
         port=args.port,
-        routing=args.routing,
+        routing=pol.routing,
+        planner=pol.planner,
+        planner_args=pol.planner_args,
+        eviction=pol.eviction,
+        decode_binding=pol.decode_binding,
         block_size=args.block_size,
         partition=args.partition,
         nats_url=args.nats_url,
@@ -196,6 +232,7 @@ async def _up(args: argparse.Namespace) -> int:
     state = _write_state({**info, "partition": args.partition, "tokenizer": cluster.spec.tokenizer})
     try:
         print(f"cluster ready: router {cluster.router_url}  (split {args.split}, {args.nodes} workers, speedup {args.speedup:g})")
+        print(f"  {args.live_policy.describe()}" + "".join(f"\n  note: {n}" for n in args.live_policy.notes))
         print(f"  NATS {cluster.nats_url}   logs {cluster.log_dir}   trace with: evolving-infra tap (or split get)")
         if cluster.creds is not None:
             print(
@@ -246,7 +283,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 async def _demo(args: argparse.Namespace) -> int:
     from evolving_infra.replay.core import Arrival
     from evolving_infra.replay.live import LiveReplayer
-    from evolving_infra.report.ideal import annotate_ideal
+    from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import build_report, print_summary, write_report
     from evolving_infra.traces.io import read_trace
     from shared.clock import SimClock
@@ -260,11 +297,24 @@ async def _demo(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(args.log_dir) if args.log_dir else out / "logs"
     spec = _spec(args, log_dir=str(log_dir), block_size=trace.header.block_size)
+    pol: LivePolicy = args.live_policy
     print(
         f"demo: {len(agents)} Claude Code sessions, {len(requests)} requests from {trace_path.name}; "
         f"{spec.nodes} workers at {spec.split}, speedup {spec.speedup:g}, {args.concurrency} concurrent agents",
         flush=True,
     )
+    print(f"  {pol.describe()}" + "".join(f"\n  note: {n}" for n in pol.notes), flush=True)
+    if pol.planner == "evolving":
+        opts = dict(a.split("=", 1) for a in pol.planner_args)
+        t_learn = float(opts.get("t_learn_s", 1800.0))
+        window = float(opts.get("window_s", 600.0))
+        print(
+            f"  the planner serves every node collocated for its {t_learn:.0f}-s warm-up ({t_learn / spec.speedup:.0f} s wall), "
+            f"fits each node's iteration-time models, then moves to {spec.split} and re-plans the split every {window:.0f} s "
+            "of simulated time when a candidate is significantly better (these Claude Code sessions are prefill-heavy "
+            "and bursty: expect it to move nodes between phases)",
+            flush=True,
+        )
     wall0 = time.monotonic()
     async with LocalCluster(spec) as cluster:
         print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, logs {cluster.log_dir}", flush=True)
@@ -280,7 +330,9 @@ async def _demo(args: argparse.Namespace) -> int:
                 state.unlink(missing_ok=True)
         cluster.check_alive()
         timeline = cluster.timeline()
-    ideal = annotate_ideal(result.records, {r.id: r for r in requests}, trace.header.block_size)
+    by_id = {r.id: r for r in requests}
+    ideal = annotate_ideal(result.records, by_id, trace.header.block_size)
+    annotate_lost_reuse(result.records, by_id)
     notes = list(trace.header.meta.get("notes", [])) if isinstance(trace.header.meta.get("notes"), list) else []
     sample = trace.header.meta.get("sample") or {}
     cap = sample.get("max_requests_per_branch") if isinstance(sample, dict) else None
@@ -292,6 +344,7 @@ async def _demo(args: argparse.Namespace) -> int:
         "trace": str(trace_path),
         "trace_source": trace.header.source,
         "cluster": {"nodes": spec.nodes, "split": spec.split, "profile": spec.profile, "routing": spec.routing},
+        "policy": pol.meta(),
         "speedup": spec.speedup,
         "arrival": {"kind": "closed", "concurrency": args.concurrency},
         "wall_s": time.monotonic() - wall0,
@@ -304,6 +357,7 @@ async def _demo(args: argparse.Namespace) -> int:
     path = write_report(out, report, sorted(result.records, key=lambda r: r.sent_at))
     print_summary(report)
     print(f"report: {path}")
+    print(_baseline_line(args, out))
     ok = report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"]
     return 0 if ok else 1
 
@@ -315,6 +369,20 @@ def _vocab_size(tokenizer: str) -> int | None:
     from services.router.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer).vocab_size
+
+
+def _baseline_line(args: argparse.Namespace, out: Path) -> str:
+    """The demo's second line: the same input under the baseline (SGLang PD at the same split,
+    cache-aware routing, no switches), as a command to run and compare."""
+    if args.live_policy.name.startswith("static"):
+        return "baseline: this run is the static baseline; compare with the default policy: evolving-infra demo --out demo-out"
+    base_out = f"{out}-static"
+    same = [f"--sessions {args.sessions}", f"--concurrency {args.concurrency}", f"--speedup {args.speedup:g}", f"--nodes {args.nodes}"]
+    if args.trace:
+        same.append(f"--trace {args.trace}")
+    return (f"baseline (same input, SGLang PD at {args.split}, cache-aware routing, no switches): "
+            f"evolving-infra demo --policy static:{args.split} {' '.join(same)} --out {base_out} && "
+            f"evolving-infra report compare {out} {base_out}")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from evolving_infra.sim.config import ForcedSwitch, SimConfig, SimConfigError
-from evolving_infra.sim.policies import DECODE_BINDINGS, DEFAULT_RELAUNCH_S, EVICTIONS, ROUTING_DECODE, SET_NAMES, SWITCH_MODES
+from evolving_infra.policy_args import add_policy_args
+from evolving_infra.sim.policies import DEFAULT_RELAUNCH_S, ROUTING_DECODE, SWITCH_MODES
 from shared.config import parse_key_values
 
 
@@ -281,15 +282,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--slow-node", action="append", metavar="NODE:FACTOR",
                    help="that node's engine runs FACTOR times slower than the profile (router and planner not told; "
                    "repeatable; what-if runs of the online per-node models)")
-    pol = p.add_argument_group("policies (explicit flags override the policy set)")
-    pol.add_argument("--policy", default="static", help=f"policy set: {', '.join(SET_NAMES)} (default static)")
-    pol.add_argument("--routing", default=None, help="prefill routing policy (services/router/policy.py registry)")
+    pol = add_policy_args(p, live=False)
     pol.add_argument("--decode-routing", default=None, choices=ROUTING_DECODE, help="decode binding rule")
-    pol.add_argument("--planner", default=None, help="planner (services/planner/policy.py: static, dynamo, arrow, evolving)")
-    pol.add_argument("--eviction", default=None, choices=EVICTIONS, help="host (L2) eviction")
-    pol.add_argument("--decode-binding", default=None, choices=DECODE_BINDINGS,
-                     help="enqueue = decode KV reserved at dispatch (SGLang PD); prefill-start = bound when prefill starts; "
-                     "route = bound at dispatch, reserved at hand-off (the live stack)")
     pol.add_argument("--switch-mode", default=None, choices=SWITCH_MODES,
                      help="phase switch mechanics: decoupled = drain in place, KV kept in a pool every prefill node "
                      "reads (paper §4; inplace = alias); relaunch = Dynamo (downtime --relaunch-s, KV lost); "
@@ -298,7 +292,6 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                      help="in-place switches: seconds from the end of the drain to serving the new phase (default 0)")
     pol.add_argument("--relaunch-s", type=float, default=DEFAULT_RELAUNCH_S, help=f"relaunch downtime (default {DEFAULT_RELAUNCH_S:g} s)")
     pol.add_argument("--routing-opt", action="append", metavar="K=V", help="routing policy option (repeatable)")
-    pol.add_argument("--planner-opt", action="append", metavar="K=V", help="planner parameter (repeatable)")
     pol.add_argument("--switch-at", action="append", metavar="T:NODE:PHASE", help="force a phase switch (repeatable)")
     pol.add_argument("--switch-every", type=float, default=None, metavar="SECONDS",
                      help="force a split change every SECONDS, alternating between --split and --switch-to "

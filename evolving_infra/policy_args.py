@@ -1,0 +1,125 @@
+"""One policy vocabulary for ``up``, ``demo`` and ``simulate`` (issue 21).
+
+``--policy SET`` names a serving system (``evolving_infra.sim.policies``: ``evolving`` — the
+default: ttft routing, the evolving planner with its SLO guard, branch-count host eviction,
+decode bound when the prefill starts, decoupled in-place switching — or the baselines
+``static[:xPyD]``, ``dynamo``, ``arrow``); ``--routing``, ``--planner``, ``--eviction``,
+``--decode-binding`` override one part of it and ``--planner-opt K=V`` sets a planner
+parameter (``EvolvingParams`` / ``DynamoParams`` / ``ArrowParams`` fields). The simulator
+reads the flags itself (``evolving_infra.sim.cli``); a live cluster gets them through
+:func:`live_policy`, which maps a set onto the services' flags and says what a live
+cluster cannot do as the set asks (the live workers always switch in place with their
+KV kept — the decoupled plane — and bind decode by the router's own rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from evolving_infra.sim.policies import DECODE_BINDINGS, EVICTIONS, SET_NAMES, PolicyError, policy_set, with_overrides
+from shared.config import parse_key_values
+
+DEFAULT_POLICY = "evolving"
+
+
+def add_policy_args(p: argparse.ArgumentParser, *, live: bool, default: str = DEFAULT_POLICY) -> argparse._ArgumentGroup:
+    """Add ``--policy``, ``--routing``, ``--planner``, ``--eviction``, ``--decode-binding`` and
+    ``--planner-opt`` to ``p`` (the simulator adds its own extra switches to the returned group).
+    ``live``: the help says how a live cluster maps each choice."""
+    pol = p.add_argument_group("policies (--policy picks a serving system; the other flags override one part of it)")
+    pol.add_argument(
+        "--policy",
+        default=default,
+        help=f"policy set: {', '.join(SET_NAMES)} (default {default}: ttft routing, evolving planner with SLO guard, "
+        "branch-count eviction, decode bound at prefill start, decoupled switching)",
+    )
+    pol.add_argument("--routing", default=None,
+                     help="prefill routing policy: ttft, cache-aware, dynamo-kv, round-robin, sticky (default: the set's)")
+    pol.add_argument("--planner", default=None, help="planner: static, evolving, dynamo, arrow (default: the set's)")
+    pol.add_argument("--eviction", default=None, choices=EVICTIONS, help="host (L2) eviction (default: the set's)")
+    pol.add_argument(
+        "--decode-binding",
+        default=None,
+        choices=DECODE_BINDINGS,
+        help="when the decode node is chosen: enqueue (at dispatch, KV reserved while queued: SGLang PD), prefill-start "
+        "(when the prefill starts: paper Eq. 7), route (at dispatch, reserved at hand-off)"
+        + ("; live: enqueue and route = the router's dispatch binding" if live else ""),
+    )
+    pol.add_argument("--planner-opt", action="append", metavar="K=V",
+                     help="planner parameter, repeatable (e.g. t_learn_s=900 window_s=600 slo_guard=false)")
+    return pol
+
+
+@dataclass(frozen=True, slots=True)
+class LivePolicy:
+    """What a live cluster runs for a policy set with overrides (the services' flags)."""
+
+    name: str
+    routing: str
+    planner: str
+    planner_args: tuple[str, ...]
+    """``key=value`` items for the planner's ``--planner-args``."""
+    eviction: str
+    decode_binding: str
+    """The router's ``--decode-binding``: ``prefill-start`` or ``dispatch``."""
+    split: str | None
+    """The set's split (``static:4P5D``), None = the command's ``--split``."""
+    notes: tuple[str, ...] = ()
+    """Where the live cluster differs from what the set asks."""
+
+    def describe(self) -> str:
+        """One line for the command's output."""
+        opts = f" ({', '.join(self.planner_args)})" if self.planner_args else ""
+        return (f"policy {self.name}: routing {self.routing}, planner {self.planner}{opts}, eviction {self.eviction}, "
+                f"decode binding {self.decode_binding}")
+
+    def meta(self) -> dict[str, Any]:
+        """For ``report.json``'s ``meta.policy``."""
+        return {"name": self.name, "routing": self.routing, "planner": self.planner, "planner_args": list(self.planner_args),
+                "eviction": self.eviction, "decode_binding": self.decode_binding, "notes": list(self.notes)}
+
+
+def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | None = None) -> LivePolicy:
+    """The live mapping of ``args.policy`` with the overrides (see the module docstring).
+
+    Args:
+        planner_defaults: planner parameters a command sets unless ``--planner-opt`` does
+            (the demo's shorter warm-up); used only when the planner is ``evolving``.
+
+    Raises:
+        SystemExit: an unknown set, component or malformed ``--planner-opt`` (with the reason).
+    """
+    from services.planner.policy import PLANNERS
+    from services.router.policy import policy_names
+
+    try:
+        ps = with_overrides(policy_set(args.policy), routing=args.routing, planner=args.planner, eviction=args.eviction,
+                            decode_binding=args.decode_binding)
+        opts = parse_key_values(args.planner_opt or [], "--planner-opt")
+    except (PolicyError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if ps.routing not in policy_names():
+        raise SystemExit(f"error: routing policy {ps.routing!r} is not registered; known: {', '.join(policy_names())}")
+    if ps.planner not in PLANNERS:
+        raise SystemExit(f"error: planner {ps.planner!r} is not known; known: {', '.join(PLANNERS)}")
+    if ps.planner == "evolving" and planner_defaults:
+        opts = {**planner_defaults, **opts}
+    notes = []
+    if ps.switch_mode not in ("decoupled", "none"):
+        notes.append(f"switch mode {ps.switch_mode}: live workers switch in place keeping their KV (decoupled)")
+    if ps.decode_routing == "round-robin":
+        notes.append("decode routing round-robin: the live router binds decode with its routing policy's rule")
+    binding = "prefill-start" if ps.decode_binding == "prefill-start" else "dispatch"
+    items = tuple(f"{k}={_fmt(v)}" for k, v in opts.items())
+    return LivePolicy(name=ps.name, routing=ps.routing, planner=ps.planner, planner_args=items, eviction=ps.eviction,
+                      decode_binding=binding, split=ps.split, notes=tuple(notes))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "none"
+    return str(v)

@@ -1,0 +1,65 @@
+"""One policy vocabulary for up, demo and simulate (issue 21): defaults, overrides, the live mapping."""
+
+from __future__ import annotations
+
+import pytest
+
+from evolving_infra.cli import build_parser
+from evolving_infra.cluster import LocalCluster
+from evolving_infra.launcher import DEMO_PLANNER, _spec
+from evolving_infra.sim.cli import config_from_args
+from evolving_infra.sim.config import resolve
+
+
+def _argv(child, flag):
+    return child.argv[child.argv.index(flag) + 1]
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_up_and_demo_run_the_papers_system_by_default(command, tmp_path):
+    args = build_parser().parse_args([command, "--log-dir", str(tmp_path)])
+    spec = _spec(args)
+    assert (spec.routing, spec.planner, spec.eviction, spec.decode_binding, spec.split) == (
+        "ttft", "evolving", "branch-count", "prefill-start", "2P2D")
+    assert spec.planner_args == (tuple(f"{k}={v}" for k, v in DEMO_PLANNER.items()) if command == "demo" else ())
+    kids = {c.name: c for c in LocalCluster(spec)._plan_children()}
+    assert _argv(kids["planner"], "--planner") == "evolving" and _argv(kids["router"], "--routing") == "ttft"
+    assert _argv(kids["worker-w0"], "--host-eviction") == "branch-count"
+    assert _argv(kids["router"], "--decode-binding") == "prefill-start"
+    if command == "demo":
+        assert _argv(kids["planner"], "--planner-args") == "t_learn_s=900.0"
+
+
+def test_simulate_defaults_to_the_same_policy():
+    args = build_parser().parse_args(["simulate", "--workload", "claude-code", "--out", "x"])
+    ps = resolve(config_from_args(args)).policy
+    assert (ps.name, ps.routing, ps.planner, ps.eviction, ps.decode_binding, ps.switch_mode) == (
+        "evolving", "ttft", "evolving", "branch-count", "prefill-start", "decoupled")
+
+
+def test_baselines_and_per_part_overrides(tmp_path):
+    p = build_parser()
+    spec = _spec(p.parse_args(["up", "--policy", "static:3P1D", "--log-dir", str(tmp_path)]))
+    assert (spec.routing, spec.planner, spec.eviction, spec.decode_binding, spec.split) == (
+        "cache-aware", "static", "lru", "dispatch", "3P1D")
+    spec = _spec(p.parse_args(["up", "--routing", "cache-aware", "--planner", "static", "--eviction", "lru",
+                               "--split", "1P3D", "--log-dir", str(tmp_path)]))
+    assert (spec.routing, spec.planner, spec.eviction, spec.split, spec.planner_args) == ("cache-aware", "static", "lru", "1P3D", ())
+    spec = _spec(p.parse_args(["up", "--planner-opt", "t_learn_s=60", "--planner-opt", "slo_guard=false", "--log-dir", str(tmp_path)]))
+    assert spec.planner_args == ("t_learn_s=60", "slo_guard=false")
+    sim = config_from_args(p.parse_args(["simulate", "--workload", "putnam", "--out", "x", "--policy", "static", "--routing", "ttft"]))
+    assert resolve(sim).policy.routing == "ttft" and resolve(sim).policy.planner == "static"
+
+
+@pytest.mark.parametrize("argv, frag", [
+    (["--policy", "nope"], "unknown policy set"),
+    (["--routing", "nope"], "routing policy 'nope'"),
+    (["--planner", "nope"], "planner 'nope'"),
+    (["--planner-opt", "objective=e2e"], "objective"),
+    (["--planner-opt", "novalue"], "key=value"),
+    (["--planner", "static", "--planner-opt", "x=1"], "takes no parameters"),
+])
+def test_bad_policy_flags_fail_with_the_reason(argv, frag, tmp_path):
+    args = build_parser().parse_args(["up", *argv, "--log-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match=frag):
+        _spec(args)
