@@ -63,6 +63,7 @@ def test_up_writes_the_state_file_split_and_tap_use_it_and_it_is_removed(tmp_pat
     cmd = [
         sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "2", "--split", "1P1D", "--profile", "tiny",
         "--block-size", "4", "--port", "0", "--log-dir", str(tmp_path / "logs"),
+        "--policy", "static",  # a fixed split: the default (evolving) serves collocated during its warm-up
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
