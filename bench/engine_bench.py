@@ -149,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     fit = fit_node(train, prof.prefill, prof.decode)
     held_err = mean_relative_error(held, fit.prefill or prof.prefill, fit.decode or prof.decode)
     phases = {ph: sum(1 for r in recs if r.phase == ph) for ph in ("prefill", "decode", "mixed")}
+    import os
+
     out = {
         "model": "tiny llama (2 layers, hidden 64, 4/2 heads, vocab 512), float32, CPU, 1 thread",
+        "load_average_1_5_15": list(os.getloadavg()),
         "throughput": rows,
         "fit": {
             "records": len(recs),
@@ -170,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['batch']} | {r['prefill_tok_s']:,.0f} / {r['prefill_tok_s_hf']:,.0f} = {r['prefill_ratio']:.2f}× "
               f"| {r['decode_tok_s']:,.0f} / {r['decode_tok_s_hf']:,.0f} = {r['decode_ratio']:.2f}× |")  # fmt: skip
     print(f"\nEq. 1/2 fit: {len(train)} records fitted, {len(held)} held back ({phases}); "
-          f"mean relative error held back {held_err:.1%} (train {fit.fit_error:.1%})")  # fmt: skip
+          f"mean relative error held back {held_err:.1%} (train {fit.fit_error:.1%}); "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -387,6 +387,12 @@ def _baseline_line(args: argparse.Namespace, out: Path) -> str:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     setup_logging("console", "warning")
+    if args.engine != "sim":
+        # the shipped Claude Code trace has 100K-token prompts of ids in a 100,000-id space: a
+        # tiny model's vocabulary and context cannot serve it; use `up --engine torch` instead
+        print("error: demo replays the Claude Code sample on the sim engine only; "
+              "try the torch engine with: evolving-infra up --engine torch --model DIR", file=sys.stderr)  # fmt: skip
+        return 2
     return asyncio.run(_demo(args))
 
 
