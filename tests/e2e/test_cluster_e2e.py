@@ -56,6 +56,8 @@ async def complete(url: str, prompt: list[int], max_tokens: int = 5, headers: di
     async with httpx.AsyncClient(timeout=30) as http:
         async with http.stream("POST", url + "/v1/completions", json=body, headers=headers or {}) as resp:
             assert resp.status_code == 200, await resp.aread()
+            # a stream's headers name the placement at acceptance (the decode node is bound at
+            # prefill start, later): the final placement is the `ei` object of the last chunks
             nodes = (resp.headers.get("x-ei-prefill-node"), resp.headers.get("x-ei-decode-node"))
             async for line in resp.aiter_lines():
                 if not line.startswith("data:") or line.endswith("[DONE]"):
@@ -66,6 +68,8 @@ async def complete(url: str, prompt: list[int], max_tokens: int = 5, headers: di
                     if ch.get("text"):
                         text.append(ch["text"])
                 usage = obj.get("usage") or usage
+                if obj.get("ei"):
+                    nodes = (obj["ei"]["prefill_node"], obj["ei"]["decode_node"])
     return {"text": text, "usage": usage, "prefill": nodes[0], "decode": nodes[1]}
 
 
