@@ -173,6 +173,10 @@ class _Flight:
     the paper's C.1 attribution of lost KV reuse."""
 
 
+DIRECTORY_SAMPLE_S = 60.0
+"""Simulated seconds between two samples of the KV directory's size (``SimStats.directory_size``)."""
+
+
 @dataclass(slots=True)
 class SimStats:
     """Counters of one simulated cluster (land in ``report.json`` as ``sim_*``)."""
@@ -229,6 +233,10 @@ class SimStats:
     """The same, only reservations of requests whose prefill has not started."""
     decode_cap_node_s: float = 0.0
     """∫ L1 blocks of the nodes serving decode dt (warm-up excluded)."""
+    directory_size: dict[int, list[int]] = field(default_factory=dict)
+    """Size of the KV directory over time, sampled at the first KV batch of every
+    :data:`DIRECTORY_SAMPLE_S` simulated seconds: sample index → [blocks indexed, runs, GPU
+    copies, host copies, estimated bytes] (``BlockIndex.size_bytes``)."""
 
 
 @dataclass(slots=True)
@@ -952,6 +960,11 @@ class ClusterSim:
             ev = self.stats.host_evictions
             ev[n.phase + ".zero_count"] = ev.get(n.phase + ".zero_count", 0) + z
             ev[n.phase + ".positive_count"] = ev.get(n.phase + ".positive_count", 0) + p
+        k = int(t // DIRECTORY_SAMPLE_S)
+        ds = self.stats.directory_size
+        if k not in ds:
+            ix = d.index
+            ds[k] = [len(ix), ix.nruns, sum(c[0] for c in ix.copies), sum(c[1] for c in ix.copies), ix.size_bytes()]
         self._flush_counts()
 
     def _flush_counts(self) -> None:

@@ -30,7 +30,7 @@ import msgspec
 from evolving_infra.report.records import RequestRecord
 from evolving_infra.report.timeline import RunTimeline, SplitPoint, SwitchRecord
 from evolving_infra.report.write import build_report
-from evolving_infra.sim.cluster import ClusterResult, ClusterSim, SimStats
+from evolving_infra.sim.cluster import DIRECTORY_SAMPLE_S, ClusterResult, ClusterSim, SimStats
 from evolving_infra.sim.config import Resolved, SimConfig, SimConfigError, resolve
 from evolving_infra.sim.workload import PlainWorkload, TiledWorkload, WorkloadError
 from evolving_infra.traces.io import paused_gc
@@ -269,6 +269,9 @@ def merge_stats(stats: Sequence[SimStats]) -> SimStats:
         for src, dst in ((s.host_evictions, out.host_evictions), (s.directory, out.directory)):
             for key, v in src.items():
                 dst[key] = dst.get(key, 0) + v
+        for k, row in s.directory_size.items():  # partitions: one directory each, sizes add up
+            acc = out.directory_size.get(k)
+            out.directory_size[k] = list(row) if acc is None else [a + b for a, b in zip(acc, row)]
         out.out_of_service.extend(s.out_of_service)
         out.end_time = max(out.end_time, s.end_time)
         if s.closed_loop_exhausted_at is not None:
@@ -345,7 +348,11 @@ def directory_keys(stats: SimStats, block_size: int) -> dict[str, Any]:
     and count > 0 at the end); ``counted_kv_tokens_per_prefill_node_mean`` / ``_max`` — tokens
     of KV that active branches reference on a node serving prefill, sampled at every request
     sent (mean over sends of the mean over nodes; max over both): the host memory
-    ``branch-count`` eviction needs to keep every active branch's KV."""
+    ``branch-count`` eviction needs to keep every active branch's KV; ``kv_directory_size`` —
+    the directory's size over time (all partitions): one row per ``DIRECTORY_SAMPLE_S`` simulated
+    seconds with a KV batch, ``{t, blocks, runs, gpu_copies, host_copies, bytes}`` (blocks
+    indexed, runs of blocks, block copies per tier, estimated bytes of the index), so that its
+    memory can be seen to plateau; ``kv_directory_peak_bytes`` — the largest sample."""
     ev = dict(sorted(stats.host_evictions.items()))
     z = ev.get("prefill.zero_count", 0) + ev.get("both.zero_count", 0)
     p = ev.get("prefill.positive_count", 0) + ev.get("both.positive_count", 0)
@@ -356,6 +363,11 @@ def directory_keys(stats: SimStats, block_size: int) -> dict[str, Any]:
         "counted_kv_tokens_per_prefill_node_mean": (stats.counted_sum / stats.counted_samples * block_size
                                                     if stats.counted_samples else None),
         "counted_kv_tokens_per_prefill_node_max": stats.counted_max * block_size,
+        "kv_directory_size": [
+            {"t": k * DIRECTORY_SAMPLE_S, "blocks": b, "runs": r, "gpu_copies": g, "host_copies": h, "bytes": n}
+            for k, (b, r, g, h, n) in sorted(stats.directory_size.items())
+        ],
+        "kv_directory_peak_bytes": max((row[4] for row in stats.directory_size.values()), default=0),
     }
 
 
