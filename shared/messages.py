@@ -600,6 +600,27 @@ class WorkRequeueReply(Msg, frozen=True, kw_only=True):
     reason: str = ""
 
 
+class NodeKvLiveness(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """One node's KV-view liveness as the directory sees it (issue #22)."""
+
+    node: str
+    silent_s: NonNegF = 0.0
+    """Wall seconds the node has served (running or waiting work) without a KV batch."""
+    last_batch_s: float | None = None
+    """Wall seconds since its last KV batch (None: none yet)."""
+    stale: bool = False
+    """Silent past the directory's ``--kv-stale-after-s``: lookups leave it out."""
+
+
+class KvLiveness(Msg, frozen=True, kw_only=True):
+    """Directory → routers (``kv.liveness``, every ``--liveness-interval-s``): per node, how
+    fresh the directory's view of its KV is. A router shows it in ``/v1/cluster`` and gives
+    no prefix credit / fetch source to a stale node."""
+
+    nodes: list[NodeKvLiveness] = []
+    stale_after_s: NonNegF = 0.0
+
+
 class RouteSent(Msg, frozen=True, kw_only=True):
     """Router → other routers (``route.sent``): this router placed ``rid`` (issue #22, router
     replicas). Every router counts the others' sends in its node-load view until the request's

@@ -75,6 +75,7 @@ PLANNER_MODELS = Subject("planner.models", m.PlannerModels, doc="planner → rou
 ROUTE_BIND = Subject(
     "route.bind.{router}", m.DecodeBindRequest, m.DecodeBindReply, doc="worker → owning router: decode node at prefill start"
 )
+KV_LIVENESS = Subject("kv.liveness", m.KvLiveness, doc="directory → routers: per node, seconds served without a KV batch; stale views")
 ROUTE_SENT = Subject("route.sent", m.RouteSent, doc="router → routers: a placement (others count it in their load view)")
 WORK_REQUEUE = Subject(
     "work.requeue.{router}", m.WorkRequeue, m.WorkRequeueReply, doc="worker → owning router: hand back work for re-routing"
@@ -105,6 +106,7 @@ ALL: tuple[Subject, ...] = (
     ROUTE_BIND,
     WORK_REQUEUE,
     ROUTE_SENT,
+    KV_LIVENESS,
 )
 
 

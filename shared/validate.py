@@ -427,6 +427,15 @@ def _bind_reply(r: m.DecodeBindReply, p: dict[str, str], nodes: Collection[str] 
     _text(r.reason, "reason")
 
 
+def _kv_liveness(r: m.KvLiveness, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _len(r.nodes, "nodes", MAX_LIST)
+    for n in r.nodes:
+        _tok(n.node, "node")
+        _dur(n.silent_s, "silent_s")
+        _dur(n.last_batch_s, "last_batch_s")
+    _dur(r.stale_after_s, "stale_after_s")
+
+
 def _route_sent(r: m.RouteSent, p: dict[str, str], nodes: Collection[str] | None) -> None:
     _tok(r.router, "router")
     _tok(r.rid, "rid")
@@ -535,6 +544,7 @@ CHECKERS: dict[type, Checker] = {
     m.DecodeBindReply: _bind_reply,
     m.WorkRequeue: _requeue,
     m.RouteSent: _route_sent,
+    m.KvLiveness: _kv_liveness,
     m.WorkRequeueReply: _requeue_reply,
     m.Heartbeat: _heartbeat,
     m.StatsRequest: _empty,

@@ -32,6 +32,13 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
     resync_min_interval_s: Annotated[
         float, Meta(gt=0, description="least wall seconds between two resync requests to one node (a forged sequence jump cannot start a storm)")
     ] = 1.0
+    kv_stale_after_s: Annotated[
+        float, Meta(gt=0, description="wall seconds a node may serve (running or waiting work in its node.state) without a "
+                    "kv.events batch before its KV view is stale: left out of lookups, one resync asked (issue #22)")
+    ] = 10.0
+    liveness_interval_s: Annotated[
+        float, Meta(gt=0, description="wall seconds between staleness checks and kv.liveness publications")
+    ] = 1.0
     nodes: Annotated[
         list[str], Meta(description="node ids of the cluster, comma-separated; messages naming others are dropped (empty = any id, up to max_nodes)")
     ] = []

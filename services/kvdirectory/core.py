@@ -176,6 +176,18 @@ class KvDirectory:
         i = self._ids.get(node)
         return i is not None and self._streams[i].awaiting
 
+    def request_resync(self, node: str) -> bool:
+        """Ask for a snapshot of ``node`` outside a sequence gap (its view went stale, issue #22):
+        the node awaits a snapshot (later batches are buffered until it arrives); a node never
+        heard of on ``kv.events`` is registered. Returns False when it already awaits a resync. O(1)."""
+        st = self._streams[self.node_id(node)]
+        if st.awaiting:
+            return False
+        st.awaiting = True
+        st.needs_snapshot = True
+        self.counters["kv.stale_resyncs"] += 1
+        return True
+
     def resync_request(self, node: str, reason: str = "sequence gap") -> KvResyncRequest:
         """The ``kv.resync.<node>`` request to send for a node awaiting resync."""
         st = self._streams[self.node_id(node)]

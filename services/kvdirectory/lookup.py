@@ -19,7 +19,7 @@ x_n = blocks of ``[local_n, t_c)`` whose chosen source is another node.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 
@@ -230,3 +230,42 @@ def _pick(pc: int, n_nodes: int) -> tuple[int, int] | None:
             if pc & tier_bit(node, tier):
                 return node, tier
     return None
+
+
+def usable_lookup(lookup: KvLookupReply | None, usable: Callable[[str], bool]) -> KvLookupReply | None:
+    """``lookup`` without the nodes for which ``usable(node)`` is False.
+
+    Args:
+        lookup: the directory's answer (block counts; ``sources`` covers ``[0, longest_any)``).
+        usable: node id → whether its cache may be counted on.
+
+    Returns:
+        ``lookup`` itself when every node it names is usable (or it is None / an error),
+        else a copy: removed nodes' ``NodePrefix`` dropped, ``sources`` cut at the first
+        range of a removed node (then extended to the longest kept local prefix, from the
+        kept node holding it), ``longest_any`` = the end of that cover. O(nodes + sources).
+    """
+    if lookup is None or lookup.error is not None:
+        return lookup
+    named = {p.node for p in lookup.nodes} | {r.node for r in lookup.sources}
+    bad = {n for n in named if not usable(n)}
+    if not bad:
+        return lookup
+    nodes = [p for p in lookup.nodes if p.node not in bad]
+    longest_local = max((p.local_blocks for p in nodes), default=0)
+    if not lookup.sources:  # an answer without a fetch plan: only the local prefixes count
+        return KvLookupReply(block_size=lookup.block_size, nodes=nodes, longest_any=longest_local, sources=[])
+    sources: list[FetchRange] = []
+    cut = 0
+    for r in lookup.sources:
+        if r.node in bad or r.start != cut:
+            break
+        sources.append(r)
+        cut = r.end
+    best = max(nodes, key=lambda p: p.local_blocks, default=None)
+    if best is not None and best.local_blocks > cut:
+        tier = "host" if best.host_blocks >= best.local_blocks else "gpu"
+        sources.append(FetchRange(node=best.node, start=cut, end=best.local_blocks, tier=tier))  # type: ignore[arg-type]
+        cut = best.local_blocks
+    longest = cut
+    return KvLookupReply(block_size=lookup.block_size, nodes=nodes, longest_any=longest, sources=sources)

@@ -5,8 +5,8 @@ bus), calls the core with ``clock.now()``, publishes the core's outbox, logs
 what the core's results report, and runs the resync requests.
 
 Subjects in: ``kv.events.*``, ``branch.events``, ``route.placed``,
-``split.applied``; served: ``kv.lookup``; out: ``kv.counts.<node>``; requests:
-``kv.resync.<node>``. A malformed payload is counted by the bus
+``split.applied``, ``node.state.*`` (KV liveness); served: ``kv.lookup``; out:
+``kv.counts.<node>``, ``kv.liveness``; requests: ``kv.resync.<node>``. A malformed payload is counted by the bus
 (``dropped.<template>``) and dropped; nothing here stops on bad input.
 """
 
@@ -23,10 +23,12 @@ from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.metrics import HANDLER_BUCKETS_S, FuncCollector, make_registry
-from shared.subjects import BRANCH_EVENTS, KV_COUNTS, KV_EVENTS, KV_LOOKUP, KV_RESYNC, ROUTE_PLACED, SPLIT_APPLIED
+from shared.subjects import BRANCH_EVENTS, KV_COUNTS, KV_EVENTS, KV_LIVENESS, KV_LOOKUP, KV_RESYNC, NODE_STATE, ROUTE_PLACED, SPLIT_APPLIED
 
 from .config import DirectoryConfig
 from .core import KvDirectory
+from .liveness import KvLiveness
+from .lookup import usable_lookup
 from .prom import directory_families
 
 
@@ -52,6 +54,8 @@ class DirectoryService:
             reuse_hit_scope=cfg.reuse_hit_scope,
         )
         self.counters: Counter[str] = Counter()
+        self.liveness = KvLiveness(cfg.kv_stale_after_s)
+        """Per node: seconds served without a KV batch (wall clock); stale views (issue #22)."""
         self.registry = make_registry(bus)
         """Prometheus registry served on ``--metrics-port`` (``services/kvdirectory/prom.py``)."""
         self.registry.register(FuncCollector(lambda: directory_families(self)))
@@ -82,7 +86,9 @@ class DirectoryService:
         await self.bus.subscribe(ROUTE_PLACED, self._on_placed)
         await self.bus.subscribe(SPLIT_APPLIED, self._on_split)
         await self.bus.serve(KV_LOOKUP, self._on_lookup)
+        await self.bus.subscribe(NODE_STATE, self._on_state)
         self._tasks.append(asyncio.create_task(self._flush_loop(), name="kvdirectory-flush"))
+        self._tasks.append(asyncio.create_task(self._liveness_loop(), name="kvdirectory-liveness"))
 
     async def stop(self) -> None:
         """Cancel resyncs and the flush loop, then publish the last count updates."""
@@ -115,6 +121,9 @@ class DirectoryService:
         t0 = time.perf_counter()
         res = self.core.apply_kv_batch(batch, self.clock.now())
         self._ingest_s.observe(time.perf_counter() - t0)
+        if self.liveness.batch(batch.node, time.time()):
+            self.counters["kv_view.fresh_again"] += 1
+            self.log.info("node sends KV events again; its view counts again", node=batch.node)
         if res.mismatched_block_sizes:
             self.log.error(
                 "KV events with a foreign block size rejected",
@@ -160,6 +169,30 @@ class DirectoryService:
             self.log.info("node phase changed", node=msg.node, old=old, new=msg.phase, released_branches=released)
             await self._maybe_flush()
 
+    async def _on_state(self, st: m.NodeState, subject: str) -> None:
+        self.liveness.state(st.node, st.running + st.waiting > 0, time.time())
+
+    async def _liveness_loop(self) -> None:
+        """Every ``liveness_interval_s``: mark silent serving nodes stale (one resync each), publish ``kv.liveness``."""
+        while True:
+            await asyncio.sleep(self.cfg.liveness_interval_s)
+            try:
+                now = time.time()
+                for node in self.liveness.check(now):
+                    self.counters["kv_view.stale"] += 1
+                    self.log.warning(
+                        "KV VIEW STALE: node serves but sends no KV events; left out of lookups, resync asked",
+                        node=node, silent_s=round(self.liveness.silent_s(node, now), 2), stale_after_s=self.cfg.kv_stale_after_s,
+                    )  # fmt: skip
+                    if self.core.request_resync(node):
+                        self._ensure_resync(node)
+                report = [m.NodeKvLiveness(node=n, silent_s=round(s, 3), last_batch_s=None if b is None else round(b, 3), stale=st)
+                          for n, s, b, st in self.liveness.report(now)]  # fmt: skip
+                await self.bus.publish(KV_LIVENESS, m.KvLiveness(nodes=report, stale_after_s=self.cfg.kv_stale_after_s))
+            except Exception as e:  # one failed round must not end the checks
+                self.counters["liveness.errors"] += 1
+                self.log.warning("liveness round failed", error=repr(e))
+
     async def _on_lookup(self, req: m.KvLookupRequest, subject: str) -> m.KvLookupReply:
         if req.block_size != self.core.block_size:
             self.counters["lookup.block_size_mismatch"] += 1
@@ -171,6 +204,9 @@ class DirectoryService:
         self.counters["lookups"] += 1
         t0 = time.perf_counter()
         reply = self.core.lookup(req.block_hashes).to_reply(self.core.block_size)
+        stale = self.liveness.stale_nodes()
+        if stale:  # no prefix credit, no fetch source on a node whose view is stale
+            reply = usable_lookup(reply, lambda n: n not in stale) or reply
         self._lookup_s.observe(time.perf_counter() - t0)
         return reply
 
@@ -258,5 +294,9 @@ class DirectoryService:
         counters.update(self.counters)
         gauges = self.core.gauges()
         gauges["resync.in_flight"] = float(sum(1 for t in self._resyncs.values() if not t.done()))
+        now = time.time()
+        for node, silent, _last, stale in self.liveness.report(now):
+            gauges[f"kv_silent_s.{node}"] = silent
+            gauges[f"kv_stale.{node}"] = 1.0 if stale else 0.0
         gauges["wall_ts"] = time.time()
         return counters, gauges

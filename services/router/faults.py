@@ -3,7 +3,8 @@
 Pure functions; no I/O. The router's shell (``service.py``) calls them when it fences a
 node (:meth:`NodeLoadView.check_fences`) and before every routing decision.
 
-* :func:`usable_lookup` removes fenced (or KV-stale) nodes from a ``kv.lookup`` answer:
+* :func:`usable_lookup` (defined in ``services.kvdirectory.lookup``: the directory applies
+  it too, to nodes whose KV view is stale) removes fenced (or KV-stale) nodes from a ``kv.lookup`` answer:
   no prefix credit, no fetch source on a node that cannot serve the bytes. The fetch
   plan (``sources``) stays a contiguous cover of ``[0, longest_any)``: it is cut at the
   first range held by a removed node, and extended by the longest local prefix of a
@@ -18,53 +19,15 @@ node (:meth:`NodeLoadView.check_fences`) and before every routing decision.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from shared.hashing import block_hashes_packed
-from shared.messages import FetchRange, KvLookupReply
-
+from services.kvdirectory.lookup import usable_lookup
 from services.router.policy import RouteRequest
 
-
-def usable_lookup(lookup: KvLookupReply | None, usable: Callable[[str], bool]) -> KvLookupReply | None:
-    """``lookup`` without the nodes for which ``usable(node)`` is False.
-
-    Args:
-        lookup: the directory's answer (block counts; ``sources`` covers ``[0, longest_any)``).
-        usable: node id → whether its cache may be counted on.
-
-    Returns:
-        ``lookup`` itself when every node it names is usable (or it is None / an error),
-        else a copy: removed nodes' ``NodePrefix`` dropped, ``sources`` cut at the first
-        range of a removed node (then extended to the longest kept local prefix, from the
-        kept node holding it), ``longest_any`` = the end of that cover. O(nodes + sources).
-    """
-    if lookup is None or lookup.error is not None:
-        return lookup
-    named = {p.node for p in lookup.nodes} | {r.node for r in lookup.sources}
-    bad = {n for n in named if not usable(n)}
-    if not bad:
-        return lookup
-    nodes = [p for p in lookup.nodes if p.node not in bad]
-    longest_local = max((p.local_blocks for p in nodes), default=0)
-    if not lookup.sources:  # an answer without a fetch plan: only the local prefixes count
-        return KvLookupReply(block_size=lookup.block_size, nodes=nodes, longest_any=longest_local, sources=[])
-    sources: list[FetchRange] = []
-    cut = 0
-    for r in lookup.sources:
-        if r.node in bad or r.start != cut:
-            break
-        sources.append(r)
-        cut = r.end
-    best = max(nodes, key=lambda p: p.local_blocks, default=None)
-    if best is not None and best.local_blocks > cut:
-        tier = "host" if best.host_blocks >= best.local_blocks else "gpu"
-        sources.append(FetchRange(node=best.node, start=cut, end=best.local_blocks, tier=tier))  # type: ignore[arg-type]
-        cut = best.local_blocks
-    longest = cut
-    return KvLookupReply(block_size=lookup.block_size, nodes=nodes, longest_any=longest, sources=sources)
+__all__ = ["continuation", "usable_lookup"]
 
 
 def continuation(req: RouteRequest, sent: Sequence[int], *, block_size: int, max_prompt_tokens: int) -> RouteRequest | str:

@@ -144,6 +144,9 @@ class NodeLoadView:
     epoch: int = -1
     """Epoch of the split command applied last (-1: none yet)."""
     split_reason: str = ""
+    kv_stale: frozenset[str] = frozenset()
+    """Nodes whose KV view the directory calls stale (``kv.liveness``): no prefix credit or
+    fetch source on them (:meth:`usable`); they stay routable."""
     _flights: dict[str, _Flight] = field(default_factory=dict)
     _gen: int = 0
     """Bumped by every change of a record (state, split, fence, in-flight counts)."""
@@ -429,9 +432,12 @@ class NodeLoadView:
         ]
 
     def usable(self, node: str, now: float) -> bool:
-        """True when ``node`` reports and is not fenced (its cache may be counted on: prefix
-        credit, fetch sources). Unknown nodes count as usable (the directory may know a node
+        """True when ``node`` reports, is not fenced and the directory does not call its KV view
+        stale (``kv_stale``, from ``kv.liveness``): its cache may be counted on (prefix credit,
+        fetch sources). Unknown nodes count as usable (the directory may know a node
         before its first state reaches this router)."""
+        if node in self.kv_stale:
+            return False
         rec = self.nodes.get(node)
         if rec is None or (rec.last_seen is None and not rec.fenced):
             return True

@@ -62,6 +62,7 @@ from shared.metrics import FuncCollector, make_registry, metrics_response
 from shared.validate import epoch_step_ok
 from shared.subjects import (
     BRANCH_EVENTS,
+    KV_LIVENESS,
     KV_LOOKUP,
     NODE_STATE,
     PLANNER_MODELS,
@@ -279,6 +280,8 @@ class RouterService:
         self.api_keys_on = guard.enabled
         self.app: ASGIApp = _StatusCounter(guard, self.counters)
         self._pending: dict[str, _Pending] = {}
+        self._kv_liveness: dict[str, m.NodeKvLiveness] = {}
+        """Latest ``kv.liveness`` per node (the directory's view of each node's KV freshness)."""
         self._remote = RemoteSends()
         """Requests other routers placed (counted in ``core.view``, never aborted here)."""
         self._parked: dict[str, m.WorkRequeue] = {}
@@ -310,6 +313,7 @@ class RouterService:
         await self.bus.subscribe(PLANNER_MODELS, self._on_models)
         await self.bus.subscribe(REQ_OUT, self._on_chunk)
         await self.bus.subscribe(ROUTE_SENT, self._on_route_sent)  # other routers' placements
+        await self.bus.subscribe(KV_LIVENESS, self._on_kv_liveness)
         # replies that concern a request go to the router that owns it (PrefillWork.router)
         await self.bus.serve(ROUTE_BIND, self._on_bind, router=self.bus.instance)
         await self.bus.serve(WORK_REQUEUE, self._on_requeue, router=self.bus.instance)
@@ -773,6 +777,14 @@ class RouterService:
         )  # fmt: skip
         self._spawn(self.bus.publish(ROUTE_SENT, sent))
 
+    async def _on_kv_liveness(self, msg: m.KvLiveness, _subject: str) -> None:
+        """The directory's view of each node's KV: shown in ``/v1/cluster``; a stale node's cache is not counted on."""
+        self._kv_liveness = {n.node: n for n in msg.nodes}
+        stale = frozenset(n.node for n in msg.nodes if n.stale)
+        if stale != self.core.view.kv_stale:
+            self.log.warning("KV views the directory calls stale changed; their caches are not counted on", stale=sorted(stale))
+            self.core.view.kv_stale = stale
+
     async def _on_route_sent(self, msg: m.RouteSent, _subject: str) -> None:
         if msg.router == self.bus.instance or msg.rid in self._pending:
             return
@@ -905,6 +917,10 @@ class RouterService:
         view = self.core.view
         nodes = view.snapshot(now)
         for n in nodes:
+            kl = self._kv_liveness.get(str(n["node"]))
+            n["kv_silent_s"] = kl.silent_s if kl else None
+            n["kv_last_batch_s"] = kl.last_batch_s if kl else None
+            n["kv_stale"] = kl.stale if kl else False
             age = n["state_age_s"]
             n["state_age_wall_s"] = None if age is None else round(self.clock.to_wall(float(age)), 4)  # type: ignore[arg-type]
         ok, reason = view.routable(now)

@@ -72,6 +72,11 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Meta(gt=0, description="wall seconds a prefill that started may wait for its decode node (route.bind, retried "
              "while no decode node is eligible) before the request fails"),
     ] = 10.0
+    fault_drop_kv_events: Annotated[
+        bool,
+        Meta(description="fault injection (tests, drills): publish no kv.events batches while serving, like a node "
+             "whose KV publisher broke; the directory must mark its KV view stale (issue #22). Never set in production"),
+    ] = False
     requeue_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds to wait for the router to take back handed-back work (work.requeue)")
     ] = 5.0

@@ -921,6 +921,9 @@ class WorkerService:
         await self._publish_kv(self.kv_seq, events, now)
 
     async def _publish_kv(self, seq: int, events: list[m.KvEvent], now: float) -> None:
+        if self.cfg.fault_drop_kv_events:  # injected fault: a broken KV publisher (the directory must notice)
+            self.counters["kv.batches_dropped_by_fault"] += 1
+            return
         await self.bus.publish(KV_EVENTS, m.KvEventBatch(node=self.node, seq=seq, ts=now, events=events), node=self.node)
         self.counters["kv.batches"] += 1
 

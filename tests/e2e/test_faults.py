@@ -75,3 +75,44 @@ async def test_two_routers_serve_one_cluster_and_killing_one_breaks_only_its_ope
     assert g0["lost"] == 0 and g0["completed"] == g0["sent"], killed.failures[:5]
     assert g1["broken"] <= 4, killed.failures  # at most its open streams (4 agents in flight on it)
     assert g1["lost"] == g1["broken"] + g1["refused"]
+
+
+async def test_a_worker_silent_on_kv_events_is_marked_stale_within_the_threshold(tmp_path):
+    """Issue #22: w1 serves but its KV publisher is broken (--fault-drop-kv-events). The directory
+    marks its view stale within --kv-stale-after-s of it serving, asks it for one resync, leaves it
+    out of lookups, and the router shows it in /v1/cluster; the other nodes stay fresh."""
+    import asyncio
+    import time
+
+    import httpx
+
+    stale_after = 2.0
+    spec = FaultSpec(
+        split="collocated", nodes=2,
+        extra={"worker-w1": ["--fault-drop-kv-events"], "router": ["--routing", "round-robin"],  # w1 gets half the work
+               "kvdirectory": ["--kv-stale-after-s", repr(stale_after), "--liveness-interval-s", "0.2"]},
+    )  # fmt: skip
+    reqs, bs = demo_requests(4, max_per_agent=16)
+    async with FaultCluster(spec, tmp_path / "cluster") as fc:
+        replay = asyncio.create_task(replay_with_faults(fc, reqs, [], concurrency=4, block_size=bs))
+        t0 = time.monotonic()
+        seen: dict | None = None
+        async with httpx.AsyncClient(base_url=fc.router_url(), timeout=5) as http:
+            while time.monotonic() - t0 < 30 and seen is None:
+                nodes = {n["node"]: n for n in (await http.get("/v1/cluster")).json()["nodes"]}
+                if nodes.get("w1", {}).get("kv_stale"):
+                    seen = nodes
+                await asyncio.sleep(0.1)
+        run = await replay
+        d = (await fc.stats("kvdirectory")).counters
+        w1 = (await fc.stats("worker-w1")).counters
+    assert seen is not None, "w1 never marked stale"
+    stale_at = time.monotonic() - t0  # upper bound on when it was seen
+    w1v, w0v = seen["w1"], seen["w0"]
+    assert stale_after < w1v["kv_silent_s"] < stale_after + 1.5, w1v  # marked within the threshold (+ check and publish periods)
+    assert w1v["kv_last_batch_s"] is None
+    assert not w0v["kv_stale"] and w0v["kv_last_batch_s"] is not None and w0v["kv_silent_s"] < stale_after
+    assert d["kv_view.stale"] == 1 and d["kv.stale_resyncs"] == 1 and w1["kv.resyncs"] >= 1  # one resync asked, answered
+    assert w1["kv.batches_dropped_by_fault"] > 0
+    _no_loss(run)
+    assert stale_at < 30

@@ -1,0 +1,94 @@
+"""Liveness of each node's KV view (issue #22): is a node that serves still reporting its KV?
+
+Pure bookkeeping; no I/O; every call takes ``now`` (the directory passes wall seconds).
+A node that runs requests stores and frees KV blocks, so it sends ``kv.events`` batches;
+one that serves and sends none has a broken KV publisher (the failure of Dynamo #11984 and
+TensorRT-LLM #14882), and the directory's view of it silently rots. Per node this keeps:
+
+* ``silent_s(now)``: seconds it has *served* since its last KV batch — the time between
+  consecutive ``node.state`` reports during which it had running or waiting requests
+  (idle time does not count: an idle node rightly sends nothing);
+* ``stale``: set by :meth:`KvLiveness.check` once ``silent_s`` exceeds ``stale_after``;
+  cleared by the node's next batch. While stale, lookups leave the node out (no prefix
+  credit, no fetch source) and the directory asks it for one resync per stale episode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Node:
+    silent: float = 0.0
+    """Serving seconds accumulated since the last batch, up to ``last_state``."""
+    serving: bool = False
+    """What the last state said."""
+    last_state: float | None = None
+    last_batch: float | None = None
+    stale: bool = False
+
+
+class KvLiveness:
+    """Per-node KV liveness.
+
+    Args:
+        stale_after: seconds a serving node may go without a KV batch before its view is stale (> 0).
+
+    Raises:
+        ValueError: ``stale_after`` <= 0.
+    """
+
+    def __init__(self, stale_after: float) -> None:
+        if stale_after <= 0:
+            raise ValueError(f"stale_after must be > 0, got {stale_after}")
+        self.stale_after = stale_after
+        self._nodes: dict[str, _Node] = {}
+
+    def batch(self, node: str, now: float) -> bool:
+        """A KV batch of ``node`` arrived. Returns True when the node was stale (fresh again)."""
+        n = self._nodes.setdefault(node, _Node())
+        was = n.stale
+        n.silent, n.last_batch, n.stale = 0.0, now, False
+        if n.last_state is not None:
+            n.last_state = max(n.last_state, now)
+        return was
+
+    def state(self, node: str, serving: bool, now: float) -> None:
+        """``node`` reported a state: ``serving`` = it has running or waiting requests. The time
+        since its previous state counts as serving time when that state said it served."""
+        n = self._nodes.setdefault(node, _Node())
+        if n.serving and n.last_state is not None and now > n.last_state:
+            n.silent += now - n.last_state
+        n.serving, n.last_state = serving, now
+
+    def silent_s(self, node: str, now: float) -> float:
+        """Seconds ``node`` has served without a KV batch (0 when unknown or just fresh)."""
+        n = self._nodes.get(node)
+        if n is None:
+            return 0.0
+        extra = now - n.last_state if n.serving and n.last_state is not None and now > n.last_state else 0.0
+        return n.silent + extra
+
+    def check(self, now: float) -> list[str]:
+        """Mark stale every node silent for more than ``stale_after``; returns those newly stale (sorted)."""
+        out = []
+        for name, n in sorted(self._nodes.items()):
+            if not n.stale and self.silent_s(name, now) > self.stale_after:
+                n.stale = True
+                out.append(name)
+        return out
+
+    def is_stale(self, node: str) -> bool:
+        n = self._nodes.get(node)
+        return n is not None and n.stale
+
+    def stale_nodes(self) -> frozenset[str]:
+        return frozenset(k for k, n in self._nodes.items() if n.stale)
+
+    def report(self, now: float) -> list[tuple[str, float, float | None, bool]]:
+        """``(node, silent_s, seconds since its last batch or None, stale)`` per node, sorted by node."""
+        return [
+            (k, self.silent_s(k, now), None if n.last_batch is None else now - n.last_batch, n.stale)
+            for k, n in sorted(self._nodes.items())
+        ]

@@ -1,0 +1,47 @@
+"""KV-view liveness (issue #22): serving time without a KV batch, stale views, lookups without them."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.messages import FetchRange, KvLookupReply, NodePrefix
+
+from services.kvdirectory.core import KvDirectory
+from services.kvdirectory.liveness import KvLiveness
+from services.kvdirectory.lookup import usable_lookup
+
+
+def test_only_serving_time_without_a_batch_counts():
+    lv = KvLiveness(stale_after=2.0)
+    lv.state("w0", True, 0.0)
+    lv.state("w0", False, 1.5)  # served 1.5 s, then idle
+    assert lv.silent_s("w0", 100.0) == pytest.approx(1.5)  # idle time does not count
+    assert lv.check(100.0) == []
+    lv.state("w0", True, 100.0)
+    assert lv.silent_s("w0", 100.4) == pytest.approx(1.9)
+    assert lv.check(100.6) == ["w0"] and lv.is_stale("w0") and lv.stale_nodes() == {"w0"}
+    assert lv.check(101.0) == []  # marked once per episode
+    assert lv.batch("w0", 101.0) and not lv.is_stale("w0") and lv.silent_s("w0", 101.0) == 0.0
+    assert not lv.batch("w0", 101.5)
+    lv.state("w1", False, 0.0)
+    assert lv.silent_s("w1", 50.0) == 0.0 and lv.silent_s("unknown", 1.0) == 0.0
+    assert [r[0] for r in lv.report(101.5)] == ["w0", "w1"]
+    with pytest.raises(ValueError):
+        KvLiveness(0.0)
+
+
+def test_a_stale_view_is_left_out_of_lookups():
+    rep = KvLookupReply(
+        block_size=4, nodes=[NodePrefix(node="w0", host_blocks=3, local_blocks=3), NodePrefix(node="w1", host_blocks=5, local_blocks=5)],
+        longest_any=5, sources=[FetchRange(node="w1", start=0, end=5)],
+    )  # fmt: skip
+    out = usable_lookup(rep, lambda n: n != "w1")
+    assert out is not None and [p.node for p in out.nodes] == ["w0"]
+    assert [(r.node, r.start, r.end) for r in out.sources] == [("w0", 0, 3)] and out.longest_any == 3
+
+
+def test_a_stale_node_gets_one_resync_request():
+    d = KvDirectory(4)
+    assert d.request_resync("w9")  # never heard of on kv.events: registered and asked
+    assert d.awaiting_resync("w9") and not d.request_resync("w9")
+    assert d.resync_request("w9").node == "w9"
