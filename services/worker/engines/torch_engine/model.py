@@ -96,7 +96,11 @@ class ModelConfig:
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
-            scaling = raw.get("rope_scaling") or None
+            # transformers >= 5 writes ``rope_parameters`` (rope_type, factor, ..., rope_theta);
+            # older configs ``rope_scaling`` + ``rope_theta``
+            params = raw.get("rope_parameters") or {}
+            scaling = raw.get("rope_scaling") or (dict(params) if params.get("rope_type", "default") != "default" else None)
+            theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
             if scaling is not None:
                 kind = scaling.get("rope_type", scaling.get("type", "default"))
                 if kind not in ("default", "linear", "llama3"):
@@ -116,7 +120,7 @@ class ModelConfig:
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                rope_theta=theta,
                 rope_scaling=scaling,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
