@@ -15,6 +15,14 @@ Measures, on one core, with a fixed seed:
   path per node and tier over the naive sets (what a per-node dict walk costs).
 * memory: tracemalloc delta of the directory per million indexed blocks
   (blocks held by one node in both tiers, the directory's state only).
+* with ``--dynamo-python PY`` (or ``$EI_DYNAMO_PYTHON``): the same three side by
+  side with NVIDIA Dynamo's ``RadixTree`` (Rust; ``bench/_dynamo_radix.py`` runs it
+  under PY, a separate venv with ``pip install ai-dynamo-runtime``; never the
+  project's venv) on the same events: ingest alternating round by round (wall and
+  process CPU time), lookup p50/p99 (Dynamo: one ``find_matches`` per tier tree),
+  bytes per block (Dynamo: RSS delta). Skipped with a message when absent.
+
+    .venv/bin/python bench/kvdirectory_bench.py --quick --dynamo-python /tmp/dynamo-venv/bin/python
 
 Appends the command, date, commit, machine and a results table to
 bench/RESULTS-history.md (creating it with a title line when missing).
@@ -78,6 +86,71 @@ class NaiveDirectory:
         return out
 
 
+class Dynamo:
+    """NVIDIA Dynamo's ``RadixTree`` (Rust) driven from Python on the same events, in a
+    separate venv's interpreter (``bench/_dynamo_radix.py``): Dynamo is an optional,
+    benchmark-only dependency and is never installed into the project's venv.
+
+    Set up once (``ai-dynamo-runtime`` is enough for the tree; see bench/RESULTS.md)::
+
+        python3 -m venv /tmp/dynamo-venv && /tmp/dynamo-venv/bin/pip install ai-dynamo-runtime
+    """
+
+    def __init__(self, python: str) -> None:
+        self.python = python
+
+    @staticmethod
+    def find(python: str | None) -> tuple[Dynamo | None, str]:
+        """The runner, or None and why not (a clear skip message)."""
+        import subprocess
+
+        if not python:
+            return None, "Dynamo side-by-side skipped: no --dynamo-python (or EI_DYNAMO_PYTHON) given"
+        try:
+            p = subprocess.run([python, "-c", "import dynamo._core"], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return None, f"Dynamo side-by-side skipped: {python} does not run ({e})"
+        if p.returncode:
+            return None, f"Dynamo side-by-side skipped: {python} cannot import dynamo._core (pip install ai-dynamo-runtime there)"
+        return Dynamo(python), ""
+
+    def run(self, job: dict) -> dict:
+        """Run one job (see ``_dynamo_radix.py``) in a fresh Dynamo process; returns its figures."""
+        import json
+        import pickle
+        import subprocess
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            src, dst = Path(tmp) / "job.pickle", Path(tmp) / "out.json"
+            with src.open("wb") as f:
+                pickle.dump(job, f, protocol=pickle.HIGHEST_PROTOCOL)
+            subprocess.run([self.python, str(Path(__file__).resolve().parent / "_dynamo_radix.py"), str(src), str(dst)],
+                           check=True, timeout=3600)
+            return json.loads(dst.read_text())
+
+
+def dynamo_events(batches: list[KvEventBatch]) -> list[tuple[int, int, bytes]]:
+    """Our batches as Dynamo events: ``(worker id, tier index, event JSON)``, one per
+    ``BlockStored`` / ``BlockRemoved`` (``tokens_hash`` = block hash: lookups pass the hashes)."""
+    import json
+
+    out = []
+    ids: dict[str, int] = {}
+    eid = 0
+    for b in batches:
+        w = ids.setdefault(b.node, len(ids))
+        for ev in b.events:
+            eid += 1
+            if isinstance(ev, BlockStored):
+                data = {"stored": {"parent_hash": ev.parent_block_hash,
+                                   "blocks": [{"block_hash": h, "tokens_hash": h} for h in ev.block_hashes]}}
+            else:
+                data = {"removed": {"block_hashes": list(ev.block_hashes)}}
+            out.append((w, 0 if ev.tier == "gpu" else 1, json.dumps({"event_id": eid, "data": data}).encode()))
+    return out
+
+
 def make_ingest_batches(rng: random.Random, nodes: int, total_blocks: int, keep: int) -> list[KvEventBatch]:
     """Engine-like stream: each node extends chains 64 blocks at a time and, past
     ``keep`` blocks, evicts leaf-first (the tail of its oldest chain), as radix caches do."""
@@ -113,20 +186,27 @@ def make_ingest_batches(rng: random.Random, nodes: int, total_blocks: int, keep:
     return batches
 
 
-def bench_ingest(quick: bool, seed: int) -> dict[str, float]:
+def bench_ingest(quick: bool, seed: int, dynamo: Dynamo | None = None) -> dict[str, float]:
     rng = random.Random(seed)
     total = 300_000 if quick else 2_000_000
     batches = make_ingest_batches(rng, 16, total, keep=8192)
     events = sum(len(ev.block_hashes) for b in batches for ev in b.events)
-    core, naive = [], []
+    core, naive, core_cpu = [], [], []
+    dyn: dict[str, list[float]] = {"ingest_eps": [], "ingest_cpu_eps": []}
+    job = {"ingest": dynamo_events(batches), "ingest_events": events, "rounds": 1} if dynamo else None
     for _ in range(3 if quick else 5):  # fresh directories, collector on (as in the service)
         d = KvDirectory(BS)
         gc.collect()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for b in batches:
             d.apply_kv_batch(b, 0.0)
+        core_cpu.append(events / (time.process_time() - c))
         core.append(events / (time.perf_counter() - t))
         del d
+        if dynamo:  # alternating with ours: one Dynamo round after each of ours
+            r = dynamo.run(job)  # type: ignore[arg-type]
+            for k in dyn:
+                dyn[k] += r[k]
         nd = NaiveDirectory()
         gc.collect()
         t = time.perf_counter()
@@ -141,14 +221,18 @@ def bench_ingest(quick: bool, seed: int) -> dict[str, float]:
         "core_min": min(core),
         "core_max": max(core),
         "naive_eps": statistics.median(naive),
+        "core_cpu_eps": statistics.median(core_cpu),
+        "dynamo_eps": statistics.median(dyn["ingest_eps"]) if dynamo else None,
+        "dynamo_cpu_eps": statistics.median(dyn["ingest_cpu_eps"]) if dynamo else None,
     }
 
 
-def setup_lookup(scenario: str, seed: int) -> tuple[KvDirectory, NaiveDirectory, list[int]]:
+def setup_lookup(scenario: str, seed: int) -> tuple[KvDirectory, NaiveDirectory, list[int], list[KvEventBatch]]:
     rng = random.Random(seed)
     path = [rng.getrandbits(63) for _ in range(2000)]
     d = KvDirectory(BS)
     naive = NaiveDirectory()
+    batches: list[KvEventBatch] = []
     for n in range(64):
         if scenario == "shared":  # shared system prompt everywhere, a few nodes with deep prefixes
             g = rng.choice([200, 200, 200, 600, 1200, 2000])
@@ -163,12 +247,14 @@ def setup_lookup(scenario: str, seed: int) -> tuple[KvDirectory, NaiveDirectory,
         b = KvEventBatch(node=f"n{n}", seq=1, events=events)
         d.apply_kv_batch(b, 0.0)
         naive.apply(b)
-    return d, naive, path
+        batches.append(b)
+    return d, naive, path, batches
 
 
-def bench_lookup(quick: bool, seed: int, scenario: str) -> dict[str, float]:
-    d, naive, path = setup_lookup(scenario, seed)
+def bench_lookup(quick: bool, seed: int, scenario: str, dynamo: Dynamo | None = None) -> dict[str, float]:
+    d, naive, path, batches = setup_lookup(scenario, seed)
     reps = 2000 if quick else 20000
+    dyn = dynamo.run({"lookup": {scenario: (dynamo_events(batches), path, reps)}})["lookup"][scenario] if dynamo else None
     ts = []
     res = d.lookup(path)
     want = naive.lookup(path)
@@ -208,10 +294,12 @@ def bench_lookup(quick: bool, seed: int, scenario: str) -> dict[str, float]:
         "naive_p50_us": nts[len(nts) // 2] / 1e3,
         "naive_p99_us": nts[int(len(nts) * 0.99)] / 1e3,
         "distinct_prefixes": len(d.index.prefix_drops(path)),
+        "dynamo_p50_us": dyn["p50_us"] if dyn else None,
+        "dynamo_p99_us": dyn["p99_us"] if dyn else None,
     }
 
 
-def bench_memory(quick: bool, seed: int) -> dict[str, float]:
+def bench_memory(quick: bool, seed: int, dynamo: Dynamo | None = None) -> dict[str, float]:
     rng = random.Random(seed)
     blocks = 200_000 if quick else 1_000_000
     batches = []
@@ -237,7 +325,9 @@ def bench_memory(quick: bool, seed: int) -> dict[str, float]:
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     n = len(d.index)
-    return {"blocks": n, "bytes_per_block": used / n, "mib_per_million": used / n * 1e6 / 2**20}
+    dyn = dynamo.run({"memory": (dynamo_events(fixed), n)}) if dynamo else None
+    return {"blocks": n, "bytes_per_block": used / n, "mib_per_million": used / n * 1e6 / 2**20,
+            "dynamo_bytes_per_block": dyn["bytes_per_block"] if dyn else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,11 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (CI / smoke)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--no-write", action="store_true", help="print only, do not append to bench/RESULTS-history.md")
+    ap.add_argument("--dynamo-python", default=os.environ.get("EI_DYNAMO_PYTHON"),
+                    help="Python of a separate venv with ai-dynamo-runtime: adds Dynamo's RadixTree side by side "
+                         "on the same events (default $EI_DYNAMO_PYTHON; skipped with a message when absent)")
     args = ap.parse_args(argv)
-    ing = bench_ingest(args.quick, args.seed)
-    lk_shared = bench_lookup(args.quick, args.seed, "shared")
-    lk_worst = bench_lookup(args.quick, args.seed, "worst")
-    mem = bench_memory(args.quick, args.seed)
+    dynamo, why = Dynamo.find(args.dynamo_python)
+    if why:
+        print(why, file=sys.stderr)
+    ing = bench_ingest(args.quick, args.seed, dynamo)
+    lk_shared = bench_lookup(args.quick, args.seed, "shared", dynamo)
+    lk_worst = bench_lookup(args.quick, args.seed, "worst", dynamo)
+    mem = bench_memory(args.quick, args.seed, dynamo)
     rows = [
         (
             "ingest, block events/s (target ≥ 500K)",
@@ -299,7 +395,29 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("memory per million blocks, MiB", f"{mem['mib_per_million']:.0f}", "", "", f"{mem['bytes_per_block']:.0f} B/block over {mem['blocks']:,} blocks, 8 nodes, GPU+host"))
     table = ["| metric | KvDirectory | naive | ratio | notes |", "|---|---|---|---|---|"]
     table += ["| " + " | ".join(r) + " |" for r in rows]
+    if dynamo:
+        drows = [
+            ("ingest, block events/s (wall)", f"{ing['core_eps']:,.0f}", f"{ing['dynamo_eps']:,.0f}",
+             f"{ing['core_eps'] / ing['dynamo_eps']:.2f}", f"medians of {ing['reps']} alternating rounds, same events"),
+            ("ingest, block events per CPU s (process time, all threads)", f"{ing['core_cpu_eps']:,.0f}", f"{ing['dynamo_cpu_eps']:,.0f}",
+             f"{ing['core_cpu_eps'] / ing['dynamo_cpu_eps']:.2f}", "CPU time of the process: not inflated by other processes' load"),
+        ]
+        for name, lk in (("shared", lk_shared), ("worst", lk_worst)):
+            drows.append((f"lookup [{name}] p50 / p99 µs", f"{lk['p50_us']:.1f} / {lk['p99_us']:.1f}",
+                          f"{lk['dynamo_p50_us']:.1f} / {lk['dynamo_p99_us']:.1f}",
+                          f"{lk['dynamo_p50_us'] / lk['p50_us']:.2f} / {lk['dynamo_p99_us'] / lk['p99_us']:.2f}",
+                          f"{lk['distinct_prefixes']} distinct prefix lengths; Dynamo: find_matches on its GPU and host trees"))
+        drows.append(("memory, B/block (GPU + host copies)", f"{mem['bytes_per_block']:.0f}", f"{mem['dynamo_bytes_per_block']:.0f}",
+                      f"{mem['dynamo_bytes_per_block'] / mem['bytes_per_block']:.2f}",
+                      "ours: tracemalloc; Dynamo: RSS delta of its two trees (one per tier)"))
+        table += ["", "Side by side with NVIDIA Dynamo's `RadixTree` (Rust, `ai-dynamo-runtime`, driven from Python; "
+                      "ratio = ours ÷ Dynamo for rates, Dynamo ÷ ours for times and bytes: > 1 = ours better):", "",
+                  "| metric | KvDirectory | Dynamo RadixTree | ratio | notes |", "|---|---|---|---|---|"]
+        table += ["| " + " | ".join(r) + " |" for r in drows]
+    else:
+        table += ["", f"({why})"]
     cmd = "python bench/kvdirectory_bench.py" + (" --quick" if args.quick else "") + (f" --seed {args.seed}" if args.seed != 1234 else "")
+    cmd += " --dynamo-python PY" if dynamo else ""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     machine = (
         f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}, "
