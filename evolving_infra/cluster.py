@@ -94,6 +94,8 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """``torch`` engine: the local Hugging Face model folder every worker loads."""
     worker_args: tuple[str, ...] = ()
     """Extra worker flags (e.g. ``--check-invariants``, ``--kv-pool real``)."""
+    node_args: dict[str, tuple[str, ...]] = {}
+    """Extra flags of one worker by node id (e.g. its own ``--kv-pool-ports`` range)."""
     max_context_tokens: int = 0
     """Router: refuse (400) prompt + max_tokens above this (the torch model's context); 0 = no limit."""
 
@@ -231,7 +233,8 @@ class LocalCluster:
                         s.eviction,
                     ]
                     + (["--engine", s.engine, "--model", s.model_dir] if s.engine != "sim" else [])
-                    + list(s.worker_args),
+                    + list(s.worker_args)
+                    + list(s.node_args.get(node, ())),
                     self.log_dir / f"worker-{node}.log",
                 )
             )

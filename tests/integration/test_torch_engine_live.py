@@ -5,15 +5,18 @@ that pushes the session out of the prefill nodes' L1, and an in-place
 P→D→P switch of a prefill node: every request's output token ids (read off
 ``req.<rid>.out``) equal ``transformers``' greedy ``generate()`` on the same
 folder, whether its prefix was recomputed, hit in L1, restored from the node's
-L2, prefilled on a prefill node and handed to a decode node with its real K/V
-pages, or served after the node switched phases and back. Each path is counted
+L2, fetched from the other prefill node's L2 through Mooncake (real bytes, the
+test routes that one request with the directory's fetch plan), prefilled on a
+prefill node and handed to a decode node with its real K/V pages, or served
+after the node switched phases and back. Each path is counted
 (engine counters over ``svc.stats``, ``usage.prompt_tokens_details.cached_tokens``)
-and must occur. Needs the ``torch`` extra; skipped without it.
+and must occur. Needs the ``torch`` extra and Mooncake; skipped without them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections import defaultdict
@@ -27,7 +30,10 @@ transformers = pytest.importorskip("transformers")
 from evolving_infra.cluster import ClusterSpec, LocalCluster  # noqa: E402
 from shared import messages as m  # noqa: E402
 from shared.bus import Bus  # noqa: E402
-from shared.subjects import REQ_OUT, SPLIT_APPLIED, SPLIT_SET, SVC_STATS, Subjects  # noqa: E402
+from shared.hashing import block_hashes, pack_tokens  # noqa: E402
+from shared.subjects import KV_LOOKUP, REQ_OUT, SPLIT_APPLIED, SPLIT_SET, SVC_STATS, WORK_PREFILL, Subjects  # noqa: E402
+from services.kvdirectory.lookup import fetch_plan_for_reply  # noqa: E402
+from services.worker.kvpool.transport import pick_port_range  # noqa: E402
 from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -42,7 +48,21 @@ def _ref(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def _mooncake() -> bool:
+    try:
+        from services.worker.kvpool.transport import load_mooncake
+
+        load_mooncake()
+        return True
+    except Exception:
+        return False
+
+
 async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
+    if not _mooncake():
+        if os.environ.get("EI_REQUIRE_MOONCAKE"):
+            pytest.fail("EI_REQUIRE_MOONCAKE is set but mooncake.engine does not import")
+        pytest.skip("Mooncake not installed (make .venv/.mooncake): the peer fetch needs it")
     folder = tmp_path / "model"
     init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=2048, seed=5)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -50,7 +70,9 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
     spec = ClusterSpec(
         nodes=4, split="2P2D", profile="torch-tiny-cpu", speedup=1.0, port=0, block_size=BS, routing="cache-aware",
         log_dir=str(tmp_path / "logs"), ready_timeout_s=180.0, engine="torch", model_dir=str(folder),
-        tokenizer=f"hf:{folder}", model="tiny", max_context_tokens=2048, worker_args=("--check-invariants",),
+        tokenizer=f"hf:{folder}", model="tiny", max_context_tokens=2048,
+        worker_args=("--check-invariants", "--kv-pool", "real"),
+        node_args={n: ("--kv-pool-ports", "%d-%d" % pick_port_range()) for n in NODES},
     )  # fmt: skip
     rng = random.Random(3)
 
@@ -85,6 +107,9 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
                                 prefill=obj["ei"]["prefill_node"], decode=obj["ei"]["decode_node"]))  # fmt: skip
             return ids
 
+        def by_label(label: str) -> dict:
+            return next(r for r in results if r["label"] == label)
+
         async def switch(split: str, node: str, phase: str) -> None:
             reply = await bus.request(SPLIT_SET, m.SplitSetRequest(split=split, reason="test"), timeout=10.0)
             assert reply.ok, reply.error
@@ -111,6 +136,31 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
             await asyncio.gather(*(ask(http, f"other{i}", toks(500), 4, f"other-{i}") for i in range(6)))
             t3 = t2 + o2 + toks(11)
             o3 = await ask(http, "turn3", t3, 8, "main")
+            # peer fetch: the session's next turn goes to the *other* prefill node with the
+            # directory's fetch plan (the test routes this one request); that node pulls the
+            # session's pages from the first node's L2 through Mooncake, then hands off to w2
+            x = by_label("turn3")["prefill"]
+            y = "w1" if x == "w0" else "w0"
+            t5 = t3 + o3 + toks(7)
+            hashes = block_hashes(t5, BS)
+            for _ in range(100):
+                reply = await bus.request(KV_LOOKUP, m.KvLookupRequest(block_hashes=hashes, block_size=BS), timeout=5.0)
+                if reply.longest_any >= len(t3) // BS:
+                    break
+                await asyncio.sleep(0.05)
+            plan = fetch_plan_for_reply(reply, y)
+            assert plan.ranges and all(r.node != y for r in plan.ranges), plan  # any peer holding it (a decode node too)
+            rid = "peerfetch-1"
+            await bus.publish(WORK_PREFILL, m.PrefillWork(rid=rid, prompt_tokens=len(t5), max_tokens=8, block_size=BS,
+                              block_hashes=hashes, token_ids=pack_tokens(t5), decode_node="w2", fetch=list(plan.ranges)), node=y)  # fmt: skip
+            deadline = time.monotonic() + 120
+            while not any(c.finished for c in chunks[rid]):
+                assert time.monotonic() < deadline, "peer-fetch request did not finish"
+                await asyncio.sleep(0.05)
+            got = sorted(chunks[rid], key=lambda c: c.index)
+            assert got[0].error is None or got[0].error == "", got[0]
+            results.append(dict(label="peer_fetch", prompt=t5, out=[t for c in got for t in c.token_ids], cached=got[0].cached_tokens,
+                                fetched=got[0].fetched_tokens, prefill=y, decode="w2"))  # fmt: skip
             # in-place P→D→P switch of w1 (1P3D makes it decode, 2P2D prefill again); its L1/L2 stay,
             # so a session it prefilled before the switches hits its cache after them
             on_w1 = [r for r in results if r["prefill"] == "w1"]
@@ -126,12 +176,14 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
     for r in results:
         assert r["out"] == _ref(hf, r["prompt"], len(r["out"])), r["label"]
     by = {r["label"]: r for r in results}
+    assert by["peer_fetch"]["fetched"] > 0 and by["peer_fetch"]["cached"] >= by["peer_fetch"]["fetched"]
     paths = {
         "recompute": sum(1 for r in results if r["cached"] == 0),
         "l1_hit": sum(1 for k in ("turn2", "fork_a", "fork_b", "subagent") if by[k]["cached"] > 0),
         "l2_restore": sum(w.get("engine.restored_pages", 0) for n, w in workers.items()),
         "handoff": sum(w.get("engine.handoff_pages_in", 0) for n, w in workers.items()),
         "hit_after_switch": int(by["after_switch"]["cached"] > 0 and by["after_switch"]["prefill"] == "w1"),
+        "peer_fetch": sum(w.get("engine.fetched_pages", 0) for w in workers.values()),
         "decoded_elsewhere": sum(1 for r in results if r["decode"] and r["decode"] != r["prefill"]),
     }
     print("torch cluster paths:", paths)
