@@ -10,7 +10,7 @@ identity          may publish (relative to ``ei.<partition>.``)
 ``router``        ``work.*.prefill``, ``work.*.decode`` (re-bound hand-offs), ``work.*.abort``,
                   ``branch.events``, ``route.placed``, ``route.sent`` (read by the other routers);
                   requests ``kv.lookup``, ``split.get``
-``kvdirectory``   ``kv.counts.*``, ``kv.liveness``; requests ``kv.resync.*`` (reads ``node.state.*``)
+``kvdirectory``   ``kv.counts.*``, ``kv.liveness``, ``branch.sync``; requests ``kv.resync.*`` (reads ``node.state.*``)
 ``worker-<n>``    ``kv.events.<n>``, ``node.state.<n>``, ``node.iters.<n>`` (its own node only),
                   ``split.applied``, ``req.*.out``, ``work.*.decode`` (hand-off to a decode node);
                   requests ``work.requeue.*``, ``route.bind.*`` (the owning router), ``kv.pool.*``
@@ -111,10 +111,10 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
         sub = ["node.iters.*", "node.state.*", "req.*.out", "split.applied", "split.get", "split.set", "split.commands"]
     elif ident.kind == "router":
         pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "route.sent", "kv.lookup", "split.get"]
-        sub = ["node.state.*", "split.commands", "planner.models", "req.*.out", "route.sent", "kv.liveness",
+        sub = ["node.state.*", "split.commands", "planner.models", "req.*.out", "route.sent", "kv.liveness", "branch.sync",
                f"route.bind.{ident.name}", f"work.requeue.{ident.name}"]  # fmt: skip
     elif ident.kind == "kvdirectory":
-        pub = ["kv.counts.*", "kv.resync.*", "kv.liveness"]
+        pub = ["kv.counts.*", "kv.resync.*", "kv.liveness", "branch.sync"]
         sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup", "node.state.*"]
     elif ident.kind == "worker":
         if not n:

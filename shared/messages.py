@@ -600,6 +600,15 @@ class WorkRequeueReply(Msg, frozen=True, kw_only=True):
     reason: str = ""
 
 
+class BranchSync(Msg, frozen=True, kw_only=True):
+    """Directory → routers (``branch.sync``), sent when a directory starts: every router
+    republishes its active branches (``BranchStart``) and their latest placements
+    (``RoutePlaced``), so a restarted directory gets its branch table and counts back (issue #22)."""
+
+    directory: str = ""
+    ts: float = 0.0
+
+
 class NodeKvLiveness(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
     """One node's KV-view liveness as the directory sees it (issue #22)."""
 

@@ -75,6 +75,7 @@ PLANNER_MODELS = Subject("planner.models", m.PlannerModels, doc="planner → rou
 ROUTE_BIND = Subject(
     "route.bind.{router}", m.DecodeBindRequest, m.DecodeBindReply, doc="worker → owning router: decode node at prefill start"
 )
+BRANCH_SYNC = Subject("branch.sync", m.BranchSync, doc="directory → routers: republish active branches (directory restart)")
 KV_LIVENESS = Subject("kv.liveness", m.KvLiveness, doc="directory → routers: per node, seconds served without a KV batch; stale views")
 ROUTE_SENT = Subject("route.sent", m.RouteSent, doc="router → routers: a placement (others count it in their load view)")
 WORK_REQUEUE = Subject(
@@ -107,6 +108,7 @@ ALL: tuple[Subject, ...] = (
     WORK_REQUEUE,
     ROUTE_SENT,
     KV_LIVENESS,
+    BRANCH_SYNC,
 )
 
 

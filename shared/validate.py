@@ -427,6 +427,11 @@ def _bind_reply(r: m.DecodeBindReply, p: dict[str, str], nodes: Collection[str] 
     _text(r.reason, "reason")
 
 
+def _branch_sync(r: m.BranchSync, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _tok(r.directory, "directory", optional=True)
+    _time(r.ts, "ts")
+
+
 def _kv_liveness(r: m.KvLiveness, p: dict[str, str], nodes: Collection[str] | None) -> None:
     _len(r.nodes, "nodes", MAX_LIST)
     for n in r.nodes:
@@ -545,6 +550,7 @@ CHECKERS: dict[type, Checker] = {
     m.WorkRequeue: _requeue,
     m.RouteSent: _route_sent,
     m.KvLiveness: _kv_liveness,
+    m.BranchSync: _branch_sync,
     m.WorkRequeueReply: _requeue_reply,
     m.Heartbeat: _heartbeat,
     m.StatsRequest: _empty,

@@ -6,7 +6,8 @@ what the core's results report, and runs the resync requests.
 
 Subjects in: ``kv.events.*``, ``branch.events``, ``route.placed``,
 ``split.applied``, ``node.state.*`` (KV liveness); served: ``kv.lookup``; out:
-``kv.counts.<node>``, ``kv.liveness``; requests: ``kv.resync.<node>``. A malformed payload is counted by the bus
+``kv.counts.<node>``, ``kv.liveness``, ``branch.sync`` (once, at start: the routers
+republish their active branches and latest placements); requests: ``kv.resync.<node>``. A malformed payload is counted by the bus
 (``dropped.<template>``) and dropped; nothing here stops on bad input.
 """
 
@@ -23,7 +24,7 @@ from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.metrics import HANDLER_BUCKETS_S, FuncCollector, make_registry
-from shared.subjects import BRANCH_EVENTS, KV_COUNTS, KV_EVENTS, KV_LIVENESS, KV_LOOKUP, KV_RESYNC, NODE_STATE, ROUTE_PLACED, SPLIT_APPLIED
+from shared.subjects import BRANCH_EVENTS, BRANCH_SYNC, KV_COUNTS, KV_EVENTS, KV_LIVENESS, KV_LOOKUP, KV_RESYNC, NODE_STATE, ROUTE_PLACED, SPLIT_APPLIED
 
 from .config import DirectoryConfig
 from .core import KvDirectory
@@ -87,6 +88,9 @@ class DirectoryService:
         await self.bus.subscribe(SPLIT_APPLIED, self._on_split)
         await self.bus.serve(KV_LOOKUP, self._on_lookup)
         await self.bus.subscribe(NODE_STATE, self._on_state)
+        # a restarted directory has lost its branch table: the routers republish it (issue #22)
+        await self.bus.publish(BRANCH_SYNC, m.BranchSync(directory=self.bus.instance, ts=self.clock.now()))
+        self.counters["branch_sync.sent"] += 1
         self._tasks.append(asyncio.create_task(self._flush_loop(), name="kvdirectory-flush"))
         self._tasks.append(asyncio.create_task(self._liveness_loop(), name="kvdirectory-liveness"))
 

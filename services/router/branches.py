@@ -32,9 +32,9 @@ is published so that the directory counts the branch again::
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from shared.messages import BranchEnd, BranchKind, BranchStart, BranchToolCall
+from shared.messages import BranchEnd, BranchKind, BranchStart, BranchToolCall, RoutePlaced
 
 
 class BranchError(Exception):
@@ -70,6 +70,9 @@ class _Branch:
     requests: int = 0
     last_seen: float = 0.0
     hold_until: float = 0.0
+    placed: list[RoutePlaced] = field(default_factory=list)
+    """``RoutePlaced`` of the branch's latest request (prefill, then decode): what a restarted
+    directory needs to count the branch again (:meth:`BranchTable.republish`)."""
 
 
 class BranchTable:
@@ -222,6 +225,25 @@ class BranchTable:
             while len(self._ended) > self.max_ended:
                 self._ended.popitem(last=False)
         return BranchEnd(branch_id=branch_id, ts=now)
+
+    def note_placed(self, placed: RoutePlaced) -> None:
+        """Remember ``placed`` as part of its branch's latest placement: a new rid replaces the
+        old ones, the same rid adds (or replaces the placement of the same phase). O(1)."""
+        b = self._active.get(placed.branch_id)
+        if b is None:
+            return
+        if b.placed and b.placed[0].rid != placed.rid:
+            b.placed = []
+        b.placed = [p for p in b.placed if p.phase != placed.phase] + [placed]
+
+    def republish(self) -> list[BranchStart | RoutePlaced]:
+        """What a restarted directory needs (issue #22): per active branch, oldest start first
+        (parents before their forks), its ``BranchStart`` and its latest placements. O(active)."""
+        out: list[BranchStart | RoutePlaced] = []
+        for bid, b in sorted(self._active.items(), key=lambda kv: kv[1].started_at):
+            out.append(BranchStart(branch_id=bid, kind=b.kind, parent_branch_id=b.parent, agent_id=b.agent_id, ts=b.started_at))
+            out.extend(b.placed)
+        return out
 
     def is_active(self, branch_id: str) -> bool:
         return branch_id in self._active

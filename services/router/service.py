@@ -62,6 +62,7 @@ from shared.metrics import FuncCollector, make_registry, metrics_response
 from shared.validate import epoch_step_ok
 from shared.subjects import (
     BRANCH_EVENTS,
+    BRANCH_SYNC,
     KV_LIVENESS,
     KV_LOOKUP,
     NODE_STATE,
@@ -314,6 +315,7 @@ class RouterService:
         await self.bus.subscribe(REQ_OUT, self._on_chunk)
         await self.bus.subscribe(ROUTE_SENT, self._on_route_sent)  # other routers' placements
         await self.bus.subscribe(KV_LIVENESS, self._on_kv_liveness)
+        await self.bus.subscribe(BRANCH_SYNC, self._on_branch_sync)  # a directory (re)started
         # replies that concern a request go to the router that owns it (PrefillWork.router)
         await self.bus.serve(ROUTE_BIND, self._on_bind, router=self.bus.instance)
         await self.bus.serve(WORK_REQUEUE, self._on_requeue, router=self.bus.instance)
@@ -598,7 +600,7 @@ class RouterService:
         p.decode_node = out.node
         self._announce(p)
         for placed in out.placed:
-            await self.bus.publish(ROUTE_PLACED, placed)
+            await self._publish_placed(placed)
         self.counters[f"routed.decode.{out.node}"] += 1
         if self.log.is_enabled_for(logging.DEBUG):
             self.log.debug("decode bound", rid=p.rid, prefill=out.prefill_node, decode=out.node, loads=out.decode.loads)
@@ -662,7 +664,7 @@ class RouterService:
             self._log_route(rreq, out, status)
             p.prefill_node, p.decode_node, p.predicted_ttft_s = out.prefill.node, out.decode_node, out.predicted_ttft_s
             for placed in out.placed:
-                await self.bus.publish(ROUTE_PLACED, placed)
+                await self._publish_placed(placed)
             await self.bus.publish(WORK_PREFILL, self._work(p, out), node=out.prefill.node)
             self.counters[f"routed.prefill.{out.prefill.node}"] += 1
             self.counters["redispatch.placed" if msg.reason.startswith("redispatch:") else "requeue.rerouted"] += 1
@@ -776,6 +778,23 @@ class RouterService:
             prompt_tokens=prompt_tokens or (c.prompt_tokens if c else 0), max_tokens=max_tokens or (c.max_tokens if c else 0),
         )  # fmt: skip
         self._spawn(self.bus.publish(ROUTE_SENT, sent))
+
+    async def _publish_placed(self, placed: m.RoutePlaced) -> None:
+        """``route.placed``, remembered as its branch's latest placement (for ``branch.sync``)."""
+        self.branches.note_placed(placed)
+        await self.bus.publish(ROUTE_PLACED, placed)
+
+    async def _on_branch_sync(self, msg: m.BranchSync, _subject: str) -> None:
+        """A directory started (issue #22): republish every active branch and its latest
+        placements, so its branch table and counts are rebuilt (it rebuilds its block index
+        from the workers' snapshots)."""
+        out = self.branches.republish()
+        for ev in out:
+            await self.bus.publish(ROUTE_PLACED if isinstance(ev, m.RoutePlaced) else BRANCH_EVENTS, ev)
+        n = sum(1 for ev in out if isinstance(ev, m.BranchStart))
+        self.counters["branch_sync.requests"] += 1
+        self.counters["branch_sync.branches"] += n
+        self.log.info("directory started: active branches republished", directory=msg.directory, branches=n, placements=len(out) - n)
 
     async def _on_kv_liveness(self, msg: m.KvLiveness, _subject: str) -> None:
         """The directory's view of each node's KV: shown in ``/v1/cluster``; a stale node's cache is not counted on."""
@@ -1226,7 +1245,7 @@ class RouterService:
         self._pending[rid] = p
         try:
             for placed in out.placed:
-                await self.bus.publish(ROUTE_PLACED, placed)
+                await self._publish_placed(placed)
             await self.bus.publish(
                 WORK_PREFILL, self._work(p, out), node=out.prefill.node, headers=None if tr is None else tracing.inject(tr.span)
             )

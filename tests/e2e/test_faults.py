@@ -116,3 +116,50 @@ async def test_a_worker_silent_on_kv_events_is_marked_stale_within_the_threshold
     assert w1["kv.batches_dropped_by_fault"] > 0
     _no_loss(run)
     assert stale_at < 30
+
+
+async def test_directory_sigkill_loses_nothing_and_gets_index_and_branches_back(tmp_path):
+    """Issue #22: the KV directory is SIGKILLed mid-run and started again. 0 requests lost; its
+    active branches come back (the routers republish them on its branch.sync) and, once the run
+    is over, its index equals the workers' own snapshots."""
+    import asyncio
+    import time
+
+    from shared import messages as m
+    from shared.bus import BusError
+    from shared.subjects import KV_RESYNC
+
+    reqs, bs = demo_requests(8, max_per_agent=12)
+    async with FaultCluster(FaultSpec(), tmp_path / "cluster") as fc:
+        replay = asyncio.create_task(replay_with_faults(fc, reqs, [Fault("restart", "kvdirectory", 3.0, hold_s=0.5)], concurrency=8, block_size=bs))
+        t0 = time.monotonic()
+        matched: tuple[float, float] | None = None
+        while time.monotonic() - t0 < 25 and matched is None and not replay.done():
+            await asyncio.sleep(0.2)
+            if time.monotonic() - t0 < 4.0:
+                continue
+            d, r = await fc.stats("kvdirectory", 1.0), await fc.stats("router", 1.0)
+            if d is None or r is None or d.counters.get("branch_sync.sent", 0) != 1:
+                continue  # the restarted directory is not up yet
+            if d.gauges["branches.active"] == r.gauges["branches_active"] > 0:
+                matched = (d.gauges["branches.active"], time.monotonic() - t0 - 3.0)
+        run = await replay
+        await asyncio.sleep(1.0)
+        d = await fc.stats("kvdirectory")
+        r = await fc.stats("router")
+        assert fc.bus is not None
+        snaps = []
+        for w in ("w0", "w1", "w2", "w3"):
+            try:
+                snaps.append(await fc.bus.request(KV_RESYNC, m.KvResyncRequest(node=w, reason="test"), timeout=5.0, node=w))
+            except BusError as e:
+                raise AssertionError(f"{w}: {e}") from e
+        d2 = await fc.stats("kvdirectory")
+    _no_loss(run)
+    assert matched is not None, "the restarted directory never had the router's active branches"
+    assert r.counters["branch_sync.requests"] == 1 and r.counters["branch_sync.branches"] >= 1
+    assert d.counters["branch_sync.sent"] == 1
+    # the index equals the workers' snapshots (the run is over: nothing changes any more)
+    assert d2.gauges["copies.gpu"] == sum(len(s.gpu) for s in snaps), (d2.gauges, [len(s.gpu) for s in snaps])
+    assert d2.gauges["copies.host"] == sum(len(s.host) for s in snaps)
+    assert d2.gauges["nodes.awaiting_resync"] == 0

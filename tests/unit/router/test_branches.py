@@ -74,3 +74,22 @@ def test_a_tool_call_hint_keeps_the_branch_until_it_returns():
         t.tool_call("nope", 600.0)
     with pytest.raises(ValueError):
         t.tool_call("b", 600.0, expected_s=-1.0)
+
+
+def test_republish_gives_a_restarted_directory_the_active_branches_and_latest_placements():
+    from shared.messages import BranchStart, RoutePlaced
+
+    t = BranchTable()
+    t.observe("root", 1.0)
+    t.observe("fork", 2.0, kind="fork", parent="root")
+    t.note_placed(RoutePlaced(rid="r1", branch_id="root", node="p0", phase="prefill", block_hashes=[1]))
+    t.note_placed(RoutePlaced(rid="r2", branch_id="root", node="p1", phase="prefill", block_hashes=[1, 2]))  # a newer request
+    t.note_placed(RoutePlaced(rid="r2", branch_id="root", node="d0", phase="decode", block_hashes=[1, 2]))  # its decode binding
+    t.note_placed(RoutePlaced(rid="x", branch_id="unknown", node="p0", phase="prefill"))  # not active: ignored
+    out = t.republish()
+    assert [type(e).__name__ for e in out] == ["BranchStart", "RoutePlaced", "RoutePlaced", "BranchStart"]
+    assert isinstance(out[0], BranchStart) and out[0].branch_id == "root"
+    assert [(p.rid, p.node, p.phase) for p in out[1:3]] == [("r2", "p1", "prefill"), ("r2", "d0", "decode")]
+    assert out[3].branch_id == "fork" and out[3].kind == "fork" and out[3].parent_branch_id == "root"
+    t.end("fork", 3.0)
+    assert [e.branch_id for e in t.republish() if isinstance(e, BranchStart)] == ["root"]
