@@ -11,6 +11,7 @@ so no process outlives the cluster.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -29,7 +30,7 @@ import structlog
 from shared import messages as m
 from shared.auth import AuthError, Credentials, NatsAuth, generate
 from shared.bus import Bus
-from shared.natsserver import EmbeddedNatsServer
+from shared.natsserver import EmbeddedNatsServer, NatsServerError
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from shared.split import parse_split, split_phases
 from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
@@ -98,6 +99,15 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Extra flags of one worker by node id (e.g. its own ``--kv-pool-ports`` range)."""
     max_context_tokens: int = 0
     """Router: refuse (400) prompt + max_tokens above this (the torch model's context); 0 = no limit."""
+    restart: bool = False
+    """Supervise: restart a service (or the embedded nats-server) that exits instead of failing."""
+    max_restarts: int = 10
+    """Consecutive restarts of one service (without ``stable_s`` of uptime between) before giving up."""
+    restart_backoff_s: float = 0.5
+    """First restart delay (wall s); doubles per consecutive restart up to ``restart_backoff_max_s``."""
+    restart_backoff_max_s: float = 30.0
+    stable_s: float = 60.0
+    """Wall seconds of uptime after which a service's consecutive-restart count resets."""
 
     def node_ids(self) -> list[str]:
         return [f"w{i}" for i in range(self.nodes)]
@@ -127,6 +137,19 @@ class _Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     log_file: object = None
+    restarts: int = 0
+    """Restarts by the supervisor so far."""
+    streak: int = 0
+    """Consecutive restarts without a stable run in between (drives the backoff)."""
+    started_at: float = 0.0
+    """``time.monotonic()`` of the last start."""
+    restart_at: float | None = None
+    """``time.monotonic()`` at which the supervisor starts it again (None: not scheduled)."""
+
+
+def restart_delay(streak: int, base_s: float, max_s: float) -> float:
+    """Backoff before the ``streak``-th consecutive restart (1-based): ``min(max_s, base_s * 2**(streak-1))`` seconds."""
+    return min(max_s, base_s * (2.0 ** max(0, streak - 1)))
 
 
 @dataclass
@@ -150,9 +173,18 @@ class LocalCluster:
     """Collects ``split.applied`` events into the run's PD-split timeline."""
     metrics_urls: dict[str, str] = field(default_factory=dict)
     """instance (``router``, ``planner``, ``kvdirectory``, ``worker-w0`` ...) → its ``/metrics`` URL (``spec.metrics``)."""
+    nats_restarts: int = 0
+    """Times the supervisor restarted the embedded nats-server."""
+    on_restart: object = None
+    """Optional ``callable(name: str) -> None`` called after the supervisor restarted a service."""
     _bus: Bus | None = None
     creds: Credentials | None = None
     """Credentials generated for the embedded server (None when it runs open or NATS is external)."""
+    _supervisor: asyncio.Task[None] | None = None
+    _failure: ClusterError | None = None
+    _nats_restart_at: float | None = None
+    _nats_streak: int = 0
+    _nats_started: float = 0.0
 
     async def __aenter__(self) -> "LocalCluster":
         await self.start()
@@ -306,6 +338,7 @@ class LocalCluster:
         self._bus = await Bus.connect(
             self.nats_url, Subjects(s.partition), service="launcher", instance="launcher", auth=self.client_auth("launcher")
         )
+        await self._bus.ensure_stream()  # the JetStream stream of must-arrive subjects (shared.bus), before any service
         seen: dict[str, m.Heartbeat] = {}
 
         async def on_beat(hb: m.Heartbeat, _subject: str) -> None:
@@ -320,20 +353,133 @@ class LocalCluster:
 
         await self._bus.subscribe(SPLIT_APPLIED, on_applied)
         for child in self.children:
-            child.log_file = open(child.log_path, "ab")
-            child.proc = subprocess.Popen(
-                child.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=child.log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
-            )
+            self._spawn(child)
         try:
             await self._wait_ready(seen)
         except BaseException:
             await self.stop()
             raise
+        # a restarted router must listen where clients already connect
+        port = self.router_url.rsplit(":", 1)[-1]
+        for child in self.children:
+            if child.name == "router":
+                child.argv[child.argv.index("--port") + 1] = port
+        if s.restart:
+            self._supervisor = asyncio.create_task(self._supervise(), name="cluster-supervisor")
+
+    def _spawn(self, child: _Child) -> None:
+        if child.log_file is None:
+            child.log_file = open(child.log_path, "ab")
+        child.proc = subprocess.Popen(
+            child.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=child.log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+        )
+        child.started_at = time.monotonic()
+        child.restart_at = None
+
+    def _log_tail(self, child: _Child) -> str:
+        try:
+            return child.log_path.read_text(errors="replace")[-1500:]
+        except OSError:
+            return ""
+
+    def supervise_once(self, now: float | None = None) -> list[str]:
+        """One supervision pass: schedule restarts of exited services, start those that are due.
+
+        Args:
+            now: ``time.monotonic()`` (defaults to the current one).
+
+        Returns:
+            Names of what was (re)started in this pass (``nats-server`` for the bus).
+
+        Raises:
+            ClusterError: a service exited more than ``max_restarts`` times in a row, or
+                nats-server could not be started again within as many tries.
+        """
+        s = self.spec
+        now = time.monotonic() if now is None else now
+        started: list[str] = []
+        if self.nats is not None:
+            if self.nats.alive():
+                if self._nats_streak and now - self._nats_started > s.stable_s:
+                    self._nats_streak = 0
+            elif self._nats_restart_at is None:
+                self._nats_streak += 1
+                if self._nats_streak > s.max_restarts:
+                    raise ClusterError(f"nats-server exited {self._nats_streak} times in a row; giving up")
+                delay = restart_delay(self._nats_streak, 0.1, s.restart_backoff_max_s)
+                self._nats_restart_at = now + delay
+                log.warning("nats-server exited; restarting on the same port", code=self.nats.returncode, port=self.nats.port,
+                            restart=self.nats_restarts + 1, backoff_s=delay)
+            elif now >= self._nats_restart_at:
+                try:
+                    self.nats.restart()
+                except NatsServerError as e:
+                    log.warning("nats-server restart failed; will retry", error=str(e))
+                    self._nats_restart_at = None  # counts as one more exit in the streak
+                else:
+                    self.nats_restarts += 1
+                    self._nats_started = now
+                    self._nats_restart_at = None
+                    started.append("nats-server")
+                    log.warning("nats-server restarted", port=self.nats.port, restarts=self.nats_restarts)
+        for c in self.children:
+            if c.proc is None:
+                continue
+            if c.proc.poll() is None:
+                if c.streak and now - c.started_at > s.stable_s:
+                    c.streak = 0
+                continue
+            if c.restart_at is None:
+                c.streak += 1
+                if c.streak > s.max_restarts:
+                    raise ClusterError(
+                        f"{c.name} exited {c.streak} times in a row (last code {c.proc.returncode}); giving up; "
+                        f"log {c.log_path}:\n{self._log_tail(c)}"
+                    )
+                delay = restart_delay(c.streak, s.restart_backoff_s, s.restart_backoff_max_s)
+                c.restart_at = now + delay
+                log.warning("service exited; restarting", service=c.name, code=c.proc.returncode, restart=c.restarts + 1,
+                            backoff_s=delay, log=str(c.log_path))
+            elif now >= c.restart_at:
+                self._spawn(c)
+                c.restarts += 1
+                started.append(c.name)
+                log.warning("service restarted", service=c.name, pid=c.proc.pid, restarts=c.restarts)
+        return started
+
+    async def _supervise(self, interval_s: float = 0.2) -> None:
+        while True:
+            try:
+                started = self.supervise_once()
+            except ClusterError as e:
+                self._failure = e
+                log.error("supervisor gave up", error=str(e))
+                return
+            if started and callable(self.on_restart):
+                for name in started:
+                    self.on_restart(name)
+            await asyncio.sleep(interval_s)
+
+    def restarts(self) -> dict[str, int]:
+        """Supervisor restarts per service (and ``nats-server``) so far."""
+        out = {c.name: c.restarts for c in self.children}
+        if self.nats is not None:
+            out["nats-server"] = self.nats_restarts
+        return out
+
+    async def wait_failed(self) -> ClusterError:
+        """Wait until the cluster fails for good (without supervision: a service exits) and return why."""
+        while True:
+            try:
+                self.check_alive()
+            except ClusterError as e:
+                return e
+            await asyncio.sleep(0.2)
 
     async def _wait_ready(self, seen: dict[str, m.Heartbeat]) -> None:
         deadline = time.monotonic() + self.spec.ready_timeout_s
@@ -385,19 +531,21 @@ class LocalCluster:
         return NatsAuth.from_file(path)
 
     def check_alive(self) -> None:
-        """Raise if any service process has exited.
+        """Raise if the cluster is broken: without supervision, any service process has
+        exited; with it, the supervisor gave up on a service that kept dying.
 
         Raises:
             ClusterError: naming the dead service, its exit code and its log's tail.
         """
+        if self._failure is not None:
+            raise self._failure
+        if self._supervisor is not None:
+            if self._supervisor.done() and not self._supervisor.cancelled() and self._supervisor.exception():
+                raise ClusterError(f"supervisor crashed: {self._supervisor.exception()!r}")
+            return
         for c in self.children:
             if c.proc is not None and c.proc.poll() is not None:
-                tail = ""
-                try:
-                    tail = c.log_path.read_text(errors="replace")[-1500:]
-                except OSError:
-                    pass
-                raise ClusterError(f"{c.name} exited with code {c.proc.returncode}; log {c.log_path}:\n{tail}")
+                raise ClusterError(f"{c.name} exited with code {c.proc.returncode}; log {c.log_path}:\n{self._log_tail(c)}")
 
     def timeline(self) -> RunTimeline | None:
         """The PD split over time as the workers reported it (``split.applied``)."""
@@ -411,7 +559,12 @@ class LocalCluster:
         return out
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM every service (router first, workers last), wait, SIGKILL stragglers, stop NATS."""
+        """Stop supervising; SIGTERM every service (router first, workers last), wait, SIGKILL stragglers, stop NATS."""
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(BaseException):
+                await self._supervisor
+            self._supervisor = None
         order = sorted(self.children, key=lambda c: {"router": 0, "planner": 1, "kvdirectory": 2}.get(c.name, 3))
         for c in order:
             if c.proc and c.proc.poll() is None:
@@ -449,6 +602,7 @@ class LocalCluster:
             "speedup": self.spec.speedup,
             "pids": self.pids(),
             **({"metrics": dict(self.metrics_urls)} if self.metrics_urls else {}),
+            "restarts": self.restarts(),
         }
 
 
@@ -461,4 +615,7 @@ def _set_flag(argv: list[str], flag: str, value: str) -> None:
 
 
 def write_json(path: Path, data: object) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    """Write ``data`` as JSON atomically (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

@@ -2,7 +2,10 @@
 
 ``up`` starts an embedded nats-server (unless ``--nats-url``) and every service
 as its own OS process, waits until all are healthy, prints where the router
-listens, and stops everything cleanly on Ctrl-C / SIGTERM.
+listens, and stops everything cleanly on Ctrl-C / SIGTERM. It supervises: a
+service that exits is restarted (exponential backoff, a log line, a restart
+counter in ``LOG_DIR/cluster.json``), a dead nats-server is started again on the
+same port; ``--no-restart`` stops the whole cluster on the first exit instead.
 
 ``demo`` does the same, replays real Claude Code sessions through the router
 (closed loop, N concurrent agents), writes ``OUT/report.json`` plus
@@ -97,6 +100,18 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, spe
         action="store_true",
         help="give every service a Prometheus /metrics port (free loopback ports, listed in the READY line); "
         "the router also serves /metrics on its HTTP port",
+    )
+    g.add_argument(
+        "--no-restart",
+        dest="restart",
+        action="store_false",
+        help="stop the whole cluster when any service (or nats-server) exits, instead of restarting it",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=10,
+        help="consecutive restarts of one service (without 60 s of uptime between) before the cluster gives up (default 10)",
     )
     add_policy_args(p, live=True)
 
@@ -207,6 +222,8 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         ready_timeout_s=args.ready_timeout,
         metrics=args.metrics,
         tokenizer=args.tokenizer,
+        restart=args.restart,
+        max_restarts=args.max_restarts,
     )
     values.update(torch_values)
     values.update(overrides)
@@ -242,16 +259,22 @@ async def _up(args: argparse.Namespace) -> int:
         elif not args.nats_url:
             print("  NATS is OPEN (--nats-auth off): any local process can publish and read every subject (loopback only)")
         print("READY " + json.dumps(info), flush=True)
-        try:
-            while not stop.is_set():
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    cluster.check_alive()
-        except ClusterError as e:
-            print(f"error: {e}", file=sys.stderr)
+
+        def restarted(name: str) -> None:
+            # new pids and restart counts, for operators and for fault tests
+            write_json(cluster.log_dir / "cluster.json", cluster.describe())
+            print(f"restarted {name} (restarts: {cluster.restarts().get(name, 0)})", flush=True)
+
+        cluster.on_restart = restarted
+        stopped = asyncio.ensure_future(stop.wait())
+        failed = asyncio.ensure_future(cluster.wait_failed())
+        await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if failed.done():
+            print(f"error: {failed.result()}", file=sys.stderr)
             await cluster.stop()
             return 1
+        failed.cancel()
         print("stopping ...", flush=True)
         await cluster.stop()
         print("stopped", flush=True)

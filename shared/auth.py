@@ -25,8 +25,13 @@ Subscriptions follow the same table (a worker receives only its own ``work.<n>.*
 heartbeat and answers ``svc.stats.<its name>``; replies go back through
 ``allow_responses`` and each identity reads only its own inbox prefix
 ``_INBOX.<name>.`` (:attr:`NatsAuth.inbox_prefix`), so no one reads another's
-replies. Nobody may use the JetStream API (``$JS.API.>``): the system creates no
-streams, so no client can create one.
+replies. The JetStream API is closed but for the one stream the system uses
+(``EI_<partition>``, ``shared.bus``: the must-arrive subjects survive a NATS
+restart): only the launcher may create it; the router, the directory and the
+workers may read its info and create ordered consumers on it (the API subject
+of an unnamed consumer does not carry its filter, so such an identity could
+read any of the stream's subjects through a consumer: the stream holds work,
+outputs and KV events of this partition only). No one may create another stream.
 
 Credentials are nkeys (Ed25519 key pairs, the ``nkeys`` package nats-py uses):
 the server holds the public keys, each process a seed file readable only by its
@@ -133,6 +138,12 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
     else:
         raise AuthError(f"unknown identity kind {ident.kind!r}")
     pub = [p + s for s in pub] + [f"{p}svc.heartbeat.{ident.kind}"]
+    stream = "EI_" + partition
+    if ident.kind in ("router", "kvdirectory", "worker"):  # reliable subscriptions (shared.bus)
+        pub += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+                f"$JS.FC.{stream}.>"]
+    if ident.kind == "launcher":  # creates the stream before any service starts
+        pub += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}"]
     sub = [p + s for s in sub] + [f"{p}svc.stats.{ident.name}", f"_INBOX.{ident.name}.>"]
     return {"publish": pub, "subscribe": sub}
 

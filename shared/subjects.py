@@ -44,6 +44,9 @@ class Subject:
     reply_type: Any = None
     """For request/reply subjects: the type of the reply."""
     doc: str = ""
+    reliable: bool = False
+    """Must arrive even across a NATS restart: captured by the partition's JetStream stream
+    and consumed through an ordered consumer (``shared.bus``)."""
     params: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -51,13 +54,13 @@ class Subject:
         object.__setattr__(self, "params", names)
 
 
-KV_EVENTS = Subject("kv.events.{node}", m.KvEventBatch, doc="worker → directory: KV block events")
+KV_EVENTS = Subject("kv.events.{node}", m.KvEventBatch, doc="worker → directory: KV block events", reliable=True)
 KV_RESYNC = Subject("kv.resync.{node}", m.KvResyncRequest, m.KvSnapshot, doc="directory → worker: full snapshot")
 KV_LOOKUP = Subject("kv.lookup", m.KvLookupRequest, m.KvLookupReply, doc="router → directory: prefix lookup")
 KV_COUNTS = Subject("kv.counts.{node}", m.CountUpdates, doc="directory → worker: branch counts")
 KV_POOL = Subject("kv.pool.{node}", m.PoolLocate, m.PoolLocation, doc="worker → worker: locate blocks in a real-bytes host KV pool")
-BRANCH_EVENTS = Subject("branch.events", m.BranchEvent, doc="router → directory: branch start/end")
-ROUTE_PLACED = Subject("route.placed", m.RoutePlaced, doc="router → directory: branch placed on node")
+BRANCH_EVENTS = Subject("branch.events", m.BranchEvent, doc="router → directory: branch start/end", reliable=True)
+ROUTE_PLACED = Subject("route.placed", m.RoutePlaced, doc="router → directory: branch placed on node", reliable=True)
 NODE_STATE = Subject("node.state.{node}", m.NodeState, doc="worker → router, planner: node state")
 NODE_ITERS = Subject("node.iters.{node}", m.IterationRecords, doc="worker → planner: iteration records")
 SPLIT_COMMANDS = Subject("split.commands", m.SplitCommand, doc="planner → workers, router: PD split")
@@ -65,10 +68,10 @@ SPLIT_APPLIED = Subject("split.applied", m.SplitApplied, doc="worker → all: sw
 SPLIT_GET = Subject("split.get", m.SplitQuery, m.SplitCommand, doc="any → planner: current split")
 PLANNER_DECISIONS = Subject("planner.decisions", m.PlannerDecision, doc="planner → all: every planner decision")
 SPLIT_SET = Subject("split.set", m.SplitSetRequest, m.SplitSetReply, doc="operator → planner: adopt a split")
-WORK_PREFILL = Subject("work.{node}.prefill", m.PrefillWork, doc="router → worker: prefill dispatch")
-WORK_DECODE = Subject("work.{node}.decode", m.DecodeWork, doc="prefill worker → decode worker: hand-off")
-WORK_ABORT = Subject("work.{node}.abort", m.RequestAbort, doc="router → worker: abort a request")
-REQ_OUT = Subject("req.{rid}.out", m.TokenChunk, doc="worker → router: token stream")
+WORK_PREFILL = Subject("work.{node}.prefill", m.PrefillWork, doc="router → worker: prefill dispatch", reliable=True)
+WORK_DECODE = Subject("work.{node}.decode", m.DecodeWork, doc="prefill worker → decode worker: hand-off", reliable=True)
+WORK_ABORT = Subject("work.{node}.abort", m.RequestAbort, doc="router → worker: abort a request", reliable=True)
+REQ_OUT = Subject("req.{rid}.out", m.TokenChunk, doc="worker → router: token stream", reliable=True)
 SVC_HEARTBEAT = Subject("svc.heartbeat.{service}", m.Heartbeat, doc="any → launcher: liveness")
 SVC_STATS = Subject("svc.stats.{instance}", m.StatsRequest, m.StatsReply, doc="counters of one instance")
 PLANNER_MODELS = Subject("planner.models", m.PlannerModels, doc="planner → router: fitted iteration-time models per node")

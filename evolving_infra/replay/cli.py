@@ -1,12 +1,25 @@
-"""``evolving-infra replay``: the harness side, against a running cluster's router."""
+"""``evolving-infra replay``: the harness side, against a running cluster's router.
+
+Nothing measured is thrown away: each answered request is appended to
+``OUT/requests.jsonl`` as it completes; SIGINT (Ctrl-C) or SIGTERM stops sending,
+cancels the requests in flight and writes ``OUT/report.json`` from what completed
+(``meta.interrupted``); the report and the final records are replaced atomically.
+An earlier run's outputs in ``OUT`` are moved to ``OUT/previous/`` at the start,
+and every report carries this run's ``meta.run_id``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
+import signal
 import sys
 import time
+import uuid
 from pathlib import Path
+
+import msgspec
 
 from evolving_infra.replay.core import Arrival, ReplayError
 from shared.log import setup_logging
@@ -40,12 +53,47 @@ async def _replay(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     vocab_size = _use_running_cluster(args)
+    out = Path(args.out)
+    moved = set_aside_previous_run(out)
+    if moved:
+        print(f"replay: an earlier run's outputs in {out} moved to {out / PREVIOUS}/ ({', '.join(moved)})", file=sys.stderr)
+    run_id = uuid.uuid4().hex[:12]
     clock = SimClock(args.speedup)
     replayer = LiveReplayer(args.router_url, clock, block_size=trace.header.block_size, model=args.model, vocab_size=vocab_size)
+    stop = asyncio.Event()
+    signals: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals.append(sig.name)
+        if len(signals) == 1:
+            print(f"\nreplay: {sig.name}: stopping; writing what completed to {out} (again to abort at once)", file=sys.stderr)
+            stop.set()
+        else:
+            raise SystemExit(128 + sig.value)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    from evolving_infra.report.records import RequestRecord
+    from evolving_infra.report.write import REQUESTS_JSONL
+
+    appender = open(out / REQUESTS_JSONL, "ab")
+    enc = msgspec.json.Encoder()
+
+    def append(rec: RequestRecord) -> None:
+        appender.write(enc.encode(rec) + b"\n")
+        appender.flush()
+
     wall0 = time.monotonic()
-    result = await replayer.run(trace.requests, arrival)
+    try:
+        result = await replayer.run(trace.requests, arrival, stop=stop, on_record=append)
+    finally:
+        appender.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
     meta = {
         "command": "replay",
+        "run_id": run_id,
         "argv": sys.argv[1:],
         "input": args.input,
         "trace_source": trace.header.source,
@@ -56,11 +104,18 @@ async def _replay(args: argparse.Namespace) -> int:
         "notes": list(trace.header.meta.get("notes", []) or []),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if result.interrupted:
+        meta["interrupted"] = {"signal": signals[0] if signals else "stop", "in_flight_cancelled": result.in_flight_at_stop}
+        meta["notes"] = [*meta["notes"], f"interrupted by {meta['interrupted']['signal']}: {len(result.records)} requests "
+                         f"answered, {result.in_flight_at_stop} in flight cancelled (not counted)"]
     ideal = annotate_ideal(result.records, {r.id: r for r in trace.requests}, trace.header.block_size)
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal)
     path = write_report(Path(args.out), report, sorted(result.records, key=lambda r: r.sent_at))
     print_summary(report)
     print(f"report: {path}")
+    if result.interrupted:
+        sig = signals[0] if signals else "SIGINT"
+        return 128 + getattr(signal, sig).value
     return 0 if report["requests_failed"] == 0 else 1
 
 
@@ -88,6 +143,31 @@ def _use_running_cluster(args: argparse.Namespace) -> int | None:
     from services.router.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer).vocab_size
+
+
+PREVIOUS = "previous"
+_OUTPUTS = ("report.json", "requests.jsonl", "report.html")
+
+
+def set_aside_previous_run(out: Path) -> list[str]:
+    """Move an earlier run's outputs (report, records, HTML, PNGs) from ``out`` to ``out/previous/``
+    (replacing an older ``previous``), so they are never read as this run's; creates ``out``.
+
+    Returns:
+        The names moved (empty when ``out`` held no run).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in _OUTPUTS if (out / n).exists()]
+    if not names:
+        return []
+    names += sorted(p.name for p in out.glob("*.png"))
+    prev = out / PREVIOUS
+    if prev.exists():
+        shutil.rmtree(prev)
+    prev.mkdir()
+    for n in names:
+        (out / n).replace(prev / n)
+    return names
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -44,6 +44,10 @@ class ReplayResult:
     agents: int
     branch_end_failures: int = 0
     notes: list[str] = field(default_factory=list)
+    interrupted: bool = False
+    """The run was stopped (``stop`` set: SIGINT / SIGTERM) before the trace was done."""
+    in_flight_at_stop: int = 0
+    """Requests cancelled unanswered at the stop (not in ``records``)."""
 
 
 class LiveReplayer:
@@ -81,8 +85,23 @@ class LiveReplayer:
         self.max_connections = max_connections
         self._branch_kind: dict[str, str] = {}
 
-    async def run(self, requests: Sequence[TraceRequest], arrival: Arrival, *, max_agents: int | None = None) -> ReplayResult:
-        """Replay until every agent has finished; returns one record per request sent."""
+    async def run(
+        self,
+        requests: Sequence[TraceRequest],
+        arrival: Arrival,
+        *,
+        max_agents: int | None = None,
+        stop: asyncio.Event | None = None,
+        on_record: Callable[[RequestRecord], None] | None = None,
+    ) -> ReplayResult:
+        """Replay until every agent has finished; returns one record per request answered.
+
+        Args:
+            stop: when set, no new request is sent and the ones in flight are cancelled
+                (not recorded); the result says ``interrupted``.
+            on_record: called with each record as its request completes (e.g. to append it
+                to ``requests.jsonl`` so an interrupted or killed run keeps what it measured).
+        """
         wall0 = time.monotonic()
         start = self.clock.now()
         core = ReplayCore(requests, arrival, start=start, max_agents=max_agents)
@@ -105,6 +124,8 @@ class LiveReplayer:
             async def send(action: SendRequest) -> None:
                 rec = await self._send(http, action)
                 records.append(rec)
+                if on_record is not None:
+                    on_record(rec)
                 bar.update(1)
                 for follow in core.on_complete(action.req.agent, action.req.id, self.clock.now(), ok=rec.ok):
                     if isinstance(follow, EndBranch):
@@ -127,7 +148,11 @@ class LiveReplayer:
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
 
+            stopped = False
             while not core.done:
+                if stop is not None and stop.is_set():
+                    stopped = True
+                    break
                 for action in core.poll(self.clock.now()):
                     if isinstance(action, SendRequest):
                         spawn(send(action))
@@ -138,10 +163,19 @@ class LiveReplayer:
                 timeout = None if nxt is None else max(0.0, self.clock.wall_at(nxt) - time.time())
                 if nxt is None and not tasks:
                     break  # nothing due and nothing in flight: the trace is exhausted
-                try:
-                    await asyncio.wait_for(wake.wait(), timeout=timeout)
-                except asyncio.TimeoutError:
-                    pass
+                waiters = [asyncio.ensure_future(wake.wait())]
+                if stop is not None:
+                    waiters.append(asyncio.ensure_future(stop.wait()))
+                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                for w in waiters:
+                    w.cancel()
+            if stop is not None and stop.is_set():
+                stopped = True
+            in_flight = 0
+            if stopped:
+                in_flight = len(tasks)
+                for t in list(tasks):
+                    t.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
         bar.close()
@@ -152,6 +186,8 @@ class LiveReplayer:
             wall_s=time.monotonic() - wall0,
             agents=core.agents_total,
             branch_end_failures=end_failures,
+            interrupted=stopped,
+            in_flight_at_stop=in_flight,
         )
 
     def _headers(self, action: SendRequest) -> dict[str, str]:

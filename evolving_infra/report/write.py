@@ -11,6 +11,7 @@ file.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -114,6 +115,8 @@ def write_report(
 ) -> Path:
     """Write ``report.json``, ``requests.jsonl`` and (``plots=True``) the PNGs and ``report.html``.
 
+    ``report.json`` and ``requests.jsonl`` are each replaced atomically (records first).
+
     The JSON and the records are written first; a plotting failure is printed to
     stderr and does not lose them (``evolving-infra report show DIR`` redraws).
 
@@ -123,8 +126,14 @@ def write_report(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / REPORT_JSON
-    path.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
-    write_records(out_dir / REQUESTS_JSONL, records)
+    # atomically (a temp file renamed over the old one): a run killed while writing never
+    # leaves half a report, nor the previous run's report under this run's name
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+    rec_tmp = out_dir / (REQUESTS_JSONL + ".tmp")
+    write_records(rec_tmp, records)
+    os.replace(rec_tmp, out_dir / REQUESTS_JSONL)
+    os.replace(tmp, path)
     if plots:
         try:
             render_run(out_dir, report, records)

@@ -85,7 +85,7 @@ class PlannerService:
     async def start(self) -> None:
         await self.bus.subscribe(NODE_ITERS, self._on_iters)
         await self.bus.subscribe(NODE_STATE, self._on_state)
-        await self.bus.subscribe(REQ_OUT, self._on_chunk)
+        await self.bus.subscribe(REQ_OUT, self._on_chunk, reliable=False)  # observes only: a missed chunk is harmless
         await self.bus.subscribe(SPLIT_APPLIED, self._on_applied)
         await self.bus.serve(SPLIT_GET, self._on_get)
         await self.bus.serve(SPLIT_SET, self._on_set)

@@ -89,6 +89,14 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     fence_after_s: Annotated[
         float, Meta(gt=0, description="wall seconds without a node.state after which a node is fenced out")
     ] = 3.0
+    bus_outage_wait_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="wall seconds a new request waits for a route while NATS is down or just reconnected (node states "
+            "still coming back) before it fails with 503; in-flight requests are not fenced during that time",
+        ),
+    ] = 30.0
     lookup_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds to wait for the directory's kv.lookup reply before routing without cache info")
     ] = 0.5

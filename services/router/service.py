@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
 import numpy as np
 import structlog
 import uvicorn
@@ -586,6 +587,10 @@ class RouterService:
         if req.attempt != p.attempt:
             self.counters["bind.stale_attempt"] += 1
             return m.DecodeBindReply(rid=req.rid, reason=f"stale attempt {req.attempt} (the router's is {p.attempt})")
+        if p.decode_node is not None and p.prefill_node == req.prefill_node:
+            # already bound: the worker asks again because our reply was lost (a NATS restart)
+            self.counters["bind.repeated"] += 1
+            return m.DecodeBindReply(rid=req.rid, decode_node=p.decode_node)
         out = self.core.bind_decode(req.rid, self.clock.now(), prefill_node=req.prefill_node)
         if isinstance(out, NoRoute):
             self.counters["bind.no_route"] += 1
@@ -722,12 +727,24 @@ class RouterService:
                 self._apply_split(cmd, "split.get")
             return
 
+    def _bus_settling(self) -> bool:
+        """True while NATS is down or reconnected less than ``fence_after_s`` + 1 s ago: node
+        states are silent because of the bus, not because the nodes died."""
+        if not self.bus.nc.is_connected:
+            return True
+        t = self.bus.reconnected_at
+        return t is not None and time.monotonic() - t < self.cfg.fence_after_s + 1.0
+
     async def _fence_loop(self) -> None:
-        """Fence nodes whose state went silent; wake at the core's next deadline (at most every 0.5 s)."""
+        """Fence nodes whose state went silent (not while the bus itself is settling after an
+        outage); wake at the core's next deadline (at most every 0.5 s)."""
         while True:
             now = self.clock.now()
-            for f in self.core.check_fences(now):
-                self._fence(f.node, f.age, f.rids)
+            if self._bus_settling():
+                self.counters["fence_checks_skipped_bus_down"] += 1
+            else:
+                for f in self.core.check_fences(now):
+                    self._fence(f.node, f.age, f.rids)
             for rid in self._remote.expired(time.time(), self.cfg.request_timeout_s):
                 self.core.finish(rid, now)  # its owner went away without its end reaching the bus
                 self.counters["remote.expired"] += 1
@@ -895,6 +912,14 @@ class RouterService:
             reason = f"{request.method} {request.url.path}: " + ("not found" if status == 404 else "method not allowed")
             return self._error(status, reason)
 
+        async def bus_failed(request: Request, exc: Exception) -> Response:
+            # NATS down and the outbound buffer full, or the connection closed: the client may retry
+            self.counters["bus_errors_503"] += 1
+            self.log.warning("bus error answered as 503", path=request.url.path, error=repr(exc))
+            return self._json(
+                api.error_body(503, f"message bus unavailable, retry later: {exc}"), 503, headers={"retry-after": "1"}
+            )
+
         return Starlette(
             routes=[
                 Route("/v1/completions", self._completions, methods=["POST"]),
@@ -907,7 +932,7 @@ class RouterService:
                 _AnyCharRoute("/v1/branches/{branch_id:path}/end", self._end_branch, methods=["POST"]),
                 _AnyCharRoute("/v1/branches/{branch_id:path}/tool-call", self._tool_call, methods=["POST"]),
             ],
-            exception_handlers={404: not_found, 405: not_found},
+            exception_handlers={404: not_found, 405: not_found, BusError: bus_failed, nats.errors.Error: bus_failed},
         )
 
     @staticmethod
@@ -1219,6 +1244,13 @@ class RouterService:
         now = self.clock.now()
         route_span = None if tr is None else tracing.start("router.route", tr.span)
         out = self.core.route(rreq, lookup, now)
+        if isinstance(out, NoRoute) and self._bus_settling():
+            # a NATS outage silences node states: wait for them instead of failing the request
+            self.counters["routes_waited_bus_down"] += 1
+            wait_until = time.monotonic() + self.cfg.bus_outage_wait_s
+            while isinstance(out, NoRoute) and self._bus_settling() and time.monotonic() < wait_until:
+                await asyncio.sleep(0.1)
+                out = self.core.route(rreq, lookup, self.clock.now())
         if route_span is not None:
             assert tr is not None
             tr.span.set_attribute("ei.rid", rid)

@@ -1,0 +1,398 @@
+"""Fault injection on a live cluster: what a fault costs in requests and in recovery time.
+
+Each run starts ``evolving-infra up`` (every service its own OS process, the embedded
+nats-server, the supervisor) as a user would, replays real Claude Code sessions (the
+sample shipped in ``evolving_infra/data/``) through its router, injects ONE fault
+while requests are in flight, waits for the replay to finish and reports:
+
+* requests sent / completed / lost (failed at the client: any non-200, error event or
+  a stream that ended without tokens), with the first error texts;
+* time to recover: from the fault to the moment the supervisor restarted the victim
+  (its pid in ``LOG_DIR/cluster.json`` changed) and the router's ``/healthz`` said 200;
+* whether ``up`` was still running at the end, and the supervisor's restart counts.
+
+Faults are entries of :data:`FAULTS` (name -> async injector); add one by writing an
+``async def inject(run: FaultRun) -> str | None`` (returns the service whose restart
+marks recovery, or None when the cluster recovers without a restart) and registering it.
+
+    python bench/faults.py                          # every fault, appends a section to bench/RESULTS.md
+    python bench/faults.py --fault nats-kill --no-results
+    python bench/faults.py --list
+
+The live tests (``tests/e2e/test_faults_live.py``) call :func:`run_fault` with a small
+replay; the numbers in ``bench/RESULTS.md`` come from this script's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+import msgspec  # noqa: E402
+
+
+@dataclass
+class FaultRun:
+    """A running ``evolving-infra up`` under fault injection."""
+
+    proc: subprocess.Popen[bytes]
+    info: dict[str, object]
+    """The ``READY`` line of ``up`` (router_url, nats_url, log_dir, pids, restarts)."""
+    log_dir: Path
+    t_fault: float | None = None
+    """``time.monotonic()`` when the fault was injected."""
+    signalled: dict[str, int] = field(default_factory=dict)
+    """Service -> the pid the fault signalled (recovery = a different pid in cluster.json)."""
+
+    @property
+    def router_url(self) -> str:
+        return str(self.info["router_url"])
+
+    def cluster_json(self) -> dict[str, object]:
+        """The latest ``LOG_DIR/cluster.json`` (``up`` rewrites it after every restart)."""
+        return json.loads((self.log_dir / "cluster.json").read_text())
+
+    def pid(self, service: str) -> int:
+        """Current pid of ``service`` (``router``, ``planner``, ``kvdirectory``, ``worker-w0`` ..., ``nats-server``)."""
+        return int(self.cluster_json()["pids"][service])  # type: ignore[index]
+
+    def kill(self, service: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to ``service``'s process; records the fault time. Returns the pid signalled."""
+        pid = self.pid(service)
+        self.t_fault = time.monotonic()
+        self.signalled[service] = pid
+        os.kill(pid, sig)
+        return pid
+
+
+Injector = Callable[[FaultRun], Awaitable[str | None]]
+
+
+def _kill(service: str) -> Injector:
+    async def inject(run: FaultRun) -> str | None:
+        run.kill(service)
+        return service
+
+    return inject
+
+
+FAULTS: dict[str, Injector] = {
+    "nats-kill": _kill("nats-server"),
+    "directory-kill": _kill("kvdirectory"),
+    "planner-kill": _kill("planner"),
+    "prefill-worker-kill": _kill("worker-w0"),
+    "decode-worker-kill": _kill("worker-w3"),
+}
+"""Fault name -> injector. With ``--split 2P2D`` on 4 nodes, w0/w1 prefill and w2/w3 decode."""
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    sessions: int
+    sent: int = 0
+    completed: int = 0
+    lost: int = 0
+    recover_s: float | None = None
+    """Fault -> victim restarted (new pid) and router /healthz 200 (wall s)."""
+    up_alive: bool = False
+    restarts: dict[str, int] = field(default_factory=dict)
+    replay_wall_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    """First few error texts of lost requests."""
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Instance -> its counters (``svc.stats``) at the end of the run (bus resends, duplicates, binds ...)."""
+    log_dir: str = ""
+
+
+def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0) -> FaultRun:
+    """Start ``evolving-infra up`` (router on a free port) and wait for its READY line.
+
+    Raises:
+        RuntimeError: when ``up`` exits or prints no READY line within ``timeout_s``.
+    """
+    argv = [sys.executable, "-m", "evolving_infra.cli", "up", "--port", "0", "--nodes", str(nodes), "--split", split,
+            "--speedup", repr(speedup), "--log-dir", str(log_dir), "--ready-timeout", str(timeout_s)]
+    out = open(log_dir / "up.out", "wb")
+    proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out, start_new_session=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    os.set_blocking(proc.stdout.fileno(), False)
+    buf = b""
+    while time.monotonic() < deadline:
+        chunk = proc.stdout.read()
+        if chunk:
+            buf += chunk
+            for line in buf.decode(errors="replace").splitlines():
+                if line.startswith("READY "):
+                    run = FaultRun(proc, json.loads(line[6:]), log_dir)
+                    _drain_stdout(proc, log_dir / "up.stdout")
+                    return run
+        if proc.poll() is not None:
+            raise RuntimeError(f"up exited with {proc.returncode}: {(log_dir / 'up.out').read_text()[-2000:]}")
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"up printed no READY line within {timeout_s} s")
+
+
+def _drain_stdout(proc: subprocess.Popen[bytes], path: Path) -> None:
+    """Keep reading ``up``'s stdout into a file so its pipe never fills."""
+    import threading
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), True)
+        with open(path, "ab") as f:
+            for line in proc.stdout:
+                f.write(line)
+                f.flush()
+
+    threading.Thread(target=pump, daemon=True).start()
+
+
+def stop_up(run: FaultRun, timeout_s: float = 30.0) -> int | None:
+    """SIGINT ``up`` (it stops every service in order), SIGKILL its group if it hangs; returns its exit code."""
+    if run.proc.poll() is None:
+        run.proc.send_signal(signal.SIGINT)
+        try:
+            run.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+            run.proc.wait()
+    return run.proc.returncode
+
+
+async def _wait_recovered(run: FaultRun, victim: str | None, old_pid: int | None, timeout_s: float) -> float | None:
+    """Wall seconds from the fault until ``victim`` has a new pid and the router answers /healthz 200."""
+    assert run.t_fault is not None
+    deadline = run.t_fault + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        while time.monotonic() < deadline:
+            restarted = True
+            if victim is not None:
+                try:
+                    restarted = run.pid(victim) != old_pid
+                except (OSError, ValueError, KeyError):
+                    restarted = False
+            if restarted:
+                try:
+                    r = await http.get(run.router_url + "/healthz")
+                    if r.status_code == 200:
+                        return time.monotonic() - run.t_fault
+                except httpx.HTTPError:
+                    pass
+            await asyncio.sleep(0.05)
+    return None
+
+
+async def run_fault(
+    fault: str,
+    *,
+    sessions: int = 16,
+    max_requests_per_branch: int = 0,
+    concurrency: int = 8,
+    speedup: float = 50.0,
+    nodes: int = 4,
+    split: str = "2P2D",
+    fault_at_s: float = 3.0,
+    replay_timeout_s: float = 300.0,
+    max_pause_s: float | None = None,
+    log_dir: Path | None = None,
+) -> FaultResult:
+    """Start ``up``, replay ``sessions`` Claude Code sessions, inject ``fault`` after ``fault_at_s``
+    wall seconds of replay, and count what it cost.
+
+    Args:
+        fault: a key of :data:`FAULTS`.
+        sessions: sessions (agents) of the shipped sample to replay.
+        max_requests_per_branch: cap each branch to its first K requests (0 = whole sessions).
+        concurrency: closed-loop concurrent agents.
+        speedup: simulated seconds per wall second of the cluster.
+        fault_at_s: wall seconds after the replay starts when the fault is injected.
+        replay_timeout_s: wall bound of the replay (requests still open then count as lost).
+        max_pause_s: clip each request's recorded pause (tool time) to this many simulated
+            seconds, so a short run keeps requests in flight (None: pauses as recorded).
+
+    Raises:
+        KeyError: unknown ``fault``. RuntimeError: ``up`` did not start.
+    """
+    from evolving_infra.launcher import demo_trace_path
+    from evolving_infra.replay.core import Arrival
+    from evolving_infra.replay.live import LiveReplayer
+    from evolving_infra.traces.io import read_trace
+    from evolving_infra.traces.sample import sample_sessions
+    from shared.clock import SimClock
+
+    inject = FAULTS[fault]
+    trace = read_trace(demo_trace_path())
+    agents = list(dict.fromkeys(r.agent for r in trace.requests))[:sessions]
+    keep = set(agents)
+    trace = type(trace)(header=trace.header, requests=[r for r in trace.requests if r.agent in keep])
+    if max_requests_per_branch:
+        trace = sample_sessions(trace, sessions, seed=0, max_requests_per_branch=max_requests_per_branch)
+    if max_pause_s is not None:
+        trace.requests = [msgspec.structs.replace(r, pause_s=min(r.pause_s, max_pause_s)) for r in trace.requests]
+    log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"ei-fault-{fault}-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    res = FaultResult(fault=fault, sessions=len(agents), log_dir=str(log_dir))
+    run = start_up(log_dir, speedup=speedup, nodes=nodes, split=split)
+    try:
+        replayer = LiveReplayer(run.router_url, SimClock(speedup), block_size=trace.header.block_size, progress=False,
+                                request_timeout_s=replay_timeout_s)
+        wall0 = time.monotonic()
+        replay = asyncio.ensure_future(replayer.run(trace.requests, Arrival(kind="closed", concurrency=concurrency)))
+        await asyncio.wait({replay}, timeout=fault_at_s)
+        recover: asyncio.Future[float | None] | None = None
+        if not replay.done():
+            victim = await inject(run)
+            if run.t_fault is None:
+                run.t_fault = time.monotonic()
+            old_pid = run.signalled.get(victim) if victim is not None else None
+            recover = asyncio.ensure_future(_wait_recovered(run, victim, old_pid, timeout_s=120.0))
+        try:
+            result = await asyncio.wait_for(replay, timeout=replay_timeout_s)
+        except asyncio.TimeoutError:
+            result = None
+        res.replay_wall_s = time.monotonic() - wall0
+        if recover is not None:
+            res.recover_s = await recover
+        if result is not None:
+            res.sent = len(result.records)
+            res.completed = sum(1 for r in result.records if r.ok)
+            res.lost = res.sent - res.completed
+            res.errors = [r.error or "" for r in result.records if not r.ok][:5]
+        else:
+            res.errors = [f"replay did not finish within {replay_timeout_s} s"]
+            res.lost = -1
+        res.up_alive = run.proc.poll() is None
+        if res.up_alive:
+            res.counters = await collect_counters(run)
+        try:
+            res.restarts = {k: v for k, v in run.cluster_json().get("restarts", {}).items() if v}  # type: ignore[union-attr]
+        except (OSError, ValueError):
+            pass
+    finally:
+        stop_up(run)
+    return res
+
+
+async def collect_counters(run: FaultRun, timeout_s: float = 2.0) -> dict[str, dict[str, int]]:
+    """Every service's counters over ``svc.stats.<instance>`` (empty for one that does not answer)."""
+    from shared import messages as m
+    from shared.bus import Bus, BusError
+    from shared.subjects import SVC_STATS, Subjects
+
+    from shared.auth import NatsAuth
+
+    auth = None  # `up` runs NATS with per-service credentials by default: ask as the operator
+    for ext in (".nk", ".pass", ".creds"):
+        f = run.log_dir / "nats-creds" / f"operator{ext}"
+        if f.exists():
+            auth = NatsAuth.from_file(f)
+            break
+    bus = await Bus.connect(str(run.info["nats_url"]), Subjects("p0"), service="operator", instance="operator", auth=auth)
+    out: dict[str, dict[str, int]] = {}
+    try:
+        for inst in run.cluster_json()["pids"]:  # type: ignore[union-attr]
+            if inst == "nats-server":
+                continue
+            try:
+                rep = await bus.request(SVC_STATS, m.StatsRequest(), timeout=timeout_s, instance=inst)
+                out[inst] = dict(rep.counters)
+            except BusError:
+                out[inst] = {}
+    finally:
+        await bus.close()
+    return out
+
+
+def _results_section(results: list[FaultResult], args: argparse.Namespace) -> str:
+    sys.path.insert(0, str(REPO / "bench"))
+    from _common import commit_label
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    lines = [
+        f"## faults: live cluster under fault injection — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        f"- command: `python bench/faults.py {' '.join(sys.argv[1:])}`",
+        f"- commit: {commit_label(REPO)}",
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, load average {load:.1f} at the end",
+        f"- workload: `evolving-infra up --nodes {args.nodes} --split {args.split} --speedup {args.speedup:g}`, the shipped Claude Code "
+        f"sample, {args.sessions} sessions closed-loop at concurrency {args.concurrency}"
+        + (f", each branch capped to {args.max_requests_per_branch} requests" if args.max_requests_per_branch else "")
+        + (f", pauses clipped to {args.max_pause:g} simulated s" if args.max_pause is not None else "")
+        + f"; the fault {args.fault_at:g} s into the replay",
+        "- lost = failed at the client (non-200, error event, or a stream without tokens); recover = fault → the victim's new "
+        "pid in cluster.json and router /healthz 200",
+        "",
+        "| fault | sent | completed | lost | recover s | restarts | up alive | replay wall s | first error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        rec = "" if r.recover_s is None else f"{r.recover_s:.2f}"
+        rs = ", ".join(f"{k} {v}" for k, v in sorted(r.restarts.items())) or "none"
+        err = (r.errors[0][:80].replace("|", "/") if r.errors else "")
+        lines.append(f"| {r.fault} | {r.sent} | {r.completed} | {r.lost} | {rec} | {rs} | {'yes' if r.up_alive else 'NO'} | "
+                     f"{r.replay_wall_s:.1f} | {err} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fault", action="append", help=f"fault(s) to inject, one run each (default all: {', '.join(FAULTS)})")
+    p.add_argument("--list", action="store_true", help="list the faults and exit")
+    p.add_argument("--sessions", type=int, default=16, help="Claude Code sessions to replay per run (default 16)")
+    p.add_argument("--max-requests-per-branch", type=int, default=0, help="cap each branch to K requests (default 0: no cap)")
+    p.add_argument("--concurrency", type=int, default=8, help="closed-loop concurrent agents (default 8)")
+    p.add_argument("--speedup", type=float, default=50.0, help="cluster speedup (default 50)")
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--split", default="2P2D")
+    p.add_argument("--max-pause", type=float, default=None, help="clip recorded pauses to this many simulated s (default: as recorded)")
+    p.add_argument("--fault-at", type=float, default=3.0, help="wall seconds into the replay when the fault hits (default 3)")
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    p.add_argument("--no-results", action="store_true", help="do not append a section to bench/RESULTS.md")
+    args = p.parse_args(argv)
+    if args.list:
+        print("\n".join(FAULTS))
+        return 0
+    faults = args.fault or list(FAULTS)
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        p.error(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS)}")
+    results = []
+    for f in faults:
+        r = asyncio.run(
+            run_fault(f, sessions=args.sessions, max_requests_per_branch=args.max_requests_per_branch, concurrency=args.concurrency,
+                      speedup=args.speedup, nodes=args.nodes, split=args.split, fault_at_s=args.fault_at,
+                      max_pause_s=args.max_pause)
+        )
+        print(json.dumps(asdict(r)), flush=True)
+        results.append(r)
+    if args.out:
+        Path(args.out).write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    section = _results_section(results, args)
+    print(section)
+    if not args.no_results:
+        with open(REPO / "bench" / "RESULTS.md", "a") as fh:
+            fh.write("\n" + section)
+    return 0 if all(r.lost == 0 and r.up_alive for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

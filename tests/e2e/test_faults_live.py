@@ -1,0 +1,62 @@
+"""Faults on a live cluster under ``evolving-infra up`` (issue 22, "Must show"): every service
+its own OS process over a real nats-server, real Claude Code sessions (the shipped sample)
+replayed through the router, one process killed while requests are in flight.
+
+Each run is ``bench/faults.py``'s :func:`run_fault` with a short replay (6 sessions, branches
+capped to 8 requests, pauses clipped to 2 simulated s): ~20-40 s per test on 2 cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _faults():
+    spec = importlib.util.spec_from_file_location("bench_faults", REPO / "bench" / "faults.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_faults"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+faults = _faults()
+SMALL = dict(sessions=6, max_requests_per_branch=8, concurrency=6, max_pause_s=2.0, fault_at_s=2.0, replay_timeout_s=180.0)
+
+
+@pytest.mark.timeout(400)
+async def test_nats_server_killed_is_restarted_on_its_port_and_no_request_is_lost(tmp_path):
+    r = await faults.run_fault("nats-kill", log_dir=tmp_path, **SMALL)
+    assert r.sent > 0 and r.errors == [] and r.lost == 0, r
+    assert r.completed == r.sent
+    assert r.up_alive
+    assert r.restarts.get("nats-server") == 1
+    assert r.recover_s is not None and r.recover_s < 30.0
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fault,victim", [("directory-kill", "kvdirectory"), ("planner-kill", "planner")])
+async def test_control_plane_service_killed_is_restarted_and_no_request_is_lost(tmp_path, fault, victim):
+    r = await faults.run_fault(fault, log_dir=tmp_path, **SMALL)
+    assert r.up_alive, r
+    assert r.restarts.get(victim) == 1, r
+    assert r.recover_s is not None
+    assert r.sent > 0 and r.lost == 0, r
+
+
+@pytest.mark.timeout(400)
+async def test_worker_killed_is_restarted_and_rejoins_with_one_resync(tmp_path):
+    r = await faults.run_fault("decode-worker-kill", log_dir=tmp_path, **SMALL)
+    assert r.up_alive, r  # before issue 22, `up` stopped the whole cluster here
+    assert r.restarts.get("worker-w3") == 1, r
+    assert r.recover_s is not None
+    assert r.sent > 0
+    # the restarted worker announces an empty KV (seq 1): the directory resyncs it once, no loop
+    log = (tmp_path / "kvdirectory.log").read_text()
+    resyncs = [ln for ln in log.splitlines() if '"node resynced"' in ln and '"w3"' in ln]
+    assert len(resyncs) == 1, resyncs

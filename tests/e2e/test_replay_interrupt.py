@@ -1,0 +1,83 @@
+"""``evolving-infra replay`` stopped by SIGINT / SIGTERM keeps what it measured (issue 22, part 8):
+requests appended to requests.jsonl as they complete, report.json written on interruption,
+an earlier run's outputs moved aside, never read as this run's.
+
+A real cluster (``evolving-infra up``: NATS + every service as its own process) serves the
+shipped Claude Code sample; the replay runs as its own process, as a user runs it (~40 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _faults():
+    spec = importlib.util.spec_from_file_location("bench_faults_replay", REPO / "bench" / "faults.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_faults_replay"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _replay_until(router_url: str, out: Path, sig: int, after_records: int, started: Path | None = None) -> tuple[int, str]:
+    """Run a replay, send ``sig`` once it has appended ``after_records`` (and ``started`` exists)."""
+    from evolving_infra.launcher import demo_trace_path
+
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "replay", str(demo_trace_path()), "--router-url", router_url,
+           "--speedup", "50", "--concurrency", "6", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    records = out / "requests.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if (started is None or started.exists()) and records.exists() and len(records.read_text().splitlines()) >= after_records:
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the replay appended no records")
+    proc.send_signal(sig)
+    text, _ = proc.communicate(timeout=60)
+    return proc.returncode, text
+
+
+@pytest.mark.timeout(400)
+def test_sigint_and_sigterm_write_partial_results_and_set_aside_the_previous_run(tmp_path):
+    faults = _faults()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    run = faults.start_up(logs, speedup=50.0, nodes=2, split="1P1D")
+    out = tmp_path / "out"
+    try:
+        rc, text = _replay_until(run.router_url, out, signal.SIGINT, after_records=3)
+        assert rc == 130, text
+        first = json.loads((out / "report.json").read_text())
+        lines = (out / "requests.jsonl").read_text().splitlines()
+        assert first["meta"]["interrupted"]["signal"] == "SIGINT"
+        assert first["requests_sent"] == len(lines) >= 3
+        assert "interrupted by SIGINT" in " ".join(first["meta"]["notes"])
+
+        rc, text = _replay_until(run.router_url, out, signal.SIGTERM, after_records=2, started=out / "previous" / "report.json")
+        assert rc == 143, text
+        assert "moved to" in text and "previous" in text
+        second = json.loads((out / "report.json").read_text())
+        assert second["meta"]["interrupted"]["signal"] == "SIGTERM"
+        assert second["meta"]["run_id"] != first["meta"]["run_id"]
+        assert second["requests_sent"] == len((out / "requests.jsonl").read_text().splitlines())
+        # the first run's files are kept aside, not mixed into this run's
+        kept = json.loads((out / "previous" / "report.json").read_text())
+        assert kept["meta"]["run_id"] == first["meta"]["run_id"]
+        assert len((out / "previous" / "requests.jsonl").read_text().splitlines()) == len(lines)
+        assert not list(out.glob("*.tmp"))
+    finally:
+        faults.stop_up(run)

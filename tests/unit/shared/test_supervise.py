@@ -1,0 +1,90 @@
+"""The supervisor of ``LocalCluster`` on real child processes (``sleep``), without NATS:
+an exited service is restarted after its backoff, counted, and a crash loop gives up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, _Child, restart_delay
+
+
+def test_restart_delay_doubles_up_to_the_cap():
+    assert [restart_delay(k, 0.5, 4.0) for k in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 4.0, 4.0]
+
+
+def _cluster(tmp_path, **kw) -> LocalCluster:
+    c = LocalCluster(ClusterSpec(restart=True, restart_backoff_s=0.5, stable_s=60.0, **kw))
+    c.log_dir = tmp_path
+    c.children = [_Child("svc", ["sleep", "30"], tmp_path / "svc.log")]
+    c._spawn(c.children[0])
+    return c
+
+
+def _kill(child: _Child) -> None:
+    assert child.proc is not None
+    os.kill(child.proc.pid, signal.SIGKILL)
+    child.proc.wait()
+
+
+def test_exited_service_is_restarted_after_its_backoff_and_counted(tmp_path):
+    c = _cluster(tmp_path)
+    child = c.children[0]
+    first = child.proc.pid
+    try:
+        assert c.supervise_once() == []  # running: nothing to do
+        _kill(child)
+        t = time.monotonic()
+        assert c.supervise_once(t) == []  # exit noticed, restart scheduled after 0.5 s
+        assert child.restart_at == pytest.approx(t + 0.5)
+        assert c.supervise_once(t + 0.4) == []
+        assert c.supervise_once(t + 0.6) == ["svc"]
+        assert child.proc.pid != first and child.proc.poll() is None
+        assert c.restarts() == {"svc": 1}
+        c.check_alive()  # supervised: a restarted service is not a failure
+        _kill(child)  # second crash without a stable run: backoff doubles
+        t = time.monotonic()
+        c.supervise_once(t)
+        assert child.restart_at == pytest.approx(t + 1.0)
+        assert c.supervise_once(t + 1.1) == ["svc"]
+        # a stable run resets the streak
+        assert c.supervise_once(time.monotonic() + 61.0) == [] and child.streak == 0
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+        child.log_file.close()
+
+
+def test_crash_loop_gives_up_after_max_restarts(tmp_path):
+    c = _cluster(tmp_path, max_restarts=2)
+    child = c.children[0]
+    try:
+        t = time.monotonic()
+        for _ in range(2):
+            _kill(child)
+            c.supervise_once(t)
+            t += 100.0  # past any backoff but the run was not "stable" (started_at is real time)
+            child.started_at = t
+            assert c.supervise_once(t) == ["svc"]
+        _kill(child)
+        with pytest.raises(ClusterError, match="svc exited 3 times in a row"):
+            c.supervise_once(t)
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+        child.log_file.close()
+
+
+def test_without_supervision_an_exit_fails_the_cluster(tmp_path):
+    c = _cluster(tmp_path)
+    child = c.children[0]
+    try:
+        c.check_alive()
+        _kill(child)
+        with pytest.raises(ClusterError, match="svc exited with code -9"):
+            c.check_alive()  # no supervisor task running (start() was not called): fail fast
+    finally:
+        child.log_file.close()
