@@ -77,16 +77,26 @@ def cmd_convert(args: argparse.Namespace) -> int:
     elif args.infer_sessions:
         print("error: --infer-sessions applies to mooncake only", file=sys.stderr)
         return 2
+    if args.from_kind in SKIPPING_CONVERTERS:
+        options["strict"] = args.strict
     progress = _progress_default() if args.progress is None else args.progress
     try:
         header, n = convert_to_file(args.from_kind, args.inputs, args.output, progress=progress, **options)
     except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}" + (" (--strict)" if args.strict else ""), file=sys.stderr)
         return 2
     counts = header.meta.get("counts", {})
     extra = ", ".join(f"{k} {v}" for k, v in counts.items() if k != "requests")
     print(f"{args.output}: {n} requests" + (f" ({extra})" if extra else ""), file=sys.stderr)
+    skipped = header.meta.get("skipped") or {}
+    if skipped.get("count"):
+        print(f"{args.output}: skipped {skipped['count']} file(s) that could not be converted (named above; "
+              f"listed in the header's meta.skipped; --strict stops at the first instead)", file=sys.stderr)
     return 0
+
+
+SKIPPING_CONVERTERS = ("claude-code-weka", "mini-swe-agent")
+"""Converters of one-file-per-session folders: a file they cannot read is skipped (``--strict``: stop)."""
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -173,6 +183,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "512 for mooncake); conversion rule in docs/trace-format.md §4",
     )
     c.add_argument("--no-shared-prefix", action="store_true", help="claude-code-weka: keep the tool+system prefix per session")
+    c.add_argument(
+        "--strict",
+        action="store_true",
+        help="claude-code-weka, mini-swe-agent: stop at the first file that cannot be converted (default: name it with "
+        "the reason, skip it, go on and report how many were skipped)",
+    )
     c.add_argument("--infer-sessions", action="store_true", help="mooncake: link rows that extend an earlier row's path into agents")
     c.add_argument("--min-shared-blocks", type=int, default=2, help="mooncake: shortest earlier path a row may extend (default 2)")
     g = c.add_mutually_exclusive_group()

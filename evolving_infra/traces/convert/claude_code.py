@@ -32,7 +32,9 @@ Rules (each checked on the 530 shared sessions; see docs/trace-format.md):
   marker that was sent by the start (1 s tolerance: top-level ``t`` values are
   whole seconds); the first main-stream request after the marker (the first sent
   after ``t`` in every shared session) also goes ``after`` the sub-agent's last
-  request (a join; parallel sub-agents all join).
+  request (a join; parallel sub-agents all join). A *background* sub-agent
+  (``duration_ms`` null or absent: launched, its duration and totals unknown
+  then) starts at the marker's ``t`` and nobody joins it.
 * **Order of requests and after.** Within a stream each request goes ``after``
   the previous request of that stream (the recorded stream is sequential: side
   calls and rewrites included). Requests are written in send order in the
@@ -69,7 +71,7 @@ from typing import Any
 
 import msgspec
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, expand_inputs, lcp, make_header, progress_iter
+from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, lcp, make_header, progress_iter
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechunk_blocks
 
@@ -104,7 +106,8 @@ class _Entry(msgspec.Struct, rename={"in_": "in"}):
     think_time: float | None = None
     agent_id: str = ""
     subagent_type: str = ""
-    duration_ms: float = 0.0
+    duration_ms: float | None = None
+    """Sub-agent run time; null/absent for a background sub-agent (launched, not waited for)."""
     tool_tokens: int = 0
     system_tokens: int = 0
     requests: list[_Entry] = []
@@ -348,7 +351,14 @@ class _Converter:
                 self.counts["subagents_without_requests"] += 1
                 continue
             self.counts["subagents"] += 1
-            start = float(m.t) - m.duration_ms / 1000.0
+            background = m.duration_ms is None
+            if background:
+                # a background sub-agent: its duration and totals are unknown at launch; the marker's
+                # t is its launch, nested t count from it, and the parent does not wait for it
+                self.counts["subagents_background"] += 1
+                start = float(m.t)
+            else:
+                start = float(m.t) - m.duration_ms / 1000.0
             sub = [_Req(f"{agent}:{name}:{j}", mi + 1, j, q, start + float(q.t)) for j, q in enumerate(m.requests)]
             reqs.extend(sub)
             streams.append(sub)
@@ -369,7 +379,7 @@ class _Converter:
             else:
                 sub[0].pause = max(0.0, sub[0].t_abs)
             # join: the first main request after the marker waits for the sub-agent's last request
-            nxt = next((r for r in main if main_pos[r.idx] > mpos), None)
+            nxt = None if background else next((r for r in main if main_pos[r.idx] > mpos), None)
             if nxt is not None:
                 nxt.after.append(sub[-1].key)
                 nxt.pause = max(0.0, nxt.t_abs - max(_completion(_by_key(reqs, a)) for a in nxt.after))
@@ -571,7 +581,14 @@ def _topo_by_time(reqs: list[_Req], by_key: dict[str, _Req]) -> list[_Req]:
     return out
 
 
-def convert(inputs: Sequence[str | Path], *, progress: bool = False, shared_prefix: bool = True, block_size: int = SOURCE_BLOCK_SIZE) -> Conversion:
+def convert(
+    inputs: Sequence[str | Path],
+    *,
+    progress: bool = False,
+    shared_prefix: bool = True,
+    block_size: int = SOURCE_BLOCK_SIZE,
+    strict: bool = False,
+) -> Conversion:
     """Convert Claude Code session files (or folders of them) to a canonical trace, streamed.
 
     Args:
@@ -579,19 +596,30 @@ def convert(inputs: Sequence[str | Path], *, progress: bool = False, shared_pref
         progress: show a tqdm bar on stderr.
         shared_prefix: map the shared tool + system prefix to common ids (default on).
         block_size: output block size in tokens (64 native; 512 etc. converted).
+        strict: stop at the first file that cannot be converted instead of skipping it
+            (skipped files are named on stderr and listed in ``meta.skipped``).
 
     Returns:
         A :class:`Conversion`: sessions in input order, each session's requests in send order.
 
     Raises:
-        ConvertError: a path is missing, or a file is not a valid WEKA trace.
+        ConvertError: a path is missing; with ``strict``, a file is not a valid WEKA trace.
     """
     files = expand_inputs(inputs, PATTERNS)
     conv = _Converter(files, Options(shared_prefix=shared_prefix, block_size=block_size))
+    skipped = Skipped(strict)
 
     def gen() -> Iterator[TraceRequest]:
+        n = 0
         for fi, path in enumerate(progress_iter(files, enabled=progress, desc=KIND)):
-            yield from conv.convert_file(fi, path)
+            reqs = skipped.call(path, lambda: conv.convert_file(fi, path)) or ()
+            n += len(reqs)
+            yield from reqs
+        if not n:
+            skipped.none_converted()
+
+    def meta() -> dict[str, Any]:
+        return {**conv.meta(), "skipped": skipped.meta()}
 
     src = ", ".join(str(p) for p in inputs[:3]) + (f" (+{len(inputs) - 3} more)" if len(inputs) > 3 else "")
     return Conversion(
@@ -600,6 +628,6 @@ def convert(inputs: Sequence[str | Path], *, progress: bool = False, shared_pref
             block_size=block_size,
             source=f"{KIND}: {src}",
             description="Real Claude Code sessions (WEKA kv-cache-tester traces) with sub-agents, side calls and compactions",
-            meta=conv.meta(),
+            meta=meta(),
         ),
     )

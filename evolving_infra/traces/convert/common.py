@@ -14,11 +14,55 @@ from typing import Any
 from evolving_infra.traces.io import Trace, encode_line
 from evolving_infra.traces.schema import FORMAT, VERSION, TraceHeader, TraceRequest
 
-__all__ = ["ConvertError", "Conversion", "expand_inputs", "lcp", "progress_iter", "write_conversion"]
+__all__ = ["ConvertError", "Conversion", "Skipped", "expand_inputs", "lcp", "progress_iter", "write_conversion"]
 
 
 class ConvertError(ValueError):
     """A raw input cannot be converted; the message names the file and the reason."""
+
+
+class Skipped:
+    """Files a converter could not read: named with the reason on stderr, skipped, counted in
+    the header (``meta.skipped``); with ``strict`` the first one stops the conversion instead.
+
+    Args:
+        strict: re-raise the first :class:`ConvertError` instead of skipping the file.
+    """
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+        self.files: list[dict[str, str]] = []
+
+    def call(self, path: Path, fn: Callable[[], Any]) -> Any:
+        """``fn()``; on a :class:`ConvertError` skip ``path`` (return None) unless strict.
+
+        Raises:
+            ConvertError: with ``strict``.
+        """
+        try:
+            return fn()
+        except ConvertError as e:
+            if self.strict:
+                raise
+            reason = str(e)
+            self.files.append({"file": str(path), "reason": reason})
+            print(f"warning: skipped {path}: {reason}", file=sys.stderr)
+            return None
+
+    def none_converted(self) -> None:
+        """Call when no file converted: a trace of nothing would not validate.
+
+        Raises:
+            ConvertError: naming the first skipped file and its reason (when any was skipped).
+        """
+        if self.files:
+            first = self.files[0]
+            raise ConvertError(f"none of the input files could be converted ({len(self.files)} skipped); "
+                               f"first: {first['file']}: {first['reason']}")
+
+    def meta(self) -> dict[str, Any]:
+        """``{"count": n, "files": [{"file", "reason"}, ...]}`` for the header."""
+        return {"count": len(self.files), "files": self.files}
 
 
 def expand_inputs(paths: Sequence[str | os.PathLike[str]], patterns: Sequence[str]) -> list[Path]:

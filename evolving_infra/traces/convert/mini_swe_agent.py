@@ -49,7 +49,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, expand_inputs, make_header, progress_iter
+from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, make_header, progress_iter
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import PRIVATE_ID_BASE
 
@@ -178,9 +178,15 @@ def _usage(m: dict[str, Any], path: Path, n: int) -> tuple[int, int, int, float,
     return p, c, cached, float(created), float(ts)
 
 
-def _convert_file(path: Path, bs: int, counts: Counter[str]) -> list[tuple[float, TraceRequest]]:
+def _convert_file(path: Path, bs: int, counts: Counter[str], agents: set[str]) -> list[tuple[float, TraceRequest]]:
     d = _load(path)
     agent = str(d.get("instance_id") or path.name.split(".")[0])
+    if agent in agents:  # subfolders (runs) repeat task ids: ids must stay unique in one trace
+        k = 2
+        while f"{agent}#{k}" in agents:
+            k += 1
+        agent = f"{agent}#{k}"
+        counts["agents_renamed_duplicate_task_id"] += 1
     msgs: list[dict[str, Any]] = [m for m in d["messages"] if isinstance(m, dict)]
     stream = _Stream(bs)
     pending: list[_Message | _ToolsPrefix] = [_ToolsPrefix()]  # messages since the last call
@@ -269,22 +275,40 @@ def _convert_file(path: Path, bs: int, counts: Counter[str]) -> list[tuple[float
     return out
 
 
-def convert(inputs: Sequence[str | Path], *, progress: bool = False, block_size: int = DEFAULT_BLOCK_SIZE) -> Conversion:
+def convert(
+    inputs: Sequence[str | Path], *, progress: bool = False, block_size: int = DEFAULT_BLOCK_SIZE, strict: bool = False
+) -> Conversion:
     """Convert mini-swe-agent trajectory files (or folders) to a canonical trace.
+
+    A task id seen in an earlier file (folders of several runs repeat them) becomes
+    ``<id>#2``, ``#3`` ... so the trace's agent and request ids stay unique.
 
     Args:
         block_size: tokens per block id (default 64).
+        strict: stop at the first unreadable trajectory instead of skipping it (skipped
+            files are named on stderr and listed in ``meta.skipped``).
 
     Raises:
-        ConvertError: missing input or a malformed trajectory.
+        ConvertError: missing input; with ``strict``, a malformed trajectory.
     """
     if block_size < 1:
         raise ConvertError("block_size must be >= 1")
     files = expand_inputs(inputs, PATTERNS)
     counts: Counter[str] = Counter()
+    skipped = Skipped(strict)
+    agents: set[str] = set()
+
+    def one(p: Path) -> list[tuple[float, TraceRequest]]:
+        mine: Counter[str] = Counter()
+        reqs = _convert_file(p, block_size, mine, agents)
+        agents.add(reqs[0][1].agent)  # only a converted file claims its id and adds its counts
+        counts.update(mine)
+        return reqs
 
     def gen() -> Iterator[TraceRequest]:
-        per_file = [_convert_file(p, block_size, counts) for p in progress_iter(files, enabled=progress, desc=KIND)]
+        per_file = [r for p in progress_iter(files, enabled=progress, desc=KIND) if (r := skipped.call(p, lambda p=p: one(p)))]
+        if not per_file:
+            skipped.none_converted()
         # all trajectories share the unix clock: write requests in send order (stable per agent)
         merged = heapq.merge(*[[(t, fi, i, r) for i, (t, r) in enumerate(reqs)] for fi, reqs in enumerate(per_file)])
         for _, _, _, r in merged:
@@ -300,6 +324,7 @@ def convert(inputs: Sequence[str | Path], *, progress: bool = False, block_size:
             "block_ids": "chained BLAKE2b of a content-derived token stream (module docstring); equal prefixes share ids",
             "clock": "arrival_s = unix time of the trajectory's first call; t_s from it",
             "counts": dict(sorted(counts.items())),
+            "skipped": skipped.meta(),
         }
         if counts["provider_prompt_tokens"]:
             meta["provider_cached_share"] = counts["provider_cached_tokens"] / counts["provider_prompt_tokens"]
