@@ -875,9 +875,16 @@ class WorkerService:
 
     async def _handoff(self, h: HandOff) -> None:
         self._streams.pop(h.rid, None)
-        self._owners.pop(h.rid, None)
         headers = self._traces.handoff(h.rid, h.decode_node) if self._traces else None
-        await self.bus.publish(WORK_DECODE, self.engine.handoff(h.work), node=h.decode_node, headers=headers)
+        work = self.engine.handoff(h.work)
+        try:
+            await self.bus.publish(WORK_DECODE, work, node=h.decode_node, headers=headers)
+        except Exception as e:  # e.g. a real engine's K/V pages beyond the server's max payload: fail it, never hang
+            self.counters["requests.handoff_failed"] += 1
+            reason = f"hand-off to {h.decode_node} failed ({len(work.kv)} B of K/V): {e!r}"
+            await self._reject(WorkRejected(h.rid, reason), self.clock.now())
+            return
+        self._owners.pop(h.rid, None)
         self.counters["requests.handed_off"] += 1
 
     # ------------------------------------------------------------------ #
