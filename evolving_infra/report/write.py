@@ -228,4 +228,8 @@ def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None
     if g("errors"):
         for err, n in sorted(g("errors").items(), key=lambda kv: -kv[1])[:5]:
             lines.append(f"error      {n}× {err}")
+    pol = meta.get("policy")
+    if isinstance(pol, dict) and pol.get("name"):  # which serving system ran (live: launcher; sim: the policy set)
+        lines.insert(0, f"policy     {pol['name']}  (routing {pol.get('routing', '-')}, planner {pol.get('planner', '-')}, "
+                        f"eviction {pol.get('eviction', '-')})")
     print("\n".join(lines), file=file if file is not None else sys.stdout)

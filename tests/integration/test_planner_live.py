@@ -139,6 +139,30 @@ async def test_records_in_models_out_and_epochs(nats_url):
     await c.bus.close()
 
 
+async def test_a_static_planner_publishes_online_models_for_the_router(nats_url):
+    """Issue 21: without models of its own (static), the planner refits each node's Eq. 1/2 from
+    its iteration records every --refit-interval-s and publishes them: a node five times slower
+    than its profile is seen as such by the router, whatever the planner policy."""
+    import msgspec as _ms
+
+    c = await Client.connect(nats_url)
+    slow_p = _ms.structs.replace(TINY.prefill, **{k: getattr(TINY.prefill, k) * 5 for k in ("c0", "c1", "c2", "c3")})
+    slow_d = _ms.structs.replace(TINY.decode, **{k: getattr(TINY.decode, k) * 5 for k in ("d0", "d1", "d2")})
+    async with planner(nats_url, planner="static", profile="tiny", speedup=10.0, refit_interval_s=10.0):
+        await c.bus.publish(NODE_ITERS, m.IterationRecords(node="w0", records=records(200, slow_p, slow_d, seed=1)), node="w0")
+        await c.bus.publish(NODE_ITERS, m.IterationRecords(node="w1", records=records(200, TINY.prefill, TINY.decode, seed=2)), node="w1")
+        await c.until(lambda: any(x.models for x in c.models), timeout=15, what="online models")
+        msg = next(x for x in c.models if x.models)
+        assert not msg.frozen and {x.node for x in msg.models} == {"w0", "w1"}
+        w0 = next(x for x in msg.models if x.node == "w0")
+        from shared.itermodel import qk_pairs
+
+        qk = qk_pairs(2000, 10_000)
+        assert w0.source == "fitted"  # a 2,000-token chunk after 10,000 cached: five times the profile's time
+        assert w0.prefill.iteration_time(2000, qk, 0) == pytest.approx(5 * TINY.prefill.iteration_time(2000, qk, 0), rel=0.05)
+    await c.bus.close()
+
+
 async def test_token_streams_become_completed_requests(nats_url):
     c = await Client.connect(nats_url)
     async with planner(nats_url):

@@ -28,3 +28,10 @@ def test_causes_follow_the_branchs_previous_prefill_node():
     annotate_ideal(records, reqs, 4)
     assert annotate_lost_reuse(records, reqs) == 4
     assert [r.lost_reuse_cause for r in records] == ["none", "eviction", "routing", "eviction"]
+
+
+def test_the_summary_names_the_policy_that_ran(capsys):
+    from evolving_infra.report.write import print_summary
+
+    print_summary({"meta": {"policy": {"name": "evolving", "routing": "ttft", "planner": "evolving", "eviction": "branch-count"}}})
+    assert "policy     evolving  (routing ttft, planner evolving, eviction branch-count)" in capsys.readouterr().out
