@@ -108,6 +108,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     restart_backoff_max_s: float = 30.0
     stable_s: float = 60.0
     """Wall seconds of uptime after which a service's consecutive-restart count resets."""
+    fence_after_s: float = 0.0
+    """Router ``--fence-after-s`` (wall seconds without a node.state before a node is fenced out);
+    0 = the router's default (3 s)."""
 
     def node_ids(self) -> list[str]:
         return [f"w{i}" for i in range(self.nodes)]
@@ -297,7 +300,8 @@ class LocalCluster:
                     "--tokenizer",
                     s.tokenizer,
                 ]
-                + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else []),
+                + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])
+                + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else []),
                 self.log_dir / "router.log",
             )
         )

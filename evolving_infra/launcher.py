@@ -122,6 +122,13 @@ of the paper's 1,800 s, so that most of the demo's ~6,700 simulated seconds run 
 planner's 600-s windows get to decide (``--planner-opt t_learn_s=...`` overrides)."""
 
 
+DEMO_FENCE_S = 10.0
+"""The demo's router fences a node after 10 wall seconds without its state (3 s elsewhere): the demo
+shows the policies on one shared machine, where a worker process starved of CPU for a few seconds
+(load averages of 10+ on 2 cores were seen) is slow, not dead; with one prefill node (a 1P3D the
+planner may pick) a fence would fail the requests that arrive meanwhile."""
+
+
 def _policy(args: argparse.Namespace) -> LivePolicy:
     """The live policy of ``args``, its split applied to ``args.split``; planner options checked
     by building the planner once (a bad option fails here, not in the planner's log)."""
@@ -319,7 +326,7 @@ async def _demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(args.log_dir) if args.log_dir else out / "logs"
-    spec = _spec(args, log_dir=str(log_dir), block_size=trace.header.block_size)
+    spec = _spec(args, log_dir=str(log_dir), block_size=trace.header.block_size, fence_after_s=DEMO_FENCE_S)
     pol: LivePolicy = args.live_policy
     print(
         f"demo: {len(agents)} Claude Code sessions, {len(requests)} requests from {trace_path.name}; "

@@ -28,6 +28,10 @@ def test_up_and_demo_run_the_papers_system_by_default(command, tmp_path):
     assert _argv(kids["router"], "--decode-binding") == "prefill-start"
     if command == "demo":
         assert _argv(kids["planner"], "--planner-args") == "t_learn_s=900.0"
+        spec = _spec(args, fence_after_s=10.0)  # what _demo passes (DEMO_FENCE_S)
+        assert _argv({c.name: c for c in LocalCluster(spec)._plan_children()}["router"], "--fence-after-s") == "10.0"
+    else:
+        assert "--fence-after-s" not in kids["router"].argv
 
 
 def test_simulate_defaults_to_the_same_policy():
