@@ -15,7 +15,7 @@ Faults are entries of :data:`FAULTS` (name -> async injector); add one by writin
 ``async def inject(run: FaultRun) -> str | None`` (returns the service whose restart
 marks recovery, or None when the cluster recovers without a restart) and registering it.
 
-    python bench/faults.py                          # every fault, appends a section to bench/RESULTS.md
+    python bench/faults.py                          # every fault, appends a section to bench/RESULTS-history.md
     python bench/faults.py --fault nats-kill --no-results
     python bench/faults.py --list
 
@@ -341,15 +341,20 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         "- lost = failed at the client (non-200, error event, or a stream without tokens); recover = fault → the victim's new "
         "pid in cluster.json and router /healthz 200",
         "",
-        "| fault | sent | completed | lost | recover s | restarts | up alive | replay wall s | first error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "- re-dispatched: the routers' `redispatched` counter; bus resends: reliable messages published again after "
+        "a reconnect (all services)",
+        "",
+        "| fault | sent | completed | lost | re-dispatched | recover s | restarts | bus resends | up alive | replay wall s | first error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         rec = "" if r.recover_s is None else f"{r.recover_s:.2f}"
         rs = ", ".join(f"{k} {v}" for k, v in sorted(r.restarts.items())) or "none"
         err = (r.errors[0][:80].replace("|", "/") if r.errors else "")
-        lines.append(f"| {r.fault} | {r.sent} | {r.completed} | {r.lost} | {rec} | {rs} | {'yes' if r.up_alive else 'NO'} | "
-                     f"{r.replay_wall_s:.1f} | {err} |")
+        redis = sum(c.get("redispatched", 0) for k, c in r.counters.items() if k.startswith("router"))
+        resent = sum(c.get("resent", 0) for c in r.counters.values())
+        lines.append(f"| {r.fault} | {r.sent} | {r.completed} | {r.lost} | {redis} | {rec} | {rs} | {resent} | "
+                     f"{'yes' if r.up_alive else 'NO'} | {r.replay_wall_s:.1f} | {err} |")
     return "\n".join(lines) + "\n"
 
 
@@ -366,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-pause", type=float, default=None, help="clip recorded pauses to this many simulated s (default: as recorded)")
     p.add_argument("--fault-at", type=float, default=3.0, help="wall seconds into the replay when the fault hits (default 3)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
-    p.add_argument("--no-results", action="store_true", help="do not append a section to bench/RESULTS.md")
+    p.add_argument("--from-json", default=None, help="render the section from a file written by --out instead of running")
+    p.add_argument("--no-results", action="store_true", help="do not append a section to bench/RESULTS-history.md")
     args = p.parse_args(argv)
     if args.list:
         print("\n".join(FAULTS))
@@ -375,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         p.error(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS)}")
-    results = []
+    results: list[FaultResult] = []
+    if args.from_json:
+        results = [FaultResult(**d) for d in json.loads(Path(args.from_json).read_text())]
+        faults = []
     for f in faults:
         r = asyncio.run(
             run_fault(f, sessions=args.sessions, max_requests_per_branch=args.max_requests_per_branch, concurrency=args.concurrency,
@@ -389,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     section = _results_section(results, args)
     print(section)
     if not args.no_results:
-        with open(REPO / "bench" / "RESULTS.md", "a") as fh:
+        with open(REPO / "bench" / "RESULTS-history.md", "a") as fh:
             fh.write("\n" + section)
     return 0 if all(r.lost == 0 and r.up_alive for r in results) else 1
 
