@@ -233,7 +233,7 @@ class LocalCluster:
         kids = [
             _Child(
                 "kvdirectory",
-                py + ["services.kvdirectory"] + self._common("kvdirectory") + ["--block-size", str(s.block_size)],
+                py + ["services.kvdirectory"] + self._common("kvdirectory") + ["--block-size", str(s.block_size), "--nodes", ",".join(nodes)],
                 self.log_dir / "kvdirectory.log",
             ),
             _Child(

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 
 from shared import messages as m
+from shared.natsserver import MAX_PAYLOAD_BYTES
 from shared.itermodel import DecodeModel, PrefillModel
 from shared.subjects import (
     ALL,
@@ -223,7 +224,9 @@ def payloads(
     """
     valid = m.encode(msg)
     variants = hostile_variants(subject.template, params, msg, rng, big=big)
-    encoded = [(p, m.encode(v)) for p, v in variants]
+    encoded = [(p, raw) for p, raw in ((p, m.encode(v)) for p, v in variants) if len(raw) < MAX_PAYLOAD_BYTES - 4096]
+    if not encoded:  # a message without fields: an unknown field with a huge value (skipped by the decoder)
+        encoded = [(params, msgspec.msgpack.encode({"v": 1, "junk": list(range(big))}))]
     small = [e for e in encoded if len(e[1]) <= HUGE_BYTES] or encoded[:1]
     huge_sent = 0
     for i in range(count):
@@ -245,3 +248,123 @@ def payloads(
                 else:
                     huge_sent += 1
             yield kind, p, raw
+
+
+# --------------------------------------------------------------------------- #
+# flood a live cluster (the fuzz test and bench/fuzz_bench.py)
+# --------------------------------------------------------------------------- #
+
+SUBSCRIBERS = ("router", "planner", "kvdirectory", "worker-w0", "worker-w1", "launcher")
+"""Instances whose bus counters the flood reads (the launcher is ``LocalCluster``'s own bus)."""
+
+
+def expected_drop(subject: Subject, params: dict[str, str], raw: bytes, nodes: frozenset[str] | None, prefix: str) -> bool:
+    """Whether a subscriber whose bus knows ``nodes`` drops ``raw`` (undecodable or refused by
+    ``shared.validate``): the flood's exact accounting of what every bus must count."""
+    from shared.bus import decoder_for
+    from shared.validate import check
+
+    try:
+        msg = decoder_for(subject.msg_type).decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return True
+    return check(msg, params, nodes) is not None
+
+
+async def flood(cluster: Any, count: int, *, seed: int = 18, rate: float = 20_000.0, big: int = 300_000, max_huge: int = 16,
+                request: Any = None, skip: tuple[str, ...] = ("kv.pool.{node}",), progress: Any = None) -> dict[str, Any]:
+    """Send ``count`` hostile payloads per subject to a running ``LocalCluster`` (2 nodes, auth on).
+
+    Each subject's payloads are published by the identity the permission table lets
+    publish it (``shared.auth``): a compromised service, not an anonymous client.
+    Payloads whose subject that identity may not publish are refused by the server
+    (counted from the client's permission violations). ``request`` (an async callable
+    returning True on success) runs in a loop during the flood.
+
+    Args:
+        cluster: a started ``evolving_infra.cluster.LocalCluster`` with nodes w0, w1.
+        count: payloads per subject.
+        seed: RNG seed.
+        rate: messages per second at most (services must keep up; NATS drops a slow consumer's messages).
+        big / max_huge: see :func:`payloads`.
+        request: ``async () -> bool``, a normal request.
+        skip: subject templates not flooded (``kv.pool`` is served only with ``--kv-pool real``).
+
+    Returns:
+        Per subject: sent, refused by the server, expected drops per subscriber; requests ok/failed
+        during the flood; wall seconds.
+    """
+    import asyncio
+    import time
+
+    from shared.auth import allowed, identity, permissions
+    from shared.bus import Bus
+    from shared.subjects import Subjects
+
+    rng = random.Random(seed)
+    subj = Subjects(cluster.spec.partition)
+    nodes = frozenset(cluster.spec.node_ids())
+    known = {"planner": nodes, "kvdirectory": nodes}
+    perms = {n: permissions(identity(n), cluster.spec.partition) for n in ("planner", "router", "kvdirectory", "worker-w0", "worker-w1", "operator", "launcher")}
+    sub_perm = {n: perms[n] for n in SUBSCRIBERS}
+    buses: dict[str, Bus] = {}
+    report: dict[str, Any] = {"subjects": {}, "requests_ok": 0, "requests_failed": 0}
+    stop = asyncio.Event()
+
+    async def request_loop() -> None:
+        while not stop.is_set():
+            try:
+                ok = await request()
+            except Exception:
+                ok = False
+            report["requests_ok" if ok else "requests_failed"] += 1
+            await asyncio.sleep(0.05)
+
+    loop_task = asyncio.create_task(request_loop()) if request is not None else None
+    t0 = time.monotonic()
+    sent_total = 0
+    try:
+        for template, (params, msg) in samples(tuple(sorted(nodes))).items():
+            if template in skip:
+                continue
+            subject = next(s for s in ALL if s.template == template)
+            full = subj.prefix + template.format(**params)
+            who = next(n for n, p in perms.items() if allowed(p, "publish", full))
+            if who not in buses:
+                buses[who] = await Bus.connect(
+                    cluster.nats_url, subj, service=who.split("-")[0], instance=f"fuzz-{who}", auth=cluster.client_auth(who)
+                )
+            bus = buses[who]
+            entry = {"publisher": who, "sent": 0, "refused_by_server": 0, "kinds": {k: 0 for k in KINDS}, "expected_drops": {}}
+            exp: dict[str, int] = {}
+            for kind, p, raw in payloads(subject, params, msg, rng, count, big=big, max_huge=max_huge):
+                full_p = subj.prefix + template.format(**p)
+                entry["kinds"][kind] += 1
+                entry["sent"] += 1
+                if not allowed(perms[who], "publish", full_p):
+                    entry["refused_by_server"] += 1
+                for svc, sp in sub_perm.items():
+                    if allowed(sp, "subscribe", full_p) and allowed(perms[who], "publish", full_p):
+                        if expected_drop(subject, p, raw, known.get(svc), subj.prefix):
+                            exp[svc] = exp.get(svc, 0) + 1
+                await bus.publish_raw(full_p, raw)
+                sent_total += 1
+                if sent_total % 500 == 0:
+                    await bus.nc.flush(timeout=30)
+                    ahead = sent_total / rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+            await bus.nc.flush(timeout=30)
+            entry["expected_drops"] = exp
+            report["subjects"][template] = entry
+            if progress is not None:
+                progress(template, entry, time.monotonic() - t0, report)
+    finally:
+        stop.set()
+        if loop_task is not None:
+            await loop_task
+        report["wall_s"] = time.monotonic() - t0
+        report["permission_violations"] = sum(b.counters.get("nats.permission_violations", 0) for b in buses.values())
+        for b in buses.values():
+            await b.close()
+    return report
