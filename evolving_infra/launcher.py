@@ -318,6 +318,11 @@ async def _demo(args: argparse.Namespace) -> int:
     from evolving_infra.traces.io import read_trace
     from shared.clock import SimClock
 
+    torch_engine = args.engine == "torch"
+    if args.sessions is None:
+        args.sessions = 4 if torch_engine else 60
+    if args.concurrency is None:
+        args.concurrency = 4 if torch_engine else 16
     trace_path = Path(args.trace) if args.trace else demo_trace_path()
     trace = read_trace(trace_path)
     agents = list(dict.fromkeys(r.agent for r in trace.requests))[: args.sessions]
@@ -326,7 +331,20 @@ async def _demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(args.log_dir) if args.log_dir else out / "logs"
-    spec = _spec(args, log_dir=str(log_dir), block_size=trace.header.block_size, fence_after_s=DEMO_FENCE_S)
+    if torch_engine:  # the engine's page size (and the model's context) rule; the trace is scaled to fit
+        spec = _spec(args, log_dir=str(log_dir), fence_after_s=DEMO_FENCE_S)
+        from shared.profile import load_profile
+
+        # prompts cut so that two requests fit the node's L1 together (and the model's context)
+        limit = min(spec.max_context_tokens, load_profile(spec.profile).memory.gpu_kv_tokens // 2)
+        requests = scale_trace_for_model(requests, limit, args.max_output)
+        token_block = 1
+        print(f"demo --engine torch: each {trace.header.block_size}-token block of the trace is one token, prompts cut "
+              f"to {limit - args.max_output - 1} tokens (half of L1, within the model's context), at most "
+              f"{args.max_output} output tokens", flush=True)  # fmt: skip
+    else:
+        spec = _spec(args, log_dir=str(log_dir), block_size=trace.header.block_size, fence_after_s=DEMO_FENCE_S)
+        token_block = trace.header.block_size
     pol: LivePolicy = args.live_policy
     print(
         f"demo: {len(agents)} Claude Code sessions, {len(requests)} requests from {trace_path.name}; "
@@ -350,7 +368,7 @@ async def _demo(args: argparse.Namespace) -> int:
         print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, logs {cluster.log_dir}", flush=True)
         clock = SimClock(spec.speedup, cluster.clock_origin)
         replayer = LiveReplayer(
-            cluster.router_url, clock, block_size=trace.header.block_size, model=spec.model, vocab_size=_vocab_size(spec.tokenizer)
+            cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer)
         )
         state = _write_state({**cluster.describe(), "partition": spec.partition, "tokenizer": spec.tokenizer})  # tap, split get, replay
         try:
@@ -361,7 +379,7 @@ async def _demo(args: argparse.Namespace) -> int:
         cluster.check_alive()
         timeline = cluster.timeline()
     by_id = {r.id: r for r in requests}
-    ideal = annotate_ideal(result.records, by_id, trace.header.block_size)
+    ideal = annotate_ideal(result.records, by_id, token_block)
     annotate_lost_reuse(result.records, by_id)
     notes = list(trace.header.meta.get("notes", [])) if isinstance(trace.header.meta.get("notes"), list) else []
     sample = trace.header.meta.get("sample") or {}
@@ -415,14 +433,31 @@ def _baseline_line(args: argparse.Namespace, out: Path) -> str:
             f"evolving-infra report compare {out} {base_out}")
 
 
+def scale_trace_for_model(requests: list, context: int, max_output: int) -> list:
+    """The trace scaled down for a small real model (``demo --engine torch``): each trace
+    block becomes one token (``LiveReplayer(block_size=1)``; equal block prefixes stay equal
+    token prefixes, so cache reuse, forks and sub-agents keep their shape), prompts are cut
+    to ``context − max_output − 1`` tokens (``context``: the token limit a request must fit) (a prefix, so sharing is kept), outputs to
+    ``max_output`` tokens. A request with no full block gets one private block.
+
+    Raises:
+        ValueError: ``context`` ≤ ``max_output`` + 1 or ``max_output`` < 1.
+    """
+    import msgspec
+
+    from evolving_infra.traces.tokens import PRIVATE_ID_BASE
+
+    if max_output < 1 or context <= max_output + 1:
+        raise ValueError(f"context {context} must exceed max_output {max_output} + 1")
+    out = []
+    for i, r in enumerate(requests):
+        blocks = list(r.blocks[: context - max_output - 1]) or [PRIVATE_ID_BASE + i]
+        out.append(msgspec.structs.replace(r, blocks=blocks, input_tokens=len(blocks), output_tokens=min(r.output_tokens, max_output)))
+    return out
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     setup_logging("console", "warning")
-    if args.engine != "sim":
-        # the shipped Claude Code trace has 100K-token prompts of ids in a 100,000-id space: a
-        # tiny model's vocabulary and context cannot serve it; use `up --engine torch` instead
-        print("error: demo replays the Claude Code sample on the sim engine only; "
-              "try the torch engine with: evolving-infra up --engine torch --model DIR", file=sys.stderr)  # fmt: skip
-        return 2
     return asyncio.run(_demo(args))
 
 
@@ -448,6 +483,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0)
     d.add_argument("--out", default="demo-out", help="output directory for report.json (default demo-out)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample")
-    d.add_argument("--sessions", type=int, default=60, help="sessions (agents) to replay (default 60)")
-    d.add_argument("--concurrency", type=int, default=16, help="concurrent agents, closed loop (default 16)")
+    d.add_argument("--sessions", type=int, default=None, help="sessions (agents) to replay (default 60; --engine torch: 4)")
+    d.add_argument("--concurrency", type=int, default=None, help="concurrent agents, closed loop (default 16; --engine torch: 4)")
+    d.add_argument(
+        "--max-output", type=int, default=8, help="--engine torch: output tokens per request at most (default 8)"
+    )
     d.set_defaults(func=cmd_demo, port=0)

@@ -184,7 +184,6 @@ def test_model_init_cli(tmp_path):
     from evolving_infra.cli import main
 
     assert main(["model", "init", str(tmp_path / "bad"), "--vocab", "100"]) == 2
-    assert main(["demo", "--engine", "torch", "--model", str(tmp_path)]) == 2  # sim-only replay: refused, not run
     assert main(["model", "init", str(tmp_path / "m"), "--arch", "qwen3", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1"]) == 0
     eng = TorchEngine(PROFILE, tmp_path / "m")
     assert eng.cfg.arch == "qwen3" and eng.cfg.num_layers == 1 and eng.cfg.qk_norm
