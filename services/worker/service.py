@@ -571,7 +571,8 @@ class WorkerService:
         """Give work back to the router (``work.requeue``); this node has forgotten it.
 
         The router re-routes it to exactly one node or refuses it (no longer pending:
-        dropped here). No answer: the request fails with an error chunk, so nothing hangs.
+        dropped here). No answer within ``requeue_timeout_s`` (asked again meanwhile): the request
+        fails with an error chunk, so nothing hangs.
         """
         kind = "prefill" if msg.prefill is not None else "decode"
         self.counters[f"requeue.{kind}"] += 1
@@ -581,13 +582,24 @@ class WorkerService:
         msg = msgspec.structs.replace(msg, attempt=work.attempt)
         if self._traces:
             self._traces.forget(msg.rid)
-        try:
-            reply = await self.bus.request(WORK_REQUEUE, msg, timeout=self.cfg.requeue_timeout_s, router=owner.router_id)
-        except BusError as e:
-            self.counters["requeue.failed"] += 1
-            why = f"{msg.reason}; the router did not take the request back: {e}"
-            await self._reject(WorkRejected(msg.rid, why), self.clock.now(), attempt=owner.attempt)
-            return
+        # asked again until requeue_timeout_s when a reply does not come (a NATS restart loses
+        # replies): a repeat of a hand-back the router already took is refused, and dropped here
+        deadline = time.monotonic() + self.cfg.requeue_timeout_s
+        while True:
+            try:
+                reply = await self.bus.request(
+                    WORK_REQUEUE, msg, timeout=max(0.05, min(2.0, deadline - time.monotonic())), router=owner.router_id
+                )
+                break
+            except BusError as e:
+                if time.monotonic() + 0.05 < deadline:
+                    self.counters["requeue.retries"] += 1
+                    await asyncio.sleep(0.05)
+                    continue
+                self.counters["requeue.failed"] += 1
+                why = f"{msg.reason}; the router did not take the request back: {e}"
+                await self._reject(WorkRejected(msg.rid, why), self.clock.now(), attempt=owner.attempt)
+                return
         self.counters["requeue.accepted" if reply.accepted else "requeue.refused"] += 1
 
     # ------------------------------------------------------------------ #
