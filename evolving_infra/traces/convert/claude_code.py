@@ -110,7 +110,8 @@ class _Entry(msgspec.Struct, rename={"in_": "in"}):
     """Sub-agent run time; null/absent for a background sub-agent (launched, not waited for)."""
     tool_tokens: int = 0
     system_tokens: int = 0
-    requests: list[_Entry] = []
+    requests: list[_Entry] | None = None
+    """A sub-agent's nested requests (null or absent: none recorded, e.g. one still running)."""
 
 
 class _Session(msgspec.Struct):
@@ -315,7 +316,7 @@ class _Converter:
                 main_entries.append((pos, e))
         if not main_entries:
             raise ConvertError(f"{path}: session has no top-level requests")
-        for pos, e in main_entries + [(p, q) for _, m in markers for p, q in enumerate(m.requests)]:
+        for pos, e in main_entries + [(p, q) for _, m in markers for p, q in enumerate(m.requests or ())]:
             if e.in_ < 0 or e.out < 0:
                 raise ConvertError(f"{path}: request at t={e.t} lacks 'in' or 'out'")
             if len(e.hash_ids) != e.in_ // src_bs:

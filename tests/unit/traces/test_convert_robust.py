@@ -80,6 +80,15 @@ def test_background_subagent_with_unknown_duration_converts_without_a_join(tmp_p
     assert not any(last_sub in r.after for r in t.requests if r.kind != "subagent" and ":main" in r.branch)  # nobody waits for it
     # launched at the marker's t: its first request is not earlier than the marker
     assert min(r.t_s for r in sub) >= float(m["t"]) - 1e-6
+    # one launched so late that nothing of it was recorded: requests null, counted, not an error
+    if len(markers) > 1:
+        d["requests"][markers[1]].update(duration_ms=None, requests=None, status="async_launched")
+    else:
+        d["requests"].append({"t": 1.0, "type": "subagent", "agent_id": "late", "duration_ms": None, "requests": None})
+    path.write_text(json.dumps(d))
+    t = convert_inputs("claude-code-weka", [path], strict=True)
+    assert t.header.meta["counts"]["subagents_without_requests"] == 1
+    assert validate_requests(t.header, t.requests) == []
 
 
 def test_mini_swe_agent_repeated_task_ids_get_unique_ids(tmp_path):
