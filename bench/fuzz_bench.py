@@ -112,6 +112,8 @@ def render(rep: dict, per_subject: int) -> str:
         f"- requests during the flood: {rep['requests_ok']} ok, {rep['requests_failed']} failed; after: {rep['requests_after_ok']}/5 ok",
         f"- resync requests of the directory: {rep['resync_requests']}; permission violations (server refusals): {rep['permission_violations']}",
         f"- RSS MiB before→after: {rss}",
+        f"- service log lines (whole run, level warning): {sum(rep['log_lines'].values()):,} "
+        f"({', '.join(f'{k} {v:,}' for k, v in rep['log_lines'].items())})",
     ]
     return "\n".join(lines)
 

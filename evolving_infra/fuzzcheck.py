@@ -100,6 +100,7 @@ async def run(count: int, *, log_dir: str, seed: int = 18, rate: float = 20_000.
                     "handler_errors": {i: delta[i].get("handler_errors." + template, 0) for i in delta if delta[i].get("handler_errors." + template)},
                 }
             rep["resync_requests"] = delta["kvdirectory"].get("resync.requests", 0)
+            rep["log_lines"] = {p.stem: sum(1 for _ in p.open(errors="replace")) for p in sorted(Path(log_dir).glob("*.log"))}
             rep["nats_errors"] = {i: delta[i].get("nats.errors", 0) for i in delta}
             rep["slow_consumer"] = {i: delta[i].get("nats.slow_consumer", 0) for i in delta}
         finally:
