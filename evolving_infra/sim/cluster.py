@@ -964,7 +964,7 @@ class ClusterSim:
         ds = self.stats.directory_size
         if k not in ds:
             ix = d.index
-            ds[k] = [len(ix), ix.nruns, sum(c[0] for c in ix.copies), sum(c[1] for c in ix.copies), ix.size_bytes()]
+            ds[k] = [len(ix), ix.run_count(), sum(c[0] for c in ix.copies), sum(c[1] for c in ix.copies), ix.size_bytes()]
         self._flush_counts()
 
     def _flush_counts(self) -> None:

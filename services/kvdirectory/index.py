@@ -15,10 +15,9 @@ of that tree. Per block the index knows
   monotone (each value a subset of the previous one, hence numerically ≤),
   so the longest prefix per node and tier is found by ``bisect`` over the
   path instead of a walk of every block: O(k · log L) C-level dict probes for
-  k distinct prefix lengths, not O(L · nodes). ``comp`` lives negated in its
-  own dict ``negcomp[h] = -comp`` (a subclass whose missing keys read 0) so
-  that ``bisect`` can use that dict's ``__getitem__`` as its key function
-  without a Python frame.
+  k distinct prefix lengths, not O(L · nodes). ``bisect``'s key function is
+  ``where.__getitem__`` (C, no Python frame): a run *is* its negated ``comp``
+  (an int subclass), and a missing block reads 0.
 * its parent — parent hash, ``None`` at a sequence start, :data:`UNKNOWN` for
   a placeholder created because a child named it before it was ever stored
   (or a snapshot block reported without its parent) — and its children.
@@ -29,17 +28,17 @@ prompt is ~1,900 blocks of 64 tokens, written through to host memory and
 evicted deepest first in runs — and the blocks of a run share their presence.
 So the tree is kept as maximal runs (:class:`_Run`): consecutive blocks of one
 sequence with the same ``pc`` (hence the same ``comp``) where every block but
-the last has exactly one child. ``where[h]`` is the run holding block ``h``;
-``negcomp`` keeps one entry per block (one shared int per run), so lookups are
-what they were. A store or removal costs O(runs touched) Python steps plus
+the last has exactly one child. ``where[h]`` is the run holding block ``h``,
+the only per-block dict. A store or removal costs O(runs touched) Python steps plus
 C-level dict updates per block: a new chain that extends a run with the same
 presence is appended to it; a chain indexed elsewhere is matched run by run by
 slice comparison; removals listed deepest first (or parent first) are matched
 as run ends. Runs are split where presence changes and joined again when it
-evens out, so two indexes with the same blocks have the same runs. Per block
-this costs one ``where`` slot, one ``negcomp`` slot and one list slot (about
-150 B with the hash int itself, against ~430 B with one tuple entry per block
-and per-(node, tier) held sets, ``tests/unit/kvdirectory/ref_index.py``); run
+evens out, so two indexes with the same blocks have the same runs; a run whose
+completeness changes is replaced (its blocks re-pointed, C-level). Per block
+this costs one ``where`` slot and one list slot (about 100 B with the hash int
+itself, against ~430 B with one tuple entry per block, a completeness dict and
+per-(node, tier) held sets, ``tests/unit/kvdirectory/ref_index.py``); run
 objects are few, so the cyclic garbage collector walks runs, not blocks.
 
 A block whose parent is missing is *stored* anyway (unlike Dynamo's
@@ -103,25 +102,43 @@ def decode_bit(pos: int) -> tuple[int, int]:
     return divmod(pos - 1, 3)
 
 
-class _Run:
+class _Run(int):
     """Consecutive blocks of one sequence with the same presence bits (a compressed edge of
     the prefix tree): ``keys[i]`` is the parent of ``keys[i + 1]``, and every block but the
-    last has exactly one indexed child (the next key)."""
+    last has exactly one indexed child (the next key).
 
-    __slots__ = ("keys", "parent", "pc", "comp", "children")
+    The run *is* its negated completeness, an int (``int(run) == -comp``): ``where`` maps
+    every block to its run, so ``where.__getitem__`` is the C-level key function that
+    lookups bisect with, and no per-block completeness dict is kept. A run whose
+    completeness changes is replaced by a new object (:meth:`BlockIndex._set_comp`).
+    Runs compare as ints: identity (``is``) tells them apart.
 
-    def __init__(self, keys: list[int], parent: Any, pc: int, comp: int) -> None:
-        self.keys = keys
-        """Block hashes, parent first (``[]`` once the run is deleted)."""
-        self.parent = parent
-        """Parent hash of ``keys[0]``: None at a sequence start, :data:`UNKNOWN` for a
-        placeholder or a block whose parent was never reported."""
-        self.pc = pc
-        """Presence bits of every block of the run."""
-        self.comp = comp
-        """Completeness bits of every block of the run (``pc & comp(parent)``)."""
-        self.children: dict[int, _Run] | None = None
-        """Child runs (hanging below ``keys[-1]``) by first hash; None when it has none."""
+    Attributes: ``keys`` (block hashes, parent first; ``[]`` once the run is gone),
+    ``parent`` (parent hash of ``keys[0]``: None at a sequence start, :data:`UNKNOWN` for a
+    placeholder or a block whose parent was never reported), ``pc`` (presence bits of every
+    block), ``children`` (child runs hanging below ``keys[-1]`` by first hash, or None).
+    """
+
+    keys: list[int]
+    parent: Any
+    pc: int
+    children: dict[int, _Run] | None
+    fwd: _Run | None
+    """Once the run is gone: the run that took its blocks (a join or a new completeness), if any."""
+
+
+def _mk(keys: list[int], parent: Any, pc: int, comp: int) -> _Run:
+    r = _Run(-comp)
+    r.keys = keys
+    r.parent = parent
+    r.pc = pc
+    r.children = None
+    r.fwd = None
+    return r
+
+
+_RUN_BYTES = (lambda r: sys.getsizeof(r) + sys.getsizeof(r.__dict__) + sys.getsizeof([]))(_mk([], None, 1, 1))
+"""Bytes of one run object: the int, its attribute dict and an empty keys list."""
 
 
 def _drain(it: Iterable[Any]) -> None:
@@ -182,14 +199,13 @@ class BlockIndex:
 
     def __init__(self, max_blocks: int = 16_000_000) -> None:
         self.max_blocks = max_blocks
-        self.where: dict[int, _Run] = {}
-        """hash → the run holding it (every indexed block, placeholders included)."""
-        self.negcomp: _ZeroDict = _ZeroDict()
-        """hash → ``-comp`` for every block whose ``comp`` is not 0."""
+        self.where: _ZeroDict = _ZeroDict()
+        """hash → the run holding it (every indexed block, placeholders included); a missing
+        hash reads 0 (its completeness: none)."""
+        self._runs: dict[int, _Run] = {}
+        """id → run, every live run (in creation order)."""
         self.copies: list[list[int]] = []
         """``copies[node][tier]``: blocks present on that node in that tier."""
-        self.nruns = 0
-        """Number of runs."""
         self.counters: dict[str, int] = {
             "cap.rejected_blocks": 0,
             "stored.duplicate_blocks": 0,
@@ -213,8 +229,23 @@ class BlockIndex:
         return r is not None and bool(r.pc & local_bit(node))
 
     def runs(self) -> list[_Run]:
-        """Every run, in order of first appearance in :attr:`where` (deterministic). O(blocks), C-level."""
-        return list(dict.fromkeys(self.where.values()))
+        """Every run, in creation order (deterministic). O(runs)."""
+        return list(self._runs.values())
+
+    @property
+    def negcomp(self) -> dict[int, int]:
+        """hash → ``-comp`` for every block whose ``comp`` is not 0 (a copy, for checks and tests)."""
+        return {h: int(r) for h, r in self.where.items() if r}
+
+    def _new(self, keys: list[int], parent: Any, pc: int, comp: int) -> _Run:
+        r = _mk(keys, parent, pc, comp)
+        self._runs[id(r)] = r
+        return r
+
+    def _gone(self, r: _Run, fwd: _Run | None = None) -> None:
+        del self._runs[id(r)]
+        r.keys = []
+        r.fwd = fwd
 
     def held_blocks(self, node: int, tier: int) -> list[int]:
         """Hashes present on (node, tier), each run deepest block first. O(blocks)."""
@@ -234,22 +265,20 @@ class BlockIndex:
 
     def run_count(self) -> int:
         """Number of runs (O(1))."""
-        return self.nruns
+        return len(self._runs)
 
     def size_bytes(self) -> int:
-        """Estimated memory of the index in bytes, O(1): the ``where`` and ``negcomp`` hash
-        tables (``sys.getsizeof``), per block one list slot (8 B) and its hash int (32 B for a
-        64-bit hash), per run the run object and its list header (128 B). Within ~10% of
+        """Estimated memory of the index in bytes, O(1): the ``where`` hash
+        table (``sys.getsizeof``), per block one list slot (8 B) and its hash int (32 B for a
+        64-bit hash), per run the run object, its attribute dict and its list header. Within ~10% of
         tracemalloc on ``bench/kvdirectory_bench.py``'s memory scenario."""
         n = len(self.where)
-        return sys.getsizeof(self.where) + sys.getsizeof(self.negcomp) + 40 * n + 128 * self.nruns
+        return sys.getsizeof(self.where) + 40 * n + _RUN_BYTES * len(self._runs)
 
     # ------------------------------------------------------------------ #
     # internal tree maintenance
     # ------------------------------------------------------------------ #
 
-    def _alive(self, r: _Run) -> bool:
-        return bool(r.keys) and self.where.get(r.keys[0]) is r
 
     def _parent_comp(self, r: _Run) -> int:
         p = r.parent
@@ -257,37 +286,44 @@ class BlockIndex:
             return -1
         if p is UNKNOWN:
             return 0
-        return self.where[p].comp
+        return -self.where[p]
 
-    def _set_comp(self, r: _Run, c: int) -> None:
-        """Set ``comp`` of run ``r`` to ``c`` and push the change down, only where it changes."""
-        if c == r.comp:
-            return
-        neg = self.negcomp
+    def _set_comp(self, r: _Run, c: int) -> _Run:
+        """Set ``comp`` of run ``r`` to ``c`` and push the change down, only where it changes.
+        A run whose comp changes is replaced by a new one (its blocks re-pointed, C-level);
+        returns the run that now holds ``r``'s blocks."""
+        if c == -r:
+            return r
+        where = self.where
+        top = None
         stack = [(r, c)]
         while stack:
             r, c = stack.pop()
-            old = r.comp
-            if c == old:
+            if c == -r:
                 continue
-            r.comp = c
-            if c:
-                neg.update(dict.fromkeys(r.keys, -c))
-            else:
-                _drain(map(neg.__delitem__, r.keys))
-            ch = r.children
+            new = self._new(r.keys, r.parent, r.pc, c)
+            new.children = r.children
+            keys = r.keys
+            self._gone(r, new)
+            where.update(dict.fromkeys(keys, new))
+            p = new.parent
+            if p is not None and p is not UNKNOWN:
+                where[p].children[keys[0]] = new  # type: ignore[index]
+            if top is None:
+                top = new
+            ch = new.children
             if ch is not None:
                 for cr in ch.values():
                     stack.append((cr, cr.pc & c))
+        return top  # type: ignore[return-value]
 
     def _split(self, r: _Run, j: int) -> tuple[_Run, _Run]:
         """Cut run ``r`` after its first ``j`` keys (0 < j < len); returns (head, tail). The
         smaller part becomes a new run (its blocks are re-pointed in :attr:`where`)."""
         where = self.where
         keys = r.keys
-        self.nruns += 1
         if 2 * j <= len(keys):
-            head = _Run(keys[:j], r.parent, r.pc, r.comp)
+            head = self._new(keys[:j], r.parent, r.pc, -r)
             del keys[:j]
             r.parent = head.keys[-1]
             head.children = {keys[0]: r}
@@ -296,7 +332,7 @@ class BlockIndex:
                 where[p].children[head.keys[0]] = head  # type: ignore[index]
             where.update(dict.fromkeys(head.keys, head))
             return head, r
-        tail = _Run(keys[j:], keys[j - 1], r.pc, r.comp)
+        tail = self._new(keys[j:], keys[j - 1], r.pc, -r)
         del keys[j:]
         tail.children = r.children
         r.children = {tail.keys[0]: tail}
@@ -315,11 +351,11 @@ class BlockIndex:
         """One run of ``a`` and its only child ``b`` (same presence, hence same comp);
         the smaller one's blocks are re-pointed. Returns the survivor."""
         where = self.where
-        self.nruns -= 1
         if len(a.keys) >= len(b.keys):
             a.keys.extend(b.keys)
             a.children = b.children
             where.update(dict.fromkeys(b.keys, a))
+            self._gone(b, a)
             return a
         b.keys[:0] = a.keys
         b.parent = a.parent
@@ -327,13 +363,16 @@ class BlockIndex:
         if p is not None and p is not UNKNOWN:
             where[p].children[a.keys[0]] = b  # type: ignore[index]
         where.update(dict.fromkeys(a.keys, b))
+        self._gone(a, b)
         return b
 
     def _settle(self, r: _Run) -> None:
-        """Keep runs maximal around ``r``: join it with its parent run and with its only child
-        when their presence bits are equal."""
-        if not self._alive(r):
-            return
+        """Keep runs maximal around ``r`` (or the run that took its blocks): join it with its
+        parent run and with its only child when their presence bits are equal."""
+        while not r.keys:
+            r = r.fwd  # type: ignore[assignment]
+            if r is None:
+                return
         where = self.where
         while True:
             p = r.parent
@@ -358,8 +397,7 @@ class BlockIndex:
         where = self.where
         a = where.get(p)
         if a is None:
-            a = where[p] = _Run([p], UNKNOWN, 0, 0)
-            self.nruns += 1
+            a = where[p] = self._new([p], UNKNOWN, 0, 0)
         elif a.keys[-1] != p:
             a = self._split(a, a.keys.index(p) + 1)[0]
         if a.children is None:
@@ -369,15 +407,17 @@ class BlockIndex:
 
     def _new_run(self, keys: list[int], parent: Any, pc: int) -> _Run:
         """Index new blocks ``keys`` (a chain below ``parent``) with presence ``pc``."""
-        r = _Run(keys, parent, pc, 0)
-        self.nruns += 1
-        self.where.update(dict.fromkeys(keys, r))
+        where = self.where
+        if parent is None:
+            pcomp = -1
+        elif parent is UNKNOWN:
+            pcomp = 0
+        else:
+            pcomp = -where[parent]  # 0 when missing (a placeholder is made below); a split keeps comp
+        r = self._new(keys, parent, pc, pc & pcomp)
+        where.update(dict.fromkeys(keys, r))
         if parent is not None and parent is not UNKNOWN:
             self._attach(parent, r)
-        c = pc & self._parent_comp(r)
-        if c:
-            r.comp = c
-            self.negcomp.update(dict.fromkeys(keys, -c))
         return r
 
     def _drop_run(self, r: _Run) -> None:
@@ -386,10 +426,7 @@ class BlockIndex:
         while True:
             keys = r.keys
             _drain(map(where.__delitem__, keys))
-            if r.comp:
-                _drain(map(self.negcomp.__delitem__, keys))
-            r.keys = []
-            self.nruns -= 1
+            self._gone(r)
             p = r.parent
             if p is None or p is UNKNOWN:
                 return
@@ -444,8 +481,6 @@ class BlockIndex:
                 where.update(dict.fromkeys(hashes, pr))
                 if len(where) - (self.max_blocks - room) == k:
                     pr.keys.extend(hashes)
-                    if pr.comp:
-                        self.negcomp.update(dict.fromkeys(hashes, -pr.comp))
                     cnt[tier] += k
                     return hashes[:]
                 for h in hashes:  # a hash repeats inside the chain: undo, take the general path
@@ -512,13 +547,11 @@ class BlockIndex:
             if r.pc & tb:
                 counters["stored.duplicate_blocks"] += m
                 if relinked:
-                    self._set_comp(r, r.pc & self._parent_comp(r))
-                    touched.append(r)
+                    touched.append(self._set_comp(r, r.pc & self._parent_comp(r)))
             else:
                 s = self._isolate(r, j, j + m)
                 s.pc |= bits
-                self._set_comp(s, s.pc & self._parent_comp(s))
-                touched.append(s)
+                touched.append(self._set_comp(s, s.pc & self._parent_comp(s)))
                 newly.extend(hashes[i : i + m])
                 cnt[tier] += m
             prev = hashes[i + m - 1]
@@ -577,13 +610,10 @@ class BlockIndex:
                     gone = keys[a:]
                     del keys[a:]
                     _drain(map(where.__delitem__, gone))
-                    if r.comp:
-                        _drain(map(self.negcomp.__delitem__, gone))
             else:
                 s = self._isolate(r, a, b)
                 s.pc = pc
-                self._set_comp(s, pc & self._parent_comp(s))
-                touched.append(s)
+                touched.append(self._set_comp(s, pc & self._parent_comp(s)))
         if unknown:
             self.counters["removed.unknown_blocks"] += unknown
         self.copies[node][tier] -= len(removed)
@@ -643,8 +673,7 @@ class BlockIndex:
             j = r.keys.index(h)
             s = self._isolate(r, j, j + 1)
             s.pc |= bits
-            self._set_comp(s, s.pc & self._parent_comp(s))
-            touched.append(s)
+            touched.append(self._set_comp(s, s.pc & self._parent_comp(s)))
             added.append(h)
         self.copies[node][tier] += len(added)
         for r in touched:
@@ -668,7 +697,7 @@ class BlockIndex:
         Cost: one ``bisect`` (O(log L) C-level probes) per distinct length.
         """
         n = len(path)
-        neg = self.negcomp
+        neg = self.where  # runs are their negated completeness; a missing block reads 0
         if n == 0 or not neg[path[0]]:
             return []
         key = neg.__getitem__
@@ -693,14 +722,14 @@ class BlockIndex:
 
     def complete_bits(self, h: int) -> int:
         """Completeness bits of one block (0 when not indexed)."""
-        return -self.negcomp[h]
+        return -self.where[h]
 
     def __len__(self) -> int:
         return len(self.where)
 
     def check(self) -> None:
         """Invariants (O(blocks); for tests): runs maximal and well linked, ``where`` and
-        ``negcomp`` consistent with the runs, ``comp = pc & comp(parent)``, copies counted.
+        the run registry consistent with the runs, ``comp = pc & comp(parent)``, copies counted.
 
         Raises:
             AssertionError: naming the first one that fails.
@@ -709,13 +738,11 @@ class BlockIndex:
         seen = 0
         copies = [[0, 0] for _ in self.copies]
         runs = self.runs()
-        assert len(runs) == self.nruns, f"{self.nruns} runs counted, {len(runs)} indexed"
+        assert len(set(map(id, where.values()))) == len(runs), "runs registry out of sync"
         for r in runs:
             assert r.keys and all(where[h] is r for h in r.keys), "where out of sync"
             seen += len(r.keys)
-            assert r.comp == r.pc & self._parent_comp(r), f"comp of run {r.keys[0]}"
-            for h in r.keys:
-                assert self.negcomp.get(h, 0) == -r.comp, f"negcomp of {h}"
+            assert -r == r.pc & self._parent_comp(r), f"comp of run {r.keys[0]}"
             assert r.pc or r.children, f"run {r.keys[0]} held nowhere and childless"
             p = r.parent
             if p is not None and p is not UNKNOWN:
@@ -729,5 +756,4 @@ class BlockIndex:
                     if r.pc & tier_bit(n, t):
                         copies[n][t] += len(r.keys)
         assert seen == len(where), "runs do not cover where"
-        assert len(self.negcomp) == sum(1 for h in where if -self.negcomp.get(h, 0)), "stale negcomp"
         assert copies == self.copies, f"copies {self.copies} != {copies}"
