@@ -1,0 +1,121 @@
+"""Two versions of the simulator on one fixed input: identical output, and how much faster.
+
+    python bench/sim_ab.py --base c9d6c45 --trace cc.jsonl.gz            # HEAD's tree vs c9d6c45
+    python bench/sim_ab.py --base c9d6c45 --head HEAD --rounds 3 --duration 900
+
+Exports both revisions with ``git archive`` into a temporary directory and runs the real
+``evolving-infra simulate`` command of each, alternating (base, head, head, base, ...), each in a
+fresh process with this interpreter (the project's venv: same dependencies). Per run: CPU seconds
+of the child (user + system, ``RUSAGE_CHILDREN``: robust to other processes' load, which
+inflates wall time on a shared box), wall seconds, the simulation loop's wall seconds and peak
+RSS. Then:
+
+* exactness: ``report.json`` of the two revisions' first runs must be equal apart from wall-clock
+  keys (``evolving_infra.sim.run.WALL_CLOCK_KEYS``, ``meta.date``, ``meta.argv``, ``meta.wall_s``)
+  and keys only the head has (new report keys); ``requests.jsonl`` must be equal line by line;
+* speed: medians of the CPU seconds and their ratio (base ÷ head: > 1 = head faster).
+
+Default input (issue 23): ``--policy evolving`` on 9 nodes, 40 agents of the trace, pauses capped
+at 30 s, 64-token blocks, the evolving planner's warm-up and window shortened to 300 s so that
+it decides splits within the run. Exit status 1 when the outputs differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+META_WALL = {"date", "argv", "wall_s"}
+
+
+def export(rev: str, dest: Path) -> Path:
+    """``git archive`` of ``rev`` unpacked into ``dest``."""
+    dest.mkdir(parents=True)
+    arch = subprocess.run(["git", "archive", rev], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=arch, check=True)
+    return dest
+
+
+def run(tree: Path, args: list[str], out: Path) -> dict:
+    """One simulate run of ``tree``; returns its report with ``_cpu_s`` and ``_wall_s``."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "evolving_infra.cli", "simulate", *args, "--out", str(out), "--no-plots"],
+                       cwd=tree, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    wall = time.monotonic() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode not in (0, 1):
+        raise SystemExit(f"simulate failed in {tree}:\n{p.stderr[-3000:]}")
+    rep = json.loads((out / "report.json").read_text())
+    rep["_cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    rep["_wall_s"] = wall
+    return rep
+
+
+def differences(a: Path, b: Path) -> list[str]:
+    """What differs between two output dirs (report.json minus wall keys and head-only keys; requests.jsonl)."""
+    from evolving_infra.sim.run import WALL_CLOCK_KEYS
+
+    ra, rb = (json.loads((d / "report.json").read_text()) for d in (a, b))
+    out = []
+    for k in sorted(ra):
+        if k in WALL_CLOCK_KEYS:
+            continue
+        va, vb = ra[k], rb.get(k)
+        if k == "meta":
+            va = {m: v for m, v in va.items() if m not in META_WALL}
+            vb = {m: v for m, v in (vb or {}).items() if m not in META_WALL}
+        if va != vb:
+            out.append(f"report.json {k}: {str(va)[:120]} -> {str(vb)[:120]}")
+    la, lb = ((d / "requests.jsonl").read_text().splitlines() for d in (a, b))
+    if la != lb:
+        n = sum(x != y for x, y in zip(la, lb)) + abs(len(la) - len(lb))
+        out.append(f"requests.jsonl: {n} of {max(len(la), len(lb))} lines differ")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="git revision to compare against")
+    ap.add_argument("--head", default="HEAD", help="git revision to measure (default HEAD)")
+    ap.add_argument("--trace", required=True, help="canonical trace (e.g. trace convert --from claude-code-weka)")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each revision, alternating (default 3)")
+    ap.add_argument("--duration", default="900", help="simulated seconds (default 900)")
+    ap.add_argument("--block-size", default="64")
+    ap.add_argument("--policy", default="evolving")
+    ap.add_argument("--extra", default="--nodes 9 --concurrency 40 --max-pause 30 --planner-opt t_learn_s=300 "
+                                        "--planner-opt window_s=300", help="further simulate arguments")
+    a = ap.parse_args(argv)
+    args = ["--trace", str(Path(a.trace).resolve()), "--policy", a.policy, "--duration", a.duration,
+            "--block-size", a.block_size, *a.extra.split()]
+    with tempfile.TemporaryDirectory(prefix="sim-ab-") as tmp:
+        trees = {"base": export(a.base, Path(tmp) / "base"), "head": export(a.head, Path(tmp) / "head")}
+        reps: dict[str, list[dict]] = {"base": [], "head": []}
+        for r in range(a.rounds):
+            for name in ("base", "head") if r % 2 == 0 else ("head", "base"):
+                rep = run(trees[name], args, Path(tmp) / f"{name}{r}")
+                reps[name].append(rep)
+                print(f"round {r} {name}: CPU {rep['_cpu_s']:.1f} s, wall {rep['_wall_s']:.1f} s, loop {rep['sim_wall_s']:.1f} s, "
+                      f"peak RSS {rep['peak_rss_mb']:.0f} MiB", flush=True)
+        diff = differences(Path(tmp) / "base0", Path(tmp) / "head0")
+    cpu = {k: statistics.median(r["_cpu_s"] for r in v) for k, v in reps.items()}
+    rss = {k: statistics.median(r["peak_rss_mb"] for r in v) for k, v in reps.items()}
+    print(f"\n{a.policy}, {a.duration} s simulated, {a.block_size}-token blocks, {a.extra}")
+    print(f"CPU s, median of {a.rounds}: base {a.base} {cpu['base']:.1f}, head {a.head} {cpu['head']:.1f}, "
+          f"ratio base/head {cpu['base'] / cpu['head']:.2f}")
+    print(f"peak RSS MiB, median: base {rss['base']:.0f}, head {rss['head']:.0f}")
+    print("output: IDENTICAL" if not diff else "output DIFFERS:\n  " + "\n  ".join(diff))
+    return 1 if diff else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
