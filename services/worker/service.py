@@ -634,6 +634,11 @@ class WorkerService:
                     )
                 except BusError as e:  # router restarting or gone: retry until the deadline
                     reason = str(e)
+                    if "NoRespondersError" in reason:
+                        # nobody serves route.bind.<owner>: the owning router is gone, and with it the
+                        # client's stream; waiting would stall this node's other requests (issue #22)
+                        self.counters["bind.owner_gone"] += 1
+                        break
                     self.counters["bind.retries"] += 1
                     await asyncio.sleep(0.05)
                     continue

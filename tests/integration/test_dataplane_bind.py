@@ -143,8 +143,9 @@ async def test_decode_node_is_chosen_when_the_prefill_starts(nats_url, tmp_path:
 
 
 async def test_prefill_fails_cleanly_when_no_router_binds_a_decode_node(nats_url):
-    """No router answers route.bind: the started prefill fails with an error chunk after
-    ``bind_timeout_s`` (nothing hangs) and the node is left empty."""
+    """No router answers route.bind: the started prefill fails with an error chunk at once
+    (nobody serves the owner's route.bind: its router is gone, issue #22; a router that does not
+    answer in time costs ``bind_timeout_s``), nothing hangs, and the node is left empty."""
     chunks: list[m.TokenChunk] = []
     async with AsyncExitStack() as stack:
         bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-nobind")
@@ -176,4 +177,5 @@ async def test_prefill_fails_cleanly_when_no_router_binds_a_decode_node(nats_url
         assert c.finish_reason == "error" and "no decode node" in (c.error or "")
         stats = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=2.0))
         assert stats.counters["bind.failed"] == 1 and stats.gauges["running"] == 0 and stats.gauges["waiting"] == 0
+        assert stats.counters["bind.owner_gone"] == 1 and stats.counters.get("bind.retries", 0) == 0
         assert stats.counters.get("loop_errors", 0) == 0
