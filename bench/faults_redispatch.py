@@ -76,6 +76,10 @@ def main() -> int:
                               for g, v in run.groups.items())  # fmt: skip
         rows.append((k, title, run, red, extra))
         print(f"{k}: {run.row()} redispatch prefill/decode {red} {extra} ({time.monotonic() - t0:.0f} s)", flush=True)
+        for status, err in run.failures[:10]:
+            print(f"    failed: {status} {err}", flush=True)
+        fenced = {name: cs.get("fenced", 0) for name, cs in c.items()}
+        print(f"    fences per router: {fenced}", flush=True)
     header = "| fault | sent | completed | re-dispatched (prefill / decode) | lost | time to fence, s | time to recover, s | wrong output length |\n|---|---|---|---|---|---|---|---|"
     lines = [header]
     for k, title, run, red, extra in rows:

@@ -103,6 +103,10 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     split_get_timeout_s: Annotated[
         float, Meta(ge=0, description="wall seconds to keep asking the planner (split.get) at start before using node-reported phases")
     ] = 30.0
+    no_route_wait_s: Annotated[
+        float, Meta(ge=0, description="wall seconds a request waits for an eligible node (retried every 50 ms) before 503 "
+                    "'no live ... node'; 0 = answer at once")
+    ] = 5.0
     request_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds a request may wait for its next output chunk before it fails with 504")
     ] = 600.0

@@ -779,6 +779,20 @@ class RouterService:
                     self._spawn(self.bus.publish(WORK_ABORT, msg, node=n))
             self.counters["fenced_requests_failed"] += 1
 
+    async def _route_when_possible(self, rreq: RouteRequest, lookup: m.KvLookupReply | None, out: NoRoute) -> RouteDecision | NoRoute:
+        """No node can take the request now (the last prefill node fenced, a split in flight):
+        wait up to ``no_route_wait_s`` for one, retrying every 50 ms, before answering 503 —
+        a node's failure costs latency, not requests (issue #22)."""
+        deadline = time.monotonic() + self.cfg.no_route_wait_s
+        self.counters["route_waits"] += 1
+        while time.monotonic() < deadline and not self._stopping:
+            await asyncio.sleep(0.05)
+            out = self.core.route(rreq, lookup, self.clock.now())
+            if not isinstance(out, NoRoute):
+                self.counters["route_waits.recovered"] += 1
+                return out
+        return out
+
     def _work(self, p: _Pending, out: RouteDecision) -> m.PrefillWork:
         """The work to publish for ``out``: stamped with ``p``'s attempt, output offset and this
         router as owner; the placement is announced to the other routers (``route.sent``)."""
@@ -1251,6 +1265,8 @@ class RouterService:
             while isinstance(out, NoRoute) and self._bus_settling() and time.monotonic() < wait_until:
                 await asyncio.sleep(0.1)
                 out = self.core.route(rreq, lookup, self.clock.now())
+        if isinstance(out, NoRoute) and self.cfg.no_route_wait_s > 0:
+            out = await self._route_when_possible(rreq, lookup, out)
         if route_span is not None:
             assert tr is not None
             tr.span.set_attribute("ei.rid", rid)

@@ -443,7 +443,7 @@ async def test_bad_requests_get_4xx_with_reasons(nats_url, tmp_path):
 
 
 async def test_no_nodes_and_worker_error(nats_url, tmp_path):
-    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, no_route_wait_s=1.0) as env:
         env.cluster.error_nodes.add("c0")
         r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
         assert r.status_code == 500 and "kv transfer failed" in r.json()["error"]["message"]
@@ -459,14 +459,22 @@ async def test_no_nodes_and_worker_error(nats_url, tmp_path):
         await _wait_for(lambda: not env.service.ready(), timeout=5, what="node fenced")
         hz = await env.http.get("/healthz")
         assert hz.status_code == 503 and "c0: fenced" in hz.json()["error"]["message"]
+        t0 = asyncio.get_running_loop().time()
         r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
         assert r.status_code == 503 and "no live prefill" in r.json()["error"]["message"]
+        assert asyncio.get_running_loop().time() - t0 >= 1.0  # it waited --no-route-wait-s for a node first
+        # a request sent while no node is eligible waits for one: the node comes back, it is served
+        waiting = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}))
+        await asyncio.sleep(0.3)
         env.cluster.alive.add("c0")
+        r = await waiting
+        assert r.status_code == 200, r.text
         await _wait_for(lambda: env.service.ready(), timeout=5, what="node back")
         r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
         assert r.status_code == 200
         st = await env.stats()
         assert st.counters["finish.error"] == 2 and st.counters["no_route"] == 1 and st.counters["unfenced"] == 1
+        assert st.counters["route_waits"] == 2 and st.counters["route_waits.recovered"] == 1
 
 
 async def test_silent_prefill_node_is_fenced_and_its_request_redispatched(nats_url, tmp_path):
