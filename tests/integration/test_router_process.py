@@ -27,7 +27,7 @@ def test_process_serves_on_port_zero_and_stops_on_sigterm(nats_url, tmp_path):
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.router", "--nats-url", nats_url, "--port", "0", "--port-file", str(port_file),
-         "--model", "m1", "--split-get-timeout-s", "0.5", "--log-format", "json"],
+         "--model", "m1", "--split-get-timeout-s", "0.5", "--no-route-wait-s", "0.5", "--log-format", "json"],
         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
