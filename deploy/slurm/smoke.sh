@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# A three-node Slurm cluster on this machine (Debian's slurmctld + slurmd, node names n1..n3 on
+# localhost), the repository's sbatch script submitted with --nodes=3, a replay of real Claude Code
+# sessions against its router, then scancel: every process of the job must be gone.
+# Needs root and `apt-get install slurmctld slurmd slurm-client munge`; uses the project's .venv.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+REPO=$PWD
+PY=${PY:-$REPO/.venv/bin/python}
+EI=${EI:-$REPO/.venv/bin/evolving-infra}
+free_ports() {  # N distinct free ports (all held open while chosen, so none repeats)
+    "$PY" -c 'import socket, sys
+ss = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in ss: s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in ss))' "$1"
+}
+D=$(mktemp -d /tmp/ei-slurm.XXXXXX)
+chmod 755 "$D"
+export SLURM_CONF=$D/slurm.conf
+read -r CTLD_PORT P1 P2 P3 ROUTER_PORT NATS_PORT <<<"$(free_ports 6)"
+log() { echo "[slurm-smoke $(date +%H:%M:%S)] $*"; }
+mkdir -p "$D/state" "$D/spool"
+cat >"$SLURM_CONF" <<CONF
+ClusterName=eismoke
+SlurmctldHost=localhost
+SlurmctldPort=$CTLD_PORT
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1
+SlurmdParameters=config_overrides
+StateSaveLocation=$D/state
+SlurmdSpoolDir=$D/spool/%n
+SlurmctldPidFile=$D/slurmctld.pid
+SlurmdPidFile=$D/slurmd-%n.pid
+SlurmctldLogFile=$D/slurmctld.log
+SlurmdLogFile=$D/slurmd-%n.log
+ReturnToService=2
+KillWait=15
+MpiDefault=none
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$P1 CPUs=8 State=UNKNOWN
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$P2 CPUs=8 State=UNKNOWN
+NodeName=n3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$P3 CPUs=8 State=UNKNOWN
+PartitionName=ei Nodes=n[1-3] Default=YES MaxTime=INFINITE State=UP
+CONF
+JOB=""
+cleanup() {
+    set +e
+    [ -n "$JOB" ] && scancel "$JOB" 2>/dev/null
+    scontrol shutdown >/dev/null 2>&1
+    sleep 1
+    for f in "$D"/slurmd-*.pid "$D"/slurmctld.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null; done
+    for p in $(grep -lzx "EI_RUN_DIR=$D/run" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do kill -9 "$p" 2>/dev/null; done
+    rm -rf "$D"
+}
+trap cleanup EXIT
+trap 'exit 1' TERM INT
+
+if ! munge -n >/dev/null 2>&1; then  # Debian's munge package; the key is made at install
+    log "munged"
+    mkdir -p /run/munge /var/log/munge /var/lib/munge
+    chown munge:munge /run/munge /var/log/munge /var/lib/munge
+    runuser -u munge -- /usr/sbin/munged
+fi
+log "slurmctld + slurmd n1 n2 n3 (conf $SLURM_CONF)"
+slurmctld -i
+for n in n1 n2 n3; do slurmd -N "$n"; done
+for _ in $(seq 100); do [ "$(sinfo -h -o %T -p ei 2>/dev/null | sort -u)" = "idle" ] && break; sleep 0.3; done
+sinfo -p ei
+
+RUN=$D/run
+log "sbatch --nodes=3 deploy/slurm/evolving-infra.sbatch (router :$ROUTER_PORT, nats :$NATS_PORT)"
+JOB=$(EI_HOME=$REPO EI_PYTHON=$PY EI_RUN_DIR=$RUN ROUTER_PORT=$ROUTER_PORT NATS_PORT=$NATS_PORT SPLIT=1P1D SPEEDUP=20 \
+      sbatch --parsable --nodes=3 --output="$D/job-%j.out" deploy/slurm/evolving-infra.sbatch)
+log "job $JOB"
+ok=""
+for _ in $(seq 240); do
+    if grep -q READY "$D/job-$JOB.out" 2>/dev/null; then ok=1; break; fi
+    if ! squeue -h -j "$JOB" >/dev/null 2>&1 || [ -z "$(squeue -h -j "$JOB")" ]; then break; fi
+    sleep 0.5
+done
+cat "$D/job-$JOB.out" 2>/dev/null
+[ -n "$ok" ] || { log "job not ready"; tail -20 "$RUN"/*.log; exit 1; }
+squeue -j "$JOB" -o "%i %T %D %N"
+nodes=$(curl -fsS "http://127.0.0.1:$ROUTER_PORT/v1/cluster" | "$PY" -c 'import json,sys; print(sorted(n["node"] for n in json.load(sys.stdin)["nodes"]))')
+log "router sees nodes $nodes"
+[ "$nodes" = "['w0', 'w1']" ] || exit 1
+steps=$(squeue -h -s -j "$JOB" -o "%i %N")
+log "job steps: $steps"
+
+log "replay 3 Claude Code sessions"
+TRACE=$("$PY" -c 'from evolving_infra.launcher import demo_trace_path; print(demo_trace_path())')
+"$EI" replay "$TRACE" --router-url "http://127.0.0.1:$ROUTER_PORT" --speedup 20 --sessions 3 --max-requests-per-branch 4 \
+    --concurrency 3 --out "$D/replay" 2>&1 | tail -12
+"$PY" - "$D/replay/report.json" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"requests sent {r['requests_sent']}, completed {r['requests_completed']}, failed {r['requests_failed']}")
+assert r["requests_sent"] > 0 and r["requests_completed"] == r["requests_sent"] and r["requests_failed"] == 0
+PYEOF
+
+job_pids() {  # every process started for the job (they inherit EI_RUN_DIR)
+    grep -lzx "EI_RUN_DIR=$RUN" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3 | tr '\n' ' ' || true
+}
+pids=$(job_pids)
+n=$(echo $pids | wc -w)
+[ "$n" -ge 6 ] || { log "expected >= 6 job processes (nats, directory, planner, router, 2 workers), found $n: $pids"; exit 1; }
+log "scancel $JOB (job processes: $pids)"
+scancel "$JOB"
+for _ in $(seq 120); do [ -z "$(squeue -h -j "$JOB" 2>/dev/null)" ] && break; sleep 0.5; done
+[ -z "$(squeue -h -j "$JOB" 2>/dev/null)" ] || { log "job still queued"; exit 1; }
+sleep 1
+left=""
+for p in $pids; do kill -0 "$p" 2>/dev/null && left="$left $p"; done
+left="$left $(job_pids)"; left=$(echo $left)
+[ -z "$left" ] || { log "processes left after scancel:$left"; ps -o pid,args -p ${left// /,}; exit 1; }
+if curl -fsS "http://127.0.0.1:$ROUTER_PORT/healthz" >/dev/null 2>&1; then log "router still answers"; exit 1; fi
+grep -h '"service stopped"\|service stopped' "$RUN"/*.log | wc -l | xargs -I{} echo "[slurm-smoke] services that logged a clean stop: {}"
+log "OK"
