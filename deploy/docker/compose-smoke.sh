@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Bring the compose stack up on a private Docker engine, replay real Claude Code sessions against
+# the published router port, take it down and check that nothing is left running.
+#
+# Needs root, Debian's docker.io + docker-compose (+ debootstrap for the base image) and the
+# project's venv (evolving-infra on PATH or $EI). No registry is needed: the image is built from a
+# debootstrapped Debian bookworm with python3 (cached as a tar in $EI_CACHE, default
+# ~/.cache/evolving-infra, like the engine's data root, so that a second run reuses the image layers)
+# and a wheelhouse built here (deploy/docker/wheelhouse.sh).
+#   deploy/docker/compose-smoke.sh            # WORKERS=2 SPLIT=1P1D, 3 sessions
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+REPO=$PWD
+EI=${EI:-$REPO/.venv/bin/evolving-infra}
+PY=${PY:-$REPO/.venv/bin/python}
+CACHE=${EI_CACHE:-$HOME/.cache/evolving-infra}
+SESSIONS=${SESSIONS:-3}
+export WORKERS=${WORKERS:-2} SPLIT=${SPLIT:-1P1D} EI_SPEEDUP=${EI_SPEEDUP:-20}
+export EI_IMAGE=evolving-infra:smoke BASE_IMAGE=ei-base:bookworm-python3
+export ROUTER_PORT=${ROUTER_PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
+DOCKER=/usr/bin/docker          # Debian's client (a newer client elsewhere on PATH talks to it too)
+COMPOSE="docker-compose -p eismoke"
+D=$(mktemp -d /tmp/ei-docker.XXXXXX)
+export DOCKER_HOST=unix://$D/docker.sock
+log() { echo "[compose-smoke $(date +%H:%M:%S)] $*"; }
+
+cleanup() {
+    set +e
+    if [ -S "$D/docker.sock" ]; then
+        $COMPOSE down -v --remove-orphans >/dev/null 2>&1
+        [ -f "$D/docker.pid" ] && kill "$(cat "$D/docker.pid")" 2>/dev/null
+        for _ in $(seq 50); do [ -f "$D/docker.pid" ] || break; sleep 0.2; done
+    fi
+    rm -rf "$D" 2>/dev/null
+}
+trap cleanup EXIT
+
+DATA=${EI_DOCKER_DATA:-$CACHE/docker-data}  # image layers persist between runs (a rebuild is then cached)
+mkdir -p "$DATA"
+log "dockerd (data root $DATA)"
+dockerd --data-root "$DATA" --exec-root "$D/exec" -H "unix://$D/docker.sock" --pidfile "$D/docker.pid" \
+    --bridge=none >"$D/dockerd.log" 2>&1 &
+for _ in $(seq 100); do $DOCKER version >/dev/null 2>&1 && break; sleep 0.2; done
+$DOCKER version >/dev/null || { tail -20 "$D/dockerd.log"; exit 1; }
+
+mkdir -p "$CACHE"
+BASE_TAR=$CACHE/debian-bookworm-python3.tar
+if [ ! -s "$BASE_TAR" ]; then
+    log "debootstrap bookworm + python3 (cached in $BASE_TAR)"
+    root=$(mktemp -d /tmp/ei-rootfs.XXXXXX)
+    debootstrap --variant=minbase --include=python3,python3-venv bookworm "$root" http://deb.debian.org/debian >"$D/debootstrap.log" 2>&1 \
+        || { tail -20 "$D/debootstrap.log"; exit 1; }
+    tar -C "$root" -c . >"$BASE_TAR.tmp" && mv "$BASE_TAR.tmp" "$BASE_TAR"
+    rm -rf "$root"
+fi
+$DOCKER import "$BASE_TAR" "$BASE_IMAGE" >/dev/null
+
+if ! ls deploy/docker/wheelhouse/numpy-*.whl >/dev/null 2>&1; then
+    log "wheelhouse (dependencies)"
+    PYTHON=$PY deploy/docker/wheelhouse.sh
+fi
+log "wheel of this checkout (fixed timestamps: unchanged sources give the same bytes, so docker reuses its layers)"
+rm -f deploy/docker/wheelhouse/evolving_infra-*.whl
+SOURCE_DATE_EPOCH=315532800 "$PY" -m pip wheel --quiet --no-deps --wheel-dir deploy/docker/wheelhouse . 2>&1 | grep -v "^WARNING: Location" || true
+log "docker build (base $BASE_IMAGE, offline from the wheelhouse)"
+$DOCKER build -q --network none --target sim --build-arg BASE_IMAGE="$BASE_IMAGE" -f deploy/docker/Dockerfile -t "$EI_IMAGE" . >/dev/null
+
+log "up: WORKERS=$WORKERS SPLIT=$SPLIT, router on 127.0.0.1:$ROUTER_PORT"
+$COMPOSE up -d --scale worker="$WORKERS" --no-build
+ok=""
+for _ in $(seq 180); do
+    if curl -fsS "http://127.0.0.1:$ROUTER_PORT/healthz" >/dev/null 2>&1; then ok=1; break; fi
+    sleep 1
+done
+if [ -z "$ok" ]; then $COMPOSE ps; $COMPOSE logs --tail 30; exit 1; fi
+$COMPOSE ps
+nodes=$(curl -fsS "http://127.0.0.1:$ROUTER_PORT/v1/cluster" | "$PY" -c 'import json,sys; print(sorted(n["node"] for n in json.load(sys.stdin)["nodes"]))')
+log "router sees nodes $nodes"
+expected=$("$PY" -c "print(sorted(f'w{i}' for i in range($WORKERS)))")
+[ "$nodes" = "$expected" ] || { log "expected $expected"; $COMPOSE logs --tail 30 worker; exit 1; }
+
+log "replay $SESSIONS Claude Code sessions"
+TRACE=$("$PY" -c 'from evolving_infra.launcher import demo_trace_path; print(demo_trace_path())')
+OUT=$(mktemp -d /tmp/ei-smoke-out.XXXXXX)
+"$EI" replay "$TRACE" --router-url "http://127.0.0.1:$ROUTER_PORT" --speedup "$EI_SPEEDUP" --sessions "$SESSIONS" \
+    --max-requests-per-branch 4 --concurrency "$SESSIONS" --out "$OUT" 2>&1 | tail -15
+"$PY" - "$OUT/report.json" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"requests sent {r['requests_sent']}, completed {r['requests_completed']}, failed {r['requests_failed']}")
+assert r["requests_sent"] > 0 and r["requests_completed"] == r["requests_sent"] and r["requests_failed"] == 0
+PYEOF
+curl -fsS "http://127.0.0.1:$ROUTER_PORT/metrics" >"$OUT/metrics.txt"
+grep -q '^ei_router_ttft_seconds_count' "$OUT/metrics.txt" || { log "no TTFT histogram on the router's /metrics"; exit 1; }
+
+log "down"
+$COMPOSE down -v --remove-orphans
+left=$($DOCKER ps -aq | wc -l)
+[ "$left" -eq 0 ] || { log "$left containers left after down"; $DOCKER ps -a; exit 1; }
+rm -rf "$OUT"
+log "OK"

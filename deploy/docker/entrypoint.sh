@@ -1,0 +1,84 @@
+#!/bin/sh
+# ei-entrypoint ROLE [ARGS...]: run one Evolving Infra service in the container.
+#
+# Roles: auth (write NATS credentials + server config into $EI_CREDS_DIR, once), nats,
+# kvdirectory, planner, router, worker; anything else is run as a command
+# (e.g. `evolving-infra replay ...`). Every service reads its settings from EI_* variables
+# (shared/config.py). Variables used here:
+#   WORKERS        number of worker replicas (node ids w0..w<WORKERS-1>)      default 2
+#   SPLIT          initial PD split: collocated | xPyD with x+y = WORKERS      default 1P1D
+#   EI_CREDS_DIR   credentials volume (auth writes, services read)            default /creds
+#   EI_NATS_AUTH   nkeys (default) | off (NATS open inside the compose network)
+#   EI_CLOCK_ORIGIN  set here from $EI_CREDS_DIR/clock_origin (written by the auth job) unless given
+set -eu
+role=${1:-}
+[ $# -gt 0 ] && shift
+WORKERS=${WORKERS:-2}
+SPLIT=${SPLIT:-1P1D}
+CREDS=${EI_CREDS_DIR:-/creds}
+AUTH=${EI_NATS_AUTH:-nkeys}
+
+nodes() { i=0; out=""; while [ "$i" -lt "$WORKERS" ]; do out="${out:+$out,}w$i"; i=$((i + 1)); done; echo "$out"; }
+
+creds_for() {  # EI_NATS_CREDS for instance $1 (nkeys mode)
+    if [ "$AUTH" != off ]; then
+        export EI_NATS_CREDS="$CREDS/$1.nk"
+        i=0; while [ ! -s "$EI_NATS_CREDS" ] && [ "$i" -lt 60 ]; do sleep 1; i=$((i + 1)); done
+    fi
+}
+
+# one simulated clock for every container: the auth job writes its origin once per volume
+if [ "$role" != auth ] && [ -z "${EI_CLOCK_ORIGIN:-}" ]; then
+    i=0; while [ ! -s "$CREDS/clock_origin" ] && [ "$i" -lt 60 ]; do sleep 1; i=$((i + 1)); done
+    [ -s "$CREDS/clock_origin" ] && EI_CLOCK_ORIGIN=$(cat "$CREDS/clock_origin") && export EI_CLOCK_ORIGIN
+fi
+
+case "$role" in
+  auth)
+    [ -s "$CREDS/clock_origin" ] || python -c 'import time; print(repr(time.time()))' > "$CREDS/clock_origin"
+    if [ "$AUTH" = off ]; then echo "auth: off (NATS open inside the compose network)"; exit 0; fi
+    if [ -s "$CREDS/nats.conf" ] && [ "$(cat "$CREDS/nodes" 2>/dev/null)" = "$(nodes)" ]; then
+        echo "auth: credentials for $(nodes) already in $CREDS"; exit 0
+    fi
+    evolving-infra auth gen --dir "$CREDS" --nodes "$(nodes)" --routers router --partition "${EI_PARTITION:-p0}"
+    printf 'listen: 0.0.0.0:4222\nhttp: 0.0.0.0:8222\njetstream { store_dir: "/var/lib/ei/jetstream" }\ninclude nats-auth.conf\n' > "$CREDS/nats.conf"
+    nodes > "$CREDS/nodes"
+    ;;
+  nats)
+    if [ "$AUTH" = off ]; then
+        exec nats-server -js -sd /var/lib/ei/jetstream -a 0.0.0.0 -p 4222 -m 8222 "$@"
+    fi
+    exec nats-server -c "$CREDS/nats.conf" "$@"
+    ;;
+  kvdirectory)
+    creds_for kvdirectory
+    exec python -m services.kvdirectory --instance kvdirectory "$@"
+    ;;
+  planner)
+    creds_for planner
+    exec python -m services.planner --instance planner --nodes "$(nodes)" --split "$SPLIT" "$@"
+    ;;
+  router)
+    creds_for router
+    exec python -m services.router --instance router --host 0.0.0.0 "$@"
+    ;;
+  worker)
+    n=${EI_REPLICA:-$(python /usr/local/lib/ei/replica.py)}
+    node="w$((n - 1))"
+    if [ "$((n - 1))" -ge "$WORKERS" ]; then
+        echo "worker: replica $n but WORKERS=$WORKERS (scale the service and set WORKERS to the same number)" >&2; exit 2
+    fi
+    phase=both
+    case "$SPLIT" in
+      *P*D) x=${SPLIT%%P*}; if [ "$((n - 1))" -lt "$x" ]; then phase=prefill; else phase=decode; fi ;;
+    esac
+    creds_for "worker-$node"
+    exec python -m services.worker --instance "worker-$node" --node "$node" --phase "$phase" "$@"
+    ;;
+  ""|--help|-h)
+    echo "usage: ei-entrypoint auth|nats|kvdirectory|planner|router|worker [ARGS...] | COMMAND [ARGS...]"
+    ;;
+  *)
+    exec "$role" "$@"
+    ;;
+esac
