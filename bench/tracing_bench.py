@@ -133,17 +133,22 @@ async def run(n: int, rounds: int) -> tuple[dict[str, list[float]], int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 round x 40 requests per mode")
+    ap.add_argument("--requests", type=int, default=0, help="requests per mode and round (overrides --quick's / the default)")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds (overrides --quick's / the default)")
     ap.add_argument("--no-write", action="store_true", help="do not append to bench/RESULTS-history.md")
     args = ap.parse_args()
     setup_logging("console", "warning")
     n, rounds = (40, 1) if args.quick else (150, 3)
+    n, rounds = args.requests or n, args.rounds or rounds
     samples, spans = asyncio.run(run(n, rounds))
     off = float(np.mean(samples["off"]))
     lines = [
         "",
         "## Tracing cost on the live stack (tracing_bench.py)",
         "",
-        f"- command: `python bench/tracing_bench.py{' --quick' if args.quick else ''}`",
+        f"- command: `python bench/tracing_bench.py{' --quick' if args.quick else ''}"
+        f"{f' --requests {args.requests}' if args.requests else ''}{f' --rounds {args.rounds}' if args.rounds else ''}`",
+        f"- load average at the end: {os.getloadavg()[0]:.1f} (2 shared CPUs)",
         f"- date: {time.strftime('%Y-%m-%d %H:%M')} UTC, commit {commit_label(REPO)}, {platform.machine()} {platform.python_version()}, 2 shared cores",
         "- what: HTTP in → last SSE byte of a full request (1,000-token fresh prompt, 8 output tokens; 1P1D: lookup, route, prefill,"
         " route.bind, hand-off, decode, stream out), one request at a time, zero-time profile (only the control plane is timed);"
