@@ -109,6 +109,8 @@ RESEND_MAX_MSGS = 50_000
 SEEN_IDS = 200_000
 """Message ids a reliable subscription remembers to drop duplicates (per subscription)."""
 MSG_ID = "Nats-Msg-Id"
+#: Header of the empty reply to a request refused as malformed or invalid; its value is the reason.
+REFUSED_HEADER = "Ei-Refused"
 
 
 def stream_name(subjects: Subjects) -> str:
@@ -348,19 +350,24 @@ class Bus:
         await self.nc.publish(full_subject, payload)
 
     def _decode(self, subject: Subject, raw: NatsMsg) -> Any:
+        msg, _why = self._decode_why(subject, raw)
+        return msg
+
+    def _decode_why(self, subject: Subject, raw: NatsMsg) -> tuple[Any, str]:
+        """Decode and validate ``raw``: ``(msg, "")``, or ``(None, reason)`` when it is dropped (counted)."""
         try:
             msg = decoder_for(subject.msg_type).decode(raw.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self.counters["dropped." + subject.template] += 1
             self.droplog.event(subject.template, "malformed message dropped", subject=raw.subject, error=str(e)[:200], size=len(raw.data))
-            return None
+            return None, f"malformed: {str(e)[:200]}"
         why = validate_msg(msg, subject_params(subject.template, self.subjects.prefix, raw.subject), self.known_nodes)
         if why is not None:
             self.counters["dropped." + subject.template] += 1
             self.counters["invalid." + subject.template] += 1
             self.droplog.event(subject.template, "invalid message dropped", subject=raw.subject, error=why[:200], size=len(raw.data))
-            return None
-        return msg
+            return None, f"invalid: {why[:200]}"
+        return msg, ""
 
     async def subscribe(
         self, subject: Subject, handler: Handler, *, queue: str = "", reliable: bool | None = None, **params: str
@@ -459,8 +466,15 @@ class Bus:
         template = subject.template
 
         async def cb(raw: NatsMsg) -> None:
-            msg = self._decode(subject, raw)
+            msg, why = self._decode_why(subject, raw)
             if msg is None:
+                # A refused request is answered at once (empty body, the reason in a header), so
+                # the requester fails fast with the reason instead of waiting for its timeout.
+                if raw.reply:
+                    try:
+                        await self.nc.publish(raw.reply, b"", headers={REFUSED_HEADER: why})
+                    except nats.errors.Error:
+                        self.counters["publish_failed.refusal"] += 1
                 return
             self.counters["received." + template] += 1
             span = token = None
@@ -490,7 +504,8 @@ class Bus:
         """Send a request and return the decoded reply (``headers``: NATS headers, e.g. ``traceparent``).
 
         Raises:
-            BusError: on timeout, no responders, or an undecodable reply.
+            BusError: on timeout, no responders, an undecodable reply, or a request the
+                server refused as malformed or invalid (the reason is in the message).
         """
         full = self.subjects.format(subject, **params)
         try:
@@ -498,6 +513,9 @@ class Bus:
         except (nats.errors.Error, asyncio.TimeoutError) as e:  # timeout, no responders, closed, buffer full
             self.counters["request_failed." + subject.template] += 1
             raise BusError(f"no reply on {full}: {type(e).__name__}") from e
+        if raw.headers and REFUSED_HEADER in raw.headers:
+            self.counters["request_refused." + subject.template] += 1
+            raise BusError(f"request refused on {full}: {raw.headers[REFUSED_HEADER]}")
         try:
             reply = decoder_for(subject.reply_type).decode(raw.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

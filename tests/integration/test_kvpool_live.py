@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import pytest
 from services.worker.kvpool.demo import demo_hashes
 from services.worker.kvpool.payload import expected_checksum
 from shared import messages as m
-from shared.bus import Bus
+from shared.bus import Bus, BusError
 from shared.subjects import KV_POOL, Subjects
 
 REPO = Path(__file__).resolve().parents[2]
@@ -166,15 +167,18 @@ async def test_locate_protocol_and_bad_requests(nats_url, mooncake_or_skip):
             assert rep.offsets[0] >= 0 and rep.offsets[0] % SB == 0 and rep.offsets[0] != rep.offsets[2]
             assert rep.checksums[0] == expected_checksum(hashes[3], SB)
             assert rep.checksums[2] == expected_checksum(hashes[0], SB)
-            wrong = await bus.request(KV_POOL, m.PoolLocate(node="someone-else", block_hashes=[1]), node="hold-e")
-            assert wrong.error and "hold-e" in wrong.error and wrong.offsets == []
+            # A locate naming another node is refused at the bus edge, answered at once with the reason.
+            t0 = time.monotonic()
+            with pytest.raises(BusError, match="refused.*node"):
+                await bus.request(KV_POOL, m.PoolLocate(node="someone-else", block_hashes=[1]), node="hold-e", timeout=10.0)
+            assert time.monotonic() - t0 < 5.0
             big = await bus.request(KV_POOL, m.PoolLocate(node="hold-e", block_hashes=list(range(5000))), node="hold-e")
             assert big.error and "4096" in big.error
         finally:
             await bus.close()
         final = await holder.stop()
     assert final["counters"]["kvpool.locate"] == 1
-    assert final["counters"]["kvpool.locate_refused"] == 2
+    assert final["counters"]["kvpool.locate_refused"] == 1
 
 
 async def test_fetch_from_an_absent_peer_reports_an_error(nats_url, mooncake_or_skip):
