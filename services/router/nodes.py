@@ -32,7 +32,7 @@ Operations (N nodes, R requests in flight):
 |-----------------------------|---------------|
 | apply_state / apply_split   | O(1) / O(N)   |
 | candidates(now)             | O(N) after a change, O(1) + a copy otherwise |
-| on_dispatch / on_first_token / on_finish / rebind | O(1) |
+| on_dispatch / on_first_token / on_handoff / on_finish / rebind | O(1) |
 | check_fences(now)           | O(N)          |
 | next_deadline()             | O(N)          |
 | requests_on(node)           | O(R)          |
@@ -124,6 +124,8 @@ class _Flight:
     prefill_node: str
     decode_node: str | None
     first_token: bool = False
+    handed_off: bool = False
+    """Its decode node has the hand-off (it streamed output, or handed the work back)."""
 
 
 @dataclass(slots=True)
@@ -367,6 +369,17 @@ class NodeLoadView:
         p.inflight_prefill -= 1
         self._changed(p)
 
+    def on_handoff(self, rid: str, node: str) -> bool:
+        """``node`` showed it holds the prefill → decode hand-off of ``rid`` (it streamed output
+        of ``rid``, or handed the decode work back to the router): from now on ``rid`` no longer
+        depends on its prefill node (:meth:`requests_depending_on`). Only the decode node of a
+        disaggregated placement counts. Returns True when this call marked it. O(1)."""
+        fl = self._flights.get(rid)
+        if fl is None or fl.handed_off or fl.decode_node is None or node != fl.decode_node or node == fl.prefill_node:
+            return False
+        fl.handed_off = True
+        return True
+
     def on_finish(self, rid: str) -> tuple[str, str | None] | None:
         """Forget ``rid`` (finished, failed or aborted); idempotent.
 
@@ -423,13 +436,11 @@ class NodeLoadView:
 
     def requests_depending_on(self, node: str) -> list[str]:
         """In-flight requests that cannot go on without ``node``: those it decodes, and those
-        whose prefill it runs and has not finished. A request whose prefill finished on
-        ``node`` and decodes on another node depends on its decode node only (issue #22)."""
-        return [
-            rid
-            for rid, fl in self._flights.items()
-            if fl.decode_node == node or (fl.prefill_node == node and (not fl.first_token or fl.decode_node is None))
-        ]
+        whose prefill it runs and whose hand-off has not reached their decode node yet — its
+        prefill is running, or its first token is out but the decode node has not shown it holds
+        the hand-off (:meth:`on_handoff`), so the node may have died before publishing it. A
+        request whose decode node holds the hand-off depends on its decode node only (issue #22)."""
+        return [rid for rid, fl in self._flights.items() if fl.decode_node == node or (fl.prefill_node == node and not fl.handed_off)]
 
     def usable(self, node: str, now: float) -> bool:
         """True when ``node`` reports, is not fenced and the directory does not call its KV view

@@ -61,6 +61,11 @@ class RemoteSends:
             return "first"
         return None
 
+    def current(self, rid: str, attempt: int) -> bool:
+        """True when ``rid`` is counted here and ``attempt`` is its owner's current attempt."""
+        s = self._sends.get(rid)
+        return s is not None and s.attempt == attempt
+
     def forget(self, rid: str) -> bool:
         """Drop ``rid`` (its node was fenced: the owner re-dispatches it and says so again)."""
         return self._sends.pop(rid, None) is not None

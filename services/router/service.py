@@ -515,6 +515,8 @@ class RouterService:
             self.counters["chunks_wrong_node"] += 1
             self.bus.droplog.event("chunks_wrong_node", "token chunk from a node the request is not on dropped", rid=chunk.rid, node=chunk.node)
             return
+        if chunk.node != p.prefill_node:  # output of its decode node: the hand-off reached it
+            self.core.view.on_handoff(chunk.rid, chunk.node)
         now = self.clock.now()
         failed = chunk.finish_reason in ("error", "abort")
         if not failed:
@@ -637,6 +639,8 @@ class RouterService:
         self.counters[f"requeue.{'prefill' if role == 0 else 'decode'}"] += 1
         if role == 0:
             self.core.requeue(rid, self.clock.now())
+        else:  # the decode node had the hand-off: the router holds it now, not the prefill node
+            self.core.view.on_handoff(rid, msg.node)
         self.log.info("work handed back", rid=rid, node=msg.node, role="prefill" if role == 0 else "decode", reason=msg.reason)
         self._spawn(self._place_again(msg))
         return m.WorkRequeueReply(rid=rid, accepted=True)
@@ -848,6 +852,8 @@ class RouterService:
     def _remote_chunk(self, chunk: m.TokenChunk) -> None:
         """A chunk of a request this router does not own: another router's (load view) or unknown."""
         what = self._remote.chunk(chunk.rid, chunk.attempt, chunk.finished)
+        if what != "end" and self._remote.current(chunk.rid, chunk.attempt):
+            self.core.view.on_handoff(chunk.rid, chunk.node)  # output of its decode node: the hand-off reached it
         if what == "first":
             self.core.remote_first_token(chunk.rid, self.clock.now())
         elif what == "end":
@@ -887,7 +893,9 @@ class RouterService:
                 p.queue.put_nowait(_Failure(503, why))
                 return
             p.cur, p.offset = cont, len(p.tokens)
-            self.counters["redispatch.decode"] += 1
+            # its decode node died, or its prefill node died after the first token, before the
+            # hand-off reached the decode node (the decode node is told to drop it: abort above)
+            self.counters["redispatch.decode" if node != p.prefill_node else "redispatch.handoff"] += 1
         else:
             self.counters["redispatch.prefill"] += 1
         p.attempt_first = False

@@ -559,6 +559,38 @@ async def test_decode_node_dies_mid_stream_and_the_stream_continues(nats_url, tm
         assert st.counters["redispatch.decode"] == 1 and st.counters.get("finish.error", 0) == 0
 
 
+async def test_prefill_node_dies_between_first_token_and_hand_off_and_the_stream_continues(nats_url, tmp_path):
+    """The prefill node publishes the first token and dies before its hand-off reaches the
+    decode node (no output from the decode node): when it is fenced, prompt + that token are
+    prefilled again elsewhere (attempt 1, output position 1) instead of waiting for the
+    request timeout; the decode node is told to drop attempt 0; no token repeated or lost."""
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "p1": "prefill", "d0": "decode"}) as env:
+        env.cluster.stall_after_first.update({"p0", "p1"})  # attempt 0: first token, then nothing (no hand-off)
+        prompt = [5] * 70
+        async with env.http.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            first = await asyncio.wait_for(anext(lines), 10)
+            dead = env.service.core.view.placement(env.cluster.works[0].rid)[0]
+            env.cluster.alive.discard(dead)  # the prefill node dies after the first token, before the hand-off
+            rest = "".join([line + "\n" async for line in lines])  # request_timeout_s is 20 s: the read below is bounded by it
+        events = sse_events(first + "\n\n" + rest)
+        assert events[-1] == "[DONE]"
+        assert "error" not in events[-2], events[-2]
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        assert text == env.service.tokenizer.decode([output_token(i) for i in range(6)])
+        rid = env.cluster.works[0].rid
+        again = env.cluster.works[1]
+        assert again.rid == rid and again.attempt == 1 and again.output_offset == 1 and again.max_tokens == 5
+        assert again.prompt_tokens == 71 and unpack_tokens(again.token_ids).tolist() == prompt + [output_token(0)]
+        assert env.service.core.view.placement(rid) is None  # finished
+        await _wait_for(lambda: ("d0", rid, 0) in {(n, a.rid, a.attempt) for n, a in env.cluster.aborts}, what="abort of attempt 0 on d0")
+        assert events[-2]["ei"]["redispatches"] == 1
+        st = await env.stats()
+        assert st.counters["redispatch.handoff"] == 1 and st.counters["redispatched"] == 1
+        assert st.counters.get("redispatch.decode", 0) == 0 and st.counters.get("finish.error", 0) == 0
+
+
 async def test_decode_continuation_that_cannot_be_exact_ends_with_a_clear_error(nats_url, tmp_path):
     async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode", "d1": "decode"}, max_prompt_tokens=70) as env:
         env.cluster.stall_after_first.add("p0")

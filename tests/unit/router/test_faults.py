@@ -69,10 +69,25 @@ def test_a_request_whose_prefill_finished_depends_on_its_decode_node_only():
     view.on_dispatch("r3", "c", None)
     view.on_first_token("r1")
     view.on_first_token("r3")
+    assert view.on_handoff("r1", "d")  # d streamed r1's output: it holds the hand-off
+    assert not view.on_handoff("r1", "d") and not view.on_handoff("r2", "p") and not view.on_handoff("r3", "c")
     assert view.requests_on("p") == ["r1", "r2"]
-    assert view.requests_depending_on("p") == ["r2"]  # r1's prefill is done: it needs d only
+    assert view.requests_depending_on("p") == ["r2"]  # r1's hand-off reached d: it needs d only
     assert view.requests_depending_on("d") == ["r1", "r2"]
     assert view.requests_depending_on("c") == ["r3"]  # collocated: decodes there
     fenced = view.check_fences(5.0)
     assert {f.node: f.rids for f in fenced} == {"c": ("r3",), "d": ("r1", "r2"), "p": ("r2",)}
     assert not view.usable("p", 5.0) and view.usable("unknown", 5.0)
+
+
+def test_a_first_token_without_the_hand_off_still_depends_on_the_prefill_node():
+    """The prefill node published the first token and died before the hand-off (DecodeWork)
+    reached the decode node: the request must be re-dispatched when the prefill node is fenced."""
+    view = NodeLoadView(fence_after=1.0)
+    view.apply_state(NodeState(node="p", phase="prefill"), 0.0)
+    view.apply_state(NodeState(node="d", phase="decode"), 4.5)
+    view.on_dispatch("r1", "p", "d")
+    view.on_first_token("r1")
+    assert view.requests_depending_on("p") == ["r1"]
+    assert view.requests_depending_on("d") == ["r1"]
+    assert {f.node: f.rids for f in view.check_fences(5.0)} == {"p": ("r1",)}

@@ -14,7 +14,9 @@ def test_remote_sends_follow_attempts_first_token_and_end():
     assert r.sent("x", "router-1", 0, wall=10.0)
     assert r.chunk("x", 1, False) is None  # another attempt's chunk
     assert r.chunk("x", 0, False) == "first" and r.chunk("x", 0, False) is None
+    assert r.current("x", 0) and not r.current("x", 1) and not r.current("y", 0)
     assert r.sent("x", "router-1", 1, wall=11.0) and not r.sent("x", "router-1", 0, wall=11.0)
+    assert r.current("x", 1) and not r.current("x", 0)
     assert r.by_router() == {"router-1": 1}
     assert r.chunk("x", 1, True) == "end" and "x" not in r
     r.sent("y", "router-2", 0, wall=0.0)
