@@ -44,8 +44,13 @@ blocks it holds still converges.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from itertools import compress, repeat
+from operator import add as _add
+from operator import ne as _ne
+from operator import not_ as _not
+from operator import sub as _sub
 from dataclasses import dataclass, field
 
 from shared.messages import CountUpdates
@@ -53,6 +58,13 @@ from shared.messages import CountUpdates
 from .index import GPU, HOST, BlockIndex, tier_bit
 
 _EMPTY: frozenset[int] = frozenset()
+_REPEAT0 = repeat(0)
+_REPEAT1 = repeat(1)
+_ONE_EQ = (1).__eq__
+
+
+def _drain(it: Iterable[object]) -> None:
+    deque(it, maxlen=0)
 
 PHASE_SET = {"prefill": frozenset({"prefill"}), "decode": frozenset({"decode"}), "both": frozenset({"prefill", "decode"})}
 
@@ -180,46 +192,56 @@ class BranchTable:
         add = target - cur if cur else target
         rem = cur - target if target else cur
         if add or rem:
+            # per block, but in C: map/compress/dict.update over the sets; Python steps only per
+            # run of blocks whose count crosses 0 (presence is read per run of the index)
             R = self.R[n]
             out = self.outbox[n]
-            where = self.index.where
-            gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
-            cc = self.counted_copies[n]
-            for h in add:
-                c = R.get(h, 0)
-                R[h] = c + 1
-                if h not in out:
-                    out[h] = c
-                if c == 0:
-                    r = where.get(h)
-                    if r is not None:
-                        if r.pc & gb:
-                            cc[GPU] += 1
-                        if r.pc & hb:
-                            cc[HOST] += 1
-            for h in rem:
-                c = R.get(h, 0)
-                if c <= 0:
-                    self.counters["count.negative_prevented"] += 1
-                    continue
-                if h not in out:
-                    out[h] = c
-                if c == 1:
-                    del R[h]
-                    r = where.get(h)
-                    if r is not None:
-                        if r.pc & gb:
-                            cc[GPU] -= 1
-                        if r.pc & hb:
-                            cc[HOST] -= 1
+            setdefault = out.setdefault
+            if add:
+                old = list(map(R.get, add, _REPEAT0))
+                _drain(map(setdefault, add, old))  # the count before the first unsent change
+                R.update(zip(add, map(_add, old, _REPEAT1)))
+                if 0 in old:
+                    self._crossed(n, compress(add, map(_not, old)), 1)
+            if rem:
+                old = list(map(R.get, rem, _REPEAT0))
+                zeros = old.count(0)
+                if zeros:  # never counted here: refused, counted
+                    self.counters["count.negative_prevented"] += zeros
+                    keep = list(map(bool, old))
+                    rem = list(compress(rem, keep))
+                    old = list(compress(old, keep))
+                _drain(map(setdefault, rem, old))
+                ones = list(map(_ONE_EQ, old))
+                if True in ones:
+                    gone = list(compress(rem, ones))
+                    _drain(map(R.__delitem__, gone))
+                    self._crossed(n, gone, -1)
+                    R.update(zip(compress(rem, map(_not, ones)), map(_sub, compress(old, map(_not, ones)), _REPEAT1)))
                 else:
-                    R[h] = c - 1
+                    R.update(zip(rem, map(_sub, old, _REPEAT1)))
         if target:
             b.counted[n] = target
             self.node_branches[n].add(b.bid)
         else:
             b.counted.pop(n, None)
             self.node_branches[n].discard(b.bid)
+
+    def _crossed(self, n: int, blocks: Iterable[int], d: int) -> None:
+        """``blocks`` had their count on node n cross 0 (d = +1 up, -1 down): present copies
+        with a positive count change by d per tier (``counted_copies``). Counted per run of
+        the index (blocks of one run share their presence): O(blocks) C-level + O(runs)."""
+        runs = self.index.live_runs
+        gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
+        cc = self.counted_copies[n]
+        for rid, k in Counter(map(id, map(self.index.where.get, blocks))).items():
+            r = runs.get(rid)
+            if r is not None:
+                pc = r.pc
+                if pc & gb:
+                    cc[GPU] += d * k
+                if pc & hb:
+                    cc[HOST] += d * k
 
     def _release(self, b: Branch, n: int) -> None:
         self._count(b, n, _EMPTY)
@@ -585,14 +607,10 @@ class BranchTable:
         for n, out in enumerate(self.outbox):
             if not out:
                 continue
-            R = self.R[n]
-            hashes: list[int] = []
-            counts: list[int] = []
-            for h, before in out.items():
-                c = R.get(h, 0)
-                if c != before:
-                    hashes.append(h)
-                    counts.append(c)
+            now = list(map(self.R[n].get, out, _REPEAT0))
+            changed = list(map(_ne, now, out.values()))  # a change undone before the drain is not sent
+            hashes = list(compress(out, changed))
+            counts = list(compress(now, changed))
             out.clear()
             for i in range(0, len(hashes), cap):
                 self.out_seq[n] += 1

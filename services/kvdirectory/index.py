@@ -228,6 +228,11 @@ class BlockIndex:
         r = self.where.get(h)
         return r is not None and bool(r.pc & local_bit(node))
 
+    @property
+    def live_runs(self) -> dict[int, _Run]:
+        """id → run, every live run (read only: the index's registry)."""
+        return self._runs
+
     def runs(self) -> list[_Run]:
         """Every run, in creation order (deterministic). O(runs)."""
         return list(self._runs.values())
