@@ -63,6 +63,10 @@ class NodeRecord:
     """Phase assigned by the current split command; None if the split does not name the node."""
     fenced: bool = False
     """Set by :meth:`NodeLoadView.check_fences`; cleared when the node reports again."""
+    restarted: bool = False
+    """The node's state sequence went back (a new process under the same node id, e.g. one a
+    supervisor restarted faster than ``fence_after``): the next :meth:`NodeLoadView.check_fences`
+    fences it at once, so the requests the old process held are re-dispatched."""
     fence_events: int = 0
     inflight: int = 0
     """Requests dispatched to this node (prefill or decode) and not finished."""
@@ -189,6 +193,8 @@ class NodeLoadView:
         """
         check_token(state.node, "node")
         rec = self._record(state.node)
+        if rec.state is not None and not rec.fenced and state.seq < rec.state.seq:
+            rec.restarted = True  # a new process: what the old one held is gone (issue #22)
         rec.state = state
         rec.last_seen = now
         self._changed(rec)
@@ -461,7 +467,8 @@ class NodeLoadView:
     # -- fencing ------------------------------------------------------------ #
 
     def check_fences(self, now: float) -> list[FencedNode]:
-        """Fence every node whose last state is older than ``fence_after``.
+        """Fence every node whose last state is older than ``fence_after``, and every node whose
+        state sequence went back since the last call (a restarted process, :attr:`NodeRecord.restarted`).
 
         Returns:
             The nodes fenced by this call (not those already fenced), each with
@@ -471,9 +478,11 @@ class NodeLoadView:
         out: list[FencedNode] = []
         for rec in sorted(self.nodes.values(), key=lambda r: r.node):
             if rec.fenced or rec.last_seen is None:
+                rec.restarted = False
                 continue
             age = now - rec.last_seen
-            if age > self.fence_after:
+            if age > self.fence_after or rec.restarted:
+                rec.restarted = False
                 rec.fenced = True
                 rec.fence_events += 1
                 self._changed(rec)

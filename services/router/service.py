@@ -759,13 +759,14 @@ class RouterService:
     def _fence(self, node: str, age: float, rids: tuple[str, ...]) -> None:
         self.counters["fenced"] += 1
         self.log.warning(
-            "node fenced out: no node.state within fence_after_s",
+            "node fenced out: no node.state within fence_after_s, or restarted (its state sequence went back)",
             node=node,
             silent_wall_s=round(self.clock.to_wall(age), 3),
             fence_after_s=self.cfg.fence_after_s,
             inflight=len(rids),
         )
-        reason = f"node {node} stopped answering (no state for {self.clock.to_wall(age):.1f}s)"
+        reason = (f"node {node} stopped answering (no state for {self.clock.to_wall(age):.1f}s)" if age > self.core.view.fence_after
+                  else f"node {node} restarted (its state sequence went back)")
         for rid in rids:
             if self._remote.forget(rid):  # another router's request: its owner re-dispatches it
                 self.core.finish(rid, self.clock.now())

@@ -179,3 +179,22 @@ def test_cached_candidates_match_a_fresh_computation(ops):
         for phases in (PREFILL_PHASES, DECODE_PHASES):
             got = [(n.node, n.phase, n.inflight, n.inflight_prefill, n.inflight_decode, n.running, n.last_seen, n.state) for n in v.candidates(phases, now)]
             assert got == _expected(v, phases, now), (kind, now)
+
+
+def test_a_node_restarted_faster_than_the_fence_is_fenced_at_once_and_let_back_in():
+    """A supervisor restarts a killed worker within ~1 s, before its state goes silent for
+    fence_after: the new process reports a state sequence that went back, and the requests the
+    old process held must be re-dispatched all the same (issue #22), not left to time out."""
+    v = view(fence_after=3.0)
+    v.apply_state(state("a", seq=40), 0.0)
+    v.apply_state(state("b", seq=7), 0.0)
+    v.on_dispatch("r1", "a", "b")
+    v.on_dispatch("r2", "b", "a")
+    v.apply_state(state("a", seq=41), 0.5)
+    assert v.check_fences(0.6) == []  # sequence went forward: same process
+    v.apply_state(state("a", seq=1), 1.0)  # the restarted process
+    fenced = v.check_fences(1.1)  # age 0.1 s, far below fence_after
+    assert [(f.node, sorted(f.rids)) for f in fenced] == [("a", ["r1", "r2"])]
+    assert v.check_fences(1.2) == []  # fenced once
+    assert v.apply_state(state("a", seq=2), 1.5) is True  # its next state lets it back in
+    assert v.check_fences(1.6) == []
