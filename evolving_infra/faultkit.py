@@ -339,12 +339,12 @@ async def replay_with_faults(
     t0 = time.monotonic()
     names = fc.router_names()
 
-    async def fenced_total() -> int:
+    async def fenced_total(key: str = "fenced") -> int:
         total = 0
         for i in routers:
             st = await fc.stats(names[i], timeout_s=0.5)
             if st is not None:
-                total += st.counters.get("fenced", 0)
+                total += st.counters.get(key, 0)
         return total
 
     fence_at: list[float] = []
@@ -371,6 +371,12 @@ async def replay_with_faults(
                     await asyncio.sleep(0.05)
                 if f.action == "stop":
                     fc.signal(f.target, signal.SIGCONT)
+                    if f.target.startswith("worker") and fence_at:
+                        # the counters are read when the replay ends: give the resumed worker's
+                        # state (at most 10 s) to reach the routers, so a let-back-in is counted
+                        back = time.monotonic() + 10.0
+                        while time.monotonic() < back and await fenced_total("unfenced") < await fenced_total():
+                            await asyncio.sleep(0.05)
                 else:
                     fc.restart(f.target)
         while not fence_at and any(f.target.startswith("worker") for f in faults) and time.monotonic() - fault_at[0] < 30:
