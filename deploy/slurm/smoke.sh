@@ -116,7 +116,9 @@ for _ in $(seq 120); do [ -z "$(squeue -h -j "$JOB" 2>/dev/null)" ] && break; sl
 [ -z "$(squeue -h -j "$JOB" 2>/dev/null)" ] || { log "job still queued"; exit 1; }
 sleep 1
 left=""
-for p in $pids; do kill -0 "$p" 2>/dev/null && left="$left $p"; done
+# a zombie (state Z, exited but not yet reaped by its parent, e.g. "[srun] <defunct>") runs nothing
+alive() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != Z ]; }
+for p in $pids; do alive "$p" && left="$left $p"; done
 left="$left $(job_pids)"; left=$(echo $left)
 [ -z "$left" ] || { log "processes left after scancel:$left"; ps -o pid,args -p ${left// /,}; exit 1; }
 if curl -fsS "http://127.0.0.1:$ROUTER_PORT/healthz" >/dev/null 2>&1; then log "router still answers"; exit 1; fi

@@ -37,6 +37,17 @@ from services.worker.kvpool.transport import pick_port_range  # noqa: E402
 from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
+
+
+def _disjoint_port_ranges(n: int) -> list[tuple[int, int]]:
+    """``n`` free Mooncake port pairs that share no port (each draw is free on its own, but two
+    draws may overlap: a worker then fails to initialise its transfer engine)."""
+    out: list[tuple[int, int]] = []
+    while len(out) < n:
+        lo, hi = pick_port_range()
+        if all(hi < a or lo > b for a, b in out):
+            out.append((lo, hi))
+    return out
 NODES = ["w0", "w1", "w2", "w3"]
 BS = 8  # torch-tiny-cpu page size
 
@@ -72,7 +83,7 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
         log_dir=str(tmp_path / "logs"), ready_timeout_s=180.0, engine="torch", model_dir=str(folder),
         tokenizer=f"hf:{folder}", model="tiny", max_context_tokens=2048,
         worker_args=("--check-invariants", "--kv-pool", "real"),
-        node_args={n: ("--kv-pool-ports", "%d-%d" % pick_port_range()) for n in NODES},
+        node_args={n: ("--kv-pool-ports", "%d-%d" % r) for n, r in zip(NODES, _disjoint_port_ranges(len(NODES)))},
     )  # fmt: skip
     rng = random.Random(3)
 
