@@ -10,6 +10,8 @@ removed when found, and says so. The state dir is ``$EI_STATE_DIR`` if set, else
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import sys
@@ -90,6 +92,22 @@ def running_clusters(*, remove_stale: bool = True) -> list[dict[str, Any]]:
             except OSError:
                 pass
     return out
+
+
+def fill_nats_url(args: argparse.Namespace) -> str | None:
+    """Give ``args.nats_url`` the running local cluster's NATS URL when it was not passed
+    (``--nats-url``), for the CLI tools that talk to a live cluster (``split``, ``tap``).
+
+    Returns:
+        None when ``args.nats_url`` is set, or the reason no cluster was found (the caller
+        prints it and exits non-zero).
+    """
+    if args.nats_url is None:
+        try:
+            args.nats_url = find_nats_url(args.partition)
+        except ClusterNotFound as e:
+            return str(e)
+    return None
 
 
 def find_nats_url(partition: str | None = None) -> str:

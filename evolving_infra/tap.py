@@ -142,14 +142,11 @@ async def _tap(args: argparse.Namespace) -> int:
 
 
 def cmd_tap(args: argparse.Namespace) -> int:
-    if args.nats_url is None:
-        from evolving_infra.state import ClusterNotFound, find_nats_url
+    from evolving_infra.state import fill_nats_url
 
-        try:
-            args.nats_url = find_nats_url(args.partition)
-        except ClusterNotFound as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    if (missing := fill_nats_url(args)) is not None:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     return asyncio.run(_tap(args))
 
 
