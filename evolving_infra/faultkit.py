@@ -339,13 +339,18 @@ async def replay_with_faults(
     t0 = time.monotonic()
     names = fc.router_names()
 
-    async def fenced_total(key: str = "fenced") -> int:
-        total = 0
+    async def fence_counts() -> tuple[int, int]:
+        """(fenced, unfenced) summed over the routers, from one stats request each."""
+        fenced = unfenced = 0
         for i in routers:
             st = await fc.stats(names[i], timeout_s=0.5)
             if st is not None:
-                total += st.counters.get(key, 0)
-        return total
+                fenced += st.counters.get("fenced", 0)
+                unfenced += st.counters.get("unfenced", 0)
+        return fenced, unfenced
+
+    async def fenced_total() -> int:
+        return (await fence_counts())[0]
 
     fence_at: list[float] = []
     fault_at: list[float] = []
@@ -375,7 +380,10 @@ async def replay_with_faults(
                         # the counters are read when the replay ends: give the resumed worker's
                         # state (at most 10 s) to reach the routers, so a let-back-in is counted
                         back = time.monotonic() + 10.0
-                        while time.monotonic() < back and await fenced_total("unfenced") < await fenced_total():
+                        while time.monotonic() < back:
+                            fenced, unfenced = await fence_counts()
+                            if unfenced >= fenced:
+                                break
                             await asyncio.sleep(0.05)
                 else:
                     fc.restart(f.target)
