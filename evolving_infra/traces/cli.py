@@ -92,11 +92,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if skipped.get("count"):
         print(f"{args.output}: skipped {skipped['count']} file(s) that could not be converted (named above; "
               f"listed in the header's meta.skipped; --strict stops at the first instead)", file=sys.stderr)
+    if skipped.get("rows_count"):
+        print(f"{args.output}: skipped {skipped['rows_count']} malformed row(s) (named above; the first "
+              f"{len(skipped['rows'])} listed in the header's meta.skipped.rows; --strict stops at the first instead)",
+              file=sys.stderr)
     return 0
 
 
-SKIPPING_CONVERTERS = ("claude-code-weka", "mini-swe-agent")
-"""Converters of one-file-per-session folders: a file they cannot read is skipped (``--strict``: stop)."""
+SKIPPING_CONVERTERS = ("claude-code-weka", "mini-swe-agent", "mooncake", "azure")
+"""Converters that skip a file they cannot read, and (mooncake, azure) a malformed row, naming it
+with the reason on stderr (``--strict``: stop at the first)."""
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -186,8 +191,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c.add_argument(
         "--strict",
         action="store_true",
-        help="claude-code-weka, mini-swe-agent: stop at the first file that cannot be converted (default: name it with "
-        "the reason, skip it, go on and report how many were skipped)",
+        help="stop at the first file (and, for mooncake / azure, the first row) that cannot be converted (default: "
+        "name it with the reason, skip it, go on and report how many were skipped)",
     )
     c.add_argument("--infer-sessions", action="store_true", help="mooncake: link rows that extend an earlier row's path into agents")
     c.add_argument("--min-shared-blocks", type=int, default=2, help="mooncake: shortest earlier path a row may extend (default 2)")

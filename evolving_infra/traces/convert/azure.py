@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, expand_inputs, make_header
+from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, make_header
 from evolving_infra.traces.schema import TraceRequest
 
 KIND = "azure"
@@ -48,35 +48,56 @@ def parse_timestamp(s: str) -> float:
     return dt.timestamp() + (int(frac) / 10 ** len(frac) if frac else 0.0)
 
 
-def _read(path: Path) -> list[tuple[float, int, int, int]]:
-    """(unix time, row number, context tokens, generated tokens) per data row."""
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
-    reader = csv.DictReader(io.StringIO(raw.decode("utf-8-sig")))
+def _read(path: Path, skipped: Skipped) -> list[tuple[float, int, int, int]]:
+    """(unix time, row number, context tokens, generated tokens) per valid data row, in time
+    order; a malformed row is named and skipped (``skipped.row``).
+
+    Raises:
+        ConvertError: the file cannot be read or lacks the columns; with ``strict``, a malformed row.
+    """
+    try:
+        raw = path.read_bytes()
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+        text = raw.decode("utf-8-sig")
+    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path}: cannot read: {e}") from None
+    reader = csv.DictReader(io.StringIO(text))
     need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
     if not reader.fieldnames or not need <= set(reader.fieldnames):
         raise ConvertError(f"{path}: expected columns {sorted(need)}, got {reader.fieldnames}")
     rows = []
-    for n, row in enumerate(reader, start=2):
-        try:
-            rows.append((parse_timestamp(row["TIMESTAMP"]), n, int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-        except (ValueError, TypeError) as e:
-            raise ConvertError(f"{path}: line {n}: {e}") from None
-        if rows[-1][2] < 1 or rows[-1][3] < 0:
-            raise ConvertError(f"{path}: line {n}: ContextTokens must be >= 1 and GeneratedTokens >= 0")
+    try:
+        for n, row in enumerate(reader, start=2):
+            try:
+                rec = (parse_timestamp(row["TIMESTAMP"]), n, int(row["ContextTokens"]), int(row["GeneratedTokens"]))
+            except (ValueError, TypeError, AttributeError) as e:
+                skipped.row(path, n, str(e) or type(e).__name__)
+                continue
+            if rec[2] < 1 or rec[3] < 0:
+                skipped.row(path, n, "ContextTokens must be >= 1 and GeneratedTokens >= 0")
+                continue
+            rows.append(rec)
+    except csv.Error as e:
+        raise ConvertError(f"{path}: line {reader.line_num}: {e}") from None
+    skipped.end_file(path)
     rows.sort()
     return rows
 
 
-def convert(inputs: Sequence[str | Path], *, progress: bool = False, block_size: int = DEFAULT_BLOCK_SIZE) -> Conversion:
+def convert(
+    inputs: Sequence[str | Path], *, progress: bool = False, block_size: int = DEFAULT_BLOCK_SIZE, strict: bool = False
+) -> Conversion:
     """Convert Azure LLM inference CSV files (or folders) to a canonical trace (arrival order).
 
     Args:
         block_size: tokens per block id (default 64); every id is fresh.
+        strict: stop at the first unreadable file or malformed row instead of naming it on
+            stderr, skipping it and going on (skips are listed in ``meta.skipped``).
 
     Raises:
-        ConvertError: missing input or a malformed row.
+        ConvertError: missing input, or no row convertible; with ``strict``, an unreadable
+            file or a malformed row.
     """
     if block_size < 1:
         raise ConvertError("block_size must be >= 1")
@@ -84,14 +105,20 @@ def convert(inputs: Sequence[str | Path], *, progress: bool = False, block_size:
     counts: Counter[str] = Counter()
     origin: list[float] = []
 
+    skipped = Skipped(strict)
+
     def gen() -> Iterator[TraceRequest]:
-        tables = [_read(p) for p in files]
+        read = [(p, t) for p in files if (t := skipped.call(p, lambda: _read(p, skipped))) is not None]
+        if not any(t for _, t in read):
+            skipped.none_converted()
+        names = [p.name.split(".")[0] for p, _ in read]
+        tables = [t for _, t in read]
         t0 = min((t[0][0] for t in tables if t), default=0.0)
         origin.append(t0)
         merged = heapq.merge(*[[(ts, fi, n, c, g) for ts, n, c, g in t] for fi, t in enumerate(tables)])
         next_id = 0
         for ts, fi, n, ctx, gen_tokens in merged:
-            stem = files[fi].name.split(".")[0]
+            stem = names[fi]
             key = f"{stem}:{n}"
             nb = ctx // block_size
             out = gen_tokens
@@ -125,6 +152,7 @@ def convert(inputs: Sequence[str | Path], *, progress: bool = False, block_size:
                 "clock": {"arrival_s": "seconds since the earliest TIMESTAMP of all inputs", "origin_unix_s": origin[0] if origin else None},
                 "block_ids": "fresh sequential ids (no prefix information in the source)",
                 "counts": dict(sorted(counts.items())),
+                "skipped": skipped.meta(),
             },
         )
 

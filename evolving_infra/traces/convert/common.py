@@ -29,9 +29,17 @@ class Skipped:
         strict: re-raise the first :class:`ConvertError` instead of skipping the file.
     """
 
+    #: bad rows named on stderr one by one; after that, one summary line per file
+    WARN_ROWS = 20
+    #: bad rows listed in ``meta.skipped.rows`` (all are counted in ``rows_count``)
+    META_ROWS = 100
+
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
         self.files: list[dict[str, str]] = []
+        self.rows: list[dict[str, object]] = []
+        self.rows_count = 0
+        self._rows_by_file: dict[str, int] = {}
 
     def call(self, path: Path, fn: Callable[[], Any]) -> Any:
         """``fn()``; on a :class:`ConvertError` skip ``path`` (return None) unless strict.
@@ -49,20 +57,53 @@ class Skipped:
             print(f"warning: skipped {path}: {reason}", file=sys.stderr)
             return None
 
+    def row(self, path: Path, line: int, reason: str) -> None:
+        """A row of a row-per-line file (Mooncake JSONL, Azure CSV) cannot be converted: name
+        ``path``, its 1-based ``line`` and the reason on stderr (the first :attr:`WARN_ROWS` of a
+        file; the rest are summed by :meth:`end_file`), count it, go on with the next row.
+
+        Raises:
+            ConvertError: with ``strict``, naming the file and line.
+        """
+        if self.strict:
+            raise ConvertError(f"{path}: line {line}: {reason}")
+        self.rows_count += 1
+        n = self._rows_by_file.get(str(path), 0) + 1
+        self._rows_by_file[str(path)] = n
+        if len(self.rows) < self.META_ROWS:
+            self.rows.append({"file": str(path), "line": line, "reason": reason})
+        if n <= self.WARN_ROWS:
+            print(f"warning: skipped {path}: line {line}: {reason}", file=sys.stderr)
+
+    def end_file(self, path: Path) -> None:
+        """After the last row of ``path``: one line with how many of its bad rows were not named."""
+        n = self._rows_by_file.get(str(path), 0)
+        if n > self.WARN_ROWS:
+            print(f"warning: {path}: {n} rows skipped in all ({n - self.WARN_ROWS} not named above)", file=sys.stderr)
+
     def none_converted(self) -> None:
         """Call when no file converted: a trace of nothing would not validate.
 
         Raises:
-            ConvertError: naming the first skipped file and its reason (when any was skipped).
+            ConvertError: naming the first skipped file (or row) and its reason, when any was skipped.
         """
         if self.files:
             first = self.files[0]
             raise ConvertError(f"none of the input files could be converted ({len(self.files)} skipped); "
                                f"first: {first['file']}: {first['reason']}")
+        if self.rows:
+            first = self.rows[0]
+            raise ConvertError(f"no row of the inputs could be converted ({self.rows_count} skipped); "
+                               f"first: {first['file']}: line {first['line']}: {first['reason']}")
 
     def meta(self) -> dict[str, Any]:
-        """``{"count": n, "files": [{"file", "reason"}, ...]}`` for the header."""
-        return {"count": len(self.files), "files": self.files}
+        """``{"count": n, "files": [{"file", "reason"}, ...]}`` for the header, plus
+        ``rows_count`` and ``rows`` (the first :attr:`META_ROWS` ``{"file", "line", "reason"}``)
+        when rows were skipped."""
+        out: dict[str, Any] = {"count": len(self.files), "files": self.files}
+        if self.rows_count:
+            out.update(rows_count=self.rows_count, rows=self.rows)
+        return out
 
 
 def expand_inputs(paths: Sequence[str | os.PathLike[str]], patterns: Sequence[str]) -> list[Path]:

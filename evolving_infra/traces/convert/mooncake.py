@@ -26,6 +26,7 @@ id usually covers a partial block).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import msgspec
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, expand_inputs, make_header, progress_iter
+from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, make_header, progress_iter
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import rechunk_blocks
 
@@ -72,12 +73,20 @@ class _State:
     counts: Counter[str] = field(default_factory=Counter)
 
 
-def _read_rows(path: Path) -> list[_Row]:
+def _read_rows(path: Path, skipped: Skipped) -> list[_Row]:
+    """The file's valid rows in file order; a malformed row is named and skipped (``skipped.row``).
+
+    Raises:
+        ConvertError: the file cannot be read or decompressed; with ``strict``, a malformed row.
+    """
     import gzip
 
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+    try:
+        raw = path.read_bytes()
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise ConvertError(f"{path}: cannot read: {e}") from None
     rows: list[_Row] = []
     for n, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
@@ -85,12 +94,17 @@ def _read_rows(path: Path) -> list[_Row]:
         try:
             row = _DECODER.decode(line)
         except msgspec.DecodeError as e:
-            raise ConvertError(f"{path}: line {n}: {e}") from None
+            skipped.row(path, n, str(e))
+            continue
         if row.input_length < 1 or row.output_length < 0:
-            raise ConvertError(f"{path}: line {n}: input_length must be >= 1 and output_length >= 0")
-        if len(row.hash_ids) < row.input_length // SOURCE_BLOCK_SIZE:
-            raise ConvertError(f"{path}: line {n}: {len(row.hash_ids)} hash_ids for {row.input_length} tokens")
-        rows.append(row)
+            skipped.row(path, n, "input_length must be >= 1 and output_length >= 0")
+        elif len(row.hash_ids) < row.input_length // SOURCE_BLOCK_SIZE:
+            skipped.row(path, n, f"{len(row.hash_ids)} hash_ids for {row.input_length} tokens")
+        elif not math.isfinite(row.timestamp) or row.timestamp < 0:
+            skipped.row(path, n, f"timestamp must be finite and >= 0, got {row.timestamp}")
+        else:
+            rows.append(row)
+    skipped.end_file(path)
     return rows
 
 
@@ -101,6 +115,7 @@ def convert(
     block_size: int = SOURCE_BLOCK_SIZE,
     infer_sessions: bool = False,
     min_shared_blocks: int = 2,
+    strict: bool = False,
 ) -> Conversion:
     """Convert Mooncake JSONL files (or folders) to a canonical trace, streamed.
 
@@ -113,9 +128,12 @@ def convert(
         block_size: output block size (512 native; 64/128/256 split blocks, see module docstring).
         infer_sessions: link rows into agents by prefix extension (module docstring).
         min_shared_blocks: the shortest earlier path a row may extend.
+        strict: stop at the first unreadable file or malformed row instead of naming it on
+            stderr, skipping it and going on (skips are listed in ``meta.skipped``).
 
     Raises:
-        ConvertError: missing input, malformed row, or a block size that does not divide 512.
+        ConvertError: missing input, a block size that does not divide 512, no file
+            convertible; with ``strict``, an unreadable file or a malformed row.
     """
     if block_size > SOURCE_BLOCK_SIZE or SOURCE_BLOCK_SIZE % block_size:
         raise ConvertError(f"mooncake: block_size must divide {SOURCE_BLOCK_SIZE}, got {block_size}")
@@ -123,10 +141,19 @@ def convert(
         raise ConvertError("mooncake: min_shared_blocks must be >= 1")
     files = expand_inputs(inputs, PATTERNS)
     st = _State()
+    skipped = Skipped(strict)
 
     def gen() -> Iterator[TraceRequest]:
+        n = 0
         for path in progress_iter(files, enabled=progress, desc=KIND):
-            yield from _convert_file(path, block_size, infer_sessions, min_shared_blocks, st)
+            rows = skipped.call(path, lambda: _read_rows(path, skipped))
+            if rows is None:
+                continue
+            for r in _convert_file(path, rows, block_size, infer_sessions, min_shared_blocks, st):
+                n += 1
+                yield r
+        if not n:
+            skipped.none_converted()
 
     def header():  # type: ignore[no-untyped-def]
         return make_header(
@@ -141,14 +168,14 @@ def convert(
                 "block_ids": "source hash_ids (512 tokens); at a finer size b*(512/block_size)+k",
                 "clock": "arrival_s = timestamp/1000 per file; each file starts at 0",
                 "counts": dict(sorted(st.counts.items())),
+                "skipped": skipped.meta(),
             },
         )
 
     return Conversion(gen(), header)
 
 
-def _convert_file(path: Path, bs: int, infer: bool, min_shared: int, st: _State) -> Iterator[TraceRequest]:
-    rows = _read_rows(path)
+def _convert_file(path: Path, rows: list[_Row], bs: int, infer: bool, min_shared: int, st: _State) -> Iterator[TraceRequest]:
     order = sorted(range(len(rows)), key=lambda i: (rows[i].timestamp, i))
     stem = path.name.split(".")[0]
     # (path length L, id at L-1) -> row node; ids are chained, so the pair names the whole path

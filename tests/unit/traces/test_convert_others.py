@@ -169,3 +169,56 @@ def test_all_mini_swe_agent_trajectories_convert_and_validate(tmp_path: Path) ->
     assert header.meta["counts"]["agents"] == len(files)
     calls = sum(sum(1 for m in json.loads(gzip.decompress(f.read_bytes()))["messages"] if m["role"] == "assistant") for f in files)
     assert n == calls
+
+
+def test_mooncake_bad_rows_are_named_skipped_and_counted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+    lines = [
+        json.dumps(good),
+        "{not json",
+        json.dumps({**good, "input_length": -3}),
+        json.dumps({**good, "input_length": 2048}),  # 2 hash_ids for 4 full blocks
+        json.dumps({**good, "timestamp": 1000, "hash_ids": [1, 3]}),
+    ]
+    src = tmp_path / "mc.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    bad_gz = tmp_path / "broken.jsonl.gz"
+    bad_gz.write_bytes(b"\x1f\x8b not gzip")
+    out = tmp_path / "out.jsonl"
+    header, n = convert_to_file("mooncake", [src, bad_gz], out)
+    assert n == 2 and list(iter_validate(out)) == []
+    sk = header.meta["skipped"]
+    assert sk["count"] == 1 and sk["files"][0]["file"] == str(bad_gz)
+    assert sk["rows_count"] == 3 and [r["line"] for r in sk["rows"]] == [2, 3, 4]
+    err = capsys.readouterr().err
+    assert f"{src}: line 2:" in err and f"{src}: line 4: 2 hash_ids for 2048 tokens" in err and str(bad_gz) in err
+    with pytest.raises(ConvertError, match=r"mc.jsonl: line 2"):
+        convert_inputs("mooncake", [src], strict=True)
+    only_bad = tmp_path / "only_bad.jsonl"
+    only_bad.write_text("{not json\n")
+    with pytest.raises(ConvertError, match=r"no row .* first: .*only_bad.jsonl: line 1"):
+        convert_inputs("mooncake", [only_bad])
+
+
+def test_azure_bad_rows_are_named_skipped_and_counted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "az.csv"
+    src.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:17:03.1,100,5\n"
+        "yesterday,100,5\n"
+        "2023-11-16 18:17:04.0,0,5\n"
+        "2023-11-16 18:17:05.0,70,x\n"
+        "2023-11-16 18:17:06.0,200,7\n"
+    )
+    nocols = tmp_path / "nocols.csv"
+    nocols.write_text("a,b\n1,2\n")
+    out = tmp_path / "out.jsonl"
+    header, n = convert_to_file("azure", [src, nocols], out)
+    assert n == 2 and list(iter_validate(out)) == []
+    sk = header.meta["skipped"]
+    assert sk["count"] == 1 and "expected columns" in sk["files"][0]["reason"]
+    assert sk["rows_count"] == 3 and [r["line"] for r in sk["rows"]] == [3, 4, 5]
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()[1:]] == ["az:2", "az:6"]
+    assert f"{src}: line 3:" in capsys.readouterr().err
+    with pytest.raises(ConvertError, match=r"az.csv: line 3"):
+        convert_inputs("azure", [src], strict=True)
