@@ -200,7 +200,7 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         raise SystemExit(f"error: {e}")
     torch_values = _torch_values(args)
     if args.tokenizer != "sim":  # fail here, with the reason, not in every service's log
-        from services.router.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
+        from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
         try:
             output_vocabulary(load_tokenizer(args.tokenizer))
@@ -414,7 +414,7 @@ def _vocab_size(tokenizer: str) -> int | None:
     """The router tokenizer's vocabulary size for the replayer's prompt ids; None for ``sim`` (the trace's own ids)."""
     if tokenizer == "sim":
         return None
-    from services.router.tokenizer import load_tokenizer
+    from shared.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer).vocab_size
 

@@ -140,7 +140,7 @@ def _use_running_cluster(args: argparse.Namespace) -> int | None:
     tokenizer = info.get("tokenizer") or "sim"
     if tokenizer == "sim":
         return None
-    from services.router.tokenizer import load_tokenizer
+    from shared.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer).vocab_size
 

@@ -17,7 +17,7 @@ from shared.service import run_service
 from services.router.config import RouterConfig
 from services.router.policy import make_policy
 from services.router.service import RouterService
-from services.router.tokenizer import TokenizerError, load_tokenizer
+from shared.tokenizer import TokenizerError, load_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

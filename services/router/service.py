@@ -89,7 +89,7 @@ from services.router.faults import continuation
 from services.router.replicas import RemoteSends
 from services.router.policy import RouteRequest, make_policy
 from services.router.prom import router_families
-from services.router.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+from shared.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 _JSON = msgspec.json.Encoder()
 _SSE_DONE = b"data: [DONE]\n\n"

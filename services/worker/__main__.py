@@ -11,7 +11,7 @@ from shared.profile import ProfileError, load_profile
 from shared.service import run_service
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
-from services.router.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
+from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -73,7 +73,7 @@ from services.worker.prom import worker_families
 from services.worker.config import WorkerConfig
 from services.worker.engines.base import Engine
 from services.worker.engines.sim import SimEngine
-from services.router.tokenizer import load_tokenizer, output_vocabulary  # the router's tokenizers: one spec
+from shared.tokenizer import load_tokenizer, output_vocabulary  # the same tokenizers as the router: one spec
 from services.worker.fetch import FetchStarted
 from services.worker.plan import HandOff, IterationPlan, SchedulerError, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler

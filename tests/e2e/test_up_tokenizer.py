@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from services.router.tokenizer import load_tokenizer  # noqa: E402
+from shared.tokenizer import load_tokenizer  # noqa: E402
 from tests.unit.router.helpers import write_bpe_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)

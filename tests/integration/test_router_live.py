@@ -40,7 +40,7 @@ from shared.subjects import (
 
 from services.router.config import RouterConfig
 from services.router.service import RouterService
-from services.router.tokenizer import SimTokenizer
+from shared.tokenizer import SimTokenizer
 
 pytestmark = pytest.mark.timeout(60)
 

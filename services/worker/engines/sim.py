@@ -35,7 +35,7 @@ def sim_output_tokens(rid: str, start: int, count: int, vocab: Sequence[int] | N
     Draw ``j`` is ``x_j = splitmix64(seed(rid) + j·φ64)`` with ``seed`` the first 8 bytes
     of SHA-256(rid). Without ``vocab`` the token is ``x_j mod SIM_VOCAB_SIZE`` (the sim
     tokenizer's ids); with ``vocab`` (the ids of a real tokenizer that a client can count
-    from the text, :func:`services.router.tokenizer.output_vocabulary`) it is
+    from the text, :func:`shared.tokenizer.output_vocabulary`) it is
     ``vocab[x_j mod len(vocab)]``, so every id lies inside that tokenizer's vocabulary.
 
     Raises:

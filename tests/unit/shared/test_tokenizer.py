@@ -11,7 +11,7 @@ import pytest
 
 from shared.hashing import SIM_VOCAB_SIZE
 
-from services.router.tokenizer import HFTokenizer, IncrementalDecoder, SimTokenizer, TokenizerError, load_tokenizer
+from shared.tokenizer import HFTokenizer, IncrementalDecoder, SimTokenizer, TokenizerError, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
 TEXT = "Hello, world! The quick brown fox (v2.0) jumps; ünïcödé 42 times."
@@ -30,7 +30,7 @@ def test_sim_encode_is_stable_and_in_vocab():
 def test_sim_encode_is_the_same_in_another_process():
     """Ids must not depend on the process (no salted hash())."""
     code = (
-        "import json; from services.router.tokenizer import SimTokenizer; "
+        "import json; from shared.tokenizer import SimTokenizer; "
         f"print(json.dumps(SimTokenizer().encode({TEXT!r})))"
     )
     env = {"PYTHONHASHSEED": "12345", "PATH": ""}
@@ -144,7 +144,7 @@ def test_output_vocabulary_of_a_byte_level_bpe_round_trips(tmp_path):
     pytest.importorskip("tokenizers")
     import random
 
-    from services.router.tokenizer import output_vocabulary
+    from shared.tokenizer import output_vocabulary
     from services.worker.engines.sim import sim_output_tokens
     from tests.unit.router.helpers import write_bpe_tokenizer
 
@@ -171,7 +171,7 @@ def test_output_vocabulary_of_a_byte_level_bpe_round_trips(tmp_path):
 
 def test_output_vocabulary_of_a_word_level_tokenizer(tmp_path):
     pytest.importorskip("tokenizers")
-    from services.router.tokenizer import output_vocabulary
+    from shared.tokenizer import output_vocabulary
 
     _write_wordlevel_tokenizer(tmp_path, None)
     tok = load_tokenizer(f"hf:{tmp_path}")
