@@ -224,14 +224,24 @@ class Bus:
             **(auth.connect_options() if auth is not None else {}),
         ))
         refusal = asyncio.ensure_future(refused.wait())
-        await asyncio.wait({connecting, refusal}, return_when=asyncio.FIRST_COMPLETED)
-        refusal.cancel()
-        if not connecting.done():
+
+        async def abandon() -> None:  # stop nats-py's connect retries and close the client
+            bus._closing = True
             connecting.cancel()
             with contextlib.suppress(BaseException):
                 await connecting
             with contextlib.suppress(Exception):
                 await bus.nc.close()
+
+        try:
+            await asyncio.wait({connecting, refusal}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (a service stopped while NATS is unreachable)
+            await abandon()
+            raise
+        finally:
+            refusal.cancel()
+        if not connecting.done():
+            await abandon()
             raise BusError(f"NATS at {url} refused the credentials of {instance!r} (Authorization Violation)")
         try:
             connecting.result()

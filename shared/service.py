@@ -10,7 +10,9 @@ A service's ``__main__`` is three lines::
 and ``stats() -> (counters, gauges)``; ``ready()`` is optional. SIGTERM and
 SIGINT set a stop event; the service is then stopped and the bus drained
 (in-flight handlers finish) before the connection closes (nats.py's graceful
-shutdown example). With ``--metrics-port N`` (N > 0) the shell also serves the
+shutdown example). A signal during start-up (NATS unreachable: the connect
+retries forever) cancels the start-up instead, closes what was set up and
+exits 0. With ``--metrics-port N`` (N > 0) the shell also serves the
 service's Prometheus registry (its ``registry`` attribute, see ``shared.metrics``)
 on ``GET http://<metrics-host>:N/metrics``.
 """
@@ -18,6 +20,7 @@ on ``GET http://<metrics-host>:N/metrics``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import Callable
@@ -83,25 +86,60 @@ async def serve_until_stopped(
                  or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     async with AsyncExitStack() as stack:
         stack.callback(tracing.shutdown)
-        auth = NatsAuth.from_settings(
-            creds=cfg.nats_creds, user=cfg.nats_user, password=cfg.nats_password,
-            tls_ca=cfg.nats_tls_ca, tls_cert=cfg.nats_tls_cert, tls_key=cfg.nats_tls_key, name=instance,
-        )
-        bus = await Bus.connect(cfg.nats_url, Subjects(cfg.partition), service=service_name, instance=instance, auth=auth)
-        stack.push_async_callback(bus.close)
-        svc = factory(cfg, bus, clock)
-        await svc.start()
-        stack.push_async_callback(svc.stop)
-        ready = getattr(svc, "ready", None)
-        await bus.start_service_plumbing(svc.stats, ready=ready)
-        if cfg.metrics_port:
-            metrics = MetricsServer(service_registry(svc, bus), cfg.metrics_host, cfg.metrics_port)
-            await metrics.start()
-            stack.push_async_callback(metrics.stop)
+
+        async def start_up() -> Any:
+            auth = NatsAuth.from_settings(
+                creds=cfg.nats_creds, user=cfg.nats_user, password=cfg.nats_password,
+                tls_ca=cfg.nats_tls_ca, tls_cert=cfg.nats_tls_cert, tls_key=cfg.nats_tls_key, name=instance,
+            )
+            bus = await Bus.connect(cfg.nats_url, Subjects(cfg.partition), service=service_name, instance=instance, auth=auth)
+            stack.push_async_callback(bus.close)
+            svc = factory(cfg, bus, clock)
+            await svc.start()
+            stack.push_async_callback(svc.stop)
+            ready = getattr(svc, "ready", None)
+            await bus.start_service_plumbing(svc.stats, ready=ready)
+            if cfg.metrics_port:
+                metrics = MetricsServer(service_registry(svc, bus), cfg.metrics_host, cfg.metrics_port)
+                await metrics.start()
+                stack.push_async_callback(metrics.stop)
+            return auth
+
+        # A signal during start-up (NATS unreachable: the connect retries forever) cancels
+        # it; what was already set up is closed by the exit stack, and the process exits 0.
+        if (auth := await until_stopped(start_up(), stop)) is None:
+            log.info("service stopped during start-up", nats=cfg.nats_url)
+            return
         log.info("service started", nats=cfg.nats_url, partition=cfg.partition, speedup=cfg.speedup, nats_auth=auth.enabled)
         await stop.wait()
         log.info("service stopping")
     log.info("service stopped")
+
+
+async def until_stopped(coro: Any, stop: asyncio.Event) -> Any:
+    """Run ``coro`` unless ``stop`` is set first; then cancel it and return None.
+
+    Returns:
+        ``coro``'s result, or None when ``stop`` was set before it finished.
+
+    Raises:
+        Whatever ``coro`` raises.
+    """
+    task = asyncio.ensure_future(coro)
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this coroutine itself was cancelled
+        task.cancel()
+        raise
+    finally:
+        waiter.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):  # stopping anyway
+            await task
+        return None
+    return task.result()
 
 
 def run_service(service_name: str, cfg: CommonConfig, factory: ServiceFactory, *, instance: str | None = None) -> None:

@@ -1,0 +1,105 @@
+"""Every service process exits promptly and cleanly on SIGTERM/SIGINT at any time.
+
+Before the fix a service whose NATS server was unreachable kept retrying the
+initial connect and ignored SIGTERM (the signal only set an event nobody waited
+on until start-up had finished): it had to be SIGKILLed. Here each service is
+started against a loopback port nothing listens on, signalled while it retries,
+and must exit 0 within seconds; and a started service whose server then dies
+(the bus reconnecting) must exit on SIGTERM too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.natsserver import EmbeddedNatsServer
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(120)
+
+EXIT_WITHIN_S = 15.0
+"""Generous for a loaded 2-core box; the exit itself takes well under a second."""
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def _dead_url() -> str:
+    """A loopback URL where nothing listens (a port the kernel just handed out and freed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"nats://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def _service(service: str, url: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -m services.<service>`` logging to ``log``; killed on the way out if still running."""
+    extra = ["--port", "0"] if service == "router" else []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"services.{service}", "--nats-url", url, *extra],
+        cwd=REPO, env=_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_for(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text(errors="replace"):
+        assert proc.poll() is None, log.read_text(errors="replace")
+        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{log.read_text(errors='replace')}"
+        time.sleep(0.1)
+
+
+def _signal_and_wait(proc: subprocess.Popen[bytes], sig: int, log: Path) -> int:
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=EXIT_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"still running {EXIT_WITHIN_S:g} s after {signal.Signals(sig).name}:\n{log.read_text(errors='replace')[-2000:]}")
+
+
+@pytest.mark.parametrize(
+    ("service", "sig"),
+    [("router", signal.SIGTERM), ("worker", signal.SIGTERM), ("planner", signal.SIGTERM), ("kvdirectory", signal.SIGTERM),
+     ("planner", signal.SIGINT)],
+)
+def test_signal_during_initial_connect_retries(service, sig, tmp_path):
+    log = tmp_path / f"{service}.log"
+    with _service(service, _dead_url(), log) as proc:
+        _wait_for(log, "Connection refused", proc)  # the bus is retrying; signal handlers are installed
+        time.sleep(1.0)  # a few more retries
+        rc = _signal_and_wait(proc, sig, log)
+    assert rc == 0, log.read_text(errors="replace")[-2000:]
+    assert "service stopped during start-up" in log.read_text(errors="replace")
+
+
+def test_sigterm_while_reconnecting_after_the_server_died(tmp_path):
+    log = tmp_path / "kvdirectory.log"
+    with EmbeddedNatsServer() as srv, _service("kvdirectory", srv.url, log) as proc:
+        _wait_for(log, "service started", proc)
+        srv.stop()
+        _wait_for(log, "nats disconnected", proc)
+        rc = _signal_and_wait(proc, signal.SIGTERM, log)
+    assert rc == 0, log.read_text(errors="replace")[-2000:]
+    assert "service stopped" in log.read_text(errors="replace")
