@@ -227,7 +227,9 @@ def payloads(
     encoded = [(p, raw) for p, raw in ((p, m.encode(v)) for p, v in variants) if len(raw) < MAX_PAYLOAD_BYTES - 4096]
     if not encoded:  # a message without fields: an unknown field with a huge value (skipped by the decoder)
         encoded = [(params, msgspec.msgpack.encode({"v": 1, "junk": list(range(big))}))]
-    small = [e for e in encoded if len(e[1]) <= HUGE_BYTES] or encoded[:1]
+    small = [e for e in encoded if len(e[1]) <= HUGE_BYTES]
+    if not small:  # every variant is huge (a message without fields): the same attack under HUGE_BYTES
+        small = [(params, msgspec.msgpack.encode({"v": 1, "junk": list(range(HUGE_BYTES // 8))}))]
     huge_sent = 0
     for i in range(count):
         kind = KINDS[i % len(KINDS)]

@@ -128,6 +128,17 @@ def test_payload_rotation_and_huge_cap():
     assert sum(len(raw) > 64 * 1024 for _, _, raw in out) == 2
 
 
+def test_huge_cap_holds_on_every_subject_even_for_messages_without_fields():
+    # split.get / svc.stats carry no fields: their only hostile variant is huge, and every
+    # hostile payload used to be that 1.4-MB message whatever max_huge said
+    rng = random.Random(3)
+    for s in ALL:
+        params, msg = samples()[s.template]
+        out = list(payloads(s, params, msg, rng, 200, big=300_000, max_huge=2))
+        assert sum(len(raw) > 64 * 1024 for _, _, raw in out) <= 2, s.template
+        assert sum(k == "hostile" for k, _, _ in out) == 50, s.template
+
+
 class _Log:
     def __init__(self) -> None:
         self.lines: list[tuple[str, dict]] = []
