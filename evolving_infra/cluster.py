@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -30,7 +29,7 @@ import structlog
 from shared import messages as m
 from shared.auth import AuthError, Credentials, NatsAuth, generate
 from shared.bus import Bus
-from shared.natsserver import EmbeddedNatsServer, NatsServerError
+from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from shared.split import parse_split, split_phases
 from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
@@ -123,14 +122,6 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @dataclass
@@ -310,9 +301,18 @@ class LocalCluster:
     async def start(self) -> None:
         """Start NATS (unless external), then every service; wait until all are healthy.
 
+        On any failure or cancellation on the way, what was started (NATS included) is stopped.
+
         Raises:
             ClusterError: if a service exits early or is not healthy within ``ready_timeout_s``.
         """
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         s = self.spec
         parse_split(s.split, s.nodes)  # fail fast on a bad split
         self.log_dir = Path(s.log_dir) if s.log_dir else Path(tempfile.mkdtemp(prefix="ei-logs-"))
@@ -358,11 +358,7 @@ class LocalCluster:
         await self._bus.subscribe(SPLIT_APPLIED, on_applied)
         for child in self.children:
             self._spawn(child)
-        try:
-            await self._wait_ready(seen)
-        except BaseException:
-            await self.stop()
-            raise
+        await self._wait_ready(seen)
         # a restarted router must listen where clients already connect
         port = self.router_url.rsplit(":", 1)[-1]
         for child in self.children:
@@ -380,7 +376,7 @@ class LocalCluster:
             stdout=child.log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent(),
         )
         child.started_at = time.monotonic()
         child.restart_at = None

