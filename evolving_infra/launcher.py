@@ -2,7 +2,9 @@
 
 ``up`` starts an embedded nats-server (unless ``--nats-url``) and every service
 as its own OS process, waits until all are healthy, prints where the router
-listens, and stops everything cleanly on Ctrl-C / SIGTERM. It supervises: a
+listens, and stops everything cleanly on Ctrl-C / SIGTERM (also during start-up,
+e.g. while ``--nats-url`` is unreachable; and the embedded nats-server and the
+services die with it if it is killed outright). It supervises: a
 service that exits is restarted (exponential backoff, a log line, a restart
 counter in ``LOG_DIR/cluster.json``), a dead nats-server is started again on the
 same port; ``--no-restart`` stops the whole cluster on the first exit instead.
@@ -27,6 +29,7 @@ from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, write_json
 from shared.log import setup_logging
 from shared.profile import available_profiles
+from shared.service import until_stopped
 from shared.split import SplitError, parse_split
 
 DEMO_TRACE = "claude-code-sample.jsonl.gz"
@@ -246,8 +249,15 @@ async def _up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     cluster = LocalCluster(_spec(args))
-    try:
+
+    async def start() -> bool:
         await cluster.start()
+        return True
+
+    try:  # a signal during start-up (e.g. --nats-url unreachable) cancels it; start() stops what it started
+        if await until_stopped(start(), stop) is None:
+            print("stopped during start-up", flush=True)
+            return 0
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,103 @@
+"""`evolving-infra up` stops on SIGTERM during its start-up and leaves no process behind.
+
+Before the fix ``up --nats-url`` pointed at a NATS server that is down kept
+retrying the connect and ignored SIGTERM (it had to be SIGKILLed); with the
+embedded server, a SIGTERM before READY only took effect once every service was
+ready. Now the start-up is cancelled, what it started (nats-server, services)
+is stopped, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+EXIT_WITHIN_S = 30.0
+
+
+def _children(pid: int) -> set[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _up(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "2", "--split", "1P1D", "--profile", "tiny", "--port", "0",
+           "--policy", "static", "--log-dir", str(tmp_path / "logs"), *extra]  # fmt: skip
+    env = {**os.environ, "EI_STATE_DIR": str(tmp_path / "state")}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=EXIT_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"`up` still running {EXIT_WITHIN_S:g} s after SIGTERM:\n{out[-2000:]}")
+    return proc.returncode, out
+
+
+def test_sigterm_while_connecting_to_an_unreachable_nats(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"nats://127.0.0.1:{s.getsockname()[1]}"
+    proc = _up(tmp_path, "--nats-url", dead)
+    try:
+        time.sleep(6.0)  # imports, then the launcher's bus retries the connect
+        assert proc.poll() is None
+        rc, out = _stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0 and "stopped during start-up" in out, out[-2000:]
+
+
+def test_sigterm_before_ready_stops_the_embedded_server_and_services(tmp_path):
+    proc = _up(tmp_path)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while len(seen) < 2:  # nats-server and at least one service started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            seen |= _children(proc.pid)
+            time.sleep(0.02)
+        rc, out = _stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, out[-2000:]
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in seen) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in seen if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes of `up` outlived it: {left}\n{out[-2000:]}"
