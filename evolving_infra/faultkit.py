@@ -35,7 +35,7 @@ import httpx
 from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
-from shared.natsserver import EmbeddedNatsServer
+from shared.natsserver import EmbeddedNatsServer, die_with_parent
 from shared.split import parse_split
 from shared.subjects import SVC_STATS, Subjects
 
@@ -144,7 +144,8 @@ class FaultCluster:
 
     def _spawn(self, p: _Proc) -> None:
         with open(p.log, "ab") as log:
-            p.proc = subprocess.Popen(p.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            p.proc = subprocess.Popen(p.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=die_with_parent())  # a killed test run leaves no service behind
 
     async def start(self) -> None:
         """Start everything and wait until every router answers ``/healthz`` with 200."""

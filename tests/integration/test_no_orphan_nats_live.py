@@ -34,6 +34,21 @@ time.sleep(120)
 """
 
 
+FAULTKIT_OWNER = """
+import asyncio, sys
+from pathlib import Path
+from evolving_infra.faultkit import FaultCluster, FaultSpec
+
+async def main():
+    fc = FaultCluster(FaultSpec(nodes=2, split="1P1D", profile="tiny", block_size=4), Path(sys.argv[1]))
+    await fc.start()
+    print(" ".join(str(p.proc.pid) for p in fc.procs.values()), fc.nats.pid, flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
 def _gone_within(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -63,6 +78,30 @@ def test_server_dies_with_its_owner(sig):
         if server_pid:
             try:
                 os.kill(server_pid, signal.SIGKILL)  # do not leave it behind when the test fails
+            except ProcessLookupError:
+                pass
+
+
+def test_fault_cluster_services_and_server_die_with_a_killed_owner(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    owner = subprocess.Popen([sys.executable, "-c", FAULTKIT_OWNER, str(tmp_path / "fc")], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    pids: list[int] = []
+    try:
+        assert owner.stdout is not None
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) >= 5, pids  # router, planner, kvdirectory, 2 workers (+ nats-server)
+        owner.kill()
+        owner.wait(timeout=30)
+        left = [p for p in pids if not _gone_within(p, 15.0)]
+        assert not left, f"outlived the killed FaultCluster owner: {left}"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
