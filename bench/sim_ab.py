@@ -12,7 +12,8 @@ RSS. Then:
 
 * exactness: ``report.json`` of the two revisions' first runs must be equal apart from wall-clock
   keys (``evolving_infra.sim.run.WALL_CLOCK_KEYS``, ``meta.date``, ``meta.argv``, ``meta.wall_s``)
-  and keys only the head has (new report keys); ``requests.jsonl`` must be equal line by line;
+  and keys only the head has (new report keys); ``requests.jsonl`` must be equal line by line
+  apart from keys that are not fields of the base's ``RequestRecord`` (new per-request fields);
 * speed: medians of the CPU seconds and their ratio (base ÷ head: > 1 = head faster).
 
 Default input (issue 23): ``--policy evolving`` on 9 nodes, 40 agents of the trace, pauses capped
@@ -61,8 +62,18 @@ def run(tree: Path, args: list[str], out: Path) -> dict:
     return rep
 
 
-def differences(a: Path, b: Path) -> list[str]:
-    """What differs between two output dirs (report.json minus wall keys and head-only keys; requests.jsonl)."""
+def record_fields(tree: Path) -> frozenset[str]:
+    """The ``RequestRecord`` fields of ``tree``'s version (the keys its ``requests.jsonl`` may hold)."""
+    code = "from evolving_infra.report.records import RequestRecord; print(' '.join(RequestRecord.__struct_fields__))"
+    p = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONPATH": str(tree)})
+    return frozenset(p.stdout.split())
+
+
+def differences(a: Path, b: Path, base_fields: frozenset[str] | None = None) -> list[str]:
+    """What differs between two output dirs (report.json minus wall keys and head-only keys; requests.jsonl
+    line by line, minus keys that are not fields of the base's ``RequestRecord`` when ``base_fields``
+    is given: a new per-request field may appear, an old one may not change)."""
     from evolving_infra.sim.run import WALL_CLOCK_KEYS
 
     ra, rb = (json.loads((d / "report.json").read_text()) for d in (a, b))
@@ -77,9 +88,13 @@ def differences(a: Path, b: Path) -> list[str]:
         if va != vb:
             out.append(f"report.json {k}: {str(va)[:120]} -> {str(vb)[:120]}")
     la, lb = ((d / "requests.jsonl").read_text().splitlines() for d in (a, b))
-    if la != lb:
-        n = sum(x != y for x, y in zip(la, lb)) + abs(len(la) - len(lb))
-        out.append(f"requests.jsonl: {n} of {max(len(la), len(lb))} lines differ")
+    if la != lb:  # equal apart from keys only the head writes (new per-request fields)
+        ja, jb = [json.loads(x) for x in la], [json.loads(x) for x in lb]
+        keep = base_fields if base_fields is not None else frozenset(k for y in jb for k in y)
+        n = sum(x != {k: v for k, v in y.items() if k in keep} for x, y in zip(ja, jb))
+        n += abs(len(la) - len(lb))
+        if n:
+            out.append(f"requests.jsonl: {n} of {max(len(la), len(lb))} lines differ")
     return out
 
 
@@ -106,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 reps[name].append(rep)
                 print(f"round {r} {name}: CPU {rep['_cpu_s']:.1f} s, wall {rep['_wall_s']:.1f} s, loop {rep['sim_wall_s']:.1f} s, "
                       f"peak RSS {rep['peak_rss_mb']:.0f} MiB", flush=True)
-        diff = differences(Path(tmp) / "base0", Path(tmp) / "head0")
+        diff = differences(Path(tmp) / "base0", Path(tmp) / "head0", record_fields(trees["base"]))
     cpu = {k: statistics.median(r["_cpu_s"] for r in v) for k, v in reps.items()}
     rss = {k: statistics.median(r["peak_rss_mb"] for r in v) for k, v in reps.items()}
     print(f"\n{a.policy}, {a.duration} s simulated, {a.block_size}-token blocks, {a.extra}")

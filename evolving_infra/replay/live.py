@@ -267,6 +267,11 @@ class LiveReplayer:
                             rec.queue_s = float(ei["queue_s"])
                         if ei.get("predicted_ttft_s") is not None:
                             rec.predicted_ttft_s = float(ei["predicted_ttft_s"])
+                        if ei.get("fetch_s") is not None:  # a peer fetch (RequestRecord.fetch_*)
+                            rec.fetch_s = float(ei["fetch_s"])
+                            rec.exposed_fetch_s = float(ei.get("exposed_fetch_s") or 0.0)
+                            rec.fetched_tokens = int(ei.get("fetched_tokens") or 0)
+                            rec.fetch_sources = [str(n) for n in ei.get("fetch_sources") or ()]
                     usage = obj.get("usage")
                     if usage:
                         rec.prompt_tokens = int(usage.get("prompt_tokens", 0))

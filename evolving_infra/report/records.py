@@ -57,6 +57,17 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     branch — for a fork's first request, its parent's), ``routing`` (another node), ``unattributed``
     (no previous request), ``none`` (nothing lost); None when the producer does not attribute
     (``services.kvdirectory.reuse.attribute_lost_reuse``)."""
+    fetch_sources: list[str] = []
+    """Nodes the prefill node fetched this request's prefix KV from (peer fetch while queued,
+    paper §4.2), sorted; empty when it fetched nothing. Live: the router's fetch plan for the
+    attempt that produced the first token (``ei.fetch_sources``); simulated: the same plan."""
+    fetched_tokens: int = 0
+    """Prompt tokens whose KV came from those peers and was used (part of ``cached_tokens``;
+    ``TokenChunk.fetched_tokens`` / ``TokensOut.fetched_tokens``); 0 without a fetch."""
+    fetch_s: float | None = None
+    """Peer fetch time: fetch start → blocks in the prefill node's L2 (s), when it fetched."""
+    exposed_fetch_s: float | None = None
+    """The part of ``fetch_s`` that outlasted the queue wait (s), when it fetched."""
 
     @property
     def tpot_s(self) -> float | None:

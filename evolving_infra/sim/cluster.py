@@ -109,6 +109,18 @@ def pool_fetch(lookup: KvLookupReply | None, node: str, prompt_tokens: int, min_
     return out if sum(r.end - r.start for r in out) * bs >= min_tokens else []
 
 
+def _fetch_fields(out: TokensOut, work: PrefillWork | None) -> dict[str, Any]:
+    """A request record's peer-fetch fields (``RequestRecord.fetch_sources`` …), as the live
+    router reports them: the nodes of the executed fetch plan and the first token's
+    ``fetched_tokens`` / ``fetch_s`` / ``exposed_fetch_s``. O(ranges)."""
+    return {
+        "fetch_sources": sorted({r.node for r in work.fetch}) if work is not None else [],
+        "fetched_tokens": out.fetched_tokens,
+        "fetch_s": out.fetch_s,
+        "exposed_fetch_s": out.exposed_fetch_s,
+    }
+
+
 class SimError(RuntimeError):
     """The simulation reached a state the cores should never produce (a bug, not bad input)."""
 
@@ -171,6 +183,8 @@ class _Flight:
     prev_prefill: str | None = None
     """Prefill node of the branch's previous request (a fork's first request: its parent's), for
     the paper's C.1 attribution of lost KV reuse."""
+    fetch: TokensOut | None = None
+    """Its first token's output when the prefill node fetched KV from peers (``fetch_s`` set)."""
 
 
 DIRECTORY_SAMPLE_S = 60.0
@@ -868,6 +882,8 @@ class ClusterSim:
         f.queue_s = out.queue_s
         f.cached = out.cached_tokens
         f.prompt = out.prompt_tokens
+        if out.fetch_s is not None:
+            f.fetch = out
         if f.prefill is not None:
             self._last_prefill[f.req.branch] = f.prefill
         sample = self.router.on_first_token(out.rid, t, first_token_at=out.at, queue_s=out.queue_s)
@@ -935,6 +951,7 @@ class ClusterSim:
             predicted_ttft_s=(f.decided_at - f.sent_at + f.predicted) if ok and f.predicted is not None else None,
             first_token_at=f.first_token_at,
             lost_reuse_cause=attribute_lost_reuse(f.ideal, f.cached, f.prefill or "", f.prev_prefill)[1] if ok else None,
+            **(_fetch_fields(f.fetch, f.work) if f.fetch is not None else {}),
         )
 
     # ------------------------------------------------------------------ #

@@ -118,6 +118,12 @@ class _Pending:
     fetch_s: float | None = None
     """``fetch_s`` / ``exposed_fetch_s`` of the first chunk (peer fetch while queued)."""
     exposed_fetch_s: float | None = None
+    fetched_tokens: int = 0
+    """``fetched_tokens`` of the first chunk (prompt tokens whose KV came from peers)."""
+    plan_sources: list[str] = field(default_factory=list)
+    """Nodes of the fetch plan of the attempt last dispatched (sorted)."""
+    fetch_sources: list[str] = field(default_factory=list)
+    """``plan_sources`` of the attempt whose first chunk reported a fetch."""
     done: bool = False
     """The core no longer counts it (finished, failed or aborted)."""
     t_in: float = 0.0
@@ -539,6 +545,8 @@ class RouterService:
             p.first_seen = True
             p.queue_s = chunk.queue_s
             p.fetch_s, p.exposed_fetch_s = chunk.fetch_s, chunk.exposed_fetch_s
+            if chunk.fetch_s is not None:
+                p.fetched_tokens, p.fetch_sources = chunk.fetched_tokens, p.plan_sources
             if not failed:
                 p.ttft_s = now - p.t_in
                 self.core.metrics.observe_first_token(p.ttft_s, chunk.prompt_tokens, chunk.cached_tokens)
@@ -803,6 +811,7 @@ class RouterService:
         router as owner; the placement is announced to the other routers (``route.sent``)."""
         work = msgspec.structs.replace(out.work, attempt=p.attempt, output_offset=p.offset, router=self.bus.instance)
         p.prefill_node, p.decode_node = out.prefill.node, out.decode_node
+        p.plan_sources = sorted({r.node for r in work.fetch})
         self._announce(p, work.prompt_tokens, work.max_tokens)
         return work
 
@@ -1459,7 +1468,8 @@ class RouterService:
 
     @staticmethod
     def _ei(p: _Pending) -> dict[str, Any]:
-        """The ``ei`` object of a response: placement, queue time, predicted TTFT, peer fetch (s)."""
+        """The ``ei`` object of a response: placement, queue time, predicted TTFT, peer fetch
+        (s, tokens fetched, source nodes)."""
         return {
             "prefill_node": p.prefill_node,
             "decode_node": p.decode_node,
@@ -1468,6 +1478,8 @@ class RouterService:
             "predicted_ttft_s": None if p.predicted_ttft_s is None else round(p.predicted_ttft_s, 6),
             "fetch_s": p.fetch_s,
             "exposed_fetch_s": p.exposed_fetch_s,
+            "fetched_tokens": p.fetched_tokens,
+            "fetch_sources": p.fetch_sources,
         }
 
     def _log_route(self, req: RouteRequest, out: RouteDecision, lookup_status: str) -> None:

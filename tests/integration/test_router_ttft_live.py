@@ -40,6 +40,8 @@ BS = 64
 BLOCKS = 30
 PROMPT = [1000 + i for i in range(BLOCKS * BS)]  # 30 full blocks
 QUEUE_S = 0.0125
+FETCH_S = 0.04
+"""The fake prefill node's peer-fetch time when its work carries a fetch plan."""
 
 
 @dataclass
@@ -96,9 +98,11 @@ class TtftCluster:
     async def _work(self, w: m.PrefillWork, subject: str) -> None:
         node = subject.split(".")[-2]
         self.works.append((node, w))
+        fetched = sum(r.end - r.start for r in w.fetch) * BS  # as a worker reports a fetch it used
         first = m.TokenChunk(
             rid=w.rid, node=node, index=0, token_ids=[7], prompt_tokens=w.prompt_tokens, cached_tokens=(BLOCKS - 1) * BS,
             finished=w.max_tokens == 1, finish_reason="length" if w.max_tokens == 1 else None, ts=self.clock.now(), queue_s=QUEUE_S,
+            fetch_s=FETCH_S if fetched else None, exposed_fetch_s=0.0 if fetched else None, fetched_tokens=fetched,
         )  # fmt: skip
         await self.bus.publish(REQ_OUT, first, rid=w.rid)
         if w.max_tokens > 1:
@@ -184,6 +188,7 @@ async def test_ttft_routing_live(nats_url, tmp_path):
         assert 0 < ei["predicted_ttft_s"] < 0.1  # one 64-token block to compute (+ restore)
         node, w = cl.works[-1]
         assert node == "p0" and w.fetch == []
+        assert (ei["fetch_s"], ei["exposed_fetch_s"], ei["fetched_tokens"], ei["fetch_sources"]) == (None, None, 0, [])
 
         # 2. p0 reports a backlog of 200K tokens (several seconds): p1 fetches the prefix from p0
         cl.queues["p0"] = [m.QueuedWork(rid="bg", uncached_tokens=200_000)]
@@ -195,6 +200,8 @@ async def test_ttft_routing_live(nats_url, tmp_path):
         assert node == "p1" and w.fetch == [m.FetchRange(node="p0", start=0, end=BLOCKS - 1, tier="host")]
         # predicted: τ((29·64) tokens) = 0.45 + 1.856 ms exposed on an idle node, then one block of prefill
         assert 0.45 < r.json()["ei"]["predicted_ttft_s"] < 0.55
+        ei = r.json()["ei"]  # the peer fetch, as the replayer writes it into requests.jsonl
+        assert (ei["fetch_s"], ei["exposed_fetch_s"], ei["fetched_tokens"], ei["fetch_sources"]) == (FETCH_S, 0.0, (BLOCKS - 1) * BS, ["p0"])
 
         # 3. streaming: the ei object rides on the final chunk and on the usage chunk
         payload = {"prompt": PROMPT, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
