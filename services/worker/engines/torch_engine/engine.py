@@ -551,7 +551,8 @@ class TorchEngine(Engine):
             pos = len(s.prompt) + len(s.out) - 1
             if s.computed != pos:
                 raise KvMapError(f"{r.rid}: decode at position {pos} but {s.computed} tokens are in KV")
-            self._ensure_pages(s, pos + 1)
+            if len(s.table) * ps <= pos:
+                self._ensure_pages(s, pos + 1)
             off = len(tokens)
             tokens.append(s.out[-1])
             positions.append(pos)

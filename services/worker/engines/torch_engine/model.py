@@ -12,9 +12,12 @@ shape ``[pages, page_size, kv_heads, head_dim]``; a sequence's keys are found
 through its block table (list of page indices, one per ``page_size`` tokens).
 ``forward`` runs one iteration over a mixed batch: prefill chunks (many query
 tokens each) and decode requests (one query token each) in one pass over the
-layers; the projections and MLP run on all tokens at once, attention in two
-batched SDPA calls over gathered pages (the decode requests; the prefill chunks,
-padded to the longest).
+layers; the projections and MLP run on all tokens at once, attention in at most
+two batched SDPA calls per layer: the decode requests (keys gathered from their
+pages by one ``index_select`` per tensor, no mask when all have the same length),
+and the prefill chunks (padded to the longest, keys gathered, masked; chunks that
+start at position 0 with one length attend causally over their own fresh K/V with
+no gather). Page indices and masks are built once per iteration for all layers.
 """
 
 from __future__ import annotations
@@ -167,14 +170,19 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     dt = x.dtype
+    if dt == torch.float32:  # the same ops without the two no-op casts
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return w * x32.to(dt)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (transformers' ``apply_rotary_pos_emb``) with the
+    sign of ``rotate_half`` folded into ``sin_signed`` (first half negated): the same
+    products, bit for bit, in three ops fewer."""
     h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos + torch.cat((x[..., h:], x[..., :h]), dim=-1) * sin_signed
 
 
 @dataclass(slots=True)
@@ -192,49 +200,132 @@ class SeqBatch:
     block_table: list[int]
 
 
+def _pages_and_mask(
+    seqs: list[SeqBatch], ps: int, dtype: torch.dtype, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    """Pages to gather and the additive mask of a group: ``([B·npg] flat page indices
+    (padding: page 0), [B, 1, Q, Lk] mask (0 = seen, -inf = not) or None, npg, Lk)``
+    where ``Lk = max(ctx + n)`` keys are attended (of the ``npg·page_size`` gathered).
+    Query i of sequence b sees key j iff j ≤ ctx_b + i; a padded query row (i ≥ n_b)
+    sees key 0 only, so no row is empty. No mask (None) when every query sees every
+    key (one query per sequence, all of the same length): adding zeros is exact, so
+    the result is the same bit for bit. Built once per iteration, used by every layer."""
+    B = len(seqs)
+    Q = max(sq.n for sq in seqs)
+    ends = [sq.ctx + sq.n for sq in seqs]
+    Lk = max(ends)
+    npg = -(-Lk // ps)
+    table = np.zeros((B, npg), dtype=np.int64)
+    for b, sq in enumerate(seqs):
+        k = -(-ends[b] // ps)
+        table[b, :k] = sq.block_table[:k]
+    pages = torch.from_numpy(table.reshape(-1)).to(dev)
+    if Q == 1 and min(ends) == Lk:
+        return pages, None, npg, Lk
+    last = np.zeros((B, Q), dtype=np.int64)  # last key position each query sees
+    for b, sq in enumerate(seqs):
+        last[b, : sq.n] = np.arange(sq.ctx, sq.ctx + sq.n)
+    seen = np.arange(Lk)[None, None, :] <= last[:, :, None]
+    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(torch.from_numpy(~seen), float("-inf"))
+    return pages, mask[:, None].to(dev), npg, Lk
+
+
 @dataclass(slots=True)
 class _Group:
-    """Sequences attended in one batched SDPA call: their queries padded to ``Q``, their
-    keys gathered from ``npg`` pages each (padding masked out)."""
+    """Sequences attended in one batched attention call, in one of three ways:
 
-    q_idx: torch.Tensor
-    """[B, Q] indices of the queries in the flat token tensor (padding: any valid index)."""
-    valid: torch.Tensor
-    """[B, Q] bool: a real query."""
-    q_flat: torch.Tensor
-    """[Σn] the flat indices of the real queries, in ``valid``'s row-major order."""
-    table: torch.Tensor
-    """[B, npg] pages (padding: page 0, masked)."""
-    mask: torch.Tensor
-    """[B, 1, Q, npg·page_size] bool: query i of sequence b sees key j iff j ≤ ctx_b + i
-    (padded query rows see key 0 only, so no row is empty)."""
+    * *fresh*: prefill chunks from position 0, all of one length ``Q``, contiguous in
+      the flat token tensor: causal attention over this iteration's own K/V, no
+      gather, no mask (the pages are written all the same);
+    * *decode rows*: one query per sequence, contiguous: keys gathered (one
+      ``index_select`` per layer and tensor) from ``npg`` pages each;
+    * otherwise: queries padded to ``Q`` (gathered by index), keys gathered from
+      pages, padding masked out.
+    """
+
+    B: int
+    Q: int
+    Lk: int
+    """Keys attended per sequence (``max(ctx + n)``)."""
+    pages: torch.Tensor | None
+    """[B·npg] flat page indices (padding: page 0, masked); None for *fresh*."""
+    mask: torch.Tensor | None
+    """[B, 1, Q, Lk] additive mask in the model's dtype (see :func:`_pages_and_mask`); None: none needed."""
+    rows: slice | None
+    """Queries contiguous in the flat token tensor (*fresh* and *decode rows*): their rows."""
+    q_idx: torch.Tensor | None = None
+    """[B·Q] indices of the queries in the flat token tensor (padding: the sequence's first token)."""
+    q_flat: torch.Tensor | None = None
+    """[Σn] flat indices of the real queries, in row-major (b, i) order."""
+    valid: torch.Tensor | None = None
+    """[Σn] positions of the real queries in the ``[B·Q]`` padded rows."""
 
     @staticmethod
-    def build(seqs: list[SeqBatch], ps: int, dev: torch.device) -> _Group | None:
+    def build(seqs: list[SeqBatch], ps: int, dtype: torch.dtype, dev: torch.device) -> _Group | None:
         if not seqs:
             return None
         B = len(seqs)
         Q = max(sq.n for sq in seqs)
-        npg = max(-(-(sq.ctx + sq.n) // ps) for sq in seqs)
-        q_idx = np.zeros((B, Q), dtype=np.int64)
+        first = seqs[0].offset
+        contiguous = all(sq.offset == first + b * Q and sq.n == Q for b, sq in enumerate(seqs))
+        if Q > 1 and contiguous and all(sq.ctx == 0 for sq in seqs):
+            return _Group(B, Q, Q, None, None, slice(first, first + B * Q))
+        pages, mask, _, Lk = _pages_and_mask(seqs, ps, dtype, dev)
+        if Q == 1 and contiguous:
+            return _Group(B, 1, Lk, pages, mask, slice(first, first + B))
+        q_idx = np.empty((B, Q), dtype=np.int64)
         valid = np.zeros((B, Q), dtype=bool)
-        table = np.zeros((B, npg), dtype=np.int64)
-        last = np.zeros((B, Q), dtype=np.int64)  # last key position each query sees
         for b, sq in enumerate(seqs):
             q_idx[b, : sq.n] = np.arange(sq.offset, sq.offset + sq.n)
             q_idx[b, sq.n :] = sq.offset
             valid[b, : sq.n] = True
-            k = -(-(sq.ctx + sq.n) // ps)
-            table[b, :k] = sq.block_table[:k]
-            last[b, : sq.n] = np.arange(sq.ctx, sq.ctx + sq.n)
-        mask = np.arange(npg * ps)[None, None, :] <= last[:, :, None]
+        flat_valid = np.flatnonzero(valid.reshape(-1))
         return _Group(
-            q_idx=torch.from_numpy(q_idx).to(dev),
-            valid=torch.from_numpy(valid).to(dev),
-            q_flat=torch.from_numpy(q_idx[valid]).to(dev),
-            table=torch.from_numpy(table).to(dev),
-            mask=torch.from_numpy(mask[:, None]).to(dev),
-        )
+            B, Q, Lk, pages, mask, None,
+            torch.from_numpy(q_idx.reshape(-1)).to(dev),
+            torch.from_numpy(q_idx.reshape(-1)[flat_valid]).to(dev),
+            torch.from_numpy(flat_valid).to(dev),
+        )  # fmt: skip
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+        out: torch.Tensor | None, scale: float,
+    ) -> torch.Tensor | None:
+        """Attention of this group's queries (``q``: ``[T, heads, D]``, all tokens; ``k``,
+        ``v``: ``[T, kv_heads, D]``, this iteration's) over their keys in the pages of
+        ``kc``/``vc`` (``[pages, page_size, kv_heads, D]``, already holding ``k``/``v``),
+        written into their rows of ``out`` (``[T, heads, D]``); with ``out`` None (a group
+        whose ``rows`` are all ``T`` tokens), returned as ``[T, heads, D]`` instead."""
+        B, Q, Lk = self.B, self.Q, self.Lk
+        nh, D = q.shape[1], q.shape[2]
+        nkv = kc.shape[2]
+        gqa = nh != nkv
+        if self.pages is None:  # fresh prefill: this iteration's own K/V, causal
+            rows = self.rows
+            qs = q[rows].view(B, Q, nh, D).transpose(1, 2)
+            ks = k[rows].view(B, Q, nkv, D).transpose(1, 2)
+            vs = v[rows].view(B, Q, nkv, D).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = o.transpose(1, 2).reshape(B * Q, nh, D)
+            if out is None:
+                return o
+            out[rows] = o
+            return None
+        ks = kc.index_select(0, self.pages).view(B, -1, nkv, D)[:, :Lk].transpose(1, 2)  # [B, nkv, Lk, D]
+        vs = vc.index_select(0, self.pages).view(B, -1, nkv, D)[:, :Lk].transpose(1, 2)
+        if self.rows is not None:
+            qs = q[self.rows].view(B, 1, nh, D).transpose(1, 2)  # [B, nh, 1, D]
+        else:
+            qs = q.index_select(0, self.q_idx).view(B, Q, nh, D).transpose(1, 2)  # [B, nh, Q, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(B * Q, nh, D)
+        if out is None:
+            return o
+        if self.rows is not None:
+            out[self.rows] = o
+        else:
+            out.index_copy_(0, self.q_flat, o.index_select(0, self.valid))
+        return None
 
 
 class PagedDecoder(torch.nn.Module):
@@ -352,48 +443,57 @@ class PagedDecoder(torch.nn.Module):
         nh, nkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         ps = k_cache[0].shape[1]
         dev = self.device
-        # where each new token's K/V goes: flat slot = page * page_size + offset (numpy: no per-seq tensors)
-        slots_np = np.empty(tokens.shape[0], dtype=np.int64)
+        T = tokens.shape[0]
+        # where each new token's K/V goes: flat slot = page * page_size + offset (one per token)
+        slots_l: list[int] = []
         for sq in seqs:
-            p = np.arange(sq.ctx, sq.ctx + sq.n)
-            slots_np[sq.offset : sq.offset + sq.n] = np.asarray(sq.block_table, dtype=np.int64)[p // ps] * ps + p % ps
-        slots = torch.from_numpy(slots_np).to(dev)
+            if sq.n == 1:
+                slots_l.append(sq.block_table[sq.ctx // ps] * ps + sq.ctx % ps)
+            else:
+                p = np.arange(sq.ctx, sq.ctx + sq.n)
+                slots_l.extend((np.asarray(sq.block_table, dtype=np.int64)[p // ps] * ps + p % ps).tolist())
+        slots = torch.tensor(slots_l, dtype=torch.int64).to(dev)
         # attention groups, each one batched SDPA over gathered pages: the decode requests
-        # (one query each), and the prefill chunks (padded to the longest chunk)
-        groups = [g for g in (_Group.build([q for q in seqs if q.n == 1], ps, dev), _Group.build([q for q in seqs if q.n > 1], ps, dev)) if g]
-        cos_sin = positions.to(dev).float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((cos_sin, cos_sin), dim=-1)
+        # (one query each), and the prefill chunks (padded to the longest chunk); their
+        # page indices and masks are built once here and used by every layer
+        groups = [
+            g
+            for g in (
+                _Group.build([q for q in seqs if q.n == 1], ps, self.dtype, dev),
+                _Group.build([q for q in seqs if q.n > 1], ps, self.dtype, dev),
+            )
+            if g
+        ]
+        freqs = positions.to(dev).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(self.dtype)[:, None, :]
-        sin = emb.sin().to(self.dtype)[:, None, :]
+        sin = freqs.sin()
+        sin_signed = torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
         x = F.embedding(tokens.to(dev), self.embed)
-        T = x.shape[0]
         scale = 1.0 / math.sqrt(D)
+        I = c.intermediate_size
         for li, L in enumerate(self.layers):
             h = _rms(x, L["in_norm"], c.rms_norm_eps)
             qkv = F.linear(h, L["qkv"], L.get("qkv_b"))
-            q = qkv[:, : nh * D].view(T, nh, D)
-            k = qkv[:, nh * D : (nh + nkv) * D].view(T, nkv, D)
             v = qkv[:, (nh + nkv) * D :].view(T, nkv, D)
             if c.qk_norm:
-                q = _rms(q, L["q_norm"], c.rms_norm_eps)
-                k = _rms(k, L["k_norm"], c.rms_norm_eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                q = _rope(_rms(qkv[:, : nh * D].view(T, nh, D), L["q_norm"], c.rms_norm_eps), cos, sin_signed)
+                k = _rope(_rms(qkv[:, nh * D : (nh + nkv) * D].view(T, nkv, D), L["k_norm"], c.rms_norm_eps), cos, sin_signed)
+            else:  # q and k rotated in one pass
+                qk = _rope(qkv[:, : (nh + nkv) * D].view(T, nh + nkv, D), cos, sin_signed)
+                q, k = qk[:, :nh], qk[:, nh:]
             kc, vc = k_cache[li], v_cache[li]
             kc.view(-1, nkv, D).index_copy_(0, slots, k.to(kc.dtype))
-            vc.view(-1, nkv, D).index_copy_(0, slots, v.contiguous().to(vc.dtype))
-            attn = torch.empty(T, nh, D, dtype=x.dtype, device=dev)
-            for g in groups:
-                B = g.table.shape[0]
-                ks = kc[g.table].reshape(B, -1, nkv, D).transpose(1, 2)  # [B, nkv, L, D]
-                vs = vc[g.table].reshape(B, -1, nkv, D).transpose(1, 2)
-                qs = q[g.q_idx].transpose(1, 2)  # [B, nh, Q, D]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=scale, enable_gqa=nh != nkv)
-                attn[g.q_flat] = o.transpose(1, 2)[g.valid]
+            vc.view(-1, nkv, D).index_copy_(0, slots, v.to(vc.dtype))
+            if len(groups) == 1 and groups[0].rows == slice(0, T):  # one group, every row: no copy
+                attn = groups[0].attend(q, k, v, kc, vc, None, scale)
+            else:
+                attn = torch.empty(T, nh, D, dtype=x.dtype, device=dev)
+                for g in groups:
+                    g.attend(q, k, v, kc, vc, attn, scale)
             x = x + F.linear(attn.reshape(T, nh * D), L["o"])
             h = _rms(x, L["post_norm"], c.rms_norm_eps)
             gu = F.linear(h, L["gate_up"])
-            I = c.intermediate_size
             x = x + F.linear(F.silu(gu[:, :I]) * gu[:, I:], L["down"])
-        x = _rms(x[logits_at.to(dev)], self.norm, c.rms_norm_eps)
+        x = _rms(x.index_select(0, logits_at.to(dev)), self.norm, c.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
