@@ -122,30 +122,30 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
 
 
-def load_workload(args: argparse.Namespace) -> tuple[list[Any], int, dict[str, Any]]:
-    """The requests to replay, their block size, and provenance for ``meta``.
+def load_workload(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
+    """The requests to replay (a ``--trace`` as a ``traces.compact.CompactTrace``, a generated
+    workload as a list of requests), their block size, and provenance for ``meta``.
 
     Raises:
         SimConfigError: no input, or an unreadable trace / bad generator options.
     """
-    from evolving_infra.traces.io import TraceError, read_trace
+    from evolving_infra.traces.compact import read_trace_compact
+    from evolving_infra.traces.io import TraceError
 
     if bool(args.trace) == bool(args.workload):
         raise SimConfigError("give exactly one of --trace FILE or --workload KIND")
     if args.trace:
-        try:
-            trace = read_trace(Path(args.trace))
+        try:  # held compactly (stubs + prefix differences): ~8 bytes per new block id, not ~40 per id
+            trace = read_trace_compact(Path(args.trace))
         except (TraceError, OSError) as e:
             raise SimConfigError(f"--trace: {e}") from e
-        from evolving_infra.traces.tokens import rechain_blocks
-
-        reqs, remapped = rechain_blocks(trace.requests)
+        trace, remapped = trace.rechained()
         prov: dict[str, Any] = {"trace": str(args.trace), "trace_source": trace.header.source}
         if remapped:
             print(f"note: {args.trace}: {remapped} block occurrences followed another prefix than their id's first "
                   "occurrence (ids must be chained, docs/trace-format.md); remapped to fresh ids", file=sys.stderr)
             prov["block_ids_rechained"] = remapped
-        return reqs, trace.header.block_size, _with_periods(prov, trace.header.meta)
+        return trace, trace.header.block_size, _with_periods(prov, trace.header.meta)
     from evolving_infra.traces.generate import GenerateError, generate
 
     try:

@@ -33,6 +33,7 @@ from evolving_infra.report.write import build_report
 from evolving_infra.sim.cluster import DIRECTORY_SAMPLE_S, ClusterResult, ClusterSim, SimStats
 from evolving_infra.sim.config import Resolved, SimConfig, SimConfigError, resolve
 from evolving_infra.sim.workload import PlainWorkload, TiledWorkload, WorkloadError
+from evolving_infra.traces.compact import CompactTrace
 from evolving_infra.traces.io import paused_gc
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechunk_request
@@ -97,8 +98,10 @@ def node_names(partition: int, n: int, partitions: int) -> list[str]:
     return [f"w{i}" for i in range(n)] if partitions == 1 else [f"p{partition}w{i}" for i in range(n)]
 
 
-def convert_block_size(requests: Sequence[TraceRequest], from_size: int, to_size: int) -> list[TraceRequest]:
-    """Requests at the simulation's block size (``evolving_infra.traces.tokens.rechunk_request``).
+def convert_block_size(requests: Sequence[TraceRequest] | CompactTrace, from_size: int, to_size: int) -> Any:
+    """Requests at the simulation's block size (``evolving_infra.traces.tokens.rechunk_request``):
+    a list for a list, a :class:`~evolving_infra.traces.compact.CompactTrace` for one (converted
+    request by request in the same order, so with the same ids; ``from_size`` is its header's).
 
     Coarser blocks (e.g. 64 → 512) are exact in what they share (chained ids) but
     round every shared prefix down to a whole coarse block, so reuse is
@@ -106,6 +109,8 @@ def convert_block_size(requests: Sequence[TraceRequest], from_size: int, to_size
     sharing the source did not record. Ids are chained, so the converted ids are
     usable as block hashes directly.
     """
+    if isinstance(requests, CompactTrace):
+        return requests.at_block_size(to_size)
     if from_size == to_size:
         return list(requests)
     private = PrivateIds()
@@ -383,14 +388,16 @@ def peak_rss_mb() -> float:
 
 def simulate(
     cfg: SimConfig,
-    requests: Sequence[TraceRequest],
+    requests: Sequence[TraceRequest] | CompactTrace,
     trace_block_size: int,
     *,
     meta: dict[str, Any] | None = None,
     setup_wall_s: float = 0.0,
     progress: bool = False,
 ) -> SimRun:
-    """Simulate ``requests`` (a trace at ``trace_block_size``) under ``cfg`` and build the report.
+    """Simulate ``requests`` (a trace at ``trace_block_size``: a list, or a
+    :class:`~evolving_infra.traces.compact.CompactTrace` — same report, a fraction of the
+    memory) under ``cfg`` and build the report.
 
     ``progress``: print how far each partition has simulated on stderr (:class:`ProgressLine`).
 
@@ -407,7 +414,7 @@ def simulate(
 
 def _simulate(
     cfg: SimConfig,
-    requests: Sequence[TraceRequest],
+    requests: Sequence[TraceRequest] | CompactTrace,
     trace_block_size: int,
     *,
     meta: dict[str, Any] | None,
@@ -420,12 +427,17 @@ def _simulate(
         reqs = convert_block_size(requests, trace_block_size, bs)
     except ValueError as e:
         raise SimConfigError(f"--block-size {bs}: cannot convert the trace's {trace_block_size}-token blocks ({e})") from e
+    blocks_of = None
+    if isinstance(reqs, CompactTrace):  # stubs; their ids are rebuilt as each is sent
+        blocks_of = reqs.blocks_of
+        reqs = reqs.requests
     if cfg.max_pause_s is not None:
         cap = cfg.max_pause_s
         reqs = [r if r.pause_s <= cap else msgspec.structs.replace(r, pause_s=cap) for r in reqs]
     k = cfg.partitions
     try:
-        workload: Any = TiledWorkload(reqs, cfg.tile) if cfg.tile != 1 else PlainWorkload(reqs)
+        workload: Any = (TiledWorkload(reqs, cfg.tile, blocks_of=blocks_of) if cfg.tile != 1
+                         else PlainWorkload(reqs, blocks_of=blocks_of))
     except WorkloadError as e:
         raise SimConfigError(str(e)) from e
     agents = workload.agents

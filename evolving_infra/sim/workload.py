@@ -43,32 +43,45 @@ class WorkloadError(ValueError):
 
 
 class PlainWorkload:
-    """A trace replayed as is."""
+    """A trace replayed as is.
 
-    def __init__(self, requests: Sequence[TraceRequest]) -> None:
+    Args:
+        requests: the requests, file order.
+        blocks_of: the block ids of a request when its ``blocks`` are not stored in it
+            (``evolving_infra.traces.compact.CompactTrace.blocks_of`` of stubs); None = ``req.blocks``.
+    """
+
+    def __init__(self, requests: Sequence[TraceRequest], blocks_of: Callable[[TraceRequest], Sequence[int]] | None = None) -> None:
         self.requests = list(requests)
         self.agents = list(dict.fromkeys(r.agent for r in self.requests))
+        self.blocks_of = blocks_of
 
     def partition(self, part_of: Callable[[str], int], k: int, keep: set[str] | None = None) -> list[TraceRequest]:
         """Requests of the agents bound to partition ``k`` (file order), optionally only agents in ``keep``."""
         return [r for r in self.requests if part_of(r.agent) == k and (keep is None or r.agent in keep)]
 
-    blocks_of = None
-    """No hook: a request's ``blocks`` are its block ids."""
-
 
 class TiledWorkload:
     """``copies`` copies of every agent of ``templates`` (module docstring).
+
+    ``blocks_of``: the block ids of a template when its ``blocks`` are not stored in it
+    (``CompactTrace.blocks_of`` of stubs); None = ``req.blocks``.
 
     Raises:
         WorkloadError: ``copies`` out of [1, MAX_COPIES].
     """
 
-    def __init__(self, templates: Sequence[TraceRequest], copies: int) -> None:
+    def __init__(
+        self,
+        templates: Sequence[TraceRequest],
+        copies: int,
+        blocks_of: Callable[[TraceRequest], Sequence[int]] | None = None,
+    ) -> None:
         if not 1 <= copies <= MAX_COPIES:
             raise WorkloadError(f"--tile must be in [1, {MAX_COPIES}], got {copies}")
         self.templates = list(templates)
         self.copies = copies
+        self._tpl_blocks: Callable[[TraceRequest], Sequence[int]] = blocks_of or (lambda r: r.blocks)
         self.by_id = {r.id: r for r in self.templates}
         self._by_agent: dict[str, list[TraceRequest]] = {}
         for r in self.templates:
@@ -78,7 +91,7 @@ class TiledWorkload:
         for reqs in self._by_agent.values():  # set algebra per agent (C speed): ids of >= 2 agents
             mine: set[int] = set()
             for r in reqs:
-                mine.update(r.blocks)
+                mine.update(self._tpl_blocks(r))
             shared |= mine & seen
             seen |= mine
         self.shared = frozenset(shared)
@@ -111,7 +124,8 @@ class TiledWorkload:
         tid, _, c = req.id.rpartition(SEP)
         tpl = self.by_id[tid]
         off = int(c) << COPY_SHIFT
+        blocks = self._tpl_blocks(tpl)
         if not off:
-            return tpl.blocks
+            return blocks
         shared = self.shared
-        return [b if b in shared else b + off for b in tpl.blocks]
+        return [b if b in shared else b + off for b in blocks]
