@@ -20,7 +20,7 @@ from typing import Any
 
 from shared import messages as m
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+_TOKEN = re.compile(r"[A-Za-z0-9_\-]+\Z")  # \Z: "$" would let a trailing newline through
 
 
 def check_token(value: str, what: str = "id") -> str:

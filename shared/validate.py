@@ -64,7 +64,7 @@ MAX_BIG = 2**62
 MAX_BLOCK_COUNT = 2**40
 """Largest number of KV blocks a node reports (free, total, used)."""
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+_TOKEN = re.compile(r"[A-Za-z0-9_\-]{1,128}\Z")  # \Z: "$" would let a trailing newline through
 
 
 class Invalid(Exception):

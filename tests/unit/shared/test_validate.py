@@ -7,12 +7,13 @@ import random
 import typing
 
 import msgspec
+import pytest
 
 from evolving_infra.hostile import hostile_variants, payloads, samples
 from shared import messages as m
 from shared.bus import decoder_for
 from shared.ratelog import RateLimitedLog
-from shared.subjects import ALL, KV_EVENTS, Subjects
+from shared.subjects import ALL, KV_EVENTS, REQ_OUT, Subjects
 from shared.validate import CHECKERS, MAX_EPOCH_STEP, check, epoch_step_ok, split_problem, subject_params
 
 
@@ -44,6 +45,18 @@ def test_publisher_fields_must_match_the_subject():
     assert "does not match" in check(batch, {"node": "w9"})
     chunk = m.TokenChunk(rid="a", node="w0")
     assert "does not match" in check(chunk, {"rid": "b"})
+
+
+def test_ids_used_as_subject_tokens_refuse_a_trailing_newline():
+    # "$" in the token pattern matched before a final newline: a PrefillWork with rid "fz-1\n"
+    # passed, and the worker's reply on req.<rid>.out then failed in nats-py (a handler error)
+    work = samples()["work.{node}.prefill"][1]
+    assert check(work, {"node": "w0"}) is None
+    for bad in ("fz-1\n", "fz-1\r\n", "\n"):
+        assert "NATS token" in check(msgspec.structs.replace(work, rid=bad), {"node": "w0"}), repr(bad)
+    assert check(m.KvEventBatch(node="w0\n", seq=1), {}) is not None
+    with pytest.raises(ValueError):
+        Subjects("p0").format(REQ_OUT, rid="fz-1\n")
 
 
 def test_known_nodes_are_enforced_when_given():
