@@ -471,8 +471,14 @@ class Bus:
         self._js_subs.append((sub, floor))
         return sub
 
-    async def serve(self, subject: Subject, handler: ReplyHandler, *, queue: str = "", **params: str) -> Subscription:
-        """Answer requests on ``subject``; the handler returns the reply Struct."""
+    async def serve(self, subject: Subject, handler: ReplyHandler, *, queue: str = "", query: bool = False, **params: str) -> Subscription:
+        """Answer requests on ``subject``; the handler returns the reply Struct.
+
+        ``query=True``: the handler only computes an answer (no side effect), so a
+        request without a reply inbox is counted under ``noreply.<template>`` (after
+        decoding and validation, like any request) and not run: a flood of them
+        costs a decode each, not a full answer each.
+        """
         template = subject.template
 
         async def cb(raw: NatsMsg) -> None:
@@ -487,6 +493,9 @@ class Bus:
                         self.counters["publish_failed.refusal"] += 1
                 return
             self.counters["received." + template] += 1
+            if query and not raw.reply:
+                self.counters["noreply." + template] += 1
+                return
             span = token = None
             if tracing.ENABLED and raw.headers and "traceparent" in raw.headers:
                 span = tracing.start(f"{self.service} {template}", tracing.extract(raw.headers), kind=tracing.SpanKind.SERVER)
@@ -558,7 +567,7 @@ class Bus:
             merged.update(counters)
             return m.StatsReply(service=self.service, instance=self.instance, counters=merged, gauges=gauges)
 
-        await self.serve(SVC_STATS, on_stats, instance=self.instance)
+        await self.serve(SVC_STATS, on_stats, instance=self.instance, query=True)
 
         async def beat() -> None:
             while True:
