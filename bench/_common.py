@@ -38,3 +38,21 @@ def commit_label(repo: Any, paths: Sequence[str] = ("services", "shared", "evolv
     changed = [f for line in st.splitlines() if (f := line[3:]) and not f.startswith("bench/figures/") and f not in ("bench/RESULTS.md", "bench/RESULTS-history.md")]
     dirs = sorted({"/".join(f.split("/")[:2]) for f in changed})
     return f"`{sha}`" + (f" (+ uncommitted changes in {', '.join(dirs)})" if dirs else "")
+
+
+def dynamo_skip_reason(python: str | None, module: str, install: str) -> str:
+    """Why a side-by-side with NVIDIA Dynamo is skipped ("" when ``python`` imports ``module``):
+    Dynamo is an optional benchmark-only dependency in a separate venv (``--dynamo-python`` /
+    ``$EI_DYNAMO_PYTHON``), never the project's; ``install`` says what to pip-install there."""
+    import subprocess
+
+    if not python:
+        return "Dynamo side-by-side skipped: no --dynamo-python (or EI_DYNAMO_PYTHON) given"
+    try:
+        p = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"Dynamo side-by-side skipped: {python} does not run ({e})"
+    if p.returncode:
+        last = (p.stderr.strip().splitlines() or [""])[-1]
+        return f"Dynamo side-by-side skipped: {python} cannot import {module} ({install} there): {last}"
+    return ""

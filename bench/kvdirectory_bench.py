@@ -44,7 +44,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from _common import commit_label  # noqa: E402
+from _common import commit_label, dynamo_skip_reason  # noqa: E402
 
 from services.kvdirectory.core import KvDirectory  # noqa: E402
 from shared.messages import BlockRemoved, BlockStored, KvEventBatch, encode  # noqa: E402
@@ -102,17 +102,8 @@ class Dynamo:
     @staticmethod
     def find(python: str | None) -> tuple[Dynamo | None, str]:
         """The runner, or None and why not (a clear skip message)."""
-        import subprocess
-
-        if not python:
-            return None, "Dynamo side-by-side skipped: no --dynamo-python (or EI_DYNAMO_PYTHON) given"
-        try:
-            p = subprocess.run([python, "-c", "import dynamo._core"], capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return None, f"Dynamo side-by-side skipped: {python} does not run ({e})"
-        if p.returncode:
-            return None, f"Dynamo side-by-side skipped: {python} cannot import dynamo._core (pip install ai-dynamo-runtime there)"
-        return Dynamo(python), ""
+        why = dynamo_skip_reason(python, "dynamo._core", "pip install ai-dynamo-runtime")
+        return (None, why) if why else (Dynamo(python), "")  # type: ignore[arg-type]
 
     def run(self, job: dict) -> dict:
         """Run one job (see ``_dynamo_radix.py``) in a fresh Dynamo process; returns its figures."""

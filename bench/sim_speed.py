@@ -16,8 +16,47 @@ Every run is the real command (``evolving-infra simulate ... --no-plots``) in a
 fresh process, so wall time and peak memory (``ru_maxrss`` of the process and
 its partition workers) are per run. Appends a section to ``bench/RESULTS-history.md``.
 
+Side by side with NVIDIA Dynamo's offline replay (issue 23; with ``--dynamo-python PY`` or
+``$EI_DYNAMO_PYTHON``, else skipped with a message): real Claude Code sessions
+(``trace convert --from claude-code-weka``, the first ``--dynamo-agents`` sessions), 9 nodes ×
+4 GPUs, 126 concurrent agents, pauses capped at 30 s, ``--dynamo-duration`` simulated seconds.
+The same input goes to both: :func:`dynamo_trace` writes it in Dynamo's ``agentic_mooncake``
+v2 format (agent → play, branch → session, ``after`` → completion dependencies with the pause
+as ``delay_ms``, ``hash_id_scope: "local"``, our chained block ids as ``hash_ids`` plus a fresh
+id for the partial last block, plays in the trace's agent order). Dynamo replays it with
+``dynamo.replay.run_trace_replay`` (Rust, virtual clock; ``bench/_dynamo_replay.py`` runs it
+under PY): 4 prefill + 5 decode workers, ``kv_router``, 126 agentic lanes, the profile's batch
+token budget and running-request cap, its default ``polynomial`` timing, and as GPU KV blocks
+our node's L1 + L2 tokens: its disaggregated replay has no host tier (host offload needs one
+prefill and one decode worker), and with our L1 alone it recomputes most prompts (prefix reuse
+12% instead of ~87% on the quick input, a third of the requests completed), which is not the
+same work.
+Ours runs ``static:4P5D`` and ``evolving`` with ``--max-agents`` = the same sessions. Ours and
+Dynamo alternate, each run a fresh process, ``--dynamo-rounds`` rounds (≥ 3), at 64- and
+512-token blocks; medians of simulated seconds per wall second and the ratio ours ÷ Dynamo,
+with both sides' completed requests and tokens (the work each simulated). What differs in the
+models: engine timing (our profile's fitted iteration model, MTP decode, vs Dynamo's polynomial
+mocker), one KV tier of L1 + L2 size in Dynamo vs our L1 / L2 with restores and peer fetches,
+Dynamo's KV router vs our policy sets' routers and planner (``evolving`` moves nodes between
+prefill and decode). So the work done in the same simulated time differs somewhat; each row
+gives its completed requests and tokens, and wall ms per completed request normalises for it.
+
+Dynamo is an optional benchmark-only dependency, in its own venv, never the project's. Its
+``ai-dynamo`` package depends on ``aisimulate``, a placeholder that downloads the real wheel from
+NVIDIA's index, which cannot be reached here, so it needs ``--no-deps``::
+
+    python3 -m venv /tmp/dynamo-venv
+    /tmp/dynamo-venv/bin/pip install ai-dynamo-runtime==1.6.1
+    /tmp/dynamo-venv/bin/pip install --no-deps ai-dynamo==1.6.1
+
     python bench/sim_speed.py --quick      # ~5 min on 2 shared cores
     python bench/sim_speed.py              # full: the 3,072-GPU hour takes ~1 h of 2 cores
+    python bench/sim_speed.py --quick --dynamo-only --dynamo-python /tmp/dynamo-venv/bin/python   # ~10 min
+    python bench/sim_speed.py --quick --dynamo-only --dynamo-duration 600 --dynamo-agents 260 \
+        --dynamo-python /tmp/dynamo-venv/bin/python                                            # ~20 min
+
+The side-by-side's traces are cached in ``--cache`` (the 530 converted sessions, the first N of
+them, and the ``agentic_mooncake`` files: ~0.3 GB at 64-token blocks for 260 sessions).
 """
 
 from __future__ import annotations
@@ -34,7 +73,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-from _common import commit_label  # noqa: E402
+from _common import commit_label, dynamo_skip_reason  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS-history.md"
 CLI = [sys.executable, "-m", "evolving_infra.cli"]
 
@@ -73,6 +112,223 @@ def machine() -> str:
             f"load average {load:.1f} at the end (shared VM: other jobs run on the same cores)")
 
 
+# ---------------------------------------------------------------------------- Dynamo's replay (issue 23)
+
+DYNAMO_LANES = 126
+"""Concurrent agents on both sides (our ``--concurrency``, Dynamo's ``agentic_lanes``)."""
+MAX_PAUSE_S = 30.0
+
+
+def real_trace(cache: Path) -> Path:
+    """All real Claude Code sessions at 64-token blocks (``trace convert --from claude-code-weka``,
+    shared tool + system prefix as by default), cached."""
+    out = cache / "cc_real_64.jsonl.gz"
+    if not out.exists():
+        src = REPO.parent / "shared" / "traces" / "claude-code-weka"
+        p = subprocess.run(CLI + ["trace", "convert", "--from", "claude-code-weka", str(src), "-o", str(out), "--no-progress"],
+                           cwd=REPO, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"trace convert failed:\n{p.stderr[-3000:]}")
+    return out
+
+
+def first_agents(src: Path, dst: Path, agents: int) -> Path:
+    """The first ``agents`` agents of ``src`` (in its order, the order both replays start them), cached.
+    Streams: O(one request) memory."""
+    if dst.exists():
+        return dst
+    from evolving_infra.traces.io import iter_requests, write_trace
+
+    header, reqs = iter_requests(src)
+    keep: set[str] = set()
+
+    def kept():
+        for r in reqs:
+            if r.agent not in keep:
+                if len(keep) >= agents:
+                    continue
+                keep.add(r.agent)
+            yield r
+
+    tmp = dst.with_name(dst.name + ".tmp.jsonl.gz")
+    write_trace(tmp, header, kept())
+    tmp.rename(dst)
+    return dst
+
+
+def dynamo_trace(src: Path, dst: Path, block_size: int, max_pause_s: float = MAX_PAUSE_S) -> dict[str, int]:
+    """Write ``src`` (our trace) as Dynamo's ``agentic_mooncake`` v2 trace at ``block_size`` tokens.
+
+    Header ``{"schema": "dynamo.agentic_mooncake", "version": 2, "block_size", "hash_id_scope":
+    "local", "source"}``; one row per request: ``request_id``, ``play_id`` = agent,
+    ``source_play_ordinal`` = the agent's index in ``src`` (Dynamo's lanes start plays in that
+    order, as our closed loop starts agents), ``session_id`` = branch, ``input_length``,
+    ``output_length`` (≥ 1: we ask 1 token for a recorded 0), ``hash_ids`` = our block ids at
+    ``block_size`` (``rechunk_request``, as ``simulate --block-size`` converts; chained, so equal
+    ids mean an equal prefix, and one namespace for the file, which is what Dynamo's ``local``
+    scope is: ids shared across plays are shared KV, like our shared tool + system prefix) plus
+    a fresh id for the partial last block (private to the request in both), ``not_before_ms`` =
+    a first request's pause (else 0), ``dependencies`` = one ``completion`` trigger per ``after``
+    request with the pause (capped at ``max_pause_s``) as ``delay_ms``, relation ``spawn`` (first
+    request of a fork / sub-agent), ``sequence`` (same branch) or ``join``. Streams ``src``
+    (memory: one request and a request-id → branch map). Returns counts (requests, agents).
+    Format checked against ai-dynamo 1.6.1 (``AgenticMooncakeHeader`` / ``AgenticMooncakeRow`` /
+    ``AgenticDependency`` of its Rust loader).
+    """
+    from evolving_infra.traces.io import iter_requests
+    from evolving_infra.traces.tokens import PrivateIds, rechunk_request
+
+    header, reqs = iter_requests(src)
+    private = PrivateIds()
+    ordinal: dict[str, int] = {}
+    branch_of: dict[str, str] = {}
+    n = 0
+    tmp = dst.with_name(dst.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"schema": "dynamo.agentic_mooncake", "version": 2, "block_size": block_size, "hash_id_scope": "local",
+                            "source": {"format": "evolving-infra-trace", "digest": src.name}}) + "\n")
+        for r in reqs:
+            o = ordinal.setdefault(r.agent, len(ordinal))
+            branch_of[r.id] = r.branch
+            if header.block_size != block_size:
+                r = rechunk_request(r, header.block_size, block_size, private)
+            ids = list(r.blocks)
+            if r.input_tokens % block_size:
+                ids.extend(private.take(1))
+            pause_ms = min(r.pause_s, max_pause_s) * 1000.0
+            rel = "spawn" if r.kind in ("fork", "subagent") else None
+            deps = [{"request_id": a, "trigger": "completion", "delay_ms": pause_ms,
+                     "relation": rel or ("sequence" if branch_of.get(a) == r.branch else "join")} for a in r.after]
+            f.write(json.dumps({
+                "request_id": r.id, "play_id": r.agent, "source_play_ordinal": o, "session_id": r.branch,
+                "model": r.model or "unknown", "input_length": r.input_tokens, "output_length": max(1, r.output_tokens),
+                "hash_ids": ids, "not_before_ms": 0.0 if r.after else pause_ms, "dependencies": deps,
+            }, separators=(",", ":")) + "\n")
+            n += 1
+    tmp.rename(dst)
+    return {"requests": n, "agents": len(ordinal)}
+
+
+class DynamoReplay:
+    """NVIDIA Dynamo's offline replay in a separate venv's interpreter (``bench/_dynamo_replay.py``):
+    an optional, benchmark-only dependency."""
+
+    def __init__(self, python: str) -> None:
+        self.python = python
+
+    @staticmethod
+    def find(python: str | None) -> tuple[DynamoReplay | None, str]:
+        """The runner for ``python``, or None and why the side-by-side is skipped."""
+        why = dynamo_skip_reason(python, "dynamo.replay", "pip install ai-dynamo-runtime, then pip install --no-deps ai-dynamo")
+        return (None, why) if why else (DynamoReplay(python), "")  # type: ignore[arg-type]
+
+    def run(self, job: dict, work: Path) -> dict:
+        """One replay in a fresh process; returns ``_dynamo_replay.py``'s figures plus ``process_wall_s``
+        measured from here (interpreter start included). Dynamo's per-request log lines are off
+        (``DYN_LOG=error``), as ours writes none."""
+        src, dst = work / "dynamo_job.json", work / "dynamo_out.json"
+        src.write_text(json.dumps(job))
+        t0 = time.monotonic()
+        p = subprocess.run([self.python, str(Path(__file__).resolve().parent / "_dynamo_replay.py"), str(src), str(dst)],
+                           capture_output=True, text=True, env={**os.environ, "DYN_LOG": "error"})
+        wall = time.monotonic() - t0
+        if p.returncode != 0:
+            raise SystemExit(f"Dynamo replay failed:\n{p.stderr[-3000:]}")
+        out = json.loads(dst.read_text())
+        out["outer_wall_s"] = wall
+        return out
+
+
+def side_by_side(dyn: DynamoReplay, cache: Path, *, agents: int, duration: float, rounds: int,
+                 block_sizes: tuple[int, ...] = (64, 512), policies: tuple[str, ...] = ("static:4P5D", "evolving")
+                 ) -> tuple[list[tuple[str, str, str, str]], list[str]]:
+    """Ours (each policy set) and Dynamo's replay alternately, ``rounds`` rounds, on the same input;
+    returns result rows and notes (see the module docstring)."""
+    from shared.profile import load_profile
+
+    prof = load_profile("gb300-glm52")
+    trace = first_agents(real_trace(cache), cache / f"cc_real_64_first{agents}.jsonl.gz", agents)
+    rows: list[tuple[str, str, str, str]] = []
+    notes: list[str] = []
+    for bs in block_sizes:
+        dtrace = cache / f"cc_real_first{agents}_{bs}.agentic.jsonl"
+        if not dtrace.exists():
+            counts = dynamo_trace(trace, dtrace, bs)
+            print(f"agentic_mooncake trace at {bs}-token blocks: {counts['requests']} requests of {counts['agents']} agents", flush=True)
+        job = {"trace": str(dtrace), "block_size": bs, "prefill": 4, "decode": 5, "lanes": DYNAMO_LANES, "duration_s": duration,
+               "engine": {"num_gpu_blocks": (prof.memory.gpu_kv_tokens + prof.memory.host_kv_tokens) // bs, "max_num_batched_tokens": prof.scheduler.chunk_tokens,
+                          "max_num_seqs": prof.scheduler.max_running}}
+        ours_args = ["--trace", str(trace), "--nodes", "9", "--concurrency", str(DYNAMO_LANES), "--max-agents", str(agents),
+                     "--max-pause", str(MAX_PAUSE_S), "--block-size", str(bs), "--duration", str(duration)]
+        res: dict[str, list[dict]] = {p: [] for p in ("dynamo", *policies)}
+        for r in range(rounds):
+            order = ("dynamo", *policies) if r % 2 == 0 else (*policies, "dynamo")
+            for who in order:
+                with tempfile.TemporaryDirectory(prefix="ei-dyn-") as tmp:
+                    if who == "dynamo":
+                        d = dyn.run(job, Path(tmp))
+                        # its virtual clock runs to max_sim_time unless every play finished before
+                        busy = (d["completed_trajectories"] or 0) < (d["total_trajectories"] or 0)
+                        d["simulated_s"] = duration if busy else (d["duration_ms"] or 0.0) / 1000.0
+                        d["speed"] = d["simulated_s"] / d["outer_wall_s"]
+                        d["loop_speed"] = d["simulated_s"] / max(d["replay_wall_s"], 1e-9)
+                        d["wall_s"], d["completed"] = d["outer_wall_s"], d["completed_requests"] or 0
+                        res[who].append(d)
+                        print(f"{bs}-token blocks, round {r}, Dynamo: {d['simulated_s']:.0f} s simulated in "
+                              f"{d['outer_wall_s']:.1f} s ({d['speed']:.0f}x; replay {d['replay_wall_s']:.1f} s, "
+                              f"{d['loop_speed']:.0f}x), {d['completed_requests']} requests", flush=True)
+                    else:
+                        rep = run([*ours_args, "--policy", who], Path(tmp) / "out")
+                        out_tok = _output_tokens(Path(tmp) / "out" / "requests.jsonl")
+                        e = {"speed": rep["simulated_s"] / rep["process_wall_s"], "loop_speed": rep["simulated_s"] / rep["sim_wall_s"],
+                             "simulated_s": rep["simulated_s"], "completed": rep["requests_completed"], **out_tok,
+                             "exhausted_at": rep.get("closed_loop_exhausted_at_s"), "peak_rss_mb": rep["peak_rss_mb"],
+                             "wall_s": rep["process_wall_s"]}
+                        res[who].append(e)
+                        print(f"{bs}-token blocks, round {r}, ours {who}: {e['simulated_s']:.0f} s simulated in "
+                              f"{rep['process_wall_s']:.1f} s ({e['speed']:.0f}x; loop {rep['sim_wall_s']:.1f} s, "
+                              f"{e['loop_speed']:.0f}x), {e['completed']} requests", flush=True)
+        med = {k: (statistics.median(x["speed"] for x in v), statistics.median(x["loop_speed"] for x in v)) for k, v in res.items()}
+        per_req = {k: statistics.median(1000 * x["wall_s"] / max(1, x["completed"]) for x in v) for k, v in res.items()}
+        d0 = res["dynamo"][0]
+        rows.append((f"Dynamo replay (4P5D, kv_router), {bs}-token blocks: sim s / wall s, whole process (replay only)",
+                     f"{med['dynamo'][0]:.0f} ({med['dynamo'][1]:.0f})", "—",
+                     f"median of {rounds}; {per_req['dynamo']:.1f} wall ms per completed request; "
+                     f"{d0['completed_requests']} requests completed, {d0['total_input_tokens']:,} input / "
+                     f"{d0['total_output_tokens']:,} output tokens, {d0['simulated_s']:.0f} s simulated (last completion at "
+                     f"{d0['duration_ms'] / 1000:.0f} s), "
+                     f"{d0['completed_trajectories']} of {d0['total_trajectories']} agents finished"))
+        for pol in policies:
+            o0 = res[pol][0]
+            rows.append((f"ours `{pol}`, {bs}-token blocks: sim s / wall s, whole process (loop only)",
+                         f"{med[pol][0]:.0f} ({med[pol][1]:.0f})",
+                         f"{med[pol][0] / med['dynamo'][0]:.2f}× Dynamo ({med[pol][1] / med['dynamo'][1]:.2f}× loop vs replay)",
+                         f"median of {rounds}; {per_req[pol]:.1f} wall ms per completed request "
+                         f"({per_req['dynamo'] / per_req[pol]:.2f}× Dynamo's); {o0['completed']} requests completed, {o0['input_tokens']:,} input / "
+                         f"{o0['output_tokens']:,} output tokens, {o0['simulated_s']:.0f} s simulated, peak {o0['peak_rss_mb']:.0f} MiB"
+                         + ("" if o0["exhausted_at"] is None else f"; agents exhausted at {o0['exhausted_at']:.0f} s")))
+        if "evolving" in med and "static:4P5D" in med:
+            rows.append((f"`evolving` ÷ `static:4P5D`, {bs}-token blocks (whole process)",
+                         f"{med['evolving'][0] / med['static:4P5D'][0]:.2f}", "", "issue 23 target: ≥ 1/1.5 = 0.67"))
+    notes.append(f"side by side: the first {agents} real Claude Code sessions, {DYNAMO_LANES} concurrent agents, pauses ≤ "
+                 f"{MAX_PAUSE_S:.0f} s, {duration:.0f} s simulated; whole process = interpreter start to exit (trace read "
+                 "included) on both sides; Dynamo's replay-only time is its `wall_time_ms` (runtime construction and "
+                 "execution), ours the simulation loop (`sim_wall_s`)")
+    return rows, notes
+
+
+def _output_tokens(path: Path) -> dict[str, int]:
+    """Prompt and output tokens of the completed requests in a ``requests.jsonl``."""
+    inp = out = 0
+    with open(path, "rb") as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("ok", True) and r.get("finished_at") is not None:
+                inp += r.get("prompt_tokens", 0)
+                out += r.get("completion_tokens", 0)
+    return {"input_tokens": inp, "output_tokens": out}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter runs; the 3,072-GPU hour is extrapolated from one partition")
@@ -80,6 +336,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "ei-sim-bench"), help="trace cache directory")
     ap.add_argument("--no-append", action="store_true", help="print only; do not append to bench/RESULTS-history.md")
     ap.add_argument("--skip-3072", action="store_true", help="only the 9x4 target")
+    ap.add_argument("--dynamo-python", default=os.environ.get("EI_DYNAMO_PYTHON"),
+                    help="Python of a separate venv with ai-dynamo-runtime + ai-dynamo (--no-deps): adds the side-by-side "
+                         "with Dynamo's offline replay (default $EI_DYNAMO_PYTHON; skipped with a message when absent)")
+    ap.add_argument("--dynamo-only", action="store_true", help="only the side-by-side with Dynamo's replay")
+    ap.add_argument("--dynamo-rounds", type=int, default=3, help="alternating rounds of the side-by-side (default 3)")
+    ap.add_argument("--dynamo-agents", type=int, default=None,
+                    help="real sessions in the side-by-side's input, the first in the trace (default all 530, quick 200: "
+                         "enough that neither side runs out within the duration)")
+    ap.add_argument("--dynamo-duration", type=float, default=None,
+                    help="simulated seconds of each side-by-side run (default 2400, quick 300)")
+    ap.add_argument("--dynamo-blocks", default="64,512", help="block sizes of the side-by-side (default 64,512)")
     a = ap.parse_args(argv)
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -87,6 +354,22 @@ def main(argv: list[str] | None = None) -> int:
     hour = 3600.0
     rows: list[tuple[str, str, str, str]] = []
     notes: list[str] = []
+
+    # ---------------------------------------------------------------- side by side with Dynamo's replay
+    dyn, why = DynamoReplay.find(a.dynamo_python)
+    if dyn is None:
+        print(why, flush=True)
+        notes.append(why)
+    else:
+        if a.dynamo_rounds < 3:
+            print(f"note: --dynamo-rounds {a.dynamo_rounds} is fewer than the 3 rounds issue 23 asks for", flush=True)
+        r_, n_ = side_by_side(dyn, cache, agents=a.dynamo_agents or (200 if a.quick else 530),
+                              duration=a.dynamo_duration or (300.0 if a.quick else 2400.0), rounds=a.dynamo_rounds,
+                              block_sizes=tuple(int(x) for x in a.dynamo_blocks.split(",")))
+        rows += r_
+        notes += n_
+    if a.dynamo_only:
+        return _write(a, rows, notes)
 
     # ---------------------------------------------------------------- 9 x 4, 126 agents
     t512 = make_trace(cache / "cc500_512.jsonl.gz", 500, 512)
@@ -153,15 +436,21 @@ def main(argv: list[str] | None = None) -> int:
                 ("peak RSS MiB (parent + largest worker)", f"{rb['peak_rss_mb']:.0f}", "", ""),
             ]
 
-    mode = "quick" if a.quick else "full"
-    cmd = "python bench/sim_speed.py" + (" --quick" if a.quick else "")
+    return _write(a, rows, notes)
+
+
+def _write(a: argparse.Namespace, rows: list[tuple[str, str, str, str]], notes: list[str]) -> int:
+    """Print the section and append it to ``bench/RESULTS-history.md`` (unless ``--no-append``)."""
+    mode = ("quick" if a.quick else "full") + (", Dynamo side-by-side only" if a.dynamo_only else "")
+    cmd = "python " + " ".join(["bench/sim_speed.py", *sys.argv[1:]])
     lines = [
         f"## simulator speed ({mode}) — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         f"- command: `{cmd}`",
         f"- commit: {commit_label(REPO)}",
         f"- machine: {machine()}",
-        "- workload: `trace generate claude-code --agents 500 --seed 1 --block-size 512`, `--max-pause 30`, closed loop",
+        *([] if a.dynamo_only else
+          ["- workload: `trace generate claude-code --agents 500 --seed 1 --block-size 512`, `--max-pause 30`, closed loop"]),
         *[f"- note: {n}" for n in notes],
         "",
         "| metric | value | vs target / ratio | notes |",
