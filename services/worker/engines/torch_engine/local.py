@@ -10,6 +10,8 @@ drives the same two objects over NATS with the same calls in the same order:
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.messages import DecodeWork, PrefillWork
@@ -49,6 +51,8 @@ class LocalNode:
     """``cpu``/``cuda``; None = cuda when present."""
     dtype: str | None = None
     """None = float32 on CPU, bfloat16 on CUDA."""
+    clock: Callable[[], float] = time.perf_counter
+    """What the engine measures iterations with (see :class:`TorchEngine`)."""
     now: float = 0.0
     core: EngineScheduler = field(init=False)
     engine: TorchEngine = field(init=False)
@@ -60,7 +64,7 @@ class LocalNode:
 
     def __post_init__(self) -> None:
         self.core = EngineScheduler(self.node, self.profile, self.phase, check_invariants=self.check)  # type: ignore[arg-type]
-        self.engine = TorchEngine(self.profile, self.model_dir, dtype=self.dtype, device=self.device, check=self.check)
+        self.engine = TorchEngine(self.profile, self.model_dir, dtype=self.dtype, device=self.device, check=self.check, clock=self.clock)
         self._drain()
 
     def _drain(self) -> None:
