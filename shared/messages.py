@@ -521,6 +521,11 @@ class PrefillWork(Msg, frozen=True, kw_only=True):
     router: str = ""
     """Instance id of the router that owns the request (its ``route.bind.<router>`` and
     ``work.requeue.<router>`` subjects); empty = the default instance ``router``."""
+    ignore_eos: bool = False
+    """Generate ``max_tokens`` even past the model's end-of-sequence token (vLLM's
+    ``SamplingParams.ignore_eos``). Without it a real engine (``torch``) ends the request
+    at its EOS token (``finish_reason`` ``stop``); the ``sim`` engine has no tokens and
+    always generates ``max_tokens``."""
 
 
 class DecodeWork(Msg, frozen=True, kw_only=True):
@@ -547,6 +552,8 @@ class DecodeWork(Msg, frozen=True, kw_only=True):
     """See ``PrefillWork.output_offset``."""
     router: str = ""
     """See ``PrefillWork.router``."""
+    ignore_eos: bool = False
+    """See ``PrefillWork.ignore_eos``."""
     output_ids: list[int] = []
     """Real engines (``torch``): the ``generated`` output token ids the prefill node produced
     (the decode node continues from the last one); empty for the sim engine."""

@@ -7,10 +7,12 @@ dicts that the shell encodes with ``msgspec.json``.
 
 Sampling fields. The sim engine always generates exactly ``max_tokens``
 tokens, and :class:`~shared.messages.PrefillWork` carries no sampling
-parameters, so these are *accepted, validated and ignored*: ``temperature``
+parameters but ``ignore_eos`` (the torch engine, greedy, stops at the model's
+EOS token with ``finish_reason`` ``stop`` unless it is true), so these are
+*accepted, validated and ignored*: ``temperature``
 [0, 2], ``top_p`` [0, 1], ``top_k``, ``min_p``, ``seed``, ``stop``,
 ``presence_penalty``/``frequency_penalty`` [-2, 2], ``repetition_penalty``,
-``logit_bias``, ``ignore_eos``, ``user``, ``response_format``, ``tool_choice``,
+``logit_bias``, ``user``, ``response_format``, ``tool_choice``,
 ``parallel_tool_calls``, ``skip_special_tokens``. ``tools`` are rendered into
 the chat prompt. Rejected with 400 because they would change the response
 shape: ``n`` > 1, ``best_of`` > 1, ``echo``, ``logprobs``/``top_logprobs``,

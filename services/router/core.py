@@ -221,6 +221,7 @@ class RouterCore:
             epoch=max(self.view.epoch, 0),
             fetch=list(choice.fetch),
             decode_binding="start" if late else "dispatch",
+            ignore_eos=req.ignore_eos,
         )
         return RouteDecision(choice, decode, placed, work, tuple(offered), tuple(dec) if decode else ())
 

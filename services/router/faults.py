@@ -58,4 +58,5 @@ def continuation(req: RouteRequest, sent: Sequence[int], *, block_size: int, max
         max_tokens=req.max_tokens - len(sent),
         token_ids=packed,
         branch_id=req.branch_id,
+        ignore_eos=req.ignore_eos,
     )

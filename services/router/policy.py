@@ -60,6 +60,7 @@ class RouteRequest:
         max_tokens: output tokens to generate (>= 1).
         token_ids: the prompt as packed little-endian uint32 (may be empty in simulation).
         branch_id: the agent branch the request belongs to, if any.
+        ignore_eos: generate ``max_tokens`` past the model's EOS token (``PrefillWork.ignore_eos``).
     """
 
     rid: str
@@ -68,6 +69,7 @@ class RouteRequest:
     max_tokens: int = 16
     token_ids: bytes = b""
     branch_id: str | None = None
+    ignore_eos: bool = False
 
     @property
     def num_blocks(self) -> int:

@@ -670,6 +670,7 @@ class RouterService:
                 max_tokens=w.max_tokens,
                 token_ids=w.token_ids,
                 branch_id=w.branch_id,
+                ignore_eos=w.ignore_eos,
             )
             lookup, status = await self._lookup(list(w.block_hashes)) if w.block_hashes else (None, "skipped")
             if p.done:
@@ -918,7 +919,7 @@ class RouterService:
         work = m.PrefillWork(
             rid=p.rid, prompt_tokens=c.prompt_tokens, max_tokens=c.max_tokens, block_size=self.cfg.block_size,
             block_hashes=list(c.block_hashes), token_ids=c.token_ids, branch_id=c.branch_id,
-            attempt=p.attempt, output_offset=p.offset, router=self.bus.instance,
+            attempt=p.attempt, output_offset=p.offset, router=self.bus.instance, ignore_eos=c.ignore_eos,
         )  # fmt: skip
         self._spawn(self._place_again(m.WorkRequeue(rid=p.rid, node=node, reason=f"redispatch: {reason}", prefill=work, attempt=p.attempt)))
 
@@ -1272,6 +1273,7 @@ class RouterService:
             max_tokens=max_tokens,
             token_ids=packed,
             branch_id=hdrs.branch_id,
+            ignore_eos=req.ignore_eos,
         )
         now = self.clock.now()
         route_span = None if tr is None else tracing.start("router.route", tr.span)

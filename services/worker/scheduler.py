@@ -43,7 +43,7 @@ prefill (chunked prefill lets the two share iterations).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from shared.itermodel import qk_pairs
@@ -712,8 +712,12 @@ class EngineScheduler:
         self._check()
         return plan
 
-    def finish_iteration(self, plan: IterationPlan, now: float) -> list[OutputEvent]:
+    def finish_iteration(self, plan: IterationPlan, now: float, stopped: Mapping[str, int] | None = None) -> list[OutputEvent]:
         """Account a finished plan at ``now`` (normally ``plan.end``) and return its outputs.
+
+        ``stopped`` (real engines): requests whose last output token in this plan was an
+        end-of-sequence token, mapped to their output count including it; they finish
+        there with ``finish_reason`` ``stop`` (no hand-off when it was the first token).
 
         Chunks advance their requests and their newly full prompt pages become
         cached (L1 + L2 write-through, with KV events). A chunk that completes
@@ -741,14 +745,15 @@ class EngineScheduler:
             if not chunk.completes:
                 continue
             r.generated = 1
-            done = r.max_tokens <= 1
+            eos = stopped is not None and r.rid in stopped
+            done = r.max_tokens <= 1 or eos
             out.append(
                 TokensOut(
                     rid=r.rid,
                     index=0,
                     count=1,
                     finished=done,
-                    finish_reason="length" if done else None,
+                    finish_reason=("stop" if eos else "length") if done else None,
                     prompt_tokens=r.prompt_tokens,
                     cached_tokens=r.cached,
                     at=now,
@@ -771,10 +776,13 @@ class EngineScheduler:
                 continue
             total = r.acc + k * self.acc_milli
             n = min(total // _MILLI, r.max_tokens - r.generated)
+            eos = stopped is not None and r.rid in stopped
+            if eos:
+                n = min(n, max(0, stopped[r.rid] - r.generated))  # type: ignore[index]
             r.acc = total % _MILLI
             start = r.generated
             r.generated += n
-            done = r.generated >= r.max_tokens
+            done = r.generated >= r.max_tokens or eos
             if n or done:
                 out.append(
                     TokensOut(
@@ -782,7 +790,7 @@ class EngineScheduler:
                         index=start,
                         count=n,
                         finished=done,
-                        finish_reason="length" if done else None,
+                        finish_reason=("stop" if eos else "length") if done else None,
                         prompt_tokens=r.prompt_tokens,
                         cached_tokens=r.cached,
                         at=now,
@@ -1063,6 +1071,7 @@ class EngineScheduler:
             attempt=w.attempt,
             output_offset=w.output_offset,
             router=w.router,
+            ignore_eos=w.ignore_eos,
         )
         return HandOff(rid=r.rid, decode_node=r.handoff_to, work=work, at=now)
 

@@ -789,7 +789,7 @@ class WorkerService:
             if waits:
                 await asyncio.gather(*waits, return_exceptions=True)
         now = max(self.clock.now(), end)
-        outs = self.core.finish_iteration(plan, now)
+        outs = self.core.finish_iteration(plan, now, self.engine.take_stopped())
         for out in outs:
             if isinstance(out, TokensOut):
                 await self._emit_tokens(out, now)

@@ -10,12 +10,17 @@ test routes that one request with the directory's fetch plan), prefilled on a
 prefill node and handed to a decode node with its real K/V pages, or served
 after the node switched phases and back. Each path is counted
 (engine counters over ``svc.stats``, ``usage.prompt_tokens_details.cached_tokens``)
-and must occur. Needs the ``torch`` extra and Mooncake; skipped without them.
+and must occur. These requests say ``ignore_eos``; one more prompt, whose greedy
+continuation contains the token the folder's ``generation_config.json`` names as
+EOS, ends there with ``finish_reason`` ``stop`` without it and runs to
+``max_tokens`` (``length``) with it. Needs the ``torch`` extra and Mooncake;
+skipped without them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -78,6 +83,15 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
     init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=2048, seed=5)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     hf.eval()
+    # EOS: the folder's generation_config.json names a token the model is known to produce
+    # for eos_prompt (its first occurrence at output index j ≥ 2); every other request says
+    # ignore_eos (their lengths stay max_tokens), eos_prompt is asked with and without it
+    erng = random.Random(99)
+    eos_prompt = [erng.randrange(3, 500) for _ in range(45)]
+    eos_ref = _ref(hf, eos_prompt, 10)
+    j = next(i for i in range(2, 10) if eos_ref.index(eos_ref[i]) == i)
+    gen_cfg = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen_cfg, "eos_token_id": eos_ref[j]}))
     spec = ClusterSpec(
         nodes=4, split="2P2D", profile="torch-tiny-cpu", speedup=1.0, port=0, block_size=BS, routing="cache-aware",
         log_dir=str(tmp_path / "logs"), ready_timeout_s=180.0, engine="torch", model_dir=str(folder),
@@ -106,7 +120,7 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
         results: list[dict] = []
 
         async def ask(http: httpx.AsyncClient, label: str, prompt: list[int], n: int, branch: str) -> list[int]:
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": n}
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "ignore_eos": True}
             r = await http.post(cluster.router_url + "/v1/completions", json=body, headers={"X-Branch-Id": branch})
             assert r.status_code == 200, (label, r.text)
             obj = r.json()
@@ -163,7 +177,8 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
             assert plan.ranges and all(r.node != y for r in plan.ranges), plan  # any peer holding it (a decode node too)
             rid = "peerfetch-1"
             await bus.publish(WORK_PREFILL, m.PrefillWork(rid=rid, prompt_tokens=len(t5), max_tokens=8, block_size=BS,
-                              block_hashes=hashes, token_ids=pack_tokens(t5), decode_node="w2", fetch=list(plan.ranges)), node=y)  # fmt: skip
+                              block_hashes=hashes, token_ids=pack_tokens(t5), decode_node="w2", fetch=list(plan.ranges),
+                              ignore_eos=True), node=y)  # fmt: skip
             deadline = time.monotonic() + 120
             while not any(c.finished for c in chunks[rid]):
                 assert time.monotonic() < deadline, "peer-fetch request did not finish"
@@ -180,12 +195,25 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
             await switch("2P2D", "w1", "prefill")
             last = on_w1[-1]
             await ask(http, "after_switch", last["prompt"] + last["out"] + toks(9), 8, "after")
+            # EOS through the OpenAI API: stops at the EOS token ("stop"), unless ignore_eos ("length")
+            eos_out = {}
+            for flag in (False, True):
+                body = {"model": "tiny", "prompt": eos_prompt, "max_tokens": 10, "ignore_eos": flag}
+                r = await http.post(cluster.router_url + "/v1/completions", json=body, headers={"X-Branch-Id": f"eos-{flag}"})
+                assert r.status_code == 200, r.text
+                await asyncio.sleep(0.05)
+                ids = [t for c in sorted(chunks[r.headers["x-request-id"]], key=lambda c: c.index) for t in c.token_ids]
+                eos_out[flag] = (ids, r.json())
         await asyncio.sleep(0.3)
         workers = {n: (await bus.request(SVC_STATS, m.StatsRequest(), instance=f"worker-{n}", timeout=10.0)).counters for n in NODES}
         await bus.close()
 
     for r in results:
         assert r["out"] == _ref(hf, r["prompt"], len(r["out"])), r["label"]
+    (ids, obj), (ids_all, obj_all) = eos_out[False], eos_out[True]
+    assert ids == eos_ref[: j + 1] and obj["usage"]["completion_tokens"] == j + 1, (ids, eos_ref, j)
+    assert obj["choices"][0]["finish_reason"] == "stop"
+    assert ids_all == eos_ref and obj_all["choices"][0]["finish_reason"] == "length"
     by = {r["label"]: r for r in results}
     assert by["peer_fetch"]["fetched"] > 0 and by["peer_fetch"]["cached"] >= by["peer_fetch"]["fetched"]
     paths = {

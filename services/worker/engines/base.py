@@ -54,6 +54,12 @@ class Engine(ABC):
         ``live`` holds the rids the scheduler still has; ``snapshot()`` returns the
         pools' ``(L1 hashes, L2 hashes)`` (for an engine's invariant check)."""
 
+    def take_stopped(self) -> dict[str, int]:
+        """Requests whose last executed plan ended them at an end-of-sequence token, mapped
+        to their output count including it (for ``EngineScheduler.finish_iteration``); the
+        engine forgets them once taken. The sim engine has no tokens: always empty."""
+        return {}
+
     def handoff(self, work: DecodeWork) -> DecodeWork:
         """The hand-off message to publish for a request whose prefill finished here."""
         return work

@@ -104,3 +104,20 @@ def test_epoch_goes_into_prefill_work():
     c.apply_state(state("c", "both"), 0.0)
     out = c.route(rq("r"), None, 0.0)
     assert isinstance(out, RouteDecision) and out.work.epoch == 7
+
+
+def test_ignore_eos_reaches_the_work():
+    """The OpenAI field ``ignore_eos`` (vLLM's) travels RouteRequest → PrefillWork, and a
+    re-dispatch's continuation keeps it."""
+    import dataclasses
+
+    from services.router.faults import continuation
+
+    c = core()
+    c.apply_state(state("c1", "both"), 0.0)
+    for flag in (False, True):
+        req = dataclasses.replace(rq(f"r{flag}", branch=None), ignore_eos=flag, token_ids=b"\0" * 36)
+        out = c.route(req, None, 0.0)
+        assert isinstance(out, RouteDecision) and out.work.ignore_eos is flag
+        cont = continuation(req, [7], block_size=4, max_prompt_tokens=100)
+        assert not isinstance(cont, str) and cont.ignore_eos is flag

@@ -31,7 +31,11 @@ the maps equal the pools' contents, every L1 page's bytes equal its L2 copy,
 and pages are conserved (hashed + private + free = capacity).
 
 Greedy decoding (argmax); one output token per decode iteration, so the
-profile must have ``tokens_per_forward == accepted_per_iteration == 1``.
+profile must have ``tokens_per_forward == accepted_per_iteration == 1``. A
+request ends at the model's end-of-sequence token (``generation_config.json``'s
+``eos_token_id``, else ``config.json``'s) unless it says ``ignore_eos``: the
+engine reports it (:meth:`TorchEngine.take_stopped`) and the scheduler finishes
+it there with ``finish_reason`` ``stop``.
 """
 
 from __future__ import annotations
@@ -67,6 +71,28 @@ def _locked(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def eos_token_ids(model_dir: str | Path, config_eos: list[int]) -> frozenset[int]:
+    """The model's end-of-sequence token ids: ``generation_config.json``'s ``eos_token_id``
+    (what ``transformers``' ``generate()`` stops at) when the folder has one, else
+    ``config.json``'s (``config_eos``). An int or a list; empty when neither names one.
+
+    Raises:
+        ModelConfigError: ``generation_config.json`` is unreadable or its ``eos_token_id``
+            is not an int or a list of ints.
+    """
+    import json
+
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        try:
+            raw = json.loads(path.read_text()).get("eos_token_id")
+            if raw is not None:
+                return frozenset([int(raw)] if isinstance(raw, int) else [int(x) for x in raw])
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise ModelConfigError(f"{path}: unreadable eos_token_id: {e}") from e
+    return frozenset(config_eos)
+
+
 class KvMapError(RuntimeError):
     """The engine's physical KV map disagrees with the scheduler's block pools (a bug)."""
 
@@ -98,6 +124,8 @@ class _Seq:
     """Tokens whose K/V are in ``table``'s pages."""
     offset: int = 0
     """Output position of ``out[0]`` for the client (``output_offset`` of a re-dispatched request)."""
+    ignore_eos: bool = False
+    """Keep generating past an end-of-sequence token (``PrefillWork.ignore_eos``)."""
 
 
 class TorchEngine(Engine):
@@ -150,6 +178,10 @@ class TorchEngine(Engine):
             raise ModelConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.profile = profile
         self.model = PagedDecoder.from_folder(model_dir, dt, dev)
+        self.eos: frozenset[int] = eos_token_ids(model_dir, self.model.cfg.eos_token_id)
+        """End-of-sequence token ids: a request stops at one unless it says ``ignore_eos``."""
+        self._stopped: dict[str, int] = {}
+        """Requests the last plans ended at an EOS token → output count (:meth:`take_stopped`)."""
         self.cfg = self.model.cfg
         self.device = dev
         self.page_size = profile.block_size
@@ -206,7 +238,7 @@ class TorchEngine(Engine):
         err = self.context_error(work.prompt_tokens, work.max_tokens)
         if err:
             raise ValueError(err)
-        self.seqs[work.rid] = _Seq(prompt=ids, offset=work.output_offset)
+        self.seqs[work.rid] = _Seq(prompt=ids, offset=work.output_offset, ignore_eos=work.ignore_eos)
 
     @_locked
     def accept_decode(self, work: DecodeWork) -> None:
@@ -231,7 +263,7 @@ class TorchEngine(Engine):
             )
         raw = torch.frombuffer(bytearray(work.kv), dtype=torch.uint8)
         kv = raw.view(self.host.dtype).reshape(pages, *self.host.shape[1:])
-        s = _Seq(prompt=ids, out=list(work.output_ids), offset=work.output_offset)
+        s = _Seq(prompt=ids, out=list(work.output_ids), offset=work.output_offset, ignore_eos=work.ignore_eos)
         s.incoming = {i: kv[i] for i in range(pages)}
         s.path = list(work.block_hashes)
         for i, h in enumerate(work.block_hashes):
@@ -513,7 +545,7 @@ class TorchEngine(Engine):
         positions: list[int] = []
         batch: list[SeqBatch] = []
         logits_at: list[int] = []
-        sample: list[_Seq] = []
+        sample: list[tuple[str, _Seq]] = []
         chunk_pages: list[tuple[_Seq, Any, int, int]] = []
         chunks = list(zip(plan.prefill, plan.reqs[:n_chunks])) if first else []
         for c, r in chunks:
@@ -537,8 +569,10 @@ class TorchEngine(Engine):
             chunk_pages.append((s, r, start // ps, s.computed // ps))
             if c.completes:
                 logits_at.append(len(tokens) - 1)
-                sample.append(s)
+                sample.append((r.rid, s))
         for r in plan.reqs[n_chunks:]:
+            if r.rid in self._stopped:  # ended at EOS in an earlier iteration of this plan
+                continue
             s = self.seqs.get(r.rid)
             if s is None:
                 raise KvMapError(f"{r.rid}: decode without registered tokens")
@@ -565,7 +599,7 @@ class TorchEngine(Engine):
             batch.append(SeqBatch(offset=off, n=1, ctx=pos, block_table=s.table))
             s.computed = pos + 1
             logits_at.append(off)
-            sample.append(s)
+            sample.append((r.rid, s))
         if not tokens:
             return
         dev = self.device
@@ -578,8 +612,10 @@ class TorchEngine(Engine):
             torch.tensor(logits_at, dtype=torch.int64, device=dev),
         )
         nxt = logits.argmax(dim=-1).tolist()
-        for s, t in zip(sample, nxt):
-            s.out.append(int(t))
+        for (rid, s), t in zip(sample, nxt):
+            s.out.append(t)
+            if t in self.eos and not s.ignore_eos:
+                self._stopped[rid] = len(s.out)
         self._count("forwards")
         self._count("tokens", len(tokens))
         # prompt pages completed by this plan: candidates for BlockStored(gpu)
@@ -593,6 +629,14 @@ class TorchEngine(Engine):
                 s = self.seqs[r.rid]
                 n = -(-len(s.prompt) // ps)
                 self._handoffs[r.rid] = torch.stack([self._page_kv(p) for p in s.table[:n]]).cpu()
+
+    @_locked
+    def take_stopped(self) -> dict[str, int]:
+        """Requests the last executed plan ended at an EOS token (model's ``eos_token_id``,
+        no ``ignore_eos``) → their output count on this engine including that token
+        (``EngineScheduler.finish_iteration``'s ``stopped``); cleared once taken."""
+        out, self._stopped = self._stopped, {}
+        return out
 
     @_locked
     def output_tokens(self, rid: str, start: int, count: int) -> list[int]:

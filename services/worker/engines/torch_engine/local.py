@@ -30,6 +30,8 @@ class Finished:
     """Output token ids, all positions (a decode node's include the prefill node's first token)."""
     cached_tokens: int
     """Prompt tokens served from cache where its prefill ran (L1 hit + L2 restore)."""
+    finish_reason: str | None = None
+    """``length`` (max_tokens) or ``stop`` (the model's EOS token)."""
 
 
 @dataclass
@@ -88,14 +90,14 @@ class LocalNode:
             return False
         self.engine.execute(plan)
         self.now = plan.end
-        outs = self.core.finish_iteration(plan, self.now)
+        outs = self.core.finish_iteration(plan, self.now, self.engine.take_stopped())
         for o in outs:
             if isinstance(o, TokensOut):
                 if o.index == 0:
                     self.cached[o.rid] = o.cached_tokens
                 if o.finished:
                     toks = self.engine.output_tokens(o.rid, 0, o.index + o.count)
-                    self.finished[o.rid] = Finished(o.rid, toks, self.cached.get(o.rid, 0))
+                    self.finished[o.rid] = Finished(o.rid, toks, self.cached.get(o.rid, 0), o.finish_reason)
             elif isinstance(o, HandOff):
                 self.handoffs.append(HandOff(o.rid, o.decode_node, self.engine.handoff(o.work), o.at))
         self.records.extend(self.core.take_records())
