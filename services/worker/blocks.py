@@ -56,11 +56,19 @@ against the per-block model on random operation streams).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import compress, repeat
+from operator import and_ as _and
+from operator import attrgetter
+from operator import is_not
+from operator import not_ as _not
+from operator import or_ as _or
+from functools import partial
 from typing import Any
 
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Tier
-from services.worker.eviction import EvictionPolicy, EvictionQueue, LruPolicy, get_policy
+from services.worker.eviction import BranchCountPolicy, EvictionPolicy, EvictionQueue, LruPolicy, get_policy
 
 
 class KvInvariantError(AssertionError):
@@ -69,6 +77,21 @@ class KvInvariantError(AssertionError):
 
 def _stored(run: list[int], parent: int | None, tier: Tier, block_size: int) -> BlockStored:
     return BlockStored(block_hashes=run, parent_block_hash=parent, tier=tier, block_size=block_size)
+
+
+_REPEAT_COUNT = repeat("count")
+_REPEAT_PINNED = repeat("pinned")
+_REPEAT_STAMP = repeat("last_access")
+_REPEAT_GROUP = repeat("group")
+_REPEAT_FALSE = repeat(False)
+_COUNT = attrgetter("count")
+_DEPTH = attrgetter("depth")
+_IS_NOT_NONE = partial(is_not, None)
+
+
+def _drain(it: Iterable[object]) -> None:
+    """Run an iterator (of side effects) to its end in C."""
+    deque(it, maxlen=0)
 
 
 def _hold(holds: dict[int, int], present: Any, hashes: Sequence[int]) -> list[int]:
@@ -727,6 +750,8 @@ class HostBlockPool:
         self.events = events
         self.blocks: dict[int, HostBlock] = {}
         self.evictable = EvictionQueue(policy or LruPolicy())
+        self._two = isinstance(self.evictable.policy, BranchCountPolicy)
+        """``branch-count``: group 1 ⇔ count > 0 (the fast paths inline this key)."""
         self._stamp = 0
         self.holds: dict[int, int] = {}
         """Held pages (hash → number of holds): queued requests' fetched prefixes, skipped by
@@ -831,17 +856,32 @@ class HostBlockPool:
         blocks = self.blocks
         q = self.evictable
         od0 = q.groups[0]
-        single = q.single
         stamp = self._stamp
+        if q.single or self._two:
+            # per block, but in C: stamps are consecutive in ``hashes`` order, and each group's
+            # ordered dict gets its blocks in that order (the groups are separate queues)
+            bl = list(map(blocks.__getitem__, hashes))
+            _drain(map(setattr, bl, _REPEAT_PINNED, _REPEAT_FALSE))
+            _drain(map(setattr, bl, _REPEAT_STAMP, range(stamp + 1, stamp + 1 + len(bl))))
+            self._stamp = stamp + len(bl)
+            if q.single:
+                od0.update(zip(hashes, bl))
+                return
+            pos = list(map(bool, map(_COUNT, bl)))  # branch-count: group 1 ⇔ count > 0
+            _drain(map(setattr, bl, _REPEAT_GROUP, map(int, pos)))
+            if True in pos:
+                od1 = q.groups[1]
+                od0.update(zip(compress(hashes, map(_not, pos)), compress(bl, map(_not, pos))))
+                od1.update(zip(compress(hashes, pos), compress(bl, pos)))
+            else:
+                od0.update(zip(hashes, bl))
+            return
         for h in hashes:
             b = blocks[h]
             b.pinned = False
             stamp += 1
             b.last_access = stamp
-            if single:
-                od0[h] = b
-            else:
-                q.push(b)
+            q.push(b)
         self._stamp = stamp
 
     def unpin_runs(self, runs: Sequence[tuple[list[int], int, int | None]]) -> None:
@@ -924,6 +964,8 @@ class HostBlockPool:
         """
         if len(hashes) != len(counts):
             raise ValueError(f"{len(hashes)} hashes but {len(counts)} counts")
+        if self._two and len(set(hashes)) == len(hashes):
+            return self._update_counts_two(hashes, counts)
         blocks = self.blocks
         group = self.evictable.policy.group
         moving: list[HostBlock] = []
@@ -940,6 +982,55 @@ class HostBlockPool:
             b.last_access = self._stamp
             self.evictable.regroup(b)
             self._lift_ancestors(b)
+        return len(moving)
+
+    def _update_counts_two(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
+        """:meth:`update_counts` under ``branch-count`` for distinct ``hashes``: the same moves
+        and stamps, with the per-block filtering done in C (map/compress over the message) and
+        Python steps only per moved block and lifted ancestor."""
+        blocks = self.blocks
+        bl = list(map(blocks.get, hashes))
+        if None in bl:  # unknown hashes are ignored
+            keep = list(map(_IS_NOT_NONE, bl))
+            hashes = list(compress(hashes, keep))
+            counts = list(compress(counts, keep))
+            bl = list(compress(bl, keep))
+            if not bl:
+                return 0
+        _drain(map(setattr, bl, _REPEAT_COUNT, counts))
+        g0, g1 = self.evictable.groups
+        # queued in group 0 with a positive count, or queued in group 1 with count 0
+        # (queued in group g ⇔ unpinned with block.group == g)
+        pos = list(map(bool, counts))
+        mask = map(_or, map(_and, map(g0.__contains__, hashes), pos), map(_and, map(g1.__contains__, hashes), map(_not, pos)))
+        moving = list(compress(bl, mask))
+        if not moving:
+            return 0
+        moving.sort(key=_DEPTH, reverse=True)  # deepest first, stable (as key=-depth)
+        groups = (g0, g1)
+        get = blocks.get
+        stamp = self._stamp
+        for b in moving:
+            stamp += 1
+            b.last_access = stamp
+            g = 1 if b.count > 0 else 0
+            h = b.hash
+            del groups[b.group][h]
+            b.group = g
+            od = groups[g]
+            od[h] = b
+            child = b  # lift the queued ancestors in group g older than b (_lift_ancestors)
+            p = b.parent
+            while p is not None:
+                pb = get(p)
+                if pb is None or pb.pinned or pb.group != g or pb.last_access > child.last_access:
+                    break
+                stamp += 1
+                pb.last_access = stamp
+                od.move_to_end(p)
+                child = pb
+                p = pb.parent
+        self._stamp = stamp
         return len(moving)
 
     def _lift_ancestors(self, b: HostBlock) -> None:
