@@ -60,6 +60,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import compress, repeat
 from operator import and_ as _and
+from operator import eq
 from operator import attrgetter
 from operator import is_not
 from operator import not_ as _not
@@ -86,6 +87,8 @@ _REPEAT_GROUP = repeat("group")
 _REPEAT_FALSE = repeat(False)
 _COUNT = attrgetter("count")
 _DEPTH = attrgetter("depth")
+_HASH = attrgetter("hash")
+_PARENT = attrgetter("parent")
 _IS_NOT_NONE = partial(is_not, None)
 
 
@@ -815,7 +818,14 @@ class HostBlockPool:
         the lowest-key unpinned blocks when full. Emits ``BlockRemoved(host)``
         for the evictions and one ``BlockStored(host)`` per run of new pages.
         """
+        if hi <= lo:
+            return
         blocks = self.blocks
+        bl = list(map(blocks.get, path[lo:hi]))
+        absent = bl.count(None)
+        if absent and bl[-absent] is None and bl[-absent:].count(None) == absent:
+            self._store_tail(path, lo, hi, bl, hi - absent)
+            return
         groups = self.evictable.groups
         capacity = self.capacity
         evicted: list[int] = []
@@ -850,6 +860,33 @@ class HostBlockPool:
             self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
         for s, e in runs:
             self.events.append(_stored(list(path[s:e]), path[s - 1] if s else None, "host", self.block_size))
+
+    def _store_tail(self, path: Sequence[int], lo: int, hi: int, bl: list[HostBlock | None], k: int) -> None:
+        """:meth:`store` where ``path[lo:k]`` are present (``bl``: their blocks) and ``path[k:hi]``
+        absent: the same pins, evictions, stamps and events, with the evictions taken before the
+        new blocks are made (a new block is pinned, so it is never a victim) and the new
+        blocks made in C (map)."""
+        blocks = self.blocks
+        groups = self.evictable.groups
+        for b in bl[: k - lo]:
+            if b is not None and not b.pinned:
+                del groups[b.group][b.hash]
+                b.pinned = True
+        n = hi - k
+        e = len(blocks) + n - self.capacity
+        evicted: list[int] = []
+        if e > 0:
+            victim = self._victim
+            evicted = [victim() for _ in range(e)]
+            _drain(map(blocks.__delitem__, evicted))
+        stamp = self._stamp
+        hs = list(path[k:hi])
+        parents = [path[k - 1] if k else None, *hs[:-1]]
+        blocks.update(zip(hs, map(HostBlock, hs, parents, range(k, hi), range(stamp + 1, stamp + 1 + n))))
+        self._stamp = stamp + n
+        if evicted:
+            self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
+        self.events.append(_stored(hs, parents[0], "host", self.block_size))
 
     def unpin(self, hashes: Sequence[int]) -> None:
         """The pages ``hashes`` left L1 (in this order): they become evictable here."""
@@ -986,8 +1023,9 @@ class HostBlockPool:
 
     def _update_counts_two(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
         """:meth:`update_counts` under ``branch-count`` for distinct ``hashes``: the same moves
-        and stamps, with the per-block filtering done in C (map/compress over the message) and
-        Python steps only per moved block and lifted ancestor."""
+        and stamps, with the per-block work done in C (map/compress/update over the message)
+        and Python steps only per stretch of moved blocks (a run of one path) and per lifted
+        ancestor."""
         blocks = self.blocks
         bl = list(map(blocks.get, hashes))
         if None in bl:  # unknown hashes are ignored
@@ -1007,20 +1045,32 @@ class HostBlockPool:
         if not moving:
             return 0
         moving.sort(key=_DEPTH, reverse=True)  # deepest first, stable (as key=-depth)
+        # Stretches: consecutive moved blocks where each next one is the previous one's parent,
+        # bound for the same group. Inside a stretch a block's lift stops at once (its parent
+        # is still in the old group), so the stretch moves in C; only its shallowest block
+        # lifts its queued ancestors (Python steps per stretch and per lifted ancestor).
+        mh = list(map(_HASH, moving))
+        mg = list(map(bool, map(_COUNT, moving)))
+        link = list(map(_and, map(eq, map(_PARENT, moving), mh[1:]), map(eq, mg, mg[1:])))
+        link.append(False)
         groups = (g0, g1)
         get = blocks.get
         stamp = self._stamp
-        for b in moving:
-            stamp += 1
-            b.last_access = stamp
-            g = 1 if b.count > 0 else 0
-            h = b.hash
-            del groups[b.group][h]
-            b.group = g
+        i = 0
+        while i < len(moving):
+            j = link.index(False, i) + 1
+            g = 1 if mg[i] else 0
             od = groups[g]
-            od[h] = b
-            child = b  # lift the queued ancestors in group g older than b (_lift_ancestors)
-            p = b.parent
+            hs = mh[i:j]
+            bs = moving[i:j]
+            _drain(map(groups[1 - g].__delitem__, hs))
+            _drain(map(setattr, bs, _REPEAT_STAMP, range(stamp + 1, stamp + 1 + j - i)))
+            _drain(map(setattr, bs, _REPEAT_GROUP, repeat(g, j - i)))
+            od.update(zip(hs, bs))
+            stamp += j - i
+            i = j
+            child = bs[-1]  # lift the queued ancestors in group g older than it (_lift_ancestors)
+            p = child.parent
             while p is not None:
                 pb = get(p)
                 if pb is None or pb.pinned or pb.group != g or pb.last_access > child.last_access:
