@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from itertools import compress, repeat
+from itertools import compress, filterfalse, repeat
 from operator import add as _add
 from operator import ne as _ne
 from operator import not_ as _not
@@ -60,6 +60,7 @@ from .index import GPU, HOST, BlockIndex, tier_bit
 _EMPTY: frozenset[int] = frozenset()
 _REPEAT0 = repeat(0)
 _REPEAT1 = repeat(1)
+_REPEAT_M1 = repeat(-1)
 _ONE_EQ = (1).__eq__
 
 
@@ -296,11 +297,9 @@ class BranchTable:
             hit = R.keys() & newly
             if hit:
                 self.counted_copies[n][tier] += len(hit)
-                if tier == HOST:
+                if tier == HOST:  # re-sent: the worker keeps counts only for blocks it holds
                     out = self.outbox[n]
-                    for h in hit:
-                        if h not in out:
-                            out[h] = -1
+                    out.update(zip(filterfalse(out.__contains__, hit), _REPEAT_M1))
         if self.watch:
             for h in self.watch.keys() & newly:
                 for target, bid in list(self.watch.get(h, ())):

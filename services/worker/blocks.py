@@ -62,10 +62,7 @@ from itertools import compress, repeat
 from operator import and_ as _and
 from operator import eq
 from operator import attrgetter
-from operator import is_not
 from operator import not_ as _not
-from operator import or_ as _or
-from functools import partial
 from typing import Any
 
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Tier
@@ -88,8 +85,8 @@ _REPEAT_FALSE = repeat(False)
 _COUNT = attrgetter("count")
 _DEPTH = attrgetter("depth")
 _HASH = attrgetter("hash")
+_GROUP = attrgetter("group")
 _PARENT = attrgetter("parent")
-_IS_NOT_NONE = partial(is_not, None)
 
 
 def _drain(it: Iterable[object]) -> None:
@@ -1001,8 +998,12 @@ class HostBlockPool:
         """
         if len(hashes) != len(counts):
             raise ValueError(f"{len(hashes)} hashes but {len(counts)} counts")
-        if self._two and len(set(hashes)) == len(hashes):
+        if self._two:
             return self._update_counts_two(hashes, counts)
+        return self._update_counts_blocks(hashes, counts)
+
+    def _update_counts_blocks(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
+        """:meth:`update_counts` block by block, for any policy."""
         blocks = self.blocks
         group = self.evictable.policy.group
         moving: list[HostBlock] = []
@@ -1022,26 +1023,20 @@ class HostBlockPool:
         return len(moving)
 
     def _update_counts_two(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
-        """:meth:`update_counts` under ``branch-count`` for distinct ``hashes``: the same moves
-        and stamps, with the per-block work done in C (map/compress/update over the message)
-        and Python steps only per stretch of moved blocks (a run of one path) and per lifted
-        ancestor."""
-        blocks = self.blocks
-        bl = list(map(blocks.get, hashes))
-        if None in bl:  # unknown hashes are ignored
-            keep = list(map(_IS_NOT_NONE, bl))
-            hashes = list(compress(hashes, keep))
-            counts = list(compress(counts, keep))
-            bl = list(compress(bl, keep))
-            if not bl:
-                return 0
-        _drain(map(setattr, bl, _REPEAT_COUNT, counts))
-        g0, g1 = self.evictable.groups
-        # queued in group 0 with a positive count, or queued in group 1 with count 0
-        # (queued in group g ⇔ unpinned with block.group == g)
-        pos = list(map(bool, counts))
-        mask = map(_or, map(_and, map(g0.__contains__, hashes), pos), map(_and, map(g1.__contains__, hashes), map(_not, pos)))
-        moving = list(compress(bl, mask))
+        """:meth:`update_counts` under ``branch-count``: the same moves and stamps, from one lean
+        pass over the message, then the moved blocks move in C (map/update) stretch by stretch
+        (a run of one path), with Python steps per stretch and per lifted ancestor. A message
+        naming a block twice goes block by block (:meth:`_update_counts_blocks`; setting the
+        counts again is harmless)."""
+        get = self.blocks.get
+        moving: list[HostBlock] = []
+        add = moving.append
+        for h, c in zip(hashes, counts):
+            b = get(h)
+            if b is not None:  # unknown hashes are ignored
+                b.count = c
+                if not b.pinned and (c > 0) != b.group:  # group 1 ⇔ count > 0
+                    add(b)
         if not moving:
             return 0
         moving.sort(key=_DEPTH, reverse=True)  # deepest first, stable (as key=-depth)
@@ -1051,10 +1046,11 @@ class HostBlockPool:
         # lifts its queued ancestors (Python steps per stretch and per lifted ancestor).
         mh = list(map(_HASH, moving))
         mg = list(map(bool, map(_COUNT, moving)))
+        if True in map(eq, mg, map(_GROUP, moving)) or len(set(mh)) != len(mh):  # named twice
+            return self._update_counts_blocks(hashes, counts)
         link = list(map(_and, map(eq, map(_PARENT, moving), mh[1:]), map(eq, mg, mg[1:])))
         link.append(False)
-        groups = (g0, g1)
-        get = blocks.get
+        groups = self.evictable.groups
         stamp = self._stamp
         i = 0
         while i < len(moving):
