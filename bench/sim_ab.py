@@ -7,14 +7,16 @@ Exports both revisions with ``git archive`` into a temporary directory and runs 
 ``evolving-infra simulate`` command of each, alternating (base, head, head, base, ...), each in a
 fresh process with this interpreter (the project's venv: same dependencies). Per run: CPU seconds
 of the child (user + system, ``RUSAGE_CHILDREN``: robust to other processes' load, which
-inflates wall time on a shared box), wall seconds, the simulation loop's wall seconds and peak
-RSS. Then:
+inflates wall time on a shared box), CPU seconds of the simulation loop alone
+(``ClusterSim.run_to_end`` timed with ``time.process_time`` inside the child, so the trace load
+does not dilute the loop's change), wall seconds, the loop's wall seconds and peak RSS. Then:
 
 * exactness: ``report.json`` of the two revisions' first runs must be equal apart from wall-clock
   keys (``evolving_infra.sim.run.WALL_CLOCK_KEYS``, ``meta.date``, ``meta.argv``, ``meta.wall_s``)
   and keys only the head has (new report keys); ``requests.jsonl`` must be equal line by line
   apart from keys that are not fields of the base's ``RequestRecord`` (new per-request fields);
-* speed: medians of the CPU seconds and their ratio (base ÷ head: > 1 = head faster).
+* speed: medians of the CPU seconds (whole child, and loop alone) and their ratios
+  (base ÷ head: > 1 = head faster).
 
 Default input (issue 23): ``--policy evolving`` on 9 nodes, 40 agents of the trace, pauses capped
 at 30 s, 64-token blocks, the evolving planner's warm-up and window shortened to 300 s so that
@@ -46,18 +48,41 @@ def export(rev: str, dest: Path) -> Path:
     return dest
 
 
+LOOP_CPU = """
+import atexit, os, sys, time
+from evolving_infra.sim import cluster
+run_to_end, spent = cluster.ClusterSim.run_to_end, [0.0]
+def timed(self, *a, **k):
+    t = time.process_time()
+    try:
+        return run_to_end(self, *a, **k)
+    finally:
+        spent[0] += time.process_time() - t
+cluster.ClusterSim.run_to_end = timed
+atexit.register(lambda: open(os.environ["SIM_AB_LOOP_CPU"], "w").write(repr(spent[0])))
+from evolving_infra.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+"""The child: ``evolving-infra`` with ``ClusterSim.run_to_end`` (the simulation loop) timed in
+CPU seconds of the process (``time.process_time``), written to ``$SIM_AB_LOOP_CPU`` at exit."""
+
+
 def run(tree: Path, args: list[str], out: Path) -> dict:
-    """One simulate run of ``tree``; returns its report with ``_cpu_s`` and ``_wall_s``."""
+    """One simulate run of ``tree``; returns its report with ``_cpu_s`` (whole child),
+    ``_loop_cpu_s`` (the simulation loop alone, without the trace load) and ``_wall_s``."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "evolving_infra.cli", "simulate", *args, "--out", str(out), "--no-plots"],
-                       cwd=tree, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    loop_file = out.parent / f"{out.name}.loop_cpu"
+    p = subprocess.run([sys.executable, "-c", LOOP_CPU, "simulate", *args, "--out", str(out), "--no-plots"], cwd=tree,
+                       capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(tree), "SIM_AB_LOOP_CPU": str(loop_file)})
     wall = time.monotonic() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode not in (0, 1):
         raise SystemExit(f"simulate failed in {tree}:\n{p.stderr[-3000:]}")
     rep = json.loads((out / "report.json").read_text())
     rep["_cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    rep["_loop_cpu_s"] = float(loop_file.read_text())
     rep["_wall_s"] = wall
     return rep
 
@@ -119,15 +144,20 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("base", "head") if r % 2 == 0 else ("head", "base"):
                 rep = run(trees[name], args, Path(tmp) / f"{name}{r}")
                 reps[name].append(rep)
-                print(f"round {r} {name}: CPU {rep['_cpu_s']:.1f} s, wall {rep['_wall_s']:.1f} s, loop {rep['sim_wall_s']:.1f} s, "
+                print(f"round {r} {name}: CPU {rep['_cpu_s']:.1f} s (loop {rep['_loop_cpu_s']:.1f} s), wall {rep['_wall_s']:.1f} s, "
+                      f"loop wall {rep['sim_wall_s']:.1f} s, "
                       f"peak RSS {rep['peak_rss_mb']:.0f} MiB", flush=True)
         diff = differences(Path(tmp) / "base0", Path(tmp) / "head0", record_fields(trees["base"]))
     cpu = {k: statistics.median(r["_cpu_s"] for r in v) for k, v in reps.items()}
+    loop = {k: statistics.median(r["_loop_cpu_s"] for r in v) for k, v in reps.items()}
     rss = {k: statistics.median(r["peak_rss_mb"] for r in v) for k, v in reps.items()}
     print(f"\n{a.policy}, {a.duration} s simulated, {a.block_size}-token blocks, {a.extra}")
     print(f"CPU s, median of {a.rounds}: base {a.base} {cpu['base']:.1f}, head {a.head} {cpu['head']:.1f}, "
           f"ratio base/head {cpu['base'] / cpu['head']:.2f}")
+    print(f"loop CPU s, median of {a.rounds}: base {loop['base']:.1f}, head {loop['head']:.1f}, "
+          f"ratio base/head {loop['base'] / loop['head']:.2f}")
     print(f"peak RSS MiB, median: base {rss['base']:.0f}, head {rss['head']:.0f}")
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("output: IDENTICAL" if not diff else "output DIFFERS:\n  " + "\n  ".join(diff))
     return 1 if diff else 0
 
