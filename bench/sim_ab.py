@@ -2,6 +2,7 @@
 
     python bench/sim_ab.py --base c9d6c45 --trace cc.jsonl.gz            # HEAD's tree vs c9d6c45
     python bench/sim_ab.py --base c9d6c45 --head HEAD --rounds 3 --duration 900
+    python bench/sim_ab.py --vs-policy static:4P5D --trace cc.jsonl.gz   # HEAD: evolving ÷ static
 
 Exports both revisions with ``git archive`` into a temporary directory and runs the real
 ``evolving-infra simulate`` command of each, alternating (base, head, head, base, ...), each in a
@@ -123,9 +124,36 @@ def differences(a: Path, b: Path, base_fields: frozenset[str] | None = None) -> 
     return out
 
 
+def vs_policy(a: argparse.Namespace, args: list[str]) -> int:
+    """One revision, two policy sets on the same input, alternating; medians of the loop CPU s."""
+    other = list(args)
+    other[other.index("--policy") + 1] = a.vs_policy
+    while "--planner-opt" in other:  # the evolving planner's options mean nothing to another planner
+        i = other.index("--planner-opt")
+        del other[i : i + 2]
+    runs = {a.policy: args, a.vs_policy: other}
+    with tempfile.TemporaryDirectory(prefix="sim-ab-") as tmp:
+        tree = export(a.head, Path(tmp) / "head")
+        reps: dict[str, list[dict]] = {a.policy: [], a.vs_policy: []}
+        for r in range(a.rounds):
+            for i, name in enumerate(runs if r % 2 == 0 else reversed(list(runs))):
+                rep = run(tree, runs[name], Path(tmp) / f"p{r}{i}")
+                reps[name].append(rep)
+                print(f"round {r} {name}: loop CPU {rep['_loop_cpu_s']:.1f} s, loop wall {rep['sim_wall_s']:.1f} s, "
+                      f"CPU {rep['_cpu_s']:.1f} s, sim speed {rep['sim_speed']:.0f}x", flush=True)
+    loop = {k: statistics.median(r["_loop_cpu_s"] for r in v) for k, v in reps.items()}
+    speed = {k: float(a.duration) / loop[k] for k in loop}
+    print(f"\n{a.head}, {a.duration} s simulated, {a.block_size}-token blocks, {a.extra}")
+    for k in runs:
+        print(f"{k}: loop CPU s, median of {a.rounds}: {loop[k]:.2f} (simulated s per loop CPU s: {speed[k]:.0f})")
+    print(f"ratio {a.policy} / {a.vs_policy}: {loop[a.policy] / loop[a.vs_policy]:.2f}")
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="git revision to compare against")
+    ap.add_argument("--base", help="git revision to compare against (required unless --vs-policy)")
     ap.add_argument("--head", default="HEAD", help="git revision to measure (default HEAD)")
     ap.add_argument("--trace", required=True, help="canonical trace (e.g. trace convert --from claude-code-weka)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each revision, alternating (default 3)")
@@ -134,9 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="evolving")
     ap.add_argument("--extra", default="--nodes 9 --concurrency 40 --max-pause 30 --planner-opt t_learn_s=300 "
                                         "--planner-opt window_s=300", help="further simulate arguments")
+    ap.add_argument("--vs-policy", metavar="POLICY",
+                    help="instead of two revisions: --head under --policy against --head under POLICY (e.g. "
+                         "static:4P5D, run without the --planner-opt items of --extra), alternating; prints the "
+                         "loop CPU ratio policy ÷ POLICY (issue 23: evolving within 1.5x of static:4P5D)")
     a = ap.parse_args(argv)
     args = ["--trace", str(Path(a.trace).resolve()), "--policy", a.policy, "--duration", a.duration,
             "--block-size", a.block_size, *a.extra.split()]
+    if a.vs_policy:
+        return vs_policy(a, args)
+    if not a.base:
+        ap.error("--base is required (or --vs-policy)")
     with tempfile.TemporaryDirectory(prefix="sim-ab-") as tmp:
         trees = {"base": export(a.base, Path(tmp) / "base"), "head": export(a.head, Path(tmp) / "head")}
         reps: dict[str, list[dict]] = {"base": [], "head": []}

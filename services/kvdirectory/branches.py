@@ -235,7 +235,11 @@ class BranchTable:
         runs = self.index.live_runs
         gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
         cc = self.counted_copies[n]
-        for rid, k in Counter(map(id, map(self.index.where.get, blocks))).items():
+        ids = list(map(id, map(self.index.where.get, blocks)))  # a run is an int: grouped by id
+        uniq = dict.fromkeys(ids)
+        # few runs (the usual: one path's stretch): one C-level count per run beats a Counter
+        per_run = Counter(ids).items() if len(uniq) > 8 else zip(uniq, map(ids.count, uniq))
+        for rid, k in per_run:
             r = runs.get(rid)
             if r is not None:
                 pc = r.pc
@@ -608,8 +612,11 @@ class BranchTable:
                 continue
             now = list(map(self.R[n].get, out, _REPEAT0))
             changed = list(map(_ne, now, out.values()))  # a change undone before the drain is not sent
-            hashes = list(compress(out, changed))
-            counts = list(compress(now, changed))
+            if False in changed:
+                hashes = list(compress(out, changed))
+                counts = list(compress(now, changed))
+            else:
+                hashes, counts = list(out), now
             out.clear()
             for i in range(0, len(hashes), cap):
                 self.out_seq[n] += 1

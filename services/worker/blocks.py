@@ -58,11 +58,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import compress, repeat
 from operator import and_ as _and
 from operator import eq
 from operator import attrgetter
-from operator import not_ as _not
 from typing import Any
 
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Tier
@@ -77,11 +75,6 @@ def _stored(run: list[int], parent: int | None, tier: Tier, block_size: int) -> 
     return BlockStored(block_hashes=run, parent_block_hash=parent, tier=tier, block_size=block_size)
 
 
-_REPEAT_COUNT = repeat("count")
-_REPEAT_PINNED = repeat("pinned")
-_REPEAT_STAMP = repeat("last_access")
-_REPEAT_GROUP = repeat("group")
-_REPEAT_FALSE = repeat(False)
 _COUNT = attrgetter("count")
 _DEPTH = attrgetter("depth")
 _HASH = attrgetter("hash")
@@ -891,24 +884,29 @@ class HostBlockPool:
         q = self.evictable
         od0 = q.groups[0]
         stamp = self._stamp
-        if q.single or self._two:
-            # per block, but in C: stamps are consecutive in ``hashes`` order, and each group's
-            # ordered dict gets its blocks in that order (the groups are separate queues)
-            bl = list(map(blocks.__getitem__, hashes))
-            _drain(map(setattr, bl, _REPEAT_PINNED, _REPEAT_FALSE))
-            _drain(map(setattr, bl, _REPEAT_STAMP, range(stamp + 1, stamp + 1 + len(bl))))
-            self._stamp = stamp + len(bl)
-            if q.single:
-                od0.update(zip(hashes, bl))
-                return
-            pos = list(map(bool, map(_COUNT, bl)))  # branch-count: group 1 ⇔ count > 0
-            _drain(map(setattr, bl, _REPEAT_GROUP, map(int, pos)))
-            if True in pos:
-                od1 = q.groups[1]
-                od0.update(zip(compress(hashes, map(_not, pos)), compress(bl, map(_not, pos))))
-                od1.update(zip(compress(hashes, pos), compress(bl, pos)))
-            else:
-                od0.update(zip(hashes, bl))
+        if q.single:
+            for h in hashes:
+                b = blocks[h]
+                b.pinned = False
+                stamp += 1
+                b.last_access = stamp
+                od0[h] = b
+            self._stamp = stamp
+            return
+        if self._two:  # branch-count, its key inlined: group 1 ⇔ count > 0
+            od1 = q.groups[1]
+            for h in hashes:
+                b = blocks[h]
+                b.pinned = False
+                stamp += 1
+                b.last_access = stamp
+                if b.count > 0:
+                    b.group = 1
+                    od1[h] = b
+                else:
+                    b.group = 0
+                    od0[h] = b
+            self._stamp = stamp
             return
         for h in hashes:
             b = blocks[h]
@@ -1024,10 +1022,10 @@ class HostBlockPool:
 
     def _update_counts_two(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
         """:meth:`update_counts` under ``branch-count``: the same moves and stamps, from one lean
-        pass over the message, then the moved blocks move in C (map/update) stretch by stretch
-        (a run of one path), with Python steps per stretch and per lifted ancestor. A message
-        naming a block twice goes block by block (:meth:`_update_counts_blocks`; setting the
-        counts again is harmless)."""
+        pass over the message (the key inlined); the ancestor lift is looked for once per
+        stretch of moved blocks (a run of one path), not per block. A message naming a block
+        twice goes block by block (:meth:`_update_counts_blocks`; setting the counts again is
+        harmless)."""
         get = self.blocks.get
         moving: list[HostBlock] = []
         add = moving.append
@@ -1042,8 +1040,7 @@ class HostBlockPool:
         moving.sort(key=_DEPTH, reverse=True)  # deepest first, stable (as key=-depth)
         # Stretches: consecutive moved blocks where each next one is the previous one's parent,
         # bound for the same group. Inside a stretch a block's lift stops at once (its parent
-        # is still in the old group), so the stretch moves in C; only its shallowest block
-        # lifts its queued ancestors (Python steps per stretch and per lifted ancestor).
+        # is still in the old group), so only a stretch's shallowest block looks for ancestors.
         mh = list(map(_HASH, moving))
         mg = list(map(bool, map(_COUNT, moving)))
         if True in map(eq, mg, map(_GROUP, moving)) or len(set(mh)) != len(mh):  # named twice
@@ -1051,22 +1048,25 @@ class HostBlockPool:
         link = list(map(_and, map(eq, map(_PARENT, moving), mh[1:]), map(eq, mg, mg[1:])))
         link.append(False)
         groups = self.evictable.groups
+        get = self.blocks.get
         stamp = self._stamp
-        i = 0
-        while i < len(moving):
-            j = link.index(False, i) + 1
-            g = 1 if mg[i] else 0
+        for b, up, linked in zip(moving, mg, link):
+            stamp += 1
+            b.last_access = stamp
+            h = b.hash
+            if up:
+                g = 1
+                del groups[0][h]
+            else:
+                g = 0
+                del groups[1][h]
+            b.group = g
             od = groups[g]
-            hs = mh[i:j]
-            bs = moving[i:j]
-            _drain(map(groups[1 - g].__delitem__, hs))
-            _drain(map(setattr, bs, _REPEAT_STAMP, range(stamp + 1, stamp + 1 + j - i)))
-            _drain(map(setattr, bs, _REPEAT_GROUP, repeat(g, j - i)))
-            od.update(zip(hs, bs))
-            stamp += j - i
-            i = j
-            child = bs[-1]  # lift the queued ancestors in group g older than it (_lift_ancestors)
-            p = child.parent
+            od[h] = b
+            if linked:  # its parent moves next (still in the old group): its lift stops at once
+                continue
+            child = b  # lift the queued ancestors in group g older than b (_lift_ancestors)
+            p = b.parent
             while p is not None:
                 pb = get(p)
                 if pb is None or pb.pinned or pb.group != g or pb.last_access > child.last_access:
