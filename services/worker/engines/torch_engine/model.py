@@ -168,13 +168,24 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, consts: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    """RMSNorm as transformers computes it (in float32, weight applied in ``x``'s dtype).
+    ``consts`` (float32 models): ``{n: (n, eps)}`` as 0-dim float32 tensors, so the scalars
+    are not wrapped into tensors on every call (the same float32 values: bit for bit)."""
     dt = x.dtype
-    if dt == torch.float32:  # the same arithmetic in fewer ops (mean = sum, then ÷ n: bit for bit)
-        return w * (x * x.pow(2).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_())
+    if dt == torch.float32 and consts is not None:  # mean = sum, then ÷ n: bit for bit
+        n, e = consts[x.shape[-1]]
+        return w * (x * x.pow(2).sum(-1, keepdim=True).div_(n).add_(e).rsqrt_())
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return w * x32.to(dt)
+
+
+def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` for a 2-D ``x`` given ``w_t = w.t()``: the ``mm`` / ``addmm``
+    that ``F.linear`` calls (the same kernel on the same operands: bit for bit), without its
+    dispatch through ``linear`` → ``matmul`` → ``t`` → ``mm`` per call."""
+    return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -386,7 +397,15 @@ class PagedDecoder(torch.nn.Module):
             if cfg.qk_norm:
                 L["q_norm"] = w(p + "self_attn.q_norm.weight", (D,))
                 L["k_norm"] = w(p + "self_attn.k_norm.weight", (D,))
+            for name in ("qkv", "o", "gate_up", "down"):
+                L[name + "_t"] = L[name].t()
             self.layers.append(L)
+        self.lm_head_t = self.lm_head.t()
+        f32 = torch.float32
+        self._rms_consts = {
+            n: (torch.tensor(float(n), dtype=f32, device=device), torch.tensor(cfg.rms_norm_eps, dtype=f32, device=device))
+            for n in {H, D}
+        }
         self.inv_freq = rope_inv_freq(cfg).to(device)
 
     @staticmethod
@@ -473,12 +492,12 @@ class PagedDecoder(torch.nn.Module):
         scale = 1.0 / math.sqrt(D)
         I = c.intermediate_size
         for li, L in enumerate(self.layers):
-            h = _rms(x, L["in_norm"], c.rms_norm_eps)
-            qkv = F.linear(h, L["qkv"], L.get("qkv_b"))
+            h = _rms(x, L["in_norm"], c.rms_norm_eps, self._rms_consts)
+            qkv = _linear(h, L["qkv_t"], L.get("qkv_b"))
             v = qkv[:, (nh + nkv) * D :].view(T, nkv, D)
             if c.qk_norm:
-                q = _rope(_rms(qkv[:, : nh * D].view(T, nh, D), L["q_norm"], c.rms_norm_eps), cos, sin_signed)
-                k = _rope(_rms(qkv[:, nh * D : (nh + nkv) * D].view(T, nkv, D), L["k_norm"], c.rms_norm_eps), cos, sin_signed)
+                q = _rope(_rms(qkv[:, : nh * D].view(T, nh, D), L["q_norm"], c.rms_norm_eps, self._rms_consts), cos, sin_signed)
+                k = _rope(_rms(qkv[:, nh * D : (nh + nkv) * D].view(T, nkv, D), L["k_norm"], c.rms_norm_eps, self._rms_consts), cos, sin_signed)
             else:  # q and k rotated in one pass
                 qk = _rope(qkv[:, : (nh + nkv) * D].view(T, nh + nkv, D), cos, sin_signed)
                 q, k = qk[:, :nh], qk[:, nh:]
@@ -491,9 +510,9 @@ class PagedDecoder(torch.nn.Module):
                 attn = torch.empty(T, nh, D, dtype=x.dtype, device=dev)
                 for g in groups:
                     g.attend(q, k, v, kc, vc, attn, scale)
-            x = x + F.linear(attn.reshape(T, nh * D), L["o"])
-            h = _rms(x, L["post_norm"], c.rms_norm_eps)
-            gu = F.linear(h, L["gate_up"])
-            x = x + F.linear(F.silu(gu[:, :I]) * gu[:, I:], L["down"])
-        x = _rms(x.index_select(0, logits_at.to(dev)), self.norm, c.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+            x = x + _linear(attn.reshape(T, nh * D), L["o_t"])
+            h = _rms(x, L["post_norm"], c.rms_norm_eps, self._rms_consts)
+            gu = _linear(h, L["gate_up_t"])
+            x = x + _linear(F.silu(gu[:, :I]) * gu[:, I:], L["down_t"])
+        x = _rms(x.index_select(0, logits_at.to(dev)), self.norm, c.rms_norm_eps, self._rms_consts)
+        return _linear(x, self.lm_head_t).float()
