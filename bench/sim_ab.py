@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -71,21 +70,34 @@ CPU seconds of the process (``time.process_time``), written to ``$SIM_AB_LOOP_CP
 def run(tree: Path, args: list[str], out: Path) -> dict:
     """One simulate run of ``tree``; returns its report with ``_cpu_s`` (whole child),
     ``_loop_cpu_s`` (the simulation loop alone, without the trace load) and ``_wall_s``."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.monotonic()
-    loop_file = out.parent / f"{out.name}.loop_cpu"
-    p = subprocess.run([sys.executable, "-c", LOOP_CPU, "simulate", *args, "--out", str(out), "--no-plots"], cwd=tree,
-                       capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(tree), "SIM_AB_LOOP_CPU": str(loop_file)})
-    wall = time.monotonic() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if p.returncode not in (0, 1):
-        raise SystemExit(f"simulate failed in {tree}:\n{p.stderr[-3000:]}")
-    rep = json.loads((out / "report.json").read_text())
-    rep["_cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    rep["_loop_cpu_s"] = float(loop_file.read_text())
-    rep["_wall_s"] = wall
-    return rep
+    return run_many([(tree, args, out)])[0]
+
+
+def run_many(jobs: list[tuple[Path, list[str], Path]]) -> list[dict]:
+    """Simulate runs ``(tree, args, out)`` started together (one is a plain run); returns their
+    reports as :func:`run` does (CPU seconds of each child from ``wait4``)."""
+    procs = []
+    for tree, args, out in jobs:
+        loop_file = out.parent / f"{out.name}.loop_cpu"
+        with open(out.parent / f"{out.name}.stderr", "w") as err:  # a file: no pipe to fill
+            p = subprocess.Popen([sys.executable, "-c", LOOP_CPU, "simulate", *args, "--out", str(out), "--no-plots"],
+                                 cwd=tree, stdout=subprocess.DEVNULL, stderr=err,
+                                 env={**os.environ, "PYTHONPATH": str(tree), "SIM_AB_LOOP_CPU": str(loop_file)})
+        procs.append((p, time.monotonic(), loop_file))
+    reps = []
+    for (tree, _args, out), (p, t, loop_file) in zip(jobs, procs):
+        _pid, status, ru = os.wait4(p.pid, 0)
+        err = (out.parent / f"{out.name}.stderr").read_text()
+        p.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.monotonic() - t
+        if p.returncode not in (0, 1):
+            raise SystemExit(f"simulate failed in {tree}:\n{err[-3000:]}")
+        rep = json.loads((out / "report.json").read_text())
+        rep["_cpu_s"] = ru.ru_utime + ru.ru_stime
+        rep["_loop_cpu_s"] = float(loop_file.read_text())
+        rep["_wall_s"] = wall
+        reps.append(rep)
+    return reps
 
 
 def record_fields(tree: Path) -> frozenset[str]:
@@ -162,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="evolving")
     ap.add_argument("--extra", default="--nodes 9 --concurrency 40 --max-pause 30 --planner-opt t_learn_s=300 "
                                         "--planner-opt window_s=300", help="further simulate arguments")
+    ap.add_argument("--together", action="store_true",
+                    help="run base and head of a round at the same time (each sees the other's load, and both "
+                         "the box's), instead of one after the other")
     ap.add_argument("--vs-policy", metavar="POLICY",
                     help="instead of two revisions: --head under --policy against --head under POLICY (e.g. "
                          "static:4P5D, run without the --planner-opt items of --extra), alternating; prints the "
@@ -177,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         trees = {"base": export(a.base, Path(tmp) / "base"), "head": export(a.head, Path(tmp) / "head")}
         reps: dict[str, list[dict]] = {"base": [], "head": []}
         for r in range(a.rounds):
-            for name in ("base", "head") if r % 2 == 0 else ("head", "base"):
-                rep = run(trees[name], args, Path(tmp) / f"{name}{r}")
+            order = ("base", "head") if r % 2 == 0 else ("head", "base")
+            if a.together:  # both at once: the same load on a shared box
+                got = dict(zip(order, run_many([(trees[n], args, Path(tmp) / f"{n}{r}") for n in order])))
+            for name in order:
+                rep = got[name] if a.together else run(trees[name], args, Path(tmp) / f"{name}{r}")
                 reps[name].append(rep)
                 print(f"round {r} {name}: CPU {rep['_cpu_s']:.1f} s (loop {rep['_loop_cpu_s']:.1f} s), wall {rep['_wall_s']:.1f} s, "
                       f"loop wall {rep['sim_wall_s']:.1f} s, "
