@@ -654,11 +654,24 @@ class BlockIndex:
         want = set(hashes)
         have = set(self.held_blocks(node, tier))
         removed = self.remove(node, tier, list(have - want))
-        added: list[int] = []
+        new = list(want - (have & want))  # (the same set, and the same order, as the old per-block sets gave)
         where = self.where
+        # Blocks the index has never seen, whose parent the snapshot names, go in as chains
+        # through store() (runs: a restarted directory rebuilds ~50x faster than block by
+        # block); everything else block by block. Same final state either way.
+        fresh: set[int] = set()
+        chains: list[list[int]] | None = None
+        if parents is not None and len(where) + 2 * len(new) < self.max_blocks:  # room for placeholders too
+            fresh = {h for h in new if h not in where and h in parents}
+            chains = self._chains([h for h in new if h in fresh], parents) if fresh else None
+            if chains is None:
+                fresh = set()
+        added_one: set[int] = set()
         bits = tier_bit(node, tier) | local_bit(node) | ANY_BIT
         touched: list[_Run] = []
-        for h in want - (have & want):  # (the same set, and the same order, as the old per-block sets gave)
+        for h in new:
+            if h in fresh:
+                continue
             r = where.get(h)
             if r is None or (r.parent is UNKNOWN and r.keys[0] == h):
                 if parents is not None and h in parents:
@@ -679,11 +692,51 @@ class BlockIndex:
             s = self._isolate(r, j, j + 1)
             s.pc |= bits
             touched.append(self._set_comp(s, s.pc & self._parent_comp(s)))
-            added.append(h)
-        self.copies[node][tier] += len(added)
+            added_one.add(h)
+        self.copies[node][tier] += len(added_one)
         for r in touched:
             self._settle(r)
+        if chains:
+            # a block the snapshot names with its parent is not "stored without parent" (as
+            # in the block-by-block path): store() may count it so, the counter is kept
+            kept = self.counters["stored.without_parent"]
+            for chain in chains:
+                self.store(node, tier, chain, parents[chain[0]])  # type: ignore[index]
+            self.counters["stored.without_parent"] = kept
+        added = [h for h in new if h in fresh or h in added_one]
         return added, removed
+
+    @staticmethod
+    def _chains(fresh: list[int], parents: dict[int, int | None]) -> list[list[int]] | None:
+        """``fresh`` (distinct hashes, each with its parent in ``parents``) cut into maximal
+        chains, parents' chains first, in a fixed order; None when some block is not reached
+        from a block whose parent is outside ``fresh`` (a parent cycle: only inconsistent
+        reports make one). Pure; O(len(fresh))."""
+        fs = set(fresh)
+        children: dict[int, list[int]] = {}
+        for h in fresh:
+            p = parents[h]
+            if p in fs:
+                children.setdefault(p, []).append(h)  # type: ignore[arg-type]
+        out: list[list[int]] = []
+        done = 0
+        for root in fresh:
+            if parents[root] in fs:
+                continue
+            stack = [root]
+            while stack:
+                cur = stack.pop()
+                chain = [cur]
+                kids = children.get(cur)
+                while kids is not None and len(kids) == 1:
+                    cur = kids[0]
+                    chain.append(cur)
+                    kids = children.get(cur)
+                if kids:
+                    stack.extend(reversed(kids))
+                out.append(chain)
+                done += len(chain)
+        return out if done == len(fs) else None
 
     # ------------------------------------------------------------------ #
     # queries (no mutation)
