@@ -33,7 +33,7 @@ is at the decision, or at most ``state_staleness_s`` old.
 from __future__ import annotations
 
 import heapq
-from itertools import islice, takewhile
+from itertools import islice
 import math
 
 import msgspec
@@ -49,6 +49,7 @@ from evolving_infra.sim.config import ForcedSwitch, Resolved
 from evolving_infra.sim.planners import make_planner, make_routing, request_done_type
 from services.planner.online import OnlineModels
 from evolving_infra.sim.schedule import ScheduledReplay
+from evolving_infra.sim.seen import SeenIds
 from evolving_infra.sim.policies import LOCAL_KV_MODES, SHARED_POOL_MODES
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import shared_prefix_len
@@ -400,8 +401,8 @@ class ClusterSim:
         for r in requests:
             if r.kind is not None and r.branch not in self.branch_kind:
                 self.branch_kind[r.branch] = r.kind
-        self._seen: set[int] = set()
-        """Every block id sent so far (for the requests' ideal cached tokens)."""
+        self._seen = SeenIds()
+        """Every block id sent so far (for the requests' ideal cached tokens), 8 B per id."""
         self._sent_path: dict[str, Sequence[int]] = {}
         """branch → block ids of its last request sent (all in ``_seen``), until the branch ends."""
         self._heap: list[tuple[float, int, int, Any, Any]] = []
@@ -519,7 +520,7 @@ class ClusterSim:
         if last is None and req.parent_branch is not None:
             last = paths.get(req.parent_branch)
         shared = shared_prefix_len(last, blocks) if last is not None else 0
-        hit = shared + len(list(takewhile(seen.__contains__, islice(blocks, shared, None))))
+        hit = shared + seen.leading(blocks, shared)
         seen.update(islice(blocks, hit, None))  # the first ``hit`` are in already
         paths[req.branch] = blocks
         kind = self.branch_kind.get(req.branch, "main")

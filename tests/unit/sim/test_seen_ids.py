@@ -1,0 +1,51 @@
+"""SeenIds (evolving_infra/sim/seen.py) answers exactly as a Python set: leading runs and
+membership, across merges, for ids anywhere in int64 and beyond (plain-set fallback)."""
+
+from __future__ import annotations
+
+import random
+from itertools import takewhile
+
+import pytest
+
+from evolving_infra.sim import seen as seen_mod
+from evolving_infra.sim.seen import SeenIds
+
+
+def _leading(ref: set[int], blocks: list[int], start: int) -> int:
+    return len(list(takewhile(ref.__contains__, blocks[start:])))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_a_set_across_merges(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(seen_mod, "MERGE_MIN", 16)  # merge often
+    rng = random.Random(seed)
+    lo, hi = (-(1 << 63), (1 << 63) - 1) if seed % 2 else (0, 5000)
+    pool = [rng.randint(lo, hi) for _ in range(3000)]
+    s, ref = SeenIds(), set()
+    for step in range(400):
+        blocks = rng.sample(pool, rng.randint(0, 40))
+        if ref and rng.random() < 0.5:  # a known prefix, then others
+            blocks = rng.sample(sorted(ref), min(len(ref), rng.randint(1, 30))) + blocks
+        start = rng.randint(0, len(blocks))
+        assert s.leading(blocks, start) == _leading(ref, blocks, start), step
+        hit = start + s.leading(blocks, start)
+        s.update(blocks[hit:])
+        ref.update(blocks[hit:])
+        probe = rng.choice(pool)
+        assert (probe in s) == (probe in ref)
+        assert len(s) >= len(ref)
+    assert len(s._arr) > 0  # merges happened
+
+
+def test_ids_beyond_int64_fall_back_to_a_plain_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(seen_mod, "MERGE_MIN", 2)
+    s = SeenIds()
+    s.update([1, 2, 3, 4])
+    assert s.leading([1, 2, 9], 0) == 2
+    big = 1 << 70
+    assert s.leading([1, big, 2], 0) == 1
+    s.update([big, 5, 6])
+    assert s.leading([1, 2, big, 5, 7], 0) == 4 and big in s and 7 not in s
+    s.update(range(100, 200))
+    assert s.leading([150, big, 3, 199], 0) == 4 and s.leading([150, 200], 0) == 1
