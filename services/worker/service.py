@@ -332,9 +332,17 @@ class WorkerService:
         now = self.clock.now()
         if not self._newest_attempt(work.rid, work.attempt, now):
             return
-        if self.accepting and (self._switch is not None or self.core.phase == "decode") and work.rid not in self.core.requests:
-            # arrived after this node stopped serving prefill (switch race): the router re-routes it
-            why = "draining for a phase switch" if self._switch is not None else "serves decode"
+        # routed as collocated work (decode here) while this node served both phases; it now serves
+        # prefill only (a switch from collocated to PD, e.g. at the end of the planner's warm-up)
+        collocated_late = (
+            self.core.phase == "prefill"
+            and work.decode_node in (None, self.node)
+            and not (work.decode_binding == "start" and work.decode_node is None)
+        )
+        if self.accepting and (self._switch is not None or self.core.phase == "decode" or collocated_late) and work.rid not in self.core.requests:
+            # arrived after this node stopped serving it (switch race): the router re-routes it
+            why = ("draining for a phase switch" if self._switch is not None
+                   else "serves decode" if self.core.phase == "decode" else "serves prefill only")
             await self._hand_back(m.WorkRequeue(rid=work.rid, node=self.node, reason=f"node {self.node} {why}", prefill=work))
             return
         late = False

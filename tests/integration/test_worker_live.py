@@ -29,6 +29,7 @@ from shared.subjects import (
     WORK_ABORT,
     WORK_DECODE,
     WORK_PREFILL,
+    WORK_REQUEUE,
     Subjects,
 )
 from services.worker.config import WorkerConfig
@@ -278,4 +279,27 @@ async def test_split_commands_and_abort(nats_url):
         stats = await c.stats("w0")
         assert stats.counters["requests.aborted"] == 1 and stats.counters["split.ignored"] == 1
         assert stats.gauges["running"] == 0 and stats.gauges["gpu_free_blocks"] == 64
+    await c.bus.close()
+
+
+async def test_collocated_work_at_a_prefill_only_node_is_handed_back(nats_url):
+    """Work routed as collocated (no decode node) that reaches a node serving prefill only —
+    it switched from collocated to PD meanwhile, as at the end of the planner's warm-up — goes
+    back to its router (``work.requeue``) to be re-routed; it is not failed."""
+    c = await Client.connect(nats_url)
+    handed: list[m.WorkRequeue] = []
+
+    async def on_requeue(msg: m.WorkRequeue, _subject: str) -> m.WorkRequeueReply:
+        handed.append(msg)
+        return m.WorkRequeueReply(rid=msg.rid, accepted=True)
+
+    await c.bus.serve(WORK_REQUEUE, on_requeue, router="router")
+    async with workers(nats_url, {"node": "w0", "phase": "prefill"}):
+        await c.bus.publish(WORK_PREFILL, prompt("r-coll", [1, 2, 3], 1, 4), node="w0")
+        await c.until(lambda: handed, what="the work handed back")
+        assert handed[0].rid == "r-coll" and handed[0].prefill is not None and "prefill only" in handed[0].reason
+        await asyncio.sleep(0.3)
+        assert not c.chunks["r-coll"], "no error chunk: the router owns the request again"
+        st = await c.stats("w0")
+        assert st.counters["requeue.prefill"] == 1 and st.counters.get("requests.errored", 0) == 0
     await c.bus.close()
