@@ -332,20 +332,17 @@ class WorkerService:
         now = self.clock.now()
         if not self._newest_attempt(work.rid, work.attempt, now):
             return
+        # decode node bound when the prefill starts (paper D.1), on a prefill-only node
+        late = work.decode_binding == "start" and work.decode_node is None and self.core.phase == "prefill"
         # routed as collocated work (decode here) while this node served both phases; it now serves
         # prefill only (a switch from collocated to PD, e.g. at the end of the planner's warm-up)
-        collocated_late = (
-            self.core.phase == "prefill"
-            and work.decode_node in (None, self.node)
-            and not (work.decode_binding == "start" and work.decode_node is None)
-        )
+        collocated_late = self.core.phase == "prefill" and work.decode_node in (None, self.node) and not late
         if self.accepting and (self._switch is not None or self.core.phase == "decode" or collocated_late) and work.rid not in self.core.requests:
             # arrived after this node stopped serving it (switch race): the router re-routes it
             why = ("draining for a phase switch" if self._switch is not None
                    else "serves decode" if self.core.phase == "decode" else "serves prefill only")
             await self._hand_back(m.WorkRequeue(rid=work.rid, node=self.node, reason=f"node {self.node} {why}", prefill=work))
             return
-        late = False
         try:
             if not self.accepting:
                 raise WorkRejected(work.rid, f"node {self.node} is shutting down")
@@ -354,7 +351,6 @@ class WorkerService:
                     check_token(work.decode_node, "decode_node")
                 except ValueError as e:
                     raise WorkRejected(work.rid, str(e)) from None
-            late = work.decode_binding == "start" and work.decode_node is None and self.core.phase == "prefill"
             try:
                 self.engine.accept_prefill(work)
             except ValueError as e:
