@@ -64,6 +64,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Workers' ``--host-eviction``: lru or branch-count."""
     decode_binding: str = "prefill-start"
     """Router ``--decode-binding``: prefill-start or dispatch."""
+    router_args: tuple[str, ...] = ()
+    """Extra router flags, after the launcher's own (e.g. routing policy options: ``("--ttft-fetch-min-tokens",
+    "64")``; ``up``/``demo`` make them from ``--routing-opt``, ``evolving_infra.policy_args``)."""
     block_size: int = 64
     partition: str = "p0"
     model: str = "evolving-infra-sim"
@@ -292,7 +295,8 @@ class LocalCluster:
                     s.tokenizer,
                 ]
                 + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])
-                + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else []),
+                + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else [])
+                + list(s.router_args),
                 self.log_dir / "router.log",
             )
         )

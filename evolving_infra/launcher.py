@@ -221,6 +221,7 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         planner_args=pol.planner_args,
         eviction=pol.eviction,
         decode_binding=pol.decode_binding,
+        router_args=pol.router_args,
         block_size=args.block_size,
         partition=args.partition,
         nats_url=args.nats_url,

@@ -4,8 +4,11 @@
 default: ttft routing, the evolving planner with its SLO guard, branch-count host eviction,
 decode bound when the prefill starts, decoupled in-place switching — or the baselines
 ``static[:xPyD]``, ``dynamo``, ``arrow``); ``--routing``, ``--planner``, ``--eviction``,
-``--decode-binding`` override one part of it and ``--planner-opt K=V`` sets a planner
-parameter (``EvolvingParams`` / ``DynamoParams`` / ``ArrowParams`` fields). The simulator
+``--decode-binding`` override one part of it, ``--planner-opt K=V`` sets a planner
+parameter (``EvolvingParams`` / ``DynamoParams`` / ``ArrowParams`` fields) and
+``--routing-opt K=V`` a routing policy knob (the router's options that
+``RouterConfig.policy_options`` passes to its policy, e.g. ``ttft_fetch_min_tokens``; a live
+router gets each as its flag, ``--ttft-fetch-min-tokens``). The simulator
 reads the flags itself (``evolving_infra.sim.cli``); a live cluster gets them through
 :func:`live_policy`, which maps a set onto the services' flags and says what a live
 cluster cannot do as the set asks (the live workers always switch in place with their
@@ -25,8 +28,8 @@ DEFAULT_POLICY = "evolving"
 
 
 def add_policy_args(p: argparse.ArgumentParser, *, live: bool, default: str = DEFAULT_POLICY) -> argparse._ArgumentGroup:
-    """Add ``--policy``, ``--routing``, ``--planner``, ``--eviction``, ``--decode-binding`` and
-    ``--planner-opt`` to ``p`` (the simulator adds its own extra switches to the returned group).
+    """Add ``--policy``, ``--routing``, ``--planner``, ``--eviction``, ``--decode-binding``,
+    ``--planner-opt`` and ``--routing-opt`` to ``p`` (the simulator adds its own extra switches to the returned group).
     ``live``: the help says how a live cluster maps each choice."""
     pol = p.add_argument_group("policies (--policy picks a serving system; the other flags override one part of it)")
     pol.add_argument(
@@ -49,6 +52,10 @@ def add_policy_args(p: argparse.ArgumentParser, *, live: bool, default: str = DE
     )
     pol.add_argument("--planner-opt", action="append", metavar="K=V",
                      help="planner parameter, repeatable (e.g. t_learn_s=900 window_s=600 slo_guard=false)")
+    pol.add_argument("--routing-opt", action="append", metavar="K=V",
+                     help="routing policy option, repeatable: a knob of the router's policies as `python -m services.router "
+                     "--help` lists it, e.g. ttft_fetch_min_tokens=64 ttft_fetch_base_s=0.02 (paper Eq. 7's fetch model "
+                     "τ(x)) cache_threshold=0.5")
     return pol
 
 
@@ -66,19 +73,23 @@ class LivePolicy:
     """The router's ``--decode-binding``: ``prefill-start`` or ``dispatch``."""
     split: str | None
     """The set's split (``static:4P5D``), None = the command's ``--split``."""
+    router_args: tuple[str, ...] = ()
+    """The router's flags for ``--routing-opt`` (e.g. ``("--ttft-fetch-min-tokens", "64")``)."""
     notes: tuple[str, ...] = ()
     """Where the live cluster differs from what the set asks."""
 
     def describe(self) -> str:
         """One line for the command's output."""
         opts = f" ({', '.join(self.planner_args)})" if self.planner_args else ""
-        return (f"policy {self.name}: routing {self.routing}, planner {self.planner}{opts}, eviction {self.eviction}, "
+        ropts = f" ({' '.join(self.router_args)})" if self.router_args else ""
+        return (f"policy {self.name}: routing {self.routing}{ropts}, planner {self.planner}{opts}, eviction {self.eviction}, "
                 f"decode binding {self.decode_binding}")
 
     def meta(self) -> dict[str, Any]:
         """For ``report.json``'s ``meta.policy``."""
         return {"name": self.name, "routing": self.routing, "planner": self.planner, "planner_args": list(self.planner_args),
-                "eviction": self.eviction, "decode_binding": self.decode_binding, "notes": list(self.notes)}
+                "eviction": self.eviction, "decode_binding": self.decode_binding, "router_args": list(self.router_args),
+                "notes": list(self.notes)}
 
 
 def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | None = None) -> LivePolicy:
@@ -89,7 +100,8 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
             (the demo's shorter warm-up); used only when the planner is ``evolving``.
 
     Raises:
-        SystemExit: an unknown set, component or malformed ``--planner-opt`` (with the reason).
+        SystemExit: an unknown set, component, malformed ``--planner-opt`` or a ``--routing-opt``
+            that is not a router policy option or not a valid value of it (with the reason).
     """
     from services.planner.policy import PLANNERS
     from services.router.policy import policy_names
@@ -98,6 +110,7 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
         ps = with_overrides(policy_set(args.policy), routing=args.routing, planner=args.planner, eviction=args.eviction,
                             decode_binding=args.decode_binding)
         opts = parse_key_values(args.planner_opt or [], "--planner-opt")
+        router_args = routing_option_args(parse_key_values(args.routing_opt or [], "--routing-opt"))
     except (PolicyError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     if ps.routing not in policy_names():
@@ -114,7 +127,42 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
     binding = "prefill-start" if ps.decode_binding == "prefill-start" else "dispatch"
     items = tuple(f"{k}={_fmt(v)}" for k, v in opts.items())
     return LivePolicy(name=ps.name, routing=ps.routing, planner=ps.planner, planner_args=items, eviction=ps.eviction,
-                      decode_binding=binding, split=ps.split, notes=tuple(notes))
+                      decode_binding=binding, router_args=router_args, split=ps.split, notes=tuple(notes))
+
+
+ROUTER_OWN_FLAGS = frozenset({"profile", "block_size"})
+"""Policy options the live cluster sets from its own flags (``--profile``, ``--block-size``)."""
+
+
+def routing_option_args(options: dict[str, Any]) -> tuple[str, ...]:
+    """The router's command-line flags for routing policy options (``--routing-opt K=V``).
+
+    Args:
+        options: option name (a key of ``RouterConfig.policy_options``, ``-`` read as ``_``) →
+            value (``parse_key_values``'s types), e.g. ``{"ttft_fetch_min_tokens": 64}``.
+
+    Returns:
+        ``("--ttft-fetch-min-tokens", "64", ...)``, in ``RouterConfig``'s field order, each value
+        as the router's config read it (``1`` for a float option becomes ``1.0``).
+
+    Raises:
+        ValueError: a name that is not a routing policy option (or one the cluster sets from
+            its own flag), or a value the router's config refuses (wrong type, out of range).
+    """
+    from services.router.config import RouterConfig
+    from shared.config import ConfigError, flag_name, resolve_config
+
+    known = sorted(set(RouterConfig().policy_options()) - ROUTER_OWN_FLAGS)
+    for key in options:
+        if key in ROUTER_OWN_FLAGS:
+            raise ValueError(f"--routing-opt {key}: set it with --{key.replace('_', '-')}")
+        if key not in known:
+            raise ValueError(f"--routing-opt {key}: not a routing policy option; known: {', '.join(known)}")
+    try:
+        cfg = resolve_config(RouterConfig, dict(options), env={})
+    except ConfigError as e:
+        raise ValueError(f"--routing-opt: {e}") from None
+    return tuple(a for k in RouterConfig.__struct_fields__ if k in options for a in (flag_name(k), str(getattr(cfg, k))))
 
 
 def _fmt(v: Any) -> str:

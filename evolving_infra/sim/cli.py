@@ -291,7 +291,6 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     pol.add_argument("--switch-control-s", type=float, default=0.0,
                      help="in-place switches: seconds from the end of the drain to serving the new phase (default 0)")
     pol.add_argument("--relaunch-s", type=float, default=DEFAULT_RELAUNCH_S, help=f"relaunch downtime (default {DEFAULT_RELAUNCH_S:g} s)")
-    pol.add_argument("--routing-opt", action="append", metavar="K=V", help="routing policy option (repeatable)")
     pol.add_argument("--switch-at", action="append", metavar="T:NODE:PHASE", help="force a phase switch (repeatable)")
     pol.add_argument("--switch-every", type=float, default=None, metavar="SECONDS",
                      help="force a split change every SECONDS, alternating between --split and --switch-to "

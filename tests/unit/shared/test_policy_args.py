@@ -55,6 +55,26 @@ def test_baselines_and_per_part_overrides(tmp_path):
     assert resolve(sim).policy.routing == "ttft" and resolve(sim).policy.planner == "static"
 
 
+def test_routing_options_reach_the_live_router_as_its_flags(tmp_path):
+    """``--routing-opt K=V`` (the simulator's vocabulary) becomes the router's own flag: a live test or
+    operator sets the ttft policy's fetch model (paper Eq. 7's τ(x) and its threshold) this way."""
+    from services.router.config import RouterConfig
+    from shared.config import load_config
+
+    p = build_parser()
+    args = p.parse_args(["up", "--routing", "ttft", "--routing-opt", "ttft_fetch_min_tokens=64", "--routing-opt", "ttft-fetch-base-s=0.02",
+                         "--routing-opt", "ttft_copy_price_s_per_token=0", "--log-dir", str(tmp_path)])
+    spec = _spec(args)
+    assert spec.router_args == ("--ttft-fetch-base-s", "0.02", "--ttft-fetch-min-tokens", "64", "--ttft-copy-price-s-per-token", "0.0")
+    assert "--ttft-fetch-min-tokens 64" in args.live_policy.describe()
+    argv = {c.name: c for c in LocalCluster(spec)._plan_children()}["router"].argv
+    cfg = load_config(RouterConfig, argv[argv.index("services.router") + 1 :], prog="router", env={})
+    assert (cfg.ttft_fetch_min_tokens, cfg.ttft_fetch_base_s, cfg.ttft_copy_price_s_per_token, cfg.routing) == (64, 0.02, 0.0, "ttft")
+    assert _spec(p.parse_args(["up", "--log-dir", str(tmp_path)])).router_args == ()
+    sim = config_from_args(p.parse_args(["simulate", "--workload", "putnam", "--out", "x", "--routing-opt", "ttft_fetch_min_tokens=64"]))
+    assert sim.routing_options == {"ttft_fetch_min_tokens": 64}
+
+
 @pytest.mark.parametrize("argv, frag", [
     (["--policy", "nope"], "unknown policy set"),
     (["--routing", "nope"], "routing policy 'nope'"),
@@ -62,6 +82,10 @@ def test_baselines_and_per_part_overrides(tmp_path):
     (["--planner-opt", "objective=e2e"], "objective"),
     (["--planner-opt", "novalue"], "key=value"),
     (["--planner", "static", "--planner-opt", "x=1"], "takes no parameters"),
+    (["--routing-opt", "nope=1"], "not a routing policy option"),
+    (["--routing-opt", "block_size=8"], "set it with --block-size"),
+    (["--routing-opt", "ttft_fetch_min_tokens=-1"], ">= 0"),
+    (["--routing-opt", "ttft_fetch_base_s=fast"], "ttft_fetch_base_s"),
 ])
 def test_bad_policy_flags_fail_with_the_reason(argv, frag, tmp_path):
     args = build_parser().parse_args(["up", *argv, "--log-dir", str(tmp_path)])
