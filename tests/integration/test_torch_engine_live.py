@@ -9,7 +9,7 @@ L2, fetched from a peer's L2 through Mooncake (real bytes), prefilled on a
 prefill node and handed to a decode node with its real K/V pages, or served
 after the node switched phases and back. The router runs the paper's ``ttft``
 policy (Eq. 7) with a fetch model for these ~200-token prompts (``--routing-opt``
-values as router flags, ``ROUTING_OPTS``); the peer fetch is its own choice: the
+values as router flags, ``ROUTER_ARGS``); the peer fetch is its own choice: the
 prefill node holding the session gets a queue of one-token requests, and the
 router sends the session's next turn to the other prefill node with a fetch plan
 (asserted from the response's ``ei``: prefill node, ``fetch_sources``,
@@ -37,6 +37,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from evolving_infra.cluster import ClusterSpec, LocalCluster  # noqa: E402
+from evolving_infra.policy_args import routing_option_args  # noqa: E402
 from shared import messages as m  # noqa: E402
 from shared.bus import Bus  # noqa: E402
 from shared.hashing import block_hashes, pack_tokens  # noqa: E402
@@ -60,10 +61,11 @@ NODES = ["w0", "w1", "w2", "w3"]
 BS = 8  # torch-tiny-cpu page size
 LOAD = 2000
 """One-token requests queued on the prefill node holding the session before its peer-fetch turn."""
-ROUTING_OPTS = ("--ttft-fetch-min-tokens", str(BS), "--ttft-fetch-base-s", "0.005", "--lookup-timeout-s", "5")
-"""The ttft router's fetch model for ~200-token prompts on one machine (paper Eq. 7: τ(x) = base + 1 µs·x,
-fetch from one page on; the paper's 0.45 s and 512 tokens are for GPU nodes and long prompts); a
-directory reply waited for up to 5 s on a loaded machine (a reply too late routes without cache info)."""
+ROUTER_ARGS = routing_option_args({"ttft_fetch_min_tokens": BS, "ttft_fetch_base_s": 0.005}) + ("--lookup-timeout-s", "5")
+"""The ttft router's fetch model for ~200-token prompts on one machine (``--routing-opt`` of ``up``; paper
+Eq. 7: τ(x) = base + 1 µs·x, fetch from one page on; the paper's 0.45 s and 512 tokens are for GPU nodes
+and long prompts), and a directory reply waited for up to 5 s on a loaded machine (a reply too late
+routes without cache info)."""
 
 
 def _ref(hf, prompt: list[int], n: int) -> list[int]:
@@ -104,7 +106,7 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
     spec = ClusterSpec(
         nodes=4, split="2P2D", profile="torch-tiny-cpu", speedup=1.0, port=0, block_size=BS, routing="ttft",
         log_dir=str(tmp_path / "logs"), ready_timeout_s=180.0, engine="torch", model_dir=str(folder),
-        tokenizer=f"hf:{folder}", model="tiny", max_context_tokens=2048, router_args=ROUTING_OPTS,
+        tokenizer=f"hf:{folder}", model="tiny", max_context_tokens=2048, router_args=ROUTER_ARGS,
         worker_args=("--check-invariants", "--kv-pool", "real"),
         node_args={n: ("--kv-pool-ports", "%d-%d" % r) for n, r in zip(NODES, _disjoint_port_ranges(len(NODES)))},
     )  # fmt: skip
