@@ -203,14 +203,14 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
                 await bus.publish(WORK_PREFILL, m.PrefillWork(rid=rid, prompt_tokens=len(prompt), max_tokens=1, block_size=BS,
                                   token_ids=pack_tokens(prompt), decode_node="w2", ignore_eos=True), node=x)  # fmt: skip
             deadline = time.monotonic() + 120
-            while x not in states or len(states[x].queue) < LOAD // 2:  # x reports the queue
+            while x not in states or len(states[x].queue) < LOAD // 4:  # x reports the queue (it drains ~300 a second here)
                 assert time.monotonic() < deadline, f"{x} never reported the queue of {LOAD} requests"
                 cluster.check_alive()
                 await asyncio.sleep(0.01)
             seen_queue = len(states[x].queue)
             t_seen = time.monotonic()
             await ask(http, "peer_fetch", t5, 8, "main")
-            t_asked = time.monotonic()
+            t_asked, asked_queue = time.monotonic(), len(states[x].queue)
             deadline = time.monotonic() + 300
             while not all(any(c.finished for c in chunks[rid]) for rid in load):
                 assert time.monotonic() < deadline, "the load on the prefix holder did not finish"
@@ -218,7 +218,7 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
                 await asyncio.sleep(0.05)
             pf = by_label("peer_fetch")
             print(f"load: {LOAD} requests on {x}, a queue of {seen_queue} seen after {t_seen - t_load:.2f} s, peer_fetch answered "
-                  f"{t_asked - t_seen:.2f} s later (prefill {pf['prefill']}, fetched {pf['fetched']} tokens from {pf['sources']}), "
+                  f"{t_asked - t_seen:.2f} s later (queue then {asked_queue}) (prefill {pf['prefill']}, fetched {pf['fetched']} tokens from {pf['sources']}), "
                   f"load done after {time.monotonic() - t_load:.2f} s")  # fmt: skip
             assert all(not c.error for rid in load for c in chunks[rid]), [c for rid in load for c in chunks[rid] if c.error][:3]
             load_sample = [(load[rid], [t for c in chunks[rid] for t in c.token_ids]) for rid in list(load)[:: LOAD // 40]]
