@@ -63,6 +63,15 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
             "next iteration boundary when new work arrives); 0 = one iteration per step",
         ),
     ] = 0.005
+    engine_lag_wall_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="sim engine: most wall seconds its timeline may trail the clock. Plans run back to back on "
+            "the engine's timeline (the shell's Python work between them is not GPU time); a loop that falls "
+            "further behind is overloaded, and simulated time stretches. 0 = every plan launches at the clock",
+        ),
+    ] = 0.1
     iters_flush_s: Annotated[float, Meta(gt=0, description="wall seconds between node.iters batches")] = 0.5
     check_invariants: Annotated[
         bool, Meta(description="run the full O(blocks) scheduler invariant check after every step (debug)")

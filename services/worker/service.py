@@ -29,10 +29,15 @@ decode node still takes hand-offs already bound to it); once nothing runs,
 and the real-bytes pool stay up throughout. A switch *to* ``both`` needs no
 drain (both serves every phase's work).
 
-Live loop: ``plan = core.schedule(now)``; wait until the plan's end on the
+Live loop: ``plan = core.schedule(t)``; wait until the plan's end on the
 simulated clock (the wall deadline is fixed at launch, so Python overhead is
-not added on top; when behind, no wait); ``finish_iteration``; publish. When
-idle it waits for new work or the core's next deadline, never spinning.
+not added on top; when behind, no wait); ``finish_iteration`` at the plan's
+end; publish. With the sim engine ``t`` is the engine's own timeline, not the
+clock: the previous plan's end, or the latest input's arrival, or a deadline
+waited for (``_launch_time``), so the shell's work between plans does not
+stretch the simulated GPU's time (at most ``--engine-lag-wall-s`` behind the
+clock). When idle it waits for new work or the core's next deadline, never
+spinning.
 """
 
 from __future__ import annotations
@@ -185,6 +190,9 @@ class WorkerService:
         self._streams: dict[str, _Stream] = {}
         self._records: list[m.IterationRecord] = []
         self._wake = asyncio.Event()
+        self._ready_at = 0.0
+        """Simulated time from which the engine can act on what it holds: the end of its last plan,
+        or the latest input handed to the core, or a deadline it waited for (sim engines)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._last_state_wall = 0.0
         self._switch: _Switch | None = None
@@ -365,7 +373,7 @@ class WorkerService:
         if tracing.ENABLED:
             self._traces.arrived(work.rid, decode=False)
         self._start_transfers()
-        self._wake.set()
+        self._input()
 
     async def _on_decode(self, work: m.DecodeWork, _subject: str) -> None:
         self.counters["requests.received"] += 1
@@ -402,7 +410,7 @@ class WorkerService:
         if tracing.ENABLED:
             self._traces.arrived(work.rid, decode=True)
         await self._flush_kv(now)  # a reservation may have evicted blocks
-        self._wake.set()
+        self._input()
 
     def _newest_attempt(self, rid: str, attempt: int, now: float) -> bool:
         """Fencing: True if work of ``attempt`` may be served here. An older attempt than the
@@ -462,7 +470,7 @@ class WorkerService:
                 ),
                 rid=msg.rid,
             )
-        self._wake.set()  # freed KV may admit waiting work; a drain may be over
+        self._input()  # freed KV may admit waiting work; a drain may be over
 
     # ------------------------------------------------------------------ #
     # in-place phase switch
@@ -494,7 +502,7 @@ class WorkerService:
                 return
             sw.epoch, sw.target, sw.decided_at = cmd.epoch, phase, cmd.decided_at
             self.counters["split.retargeted"] += 1
-            self._wake.set()
+            self._input()
             return
         if phase == self.core.phase:
             await self._publish_applied(
@@ -523,7 +531,7 @@ class WorkerService:
             reason = f"node {self.node} switches to {phase}"
             await asyncio.gather(*(self._hand_back(m.WorkRequeue(rid=w.rid, node=self.node, reason=reason, epoch=cmd.epoch, prefill=w)) for w in queued))
         await self._maybe_switch(self.clock.now())
-        self._wake.set()
+        self._input()
 
     async def _maybe_switch(self, now: float) -> None:
         """Finish the switch in progress once nothing runs on the node (``now`` = when it drained)."""
@@ -563,7 +571,7 @@ class WorkerService:
             drain_s=round(drained - sw.received_at, 4),
             overhead_s=round(now - drained + sw.received_at - sw.decided_at, 4),
         )
-        self._wake.set()
+        self._input()
 
     async def _publish_applied(self, msg: m.SplitApplied) -> None:
         self.counters[f"split.{msg.status}"] += 1
@@ -673,7 +681,7 @@ class WorkerService:
             if span is not None:
                 span.end()
             self._binds.pop(rid, None)
-            self._wake.set()
+            self._input()
 
     def _start_transfers(self) -> None:
         """Real-bytes mode: move the bytes of every fetch the core started (Mooncake)."""
@@ -718,7 +726,7 @@ class WorkerService:
         for h in path[cut:]:  # pages L2 will never hold (past a missing one, or unused): free their slots
             if h not in self.core.kv.host:
                 self.kvpool.evict(h)
-        self._wake.set()
+        self._input()
 
     async def _on_counts(self, msg: m.CountUpdates, _subject: str) -> None:
         try:
@@ -762,11 +770,37 @@ class WorkerService:
                 self.log.exception("worker loop step failed", error=repr(e))
                 await asyncio.sleep(0.1)
 
+    def _input(self) -> None:
+        """The core was handed input (work, abort, a switch, fetched bytes, a binding) now: note
+        the time (:meth:`_launch_time`) and wake the loop."""
+        now = self.clock.now()
+        if now > self._ready_at:
+            self._ready_at = now
+        self._wake.set()
+
+    def _launch_time(self) -> float:
+        """Simulated launch time of the next plan (sim engines): when the engine could first act on
+        what it holds (``_ready_at``: its last plan's end, the latest input, a deadline waited for),
+        not later than now. The sim engine is a GPU running the profile's Eq. 1/2 iterations back to
+        back; the shell's Python work between two plans (finishing, publishing, waking, scheduling:
+        a few ms of wall time, more on a loaded machine, and × ``speedup`` in simulated time) is not
+        GPU time, so it is not added to the engine's timeline. The plan's wall deadline is then
+        earlier, and the loop catches up as long as it keeps up on average; it trails the clock by
+        at most ``engine_lag_wall_s`` (beyond that the loop is overloaded and simulated time
+        stretches, as before). A real engine's plans launch at ``clock.now()`` (its measured time
+        includes its own overhead)."""
+        now = self.clock.now()
+        if not self.engine.simulated:
+            return now
+        floor = now - self.cfg.engine_lag_wall_s * self.clock.speedup
+        t = self._ready_at
+        return now if t >= now else t if t > floor else floor
+
     async def _step(self) -> None:
         self._wake.clear()
-        now = self.clock.now()
         if self._switch is not None:
-            await self._maybe_switch(now)
+            await self._maybe_switch(self.clock.now())
+        now = self._launch_time()
         horizon = now + self.cfg.fold_wall_s * self.clock.speedup if self.cfg.fold_wall_s > 0 else None
         plan = self.core.schedule(now, horizon)
         await self._flush_kv(now)
@@ -780,7 +814,8 @@ class WorkerService:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
-                pass
+                if deadline is not None and deadline > self._ready_at:
+                    self._ready_at = deadline  # a KV arrival or fetch completion: the engine acts at it
             return
         if time.time() - self._last_state_wall >= self.cfg.state_interval_s:
             await self._publish_state(now)
@@ -788,11 +823,16 @@ class WorkerService:
         end = plan.start + duration
         if self.engine.simulated:
             end = await self._wait_for_plan_end(plan, end)
+        waits = None
         if self._binds:  # a prompt that completes now needs its decode node (route.bind)
             waits = [self._binds[c.rid] for c in plan.prefill if c.completes and c.rid in self._binds]
             if waits:
                 await asyncio.gather(*waits, return_exceptions=True)
-        now = max(self.clock.now(), end)
+        # a sim engine's plan ends at its end on the engine's timeline (the shell's lateness is not
+        # GPU time, see _launch_time); a real one, or one that waited for a binding, ends now
+        now = end if self.engine.simulated and not waits else max(self.clock.now(), end)
+        if now > self._ready_at:
+            self._ready_at = now
         outs = self.core.finish_iteration(plan, now, self.engine.take_stopped())
         for out in outs:
             if isinstance(out, TokensOut):

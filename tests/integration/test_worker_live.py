@@ -226,6 +226,28 @@ async def test_stream_interval_is_exact_when_decode_iterations_fold(nats_url):
     await c.bus.close()
 
 
+async def test_sim_engine_runs_its_plans_back_to_back_whatever_the_loop_overhead(nats_url):
+    """The sim engine is a GPU running Eq. 1/2 iterations back to back: the shell's Python work
+    between two plans (finishing, publishing, scheduling) must not stretch its timeline. Every
+    iteration of one request's decode starts exactly where the previous one ended, and the last
+    token's time is the first token's plus the decode iterations' profile durations."""
+    c = await Client.connect(nats_url)
+    async with workers(nats_url, {"node": "w0", "speedup": 1.0, "fold_wall_s": 0.0}):
+        await c.bus.publish(WORK_PREFILL, prompt("b2b", [5, 6, 7], tail=2, max_tokens=60), node="w0")
+        await c.until(lambda: c.finished("b2b"), what="b2b to finish")
+        check_stream(c.chunks["b2b"], "b2b", 60)
+        await c.until(lambda: sum(r.repeat for b in c.iters["w0"] for r in b.records if r.phase == "decode") >= 39,
+                      timeout=3, what="the decode iteration records")
+    recs = sorted((r for b in c.iters["w0"] for r in b.records), key=lambda r: r.start)
+    assert len(recs) >= 40  # one prefill, then ceil(59 / 1.5) decode iterations
+    gaps = [b.start - (a.start + a.duration_s * a.repeat) for a, b in zip(recs, recs[1:])]
+    assert max(abs(g) for g in gaps) < 1e-9, f"the engine idled between plans: {max(gaps) * 1e3:.3f} ms"
+    decode_s = sum(r.duration_s * r.repeat for r in recs if r.phase == "decode")
+    chunks = c.chunks["b2b"]
+    assert chunks[-1].ts - chunks[0].ts == pytest.approx(decode_s, abs=1e-9)
+    await c.bus.close()
+
+
 async def test_malformed_payloads_are_counted_and_the_worker_keeps_serving(nats_url):
     c = await Client.connect(nats_url)
     async with workers(nats_url, {"node": "w0"}):
