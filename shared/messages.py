@@ -692,6 +692,9 @@ class TokenChunk(Msg, frozen=True, kw_only=True):
     used (restored at the request's start; fetched pages evicted before it are not counted)."""
     attempt: NonNeg = 0
     """The work's ``attempt`` (the router drops chunks of an older attempt)."""
+    arrived_at: float | None = None
+    """On the first chunk: when the work reached this node (simulated s; the control plane's
+    share of TTFT is the client's TTFT minus ``ts − arrived_at``, see ``evolving-infra fidelity``)."""
 
 
 # --------------------------------------------------------------------------- #

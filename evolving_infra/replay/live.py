@@ -265,6 +265,10 @@ class LiveReplayer:
                         rec.decode_node = ei.get("decode_node") or rec.decode_node
                         if ei.get("queue_s") is not None:
                             rec.queue_s = float(ei["queue_s"])
+                        if ei.get("first_token_at") is not None:  # the prefill node's times (control plane)
+                            rec.first_token_at = float(ei["first_token_at"])
+                            if ei.get("arrived_at") is not None:
+                                rec.node_arrived_at = float(ei["arrived_at"])
                         if ei.get("predicted_ttft_s") is not None:
                             rec.predicted_ttft_s = float(ei["predicted_ttft_s"])
                         if ei.get("fetch_s") is not None:  # a peer fetch (RequestRecord.fetch_*)

@@ -50,7 +50,11 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The router's TTFT prediction for this request (``ttft`` routing, paper Eq. 7), when it made one."""
     first_token_at: float | None = None
     """Simulated time the first token was produced on the prefill node, when the producer knows it
-    (the simulator does; the live replayer measures at the client instead)."""
+    (the simulator; the live replayer from the router's ``ei.first_token_at``)."""
+    node_arrived_at: float | None = None
+    """Live: simulated time the request's work reached the prefill node that produced its first
+    token (``ei.arrived_at``). With ``first_token_at`` it splits TTFT into the engine's part and the
+    control plane's (``evolving_infra.sim.fidelity.control_plane``)."""
     lost_reuse_cause: str | None = None
     """Paper Appendix C.1 cause of this request's lost KV reuse (``ideal_cached_tokens −
     cached_tokens``): ``eviction`` (it ran on the same prefill node as the previous request of its

@@ -112,6 +112,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         workers=args.workers,
         state_staleness_s=args.state_staleness_s,
         msg_latency_s=args.msg_latency_s,
+        ingress_s=args.ingress_s,
+        ingress_s_per_token=args.ingress_s_per_token,
+        egress_s=args.egress_s,
         forced_switches=tuple(parse_switch(s) for s in args.switch_at or ()),
         switch_every_s=args.switch_every,
         switch_to=args.switch_to,
@@ -313,6 +316,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("simulation")
     s.add_argument("--state-staleness-s", type=float, default=0.0, help="router sees node states at most this old (default 0)")
     s.add_argument("--msg-latency-s", type=float, default=0.0, help="constant message latency (default 0)")
+    s.add_argument("--ingress-s", type=float, default=0.0,
+                   help="control plane: send -> routing decision and work on the prefill node, fixed part "
+                   "(s; default 0; `fidelity` measures it on the live stack)")
+    s.add_argument("--ingress-s-per-token", type=float, default=0.0,
+                   help="control plane: the ingress part per prompt token (s/token; default 0)")
+    s.add_argument("--egress-s", type=float, default=0.0,
+                   help="control plane: first token / end -> client (s; default 0)")
     o = p.add_argument_group("output")
     o.add_argument("--out", required=True, help="output directory (report.json, requests.jsonl, plots)")
     o.add_argument("--label", default=None, help="run label in comparisons (default: the policy set)")

@@ -26,7 +26,10 @@ to the next completion or KV arrival (the engine's skip-ahead).
 
 Messages are instantaneous unless ``msg_latency_s`` > 0 (then work dispatch,
 PD hand-off and client delivery are delayed by it; decode reservations and
-gate openings stay instantaneous). The router sees every node's state as it
+gate openings stay instantaneous). The live stack's control plane, measured by
+``evolving-infra fidelity``, is modelled by ``ingress_s`` (+ ``ingress_s_per_token``
+× prompt: send → routing decision and work on the prefill node) and ``egress_s``
+(first token / end → client); all 0 by default. The router sees every node's state as it
 is at the decision, or at most ``state_staleness_s`` old.
 """
 
@@ -312,6 +315,7 @@ class ClusterSim:
         self.switch_mode = ps.switch_mode
         self.relaunch_s = cfg.relaunch_s
         self.latency = cfg.msg_latency_s
+        self.ingress, self.ingress_tok, self.egress = cfg.ingress_s, cfg.ingress_s_per_token, cfg.egress_s
         self.staleness = cfg.state_staleness_s
         self.duration = cfg.duration_s
         # The directory always hears branch starts/ends and placements (as live: the router
@@ -561,6 +565,14 @@ class ClusterSim:
         if footprint > self.profile.gpu_blocks:
             self._reject(f, f"request needs {footprint} KV blocks but a node has {self.profile.gpu_blocks} in GPU memory", t)
             return
+        ingress = self.ingress + self.ingress_tok * req.input_tokens
+        if ingress > 0.0:  # control plane (SimConfig.ingress_s): the work reaches the decision later
+            self._push(t + ingress, CALL, self._dispatch_call, (f,))
+            return
+        self._dispatch(f, t)
+
+    def _dispatch_call(self, t: float, f: _Flight) -> None:
+        """:meth:`_dispatch` of a request whose ingress delay ended at ``t``."""
         self._dispatch(f, t)
 
     def _end_branch(self, action: EndBranch, t: float) -> None:
@@ -647,6 +659,14 @@ class ClusterSim:
             self._push(t + self.latency, CALL, fn, args)
         else:
             fn(t, *args)
+
+    def _to_client(self, t: float, fn: Callable[..., None], arg: Any) -> None:
+        """A first token or a request's end, delivered ``msg_latency_s + egress_s`` after ``t``."""
+        d = self.latency + self.egress
+        if d > 0.0:
+            self._push(t + d, CALL, fn, (arg,))
+        else:
+            fn(t, arg)
 
     def _add_prefill(self, t: float, f: _Flight, work: PrefillWork, gated: bool, decode_later: bool) -> None:
         if self.flights.get(work.rid) is not f or f.work is not work:
@@ -826,7 +846,7 @@ class ClusterSim:
         for out in outs:
             if type(out) is TokensOut:
                 if out.index == 0:
-                    self._deliver(t, self._first_token, out)
+                    self._to_client(t, self._first_token, out)
                 if out.finished:
                     f = self.flights.get(out.rid)
                     if f is not None:
@@ -841,7 +861,7 @@ class ClusterSim:
                             d.bound -= 1
                             d.dirty = True
                             self._maybe_finish_drain(d, t)
-                    self._deliver(t, self._finish, out.rid)
+                    self._to_client(t, self._finish, out.rid)
             elif type(out) is HandOff:
                 self.stats.handoffs += 1
                 n.bound -= 1

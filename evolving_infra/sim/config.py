@@ -95,6 +95,18 @@ class SimConfig:
     """The router refreshes a node's state at most this often (0: the state at the decision)."""
     msg_latency_s: float = 0.0
     """Constant delay of work dispatch, hand-off and client delivery (0: instantaneous)."""
+    ingress_s: float = 0.0
+    """Control plane, client → prefill node: a request's work reaches the router's decision and
+    its prefill node ``ingress_s + ingress_s_per_token × prompt tokens`` after its send (the live
+    stack's HTTP request, prompt parsing and hashing, KV lookup, routing and the NATS message
+    that carries the prompt). 0 (default): at once. ``evolving-infra fidelity`` measures it
+    from its live run (``evolving_infra.sim.fidelity.control_plane``)."""
+    ingress_s_per_token: float = 0.0
+    """The prompt-proportional part of ``ingress_s`` (s per prompt token)."""
+    egress_s: float = 0.0
+    """Control plane, node → client: a first token and a request's end reach the client (and the
+    router) this long after the engine produced them (the live worker → NATS → router → HTTP
+    stream). 0 (default): at once."""
     forced_switches: tuple[ForcedSwitch, ...] = ()
     switch_every_s: float | None = None
     """Force a split change every this many simulated seconds, alternating between ``split``
@@ -195,6 +207,8 @@ def resolve(cfg: SimConfig) -> Resolved:
         raise SimConfigError("--workers must be >= 1")
     if cfg.relaunch_s < 0 or cfg.msg_latency_s < 0 or cfg.state_staleness_s < 0 or cfg.warmup_s < 0:
         raise SimConfigError("--relaunch-s, --msg-latency-s, --state-staleness-s and --warmup must be >= 0")
+    if not (cfg.ingress_s >= 0 and cfg.ingress_s_per_token >= 0 and cfg.egress_s >= 0):
+        raise SimConfigError("--ingress-s, --ingress-s-per-token and --egress-s must be >= 0")
     if cfg.agent_order not in ("trace", "shuffled"):
         raise SimConfigError(f"--agent-order must be trace or shuffled, got {cfg.agent_order!r}")
     if cfg.decode_kv_events not in ("auto", "always"):

@@ -11,12 +11,28 @@ eviction, no phase switches, the same closed-loop concurrency.
 
 The printed relative difference is ``(simulated − live) / live``.
 
-What the two do not share, and why numbers can differ: the live workers publish
-node states at most every 50 ms of wall time (the simulator's router sees the
-state at the decision), messages take real time through NATS, and at a high
-speed-up each engine iteration carries a few hundred µs of Python overhead,
-which stretches simulated time in the live run (see ``services/worker/README.md``).
-Pick a speed-up at which the live run keeps up (``--speedup``).
+Control plane: a live request's TTFT is the engine's part (its work reaches the
+prefill node → first token there; queue wait and prefill iterations, which the
+simulator models) plus the control plane's: the HTTP request, prompt parsing and
+hashing, KV lookup, routing decision and the NATS message carrying the prompt
+(ingress), and the first token's way back through NATS, the router and the HTTP
+stream (egress). Each wall millisecond of it counts ``speedup`` simulated ms, more
+on a loaded machine; ingress grows with the prompt (the prompt travels as JSON and
+as the work message). :func:`control_plane` measures both per request from the
+live run's records (``node_arrived_at`` and ``first_token_at``, the router's
+``ei``) and fits ``ingress = a + b × prompt tokens`` and ``egress`` = the mean; the
+simulator is then run with them (``SimConfig.ingress_s``, ``ingress_s_per_token``,
+``egress_s``). The engine's part stays a prediction: the simulator's queueing and
+iteration times are compared with the live engines'. The simulator without the
+control plane (plain ``simulate``'s default) is reported too (``sim_plain``).
+
+What else the two do not share, and why numbers can differ: the live workers
+publish node states at most every 50 ms of wall time (the simulator's router sees
+the state at the decision); the control plane's time varies per request (the
+simulator applies its fit); at a high speed-up a live engine iteration shorter
+than the shell's Python overhead per iteration (a few hundred µs of wall time)
+stretches simulated time (see ``services/worker/README.md``). Pick a speed-up at
+which the live run keeps up (``--speedup``).
 """
 
 from __future__ import annotations
@@ -28,9 +44,62 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 FIDELITY_KEYS = ("throughput_rps", "ttft_mean_s", "e2e_mean_s")
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlane:
+    """The live stack's control-plane latency, measured (simulated seconds at the run's speed-up)."""
+
+    ingress_s: float
+    """Fixed part of send → work on the prefill node (s)."""
+    ingress_s_per_token: float
+    """Prompt-proportional part of it (s per prompt token)."""
+    egress_s: float
+    """First token on the prefill node → at the client, mean (s)."""
+    requests: int
+    """Requests measured (those whose ``ei`` carried both node times)."""
+    ingress_mean_s: float
+    """Mean measured ingress (s)."""
+
+
+def control_plane(records: Iterable[Any]) -> ControlPlane | None:
+    """Measure the control plane from the live run's ``RequestRecord`` list.
+
+    Per successful request with ``node_arrived_at`` and ``first_token_at`` (the router's ``ei``:
+    its prefill node's arrival and first-token times): ingress = ``node_arrived_at − sent_at``,
+    egress = client first token − ``first_token_at`` with the client's first token at
+    ``sent_at + ttft_s − admission_wait_s``. Ingress is fitted by least squares as
+    ``a + b × prompt_tokens`` (``numpy.polyfit``; a negative slope or intercept is refitted
+    without it), egress is the mean (negative values, clock jitter, count as 0). O(requests).
+
+    Returns:
+        The fit, or None when fewer than 2 requests carry both times (an older router).
+    """
+    import numpy as np
+
+    xs, ins, outs = [], [], []
+    for r in records:
+        if not r.ok or r.ttft_s is None or r.node_arrived_at is None or r.first_token_at is None:
+            continue
+        xs.append(float(r.prompt_tokens or r.expected_prompt_tokens))
+        ins.append(max(0.0, r.node_arrived_at - r.sent_at))
+        outs.append(max(0.0, r.sent_at + r.ttft_s - r.admission_wait_s - r.first_token_at))
+    if len(xs) < 2:
+        return None
+    x, y = np.asarray(xs), np.asarray(ins)
+    b, a = (np.polyfit(x, y, 1) if np.ptp(x) > 0 else (0.0, float(y.mean())))
+    if b < 0:  # no growth with the prompt: a constant
+        a, b = float(y.mean()), 0.0
+    elif a < 0:  # proportional: least squares through the origin
+        a, b = 0.0, float(x @ y / (x @ x))
+    return ControlPlane(
+        ingress_s=float(a), ingress_s_per_token=float(b), egress_s=float(np.mean(outs)), requests=len(xs),
+        ingress_mean_s=float(y.mean()),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +145,8 @@ def load_requests(s: FidelitySettings) -> tuple[list[Any], int, str]:
     return reqs, trace.header.block_size, str(path)
 
 
-async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path) -> dict[str, Any]:
-    """Replay ``requests`` through a local live cluster; returns its report (also written to ``out``)."""
+async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path) -> tuple[dict[str, Any], list[Any]]:
+    """Replay ``requests`` through a local live cluster; returns its report and records (also written to ``out``)."""
     from evolving_infra.cluster import ClusterSpec, LocalCluster
     from evolving_infra.replay.core import Arrival
     from evolving_infra.replay.live import LiveReplayer
@@ -115,11 +184,12 @@ async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path)
     }
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, extra={"wall_s": result.wall_s})
     write_report(out, report, sorted(result.records, key=lambda r: r.sent_at), plots=False)
-    return report
+    return report, result.records
 
 
-def run_sim(s: FidelitySettings, requests: list[Any], bs: int, out: Path) -> dict[str, Any]:
-    """The simulator with the live stack's settings; returns its report (also written to ``out``)."""
+def run_sim(s: FidelitySettings, requests: list[Any], bs: int, out: Path, cp: ControlPlane | None = None) -> dict[str, Any]:
+    """The simulator with the live stack's settings, and the measured control plane ``cp`` when
+    given; returns its report (also written to ``out``)."""
     from evolving_infra.report.write import write_report
     from evolving_infra.sim.config import SimConfig
     from evolving_infra.sim.run import simulate
@@ -136,6 +206,9 @@ def run_sim(s: FidelitySettings, requests: list[Any], bs: int, out: Path) -> dic
         arrival="closed",
         concurrency=s.concurrency,
         label="sim",
+        ingress_s=cp.ingress_s if cp else 0.0,
+        ingress_s_per_token=cp.ingress_s_per_token if cp else 0.0,
+        egress_s=cp.egress_s if cp else 0.0,
     )
     res = simulate(cfg, requests, bs, meta={"command": "fidelity (sim)"})
     write_report(out, res.report, res.records, plots=False)
@@ -152,19 +225,27 @@ def relative_differences(live: dict[str, Any], sim: dict[str, Any]) -> dict[str,
 
 
 def fidelity(s: FidelitySettings, out: Path) -> dict[str, Any]:
-    """Run both and return ``{settings, live, sim, relative_difference}`` (also ``out/fidelity.json``)."""
+    """Run both and return ``{settings, live, sim, relative_difference, control_plane, sim_plain,
+    relative_difference_plain}`` (also ``out/fidelity.json``): ``sim`` runs with the control plane
+    measured on the live run (:func:`control_plane`; none when the router did not report it),
+    ``sim_plain`` without (``out/sim-plain``)."""
     requests, bs, path = load_requests(s)
     out.mkdir(parents=True, exist_ok=True)
-    live = asyncio.run(run_live(s, requests, bs, out / "live"))
-    sim = run_sim(s, requests, bs, out / "sim")
-    rel = relative_differences(live, sim)
+    live, records = asyncio.run(run_live(s, requests, bs, out / "live"))
+    cp = control_plane(records)
+    sim = run_sim(s, requests, bs, out / "sim", cp)
+    plain = run_sim(s, requests, bs, out / "sim-plain") if cp is not None else sim
+    keys = (*FIDELITY_KEYS, "requests_completed", "requests_failed", "kv_hit_rate", "wall_s")
     result = {
         "settings": asdict(s),
         "trace": path,
         "requests": len(requests),
-        "live": {k: live.get(k) for k in (*FIDELITY_KEYS, "requests_completed", "requests_failed", "kv_hit_rate", "wall_s")},
-        "sim": {k: sim.get(k) for k in (*FIDELITY_KEYS, "requests_completed", "requests_failed", "kv_hit_rate", "wall_s")},
-        "relative_difference": rel,
+        "live": {k: live.get(k) for k in keys},
+        "sim": {k: sim.get(k) for k in keys},
+        "relative_difference": relative_differences(live, sim),
+        "control_plane": asdict(cp) if cp is not None else None,
+        "sim_plain": {k: plain.get(k) for k in keys},
+        "relative_difference_plain": relative_differences(live, plain),
     }
     (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
@@ -179,6 +260,18 @@ def format_result(res: dict[str, Any]) -> str:
         lines.append(
             f"{k:<16}{(f'{a:.4f}' if a is not None else '-'):>12}{(f'{b:.4f}' if b is not None else '-'):>12}"
             f"{(f'{100 * rel:+.1f}%' if rel is not None else '-'):>14}"
+        )
+    plain = res.get("relative_difference_plain") or {}
+    lines.append(
+        "sim without the control plane: "
+        + ", ".join(f"{k} {100 * v:+.1f}%" for k, v in plain.items() if v is not None)
+    )
+    cp = res.get("control_plane")
+    if cp:
+        lines.append(
+            f"control plane (measured live, {cp['requests']} requests): ingress {1e3 * cp['ingress_s']:.1f} ms "
+            f"+ {1e3 * cp['ingress_s_per_token'] * 1e5:.1f} ms per 100k prompt tokens (mean {1e3 * cp['ingress_mean_s']:.1f} ms), "
+            f"egress {1e3 * cp['egress_s']:.1f} ms (simulated, at {res['settings']['speedup']:g}x)"
         )
     lines.append(
         f"requests {res['requests']}: live completed {res['live'].get('requests_completed')} "

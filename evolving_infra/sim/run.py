@@ -571,6 +571,8 @@ def _simulate(
         "msg_latency_s": cfg.msg_latency_s,
         "wall_s": wall,
     }
+    if cfg.ingress_s or cfg.ingress_s_per_token or cfg.egress_s:  # only when modelled: plain runs' meta unchanged
+        m["control_plane"] = {"ingress_s": cfg.ingress_s, "ingress_s_per_token": cfg.ingress_s_per_token, "egress_s": cfg.egress_s}
     if meta:
         m.update(meta)
     report = build_report(kept, meta=m, extra=extra, timeline=timeline)

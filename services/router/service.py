@@ -128,6 +128,10 @@ class _Pending:
     """The core no longer counts it (finished, failed or aborted)."""
     t_in: float = 0.0
     """HTTP arrival (simulated s): TTFT and E2E start here."""
+    arrived_at: float | None = None
+    """The first chunk's ``arrived_at`` (the work reached its prefill node) and ``ts`` (the first
+    token there), simulated s: the control plane's share of TTFT (``evolving-infra fidelity``)."""
+    first_token_at: float | None = None
     tr: "_ReqTrace | None" = None
     """The request's spans when tracing is on (``shared/tracing.py``)."""
     ttft_s: float | None = None
@@ -544,6 +548,7 @@ class RouterService:
         if not p.first_seen:
             p.first_seen = True
             p.queue_s = chunk.queue_s
+            p.arrived_at, p.first_token_at = chunk.arrived_at, chunk.ts or None
             p.fetch_s, p.exposed_fetch_s = chunk.fetch_s, chunk.exposed_fetch_s
             if chunk.fetch_s is not None:
                 p.fetched_tokens, p.fetch_sources = chunk.fetched_tokens, p.plan_sources
@@ -1477,6 +1482,8 @@ class RouterService:
             "decode_node": p.decode_node,
             "redispatches": p.attempt,
             "queue_s": p.queue_s,
+            "arrived_at": p.arrived_at,
+            "first_token_at": p.first_token_at,
             "predicted_ttft_s": None if p.predicted_ttft_s is None else round(p.predicted_ttft_s, 6),
             "fetch_s": p.fetch_s,
             "exposed_fetch_s": p.exposed_fetch_s,

@@ -129,6 +129,8 @@ class _Owner:
     attempt: int = 0
     offset: int = 0
     router: str = ""
+    arrived_at: float | None = None
+    """When its work reached this node (simulated s; ``TokenChunk.arrived_at``)."""
 
     @property
     def router_id(self) -> str:
@@ -367,7 +369,7 @@ class WorkerService:
         except WorkRejected as e:
             await self._reject(e, now, attempt=work.attempt)
             return
-        self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router)
+        self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router, arrived_at=now)
         if late and work.max_tokens > 1:  # a one-token request ends at its prefill: nothing to bind
             self._bind_later[work.rid] = work
         if tracing.ENABLED:
@@ -897,6 +899,7 @@ class WorkerService:
                     exposed_fetch_s=out.exposed_fetch_s,
                     fetched_tokens=out.fetched_tokens,
                     attempt=owner.attempt,
+                    arrived_at=owner.arrived_at,
                 ),
                 rid=rid,
             )

@@ -40,6 +40,7 @@ BS = 64
 BLOCKS = 30
 PROMPT = [1000 + i for i in range(BLOCKS * BS)]  # 30 full blocks
 QUEUE_S = 0.0125
+ARRIVED_AT = 0.25
 FETCH_S = 0.04
 """The fake prefill node's peer-fetch time when its work carries a fetch plan."""
 
@@ -102,6 +103,7 @@ class TtftCluster:
         first = m.TokenChunk(
             rid=w.rid, node=node, index=0, token_ids=[7], prompt_tokens=w.prompt_tokens, cached_tokens=(BLOCKS - 1) * BS,
             finished=w.max_tokens == 1, finish_reason="length" if w.max_tokens == 1 else None, ts=self.clock.now(), queue_s=QUEUE_S,
+            arrived_at=ARRIVED_AT,
             fetch_s=FETCH_S if fetched else None, exposed_fetch_s=0.0 if fetched else None, fetched_tokens=fetched,
         )  # fmt: skip
         await self.bus.publish(REQ_OUT, first, rid=w.rid)
@@ -185,6 +187,7 @@ async def test_ttft_routing_live(nats_url, tmp_path):
         assert r.headers["x-ei-prefill-node"] == "p0" and r.headers["x-ei-decode-node"] == "d0"
         ei = body["ei"]
         assert (ei["prefill_node"], ei["decode_node"], ei["queue_s"]) == ("p0", "d0", QUEUE_S)
+        assert ei["arrived_at"] == ARRIVED_AT and ei["first_token_at"] > 0  # the node's times (fidelity's control plane)
         assert 0 < ei["predicted_ttft_s"] < 0.1  # one 64-token block to compute (+ restore)
         node, w = cl.works[-1]
         assert node == "p0" and w.fetch == []

@@ -160,6 +160,7 @@ async def test_token_stream_kv_events_state_iters_and_resync(nats_url):
         chunks = c.chunks["r1"]
         check_stream(chunks, "r1", 6)
         assert (chunks[0].prompt_tokens, chunks[0].cached_tokens, chunks[0].node) == (41, 0, "w0")
+        assert 0 < chunks[0].arrived_at <= chunks[0].ts and all(ch.arrived_at is None for ch in chunks[1:])
         assert chunks[0].queue_s is not None and chunks[0].queue_s >= 0
 
         # same prompt again: 10 full pages cached, (41 - 1) // 4 = 10 pages usable

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from evolving_infra.sim.cluster import ClusterSim
-from evolving_infra.sim.config import ForcedSwitch, SimConfig, resolve
+from evolving_infra.sim.config import ForcedSwitch, SimConfig, SimConfigError, resolve
 from evolving_infra.sim.run import simulate
 from shared.messages import AllBlocksCleared
 
@@ -227,3 +229,21 @@ def test_recorded_zero_output_gets_one_token_as_live(binding):
     assert len(res.records) == len(reqs) and all(r.ok for r in res.records)
     assert {r.completion_tokens for r in res.records} == {1}
     assert {r.expected_completion_tokens for r in res.records} == {0}
+
+
+def test_control_plane_ingress_and_egress_delay_first_token_and_end():
+    """``ingress_s`` (+ per prompt token) delays the work's arrival at the routing decision and its
+    prefill node, ``egress_s`` the first token's and the end's delivery: TTFT and E2E grow by exactly
+    their sum; all 0 (the default) is the plain run."""
+    reqs = chain_agent("solo", 1, first_blocks=5, tail=0, output=4)
+    cfg = SimConfig(nodes=2, profile="tiny", policy="static:1P1D", concurrency=1)
+    base = simulate(cfg, reqs, BS).records[0]
+    cp = simulate(dataclasses.replace(cfg, ingress_s=0.01, ingress_s_per_token=0.001, egress_s=0.005), reqs, BS)
+    r = cp.records[0]
+    delay = 0.01 + 0.001 * reqs[0].input_tokens + 0.005
+    assert r.ttft_s == pytest.approx(base.ttft_s + delay) and r.e2e_s == pytest.approx(base.e2e_s + delay)
+    assert r.first_token_at == pytest.approx(base.first_token_at + delay - 0.005)  # the engine's time
+    assert cp.report["meta"]["control_plane"] == {"ingress_s": 0.01, "ingress_s_per_token": 0.001, "egress_s": 0.005}
+    assert "control_plane" not in simulate(cfg, reqs, BS).report["meta"]
+    with pytest.raises(SimConfigError, match="--egress-s"):
+        simulate(dataclasses.replace(cfg, egress_s=-1.0), reqs, BS)
