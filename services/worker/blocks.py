@@ -58,7 +58,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import compress, repeat
 from operator import and_ as _and
+from operator import or_ as _or
 from operator import eq
 from operator import attrgetter
 from typing import Any
@@ -76,6 +78,7 @@ def _stored(run: list[int], parent: int | None, tier: Tier, block_size: int) -> 
 
 
 _COUNT = attrgetter("count")
+_REPEAT_COUNT = repeat("count")
 _DEPTH = attrgetter("depth")
 _HASH = attrgetter("hash")
 _GROUP = attrgetter("group")
@@ -1021,20 +1024,35 @@ class HostBlockPool:
         return len(moving)
 
     def _update_counts_two(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
-        """:meth:`update_counts` under ``branch-count``: the same moves and stamps, from one lean
-        pass over the message (the key inlined); the ancestor lift is looked for once per
-        stretch of moved blocks (a run of one path), not per block. A message naming a block
-        twice goes block by block (:meth:`_update_counts_blocks`; setting the counts again is
-        harmless)."""
+        """:meth:`update_counts` under ``branch-count``: the same moves and stamps (the key
+        inlined). The counts are set and the queued blocks among the named ones found by
+        C-level passes over the message (``map``/``compress``, dict membership); Python steps
+        only per queued named block (the candidates to move), so a message about blocks that
+        are pinned in L1 or absent costs O(named) in C, not O(named) Python steps. The ancestor
+        lift is looked for once per stretch of moved blocks (a run of one path), not per block.
+        A message naming a moving block twice goes block by block
+        (:meth:`_update_counts_blocks`; setting the counts again is harmless)."""
         get = self.blocks.get
+        present = list(map(get, hashes))  # None: unknown hashes, ignored
+        _drain(map(setattr, compress(present, present), _REPEAT_COUNT, compress(counts, present)))  # last one wins
+        # Only a queued (unpinned) block can move; most named blocks are pinned (in L1) or
+        # absent, so the queued ones are found by C-level membership tests over the message,
+        # never by a Python step per named block. Queued ⇔ in one of the two groups.
+        g0, g1 = self.evictable.groups
+        in0 = bool(g0) and not g0.keys().isdisjoint(hashes)
+        in1 = bool(g1) and not g1.keys().isdisjoint(hashes)
+        if not (in0 or in1):
+            return 0
+        if in0 and in1:
+            queued = list(map(_or, map(g0.__contains__, hashes), map(g1.__contains__, hashes)))
+        else:
+            queued = list(map((g0 if in0 else g1).__contains__, hashes))
         moving: list[HostBlock] = []
         add = moving.append
-        for h, c in zip(hashes, counts):
+        for h, c in zip(compress(hashes, queued), compress(counts, queued)):  # message order, repeats kept
             b = get(h)
-            if b is not None:  # unknown hashes are ignored
-                b.count = c
-                if not b.pinned and (c > 0) != b.group:  # group 1 ⇔ count > 0
-                    add(b)
+            if (c > 0) != b.group:  # group 1 ⇔ count > 0
+                add(b)
         if not moving:
             return 0
         moving.sort(key=_DEPTH, reverse=True)  # deepest first, stable (as key=-depth)
