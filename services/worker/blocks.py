@@ -60,6 +60,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import compress, repeat
 from operator import and_ as _and
+from operator import not_ as _not
 from operator import or_ as _or
 from operator import eq
 from operator import attrgetter
@@ -79,6 +80,8 @@ def _stored(run: list[int], parent: int | None, tier: Tier, block_size: int) -> 
 
 _COUNT = attrgetter("count")
 _REPEAT_COUNT = repeat("count")
+_REPEAT_STAMP = repeat("last_access")
+_REPEAT_GROUP = repeat("group")
 _DEPTH = attrgetter("depth")
 _HASH = attrgetter("hash")
 _GROUP = attrgetter("group")
@@ -1066,7 +1069,9 @@ class HostBlockPool:
         link = list(map(_and, map(eq, map(_PARENT, moving), mh[1:]), map(eq, mg, mg[1:])))
         link.append(False)
         groups = self.evictable.groups
-        get = self.blocks.get
+        ends = list(compress(range(len(link)), map(_not, link)))  # each stretch's last (shallowest) block
+        if len(ends) * 4 <= len(link):  # long stretches (a path's tail): moved and stamped in C
+            return self._move_stretches(moving, mh, mg, ends)
         stamp = self._stamp
         for b, up, linked in zip(moving, mg, link):
             stamp += 1
@@ -1083,19 +1088,53 @@ class HostBlockPool:
             od[h] = b
             if linked:  # its parent moves next (still in the old group): its lift stops at once
                 continue
-            child = b  # lift the queued ancestors in group g older than b (_lift_ancestors)
-            p = b.parent
-            while p is not None:
-                pb = get(p)
-                if pb is None or pb.pinned or pb.group != g or pb.last_access > child.last_access:
-                    break
-                stamp += 1
-                pb.last_access = stamp
-                od.move_to_end(p)
-                child = pb
-                p = pb.parent
+            stamp = self._lift_from(b, od, stamp)
         self._stamp = stamp
         return len(moving)
+
+    def _move_stretches(self, moving: list[HostBlock], mh: list[int], mg: list[bool], ends: list[int]) -> int:
+        """The moves of :meth:`_update_counts_two` stretch by stretch: a stretch's blocks leave
+        their old group, get consecutive stamps and join the tail of the new group in order
+        (C-level ``map``/``OrderedDict.update``: the same order and stamps as one block at a
+        time, since no lift happens inside a stretch); then its shallowest block's ancestors
+        are lifted. O(stretches) Python steps + O(moved) in C + lifted ancestors."""
+        groups = self.evictable.groups
+        stamp = self._stamp
+        start = 0
+        for e in ends:
+            g = 1 if mg[e] else 0
+            k = e + 1 - start
+            seg = moving[start : e + 1]
+            hs = mh[start : e + 1]
+            od = groups[g]
+            _drain(map(groups[1 - g].__delitem__, hs))
+            _drain(map(setattr, seg, _REPEAT_STAMP, range(stamp + 1, stamp + 1 + k)))
+            _drain(map(setattr, seg, _REPEAT_GROUP, repeat(g, k)))
+            od.update(zip(hs, seg))
+            stamp = self._lift_from(moving[e], od, stamp + k)
+            start = e + 1
+        self._stamp = stamp
+        return len(moving)
+
+    def _lift_from(self, b: HostBlock, od: Any, stamp: int) -> int:
+        """Lift the queued ancestors of ``b`` (just moved into group ``od``) that are in that
+        group and older than their child: stamped from ``stamp + 1`` on, nearest first, each to
+        the group's tail (:meth:`_lift_ancestors` with the pool's clock in a local). Returns the
+        last stamp used."""
+        get = self.blocks.get
+        g = b.group
+        child = b
+        p = b.parent
+        while p is not None:
+            pb = get(p)
+            if pb is None or pb.pinned or pb.group != g or pb.last_access > child.last_access:
+                break
+            stamp += 1
+            pb.last_access = stamp
+            od.move_to_end(p)
+            child = pb
+            p = pb.parent
+        return stamp
 
     def _lift_ancestors(self, b: HostBlock) -> None:
         """Stamp the queued ancestors of ``b`` in its group newer than ``b``, nearest first,
