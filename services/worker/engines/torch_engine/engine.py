@@ -54,7 +54,7 @@ from shared.hashing import unpack_tokens
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, DecodeWork, KvEvent, PrefillWork
 from shared.profile import Profile
 from services.worker.engines.base import Engine
-from services.worker.engines.torch_engine.model import ModelConfigError, PagedDecoder, SeqBatch
+from services.worker.engines.torch_engine.model import ModelConfigError, PagedDecoder, SeqBatch, int64_tensor
 from services.worker.plan import IterationPlan
 
 
@@ -570,6 +570,7 @@ class TorchEngine(Engine):
             if c.completes:
                 logits_at.append(len(tokens) - 1)
                 sample.append((r.rid, s))
+        rows: list[tuple[int, Any, _Seq]] = []
         for r in plan.reqs[n_chunks:]:
             if r.rid in self._stopped:  # ended at EOS in an earlier iteration of this plan
                 continue
@@ -593,24 +594,26 @@ class TorchEngine(Engine):
                 raise KvMapError(f"{r.rid}: decode at position {pos} but {s.computed} tokens are in KV")
             if len(s.table) * ps <= pos:
                 self._ensure_pages(s, pos + 1)
+            rows.append((pos, r.rid, s))
+        # decode rows longest context first: the model batches rows of similar length
+        # into one attention call each, padding none to a much longer row's context
+        rows.sort(key=lambda e: -e[0])
+        for pos, rid, s in rows:
             off = len(tokens)
             tokens.append(s.out[-1])
             positions.append(pos)
             batch.append(SeqBatch(offset=off, n=1, ctx=pos, block_table=s.table))
             s.computed = pos + 1
             logits_at.append(off)
-            sample.append((r.rid, s))
+            sample.append((rid, s))
         if not tokens:
             return
         dev = self.device
+        every = len(logits_at) == len(tokens)  # a pure decode iteration: every token's logits
         logits = self.model(
-            torch.tensor(tokens, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            batch,
-            self.k_cache,
-            self.v_cache,
-            torch.tensor(logits_at, dtype=torch.int64, device=dev),
-        )
+            int64_tensor(tokens, dev), int64_tensor(positions, dev), batch, self.k_cache, self.v_cache,
+            None if every else int64_tensor(logits_at, dev),
+        )  # fmt: skip
         nxt = logits.argmax(dim=-1).tolist()
         for (rid, s), t in zip(sample, nxt):
             s.out.append(t)

@@ -12,12 +12,15 @@ shape ``[pages, page_size, kv_heads, head_dim]``; a sequence's keys are found
 through its block table (list of page indices, one per ``page_size`` tokens).
 ``forward`` runs one iteration over a mixed batch: prefill chunks (many query
 tokens each) and decode requests (one query token each) in one pass over the
-layers; the projections and MLP run on all tokens at once, attention in at most
-two batched SDPA calls per layer: the decode requests (keys gathered from their
-pages by one ``index_select`` per tensor, no mask when all have the same length),
-and the prefill chunks (padded to the longest, keys gathered, masked; chunks that
-start at position 0 with one length attend causally over their own fresh K/V with
-no gather). Page indices and masks are built once per iteration for all layers.
+layers; the projections and MLP run on all tokens at once, attention in a few
+SDPA calls per layer, each over exactly the keys its sequences need: consecutive
+decode rows of similar context length in one call (the ``heads / kv_heads`` query
+heads of a KV head as query rows of it; rows shorter than the group's longest
+masked, that padding bounded by ``group_overhead_keys``), consecutive chunks that
+start at position 0 with one length in one causal call over their own fresh K/V
+(no gather), and each other chunk in its own call over its ``ctx + n`` keys. The
+keys of all gathered groups come from one ``index_select`` per layer and tensor;
+page indices, masks and RoPE rows are built once per iteration for all layers.
 """
 
 from __future__ import annotations
@@ -190,10 +193,14 @@ def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None = None) -
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` (transformers' ``apply_rotary_pos_emb``) with the
-    sign of ``rotate_half`` folded into ``sin_signed`` (first half negated): the same
-    products, bit for bit, in three ops fewer."""
-    h = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., h:], x[..., :h]), dim=-1) * sin_signed
+    sign of ``rotate_half`` folded into ``sin_signed`` (first half negated) and its halves
+    swapped by one ``roll``: the same products, bit for bit, in five ops fewer."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+def int64_tensor(xs: list[int], dev: torch.device) -> torch.Tensor:
+    """``torch.tensor(xs, dtype=int64, device=dev)``, through numpy (a third of the time for short lists)."""
+    return torch.from_numpy(np.array(xs, dtype=np.int64)).to(dev)
 
 
 @dataclass(slots=True)
@@ -211,132 +218,154 @@ class SeqBatch:
     block_table: list[int]
 
 
-def _pages_and_mask(
-    seqs: list[SeqBatch], ps: int, dtype: torch.dtype, dev: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
-    """Pages to gather and the additive mask of a group: ``([B·npg] flat page indices
-    (padding: page 0), [B, 1, Q, Lk] mask (0 = seen, -inf = not) or None, npg, Lk)``
-    where ``Lk = max(ctx + n)`` keys are attended (of the ``npg·page_size`` gathered).
-    Query i of sequence b sees key j iff j ≤ ctx_b + i; a padded query row (i ≥ n_b)
-    sees key 0 only, so no row is empty. No mask (None) when every query sees every
-    key (one query per sequence, all of the same length): adding zeros is exact, so
-    the result is the same bit for bit. Built once per iteration, used by every layer."""
-    B = len(seqs)
-    Q = max(sq.n for sq in seqs)
-    ends = [sq.ctx + sq.n for sq in seqs]
-    Lk = max(ends)
-    npg = -(-Lk // ps)
-    table = np.zeros((B, npg), dtype=np.int64)
-    for b, sq in enumerate(seqs):
-        k = -(-ends[b] // ps)
-        table[b, :k] = sq.block_table[:k]
-    pages = torch.from_numpy(table.reshape(-1)).to(dev)
-    if Q == 1 and min(ends) == Lk:
-        return pages, None, npg, Lk
-    last = np.zeros((B, Q), dtype=np.int64)  # last key position each query sees
-    for b, sq in enumerate(seqs):
-        last[b, : sq.n] = np.arange(sq.ctx, sq.ctx + sq.n)
-    seen = np.arange(Lk)[None, None, :] <= last[:, :, None]
-    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(torch.from_numpy(~seen), float("-inf"))
-    return pages, mask[:, None].to(dev), npg, Lk
+DECODE_GROUP_OVERHEAD_KEYS = {"cpu": 96, "cuda": 8192}
+"""Padded keys one more decode attention group must save to be worth its SDPA call
+(:func:`_decode_runs`), by device type. On CPU one call costs about as much as attending
+~100 keys per sequence (measured on the tiny model, ``bench/engine_bench.py``); on CUDA a
+launch costs far more than keys do."""
+
+
+def _decode_runs(ends: list[int], overhead: int) -> list[tuple[int, int]]:
+    """Split consecutive decode rows (one query each, ``ends[b] = ctx + 1`` keys) into runs
+    ``[(i, j)]`` attended by one SDPA call each, every run padded to its longest. A new run
+    starts when adding the next row would make the run's padding (``len × max − Σ ends``
+    keys) exceed ``overhead`` keys. O(B); fewest runs when the rows come sorted by length
+    (the engine sorts them)."""
+    runs: list[tuple[int, int]] = []
+    i, mx, tot = 0, 0, 0
+    for j, e in enumerate(ends):
+        m2 = e if e > mx else mx
+        if j > i and (j - i + 1) * m2 - (tot + e) > overhead:
+            runs.append((i, j))
+            i, m2, tot = j, e, 0
+        mx = m2
+        tot += e
+    runs.append((i, len(ends)))
+    return runs
 
 
 @dataclass(slots=True)
 class _Group:
-    """Sequences attended in one batched attention call, in one of three ways:
+    """Consecutive sequences attended by one SDPA call; their tokens are the rows
+    ``[r0, r1)`` of the flat token tensor. One of three kinds:
 
-    * *fresh*: prefill chunks from position 0, all of one length ``Q``, contiguous in
-      the flat token tensor: causal attention over this iteration's own K/V, no
-      gather, no mask (the pages are written all the same);
-    * *decode rows*: one query per sequence, contiguous: keys gathered (one
-      ``index_select`` per layer and tensor) from ``npg`` pages each;
-    * otherwise: queries padded to ``Q`` (gathered by index), keys gathered from
-      pages, padding masked out.
+    * ``fresh``: ``B`` prefill chunks from position 0, all of length ``Q``: causal
+      attention over this iteration's own K/V; no gather, no mask;
+    * ``decode``: ``B`` decode rows (one query each): keys gathered from ``npg`` pages
+      each, the ``heads / kv_heads`` query heads of a KV head attended as that many
+      query rows of it (no GQA expansion); rows shorter than the group's longest are
+      masked (:func:`_decode_runs` keeps that padding small);
+    * ``chunk``: one prefill chunk of ``Q`` tokens after ``Lk − Q`` keys of context:
+      its keys gathered, causal from its position on (lower-right mask).
     """
 
+    kind: str
+    r0: int
+    r1: int
     B: int
     Q: int
     Lk: int
-    """Keys attended per sequence (``max(ctx + n)``)."""
-    pages: torch.Tensor | None
-    """[B·npg] flat page indices (padding: page 0, masked); None for *fresh*."""
-    mask: torch.Tensor | None
-    """[B, 1, Q, Lk] additive mask in the model's dtype (see :func:`_pages_and_mask`); None: none needed."""
-    rows: slice | None
-    """Queries contiguous in the flat token tensor (*fresh* and *decode rows*): their rows."""
-    q_idx: torch.Tensor | None = None
-    """[B·Q] indices of the queries in the flat token tensor (padding: the sequence's first token)."""
-    q_flat: torch.Tensor | None = None
-    """[Σn] flat indices of the real queries, in row-major (b, i) order."""
-    valid: torch.Tensor | None = None
-    """[Σn] positions of the real queries in the ``[B·Q]`` padded rows."""
-
-    @staticmethod
-    def build(seqs: list[SeqBatch], ps: int, dtype: torch.dtype, dev: torch.device) -> _Group | None:
-        if not seqs:
-            return None
-        B = len(seqs)
-        Q = max(sq.n for sq in seqs)
-        first = seqs[0].offset
-        contiguous = all(sq.offset == first + b * Q and sq.n == Q for b, sq in enumerate(seqs))
-        if Q > 1 and contiguous and all(sq.ctx == 0 for sq in seqs):
-            return _Group(B, Q, Q, None, None, slice(first, first + B * Q))
-        pages, mask, _, Lk = _pages_and_mask(seqs, ps, dtype, dev)
-        if Q == 1 and contiguous:
-            return _Group(B, 1, Lk, pages, mask, slice(first, first + B))
-        q_idx = np.empty((B, Q), dtype=np.int64)
-        valid = np.zeros((B, Q), dtype=bool)
-        for b, sq in enumerate(seqs):
-            q_idx[b, : sq.n] = np.arange(sq.offset, sq.offset + sq.n)
-            q_idx[b, sq.n :] = sq.offset
-            valid[b, : sq.n] = True
-        flat_valid = np.flatnonzero(valid.reshape(-1))
-        return _Group(
-            B, Q, Lk, pages, mask, None,
-            torch.from_numpy(q_idx.reshape(-1)).to(dev),
-            torch.from_numpy(q_idx.reshape(-1)[flat_valid]).to(dev),
-            torch.from_numpy(flat_valid).to(dev),
-        )  # fmt: skip
+    """Keys attended per sequence (the longest ``ctx + n`` of the group)."""
+    p0: int = 0
+    """First of its ``B·npg`` entries in the iteration's gathered pages."""
+    npg: int = 0
+    mask: torch.Tensor | None = None
+    """Additive mask (0 = seen, -inf = not): ``[B, 1, 1, Lk]`` (decode) or ``[1, 1, Q, Lk]`` (chunk); None: none needed."""
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-        out: torch.Tensor | None, scale: float,
-    ) -> torch.Tensor | None:
-        """Attention of this group's queries (``q``: ``[T, heads, D]``, all tokens; ``k``,
-        ``v``: ``[T, kv_heads, D]``, this iteration's) over their keys in the pages of
-        ``kc``/``vc`` (``[pages, page_size, kv_heads, D]``, already holding ``k``/``v``),
-        written into their rows of ``out`` (``[T, heads, D]``); with ``out`` None (a group
-        whose ``rows`` are all ``T`` tokens), returned as ``[T, heads, D]`` instead."""
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kg: torch.Tensor | None, vg: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """This group's attention output, ``[r1 − r0, heads, D]`` (possibly a strided view).
+        ``q``: ``[T, heads, D]``, ``k``/``v``: ``[T, kv_heads, D]`` (this iteration's, all
+        tokens); ``kg``/``vg``: the iteration's gathered pages ``[P, page_size, kv_heads, D]``."""
         B, Q, Lk = self.B, self.Q, self.Lk
         nh, D = q.shape[1], q.shape[2]
-        nkv = kc.shape[2]
-        gqa = nh != nkv
-        if self.pages is None:  # fresh prefill: this iteration's own K/V, causal
-            rows = self.rows
+        nkv = k.shape[1]
+        rows = slice(self.r0, self.r1)
+        if self.kind == "fresh":
             qs = q[rows].view(B, Q, nh, D).transpose(1, 2)
             ks = k[rows].view(B, Q, nkv, D).transpose(1, 2)
             vs = v[rows].view(B, Q, nkv, D).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-            o = o.transpose(1, 2).reshape(B * Q, nh, D)
-            if out is None:
-                return o
-            out[rows] = o
-            return None
-        ks = kc.index_select(0, self.pages).view(B, -1, nkv, D)[:, :Lk].transpose(1, 2)  # [B, nkv, Lk, D]
-        vs = vc.index_select(0, self.pages).view(B, -1, nkv, D)[:, :Lk].transpose(1, 2)
-        if self.rows is not None:
-            qs = q[self.rows].view(B, 1, nh, D).transpose(1, 2)  # [B, nh, 1, D]
-        else:
-            qs = q.index_select(0, self.q_idx).view(B, Q, nh, D).transpose(1, 2)  # [B, nh, Q, D]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
-        o = o.transpose(1, 2).reshape(B * Q, nh, D)
-        if out is None:
-            return o
-        if self.rows is not None:
-            out[self.rows] = o
-        else:
-            out.index_copy_(0, self.q_flat, o.index_select(0, self.valid))
-        return None
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=nh != nkv)
+            return o.transpose(1, 2).reshape(B * Q, nh, D)
+        assert kg is not None and vg is not None
+        pg = slice(self.p0, self.p0 + B * self.npg)
+        ks = kg[pg].view(B, -1, nkv, D)[:, :Lk].transpose(1, 2)  # [B, nkv, Lk, D]
+        vs = vg[pg].view(B, -1, nkv, D)[:, :Lk].transpose(1, 2)
+        if self.kind == "decode":
+            qs = q[rows].view(B, nkv, nh // nkv, D)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=self.mask, scale=scale)
+            return o.view(B, nh, D)
+        qs = q[rows].view(1, Q, nh, D).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=self.mask, scale=scale, enable_gqa=nh != nkv)
+        return o.transpose(1, 2)[0]
+
+
+def _plan_groups(
+    seqs: list[SeqBatch], ps: int, dtype: torch.dtype, dev: torch.device, overhead: int
+) -> tuple[list[_Group], torch.Tensor | None]:
+    """The iteration's attention groups, in row order, and the flat page indices
+    ``[P]`` every gathered group reads (padding: page 0, masked), gathered once per
+    layer and tensor. Built once per iteration, used by every layer.
+
+    No sequence attends a key it does not need except a decode row padded within its
+    group (bounded by ``overhead`` keys per group): a prefill chunk attends its own
+    ``ctx + n`` keys, not the longest chunk's.
+
+    Raises:
+        ValueError: the sequences do not tile the token rows in order (``offset`` of
+            each = the sum of the ``n`` before it).
+    """
+    groups: list[_Group] = []
+    flat: list[int] = []  # the pages every gathered group reads, group after group
+    row = 0
+    for sq in seqs:
+        if sq.offset != row or sq.n < 1:
+            raise ValueError(f"sequences must tile the token rows in order: offset {sq.offset} (n {sq.n}), expected {row}")
+        row += sq.n
+    i, S = 0, len(seqs)
+    while i < S:
+        sq = seqs[i]
+        if sq.n == 1:  # a run of decode rows
+            j = i
+            while j < S and seqs[j].n == 1:
+                j += 1
+            ends = [s.ctx + 1 for s in seqs[i:j]]
+            for a, b in _decode_runs(ends, overhead):
+                run, e = seqs[i + a : i + b], ends[a:b]
+                B, Lk = b - a, max(e)
+                npg = -(-Lk // ps)
+                p0 = len(flat)
+                for r, s in enumerate(run):
+                    kp = -(-e[r] // ps)
+                    flat += s.block_table[:kp]
+                    if kp < npg:
+                        flat += [0] * (npg - kp)
+                mask = None
+                if min(e) != Lk:
+                    seen = np.arange(Lk)[None, :] < np.asarray(e)[:, None]
+                    mask = torch.zeros((B, 1, 1, Lk), dtype=dtype)
+                    mask.view(B, Lk).masked_fill_(torch.from_numpy(~seen), float("-inf"))
+                    mask = mask.to(dev)
+                groups.append(_Group("decode", run[0].offset, run[-1].offset + 1, B, 1, Lk, p0, npg, mask))
+            i = j
+        elif sq.ctx == 0:  # fresh chunks of one length from position 0: one causal call
+            j = i + 1
+            while j < S and seqs[j].ctx == 0 and seqs[j].n == sq.n:
+                j += 1
+            groups.append(_Group("fresh", sq.offset, seqs[j - 1].offset + sq.n, j - i, sq.n, sq.n))
+            i = j
+        else:  # a chunk after context: its own keys, lower-right causal
+            Q, Lk = sq.n, sq.ctx + sq.n
+            npg = -(-Lk // ps)
+            seen = np.arange(Lk)[None, :] <= np.arange(sq.ctx, Lk)[:, None]
+            mask = torch.zeros((1, 1, Q, Lk), dtype=dtype)
+            mask.view(Q, Lk).masked_fill_(torch.from_numpy(~seen), float("-inf"))
+            groups.append(_Group("chunk", sq.offset, sq.offset + Q, 1, Q, Lk, len(flat), npg, mask.to(dev)))
+            flat += sq.block_table[:npg]
+            i += 1
+    return groups, (int64_tensor(flat, dev) if flat else None)
 
 
 class PagedDecoder(torch.nn.Module):
@@ -346,12 +375,18 @@ class PagedDecoder(torch.nn.Module):
         cfg: the model's configuration.
         weights: tensors by Hugging Face name (``model.layers.0.self_attn.q_proj.weight`` …).
         dtype, device: where and how the weights live.
+        group_overhead_keys: padding (keys) a decode attention group may carry before
+            the next rows start a new group; None = by device
+            (:data:`DECODE_GROUP_OVERHEAD_KEYS`).
 
     Raises:
         ModelConfigError: a weight the config implies is missing or has the wrong shape.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+        group_overhead_keys: int | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
@@ -407,6 +442,27 @@ class PagedDecoder(torch.nn.Module):
             for n in {H, D}
         }
         self.inv_freq = rope_inv_freq(cfg).to(device)
+        self._rope_tab = torch.empty(0, 2, D, dtype=dtype, device=device)
+        self.group_overhead_keys = (
+            DECODE_GROUP_OVERHEAD_KEYS.get(device.type, DECODE_GROUP_OVERHEAD_KEYS["cuda"])
+            if group_overhead_keys is None
+            else group_overhead_keys
+        )
+        """Padding (keys) a decode attention group may carry before a new group starts
+        (:func:`_decode_runs`); default by device (:data:`DECODE_GROUP_OVERHEAD_KEYS`)."""
+
+    def _rope_table(self, n: int) -> torch.Tensor:
+        """``[≥ n, 2, head_dim]`` in the model's dtype, by position: ``cos`` of ``[f, f]`` and
+        ``sin_signed`` = ``[-sin f, sin f]`` with ``f = position · inv_freq`` (float32, as
+        transformers computes it), for :func:`_rope`. Grown (doubling) as positions grow,
+        so a forward only indexes it."""
+        if self._rope_tab.shape[0] < n:
+            m = max(n, 2 * self._rope_tab.shape[0], 256)
+            freqs = torch.arange(m, dtype=torch.int64, device=self.device).float()[:, None] * self.inv_freq[None, :]
+            sin = freqs.sin()
+            cos = torch.cat((freqs, freqs), dim=-1).cos()
+            self._rope_tab = torch.stack((cos, torch.cat((-sin, sin), dim=-1)), dim=1).to(self.dtype)
+        return self._rope_tab
 
     @staticmethod
     def from_folder(folder: str | Path, dtype: torch.dtype, device: torch.device) -> PagedDecoder:
@@ -443,20 +499,25 @@ class PagedDecoder(torch.nn.Module):
         seqs: list[SeqBatch],
         k_cache: list[torch.Tensor],
         v_cache: list[torch.Tensor],
-        logits_at: torch.Tensor,
+        logits_at: torch.Tensor | None,
     ) -> torch.Tensor:
         """One iteration: write the new tokens' K/V into their pages and return logits.
 
         Args:
             tokens: ``[T]`` int64 token ids of every sequence's new tokens, concatenated.
             positions: ``[T]`` int64 position of each token in its sequence.
-            seqs: one :class:`SeqBatch` per sequence, in the order of ``tokens``;
-                sequences with ``n == 1`` (decode) are attended in one batched call.
+            seqs: one :class:`SeqBatch` per sequence, tiling ``tokens`` in order;
+                consecutive decode rows (``n == 1``) are attended in batched calls
+                (fewest when sorted by context length), consecutive fresh chunks of one
+                length in one causal call, any other chunk in its own call.
             k_cache, v_cache: per layer ``[pages, page_size, kv_heads, head_dim]``, written in place.
-            logits_at: ``[S]`` indices into ``[0, T)`` whose logits are wanted.
+            logits_at: ``[S]`` indices into ``[0, T)`` whose logits are wanted; None: every token's (``S = T``).
 
         Returns:
             ``[S, vocab]`` float32 logits.
+
+        Raises:
+            ValueError: ``seqs`` do not tile the token rows in order.
         """
         c = self.cfg
         nh, nkv, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -471,23 +532,12 @@ class PagedDecoder(torch.nn.Module):
             else:
                 p = np.arange(sq.ctx, sq.ctx + sq.n)
                 slots_l.extend((np.asarray(sq.block_table, dtype=np.int64)[p // ps] * ps + p % ps).tolist())
-        slots = torch.tensor(slots_l, dtype=torch.int64).to(dev)
-        # attention groups, each one batched SDPA over gathered pages: the decode requests
-        # (one query each), and the prefill chunks (padded to the longest chunk); their
-        # page indices and masks are built once here and used by every layer
-        groups = [
-            g
-            for g in (
-                _Group.build([q for q in seqs if q.n == 1], ps, self.dtype, dev),
-                _Group.build([q for q in seqs if q.n > 1], ps, self.dtype, dev),
-            )
-            if g
-        ]
-        freqs = positions.to(dev).float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(self.dtype)[:, None, :]
-        sin = freqs.sin()
-        sin_signed = torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
+        slots = int64_tensor(slots_l, dev)
+        # attention groups (decode rows of similar length, fresh chunks, each chunk after
+        # context) and the pages they gather: built once here, used by every layer
+        groups, pages = _plan_groups(seqs, ps, self.dtype, dev, self.group_overhead_keys)
+        rope = self._rope_table(max(sq.ctx + sq.n for sq in seqs)).index_select(0, positions.to(dev))
+        cos, sin_signed = rope[:, 0:1], rope[:, 1:2]  # [T, 1, D] each
         x = F.embedding(tokens.to(dev), self.embed)
         scale = 1.0 / math.sqrt(D)
         I = c.intermediate_size
@@ -504,15 +554,15 @@ class PagedDecoder(torch.nn.Module):
             kc, vc = k_cache[li], v_cache[li]
             kc.view(-1, nkv, D).index_copy_(0, slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
             vc.view(-1, nkv, D).index_copy_(0, slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
-            if len(groups) == 1 and groups[0].rows == slice(0, T):  # one group, every row: no copy
-                attn = groups[0].attend(q, k, v, kc, vc, None, scale)
-            else:
-                attn = torch.empty(T, nh, D, dtype=x.dtype, device=dev)
-                for g in groups:
-                    g.attend(q, k, v, kc, vc, attn, scale)
-            x = x + _linear(attn.reshape(T, nh * D), L["o_t"])
+            kg = vg = None
+            if pages is not None:
+                kg, vg = kc.index_select(0, pages), vc.index_select(0, pages)
+            outs = [g.attend(q, k, v, kg, vg, scale) for g in groups]
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            x = torch.addmm(x, attn.reshape(T, nh * D), L["o_t"])  # x + attn·Woᵀ in one op, bit for bit
             h = _rms(x, L["post_norm"], c.rms_norm_eps, self._rms_consts)
             gu = _linear(h, L["gate_up_t"])
-            x = x + _linear(F.silu(gu[:, :I]) * gu[:, I:], L["down_t"])
-        x = _rms(x.index_select(0, logits_at.to(dev)), self.norm, c.rms_norm_eps, self._rms_consts)
-        return _linear(x, self.lm_head_t).float()
+            x = torch.addmm(x, F.silu(gu[:, :I]) * gu[:, I:], L["down_t"])
+        if logits_at is not None:
+            x = x.index_select(0, logits_at.to(dev))
+        return _linear(_rms(x, self.norm, c.rms_norm_eps, self._rms_consts), self.lm_head_t).float()
