@@ -13,6 +13,11 @@ reference is the previous request of its branch, else of its parent branch, else
 :meth:`CompactTrace.blocks_of` rebuilds a request's id list on demand (the simulator's
 ``blocks_of`` hook); rebuilding the next request of a branch whose previous request was
 rebuilt last costs one list slice and the new ids.
+
+:func:`read_trace_compact` does not decode the ids a request shares with its reference either:
+it keeps each request's ``blocks`` as JSON text (``msgspec.Raw``), finds the shared ids by
+comparing that text with the reference's (:func:`shared_text_prefix`) and decodes only the rest.
+:meth:`CompactTrace.at_block_size` to coarser blocks slices the stored ids (numpy), no list rebuilt.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import os
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
+from msgspec import Meta
 
-from evolving_infra.traces.io import TraceError, _scan, _Validator, paused_gc
-from evolving_infra.traces.schema import TraceHeader, TraceRequest
+from evolving_infra.traces.io import TraceError, _request_type, _scan, _Validator, paused_gc
+from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceHeader, TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechain_blocks, rechunk_blocks, shared_prefix_len
 
 __all__ = ["BlockStore", "CompactTrace", "compact_requests", "read_trace_compact"]
@@ -96,6 +103,43 @@ class BlockStore:
         self._branch.append(branch)
         return len(self._ref) - 1
 
+    def add_segment(self, new: Sequence[int], k: int, branch: str, ref: int = -1) -> int:
+        """Store a request whose ids are request ``ref``'s first ``k`` then ``new`` (``k`` as
+        :meth:`add` finds it, or fewer; ``k = 0`` or ``ref = -1``: ``new`` is every id). The caller
+        keeps the reference chain shorter than :data:`KEYFRAME_DEPTH` (:meth:`depth`). Returns
+        the new request's index."""
+        if ref < 0 or k == 0:
+            ref, k, depth, prev = -1, 0, 0, -1
+        else:
+            depth = self._depth[ref] + 1
+            prev = self.id_at(ref, k - 1)
+        self._ref.append(ref)
+        self._k.append(k)
+        self._depth.append(depth)
+        self._prev.append(prev)
+        self._flat.extend(new)
+        self._off.append(len(self._flat))
+        self._branch.append(branch)
+        return len(self._ref) - 1
+
+    def depth(self, i: int) -> int:
+        """References followed to rebuild request ``i`` from stored ids alone (0: a keyframe)."""
+        return self._depth[i]
+
+    def id_at(self, i: int, pos: int) -> int:
+        """Id ``pos`` of request ``i`` (``0 <= pos <`` its length), without rebuilding its list.
+
+        Raises:
+            IndexError: ``i`` is not a stored request, or ``pos`` is past its ids.
+        """
+        ks, refs = self._k, self._ref
+        while pos < ks[i]:
+            i = refs[i]
+        j = self._off[i] + pos - ks[i]
+        if j >= self._off[i + 1]:
+            raise IndexError(f"request {i} has no id {pos}")
+        return self._flat[j]
+
     def blocks(self, i: int, *, ends_branch: bool = False) -> list[int]:
         """The ids of request ``i`` as a new list (shared elements with earlier results are the
         same int objects). The last result per branch is kept to rebuild the branch's next
@@ -129,6 +173,40 @@ class BlockStore:
             cache.pop(br, None)
         else:
             cache[br] = (i, out)
+        return out
+
+    def coarsened(self, m: int, lengths: Sequence[int]) -> BlockStore:
+        """The store of every request's ids at ``m`` times coarser blocks: coarse id ``j`` is fine
+        id ``m*j + m - 1`` (``tokens.rechunk_blocks``: ids are chained, the last fine id of a
+        coarse block stands for it), ``lengths[i] // m`` of them, where ``lengths[i]`` is request
+        ``i``'s fine id count. Taken from the stored segments with numpy slices, no list rebuilt:
+        a request shares with its reference the coarse blocks its shared fine ids cover
+        (``k // m``), and every other coarse id lies in its own stored segment.
+
+        Raises:
+            ValueError: a request does not hold ``lengths[i]`` ids.
+        """
+        out = BlockStore()
+        flat = np.frombuffer(self._flat, dtype=np.int64) if len(self._flat) else np.empty(0, np.int64)
+        off, refs, ks = self._off, self._ref, self._k
+        pieces = []
+        for i, fine_n in enumerate(lengths):
+            k = ks[i]
+            lo, hi = off[i], off[i + 1]
+            if k + hi - lo != fine_n:
+                raise ValueError(f"request {i} holds {k + hi - lo} ids, not {fine_n}")
+            kc = k // m
+            n = fine_n // m - kc  # >= 0: fine_n >= k
+            start = lo + m * kc + m - 1 - k  # fine id m*kc + m - 1, the first past the shared ones
+            pieces.append(flat[start : start + m * n : m])
+            out._ref.append(refs[i] if kc else -1)
+            out._k.append(kc)
+            out._depth.append(out._depth[refs[i]] + 1 if kc else 0)
+            out._prev.append(self.id_at(i, m * kc - 1) if kc else -1)
+            out._off.append(out._off[-1] + n)
+            out._branch.append(self._branch[i])
+        if pieces:
+            out._flat.frombytes(np.concatenate(pieces).tobytes())
         return out
 
     def chained(self) -> bool:
@@ -196,6 +274,8 @@ class CompactTrace:
     def at_block_size(self, to_size: int) -> CompactTrace:
         """The trace at another block size (``tokens.rechunk_blocks``, private ids allocated in
         file order as ``evolving_infra.sim.run.convert_block_size`` does); ``self`` if equal.
+        Coarser blocks are sliced from the stored ids (:meth:`BlockStore.coarsened`), finer ones
+        rebuilt request by request.
 
         Raises:
             ValueError: the sizes do not divide one another, or an id cannot be split.
@@ -203,9 +283,12 @@ class CompactTrace:
         from_size = self.header.block_size
         if to_size == from_size:
             return self
-        private = PrivateIds()
         header = msgspec.structs.replace(self.header, block_size=to_size)
         store = self.store
+        if to_size > from_size and to_size % from_size == 0:  # coarser: slices of the stored ids
+            fine = store.coarsened(to_size // from_size, [r.input_tokens // from_size for r in self.requests])
+            return CompactTrace(header, list(self.requests), fine, dict(self.index))
+        private = PrivateIds()
         return _compact(
             header,
             ((r, rechunk_blocks(store.blocks(i, ends_branch=r.ends_branch), r.input_tokens, from_size, to_size,
@@ -221,20 +304,30 @@ class _Builder:
         self.store = BlockStore()
         self.stubs: list[TraceRequest] = []
         self.index: dict[str, int] = {}
-        self.last_branch: dict[str, tuple[int, list[int]]] = {}
-        """open branch -> (index, ids) of its last request so far"""
-        self.last_agent: dict[str, tuple[int, list[int]]] = {}
+        self.last_branch: dict[str, tuple[int, Any]] = {}
+        """open branch -> (index, ids) of its last request so far (:class:`_TextBuilder`: the ids'
+        JSON text and count instead of the ids)"""
+        self.last_agent: dict[str, tuple[int, Any]] = {}
 
     def add(self, req: TraceRequest, blocks: list[int]) -> None:
+        ref = self._ref_of(req)
+        i = self.store.add(blocks, req.branch, *(ref if ref is not None else (-1, None)))
+        self._added(req, i, blocks)
+
+    def _ref_of(self, req: TraceRequest) -> tuple[int, Any] | None:
+        """The request ``req``'s ids are stored against: the last of its branch, else of its
+        parent branch, else of its agent (None: the first of its agent)."""
         ref = self.last_branch.get(req.branch)
         if ref is None and req.parent_branch is not None:
             ref = self.last_branch.get(req.parent_branch)
         if ref is None:
             ref = self.last_agent.get(req.agent)
-        i = self.store.add(blocks, req.branch, *(ref if ref is not None else (-1, None)))
+        return ref
+
+    def _added(self, req: TraceRequest, i: int, ids: Any) -> None:
         self.index[req.id] = i
         self.stubs.append(msgspec.structs.replace(req, blocks=[]) if req.blocks else req)
-        entry = (i, blocks)
+        entry = (i, ids)
         if req.ends_branch:  # a later fork of it falls back to its agent's last request
             self.last_branch.pop(req.branch, None)
         else:
@@ -255,9 +348,91 @@ def compact_requests(header: TraceHeader, requests: Sequence[TraceRequest]) -> C
     return _compact(header, ((r, r.blocks) for r in requests))
 
 
+_STUB = _request_type(msgspec.Raw, msgspec.Raw(b"[]"))
+_STUB_DECODER = msgspec.json.Decoder(_STUB)
+"""A request line with its ``blocks`` left as JSON text (``msgspec.Raw``: skipped in C, no ints made)."""
+_STUB_FIELDS = tuple(f for f in _STUB.__struct_fields__ if f != "blocks")
+_IDS_DECODER = msgspec.json.Decoder(list[Annotated[int, Meta(ge=0, le=MAX_BLOCK_ID)]])
+_COMMA, _CLOSE = ord(","), ord("]")
+
+
+def shared_text_prefix(ref: bytes, ref_n: int, new: bytes) -> tuple[int, int]:
+    """How many leading ids two JSON int arrays share, read from their text alone.
+
+    ``ref`` is a valid array of ``ref_n`` ids; ``new`` valid JSON (``msgspec.Raw`` of a line the
+    decoder took). Returns ``(k, e)``: the first ``k`` ids of ``new`` are ``ref``'s first ``k`` and
+    ``new[e]`` is the delimiter after them (``,`` or the closing ``]``); ``(0, -1)`` when nothing is
+    shared (or ``new`` is no array). ``k`` is the longest common prefix of the two id lists unless
+    they are written differently (spaces, ``-0``): then it may be shorter, never wrong — equal
+    text up to a delimiter is equal ids, and ids past ``k`` are decoded from ``new``'s text.
+    """
+    if ref_n == 0:
+        return 0, -1
+    if new.startswith(ref[:-1]):  # the usual case: a conversation extends its previous request
+        p = len(ref) - 1
+        c = ref_n - 1
+    else:
+        m = min(len(ref), len(new))
+        p = int((np.frombuffer(ref, np.uint8, m) != np.frombuffer(new, np.uint8, m)).argmax())
+        c = ref.count(b",", 0, p)
+    if ref[p] in (_COMMA, _CLOSE) and new[p] in (_COMMA, _CLOSE):
+        return c + 1, p  # the same id's text ends at p in both (before different delimiters, or equal)
+    if c == 0:
+        return 0, -1
+    return c, ref.rfind(b",", 0, p)
+
+
+class _TextBuilder(_Builder):
+    """Reads request lines into the store without decoding the ids a request shares with its
+    reference: they are found by comparing the two ``blocks`` arrays' JSON text
+    (:func:`shared_text_prefix`, in C and numpy) and only the ids after them are decoded (a
+    conversation's new ids). A line this cannot take (malformed, or ids it cannot split off)
+    goes through the validator's own decode instead, so problems are reported exactly as
+    :func:`~evolving_infra.traces.io.read_trace` reports them."""
+
+    def __init__(self, v: _Validator) -> None:
+        super().__init__()
+        self.v = v
+
+    def feed(self, line: int, raw: bytes) -> None:
+        """Take line ``line`` (1-based; ``raw`` without its newline) of the file."""
+        if line == 1:
+            self.v.feed(1, raw)
+            return
+        try:
+            stub, text, new, k, ref = self._split(_STUB_DECODER.decode(raw))
+        except msgspec.DecodeError:  # the validator's own decode and report
+            req = self.v.feed(line, raw)
+            if req is not None:  # (not expected: a valid line splits)
+                self._added(req, self.store.add_segment(req.blocks, 0, req.branch), (msgspec.json.encode(req.blocks), len(req.blocks)))
+            return
+        if self.v.feed_checked(line, stub, k + len(new)):
+            self._added(stub, self.store.add_segment(new, k, stub.branch, ref), (text, k + len(new)))
+
+    def _split(self, st: Any) -> tuple[TraceRequest, bytes, list[int], int, int]:
+        """(stub, ids' text, ids after the shared ones, shared count, reference index).
+
+        Raises:
+            msgspec.DecodeError: the ids after the shared ones are not valid ids.
+        """
+        stub = TraceRequest(**{f: getattr(st, f) for f in _STUB_FIELDS})
+        text = bytes(st.blocks)
+        ref = self._ref_of(stub)
+        k, e, j = 0, -1, -1
+        if ref is not None and self.store.depth(ref[0]) + 1 < KEYFRAME_DEPTH:
+            j, (ref_text, ref_n) = ref
+            k, e = shared_text_prefix(ref_text, ref_n, text)
+        if k == 0:
+            return stub, text, _IDS_DECODER.decode(text), 0, -1
+        if text[e] == _CLOSE:  # every id shared (valid JSON: this ']' ends the array)
+            return stub, text, [], k, j
+        return stub, text, _IDS_DECODER.decode(b"[" + text[e + 1 :]), k, j
+
+
 def read_trace_compact(path: str | os.PathLike[str]) -> CompactTrace:
     """Read and validate a trace file like :func:`~evolving_infra.traces.io.read_trace`, holding it
-    as a :class:`CompactTrace`: memory O(requests + new ids) instead of O(all ids).
+    as a :class:`CompactTrace`: memory O(requests + new ids) instead of O(all ids). Time O(new
+    ids) decoded plus the file's text compared in C (:class:`_TextBuilder`), not O(all ids).
 
     Raises:
         TraceError: one or more lines are bad; ``err.problems`` lists every one as
@@ -265,9 +440,11 @@ def read_trace_compact(path: str | os.PathLike[str]) -> CompactTrace:
         OSError: the file cannot be read.
     """
     v = _Validator()
-    trace = _compact(TraceHeader(format="evolving-infra-trace", block_size=1), ((r, r.blocks) for r in _scan(path, v)))
+    b = _TextBuilder(v)
+    with paused_gc():
+        for _ in _scan(path, v, b.feed):
+            pass
     if v.problems:
         raise TraceError(path, v.problems)
     assert v.header is not None
-    trace.header = v.header
-    return trace
+    return CompactTrace(v.header, b.stubs, b.store, b.index)

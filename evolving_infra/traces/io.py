@@ -34,7 +34,7 @@ import gc
 import gzip
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,14 +64,17 @@ _HEADER_DECODER = msgspec.json.Decoder(TraceHeader)
 _REQUEST_DECODER = msgspec.json.Decoder(TraceRequest)
 
 
-def _lenient_request_type() -> type[msgspec.Struct]:
-    """:class:`TraceRequest`'s fields with block ids left unbounded, to tell a request whose only
-    fault is an id out of range (reported by the validator's own check, with the line's other
-    problems) from a malformed one. Built from the struct's fields, so it cannot drift."""
+def _request_type(blocks_type: Any = list[int], blocks_default: Any = msgspec.NODEFAULT) -> type[msgspec.Struct]:
+    """:class:`TraceRequest`'s fields with ``blocks`` of another type (default: ids left unbounded,
+    to tell a request whose only fault is an id out of range, reported by the validator's own
+    check with the line's other problems, from a malformed one; ``msgspec.Raw``: the ids' JSON text
+    kept undecoded, ``traces.compact``). Built from the struct's fields, so it cannot drift."""
     fields: list[Any] = []
     for f in msgspec.structs.fields(TraceRequest):
-        tp = list[int] if f.name == "blocks" else f.type
-        if f.default is not msgspec.NODEFAULT:
+        tp = blocks_type if f.name == "blocks" else f.type
+        if f.name == "blocks" and blocks_default is not msgspec.NODEFAULT:
+            fields.append((f.name, tp, blocks_default))
+        elif f.default is not msgspec.NODEFAULT:
             fields.append((f.name, tp, f.default))
         elif f.default_factory is not msgspec.NODEFAULT:
             fields.append((f.name, tp, msgspec.field(default_factory=f.default_factory)))
@@ -80,7 +83,7 @@ def _lenient_request_type() -> type[msgspec.Struct]:
     return msgspec.defstruct("TraceRequest", fields, frozen=True, kw_only=True, omit_defaults=True)
 
 
-_LENIENT_REQUEST_DECODER = msgspec.json.Decoder(_lenient_request_type())
+_LENIENT_REQUEST_DECODER = msgspec.json.Decoder(_request_type())
 _ANY_DECODER = msgspec.json.Decoder()
 _ENCODER = msgspec.json.Encoder(order="deterministic")
 
@@ -247,16 +250,26 @@ class _Validator:
         self._check_request(line, req, ids_checked=ids_checked)
         return req if ids_checked and len(self.problems) == n_before else None
 
-    def _check_request(self, line: int, req: TraceRequest, *, ids_checked: bool = False) -> None:
-        """Every rule of a decoded request; ``ids_checked``: the decoder bounded its block ids."""
+    def feed_checked(self, line: int, req: TraceRequest, n_blocks: int) -> bool:
+        """Check a request decoded elsewhere whose ``n_blocks`` block ids were decoded and bounded
+        (``req.blocks`` is ignored: a stub's are not held); the same rules and problems as
+        :meth:`feed` of the line. Returns True when the line is a valid request."""
+        n_before = len(self.problems)
+        self._check_request(line, req, ids_checked=True, n_blocks=n_blocks)
+        return len(self.problems) == n_before
+
+    def _check_request(self, line: int, req: TraceRequest, *, ids_checked: bool = False, n_blocks: int | None = None) -> None:
+        """Every rule of a decoded request; ``ids_checked``: the decoder bounded its block ids;
+        ``n_blocks``: its number of block ids when ``req.blocks`` does not hold them."""
         bad = self._bad
         if req.id in self.ids:
             bad(line, f"duplicate request id {req.id!r} (first on line {self.id_line[req.id]})")
         bs = self.block_size
-        if bs is not None and len(req.blocks) != req.input_tokens // bs:
+        nb = len(req.blocks) if n_blocks is None else n_blocks
+        if bs is not None and nb != req.input_tokens // bs:
             bad(
                 line,
-                f"len(blocks) = {len(req.blocks)} but input_tokens // block_size = "
+                f"len(blocks) = {nb} but input_tokens // block_size = "
                 f"{req.input_tokens} // {bs} = {req.input_tokens // bs}",
             )
         if not ids_checked and req.blocks and (min(req.blocks) < 0 or max(req.blocks) > MAX_BLOCK_ID):
@@ -330,11 +343,14 @@ class _Validator:
 _READ_ERRORS: tuple[type[Exception], ...] = (EOFError, gzip.BadGzipFile, zlib.error)
 
 
-def _scan(path: str | os.PathLike[str], v: "_Validator") -> Iterator[TraceRequest]:
+def _scan(path: str | os.PathLike[str], v: "_Validator", feed: Callable[[int, bytes], Any] | None = None) -> Iterator[Any]:
+    """The valid requests of a file (``feed(line, raw)``'s results that are not None; default
+    ``v.feed``), then ``v.finish``; an unreadable compressed stream is one problem."""
     n = 0
+    feed = feed or v.feed
     try:
         for n, raw in _lines(path):
-            req = v.feed(n, raw)
+            req = feed(n, raw)
             if req is not None:
                 yield req
     except _READ_ERRORS as e:

@@ -41,7 +41,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import nnls
 
 from shared.itermodel import DecodeModel, PrefillModel
 from shared.messages import IterationRecord
@@ -163,6 +162,8 @@ def _solve(
         b = np.concatenate([b, np.full(reg.shape[0], math.sqrt(prior_weight))])
     scale = np.abs(a).max(axis=0)
     scale[scale == 0] = 1.0
+    from scipy.optimize import nnls  # here: ~1 s of CPU to import, and most runs never fit
+
     coef_s, _ = nnls(a / scale, b, maxiter=50 * a.shape[1])
     out = np.zeros(x.shape[1])
     out[free] = coef_s / scale

@@ -1,0 +1,26 @@
+"""``evolving-infra``: running a command imports only the module that registers it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from evolving_infra.cli import COMMANDS, build_parser
+
+
+def _choices(parser) -> set[str]:
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return set(sub.choices)
+
+
+def test_commands_table_names_every_command_and_its_module() -> None:
+    assert set(COMMANDS) == _choices(build_parser())
+    for cmd in COMMANDS:
+        assert cmd in _choices(build_parser(cmd)), cmd
+
+
+def test_simulate_imports_neither_the_live_stack_nor_scipy() -> None:
+    code = ("import sys; from evolving_infra.cli import build_parser; build_parser('simulate'); "
+            "import evolving_infra.sim.run; print(' '.join(m for m in ('nats', 'scipy', 'evolving_infra.launcher') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
