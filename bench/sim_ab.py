@@ -16,8 +16,8 @@ does not dilute the loop's change), wall seconds, the loop's wall seconds and pe
   keys (``evolving_infra.sim.run.WALL_CLOCK_KEYS``, ``meta.date``, ``meta.argv``, ``meta.wall_s``)
   and keys only the head has (new report keys); ``requests.jsonl`` must be equal line by line
   apart from keys that are not fields of the base's ``RequestRecord`` (new per-request fields);
-* speed: medians of the CPU seconds (whole child, and loop alone) and their ratios
-  (base ÷ head: > 1 = head faster).
+* speed: medians of the CPU seconds (whole child, loop alone, and outside the loop: whole − loop
+  per run) and their ratios (base ÷ head: > 1 = head faster).
 
 Default input (issue 23): ``--policy evolving`` on 9 nodes, 40 agents of the trace, pauses capped
 at 30 s, 64-token blocks, the evolving planner's warm-up and window shortened to 300 s so that
@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
           f"ratio base/head {cpu['base'] / cpu['head']:.2f}")
     print(f"loop CPU s, median of {a.rounds}: base {loop['base']:.1f}, head {loop['head']:.1f}, "
           f"ratio base/head {loop['base'] / loop['head']:.2f}")
+    out_loop = {k: statistics.median(r["_cpu_s"] - r["_loop_cpu_s"] for r in v) for k, v in reps.items()}
+    print(f"CPU s outside the loop (trace read, setup, report, imports; whole - loop per run), median of {a.rounds}: "
+          f"base {out_loop['base']:.2f}, head {out_loop['head']:.2f}, ratio base/head {out_loop['base'] / out_loop['head']:.2f}")
     print(f"peak RSS MiB, median: base {rss['base']:.0f}, head {rss['head']:.0f}")
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("output: IDENTICAL" if not diff else "output DIFFERS:\n  " + "\n  ".join(diff))
