@@ -38,7 +38,6 @@ which the live run keeps up (``--speedup``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -231,6 +230,8 @@ def fidelity(s: FidelitySettings, out: Path) -> dict[str, Any]:
     ``sim_plain`` without (``out/sim-plain``)."""
     requests, bs, path = load_requests(s)
     out.mkdir(parents=True, exist_ok=True)
+    import asyncio  # here: `simulate` registers this command's flags and needs no event loop
+
     live, records = asyncio.run(run_live(s, requests, bs, out / "live"))
     cp = control_plane(records)
     sim = run_sim(s, requests, bs, out / "sim", cp)

@@ -154,8 +154,9 @@ def _strip_eol(raw: bytes) -> bytes:
 
 
 _CHUNK = 1 << 20
-"""Compressed bytes inflated at a time by :func:`_lines` (``gzip``'s line reads go 8 KiB at a
-time through Python, with a separate CRC pass: ~25% of reading a large compressed trace)."""
+"""Compressed bytes read, and most bytes inflated, at a time by :func:`_lines` (``gzip``'s line
+reads go 8 KiB at a time through Python, with a separate CRC pass: ~20% of reading a large
+compressed trace)."""
 _HOLD = 1 << 20
 """Inflated bytes :func:`_one_member_lines` holds back until more follows: ``gzip`` loses at
 most one read of its buffer (8 KiB; 128 KiB from Python 3.12) before bad data, so the lines
@@ -168,7 +169,7 @@ class _NotOneMember(Exception):
 
 def _one_member_lines(f: IO[bytes]) -> Iterator[bytes]:
     """Lines (ends stripped) of a file that is exactly one gzip member, inflated by zlib
-    (header, CRC and length checked by zlib) :data:`_CHUNK` at a time; the last :data:`_HOLD`
+    (header, CRC and length checked by zlib) at most :data:`_CHUNK` at a time; the last :data:`_HOLD`
     bytes only once more follows, or the member has ended and nothing follows it.
 
     Raises:
@@ -180,10 +181,10 @@ def _one_member_lines(f: IO[bytes]) -> Iterator[bytes]:
     held_bytes = 0  # inflated bytes after the last line given
     rest = b""  # after the last newline
     while not d.eof:
-        chunk = f.read(_CHUNK)
+        chunk = d.unconsumed_tail or f.read(_CHUNK)
         if not chunk:
             raise _NotOneMember
-        out = d.decompress(chunk)
+        out = d.decompress(chunk, _CHUNK)  # bounded: a trace's id lists can inflate 100-fold
         held_bytes += len(out)
         lines = out.split(b"\n")
         lines[0] = rest + lines[0]

@@ -19,8 +19,8 @@ def test_commands_table_names_every_command_and_its_module() -> None:
         assert cmd in _choices(build_parser(cmd)), cmd
 
 
-def test_simulate_imports_neither_the_live_stack_nor_scipy() -> None:
+def test_simulate_imports_neither_the_live_stack_nor_scipy_nor_asyncio() -> None:
     code = ("import sys; from evolving_infra.cli import build_parser; build_parser('simulate'); "
-            "import evolving_infra.sim.run; print(' '.join(m for m in ('nats', 'scipy', 'evolving_infra.launcher') if m in sys.modules))")
+            "import evolving_infra.sim.run; print(' '.join(m for m in ('nats', 'scipy', 'asyncio', 'evolving_infra.launcher') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
