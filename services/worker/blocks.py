@@ -58,10 +58,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import compress, repeat
 from operator import and_ as _and
-from operator import not_ as _not
-from operator import or_ as _or
 from operator import eq
 from operator import attrgetter
 from typing import Any
@@ -79,9 +76,6 @@ def _stored(run: list[int], parent: int | None, tier: Tier, block_size: int) -> 
 
 
 _COUNT = attrgetter("count")
-_REPEAT_COUNT = repeat("count")
-_REPEAT_STAMP = repeat("last_access")
-_REPEAT_GROUP = repeat("group")
 _DEPTH = attrgetter("depth")
 _HASH = attrgetter("hash")
 _GROUP = attrgetter("group")
@@ -1027,35 +1021,20 @@ class HostBlockPool:
         return len(moving)
 
     def _update_counts_two(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
-        """:meth:`update_counts` under ``branch-count``: the same moves and stamps (the key
-        inlined). The counts are set and the queued blocks among the named ones found by
-        C-level passes over the message (``map``/``compress``, dict membership); Python steps
-        only per queued named block (the candidates to move), so a message about blocks that
-        are pinned in L1 or absent costs O(named) in C, not O(named) Python steps. The ancestor
-        lift is looked for once per stretch of moved blocks (a run of one path), not per block.
-        A message naming a moving block twice goes block by block
-        (:meth:`_update_counts_blocks`; setting the counts again is harmless)."""
+        """:meth:`update_counts` under ``branch-count``: the same moves and stamps, from one lean
+        pass over the message (the key inlined); the ancestor lift is looked for once per
+        stretch of moved blocks (a run of one path), not per block. A message naming a block
+        twice goes block by block (:meth:`_update_counts_blocks`; setting the counts again is
+        harmless)."""
         get = self.blocks.get
-        present = list(map(get, hashes))  # None: unknown hashes, ignored
-        _drain(map(setattr, compress(present, present), _REPEAT_COUNT, compress(counts, present)))  # last one wins
-        # Only a queued (unpinned) block can move; most named blocks are pinned (in L1) or
-        # absent, so the queued ones are found by C-level membership tests over the message,
-        # never by a Python step per named block. Queued ⇔ in one of the two groups.
-        g0, g1 = self.evictable.groups
-        in0 = bool(g0) and not g0.keys().isdisjoint(hashes)
-        in1 = bool(g1) and not g1.keys().isdisjoint(hashes)
-        if not (in0 or in1):
-            return 0
-        if in0 and in1:
-            queued = list(map(_or, map(g0.__contains__, hashes), map(g1.__contains__, hashes)))
-        else:
-            queued = list(map((g0 if in0 else g1).__contains__, hashes))
         moving: list[HostBlock] = []
         add = moving.append
-        for h, c in zip(compress(hashes, queued), compress(counts, queued)):  # message order, repeats kept
+        for h, c in zip(hashes, counts):
             b = get(h)
-            if (c > 0) != b.group:  # group 1 ⇔ count > 0
-                add(b)
+            if b is not None:  # unknown hashes are ignored
+                b.count = c
+                if not b.pinned and (c > 0) != b.group:  # group 1 ⇔ count > 0
+                    add(b)
         if not moving:
             return 0
         moving.sort(key=_DEPTH, reverse=True)  # deepest first, stable (as key=-depth)
@@ -1069,9 +1048,7 @@ class HostBlockPool:
         link = list(map(_and, map(eq, map(_PARENT, moving), mh[1:]), map(eq, mg, mg[1:])))
         link.append(False)
         groups = self.evictable.groups
-        ends = list(compress(range(len(link)), map(_not, link)))  # each stretch's last (shallowest) block
-        if len(ends) * 4 <= len(link):  # long stretches (a path's tail): moved and stamped in C
-            return self._move_stretches(moving, mh, mg, ends)
+        get = self.blocks.get
         stamp = self._stamp
         for b, up, linked in zip(moving, mg, link):
             stamp += 1
@@ -1088,53 +1065,19 @@ class HostBlockPool:
             od[h] = b
             if linked:  # its parent moves next (still in the old group): its lift stops at once
                 continue
-            stamp = self._lift_from(b, od, stamp)
+            child = b  # lift the queued ancestors in group g older than b (_lift_ancestors)
+            p = b.parent
+            while p is not None:
+                pb = get(p)
+                if pb is None or pb.pinned or pb.group != g or pb.last_access > child.last_access:
+                    break
+                stamp += 1
+                pb.last_access = stamp
+                od.move_to_end(p)
+                child = pb
+                p = pb.parent
         self._stamp = stamp
         return len(moving)
-
-    def _move_stretches(self, moving: list[HostBlock], mh: list[int], mg: list[bool], ends: list[int]) -> int:
-        """The moves of :meth:`_update_counts_two` stretch by stretch: a stretch's blocks leave
-        their old group, get consecutive stamps and join the tail of the new group in order
-        (C-level ``map``/``OrderedDict.update``: the same order and stamps as one block at a
-        time, since no lift happens inside a stretch); then its shallowest block's ancestors
-        are lifted. O(stretches) Python steps + O(moved) in C + lifted ancestors."""
-        groups = self.evictable.groups
-        stamp = self._stamp
-        start = 0
-        for e in ends:
-            g = 1 if mg[e] else 0
-            k = e + 1 - start
-            seg = moving[start : e + 1]
-            hs = mh[start : e + 1]
-            od = groups[g]
-            _drain(map(groups[1 - g].__delitem__, hs))
-            _drain(map(setattr, seg, _REPEAT_STAMP, range(stamp + 1, stamp + 1 + k)))
-            _drain(map(setattr, seg, _REPEAT_GROUP, repeat(g, k)))
-            od.update(zip(hs, seg))
-            stamp = self._lift_from(moving[e], od, stamp + k)
-            start = e + 1
-        self._stamp = stamp
-        return len(moving)
-
-    def _lift_from(self, b: HostBlock, od: Any, stamp: int) -> int:
-        """Lift the queued ancestors of ``b`` (just moved into group ``od``) that are in that
-        group and older than their child: stamped from ``stamp + 1`` on, nearest first, each to
-        the group's tail (:meth:`_lift_ancestors` with the pool's clock in a local). Returns the
-        last stamp used."""
-        get = self.blocks.get
-        g = b.group
-        child = b
-        p = b.parent
-        while p is not None:
-            pb = get(p)
-            if pb is None or pb.pinned or pb.group != g or pb.last_access > child.last_access:
-                break
-            stamp += 1
-            pb.last_access = stamp
-            od.move_to_end(p)
-            child = pb
-            p = pb.parent
-        return stamp
 
     def _lift_ancestors(self, b: HostBlock) -> None:
         """Stamp the queued ancestors of ``b`` in its group newer than ``b``, nearest first,
