@@ -85,5 +85,18 @@ class SeenIds:
                 self._arr = np.empty(0, dtype=np.int64)
                 self._plain = True
                 return
-            self._arr = np.union1d(self._arr, add)
+            self._arr = _merge_sorted_unique(self._arr, add)
             new.clear()
+
+
+def _merge_sorted_unique(arr: np.ndarray, add: np.ndarray) -> np.ndarray:
+    """``np.union1d(arr, add)`` for a sorted, unique ``arr`` and distinct ``add``: ``add`` is sorted
+    alone and the two runs merged by a stable sort (timsort: linear in two runs), then repeats
+    dropped. numpy 2's ``union1d`` hashes every element first (``unique``): ~0.2 s per merge of
+    half a million ids, 15% of a 600-s simulation at 64-token blocks."""
+    out = np.concatenate((arr, np.sort(add)))
+    out.sort(kind="stable")
+    keep = np.empty(len(out), dtype=bool)
+    keep[:1] = True
+    np.not_equal(out[1:], out[:-1], out=keep[1:])
+    return out[keep]

@@ -49,3 +49,18 @@ def test_ids_beyond_int64_fall_back_to_a_plain_set(monkeypatch: pytest.MonkeyPat
     assert s.leading([1, 2, big, 5, 7], 0) == 4 and big in s and 7 not in s
     s.update(range(100, 200))
     assert s.leading([150, big, 3, 199], 0) == 4 and s.leading([150, 200], 0) == 1
+
+
+def test_merge_is_union1d() -> None:
+    import numpy as np
+
+    from evolving_infra.sim.seen import _merge_sorted_unique
+
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        lo, hi = (-(1 << 63), (1 << 63) - 1) if i % 3 == 0 else (-50, 50)
+        a = np.unique(rng.integers(lo, hi, rng.integers(0, 80), dtype=np.int64, endpoint=True))
+        b = np.array(sorted(set(rng.integers(lo, hi, rng.integers(0, 80), dtype=np.int64, endpoint=True).tolist()),
+                            key=lambda _: rng.random()), dtype=np.int64)  # distinct, any order
+        got = _merge_sorted_unique(a, b)
+        assert got.dtype == np.int64 and np.array_equal(got, np.union1d(a, b)), i
