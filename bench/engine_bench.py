@@ -1,6 +1,6 @@
 """torch engine on CPU: prefill and decode throughput vs transformers' generate(), and Eq. 1/2 fit error.
 
-    python bench/engine_bench.py [--model DIR] [--quick] [--out bench/engine_bench.json]
+    python bench/engine_bench.py [--model DIR] [--quick] [--clock wall|thread] [--repeats N] [--out bench/engine_bench.json]
 
 Model: the tiny checkpoint of ``evolving-infra model init`` (llama, 2 layers, hidden 64,
 4 heads / 2 KV heads, vocab 512), written to a temp folder unless ``--model``.
@@ -11,6 +11,9 @@ Model: the tiny checkpoint of ``evolving-infra model init`` (llama, 2 layers, hi
 * **Decode tokens/s** at batch B: B prompts of 64 tokens, 64 output tokens each; decode
   tokens / summed time of the pure-decode iterations; against ``generate(max_new_tokens=64)``
   minus its ``max_new_tokens=1`` time (same prompts, so its prefill is taken out).
+  Both engines are timed by one clock (``--clock``): wall time (default) or this thread's
+  CPU time (``thread``: on a shared, loaded box other processes inflate it far less);
+  ours and HF alternate within each repeat.
 * **Eq. 1/2 fit**: a mixed workload on torch-tiny-cpu's scheduler (256-token chunk budget;
   requests arriving a few per iteration, prompt lengths 16–400 with shared prefixes so some
   tokens come from cache, outputs 1–48, up to 32 running) yields 600 measured IterationRecords
@@ -19,7 +22,10 @@ Model: the tiny checkpoint of ``evolving-infra model init`` (llama, 2 layers, hi
   fits on the rest, and the mean relative error |T̂ − T| / T on the held-back records is
   reported, overall and per phase (goal < 10 %). Run twice: with the engine timing iterations
   by wall time (what serving sees; the figure for the goal) and by its thread's CPU time
-  (which other processes on a shared box inflate far less).
+  (which other processes on a shared box inflate far less). Diagnostic (not in the
+  planner): the held-back error when a decode context term (keys the decode rows attend)
+  is added to the fitted predictions (:func:`context_diagnostic`), i.e. how much of the
+  error is attention over context that Eq. 2 lacks.
 * **Decode vs context**: a pure decode iteration at batch 8 with 32-token and with 480-token
   contexts (Eq. 2 has no context term, so it predicts the same time for both).
 
@@ -69,10 +75,15 @@ def work(rid: str, prompt: list[int], n: int, bs: int) -> PrefillWork:
                        block_hashes=block_hashes(prompt, bs), token_ids=pack_tokens(prompt))  # fmt: skip
 
 
-def ours(model: str, prompts: list[list[int]], n: int, tag: str) -> tuple[float, float, list]:
-    """(prefill s, decode s, records) of serving ``prompts`` with ``n`` output tokens each."""
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+"""``--clock``: what both engines' throughput is timed with (seconds)."""
+
+
+def ours(model: str, prompts: list[list[int]], n: int, tag: str, clock=time.perf_counter) -> tuple[float, float, list]:
+    """(prefill s, decode s, records) of serving ``prompts`` with ``n`` output tokens each,
+    the engine timing its iterations with ``clock``."""
     prof = bench_profile()
-    node = LocalNode("bench", prof, model, check=False)
+    node = LocalNode("bench", prof, model, check=False, clock=clock)
     for i, p in enumerate(prompts):
         node.add_prefill(work(f"{tag}{i}", p, n, prof.block_size))
     node.run()
@@ -81,12 +92,13 @@ def ours(model: str, prompts: list[list[int]], n: int, tag: str) -> tuple[float,
     return pre, dec, node.records
 
 
-def theirs(hf, prompts: list[list[int]], n: int) -> float:
+def theirs(hf, prompts: list[list[int]], n: int, clock=time.perf_counter) -> float:
+    """Seconds (by ``clock``) of ``generate()`` of ``n`` tokens for ``prompts``, its default cache."""
     ids = torch.tensor(prompts)
-    t0 = time.perf_counter()
+    t0 = clock()
     with torch.no_grad():
         hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def fit_profile():
@@ -102,15 +114,26 @@ WARMUP_RECORDS = 20
 """Records dropped at the start of the fit workload (first forwards of each shape: allocator, caches)."""
 
 
-def fit_workload(model: str, seed: int, n_records: int = 600, clock=time.perf_counter) -> list:
+def fit_workload(model: str, seed: int, n_records: int = 600, clock=time.perf_counter, contexts: dict | None = None) -> list:
     """Measured IterationRecords of a mixed workload (see the module docstring), warm-up dropped.
 
     Requests arrive a few at a time while others run (0–4 per iteration, bursts of up to
     16 now and then), so prefill, decode and mixed iterations interleave with decode
-    batches of 1–32 and chunks of 16–256 tokens."""
+    batches of 1–32 and chunks of 16–256 tokens. ``contexts`` (when given) receives, by
+    ``id(record)``, the keys its decode rows attended per iteration (Σ (context + 1),
+    a feature Eq. 2 does not have; for :func:`context_diagnostic`)."""
     rng = random.Random(seed)
     prof = fit_profile()
     node = LocalNode("fit", prof, model, check=False, clock=clock)
+    keys = [0]
+    forward = node.engine.model
+
+    def counting(tokens, positions, seqs, *rest):  # Σ keys of the decode rows, outside the timed forward's math
+        keys[0] += sum(sq.ctx + 1 for sq in seqs if sq.n == 1)
+        return forward(tokens, positions, seqs, *rest)
+
+    if contexts is not None:
+        node.engine.model = counting
     roots = [[rng.randrange(500) for _ in range(rng.randint(16, 200))] for _ in range(6)]
     k = 0
     while len(node.records) < n_records + WARMUP_RECORDS:
@@ -122,7 +145,11 @@ def fit_workload(model: str, seed: int, n_records: int = 600, clock=time.perf_co
             prompt = base + [rng.randrange(500) for _ in range(rng.randint(16, 200))]
             node.add_prefill(work(f"f{k}", prompt, rng.randint(1, 48), prof.block_size))
             k += 1
+        before, keys[0] = len(node.records), 0
         node.step()
+        if contexts is not None and len(node.records) > before:  # one record per plan
+            rec = node.records[-1]
+            contexts[id(rec)] = keys[0] / rec.repeat
     return node.records[WARMUP_RECORDS : WARMUP_RECORDS + n_records]
 
 
@@ -137,10 +164,31 @@ def split_by_phase(recs: list) -> tuple[list, list]:
     return train, held
 
 
+def context_diagnostic(train: list, held: list, keys: dict, pm, dm) -> float:
+    """Held-back mean relative error of the fitted Eq. 1/2 predictions T̂ with a decode
+    context term added: T ≈ α·T̂ + β·K (K = keys attended by the decode rows, α, β ≥ 0
+    fitted on ``train`` by NNLS on relative residuals). A diagnostic of how much of the
+    error the missing context term explains; the planner's equations stay the paper's."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from services.planner.fit import predict
+
+    def cols(rs):
+        y = np.array([r.duration_s for r in rs])
+        return np.stack([predict(rs, pm, dm), np.array([keys[id(r)] for r in rs])], 1), y
+
+    a, y = cols(train)
+    coef, _ = nnls(a / y[:, None], np.ones_like(y))
+    ah, yh = cols(held)
+    return float(np.mean(np.abs(ah @ coef - yh) / yh))
+
+
 def fit_report(model: str, clock) -> dict:
     """Fit Eq. 1/2 on half of the fit workload's records (``clock``: what the engine times
     iterations with) and report the error on the other half (see the module docstring)."""
-    recs = fit_workload(model, seed=1, clock=clock)
+    keys: dict = {}
+    recs = fit_workload(model, seed=1, clock=clock, contexts=keys)
     train, held = split_by_phase(recs)
     prof = fit_profile()
     fit = fit_node(train, prof.prefill, prof.decode)
@@ -157,6 +205,7 @@ def fit_report(model: str, clock) -> dict:
             ph: mean_relative_error([r for r in held if r.phase == ph], pm, dm) for ph in phases if phases[ph]
         },
         "warmup_records_dropped": WARMUP_RECORDS,
+        "mean_rel_error_held_back_with_context_term": context_diagnostic(train, held, keys, pm, dm),
         "prefill": None if fit.prefill is None else msgspec.to_builtins(fit.prefill),
         "decode": None if fit.decode is None else msgspec.to_builtins(fit.decode),
     }
@@ -186,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1 repeat, batches 1 and 8 only (a smoke run)")
     ap.add_argument("--out", default=str(REPO / "bench" / "engine_bench.json"), help="JSON output path")
     ap.add_argument("--no-write", action="store_true", help="print only; do not append to bench/RESULTS-history.md")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="clock of the throughput figures, for both engines: wall (default) or thread "
+                         "(this thread's CPU time: what a shared, loaded box inflates far less)")  # fmt: skip
     args = ap.parse_args(argv)
+    clock = CLOCKS[args.clock]
     torch.set_num_threads(1)
     import transformers
 
@@ -205,13 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         pre_ours, pre_hf, dec_ours, dec_hf = [], [], [], []
         for r in range(repeats):
             pp = [[rng.randrange(500) for _ in range(128)] for _ in range(b)]
-            pre, _, _ = ours(model, pp, 1, f"p{b}-{r}-")
+            pre, _, _ = ours(model, pp, 1, f"p{b}-{r}-", clock)
             pre_ours.append(b * 128 / pre)
-            pre_hf.append(b * 128 / theirs(hf, pp, 1))
+            pre_hf.append(b * 128 / theirs(hf, pp, 1, clock))
             dp = [[rng.randrange(500) for _ in range(64)] for _ in range(b)]
-            _, dec, _ = ours(model, dp, 64, f"d{b}-{r}-")
+            _, dec, _ = ours(model, dp, 64, f"d{b}-{r}-", clock)
             dec_ours.append(b * 63 / dec)
-            t_all, t_one = theirs(hf, dp, 64), theirs(hf, dp, 1)
+            t_all, t_one = theirs(hf, dp, 64, clock), theirs(hf, dp, 1, clock)
             dec_hf.append(b * 63 / max(t_all - t_one, 1e-9))
         row = {
             "batch": b,
@@ -230,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = {
         "model": "tiny llama (2 layers, hidden 64, 4/2 heads, vocab 512), float32, CPU, 1 thread",
+        "throughput_clock": args.clock,
         "load_average_1_5_15": list(os.getloadavg()),
         "throughput": rows,
         "fit": fits["wall"],
@@ -250,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         by = ", ".join(f"{ph} {e:.1%}" for ph, e in f["mean_rel_error_held_back_by_phase"].items())
         lines.append(f"Eq. 1/2 fit on {name}: {f['train']} records fitted, {f['held_back']} held back (of {f['phases']}, "
                      f"{WARMUP_RECORDS} warm-up records dropped); mean relative error held back "
-                     f"**{f['mean_rel_error_held_back']:.1%}** ({by}; train {f['fit_error_train']:.1%}); "
+                     f"**{f['mean_rel_error_held_back']:.1%}** ({by}; train {f['fit_error_train']:.1%}; "
+                     f"with a decode context term added, diagnostic only: {f['mean_rel_error_held_back_with_context_term']:.1%}); "
                      f"fitted prefill {f['prefill']}, decode {f['decode']}.")  # fmt: skip
         lines.append("")
     lines.append(f"Decode at batch {ctx_effect['batch']} (thread CPU time per iteration): {ctx_effect['ms_short']:.2f} ms at context "
@@ -263,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
 
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         head = (f"\n## torch engine (tiny model, CPU) — {stamp}\n\n- command: `python bench/engine_bench.py"
-                f"{' --quick' if args.quick else ''}`; commit {commit_label(REPO)}; {repeats} repeats (median); "
+                f"{' --quick' if args.quick else ''}{' --clock ' + args.clock if args.clock != 'wall' else ''}"
+                f"{f' --repeats {args.repeats}' if args.repeats != 3 and not args.quick else ''}`; commit {commit_label(REPO)}; "
+                f"{repeats} repeats (median); throughput by {args.clock} clock; "
                 f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} CPUs\n"
                 f"- {out['model']}; ours = EngineScheduler + TorchEngine (LocalNode), HF = transformers generate()\n\n")  # fmt: skip
         with RESULTS.open("a") as fh:
