@@ -40,11 +40,14 @@ def test_groups_gather_only_needed_pages():
         SeqBatch(offset=39, n=1, ctx=39, block_table=tables[4]),  # decode, 40 keys
         SeqBatch(offset=40, n=1, ctx=8, block_table=tables[5]),
     ]
-    groups, pages = _plan_groups(seqs, PS, torch.float32, torch.device("cpu"), overhead=64)
-    assert [(g.kind, g.r0, g.r1) for g in groups] == [("chunk", 0, 24), ("fresh", 24, 37), ("decode", 37, 39), ("decode", 39, 41)]
-    # the chunk's 6 pages, 2 × 75 pages for the long rows, 2 × 5 for the short ones: not 6 × 75
-    assert pages is not None and pages.numel() == 6 + 2 * 75 + 2 * 5
-    assert pages[:6].tolist() == tables[0][:6]
+    plan = _plan_groups(seqs, PS, torch.float32, torch.device("cpu"), overhead=64)
+    assert [(g.kind, g.r0, g.r1) for g in plan.groups] == [("chunk", 0, 24), ("fresh", 24, 37), ("decode", 37, 39), ("decode", 39, 41)]
+    # the chunk's 6 pages; 2 × 75 pages for the long rows, 2 × 5 for the short ones: not 4 × 75
+    assert plan.chunk_pages == tables[0][:6]
+    assert len(plan.dec_pages) == 2 * 75 + 2 * 5
+    assert plan.dec_ends == [600, 590, 40, 9] and plan.dec_rows == [37, 38, 39, 40]
+    # each decode row's new token: its group's first page, its row's pages, its position
+    assert plan.dec_slots == [599, 75 * PS + 589, 150 * PS + 39, (150 + 5) * PS + 8]
     with pytest.raises(ValueError, match="tile the token rows"):
         _plan_groups([SeqBatch(offset=1, n=1, ctx=3, block_table=[0])], PS, torch.float32, torch.device("cpu"), 64)
 
@@ -78,8 +81,8 @@ def test_grouped_iteration_matches_transformers(tmp_path):
         pos.append(torch.arange(start, start + n))
         seqs.append(SeqBatch(off, n, start, tables[k]))
         off += n
-    groups, _ = _plan_groups(seqs, PS, torch.float32, torch.device("cpu"), dec.group_overhead_keys)
-    assert [gr.kind for gr in groups] == ["chunk", "fresh", "decode", "decode"]
+    plan = _plan_groups(seqs, PS, torch.float32, torch.device("cpu"), dec.group_overhead_keys)
+    assert [gr.kind for gr in plan.groups] == ["chunk", "fresh", "decode", "decode"]
     got = dec(torch.cat(toks), torch.cat(pos), seqs, kc, vc, None)
     row = 0
     for k, start, n in order:
@@ -89,3 +92,40 @@ def test_grouped_iteration_matches_transformers(tmp_path):
         assert torch.allclose(mine, ref, atol=2e-4, rtol=1e-4), (k, (mine - ref).abs().max())
         assert torch.equal(mine.argmax(-1), ref.argmax(-1)), k
         row += n
+
+
+def test_decode_gather_reused_one_token_on(tmp_path):
+    """Decode rows that are the same rows one token further on reuse the last forward's
+    gathered keys (writing only the new token); the logits equal a fresh gather's bit for
+    bit, and a changed batch gathers afresh."""
+    from services.worker.engines.torch_engine.checkpoint import init_model
+
+    folder = init_model(tmp_path / "m", arch="llama", seed=3, context=1024)
+    dec = PagedDecoder.from_folder(folder, torch.float32, torch.device("cpu"))
+    ref = PagedDecoder.from_folder(folder, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    lens = [70, 66, 12]
+    kc, vc = dec.new_cache(64, PS)
+    kr, vr = ref.new_cache(64, PS)
+    free = list(range(63, -1, -1))
+    tables = [[free.pop() for _ in range(12)] for _ in lens]
+    ids = [torch.randint(0, 500, (n,), generator=g) for n in lens]
+    for t, n, x in zip(tables, lens, ids):
+        for m, a, b in ((dec, kc, vc), (ref, kr, vr)):
+            m(x, torch.arange(n), [SeqBatch(0, n, 0, t)], a, b, None)
+    toks = torch.tensor([x[-1].item() for x in ids])
+    reused = 0
+    for step in range(12):  # crosses page boundaries (a fresh gather) and back to reuse
+        rows = [0, 1, 2] if step < 9 else [0, 2]  # a row leaves: the batch changes
+        pos = [lens[r] - 1 + step for r in rows]
+        seqs = [SeqBatch(b, 1, p, tables[r]) for b, (r, p) in enumerate(zip(rows, pos))]
+        before = dec._dec_gathered
+        out = dec(toks[rows], torch.tensor(pos), seqs, kc, vc, None)
+        ref._dec_gathered = None  # the reference always gathers afresh
+        want = ref(toks[rows], torch.tensor(pos), seqs, kr, vr, None)
+        assert torch.equal(out, want), step
+        if before is not None and dec._dec_gathered[3][0] is before[3][0]:
+            reused += 1
+        toks = toks.clone()
+        toks[rows] = out.argmax(-1)
+    assert reused >= 6, reused

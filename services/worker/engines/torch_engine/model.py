@@ -19,8 +19,10 @@ heads of a KV head as query rows of it; rows shorter than the group's longest
 masked, that padding bounded by ``group_overhead_keys``), consecutive chunks that
 start at position 0 with one length in one causal call over their own fresh K/V
 (no gather), and each other chunk in its own call over its ``ctx + n`` keys. The
-keys of all gathered groups come from one ``index_select`` per layer and tensor;
-page indices, masks and RoPE rows are built once per iteration for all layers.
+decode groups' keys come from one ``index_select`` per layer and tensor (the chunks'
+from another); when the next forward's decode rows are the same rows one token on
+(same pages), their gathered keys are reused and only the new token written into
+them. Page indices, masks and RoPE rows are built once per iteration for all layers.
 """
 
 from __future__ import annotations
@@ -267,7 +269,7 @@ class _Group:
     Lk: int
     """Keys attended per sequence (the longest ``ctx + n`` of the group)."""
     p0: int = 0
-    """First of its ``B·npg`` entries in the iteration's gathered pages."""
+    """First of its ``B·npg`` entries in its gathered pages (the decode rows' or the chunks')."""
     npg: int = 0
     mask: torch.Tensor | None = None
     """Additive mask (0 = seen, -inf = not): ``[B, 1, 1, Lk]`` (decode) or ``[1, 1, Q, Lk]`` (chunk); None: none needed."""
@@ -278,7 +280,8 @@ class _Group:
     ) -> torch.Tensor:
         """This group's attention output, ``[r1 − r0, heads, D]`` (possibly a strided view).
         ``q``: ``[T, heads, D]``, ``k``/``v``: ``[T, kv_heads, D]`` (this iteration's, all
-        tokens); ``kg``/``vg``: the iteration's gathered pages ``[P, page_size, kv_heads, D]``."""
+        tokens); ``kg``/``vg``: the gathered pages ``[P, page_size, kv_heads, D]`` of its kind
+        (decode rows or chunks)."""
         B, Q, Lk = self.B, self.Q, self.Lk
         nh, D = q.shape[1], q.shape[2]
         nkv = k.shape[1]
@@ -302,12 +305,30 @@ class _Group:
         return o.transpose(1, 2)[0]
 
 
-def _plan_groups(
-    seqs: list[SeqBatch], ps: int, dtype: torch.dtype, dev: torch.device, overhead: int
-) -> tuple[list[_Group], torch.Tensor | None]:
-    """The iteration's attention groups, in row order, and the flat page indices
-    ``[P]`` every gathered group reads (padding: page 0, masked), gathered once per
-    layer and tensor. Built once per iteration, used by every layer.
+@dataclass(slots=True)
+class _Plan:
+    """An iteration's attention groups (in row order) and the pages they gather."""
+
+    groups: list[_Group]
+    dec_pages: list[int]
+    """Pages every decode group reads, group after group, ``B·npg`` each (padding: page 0, masked)."""
+    dec_ends: list[int]
+    """Keys of each decode row (``ctx + 1``), in the order of ``dec_pages``."""
+    dec_rows: list[int]
+    """Token row of each decode row, same order."""
+    dec_slots: list[int]
+    """Where each decode row's new token lies in its group's gathered keys (token index in
+    the ``[len(dec_pages)·page_size]`` flat view): ``(p0 + b·npg)·page_size + ctx``."""
+    chunk_pages: list[int]
+    """Pages every chunk group reads, chunk after chunk."""
+
+
+def _plan_groups(seqs: list[SeqBatch], ps: int, dtype: torch.dtype, dev: torch.device, overhead: int) -> _Plan:
+    """The iteration's attention groups, in row order, and the flat page indices each
+    kind reads (decode rows: ``dec_pages``; chunks after context: ``chunk_pages``;
+    padding: page 0, masked), gathered once per layer and tensor (the decode rows'
+    gather is reused across iterations, :meth:`PagedDecoder.forward`). Built once per
+    iteration, used by every layer.
 
     No sequence attends a key it does not need except a decode row padded within its
     group (bounded by ``overhead`` keys per group): a prefill chunk attends its own
@@ -318,7 +339,11 @@ def _plan_groups(
             each = the sum of the ``n`` before it).
     """
     groups: list[_Group] = []
-    flat: list[int] = []  # the pages every gathered group reads, group after group
+    flat: list[int] = []  # the pages the decode groups read, group after group
+    cflat: list[int] = []  # the pages the chunk groups read
+    d_ends: list[int] = []
+    d_rows: list[int] = []
+    d_slots: list[int] = []
     row = 0
     for sq in seqs:
         if sq.offset != row or sq.n < 1:
@@ -339,9 +364,12 @@ def _plan_groups(
                 p0 = len(flat)
                 for r, s in enumerate(run):
                     kp = -(-e[r] // ps)
+                    d_slots.append(len(flat) * ps + s.ctx)
+                    d_rows.append(s.offset)
                     flat += s.block_table[:kp]
                     if kp < npg:
                         flat += [0] * (npg - kp)
+                d_ends += e
                 mask = None
                 if min(e) != Lk:
                     seen = np.arange(Lk)[None, :] < np.asarray(e)[:, None]
@@ -362,10 +390,10 @@ def _plan_groups(
             seen = np.arange(Lk)[None, :] <= np.arange(sq.ctx, Lk)[:, None]
             mask = torch.zeros((1, 1, Q, Lk), dtype=dtype)
             mask.view(Q, Lk).masked_fill_(torch.from_numpy(~seen), float("-inf"))
-            groups.append(_Group("chunk", sq.offset, sq.offset + Q, 1, Q, Lk, len(flat), npg, mask.to(dev)))
-            flat += sq.block_table[:npg]
+            groups.append(_Group("chunk", sq.offset, sq.offset + Q, 1, Q, Lk, len(cflat), npg, mask.to(dev)))
+            cflat += sq.block_table[:npg]
             i += 1
-    return groups, (int64_tensor(flat, dev) if flat else None)
+    return _Plan(groups, flat, d_ends, d_rows, d_slots, cflat)
 
 
 class PagedDecoder(torch.nn.Module):
@@ -443,6 +471,9 @@ class PagedDecoder(torch.nn.Module):
         }
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self._rope_tab = torch.empty(0, 2, D, dtype=dtype, device=device)
+        self._dec_gathered: tuple[torch.Tensor, list[int], list[int], list[torch.Tensor], list[torch.Tensor]] | None = None
+        """The last forward's decode rows: (layer 0's K cache, pages, keys per row, gathered K
+        and V per layer), reused by the next forward when the rows are the same, one token on."""
         self.group_overhead_keys = (
             DECODE_GROUP_OVERHEAD_KEYS.get(device.type, DECODE_GROUP_OVERHEAD_KEYS["cuda"])
             if group_overhead_keys is None
@@ -535,7 +566,32 @@ class PagedDecoder(torch.nn.Module):
         slots = int64_tensor(slots_l, dev)
         # attention groups (decode rows of similar length, fresh chunks, each chunk after
         # context) and the pages they gather: built once here, used by every layer
-        groups, pages = _plan_groups(seqs, ps, self.dtype, dev, self.group_overhead_keys)
+        plan = _plan_groups(seqs, ps, self.dtype, dev, self.group_overhead_keys)
+        groups = plan.groups
+        # the decode rows' gathered keys of the last forward hold every key they need but
+        # the new token's when the rows are the same (same pages) one token further on
+        # (a computed token's K/V never changes): write that token instead of regathering
+        prev = self._dec_gathered
+        reuse = (
+            prev is not None
+            and prev[0] is k_cache[0]
+            and prev[1] == plan.dec_pages
+            and len(prev[2]) == len(plan.dec_ends)
+            and all(a + 1 == b for a, b in zip(prev[2], plan.dec_ends))
+        )
+        self._dec_gathered = None
+        dec_pages = chunk_pages = dec_slots = dec_rows = None
+        if plan.dec_pages and not reuse:
+            dec_pages = int64_tensor(plan.dec_pages, dev)
+        if reuse:
+            dec_slots = int64_tensor(plan.dec_slots, dev)
+            r0, n = plan.dec_rows[0], len(plan.dec_rows)
+            contiguous = plan.dec_rows == list(range(r0, r0 + n))
+            dec_rows = slice(r0, r0 + n) if contiguous else int64_tensor(plan.dec_rows, dev)
+        if plan.chunk_pages:
+            chunk_pages = int64_tensor(plan.chunk_pages, dev)
+        kept_k: list[torch.Tensor] = []
+        kept_v: list[torch.Tensor] = []
         rope = self._rope_table(max(sq.ctx + sq.n for sq in seqs)).index_select(0, positions.to(dev))
         cos, sin_signed = rope[:, 0:1], rope[:, 1:2]  # [T, 1, D] each
         x = F.embedding(tokens.to(dev), self.embed)
@@ -554,15 +610,28 @@ class PagedDecoder(torch.nn.Module):
             kc, vc = k_cache[li], v_cache[li]
             kc.view(-1, nkv, D).index_copy_(0, slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
             vc.view(-1, nkv, D).index_copy_(0, slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
-            kg = vg = None
-            if pages is not None:
-                kg, vg = kc.index_select(0, pages), vc.index_select(0, pages)
-            outs = [g.attend(q, k, v, kg, vg, scale) for g in groups]
+            kd = vd = kch = vch = None
+            if reuse:
+                kd, vd = prev[3][li], prev[4][li]
+                ks_new = k[dec_rows] if isinstance(dec_rows, slice) else k.index_select(0, dec_rows)
+                vs_new = v[dec_rows] if isinstance(dec_rows, slice) else v.index_select(0, dec_rows)
+                kd.view(-1, nkv, D).index_copy_(0, dec_slots, ks_new.to(kd.dtype))
+                vd.view(-1, nkv, D).index_copy_(0, dec_slots, vs_new.to(vd.dtype))
+            elif dec_pages is not None:
+                kd, vd = kc.index_select(0, dec_pages), vc.index_select(0, dec_pages)
+            if kd is not None:
+                kept_k.append(kd)
+                kept_v.append(vd)
+            if chunk_pages is not None:
+                kch, vch = kc.index_select(0, chunk_pages), vc.index_select(0, chunk_pages)
+            outs = [g.attend(q, k, v, kd, vd, scale) if g.kind == "decode" else g.attend(q, k, v, kch, vch, scale) for g in groups]
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = torch.addmm(x, attn.reshape(T, nh * D), L["o_t"])  # x + attn·Woᵀ in one op, bit for bit
             h = _rms(x, L["post_norm"], c.rms_norm_eps, self._rms_consts)
             gu = _linear(h, L["gate_up_t"])
             x = torch.addmm(x, F.silu(gu[:, :I]) * gu[:, I:], L["down_t"])
+        if kept_k:
+            self._dec_gathered = (k_cache[0], plan.dec_pages, plan.dec_ends, kept_k, kept_v)
         if logits_at is not None:
             x = x.index_select(0, logits_at.to(dev))
         return _linear(_rms(x, self.norm, c.rms_norm_eps, self._rms_consts), self.lm_head_t).float()
