@@ -107,6 +107,17 @@ _EVICT_KEYS = {
 }
 
 
+def _writes_through(ev: BlockStored, nxt: object, block_size: int) -> bool:
+    """``nxt`` stores the blocks of GPU store ``ev`` on the host tier (the engine's write-through)."""
+    return (
+        type(nxt) is BlockStored
+        and nxt.tier == "host"
+        and nxt.block_size == block_size
+        and nxt.parent_block_hash == ev.parent_block_hash
+        and (nxt.block_hashes is ev.block_hashes or nxt.block_hashes == ev.block_hashes)
+    )
+
+
 class KvDirectory:
     """Cluster-wide KV directory: block presence, branch counts, lookups.
 
@@ -276,7 +287,12 @@ class KvDirectory:
         st = self._streams[n]
         if batch.ts > st.last_ts:
             st.last_ts = batch.ts
-        for ev in batch.events:
+        events = batch.events
+        last = len(events) - 1
+        paired = -1  # a host store applied with the GPU store before it (its write-through)
+        for i, ev in enumerate(events):
+            if i == paired:
+                continue
             t = type(ev)
             if t is BlockStored:
                 if ev.block_size != self.block_size:  # Dynamo #13904: never silently
@@ -285,6 +301,15 @@ class KvDirectory:
                     res.mismatched_block_sizes.append(ev.block_size)
                     continue
                 tier = TIER_INDEX[ev.tier]
+                if tier == GPU and i < last and _writes_through(ev, events[i + 1], self.block_size):
+                    newly = index.store_written_through(n, ev.block_hashes, ev.parent_block_hash)
+                    if newly is not None:  # both events applied: same effects as one after the other
+                        paired = i + 1
+                        table.on_stored(n, GPU, newly)
+                        table.on_stored(n, HOST, newly[:])
+                        res.blocks_stored += 2 * len(newly)
+                        counters["kv.blocks_stored"] += 2 * len(newly)
+                        continue
                 newly = index.store(n, tier, ev.block_hashes, ev.parent_block_hash)
                 table.on_stored(n, tier, newly)
                 res.blocks_stored += len(ev.block_hashes)

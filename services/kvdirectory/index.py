@@ -565,6 +565,39 @@ class BlockIndex:
             self._settle(r)
         return newly
 
+    def store_written_through(self, node: int, hashes: Sequence[int], parent: int | None) -> list[int] | None:
+        """:meth:`store` of ``hashes`` on (node, GPU) then on (node, HOST) in one step, when they are
+        a brand-new chain (no block indexed, no hash repeated, room for all): an engine's freshly
+        computed blocks and their write-through to host memory, two consecutive ``BlockStored``
+        events of one batch. The index, ``copies`` and counters end exactly as after the two
+        calls (runs are kept maximal, so the same blocks and presence make the same runs), with
+        one run created or extended instead of a GPU-only run that the host store then
+        re-points and joins.
+
+        Returns:
+            ``hashes`` (a new list): what each of the two calls returns (every block is new on
+            both tiers); None, with nothing changed, when they are not a brand-new chain (the
+            caller then makes the two :meth:`store` calls).
+        """
+        where = self.where
+        k = len(hashes)
+        if not k or self.max_blocks - len(where) <= k or not where.keys().isdisjoint(hashes) or len(set(hashes)) != k:
+            return None
+        hashes = list(hashes)
+        pr = where.get(parent) if parent is not None else None
+        if parent is not None and (pr is None or pr.pc == 0):
+            self.counters["stored.without_parent"] += 2  # both calls count it (the first's placeholder has pc 0)
+        bits = tier_bit(node, GPU) | tier_bit(node, HOST) | local_bit(node) | ANY_BIT
+        if pr is not None and pr.pc == bits and pr.children is None and pr.keys[-1] == parent:
+            where.update(dict.fromkeys(hashes, pr))  # extends a run with the same presence
+            pr.keys.extend(hashes)
+        else:
+            self._settle(self._new_run(hashes[:], parent, bits))
+        cnt = self.copies[node]
+        cnt[GPU] += k
+        cnt[HOST] += k
+        return hashes
+
     def remove(self, node: int, tier: int, hashes: Iterable[int]) -> list[int]:
         """Mark blocks absent from (node, tier); unknown ones are counted and skipped.
 

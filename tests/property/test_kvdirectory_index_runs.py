@@ -77,7 +77,7 @@ def _compare(a: ref_index.BlockIndex, b: run_index.BlockIndex, paths: list[list[
         assert a.prefix_drops(p) == b.prefix_drops(p), where
 
 
-def _run(seed: int, ops: int) -> None:
+def _run(seed: int, ops: int, written_through: bool = False) -> None:
     rng = random.Random(seed)
     cap = {"max_blocks": 30} if seed % 5 == 0 else {}
     relink_free = seed % 2 == 1  # odd seeds: snapshots always carry parents, hashes repeat in stores
@@ -93,7 +93,25 @@ def _run(seed: int, ops: int) -> None:
         if op < 0.1:
             f.grow()
             continue
-        if op < 0.5:
+        if op < 0.5 and written_through and rng.random() < 0.5:
+            # an engine's write-through: fresh blocks below a stored path (or repeated ones), GPU then host
+            base = rng.choice(f.paths)
+            base = base[: rng.randint(0, len(base))]
+            hs = f.fresh(rng.randint(1, 6), base)[len(base) :]
+            f.paths.append(base + hs)
+            if rng.random() < 0.2:
+                hs = rng.choice(f.paths)[: len(hs)]  # blocks indexed already: the two stores are made
+            parent = f.parent[hs[0]]
+            if rng.random() < 0.1:
+                parent = rng.choice([None, 99_999])
+            got = b.store_written_through(node, hs, parent)
+            if got is None:  # declined: the two stores
+                assert b.store(node, 0, hs, parent) == a.store(node, 0, hs, parent), where
+                assert b.store(node, 1, hs, parent) == a.store(node, 1, hs, parent), where
+            else:
+                assert got == a.store(node, 0, hs, parent), where
+                assert got == a.store(node, 1, hs, parent), where
+        elif op < 0.5:
             hs, at = f.segment()
             parent = f.parent[hs[0]] if at else None
             if rng.random() < 0.05:
@@ -127,6 +145,14 @@ def _run(seed: int, ops: int) -> None:
 @pytest.mark.parametrize("seed", range(SEEDS))
 def test_run_index_matches_the_per_block_index(seed: int) -> None:
     _run(seed, OPS)
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_written_through_store_equals_the_two_stores(seed: int) -> None:
+    """``store_written_through`` (a brand-new chain on GPU and host at once) leaves the index,
+    copies and counters as the per-block model's GPU store then host store (and returns
+    what each returns); it declines, changing nothing, when the chain is not brand-new."""
+    _run(1000 + seed, OPS, written_through=True)
 
 
 def test_engine_like_stream_stays_in_few_runs() -> None:
