@@ -264,10 +264,13 @@ async def _up(args: argparse.Namespace) -> int:
         return 1
     info = cluster.describe()
     write_json(cluster.log_dir / "cluster.json", info)
-    state = _write_state({**info, "partition": args.partition, "tokenizer": cluster.spec.tokenizer})
+    state = _write_state({**info, **_state_fields(cluster.spec)})
     try:
-        print(f"cluster ready: router {cluster.router_url}  (split {args.split}, {args.nodes} workers, speedup {args.speedup:g})")
+        print(f"cluster ready: router {cluster.router_url}  (split {cluster.spec.split}, {args.nodes} workers, speedup {args.speedup:g})")
         print(f"  {args.live_policy.describe()}" + "".join(f"\n  note: {n}" for n in args.live_policy.notes))
+        warmup = planner_warmup_line(args.live_policy, cluster.spec.split, cluster.spec.speedup)
+        if warmup:  # the split above is served only after it; /v1/cluster and `split get` show the warm-up meanwhile
+            print(f"  {warmup}")
         print(f"  NATS {cluster.nats_url}   logs {cluster.log_dir}   trace with: evolving-infra tap (or split get)")
         if cluster.creds is not None:
             print(
@@ -300,6 +303,34 @@ async def _up(args: argparse.Namespace) -> int:
     finally:
         if state is not None:
             state.unlink(missing_ok=True)
+
+
+def _state_fields(spec: ClusterSpec) -> dict[str, object]:
+    """What the state file adds to :meth:`LocalCluster.describe` for the tools that find the cluster through it:
+    the partition (``split``, ``tap``), the router's tokenizer and served model name (``replay``)."""
+    return {"partition": spec.partition, "tokenizer": spec.tokenizer, "model": spec.model}
+
+
+def planner_warmup_line(pol: LivePolicy, split: str, speedup: float) -> str | None:
+    """One line saying that the evolving planner serves every node collocated (phase ``both``) for its
+    warm-up (``t_learn_s``, paper: 1,800 s) before it moves to ``split``; None for the other planners
+    or without a warm-up (``t_learn_s=0``).
+
+    Args:
+        pol: the live policy (its ``planner`` and ``planner_args``, ``key=value`` items).
+        split: the split served after the warm-up (``2P2D``).
+        speedup: simulated seconds per wall second (for the warm-up's wall time).
+    """
+    if pol.planner != "evolving":
+        return None
+    opts = dict(a.split("=", 1) for a in pol.planner_args)
+    t_learn = float(opts.get("t_learn_s", 1800.0))
+    window = float(opts.get("window_s", 600.0))
+    if t_learn <= 0:
+        return None
+    return (f"the planner serves every node collocated for its {t_learn:.0f}-s warm-up ({t_learn / speedup:.0f} s wall), "
+            f"fits each node's iteration-time models, then moves to {split} and re-plans the split every {window:.0f} s "
+            "of simulated time when a candidate is significantly better")
 
 
 def _write_state(info: dict[str, object]) -> Path | None:
@@ -363,17 +394,10 @@ async def _demo(args: argparse.Namespace) -> int:
         flush=True,
     )
     print(f"  {pol.describe()}" + "".join(f"\n  note: {n}" for n in pol.notes), flush=True)
-    if pol.planner == "evolving":
-        opts = dict(a.split("=", 1) for a in pol.planner_args)
-        t_learn = float(opts.get("t_learn_s", 1800.0))
-        window = float(opts.get("window_s", 600.0))
-        print(
-            f"  the planner serves every node collocated for its {t_learn:.0f}-s warm-up ({t_learn / spec.speedup:.0f} s wall), "
-            f"fits each node's iteration-time models, then moves to {spec.split} and re-plans the split every {window:.0f} s "
-            "of simulated time when a candidate is significantly better (these Claude Code sessions are prefill-heavy "
-            "and bursty: expect it to move nodes between phases)",
-            flush=True,
-        )
+    warmup = planner_warmup_line(pol, spec.split, spec.speedup)
+    if warmup:
+        print(f"  {warmup} (these Claude Code sessions are prefill-heavy and bursty: expect it to move nodes between phases)",
+              flush=True)
     wall0 = time.monotonic()
     async with LocalCluster(spec) as cluster:
         print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, logs {cluster.log_dir}", flush=True)
@@ -381,7 +405,7 @@ async def _demo(args: argparse.Namespace) -> int:
         replayer = LiveReplayer(
             cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer)
         )
-        state = _write_state({**cluster.describe(), "partition": spec.partition, "tokenizer": spec.tokenizer})  # tap, split get, replay
+        state = _write_state({**cluster.describe(), **_state_fields(spec)})  # tap, split get, replay
         try:
             result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency))
         finally:

@@ -32,6 +32,11 @@ async def _replay(args: argparse.Namespace) -> int:
     from evolving_infra.report.ideal import annotate_ideal
     from shared.clock import SimClock
 
+    vocab_size = _use_running_cluster(args)
+    unreachable = await router_unreachable(args.router_url)
+    if unreachable:  # fail now, not after every request of the trace has failed to connect
+        print(f"error: {unreachable}", file=sys.stderr)
+        return 2
     if args.from_kind == "canonical":
         try:
             trace = read_trace(Path(args.input[0]))
@@ -52,7 +57,6 @@ async def _replay(args: argparse.Namespace) -> int:
     except ReplayError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    vocab_size = _use_running_cluster(args)
     out = Path(args.out)
     moved = set_aside_previous_run(out)
     if moved:
@@ -119,6 +123,28 @@ async def _replay(args: argparse.Namespace) -> int:
     return 0 if report["requests_failed"] == 0 else 1
 
 
+async def router_unreachable(router_url: str, timeout_s: float = 5.0) -> str | None:
+    """Whether anything answers HTTP at ``router_url`` (``GET /health``; any status counts as an answer,
+    so API keys or a cluster not yet routable do not stop the replay here).
+
+    Args:
+        router_url: the router's base URL.
+        timeout_s: wall seconds for the connection and the answer.
+
+    Returns:
+        None when it answers, else the reason and what to do, for the user.
+    """
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as http:
+            await http.get(router_url.rstrip("/") + "/health")
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        return (f"no router answers at {router_url} ({type(e).__name__}: {e or 'no answer'}); start a cluster with "
+                "`evolving-infra up`, or pass the router's --router-url")
+    return None
+
+
 def _use_running_cluster(args: argparse.Namespace) -> int | None:
     """Fill ``--router-url`` / ``--speedup`` left unset from the running ``up`` cluster's state file
     (:mod:`evolving_infra.state`), else ``http://127.0.0.1:8000`` and 1; returns the router tokenizer's
@@ -137,6 +163,8 @@ def _use_running_cluster(args: argparse.Namespace) -> int | None:
         args.router_url = info.get("router_url") or "http://127.0.0.1:8000"
     if args.speedup is None:
         args.speedup = float(info.get("speedup") or 1.0)
+    if getattr(args, "model", None) is None:  # `up --engine torch --model DIR` serves DIR's name, not the sim's
+        args.model = info.get("model") or DEFAULT_MODEL
     tokenizer = info.get("tokenizer") or "sim"
     if tokenizer == "sim":
         return None
@@ -144,6 +172,9 @@ def _use_running_cluster(args: argparse.Namespace) -> int | None:
 
     return load_tokenizer(tokenizer).vocab_size
 
+
+DEFAULT_MODEL = "evolving-infra-sim"
+"""The model name a sim-engine router serves (``ClusterSpec.model``)."""
 
 PREVIOUS = "previous"
 _OUTPUTS = ("report.json", "requests.jsonl", "report.html")
@@ -197,7 +228,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--speedup", type=float, default=None, help="the cluster's speedup, simulated s per wall s (default: the running cluster's, else 1)"
     )
-    p.add_argument("--model", default="evolving-infra-sim", help="model name sent with requests")
+    p.add_argument("--model", default=None,
+                   help="model name sent with requests (default: the running `up` cluster's served model, else evolving-infra-sim)")
     p.add_argument("--arrival", choices=["closed", "open", "trace"], default="closed", help="arrival process")
     p.add_argument("--concurrency", type=int, default=16, help="closed loop: concurrent agents")
     p.add_argument("--rate", type=float, default=10.0, help="open loop: agent arrivals per minute")

@@ -44,6 +44,16 @@ def test_split_get_without_a_cluster_fails_within_10_s(tmp_path):
         assert rc == 2 and wall < 20 and f"cannot connect to NATS at {url}" in out, (args, wall, out)
 
 
+def test_replay_to_a_router_that_is_not_there_fails_within_seconds(tmp_path):
+    """It used to send every request of the trace, each failing to connect (a minute and more), then exit 1."""
+    from evolving_infra.launcher import demo_trace_path
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    rc, out, wall = _cli(tmp_path / "state", "replay", str(demo_trace_path()), "--router-url", url, "--out", str(tmp_path / "out"))
+    assert rc == 2 and wall < 30 and f"no router answers at {url}" in out and "evolving-infra up" in out, (rc, wall, out)
+    assert not (tmp_path / "out").exists()
+
+
 def test_stale_state_file_is_removed_and_said(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
@@ -80,6 +90,7 @@ def test_up_writes_the_state_file_split_and_tap_use_it_and_it_is_removed(tmp_pat
         saved = json.loads(path.read_text())
         assert saved["pid"] == proc.pid and saved["nats_url"] == info["nats_url"] and saved["router_url"] == info["router_url"]
         assert saved["partition"] == "p0" and saved["pids"] == info["pids"] and saved["tokenizer"] == "sim"
+        assert saved["model"] == "evolving-infra-sim"  # what `replay` sends (the folder's name with --engine torch)
         rc, out, _ = _cli(state, "split", "get", "--json", "--timeout", "30")
         assert rc == 0, out
         (line,) = [x for x in out.splitlines() if x.startswith('{"epoch"')]

@@ -8,19 +8,19 @@ import os
 
 import pytest
 
-from evolving_infra.replay.cli import _use_running_cluster
+from evolving_infra.replay.cli import DEFAULT_MODEL, _use_running_cluster
 from evolving_infra.state import write_state
 
 
 def _args(**kw) -> argparse.Namespace:
-    return argparse.Namespace(**{"router_url": None, "speedup": None, **kw})
+    return argparse.Namespace(**{"router_url": None, "speedup": None, "model": None, **kw})
 
 
 def test_defaults_without_a_cluster(tmp_path, monkeypatch):
     monkeypatch.setenv("EI_STATE_DIR", str(tmp_path))
     a = _args()
     assert _use_running_cluster(a) is None
-    assert (a.router_url, a.speedup) == ("http://127.0.0.1:8000", 1.0)
+    assert (a.router_url, a.speedup, a.model) == ("http://127.0.0.1:8000", 1.0, DEFAULT_MODEL)
 
 
 def test_the_running_cluster_fills_what_is_unset(tmp_path, monkeypatch):
@@ -43,3 +43,16 @@ def test_a_real_tokenizer_gives_the_vocabulary_size(tmp_path, monkeypatch):
     assert json.loads(path.read_text())["tokenizer"] == f"hf:{folder}"
     a = _args()
     assert _use_running_cluster(a) == 1500 and a.speedup == 20.0
+
+
+def test_the_running_clusters_served_model_is_sent(tmp_path, monkeypatch):
+    """`up --engine torch --model /tmp/tiny` serves the model `tiny`; a replay sending the sim's name
+    got 404 on every request."""
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path))
+    write_state({"router_url": "http://127.0.0.1:43210", "speedup": 1.0, "tokenizer": "sim", "model": "tiny"}, pid=os.getpid())
+    a = _args()
+    _use_running_cluster(a)
+    assert a.model == "tiny"
+    b = _args(model="mine")  # --model wins
+    _use_running_cluster(b)
+    assert b.model == "mine"

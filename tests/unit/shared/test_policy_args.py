@@ -6,7 +6,7 @@ import pytest
 
 from evolving_infra.cli import build_parser
 from evolving_infra.cluster import LocalCluster
-from evolving_infra.launcher import DEMO_PLANNER, _spec
+from evolving_infra.launcher import DEMO_PLANNER, _spec, planner_warmup_line
 from evolving_infra.sim.cli import config_from_args
 from evolving_infra.sim.config import resolve
 
@@ -91,3 +91,22 @@ def test_bad_policy_flags_fail_with_the_reason(argv, frag, tmp_path):
     args = build_parser().parse_args(["up", *argv, "--log-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match=frag):
         _spec(args)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["up"], "collocated for its 1800-s warm-up (1800 s wall), fits each node's iteration-time models, then moves to 2P2D"),
+        (["demo"], "collocated for its 900-s warm-up (18 s wall)"),
+        (["up", "--nodes", "3", "--split", "2P1D", "--planner-opt", "t_learn_s=60", "--speedup", "2"], "60-s warm-up (30 s wall)"),
+        (["up", "--planner-opt", "t_learn_s=0"], None),
+        (["up", "--policy", "static:3P1D"], None),
+        (["up", "--policy", "dynamo"], None),
+    ],
+)
+def test_up_and_demo_say_that_the_evolving_planner_warms_up_collocated(argv, expected, tmp_path):
+    """`up` printed only "split 2P2D" while every node served both phases for the first 1,800 s."""
+    args = build_parser().parse_args([*argv, "--log-dir", str(tmp_path)])
+    spec = _spec(args)
+    line = planner_warmup_line(args.live_policy, spec.split, spec.speedup)
+    assert (line is None) if expected is None else (expected in line), line
