@@ -206,8 +206,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     (``evolving_infra.traces.io.paused_gc``: no collection walks the trace while it loads)."""
     from evolving_infra.traces.io import paused_gc
 
-    with paused_gc():
-        return _cmd_simulate(args)
+    try:
+        with paused_gc():
+            return _cmd_simulate(args)
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback from wherever the loop was
+        print(f"\nsimulate: interrupted; a run that had not finished wrote no report under {args.out}", file=sys.stderr)
+        return 130
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
