@@ -354,8 +354,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "fidelity",
         help="run one small trace through the live stack and the simulator; print their relative differences",
         description="Replay the same small trace through a local live cluster (the demo path, at a speed-up) and "
-        "through the simulator with matching settings; print the relative difference of throughput, mean TTFT and "
-        "mean E2E, and write OUT/live, OUT/sim and OUT/fidelity.json.",
+        "through the simulator with matching settings and the live run's control plane (HTTP, routing, NATS: "
+        "measured per request, --ingress-s / --ingress-s-per-token / --egress-s of simulate); print the relative "
+        "difference of throughput, mean TTFT and mean E2E, with and without the control plane, and write OUT/live, "
+        "OUT/sim, OUT/sim-plain and OUT/fidelity.json.",
     )
     add_fidelity_args(f)
     f.set_defaults(func=cmd_fidelity)
