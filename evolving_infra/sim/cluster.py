@@ -316,6 +316,9 @@ class ClusterSim:
         self.relaunch_s = cfg.relaunch_s
         self.latency = cfg.msg_latency_s
         self.ingress, self.ingress_tok, self.egress = cfg.ingress_s, cfg.ingress_s_per_token, cfg.egress_s
+        self._ingress_free = 0.0
+        """End of the prompt work (``ingress_s_per_token``) of the last request sent: the router does it
+        one request at a time, in send order."""
         self.staleness = cfg.state_staleness_s
         self.duration = cfg.duration_s
         # The directory always hears branch starts/ends and placements (as live: the router
@@ -565,9 +568,11 @@ class ClusterSim:
         if footprint > self.profile.gpu_blocks:
             self._reject(f, f"request needs {footprint} KV blocks but a node has {self.profile.gpu_blocks} in GPU memory", t)
             return
-        ingress = self.ingress + self.ingress_tok * req.input_tokens
-        if ingress > 0.0:  # control plane (SimConfig.ingress_s): the work reaches the decision later
-            self._push(t + ingress, CALL, self._dispatch_call, (f,))
+        if self.ingress > 0.0 or self.ingress_tok > 0.0:  # control plane (SimConfig.ingress_s): the work arrives later
+            free = self._ingress_free
+            # the prompt work is serial, in send order (a request sent just after a long prompt waits for it)
+            self._ingress_free = done = (t if t > free else free) + self.ingress_tok * req.input_tokens
+            self._push(done + self.ingress, CALL, self._dispatch_call, (f,))
             return
         self._dispatch(f, t)
 

@@ -102,7 +102,10 @@ class SimConfig:
     that carries the prompt). 0 (default): at once. ``evolving-infra fidelity`` measures it
     from its live run (``evolving_infra.sim.fidelity.control_plane``)."""
     ingress_s_per_token: float = 0.0
-    """The prompt-proportional part of ``ingress_s`` (s per prompt token)."""
+    """The prompt-proportional part of the ingress (s per prompt token): the router's event loop
+    parses and hashes one prompt after another, so this part is served one request at a time in
+    send order (a short request sent just after a long one waits for it and is routed after it,
+    as live), then ``ingress_s`` follows in parallel."""
     egress_s: float = 0.0
     """Control plane, node → client: a first token and a request's end reach the client (and the
     router) this long after the engine produced them (the live worker → NATS → router → HTTP

@@ -22,7 +22,10 @@ as the work message). :func:`control_plane` measures both per request from the
 live run's records (``node_arrived_at`` and ``first_token_at``, the router's
 ``ei``) and fits ``ingress = a + b × prompt tokens`` and ``egress`` = the mean; the
 simulator is then run with them (``SimConfig.ingress_s``, ``ingress_s_per_token``,
-``egress_s``). The engine's part stays a prediction: the simulator's queueing and
+``egress_s``; the prompt part served one request at a time in send order, as the
+router's event loop parses and hashes one prompt after another: at 2P2D a short
+request that overtook a 608k-token one flipped a least-loaded tie and with it 13
+placements). The engine's part stays a prediction: the simulator's queueing and
 iteration times are compared with the live engines'. The simulator without the
 control plane (plain ``simulate``'s default) is reported too (``sim_plain``).
 

@@ -247,3 +247,25 @@ def test_control_plane_ingress_and_egress_delay_first_token_and_end():
     assert "control_plane" not in simulate(cfg, reqs, BS).report["meta"]
     with pytest.raises(SimConfigError, match="--egress-s"):
         simulate(dataclasses.replace(cfg, egress_s=-1.0), reqs, BS)
+
+
+def test_the_prompt_part_of_the_ingress_is_served_in_send_order():
+    """The router parses and hashes one prompt after another: a short request sent with a long one
+    (same instant, after it in send order) reaches the decision after it, as live; the fixed part
+    runs in parallel."""
+    long_, short = chain_agent("long", 1, first_blocks=40, tail=0, output=2), chain_agent("short", 1, first_blocks=2, tail=0, output=2)
+    cfg = SimConfig(nodes=2, profile="tiny", policy="static:1P1D", concurrency=2, ingress_s=0.01, ingress_s_per_token=0.001)
+    sim = ClusterSim(resolve(cfg), long_ + short, ["w0", "w1"], cfg.arrival_for())
+    decided: dict[str, float] = {}
+    orig = sim._dispatch
+
+    def spy(f, t):
+        decided.setdefault(f.req.id, t)
+        return orig(f, t)
+
+    sim._dispatch = spy  # type: ignore[method-assign]
+    recs = {r.id: r for r in sim.run_to_end().records}
+    n_long, n_short = long_[0].input_tokens, short[0].input_tokens
+    assert recs["long-r0"].sent_at == recs["short-r0"].sent_at == 0.0
+    assert decided["long-r0"] == pytest.approx(0.001 * n_long + 0.01)
+    assert decided["short-r0"] == pytest.approx(0.001 * (n_long + n_short) + 0.01)  # waited for the long prompt
