@@ -151,7 +151,13 @@ _CHAT_DEC = msgspec.json.Decoder(ChatRequest)
 _TOKENS_DEC = msgspec.json.Decoder(list[TokenId])
 
 
-def _decode_error(e: Exception) -> ApiError:
+def _decode_error(e: Exception, body: bytes | None = None) -> ApiError:
+    """The 400 for a body the decoder refused; ``body`` given: an empty one, or one that is not JSON at
+    all, is named as such (msgspec says only "Input data was truncated" for both an empty body and cut JSON)."""
+    if body is not None and not isinstance(e, msgspec.ValidationError):
+        if not body.strip():
+            return ApiError(400, "request body is empty: expected a JSON object")
+        return ApiError(400, f"invalid request body: not valid JSON ({e})")
     return ApiError(400, f"invalid request body: {e}")
 
 
@@ -194,7 +200,7 @@ def parse_completion(body: bytes) -> tuple[CompletionRequest, str | list[int]]:
             raise _decode_error(e) from e
         req, prompt = _reparse_prompt(body, e)
     except msgspec.DecodeError as e:
-        raise _decode_error(e) from e
+        raise _decode_error(e, body) from e
     else:
         prompt = req.prompt
     _check_common(req)
@@ -249,7 +255,7 @@ def parse_chat(body: bytes) -> ChatRequest:
     try:
         req = _CHAT_DEC.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise _decode_error(e) from e
+        raise _decode_error(e, body) from e
     _check_common(req)
     if req.logprobs or req.top_logprobs is not None:
         raise ApiError(400, "logprobs are not supported", param="logprobs")

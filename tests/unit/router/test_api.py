@@ -32,7 +32,12 @@ def test_large_token_prompt_parses():
 
 
 def test_completion_400_reasons():
-    bad(api.parse_completion, b"{not json", "JSON is malformed")
+    bad(api.parse_completion, b"{not json", "not valid JSON \\(JSON is malformed")
+    bad(api.parse_completion, b'{"prompt": "x"', r"not valid JSON \(Input data was truncated\)")
+    for empty in (b"", b" \n"):  # msgspec says "Input data was truncated": name it
+        bad(api.parse_completion, empty, "^request body is empty: expected a JSON object$")
+        bad(api.parse_chat, empty, "^request body is empty: expected a JSON object$")
+    bad(api.parse_chat, b"{not json", "not valid JSON")
     bad(api.parse_completion, b"[1, 2]", "Expected `object`")
     bad(api.parse_completion, {"max_tokens": 3}, "missing required field `prompt`")
     bad(api.parse_completion, {"prompt": 3}, r"\$.prompt")
