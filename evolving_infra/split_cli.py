@@ -85,7 +85,9 @@ def cmd_split(args: argparse.Namespace) -> int:
         print(f"error: split {args.split!r} must look like '4P5D' or 'collocated'", file=sys.stderr)
         return 2
     from evolving_infra.state import fill_nats_url
+    from shared.log import setup_logging
 
+    setup_logging("console", "warning")  # the bus client's debug lines are not this command's output
     if (missing := fill_nats_url(args)) is not None:
         print(f"error: {missing}", file=sys.stderr)
         return 2

@@ -143,7 +143,9 @@ async def _tap(args: argparse.Namespace) -> int:
 
 def cmd_tap(args: argparse.Namespace) -> int:
     from evolving_infra.state import fill_nats_url
+    from shared.log import setup_logging
 
+    setup_logging("console", "warning")  # the bus client's debug lines are not this command's output
     if (missing := fill_nats_url(args)) is not None:
         print(f"error: {missing}", file=sys.stderr)
         return 2

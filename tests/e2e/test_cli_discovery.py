@@ -95,8 +95,9 @@ def test_up_writes_the_state_file_split_and_tap_use_it_and_it_is_removed(tmp_pat
         assert rc == 0, out
         (line,) = [x for x in out.splitlines() if x.startswith('{"epoch"')]
         assert json.loads(line)["split"] == "1P1D"
+        assert "debug" not in out, out  # the bus client's "nats connection closed" was printed
         rc, out, _ = _cli(state, "tap", "--max", "1", "node.state.*")
-        assert rc == 0 and "NodeState" in out, out
+        assert rc == 0 and "NodeState" in out and "debug" not in out, out
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
