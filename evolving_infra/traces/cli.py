@@ -206,7 +206,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     gen.add_argument("--seed", type=int, default=0, help="RNG seed (same seed and options: byte-identical output)")
     gen.add_argument("-o", "--output", required=True, help="output trace (.jsonl or .jsonl.gz)")
     gen.add_argument("--agents", type=int, default=None, help="agents to generate (default per workload)")
-    gen.add_argument("--duration", type=float, default=None, help="each agent runs until its estimated busy time reaches this many seconds")
+    gen.add_argument("--duration", type=float, default=None, help="each agent runs until its estimated busy time reaches this many seconds (default: a task length drawn from the workload's fit)")
     gen.add_argument("--requests-per-agent", type=int, default=None, help="main-branch requests per agent (instead of the fitted task length)")
     gen.add_argument("--block-size", type=int, default=64, help="tokens per block id (default 64)")
     gen.add_argument("--check", action="store_true", help="print the calibration targets against the generated trace's stats")
@@ -217,7 +217,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     sm.add_argument("-o", "--output", required=True, help="output trace")
     sm.add_argument("--sessions", type=int, default=0, help="agents to keep (0 = all)")
     sm.add_argument("--max-requests-per-branch", type=int, default=0, help="keep each branch's first K requests (0 = no cap)")
-    sm.add_argument("--seed", type=int, default=0, help="seed of the agent draw")
+    sm.add_argument("--seed", type=int, default=0, help="seed of the agent draw (default 0)")
     sm.set_defaults(func=cmd_sample)
 
 
