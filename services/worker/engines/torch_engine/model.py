@@ -222,9 +222,10 @@ class SeqBatch:
 
 DECODE_GROUP_OVERHEAD_KEYS = {"cpu": 96, "cuda": 8192}
 """Padded keys one more decode attention group must save to be worth its SDPA call
-(:func:`_decode_runs`), by device type. On CPU one call costs about as much as attending
-~100 keys per sequence (measured on the tiny model, ``bench/engine_bench.py``); on CUDA a
-launch costs far more than keys do."""
+(:func:`_decode_runs`), by device type. On CPU (tiny model, decode batches of 8–30 rows
+with contexts of 16–650 tokens) a forward took 0.77× the time of one padded call for any
+value from 16 to 384 (differences within noise); on CUDA a launch costs far more than
+keys do."""
 
 
 def _decode_runs(ends: list[int], overhead: int) -> list[tuple[int, int]]:
