@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import signal
+import socket
 import sys
 import time
 from importlib import resources
@@ -244,7 +245,26 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
 # ----------------------------------------------------------------------------- up
 
 
+def port_unavailable(host: str, port: int) -> str | None:
+    """Why the router could not listen on ``host:port`` (in use, address not on this machine), or None
+    when it can (port 0, any free one, always can). Checked before anything starts, so that a busy
+    ``--port`` is one line, not the router's traceback after NATS and every service started."""
+    if not port:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router's server does
+            s.bind(infos[0][4])
+    except OSError as e:
+        return f"the router cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
 async def _up(args: argparse.Namespace) -> int:
+    if unavailable := port_unavailable(args.host, args.port):
+        print(f"error: {unavailable}; stop what listens there or pick another --port (0 = any free port)", file=sys.stderr)
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -102,3 +102,15 @@ def test_up_writes_the_state_file_split_and_tap_use_it_and_it_is_removed(tmp_pat
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
     assert not path.exists()  # removed on a clean exit
+
+
+def test_up_on_a_busy_port_says_so_in_one_line(tmp_path):
+    """It used to start NATS and every service, then print the router's traceback ending in EADDRINUSE."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        rc, out, wall = _cli(tmp_path / "state", "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"))
+    assert rc == 1 and wall < 30, (rc, wall, out)
+    assert f"error: the router cannot listen on 127.0.0.1:{port}: Address already in use" in out and "--port" in out, out
+    assert "Traceback" not in out and not (tmp_path / "logs").exists(), out
