@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import signal
 import sys
@@ -63,7 +64,8 @@ async def _replay(args: argparse.Namespace) -> int:
         print(f"replay: an earlier run's outputs in {out} moved to {out / PREVIOUS}/ ({', '.join(moved)})", file=sys.stderr)
     run_id = uuid.uuid4().hex[:12]
     clock = SimClock(args.speedup)
-    replayer = LiveReplayer(args.router_url, clock, block_size=trace.header.block_size, model=args.model, vocab_size=vocab_size)
+    replayer = LiveReplayer(args.router_url, clock, block_size=trace.header.block_size, model=args.model, vocab_size=vocab_size,
+                            api_key=args.api_key or os.environ.get("EI_API_KEY") or None)
     stop = asyncio.Event()
     signals: list[str] = []
     loop = asyncio.get_running_loop()
@@ -230,6 +232,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--model", default=None,
                    help="model name sent with requests (default: the running `up` cluster's served model, else evolving-infra-sim)")
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' to a router run with API keys (EI_API_KEYS or --api-keys-file; "
+                   "401 without it); default: env EI_API_KEY")
     p.add_argument("--arrival", choices=["closed", "open", "trace"], default="closed", help="arrival process: closed (--concurrency agents at a time), open (Poisson --rate), trace (agents start at their recorded arrival_s) (default closed)")
     p.add_argument("--concurrency", type=int, default=16, help="closed loop: concurrent agents (default 16)")
     p.add_argument("--rate", type=float, default=10.0, help="open loop: agent arrivals per minute (default 10)")

@@ -59,6 +59,8 @@ class LiveReplayer:
         block_size: tokens per trace block id.
         model: model name sent in requests.
         request_timeout_s: wall seconds before a request is abandoned (counted as failed).
+        api_key: sent as ``Authorization: Bearer <key>`` with every request (a router run with
+            API keys answers 401 without it); None = no header.
     """
 
     def __init__(
@@ -72,8 +74,10 @@ class LiveReplayer:
         progress: bool = True,
         max_connections: int = 512,
         vocab_size: int | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.router_url = router_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.vocab_size = vocab_size
         """The router's vocabulary when it is smaller than the trace's ids (a real tokenizer):
         prompt ids are taken modulo it (same blocks → same ids, so prefixes are still shared)."""
@@ -119,7 +123,8 @@ class LiveReplayer:
         bar = tqdm(total=total, desc="replay", unit="req", disable=not self.progress, dynamic_ncols=True,
                    mininterval=0.1 if sys.stderr.isatty() else 10.0)
         limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections)
-        async with httpx.AsyncClient(base_url=self.router_url, timeout=httpx.Timeout(self.request_timeout_s), limits=limits) as http:
+        async with httpx.AsyncClient(base_url=self.router_url, timeout=httpx.Timeout(self.request_timeout_s), limits=limits,
+                                     headers=self.headers) as http:
 
             async def send(action: SendRequest) -> None:
                 rec = await self._send(http, action)

@@ -121,3 +121,20 @@ async def test_per_key_concurrency_limit_429(nats_url, tmp_path):
             r = await http.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k1"})
             assert r.status_code == 200
         assert env.service.counters["http.key_limited"] == 1
+
+
+async def test_replay_sends_its_api_key(nats_url, tmp_path):
+    """`replay` against a router run with API keys: every request was a 401 (it sent no key)."""
+    from evolving_infra.replay.core import Arrival
+    from evolving_infra.replay.live import LiveReplayer
+    from shared.clock import SimClock
+    from tests.unit.sim.conftest import BS, small_trace
+
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, api_keys="k1") as env:
+        url = f"http://127.0.0.1:{env.service.port}"
+        results = {}
+        for key in (None, "k1"):
+            rep = LiveReplayer(url, SimClock(1.0), block_size=BS, model="test-model", progress=False, api_key=key)
+            results[key] = (await rep.run(small_trace(1, 2, pause=0.0), Arrival(kind="closed", concurrency=1))).records
+    assert len(results[None]) == 2 and all("401" in (r.error or "") for r in results[None]), [r.error for r in results[None]]
+    assert len(results["k1"]) == 2 and all(r.error is None for r in results["k1"]), [r.error for r in results["k1"]]
