@@ -41,7 +41,9 @@ def demo_trace_path() -> Path:
     return Path(str(resources.files("evolving_infra") / "data" / DEMO_TRACE))
 
 
-def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, speedup: float, port: int = 8000) -> None:
+def _add_cluster_args(
+    p: argparse.ArgumentParser, *, nodes: int, split: str, speedup: float, port: int = 8000, log_dir: str = "a temp dir"
+) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--nodes", type=int, default=nodes, help=f"worker nodes, one process each (default {nodes})")
     g.add_argument(
@@ -89,7 +91,7 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, nodes: int, split: str, spe
         default=None,
         help="with --nats-url: folder of per-instance credentials (<instance>.nk|.creds|.pass, see 'evolving-infra auth gen')",
     )
-    g.add_argument("--log-dir", default=None, help="directory for each service's log (default: a temp dir)")
+    g.add_argument("--log-dir", default=None, help=f"directory for each service's log (default: {log_dir})")
     g.add_argument("--log-level", default="info", help="service log level (default info)")
     g.add_argument("--stream-interval", type=int, default=1, help="output tokens per streamed chunk (default 1)")
     g.add_argument(
@@ -535,7 +537,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Start a local cluster, replay real Claude Code sessions (shipped sample) closed-loop through the "
         "router, and write OUT/report.json, OUT/requests.jsonl and the services' logs under OUT/logs.",
     )
-    _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0)
+    _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs")
     d.add_argument("--out", default="demo-out", help="output directory for report.json (default demo-out)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample")
     d.add_argument("--sessions", type=int, default=None, help="sessions (agents) to replay (default 60; --engine torch: 4)")
