@@ -145,8 +145,11 @@ def _policy(args: argparse.Namespace) -> LivePolicy:
     if args.split is None:
         args.split = pol.split or args.default_split
     try:
-        make_planner(pol.planner, [f"w{i}" for i in range(max(args.nodes, 1))], load_profile(args.profile),
-                     **parse_planner_args(list(pol.planner_args)))
+        profile = load_profile(args.profile)
+    except ProfileError as e:  # not the planner's fault: say which flag
+        raise SystemExit(f"error: --profile {args.profile}: {e}") from None
+    try:
+        make_planner(pol.planner, [f"w{i}" for i in range(max(args.nodes, 1))], profile, **parse_planner_args(list(pol.planner_args)))
     except (ValueError, TypeError, ProfileError) as e:
         raise SystemExit(f"error: --planner {pol.planner} / --planner-opt: {e}") from None
     return pol
