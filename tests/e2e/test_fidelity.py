@@ -22,7 +22,10 @@ prompt length, and first token → client), so that what is compared is the
 engines' queueing and iteration times. Without it the simulator's TTFT was 9.6%
 below the live one on a quiet machine and 12–19% below on a loaded one (each
 wall millisecond of HTTP, prompt parsing, KV lookup and NATS counts 2× here;
-≈ 0.1 s + 0.12 s per 100k prompt tokens of simulated time at load ≈ 5).
+≈ 0.1 s + 0.12 s per 100k prompt tokens of simulated time at load ≈ 5). With
+it: +1.7…+6.6% over four runs at load 4–7 (bench/RESULTS.md); what is left is
+mostly whether one agent's request arrives just behind a 608k-token prompt's
+47-s prefill or the next one does (a 47-s or a 40-s wait).
 """
 
 from __future__ import annotations
