@@ -272,7 +272,9 @@ async def _up(args: argparse.Namespace) -> int:
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP (the terminal closed): a clean stop too, unless ignored (`nohup evolving-infra up` keeps running)
+    hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    for sig in (signal.SIGINT, signal.SIGTERM, *hup):
         loop.add_signal_handler(sig, stop.set)
     cluster = LocalCluster(_spec(args))
 

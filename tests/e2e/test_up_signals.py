@@ -101,3 +101,43 @@ def test_sigterm_before_ready_stops_the_embedded_server_and_services(tmp_path):
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, f"processes of `up` outlived it: {left}\n{out[-2000:]}"
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_sighup_stops_a_ready_cluster_cleanly_unless_ignored(tmp_path, ignored):
+    """A closed terminal (SIGHUP) killed `up` without its clean stop (its state file stayed behind);
+    under `nohup` (SIGHUP ignored) it must keep running."""
+    import json
+
+    cmd = [sys.executable, *(["-c", "import signal, sys, runpy; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+                               "sys.argv = ['evolving-infra', *sys.argv[1:]]; runpy.run_module('evolving_infra.cli', run_name='__main__')"]
+                             if ignored else ["-m", "evolving_infra.cli"]),
+           "up", "--nodes", "2", "--split", "1P1D", "--profile", "tiny", "--port", "0", "--policy", "static",
+           "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    env = {**os.environ, "EI_STATE_DIR": str(tmp_path / "state")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        ready = None
+        while ready is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("READY "):
+                ready = json.loads(line[len("READY "):])
+        assert ready is not None, proc.poll()
+        assert len(list((tmp_path / "state").glob("up-*.json"))) == 1
+        proc.send_signal(signal.SIGHUP)
+        if ignored:
+            time.sleep(3.0)
+            assert proc.poll() is None
+            rc, out = _stop(proc)
+        else:
+            out, _ = proc.communicate(timeout=EXIT_WITHIN_S)
+            rc = proc.returncode
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0 and "stopped" in out, (rc, out[-2000:])
+    assert not list((tmp_path / "state").glob("up-*.json"))
