@@ -205,8 +205,8 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
     args.live_policy = pol
     try:
         parse_split(args.split, args.nodes)
-    except SplitError as e:
-        raise SystemExit(f"error: {e}")
+    except SplitError as e:  # the split may be the default (2P2D) the user never typed: say what to change
+        raise SystemExit(f"error: {e}; pass --split xPyD with x + y = {args.nodes} (or 'collocated'), or --nodes")
     torch_values = _torch_values(args)
     if args.tokenizer != "sim":  # fail here, with the reason, not in every service's log
         from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
