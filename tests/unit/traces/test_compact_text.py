@@ -144,6 +144,19 @@ def _mutate(line: str, rng: random.Random) -> str:
     return json.dumps(d, separators=(",", ":"))
 
 
+def _reads_as_read_trace(path: Path, tag: object) -> bool:
+    """``read_trace_compact`` gives ``read_trace``'s requests, or raises its problems; True if it raised."""
+    try:
+        want = read_trace(path)
+    except TraceError as e:
+        with pytest.raises(TraceError) as got:
+            read_trace_compact(path)
+        assert got.value.problems == e.problems, tag
+        return True
+    assert read_trace_compact(path).requests_with_blocks() == want.requests, tag
+    return False
+
+
 def test_bad_lines_are_reported_as_read_trace_reports_them(tmp_path: Path) -> None:
     def mutated(lines: list[str], rng: random.Random) -> None:
         for i in rng.sample(range(1, len(lines)), min(len(lines) - 1, rng.randint(1, 3))):
@@ -152,15 +165,7 @@ def test_bad_lines_are_reported_as_read_trace_reports_them(tmp_path: Path) -> No
     reported = 0
     for seed in range(300):
         path, _ = _written(tmp_path / f"b{seed}.jsonl", seed, mutated)
-        try:
-            want = read_trace(path)
-        except TraceError as e:
-            with pytest.raises(TraceError) as got:
-                read_trace_compact(path)
-            assert got.value.problems == e.problems, seed
-            reported += 1
-        else:
-            assert read_trace_compact(path).requests_with_blocks() == want.requests, seed
+        reported += _reads_as_read_trace(path, seed)
     assert reported > 200
 
 
@@ -198,3 +203,37 @@ def test_coarser_blocks_slice_the_store_that_converting_every_request_gives() ->
             assert got.requests == want.requests and got.index == want.index, (seed, to)
             assert _same_store(got, want), (seed, to)
             assert got.requests_with_blocks() == want.requests_with_blocks(), (seed, to)
+
+
+def _odd_lines() -> list[str]:
+    """Request lines on which finding ``"blocks":[`` in the text is not finding the ids: another
+    object's ``blocks`` key, escapes, arrays holding more than ints, a comma before ``]``."""
+    def line(rid: str, tail: str, blocks: str = '"blocks":[1,2]', kind: str = ',"kind":"main"') -> str:
+        return f'{{"id":"{rid}","agent":"a","branch":"a:{rid}","input_tokens":9,"output_tokens":1,{blocks}{kind},"ends_branch":true{tail}}}'
+
+    return [
+        line("n1", ',"x":{"blocks":[1,2]}', blocks='"pause_s":0'),  # only a nested key: no ids (a fault: 2 expected)
+        line("n2", ',"x":{"blocks":[7,8]}'),  # two "blocks" keys
+        line("n3", ',"x":"q\\"blocks\\":[5]"'),  # an escaped quote
+        line("n4", ',"x\\"blocks":[5,6]', blocks='"pause_s":0'),  # a key with an escape, no ids
+        line("n5", "", blocks='"blocks":[[1],2]'),
+        line("n6", "", blocks='"blocks":[1,"]"]'),
+        line("n7", "", blocks='"blocks":[1,2,]'),
+        line("n8", "", blocks='"blocks":[1, 2 ,]'),
+        line("n9", "", blocks='"blocks":[1,2] ,"blocks":[3,4]'),  # a repeated key: the last one counts
+        line("n10", "", blocks='"blocks" : [1,2]'),
+        line("n11", ',"x":[1,"]"]'),
+        line("n12", "", blocks='"blocks":[1,2]]'),
+        line("n13", ',"bl\\u006fcks":[0]', blocks='"x\\"blocks":[1,2]'),  # the ids' key escaped, another unescaped
+        line("n14", "", blocks='"blocks":[1,2],"blocks":[0]'),
+    ]
+
+
+def test_lines_where_the_ids_are_not_where_the_text_says(tmp_path: Path) -> None:
+    header = json.dumps({"format": "evolving-infra-trace", "block_size": BS})
+    good = ('{"id":"g0","agent":"a","branch":"a:g","input_tokens":9,"output_tokens":1,"blocks":[1,2],'
+            '"kind":"main","ends_branch":true}')
+    for odd in _odd_lines():
+        path = tmp_path / "odd.jsonl"
+        path.write_text("\n".join([header, good, odd]) + "\n")  # g0 is the reference of the agent's next request
+        _reads_as_read_trace(path, odd)
