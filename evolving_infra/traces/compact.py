@@ -15,8 +15,9 @@ reference is the previous request of its branch, else of its parent branch, else
 rebuilt last costs one list slice and the new ids.
 
 :func:`read_trace_compact` does not decode the ids a request shares with its reference either:
-it keeps each request's ``blocks`` as JSON text (``msgspec.Raw``), finds the shared ids by
-comparing that text with the reference's (:func:`shared_text_prefix`) and decodes only the rest.
+it keeps each request's ``blocks`` as JSON text (cut from the line, :func:`_stub_and_text`), finds
+the shared ids by comparing that text with the reference's (:func:`shared_text_prefix`) and
+decodes only the rest.
 :meth:`CompactTrace.at_block_size` to coarser blocks slices the stored ids (numpy), no list rebuilt.
 """
 
