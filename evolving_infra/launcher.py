@@ -385,6 +385,7 @@ async def _demo(args: argparse.Namespace) -> int:
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import build_report, print_summary, write_report
     from evolving_infra.traces.io import read_trace
+    from services.router.ingress import ApiKeyError, local_client_key
     from shared.clock import SimClock
 
     torch_engine = args.engine == "torch"
@@ -425,12 +426,18 @@ async def _demo(args: argparse.Namespace) -> int:
     if warmup:
         print(f"  {warmup} (these Claude Code sessions are prefill-heavy and bursty: expect it to move nodes between phases)",
               flush=True)
+    try:
+        api_key = local_client_key()  # its router reads EI_API_KEYS / EI_API_KEYS_FILE like any other
+    except ApiKeyError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
     wall0 = time.monotonic()
     async with LocalCluster(spec) as cluster:
         print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, logs {cluster.log_dir}", flush=True)
         clock = SimClock(spec.speedup, cluster.clock_origin)
         replayer = LiveReplayer(
-            cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer)
+            cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer),
+            api_key=api_key,
         )
         state = _write_state({**cluster.describe(), **_state_fields(spec)})  # tap, split get, replay
         try:

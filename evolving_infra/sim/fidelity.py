@@ -153,6 +153,7 @@ async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path)
     from evolving_infra.replay.core import Arrival
     from evolving_infra.replay.live import LiveReplayer
     from evolving_infra.report.ideal import annotate_ideal
+    from services.router.ingress import local_client_key
     from evolving_infra.report.write import build_report, write_report
     from shared.clock import SimClock
 
@@ -171,7 +172,8 @@ async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path)
     wall0 = time.monotonic()
     async with LocalCluster(spec) as cluster:
         clock = SimClock(spec.speedup, cluster.clock_origin)
-        replayer = LiveReplayer(cluster.router_url, clock, block_size=bs, model=spec.model, progress=False)
+        replayer = LiveReplayer(cluster.router_url, clock, block_size=bs, model=spec.model, progress=False,
+                                api_key=local_client_key())  # its router reads EI_API_KEYS like any other
         result = await replayer.run(requests, Arrival(kind="closed", concurrency=s.concurrency))
         cluster.check_alive()
     ideal = annotate_ideal(result.records, {r.id: r for r in requests}, bs)

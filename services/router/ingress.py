@@ -21,8 +21,9 @@ value (``EI_API_KEYS``); see :func:`load_api_keys`.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,26 @@ def load_api_keys(path: str = "", inline: str = "") -> frozenset[str]:
             raise ApiKeyError(f"{path} holds no API key")
         keys |= file_keys
     return frozenset(keys)
+
+
+def local_client_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """The key a command that starts its own cluster (``demo``, ``fidelity``) sends to its router.
+
+    Its router reads the same environment as any other: with ``EI_API_KEYS`` or
+    ``EI_API_KEYS_FILE`` set it requires a key, so the command's own replay must send one.
+    Returns ``EI_API_KEY`` when set, else the first (sorted) key of the router's keys, else None
+    (the router is open).
+
+    Raises:
+        ApiKeyError: ``EI_API_KEYS_FILE`` is set but unreadable or holds no key (the router
+            would refuse to start on it too).
+    """
+    env = os.environ if environ is None else environ
+    own = env.get("EI_API_KEY", "").strip()
+    if own:
+        return own
+    keys = load_api_keys(env.get("EI_API_KEYS_FILE", ""), env.get("EI_API_KEYS", ""))
+    return min(keys) if keys else None
 
 
 def _digest(key: str | bytes) -> bytes:
