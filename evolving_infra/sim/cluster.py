@@ -439,8 +439,10 @@ class ClusterSim:
     def run_to_end(self, progress: Callable[[float, int], None] | None = None) -> ClusterResult:
         """Run until every agent has finished (or ``duration_s``); returns the result.
 
-        ``progress(now, completed)`` is called every 4,096 events (the caller decides what to
-        show and when; simulated seconds, requests completed so far)."""
+        ``progress(now, completed)`` is called every 256 events (the caller decides what to
+        show and when; simulated seconds, requests completed so far): an event of the ``evolving``
+        set can take milliseconds (a placement re-counts a path), and every 4,096 left gaps of
+        up to 31 s between progress lines."""
         heap = self._heap
         replay = self.replay
         stats = self.stats
@@ -450,7 +452,7 @@ class ClusterSim:
         while True:
             if not flights and not parked and replay.done:
                 break  # every agent finished: only planner ticks / relaunches would follow
-            if progress is not None and not stats.events & 4095:
+            if progress is not None and not stats.events & 255:
                 progress(self.now, len(self.records))
             t_rep = replay.next_time()
             if heap and (t_rep is None or heap[0][0] < t_rep):

@@ -62,3 +62,13 @@ def _every_call(init):
         self.next_at = 0.0
 
     return patched
+
+
+def test_progress_is_consulted_every_256_events(monkeypatch):
+    """An ``evolving`` event can cost milliseconds: every 4,096 events left 31-s gaps between lines."""
+    calls = []
+    monkeypatch.setattr(sim_run.ProgressLine, "__call__", lambda self, now, completed: calls.append(now))
+    reqs = small_trace(40, 12, pause=0.05)
+    res = simulate(SimConfig(nodes=2, profile="tiny", policy="static:1P1D", concurrency=4), reqs, BS, progress=True)
+    events = res.report["sim_stats"]["events"]
+    assert events > 1024 and len(calls) >= events // 256, (events, len(calls))
