@@ -14,13 +14,11 @@ merged into one report.
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import resource
 import sys
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,6 +30,7 @@ from evolving_infra.report.timeline import RunTimeline, SplitPoint, SwitchRecord
 from evolving_infra.report.write import build_report
 from evolving_infra.sim.cluster import DIRECTORY_SAMPLE_S, ClusterResult, ClusterSim, SimStats
 from evolving_infra.sim.config import Resolved, SimConfig, SimConfigError, resolve
+from evolving_infra.sim.pool import fork_pool
 from evolving_infra.sim.workload import PlainWorkload, TiledWorkload, WorkloadError
 from evolving_infra.traces.compact import CompactTrace
 from evolving_infra.traces.io import paused_gc
@@ -461,8 +460,7 @@ def _simulate(
     else:
         _FORK.update(run=run, workload=workload, keep=keep, shares=shares)
         try:
-            ctx = multiprocessing.get_context("fork")
-            with ProcessPoolExecutor(max_workers=min(cfg.workers, k), mp_context=ctx) as pool:
+            with fork_pool(min(cfg.workers, k)) as pool:
                 for i, blob, tl, st, nodes, phases in pool.map(_run_partition, range(k)):
                     results[i] = (_REC_DEC.decode(blob), tl, st, nodes, phases)
         finally:

@@ -14,15 +14,14 @@ Each item is a full run written to ``OUT/<label>/`` (``:`` becomes ``_``);
 from __future__ import annotations
 
 import json
-import multiprocessing
 import re
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from evolving_infra.sim.config import SimConfig, SimConfigError
+from evolving_infra.sim.pool import fork_pool
 from evolving_infra.traces.schema import TraceRequest
 
 SUMMARY_KEYS = (
@@ -142,8 +141,7 @@ def run_sweep(
     if parallel > 1 and len(items) > 1:
         _FORK.update(items=items, requests=requests, bs=bs, out=out, meta=meta, plots=plots)
         try:
-            ctx = multiprocessing.get_context("fork")
-            with ProcessPoolExecutor(max_workers=min(parallel, len(items)), mp_context=ctx) as pool:
+            with fork_pool(min(parallel, len(items))) as pool:
                 rows = list(pool.map(_run_item, range(len(items))))
         finally:
             _FORK.clear()
