@@ -115,7 +115,10 @@ def test_sighup_stops_a_ready_cluster_cleanly_unless_ignored(tmp_path, ignored):
            "up", "--nodes", "2", "--split", "1P1D", "--profile", "tiny", "--port", "0", "--policy", "static",
            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     env = {**os.environ, "EI_STATE_DIR": str(tmp_path / "state")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    # the child starts with SIGHUP at its default whatever the runner's is (under nohup it is ignored,
+    # and an ignored SIGHUP is inherited and, by design, kept by `up`)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         ready = None

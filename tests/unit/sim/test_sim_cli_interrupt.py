@@ -13,13 +13,21 @@ import pytest
 pytestmark = pytest.mark.timeout(180)
 
 
+def _sigint_default() -> None:
+    """The child starts with SIGINT at its default, whatever the test runner's is: a shell's
+    background job (``make test &``, nohup) ignores SIGINT, and an ignored SIGINT is inherited
+    and, rightly, kept by Python (no KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_while_simulating_prints_a_line_not_a_traceback(tmp_path):
     out = tmp_path / "run"
     from evolving_infra.launcher import demo_trace_path
 
     cmd = [sys.executable, "-m", "evolving_infra.cli", "simulate", "--trace", str(demo_trace_path()), "--tile", "50",
            "--nodes", "2", "--no-plots", "--out", str(out)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ},
+                            preexec_fn=_sigint_default)
     try:
         deadline = time.monotonic() + 120
         line = ""

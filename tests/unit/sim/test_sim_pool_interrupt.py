@@ -16,6 +16,8 @@ import pytest
 
 from evolving_infra.sim.pool import fork_pool
 
+from .test_sim_cli_interrupt import _sigint_default
+
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -42,7 +44,8 @@ def test_interrupting_a_parallel_sweep(tmp_path, whole_group):
     cmd = [sys.executable, "-m", "evolving_infra.cli", "simulate", "--trace", str(demo_trace_path()), "--tile", "50",
            "--nodes", "2", "--no-plots", "--sweep", "policies", "static:1P1D,dynamo", "--sweep-workers", "2",
            "--out", str(out)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_sigint_default)
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and len(_children(proc.pid)) < 2 and proc.poll() is None:
