@@ -10,22 +10,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from evolving_infra.sim.pool import fork_pool
 
+from tests.e2e.test_up_signals import _children
+
 from .test_sim_cli_interrupt import _sigint_default
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def _group_alive(pgid: int) -> bool:
