@@ -31,7 +31,9 @@ our node's L1 + L2 tokens: its disaggregated replay has no host tier (host offlo
 prefill and one decode worker), and with our L1 alone it recomputes most prompts (prefix reuse
 12% instead of ~87% on the quick input, a third of the requests completed), which is not the
 same work.
-Ours runs ``static:4P5D`` and ``evolving`` with ``--max-agents`` = the same sessions. Ours and
+Ours runs ``static:4P5D`` and ``evolving`` with ``--max-agents`` = the same sessions, from a copy of
+the input converted ahead to the block size (:func:`at_block_size`: the same requests ``simulate
+--block-size`` builds, as Dynamo reads its file converted ahead). Ours and
 Dynamo alternate, each run a fresh process, ``--dynamo-rounds`` rounds (≥ 3), at 64- and
 512-token blocks; medians of simulated seconds per wall second and the ratio ours ÷ Dynamo,
 with both sides' completed requests and tokens (the work each simulated). What differs in the
@@ -172,6 +174,31 @@ def first_agents(src: Path, dst: Path, agents: int) -> Path:
     return dst
 
 
+def at_block_size(src: Path, dst: Path, block_size: int) -> Path:
+    """``src`` rewritten at ``block_size`` tokens per block, cached: the requests ``simulate
+    --block-size`` would build from ``src`` (``rechunk_request``, one ``PrivateIds`` allocator in
+    file order, as ``evolving_infra.sim.run.convert_block_size`` does), so simulating ``dst`` at
+    its own block size is the same run (tests/unit/sim/test_dynamo_trace.py checks it). The
+    side-by-side gives each simulator its input already at the block size, as Dynamo's replay
+    reads its ``agentic_mooncake`` file converted ahead by :func:`dynamo_trace`. Streams."""
+    if dst.exists():
+        return dst
+    import msgspec
+
+    from evolving_infra.traces.io import iter_requests, write_trace
+    from evolving_infra.traces.tokens import PrivateIds, rechunk_request
+
+    header, reqs = iter_requests(src)
+    if header.block_size == block_size:
+        return src
+    private = PrivateIds()
+    tmp = dst.with_name(dst.name + ".tmp.jsonl.gz")
+    write_trace(tmp, msgspec.structs.replace(header, block_size=block_size),
+                (rechunk_request(r, header.block_size, block_size, private) for r in reqs))
+    tmp.rename(dst)
+    return dst
+
+
 def dynamo_trace(src: Path, dst: Path, block_size: int, max_pause_s: float = MAX_PAUSE_S) -> dict[str, int]:
     """Write ``src`` (our trace) as Dynamo's ``agentic_mooncake`` v2 trace at ``block_size`` tokens.
 
@@ -274,7 +301,8 @@ def side_by_side(dyn: DynamoReplay, cache: Path, *, agents: int, duration: float
         job = {"trace": str(dtrace), "block_size": bs, "prefill": 4, "decode": 5, "lanes": DYNAMO_LANES, "duration_s": duration,
                "engine": {"num_gpu_blocks": (prof.memory.gpu_kv_tokens + prof.memory.host_kv_tokens) // bs, "max_num_batched_tokens": prof.scheduler.chunk_tokens,
                           "max_num_seqs": prof.scheduler.max_running}}
-        ours_args = ["--trace", str(trace), "--nodes", "9", "--concurrency", str(DYNAMO_LANES), "--max-agents", str(agents),
+        ours_trace = at_block_size(trace, cache / f"cc_real_first{agents}_at{bs}.jsonl.gz", bs)
+        ours_args = ["--trace", str(ours_trace), "--nodes", "9", "--concurrency", str(DYNAMO_LANES), "--max-agents", str(agents),
                      "--max-pause", str(MAX_PAUSE_S), "--block-size", str(bs), "--duration", str(duration)]
         res: dict[str, list[dict]] = {p: [] for p in ("dynamo", *policies)}
         for r in range(rounds):

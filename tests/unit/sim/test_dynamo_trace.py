@@ -87,3 +87,38 @@ def test_dynamo_replays_the_converted_trace(tmp_path):
     out = dyn.run(job, tmp_path)
     assert out["completed_requests"] == 5 and out["total_output_tokens"] == 3 + 1 + 2 + 1 + 5
     assert out["completed_trajectories"] == out["total_trajectories"] == 2
+
+
+def test_our_input_converted_ahead_to_the_block_size_simulates_the_same(tmp_path):
+    """The side-by-side gives our simulator its input at the block size ahead of the timed runs
+    (``sim_speed.at_block_size``), as Dynamo reads its converted file: simulating that file must be
+    the very run ``simulate --block-size`` makes from the 64-token trace (report and requests equal
+    apart from wall-clock keys), and no request may keep a 64-token id list."""
+    import subprocess
+
+    import sim_ab
+
+    from evolving_infra.traces.io import iter_requests
+
+    src = Path(__file__).resolve().parents[3] / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
+    header, _ = iter_requests(src)
+    assert header.block_size == 64
+    coarse = sim_speed.at_block_size(src, tmp_path / "at512.jsonl.gz", 512)
+    h2, reqs = iter_requests(coarse)
+    assert h2.block_size == 512
+    assert all(len(r.blocks) <= -(-r.input_tokens // 512) for r in reqs)
+    outs = []
+    for trace in (src, coarse):
+        out = tmp_path / f"out-{trace.stem}"
+        subprocess.run([sys.executable, "-m", "evolving_infra.cli", "simulate", "--trace", str(trace), "--block-size", "512",
+                        "--nodes", "4", "--concurrency", "6", "--max-pause", "30", "--duration", "240", "--policy", "evolving",
+                        "--out", str(out), "--no-plots"], check=True, capture_output=True,
+                       cwd=Path(__file__).resolve().parents[3])
+        outs.append(out)
+    rep = [json.loads((o / "report.json").read_text()) for o in outs]
+    assert (rep[0]["meta"]["trace_block_size"], rep[1]["meta"]["trace_block_size"]) == (64, 512)
+    for k in ("trace", "trace_block_size"):  # what the input was, not what ran
+        rep[1]["meta"][k] = rep[0]["meta"][k]
+    (outs[1] / "report.json").write_text(json.dumps(rep[1]))
+    assert sim_ab.differences(*outs) == []
+    assert json.loads((outs[0] / "report.json").read_text())["requests_completed"] > 0
