@@ -154,56 +154,87 @@ def _strip_eol(raw: bytes) -> bytes:
 
 
 _CHUNK = 1 << 20
-"""Compressed bytes read, and most bytes inflated, at a time by :func:`_lines` (``gzip``'s line
-reads go 8 KiB at a time through Python, with a separate CRC pass: ~20% of reading a large
-compressed trace)."""
+"""Bytes read, and most bytes inflated, at a time by :func:`_line_spans` (``gzip``'s line reads go
+8 KiB at a time through Python, with a separate CRC pass: ~20% of reading a large compressed
+trace)."""
 _HOLD = 1 << 20
-"""Inflated bytes :func:`_one_member_lines` holds back until more follows: ``gzip`` loses at
-most one read of its buffer (8 KiB; 128 KiB from Python 3.12) before bad data, so the lines
-given before an error are never more than ``gzip`` gives."""
+"""Inflated bytes :func:`_line_spans` holds back until more follows: ``gzip`` loses at most one
+read of its buffer (8 KiB; 128 KiB from Python 3.12) before bad data, so the lines given before an
+error are never more than ``gzip`` gives."""
+
+Span = tuple[bytes, int, int]
+"""A line as ``(buf, start, end)``: the line is ``buf[start:end]``, its end (``\\n``, and a
+``\\r`` before it) excluded. ``buf`` is a whole chunk of the file, shared by the lines in it: a
+reader slices out only what it keeps (``traces.compact`` copies a request's ids' text once, not
+the line and then the ids)."""
 
 
 class _NotOneMember(Exception):
     """The compressed stream is not one clean gzip member: ``gzip``'s own reader takes over."""
 
 
-def _one_member_lines(f: IO[bytes]) -> Iterator[bytes]:
-    """Lines (ends stripped) of a file that is exactly one gzip member, inflated by zlib
-    (header, CRC and length checked by zlib) at most :data:`_CHUNK` at a time; the last :data:`_HOLD`
-    bytes only once more follows, or the member has ended and nothing follows it.
+def _one_member(f: IO[bytes]) -> Iterator[bytes]:
+    """The inflated bytes of a file that is exactly one gzip member, at most :data:`_CHUNK` at a
+    time (header, CRC and length checked by zlib).
 
     Raises:
         _NotOneMember: the data ends early, or more follows the member (another member, padding).
         zlib.error: the data is corrupt.
     """
     d = zlib.decompressobj(wbits=31)
-    held: deque[bytes] = deque()  # whole lines not given yet
-    held_bytes = 0  # inflated bytes after the last line given
-    rest = b""  # after the last newline
     while not d.eof:
         chunk = d.unconsumed_tail or f.read(_CHUNK)
         if not chunk:
             raise _NotOneMember
         out = d.decompress(chunk, _CHUNK)  # bounded: a trace's id lists can inflate 100-fold
-        held_bytes += len(out)
-        lines = out.split(b"\n")
-        lines[0] = rest + lines[0]
-        rest = lines.pop()
-        held.extend(lines)
-        while held and held_bytes - len(held[0]) - 1 >= _HOLD:
-            raw = held.popleft()
-            held_bytes -= len(raw) + 1
-            yield raw[:-1] if raw.endswith(b"\r") else raw
+        if out:
+            yield out
     if d.unused_data or f.read(1):
         raise _NotOneMember
-    for raw in held:
-        yield raw[:-1] if raw.endswith(b"\r") else raw
+
+
+def _spans(chunks: Iterable[bytes], hold: int) -> Iterator[Span]:
+    """The lines of the concatenated ``chunks`` as :data:`Span` s, none copied but a line that
+    crosses a chunk's end; a line only once ``hold`` more bytes follow it, or the chunks have
+    ended (an error raised by ``chunks`` comes before the lines it holds back). A last line without
+    its end keeps a ``\\r`` at its end (as reading the file line by line gives it)."""
+    held: deque[tuple[bytes, int, int, int]] = deque()  # (buf, start, end, bytes read to its end)
+    total = 0  # bytes read
+    rest: list[bytes] = []  # pieces of a line not ended yet
+    find = bytes.find
+    for buf in chunks:
+        base, total = total, total + len(buf)
+        nl = find(buf, b"\n")
+        if nl < 0:
+            rest.append(buf)
+            continue
+        if rest:
+            rest.append(buf[:nl])
+            line = b"".join(rest)
+            rest = []
+            held.append((line, 0, len(line), base + nl + 1))
+        else:
+            held.append((buf, 0, nl, base + nl + 1))
+        s = nl + 1
+        nl = find(buf, b"\n", s)
+        while nl >= 0:
+            held.append((buf, s, nl, base + nl + 1))
+            s = nl + 1
+            nl = find(buf, b"\n", s)
+        if s < len(buf):
+            rest.append(buf[s:])
+        while held and total - held[0][3] >= hold:
+            b, s, e, _ = held.popleft()
+            yield b, s, e - 1 if e > s and b[e - 1] == 13 else e
+    for b, s, e, _ in held:
+        yield b, s, e - 1 if e > s and b[e - 1] == 13 else e
     if rest:  # a last line without its end
-        yield rest
+        line = b"".join(rest)
+        yield line, 0, len(line)
 
 
-def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
-    """``(line number, line without its end)`` of a trace file, gzip or plain. A compressed file
+def _line_spans(path: str | os.PathLike[str]) -> Iterator[Span]:
+    """The lines of a trace file, gzip or plain, in order, as :data:`Span` s. A compressed file
     that is one clean gzip member (what :func:`write_trace` writes) is inflated by zlib in large
     chunks; any other (several members, padding, truncated or corrupt data) is read on by
     ``gzip``'s own reader from the first line not yet given, so every line, and the error after
@@ -212,21 +243,27 @@ def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
     with open(path, "rb") as f:
         if f.read(2) != _GZIP_MAGIC:
             f.seek(0)
-            for n, raw in enumerate(f, start=1):
-                yield n, _strip_eol(raw)
+            yield from _spans(iter(lambda: f.read(_CHUNK), b""), 0)
             return
         f.seek(0)
         try:
-            for raw in _one_member_lines(f):
+            for span in _spans(_one_member(f), _HOLD):
                 n += 1
-                yield n, raw
+                yield span
             return
         except (_NotOneMember, zlib.error):
             pass
     with open_trace_bytes(path) as g:
         for i, raw in enumerate(g, start=1):
             if i > n:
-                yield i, _strip_eol(raw)
+                raw = _strip_eol(raw)
+                yield raw, 0, len(raw)
+
+
+def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
+    """``(line number, line without its end)`` of a trace file (:func:`_line_spans`)."""
+    for n, (buf, s, e) in enumerate(_line_spans(path), start=1):
+        yield n, buf[s:e]
 
 
 def _short(err: Exception) -> str:
@@ -418,14 +455,17 @@ class _Validator:
 _READ_ERRORS: tuple[type[Exception], ...] = (EOFError, gzip.BadGzipFile, zlib.error)
 
 
-def _scan(path: str | os.PathLike[str], v: "_Validator", feed: Callable[[int, bytes], Any] | None = None) -> Iterator[Any]:
-    """The valid requests of a file (``feed(line, raw)``'s results that are not None; default
-    ``v.feed``), then ``v.finish``; an unreadable compressed stream is one problem."""
+def _scan(path: str | os.PathLike[str], v: "_Validator", feed: Callable[[int, bytes, int, int], Any] | None = None) -> Iterator[Any]:
+    """The valid requests of a file (``feed(line, buf, start, end)``'s results that are not None,
+    line ``line`` being ``buf[start:end]``, :data:`Span`; default ``v.feed`` of that line), then
+    ``v.finish``; an unreadable compressed stream is one problem."""
     n = 0
-    feed = feed or v.feed
+    if feed is None:
+        vfeed = v.feed
+        feed = lambda n, buf, s, e: vfeed(n, buf[s:e])  # noqa: E731
     try:
-        for n, raw in _lines(path):
-            req = feed(n, raw)
+        for n, (buf, s, e) in enumerate(_line_spans(path), start=1):
+            req = feed(n, buf, s, e)
             if req is not None:
                 yield req
     except _READ_ERRORS as e:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from evolving_infra.traces import io as tio
 from evolving_infra.traces.compact import compact_requests, read_trace_compact, shared_text_prefix
 from evolving_infra.traces.io import TraceError, read_trace, write_trace
 from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceRequest
@@ -72,7 +73,16 @@ def _same_store(a, b) -> bool:
     return all(list(getattr(a.store, f)) == list(getattr(b.store, f)) for f in STORE_ARRAYS)
 
 
-def test_random_traces_give_the_store_that_decoding_every_id_gives(tmp_path: Path) -> None:
+@pytest.fixture(params=[1 << 20, 61], ids=["chunk_1MiB", "chunk_61B"])
+def chunk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The file read (and inflated) in chunks of this many bytes: at 61 bytes most lines cross
+    chunk ends (a line is then joined from pieces), and lines are held back 3 chunks only."""
+    monkeypatch.setattr(tio, "_CHUNK", request.param)
+    monkeypatch.setattr(tio, "_HOLD", min(3 * request.param, tio._HOLD))
+    return request.param
+
+
+def test_random_traces_give_the_store_that_decoding_every_id_gives(tmp_path: Path, chunk: int) -> None:
     for seed in range(300):
         reqs = _random_requests(seed)
         path = tmp_path / f"t{seed}.jsonl.gz"
@@ -157,7 +167,7 @@ def _reads_as_read_trace(path: Path, tag: object) -> bool:
     return False
 
 
-def test_bad_lines_are_reported_as_read_trace_reports_them(tmp_path: Path) -> None:
+def test_bad_lines_are_reported_as_read_trace_reports_them(tmp_path: Path, chunk: int) -> None:
     def mutated(lines: list[str], rng: random.Random) -> None:
         for i in rng.sample(range(1, len(lines)), min(len(lines) - 1, rng.randint(1, 3))):
             lines[i] = _mutate(lines[i], rng)
@@ -185,7 +195,8 @@ def test_bad_lines_are_reported_as_read_trace_reports_them(tmp_path: Path) -> No
 )
 def test_shared_text_prefix(ref: list[int], new: list[int], want: tuple[int, int]) -> None:
     enc = lambda x: json.dumps(x, separators=(",", ":")).encode()  # noqa: E731
-    assert shared_text_prefix(enc(ref), len(ref), enc(new)) == want
+    assert shared_text_prefix(enc(ref)[:-1], len(ref), enc(new)) == want  # ref without its "]"
+    assert shared_text_prefix(enc(ref)[:-1], len(ref), b"xy" + enc(new) + b"z", 2, 2 + len(enc(new))) == (want[0], want[1] + 2 * (want[1] >= 0))
 
 
 def test_coarser_blocks_slice_the_store_that_converting_every_request_gives() -> None:

@@ -78,6 +78,19 @@ def test_any_compressed_file_reads_as_gzip_reads_it(tmp_path: Path, monkeypatch:
     assert {k for k, err, many in kinds if err and many} >= {3, 4}  # some after many good lines
 
 
+@pytest.mark.parametrize("chunk", [64, 1 << 20])
+def test_plain_file_reads_as_reading_it_line_by_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    # read in chunks: lines (empty ones, \r\n ends, a last line without its end) cross chunk ends
+    monkeypatch.setattr(tio, "_CHUNK", chunk)
+    for seed in range(60):
+        rng = random.Random(seed)
+        path = tmp_path / f"p{seed}.jsonl"
+        path.write_bytes(_text(rng, rng.randrange(0, 200)) + (b"\r" if seed % 7 == 0 else b""))
+        with open(path, "rb") as f:
+            want = [(n, tio._strip_eol(raw)) for n, raw in enumerate(f, start=1)]
+        assert _read(path) == (want, None), seed
+
+
 def test_truncated_trace_reports_the_line_gzip_reaches(tmp_path: Path) -> None:
     reqs = [TraceRequest(id=f"r{i}", agent="a", branch="a:main", input_tokens=4 * (i + 1), output_tokens=1,
                          blocks=list(range(i + 1)), kind="main" if i == 0 else None, ends_branch=i == 199) for i in range(200)]
