@@ -46,8 +46,9 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from itertools import compress, filterfalse, repeat
+from itertools import chain, compress, islice, repeat
 from operator import add as _add
+from operator import ge as _ge
 from operator import ne as _ne
 from operator import not_ as _not
 from operator import sub as _sub
@@ -55,13 +56,12 @@ from dataclasses import dataclass, field
 
 from shared.messages import CountUpdates
 
-from .index import GPU, HOST, BlockIndex, tier_bit
+from .index import GPU, HOST, BlockIndex, _match, tier_bit
 
-_EMPTY: frozenset[int] = frozenset()
 _REPEAT0 = repeat(0)
 _REPEAT1 = repeat(1)
 _REPEAT_M1 = repeat(-1)
-_ONE_EQ = (1).__eq__
+_REPEAT_NONE = repeat(None)
 
 
 def _drain(it: Iterable[object]) -> None:
@@ -80,10 +80,9 @@ class Branch:
     agent: str | None = None
     version: int = 1
     path: list[int] = field(default_factory=list)
-    """π_β: block path of the branch's last request."""
-    path_set: frozenset[int] = _EMPTY
-    counted: dict[int, frozenset[int]] = field(default_factory=dict)
-    """node index → C_{β,n} (only non-empty sets; the keys are N_β)."""
+    """π_β: block path of the branch's last request (chained hashes; never mutated in place)."""
+    counted: dict[int, int] = field(default_factory=dict)
+    """node index → k_{β,n} > 0: C_{β,n} is the prefix ``path[:k]`` (the keys are N_β)."""
     pending: dict[int, set[int]] = field(default_factory=dict)
     """target node → source nodes to release once the target holds v_β."""
     watch: dict[int, int] = field(default_factory=dict)
@@ -151,8 +150,12 @@ class BranchTable:
         """[node][tier]: present copies whose count is > 0 (kept on 0↔1 crossings)."""
         self.node_branches: list[set[str]] = []
         """[node]: ids of branches with a non-empty C_{β,node}."""
-        self.outbox: list[dict[int, int]] = []
-        """[node]: block → its count before the first unsent change (-1 = send anyway)."""
+        self.outbox: list[list[tuple[list[int], list[int] | None, list[int]]]] = []
+        """[node]: unsent count changes in the order they happened, each ``(blocks, before,
+        after)``: a path slice (parent first) or the counted blocks of a host store (in the
+        store's order), their counts before (None: send anyway) and after the change."""
+        self.out_len: list[int] = []
+        """[node]: blocks listed in its outbox (a block changed twice is listed twice)."""
         self.out_seq: list[int] = []
         self.node_names: list[str] = []
         self.node_phase: list[str | None] = []
@@ -171,7 +174,8 @@ class BranchTable:
         self.R.append({})
         self.counted_copies.append([0, 0])
         self.node_branches.append(set())
-        self.outbox.append({})
+        self.outbox.append([])
+        self.out_len.append(0)
         self.out_seq.append(0)
         self.node_names.append(name)
         self.node_phase.append(None)
@@ -184,49 +188,119 @@ class BranchTable:
     # ------------------------------------------------------------------ #
     # Count / Release (Alg. E.2 lines 1-4)
     # ------------------------------------------------------------------ #
+    #
+    # C_{β,n} is always a prefix of π_β (stored as its length k_{β,n}): a placement counts π_new,
+    # a version bump cuts every C_{β,m} to π_old ∩ π_new, which for chained hashes (a hash names
+    # its whole prefix) is the common prefix, and an extension keeps old prefixes prefixes. So a
+    # Count is one path slice: added π[k_old:k_new] or removed π[k_new:k_old], in path order,
+    # with no per-placement set of the path and no set difference.
 
-    def _count(self, b: Branch, n: int, target: frozenset[int]) -> None:
-        """Make branch b count exactly the blocks of ``target`` on node n."""
-        cur = b.counted.get(n, _EMPTY)
-        if cur is target:
-            return
-        add = target - cur if cur else target
-        rem = cur - target if target else cur
-        if add or rem:
-            # per block, but in C: map/compress/dict.update over the sets; Python steps only per
-            # run of blocks whose count crosses 0 (presence is read per run of the index)
-            R = self.R[n]
-            out = self.outbox[n]
-            setdefault = out.setdefault
-            if add:
-                old = list(map(R.get, add, _REPEAT0))
-                _drain(map(setdefault, add, old))  # the count before the first unsent change
-                R.update(zip(add, map(_add, old, _REPEAT1)))
-                if 0 in old:
-                    self._crossed(n, compress(add, map(_not, old)), 1)
-            if rem:
-                old = list(map(R.get, rem, _REPEAT0))
-                zeros = old.count(0)
-                if zeros:  # never counted here: refused, counted
-                    self.counters["count.negative_prevented"] += zeros
-                    keep = list(map(bool, old))
-                    rem = list(compress(rem, keep))
-                    old = list(compress(old, keep))
-                _drain(map(setdefault, rem, old))
-                ones = list(map(_ONE_EQ, old))
-                if True in ones:
-                    gone = list(compress(rem, ones))
-                    _drain(map(R.__delitem__, gone))
-                    self._crossed(n, gone, -1)
-                    R.update(zip(compress(rem, map(_not, ones)), map(_sub, compress(old, map(_not, ones)), _REPEAT1)))
-                else:
-                    R.update(zip(rem, map(_sub, old, _REPEAT1)))
-        if target:
-            b.counted[n] = target
-            self.node_branches[n].add(b.bid)
+    def _set_k(self, b: Branch, n: int, k: int) -> None:
+        """Make branch b count exactly ``b.path[:k]`` on node n (its count there is a prefix of
+        ``b.path``). O(changed blocks) C-level dict work + O(runs crossing 0)."""
+        cur = b.counted.get(n, 0)
+        if k > cur:
+            self._count_up(n, b.path[cur:k])
+        elif k < cur:
+            self._count_down(n, b.path[k:cur])
         else:
-            b.counted.pop(n, None)
+            return
+        if k:
+            b.counted[n] = k
+            if not cur:
+                self.node_branches[n].add(b.bid)
+        else:
+            del b.counted[n]
             self.node_branches[n].discard(b.bid)
+
+    def _count_up(self, n: int, blocks: list[int]) -> None:
+        """One more branch counts ``blocks`` (a path slice, parent first) on node n.
+
+        Along a path counts never grow with depth (a prefix that holds a block holds its
+        parent), so the blocks that cross 0 are a tail of the slice: their present copies
+        are counted per run of the index (:meth:`_crossed_path`)."""
+        R = self.R[n]
+        old = list(map(R.get, blocks, _REPEAT0))
+        if 0 in old:
+            z = old.index(0)
+            zeros = old.count(0)
+            new = [1] * len(blocks) if zeros == len(old) else list(map(_add, old, _REPEAT1))
+            R.update(zip(blocks, new))
+            if zeros == len(old) - z:  # the zeros are the tail (always, unless R was tampered with)
+                self._crossed_path(n, blocks[z:] if z else blocks, 1)
+            else:
+                self._crossed(n, compress(blocks, map(_not, old)), 1)
+        else:
+            new = list(map(_add, old, _REPEAT1))
+            R.update(zip(blocks, new))
+        self.outbox[n].append((blocks, old, new))
+        self.out_len[n] += len(blocks)
+
+    def _count_down(self, n: int, blocks: list[int]) -> None:
+        """One branch fewer counts ``blocks`` (a path slice, parent first) on node n; a block
+        not counted there is refused (``count.negative_prevented``). The blocks whose count
+        drops to 0 are a tail of the slice (see :meth:`_count_up`)."""
+        R = self.R[n]
+        old = list(map(R.get, blocks, _REPEAT0))
+        if 0 in old:  # never counted here: refused, counted
+            zeros = old.count(0)
+            self.counters["count.negative_prevented"] += zeros
+            if zeros == len(old):
+                return
+            keep = list(map(bool, old))
+            blocks = list(compress(blocks, keep))
+            old = list(compress(old, keep))
+        if 1 in old:
+            z = old.index(1)
+            if not z and old.count(1) == len(old):  # the usual release: this branch was the only one
+                new = [0] * len(blocks)
+                _drain(map(R.pop, blocks, _REPEAT_NONE))
+                self._crossed_path(n, blocks, -1)
+            else:
+                new = list(map(_sub, old, _REPEAT1))
+                if old.count(1) == len(old) - z:  # the ones are the tail
+                    R.update(zip(blocks, islice(new, z)))
+                    gone = blocks[z:]
+                    _drain(map(R.pop, gone, _REPEAT_NONE))
+                    self._crossed_path(n, gone, -1)
+                else:
+                    R.update(zip(blocks, new))
+                    gone = list(compress(blocks, map(_not, new)))
+                    _drain(map(R.pop, gone, _REPEAT_NONE))
+                    self._crossed(n, gone, -1)
+        else:
+            new = list(map(_sub, old, _REPEAT1))
+            R.update(zip(blocks, new))
+        self.outbox[n].append((blocks, old, new))
+        self.out_len[n] += len(blocks)
+
+    def _crossed_path(self, n: int, blocks: list[int], d: int) -> None:
+        """:meth:`_crossed` for a path slice: walked run by run of the index (one ``where``
+        probe and one slice comparison per run) while its blocks are indexed; the rest, once
+        a block is not, per block (usually a tail stored nowhere yet: one C-level probe)."""
+        where = self.index.where
+        gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
+        g = hs = 0
+        i, L = 0, len(blocks)
+        while i < L:
+            h = blocks[i]
+            r = where.get(h)
+            if r is None:
+                rest = blocks[i:]
+                if not where.keys().isdisjoint(rest):
+                    self._crossed(n, rest, d)
+                break
+            keys = r.keys
+            m = _match(keys, 0 if keys[0] == h else keys.index(h), blocks, i)
+            pc = r.pc
+            if pc & gb:
+                g += m
+            if pc & hb:
+                hs += m
+            i += m
+        cc = self.counted_copies[n]
+        cc[GPU] += d * g
+        cc[HOST] += d * hs
 
     def _crossed(self, n: int, blocks: Iterable[int], d: int) -> None:
         """``blocks`` had their count on node n cross 0 (d = +1 up, -1 down): present copies
@@ -249,7 +323,7 @@ class BranchTable:
                     cc[HOST] += d * k
 
     def _release(self, b: Branch, n: int) -> None:
-        self._count(b, n, _EMPTY)
+        self._set_k(b, n, 0)
         self._unwatch(b, n)
         b.pending.pop(n, None)
 
@@ -275,7 +349,7 @@ class BranchTable:
         done = []
         for m in sources:
             if m != target and m in b.counted:
-                self._count(b, m, _EMPTY)
+                self._set_k(b, m, 0)
                 done.append(m)
         if done:
             self.counters["moves.released_sources"] += len(done)
@@ -298,12 +372,14 @@ class BranchTable:
             return
         R = self.R[n]
         if R:
-            hit = R.keys() & newly
-            if hit:
-                self.counted_copies[n][tier] += len(hit)
-                if tier == HOST:  # re-sent: the worker keeps counts only for blocks it holds
-                    out = self.outbox[n]
-                    out.update(zip(filterfalse(out.__contains__, hit), _REPEAT_M1))
+            if tier == HOST:  # re-sent, in the store's order: the worker keeps counts only for blocks it holds
+                hit = list(filter(R.__contains__, newly))
+                if hit:
+                    self.counted_copies[n][tier] += len(hit)
+                    self.outbox[n].append((hit, None, list(map(R.__getitem__, hit))))
+                    self.out_len[n] += len(hit)
+            else:
+                self.counted_copies[n][tier] += len(R.keys() & newly)
         if self.watch:
             for h in self.watch.keys() & newly:
                 for target, bid in list(self.watch.get(h, ())):
@@ -446,7 +522,7 @@ class BranchTable:
 
     def _drop_branch(self, b: Branch) -> None:
         for m in list(b.counted):
-            self._count(b, m, _EMPTY)
+            self._set_k(b, m, 0)
         for t in list(b.watch):
             self._unwatch(b, t)
         b.pending.clear()
@@ -477,12 +553,12 @@ class BranchTable:
             b.version += 1
             out.bumped = True
             self.counters["branch.version_bumps"] += 1
-            new_set = frozenset(path)
-            for m, cset in list(b.counted.items()):
-                self._count(b, m, cset & new_set)  # release the dropped history once per node
-            out.history_blocks = _common_prefix(old, path)
+            c = _common_prefix(old, path)
+            for m, k in list(b.counted.items()):
+                if k > c:  # C ∩ π_new = π_old[:min(k, c)]: release the dropped history once per node
+                    self._set_k(b, m, c)
+            out.history_blocks = c
         else:
-            new_set = b.path_set if path == old else frozenset(path)
             out.history_blocks = len(old)
         if b.requests == 0 and b.parent is not None and b.kind == "fork":
             pb = self.branches.get(b.parent)
@@ -491,7 +567,6 @@ class BranchTable:
                 if out.prev_prefill_node is None:
                     out.prev_prefill_node = pb.last_prefill_node
         b.path = path
-        b.path_set = new_set
         b.requests += 1
         out.version = b.version
         if b.pending and path != old:
@@ -499,7 +574,7 @@ class BranchTable:
         # -- Alg. E.2 placement ---------------------------------------------
         if self.placed_phase[n] != phase:
             self.placed_phase[n] = phase
-        self._count(b, n, new_set)
+        self._set_k(b, n, len(path))
         covered = PHASE_SET.get(phase, PHASE_SET["both"])
         sources = set()
         for m in b.counted:
@@ -576,6 +651,38 @@ class BranchTable:
             del self.ended[bid]
         return gone
 
+    def check(self) -> None:
+        """Invariants (O(Σ counted blocks); for tests): every ``C_{β,n}`` is a prefix
+        ``π_β[:k]`` with 0 < k ≤ |π_β|, N_β and ``node_branches`` agree, ``R[n][b]`` is exactly
+        the number of active branches whose prefix on n holds b (README invariant 3, no zero
+        entries), counts never grow along a counted prefix (a prefix that holds a block holds
+        its parent: the blocks crossing 0 in a Count are a tail of its slice), and
+        ``counted_copies`` are the present copies with a positive count (invariant 4).
+
+        Raises:
+            AssertionError: naming the first one that fails.
+        """
+        want: list[Counter[int]] = [Counter() for _ in self.R]
+        on: list[set[str]] = [set() for _ in self.R]
+        for b in self.branches.values():
+            for n, k in b.counted.items():
+                assert 0 < k <= len(b.path), f"branch {b.bid}: k={k} on node {n}, |π|={len(b.path)}"
+                want[n].update(set(b.path[:k]))
+                on[n].add(b.bid)
+        for n, R in enumerate(self.R):
+            assert on[n] == self.node_branches[n], f"node_branches[{n}]"
+            assert R == dict(want[n]), f"R[{n}] differs from the branch table"
+            for b in self.branches.values():
+                k = b.counted.get(n, 0)
+                c = list(map(R.__getitem__, b.path[:k]))
+                assert all(map(_ge, c, c[1:])), f"counts grow along branch {b.bid}'s prefix on node {n}"
+            where = self.index.where
+            for t in (GPU, HOST):
+                bit = tier_bit(n, t)
+                held = sum(1 for h in R if (r := where.get(h)) is not None and r.pc & bit)
+                assert held == self.counted_copies[n][t], f"counted_copies[{n}][{t}] {self.counted_copies[n][t]} != {held}"
+        assert self.out_len == [sum(len(o[0]) for o in out) for out in self.outbox], "out_len"
+
     def next_deadline(self) -> float | None:
         """Simulated time at which :meth:`expire` has work, or None."""
         if not self.branches:
@@ -588,36 +695,54 @@ class BranchTable:
     # ------------------------------------------------------------------ #
 
     def pending_updates(self) -> int:
-        """Blocks with an unsent count change, over all nodes."""
-        return sum(len(o) for o in self.outbox)
+        """Count changes not yet taken, over all nodes (a block changed twice counts twice). O(nodes)."""
+        return sum(self.out_len)
 
     def drop_count_updates(self) -> int:
         """Empty the outbox without building messages, for a caller whose engines ignore counts
         (the simulator under ``lru`` eviction); message sequence numbers do not advance, as no
-        message is made. Returns the blocks dropped. O(nodes + blocks dropped)."""
-        dropped = 0
-        for out in self.outbox:
+        message is made. Returns the changes dropped (as :meth:`pending_updates`). O(nodes)."""
+        dropped = sum(self.out_len)
+        for n, out in enumerate(self.outbox):
             if out:
-                dropped += len(out)
                 out.clear()
+                self.out_len[n] = 0
         return dropped
 
     def take_count_updates(self) -> list[CountUpdates]:
-        """Drain the outbox: per node, the new count of every block whose count
-        changed since the last drain (a change undone before the drain is not sent)."""
+        """Drain the outbox: per node, the new count of every block whose count changed since
+        the last drain, in the order of the changes (each change's blocks parent first; a block
+        changed twice where it first changed); a change undone before the drain is not sent.
+        A node's updates are cut into messages of at most ``max_updates_per_msg``.
+
+        O(listed blocks) list copies when the node's changes touch distinct blocks (the usual:
+        one change, or a move's count and a release elsewhere); else O(listed blocks) C-level
+        dict work to merge them."""
         msgs = []
         cap = self.max_updates_per_msg
         for n, out in enumerate(self.outbox):
             if not out:
                 continue
-            now = list(map(self.R[n].get, out, _REPEAT0))
-            changed = list(map(_ne, now, out.values()))  # a change undone before the drain is not sent
-            if False in changed:
-                hashes = list(compress(out, changed))
-                counts = list(compress(now, changed))
+            if len(out) == 1:  # one change: every block listed once, each count changed
+                hashes, _, counts = out[0]
             else:
-                hashes, counts = list(out), now
+                hashes = list(chain.from_iterable([o[0] for o in out]))
+                first = dict.fromkeys(hashes)
+                if len(first) == len(hashes):  # distinct blocks: each changed once
+                    counts = list(chain.from_iterable([o[2] for o in out]))
+                else:
+                    before: dict[int, int] = {}
+                    for blocks, bef, _ in reversed(out):  # the count before the first change wins
+                        before.update(zip(blocks, _REPEAT_M1 if bef is None else bef))
+                    hashes = list(first)
+                    now = list(map(self.R[n].get, hashes, _REPEAT0))
+                    changed = list(map(_ne, now, map(before.__getitem__, hashes)))  # an undone change is not sent
+                    if False in changed:
+                        hashes = list(compress(hashes, changed))
+                        now = list(compress(now, changed))
+                    counts = now
             out.clear()
+            self.out_len[n] = 0
             for i in range(0, len(hashes), cap):
                 self.out_seq[n] += 1
                 msgs.append(
