@@ -233,6 +233,8 @@ def _placed(r: m.RoutePlaced, p: dict[str, str], nodes: Collection[str] | None) 
     _known(r.node, nodes, "node")
     _text(r.branch_id, "branch_id", MAX_ID_LEN)
     _len(r.block_hashes, "block_hashes", MAX_BLOCKS)
+    if len(set(r.block_hashes)) != len(r.block_hashes):  # chained hashes never repeat: the directory counts prefixes
+        raise Invalid("block_hashes repeat a hash: not a chain of prefix hashes")
     _time(r.ts, "ts")
 
 

@@ -5,9 +5,19 @@ This module contains zero I/O; every transition of a branch lives here.
 State:
 
 * branch table ``S[β] = (version v_β, path π_β, counted C_{β,n} per node)``;
-  ``N_β`` is the set of nodes with a non-empty ``C_{β,n}``;
-* counts ``R[n][b]`` = number of active branches β with ``b ∈ C_{β,n}``;
-* an outbox of count changes per node, drained by :meth:`BranchTable.take_count_updates`.
+  ``N_β`` is the set of nodes with a non-empty ``C_{β,n}``. ``C_{β,n}`` is always a prefix
+  of π_β (a placement counts π_new; a version bump cuts it to ``C ∩ π_new``, which for
+  chained hashes, a hash naming its whole prefix, is the common prefix of π_old and π_new;
+  an extension keeps prefixes prefixes), so it is stored as its length ``k_{β,n}`` and every
+  Count is one path slice (:meth:`BranchTable.check` asserts it);
+* counts ``R[n][b]`` = number of active branches β with ``b ∈ C_{β,n}``; along a path they
+  never grow with depth;
+* an outbox of count changes per node, drained by :meth:`BranchTable.take_count_updates` in
+  the order the changes happened, each change's blocks parent first.
+
+Paths must be chains (``shared.validate`` refuses a ``RoutePlaced`` whose hashes repeat; the
+simulator re-chains trace ids): for a path that repeats a hash, given directly, counts stay
+non-negative and nothing raises, but the repeated hash may keep a count after its branch ends.
 
 Transitions (one method each):
 

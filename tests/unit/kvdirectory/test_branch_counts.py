@@ -1,0 +1,240 @@
+"""Branch counts as path prefixes (issue 23): C_{β,n} = π_β[:k], a Count is one path slice, and a
+node's count changes are drained in path order (parent first, in the order the changes happened),
+also when a drain is cut into messages of ``max_updates_per_msg``."""
+
+from __future__ import annotations
+
+import random
+
+from services.kvdirectory.core import KvDirectory
+from services.kvdirectory.index import GPU, HOST
+from shared.messages import BlockStored, KvEventBatch
+
+BS = 16
+# chained hashes whose set iteration order is not their path order (a frozenset of small ints
+# iterates in value order; these do not)
+H = [9_001 * (i * 37 % 23) + 17 * i + 3 for i in range(1, 21)]
+A = [5_000_003 * i % 1_000_003 for i in range(1, 7)]
+B = [7_000_009 * i % 1_000_033 for i in range(1, 7)]
+
+
+def store(d: KvDirectory, node: str, hashes: list[int], tier: str, parent: int | None = None) -> None:
+    seq = d._streams[d.node_id(node)].next_seq  # noqa: SLF001 - the batch it awaits
+    ev = BlockStored(block_hashes=list(hashes), parent_block_hash=parent, tier=tier, block_size=BS)
+    d.apply_kv_batch(KvEventBatch(node=node, seq=seq, ts=1.0, events=[ev]), 1.0)
+
+
+def drained(d: KvDirectory) -> list[tuple[str, list[int], list[int]]]:
+    return [(u.node, u.hashes, u.counts) for u in d.take_count_updates()]
+
+
+def test_the_path_order_is_not_the_set_order():
+    assert list(frozenset(H)) != H and list(frozenset(A + B)) != A + B  # else the tests below prove nothing
+
+
+def test_a_placement_is_drained_in_path_order():
+    d = KvDirectory(BS)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H, 1.0)
+    assert drained(d) == [("p0", H, [1] * len(H))]
+    d.place("b", "p0", "prefill", H + A, 2.0)  # an extension counts the new tail only
+    assert drained(d) == [("p0", A, [1] * len(A))]
+    d.branch_end("b", 3.0)
+    assert drained(d) == [("p0", H + A, [0] * (len(H) + len(A)))]
+    d.branches.check()
+
+
+def test_a_cut_drain_keeps_path_order_and_each_block_once():
+    """Two forks' tails move up on p1 in one drain: the shared prefix (changed by both) is listed
+    where it first changed, then A's tail, then B's, cut every 4 blocks."""
+    d = KvDirectory(BS, max_updates_per_msg=4)
+    d.branch_start("main", 0.0)
+    d.place("main", "p0", "prefill", H[:4], 1.0)
+    drained(d)
+    d.branch_start("a", 1.0, kind="fork", parent="main")
+    d.branch_start("b", 1.0, kind="fork", parent="main")
+    d.place("a", "p1", "prefill", H[:4] + A, 2.0)
+    d.place("b", "p1", "prefill", H[:4] + B, 2.0)
+    msgs = d.take_count_updates()
+    assert [u.seq for u in msgs] == [1, 2, 3, 4] and all(u.node == "p1" for u in msgs)
+    assert [u.hashes for u in msgs] == [H[:4], A[:4], A[4:] + B[:2], B[2:]]
+    assert sum((u.counts for u in msgs), []) == [2] * 4 + [1] * 12
+    d.branches.check()
+
+
+def test_changes_to_a_block_within_one_drain_are_merged():
+    """A block changed twice is sent once, with its count now, where it first changed; a change
+    undone before the drain is not sent."""
+    d = KvDirectory(BS)
+    d.branch_start("a", 0.0)
+    d.place("a", "p0", "prefill", H[:3], 1.0)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:5], 1.0)
+    d.branch_start("tmp", 0.0)
+    d.place("tmp", "p0", "prefill", A, 1.0)
+    d.branch_end("tmp", 1.0)  # 0 → 1 → 0 before the drain: not sent
+    d.branch_end("a", 1.0)
+    assert d.pending_count_updates() == 3 + 5 + 2 * len(A) + 3  # changes listed, a block changed twice twice
+    assert drained(d) == [("p0", H[:5], [1] * 5)]
+    assert d.pending_count_updates() == 0 and drained(d) == []
+    d.branches.check()
+
+
+def test_a_host_store_re_sends_counts_in_the_stores_order():
+    d = KvDirectory(BS)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H, 1.0)
+    d.branch_start("c", 0.0)
+    d.place("c", "p0", "prefill", H[:4], 1.0)
+    drained(d)
+    store(d, "p0", H[2:9], "host", parent=H[1])
+    assert drained(d) == [("p0", H[2:9], [2, 2] + [1] * 5)]
+    store(d, "p0", H[:2], "gpu")  # a GPU store re-sends nothing
+    assert drained(d) == []
+    assert d.branches.counted_copies[d.node_id("p0")] == [2, 7]
+    d.branches.check()
+
+
+def test_a_version_bump_keeps_the_common_prefix_counted_everywhere():
+    """C ∩ π_new is the common prefix of π_old and π_new (chained hashes), on every node."""
+    d = KvDirectory(BS)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:10], 1.0)
+    d.place("b", "d0", "decode", H[:12], 2.0)
+    drained(d)
+    r = d.place("b", "p0", "prefill", H[:6] + A, 3.0)  # compaction: keeps H[:6]
+    assert r.bumped and r.version == 2
+    assert d.branch("b").counted == {d.node_id("p0"): 6 + len(A), d.node_id("d0"): 6}
+    assert sorted(drained(d)) == [("d0", H[6:12], [0] * 6), ("p0", H[6:10] + A, [0] * 4 + [1] * len(A))]
+    d.branches.check()
+
+
+def test_crossings_are_counted_per_index_run_with_a_tail_stored_nowhere():
+    """Counts crossing 0 are a tail of the slice; present copies are counted run by run of the
+    index and the not-yet-stored rest of the path adds none."""
+    d = KvDirectory(BS)
+    store(d, "p0", H[:6], "gpu")
+    store(d, "p0", H[:3], "host")
+    store(d, "p0", H[6:8], "host", parent=H[5])  # three runs: presence gh, g, h
+    d.branch_start("x", 0.0)
+    d.place("x", "p0", "prefill", H[:2], 1.0)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H, 1.0)  # H[2:] cross 0; H[8:] are stored nowhere
+    assert d.branches.counted_copies[d.node_id("p0")] == [6, 5]
+    d.branch_end("b", 2.0)
+    assert d.branches.counted_copies[d.node_id("p0")] == [2, 2]
+    d.branches.check()
+
+
+def test_a_count_table_that_lost_an_entry_neither_crashes_nor_miscounts_the_rest():
+    """Tampered R (the zero is not a tail of the slice): the per-block path counts the crossing."""
+    d = KvDirectory(BS)
+    store(d, "p0", H[:3], "host")
+    d.branch_start("a", 0.0)
+    d.place("a", "p0", "prefill", H[:3], 1.0)
+    n = d.node_id("p0")
+    del d.branches.R[n][H[0]]  # corrupt the state on purpose
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:3], 1.0)
+    assert [d.count("p0", h) for h in H[:3]] == [1, 2, 2]
+    assert d.branches.counted_copies[n][HOST] == 4  # 3 before the corruption, H[0] crossed up again
+    d.branch_end("a", 2.0)
+    assert [d.count("p0", h) for h in H[:3]] == [0, 1, 1]
+    # 3, not the 2 present and counted: the corruption's own drift (H[0] left R uncounted) stays
+    assert d.branches.counted_copies[n][HOST] == 3 and d.counters["count.negative_prevented"] == 0
+
+
+def test_a_path_with_a_repeated_hash_does_not_break_the_table():
+    """Not a chain (``shared.validate`` refuses such a RoutePlaced at the edge): given directly,
+    counts stay non-negative and nothing raises; the repeated hash may keep a count."""
+    d = KvDirectory(BS)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", [5, 6, 5, 7], 1.0)
+    d.place("b", "p0", "prefill", [5, 6, 5, 7, 5], 2.0)
+    d.branch_end("b", 3.0)
+    assert d.count("p0", 6) == d.count("p0", 7) == 0 and d.count("p0", 5) >= 0
+    assert d.counters["count.negative_prevented"] == 0
+
+
+def test_random_operations_keep_counts_a_function_of_prefixes():
+    """Placements (extend, compact, repeat), forks, moves, ends, phase switches and stores, checked
+    after every step by ``BranchTable.check`` (counts recomputed from the prefixes, no zero
+    entries, counts never growing along a prefix, counted copies per tier)."""
+    rng = random.Random(23)
+    d = KvDirectory(BS, branch_ttl_s=400.0, max_updates_per_msg=7)
+    nodes = ["a", "b", "c"]
+    for n in nodes:
+        d.node_id(n)
+    paths: dict[str, list[int]] = {}
+    parent: dict[int, int | None] = {}
+    nxt = [1000]
+
+    def fresh(k: int, after: list[int]) -> list[int]:
+        out = list(after)
+        for _ in range(k):
+            nxt[0] += 1
+            parent[nxt[0]] = out[-1] if out else None
+            out.append(nxt[0])
+        return out
+
+    known: dict[str, dict[int, int]] = {n: {} for n in nodes}  # what the workers were sent
+    for step in range(1500):
+        now = float(step)
+        op = rng.random()
+        if op < 0.1 or not paths:
+            bid = f"b{step}"
+            par = rng.choice(sorted(paths)) if paths and rng.random() < 0.5 else None
+            d.branch_start(bid, now, kind="fork" if par else "main", parent=par)
+            paths[bid] = list(paths[par]) if par else []
+        elif op < 0.65:
+            bid = rng.choice(sorted(paths))
+            old = paths[bid]
+            how = rng.choice(["extend", "extend", "compact", "same"])
+            if how == "extend" or not old:
+                new = fresh(rng.randint(1, 12), old)
+            elif how == "compact":
+                new = fresh(rng.randint(1, 4), old[: rng.randint(0, len(old) - 1)])
+            else:
+                new = old
+            paths[bid] = new
+            n = rng.choice(nodes)
+            d.place(bid, n, rng.choice(["prefill", "decode", "both"]), new, now)
+            if rng.random() < 0.6:
+                a = rng.randrange(len(new))
+                store(d, n, new[a:], rng.choice(["gpu", "host"]), parent=parent[new[a]])
+        elif op < 0.75:
+            bid = rng.choice(sorted(paths))
+            d.branch_end(bid, now)
+            del paths[bid]
+        elif op < 0.82:
+            n = rng.choice(nodes)
+            d.node_phase_changed(n, d.node_phase(n), rng.choice(["prefill", "decode"]), now)
+        elif op < 0.85:
+            for bid in d.expire(now + rng.choice([0.0, 500.0])):
+                paths.pop(bid, None)
+        else:
+            for u in d.take_count_updates():
+                assert len(u.hashes) <= 7
+                for h, c in zip(u.hashes, u.counts):
+                    known[u.node][h] = c
+        d.branches.check()
+    for u in d.take_count_updates():
+        for h, c in zip(u.hashes, u.counts):
+            known[u.node][h] = c
+    for n in nodes:  # the workers' view of the counts converges to R
+        assert {h: c for h, c in known[n].items() if c} == d.branches.R[d.node_id(n)]
+    assert d.counters["count.negative_prevented"] == 0
+
+
+def test_check_catches_a_count_that_is_not_a_prefix_count():
+    d = KvDirectory(BS)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:4], 1.0)
+    d.branches.R[d.node_id("p0")][H[3]] = 2  # a count the branch table does not explain
+    try:
+        d.branches.check()
+    except AssertionError as e:
+        assert "R[0]" in str(e)
+    else:
+        raise AssertionError("check() missed a wrong count")
+    assert GPU == 0
