@@ -3,6 +3,7 @@
     python bench/sim_ab.py --base c9d6c45 --trace cc.jsonl.gz            # HEAD's tree vs c9d6c45
     python bench/sim_ab.py --base c9d6c45 --head HEAD --rounds 3 --duration 900
     python bench/sim_ab.py --vs-policy static:4P5D --trace cc.jsonl.gz   # HEAD: evolving ÷ static
+    python bench/sim_ab.py --base main --trace cc.jsonl.gz --head-trace cc.eipack  # the head on the packed trace
 
 Exports both revisions with ``git archive`` into a temporary directory and runs the real
 ``evolving-infra simulate`` command of each, alternating (base, head, head, base, ...), each in a
@@ -108,8 +109,9 @@ def record_fields(tree: Path) -> frozenset[str]:
     return frozenset(p.stdout.split())
 
 
-def differences(a: Path, b: Path, base_fields: frozenset[str] | None = None) -> list[str]:
-    """What differs between two output dirs (report.json minus wall keys and head-only keys; requests.jsonl
+def differences(a: Path, b: Path, base_fields: frozenset[str] | None = None, meta_skip: set[str] = set()) -> list[str]:  # noqa: B006
+    """What differs between two output dirs (report.json minus wall keys, ``meta_skip`` keys of its
+    ``meta`` and head-only keys; requests.jsonl
     line by line, minus keys that are not fields of the base's ``RequestRecord`` when ``base_fields``
     is given: a new per-request field may appear, an old one may not change)."""
     from evolving_infra.sim.run import WALL_CLOCK_KEYS
@@ -121,8 +123,8 @@ def differences(a: Path, b: Path, base_fields: frozenset[str] | None = None) -> 
             continue
         va, vb = ra[k], rb.get(k)
         if k == "meta":
-            va = {m: v for m, v in va.items() if m not in META_WALL}
-            vb = {m: v for m, v in (vb or {}).items() if m not in META_WALL}
+            va = {m: v for m, v in va.items() if m not in META_WALL | meta_skip}
+            vb = {m: v for m, v in (vb or {}).items() if m not in META_WALL | meta_skip}
         if va != vb:
             out.append(f"report.json {k}: {str(va)[:120]} -> {str(vb)[:120]}")
     la, lb = ((d / "requests.jsonl").read_text().splitlines() for d in (a, b))
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="evolving")
     ap.add_argument("--extra", default="--nodes 9 --concurrency 40 --max-pause 30 --planner-opt t_learn_s=300 "
                                         "--planner-opt window_s=300", help="further simulate arguments")
+    ap.add_argument("--head-trace", metavar="FILE",
+                    help="the head reads this input instead of --trace: the same trace in another form (e.g. packed "
+                         "by 'trace pack'); meta.trace, the path, is then left out of the output check")
     ap.add_argument("--together", action="store_true",
                     help="run base and head of a round at the same time (each sees the other's load, and both "
                          "the box's), instead of one after the other")
@@ -190,18 +195,22 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--base is required (or --vs-policy)")
     with tempfile.TemporaryDirectory(prefix="sim-ab-") as tmp:
         trees = {"base": export(a.base, Path(tmp) / "base"), "head": export(a.head, Path(tmp) / "head")}
+        argv = {"base": args, "head": args}
+        if a.head_trace:
+            argv["head"] = ["--trace", str(Path(a.head_trace).resolve()), *args[2:]]
         reps: dict[str, list[dict]] = {"base": [], "head": []}
         for r in range(a.rounds):
             order = ("base", "head") if r % 2 == 0 else ("head", "base")
             if a.together:  # both at once: the same load on a shared box
-                got = dict(zip(order, run_many([(trees[n], args, Path(tmp) / f"{n}{r}") for n in order])))
+                got = dict(zip(order, run_many([(trees[n], argv[n], Path(tmp) / f"{n}{r}") for n in order])))
             for name in order:
-                rep = got[name] if a.together else run(trees[name], args, Path(tmp) / f"{name}{r}")
+                rep = got[name] if a.together else run(trees[name], argv[name], Path(tmp) / f"{name}{r}")
                 reps[name].append(rep)
                 print(f"round {r} {name}: CPU {rep['_cpu_s']:.1f} s (loop {rep['_loop_cpu_s']:.1f} s), wall {rep['_wall_s']:.1f} s, "
                       f"loop wall {rep['sim_wall_s']:.1f} s, "
                       f"peak RSS {rep['peak_rss_mb']:.0f} MiB", flush=True)
-        diff = differences(Path(tmp) / "base0", Path(tmp) / "head0", record_fields(trees["base"]))
+        diff = differences(Path(tmp) / "base0", Path(tmp) / "head0", record_fields(trees["base"]),
+                           meta_skip={"trace"} if a.head_trace else set())
     cpu = {k: statistics.median(r["_cpu_s"] for r in v) for k, v in reps.items()}
     loop = {k: statistics.median(r["_loop_cpu_s"] for r in v) for k, v in reps.items()}
     rss = {k: statistics.median(r["peak_rss_mb"] for r in v) for k, v in reps.items()}

@@ -263,7 +263,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("input")
-    src.add_argument("--trace", default=None, help="canonical trace (.jsonl or .jsonl.gz)")
+    src.add_argument("--trace", default=None, help="canonical trace (.jsonl or .jsonl.gz), or one packed by 'trace pack' (the same run, loaded without parsing JSON)")
     src.add_argument("--workload", default=None, choices=("putnam", "claude-code", "osworld", "shift"),
                      help="generate this workload instead of reading a trace (evolving_infra.traces.generate)")
     src.add_argument("--agents", type=int, default=None, help="--workload: agents to generate (default per workload)")

@@ -33,7 +33,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from evolving_infra.traces.io import TraceError, _request_type, _scan, _Validator, paused_gc
+from evolving_infra.traces.io import PACK_MAGIC, TraceError, _request_type, _scan, _Validator, paused_gc
 from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceHeader, TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechain_blocks, rechunk_blocks, shared_prefix_len
 
@@ -486,11 +486,20 @@ def read_trace_compact(path: str | os.PathLike[str]) -> CompactTrace:
     as a :class:`CompactTrace`: memory O(requests + new ids) instead of O(all ids). Time O(new
     ids) decoded plus the file's text compared in C (:class:`_TextBuilder`), not O(all ids).
 
+    A packed trace (``trace pack``, :mod:`evolving_infra.traces.pack`) is read as packed: the same
+    :class:`CompactTrace` as reading the trace it was packed from.
+
     Raises:
         TraceError: one or more lines are bad; ``err.problems`` lists every one as
-            ``line N: reason`` (the whole file is checked first), exactly as ``read_trace``.
+            ``line N: reason`` (the whole file is checked first), exactly as ``read_trace``
+            (a packed trace: ``pack.read_packed``'s problems).
         OSError: the file cannot be read.
     """
+    with open(path, "rb") as f:
+        if f.read(len(PACK_MAGIC)) == PACK_MAGIC:
+            from evolving_infra.traces.pack import read_packed
+
+            return read_packed(path)
     v = _Validator()
     b = _TextBuilder(v)
     with paused_gc():

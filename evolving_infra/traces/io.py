@@ -46,6 +46,7 @@ import msgspec
 from evolving_infra.traces.schema import FORMAT, MAX_BLOCK_ID, VERSION, TraceHeader, TraceRequest
 
 __all__ = [
+    "PACK_MAGIC",
     "Trace",
     "TraceError",
     "TraceProblem",
@@ -61,6 +62,10 @@ __all__ = [
 ]
 
 _GZIP_MAGIC = b"\x1f\x8b"
+PACK_MAGIC = b"\x93EITPACK"
+"""The first bytes of a packed trace (``evolving_infra.traces.pack``): only ``read_trace_compact``
+(``simulate --trace``) reads one; the line readers see its magic as its only line and name it."""
+_PACKED = "a packed trace (trace pack): simulate --trace reads it; the other commands read the .jsonl[.gz] it was packed from"
 _HEADER_DECODER = msgspec.json.Decoder(TraceHeader)
 _REQUEST_DECODER = msgspec.json.Decoder(TraceRequest)
 
@@ -241,6 +246,10 @@ def _line_spans(path: str | os.PathLike[str]) -> Iterator[Span]:
     the last good one, is what reading the file line by line with ``gzip`` gives."""
     n = 0
     with open(path, "rb") as f:
+        if f.read(len(PACK_MAGIC)) == PACK_MAGIC:  # binary: its magic is its one line, for the problem that names it
+            yield PACK_MAGIC, 0, len(PACK_MAGIC)
+            return
+        f.seek(0)
         if f.read(2) != _GZIP_MAGIC:
             f.seek(0)
             yield from _spans(iter(lambda: f.read(_CHUNK), b""), 0)
@@ -310,6 +319,9 @@ class _Validator:
         try:
             header = _HEADER_DECODER.decode(raw)
         except msgspec.DecodeError as e:
+            if raw == PACK_MAGIC:
+                self._bad(1, _PACKED)
+                return None
             # Not a header. If it is a request, check it as one so it is not lost.
             try:
                 _LENIENT_REQUEST_DECODER.decode(raw)
@@ -561,6 +573,8 @@ def read_header(path: str | os.PathLike[str]) -> TraceHeader:
         TraceError: line 1 is missing or not a valid header.
     """
     for n, raw in _lines(path):
+        if raw == PACK_MAGIC:
+            raise TraceError(path, [TraceProblem(1, _PACKED)])
         try:
             return _HEADER_DECODER.decode(raw)
         except msgspec.DecodeError as e:

@@ -1,0 +1,173 @@
+"""A packed trace (``trace pack``) reads back as exactly the compact trace of the file it was packed
+from, and ``simulate --trace`` of it is the same run; a damaged or hand-made pack is rejected with a
+reason, and its requests are held to every rule a trace's lines are."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from evolving_infra.cli import main
+from evolving_infra.traces import pack
+from evolving_infra.traces.compact import read_trace_compact
+from evolving_infra.traces.io import TraceError, iter_requests, iter_validate, read_trace, write_trace
+from tests.unit.traces.test_compact import BS, HEADER
+from tests.unit.traces.test_compact_text import STORE_ARRAYS, _random_requests
+
+
+def _same(a, b) -> bool:
+    """Equal compact traces: header, stubs, index, and every store array (typecode too)."""
+    if (a.header, a.requests, a.index) != (b.header, b.requests, b.index):
+        return False
+    for f in STORE_ARRAYS:
+        x, y = getattr(a.store, f), getattr(b.store, f)
+        if type(x) is not type(y) or getattr(x, "typecode", None) != getattr(y, "typecode", None) or x != y:
+            return False
+    return True
+
+
+def test_random_traces_pack_and_read_back_the_same(tmp_path: Path) -> None:
+    for seed in range(150):
+        reqs = _random_requests(seed)
+        src = tmp_path / f"t{seed}.jsonl.gz"
+        write_trace(src, HEADER, reqs)
+        want = read_trace_compact(src)
+        dst = tmp_path / f"t{seed}.eipack"
+        pack.write_packed(dst, want)
+        assert pack.is_packed(dst) and not pack.is_packed(src)
+        got = read_trace_compact(dst)
+        assert _same(got, want), seed
+        assert got.requests_with_blocks() == reqs, seed
+        assert got.rechained()[1] == want.rechained()[1], seed
+        pack.write_packed(tmp_path / "again.eipack", got)  # bytes a pure function of the trace
+        assert (tmp_path / "again.eipack").read_bytes() == dst.read_bytes(), seed
+
+
+def test_empty_trace_packs(tmp_path: Path) -> None:
+    src = tmp_path / "e.jsonl"
+    write_trace(src, HEADER, [])
+    pack.write_packed(tmp_path / "e.eipack", read_trace_compact(src))
+    assert _same(read_trace_compact(tmp_path / "e.eipack"), read_trace_compact(src))
+
+
+def _packed(tmp_path: Path, seed: int = 3) -> tuple[Path, pack._Payload]:
+    reqs = _random_requests(seed)
+    src = tmp_path / "src.jsonl"
+    write_trace(src, HEADER, reqs)
+    dst = tmp_path / "p.eipack"
+    pack.write_packed(dst, read_trace_compact(src))
+    data = dst.read_bytes()
+    return dst, msgspec.msgpack.decode(data[pack._PREFIX :], type=pack._Payload)
+
+
+def _rewrite(path: Path, pl: pack._Payload) -> Path:
+    """``pl`` written as a well-formed pack (right length and checksum): only its content is wrong."""
+    payload = msgspec.msgpack.encode(pl)
+    path.write_bytes(pack.MAGIC + len(payload).to_bytes(8, "little") + zlib.crc32(payload).to_bytes(4, "little") + payload)
+    return path
+
+
+def _reasons(path: Path) -> list[str]:
+    with pytest.raises(TraceError) as got:
+        read_trace_compact(path)
+    return [str(p) for p in got.value.problems]
+
+
+def test_damaged_packs_are_rejected_with_a_reason(tmp_path: Path) -> None:
+    dst, _ = _packed(tmp_path)
+    data = dst.read_bytes()
+    i = len(data) // 2
+    dst.write_bytes(data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :])
+    assert "checksum mismatch" in _reasons(dst)[0]
+    dst.write_bytes(data[:-5])
+    assert "truncated or extended" in _reasons(dst)[0]
+    dst.write_bytes(data + b"x")
+    assert "truncated or extended" in _reasons(dst)[0]
+    dst.write_bytes(data[:10])
+    assert "truncated or extended" in _reasons(dst)[0]
+
+
+def _ints(raw: bytes) -> list[int]:
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+
+
+def _raw(xs: list[int]) -> bytes:
+    return b"".join(x.to_bytes(8, "little", signed=True) for x in xs)
+
+
+def test_hand_made_stores_are_rejected(tmp_path: Path) -> None:
+    dst, pl = _packed(tmp_path)
+    refs, ks, flat = _ints(pl.ref), _ints(pl.k), _ints(pl.flat)
+    j = next(i for i, r in enumerate(refs) if r >= 0)  # a request stored against an earlier one
+    cases = {
+        "refers to itself or a later request": msgspec.structs.replace(pl, ref=_raw(refs[:j] + [j] + refs[j + 1 :])),
+        "shared count does not match": msgspec.structs.replace(pl, k=_raw(ks[:j] + [0] + ks[j + 1 :])),
+        "ids with request": msgspec.structs.replace(pl, k=_raw(ks[:j] + [10**6] + ks[j + 1 :])),
+        "outside [0,": msgspec.structs.replace(pl, flat=_raw([-1] + flat[1:])),
+        "offsets are not increasing": msgspec.structs.replace(pl, off=_raw([0, len(flat) + 1] + _ints(pl.off)[2:])),
+        "references,": msgspec.structs.replace(pl, ref=pl.ref[:-8]),
+        "whole number of int64s": msgspec.structs.replace(pl, flat=pl.flat + b"\0"),
+        "layout version 9": msgspec.structs.replace(pl, version=9),
+    }
+    for want, bad in cases.items():
+        reasons = _reasons(_rewrite(dst, bad))
+        assert any(want in r for r in reasons), (want, reasons)
+
+
+def test_pack_requests_are_held_to_the_trace_rules(tmp_path: Path) -> None:
+    dst, pl = _packed(tmp_path)
+    r0, r1 = pl.requests[0], pl.requests[1]
+    dup = msgspec.structs.replace(pl, requests=[r0, msgspec.structs.replace(r1, id=r0.id), *pl.requests[2:]])
+    assert any(r.startswith("line 3: duplicate request id") for r in _reasons(_rewrite(dst, dup)))
+    tokens = msgspec.structs.replace(pl, requests=[msgspec.structs.replace(r0, input_tokens=r0.input_tokens + 5 * BS),
+                                                   *pl.requests[1:]])
+    assert any(r.startswith("line 2: len(blocks) =") for r in _reasons(_rewrite(dst, tokens)))
+    held = msgspec.structs.replace(pl, requests=[msgspec.structs.replace(r0, blocks=[1]), *pl.requests[1:]])
+    assert any("holds its block ids" in r for r in _reasons(_rewrite(dst, held)))
+    bad_type = msgspec.msgpack.encode(pl).replace(b"input_tokens", b"input_tokenz", 1)
+    dst.write_bytes(pack.MAGIC + len(bad_type).to_bytes(8, "little") + zlib.crc32(bad_type).to_bytes(4, "little") + bad_type)
+    assert "undecodable payload" in _reasons(dst)[0]
+
+
+def test_cli_pack_then_simulate_is_the_same_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.unit.sim.test_sim_compact import _trace
+    from tests.unit.sim.conftest import BS as SIM_BS
+    from evolving_infra.traces.schema import FORMAT, TraceHeader
+
+    src = tmp_path / "t.jsonl.gz"
+    write_trace(src, TraceHeader(format=FORMAT, block_size=SIM_BS, source="test"), _trace())
+    dst = tmp_path / "t.eipack"
+    assert main(["trace", "pack", str(src), str(dst)]) == 0
+    assert "requests" in capsys.readouterr().err
+    sim = ["--profile", "tiny", "--nodes", "3", "--policy", "evolving", "--concurrency", "4", "--max-pause", "30", "--no-plots"]
+    for name, path in (("gz", src), ("pk", dst)):
+        assert main(["simulate", "--trace", str(path), "--out", str(tmp_path / name), *sim]) == 0
+    from evolving_infra.sim.run import WALL_CLOCK_KEYS
+
+    def report(name: str) -> dict:
+        rep = json.loads((tmp_path / name / "report.json").read_text())
+        rep["meta"] = {k: v for k, v in rep["meta"].items() if k not in ("date", "argv", "wall_s", "trace")}
+        return {k: v for k, v in rep.items() if k not in WALL_CLOCK_KEYS}
+
+    assert report("pk") == report("gz") and report("gz")["requests_completed"] > 0
+    assert (tmp_path / "pk" / "requests.jsonl").read_text() == (tmp_path / "gz" / "requests.jsonl").read_text()
+
+
+def test_cli_pack_of_a_bad_trace_names_its_line_and_the_line_readers_name_a_pack(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "bad.jsonl"
+    lines = [json.dumps({"format": "evolving-infra-trace", "block_size": BS}), '{"id": "x"}']
+    src.write_text("\n".join(lines) + "\n")
+    assert main(["trace", "pack", str(src), str(tmp_path / "o.eipack")]) == 2
+    assert "line 2: invalid request" in capsys.readouterr().err
+    assert not (tmp_path / "o.eipack").exists()
+    dst, _ = _packed(tmp_path)
+    problems = list(iter_validate(dst))
+    assert len(problems) == 1 and problems[0].line == 1 and "a packed trace (trace pack)" in problems[0].reason
+    with pytest.raises(TraceError, match="a packed trace"):
+        read_trace(dst)
+    with pytest.raises(TraceError, match="a packed trace"):
+        iter_requests(dst)
