@@ -230,7 +230,34 @@ class BranchTable:
         parent), so the blocks that cross 0 are a tail of the slice: their present copies
         are counted per run of the index (:meth:`_crossed_path`)."""
         R = self.R[n]
-        old = list(map(R.get, blocks, _REPEAT0))
+        L = len(blocks)
+        if not R.get(blocks[-1]):  # some cross 0: find the first by bisection, then verify the shape
+            lo, hi = 0, L - 1
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if R.get(blocks[mid]):
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if not lo:
+                if R.keys().isdisjoint(blocks):  # the usual move: none counted on n yet
+                    old, new = [0] * L, [1] * L
+                    R.update(zip(blocks, new))
+                    self._crossed_path(n, blocks, 1)
+                    self.outbox[n].append((blocks, old, new))
+                    self.out_len[n] += L
+                    return
+            else:
+                head = list(map(R.get, islice(blocks, lo)))
+                if None not in head and R.keys().isdisjoint(islice(blocks, lo, None)):  # counted head, new tail
+                    old = head + [0] * (L - lo)
+                    new = list(map(_add, head, _REPEAT1)) + [1] * (L - lo)
+                    R.update(zip(blocks, new))
+                    self._crossed_path(n, blocks[lo:], 1)
+                    self.outbox[n].append((blocks, old, new))
+                    self.out_len[n] += L
+                    return
+        old = list(map(R.get, blocks, _REPEAT0))  # any shape (a tampered R, a path repeating a hash)
         if 0 in old:
             z = old.index(0)
             zeros = old.count(0)
@@ -251,6 +278,15 @@ class BranchTable:
         not counted there is refused (``count.negative_prevented``). The blocks whose count
         drops to 0 are a tail of the slice (see :meth:`_count_up`)."""
         R = self.R[n]
+        if R.get(blocks[0]) == 1:  # counts never grow along the slice: all 1, the usual release?
+            old = list(map(R.pop, blocks, _REPEAT_NONE))
+            if old.count(1) == len(old):
+                new = [0] * len(blocks)
+                self._crossed_path(n, blocks, -1)
+                self.outbox[n].append((blocks, old, new))
+                self.out_len[n] += len(blocks)
+                return
+            R.update(compress(zip(blocks, old), old))  # another shape: put back, count per block
         old = list(map(R.get, blocks, _REPEAT0))
         if 0 in old:  # never counted here: refused, counted
             zeros = old.count(0)

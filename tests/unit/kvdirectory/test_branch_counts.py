@@ -142,6 +142,11 @@ def test_a_count_table_that_lost_an_entry_neither_crashes_nor_miscounts_the_rest
     assert [d.count("p0", h) for h in H[:3]] == [0, 1, 1]
     # 3, not the 2 present and counted: the corruption's own drift (H[0] left R uncounted) stays
     assert d.branches.counted_copies[n][HOST] == 3 and d.counters["count.negative_prevented"] == 0
+    d.branch_start("c", 0.0)
+    d.place("c", "p0", "prefill", H[:4], 1.0)  # H[0] uncounted, H[1:3] counted, H[3] new: not a tail
+    assert [d.count("p0", h) for h in H[:4]] == [1, 2, 2, 1]
+    d.branch_end("b", 2.0)  # b's slice starts with a 1 (H[0]) but is not all ones: put back, per block
+    assert [d.count("p0", h) for h in H[:4]] == [0, 1, 1, 1] and d.counters["count.negative_prevented"] == 0
 
 
 def test_a_path_with_a_repeated_hash_does_not_break_the_table():
