@@ -20,7 +20,9 @@ def test_commands_table_names_every_command_and_its_module() -> None:
 
 
 def test_simulate_imports_neither_the_live_stack_nor_scipy_nor_asyncio() -> None:
+    # nor process pools (imported when a sweep or partitions make one)
     code = ("import sys; from evolving_infra.cli import build_parser; build_parser('simulate'); "
-            "import evolving_infra.sim.run; print(' '.join(m for m in ('nats', 'scipy', 'asyncio', 'evolving_infra.launcher') if m in sys.modules))")
+            "import evolving_infra.sim.run, evolving_infra.sim.sweep; print(' '.join(m for m in ('nats', 'scipy', 'asyncio', "
+            "'evolving_infra.launcher', 'multiprocessing', 'concurrent.futures') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
