@@ -248,3 +248,13 @@ def test_lines_where_the_ids_are_not_where_the_text_says(tmp_path: Path) -> None
         path = tmp_path / "odd.jsonl"
         path.write_text("\n".join([header, good, odd]) + "\n")  # g0 is the reference of the agent's next request
         _reads_as_read_trace(path, odd)
+
+
+def test_coarsened_names_a_request_whose_id_count_is_not_the_one_given() -> None:
+    reqs = _random_requests(5)
+    ct = compact_requests(HEADER, reqs)
+    lengths = [len(r.blocks) for r in reqs]
+    assert ct.store.coarsened(2, lengths).stored_ids >= 0
+    j = len(lengths) // 2
+    with pytest.raises(ValueError, match=f"request {j} holds {lengths[j]} ids, not {lengths[j] + 1}"):
+        ct.store.coarsened(2, lengths[:j] + [lengths[j] + 1] + lengths[j + 1 :])
