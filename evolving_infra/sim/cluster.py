@@ -73,6 +73,11 @@ QUEUE_READING_ROUTERS = frozenset({"ttft"})
 """Routing policies that read ``NodeState.queue`` (Eq. 7's sum over queued work); the others
 get node states without the queue list (O(1) per node instead of O(queue))."""
 
+STATE_BLIND_ROUTERS = frozenset({"cache-aware", "round-robin"})
+"""Routing policies that read no node-state numbers (only the router's own in-flight counts, and
+a node's phase for its eligibility): with round-robin decode binding, a node's state is applied
+to the router only when its phase differs from the one the router has (same decisions)."""
+
 LOCAL_PREFIX_ROUTERS = frozenset({"cache-aware", "dynamo-kv", "sticky", "round-robin"})
 """Routing policies that read only the prefill candidates' own prefixes from the KV directory
 (no shared pool: ``longest_any`` and fetch sources unused)."""
@@ -149,6 +154,8 @@ class _Node:
     """Requests dispatched/bound to this node that have not left it (drain condition)."""
     state_at: float = -math.inf
     dirty: bool = True
+    reported: Phase | None = None
+    """Phase of the last state applied to the router."""
     out_since: float = 0.0
     drained_at: float = 0.0
     """When the current switch's drain ended (the last running request left)."""
@@ -308,6 +315,7 @@ class ClusterSim:
         self._blocks_of = blocks_of
         self._state_queue = run.policy.routing not in LOCAL_PREFIX_ROUTERS
         ps = run.policy
+        self._state_blind = ps.routing in STATE_BLIND_ROUTERS and ps.decode_routing == "round-robin"
         self.run = run
         self.profile = run.profile
         self.bs = run.profile.block_size
@@ -392,6 +400,12 @@ class ClusterSim:
         if self._apply_models is not None and ps.routing == "ttft" and getattr(self.planner, "models_version", None) is None:
             self._online = OnlineModels(names, self.profile)
         self._RequestDone = request_done_type()
+        self._take_records = self._feed_planner or self._online is not None
+        for n in self.nodes.values():
+            # the simulator forwards only first tokens and ends, and reads iteration records only
+            # for a planner or the online refit: the engines build nothing else (same results)
+            n.sched.partial_outputs = False
+            n.sched.keep_records = self._take_records
         self.replay: Any = (
             ScheduledReplay(requests, cfg.schedule, seed=cfg.seed)
             if cfg.schedule
@@ -595,9 +609,13 @@ class ClusterSim:
     def _refresh_states(self, t: float) -> None:
         router = self.router
         stale = self.staleness
+        blind = self._state_blind
         for n in self.nodes.values():
             if n.dirty and t - n.state_at >= stale:
-                router.apply_state(n.sched.state(t, with_queue=self._state_queue), t)
+                sched = n.sched
+                if not blind or sched.phase != n.reported:
+                    router.apply_state(sched.state(t, with_queue=self._state_queue), t)
+                    n.reported = sched.phase
                 n.state_at = t
                 n.dirty = False
 
@@ -839,16 +857,17 @@ class ClusterSim:
         plan = sched.inflight
         outs = sched.finish_iteration(plan, t)  # type: ignore[arg-type]
         n.dirty = True
-        records = sched.take_records()
-        if self._feed_planner and records:
-            self.planner.on_iterations(n.name, records, t)
-        online = self._online
-        if online is not None and records:
-            online.add(n.name, records)
-            if online.due(t):
-                msg = online.refit(t)
-                if msg is not None:
-                    self._apply_models(msg, t)  # type: ignore[misc]
+        if self._take_records:
+            records = sched.take_records()
+            if self._feed_planner and records:
+                self.planner.on_iterations(n.name, records, t)
+            online = self._online
+            if online is not None and records:
+                online.add(n.name, records)
+                if online.due(t):
+                    msg = online.refit(t)
+                    if msg is not None:
+                        self._apply_models(msg, t)  # type: ignore[misc]
         self._flush_kv(n, t)
         for out in outs:
             if type(out) is TokensOut:
@@ -998,9 +1017,9 @@ class ClusterSim:
         n.kv_seq += 1
         d = self.directory
         c = d.counters
-        z, p = c["evictions.host.zero_count"], c["evictions.host.positive_count"]
+        z, p = c.get("evictions.host.zero_count", 0), c.get("evictions.host.positive_count", 0)
         d.apply_kv_batch(KvEventBatch(node=n.name, seq=n.kv_seq, ts=t, events=events), t)
-        z, p = c["evictions.host.zero_count"] - z, c["evictions.host.positive_count"] - p
+        z, p = c.get("evictions.host.zero_count", 0) - z, c.get("evictions.host.positive_count", 0) - p
         if z or p:  # host evictions by (count > 0) and by the phase of the evicting node
             ev = self.stats.host_evictions
             ev[n.phase + ".zero_count"] = ev.get(n.phase + ".zero_count", 0) + z

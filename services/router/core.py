@@ -187,7 +187,8 @@ class RouterCore:
         if not offered:
             return NoRoute(self.view.no_candidate_reason("decode", now))
         # no prefix credit and no fetch source on a fenced node (issue #22)
-        lookup = usable_lookup(lookup, lambda n: self.view.usable(n, now))
+        if not self.view.all_usable(now):
+            lookup = usable_lookup(lookup, lambda n: self.view.usable(n, now))
         choice = self.policy.choose_prefill(req, lookup, offered, now)
         chosen = next(n for n in offered if n.node == choice.node)
         decode: DecodeChoice | None = None

@@ -31,7 +31,7 @@ Operations (N nodes, R requests in flight):
 | operation                   | cost          |
 |-----------------------------|---------------|
 | apply_state / apply_split   | O(1) / O(N)   |
-| candidates(now)             | O(N) after a change, O(1) + a copy otherwise |
+| candidates(now)             | O(N) after an eligibility change, else O(listed) (a NodeLoad rebuilt per node whose numbers changed) |
 | on_dispatch / on_first_token / on_handoff / on_finish / rebind | O(1) |
 | check_fences(now)           | O(N)          |
 | next_deadline()             | O(N)          |
@@ -155,13 +155,18 @@ class NodeLoadView:
     fetch source on them (:meth:`usable`); they stay routable."""
     _flights: dict[str, _Flight] = field(default_factory=dict)
     _gen: int = 0
-    """Bumped by every change of a record (state, split, fence, in-flight counts)."""
+    """Bumped by every change that can change which nodes are eligible: a node's first state,
+    a state with another phase or ``accepting``, or one that lets a fenced or stale node back
+    in; a split; a fence; a new node. Not by in-flight counts, nor by a state that only
+    refreshes an eligible node's numbers (those drop the node's cached :class:`NodeLoad`)."""
     _by_id: list[NodeRecord] | None = None
     """Records sorted by node id (None after a node is added)."""
-    _lists: dict[frozenset[str], tuple[int, float, float, list[NodeLoad]]] = field(default_factory=dict)
-    """Candidate lists by phase set: ``(gen, built at, oldest listed last_seen, list)``; valid
-    while ``gen`` holds and no listed node went stale (a stale one can only come back
-    with a new state, which bumps ``gen``)."""
+    _lists: dict[frozenset[str], tuple[int, float, float, list[NodeRecord]]] = field(default_factory=dict)
+    """Eligible records by phase set: ``(gen, built at, oldest listed last_seen, records)``;
+    valid while ``gen`` holds and no listed node went stale (a listed node's ``last_seen``
+    only grows; a stale one can only come back with a new state, which bumps ``gen``)."""
+    _tokens: set[str] = field(default_factory=set)
+    """Node ids that passed :func:`check_token` (a state names its node every time)."""
 
     def __post_init__(self) -> None:
         if not self.fence_after > 0:
@@ -174,9 +179,14 @@ class NodeLoadView:
         if rec is None:
             rec = self.nodes[node] = NodeRecord(node=node)
             self._by_id = None
+            self._gen += 1
         return rec
 
     def _changed(self, rec: NodeRecord) -> None:
+        """Drop ``rec``'s cached :class:`NodeLoad` (its numbers changed)."""
+        rec.load = None
+
+    def _eligibility_changed(self, rec: NodeRecord) -> None:
         """Drop ``rec``'s cached :class:`NodeLoad` and every cached candidate list."""
         rec.load = None
         self._gen += 1
@@ -191,13 +201,26 @@ class NodeLoadView:
             ValueError: if ``state.node`` is not a single NATS token (it is
                 used to build ``work.<node>.*`` subjects).
         """
-        check_token(state.node, "node")
+        if state.node not in self._tokens:
+            check_token(state.node, "node")
+            self._tokens.add(state.node)
         rec = self._record(state.node)
-        if rec.state is not None and not rec.fenced and state.seq < rec.state.seq:
+        old, seen = rec.state, rec.last_seen
+        if old is not None and not rec.fenced and state.seq < old.seq:
             rec.restarted = True  # a new process: what the old one held is gone (issue #22)
         rec.state = state
         rec.last_seen = now
-        self._changed(rec)
+        if (
+            old is None
+            or rec.fenced
+            or old.phase != state.phase
+            or old.accepting != state.accepting
+            or seen is None
+            or now - seen > self.fence_after
+        ):
+            self._eligibility_changed(rec)
+        else:
+            rec.load = None
         if rec.fenced:
             rec.fenced = False
             return True
@@ -223,7 +246,8 @@ class NodeLoadView:
             check_token(node, "node")
         for rec in self.nodes.values():
             rec.split_phase = None
-            self._changed(rec)
+            rec.load = None
+        self._gen += 1
         for node, phase in cmd.phases.items():
             self._record(node).split_phase = phase
         self.epoch = cmd.epoch
@@ -274,18 +298,18 @@ class NodeLoadView:
     def candidates(self, phases: Iterable[str], now: float) -> list[NodeLoad]:
         """Eligible nodes whose phase is in ``phases``, sorted by node id (a new list).
 
-        The list is kept until a record changes or ``now`` leaves the interval
-        in which no listed node can go stale; each node's :class:`NodeLoad` is
-        kept until that node's record changes.
+        Which nodes are listed is kept until a change that can alter eligibility (see
+        ``_gen``) or until ``now`` leaves the interval in which no listed node can go
+        stale; each node's :class:`NodeLoad` is kept until that node's record changes.
         """
         wanted = phases if isinstance(phases, frozenset) else frozenset(phases)
         hit = self._lists.get(wanted)
         if hit is not None and hit[0] == self._gen and hit[1] <= now and now - hit[2] <= self.fence_after:
-            return list(hit[3])
+            return [rec.load or self._load(rec) for rec in hit[3]]
         by_id = self._by_id
         if by_id is None:
             by_id = self._by_id = sorted(self.nodes.values(), key=lambda r: r.node)
-        out: list[NodeLoad] = []
+        recs: list[NodeRecord] = []
         oldest = float("inf")
         fence = self.fence_after
         for rec in by_id:  # eligible(rec, now) and phase in wanted, inlined (no call per node)
@@ -299,9 +323,9 @@ class NodeLoadView:
                 continue
             if seen < oldest:
                 oldest = seen
-            out.append(rec.load or self._load(rec))
-        self._lists[wanted] = (self._gen, now, oldest, out)
-        return list(out)
+            recs.append(rec)
+        self._lists[wanted] = (self._gen, now, oldest, recs)
+        return [rec.load or self._load(rec) for rec in recs]
 
     def prefill_candidates(self, now: float) -> list[NodeLoad]:
         """Eligible nodes with phase ``prefill`` or ``both``."""
@@ -460,6 +484,17 @@ class NodeLoadView:
             return True
         return not self.is_stale(rec, now)
 
+    def all_usable(self, now: float) -> bool:
+        """True when :meth:`usable` holds for every node (none fenced or stale, no KV view
+        called stale): a lookup then needs no filtering. O(N)."""
+        if self.kv_stale:
+            return False
+        fence = self.fence_after
+        for rec in self.nodes.values():
+            if rec.fenced or (rec.last_seen is not None and now - rec.last_seen > fence):
+                return False
+        return True
+
     @property
     def inflight_total(self) -> int:
         return len(self._flights)
@@ -485,7 +520,7 @@ class NodeLoadView:
                 rec.restarted = False
                 rec.fenced = True
                 rec.fence_events += 1
-                self._changed(rec)
+                self._eligibility_changed(rec)
                 out.append(FencedNode(node=rec.node, age=age, rids=tuple(self.requests_depending_on(rec.node))))
         return out
 

@@ -246,7 +246,15 @@ class PolicyWrapper(RoutingPolicy):
 
 
 def _min_load(candidates: Sequence[NodeLoad], loads: dict[str, int]) -> NodeLoad:
-    return min(candidates, key=lambda n: (loads[n.node], n.node))
+    """The candidate with the lowest ``loads[node]``, ties → smallest node id
+    (``min`` by ``(load, node)``, without a key tuple per candidate)."""
+    best = candidates[0]
+    low = loads[best.node]
+    for n in candidates:
+        x = loads[n.node]
+        if x < low or (x == low and n.node < best.node):
+            best, low = n, x
+    return best
 
 
 class CacheAwarePolicy(RoutingPolicy):
@@ -336,13 +344,13 @@ class CacheAwarePolicy(RoutingPolicy):
         matches: dict[str, int] = {}
         if lookup is not None and lookup.error is None:
             for p in lookup.nodes:
-                if p.node in loads and p.local_blocks:
+                if p.local_blocks and p.node in loads:
                     matches[p.node] = p.local_blocks
-        total = req.num_blocks
-        matched = min(max(matches.values(), default=0), total)
+        total = len(req.block_hashes)
+        matched = min(max(matches.values()), total) if matches else 0
         rate = matched / total if total else 0.0
-
-        if self.is_imbalanced(list(loads.values())):
+        hi, lo = max(loads.values()), min(loads.values())
+        if (hi - lo) > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:  # is_imbalanced
             node = _min_load(candidates, loads).node
             return PrefillChoice(node, "imbalanced", matched, rate, loads, matches)
         if rate > self.cache_threshold:

@@ -168,6 +168,13 @@ class EngineScheduler:
                 f"{self.max_running * self.fwd_tokens} so a full decode batch leaves budget for prefill"
             )
         self.check_invariants = check_invariants
+        self.keep_records = True
+        """Build an :class:`IterationRecord` per plan (:meth:`take_records`). A caller that never
+        reads them (the simulator when no planner or model refit consumes them) sets it False."""
+        self.partial_outputs = True
+        """Emit a :class:`TokensOut` for every decode step that produced tokens. False (the
+        simulator, which forwards only first tokens and ends): only a request's first token and
+        its last output are emitted; nothing else changes (KV, counts, iteration records)."""
         self.kv = KvBlockManager(profile.gpu_blocks, profile.host_blocks, profile.block_size, host_eviction)
         self.requests: dict[str, _Request] = {}
         self.waiting: OrderedDict[str, _Request] = OrderedDict()
@@ -680,18 +687,28 @@ class EngineScheduler:
             return None
 
         p = self.profile
-        sum_uc = sum(c.tokens for c in chunks)
-        sum_qk = sum(int(qk_pairs(c.tokens, c.cached_before)) for c in chunks)
-        sum_rst = sum(c.restored for c in chunks)
-        sum_c = sum(c.cached_before for c in chunks)
-        prefill_s = p.prefill.iteration_time(sum_uc, sum_qk, sum_rst) if chunks else 0.0
-        decode_s = p.decode.iteration_time(len(decode_reqs)) if decode_reqs else 0.0
-        iteration_s = prefill_s + decode_s
-        if chunks and decode_reqs:
-            iteration_s -= min(p.prefill.c0, p.decode.d0)
+        sum_uc = sum_qk = sum_rst = sum_c = 0
         k = 1
-        if horizon is not None and not chunks and iteration_s > 0:
-            k = self._skip_ahead(decode_reqs, now, horizon, iteration_s)
+        if chunks:
+            for c in chunks:  # one pass (Eq. 1's sums)
+                t, b = c.tokens, c.cached_before
+                sum_uc += t
+                sum_qk += int(qk_pairs(t, b))
+                sum_rst += c.restored
+                sum_c += b
+            prefill_s = p.prefill.iteration_time(sum_uc, sum_qk, sum_rst)
+            if decode_reqs:
+                decode_s = p.decode.iteration_time(len(decode_reqs))
+                iteration_s = prefill_s + decode_s - min(p.prefill.c0, p.decode.d0)
+            else:
+                decode_s = 0.0
+                iteration_s = prefill_s + decode_s
+        else:
+            prefill_s = 0.0
+            decode_s = p.decode.iteration_time(len(decode_reqs))
+            iteration_s = prefill_s + decode_s
+            if horizon is not None and iteration_s > 0:
+                k = self._skip_ahead(decode_reqs, now, horizon, iteration_s)
         plan = IterationPlan(
             start=now,
             iterations=k,
@@ -737,7 +754,7 @@ class EngineScheduler:
         self.iterations += k
         out: list[OutputEvent] = []
         n_chunks = len(plan.prefill)
-        for chunk, r in zip(plan.prefill, plan.reqs[:n_chunks]):
+        for chunk, r in zip(plan.prefill, plan.reqs):  # reqs: the chunks' requests first
             if r.state != PREFILLING:
                 continue
             r.computed += chunk.tokens
@@ -771,10 +788,12 @@ class EngineScheduler:
             else:
                 r.state = DECODING
                 self.n_decoding += 1
-        for r in plan.reqs[n_chunks:]:
+        step = k * self.acc_milli
+        partial = self.partial_outputs
+        for r in plan.reqs[n_chunks:] if n_chunks else plan.reqs:
             if r.state != DECODING:
                 continue
-            total = r.acc + k * self.acc_milli
+            total = r.acc + step
             n = min(total // _MILLI, r.max_tokens - r.generated)
             eos = stopped is not None and r.rid in stopped
             if eos:
@@ -783,7 +802,7 @@ class EngineScheduler:
             start = r.generated
             r.generated += n
             done = r.generated >= r.max_tokens or eos
-            if n or done:
+            if done or (n and partial):
                 out.append(
                     TokensOut(
                         rid=r.rid,
@@ -798,20 +817,21 @@ class EngineScheduler:
                 )
             if done:
                 self._remove(r)
-        self._records.append(
-            IterationRecord(
-                start=plan.start,
-                duration_s=plan.iteration_s,
-                phase=plan.phase,  # type: ignore[arg-type]
-                prefill_requests=n_chunks,
-                sum_uncached=plan.sum_uncached,
-                sum_qk_pairs=plan.sum_qk_pairs,
-                sum_restored=plan.sum_restored,
-                sum_cached=plan.sum_cached,
-                decode_batch=len(plan.decode),
-                repeat=k,
+        if self.keep_records:
+            self._records.append(
+                IterationRecord(
+                    start=plan.start,
+                    duration_s=plan.iteration_s,
+                    phase=plan.phase,  # type: ignore[arg-type]
+                    prefill_requests=n_chunks,
+                    sum_uncached=plan.sum_uncached,
+                    sum_qk_pairs=plan.sum_qk_pairs,
+                    sum_restored=plan.sum_restored,
+                    sum_cached=plan.sum_cached,
+                    decode_batch=len(plan.decode),
+                    repeat=k,
+                )
             )
-        )
         self._check()
         return out
 

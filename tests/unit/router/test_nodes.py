@@ -179,6 +179,7 @@ def test_cached_candidates_match_a_fresh_computation(ops):
         for phases in (PREFILL_PHASES, DECODE_PHASES):
             got = [(n.node, n.phase, n.inflight, n.inflight_prefill, n.inflight_decode, n.running, n.last_seen, n.state) for n in v.candidates(phases, now)]
             assert got == _expected(v, phases, now), (kind, now)
+        assert v.all_usable(now) == all(v.usable(n, now) for n in v.nodes), (kind, now)
 
 
 def test_a_node_restarted_faster_than_the_fence_is_fenced_at_once_and_let_back_in():

@@ -508,3 +508,31 @@ def test_records_match_plans(b, run):
         assert (r.sum_uncached, r.sum_qk_pairs, r.sum_cached, r.decode_batch) == (
             p.sum_uncached, p.sum_qk_pairs, p.sum_cached, len(p.decode))
     assert s.take_records() == []
+
+
+def test_without_partial_outputs_only_first_tokens_and_ends_are_emitted(b, run):
+    """``partial_outputs=False`` (the simulator): a request's first token and its last output,
+    nothing in between; plans, KV and finish times are those of the full run."""
+    full, lean = b.sched(), b.sched()
+    lean.partial_outputs = False
+    for s in (full, lean):
+        s.add_prefill(b.prefill("a", [1, 2], tail=1, max_tokens=6), 0.0)
+        s.add_prefill(b.prefill("b", [5, 6], tail=1, max_tokens=1), 0.0)
+    outs1, plans1, end1 = run(full)
+    outs2, plans2, end2 = run(lean)
+    got = [(o.rid, o.index, o.count, o.finished) for o in tokens(outs2)]
+    assert got == [("a", 0, 1, False), ("b", 0, 1, True), ("a", 5, 1, True)]
+    kept = [o for o in tokens(outs1) if o.index == 0 or o.finished]
+    assert [(o.rid, o.index, o.count, o.finished, o.at) for o in kept] == [
+        (o.rid, o.index, o.count, o.finished, o.at) for o in tokens(outs2)]
+    assert len(tokens(outs1)) > len(tokens(outs2))
+    assert [(p.start, p.end, p.decode) for p in plans1] == [(p.start, p.end, p.decode) for p in plans2]
+    assert end1 == end2 and full.take_records() == lean.take_records()
+
+
+def test_without_records_none_are_kept(b, run):
+    s = b.sched()
+    s.keep_records = False
+    s.add_prefill(b.prefill("a", list(range(1, 13)), max_tokens=3), 0.0)
+    _, plans, _ = run(s)
+    assert plans and s.take_records() == []
