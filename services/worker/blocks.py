@@ -58,9 +58,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from operator import and_ as _and
-from operator import eq
-from operator import attrgetter
 from typing import Any
 
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Tier
@@ -75,11 +72,6 @@ def _stored(run: list[int], parent: int | None, tier: Tier, block_size: int) -> 
     return BlockStored(block_hashes=run, parent_block_hash=parent, tier=tier, block_size=block_size)
 
 
-_COUNT = attrgetter("count")
-_DEPTH = attrgetter("depth")
-_HASH = attrgetter("hash")
-_GROUP = attrgetter("group")
-_PARENT = attrgetter("parent")
 
 
 def _drain(it: Iterable[object]) -> None:
@@ -983,100 +975,56 @@ class HostBlockPool:
     def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
         """Apply branch counts R[b, node] from the KV directory (``CountUpdates``).
 
-        Unknown hashes are ignored (the block is not, or no longer, here).
-        Under ``lru`` the counts are stored but move nothing. Under
-        ``branch-count`` a queued block whose group changes moves to the tail
-        of its new group, deepest pages first so a parent stays newer than its
-        children; queued ancestors in the new group that are older than the moved
-        block are stamped newer too (a fork's shared prefix stays behind its new
-        pages). Returns the number of blocks moved. O(m log m + lifted ancestors).
+        A block named twice counts once, with its last count, at its first place. Unknown
+        hashes are ignored (the block is not, or no longer, here). Under ``lru`` the counts
+        are stored but move nothing. Under ``branch-count`` the queued blocks whose group
+        changes (the *moved* blocks, in message order) are cut into *chains*: a moved block
+        continues the chain of the moved block before it when it is that block's child and
+        goes to the same group. Chain by chain, in message order, each chain moves to the
+        tail of its new group deepest first (stamped like an access), then the queued
+        ancestors in the new group that are older than its shallowest block are stamped
+        newer, nearest first (a fork's shared prefix stays behind its new pages; a parent is
+        never evicted before its child). So a drain cut into messages anywhere moves the same
+        way as in one message: a cut splits at most one chain, and the second part's lift
+        restamps the first part after it. Returns the number of blocks moved.
+        O(named blocks + moved blocks + restamped ancestors).
 
         Raises:
             ValueError: if ``hashes`` and ``counts`` differ in length.
         """
         if len(hashes) != len(counts):
             raise ValueError(f"{len(hashes)} hashes but {len(counts)} counts")
-        if self._two:
-            return self._update_counts_two(hashes, counts)
-        return self._update_counts_blocks(hashes, counts)
-
-    def _update_counts_blocks(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
-        """:meth:`update_counts` block by block, for any policy."""
-        blocks = self.blocks
-        group = self.evictable.policy.group
-        moving: list[HostBlock] = []
-        for h, c in zip(hashes, counts):
-            b = blocks.get(h)
-            if b is None:
-                continue
-            b.count = c
-            if not b.pinned and group(b) != b.group:
-                moving.append(b)
-        moving.sort(key=lambda b: -b.depth)
-        for b in moving:
-            self._stamp += 1
-            b.last_access = self._stamp
-            self.evictable.regroup(b)
-            self._lift_ancestors(b)
-        return len(moving)
-
-    def _update_counts_two(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
-        """:meth:`update_counts` under ``branch-count``: the same moves and stamps, from one lean
-        pass over the message (the key inlined); the ancestor lift is looked for once per
-        stretch of moved blocks (a run of one path), not per block. A message naming a block
-        twice goes block by block (:meth:`_update_counts_blocks`; setting the counts again is
-        harmless)."""
+        if len(set(hashes)) != len(hashes):  # named twice: the last count, at its first place
+            last = dict(zip(hashes, counts))
+            hashes, counts = list(last), list(last.values())
         get = self.blocks.get
+        group = self.evictable.policy.group
         moving: list[HostBlock] = []
         add = moving.append
         for h, c in zip(hashes, counts):
             b = get(h)
             if b is not None:  # unknown hashes are ignored
                 b.count = c
-                if not b.pinned and (c > 0) != b.group:  # group 1 ⇔ count > 0
+                if not b.pinned and group(b) != b.group:
                     add(b)
         if not moving:
             return 0
-        moving.sort(key=_DEPTH, reverse=True)  # deepest first, stable (as key=-depth)
-        # Stretches: consecutive moved blocks where each next one is the previous one's parent,
-        # bound for the same group. Inside a stretch a block's lift stops at once (its parent
-        # is still in the old group), so only a stretch's shallowest block looks for ancestors.
-        mh = list(map(_HASH, moving))
-        mg = list(map(bool, map(_COUNT, moving)))
-        if True in map(eq, mg, map(_GROUP, moving)) or len(set(mh)) != len(mh):  # named twice
-            return self._update_counts_blocks(hashes, counts)
-        link = list(map(_and, map(eq, map(_PARENT, moving), mh[1:]), map(eq, mg, mg[1:])))
-        link.append(False)
-        groups = self.evictable.groups
-        get = self.blocks.get
+        regroup = self.evictable.regroup
         stamp = self._stamp
-        for b, up, linked in zip(moving, mg, link):
-            stamp += 1
-            b.last_access = stamp
-            h = b.hash
-            if up:
-                g = 1
-                del groups[0][h]
-            else:
-                g = 0
-                del groups[1][h]
-            b.group = g
-            od = groups[g]
-            od[h] = b
-            if linked:  # its parent moves next (still in the old group): its lift stops at once
-                continue
-            child = b  # lift the queued ancestors in group g older than b (_lift_ancestors)
-            p = b.parent
-            while p is not None:
-                pb = get(p)
-                if pb is None or pb.pinned or pb.group != g or pb.last_access > child.last_access:
-                    break
+        chain: list[HostBlock] = []
+        for i, b in enumerate(moving):
+            chain.append(b)
+            nxt = moving[i + 1] if i + 1 < len(moving) else None
+            if nxt is not None and nxt.parent == b.hash and group(nxt) == group(b):
+                continue  # the chain goes on below b
+            for x in reversed(chain):  # deepest first
                 stamp += 1
-                pb.last_access = stamp
-                od.move_to_end(p)
-                child = pb
-                p = pb.parent
-        self._stamp = stamp
+                x.last_access = stamp
+                regroup(x)
+            self._stamp = stamp
+            self._lift_ancestors(chain[0])
+            stamp = self._stamp
+            chain = []
         return len(moving)
 
     def _lift_ancestors(self, b: HostBlock) -> None:

@@ -20,7 +20,9 @@ count crossing 0 ↔ positive) is stamped like an access: the block goes to the
 tail of its new group, and the queued ancestors in that group that are older
 than it are stamped newer again, so a parent is never evicted before its
 child. That is the one place where this order departs from a strict
-``(group, T_b)`` sort by access time; it is documented in the worker README.
+``(group, T_b)`` sort by access time; it, and the order in which one message's
+moves are made (chains of moved blocks, each deepest first), are documented in
+the worker README.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """Reference model for differential tests: the per-block L1/L2 pools as they were before the
 run-based rewrite of ``services/worker/blocks.py`` (commit c85adc1), kept verbatim apart from
-this docstring. Every operation of the production pools must give the same results and the
-same KV events, in the same order, as this model (``tests/property/test_worker_blocks_model.py``).
+this docstring and the move rule of ``HostBlockPool.update_counts`` (issue 23: chains of moved
+blocks in message order, each deepest first, instead of one deepest-first sort of the whole
+message, so that how the directory cuts a drain into messages cannot change the order). Every
+operation of the production pools must give the same results and the same KV events, in the
+same order, as this model (``tests/property/test_worker_blocks_model.py``).
 """
 
 from __future__ import annotations
@@ -418,35 +421,45 @@ class HostBlockPool:
     def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
         """Apply branch counts R[b, node] from the KV directory (``CountUpdates``).
 
-        Unknown hashes are ignored (the block is not, or no longer, here).
-        Under ``lru`` the counts are stored but move nothing. Under
-        ``branch-count`` a queued block whose group changes moves to the tail
-        of its new group, deepest pages first so a parent stays newer than its
-        children; queued ancestors in the new group that are older than the moved
-        block are stamped newer too (a fork's shared prefix stays behind its new
-        pages). Returns the number of blocks moved. O(m log m + lifted ancestors).
+        A block named twice counts once, with its last count, at its first place. Unknown
+        hashes are ignored (the block is not, or no longer, here). Under ``lru`` the counts
+        are stored but move nothing. Under ``branch-count`` the queued blocks whose group
+        changes (the *moved* blocks, in message order) are cut into *chains*: a moved block
+        continues the chain of the moved block before it when it is that block's child and
+        goes to the same group. Chain by chain, in message order, each chain's blocks move to
+        the tail of their new group deepest first (stamped like an access), and the queued
+        ancestors in the new group that are older than a moved block are stamped newer too,
+        nearest first (a fork's shared prefix stays behind its new pages; a parent is never
+        evicted before its child). Returns the number of blocks moved.
 
         Raises:
             ValueError: if ``hashes`` and ``counts`` differ in length.
         """
         if len(hashes) != len(counts):
             raise ValueError(f"{len(hashes)} hashes but {len(counts)} counts")
+        last = dict(zip(hashes, counts))
         blocks = self.blocks
         group = self.evictable.policy.group
         moving: list[HostBlock] = []
-        for h, c in zip(hashes, counts):
+        for h, c in last.items():
             b = blocks.get(h)
             if b is None:
                 continue
             b.count = c
             if not b.pinned and group(b) != b.group:
                 moving.append(b)
-        moving.sort(key=lambda b: -b.depth)
+        chains: list[list[HostBlock]] = []
         for b in moving:
-            self._stamp += 1
-            b.last_access = self._stamp
-            self.evictable.regroup(b)
-            self._lift_ancestors(b)
+            if chains and b.parent == chains[-1][-1].hash and group(b) == group(chains[-1][-1]):
+                chains[-1].append(b)
+            else:
+                chains.append([b])
+        for chain in chains:
+            for b in reversed(chain):
+                self._stamp += 1
+                b.last_access = self._stamp
+                self.evictable.regroup(b)
+                self._lift_ancestors(b)
         return len(moving)
 
     def _lift_ancestors(self, b: HostBlock) -> None:
