@@ -18,7 +18,7 @@ release their path from the last block back to the first, each release taking
 a newer stamp, so a parent is always newer than its children and LRU evicts
 leaves before parents: a cached prefix is never cut in the middle.
 
-L2 (``HostBlockPool`` / ``RunHostPool``) is written through: every page that
+L2 (``RunHostPool`` / ``BranchRunHostPool``) is written through: every page that
 becomes resident in L1 (computed, received from a prefill node, or restored)
 is also stored in L2. A host block whose page is in L1 is *pinned* (not
 evictable), as in SGLang HiCache, whose ``evict_host`` only frees the host copy
@@ -46,8 +46,14 @@ consecutive requests of a branch share almost all of them, so the pools store
   are exactly L1's (counted, not stored twice), the unpinned ones are runs in
   an LRU queue indexed by first hash. Pinning (an L1 restore) takes the
   shallow end of a run; eviction takes the deep end of the oldest.
-* L2 under ``branch-count`` is the per-block ``HostBlockPool`` (counts move
-  single blocks between eviction groups, so blocks are kept one by one).
+* L2 under ``branch-count`` is ``BranchRunHostPool``: the same runs in two
+  queues, one per group (count 0 first). A page index (queued page → run) and
+  the set of counted L2 pages let a count message move whole stretches: a
+  message is cut into stretches (consecutive entries that are consecutive pages
+  of one run) and chains, each chain leaves its runs by slicing and is queued
+  as one new run, and its lift restamps whole runs. Python steps per message,
+  per unpin and per fetch are O(runs touched); per named hash there is C-level
+  work only (an index lookup, set updates, slice compares).
 
 Both keep exactly the per-block semantics (same results, same KV events in
 the same order; ``tests/property/test_worker_blocks_model.py`` checks them
@@ -56,8 +62,11 @@ against the per-block model on random operation streams).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import compress, count
+from operator import ne, not_
 from typing import Any
 
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Tier
@@ -1066,11 +1075,11 @@ class HostBlockPool:
 
 
 class _HostRun:
-    """Consecutive unpinned L2 pages of one sequence, queued together."""
+    """Consecutive unpinned L2 pages of one sequence, queued together (in one group)."""
 
-    __slots__ = ("keys", "depth", "parent", "stamp", "prev", "next")
+    __slots__ = ("keys", "depth", "parent", "stamp", "group", "prev", "next")
 
-    def __init__(self, keys: list[int], depth: int, parent: int | None, stamp: int) -> None:
+    def __init__(self, keys: list[int], depth: int, parent: int | None, stamp: int, group: int = 0) -> None:
         self.keys = keys
         """Block hashes, parent first."""
         self.depth = depth
@@ -1079,6 +1088,8 @@ class _HostRun:
         """Hash of the page before ``keys[0]`` (None at a sequence start)."""
         self.stamp = stamp
         """Stamp of ``keys[-1]`` (evicted first); ``keys[i]`` has ``stamp + len(keys) - 1 - i``."""
+        self.group = group
+        """Eviction group of every page of the run (the pool's ``queues[group]`` holds it)."""
         self.prev: Any = None
         self.next: Any = None
 
@@ -1089,16 +1100,23 @@ _PINNED, _RUN, _MISSING = 0, 1, 2
 class _HostQueueView(_RunQueueView):
     """``RunHostPool.evictable``: the unpinned blocks in eviction order (read only)."""
 
+    def __len__(self) -> int:
+        return self._pool.used - self._pool.pinned
+
+    def __contains__(self, h: int) -> bool:
+        return any(h in r.keys for q in self._pool.queues for r in q)
+
     def ordered(self) -> list[_BlockView]:
-        """Every queued block in eviction order (O(n); for checks and tests)."""
+        """Every queued block in eviction order, group 0 first (O(n); for checks and tests)."""
         out = []
-        for r in self._pool.queue:
-            keys = r.keys
-            last = len(keys) - 1
-            for i in range(last, -1, -1):
-                out.append(
-                    _BlockView(keys[i], keys[i - 1] if i else r.parent, pinned=False, last_access=r.stamp + last - i, depth=r.depth + i)
-                )
+        for q in self._pool.queues:
+            for r in q:
+                keys = r.keys
+                last = len(keys) - 1
+                g = r.group
+                for i in range(last, -1, -1):
+                    p = keys[i - 1] if i else r.parent
+                    out.append(_BlockView(keys[i], p, pinned=False, last_access=r.stamp + last - i, depth=r.depth + i, count=g, group=g))
         return out
 
 
@@ -1129,8 +1147,8 @@ class RunHostPool:
         if capacity <= 0 or block_size <= 0:
             raise ValueError("capacity and block_size must be > 0")
         self.policy: EvictionPolicy = policy or LruPolicy()
-        if self.policy.groups != 1:
-            raise ValueError("RunHostPool serves one-group policies; use HostBlockPool")
+        if self.policy.groups != 1 and type(self) is RunHostPool:
+            raise ValueError("RunHostPool serves one-group policies; use BranchRunHostPool")
         self.capacity = capacity
         self.block_size = block_size
         self.events = events
@@ -1140,7 +1158,9 @@ class RunHostPool:
         the same run starts with that page, so a path is matched run by run."""
         self.members: set[int] = set()
         """Every L2 hash (pinned or not); changes only when a page enters or leaves L2."""
-        self.queue = _RunQueue()
+        self.queues = [_RunQueue() for _ in range(self.policy.groups)]
+        """Unpinned runs per eviction group, oldest first; group 0 is evicted first."""
+        self.queue = self.queues[0]
         self.pinned = 0
         """Pinned pages (= L1 pages once a fill has been written through)."""
         self._stamp = 0
@@ -1152,7 +1172,10 @@ class RunHostPool:
 
     @property
     def used(self) -> int:
-        return self.pinned + self.queue.blocks
+        n = self.pinned
+        for q in self.queues:
+            n += q.blocks
+        return n
 
     def hold(self, hashes: Sequence[int]) -> list[int]:
         """See :meth:`HostBlockPool.hold`."""
@@ -1170,6 +1193,58 @@ class RunHostPool:
         while t < lim and keys[size - 1 - t] not in holds:
             t += 1
         return t
+
+    def _evict_free(self, r: _HostRun, c: int, lim: int, out: list[int]) -> int:
+        """Evict up to ``lim`` pages of ``r.keys[c:]`` that are not held, deepest first, into
+        ``out``; returns how many. Held pages are a path prefix, so inside a run they are its
+        shallow end and the unheld ones its deep end (cut in one step), except where a broken
+        hold's page was stored again: it is unheld above held pages (:meth:`_evict_holes`)."""
+        keys = r.keys
+        size = len(keys)
+        t = self._free_tail(keys, min(size - c, lim))
+        if t:
+            self._cut_tail(r, t, out)
+        if t == lim or t == size or not self.broken or self.broken.keys().isdisjoint(keys[c:]):
+            return t
+        return t + self._evict_holes(r, c, lim - t, out)
+
+    def _evict_holes(self, r: _HostRun, c: int, lim: int, out: list[int]) -> int:
+        """:meth:`_evict_free` past held pages: up to ``lim`` unheld pages of ``r.keys[c:]``
+        deepest first; the pages left stay in place as runs, with their stamps. O(run)."""
+        keys = r.keys
+        holds = self.holds
+        size = len(keys)
+        gone: list[int] = []
+        for i in range(size - 1, c - 1, -1):
+            if keys[i] not in holds:
+                gone.append(i)
+                if len(gone) == lim:
+                    break
+        if not gone:
+            return 0
+        out.extend(keys[i] for i in gone)
+        q = self.queues[r.group]
+        prev = r.prev
+        q.unlink(r)
+        del self.first[keys[0]]
+        q.blocks -= len(gone)
+        cuts = [size, *gone, -1]  # the pieces left lie between the evicted pages, deepest first
+        for b, a in zip(cuts, cuts[1:]):
+            a += 1
+            if a < b:
+                piece = _HostRun(keys[a:b], r.depth + a, keys[a - 1] if a else r.parent, r.stamp + size - b, r.group)
+                q.insert_after(prev, piece)
+                prev = piece
+                self.first[keys[a]] = piece
+                self._index(piece)
+        return len(gone)
+
+    def _index(self, r: _HostRun) -> None:
+        """A run was made of queued pages (a subclass indexes its pages)."""
+
+    def _evicted(self, evicted: list[int]) -> None:
+        """The pages ``evicted`` left L2."""
+        self.members.difference_update(evicted)
 
     @property
     def evictable(self) -> _HostQueueView:
@@ -1223,9 +1298,10 @@ class RunHostPool:
         keys = r.keys
         first = self.first
         del first[keys[0]]
-        self.queue.blocks -= c
+        q = self.queues[r.group]
+        q.blocks -= c
         if c >= len(keys):
-            self.queue.unlink(r)
+            q.unlink(r)
             return
         r.parent = keys[c - 1]
         del keys[:c]
@@ -1237,27 +1313,26 @@ class RunHostPool:
         keys = r.keys
         size = len(keys)
         out.extend(reversed(keys[size - t :]))
-        self.queue.blocks -= t
+        q = self.queues[r.group]
+        q.blocks -= t
         if t == size:
-            self.queue.unlink(r)
+            q.unlink(r)
             del self.first[keys[0]]
         else:
             del keys[size - t :]
             r.stamp += t
 
     def _evict(self, e: int, out: list[int]) -> None:
-        """Evict ``e`` pages from the head of the queue (deepest first inside a run), skipping
-        held pages; if only held pages are left, from the head regardless (holds broken)."""
-        q = self.queue
+        """Evict ``e`` pages from the head of the queue (group 0 first; deepest first inside a
+        run), skipping held pages; if only held pages are left, from the head regardless (holds
+        broken)."""
         if self.holds:
-            r = q.first()
-            while r is not None and e > 0:
-                nxt = r.next if r.next is not q.head else None
-                t = self._free_tail(r.keys, min(len(r.keys), e))
-                if t:
-                    self._cut_tail(r, t, out)
-                    e -= t
-                r = nxt
+            for q in self.queues:
+                r = q.first()
+                while r is not None and e > 0:
+                    nxt = r.next if r.next is not q.head else None
+                    e -= self._evict_free(r, 0, e, out)
+                    r = nxt
             if e > 0:
                 n0 = len(out)
                 self._evict_head(e, out)
@@ -1267,21 +1342,24 @@ class RunHostPool:
         self._evict_head(e, out)
 
     def _evict_head(self, e: int, out: list[int]) -> None:
-        q = self.queue
-        while e > 0:
-            r = q.first()
-            if r is None:
-                raise KvInvariantError("host pool full of pinned blocks (host capacity < GPU capacity?)")
-            t = min(len(r.keys), e)
-            self._cut_tail(r, t, out)
-            e -= t
+        for q in self.queues:
+            while e > 0:
+                r = q.first()
+                if r is None:
+                    break
+                t = min(len(r.keys), e)
+                self._cut_tail(r, t, out)
+                e -= t
+        if e > 0:
+            raise KvInvariantError("host pool full of pinned blocks (host capacity < GPU capacity?)")
 
-    def _push(self, keys: list[int], depth: int, parent: int | None) -> _HostRun:
-        """Queue ``keys`` (parent first) as the newest run, stamped deepest first."""
-        r = _HostRun(keys, depth, parent, self._stamp + 1)
+    def _push(self, keys: list[int], depth: int, parent: int | None, group: int = 0) -> _HostRun:
+        """Queue ``keys`` (parent first) as the newest run of ``group``, stamped deepest first."""
+        r = _HostRun(keys, depth, parent, self._stamp + 1, group)
         self._stamp += len(keys)
-        self.queue.append(r)
-        self.queue.blocks += len(keys)
+        q = self.queues[group]
+        q.append(r)
+        q.blocks += len(keys)
         self.first[keys[0]] = r
         return r
 
@@ -1318,7 +1396,6 @@ class RunHostPool:
         O(runs + new pages).
         """
         first = self.first
-        q = self.queue
         evicted: list[int] = []
         runs: list[tuple[int, int]] = []
         start = -1
@@ -1337,7 +1414,7 @@ class RunHostPool:
                 continue
             nxt = self._next_start(path, pos, hi)
             k = nxt - pos
-            e = self.pinned + q.blocks + k - self.capacity
+            e = self.used + k - self.capacity
             if e > 0:
                 self._evict(e, evicted)
             self.pinned += k
@@ -1349,7 +1426,7 @@ class RunHostPool:
             runs.append((start, hi))
         members = self.members
         if evicted:
-            members.difference_update(evicted)
+            self._evicted(evicted)
             self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
         bs = self.block_size
         for s, e in runs:
@@ -1380,11 +1457,10 @@ class RunHostPool:
         n_new = sum(e - s for s, e in ranges)
         if not n_new:
             return 0
-        q = self.queue
         need = self.used + n_new - self.capacity
         evicted: list[int] = []
         holds = self.holds
-        if need > 0:
+        for q in self.queues:  # group 0 first
             r = q.first()
             while r is not None and need > 0:
                 nxt = r.next if r.next is not q.head else None
@@ -1393,8 +1469,8 @@ class RunHostPool:
                 c = _common(keys, path, d, n) if d < n and path[d] == keys[0] else 0
                 t = min(len(keys) - c, need)
                 if t > 0 and holds:
-                    t = self._free_tail(keys, t)
-                if t > 0:
+                    need -= self._evict_free(r, c, t, evicted)
+                elif t > 0:
                     self._cut_tail(r, t, evicted)
                     need -= t
                 r = nxt
@@ -1408,7 +1484,7 @@ class RunHostPool:
                     ranges[-1] = (s, e - need)
                     need = 0
         if evicted:
-            self.members.difference_update(evicted)
+            self._evicted(evicted)
             self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
         if not ranges:
             return 0
@@ -1427,8 +1503,9 @@ class RunHostPool:
         return stored
 
     def _lift(self, path: Sequence[int], x: int) -> None:
-        """If ``path[x - 1]`` is unpinned and older than ``path[x]``, move the unpinned chain
-        above ``x`` to the queue's tail, nearest first (``HostBlockPool._lift_ancestors``)."""
+        """If ``path[x - 1]`` is unpinned, in the group of ``path[x]`` and older, move the
+        unpinned chain of that group above ``x`` to its queue's tail, nearest first
+        (``HostBlockPool._lift_ancestors``)."""
         pieces = self._locate(path, x + 1)
         cs, _ce, _ck, child = pieces[-1]  # path[x]: unpinned (stored or lifted in this call)
         if cs < x or len(pieces) < 2 or pieces[-2][2] != _RUN:
@@ -1437,15 +1514,16 @@ class RunHostPool:
         del pieces[-1]
         s, e, _, r = pieces[-1]
         assert r is not None
-        if r.stamp + len(r.keys) - 1 - (x - 1 - s) >= child.stamp + len(child.keys) - 1:
+        g = child.group
+        if r.group != g or r.stamp + len(r.keys) - 1 - (x - 1 - s) >= child.stamp + len(child.keys) - 1:
             return
         i = len(pieces) - 1
-        while i > 0 and pieces[i - 1][2] == _RUN:
+        while i > 0 and pieces[i - 1][2] == _RUN and pieces[i - 1][3].group == g:  # type: ignore[union-attr]
             i -= 1
         y = pieces[i][0]
         for s, e, _, r in pieces[i:]:
             self._take_shallow(r, e - s)  # type: ignore[arg-type]
-        self._push(list(path[y:x]), y, path[y - 1] if y else None)
+        self._push(list(path[y:x]), y, path[y - 1] if y else None, g)
 
     def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
         """Branch counts from the KV directory: under a one-group policy they move nothing
@@ -1465,10 +1543,11 @@ class RunHostPool:
     def snapshot_parents(self) -> tuple[list[int], list[int | None]]:
         """:meth:`snapshot` and each block's parent hash (None at a sequence start). O(n)."""
         hashes, parents = self.gpu.snapshot_parents()
-        for r in self.queue:
-            hashes.extend(r.keys)
-            parents.append(r.parent)
-            parents.extend(r.keys[:-1])
+        for q in self.queues:
+            for r in q:
+                hashes.extend(r.keys)
+                parents.append(r.parent)
+                parents.extend(r.keys[:-1])
         return hashes, parents
 
     # -- views for checks and tests ------------------------------------- #
@@ -1494,25 +1573,30 @@ class RunHostPool:
             KvInvariantError: naming the first one that fails.
         """
         seen: set[int] = set()
-        total = 0
-        last_stamp = 0
-        for r in self.queue:
-            if not r.keys:
-                raise KvInvariantError("empty L2 run")
-            if self.first.get(r.keys[0]) is not r:
-                raise KvInvariantError(f"L2 run {r.keys[0]} not indexed by its first hash")
-            if r.stamp <= last_stamp:
-                raise KvInvariantError(f"L2 run {r.keys[0]} stamped {r.stamp} after {last_stamp}")
-            last_stamp = r.stamp + len(r.keys) - 1
-            for h in r.keys:
-                if h in seen:
-                    raise KvInvariantError(f"L2 block {h} in two runs")
-                seen.add(h)
-            total += len(r.keys)
-        if len(self.first) != sum(1 for _ in self.queue):
+        n_runs = 0
+        for g, q in enumerate(self.queues):
+            total = 0
+            last_stamp = 0
+            for r in q:
+                n_runs += 1
+                if not r.keys:
+                    raise KvInvariantError("empty L2 run")
+                if r.group != g:
+                    raise KvInvariantError(f"L2 run {r.keys[0]} of group {r.group} queued in group {g}")
+                if self.first.get(r.keys[0]) is not r:
+                    raise KvInvariantError(f"L2 run {r.keys[0]} not indexed by its first hash")
+                if r.stamp <= last_stamp:
+                    raise KvInvariantError(f"L2 run {r.keys[0]} stamped {r.stamp} after {last_stamp}")
+                last_stamp = r.stamp + len(r.keys) - 1
+                for h in r.keys:
+                    if h in seen:
+                        raise KvInvariantError(f"L2 block {h} in two runs")
+                    seen.add(h)
+                total += len(r.keys)
+            if total != q.blocks:
+                raise KvInvariantError(f"L2 queue {g} counts {q.blocks} blocks, runs hold {total}")
+        if len(self.first) != n_runs:
             raise KvInvariantError(f"L2 first-hash index has {len(self.first)} runs")
-        if total != self.queue.blocks:
-            raise KvInvariantError(f"L2 queue counts {self.queue.blocks} blocks, runs hold {total}")
         if self.pinned != self.gpu.hashed:
             raise KvInvariantError(f"L2 counts {self.pinned} pinned blocks, L1 holds {self.gpu.hashed}")
         gpu = set(self.gpu.snapshot())
@@ -1520,6 +1604,348 @@ class RunHostPool:
             raise KvInvariantError(f"L2 blocks both pinned and queued: {sorted(seen & gpu)[:5]}")
         if self.members != seen | gpu:
             raise KvInvariantError("L2 membership set out of sync")
+
+
+# --------------------------------------------------------------------------- #
+# L2, runs (branch-count: two groups)
+# --------------------------------------------------------------------------- #
+
+
+def _agree(keys: list[int], off: int, seq: Sequence[int], i: int, n: int) -> int:
+    """Length of the common prefix of ``keys[off:]`` and ``seq[i:n]``, given ``keys[off] ==
+    seq[i]``. ``seq`` is any list of hashes (a count message, not a path), so equal last
+    pages do not imply equal stretches: slices of doubling length are compared, O(length)
+    in C and O(log length) Python steps (a message in no order costs O(1) per entry)."""
+    size = min(len(keys) - off, n - i)
+    k = 1
+    step = 4
+    while k < size:
+        e = min(size, k + step)
+        a = keys[off + k : off + e]
+        b = seq[i + k : i + e]
+        if a != b:
+            return k + next(compress(count(), map(ne, a, b)))
+        k = e
+        step += step
+    return size
+
+
+class BranchRunHostPool(RunHostPool):
+    """L2 under ``branch-count`` (paper §5.3: group ``1[R_b > 0]`` first, LRU inside each),
+    stored as runs: :class:`RunHostPool` with two queues of runs, one per group.
+
+    Args:
+        capacity: blocks (``profile.host_blocks``).
+        block_size: tokens per block.
+        events: the shared outbox.
+        gpu: the node's L1 (pinned ⇔ in L1).
+        policy: the ``branch-count`` policy.
+
+    Raises:
+        ValueError: on non-positive sizes or another policy.
+
+    Same operations, stamps and events as the per-block pool of the reference model
+    (``tests/unit/worker/ref_blocks.py``). Every page of a queued run is in the run's group;
+    a page's count matters only as 0 vs > 0, kept for every L2 page (pinned ones too) in
+    :attr:`counted`. :attr:`where` finds the run of any queued page, so a count message
+    is applied stretch by stretch (a stretch: consecutive entries that are consecutive
+    pages of one run), not block by block.
+    """
+
+    def __init__(
+        self, capacity: int, block_size: int, events: list[KvEvent], gpu: GpuBlockPool, policy: EvictionPolicy | None = None
+    ) -> None:
+        policy = policy or BranchCountPolicy()
+        if not isinstance(policy, BranchCountPolicy):
+            raise ValueError(f"BranchRunHostPool serves the branch-count policy, not {policy.name!r}")
+        super().__init__(capacity, block_size, events, gpu, policy)
+        self.where: dict[int, _HostRun] = {}
+        """Queued (unpinned) page → its run."""
+        self.counted: set[int] = set()
+        """L2 pages (pinned or not) whose last count from the directory is > 0. A page that
+        leaves L2 leaves this set (a page stored again counts 0 until the directory re-sends)."""
+
+    # -- run bookkeeping with the page index ------------------------------ #
+
+    def _push(self, keys: list[int], depth: int, parent: int | None, group: int = 0) -> _HostRun:
+        r = super()._push(keys, depth, parent, group)
+        self.where.update(dict.fromkeys(keys, r))
+        return r
+
+    def _take_shallow(self, r: _HostRun, c: int) -> None:
+        _drain(map(self.where.__delitem__, r.keys[:c]))
+        super()._take_shallow(r, c)
+
+    def _index(self, r: _HostRun) -> None:
+        self.where.update(dict.fromkeys(r.keys, r))
+
+    def _evicted(self, evicted: list[int]) -> None:
+        super()._evicted(evicted)
+        _drain(map(self.where.__delitem__, evicted))
+        self.counted.difference_update(evicted)
+
+    def _excise(self, r: _HostRun, o: int, k: int) -> None:
+        """Take ``r.keys[o:o + k]`` out of ``r``'s queue (they move; their :attr:`where`
+        entries are re-pointed by the caller's push). The pages left keep their stamps and
+        queue place: a deep rest and a shallow rest stay two runs, the smaller one new."""
+        keys = r.keys
+        size = len(keys)
+        if o == 0:
+            RunHostPool._take_shallow(self, r, k)
+            return
+        q = self.queues[r.group]
+        q.blocks -= k
+        end = o + k
+        if end == size:  # the deep end: r keeps the shallow rest, whose stamps follow its deep end's
+            del keys[o:]
+            r.stamp += k
+            return
+        first = self.first
+        if o <= size - end:  # the shallow rest becomes a new run, just newer than r
+            up = _HostRun(keys[:o], r.depth, r.parent, r.stamp + size - o, r.group)
+            first[keys[0]] = up
+            self.where.update(dict.fromkeys(up.keys, up))
+            r.parent = keys[end - 1]
+            r.depth += end
+            del keys[:end]
+            first[keys[0]] = r
+            q.insert_after(r, up)
+        else:  # the deep rest becomes a new run, just older than r
+            down = _HostRun(keys[end:], r.depth + end, keys[end - 1], r.stamp, r.group)
+            first[down.keys[0]] = down
+            self.where.update(dict.fromkeys(down.keys, down))
+            del keys[o:]
+            r.stamp += size - o
+            q.insert_after(r.prev, down)
+
+    def _lift_above(self, run: _HostRun) -> None:
+        """Stamp the queued ancestors of ``run`` (just pushed: the newest) in its group newer,
+        nearest first, up to the first one that is pinned, absent or in the other group
+        (``HostBlockPool._lift_ancestors``: every such ancestor is older). O(runs)."""
+        g = run.group
+        where = self.where
+        p = run.parent
+        d = run.depth - 1
+        pieces: list[tuple[_HostRun, int]] = []
+        while p is not None:
+            r = where.get(p)
+            if r is None or r.group != g:
+                break
+            pieces.append((r, d - r.depth + 1))
+            p = r.parent
+            d = r.depth - 1
+        if pieces:
+            self._requeue([(r, 0, c) for r, c in reversed(pieces)], d + 1, p, g)
+
+    def _requeue(self, pieces: list[tuple[_HostRun, int, int]], depth: int, parent: int | None, g: int) -> _HostRun:
+        """Queue the pages ``r.keys[o:o + k]`` of ``pieces`` (distinct runs; consecutive pages
+        of one sequence, root side first) as the newest run of group ``g``, stamped deepest
+        first. The largest piece that is a whole run keeps its run object, so only the other
+        pieces' pages are re-indexed (a lift of a long stretch moves O(runs), and repeated
+        lifts re-index each page O(log) times, as union by size)."""
+        best = -1
+        size = 0
+        for x, (r, o, k) in enumerate(pieces):
+            if k > size and o == 0 and k == len(r.keys):
+                best, size = x, k
+        if best < 0:
+            keys: list[int] = []
+            for r, o, k in pieces:
+                keys.extend(r.keys[o : o + k])
+                self._excise(r, o, k)
+            return self._push(keys, depth, parent, g)
+        keep = pieces[best][0]
+        left: list[int] = []
+        right: list[int] = []
+        for x, (r, o, k) in enumerate(pieces):
+            if x != best:
+                (left if x < best else right).extend(r.keys[o : o + k])
+                self._excise(r, o, k)
+        q = self.queues[keep.group]
+        q.unlink(keep)
+        q.blocks -= size
+        first = self.first
+        keys = keep.keys
+        del first[keys[0]]
+        where = self.where
+        if left:
+            keys[:0] = left
+            where.update(dict.fromkeys(left, keep))
+        if right:
+            keys.extend(right)
+            where.update(dict.fromkeys(right, keep))
+        keep.depth = depth
+        keep.parent = parent
+        keep.group = g
+        keep.stamp = self._stamp + 1
+        self._stamp += len(keys)
+        q = self.queues[g]
+        q.append(keep)
+        q.blocks += len(keys)
+        first[keys[0]] = keep
+        return keep
+
+    # -- mutations -------------------------------------------------------- #
+
+    def unpin_runs(self, runs: Sequence[tuple[list[int], int, int | None]]) -> None:
+        """The runs L1 evicted (``GpuBlockPool.evicted_runs``, each deepest first) become
+        evictable here, in that order, each page in the group of its count: a run is pushed
+        whole, or in pieces where the counts cross 0. O(runs + pieces), membership in C."""
+        counted = self.counted
+        for keys, depth, parent in runs:
+            self.pinned -= len(keys)
+            if not counted or counted.isdisjoint(keys):
+                self._push(keys, depth, parent, 0)
+                continue
+            if counted.issuperset(keys):
+                self._push(keys, depth, parent, 1)
+                continue
+            up = list(map(counted.__contains__, reversed(keys)))  # deepest first
+            size = len(keys)
+            i = 0
+            while i < size:
+                g = up[i]
+                try:
+                    j = up.index(not g, i)
+                except ValueError:
+                    j = size
+                s, e = size - j, size - i  # keys[s:e], pushed deepest piece first
+                self._push(keys[s:e], depth + s, keys[s - 1] if s else parent, 1 if g else 0)
+                i = j
+
+    def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
+        """Apply branch counts R[b, node] from the KV directory (``CountUpdates``), with the
+        move rule of ``HostBlockPool.update_counts`` (worker README): a block named twice
+        counts once (its last count, at its first place); unknown hashes are ignored; the
+        queued blocks whose group changes are cut into chains (a moved block continues the
+        chain of the moved block before it in the message when it is that block's child and
+        goes to the same group); chain by chain, in message order, each chain moves to the
+        tail of its new group deepest first (one new run), then its older queued ancestors
+        in that group are restamped newer, nearest first. Returns the blocks moved.
+
+        O(stretches + chains + runs lifted) Python steps; per named block only C-level work
+        (an index lookup, set updates, slice compares).
+
+        Raises:
+            ValueError: if ``hashes`` and ``counts`` differ in length.
+        """
+        n = len(hashes)
+        if n != len(counts):
+            raise ValueError(f"{n} hashes but {len(counts)} counts")
+        if not n:
+            return 0
+        if len(set(hashes)) != n:  # named twice: the last count, at its first place
+            last = dict(zip(hashes, counts))
+            hashes, counts = list(last), list(last.values())
+            n = len(hashes)
+        if min(counts) < 0:
+            counts = [c if c > 0 else 0 for c in counts]
+        zeros = counts.count(0)
+        counted = self.counted
+        if zeros == n:
+            counted.difference_update(hashes)
+        elif zeros:
+            up = list(map(bool, counts))
+            counted.difference_update(compress(hashes, map(not_, up)))
+            counted.update(self.members.intersection(compress(hashes, up)))
+        else:
+            counted.update(self.members.intersection(hashes))
+        where = self.where
+        rs = list(map(where.get, hashes))
+        queued = list(compress(range(n), rs))
+        if not queued:
+            return 0
+        # stretches of moved blocks: (first hash, its depth, length, new group, parent hash, last hash)
+        moves: list[tuple[int, int, int, int, int | None, int]] = []
+        places: dict[_HostRun, dict[int, int]] = {}
+        j = 0
+        m = len(queued)
+        while j < m:
+            i = queued[j]
+            r = rs[i]
+            keys = r.keys
+            h = hashes[i]
+            if keys[0] == h:
+                off = 0
+            else:  # a stretch from inside a run: its place by a scan, or a map once a run has two
+                pm = places.get(r)
+                if pm is None:
+                    off = keys.index(h)
+                    places[r] = {}
+                else:
+                    if not pm:
+                        pm = places[r] = dict(zip(keys, range(len(keys))))
+                    off = pm[h]
+            k = _agree(keys, off, hashes, i, n)
+            j = bisect_left(queued, i + k, j + 1)
+            g = r.group
+            z = counts[i : i + k].count(0)
+            if z == (k if g else 0):  # every block of the stretch crosses 0
+                moves.append((h, r.depth + off, k, 1 - g, keys[off - 1] if off else r.parent, hashes[i + k - 1]))
+            elif z != (0 if g else k):  # some do: their sub-stretches, block by block
+                a = -1
+                for x in range(k + 1):
+                    crosses = x < k and (counts[i + x] == 0) == bool(g)
+                    if crosses and a < 0:
+                        a = x
+                    elif not crosses and a >= 0:
+                        o = off + a
+                        moves.append((keys[o], r.depth + o, x - a, 1 - g, keys[o - 1] if o else r.parent, keys[off + x - 1]))
+                        a = -1
+        if not moves:
+            return 0
+        moved = 0
+        c0 = 0
+        for c in range(len(moves)):
+            if c + 1 < len(moves):
+                nxt = moves[c + 1]
+                if nxt[4] == moves[c][5] and nxt[3] == moves[c][3]:
+                    continue  # the next stretch goes on below this one: one chain
+            chain = moves[c0 : c + 1]
+            c0 = c + 1
+            h, d, k, g, p, _l = chain[0]
+            if len(chain) == 1:
+                r = where[h]
+                run = self._requeue([(r, d - r.depth, k)], d, p, g)
+                moved += k
+            else:
+                pieces = [(where[x[0]], x[1] - where[x[0]].depth, x[2]) for x in chain]
+                if len(set(map(id, (x[0] for x in pieces)))) == len(pieces):
+                    run = self._requeue(pieces, d, p, g)
+                else:  # two stretches of one run (the message skipped between them): one by one
+                    keys: list[int] = []
+                    for x in chain:
+                        r = where[x[0]]
+                        o = x[1] - r.depth
+                        keys.extend(r.keys[o : o + x[2]])
+                        self._excise(r, o, x[2])
+                    run = self._push(keys, d, p, g)
+                moved += sum(x[2] for x in chain)
+            self._lift_above(run)
+        return moved
+
+    def check_structure(self) -> None:
+        """:meth:`RunHostPool.check_structure`, plus the page index and the counts (O(n)):
+        every queued page indexed to its run, a queued run's pages counted > 0 exactly in
+        group 1, counted pages in L2.
+
+        Raises:
+            KvInvariantError: naming the first one that fails.
+        """
+        super().check_structure()
+        n = 0
+        for q in self.queues:
+            for r in q:
+                for h in r.keys:
+                    n += 1
+                    if self.where.get(h) is not r:
+                        raise KvInvariantError(f"L2 page {h} not indexed to its run")
+                    if (h in self.counted) != (r.group == 1):
+                        raise KvInvariantError(f"L2 page {h} in group {r.group}, counted={h in self.counted}")
+        if len(self.where) != n:
+            raise KvInvariantError(f"L2 page index holds {len(self.where)} pages, {n} queued")
+        if not self.counted <= self.members:
+            raise KvInvariantError("L2 counts kept for pages not in L2")
 
 
 # --------------------------------------------------------------------------- #
@@ -1553,11 +1979,11 @@ class KvBlockManager:
         self.events: list[KvEvent] = [AllBlocksCleared()]
         self.gpu = GpuBlockPool(gpu_blocks, block_size, self.events)
         policy = get_policy(host_policy)
-        self.host: RunHostPool | HostBlockPool
-        if policy.groups == 1:
-            self.host = RunHostPool(host_blocks, block_size, self.events, self.gpu, policy)
+        self.host: RunHostPool
+        if isinstance(policy, BranchCountPolicy):
+            self.host = BranchRunHostPool(host_blocks, block_size, self.events, self.gpu, policy)
         else:
-            self.host = HostBlockPool(host_blocks, block_size, self.events, policy)
+            self.host = RunHostPool(host_blocks, block_size, self.events, self.gpu, policy)
 
     # -- queries ---------------------------------------------------------- #
 

@@ -222,3 +222,12 @@ def test_harness_catches_a_divergence(monkeypatch):
     with pytest.raises((Divergence, AssertionError)):
         for seed in SEEDS[:4]:
             drive(seed, OPS, "lru")
+
+
+def test_a_page_stored_again_after_its_hold_broke_is_evicted_past_held_pages():
+    """Seed 206 under branch-count reaches it: a write-through found every queued page held and
+    broke the hold of page 32 (group 0, evicted first) but not of its child 33 (group 1); 32
+    came back unheld between held 31 and 33 in one run. The next eviction must take 32 as the
+    per-block pool does (it skips held pages one by one), not stop at the run's held deep end
+    and break 33's hold."""
+    drive(206, 600, "branch-count")
