@@ -70,7 +70,7 @@ from operator import ne, not_
 from typing import Any
 
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Tier
-from services.worker.eviction import BranchCountPolicy, EvictionPolicy, EvictionQueue, LruPolicy, get_policy
+from services.worker.eviction import BranchCountPolicy, EvictionPolicy, LruPolicy, get_policy
 
 
 class KvInvariantError(AssertionError):
@@ -701,375 +701,6 @@ class GpuBlockPool:
 
 
 # --------------------------------------------------------------------------- #
-# L2, per block (any policy)
-# --------------------------------------------------------------------------- #
-
-
-class HostBlock:
-    """An L2 block."""
-
-    __slots__ = ("hash", "parent", "depth", "pinned", "last_access", "count", "group")
-
-    def __init__(self, h: int, parent: int | None, depth: int, stamp: int) -> None:
-        self.hash = h
-        self.parent = parent
-        self.depth = depth
-        """Position of the page in its sequence (0 = first page)."""
-        self.pinned = True
-        """True while the page is also in L1 (then it is not evictable)."""
-        self.last_access = stamp
-        self.count = 0
-        """Branch count R[b, node] pushed by the KV directory (kv.counts)."""
-        self.group = 0
-
-
-class HostBlockPool:
-    """L2: ``capacity`` blocks, written through from L1, evicted by a policy key, one
-    object per block (any policy; ``KvBlockManager`` uses it for ``branch-count``).
-
-    Args:
-        capacity: blocks (``profile.host_blocks``).
-        block_size: tokens per block.
-        events: the shared outbox.
-        policy: eviction key function (``lru`` or ``branch-count``).
-    """
-
-    tier: Tier = "host"
-
-    def __init__(self, capacity: int, block_size: int, events: list[KvEvent], policy: EvictionPolicy | None = None) -> None:
-        if capacity <= 0 or block_size <= 0:
-            raise ValueError("capacity and block_size must be > 0")
-        self.capacity = capacity
-        self.block_size = block_size
-        self.events = events
-        self.blocks: dict[int, HostBlock] = {}
-        self.evictable = EvictionQueue(policy or LruPolicy())
-        self._two = isinstance(self.evictable.policy, BranchCountPolicy)
-        """``branch-count``: group 1 ⇔ count > 0 (the fast paths inline this key)."""
-        self._stamp = 0
-        self.holds: dict[int, int] = {}
-        """Held pages (hash → number of holds): queued requests' fetched prefixes, skipped by
-        eviction in place (see :meth:`KvBlockManager.hold`)."""
-        self.broken: dict[int, int] = {}
-        """Holds broken by a write-through (hash → unholds still owed by their holders)."""
-
-    @property
-    def used(self) -> int:
-        return len(self.blocks)
-
-    def hold(self, hashes: Sequence[int]) -> list[int]:
-        """Hold the present leading pages of ``hashes`` (a path prefix, parent first); returns
-        them (stops at the first absent page). O(pages)."""
-        return _hold(self.holds, self.blocks, hashes)
-
-    def unhold(self, hashes: Sequence[int]) -> None:
-        """Drop one hold of each of ``hashes`` (as :meth:`hold` returned them); a hold that
-        was broken meanwhile is settled without touching a later holder's. O(pages)."""
-        _unhold(self.holds, self.broken, hashes)
-
-    def _victim(self) -> int:
-        """Remove and return the first queued block that is not held; if every queued block is
-        held, the first queued one, whose hold is broken (a write-through must find room)."""
-        groups = self.evictable.groups
-        holds = self.holds
-        if holds:
-            for od in groups:
-                for h in od:
-                    if h not in holds:
-                        del od[h]
-                        return h
-        for od in groups:
-            if od:
-                h = od.popitem(last=False)[0]
-                _break_hold(holds, self.broken, h)
-                return h
-        raise KvInvariantError("host pool full of pinned blocks (host capacity < GPU capacity?)")
-
-    def __contains__(self, h: int) -> bool:
-        return h in self.blocks
-
-    def match_from(self, path: Sequence[int], start: int, limit: int) -> int:
-        """Number of consecutive blocks ``path[start:limit]`` present in L2. O(matched)."""
-        blocks = self.blocks
-        n = 0
-        for i in range(start, min(limit, len(path))):
-            if path[i] not in blocks:
-                break
-            n += 1
-        return n
-
-    def match_after_l1(self, path: Sequence[int], start: int, limit: int) -> int:
-        """:meth:`match_from` where ``start`` is the end of the path's L1 prefix."""
-        return self.match_from(path, start, limit)
-
-    def store(self, path: Sequence[int], lo: int, hi: int) -> None:
-        """Write through the pages ``path[lo:hi]`` that just became resident in L1.
-
-        Present pages are pinned; missing ones are inserted pinned, evicting
-        the lowest-key unpinned blocks when full. Emits ``BlockRemoved(host)``
-        for the evictions and one ``BlockStored(host)`` per run of new pages.
-        """
-        if hi <= lo:
-            return
-        blocks = self.blocks
-        bl = list(map(blocks.get, path[lo:hi]))
-        absent = bl.count(None)
-        if absent and bl[-absent] is None and bl[-absent:].count(None) == absent:
-            self._store_tail(path, lo, hi, bl, hi - absent)
-            return
-        groups = self.evictable.groups
-        capacity = self.capacity
-        evicted: list[int] = []
-        runs: list[tuple[int, int]] = []
-        start = -1
-        stamp = self._stamp
-        parent = path[lo - 1] if lo else None
-        for i in range(lo, hi):
-            h = path[i]
-            b = blocks.get(h)
-            if b is not None:
-                if not b.pinned:
-                    del groups[b.group][h]
-                    b.pinned = True
-                if start >= 0:
-                    runs.append((start, i))
-                    start = -1
-            else:
-                if len(blocks) >= capacity:
-                    victim = self._victim()
-                    del blocks[victim]
-                    evicted.append(victim)
-                stamp += 1
-                blocks[h] = HostBlock(h, parent, i, stamp)
-                if start < 0:
-                    start = i
-            parent = h
-        self._stamp = stamp
-        if start >= 0:
-            runs.append((start, hi))
-        if evicted:
-            self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
-        for s, e in runs:
-            self.events.append(_stored(list(path[s:e]), path[s - 1] if s else None, "host", self.block_size))
-
-    def _store_tail(self, path: Sequence[int], lo: int, hi: int, bl: list[HostBlock | None], k: int) -> None:
-        """:meth:`store` where ``path[lo:k]`` are present (``bl``: their blocks) and ``path[k:hi]``
-        absent: the same pins, evictions, stamps and events, with the evictions taken before the
-        new blocks are made (a new block is pinned, so it is never a victim) and the new
-        blocks made in C (map)."""
-        blocks = self.blocks
-        groups = self.evictable.groups
-        for b in bl[: k - lo]:
-            if b is not None and not b.pinned:
-                del groups[b.group][b.hash]
-                b.pinned = True
-        n = hi - k
-        e = len(blocks) + n - self.capacity
-        evicted: list[int] = []
-        if e > 0:
-            victim = self._victim
-            evicted = [victim() for _ in range(e)]
-            _drain(map(blocks.__delitem__, evicted))
-        stamp = self._stamp
-        hs = list(path[k:hi])
-        parents = [path[k - 1] if k else None, *hs[:-1]]
-        blocks.update(zip(hs, map(HostBlock, hs, parents, range(k, hi), range(stamp + 1, stamp + 1 + n))))
-        self._stamp = stamp + n
-        if evicted:
-            self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
-        self.events.append(_stored(hs, parents[0], "host", self.block_size))
-
-    def unpin(self, hashes: Sequence[int]) -> None:
-        """The pages ``hashes`` left L1 (in this order): they become evictable here."""
-        blocks = self.blocks
-        q = self.evictable
-        od0 = q.groups[0]
-        stamp = self._stamp
-        if q.single:
-            for h in hashes:
-                b = blocks[h]
-                b.pinned = False
-                stamp += 1
-                b.last_access = stamp
-                od0[h] = b
-            self._stamp = stamp
-            return
-        if self._two:  # branch-count, its key inlined: group 1 ⇔ count > 0
-            od1 = q.groups[1]
-            for h in hashes:
-                b = blocks[h]
-                b.pinned = False
-                stamp += 1
-                b.last_access = stamp
-                if b.count > 0:
-                    b.group = 1
-                    od1[h] = b
-                else:
-                    b.group = 0
-                    od0[h] = b
-            self._stamp = stamp
-            return
-        for h in hashes:
-            b = blocks[h]
-            b.pinned = False
-            stamp += 1
-            b.last_access = stamp
-            q.push(b)
-        self._stamp = stamp
-
-    def unpin_runs(self, runs: Sequence[tuple[list[int], int, int | None]]) -> None:
-        """:meth:`unpin` of the runs L1 evicted (``GpuBlockPool.evicted_runs``), each deepest first."""
-        for keys, _depth, _parent in runs:
-            self.unpin(keys[::-1])
-
-    def store_fetched(self, path: Sequence[int], lo: int, hi: int) -> int:
-        """Insert pages ``path[lo:hi]`` pulled from a peer's L2 (not in L1: unpinned).
-
-        Pages already present are left as they are. Room is made by evicting
-        the lowest-key unpinned blocks other than the pages of ``path[:hi]``
-        (the request's own prefix) and held pages (another queued request's
-        fetched prefix: a fetch never breaks a hold); if too few are left, the deepest new pages
-        are not stored (the request recomputes them). New pages are stamped deepest first and
-        their queued ancestors restamped after them, so eviction stays leaf-first.
-        Emits ``BlockRemoved(host)`` for evictions and one ``BlockStored(host)``
-        per run of new pages. Returns the pages stored. O(hi + evicted).
-        """
-        blocks = self.blocks
-        new = [i for i in range(lo, min(hi, len(path))) if path[i] not in blocks]
-        if not new:
-            return 0
-        q = self.evictable
-        protected = set(path[:hi])
-        if self.holds:
-            protected.update(self.holds)
-        need = len(blocks) + len(new) - self.capacity
-        evicted: list[int] = []
-        if need > 0:
-            for od in q.groups:
-                for h in od:
-                    if h not in protected:
-                        evicted.append(h)
-                        if len(evicted) == need:
-                            break
-                if len(evicted) == need:
-                    break
-            for h in evicted:
-                q.remove(blocks.pop(h))
-            need -= len(evicted)
-        if need > 0:
-            new = new[: len(new) - need]
-        if evicted:
-            self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
-        if not new:
-            return 0
-        made: list[HostBlock] = []
-        for i in reversed(new):
-            self._stamp += 1
-            b = HostBlock(path[i], path[i - 1] if i else None, i, self._stamp)
-            b.pinned = False
-            blocks[b.hash] = b
-            q.push(b)
-            made.append(b)
-        for b in made:  # deepest first: each lift leaves the shallower pages newest
-            if b.parent is not None and b.parent in blocks and blocks[b.parent].last_access < b.last_access:
-                self._lift_ancestors(b)
-        start = prev = new[0]
-        for i in new[1:] + [-1]:
-            if i != prev + 1:
-                self.events.append(_stored(list(path[start : prev + 1]), path[start - 1] if start else None, "host", self.block_size))
-                start = i
-            prev = i
-        return len(new)
-
-    def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
-        """Apply branch counts R[b, node] from the KV directory (``CountUpdates``).
-
-        A block named twice counts once, with its last count, at its first place. Unknown
-        hashes are ignored (the block is not, or no longer, here). Under ``lru`` the counts
-        are stored but move nothing. Under ``branch-count`` the queued blocks whose group
-        changes (the *moved* blocks, in message order) are cut into *chains*: a moved block
-        continues the chain of the moved block before it when it is that block's child and
-        goes to the same group. Chain by chain, in message order, each chain moves to the
-        tail of its new group deepest first (stamped like an access), then the queued
-        ancestors in the new group that are older than its shallowest block are stamped
-        newer, nearest first (a fork's shared prefix stays behind its new pages; a parent is
-        never evicted before its child). So a drain cut into messages anywhere moves the same
-        way as in one message: a cut splits at most one chain, and the second part's lift
-        restamps the first part after it. Returns the number of blocks moved.
-        O(named blocks + moved blocks + restamped ancestors).
-
-        Raises:
-            ValueError: if ``hashes`` and ``counts`` differ in length.
-        """
-        if len(hashes) != len(counts):
-            raise ValueError(f"{len(hashes)} hashes but {len(counts)} counts")
-        if len(set(hashes)) != len(hashes):  # named twice: the last count, at its first place
-            last = dict(zip(hashes, counts))
-            hashes, counts = list(last), list(last.values())
-        get = self.blocks.get
-        group = self.evictable.policy.group
-        moving: list[HostBlock] = []
-        add = moving.append
-        for h, c in zip(hashes, counts):
-            b = get(h)
-            if b is not None:  # unknown hashes are ignored
-                b.count = c
-                if not b.pinned and group(b) != b.group:
-                    add(b)
-        if not moving:
-            return 0
-        regroup = self.evictable.regroup
-        stamp = self._stamp
-        chain: list[HostBlock] = []
-        for i, b in enumerate(moving):
-            chain.append(b)
-            nxt = moving[i + 1] if i + 1 < len(moving) else None
-            if nxt is not None and nxt.parent == b.hash and group(nxt) == group(b):
-                continue  # the chain goes on below b
-            for x in reversed(chain):  # deepest first
-                stamp += 1
-                x.last_access = stamp
-                regroup(x)
-            self._stamp = stamp
-            self._lift_ancestors(chain[0])
-            stamp = self._stamp
-            chain = []
-        return len(moving)
-
-    def _lift_ancestors(self, b: HostBlock) -> None:
-        """Stamp the queued ancestors of ``b`` in its group newer than ``b``, nearest first,
-        so eviction inside the group stays leaf-first."""
-        blocks = self.blocks
-        touch = self.evictable.touch
-        child = b
-        p = b.parent
-        while p is not None:
-            pb = blocks.get(p)
-            if pb is None or pb.pinned or pb.group != b.group or pb.last_access > child.last_access:
-                break
-            self._stamp += 1
-            pb.last_access = self._stamp
-            touch(pb)
-            child = pb
-            p = pb.parent
-
-    def snapshot(self) -> list[int]:
-        return list(self.blocks)
-
-    def snapshot_parents(self) -> tuple[list[int], list[int | None]]:
-        """:meth:`snapshot` and each block's parent hash (None at a sequence start). O(n)."""
-        blocks = self.blocks
-        return list(blocks), [b.parent for b in blocks.values()]
-
-    def view(self) -> tuple[dict[int, Any], list[Any]]:
-        """``(hash → block, queued blocks in eviction order)`` for checks."""
-        return self.blocks, self.evictable.ordered()
-
-    def check_structure(self) -> None:
-        """Nothing beyond what :meth:`KvBlockManager.check` verifies block by block."""
-
-
-# --------------------------------------------------------------------------- #
 # L2, runs (one-group policies)
 # --------------------------------------------------------------------------- #
 
@@ -1134,7 +765,9 @@ class RunHostPool:
     Raises:
         ValueError: on non-positive sizes or a policy with more than one group.
 
-    Same operations and events as :class:`HostBlockPool` under ``lru``.
+    The operations, stamps and events of the per-block pool of the reference
+    model (``tests/unit/worker/ref_blocks.py``, checked by
+    ``tests/property/test_worker_blocks_model.py``) under ``lru``.
     ``update_counts`` only validates (under one group, counts move nothing and
     nothing else reads them).
     """
@@ -1168,7 +801,7 @@ class RunHostPool:
         """Held pages (hash → number of holds), skipped by eviction in place. Holds are path
         prefixes, so inside a run the held pages are its shallow end."""
         self.broken: dict[int, int] = {}
-        """Holds broken by a write-through (see :attr:`HostBlockPool.broken`)."""
+        """Holds broken by a write-through (hash → unholds still owed by their holders)."""
 
     @property
     def used(self) -> int:
@@ -1178,11 +811,13 @@ class RunHostPool:
         return n
 
     def hold(self, hashes: Sequence[int]) -> list[int]:
-        """See :meth:`HostBlockPool.hold`."""
+        """Hold the present leading pages of ``hashes`` (a path prefix, parent first); returns
+        them (stops at the first absent page). O(pages)."""
         return _hold(self.holds, self.members, hashes)
 
     def unhold(self, hashes: Sequence[int]) -> None:
-        """See :meth:`HostBlockPool.unhold`."""
+        """Drop one hold of each of ``hashes`` (as :meth:`hold` returned them); a hold that
+        was broken meanwhile is settled without touching a later holder's. O(pages)."""
         _unhold(self.holds, self.broken, hashes)
 
     def _free_tail(self, keys: list[int], lim: int) -> int:
@@ -1444,11 +1079,15 @@ class RunHostPool:
     def store_fetched(self, path: Sequence[int], lo: int, hi: int) -> int:
         """Insert pages ``path[lo:hi]`` pulled from a peer's L2 (not in L1: unpinned).
 
-        Same rules and events as :meth:`HostBlockPool.store_fetched`: pages
-        already present are left; room comes from the oldest unpinned blocks
-        outside ``path[:hi]``; if too few, the deepest new pages are dropped; new
-        pages are stamped deepest first and their queued ancestors restamped after
-        them. O(runs + pages of the path).
+        Pages already present are left as they are. Room is made by evicting
+        the lowest-key unpinned blocks other than the pages of ``path[:hi]``
+        (the request's own prefix) and held pages (another queued request's
+        fetched prefix: a fetch never breaks a hold); if too few are left, the
+        deepest new pages are not stored (the request recomputes them). New pages
+        (count 0: group 0) are stamped deepest first and their queued ancestors in
+        their group restamped after them, so eviction stays leaf-first. Emits
+        ``BlockRemoved(host)`` for evictions and one ``BlockStored(host)`` per run
+        of new pages. Returns the pages stored. O(runs + pages of the path).
         """
         n = min(hi, len(path))
         if lo >= n:
@@ -1492,7 +1131,7 @@ class RunHostPool:
         for s, e in reversed(ranges):  # deepest run first, each stamped deepest first
             self._push(list(path[s:e]), s, path[s - 1] if s else None)
             stored += e - s
-        for x, _e in reversed(ranges):  # lifts, deepest first (HostBlockPool._lift_ancestors)
+        for x, _e in reversed(ranges):  # lifts, deepest first
             if x:
                 self._lift(path, x)
         bs = self.block_size
@@ -1504,8 +1143,8 @@ class RunHostPool:
 
     def _lift(self, path: Sequence[int], x: int) -> None:
         """If ``path[x - 1]`` is unpinned, in the group of ``path[x]`` and older, move the
-        unpinned chain of that group above ``x`` to its queue's tail, nearest first
-        (``HostBlockPool._lift_ancestors``)."""
+        unpinned chain of that group above ``x`` to its queue's tail, nearest first (each
+        stamped newer than the page below it: eviction inside a group stays leaf-first)."""
         pieces = self._locate(path, x + 1)
         cs, _ce, _ck, child = pieces[-1]  # path[x]: unpinned (stored or lifted in this call)
         if cs < x or len(pieces) < 2 or pieces[-2][2] != _RUN:
@@ -1721,7 +1360,7 @@ class BranchRunHostPool(RunHostPool):
     def _lift_above(self, run: _HostRun) -> None:
         """Stamp the queued ancestors of ``run`` (just pushed: the newest) in its group newer,
         nearest first, up to the first one that is pinned, absent or in the other group
-        (``HostBlockPool._lift_ancestors``: every such ancestor is older). O(runs)."""
+        (every such ancestor is older than ``run``). O(runs)."""
         g = run.group
         where = self.where
         p = run.parent
@@ -1814,14 +1453,19 @@ class BranchRunHostPool(RunHostPool):
                 i = j
 
     def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
-        """Apply branch counts R[b, node] from the KV directory (``CountUpdates``), with the
-        move rule of ``HostBlockPool.update_counts`` (worker README): a block named twice
-        counts once (its last count, at its first place); unknown hashes are ignored; the
-        queued blocks whose group changes are cut into chains (a moved block continues the
-        chain of the moved block before it in the message when it is that block's child and
-        goes to the same group); chain by chain, in message order, each chain moves to the
-        tail of its new group deepest first (one new run), then its older queued ancestors
-        in that group are restamped newer, nearest first. Returns the blocks moved.
+        """Apply branch counts R[b, node] from the KV directory (``CountUpdates``).
+
+        The move rule (worker README; the reference model's ``HostBlockPool.update_counts``
+        is its per-block definition): a block named twice counts once (its last count, at
+        its first place); unknown hashes are ignored; the queued blocks whose group changes
+        (count crossing 0) are cut into chains (a moved block continues the chain of the
+        moved block before it in the message when it is that block's child and goes to the
+        same group); chain by chain, in message order, each chain moves to the tail of its
+        new group deepest first (stamped like an access), then its older queued ancestors in
+        that group are restamped newer, nearest first (a parent is never evicted before its
+        child). A drain cut into messages anywhere moves as in one message: a cut splits at
+        most one chain, and the lift of the second part restamps the first part behind it.
+        Returns the blocks moved.
 
         O(stretches + chains + runs lifted) Python steps; per named block only C-level work
         (an index lookup, set updates, slice compares).
@@ -2031,7 +1675,7 @@ class KvBlockManager:
 
     def store_fetched(self, path: Sequence[int], lo: int, hi: int) -> int:
         """Pages ``path[lo:hi]`` arrived from a peer's L2 into this node's L2 (not L1);
-        see :meth:`HostBlockPool.store_fetched`. Returns the pages stored."""
+        see :meth:`RunHostPool.store_fetched`. Returns the pages stored."""
         return self.host.store_fetched(path, lo, hi)
 
     def hold(self, path: Sequence[int], n: int) -> list[int]:
@@ -2066,7 +1710,7 @@ class KvBlockManager:
         self.gpu.unreserve(reserved)
 
     def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
-        """Branch counts for host eviction; see :meth:`HostBlockPool.update_counts`."""
+        """Branch counts for host eviction; see :meth:`BranchRunHostPool.update_counts`."""
         return self.host.update_counts(hashes, counts)
 
     def take_events(self) -> list[KvEvent]:

@@ -488,7 +488,7 @@ class EngineScheduler:
 
     def update_counts(self, hashes: list[int], counts: list[int]) -> int:
         """Branch counts from the KV directory (``kv.counts.<node>``); see
-        :meth:`HostBlockPool.update_counts`. Returns the host blocks moved."""
+        :meth:`BranchRunHostPool.update_counts`. Returns the host blocks moved."""
         return self.kv.update_counts(hashes, counts)
 
     # ------------------------------------------------------------------ #
