@@ -172,8 +172,9 @@ class BranchTable:
         """Phase reported by split.applied (authoritative)."""
         self.placed_phase: list[str | None] = []
         """Phase of the last placement on the node (used when no split was reported)."""
-        self.watch: dict[int, set[tuple[int, str]]] = {}
-        """block hash → {(target node, branch id)} awaiting that block (same-phase moves)."""
+        self.watch: list[dict[int, dict[str, None]]] = []
+        """[target node]: block hash → ids of branches whose move to that node awaits the block
+        (same-phase moves; in the order they started waiting)."""
 
     # ------------------------------------------------------------------ #
     # nodes
@@ -185,6 +186,7 @@ class BranchTable:
         self.counted_copies.append([0, 0])
         self.node_branches.append(set())
         self.outbox.append([])
+        self.watch.append({})
         self.out_len.append(0)
         self.out_seq.append(0)
         self.node_names.append(name)
@@ -380,11 +382,12 @@ class BranchTable:
     def _unwatch(self, b: Branch, target: int) -> None:
         h = b.watch.pop(target, None)
         if h is not None:
-            s = self.watch.get(h)
+            w = self.watch[target]
+            s = w.get(h)
             if s is not None:
-                s.discard((target, b.bid))
+                s.pop(b.bid, None)
                 if not s:
-                    del self.watch[h]
+                    del w[h]
 
     def _holds_version(self, b: Branch, n: int) -> bool:
         return not b.path or self.index.holds(n, b.path[-1])
@@ -410,7 +413,7 @@ class BranchTable:
             else:
                 h = b.path[-1]
                 b.watch[t] = h
-                self.watch.setdefault(h, set()).add((t, b.bid))
+                self.watch[t].setdefault(h, {})[b.bid] = None
 
     def on_stored(self, n: int, tier: int, newly: Sequence[int]) -> None:
         """Presence hook: blocks ``newly`` became present on (n, tier)."""
@@ -426,14 +429,13 @@ class BranchTable:
                     self.out_len[n] += len(hit)
             else:
                 self.counted_copies[n][tier] += len(R.keys() & newly)
-        if self.watch:
-            for h in self.watch.keys() & newly:
-                for target, bid in list(self.watch.get(h, ())):
-                    if target != n:
-                        continue
+        w = self.watch[n]
+        if w:  # moves to n wait for some block (few nodes at a time): which of them came
+            for h in w.keys() & newly:
+                for bid in list(w.get(h, ())):
                     b = self.branches.get(bid)
-                    if b is not None and target in b.pending and b.path and b.path[-1] == h:
-                        self._finish_move(b, target)
+                    if b is not None and n in b.pending and b.path and b.path[-1] == h:
+                        self._finish_move(b, n)
 
     def on_removed(self, n: int, tier: int, removed: Sequence[int]) -> int:
         """Presence hook: blocks ``removed`` left (n, tier).
@@ -642,7 +644,7 @@ class BranchTable:
             else:
                 h = b.path[-1]
                 b.watch[n] = h
-                self.watch.setdefault(h, set()).add((n, b.bid))
+                self.watch[n].setdefault(h, {})[b.bid] = None
         if phase in ("prefill", "both"):
             b.last_prefill_node = n
         return out
@@ -702,8 +704,9 @@ class BranchTable:
         ``π_β[:k]`` with 0 < k ≤ |π_β|, N_β and ``node_branches`` agree, ``R[n][b]`` is exactly
         the number of active branches whose prefix on n holds b (README invariant 3, no zero
         entries), counts never grow along a counted prefix (a prefix that holds a block holds
-        its parent: the blocks crossing 0 in a Count are a tail of its slice), and
-        ``counted_copies`` are the present copies with a positive count (invariant 4).
+        its parent: the blocks crossing 0 in a Count are a tail of its slice),
+        ``counted_copies`` are the present copies with a positive count (invariant 4), and the
+        per-node move watches match the branches' own.
 
         Raises:
             AssertionError: naming the first one that fails.
@@ -728,6 +731,9 @@ class BranchTable:
                 held = sum(1 for h in R if (r := where.get(h)) is not None and r.pc & bit)
                 assert held == self.counted_copies[n][t], f"counted_copies[{n}][{t}] {self.counted_copies[n][t]} != {held}"
         assert self.out_len == [sum(len(o[0]) for o in out) for out in self.outbox], "out_len"
+        watched = {(t, h, b.bid) for b in self.branches.values() for t, h in b.watch.items()}
+        listed = {(t, h, bid) for t, w in enumerate(self.watch) for h, s in w.items() for bid in s}
+        assert watched == listed and all(all(w.values()) for w in self.watch), "watch out of sync"
 
     def next_deadline(self) -> float | None:
         """Simulated time at which :meth:`expire` has work, or None."""
