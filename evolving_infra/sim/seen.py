@@ -19,6 +19,9 @@ import numpy as np
 
 __all__ = ["SeenIds"]
 
+FIRST_CHUNK = 8
+"""Blocks :meth:`SeenIds.leading` looks up first; each further chunk is four times longer."""
+
 MERGE_MIN = 1 << 16
 """The pending set is merged into the array once it holds more than this many ids (or an
 eighth of the array, whichever is larger)."""
@@ -51,27 +54,45 @@ class SeenIds:
         return i < len(a) and int(a[i]) == h
 
     def leading(self, blocks: Sequence[int], start: int = 0) -> int:
-        """How many of ``blocks[start:]``, from the first on, are in the set. O(k log n) in C
-        for the ``k`` blocks looked up, plus a Python step per block found only among the
-        recent ids."""
+        """How many of ``blocks[start:]``, from the first on, are in the set.
+
+        Looked up in chunks of growing length (:data:`FIRST_CHUNK`, then ×4), stopping at the
+        chunk holding the first id not in the set: O(k log n) in C for ``k`` ≤ ~4 × (the answer
+        + ``FIRST_CHUNK``) blocks, plus a Python step per block found only among the recent
+        ids. Most sends continue a branch with new blocks (answer 0): one small chunk instead
+        of the whole rest of the path."""
         n = len(blocks) - start
-        new = self._new
-        a = self._arr
         if n <= 0:
             return 0
-        if self._plain or not len(a):
-            return len(list(takewhile(new.__contains__, islice(blocks, start, None))))
+        if self._plain or not len(self._arr):
+            return len(list(takewhile(self._new.__contains__, islice(blocks, start, None))))
+        done = 0
+        m = FIRST_CHUNK
+        while done < n:
+            if m > n - done:
+                m = n - done
+            k = self._leading_chunk(blocks, start + done, m)
+            done += k
+            if k < m:
+                return done
+            m <<= 2
+        return done
+
+    def _leading_chunk(self, blocks: Sequence[int], s: int, m: int) -> int:
+        """How many of ``blocks[s:s + m]`` (1 ≤ m), from the first on, are in the set."""
+        new = self._new
+        a = self._arr
         try:
-            x = np.fromiter(islice(blocks, start, None), dtype=np.int64, count=n)
+            x = np.fromiter(islice(blocks, s, s + m), dtype=np.int64, count=m)
         except OverflowError:
-            return len(list(takewhile(self.__contains__, islice(blocks, start, None))))
+            return len(list(takewhile(self.__contains__, islice(blocks, s, s + m))))
         idx = a.searchsorted(x)
         idx[idx == len(a)] = 0
         missing = np.flatnonzero(a[idx] != x)
         for j in missing.tolist():  # not in the array: in the recent ids, or the end of the run
-            if blocks[start + j] not in new:
+            if blocks[s + j] not in new:
                 return j
-        return n
+        return m
 
     def update(self, ids: Iterable[int]) -> None:
         """Add ``ids`` (any ints; ids already in the set are fine)."""

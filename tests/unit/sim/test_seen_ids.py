@@ -38,6 +38,24 @@ def test_matches_a_set_across_merges(seed: int, monkeypatch: pytest.MonkeyPatch)
     assert len(s._arr) > 0  # merges happened
 
 
+@pytest.mark.parametrize("first", [1, 3, 8])
+def test_leading_runs_across_chunk_boundaries(first: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``leading`` looks the path up in growing chunks: a known run ending anywhere (inside a
+    chunk, on its last id, on the first id of the next) counts exactly as a set does."""
+    monkeypatch.setattr(seen_mod, "MERGE_MIN", 64)
+    monkeypatch.setattr(seen_mod, "FIRST_CHUNK", first)
+    rng = random.Random(first)
+    known = rng.sample(range(1, 1 << 40), 3000)
+    s, ref = SeenIds(), set(known)
+    s.update(known[:2000])
+    s.update(known[2000:])  # part merged into the array, part among the recent ids
+    for run in [*range(0, 90), 127, 128, 129, 511, 512, 513, 700]:
+        path = rng.sample(known, run) + [rng.randrange(1 << 41, 1 << 42)] + rng.sample(known, 5)
+        for start in (0, 1, run // 2):
+            assert s.leading(path, start) == _leading(ref, path, start), (run, start)
+        assert s.leading(path[:run], 0) == run
+
+
 def test_ids_beyond_int64_fall_back_to_a_plain_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(seen_mod, "MERGE_MIN", 2)
     s = SeenIds()
