@@ -196,6 +196,8 @@ def _counts(c: m.CountUpdates, p: dict[str, str], nodes: Collection[str] | None)
     _len(c.hashes, "hashes", MAX_KV_BATCH_HASHES)
     if len(c.counts) != len(c.hashes):
         raise Invalid(f"{len(c.counts)} counts for {len(c.hashes)} hashes")
+    if c.counts and min(c.counts) < 0:  # R[b, n] counts branches; the worker's host pool reads 0 vs > 0
+        raise Invalid("a count is negative")
 
 
 def _pool_locate(r: m.PoolLocate, p: dict[str, str], nodes: Collection[str] | None) -> None:

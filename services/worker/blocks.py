@@ -62,10 +62,9 @@ against the per-block model on random operation streams).
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections import deque
+from collections import _count_elements, deque  # type: ignore[attr-defined]
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import compress, count
+from itertools import compress, count, islice
 from operator import ne, not_
 from typing import Any
 
@@ -86,17 +85,6 @@ def _stored(run: list[int], parent: int | None, tier: Tier, block_size: int) -> 
 def _drain(it: Iterable[object]) -> None:
     """Run an iterator (of side effects) to its end in C."""
     deque(it, maxlen=0)
-
-
-def _hold(holds: dict[int, int], present: Any, hashes: Sequence[int]) -> list[int]:
-    """Add one hold to each leading page of ``hashes`` found in ``present``; returns them."""
-    out: list[int] = []
-    for h in hashes:
-        if h not in present:
-            break
-        holds[h] = holds.get(h, 0) + 1
-        out.append(h)
-    return out
 
 
 def _unhold(holds: dict[int, int], broken: dict[int, int], hashes: Sequence[int]) -> None:
@@ -799,7 +787,8 @@ class RunHostPool:
         self._stamp = 0
         self.holds: dict[int, int] = {}
         """Held pages (hash → number of holds), skipped by eviction in place. Holds are path
-        prefixes, so inside a run the held pages are its shallow end."""
+        prefixes, so inside a run the held pages are its shallow end (but see
+        :meth:`_evict_free`)."""
         self.broken: dict[int, int] = {}
         """Holds broken by a write-through (hash → unholds still owed by their holders)."""
 
@@ -812,8 +801,14 @@ class RunHostPool:
 
     def hold(self, hashes: Sequence[int]) -> list[int]:
         """Hold the present leading pages of ``hashes`` (a path prefix, parent first); returns
-        them (stops at the first absent page). O(pages)."""
-        return _hold(self.holds, self.members, hashes)
+        them (stops at the first absent page). They are found as L1's prefix and the runs
+        after it, O(runs); the holds are counted in C (``collections.Counter``'s counting
+        loop, on the plain dict: a ``Counter`` would make every delete a Python call)."""
+        n = len(hashes)
+        m = self._match_runs(hashes, self.gpu.match_prefix(hashes, n), n)
+        out = list(hashes[:m])
+        _count_elements(self.holds, out)
+        return out
 
     def unhold(self, hashes: Sequence[int]) -> None:
         """Drop one hold of each of ``hashes`` (as :meth:`hold` returned them); a hold that
@@ -1482,9 +1477,7 @@ class BranchRunHostPool(RunHostPool):
             last = dict(zip(hashes, counts))
             hashes, counts = list(last), list(last.values())
             n = len(hashes)
-        if min(counts) < 0:
-            counts = [c if c > 0 else 0 for c in counts]
-        zeros = counts.count(0)
+        zeros = counts.count(0)  # counts are >= 0 (shared.validate refuses a negative one)
         counted = self.counted
         if zeros == n:
             counted.difference_update(hashes)
@@ -1495,20 +1488,14 @@ class BranchRunHostPool(RunHostPool):
         else:
             counted.update(self.members.intersection(hashes))
         where = self.where
-        rs = list(map(where.get, hashes))
-        queued = list(compress(range(n), rs))
-        if not queued:
-            return 0
         # stretches of moved blocks: (first hash, its depth, length, new group, parent hash, last hash)
         moves: list[tuple[int, int, int, int, int | None, int]] = []
         places: dict[_HostRun, dict[int, int]] = {}
-        j = 0
-        m = len(queued)
-        while j < m:
-            i = queued[j]
-            r = rs[i]
-            keys = r.keys
+        queued = compress(count(), map(where.__contains__, hashes))  # lazily, in C
+        for i in queued:
             h = hashes[i]
+            r = where[h]
+            keys = r.keys
             if keys[0] == h:
                 off = 0
             else:  # a stretch from inside a run: its place by a scan, or a map once a run has two
@@ -1521,7 +1508,8 @@ class BranchRunHostPool(RunHostPool):
                         pm = places[r] = dict(zip(keys, range(len(keys))))
                     off = pm[h]
             k = _agree(keys, off, hashes, i, n)
-            j = bisect_left(queued, i + k, j + 1)
+            if k > 1:  # the stretch's other entries are queued too: skip them in C
+                _drain(islice(queued, k - 1))
             g = r.group
             z = counts[i : i + k].count(0)
             if z == (k if g else 0):  # every block of the stretch crosses 0

@@ -83,6 +83,7 @@ def test_sizes_counts_and_lists_are_bounded():
     assert "token_ids" in check(msgspec.structs.replace(w, token_ids=b"\x00" * 3))
     assert "fetch range" in check(msgspec.structs.replace(w, fetch=[m.FetchRange(node="w1", start=0, end=99)]))
     assert "counts" in check(m.CountUpdates(node="w0", hashes=[1, 2], counts=[1]))
+    assert "negative" in check(m.CountUpdates(node="w0", hashes=[1, 2], counts=[1, -1]))
     placed = m.RoutePlaced(rid="r", branch_id="b", node="w0", phase="prefill", block_hashes=[1, 2, 3])
     assert check(placed) is None
     assert "not a chain" in check(msgspec.structs.replace(placed, block_hashes=[1, 2, 1]))  # the directory counts prefixes
