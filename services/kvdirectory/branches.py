@@ -278,17 +278,38 @@ class BranchTable:
     def _count_down(self, n: int, blocks: list[int]) -> None:
         """One branch fewer counts ``blocks`` (a path slice, parent first) on node n; a block
         not counted there is refused (``count.negative_prevented``). The blocks whose count
-        drops to 0 are a tail of the slice (see :meth:`_count_up`)."""
+        drops to 0 are a tail of the slice (see :meth:`_count_up`): found by bisection, popped in
+        one pass and verified; any other shape (a tampered R) is counted per block."""
         R = self.R[n]
-        if R.get(blocks[0]) == 1:  # counts never grow along the slice: all 1, the usual release?
-            old = list(map(R.pop, blocks, _REPEAT_NONE))
-            if old.count(1) == len(old):
-                new = [0] * len(blocks)
-                self._crossed_path(n, blocks, -1)
-                self.outbox[n].append((blocks, old, new))
-                self.out_len[n] += len(blocks)
-                return
-            R.update(compress(zip(blocks, old), old))  # another shape: put back, count per block
+        L = len(blocks)
+        first = R.get(blocks[0])
+        if first is not None and R.get(blocks[-1]) == 1:  # counts never grow along the slice: a head above 1, a tail of 1s?
+            z = 0
+            if first > 1:  # the first 1, by bisection
+                hi = L - 1
+                while z < hi:
+                    mid = (z + hi) >> 1
+                    v = R.get(blocks[mid])
+                    if v is not None and v > 1:
+                        z = mid + 1
+                    else:
+                        hi = mid
+            head = list(map(R.get, islice(blocks, z))) if z else []
+            if None not in head and 1 not in head:
+                tail = blocks[z:] if z else blocks
+                gone = list(map(R.pop, tail, _REPEAT_NONE))
+                if gone.count(1) == len(gone):  # verified: the usual release (z = 0) or a shared head staying counted
+                    if z:
+                        new_head = list(map(_sub, head, _REPEAT1))
+                        R.update(zip(blocks, new_head))
+                        old, new = head + gone, new_head + [0] * (L - z)
+                    else:
+                        old, new = gone, [0] * L
+                    self._crossed_path(n, tail, -1)
+                    self.outbox[n].append((blocks, old, new))
+                    self.out_len[n] += L
+                    return
+                R.update(compress(zip(tail, gone), gone))  # another shape: put back, count per block
         old = list(map(R.get, blocks, _REPEAT0))
         if 0 in old:  # never counted here: refused, counted
             zeros = old.count(0)

@@ -149,6 +149,30 @@ def test_a_count_table_that_lost_an_entry_neither_crashes_nor_miscounts_the_rest
     assert [d.count("p0", h) for h in H[:4]] == [0, 1, 1, 1] and d.counters["count.negative_prevented"] == 0
 
 
+def test_a_release_of_another_shape_is_put_back_and_counted_per_block():
+    """A release whose slice is not a head above 1 and a tail of 1s (only a tampered R makes one)
+    is popped, found out, put back and counted block by block."""
+    cases = (
+        ({1: 1, 3: 1, 5: 1}, [1, 0, 1, 0, 1, 0]),  # the head found by bisection holds a 1
+        ({2: 1, 5: 1}, [1, 1, 0, 1, 1, 0]),  # the popped tail is not all 1s: put back
+        ({2: None, 5: 1}, [1, 1, 0, 1, 1, 0]),  # ... nor all there: put back, one refused
+    )
+    for tamper, want in cases:
+        d = KvDirectory(BS)
+        for bid in ("a", "b"):
+            d.branch_start(bid, 0.0)
+            d.place(bid, "p0", "prefill", H[:6], 1.0)
+        R = d.branches.R[d.node_id("p0")]
+        for i, v in tamper.items():  # corrupt the state on purpose: [2] * 6 -> tamper
+            if v is None:
+                del R[H[i]]
+            else:
+                R[H[i]] = v
+        d.branch_end("b", 2.0)
+        assert [d.count("p0", h) for h in H[:6]] == want, tamper
+        assert d.counters["count.negative_prevented"] == (1 if None in tamper.values() else 0)
+
+
 def test_a_path_with_a_repeated_hash_does_not_break_the_table():
     """Not a chain (``shared.validate`` refuses such a RoutePlaced at the edge): given directly,
     counts stay non-negative and nothing raises; the repeated hash may keep a count."""
