@@ -47,7 +47,7 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
     ] = 1024
     counts_flush_s: Annotated[float, Meta(gt=0, description="wall seconds between kv.counts.<node> flushes")] = 0.05
     counts_flush_updates: Annotated[
-        int, Meta(gt=0, description="flush kv.counts at once when this many block counts changed")
+        int, Meta(gt=0, description="flush kv.counts at once when this many block count changes are pending")
     ] = 4096
     reuse_hit_scope: Annotated[
         Literal["cluster", "local"],

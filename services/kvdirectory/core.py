@@ -508,11 +508,11 @@ class KvDirectory:
 
     def drop_count_updates(self) -> int:
         """Discard the pending count changes without building messages (a caller whose engines
-        ignore counts); returns the blocks dropped. See ``BranchTable.drop_count_updates``."""
+        ignore counts); returns the changes dropped. See ``BranchTable.drop_count_updates``."""
         return self.branches.drop_count_updates()
 
     def pending_count_updates(self) -> int:
-        """Blocks with a count change not yet taken."""
+        """Count changes not yet taken (a block changed twice before a drain counts twice). O(nodes)."""
         return self.branches.pending_updates()
 
     def all_counters(self) -> dict[str, int]:
