@@ -33,7 +33,8 @@ prefill and one decode worker), and with our L1 alone it recomputes most prompts
 same work.
 Ours runs ``static:4P5D`` and ``evolving`` with ``--max-agents`` = the same sessions, from a copy of
 the input converted ahead to the block size (:func:`at_block_size`: the same requests ``simulate
---block-size`` builds, as Dynamo reads its file converted ahead). Ours and
+--block-size`` builds, as Dynamo reads its file converted ahead; with ``--ours-packed`` that copy
+packed ahead too, :func:`packed`: the same run, read without parsing JSON). Ours and
 Dynamo alternate, each run a fresh process, ``--dynamo-rounds`` rounds (≥ 3), at 64- and
 512-token blocks; medians of simulated seconds per wall second and the ratio ours ÷ Dynamo,
 with both sides' completed requests and tokens (the work each simulated). What differs in the
@@ -199,6 +200,19 @@ def at_block_size(src: Path, dst: Path, block_size: int) -> Path:
     return dst
 
 
+def packed(src: Path, dst: Path) -> Path:
+    """``src`` packed by ``trace pack`` (docs/trace-format.md §10), cached (packed again when ``src`` is
+    newer): ``simulate --trace dst`` is the run of ``src`` (tests/unit/traces/test_pack.py), its input read
+    without parsing JSON, as Dynamo's replay reads its ``agentic_mooncake`` file converted ahead."""
+    if dst.exists() and dst.stat().st_mtime >= src.stat().st_mtime:
+        return dst
+    from evolving_infra.traces.compact import read_trace_compact
+    from evolving_infra.traces.pack import write_packed
+
+    write_packed(dst, read_trace_compact(src))
+    return dst
+
+
 def dynamo_trace(src: Path, dst: Path, block_size: int, max_pause_s: float = MAX_PAUSE_S) -> dict[str, int]:
     """Write ``src`` (our trace) as Dynamo's ``agentic_mooncake`` v2 trace at ``block_size`` tokens.
 
@@ -283,10 +297,11 @@ class DynamoReplay:
 
 
 def side_by_side(dyn: DynamoReplay, cache: Path, *, agents: int, duration: float, rounds: int,
-                 block_sizes: tuple[int, ...] = (64, 512), policies: tuple[str, ...] = ("static:4P5D", "evolving")
-                 ) -> tuple[list[tuple[str, str, str, str]], list[str]]:
+                 block_sizes: tuple[int, ...] = (64, 512), policies: tuple[str, ...] = ("static:4P5D", "evolving"),
+                 ours_packed: bool = False) -> tuple[list[tuple[str, str, str, str]], list[str]]:
     """Ours (each policy set) and Dynamo's replay alternately, ``rounds`` rounds, on the same input;
-    returns result rows and notes (see the module docstring)."""
+    returns result rows and notes (see the module docstring). ``ours_packed``: ours reads its input
+    packed (:func:`packed`)."""
     from shared.profile import load_profile
 
     prof = load_profile("gb300-glm52")
@@ -302,6 +317,8 @@ def side_by_side(dyn: DynamoReplay, cache: Path, *, agents: int, duration: float
                "engine": {"num_gpu_blocks": (prof.memory.gpu_kv_tokens + prof.memory.host_kv_tokens) // bs, "max_num_batched_tokens": prof.scheduler.chunk_tokens,
                           "max_num_seqs": prof.scheduler.max_running}}
         ours_trace = at_block_size(trace, cache / f"cc_real_first{agents}_at{bs}.jsonl.gz", bs)
+        if ours_packed:
+            ours_trace = packed(ours_trace, cache / f"cc_real_first{agents}_at{bs}.eipack")
         ours_args = ["--trace", str(ours_trace), "--nodes", "9", "--concurrency", str(DYNAMO_LANES), "--max-agents", str(agents),
                      "--max-pause", str(MAX_PAUSE_S), "--block-size", str(bs), "--duration", str(duration)]
         res: dict[str, list[dict]] = {p: [] for p in ("dynamo", *policies)}
@@ -358,7 +375,9 @@ def side_by_side(dyn: DynamoReplay, cache: Path, *, agents: int, duration: float
                  f"{MAX_PAUSE_S:.0f} s, {duration:.0f} s simulated; whole process = interpreter start to exit (trace read "
                  "included) on both sides; Dynamo's replay-only time is its `wall_time_ms` (runtime construction and "
                  "execution), ours the simulation loop (`sim_wall_s`); both sides run with bytecode caches written "
-                 "ahead (`compile_ahead`, no `PYTHONDONTWRITEBYTECODE`), as an installed package has them")
+                 "ahead (`compile_ahead`, no `PYTHONDONTWRITEBYTECODE`), as an installed package has them; ours read "
+                 + ("its input packed ahead (`trace pack`, `--ours-packed`)" if ours_packed else
+                    "its input as `.jsonl.gz` converted ahead to the block size"))
     return rows, notes
 
 
@@ -392,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dynamo-duration", type=float, default=None,
                     help="simulated seconds of each side-by-side run (default 2400, quick 300)")
     ap.add_argument("--dynamo-blocks", default="64,512", help="block sizes of the side-by-side (default 64,512)")
+    ap.add_argument("--ours-packed", action="store_true",
+                    help="side-by-side: ours reads its input packed ahead by 'trace pack' (the same run, no JSON parsed), "
+                         "as Dynamo reads its converted agentic_mooncake file; default the .jsonl.gz")
     a = ap.parse_args(argv)
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -411,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: --dynamo-rounds {a.dynamo_rounds} is fewer than the 3 rounds issue 23 asks for", flush=True)
         r_, n_ = side_by_side(dyn, cache, agents=a.dynamo_agents or (200 if a.quick else 530),
                               duration=a.dynamo_duration or (300.0 if a.quick else 2400.0), rounds=a.dynamo_rounds,
-                              block_sizes=tuple(int(x) for x in a.dynamo_blocks.split(",")))
+                              block_sizes=tuple(int(x) for x in a.dynamo_blocks.split(",")), ours_packed=a.ours_packed)
         rows += r_
         notes += n_
     if a.dynamo_only:

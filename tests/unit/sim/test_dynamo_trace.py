@@ -122,3 +122,24 @@ def test_our_input_converted_ahead_to_the_block_size_simulates_the_same(tmp_path
     (outs[1] / "report.json").write_text(json.dumps(rep[1]))
     assert sim_ab.differences(*outs) == []
     assert json.loads((outs[0] / "report.json").read_text())["requests_completed"] > 0
+
+
+def test_our_input_packed_ahead_is_cached_and_packed_again_when_the_source_changes(tmp_path):
+    """``sim_speed.packed`` (``--ours-packed``): the pack reads back as the trace's compact form, is
+    reused while it is newer than its source, and rebuilt when the source changes."""
+    import os
+
+    from evolving_infra.traces.compact import read_trace_compact
+
+    src = Path(__file__).resolve().parents[3] / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
+    copy = tmp_path / "t.jsonl.gz"
+    copy.write_bytes(src.read_bytes())
+    dst = sim_speed.packed(copy, tmp_path / "t.eipack")
+    want = read_trace_compact(copy)
+    got = read_trace_compact(dst)
+    assert (got.header, got.requests, got.index) == (want.header, want.requests, want.index)
+    assert got.requests_with_blocks() == want.requests_with_blocks()
+    dst.write_bytes(b"stale")  # newer than its source: reused as it is
+    assert sim_speed.packed(copy, dst).read_bytes() == b"stale"
+    os.utime(copy, (dst.stat().st_mtime + 10, dst.stat().st_mtime + 10))
+    assert read_trace_compact(sim_speed.packed(copy, dst)).requests == want.requests
