@@ -2,17 +2,83 @@
 run-based rewrite of ``services/worker/blocks.py`` (commit c85adc1), kept verbatim apart from
 this docstring and the move rule of ``HostBlockPool.update_counts`` (issue 23: chains of moved
 blocks in message order, each deepest first, instead of one deepest-first sort of the whole
-message, so that how the directory cuts a drain into messages cannot change the order). Every
-operation of the production pools must give the same results and the same KV events, in the
-same order, as this model (``tests/property/test_worker_blocks_model.py``).
+message, so that how the directory cuts a drain into messages cannot change the order), with
+``EvictionQueue`` (one ``OrderedDict`` per group) moved here from ``services/worker/eviction.py``
+when the production pools stopped using it. Every operation of the production pools must give
+the same results and the same KV events, in the same order, as this model
+(``tests/property/test_worker_blocks_model.py``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Tier
-from services.worker.eviction import EvictionPolicy, EvictionQueue, LruPolicy, get_policy
+from services.worker.eviction import Evictable, EvictionPolicy, LruPolicy, get_policy
+
+
+class EvictionQueue:
+    """Evictable blocks in ascending ``(group, last_access)`` order, O(1) per operation.
+
+    The caller stamps ``block.last_access`` with a value larger than every stamp
+    already queued before :meth:`push` (or :meth:`regroup`); the queue stores the
+    group it filed the block under in ``block.group``.
+    """
+
+    __slots__ = ("policy", "groups", "single")
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self.groups: list[OrderedDict[int, Evictable]] = [OrderedDict() for _ in range(policy.groups)]
+        """One ordered dict (hash → block) per group, evicted from group 0's head first.
+        Hot loops of the block pools use it directly; everyone else uses the methods."""
+        self.single = policy.groups == 1
+        """True when every block is in group 0 (``lru``): pools skip the key call."""
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return any(block_hash in g for g in self.groups)
+
+    def push(self, block: Evictable) -> None:
+        """Append ``block`` to the tail of its group (it must carry the newest stamp)."""
+        g = self.policy.group(block)
+        block.group = g
+        self.groups[g][block.hash] = block
+
+    def remove(self, block: Evictable) -> None:
+        """Take ``block`` out of the queue. Raises KeyError if it is not queued."""
+        del self.groups[block.group][block.hash]
+
+    def pop(self) -> Evictable | None:
+        """Remove and return the block with the lowest key, or None when empty."""
+        for g in self.groups:
+            if g:
+                return g.popitem(last=False)[1]
+        return None
+
+    def regroup(self, block: Evictable) -> bool:
+        """Move a queued block whose group changed to the tail of its new group.
+
+        The caller stamps ``block.last_access`` first. Returns True if it moved.
+        """
+        g = self.policy.group(block)
+        if g == block.group:
+            return False
+        del self.groups[block.group][block.hash]
+        block.group = g
+        self.groups[g][block.hash] = block
+        return True
+
+    def touch(self, block: Evictable) -> None:
+        """Move a queued block to the tail of its group (the caller stamps it newest)."""
+        self.groups[block.group].move_to_end(block.hash)
+
+    def ordered(self) -> list[Evictable]:
+        """Every queued block in eviction order (O(n); for checks and tests)."""
+        return [b for g in self.groups for b in g.values()]
 
 
 class KvInvariantError(AssertionError):

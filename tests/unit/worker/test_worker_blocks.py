@@ -6,7 +6,8 @@ import pytest
 
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored
 from services.worker.blocks import KvBlockManager, KvInvariantError
-from services.worker.eviction import BranchCountPolicy, EvictionQueue, LruPolicy, get_policy
+from services.worker.eviction import BranchCountPolicy, LruPolicy, get_policy
+from tests.unit.worker.ref_blocks import EvictionQueue
 
 
 def P(*hashes: int) -> list[int]:
