@@ -1495,8 +1495,9 @@ class BranchRunHostPool(RunHostPool):
         else:
             counted.update(self.members.intersection(hashes))
         where = self.where
-        # stretches of moved blocks: (first hash, its depth, length, new group, parent hash, last hash)
-        moves: list[tuple[int, int, int, int, int | None, int]] = []
+        # stretches of moved blocks: (first hash, its depth, length, new group, parent hash, last hash,
+        # its index in the message)
+        moves: list[tuple[int, int, int, int, int | None, int, int]] = []
         places: dict[_HostRun, dict[int, int]] = {}
         queued = compress(count(), map(where.__contains__, hashes))  # lazily, in C
         for i in queued:
@@ -1520,7 +1521,7 @@ class BranchRunHostPool(RunHostPool):
             g = r.group
             z = counts[i : i + k].count(0)
             if z == (k if g else 0):  # every block of the stretch crosses 0
-                moves.append((h, r.depth + off, k, 1 - g, keys[off - 1] if off else r.parent, hashes[i + k - 1]))
+                moves.append((h, r.depth + off, k, 1 - g, keys[off - 1] if off else r.parent, hashes[i + k - 1], i))
             elif z != (0 if g else k):  # some do: their sub-stretches, block by block
                 a = -1
                 for x in range(k + 1):
@@ -1529,7 +1530,9 @@ class BranchRunHostPool(RunHostPool):
                         a = x
                     elif not crosses and a >= 0:
                         o = off + a
-                        moves.append((keys[o], r.depth + o, x - a, 1 - g, keys[o - 1] if o else r.parent, keys[off + x - 1]))
+                        moves.append(
+                            (keys[o], r.depth + o, x - a, 1 - g, keys[o - 1] if o else r.parent, keys[off + x - 1], i + a)
+                        )
                         a = -1
         if not moves:
             return 0
@@ -1542,26 +1545,46 @@ class BranchRunHostPool(RunHostPool):
                     continue  # the next stretch goes on below this one: one chain
             chain = moves[c0 : c + 1]
             c0 = c + 1
-            h, d, k, g, p, _l = chain[0]
+            h, d, k, g, p, _l, _i = chain[0]
             if len(chain) == 1:
                 r = where[h]
-                run = self._requeue([(r, d - r.depth, k)], d, p, g)
+                o = d - r.depth
+                if o + k <= len(r.keys) and r.keys[o + k - 1] == _l:
+                    run = self._requeue([(r, o, k)], d, p, g)
+                else:  # an earlier chain's lift cut the run the stretch was found in
+                    run = self._requeue(self._pieces(hashes, _i, d, k), d, p, g)
                 moved += k
             else:
-                pieces = [(where[x[0]], x[1] - where[x[0]].depth, x[2]) for x in chain]
+                pieces = [pc for x in chain for pc in self._pieces(hashes, x[6], x[1], x[2])]
                 if len(set(map(id, (x[0] for x in pieces)))) == len(pieces):
                     run = self._requeue(pieces, d, p, g)
                 else:  # two stretches of one run (the message skipped between them): one by one
                     keys: list[int] = []
                     for x in chain:
-                        r = where[x[0]]
-                        o = x[1] - r.depth
-                        keys.extend(r.keys[o : o + x[2]])
-                        self._excise(r, o, x[2])
+                        for r, o, m in self._pieces(hashes, x[6], x[1], x[2]):
+                            keys.extend(r.keys[o : o + m])
+                            self._excise(r, o, m)
                     run = self._push(keys, d, p, g)
                 moved += sum(x[2] for x in chain)
             self._lift_above(run)
         return moved
+
+    def _pieces(self, hashes: Sequence[int], i: int, d: int, k: int) -> list[tuple[_HostRun, int, int]]:
+        """The queued pages ``hashes[i:i + k]`` (consecutive pages of one chain, the first at
+        depth ``d``) as ``(run, offset, length)`` pieces of the runs holding them now: the lift
+        of an earlier chain of the message may have cut the run they were found in (a hostile or
+        stale message: a child gains a count its parent loses). O(pieces)."""
+        where = self.where
+        out = []
+        while k:
+            r = where[hashes[i]]
+            o = d - r.depth
+            m = min(k, len(r.keys) - o)
+            out.append((r, o, m))
+            i += m
+            d += m
+            k -= m
+        return out
 
     def check_structure(self) -> None:
         """:meth:`RunHostPool.check_structure`, plus the page index and the counts (O(n)):
