@@ -173,7 +173,11 @@ def cmd_pack(args: argparse.Namespace) -> int:
     trace = _read(read_trace_compact, args.input)
     if trace is None:
         return 2
-    size = write_packed(args.output, trace)
+    try:
+        size = write_packed(args.output, trace)
+    except OSError as e:
+        print(f"{args.output}: cannot write: {e}", file=sys.stderr)
+        return 2
     print(f"{args.output}: {len(trace.requests)} requests, {trace.store.stored_ids} block ids stored, {size:,} bytes",
           file=sys.stderr)
     return 0

@@ -95,6 +95,9 @@ def write_packed(path: str | os.PathLike[str], trace: CompactTrace) -> int:
 
     Returns:
         Bytes written.
+
+    Raises:
+        OSError: ``path`` cannot be written (its ``.tmp`` is removed).
     """
     st = trace.store
     payload = _ENCODER.encode(_Payload(PACK_VERSION, trace.header, trace.requests,
@@ -102,10 +105,14 @@ def write_packed(path: str | os.PathLike[str], trace: CompactTrace) -> int:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + len(payload).to_bytes(8, "little") + zlib.crc32(payload).to_bytes(4, "little"))
-        f.write(payload)
-    os.replace(tmp, p)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + len(payload).to_bytes(8, "little") + zlib.crc32(payload).to_bytes(4, "little"))
+            f.write(payload)
+        os.replace(tmp, p)
+    except BaseException:  # no partial .tmp left behind (disk full, a folder in the way)
+        tmp.unlink(missing_ok=True)
+        raise
     return _PREFIX + len(payload)
 
 

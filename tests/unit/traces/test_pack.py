@@ -171,3 +171,19 @@ def test_cli_pack_of_a_bad_trace_names_its_line_and_the_line_readers_name_a_pack
         read_trace(dst)
     with pytest.raises(TraceError, match="a packed trace"):
         iter_requests(dst)
+
+
+def test_cli_pack_to_a_path_it_cannot_write_says_so(tmp_path: Path, capsys) -> None:
+    """An output that cannot be written (its folder is a file here) is an error with a reason and
+    exit status 2, not a traceback, and leaves no partial ``.tmp`` behind."""
+    src = tmp_path / "t.jsonl"
+    write_trace(src, HEADER, _random_requests(3))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["trace", "pack", str(src), str(blocker / "o.eipack")]) == 2
+    assert f"{blocker / 'o.eipack'}: cannot write:" in capsys.readouterr().err
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "o.eipack").mkdir()  # the final rename fails: the .tmp written before it is removed
+    assert main(["trace", "pack", str(src), str(dest / "o.eipack")]) == 2
+    assert "cannot write" in capsys.readouterr().err and sorted(p.name for p in dest.iterdir()) == ["o.eipack"]
