@@ -998,6 +998,7 @@ class RunHostPool:
         q.append(r)
         q.blocks += len(keys)
         self.first[keys[0]] = r
+        self._index(r)
         return r
 
     # -- queries ---------------------------------------------------------- #
@@ -1307,11 +1308,6 @@ class BranchRunHostPool(RunHostPool):
         leaves L2 leaves this set (a page stored again counts 0 until the directory re-sends)."""
 
     # -- run bookkeeping with the page index ------------------------------ #
-
-    def _push(self, keys: list[int], depth: int, parent: int | None, group: int = 0) -> _HostRun:
-        r = super()._push(keys, depth, parent, group)
-        self.where.update(zip(keys, repeat(r)))
-        return r
 
     def _take_shallow(self, r: _HostRun, c: int) -> None:
         _drain(map(self.where.__delitem__, r.keys[:c]))
