@@ -219,10 +219,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from evolving_infra.sim.planners import ComponentMissing
     from evolving_infra.sim.run import simulate, write_decisions
     from evolving_infra.sim.sweep import run_sweep
+    from evolving_infra.traces.io import output_error
 
     t0 = time.monotonic()
     try:
         cfg = config_from_args(args)
+        why = output_error(args.out, directory=True)
+        if why:  # before the trace is read and the run made, not after
+            raise SimConfigError(why)
         requests, bs, prov = load_workload(args)
         cfg = apply_schedule(cfg, args, prov)
     except SimConfigError as e:

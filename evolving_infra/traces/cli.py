@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["register"]
@@ -81,12 +81,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 2
     if args.from_kind in SKIPPING_CONVERTERS:
         options["strict"] = args.strict
+    if _bad_output(args.output, args.inputs):
+        return 2
     progress = _progress_default() if args.progress is None else args.progress
     try:
         header, n = convert_to_file(args.from_kind, args.inputs, args.output, progress=progress, **options)
     except ConvertError as e:
         print(f"error: {e}" + (" (--strict)" if args.strict else ""), file=sys.stderr)
         return 2
+    except OSError as e:
+        return _write_failed(args.output, e)
     counts = header.meta.get("counts", {})
     extra = ", ".join(f"{k} {v}" for k, v in counts.items() if k != "requests")
     print(f"{args.output}: {n} requests" + (f" ({extra})" if extra else ""), file=sys.stderr)
@@ -113,6 +117,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.duration is not None and args.requests_per_agent is not None:
         print("error: give --duration or --requests-per-agent, not both", file=sys.stderr)
         return 2
+    if _bad_output(args.output):
+        return 2
     try:
         trace = generate(
             args.kind,
@@ -125,7 +131,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except GenerateError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    n = write_trace(args.output, trace.header, trace.requests)
+    try:
+        n = write_trace(args.output, trace.header, trace.requests)
+    except OSError as e:
+        return _write_failed(args.output, e)
     print(f"{args.output}: {n} requests, {len(trace.agents())} agents ({GENERATORS[args.kind]})", file=sys.stderr)
     if args.check:
         from evolving_infra.traces.generate.common import check_trace_targets, targets_from_meta
@@ -153,14 +162,35 @@ def _read(read: Callable[[str], Any], path: str) -> Any:
     return None
 
 
+def _bad_output(path: str, inputs: Sequence[str] = ()) -> bool:
+    """True once the reason ``path`` cannot be written is printed (checked before reading anything)."""
+    from evolving_infra.traces.io import output_error
+
+    why = output_error(path, inputs=inputs)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+    return why is not None
+
+
+def _write_failed(path: str, e: OSError) -> int:
+    """Exit status 2 once a write that failed midway (disk full, ...) is named with its reason."""
+    print(f"error: {path}: cannot write: {e}", file=sys.stderr)
+    return 2
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from evolving_infra.traces.io import read_trace, sample_sessions, write_trace
 
+    if _bad_output(args.output, [args.input]):
+        return 2
     trace = _read(read_trace, args.input)
     if trace is None:
         return 2
     out = sample_sessions(trace, args.sessions or 10**12, seed=args.seed, max_requests_per_branch=args.max_requests_per_branch or None)
-    n = write_trace(args.output, out.header, out.requests)
+    try:
+        n = write_trace(args.output, out.header, out.requests)
+    except OSError as e:
+        return _write_failed(args.output, e)
     print(f"{args.output}: {n} requests, {len(out.agents())} agents", file=sys.stderr)
     return 0
 
@@ -170,14 +200,15 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from evolving_infra.traces.compact import read_trace_compact
     from evolving_infra.traces.pack import write_packed
 
+    if _bad_output(args.output, [args.input]):
+        return 2
     trace = _read(read_trace_compact, args.input)
     if trace is None:
         return 2
     try:
         size = write_packed(args.output, trace)
     except OSError as e:
-        print(f"{args.output}: cannot write: {e}", file=sys.stderr)
-        return 2
+        return _write_failed(args.output, e)
     print(f"{args.output}: {len(trace.requests)} requests, {trace.store.stored_ids} block ids stored, {size:,} bytes",
           file=sys.stderr)
     return 0

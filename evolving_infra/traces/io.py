@@ -646,6 +646,39 @@ def encode_line(obj: Any) -> bytes:
     return _ENCODER.encode(obj)
 
 
+def output_error(path: str | os.PathLike[str], *, inputs: Iterable[str | os.PathLike[str]] = (), directory: bool = False) -> str | None:
+    """Why ``path`` cannot be written, checked before any work starts; None if it can.
+
+    ``path`` is a file to write (``directory=False``: its folder is created if missing) or a
+    folder to write into (``directory=True``: created if missing). An output that is one of
+    ``inputs`` (the same file once resolved) is refused: writing it would replace the input
+    with the output. Creates the missing folders; writes no file.
+
+    Returns:
+        One line naming ``path`` and the reason (OS error, not writable, a folder where a file
+        is asked, the same file as an input), or None.
+    """
+    p = Path(path)
+    try:
+        same = any(Path(i).resolve() == p.resolve() for i in inputs)
+    except OSError:
+        same = False
+    if same:
+        return f"{path}: is also the input; writing it would replace the input, give another output path"
+    d = p if directory else p.parent
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"{path}: cannot write: {e.strerror or e} ({e.filename or d})"
+    if not d.is_dir():
+        return f"{path}: cannot write: {d} is not a folder"
+    if not os.access(d, os.W_OK | os.X_OK):
+        return f"{path}: cannot write: the folder {d} is not writable"
+    if not directory and p.is_dir():
+        return f"{path}: is a folder; give a file path"
+    return None
+
+
 def write_trace(path: str | os.PathLike[str] | IO[bytes], header: TraceHeader, requests: Iterable[TraceRequest]) -> int:
     """Write a trace; bytes are a pure function of the arguments.
 

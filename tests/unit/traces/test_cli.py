@@ -98,3 +98,37 @@ def test_chain_problems_are_summarised_past_the_limit() -> None:
     probs = list(iter_chain_problems(reqs))
     assert [p.line for p in probs[:CHAIN_REPORT_LIMIT]] == list(range(3, 3 + CHAIN_REPORT_LIMIT))
     assert len(probs) == CHAIN_REPORT_LIMIT + 1 and probs[-1].line == 27 and probs[-1].reason.startswith("25 requests in all")
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``trace sample/pack/generate/convert -o`` and ``simulate --out`` check their output first:
+    a path under a file, a folder where a file is asked, or the input itself is one error line
+    with exit status 2 (no traceback), and the input is left as it was."""
+    src = tmp_path / "t.jsonl"
+    assert main(["generate", "claude-code", "--agents", "2", "--seed", "1", "-o", str(src)]) == 0
+    before = src.read_bytes()
+    capsys.readouterr()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cases = [
+        (["trace", "sample", str(src), "-o", str(blocker / "o.jsonl")], "cannot write"),
+        (["trace", "sample", str(src), "-o", str(tmp_path)], "is a folder"),
+        (["trace", "sample", str(src), "-o", str(src)], "is also the input"),
+        (["trace", "pack", str(src), str(src)], "is also the input"),
+        (["trace", "generate", "claude-code", "--agents", "1", "-o", str(blocker / "g.jsonl")], "cannot write"),
+        (["simulate", "--trace", str(src), "--duration", "5", "--no-plots", "--out", str(blocker / "run")], "cannot write"),
+    ]
+    for argv, why in cases:
+        assert top_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and why in err and "Traceback" not in err, (argv, err)
+    assert src.read_bytes() == before
+
+
+def test_convert_refuses_an_output_under_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = shared_traces_or_skip("claude-code-weka")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = blocker / "cc.jsonl"
+    assert top_main(["trace", "convert", "--from", "claude-code-weka", str(folder / "trace_0003.json.gz"), "-o", str(out), "--no-progress"]) == 2
+    assert f"error: {out}: cannot write" in capsys.readouterr().err
