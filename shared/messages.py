@@ -254,6 +254,11 @@ class CountUpdates(Msg, frozen=True, kw_only=True):
     hashes: list[int] = []
     counts: list[NonNeg] = []
     """``counts[i]`` is the new count of ``hashes[i]``."""
+    epoch: str = ""
+    """The directory process that sent it (a new id each time it starts). A restarted directory
+    starts from empty counts and sends only changes, so a count set before the restart would never
+    be sent as 0: a worker that sees ``epoch`` change resets every count to 0 before applying the
+    message (``EngineScheduler.reset_counts``)."""
 
 
 # kv.pool.<node>  (worker → worker, request/reply: real-bytes host KV pool)

@@ -198,6 +198,7 @@ def _counts(c: m.CountUpdates, p: dict[str, str], nodes: Collection[str] | None)
         raise Invalid(f"{len(c.counts)} counts for {len(c.hashes)} hashes")
     if c.counts and min(c.counts) < 0:  # R[b, n] counts branches; the worker's host pool reads 0 vs > 0
         raise Invalid("a count is negative")
+    _text(c.epoch, "epoch", MAX_ID_LEN)
 
 
 def _pool_locate(r: m.PoolLocate, p: dict[str, str], nodes: Collection[str] | None) -> None:

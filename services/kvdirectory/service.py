@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import Counter
 
+import msgspec
 import structlog
 from prometheus_client import Histogram
 
@@ -70,6 +72,8 @@ class DirectoryService:
         self._resyncs: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._flush_lock = asyncio.Lock()
+        self.count_epoch = uuid.uuid4().hex
+        """``CountUpdates.epoch`` of this process: workers reset their counts when it changes."""
         self._stopping = False
         self._last_resync: dict[str, float] = {}
         """Monotonic time of the last resync request per node (at most one per ``resync_min_interval_s``)."""
@@ -270,7 +274,7 @@ class DirectoryService:
         async with self._flush_lock:
             msgs = self.core.take_count_updates()
             for cu in msgs:
-                await self.bus.publish(KV_COUNTS, cu, node=cu.node)
+                await self.bus.publish(KV_COUNTS, msgspec.structs.replace(cu, epoch=self.count_epoch), node=cu.node)
             return len(msgs)
 
     async def _flush_loop(self) -> None:

@@ -1178,6 +1178,10 @@ class RunHostPool:
             raise ValueError(f"{len(hashes)} hashes but {len(counts)} counts")
         return 0
 
+    def reset_counts(self) -> int:
+        """Every count back to 0: under a one-group policy there are none. Returns 0."""
+        return 0
+
     def snapshot(self) -> list[int]:
         """Every L2 hash: the pinned (L1) ones, then the unpinned ones in eviction order. O(n)."""
         return self.snapshot_parents()[0]
@@ -1449,6 +1453,21 @@ class BranchRunHostPool(RunHostPool):
                 s, e = size - j, size - i  # keys[s:e], pushed deepest piece first
                 self._push(keys[s:e], depth + s, keys[s - 1] if s else parent, 1 if g else 0)
                 i = j
+
+    def reset_counts(self) -> int:
+        """Every L2 page's count back to 0, as when the KV directory restarts (``CountUpdates.epoch``
+        changes): its counts start empty and it sends only changes, so a count it sent before would
+        never come back as 0 and would keep its pages in the protected group for good.
+
+        The counted group's queued pages move to the other group as one count message naming them in
+        queue order (oldest run first, each run root side first) with count 0 would
+        (:meth:`update_counts`); pinned pages forget their count. O(pages counted). Returns the
+        blocks moved.
+        """
+        hashes = [h for r in self.queues[1] for h in r.keys]
+        moved = self.update_counts(hashes, [0] * len(hashes)) if hashes else 0
+        self.counted.clear()
+        return moved
 
     def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
         """Apply branch counts R[b, node] from the KV directory (``CountUpdates``).

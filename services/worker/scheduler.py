@@ -491,6 +491,11 @@ class EngineScheduler:
         :meth:`BranchRunHostPool.update_counts`. Returns the host blocks moved."""
         return self.kv.update_counts(hashes, counts)
 
+    def reset_counts(self) -> int:
+        """Every host block's branch count back to 0 (the KV directory restarted; see
+        :meth:`BranchRunHostPool.reset_counts`). Returns the host blocks moved."""
+        return self.kv.host.reset_counts()
+
     # ------------------------------------------------------------------ #
     # peer fetch into L2 while queued (paper §4.2, DESIGN §1)
     # ------------------------------------------------------------------ #

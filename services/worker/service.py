@@ -181,6 +181,8 @@ class WorkerService:
             vocab = output_vocabulary(load_tokenizer(cfg.tokenizer))
         self.engine: Engine = make_torch_engine(cfg, self.profile) if cfg.engine == "torch" else ENGINES[cfg.engine](self.profile, vocab)
         self.counters: Counter[str] = Counter()
+        self._count_epoch: str | None = None
+        """``CountUpdates.epoch`` of the last count message (None before the first)."""
         self.registry = make_registry(bus)
         """Prometheus registry served on ``--metrics-port`` (``services/worker/prom.py``)."""
         self.registry.register(FuncCollector(lambda: worker_families(self)))
@@ -731,6 +733,12 @@ class WorkerService:
         self._input()
 
     async def _on_counts(self, msg: m.CountUpdates, _subject: str) -> None:
+        if msg.epoch != self._count_epoch:
+            if self._count_epoch is not None:  # the directory restarted: its counts start from empty
+                moved = self.core.reset_counts()
+                self.counters["counts.directory_restarts"] += 1
+                self.log.info("kv directory restarted: branch counts reset to 0", epoch=msg.epoch, moved=moved)
+            self._count_epoch = msg.epoch
         try:
             self.core.update_counts(msg.hashes, msg.counts)
         except ValueError as e:

@@ -219,6 +219,30 @@ async def test_counts_are_pushed_to_workers_and_follow_branch_events(nats_url):
         await eventually(dup_counted)
 
 
+async def test_each_directory_process_stamps_its_counts_with_its_own_epoch(nats_url):
+    """A restarted directory starts from empty counts and sends only changes; its messages carry
+    a new ``epoch`` so workers reset the counts the old process set (worker: ``reset_counts``)."""
+    epochs: list[set[str]] = []
+    for _ in range(2):  # the same directory started twice
+        async with running_directory(nats_url) as c:
+            seen: set[str] = set()
+
+            async def on_counts(cu: m.CountUpdates, subject: str) -> None:
+                seen.add(cu.epoch)
+
+            await c.subscribe(KV_COUNTS, on_counts)
+            await c.publish(KV_EVENTS, m.KvEventBatch(node="w0", seq=1, events=[stored(PATH[:3], "host")]), node="w0")
+            await c.publish(BRANCH_EVENTS, m.BranchStart(branch_id="a1"))
+            await asyncio.sleep(0.05)
+            await c.publish(ROUTE_PLACED, m.RoutePlaced(rid="r1", branch_id="a1", node="w0", phase="prefill", block_hashes=PATH[:3]))
+            await eventually(lambda: len(seen) >= 1)
+            await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a1"))  # the release: a second message
+            await asyncio.sleep(0.2)
+            epochs.append(set(seen))
+    assert [len(e) for e in epochs] == [1, 1] and all(e and "" not in e for e in epochs)
+    assert epochs[0] != epochs[1]
+
+
 @pytest.mark.parametrize("argv", [["--block-size", "32", "--branch-ttl-s", "60"]])
 def test_config_from_flags(argv):
     from shared.config import load_config

@@ -276,6 +276,26 @@ async def test_malformed_payloads_are_counted_and_the_worker_keeps_serving(nats_
     await c.bus.close()
 
 
+async def test_a_new_directory_epoch_resets_the_branch_counts(nats_url):
+    """Count messages of one directory process (one ``epoch``) apply as they come; the first of a
+    new epoch (the directory restarted, its counts start empty) resets every count first."""
+    c = await Client.connect(nats_url)
+    async with workers(nats_url, {"node": "w0"}):
+        for epoch, hashes, counts in (("d1", [3, 4], [1, 1]), ("d1", [4], [2]), ("d2", [5], [1]), ("d2", [5], [0])):
+            await c.bus.publish(KV_COUNTS, m.CountUpdates(node="w0", hashes=hashes, counts=counts, epoch=epoch), node="w0")
+        await c.bus.nc.flush()
+
+        for _ in range(100):  # the stats reply may overtake the count messages: poll
+            stats = await c.stats("w0")
+            if stats.counters.get("counts.directory_restarts", 0) >= 1:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
+        stats = await c.stats("w0")  # one reset: the first epoch set none, the second epoch's second message none
+        assert stats.counters["counts.directory_restarts"] == 1 and stats.counters.get("counts.invalid", 0) == 0
+    await c.bus.close()
+
+
 async def test_split_commands_and_abort(nats_url):
     c = await Client.connect(nats_url)
     async with workers(nats_url, {"node": "w0", "speedup": 1.0}):
