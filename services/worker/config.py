@@ -25,6 +25,11 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     phase: Annotated[
         Literal["prefill", "decode", "both"], Meta(description="phase served at start: prefill, decode or both (collocated)")
     ] = "both"
+    split_get_timeout_s: Annotated[
+        float,
+        Meta(ge=0, description="wall seconds to keep asking the planner for the current split (split.get) at start; "
+             "0 = do not ask (serve --phase until a split.commands arrives)"),
+    ] = 10.0
     engine: Annotated[
         Literal["sim", "torch"],
         Meta(description="engine kind; sim = profile-timed simulated GPU, torch = a real model (--model DIR, torch extra)"),

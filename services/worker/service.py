@@ -65,6 +65,7 @@ from shared.subjects import (
     ROUTE_BIND,
     SPLIT_APPLIED,
     SPLIT_COMMANDS,
+    SPLIT_GET,
     WORK_ABORT,
     WORK_DECODE,
     WORK_PREFILL,
@@ -234,6 +235,7 @@ class WorkerService:
             (self._run(), "loop"),
             (self._state_heartbeat(), "state"),
             (self._flush_iters_periodically(), "iters"),
+            (self._fetch_split(), "split-get"),
         ):
             self._tasks.append(asyncio.create_task(coro, name=f"worker-{node}-{name}"))
         self.log.info("worker started", profile=self.profile.name, phase=self.core.phase, engine=self.engine.name)
@@ -479,6 +481,30 @@ class WorkerService:
     # ------------------------------------------------------------------ #
     # in-place phase switch
     # ------------------------------------------------------------------ #
+
+    async def _fetch_split(self) -> None:
+        """Ask the planner for the current split at start (``split.get``), so a worker that
+        (re)starts serves its node's phase in the split at once, not its ``--phase`` until the
+        planner's next announcement (every ``announce_interval_s``, 5 s by default): a worker
+        restarted after a crash comes back in the phase the planner has moved it to since. Tries
+        every 0.5 s (1-s timeout each) for ``split_get_timeout_s``; without a planner it gives up
+        with one log line and serves ``--phase``. The reply is applied as a ``split.commands``."""
+        if self.cfg.split_get_timeout_s <= 0:
+            return
+        deadline = time.monotonic() + self.cfg.split_get_timeout_s
+        while True:
+            try:
+                cmd = await self.bus.request(SPLIT_GET, m.SplitQuery(), timeout=1.0)
+            except BusError as e:
+                if time.monotonic() >= deadline:
+                    self.log.info("planner did not answer split.get; serving --phase until a split.commands arrives",
+                                  phase=self.core.phase, waited_s=self.cfg.split_get_timeout_s, error=str(e))
+                    return
+                await asyncio.sleep(0.5)
+                continue
+            self.counters["split.get_answered"] += 1
+            await self._on_split(cmd, "split.get")
+            return
 
     async def _on_split(self, cmd: m.SplitCommand, _subject: str) -> None:
         if cmd.epoch <= self.epoch:

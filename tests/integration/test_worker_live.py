@@ -25,6 +25,7 @@ from shared.subjects import (
     REQ_OUT,
     SPLIT_APPLIED,
     SPLIT_COMMANDS,
+    SPLIT_GET,
     SVC_STATS,
     WORK_ABORT,
     WORK_DECODE,
@@ -293,6 +294,31 @@ async def test_a_new_directory_epoch_resets_the_branch_counts(nats_url):
         await asyncio.sleep(0.1)
         stats = await c.stats("w0")  # one reset: the first epoch set none, the second epoch's second message none
         assert stats.counters["counts.directory_restarts"] == 1 and stats.counters.get("counts.invalid", 0) == 0
+    await c.bus.close()
+
+
+async def test_a_starting_worker_asks_the_planner_for_the_split(nats_url):
+    """A worker started with ``--phase prefill`` whose node the planner has moved to decode (it
+    restarted after a crash, say) asks ``split.get`` at start and switches at once, not at the
+    planner's next announcement (5 s)."""
+    c = await Client.connect(nats_url)
+    asked: list[float] = []
+
+    async def on_get(_q: m.SplitQuery, _subject: str) -> m.SplitCommand:
+        asked.append(time.monotonic())
+        return m.SplitCommand(epoch=3, phases={"w0": "decode", "w1": "prefill"})
+
+    await c.bus.serve(SPLIT_GET, on_get)
+    await c.bus.nc.flush()
+    t0 = time.monotonic()
+    async with workers(nats_url, {"node": "w0", "phase": "prefill"}):
+        await c.until(lambda: c.applied, timeout=3, what="split.applied")
+        assert time.monotonic() - t0 < 3 and len(asked) == 1
+        a = c.applied[0]
+        assert (a.node, a.phase, a.status, a.epoch) == ("w0", "decode", "serving", 3)
+        await c.until(lambda: c.states["w0"] and c.states["w0"][-1].phase == "decode", what="phase in state")
+        stats = await c.stats("w0")
+        assert stats.counters["split.get_answered"] == 1 and stats.counters["split.switches"] == 1
     await c.bus.close()
 
 
