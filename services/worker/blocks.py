@@ -792,10 +792,15 @@ class RunHostPool:
         self.pinned = 0
         """Pinned pages (= L1 pages once a fill has been written through)."""
         self._stamp = 0
-        self.holds: dict[int, int] = {}
-        """Held pages (hash → number of holds), skipped by eviction in place. Holds are path
-        prefixes, so inside a run the held pages are its shallow end (but see
-        :meth:`_evict_free`)."""
+        self.prefixes: dict[int, list[Any]] = {}
+        """Holds kept whole: last hash → ``[held pages (a path prefix, root first), number of
+        holds]``. A page is held if it is held here or in :attr:`held`; eviction skips held
+        pages in place. Holds are path prefixes, so inside a run the held pages are its shallow
+        end (but see :meth:`_evict_free`). Empty while a broken hold is owed (:attr:`broken`)."""
+        self.held: dict[int, int] = {}
+        """Holds kept per page (hash → number of holds): those taken while a broken hold was
+        owed, and the whole ones spread here (:meth:`_spread`) before a hold breaks or an
+        unhold names other pages than a whole hold, as the per-page model counts them."""
         self.broken: dict[int, int] = {}
         """Holds broken by a write-through (hash → unholds still owed by their holders)."""
 
@@ -806,28 +811,92 @@ class RunHostPool:
             n += q.blocks
         return n
 
+    @property
+    def holds(self) -> dict[int, int]:
+        """Every held page → its number of holds (whole and per page), as the per-block
+        model counts them. A copy, O(held pages); for checks and tests."""
+        out = dict(self.held)
+        for keys, c in self.prefixes.values():
+            for h in keys:
+                out[h] = out.get(h, 0) + c
+        return out
+
     def hold(self, hashes: Sequence[int]) -> list[int]:
         """Hold the present leading pages of ``hashes`` (a path prefix, parent first); returns
         them (stops at the first absent page). They are found as L1's prefix and the runs
-        after it, O(runs); the holds are counted in C (``collections.Counter``'s counting
-        loop, on the plain dict: a ``Counter`` would make every delete a Python call)."""
+        after it, O(runs), and the hold is kept whole, under its last hash (chained hashes:
+        the last page names the prefix), O(1) beyond the list copy returned. While a broken
+        hold is owed, holds are counted per page instead, in C (``collections.Counter``'s
+        counting loop, on the plain dict)."""
         n = len(hashes)
         m = self._match_runs(hashes, self.gpu.match_prefix(hashes, n), n)
         out = list(hashes[:m])
-        _count_elements(self.holds, out)
+        if not m:
+            return out
+        if self.broken:
+            _count_elements(self.held, out)
+            return out
+        rec = self.prefixes.get(out[-1])
+        if rec is None:
+            self.prefixes[out[-1]] = [out[:], 1]  # a copy: the caller owns ``out``
+        elif len(rec[0]) == m:
+            rec[1] += 1
+        else:  # not a chain (the last page names another prefix): per page
+            _count_elements(self.held, out)
         return out
 
     def unhold(self, hashes: Sequence[int]) -> None:
         """Drop one hold of each of ``hashes`` (as :meth:`hold` returned them); a hold that
-        was broken meanwhile is settled without touching a later holder's. O(pages)."""
-        _unhold(self.holds, self.broken, hashes)
+        was broken meanwhile is settled without touching a later holder's. O(1) for a hold
+        kept whole (the list :meth:`hold` returned, or an equal one: O(pages) in C); else
+        O(pages), after spreading the whole holds per page."""
+        if not hashes:
+            return
+        prefixes = self.prefixes
+        if prefixes:
+            rec = prefixes.get(hashes[-1])
+            if rec is not None and (rec[0] is hashes or rec[0] == hashes):
+                if rec[1] > 1:
+                    rec[1] -= 1
+                else:
+                    del prefixes[hashes[-1]]
+                return
+            self._spread()
+        _unhold(self.held, self.broken, hashes)
 
-    def _free_tail(self, keys: list[int], lim: int) -> int:
-        """How many of the deepest ``keys`` (at most ``lim``) are not held."""
-        holds = self.holds
+    def _spread(self) -> None:
+        """Count every whole hold per page in :attr:`held` (before a hold breaks, or an unhold
+        that names other pages). O(pages of the whole holds), in C."""
+        held = self.held
+        for keys, c in self.prefixes.values():
+            for _ in range(c):
+                _count_elements(held, keys)
+        self.prefixes.clear()
+
+    def _whole_held(self, r: _HostRun) -> int:
+        """How many shallow pages of queued run ``r`` a whole hold covers (a held prefix holding
+        a page of ``r`` holds the pages above it too). O(whole holds)."""
+        keys = r.keys
+        d = r.depth
+        h0 = keys[0]
+        best = 0
+        for p, _c in self.prefixes.values():
+            m = len(p)
+            if m > d and p[d] == h0:
+                k = _common(keys, p, d, m)
+                if k > best:
+                    best = k
+        return best
+
+    def _free_tail(self, r: _HostRun, lim: int) -> int:
+        """How many of the deepest pages of ``r`` (at most ``lim``) are not held."""
+        keys = r.keys
         size = len(keys)
+        if self.prefixes:
+            lim = min(lim, size - self._whole_held(r))
+        held = self.held
         t = 0
-        while t < lim and keys[size - 1 - t] not in holds:
+        while t < lim and keys[size - 1 - t] not in held:
             t += 1
         return t
 
@@ -838,7 +907,7 @@ class RunHostPool:
         hold's page was stored again: it is unheld above held pages (:meth:`_evict_holes`)."""
         keys = r.keys
         size = len(keys)
-        t = self._free_tail(keys, min(size - c, lim))
+        t = self._free_tail(r, min(size - c, lim))
         if t:
             self._cut_tail(r, t, out)
         if t == lim or t == size or not self.broken or self.broken.keys().isdisjoint(keys[c:]):
@@ -847,9 +916,10 @@ class RunHostPool:
 
     def _evict_holes(self, r: _HostRun, c: int, lim: int, out: list[int]) -> int:
         """:meth:`_evict_free` past held pages: up to ``lim`` unheld pages of ``r.keys[c:]``
-        deepest first; the pages left stay in place as runs, with their stamps. O(run)."""
+        deepest first; the pages left stay in place as runs, with their stamps. O(run). Only
+        reached while a broken hold is owed, so every hold is counted per page."""
         keys = r.keys
-        holds = self.holds
+        holds = self.held
         size = len(keys)
         gone: list[int] = []
         for i in range(size - 1, c - 1, -1):
@@ -967,7 +1037,7 @@ class RunHostPool:
         """Evict ``e`` pages from the head of the queue (group 0 first; deepest first inside a
         run), skipping held pages; if only held pages are left, from the head regardless (holds
         broken)."""
-        if self.holds:
+        if self.held or self.prefixes:
             for q in self.queues:
                 r = q.first()
                 while r is not None and e > 0:
@@ -977,8 +1047,9 @@ class RunHostPool:
             if e > 0:
                 n0 = len(out)
                 self._evict_head(e, out)
+                self._spread()
                 for h in out[n0:]:
-                    _break_hold(self.holds, self.broken, h)
+                    _break_hold(self.held, self.broken, h)
             return
         self._evict_head(e, out)
 
@@ -1104,7 +1175,7 @@ class RunHostPool:
             return 0
         need = self.used + n_new - self.capacity
         evicted: list[int] = []
-        holds = self.holds
+        holds = self.held or self.prefixes
         for q in self.queues:  # group 0 first
             r = q.first()
             while r is not None and need > 0:
