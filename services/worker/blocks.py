@@ -1350,6 +1350,21 @@ def _agree(keys: list[int], off: int, seq: Sequence[int], i: int, n: int) -> int
     return size
 
 
+def _stretches(flags: list[bool]) -> Iterator[tuple[int, int, bool]]:
+    """``(i, j, flag)`` for each maximal stretch ``flags[i:j]`` of one value, in order; one
+    C-level ``list.index`` per stretch."""
+    n = len(flags)
+    i = 0
+    while i < n:
+        g = flags[i]
+        try:
+            j = flags.index(not g, i)
+        except ValueError:
+            j = n
+        yield i, j, g
+        i = j
+
+
 _RESTART = 24
 """A queued stretch of a count message at least this long is skipped by restarting the lookup
 after it (O(1), a list iterator set to its end) instead of looking its entries up (~45 ns each)."""
@@ -1424,16 +1439,8 @@ class BranchRunHostPool(RunHostPool):
         elif zeros == n:
             counted.difference_update(hashes)
         else:
-            up = list(map(bool, counts))
-            i = 0
-            while i < n:
-                g = up[i]
-                try:
-                    j = up.index(not g, i)
-                except ValueError:
-                    j = n
+            for i, j, g in _stretches(list(map(bool, counts))):
                 (counted.update if g else counted.difference_update)(islice(hashes, i, j))
-                i = j
         members = self.members
         if len(counted) > 2 * len(members) + 1024:
             counted.intersection_update(members)
@@ -1554,18 +1561,10 @@ class BranchRunHostPool(RunHostPool):
             if counted.issuperset(keys):
                 self._push(keys, depth, parent, 1)
                 continue
-            up = list(map(counted.__contains__, reversed(keys)))  # deepest first
             size = len(keys)
-            i = 0
-            while i < size:
-                g = up[i]
-                try:
-                    j = up.index(not g, i)
-                except ValueError:
-                    j = size
+            for i, j, g in _stretches(list(map(counted.__contains__, reversed(keys)))):  # deepest first
                 s, e = size - j, size - i  # keys[s:e], pushed deepest piece first
                 self._push(keys[s:e], depth + s, keys[s - 1] if s else parent, 1 if g else 0)
-                i = j
 
     def reset_counts(self) -> int:
         """Every L2 page's count back to 0, as when the KV directory restarts (``CountUpdates.epoch``
