@@ -305,8 +305,7 @@ class KvDirectory:
                     newly = index.store_written_through(n, ev.block_hashes, ev.parent_block_hash)
                     if newly is not None:  # both events applied: same effects as one after the other
                         paired = i + 1
-                        table.on_stored(n, GPU, newly)
-                        table.on_stored(n, HOST, newly[:])
+                        table.on_stored_through(n, newly)
                         res.blocks_stored += 2 * len(newly)
                         counters["kv.blocks_stored"] += 2 * len(newly)
                         continue

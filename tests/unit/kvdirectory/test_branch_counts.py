@@ -95,6 +95,71 @@ def test_a_host_store_re_sends_counts_in_the_stores_order():
     d.branches.check()
 
 
+def _moves_and_stores(d: KvDirectory, batches: list[list[BlockStored]]) -> list[tuple[str, list[int], list[int]]]:
+    """Branches a and b counted on p0 (prefill), then moved to p1 (prefill: the move waits for
+    their last blocks A[-1] and B[-1] on p1), c counted on p1 for H[:3]; then ``batches``."""
+    for bid, path in (("a", H[:4] + A), ("b", H[:4] + B)):
+        d.branch_start(bid, 0.0)
+        d.place(bid, "p0", "prefill", path, 1.0)
+        d.place(bid, "p1", "prefill", path, 2.0)
+    d.branch_start("c", 0.0)
+    d.place("c", "p1", "prefill", H[:3], 2.0)
+    assert {h for w in d.branches.watch for h in w} == {A[-1], B[-1]}
+    drained(d)
+    for events in batches:
+        seq = d._streams[d.node_id("p1")].next_seq  # noqa: SLF001 - the batch it awaits
+        d.apply_kv_batch(KvEventBatch(node="p1", seq=seq, ts=3.0, events=events), 3.0)
+    d.branches.check()
+    return drained(d)
+
+
+def test_a_store_and_its_write_through_act_as_the_two_stores():
+    """A GPU store followed by its host write-through in one batch (``on_stored_through``, one
+    pass over the blocks) changes counts, counted copies, moves and messages exactly as the two
+    stores in two batches (``on_stored`` twice): here with uncounted blocks among them and a
+    move that the store finishes."""
+    chain = H[:6]  # H[:4] counted by a and b on p1, H[:3] by c too; H[4:6] by nobody
+
+    def ev(tier: str) -> BlockStored:
+        return BlockStored(block_hashes=list(chain), parent_block_hash=None, tier=tier, block_size=BS)
+
+    seen = []
+    for batches in ([[ev("gpu"), ev("host")]], [[ev("gpu")], [ev("host")]]):
+        d = KvDirectory(BS)
+        seen.append((_moves_and_stores(d, batches), d.branches.counted_copies, dict(d.counters)))
+    paired, apart = seen
+    assert paired[0] == apart[0] == [("p1", H[:4], [3, 3, 3, 2])]  # the host store re-sends its counted blocks
+    assert paired[1] == apart[1] and paired[1][1] == [4, 4]
+    assert {k: v for k, v in paired[2].items() if not k.startswith("kv.batches")} == {
+        k: v for k, v in apart[2].items() if not k.startswith("kv.batches")
+    }
+    seen = []
+    for batches in ([[BlockStored(block_hashes=A, parent_block_hash=H[3], tier=t, block_size=BS) for t in ("gpu", "host")]],
+                    [[BlockStored(block_hashes=A, parent_block_hash=H[3], tier=t, block_size=BS)] for t in ("gpu", "host")]):
+        d = KvDirectory(BS)
+        seen.append((_moves_and_stores(d, batches), d.branches.counted_copies, d.branch("a").counted))
+    assert seen[0] == seen[1]
+    assert seen[0][2] == {KvDirectory(BS).node_id("p1") + 1: 4 + len(A)}  # a's move finished: released on p0
+    assert ("p0", H[:4] + A, [1] * 4 + [0] * len(A)) in seen[0][0]
+
+
+def test_moves_finished_by_one_store_release_in_the_order_of_the_watched_set():
+    """A store that brings the watched blocks of several moves finishes them in the order of
+    the set of watched blocks among the stored ones (built in the store's order), as when the
+    hook intersected the watch with every stored block: the sources' releases are drained in
+    that order (for one of the two store orders it is not the store's)."""
+    assert list({A[-1], B[-1]}) == list({B[-1], A[-1]})  # else the test below proves less
+    for stored in ([A[-1], B[-1]], [B[-1], A[-1]]):
+        d = KvDirectory(BS)
+        got = _moves_and_stores(d, [[BlockStored(block_hashes=stored, parent_block_hash=None, tier="host", block_size=BS)]])
+        order = list({A[-1]: "a", B[-1]: "b"}.keys() & stored)
+        tails = {A[-1]: A, B[-1]: B}
+        p0 = [(hs, c) for n, hs, c in got if n == "p0"]
+        assert p0 == [(H[:4] + tails[order[0]] + tails[order[1]], [0] * (4 + 2 * len(A)))]  # one drain, merged
+        assert not any(d.branches.watch) and d.branch("a").counted.keys() == d.branch("b").counted.keys() == {d.node_id("p1")}
+        assert d.counters["moves.released_sources"] == 2
+
+
 def test_a_version_bump_keeps_the_common_prefix_counted_everywhere():
     """C ∩ π_new is the common prefix of π_old and π_new (chained hashes), on every node."""
     d = KvDirectory(BS)
