@@ -158,8 +158,10 @@ class BranchTable:
         """R[node][block] > 0: number of active branches counting block on node."""
         self.counted_copies: list[list[int]] = []
         """[node][tier]: present copies whose count is > 0 (kept on 0↔1 crossings)."""
-        self.node_branches: list[set[str]] = []
-        """[node]: ids of branches with a non-empty C_{β,node}."""
+        self.node_branches: list[dict[str, None]] = []
+        """[node]: ids of branches with a non-empty C_{β,node}, in the order they started counting
+        there (a dict, not a set: a D→P reset releases them in this order, the same in every
+        process; a set of strings iterates in an order ``PYTHONHASHSEED`` decides)."""
         self.outbox: list[list[tuple[list[int], list[int] | None, list[int]]]] = []
         """[node]: unsent count changes in the order they happened, each ``(blocks, before,
         after)``: a path slice (parent first) or the counted blocks of a host store (in the
@@ -184,7 +186,7 @@ class BranchTable:
         """Register the next node index (called by the core, dense from 0)."""
         self.R.append({})
         self.counted_copies.append([0, 0])
-        self.node_branches.append(set())
+        self.node_branches.append({})
         self.outbox.append([])
         self.watch.append({})
         self.out_len.append(0)
@@ -220,10 +222,10 @@ class BranchTable:
         if k:
             b.counted[n] = k
             if not cur:
-                self.node_branches[n].add(b.bid)
+                self.node_branches[n][b.bid] = None
         else:
             del b.counted[n]
-            self.node_branches[n].discard(b.bid)
+            self.node_branches[n].pop(b.bid, None)
 
     def _count_up(self, n: int, blocks: list[int]) -> None:
         """One more branch counts ``blocks`` (a path slice, parent first) on node n.
@@ -792,7 +794,7 @@ class BranchTable:
                 want[n].update(set(b.path[:k]))
                 on[n].add(b.bid)
         for n, R in enumerate(self.R):
-            assert on[n] == self.node_branches[n], f"node_branches[{n}]"
+            assert on[n] == self.node_branches[n].keys(), f"node_branches[{n}]"
             assert R == dict(want[n]), f"R[{n}] differs from the branch table"
             for b in self.branches.values():
                 k = b.counted.get(n, 0)

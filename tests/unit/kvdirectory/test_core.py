@@ -122,6 +122,21 @@ def test_cross_phase_keeps_both_and_phase_switches(d):
     assert d.counters["phase.reset_branches"] == 1
 
 
+def test_a_d_to_p_reset_releases_branches_in_the_order_they_started_counting(d):
+    """The reset's count messages come in the order the branches started counting on the node,
+    the same in every process. Before, a set of branch-id strings decided it, which
+    ``PYTHONHASHSEED`` changes: a simulation with decode→prefill switches gave another report in
+    another process."""
+    names = [f"b{i:02d}" for i in range(24)]
+    for i, b in enumerate(names):  # each its own single-block path, counted on d0 in this order
+        d.branch_start(b, 0.0)
+        d.place(b, "d0", "decode", [9000 + i], 1.0)
+    d.take_count_updates()
+    assert d.node_phase_changed("d0", "decode", "prefill", 2.0) == len(names)
+    released = [h for cu in d.take_count_updates() if cu.node == "d0" for h in cu.hashes]
+    assert released == [9000 + i for i in range(len(names))]
+
+
 def test_branch_end_releases_everything_and_errors_are_counted(d):
     d.branch_start("b", 0.0)
     d.place("b", "p0", "prefill", P[:3], 1.0)
