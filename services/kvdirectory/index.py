@@ -16,8 +16,9 @@ of that tree. Per block the index knows
   so the longest prefix per node and tier is found by ``bisect`` over the
   path instead of a walk of every block: O(k · log L) C-level dict probes for
   k distinct prefix lengths, not O(L · nodes). ``bisect``'s key function is
-  ``where.__getitem__`` (C, no Python frame): a run *is* its negated ``comp``
-  (an int subclass), and a missing block reads 0.
+  ``where.__getitem__`` (C, no Python frame): a run *is* a one-item list
+  ``[-comp]`` (a list subclass; lists compare item by item in C), and a
+  missing block reads ``[0]``.
 * its parent — parent hash, ``None`` at a sequence start, :data:`UNKNOWN` for
   a placeholder created because a child named it before it was ever stored
   (or a snapshot block reported without its parent) — and its children.
@@ -34,8 +35,12 @@ C-level dict updates per block: a new chain that extends a run with the same
 presence is appended to it; a chain indexed elsewhere is matched run by run by
 slice comparison; removals listed deepest first (or parent first) are matched
 as run ends. Runs are split where presence changes and joined again when it
-evens out, so two indexes with the same blocks have the same runs; a run whose
-completeness changes is replaced (its blocks re-pointed, C-level). Per block
+evens out (the smaller side's blocks re-pointed, C-level), so two indexes with
+the same blocks have the same runs; a run whose completeness changes keeps its
+blocks: its one list item is overwritten, O(1) per run whatever its length
+(a GPU copy arriving or leaving changes the completeness of runs of hundreds
+of blocks: ~10M blocks per 600 s of the evolving simulation were re-pointed
+when a run was an immutable int). Per block
 this costs one ``where`` slot and one list slot (about 100 B with the hash int
 itself, against ~430 B with one tuple entry per block, a completeness dict and
 per-(node, tier) held sets, ``tests/unit/kvdirectory/ref_index.py``); run
@@ -79,12 +84,13 @@ UNKNOWN: Any = _Unknown()
 
 
 class _ZeroDict(dict):  # type: ignore[type-arg]
-    """dict whose missing keys read 0 (``__getitem__`` stays a C call on hits)."""
+    """dict whose missing keys read ``_NOWHERE``, a run of completeness 0 (``__getitem__``
+    stays a C call on hits)."""
 
     __slots__ = ()
 
-    def __missing__(self, key: int) -> int:
-        return 0
+    def __missing__(self, key: int) -> _Run:
+        return _NOWHERE
 
 
 def tier_bit(node: int, tier: int) -> int:
@@ -102,16 +108,18 @@ def decode_bit(pos: int) -> tuple[int, int]:
     return divmod(pos - 1, 3)
 
 
-class _Run(int):
+class _Run(list):  # type: ignore[type-arg]
     """Consecutive blocks of one sequence with the same presence bits (a compressed edge of
     the prefix tree): ``keys[i]`` is the parent of ``keys[i + 1]``, and every block but the
     last has exactly one indexed child (the next key).
 
-    The run *is* its negated completeness, an int (``int(run) == -comp``): ``where`` maps
-    every block to its run, so ``where.__getitem__`` is the C-level key function that
-    lookups bisect with, and no per-block completeness dict is kept. A run whose
-    completeness changes is replaced by a new object (:meth:`BlockIndex._set_comp`).
-    Runs compare as ints: identity (``is``) tells them apart.
+    The run *is* its negated completeness in a one-item list (``run[0] == -comp``):
+    ``where`` maps every block to its run, so ``where.__getitem__`` is the C-level key
+    function that lookups bisect with (one-item lists order as their items, compared in
+    C), and no per-block completeness dict is kept. A run whose completeness changes
+    keeps its identity and its blocks (:meth:`BlockIndex._set_comp` overwrites
+    ``run[0]``). Runs compare as lists (by completeness) and are unhashable: identity
+    (``is``, ``id``) tells them apart.
 
     Attributes: ``keys`` (block hashes, parent first; ``[]`` once the run is gone),
     ``parent`` (parent hash of ``keys[0]``: None at a sequence start, :data:`UNKNOWN` for a
@@ -119,16 +127,17 @@ class _Run(int):
     block), ``children`` (child runs hanging below ``keys[-1]`` by first hash, or None).
     """
 
+    __slots__ = ("keys", "parent", "pc", "children", "fwd")
     keys: list[int]
     parent: Any
     pc: int
     children: dict[int, _Run] | None
     fwd: _Run | None
-    """Once the run is gone: the run that took its blocks (a join or a new completeness), if any."""
+    """Once the run is gone: the run that took its blocks (a join), if any."""
 
 
 def _mk(keys: list[int], parent: Any, pc: int, comp: int) -> _Run:
-    r = _Run(-comp)
+    r = _Run((-comp,))
     r.keys = keys
     r.parent = parent
     r.pc = pc
@@ -137,8 +146,13 @@ def _mk(keys: list[int], parent: Any, pc: int, comp: int) -> _Run:
     return r
 
 
-_RUN_BYTES = (lambda r: sys.getsizeof(r) + sys.getsizeof(r.__dict__) + sys.getsizeof([]))(_mk([], None, 1, 1))
-"""Bytes of one run object: the int, its attribute dict and an empty keys list."""
+_RUN_BYTES = (lambda r: sys.getsizeof(r) + sys.getsizeof(r[0]) + sys.getsizeof([]))(_mk([], None, 1, 1 << 30))
+"""Bytes of one run object: the list with its slots and one item, that item (an int) and an
+empty keys list."""
+
+_NOWHERE = _mk([], None, 0, 0)
+"""What :attr:`BlockIndex.where` reads for a missing block: completeness 0 (never changed,
+not a live run)."""
 
 
 def _drain(it: Iterable[Any]) -> None:
@@ -201,7 +215,7 @@ class BlockIndex:
         self.max_blocks = max_blocks
         self.where: _ZeroDict = _ZeroDict()
         """hash → the run holding it (every indexed block, placeholders included); a missing
-        hash reads 0 (its completeness: none)."""
+        hash reads a run of completeness 0 (``[0]``)."""
         self._runs: dict[int, _Run] = {}
         """id → run, every live run (in creation order)."""
         self.copies: list[list[int]] = []
@@ -240,7 +254,7 @@ class BlockIndex:
     @property
     def negcomp(self) -> dict[int, int]:
         """hash → ``-comp`` for every block whose ``comp`` is not 0 (a copy, for checks and tests)."""
-        return {h: int(r) for h, r in self.where.items() if r}
+        return {h: r[0] for h, r in self.where.items() if r[0]}
 
     def _new(self, keys: list[int], parent: Any, pc: int, comp: int) -> _Run:
         r = _mk(keys, parent, pc, comp)
@@ -291,36 +305,25 @@ class BlockIndex:
             return -1
         if p is UNKNOWN:
             return 0
-        return -self.where[p]
+        return -self.where[p][0]
 
     def _set_comp(self, r: _Run, c: int) -> _Run:
-        """Set ``comp`` of run ``r`` to ``c`` and push the change down, only where it changes.
-        A run whose comp changes is replaced by a new one (its blocks re-pointed, C-level);
-        returns the run that now holds ``r``'s blocks."""
-        if c == -r:
+        """Set ``comp`` of run ``r`` to ``c`` and push the change down, only where it changes:
+        O(1) per run whose comp changes (its item overwritten; no block touched). Returns ``r``."""
+        if c == -r[0]:
             return r
-        where = self.where
-        top = None
+        top = r
         stack = [(r, c)]
         while stack:
             r, c = stack.pop()
-            if c == -r:
+            if c == -r[0]:
                 continue
-            new = self._new(r.keys, r.parent, r.pc, c)
-            new.children = r.children
-            keys = r.keys
-            self._gone(r, new)
-            where.update(dict.fromkeys(keys, new))
-            p = new.parent
-            if p is not None and p is not UNKNOWN:
-                where[p].children[keys[0]] = new  # type: ignore[index]
-            if top is None:
-                top = new
-            ch = new.children
+            r[0] = -c
+            ch = r.children
             if ch is not None:
                 for cr in ch.values():
                     stack.append((cr, cr.pc & c))
-        return top  # type: ignore[return-value]
+        return top
 
     def _split(self, r: _Run, j: int) -> tuple[_Run, _Run]:
         """Cut run ``r`` after its first ``j`` keys (0 < j < len); returns (head, tail). The
@@ -328,7 +331,7 @@ class BlockIndex:
         where = self.where
         keys = r.keys
         if 2 * j <= len(keys):
-            head = self._new(keys[:j], r.parent, r.pc, -r)
+            head = self._new(keys[:j], r.parent, r.pc, -r[0])
             del keys[:j]
             r.parent = head.keys[-1]
             head.children = {keys[0]: r}
@@ -337,7 +340,7 @@ class BlockIndex:
                 where[p].children[head.keys[0]] = head  # type: ignore[index]
             where.update(dict.fromkeys(head.keys, head))
             return head, r
-        tail = self._new(keys[j:], keys[j - 1], r.pc, -r)
+        tail = self._new(keys[j:], keys[j - 1], r.pc, -r[0])
         del keys[j:]
         tail.children = r.children
         r.children = {tail.keys[0]: tail}
@@ -418,7 +421,7 @@ class BlockIndex:
         elif parent is UNKNOWN:
             pcomp = 0
         else:
-            pcomp = -where[parent]  # 0 when missing (a placeholder is made below); a split keeps comp
+            pcomp = -where[parent][0]  # 0 when missing (a placeholder is made below); a split keeps comp
         r = self._new(keys, parent, pc, pc & pcomp)
         where.update(dict.fromkeys(keys, r))
         if parent is not None and parent is not UNKNOWN:
@@ -788,19 +791,23 @@ class BlockIndex:
         Cost: one ``bisect`` (O(log L) C-level probes) per distinct length.
         """
         n = len(path)
-        neg = self.where  # runs are their negated completeness; a missing block reads 0
-        if n == 0 or not neg[path[0]]:
+        neg = self.where  # runs are their negated completeness, [-comp]; a missing block reads [0]
+        if n == 0:
+            return []
+        r = neg[path[0]]  # the current run
+        nv = r[0]  # -comp of the current run
+        if not nv:
             return []
         key = neg.__getitem__
         drops: list[tuple[int, int]] = []
         i = 0
-        nv = neg[path[0]]  # -comp of the current run
         while True:
-            j = bisect_right(path, nv, i + 1, n, key=key)
+            j = bisect_right(path, r, i + 1, n, key=key)
             if j >= n:
                 drops.append((n, -nv))
                 return drops
-            nj = neg[path[j]]
+            r = neg[path[j]]
+            nj = r[0]
             drops.append((j, -nv & ~-nj))
             if not nj:
                 return drops
@@ -813,7 +820,7 @@ class BlockIndex:
 
     def complete_bits(self, h: int) -> int:
         """Completeness bits of one block (0 when not indexed)."""
-        return -self.where[h]
+        return -self.where[h][0]
 
     def __len__(self) -> int:
         return len(self.where)
@@ -833,7 +840,7 @@ class BlockIndex:
         for r in runs:
             assert r.keys and all(where[h] is r for h in r.keys), "where out of sync"
             seen += len(r.keys)
-            assert -r == r.pc & self._parent_comp(r), f"comp of run {r.keys[0]}"
+            assert -r[0] == r.pc & self._parent_comp(r), f"comp of run {r.keys[0]}"
             assert r.pc or r.children, f"run {r.keys[0]} held nowhere and childless"
             p = r.parent
             if p is not None and p is not UNKNOWN:
