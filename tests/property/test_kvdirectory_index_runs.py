@@ -170,3 +170,42 @@ def test_engine_like_stream_stays_in_few_runs() -> None:
     b.remove(0, 1, chain[:1000:-1])
     assert b.run_count() == 1 and len(b) == 1001
     b.check()
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_walked_lookups_match_bisection(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prefix_drops`` walking run by run after its first drop (``_WALK_GAP`` forced huge)
+    answers as the per-block model's bisection, also where inconsistent parents make
+    completeness grow along a path (the walk declines and bisection goes on)."""
+    monkeypatch.setattr(run_index, "_WALK_GAP", 10**9)
+    walked = run_index.BlockIndex._walk_drops
+    seen = {"walked": 0, "declined": 0}
+
+    def spy(self: run_index.BlockIndex, path: list[int], i: int, r: object) -> object:
+        out = walked(self, path, i, r)  # type: ignore[arg-type]
+        seen["walked" if out is not None else "declined"] += 1
+        return out
+
+    monkeypatch.setattr(run_index.BlockIndex, "_walk_drops", spy)
+    _run(2000 + seed, OPS)
+    assert seen["walked"] > 0
+
+
+def test_walk_declines_where_completeness_grows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain whose second half was first reported as a sequence start (parent None) on
+    another node: its completeness grows there, the walk declines, and the bisection's
+    answer (the per-block model's) stands."""
+    path = list(range(1, 41))
+    a, b = ref_index.BlockIndex(), run_index.BlockIndex()
+    for ix in (a, b):
+        for n in range(3):
+            ix.ensure_node(n)
+        ix.store(0, 0, path[:10], None)
+        ix.store(2, 1, path[:5], None)
+        ix.store(1, 0, path[10:], None)  # parent None: first report wins
+        ix.store(2, 0, path[10:30], path[9])
+    monkeypatch.setattr(run_index, "_WALK_GAP", 10**9)
+    r = b.where[path[5]]
+    assert b._walk_drops(path, 5, r) is None
+    assert a.prefix_drops(path) == b.prefix_drops(path)
+    b.check()
