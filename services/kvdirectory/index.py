@@ -408,6 +408,29 @@ class BlockIndex:
                 return
             r = self._join(r, c)
 
+    def _shift_tail(self, r: _Run, a: int, pc: int) -> bool:
+        """Give the blocks ``r.keys[a:]`` (0 < a), whose presence becomes ``pc``, to ``r``'s only
+        child run when it has presence ``pc`` already, if that re-points no more blocks than
+        cutting them off and joining them to the child would (``min(tail, a) + min(tail,
+        child)``): an engine evicting a run's deep end from one tier, whose deeper blocks it
+        evicted from that tier before. Their completeness is the child's (same presence, same
+        parent completeness), so nothing else changes. Returns False, changing nothing, when
+        the tail does not go to the child."""
+        ch = r.children
+        if ch is None or len(ch) != 1:
+            return False
+        (c,) = ch.values()
+        keys = r.keys
+        if c.pc != pc or c is r or len(keys) - a > a + len(c.keys):
+            return False
+        tail = keys[a:]
+        del keys[a:]
+        self.where.update(dict.fromkeys(tail, c))
+        c.keys[:0] = tail
+        c.parent = keys[-1]
+        r.children = {tail[0]: c}
+        return True
+
     def _attach(self, p: int, r: _Run) -> None:
         """Hang run ``r`` below block ``p`` (its parent): a placeholder is created for a ``p``
         that is not indexed, and ``p``'s run is split after ``p`` when ``p`` is inside it."""
@@ -660,6 +683,8 @@ class BlockIndex:
                     gone = keys[a:]
                     del keys[a:]
                     _drain(map(where.__delitem__, gone))
+            elif a and b == last + 1 and self._shift_tail(r, a, pc):
+                pass
             else:
                 s = self._isolate(r, a, b)
                 s.pc = pc

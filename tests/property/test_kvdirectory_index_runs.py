@@ -209,3 +209,19 @@ def test_walk_declines_where_completeness_grows(monkeypatch: pytest.MonkeyPatch)
     assert b._walk_drops(path, 5, r) is None
     assert a.prefix_drops(path) == b.prefix_drops(path)
     b.check()
+
+
+def test_deeper_eviction_moves_the_tail_into_the_child_run() -> None:
+    """GPU evictions deepest first below a host copy, in two steps: the second step's blocks
+    join the run the first step left (host only) directly, keeping two runs."""
+    b = run_index.BlockIndex()
+    b.ensure_node(0)
+    chain = list(range(1, 2001))
+    b.store(0, 0, chain, None)
+    b.store(0, 1, chain, None)
+    b.remove(0, 0, chain[:1499:-1])  # blocks 1501..2000 leave the GPU
+    child = b.where[chain[-1]]
+    b.remove(0, 0, chain[1499:1299:-1])  # then 1301..1500: the child run takes them
+    assert b.run_count() == 2 and b.where[chain[1300]] is child and child.keys == chain[1300:]
+    assert b.prefix_drops(chain) == [(1300, run_index.tier_bit(0, 0)), (2000, b.complete_bits(chain[-1]))]
+    b.check()
