@@ -1439,8 +1439,15 @@ class BranchRunHostPool(RunHostPool):
         elif zeros == n:
             counted.difference_update(hashes)
         else:
-            for i, j, g in _stretches(list(map(bool, counts))):
-                (counted.update if g else counted.difference_update)(islice(hashes, i, j))
+            z = counts.index(0)
+            e = z + zeros
+            if e == n or counts[z:e].count(0) == zeros:  # one block of zeros (the usual mixed message)
+                counted.update(hashes[:z])
+                counted.difference_update(hashes[z:e])
+                counted.update(hashes[e:])
+            else:
+                for i, j, g in _stretches(list(map(bool, counts))):
+                    (counted.update if g else counted.difference_update)(islice(hashes, i, j))
         members = self.members
         if len(counted) > 2 * len(members) + 1024:
             counted.intersection_update(members)
