@@ -48,12 +48,16 @@ consecutive requests of a branch share almost all of them, so the pools store
   shallow end of a run; eviction takes the deep end of the oldest.
 * L2 under ``branch-count`` is ``BranchRunHostPool``: the same runs in two
   queues, one per group (count 0 first). A page index (queued page → run) and
-  the set of counted L2 pages let a count message move whole stretches: a
+  the set of counted pages let a count message move whole stretches: a
   message is cut into stretches (consecutive entries that are consecutive pages
   of one run) and chains, each chain leaves its runs by slicing and is queued
-  as one new run, and its lift restamps whole runs. Python steps per message,
-  per unpin and per fetch are O(runs touched); per named hash there is C-level
-  work only (an index lookup, set updates, slice compares).
+  as one new run, and its lift restamps whole runs; a message naming no queued
+  page (most of them) is one set update per same-sign stretch and one index
+  probe per entry. Python steps per message, per unpin and per fetch are
+  O(runs touched); per named hash there is C-level work only (an index lookup,
+  set updates, slice compares).
+* Holds (both pools) are kept whole: a held path prefix under its last hash,
+  counted per page only around a broken hold (``RunHostPool.prefixes``).
 
 Both keep exactly the per-block semantics (same results, same KV events in
 the same order; ``tests/property/test_worker_blocks_model.py`` checks them
