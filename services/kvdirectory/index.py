@@ -35,7 +35,9 @@ C-level dict updates per block: a new chain that extends a run with the same
 presence is appended to it; a chain indexed elsewhere is matched run by run by
 slice comparison; removals listed deepest first (or parent first) are matched
 as run ends. Runs are split where presence changes and joined again when it
-evens out (the smaller side's blocks re-pointed, C-level), so two indexes with
+evens out (the smaller side's blocks re-pointed, C-level; a run's deep end
+evicted from a tier whose deeper blocks left it before goes straight into
+their run), so two indexes with
 the same blocks have the same runs; a run whose completeness changes keeps its
 blocks: its one list item is overwritten, O(1) per run whatever its length
 (a GPU copy arriving or leaving changes the completeness of runs of hundreds
