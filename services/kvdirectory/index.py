@@ -173,10 +173,17 @@ def _drain(it: Iterable[Any]) -> None:
 
 def _match(keys: list[int], j: int, hashes: list[int], i: int) -> int:
     """Length of the common prefix of ``keys[j:]`` and ``hashes[i:]``, given
-    ``keys[j] == hashes[i]``: one slice comparison (C) when they agree to the end of
-    either, else a bisection over slices."""
+    ``keys[j] == hashes[i]``: one list comparison (C) when they agree to the end of
+    either, else a bisection over slices. A whole list is compared as it is, not as a
+    slice copy (the usual case: a whole run; a slice copies and counts a reference to
+    every item)."""
     m = min(len(keys) - j, len(hashes) - i)
-    if m == 1 or keys[j : j + m] == hashes[i : i + m]:
+    if m == 1:
+        return 1
+    if m == len(keys):  # (j == 0) the whole run
+        if keys == (hashes if m == len(hashes) else hashes[i : i + m]):
+            return m
+    elif keys[j : j + m] == (hashes if m == len(hashes) else hashes[i : i + m]):
         return m
     lo, hi = 1, m  # keys[j:j+lo] matches, keys[j:j+hi] does not
     while hi - lo > 1:
@@ -194,6 +201,8 @@ def _match_down(keys: list[int], j: int, hashes: list[int], i: int) -> int:
     m = min(j + 1, len(hashes) - i)
     if m == 1:
         return 1
+    if m == len(keys) and keys == (hashes[i + m - 1 : i - 1 : -1] if i else hashes[m - 1 :: -1]):
+        return m  # the whole run (j is its last key): one reversed slice, not two slices
     rev = keys[j - m + 1 : j + 1]
     rev.reverse()
     if rev == hashes[i : i + m]:
