@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import msgspec
 import pytest
 
@@ -22,8 +24,10 @@ def chain_agent(
     base: int | None = None,
 ) -> list[TraceRequest]:
     """One agent with one branch of ``n`` requests; request i extends request i-1's prompt by
-    ``growth`` blocks (shared prefix, chained ids), each sent ``pause`` s after the previous one."""
-    base = (abs(hash(agent)) % 1000 + 1) * 10_000 if base is None else base
+    ``growth`` blocks (shared prefix, chained ids), each sent ``pause`` s after the previous one.
+    The default ``base`` comes from the agent's name by CRC-32, not ``hash()``, whose salt
+    ``PYTHONHASHSEED`` changes: the same ids in every test process."""
+    base = (zlib.crc32(agent.encode()) % 1000 + 1) * 10_000 if base is None else base
     reqs = []
     blocks: list[int] = []
     for i in range(n):
