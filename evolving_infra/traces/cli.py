@@ -63,7 +63,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from evolving_infra.traces.convert import ConvertError, convert_to_file
+    from evolving_infra.traces.convert import ConvertError, convert_to_file, input_files
 
     options: dict[str, object] = {}
     if args.block_size is not None:
@@ -81,7 +81,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 2
     if args.from_kind in SKIPPING_CONVERTERS:
         options["strict"] = args.strict
-    if _bad_output(args.output, args.inputs):
+    try:  # an output that is a file of a folder named as input would replace it too
+        files: Sequence[Any] = input_files(args.from_kind, args.inputs)
+    except ConvertError:  # named by convert_to_file below, as before
+        files = args.inputs
+    if _bad_output(args.output, files):
         return 2
     progress = _progress_default() if args.progress is None else args.progress
     try:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, write_conversion
+from evolving_infra.traces.convert.common import Conversion, ConvertError, expand_inputs, write_conversion
 from evolving_infra.traces.io import Trace
 from evolving_infra.traces.schema import TraceHeader
 
-__all__ = ["CONVERTERS", "ConvertError", "Conversion", "convert", "convert_inputs", "convert_to_file"]
+__all__ = ["CONVERTERS", "ConvertError", "Conversion", "convert", "convert_inputs", "convert_to_file", "input_files"]
 
 CONVERTERS: dict[str, str] = {
     "claude-code-weka": "evolving_infra.traces.convert.claude_code",
@@ -38,6 +39,20 @@ def convert(kind: str, inputs: Sequence[str | os.PathLike[str]], *, progress: bo
         raise ConvertError(f"unknown trace kind {kind!r}; one of {', '.join(CONVERTERS)}")
     mod = importlib.import_module(mod_name)
     return mod.convert([os.fspath(p) for p in inputs], progress=progress, **options)
+
+
+def input_files(kind: str, inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """The files a conversion of ``inputs`` reads: the files named, plus those under the folders
+    named that match the converter's ``PATTERNS`` (``common.expand_inputs``, as its ``convert``
+    finds them). O(files under the folders named).
+
+    Raises:
+        ConvertError: unknown kind, a missing input, or a folder with no matching file.
+    """
+    mod_name = CONVERTERS.get(kind)
+    if mod_name is None:
+        raise ConvertError(f"unknown trace kind {kind!r}; one of {', '.join(CONVERTERS)}")
+    return expand_inputs(inputs, importlib.import_module(mod_name).PATTERNS)
 
 
 def convert_inputs(kind: str, inputs: Sequence[str | os.PathLike[str]], *, progress: bool = False, **options: Any) -> Trace:

@@ -132,3 +132,19 @@ def test_convert_refuses_an_output_under_a_file(tmp_path: Path, capsys: pytest.C
     out = blocker / "cc.jsonl"
     assert top_main(["trace", "convert", "--from", "claude-code-weka", str(folder / "trace_0003.json.gz"), "-o", str(out), "--no-progress"]) == 2
     assert f"error: {out}: cannot write" in capsys.readouterr().err
+
+
+def test_convert_refuses_an_output_that_is_a_file_of_an_input_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``trace convert --from mooncake DIR -o DIR/a.jsonl``: DIR/a.jsonl is one of the files the
+    conversion reads (the folder's ``*.jsonl``), so writing it would replace that input too."""
+    folder = tmp_path / "mc"
+    folder.mkdir()
+    src = folder / "a.jsonl"
+    src.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]}\n')
+    before = src.read_bytes()
+    assert top_main(["trace", "convert", "--from", "mooncake", str(folder), "-o", str(src), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {src}: is also the input") and src.read_bytes() == before, err
+    out = folder / "out.jsonl.gz"  # a new file in the input folder (not one it reads) is fine
+    assert top_main(["trace", "convert", "--from", "mooncake", str(folder), "-o", str(out), "--no-progress"]) == 0
+    assert src.read_bytes() == before
