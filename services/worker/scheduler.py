@@ -199,6 +199,9 @@ class EngineScheduler:
         (pages the real transfer did not deliver), ``nothing`` (plan adds no page),
         ``ignored_decode`` (a fetch plan sent to a decode node)."""
         self.n_decoding = 0
+        self._decode_s: dict[int, float] = {}
+        """Eq. 2 time of a decode part by batch size B (``profile.decode.iteration_time(B)``, a pure
+        function of the node's fixed profile): computed once per B instead of once per plan."""
         self._inflight: IterationPlan | None = None
         self._records: list[IterationRecord] = []
         self.iterations = 0
@@ -657,8 +660,9 @@ class EngineScheduler:
         """
         if self._inflight is not None:
             raise SchedulerError("schedule() called while a plan is in flight; call finish_iteration() first")
-        self._promote_decode(now)
-        if len(self.link):
+        if self.decode_queue or self.transferring:
+            self._promote_decode(now)
+        if self._fetching:
             self._advance_fetches(now)
         budget = self.chunk_tokens
         decode_reqs: list[_Request] = []
@@ -703,14 +707,14 @@ class EngineScheduler:
                 sum_c += b
             prefill_s = p.prefill.iteration_time(sum_uc, sum_qk, sum_rst)
             if decode_reqs:
-                decode_s = p.decode.iteration_time(len(decode_reqs))
+                decode_s = self._decode_time(len(decode_reqs))
                 iteration_s = prefill_s + decode_s - min(p.prefill.c0, p.decode.d0)
             else:
                 decode_s = 0.0
                 iteration_s = prefill_s + decode_s
         else:
             prefill_s = 0.0
-            decode_s = p.decode.iteration_time(len(decode_reqs))
+            decode_s = self._decode_time(len(decode_reqs))
             iteration_s = prefill_s + decode_s
             if horizon is not None and iteration_s > 0:
                 k = self._skip_ahead(decode_reqs, now, horizon, iteration_s)
@@ -1124,11 +1128,20 @@ class EngineScheduler:
         k_h = _ceil_div_f(h - now, iteration_s) if h > now else 1
         return max(1, min(k_finish, k_h))
 
+    def _decode_time(self, batch: int) -> float:
+        """Eq. 2: one decode iteration of ``batch`` requests on this node (s); memoised per batch
+        size (:attr:`_decode_s`), the same float as ``profile.decode.iteration_time(batch)``."""
+        t = self._decode_s.get(batch)
+        if t is None:
+            t = self._decode_s[batch] = self.profile.decode.iteration_time(batch)
+        return t
+
     def _check(self) -> None:
         """Invariants after every step: O(1) always, the full check when enabled."""
+        running = len(self.running)
         n = (
             len(self.waiting)
-            + len(self.running)
+            + running
             + len(self.decode_queue)
             + len(self.transferring)
             + len(self.bootstrap)
@@ -1136,10 +1149,11 @@ class EngineScheduler:
         )
         if n != len(self.requests):
             raise SchedulerError(f"{len(self.requests)} requests but {n} in state containers")
-        if len(self.running) > self.max_running:
-            raise SchedulerError(f"{len(self.running)} running > cap {self.max_running}")
-        if self.kv.gpu.free < 0:
-            raise SchedulerError(f"L1 over-committed by {-self.kv.gpu.free} blocks")
+        if running > self.max_running:
+            raise SchedulerError(f"{running} running > cap {self.max_running}")
+        gpu = self.kv.gpu
+        if gpu.hashed + gpu.reserved > gpu.capacity:  # GpuBlockPool.free < 0, without the property call
+            raise SchedulerError(f"L1 over-committed by {-gpu.free} blocks")
         if self.check_invariants:
             self.check()
 
