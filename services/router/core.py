@@ -117,13 +117,22 @@ class RouterCore:
             ``decode_binding="start"`` and no decode node; the worker asks
             :meth:`bind_decode` when its prefill starts). Collocated placements
             are unaffected.
+        keep_metrics: accumulate :attr:`metrics` at every first token (the live router exports
+            them); False leaves them empty (the simulator, which reads the samples
+            :meth:`on_first_token` returns and never the metrics).
 
     Raises:
         ValueError: if ``block_size`` < 1, ``fence_after`` <= 0 or an unknown ``decode_binding``.
     """
 
     def __init__(
-        self, policy: RoutingPolicy, *, block_size: int = 64, fence_after: float = 3.0, decode_binding: str = "dispatch"
+        self,
+        policy: RoutingPolicy,
+        *,
+        block_size: int = 64,
+        fence_after: float = 3.0,
+        decode_binding: str = "dispatch",
+        keep_metrics: bool = True,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -136,6 +145,7 @@ class RouterCore:
         self.block_size = block_size
         self.view = NodeLoadView(fence_after=fence_after)
         self.metrics = RouteMetrics()
+        self.keep_metrics = keep_metrics
         self._routed: dict[str, tuple[str, float, float | None]] = {}
         """rid → (prefill node, decision time, predicted TTFT) until its first token."""
 
@@ -325,7 +335,8 @@ class RouterCore:
         at = first_token_at if first_token_at else now
         measured = at - decided_at if at is not None else None
         sample = TtftSample(rid=rid, node=node, predicted_s=predicted, measured_s=measured, queue_s=queue_s)
-        self.metrics.observe(sample)
+        if self.keep_metrics:
+            self.metrics.observe(sample)
         self.policy.on_first_token(rid, at if at is not None else decided_at)
         return sample
 

@@ -397,8 +397,14 @@ class _QueueFold:
 
     def replay(self, coef: NodeCoefficients, decoding: int = 0) -> QueueReplay:
         """The replay of the folded queue with ``coef`` (see :func:`replay_queue`)."""
-        p = coef.prefill
         budget, extra = coef.decode_part(decoding)
+        t_open, used, qk, rst = self.open_iteration(coef.prefill, budget, extra)
+        return QueueReplay(t_open, used, float(used), float(qk), float(rst), len(self.live), budget, extra)
+
+    def open_iteration(self, p: PrefillModel, budget: int, extra: float) -> tuple[float, int, int, int]:
+        """``(t_open, used, ΣA, Σt_rst)`` of the open iteration of the folded queue: the numbers
+        :meth:`replay` reports, with ``(budget, extra)`` = ``coef.decode_part(decoding)`` and ``p``
+        the node's Eq. 1 model given by the caller (the predictor memoises the decode part)."""
         q_tok = self.q_tok
         used = q_tok % budget
         qk = 0
@@ -415,7 +421,7 @@ class _QueueFold:
                 break
         fixed = p.c0 + extra
         t_open = (q_tok // budget) * fixed + p.c1 * (q_tok - used) + p.c2 * (self.a_all - qk) + p.c3 * (self.r_all - rst)
-        return QueueReplay(t_open, used, float(used), float(qk), float(rst), len(self.live), budget, extra)
+        return t_open, used, qk, rst
 
 
 @dataclass(slots=True)
@@ -496,6 +502,9 @@ class TtftPredictor:
         self.prune_above = prune_above
         self.breakdown = breakdown
         self.coefs: dict[str, NodeCoefficients] = {}
+        self._parts: dict[str, tuple[NodeCoefficients, dict[int, tuple[int, float]]]] = {}
+        """Per node: its coefficients and their ``decode_part(B)`` by decode batch B, computed
+        once per (coefficients, B) instead of once per replay (reset when the coefficients change)."""
         self._nodes: dict[str, _NodeTrack] = {}
         self._rid_node: dict[str, str] = {}
         self.models_rejected = 0
@@ -672,13 +681,20 @@ class TtftPredictor:
         return c, 0.0, False
 
     def _make_ctx(self, node: str, fold: _QueueFold, decoding: int) -> tuple:  # type: ignore[type-arg]
-        coef = self.coefficients(node)
-        s = fold.replay(coef, decoding)
+        coef = self.coefs.get(node, self.default)
+        memo = self._parts.get(node)
+        if memo is None or memo[0] is not coef:
+            memo = self._parts[node] = (coef, {})
+        part = memo[1].get(decoding)
+        if part is None:
+            part = memo[1][decoding] = coef.decode_part(decoding)
+        budget, extra = part
         p = coef.prefill
-        fixed = p.c0 + s.extra_s
+        t_open, used, qk, rst = fold.open_iteration(p, budget, extra)  # fold.replay(coef, decoding)'s numbers
+        fixed = p.c0 + extra
         # the open iteration's time so far (0 when none is open), and what is left of its budget
-        busy = fixed + p.c1 * s.sum_uc + p.c2 * s.sum_qk + p.c3 * s.sum_rst if s.used else 0.0
-        return (s.t_open, busy, s.used, s.budget - s.used, s.items, s.budget, fixed, p.c1, p.c2, p.c3)
+        busy = fixed + p.c1 * float(used) + p.c2 * float(qk) + p.c3 * float(rst) if used else 0.0
+        return (t_open, busy, used, budget - used, len(fold.live), budget, fixed, p.c1, p.c2, p.c3)
 
     def wait(self, node: str, now: float) -> float:
         """Ŵ for a request that cannot share an iteration: until n's queue is done (s)."""
