@@ -389,6 +389,7 @@ class ClusterSim:
             block_size=self.bs,
             fence_after=math.inf,
             decode_binding="prefill-start" if self.binding == "prefill-start" else "dispatch",
+            keep_metrics=False,  # nothing reads router.metrics here: stats take on_first_token's samples
         )
         self._apply_models = getattr(self.router, "apply_models", None)
         self.epoch = 1
@@ -1006,8 +1007,10 @@ class ClusterSim:
     # ------------------------------------------------------------------ #
 
     def _flush_kv(self, n: _Node, t: float) -> None:
+        if not n.sched.kv.events:  # nothing happened to the node's KV (most calls): no list to drain
+            return
         events = n.sched.take_kv_events()
-        if not events or (self.skip_decode_kv and n.phase == "decode"):
+        if self.skip_decode_kv and n.phase == "decode":
             return
         self.stats.kv_batches += 1
         if self.skip_gpu_kv:
