@@ -81,7 +81,8 @@ queue replay is cached; a new state or new coefficients replay the queue when
 they arrive (O(queue), a few operations per item: FCFS packing fills every
 iteration but the last, so the replay is closed-form, see :func:`replay_queue`),
 and a dispatch or a first token adds or takes out one item of the cached fold
-(integer sums, so the result is the replay's to the bit).
+(integer sums, so the result is the replay's to the bit), whose O(1) replay is
+then made by the first decision that reads the node.
 """
 
 from __future__ import annotations
@@ -439,9 +440,12 @@ class _NodeTrack:
         self.state: NodeState | None = None
         self.sends: dict[str, _Send] = {}
         self.trusted_ctx: tuple | None = None  # type: ignore[type-arg]
-        """Replay of the reported queue + unreported sends, with the node's coefficients (None = recompute)."""
+        """Replay of ``fold`` with the node's coefficients (None = recompute: from ``fold`` when it
+        is set, else from the state's queue and the sends)."""
         self.fold: _QueueFold | None = None
-        """The fold ``trusted_ctx`` was made from (valid while ``trusted_ctx`` is set)."""
+        """The reported queue + unreported sends, folded (None = refold): kept up to date by a
+        dispatch or a first token in place (O(1)), whose replay is then recomputed only when a
+        decision reads it (in the simulator a new state, refolded at once, comes first)."""
         self.fallback_ctx: tuple | None = None  # type: ignore[type-arg]
         """Replay of every send not yet at its first token (untrusted state)."""
 
@@ -530,11 +534,12 @@ class TtftPredictor:
         ``replay`` (a new state or new coefficients, which arrive off the request path),
         replay its queue now, so the next decisions read it instead of replaying it (as a
         Dynamo router's indexer applies KV events before the decisions that read them).
-        Without ``replay`` the node's next decision replays it (a dispatch to a node with no
-        cached replay; a dispatch or first token on a cached one updates it in place, see
-        :meth:`on_dispatch` and :meth:`forget`)."""
+        Without ``replay`` the node's next decision folds and replays it (a dispatch to a node
+        with no fold; a dispatch or first token on a folded one updates the fold in place and
+        drops only the replay, see :meth:`on_dispatch`, :meth:`forget` and :meth:`_unreplayed`)."""
         tr.trusted_ctx = None
         tr.fallback_ctx = None
+        tr.fold = None
         st = tr.state
         if replay and st is not None and st.phase != "decode":
             self._trusted_ctx(tr, st)
@@ -551,6 +556,12 @@ class TtftPredictor:
         )
         fold = tr.fold = _QueueFold(items)
         return self._set_trusted(tr, st, fold)
+
+    def _unreplayed(self, tr: _NodeTrack) -> None:
+        """``tr.fold`` changed (a send joined or left it): drop its replay and lower bound; the next
+        decision that reads the node replays the fold (:meth:`_ctx`), not the whole queue."""
+        tr.trusted_ctx = None
+        self._bounds.pop(tr.node, None)
 
     def _set_trusted(self, tr: _NodeTrack, st: NodeState, fold: _QueueFold) -> tuple:  # type: ignore[type-arg]
         """Cache the trusted replay of ``fold`` and its lower-bound entry (see ``_bounds``)."""
@@ -626,10 +637,11 @@ class TtftPredictor:
         self._rid_node[rid] = node
         tr.fallback_ctx = None
         st = tr.state
-        if tr.trusted_ctx is not None and st is not None and tr.fold is not None:
+        fold = tr.fold
+        if fold is not None and st is not None:
             # the send joins the end of the trusted queue (unless a state lists a reused rid)
-            if not any(w.rid == rid for w in st.queue) and tr.fold.append(work):
-                self._set_trusted(tr, st, tr.fold)
+            if not any(w.rid == rid for w in st.queue) and fold.append(work):
+                self._unreplayed(tr)
         else:
             self._invalidate(tr)
 
@@ -647,9 +659,9 @@ class TtftPredictor:
         tr.fallback_ctx = None
         # a send a state has listed is not in the trusted queue (the state's queue, or
         # its leaving it, speaks for it): nothing to replay; an unlisted one leaves it
-        if not send.seen and tr.trusted_ctx is not None and tr.fold is not None and tr.state is not None:
+        if not send.seen and tr.fold is not None and tr.state is not None:
             if tr.fold.remove(send.work):
-                self._set_trusted(tr, tr.state, tr.fold)
+                self._unreplayed(tr)
         return True
 
     def tracked(self, node: str) -> int:
@@ -672,7 +684,7 @@ class TtftPredictor:
             if age <= self.state_max_age_s:
                 c = tr.trusted_ctx
                 if c is None:
-                    c = self._trusted_ctx(tr, st)
+                    c = self._trusted_ctx(tr, st) if tr.fold is None else self._set_trusted(tr, st, tr.fold)
                 rem = st.remaining_s - (age if age > 0.0 else 0.0)
                 return c, (rem if rem > 0.0 else 0.0), True
         c = tr.fallback_ctx
