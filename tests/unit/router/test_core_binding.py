@@ -152,3 +152,15 @@ def test_ttft_binding_reserves_kv_room_until_the_first_token():
     c.route(rq("r2", blocks=2, max_tokens=3), None, 0.0)
     assert c.bind_decode("r1", 0.1).node == "d1"  # type: ignore[union-attr]  # fewest requests, room 4 ≥ 3
     assert c.bind_decode("r2", 0.1).node == "d2"  # type: ignore[union-attr]  # d1: 4 − 3 reserved < 3 → no room
+
+
+def test_keep_metrics_false_returns_the_first_token_sample_but_accumulates_no_metrics():
+    # the simulator's router: it reads the samples on_first_token returns, never core.metrics
+    for keep in (True, False):
+        c = RouterCore(make_policy("cache-aware", block_size=4), block_size=4, fence_after=3.0, keep_metrics=keep)
+        c.apply_state(state("p1", "both", gpu_free_blocks=100), 0.0)
+        assert isinstance(c.route(rq("r1"), None, 0.0), RouteDecision)
+        sample = c.on_first_token("r1", 2.0, queue_s=0.5)
+        assert sample is not None and sample.measured_s == pytest.approx(2.0) and sample.queue_s == 0.5
+        counters, _ = c.metrics.export()
+        assert (counters.get("queue_s.count.p1") == 1) is keep and (counters == {}) is not keep
