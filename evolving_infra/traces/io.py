@@ -656,7 +656,9 @@ def output_error(path: str | os.PathLike[str], *, inputs: Iterable[str | os.Path
 
     Returns:
         One line naming ``path`` and the reason (OS error, not writable, a folder where a file
-        is asked, the same file as an input), or None.
+        is asked, the same file as an input, an existing device, pipe or socket: the writers
+        write ``path.tmp`` and rename it over ``path``, so ``-o /dev/null`` run as root would
+        replace the device with a file), or None.
     """
     p = Path(path)
     try:
@@ -676,6 +678,8 @@ def output_error(path: str | os.PathLike[str], *, inputs: Iterable[str | os.Path
         return f"{path}: cannot write: the folder {d} is not writable"
     if not directory and p.is_dir():
         return f"{path}: is a folder; give a file path"
+    if not directory and p.exists() and not p.is_file():  # the file is written beside it, then renamed over it
+        return f"{path}: is not a regular file (a device, pipe or socket), which the output would replace; give a file path"
     return None
 
 

@@ -148,3 +148,23 @@ def test_convert_refuses_an_output_that_is_a_file_of_an_input_folder(tmp_path: P
     out = folder / "out.jsonl.gz"  # a new file in the input folder (not one it reads) is fine
     assert top_main(["trace", "convert", "--from", "mooncake", str(folder), "-o", str(out), "--no-progress"]) == 0
     assert src.read_bytes() == before
+
+
+def test_an_output_that_is_a_device_or_pipe_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The writers write ``OUT.tmp`` and rename it over ``OUT``: ``-o /dev/null`` (or
+    ``/dev/stdout``) run as root replaced the device node with a regular file. A FIFO stands in
+    for the device here (the same rename would replace it)."""
+    import os
+    import stat
+
+    src = tmp_path / "t.jsonl"
+    assert main(["generate", "claude-code", "--agents", "2", "--seed", "1", "-o", str(src)]) == 0
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    capsys.readouterr()
+    for argv in (["trace", "sample", str(src), "-o", str(fifo)], ["trace", "pack", str(src), str(fifo)],
+                 ["trace", "generate", "claude-code", "--agents", "1", "-o", str(fifo)]):  # fmt: skip
+        assert top_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {fifo}: is not a regular file"), (argv, err)
+        assert stat.S_ISFIFO(fifo.stat().st_mode), argv
