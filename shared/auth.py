@@ -13,7 +13,8 @@ identity          may publish (relative to ``ei.<partition>.``)
 ``kvdirectory``   ``kv.counts.*``, ``kv.liveness``, ``branch.sync``; requests ``kv.resync.*`` (reads ``node.state.*``)
 ``worker-<n>``    ``kv.events.<n>``, ``node.state.<n>``, ``node.iters.<n>`` (its own node only),
                   ``split.applied``, ``req.*.out``, ``work.*.decode`` (hand-off to a decode node);
-                  requests ``work.requeue.*``, ``route.bind.*`` (the owning router), ``kv.pool.*``
+                  requests ``work.requeue.*``, ``route.bind.*`` (the owning router), ``kv.pool.*``,
+                  ``split.get`` (the current split, at start)
 ``operator``      requests ``split.set`` (through the planner), ``split.get``, ``svc.stats.*``
 ``launcher``      requests ``svc.stats.*`` (reads heartbeats and ``split.applied``)
 ``admin``         everything (``evolving-infra tap``, debugging); no service uses it

@@ -18,6 +18,7 @@ Subjects (DESIGN §3, ``shared/subjects.py``):
     req  route.bind (DecodeBindRequest → DecodeBindReply: decode node at prefill start)
          work.requeue (WorkRequeue → WorkRequeueReply: work handed back in a phase switch)
          kv.pool.<peer> (real-bytes fetches)
+         split.get (SplitQuery → SplitCommand: the current split, once at start)
 
 In-place phase switch (paper §4.2, DESIGN §1) on a ``SplitCommand`` that changes
 this node's phase: ``split.applied(draining)``; ``accepting=False`` (the router
