@@ -216,6 +216,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from evolving_infra.report.write import print_summary, write_report
+    from evolving_infra.replay.core import ReplayError
     from evolving_infra.sim.planners import ComponentMissing
     from evolving_infra.sim.run import simulate, write_decisions
     from evolving_infra.sim.sweep import run_sweep
@@ -237,12 +238,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.sweep:
         try:
             return run_sweep(cfg, requests, bs, args.sweep, out, meta=prov, plots=not args.no_plots, parallel=args.sweep_workers)
-        except (SimConfigError, ComponentMissing) as e:
+        except (SimConfigError, ComponentMissing, ReplayError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     try:
         res = simulate(cfg, requests, bs, meta=prov, setup_wall_s=setup, progress=True)
-    except (SimConfigError, ComponentMissing) as e:  # a component's bad option (--planner-opt ...) names itself
+    except (SimConfigError, ComponentMissing, ReplayError) as e:  # a component's bad option (--planner-opt ...) names itself
         print(f"error: {e}", file=sys.stderr)
         return 2
     path = write_report(out, res.report, res.records, plots=not args.no_plots)
