@@ -2,7 +2,9 @@
 
 Contains zero decision logic (it lives in ``core.py`` and the policies). Inputs:
 ``node.iters.*``, ``node.state.*``, ``req.*.out`` (request completions for w̄),
-``split.applied``; request/reply: ``split.get``, ``split.set``. Outputs:
+``split.applied``; request/reply: ``split.get``, ``split.set``. A node state above the
+planner's epoch (the planner restarted; the nodes kept the newer split) is answered as a
+foreign ``split.commands``: the planner's split re-issued above it. Outputs:
 ``split.commands`` (at start, on every new epoch, and every
 ``announce_interval_s``), ``planner.decisions`` (every decision),
 ``planner.models`` (when the models change, and with each announcement; for a
@@ -181,7 +183,11 @@ class PlannerService:
             self.log.warning("iteration records from an unknown node dropped", node=msg.node)
 
     async def _on_state(self, msg: m.NodeState, _subject: str) -> None:
-        self.core.on_node_state(msg, self.clock.now())
+        if self.core.on_node_state(msg, self.clock.now()) and msg.epoch > self.core.command.epoch:
+            # the node serves an epoch this process never issued: the planner restarted (its epochs
+            # begin again) and the cluster kept the newer split, so it ignored every command since,
+            # and `split.get` (asked by a restarted worker or router) answered a split nobody serves
+            await self._on_command(m.SplitCommand(epoch=msg.epoch, phases={msg.node: msg.phase}, reason="node.state"), "node.state")
 
     async def _on_chunk(self, msg: m.TokenChunk, _subject: str) -> None:
         self.core.on_token_chunk(msg, self.clock.now())

@@ -182,6 +182,25 @@ async def test_token_streams_become_completed_requests(nats_url):
     await c.bus.close()
 
 
+async def test_a_restarted_planner_reissues_its_split_above_the_epoch_the_nodes_serve(nats_url):
+    """A restarted planner begins at epoch 1 while the nodes serve a later one (here 5: an operator
+    `split set` and switches before the crash). Every receiver ignored its commands and `split.get`
+    answered a split nobody served (a worker restarted then took it and left service: the router
+    routes by the newer split). The first node state above its epoch makes it re-issue its split
+    above that epoch."""
+    c = await Client.connect(nats_url)
+    async with planner(nats_url):
+        assert (await c.bus.request(SPLIT_GET, m.SplitQuery())).epoch == 1
+        await c.bus.publish(NODE_STATE, m.NodeState(node="w1", phase="decode", epoch=5), node="w1")
+        await c.until(lambda: any(cmd.epoch == 6 for cmd in c.commands), what="the split re-issued above epoch 5")
+        again = await c.bus.request(SPLIT_GET, m.SplitQuery())
+        assert again.epoch == 6 and split_name(again.phases) == "2P2D"
+        await c.bus.publish(NODE_STATE, m.NodeState(node="w2", phase="decode", epoch=6), node="w2")  # the nodes follow: nothing more
+        await asyncio.sleep(0.3)
+        assert (await c.bus.request(SPLIT_GET, m.SplitQuery())).epoch == 6 and (await c.stats()).counters["split.foreign"] == 1
+    await c.bus.close()
+
+
 async def test_split_set_new_epoch_and_refusals(nats_url, capsys):
     c = await Client.connect(nats_url)
     async with planner(nats_url):
