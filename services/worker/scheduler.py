@@ -912,28 +912,35 @@ class EngineScheduler:
 
         ``with_queue=False`` leaves ``queue`` empty, O(1) instead of O(queue): for a
         reader that uses only the counts (the simulator's router under a routing
-        policy that never reads the queue)."""
+        policy that never reads the queue).
+
+        Cost: O(1) + O(running) while a running request is prefilling (``running`` holds only
+        prefilling and decoding requests, ``n_decoding`` of them decoding: with none prefilling
+        the running batch is not walked) + O(waiting + bootstrap)."""
         bs = self.block_size
         queue: list[QueuedWork] = []
-        in_flight: dict[str, int] = {}
-        if self._inflight is not None and with_queue:
-            for c in self._inflight.prefill:
-                in_flight[c.rid] = c.tokens
-        for r in self.running.values() if with_queue else ():
-            if r.state == PREFILLING:
-                done = r.cached + r.computed + in_flight.get(r.rid, 0)
-                if done < r.prompt_tokens:
-                    queue.append(QueuedWork(rid=r.rid, uncached_tokens=r.prompt_tokens - done, cached_tokens=done))
-        for r in (*self.waiting.values(), *self.bootstrap.values()) if with_queue else ():
-            cached = (r.q_gpu + r.q_host) * bs
-            queue.append(
-                QueuedWork(
-                    rid=r.rid,
-                    uncached_tokens=r.prompt_tokens - cached,
-                    cached_tokens=cached,
-                    restore_tokens=r.q_host * bs,
+        running = self.running
+        if with_queue and len(running) > self.n_decoding:  # a running request is prefilling
+            in_flight: dict[str, int] = {}
+            if self._inflight is not None:
+                for c in self._inflight.prefill:
+                    in_flight[c.rid] = c.tokens
+            for r in running.values():
+                if r.state == PREFILLING:
+                    done = r.cached + r.computed + in_flight.get(r.rid, 0)
+                    if done < r.prompt_tokens:
+                        queue.append(QueuedWork(rid=r.rid, uncached_tokens=r.prompt_tokens - done, cached_tokens=done))
+        if with_queue and (self.waiting or self.bootstrap):
+            for r in (*self.waiting.values(), *self.bootstrap.values()):
+                cached = (r.q_gpu + r.q_host) * bs
+                queue.append(
+                    QueuedWork(
+                        rid=r.rid,
+                        uncached_tokens=r.prompt_tokens - cached,
+                        cached_tokens=cached,
+                        restore_tokens=r.q_host * bs,
+                    )
                 )
-            )
         remaining = max(0.0, self._inflight.end - now) if self._inflight is not None else 0.0
         gpu, host = self.kv.gpu, self.kv.host
         return NodeState(
