@@ -506,9 +506,10 @@ class TtftPredictor:
         self.prune_above = prune_above
         self.breakdown = breakdown
         self.coefs: dict[str, NodeCoefficients] = {}
-        self._parts: dict[str, tuple[NodeCoefficients, dict[int, tuple[int, float]]]] = {}
-        """Per node: its coefficients and their ``decode_part(B)`` by decode batch B, computed
-        once per (coefficients, B) instead of once per replay (reset when the coefficients change)."""
+        self._parts: dict[str, tuple[NodeCoefficients, dict[int, tuple[int, float]], dict[int, tuple]]] = {}  # type: ignore[type-arg]
+        """Per node: its coefficients, their ``decode_part(B)`` by decode batch B and the replay
+        of an empty queue by B (:meth:`_make_ctx`), computed once per (coefficients, B) instead of
+        once per replay (reset when the coefficients change)."""
         self._nodes: dict[str, _NodeTrack] = {}
         self._rid_node: dict[str, str] = {}
         self.models_rejected = 0
@@ -566,19 +567,34 @@ class TtftPredictor:
     def _set_trusted(self, tr: _NodeTrack, st: NodeState, fold: _QueueFold) -> tuple:  # type: ignore[type-arg]
         """Cache the trusted replay of ``fold`` and its lower-bound entry (see ``_bounds``)."""
         c = tr.trusted_ctx = self._make_ctx(tr.node, fold, st.decoding)
+        self._set_bound(tr.node, st, c)
+        return c
+
+    def _set_bound(self, node: str, st: NodeState, c: tuple) -> None:  # type: ignore[type-arg]
+        """The lower-bound entry (``_bounds``) of ``node`` from its state ``st`` and trusted replay ``c``."""
         # busy (the open iteration so far) when one is open, else one iteration's fixed part
-        self._bounds[tr.node] = (st.ts + st.remaining_s, st.remaining_s, c[0] + (c[1] if c[2] else c[6]) - _BOUND_SLACK_S, c[7], c[8], st.ts)
+        self._bounds[node] = (st.ts + st.remaining_s, st.remaining_s, c[0] + (c[1] if c[2] else c[6]) - _BOUND_SLACK_S, c[7], c[8], st.ts)
         if st.ts < self._bounds_oldest:
             self._bounds_oldest = st.ts
-        return c
 
     def coefficients(self, node: str) -> NodeCoefficients:
         """The coefficients ``node`` is predicted with."""
         return self.coefs.get(node, self.default)
 
     def apply_state(self, state: NodeState, now: float) -> None:
-        """A node's state arrived: it replaces the previous one; sends it lists become reported."""
+        """A node's state arrived: it replaces the previous one; sends it lists become reported.
+
+        The node's queue is replayed at once (:meth:`_invalidate`), except when the state
+        reports the same queue as the one it replaces (equal items in the same order, the
+        same phase, not decode) while the node's fold is kept: the fold is then what a refold
+        would build (that queue plus the same unreported sends in the same order: a send a
+        state lists was marked reported when that queue first came, or was never folded), so
+        it is kept, and so is its replay when the decode batch is unchanged too (the replay
+        reads only the fold, the node's coefficients and ``decoding``); only the lower bound,
+        which reads ``ts`` and ``remaining_s``, is renewed. Cost: O(queue) to compare instead
+        of O(queue + sends) to refold and replay (about two states in three in a simulated run)."""
         tr = self._track(state.node)
+        old = tr.state
         tr.state = state
         if tr.sends:
             sends = tr.sends
@@ -586,6 +602,15 @@ class TtftPredictor:
                 s = sends.get(q.rid)
                 if s is not None:
                     s.seen = True
+        fold = tr.fold
+        if fold is not None and old is not None and old.phase == state.phase != "decode" and old.queue == state.queue:
+            tr.fallback_ctx = None
+            c = tr.trusted_ctx
+            if c is None or old.decoding != state.decoding:
+                self._set_trusted(tr, state, fold)
+            else:
+                self._set_bound(tr.node, state, c)
+            return
         self._invalidate(tr, replay=True)
 
     def apply_models(self, msg: PlannerModels) -> int:
@@ -693,10 +718,18 @@ class TtftPredictor:
         return c, 0.0, False
 
     def _make_ctx(self, node: str, fold: _QueueFold, decoding: int) -> tuple:  # type: ignore[type-arg]
+        """The replay context of ``fold`` on ``node`` with ``decoding`` decode requests: ``(t_open,
+        busy, used, room, items, budget, fixed, c1, c2, c3)`` (s, tokens). O(1) for an empty fold
+        (memoised per coefficients and B), else O(items of the open iteration)."""
         coef = self.coefs.get(node, self.default)
         memo = self._parts.get(node)
         if memo is None or memo[0] is not coef:
-            memo = self._parts[node] = (coef, {})
+            memo = self._parts[node] = (coef, {}, {})
+        empty = not fold.live
+        if empty:  # nothing queued: the replay depends on the coefficients and B only
+            c = memo[2].get(decoding)
+            if c is not None:
+                return c
         part = memo[1].get(decoding)
         if part is None:
             part = memo[1][decoding] = coef.decode_part(decoding)
@@ -706,7 +739,10 @@ class TtftPredictor:
         fixed = p.c0 + extra
         # the open iteration's time so far (0 when none is open), and what is left of its budget
         busy = fixed + p.c1 * float(used) + p.c2 * float(qk) + p.c3 * float(rst) if used else 0.0
-        return (t_open, busy, used, budget - used, len(fold.live), budget, fixed, p.c1, p.c2, p.c3)
+        c = (t_open, busy, used, budget - used, len(fold.live), budget, fixed, p.c1, p.c2, p.c3)
+        if empty:
+            memo[2][decoding] = c
+        return c
 
     def wait(self, node: str, now: float) -> float:
         """Ŵ for a request that cannot share an iteration: until n's queue is done (s)."""

@@ -662,6 +662,55 @@ def test_dispatches_and_first_tokens_update_a_cached_replay_exactly(cluster, ops
         _assert_cached_replays_are_fresh(p)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    _clusters(),
+    hs.lists(hs.tuples(hs.sampled_from(["send", "forget", "state", "same", "same"]), hs.integers(0, 39), hs.integers(0, 3000), hs.integers(0, 3000)), max_size=40),
+)
+def test_a_state_repeating_the_queue_keeps_the_fold_exactly(cluster, ops):
+    """A state whose queue equals the one it replaces keeps the node's fold (and its replay
+    while the decode batch is unchanged) instead of refolding it: replays, lower bounds and
+    waits equal, to the bit, those of a predictor that refolds and replays every state."""
+    names, _, states, _, _, _ = cluster
+    p, ref = TtftPredictor(ATTN, prune_above=0), TtftPredictor(ATTN, prune_above=0)
+
+    def apply(state: NodeState, now: float) -> None:
+        p.apply_state(state, now)
+        ref.apply_state(state, now)
+        ref._invalidate(ref._nodes[state.node], replay=True)  # the reference always refolds
+
+    for state in states.values():
+        apply(state, 0.0)
+    now = 0.0
+    for j, (kind, i, uc, cb) in enumerate(ops):
+        node = names[i % len(names)]
+        now += 0.01
+        if kind == "send":
+            for x in (p, ref):
+                x.on_dispatch(f"s{j}", node, uncached_tokens=uc, cached_tokens=cb, restore_tokens=cb // 2)
+        elif kind == "forget":
+            for x in (p, ref):
+                x.forget(f"s{i}")
+        else:
+            tr = p._nodes.get(node)
+            old = tr.state if tr is not None else None
+            if kind == "same" and old is not None:  # equal items (new objects), maybe another decode batch
+                queue, phase = [q(w.rid, w.uncached_tokens, w.cached_tokens, w.restore_tokens) for w in old.queue], old.phase
+            else:  # lists some sends (they become reported), maybe a reused rid
+                sent = list(tr.sends if tr is not None else ())[: uc % 3]
+                queue = [q(r, 10 + (uc + k) % 40, cb % 7) for k, r in enumerate(sent)] + ([q(f"s{j + 1}", 7, 0)] if cb % 5 == 0 else [])
+                phase = "prefill"
+            apply(st(node, now, remaining=uc / 1e4, queue=queue, decoding=cb % 3, phase=phase), now)
+        if j % 3:  # decisions read (and cache) every node's replay; other steps leave some unreplayed
+            for name in names:
+                assert p.wait(name, now) == ref.wait(name, now)
+        for name in names:
+            a, b = p._nodes.get(name), ref._nodes.get(name)
+            if a is not None and a.trusted_ctx is not None and b.trusted_ctx is not None:
+                assert a.trusted_ctx == b.trusted_ctx
+        assert p._bounds == ref._bounds
+
+
 @hs.composite
 def _histories(draw):
     names, look, _, _, _, _ = draw(_clusters())
