@@ -59,13 +59,16 @@ class SeenIds:
         Looked up in chunks of growing length (:data:`FIRST_CHUNK`, then ×4), stopping at the
         chunk holding the first id not in the set: O(k log n) in C for ``k`` ≤ ~4 × (the answer
         + ``FIRST_CHUNK``) blocks, plus a Python step per block found only among the recent
-        ids. Most sends continue a branch with new blocks (answer 0): one small chunk instead
-        of the whole rest of the path."""
+        ids. Most sends continue a branch with new blocks (answer 0): their first block alone
+        is looked up (a set probe and one binary search; a numpy chunk of a few ids costs
+        several times more), not a chunk nor the whole rest of the path."""
         n = len(blocks) - start
         if n <= 0:
             return 0
         if self._plain or not len(self._arr):
             return len(list(takewhile(self._new.__contains__, islice(blocks, start, None))))
+        if blocks[start] not in self:  # most calls: the first block is new
+            return 0
         done = 0
         m = FIRST_CHUNK
         while done < n:

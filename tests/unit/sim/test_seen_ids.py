@@ -56,6 +56,22 @@ def test_leading_runs_across_chunk_boundaries(first: int, monkeypatch: pytest.Mo
         assert s.leading(path[:run], 0) == run
 
 
+def test_a_path_whose_first_block_is_new_costs_one_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most sends continue their branch with new blocks: ``leading`` answers 0 from the first
+    block alone (no numpy chunk); a known first block still walks the chunks."""
+    monkeypatch.setattr(seen_mod, "MERGE_MIN", 4)
+    s = SeenIds()
+    s.update(range(0, 100, 2))  # merged into the array
+    s.update([1001])  # among the recent ids
+    chunks: list[int] = []
+    chunk = SeenIds._leading_chunk
+    monkeypatch.setattr(SeenIds, "_leading_chunk", lambda self, b, i, m: chunks.append(m) or chunk(self, b, i, m))
+    assert s.leading([1, 2, 4], 0) == 0 and s.leading([2, 9], 1) == 0 and s.leading([2, 1 << 70], 1) == 0
+    assert chunks == []
+    assert s.leading([2, 4, 1001, 6, 5], 0) == 4 and s.leading([7, 1001], 1) == 1
+    assert chunks
+
+
 def test_ids_beyond_int64_fall_back_to_a_plain_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(seen_mod, "MERGE_MIN", 2)
     s = SeenIds()
