@@ -74,6 +74,8 @@ class DirectoryService:
         self._flush_lock = asyncio.Lock()
         self.count_epoch = uuid.uuid4().hex
         """``CountUpdates.epoch`` of this process: workers reset their counts when it changes."""
+        self._epoch_told: set[str] = set()
+        """Nodes sent an empty ``kv.counts`` with :attr:`count_epoch` (on their first ``node.state``)."""
         self._stopping = False
         self._last_resync: dict[str, float] = {}
         """Monotonic time of the last resync request per node (at most one per ``resync_min_interval_s``)."""
@@ -179,6 +181,13 @@ class DirectoryService:
 
     async def _on_state(self, st: m.NodeState, subject: str) -> None:
         self.liveness.state(st.node, st.running + st.waiting > 0, time.time())
+        if st.node not in self._epoch_told and len(self._epoch_told) < self.cfg.max_nodes:
+            # tell the node this process's count epoch now, with no counts: a worker holding counts of
+            # a directory that died resets them at once, not at this process's first count change for
+            # it (which an idle node may not get for a long time)
+            self._epoch_told.add(st.node)
+            await self.bus.publish(KV_COUNTS, m.CountUpdates(node=st.node, epoch=self.count_epoch), node=st.node)
+            self.counters["counts.epoch_announced"] += 1
 
     async def _liveness_loop(self) -> None:
         """Every ``liveness_interval_s``: mark silent serving nodes stale (one resync each), publish ``kv.liveness``."""

@@ -19,6 +19,7 @@ from shared.subjects import (
     KV_EVENTS,
     KV_LOOKUP,
     KV_RESYNC,
+    NODE_STATE,
     ROUTE_PLACED,
     SPLIT_APPLIED,
     SVC_STATS,
@@ -241,6 +242,23 @@ async def test_each_directory_process_stamps_its_counts_with_its_own_epoch(nats_
             epochs.append(set(seen))
     assert [len(e) for e in epochs] == [1, 1] and all(e and "" not in e for e in epochs)
     assert epochs[0] != epochs[1]
+
+
+async def test_a_node_is_told_the_count_epoch_on_its_first_state(nats_url):
+    """An empty ``kv.counts`` with the process's epoch on a node's first ``node.state``: a worker
+    holding counts of a directory that died resets them at once, even if no count of it changes."""
+    async with running_directory(nats_url) as c:
+        got: list[m.CountUpdates] = []
+
+        async def on_counts(cu: m.CountUpdates, subject: str) -> None:
+            got.append(cu)
+
+        await c.subscribe(KV_COUNTS, on_counts)
+        for _ in range(3):  # repeated states: told once
+            await c.publish(NODE_STATE, m.NodeState(node="w0", phase="both", ts=1.0), node="w0")
+        await eventually(lambda: len(got) >= 1)
+        await asyncio.sleep(0.2)
+        assert len(got) == 1 and got[0].node == "w0" and got[0].epoch and got[0].hashes == [] == got[0].counts
 
 
 @pytest.mark.parametrize("argv", [["--block-size", "32", "--branch-ttl-s", "60"]])
