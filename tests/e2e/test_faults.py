@@ -92,7 +92,9 @@ async def test_a_worker_silent_on_kv_events_is_marked_stale_within_the_threshold
         extra={"worker-w1": ["--fault-drop-kv-events"], "router": ["--routing", "round-robin"],  # w1 gets half the work
                "kvdirectory": ["--kv-stale-after-s", repr(stale_after), "--liveness-interval-s", "0.2"]},
     )  # fmt: skip
-    reqs, bs = demo_requests(4, max_per_agent=16)
+    # every request of the 16 sample sessions: ~11 s of load on a fast quiet box. The first 16 requests of 4
+    # sessions were done in 1.5 s there, before w1 had been silent for stale_after: the test failed on speed
+    reqs, bs = demo_requests(16)
     async with FaultCluster(spec, tmp_path / "cluster") as fc:
         replay = asyncio.create_task(replay_with_faults(fc, reqs, [], concurrency=4, block_size=bs))
         t0 = time.monotonic()
