@@ -546,6 +546,41 @@ class Bus:
             raise BusError(f"invalid reply on {full}: {why}")
         return reply
 
+    async def request_until(
+        self,
+        subject: Subject,
+        msg: msgspec.Struct,
+        *,
+        deadline_s: float,
+        attempt_timeout_s: float = 1.0,
+        retry_every_s: float = 0.5,
+        done: Callable[[], bool] | None = None,
+        on_retry: Callable[[int, BusError], None] | None = None,
+    ) -> tuple[Any | None, int, BusError | None]:
+        """:meth:`request` again and again until a reply, for at most ``deadline_s`` seconds: a
+        service asking at start for state another service may not serve yet (``split.get`` before
+        the planner is up). Each try waits ``attempt_timeout_s``; a failed one is retried after
+        ``retry_every_s`` (``on_retry(attempt, error)`` is called first, e.g. to log); ``done()``
+        true before a try ends the wait without a reply (the state arrived another way).
+
+        Returns ``(reply or None, attempts made, last error or None)``: None and the last error
+        when the deadline passed; None and no error when ``done()`` ended it. Never raises
+        :class:`BusError`.
+        """
+        deadline = time.monotonic() + deadline_s
+        attempt = 0
+        while done is None or not done():
+            attempt += 1
+            try:
+                return await self.request(subject, msg, timeout=attempt_timeout_s), attempt, None
+            except BusError as e:
+                if time.monotonic() >= deadline:
+                    return None, attempt, e
+                if on_retry is not None:
+                    on_retry(attempt, e)
+                await asyncio.sleep(retry_every_s)
+        return None, attempt, None
+
     # -- service plumbing ------------------------------------------------- #
 
     async def start_service_plumbing(

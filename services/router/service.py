@@ -720,30 +720,28 @@ class RouterService:
 
     async def _fetch_split(self) -> None:
         """Ask the planner for the split until it answers or ``split_get_timeout_s`` passes."""
-        deadline = time.monotonic() + self.cfg.split_get_timeout_s
-        attempt = 0
         self.log.info("asking the planner for the current split (split.get)", timeout_s=self.cfg.split_get_timeout_s)
-        while not self._have_split:
-            attempt += 1
-            try:
-                cmd = await self.bus.request(SPLIT_GET, m.SplitQuery(), timeout=1.0)
-            except BusError as e:
-                if time.monotonic() >= deadline:
-                    self.counters["split_get_timeouts"] += 1
-                    self.log.warning(
-                        "planner did not answer split.get; routing by node-reported phases until a split.commands arrives",
-                        attempts=attempt,
-                        waited_s=self.cfg.split_get_timeout_s,
-                        error=str(e),
-                    )
-                    return
-                if attempt == 1 or attempt % 10 == 0:
-                    self.log.info("planner has not answered split.get yet; retrying", attempt=attempt, error=str(e))
-                await asyncio.sleep(0.5)
-                continue
-            if not self._have_split:
-                self._apply_split(cmd, "split.get")
+
+        def retrying(attempt: int, e: BusError) -> None:
+            if attempt == 1 or attempt % 10 == 0:
+                self.log.info("planner has not answered split.get yet; retrying", attempt=attempt, error=str(e))
+
+        cmd, attempts, err = await self.bus.request_until(
+            SPLIT_GET, m.SplitQuery(), deadline_s=self.cfg.split_get_timeout_s,
+            done=lambda: self._have_split, on_retry=retrying,
+        )
+        if cmd is None:
+            if err is not None:
+                self.counters["split_get_timeouts"] += 1
+                self.log.warning(
+                    "planner did not answer split.get; routing by node-reported phases until a split.commands arrives",
+                    attempts=attempts,
+                    waited_s=self.cfg.split_get_timeout_s,
+                    error=str(err),
+                )
             return
+        if not self._have_split:
+            self._apply_split(cmd, "split.get")
 
     def _bus_settling(self) -> bool:
         """True while NATS is down or reconnected less than ``fence_after_s`` + 1 s ago: node

@@ -492,20 +492,13 @@ class WorkerService:
         with one log line and serves ``--phase``. The reply is applied as a ``split.commands``."""
         if self.cfg.split_get_timeout_s <= 0:
             return
-        deadline = time.monotonic() + self.cfg.split_get_timeout_s
-        while True:
-            try:
-                cmd = await self.bus.request(SPLIT_GET, m.SplitQuery(), timeout=1.0)
-            except BusError as e:
-                if time.monotonic() >= deadline:
-                    self.log.info("planner did not answer split.get; serving --phase until a split.commands arrives",
-                                  phase=self.core.phase, waited_s=self.cfg.split_get_timeout_s, error=str(e))
-                    return
-                await asyncio.sleep(0.5)
-                continue
-            self.counters["split.get_answered"] += 1
-            await self._on_split(cmd, "split.get")
+        cmd, _, err = await self.bus.request_until(SPLIT_GET, m.SplitQuery(), deadline_s=self.cfg.split_get_timeout_s)
+        if cmd is None:
+            self.log.info("planner did not answer split.get; serving --phase until a split.commands arrives",
+                          phase=self.core.phase, waited_s=self.cfg.split_get_timeout_s, error=str(err))
             return
+        self.counters["split.get_answered"] += 1
+        await self._on_split(cmd, "split.get")
 
     async def _on_split(self, cmd: m.SplitCommand, _subject: str) -> None:
         if cmd.epoch <= self.epoch:
