@@ -398,7 +398,9 @@ class SplitApplied(Msg, frozen=True, kw_only=True):
     decided_at: float = 0.0
     applied_at: float = 0.0
     switch_s: NonNegF = 0.0
-    """decision → serving the new phase (only when ``status == 'serving'``)."""
+    """decision → serving the new phase (only when ``status == 'serving'``); for a node process
+    that started after the decision (a restart catching up through ``split.get``), its start →
+    serving."""
     received_at: float = 0.0
     """When the node received the command (simulated s); ``received_at − decided_at`` is
     the command's propagation."""

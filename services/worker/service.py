@@ -114,6 +114,10 @@ class _Switch:
     decided_at: float
     """``SplitCommand.decided_at`` (simulated s)."""
     received_at: float
+    since: float = 0.0
+    """Start of the switch time ``switch_s`` (simulated s): ``decided_at``, or this process's
+    start when it began after the decision (a restarted worker catching up through ``split.get``:
+    the time it was down is not the switch's)."""
     requeued: int = 0
     drained_at: float | None = None
 
@@ -202,6 +206,8 @@ class WorkerService:
         self._tasks: list[asyncio.Task[None]] = []
         self._last_state_wall = 0.0
         self._switch: _Switch | None = None
+        self._started_at = clock.now()
+        """Simulated s this process started (``_Switch.since``)."""
         self._bind_later: dict[str, m.PrefillWork] = {}
         """Queued requests whose decode node is chosen at prefill start (``route.bind``)."""
         self._binds: dict[str, asyncio.Task[None]] = {}
@@ -525,6 +531,7 @@ class WorkerService:
                 await self._serving(sw, now)
                 return
             sw.epoch, sw.target, sw.decided_at = cmd.epoch, phase, cmd.decided_at
+            sw.since = max(cmd.decided_at, self._started_at)
             self.counters["split.retargeted"] += 1
             self._input()
             return
@@ -534,7 +541,8 @@ class WorkerService:
                                applied_at=now, received_at=now, drained_at=now)
             )  # fmt: skip
             return
-        sw = _Switch(epoch=cmd.epoch, target=phase, decided_at=cmd.decided_at, received_at=now)
+        sw = _Switch(epoch=cmd.epoch, target=phase, decided_at=cmd.decided_at, received_at=now,
+                     since=max(cmd.decided_at, self._started_at))
         self.counters["split.switches"] += 1
         if not _drain_needed(self.core.phase, phase) or self.core.idle:  # nothing to drain
             sw.drained_at = now
@@ -580,7 +588,7 @@ class WorkerService:
                 status="serving",
                 decided_at=sw.decided_at,
                 applied_at=now,
-                switch_s=max(0.0, now - sw.decided_at),
+                switch_s=max(0.0, now - sw.since),
                 received_at=sw.received_at,
                 drained_at=drained,
                 requeued=sw.requeued,
@@ -591,9 +599,9 @@ class WorkerService:
             old=old,
             new=sw.target,
             epoch=sw.epoch,
-            switch_s=round(now - sw.decided_at, 4),
+            switch_s=round(now - sw.since, 4),
             drain_s=round(drained - sw.received_at, 4),
-            overhead_s=round(now - drained + sw.received_at - sw.decided_at, 4),
+            overhead_s=round(now - drained + sw.received_at - sw.since, 4),
         )
         self._input()
 

@@ -106,8 +106,8 @@ async def workers(url: str, *specs: dict):
     try:
         for spec in specs:
             spec = {"profile": "tiny", "speedup": 10.0, "idle_state_interval_s": 0.2, "iters_flush_s": 0.1,
-                    "check_invariants": True, **spec}
-            cfg = WorkerConfig(nats_url=url, clock_origin=origin, **spec)
+                    "check_invariants": True, "clock_origin": origin, **spec}
+            cfg = WorkerConfig(nats_url=url, **spec)
             stop = asyncio.Event()
             stops.append(stop)
             tasks.append(asyncio.create_task(
@@ -300,22 +300,26 @@ async def test_a_new_directory_epoch_resets_the_branch_counts(nats_url):
 async def test_a_starting_worker_asks_the_planner_for_the_split(nats_url):
     """A worker started with ``--phase prefill`` whose node the planner has moved to decode (it
     restarted after a crash, say) asks ``split.get`` at start and switches at once, not at the
-    planner's next announcement (5 s)."""
+    planner's next announcement (5 s). Its switch time runs from its own start, not from the
+    decision, made long before while it was down (the cluster started 100 wall s = 1,000
+    simulated s ago; the split was decided at 50 s)."""
     c = await Client.connect(nats_url)
     asked: list[float] = []
 
     async def on_get(_q: m.SplitQuery, _subject: str) -> m.SplitCommand:
         asked.append(time.monotonic())
-        return m.SplitCommand(epoch=3, phases={"w0": "decode", "w1": "prefill"})
+        return m.SplitCommand(epoch=3, phases={"w0": "decode", "w1": "prefill"}, decided_at=50.0)
 
     await c.bus.serve(SPLIT_GET, on_get)
     await c.bus.nc.flush()
     t0 = time.monotonic()
-    async with workers(nats_url, {"node": "w0", "phase": "prefill"}):
+    async with workers(nats_url, {"node": "w0", "phase": "prefill", "clock_origin": time.time() - 100.0}):
         await c.until(lambda: c.applied, timeout=3, what="split.applied")
         assert time.monotonic() - t0 < 3 and len(asked) == 1
         a = c.applied[0]
         assert (a.node, a.phase, a.status, a.epoch) == ("w0", "decode", "serving", 3)
+        assert a.decided_at == 50.0 and a.received_at > 990.0  # the decision as made, the command as received
+        assert a.switch_s < 30.0  # 3 wall s at 10x at most; was ~950 (measured from the decision)
         await c.until(lambda: c.states["w0"] and c.states["w0"][-1].phase == "decode", what="phase in state")
         stats = await c.stats("w0")
         assert stats.counters["split.get_answered"] == 1 and stats.counters["split.switches"] == 1
