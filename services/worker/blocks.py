@@ -1869,6 +1869,11 @@ class KvBlockManager:
         """Branch counts for host eviction; see :meth:`BranchRunHostPool.update_counts`."""
         return self.host.update_counts(hashes, counts)
 
+    def reset_counts(self) -> int:
+        """Every host block's branch count back to 0 (the KV directory restarted); see
+        :meth:`BranchRunHostPool.reset_counts`. Returns the host blocks moved."""
+        return self.host.reset_counts()
+
     def take_events(self) -> list[KvEvent]:
         """Drain the outbox (events in the order they happened)."""
         out = list(self.events)

@@ -497,7 +497,7 @@ class EngineScheduler:
     def reset_counts(self) -> int:
         """Every host block's branch count back to 0 (the KV directory restarted; see
         :meth:`BranchRunHostPool.reset_counts`). Returns the host blocks moved."""
-        return self.kv.host.reset_counts()
+        return self.kv.reset_counts()
 
     # ------------------------------------------------------------------ #
     # peer fetch into L2 while queued (paper §4.2, DESIGN §1)
