@@ -58,6 +58,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import chain, compress, islice, repeat
 from operator import add as _add
+from operator import attrgetter
 from operator import ge as _ge
 from operator import ne as _ne
 from operator import not_ as _not
@@ -66,12 +67,13 @@ from dataclasses import dataclass, field
 
 from shared.messages import CountUpdates
 
-from .index import GPU, HOST, BlockIndex, _match, tier_bit
+from .index import GPU, HOST, BlockIndex, tier_bit
 
 _REPEAT0 = repeat(0)
 _REPEAT1 = repeat(1)
 _REPEAT_M1 = repeat(-1)
 _REPEAT_NONE = repeat(None)
+_PC = attrgetter("pc")
 
 
 def _drain(it: Iterable[object]) -> None:
@@ -156,8 +158,6 @@ class BranchTable:
         self.ended: OrderedDict[str, float] = OrderedDict()
         self.R: list[dict[int, int]] = []
         """R[node][block] > 0: number of active branches counting block on node."""
-        self.counted_copies: list[list[int]] = []
-        """[node][tier]: present copies whose count is > 0 (kept on 0↔1 crossings)."""
         self.node_branches: list[dict[str, None]] = []
         """[node]: ids of branches with a non-empty C_{β,node}, in the order they started counting
         there (a dict, not a set: a D→P reset releases them in this order, the same in every
@@ -185,7 +185,6 @@ class BranchTable:
     def add_node(self, name: str) -> None:
         """Register the next node index (called by the core, dense from 0)."""
         self.R.append({})
-        self.counted_copies.append([0, 0])
         self.node_branches.append({})
         self.outbox.append([])
         self.watch.append({})
@@ -198,6 +197,31 @@ class BranchTable:
     def phase_of(self, n: int) -> str | None:
         """Current phase of node n as the directory knows it."""
         return self.node_phase[n] or self.placed_phase[n]
+
+    @property
+    def counted_copies(self) -> list[list[int]]:
+        """``[node][tier]``: present copies whose count is > 0 (README invariant 4), counted now.
+
+        Observability only (the ``copies.<tier>.positive_count`` gauges): no decision reads it,
+        so it is counted when asked, O(Σ|R[n]|) C-level work (each counted block's run in the
+        index, its presence bits tallied: ~0.1 µs per counted block, a few distinct values) +
+        O(distinct presence values) Python steps, rather than kept on every store, eviction
+        and 0↔1 crossing. Kept, it cost a pass over every block stored in GPU memory (4.3 M per
+        600 s of the evolving simulation at 64-token blocks) and a walk of the index per Count.
+        (Tallied by presence, not by run id: ids of runs are addresses, multiples of 16, whose
+        hashes collide in a dict's low bits; tallying ids took ~0.8 µs per block.)"""
+        where = self.index.where
+        out = []
+        for n, R in enumerate(self.R):
+            gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
+            g = h = 0
+            for pc, k in Counter(map(_PC, filter(None, map(where.get, R)))).items():
+                if pc & gb:
+                    g += k
+                if pc & hb:
+                    h += k
+            out.append([g, h])
+        return out
 
     # ------------------------------------------------------------------ #
     # Count / Release (Alg. E.2 lines 1-4)
@@ -231,8 +255,9 @@ class BranchTable:
         """One more branch counts ``blocks`` (a path slice, parent first) on node n.
 
         Along a path counts never grow with depth (a prefix that holds a block holds its
-        parent), so the blocks that cross 0 are a tail of the slice: their present copies
-        are counted per run of the index (:meth:`_crossed_path`)."""
+        parent), so the blocks that cross 0 are a tail of the slice: found by bisection and
+        verified in C (the usual: all of them, one ``isdisjoint`` pass), so that R and the
+        outbox's counts before and after are written without reading every count first."""
         R = self.R[n]
         L = len(blocks)
         if not R.get(blocks[-1]):  # some cross 0: find the first by bisection, then verify the shape
@@ -247,7 +272,6 @@ class BranchTable:
                 if R.keys().isdisjoint(blocks):  # the usual move: none counted on n yet
                     old, new = [0] * L, [1] * L
                     R.update(zip(blocks, new))
-                    self._crossed_path(n, blocks, 1)
                     self.outbox[n].append((blocks, old, new))
                     self.out_len[n] += L
                     return
@@ -257,23 +281,12 @@ class BranchTable:
                     old = head + [0] * (L - lo)
                     new = list(map(_add, head, _REPEAT1)) + [1] * (L - lo)
                     R.update(zip(blocks, new))
-                    self._crossed_path(n, blocks[lo:], 1)
                     self.outbox[n].append((blocks, old, new))
                     self.out_len[n] += L
                     return
         old = list(map(R.get, blocks, _REPEAT0))  # any shape (a tampered R, a path repeating a hash)
-        if 0 in old:
-            z = old.index(0)
-            zeros = old.count(0)
-            new = [1] * len(blocks) if zeros == len(old) else list(map(_add, old, _REPEAT1))
-            R.update(zip(blocks, new))
-            if zeros == len(old) - z:  # the zeros are the tail (always, unless R was tampered with)
-                self._crossed_path(n, blocks[z:] if z else blocks, 1)
-            else:
-                self._crossed(n, compress(blocks, map(_not, old)), 1)
-        else:
-            new = list(map(_add, old, _REPEAT1))
-            R.update(zip(blocks, new))
+        new = list(map(_add, old, _REPEAT1))
+        R.update(zip(blocks, new))
         self.outbox[n].append((blocks, old, new))
         self.out_len[n] += len(blocks)
 
@@ -307,7 +320,6 @@ class BranchTable:
                         old, new = head + gone, new_head + [0] * (L - z)
                     else:
                         old, new = gone, [0] * L
-                    self._crossed_path(n, tail, -1)
                     self.outbox[n].append((blocks, old, new))
                     self.out_len[n] += L
                     return
@@ -322,76 +334,14 @@ class BranchTable:
             blocks = list(compress(blocks, keep))
             old = list(compress(old, keep))
         if 1 in old:
-            z = old.index(1)
-            if not z and old.count(1) == len(old):  # the usual release: this branch was the only one
-                new = [0] * len(blocks)
-                _drain(map(R.pop, blocks, _REPEAT_NONE))
-                self._crossed_path(n, blocks, -1)
-            else:
-                new = list(map(_sub, old, _REPEAT1))
-                if old.count(1) == len(old) - z:  # the ones are the tail
-                    R.update(zip(blocks, islice(new, z)))
-                    gone = blocks[z:]
-                    _drain(map(R.pop, gone, _REPEAT_NONE))
-                    self._crossed_path(n, gone, -1)
-                else:
-                    R.update(zip(blocks, new))
-                    gone = list(compress(blocks, map(_not, new)))
-                    _drain(map(R.pop, gone, _REPEAT_NONE))
-                    self._crossed(n, gone, -1)
+            new = list(map(_sub, old, _REPEAT1))
+            R.update(zip(blocks, new))
+            _drain(map(R.pop, compress(blocks, map(_not, new)), _REPEAT_NONE))
         else:
             new = list(map(_sub, old, _REPEAT1))
             R.update(zip(blocks, new))
         self.outbox[n].append((blocks, old, new))
         self.out_len[n] += len(blocks)
-
-    def _crossed_path(self, n: int, blocks: list[int], d: int) -> None:
-        """:meth:`_crossed` for a path slice: walked run by run of the index (one ``where``
-        probe and one slice comparison per run) while its blocks are indexed; the rest, once
-        a block is not, per block (usually a tail stored nowhere yet: one C-level probe)."""
-        where = self.index.where
-        gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
-        g = hs = 0
-        i, L = 0, len(blocks)
-        while i < L:
-            h = blocks[i]
-            r = where.get(h)
-            if r is None:
-                rest = blocks[i:]
-                if not where.keys().isdisjoint(rest):
-                    self._crossed(n, rest, d)
-                break
-            keys = r.keys
-            m = _match(keys, 0 if keys[0] == h else keys.index(h), blocks, i)
-            pc = r.pc
-            if pc & gb:
-                g += m
-            if pc & hb:
-                hs += m
-            i += m
-        cc = self.counted_copies[n]
-        cc[GPU] += d * g
-        cc[HOST] += d * hs
-
-    def _crossed(self, n: int, blocks: Iterable[int], d: int) -> None:
-        """``blocks`` had their count on node n cross 0 (d = +1 up, -1 down): present copies
-        with a positive count change by d per tier (``counted_copies``). Counted per run of
-        the index (blocks of one run share their presence): O(blocks) C-level + O(runs)."""
-        runs = self.index.live_runs
-        gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
-        cc = self.counted_copies[n]
-        ids = list(map(id, map(self.index.where.get, blocks)))  # a run is an int: grouped by id
-        uniq = dict.fromkeys(ids)
-        # few runs (the usual: one path's stretch): one C-level count per run beats a Counter
-        per_run = Counter(ids).items() if len(uniq) > 8 else zip(uniq, map(ids.count, uniq))
-        for rid, k in per_run:
-            r = runs.get(rid)
-            if r is not None:
-                pc = r.pc
-                if pc & gb:
-                    cc[GPU] += d * k
-                if pc & hb:
-                    cc[HOST] += d * k
 
     def _release(self, b: Branch, n: int) -> None:
         self._set_k(b, n, 0)
@@ -441,19 +391,18 @@ class BranchTable:
     def on_stored(self, n: int, tier: int, newly: Sequence[int]) -> None:
         """Presence hook: blocks ``newly`` became present on (n, tier).
 
-        A placement counts a path before its node stores it, so the stored blocks are usually
-        all counted (measured: every one of 3.1 M stored blocks in a 300 s simulation at
-        64-token blocks): one C-level pass over ``newly`` answers it (a GPU store counts its
-        hits; a host store reads their counts, a missing block ends the pass and the counted
-        ones are filtered). Then the moves to n that wait for a block: O(watched blocks of n)."""
+        A host store re-sends the counts of its counted blocks (:meth:`_resend`: one C-level
+        pass, as a placement counts a path before its node stores it, so the stored blocks are
+        usually all counted: every one of 3.1 M stored blocks in a 300 s simulation at
+        64-token blocks); a GPU store reads no count (the counted copies per tier are counted
+        when asked, :attr:`counted_copies`). Then the moves to n that wait for a block:
+        O(watched blocks of n)."""
         if not newly:
             return
-        R = self.R[n]
-        if R:
-            if tier == HOST:  # re-sent, in the store's order: the worker keeps counts only for blocks it holds
-                self._resend(n, R, newly, 1)
-            else:
-                self.counted_copies[n][tier] += len(R.keys() & newly)
+        if tier == HOST:  # re-sent, in the store's order: the worker keeps counts only for blocks it holds
+            R = self.R[n]
+            if R:
+                self._resend(n, R, newly)
         if self.watch[n]:
             self._moves_came(n, tier_bit(n, tier), newly)
 
@@ -467,15 +416,14 @@ class BranchTable:
             return
         R = self.R[n]
         if R:
-            self._resend(n, R, newly, 2)
+            self._resend(n, R, newly)
         if self.watch[n]:
             self._moves_came(n, tier_bit(n, GPU), newly)
 
-    def _resend(self, n: int, R: dict[int, int], newly: Sequence[int], tiers: int) -> None:
-        """Blocks ``newly`` became present in n's host memory (and, ``tiers`` = 2, its GPU):
-        count the counted ones as present copies of the tier(s) and queue their counts, in
-        the store's order. O(len(newly)) C-level: one pass when all are counted (the usual),
-        else a filter and a second pass over the counted ones."""
+    def _resend(self, n: int, R: dict[int, int], newly: Sequence[int]) -> None:
+        """Blocks ``newly`` became present in n's host memory: queue the counts of the counted
+        ones, in the store's order. O(len(newly)) C-level: one pass when all are counted (the
+        usual), else a filter and a second pass over the counted ones."""
         try:
             counts = list(map(R.__getitem__, newly))
             hit = list(newly)
@@ -484,10 +432,6 @@ class BranchTable:
             if not hit:
                 return
             counts = list(map(R.__getitem__, hit))
-        cc = self.counted_copies[n]
-        cc[HOST] += len(hit)
-        if tiers == 2:
-            cc[GPU] += len(hit)
         self.outbox[n].append((hit, None, counts))
         self.out_len[n] += len(hit)
 
@@ -521,9 +465,7 @@ class BranchTable:
         R = self.R[n]
         if not R or not removed:
             return 0
-        pos = len(R.keys() & removed)
-        self.counted_copies[n][tier] -= pos
-        return pos
+        return len(R.keys() & removed)
 
     # ------------------------------------------------------------------ #
     # branch events
@@ -780,8 +722,7 @@ class BranchTable:
         the number of active branches whose prefix on n holds b (README invariant 3, no zero
         entries), counts never grow along a counted prefix (a prefix that holds a block holds
         its parent: the blocks crossing 0 in a Count are a tail of its slice),
-        ``counted_copies`` are the present copies with a positive count (invariant 4), and the
-        per-node move watches match the branches' own.
+        and the per-node move watches match the branches' own.
 
         Raises:
             AssertionError: naming the first one that fails.
@@ -800,11 +741,6 @@ class BranchTable:
                 k = b.counted.get(n, 0)
                 c = list(map(R.__getitem__, b.path[:k]))
                 assert all(map(_ge, c, c[1:])), f"counts grow along branch {b.bid}'s prefix on node {n}"
-            where = self.index.where
-            for t in (GPU, HOST):
-                bit = tier_bit(n, t)
-                held = sum(1 for h in R if (r := where.get(h)) is not None and r.pc & bit)
-                assert held == self.counted_copies[n][t], f"counted_copies[{n}][{t}] {self.counted_copies[n][t]} != {held}"
         assert self.out_len == [sum(len(o[0]) for o in out) for out in self.outbox], "out_len"
         watched = {(t, h, b.bid) for b in self.branches.values() for t, h in b.watch.items()}
         listed = {(t, h, bid) for t, w in enumerate(self.watch) for h, s in w.items() for bid in s}

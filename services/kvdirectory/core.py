@@ -523,9 +523,10 @@ class KvDirectory:
     def gauges(self) -> dict[str, float]:
         """Current sizes: blocks indexed, copies by (count > 0, tier), branches, lost-reuse shares."""
         g: dict[str, float] = {"blocks.indexed": float(len(self.index)), "branches.active": float(len(self.branches.branches))}
+        counted_copies = self.branches.counted_copies  # counted now: O(counted blocks)
         for t in (GPU, HOST):
             copies = sum(c[t] for c in self.index.copies)
-            counted = sum(c[t] for c in self.branches.counted_copies)
+            counted = sum(c[t] for c in counted_copies)
             g[f"copies.{TIERS[t]}"] = float(copies)
             g[f"copies.{TIERS[t]}.positive_count"] = float(counted)
             g[f"copies.{TIERS[t]}.zero_count"] = float(copies - counted)

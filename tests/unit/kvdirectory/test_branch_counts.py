@@ -202,11 +202,11 @@ def test_a_count_table_that_lost_an_entry_neither_crashes_nor_miscounts_the_rest
     d.branch_start("b", 0.0)
     d.place("b", "p0", "prefill", H[:3], 1.0)
     assert [d.count("p0", h) for h in H[:3]] == [1, 2, 2]
-    assert d.branches.counted_copies[n][HOST] == 4  # 3 before the corruption, H[0] crossed up again
+    assert d.branches.counted_copies[n][HOST] == 3  # counted when asked: the 3 present and counted
     d.branch_end("a", 2.0)
     assert [d.count("p0", h) for h in H[:3]] == [0, 1, 1]
-    # 3, not the 2 present and counted: the corruption's own drift (H[0] left R uncounted) stays
-    assert d.branches.counted_copies[n][HOST] == 3 and d.counters["count.negative_prevented"] == 0
+    # the 2 present and counted (counted copies were once kept on crossings: the corruption's drift stayed)
+    assert d.branches.counted_copies[n][HOST] == 2 and d.counters["count.negative_prevented"] == 0
     d.branch_start("c", 0.0)
     d.place("c", "p0", "prefill", H[:4], 1.0)  # H[0] uncounted, H[1:3] counted, H[3] new: not a tail
     assert [d.count("p0", h) for h in H[:4]] == [1, 2, 2, 1]
@@ -253,7 +253,7 @@ def test_a_path_with_a_repeated_hash_does_not_break_the_table():
 def test_random_operations_keep_counts_a_function_of_prefixes():
     """Placements (extend, compact, repeat), forks, moves, ends, phase switches and stores, checked
     after every step by ``BranchTable.check`` (counts recomputed from the prefixes, no zero
-    entries, counts never growing along a prefix, counted copies per tier)."""
+    entries, counts never growing along a prefix)."""
     rng = random.Random(23)
     d = KvDirectory(BS, branch_ttl_s=400.0, max_updates_per_msg=7)
     nodes = ["a", "b", "c"]
