@@ -589,7 +589,9 @@ class GpuBlockPool:
                 r.ref += 1
         if m == hi:
             return []
-        new = list(path[m:hi])
+        new = path[m:hi]
+        if type(new) is not list:
+            new = list(new)
         if m == 0:
             parent = None
             run = _GpuRun(new[:], 0, None, 1)  # the event keeps its own list
@@ -828,16 +830,20 @@ class RunHostPool:
                 out[h] = out.get(h, 0) + c
         return out
 
-    def hold(self, hashes: Sequence[int]) -> list[int]:
-        """Hold the present leading pages of ``hashes`` (a path prefix, parent first); returns
-        them (stops at the first absent page). They are found as L1's prefix and the runs
-        after it, O(runs), and the hold is kept whole, under its last hash (chained hashes:
-        the last page names the prefix), O(1) beyond the list copy returned. While a broken
+    def hold(self, hashes: Sequence[int], limit: int | None = None) -> list[int]:
+        """Hold the present leading pages of ``hashes[:limit]`` (a path prefix, parent first;
+        the whole of ``hashes`` when ``limit`` is None); returns them (stops at the first absent
+        page) as a new list that the pool keeps too: the caller must not change it. They are
+        found as L1's prefix and the runs after it, O(runs), and the hold is kept whole, under
+        its last hash (chained hashes: the last page names the prefix), O(1) beyond the one
+        list copy returned (the same list, so :meth:`unhold` of it is O(1)). While a broken
         hold is owed, holds are counted per page instead, in C (``collections.Counter``'s
         counting loop, on the plain dict)."""
-        n = len(hashes)
+        n = len(hashes) if limit is None else min(limit, len(hashes))
         m = self._match_runs(hashes, self.gpu.match_prefix(hashes, n), n)
-        out = list(hashes[:m])
+        out = hashes[:m]
+        if type(out) is not list:
+            out = list(out)
         if not m:
             return out
         if self.broken:
@@ -845,7 +851,7 @@ class RunHostPool:
             return out
         rec = self.prefixes.get(out[-1])
         if rec is None:
-            self.prefixes[out[-1]] = [out[:], 1]  # a copy: the caller owns ``out``
+            self.prefixes[out[-1]] = [out, 1]  # the list returned: never changed, by the pool or the caller
         elif len(rec[0]) == m:
             rec[1] += 1
         else:  # not a chain (the last page names another prefix): per page
@@ -1150,7 +1156,9 @@ class RunHostPool:
             self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
         bs = self.block_size
         for s, e in runs:
-            run = list(path[s:e])
+            run = path[s:e]
+            if type(run) is not list:
+                run = list(run)
             self._added(run)
             self.events.append(_stored(run, path[s - 1] if s else None, "host", bs))
 
@@ -1900,9 +1908,10 @@ class KvBlockManager:
         ``hiradix_cache.py``'s ``prefetch_from_storage``).
 
         Returns the held hashes, the present leading pages of ``path[:n]`` (L1
-        pages count: they are in L2 too); pass them to :meth:`unhold`. O(n).
+        pages count: they are in L2 too), a list the pool keeps as the hold (do not
+        change it); pass it to :meth:`unhold`. O(runs) + one copy of the held pages.
         """
-        return self.host.hold(path[:n])
+        return self.host.hold(path, n)
 
     def unhold(self, hashes: Sequence[int]) -> None:
         """Drop the hold :meth:`hold` returned ``hashes`` for (at admission, abort, re-route)."""

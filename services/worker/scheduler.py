@@ -117,7 +117,8 @@ class _Request:
     """Prefill side: order of joining the waiting queue (the order prefill budget is given in)."""
     l2_hold: list[int] | None = None
     """Prefill side, queued: hashes of the local prefix this request holds in L2 until it
-    is admitted or leaves (``KvBlockManager.hold``); None when it holds nothing."""
+    is admitted or leaves (``KvBlockManager.hold``; the pool keeps this very list as the hold,
+    so it is never changed and its unhold is O(1)); None when it holds nothing."""
 
 
 class EngineScheduler:
