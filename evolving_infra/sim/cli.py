@@ -11,6 +11,8 @@ prints the relative differences (``evolving_infra.sim.fidelity``).
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import sys
 import time
@@ -206,6 +208,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     (``evolving_infra.traces.io.paused_gc``: no collection walks the trace while it loads)."""
     from evolving_infra.traces.io import paused_gc
 
+    # At exit, before the interpreter's last collections: the run leaves cyclic garbage (the
+    # cluster's objects refer to one another) that those would walk and free one by one, only
+    # for the process to end: ~0.1 s of CPU after a 600-s run at 64-token blocks (~0.04 s at 512).
+    # Frozen objects are left to the OS; nothing of the run needs a finalizer (every file it
+    # writes is closed before the command returns). Registered once however often this runs.
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     try:
         with paused_gc():
             return _cmd_simulate(args)
