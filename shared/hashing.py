@@ -13,7 +13,6 @@ tokens and therefore equal hashes in every component.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -65,6 +64,8 @@ def block_hashes_packed(packed: bytes, block_size: int, parent_digest: bytes = b
     n = len(packed) // step
     out: list[int] = []
     prev = parent_digest
+    import hashlib  # here, not at module level: its OpenSSL binding costs ~3 ms to import, which the simulator never uses
+
     sha = hashlib.sha256
     from_bytes = int.from_bytes
     mv = memoryview(packed)
@@ -107,6 +108,8 @@ def tokens_for_blocks(block_ids: Sequence[int], block_size: int) -> np.ndarray:
 
 def tokens_for_tail(key: str, n: int) -> np.ndarray:
     """Deterministic token ids for a partial last block that belongs to one request only."""
+    import hashlib
+
     seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:6], "big")
     with np.errstate(over="ignore"):
         grid = np.uint64(seed) * np.uint64(1 << 16) + np.arange(n, dtype=np.uint64) + np.uint64(1 << 62)
