@@ -118,7 +118,11 @@ class ReplayCore:
         self.start = start
         grouped: dict[str, list[TraceRequest]] = {}
         for r in requests:
-            grouped.setdefault(r.agent, []).append(r)
+            g = grouped.get(r.agent)
+            if g is None:
+                grouped[r.agent] = [r]
+            else:
+                g.append(r)
         order = list(grouped)
         if max_agents is not None:
             order = order[:max_agents]
@@ -142,15 +146,25 @@ class ReplayCore:
     @staticmethod
     def _build_agent(agent_id: str, reqs: list[TraceRequest]) -> _Agent:
         a = _Agent(agent_id=agent_id, requests=reqs)
-        for r in reqs:
-            if r.id in a.by_id:
-                raise ReplayError(f"duplicate request id {r.id!r}")
-            a.by_id[r.id] = r
-            for dep in r.after:
-                if dep not in a.by_id:
-                    raise ReplayError(f"request {r.id!r} waits for {dep!r}, which is not an earlier request of agent {agent_id!r}")
-                a.dependents.setdefault(dep, []).append(r.id)
-            a.remaining_deps[r.id] = len(set(r.after))
+        by_id, dependents, remaining = a.by_id, a.dependents, a.remaining_deps
+        for r in reqs:  # once per request of the input before a run starts: locals, no setdefault lists
+            rid = r.id
+            if rid in by_id:
+                raise ReplayError(f"duplicate request id {rid!r}")
+            by_id[rid] = r
+            after = r.after
+            if not after:
+                remaining[rid] = 0
+                continue
+            for dep in after:
+                if dep not in by_id:
+                    raise ReplayError(f"request {rid!r} waits for {dep!r}, which is not an earlier request of agent {agent_id!r}")
+                d = dependents.get(dep)
+                if d is None:
+                    dependents[dep] = [rid]
+                else:
+                    d.append(rid)
+            remaining[rid] = len(set(after)) if len(after) > 1 else 1
         a.pending = len(reqs)
         return a
 
