@@ -457,15 +457,27 @@ class BranchTable:
                     self._finish_move(b, n)
 
     def on_removed(self, n: int, tier: int, removed: Sequence[int]) -> int:
-        """Presence hook: blocks ``removed`` left (n, tier).
+        """Presence hook: blocks ``removed`` (distinct, as ``BlockIndex.remove`` returns them)
+        left (n, tier).
 
         Returns:
-            How many of them had a positive count on n.
+            How many of them had a positive count on n (``evictions.<tier>.positive_count``).
+
+        Cost: C-level probes of R[n], no set built: none counted (every host eviction of a 600 s
+        evolving simulation at 64-token blocks, ~1/3 of its GPU evictions' blocks) is one
+        ``isdisjoint`` pass, all counted (~1/3) stops it at once and is one ``all`` pass; the
+        rest (a counted prefix of an evicted chain) is counted by a ``sum`` over the probes.
+        The set intersection it replaces inserted every counted block into a new set.
         """
         R = self.R[n]
         if not R or not removed:
             return 0
-        return len(R.keys() & removed)
+        has = R.__contains__
+        if R.keys().isdisjoint(removed):
+            return 0
+        if all(map(has, removed)):
+            return len(removed)
+        return sum(map(has, removed))
 
     # ------------------------------------------------------------------ #
     # branch events
@@ -778,9 +790,10 @@ class BranchTable:
         changed twice where it first changed); a change undone before the drain is not sent.
         A node's updates are cut into messages of at most ``max_updates_per_msg``.
 
-        O(listed blocks) list copies when the node's changes touch distinct blocks (the usual:
-        one change, or a move's count and a release elsewhere); else O(listed blocks) C-level
-        dict work to merge them."""
+        One change that fits one message (the usual): its own lists are the message's (every
+        list in the outbox is made for it alone), O(1); changes touching distinct blocks (a
+        move's count and a release elsewhere): O(listed blocks) list copies; else O(listed
+        blocks) C-level dict work to merge them."""
         msgs = []
         cap = self.max_updates_per_msg
         for n, out in enumerate(self.outbox):
@@ -806,6 +819,10 @@ class BranchTable:
                     counts = now
             out.clear()
             self.out_len[n] = 0
+            if len(hashes) <= cap:  # one message: the lists themselves (new lists the outbox held alone)
+                self.out_seq[n] += 1
+                msgs.append(CountUpdates(node=self.node_names[n], seq=self.out_seq[n], hashes=hashes, counts=counts))
+                continue
             for i in range(0, len(hashes), cap):
                 self.out_seq[n] += 1
                 msgs.append(
