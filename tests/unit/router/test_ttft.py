@@ -566,6 +566,24 @@ def test_pruned_scoring_picks_what_scoring_every_candidate_picks(cluster, params
         assert pruned.ties == len(names)
 
 
+@settings(max_examples=300, deadline=None)
+@given(_clusters(), _predictor_params())
+def test_one_pass_scoring_equals_works_then_score(cluster, params):
+    """The decision's one-pass loop (``_score_all``) gives every candidate the very tuple that
+    ``_works`` then ``_score`` give it (the pruned search and ``estimate`` use those): same
+    work, same floats."""
+    names, look, states, sends, prompt, _ = cluster
+    p = TtftPredictor(**params)
+    for name, state in states.items():
+        p.apply_state(state, 0.0)
+    for j, (name, uc) in enumerate(sends):
+        p.on_dispatch(f"s{j}", name, uncached_tokens=uc)
+    view = p._lookup_view(look)
+    cands = cand(*names)
+    for now in (0.0, 0.5, 6.0):  # fresh, aged and untrusted states
+        assert p._score_all(prompt, look, cands, view, now) == p._score(p._works(prompt, look, cands, view), now)
+
+
 def test_pruning_scores_only_candidates_that_can_win():
     p = TtftPredictor(SIMPLE, prune_above=0)
     for i in range(40):  # node i has i seconds of work queued ahead
@@ -769,6 +787,32 @@ def test_pruned_scoring_stays_exact_across_decisions(history, params):
         a, b = pruned.predict(req, look, cand(*names), now), full.predict(req, look, cand(*names), now)
         assert (a.best, a.ties, a.fetch) == (b.best, b.ties, b.fetch)
         now += dt
+
+
+def test_bounds_are_kept_only_once_a_pruned_search_can_run():
+    """Up to ``prune_above`` tracked nodes (every candidate scored) no lower bound is made; the
+    first pruned search uses the cached replays, and from then on states keep their bounds.
+    Every decision equals scoring every candidate."""
+    names = [f"n{i}" for i in range(6)]
+    p, full = TtftPredictor(SIMPLE, prune_above=3), TtftPredictor(SIMPLE, breakdown=True)
+    req = RouteRequest(rid="r", prompt_tokens=1000, block_hashes=list(range(1000 // BS)))
+    for k, n in enumerate(names[:3]):
+        for x in (p, full):
+            x.apply_state(st(n, 0.0, remaining=0.3 * (3 - k), queue=[q(f"{n}q", 150 * k)] if k else []), 0.0)
+    assert p.predict(req, None, cand(*names[:3]), 0.1).best == full.predict(req, None, cand(*names[:3]), 0.1).best
+    assert not p._keep_bounds and p._bounds == {}
+    for now, nodes in ((0.2, names), (0.3, names[1:]), (0.4, names)):  # 3 of them cached, without bounds
+        a, b = p.predict(req, None, cand(*nodes), now), full.predict(req, None, cand(*nodes), now)
+        assert (a.best, a.ties) == (b.best, b.ties)
+    assert p._keep_bounds
+    for x in (p, full):
+        x.apply_state(st("n4", 0.5, remaining=0.01), 0.5)
+        x.on_dispatch("s", "n0", uncached_tokens=500)
+    assert set(p._bounds) == {"n4"}  # the new state's replay; n0's dropped with the dispatch
+    for now in (0.5, 0.6, 7.0):
+        a, b = p.predict(req, None, cand(*names), now), full.predict(req, None, cand(*names), now)
+        assert (a.best, a.ties) == (b.best, b.ties)
+    assert TtftPredictor(SIMPLE, prune_above=0)._keep_bounds
 
 
 def test_pruning_follows_bounds_that_move_between_decisions():
