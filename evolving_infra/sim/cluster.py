@@ -649,7 +649,8 @@ class ClusterSim:
         for placed in out.placed:  # prefill-start: the decode placement comes with the binding
             if placed.phase != "decode" or not self.skip_decode_kv:  # decode: only where decode KV is seen
                 # no KV event since the lookup above: the directory's lost-reuse record reuses it
-                same = found is not None and placed.block_hashes == rr.block_hashes
+                # (the router passes the request's own list on: identity answers without a scan)
+                same = found is not None and (placed.block_hashes is rr.block_hashes or placed.block_hashes == rr.block_hashes)
                 self.directory.place(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t,
                                      lookup=found if same else None)
         self._flush_counts()
@@ -947,16 +948,16 @@ class ClusterSim:
         self.records.append(rec)
         if self._feed_planner:
             self.planner.on_request_done(
-                self._RequestDone(
-                    rid=rid,
-                    prefill_node=f.prefill or "",
-                    decode_node=f.decode or f.prefill or "",
-                    prompt_tokens=f.prompt,
-                    cached_tokens=f.cached,
-                    output_tokens=f.rr.max_tokens,
-                    arrived_at=f.sent_at,
-                    ttft_s=(f.first_at if f.first_at is not None else t) - f.sent_at,
-                    e2e_s=t - f.sent_at,
+                self._RequestDone(  # positional, in RequestDone's field order (one per request)
+                    rid,  # rid
+                    f.prefill or "",  # prefill_node
+                    f.decode or f.prefill or "",  # decode_node
+                    f.prompt,  # prompt_tokens
+                    f.cached,  # cached_tokens
+                    f.rr.max_tokens,  # output_tokens
+                    f.sent_at,  # arrived_at
+                    (f.first_at if f.first_at is not None else t) - f.sent_at,  # ttft_s
+                    t - f.sent_at,  # e2e_s
                 ),
                 t,
             )

@@ -200,41 +200,53 @@ class RouterCore:
         if not self.view.all_usable(now):
             lookup = usable_lookup(lookup, lambda n: self.view.usable(n, now))
         choice = self.policy.choose_prefill(req, lookup, offered, now)
-        chosen = next(n for n in offered if n.node == choice.node)
+        node = choice.node
+        for chosen in offered:
+            if chosen.node == node:
+                break
+        else:  # pragma: no cover - a policy chooses among the offered nodes
+            raise ValueError(f"policy chose {node!r}, not a candidate")
+        phase = chosen.phase
         decode: DecodeChoice | None = None
-        late = chosen.phase != "both" and self.decode_binding == "prefill-start"
-        if chosen.phase != "both" and not late:
+        dnode: str | None = None
+        late = phase != "both" and self.decode_binding == "prefill-start"
+        if phase != "both" and not late:
             decode = self.policy.choose_decode(req, dec, now)
             if decode is None:  # pragma: no cover - dec is non-empty here
                 return NoRoute(self.view.no_candidate_reason("decode", now))
-        self.view.on_dispatch(req.rid, choice.node, decode.node if decode else None)
-        self.policy.on_dispatch(req, choice, decode.node if decode else None, now)
-        self._routed[req.rid] = (choice.node, now, choice.predicted_ttft_s)
+            dnode = decode.node
+        rid = req.rid
+        self.view.on_dispatch(rid, node, dnode)
+        self.policy.on_dispatch(req, choice, dnode, now)
+        self._routed[rid] = (node, now, choice.predicted_ttft_s)
         if late:
-            self._unbound[req.rid] = req
-        hashes = list(req.block_hashes)
+            self._unbound[rid] = req
+        # the work and the placements share one list: the request's own when it is a list
+        # (nothing downstream changes it: the worker and the directory copy what they keep)
+        hashes = req.block_hashes if type(req.block_hashes) is list else list(req.block_hashes)
         placed: list[RoutePlaced] = []
-        if req.branch_id is not None:
-            branch = req.branch_id
-            placed.append(RoutePlaced(rid=req.rid, branch_id=branch, node=choice.node, phase=chosen.phase, block_hashes=hashes, ts=now))
-            if decode is not None:
-                placed.append(RoutePlaced(rid=req.rid, branch_id=branch, node=decode.node, phase="decode", block_hashes=hashes, ts=now))
+        branch = req.branch_id
+        if branch is not None:
+            placed.append(RoutePlaced(rid=rid, branch_id=branch, node=node, phase=phase, block_hashes=hashes, ts=now))
+            if dnode is not None:
+                placed.append(RoutePlaced(rid=rid, branch_id=branch, node=dnode, phase="decode", block_hashes=hashes, ts=now))
+        epoch = self.view.epoch
         work = PrefillWork(
-            rid=req.rid,
+            rid=rid,
             prompt_tokens=req.prompt_tokens,
             max_tokens=req.max_tokens,
             block_size=self.block_size,
             block_hashes=hashes,
             token_ids=req.token_ids,
-            branch_id=req.branch_id,
-            decode_node=decode.node if decode else None,
+            branch_id=branch,
+            decode_node=dnode,
             sent_at=now,
-            epoch=max(self.view.epoch, 0),
+            epoch=epoch if epoch > 0 else 0,
             fetch=list(choice.fetch),
             decode_binding="start" if late else "dispatch",
             ignore_eos=req.ignore_eos,
         )
-        return RouteDecision(choice, decode, placed, work, tuple(offered), tuple(dec) if decode else ())
+        return RouteDecision(choice, decode, placed, work, tuple(offered), tuple(dec) if decode is not None else ())
 
     def bind_decode(
         self,

@@ -279,19 +279,20 @@ class NodeLoadView:
         if ld is None:
             st = rec.state
             assert st is not None and rec.last_seen is not None
+            # positional, in field order (no keyword parsing: one is built per state applied)
             ld = rec.load = NodeLoad(
-                node=rec.node,
-                phase=st.phase,
-                inflight=rec.inflight,
-                inflight_prefill=rec.inflight_prefill,
-                inflight_decode=rec.inflight_decode,
-                running=st.running,
-                waiting=st.waiting,
-                decoding=st.decoding,
-                gpu_free_blocks=st.gpu_free_blocks,
-                gpu_total_blocks=st.gpu_total_blocks,
-                last_seen=rec.last_seen,
-                state=st,
+                rec.node,
+                st.phase,
+                rec.inflight,
+                rec.inflight_prefill,
+                rec.inflight_decode,
+                st.running,
+                st.waiting,
+                st.decoding,
+                st.gpu_free_blocks,
+                st.gpu_total_blocks,
+                rec.last_seen,
+                st,
             )
         return ld
 

@@ -28,6 +28,23 @@ def test_candidates_by_phase_sorted():
     assert [n.node for n in d] == ["d1"] and d[0].running == 3 and d[0].state_age(1.0) == 1.0
 
 
+def test_a_node_load_carries_each_number_in_its_field():
+    """``_load`` builds the NodeLoad positionally (in field order): every field holds its number."""
+    from services.router.nodes import NodeLoad
+
+    v = view()
+    st = state("p1", "prefill", running=3, waiting=4, decoding=5, gpu_free_blocks=6, gpu_total_blocks=7)
+    v.apply_state(st, 1.5)
+    v.on_dispatch("r1", "p1", None)
+    v.on_dispatch("r2", "p1", None)
+    v.on_first_token("r2")
+    ld = v.prefill_candidates(2.0)[0]
+    assert ld == NodeLoad(
+        node="p1", phase="prefill", inflight=2, inflight_prefill=1, inflight_decode=0, running=3, waiting=4,
+        decoding=5, gpu_free_blocks=6, gpu_total_blocks=7, last_seen=1.5, state=st,
+    )
+
+
 def test_fencing_by_state_age_and_readmission():
     v = view(fence_after=3.0)
     v.apply_state(state("a"), 0.0)
