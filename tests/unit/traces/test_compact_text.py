@@ -237,6 +237,12 @@ def _odd_lines() -> list[str]:
         line("n12", "", blocks='"blocks":[1,2]]'),
         line("n13", ',"bl\\u006fcks":[0]', blocks='"x\\"blocks":[1,2]'),  # the ids' key escaped, another unescaped
         line("n14", "", blocks='"blocks":[1,2],"blocks":[0]'),
+        line("n15", "", blocks='"blocks":null'),  # the key not followed by ":["
+        line("n16", "", blocks='"blocks":[1,\\u0032]'),  # an escape inside the array only
+        line("n17", ',"x":"blocks"'),  # the token again as a value, after the ids
+        line("n18", ',"x":"blocks"', blocks='"pause_s":0'),  # only as a value: no ids
+        line("n19", "", blocks='"x":"blocks","blocks":[1,2]'),  # as a value before the key
+        line("n20", "", blocks='"blocks""blocks":[1,2]'),  # two tokens sharing a quote
     ]
 
 
