@@ -312,6 +312,8 @@ def test_a_broken_hold_is_settled_without_dropping_a_later_holders_hold(policy):
     [
         ([3, 3], [1, 0]),  # named twice: the last count (0) stands, nothing moves
         ([3, 3], [1, 2]),  # named twice, both positive: moved once
+        ([3, 2, 3], [1, 1, 1]),  # all positive, one named twice among others
+        ([1, 2, 1], [0, 0, 0]),  # all zero, one named twice among others
         ([1, 1], [1, 0]),  # named twice, already in group 1: moved back to group 0
         ([2, 12, 1, 11, 3], [1, 1, 1, 1, 1]),  # two paths alternating: a chain per block, lifts
         ([3, 2, 1, 13], [1, 1, 1, 1]),  # deepest first: a chain per block, then another path's
