@@ -71,7 +71,7 @@ from __future__ import annotations
 
 from collections import _count_elements, deque  # type: ignore[attr-defined]
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import compress, count, islice, repeat
+from itertools import compress, count, islice
 from operator import ne
 from typing import Any
 
@@ -1572,9 +1572,9 @@ class BranchRunHostPool(RunHostPool):
     def _requeue(self, pieces: list[tuple[_HostRun, int, int]], depth: int, parent: int | None, g: int) -> _HostRun:
         """Queue the pages ``r.keys[o:o + k]`` of ``pieces`` (distinct runs; consecutive pages
         of one sequence, root side first) as the newest run of group ``g``, stamped deepest
-        first. The largest piece that is a whole run keeps its run object, so only the other
-        pieces' pages are re-indexed (a lift of a long stretch moves O(runs), and repeated
-        lifts re-index each page O(log) times, as union by size)."""
+        first. The largest piece that is a whole run keeps its run object and keys list, so only
+        the other pieces' pages are copied (a lift of a long stretch moves O(runs), and repeated
+        lifts copy each page O(log) times, as union by size); no page's queued-set entry changes."""
         best = -1
         size = 0
         for x, (r, o, k) in enumerate(pieces):
