@@ -40,6 +40,7 @@ Operations (N nodes, R requests in flight):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -167,6 +168,9 @@ class NodeLoadView:
     only grows; a stale one can only come back with a new state, which bumps ``gen``)."""
     _tokens: set[str] = field(default_factory=set)
     """Node ids that passed :func:`check_token` (a state names its node every time)."""
+    _usable_gen: int = -1
+    """``_gen`` at which :meth:`all_usable` last found every node's record usable with an infinite
+    ``fence_after`` (then only a fence or a new node, which bump ``_gen``, can change that)."""
 
     def __post_init__(self) -> None:
         if not self.fence_after > 0:
@@ -491,9 +495,13 @@ class NodeLoadView:
         if self.kv_stale:
             return False
         fence = self.fence_after
+        if self._usable_gen == self._gen and fence == math.inf:
+            return True
         for rec in self.nodes.values():
             if rec.fenced or (rec.last_seen is not None and now - rec.last_seen > fence):
                 return False
+        if fence == math.inf:  # no state ages out: valid until a fence, a state letting one back in, a new node
+            self._usable_gen = self._gen
         return True
 
     @property

@@ -818,27 +818,38 @@ class TtftPredictor:
         """``self._score(self._works(t_in, lookup, candidates, view), now)`` in one pass over the
         candidates, with no work tuple per candidate (a decision that scores every candidate:
         its hot loop). The same expressions in the same order as :meth:`_works` then
-        :meth:`_score`, so the same floats (property-tested equal)."""
+        :meth:`_score`, so the same floats (property-tested equal).
+
+        A node's work (and its τ, ΣA and copy price) depends only on the decision's lookup and
+        on the node's own prefix ``(local, gpu)``, unless a source range is the node's own: it is
+        computed once per distinct prefix among the other nodes (most candidates hold the same
+        shared prefix, e.g. a system prompt) and once per source node."""
         nodes = self._nodes
         max_age = self.state_max_age_s
         f_base, f_per, f_min = self._fetch_base, self._fetch_per_token, self._fetch_min
         kappa = self.kappa
         out: list[tuple[Any, ...]] = []
         append = out.append
-        prefixes: dict[str, tuple[int, int]] | None = None  # None: nothing cached, the whole prompt on every node
+        prefixes: dict[str, tuple[int, int]] = {}
         srcs: list[tuple[str, int, int]] = []
+        src_nodes: set[str] | tuple[()] = ()
+        memo: dict[tuple[int, int], tuple[Any, ...]] = {}
         bs = cap = longest_t = 0
         if view is not None and lookup is not None:
             prefixes, srcs, _ = view
+            src_nodes = {r[0] for r in srcs}
             bs = lookup.block_size
             cap = ((t_in - 1) // bs) * bs
             longest_t = lookup.longest_any * bs
+        else:  # nothing cached: the whole prompt on every node
+            memo[(0, 0)] = (t_in, 0, 0, 0, 0, 0.0, t_in * 0 + t_in * (t_in + 1) / 2.0, kappa * 0)
         for n in candidates:
             node = n.node
-            # -- the work on the node (_works) --
-            if prefixes is not None:
-                pre = prefixes.get(node)
-                local, gpu = (0, 0) if pre is None else pre
+            # -- the work on the node (_works), with its τ, ΣA and copy price --
+            key = prefixes.get(node, _NO_PREFIX)
+            w = None if node in src_nodes else memo.get(key)
+            if w is None:
+                local, gpu = key
                 xb = 0
                 for sn, a, b in srcs:  # fetch_plan's rule: ranges of other nodes beyond the own prefix
                     if b <= local or sn == node:
@@ -855,15 +866,25 @@ class TtftPredictor:
                 if x < f_min:  # no fetch below the threshold: recompute beyond the own prefix
                     t_c, x = own_t, 0
                 g = gpu * bs
-                t_uc, rst = t_in - t_c, t_c - (g if g < t_c else t_c)
-            else:
-                t_uc, t_c, rst, x, local_t = t_in, 0, 0, 0, 0
+                t_uc = t_in - t_c
+                w = (
+                    t_uc,
+                    t_c,
+                    t_c - (g if g < t_c else t_c),  # t_rst
+                    x,
+                    local_t,
+                    f_base + f_per * x if (x > 0 and x >= f_min) else 0.0,  # τ
+                    t_uc * t_c + t_uc * (t_uc + 1) / 2.0,  # qk_pairs(t_uc, t_c)
+                    kappa * x,  # copy price
+                )
+                if node not in src_nodes:
+                    memo[key] = w
+            t_uc, t_c, rst, x, local_t, tau, a_all, copy = w
             # -- its estimate (_score) --
             tr = nodes.get(node) or self._track(node)
             st = tr.state
             ctx = tr.trusted_ctx
-            if ctx is not None and st is not None and now - st.ts <= max_age:  # fast path: cached replay
-                age = now - st.ts
+            if ctx is not None and st is not None and (age := now - st.ts) <= max_age:  # fast path: cached replay
                 base = st.remaining_s - (age if age > 0.0 else 0.0)
                 if base < 0.0:
                     base = 0.0
@@ -871,9 +892,7 @@ class TtftPredictor:
             else:
                 ctx, base, trusted = self._ctx(tr, now)
             t_open, busy, used, room, items, budget, fixed, c1, c2, c3 = ctx
-            tau = f_base + f_per * x if (x > 0 and x >= f_min) else 0.0
             w_share = base + t_open
-            a_all = t_uc * t_c + t_uc * (t_uc + 1) / 2.0  # qk_pairs(t_uc, t_c)
             if used and tau <= w_share:
                 k1 = t_uc if t_uc < room else room
                 a1 = k1 * t_c + k1 * (k1 + 1) / 2.0
@@ -889,7 +908,6 @@ class TtftPredictor:
                 own = -(-t_uc // budget) * fixed + c1 * t_uc + c2 * a_all + c3 * rst
                 exposed = tau - wait if tau > wait else 0.0
                 shared = False
-            copy = kappa * x
             ttft = wait + own + exposed
             append((node, ttft + copy, ttft, wait, own, tau, exposed, copy, t_uc, t_c, local_t, x, rst, items, trusted, shared))
         return out
@@ -1108,6 +1126,8 @@ class TtftPredictor:
 _SCORE = itemgetter(1)
 """``score_s`` of a plain estimate tuple."""
 _FIRST = itemgetter(0)
+_NO_PREFIX = (0, 0)
+"""``(local_blocks, gpu_blocks)`` of a node the lookup does not list."""
 _LookupView = tuple[dict[str, tuple[int, int]], list[tuple[str, int, int]], int]
 """What :meth:`TtftPredictor._lookup_view` returns: ``(local_blocks, gpu_blocks)`` by node, ``(node,
 start, end)`` source ranges, the longest own prefix (blocks)."""

@@ -45,6 +45,27 @@ def test_a_node_load_carries_each_number_in_its_field():
     )
 
 
+def test_all_usable_with_no_fence_age_follows_fences_new_nodes_and_stale_kv_views():
+    """With ``fence_after = inf`` the answer is kept between eligibility changes; a fence (a
+    restarted node), its readmission, a new node and a stale KV view still change it."""
+    v = NodeLoadView(fence_after=float("inf"))
+    v.apply_state(state("a", seq=5), 0.0)
+    v.apply_state(state("b"), 0.0)
+    assert v.all_usable(1e9) and v.all_usable(2e9)
+    v.apply_state(state("a", seq=1), 1.0)  # sequence went back: a new process
+    assert v.all_usable(1.0)  # not fenced until check_fences
+    assert [f.node for f in v.check_fences(1.0)] == ["a"]
+    assert not v.all_usable(1.0) and not v.all_usable(2.0)
+    v.apply_state(state("a", seq=2), 2.0)  # let back in
+    assert v.all_usable(2.0)
+    v.on_dispatch("r", "c", None)  # a node known only from a dispatch: usable
+    assert v.all_usable(2.0)
+    v.kv_stale = frozenset({"b"})
+    assert not v.all_usable(2.0)
+    v.kv_stale = frozenset()
+    assert v.all_usable(2.0)
+
+
 def test_fencing_by_state_age_and_readmission():
     v = view(fence_after=3.0)
     v.apply_state(state("a"), 0.0)
