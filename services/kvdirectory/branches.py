@@ -133,6 +133,10 @@ class BranchTable:
         ended_memory: how many ended (and, separately, expired) branch ids are remembered.
         max_hold_s: longest hold of a "tool call outstanding" hint (simulated s).
         max_updates_per_msg: split a node's count updates into messages of at most this many.
+        keep_counted_copies: keep :attr:`counted_copies` up to date on every presence change and
+            0↔1 crossing (the live service: its gauges, read on every stats request and
+            Prometheus scrape, then cost O(nodes), not a stall of O(counted blocks) in the event
+            loop); False (the default, the simulator): counted when read.
     """
 
     def __init__(
@@ -144,8 +148,13 @@ class BranchTable:
         ended_memory: int = 65536,
         max_updates_per_msg: int = 4096,
         max_hold_s: float = 14400.0,
+        keep_counted_copies: bool = False,
     ) -> None:
         self.index = index
+        self.keep_counted_copies = keep_counted_copies
+        self._cc: list[list[int]] = []
+        """[node][tier]: present copies whose count is > 0, kept on 0↔1 crossings and presence
+        changes (only with ``keep_counted_copies``)."""
         self.max_hold_s = max_hold_s
         self.expired: OrderedDict[str, tuple[str, str | None, str | None]] = OrderedDict()
         """Ids expired by the TTL (oldest first) → (kind, parent, agent), for their resume."""
@@ -185,6 +194,7 @@ class BranchTable:
     def add_node(self, name: str) -> None:
         """Register the next node index (called by the core, dense from 0)."""
         self.R.append({})
+        self._cc.append([0, 0])
         self.node_branches.append({})
         self.outbox.append([])
         self.watch.append({})
@@ -200,7 +210,8 @@ class BranchTable:
 
     @property
     def counted_copies(self) -> list[list[int]]:
-        """``[node][tier]``: present copies whose count is > 0 (README invariant 4), counted now.
+        """``[node][tier]``: present copies whose count is > 0 (README invariant 4): the kept
+        figures with ``keep_counted_copies``, else counted now.
 
         Observability only (the ``copies.<tier>.positive_count`` gauges): no decision reads it,
         so it is counted when asked, O(Σ|R[n]|) C-level work (each counted block's run in the
@@ -210,6 +221,12 @@ class BranchTable:
         600 s of the evolving simulation at 64-token blocks) and a walk of the index per Count.
         (Tallied by presence, not by run id: ids of runs are addresses, multiples of 16, whose
         hashes collide in a dict's low bits; tallying ids took ~0.8 µs per block.)"""
+        if self.keep_counted_copies:
+            return self._cc
+        return self._count_copies()
+
+    def _count_copies(self) -> list[list[int]]:
+        """:attr:`counted_copies` counted from R and the index."""
         where = self.index.where
         out = []
         for n, R in enumerate(self.R):
@@ -272,6 +289,8 @@ class BranchTable:
                 if R.keys().isdisjoint(blocks):  # the usual move: none counted on n yet
                     old, new = [0] * L, [1] * L
                     R.update(zip(blocks, new))
+                    if self.keep_counted_copies:
+                        self._crossed_path(n, blocks, 1)
                     self.outbox[n].append((blocks, old, new))
                     self.out_len[n] += L
                     return
@@ -281,12 +300,16 @@ class BranchTable:
                     old = head + [0] * (L - lo)
                     new = list(map(_add, head, _REPEAT1)) + [1] * (L - lo)
                     R.update(zip(blocks, new))
+                    if self.keep_counted_copies:
+                        self._crossed_path(n, blocks[lo:], 1)
                     self.outbox[n].append((blocks, old, new))
                     self.out_len[n] += L
                     return
         old = list(map(R.get, blocks, _REPEAT0))  # any shape (a tampered R, a path repeating a hash)
         new = list(map(_add, old, _REPEAT1))
         R.update(zip(blocks, new))
+        if self.keep_counted_copies and 0 in old:
+            self._crossed(n, compress(blocks, map(_not, old)), 1)
         self.outbox[n].append((blocks, old, new))
         self.out_len[n] += len(blocks)
 
@@ -320,6 +343,8 @@ class BranchTable:
                         old, new = head + gone, new_head + [0] * (L - z)
                     else:
                         old, new = gone, [0] * L
+                    if self.keep_counted_copies:
+                        self._crossed_path(n, tail, -1)
                     self.outbox[n].append((blocks, old, new))
                     self.out_len[n] += L
                     return
@@ -336,12 +361,56 @@ class BranchTable:
         if 1 in old:
             new = list(map(_sub, old, _REPEAT1))
             R.update(zip(blocks, new))
-            _drain(map(R.pop, compress(blocks, map(_not, new)), _REPEAT_NONE))
+            gone = list(compress(blocks, map(_not, new)))
+            _drain(map(R.pop, gone, _REPEAT_NONE))
+            if self.keep_counted_copies:
+                self._crossed(n, gone, -1)
         else:
             new = list(map(_sub, old, _REPEAT1))
             R.update(zip(blocks, new))
         self.outbox[n].append((blocks, old, new))
         self.out_len[n] += len(blocks)
+
+    def _crossed_path(self, n: int, blocks: list[int], d: int) -> None:
+        """:meth:`_crossed` for a path slice (``keep_counted_copies``): walked run by run of the
+        index (one ``where`` probe and one slice comparison per run) while its blocks are
+        indexed; the rest, once a block is not, per block (usually a tail stored nowhere yet:
+        one C-level probe)."""
+        where = self.index.where
+        gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
+        g = hs = 0
+        i, L = 0, len(blocks)
+        while i < L:
+            h = blocks[i]
+            r = where.get(h)
+            if r is None:
+                rest = blocks[i:]
+                if not where.keys().isdisjoint(rest):
+                    self._crossed(n, rest, d)
+                break
+            keys = r.keys
+            m = _match(keys, 0 if keys[0] == h else keys.index(h), blocks, i)
+            pc = r.pc
+            if pc & gb:
+                g += m
+            if pc & hb:
+                hs += m
+            i += m
+        cc = self._cc[n]
+        cc[GPU] += d * g
+        cc[HOST] += d * hs
+
+    def _crossed(self, n: int, blocks: Iterable[int], d: int) -> None:
+        """``blocks`` had their count on node n cross 0 (d = +1 up, -1 down; ``keep_counted_copies``):
+        present copies with a positive count change by d per tier. O(blocks) C-level + O(distinct
+        presence values) Python steps."""
+        gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
+        cc = self._cc[n]
+        for pc, k in Counter(map(_PC, filter(None, map(self.index.where.get, blocks)))).items():
+            if pc & gb:
+                cc[GPU] += d * k
+            if pc & hb:
+                cc[HOST] += d * k
 
     def _release(self, b: Branch, n: int) -> None:
         self._set_k(b, n, 0)
@@ -399,10 +468,12 @@ class BranchTable:
         O(watched blocks of n)."""
         if not newly:
             return
-        if tier == HOST:  # re-sent, in the store's order: the worker keeps counts only for blocks it holds
-            R = self.R[n]
-            if R:
-                self._resend(n, R, newly)
+        R = self.R[n]
+        if R:
+            if tier == HOST:  # re-sent, in the store's order: the worker keeps counts only for blocks it holds
+                self._resend(n, R, newly, 1)
+            elif self.keep_counted_copies:
+                self._cc[n][tier] += len(R.keys() & newly)
         if self.watch[n]:
             self._moves_came(n, tier_bit(n, tier), newly)
 
@@ -416,13 +487,14 @@ class BranchTable:
             return
         R = self.R[n]
         if R:
-            self._resend(n, R, newly)
+            self._resend(n, R, newly, 2)
         if self.watch[n]:
             self._moves_came(n, tier_bit(n, GPU), newly)
 
-    def _resend(self, n: int, R: dict[int, int], newly: Sequence[int]) -> None:
-        """Blocks ``newly`` became present in n's host memory: queue the counts of the counted
-        ones, in the store's order. O(len(newly)) C-level: one pass when all are counted (the
+    def _resend(self, n: int, R: dict[int, int], newly: Sequence[int], tiers: int) -> None:
+        """Blocks ``newly`` became present in n's host memory (and, ``tiers`` = 2, its GPU): queue
+        the counts of the counted ones, in the store's order (and count them as present copies
+        of the tier(s) with ``keep_counted_copies``). O(len(newly)) C-level: one pass when all are counted (the
         usual), else a filter and a second pass over the counted ones."""
         try:
             counts = list(map(R.__getitem__, newly))
@@ -432,6 +504,11 @@ class BranchTable:
             if not hit:
                 return
             counts = list(map(R.__getitem__, hit))
+        if self.keep_counted_copies:
+            cc = self._cc[n]
+            cc[HOST] += len(hit)
+            if tiers == 2:
+                cc[GPU] += len(hit)
         self.outbox[n].append((hit, None, counts))
         self.out_len[n] += len(hit)
 
@@ -475,9 +552,10 @@ class BranchTable:
         has = R.__contains__
         if R.keys().isdisjoint(removed):
             return 0
-        if all(map(has, removed)):
-            return len(removed)
-        return sum(map(has, removed))
+        pos = len(removed) if all(map(has, removed)) else sum(map(has, removed))
+        if self.keep_counted_copies:
+            self._cc[n][tier] -= pos
+        return pos
 
     # ------------------------------------------------------------------ #
     # branch events
@@ -753,6 +831,8 @@ class BranchTable:
                 k = b.counted.get(n, 0)
                 c = list(map(R.__getitem__, b.path[:k]))
                 assert all(map(_ge, c, c[1:])), f"counts grow along branch {b.bid}'s prefix on node {n}"
+        if self.keep_counted_copies:
+            assert self._cc == self._count_copies(), f"counted_copies {self._cc} != {self._count_copies()}"
         assert self.out_len == [sum(len(o[0]) for o in out) for out in self.outbox], "out_len"
         watched = {(t, h, b.bid) for b in self.branches.values() for t, h in b.watch.items()}
         listed = {(t, h, bid) for t, w in enumerate(self.watch) for h, s in w.items() for bid in s}

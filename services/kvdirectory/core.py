@@ -131,6 +131,10 @@ class KvDirectory:
             or ``local`` (hit = the node's own prefix) for lost-reuse accounting.
         max_updates_per_msg: largest ``CountUpdates`` message.
         max_tool_hold_s: longest "tool call outstanding" hold (``BranchToolCall``), simulated s.
+        keep_counted_copies: keep the ``copies.<tier>.positive_count`` gauges up to date on every
+            change (the live service, whose gauges are read often) instead of counting them when
+            read, O(counted blocks) (the default: no decision reads them; see
+            ``BranchTable.counted_copies``).
 
     Raises:
         ValueError: on a non-positive ``block_size`` or an unknown scope.
@@ -146,6 +150,7 @@ class KvDirectory:
         reuse_hit_scope: Literal["cluster", "local"] = "cluster",
         max_updates_per_msg: int = 4096,
         max_tool_hold_s: float = 14400.0,
+        keep_counted_copies: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -157,7 +162,12 @@ class KvDirectory:
         self.counters: Counter[str] = Counter()
         self.index = BlockIndex(max_blocks)
         self.branches = BranchTable(
-            self.index, self.counters, ttl_s=branch_ttl_s, max_updates_per_msg=max_updates_per_msg, max_hold_s=max_tool_hold_s
+            self.index,
+            self.counters,
+            ttl_s=branch_ttl_s,
+            max_updates_per_msg=max_updates_per_msg,
+            max_hold_s=max_tool_hold_s,
+            keep_counted_copies=keep_counted_copies,
         )
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
@@ -523,7 +533,7 @@ class KvDirectory:
     def gauges(self) -> dict[str, float]:
         """Current sizes: blocks indexed, copies by (count > 0, tier), branches, lost-reuse shares."""
         g: dict[str, float] = {"blocks.indexed": float(len(self.index)), "branches.active": float(len(self.branches.branches))}
-        counted_copies = self.branches.counted_copies  # counted now: O(counted blocks)
+        counted_copies = self.branches.counted_copies  # O(counted blocks) unless kept
         for t in (GPU, HOST):
             copies = sum(c[t] for c in self.index.copies)
             counted = sum(c[t] for c in counted_copies)

@@ -55,6 +55,7 @@ class DirectoryService:
             max_tool_hold_s=cfg.max_tool_hold_s,
             resync_buffer_batches=cfg.resync_buffer_batches,
             reuse_hit_scope=cfg.reuse_hit_scope,
+            keep_counted_copies=True,  # gauges on every stats request / scrape: O(nodes), no loop stall
         )
         self.counters: Counter[str] = Counter()
         self.liveness = KvLiveness(cfg.kv_stale_after_s)

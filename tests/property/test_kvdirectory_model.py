@@ -459,6 +459,17 @@ DirectoryMachine.TestCase.settings = settings(
 TestDirectoryAgainstReference = DirectoryMachine.TestCase
 
 
+class KeptCopiesMachine(DirectoryMachine):
+    """The same machine with the counted copies kept on every change (the live service's mode):
+    its ``copies.<tier>.positive_count`` gauges must match the reference too."""
+
+    core_factory = staticmethod(lambda: KvDirectory(BS, branch_ttl_s=TTL, keep_counted_copies=True))
+
+
+KeptCopiesMachine.TestCase.settings = DirectoryMachine.TestCase.settings
+TestKeptCopiesAgainstReference = KeptCopiesMachine.TestCase
+
+
 class _IgnoresRemovals(KvDirectory):
     """A deliberately broken core: drops every BlockRemoved on the floor."""
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from services.kvdirectory.core import KvDirectory
 from services.kvdirectory.index import GPU, HOST
 from shared.messages import BlockStored, KvEventBatch
@@ -80,8 +82,9 @@ def test_changes_to_a_block_within_one_drain_are_merged():
     d.branches.check()
 
 
-def test_a_host_store_re_sends_counts_in_the_stores_order():
-    d = KvDirectory(BS)
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_host_store_re_sends_counts_in_the_stores_order(keep: bool):
+    d = KvDirectory(BS, keep_counted_copies=keep)
     d.branch_start("b", 0.0)
     d.place("b", "p0", "prefill", H, 1.0)
     d.branch_start("c", 0.0)
@@ -113,7 +116,8 @@ def _moves_and_stores(d: KvDirectory, batches: list[list[BlockStored]]) -> list[
     return drained(d)
 
 
-def test_a_store_and_its_write_through_act_as_the_two_stores():
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_store_and_its_write_through_act_as_the_two_stores(keep: bool):
     """A GPU store followed by its host write-through in one batch (``on_stored_through``, one
     pass over the blocks) changes counts, counted copies, moves and messages exactly as the two
     stores in two batches (``on_stored`` twice): here with uncounted blocks among them and a
@@ -125,7 +129,7 @@ def test_a_store_and_its_write_through_act_as_the_two_stores():
 
     seen = []
     for batches in ([[ev("gpu"), ev("host")]], [[ev("gpu")], [ev("host")]]):
-        d = KvDirectory(BS)
+        d = KvDirectory(BS, keep_counted_copies=keep)
         seen.append((_moves_and_stores(d, batches), d.branches.counted_copies, dict(d.counters)))
     paired, apart = seen
     assert paired[0] == apart[0] == [("p1", H[:4], [3, 3, 3, 2])]  # the host store re-sends its counted blocks
@@ -136,7 +140,7 @@ def test_a_store_and_its_write_through_act_as_the_two_stores():
     seen = []
     for batches in ([[BlockStored(block_hashes=A, parent_block_hash=H[3], tier=t, block_size=BS) for t in ("gpu", "host")]],
                     [[BlockStored(block_hashes=A, parent_block_hash=H[3], tier=t, block_size=BS)] for t in ("gpu", "host")]):
-        d = KvDirectory(BS)
+        d = KvDirectory(BS, keep_counted_copies=keep)
         seen.append((_moves_and_stores(d, batches), d.branches.counted_copies, d.branch("a").counted))
     assert seen[0] == seen[1]
     assert seen[0][2] == {KvDirectory(BS).node_id("p1") + 1: 4 + len(A)}  # a's move finished: released on p0
@@ -174,10 +178,11 @@ def test_a_version_bump_keeps_the_common_prefix_counted_everywhere():
     d.branches.check()
 
 
-def test_crossings_are_counted_per_index_run_with_a_tail_stored_nowhere():
-    """Counts crossing 0 are a tail of the slice; present copies are counted run by run of the
-    index and the not-yet-stored rest of the path adds none."""
-    d = KvDirectory(BS)
+@pytest.mark.parametrize("keep", [False, True])
+def test_crossings_are_counted_per_index_run_with_a_tail_stored_nowhere(keep: bool):
+    """Counts crossing 0 are a tail of the slice; present copies (kept on crossings, run by run
+    of the index, or counted when read) and the not-yet-stored rest of the path adds none."""
+    d = KvDirectory(BS, keep_counted_copies=keep)
     store(d, "p0", H[:6], "gpu")
     store(d, "p0", H[:3], "host")
     store(d, "p0", H[6:8], "host", parent=H[5])  # three runs: presence gh, g, h
@@ -250,12 +255,14 @@ def test_a_path_with_a_repeated_hash_does_not_break_the_table():
     assert d.counters["count.negative_prevented"] == 0
 
 
-def test_random_operations_keep_counts_a_function_of_prefixes():
+@pytest.mark.parametrize("keep", [False, True])
+def test_random_operations_keep_counts_a_function_of_prefixes(keep: bool):
     """Placements (extend, compact, repeat), forks, moves, ends, phase switches and stores, checked
     after every step by ``BranchTable.check`` (counts recomputed from the prefixes, no zero
-    entries, counts never growing along a prefix)."""
+    entries, counts never growing along a prefix; with ``keep``, the counted copies kept on every
+    change equal to the ones counted from scratch)."""
     rng = random.Random(23)
-    d = KvDirectory(BS, branch_ttl_s=400.0, max_updates_per_msg=7)
+    d = KvDirectory(BS, branch_ttl_s=400.0, max_updates_per_msg=7, keep_counted_copies=keep)
     nodes = ["a", "b", "c"]
     for n in nodes:
         d.node_id(n)
