@@ -567,14 +567,15 @@ class ClusterSim:
         if k:
             st.counted_samples += 1
             st.counted_sum += tot / k
-        rr = RouteRequest(
-            rid=req.id,
-            prompt_tokens=req.input_tokens,
-            block_hashes=blocks,
-            max_tokens=max(1, req.output_tokens),  # as the live replayer asks: a recorded 0 still gets one token
-            branch_id=req.branch,
+        rr = RouteRequest(  # positional, in field order (one per request)
+            req.id,  # rid
+            req.input_tokens,  # prompt_tokens
+            blocks,  # block_hashes
+            max(1, req.output_tokens),  # max_tokens: as the live replayer asks, a recorded 0 still gets one token
+            b"",  # token_ids
+            req.branch,  # branch_id
         )
-        f = _Flight(req=req, rr=rr, sent_at=t, wait=action.admission_wait_s, ideal=hit * self.bs, kind=kind)
+        f = _Flight(req, rr, t, action.admission_wait_s, hit * self.bs, kind)  # req, rr, sent_at, wait, ideal, kind
         # paper C.1: the previous request of the branch (a fork's first: its parent's) ran here
         prev = self._last_prefill.get(req.branch)
         if prev is None and action.new_branch and kind == "fork" and req.parent_branch is not None:

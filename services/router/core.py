@@ -346,7 +346,7 @@ class RouterCore:
         node, decided_at, predicted = info
         at = first_token_at if first_token_at else now
         measured = at - decided_at if at is not None else None
-        sample = TtftSample(rid=rid, node=node, predicted_s=predicted, measured_s=measured, queue_s=queue_s)
+        sample = TtftSample(rid, node, predicted, measured, queue_s)  # positional: one per request
         if self.keep_metrics:
             self.metrics.observe(sample)
         self.policy.on_first_token(rid, at if at is not None else decided_at)

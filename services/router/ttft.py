@@ -1021,8 +1021,9 @@ class TtftPredictor:
             return None
         # comprehensions, not attrgetter maps: their attribute reads use the interpreter's inline
         # caches (measured: fewer instructions per decision)
-        prefixes = {p.node: (p.local_blocks, p.gpu_blocks) for p in lookup.nodes}
-        return prefixes, [(r.node, r.start, r.end) for r in lookup.sources], max([v[0] for v in prefixes.values()], default=0)
+        nodes = lookup.nodes
+        prefixes = {p.node: (p.local_blocks, p.gpu_blocks) for p in nodes}
+        return prefixes, [(r.node, r.start, r.end) for r in lookup.sources], max([p.local_blocks for p in nodes], default=0)
 
     def _works(
         self,
@@ -1189,14 +1190,16 @@ class TtftPolicy(RoutingPolicy):
         total = len(req.block_hashes)
         matched = longest if longest < total else total
         # loads / matches stay empty: every candidate's estimate (queue, own prefix) is in ``estimates``
-        return PrefillChoice(
+        return PrefillChoice(  # positional, in field order (one per decision)
             best[0],  # node
-            "ttft" if ties == 1 else "ttft_tie",
-            matched,
-            matched / total if total else 0.0,
-            predicted_ttft_s=best[2],  # ttft_s
-            estimates=CandidateEstimates(raw),
-            fetch=fetch,
+            "ttft" if ties == 1 else "ttft_tie",  # path
+            matched,  # matched_blocks
+            matched / total if total else 0.0,  # match_rate
+            {},  # loads
+            {},  # matches
+            best[2],  # predicted_ttft_s: the estimate's ttft_s
+            CandidateEstimates(raw),  # estimates
+            fetch,
         )
 
     def choose_decode(self, req: RouteRequest, candidates: Sequence[NodeLoad], now: float) -> DecodeChoice | None:
