@@ -41,11 +41,20 @@ REPO = Path(__file__).resolve().parent.parent
 META_WALL = {"date", "argv", "wall_s"}
 
 
+CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+"""Environment of every timed child: with ``PYTHONDONTWRITEBYTECODE`` (set on this project's CI and
+dev VMs) each run would recompile every module it imports (~0.1–0.8 s, counted in "CPU outside the
+loop"), which an installed package never pays; :func:`export` compiles each tree ahead instead."""
+
+
 def export(rev: str, dest: Path) -> Path:
-    """``git archive`` of ``rev`` unpacked into ``dest``."""
+    """``git archive`` of ``rev`` unpacked into ``dest``, its packages byte-compiled ahead (as an
+    installed package is), so that no timed run pays for compiling."""
     dest.mkdir(parents=True)
     arch = subprocess.run(["git", "archive", rev], cwd=REPO, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=arch, check=True)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "evolving_infra", "services", "shared"], cwd=dest,
+                   capture_output=True, env=CHILD_ENV)
     return dest
 
 
@@ -83,7 +92,7 @@ def run_many(jobs: list[tuple[Path, list[str], Path]]) -> list[dict]:
         with open(out.parent / f"{out.name}.stderr", "w") as err:  # a file: no pipe to fill
             p = subprocess.Popen([sys.executable, "-c", LOOP_CPU, "simulate", *args, "--out", str(out), "--no-plots"],
                                  cwd=tree, stdout=subprocess.DEVNULL, stderr=err,
-                                 env={**os.environ, "PYTHONPATH": str(tree), "SIM_AB_LOOP_CPU": str(loop_file)})
+                                 env={**CHILD_ENV, "PYTHONPATH": str(tree), "SIM_AB_LOOP_CPU": str(loop_file)})
         procs.append((p, time.monotonic(), loop_file))
     reps = []
     for (tree, _args, out), (p, t, loop_file) in zip(jobs, procs):
@@ -187,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                          "static:4P5D, run without the --planner-opt items of --extra), alternating; prints the "
                          "loop CPU ratio policy ÷ POLICY (issue 23: evolving within 1.5x of static:4P5D)")
     a = ap.parse_args(argv)
+    extra = a.extra.split()
+    for i, x in enumerate(extra[:-1]):  # a --block-size in --extra wins (the last one does): say the one in force
+        if x == "--block-size":
+            a.block_size = extra[i + 1]
     args = ["--trace", str(Path(a.trace).resolve()), "--policy", a.policy, "--duration", a.duration,
             "--block-size", a.block_size, *a.extra.split()]
     if a.vs_policy:
