@@ -205,7 +205,9 @@ def apply_schedule(cfg: SimConfig, args: argparse.Namespace, prov: dict[str, Any
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """``evolving-infra simulate``: the run with the cyclic GC paused outside its loop
-    (``evolving_infra.traces.io.paused_gc``: no collection walks the trace while it loads)."""
+    (``evolving_infra.traces.io.paused_gc``: no collection walks the trace while it loads), and
+    frozen at the process's exit (``atexit`` → ``gc.freeze``: the run's cyclic garbage is left to
+    the OS, not collected just before the process ends)."""
     from evolving_infra.traces.io import paused_gc
 
     # At exit, before the interpreter's last collections: the run leaves cyclic garbage (the

@@ -252,7 +252,8 @@ class BranchTable:
 
     def _set_k(self, b: Branch, n: int, k: int) -> None:
         """Make branch b count exactly ``b.path[:k]`` on node n (its count there is a prefix of
-        ``b.path``). O(changed blocks) C-level dict work + O(runs crossing 0)."""
+        ``b.path``). O(changed blocks) C-level dict work (+ O(index runs crossing 0) with
+        ``keep_counted_copies``)."""
         cur = b.counted.get(n, 0)
         if k > cur:
             self._count_up(n, b.path[cur:k])

@@ -494,7 +494,8 @@ class WorkerService:
         (re)starts serves its node's phase in the split at once, not its ``--phase`` until the
         planner's next announcement (every ``announce_interval_s``, 5 s by default): a worker
         restarted after a crash comes back in the phase the planner has moved it to since. Tries
-        every 0.5 s (1-s timeout each) for ``split_get_timeout_s``; without a planner it gives up
+        every 0.5 s (1-s timeout each) for ``split_get_timeout_s`` (:meth:`Bus.request_until`, the
+        router's loop too); without a planner it gives up
         with one log line and serves ``--phase``. The reply is applied as a ``split.commands``."""
         if self.cfg.split_get_timeout_s <= 0:
             return
