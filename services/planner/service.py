@@ -81,7 +81,7 @@ class PlannerService:
         """Prometheus registry served on ``--metrics-port`` (``services/planner/prom.py``)."""
         self.registry.register(FuncCollector(lambda: planner_families(self)))
         self._switch_s = Histogram(
-            "ei_split_switch_seconds", "Node phase switch: decision to serving the new phase (simulated s)",
+            "ei_split_switch_seconds", "Node phase switch: decision (or, for a node restarted after it, its start) to serving the new phase (simulated s)",
             buckets=SWITCH_BUCKETS_S, registry=self.registry,
         )
         self._drain_s = Histogram(
