@@ -39,7 +39,7 @@ from shared.split import split_name
 PLANNERS: tuple[str, ...] = ("static", "evolving", "dynamo", "arrow")
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class RequestDone:
     """A finished request as the planner sees it (w̄ of paper §5.2, arrivals for the SLO guard).
 
@@ -48,6 +48,10 @@ class RequestDone:
     the first-token time minus the wait in the prefill node's queue
     (``TokenChunk.queue_s``), ``ttft_s`` that wait, ``e2e_s`` arrival → last token.
     The planners only use ``arrived_at + ttft_s`` (first-token time) and the token counts.
+
+    Read-only once built (the planners read it; nothing assigns to it). Not ``frozen=True``
+    (nothing hashes it; equality is unchanged): one is built per finished request, and a frozen
+    dataclass's ``__init__`` (``object.__setattr__`` per field) costs ~3x this one.
     """
 
     rid: str

@@ -72,7 +72,7 @@ class DecodeBinding:
         return self.decode.node
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RouteDecision:
     """A placement and the messages that carry it.
 
@@ -86,6 +86,10 @@ class RouteDecision:
         work: the ``PrefillWork`` to send on ``work.<prefill.node>.prefill``.
         candidates: prefill candidates the policy saw (node-load view).
         decode_candidates: decode candidates (empty when collocated).
+
+    Read-only once built (the caller sends and logs it). Not ``frozen=True`` (nothing
+    hashes it; its list made it unhashable anyway): one is built per request, and a frozen
+    dataclass's ``__init__`` (``object.__setattr__`` per field) costs ~3x this one.
     """
 
     prefill: PrefillChoice

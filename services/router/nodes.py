@@ -86,13 +86,19 @@ class NodeRecord:
         return self.state.phase if self.state is not None else None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NodeLoad:
-    """Immutable load snapshot of one eligible node: what a routing policy sees.
+    """Load snapshot of one eligible node: what a routing policy sees.
 
     ``inflight*`` are the router's own counts; ``running``/``waiting``/
     ``decoding`` and ``state`` are from the node's last :class:`NodeState`,
     received at ``last_seen`` (the caller's clock; :meth:`state_age` at ``now``).
+
+    Read-only once built: :class:`NodeLoadView` keeps one per node record and hands the
+    same object to every decision until that record changes, so no caller may assign to
+    it. Not ``frozen=True`` (nothing hashes it; equality is unchanged): a frozen dataclass sets each
+    field through ``object.__setattr__``, ~3x the cost of this plain slots ``__init__``,
+    and one is built per state applied (the simulator: per request).
     """
 
     node: str

@@ -48,7 +48,7 @@ from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels
 from services.router.nodes import NodeLoad
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RouteRequest:
     """One request to place.
 
@@ -61,6 +61,10 @@ class RouteRequest:
         token_ids: the prompt as packed little-endian uint32 (may be empty in simulation).
         branch_id: the agent branch the request belongs to, if any.
         ignore_eos: generate ``max_tokens`` past the model's EOS token (``PrefillWork.ignore_eos``).
+
+    Read-only once built (the policy and the router core read it; nothing assigns to it).
+    Not ``frozen=True`` (nothing hashes it; equality is unchanged): one is built per request, and a
+    frozen dataclass's ``__init__`` (``object.__setattr__`` per field) costs ~3x this one.
     """
 
     rid: str
@@ -76,7 +80,7 @@ class RouteRequest:
         return len(self.block_hashes)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefillChoice:
     """A policy's prefill decision with the numbers behind it (for the route log).
 
@@ -97,6 +101,10 @@ class PrefillChoice:
             price; ``dynamo-kv``: the cost terms); empty when the policy has none.
         fetch: block ranges ``node`` should fetch from peers while the request
             waits (sent in ``PrefillWork.fetch``); empty = none.
+
+    Read-only once built (the router core and the route log read it). Not ``frozen=True``
+    (nothing hashes it; its dicts made it unhashable anyway): one is built per decision,
+    and a frozen dataclass's ``__init__`` (``object.__setattr__`` per field) costs ~3x this one.
     """
 
     node: str
