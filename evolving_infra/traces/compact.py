@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
+from evolving_infra.traces.inflate import InflateAhead
 from evolving_infra.traces.io import PACK_MAGIC, TraceError, _request_type, _scan, _Validator, paused_gc
 from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceHeader, TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechain_blocks, rechunk_blocks, shared_prefix_len
@@ -604,7 +605,7 @@ class _TextBuilder(_Builder):
         return stub, text, new, k, j
 
 
-def read_trace_compact(path: str | os.PathLike[str]) -> CompactTrace:
+def read_trace_compact(path: str | os.PathLike[str], *, ahead: InflateAhead | None = None) -> CompactTrace:
     """Read and validate a trace file like :func:`~evolving_infra.traces.io.read_trace`, holding it
     as a :class:`CompactTrace`: memory O(requests + new ids) instead of O(all ids). Time O(new
     ids) decoded plus the file's text compared in C (:class:`_TextBuilder`), not O(all ids).
@@ -612,21 +613,32 @@ def read_trace_compact(path: str | os.PathLike[str]) -> CompactTrace:
     A packed trace (``trace pack``, :mod:`evolving_infra.traces.pack`) is read as packed: the same
     :class:`CompactTrace` as reading the trace it was packed from.
 
+    ``ahead``: ``path`` already being inflated on a thread (``traces.inflate.InflateAhead``; the
+    same result, sooner on a second core); closed before this returns.
+
     Raises:
         TraceError: one or more lines are bad; ``err.problems`` lists every one as
             ``line N: reason`` (the whole file is checked first), exactly as ``read_trace``
             (a packed trace: ``pack.read_packed``'s problems).
         OSError: the file cannot be read.
     """
-    with open(path, "rb") as f:
-        if f.read(len(PACK_MAGIC)) == PACK_MAGIC:
-            from evolving_infra.traces.pack import read_packed
+    try:
+        with open(path, "rb") as f:
+            packed = f.read(len(PACK_MAGIC)) == PACK_MAGIC
+    except OSError:
+        if ahead is not None:
+            ahead.close()
+        raise
+    if packed:
+        if ahead is not None:
+            ahead.close()
+        from evolving_infra.traces.pack import read_packed
 
-            return read_packed(path)
+        return read_packed(path)
     v = _Validator()
     b = _TextBuilder(v)
     with paused_gc():
-        for _ in _scan(path, v, b.feed):
+        for _ in _scan(path, v, b.feed, ahead):
             pass
     if v.problems:
         raise TraceError(path, v.problems)

@@ -43,6 +43,7 @@ from typing import IO, Any
 
 import msgspec
 
+from evolving_infra.traces.inflate import CHUNK, GZIP_MAGIC, InflateAhead, NotOneMember, one_member
 from evolving_infra.traces.schema import FORMAT, MAX_BLOCK_ID, VERSION, TraceHeader, TraceRequest
 
 __all__ = [
@@ -61,7 +62,7 @@ __all__ = [
     "write_trace",
 ]
 
-_GZIP_MAGIC = b"\x1f\x8b"
+_GZIP_MAGIC = GZIP_MAGIC
 PACK_MAGIC = b"\x93EITPACK"
 """The first bytes of a packed trace (``evolving_infra.traces.pack``): only ``read_trace_compact``
 (``simulate --trace``) reads one; the line readers see its magic as its only line and name it."""
@@ -158,7 +159,7 @@ def _strip_eol(raw: bytes) -> bytes:
     return raw
 
 
-_CHUNK = 4 << 20
+_CHUNK = CHUNK
 """Bytes read, and most bytes inflated, at a time by :func:`_line_spans` (``gzip``'s line reads go
 8 KiB at a time through Python, with a separate CRC pass: ~20% of reading a large compressed
 trace). zlib's cost per byte falls with the bytes inflated per call (each call fills a chain of
@@ -177,28 +178,18 @@ reader slices out only what it keeps (``traces.compact`` copies a request's ids'
 the line and then the ids)."""
 
 
-class _NotOneMember(Exception):
-    """The compressed stream is not one clean gzip member: ``gzip``'s own reader takes over."""
+_NotOneMember = NotOneMember
 
 
 def _one_member(f: IO[bytes]) -> Iterator[bytes]:
     """The inflated bytes of a file that is exactly one gzip member, at most :data:`_CHUNK` at a
-    time (header, CRC and length checked by zlib).
+    time (``traces.inflate.one_member``).
 
     Raises:
         _NotOneMember: the data ends early, or more follows the member (another member, padding).
         zlib.error: the data is corrupt.
     """
-    d = zlib.decompressobj(wbits=31)
-    while not d.eof:
-        chunk = d.unconsumed_tail or f.read(_CHUNK)
-        if not chunk:
-            raise _NotOneMember
-        out = d.decompress(chunk, _CHUNK)  # bounded: a trace's id lists can inflate 100-fold
-        if out:
-            yield out
-    if d.unused_data or f.read(1):
-        raise _NotOneMember
+    return one_member(f, _CHUNK)
 
 
 def _spans(chunks: Iterable[bytes], hold: int) -> Iterator[Span]:
@@ -241,30 +232,41 @@ def _spans(chunks: Iterable[bytes], hold: int) -> Iterator[Span]:
         yield line, 0, len(line)
 
 
-def _line_spans(path: str | os.PathLike[str]) -> Iterator[Span]:
+def _line_spans(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Iterator[Span]:
     """The lines of a trace file, gzip or plain, in order, as :data:`Span` s. A compressed file
     that is one clean gzip member (what :func:`write_trace` writes) is inflated by zlib in large
     chunks; any other (several members, padding, truncated or corrupt data) is read on by
     ``gzip``'s own reader from the first line not yet given, so every line, and the error after
-    the last good one, is what reading the file line by line with ``gzip`` gives."""
+    the last good one, is what reading the file line by line with ``gzip`` gives.
+
+    ``ahead``: the same file being inflated on a thread (``traces.inflate.InflateAhead``, started
+    for ``path``): its chunks are taken instead of inflating here (the same chunks and errors);
+    it is closed when the lines end, whatever the file turns out to hold."""
     n = 0
-    with open(path, "rb") as f:
-        if f.read(len(PACK_MAGIC)) == PACK_MAGIC:  # binary: its magic is its one line, for the problem that names it
-            yield PACK_MAGIC, 0, len(PACK_MAGIC)
-            return
-        f.seek(0)
-        if f.read(2) != _GZIP_MAGIC:
+    if ahead is not None and ahead.path != os.fspath(path):
+        ahead.close()
+        ahead = None
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(PACK_MAGIC)) == PACK_MAGIC:  # binary: its magic is its one line, for the problem that names it
+                yield PACK_MAGIC, 0, len(PACK_MAGIC)
+                return
             f.seek(0)
-            yield from _spans(iter(lambda: f.read(_CHUNK), b""), 0)
-            return
-        f.seek(0)
-        try:
-            for span in _spans(_one_member(f), _HOLD):
-                n += 1
-                yield span
-            return
-        except (_NotOneMember, zlib.error):
-            pass
+            if f.read(2) != _GZIP_MAGIC:
+                f.seek(0)
+                yield from _spans(iter(lambda: f.read(_CHUNK), b""), 0)
+                return
+            f.seek(0)
+            try:
+                for span in _spans(_one_member(f) if ahead is None else ahead.chunks(), _HOLD):
+                    n += 1
+                    yield span
+                return
+            except (_NotOneMember, zlib.error):
+                pass
+    finally:
+        if ahead is not None:
+            ahead.close()
     with open_trace_bytes(path) as g:
         for i, raw in enumerate(g, start=1):
             if i > n:
@@ -470,16 +472,17 @@ class _Validator:
 _READ_ERRORS: tuple[type[Exception], ...] = (EOFError, gzip.BadGzipFile, zlib.error)
 
 
-def _scan(path: str | os.PathLike[str], v: "_Validator", feed: Callable[[int, bytes, int, int], Any] | None = None) -> Iterator[Any]:
+def _scan(path: str | os.PathLike[str], v: "_Validator", feed: Callable[[int, bytes, int, int], Any] | None = None,
+          ahead: InflateAhead | None = None) -> Iterator[Any]:
     """The valid requests of a file (``feed(line, buf, start, end)``'s results that are not None,
     line ``line`` being ``buf[start:end]``, :data:`Span`; default ``v.feed`` of that line), then
-    ``v.finish``; an unreadable compressed stream is one problem."""
+    ``v.finish``; an unreadable compressed stream is one problem. ``ahead``: as :func:`_line_spans`'s."""
     n = 0
     if feed is None:
         vfeed = v.feed
         feed = lambda n, buf, s, e: vfeed(n, buf[s:e])  # noqa: E731
     try:
-        for n, (buf, s, e) in enumerate(_line_spans(path), start=1):
+        for n, (buf, s, e) in enumerate(_line_spans(path, ahead), start=1):
             req = feed(n, buf, s, e)
             if req is not None:
                 yield req

@@ -30,13 +30,16 @@ def test_simulate_imports_neither_the_live_stack_nor_scipy_nor_asyncio() -> None
 
 
 def test_simulate_runs_numpy_without_a_blas_thread_pool_unless_the_user_sets_one() -> None:
-    # COMMAND_ENV: set before the command's module (and numpy) is imported; a user's value wins
+    # COMMAND_ENV: set before the command's module is imported, so before numpy (which the simulator
+    # imports lazily, after simulate starts inflating its trace); a user's value wins
     code = ("import os, sys; from evolving_infra.cli import main\n"
             "try:\n    main(['simulate', '--help'])\nexcept SystemExit:\n    pass\n"
-            "print(os.environ.get('OPENBLAS_NUM_THREADS'), 'numpy' in sys.modules, file=sys.stderr)")
+            "before = 'numpy' in sys.modules\n"
+            "import evolving_infra.sim.config\n"
+            "print(os.environ.get('OPENBLAS_NUM_THREADS'), before, 'numpy' in sys.modules, file=sys.stderr)")
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stderr.split()
-    assert out == ["1", "True"]
+    assert out == ["1", "False", "True"]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(env, OPENBLAS_NUM_THREADS="3")).stderr.split()
-    assert out == ["3", "True"]
+    assert out == ["3", "False", "True"]
