@@ -794,7 +794,8 @@ class RunHostPool:
         """Unpinned runs by first hash. The run holding an unpinned page whose parent is not in
         the same run starts with that page, so a path is matched run by run."""
         self.members: set[int] = set()
-        """Every L2 hash (pinned or not); changes only when a page enters or leaves L2."""
+        """Every L2 hash (pinned or not); changes only when a page enters or leaves L2. Not kept
+        by :class:`BranchRunHostPool` (its L2 pages are its queued-page set and L1's pages)."""
         self.queues = [_RunQueue() for _ in range(self.policy.groups)]
         """Unpinned runs per eviction group, oldest first; group 0 is evicted first."""
         self.queue = self.queues[0]
@@ -969,12 +970,22 @@ class RunHostPool:
         """The pages ``run`` (new, parent first) entered L2."""
         self.members.update(run)
 
+    def _members(self) -> set[int]:
+        """Every L2 page (pinned or not): :attr:`members` itself, O(1); not to be changed."""
+        return self.members
+
     @property
     def evictable(self) -> _HostQueueView:
         return _HostQueueView(self)
 
     def __contains__(self, h: int) -> bool:
         return h in self.members
+
+    def absent(self, hashes: Iterable[int]) -> list[int]:
+        """The pages of ``hashes`` not in L2 (pinned or not), in their order. O(pages), one set
+        probe each."""
+        members = self.members
+        return [h for h in hashes if h not in members]
 
     # -- walks ------------------------------------------------------------ #
 
@@ -1303,7 +1314,7 @@ class RunHostPool:
         return self.blocks, self.evictable.ordered()
 
     def check_structure(self) -> None:
-        """Run invariants (O(n)): first-hash index, stamps, counts, membership set.
+        """Run invariants (O(n)): first-hash index, stamps, counts, membership (:meth:`_members`).
 
         Raises:
             KvInvariantError: naming the first one that fails.
@@ -1338,7 +1349,7 @@ class RunHostPool:
         gpu = set(self.gpu.snapshot())
         if seen & gpu:
             raise KvInvariantError(f"L2 blocks both pinned and queued: {sorted(seen & gpu)[:5]}")
-        if self.members != seen | gpu:
+        if self._members() != seen | gpu:
             raise KvInvariantError("L2 membership set out of sync")
 
 
@@ -1429,6 +1440,7 @@ class BranchRunHostPool(RunHostPool):
         test). A page entering L2 leaves this set (a page stored counts 0 until the directory
         re-sends), so only L2 pages' entries are ever read; the others are dropped when they
         outnumber L2's pages (:meth:`_count`)."""
+        del self.members  # not kept: L2's pages are :attr:`queued` and L1's (:meth:`_members`)
 
     # -- run bookkeeping with the queued-page set -------------------------- #
 
@@ -1441,8 +1453,36 @@ class BranchRunHostPool(RunHostPool):
         self.queued.update(r.keys)
 
     def _evicted(self, evicted: list[int]) -> None:
-        super()._evicted(evicted)
         self.queued.difference_update(evicted)
+
+    def _added(self, run: list[int]) -> None:
+        self.counted.difference_update(run)
+
+    def _members(self) -> set[int]:
+        """Every L2 page: the queued ones and L1's (pinned). A new set, O(pages): L2 keeps no set
+        of every page (the one :class:`RunHostPool` keeps cost one set insert and one delete per
+        page entering and leaving L2, ~1.5% of a 64-token ``evolving`` run, for reads that are
+        rare here: a :attr:`counted` trim, checks, and a failed real-bytes fetch)."""
+        out = set(self.queued)
+        for r in self.gpu._runs():
+            out.update(r.keys)
+        return out
+
+    def __contains__(self, h: int) -> bool:
+        """O(1) for a queued page, else O(L1 pages) (a walk of L1's runs)."""
+        return h in self.queued or h in self.gpu
+
+    def absent(self, hashes: Iterable[int]) -> list[int]:
+        """The pages of ``hashes`` not in L2 (pinned or not), in their order. O(pages) set probes,
+        plus O(L1 pages) once if any is not queued (L1's pages gathered into a set)."""
+        queued = self.queued
+        rest = [h for h in hashes if h not in queued]
+        if rest:
+            l1: set[int] = set()
+            for r in self.gpu._runs():
+                l1.update(r.keys)
+            rest = [h for h in rest if h not in l1]
+        return rest
 
     def _run_of(self, h: int) -> _HostRun:
         """The run holding queued page ``h``: the run it starts (a dict probe), else the run it
@@ -1487,16 +1527,14 @@ class BranchRunHostPool(RunHostPool):
             raise KvInvariantError(f"L2 page {h} (depth {d}) is queued in no run")
         return None
 
-    def _added(self, run: list[int]) -> None:
-        super()._added(run)
-        self.counted.difference_update(run)
 
     def _count(self, hashes: Sequence[int], counts: Sequence[int]) -> None:
         """Set :attr:`counted` from a count message, in message order (a page named twice
         ends with its last count): one C-level set update per stretch of entries on one side
         of 0 (a message from the directory has at most a few: each change's zeros are a tail).
         Pages not in L2 are not filtered out here; once :attr:`counted` holds more than twice
-        L2's pages (+ 1024), it is cut to L2's pages (O(its size), amortised O(1) per entry)."""
+        L2's pages (+ 1024; L2's pages are the pinned ones and the queued ones), it is cut to
+        L2's pages (:meth:`_members`: O(its size + L2's), amortised O(1) per entry)."""
         counted = self.counted
         n = len(hashes)
         zeros = counts.count(0)  # counts are >= 0 (shared.validate refuses a negative one)
@@ -1514,9 +1552,8 @@ class BranchRunHostPool(RunHostPool):
             else:
                 for i, j, g in _stretches(list(map(bool, counts))):
                     (counted.update if g else counted.difference_update)(islice(hashes, i, j))
-        members = self.members
-        if len(counted) > 2 * len(members) + 1024:
-            counted.intersection_update(members)
+        if len(counted) > 2 * (self.pinned + len(self.queued)) + 1024:
+            counted.intersection_update(self._members())
 
     def _excise(self, r: _HostRun, o: int, k: int) -> None:
         """Take ``r.keys[o:o + k]`` out of ``r``'s queue (they move: the caller queues them again,

@@ -756,9 +756,8 @@ class WorkerService:
         if not self.core.fetch_done(fs.rid, missing, now):
             c["kvfetch.late"] += 1  # the request left (abort, hand-back) while the bytes moved
             cut = 0
-        for h in path[cut:]:  # pages L2 will never hold (past a missing one, or unused): free their slots
-            if h not in self.core.kv.host:
-                self.kvpool.evict(h)
+        for h in self.core.kv.host.absent(path[cut:]):  # pages L2 will never hold (past a missing one, or unused): free their slots
+            self.kvpool.evict(h)
         self._input()
 
     async def _on_counts(self, msg: m.CountUpdates, _subject: str) -> None:

@@ -335,3 +335,41 @@ def test_branch_count_update_counts_equals_the_per_block_model(hashes, counts):
     got, want = ([(x.hash, x.group) for x in kv.host.evictable.ordered()] for kv in pools)
     assert got == want
     pools[0].check([])
+
+
+@pytest.mark.parametrize("policy", ["lru", "branch-count"])
+def test_l2_membership_and_absent_cover_pinned_queued_and_evicted_pages(policy):
+    """``h in kv.host`` and ``kv.host.absent`` (the real-bytes fetch path's question): pinned
+    (L1) pages and queued ones are in L2, evicted and never stored ones are not, in order.
+    Under branch-count L2 keeps no set of every page: the answer comes from its queued pages
+    and L1's runs."""
+    kv = KvBlockManager(4, 8, 4, policy)
+    compute(kv, P(1, 2, 3, 4))
+    compute(kv, P(5, 6, 7, 8))  # 1–4 leave L1: queued in L2; 5–8 pinned
+    compute(kv, P(9, 10, 11, 12))  # L2 full: 1–4 evicted, 5–8 queued, 9–12 pinned
+    present = {5, 6, 7, 8, 9, 10, 11, 12}
+    for h in range(1, 15):
+        assert (h in kv.host) == (h in present)
+    ask = [13, 9, 1, 5, 14, 12, 2]
+    assert kv.host.absent(ask) == [13, 1, 14, 2]
+    assert kv.host.absent(iter([9, 5])) == []
+    assert kv.host._members() == present
+    holders_none(kv)
+
+
+def test_branch_count_counted_trim_keeps_l2_pages_only():
+    """Counts naming pages L2 does not hold pile up in ``counted`` until they outnumber twice
+    L2's pages + 1024; then the set is cut to L2's pages (pinned and queued), and a counted
+    queued page keeps its group."""
+    kv = KvBlockManager(4, 8, 4, "branch-count")
+    compute(kv, P(1, 2, 3, 4))
+    compute(kv, P(5, 6, 7, 8))  # 1–4 queued, 5–8 pinned
+    kv.update_counts([1, 2, 5], [1, 1, 1])
+    assert kv.host.counted == {1, 2, 5}
+    stray = list(range(100, 100 + 2 * 8 + 1024 - 3))
+    kv.update_counts(stray, [1] * len(stray))  # exactly at the limit: kept
+    assert len(kv.host.counted) == 2 * 8 + 1024
+    kv.update_counts([99], [1])  # one past it: cut to L2's pages
+    assert kv.host.counted == {1, 2, 5}
+    assert [(x.hash, x.group) for x in kv.host.evictable.ordered()] == [(4, 0), (3, 0), (2, 1), (1, 1)]
+    holders_none(kv)
