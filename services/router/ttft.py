@@ -849,28 +849,11 @@ class TtftPredictor:
             key = prefixes.get(node, _NO_PREFIX)
             w = None if node in src_nodes else memo.get(key)
             if w is None:
-                local, gpu = key
-                xb = 0
-                for sn, a, b in srcs:  # fetch_plan's rule: ranges of other nodes beyond the own prefix
-                    if b <= local or sn == node:
-                        continue
-                    xb += b - (a if a > local else local)
-                t_c = longest_t
-                x = xb * bs
-                local_t = local * bs
-                own_t = local_t if local_t < cap else cap
-                if t_c > cap:  # the engine computes at least one token: the prefix's tail is recomputed
-                    t_c = cap
-                    if x > t_c - own_t:
-                        x = t_c - own_t
-                if x < f_min:  # no fetch below the threshold: recompute beyond the own prefix
-                    t_c, x = own_t, 0
-                g = gpu * bs
-                t_uc = t_in - t_c
+                t_uc, t_c, t_rst, x, local_t = _node_work(node, key, srcs, t_in, bs, cap, longest_t, f_min)
                 w = (
                     t_uc,
                     t_c,
-                    t_c - (g if g < t_c else t_c),  # t_rst
+                    t_rst,
                     x,
                     local_t,
                     f_base + f_per * x if (x > 0 and x >= f_min) else 0.0,  # τ
@@ -1047,25 +1030,7 @@ class TtftPredictor:
         longest_t = lookup.longest_any * bs
         for n in candidates:
             name = n.node
-            pre = prefixes.get(name)
-            local, gpu = (0, 0) if pre is None else pre
-            xb = 0
-            for sn, a, b in srcs:  # fetch_plan's rule: ranges of other nodes beyond the own prefix
-                if b <= local or sn == name:
-                    continue
-                xb += b - (a if a > local else local)
-            t_c = longest_t
-            x = xb * bs
-            local_t = local * bs
-            own = local_t if local_t < cap else cap
-            if t_c > cap:  # the engine computes at least one token: the prefix's tail is recomputed
-                t_c = cap
-                if x > t_c - own:
-                    x = t_c - own
-            if x < min_fetch:  # no fetch below the threshold: recompute beyond the own prefix
-                t_c, x = own, 0
-            g = gpu * bs
-            append((name, t_in - t_c, t_c, t_c - (g if g < t_c else t_c), x, local_t))
+            append((name, *_node_work(name, prefixes.get(name, _NO_PREFIX), srcs, t_in, bs, cap, longest_t, min_fetch)))
         return works
 
     def _score_pruned(
@@ -1128,6 +1093,39 @@ _SCORE = itemgetter(1)
 """``score_s`` of a plain estimate tuple."""
 _FIRST = itemgetter(0)
 _NO_PREFIX = (0, 0)
+
+
+def _node_work(
+    node: str, prefix: tuple[int, int], srcs: Sequence[tuple[str, int, int]], t_in: int, bs: int, cap: int, longest_t: int,
+    min_fetch: float,
+) -> tuple[int, int, int, int, int]:
+    """``(t_uc, t_c, t_rst, x, local)`` in tokens of a prompt of ``t_in`` tokens on ``node``, whose
+    own prefix is ``prefix`` = ``(local, gpu)`` blocks (host + GPU, GPU), given the lookup's source
+    ranges ``srcs`` (``(node, start, end)`` in blocks), ``bs`` tokens per block, ``cap`` = the most
+    tokens that can be cached (``t_in − 1`` rounded down to a block), ``longest_t`` = the longest
+    cached prefix anywhere (tokens) and ``min_fetch`` = the smallest fetch worth it (tokens).
+    ``fetch_plan``'s rule: ranges of other nodes beyond the own prefix are fetched (``x``), unless
+    under ``min_fetch``; the engine computes at least one token, so the prefix's tail past ``cap`` is
+    recomputed; ``t_rst`` = the cached tokens restored from L2. Shared by :meth:`TtftPredictor._works`
+    and :meth:`TtftPredictor._score_all` (once per distinct prefix there)."""
+    local, gpu = prefix
+    xb = 0
+    for sn, a, b in srcs:
+        if b <= local or sn == node:
+            continue
+        xb += b - (a if a > local else local)
+    t_c = longest_t
+    x = xb * bs
+    local_t = local * bs
+    own = local_t if local_t < cap else cap
+    if t_c > cap:
+        t_c = cap
+        if x > t_c - own:
+            x = t_c - own
+    if x < min_fetch:
+        t_c, x = own, 0
+    g = gpu * bs
+    return t_in - t_c, t_c, t_c - (g if g < t_c else t_c), x, local_t
 """``(local_blocks, gpu_blocks)`` of a node the lookup does not list."""
 _LookupView = tuple[dict[str, tuple[int, int]], list[tuple[str, int, int]], int]
 """What :meth:`TtftPredictor._lookup_view` returns: ``(local_blocks, gpu_blocks)`` by node, ``(node,
