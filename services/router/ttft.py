@@ -768,102 +768,33 @@ class TtftPredictor:
 
     def _score(self, works: list[tuple[str, int, int, int, int, int]], now: float) -> list[tuple[Any, ...]]:
         """Estimates of ``(node, t_uc, t_c, t_rst, x, local)`` work items, as plain tuples in
-        :class:`CandidateEstimate` field order (the hot loop: attribute reads hoisted, no
-        helper calls but a cache miss, plain arithmetic, no object but the tuple)."""
+        :class:`CandidateEstimate` field order (:meth:`_rows` of the priced work)."""
+        return self._rows([w[0] for w in works], [self._priced(*w[1:]) for w in works], now)
+
+    def _priced(self, t_uc: int, t_c: int, rst: int, x: int, local: int) -> tuple[Any, ...]:
+        """A node's work ``(t_uc, t_c, t_rst, x, local)`` (tokens) with what the estimate needs of
+        it alone: ``(…, τ, ΣA, copy price)`` — the fetch time τ (s; 0 below the fetch threshold),
+        the attention pairs ΣA = qk_pairs(t_uc, t_c) and the copy price κ·x (s)."""
+        return (
+            t_uc,
+            t_c,
+            rst,
+            x,
+            local,
+            self._fetch_base + self._fetch_per_token * x if (x > 0 and x >= self._fetch_min) else 0.0,  # τ
+            t_uc * t_c + t_uc * (t_uc + 1) / 2.0,  # qk_pairs(t_uc, t_c)
+            self.kappa * x,  # copy price
+        )
+
+    def _rows(self, names: list[str], priced: list[tuple[Any, ...]], now: float) -> list[tuple[Any, ...]]:
+        """Estimates of node ``names[i]`` doing work ``priced[i]`` (:meth:`_priced`), as plain tuples
+        in :class:`CandidateEstimate` field order (the hot loop: attribute reads hoisted, no helper
+        calls but a cache miss, plain arithmetic, no object but the tuple)."""
         nodes = self._nodes
         max_age = self.state_max_age_s
-        f_base, f_per, f_min = self._fetch_base, self._fetch_per_token, self._fetch_min
-        kappa = self.kappa
         out: list[tuple[Any, ...]] = []
         append = out.append
-        for node, t_uc, t_c, rst, x, local in works:
-            tr = nodes.get(node) or self._track(node)
-            st = tr.state
-            ctx = tr.trusted_ctx
-            if ctx is not None and st is not None and now - st.ts <= max_age:  # fast path: cached replay
-                age = now - st.ts
-                base = st.remaining_s - (age if age > 0.0 else 0.0)
-                if base < 0.0:
-                    base = 0.0
-                trusted = True
-            else:
-                ctx, base, trusted = self._ctx(tr, now)
-            t_open, busy, used, room, items, budget, fixed, c1, c2, c3 = ctx
-            tau = f_base + f_per * x if (x > 0 and x >= f_min) else 0.0
-            w_share = base + t_open
-            a_all = t_uc * t_c + t_uc * (t_uc + 1) / 2.0  # qk_pairs(t_uc, t_c)
-            if used and tau <= w_share:
-                k1 = t_uc if t_uc < room else room
-                a1 = k1 * t_c + k1 * (k1 + 1) / 2.0
-                own = busy + c1 * k1 + c2 * a1 + c3 * rst
-                rest = t_uc - k1
-                if rest:
-                    own += -(-rest // budget) * fixed + c1 * rest + c2 * (a_all - a1)
-                wait = w_share
-                exposed = 0.0
-                shared = True
-            else:
-                wait = w_share + busy
-                own = -(-t_uc // budget) * fixed + c1 * t_uc + c2 * a_all + c3 * rst
-                exposed = tau - wait if tau > wait else 0.0
-                shared = False
-            copy = kappa * x
-            ttft = wait + own + exposed
-            append((node, ttft + copy, ttft, wait, own, tau, exposed, copy, t_uc, t_c, local, x, rst, items, trusted, shared))
-        return out
-
-    def _score_all(
-        self, t_in: int, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], view: _LookupView | None, now: float
-    ) -> list[tuple[Any, ...]]:
-        """``self._score(self._works(t_in, lookup, candidates, view), now)`` in one pass over the
-        candidates, with no work tuple per candidate (a decision that scores every candidate:
-        its hot loop). The same expressions in the same order as :meth:`_works` then
-        :meth:`_score`, so the same floats (property-tested equal).
-
-        A node's work (and its τ, ΣA and copy price) depends only on the decision's lookup and
-        on the node's own prefix ``(local, gpu)``, unless a source range is the node's own: it is
-        computed once per distinct prefix among the other nodes (most candidates hold the same
-        shared prefix, e.g. a system prompt) and once per source node."""
-        nodes = self._nodes
-        max_age = self.state_max_age_s
-        f_base, f_per, f_min = self._fetch_base, self._fetch_per_token, self._fetch_min
-        kappa = self.kappa
-        out: list[tuple[Any, ...]] = []
-        append = out.append
-        prefixes: dict[str, tuple[int, int]] = {}
-        srcs: list[tuple[str, int, int]] = []
-        src_nodes: set[str] | tuple[()] = ()
-        memo: dict[tuple[int, int], tuple[Any, ...]] = {}
-        bs = cap = longest_t = 0
-        if view is not None and lookup is not None:
-            prefixes, srcs, _ = view
-            src_nodes = {r[0] for r in srcs}
-            bs = lookup.block_size
-            cap = ((t_in - 1) // bs) * bs
-            longest_t = lookup.longest_any * bs
-        else:  # nothing cached: the whole prompt on every node
-            memo[(0, 0)] = (t_in, 0, 0, 0, 0, 0.0, t_in * 0 + t_in * (t_in + 1) / 2.0, kappa * 0)
-        for n in candidates:
-            node = n.node
-            # -- the work on the node (_works), with its τ, ΣA and copy price --
-            key = prefixes.get(node, _NO_PREFIX)
-            w = None if node in src_nodes else memo.get(key)
-            if w is None:
-                t_uc, t_c, t_rst, x, local_t = _node_work(node, key, srcs, t_in, bs, cap, longest_t, f_min)
-                w = (
-                    t_uc,
-                    t_c,
-                    t_rst,
-                    x,
-                    local_t,
-                    f_base + f_per * x if (x > 0 and x >= f_min) else 0.0,  # τ
-                    t_uc * t_c + t_uc * (t_uc + 1) / 2.0,  # qk_pairs(t_uc, t_c)
-                    kappa * x,  # copy price
-                )
-                if node not in src_nodes:
-                    memo[key] = w
-            t_uc, t_c, rst, x, local_t, tau, a_all, copy = w
-            # -- its estimate (_score) --
+        for node, (t_uc, t_c, rst, x, local_t, tau, a_all, copy) in zip(names, priced):
             tr = nodes.get(node) or self._track(node)
             st = tr.state
             ctx = tr.trusted_ctx
@@ -894,6 +825,39 @@ class TtftPredictor:
             ttft = wait + own + exposed
             append((node, ttft + copy, ttft, wait, own, tau, exposed, copy, t_uc, t_c, local_t, x, rst, items, trusted, shared))
         return out
+
+    def _score_all(
+        self, t_in: int, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], view: _LookupView | None, now: float
+    ) -> list[tuple[Any, ...]]:
+        """``self._score(self._works(t_in, lookup, candidates, view), now)`` with each node's
+        priced work (:meth:`_priced`) made once per distinct own prefix: a node's work depends
+        only on the decision's lookup and on its own prefix ``(local, gpu)``, unless a source
+        range is the node's own (most candidates hold the same shared prefix, e.g. a system
+        prompt). Property-tested equal."""
+        names = [n.node for n in candidates]
+        priced: list[tuple[Any, ...]] = []
+        append = priced.append
+        if view is None or lookup is None:  # nothing cached: the whole prompt on every node
+            w = self._priced(t_in, 0, 0, 0, 0)
+            for _ in names:
+                append(w)
+            return self._rows(names, priced, now)
+        prefixes, srcs, _ = view
+        src_nodes = {r[0] for r in srcs}
+        bs = lookup.block_size
+        cap = ((t_in - 1) // bs) * bs
+        longest_t = lookup.longest_any * bs
+        f_min = self._fetch_min
+        memo: dict[tuple[int, int], tuple[Any, ...]] = {}
+        for node in names:
+            key = prefixes.get(node, _NO_PREFIX)
+            w = None if node in src_nodes else memo.get(key)
+            if w is None:
+                w = self._priced(*_node_work(node, key, srcs, t_in, bs, cap, longest_t, f_min))
+                if node not in src_nodes:
+                    memo[key] = w
+            append(w)
+        return self._rows(names, priced, now)
 
     # -- one candidate ---------------------------------------------------- #
 
@@ -1093,6 +1057,7 @@ _SCORE = itemgetter(1)
 """``score_s`` of a plain estimate tuple."""
 _FIRST = itemgetter(0)
 _NO_PREFIX = (0, 0)
+"""``(local_blocks, gpu_blocks)`` of a node the lookup does not list."""
 
 
 def _node_work(
@@ -1126,7 +1091,8 @@ def _node_work(
         t_c, x = own, 0
     g = gpu * bs
     return t_in - t_c, t_c, t_c - (g if g < t_c else t_c), x, local_t
-"""``(local_blocks, gpu_blocks)`` of a node the lookup does not list."""
+
+
 _LookupView = tuple[dict[str, tuple[int, int]], list[tuple[str, int, int]], int]
 """What :meth:`TtftPredictor._lookup_view` returns: ``(local_blocks, gpu_blocks)`` by node, ``(node,
 start, end)`` source ranges, the longest own prefix (blocks)."""
