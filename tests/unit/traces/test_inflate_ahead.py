@@ -21,7 +21,7 @@ from evolving_infra.traces.inflate import InflateAhead, NotOneMember, one_member
 from evolving_infra.traces.io import TraceError, write_trace
 from evolving_infra.traces.schema import FORMAT, TraceHeader, TraceRequest
 
-from .test_io_gzip import _text
+from .test_io_gzip import _compressed
 
 
 def _read(path: Path, ahead: InflateAhead | None) -> tuple[list[tuple[int, bytes]], str | None]:
@@ -47,19 +47,8 @@ def test_lines_and_errors_are_those_of_inflating_in_the_reader(tmp_path: Path, m
     bad = set()
     for seed in range(90):
         rng = random.Random(seed)
-        data = gzip.compress(_text(rng, rng.randrange(0, 200)))
         kind = seed % 6
-        if kind == 1:  # several members
-            data += gzip.compress(_text(rng, rng.randrange(1, 200)))
-        elif kind == 2:  # zero padding after the member
-            data += b"\0" * rng.randrange(1, 9)
-        elif kind == 3:  # truncated
-            data = data[: rng.randrange(10, len(data))]
-        elif kind == 4:  # a corrupt byte
-            i = rng.randrange(10, len(data))
-            data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
-        elif kind == 5:  # garbage after the member
-            data += b"garbage"
+        data = _compressed(rng, kind)
         path = tmp_path / f"f{seed}.gz"
         path.write_bytes(data)
         want = _read(path, None)

@@ -48,6 +48,25 @@ def _text(rng: random.Random, n: int) -> bytes:
     return b"\n".join(lines) + (b"\n" if rng.random() < 0.5 else b"")
 
 
+def _compressed(rng: random.Random, kind: int) -> bytes:
+    """A gzip file of :func:`_text` lines: ``kind`` 0 one clean member, 1 several members, 2 zero
+    padding after the member, 3 truncated, 4 a corrupt byte (deflate data or trailer), 5 garbage
+    after the member."""
+    data = gzip.compress(_text(rng, rng.randrange(0, 200)))
+    if kind == 1:
+        data += gzip.compress(_text(rng, rng.randrange(1, 200)))
+    elif kind == 2:
+        data += b"\0" * rng.randrange(1, 9)
+    elif kind == 3:
+        data = data[: rng.randrange(10, len(data))]
+    elif kind == 4:
+        i = rng.randrange(10, len(data))
+        data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
+    elif kind == 5:
+        data += b"garbage"
+    return data
+
+
 @pytest.mark.parametrize("chunk", [64, 1 << 20])
 def test_any_compressed_file_reads_as_gzip_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
     # small chunks and hold-back (>= gzip's 128 KiB buffer): lines, errors and members cross chunk ends
@@ -56,19 +75,8 @@ def test_any_compressed_file_reads_as_gzip_reads_it(tmp_path: Path, monkeypatch:
     kinds = set()
     for seed in range(150):
         rng = random.Random(seed)
-        data = gzip.compress(_text(rng, rng.randrange(0, 200)))
         kind = seed % 6
-        if kind == 1:  # several members
-            data += gzip.compress(_text(rng, rng.randrange(1, 200)))
-        elif kind == 2:  # zero padding after the member
-            data += b"\0" * rng.randrange(1, 9)
-        elif kind == 3:  # truncated
-            data = data[: rng.randrange(10, len(data))]
-        elif kind == 4:  # a corrupt byte in the deflate data or the trailer
-            i = rng.randrange(10, len(data))
-            data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
-        elif kind == 5:  # garbage after the member
-            data += b"garbage"
+        data = _compressed(rng, kind)
         path = tmp_path / f"f{seed}.gz"
         path.write_bytes(data)
         want = _by_gzip(path)
