@@ -361,6 +361,13 @@ class GpuBlockPool:
         """O(blocks); for checks and tests."""
         return any(h in r.keys for r in self._runs())
 
+    def pages(self) -> set[int]:
+        """Every hashed block in L1, as a new set. O(blocks)."""
+        out: set[int] = set()
+        for r in self._runs():
+            out.update(r.keys)
+        return out
+
     # -- walks ------------------------------------------------------------ #
 
     def _runs(self) -> Iterator[_GpuRun]:
@@ -1463,10 +1470,7 @@ class BranchRunHostPool(RunHostPool):
         of every page (the one :class:`RunHostPool` keeps cost one set insert and one delete per
         page entering and leaving L2, ~1.5% of a 64-token ``evolving`` run, for reads that are
         rare here: a :attr:`counted` trim, checks, and a failed real-bytes fetch)."""
-        out = set(self.queued)
-        for r in self.gpu._runs():
-            out.update(r.keys)
-        return out
+        return self.queued | self.gpu.pages()
 
     def __contains__(self, h: int) -> bool:
         """O(1) for a queued page, else O(L1 pages) (a walk of L1's runs)."""
@@ -1478,9 +1482,7 @@ class BranchRunHostPool(RunHostPool):
         queued = self.queued
         rest = [h for h in hashes if h not in queued]
         if rest:
-            l1: set[int] = set()
-            for r in self.gpu._runs():
-                l1.update(r.keys)
+            l1 = self.gpu.pages()
             rest = [h for h in rest if h not in l1]
         return rest
 
@@ -1493,19 +1495,13 @@ class BranchRunHostPool(RunHostPool):
         if r is not None:
             return r
         for q in self.queues:
-            head = q.head
-            r = head.next
-            while r is not head:
+            for r in q:
                 if r.keys[-1] == h:
                     return r
-                r = r.next
         for q in self.queues:
-            head = q.head
-            r = head.next
-            while r is not head:
+            for r in q:
                 if h in r.keys:
                     return r
-                r = r.next
         raise KvInvariantError(f"L2 page {h} is queued in no run")
 
     def _run_at(self, h: int, d: int, g: int | None = None) -> _HostRun | None:
@@ -1516,17 +1512,13 @@ class BranchRunHostPool(RunHostPool):
         if r is not None:
             return r if g is None or r.group == g else None
         for q in self.queues if g is None else (self.queues[g],):
-            head = q.head
-            r = head.next
-            while r is not head:
+            for r in q:
                 o = d - r.depth
                 if 0 <= o < len(r.keys) and r.keys[o] == h:
                     return r
-                r = r.next
         if g is None:
             raise KvInvariantError(f"L2 page {h} (depth {d}) is queued in no run")
         return None
-
 
     def _count(self, hashes: Sequence[int], counts: Sequence[int]) -> None:
         """Set :attr:`counted` from a count message, in message order (a page named twice
