@@ -227,18 +227,20 @@ class BranchTable:
 
     def _count_copies(self) -> list[list[int]]:
         """:attr:`counted_copies` counted from R and the index."""
-        where = self.index.where
-        out = []
-        for n, R in enumerate(self.R):
-            gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
-            g = h = 0
-            for pc, k in Counter(map(_PC, filter(None, map(where.get, R)))).items():
-                if pc & gb:
-                    g += k
-                if pc & hb:
-                    h += k
-            out.append([g, h])
-        return out
+        return [list(self._present(n, R)) for n, R in enumerate(self.R)]
+
+    def _present(self, n: int, blocks: Iterable[int]) -> tuple[int, int]:
+        """How many of ``blocks`` are present on node n: ``(in its GPU, in its host memory)``.
+        O(blocks) C-level (each block's run in the index, its presence bits tallied) +
+        O(distinct presence values) Python steps."""
+        gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
+        g = h = 0
+        for pc, k in Counter(map(_PC, filter(None, map(self.index.where.get, blocks)))).items():
+            if pc & gb:
+                g += k
+            if pc & hb:
+                h += k
+        return g, h
 
     # ------------------------------------------------------------------ #
     # Count / Release (Alg. E.2 lines 1-4)
@@ -405,13 +407,10 @@ class BranchTable:
         """``blocks`` had their count on node n cross 0 (d = +1 up, -1 down; ``keep_counted_copies``):
         present copies with a positive count change by d per tier. O(blocks) C-level + O(distinct
         presence values) Python steps."""
-        gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
+        g, h = self._present(n, blocks)
         cc = self._cc[n]
-        for pc, k in Counter(map(_PC, filter(None, map(self.index.where.get, blocks)))).items():
-            if pc & gb:
-                cc[GPU] += d * k
-            if pc & hb:
-                cc[HOST] += d * k
+        cc[GPU] += d * g
+        cc[HOST] += d * h
 
     def _release(self, b: Branch, n: int) -> None:
         self._set_k(b, n, 0)
