@@ -45,6 +45,18 @@ KEYFRAME_DEPTH = 64
 finds no cached ancestor to ``KEYFRAME_DEPTH`` steps; costs ~1/64 of the full id count)."""
 
 
+def holder_of(k: np.ndarray, ref: np.ndarray, at: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """For each request ``at[i]`` and id position ``pos[i]`` in it, the request that stores that
+    id (:meth:`BlockStore.id_at` for all at once): references are followed while the position is
+    among the request's shared ids (``pos < k``). ``k`` and ``ref`` are a store's ``_k`` and
+    ``_ref`` as arrays; ``at`` is updated in place and returned. O(reference depth) numpy steps."""
+    while True:
+        back = pos < k[at]
+        if not back.any():
+            return at
+        at[back] = ref[at[back]]
+
+
 class BlockStore:
     """Block-id lists of requests, each stored as a difference against an earlier one.
 
@@ -212,12 +224,7 @@ class BlockStore:
         has = kc > 0
         cur = np.flatnonzero(has)  # the fine id before each request's new coarse ids: id m*kc - 1,
         pos = m * kc[cur] - 1  # found by following references (BlockStore.id_at, for all at once)
-        at = cur.copy()
-        while True:
-            back = pos < k[at]
-            if not back.any():
-                break
-            at[back] = ref[at[back]]
+        at = holder_of(k, ref, cur.copy(), pos)
         prev = np.full(len(k), -1, dtype=np.int64)
         prev[cur] = flat[off[at] + pos - k[at]]
         depth = [0] * len(k)

@@ -44,7 +44,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from evolving_infra.traces.compact import KEYFRAME_DEPTH, BlockStore, CompactTrace
+from evolving_infra.traces.compact import KEYFRAME_DEPTH, BlockStore, CompactTrace, holder_of
 from evolving_infra.traces.io import PACK_MAGIC as MAGIC
 from evolving_infra.traces.io import TraceError, TraceProblem, _Validator, paused_gc
 from evolving_infra.traces.schema import MAX_BLOCK_ID, VERSION, TraceHeader, TraceRequest
@@ -172,18 +172,13 @@ def _store(path: str | os.PathLike[str], pl: _Payload) -> tuple[BlockStore, list
 def _prevs(st: BlockStore, flat: np.ndarray, off: np.ndarray, ref: np.ndarray, k: np.ndarray, has_ref: np.ndarray,
            refs: list[int], ks: list[int]) -> array:
     """``BlockStore._prev``: the id before each request's stored segment, ``st.id_at(ref, k - 1)``
-    (-1 for a keyframe), for every request at once (the references followed with numpy, as
-    :meth:`BlockStore.coarsened` does: ~15,800 ``id_at`` calls were ~10 ms of loading a packed
+    (-1 for a keyframe), for every request at once (the references followed with numpy,
+    :func:`~evolving_infra.traces.compact.holder_of`, as :meth:`BlockStore.coarsened` does: ~15,800 ``id_at`` calls were ~10 ms of loading a packed
     260-session trace). A position past its request's ids (not possible once :func:`_store` has
     checked the lengths) takes ``id_at`` itself, which raises as before."""
     cur = np.flatnonzero(has_ref)
     pos = k[cur] - 1
-    at = ref[cur]
-    while True:  # BlockStore.id_at: while pos < k[i]: i = ref[i]
-        back = pos < k[at]
-        if not back.any():
-            break
-        at = np.where(back, ref[at], at)
+    at = holder_of(k, ref, ref[cur], pos)
     q = off[at] + pos - k[at]
     if len(q) and np.any(q >= off[at + 1]):
         return array("q", [st.id_at(r, kk - 1) if r >= 0 else -1 for r, kk in zip(refs, ks)])
