@@ -666,16 +666,23 @@ class EngineScheduler:
         if self._fetching:
             self._advance_fetches(now)
         budget = self.chunk_tokens
-        decode_reqs: list[_Request] = []
-        prefilling: list[_Request] = []
         prefill_reqs: list[_Request] = []
         chunks: list[PrefillChunk] = []
         admitted: list[str] = []
-        for r in self.running.values():
-            if r.state == DECODING:
-                decode_reqs.append(r)
-            elif r.state == PREFILLING:
-                prefilling.append(r)
+        running = self.running
+        if self.n_decoding == len(running):  # nothing prefilling: the whole running batch decodes
+            decode_reqs = list(running.values())
+            decode_rids = list(running)
+            prefilling: list[_Request] = []
+        else:
+            decode_reqs = []
+            prefilling = []
+            for r in running.values():
+                if r.state == DECODING:
+                    decode_reqs.append(r)
+                elif r.state == PREFILLING:
+                    prefilling.append(r)
+            decode_rids = [r.rid for r in decode_reqs]
         budget -= len(decode_reqs) * self.fwd_tokens
         if len(prefilling) > 1:
             prefilling.sort(key=_by_seq)
@@ -719,21 +726,21 @@ class EngineScheduler:
             iteration_s = prefill_s + decode_s
             if horizon is not None and iteration_s > 0:
                 k = self._skip_ahead(decode_reqs, now, horizon, iteration_s)
-        plan = IterationPlan(
-            start=now,
-            iterations=k,
-            iteration_s=iteration_s,
-            end=now + k * iteration_s,
-            prefill=chunks,
-            decode=[r.rid for r in decode_reqs],
-            prefill_s=prefill_s,
-            decode_s=decode_s,
-            sum_uncached=sum_uc,
-            sum_qk_pairs=sum_qk,
-            sum_restored=sum_rst,
-            sum_cached=sum_c,
-            reqs=prefill_reqs + decode_reqs,
-            admitted=admitted,
+        plan = IterationPlan(  # positional, in field order (one per plan)
+            now,  # start
+            k,  # iterations
+            iteration_s,  # iteration_s
+            now + k * iteration_s,  # end
+            chunks,  # prefill
+            decode_rids,  # decode
+            prefill_s,  # prefill_s
+            decode_s,  # decode_s
+            sum_uc,  # sum_uncached
+            sum_qk,  # sum_qk_pairs
+            sum_rst,  # sum_restored
+            sum_c,  # sum_cached
+            prefill_reqs + decode_reqs if prefill_reqs else decode_reqs,  # reqs
+            admitted,  # admitted
         )
         self._inflight = plan
         self._check()
@@ -800,7 +807,26 @@ class EngineScheduler:
                 self.n_decoding += 1
         step = k * self.acc_milli
         partial = self.partial_outputs
-        for r in plan.reqs[n_chunks:] if n_chunks else plan.reqs:
+        decoding = plan.reqs[n_chunks:] if n_chunks else plan.reqs
+        if stopped is None:  # no end-of-sequence (the simulator): a request decodes to max_tokens
+            for r in decoding:
+                if r.state != DECODING:
+                    continue
+                total = r.acc + step
+                r.acc = total % _MILLI
+                n = total // _MILLI
+                start = r.generated
+                left = r.max_tokens - start
+                if n < left:
+                    r.generated = start + n
+                    if n and partial:
+                        out.append(TokensOut(r.rid, start, n, False, None, r.prompt_tokens, r.cached, now))
+                    continue
+                r.generated = start + left
+                out.append(TokensOut(r.rid, start, left, True, "length", r.prompt_tokens, r.cached, now))
+                self._remove(r)
+            decoding = ()
+        for r in decoding:
             if r.state != DECODING:
                 continue
             total = r.acc + step
@@ -832,7 +858,7 @@ class EngineScheduler:
                 IterationRecord(
                     start=plan.start,
                     duration_s=plan.iteration_s,
-                    phase=plan.phase,  # type: ignore[arg-type]
+                    phase=("mixed" if plan.decode else "prefill") if n_chunks else "decode",  # plan.phase
                     prefill_requests=n_chunks,
                     sum_uncached=plan.sum_uncached,
                     sum_qk_pairs=plan.sum_qk_pairs,
