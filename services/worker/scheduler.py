@@ -276,17 +276,17 @@ class EngineScheduler:
         bs = self.block_size
         footprint = _ceil_div(work.prompt_tokens + (work.max_tokens if decode_here else 0), bs)
         self._check_fits(rid, footprint)
-        r = _Request(
-            rid=rid,
-            prompt_tokens=work.prompt_tokens,
-            max_tokens=work.max_tokens,
-            path=list(work.block_hashes),
-            state=WAITING,
-            arrived_at=now,
-            footprint=footprint,
-            limit=(work.prompt_tokens - 1) // bs,
-            handoff_to=None if decode_here else (work.decode_node or _UNBOUND),
-            prefill_work=work,
+        r = _Request(  # positional, in field order (one per request)
+            rid,  # rid
+            work.prompt_tokens,  # prompt_tokens
+            work.max_tokens,  # max_tokens
+            list(work.block_hashes),  # path
+            WAITING,  # state
+            now,  # arrived_at
+            footprint,  # footprint
+            (work.prompt_tokens - 1) // bs,  # limit
+            None if decode_here else (work.decode_node or _UNBOUND),  # handoff_to
+            work,  # prefill_work
         )
         r.q_gpu, r.q_host = self.kv.match(r.path, r.limit)
         self.requests[rid] = r
@@ -692,7 +692,7 @@ class EngineScheduler:
             if budget <= 0:
                 break
             n = min(r.prompt_tokens - r.cached - r.computed, budget)
-            chunks.append(self._chunk(r, n, restored=0))
+            chunks.append(self._chunk(r, n, 0))
             prefill_reqs.append(r)
             budget -= n
         if budget > 0 and self.waiting:
@@ -781,20 +781,21 @@ class EngineScheduler:
             r.generated = 1
             eos = stopped is not None and r.rid in stopped
             done = r.max_tokens <= 1 or eos
+            f = r.fetch
             out.append(
-                TokensOut(
-                    rid=r.rid,
-                    index=0,
-                    count=1,
-                    finished=done,
-                    finish_reason=("stop" if eos else "length") if done else None,
-                    prompt_tokens=r.prompt_tokens,
-                    cached_tokens=r.cached,
-                    at=now,
-                    queue_s=r.admitted_at - r.arrived_at,
-                    fetch_s=r.fetch.fetch_s if r.fetch is not None else None,
-                    exposed_fetch_s=r.fetch.exposed_s if r.fetch is not None else None,
-                    fetched_tokens=r.fetch.used * self.block_size if r.fetch is not None else 0,
+                TokensOut(  # positional, in field order (one per first token)
+                    r.rid,  # rid
+                    0,  # index
+                    1,  # count
+                    done,  # finished
+                    ("stop" if eos else "length") if done else None,  # finish_reason
+                    r.prompt_tokens,  # prompt_tokens
+                    r.cached,  # cached_tokens
+                    now,  # at
+                    r.admitted_at - r.arrived_at,  # queue_s
+                    f.fetch_s if f is not None else None,  # fetch_s
+                    f.exposed_s if f is not None else None,  # exposed_fetch_s
+                    f.used * self.block_size if f is not None else 0,  # fetched_tokens
                 )
             )
             if done:
@@ -1011,9 +1012,8 @@ class EngineScheduler:
 
     def _chunk(self, r: _Request, n: int, restored: int) -> PrefillChunk:
         before = r.cached + r.computed
-        return PrefillChunk(
-            rid=r.rid, tokens=n, cached_before=before, restored=restored, completes=before + n >= r.prompt_tokens
-        )
+        # positional, in field order (rid, tokens, cached_before, restored, completes): one per chunk
+        return PrefillChunk(r.rid, n, before, restored, before + n >= r.prompt_tokens)
 
     def _admit_waiting(
         self,
@@ -1039,7 +1039,7 @@ class EngineScheduler:
             if r is None or (before is not None and r.seq > before) or not self._admit(r, now):
                 break
             n = min(r.prompt_tokens - r.cached, budget)
-            chunks.append(self._chunk(r, n, restored=r.restored))
+            chunks.append(self._chunk(r, n, r.restored))
             prefill_reqs.append(r)
             admitted.append(r.rid)
             budget -= n
@@ -1151,7 +1151,7 @@ class EngineScheduler:
     def _skip_ahead(self, decode_reqs: list[_Request], now: float, horizon: float, iteration_s: float) -> int:
         """k for a pure-decode plan: up to the first completion, all starts before the horizon."""
         m = self.acc_milli
-        k_finish = min(_ceil_div((r.max_tokens - r.generated) * _MILLI - r.acc, m) for r in decode_reqs)
+        k_finish = min([-(-((r.max_tokens - r.generated) * _MILLI - r.acc) // m) for r in decode_reqs])  # ceil division
         h = horizon
         for r in self.transferring.values():
             if now < r.ready_at < h:
