@@ -57,8 +57,13 @@ class PlainWorkload:
         self.blocks_of = blocks_of
 
     def partition(self, part_of: Callable[[str], int], k: int, keep: set[str] | None = None) -> list[TraceRequest]:
-        """Requests of the agents bound to partition ``k`` (file order), optionally only agents in ``keep``."""
-        return [r for r in self.requests if part_of(r.agent) == k and (keep is None or r.agent in keep)]
+        """Requests of the agents bound to partition ``k`` (file order), optionally only agents in ``keep``.
+
+        ``part_of`` is asked once per agent, not once per request."""
+        mine = {a for a in self.agents if part_of(a) == k and (keep is None or a in keep)}
+        if len(mine) == len(self.agents):  # every agent (one partition, no cap): the whole input
+            return list(self.requests)
+        return [r for r in self.requests if r.agent in mine]
 
 
 class TiledWorkload:
