@@ -324,6 +324,8 @@ class ClusterSim:
         self.relaunch_s = cfg.relaunch_s
         self.latency = cfg.msg_latency_s
         self.ingress, self.ingress_tok, self.egress = cfg.ingress_s, cfg.ingress_s_per_token, cfg.egress_s
+        self._client_now = not self.latency + self.egress > 0.0
+        """First tokens and ends reach the client at once (:meth:`_to_client` delays nothing)."""
         self._ingress_free = 0.0
         """End of the prompt work (``ingress_s_per_token``) of the last request sent: the router does it
         one request at a time, in send order."""
@@ -680,7 +682,10 @@ class ClusterSim:
                 if granted:
                     self._resv_add(rr.rid, rr.prompt_tokens, rr.max_tokens, True, t)
         f.work = work
-        self._deliver(t, self._add_prefill, f, work, gated, decode_later)
+        if self.latency > 0.0:
+            self._deliver(t, self._add_prefill, f, work, gated, decode_later)
+        else:  # _deliver's undelayed case, without its call
+            self._add_prefill(t, f, work, gated, decode_later)
 
     def _deliver(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         if self.latency > 0.0:
@@ -775,12 +780,15 @@ class ClusterSim:
             return
         plan = sched.schedule(t, t + HORIZON_S)
         n.dirty = True
+        if sched.kv.events:  # (most plans change no KV: no call)
+            self._flush_kv(n, t)
         self._after_schedule(n, plan, t)
         if plan is not None:
             self.stats.plans += 1
-            n.plan_end = plan.end
-            n.token += 1
-            self._push(plan.end, PLAN_END, n, n.token)
+            n.plan_end = end = plan.end
+            n.token = token = n.token + 1
+            self._seq = seq = self._seq + 1  # self._push, inline (one per plan)
+            heapq.heappush(self._heap, (end, seq, PLAN_END, n, token))
             return
         dl = sched.next_deadline()
         if dl is not None and dl > t and dl != n.wake_at:
@@ -790,7 +798,9 @@ class ClusterSim:
             self._maybe_finish_drain(n, t)
 
     def _after_schedule(self, n: _Node, plan: Any, t: float) -> None:
-        self._flush_kv(n, t)
+        """What ``n``'s :meth:`EngineScheduler.schedule` started, after its KV events were taken:
+        decode reservations it granted, prefills it admitted (the reservation meter, decode binding
+        at prefill start)."""
         granted = n.sched.take_granted()
         for rid in granted:
             f = self.flights.get(rid)
@@ -803,13 +813,15 @@ class ClusterSim:
             if p.sched.open_gate(rid, t):
                 p.dirty = True
                 self._kick(p, t)
-        if plan is not None and plan.admitted and self.binding == "enqueue":
+        if plan is None or not plan.admitted:
+            return
+        if self.binding == "enqueue":
             for rid in plan.admitted:  # the reservation meter: these prefills have started
                 f = self.flights.get(rid)
                 if f is not None:
                     f.started = True
                     self._resv_started(rid, t)
-        if plan is not None and plan.admitted and self.binding == "prefill-start":
+        elif self.binding == "prefill-start":
             for rid in plan.admitted:
                 f = self.flights[rid]
                 if f.decode_later and f.decode is None:
@@ -871,11 +883,15 @@ class ClusterSim:
                     msg = online.refit(t)
                     if msg is not None:
                         self._apply_models(msg, t)  # type: ignore[misc]
-        self._flush_kv(n, t)
+        if sched.kv.events:
+            self._flush_kv(n, t)
         for out in outs:
             if type(out) is TokensOut:
                 if out.index == 0:
-                    self._to_client(t, self._first_token, out)
+                    if self._client_now:  # _to_client's undelayed case, without its call
+                        self._first_token(t, out)
+                    else:
+                        self._to_client(t, self._first_token, out)
                 if out.finished:
                     f = self.flights.get(out.rid)
                     if f is not None:
@@ -890,7 +906,10 @@ class ClusterSim:
                             d.bound -= 1
                             d.dirty = True
                             self._maybe_finish_drain(d, t)
-                    self._to_client(t, self._finish, out.rid)
+                    if self._client_now:
+                        self._finish(t, out.rid)
+                    else:
+                        self._to_client(t, self._finish, out.rid)
             elif type(out) is HandOff:
                 self.stats.handoffs += 1
                 n.bound -= 1
@@ -1011,7 +1030,7 @@ class ClusterSim:
     def _flush_kv(self, n: _Node, t: float) -> None:
         if not n.sched.kv.events:  # nothing happened to the node's KV (most calls): no list to drain
             return
-        events = n.sched.take_kv_events()
+        events = n.sched.kv.take_events()  # EngineScheduler.take_kv_events without its wrapper call
         if self.skip_decode_kv and n.phase == "decode":
             return
         self.stats.kv_batches += 1
