@@ -1524,26 +1524,30 @@ class BranchRunHostPool(RunHostPool):
         """Set :attr:`counted` from a count message, in message order (a page named twice
         ends with its last count): one C-level set update per stretch of entries on one side
         of 0 (a message from the directory has at most a few: each change's zeros are a tail).
-        Pages not in L2 are not filtered out here; once :attr:`counted` holds more than twice
-        L2's pages (+ 1024; L2's pages are the pinned ones and the queued ones), it is cut to
-        L2's pages (:meth:`_members`: O(its size + L2's), amortised O(1) per entry)."""
+        A message with no 0 (most of them) is told by ``all(counts)``, a truth test per count
+        (~51 instructions each, against ~111 for the equality test of ``list.count(0)`` on a
+        positive count; a 0 is the cached int, which ``list.count`` and ``list.index`` match by
+        identity, ~10). Pages not in L2 are not filtered out here; once :attr:`counted` holds
+        more than twice L2's pages (+ 1024; L2's pages are the pinned ones and the queued ones),
+        it is cut to L2's pages (:meth:`_members`: O(its size + L2's), amortised O(1) per entry)."""
         counted = self.counted
-        n = len(hashes)
-        zeros = counts.count(0)  # counts are >= 0 (shared.validate refuses a negative one)
-        if not zeros:
+        if all(counts):  # counts are >= 0 (shared.validate refuses a negative one)
             counted.update(hashes)
-        elif zeros == n:
-            counted.difference_update(hashes)
         else:
-            z = counts.index(0)
-            e = z + zeros
-            if e == n or counts[z:e].count(0) == zeros:  # one block of zeros (the usual mixed message)
-                counted.update(hashes[:z])
-                counted.difference_update(hashes[z:e])
-                counted.update(hashes[e:])
+            n = len(hashes)
+            zeros = counts.count(0)
+            if zeros == n:
+                counted.difference_update(hashes)
             else:
-                for i, j, g in _stretches(list(map(bool, counts))):
-                    (counted.update if g else counted.difference_update)(islice(hashes, i, j))
+                z = counts.index(0)
+                e = z + zeros
+                if e == n or counts[z:e].count(0) == zeros:  # one block of zeros (the usual mixed message)
+                    counted.update(hashes[:z])
+                    counted.difference_update(hashes[z:e])
+                    counted.update(hashes[e:])
+                else:
+                    for i, j, g in _stretches(list(map(bool, counts))):
+                        (counted.update if g else counted.difference_update)(islice(hashes, i, j))
         if len(counted) > 2 * (self.pinned + len(self.queued)) + 1024:
             counted.intersection_update(self._members())
 
