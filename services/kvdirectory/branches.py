@@ -171,10 +171,13 @@ class BranchTable:
         """[node]: ids of branches with a non-empty C_{β,node}, in the order they started counting
         there (a dict, not a set: a D→P reset releases them in this order, the same in every
         process; a set of strings iterates in an order ``PYTHONHASHSEED`` decides)."""
-        self.outbox: list[list[tuple[list[int], list[int] | None, list[int]]]] = []
-        """[node]: unsent count changes in the order they happened, each ``(blocks, before,
+        self.outbox: list[list[tuple[list[int], int | None, list[int]]]] = []
+        """[node]: unsent count changes in the order they happened, each ``(blocks, step,
         after)``: a path slice (parent first) or the counted blocks of a host store (in the
-        store's order), their counts before (None: send anyway) and after the change."""
+        store's order), what the change added to each block's count (+1 or -1; None: a
+        re-send, sent anyway) and their counts after it. The counts before, ``after - step``,
+        are read only when a drain merges changes to the same blocks (a handful of drains per
+        run), so no list of them is built per change."""
         self.out_len: list[int] = []
         """[node]: blocks listed in its outbox (a block changed twice is listed twice)."""
         self.out_seq: list[int] = []
@@ -277,7 +280,7 @@ class BranchTable:
         Along a path counts never grow with depth (a prefix that holds a block holds its
         parent), so the blocks that cross 0 are a tail of the slice: found by bisection and
         verified in C (the usual: all of them, one ``isdisjoint`` pass), so that R and the
-        outbox's counts before and after are written without reading every count first."""
+        outbox's counts after the change are written without reading every count first."""
         R = self.R[n]
         L = len(blocks)
         if not R.get(blocks[-1]):  # some cross 0: find the first by bisection, then verify the shape
@@ -290,22 +293,21 @@ class BranchTable:
                     hi = mid
             if not lo:
                 if R.keys().isdisjoint(blocks):  # the usual move: none counted on n yet
-                    old, new = [0] * L, [1] * L
+                    new = [1] * L
                     R.update(zip(blocks, new))
                     if self.keep_counted_copies:
                         self._crossed_path(n, blocks, 1)
-                    self.outbox[n].append((blocks, old, new))
+                    self.outbox[n].append((blocks, 1, new))
                     self.out_len[n] += L
                     return
             else:
                 head = list(map(R.get, islice(blocks, lo)))
                 if None not in head and R.keys().isdisjoint(islice(blocks, lo, None)):  # counted head, new tail
-                    old = head + [0] * (L - lo)
                     new = list(map(_add, head, _REPEAT1)) + [1] * (L - lo)
                     R.update(zip(blocks, new))
                     if self.keep_counted_copies:
                         self._crossed_path(n, blocks[lo:], 1)
-                    self.outbox[n].append((blocks, old, new))
+                    self.outbox[n].append((blocks, 1, new))
                     self.out_len[n] += L
                     return
         old = list(map(R.get, blocks, _REPEAT0))  # any shape (a tampered R, a path repeating a hash)
@@ -313,7 +315,7 @@ class BranchTable:
         R.update(zip(blocks, new))
         if self.keep_counted_copies and 0 in old:
             self._crossed(n, compress(blocks, map(_not, old)), 1)
-        self.outbox[n].append((blocks, old, new))
+        self.outbox[n].append((blocks, 1, new))
         self.out_len[n] += len(blocks)
 
     def _count_down(self, n: int, blocks: list[int]) -> None:
@@ -341,14 +343,14 @@ class BranchTable:
                 gone = list(map(R.pop, tail, _REPEAT_NONE))
                 if gone.count(1) == len(gone):  # verified: the usual release (z = 0) or a shared head staying counted
                     if z:
-                        new_head = list(map(_sub, head, _REPEAT1))
-                        R.update(zip(blocks, new_head))
-                        old, new = head + gone, new_head + [0] * (L - z)
+                        new = list(map(_sub, head, _REPEAT1))
+                        R.update(zip(blocks, new))
+                        new += [0] * (L - z)
                     else:
-                        old, new = gone, [0] * L
+                        new = [0] * L
                     if self.keep_counted_copies:
                         self._crossed_path(n, tail, -1)
-                    self.outbox[n].append((blocks, old, new))
+                    self.outbox[n].append((blocks, -1, new))
                     self.out_len[n] += L
                     return
                 R.update(compress(zip(tail, gone), gone))  # another shape: put back, count per block
@@ -371,7 +373,7 @@ class BranchTable:
         else:
             new = list(map(_sub, old, _REPEAT1))
             R.update(zip(blocks, new))
-        self.outbox[n].append((blocks, old, new))
+        self.outbox[n].append((blocks, -1, new))
         self.out_len[n] += len(blocks)
 
     def _crossed_path(self, n: int, blocks: list[int], d: int) -> None:
@@ -458,7 +460,8 @@ class BranchTable:
                 self.watch[t].setdefault(h, {})[b.bid] = None
 
     def on_stored(self, n: int, tier: int, newly: Sequence[int]) -> None:
-        """Presence hook: blocks ``newly`` became present on (n, tier).
+        """Presence hook: blocks ``newly`` became present on (n, tier). A list is handed over:
+        the outbox may keep it as it is (``BlockIndex.store`` and ``replace`` return new lists).
 
         A host store re-sends the counts of its counted blocks (:meth:`_resend`: one C-level
         pass, as a placement counts a path before its node stores it, so the stored blocks are
@@ -479,7 +482,8 @@ class BranchTable:
 
     def on_stored_through(self, n: int, newly: list[int]) -> None:
         """Presence hook of a GPU store and its host write-through, applied as one
-        (``BlockIndex.store_written_through``: ``newly`` became present on both tiers of n).
+        (``BlockIndex.store_written_through``: ``newly``, a new list handed over as in
+        :meth:`on_stored`, became present on both tiers of n).
         Same effects as ``on_stored(n, GPU, newly)`` then ``on_stored(n, HOST, newly[:])``
         (the moves a block of ``newly`` finishes release nodes other than n, so they touch
         neither R[n] nor n's outbox) with one pass over ``newly`` instead of three."""
@@ -495,10 +499,11 @@ class BranchTable:
         """Blocks ``newly`` became present in n's host memory (and, ``tiers`` = 2, its GPU): queue
         the counts of the counted ones, in the store's order (and count them as present copies
         of the tier(s) with ``keep_counted_copies``). O(len(newly)) C-level: one pass when all are counted (the
-        usual), else a filter and a second pass over the counted ones."""
+        usual: the list ``newly`` itself is queued, not a copy), else a filter and a second pass
+        over the counted ones."""
         try:
             counts = list(map(R.__getitem__, newly))
-            hit = list(newly)
+            hit = newly if type(newly) is list else list(newly)
         except KeyError:  # some are not counted
             hit = list(filter(R.__contains__, newly))
             if not hit:
@@ -888,8 +893,8 @@ class BranchTable:
                     counts = list(chain.from_iterable([o[2] for o in out]))
                 else:
                     before: dict[int, int] = {}
-                    for blocks, bef, _ in reversed(out):  # the count before the first change wins
-                        before.update(zip(blocks, _REPEAT_M1 if bef is None else bef))
+                    for blocks, step, after in reversed(out):  # the count before the first change wins
+                        before.update(zip(blocks, _REPEAT_M1 if step is None else map(_sub, after, repeat(step))))
                     hashes = list(first)
                     now = list(map(self.R[n].get, hashes, _REPEAT0))
                     changed = list(map(_ne, now, map(before.__getitem__, hashes)))  # an undone change is not sent
