@@ -471,6 +471,23 @@ class BlockIndex:
             self._attach(parent, r)
         return r
 
+    def _fresh_run(self, hashes: list[int], parent: int | None, pr: _Run | None, pc: int) -> _Run | None:
+        """Index a brand-new chain ``hashes`` (no block indexed) below ``parent`` (``pr``: its
+        run, None when not indexed) as one new run with presence ``pc``, as :meth:`_new_run`
+        does; None, with nothing changed, when a hash repeats inside the chain. The block → run
+        dict that :attr:`where` is updated with tells a repeat by its size: no set of the hashes
+        is built. O(len(hashes)) C-level."""
+        pcomp = -1 if parent is None else (-pr[0] if pr is not None else 0)  # a missing parent: 0 (placeholder below)
+        r = _mk(list(hashes), parent, pc, pc & pcomp)
+        added = dict.fromkeys(hashes, r)
+        if len(added) != len(hashes):
+            return None
+        self._runs[id(r)] = r
+        self.where.update(added)
+        if parent is not None:
+            self._attach(parent, r)
+        return r
+
     def _drop_run(self, r: _Run) -> None:
         """Delete run ``r`` (held nowhere, childless) and the ancestors this leaves empty and childless."""
         where = self.where
@@ -536,10 +553,12 @@ class BlockIndex:
                     return hashes[:]
                 for h in hashes:  # a hash repeats inside the chain: undo, take the general path
                     where.pop(h, None)
-            elif len(set(hashes)) == k:
-                self._settle(self._new_run(hashes[:], parent, bits))
-                cnt[tier] += k
-                return hashes[:]
+            else:
+                r = self._fresh_run(hashes, parent, pr, bits)
+                if r is not None:
+                    self._settle(r)
+                    cnt[tier] += k
+                    return hashes[:]
         newly: list[int] = []
         touched: list[_Run] = []
         prev: Any = parent
@@ -624,25 +643,36 @@ class BlockIndex:
             ``hashes`` (a new list): what each of the two calls returns (every block is new on
             both tiers); None, with nothing changed, when they are not a brand-new chain (the
             caller then makes the two :meth:`store` calls).
+
+        Cost: one ``isdisjoint`` pass over ``where``, the block → run dict that ``where`` is
+        updated with (its size tells a repeated hash: no set of the hashes is built), one copy
+        of ``hashes`` returned and, for a new run, one for its keys (:meth:`_fresh_run`).
         """
         where = self.where
         k = len(hashes)
-        if not k or self.max_blocks - len(where) <= k or not where.keys().isdisjoint(hashes) or len(set(hashes)) != k:
+        if not k or self.max_blocks - len(where) <= k or not where.keys().isdisjoint(hashes):
             return None
-        hashes = list(hashes)
         pr = where.get(parent) if parent is not None else None
-        if parent is not None and (pr is None or pr.pc == 0):
-            self.counters["stored.without_parent"] += 2  # both calls count it (the first's placeholder has pc 0)
         bits = tier_bit(node, GPU) | tier_bit(node, HOST) | local_bit(node) | ANY_BIT
         if pr is not None and pr.pc == bits and pr.children is None and pr.keys[-1] == parent:
-            where.update(dict.fromkeys(hashes, pr))  # extends a run with the same presence
+            added = dict.fromkeys(hashes, pr)  # extends a run with the same presence
+            if len(added) != k:  # a hash repeats inside the chain
+                return None
+            where.update(added)
             pr.keys.extend(hashes)
+            r = None
         else:
-            self._settle(self._new_run(hashes[:], parent, bits))
+            r = self._fresh_run(hashes, parent, pr, bits)
+            if r is None:
+                return None
+        if parent is not None and (pr is None or pr.pc == 0):
+            self.counters["stored.without_parent"] += 2  # both calls count it (the first's placeholder has pc 0)
+        if r is not None:
+            self._settle(r)
         cnt = self.copies[node]
         cnt[GPU] += k
         cnt[HOST] += k
-        return hashes
+        return list(hashes)
 
     def remove(self, node: int, tier: int, hashes: Iterable[int]) -> list[int]:
         """Mark blocks absent from (node, tier); unknown ones are counted and skipped.

@@ -4,7 +4,8 @@
 sequence with the same presence bits); ``tests/unit/kvdirectory/ref_index.py`` is the
 per-block index it replaced (one tuple per block, per-(node, tier) held sets). Both get
 the same random operation streams on 3 nodes — stores of path segments (parents right,
-missing, wrong or unknown; a hash repeated inside one store), removals deepest first,
+missing, wrong or unknown; a hash repeated inside one store, also inside a new chain
+written through), removals deepest first,
 parent first, in random order and with unknown hashes, clears of one or both tiers,
 snapshots with and without parents — some under a small ``max_blocks`` cap, and after
 every operation:
@@ -99,12 +100,17 @@ def _run(seed: int, ops: int, written_through: bool = False) -> None:
             base = base[: rng.randint(0, len(base))]
             hs = f.fresh(rng.randint(1, 6), base)[len(base) :]
             f.paths.append(base + hs)
+            repeated = False
             if rng.random() < 0.2:
                 hs = rng.choice(f.paths)[: len(hs)]  # blocks indexed already: the two stores are made
+            elif relink_free and len(hs) > 1 and rng.random() < 0.15:
+                hs = hs + [hs[rng.randrange(len(hs) - 1)]]  # a hash repeated in a new chain: declined
+                repeated = True
             parent = f.parent[hs[0]]
             if rng.random() < 0.1:
                 parent = rng.choice([None, 99_999])
             got = b.store_written_through(node, hs, parent)
+            assert not (repeated and got is not None), where
             if got is None:  # declined: the two stores
                 assert b.store(node, 0, hs, parent) == a.store(node, 0, hs, parent), where
                 assert b.store(node, 1, hs, parent) == a.store(node, 1, hs, parent), where
