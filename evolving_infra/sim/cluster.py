@@ -801,7 +801,7 @@ class ClusterSim:
         """What ``n``'s :meth:`EngineScheduler.schedule` started, after its KV events were taken:
         decode reservations it granted, prefills it admitted (the reservation meter, decode binding
         at prefill start)."""
-        granted = n.sched.take_granted()
+        granted = n.sched.take_granted() if n.sched.granted else ()
         for rid in granted:
             f = self.flights.get(rid)
             if f is None:

@@ -46,7 +46,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from shared.itermodel import qk_pairs
 from shared.messages import DecodeWork, IterationRecord, KvEvent, NodeState, Phase, PrefillWork, QueuedWork
 from shared.profile import Profile
 from services.worker.blocks import KvBlockManager
@@ -186,7 +185,9 @@ class EngineScheduler:
         """Prefill requests waiting for :meth:`open_gate` (decode KV reserved elsewhere)."""
         self.reserved: OrderedDict[str, _Request] = OrderedDict()
         """Decode reservations made by :meth:`reserve` whose hand-off has not arrived."""
-        self._granted: list[str] = []
+        self.granted: list[str] = []
+        """rids whose queued :meth:`reserve` got its L1 room since the last :meth:`take_granted` (read
+        it to skip an empty drain; never change it)."""
         links = profile.links
         self.link = FetchLink(links.peer_fetch_bytes_per_s, links.peer_fetch_latency_s)
         """The node's inbound peer link, shared by the fetches of queued requests."""
@@ -203,7 +204,9 @@ class EngineScheduler:
         self._decode_s: dict[int, float] = {}
         """Eq. 2 time of a decode part by batch size B (``profile.decode.iteration_time(B)``, a pure
         function of the node's fixed profile): computed once per B instead of once per plan."""
-        self._inflight: IterationPlan | None = None
+        self.inflight: IterationPlan | None = None
+        """The plan between ``schedule()`` and ``finish_iteration()``, if any (read it, never set it:
+        a plain attribute, as the simulator reads it at every plan end and every new input)."""
         self._records: list[IterationRecord] = []
         self.iterations = 0
         """Iterations executed (a k-iteration plan counts k)."""
@@ -370,8 +373,8 @@ class EngineScheduler:
 
     def take_granted(self) -> list[str]:
         """Drain the rids whose queued :meth:`reserve` got its L1 room (in grant order)."""
-        out = self._granted
-        self._granted = []
+        out = self.granted
+        self.granted = []
         return out
 
     def take_queued(self, now: float) -> list[PrefillWork]:
@@ -394,7 +397,7 @@ class EngineScheduler:
     @property
     def idle(self) -> bool:
         """True when the node holds no request (any state) and no plan is in flight."""
-        return not self.requests and self._inflight is None
+        return not self.requests and self.inflight is None
 
     def clear_caches(self, now: float) -> None:
         """Empty L1 and L2 (a relaunched engine, or a switch that strands the node's KV).
@@ -659,7 +662,7 @@ class EngineScheduler:
         Raises:
             SchedulerError: if the previous plan was not finished.
         """
-        if self._inflight is not None:
+        if self.inflight is not None:
             raise SchedulerError("schedule() called while a plan is in flight; call finish_iteration() first")
         if self.decode_queue or self.transferring:
             self._promote_decode(now)
@@ -691,8 +694,9 @@ class EngineScheduler:
                 budget = self._admit_waiting(now, budget, r.seq, chunks, prefill_reqs, admitted)
             if budget <= 0:
                 break
-            n = min(r.prompt_tokens - r.cached - r.computed, budget)
-            chunks.append(self._chunk(r, n, 0))
+            before = r.cached + r.computed
+            n = min(r.prompt_tokens - before, budget)
+            chunks.append(PrefillChunk(r.rid, n, before, 0, before + n >= r.prompt_tokens))  # positional, in field order
             prefill_reqs.append(r)
             budget -= n
         if budget > 0 and self.waiting:
@@ -710,19 +714,19 @@ class EngineScheduler:
             for c in chunks:  # one pass (Eq. 1's sums)
                 t, b = c.tokens, c.cached_before
                 sum_uc += t
-                sum_qk += int(qk_pairs(t, b))
+                sum_qk += int(t * b + t * (t + 1) / 2.0)  # qk_pairs(t, b), inline
                 sum_rst += c.restored
                 sum_c += b
             prefill_s = p.prefill.iteration_time(sum_uc, sum_qk, sum_rst)
             if decode_reqs:
-                decode_s = self._decode_time(len(decode_reqs))
+                decode_s = self._decode_s.get(len(decode_reqs)) or self._decode_time(len(decode_reqs))
                 iteration_s = prefill_s + decode_s - min(p.prefill.c0, p.decode.d0)
             else:
                 decode_s = 0.0
                 iteration_s = prefill_s + decode_s
         else:
             prefill_s = 0.0
-            decode_s = self._decode_time(len(decode_reqs))
+            decode_s = self._decode_s.get(len(decode_reqs)) or self._decode_time(len(decode_reqs))
             iteration_s = prefill_s + decode_s
             if horizon is not None and iteration_s > 0:
                 k = self._skip_ahead(decode_reqs, now, horizon, iteration_s)
@@ -742,8 +746,16 @@ class EngineScheduler:
             prefill_reqs + decode_reqs if prefill_reqs else decode_reqs,  # reqs
             admitted,  # admitted
         )
-        self._inflight = plan
-        self._check()
+        self.inflight = plan
+        gpu = self.kv.gpu
+        if (  # _check's O(1) checks, inline (one per plan): on a failure, or with the full check on, _check runs
+            self.check_invariants
+            or len(self.waiting) + len(self.running) + len(self.decode_queue) + len(self.transferring)
+            + len(self.bootstrap) + len(self.reserved) != len(self.requests)
+            or len(self.running) > self.max_running
+            or gpu.hashed + gpu.reserved > gpu.capacity
+        ):
+            self._check()
         return plan
 
     def finish_iteration(self, plan: IterationPlan, now: float, stopped: Mapping[str, int] | None = None) -> list[OutputEvent]:
@@ -764,9 +776,9 @@ class EngineScheduler:
         Raises:
             SchedulerError: if ``plan`` is not the plan in flight.
         """
-        if plan is not self._inflight:
+        if plan is not self.inflight:
             raise SchedulerError("finish_iteration() got a plan that is not in flight")
-        self._inflight = None
+        self.inflight = None
         k = plan.iterations
         self.iterations += k
         out: list[OutputEvent] = []
@@ -869,7 +881,15 @@ class EngineScheduler:
                     repeat=k,
                 )
             )
-        self._check()
+        gpu = self.kv.gpu
+        if (  # _check's O(1) checks, inline (one per plan end): on a failure, or with the full check on, _check runs
+            self.check_invariants
+            or len(self.waiting) + len(self.running) + len(self.decode_queue) + len(self.transferring)
+            + len(self.bootstrap) + len(self.reserved) != len(self.requests)
+            or len(self.running) > self.max_running
+            or gpu.hashed + gpu.reserved > gpu.capacity
+        ):
+            self._check()
         return out
 
     def truncate(self, plan: IterationPlan, now: float) -> float:
@@ -884,7 +904,7 @@ class EngineScheduler:
         Raises:
             SchedulerError: if ``plan`` is not the plan in flight.
         """
-        if plan is not self._inflight:
+        if plan is not self.inflight:
             raise SchedulerError("truncate() got a plan that is not in flight")
         if plan.iterations > 1 and not plan.prefill and plan.iteration_s > 0:
             j = max(1, _ceil_div_f(now - plan.start, plan.iteration_s)) if now > plan.start else 1
@@ -926,11 +946,6 @@ class EngineScheduler:
         """``(L1 hashes, their parents, L2 hashes, their parents)``: a resync reply's content."""
         return self.kv.snapshot_parents()
 
-    @property
-    def inflight(self) -> IterationPlan | None:
-        """The plan between ``schedule()`` and ``finish_iteration()``, if any."""
-        return self._inflight
-
     def state(self, now: float, *, with_queue: bool = True) -> NodeState:
         """The node's state for ``node.state.<node>``; the shell fills seq, epoch,
         accepting and engine. ``queue`` lists in-progress chunked prefills (the
@@ -950,8 +965,8 @@ class EngineScheduler:
         running = self.running
         if with_queue and len(running) > self.n_decoding:  # a running request is prefilling
             in_flight: dict[str, int] = {}
-            if self._inflight is not None:
-                for c in self._inflight.prefill:
+            if self.inflight is not None:
+                for c in self.inflight.prefill:
                     in_flight[c.rid] = c.tokens
             for r in running.values():
                 if r.state == PREFILLING:
@@ -969,7 +984,7 @@ class EngineScheduler:
                         restore_tokens=r.q_host * bs,
                     )
                 )
-        remaining = max(0.0, self._inflight.end - now) if self._inflight is not None else 0.0
+        remaining = max(0.0, self.inflight.end - now) if self.inflight is not None else 0.0
         gpu, host = self.kv.gpu, self.kv.host
         return NodeState(
             node=self.node,
@@ -1010,11 +1025,6 @@ class EngineScheduler:
             return self.reserved
         raise SchedulerError(f"request in state {state} has no container")
 
-    def _chunk(self, r: _Request, n: int, restored: int) -> PrefillChunk:
-        before = r.cached + r.computed
-        # positional, in field order (rid, tokens, cached_before, restored, completes): one per chunk
-        return PrefillChunk(r.rid, n, before, restored, before + n >= r.prompt_tokens)
-
     def _admit_waiting(
         self,
         now: float,
@@ -1038,8 +1048,9 @@ class EngineScheduler:
             r = self._head_admissible(now)
             if r is None or (before is not None and r.seq > before) or not self._admit(r, now):
                 break
+            done = r.cached + r.computed  # the chunk's cached_before
             n = min(r.prompt_tokens - r.cached, budget)
-            chunks.append(self._chunk(r, n, r.restored))
+            chunks.append(PrefillChunk(r.rid, n, done, r.restored, done + n >= r.prompt_tokens))  # positional, in field order
             prefill_reqs.append(r)
             admitted.append(r.rid)
             budget -= n
@@ -1082,7 +1093,7 @@ class EngineScheduler:
             if r.awaiting_handoff:
                 r.state = RESERVED
                 self.reserved[r.rid] = r
-                self._granted.append(r.rid)
+                self.granted.append(r.rid)
                 continue
             # the transfer starts once room is reserved (SGLang decode pre-allocation)
             r.ready_at = now + self.profile.kv_transfer_s(r.prompt_tokens)
@@ -1171,7 +1182,9 @@ class EngineScheduler:
         return t
 
     def _check(self) -> None:
-        """Invariants after every step: O(1) always, the full check when enabled."""
+        """Invariants after every step: O(1) always, the full check when enabled. (:meth:`schedule`
+        and :meth:`finish_iteration` test the O(1) conditions inline and call this only when one
+        fails, so that it raises naming it, or when the full check is on.)"""
         running = len(self.running)
         n = (
             len(self.waiting)

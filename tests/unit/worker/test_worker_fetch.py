@@ -339,8 +339,8 @@ def test_an_aborted_or_rerouted_request_drops_its_hold(b, run):
     assert s.requests["x"].l2_hold and len(s.kv.host.holds) == 20
     assert s.abort("x", plan.end)
     assert len(s.kv.host.holds) == 10
-    s.finish_iteration(s._inflight, s._inflight.end)
-    assert [w.rid for w in s.take_queued(s._inflight.end if s._inflight else 1.0)] == ["y"]
+    s.finish_iteration(s.inflight, s.inflight.end)
+    assert [w.rid for w in s.take_queued(s.inflight.end if s.inflight else 1.0)] == ["y"]
     assert s.kv.host.holds == {}
     s.check()
 
