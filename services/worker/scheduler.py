@@ -679,13 +679,14 @@ class EngineScheduler:
             prefilling: list[_Request] = []
         else:
             decode_reqs = []
+            decode_rids = []
             prefilling = []
             for r in running.values():
                 if r.state == DECODING:
                     decode_reqs.append(r)
+                    decode_rids.append(r.rid)
                 elif r.state == PREFILLING:
                     prefilling.append(r)
-            decode_rids = [r.rid for r in decode_reqs]
         budget -= len(decode_reqs) * self.fwd_tokens
         if len(prefilling) > 1:
             prefilling.sort(key=_by_seq)
@@ -783,11 +784,18 @@ class EngineScheduler:
         self.iterations += k
         out: list[OutputEvent] = []
         n_chunks = len(plan.prefill)
+        bs = self.block_size
         for chunk, r in zip(plan.prefill, plan.reqs):  # reqs: the chunks' requests first
             if r.state != PREFILLING:
                 continue
             r.computed += chunk.tokens
-            self._fill_computed(r)
+            full = (r.cached + r.computed) // bs  # the prompt pages now computed become cached
+            if full > len(r.path):
+                full = len(r.path)
+            if full > r.held:
+                self.kv.fill(r.path, r.held, full)
+                r.reserved -= full - r.held
+                r.held = full
             if not chunk.completes:
                 continue
             r.generated = 1
@@ -1045,7 +1053,7 @@ class EngineScheduler:
         the whole prefill of a long prompt that started while it fetched.
         """
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
-            r = self._head_admissible(now)
+            r = self._head_admissible(now) if self._fetching else next(iter(self.waiting.values()))  # (the same, without fetches)
             if r is None or (before is not None and r.seq > before) or not self._admit(r, now):
                 break
             done = r.cached + r.computed  # the chunk's cached_before
@@ -1068,7 +1076,8 @@ class EngineScheduler:
             self.kv.fill(r.path, n_gpu, n_gpu + n_host)
             r.held += n_host
             r.reserved -= n_host
-        self._drop_hold(r)  # the restored pages are pinned by L1 now
+        if r.l2_hold is not None:
+            self._drop_hold(r)  # the restored pages are pinned by L1 now
         f = r.fetch
         if f is not None and f.done_at is not None:
             f.used = max(0, min(n_gpu + n_host, f.hi) - f.lo)
@@ -1117,13 +1126,6 @@ class EngineScheduler:
             self.n_decoding += 1
             self.running[r.rid] = r
 
-    def _fill_computed(self, r: _Request) -> None:
-        full = min((r.cached + r.computed) // self.block_size, len(r.path))
-        if full > r.held:
-            self.kv.fill(r.path, r.held, full)
-            r.reserved -= full - r.held
-            r.held = full
-
     def _handoff(self, r: _Request, now: float) -> HandOff:
         w = r.prefill_work
         assert w is not None and r.handoff_to is not None
@@ -1162,15 +1164,24 @@ class EngineScheduler:
     def _skip_ahead(self, decode_reqs: list[_Request], now: float, horizon: float, iteration_s: float) -> int:
         """k for a pure-decode plan: up to the first completion, all starts before the horizon."""
         m = self.acc_milli
-        k_finish = min([-(-((r.max_tokens - r.generated) * _MILLI - r.acc) // m) for r in decode_reqs])  # ceil division
+        k_finish = 1 << 62
+        for r in decode_reqs:  # the first completion (a loop: a comprehension would be a call)
+            k = -(-((r.max_tokens - r.generated) * _MILLI - r.acc) // m)  # ceil division
+            if k < k_finish:
+                k_finish = k
         h = horizon
         for r in self.transferring.values():
             if now < r.ready_at < h:
                 h = r.ready_at
-        fetch_at = self.link.next_completion() if len(self.link) else None
+        fetch_at = self.link.next_completion() if self._fetching and len(self.link) else None  # (link ⊆ fetching)
         if fetch_at is not None and now < fetch_at < h:
             h = fetch_at
-        k_h = _ceil_div_f(h - now, iteration_s) if h > now else 1
+        if h > now:  # _ceil_div_f(h - now, iteration_s), inline
+            d = h - now
+            q = int(d // iteration_s)
+            k_h = q + 1 if q * iteration_s < d else q
+        else:
+            k_h = 1
         return max(1, min(k_finish, k_h))
 
     def _decode_time(self, batch: int) -> float:
