@@ -214,7 +214,7 @@ class NodeLoadView:
         if state.node not in self._tokens:
             check_token(state.node, "node")
             self._tokens.add(state.node)
-        rec = self._record(state.node)
+        rec = self.nodes.get(state.node) or self._record(state.node)
         old, seen = rec.state, rec.last_seen
         if old is not None and not rec.fenced and state.seq < old.seq:
             rec.restarted = True  # a new process: what the old one held is gone (issue #22)
@@ -316,7 +316,8 @@ class NodeLoadView:
         wanted = phases if isinstance(phases, frozenset) else frozenset(phases)
         hit = self._lists.get(wanted)
         if hit is not None and hit[0] == self._gen and hit[1] <= now and now - hit[2] <= self.fence_after:
-            return [rec.load or self._load(rec) for rec in hit[3]]
+            recs = hit[3]
+            return [rec.load or self._load(rec) for rec in recs] if recs else []
         by_id = self._by_id
         if by_id is None:
             by_id = self._by_id = sorted(self.nodes.values(), key=lambda r: r.node)
@@ -390,10 +391,10 @@ class NodeLoadView:
         if rid in self._flights:
             raise ValueError(f"request {rid!r} is already in flight")
         self._flights[rid] = _Flight(prefill_node, decode_node)
-        p = self._record(prefill_node)
+        p = self.nodes.get(prefill_node) or self._record(prefill_node)
         p.inflight += 1
         p.inflight_prefill += 1
-        self._changed(p)
+        p.load = None  # _changed(p)
         if decode_node is not None:
             d = self._record(decode_node)
             d.inflight += 1
@@ -408,7 +409,7 @@ class NodeLoadView:
         fl.first_token = True
         p = self.nodes[fl.prefill_node]
         p.inflight_prefill -= 1
-        self._changed(p)
+        p.load = None  # _changed(p)
 
     def on_handoff(self, rid: str, node: str) -> bool:
         """``node`` showed it holds the prefill → decode hand-off of ``rid`` (it streamed output
@@ -434,7 +435,7 @@ class NodeLoadView:
         p.inflight -= 1
         if not fl.first_token:
             p.inflight_prefill -= 1
-        self._changed(p)
+        p.load = None  # _changed(p)
         if fl.decode_node is not None:
             d = self.nodes[fl.decode_node]
             d.inflight -= 1
