@@ -977,6 +977,11 @@ class RunHostPool:
         """The pages ``run`` (new, parent first) entered L2."""
         self.members.update(run)
 
+    def _written(self, run: list[int]) -> None:
+        """The pages ``run`` (new, parent first) entered L2 by a write-through (pinned); the list
+        is the one the ``BlockStored(host)`` event carries."""
+        self._added(run)
+
     def _members(self) -> set[int]:
         """Every L2 page (pinned or not): :attr:`members` itself, O(1); not to be changed."""
         return self.members
@@ -1177,7 +1182,7 @@ class RunHostPool:
             run = path[s:e]
             if type(run) is not list:
                 run = list(run)
-            self._added(run)
+            self._written(run)
             self.events.append(_stored(run, path[s - 1] if s else None, "host", bs))
 
     def unpin_runs(self, runs: Sequence[tuple[list[int], int, int | None]]) -> None:
@@ -1441,12 +1446,18 @@ class BranchRunHostPool(RunHostPool):
         evolving run) cost one set insert and one delete each; a run is found by its first hash
         (most stretches of a directory message start one), else by a scan of the runs
         (:meth:`_run_of`, :meth:`_run_at`)."""
-        self.counted: set[int] = set()
-        """Pages whose last count from the directory is > 0: every such L2 page (pinned or
-        not), and maybe pages not in L2 (a count is taken as sent, without a membership
-        test). A page entering L2 leaves this set (a page stored counts 0 until the directory
-        re-sends), so only L2 pages' entries are ever read; the others are dropped when they
-        outnumber L2's pages (:meth:`_count`)."""
+        self._counted: set[int] = set()
+        """:attr:`counted`, less the discards still owed to :attr:`_fresh` (read it through
+        :attr:`counted` or after :meth:`_settle`)."""
+        self._fresh: list[list[int]] = []
+        """Runs written through since the last count message or L1 eviction, whose pages still
+        owe their discard from :attr:`_counted` (a page stored counts 0). The directory
+        re-sends a host store's counts at once, in the store's order (``BranchTable._resend``),
+        so the next count message is often one such run with every page named: it decides
+        those pages' counts itself, and the discard is dropped (:meth:`_settle`); all its pages
+        are pinned (L1 evicted nothing since), so it names no queued page either. In a 300-s
+        evolving run at 64-token blocks, 4,118 of 8,027 messages (384K of 4.38M entries; 1.02M
+        pages written through) were such a run."""
         del self.members  # not kept: L2's pages are :attr:`queued` and L1's (:meth:`_members`)
 
     # -- run bookkeeping with the queued-page set -------------------------- #
@@ -1463,7 +1474,39 @@ class BranchRunHostPool(RunHostPool):
         self.queued.difference_update(evicted)
 
     def _added(self, run: list[int]) -> None:
-        self.counted.difference_update(run)
+        self._counted.difference_update(run)  # fetched pages: none is in a run of :attr:`_fresh` (pinned)
+
+    def _written(self, run: list[int]) -> None:
+        self._fresh.append(run[:])  # a copy: the event's list is the consumers' too
+
+    @property
+    def counted(self) -> set[int]:
+        """Pages whose last count from the directory is > 0: every such L2 page (pinned or
+        not), and maybe pages not in L2 (a count is taken as sent, without a membership
+        test). A page entering L2 leaves this set (a page stored counts 0 until the directory
+        re-sends), so only L2 pages' entries are ever read; the others are dropped when they
+        outnumber L2's pages (:meth:`_count`). The set itself, once the discards owed to
+        :attr:`_fresh` are made (O(their pages))."""
+        self._settle()
+        return self._counted
+
+    def _settle(self, message: Sequence[int] | None = None) -> bool:
+        """Make the discards owed to the runs of :attr:`_fresh` and empty it, except for a run
+        equal to ``message`` (a count message about to be applied: it names each of the run's
+        pages, so their counts are its own). Returns whether one was (O(1) per run of another
+        length, a list compare else: identity per entry for the directory's re-send)."""
+        fresh = self._fresh
+        if not fresh:
+            return False
+        hit = False
+        counted = self._counted
+        for run in fresh:
+            if message is not None and len(run) == len(message) and run == message:
+                hit = True
+            else:
+                counted.difference_update(run)
+        fresh.clear()
+        return hit
 
     def _members(self) -> set[int]:
         """Every L2 page: the queued ones and L1's (pinned). A new set, O(pages): L2 keeps no set
@@ -1530,7 +1573,7 @@ class BranchRunHostPool(RunHostPool):
         identity, ~10). Pages not in L2 are not filtered out here; once :attr:`counted` holds
         more than twice L2's pages (+ 1024; L2's pages are the pinned ones and the queued ones),
         it is cut to L2's pages (:meth:`_members`: O(its size + L2's), amortised O(1) per entry)."""
-        counted = self.counted
+        counted = self._counted
         if all(counts):  # counts are >= 0 (shared.validate refuses a negative one)
             counted.update(hashes)
         else:
@@ -1653,7 +1696,8 @@ class BranchRunHostPool(RunHostPool):
         """The runs L1 evicted (``GpuBlockPool.evicted_runs``, each deepest first) become
         evictable here, in that order, each page in the group of its count: a run is pushed
         whole, or in pieces where the counts cross 0. O(runs + pieces), membership in C."""
-        counted = self.counted
+        self._settle()
+        counted = self._counted
         for keys, depth, parent in runs:
             self.pinned -= len(keys)
             if not counted or counted.isdisjoint(keys):
@@ -1708,9 +1752,9 @@ class BranchRunHostPool(RunHostPool):
             raise ValueError(f"{n} hashes but {len(counts)} counts")
         if not n:
             return 0
+        pinned = self._settle(hashes)  # a run just written through: every page named is pinned
         self._count(hashes, counts)
-        queued_set = self.queued
-        if queued_set.isdisjoint(hashes):  # the usual message: it names no queued page, nothing moves
+        if pinned or self.queued.isdisjoint(hashes):  # the usual message: it names no queued page, nothing moves
             return 0
         if type(hashes) is not list:
             hashes = list(hashes)
@@ -1859,6 +1903,7 @@ class BranchRunHostPool(RunHostPool):
             KvInvariantError: naming the first one that fails.
         """
         super().check_structure()
+        counted = self.counted
         n = 0
         for q in self.queues:
             for r in q:
@@ -1866,8 +1911,8 @@ class BranchRunHostPool(RunHostPool):
                     n += 1
                     if h not in self.queued:
                         raise KvInvariantError(f"L2 page {h} queued but not in the queued set")
-                    if (h in self.counted) != (r.group == 1):
-                        raise KvInvariantError(f"L2 page {h} in group {r.group}, counted={h in self.counted}")
+                    if (h in counted) != (r.group == 1):
+                        raise KvInvariantError(f"L2 page {h} in group {r.group}, counted={h in counted}")
         if len(self.queued) != n:
             raise KvInvariantError(f"L2 queued set holds {len(self.queued)} pages, {n} queued")
 

@@ -66,3 +66,42 @@ def test_messages_naming_pages_twice_move_as_the_model(seed):
         got, want = ([(b.hash, b.group) for b in kv.host.evictable.ordered()] for kv in pools)
         assert got == want
         pools[0].check([])
+
+
+@pytest.mark.parametrize("seed", range(1, 21))
+def test_resent_counts_of_a_write_through_move_as_the_model(seed):
+    """The directory re-sends a host store's counts at once, in the store's order: the pool
+    takes such a message (equal to a run it just wrote through, L1 having evicted nothing
+    since) as naming only pinned pages and drops the discard it owed them. Re-sends with
+    positive, zero and mixed counts, alone, after other messages or after an L1 eviction,
+    must leave both pools alike."""
+    rng = random.Random(seed)
+    paths = _paths(rng, 14)
+    pools = [KvBlockManager(12, 40, 4, "branch-count"), ref_blocks.KvBlockManager(12, 40, 4, "branch-count")]
+    hits = 0
+    for _ in range(150):
+        path = rng.choice(paths)
+        stored = []
+        for kv in pools:
+            kv.take_events()
+            _compute(kv, path)
+            stored.append([e.block_hashes for e in kv.take_events() if type(e).__name__ == "BlockStored" and e.tier == "host"])
+        assert stored[0] == stored[1]
+        if rng.random() < 0.2:  # another path first: L1 may evict the pages just written
+            other = rng.choice(paths)
+            for kv in pools:
+                _compute(kv, other)
+        if rng.random() < 0.2:  # an unrelated message first
+            known = sorted(pools[1].host.blocks)
+            hs = rng.sample(known, min(len(known), 3))
+            for kv in pools:
+                kv.update_counts(hs, [1] * len(hs))
+        for run in stored[0]:
+            counts = rng.choice([[1] * len(run), [0] * len(run), [rng.choice([0, 1, 2]) for _ in run]])
+            hits += pools[0].host._fresh.count(run) > 0
+            got, want = (kv.update_counts(list(run), counts) for kv in pools)
+            assert got == want
+        got, want = ([(b.hash, b.group) for b in kv.host.evictable.ordered()] for kv in pools)
+        assert got == want
+        pools[0].check([])
+    assert hits  # the path under test was taken
