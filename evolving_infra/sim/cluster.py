@@ -319,6 +319,8 @@ class ClusterSim:
         self.run = run
         self.profile = run.profile
         self.bs = run.profile.block_size
+        self._gpu_blocks = run.profile.gpu_blocks
+        """L1 blocks of a node (``Profile.gpu_blocks``, a property: read once, not per request)."""
         self.binding = ps.decode_binding
         self.switch_mode = ps.switch_mode
         self.relaunch_s = cfg.relaunch_s
@@ -585,8 +587,8 @@ class ClusterSim:
         f.prev_prefill = prev
         self.flights[req.id] = f
         footprint = -(-(req.input_tokens + max(1, req.output_tokens)) // self.bs)
-        if footprint > self.profile.gpu_blocks:
-            self._reject(f, f"request needs {footprint} KV blocks but a node has {self.profile.gpu_blocks} in GPU memory", t)
+        if footprint > self._gpu_blocks:
+            self._reject(f, f"request needs {footprint} KV blocks but a node has {self._gpu_blocks} in GPU memory", t)
             return
         if self.ingress > 0.0 or self.ingress_tok > 0.0:  # control plane (SimConfig.ingress_s): the work arrives later
             free = self._ingress_free
@@ -782,7 +784,8 @@ class ClusterSim:
         n.dirty = True
         if sched.kv.events:  # (most plans change no KV: no call)
             self._flush_kv(n, t)
-        self._after_schedule(n, plan, t)
+        if sched.granted or (plan is not None and plan.admitted):  # (else _after_schedule has nothing to do)
+            self._after_schedule(n, plan, t)
         if plan is not None:
             self.stats.plans += 1
             n.plan_end = end = plan.end

@@ -569,10 +569,15 @@ class TtftPredictor:
         """Replay the node's reported queue plus its unreported sends; cache it with the lower
         bound the pruned search reads (``_bounds``). Whether ``st`` is still trusted is
         decided when a decision reads it (its age then)."""
-        listed = {w.rid for w in st.queue} if tr.sends else ()
-        items: Iterable[QueuedWork] = (
-            [*st.queue, *(x.work for r, x in tr.sends.items() if not x.seen and r not in listed)] if tr.sends else st.queue
-        )
+        items: Iterable[QueuedWork] = st.queue
+        if tr.sends:  # loops, not a set comprehension and a generator (a call each per refold)
+            listed = set()
+            for w in st.queue:
+                listed.add(w.rid)
+            items = list(st.queue)
+            for r, x in tr.sends.items():
+                if not x.seen and r not in listed:
+                    items.append(x.work)
         fold = tr.fold = _QueueFold(items)
         return self._set_trusted(tr, st, fold)
 
@@ -1118,7 +1123,11 @@ _BOUND_SLACK_S = 1e-9
 
 
 def _valid(*xs: float) -> bool:
-    return all(math.isfinite(x) and x >= 0 for x in xs)
+    """Every coefficient finite and >= 0 (a loop: a generator would be a call per model)."""
+    for x in xs:
+        if not (math.isfinite(x) and x >= 0):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------- #

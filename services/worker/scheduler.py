@@ -1153,9 +1153,14 @@ class EngineScheduler:
 
     def _remove(self, r: _Request) -> None:
         """A request leaves the node: its pages stay cached (unreferenced), slots are freed."""
-        if r.state == DECODING:
+        state = r.state
+        if state == DECODING:
             self.n_decoding -= 1
-        self._container(r.state).pop(r.rid)
+            del self.running[r.rid]  # (_container's answer for a running request, without the call)
+        elif state == PREFILLING:
+            del self.running[r.rid]
+        else:
+            self._container(state).pop(r.rid)
         del self.requests[r.rid]
         self.kv.release(r.path, r.held, r.reserved)
         r.held = r.reserved = 0

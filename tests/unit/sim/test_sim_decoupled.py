@@ -64,15 +64,18 @@ def test_decoupled_switch_drains_in_place_keeps_the_kv_and_reroutes_queued_work(
 def test_control_time_serves_nothing():
     reqs = small_trace(12, 8, pause=0.3)
     sim, _ = build(switch_cfg("decoupled", switch_control_s=0.2), reqs)
-    plans: list[tuple[str, float]] = []
-    orig = sim._after_schedule
+    plans: list[tuple[str, float]] = []  # (node, launch time) of every plan its scheduler made
 
-    def spy(n, plan, t):
-        if plan is not None:
-            plans.append((n.name, t))
-        return orig(n, plan, t)
+    def spy(name, orig):
+        def schedule(now, horizon=None):
+            plan = orig(now, horizon)
+            if plan is not None:
+                plans.append((name, now))
+            return plan
+        return schedule
 
-    sim._after_schedule = spy  # type: ignore[method-assign]
+    for n in sim.nodes.values():
+        n.sched.schedule = spy(n.name, n.sched.schedule)  # type: ignore[method-assign]
     res = sim.run_to_end()
     (log,) = res.stats.switch_log
     assert not [t for n, t in plans if n == "w0" and log["drained_at"] <= t < log["served_at"]]
