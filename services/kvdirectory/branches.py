@@ -55,6 +55,7 @@ blocks it holds still converges.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from collections import _count_elements  # type: ignore[attr-defined]  # Counter.update's C loop (pure-Python fallback there)
 from collections.abc import Iterable, Sequence
 from itertools import chain, compress, islice, repeat
 from operator import add as _add
@@ -278,9 +279,13 @@ class BranchTable:
         """One more branch counts ``blocks`` (a path slice, parent first) on node n.
 
         Along a path counts never grow with depth (a prefix that holds a block holds its
-        parent), so the blocks that cross 0 are a tail of the slice: found by bisection and
-        verified in C (the usual: all of them, one ``isdisjoint`` pass), so that R and the
-        outbox's counts after the change are written without reading every count first."""
+        parent), so the blocks that cross 0 are a tail of the slice: found by bisection, counted
+        by ``_count_elements`` (the C loop behind ``Counter.update``: +1 per block, one hash and
+        two probes each, no call per block) and verified by how much R grew: all of the tail
+        new and distinct (the usual: the whole slice), else the +1s are taken back and the
+        general path reads every count. So R and the outbox's counts after the change are
+        written without reading every count first. (It replaced an ``isdisjoint`` pass then an
+        update from a zip: ~250 instructions less per block, cachegrind.)"""
         R = self.R[n]
         L = len(blocks)
         if not R.get(blocks[-1]):  # some cross 0: find the first by bisection, then verify the shape
@@ -291,25 +296,33 @@ class BranchTable:
                     lo = mid + 1
                 else:
                     hi = mid
-            if not lo:
-                if R.keys().isdisjoint(blocks):  # the usual move: none counted on n yet
+            if not lo:  # the usual move: none counted on n yet
+                n0 = len(R)
+                _count_elements(R, blocks)
+                if len(R) - n0 == L:  # verified: every block was new (and none repeats)
                     new = [1] * L
-                    R.update(zip(blocks, new))
                     if self.keep_counted_copies:
                         self._crossed_path(n, blocks, 1)
                     self.outbox[n].append((blocks, 1, new))
                     self.out_len[n] += L
                     return
+                _uncount(R, blocks)
             else:
                 head = list(map(R.get, islice(blocks, lo)))
-                if None not in head and R.keys().isdisjoint(islice(blocks, lo, None)):  # counted head, new tail
-                    new = list(map(_add, head, _REPEAT1)) + [1] * (L - lo)
-                    R.update(zip(blocks, new))
-                    if self.keep_counted_copies:
-                        self._crossed_path(n, blocks[lo:], 1)
-                    self.outbox[n].append((blocks, 1, new))
-                    self.out_len[n] += L
-                    return
+                if None not in head:  # counted head, new tail?
+                    tail = blocks[lo:]
+                    n0 = len(R)
+                    _count_elements(R, tail)
+                    if len(R) - n0 == L - lo:  # verified: the tail's blocks were new (and none repeats)
+                        new = list(map(_add, head, _REPEAT1))
+                        R.update(zip(blocks, new))  # the head's (zip stops at lo)
+                        new += [1] * (L - lo)
+                        if self.keep_counted_copies:
+                            self._crossed_path(n, tail, 1)
+                        self.outbox[n].append((blocks, 1, new))
+                        self.out_len[n] += L
+                        return
+                    _uncount(R, tail)
         old = list(map(R.get, blocks, _REPEAT0))  # any shape (a tampered R, a path repeating a hash)
         new = list(map(_add, old, _REPEAT1))
         R.update(zip(blocks, new))
@@ -916,6 +929,18 @@ class BranchTable:
                     )
                 )
         return msgs
+
+
+def _uncount(R: dict[int, int], blocks: list[int]) -> None:
+    """Take back ``_count_elements(R, blocks)``: -1 per occurrence, an entry that reaches 0
+    removed (R holds no zero counts, so it was not there before). Python steps per block: only
+    when a Count's slice is not the usual shape (a tampered R, a path repeating a hash)."""
+    for h in blocks:
+        v = R[h] - 1
+        if v:
+            R[h] = v
+        else:
+            del R[h]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

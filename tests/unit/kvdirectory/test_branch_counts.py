@@ -243,6 +243,47 @@ def test_a_release_of_another_shape_is_put_back_and_counted_per_block():
         assert d.counters["count.negative_prevented"] == (1 if None in tamper.values() else 0)
 
 
+@pytest.mark.parametrize(
+    "counted, tamper, want",
+    [
+        (0, {5: 1}, [1, 1, 1, 1, 1, 2, 1, 1]),  # first and last uncounted, one inside counted
+        (3, {5: 1}, [2, 2, 2, 1, 1, 2, 1, 1]),  # a counted head, one inside the new tail counted
+        (3, {6: 3}, [2, 2, 2, 1, 1, 1, 4, 1]),
+    ],
+)
+def test_a_count_up_of_another_shape_is_taken_back_and_counted_per_block(counted, tamper, want):
+    """A placement whose slice is not a counted head and a tail of new blocks (only a tampered
+    R makes one): the tail's +1s are taken back and every block gets its count + 1, as the
+    per-block path reads them; the drained message says the same."""
+    d = KvDirectory(BS)
+    if counted:
+        d.branch_start("a", 0.0)
+        d.place("a", "p0", "prefill", H[:counted], 1.0)
+    R = d.branches.R[d.node_id("p0")]
+    for i, v in tamper.items():  # corrupt the state on purpose
+        R[H[i]] = v
+    drained(d)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:8], 1.0)
+    assert [d.count("p0", h) for h in H[:8]] == want
+    assert drained(d) == [("p0", H[:8], want)]
+    assert len(R) == 8 and d.counters["count.negative_prevented"] == 0
+
+
+def test_a_count_up_of_a_path_repeating_a_hash_counts_it_once():
+    """A slice that repeats a new hash (not a chain): its +1s are taken back and the per-block
+    path counts the hash once, as before the slices were counted in C."""
+    d = KvDirectory(BS)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", [5, 6, 7, 5], 1.0)
+    assert [d.count("p0", h) for h in (5, 6, 7)] == [1, 1, 1]
+    assert drained(d) == [("p0", [5, 6, 7, 5], [1, 1, 1, 1])]
+    d.branch_start("c", 0.0)
+    d.place("c", "p0", "prefill", [5, 6, 8, 9, 8], 1.0)  # a counted head, a tail repeating a new hash
+    assert [d.count("p0", h) for h in (5, 6, 7, 8, 9)] == [2, 2, 1, 1, 1]
+    assert drained(d) == [("p0", [5, 6, 8, 9, 8], [2, 2, 1, 1, 1])]
+
+
 def test_a_path_with_a_repeated_hash_does_not_break_the_table():
     """Not a chain (``shared.validate`` refuses such a RoutePlaced at the edge): given directly,
     counts stay non-negative and nothing raises; the repeated hash may keep a count."""
