@@ -571,7 +571,7 @@ class TtftPredictor:
         decided when a decision reads it (its age then)."""
         items: Iterable[QueuedWork] = st.queue
         if tr.sends:  # loops, not a set comprehension and a generator (a call each per refold)
-            listed = set()
+            listed: set[str] = set()
             for w in st.queue:
                 listed.add(w.rid)
             items = list(st.queue)
