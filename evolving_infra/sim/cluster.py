@@ -561,9 +561,9 @@ class ClusterSim:
             self._flush_counts()
         st = self.stats
         tot = k = 0
-        for n in self.nodes.values():  # the KV active branches reference per prefill node
+        # the KV active branches reference per prefill node (node ids registered in self.nodes' order)
+        for n, c in zip(self.nodes.values(), directory.counted_blocks_all()):
             if n.phase != "decode":
-                c = directory.counted_blocks(n.name)
                 tot += c
                 k += 1
                 if c > st.counted_max:

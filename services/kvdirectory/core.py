@@ -499,6 +499,12 @@ class KvDirectory:
         i = self._ids.get(node)
         return 0 if i is None else len(self.branches.R[i])
 
+    def counted_blocks_all(self) -> list[int]:
+        """:meth:`counted_blocks` of every node, in node-id order (the order of :attr:`names`, in
+        which :meth:`node_id` registered them): one call per caller's sample of all nodes instead
+        of one per node (the simulator samples every prefill node per request sent). O(nodes)."""
+        return list(map(len, self.branches.R))
+
     # ------------------------------------------------------------------ #
     # time, outbox, observability
     # ------------------------------------------------------------------ #

@@ -58,6 +58,16 @@ def test_new_branch_counts_its_path_and_extension_keeps_version(d):
     assert counts(d, "p0", P[:7]) == [1] * 6 + [0]
 
 
+def test_counted_blocks_of_all_nodes_in_one_call_in_node_id_order(d):
+    for n in ("p0", "p1", "d0"):
+        d.node_id(n)
+    d.place("a", "p1", "prefill", P[:4], 1.0)
+    d.place("b", "d0", "decode", P[:6], 1.0)
+    d.place("c", "p1", "prefill", P[:2] + [99], 1.0)
+    assert d.names == ["p0", "p1", "d0"]
+    assert d.counted_blocks_all() == [d.counted_blocks(n) for n in d.names] == [0, 5, 6]
+
+
 def test_compaction_bumps_version_and_releases_dropped_history_on_every_node(d):
     d.branch_start("b", 0.0)
     d.place("b", "p0", "prefill", P[:6], 1.0)
