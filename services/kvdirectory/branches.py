@@ -54,6 +54,7 @@ blocks it holds still converges.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter, OrderedDict, deque
 from collections import _count_elements  # type: ignore[attr-defined]  # Counter.update's C loop (pure-Python fallback there)
 from collections.abc import Iterable, Sequence
@@ -235,15 +236,25 @@ class BranchTable:
 
     def _present(self, n: int, blocks: Iterable[int]) -> tuple[int, int]:
         """How many of ``blocks`` are present on node n: ``(in its GPU, in its host memory)``.
-        O(blocks) C-level (each block's run in the index, its presence bits tallied) +
-        O(distinct presence values) Python steps."""
+        O(blocks) C-level (each block's run in the index, its presence bits read and sorted) +
+        O(distinct presence values) Python steps (each value's share of the sorted list found
+        by bisection). Sorted, not tallied in a ``Counter``: a tally hashes, looks up and
+        re-stores a count per block, while the list, whose values come in long stretches of
+        equal ones (a path's blocks share runs), sorts with about one comparison of one-digit
+        ints per block."""
         gb, hb = tier_bit(n, GPU), tier_bit(n, HOST)
+        pcs = list(map(_PC, filter(None, map(self.index.where.get, blocks))))
+        pcs.sort()
         g = h = 0
-        for pc, k in Counter(map(_PC, filter(None, map(self.index.where.get, blocks)))).items():
+        i, L = 0, len(pcs)
+        while i < L:
+            pc = pcs[i]
+            j = bisect_right(pcs, pc, i)
             if pc & gb:
-                g += k
+                g += j - i
             if pc & hb:
-                h += k
+                h += j - i
+            i = j
         return g, h
 
     # ------------------------------------------------------------------ #
