@@ -1065,10 +1065,11 @@ class ClusterSim:
         if not self.track_branches:
             self.directory.drop_count_updates()
             return
+        nodes = self.nodes
         for cu in self.directory.take_count_updates():
-            node = self.nodes.get(cu.node)
-            if node is not None:
-                node.sched.update_counts(cu.hashes, cu.counts)
+            node = nodes.get(cu.node)
+            if node is not None:  # EngineScheduler.update_counts → KvBlockManager.update_counts, without their calls
+                node.sched.kv.host.update_counts(cu.hashes, cu.counts)
 
     # ------------------------------------------------------------------ #
     # planner and phase switches

@@ -220,9 +220,17 @@ class Observer:
             self.bucket(k_first).n_first += 1
 
     def on_iterations(self, node: str, records: Iterable[IterationRecord], now: float) -> None:
-        """Account iteration records by their start time. O(records)."""
+        """Account iteration records by their start time. O(records): :meth:`index` and, for a
+        bucket that exists (all but one record per bucket), :meth:`bucket` inline."""
+        buckets = self.buckets
+        origin = self.origin
+        size = self.bucket_s
+        floor = math.floor
         for r in records:
-            b = self.bucket(self.index(r.start))
+            k = floor((r.start - origin) / size + 1e-9)
+            b = buckets.get(k)
+            if b is None:
+                b = self.bucket(k)
             if r.phase != "decode":
                 b.prefill_iters[node] = b.prefill_iters.get(node, 0) + 1
                 b.prefill_uncached[node] = b.prefill_uncached.get(node, 0.0) + r.sum_uncached

@@ -1696,7 +1696,8 @@ class BranchRunHostPool(RunHostPool):
         """The runs L1 evicted (``GpuBlockPool.evicted_runs``, each deepest first) become
         evictable here, in that order, each page in the group of its count: a run is pushed
         whole, or in pieces where the counts cross 0. O(runs + pieces), membership in C."""
-        self._settle()
+        if self._fresh:
+            self._settle()
         counted = self._counted
         for keys, depth, parent in runs:
             self.pinned -= len(keys)
@@ -1752,7 +1753,7 @@ class BranchRunHostPool(RunHostPool):
             raise ValueError(f"{n} hashes but {len(counts)} counts")
         if not n:
             return 0
-        pinned = self._settle(hashes)  # a run just written through: every page named is pinned
+        pinned = self._settle(hashes) if self._fresh else False  # a run just written through: every page named is pinned
         self._count(hashes, counts)
         if pinned or self.queued.isdisjoint(hashes):  # the usual message: it names no queued page, nothing moves
             return 0
