@@ -38,11 +38,11 @@ from __future__ import annotations
 import heapq
 from itertools import islice
 import math
+from reprlib import recursive_repr
 
 import msgspec
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from evolving_infra.replay.core import Arrival, EndBranch, ReplayCore, SendRequest
@@ -66,6 +66,9 @@ from services.worker.scheduler import EngineScheduler
 from shared.profile import Profile
 from shared.messages import DecodeWork, FetchRange, KvEventBatch, KvLookupReply, Phase, PrefillWork, SplitApplied, SplitCommand
 from shared.split import SplitError, assign_min_change, parse_split, split_phases
+
+_FACTORY: Any = object()
+"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 PLAN_END, WAKE, TICK, RELAUNCH_END, FORCED, CALL, STOP, PERIODIC, SWITCH_END = range(9)
 
@@ -134,38 +137,88 @@ class SimError(RuntimeError):
     """The simulation reached a state the cores should never produce (a bug, not bad input)."""
 
 
-@dataclass(slots=True, eq=False)
 class _Node:
     name: str
     sched: EngineScheduler
     phase: Phase
     """Phase the node serves (its engine's phase)."""
-    status: str = SERVING
-    target: Phase | None = None
+    status: str
+    target: Phase | None
     """Phase the node is switching to (draining / relaunching)."""
-    decided_at: float = 0.0
-    epoch: int = 0
-    token: int = 0
+    decided_at: float
+    epoch: int
+    token: int
     """Current PLAN_END token (lazy deletion)."""
-    plan_end: float = -1.0
-    wake_at: float = -1.0
-    kv_seq: int = 0
-    bound: int = 0
+    plan_end: float
+    wake_at: float
+    kv_seq: int
+    bound: int
     """Requests dispatched/bound to this node that have not left it (drain condition)."""
-    state_at: float = -math.inf
-    dirty: bool = True
-    reported: Phase | None = None
+    state_at: float
+    dirty: bool
+    reported: Phase | None
     """Phase of the last state applied to the router."""
-    out_since: float = 0.0
-    drained_at: float = 0.0
+    out_since: float
+    drained_at: float
     """When the current switch's drain ended (the last running request left)."""
-    requeued: int = 0
+    requeued: int
     """Queued requests the current switch handed back for re-routing."""
-    host_at_switch: tuple[int, int] = (0, 0)
+    host_at_switch: tuple[int, int]
     """(blocks in its L2, of which no other node's L2 holds a copy) at the switch decision."""
 
+    # what dataclass(slots=True, eq=False) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = (
+        "name", "sched", "phase", "status", "target", "decided_at", "epoch", "token", "plan_end", "wake_at",
+        "kv_seq", "bound", "state_at", "dirty", "reported", "out_since", "drained_at", "requeued",
+        "host_at_switch",
+    )
+    __match_args__ = (
+        "name", "sched", "phase", "status", "target", "decided_at", "epoch", "token", "plan_end", "wake_at",
+        "kv_seq", "bound", "state_at", "dirty", "reported", "out_since", "drained_at", "requeued",
+        "host_at_switch",
+    )
 
-@dataclass(slots=True, eq=False)
+    def __init__(
+        self, name: str, sched: EngineScheduler, phase: Phase, status: str = SERVING,
+        target: Phase | None = None, decided_at: float = 0.0, epoch: int = 0, token: int = 0,
+        plan_end: float = -1.0, wake_at: float = -1.0, kv_seq: int = 0, bound: int = 0,
+        state_at: float = -math.inf, dirty: bool = True, reported: Phase | None = None, out_since: float = 0.0,
+        drained_at: float = 0.0, requeued: int = 0, host_at_switch: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.name = name
+        self.sched = sched
+        self.phase = phase
+        self.status = status
+        self.target = target
+        self.decided_at = decided_at
+        self.epoch = epoch
+        self.token = token
+        self.plan_end = plan_end
+        self.wake_at = wake_at
+        self.kv_seq = kv_seq
+        self.bound = bound
+        self.state_at = state_at
+        self.dirty = dirty
+        self.reported = reported
+        self.out_since = out_since
+        self.drained_at = drained_at
+        self.requeued = requeued
+        self.host_at_switch = host_at_switch
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"name={self.name!r}, sched={self.sched!r}, phase={self.phase!r}, status={self.status!r}, "
+            f"target={self.target!r}, decided_at={self.decided_at!r}, epoch={self.epoch!r}, "
+            f"token={self.token!r}, plan_end={self.plan_end!r}, wake_at={self.wake_at!r}, "
+            f"kv_seq={self.kv_seq!r}, bound={self.bound!r}, state_at={self.state_at!r}, dirty={self.dirty!r}, "
+            f"reported={self.reported!r}, out_since={self.out_since!r}, drained_at={self.drained_at!r}, "
+            f"requeued={self.requeued!r}, host_at_switch={self.host_at_switch!r})"
+        )
+
+
 class _Flight:
     req: TraceRequest
     rr: RouteRequest
@@ -173,98 +226,258 @@ class _Flight:
     wait: float
     ideal: int
     kind: str
-    prefill: str | None = None
-    decode: str | None = None
-    first_at: float | None = None
-    queue_s: float | None = None
-    cached: int = 0
-    prompt: int = 0
-    reroutes: int = 0
-    work: PrefillWork | None = None
-    decode_later: bool = False
+    prefill: str | None
+    decode: str | None
+    first_at: float | None
+    queue_s: float | None
+    cached: int
+    prompt: int
+    reroutes: int
+    work: PrefillWork | None
+    decode_later: bool
     """Routed PD with the decode node to be bound at prefill start."""
-    started: bool = False
+    started: bool
     """Its prefill was admitted on its prefill node (for the decode-reservation meter)."""
-    decided_at: float = 0.0
+    decided_at: float
     """Time of the routing decision that placed it (its last one, after a re-route)."""
-    predicted: float | None = None
+    predicted: float | None
     """The router's predicted TTFT at that decision (s from the decision; ``ttft`` routing)."""
-    first_token_at: float | None = None
+    first_token_at: float | None
     """Time the prefill node produced the first token."""
-    prev_prefill: str | None = None
+    prev_prefill: str | None
     """Prefill node of the branch's previous request (a fork's first request: its parent's), for
     the paper's C.1 attribution of lost KV reuse."""
-    fetch: TokensOut | None = None
+    fetch: TokensOut | None
     """Its first token's output when the prefill node fetched KV from peers (``fetch_s`` set)."""
+
+    # what dataclass(slots=True, eq=False) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = (
+        "req", "rr", "sent_at", "wait", "ideal", "kind", "prefill", "decode", "first_at", "queue_s", "cached",
+        "prompt", "reroutes", "work", "decode_later", "started", "decided_at", "predicted", "first_token_at",
+        "prev_prefill", "fetch",
+    )
+    __match_args__ = (
+        "req", "rr", "sent_at", "wait", "ideal", "kind", "prefill", "decode", "first_at", "queue_s", "cached",
+        "prompt", "reroutes", "work", "decode_later", "started", "decided_at", "predicted", "first_token_at",
+        "prev_prefill", "fetch",
+    )
+
+    def __init__(
+        self, req: TraceRequest, rr: RouteRequest, sent_at: float, wait: float, ideal: int, kind: str,
+        prefill: str | None = None, decode: str | None = None, first_at: float | None = None,
+        queue_s: float | None = None, cached: int = 0, prompt: int = 0, reroutes: int = 0,
+        work: PrefillWork | None = None, decode_later: bool = False, started: bool = False,
+        decided_at: float = 0.0, predicted: float | None = None, first_token_at: float | None = None,
+        prev_prefill: str | None = None, fetch: TokensOut | None = None,
+    ) -> None:
+        self.req = req
+        self.rr = rr
+        self.sent_at = sent_at
+        self.wait = wait
+        self.ideal = ideal
+        self.kind = kind
+        self.prefill = prefill
+        self.decode = decode
+        self.first_at = first_at
+        self.queue_s = queue_s
+        self.cached = cached
+        self.prompt = prompt
+        self.reroutes = reroutes
+        self.work = work
+        self.decode_later = decode_later
+        self.started = started
+        self.decided_at = decided_at
+        self.predicted = predicted
+        self.first_token_at = first_token_at
+        self.prev_prefill = prev_prefill
+        self.fetch = fetch
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"req={self.req!r}, rr={self.rr!r}, sent_at={self.sent_at!r}, wait={self.wait!r}, "
+            f"ideal={self.ideal!r}, kind={self.kind!r}, prefill={self.prefill!r}, decode={self.decode!r}, "
+            f"first_at={self.first_at!r}, queue_s={self.queue_s!r}, cached={self.cached!r}, "
+            f"prompt={self.prompt!r}, reroutes={self.reroutes!r}, work={self.work!r}, "
+            f"decode_later={self.decode_later!r}, started={self.started!r}, decided_at={self.decided_at!r}, "
+            f"predicted={self.predicted!r}, first_token_at={self.first_token_at!r}, "
+            f"prev_prefill={self.prev_prefill!r}, fetch={self.fetch!r})"
+        )
 
 
 DIRECTORY_SAMPLE_S = 60.0
 """Simulated seconds between two samples of the KV directory's size (``SimStats.directory_size``)."""
 
 
-@dataclass(slots=True)
 class SimStats:
     """Counters of one simulated cluster (land in ``report.json`` as ``sim_*``)."""
 
-    events: int = 0
-    plans: int = 0
-    iterations: int = 0
-    truncations: int = 0
-    routed: int = 0
-    reroutes: int = 0
-    parked: int = 0
-    rejected: int = 0
-    handoffs: int = 0
-    kv_batches: int = 0
-    planner_ticks: int = 0
-    planner_decisions: list[dict[str, Any]] = field(default_factory=list)
-    out_of_service: list[tuple[str, float, float]] = field(default_factory=list)
+    events: int
+    plans: int
+    iterations: int
+    truncations: int
+    routed: int
+    reroutes: int
+    parked: int
+    rejected: int
+    handoffs: int
+    kv_batches: int
+    planner_ticks: int
+    planner_decisions: list[dict[str, Any]]
+    out_of_service: list[tuple[str, float, float]]
     """(node, start, end) of every relaunch downtime."""
-    unfinished: int = 0
-    end_time: float = 0.0
-    closed_loop_exhausted_at: float | None = None
+    unfinished: int
+    end_time: float
+    closed_loop_exhausted_at: float | None
     """Closed loop: first time a finished agent could not be replaced (the input ran out of
     agents; concurrency falls from then on)."""
-    schedule_exhausted: list[dict[str, Any]] = field(default_factory=list)
+    schedule_exhausted: list[dict[str, Any]]
     """Period schedule: the windows whose pool ran dry before their end
     (:meth:`~evolving_infra.sim.schedule.ScheduledReplay.exhausted`)."""
-    ttft_pred_abs_err: list[float] = field(default_factory=list)
+    ttft_pred_abs_err: list[float]
     """|predicted − measured| TTFT (s) of every first token whose routing policy predicted one."""
-    host_evictions: dict[str, int] = field(default_factory=dict)
+    host_evictions: dict[str, int]
     """L2 evictions the KV directory classified, by the evicting node's phase and the block's
     branch count on it: ``<phase>.zero_count`` / ``<phase>.positive_count`` (whole run)."""
-    counted_samples: int = 0
-    counted_sum: float = 0.0
-    counted_max: int = 0
+    counted_samples: int
+    counted_sum: float
+    counted_max: int
     """Blocks that active branches reference (count > 0) on a node serving prefill, sampled at
     every request sent: samples, Σ of the per-send mean over those nodes, max over nodes and sends."""
-    directory: dict[str, float] = field(default_factory=dict)
+    directory: dict[str, float]
     """The KV directory's counters at the end of the run (``KvDirectory.all_counters``: branch
     starts/ends/expiries/version bumps, moves, evictions by count) and ``end.copies.*`` gauges."""
-    switch_log: list[dict[str, Any]] = field(default_factory=list)
+    switch_log: list[dict[str, Any]]
     """Every completed node switch: node, from/to phase, mode, decided_at, drained_at,
     served_at, drain_s (decision → drained), downtime_s (drained → serving: relaunch or
     control time, the node serves nothing), switch_s (decision → serving), requeued, host_blocks
     and unique_host_blocks (its L2 at the decision, and the part no other node's L2 holds)."""
-    pool_fetch_plans: int = 0
+    pool_fetch_plans: int
     """Fetch plans the simulator made for a router that plans none (decoupled data plane)."""
-    fetch_plans_dropped: int = 0
+    fetch_plans_dropped: int
     """Router fetch plans dropped because the switch mode keeps KV local (relaunch, strand)."""
-    periodic_skipped: int = 0
+    periodic_skipped: int
     """``switch_every`` changes that could not be made (too many nodes still switching)."""
-    resv_node_s: float = 0.0
+    resv_node_s: float
     """∫ decode KV blocks reserved for requests whose hand-off has not arrived dt (warm-up excluded)."""
-    resv_waiting_node_s: float = 0.0
+    resv_waiting_node_s: float
     """The same, only reservations of requests whose prefill has not started."""
-    decode_cap_node_s: float = 0.0
+    decode_cap_node_s: float
     """∫ L1 blocks of the nodes serving decode dt (warm-up excluded)."""
-    directory_size: dict[int, list[int]] = field(default_factory=dict)
+    directory_size: dict[int, list[int]]
     """Size of the KV directory over time, sampled at the first KV batch of every
     :data:`DIRECTORY_SAMPLE_S` simulated seconds: sample index → [blocks indexed, runs, GPU
     copies, host copies, estimated bytes] (``BlockIndex.size_bytes``)."""
 
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = (
+        "events", "plans", "iterations", "truncations", "routed", "reroutes", "parked", "rejected", "handoffs",
+        "kv_batches", "planner_ticks", "planner_decisions", "out_of_service", "unfinished", "end_time",
+        "closed_loop_exhausted_at", "schedule_exhausted", "ttft_pred_abs_err", "host_evictions",
+        "counted_samples", "counted_sum", "counted_max", "directory", "switch_log", "pool_fetch_plans",
+        "fetch_plans_dropped", "periodic_skipped", "resv_node_s", "resv_waiting_node_s", "decode_cap_node_s",
+        "directory_size",
+    )
+    __match_args__ = (
+        "events", "plans", "iterations", "truncations", "routed", "reroutes", "parked", "rejected", "handoffs",
+        "kv_batches", "planner_ticks", "planner_decisions", "out_of_service", "unfinished", "end_time",
+        "closed_loop_exhausted_at", "schedule_exhausted", "ttft_pred_abs_err", "host_evictions",
+        "counted_samples", "counted_sum", "counted_max", "directory", "switch_log", "pool_fetch_plans",
+        "fetch_plans_dropped", "periodic_skipped", "resv_node_s", "resv_waiting_node_s", "decode_cap_node_s",
+        "directory_size",
+    )
 
-@dataclass(slots=True)
+    def __init__(
+        self, events: int = 0, plans: int = 0, iterations: int = 0, truncations: int = 0, routed: int = 0,
+        reroutes: int = 0, parked: int = 0, rejected: int = 0, handoffs: int = 0, kv_batches: int = 0,
+        planner_ticks: int = 0, planner_decisions: Any = _FACTORY, out_of_service: Any = _FACTORY,
+        unfinished: int = 0, end_time: float = 0.0, closed_loop_exhausted_at: float | None = None,
+        schedule_exhausted: Any = _FACTORY, ttft_pred_abs_err: Any = _FACTORY, host_evictions: Any = _FACTORY,
+        counted_samples: int = 0, counted_sum: float = 0.0, counted_max: int = 0, directory: Any = _FACTORY,
+        switch_log: Any = _FACTORY, pool_fetch_plans: int = 0, fetch_plans_dropped: int = 0,
+        periodic_skipped: int = 0, resv_node_s: float = 0.0, resv_waiting_node_s: float = 0.0,
+        decode_cap_node_s: float = 0.0, directory_size: Any = _FACTORY,
+    ) -> None:
+        self.events = events
+        self.plans = plans
+        self.iterations = iterations
+        self.truncations = truncations
+        self.routed = routed
+        self.reroutes = reroutes
+        self.parked = parked
+        self.rejected = rejected
+        self.handoffs = handoffs
+        self.kv_batches = kv_batches
+        self.planner_ticks = planner_ticks
+        self.planner_decisions = [] if planner_decisions is _FACTORY else planner_decisions
+        self.out_of_service = [] if out_of_service is _FACTORY else out_of_service
+        self.unfinished = unfinished
+        self.end_time = end_time
+        self.closed_loop_exhausted_at = closed_loop_exhausted_at
+        self.schedule_exhausted = [] if schedule_exhausted is _FACTORY else schedule_exhausted
+        self.ttft_pred_abs_err = [] if ttft_pred_abs_err is _FACTORY else ttft_pred_abs_err
+        self.host_evictions = {} if host_evictions is _FACTORY else host_evictions
+        self.counted_samples = counted_samples
+        self.counted_sum = counted_sum
+        self.counted_max = counted_max
+        self.directory = {} if directory is _FACTORY else directory
+        self.switch_log = [] if switch_log is _FACTORY else switch_log
+        self.pool_fetch_plans = pool_fetch_plans
+        self.fetch_plans_dropped = fetch_plans_dropped
+        self.periodic_skipped = periodic_skipped
+        self.resv_node_s = resv_node_s
+        self.resv_waiting_node_s = resv_waiting_node_s
+        self.decode_cap_node_s = decode_cap_node_s
+        self.directory_size = {} if directory_size is _FACTORY else directory_size
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"events={self.events!r}, plans={self.plans!r}, iterations={self.iterations!r}, "
+            f"truncations={self.truncations!r}, routed={self.routed!r}, reroutes={self.reroutes!r}, "
+            f"parked={self.parked!r}, rejected={self.rejected!r}, handoffs={self.handoffs!r}, "
+            f"kv_batches={self.kv_batches!r}, planner_ticks={self.planner_ticks!r}, "
+            f"planner_decisions={self.planner_decisions!r}, out_of_service={self.out_of_service!r}, "
+            f"unfinished={self.unfinished!r}, end_time={self.end_time!r}, "
+            f"closed_loop_exhausted_at={self.closed_loop_exhausted_at!r}, "
+            f"schedule_exhausted={self.schedule_exhausted!r}, ttft_pred_abs_err={self.ttft_pred_abs_err!r}, "
+            f"host_evictions={self.host_evictions!r}, counted_samples={self.counted_samples!r}, "
+            f"counted_sum={self.counted_sum!r}, counted_max={self.counted_max!r}, directory={self.directory!r}, "
+            f"switch_log={self.switch_log!r}, pool_fetch_plans={self.pool_fetch_plans!r}, "
+            f"fetch_plans_dropped={self.fetch_plans_dropped!r}, periodic_skipped={self.periodic_skipped!r}, "
+            f"resv_node_s={self.resv_node_s!r}, resv_waiting_node_s={self.resv_waiting_node_s!r}, "
+            f"decode_cap_node_s={self.decode_cap_node_s!r}, directory_size={self.directory_size!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (
+                self.events, self.plans, self.iterations, self.truncations, self.routed, self.reroutes,
+                self.parked, self.rejected, self.handoffs, self.kv_batches, self.planner_ticks,
+                self.planner_decisions, self.out_of_service, self.unfinished, self.end_time,
+                self.closed_loop_exhausted_at, self.schedule_exhausted, self.ttft_pred_abs_err,
+                self.host_evictions, self.counted_samples, self.counted_sum, self.counted_max, self.directory,
+                self.switch_log, self.pool_fetch_plans, self.fetch_plans_dropped, self.periodic_skipped,
+                self.resv_node_s, self.resv_waiting_node_s, self.decode_cap_node_s, self.directory_size,
+            ) == (
+                other.events, other.plans, other.iterations, other.truncations, other.routed, other.reroutes,
+                other.parked, other.rejected, other.handoffs, other.kv_batches, other.planner_ticks,
+                other.planner_decisions, other.out_of_service, other.unfinished, other.end_time,
+                other.closed_loop_exhausted_at, other.schedule_exhausted, other.ttft_pred_abs_err,
+                other.host_evictions, other.counted_samples, other.counted_sum, other.counted_max,
+                other.directory, other.switch_log, other.pool_fetch_plans, other.fetch_plans_dropped,
+                other.periodic_skipped, other.resv_node_s, other.resv_waiting_node_s, other.decode_cap_node_s,
+                other.directory_size,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class ClusterResult:
     """What one cluster (partition) produced."""
 
@@ -273,6 +486,38 @@ class ClusterResult:
     stats: SimStats
     nodes: list[str]
     initial_phases: dict[str, Phase]
+
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("records", "timeline", "stats", "nodes", "initial_phases")
+    __match_args__ = ("records", "timeline", "stats", "nodes", "initial_phases")
+
+    def __init__(
+        self, records: list[RequestRecord], timeline: RunTimeline, stats: SimStats, nodes: list[str],
+        initial_phases: dict[str, Phase],
+    ) -> None:
+        self.records = records
+        self.timeline = timeline
+        self.stats = stats
+        self.nodes = nodes
+        self.initial_phases = initial_phases
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"records={self.records!r}, timeline={self.timeline!r}, stats={self.stats!r}, nodes={self.nodes!r}, "
+            f"initial_phases={self.initial_phases!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.records, self.timeline, self.stats, self.nodes, self.initial_phases) == (
+                other.records, other.timeline, other.stats, other.nodes, other.initial_phases,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def slowed(profile: Profile, factor: float) -> Profile:
@@ -1068,8 +1313,8 @@ class ClusterSim:
         nodes = self.nodes
         for cu in self.directory.take_count_updates():
             node = nodes.get(cu.node)
-            if node is not None:  # EngineScheduler.update_counts → KvBlockManager.update_counts, without their calls
-                node.sched.kv.host.update_counts(cu.hashes, cu.counts)
+            if node is not None:
+                node.sched.update_counts(cu.hashes, cu.counts)
 
     # ------------------------------------------------------------------ #
     # planner and phase switches

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from reprlib import recursive_repr
 from typing import Any, Protocol, runtime_checkable
 
 from shared.config import parse_key_values
@@ -39,7 +40,6 @@ from shared.split import split_name
 PLANNERS: tuple[str, ...] = ("static", "evolving", "dynamo", "arrow")
 
 
-@dataclass(slots=True)
 class RequestDone:
     """A finished request as the planner sees it (w̄ of paper §5.2, arrivals for the SLO guard).
 
@@ -65,6 +65,54 @@ class RequestDone:
     arrived_at: float
     ttft_s: float
     e2e_s: float
+
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = (
+        "rid", "prefill_node", "decode_node", "prompt_tokens", "cached_tokens", "output_tokens", "arrived_at",
+        "ttft_s", "e2e_s",
+    )
+    __match_args__ = (
+        "rid", "prefill_node", "decode_node", "prompt_tokens", "cached_tokens", "output_tokens", "arrived_at",
+        "ttft_s", "e2e_s",
+    )
+
+    def __init__(
+        self, rid: str, prefill_node: str, decode_node: str, prompt_tokens: int, cached_tokens: int,
+        output_tokens: int, arrived_at: float, ttft_s: float, e2e_s: float,
+    ) -> None:
+        self.rid = rid
+        self.prefill_node = prefill_node
+        self.decode_node = decode_node
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+        self.output_tokens = output_tokens
+        self.arrived_at = arrived_at
+        self.ttft_s = ttft_s
+        self.e2e_s = e2e_s
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"rid={self.rid!r}, prefill_node={self.prefill_node!r}, decode_node={self.decode_node!r}, "
+            f"prompt_tokens={self.prompt_tokens!r}, cached_tokens={self.cached_tokens!r}, "
+            f"output_tokens={self.output_tokens!r}, arrived_at={self.arrived_at!r}, ttft_s={self.ttft_s!r}, "
+            f"e2e_s={self.e2e_s!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (
+                self.rid, self.prefill_node, self.decode_node, self.prompt_tokens, self.cached_tokens,
+                self.output_tokens, self.arrived_at, self.ttft_s, self.e2e_s,
+            ) == (
+                other.rid, other.prefill_node, other.decode_node, other.prompt_tokens, other.cached_tokens,
+                other.output_tokens, other.arrived_at, other.ttft_s, other.e2e_s,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(slots=True, frozen=True)

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from reprlib import recursive_repr
+from typing import Any
 
 from shared.messages import KvLookupReply, NodeState, PlannerModels, PrefillWork, RequestAbort, RoutePlaced, RouteSent, SplitCommand
 from shared.subjects import check_token
@@ -44,6 +46,9 @@ from services.router.faults import usable_lookup
 from services.router.metrics import RouteMetrics, TtftSample
 from services.router.nodes import FencedNode, NodeLoad, NodeLoadView
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy
+
+_FACTORY: Any = object()
+"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +77,6 @@ class DecodeBinding:
         return self.decode.node
 
 
-@dataclass(slots=True)
 class RouteDecision:
     """A placement and the messages that carry it.
 
@@ -96,8 +100,41 @@ class RouteDecision:
     decode: DecodeChoice | None
     placed: list[RoutePlaced]
     work: PrefillWork
-    candidates: Sequence[NodeLoad] = field(default_factory=tuple)
-    decode_candidates: Sequence[NodeLoad] = field(default_factory=tuple)
+    candidates: Sequence[NodeLoad]
+    decode_candidates: Sequence[NodeLoad]
+
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("prefill", "decode", "placed", "work", "candidates", "decode_candidates")
+    __match_args__ = ("prefill", "decode", "placed", "work", "candidates", "decode_candidates")
+
+    def __init__(
+        self, prefill: PrefillChoice, decode: DecodeChoice | None, placed: list[RoutePlaced], work: PrefillWork,
+        candidates: Any = _FACTORY, decode_candidates: Any = _FACTORY,
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.placed = placed
+        self.work = work
+        self.candidates = () if candidates is _FACTORY else candidates
+        self.decode_candidates = () if decode_candidates is _FACTORY else decode_candidates
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"prefill={self.prefill!r}, decode={self.decode!r}, placed={self.placed!r}, work={self.work!r}, "
+            f"candidates={self.candidates!r}, decode_candidates={self.decode_candidates!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.prefill, self.decode, self.placed, self.work, self.candidates, self.decode_candidates) == (
+                other.prefill, other.decode, other.placed, other.work, other.candidates, other.decode_candidates,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
     @property
     def decode_node(self) -> str | None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from reprlib import recursive_repr
 
 from shared.messages import NodeState, Phase, SplitCommand
 from shared.subjects import check_token
@@ -51,32 +52,82 @@ PREFILL_PHASES: frozenset[str] = frozenset(("prefill", "both"))
 DECODE_PHASES: frozenset[str] = frozenset(("decode",))
 
 
-@dataclass(slots=True)
 class NodeRecord:
     """Everything the router knows about one node (mutable, owned by :class:`NodeLoadView`)."""
 
     node: str
-    state: NodeState | None = None
+    state: NodeState | None
     """Last reported state (None until the node reports)."""
-    last_seen: float | None = None
+    last_seen: float | None
     """``now`` at which ``state`` arrived."""
-    split_phase: Phase | None = None
+    split_phase: Phase | None
     """Phase assigned by the current split command; None if the split does not name the node."""
-    fenced: bool = False
+    fenced: bool
     """Set by :meth:`NodeLoadView.check_fences`; cleared when the node reports again."""
-    restarted: bool = False
+    restarted: bool
     """The node's state sequence went back (a new process under the same node id, e.g. one a
     supervisor restarted faster than ``fence_after``): the next :meth:`NodeLoadView.check_fences`
     fences it at once, so the requests the old process held are re-dispatched."""
-    fence_events: int = 0
-    inflight: int = 0
+    fence_events: int
+    inflight: int
     """Requests dispatched to this node (prefill or decode) and not finished."""
-    inflight_prefill: int = 0
+    inflight_prefill: int
     """Requests dispatched here for prefill whose first token has not arrived."""
-    inflight_decode: int = 0
+    inflight_decode: int
     """Requests bound here for decode and not finished."""
-    load: NodeLoad | None = field(default=None, repr=False, compare=False)
+    load: NodeLoad | None
     """This record as a :class:`NodeLoad` (built on demand; None after any change)."""
+
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = (
+        "node", "state", "last_seen", "split_phase", "fenced", "restarted", "fence_events", "inflight",
+        "inflight_prefill", "inflight_decode", "load",
+    )
+    __match_args__ = (
+        "node", "state", "last_seen", "split_phase", "fenced", "restarted", "fence_events", "inflight",
+        "inflight_prefill", "inflight_decode", "load",
+    )
+
+    def __init__(
+        self, node: str, state: NodeState | None = None, last_seen: float | None = None,
+        split_phase: Phase | None = None, fenced: bool = False, restarted: bool = False, fence_events: int = 0,
+        inflight: int = 0, inflight_prefill: int = 0, inflight_decode: int = 0, load: NodeLoad | None = None,
+    ) -> None:
+        self.node = node
+        self.state = state
+        self.last_seen = last_seen
+        self.split_phase = split_phase
+        self.fenced = fenced
+        self.restarted = restarted
+        self.fence_events = fence_events
+        self.inflight = inflight
+        self.inflight_prefill = inflight_prefill
+        self.inflight_decode = inflight_decode
+        self.load = load
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"node={self.node!r}, state={self.state!r}, last_seen={self.last_seen!r}, "
+            f"split_phase={self.split_phase!r}, fenced={self.fenced!r}, restarted={self.restarted!r}, "
+            f"fence_events={self.fence_events!r}, inflight={self.inflight!r}, "
+            f"inflight_prefill={self.inflight_prefill!r}, inflight_decode={self.inflight_decode!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (
+                self.node, self.state, self.last_seen, self.split_phase, self.fenced, self.restarted,
+                self.fence_events, self.inflight, self.inflight_prefill, self.inflight_decode,
+            ) == (
+                other.node, other.state, other.last_seen, other.split_phase, other.fenced, other.restarted,
+                other.fence_events, other.inflight, other.inflight_prefill, other.inflight_decode,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
     @property
     def phase(self) -> Phase | None:
@@ -86,7 +137,6 @@ class NodeRecord:
         return self.state.phase if self.state is not None else None
 
 
-@dataclass(slots=True)
 class NodeLoad:
     """Load snapshot of one eligible node: what a routing policy sees.
 
@@ -103,16 +153,71 @@ class NodeLoad:
 
     node: str
     phase: Phase
-    inflight: int = 0
-    inflight_prefill: int = 0
-    inflight_decode: int = 0
-    running: int = 0
-    waiting: int = 0
-    decoding: int = 0
-    gpu_free_blocks: int = 0
-    gpu_total_blocks: int = 0
-    last_seen: float = 0.0
-    state: NodeState | None = None
+    inflight: int
+    inflight_prefill: int
+    inflight_decode: int
+    running: int
+    waiting: int
+    decoding: int
+    gpu_free_blocks: int
+    gpu_total_blocks: int
+    last_seen: float
+    state: NodeState | None
+
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = (
+        "node", "phase", "inflight", "inflight_prefill", "inflight_decode", "running", "waiting", "decoding",
+        "gpu_free_blocks", "gpu_total_blocks", "last_seen", "state",
+    )
+    __match_args__ = (
+        "node", "phase", "inflight", "inflight_prefill", "inflight_decode", "running", "waiting", "decoding",
+        "gpu_free_blocks", "gpu_total_blocks", "last_seen", "state",
+    )
+
+    def __init__(
+        self, node: str, phase: Phase, inflight: int = 0, inflight_prefill: int = 0, inflight_decode: int = 0,
+        running: int = 0, waiting: int = 0, decoding: int = 0, gpu_free_blocks: int = 0,
+        gpu_total_blocks: int = 0, last_seen: float = 0.0, state: NodeState | None = None,
+    ) -> None:
+        self.node = node
+        self.phase = phase
+        self.inflight = inflight
+        self.inflight_prefill = inflight_prefill
+        self.inflight_decode = inflight_decode
+        self.running = running
+        self.waiting = waiting
+        self.decoding = decoding
+        self.gpu_free_blocks = gpu_free_blocks
+        self.gpu_total_blocks = gpu_total_blocks
+        self.last_seen = last_seen
+        self.state = state
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"node={self.node!r}, phase={self.phase!r}, inflight={self.inflight!r}, "
+            f"inflight_prefill={self.inflight_prefill!r}, inflight_decode={self.inflight_decode!r}, "
+            f"running={self.running!r}, waiting={self.waiting!r}, decoding={self.decoding!r}, "
+            f"gpu_free_blocks={self.gpu_free_blocks!r}, gpu_total_blocks={self.gpu_total_blocks!r}, "
+            f"last_seen={self.last_seen!r}, state={self.state!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (
+                self.node, self.phase, self.inflight, self.inflight_prefill, self.inflight_decode, self.running,
+                self.waiting, self.decoding, self.gpu_free_blocks, self.gpu_total_blocks, self.last_seen,
+                self.state,
+            ) == (
+                other.node, other.phase, other.inflight, other.inflight_prefill, other.inflight_decode,
+                other.running, other.waiting, other.decoding, other.gpu_free_blocks, other.gpu_total_blocks,
+                other.last_seen, other.state,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
     def state_age(self, now: float) -> float:
         """Age of ``state`` at ``now`` (caller's clock units)."""
@@ -130,13 +235,42 @@ class FencedNode:
     """Requests in flight that depend on it when it was fenced (:meth:`NodeLoadView.requests_depending_on`)."""
 
 
-@dataclass(slots=True)
 class _Flight:
     prefill_node: str
     decode_node: str | None
-    first_token: bool = False
-    handed_off: bool = False
+    first_token: bool
+    handed_off: bool
     """Its decode node has the hand-off (it streamed output, or handed the work back)."""
+
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("prefill_node", "decode_node", "first_token", "handed_off")
+    __match_args__ = ("prefill_node", "decode_node", "first_token", "handed_off")
+
+    def __init__(
+        self, prefill_node: str, decode_node: str | None, first_token: bool = False, handed_off: bool = False,
+    ) -> None:
+        self.prefill_node = prefill_node
+        self.decode_node = decode_node
+        self.first_token = first_token
+        self.handed_off = handed_off
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"prefill_node={self.prefill_node!r}, decode_node={self.decode_node!r}, "
+            f"first_token={self.first_token!r}, handed_off={self.handed_off!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.prefill_node, self.decode_node, self.first_token, self.handed_off) == (
+                other.prefill_node, other.decode_node, other.first_token, other.handed_off
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(slots=True)

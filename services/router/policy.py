@@ -41,11 +41,15 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from reprlib import recursive_repr
 from typing import Any, ClassVar
 
 from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels
 
 from services.router.nodes import NodeLoad
+
+_FACTORY: Any = object()
+"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 
 @dataclass(slots=True)
@@ -80,7 +84,6 @@ class RouteRequest:
         return len(self.block_hashes)
 
 
-@dataclass(slots=True)
 class PrefillChoice:
     """A policy's prefill decision with the numbers behind it (for the route log).
 
@@ -109,13 +112,61 @@ class PrefillChoice:
 
     node: str
     path: str
-    matched_blocks: int = 0
-    match_rate: float = 0.0
-    loads: dict[str, int] = field(default_factory=dict)
-    matches: dict[str, int] = field(default_factory=dict)
-    predicted_ttft_s: float | None = None
-    estimates: Sequence[Any] = ()
-    fetch: tuple[FetchRange, ...] = ()
+    matched_blocks: int
+    match_rate: float
+    loads: dict[str, int]
+    matches: dict[str, int]
+    predicted_ttft_s: float | None
+    estimates: Sequence[Any]
+    fetch: tuple[FetchRange, ...]
+
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = (
+        "node", "path", "matched_blocks", "match_rate", "loads", "matches", "predicted_ttft_s", "estimates",
+        "fetch",
+    )
+    __match_args__ = (
+        "node", "path", "matched_blocks", "match_rate", "loads", "matches", "predicted_ttft_s", "estimates",
+        "fetch",
+    )
+
+    def __init__(
+        self, node: str, path: str, matched_blocks: int = 0, match_rate: float = 0.0, loads: Any = _FACTORY,
+        matches: Any = _FACTORY, predicted_ttft_s: float | None = None, estimates: Sequence[Any] = (),
+        fetch: tuple[FetchRange, ...] = (),
+    ) -> None:
+        self.node = node
+        self.path = path
+        self.matched_blocks = matched_blocks
+        self.match_rate = match_rate
+        self.loads = {} if loads is _FACTORY else loads
+        self.matches = {} if matches is _FACTORY else matches
+        self.predicted_ttft_s = predicted_ttft_s
+        self.estimates = estimates
+        self.fetch = fetch
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"node={self.node!r}, path={self.path!r}, matched_blocks={self.matched_blocks!r}, "
+            f"match_rate={self.match_rate!r}, loads={self.loads!r}, matches={self.matches!r}, "
+            f"predicted_ttft_s={self.predicted_ttft_s!r}, estimates={self.estimates!r}, fetch={self.fetch!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (
+                self.node, self.path, self.matched_blocks, self.match_rate, self.loads, self.matches,
+                self.predicted_ttft_s, self.estimates, self.fetch,
+            ) == (
+                other.node, other.path, other.matched_blocks, other.match_rate, other.loads, other.matches,
+                other.predicted_ttft_s, other.estimates, other.fetch,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
+from reprlib import recursive_repr
 from typing import Any, NamedTuple, overload
 
 from shared.itermodel import DecodeModel, PrefillModel
@@ -434,11 +435,30 @@ class _QueueFold:
         return t_open, used, qk, rst
 
 
-@dataclass(slots=True)
 class _Send:
     work: QueuedWork
-    seen: bool = False
+    seen: bool
     """A state of the node listed this rid (it is in, or has left, the reported queue)."""
+
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("work", "seen")
+    __match_args__ = ("work", "seen")
+
+    def __init__(self, work: QueuedWork, seen: bool = False) -> None:
+        self.work = work
+        self.seen = seen
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return f"{self.__class__.__qualname__}(work={self.work!r}, seen={self.seen!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.work, self.seen) == (other.work, other.seen)  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 class _NodeTrack:

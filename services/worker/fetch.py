@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from collections.abc import Hashable
+from reprlib import recursive_repr
 
 _EPS_BYTES = 1e-6
 """Remaining bytes at or below this count as drained (float round-off)."""
@@ -148,7 +149,6 @@ class FetchLink:
         return done
 
 
-@dataclass(slots=True, eq=False)
 class FetchState:
     """The fetch of one queued request (scheduler-internal; one per request at most)."""
 
@@ -157,20 +157,49 @@ class FetchState:
     hi: int
     """One past the last page fetched (≤ the request's cache cap ``(prompt − 1) // block_size``)."""
     started_at: float
-    external: bool = False
+    external: bool
     """Real-bytes mode: the shell's transfer has not reported yet (``fetch_done``)."""
-    sim_done_at: float | None = None
+    sim_done_at: float | None
     """When the link model finished it (None while bytes are moving)."""
-    missing: frozenset[int] = frozenset()
+    missing: frozenset[int]
     """Blocks the real transfer did not deliver (or whose checksum failed): recomputed."""
-    skipped_at: float | None = None
+    skipped_at: float | None
     """First ``schedule()`` that would have admitted the request but skipped it (fetch incomplete)."""
-    done_at: float | None = None
+    done_at: float | None
     """Completion: the blocks are in L2 from then on (None while fetching)."""
-    used: int = 0
+    used: int
     """Pages of ``[lo, hi)`` in the prefix the request restored at admission: fewer than
     fetched when the transfer missed some, L2 had no room for all of them (other requests'
     held prefixes) or a broken hold lost some before admission."""
+
+    # what dataclass(slots=True, eq=False) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("lo", "hi", "started_at", "external", "sim_done_at", "missing", "skipped_at", "done_at", "used")
+    __match_args__ = ("lo", "hi", "started_at", "external", "sim_done_at", "missing", "skipped_at", "done_at", "used")
+
+    def __init__(
+        self, lo: int, hi: int, started_at: float, external: bool = False, sim_done_at: float | None = None,
+        missing: frozenset[int] = frozenset(), skipped_at: float | None = None, done_at: float | None = None,
+        used: int = 0,
+    ) -> None:
+        self.lo = lo
+        self.hi = hi
+        self.started_at = started_at
+        self.external = external
+        self.sim_done_at = sim_done_at
+        self.missing = missing
+        self.skipped_at = skipped_at
+        self.done_at = done_at
+        self.used = used
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"lo={self.lo!r}, hi={self.hi!r}, started_at={self.started_at!r}, external={self.external!r}, "
+            f"sim_done_at={self.sim_done_at!r}, missing={self.missing!r}, skipped_at={self.skipped_at!r}, "
+            f"done_at={self.done_at!r}, used={self.used!r})"
+        )
 
     @property
     def fetch_s(self) -> float | None:

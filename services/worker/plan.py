@@ -1,16 +1,22 @@
 """Plan and output types of the engine scheduler (internal, not wire messages).
 
-Contains zero I/O. ``dataclass(slots=True)`` with a comment per field, as
-vLLM's ``SchedulerOutput`` (STYLE §1.3). Times are simulated seconds, counts
+Contains zero I/O. Slotted classes with a comment per field, as vLLM's
+``SchedulerOutput`` (STYLE §1.3), written out: what ``dataclass(slots=True)`` would
+generate (``__init__``, ``__repr__``, ``__eq__``, ``__match_args__``, unhashable), without
+its class creation at import (~3M instructions per class: it compiles each method from
+source and builds the class twice; cachegrind). Times are simulated seconds, counts
 are tokens unless a field says blocks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from reprlib import recursive_repr
 from typing import Any
 
 from shared.messages import DecodeWork
+
+_FACTORY: Any = object()
+"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 
 class WorkRejected(ValueError):
@@ -31,7 +37,6 @@ class SchedulerError(RuntimeError):
     """The caller misused the scheduler (e.g. ``schedule()`` while a plan is in flight)."""
 
 
-@dataclass(slots=True)
 class PrefillChunk:
     """One request's share of the prefill part of an iteration."""
 
@@ -45,8 +50,36 @@ class PrefillChunk:
     completes: bool
     """True if this chunk finishes the prompt; the iteration then produces the first output token."""
 
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("rid", "tokens", "cached_before", "restored", "completes")
+    __match_args__ = ("rid", "tokens", "cached_before", "restored", "completes")
 
-@dataclass(slots=True)
+    def __init__(self, rid: str, tokens: int, cached_before: int, restored: int, completes: bool) -> None:
+        self.rid = rid
+        self.tokens = tokens
+        self.cached_before = cached_before
+        self.restored = restored
+        self.completes = completes
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"rid={self.rid!r}, tokens={self.tokens!r}, cached_before={self.cached_before!r}, "
+            f"restored={self.restored!r}, completes={self.completes!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.rid, self.tokens, self.cached_before, self.restored, self.completes) == (
+                other.rid, other.tokens, other.cached_before, other.restored, other.completes,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class IterationPlan:
     """What the node computes from ``start`` to ``end``: ``iterations`` identical
     iterations of ``iteration_s`` each (more than one only for a skip-ahead
@@ -76,12 +109,69 @@ class IterationPlan:
     """Σ t_rst over the chunks."""
     sum_cached: int
     """Σ t_c (``cached_before``) over the chunks."""
-    reqs: list[Any] = field(default_factory=list, repr=False)
+    reqs: list[Any]
     """Scheduler-internal request objects, prefill chunks first then decode (same order)."""
-    admitted: list[str] = field(default_factory=list)
+    admitted: list[str]
     """rids whose prefill *starts* in this plan (first chunk admitted), in admission order.
     A caller that binds the decode node at prefill start (paper Eq. 7, DESIGN §4) binds
     these with ``EngineScheduler.bind_decode`` before the plan finishes."""
+
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = (
+        "start", "iterations", "iteration_s", "end", "prefill", "decode", "prefill_s", "decode_s",
+        "sum_uncached", "sum_qk_pairs", "sum_restored", "sum_cached", "reqs", "admitted",
+    )
+    __match_args__ = (
+        "start", "iterations", "iteration_s", "end", "prefill", "decode", "prefill_s", "decode_s",
+        "sum_uncached", "sum_qk_pairs", "sum_restored", "sum_cached", "reqs", "admitted",
+    )
+
+    def __init__(
+        self, start: float, iterations: int, iteration_s: float, end: float, prefill: list[PrefillChunk],
+        decode: list[str], prefill_s: float, decode_s: float, sum_uncached: int, sum_qk_pairs: int,
+        sum_restored: int, sum_cached: int, reqs: Any = _FACTORY, admitted: Any = _FACTORY,
+    ) -> None:
+        self.start = start
+        self.iterations = iterations
+        self.iteration_s = iteration_s
+        self.end = end
+        self.prefill = prefill
+        self.decode = decode
+        self.prefill_s = prefill_s
+        self.decode_s = decode_s
+        self.sum_uncached = sum_uncached
+        self.sum_qk_pairs = sum_qk_pairs
+        self.sum_restored = sum_restored
+        self.sum_cached = sum_cached
+        self.reqs = [] if reqs is _FACTORY else reqs
+        self.admitted = [] if admitted is _FACTORY else admitted
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"start={self.start!r}, iterations={self.iterations!r}, iteration_s={self.iteration_s!r}, "
+            f"end={self.end!r}, prefill={self.prefill!r}, decode={self.decode!r}, prefill_s={self.prefill_s!r}, "
+            f"decode_s={self.decode_s!r}, sum_uncached={self.sum_uncached!r}, "
+            f"sum_qk_pairs={self.sum_qk_pairs!r}, sum_restored={self.sum_restored!r}, "
+            f"sum_cached={self.sum_cached!r}, admitted={self.admitted!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (
+                self.start, self.iterations, self.iteration_s, self.end, self.prefill, self.decode,
+                self.prefill_s, self.decode_s, self.sum_uncached, self.sum_qk_pairs, self.sum_restored,
+                self.sum_cached, self.reqs, self.admitted,
+            ) == (
+                other.start, other.iterations, other.iteration_s, other.end, other.prefill, other.decode,
+                other.prefill_s, other.decode_s, other.sum_uncached, other.sum_qk_pairs, other.sum_restored,
+                other.sum_cached, other.reqs, other.admitted,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
     @property
     def phase(self) -> str:
@@ -96,7 +186,6 @@ class IterationPlan:
         return self.end - self.start
 
 
-@dataclass(slots=True)
 class TokensOut:
     """Output tokens of one request produced by a plan."""
 
@@ -114,22 +203,76 @@ class TokensOut:
     """Prompt tokens served from cache on this node (L1 hit + L2 restore) at admission."""
     at: float
     """Simulated time the tokens became available (end of the plan)."""
-    queue_s: float | None = None
+    queue_s: float | None
     """First token only: time from arrival on this node to the launch of its first prefill chunk (s)."""
-    fetch_s: float | None = None
+    fetch_s: float | None
     """First token only, when the request fetched blocks from peers: fetch start (arrival) →
     blocks resident in this node's L2 (s)."""
-    exposed_fetch_s: float | None = None
+    exposed_fetch_s: float | None
     """First token only, with a fetch: the part of the fetch that outlasted the queue wait —
     from the first ``schedule()`` that would have admitted the request but skipped it
     because its fetch was incomplete, to the fetch's completion (0 if never skipped) (s)."""
-    fetched_tokens: int = 0
+    fetched_tokens: int
     """First token only: prompt tokens whose KV was fetched from peers into L2 and was
     still there when the request started (restored into L1, so part of ``cached_tokens``);
     pages fetched but not stored, or lost before admission, are not counted."""
 
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = (
+        "rid", "index", "count", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "at", "queue_s",
+        "fetch_s", "exposed_fetch_s", "fetched_tokens",
+    )
+    __match_args__ = (
+        "rid", "index", "count", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "at", "queue_s",
+        "fetch_s", "exposed_fetch_s", "fetched_tokens",
+    )
 
-@dataclass(slots=True)
+    def __init__(
+        self, rid: str, index: int, count: int, finished: bool, finish_reason: str | None, prompt_tokens: int,
+        cached_tokens: int, at: float, queue_s: float | None = None, fetch_s: float | None = None,
+        exposed_fetch_s: float | None = None, fetched_tokens: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.index = index
+        self.count = count
+        self.finished = finished
+        self.finish_reason = finish_reason
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+        self.at = at
+        self.queue_s = queue_s
+        self.fetch_s = fetch_s
+        self.exposed_fetch_s = exposed_fetch_s
+        self.fetched_tokens = fetched_tokens
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"rid={self.rid!r}, index={self.index!r}, count={self.count!r}, finished={self.finished!r}, "
+            f"finish_reason={self.finish_reason!r}, prompt_tokens={self.prompt_tokens!r}, "
+            f"cached_tokens={self.cached_tokens!r}, at={self.at!r}, queue_s={self.queue_s!r}, "
+            f"fetch_s={self.fetch_s!r}, exposed_fetch_s={self.exposed_fetch_s!r}, "
+            f"fetched_tokens={self.fetched_tokens!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (
+                self.rid, self.index, self.count, self.finished, self.finish_reason, self.prompt_tokens,
+                self.cached_tokens, self.at, self.queue_s, self.fetch_s, self.exposed_fetch_s,
+                self.fetched_tokens,
+            ) == (
+                other.rid, other.index, other.count, other.finished, other.finish_reason, other.prompt_tokens,
+                other.cached_tokens, other.at, other.queue_s, other.fetch_s, other.exposed_fetch_s,
+                other.fetched_tokens,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class HandOff:
     """Prefill done on this node; decode continues on ``decode_node`` (PD disaggregation)."""
 
@@ -138,6 +281,33 @@ class HandOff:
     work: DecodeWork
     """What to publish on ``work.<decode_node>.decode`` (kv_ready_at set)."""
     at: float
+
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("rid", "decode_node", "work", "at")
+    __match_args__ = ("rid", "decode_node", "work", "at")
+
+    def __init__(self, rid: str, decode_node: str, work: DecodeWork, at: float) -> None:
+        self.rid = rid
+        self.decode_node = decode_node
+        self.work = work
+        self.at = at
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"rid={self.rid!r}, decode_node={self.decode_node!r}, work={self.work!r}, at={self.at!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.rid, self.decode_node, self.work, self.at) == (
+                other.rid, other.decode_node, other.work, other.at
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 OutputEvent = TokensOut | HandOff

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from reprlib import recursive_repr
 
 from shared.messages import DecodeWork, IterationRecord, KvEvent, NodeState, Phase, PrefillWork, QueuedWork
 from shared.profile import Profile
@@ -72,7 +72,6 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(slots=True, eq=False)
 class _Request:
     rid: str
     prompt_tokens: int
@@ -85,39 +84,101 @@ class _Request:
     """L1 slots the request needs in total (see module docstring)."""
     limit: int
     """Most prompt pages that may come from cache: (prompt − 1) // block_size."""
-    handoff_to: str | None = None
+    handoff_to: str | None
     """Decode node after prefill; None = decode here."""
-    prefill_work: PrefillWork | None = None
-    cached: int = 0
+    prefill_work: PrefillWork | None
+    cached: int
     """t_c at admission: tokens from L1 hits plus L2 restores."""
-    restored: int = 0
+    restored: int
     """Tokens restored from L2 at admission."""
-    computed: int = 0
+    computed: int
     """Uncached prompt tokens computed so far."""
-    held: int = 0
+    held: int
     """Leading pages of ``path`` this request references in L1."""
-    reserved: int = 0
+    reserved: int
     """L1 slots reserved by this request that hold no hashed page."""
-    generated: int = 0
-    acc: int = 0
+    generated: int
+    acc: int
     """Fractional accepted tokens carried between decode iterations, in 1/1000 token."""
-    ready_at: float = 0.0
+    ready_at: float
     """Decode: when the transferred KV is usable."""
-    admitted_at: float = 0.0
+    admitted_at: float
     """Prefill: launch time of the first chunk."""
-    q_gpu: int = 0
-    q_host: int = 0
+    q_gpu: int
+    q_host: int
     """Prefix match (pages in L1, then in L2) last seen while waiting, for NodeState.queue."""
-    awaiting_handoff: bool = False
+    awaiting_handoff: bool
     """Decode side: reserved with :meth:`EngineScheduler.reserve`; the DecodeWork has not arrived."""
-    fetch: FetchState | None = None
+    fetch: FetchState | None
     """Prefill side: the peer fetch of this request's prefix (kept after completion for metrics)."""
-    seq: int = 0
+    seq: int
     """Prefill side: order of joining the waiting queue (the order prefill budget is given in)."""
-    l2_hold: list[int] | None = None
+    l2_hold: list[int] | None
     """Prefill side, queued: hashes of the local prefix this request holds in L2 until it
     is admitted or leaves (``KvBlockManager.hold``; the pool keeps this very list as the hold,
     so it is never changed and its unhold is O(1)); None when it holds nothing."""
+
+    # what dataclass(slots=True, eq=False) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = (
+        "rid", "prompt_tokens", "max_tokens", "path", "state", "arrived_at", "footprint", "limit", "handoff_to",
+        "prefill_work", "cached", "restored", "computed", "held", "reserved", "generated", "acc", "ready_at",
+        "admitted_at", "q_gpu", "q_host", "awaiting_handoff", "fetch", "seq", "l2_hold",
+    )
+    __match_args__ = (
+        "rid", "prompt_tokens", "max_tokens", "path", "state", "arrived_at", "footprint", "limit", "handoff_to",
+        "prefill_work", "cached", "restored", "computed", "held", "reserved", "generated", "acc", "ready_at",
+        "admitted_at", "q_gpu", "q_host", "awaiting_handoff", "fetch", "seq", "l2_hold",
+    )
+
+    def __init__(
+        self, rid: str, prompt_tokens: int, max_tokens: int, path: list[int], state: str, arrived_at: float,
+        footprint: int, limit: int, handoff_to: str | None = None, prefill_work: PrefillWork | None = None,
+        cached: int = 0, restored: int = 0, computed: int = 0, held: int = 0, reserved: int = 0,
+        generated: int = 0, acc: int = 0, ready_at: float = 0.0, admitted_at: float = 0.0, q_gpu: int = 0,
+        q_host: int = 0, awaiting_handoff: bool = False, fetch: FetchState | None = None, seq: int = 0,
+        l2_hold: list[int] | None = None,
+    ) -> None:
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.path = path
+        self.state = state
+        self.arrived_at = arrived_at
+        self.footprint = footprint
+        self.limit = limit
+        self.handoff_to = handoff_to
+        self.prefill_work = prefill_work
+        self.cached = cached
+        self.restored = restored
+        self.computed = computed
+        self.held = held
+        self.reserved = reserved
+        self.generated = generated
+        self.acc = acc
+        self.ready_at = ready_at
+        self.admitted_at = admitted_at
+        self.q_gpu = q_gpu
+        self.q_host = q_host
+        self.awaiting_handoff = awaiting_handoff
+        self.fetch = fetch
+        self.seq = seq
+        self.l2_hold = l2_hold
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"rid={self.rid!r}, prompt_tokens={self.prompt_tokens!r}, max_tokens={self.max_tokens!r}, "
+            f"path={self.path!r}, state={self.state!r}, arrived_at={self.arrived_at!r}, "
+            f"footprint={self.footprint!r}, limit={self.limit!r}, handoff_to={self.handoff_to!r}, "
+            f"prefill_work={self.prefill_work!r}, cached={self.cached!r}, restored={self.restored!r}, "
+            f"computed={self.computed!r}, held={self.held!r}, reserved={self.reserved!r}, "
+            f"generated={self.generated!r}, acc={self.acc!r}, ready_at={self.ready_at!r}, "
+            f"admitted_at={self.admitted_at!r}, q_gpu={self.q_gpu!r}, q_host={self.q_host!r}, "
+            f"awaiting_handoff={self.awaiting_handoff!r}, fetch={self.fetch!r}, seq={self.seq!r}, "
+            f"l2_hold={self.l2_hold!r})"
+        )
 
 
 class EngineScheduler:
@@ -495,8 +556,10 @@ class EngineScheduler:
 
     def update_counts(self, hashes: list[int], counts: list[int]) -> int:
         """Branch counts from the KV directory (``kv.counts.<node>``); see
-        :meth:`BranchRunHostPool.update_counts`. Returns the host blocks moved."""
-        return self.kv.update_counts(hashes, counts)
+        :meth:`BranchRunHostPool.update_counts`. Returns the host blocks moved. (The host pool's
+        method itself, as :meth:`KvBlockManager.update_counts` would call it: one call less per
+        message.)"""
+        return self.kv.host.update_counts(hashes, counts)
 
     def reset_counts(self) -> int:
         """Every host block's branch count back to 0 (the KV directory restarted; see
