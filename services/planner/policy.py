@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError
 from reprlib import recursive_repr
 from typing import Any, Protocol, runtime_checkable
 
@@ -36,6 +36,12 @@ from shared.config import parse_key_values
 from shared.messages import CandidateGain, IterationRecord, NodeState, Phase, PlannerDecision
 from shared.profile import Profile
 from shared.split import split_name
+
+_set = object.__setattr__
+"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
+
+_FACTORY: Any = object()
+"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 PLANNERS: tuple[str, ...] = ("static", "evolving", "dynamo", "arrow")
 
@@ -115,14 +121,57 @@ class RequestDone:
     __hash__ = None  # type: ignore[assignment]
 
 
-@dataclass(slots=True, frozen=True)
 class SplitDecision:
     """A new phase map to apply, with why. ``diagnostics['decision']`` is the
     :class:`PlannerDecision` (as a dict) that explains it."""
 
     phases: dict[str, Phase]
     reason: str
-    diagnostics: dict[str, Any] = field(default_factory=dict)
+    diagnostics: dict[str, Any]
+
+    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("phases", "reason", "diagnostics")
+    __match_args__ = ("phases", "reason", "diagnostics")
+
+    def __init__(self, phases: dict[str, Phase], reason: str, diagnostics: Any = _FACTORY) -> None:
+        _set(self, "phases", phases)
+        _set(self, "reason", reason)
+        _set(self, "diagnostics", {} if diagnostics is _FACTORY else diagnostics)
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"phases={self.phases!r}, reason={self.reason!r}, diagnostics={self.diagnostics!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.phases, self.reason, self.diagnostics) == (
+                other.phases, other.reason, other.diagnostics
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.phases, self.reason, self.diagnostics))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if type(self) is SplitDecision or name in ("phases", "reason", "diagnostics"):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        super(SplitDecision, self).__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if type(self) is SplitDecision or name in ("phases", "reason", "diagnostics"):
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
+        super(SplitDecision, self).__delattr__(name)
+
+    def __getstate__(self) -> list[Any]:
+        return [self.phases, self.reason, self.diagnostics]
+
+    def __setstate__(self, state: list[Any]) -> None:
+        for name, value in zip(self.__slots__, state):
+            _set(self, name, value)
 
 
 @runtime_checkable

@@ -31,7 +31,7 @@ The discrete-event simulator drives the same object in virtual time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError
 from reprlib import recursive_repr
 from typing import Any
 
@@ -47,18 +47,56 @@ from services.router.metrics import RouteMetrics, TtftSample
 from services.router.nodes import FencedNode, NodeLoad, NodeLoadView
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy
 
+_set = object.__setattr__
+"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
+
 _FACTORY: Any = object()
 """Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 
-@dataclass(frozen=True, slots=True)
 class NoRoute:
     """No placement is possible now (HTTP 503); ``reason`` says why."""
 
     reason: str
 
+    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("reason",)
+    __match_args__ = ("reason",)
 
-@dataclass(frozen=True, slots=True)
+    def __init__(self, reason: str) -> None:
+        _set(self, "reason", reason)
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return f"{self.__class__.__qualname__}(reason={self.reason!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.reason,) == (other.reason,)  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.reason,))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if type(self) is NoRoute or name in ("reason",):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        super(NoRoute, self).__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if type(self) is NoRoute or name in ("reason",):
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
+        super(NoRoute, self).__delattr__(name)
+
+    def __getstate__(self) -> list[Any]:
+        return [self.reason]
+
+    def __setstate__(self, state: list[Any]) -> None:
+        for name, value in zip(self.__slots__, state):
+            _set(self, name, value)
+
+
 class DecodeBinding:
     """A decode node chosen after dispatch (:meth:`RouterCore.bind_decode`).
 
@@ -70,7 +108,51 @@ class DecodeBinding:
 
     decode: DecodeChoice
     prefill_node: str
-    placed: list[RoutePlaced] = field(default_factory=list)
+    placed: list[RoutePlaced]
+
+    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("decode", "prefill_node", "placed")
+    __match_args__ = ("decode", "prefill_node", "placed")
+
+    def __init__(self, decode: DecodeChoice, prefill_node: str, placed: Any = _FACTORY) -> None:
+        _set(self, "decode", decode)
+        _set(self, "prefill_node", prefill_node)
+        _set(self, "placed", [] if placed is _FACTORY else placed)
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"decode={self.decode!r}, prefill_node={self.prefill_node!r}, placed={self.placed!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.decode, self.prefill_node, self.placed) == (
+                other.decode, other.prefill_node, other.placed
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.decode, self.prefill_node, self.placed))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if type(self) is DecodeBinding or name in ("decode", "prefill_node", "placed"):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        super(DecodeBinding, self).__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if type(self) is DecodeBinding or name in ("decode", "prefill_node", "placed"):
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
+        super(DecodeBinding, self).__delattr__(name)
+
+    def __getstate__(self) -> list[Any]:
+        return [self.decode, self.prefill_node, self.placed]
+
+    def __setstate__(self, state: list[Any]) -> None:
+        for name, value in zip(self.__slots__, state):
+            _set(self, name, value)
 
     @property
     def node(self) -> str:

@@ -42,11 +42,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError
 from reprlib import recursive_repr
 
 from shared.messages import NodeState, Phase, SplitCommand
 from shared.subjects import check_token
+
+_set = object.__setattr__
+"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
+
+_FACTORY: Any = object()
+"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 PREFILL_PHASES: frozenset[str] = frozenset(("prefill", "both"))
 DECODE_PHASES: frozenset[str] = frozenset(("decode",))
@@ -224,15 +230,55 @@ class NodeLoad:
         return now - self.last_seen
 
 
-@dataclass(frozen=True, slots=True)
 class FencedNode:
     """A node that :meth:`NodeLoadView.check_fences` just fenced out."""
 
     node: str
     age: float
     """Age of its last state at fencing time (caller's clock units)."""
-    rids: tuple[str, ...] = ()
+    rids: tuple[str, ...]
     """Requests in flight that depend on it when it was fenced (:meth:`NodeLoadView.requests_depending_on`)."""
+
+    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("node", "age", "rids")
+    __match_args__ = ("node", "age", "rids")
+
+    def __init__(self, node: str, age: float, rids: tuple[str, ...] = ()) -> None:
+        _set(self, "node", node)
+        _set(self, "age", age)
+        _set(self, "rids", rids)
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return f"{self.__class__.__qualname__}(node={self.node!r}, age={self.age!r}, rids={self.rids!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.node, self.age, self.rids) == (
+                other.node, other.age, other.rids
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.node, self.age, self.rids))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if type(self) is FencedNode or name in ("node", "age", "rids"):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        super(FencedNode, self).__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if type(self) is FencedNode or name in ("node", "age", "rids"):
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
+        super(FencedNode, self).__delattr__(name)
+
+    def __getstate__(self) -> list[Any]:
+        return [self.node, self.age, self.rids]
+
+    def __setstate__(self, state: list[Any]) -> None:
+        for name, value in zip(self.__slots__, state):
+            _set(self, name, value)
 
 
 class _Flight:
@@ -273,7 +319,6 @@ class _Flight:
     __hash__ = None  # type: ignore[assignment]
 
 
-@dataclass(slots=True)
 class NodeLoadView:
     """Cluster view for routing (sans-IO).
 
@@ -286,31 +331,82 @@ class NodeLoadView:
         ValueError: if ``fence_after`` is not positive.
     """
 
-    fence_after: float = 3.0
-    nodes: dict[str, NodeRecord] = field(default_factory=dict)
-    epoch: int = -1
+    fence_after: float
+    nodes: dict[str, NodeRecord]
+    epoch: int
     """Epoch of the split command applied last (-1: none yet)."""
-    split_reason: str = ""
-    kv_stale: frozenset[str] = frozenset()
+    split_reason: str
+    kv_stale: frozenset[str]
     """Nodes whose KV view the directory calls stale (``kv.liveness``): no prefix credit or
     fetch source on them (:meth:`usable`); they stay routable."""
-    _flights: dict[str, _Flight] = field(default_factory=dict)
-    _gen: int = 0
+    _flights: dict[str, _Flight]
+    _gen: int
     """Bumped by every change that can change which nodes are eligible: a node's first state,
     a state with another phase or ``accepting``, or one that lets a fenced or stale node back
     in; a split; a fence; a new node. Not by in-flight counts, nor by a state that only
     refreshes an eligible node's numbers (those drop the node's cached :class:`NodeLoad`)."""
-    _by_id: list[NodeRecord] | None = None
+    _by_id: list[NodeRecord] | None
     """Records sorted by node id (None after a node is added)."""
-    _lists: dict[frozenset[str], tuple[int, float, float, list[NodeRecord]]] = field(default_factory=dict)
+    _lists: dict[frozenset[str], tuple[int, float, float, list[NodeRecord]]]
     """Eligible records by phase set: ``(gen, built at, oldest listed last_seen, records)``;
     valid while ``gen`` holds and no listed node went stale (a listed node's ``last_seen``
     only grows; a stale one can only come back with a new state, which bumps ``gen``)."""
-    _tokens: set[str] = field(default_factory=set)
+    _tokens: set[str]
     """Node ids that passed :func:`check_token` (a state names its node every time)."""
-    _usable_gen: int = -1
+    _usable_gen: int
     """``_gen`` at which :meth:`all_usable` last found every node's record usable with an infinite
     ``fence_after`` (then only a fence or a new node, which bump ``_gen``, can change that)."""
+
+    __slots__ = (
+        "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists",
+        "_tokens", "_usable_gen",
+    )
+    __match_args__ = (
+        "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists",
+        "_tokens", "_usable_gen",
+    )
+
+    def __init__(
+        self, fence_after: float = 3.0, nodes: Any = _FACTORY, epoch: int = -1, split_reason: str = "",
+        kv_stale: frozenset[str] = frozenset(), _flights: Any = _FACTORY, _gen: int = 0,
+        _by_id: list[NodeRecord] | None = None, _lists: Any = _FACTORY, _tokens: Any = _FACTORY,
+        _usable_gen: int = -1,
+    ) -> None:
+        self.fence_after = fence_after
+        self.nodes = {} if nodes is _FACTORY else nodes
+        self.epoch = epoch
+        self.split_reason = split_reason
+        self.kv_stale = kv_stale
+        self._flights = {} if _flights is _FACTORY else _flights
+        self._gen = _gen
+        self._by_id = _by_id
+        self._lists = {} if _lists is _FACTORY else _lists
+        self._tokens = set() if _tokens is _FACTORY else _tokens
+        self._usable_gen = _usable_gen
+        self.__post_init__()
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"fence_after={self.fence_after!r}, nodes={self.nodes!r}, epoch={self.epoch!r}, "
+            f"split_reason={self.split_reason!r}, kv_stale={self.kv_stale!r}, _flights={self._flights!r}, "
+            f"_gen={self._gen!r}, _by_id={self._by_id!r}, _lists={self._lists!r}, _tokens={self._tokens!r}, "
+            f"_usable_gen={self._usable_gen!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (
+                self.fence_after, self.nodes, self.epoch, self.split_reason, self.kv_stale, self._flights,
+                self._gen, self._by_id, self._lists, self._tokens, self._usable_gen,
+            ) == (
+                other.fence_after, other.nodes, other.epoch, other.split_reason, other.kv_stale, other._flights,
+                other._gen, other._by_id, other._lists, other._tokens, other._usable_gen,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if not self.fence_after > 0:

@@ -40,13 +40,16 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass
 from reprlib import recursive_repr
 from typing import Any, ClassVar
 
 from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels
 
 from services.router.nodes import NodeLoad
+
+_set = object.__setattr__
+"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
 
 _FACTORY: Any = object()
 """Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
@@ -169,12 +172,49 @@ class PrefillChoice:
     __hash__ = None  # type: ignore[assignment]
 
 
-@dataclass(frozen=True, slots=True)
 class DecodeChoice:
     """Decode binding: chosen node and the load each candidate had."""
 
     node: str
-    loads: dict[str, int] = field(default_factory=dict)
+    loads: dict[str, int]
+
+    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("node", "loads")
+    __match_args__ = ("node", "loads")
+
+    def __init__(self, node: str, loads: Any = _FACTORY) -> None:
+        _set(self, "node", node)
+        _set(self, "loads", {} if loads is _FACTORY else loads)
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return f"{self.__class__.__qualname__}(node={self.node!r}, loads={self.loads!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.node, self.loads) == (other.node, other.loads)  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.node, self.loads))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if type(self) is DecodeChoice or name in ("node", "loads"):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        super(DecodeChoice, self).__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if type(self) is DecodeChoice or name in ("node", "loads"):
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
+        super(DecodeChoice, self).__delattr__(name)
+
+    def __getstate__(self) -> list[Any]:
+        return [self.node, self.loads]
+
+    def __setstate__(self, state: list[Any]) -> None:
+        for name, value in zip(self.__slots__, state):
+            _set(self, name, value)
 
 
 def decode_load(n: NodeLoad) -> int:

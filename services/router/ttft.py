@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError
 from operator import itemgetter
 from reprlib import recursive_repr
 from typing import Any, NamedTuple, overload
@@ -102,12 +102,14 @@ from services.kvdirectory.lookup import fetch_ranges
 from services.router.nodes import NodeLoad
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy, decode_load
 
+_set = object.__setattr__
+"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
+
 # --------------------------------------------------------------------------- #
 # parameters
 # --------------------------------------------------------------------------- #
 
 
-@dataclass(frozen=True, slots=True)
 class FetchModel:
     """τ(x): time to fetch ``x`` tokens of KV from peers (paper App. E.3).
 
@@ -119,9 +121,54 @@ class FetchModel:
         ValueError: on a negative parameter.
     """
 
-    base_s: float = 0.45
-    per_token_s: float = 1e-6
-    min_tokens: int = 512
+    base_s: float
+    per_token_s: float
+    min_tokens: int
+
+    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("base_s", "per_token_s", "min_tokens")
+    __match_args__ = ("base_s", "per_token_s", "min_tokens")
+
+    def __init__(self, base_s: float = 0.45, per_token_s: float = 1e-6, min_tokens: int = 512) -> None:
+        _set(self, "base_s", base_s)
+        _set(self, "per_token_s", per_token_s)
+        _set(self, "min_tokens", min_tokens)
+        self.__post_init__()
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"base_s={self.base_s!r}, per_token_s={self.per_token_s!r}, min_tokens={self.min_tokens!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.base_s, self.per_token_s, self.min_tokens) == (
+                other.base_s, other.per_token_s, other.min_tokens
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.base_s, self.per_token_s, self.min_tokens))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if type(self) is FetchModel or name in ("base_s", "per_token_s", "min_tokens"):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        super(FetchModel, self).__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if type(self) is FetchModel or name in ("base_s", "per_token_s", "min_tokens"):
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
+        super(FetchModel, self).__delattr__(name)
+
+    def __getstate__(self) -> list[Any]:
+        return [self.base_s, self.per_token_s, self.min_tokens]
+
+    def __setstate__(self, state: list[Any]) -> None:
+        for name, value in zip(self.__slots__, state):
+            _set(self, name, value)
 
     def __post_init__(self) -> None:
         if self.base_s < 0 or self.per_token_s < 0 or self.min_tokens < 0:
@@ -134,7 +181,6 @@ class FetchModel:
         return self.base_s + self.per_token_s * tokens
 
 
-@dataclass(frozen=True, slots=True)
 class NodeCoefficients:
     """Iteration-time models one node is predicted with.
 
@@ -153,10 +199,72 @@ class NodeCoefficients:
 
     prefill: PrefillModel
     decode: DecodeModel
-    chunk_tokens: int = 8192
-    source: str = "profile"
-    mean_chunk_tokens: float = 0.0
-    restored_share: float = 0.0
+    chunk_tokens: int
+    source: str
+    mean_chunk_tokens: float
+    restored_share: float
+
+    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("prefill", "decode", "chunk_tokens", "source", "mean_chunk_tokens", "restored_share")
+    __match_args__ = ("prefill", "decode", "chunk_tokens", "source", "mean_chunk_tokens", "restored_share")
+
+    def __init__(
+        self, prefill: PrefillModel, decode: DecodeModel, chunk_tokens: int = 8192, source: str = "profile",
+        mean_chunk_tokens: float = 0.0, restored_share: float = 0.0,
+    ) -> None:
+        _set(self, "prefill", prefill)
+        _set(self, "decode", decode)
+        _set(self, "chunk_tokens", chunk_tokens)
+        _set(self, "source", source)
+        _set(self, "mean_chunk_tokens", mean_chunk_tokens)
+        _set(self, "restored_share", restored_share)
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"prefill={self.prefill!r}, decode={self.decode!r}, chunk_tokens={self.chunk_tokens!r}, "
+            f"source={self.source!r}, mean_chunk_tokens={self.mean_chunk_tokens!r}, "
+            f"restored_share={self.restored_share!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (
+                self.prefill, self.decode, self.chunk_tokens, self.source, self.mean_chunk_tokens,
+                self.restored_share,
+            ) == (
+                other.prefill, other.decode, other.chunk_tokens, other.source, other.mean_chunk_tokens,
+                other.restored_share,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((
+            self.prefill, self.decode, self.chunk_tokens, self.source, self.mean_chunk_tokens,
+            self.restored_share,
+        ))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if type(self) is NodeCoefficients or name in ("prefill", "decode", "chunk_tokens", "source", "mean_chunk_tokens", "restored_share"):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        super(NodeCoefficients, self).__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if type(self) is NodeCoefficients or name in ("prefill", "decode", "chunk_tokens", "source", "mean_chunk_tokens", "restored_share"):
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
+        super(NodeCoefficients, self).__delattr__(name)
+
+    def __getstate__(self) -> list[Any]:
+        return [
+            self.prefill, self.decode, self.chunk_tokens, self.source, self.mean_chunk_tokens,
+            self.restored_share,
+        ]
+
+    def __setstate__(self, state: list[Any]) -> None:
+        for name, value in zip(self.__slots__, state):
+            _set(self, name, value)
 
     @classmethod
     def from_profile(cls, profile: Profile, chunk_tokens: int = 0) -> NodeCoefficients:

@@ -18,9 +18,15 @@ each (O(k·n) when k fetches drain between two calls).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError
 from collections.abc import Hashable
 from reprlib import recursive_repr
+
+_set = object.__setattr__
+"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
+
+_FACTORY: Any = object()
+"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 _EPS_BYTES = 1e-6
 """Remaining bytes at or below this count as drained (float round-off)."""
@@ -214,7 +220,6 @@ class FetchState:
         return 0.0 if self.skipped_at is None else max(0.0, self.done_at - self.skipped_at)
 
 
-@dataclass(frozen=True, slots=True)
 class FetchStarted:
     """A fetch the scheduler started (real-bytes mode: the shell moves the bytes).
 
@@ -223,11 +228,52 @@ class FetchStarted:
     """
 
     rid: str
-    sources: list[tuple[str, list[int]]] = field(default_factory=list)
+    sources: list[tuple[str, list[int]]]
     """``(peer node, block hashes)`` per source, in path order (the router's fetch plan
     clipped to the blocks this node lacked when the request arrived)."""
-    at: float = 0.0
+    at: float
     """Simulated time the fetch started (the request's arrival on the node)."""
+
+    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("rid", "sources", "at")
+    __match_args__ = ("rid", "sources", "at")
+
+    def __init__(self, rid: str, sources: Any = _FACTORY, at: float = 0.0) -> None:
+        _set(self, "rid", rid)
+        _set(self, "sources", [] if sources is _FACTORY else sources)
+        _set(self, "at", at)
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return f"{self.__class__.__qualname__}(rid={self.rid!r}, sources={self.sources!r}, at={self.at!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.rid, self.sources, self.at) == (
+                other.rid, other.sources, other.at
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.rid, self.sources, self.at))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if type(self) is FetchStarted or name in ("rid", "sources", "at"):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        super(FetchStarted, self).__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if type(self) is FetchStarted or name in ("rid", "sources", "at"):
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
+        super(FetchStarted, self).__delattr__(name)
+
+    def __getstate__(self) -> list[Any]:
+        return [self.rid, self.sources, self.at]
+
+    def __setstate__(self, state: list[Any]) -> None:
+        for name, value in zip(self.__slots__, state):
+            _set(self, name, value)
 
 
 __all__ = ["FetchLink", "FetchStarted", "FetchState"]
