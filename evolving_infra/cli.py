@@ -42,7 +42,10 @@ COMMANDS = {
 }
 """The module that registers each command: running a command imports only its module (the
 others pull in the live stack — NATS client, metrics, asyncio services — ~0.5 s of CPU that
-``simulate`` does not use); ``--help`` or an unknown command imports them all."""
+``simulate`` does not use); ``--help`` or an unknown command imports them all. A module that
+registers several commands may register one alone as ``register_<command>(subparsers)``: running
+that command then builds (and imports) only its own parser (``simulate`` leaves ``fidelity``'s
+module unimported)."""
 
 COMMAND_ENV: dict[str, dict[str, str]] = {"simulate": {"OPENBLAS_NUM_THREADS": "1"}}
 """Environment defaults a command sets before its module is imported (a value the user set
@@ -60,14 +63,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="Agent-adaptive LLM serving on a prefill-decode disaggregated cluster.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in (COMMANDS[command],) if command in COMMANDS else COMMAND_MODULES:
+    one = command in COMMANDS
+    for name in (COMMANDS[command],) if one else COMMAND_MODULES:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
             if e.name != name:
                 raise
             continue
-        module.register(sub)
+        register = getattr(module, f"register_{command}", None) if one else None
+        (register or module.register)(sub)
     return parser
 
 

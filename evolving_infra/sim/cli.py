@@ -267,7 +267,6 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     from evolving_infra.sim.config import SimConfigError
     from evolving_infra.sim.planners import ComponentMissing
     from evolving_infra.sim.run import simulate, write_decisions
-    from evolving_infra.sim.sweep import run_sweep
     from evolving_infra.traces.io import output_error
 
     t0 = time.monotonic()
@@ -284,6 +283,8 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     setup = time.monotonic() - t0
     out = Path(args.out)
     if args.sweep:
+        from evolving_infra.sim.sweep import run_sweep
+
         try:
             return run_sweep(cfg, requests, bs, args.sweep, out, meta=prov, plots=not args.no_plots, parallel=args.sweep_workers)
         except (SimConfigError, ComponentMissing, ReplayError) as e:
@@ -391,6 +392,14 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Both commands of this module (``evolving-infra --help`` lists every command)."""
+    register_simulate(sub)
+    register_fidelity(sub)
+
+
+def register_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``simulate`` alone (``evolving_infra.cli.build_parser`` of that command): its parser does not
+    import ``evolving_infra.sim.fidelity`` (~2 ms of module and dataclass set-up a run does not use)."""
     p = sub.add_parser(
         "simulate",
         help="discrete-event simulation of a cluster serving a trace (same cores as the live services)",
@@ -401,6 +410,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_simulate_args(p)
     p.set_defaults(func=cmd_simulate)
 
+
+def register_fidelity(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``fidelity`` alone."""
     from evolving_infra.sim.fidelity import add_fidelity_args, cmd_fidelity
 
     f = sub.add_parser(

@@ -30,7 +30,6 @@ from evolving_infra.report.timeline import RunTimeline, SplitPoint, SwitchRecord
 from evolving_infra.report.write import build_report
 from evolving_infra.sim.cluster import DIRECTORY_SAMPLE_S, ClusterResult, ClusterSim, SimStats
 from evolving_infra.sim.config import Resolved, SimConfig, SimConfigError, resolve
-from evolving_infra.sim.pool import fork_pool
 from evolving_infra.sim.workload import PlainWorkload, TiledWorkload, WorkloadError
 from evolving_infra.traces.compact import CompactTrace
 from evolving_infra.traces.io import paused_gc
@@ -468,6 +467,8 @@ def _simulate(
             r = _simulate_partition(run, i, workload, keep, shares[i])
             results[i] = (r.records, r.timeline, r.stats, r.nodes, dict(r.initial_phases))
     else:
+        from evolving_infra.sim.pool import fork_pool  # (signal, process pools: a one-process run does without)
+
         _FORK.update(run=run, workload=workload, keep=keep, shares=shares)
         try:
             with fork_pool(min(cfg.workers, k)) as pool:

@@ -30,7 +30,6 @@ import msgspec
 import numpy as np
 
 from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceRequest
-from shared.hashing import tokens_for_blocks, tokens_for_tail
 
 __all__ = [
     "MAX_BLOCK_ID",
@@ -61,6 +60,8 @@ def prompt_token_ids(req: TraceRequest, block_size: int) -> np.ndarray:
         raise ValueError(
             f"request {req.id!r}: {len(req.blocks)} blocks but input_tokens // block_size = {req.input_tokens // block_size}"
         )
+    from shared.hashing import tokens_for_blocks, tokens_for_tail  # (the live replayer's; the simulator does without)
+
     head = tokens_for_blocks(req.blocks, block_size) if req.blocks else np.empty(0, dtype=np.uint32)
     tail_n = req.input_tokens % block_size
     if not tail_n:
