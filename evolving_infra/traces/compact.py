@@ -533,12 +533,31 @@ class _TextBuilder(_Builder):
         except msgspec.DecodeError:  # the validator's own decode and report
             return self._feed_invalid(line, buf, s, e)
         n = k + len(new)
+        # _Validator._check_request(line, stub, ids_checked=True, n_blocks=n), its usual case written
+        # out (~1 µs of its ~2.5 a line): a new id; the id count its tokens give; no `after`, or one
+        # request of the same agent; a branch of that agent open already, neither kind nor parent set.
+        # Any other line takes the call, which finds and records exactly what it did before.
         v = self.v
-        problems = v.problems
-        n_before = len(problems)
-        v._check_request(line, stub, ids_checked=True, n_blocks=n)
-        if len(problems) != n_before:
-            return
+        rid = stub.id
+        agent = stub.agent
+        vids = v.ids
+        br = v.branches.get(branch)
+        after = stub.after
+        bs = v.block_size
+        if (br is not None and br.agent == agent and not br.ended_line and rid not in vids
+                and (not after or (len(after) == 1 and vids.get(after[0]) == agent))
+                and stub.kind is None and stub.parent_branch is None and bs is not None and n == stub.input_tokens // bs):
+            vids[rid] = agent
+            v.id_line[rid] = line
+            br.last_line = line
+            if stub.ends_branch:
+                br.ended_line = line
+        else:
+            problems = v.problems
+            n_before = len(problems)
+            v._check_request(line, stub, ids_checked=True, n_blocks=n)
+            if len(problems) != n_before:
+                return
         # BlockStore.add_segment(new, k, branch, r)
         if k:
             depth = depths[r] + 1
