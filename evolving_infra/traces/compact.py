@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from reprlib import recursive_repr
 from typing import Annotated, Any
 
 import msgspec
@@ -258,7 +258,6 @@ class BlockStore:
         return not bool(np.any((s_ids[1:] == s_ids[:-1]) & (s_prev[1:] != s_prev[:-1])))
 
 
-@dataclass(slots=True)
 class CompactTrace:
     """A trace's header, its requests as stubs (``blocks=[]``, file order) and their ids.
 
@@ -271,6 +270,35 @@ class CompactTrace:
     store: BlockStore
     index: dict[str, int]
     """request id -> index in ``store`` (and in ``requests``)."""
+
+    # what dataclass(slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("header", "requests", "store", "index")
+    __match_args__ = ("header", "requests", "store", "index")
+
+    def __init__(
+        self, header: TraceHeader, requests: list[TraceRequest], store: BlockStore, index: dict[str, int],
+    ) -> None:
+        self.header = header
+        self.requests = requests
+        self.store = store
+        self.index = index
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"header={self.header!r}, requests={self.requests!r}, store={self.store!r}, index={self.index!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.header, self.requests, self.store, self.index) == (
+                other.header, other.requests, other.store, other.index,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
     def blocks_of(self, req: TraceRequest) -> list[int]:
         """Block ids of the request (or stub) with ``req.id`` (a new list).
