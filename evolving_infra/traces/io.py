@@ -91,7 +91,18 @@ def _request_type(blocks_type: Any = list[int], blocks_default: Any = msgspec.NO
     return msgspec.defstruct("TraceRequest", fields, frozen=True, kw_only=True, omit_defaults=True)
 
 
-_LENIENT_REQUEST_DECODER = msgspec.json.Decoder(_request_type())
+_LENIENT: list[msgspec.json.Decoder[Any]] = []
+
+
+def _lenient_decoder() -> msgspec.json.Decoder[Any]:
+    """The decoder of a request line whose ids are left unbounded (:func:`_request_type`'s default),
+    made the first time a line needs it (a line the strict decoder rejects): a valid trace is read
+    without it (~1 ms of struct and decoder set-up at import)."""
+    if not _LENIENT:
+        _LENIENT.append(msgspec.json.Decoder(_request_type()))
+    return _LENIENT[0]
+
+
 _ANY_DECODER = msgspec.json.Decoder()
 _ENCODER = msgspec.json.Encoder(order="deterministic")
 
@@ -357,7 +368,7 @@ class _Validator:
                 return None
             # Not a header. If it is a request, check it as one so it is not lost.
             try:
-                _LENIENT_REQUEST_DECODER.decode(raw)
+                _lenient_decoder().decode(raw)
             except msgspec.DecodeError:
                 self._bad(1, f"invalid trace header: {_short(e)}")
                 return None
@@ -394,7 +405,7 @@ class _Validator:
             req = _REQUEST_DECODER.decode(raw)
         except msgspec.ValidationError:
             try:  # an id out of range is checked below with the line's other rules
-                req = _LENIENT_REQUEST_DECODER.decode(raw)
+                req = _lenient_decoder().decode(raw)
             except msgspec.ValidationError as e:
                 self._bad(line, f"invalid request: {_short(e)}")
                 self._remember_unreadable(line, raw)
