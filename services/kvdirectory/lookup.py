@@ -142,31 +142,44 @@ def build_lookup(index: BlockIndex, names: Sequence[str], path: Sequence[int]) -
 
 
 _FEW_DROPS = 16
-"""Up to this many distinct prefix lengths a lookup decodes them with bytes operations
-(~2 µs per length); beyond, per set bit (~0.2 µs each, 3 per node)."""
+"""Up to this many distinct prefix lengths a lookup decodes them by spreading bits into bytes
+(:func:`_decode_few`, ~1,000 instructions per length at 9 nodes); beyond, per set bit (3 per node)."""
 
-_DIGIT = [bytes.maketrans(b"01", bytes((0, k))) for k in range(_FEW_DROPS + 1)]
-"""Binary digit → 0 or ``k`` (the k-th distinct length)."""
+_SPREAD = [0]
+"""9 bits → 9 bytes: ``_SPREAD[c]``'s byte j is bit j of ``c`` (0 or 1)."""
+for _c in range(1, 512):
+    _SPREAD.append(_SPREAD[_c >> 1] << 8 | _c & 1)
+del _c
 
 
 def _decode_few(drops: Sequence[tuple[int, int]], nn: int) -> tuple[int, list[int], bytes, bytes, bytes]:
     """``(longest_any, lengths, gpu, host, local)``: ``lengths[0] = 0`` then the drops'
     lengths; byte i of ``gpu`` / ``host`` / ``local`` indexes node i's length in ``lengths``.
 
-    Each drop's bits, written in binary with one digit per (node, section), are
-    translated into one byte per digit, 0 or the drop's index; the bit sets are
-    disjoint, so their sum as integers puts every (node, section)'s index in its
-    byte. At most ``_FEW_DROPS`` drops (indices must fit the translate tables).
+    Each drop's (node, section) bits are spread into one byte per bit (0 or 1), 9 bits at a
+    time by table (:data:`_SPREAD`), and multiplied by the drop's index k; the bit sets are
+    disjoint, so their sum as integers puts every (node, section)'s index in its byte (k ≤
+    ``_FEW_DROPS`` < 256: no carries). At most ``_FEW_DROPS`` drops. (It replaced a binary
+    string per drop, formatted, encoded and translated into bytes: ~6,700 instructions per
+    drop at 9 nodes against ~1,000, cachegrind on the lookups of a 300-s evolving simulation.)
     """
     width = 3 * nn
-    fmt = f"0{width}b"
     total = 0
     lengths = [0]
     longest_any = 0
+    spread = _SPREAD
     for k, (length, bits) in enumerate(drops, 1):
         if bits & 1:
             longest_any = length
-        total += int.from_bytes(format(bits >> 1, fmt).encode().translate(_DIGIT[k]), "big")
+        x = bits >> 1
+        s = spread[x & 511]
+        x >>= 9
+        sh = 72
+        while x:
+            s |= spread[x & 511] << sh
+            x >>= 9
+            sh += 72
+        total += s * k
         lengths.append(length)
     b = total.to_bytes(width, "little")
     return longest_any, lengths, b[0::3], b[1::3], b[2::3]
