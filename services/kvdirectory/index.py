@@ -172,19 +172,27 @@ def _drain(it: Iterable[Any]) -> None:
     deque(it, maxlen=0)
 
 
-def _add_new(where: dict[int, _Run], hashes: Sequence[int], r: _Run) -> bool:
-    """Point ``where`` at run ``r`` for ``hashes``, none of them in ``where`` yet; False, with
-    ``where`` as it was, when a hash repeats (``where`` grew by fewer than ``len(hashes)``).
+def _add_new(where: dict[int, _Run], hashes: Sequence[int], r: _Run, fresh: bool) -> bool:
+    """Point ``where`` at run ``r`` for ``hashes`` if none of them is in ``where`` yet; False,
+    with ``where`` as it was, when one is (its entry is left alone) or a hash repeats.
 
-    One ``update`` from ``zip(hashes, repeat(r))``, C-level: one insertion per block. (A
-    ``dict.fromkeys`` then ``update`` inserts every block twice, and the temporary dict grows
-    by rehashing; measured, ~300 instructions more per block. The same holds for every
-    re-pointing of blocks in this module.)"""
+    One ``setdefault`` per block (``map``, C-level): a lookup that inserts a missing block and
+    never overwrites one already indexed, so no ``isdisjoint`` pass must come first; how much
+    ``where`` grew tells whether every block was new and distinct (no set of the hashes is
+    built). On failure the blocks it added are taken back: those now pointing at ``r`` that
+    ``r`` did not hold before (a ``fresh`` run held none; else its ``keys``, not yet
+    extended), Python steps only then. (An ``isdisjoint`` pass then ``update`` from
+    ``zip(hashes, repeat(r))`` cost ~190 instructions per block more, cachegrind; a
+    ``dict.fromkeys`` then ``update`` inserts every block twice and grows the temporary dict by
+    rehashing, ~300 more. The same holds for every re-pointing of blocks in this module.)"""
     n0 = len(where)
-    where.update(zip(hashes, repeat(r)))
+    _drain(map(where.setdefault, hashes, repeat(r)))
     if len(where) - n0 == len(hashes):
         return True
-    _drain(map(where.pop, hashes, repeat(None)))
+    held = () if fresh else set(r.keys)
+    for h in hashes:
+        if where.get(h) is r and h not in held:
+            del where[h]
     return False
 
 
@@ -489,15 +497,15 @@ class BlockIndex:
         return r
 
     def _fresh_run(self, hashes: list[int], parent: int | None, pr: _Run | None, pc: int) -> _Run | None:
-        """Index a brand-new chain ``hashes`` (no block indexed) below ``parent`` (``pr``: its
-        run, None when not indexed) as one new run with presence ``pc``, as :meth:`_new_run`
-        does; None, with nothing changed, when a hash repeats inside the chain (told by how
-        much :attr:`where` grew, :func:`_add_new`: no set of the hashes is built).
+        """Index a new chain ``hashes`` below ``parent`` (``pr``: its run, None when not
+        indexed) as one new run with presence ``pc``, as :meth:`_new_run` does; None, with
+        nothing changed, when a block is indexed already or a hash repeats inside the chain
+        (told by how much :attr:`where` grew, :func:`_add_new`: no set of the hashes is built).
         O(len(hashes)) C-level."""
         where = self.where
         pcomp = -1 if parent is None else (-pr[0] if pr is not None else 0)  # a missing parent: 0 (placeholder below)
         r = _mk(list(hashes), parent, pc, pc & pcomp)
-        if not _add_new(where, hashes, r):
+        if not _add_new(where, hashes, r, True):
             return None
         self._runs[id(r)] = r
         if parent is not None:
@@ -660,19 +668,20 @@ class BlockIndex:
             both tiers); None, with nothing changed, when they are not a brand-new chain (the
             caller then makes the two :meth:`store` calls).
 
-        Cost: one ``isdisjoint`` pass over ``where``, one insertion per block into it (how much
-        it grows tells a repeated hash: no set of the hashes is built; :func:`_add_new`), one
-        copy of ``hashes`` returned and, for a new run, one for its keys (:meth:`_fresh_run`).
+        Cost: one lookup-or-insertion per block into ``where`` (how much it grows tells a
+        block indexed already or a repeated hash, then taken back: no ``isdisjoint`` pass and
+        no set of the hashes; :func:`_add_new`), one copy of ``hashes`` returned and, for a new
+        run, one for its keys (:meth:`_fresh_run`).
         """
         where = self.where
         k = len(hashes)
-        if not k or self.max_blocks - len(where) <= k or not where.keys().isdisjoint(hashes):
+        if not k or self.max_blocks - len(where) <= k:
             return None
         pr = where.get(parent) if parent is not None else None
         bits = tier_bit(node, GPU) | tier_bit(node, HOST) | local_bit(node) | ANY_BIT
         if pr is not None and pr.pc == bits and pr.children is None and pr.keys[-1] == parent:
-            if not _add_new(where, hashes, pr):  # extends a run with the same presence
-                return None  # (a hash repeats inside the chain)
+            if not _add_new(where, hashes, pr, False):  # extends a run with the same presence
+                return None  # (a block indexed already, or a hash repeats inside the chain)
             pr.keys.extend(hashes)
             r = None
         else:

@@ -595,3 +595,24 @@ def test_a_tool_call_outstanding_keeps_the_branch_counted_until_it_returns(d):
     assert d.branch_hold("c", False, 0.0, 1050.0) == "released"
     assert d.expire(1150.0) == ["c"]
     assert d.branch_hold("nope", True, 10.0, 1200.0) == "unknown"
+
+
+@pytest.mark.parametrize("extend", [True, False])
+def test_written_through_store_declines_a_chain_with_an_indexed_block_and_changes_nothing(extend):
+    from services.kvdirectory.index import BlockIndex
+
+    ix = BlockIndex()
+    ix.ensure_node(0)
+    ix.ensure_node(1)
+    assert ix.store_written_through(0, [1, 2, 3], None) == [1, 2, 3]
+    ix.store(1, 0, [7], None)
+    before = (dict(ix.where), [list(r.keys) for r in ix.runs()], [c[:] for c in ix.copies])
+    # below block 3 on node 0 (extends its run, same presence) or on node 1 (a new run); 2 or 7 is indexed already
+    node = 0 if extend else 1
+    assert ix.store_written_through(node, [4, 5, 2, 6], 3) is None
+    assert ix.store_written_through(node, [4, 7], 3) is None
+    assert ix.store_written_through(node, [4, 5, 4], 3) is None  # repeated inside the chain
+    assert (dict(ix.where), [list(r.keys) for r in ix.runs()], [c[:] for c in ix.copies]) == before
+    ix.check()
+    assert ix.store_written_through(node, [4, 5], 3) == [4, 5]
+    ix.check()
