@@ -11,7 +11,8 @@ found by name (routing in ``services.router.policy``, planner in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field
+from reprlib import recursive_repr
 from typing import Any
 
 import msgspec
@@ -31,17 +32,63 @@ from shared.profile import Profile, ProfileError, load_profile
 from shared.split import SplitError, parse_split
 
 
+_set = object.__setattr__
+
+
 class SimConfigError(ValueError):
     """The run cannot be set up as asked; the message says which flag to change."""
 
 
-@dataclass(frozen=True, slots=True)
 class ForcedSwitch:
     """A phase switch the run forces at time ``t`` (tests, what-if runs), besides the planner's."""
 
     t: float
     node: str
     phase: str
+
+    # what dataclass(frozen=True, slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("t", "node", "phase")
+    __match_args__ = ("t", "node", "phase")
+
+    def __init__(self, t: float, node: str, phase: str) -> None:
+        _set(self, "t", t)
+        _set(self, "node", node)
+        _set(self, "phase", phase)
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"t={self.t!r}, node={self.node!r}, phase={self.phase!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (self.t, self.node, self.phase) == (
+                other.t, other.node, other.phase
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.t, self.node, self.phase))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if type(self) is ForcedSwitch or name in ("t", "node", "phase"):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        super(ForcedSwitch, self).__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if type(self) is ForcedSwitch or name in ("t", "node", "phase"):
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
+        super(ForcedSwitch, self).__delattr__(name)
+
+    def __getstate__(self) -> list[Any]:
+        return [self.t, self.node, self.phase]
+
+    def __setstate__(self, state: list[Any]) -> None:
+        for name, value in zip(self.__slots__, state):
+            _set(self, name, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +198,6 @@ class SimConfig:
         raise SimConfigError(f"arrival must be closed, open or trace, got {self.arrival!r}")
 
 
-@dataclass(frozen=True, slots=True)
 class Resolved:
     """A run's concrete components (what ``report.json`` records under ``meta.sim``)."""
 
@@ -161,6 +207,64 @@ class Resolved:
     split: str
     nodes_per_partition: list[int]
     planner_source: str
+
+    # what dataclass(frozen=True, slots=True) would generate, written out: no class creation at import
+    # (~3M instructions per class; see services/worker/plan.py)
+    __slots__ = ("cfg", "profile", "policy", "split", "nodes_per_partition", "planner_source")
+    __match_args__ = ("cfg", "profile", "policy", "split", "nodes_per_partition", "planner_source")
+
+    def __init__(
+        self, cfg: SimConfig, profile: Profile, policy: PolicySet, split: str, nodes_per_partition: list[int],
+        planner_source: str,
+    ) -> None:
+        _set(self, "cfg", cfg)
+        _set(self, "profile", profile)
+        _set(self, "policy", policy)
+        _set(self, "split", split)
+        _set(self, "nodes_per_partition", nodes_per_partition)
+        _set(self, "planner_source", planner_source)
+
+    @recursive_repr()
+    def __repr__(self) -> str:
+        return (
+            f"{self.__class__.__qualname__}("
+            f"cfg={self.cfg!r}, profile={self.profile!r}, policy={self.policy!r}, split={self.split!r}, "
+            f"nodes_per_partition={self.nodes_per_partition!r}, planner_source={self.planner_source!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return (
+                self.cfg, self.profile, self.policy, self.split, self.nodes_per_partition, self.planner_source,
+            ) == (
+                other.cfg, other.profile, other.policy, other.split, other.nodes_per_partition,
+                other.planner_source,
+            )  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.cfg, self.profile, self.policy, self.split, self.nodes_per_partition, self.planner_source))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if type(self) is Resolved or name in (
+            "cfg", "profile", "policy", "split", "nodes_per_partition", "planner_source",
+        ):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        super(Resolved, self).__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if type(self) is Resolved or name in (
+            "cfg", "profile", "policy", "split", "nodes_per_partition", "planner_source",
+        ):
+            raise FrozenInstanceError(f"cannot delete field {name!r}")
+        super(Resolved, self).__delattr__(name)
+
+    def __getstate__(self) -> list[Any]:
+        return [self.cfg, self.profile, self.policy, self.split, self.nodes_per_partition, self.planner_source]
+
+    def __setstate__(self, state: list[Any]) -> None:
+        for name, value in zip(self.__slots__, state):
+            _set(self, name, value)
 
 
 def _profile(cfg: SimConfig) -> Profile:
