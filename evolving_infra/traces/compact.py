@@ -508,6 +508,10 @@ class _TextBuilder(_Builder):
     def __init__(self, v: _Validator) -> None:
         super().__init__()
         self.v = v
+        self._chunk: bytes | None = None
+        """The last ``buf`` :meth:`feed` was given (a whole chunk of the file, shared by its lines)."""
+        self._chunk_bs = True
+        """Whether ``_chunk`` holds a backslash anywhere: searched once per chunk, not once per line."""
 
     def feed(self, line: int, buf: bytes, s: int, e: int) -> None:
         """Take line ``line`` (1-based) of the file, ``buf[s:e]`` (its end excluded).
@@ -525,9 +529,15 @@ class _TextBuilder(_Builder):
         # parsing its arguments than in searching): the first "blocks" token followed by ":[" is
         # the first _KEY with no "blocks" token before it; no backslash anywhere in the line is
         # stricter than none outside the array (a line with one goes the general way, which
-        # takes it or not as before)
+        # takes it or not as before). The line is searched for one only when its chunk holds one
+        # (one search of the chunk, ~1,200 instructions of a call saved per line: the usual
+        # trace has none)
+        if buf is not self._chunk:
+            self._chunk = buf
+            self._chunk_bs = buf.find(b"\\") >= 0
         i = buf.find(_NAME, s, e)
-        if i < 0 or i + 10 > e or buf[i + 8] != _COLON or buf[i + 9] != _OPEN or buf.find(b"\\", s, e) >= 0:
+        if (i < 0 or i + 10 > e or buf[i + 8] != _COLON or buf[i + 9] != _OPEN
+                or (self._chunk_bs and buf.find(b"\\", s, e) >= 0)):
             return self._feed_split(line, buf, s, e)
         j = buf.find(b"]", i, e)
         if j < 0 or buf.find(_NAME, j, e) >= 0:
