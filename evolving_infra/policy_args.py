@@ -18,12 +18,11 @@ KV kept — the decoupled plane — and bind decode by the router's own rule).
 from __future__ import annotations
 
 import argparse
-from dataclasses import FrozenInstanceError
-from reprlib import recursive_repr
 from typing import Any
 
 from evolving_infra.sim.policies import DECODE_BINDINGS, EVICTIONS, SET_NAMES, PolicyError, policy_set, with_overrides
 from shared.config import parse_key_values
+from shared.values import FrozenValue, set_field
 
 DEFAULT_POLICY = "evolving"
 
@@ -60,10 +59,7 @@ def add_policy_args(p: argparse.ArgumentParser, *, live: bool, default: str = DE
     return pol
 
 
-_set = object.__setattr__
-
-
-class LivePolicy:
+class LivePolicy(FrozenValue):
     """What a live cluster runs for a policy set with overrides (the services' flags)."""
 
     name: str
@@ -81,83 +77,23 @@ class LivePolicy:
     notes: tuple[str, ...]
     """(default ``()``) Where the live cluster differs from what the set asks."""
 
-    # what dataclass(frozen=True, slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
-        "name", "routing", "planner", "planner_args", "eviction", "decode_binding", "split", "router_args",
-        "notes",
-    )
-    __match_args__ = (
-        "name", "routing", "planner", "planner_args", "eviction", "decode_binding", "split", "router_args",
-        "notes",
+    __slots__ = __match_args__ = (
+        "name", "routing", "planner", "planner_args", "eviction", "decode_binding", "split", "router_args", "notes",
     )
 
     def __init__(
         self, name: str, routing: str, planner: str, planner_args: tuple[str, ...], eviction: str,
         decode_binding: str, split: str | None, router_args: tuple[str, ...] = (), notes: tuple[str, ...] = (),
     ) -> None:
-        _set(self, "name", name)
-        _set(self, "routing", routing)
-        _set(self, "planner", planner)
-        _set(self, "planner_args", planner_args)
-        _set(self, "eviction", eviction)
-        _set(self, "decode_binding", decode_binding)
-        _set(self, "split", split)
-        _set(self, "router_args", router_args)
-        _set(self, "notes", notes)
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"name={self.name!r}, routing={self.routing!r}, planner={self.planner!r}, "
-            f"planner_args={self.planner_args!r}, eviction={self.eviction!r}, "
-            f"decode_binding={self.decode_binding!r}, split={self.split!r}, router_args={self.router_args!r}, "
-            f"notes={self.notes!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.name, self.routing, self.planner, self.planner_args, self.eviction, self.decode_binding,
-                self.split, self.router_args, self.notes,
-            ) == (
-                other.name, other.routing, other.planner, other.planner_args, other.eviction,
-                other.decode_binding, other.split, other.router_args, other.notes,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((
-            self.name, self.routing, self.planner, self.planner_args, self.eviction, self.decode_binding,
-            self.split, self.router_args, self.notes,
-        ))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if type(self) is LivePolicy or name in (
-            "name", "routing", "planner", "planner_args", "eviction", "decode_binding", "split", "router_args",
-            "notes",
-        ):
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        super(LivePolicy, self).__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if type(self) is LivePolicy or name in (
-            "name", "routing", "planner", "planner_args", "eviction", "decode_binding", "split", "router_args",
-            "notes",
-        ):
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-        super(LivePolicy, self).__delattr__(name)
-
-    def __getstate__(self) -> list[Any]:
-        return [
-            self.name, self.routing, self.planner, self.planner_args, self.eviction, self.decode_binding,
-            self.split, self.router_args, self.notes,
-        ]
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for name, value in zip(self.__slots__, state):
-            _set(self, name, value)
+        set_field(self, "name", name)
+        set_field(self, "routing", routing)
+        set_field(self, "planner", planner)
+        set_field(self, "planner_args", planner_args)
+        set_field(self, "eviction", eviction)
+        set_field(self, "decode_binding", decode_binding)
+        set_field(self, "split", split)
+        set_field(self, "router_args", router_args)
+        set_field(self, "notes", notes)
 
     def describe(self) -> str:
         """One line for the command's output."""

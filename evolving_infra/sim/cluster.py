@@ -38,7 +38,6 @@ from __future__ import annotations
 import heapq
 from itertools import islice
 import math
-from reprlib import recursive_repr
 
 import msgspec
 from collections import OrderedDict
@@ -66,9 +65,8 @@ from services.worker.scheduler import EngineScheduler
 from shared.profile import Profile
 from shared.messages import DecodeWork, FetchRange, KvEventBatch, KvLookupReply, Phase, PrefillWork, SplitApplied, SplitCommand
 from shared.split import SplitError, assign_min_change, parse_split, split_phases
+from shared.values import FACTORY, IdentityValue, Value
 
-_FACTORY: Any = object()
-"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 PLAN_END, WAKE, TICK, RELAUNCH_END, FORCED, CALL, STOP, PERIODIC, SWITCH_END = range(9)
 
@@ -137,7 +135,7 @@ class SimError(RuntimeError):
     """The simulation reached a state the cores should never produce (a bug, not bad input)."""
 
 
-class _Node:
+class _Node(IdentityValue):
     name: str
     sched: EngineScheduler
     phase: Phase
@@ -166,17 +164,9 @@ class _Node:
     host_at_switch: tuple[int, int]
     """(blocks in its L2, of which no other node's L2 holds a copy) at the switch decision."""
 
-    # what dataclass(slots=True, eq=False) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
-        "name", "sched", "phase", "status", "target", "decided_at", "epoch", "token", "plan_end", "wake_at",
-        "kv_seq", "bound", "state_at", "dirty", "reported", "out_since", "drained_at", "requeued",
-        "host_at_switch",
-    )
-    __match_args__ = (
-        "name", "sched", "phase", "status", "target", "decided_at", "epoch", "token", "plan_end", "wake_at",
-        "kv_seq", "bound", "state_at", "dirty", "reported", "out_since", "drained_at", "requeued",
-        "host_at_switch",
+    __slots__ = __match_args__ = (
+        "name", "sched", "phase", "status", "target", "decided_at", "epoch", "token", "plan_end", "wake_at", "kv_seq",
+        "bound", "state_at", "dirty", "reported", "out_since", "drained_at", "requeued", "host_at_switch",
     )
 
     def __init__(
@@ -206,20 +196,8 @@ class _Node:
         self.requeued = requeued
         self.host_at_switch = host_at_switch
 
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"name={self.name!r}, sched={self.sched!r}, phase={self.phase!r}, status={self.status!r}, "
-            f"target={self.target!r}, decided_at={self.decided_at!r}, epoch={self.epoch!r}, "
-            f"token={self.token!r}, plan_end={self.plan_end!r}, wake_at={self.wake_at!r}, "
-            f"kv_seq={self.kv_seq!r}, bound={self.bound!r}, state_at={self.state_at!r}, dirty={self.dirty!r}, "
-            f"reported={self.reported!r}, out_since={self.out_since!r}, drained_at={self.drained_at!r}, "
-            f"requeued={self.requeued!r}, host_at_switch={self.host_at_switch!r})"
-        )
 
-
-class _Flight:
+class _Flight(IdentityValue):
     req: TraceRequest
     rr: RouteRequest
     sent_at: float
@@ -250,17 +228,10 @@ class _Flight:
     fetch: TokensOut | None
     """Its first token's output when the prefill node fetched KV from peers (``fetch_s`` set)."""
 
-    # what dataclass(slots=True, eq=False) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
-        "req", "rr", "sent_at", "wait", "ideal", "kind", "prefill", "decode", "first_at", "queue_s", "cached",
-        "prompt", "reroutes", "work", "decode_later", "started", "decided_at", "predicted", "first_token_at",
-        "prev_prefill", "fetch",
-    )
-    __match_args__ = (
-        "req", "rr", "sent_at", "wait", "ideal", "kind", "prefill", "decode", "first_at", "queue_s", "cached",
-        "prompt", "reroutes", "work", "decode_later", "started", "decided_at", "predicted", "first_token_at",
-        "prev_prefill", "fetch",
+    __slots__ = __match_args__ = (
+        "req", "rr", "sent_at", "wait", "ideal", "kind", "prefill", "decode", "first_at", "queue_s", "cached", "prompt",
+        "reroutes", "work", "decode_later", "started", "decided_at", "predicted", "first_token_at", "prev_prefill",
+        "fetch",
     )
 
     def __init__(
@@ -293,25 +264,12 @@ class _Flight:
         self.prev_prefill = prev_prefill
         self.fetch = fetch
 
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"req={self.req!r}, rr={self.rr!r}, sent_at={self.sent_at!r}, wait={self.wait!r}, "
-            f"ideal={self.ideal!r}, kind={self.kind!r}, prefill={self.prefill!r}, decode={self.decode!r}, "
-            f"first_at={self.first_at!r}, queue_s={self.queue_s!r}, cached={self.cached!r}, "
-            f"prompt={self.prompt!r}, reroutes={self.reroutes!r}, work={self.work!r}, "
-            f"decode_later={self.decode_later!r}, started={self.started!r}, decided_at={self.decided_at!r}, "
-            f"predicted={self.predicted!r}, first_token_at={self.first_token_at!r}, "
-            f"prev_prefill={self.prev_prefill!r}, fetch={self.fetch!r})"
-        )
-
 
 DIRECTORY_SAMPLE_S = 60.0
 """Simulated seconds between two samples of the KV directory's size (``SimStats.directory_size``)."""
 
 
-class SimStats:
+class SimStats(Value):
     """Counters of one simulated cluster (land in ``report.json`` as ``sim_*``)."""
 
     events: int
@@ -371,35 +329,24 @@ class SimStats:
     :data:`DIRECTORY_SAMPLE_S` simulated seconds: sample index → [blocks indexed, runs, GPU
     copies, host copies, estimated bytes] (``BlockIndex.size_bytes``)."""
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
+    __slots__ = __match_args__ = (
         "events", "plans", "iterations", "truncations", "routed", "reroutes", "parked", "rejected", "handoffs",
         "kv_batches", "planner_ticks", "planner_decisions", "out_of_service", "unfinished", "end_time",
-        "closed_loop_exhausted_at", "schedule_exhausted", "ttft_pred_abs_err", "host_evictions",
-        "counted_samples", "counted_sum", "counted_max", "directory", "switch_log", "pool_fetch_plans",
-        "fetch_plans_dropped", "periodic_skipped", "resv_node_s", "resv_waiting_node_s", "decode_cap_node_s",
-        "directory_size",
-    )
-    __match_args__ = (
-        "events", "plans", "iterations", "truncations", "routed", "reroutes", "parked", "rejected", "handoffs",
-        "kv_batches", "planner_ticks", "planner_decisions", "out_of_service", "unfinished", "end_time",
-        "closed_loop_exhausted_at", "schedule_exhausted", "ttft_pred_abs_err", "host_evictions",
-        "counted_samples", "counted_sum", "counted_max", "directory", "switch_log", "pool_fetch_plans",
-        "fetch_plans_dropped", "periodic_skipped", "resv_node_s", "resv_waiting_node_s", "decode_cap_node_s",
-        "directory_size",
+        "closed_loop_exhausted_at", "schedule_exhausted", "ttft_pred_abs_err", "host_evictions", "counted_samples",
+        "counted_sum", "counted_max", "directory", "switch_log", "pool_fetch_plans", "fetch_plans_dropped",
+        "periodic_skipped", "resv_node_s", "resv_waiting_node_s", "decode_cap_node_s", "directory_size",
     )
 
     def __init__(
         self, events: int = 0, plans: int = 0, iterations: int = 0, truncations: int = 0, routed: int = 0,
         reroutes: int = 0, parked: int = 0, rejected: int = 0, handoffs: int = 0, kv_batches: int = 0,
-        planner_ticks: int = 0, planner_decisions: Any = _FACTORY, out_of_service: Any = _FACTORY,
+        planner_ticks: int = 0, planner_decisions: Any = FACTORY, out_of_service: Any = FACTORY,
         unfinished: int = 0, end_time: float = 0.0, closed_loop_exhausted_at: float | None = None,
-        schedule_exhausted: Any = _FACTORY, ttft_pred_abs_err: Any = _FACTORY, host_evictions: Any = _FACTORY,
-        counted_samples: int = 0, counted_sum: float = 0.0, counted_max: int = 0, directory: Any = _FACTORY,
-        switch_log: Any = _FACTORY, pool_fetch_plans: int = 0, fetch_plans_dropped: int = 0,
+        schedule_exhausted: Any = FACTORY, ttft_pred_abs_err: Any = FACTORY, host_evictions: Any = FACTORY,
+        counted_samples: int = 0, counted_sum: float = 0.0, counted_max: int = 0, directory: Any = FACTORY,
+        switch_log: Any = FACTORY, pool_fetch_plans: int = 0, fetch_plans_dropped: int = 0,
         periodic_skipped: int = 0, resv_node_s: float = 0.0, resv_waiting_node_s: float = 0.0,
-        decode_cap_node_s: float = 0.0, directory_size: Any = _FACTORY,
+        decode_cap_node_s: float = 0.0, directory_size: Any = FACTORY,
     ) -> None:
         self.events = events
         self.plans = plans
@@ -412,73 +359,29 @@ class SimStats:
         self.handoffs = handoffs
         self.kv_batches = kv_batches
         self.planner_ticks = planner_ticks
-        self.planner_decisions = [] if planner_decisions is _FACTORY else planner_decisions
-        self.out_of_service = [] if out_of_service is _FACTORY else out_of_service
+        self.planner_decisions = [] if planner_decisions is FACTORY else planner_decisions
+        self.out_of_service = [] if out_of_service is FACTORY else out_of_service
         self.unfinished = unfinished
         self.end_time = end_time
         self.closed_loop_exhausted_at = closed_loop_exhausted_at
-        self.schedule_exhausted = [] if schedule_exhausted is _FACTORY else schedule_exhausted
-        self.ttft_pred_abs_err = [] if ttft_pred_abs_err is _FACTORY else ttft_pred_abs_err
-        self.host_evictions = {} if host_evictions is _FACTORY else host_evictions
+        self.schedule_exhausted = [] if schedule_exhausted is FACTORY else schedule_exhausted
+        self.ttft_pred_abs_err = [] if ttft_pred_abs_err is FACTORY else ttft_pred_abs_err
+        self.host_evictions = {} if host_evictions is FACTORY else host_evictions
         self.counted_samples = counted_samples
         self.counted_sum = counted_sum
         self.counted_max = counted_max
-        self.directory = {} if directory is _FACTORY else directory
-        self.switch_log = [] if switch_log is _FACTORY else switch_log
+        self.directory = {} if directory is FACTORY else directory
+        self.switch_log = [] if switch_log is FACTORY else switch_log
         self.pool_fetch_plans = pool_fetch_plans
         self.fetch_plans_dropped = fetch_plans_dropped
         self.periodic_skipped = periodic_skipped
         self.resv_node_s = resv_node_s
         self.resv_waiting_node_s = resv_waiting_node_s
         self.decode_cap_node_s = decode_cap_node_s
-        self.directory_size = {} if directory_size is _FACTORY else directory_size
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"events={self.events!r}, plans={self.plans!r}, iterations={self.iterations!r}, "
-            f"truncations={self.truncations!r}, routed={self.routed!r}, reroutes={self.reroutes!r}, "
-            f"parked={self.parked!r}, rejected={self.rejected!r}, handoffs={self.handoffs!r}, "
-            f"kv_batches={self.kv_batches!r}, planner_ticks={self.planner_ticks!r}, "
-            f"planner_decisions={self.planner_decisions!r}, out_of_service={self.out_of_service!r}, "
-            f"unfinished={self.unfinished!r}, end_time={self.end_time!r}, "
-            f"closed_loop_exhausted_at={self.closed_loop_exhausted_at!r}, "
-            f"schedule_exhausted={self.schedule_exhausted!r}, ttft_pred_abs_err={self.ttft_pred_abs_err!r}, "
-            f"host_evictions={self.host_evictions!r}, counted_samples={self.counted_samples!r}, "
-            f"counted_sum={self.counted_sum!r}, counted_max={self.counted_max!r}, directory={self.directory!r}, "
-            f"switch_log={self.switch_log!r}, pool_fetch_plans={self.pool_fetch_plans!r}, "
-            f"fetch_plans_dropped={self.fetch_plans_dropped!r}, periodic_skipped={self.periodic_skipped!r}, "
-            f"resv_node_s={self.resv_node_s!r}, resv_waiting_node_s={self.resv_waiting_node_s!r}, "
-            f"decode_cap_node_s={self.decode_cap_node_s!r}, directory_size={self.directory_size!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.events, self.plans, self.iterations, self.truncations, self.routed, self.reroutes,
-                self.parked, self.rejected, self.handoffs, self.kv_batches, self.planner_ticks,
-                self.planner_decisions, self.out_of_service, self.unfinished, self.end_time,
-                self.closed_loop_exhausted_at, self.schedule_exhausted, self.ttft_pred_abs_err,
-                self.host_evictions, self.counted_samples, self.counted_sum, self.counted_max, self.directory,
-                self.switch_log, self.pool_fetch_plans, self.fetch_plans_dropped, self.periodic_skipped,
-                self.resv_node_s, self.resv_waiting_node_s, self.decode_cap_node_s, self.directory_size,
-            ) == (
-                other.events, other.plans, other.iterations, other.truncations, other.routed, other.reroutes,
-                other.parked, other.rejected, other.handoffs, other.kv_batches, other.planner_ticks,
-                other.planner_decisions, other.out_of_service, other.unfinished, other.end_time,
-                other.closed_loop_exhausted_at, other.schedule_exhausted, other.ttft_pred_abs_err,
-                other.host_evictions, other.counted_samples, other.counted_sum, other.counted_max,
-                other.directory, other.switch_log, other.pool_fetch_plans, other.fetch_plans_dropped,
-                other.periodic_skipped, other.resv_node_s, other.resv_waiting_node_s, other.decode_cap_node_s,
-                other.directory_size,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
+        self.directory_size = {} if directory_size is FACTORY else directory_size
 
 
-class ClusterResult:
+class ClusterResult(Value):
     """What one cluster (partition) produced."""
 
     records: list[RequestRecord]
@@ -487,10 +390,7 @@ class ClusterResult:
     nodes: list[str]
     initial_phases: dict[str, Phase]
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("records", "timeline", "stats", "nodes", "initial_phases")
-    __match_args__ = ("records", "timeline", "stats", "nodes", "initial_phases")
+    __slots__ = __match_args__ = ("records", "timeline", "stats", "nodes", "initial_phases")
 
     def __init__(
         self, records: list[RequestRecord], timeline: RunTimeline, stats: SimStats, nodes: list[str],
@@ -501,23 +401,6 @@ class ClusterResult:
         self.stats = stats
         self.nodes = nodes
         self.initial_phases = initial_phases
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"records={self.records!r}, timeline={self.timeline!r}, stats={self.stats!r}, nodes={self.nodes!r}, "
-            f"initial_phases={self.initial_phases!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.records, self.timeline, self.stats, self.nodes, self.initial_phases) == (
-                other.records, other.timeline, other.stats, other.nodes, other.initial_phases,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 def slowed(profile: Profile, factor: float) -> Profile:

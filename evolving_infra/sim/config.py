@@ -11,8 +11,7 @@ found by name (routing in ``services.router.policy``, planner in
 
 from __future__ import annotations
 
-from dataclasses import FrozenInstanceError, dataclass, field
-from reprlib import recursive_repr
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -30,65 +29,26 @@ from evolving_infra.sim.policies import (
 )
 from shared.profile import Profile, ProfileError, load_profile
 from shared.split import SplitError, parse_split
-
-
-_set = object.__setattr__
+from shared.values import FrozenValue, set_field
 
 
 class SimConfigError(ValueError):
     """The run cannot be set up as asked; the message says which flag to change."""
 
 
-class ForcedSwitch:
+class ForcedSwitch(FrozenValue):
     """A phase switch the run forces at time ``t`` (tests, what-if runs), besides the planner's."""
 
     t: float
     node: str
     phase: str
 
-    # what dataclass(frozen=True, slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("t", "node", "phase")
-    __match_args__ = ("t", "node", "phase")
+    __slots__ = __match_args__ = ("t", "node", "phase")
 
     def __init__(self, t: float, node: str, phase: str) -> None:
-        _set(self, "t", t)
-        _set(self, "node", node)
-        _set(self, "phase", phase)
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"t={self.t!r}, node={self.node!r}, phase={self.phase!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.t, self.node, self.phase) == (
-                other.t, other.node, other.phase
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.t, self.node, self.phase))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if type(self) is ForcedSwitch or name in ("t", "node", "phase"):
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        super(ForcedSwitch, self).__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if type(self) is ForcedSwitch or name in ("t", "node", "phase"):
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-        super(ForcedSwitch, self).__delattr__(name)
-
-    def __getstate__(self) -> list[Any]:
-        return [self.t, self.node, self.phase]
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for name, value in zip(self.__slots__, state):
-            _set(self, name, value)
+        set_field(self, "t", t)
+        set_field(self, "node", node)
+        set_field(self, "phase", phase)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +158,7 @@ class SimConfig:
         raise SimConfigError(f"arrival must be closed, open or trace, got {self.arrival!r}")
 
 
-class Resolved:
+class Resolved(FrozenValue):
     """A run's concrete components (what ``report.json`` records under ``meta.sim``)."""
 
     cfg: SimConfig
@@ -208,63 +168,18 @@ class Resolved:
     nodes_per_partition: list[int]
     planner_source: str
 
-    # what dataclass(frozen=True, slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("cfg", "profile", "policy", "split", "nodes_per_partition", "planner_source")
-    __match_args__ = ("cfg", "profile", "policy", "split", "nodes_per_partition", "planner_source")
+    __slots__ = __match_args__ = ("cfg", "profile", "policy", "split", "nodes_per_partition", "planner_source")
 
     def __init__(
         self, cfg: SimConfig, profile: Profile, policy: PolicySet, split: str, nodes_per_partition: list[int],
         planner_source: str,
     ) -> None:
-        _set(self, "cfg", cfg)
-        _set(self, "profile", profile)
-        _set(self, "policy", policy)
-        _set(self, "split", split)
-        _set(self, "nodes_per_partition", nodes_per_partition)
-        _set(self, "planner_source", planner_source)
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"cfg={self.cfg!r}, profile={self.profile!r}, policy={self.policy!r}, split={self.split!r}, "
-            f"nodes_per_partition={self.nodes_per_partition!r}, planner_source={self.planner_source!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.cfg, self.profile, self.policy, self.split, self.nodes_per_partition, self.planner_source,
-            ) == (
-                other.cfg, other.profile, other.policy, other.split, other.nodes_per_partition,
-                other.planner_source,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.cfg, self.profile, self.policy, self.split, self.nodes_per_partition, self.planner_source))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if type(self) is Resolved or name in (
-            "cfg", "profile", "policy", "split", "nodes_per_partition", "planner_source",
-        ):
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        super(Resolved, self).__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if type(self) is Resolved or name in (
-            "cfg", "profile", "policy", "split", "nodes_per_partition", "planner_source",
-        ):
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-        super(Resolved, self).__delattr__(name)
-
-    def __getstate__(self) -> list[Any]:
-        return [self.cfg, self.profile, self.policy, self.split, self.nodes_per_partition, self.planner_source]
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for name, value in zip(self.__slots__, state):
-            _set(self, name, value)
+        set_field(self, "cfg", cfg)
+        set_field(self, "profile", profile)
+        set_field(self, "policy", policy)
+        set_field(self, "split", split)
+        set_field(self, "nodes_per_partition", nodes_per_partition)
+        set_field(self, "planner_source", planner_source)
 
 
 def _profile(cfg: SimConfig) -> Profile:

@@ -21,7 +21,6 @@ import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
-from reprlib import recursive_repr
 from typing import Any
 
 import msgspec
@@ -36,6 +35,7 @@ from evolving_infra.traces.compact import CompactTrace
 from evolving_infra.traces.io import paused_gc
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechunk_request
+from shared.values import Value
 
 DECISIONS_JSONL = "decisions.jsonl"
 """Every planner evaluation of a simulated run (switch, no switch, skip, warm-up), one JSON per line."""
@@ -75,7 +75,7 @@ _REC_ENC = msgspec.msgpack.Encoder()
 _REC_DEC = msgspec.msgpack.Decoder(list[RequestRecord])
 
 
-class SimRun:
+class SimRun(Value):
     """The outcome of :func:`simulate`."""
 
     report: dict[str, Any]
@@ -85,10 +85,7 @@ class SimRun:
     stats: SimStats
     resolved: Resolved
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("report", "records", "timeline", "stats", "resolved")
-    __match_args__ = ("report", "records", "timeline", "stats", "resolved")
+    __slots__ = __match_args__ = ("report", "records", "timeline", "stats", "resolved")
 
     def __init__(
         self, report: dict[str, Any], records: list[RequestRecord], timeline: RunTimeline, stats: SimStats, resolved: Resolved,
@@ -98,23 +95,6 @@ class SimRun:
         self.timeline = timeline
         self.stats = stats
         self.resolved = resolved
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"report={self.report!r}, records={self.records!r}, timeline={self.timeline!r}, "
-            f"stats={self.stats!r}, resolved={self.resolved!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.report, self.records, self.timeline, self.stats, self.resolved) == (
-                other.report, other.records, other.timeline, other.stats, other.resolved,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 def partition_of(agent: str, k: int) -> int:

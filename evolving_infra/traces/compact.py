@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from reprlib import recursive_repr
 from typing import Annotated, Any
 
 import msgspec
@@ -37,6 +36,7 @@ from evolving_infra.traces.inflate import InflateAhead
 from evolving_infra.traces.io import PACK_MAGIC, TraceError, _request_type, _scan, _Validator, paused_gc
 from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceHeader, TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechain_blocks, rechunk_blocks, shared_prefix_len
+from shared.values import Value
 
 __all__ = ["BlockStore", "CompactTrace", "compact_requests", "read_trace_compact"]
 
@@ -258,7 +258,7 @@ class BlockStore:
         return not bool(np.any((s_ids[1:] == s_ids[:-1]) & (s_prev[1:] != s_prev[:-1])))
 
 
-class CompactTrace:
+class CompactTrace(Value):
     """A trace's header, its requests as stubs (``blocks=[]``, file order) and their ids.
 
     ``blocks_of(stub)`` gives a stub's ids; :meth:`requests_with_blocks` gives the full requests
@@ -271,10 +271,7 @@ class CompactTrace:
     index: dict[str, int]
     """request id -> index in ``store`` (and in ``requests``)."""
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("header", "requests", "store", "index")
-    __match_args__ = ("header", "requests", "store", "index")
+    __slots__ = __match_args__ = ("header", "requests", "store", "index")
 
     def __init__(
         self, header: TraceHeader, requests: list[TraceRequest], store: BlockStore, index: dict[str, int],
@@ -283,22 +280,6 @@ class CompactTrace:
         self.requests = requests
         self.store = store
         self.index = index
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"header={self.header!r}, requests={self.requests!r}, store={self.store!r}, index={self.index!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.header, self.requests, self.store, self.index) == (
-                other.header, other.requests, other.store, other.index,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
     def blocks_of(self, req: TraceRequest) -> list[int]:
         """Block ids of the request (or stub) with ``req.id`` (a new list).

@@ -39,13 +39,13 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from reprlib import recursive_repr
 from typing import IO, Any
 
 import msgspec
 
 from evolving_infra.traces.inflate import CHUNK, GZIP_MAGIC, InflateAhead, NotOneMember, one_member
 from evolving_infra.traces.schema import FORMAT, MAX_BLOCK_ID, VERSION, TraceHeader, TraceRequest
+from shared.values import Value
 
 __all__ = [
     "PACK_MAGIC",
@@ -296,39 +296,19 @@ def _short(err: Exception) -> str:
     return str(err).replace("\n", " ")
 
 
-class _Branch:
+class _Branch(Value):
     agent: str
     first_line: int
     last_line: int
     ended_line: int
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("agent", "first_line", "last_line", "ended_line")
-    __match_args__ = ("agent", "first_line", "last_line", "ended_line")
+    __slots__ = __match_args__ = ("agent", "first_line", "last_line", "ended_line")
 
     def __init__(self, agent: str, first_line: int, last_line: int, ended_line: int = 0) -> None:
         self.agent = agent
         self.first_line = first_line
         self.last_line = last_line
         self.ended_line = ended_line
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"agent={self.agent!r}, first_line={self.first_line!r}, last_line={self.last_line!r}, "
-            f"ended_line={self.ended_line!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.agent, self.first_line, self.last_line, self.ended_line) == (
-                other.agent, other.first_line, other.last_line, other.ended_line,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 class _Validator:

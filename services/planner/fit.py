@@ -38,12 +38,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Sequence
-from reprlib import recursive_repr
 
 import numpy as np
 
 from shared.itermodel import DecodeModel, PrefillModel
 from shared.messages import IterationRecord
+from shared.values import Value
 
 _PREFILL, _DECODE, _MIXED = 0, 1, 2
 _PHASE_CODE = {"prefill": _PREFILL, "decode": _DECODE, "mixed": _MIXED}
@@ -109,7 +109,7 @@ class FitSamples:
         return len(self.rows)
 
 
-class NodeFit:
+class NodeFit(Value):
     """Result of :func:`fit_node` for one node."""
 
     prefill: PrefillModel | None
@@ -125,10 +125,7 @@ class NodeFit:
     mixed_case: str
     """``c0>=d0``, ``d0>c0`` (which linearisation of the mixed rows won) or ``none``."""
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("prefill", "decode", "prefill_samples", "decode_samples", "fit_error", "mixed_case")
-    __match_args__ = ("prefill", "decode", "prefill_samples", "decode_samples", "fit_error", "mixed_case")
+    __slots__ = __match_args__ = ("prefill", "decode", "prefill_samples", "decode_samples", "fit_error", "mixed_case")
 
     def __init__(
         self, prefill: PrefillModel | None, decode: DecodeModel | None, prefill_samples: int,
@@ -140,28 +137,6 @@ class NodeFit:
         self.decode_samples = decode_samples
         self.fit_error = fit_error
         self.mixed_case = mixed_case
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"prefill={self.prefill!r}, decode={self.decode!r}, prefill_samples={self.prefill_samples!r}, "
-            f"decode_samples={self.decode_samples!r}, fit_error={self.fit_error!r}, "
-            f"mixed_case={self.mixed_case!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.prefill, self.decode, self.prefill_samples, self.decode_samples, self.fit_error,
-                self.mixed_case,
-            ) == (
-                other.prefill, other.decode, other.prefill_samples, other.decode_samples, other.fit_error,
-                other.mixed_case,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 def _design(rows: np.ndarray, prior_decode: DecodeModel) -> np.ndarray:

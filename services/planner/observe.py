@@ -26,20 +26,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from reprlib import recursive_repr
 from typing import TYPE_CHECKING, Any
 
 from shared.itermodel import qk_pairs
 from shared.messages import IterationRecord, NodeState
+from shared.values import FACTORY, Value
 
-_FACTORY: Any = object()
-"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 if TYPE_CHECKING:
     from services.planner.policy import RequestDone
 
 
-class Bucket:
+class Bucket(Value):
     """Sums of one grid bucket ``[origin + k·size, origin + (k+1)·size)``."""
 
     decode_integral: float
@@ -70,26 +68,19 @@ class Bucket:
     decode_time: dict[str, float]
     """Σ duration·repeat of iterations with a decode part (s)."""
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
-        "decode_integral", "covered_s", "queue_integral", "queue_at_start", "n_done", "sum_uc", "sum_c",
-        "sum_qk", "sum_out", "sum_prompt", "sum_m2", "n_first", "cached_by_node", "prefill_iters",
-        "prefill_uncached", "restored", "decode_iters", "decode_time",
-    )
-    __match_args__ = (
-        "decode_integral", "covered_s", "queue_integral", "queue_at_start", "n_done", "sum_uc", "sum_c",
-        "sum_qk", "sum_out", "sum_prompt", "sum_m2", "n_first", "cached_by_node", "prefill_iters",
-        "prefill_uncached", "restored", "decode_iters", "decode_time",
+    __slots__ = __match_args__ = (
+        "decode_integral", "covered_s", "queue_integral", "queue_at_start", "n_done", "sum_uc", "sum_c", "sum_qk",
+        "sum_out", "sum_prompt", "sum_m2", "n_first", "cached_by_node", "prefill_iters", "prefill_uncached", "restored",
+        "decode_iters", "decode_time",
     )
 
     def __init__(
         self, decode_integral: float = 0.0, covered_s: float = 0.0, queue_integral: float = 0.0,
         queue_at_start: float | None = None, n_done: int = 0, sum_uc: float = 0.0, sum_c: float = 0.0,
-        sum_qk: float = 0.0, sum_out: float = 0.0, sum_prompt: float = 0.0, sum_m2: Any = _FACTORY,
-        n_first: int = 0, cached_by_node: Any = _FACTORY, prefill_iters: Any = _FACTORY,
-        prefill_uncached: Any = _FACTORY, restored: Any = _FACTORY, decode_iters: Any = _FACTORY,
-        decode_time: Any = _FACTORY,
+        sum_qk: float = 0.0, sum_out: float = 0.0, sum_prompt: float = 0.0, sum_m2: Any = FACTORY,
+        n_first: int = 0, cached_by_node: Any = FACTORY, prefill_iters: Any = FACTORY,
+        prefill_uncached: Any = FACTORY, restored: Any = FACTORY, decode_iters: Any = FACTORY,
+        decode_time: Any = FACTORY,
     ) -> None:
         self.decode_integral = decode_integral
         self.covered_s = covered_s
@@ -101,47 +92,17 @@ class Bucket:
         self.sum_qk = sum_qk
         self.sum_out = sum_out
         self.sum_prompt = sum_prompt
-        self.sum_m2 = [0.0] * 6 if sum_m2 is _FACTORY else sum_m2
+        self.sum_m2 = [0.0] * 6 if sum_m2 is FACTORY else sum_m2
         self.n_first = n_first
-        self.cached_by_node = {} if cached_by_node is _FACTORY else cached_by_node
-        self.prefill_iters = {} if prefill_iters is _FACTORY else prefill_iters
-        self.prefill_uncached = {} if prefill_uncached is _FACTORY else prefill_uncached
-        self.restored = {} if restored is _FACTORY else restored
-        self.decode_iters = {} if decode_iters is _FACTORY else decode_iters
-        self.decode_time = {} if decode_time is _FACTORY else decode_time
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"decode_integral={self.decode_integral!r}, covered_s={self.covered_s!r}, "
-            f"queue_integral={self.queue_integral!r}, queue_at_start={self.queue_at_start!r}, "
-            f"n_done={self.n_done!r}, sum_uc={self.sum_uc!r}, sum_c={self.sum_c!r}, sum_qk={self.sum_qk!r}, "
-            f"sum_out={self.sum_out!r}, sum_prompt={self.sum_prompt!r}, sum_m2={self.sum_m2!r}, "
-            f"n_first={self.n_first!r}, cached_by_node={self.cached_by_node!r}, "
-            f"prefill_iters={self.prefill_iters!r}, prefill_uncached={self.prefill_uncached!r}, "
-            f"restored={self.restored!r}, decode_iters={self.decode_iters!r}, decode_time={self.decode_time!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.decode_integral, self.covered_s, self.queue_integral, self.queue_at_start, self.n_done,
-                self.sum_uc, self.sum_c, self.sum_qk, self.sum_out, self.sum_prompt, self.sum_m2, self.n_first,
-                self.cached_by_node, self.prefill_iters, self.prefill_uncached, self.restored, self.decode_iters,
-                self.decode_time,
-            ) == (
-                other.decode_integral, other.covered_s, other.queue_integral, other.queue_at_start, other.n_done,
-                other.sum_uc, other.sum_c, other.sum_qk, other.sum_out, other.sum_prompt, other.sum_m2,
-                other.n_first, other.cached_by_node, other.prefill_iters, other.prefill_uncached, other.restored,
-                other.decode_iters, other.decode_time,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
+        self.cached_by_node = {} if cached_by_node is FACTORY else cached_by_node
+        self.prefill_iters = {} if prefill_iters is FACTORY else prefill_iters
+        self.prefill_uncached = {} if prefill_uncached is FACTORY else prefill_uncached
+        self.restored = {} if restored is FACTORY else restored
+        self.decode_iters = {} if decode_iters is FACTORY else decode_iters
+        self.decode_time = {} if decode_time is FACTORY else decode_time
 
 
-class SliceStats:
+class SliceStats(Value):
     """One slice of a planning window: w̄_i and q̄_i (paper §5.2)."""
 
     n: int
@@ -163,10 +124,7 @@ class SliceStats:
     (empty = unknown). With Eq. 3 linear in (t_uc, A, t_c) they give the variance
     of a request's prefill occupancy (the planner's ``latency`` objective)."""
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("n", "t_uc", "t_c", "qk", "t_out", "q", "prompt", "queued", "moments2")
-    __match_args__ = ("n", "t_uc", "t_c", "qk", "t_out", "q", "prompt", "queued", "moments2")
+    __slots__ = __match_args__ = ("n", "t_uc", "t_c", "qk", "t_out", "q", "prompt", "queued", "moments2")
 
     def __init__(
         self, n: int, t_uc: float, t_c: float, qk: float, t_out: float, q: float, prompt: float,
@@ -181,27 +139,6 @@ class SliceStats:
         self.prompt = prompt
         self.queued = queued
         self.moments2 = moments2
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"n={self.n!r}, t_uc={self.t_uc!r}, t_c={self.t_c!r}, qk={self.qk!r}, t_out={self.t_out!r}, "
-            f"q={self.q!r}, prompt={self.prompt!r}, queued={self.queued!r}, moments2={self.moments2!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.n, self.t_uc, self.t_c, self.qk, self.t_out, self.q, self.prompt, self.queued,
-                self.moments2,
-            ) == (
-                other.n, other.t_uc, other.t_c, other.qk, other.t_out, other.q, other.prompt, other.queued,
-                other.moments2,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 MOMENTS2 = ("uc·uc", "qk·qk", "c·c", "uc·qk", "uc·c", "qk·c")

@@ -28,25 +28,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import FrozenInstanceError
-from reprlib import recursive_repr
 from typing import Any, Protocol, runtime_checkable
 
 from shared.config import parse_key_values
 from shared.messages import CandidateGain, IterationRecord, NodeState, Phase, PlannerDecision
 from shared.profile import Profile
 from shared.split import split_name
+from shared.values import FACTORY, FrozenValue, Value, set_field
 
-_set = object.__setattr__
-"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
-
-_FACTORY: Any = object()
-"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 PLANNERS: tuple[str, ...] = ("static", "evolving", "dynamo", "arrow")
 
 
-class RequestDone:
+class RequestDone(Value):
     """A finished request as the planner sees it (w̄ of paper §5.2, arrivals for the SLO guard).
 
     In the simulator every field is exact. The live planner builds it from the
@@ -72,15 +66,9 @@ class RequestDone:
     ttft_s: float
     e2e_s: float
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
-        "rid", "prefill_node", "decode_node", "prompt_tokens", "cached_tokens", "output_tokens", "arrived_at",
-        "ttft_s", "e2e_s",
-    )
-    __match_args__ = (
-        "rid", "prefill_node", "decode_node", "prompt_tokens", "cached_tokens", "output_tokens", "arrived_at",
-        "ttft_s", "e2e_s",
+    __slots__ = __match_args__ = (
+        "rid", "prefill_node", "decode_node", "prompt_tokens", "cached_tokens", "output_tokens", "arrived_at", "ttft_s",
+        "e2e_s",
     )
 
     def __init__(
@@ -97,31 +85,8 @@ class RequestDone:
         self.ttft_s = ttft_s
         self.e2e_s = e2e_s
 
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"rid={self.rid!r}, prefill_node={self.prefill_node!r}, decode_node={self.decode_node!r}, "
-            f"prompt_tokens={self.prompt_tokens!r}, cached_tokens={self.cached_tokens!r}, "
-            f"output_tokens={self.output_tokens!r}, arrived_at={self.arrived_at!r}, ttft_s={self.ttft_s!r}, "
-            f"e2e_s={self.e2e_s!r})"
-        )
 
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.rid, self.prefill_node, self.decode_node, self.prompt_tokens, self.cached_tokens,
-                self.output_tokens, self.arrived_at, self.ttft_s, self.e2e_s,
-            ) == (
-                other.rid, other.prefill_node, other.decode_node, other.prompt_tokens, other.cached_tokens,
-                other.output_tokens, other.arrived_at, other.ttft_s, other.e2e_s,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-class SplitDecision:
+class SplitDecision(FrozenValue):
     """A new phase map to apply, with why. ``diagnostics['decision']`` is the
     :class:`PlannerDecision` (as a dict) that explains it."""
 
@@ -129,49 +94,12 @@ class SplitDecision:
     reason: str
     diagnostics: dict[str, Any]
 
-    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("phases", "reason", "diagnostics")
-    __match_args__ = ("phases", "reason", "diagnostics")
+    __slots__ = __match_args__ = ("phases", "reason", "diagnostics")
 
-    def __init__(self, phases: dict[str, Phase], reason: str, diagnostics: Any = _FACTORY) -> None:
-        _set(self, "phases", phases)
-        _set(self, "reason", reason)
-        _set(self, "diagnostics", {} if diagnostics is _FACTORY else diagnostics)
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"phases={self.phases!r}, reason={self.reason!r}, diagnostics={self.diagnostics!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.phases, self.reason, self.diagnostics) == (
-                other.phases, other.reason, other.diagnostics
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.phases, self.reason, self.diagnostics))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if type(self) is SplitDecision or name in ("phases", "reason", "diagnostics"):
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        super(SplitDecision, self).__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if type(self) is SplitDecision or name in ("phases", "reason", "diagnostics"):
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-        super(SplitDecision, self).__delattr__(name)
-
-    def __getstate__(self) -> list[Any]:
-        return [self.phases, self.reason, self.diagnostics]
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for name, value in zip(self.__slots__, state):
-            _set(self, name, value)
+    def __init__(self, phases: dict[str, Phase], reason: str, diagnostics: Any = FACTORY) -> None:
+        set_field(self, "phases", phases)
+        set_field(self, "reason", reason)
+        set_field(self, "diagnostics", {} if diagnostics is FACTORY else diagnostics)
 
 
 @runtime_checkable

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from reprlib import recursive_repr
 
 import numpy as np
 
 from shared.itermodel import DecodeModel, PrefillModel
 from shared.messages import Phase, QueuedWork
+from shared.values import Value
 from services.planner.observe import SliceStats
 
 
-class NodeModelState:
+class NodeModelState(Value):
     """The models the planner holds for one node: frozen Eq. 1/2 coefficients plus the
     re-measured t̄_n and f_n (paper §5.1)."""
 
@@ -42,10 +42,9 @@ class NodeModelState:
     samples: int
     fit_error: float
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("prefill", "decode", "mean_chunk_tokens", "restored_share", "source", "samples", "fit_error")
-    __match_args__ = ("prefill", "decode", "mean_chunk_tokens", "restored_share", "source", "samples", "fit_error")
+    __slots__ = __match_args__ = (
+        "prefill", "decode", "mean_chunk_tokens", "restored_share", "source", "samples", "fit_error",
+    )
 
     def __init__(
         self, prefill: PrefillModel, decode: DecodeModel, mean_chunk_tokens: float, restored_share: float,
@@ -58,28 +57,6 @@ class NodeModelState:
         self.source = source
         self.samples = samples
         self.fit_error = fit_error
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"prefill={self.prefill!r}, decode={self.decode!r}, mean_chunk_tokens={self.mean_chunk_tokens!r}, "
-            f"restored_share={self.restored_share!r}, source={self.source!r}, samples={self.samples!r}, "
-            f"fit_error={self.fit_error!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.prefill, self.decode, self.mean_chunk_tokens, self.restored_share, self.source,
-                self.samples, self.fit_error,
-            ) == (
-                other.prefill, other.decode, other.mean_chunk_tokens, other.restored_share, other.source,
-                other.samples, other.fit_error,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
     def prefill_request_time(self, t_uc: float, t_c: float, qk: float | None = None, restored: float | None = None) -> float:
         """Eq. 3 for one request (s); ``qk`` defaults to A(t_uc, t_c), ``restored`` to f_n·t_c."""

@@ -31,12 +31,11 @@ The discrete-event simulator drives the same object in virtual time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import FrozenInstanceError
-from reprlib import recursive_repr
 from typing import Any
 
 from shared.messages import KvLookupReply, NodeState, PlannerModels, PrefillWork, RequestAbort, RoutePlaced, RouteSent, SplitCommand
 from shared.subjects import check_token
+from shared.values import FACTORY, FrozenValue, Value, set_field
 
 DECODE_BINDINGS: tuple[str, ...] = ("dispatch", "prefill-start")
 """When the decode node of a PD request is chosen: at dispatch (``PrefillWork.decode_node``),
@@ -47,57 +46,19 @@ from services.router.metrics import RouteMetrics, TtftSample
 from services.router.nodes import FencedNode, NodeLoad, NodeLoadView
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy
 
-_set = object.__setattr__
-"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
 
-_FACTORY: Any = object()
-"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
-
-
-class NoRoute:
+class NoRoute(FrozenValue):
     """No placement is possible now (HTTP 503); ``reason`` says why."""
 
     reason: str
 
-    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("reason",)
-    __match_args__ = ("reason",)
+    __slots__ = __match_args__ = ("reason",)
 
     def __init__(self, reason: str) -> None:
-        _set(self, "reason", reason)
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return f"{self.__class__.__qualname__}(reason={self.reason!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.reason,) == (other.reason,)  # type: ignore[attr-defined]
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.reason,))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if type(self) is NoRoute or name in ("reason",):
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        super(NoRoute, self).__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if type(self) is NoRoute or name in ("reason",):
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-        super(NoRoute, self).__delattr__(name)
-
-    def __getstate__(self) -> list[Any]:
-        return [self.reason]
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for name, value in zip(self.__slots__, state):
-            _set(self, name, value)
+        set_field(self, "reason", reason)
 
 
-class DecodeBinding:
+class DecodeBinding(FrozenValue):
     """A decode node chosen after dispatch (:meth:`RouterCore.bind_decode`).
 
     Attributes:
@@ -110,56 +71,19 @@ class DecodeBinding:
     prefill_node: str
     placed: list[RoutePlaced]
 
-    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("decode", "prefill_node", "placed")
-    __match_args__ = ("decode", "prefill_node", "placed")
+    __slots__ = __match_args__ = ("decode", "prefill_node", "placed")
 
-    def __init__(self, decode: DecodeChoice, prefill_node: str, placed: Any = _FACTORY) -> None:
-        _set(self, "decode", decode)
-        _set(self, "prefill_node", prefill_node)
-        _set(self, "placed", [] if placed is _FACTORY else placed)
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"decode={self.decode!r}, prefill_node={self.prefill_node!r}, placed={self.placed!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.decode, self.prefill_node, self.placed) == (
-                other.decode, other.prefill_node, other.placed
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.decode, self.prefill_node, self.placed))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if type(self) is DecodeBinding or name in ("decode", "prefill_node", "placed"):
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        super(DecodeBinding, self).__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if type(self) is DecodeBinding or name in ("decode", "prefill_node", "placed"):
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-        super(DecodeBinding, self).__delattr__(name)
-
-    def __getstate__(self) -> list[Any]:
-        return [self.decode, self.prefill_node, self.placed]
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for name, value in zip(self.__slots__, state):
-            _set(self, name, value)
+    def __init__(self, decode: DecodeChoice, prefill_node: str, placed: Any = FACTORY) -> None:
+        set_field(self, "decode", decode)
+        set_field(self, "prefill_node", prefill_node)
+        set_field(self, "placed", [] if placed is FACTORY else placed)
 
     @property
     def node(self) -> str:
         return self.decode.node
 
 
-class RouteDecision:
+class RouteDecision(Value):
     """A placement and the messages that carry it.
 
     Attributes:
@@ -185,38 +109,18 @@ class RouteDecision:
     candidates: Sequence[NodeLoad]
     decode_candidates: Sequence[NodeLoad]
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("prefill", "decode", "placed", "work", "candidates", "decode_candidates")
-    __match_args__ = ("prefill", "decode", "placed", "work", "candidates", "decode_candidates")
+    __slots__ = __match_args__ = ("prefill", "decode", "placed", "work", "candidates", "decode_candidates")
 
     def __init__(
         self, prefill: PrefillChoice, decode: DecodeChoice | None, placed: list[RoutePlaced], work: PrefillWork,
-        candidates: Any = _FACTORY, decode_candidates: Any = _FACTORY,
+        candidates: Any = FACTORY, decode_candidates: Any = FACTORY,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.placed = placed
         self.work = work
-        self.candidates = () if candidates is _FACTORY else candidates
-        self.decode_candidates = () if decode_candidates is _FACTORY else decode_candidates
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"prefill={self.prefill!r}, decode={self.decode!r}, placed={self.placed!r}, work={self.work!r}, "
-            f"candidates={self.candidates!r}, decode_candidates={self.decode_candidates!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.prefill, self.decode, self.placed, self.work, self.candidates, self.decode_candidates) == (
-                other.prefill, other.decode, other.placed, other.work, other.candidates, other.decode_candidates,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
+        self.candidates = () if candidates is FACTORY else candidates
+        self.decode_candidates = () if decode_candidates is FACTORY else decode_candidates
 
     @property
     def decode_node(self) -> str | None:

@@ -29,7 +29,8 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
-from reprlib import recursive_repr
+
+from shared.values import Value
 
 ABS_ERR_EDGES_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Bucket upper bounds (s) of the TTFT prediction error histogram (+Inf implied)."""
@@ -108,7 +109,7 @@ class Histogram:
         return out
 
 
-class TtftSample:
+class TtftSample(Value):
     """One request's first token as the metrics saw it (simulated seconds).
 
     Read-only once built. Not ``frozen=True`` (nothing hashes it; equality is unchanged): one is
@@ -122,10 +123,7 @@ class TtftSample:
     measured_s: float | None
     queue_s: float | None
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("rid", "node", "predicted_s", "measured_s", "queue_s")
-    __match_args__ = ("rid", "node", "predicted_s", "measured_s", "queue_s")
+    __slots__ = __match_args__ = ("rid", "node", "predicted_s", "measured_s", "queue_s")
 
     def __init__(
         self, rid: str, node: str, predicted_s: float | None, measured_s: float | None, queue_s: float | None,
@@ -135,23 +133,6 @@ class TtftSample:
         self.predicted_s = predicted_s
         self.measured_s = measured_s
         self.queue_s = queue_s
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"rid={self.rid!r}, node={self.node!r}, predicted_s={self.predicted_s!r}, "
-            f"measured_s={self.measured_s!r}, queue_s={self.queue_s!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.rid, self.node, self.predicted_s, self.measured_s, self.queue_s) == (
-                other.rid, other.node, other.predicted_s, other.measured_s, other.queue_s
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
     @property
     def error_s(self) -> float | None:

@@ -42,23 +42,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import FrozenInstanceError
-from reprlib import recursive_repr
 
 from shared.messages import NodeState, Phase, SplitCommand
 from shared.subjects import check_token
+from shared.values import FACTORY, FrozenValue, Value, set_field
 
-_set = object.__setattr__
-"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
-
-_FACTORY: Any = object()
-"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 PREFILL_PHASES: frozenset[str] = frozenset(("prefill", "both"))
 DECODE_PHASES: frozenset[str] = frozenset(("decode",))
 
 
-class NodeRecord:
+class NodeRecord(Value):
     """Everything the router knows about one node (mutable, owned by :class:`NodeLoadView`)."""
 
     node: str
@@ -84,16 +78,11 @@ class NodeRecord:
     load: NodeLoad | None
     """This record as a :class:`NodeLoad` (built on demand; None after any change)."""
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
+    __slots__ = __match_args__ = (
         "node", "state", "last_seen", "split_phase", "fenced", "restarted", "fence_events", "inflight",
         "inflight_prefill", "inflight_decode", "load",
     )
-    __match_args__ = (
-        "node", "state", "last_seen", "split_phase", "fenced", "restarted", "fence_events", "inflight",
-        "inflight_prefill", "inflight_decode", "load",
-    )
+    _repr_skip = _compare_skip = ("load",)  # a cache of the other fields (field(repr=False, compare=False))
 
     def __init__(
         self, node: str, state: NodeState | None = None, last_seen: float | None = None,
@@ -112,29 +101,6 @@ class NodeRecord:
         self.inflight_decode = inflight_decode
         self.load = load
 
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"node={self.node!r}, state={self.state!r}, last_seen={self.last_seen!r}, "
-            f"split_phase={self.split_phase!r}, fenced={self.fenced!r}, restarted={self.restarted!r}, "
-            f"fence_events={self.fence_events!r}, inflight={self.inflight!r}, "
-            f"inflight_prefill={self.inflight_prefill!r}, inflight_decode={self.inflight_decode!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.node, self.state, self.last_seen, self.split_phase, self.fenced, self.restarted,
-                self.fence_events, self.inflight, self.inflight_prefill, self.inflight_decode,
-            ) == (
-                other.node, other.state, other.last_seen, other.split_phase, other.fenced, other.restarted,
-                other.fence_events, other.inflight, other.inflight_prefill, other.inflight_decode,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
     @property
     def phase(self) -> Phase | None:
         """Effective phase: the split's assignment when known, else the reported phase."""
@@ -143,7 +109,7 @@ class NodeRecord:
         return self.state.phase if self.state is not None else None
 
 
-class NodeLoad:
+class NodeLoad(Value):
     """Load snapshot of one eligible node: what a routing policy sees.
 
     ``inflight*`` are the router's own counts; ``running``/``waiting``/
@@ -170,13 +136,7 @@ class NodeLoad:
     last_seen: float
     state: NodeState | None
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
-        "node", "phase", "inflight", "inflight_prefill", "inflight_decode", "running", "waiting", "decoding",
-        "gpu_free_blocks", "gpu_total_blocks", "last_seen", "state",
-    )
-    __match_args__ = (
+    __slots__ = __match_args__ = (
         "node", "phase", "inflight", "inflight_prefill", "inflight_decode", "running", "waiting", "decoding",
         "gpu_free_blocks", "gpu_total_blocks", "last_seen", "state",
     )
@@ -199,38 +159,12 @@ class NodeLoad:
         self.last_seen = last_seen
         self.state = state
 
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"node={self.node!r}, phase={self.phase!r}, inflight={self.inflight!r}, "
-            f"inflight_prefill={self.inflight_prefill!r}, inflight_decode={self.inflight_decode!r}, "
-            f"running={self.running!r}, waiting={self.waiting!r}, decoding={self.decoding!r}, "
-            f"gpu_free_blocks={self.gpu_free_blocks!r}, gpu_total_blocks={self.gpu_total_blocks!r}, "
-            f"last_seen={self.last_seen!r}, state={self.state!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.node, self.phase, self.inflight, self.inflight_prefill, self.inflight_decode, self.running,
-                self.waiting, self.decoding, self.gpu_free_blocks, self.gpu_total_blocks, self.last_seen,
-                self.state,
-            ) == (
-                other.node, other.phase, other.inflight, other.inflight_prefill, other.inflight_decode,
-                other.running, other.waiting, other.decoding, other.gpu_free_blocks, other.gpu_total_blocks,
-                other.last_seen, other.state,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
     def state_age(self, now: float) -> float:
         """Age of ``state`` at ``now`` (caller's clock units)."""
         return now - self.last_seen
 
 
-class FencedNode:
+class FencedNode(FrozenValue):
     """A node that :meth:`NodeLoadView.check_fences` just fenced out."""
 
     node: str
@@ -239,59 +173,22 @@ class FencedNode:
     rids: tuple[str, ...]
     """Requests in flight that depend on it when it was fenced (:meth:`NodeLoadView.requests_depending_on`)."""
 
-    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("node", "age", "rids")
-    __match_args__ = ("node", "age", "rids")
+    __slots__ = __match_args__ = ("node", "age", "rids")
 
     def __init__(self, node: str, age: float, rids: tuple[str, ...] = ()) -> None:
-        _set(self, "node", node)
-        _set(self, "age", age)
-        _set(self, "rids", rids)
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return f"{self.__class__.__qualname__}(node={self.node!r}, age={self.age!r}, rids={self.rids!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.node, self.age, self.rids) == (
-                other.node, other.age, other.rids
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.node, self.age, self.rids))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if type(self) is FencedNode or name in ("node", "age", "rids"):
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        super(FencedNode, self).__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if type(self) is FencedNode or name in ("node", "age", "rids"):
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-        super(FencedNode, self).__delattr__(name)
-
-    def __getstate__(self) -> list[Any]:
-        return [self.node, self.age, self.rids]
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for name, value in zip(self.__slots__, state):
-            _set(self, name, value)
+        set_field(self, "node", node)
+        set_field(self, "age", age)
+        set_field(self, "rids", rids)
 
 
-class _Flight:
+class _Flight(Value):
     prefill_node: str
     decode_node: str | None
     first_token: bool
     handed_off: bool
     """Its decode node has the hand-off (it streamed output, or handed the work back)."""
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("prefill_node", "decode_node", "first_token", "handed_off")
-    __match_args__ = ("prefill_node", "decode_node", "first_token", "handed_off")
+    __slots__ = __match_args__ = ("prefill_node", "decode_node", "first_token", "handed_off")
 
     def __init__(
         self, prefill_node: str, decode_node: str | None, first_token: bool = False, handed_off: bool = False,
@@ -301,25 +198,8 @@ class _Flight:
         self.first_token = first_token
         self.handed_off = handed_off
 
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"prefill_node={self.prefill_node!r}, decode_node={self.decode_node!r}, "
-            f"first_token={self.first_token!r}, handed_off={self.handed_off!r})"
-        )
 
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.prefill_node, self.decode_node, self.first_token, self.handed_off) == (
-                other.prefill_node, other.decode_node, other.first_token, other.handed_off
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-class NodeLoadView:
+class NodeLoadView(Value):
     """Cluster view for routing (sans-IO).
 
     Args:
@@ -357,56 +237,29 @@ class NodeLoadView:
     """``_gen`` at which :meth:`all_usable` last found every node's record usable with an infinite
     ``fence_after`` (then only a fence or a new node, which bump ``_gen``, can change that)."""
 
-    __slots__ = (
-        "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists",
-        "_tokens", "_usable_gen",
-    )
-    __match_args__ = (
-        "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists",
-        "_tokens", "_usable_gen",
+    __slots__ = __match_args__ = (
+        "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists", "_tokens",
+        "_usable_gen",
     )
 
     def __init__(
-        self, fence_after: float = 3.0, nodes: Any = _FACTORY, epoch: int = -1, split_reason: str = "",
-        kv_stale: frozenset[str] = frozenset(), _flights: Any = _FACTORY, _gen: int = 0,
-        _by_id: list[NodeRecord] | None = None, _lists: Any = _FACTORY, _tokens: Any = _FACTORY,
+        self, fence_after: float = 3.0, nodes: Any = FACTORY, epoch: int = -1, split_reason: str = "",
+        kv_stale: frozenset[str] = frozenset(), _flights: Any = FACTORY, _gen: int = 0,
+        _by_id: list[NodeRecord] | None = None, _lists: Any = FACTORY, _tokens: Any = FACTORY,
         _usable_gen: int = -1,
     ) -> None:
         self.fence_after = fence_after
-        self.nodes = {} if nodes is _FACTORY else nodes
+        self.nodes = {} if nodes is FACTORY else nodes
         self.epoch = epoch
         self.split_reason = split_reason
         self.kv_stale = kv_stale
-        self._flights = {} if _flights is _FACTORY else _flights
+        self._flights = {} if _flights is FACTORY else _flights
         self._gen = _gen
         self._by_id = _by_id
-        self._lists = {} if _lists is _FACTORY else _lists
-        self._tokens = set() if _tokens is _FACTORY else _tokens
+        self._lists = {} if _lists is FACTORY else _lists
+        self._tokens = set() if _tokens is FACTORY else _tokens
         self._usable_gen = _usable_gen
         self.__post_init__()
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"fence_after={self.fence_after!r}, nodes={self.nodes!r}, epoch={self.epoch!r}, "
-            f"split_reason={self.split_reason!r}, kv_stale={self.kv_stale!r}, _flights={self._flights!r}, "
-            f"_gen={self._gen!r}, _by_id={self._by_id!r}, _lists={self._lists!r}, _tokens={self._tokens!r}, "
-            f"_usable_gen={self._usable_gen!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.fence_after, self.nodes, self.epoch, self.split_reason, self.kv_stale, self._flights,
-                self._gen, self._by_id, self._lists, self._tokens, self._usable_gen,
-            ) == (
-                other.fence_after, other.nodes, other.epoch, other.split_reason, other.kv_stale, other._flights,
-                other._gen, other._by_id, other._lists, other._tokens, other._usable_gen,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if not self.fence_after > 0:

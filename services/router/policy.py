@@ -40,19 +40,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from dataclasses import FrozenInstanceError, dataclass
-from reprlib import recursive_repr
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels
+from shared.values import FACTORY, FrozenValue, Value, set_field
 
 from services.router.nodes import NodeLoad
-
-_set = object.__setattr__
-"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
-
-_FACTORY: Any = object()
-"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 
 @dataclass(slots=True)
@@ -87,7 +81,7 @@ class RouteRequest:
         return len(self.block_hashes)
 
 
-class PrefillChoice:
+class PrefillChoice(Value):
     """A policy's prefill decision with the numbers behind it (for the route log).
 
     Attributes:
@@ -123,98 +117,37 @@ class PrefillChoice:
     estimates: Sequence[Any]
     fetch: tuple[FetchRange, ...]
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
-        "node", "path", "matched_blocks", "match_rate", "loads", "matches", "predicted_ttft_s", "estimates",
-        "fetch",
-    )
-    __match_args__ = (
-        "node", "path", "matched_blocks", "match_rate", "loads", "matches", "predicted_ttft_s", "estimates",
-        "fetch",
+    __slots__ = __match_args__ = (
+        "node", "path", "matched_blocks", "match_rate", "loads", "matches", "predicted_ttft_s", "estimates", "fetch",
     )
 
     def __init__(
-        self, node: str, path: str, matched_blocks: int = 0, match_rate: float = 0.0, loads: Any = _FACTORY,
-        matches: Any = _FACTORY, predicted_ttft_s: float | None = None, estimates: Sequence[Any] = (),
+        self, node: str, path: str, matched_blocks: int = 0, match_rate: float = 0.0, loads: Any = FACTORY,
+        matches: Any = FACTORY, predicted_ttft_s: float | None = None, estimates: Sequence[Any] = (),
         fetch: tuple[FetchRange, ...] = (),
     ) -> None:
         self.node = node
         self.path = path
         self.matched_blocks = matched_blocks
         self.match_rate = match_rate
-        self.loads = {} if loads is _FACTORY else loads
-        self.matches = {} if matches is _FACTORY else matches
+        self.loads = {} if loads is FACTORY else loads
+        self.matches = {} if matches is FACTORY else matches
         self.predicted_ttft_s = predicted_ttft_s
         self.estimates = estimates
         self.fetch = fetch
 
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"node={self.node!r}, path={self.path!r}, matched_blocks={self.matched_blocks!r}, "
-            f"match_rate={self.match_rate!r}, loads={self.loads!r}, matches={self.matches!r}, "
-            f"predicted_ttft_s={self.predicted_ttft_s!r}, estimates={self.estimates!r}, fetch={self.fetch!r})"
-        )
 
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.node, self.path, self.matched_blocks, self.match_rate, self.loads, self.matches,
-                self.predicted_ttft_s, self.estimates, self.fetch,
-            ) == (
-                other.node, other.path, other.matched_blocks, other.match_rate, other.loads, other.matches,
-                other.predicted_ttft_s, other.estimates, other.fetch,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-class DecodeChoice:
+class DecodeChoice(FrozenValue):
     """Decode binding: chosen node and the load each candidate had."""
 
     node: str
     loads: dict[str, int]
 
-    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("node", "loads")
-    __match_args__ = ("node", "loads")
+    __slots__ = __match_args__ = ("node", "loads")
 
-    def __init__(self, node: str, loads: Any = _FACTORY) -> None:
-        _set(self, "node", node)
-        _set(self, "loads", {} if loads is _FACTORY else loads)
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return f"{self.__class__.__qualname__}(node={self.node!r}, loads={self.loads!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.node, self.loads) == (other.node, other.loads)  # type: ignore[attr-defined]
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.node, self.loads))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if type(self) is DecodeChoice or name in ("node", "loads"):
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        super(DecodeChoice, self).__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if type(self) is DecodeChoice or name in ("node", "loads"):
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-        super(DecodeChoice, self).__delattr__(name)
-
-    def __getstate__(self) -> list[Any]:
-        return [self.node, self.loads]
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for name, value in zip(self.__slots__, state):
-            _set(self, name, value)
+    def __init__(self, node: str, loads: Any = FACTORY) -> None:
+        set_field(self, "node", node)
+        set_field(self, "loads", {} if loads is FACTORY else loads)
 
 
 def decode_load(n: NodeLoad) -> int:

@@ -89,28 +89,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import FrozenInstanceError
 from operator import itemgetter
-from reprlib import recursive_repr
 from typing import Any, NamedTuple, overload
 
 from shared.itermodel import DecodeModel, PrefillModel
 from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels, QueuedWork
 from shared.profile import Profile
+from shared.values import FrozenValue, Value, set_field
 
 from services.kvdirectory.lookup import fetch_ranges
 from services.router.nodes import NodeLoad
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy, decode_load
 
-_set = object.__setattr__
-"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
 
 # --------------------------------------------------------------------------- #
 # parameters
 # --------------------------------------------------------------------------- #
 
 
-class FetchModel:
+class FetchModel(FrozenValue):
     """τ(x): time to fetch ``x`` tokens of KV from peers (paper App. E.3).
 
     ``τ(x) = base_s + per_token_s·x`` for ``x ≥ min_tokens``; below
@@ -125,50 +122,13 @@ class FetchModel:
     per_token_s: float
     min_tokens: int
 
-    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("base_s", "per_token_s", "min_tokens")
-    __match_args__ = ("base_s", "per_token_s", "min_tokens")
+    __slots__ = __match_args__ = ("base_s", "per_token_s", "min_tokens")
 
     def __init__(self, base_s: float = 0.45, per_token_s: float = 1e-6, min_tokens: int = 512) -> None:
-        _set(self, "base_s", base_s)
-        _set(self, "per_token_s", per_token_s)
-        _set(self, "min_tokens", min_tokens)
+        set_field(self, "base_s", base_s)
+        set_field(self, "per_token_s", per_token_s)
+        set_field(self, "min_tokens", min_tokens)
         self.__post_init__()
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"base_s={self.base_s!r}, per_token_s={self.per_token_s!r}, min_tokens={self.min_tokens!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.base_s, self.per_token_s, self.min_tokens) == (
-                other.base_s, other.per_token_s, other.min_tokens
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.base_s, self.per_token_s, self.min_tokens))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if type(self) is FetchModel or name in ("base_s", "per_token_s", "min_tokens"):
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        super(FetchModel, self).__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if type(self) is FetchModel or name in ("base_s", "per_token_s", "min_tokens"):
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-        super(FetchModel, self).__delattr__(name)
-
-    def __getstate__(self) -> list[Any]:
-        return [self.base_s, self.per_token_s, self.min_tokens]
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for name, value in zip(self.__slots__, state):
-            _set(self, name, value)
 
     def __post_init__(self) -> None:
         if self.base_s < 0 or self.per_token_s < 0 or self.min_tokens < 0:
@@ -181,7 +141,7 @@ class FetchModel:
         return self.base_s + self.per_token_s * tokens
 
 
-class NodeCoefficients:
+class NodeCoefficients(FrozenValue):
     """Iteration-time models one node is predicted with.
 
     Attributes:
@@ -204,67 +164,18 @@ class NodeCoefficients:
     mean_chunk_tokens: float
     restored_share: float
 
-    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("prefill", "decode", "chunk_tokens", "source", "mean_chunk_tokens", "restored_share")
-    __match_args__ = ("prefill", "decode", "chunk_tokens", "source", "mean_chunk_tokens", "restored_share")
+    __slots__ = __match_args__ = ("prefill", "decode", "chunk_tokens", "source", "mean_chunk_tokens", "restored_share")
 
     def __init__(
         self, prefill: PrefillModel, decode: DecodeModel, chunk_tokens: int = 8192, source: str = "profile",
         mean_chunk_tokens: float = 0.0, restored_share: float = 0.0,
     ) -> None:
-        _set(self, "prefill", prefill)
-        _set(self, "decode", decode)
-        _set(self, "chunk_tokens", chunk_tokens)
-        _set(self, "source", source)
-        _set(self, "mean_chunk_tokens", mean_chunk_tokens)
-        _set(self, "restored_share", restored_share)
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"prefill={self.prefill!r}, decode={self.decode!r}, chunk_tokens={self.chunk_tokens!r}, "
-            f"source={self.source!r}, mean_chunk_tokens={self.mean_chunk_tokens!r}, "
-            f"restored_share={self.restored_share!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.prefill, self.decode, self.chunk_tokens, self.source, self.mean_chunk_tokens,
-                self.restored_share,
-            ) == (
-                other.prefill, other.decode, other.chunk_tokens, other.source, other.mean_chunk_tokens,
-                other.restored_share,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((
-            self.prefill, self.decode, self.chunk_tokens, self.source, self.mean_chunk_tokens,
-            self.restored_share,
-        ))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if type(self) is NodeCoefficients or name in ("prefill", "decode", "chunk_tokens", "source", "mean_chunk_tokens", "restored_share"):
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        super(NodeCoefficients, self).__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if type(self) is NodeCoefficients or name in ("prefill", "decode", "chunk_tokens", "source", "mean_chunk_tokens", "restored_share"):
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-        super(NodeCoefficients, self).__delattr__(name)
-
-    def __getstate__(self) -> list[Any]:
-        return [
-            self.prefill, self.decode, self.chunk_tokens, self.source, self.mean_chunk_tokens,
-            self.restored_share,
-        ]
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for name, value in zip(self.__slots__, state):
-            _set(self, name, value)
+        set_field(self, "prefill", prefill)
+        set_field(self, "decode", decode)
+        set_field(self, "chunk_tokens", chunk_tokens)
+        set_field(self, "source", source)
+        set_field(self, "mean_chunk_tokens", mean_chunk_tokens)
+        set_field(self, "restored_share", restored_share)
 
     @classmethod
     def from_profile(cls, profile: Profile, chunk_tokens: int = 0) -> NodeCoefficients:
@@ -543,30 +454,16 @@ class _QueueFold:
         return t_open, used, qk, rst
 
 
-class _Send:
+class _Send(Value):
     work: QueuedWork
     seen: bool
     """A state of the node listed this rid (it is in, or has left, the reported queue)."""
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("work", "seen")
-    __match_args__ = ("work", "seen")
+    __slots__ = __match_args__ = ("work", "seen")
 
     def __init__(self, work: QueuedWork, seen: bool = False) -> None:
         self.work = work
         self.seen = seen
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return f"{self.__class__.__qualname__}(work={self.work!r}, seen={self.seen!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.work, self.seen) == (other.work, other.seen)  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 class _NodeTrack:

@@ -18,15 +18,10 @@ each (O(k·n) when k fetches drain between two calls).
 
 from __future__ import annotations
 
-from dataclasses import FrozenInstanceError
 from collections.abc import Hashable
-from reprlib import recursive_repr
 
-_set = object.__setattr__
-"""How a frozen class's ``__init__`` sets its fields (as a frozen dataclass's does)."""
+from shared.values import FACTORY, FrozenValue, IdentityValue, set_field
 
-_FACTORY: Any = object()
-"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
 
 _EPS_BYTES = 1e-6
 """Remaining bytes at or below this count as drained (float round-off)."""
@@ -155,7 +150,7 @@ class FetchLink:
         return done
 
 
-class FetchState:
+class FetchState(IdentityValue):
     """The fetch of one queued request (scheduler-internal; one per request at most)."""
 
     lo: int
@@ -178,10 +173,9 @@ class FetchState:
     fetched when the transfer missed some, L2 had no room for all of them (other requests'
     held prefixes) or a broken hold lost some before admission."""
 
-    # what dataclass(slots=True, eq=False) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("lo", "hi", "started_at", "external", "sim_done_at", "missing", "skipped_at", "done_at", "used")
-    __match_args__ = ("lo", "hi", "started_at", "external", "sim_done_at", "missing", "skipped_at", "done_at", "used")
+    __slots__ = __match_args__ = (
+        "lo", "hi", "started_at", "external", "sim_done_at", "missing", "skipped_at", "done_at", "used",
+    )
 
     def __init__(
         self, lo: int, hi: int, started_at: float, external: bool = False, sim_done_at: float | None = None,
@@ -198,15 +192,6 @@ class FetchState:
         self.done_at = done_at
         self.used = used
 
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"lo={self.lo!r}, hi={self.hi!r}, started_at={self.started_at!r}, external={self.external!r}, "
-            f"sim_done_at={self.sim_done_at!r}, missing={self.missing!r}, skipped_at={self.skipped_at!r}, "
-            f"done_at={self.done_at!r}, used={self.used!r})"
-        )
-
     @property
     def fetch_s(self) -> float | None:
         """Start → completion (s), None while fetching."""
@@ -220,7 +205,7 @@ class FetchState:
         return 0.0 if self.skipped_at is None else max(0.0, self.done_at - self.skipped_at)
 
 
-class FetchStarted:
+class FetchStarted(FrozenValue):
     """A fetch the scheduler started (real-bytes mode: the shell moves the bytes).
 
     The scheduler's simulated completion waits for :meth:`EngineScheduler.fetch_done`
@@ -234,46 +219,12 @@ class FetchStarted:
     at: float
     """Simulated time the fetch started (the request's arrival on the node)."""
 
-    # what dataclass(slots=True, frozen=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("rid", "sources", "at")
-    __match_args__ = ("rid", "sources", "at")
+    __slots__ = __match_args__ = ("rid", "sources", "at")
 
-    def __init__(self, rid: str, sources: Any = _FACTORY, at: float = 0.0) -> None:
-        _set(self, "rid", rid)
-        _set(self, "sources", [] if sources is _FACTORY else sources)
-        _set(self, "at", at)
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return f"{self.__class__.__qualname__}(rid={self.rid!r}, sources={self.sources!r}, at={self.at!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.rid, self.sources, self.at) == (
-                other.rid, other.sources, other.at
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.rid, self.sources, self.at))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if type(self) is FetchStarted or name in ("rid", "sources", "at"):
-            raise FrozenInstanceError(f"cannot assign to field {name!r}")
-        super(FetchStarted, self).__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if type(self) is FetchStarted or name in ("rid", "sources", "at"):
-            raise FrozenInstanceError(f"cannot delete field {name!r}")
-        super(FetchStarted, self).__delattr__(name)
-
-    def __getstate__(self) -> list[Any]:
-        return [self.rid, self.sources, self.at]
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for name, value in zip(self.__slots__, state):
-            _set(self, name, value)
+    def __init__(self, rid: str, sources: Any = FACTORY, at: float = 0.0) -> None:
+        set_field(self, "rid", rid)
+        set_field(self, "sources", [] if sources is FACTORY else sources)
+        set_field(self, "at", at)
 
 
 __all__ = ["FetchLink", "FetchStarted", "FetchState"]

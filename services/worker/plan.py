@@ -1,22 +1,17 @@
 """Plan and output types of the engine scheduler (internal, not wire messages).
 
 Contains zero I/O. Slotted classes with a comment per field, as vLLM's
-``SchedulerOutput`` (STYLE §1.3), written out: what ``dataclass(slots=True)`` would
-generate (``__init__``, ``__repr__``, ``__eq__``, ``__match_args__``, unhashable), without
-its class creation at import (~3M instructions per class: it compiles each method from
-source and builds the class twice; cachegrind). Times are simulated seconds, counts
-are tokens unless a field says blocks.
+``SchedulerOutput`` (STYLE §1.3): :class:`shared.values.Value` subclasses, what
+``dataclass(slots=True)`` would generate without its class creation at import. Times are
+simulated seconds, counts are tokens unless a field says blocks.
 """
 
 from __future__ import annotations
 
-from reprlib import recursive_repr
 from typing import Any
 
 from shared.messages import DecodeWork
-
-_FACTORY: Any = object()
-"""Default of a field made per instance (a new list or dict): the ``__init__`` makes one when none is passed."""
+from shared.values import FACTORY, Value
 
 
 class WorkRejected(ValueError):
@@ -37,7 +32,7 @@ class SchedulerError(RuntimeError):
     """The caller misused the scheduler (e.g. ``schedule()`` while a plan is in flight)."""
 
 
-class PrefillChunk:
+class PrefillChunk(Value):
     """One request's share of the prefill part of an iteration."""
 
     rid: str
@@ -50,10 +45,7 @@ class PrefillChunk:
     completes: bool
     """True if this chunk finishes the prompt; the iteration then produces the first output token."""
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("rid", "tokens", "cached_before", "restored", "completes")
-    __match_args__ = ("rid", "tokens", "cached_before", "restored", "completes")
+    __slots__ = __match_args__ = ("rid", "tokens", "cached_before", "restored", "completes")
 
     def __init__(self, rid: str, tokens: int, cached_before: int, restored: int, completes: bool) -> None:
         self.rid = rid
@@ -62,25 +54,8 @@ class PrefillChunk:
         self.restored = restored
         self.completes = completes
 
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"rid={self.rid!r}, tokens={self.tokens!r}, cached_before={self.cached_before!r}, "
-            f"restored={self.restored!r}, completes={self.completes!r})"
-        )
 
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.rid, self.tokens, self.cached_before, self.restored, self.completes) == (
-                other.rid, other.tokens, other.cached_before, other.restored, other.completes,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-class IterationPlan:
+class IterationPlan(Value):
     """What the node computes from ``start`` to ``end``: ``iterations`` identical
     iterations of ``iteration_s`` each (more than one only for a skip-ahead
     pure-decode plan)."""
@@ -116,21 +91,16 @@ class IterationPlan:
     A caller that binds the decode node at prefill start (paper Eq. 7, DESIGN §4) binds
     these with ``EngineScheduler.bind_decode`` before the plan finishes."""
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
-        "start", "iterations", "iteration_s", "end", "prefill", "decode", "prefill_s", "decode_s",
-        "sum_uncached", "sum_qk_pairs", "sum_restored", "sum_cached", "reqs", "admitted",
+    __slots__ = __match_args__ = (
+        "start", "iterations", "iteration_s", "end", "prefill", "decode", "prefill_s", "decode_s", "sum_uncached",
+        "sum_qk_pairs", "sum_restored", "sum_cached", "reqs", "admitted",
     )
-    __match_args__ = (
-        "start", "iterations", "iteration_s", "end", "prefill", "decode", "prefill_s", "decode_s",
-        "sum_uncached", "sum_qk_pairs", "sum_restored", "sum_cached", "reqs", "admitted",
-    )
+    _repr_skip = ("reqs",)  # scheduler-internal request objects (a dataclass's field(repr=False))
 
     def __init__(
         self, start: float, iterations: int, iteration_s: float, end: float, prefill: list[PrefillChunk],
         decode: list[str], prefill_s: float, decode_s: float, sum_uncached: int, sum_qk_pairs: int,
-        sum_restored: int, sum_cached: int, reqs: Any = _FACTORY, admitted: Any = _FACTORY,
+        sum_restored: int, sum_cached: int, reqs: Any = FACTORY, admitted: Any = FACTORY,
     ) -> None:
         self.start = start
         self.iterations = iterations
@@ -144,34 +114,8 @@ class IterationPlan:
         self.sum_qk_pairs = sum_qk_pairs
         self.sum_restored = sum_restored
         self.sum_cached = sum_cached
-        self.reqs = [] if reqs is _FACTORY else reqs
-        self.admitted = [] if admitted is _FACTORY else admitted
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"start={self.start!r}, iterations={self.iterations!r}, iteration_s={self.iteration_s!r}, "
-            f"end={self.end!r}, prefill={self.prefill!r}, decode={self.decode!r}, prefill_s={self.prefill_s!r}, "
-            f"decode_s={self.decode_s!r}, sum_uncached={self.sum_uncached!r}, "
-            f"sum_qk_pairs={self.sum_qk_pairs!r}, sum_restored={self.sum_restored!r}, "
-            f"sum_cached={self.sum_cached!r}, admitted={self.admitted!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.start, self.iterations, self.iteration_s, self.end, self.prefill, self.decode,
-                self.prefill_s, self.decode_s, self.sum_uncached, self.sum_qk_pairs, self.sum_restored,
-                self.sum_cached, self.reqs, self.admitted,
-            ) == (
-                other.start, other.iterations, other.iteration_s, other.end, other.prefill, other.decode,
-                other.prefill_s, other.decode_s, other.sum_uncached, other.sum_qk_pairs, other.sum_restored,
-                other.sum_cached, other.reqs, other.admitted,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
+        self.reqs = [] if reqs is FACTORY else reqs
+        self.admitted = [] if admitted is FACTORY else admitted
 
     @property
     def phase(self) -> str:
@@ -186,7 +130,7 @@ class IterationPlan:
         return self.end - self.start
 
 
-class TokensOut:
+class TokensOut(Value):
     """Output tokens of one request produced by a plan."""
 
     rid: str
@@ -217,13 +161,7 @@ class TokensOut:
     still there when the request started (restored into L1, so part of ``cached_tokens``);
     pages fetched but not stored, or lost before admission, are not counted."""
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
-        "rid", "index", "count", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "at", "queue_s",
-        "fetch_s", "exposed_fetch_s", "fetched_tokens",
-    )
-    __match_args__ = (
+    __slots__ = __match_args__ = (
         "rid", "index", "count", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "at", "queue_s",
         "fetch_s", "exposed_fetch_s", "fetched_tokens",
     )
@@ -246,34 +184,8 @@ class TokensOut:
         self.exposed_fetch_s = exposed_fetch_s
         self.fetched_tokens = fetched_tokens
 
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"rid={self.rid!r}, index={self.index!r}, count={self.count!r}, finished={self.finished!r}, "
-            f"finish_reason={self.finish_reason!r}, prompt_tokens={self.prompt_tokens!r}, "
-            f"cached_tokens={self.cached_tokens!r}, at={self.at!r}, queue_s={self.queue_s!r}, "
-            f"fetch_s={self.fetch_s!r}, exposed_fetch_s={self.exposed_fetch_s!r}, "
-            f"fetched_tokens={self.fetched_tokens!r})"
-        )
 
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (
-                self.rid, self.index, self.count, self.finished, self.finish_reason, self.prompt_tokens,
-                self.cached_tokens, self.at, self.queue_s, self.fetch_s, self.exposed_fetch_s,
-                self.fetched_tokens,
-            ) == (
-                other.rid, other.index, other.count, other.finished, other.finish_reason, other.prompt_tokens,
-                other.cached_tokens, other.at, other.queue_s, other.fetch_s, other.exposed_fetch_s,
-                other.fetched_tokens,
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-class HandOff:
+class HandOff(Value):
     """Prefill done on this node; decode continues on ``decode_node`` (PD disaggregation)."""
 
     rid: str
@@ -282,32 +194,13 @@ class HandOff:
     """What to publish on ``work.<decode_node>.decode`` (kv_ready_at set)."""
     at: float
 
-    # what dataclass(slots=True) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = ("rid", "decode_node", "work", "at")
-    __match_args__ = ("rid", "decode_node", "work", "at")
+    __slots__ = __match_args__ = ("rid", "decode_node", "work", "at")
 
     def __init__(self, rid: str, decode_node: str, work: DecodeWork, at: float) -> None:
         self.rid = rid
         self.decode_node = decode_node
         self.work = work
         self.at = at
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"rid={self.rid!r}, decode_node={self.decode_node!r}, work={self.work!r}, at={self.at!r})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is self.__class__:
-            return (self.rid, self.decode_node, self.work, self.at) == (
-                other.rid, other.decode_node, other.work, other.at
-            )  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 OutputEvent = TokensOut | HandOff

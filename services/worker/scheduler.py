@@ -44,10 +44,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from reprlib import recursive_repr
 
 from shared.messages import DecodeWork, IterationRecord, KvEvent, NodeState, Phase, PrefillWork, QueuedWork
 from shared.profile import Profile
+from shared.values import IdentityValue
 from services.worker.blocks import KvBlockManager
 from services.worker.fetch import FetchLink, FetchStarted, FetchState
 from services.worker.plan import HandOff, IterationPlan, OutputEvent, PrefillChunk, SchedulerError, TokensOut, WorkRejected
@@ -72,7 +72,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class _Request:
+class _Request(IdentityValue):
     rid: str
     prompt_tokens: int
     max_tokens: int
@@ -118,14 +118,7 @@ class _Request:
     is admitted or leaves (``KvBlockManager.hold``; the pool keeps this very list as the hold,
     so it is never changed and its unhold is O(1)); None when it holds nothing."""
 
-    # what dataclass(slots=True, eq=False) would generate, written out: no class creation at import
-    # (~3M instructions per class; see services/worker/plan.py)
-    __slots__ = (
-        "rid", "prompt_tokens", "max_tokens", "path", "state", "arrived_at", "footprint", "limit", "handoff_to",
-        "prefill_work", "cached", "restored", "computed", "held", "reserved", "generated", "acc", "ready_at",
-        "admitted_at", "q_gpu", "q_host", "awaiting_handoff", "fetch", "seq", "l2_hold",
-    )
-    __match_args__ = (
+    __slots__ = __match_args__ = (
         "rid", "prompt_tokens", "max_tokens", "path", "state", "arrived_at", "footprint", "limit", "handoff_to",
         "prefill_work", "cached", "restored", "computed", "held", "reserved", "generated", "acc", "ready_at",
         "admitted_at", "q_gpu", "q_host", "awaiting_handoff", "fetch", "seq", "l2_hold",
@@ -164,21 +157,6 @@ class _Request:
         self.fetch = fetch
         self.seq = seq
         self.l2_hold = l2_hold
-
-    @recursive_repr()
-    def __repr__(self) -> str:
-        return (
-            f"{self.__class__.__qualname__}("
-            f"rid={self.rid!r}, prompt_tokens={self.prompt_tokens!r}, max_tokens={self.max_tokens!r}, "
-            f"path={self.path!r}, state={self.state!r}, arrived_at={self.arrived_at!r}, "
-            f"footprint={self.footprint!r}, limit={self.limit!r}, handoff_to={self.handoff_to!r}, "
-            f"prefill_work={self.prefill_work!r}, cached={self.cached!r}, restored={self.restored!r}, "
-            f"computed={self.computed!r}, held={self.held!r}, reserved={self.reserved!r}, "
-            f"generated={self.generated!r}, acc={self.acc!r}, ready_at={self.ready_at!r}, "
-            f"admitted_at={self.admitted_at!r}, q_gpu={self.q_gpu!r}, q_host={self.q_host!r}, "
-            f"awaiting_handoff={self.awaiting_handoff!r}, fetch={self.fetch!r}, seq={self.seq!r}, "
-            f"l2_hold={self.l2_hold!r})"
-        )
 
 
 class EngineScheduler:

@@ -1,0 +1,196 @@
+"""Every :class:`shared.values.Value` subclass behaves as the dataclass made from its fields.
+
+The value classes of the worker, router, planner and simulator are written out (no
+dataclass creation at import, see shared/values.py); their ``__repr__``/``__eq__``/hash/
+frozenness/pickling come from the bases, driven by ``__match_args__``. This checks each
+against ``dataclasses.make_dataclass`` built from the same fields (names from
+``__match_args__``, defaults from the hand-written ``__init__``, frozen = a
+:class:`FrozenValue`, ``eq=False`` = an :class:`IdentityValue`), so a field added to
+``__init__`` and not to ``__match_args__`` / ``__slots__`` fails here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import inspect
+import pickle
+
+import pytest
+
+from shared.values import FACTORY, FrozenValue, IdentityValue, Value
+
+MODULES = (
+    "evolving_infra.policy_args",
+    "evolving_infra.sim.cluster",
+    "evolving_infra.sim.config",
+    "evolving_infra.sim.run",
+    "evolving_infra.traces.compact",
+    "evolving_infra.traces.io",
+    "services.planner.fit",
+    "services.planner.observe",
+    "services.planner.policy",
+    "services.planner.throughput",
+    "services.router.core",
+    "services.router.metrics",
+    "services.router.nodes",
+    "services.router.policy",
+    "services.router.ttft",
+    "services.worker.fetch",
+    "services.worker.plan",
+    "services.worker.scheduler",
+)
+"""The modules that define value classes (imported before the subclasses are walked)."""
+
+BASES = (Value, FrozenValue, IdentityValue)
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_subclasses(sub))
+    return out
+
+
+def _value_classes() -> list[type]:
+    for name in MODULES:
+        importlib.import_module(name)
+    found = {c for c in _subclasses(Value) if c not in BASES}
+    return sorted(found, key=lambda c: (c.__module__, c.__qualname__))
+
+
+CLASSES = _value_classes()
+
+
+def _params(cls: type) -> list[inspect.Parameter]:
+    return list(inspect.signature(cls.__init__).parameters.values())[1:]
+
+
+def _reference(cls: type) -> type:
+    """The dataclass ``cls`` stands for: its ``__match_args__`` as fields, with the
+    defaults of its ``__init__`` (``FACTORY``: a ``default_factory``)."""
+    defaults = {p.name: p.default for p in _params(cls)}
+    fields = []
+    for name in cls.__match_args__:
+        opts = {"repr": name not in cls._repr_skip, "compare": name not in cls._compare_skip}
+        default = defaults.get(name, inspect.Parameter.empty)
+        if default is FACTORY:
+            opts["default_factory"] = list
+        elif default is not inspect.Parameter.empty:
+            opts["default"] = default
+        fields.append((name, object, dataclasses.field(**opts)))
+    return dataclasses.make_dataclass(
+        cls.__qualname__, fields, slots=True, frozen=issubclass(cls, FrozenValue),
+        eq=not issubclass(cls, IdentityValue),
+    )
+
+
+def _sample(cls: type, bump: str | None = None) -> dict[str, object]:
+    """Keyword arguments for every field: its default where it has a plain one, else a
+    string naming the field; ``bump`` gets another value."""
+    kw: dict[str, object] = {}
+    for i, p in enumerate(_params(cls)):
+        value = p.default
+        if value is inspect.Parameter.empty or value is FACTORY:
+            value = f"{p.name}#{i}"
+        if p.name == bump:
+            if isinstance(value, bool):
+                value = not value
+            elif isinstance(value, (int, float)):
+                value = value + 1
+            else:
+                value = f"{p.name}-other"
+        kw[p.name] = value
+    return kw
+
+
+def test_the_walk_finds_the_value_classes():
+    names = {c.__qualname__ for c in CLASSES}
+    assert {"IterationPlan", "FetchModel", "NodeLoadView", "SimStats", "LivePolicy", "_Request"} <= names
+    assert len(CLASSES) >= 37
+    assert any(issubclass(c, FrozenValue) for c in CLASSES) and any(issubclass(c, IdentityValue) for c in CLASSES)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: f"{c.__module__}.{c.__qualname__}")
+def test_value_class_behaves_as_its_dataclass(cls):
+    fields = cls.__match_args__
+    # fields: __init__ takes exactly __match_args__, in order; __slots__ hold the same names
+    params = _params(cls)
+    assert [p.name for p in params] == list(fields)
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+    assert set(cls.__slots__) == set(fields) and len(cls.__slots__) == len(fields)
+    assert set(cls._repr_skip) <= set(fields) and set(cls._compare_skip) <= set(fields)
+    ref = _reference(cls)  # raises on a field without a default after one with a default
+    assert ref.__match_args__ == fields
+
+    kw = _sample(cls)
+    a, b, r = cls(**kw), cls(**kw), ref(**kw)
+    assert not hasattr(a, "__dict__")
+    assert [getattr(a, f) for f in fields] == [kw[f] for f in fields]
+    assert repr(a) == repr(r)
+
+    # a field made per instance (FACTORY default) is a new object each time (or an immutable one)
+    required = {p.name: kw[p.name] for p in params if p.default is inspect.Parameter.empty}
+    for p in params:
+        if p.default is FACTORY:
+            x, y = getattr(cls(**required), p.name), getattr(cls(**required), p.name)
+            assert x == y and (x is not y or isinstance(x, (tuple, frozenset)))
+
+    # equality and hash
+    if issubclass(cls, IdentityValue):
+        assert a == a and a != b and hash(a) == object.__hash__(a)
+    else:
+        assert a == b and not (a != b) and (a == b) == (r == ref(**kw))
+        assert a.__eq__(r) is NotImplemented and a != r
+        for f in fields:
+            other_a, other_r = cls(**_sample(cls, bump=f)), ref(**_sample(cls, bump=f))
+            assert (a == other_a) == (r == other_r) == (f in cls._compare_skip), f
+        if issubclass(cls, FrozenValue):
+            assert hash(a) == hash(b) == hash(r)
+        else:
+            assert cls.__hash__ is None and ref.__hash__ is None
+            with pytest.raises(TypeError):
+                hash(a)
+
+    # frozen: no assignment or deletion
+    f = fields[0]
+    if issubclass(cls, FrozenValue):
+        for name in (f, "not_a_field"):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(a, name, 1)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                delattr(a, name)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(r, f, 1)
+    else:
+        setattr(b, f, kw[f])
+        with pytest.raises(AttributeError):
+            b.not_a_field = 1  # type: ignore[attr-defined]
+
+    # pickle and copy keep the class and every field
+    for c in (pickle.loads(pickle.dumps(a)), copy.copy(a), copy.deepcopy(a)):
+        assert type(c) is cls and c is not a
+        assert [getattr(c, f) for f in fields] == [getattr(a, f) for f in fields]
+        assert repr(c) == repr(a)
+        if not issubclass(cls, IdentityValue):
+            assert c == a
+
+
+def test_repr_is_recursion_safe():
+    from services.worker.plan import HandOff
+
+    h = HandOff("r1", "w1", None, 0.5)  # type: ignore[arg-type]
+    h.work = h  # type: ignore[assignment]
+    assert repr(h) == "HandOff(rid='r1', decode_node='w1', work=..., at=0.5)"
+
+
+def test_match_by_position():
+    from services.router.ttft import FetchModel
+
+    match FetchModel(0.1, 2e-6, 64):
+        case FetchModel(base, per_token, min_tokens):
+            assert (base, per_token, min_tokens) == (0.1, 2e-6, 64)
+        case _:
+            pytest.fail("no match")
