@@ -385,7 +385,7 @@ class EvolvingPlanner(PolicyBase):
                 errors.append(f.fit_error)
         self.frozen = True
         for s in self.samples.values():
-            s.rows = []  # frozen: the samples are no longer needed
+            s.clear()  # frozen: the samples are no longer needed
         return {
             "nodes_fitted": float(sum(1 for f in fits.values() if f.prefill is not None and f.decode is not None)),
             "fit_error_mean": float(np.mean(errors)) if errors else math.nan,

@@ -72,24 +72,26 @@ class FitSamples:
         ValueError: if ``cap`` < 1.
     """
 
-    __slots__ = ("cap", "rows", "seen", "_rng")
+    __slots__ = ("cap", "kept", "seen", "_rng")
 
     def __init__(self, cap: int = 50_000, seed: int = 0) -> None:
         if cap < 1:
             raise ValueError(f"cap must be >= 1, got {cap}")
         self.cap = cap
-        self.rows: list[tuple[int, float, float, float, float, float, float]] = []
-        """(phase code, Σt_uc, ΣA, Σt_rst, B, duration s, repeat)."""
+        self.kept: list[IterationRecord] = []
+        """The sampled records themselves (positive duration), in reservoir order: :attr:`rows`
+        is made from them when read (once per fit), not per record added."""
         self.seen = 0
         self._rng = random.Random(seed)
 
-    def add(self, records: Iterable[IterationRecord]) -> None:
-        """Add records; those with a zero duration carry no information and are skipped. O(1) each."""
-        for r in records:
-            if r.duration_s <= 0.0:
-                continue
-            row = (
-                _PHASE_CODE[r.phase],
+    @property
+    def rows(self) -> list[tuple[int, float, float, float, float, float, float]]:
+        """(phase code, Σt_uc, ΣA, Σt_rst, B, duration s, repeat) of each kept record, in
+        reservoir order (a new list per read). O(kept)."""
+        code = _PHASE_CODE
+        return [
+            (
+                code[r.phase],
                 float(r.sum_uncached),
                 float(r.sum_qk_pairs),
                 float(r.sum_restored),
@@ -97,16 +99,31 @@ class FitSamples:
                 float(r.duration_s),
                 float(r.repeat),
             )
+            for r in self.kept
+        ]
+
+    def add(self, records: Iterable[IterationRecord]) -> None:
+        """Add records; those with a zero duration carry no information and are skipped. O(1) each
+        (the record is kept as it is: a frozen message, shared with the caller)."""
+        kept = self.kept
+        cap = self.cap
+        for r in records:
+            if r.duration_s <= 0.0:
+                continue
             self.seen += 1
-            if len(self.rows) < self.cap:
-                self.rows.append(row)
+            if len(kept) < cap:
+                kept.append(r)
             else:
                 j = self._rng.randrange(self.seen)
-                if j < self.cap:
-                    self.rows[j] = row
+                if j < cap:
+                    kept[j] = r
+
+    def clear(self) -> None:
+        """Drop the kept records (``seen`` stays)."""
+        self.kept = []
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.kept)
 
 
 class NodeFit(Value):
@@ -211,7 +228,7 @@ def fit_node(
         s = FitSamples(cap=max(1, len(samples)))
         s.add(samples)
         samples = s
-    if not samples.rows:
+    if not samples.kept:
         return NodeFit(None, None, 0, 0, 0.0, "none")
     rows = np.asarray(samples.rows, dtype=float)
     phase = rows[:, 0]
@@ -288,7 +305,7 @@ def predict(records: Sequence[IterationRecord], prefill: PrefillModel, decode: D
     """Model duration (s) of each record, with the same mixed-record rule as the ``sim`` engine."""
     s = FitSamples(cap=max(1, len(records)))
     s.add(records)
-    if not s.rows:
+    if not s.kept:
         return np.zeros(0)
     coef = np.array([prefill.c0, prefill.c1, prefill.c2, prefill.c3, decode.d0, decode.d1, decode.d2])
     return _predict(np.asarray(s.rows, dtype=float), coef, decode)

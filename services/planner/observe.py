@@ -36,6 +36,10 @@ from shared.values import FACTORY, Value
 if TYPE_CHECKING:
     from services.planner.policy import RequestDone
 
+_SETTLE_AT = 1 << 16
+"""Pending iteration records (:meth:`Observer.on_iterations`) that are settled at once, whoever reads
+next: bounds what a long run without queries holds (~64 B a record besides the record)."""
+
 
 class Bucket(Value):
     """Sums of one grid bucket ``[origin + k·size, origin + (k+1)·size)``."""
@@ -181,6 +185,8 @@ class Observer:
         """Prefill queue length, cluster-wide, per the latest states."""
         self._t: float | None = None
         self._newest = -(10**9)
+        self._pending: list[tuple[Bucket, str, IterationRecord]] = []
+        """Iteration records whose sums are not yet in their bucket (:meth:`on_iterations`)."""
 
     # -- grid -------------------------------------------------------------- #
 
@@ -268,17 +274,34 @@ class Observer:
             self.bucket(k_first).n_first += 1
 
     def on_iterations(self, node: str, records: Iterable[IterationRecord], now: float) -> None:
-        """Account iteration records by their start time. O(records): :meth:`index` and, for a
-        bucket that exists (all but one record per bucket), :meth:`bucket` inline."""
+        """Account iteration records by their start time. O(records).
+
+        A record's bucket is found (made, as :meth:`bucket` makes it) now, but its sums are
+        added to that bucket later, by :meth:`_settle`, before anything reads them (the
+        t̄_n / f_n / TPOT queries): a planner that reads none before the run ends (a warm-up
+        longer than the run) never adds them. The same bucket objects get the same sums in the
+        same order: the queries see what adding at once gives."""
         buckets = self.buckets
         origin = self.origin
         size = self.bucket_s
         floor = math.floor
+        pending = self._pending
         for r in records:
             k = floor((r.start - origin) / size + 1e-9)
             b = buckets.get(k)
             if b is None:
                 b = self.bucket(k)
+            pending.append((b, node, r))
+        if len(pending) >= _SETTLE_AT:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Add the pending iteration records' sums to their buckets, in arrival order. O(pending)."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        for b, node, r in pending:
             if r.phase != "decode":
                 b.prefill_iters[node] = b.prefill_iters.get(node, 0) + 1
                 b.prefill_uncached[node] = b.prefill_uncached.get(node, 0.0) + r.sum_uncached
@@ -336,6 +359,7 @@ class Observer:
 
     def mean_chunk_tokens(self, node: str, k0: int, k1: int) -> float | None:
         """t̄_n: mean uncached tokens per prefill iteration of ``node`` over ``[k0, k1)``, or None."""
+        self._settle()
         bs = self._range(k0, k1)
         it = sum(b.prefill_iters.get(node, 0) for b in bs)
         if it == 0:
@@ -344,6 +368,7 @@ class Observer:
 
     def restored_share(self, node: str, k0: int, k1: int) -> float | None:
         """f_n: tokens ``node`` restored from host / cached tokens of the requests it prefilled, or None."""
+        self._settle()
         bs = self._range(k0, k1)
         cached = sum(b.cached_by_node.get(node, 0.0) for b in bs)
         if cached <= 0:
@@ -352,6 +377,7 @@ class Observer:
 
     def tpot(self, node: str, k0: int, k1: int, accepted_per_iteration: float) -> float | None:
         """Mean time per output token on ``node`` over ``[k0, k1)``: mean decode iteration / t_acc, or None."""
+        self._settle()
         bs = self._range(k0, k1)
         it = sum(b.decode_iters.get(node, 0.0) for b in bs)
         if it <= 0:
