@@ -23,34 +23,47 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from evolving_infra.traces.schema import TraceRequest
+from shared.values import FACTORY, FrozenValue, Value, set_field
 
 
 class ReplayError(ValueError):
     """The trace cannot be replayed as given (e.g. an unknown dependency)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Arrival:
+class Arrival(FrozenValue):
     """How agents enter the system."""
 
-    kind: Literal["closed", "open", "trace"] = "closed"
-    concurrency: int = 16
+    kind: Literal["closed", "open", "trace"]
+    concurrency: int
     """closed: agents running at once."""
-    rate_per_min: float = 10.0
+    rate_per_min: float
     """open: mean agent arrivals per minute."""
-    cap: int = 0
+    cap: int
     """open: admission cap (agents running at once); 0 = unlimited."""
-    seed: int = 0
-    order: Literal["trace", "shuffled"] = "trace"
+    seed: int
+    order: Literal["trace", "shuffled"]
     """closed / open: the order in which the input's agents enter — as in the trace, or a
     permutation drawn from ``seed`` (a different sample of sessions for the same
     concurrency, to measure run-to-run spread)."""
+
+    __slots__ = __match_args__ = ("kind", "concurrency", "rate_per_min", "cap", "seed", "order")
+
+    def __init__(
+        self, kind: Literal["closed", "open", "trace"] = "closed", concurrency: int = 16, rate_per_min: float = 10.0,
+        cap: int = 0, seed: int = 0, order: Literal["trace", "shuffled"] = "trace",
+    ) -> None:
+        set_field(self, "kind", kind)
+        set_field(self, "concurrency", concurrency)
+        set_field(self, "rate_per_min", rate_per_min)
+        set_field(self, "cap", cap)
+        set_field(self, "seed", seed)
+        set_field(self, "order", order)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if self.order not in ("trace", "shuffled"):
@@ -63,39 +76,72 @@ class Arrival:
             raise ReplayError("admission cap must be >= 0")
 
 
-@dataclass(frozen=True, slots=True)
-class SendRequest:
+class SendRequest(FrozenValue):
     """Send ``req`` now; ``admission_wait_s`` > 0 only on an agent's first request."""
 
     req: TraceRequest
     due_at: float
     """Simulated time the request became due (the send should happen then)."""
     new_branch: bool
-    admission_wait_s: float = 0.0
+    admission_wait_s: float
+
+    __slots__ = __match_args__ = ("req", "due_at", "new_branch", "admission_wait_s")
+
+    def __init__(self, req: TraceRequest, due_at: float, new_branch: bool, admission_wait_s: float = 0.0) -> None:
+        set_field(self, "req", req)
+        set_field(self, "due_at", due_at)
+        set_field(self, "new_branch", new_branch)
+        set_field(self, "admission_wait_s", admission_wait_s)
 
 
-@dataclass(frozen=True, slots=True)
-class EndBranch:
+class EndBranch(FrozenValue):
     branch: str
     due_at: float
+
+    __slots__ = __match_args__ = ("branch", "due_at")
+
+    def __init__(self, branch: str, due_at: float) -> None:
+        set_field(self, "branch", branch)
+        set_field(self, "due_at", due_at)
 
 
 Action = SendRequest | EndBranch
 
 
-@dataclass(slots=True)
-class _Agent:
+class _Agent(Value):
     agent_id: str
     requests: list[TraceRequest]
-    arrived_at: float = 0.0
-    started_at: float | None = None
-    pending: int = 0
-    remaining_deps: dict[str, int] = field(default_factory=dict)
-    last_dep_done: dict[str, float] = field(default_factory=dict)
-    dependents: dict[str, list[str]] = field(default_factory=dict)
-    by_id: dict[str, TraceRequest] = field(default_factory=dict)
-    seen_branches: set[str] = field(default_factory=set)
-    first_sent: bool = False
+    arrived_at: float
+    started_at: float | None
+    pending: int
+    remaining_deps: dict[str, int]
+    last_dep_done: dict[str, float]
+    dependents: dict[str, list[str]]
+    by_id: dict[str, TraceRequest]
+    seen_branches: set[str]
+    first_sent: bool
+
+    __slots__ = __match_args__ = (
+        "agent_id", "requests", "arrived_at", "started_at", "pending", "remaining_deps", "last_dep_done", "dependents",
+        "by_id", "seen_branches", "first_sent",
+    )
+
+    def __init__(
+        self, agent_id: str, requests: list[TraceRequest], arrived_at: float = 0.0, started_at: float | None = None,
+        pending: int = 0, remaining_deps: Any = FACTORY, last_dep_done: Any = FACTORY, dependents: Any = FACTORY,
+        by_id: Any = FACTORY, seen_branches: Any = FACTORY, first_sent: bool = False,
+    ) -> None:
+        self.agent_id = agent_id
+        self.requests = requests
+        self.arrived_at = arrived_at
+        self.started_at = started_at
+        self.pending = pending
+        self.remaining_deps = {} if remaining_deps is FACTORY else remaining_deps
+        self.last_dep_done = {} if last_dep_done is FACTORY else last_dep_done
+        self.dependents = {} if dependents is FACTORY else dependents
+        self.by_id = {} if by_id is FACTORY else by_id
+        self.seen_branches = set() if seen_branches is FACTORY else seen_branches
+        self.first_sent = first_sent
 
 
 class ReplayCore:

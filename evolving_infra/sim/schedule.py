@@ -24,15 +24,14 @@ is the ``ReplayCore`` one.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from evolving_infra.replay.core import Action, Arrival, ReplayCore, ReplayError
 from evolving_infra.traces.schema import TraceRequest
+from shared.values import FrozenValue, set_field
 
 
-@dataclass(frozen=True, slots=True)
-class Window:
+class Window(FrozenValue):
     """One closed-loop pool: agents whose id starts with ``prefix`` run ``concurrency`` at a
     time from ``start_s``; none is started at or after ``end_s``."""
 
@@ -41,14 +40,27 @@ class Window:
     end_s: float
     concurrency: int
 
+    __slots__ = __match_args__ = ("prefix", "start_s", "end_s", "concurrency")
 
-@dataclass(frozen=True, slots=True)
-class ScheduleArrival:
+    def __init__(self, prefix: str, start_s: float, end_s: float, concurrency: int) -> None:
+        set_field(self, "prefix", prefix)
+        set_field(self, "start_s", start_s)
+        set_field(self, "end_s", end_s)
+        set_field(self, "concurrency", concurrency)
+
+
+class ScheduleArrival(FrozenValue):
     """The ``arrival`` a :class:`ScheduledReplay` reports (not ``closed``: the closed-loop
     exhaustion check of the simulator does not apply to a schedule)."""
 
-    kind: str = "schedule"
-    concurrency: int = 0
+    kind: str
+    concurrency: int
+
+    __slots__ = __match_args__ = ("kind", "concurrency")
+
+    def __init__(self, kind: str = "schedule", concurrency: int = 0) -> None:
+        set_field(self, "kind", kind)
+        set_field(self, "concurrency", concurrency)
 
 
 def windows_from_meta(meta: Mapping[str, Any], share: float = 1.0) -> tuple[Window, ...]:

@@ -37,7 +37,6 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -45,7 +44,7 @@ import msgspec
 
 from evolving_infra.traces.inflate import CHUNK, GZIP_MAGIC, InflateAhead, NotOneMember, one_member
 from evolving_infra.traces.schema import FORMAT, MAX_BLOCK_ID, VERSION, TraceHeader, TraceRequest
-from shared.values import Value
+from shared.values import FACTORY, Value
 
 __all__ = [
     "PACK_MAGIC",
@@ -131,12 +130,17 @@ class TraceError(ValueError):
         super().__init__("\n".join(lines))
 
 
-@dataclass(slots=True)
-class Trace:
+class Trace(Value):
     """A whole trace in memory: the header and the requests in file order."""
 
     header: TraceHeader
-    requests: list[TraceRequest] = field(default_factory=list)
+    requests: list[TraceRequest]
+
+    __slots__ = __match_args__ = ("header", "requests")
+
+    def __init__(self, header: TraceHeader, requests: Any = FACTORY) -> None:
+        self.header = header
+        self.requests = [] if requests is FACTORY else requests
 
     def agents(self) -> list[str]:
         """Agent ids in order of first appearance."""

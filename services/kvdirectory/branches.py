@@ -65,9 +65,10 @@ from operator import ge as _ge
 from operator import ne as _ne
 from operator import not_ as _not
 from operator import sub as _sub
-from dataclasses import dataclass, field
+from typing import Any
 
 from shared.messages import CountUpdates
+from shared.values import FACTORY, IdentityValue, Value
 
 from .index import GPU, HOST, BlockIndex, _match, tier_bit
 
@@ -84,45 +85,85 @@ def _drain(it: Iterable[object]) -> None:
 PHASE_SET = {"prefill": frozenset({"prefill"}), "decode": frozenset({"decode"}), "both": frozenset({"prefill", "decode"})}
 
 
-@dataclass(slots=True, eq=False)
-class Branch:
+class Branch(IdentityValue):
     """One row of the branch table."""
 
     bid: str
-    kind: str = "main"
-    parent: str | None = None
-    agent: str | None = None
-    version: int = 1
-    path: list[int] = field(default_factory=list)
+    kind: str
+    parent: str | None
+    agent: str | None
+    version: int
+    path: list[int]
     """π_β: block path of the branch's last request (chained hashes; never mutated in place)."""
-    counted: dict[int, int] = field(default_factory=dict)
+    counted: dict[int, int]
     """node index → k_{β,n} > 0: C_{β,n} is the prefix ``path[:k]`` (the keys are N_β)."""
-    pending: dict[int, set[int]] = field(default_factory=dict)
+    pending: dict[int, set[int]]
     """target node → source nodes to release once the target holds v_β."""
-    watch: dict[int, int] = field(default_factory=dict)
+    watch: dict[int, int]
     """target node → block hash watched for it (the last block of π_β)."""
-    last_seen: float = 0.0
-    implicit: bool = False
+    last_seen: float
+    implicit: bool
     """Created by a placement that came before its BranchStart."""
-    requests: int = 0
-    last_prefill_node: int | None = None
-    hold_until: float = 0.0
+    requests: int
+    last_prefill_node: int | None
+    hold_until: float
     """A tool call is outstanding until this time (simulated s; 0 = none): no expiry before it."""
 
+    __slots__ = __match_args__ = (
+        "bid", "kind", "parent", "agent", "version", "path", "counted", "pending", "watch", "last_seen", "implicit",
+        "requests", "last_prefill_node", "hold_until",
+    )
 
-@dataclass(slots=True)
-class PlaceOutcome:
+    def __init__(
+        self, bid: str, kind: str = "main", parent: str | None = None, agent: str | None = None, version: int = 1,
+        path: Any = FACTORY, counted: Any = FACTORY, pending: Any = FACTORY, watch: Any = FACTORY,
+        last_seen: float = 0.0, implicit: bool = False, requests: int = 0, last_prefill_node: int | None = None,
+        hold_until: float = 0.0,
+    ) -> None:
+        self.bid = bid
+        self.kind = kind
+        self.parent = parent
+        self.agent = agent
+        self.version = version
+        self.path = [] if path is FACTORY else path
+        self.counted = {} if counted is FACTORY else counted
+        self.pending = {} if pending is FACTORY else pending
+        self.watch = {} if watch is FACTORY else watch
+        self.last_seen = last_seen
+        self.implicit = implicit
+        self.requests = requests
+        self.last_prefill_node = last_prefill_node
+        self.hold_until = hold_until
+
+
+class PlaceOutcome(Value):
     """What :meth:`BranchTable.place` did (input to lost-reuse attribution)."""
 
     branch: Branch | None
-    version: int = 0
-    bumped: bool = False
-    rejected: str | None = None
+    version: int
+    bumped: bool
+    rejected: str | None
     """Why the placement was refused (``ended_branch``), else None."""
-    history_blocks: int = 0
+    history_blocks: int
     """Blocks of π_new that the branch (or, for a fork's first request, its parent) had in its path before."""
-    prev_prefill_node: int | None = None
-    released_nodes: list[int] = field(default_factory=list)
+    prev_prefill_node: int | None
+    released_nodes: list[int]
+
+    __slots__ = __match_args__ = (
+        "branch", "version", "bumped", "rejected", "history_blocks", "prev_prefill_node", "released_nodes",
+    )
+
+    def __init__(
+        self, branch: Branch | None, version: int = 0, bumped: bool = False, rejected: str | None = None,
+        history_blocks: int = 0, prev_prefill_node: int | None = None, released_nodes: Any = FACTORY,
+    ) -> None:
+        self.branch = branch
+        self.version = version
+        self.bumped = bumped
+        self.rejected = rejected
+        self.history_blocks = history_blocks
+        self.prev_prefill_node = prev_prefill_node
+        self.released_nodes = [] if released_nodes is FACTORY else released_nodes
 
 
 class BranchTable:

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from shared.messages import (
     AllBlocksCleared,
@@ -44,6 +43,7 @@ from shared.messages import (
     KvSnapshot,
     RoutePlaced,
 )
+from shared.values import FACTORY, Value
 
 from .branches import Branch, BranchTable
 from .index import GPU, HOST, TIER_INDEX, TIERS, BlockIndex
@@ -53,8 +53,7 @@ from .reuse import ReuseRecord, attribute_lost_reuse, lost_reuse_shares
 ApplyStatus = Literal["applied", "stale", "gap", "buffered", "recovered", "resynced", "rejected"]
 
 
-@dataclass(slots=True)
-class ApplyResult:
+class ApplyResult(Value):
     """What happened to one KV batch or snapshot.
 
     ``need_resync``: the node awaits a snapshot; the shell should make sure a
@@ -66,40 +65,84 @@ class ApplyResult:
     seq: int
     expected_seq: int
     """Next sequence number the directory expects from the node after this call."""
-    need_resync: bool = False
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    mismatched_block_sizes: list[int] = field(default_factory=list)
+    need_resync: bool
+    blocks_stored: int
+    blocks_removed: int
+    mismatched_block_sizes: list[int]
     """block_size of every rejected ``BlockStored`` (or snapshot) in the batch."""
-    detail: str = ""
+    detail: str
+
+    __slots__ = __match_args__ = (
+        "status", "node", "seq", "expected_seq", "need_resync", "blocks_stored", "blocks_removed",
+        "mismatched_block_sizes", "detail",
+    )
+
+    def __init__(
+        self, status: ApplyStatus, node: str, seq: int, expected_seq: int, need_resync: bool = False,
+        blocks_stored: int = 0, blocks_removed: int = 0, mismatched_block_sizes: Any = FACTORY, detail: str = "",
+    ) -> None:
+        self.status = status
+        self.node = node
+        self.seq = seq
+        self.expected_seq = expected_seq
+        self.need_resync = need_resync
+        self.blocks_stored = blocks_stored
+        self.blocks_removed = blocks_removed
+        self.mismatched_block_sizes = [] if mismatched_block_sizes is FACTORY else mismatched_block_sizes
+        self.detail = detail
 
 
-@dataclass(slots=True)
-class PlaceResult:
+class PlaceResult(Value):
     """What a ``RoutePlaced`` did."""
 
     branch_id: str
     node: str
-    version: int = 0
-    bumped: bool = False
+    version: int
+    bumped: bool
     """The path did not extend the previous one: context rewritten (Alg. E.1)."""
-    rejected: str | None = None
-    released_nodes: list[str] = field(default_factory=list)
+    rejected: str | None
+    released_nodes: list[str]
     """Same-phase sources released right away (target already held v_β)."""
-    reuse: ReuseRecord | None = None
+    reuse: ReuseRecord | None
     """Lost-reuse record (prefill placements only)."""
 
+    __slots__ = __match_args__ = ("branch_id", "node", "version", "bumped", "rejected", "released_nodes", "reuse")
 
-@dataclass(slots=True)
-class _Stream:
-    known: bool = False
-    next_seq: int = 1
-    awaiting: bool = False
-    needs_snapshot: bool = False
+    def __init__(
+        self, branch_id: str, node: str, version: int = 0, bumped: bool = False, rejected: str | None = None,
+        released_nodes: Any = FACTORY, reuse: ReuseRecord | None = None,
+    ) -> None:
+        self.branch_id = branch_id
+        self.node = node
+        self.version = version
+        self.bumped = bumped
+        self.rejected = rejected
+        self.released_nodes = [] if released_nodes is FACTORY else released_nodes
+        self.reuse = reuse
+
+
+class _Stream(Value):
+    known: bool
+    next_seq: int
+    awaiting: bool
+    needs_snapshot: bool
     """Only a snapshot can end the wait (first contact, restart, buffer overflow)."""
-    buffer: dict[int, KvEventBatch] = field(default_factory=dict)
-    last_ts: float = 0.0
+    buffer: dict[int, KvEventBatch]
+    last_ts: float
     """``ts`` of the last applied batch (tells a restart from a late duplicate)."""
+
+    __slots__ = __match_args__ = ("known", "next_seq", "awaiting", "needs_snapshot", "buffer", "last_ts")
+
+    def __init__(
+        self, known: bool = False, next_seq: int = 1, awaiting: bool = False, needs_snapshot: bool = False,
+        buffer: Any = FACTORY, last_ts: float = 0.0,
+    ) -> None:
+        self.known = known
+        self.next_seq = next_seq
+        self.awaiting = awaiting
+        self.needs_snapshot = needs_snapshot
+        self.buffer = {} if buffer is FACTORY else buffer
+        self.last_ts = last_ts
 
 
 _EVICT_KEYS = {

@@ -20,23 +20,31 @@ x_n = blocks of ``[local_n, t_c)`` whose chosen source is another node.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from itertools import compress
+from typing import Any
 
 from shared.messages import FetchRange, KvLookupReply, NodePrefix
+from shared.values import FACTORY, FrozenValue, Value, set_field
 
 from .index import GPU, HOST, BlockIndex, tier_bit
 
 
-@dataclass(slots=True)
-class LookupResult:
+class LookupResult(Value):
     """Answer of :meth:`KvDirectory.lookup` (all lengths in blocks)."""
 
     path_blocks: int
-    nodes: list[NodePrefix] = field(default_factory=list)
+    nodes: list[NodePrefix]
     """Nodes with a non-empty local prefix, in node registration order."""
-    longest_any: int = 0
-    sources: list[FetchRange] = field(default_factory=list)
+    longest_any: int
+    sources: list[FetchRange]
+
+    __slots__ = __match_args__ = ("path_blocks", "nodes", "longest_any", "sources")
+
+    def __init__(self, path_blocks: int, nodes: Any = FACTORY, longest_any: int = 0, sources: Any = FACTORY) -> None:
+        self.path_blocks = path_blocks
+        self.nodes = [] if nodes is FACTORY else nodes
+        self.longest_any = longest_any
+        self.sources = [] if sources is FACTORY else sources
 
     def to_reply(self, block_size: int) -> KvLookupReply:
         """The ``kv.lookup`` wire reply."""
@@ -50,8 +58,7 @@ class LookupResult:
         return NodePrefix(node=name)
 
 
-@dataclass(frozen=True, slots=True)
-class FetchPlan:
+class FetchPlan(FrozenValue):
     """Eq. 7 inputs for one prefill node n (tokens = blocks × block size)."""
 
     node: str
@@ -63,6 +70,17 @@ class FetchPlan:
     """x_n: tokens of the cached prefix that n must fetch from other nodes."""
     ranges: tuple[FetchRange, ...]
     """Where to fetch them from (block ranges of the path)."""
+
+    __slots__ = __match_args__ = ("node", "cached_tokens", "local_tokens", "fetch_tokens", "ranges")
+
+    def __init__(
+        self, node: str, cached_tokens: int, local_tokens: int, fetch_tokens: int, ranges: tuple[FetchRange, ...],
+    ) -> None:
+        set_field(self, "node", node)
+        set_field(self, "cached_tokens", cached_tokens)
+        set_field(self, "local_tokens", local_tokens)
+        set_field(self, "fetch_tokens", fetch_tokens)
+        set_field(self, "ranges", ranges)
 
 
 def fetch_plan(

@@ -29,14 +29,14 @@ What the directory knows at a prefill placement, and so what it reports:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
+
+from shared.values import FrozenValue, set_field
 
 Cause = Literal["none", "eviction", "routing", "unattributed"]
 
 
-@dataclass(frozen=True, slots=True)
-class ReuseRecord:
+class ReuseRecord(FrozenValue):
     """Lost reuse of one prefill placement (blocks)."""
 
     ideal_blocks: int
@@ -45,6 +45,18 @@ class ReuseRecord:
     cause: Cause
     node: str
     prev_node: str | None
+
+    __slots__ = __match_args__ = ("ideal_blocks", "hit_blocks", "lost_blocks", "cause", "node", "prev_node")
+
+    def __init__(
+        self, ideal_blocks: int, hit_blocks: int, lost_blocks: int, cause: Cause, node: str, prev_node: str | None,
+    ) -> None:
+        set_field(self, "ideal_blocks", ideal_blocks)
+        set_field(self, "hit_blocks", hit_blocks)
+        set_field(self, "lost_blocks", lost_blocks)
+        set_field(self, "cause", cause)
+        set_field(self, "node", node)
+        set_field(self, "prev_node", prev_node)
 
 
 def attribute_lost_reuse(ideal_blocks: int, hit_blocks: int, node: str, prev_node: str | None) -> tuple[int, Cause]:
