@@ -36,9 +36,12 @@ from shared.values import FACTORY, Value
 if TYPE_CHECKING:
     from services.planner.policy import RequestDone
 
-_SETTLE_AT = 1 << 16
-"""Pending iteration records (:meth:`Observer.on_iterations`) that are settled at once, whoever reads
-next: bounds what a long run without queries holds (~64 B a record besides the record)."""
+_REPLAY_AT = 1 << 16
+"""Inputs an :class:`Observer` logs before it applies them unasked: bounds what a long run
+without queries holds (~100 B an input besides the input's own objects)."""
+
+_ITERS, _DONE, _STATE, _ADVANCE = 0, 1, 2, 3
+"""Kinds of logged inputs (:meth:`Observer._replay`)."""
 
 
 class Bucket(Value):
@@ -157,6 +160,17 @@ def moments2_of(t_uc: float, qk: float, t_c: float) -> tuple[float, float, float
 class Observer:
     """Bucketed measurements for a planner (see the module docstring).
 
+    The inputs (:meth:`on_iterations`, :meth:`on_request_done`, :meth:`on_node_state`,
+    :meth:`advance`) are logged, in order, and applied (:meth:`_replay`) only when something
+    reads the sums: a query, :meth:`bucket`, :attr:`buckets`, :attr:`decode_now`,
+    :attr:`queue_now` (or when the log holds :data:`_REPLAY_AT` inputs). Applying them in
+    the order they came is what applying each at once did, and nothing else reads or changes
+    the state they change: the reads see the same values. A planner that reads nothing before
+    the run ends (the evolving planner during a warm-up longer than the run) applies none of
+    them (one tuple per input instead of ~20 dict and float updates per finished request).
+    :attr:`latest` and :attr:`latest_at` are set at once (plain overwrites, read by planners
+    between queries).
+
     Args:
         nodes: node ids.
         bucket_s: bucket length (s), > 0.
@@ -174,19 +188,54 @@ class Observer:
         self.bucket_s = float(bucket_s)
         self.origin = float(origin)
         self.keep = keep_buckets
-        self.buckets: dict[int, Bucket] = {}
+        self._buckets: dict[int, Bucket] = {}
         self.latest: dict[str, NodeState] = {}
         self.latest_at: dict[str, float] = {}
         self._dec: dict[str, float] = {}
         self._que: dict[str, float] = {}
-        self.decode_now = 0.0
-        """Requests in decode, cluster-wide, per the latest states."""
-        self.queue_now = 0.0
-        """Prefill queue length, cluster-wide, per the latest states."""
+        self._decode_now = 0.0
+        self._queue_now = 0.0
         self._t: float | None = None
         self._newest = -(10**9)
-        self._pending: list[tuple[Bucket, str, IterationRecord]] = []
-        """Iteration records whose sums are not yet in their bucket (:meth:`on_iterations`)."""
+        self._log: list[tuple[int, Any, Any, float]] = []
+        """Inputs not applied yet, in arrival order: (kind, argument, argument, now)."""
+
+    # -- state (current once the logged inputs are applied) ----------------- #
+
+    @property
+    def buckets(self) -> dict[int, Bucket]:
+        """Index → bucket, the kept ones (the logged inputs applied first)."""
+        if self._log:
+            self._replay()
+        return self._buckets
+
+    @property
+    def decode_now(self) -> float:
+        """Requests in decode, cluster-wide, per the latest states (the logged inputs applied first)."""
+        if self._log:
+            self._replay()
+        return self._decode_now
+
+    @property
+    def queue_now(self) -> float:
+        """Prefill queue length, cluster-wide, per the latest states (the logged inputs applied first)."""
+        if self._log:
+            self._replay()
+        return self._queue_now
+
+    def _replay(self) -> None:
+        """Apply the logged inputs in arrival order. O(inputs)."""
+        log = self._log
+        self._log = []
+        for kind, a, b, now in log:
+            if kind == _ITERS:
+                self._iterations(a, b, now)
+            elif kind == _DONE:
+                self._request_done(a, now)
+            elif kind == _STATE:
+                self._node_state(a, now)
+            else:
+                self._advance(now)
 
     # -- grid -------------------------------------------------------------- #
 
@@ -202,24 +251,67 @@ class Observer:
         return self.origin + k * self.bucket_s
 
     def bucket(self, k: int) -> Bucket:
-        b = self.buckets.get(k)
+        """Bucket ``k``, made if missing (the logged inputs applied first)."""
+        if self._log:
+            self._replay()
+        return self._bucket(k)
+
+    def _bucket(self, k: int) -> Bucket:
+        buckets = self._buckets
+        b = buckets.get(k)
         if b is None:
-            b = self.buckets[k] = Bucket()
+            b = buckets[k] = Bucket()
             if k > self._newest:
                 self._newest = k
                 floor = k - self.keep
-                if len(self.buckets) > self.keep + 8:
-                    for old in [i for i in self.buckets if i < floor]:
-                        del self.buckets[old]
+                if len(buckets) > self.keep + 8:
+                    for old in [i for i in buckets if i < floor]:
+                        del buckets[old]
         return b
 
+    # -- inputs (logged) ------------------------------------------------------ #
+
     def advance(self, now: float) -> None:
-        """Integrate the step functions up to ``now`` (idempotent; never goes back). O(buckets crossed)."""
+        """Integrate the step functions up to ``now`` (idempotent; never goes back). O(1): logged."""
+        log = self._log
+        log.append((_ADVANCE, None, None, now))
+        if len(log) >= _REPLAY_AT:
+            self._replay()
+
+    def on_node_state(self, state: NodeState, now: float) -> None:
+        """Latest state of its node (at once); the integrated decode population (logged). O(1)."""
+        n = state.node
+        self.latest[n] = state
+        self.latest_at[n] = now
+        log = self._log
+        log.append((_STATE, state, None, now))
+        if len(log) >= _REPLAY_AT:
+            self._replay()
+
+    def on_request_done(self, done: RequestDone, now: float) -> None:
+        """A finished request, for the bucket of ``now`` (w̄) and of its first token. O(1): logged."""
+        log = self._log
+        log.append((_DONE, done, None, now))
+        if len(log) >= _REPLAY_AT:
+            self._replay()
+
+    def on_iterations(self, node: str, records: Iterable[IterationRecord], now: float) -> None:
+        """Iteration records, for the buckets of their starts. O(1): logged (``records`` is kept
+        as it is until applied: the caller must not change it)."""
+        log = self._log
+        log.append((_ITERS, node, records, now))
+        if len(log) >= _REPLAY_AT:
+            self._replay()
+
+    # -- inputs (applied) ------------------------------------------------------ #
+
+    def _advance(self, now: float) -> None:
+        """:meth:`advance` applied. O(buckets crossed)."""
         if self._t is None:
             self._t = now
-            b = self.bucket(self.index(now))
+            b = self._bucket(self.index(now))
             if b.queue_at_start is None:
-                b.queue_at_start = self.queue_now
+                b.queue_at_start = self._queue_now
             return
         t = self._t
         while t < now:
@@ -227,35 +319,31 @@ class Observer:
             end = min(now, self.start_of(k + 1))
             if end <= t:  # float guard at a boundary
                 end = min(now, self.start_of(k + 2))
-            b = self.bucket(k)
-            b.decode_integral += self.decode_now * (end - t)
-            b.queue_integral += self.queue_now * (end - t)
+            b = self._bucket(k)
+            b.decode_integral += self._decode_now * (end - t)
+            b.queue_integral += self._queue_now * (end - t)
             b.covered_s += end - t
             if end >= self.start_of(k + 1) - 1e-9:
-                nb = self.bucket(k + 1)
+                nb = self._bucket(k + 1)
                 if nb.queue_at_start is None:
-                    nb.queue_at_start = self.queue_now
+                    nb.queue_at_start = self._queue_now
             t = end
         self._t = max(self._t, now)
 
-    # -- inputs ------------------------------------------------------------ #
-
-    def on_node_state(self, state: NodeState, now: float) -> None:
-        """Latest state of its node; updates the integrated decode population. O(1) amortised."""
-        self.advance(now)
+    def _node_state(self, state: NodeState, now: float) -> None:
+        """:meth:`on_node_state` applied: the decode population and the prefill queue. O(1) amortised."""
+        self._advance(now)
         n = state.node
-        self.latest[n] = state
-        self.latest_at[n] = now
         dec = float(state.decoding + (state.waiting if state.phase == "decode" else 0))
         que = float(len(state.queue)) if state.phase != "decode" else 0.0
-        self.decode_now += dec - self._dec.get(n, 0.0)
-        self.queue_now += que - self._que.get(n, 0.0)
+        self._decode_now += dec - self._dec.get(n, 0.0)
+        self._queue_now += que - self._que.get(n, 0.0)
         self._dec[n] = dec
         self._que[n] = que
 
-    def on_request_done(self, done: RequestDone, now: float) -> None:
-        """Account a finished request in the bucket of ``now`` (w̄) and of its first token. O(1)."""
-        b = self.bucket(self.index(now))
+    def _request_done(self, done: RequestDone, now: float) -> None:
+        """:meth:`on_request_done` applied: the bucket of ``now`` (w̄) and of the first token. O(1)."""
+        b = self._bucket(self.index(now))
         t_c = float(max(0, done.cached_tokens))
         t_uc = float(max(0, done.prompt_tokens - done.cached_tokens))
         b.n_done += 1
@@ -270,38 +358,21 @@ class Observer:
         b.sum_prompt += float(done.prompt_tokens)
         b.cached_by_node[done.prefill_node] = b.cached_by_node.get(done.prefill_node, 0.0) + t_c
         k_first = self.index(done.arrived_at + done.ttft_s)
-        if k_first in self.buckets or k_first >= self._newest - self.keep:
-            self.bucket(k_first).n_first += 1
+        if k_first in self._buckets or k_first >= self._newest - self.keep:
+            self._bucket(k_first).n_first += 1
 
-    def on_iterations(self, node: str, records: Iterable[IterationRecord], now: float) -> None:
-        """Account iteration records by their start time. O(records).
-
-        A record's bucket is found (made, as :meth:`bucket` makes it) now, but its sums are
-        added to that bucket later, by :meth:`_settle`, before anything reads them (the
-        t̄_n / f_n / TPOT queries): a planner that reads none before the run ends (a warm-up
-        longer than the run) never adds them. The same bucket objects get the same sums in the
-        same order: the queries see what adding at once gives."""
-        buckets = self.buckets
+    def _iterations(self, node: str, records: Iterable[IterationRecord], now: float) -> None:
+        """:meth:`on_iterations` applied, by each record's start. O(records): :meth:`index` and,
+        for a bucket that exists (all but one record per bucket), :meth:`_bucket` inline."""
+        buckets = self._buckets
         origin = self.origin
         size = self.bucket_s
         floor = math.floor
-        pending = self._pending
         for r in records:
             k = floor((r.start - origin) / size + 1e-9)
             b = buckets.get(k)
             if b is None:
-                b = self.bucket(k)
-            pending.append((b, node, r))
-        if len(pending) >= _SETTLE_AT:
-            self._settle()
-
-    def _settle(self) -> None:
-        """Add the pending iteration records' sums to their buckets, in arrival order. O(pending)."""
-        pending = self._pending
-        if not pending:
-            return
-        self._pending = []
-        for b, node, r in pending:
+                b = self._bucket(k)
             if r.phase != "decode":
                 b.prefill_iters[node] = b.prefill_iters.get(node, 0) + 1
                 b.prefill_uncached[node] = b.prefill_uncached.get(node, 0.0) + r.sum_uncached
@@ -310,16 +381,21 @@ class Observer:
                 b.decode_iters[node] = b.decode_iters.get(node, 0.0) + r.repeat
                 b.decode_time[node] = b.decode_time.get(node, 0.0) + r.duration_s * r.repeat
 
-    # -- queries ----------------------------------------------------------- #
+    # -- queries (each applies the logged inputs first) ------------------------ #
 
     def _range(self, k0: int, k1: int) -> list[Bucket]:
-        return [self.buckets[k] for k in range(k0, k1) if k in self.buckets]
+        if self._log:
+            self._replay()
+        buckets = self._buckets
+        return [buckets[k] for k in range(k0, k1) if k in buckets]
 
     def slices(self, k0: int, m: int) -> list[SliceStats]:
         """w̄_i and q̄_i of buckets ``k0 .. k0+m-1`` (a slice with no completed request has n = 0)."""
+        if self._log:
+            self._replay()
         out: list[SliceStats] = []
         for k in range(k0, k0 + m):
-            b = self.buckets.get(k)
+            b = self._buckets.get(k)
             cov = b is not None and b.covered_s > 0
             if b is None or b.n_done == 0:
                 q = (b.decode_integral / b.covered_s) if cov else 0.0  # type: ignore[union-attr]
@@ -327,8 +403,8 @@ class Observer:
                 out.append(SliceStats(0, 0.0, 0.0, 0.0, 0.0, q, 0.0, qq))
                 continue
             n = b.n_done
-            q = b.decode_integral / b.covered_s if cov else self.decode_now
-            qq = b.queue_integral / b.covered_s if cov else self.queue_now
+            q = b.decode_integral / b.covered_s if cov else self._decode_now
+            qq = b.queue_integral / b.covered_s if cov else self._queue_now
             out.append(
                 SliceStats(
                     n, b.sum_uc / n, b.sum_c / n, b.sum_qk / n, b.sum_out / n, q, b.sum_prompt / n, qq, tuple(v / n for v in b.sum_m2)
@@ -341,8 +417,8 @@ class Observer:
         bs = self._range(k0, k1)
         n = sum(b.n_done for b in bs)
         cov = sum(b.covered_s for b in bs)
-        q = sum(b.decode_integral for b in bs) / cov if cov > 0 else self.decode_now
-        qq = sum(b.queue_integral for b in bs) / cov if cov > 0 else self.queue_now
+        q = sum(b.decode_integral for b in bs) / cov if cov > 0 else self._decode_now
+        qq = sum(b.queue_integral for b in bs) / cov if cov > 0 else self._queue_now
         if n == 0:
             return SliceStats(0, 0.0, 0.0, 0.0, 0.0, q, 0.0, qq)
         return SliceStats(
@@ -359,7 +435,6 @@ class Observer:
 
     def mean_chunk_tokens(self, node: str, k0: int, k1: int) -> float | None:
         """t̄_n: mean uncached tokens per prefill iteration of ``node`` over ``[k0, k1)``, or None."""
-        self._settle()
         bs = self._range(k0, k1)
         it = sum(b.prefill_iters.get(node, 0) for b in bs)
         if it == 0:
@@ -368,7 +443,6 @@ class Observer:
 
     def restored_share(self, node: str, k0: int, k1: int) -> float | None:
         """f_n: tokens ``node`` restored from host / cached tokens of the requests it prefilled, or None."""
-        self._settle()
         bs = self._range(k0, k1)
         cached = sum(b.cached_by_node.get(node, 0.0) for b in bs)
         if cached <= 0:
@@ -377,7 +451,6 @@ class Observer:
 
     def tpot(self, node: str, k0: int, k1: int, accepted_per_iteration: float) -> float | None:
         """Mean time per output token on ``node`` over ``[k0, k1)``: mean decode iteration / t_acc, or None."""
-        self._settle()
         bs = self._range(k0, k1)
         it = sum(b.decode_iters.get(node, 0.0) for b in bs)
         if it <= 0:
@@ -398,9 +471,9 @@ class Observer:
             return 0.0
         bs = self._range(k0, k1)
         first = sum(b.n_first for b in bs)
-        start = self.buckets.get(k0)
-        q0 = start.queue_at_start if start is not None and start.queue_at_start is not None else self.queue_now
-        return max(0.0, (first + self.decode_now + self.queue_now - q0) / length)
+        start = self._buckets.get(k0)
+        q0 = start.queue_at_start if start is not None and start.queue_at_start is not None else self._queue_now
+        return max(0.0, (first + self._decode_now + self._queue_now - q0) / length)
 
     def requests_in(self, k0: int, k1: int) -> int:
         return sum(b.n_done for b in self._range(k0, k1))
