@@ -38,10 +38,13 @@ if TYPE_CHECKING:
 
 _REPLAY_AT = 1 << 16
 """Inputs an :class:`Observer` logs before it applies them unasked: bounds what a long run
-without queries holds (~100 B an input besides the input's own objects)."""
+without queries holds (~40 B an input besides the input's own objects)."""
 
 _ITERS, _DONE, _STATE, _ADVANCE = 0, 1, 2, 3
 """Kinds of logged inputs (:meth:`Observer._replay`)."""
+
+_REPLAY_LEN = 4 * _REPLAY_AT
+"""Length of the (flat) log at :data:`_REPLAY_AT` inputs."""
 
 
 class Bucket(Value):
@@ -167,7 +170,7 @@ class Observer:
     the order they came is what applying each at once did, and nothing else reads or changes
     the state they change: the reads see the same values. A planner that reads nothing before
     the run ends (the evolving planner during a warm-up longer than the run) applies none of
-    them (one tuple per input instead of ~20 dict and float updates per finished request).
+    them (four list slots per input instead of ~20 dict and float updates per finished request).
     :attr:`latest` and :attr:`latest_at` are set at once (plain overwrites, read by planners
     between queries).
 
@@ -197,8 +200,9 @@ class Observer:
         self._queue_now = 0.0
         self._t: float | None = None
         self._newest = -(10**9)
-        self._log: list[tuple[int, Any, Any, float]] = []
-        """Inputs not applied yet, in arrival order: (kind, argument, argument, now)."""
+        self._log: list[Any] = []
+        """Inputs not applied yet, in arrival order, flat: kind, argument, argument, now, kind, ...
+        (four list slots an input, no tuple each)."""
 
     # -- state (current once the logged inputs are applied) ----------------- #
 
@@ -227,13 +231,14 @@ class Observer:
         """Apply the logged inputs in arrival order. O(inputs)."""
         log = self._log
         self._log = []
-        for kind, a, b, now in log:
+        it = iter(log)
+        for kind, a, b, now in zip(it, it, it, it):
             if kind == _ITERS:
                 self._iterations(a, b, now)
             elif kind == _DONE:
                 self._request_done(a, now)
             elif kind == _STATE:
-                self._node_state(a, now)
+                self._node_state(a, b[0], b[1], now)
             else:
                 self._advance(now)
 
@@ -274,33 +279,36 @@ class Observer:
     def advance(self, now: float) -> None:
         """Integrate the step functions up to ``now`` (idempotent; never goes back). O(1): logged."""
         log = self._log
-        log.append((_ADVANCE, None, None, now))
-        if len(log) >= _REPLAY_AT:
+        log += _ADVANCE, None, None, now
+        if len(log) >= _REPLAY_LEN:
             self._replay()
 
     def on_node_state(self, state: NodeState, now: float) -> None:
-        """Latest state of its node (at once); the integrated decode population (logged). O(1)."""
+        """Latest state of its node (at once); the integrated decode population (logged: the
+        node's requests in decode and prefill queue length, not the state). O(1)."""
         n = state.node
         self.latest[n] = state
         self.latest_at[n] = now
+        dec = float(state.decoding + (state.waiting if state.phase == "decode" else 0))
+        que = float(len(state.queue)) if state.phase != "decode" else 0.0
         log = self._log
-        log.append((_STATE, state, None, now))
-        if len(log) >= _REPLAY_AT:
+        log += _STATE, n, (dec, que), now
+        if len(log) >= _REPLAY_LEN:
             self._replay()
 
     def on_request_done(self, done: RequestDone, now: float) -> None:
         """A finished request, for the bucket of ``now`` (w̄) and of its first token. O(1): logged."""
         log = self._log
-        log.append((_DONE, done, None, now))
-        if len(log) >= _REPLAY_AT:
+        log += _DONE, done, None, now
+        if len(log) >= _REPLAY_LEN:
             self._replay()
 
     def on_iterations(self, node: str, records: Iterable[IterationRecord], now: float) -> None:
         """Iteration records, for the buckets of their starts. O(1): logged (``records`` is kept
         as it is until applied: the caller must not change it)."""
         log = self._log
-        log.append((_ITERS, node, records, now))
-        if len(log) >= _REPLAY_AT:
+        log += _ITERS, node, records, now
+        if len(log) >= _REPLAY_LEN:
             self._replay()
 
     # -- inputs (applied) ------------------------------------------------------ #
@@ -330,12 +338,10 @@ class Observer:
             t = end
         self._t = max(self._t, now)
 
-    def _node_state(self, state: NodeState, now: float) -> None:
-        """:meth:`on_node_state` applied: the decode population and the prefill queue. O(1) amortised."""
+    def _node_state(self, n: str, dec: float, que: float, now: float) -> None:
+        """:meth:`on_node_state` applied: node ``n``'s requests in decode and prefill queue
+        length (per the module docstring) from ``now``. O(1) amortised."""
         self._advance(now)
-        n = state.node
-        dec = float(state.decoding + (state.waiting if state.phase == "decode" else 0))
-        que = float(len(state.queue)) if state.phase != "decode" else 0.0
         self._decode_now += dec - self._dec.get(n, 0.0)
         self._queue_now += que - self._que.get(n, 0.0)
         self._dec[n] = dec

@@ -79,7 +79,7 @@ def test_logged_inputs_read_as_inputs_applied_at_once(monkeypatch, seed):
         _feed(lazy, item)
         if i in reads_at:
             got.append(_reads(lazy, item[-1]))
-    monkeypatch.setattr(observe, "_REPLAY_AT", 1)  # every input applied as it comes
+    monkeypatch.setattr(observe, "_REPLAY_LEN", 4)  # every input applied as it comes (4 log slots an input)
     eager = Observer(NODES, 60.0, keep_buckets=10)
     want = []
     for i, item in enumerate(stream):
@@ -97,7 +97,7 @@ def test_inputs_wait_in_the_log_until_read():
     obs.on_iterations("a", [r], 26.0)
     obs.on_request_done(done("r1", 27.0, node="a"), 27.0)
     obs.on_node_state(state("a", "decode", decoding=3), 28.0)
-    assert len(obs._log) == 3 and not obs._buckets
+    assert len(obs._log) == 3 * 4 and not obs._buckets
     assert obs.latest["a"].decoding == 3 and obs.latest_at["a"] == 28.0  # set at once
     assert obs.mean_chunk_tokens("a", 0, 5) == 100.0
     assert not obs._log and obs.decode_now == 3.0
@@ -105,11 +105,11 @@ def test_inputs_wait_in_the_log_until_read():
 
 
 def test_a_full_log_is_applied(monkeypatch):
-    monkeypatch.setattr(observe, "_REPLAY_AT", 3)
+    monkeypatch.setattr(observe, "_REPLAY_LEN", 12)  # 3 inputs
     obs = Observer(NODES, 10.0)
     obs.advance(0.0)
     obs.advance(5.0)
-    assert len(obs._log) == 2
+    assert len(obs._log) == 2 * 4
     obs.advance(12.0)
     assert not obs._log and obs._buckets[0].covered_s == 10.0 and obs._buckets[1].covered_s == 2.0
 
