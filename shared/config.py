@@ -221,12 +221,21 @@ def resolve_config(
 
 
 def to_argv(cfg: Struct, *, skip_defaults: bool = True) -> list[str]:
-    """CLI flags that reproduce ``cfg`` (the launcher uses this to spawn services)."""
+    """CLI flags that reproduce ``cfg``: ``load_config(type(cfg), to_argv(cfg))`` gives it back
+    (for a program that starts a service with a given configuration).
+
+    With ``skip_defaults``, a field equal to its default is left out, a list field's default
+    included (msgspec keeps ``= []`` and ``field(default_factory=...)`` as a factory, called
+    here once per such field)."""
     out: list[str] = []
     for f in _field_infos(type(cfg)):
         value = getattr(cfg, f.name)
-        if skip_defaults and f.default is not msgspec.NODEFAULT and value == f.default:
-            continue
+        if skip_defaults:
+            if f.default is not msgspec.NODEFAULT:
+                if value == f.default:
+                    continue
+            elif f.default_factory is not msgspec.NODEFAULT and value == f.default_factory():
+                continue
         if isinstance(value, bool):
             out.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
         elif isinstance(value, (list, tuple)):

@@ -19,6 +19,7 @@ each (O(k·n) when k fetches drain between two calls).
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
 
 from shared.values import FACTORY, FrozenValue, IdentityValue, set_field
 
