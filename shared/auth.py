@@ -10,11 +10,12 @@ identity          may publish (relative to ``ei.<partition>.``)
 ``router``        ``work.*.prefill``, ``work.*.decode`` (re-bound hand-offs), ``work.*.abort``,
                   ``branch.events``, ``route.placed``, ``route.sent`` (read by the other routers);
                   requests ``kv.lookup``, ``split.get``
-``kvdirectory``   ``kv.counts.*``, ``kv.liveness``, ``branch.sync``; requests ``kv.resync.*`` (reads ``node.state.*``)
+``kvdirectory``   ``kv.counts.*``, ``kv.liveness``, ``branch.sync``; requests ``kv.resync.*`` (reads ``node.state.*``;
+                  answers ``kv.countsync.*``)
 ``worker-<n>``    ``kv.events.<n>``, ``node.state.<n>``, ``node.iters.<n>`` (its own node only),
                   ``split.applied``, ``req.*.out``, ``work.*.decode`` (hand-off to a decode node);
                   requests ``work.requeue.*``, ``route.bind.*`` (the owning router), ``kv.pool.*``,
-                  ``split.get`` (the current split, at start)
+                  ``split.get`` (the current split, at start), ``kv.countsync.<n>`` (its own counts)
 ``operator``      requests ``split.set`` (through the planner), ``split.get``, ``svc.stats.*``
 ``launcher``      requests ``svc.stats.*`` (reads heartbeats and ``split.applied``)
 ``admin``         everything (``evolving-infra tap``, debugging); no service uses it
@@ -121,13 +122,13 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
                f"route.bind.{ident.name}", f"work.requeue.{ident.name}"]  # fmt: skip
     elif ident.kind == "kvdirectory":
         pub = ["kv.counts.*", "kv.resync.*", "kv.liveness", "branch.sync"]
-        sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup", "node.state.*"]
+        sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup", "node.state.*", "kv.countsync.*"]
     elif ident.kind == "worker":
         if not n:
             raise AuthError(f"worker identity {ident.name!r} names no node")
         pub = [
             f"kv.events.{n}", f"node.state.{n}", f"node.iters.{n}", "split.applied", "req.*.out",
-            "work.*.decode", "work.requeue.*", "route.bind.*", "kv.pool.*", "split.get",
+            "work.*.decode", "work.requeue.*", "route.bind.*", "kv.pool.*", "split.get", f"kv.countsync.{n}",
         ]
         sub = [f"work.{n}.prefill", f"work.{n}.decode", f"work.{n}.abort", "split.commands", f"kv.counts.{n}", f"kv.resync.{n}", f"kv.pool.{n}"]
     elif ident.kind == "operator":

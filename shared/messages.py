@@ -7,7 +7,8 @@ Producer → consumer flow, in the order of the subject table:
     router ──kv.lookup─────────────▶ kvdirectory      (KvLookupRequest → KvLookupReply)
     router ──branch.events─────────▶ kvdirectory      (BranchStart | BranchEnd)
     router ──route.placed──────────▶ kvdirectory      (RoutePlaced)
-    kvdirectory ──kv.counts.<node>─▶ worker           (CountUpdates)
+    kvdirectory ──kv.counts.<node>─▶ worker           (CountUpdates, per-node seq)
+    kvdirectory ◀─kv.countsync.<node>─ worker         (CountSyncRequest → CountSnapshot, after a seq gap)
     worker ──kv.pool.<node>────────▶ worker           (PoolLocate → PoolLocation, real-bytes L2)
     worker ──node.state.<node>─────▶ router, planner  (NodeState)
     worker ──node.iters.<node>─────▶ planner          (IterationRecords)
@@ -259,6 +260,55 @@ class CountUpdates(Msg, frozen=True, kw_only=True):
     starts from empty counts and sends only changes, so a count set before the restart would never
     be sent as 0: a worker that sees ``epoch`` change resets every count to 0 before applying the
     message (``EngineScheduler.reset_counts``)."""
+
+
+# kv.countsync.<node>  (worker → directory, request/reply: the node's counts after a kv.counts gap)
+
+
+class CountSyncRequest(Msg, frozen=True, kw_only=True):
+    """A worker asks the KV directory for every branch count R[b, node] of its node: a
+    ``kv.counts.<node>`` message was lost (its ``seq`` skipped one), or the worker reconnected.
+
+    Paged: the first request (``snapshot`` empty, ``offset`` 0) makes the directory take the
+    snapshot and answer its first piece; the worker asks for the next pieces with the snapshot's
+    id and the offset of the next entry, until ``offset`` reaches ``CountSnapshot.total``."""
+
+    node: str
+    reason: str = ""
+    """Why (``gap``, ``reconnect``, ``first contact``): logged by the directory."""
+    epoch: str = ""
+    """``CountUpdates.epoch`` the worker holds counts of (empty: none yet)."""
+    last_seq: NonNeg = 0
+    """The last ``CountUpdates.seq`` the worker applied in ``epoch``."""
+    snapshot: str = ""
+    """Id of the snapshot whose pieces are asked for (empty: take a new one)."""
+    offset: NonNeg = 0
+    """Index of the first entry asked for (0 with a new snapshot)."""
+
+
+class CountSnapshot(Msg, frozen=True, kw_only=True):
+    """One piece of every block's branch count R[b, node] > 0 on ``node`` (paper Alg. E.2), as
+    the directory's counts were after ``kv.counts.<node>`` message ``seq`` of ``epoch``: the worker
+    resets its counts to 0, applies every piece, then the messages with a higher ``seq``."""
+
+    node: str
+    epoch: str = ""
+    """The directory process's ``CountUpdates.epoch``."""
+    seq: NonNeg = 0
+    """The last ``CountUpdates.seq`` the directory had made for ``node`` when it took the snapshot
+    (0: none yet)."""
+    snapshot: str = ""
+    """Id of this snapshot (pass it back for the next piece)."""
+    offset: NonNeg = 0
+    """Index of ``hashes[0]`` in the whole snapshot."""
+    total: NonNeg = 0
+    """Entries of the whole snapshot (blocks with R[b, node] > 0)."""
+    hashes: list[int] = []
+    counts: list[NonNeg] = []
+    """``counts[i]`` is R[``hashes[i]``, node] (branches, > 0)."""
+    error: str | None = None
+    """Set when the piece cannot be served (the snapshot expired or was replaced): ask again from
+    offset 0."""
 
 
 # kv.pool.<node>  (worker → worker, request/reply: real-bytes host KV pool)

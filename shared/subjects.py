@@ -58,6 +58,9 @@ KV_EVENTS = Subject("kv.events.{node}", m.KvEventBatch, doc="worker → director
 KV_RESYNC = Subject("kv.resync.{node}", m.KvResyncRequest, m.KvSnapshot, doc="directory → worker: full snapshot")
 KV_LOOKUP = Subject("kv.lookup", m.KvLookupRequest, m.KvLookupReply, doc="router → directory: prefix lookup")
 KV_COUNTS = Subject("kv.counts.{node}", m.CountUpdates, doc="directory → worker: branch counts")
+KV_COUNT_SYNC = Subject(
+    "kv.countsync.{node}", m.CountSyncRequest, m.CountSnapshot, doc="worker → directory: every branch count of the node (kv.counts gap)"
+)
 KV_POOL = Subject("kv.pool.{node}", m.PoolLocate, m.PoolLocation, doc="worker → worker: locate blocks in a real-bytes host KV pool")
 BRANCH_EVENTS = Subject("branch.events", m.BranchEvent, doc="router → directory: branch start/end", reliable=True)
 ROUTE_PLACED = Subject("route.placed", m.RoutePlaced, doc="router → directory: branch placed on node", reliable=True)
@@ -90,6 +93,7 @@ ALL: tuple[Subject, ...] = (
     KV_RESYNC,
     KV_LOOKUP,
     KV_COUNTS,
+    KV_COUNT_SYNC,
     KV_POOL,
     BRANCH_EVENTS,
     ROUTE_PLACED,

@@ -201,6 +201,32 @@ def _counts(c: m.CountUpdates, p: dict[str, str], nodes: Collection[str] | None)
     _text(c.epoch, "epoch", MAX_ID_LEN)
 
 
+def _count_sync_req(r: m.CountSyncRequest, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _tok(r.node, "node")
+    _same(r.node, p, "node", "node")
+    _known(r.node, nodes, "node")
+    _text(r.reason, "reason")
+    _text(r.epoch, "epoch", MAX_ID_LEN)
+    _int(r.last_seq, "last_seq", MAX_SEQ)
+    _text(r.snapshot, "snapshot", 256)
+    _int(r.offset, "offset", MAX_SNAPSHOT_BLOCKS)
+
+
+def _count_snapshot(s: m.CountSnapshot, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _tok(s.node, "node")
+    _known(s.node, nodes, "node")
+    _text(s.epoch, "epoch", MAX_ID_LEN)
+    _int(s.seq, "seq", MAX_SEQ)
+    _text(s.snapshot, "snapshot", 256)
+    _int(s.total, "total", MAX_SNAPSHOT_BLOCKS)
+    _len(s.hashes, "hashes", MAX_KV_BATCH_HASHES)
+    if len(s.counts) != len(s.hashes):
+        raise Invalid(f"{len(s.counts)} counts for {len(s.hashes)} hashes")
+    if s.offset + len(s.hashes) > s.total:
+        raise Invalid(f"piece [{s.offset}, {s.offset + len(s.hashes)}) past the snapshot's {s.total} entries")
+    _text(s.error, "error")
+
+
 def _pool_locate(r: m.PoolLocate, p: dict[str, str], nodes: Collection[str] | None) -> None:
     _tok(r.node, "node")
     _same(r.node, p, "node", "node")
@@ -532,6 +558,8 @@ CHECKERS: dict[type, Checker] = {
     m.KvLookupRequest: _lookup_req,
     m.KvLookupReply: _lookup_reply,
     m.CountUpdates: _counts,
+    m.CountSyncRequest: _count_sync_req,
+    m.CountSnapshot: _count_snapshot,
     m.PoolLocate: _pool_locate,
     m.PoolLocation: _pool_location,
     m.BranchStart: _branch,

@@ -84,6 +84,10 @@ def test_sizes_counts_and_lists_are_bounded():
     assert "fetch range" in check(msgspec.structs.replace(w, fetch=[m.FetchRange(node="w1", start=0, end=99)]))
     assert "counts" in check(m.CountUpdates(node="w0", hashes=[1, 2], counts=[1]))
     assert "negative" in check(m.CountUpdates(node="w0", hashes=[1, 2], counts=[1, -1]))
+    assert "counts" in check(m.CountSnapshot(node="w0", total=2, hashes=[1, 2], counts=[1]))
+    assert "past the snapshot" in check(m.CountSnapshot(node="w0", offset=1, total=2, hashes=[1, 2], counts=[1, 1]))
+    assert check(m.CountSnapshot(node="w0", offset=1, total=3, hashes=[1, 2], counts=[1, 1])) is None
+    assert "does not match" in check(m.CountSyncRequest(node="w1"), {"node": "w0"})  # a worker asks for its own counts only
     placed = m.RoutePlaced(rid="r", branch_id="b", node="w0", phase="prefill", block_hashes=[1, 2, 3])
     assert check(placed) is None
     assert "not a chain" in check(msgspec.structs.replace(placed, block_hashes=[1, 2, 1]))  # the directory counts prefixes
