@@ -569,6 +569,34 @@ class KvDirectory:
         ignore counts); returns the changes dropped. See ``BranchTable.drop_count_updates``."""
         return self.branches.drop_count_updates()
 
+    def count_snapshot(self, node: str) -> tuple[list[int], list[int], int]:
+        """Every block's branch count R[b, node] > 0 on ``node`` and the ``seq`` of the last
+        ``kv.counts.<node>`` message made for it: what a worker that lost a count message resets
+        its counts to (``kv.countsync.<node>``, ``CountSnapshot``).
+
+        Returns ``(hashes, counts)`` — two lists of :meth:`counted_blocks` entries, ``counts[i] =
+        R[hashes[i], node]`` (branches, ≥ 1), in R's order (the order the blocks were first
+        counted there) — and ``seq``, ``BranchTable.out_seq[node]`` (0: no message yet; also
+        for a node the directory never heard of, with empty lists). Source: the branch table's
+        per-node R (paper Alg. E.2) and its message counter. O(counted blocks on ``node``),
+        C-level list copies; reads only.
+
+        Raises:
+            ValueError: if count changes of ``node`` are pending (not yet taken by
+                :meth:`take_count_updates`): R then already holds changes that the next message,
+                numbered after ``seq``, will carry, and a change undone before that drain is not
+                sent at all, so the snapshot would not be the state after message ``seq``. Take
+                the updates first, in the same synchronous step.
+        """
+        n = self._ids.get(node)
+        if n is None:
+            return [], [], 0
+        t = self.branches
+        if t.out_len[n]:
+            raise ValueError(f"{t.out_len[n]} count changes of {node} not yet taken: take_count_updates() first")
+        R = t.R[n]
+        return list(R), list(R.values()), t.out_seq[n]
+
     def pending_count_updates(self) -> int:
         """Count changes not yet taken (a block changed twice before a drain counts twice). O(nodes)."""
         return self.branches.pending_updates()

@@ -616,3 +616,31 @@ def test_written_through_store_declines_a_chain_with_an_indexed_block_and_change
     ix.check()
     assert ix.store_written_through(node, [4, 5], 3) == [4, 5]
     ix.check()
+
+
+def test_count_snapshot_is_what_the_messages_up_to_its_seq_net_to():
+    """``count_snapshot`` (``kv.countsync``): R[·, node] > 0 and the seq of the node's last
+    message; a worker that applied every message up to that seq holds exactly these counts."""
+    d = KvDirectory(BS, branch_ttl_s=100.0)
+    assert d.count_snapshot("p0") == ([], [], 0)  # a node never heard of
+    worker: dict[int, int] = {}
+    d.branch_start("a", 0.0)
+    d.branch_start("b", 0.0)
+    d.place("a", "p0", "prefill", P[:4], 1.0)
+    d.place("b", "p0", "prefill", P[:6], 1.0)
+    with pytest.raises(ValueError, match="not yet taken"):
+        d.count_snapshot("p0")  # R already holds changes the next message will carry
+    seq = 0
+    for step in range(3):
+        for cu in d.take_count_updates():
+            assert cu.seq == seq + 1 and cu.node == "p0"
+            seq = cu.seq
+            worker.update(zip(cu.hashes, cu.counts))
+        hashes, cnts, s = d.count_snapshot("p0")
+        assert s == seq and len(hashes) == d.counted_blocks("p0") and min(cnts) >= 1
+        assert dict(zip(hashes, cnts)) == {h: c for h, c in worker.items() if c}
+        if step == 0:
+            d.branch_end("a", 2.0)
+        elif step == 1:
+            d.place("b", "p0", "prefill", [P[0], 99], 3.0)  # a version bump: P[1:6] released
+    assert d.count_snapshot("p0") == ([P[0], 99], [1, 1], seq)
