@@ -49,6 +49,15 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
     counts_flush_updates: Annotated[
         int, Meta(gt=0, description="flush kv.counts at once when this many block count changes are pending")
     ] = 4096
+    count_sync_piece: Annotated[
+        int,
+        Meta(gt=0, le=2**18, description="most entries per kv.countsync reply piece (a node's counts sent to a worker that "
+             "lost a kv.counts message); also capped so a piece fits the server's max payload (at most 14 bytes an entry)"),
+    ] = 32768
+    count_sync_ttl_s: Annotated[
+        float, Meta(gt=0, description="wall seconds a kv.countsync snapshot is kept for its next pieces before a worker "
+                    "must ask again from the start")
+    ] = 30.0
     reuse_hit_scope: Annotated[
         Literal["cluster", "local"],
         Meta(description="lost-reuse accounting: cluster = shared pool hits, local = the node's own cache only"),

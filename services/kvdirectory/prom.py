@@ -15,6 +15,8 @@ name                                            type       meaning
 ``ei_kv_hit_ratio``                             gauge      Σh / Σh*
 ``ei_kvdirectory_blocks_indexed``               gauge      distinct KV blocks the directory knows
 ``ei_kvdirectory_copies{tier}``                 gauge      block copies held, by tier (gpu = L1, host = L2)
+``ei_kvdirectory_count_syncs_total``            counter    node count snapshots sent to workers that lost a ``kv.counts``
+``ei_kvdirectory_count_sync_entries_total``     counter    block counts those snapshots carried
 ``ei_kvdirectory_ingest_seconds``               histogram  wall time to apply one ``kv.events`` batch
 ``ei_kvdirectory_lookup_seconds``               histogram  wall time to answer one ``kv.lookup``
 ==============================================  =========  ========================================================
@@ -53,4 +55,13 @@ def directory_families(svc: "DirectoryService") -> Iterator[Metric]:
     yield gauge_family(
         "ei_kvdirectory_copies", "KV block copies held, by tier (gpu = L1, host = L2)",
         {(t,): v for t in ("gpu", "host") if (v := g.get(f"copies.{t}")) is not None}, ["tier"],
+    )
+    sc = svc.counters
+    yield counter_family(
+        "ei_kvdirectory_count_syncs", "Node count snapshots sent to workers that lost a kv.counts message (kv.countsync)",
+        {(): float(sc.get("countsync.snapshots", 0))},
+    )
+    yield counter_family(
+        "ei_kvdirectory_count_sync_entries", "Block counts R[b, node] sent in kv.countsync snapshots",
+        {(): float(sc.get("countsync.entries", 0))},
     )

@@ -5,7 +5,8 @@ bus), calls the core with ``clock.now()``, publishes the core's outbox, logs
 what the core's results report, and runs the resync requests.
 
 Subjects in: ``kv.events.*``, ``branch.events``, ``route.placed``,
-``split.applied``, ``node.state.*`` (KV liveness); served: ``kv.lookup``; out:
+``split.applied``, ``node.state.*`` (KV liveness); served: ``kv.lookup``, ``kv.countsync.*``
+(a worker's counts after it lost a ``kv.counts`` message: ``CountSnapshot`` pieces); out:
 ``kv.counts.<node>``, ``kv.liveness``, ``branch.sync`` (once, at start: the routers
 republish their active branches and latest placements); requests: ``kv.resync.<node>``. A malformed payload is counted by the bus
 (``dropped.<template>``) and dropped; nothing here stops on bad input.
@@ -26,13 +27,43 @@ from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.metrics import HANDLER_BUCKETS_S, FuncCollector, make_registry
-from shared.subjects import BRANCH_EVENTS, BRANCH_SYNC, KV_COUNTS, KV_EVENTS, KV_LIVENESS, KV_LOOKUP, KV_RESYNC, NODE_STATE, ROUTE_PLACED, SPLIT_APPLIED
+from shared.subjects import (
+    BRANCH_EVENTS,
+    BRANCH_SYNC,
+    KV_COUNT_SYNC,
+    KV_COUNTS,
+    KV_EVENTS,
+    KV_LIVENESS,
+    KV_LOOKUP,
+    KV_RESYNC,
+    NODE_STATE,
+    ROUTE_PLACED,
+    SPLIT_APPLIED,
+)
 
 from .config import DirectoryConfig
 from .core import KvDirectory
 from .liveness import KvLiveness
 from .lookup import usable_lookup
 from .prom import directory_families
+
+COUNT_ENTRY_BYTES = 14
+"""Most msgpack bytes of one ``CountSnapshot`` entry: an int64 hash (9) and a count below 2^32 (5)."""
+
+
+class _CountSnap:
+    """A node's counts taken for a ``kv.countsync`` answered in several pieces (kept until its last
+    piece is served, a newer snapshot of the node replaces it, or ``count_sync_ttl_s`` passes)."""
+
+    __slots__ = ("id", "seq", "hashes", "counts", "taken")
+
+    def __init__(self, id: str, seq: int, hashes: list[int], counts: list[int], taken: float) -> None:
+        self.id = id
+        self.seq = seq
+        self.hashes = hashes
+        self.counts = counts
+        self.taken = taken
+        """``time.monotonic()`` when it was taken."""
 
 
 class DirectoryService:
@@ -79,6 +110,8 @@ class DirectoryService:
         """Nodes sent an empty ``kv.counts`` with :attr:`count_epoch` (on their first ``node.state``)."""
         self._stopping = False
         self._last_resync: dict[str, float] = {}
+        self._count_snaps: dict[str, _CountSnap] = {}
+        """Per node: the ``kv.countsync`` snapshot whose later pieces a worker is fetching (one each)."""
         """Monotonic time of the last resync request per node (at most one per ``resync_min_interval_s``)."""
         if cfg.nodes:
             bus.known_nodes = frozenset(cfg.nodes)
@@ -94,6 +127,7 @@ class DirectoryService:
         await self.bus.subscribe(ROUTE_PLACED, self._on_placed)
         await self.bus.subscribe(SPLIT_APPLIED, self._on_split)
         await self.bus.serve(KV_LOOKUP, self._on_lookup)
+        await self.bus.serve(KV_COUNT_SYNC, self._on_count_sync)
         await self.bus.subscribe(NODE_STATE, self._on_state)
         # a restarted directory has lost its branch table: the routers republish it (issue #22)
         await self.bus.publish(BRANCH_SYNC, m.BranchSync(directory=self.bus.instance, ts=self.clock.now()))
@@ -283,9 +317,60 @@ class DirectoryService:
         """Publish every pending ``kv.counts.<node>`` message; returns how many."""
         async with self._flush_lock:
             msgs = self.core.take_count_updates()
-            for cu in msgs:
-                await self.bus.publish(KV_COUNTS, msgspec.structs.replace(cu, epoch=self.count_epoch), node=cu.node)
+            await self._publish_counts(msgs)
             return len(msgs)
+
+    async def _publish_counts(self, msgs: list[m.CountUpdates]) -> None:
+        for cu in msgs:
+            await self.bus.publish(KV_COUNTS, msgspec.structs.replace(cu, epoch=self.count_epoch), node=cu.node)
+
+    # ------------------------------------------------------------------ #
+    # kv.countsync: a worker lost a kv.counts message (or reconnected)
+    # ------------------------------------------------------------------ #
+
+    def count_sync_piece(self) -> int:
+        """Entries per ``CountSnapshot`` piece: ``--count-sync-piece``, less when the server's max
+        payload (``nc.max_payload``, 1 MiB by default, 16 MiB on the embedded server) holds fewer."""
+        fits = (int(getattr(self.bus.nc, "max_payload", 1 << 20)) - 1024) // COUNT_ENTRY_BYTES
+        return max(1, min(self.cfg.count_sync_piece, fits))
+
+    async def _on_count_sync(self, req: m.CountSyncRequest, subject: str) -> m.CountSnapshot:
+        """Answer one piece of ``req.node``'s counts: a new snapshot for ``snapshot=""`` (after the
+        pending count changes are taken, in the same step, so it is the state after message
+        ``seq``: the worker drops older messages and applies newer ones), else the asked piece of
+        the kept one, or ``error`` when that one is gone (the worker starts again)."""
+        node, now = req.node, time.monotonic()
+        for n in [n for n, s in self._count_snaps.items() if now - s.taken > self.cfg.count_sync_ttl_s]:
+            del self._count_snaps[n]
+            self.counters["countsync.expired"] += 1
+        piece = self.count_sync_piece()
+        if req.snapshot:
+            snap = self._count_snaps.get(node)
+            if snap is None or snap.id != req.snapshot or req.offset >= len(snap.hashes):
+                self.counters["countsync.snapshot_gone"] += 1
+                return m.CountSnapshot(node=node, epoch=self.count_epoch, snapshot=req.snapshot, offset=req.offset,
+                                       error="count snapshot gone (expired or replaced): ask again from offset 0")  # fmt: skip
+        else:
+            self.counters["countsync.snapshots"] += 1
+            async with self._flush_lock:
+                msgs = self.core.take_count_updates()
+                hashes, counts, seq = self.core.count_snapshot(node)  # same step as the take: nothing pending
+                await self._publish_counts(msgs)
+            snap = _CountSnap(uuid.uuid4().hex[:16], seq, hashes, counts, now)
+            self.counters["countsync.entries"] += len(hashes)
+            self.log.info("count sync asked: node's counts sent", node=node, reason=req.reason, worker_epoch=req.epoch,
+                          worker_last_seq=req.last_seq, seq=seq, entries=len(hashes), pieces=-(-len(hashes) // piece))  # fmt: skip
+            if len(hashes) > piece:
+                self._count_snaps[node] = snap  # replaces an older one of the node
+            else:
+                self._count_snaps.pop(node, None)
+        lo = req.offset if req.snapshot else 0
+        hi = min(lo + piece, len(snap.hashes))
+        if req.snapshot and hi == len(snap.hashes):
+            del self._count_snaps[node]  # the last piece: the worker has them all
+        self.counters["countsync.pieces"] += 1
+        return m.CountSnapshot(node=node, epoch=self.count_epoch, seq=snap.seq, snapshot=snap.id, offset=lo, total=len(snap.hashes),
+                               hashes=snap.hashes[lo:hi], counts=snap.counts[lo:hi])  # fmt: skip
 
     async def _flush_loop(self) -> None:
         while True:
@@ -312,6 +397,7 @@ class DirectoryService:
         counters.update(self.counters)
         gauges = self.core.gauges()
         gauges["resync.in_flight"] = float(sum(1 for t in self._resyncs.values() if not t.done()))
+        gauges["countsync.kept"] = float(len(self._count_snaps))
         now = time.time()
         for node, silent, _last, stale in self.liveness.report(now):
             gauges[f"kv_silent_s.{node}"] = silent
