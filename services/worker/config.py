@@ -91,6 +91,27 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Meta(description="fault injection (tests, drills): publish no kv.events batches while serving, like a node "
              "whose KV publisher broke; the directory must mark its KV view stale (issue #22). Never set in production"),
     ] = False
+    fault_drop_counts: Annotated[
+        list[int],
+        Meta(description="fault injection (tests, drills): kv.counts messages with these seq numbers are dropped on "
+             "arrival, once each, as if NATS lost them (counts.fault_dropped); the worker must see the gap and sync its "
+             "counts from the directory (kv.countsync). Never set in production"),
+    ] = []
+    count_sync_timeout_s: Annotated[
+        float, Meta(gt=0, description="wall seconds to wait for each kv.countsync reply (the node's branch counts, after "
+                    "a lost kv.counts message)")
+    ] = 2.0
+    count_sync_backoff_max_s: Annotated[
+        float, Meta(gt=0, description="longest wall-clock pause between kv.countsync retries")
+    ] = 5.0
+    count_sync_min_interval_s: Annotated[
+        float, Meta(gt=0, description="least wall seconds between two kv.countsync snapshots asked (a run of gaps cannot "
+                    "start a storm)")
+    ] = 1.0
+    count_sync_buffer: Annotated[
+        int, Meta(gt=0, description="kv.counts messages kept while a kv.countsync runs (applied after its snapshot; the "
+                  "oldest dropped past it)")
+    ] = 4096
     requeue_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds to wait for the router to take back handed-back work (work.requeue)")
     ] = 5.0

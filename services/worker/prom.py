@@ -16,6 +16,11 @@ name                                       type     meaning
 ``ei_node_switching{node}``                gauge    1 while draining for a phase switch
 ``ei_node_iterations_total{node}``         counter  engine iterations run
 ``ei_node_split_epoch{node}``              gauge    epoch of the split command the node last applied
+``ei_node_count_gaps_total{node}``         counter  ``kv.counts`` messages found missing (a skipped ``seq``)
+``ei_node_count_stale_total{node}``        counter  ``kv.counts`` messages dropped as old or duplicated
+``ei_node_count_syncs_total{node}``        counter  node count snapshots applied from the directory (``kv.countsync``)
+``ei_node_count_sync_failures_total{node}`` counter ``kv.countsync`` requests without a usable reply (retried)
+``ei_node_count_syncing{node}``            gauge    1 while the node's counts await a ``kv.countsync`` snapshot
 =========================================  =======  ===============================================================
 """
 
@@ -55,3 +60,12 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
     for name, (doc, v) in g.items():
         yield gauge_family(name, doc, {(n,): float(v)}, ["node"])
     yield counter_family("ei_node_iterations", "Engine iterations run", {(n,): float(svc.core.iterations)}, ["node"])
+    cc = svc.counts.counters
+    for name, doc, v in (
+        ("ei_node_count_gaps", "kv.counts messages found missing (a skipped seq)", cc["gap"]),
+        ("ei_node_count_stale", "kv.counts messages dropped as old or duplicated", cc["stale"]),
+        ("ei_node_count_syncs", "Node count snapshots applied from the KV directory (kv.countsync)", cc["syncs"]),
+        ("ei_node_count_sync_failures", "kv.countsync requests without a usable reply (retried)", svc.counters["counts.sync.failures"]),
+    ):
+        yield counter_family(name, doc, {(n,): float(v)}, ["node"])
+    yield gauge_family("ei_node_count_syncing", "1 while the node's counts await a kv.countsync snapshot", {(n,): float(svc.counts.syncing)}, ["node"])

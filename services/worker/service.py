@@ -19,6 +19,8 @@ Subjects (DESIGN §3, ``shared/subjects.py``):
          work.requeue (WorkRequeue → WorkRequeueReply: work handed back in a phase switch)
          kv.pool.<peer> (real-bytes fetches)
          split.get (SplitQuery → SplitCommand: the current split, once at start)
+         kv.countsync.<node> (CountSyncRequest → CountSnapshot: every branch count of this node,
+             after a gap in kv.counts' seq or a reconnect to NATS; ``countseq.py``)
 
 In-place phase switch (paper §4.2, DESIGN §1) on a ``SplitCommand`` that changes
 this node's phase: ``split.applied(draining)``; ``accepting=False`` (the router
@@ -57,6 +59,7 @@ from shared.clock import SimClock
 from shared.profile import Profile, load_profile
 from shared.validate import epoch_step_ok
 from shared.subjects import (
+    KV_COUNT_SYNC,
     KV_COUNTS,
     KV_EVENTS,
     KV_RESYNC,
@@ -78,6 +81,7 @@ from shared.metrics import FuncCollector, make_registry
 from services.worker.traced import WorkerTraces
 from services.worker.prom import worker_families
 from services.worker.config import WorkerConfig
+from services.worker.countseq import CountStream
 from services.worker.engines.base import Engine
 from services.worker.engines.sim import SimEngine
 from shared.tokenizer import load_tokenizer, output_vocabulary  # the same tokenizers as the router: one spec
@@ -103,6 +107,10 @@ def make_torch_engine(cfg: WorkerConfig, profile: Profile) -> Engine:
     except ModuleNotFoundError as e:
         raise ValueError(f"--engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'") from e
     return TorchEngine(profile, cfg.model, dtype=cfg.dtype or None, device=cfg.device or None, check=cfg.check_invariants)
+
+
+class _BadCountSnapshot(Exception):
+    """A ``kv.countsync`` reply that cannot be used (the sync asks again from the start)."""
 
 
 @dataclass(slots=True)
@@ -187,8 +195,16 @@ class WorkerService:
             vocab = output_vocabulary(load_tokenizer(cfg.tokenizer))
         self.engine: Engine = make_torch_engine(cfg, self.profile) if cfg.engine == "torch" else ENGINES[cfg.engine](self.profile, vocab)
         self.counters: Counter[str] = Counter()
-        self._count_epoch: str | None = None
-        """``CountUpdates.epoch`` of the last count message (None before the first)."""
+        self.counts = CountStream(cfg.count_sync_buffer)
+        """Sequence check of ``kv.counts.<node>``: gaps, stale messages, directory restarts, syncs."""
+        self._count_sync_task: asyncio.Task[None] | None = None
+        self._last_count_sync = -1e18
+        """``time.monotonic()`` of the last snapshot asked on ``kv.countsync`` (rate limit)."""
+        self._counts_reconnect_seen = bus.reconnected_at
+        """``Bus.reconnected_at`` when the counts last checked it: a newer value means NATS reconnected."""
+        self._drop_counts = set(cfg.fault_drop_counts)
+        self._stopped = False
+        """``--fault-drop-counts``: seqs still to drop on arrival (fault injection)."""
         self.registry = make_registry(bus)
         """Prometheus registry served on ``--metrics-port`` (``services/worker/prom.py``)."""
         self.registry.register(FuncCollector(lambda: worker_families(self)))
@@ -278,6 +294,7 @@ class WorkerService:
     async def stop(self) -> None:
         """Stop the loop, flush iteration records and announce ``accepting=False``."""
         self.accepting = False
+        self._stopped = True
         for t in (*self._tasks, *self._binds.values(), *self._spawned):
             t.cancel()
         for t in (*self._tasks, *self._binds.values(), *self._spawned):
@@ -315,8 +332,13 @@ class WorkerService:
             "kv_seq": float(self.kv_seq),
         }
         gauges["fetching"] = float(self.core.fetching)
+        gauges["counts.syncing"] = 1.0 if self.counts.syncing else 0.0
+        gauges["counts.last_seq"] = float(self.counts.last)
+        gauges["counts.kept"] = float(len(self.counts.kept))
         gauges["switching"] = 1.0 if self._switch is not None else 0.0
         counters = dict(self.counters)
+        for k, v in self.counts.counters.items():
+            counters[f"counts.{k}"] = v
         counters["iterations"] = self.core.iterations
         for k, v in self.core.fetch_counters.items():
             counters[f"fetch.{k}"] = v
@@ -761,17 +783,135 @@ class WorkerService:
         self._input()
 
     async def _on_counts(self, msg: m.CountUpdates, _subject: str) -> None:
-        if msg.epoch != self._count_epoch:
-            if self._count_epoch is not None:  # the directory restarted: its counts start from empty
-                moved = self.core.reset_counts()
-                self.counters["counts.directory_restarts"] += 1
-                self.log.info("kv directory restarted: branch counts reset to 0", epoch=msg.epoch, moved=moved)
-            self._count_epoch = msg.epoch
+        if msg.seq and msg.seq in self._drop_counts:  # injected fault: NATS lost this message
+            self._drop_counts.discard(msg.seq)
+            self.counters["counts.fault_dropped"] += 1
+            return
+        self._check_reconnect()
+        st = self.counts
+        gaps = st.counters["gap"]
+        reset, action = st.offer(msg)
+        if reset:  # the directory restarted: its counts start from empty
+            moved = self.core.reset_counts()
+            self.log.info("kv directory restarted: branch counts reset to 0", epoch=msg.epoch, moved=moved)
+        if action == "apply":
+            self._apply_counts(msg.hashes, msg.counts)
+        if st.counters["gap"] != gaps:
+            self.bus.droplog.event("counts.gap", "kv.counts gap: node's counts asked from the directory", seq=msg.seq, last=st.last, reason=st.reason)
+        if st.syncing:
+            self._ensure_count_sync()
+
+    def _apply_counts(self, hashes: list[int], counts: list[int]) -> int:
+        """``core.update_counts``; a message it refuses is counted and dropped. Returns the host blocks moved."""
         try:
-            self.core.update_counts(msg.hashes, msg.counts)
+            return self.core.update_counts(hashes, counts)
         except ValueError as e:
             self.counters["counts.invalid"] += 1
             self.log.warning("invalid count update dropped", error=str(e))
+            return 0
+
+    def _check_reconnect(self) -> None:
+        """After a reconnect to NATS, a ``kv.counts`` message sent meanwhile may be lost with no later
+        one to show the gap: sync the counts (once per reconnect; only once a directory was heard)."""
+        seen = self.bus.reconnected_at
+        if seen == self._counts_reconnect_seen:
+            return
+        self._counts_reconnect_seen = seen
+        if self.counts.epoch is not None and self.counts.start_sync("reconnect"):
+            self.log.info("reconnected to NATS: node's branch counts asked from the directory")
+            self._ensure_count_sync()
+
+    def _ensure_count_sync(self) -> None:
+        t = self._count_sync_task
+        if (t is None or t.done()) and not self._stopped:
+            self._count_sync_task = t = asyncio.get_running_loop().create_task(self._sync_counts(), name=f"worker-{self.node}-countsync")
+            self._spawned.add(t)
+            t.add_done_callback(self._count_sync_done)
+
+    def _count_sync_done(self, t: asyncio.Task[None]) -> None:
+        self._spawned.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            self.counters["task_errors"] += 1
+            self.log.warning("count sync failed", error=repr(t.exception()))
+
+    async def _sync_counts(self) -> None:
+        """While :attr:`counts` is syncing: ask ``kv.countsync.<node>`` for the node's counts (one
+        snapshot per ``count_sync_min_interval_s`` at most; retried with backoff, each reply waited
+        ``count_sync_timeout_s``), then reset every count and apply the snapshot and the messages
+        kept meanwhile, in one synchronous step (nothing else runs between them).
+
+        The L2 pool afterwards, against a worker that lost no message (``reset_counts`` then
+        ``update_counts`` of the snapshot, tests/unit/worker/test_count_sync.py): every page in
+        the same group (count 0 or > 0): the set of counted pages is R[·, node] > 0, which is what
+        the messages up to the snapshot's ``seq`` net to (absolute values, each block's last one
+        wins). Also the same for a page written through to L2 since the directory's last count
+        of it: without a loss it counts 0 until the directory re-sends its count (it does on the
+        host store), after the sync it counts R's value at once; the re-send then changes nothing.
+        What differs is the order inside each group (the eviction order stamps): the reset moves
+        every queued counted page to the tail of the zero group (queue order), the snapshot moves
+        the pages with R > 0 back to the tail of the counted group in the snapshot's order (the
+        order the directory first counted them, not the order they were last used), each as a
+        count message moves pages (deepest first, ancestors lifted). So the counted group's LRU
+        order is replaced by the snapshot's, and the pages that lost their count meanwhile (now
+        zero-count) are stamped as just used; pages whose count stayed 0 keep their stamps.
+        """
+        st = self.counts
+        delay = 0.1
+        while st.syncing:
+            wait = self._last_count_sync + self.cfg.count_sync_min_interval_s - time.monotonic()
+            if wait > 0:
+                self.counters["counts.sync.rate_limited"] += 1
+                await asyncio.sleep(wait)
+                continue
+            self._last_count_sync = time.monotonic()
+            gen = st.asking()
+            try:
+                epoch, seq, hashes, counts = await self._fetch_counts()
+            except (BusError, _BadCountSnapshot) as e:
+                self.counters["counts.sync.failures"] += 1
+                self.bus.droplog.event("counts.sync", "count sync failed; retrying", level="warning", error=str(e)[:200], retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.cfg.count_sync_backoff_max_s)
+                continue
+            after = st.snapshot(epoch, seq, gen)
+            if after is None:
+                continue
+            moved = self.core.reset_counts()
+            moved += self._apply_counts(hashes, counts)
+            for msg in after:
+                moved += self._apply_counts(msg.hashes, msg.counts)
+            self.log.info("branch counts synced from the KV directory", seq=seq, entries=len(hashes), applied_after=len(after),
+                          moved=moved, again=st.syncing)  # fmt: skip
+            delay = 0.1
+
+    async def _fetch_counts(self) -> tuple[str, int, list[int], list[int]]:
+        """Every piece of one ``CountSnapshot`` of this node: ``(epoch, seq, hashes, counts)``.
+
+        Raises:
+            BusError: a request got no reply in ``count_sync_timeout_s`` (or was refused).
+            _BadCountSnapshot: a reply for another node, with ``error`` set (the snapshot expired
+                between two pieces), or a piece that does not continue the first.
+        """
+        st = self.counts
+        req = m.CountSyncRequest(node=self.node, reason=st.reason, epoch=st.epoch or "", last_seq=st.last)
+        timeout = self.cfg.count_sync_timeout_s
+        first = await self.bus.request(KV_COUNT_SYNC, req, timeout=timeout, node=self.node)
+        self.counters["counts.sync.pieces"] += 1
+        if first.node != self.node or first.error or first.offset != 0:
+            self.counters["counts.sync.bad_reply"] += 1
+            raise _BadCountSnapshot(f"reply for node {first.node!r}, offset {first.offset}, error {first.error!r}")
+        hashes, counts = list(first.hashes), list(first.counts)
+        while len(hashes) < first.total:
+            more = msgspec.structs.replace(req, snapshot=first.snapshot, offset=len(hashes))
+            piece = await self.bus.request(KV_COUNT_SYNC, more, timeout=timeout, node=self.node)
+            self.counters["counts.sync.pieces"] += 1
+            if (piece.error or piece.node != self.node or piece.snapshot != first.snapshot or piece.offset != len(hashes)
+                    or not piece.hashes or (piece.epoch, piece.seq, piece.total) != (first.epoch, first.seq, first.total)):  # fmt: skip
+                self.counters["counts.sync.bad_reply"] += 1
+                raise _BadCountSnapshot(f"piece at {len(hashes)} of {first.total} refused: {piece.error or 'does not continue the snapshot'}")
+            hashes += piece.hashes
+            counts += piece.counts
+        return first.epoch, first.seq, hashes, counts
 
     async def _on_resync(self, req: m.KvResyncRequest, _subject: str) -> m.KvSnapshot:
         now = self.clock.now()
@@ -1054,6 +1194,7 @@ class WorkerService:
             if wait > 0:
                 await asyncio.sleep(wait)
                 continue
+            self._check_reconnect()  # also when no count message comes after the reconnect
             try:
                 await self._publish_state(self.clock.now())
             except Exception as e:

@@ -1,0 +1,184 @@
+"""CountStream: the worker's sequence check of ``kv.counts.<node>`` (sans-IO).
+
+The KV directory sends branch counts R[b, node] (paper Alg. E.2) as absolute new values, only
+when they change, numbered ``seq`` = 1, 2, ... per node within one directory process
+(``CountUpdates.epoch``). Core NATS delivers at most once: a lost message would leave its
+blocks' counts stale until they change again, maybe never. This class tells, per message, what
+the shell does with it, and when the node's counts must be fetched whole from the directory
+(``kv.countsync.<node>``, ``CountSnapshot``):
+
+* a new ``epoch`` (a restarted directory, whose counts start empty): reset every count to 0,
+  then go on with the new process's numbers (the first message must be ``seq`` 1, or the ones
+  before it were lost: a gap);
+* ``seq == last + 1``: apply;
+* ``seq <= last``: an old or duplicated message, dropped (``stale``);
+* ``seq > last + 1``: a gap: the message is kept and a sync starts; while it runs, messages are
+  kept, not applied (at most ``buffer_max``; the oldest dropped first, counted);
+* the sync's snapshot (the counts after message ``S``): reset, apply it, drop the kept messages
+  up to ``S``, apply the kept ones after it in order; a hole among them (a message after ``S``
+  lost too) keeps the sync going;
+* ``seq == 0``: a message outside the numbering (the directory's epoch announcement, which
+  carries no counts): applied, never a gap.
+
+A kept message numbered past ``S`` that arrived before the sync's first request was sent cannot
+come from the directory (it numbered at most ``S`` messages by then): it is dropped
+(``sync.beyond_snapshot``), so a forged sequence jump costs one sync, not a loop of them.
+
+Every counter this class raises is under :attr:`CountStream.counters`; the shell reports them
+with the prefix ``counts.``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Literal
+
+from shared.messages import CountUpdates
+
+Action = Literal["apply", "stale", "kept"]
+"""What the shell does with a message: apply it now, drop it, or nothing yet (kept for after a sync)."""
+
+
+class CountStream:
+    """Sequence state of one node's ``kv.counts`` (one directory process at a time).
+
+    Args:
+        buffer_max: messages kept while a sync runs (the oldest are dropped past it; a dropped one
+            leaves a hole, so another sync follows).
+    """
+
+    def __init__(self, buffer_max: int = 4096) -> None:
+        if buffer_max < 1:
+            raise ValueError("buffer_max must be >= 1")
+        self.buffer_max = buffer_max
+        self.epoch: str | None = None
+        """``CountUpdates.epoch`` of the counts held (None before the first message or snapshot)."""
+        self.last = 0
+        """Last ``seq`` applied in :attr:`epoch` (0: none; a snapshot sets it to its ``seq``)."""
+        self.syncing = False
+        """True from a gap (or :meth:`start_sync`) until a snapshot closes it."""
+        self.reason = ""
+        """Why the sync in progress started (``gap``, ``first contact``, ``reconnect``, ...)."""
+        self.gen = 0
+        """Bumped when a sync in progress no longer fits (a new epoch arrived): a reply to a request
+        sent under an older generation is discarded (:meth:`snapshot`)."""
+        self.kept: dict[int, CountUpdates] = {}
+        """Messages of :attr:`epoch` received while syncing, by ``seq``."""
+        self.asked_above = 0
+        """Highest kept ``seq`` when the sync's first request went out (:meth:`asking`)."""
+        self.counters: Counter[str] = Counter()
+
+    def offer(self, msg: CountUpdates) -> tuple[bool, Action]:
+        """What to do with one received message: ``(reset, action)``. ``reset``: the directory
+        restarted (a new epoch): every count back to 0 first. O(1) (amortised; a full buffer
+        drops its oldest message in O(kept))."""
+        c = self.counters
+        reset = False
+        if msg.epoch != self.epoch:
+            reset = self.epoch is not None
+            if reset:
+                c["directory_restarts"] += 1
+            if self.syncing:  # the old process's counts are gone: its snapshot would not fit
+                self.syncing = False
+                self.gen += 1
+                c["sync.abandoned"] += 1
+            self.epoch, self.last = msg.epoch, 0
+            self.kept.clear()
+            if msg.seq > 1:
+                self._gap("first contact" if not reset else "new epoch")
+                self._keep(msg)
+                return reset, "kept"
+            if msg.seq == 1:
+                self.last = 1
+            return reset, "apply"
+        seq = msg.seq
+        if seq == 0:  # outside the numbering (the epoch announcement)
+            c["unsequenced"] += 1
+            return False, "apply"
+        if seq <= self.last:
+            c["stale"] += 1
+            return False, "stale"
+        if self.syncing:
+            return False, self._keep(msg)
+        if seq == self.last + 1:
+            self.last = seq
+            return False, "apply"
+        self._gap("gap")
+        self._keep(msg)
+        return False, "kept"
+
+    def start_sync(self, reason: str) -> bool:
+        """Ask for the node's counts whole although no gap was seen (the worker reconnected to NATS:
+        a message sent meanwhile may be lost with none after it to show the gap). Returns whether a
+        sync started (False: one runs already)."""
+        if self.syncing:
+            return False
+        self.syncing = True
+        self.reason = reason
+        self.counters["sync.started"] += 1
+        self.counters[f"sync.started.{reason.replace(' ', '_')}"] += 1
+        return True
+
+    def asking(self) -> int:
+        """The sync's first request (the one that makes the directory take its snapshot) goes out
+        now: kept messages so far were sent before the snapshot. Returns :attr:`gen`, to pass to
+        :meth:`snapshot`."""
+        self.asked_above = max(self.kept, default=0)
+        return self.gen
+
+    def snapshot(self, epoch: str, seq: int, gen: int) -> list[CountUpdates] | None:
+        """The directory's counts after its message ``seq`` of ``epoch`` arrived whole. Returns
+        None when they must not be applied (a sync that no longer runs or was superseded, or a
+        snapshot older than the counts held: counted), else the kept messages to apply after
+        them, in order. The shell then resets every count, applies the snapshot and these
+        (:meth:`WorkerService._sync_counts`). O(kept)."""
+        c = self.counters
+        if not self.syncing or gen != self.gen:
+            c["sync.superseded"] += 1
+            return None
+        if epoch != self.epoch:  # the directory restarted after the gap: its snapshot is all there is
+            c["sync.new_epoch"] += 1
+            self.epoch, self.last = epoch, 0
+            self.kept.clear()
+        elif seq < self.last:  # cannot come from the directory (its numbers only grow): ask again
+            c["sync.stale"] += 1
+            return None
+        c["syncs"] += 1
+        self.last = seq
+        kept = self.kept
+        old = [s for s in kept if s <= seq]
+        forged = [s for s in kept if seq < s <= self.asked_above]
+        for s in old:
+            del kept[s]
+        for s in forged:
+            del kept[s]
+        c["sync.kept_before_snapshot"] += len(old)
+        c["sync.beyond_snapshot"] += len(forged)
+        after = []
+        while self.last + 1 in kept:
+            self.last += 1
+            after.append(kept.pop(self.last))
+        c["sync.applied_after"] += len(after)
+        self.asked_above = 0
+        if kept:  # a message after the snapshot was lost too: sync again
+            c["sync.hole_after"] += 1
+        else:
+            self.syncing = False
+        return after
+
+    def _gap(self, reason: str) -> None:
+        self.counters["gap"] += 1
+        if reason != "gap":
+            self.counters[f"gap.{reason.replace(' ', '_')}"] += 1
+        self.start_sync(reason)
+
+    def _keep(self, msg: CountUpdates) -> Action:
+        kept = self.kept
+        if msg.seq in kept:
+            self.counters["stale"] += 1  # the same message twice
+            return "stale"
+        kept[msg.seq] = msg
+        if len(kept) > self.buffer_max:
+            del kept[min(kept)]
+            self.counters["sync.buffer_overflow"] += 1
+        return "kept"
