@@ -348,7 +348,7 @@ class DirectoryService:
             snap = self._count_snaps.get(node)
             if snap is None or snap.id != req.snapshot or req.offset >= len(snap.hashes):
                 self.counters["countsync.snapshot_gone"] += 1
-                return m.CountSnapshot(node=node, epoch=self.count_epoch, snapshot=req.snapshot, offset=req.offset,
+                return m.CountSnapshot(node=node, epoch=self.count_epoch, snapshot=req.snapshot,
                                        error="count snapshot gone (expired or replaced): ask again from offset 0")  # fmt: skip
         else:
             self.counters["countsync.snapshots"] += 1

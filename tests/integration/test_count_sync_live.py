@@ -1,0 +1,175 @@
+"""A worker that lost ``kv.counts`` messages gets its branch counts back (``kv.countsync``),
+over a real nats-server: the KV directory and a worker run in-process as their services (real
+bus, sim engine, ``branch-count`` host eviction); the test drives the directory's counts as a
+router would (``branch.events``, ``route.placed``) and makes the worker lose a message
+deterministically: ``--fault-drop-counts`` drops the directory's message with that seq on
+arrival, or the test publishes a message with a skipped seq itself. Afterwards the worker's
+counted blocks are the directory's R[·, node] > 0."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from services.kvdirectory.config import DirectoryConfig
+from services.kvdirectory.service import DirectoryService
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+from shared import messages as m
+from shared.bus import Bus, BusError
+from shared.service import serve_until_stopped
+from shared.subjects import BRANCH_EVENTS, KV_COUNT_SYNC, KV_COUNTS, ROUTE_PLACED, SVC_STATS, Subjects
+
+pytestmark = pytest.mark.timeout(60)
+BS = 4  # the tiny profile's block size
+
+
+@asynccontextmanager
+async def cluster(url: str, *, directory: dict[str, Any] | None = None, worker: dict[str, Any] | None = None) -> AsyncIterator[tuple[Bus, DirectoryService, WorkerService]]:
+    """The directory and worker ``w0`` as in-process services; yields a client bus and both service objects."""
+    made: dict[str, Any] = {}
+    origin = time.time()
+    dcfg = DirectoryConfig(nats_url=url, block_size=BS, counts_flush_s=0.02, clock_origin=origin, **(directory or {}))
+    wcfg = WorkerConfig(nats_url=url, node="w0", profile="tiny", host_eviction="branch-count", idle_state_interval_s=0.2,
+                        clock_origin=origin, check_invariants=True, **(worker or {}))  # fmt: skip
+
+    def keep(kind: str, cls: Any) -> Any:
+        def factory(cfg: Any, bus: Bus, clock: Any) -> Any:
+            made[kind] = cls(cfg, bus, clock)
+            return made[kind]
+
+        return factory
+
+    stops = [asyncio.Event(), asyncio.Event()]
+    tasks = [
+        asyncio.create_task(serve_until_stopped("kvdirectory", dcfg, keep("dir", DirectoryService), instance="kvdirectory", stop_event=stops[0])),
+        asyncio.create_task(serve_until_stopped("worker", wcfg, keep("w0", WorkerService), instance="worker-w0", stop_event=stops[1])),
+    ]
+    client = await Bus.connect(url, Subjects("p0"), service="test", instance="test")
+    try:
+        for inst in ("kvdirectory", "worker-w0"):
+            for _ in range(200):  # ready once svc.stats answers (after start())
+                try:
+                    await client.request(SVC_STATS, m.StatsRequest(), instance=inst, timeout=0.2)
+                    break
+                except BusError:
+                    for t in tasks:
+                        if t.done():
+                            t.result()
+                    await asyncio.sleep(0.02)
+        yield client, made["dir"], made["w0"]
+    finally:
+        for s in stops:
+            s.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        await client.close()
+
+
+async def until(pred, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def directory_counts(d: DirectoryService) -> dict[int, int]:
+    """R[·, w0] > 0 now (pending changes included; the core's own snapshot wants them taken first)."""
+    return {h: d.core.count("w0", h) for h in range(0, 2000) if d.core.count("w0", h)}
+
+
+def worker_counted(w: WorkerService) -> set[int]:
+    """Blocks whose last count on the worker is > 0 (the branch-count L2 pool's record)."""
+    return set(w.core.kv.host.counted)
+
+
+async def place(c: Bus, branch: str, path: list[int], *, start: bool = True) -> None:
+    if start:
+        await c.publish(BRANCH_EVENTS, m.BranchStart(branch_id=branch))
+    await c.publish(ROUTE_PLACED, m.RoutePlaced(rid=f"r-{branch}", branch_id=branch, node="w0", phase="prefill", block_hashes=path))
+
+
+A, B, C = [101, 102, 103], [201, 202], [301, 302, 303, 304]
+
+
+async def test_a_lost_count_message_is_seen_as_a_gap_and_the_counts_come_back(nats_url):
+    async with cluster(nats_url, worker={"fault_drop_counts": [2]}) as (c, d, w):
+        await place(c, "a", A)
+        await until(lambda: w.counts.last == 1, what="message 1 applied")
+        assert worker_counted(w) == set(A)
+        await place(c, "b", B)  # message 2: lost on the way
+        await until(lambda: w.counters["counts.fault_dropped"] == 1, what="message 2 dropped")
+        assert worker_counted(w) == set(A) and directory_counts(d) == {h: 1 for h in A + B}  # stale: B's counts missing
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a"))  # message 3 shows the gap
+        await until(lambda: w.counts.counters["syncs"] >= 1 and not w.counts.syncing, what="counts synced")
+        assert worker_counted(w) == set(directory_counts(d)) == set(B)
+        await place(c, "c", C)  # later messages apply as usual
+        await until(lambda: worker_counted(w) == set(B + C), what="message after the sync applied")
+        assert worker_counted(w) == set(directory_counts(d))
+        ws = await c.request(SVC_STATS, m.StatsRequest(), instance="worker-w0")
+        ds = await c.request(SVC_STATS, m.StatsRequest(), instance="kvdirectory")
+        assert ws.counters["counts.gap"] == 1 and ws.counters["counts.syncs"] == 1 and ws.gauges["counts.syncing"] == 0
+        assert ws.counters.get("counts.sync.failures", 0) == 0 and not any(k.startswith("handler_errors") for k in ws.counters)
+        assert ds.counters["countsync.snapshots"] == 1 and ds.counters["countsync.entries"] == len(B)
+
+
+async def test_a_skipped_seq_on_the_bus_syncs_and_the_forged_message_is_dropped(nats_url):
+    async with cluster(nats_url) as (c, d, w):
+        await place(c, "a", A)
+        await place(c, "b", B)
+        await until(lambda: worker_counted(w) == set(A + B), what="counts applied")
+        last, epoch = w.counts.last, w.counts.epoch
+        assert last >= 1 and epoch == d.count_epoch
+        # a message numbered past the directory's: its own numbers are below, so it is not applied
+        await c.publish(KV_COUNTS, m.CountUpdates(node="w0", seq=last + 5, epoch=epoch, hashes=[999], counts=[3]), node="w0")
+        await until(lambda: w.counts.counters["syncs"] >= 1 and not w.counts.syncing, what="counts synced")
+        assert w.counts.counters["gap"] == 1 and w.counts.counters["sync.beyond_snapshot"] == 1 and w.counts.last == last
+        assert 999 not in worker_counted(w) and worker_counted(w) == set(directory_counts(d)) == set(A + B)
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a"))  # the directory's next number applies
+        await until(lambda: worker_counted(w) == set(B), what="the directory's next message applied")
+        assert w.counts.last == last + 1 and w.counts.counters["gap"] == 1
+
+
+async def test_a_large_node_snapshot_comes_in_pieces(nats_url):
+    """``--count-sync-piece 3``: the worker fetches the snapshot in pieces of a kept snapshot."""
+    big = list(range(1000, 1011))
+    async with cluster(nats_url, directory={"count_sync_piece": 3}, worker={"fault_drop_counts": [2]}) as (c, d, w):
+        await place(c, "a", A)
+        await until(lambda: w.counts.last == 1, what="message 1 applied")
+        await place(c, "big", big)  # message 2: lost
+        await until(lambda: w.counters["counts.fault_dropped"] == 1, what="message 2 dropped")
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a"))
+        await until(lambda: w.counts.counters["syncs"] >= 1 and not w.counts.syncing, what="counts synced")
+        assert worker_counted(w) == set(big) == set(directory_counts(d))
+        assert w.counters["counts.sync.pieces"] == 4 and d.counters["countsync.pieces"] == 4 and not d._count_snaps
+        # a piece of a snapshot the directory no longer keeps is refused with a reason
+        gone = await c.request(KV_COUNT_SYNC, m.CountSyncRequest(node="w0", snapshot="nope", offset=3), timeout=2.0, node="w0")
+        assert gone.error and gone.hashes == [] and d.counters["countsync.snapshot_gone"] == 1
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_that_reconnects_to_nats_syncs_its_counts(nats_server):
+    """A NATS server SIGKILL and restart: a ``kv.counts`` message sent meanwhile may be lost with
+    no later one to show it, so a reconnected worker asks for its counts once."""
+    import os
+    import signal
+
+    async with cluster(nats_server.url) as (c, d, w):
+        await place(c, "a", A)
+        await until(lambda: worker_counted(w) == set(A), what="counts applied")
+        os.kill(nats_server.pid, signal.SIGKILL)
+        await asyncio.sleep(0.3)
+        d.core.branch_end("a", d.clock.now())  # the release goes out while the server is down
+        with contextlib.suppress(Exception):
+            await d.flush_counts()
+        nats_server.restart()
+        await until(lambda: w.counts.counters["sync.started.reconnect"] >= 1, timeout=30, what="the reconnected worker asks")
+        await until(lambda: w.counts.counters["syncs"] >= 1 and not w.counts.syncing, timeout=30, what="counts synced")
+        assert worker_counted(w) == set(directory_counts(d)) == set()
