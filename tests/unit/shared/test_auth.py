@@ -41,6 +41,7 @@ def test_roles_are_confined():
     assert not allowed(w0, "publish", p + "split.commands")
     assert not allowed(w0, "publish", p + "kv.events.w1") and allowed(w0, "publish", p + "kv.events.w0")
     assert not allowed(w0, "publish", p + "node.state.w1") and allowed(w0, "publish", p + "node.state.w0")
+    assert not allowed(w0, "publish", p + "kv.countsync.w1") and allowed(w0, "publish", p + "kv.countsync.w0")  # its own counts only
     assert not allowed(w0, "publish", p + "work.w1.prefill")
     assert not allowed(w0, "subscribe", p + "req.x.out") and not allowed(w0, "subscribe", p + "work.w1.prefill")
     assert not allowed(w0, "subscribe", "_INBOX.router.abc")
