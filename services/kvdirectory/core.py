@@ -575,8 +575,8 @@ class KvDirectory:
         its counts to (``kv.countsync.<node>``, ``CountSnapshot``).
 
         Returns ``(hashes, counts)`` — two lists of :meth:`counted_blocks` entries, ``counts[i] =
-        R[hashes[i], node]`` (branches, ≥ 1), in R's order (the order the blocks were first
-        counted there) — and ``seq``, ``BranchTable.out_seq[node]`` (0: no message yet; also
+        R[hashes[i], node]`` (branches, ≥ 1), in R's order (the order the blocks' counts last rose
+        from 0 there) — and ``seq``, ``BranchTable.out_seq[node]`` (0: no message yet; also
         for a node the directory never heard of, with empty lists). Source: the branch table's
         per-node R (paper Alg. E.2) and its message counter. O(counted blocks on ``node``),
         C-level list copies; reads only.

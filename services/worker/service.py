@@ -203,8 +203,9 @@ class WorkerService:
         self._counts_reconnect_seen = bus.reconnected_at
         """``Bus.reconnected_at`` when the counts last checked it: a newer value means NATS reconnected."""
         self._drop_counts = set(cfg.fault_drop_counts)
-        self._stopped = False
         """``--fault-drop-counts``: seqs still to drop on arrival (fault injection)."""
+        self._stopped = False
+        """Set by :meth:`stop`: no count sync starts after it (``accepting`` is also False while draining)."""
         self.registry = make_registry(bus)
         """Prometheus registry served on ``--metrics-port`` (``services/worker/prom.py``)."""
         self.registry.register(FuncCollector(lambda: worker_families(self)))
@@ -850,7 +851,7 @@ class WorkerService:
         What differs is the order inside each group (the eviction order stamps): the reset moves
         every queued counted page to the tail of the zero group (queue order), the snapshot moves
         the pages with R > 0 back to the tail of the counted group in the snapshot's order (the
-        order the directory first counted them, not the order they were last used), each as a
+        order their directory counts last rose from 0, not the order they were last used), each as a
         count message moves pages (deepest first, ancestors lifted). So the counted group's LRU
         order is replaced by the snapshot's, and the pages that lost their count meanwhile (now
         zero-count) are stamped as just used; pages whose count stayed 0 keep their stamps.
