@@ -260,6 +260,14 @@ class CountUpdates(Msg, frozen=True, kw_only=True):
     starts from empty counts and sends only changes, so a count set before the restart would never
     be sent as 0: a worker that sees ``epoch`` change resets every count to 0 before applying the
     message (``EngineScheduler.reset_counts``)."""
+    beacon: bool = False
+    """True: not a numbered message but the directory's periodic note that it has published the
+    node's messages up to ``seq`` (``--count-seq-beacon-s``; no entries, ``seq`` not incremented).
+    A worker whose last applied ``seq`` is below it lost the last message(s) with none after them
+    to show the gap, and syncs (``kv.countsync``). Absent (False) from a directory that predates
+    it; a worker that predates it decodes it as an empty message numbered ``seq``: dropped as
+    stale when ``seq`` is its last, a gap when past ``last + 1``, and taken as message ``last + 1``
+    otherwise, which hides that message's loss exactly as no beacon would (``countseq.py``)."""
 
 
 # kv.countsync.<node>  (worker → directory, request/reply: the node's counts after a kv.counts gap)

@@ -198,6 +198,8 @@ def _counts(c: m.CountUpdates, p: dict[str, str], nodes: Collection[str] | None)
         raise Invalid(f"{len(c.counts)} counts for {len(c.hashes)} hashes")
     if c.counts and min(c.counts) < 0:  # R[b, n] counts branches; the worker's host pool reads 0 vs > 0
         raise Invalid("a count is negative")
+    if c.beacon and c.hashes:  # a beacon only says how far the numbering went: counts in it would never apply
+        raise Invalid("a seq beacon carries counts")
     _text(c.epoch, "epoch", MAX_ID_LEN)
 
 

@@ -84,6 +84,8 @@ def test_sizes_counts_and_lists_are_bounded():
     assert "fetch range" in check(msgspec.structs.replace(w, fetch=[m.FetchRange(node="w1", start=0, end=99)]))
     assert "counts" in check(m.CountUpdates(node="w0", hashes=[1, 2], counts=[1]))
     assert "negative" in check(m.CountUpdates(node="w0", hashes=[1, 2], counts=[1, -1]))
+    assert "beacon carries counts" in check(m.CountUpdates(node="w0", seq=3, beacon=True, hashes=[1], counts=[1]))
+    assert check(m.CountUpdates(node="w0", seq=3, beacon=True)) is None
     assert "counts" in check(m.CountSnapshot(node="w0", total=2, hashes=[1, 2], counts=[1]))
     assert "past the snapshot" in check(m.CountSnapshot(node="w0", offset=1, total=2, hashes=[1, 2], counts=[1, 1]))
     assert check(m.CountSnapshot(node="w0", offset=1, total=3, hashes=[1, 2], counts=[1, 1])) is None
