@@ -94,7 +94,8 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     fault_drop_counts: Annotated[
         list[int],
         Meta(description="fault injection (tests, drills): kv.counts messages with these seq numbers are dropped on "
-             "arrival, once each, as if NATS lost them (counts.fault_dropped); the worker must see the gap and sync its "
+             "arrival, once each, as if NATS lost them (counts.fault_dropped; the directory's seq beacons are never "
+             "dropped); the worker must see the gap and sync its "
              "counts from the directory (kv.countsync). Never set in production"),
     ] = []
     count_sync_timeout_s: Annotated[

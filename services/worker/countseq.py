@@ -18,7 +18,16 @@ the shell does with it, and when the node's counts must be fetched whole from th
   up to ``S``, apply the kept ones after it in order; a hole among them (a message after ``S``
   lost too) keeps the sync going;
 * ``seq == 0``: a message outside the numbering (the directory's epoch announcement, which
-  carries no counts): applied, never a gap.
+  carries no counts): applied, never a gap;
+* a beacon (``CountUpdates.beacon``, no counts; the directory sends one per node every
+  ``--count-seq-beacon-s`` with the ``seq`` of the last message it published to the node):
+  ``seq > last`` is a gap (``gap.beacon``): the last message(s) were lost with none after them,
+  which no numbered message would ever show; ``seq <= last`` is fine (``seq < last``: the beacon
+  was read before a later message went out); in a new epoch every message up to ``seq`` was
+  missed (a gap, as a numbered message past 1); while a sync runs it is ignored (the snapshot is
+  taken after it was sent, or, if not, the next beacon shows what is still missing). Never kept,
+  never applied, never taken for the message with its number. (A beacon with ``seq`` 0 says
+  nothing the epoch announcement does not: taken as one.)
 
 A kept message numbered past ``S`` that arrived before the sync's first request was sent cannot
 come from the directory (it numbered at most ``S`` messages by then): it is dropped
@@ -35,8 +44,9 @@ from typing import Literal
 
 from shared.messages import CountUpdates
 
-Action = Literal["apply", "stale", "kept"]
-"""What the shell does with a message: apply it now, drop it, or nothing yet (kept for after a sync)."""
+Action = Literal["apply", "stale", "kept", "beacon"]
+"""What the shell does with a message: apply it now, drop it, nothing yet (kept for after a sync), or
+nothing (a beacon: no counts; a gap it showed has started a sync)."""
 
 
 class CountStream:
@@ -73,17 +83,10 @@ class CountStream:
         restarted (a new epoch): every count back to 0 first. O(1) (amortised; a full buffer
         drops its oldest message in O(kept))."""
         c = self.counters
-        reset = False
+        if msg.beacon and msg.seq:
+            return self._beacon(msg)
         if msg.epoch != self.epoch:
-            reset = self.epoch is not None
-            if reset:
-                c["directory_restarts"] += 1
-            if self.syncing:  # the old process's counts are gone: its snapshot would not fit
-                self.syncing = False
-                self.gen += 1
-                c["sync.abandoned"] += 1
-            self.epoch, self.last = msg.epoch, 0
-            self.kept.clear()
+            reset = self._new_epoch(msg.epoch)
             if msg.seq > 1:
                 self._gap("first contact" if not reset else "new epoch")
                 self._keep(msg)
@@ -106,6 +109,33 @@ class CountStream:
         self._gap("gap")
         self._keep(msg)
         return False, "kept"
+
+    def _new_epoch(self, epoch: str) -> bool:
+        """Adopt ``epoch`` with nothing applied in it; returns whether counts of another one were held (reset them)."""
+        c = self.counters
+        reset = self.epoch is not None
+        if reset:
+            c["directory_restarts"] += 1
+        if self.syncing:  # the old process's counts are gone: its snapshot would not fit
+            self.syncing = False
+            self.gen += 1
+            c["sync.abandoned"] += 1
+        self.epoch, self.last = epoch, 0
+        self.kept.clear()
+        return reset
+
+    def _beacon(self, msg: CountUpdates) -> tuple[bool, Action]:
+        """A beacon: the directory has published the node's messages up to ``msg.seq`` (> 0)."""
+        c = self.counters
+        c["beacon"] += 1
+        if msg.epoch != self.epoch:  # messages 1..seq of this process all missed
+            reset = self._new_epoch(msg.epoch)
+            self._gap("first contact" if not reset else "new epoch")
+            return reset, "beacon"
+        if self.syncing or msg.seq <= self.last:
+            return False, "beacon"
+        self._gap("beacon")
+        return False, "beacon"
 
     def start_sync(self, reason: str) -> bool:
         """Ask for the node's counts whole although no gap was seen (the worker reconnected to NATS:

@@ -784,7 +784,7 @@ class WorkerService:
         self._input()
 
     async def _on_counts(self, msg: m.CountUpdates, _subject: str) -> None:
-        if msg.seq and msg.seq in self._drop_counts:  # injected fault: NATS lost this message
+        if msg.seq and not msg.beacon and msg.seq in self._drop_counts:  # injected fault: NATS lost this message
             self._drop_counts.discard(msg.seq)
             self.counters["counts.fault_dropped"] += 1
             return

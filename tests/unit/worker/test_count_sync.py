@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from services.kvdirectory.core import KvDirectory
 from services.worker.blocks import KvBlockManager
 from services.worker.countseq import CountStream
-from shared.messages import CountUpdates
+from shared.messages import CountUpdates, Msg, NonNeg
 from tests.unit.worker.test_count_message_cut import compute, order
 
 
@@ -95,6 +96,66 @@ def test_a_snapshot_older_than_the_counts_held_is_refused_and_a_reconnect_syncs(
     gen = s.asking()
     assert s.snapshot("e1", 2, gen) is None and s.syncing and s.counters["sync.stale"] == 1
     assert s.snapshot("e1", 3, s.asking()) == [] and not s.syncing and s.counters["sync.started.reconnect"] == 1
+
+
+def beacon(seq: int, epoch: str = "e1") -> CountUpdates:
+    return CountUpdates(node="w0", seq=seq, epoch=epoch, beacon=True)
+
+
+def test_a_beacon_at_or_below_last_is_fine_and_one_past_it_syncs():
+    s = CountStream()
+    s.offer(cu(1))
+    s.offer(cu(2))
+    assert s.offer(beacon(2)) == (False, "beacon") and s.offer(beacon(1)) == (False, "beacon")  # 1: read before 2 went out
+    assert (s.syncing, s.last, s.counters["stale"], s.counters["gap"], s.counters["beacon"]) == (False, 2, 0, 0, 2)
+    # the directory published 3 and nothing after it: only the beacon shows it lost
+    assert s.offer(beacon(3)) == (False, "beacon") and s.syncing and s.reason == "beacon" and s.last == 2
+    assert s.counters["gap"] == 1 and s.counters["gap.beacon"] == 1 and s.counters["sync.started.beacon"] == 1 and not s.kept
+    assert s.offer(beacon(3)) == (False, "beacon") and s.counters["gap"] == 1  # while syncing: ignored, not kept
+    assert s.snapshot("e1", 3, s.asking()) == [] and not s.syncing and s.last == 3
+    assert s.offer(cu(4)) == (False, "apply")
+
+
+def test_a_beacon_is_never_taken_for_the_message_with_its_number():
+    s = CountStream()
+    s.offer(cu(1))
+    s.offer(beacon(3))  # 2 and 3 lost
+    gen = s.asking()
+    assert s.offer(cu(3)) == (False, "kept") and sorted(s.kept) == [3]  # the real 3 (a late copy) is kept, not "stale"
+    assert [m.seq for m in s.snapshot("e1", 2, gen)] == [3] and s.last == 3 and not s.syncing
+
+
+def test_a_beacon_of_a_new_epoch_means_every_message_up_to_it_was_missed():
+    s = CountStream()
+    assert s.offer(beacon(1)) == (False, "beacon") and s.syncing and s.reason == "first contact" and s.last == 0
+    assert s.counters["gap.first_contact"] == 1
+    s.snapshot("e1", 1, s.asking())
+    gen = s.asking()
+    assert s.offer(beacon(4, "e2")) == (True, "beacon") and s.syncing and s.reason == "new epoch" and s.gen == gen
+    assert s.counters["directory_restarts"] == 1 and s.counters["gap.new_epoch"] == 1 and s.epoch == "e2"
+    # a beacon with seq 0 says no more than the epoch announcement
+    t = CountStream()
+    assert t.offer(beacon(0)) == (False, "apply") and t.offer(beacon(0)) == (False, "apply") and not t.syncing
+    assert t.counters["unsequenced"] == 1 and t.counters["beacon"] == 0
+
+
+class OldCountUpdates(Msg, frozen=True, kw_only=True):
+    """``CountUpdates`` as it was before the ``beacon`` field."""
+
+    node: str
+    seq: NonNeg = 0
+    hashes: list[int] = []
+    counts: list[NonNeg] = []
+    epoch: str = ""
+
+
+def test_a_beacon_decodes_for_a_worker_that_predates_it_and_an_old_message_is_no_beacon():
+    """msgspec ignores fields it does not know and defaults the ones it misses: the pairing of an
+    old worker with a new directory, or the reverse, decodes every message (``CountUpdates.beacon``)."""
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(beacon(5)), type=OldCountUpdates)
+    assert (old.seq, old.hashes, old.epoch) == (5, [], "e1")
+    new = msgspec.msgpack.decode(msgspec.msgpack.encode(OldCountUpdates(node="w0", seq=5, epoch="e1")), type=CountUpdates)
+    assert new.beacon is False and CountStream().offer(new) == (False, "kept")  # a numbered (empty) message
 
 
 def test_the_buffer_is_bounded():
@@ -180,6 +241,27 @@ def test_a_synced_pool_has_every_page_in_the_group_of_a_pool_that_lost_nothing(s
     synced.check([])
     # the order inside a group may differ (eviction stamps), never the split into groups
     assert sorted(order(synced)) == sorted(order(whole))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_lost_last_message_is_shown_by_the_beacon_and_the_sync_matches_a_pool_that_lost_nothing(seed):
+    """The last message lost and none after it: no numbered message shows the gap; the
+    directory's beacon (the seq it reached, ``count_snapshot``'s) does."""
+    d, msgs = messages(seed)
+    whole, synced = pool(), pool()
+    s = CountStream()
+    for i, msg in enumerate(msgs):
+        whole.update_counts(msg.hashes, msg.counts)
+        if i < len(msgs) - 1 and s.offer(msg)[1] == "apply":
+            synced.update_counts(msg.hashes, msg.counts)
+    hashes, counts, seq = d.count_snapshot("w0")
+    assert not s.syncing and s.last == seq - 1  # nothing seen wrong
+    assert s.offer(CountUpdates(node="w0", seq=seq, beacon=True)) == (False, "beacon") and s.syncing
+    assert s.snapshot("", seq, s.asking()) == [] and not s.syncing
+    synced.reset_counts()
+    synced.update_counts(hashes, counts)
+    assert groups(synced) == groups(whole)
+    assert s.offer(CountUpdates(node="w0", seq=seq, beacon=True)) == (False, "beacon") and s.counters["gap"] == 1
 
 
 def test_without_the_sync_the_lost_messages_leave_pages_in_the_wrong_group():
