@@ -58,6 +58,12 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
         float, Meta(gt=0, description="wall seconds a kv.countsync snapshot is kept for its next pieces before a worker "
                     "must ask again from the start")
     ] = 30.0
+    count_seq_beacon_s: Annotated[
+        float,
+        Meta(ge=0, description="wall seconds between seq beacons: every node sent kv.counts gets an empty one with the seq "
+             "of the last message published to it, so a worker that lost the last one(s), with none after them to show "
+             "the gap, syncs (kv.countsync); 0 disables"),
+    ] = 5.0
     reuse_hit_scope: Annotated[
         Literal["cluster", "local"],
         Meta(description="lost-reuse accounting: cluster = shared pool hits, local = the node's own cache only"),

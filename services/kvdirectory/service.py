@@ -7,7 +7,8 @@ what the core's results report, and runs the resync requests.
 Subjects in: ``kv.events.*``, ``branch.events``, ``route.placed``,
 ``split.applied``, ``node.state.*`` (KV liveness); served: ``kv.lookup``, ``kv.countsync.*``
 (a worker's counts after it lost a ``kv.counts`` message: ``CountSnapshot`` pieces); out:
-``kv.counts.<node>``, ``kv.liveness``, ``branch.sync`` (once, at start: the routers
+``kv.counts.<node>`` (count changes; every ``count_seq_beacon_s`` a seq beacon with the node's last
+``seq``), ``kv.liveness``, ``branch.sync`` (once, at start: the routers
 republish their active branches and latest placements); requests: ``kv.resync.<node>``. A malformed payload is counted by the bus
 (``dropped.<template>``) and dropped; nothing here stops on bad input.
 """
@@ -110,9 +111,14 @@ class DirectoryService:
         """Nodes sent an empty ``kv.counts`` with :attr:`count_epoch` (on their first ``node.state``)."""
         self._stopping = False
         self._last_resync: dict[str, float] = {}
+        """Monotonic time of the last resync request per node (at most one per ``resync_min_interval_s``)."""
         self._count_snaps: dict[str, _CountSnap] = {}
         """Per node: the ``kv.countsync`` snapshot whose later pieces a worker is fetching (one each)."""
-        """Monotonic time of the last resync request per node (at most one per ``resync_min_interval_s``)."""
+        self._count_seq: dict[str, int] = {}
+        """Per node: ``seq`` of the last ``kv.counts`` message taken from the core for it. Set before
+        the messages are published, under :attr:`_flush_lock`, so whoever reads it holding the lock
+        sees only numbers whose publication has returned (or failed: a lost message the beacon
+        then reveals). A node sent no counts yet is absent (no beacon: nothing to have lost)."""
         if cfg.nodes:
             bus.known_nodes = frozenset(cfg.nodes)
 
@@ -134,6 +140,8 @@ class DirectoryService:
         self.counters["branch_sync.sent"] += 1
         self._tasks.append(asyncio.create_task(self._flush_loop(), name="kvdirectory-flush"))
         self._tasks.append(asyncio.create_task(self._liveness_loop(), name="kvdirectory-liveness"))
+        if self.cfg.count_seq_beacon_s > 0:
+            self._tasks.append(asyncio.create_task(self._beacon_loop(), name="kvdirectory-count-beacon"))
 
     async def stop(self) -> None:
         """Cancel resyncs and the flush loop, then publish the last count updates."""
@@ -321,6 +329,12 @@ class DirectoryService:
             return len(msgs)
 
     async def _publish_counts(self, msgs: list[m.CountUpdates]) -> None:
+        """Publish messages just taken from the core (caller holds :attr:`_flush_lock`). Their
+        numbers go to :attr:`_count_seq` first: one whose publication fails is lost like one
+        dropped by NATS, and the next beacon shows it."""
+        seqs = self._count_seq
+        for cu in msgs:
+            seqs[cu.node] = cu.seq
         for cu in msgs:
             await self.bus.publish(KV_COUNTS, msgspec.structs.replace(cu, epoch=self.count_epoch), node=cu.node)
 
@@ -371,6 +385,45 @@ class DirectoryService:
         self.counters["countsync.pieces"] += 1
         return m.CountSnapshot(node=node, epoch=self.count_epoch, seq=snap.seq, snapshot=snap.id, offset=lo, total=len(snap.hashes),
                                hashes=snap.hashes[lo:hi], counts=snap.counts[lo:hi])  # fmt: skip
+
+    async def send_count_beacons(self) -> int:
+        """Publish a seq beacon (``CountUpdates(beacon=True)``: no entries, ``seq`` not incremented)
+        to every node sent counts, with the ``seq`` of the last message published to it: a worker
+        whose last applied ``seq`` is below it lost the last message(s), which no later message
+        would show, and syncs (``kv.countsync``). Returns the beacons published.
+
+        The numbers are read holding :attr:`_flush_lock` (a dict copy, O(nodes)), so no flush is
+        between taking messages and publishing them: every message up to the beacon's ``seq`` was
+        published before the beacon on this one connection, and NATS keeps one publisher's order,
+        so a beacon never overtakes its message (no false gap). A flush after the read only makes
+        the beacon's ``seq`` older than the worker's last, which the worker ignores. A failed
+        publish is counted (``counts.beacon_errors``) and logged once per round; the others go on."""
+        async with self._flush_lock:
+            seqs = list(self._count_seq.items())
+        sent, failed, epoch = 0, 0, self.count_epoch
+        err: Exception | None = None
+        for node, seq in seqs:
+            try:
+                await self.bus.publish(KV_COUNTS, m.CountUpdates(node=node, seq=seq, epoch=epoch, beacon=True), node=node)
+                sent += 1
+            except Exception as e:  # one node's failure must not stop the others' beacons
+                failed += 1
+                err = e
+        self.counters["counts.beacons"] += sent
+        if failed:
+            self.counters["counts.beacon_errors"] += failed
+            self.log.warning("count seq beacons not published", failed=failed, sent=sent, error=repr(err))
+        return sent
+
+    async def _beacon_loop(self) -> None:
+        """Every ``count_seq_beacon_s``: :meth:`send_count_beacons`."""
+        while True:
+            await asyncio.sleep(self.cfg.count_seq_beacon_s)
+            try:
+                await self.send_count_beacons()
+            except Exception as e:  # keep beaconing whatever one round hit
+                self.counters["counts.beacon_errors"] += 1
+                self.log.warning("count seq beacon round failed", error=repr(e))
 
     async def _flush_loop(self) -> None:
         while True:

@@ -1,0 +1,162 @@
+"""The directory's ``kv.counts`` seq beacon (``DirectoryService.send_count_beacons``), on a fake bus.
+
+The bus here publishes with a random number of event-loop turns before the message is on the wire
+(as a real client may wait for its buffer), so flushes and beacons interleave at every await. The
+order on the wire is then what one NATS connection delivers: no beacon may reach a worker before
+the message whose number it carries (that would be a false gap), and a worker's ``CountStream``
+fed the wire sees no gap without a loss and one gap per lost last message with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Collection
+from typing import Any
+
+from services.kvdirectory.config import DirectoryConfig
+from services.kvdirectory.prom import directory_families
+from services.kvdirectory.service import DirectoryService
+from services.worker.countseq import CountStream
+from shared import messages as m
+from shared.bus import BusUnavailable
+from shared.clock import SimClock
+
+NODES = ("w0", "w1", "w2")
+
+
+class FakeBus:
+    """What ``DirectoryService`` uses of a bus: ``publish`` (puts the message on :attr:`wire` after
+    0–2 event-loop turns, or raises for a seq in :attr:`fail`), ``counters``, ``instance``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.instance = "kvdirectory"
+        self.counters: Counter[str] = Counter()
+        self.known_nodes: frozenset[str] | None = None
+        self.wire: list[m.CountUpdates] = []
+        self.fail: set[tuple[str, int]] = set()
+        """``(node, seq)`` of numbered messages whose publication fails."""
+        self.fail_beacons = False
+        self.rng = random.Random(seed)
+
+    async def publish(self, subject: Any, msg: Any, **params: str) -> None:
+        for _ in range(self.rng.randrange(3)):
+            await asyncio.sleep(0)
+        if not isinstance(msg, m.CountUpdates):
+            return
+        if ((msg.node, msg.seq) in self.fail and not msg.beacon) or (msg.beacon and self.fail_beacons):
+            raise BusUnavailable("cannot publish on kv.counts.{node}: fake")
+        self.wire.append(msg)
+
+    async def subscribe(self, subject: Any, handler: Any, **kw: Any) -> None:
+        pass
+
+    async def serve(self, subject: Any, handler: Any, **kw: Any) -> None:
+        pass
+
+
+def directory(seed: int = 0, **cfg: Any) -> tuple[DirectoryService, FakeBus]:
+    bus = FakeBus(seed)
+    return DirectoryService(DirectoryConfig(block_size=4, **cfg), bus, SimClock()), bus  # type: ignore[arg-type]
+
+
+def traffic(d: DirectoryService, rng: random.Random, step: int) -> None:
+    """Count changes on a random subset of the nodes (each its own message at the next flush)."""
+    for node in NODES:
+        if rng.random() < 0.6:
+            b = f"{node}-{step}"
+            d.core.branch_start(b, float(step))
+            d.core.place(b, node, "prefill", [1000 * NODES.index(node) + step % 7 + i for i in range(1, 4)], float(step))
+            if rng.random() < 0.5:
+                d.core.branch_end(b, float(step))
+
+
+def check_wire(wire: list[m.CountUpdates], lost: Collection[tuple[str, int]] = ()) -> dict[str, CountStream]:
+    """Every beacon after the numbered message it names (unless that one's publication failed:
+    ``lost``); returns each node's stream fed the wire."""
+    seen: dict[str, int] = {}
+    streams: dict[str, CountStream] = {}
+    for msg in wire:
+        if msg.beacon:
+            ok = msg.seq <= seen.get(msg.node, 0) or (msg.node, msg.seq) in lost
+            assert msg.seq > 0 and not msg.hashes and ok, f"beacon {msg.node}:{msg.seq} before its message"
+        else:
+            seen[msg.node] = max(seen.get(msg.node, 0), msg.seq)
+        streams.setdefault(msg.node, CountStream()).offer(msg)
+    return streams
+
+
+async def test_beacons_racing_flushes_never_overtake_a_message():
+    for seed in range(20):
+        d, bus = directory(seed)
+        rng = random.Random(seed)
+        for step in range(40):
+            traffic(d, rng, step)
+            await asyncio.gather(d.flush_counts(), d.send_count_beacons(), d.flush_counts(), d.send_count_beacons())
+        await d.send_count_beacons()
+        streams = check_wire(bus.wire)
+        assert sum(msg.beacon for msg in bus.wire) > 40 and set(streams) == set(NODES)
+        for node, s in streams.items():
+            assert s.counters["gap"] == 0 and not s.syncing, (seed, node, dict(s.counters))
+            assert s.last == d.core.count_snapshot(node)[2]  # the last beacon named the last message
+        assert d.counters["counts.beacons"] == sum(msg.beacon for msg in bus.wire) and not d.counters["counts.beacon_errors"]
+
+
+async def test_a_message_that_failed_to_publish_is_named_by_the_next_beacon():
+    """A publication that fails loses the message like NATS would; it was numbered, so the beacon
+    carries its number and the worker's stream sees the gap."""
+    d, bus = directory()
+    d.core.branch_start("a", 0.0)
+    d.core.place("a", "w0", "prefill", [1, 2, 3], 0.0)
+    await d.flush_counts()  # message 1
+    bus.fail.add(("w0", 2))
+    d.core.branch_end("a", 1.0)
+    try:
+        await d.flush_counts()  # message 2: lost
+    except BusUnavailable:
+        pass
+    s = check_wire(bus.wire)["w0"]
+    assert s.last == 1 and not s.syncing  # nothing after it shows the loss
+    assert await d.send_count_beacons() == 1
+    s = check_wire(bus.wire, bus.fail)["w0"]
+    assert s.syncing and s.counters["gap.beacon"] == 1
+    assert bus.wire[-1] == m.CountUpdates(node="w0", seq=2, epoch=d.count_epoch, beacon=True)
+
+
+async def test_only_nodes_sent_counts_get_beacons_and_a_failed_beacon_is_counted():
+    d, bus = directory()
+    await d._on_state(m.NodeState(node="w9"), "node.state.w9")  # the epoch announcement only (seq 0)
+    assert await d.send_count_beacons() == 0 and [x.seq for x in bus.wire] == [0]
+    d.core.branch_start("a", 0.0)
+    d.core.place("a", "w0", "prefill", [1], 0.0)
+    await d.flush_counts()
+    bus.fail_beacons = True
+    assert await d.send_count_beacons() == 0 and d.counters["counts.beacon_errors"] == 1
+    bus.fail_beacons = False
+    assert await d.send_count_beacons() == 1 and d.counters["counts.beacons"] == 1
+    prom = {f.name: f.samples[0].value for f in directory_families(d) if f.name.startswith("ei_kvdirectory_count_beacon")}
+    assert prom == {"ei_kvdirectory_count_beacons": 1.0, "ei_kvdirectory_count_beacon_errors": 1.0}
+
+
+async def test_the_service_beacons_every_period_and_zero_disables_it():
+    d, bus = directory(count_seq_beacon_s=0.01)
+    await d.start()
+    try:
+        d.core.branch_start("a", 0.0)
+        d.core.place("a", "w0", "prefill", [1], 0.0)
+        await d.flush_counts()
+        for _ in range(300):
+            if d.counters["counts.beacons"] >= 3:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await d.stop()
+    assert d.counters["counts.beacons"] >= 3 and {(x.seq, x.beacon) for x in bus.wire} == {(1, False), (1, True)}
+    off, _ = directory(count_seq_beacon_s=0)
+    await off.start()
+    try:
+        assert "kvdirectory-count-beacon" not in {t.get_name() for t in off._tasks}
+        assert "kvdirectory-count-beacon" in {t.get_name() for t in d._tasks}
+    finally:
+        await off.stop()
