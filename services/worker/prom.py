@@ -16,7 +16,8 @@ name                                       type     meaning
 ``ei_node_switching{node}``                gauge    1 while draining for a phase switch
 ``ei_node_iterations_total{node}``         counter  engine iterations run
 ``ei_node_split_epoch{node}``              gauge    epoch of the split command the node last applied
-``ei_node_count_gaps_total{node}``         counter  ``kv.counts`` messages found missing (a skipped ``seq``)
+``ei_node_count_gaps_total{node}``         counter  ``kv.counts`` messages found missing (a skipped ``seq`` or a seq beacon past the last)
+``ei_node_count_beacon_gaps_total{node}``  counter  of those, found by the directory's seq beacon (a lost last message)
 ``ei_node_count_stale_total{node}``        counter  ``kv.counts`` messages dropped as old or duplicated
 ``ei_node_count_syncs_total{node}``        counter  node count snapshots applied from the directory (``kv.countsync``)
 ``ei_node_count_sync_failures_total{node}`` counter ``kv.countsync`` requests without a usable reply (retried)
@@ -62,7 +63,8 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
     yield counter_family("ei_node_iterations", "Engine iterations run", {(n,): float(svc.core.iterations)}, ["node"])
     cc = svc.counts.counters
     for name, doc, v in (
-        ("ei_node_count_gaps", "kv.counts messages found missing (a skipped seq)", cc["gap"]),
+        ("ei_node_count_gaps", "kv.counts messages found missing (a skipped seq or a seq beacon past the last)", cc["gap"]),
+        ("ei_node_count_beacon_gaps", "kv.counts gaps found by the KV directory's seq beacon (a lost last message)", cc["gap.beacon"]),
         ("ei_node_count_stale", "kv.counts messages dropped as old or duplicated", cc["stale"]),
         ("ei_node_count_syncs", "Node count snapshots applied from the KV directory (kv.countsync)", cc["syncs"]),
         ("ei_node_count_sync_failures", "kv.countsync requests without a usable reply (retried)", svc.counters["counts.sync.failures"]),
