@@ -4,7 +4,9 @@ bus, sim engine, ``branch-count`` host eviction); the test drives the directory'
 router would (``branch.events``, ``route.placed``) and makes the worker lose a message
 deterministically: ``--fault-drop-counts`` drops the directory's message with that seq on
 arrival, or the test publishes a message with a skipped seq itself. Afterwards the worker's
-counted blocks are the directory's R[·, node] > 0."""
+counted blocks are the directory's R[·, node] > 0. A lost *last* message (none after it) is
+revealed by the directory's seq beacon (``--count-seq-beacon-s``), and beacons racing flushes
+start no sync without a loss."""
 
 from __future__ import annotations
 
@@ -173,3 +175,50 @@ async def test_a_worker_that_reconnects_to_nats_syncs_its_counts(nats_server):
         await until(lambda: w.counts.counters["sync.started.reconnect"] >= 1, timeout=30, what="the reconnected worker asks")
         await until(lambda: w.counts.counters["syncs"] >= 1 and not w.counts.syncing, timeout=30, what="counts synced")
         assert worker_counted(w) == set(directory_counts(d)) == set()
+
+
+@pytest.mark.parametrize("last", ["placement", "release"])
+async def test_a_lost_last_message_is_revealed_by_the_seq_beacon(nats_url, last):
+    """The node's last count message is lost and none follows (the branch stays where it is, or
+    its release was the last change): only the directory's seq beacon (``--count-seq-beacon-s``,
+    0.2 s here) shows it; the worker syncs within a few periods and then stays synced."""
+    period = 0.2
+    async with cluster(nats_url, directory={"count_seq_beacon_s": period}, worker={"fault_drop_counts": [2]}) as (c, d, w):
+        await place(c, "a", A)
+        await until(lambda: w.counts.last == 1, what="message 1 applied")
+        if last == "placement":
+            await place(c, "b", B)  # message 2, lost: B stays uncounted on the worker
+        else:
+            await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a"))  # message 2, lost: A stays counted
+        await until(lambda: w.counters["counts.fault_dropped"] == 1, what="message 2 dropped")
+        want = set(directory_counts(d))
+        assert want != set(A)
+        if not w.counts.counters["syncs"]:  # (a beacon may already have come and fixed it)
+            assert worker_counted(w) == set(A) and w.counts.last == 1 and not w.counts.syncing
+        await until(lambda: w.counts.counters["syncs"] >= 1 and not w.counts.syncing, timeout=10 * period, what="beacon-driven sync")
+        assert worker_counted(w) == want == set(directory_counts(d)) and w.counts.last == 2
+        assert w.counts.counters["gap"] == 1 and w.counts.counters["gap.beacon"] == 1, dict(w.counts.counters)
+        beacons = d.counters["counts.beacons"]
+        await until(lambda: d.counters["counts.beacons"] >= beacons + 3, timeout=10 * period, what="three more beacons")
+        ws = await c.request(SVC_STATS, m.StatsRequest(), instance="worker-w0")
+        assert ws.counters["counts.syncs"] == 1 and ws.counters["counts.gap.beacon"] == 1 and ws.counters["counts.beacon"] >= 3
+        assert d.counters["countsync.snapshots"] == 1 and not d.counters["counts.beacon_errors"]
+
+
+async def test_without_a_loss_the_seq_beacon_starts_no_sync(nats_url):
+    """Beacons every 20 ms racing a flush on every count change (``--counts-flush-updates 1``)
+    over a burst of placements and releases: no beacon overtakes its message (no gap, no sync)."""
+    async with cluster(nats_url, directory={"count_seq_beacon_s": 0.02, "counts_flush_updates": 1}) as (c, d, w):
+        for i in range(60):
+            await place(c, f"b{i}", [500 + 3 * i, 501 + 3 * i, 502 + 3 * i])
+            if i % 3 == 2:
+                await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id=f"b{i - 1}"))
+            if i % 10 == 9:
+                await asyncio.sleep(0.03)  # let beacons in between the bursts
+        await until(lambda: w.counts.last > 0 and w.counts.last == d._count_seq.get("w0"), what="every message applied")
+        beacons = d.counters["counts.beacons"]
+        await until(lambda: d.counters["counts.beacons"] >= beacons + 5 and w.counts.counters["beacon"] >= 10, what="beacons")
+        assert worker_counted(w) == set(directory_counts(d)) and len(worker_counted(w)) == 3 * 40
+        ws = await c.request(SVC_STATS, m.StatsRequest(), instance="worker-w0")
+        assert ws.counters.get("counts.gap", 0) == 0 and ws.counters.get("counts.syncs", 0) == 0, ws.counters
+        assert ws.counters.get("counts.stale", 0) == 0 and ws.counters["counts.beacon"] >= 10
