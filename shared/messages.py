@@ -248,7 +248,10 @@ class RoutePlaced(Msg, frozen=True, kw_only=True):
 
 
 class CountUpdates(Msg, frozen=True, kw_only=True):
-    """New branch counts R[b, node] for blocks whose count changed (paper Alg. E.2)."""
+    """New branch counts R[b, node] for blocks whose count changed since the node's last message
+    (paper Alg. E.2), each block once; a directory run with ``held_counts_only`` (the simulator)
+    leaves out the blocks the node holds in neither tier (their counts come with the re-send of a
+    host store: ``BranchTable.take_count_updates``)."""
 
     node: str
     seq: NonNeg = 0

@@ -178,6 +178,10 @@ class KvDirectory:
             change (the live service, whose gauges are read often) instead of counting them when
             read, O(counted blocks) (the default: no decision reads them; see
             ``BranchTable.counted_copies``).
+        held_counts_only: leave out of ``kv.counts`` the changed counts of blocks the node holds
+            in neither tier (``BranchTable.take_count_updates``: exact for a caller that applies
+            a node's KV events before it drains, as the simulator does); False (the default):
+            every changed count is sent.
 
     Raises:
         ValueError: on a non-positive ``block_size`` or an unknown scope.
@@ -194,6 +198,7 @@ class KvDirectory:
         max_updates_per_msg: int = 4096,
         max_tool_hold_s: float = 14400.0,
         keep_counted_copies: bool = False,
+        held_counts_only: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -211,6 +216,7 @@ class KvDirectory:
             max_updates_per_msg=max_updates_per_msg,
             max_hold_s=max_tool_hold_s,
             keep_counted_copies=keep_counted_copies,
+            held_counts_only=held_counts_only,
         )
         self.names: list[str] = []
         self._ids: dict[str, int] = {}

@@ -1,0 +1,276 @@
+"""``held_counts_only`` (issue 23): a drain leaves out the changed counts of blocks the node holds
+in neither tier, and the workers' host pools end exactly as when every changed count is sent.
+
+A worker keeps a count only as the eviction group of its L2 pages, reads it only while the page
+is in L2 and clears it when the page enters L2; the directory re-sends the count of every counted
+block a host store brings. So when the directory has applied every store a node made before it
+drains (the simulator's order), a count for a page the node does not hold is never read.
+"""
+
+from __future__ import annotations
+
+import random
+from itertools import chain
+
+import pytest
+
+from services.kvdirectory.core import KvDirectory
+from services.worker.blocks import KvBlockManager
+from shared.messages import BlockRemoved, BlockStored, KvEventBatch
+
+BS = 16
+H = [9_001 * (i * 37 % 23) + 17 * i + 3 for i in range(1, 21)]
+
+
+def store(d: KvDirectory, node: str, hashes: list[int], tier: str, parent: int | None = None) -> None:
+    seq = d._streams[d.node_id(node)].next_seq  # noqa: SLF001 - the batch it awaits
+    ev = BlockStored(block_hashes=list(hashes), parent_block_hash=parent, tier=tier, block_size=BS)
+    d.apply_kv_batch(KvEventBatch(node=node, seq=seq, ts=1.0, events=[ev]), 1.0)
+
+
+def drained(d: KvDirectory) -> list[tuple[str, list[int], list[int]]]:
+    return [(u.node, u.hashes, u.counts) for u in d.take_count_updates()]
+
+
+def test_a_move_sends_the_held_prefix_and_the_store_re_sends_the_rest():
+    d = KvDirectory(BS, held_counts_only=True)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:8], 1.0)
+    assert drained(d) == []  # p0 holds none of it: no message at all
+    assert d.count("p0", H[7]) == 1  # R itself counts every block
+    store(d, "p0", H[:5], "host")
+    assert drained(d) == [("p0", H[:5], [1] * 5)]  # the store's re-send
+    d.branch_start("c", 0.0)
+    d.place("c", "p0", "prefill", H[:12], 1.0)
+    assert drained(d) == [("p0", H[:5], [2] * 5)]  # the held prefix of the slice only
+    store(d, "p0", H[5:10], "gpu", parent=H[4])  # either tier is held
+    d.branch_start("e", 0.0)
+    d.place("e", "p0", "prefill", H[:12], 1.0)
+    assert drained(d) == [("p0", H[:10], [3] * 8 + [2] * 2)]
+    d.branch_end("e", 2.0)
+    d.branch_end("c", 2.0)
+    d.branch_end("b", 2.0)
+    assert drained(d) == [("p0", H[:10], [0] * 10)]  # a drain merging changes is cut too
+    d.branches.check()
+
+
+def test_a_release_on_a_node_that_evicted_the_path_sends_nothing():
+    d = KvDirectory(BS, held_counts_only=True)
+    store(d, "p0", H[:6], "host")
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:6], 1.0)
+    assert drained(d) == [("p0", H[:6], [1] * 6)]
+    seq = d._streams[d.node_id("p0")].next_seq  # noqa: SLF001 - the batch it awaits
+    evicted = BlockRemoved(block_hashes=H[2:6][::-1], tier="host")
+    d.apply_kv_batch(KvEventBatch(node="p0", seq=seq, ts=2.0, events=[evicted]), 2.0)
+    d.branch_end("b", 3.0)
+    assert drained(d) == [("p0", H[:2], [0, 0])]
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["gap indexed elsewhere", "gap not indexed"])
+def test_a_held_block_below_a_gap_keeps_the_slice_whole(indexed: bool):
+    """A node holding a block whose parent it lacks (an L2 that is not closed under parents, as
+    a peer fetch stored below a page the node lost): the tail past its complete prefix is not
+    left out, whether the gap is indexed (another node holds it: found by the walk of the index
+    runs) or not (the blocks below it hang from a placeholder: found by the pass over the rest)."""
+    d = KvDirectory(BS, held_counts_only=True)
+    if indexed:
+        store(d, "p2", H[:12], "host")
+    store(d, "p0", H[:3], "host")
+    store(d, "p0", H[6:9], "host", parent=H[5])
+    assert (d.all_counters()["stored.without_parent"] > 0) != indexed
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:12], 1.0)
+    assert drained(d) == [("p0", H[:12], [1] * 12)]
+    d.branch_start("c", 0.0)
+    d.place("c", "p1", "prefill", H[:12], 1.0)  # p1 holds none of it
+    assert drained(d) == []
+
+
+def test_a_tail_spanning_more_runs_than_the_walk_checks_is_sent(monkeypatch):
+    from services.kvdirectory import branches
+
+    d = KvDirectory(BS, held_counts_only=True)
+    for i in range(0, 12, 2):  # p1 holds every other pair: runs of two blocks along H[:12]
+        store(d, "p1", H[i : i + 1], "host", parent=H[i - 1] if i else None)
+    monkeypatch.setattr(branches, "_CUT_RUNS", 3)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:12], 1.0)
+    assert drained(d) == [("p0", H[:12], [1] * 12)]  # more than 3 runs to walk: not left out
+    monkeypatch.setattr(branches, "_CUT_RUNS", 32)
+    d.branch_start("c", 0.0)
+    d.place("c", "p0", "prefill", H[:14], 1.0)
+    assert drained(d) == []
+
+
+def test_a_cap_refusal_turns_the_filter_off():
+    d = KvDirectory(BS, held_counts_only=True, max_blocks=4)
+    store(d, "p0", H[:6], "host")  # two blocks refused: p0 holds them, the index does not know
+    assert d.all_counters()["cap.rejected_blocks"] == 2
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:8], 1.0)
+    assert drained(d) == [("p0", H[:8], [1] * 8)]
+
+
+def test_without_the_option_every_changed_count_is_sent():
+    d = KvDirectory(BS)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:8], 1.0)
+    assert drained(d) == [("p0", H[:8], [1] * 8)]
+
+
+# --------------------------------------------------------------------------- #
+# differential: workers fed with and without the option end the same
+# --------------------------------------------------------------------------- #
+
+NODES = ["n0", "n1", "n2"]
+
+
+class _World:
+    """A directory and one worker block manager per node; a node's KV events are applied to the
+    directory after every engine call, then counts are drained (the simulator's order)."""
+
+    def __init__(self, held: bool, cap: int) -> None:
+        self.d = KvDirectory(BS, held_counts_only=held, max_updates_per_msg=cap, branch_ttl_s=300.0)
+        for n in NODES:
+            self.d.node_id(n)
+        self.kv = {n: KvBlockManager(12, 40, BS, "branch-count") for n in NODES}
+        self.seq = dict.fromkeys(NODES, 0)
+        self.entries = 0
+        self.moved = 0
+
+    def flush(self, t: float) -> list[list[object]]:
+        out = []
+        for n in NODES:
+            ev = self.kv[n].take_events()
+            out.append(ev)
+            if ev:
+                self.seq[n] += 1
+                self.d.apply_kv_batch(KvEventBatch(node=n, seq=self.seq[n], ts=t, events=ev), t)
+        self.drain()
+        return out
+
+    def drain(self) -> None:
+        for u in self.d.take_count_updates():
+            self.entries += len(u.hashes)
+            self.moved += self.kv[u.node].update_counts(u.hashes, u.counts)
+
+    def state(self, n: str, stamps: bool) -> tuple[object, ...]:
+        """Node n's L2 eviction queue (pages in eviction order, their groups and, with ``stamps``,
+        their access stamps), the counts of its L2 pages (> 0 or not) and its L1."""
+        host = self.kv[n].host
+        fresh = set(chain.from_iterable(host._fresh))  # noqa: SLF001 - pages whose count is owed a discard
+        marks = (host._counted - fresh) & host._members()  # noqa: SLF001 - the counts of L2 pages
+        return (
+            [(b.hash, b.group, b.last_access if stamps else 0) for b in host.evictable.ordered()],
+            sorted(marks),
+            self.kv[n].gpu.snapshot(),
+        )
+
+
+def _compute(kv: KvBlockManager, path: list[int], upto: int) -> None:
+    n_gpu, _ = kv.match(path, upto)
+    if kv.admit(path, n_gpu, upto - n_gpu):
+        kv.fill(path, n_gpu, upto)
+        kv.release(path, upto, 0)
+
+
+@pytest.mark.parametrize("gaps", [False, True], ids=["fetch below the local prefix", "fetch anywhere"])
+@pytest.mark.parametrize("seed", range(8))
+def test_workers_end_the_same_with_and_without_counts_of_blocks_not_held(seed: int, gaps: bool):
+    """Random placements (extensions, rewrites, forks, moves), computes (L1 of 12 pages, L2 of
+    40: evictions in both), peer fetches into L2 (some below a page the node lacks), branch
+    ends, phase switches and expiry, on three nodes (with ``gaps``, a fetch may start below a page
+    the node lacks, as after a broken hold: pages the index hangs from a placeholder, and L2s not
+    closed under parents; without, it starts at the node's local prefix, as the scheduler's
+    does, and the index's runs stay rooted): after every step each node's L2 eviction
+    queue (pages, groups, stamps), the counts of its L2 pages and its L1 are the same whether
+    the directory sends every changed count or only those of blocks the node holds, and so are
+    the KV events the nodes emit. With messages of at most 5 entries a drain left shorter is cut
+    into messages elsewhere: the eviction order is the same (the worker's moves do not depend on
+    the cut, ``tests/unit/worker/test_count_message_cut.py``) but the stamps may be numbered
+    otherwise (only their order is ever compared), so only the order is compared there."""
+    rng = random.Random(seed)
+    cap = rng.choice([5, 4096])
+    full, held = _World(False, cap), _World(True, cap)
+    worlds = (full, held)
+    paths: dict[str, list[int]] = {}
+    nxt = [1000 * (seed + 1)]
+
+    def fresh(k: int, after: list[int]) -> list[int]:
+        out = list(after)
+        for _ in range(k):
+            nxt[0] += 1
+            out.append(nxt[0])
+        return out
+
+    for step in range(400):
+        t = float(step)
+        op = rng.random()
+        if op < 0.08 or not paths:
+            bid = f"b{step}"
+            par = rng.choice(sorted(paths)) if paths and rng.random() < 0.5 else None
+            for w in worlds:
+                w.d.branch_start(bid, t, kind="fork" if par else "main", parent=par)
+            paths[bid] = list(paths[par]) if par else []
+        elif op < 0.45:
+            bid = rng.choice(sorted(paths))
+            old = paths[bid]
+            how = rng.choice(["extend", "extend", "compact", "same"])
+            if how == "extend" or not old:
+                new = fresh(rng.randint(1, 8), old)[:24]
+            elif how == "compact":
+                new = fresh(rng.randint(1, 4), old[: rng.randint(0, len(old) - 1)])
+            else:
+                new = old
+            paths[bid] = new
+            n = rng.choice(NODES)
+            phase = rng.choice(["prefill", "decode", "both"])
+            for w in worlds:
+                w.d.place(bid, n, phase, new, t)
+                w.drain()
+        elif op < 0.75:
+            n = rng.choice(NODES)
+            p = paths[rng.choice(sorted(paths))]
+            if p:
+                upto = rng.randint(1, min(len(p), 11))
+                for w in worlds:
+                    _compute(w.kv[n], p, upto)
+        elif op < 0.85:
+            n = rng.choice(NODES)
+            p = paths[rng.choice(sorted(paths))]
+            if p:
+                lo = rng.randint(0, len(p) - 1) if gaps else sum(full.kv[n].match(p, len(p)))
+                hi = rng.randint(lo + 1, len(p)) if lo < len(p) else lo
+                for w in worlds:
+                    w.kv[n].store_fetched(p, lo, hi)
+        elif op < 0.92:
+            bid = rng.choice(sorted(paths))
+            del paths[bid]
+            for w in worlds:
+                w.d.branch_end(bid, t)
+                w.drain()
+        elif op < 0.97:
+            n = rng.choice(NODES)
+            new_phase = rng.choice(["prefill", "decode"])
+            for w in worlds:
+                w.d.node_phase_changed(n, w.d.node_phase(n), new_phase, t)
+                w.drain()
+        else:
+            later = t + rng.choice([0.0, 400.0])
+            for w in worlds:
+                gone = w.d.expire(later)
+                w.drain()
+            for bid in gone:
+                paths.pop(bid, None)
+        assert full.flush(t) == held.flush(t), f"step {step}: the nodes' KV events differ"
+        for n in NODES:  # (cut elsewhere, a drain gives the same order, not the same stamps)
+            assert full.state(n, cap > 100) == held.state(n, cap > 100), f"step {step}: node {n}'s pools differ"
+    assert full.moved == held.moved and full.moved > 0
+    assert held.entries < full.entries  # some entries were left out
+    if not gaps:
+        assert held.d.all_counters()["stored.without_parent"] == 0  # the walk's shortcut was taken
+    for w in worlds:
+        w.d.branches.check()
+        for kv in w.kv.values():
+            kv.check([])
