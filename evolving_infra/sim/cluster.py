@@ -509,7 +509,12 @@ class ClusterSim:
             n: _Node(n, EngineScheduler(n, slowed(self.profile, slow.get(n, 1.0)), self.phases[n], host_eviction=ps.eviction), self.phases[n])
             for n in names
         }
-        self.directory = KvDirectory(self.bs)
+        # Counts only for blocks a node holds (``BranchTable.take_count_updates``): exact here, as
+        # every store an engine makes is applied to the directory before the next drain (each engine
+        # call that stores is followed by ``_flush_kv``, which drains after it; the other calls that
+        # drain follow engine calls that store nothing), unless a decode node's events are not sent
+        # (``skip_decode_kv``: its view would lack its stores). Tested: identical reports.
+        self.directory = KvDirectory(self.bs, held_counts_only=self.track_branches and not self.skip_decode_kv)
         for n in names:
             self.directory.node_id(n)
         ropts: dict[str, Any] = {"profile": self.profile, "block_size": self.bs, "seed": cfg.seed}

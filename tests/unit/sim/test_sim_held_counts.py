@@ -1,0 +1,67 @@
+"""The simulator's KV directory sends branch counts only for blocks a node holds
+(``KvDirectory(held_counts_only=True)``, issue 23): the records and reports are those of a
+directory that sends every changed count.
+
+Exact because the simulator applies every store an engine makes to the directory before the next
+drain of counts (``ClusterSim._flush_kv`` right after each engine call that stores), so a block the
+directory shows absent from a node is absent from its L2, and the count of a block stored later
+comes with the store's re-send.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from evolving_infra.sim import cluster
+from evolving_infra.sim.config import ForcedSwitch, SimConfig
+from evolving_infra.sim.run import simulate
+from services.kvdirectory import branches
+
+from .conftest import BS, small_trace, strip_wall
+
+
+def _tally(monkeypatch: pytest.MonkeyPatch, sent: dict[str, int]) -> None:
+    """Count the entries and blocks moved of every count message an engine gets."""
+    take = branches.BranchTable.take_count_updates
+
+    def counted(self: branches.BranchTable) -> list:
+        msgs = take(self)
+        sent["entries"] += sum(len(u.hashes) for u in msgs)
+        sent["held_only"] += self.held_counts_only
+        return msgs
+
+    monkeypatch.setattr(branches.BranchTable, "take_count_updates", counted)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SimConfig(nodes=3, profile="tiny", policy="evolving", concurrency=6, seed=1),
+        SimConfig(nodes=3, profile="tiny", policy="evolving", concurrency=6, seed=2,
+                  forced_switches=(ForcedSwitch(0.3, "w0", "decode"), ForcedSwitch(0.9, "w0", "prefill"))),
+    ],
+    ids=["evolving", "evolving-forced-switches"],
+)
+def test_counts_for_held_blocks_only_change_no_result(cfg: SimConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    reqs = small_trace(16, 10, pause=0.05, first_blocks=16, growth=4)  # L2 (256 blocks a node) evicts
+    held: dict[str, int] = {"entries": 0, "held_only": 0}
+    with monkeypatch.context() as m:
+        _tally(m, held)
+        cut = simulate(cfg, reqs, BS)
+    every: dict[str, int] = {"entries": 0, "held_only": 0}
+    with monkeypatch.context() as m:
+        _tally(m, every)
+        init = cluster.KvDirectory.__init__
+
+        def all_counts(self: object, *a: object, **k: object) -> None:
+            k["held_counts_only"] = False
+            init(self, *a, **k)  # type: ignore[arg-type]
+
+        m.setattr(cluster.KvDirectory, "__init__", all_counts)
+        full = simulate(cfg, reqs, BS)
+    assert held["held_only"] > 0 and every["held_only"] == 0  # the simulator turns it on
+    assert 0 < held["entries"] < every["entries"]  # and entries were left out
+    assert cut.records == full.records
+    assert strip_wall(cut.report) == strip_wall(full.report)
+    assert cut.report["requests_completed"] == len(reqs)
+    assert cut.report["kv_directory"]["evictions.host.zero_count"] > 0
