@@ -11,23 +11,10 @@ import pytest
 from services.kvdirectory.core import KvDirectory
 from services.kvdirectory.index import GPU, HOST
 from shared.messages import BlockStored, KvEventBatch
+from tests.unit.kvdirectory.helpers import BS, H, drained, store
 
-BS = 16
-# chained hashes whose set iteration order is not their path order (a frozenset of small ints
-# iterates in value order; these do not)
-H = [9_001 * (i * 37 % 23) + 17 * i + 3 for i in range(1, 21)]
 A = [5_000_003 * i % 1_000_003 for i in range(1, 7)]
 B = [7_000_009 * i % 1_000_033 for i in range(1, 7)]
-
-
-def store(d: KvDirectory, node: str, hashes: list[int], tier: str, parent: int | None = None) -> None:
-    seq = d._streams[d.node_id(node)].next_seq  # noqa: SLF001 - the batch it awaits
-    ev = BlockStored(block_hashes=list(hashes), parent_block_hash=parent, tier=tier, block_size=BS)
-    d.apply_kv_batch(KvEventBatch(node=node, seq=seq, ts=1.0, events=[ev]), 1.0)
-
-
-def drained(d: KvDirectory) -> list[tuple[str, list[int], list[int]]]:
-    return [(u.node, u.hashes, u.counts) for u in d.take_count_updates()]
 
 
 def test_the_path_order_is_not_the_set_order():

@@ -16,20 +16,8 @@ import pytest
 
 from services.kvdirectory.core import KvDirectory
 from services.worker.blocks import KvBlockManager
-from shared.messages import BlockRemoved, BlockStored, KvEventBatch
-
-BS = 16
-H = [9_001 * (i * 37 % 23) + 17 * i + 3 for i in range(1, 21)]
-
-
-def store(d: KvDirectory, node: str, hashes: list[int], tier: str, parent: int | None = None) -> None:
-    seq = d._streams[d.node_id(node)].next_seq  # noqa: SLF001 - the batch it awaits
-    ev = BlockStored(block_hashes=list(hashes), parent_block_hash=parent, tier=tier, block_size=BS)
-    d.apply_kv_batch(KvEventBatch(node=node, seq=seq, ts=1.0, events=[ev]), 1.0)
-
-
-def drained(d: KvDirectory) -> list[tuple[str, list[int], list[int]]]:
-    return [(u.node, u.hashes, u.counts) for u in d.take_count_updates()]
+from shared.messages import BlockRemoved, KvEventBatch
+from tests.unit.kvdirectory.helpers import BS, H, drained, store
 
 
 def test_a_move_sends_the_held_prefix_and_the_store_re_sends_the_rest():
