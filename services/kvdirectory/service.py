@@ -354,9 +354,7 @@ class DirectoryService:
         ``seq``: the worker drops older messages and applies newer ones), else the asked piece of
         the kept one, or ``error`` when that one is gone (the worker starts again)."""
         node, now = req.node, time.monotonic()
-        for n in [n for n, s in self._count_snaps.items() if now - s.taken > self.cfg.count_sync_ttl_s]:
-            del self._count_snaps[n]
-            self.counters["countsync.expired"] += 1
+        self._expire_count_snaps(now)
         piece = self.count_sync_piece()
         if req.snapshot:
             snap = self._count_snaps.get(node)
@@ -385,6 +383,18 @@ class DirectoryService:
         self.counters["countsync.pieces"] += 1
         return m.CountSnapshot(node=node, epoch=self.count_epoch, seq=snap.seq, snapshot=snap.id, offset=lo, total=len(snap.hashes),
                                hashes=snap.hashes[lo:hi], counts=snap.counts[lo:hi])  # fmt: skip
+
+    def _expire_count_snaps(self, now: float) -> None:
+        """Drop the kept ``kv.countsync`` snapshots taken more than ``count_sync_ttl_s`` before
+        ``now`` (``time.monotonic()``; ``countsync.expired``). Run on every ``kv.countsync``
+        request and every flush round, so a snapshot whose worker stopped asking (it stopped,
+        or gave up mid-fetch) is not kept, with its copy of the node's counts, until some worker
+        next syncs. O(kept snapshots) (at most one per node)."""
+        snaps = self._count_snaps
+        if snaps:
+            for n in [n for n, s in snaps.items() if now - s.taken > self.cfg.count_sync_ttl_s]:
+                del snaps[n]
+                self.counters["countsync.expired"] += 1
 
     async def send_count_beacons(self) -> int:
         """Publish a seq beacon (``CountUpdates(beacon=True)``: no entries, ``seq`` not incremented)
@@ -429,6 +439,7 @@ class DirectoryService:
         while True:
             await asyncio.sleep(self.cfg.counts_flush_s)
             try:
+                self._expire_count_snaps(time.monotonic())
                 now = self.clock.now()
                 deadline = self.core.next_deadline()
                 if deadline is not None and deadline <= now:
