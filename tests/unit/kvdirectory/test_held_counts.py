@@ -16,7 +16,7 @@ import pytest
 
 from services.kvdirectory.core import KvDirectory
 from services.worker.blocks import KvBlockManager
-from shared.messages import BlockRemoved, KvEventBatch
+from shared.messages import BlockRemoved, KvEventBatch, KvSnapshot
 from tests.unit.kvdirectory.helpers import BS, H, drained, store
 
 
@@ -118,8 +118,8 @@ class _World:
     """A directory and one worker block manager per node; a node's KV events are applied to the
     directory after every engine call, then counts are drained (the simulator's order)."""
 
-    def __init__(self, held: bool, cap: int) -> None:
-        self.d = KvDirectory(BS, held_counts_only=held, max_updates_per_msg=cap, branch_ttl_s=300.0)
+    def __init__(self, held: bool, cap: int, max_blocks: int = 16_000_000) -> None:
+        self.d = KvDirectory(BS, held_counts_only=held, max_updates_per_msg=cap, branch_ttl_s=300.0, max_blocks=max_blocks)
         for n in NODES:
             self.d.node_id(n)
         self.kv = {n: KvBlockManager(12, 40, BS, "branch-count") for n in NODES}
@@ -137,6 +137,22 @@ class _World:
                 self.d.apply_kv_batch(KvEventBatch(node=n, seq=self.seq[n], ts=t, events=ev), t)
         self.drain()
         return out
+
+    def clear(self, n: str) -> None:
+        """Node n empties L1 and L2 (a relaunched engine, ``EngineScheduler.clear_caches``): a fresh
+        block manager, whose first event is ``AllBlocksCleared``."""
+        self.kv[n] = KvBlockManager(12, 40, BS, "branch-count")
+
+    def resync(self, n: str, t: float, parents: bool) -> None:
+        """The directory replaces its view of node n with the node's snapshot (``kv.resync``),
+        consistent with the last batch it applied (pending events flushed first)."""
+        self.flush(t)
+        g, gp, h, hp = self.kv[n].snapshot_parents()
+        if not parents:
+            gp, hp = [], []
+        snap = KvSnapshot(node=n, seq=self.seq[n], block_size=BS, gpu=g, host=h, gpu_parents=gp, host_parents=hp)
+        assert self.d.apply_snapshot(snap, t).status == "resynced"
+        self.drain()
 
     def drain(self) -> None:
         for u in self.d.take_count_updates():
@@ -178,9 +194,26 @@ def test_workers_end_the_same_with_and_without_counts_of_blocks_not_held(seed: i
     into messages elsewhere: the eviction order is the same (the worker's moves do not depend on
     the cut, ``tests/unit/worker/test_count_message_cut.py``) but the stamps may be numbered
     otherwise (only their order is ever compared), so only the order is compared there."""
+    _differential(seed, gaps)
+
+
+@pytest.mark.parametrize("event", ["clear", "resync", "resync without parents", "cap"])
+@pytest.mark.parametrize("seed", range(6))
+def test_workers_end_the_same_after_clears_resyncs_and_a_capped_index(seed: int, event: str):
+    """The differential run above with the events the cut must fall back on or see through: a
+    node emptying its caches (``AllBlocksCleared``: the index forgets its blocks, R keeps its
+    counts), a resync snapshot replacing the directory's view of a node (with or without the
+    blocks' parents: a snapshot may bring blocks without them, so the walk's shortcut is off
+    after it) and an index capped below the blocks stored (the cut is off after its first
+    refusal). Pools, counts and KV events equal after every step, as there."""
+    _differential(100 + seed, gaps=seed % 2 == 1, event=event)
+
+
+def _differential(seed: int, gaps: bool, event: str = "") -> None:
     rng = random.Random(seed)
     cap = rng.choice([5, 4096])
-    full, held = _World(False, cap), _World(True, cap)
+    max_blocks = 60 if event == "cap" else 16_000_000
+    full, held = _World(False, cap, max_blocks), _World(True, cap, max_blocks)
     worlds = (full, held)
     paths: dict[str, list[int]] = {}
     nxt = [1000 * (seed + 1)]
@@ -244,6 +277,13 @@ def test_workers_end_the_same_with_and_without_counts_of_blocks_not_held(seed: i
             for w in worlds:
                 w.d.node_phase_changed(n, w.d.node_phase(n), new_phase, t)
                 w.drain()
+        elif op < 0.985 and event and event != "cap":
+            n = rng.choice(NODES)
+            for w in worlds:
+                if event == "clear":
+                    w.clear(n)
+                else:
+                    w.resync(n, t, parents=event == "resync")
         else:
             later = t + rng.choice([0.0, 400.0])
             for w in worlds:
@@ -255,8 +295,13 @@ def test_workers_end_the_same_with_and_without_counts_of_blocks_not_held(seed: i
         for n in NODES:  # (cut elsewhere, a drain gives the same order, not the same stamps)
             assert full.state(n, cap > 100) == held.state(n, cap > 100), f"step {step}: node {n}'s pools differ"
     assert full.moved == held.moved and full.moved > 0
-    assert held.entries < full.entries  # some entries were left out
-    if not gaps:
+    if event == "cap":
+        assert held.d.all_counters()["cap.rejected_blocks"] > 0
+    else:
+        assert held.entries < full.entries  # some entries were left out
+    if event == "clear":
+        assert held.d.all_counters()["kv.clears"] > len(NODES)  # more than each fresh manager's first
+    if not gaps and not event.startswith("resync") and event != "cap":  # (a refused parent leaves its children unrooted)
         assert held.d.all_counters()["stored.without_parent"] == 0  # the walk's shortcut was taken
     for w in worlds:
         w.d.branches.check()
