@@ -222,3 +222,131 @@ async def test_without_a_loss_the_seq_beacon_starts_no_sync(nats_url):
         ws = await c.request(SVC_STATS, m.StatsRequest(), instance="worker-w0")
         assert ws.counters.get("counts.gap", 0) == 0 and ws.counters.get("counts.syncs", 0) == 0, ws.counters
         assert ws.counters.get("counts.stale", 0) == 0 and ws.counters["counts.beacon"] >= 10
+
+
+# --------------------------------------------------------------------------- #
+# the worker's sync against a scripted directory (the test serves kv.countsync itself)
+# --------------------------------------------------------------------------- #
+
+
+@asynccontextmanager
+async def lone_worker(url: str, **worker: Any) -> AsyncIterator[tuple[Bus, WorkerService, asyncio.Event]]:
+    """Worker ``w0`` alone (no directory process); yields a client bus, the service and its stop event."""
+    made: dict[str, Any] = {}
+    wcfg = WorkerConfig(nats_url=url, node="w0", profile="tiny", host_eviction="branch-count", idle_state_interval_s=0.2,
+                        check_invariants=True, **worker)  # fmt: skip
+
+    def factory(cfg: Any, bus: Bus, clock: Any) -> Any:
+        made["w0"] = WorkerService(cfg, bus, clock)
+        return made["w0"]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_until_stopped("worker", wcfg, factory, instance="worker-w0", stop_event=stop))
+    client = await Bus.connect(url, Subjects("p0"), service="test", instance="test")
+    try:
+        for _ in range(200):
+            try:
+                await client.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=0.2)
+                break
+            except BusError:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.02)
+        yield client, made["w0"], stop
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await client.close()
+
+
+def counts(node: str, epoch: str, seq: int, hashes: list[int], cnts: list[int]) -> m.CountUpdates:
+    return m.CountUpdates(node=node, seq=seq, epoch=epoch, hashes=hashes, counts=cnts)
+
+
+async def test_messages_arriving_while_the_sync_awaits_its_pieces_apply_after_the_snapshot(nats_url):
+    """The directory goes on numbering while the worker fetches a snapshot in pieces: messages up to
+    the snapshot's seq are dropped, the later ones (sent between the pieces) apply after it."""
+    async with lone_worker(nats_url) as (c, w, _):
+        snap = ([11, 12, 13, 14], [1, 1, 2, 1])
+
+        async def directory(req: m.CountSyncRequest, _s: str) -> m.CountSnapshot:
+            if not req.snapshot:  # the snapshot is after message 3; 3 goes out before the reply
+                await c.publish(KV_COUNTS, counts("w0", "e1", 3, [13], [2]), node="w0")
+                return m.CountSnapshot(node="w0", epoch="e1", seq=3, snapshot="s1", total=4, hashes=snap[0][:2], counts=snap[1][:2])
+            await c.publish(KV_COUNTS, counts("w0", "e1", 4, [12, 15], [0, 1]), node="w0")  # while the pieces come
+            await c.publish(KV_COUNTS, counts("w0", "e1", 5, [16], [1]), node="w0")
+            await asyncio.sleep(0.05)  # (they are kept before the last piece is applied)
+            return m.CountSnapshot(node="w0", epoch="e1", seq=3, snapshot="s1", offset=2, total=4, hashes=snap[0][2:], counts=snap[1][2:])
+
+        await c.serve(KV_COUNT_SYNC, directory, node="w0")
+        await c.publish(KV_COUNTS, counts("w0", "e1", 1, [11], [1]), node="w0")
+        await until(lambda: w.counts.last == 1, what="message 1 applied")
+        await c.publish(KV_COUNTS, counts("w0", "e1", 3, [13], [2]), node="w0")  # 2 lost: a gap
+        await until(lambda: w.counts.counters["syncs"] >= 1 and not w.counts.syncing, what="counts synced")
+        assert w.counts.last == 5 and worker_counted(w) == {11, 13, 14, 15, 16}
+        assert w.counts.counters["sync.applied_after"] == 2 and w.counters["counts.sync.pieces"] == 2
+        assert not w.counts.kept and not w.counters.get("task_errors")
+
+
+async def test_a_reply_for_another_node_or_a_refused_piece_is_dropped_and_the_sync_asks_again(nats_url):
+    async with lone_worker(nats_url, count_sync_min_interval_s=0.05) as (c, w, _):
+        replies = [
+            m.CountSnapshot(node="w1", epoch="e1", seq=2, snapshot="x", total=1, hashes=[21], counts=[1]),  # another node's
+            m.CountSnapshot(node="w0", epoch="e1", seq=2, snapshot="s1", total=2, hashes=[22], counts=[1]),
+            m.CountSnapshot(node="w0", epoch="e1", snapshot="s1", error="count snapshot gone"),  # its second piece refused
+            m.CountSnapshot(node="w0", epoch="e1", seq=2, snapshot="s2", total=1, hashes=[23], counts=[1]),
+        ]
+
+        async def directory(req: m.CountSyncRequest, _s: str) -> m.CountSnapshot:
+            return replies.pop(0)
+
+        await c.serve(KV_COUNT_SYNC, directory, node="w0")
+        await c.publish(KV_COUNTS, counts("w0", "e1", 2, [20], [1]), node="w0")  # first contact past 1
+        await until(lambda: w.counts.counters["syncs"] >= 1 and not w.counts.syncing, what="counts synced")
+        assert worker_counted(w) == {23} and w.counts.last == 2 and not replies
+        assert w.counters["counts.sync.bad_reply"] == 2 and w.counters["counts.sync.failures"] == 2
+
+
+async def test_a_directory_restart_mid_sync_ends_the_old_sync(nats_url):
+    """The directory restarts between two pieces: the piece is refused, the new process's first
+    message resets the counts and is applied, and the old sync ends without asking again."""
+    async with lone_worker(nats_url, count_sync_min_interval_s=0.05) as (c, w, _):
+        asked: list[m.CountSyncRequest] = []
+
+        async def directory(req: m.CountSyncRequest, _s: str) -> m.CountSnapshot:
+            asked.append(req)
+            if not req.snapshot:
+                return m.CountSnapshot(node="w0", epoch="e1", seq=2, snapshot="s1", total=2, hashes=[31], counts=[1])
+            await c.publish(KV_COUNTS, counts("w0", "e2", 1, [41], [1]), node="w0")  # the new process
+            await asyncio.sleep(0.05)
+            return m.CountSnapshot(node="w0", epoch="e2", snapshot="s1", error="count snapshot gone")
+
+        await c.serve(KV_COUNT_SYNC, directory, node="w0")
+        await c.publish(KV_COUNTS, counts("w0", "e1", 2, [30], [1]), node="w0")
+        await until(lambda: w.counts.epoch == "e2" and w.counters["counts.sync.bad_reply"] == 1, what="the restart seen")
+        await asyncio.sleep(0.3)
+        assert not w.counts.syncing and w.counts.last == 1 and worker_counted(w) == {41} and len(asked) == 2
+        assert w.counts.counters["sync.abandoned"] == 1 and not w.counters.get("task_errors")
+
+
+async def test_a_worker_stopped_mid_sync_cancels_the_sync_cleanly(nats_url):
+    """The directory holds the request (no reply before the worker's 5-s timeout); the worker
+    stops meanwhile: the stop does not wait for the timeout and leaves no sync task pending."""
+    release = asyncio.Event()
+    async with lone_worker(nats_url, count_sync_timeout_s=5.0) as (c, w, stop):
+
+        async def directory(req: m.CountSyncRequest, _s: str) -> m.CountSnapshot | None:
+            await asyncio.wait_for(release.wait(), 10)
+            return None
+
+        await c.serve(KV_COUNT_SYNC, directory, node="w0")
+        await c.publish(KV_COUNTS, counts("w0", "e1", 3, [1], [1]), node="w0")
+        await until(lambda: w.counters["counts.sync.pieces"] == 0 and w.counts.syncing and w._count_sync_task is not None, what="sync asked")
+        await asyncio.sleep(0.1)
+        task = w._count_sync_task
+        t0 = time.monotonic()
+        stop.set()
+        await until(lambda: task.done(), timeout=3, what="the sync task ended")
+        assert time.monotonic() - t0 < 2.5 and task.cancelled()
+        assert not [t for t in asyncio.all_tasks() if t.get_name() == "worker-w0-countsync" and not t.done()]
+        release.set()
