@@ -12,11 +12,16 @@ the shell does with it, and when the node's counts must be fetched whole from th
   before it were lost: a gap);
 * ``seq == last + 1``: apply;
 * ``seq <= last``: an old or duplicated message, dropped (``stale``);
-* ``seq > last + 1``: a gap: the message is kept and a sync starts; while it runs, messages are
-  kept, not applied (at most ``buffer_max``; the oldest dropped first, counted);
+* ``seq > last + 1``: a gap: a sync starts; the message, and every later one while the sync
+  runs, is applied at once AND kept (at most ``buffer_max``; the oldest dropped first, counted),
+  so a sync that cannot complete (no directory answers ``kv.countsync``: one that predates it, a
+  permission missing, a directory too busy) never freezes the counts: they stay as without the
+  sync, only the lost message's blocks stale (``sync.applied_early``); one that arrives after a
+  message numbered past it is only kept (its values are older);
 * the sync's snapshot (the counts after message ``S``): reset, apply it, drop the kept messages
-  up to ``S``, apply the kept ones after it in order; a hole among them (a message after ``S``
-  lost too) keeps the sync going;
+  up to ``S``, apply the kept ones after it in order again (the reset undid them); a hole among
+  them (a message after ``S`` lost too) keeps the sync going. Messages carry absolute values, so
+  what was applied early changes nothing the reset and the snapshot do not replace;
 * ``seq == 0``: a message outside the numbering (the directory's epoch announcement, which
   carries no counts): applied, never a gap;
 * a beacon (``CountUpdates.beacon``, no counts; the directory sends one per node every
@@ -45,8 +50,10 @@ from typing import Literal
 from shared.messages import CountUpdates
 
 Action = Literal["apply", "stale", "kept", "beacon"]
-"""What the shell does with a message: apply it now, drop it, nothing yet (kept for after a sync), or
-nothing (a beacon: no counts; a gap it showed has started a sync)."""
+"""What the shell does with a message: apply it now (while a sync runs it is also kept, to apply
+again after the snapshot), drop it, nothing yet (kept for after the sync: it came after a message
+numbered past it, whose values it must not overwrite), or nothing (a beacon: no counts; a gap it
+showed has started a sync)."""
 
 
 class CountStream:
@@ -76,6 +83,9 @@ class CountStream:
         """Messages of :attr:`epoch` received while syncing, by ``seq``."""
         self.asked_above = 0
         """Highest kept ``seq`` when the sync's first request went out (:meth:`asking`)."""
+        self.kept_top = 0
+        """Highest ``seq`` applied early while syncing (0: none): a kept message below it is not applied
+        early (its values are older; the snapshot's replay applies it in order)."""
         self.counters: Counter[str] = Counter()
 
     def offer(self, msg: CountUpdates) -> tuple[bool, Action]:
@@ -90,7 +100,7 @@ class CountStream:
             if msg.seq > 1:
                 self._gap("first contact" if not reset else "new epoch")
                 self._keep(msg)
-                return reset, "kept"
+                return reset, "apply"
             if msg.seq == 1:
                 self.last = 1
             return reset, "apply"
@@ -108,7 +118,7 @@ class CountStream:
             return False, "apply"
         self._gap("gap")
         self._keep(msg)
-        return False, "kept"
+        return False, "apply"
 
     def _new_epoch(self, epoch: str) -> bool:
         """Adopt ``epoch`` with nothing applied in it; returns whether counts of another one were held (reset them)."""
@@ -122,6 +132,7 @@ class CountStream:
             c["sync.abandoned"] += 1
         self.epoch, self.last = epoch, 0
         self.kept.clear()
+        self.kept_top = 0
         return reset
 
     def _beacon(self, msg: CountUpdates) -> tuple[bool, Action]:
@@ -160,7 +171,9 @@ class CountStream:
         """The directory's counts after its message ``seq`` of ``epoch`` arrived whole. Returns
         None when they must not be applied (a sync that no longer runs or was superseded, or a
         snapshot older than the counts held: counted), else the kept messages to apply after
-        them, in order. The shell then resets every count, applies the snapshot and these
+        them, in order: those that follow ``seq`` without a hole, then, if a hole is left (the
+        sync goes on), the kept ones past it (applied early, so the reset must not undo them;
+        they stay kept for the next snapshot). The shell then resets every count, applies the snapshot and these
         (:meth:`WorkerService._sync_counts`). O(kept)."""
         c = self.counters
         if not self.syncing or gen != self.gen:
@@ -170,6 +183,7 @@ class CountStream:
             c["sync.new_epoch"] += 1
             self.epoch, self.last = epoch, 0
             self.kept.clear()
+            self.kept_top = 0
         elif seq < self.last:  # cannot come from the directory (its numbers only grow): ask again
             c["sync.stale"] += 1
             return None
@@ -192,8 +206,10 @@ class CountStream:
         self.asked_above = 0
         if kept:  # a message after the snapshot was lost too: sync again
             c["sync.hole_after"] += 1
-        else:
-            self.syncing = False
+            # past the hole: applied early, undone by the reset, applied again (and still kept)
+            return after + [kept[s] for s in sorted(kept)]
+        self.syncing = False
+        self.kept_top = 0
         return after
 
     def _gap(self, reason: str) -> None:
@@ -203,12 +219,19 @@ class CountStream:
         self.start_sync(reason)
 
     def _keep(self, msg: CountUpdates) -> Action:
+        """Keep a message received while syncing for after the snapshot; it is applied now too
+        (``apply``), or dropped as a duplicate (``stale``)."""
         kept = self.kept
         if msg.seq in kept:
             self.counters["stale"] += 1  # the same message twice
             return "stale"
+        early = msg.seq > self.kept_top
         kept[msg.seq] = msg
         if len(kept) > self.buffer_max:
             del kept[min(kept)]
             self.counters["sync.buffer_overflow"] += 1
-        return "kept"
+        if not early:  # older than a message applied early: its values must not overwrite that one's
+            return "kept"
+        self.kept_top = msg.seq
+        self.counters["sync.applied_early"] += 1
+        return "apply"

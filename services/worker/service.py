@@ -839,7 +839,9 @@ class WorkerService:
         """While :attr:`counts` is syncing: ask ``kv.countsync.<node>`` for the node's counts (one
         snapshot per ``count_sync_min_interval_s`` at most; retried with backoff, each reply waited
         ``count_sync_timeout_s``), then reset every count and apply the snapshot and the messages
-        kept meanwhile, in one synchronous step (nothing else runs between them).
+        kept meanwhile, in one synchronous step (nothing else runs between them). Until then
+        :meth:`_on_counts` applies the messages as they come (``CountStream``: applied early and
+        kept), so a sync that never completes does not freeze the counts.
 
         The L2 pool afterwards, against a worker that lost no message (``reset_counts`` then
         ``update_counts`` of the snapshot, tests/unit/worker/test_count_sync.py): every page in

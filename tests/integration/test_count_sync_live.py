@@ -350,3 +350,18 @@ async def test_a_worker_stopped_mid_sync_cancels_the_sync_cleanly(nats_url):
         assert time.monotonic() - t0 < 2.5 and task.cancelled()
         assert not [t for t in asyncio.all_tasks() if t.get_name() == "worker-w0-countsync" and not t.done()]
         release.set()
+
+
+async def test_while_no_directory_answers_kv_countsync_later_messages_still_apply(nats_url):
+    """A sync that cannot complete (no responder on ``kv.countsync``: a directory that predates it,
+    a permission missing, a directory too busy to answer) must not freeze the node's counts: the
+    messages after the gap apply as they come (only the lost one's blocks stay stale, as before
+    the sync existed), and the sync keeps asking."""
+    async with lone_worker(nats_url, count_sync_min_interval_s=0.05, count_sync_backoff_max_s=0.1) as (c, w, _):
+        await c.publish(KV_COUNTS, counts("w0", "e1", 1, [1, 2], [1, 1]), node="w0")
+        await until(lambda: w.counts.last == 1, what="message 1 applied")
+        for q, (hashes, cnts) in enumerate([([3], [1]), ([1, 4], [0, 1]), ([5], [2])], start=3):  # 2 lost
+            await c.publish(KV_COUNTS, counts("w0", "e1", q, hashes, cnts), node="w0")
+        await until(lambda: worker_counted(w) == {2, 3, 4, 5}, timeout=3, what="the messages after the gap applied")
+        await until(lambda: w.counters["counts.sync.failures"] >= 3, what="the sync still asking")
+        assert w.counts.syncing and sorted(w.counts.kept) == [3, 4, 5]

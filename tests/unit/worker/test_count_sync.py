@@ -37,9 +37,9 @@ def test_in_order_messages_apply_and_old_ones_are_dropped():
 def test_a_gap_keeps_messages_until_the_snapshot_then_applies_those_after_it():
     s = CountStream()
     s.offer(cu(1))
-    assert s.offer(cu(3)) == (False, "kept") and s.syncing and s.reason == "gap" and s.counters["gap"] == 1
+    assert s.offer(cu(3)) == (False, "apply") and s.syncing and s.reason == "gap" and s.counters["gap"] == 1
     gen = s.asking()  # the first request goes out: the directory has made 3 messages at least
-    assert s.offer(cu(4)) == (False, "kept") and s.offer(cu(5)) == (False, "kept") and s.offer(cu(4)) == (False, "stale")
+    assert s.offer(cu(4)) == (False, "apply") and s.offer(cu(5)) == (False, "apply") and s.offer(cu(4)) == (False, "stale")
     after = s.snapshot("e1", 4, gen)  # the snapshot covers message 4 (taken after it was made)
     assert [m.seq for m in after] == [5] and s.last == 5 and not s.syncing and not s.kept
     assert s.counters["sync.kept_before_snapshot"] == 2 and s.counters["syncs"] == 1
@@ -53,7 +53,9 @@ def test_a_hole_after_the_snapshot_keeps_the_sync_going():
     gen = s.asking()
     s.offer(cu(6))  # 4 and 5 were made after the snapshot; 4 is lost too
     s.offer(cu(5))
-    assert s.snapshot("e1", 3, gen) == [] and s.syncing and sorted(s.kept) == [5, 6] and s.counters["sync.hole_after"] == 1
+    # past the hole: applied early, so applied again after the reset (and kept for the next snapshot)
+    assert [m.seq for m in s.snapshot("e1", 3, gen)] == [5, 6] and s.syncing and sorted(s.kept) == [5, 6]
+    assert s.counters["sync.hole_after"] == 1
     gen = s.asking()
     assert [m.seq for m in s.snapshot("e1", 6, gen)] == [] and not s.syncing and s.last == 6
 
@@ -76,13 +78,13 @@ def test_a_new_epoch_resets_and_abandons_the_old_processes_sync():
     gen = s.asking()
     assert s.offer(cu(1, "e2")) == (True, "apply") and not s.syncing and s.counters["sync.abandoned"] == 1
     assert s.snapshot("e1", 3, gen) is None and s.counters["sync.superseded"] == 1  # the dead process's reply
-    assert s.offer(cu(3, "e3")) == (True, "kept") and s.syncing and s.counters["gap.new_epoch"] == 1
+    assert s.offer(cu(3, "e3")) == (True, "apply") and s.syncing and s.counters["gap.new_epoch"] == 1
     assert s.counters["directory_restarts"] == 2
 
 
 def test_first_contact_past_seq_1_is_a_gap():
     s = CountStream()
-    assert s.offer(cu(7)) == (False, "kept") and s.syncing and s.reason == "first contact"
+    assert s.offer(cu(7)) == (False, "apply") and s.syncing and s.reason == "first contact"
     assert [m.seq for m in s.snapshot("e1", 6, s.asking())] == [] and s.last == 6 and not s.syncing
     # 7 arrived before the request: the directory had made it, so its snapshot (6) is stale
     assert s.counters["sync.beyond_snapshot"] == 1
@@ -121,7 +123,7 @@ def test_a_beacon_is_never_taken_for_the_message_with_its_number():
     s.offer(cu(1))
     s.offer(beacon(3))  # 2 and 3 lost
     gen = s.asking()
-    assert s.offer(cu(3)) == (False, "kept") and sorted(s.kept) == [3]  # the real 3 (a late copy) is kept, not "stale"
+    assert s.offer(cu(3)) == (False, "apply") and sorted(s.kept) == [3]  # the real 3 (a late copy) is kept, not "stale"
     assert [m.seq for m in s.snapshot("e1", 2, gen)] == [3] and s.last == 3 and not s.syncing
 
 
@@ -155,7 +157,7 @@ def test_a_beacon_decodes_for_a_worker_that_predates_it_and_an_old_message_is_no
     old = msgspec.msgpack.decode(msgspec.msgpack.encode(beacon(5)), type=OldCountUpdates)
     assert (old.seq, old.hashes, old.epoch) == (5, [], "e1")
     new = msgspec.msgpack.decode(msgspec.msgpack.encode(OldCountUpdates(node="w0", seq=5, epoch="e1")), type=CountUpdates)
-    assert new.beacon is False and CountStream().offer(new) == (False, "kept")  # a numbered (empty) message
+    assert new.beacon is False and CountStream().offer(new) == (False, "apply")  # a numbered (empty) message
 
 
 def test_the_buffer_is_bounded():
@@ -277,3 +279,33 @@ def test_without_the_sync_the_lost_messages_leave_pages_in_the_wrong_group():
                 stale.update_counts(msg.hashes, msg.counts)
         wrong += groups(stale) != groups(whole)
     assert wrong >= 4
+
+
+def test_while_a_sync_runs_later_messages_apply_at_once_and_an_older_one_is_only_kept():
+    s = CountStream()
+    s.offer(cu(1))
+    assert s.offer(cu(3)) == (False, "apply") and s.syncing  # the gap: applied and kept
+    gen = s.asking()
+    assert s.offer(cu(5)) == (False, "apply") and s.offer(cu(4)) == (False, "kept")  # 4 after 5: its values are older
+    assert s.offer(cu(5)) == (False, "stale") and sorted(s.kept) == [3, 4, 5] and s.counters["sync.applied_early"] == 2
+    assert [m.seq for m in s.snapshot("e1", 3, gen)] == [4, 5] and not s.syncing and s.last == 5
+    assert s.offer(cu(6)) == (False, "apply") and s.kept_top == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_while_a_sync_cannot_complete_the_pool_is_as_if_there_were_no_sync(seed):
+    """No directory answers ``kv.countsync`` (one that predates it, a permission missing): the
+    counts must not freeze at the gap; every message received applies, as before the sync
+    existed (only the lost ones' blocks stay stale)."""
+    _d, msgs = messages(seed)
+    lost = set(random.Random(seed).sample(range(len(msgs) - 1), 6))
+    stale, synced = pool(), pool()
+    s = CountStream()
+    for i, msg in enumerate(msgs):
+        if i in lost:
+            continue
+        stale.update_counts(msg.hashes, msg.counts)
+        if s.offer(msg)[1] == "apply":
+            synced.update_counts(msg.hashes, msg.counts)
+    assert s.syncing and s.counters["sync.applied_early"] > 0
+    assert order(synced) == order(stale) and synced.host.counted == stale.host.counted
