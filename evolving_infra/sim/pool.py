@@ -44,11 +44,18 @@ def fork_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
         yield pool
     except BaseException:
         procs = list((getattr(pool, "_processes", None) or {}).values())
+        manager = getattr(pool, "_executor_manager_thread", None)  # shutdown() forgets it
         pool.shutdown(wait=False, cancel_futures=True)
         for p in procs:
             if p.is_alive():
                 p.terminate()
         for p in procs:
             p.join(timeout=5)
+        # and its manager thread, which closes the pool's wake-up pipe when it sees the workers
+        # gone: on Python 3.11 the exit hook (concurrent.futures.process._python_exit) writes
+        # to that pipe without a lock, so a close racing it printed "Exception ignored ...
+        # OSError: [Errno 9] Bad file descriptor" under the one line of a Ctrl-C'd sweep
+        if manager is not None:
+            manager.join(timeout=5)
         raise
     pool.shutdown(wait=True)
