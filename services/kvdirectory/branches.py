@@ -70,7 +70,7 @@ from typing import Any
 from shared.messages import CountUpdates
 from shared.values import FACTORY, IdentityValue, Value
 
-from .index import GPU, HOST, BlockIndex, _match, tier_bit
+from .index import GPU, HOST, BlockIndex, _match, local_bit, tier_bit
 
 _REPEAT0 = repeat(0)
 _REPEAT1 = repeat(1)
@@ -1006,25 +1006,15 @@ class BranchTable:
         outbox = self.outbox
         held = self.held_counts_only and not self.index.counters["cap.rejected_blocks"]
         for n in nodes:
-            out = box = outbox[n]
-            if len(out) == 1:  # one change: every block listed once, each count changed
-                hashes, step, counts = out[0]
-                if held and step is not None:  # a Count (a re-send goes whole)
-                    k = self._held_cut(n, hashes)
-                    if k < len(hashes):
-                        if not k:  # the node holds none of its blocks
-                            box.clear()
-                            self.out_len[n] = 0
-                            continue
-                        hashes = hashes[:k]
-                        counts = counts[:k]
+            box = outbox[n]
+            out = self._held_changes(n, box) if held else box
+            if held and not out:  # the node holds none of their blocks
+                box.clear()
+                self.out_len[n] = 0
+                continue
+            if len(box) == 1:  # one change: every block listed once, each count changed
+                hashes, _, counts = out[0]
             else:
-                if held:
-                    out = self._held_changes(n, box)
-                    if not out:  # the node holds none of their blocks
-                        box.clear()
-                        self.out_len[n] = 0
-                        continue
                 hashes = list(chain.from_iterable([o[0] for o in out]))
                 first = dict.fromkeys(hashes)
                 if len(first) == len(hashes):  # distinct blocks: each changed once
@@ -1096,7 +1086,7 @@ class BranchTable:
         simulation (64- and 512-token blocks) the held blocks of every slice were a prefix of
         it and a cut tail spanned ~1 index run, its first block not indexed in 57% of the cuts."""
         get = self.index.where.get
-        lb = 8 << 3 * n  # index.local_bit(n), without the call
+        lb = local_bit(n)
         L = len(blocks)
         r = get(blocks[-1])
         if r is not None and -r[0] & lb:  # the whole slice lies in n's complete prefix
