@@ -603,6 +603,13 @@ class KvDirectory:
         R = t.R[n]
         return list(R), list(R.values()), t.out_seq[n]
 
+    def count_seqs(self) -> dict[str, int]:
+        """``seq`` of the last ``kv.counts.<node>`` message made for each node made one (``node →
+        seq``, nodes never sent counts left out): what a seq beacon tells each worker. Source:
+        ``BranchTable.out_seq``. O(nodes)."""
+        seqs = self.branches.out_seq
+        return {name: seqs[n] for n, name in enumerate(self.names) if seqs[n]}
+
     def pending_count_updates(self) -> int:
         """Count changes not yet taken (a block changed twice before a drain counts twice). O(nodes)."""
         return self.branches.pending_updates()

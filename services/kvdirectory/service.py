@@ -114,11 +114,6 @@ class DirectoryService:
         """Monotonic time of the last resync request per node (at most one per ``resync_min_interval_s``)."""
         self._count_snaps: dict[str, _CountSnap] = {}
         """Per node: the ``kv.countsync`` snapshot whose later pieces a worker is fetching (one each)."""
-        self._count_seq: dict[str, int] = {}
-        """Per node: ``seq`` of the last ``kv.counts`` message taken from the core for it. Set before
-        the messages are published, under :attr:`_flush_lock`, so whoever reads it holding the lock
-        sees only numbers whose publication has returned (or failed: a lost message the beacon
-        then reveals). A node sent no counts yet is absent (no beacon: nothing to have lost)."""
         if cfg.nodes:
             bus.known_nodes = frozenset(cfg.nodes)
 
@@ -329,12 +324,10 @@ class DirectoryService:
             return len(msgs)
 
     async def _publish_counts(self, msgs: list[m.CountUpdates]) -> None:
-        """Publish messages just taken from the core (caller holds :attr:`_flush_lock`). Their
-        numbers go to :attr:`_count_seq` first: one whose publication fails is lost like one
-        dropped by NATS, and the next beacon shows it."""
-        seqs = self._count_seq
-        for cu in msgs:
-            seqs[cu.node] = cu.seq
+        """Publish messages just taken from the core. The caller holds :attr:`_flush_lock` from the
+        take to the last publication: the core's numbers (``count_seqs``), read under the lock, then
+        name only messages whose publication has returned, or failed (lost like one dropped by
+        NATS, which the next beacon shows)."""
         for cu in msgs:
             await self.bus.publish(KV_COUNTS, msgspec.structs.replace(cu, epoch=self.count_epoch), node=cu.node)
 
@@ -409,7 +402,7 @@ class DirectoryService:
         the beacon's ``seq`` older than the worker's last, which the worker ignores. A failed
         publish is counted (``counts.beacon_errors``) and logged once per round; the others go on."""
         async with self._flush_lock:
-            seqs = list(self._count_seq.items())
+            seqs = list(self.core.count_seqs().items())
         sent, failed, epoch = 0, 0, self.count_epoch
         err: Exception | None = None
         for node, seq in seqs:

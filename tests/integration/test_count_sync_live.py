@@ -215,7 +215,7 @@ async def test_without_a_loss_the_seq_beacon_starts_no_sync(nats_url):
                 await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id=f"b{i - 1}"))
             if i % 10 == 9:
                 await asyncio.sleep(0.03)  # let beacons in between the bursts
-        await until(lambda: w.counts.last > 0 and w.counts.last == d._count_seq.get("w0"), what="every message applied")
+        await until(lambda: w.counts.last > 0 and w.counts.last == d.core.count_seqs().get("w0"), what="every message applied")
         beacons = d.counters["counts.beacons"]
         await until(lambda: d.counters["counts.beacons"] >= beacons + 5 and w.counts.counters["beacon"] >= 10, what="beacons")
         assert worker_counted(w) == set(directory_counts(d)) and len(worker_counted(w)) == 3 * 40
