@@ -351,18 +351,20 @@ class WorkerService:
             gauges.update(pg)
         return counters, gauges
 
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
-        """Run ``coro`` in the background; stop() cancels it; errors are counted and logged."""
-        task = asyncio.get_running_loop().create_task(coro)
+    def _spawn(self, coro, name: str | None = None) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
+        """Run ``coro`` in the background (a task named ``name``); stop() cancels it; errors are
+        counted and logged. Returns the task."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self._spawned.add(task)
 
         def done(t: asyncio.Task[None]) -> None:
             self._spawned.discard(t)
             if not t.cancelled() and t.exception() is not None:
                 self.counters["task_errors"] += 1
-                self.log.warning("background task failed", error=repr(t.exception()))
+                self.log.warning("background task failed", task=t.get_name(), error=repr(t.exception()))
 
         task.add_done_callback(done)
+        return task
 
     # ------------------------------------------------------------------ #
     # handlers
@@ -825,15 +827,7 @@ class WorkerService:
     def _ensure_count_sync(self) -> None:
         t = self._count_sync_task
         if (t is None or t.done()) and not self._stopped:
-            self._count_sync_task = t = asyncio.get_running_loop().create_task(self._sync_counts(), name=f"worker-{self.node}-countsync")
-            self._spawned.add(t)
-            t.add_done_callback(self._count_sync_done)
-
-    def _count_sync_done(self, t: asyncio.Task[None]) -> None:
-        self._spawned.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            self.counters["task_errors"] += 1
-            self.log.warning("count sync failed", error=repr(t.exception()))
+            self._count_sync_task = self._spawn(self._sync_counts(), name=f"worker-{self.node}-countsync")
 
     async def _sync_counts(self) -> None:
         """While :attr:`counts` is syncing: ask ``kv.countsync.<node>`` for the node's counts (one
