@@ -130,10 +130,14 @@ class CountStream:
             self.syncing = False
             self.gen += 1
             c["sync.abandoned"] += 1
+        self._adopt(epoch)
+        return reset
+
+    def _adopt(self, epoch: str) -> None:
+        """Hold counts of ``epoch`` from none of its messages: nothing applied, nothing kept."""
         self.epoch, self.last = epoch, 0
         self.kept.clear()
         self.kept_top = 0
-        return reset
 
     def _beacon(self, msg: CountUpdates) -> tuple[bool, Action]:
         """A beacon: the directory has published the node's messages up to ``msg.seq`` (> 0)."""
@@ -181,9 +185,7 @@ class CountStream:
             return None
         if epoch != self.epoch:  # the directory restarted after the gap: its snapshot is all there is
             c["sync.new_epoch"] += 1
-            self.epoch, self.last = epoch, 0
-            self.kept.clear()
-            self.kept_top = 0
+            self._adopt(epoch)
         elif seq < self.last:  # cannot come from the directory (its numbers only grow): ask again
             c["sync.stale"] += 1
             return None
