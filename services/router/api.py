@@ -350,7 +350,8 @@ def parse_tool_call(body: bytes) -> tuple[bool, float]:
 
 
 def parse_request_id(value: str | None) -> str | None:
-    """The client's ``X-Request-ID``, kept as the request's id (``rid``) on every node and in every log.
+    """The client's ``X-Request-ID``, kept as the request's id (``rid``) on every node, in every log and
+    in the ``x-request-id`` response header; the body's ``id`` is :func:`response_id` of it.
 
     The id names the request's NATS subject (``req.<rid>.out``), so it must be one subject
     token: 1 to :data:`REQUEST_ID_MAX_LEN` characters of ``[A-Za-z0-9_-]`` (a UUID fits).
@@ -369,6 +370,16 @@ def parse_request_id(value: str | None) -> str | None:
     if not _REQUEST_ID.fullmatch(value):
         raise ApiError(400, "X-Request-ID may hold only letters, digits, '-' and '_'", param="X-Request-ID")
     return value
+
+
+def response_id(rid: str, *, chat: bool) -> str:
+    """The OpenAI ``id`` of a response (every chunk of a stream has the same): ``chatcmpl-<rid>``
+    for ``/v1/chat/completions``, ``cmpl-<rid>`` for ``/v1/completions``, as vLLM's OpenAI server
+    (``chat_completion/serving.py`` / ``completion/serving.py``: the prefix before
+    ``_base_request_id``, the ``X-Request-Id`` value or a random hex). ``rid`` stays the bare id
+    (the nodes', the logs', the ``x-request-id`` response header's); only the body gets the prefix.
+    """
+    return ("chatcmpl-" if chat else "cmpl-") + rid
 
 
 class BranchHeaders(Struct, frozen=True, kw_only=True):
@@ -426,9 +437,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def completion_response(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+def completion_response(oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+    """A non-streaming ``/v1/completions`` body; ``oid``: its :func:`response_id`."""
     return {
-        "id": rid,
+        "id": oid,
         "object": "text_completion",
         "created": created,
         "model": model,
@@ -437,9 +449,10 @@ def completion_response(rid: str, created: int, model: str, text: str, finish_re
     }
 
 
-def chat_response(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+def chat_response(oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+    """A non-streaming ``/v1/chat/completions`` body; ``oid``: its :func:`response_id`."""
     return {
-        "id": rid,
+        "id": oid,
         "object": "chat.completion",
         "created": created,
         "model": model,
@@ -456,10 +469,10 @@ def chat_response(rid: str, created: int, model: str, text: str, finish_reason: 
 
 
 def completion_chunk(
-    rid: str, created: int, model: str, text: str, finish_reason: str | None, include_usage: bool
+    oid: str, created: int, model: str, text: str, finish_reason: str | None, include_usage: bool
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "id": rid,
+        "id": oid,
         "object": "text_completion",
         "created": created,
         "model": model,
@@ -471,10 +484,10 @@ def completion_chunk(
 
 
 def chat_chunk(
-    rid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None, include_usage: bool
+    oid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None, include_usage: bool
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "id": rid,
+        "id": oid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
@@ -485,9 +498,9 @@ def chat_chunk(
     return out
 
 
-def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, Any]) -> dict[str, Any]:
+def usage_chunk(oid: str, created: int, model: str, obj: str, use: dict[str, Any]) -> dict[str, Any]:
     """The final chunk of a stream with ``stream_options.include_usage``: no choices, usage set."""
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+    return {"id": oid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
 def models_response(model: str, created: int) -> dict[str, Any]:

@@ -1265,8 +1265,9 @@ class RouterService:
         packed = arr.astype("<u4").tobytes()
         hashes = block_hashes_packed(packed, self.cfg.block_size)
         lookup, lookup_status = await self._lookup(hashes, tr)
-        # the client's X-Request-ID is the rid on every node and in every log line, so records join
-        rid = client_rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        # the client's X-Request-ID is the rid on every node, in every log line and in the response's
+        # x-request-id, so records join; the body's id is chatcmpl-/cmpl-<rid> (api.response_id, vLLM's)
+        rid = client_rid or uuid.uuid4().hex
         if rid in self._pending:  # the same X-Request-ID arrived while this one was tokenized
             return self._error(409, f"X-Request-ID {rid!r} is already in flight", "X-Request-ID")
         rreq = RouteRequest(
@@ -1380,7 +1381,8 @@ class RouterService:
             text = self.tokenizer.decode(ids)
             use = api.usage(prompt_tokens, len(ids), cached)
             model = self.cfg.model
-            body = (api.chat_response if chat else api.completion_response)(rid, created, model, text, last.finish_reason, use)
+            oid = api.response_id(rid, chat=chat)
+            body = (api.chat_response if chat else api.completion_response)(oid, created, model, text, last.finish_reason, use)
             body["ei"] = self._ei(p)
             return self._json(body, headers=headers)
         except _ClientGone:
@@ -1400,7 +1402,7 @@ class RouterService:
         (``stream_options.continuous_usage_stats``, vLLM) every data chunk carries ``usage`` so far.
         A client that goes away cancels this generator (Starlette): the request is aborted."""
         model = self.cfg.model
-        rid = p.rid
+        oid = api.response_id(p.rid, chat=chat)
         decoder = IncrementalDecoder(self.tokenizer)
         prompt_tokens = rreq.prompt_tokens
         cached = 0
@@ -1417,8 +1419,8 @@ class RouterService:
         def piece_obj(text: str, finish: str | None) -> dict[str, Any]:
             if chat:
                 delta = {"content": text} if text or finish is None else {}
-                return with_usage(api.chat_chunk(rid, created, model, delta, finish, include_usage))
-            return with_usage(api.completion_chunk(rid, created, model, text, finish, include_usage))
+                return with_usage(api.chat_chunk(oid, created, model, delta, finish, include_usage))
+            return with_usage(api.completion_chunk(oid, created, model, text, finish, include_usage))
 
         def piece(text: str, finish: str | None) -> bytes:
             return sse(piece_obj(text, finish))
@@ -1430,7 +1432,7 @@ class RouterService:
                 cached = item.cached_tokens
                 if chat:
                     role = {"role": "assistant", "content": ""}
-                    yield sse(with_usage(api.chat_chunk(rid, created, model, role, None, include_usage)))
+                    yield sse(with_usage(api.chat_chunk(oid, created, model, role, None, include_usage)))
             while True:
                 if isinstance(item, _Failure):
                     yield sse(api.error_body(item.status, item.reason))
@@ -1455,7 +1457,7 @@ class RouterService:
                 item = await self._next_item(p, None)
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                usage = api.usage_chunk(rid, created, model, obj, api.usage(prompt_tokens, len(decoder.ids), cached))
+                usage = api.usage_chunk(oid, created, model, obj, api.usage(prompt_tokens, len(decoder.ids), cached))
                 usage["ei"] = self._ei(p)
                 yield sse(usage)
             yield _SSE_DONE
@@ -1463,7 +1465,7 @@ class RouterService:
         finally:
             if not completed:
                 self._abandon(p, "client disconnected", "client_disconnect")
-            self._pending.pop(rid, None)
+            self._pending.pop(p.rid, None)
 
     def _close_stream(self, p: _Pending) -> None:
         """After an SSE response: forget ``p`` if its body never ran (the client left before it started)."""

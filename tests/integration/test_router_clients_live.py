@@ -36,16 +36,24 @@ async def test_client_request_id_is_the_rid_everywhere(nats_url, tmp_path):
         rid = "0b0f8c3e-5a1d-4f6e-9c7a-1234567890ab"
         r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}, headers={"X-Request-ID": rid})
         assert r.status_code == 200, r.text
-        assert r.headers["x-request-id"] == rid and r.json()["id"] == rid
+        # the header comes back as sent; the body's id is vLLM's cmpl-<X-Request-ID>
+        assert r.headers["x-request-id"] == rid and r.json()["id"] == "cmpl-" + rid
         assert env.cluster.works[-1].rid == rid  # the nodes (and their logs) see the client's id
-        payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
-        r = await env.http.post("/v1/chat/completions", json=payload, headers={"x-request-id": "chat_42"})
-        assert r.status_code == 200 and r.headers["x-request-id"] == "chat_42"
-        events = sse_events(r.text)
-        assert {e["id"] for e in events[:-1]} == {"chat_42"} and env.cluster.works[-1].rid == "chat_42"
-        # without the header the router makes one and says which
-        r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
-        assert r.headers["x-request-id"] == r.json()["id"] and r.json()["id"].startswith("cmpl-")
+        payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = await env.http.post("/v1/chat/completions", json=payload, headers={"x-request-id": "chat_41"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "chat_41" and r.json()["id"] == "chatcmpl-chat_41"
+        bodies = {"/v1/chat/completions": ("chatcmpl-", payload), "/v1/completions": ("cmpl-", {"prompt": [1, 2], "max_tokens": 2})}
+        for path, (prefix, body) in bodies.items():
+            streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            r = await env.http.post(path, json=streamed, headers={"x-request-id": "s_42"})
+            assert r.status_code == 200 and r.headers["x-request-id"] == "s_42"
+            events = sse_events(r.text)[:-1]  # every chunk, the usage chunk too; then [DONE]
+            assert events[-1]["usage"] is not None and {e["id"] for e in events} == {prefix + "s_42"}, path
+            assert env.cluster.works[-1].rid == "s_42"
+            # without the header the router makes one (a hex uuid, as vLLM's random_uuid) and says which
+            r = await env.http.post(path, json=body)
+            made = r.headers["x-request-id"]
+            assert r.json()["id"] == prefix + made and len(made) == 32 and env.cluster.works[-1].rid == made, r.text
         # unusable ids: 400 with the reason, nothing dispatched
         n = len(env.cluster.works)
         for value, frag in [("a.b", "letters, digits"), ("x" * 129, "at most 128"), ("id with space", "letters, digits"), ("", "empty")]:

@@ -254,7 +254,7 @@ async def test_completion_with_token_ids_non_streaming(nats_url, tmp_path):
         }
         assert r.headers["x-ei-prefill-node"] == "p0" and r.headers["x-ei-decode-node"] == "d0"
         w = env.cluster.works[0]
-        assert w.rid == body["id"] and w.prompt_tokens == 200 and w.max_tokens == 5 and w.block_size == BS
+        assert "cmpl-" + w.rid == body["id"] and w.prompt_tokens == 200 and w.max_tokens == 5 and w.block_size == BS
         assert list(unpack_tokens(w.token_ids)) == prompt
         assert w.block_hashes == block_hashes(prompt, BS) and len(w.block_hashes) == 3
         assert w.decode_node == "d0" and w.branch_id is None and w.epoch == 1
@@ -265,8 +265,8 @@ async def test_completion_with_token_ids_non_streaming(nats_url, tmp_path):
         assert r.status_code == 200
         await _wait_for(lambda: len(env.cluster.placed) == 2, what="route.placed")
         assert sorted((p.node, p.phase, p.branch_id, p.rid) for p in env.cluster.placed) == [
-            ("d0", "decode", "b1", r.json()["id"]),
-            ("p0", "prefill", "b1", r.json()["id"]),
+            ("d0", "decode", "b1", r.headers["x-request-id"]),
+            ("p0", "prefill", "b1", r.headers["x-request-id"]),
         ]
         assert env.cluster.placed[0].block_hashes == block_hashes(prompt, BS)
 

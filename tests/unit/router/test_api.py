@@ -121,3 +121,9 @@ def test_response_shapes():
     c = api.completion_chunk("id", 1, "m", "t", None, True)
     assert c["usage"] is None and c["choices"][0]["text"] == "t"
     assert api.error_body(404, "nope")["error"]["type"] == "not_found_error"
+
+
+def test_response_id_is_vllms_prefix_on_the_bare_request_id():
+    """vLLM's OpenAI server: ``chatcmpl-<X-Request-Id>`` / ``cmpl-<X-Request-Id>``."""
+    assert api.response_id("abc_1", chat=True) == "chatcmpl-abc_1"
+    assert api.response_id("abc_1", chat=False) == "cmpl-abc_1"
