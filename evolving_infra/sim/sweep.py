@@ -125,6 +125,7 @@ def run_sweep(
     """
     from evolving_infra.report.compare import format_table, write_compare
     from evolving_infra.sim.config import resolve
+    from evolving_infra.traces.io import make_folders, remove_folders
 
     items = sweep_items(cfg, spec)
     sizes = {resolve(c).profile.block_size for _, c in items}  # fails before any run
@@ -135,21 +136,25 @@ def run_sweep(
         requests = convert_block_size(requests, bs, sim_bs)
         bs = sim_bs
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    made = make_folders(out)
     meta = dict(meta or {})
     rows: list[dict[str, Any]] = []
-    if parallel > 1 and len(items) > 1:
-        _FORK.update(items=items, requests=requests, bs=bs, out=out, meta=meta, plots=plots)
-        try:
-            with fork_pool(min(parallel, len(items))) as pool:
-                rows = list(pool.map(_run_item, range(len(items))))
-        finally:
-            _FORK.clear()
-    else:
-        for label, c in items:
-            rows.append(_simulate_item(label, c, requests, bs, out, meta, plots))
-            print(f"  {label}: {rows[-1]['throughput_rps'] or 0:.3f} req/s, TTFT {rows[-1]['ttft_mean_s'] or 0:.2f} s, "
-                  f"E2E {rows[-1]['e2e_mean_s'] or 0:.2f} s", flush=True)
+    try:
+        if parallel > 1 and len(items) > 1:
+            _FORK.update(items=items, requests=requests, bs=bs, out=out, meta=meta, plots=plots)
+            try:
+                with fork_pool(min(parallel, len(items))) as pool:
+                    rows = list(pool.map(_run_item, range(len(items))))
+            finally:
+                _FORK.clear()
+        else:
+            for label, c in items:
+                rows.append(_simulate_item(label, c, requests, bs, out, meta, plots))
+                print(f"  {label}: {rows[-1]['throughput_rps'] or 0:.3f} req/s, TTFT {rows[-1]['ttft_mean_s'] or 0:.2f} s, "
+                      f"E2E {rows[-1]['e2e_mean_s'] or 0:.2f} s", flush=True)
+    except BaseException:  # an item that cannot run: the folders made for --out go again if nothing was written in them
+        remove_folders(made)
+        raise
     dirs = [Path(r["dir"]) for r in rows]
     best = max(rows, key=lambda r: r["throughput_rps"] or 0.0)
     summary = {"sweep": list(spec), "items": rows, "best_by_throughput": best["label"]}

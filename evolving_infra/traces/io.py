@@ -35,7 +35,7 @@ import gzip
 import os
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -678,16 +678,19 @@ def encode_line(obj: Any) -> bytes:
 def output_error(path: str | os.PathLike[str], *, inputs: Iterable[str | os.PathLike[str]] = (), directory: bool = False) -> str | None:
     """Why ``path`` cannot be written, checked before any work starts; None if it can.
 
-    ``path`` is a file to write (``directory=False``: its folder is created if missing) or a
-    folder to write into (``directory=True``: created if missing). An output that is one of
-    ``inputs`` (the same file once resolved) is refused: writing it would replace the input
-    with the output. Creates the missing folders; writes no file.
+    ``path`` is a file to write (``directory=False``) or a folder to write into
+    (``directory=True``). Missing folders are not created here: the writer creates them when it
+    writes, so a run that fails after this check (a bad option, an unreadable input) leaves
+    nothing new on disk. The check is that the nearest existing folder on the way is a folder
+    the caller can write in (and each missing name fits the file system's name length). An
+    output that is one of ``inputs`` (the same file once resolved) is refused: writing it would
+    replace the input with the output. Creates nothing.
 
     Returns:
-        One line naming ``path`` and the reason (OS error, not writable, a folder where a file
-        is asked, the same file as an input, an existing device, pipe or socket: the writers
-        write ``path.tmp`` and rename it over ``path``, so ``-o /dev/null`` run as root would
-        replace the device with a file), or None.
+        One line naming ``path`` and the reason (not a folder on the way, not writable, a name
+        too long, a folder where a file is asked, the same file as an input, an existing
+        device, pipe or socket: the writers write ``path.tmp`` and rename it over ``path``, so
+        ``-o /dev/null`` run as root would replace the device with a file), or None.
     """
     p = Path(path)
     try:
@@ -697,19 +700,53 @@ def output_error(path: str | os.PathLike[str], *, inputs: Iterable[str | os.Path
     if same:
         return f"{path}: is also the input; writing it would replace the input, give another output path"
     d = p if directory else p.parent
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return f"{path}: cannot write: {e.strerror or e} ({e.filename or d})"
-    if not d.is_dir():
-        return f"{path}: cannot write: {d} is not a folder"
-    if not os.access(d, os.W_OK | os.X_OK):
-        return f"{path}: cannot write: the folder {d} is not writable"
+    have, missing = d, []
+    while not os.path.lexists(have) and have.parent != have:
+        missing.append(have.name)
+        have = have.parent
+    if not have.is_dir():
+        return f"{path}: cannot write: {have} is not a folder"
+    if not os.access(have, os.W_OK | os.X_OK):
+        return f"{path}: cannot write: the folder {have} is not writable"
+    if missing:
+        try:
+            name_max = os.pathconf(have, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            name_max = 255
+        for name in missing:
+            if len(os.fsencode(name)) > name_max:
+                return f"{path}: cannot write: the name {name!r} is longer than {name_max} bytes"
+        return None
     if not directory and p.is_dir():
         return f"{path}: is a folder; give a file path"
     if not directory and p.exists() and not p.is_file():  # the file is written beside it, then renamed over it
         return f"{path}: is not a regular file (a device, pipe or socket), which the output would replace; give a file path"
     return None
+
+
+def make_folders(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents (like ``mkdir -p``).
+
+    Returns:
+        The folders this call created, outermost first, for :func:`remove_folders` to take back
+        when the write that needed them fails.
+    """
+    made: list[Path] = []
+    f = folder
+    while not os.path.lexists(f) and f.parent != f:
+        made.append(f)
+        f = f.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return made[::-1]
+
+
+def remove_folders(made: Sequence[Path]) -> None:
+    """Remove the folders :func:`make_folders` created, innermost first, if still empty."""
+    for f in reversed(made):
+        try:
+            f.rmdir()
+        except OSError:
+            return
 
 
 def write_trace(path: str | os.PathLike[str] | IO[bytes], header: TraceHeader, requests: Iterable[TraceRequest]) -> int:
@@ -725,15 +762,20 @@ def write_trace(path: str | os.PathLike[str] | IO[bytes], header: TraceHeader, r
     """
     if isinstance(path, (str, os.PathLike)):
         p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
+        made = make_folders(p.parent)
         tmp = p.with_name(p.name + ".tmp")
-        with open(tmp, "wb") as raw:
-            if p.name.endswith(".gz"):
-                with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
-                    n = _write_lines(gz, header, requests)
-            else:
-                n = _write_lines(raw, header, requests)
-        os.replace(tmp, p)
+        try:
+            with open(tmp, "wb") as raw:
+                if p.name.endswith(".gz"):
+                    with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
+                        n = _write_lines(gz, header, requests)
+                else:
+                    n = _write_lines(raw, header, requests)
+            os.replace(tmp, p)
+        except BaseException:  # a failed write (disk full, a generator's error) leaves nothing new
+            tmp.unlink(missing_ok=True)
+            remove_folders(made)
+            raise
         return n
     return _write_lines(path, header, requests)
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from evolving_infra.traces.compact import KEYFRAME_DEPTH, BlockStore, CompactTrace, holder_of
 from evolving_infra.traces.io import PACK_MAGIC as MAGIC
-from evolving_infra.traces.io import TraceError, TraceProblem, _Validator, paused_gc
+from evolving_infra.traces.io import TraceError, TraceProblem, _Validator, make_folders, paused_gc, remove_folders
 from evolving_infra.traces.schema import MAX_BLOCK_ID, VERSION, TraceHeader, TraceRequest
 
 __all__ = ["MAGIC", "PACK_VERSION", "is_packed", "read_packed", "write_packed"]
@@ -103,15 +103,16 @@ def write_packed(path: str | os.PathLike[str], trace: CompactTrace) -> int:
     payload = _ENCODER.encode(_Payload(PACK_VERSION, trace.header, trace.requests,
                                        *(_le_bytes(getattr(st, "_" + name)) for name in _ARRAYS)))
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    made = make_folders(p.parent)
     tmp = p.with_name(p.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + len(payload).to_bytes(8, "little") + zlib.crc32(payload).to_bytes(4, "little"))
             f.write(payload)
         os.replace(tmp, p)
-    except BaseException:  # no partial .tmp left behind (disk full, a folder in the way)
+    except BaseException:  # no partial .tmp (disk full, a folder in the way) nor folders made for it left behind
         tmp.unlink(missing_ok=True)
+        remove_folders(made)
         raise
     return _PREFIX + len(payload)
 

@@ -11,7 +11,7 @@ import importlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from evolving_infra.traces.convert.common import Conversion, ConvertError, expand_inputs, write_conversion
 from evolving_infra.traces.io import Trace
@@ -61,7 +61,9 @@ def convert_inputs(kind: str, inputs: Sequence[str | os.PathLike[str]], *, progr
 
 
 def convert_to_file(
-    kind: str, inputs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], *, progress: bool = False, **options: Any
+    kind: str, inputs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str] | IO[bytes], *, progress: bool = False,
+    **options: Any,
 ) -> tuple[TraceHeader, int]:
-    """Convert ``inputs`` into the file ``out`` (``.gz`` compresses); returns (header, request count)."""
+    """Convert ``inputs`` into the file ``out`` (``.gz`` compresses), or into an open binary
+    stream (uncompressed); returns (header, request count)."""
     return write_conversion(convert(kind, inputs, progress=progress, **options), out)

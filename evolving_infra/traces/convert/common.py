@@ -9,9 +9,9 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from evolving_infra.traces.io import Trace, encode_line
+from evolving_infra.traces.io import Trace, encode_line, make_folders, remove_folders
 from evolving_infra.traces.schema import FORMAT, VERSION, TraceHeader, TraceRequest
 
 __all__ = ["ConvertError", "Conversion", "Skipped", "expand_inputs", "lcp", "progress_iter", "write_conversion"]
@@ -202,33 +202,41 @@ def make_header(*, block_size: int, source: str, description: str, meta: dict[st
     return TraceHeader(format=FORMAT, version=VERSION, block_size=block_size, source=source, description=description, meta=meta)
 
 
-def write_conversion(conv: Conversion, out: str | os.PathLike[str]) -> tuple[TraceHeader, int]:
+def write_conversion(conv: Conversion, out: str | os.PathLike[str] | IO[bytes]) -> tuple[TraceHeader, int]:
     """Stream a conversion into ``out`` (gzip when the name ends in ``.gz``), header first.
 
     Requests are spooled to a temporary file next to ``out`` while the header's
     counts are collected, then header + requests are written; the bytes are the
-    same as :func:`evolving_infra.traces.io.write_trace` would give.
+    same as :func:`evolving_infra.traces.io.write_trace` would give. ``out`` may also be an
+    open binary stream (``trace convert -o -``: stdout), written uncompressed; the spool is
+    then in the system's temporary folder. A conversion that fails (``--strict``) leaves
+    nothing new on disk: no spool, no ``.tmp``, none of the folders made for ``out``.
 
     Returns:
         (header, number of requests).
     """
-    outp = Path(out)
-    outp.parent.mkdir(parents=True, exist_ok=True)
+    stream = not isinstance(out, (str, os.PathLike))
+    outp = Path("-" if stream else out)  # type: ignore[arg-type]
+    made = [] if stream else make_folders(outp.parent)
     n = 0
-    with tempfile.NamedTemporaryFile("wb", dir=outp.parent, prefix=outp.name + ".", suffix=".body", delete=False) as body:
-        body_path = Path(body.name)
-        try:
+    tmp = outp.with_name(outp.name + ".tmp")
+    body_path: Path | None = None
+    try:
+        spool_dir = None if stream else outp.parent
+        with tempfile.NamedTemporaryFile("wb", dir=spool_dir, prefix=outp.name + ".", suffix=".body", delete=False) as body:
+            body_path = Path(body.name)
             for r in conv.requests():
                 body.write(encode_line(r))
                 body.write(b"\n")
                 n += 1
-        except BaseException:
-            body.close()
-            body_path.unlink(missing_ok=True)
-            raise
-    header = conv.header
-    tmp = outp.with_name(outp.name + ".tmp")
-    try:
+        header = conv.header
+        if stream:
+            f: IO[bytes] = out  # type: ignore[assignment]
+            f.write(encode_line(header) + b"\n")
+            with open(body_path, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+            f.flush()
+            return header, n
         with open(tmp, "wb") as raw:
             if outp.name.endswith(".gz"):
                 with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
@@ -240,7 +248,14 @@ def write_conversion(conv: Conversion, out: str | os.PathLike[str]) -> tuple[Tra
                 with open(body_path, "rb") as src:
                     shutil.copyfileobj(src, raw, 1 << 20)
         os.replace(tmp, outp)
+    except BaseException:
+        if not stream:
+            tmp.unlink(missing_ok=True)
+        if body_path is not None:  # before the folders that hold it
+            body_path.unlink(missing_ok=True)
+        remove_folders(made)
+        raise
     finally:
-        body_path.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
+        if body_path is not None:
+            body_path.unlink(missing_ok=True)
     return header, n

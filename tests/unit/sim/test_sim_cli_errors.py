@@ -19,3 +19,23 @@ def test_trace_arrivals_without_arrival_times_is_an_error_line(tmp_path: Path, c
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: arrival 'trace' needs arrival_s") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--trace", "missing.jsonl"],
+        ["--trace", str(SAMPLE), "--trace-arrivals"],
+        ["--trace", str(SAMPLE), "--planner-opt", "bogus=1"],
+        ["--trace", str(SAMPLE), "--trace-arrivals", "--sweep", "policies", "dynamo,evolving"],
+    ],
+    ids=["missing-trace", "arrivals", "planner-opt", "sweep"],
+)
+def test_a_run_that_fails_leaves_no_output_folder(tmp_path: Path, monkeypatch, capsys, extra: list[str]) -> None:
+    """``--out`` is checked before the run (a path under a file is refused at once) but created
+    only when there is a report to write: a run that stops with an error creates nothing."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "new" / "deeper" / "run"
+    assert main(["simulate", *extra, "--duration", "5", "--no-plots", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -168,3 +168,22 @@ def test_an_output_that_is_a_device_or_pipe_is_refused(tmp_path: Path, capsys: p
         err = capsys.readouterr().err
         assert err.startswith(f"error: {fifo}: is not a regular file"), (argv, err)
         assert stat.S_ISFIFO(fifo.stat().st_mode), argv
+
+
+def test_a_command_that_fails_leaves_no_output_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The output's folders are checked before the work and created only to write it: a missing
+    input, or a conversion stopped by ``--strict`` after its first rows, leaves nothing new."""
+    mc = tmp_path / "mc.jsonl"
+    mc.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]}\nnot json\n')
+    made = tmp_path / "made"
+    made.mkdir()
+    cases = [
+        ["trace", "sample", str(tmp_path / "missing.jsonl"), "-o", str(made / "a" / "b" / "o.jsonl")],
+        ["trace", "pack", str(tmp_path / "missing.jsonl"), str(made / "a" / "o.eipack")],
+        ["trace", "convert", "--from", "mooncake", str(mc), "-o", str(made / "a" / "b" / "o.jsonl.gz"), "--strict", "--no-progress"],
+        ["trace", "generate", "claude-code", "--duration", "5", "--requests-per-agent", "2", "-o", str(made / "a" / "g.jsonl")],
+    ]
+    for argv in cases:
+        assert top_main(argv) == 2, argv
+        assert "Traceback" not in capsys.readouterr().err
+        assert list(made.iterdir()) == [], argv
