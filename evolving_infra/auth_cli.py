@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from evolving_infra.stdio_args import folder
 from shared.auth import AuthError, NatsAuth, auth_from_env, generate
 
 
@@ -41,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     ss = p.add_subparsers(dest="auth_command", metavar="ACTION", required=True)
     g = ss.add_parser("gen", help="generate credentials into a folder")
-    g.add_argument("--dir", required=True, help="output folder (created, mode 0700)")
+    g.add_argument("--dir", required=True, type=folder, help="output folder (created, mode 0700)")
     g.add_argument("--nodes", required=True, help="worker node ids, comma-separated (e.g. w0,w1,w2,w3)")
     g.add_argument("--routers", default="router", help="router instance names, comma-separated (default router)")
     g.add_argument("--partition", default="p0", help="partition the permissions cover (default p0)")

@@ -27,6 +27,7 @@ from importlib import resources
 from pathlib import Path
 
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
+from evolving_infra.stdio_args import folder, stdin_file
 from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, write_json
 from shared.log import setup_logging
 from shared.profile import available_profiles
@@ -91,7 +92,7 @@ def _add_cluster_args(
         default=None,
         help="with --nats-url: folder of per-instance credentials (<instance>.nk|.creds|.pass, see 'evolving-infra auth gen')",
     )
-    g.add_argument("--log-dir", default=None, help=f"directory for each service's log (default: {log_dir})")
+    g.add_argument("--log-dir", default=None, type=folder, help=f"directory for each service's log (default: {log_dir})")
     g.add_argument("--log-level", default="info", help="service log level (default info)")
     g.add_argument("--stream-interval", type=int, default=1, help="output tokens per streamed chunk (default 1)")
     g.add_argument(
@@ -393,7 +394,7 @@ async def _demo(args: argparse.Namespace) -> int:
         args.sessions = 4 if torch_engine else 60
     if args.concurrency is None:
         args.concurrency = 4 if torch_engine else 16
-    trace_path = Path(args.trace) if args.trace else demo_trace_path()
+    trace_path = Path(stdin_file(args.trace)) if args.trace else demo_trace_path()
     trace = read_trace(trace_path)
     agents = list(dict.fromkeys(r.agent for r in trace.requests))[: args.sessions]
     keep = set(agents)
@@ -550,8 +551,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "router, and write OUT/report.json, OUT/requests.jsonl and the services' logs under OUT/logs.",
     )
     _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs")
-    d.add_argument("--out", default="demo-out", help="output directory for report.json (default demo-out)")
-    d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample")
+    d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json (default demo-out)")
+    d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample (- reads stdin)")
     d.add_argument("--sessions", type=int, default=None, help="sessions (agents) to replay (default 60; --engine torch: 4)")
     d.add_argument("--concurrency", type=int, default=None, help="concurrent agents, closed loop (default 16; --engine torch: 4)")
     d.add_argument(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from evolving_infra.stdio_args import folder
+
 
 def _init(args: argparse.Namespace) -> int:
     try:
@@ -48,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Write a seeded random checkpoint in the Hugging Face folder layout (config.json, "
         "model.safetensors, tokenizer.json, tokenizer_config.json). Same arguments and seed give the same folder.",
     )
-    i.add_argument("dir", help="output folder (created)")
+    i.add_argument("dir", type=folder, help="output folder (created)")
     i.add_argument("--arch", choices=("llama", "qwen3"), default="llama", help="llama (Llama 3 RoPE scaling, untied) or qwen3 (q/k norm, tied)")
     i.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     i.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")

@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 
 from evolving_infra.replay.core import Arrival, ReplayError
+from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from shared.log import setup_logging
 
 
@@ -33,6 +34,10 @@ async def _replay(args: argparse.Namespace) -> int:
     from evolving_infra.report.ideal import annotate_ideal
     from shared.clock import SimClock
 
+    if args.from_kind != "canonical" and STDIO in args.input:
+        print(f"error: '-' (stdin) cannot be a --from {args.from_kind} input, which is read as named files and folders; "
+              "save it to a file (./- for a file named '-')", file=sys.stderr)
+        return 2
     vocab_size = _use_running_cluster(args)
     unreachable = await router_unreachable(args.router_url)
     if unreachable:  # fail now, not after every request of the trace has failed to connect
@@ -40,9 +45,9 @@ async def _replay(args: argparse.Namespace) -> int:
         return 2
     if args.from_kind == "canonical":
         try:
-            trace = read_trace(Path(args.input[0]))
+            trace = read_trace(Path(stdin_file(args.input[0])))
         except TraceError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {shown(str(e))}", file=sys.stderr)
             return 2
     else:
         from evolving_infra.traces.convert import convert_inputs
@@ -216,7 +221,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "each request is sent after its predecessors complete plus the recorded pause, with branch headers; "
         "branches are ended; TTFT, E2E, tokens and cached tokens are recorded per request.",
     )
-    p.add_argument("input", nargs="+", help="canonical trace file, or raw trace files/folders with --from")
+    p.add_argument("input", nargs="+", help="canonical trace file (- reads stdin), or raw trace files/folders with --from")
     p.add_argument(
         "--from",
         dest="from_kind",
@@ -244,5 +249,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and open-loop arrivals (default 0)")
     p.add_argument("--agent-order", choices=("trace", "shuffled"), default="trace",
                    help="order in which agents enter (closed and open loops): as in the trace (default), or shuffled by --seed")
-    p.add_argument("--out", default="replay-out", help="output directory for report.json and requests.jsonl (default replay-out)")
+    p.add_argument("--out", default="replay-out", type=folder, help="output directory for report.json and requests.jsonl (default replay-out)")
     p.set_defaults(func=cmd_replay)

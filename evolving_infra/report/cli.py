@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from evolving_infra.stdio_args import folder
 from evolving_infra.report.write import REPORT_JSON, build_report, load_run, print_summary, render_run
 
 
@@ -85,7 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Print the summary of RUN_DIR/report.json and redraw RUN_DIR/*.png and RUN_DIR/report.html "
         "from report.json and requests.jsonl.",
     )
-    s.add_argument("run_dir", metavar="RUN_DIR")
+    s.add_argument("run_dir", metavar="RUN_DIR", type=folder)
     s.add_argument("--recompute", action="store_true",
                    help="recompute the metrics from requests.jsonl and rewrite report.json (keeps producer-added keys)")
     s.add_argument("--no-plots", action="store_true", help="only print the summary")
@@ -96,6 +97,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Compare runs: writes OUT/compare.html (self-contained), OUT/compare_*.png and OUT/compare.json; "
         "ratios are value / value of the first RUN_DIR.",
     )
-    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    c.add_argument("--out", default="compare-out", help="output directory (default compare-out)")
+    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=folder)
+    c.add_argument("--out", default="compare-out", type=folder, help="output directory (default compare-out)")
     c.set_defaults(func=cmd_compare)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evolving_infra.policy_args import add_policy_args
+from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from evolving_infra.sim.policies import DEFAULT_RELAUNCH_S, ROUTING_DECODE, SWITCH_MODES
 from shared.config import parse_key_values
 
@@ -159,9 +160,9 @@ def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None) -
         raise SimConfigError("give exactly one of --trace FILE or --workload KIND")
     if args.trace:
         try:  # held compactly (stubs + prefix differences): ~8 bytes per new block id, not ~40 per id
-            trace = read_trace_compact(Path(args.trace), ahead=ahead)
+            trace = read_trace_compact(Path(stdin_file(args.trace)), ahead=ahead)
         except (TraceError, OSError) as e:
-            raise SimConfigError(f"--trace: {e}") from e
+            raise SimConfigError(shown(f"--trace: {e}")) from e
         trace, remapped = trace.rechained()
         prov: dict[str, Any] = {"trace": str(args.trace), "trace_source": trace.header.source}
         if remapped:
@@ -228,7 +229,7 @@ def inflate_ahead(args: argparse.Namespace) -> InflateAhead | None:
     None (no trace, a plain or packed one, one that cannot be opened: read as before). Started
     before the simulator is imported, so that on a second core the trace's inflating overlaps
     the imports and the parsing (~0.6 s of CPU at 64-token blocks for the 260-session CC trace)."""
-    if not args.trace or args.workload:
+    if not args.trace or args.workload or args.trace == STDIO:  # stdin is read whole first (load_workload)
         return None
     from evolving_infra.traces.inflate import InflateAhead
 
@@ -317,7 +318,7 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("input")
-    src.add_argument("--trace", default=None, help="canonical trace (.jsonl or .jsonl.gz), or one packed by 'trace pack' (the same run, loaded without parsing JSON)")
+    src.add_argument("--trace", default=None, help="canonical trace (.jsonl or .jsonl.gz; - reads stdin), or one packed by 'trace pack' (the same run, loaded without parsing JSON)")
     src.add_argument("--workload", default=None, choices=("putnam", "claude-code", "osworld", "shift"),
                      help="generate this workload instead of reading a trace (evolving_infra.traces.generate)")
     src.add_argument("--agents", type=int, default=None, help="--workload: agents to generate (default per workload)")
@@ -382,7 +383,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--egress-s", type=float, default=0.0,
                    help="control plane: first token / end -> client (s; default 0)")
     o = p.add_argument_group("output")
-    o.add_argument("--out", required=True, help="output directory (report.json, requests.jsonl, plots)")
+    o.add_argument("--out", required=True, type=folder, help="output directory (report.json, requests.jsonl, plots; created when they are written)")
     o.add_argument("--label", default=None, help="run label in comparisons (default: the policy set)")
     o.add_argument("--no-plots", action="store_true", help="write report.json and requests.jsonl only")
     o.add_argument("--sweep", nargs="+", metavar="KIND",

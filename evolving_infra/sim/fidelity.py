@@ -49,6 +49,8 @@ from pathlib import Path
 from collections.abc import Iterable
 from typing import Any
 
+from evolving_infra.stdio_args import folder, stdin_file
+
 FIDELITY_KEYS = ("throughput_rps", "ttft_mean_s", "e2e_mean_s")
 
 
@@ -128,7 +130,7 @@ def load_requests(s: FidelitySettings) -> tuple[list[Any], int, str]:
     from evolving_infra.launcher import demo_trace_path
     from evolving_infra.traces.io import read_trace
 
-    path = Path(s.trace) if s.trace else demo_trace_path()
+    path = Path(stdin_file(s.trace)) if s.trace else demo_trace_path()
     trace = read_trace(path)
     if s.max_requests_per_branch:
         from evolving_infra.traces.sample import sample_sessions
@@ -289,7 +291,7 @@ def format_result(res: dict[str, Any]) -> str:
 
 def add_fidelity_args(p: argparse.ArgumentParser) -> None:
     d = FidelitySettings()
-    p.add_argument("--trace", default=None, help="canonical trace (default: the shipped Claude Code sample)")
+    p.add_argument("--trace", default=None, help="canonical trace (- reads stdin; default: the shipped Claude Code sample)")
     p.add_argument("--sessions", type=int, default=d.sessions, help=f"agents replayed (default {d.sessions})")
     p.add_argument("--max-requests-per-branch", type=int, default=0, help="cap each branch to its first K requests")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help=f"closed-loop agents (default {d.concurrency})")
@@ -299,7 +301,7 @@ def add_fidelity_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default=d.routing, help=f"routing policy (default {d.routing})")
     p.add_argument("--speedup", type=float, default=d.speedup, help=f"live speed-up (default {d.speedup:g})")
     p.add_argument("--max-pause", type=float, default=d.max_pause_s, help=f"cap every pause, both runs (default {d.max_pause_s:g} s)")
-    p.add_argument("--out", default="fidelity-out", help="output directory (default fidelity-out)")
+    p.add_argument("--out", default="fidelity-out", type=folder, help="output directory (default fidelity-out)")
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:

@@ -1,5 +1,8 @@
 """``evolving-infra trace ...``: validate, stats, convert, generate, sample, pack (spec: docs/trace-format.md).
 
+A trace to read may be ``-`` (stdin), a trace to write ``-`` (stdout, uncompressed); a raw
+``convert`` input may not (:mod:`evolving_infra.stdio_args`).
+
 Exit status: 0 success; 1 the trace has problems (validate) ; 2 bad input or
 arguments (unreadable file, conversion error, malformed trace for stats).
 """
@@ -10,7 +13,9 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import IO, Any
+
+from evolving_infra.stdio_args import STDIO, not_stdin, shown, stdin_file, write_stdout
 
 __all__ = ["register"]
 
@@ -25,7 +30,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     status = 0
     for path in args.files:
         try:
-            problems = list(iter_validate(path, chained=True))
+            problems = list(iter_validate(stdin_file(path), chained=True))
         except OSError as e:
             print(f"{path}: cannot read: {e}", file=sys.stderr)
             status = 2
@@ -47,9 +52,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     results: dict[str, dict] = {}
     for path in args.files:
         try:
-            results[path] = trace_stats_file(path)
+            results[path] = trace_stats_file(stdin_file(path))
         except TraceError as e:
-            print(str(e), file=sys.stderr)
+            print(shown(str(e)), file=sys.stderr)
             return 2
         except OSError as e:
             print(f"{path}: cannot read: {e}", file=sys.stderr)
@@ -89,7 +94,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 2
     progress = _progress_default() if args.progress is None else args.progress
     try:
-        header, n = convert_to_file(args.from_kind, args.inputs, args.output, progress=progress, **options)
+        header, n = _write(args.output, lambda out: convert_to_file(args.from_kind, args.inputs, out, progress=progress, **options))
     except ConvertError as e:
         print(f"error: {e}" + (" (--strict)" if args.strict else ""), file=sys.stderr)
         return 2
@@ -136,44 +141,54 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        n = write_trace(args.output, trace.header, trace.requests)
+        n = _write(args.output, lambda out: write_trace(out, trace.header, trace.requests))
     except OSError as e:
         return _write_failed(args.output, e)
     print(f"{args.output}: {n} requests, {len(trace.agents())} agents ({GENERATORS[args.kind]})", file=sys.stderr)
-    if args.check:
+    if args.check:  # on stderr when stdout carries the trace
+        report = sys.stderr if args.output == STDIO else sys.stdout
         from evolving_infra.traces.generate.common import check_trace_targets, targets_from_meta
 
         bad = 0
         for t, actual, ok in check_trace_targets(trace, targets_from_meta(trace.header.meta)):
             bad += not ok
             where = f" [{t.subset}]" if t.subset else ""
-            print(f"  {'ok ' if ok else 'OFF'} {t.key}{where}: target {t.value:g}, got {actual:g}  ({t.source})")
+            print(f"  {'ok ' if ok else 'OFF'} {t.key}{where}: target {t.value:g}, got {actual:g}  ({t.source})", file=report)
         if bad:
             print(f"{bad} target(s) off by more than their tolerance (non-default options change what is expected)", file=sys.stderr)
     return 0
 
 
 def _read(read: Callable[[str], Any], path: str) -> Any:
-    """``read(path)``, or None once the reason it cannot be read is printed (every bad line, or the OS error)."""
+    """``read(path)`` (``-``: stdin), or None once the reason it cannot be read is printed (every
+    bad line, or the OS error)."""
     from evolving_infra.traces.io import TraceError
 
     try:
-        return read(path)
+        return read(stdin_file(path))
     except TraceError as e:
-        print(str(e), file=sys.stderr)
+        print(shown(str(e)), file=sys.stderr)
     except OSError as e:
         print(f"{path}: cannot read: {e}", file=sys.stderr)
     return None
 
 
 def _bad_output(path: str, inputs: Sequence[str] = ()) -> bool:
-    """True once the reason ``path`` cannot be written is printed (checked before reading anything)."""
+    """True once the reason ``path`` cannot be written is printed (checked before reading anything);
+    ``-`` (stdout) can always be written, and an input ``-`` (stdin) is no file it could replace."""
     from evolving_infra.traces.io import output_error
 
-    why = output_error(path, inputs=inputs)
+    if path == STDIO:
+        return False
+    why = output_error(path, inputs=[i for i in inputs if i != STDIO])
     if why:
         print(f"error: {why}", file=sys.stderr)
     return why is not None
+
+
+def _write(path: str, write: Callable[[str | IO[bytes]], Any]) -> Any:
+    """``write(path)``, or ``write(stdout)`` for ``-``."""
+    return write_stdout(write) if path == STDIO else write(path)
 
 
 def _write_failed(path: str, e: OSError) -> int:
@@ -192,7 +207,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         return 2
     out = sample_sessions(trace, args.sessions or 10**12, seed=args.seed, max_requests_per_branch=args.max_requests_per_branch or None)
     try:
-        n = write_trace(args.output, out.header, out.requests)
+        n = _write(args.output, lambda f: write_trace(f, out.header, out.requests))
     except OSError as e:
         return _write_failed(args.output, e)
     print(f"{args.output}: {n} requests, {len(out.agents())} agents", file=sys.stderr)
@@ -210,7 +225,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     if trace is None:
         return 2
     try:
-        size = write_packed(args.output, trace)
+        size = _write(args.output, lambda f: write_packed(f, trace))
     except OSError as e:
         return _write_failed(args.output, e)
     print(f"{args.output}: {len(trace.requests)} requests, {trace.store.stored_ids} block ids stored, {size:,} bytes",
@@ -233,19 +248,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v = tsub.add_parser(
         "validate", help="check a trace (format invariants, then chained block ids); report every bad line with its number and reason"
     )
-    v.add_argument("files", nargs="+", help="trace files (.jsonl or .jsonl.gz)")
+    v.add_argument("files", nargs="+", help="trace files (.jsonl or .jsonl.gz; - reads stdin)")
     v.add_argument("-q", "--quiet", action="store_true", help="print nothing for valid files")
     v.set_defaults(func=cmd_validate)
 
     s = tsub.add_parser("stats", help="requests, sessions, branches, compactions, token and pause distributions, h*")
-    s.add_argument("files", nargs="+", help="trace files")
+    s.add_argument("files", nargs="+", help="trace files (- reads stdin)")
     s.add_argument("--json", action="store_true", help="print a JSON object (one file) or {file: object} (several)")
     s.set_defaults(func=cmd_stats)
 
     c = tsub.add_parser("convert", help="convert public traces into the canonical format")
     c.add_argument("--from", dest="from_kind", required=True, choices=sorted(CONVERTERS), help="input kind")
-    c.add_argument("inputs", nargs="+", help="input files or folders")
-    c.add_argument("-o", "--output", required=True, help="output trace (.jsonl, or .jsonl.gz to compress)")
+    c.add_argument("inputs", nargs="+", type=not_stdin, help="input files or folders (not stdin)")
+    c.add_argument("-o", "--output", required=True, help="output trace (.jsonl, or .jsonl.gz to compress; - writes stdout, uncompressed)")
     c.add_argument(
         "--block-size",
         type=int,
@@ -270,7 +285,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     gen = tsub.add_parser("generate", help="generate a calibrated synthetic agent workload")
     gen.add_argument("kind", choices=sorted(GENERATORS), help="workload")
     gen.add_argument("--seed", type=int, default=0, help="RNG seed (same seed and options: byte-identical output)")
-    gen.add_argument("-o", "--output", required=True, help="output trace (.jsonl or .jsonl.gz)")
+    gen.add_argument("-o", "--output", required=True, help="output trace (.jsonl or .jsonl.gz; - writes stdout, uncompressed)")
     gen.add_argument("--agents", type=int, default=None, help="agents to generate (default per workload)")
     gen.add_argument("--duration", type=float, default=None, help="each agent runs until its estimated busy time reaches this many seconds (default: a task length drawn from the workload's fit)")
     gen.add_argument("--requests-per-agent", type=int, default=None, help="main-branch requests per agent (instead of the fitted task length)")
@@ -279,8 +294,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     gen.set_defaults(func=cmd_generate)
 
     sm = tsub.add_parser("sample", help="keep N agents and cap every branch (sample_sessions)")
-    sm.add_argument("input", help="trace file")
-    sm.add_argument("-o", "--output", required=True, help="output trace")
+    sm.add_argument("input", help="trace file (- reads stdin)")
+    sm.add_argument("-o", "--output", required=True, help="output trace (- writes stdout, uncompressed)")
     sm.add_argument("--sessions", type=int, default=0, help="agents to keep (0 = all)")
     sm.add_argument("--max-requests-per-branch", type=int, default=0, help="keep each branch's first K requests (0 = no cap)")
     sm.add_argument("--seed", type=int, default=0, help="seed of the agent draw (default 0)")
@@ -293,8 +308,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "binary file (docs/trace-format.md §10). simulate --trace FILE.eipack runs exactly what simulate --trace "
         "of the input runs, and loads it ~10x faster; the other trace commands read the .jsonl[.gz].",
     )
-    pk.add_argument("input", help="trace file (.jsonl or .jsonl.gz)")
-    pk.add_argument("output", help="packed trace to write (e.g. trace.eipack)")
+    pk.add_argument("input", help="trace file (.jsonl or .jsonl.gz; - reads stdin)")
+    pk.add_argument("output", help="packed trace to write (e.g. trace.eipack; - writes stdout)")
     pk.set_defaults(func=cmd_pack)
 
 

@@ -40,6 +40,7 @@ import sys
 import zlib
 from array import array
 from pathlib import Path
+from typing import IO
 
 import msgspec
 import numpy as np
@@ -89,9 +90,10 @@ def _le_bytes(a: array) -> bytes:
     return b.tobytes()
 
 
-def write_packed(path: str | os.PathLike[str], trace: CompactTrace) -> int:
+def write_packed(path: str | os.PathLike[str] | IO[bytes], trace: CompactTrace) -> int:
     """Write ``trace`` (as :func:`~evolving_infra.traces.compact.read_trace_compact` builds it) as a
-    packed trace; the bytes are a pure function of ``trace``. Written to ``path.tmp`` then renamed.
+    packed trace; the bytes are a pure function of ``trace``. Written to ``path.tmp`` then renamed;
+    or into ``path``, an open binary stream (``trace pack IN -``: stdout).
 
     Returns:
         Bytes written.
@@ -102,12 +104,17 @@ def write_packed(path: str | os.PathLike[str], trace: CompactTrace) -> int:
     st = trace.store
     payload = _ENCODER.encode(_Payload(PACK_VERSION, trace.header, trace.requests,
                                        *(_le_bytes(getattr(st, "_" + name)) for name in _ARRAYS)))
+    head = MAGIC + len(payload).to_bytes(8, "little") + zlib.crc32(payload).to_bytes(4, "little")
+    if not isinstance(path, (str, os.PathLike)):
+        path.write(head)
+        path.write(payload)
+        return _PREFIX + len(payload)
     p = Path(path)
     made = make_folders(p.parent)
     tmp = p.with_name(p.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(MAGIC + len(payload).to_bytes(8, "little") + zlib.crc32(payload).to_bytes(4, "little"))
+            f.write(head)
             f.write(payload)
         os.replace(tmp, p)
     except BaseException:  # no partial .tmp (disk full, a folder in the way) nor folders made for it left behind

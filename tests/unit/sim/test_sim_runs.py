@@ -85,6 +85,27 @@ def test_cli_simulate_writes_a_report(tmp_path, capsys):
     assert "simulated" in capsys.readouterr().out
 
 
+def test_cli_simulate_reads_a_trace_from_stdin(tmp_path, monkeypatch, capsys):
+    """``--trace -``: stdin (gzip here), the same run as of the file; the report names ``-``."""
+    import gzip
+    import io
+    import sys
+
+    path = tmp_path / "t.jsonl"
+    write_trace(path, TraceHeader(format=FORMAT, block_size=BS, source="test"), small_trace(4, 3))
+    common = ["--profile", "tiny", "--nodes", "3", "--concurrency", "2", "--no-plots", "--seed", "4"]
+    assert main(["simulate", "--trace", str(path), "--out", str(tmp_path / "file"), *common]) == 0
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(gzip.compress(path.read_bytes()))))
+    assert main(["simulate", "--trace", "-", "--out", str(tmp_path / "stdin"), *common]) == 0
+    assert (tmp_path / "stdin" / "requests.jsonl").read_bytes() == (tmp_path / "file" / "requests.jsonl").read_bytes()
+    rep = json.loads((tmp_path / "stdin" / "report.json").read_text())
+    assert rep["meta"]["trace"] == "-" and rep["requests_completed"] == 12
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"not a trace\n")))
+    assert main(["simulate", "--trace", "-", "--out", str(tmp_path / "bad"), *common]) == 2
+    assert capsys.readouterr().err.splitlines()[-2].startswith("error: --trace: -: ")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_cli_rejects_bad_flags(tmp_path, capsys):
     rc = main(["simulate", "--out", str(tmp_path), "--profile", "tiny"])
     assert rc == 2 and "--trace" in capsys.readouterr().err

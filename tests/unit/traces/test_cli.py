@@ -187,3 +187,68 @@ def test_a_command_that_fails_leaves_no_output_folder(tmp_path: Path, capsys: py
         assert top_main(argv) == 2, argv
         assert "Traceback" not in capsys.readouterr().err
         assert list(made.iterdir()) == [], argv
+
+
+def _cli(args: list[str], cwd: Path, stdin: bytes = b"") -> bytes:
+    """``evolving-infra ARGS`` in a fresh process (real stdin and stdout); its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", "evolving_infra.cli", *args], input=stdin, capture_output=True, cwd=cwd, env=env)
+    assert done.returncode == 0, (args, done.stderr.decode())
+    return done.stdout
+
+
+def test_dash_reads_a_trace_from_stdin_and_writes_one_to_stdout(tmp_path: Path) -> None:
+    """``-`` as a trace to read is stdin (plain or gzip), as a trace to write stdout (uncompressed,
+    the status line on stderr): the bytes are those of the same command with files, and no file
+    named ``-`` appears."""
+    import gzip
+
+    src = tmp_path / "t.jsonl"
+    assert main(["generate", "claude-code", "--agents", "3", "--seed", "2", "-o", str(src)]) == 0
+    trace = src.read_bytes()
+    assert _cli(["trace", "generate", "claude-code", "--agents", "3", "--seed", "2", "-o", "-"], tmp_path) == trace
+    assert _cli(["trace", "validate", "-"], tmp_path, gzip.compress(trace)) == b"-: ok\n"
+    assert json.loads(_cli(["trace", "stats", "-", "--json"], tmp_path, trace)) == json.loads(
+        _cli(["trace", "stats", str(src), "--json"], tmp_path))
+    assert main(["sample", str(src), "--sessions", "2", "-o", str(tmp_path / "s.jsonl")]) == 0
+    sampled = _cli(["trace", "sample", "-", "--sessions", "2", "-o", "-"], tmp_path, trace)
+    assert sampled == (tmp_path / "s.jsonl").read_bytes()
+    assert main(["pack", str(tmp_path / "s.jsonl"), str(tmp_path / "s.eipack")]) == 0
+    assert _cli(["trace", "pack", "-", "-"], tmp_path, sampled) == (tmp_path / "s.eipack").read_bytes()
+    mc = tmp_path / "mc.jsonl"
+    mc.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]}\n')
+    _cli(["trace", "convert", "--from", "mooncake", "mc.jsonl", "-o", "c.jsonl", "--no-progress"], tmp_path)
+    assert _cli(["trace", "convert", "--from", "mooncake", "mc.jsonl", "-o", "-", "--no-progress"], tmp_path) == (
+        tmp_path / "c.jsonl").read_bytes()
+    assert not (tmp_path / "-").exists()
+
+
+def test_dash_is_a_usage_error_where_a_folder_or_a_raw_input_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An output folder, a run folder or a raw ``convert`` input cannot be a stream: ``-`` there
+    exits with status 2 and the usage line, and no folder or file named ``-`` is made."""
+    monkeypatch.chdir(tmp_path)
+    cases = [
+        ["simulate", "--workload", "putnam", "--out", "-"],
+        ["report", "compare", "a", "b", "--out", "-"],
+        ["report", "show", "-"],
+        ["replay", "t.jsonl", "--out", "-"],
+        ["demo", "--out", "-"],
+        ["up", "--log-dir", "-"],
+        ["fidelity", "--out", "-"],
+        ["auth", "gen", "--dir", "-", "--nodes", "w0"],
+        ["model", "init", "-"],
+        ["trace", "convert", "--from", "mooncake", "-", "-o", "o.jsonl"],
+    ]
+    for argv in cases:
+        with pytest.raises(SystemExit) as ei:
+            top_main(argv)
+        err = capsys.readouterr().err
+        assert ei.value.code == 2 and "usage: " in err and "'-' (stdin" in err, (argv, err)
+    assert list(tmp_path.iterdir()) == []
