@@ -58,6 +58,13 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
         float, Meta(gt=0, description="wall seconds a kv.countsync snapshot is kept for its next pieces before a worker "
                     "must ask again from the start")
     ] = 30.0
+    count_sync_min_interval_s: Annotated[
+        float,
+        Meta(ge=0, description="least wall seconds between two new kv.countsync snapshots of one node (each copies the "
+             "node's counts; the pieces of a kept one are not limited): a request sooner is answered with an error, "
+             "which the worker retries after a backoff (a worker asks at most once per its own "
+             "--count-sync-min-interval-s, 1 s); 0 = no limit"),
+    ] = 0.5
     count_seq_beacon_s: Annotated[
         float,
         Meta(ge=0, description="wall seconds between seq beacons: every node sent kv.counts gets an empty one with the seq "

@@ -17,6 +17,7 @@ name                                            type       meaning
 ``ei_kvdirectory_copies{tier}``                 gauge      block copies held, by tier (gpu = L1, host = L2)
 ``ei_kvdirectory_count_syncs_total``            counter    node count snapshots sent to workers that lost a ``kv.counts``
 ``ei_kvdirectory_count_sync_entries_total``     counter    block counts those snapshots carried
+``ei_kvdirectory_count_sync_refusals_total``    counter    new snapshots refused: asked sooner than ``--count-sync-min-interval-s``
 ``ei_kvdirectory_count_beacons_total``          counter    ``kv.counts`` seq beacons published (``--count-seq-beacon-s``)
 ``ei_kvdirectory_count_beacon_errors_total``    counter    seq beacons whose publication failed
 ``ei_kvdirectory_ingest_seconds``               histogram  wall time to apply one ``kv.events`` batch
@@ -66,6 +67,10 @@ def directory_families(svc: "DirectoryService") -> Iterator[Metric]:
     yield counter_family(
         "ei_kvdirectory_count_sync_entries", "Block counts R[b, node] sent in kv.countsync snapshots",
         {(): float(sc.get("countsync.entries", 0))},
+    )
+    yield counter_family(
+        "ei_kvdirectory_count_sync_refusals", "New kv.countsync snapshots of a node refused: asked sooner than --count-sync-min-interval-s",
+        {(): float(sc.get("countsync.rate_limited", 0))},
     )
     yield counter_family(
         "ei_kvdirectory_count_beacons", "kv.counts seq beacons published (each node's last seq, every --count-seq-beacon-s)",

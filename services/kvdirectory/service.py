@@ -114,6 +114,9 @@ class DirectoryService:
         """Monotonic time of the last resync request per node (at most one per ``resync_min_interval_s``)."""
         self._count_snaps: dict[str, _CountSnap] = {}
         """Per node: the ``kv.countsync`` snapshot whose later pieces a worker is fetching (one each)."""
+        self._count_sync_last: dict[str, float] = {}
+        """Per node: ``time.monotonic()`` of its last new ``kv.countsync`` snapshot, while younger than
+        ``count_sync_min_interval_s`` (dropped after it on the flush loop)."""
         if cfg.nodes:
             bus.known_nodes = frozenset(cfg.nodes)
 
@@ -345,7 +348,10 @@ class DirectoryService:
         """Answer one piece of ``req.node``'s counts: a new snapshot for ``snapshot=""`` (after the
         pending count changes are taken, in the same step, so it is the state after message
         ``seq``: the worker drops older messages and applies newer ones), else the asked piece of
-        the kept one, or ``error`` when that one is gone (the worker starts again)."""
+        the kept one, or ``error`` when that one is gone (the worker starts again) or when the
+        node's last new snapshot is younger than ``count_sync_min_interval_s``
+        (``countsync.rate_limited``: anyone may ask, and each new snapshot copies the node's
+        counts; the worker backs off and asks again)."""
         node, now = req.node, time.monotonic()
         self._expire_count_snaps(now)
         piece = self.count_sync_piece()
@@ -356,6 +362,14 @@ class DirectoryService:
                 return m.CountSnapshot(node=node, epoch=self.count_epoch, snapshot=req.snapshot,
                                        error="count snapshot gone (expired or replaced): ask again from offset 0")  # fmt: skip
         else:
+            gap = self.cfg.count_sync_min_interval_s
+            last = self._count_sync_last.get(node)
+            if last is not None and now - last < gap:
+                self.counters["countsync.rate_limited"] += 1
+                return m.CountSnapshot(node=node, epoch=self.count_epoch,
+                                       error=f"at most one new count snapshot of a node every {gap:g} s: ask again later")  # fmt: skip
+            if gap > 0:
+                self._count_sync_last[node] = now
             self.counters["countsync.snapshots"] += 1
             async with self._flush_lock:
                 msgs = self.core.take_count_updates()
@@ -388,6 +402,15 @@ class DirectoryService:
             for n in [n for n, s in snaps.items() if now - s.taken > self.cfg.count_sync_ttl_s]:
                 del snaps[n]
                 self.counters["countsync.expired"] += 1
+
+    def _expire_count_sync_marks(self, now: float) -> None:
+        """Forget the nodes whose last new ``kv.countsync`` snapshot is ``count_sync_min_interval_s``
+        old (``time.monotonic()``): they may ask again, and the marks of node ids asked once (any
+        id, without ``--nodes``) do not pile up. Run every flush round. O(marks)."""
+        marks = self._count_sync_last
+        if marks:
+            for n in [n for n, t in marks.items() if now - t >= self.cfg.count_sync_min_interval_s]:
+                del marks[n]
 
     async def send_count_beacons(self) -> int:
         """Publish a seq beacon (``CountUpdates(beacon=True)``: no entries, ``seq`` not incremented)
@@ -433,6 +456,7 @@ class DirectoryService:
             await asyncio.sleep(self.cfg.counts_flush_s)
             try:
                 self._expire_count_snaps(time.monotonic())
+                self._expire_count_sync_marks(time.monotonic())
                 now = self.clock.now()
                 deadline = self.core.next_deadline()
                 if deadline is not None and deadline <= now:

@@ -3,7 +3,9 @@ and stale requests, on the fake bus of ``test_count_beacon``: a piece of a snaps
 exist, of another node, past its end or expired is refused with ``error`` (a reply the worker's
 edge accepts: offset 0, no entries), at most one snapshot per node is kept, and a kept one is
 dropped once ``--count-sync-ttl-s`` has passed even when no request follows (a worker that stopped
-mid-fetch must not leave its node's counts copied in memory for good)."""
+mid-fetch must not leave its node's counts copied in memory for good). A new snapshot of a node is
+taken at most once per ``--count-sync-min-interval-s``: a request sooner is refused the same way
+(it would make the directory copy the node's counts again), and counted."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ async def ask(d, node: str, snapshot: str = "", offset: int = 0) -> m.CountSnaps
 
 
 async def test_pieces_of_gone_snapshots_are_refused_and_one_snapshot_per_node_is_kept():
-    d, _ = serving(count_sync_piece=3)
+    d, _ = serving(count_sync_piece=3, count_sync_min_interval_s=0)  # 0: new snapshots not rate-limited
     first = await ask(d, "w0")
     assert (first.offset, first.total, len(first.hashes), first.error) == (0, 7, 3, None) and first.seq == 1
     other = await ask(d, "w1")
@@ -68,5 +70,41 @@ async def test_a_kept_snapshot_expires_without_another_request():
             await asyncio.sleep(0.01)
         assert not d._count_snaps and d.counters["countsync.expired"] == 1
         assert d.stats()[1]["countsync.kept"] == 0
+    finally:
+        await d.stop()
+
+
+async def test_new_snapshots_of_a_node_are_rate_limited():
+    """Anyone may ask ``kv.countsync.<node>`` (no auth here): each new snapshot copies R[·, node],
+    so one per ``--count-sync-min-interval-s`` per node; a request sooner is answered with
+    ``error`` (the worker treats it as any refused reply: backs off and asks again), counted. The
+    pieces of the kept snapshot and other nodes' snapshots are not limited."""
+    d, _ = serving(count_sync_piece=3, count_sync_min_interval_s=0.2)
+    first = await ask(d, "w0")
+    for _ in range(5):
+        refused = await ask(d, "w0")
+        assert refused.error and "at most one new count snapshot" in refused.error
+        assert (refused.offset, refused.total, refused.hashes, refused.snapshot) == (0, 0, [], "")
+    assert d.counters["countsync.rate_limited"] == 5 and d.counters["countsync.snapshots"] == 1
+    assert d._count_snaps["w0"].id == first.snapshot  # the kept snapshot was not replaced
+    assert (await ask(d, "w0", first.snapshot, 3)).error is None and (await ask(d, "w1")).error is None
+    await asyncio.sleep(0.25)
+    again = await ask(d, "w0")
+    assert again.error is None and again.total == 7 and d.counters["countsync.snapshots"] == 3
+    assert d.counters["countsync.rate_limited"] == 5
+
+
+async def test_the_rate_limit_marks_are_dropped_once_their_interval_passed():
+    d, _ = serving(count_sync_min_interval_s=0.02, counts_flush_s=0.01, count_seq_beacon_s=0)
+    await d.start()
+    try:
+        for i in range(50):  # nodes never heard of (no --nodes here): each leaves a mark
+            await ask(d, f"x{i}")
+        assert len(d._count_sync_last) == 50
+        for _ in range(100):
+            if not d._count_sync_last:
+                break
+            await asyncio.sleep(0.01)
+        assert not d._count_sync_last
     finally:
         await d.stop()
