@@ -313,13 +313,15 @@ class CountSnapshot(Msg, frozen=True, kw_only=True):
     offset: NonNeg = 0
     """Index of ``hashes[0]`` in the whole snapshot."""
     total: NonNeg = 0
-    """Entries of the whole snapshot (blocks with R[b, node] > 0)."""
+    """Entries of the whole snapshot (blocks with R[b, node] > 0). A worker fetches at most
+    ``services.worker.countseq.SNAPSHOT_MAX_ENTRIES`` (2^30; past it the sync ends, counted)."""
     hashes: list[int] = []
     counts: list[NonNeg] = []
     """``counts[i]`` is R[``hashes[i]``, node] (branches, > 0)."""
     error: str | None = None
-    """Set when the piece cannot be served (the snapshot expired or was replaced): ask again from
-    offset 0."""
+    """Set when the piece cannot be served (the snapshot expired or was replaced, or a new snapshot
+    of the node was asked sooner than the directory's ``--count-sync-min-interval-s`` allows): ask
+    again from offset 0 (after a backoff)."""
 
 
 # kv.pool.<node>  (worker → worker, request/reply: real-bytes host KV pool)

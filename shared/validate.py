@@ -48,7 +48,10 @@ MAX_KV_BATCH_HASHES = 2**18
 MAX_KV_BATCH_EVENTS = 2**16
 """Most events in one ``KvEventBatch``."""
 MAX_SNAPSHOT_BLOCKS = 2**23
-"""Most blocks per tier in one ``KvSnapshot``."""
+"""Most blocks per tier in one ``KvSnapshot``. (Not the bound of a ``kv.countsync`` snapshot's
+``total`` or offsets: a node may count more blocks than that, and the worker bounds what it
+fetches itself, counted and without a retry, ``services.worker.countseq.SNAPSHOT_MAX_ENTRIES``;
+here they are only integers exact in a float, :data:`MAX_SEQ`.)"""
 MAX_NODES = 4096
 """Most nodes named in one message (split command, lookup reply, models)."""
 MAX_LIST = 2**16
@@ -211,7 +214,7 @@ def _count_sync_req(r: m.CountSyncRequest, p: dict[str, str], nodes: Collection[
     _text(r.epoch, "epoch", MAX_ID_LEN)
     _int(r.last_seq, "last_seq", MAX_SEQ)
     _text(r.snapshot, "snapshot", 256)
-    _int(r.offset, "offset", MAX_SNAPSHOT_BLOCKS)
+    _int(r.offset, "offset", MAX_SEQ)  # the directory only slices its kept snapshot with it (past its end: refused)
 
 
 def _count_snapshot(s: m.CountSnapshot, p: dict[str, str], nodes: Collection[str] | None) -> None:
@@ -220,7 +223,7 @@ def _count_snapshot(s: m.CountSnapshot, p: dict[str, str], nodes: Collection[str
     _text(s.epoch, "epoch", MAX_ID_LEN)
     _int(s.seq, "seq", MAX_SEQ)
     _text(s.snapshot, "snapshot", 256)
-    _int(s.total, "total", MAX_SNAPSHOT_BLOCKS)
+    _int(s.total, "total", MAX_SEQ)  # the worker refuses a snapshot too large to fetch itself (counted, no retry loop)
     _len(s.hashes, "hashes", MAX_KV_BATCH_HASHES)
     if len(s.counts) != len(s.hashes):
         raise Invalid(f"{len(s.counts)} counts for {len(s.hashes)} hashes")

@@ -49,7 +49,8 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     ] = "sim"
     host_eviction: Annotated[
         Literal["lru", "branch-count"],
-        Meta(description="host (L2) eviction order: lru, or branch-count = zero-count blocks first (kv.counts)"),
+        Meta(description="host (L2) eviction order: lru, or branch-count = zero-count blocks first (kv.counts; "
+             "only branch-count subscribes to kv.counts and syncs them)"),
     ] = "lru"
     stream_interval: Annotated[
         int, Meta(ge=1, description="output tokens per streamed TokenChunk after the first (SGLang stream_interval)")
@@ -109,10 +110,11 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         float, Meta(gt=0, description="least wall seconds between two kv.countsync snapshots asked (a run of gaps cannot "
                     "start a storm)")
     ] = 1.0
-    count_sync_buffer: Annotated[
-        int, Meta(gt=0, description="kv.counts messages kept while a kv.countsync runs (applied after its snapshot; the "
-                  "oldest dropped past it)")
-    ] = 4096
+    count_sync_buffer_entries: Annotated[
+        int, Meta(gt=0, description="block counts (entries; an empty message counts one) of the kv.counts messages kept "
+                  "while a kv.countsync runs (applied after its snapshot): past it the oldest messages are dropped, the "
+                  "newest always kept (about 50 bytes an entry)")
+    ] = 2**20
     requeue_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds to wait for the router to take back handed-back work (work.requeue)")
     ] = 5.0

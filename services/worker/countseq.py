@@ -13,11 +13,12 @@ the shell does with it, and when the node's counts must be fetched whole from th
 * ``seq == last + 1``: apply;
 * ``seq <= last``: an old or duplicated message, dropped (``stale``);
 * ``seq > last + 1``: a gap: a sync starts; the message, and every later one while the sync
-  runs, is applied at once AND kept (at most ``buffer_max``; the oldest dropped first, counted),
-  so a sync that cannot complete (no directory answers ``kv.countsync``: one that predates it, a
-  permission missing, a directory too busy) never freezes the counts: they stay as without the
-  sync, only the lost message's blocks stale (``sync.applied_early``); one that arrives after a
-  message numbered past it is only kept (its values are older);
+  runs, is applied at once AND kept (at most ``buffer_entries`` block counts in all, an empty
+  message counting one; past it the oldest messages are dropped first, counted, the newest one
+  always kept), so a sync that cannot complete (no directory answers ``kv.countsync``: one that
+  predates it, a permission missing, a directory too busy) never freezes the counts: they stay
+  as without the sync, only the lost message's blocks stale (``sync.applied_early``); one that
+  arrives after a message numbered past it is only kept (its values are older);
 * the sync's snapshot (the counts after message ``S``): reset, apply it, drop the kept messages
   up to ``S``, apply the kept ones after it in order again (the reset undid them); a hole among
   them (a message after ``S`` lost too) keeps the sync going. Messages carry absolute values, so
@@ -34,6 +35,20 @@ the shell does with it, and when the node's counts must be fetched whole from th
   never applied, never taken for the message with its number. (A beacon with ``seq`` 0 says
   nothing the epoch announcement does not: taken as one.)
 
+An ``epoch`` the worker held counts of before the one it holds now (the directory restarted;
+the last ``retired_max``, 8, are remembered) is over: a late message, beacon or snapshot of it is
+dropped (``stale_epoch``, ``sync.stale_epoch``), not taken for another restart (which would reset
+the counts and cost a sync). Epochs are opaque (``uuid4().hex`` per directory process,
+``DirectoryService.count_epoch``): a process never reuses one, so a genuinely new epoch is never
+among them. (A worker that first hears a new process, then a late message of the one before it,
+never held that one: it takes it for a restart, as before.)
+
+A snapshot of more than ``max_entries`` blocks (:data:`SNAPSHOT_MAX_ENTRIES`; its first piece
+says how many) is not fetched: the sync ends (``sync.too_large``), and no later gap of that epoch
+nor a reconnect starts one (``sync.unsynced``: the numbering goes on from the message or beacon
+that showed the gap, the counts stay as without the sync); a new epoch lifts it. No request is
+repeated either way.
+
 A kept message numbered past ``S`` that arrived before the sync's first request was sent cannot
 come from the directory (it numbered at most ``S`` messages by then): it is dropped
 (``sync.beyond_snapshot``), so a forged sequence jump costs one sync, not a loop of them.
@@ -44,10 +59,19 @@ with the prefix ``counts.``.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from typing import Literal
 
 from shared.messages import CountUpdates
+
+SNAPSHOT_MAX_ENTRIES = 2**30
+"""Most entries (blocks with R[b, node] > 0) of a ``kv.countsync`` snapshot a worker fetches; one
+announcing more (``CountSnapshot.total``) ends the sync unfetched (:meth:`CountStream.first_piece`).
+For scale: a 2 TB host pool of 64-token blocks holds 2^30 blocks only at 32 B of KV per token;
+Qwen2.5-0.5B in bf16 (24 layers × 2 KV heads × 64 dims × K,V × 2 B ≈ 12 KB a token) fills it with
+≈2.5 M blocks, GLM-5.2 (≈50 KB a token, DESIGN §5) with ≈0.6 M. Held as the shell holds a snapshot
+(two lists, an int object per hash) 2^30 entries take ≈50 GB, which bounds what a forged ``total``
+can make a worker ask for."""
 
 Action = Literal["apply", "stale", "kept", "beacon"]
 """What the shell does with a message: apply it now (while a sync runs it is also kept, to apply
@@ -60,14 +84,19 @@ class CountStream:
     """Sequence state of one node's ``kv.counts`` (one directory process at a time).
 
     Args:
-        buffer_max: messages kept while a sync runs (the oldest are dropped past it; a dropped one
-            leaves a hole, so another sync follows).
+        buffer_entries: block counts (hashes; an empty message counts one) of the messages kept
+            while a sync runs: past it the oldest messages are dropped (a dropped one leaves a
+            hole, so another sync follows), the newest one always kept (one message is bounded by
+            ``shared.validate.MAX_KV_BATCH_HASHES``).
+        retired_max: epochs held before the current one that are remembered as over.
+        max_entries: most entries of a snapshot fetched (:data:`SNAPSHOT_MAX_ENTRIES`).
     """
 
-    def __init__(self, buffer_max: int = 4096) -> None:
-        if buffer_max < 1:
-            raise ValueError("buffer_max must be >= 1")
-        self.buffer_max = buffer_max
+    def __init__(self, buffer_entries: int = 2**20, retired_max: int = 8, max_entries: int = SNAPSHOT_MAX_ENTRIES) -> None:
+        if buffer_entries < 1 or retired_max < 1 or max_entries < 1:
+            raise ValueError("buffer_entries, retired_max and max_entries must be >= 1")
+        self.buffer_entries = buffer_entries
+        self.max_entries = max_entries
         self.epoch: str | None = None
         """``CountUpdates.epoch`` of the counts held (None before the first message or snapshot)."""
         self.last = 0
@@ -81,6 +110,13 @@ class CountStream:
         sent under an older generation is discarded (:meth:`snapshot`)."""
         self.kept: dict[int, CountUpdates] = {}
         """Messages of :attr:`epoch` received while syncing, by ``seq``."""
+        self.kept_entries = 0
+        """Block counts in :attr:`kept` (an empty message counts one): at most ``buffer_entries``
+        unless a single message holds more."""
+        self.retired: deque[str] = deque(maxlen=retired_max)
+        """Epochs held before :attr:`epoch`, newest last: their messages, beacons and snapshots are dropped."""
+        self.unsynced: str | None = None
+        """Epoch whose snapshot was too large to fetch (:meth:`first_piece`): its gaps start no sync."""
         self.asked_above = 0
         """Highest kept ``seq`` when the sync's first request went out (:meth:`asking`)."""
         self.kept_top = 0
@@ -91,15 +127,20 @@ class CountStream:
     def offer(self, msg: CountUpdates) -> tuple[bool, Action]:
         """What to do with one received message: ``(reset, action)``. ``reset``: the directory
         restarted (a new epoch): every count back to 0 first. O(1) (amortised; a full buffer
-        drops its oldest message in O(kept))."""
+        drops its oldest message in O(kept); an epoch is looked up among ``retired_max``)."""
         c = self.counters
+        if msg.epoch != self.epoch and msg.epoch in self.retired:  # a late one of a process that is gone
+            c["stale_epoch"] += 1
+            return False, "stale"
         if msg.beacon and msg.seq:
             return self._beacon(msg)
         if msg.epoch != self.epoch:
             reset = self._new_epoch(msg.epoch)
             if msg.seq > 1:
-                self._gap("first contact" if not reset else "new epoch")
-                self._keep(msg)
+                if self._gap("first contact" if not reset else "new epoch"):
+                    self._keep(msg)
+                else:
+                    self.last = msg.seq
                 return reset, "apply"
             if msg.seq == 1:
                 self.last = 1
@@ -116,8 +157,10 @@ class CountStream:
         if seq == self.last + 1:
             self.last = seq
             return False, "apply"
-        self._gap("gap")
-        self._keep(msg)
+        if self._gap("gap"):
+            self._keep(msg)
+        else:
+            self.last = seq
         return False, "apply"
 
     def _new_epoch(self, epoch: str) -> bool:
@@ -127,16 +170,27 @@ class CountStream:
         if reset:
             c["directory_restarts"] += 1
         if self.syncing:  # the old process's counts are gone: its snapshot would not fit
-            self.syncing = False
-            self.gen += 1
+            self._end_sync()
             c["sync.abandoned"] += 1
         self._adopt(epoch)
         return reset
 
+    def _end_sync(self) -> None:
+        """No sync runs any more: a reply to one of its requests is discarded (:attr:`gen`)."""
+        self.syncing = False
+        self.gen += 1
+
     def _adopt(self, epoch: str) -> None:
-        """Hold counts of ``epoch`` from none of its messages: nothing applied, nothing kept."""
+        """Hold counts of ``epoch`` from none of its messages: nothing applied, nothing kept; the
+        epoch held so far is remembered as over (:attr:`retired`)."""
+        if self.epoch is not None and self.epoch != epoch and self.epoch not in self.retired:
+            self.retired.append(self.epoch)
         self.epoch, self.last = epoch, 0
+        self._drop_kept()
+
+    def _drop_kept(self) -> None:
         self.kept.clear()
+        self.kept_entries = 0
         self.kept_top = 0
 
     def _beacon(self, msg: CountUpdates) -> tuple[bool, Action]:
@@ -145,18 +199,24 @@ class CountStream:
         c["beacon"] += 1
         if msg.epoch != self.epoch:  # messages 1..seq of this process all missed
             reset = self._new_epoch(msg.epoch)
-            self._gap("first contact" if not reset else "new epoch")
+            if not self._gap("first contact" if not reset else "new epoch"):
+                self.last = msg.seq
             return reset, "beacon"
         if self.syncing or msg.seq <= self.last:
             return False, "beacon"
-        self._gap("beacon")
+        if not self._gap("beacon"):
+            self.last = msg.seq
         return False, "beacon"
 
     def start_sync(self, reason: str) -> bool:
         """Ask for the node's counts whole although no gap was seen (the worker reconnected to NATS:
         a message sent meanwhile may be lost with none after it to show the gap). Returns whether a
-        sync started (False: one runs already)."""
+        sync started (False: one runs already, or the epoch's snapshot is too large to fetch:
+        ``sync.unsynced``)."""
         if self.syncing:
+            return False
+        if self.unsynced is not None and self.unsynced == self.epoch:
+            self.counters["sync.unsynced"] += 1
             return False
         self.syncing = True
         self.reason = reason
@@ -167,9 +227,34 @@ class CountStream:
     def asking(self) -> int:
         """The sync's first request (the one that makes the directory take its snapshot) goes out
         now: kept messages so far were sent before the snapshot. Returns :attr:`gen`, to pass to
-        :meth:`snapshot`."""
+        :meth:`first_piece` and :meth:`snapshot`."""
         self.asked_above = max(self.kept, default=0)
         return self.gen
+
+    def first_piece(self, epoch: str, total: int, gen: int) -> bool:
+        """The first piece of the snapshot asked under ``gen`` says it is of ``epoch`` and has
+        ``total`` entries: whether to fetch the rest (True for a superseded sync's, which
+        :meth:`snapshot` discards). False for an epoch that is over (``sync.stale_epoch``; the
+        sync goes on: ask again) and for more than ``max_entries`` entries (``sync.too_large``):
+        then the sync ends, the kept messages are dropped (each was applied when it came, unless
+        one numbered past it had been), the numbering goes on from the highest one, and no gap of
+        ``epoch`` starts another sync (``sync.unsynced``). O(kept)."""
+        c = self.counters
+        if not self.syncing or gen != self.gen:
+            return True  # a superseded sync's: snapshot() discards it
+        if epoch != self.epoch and epoch in self.retired:
+            c["sync.stale_epoch"] += 1
+            return False
+        if total <= self.max_entries:
+            return True
+        c["sync.too_large"] += 1
+        self.unsynced = epoch
+        if epoch == self.epoch:
+            self.last = max(self.last, max(self.kept, default=0))
+        self._drop_kept()
+        self.asked_above = 0
+        self._end_sync()
+        return False
 
     def snapshot(self, epoch: str, seq: int, gen: int) -> list[CountUpdates] | None:
         """The directory's counts after its message ``seq`` of ``epoch`` arrived whole. Returns
@@ -183,6 +268,9 @@ class CountStream:
         if not self.syncing or gen != self.gen:
             c["sync.superseded"] += 1
             return None
+        if epoch != self.epoch and epoch in self.retired:  # a process that is over: ask again
+            c["sync.stale_epoch"] += 1
+            return None
         if epoch != self.epoch:  # the directory restarted after the gap: its snapshot is all there is
             c["sync.new_epoch"] += 1
             self._adopt(epoch)
@@ -195,15 +283,15 @@ class CountStream:
         old = [s for s in kept if s <= seq]
         forged = [s for s in kept if seq < s <= self.asked_above]
         for s in old:
-            del kept[s]
+            self._unkeep(s)
         for s in forged:
-            del kept[s]
+            self._unkeep(s)
         c["sync.kept_before_snapshot"] += len(old)
         c["sync.beyond_snapshot"] += len(forged)
         after = []
         while self.last + 1 in kept:
             self.last += 1
-            after.append(kept.pop(self.last))
+            after.append(self._unkeep(self.last))
         c["sync.applied_after"] += len(after)
         self.asked_above = 0
         if kept:  # a message after the snapshot was lost too: sync again
@@ -214,11 +302,18 @@ class CountStream:
         self.kept_top = 0
         return after
 
-    def _gap(self, reason: str) -> None:
+    def _gap(self, reason: str) -> bool:
+        """A gap seen while no sync runs: count it and start one. Returns whether one started
+        (False: the epoch's snapshot is too large, ``sync.unsynced``)."""
         self.counters["gap"] += 1
         if reason != "gap":
             self.counters[f"gap.{reason.replace(' ', '_')}"] += 1
-        self.start_sync(reason)
+        return self.start_sync(reason)
+
+    def _unkeep(self, seq: int) -> CountUpdates:
+        msg = self.kept.pop(seq)
+        self.kept_entries -= max(1, len(msg.hashes))
+        return msg
 
     def _keep(self, msg: CountUpdates) -> Action:
         """Keep a message received while syncing for after the snapshot; it is applied now too
@@ -229,8 +324,9 @@ class CountStream:
             return "stale"
         early = msg.seq > self.kept_top
         kept[msg.seq] = msg
-        if len(kept) > self.buffer_max:
-            del kept[min(kept)]
+        self.kept_entries += max(1, len(msg.hashes))
+        while self.kept_entries > self.buffer_entries and len(kept) > 1:
+            self._unkeep(min(kept))
             self.counters["sync.buffer_overflow"] += 1
         if not early:  # older than a message applied early: its values must not overwrite that one's
             return "kept"

@@ -9,7 +9,8 @@ Subjects (DESIGN §3, ``shared/subjects.py``):
 
     in   work.<node>.prefill (PrefillWork)   work.<node>.decode (DecodeWork)
          work.<node>.abort (RequestAbort)    split.commands (SplitCommand)
-         kv.counts.<node> (CountUpdates)     kv.resync.<node> (request → KvSnapshot)
+         kv.counts.<node> (CountUpdates, ``--host-eviction branch-count`` only: ``lru`` reads no count)
+         kv.resync.<node> (request → KvSnapshot)
          kv.pool.<node> (PoolLocate → PoolLocation, ``--kv-pool real``)
     out  req.<rid>.out (TokenChunk)          kv.events.<node> (KvEventBatch, seq 1, 2, ...)
          node.state.<node> (NodeState)       node.iters.<node> (IterationRecords)
@@ -20,7 +21,7 @@ Subjects (DESIGN §3, ``shared/subjects.py``):
          kv.pool.<peer> (real-bytes fetches)
          split.get (SplitQuery → SplitCommand: the current split, once at start)
          kv.countsync.<node> (CountSyncRequest → CountSnapshot: every branch count of this node,
-             after a gap in kv.counts' seq or a reconnect to NATS; ``countseq.py``)
+             after a gap in kv.counts' seq or a reconnect to NATS; ``countseq.py``; branch-count only)
 
 In-place phase switch (paper §4.2, DESIGN §1) on a ``SplitCommand`` that changes
 this node's phase: ``split.applied(draining)``; ``accepting=False`` (the router
@@ -113,6 +114,11 @@ class _BadCountSnapshot(Exception):
     """A ``kv.countsync`` reply that cannot be used (the sync asks again from the start)."""
 
 
+class _CountSnapshotTooLarge(_BadCountSnapshot):
+    """The node's snapshot has more entries than the worker fetches (``countseq.SNAPSHOT_MAX_ENTRIES``):
+    the sync ended without it and is not asked again in that directory epoch."""
+
+
 @dataclass(slots=True)
 class _Switch:
     """An in-place phase switch in progress (between ``draining`` and ``serving``)."""
@@ -195,8 +201,11 @@ class WorkerService:
             vocab = output_vocabulary(load_tokenizer(cfg.tokenizer))
         self.engine: Engine = make_torch_engine(cfg, self.profile) if cfg.engine == "torch" else ENGINES[cfg.engine](self.profile, vocab)
         self.counters: Counter[str] = Counter()
-        self.counts = CountStream(cfg.count_sync_buffer)
+        self.counts = CountStream(cfg.count_sync_buffer_entries)
         """Sequence check of ``kv.counts.<node>``: gaps, stale messages, directory restarts, syncs."""
+        self.counts_on = cfg.host_eviction == "branch-count"
+        """Whether this node reads branch counts: only ``branch-count`` host eviction does (``lru``
+        ignores them), so only then is ``kv.counts.<node>`` subscribed and a count sync ever run."""
         self._count_sync_task: asyncio.Task[None] | None = None
         self._last_count_sync = -1e18
         """``time.monotonic()`` of the last snapshot asked on ``kv.countsync`` (rate limit)."""
@@ -247,7 +256,8 @@ class WorkerService:
         await b.subscribe(WORK_DECODE, self._on_decode, node=node)
         await b.subscribe(WORK_ABORT, self._on_abort, node=node)
         await b.subscribe(SPLIT_COMMANDS, self._on_split)
-        await b.subscribe(KV_COUNTS, self._on_counts, node=node)
+        if self.counts_on:
+            await b.subscribe(KV_COUNTS, self._on_counts, node=node)
         await b.serve(KV_RESYNC, self._on_resync, node=node)
         if self.cfg.kv_pool == "real":
             await self._start_kvpool()
@@ -336,6 +346,8 @@ class WorkerService:
         gauges["counts.syncing"] = 1.0 if self.counts.syncing else 0.0
         gauges["counts.last_seq"] = float(self.counts.last)
         gauges["counts.kept"] = float(len(self.counts.kept))
+        gauges["counts.kept_entries"] = float(self.counts.kept_entries)
+        gauges["counts.subscribed"] = 1.0 if self.counts_on else 0.0
         gauges["switching"] = 1.0 if self._switch is not None else 0.0
         counters = dict(self.counters)
         for k, v in self.counts.counters.items():
@@ -826,7 +838,7 @@ class WorkerService:
 
     def _ensure_count_sync(self) -> None:
         t = self._count_sync_task
-        if (t is None or t.done()) and not self._stopped:
+        if (t is None or t.done()) and not self._stopped and self.counts_on:
             self._count_sync_task = self._spawn(self._sync_counts(), name=f"worker-{self.node}-countsync")
 
     async def _sync_counts(self) -> None:
@@ -863,7 +875,11 @@ class WorkerService:
             self._last_count_sync = time.monotonic()
             gen = st.asking()
             try:
-                epoch, seq, hashes, counts = await self._fetch_counts()
+                epoch, seq, hashes, counts = await self._fetch_counts(gen)
+            except _CountSnapshotTooLarge as e:  # the sync ended (CountStream.first_piece): not asked again
+                self.log.error("node's count snapshot too large to fetch: no count sync until the directory's epoch changes",
+                               error=str(e)[:200], max_entries=st.max_entries)  # fmt: skip
+                break
             except (BusError, _BadCountSnapshot) as e:
                 self.counters["counts.sync.failures"] += 1
                 self.bus.droplog.event("counts.sync", "count sync failed; retrying", level="warning", error=str(e)[:200], retry_in_s=delay)
@@ -881,13 +897,18 @@ class WorkerService:
                           moved=moved, again=st.syncing)  # fmt: skip
             delay = 0.1
 
-    async def _fetch_counts(self) -> tuple[str, int, list[int], list[int]]:
-        """Every piece of one ``CountSnapshot`` of this node: ``(epoch, seq, hashes, counts)``.
+    async def _fetch_counts(self, gen: int) -> tuple[str, int, list[int], list[int]]:
+        """Every piece of one ``CountSnapshot`` of this node, asked under sync generation ``gen``
+        (``CountStream.asking``): ``(epoch, seq, hashes, counts)``.
 
         Raises:
             BusError: a request got no reply in ``count_sync_timeout_s`` (or was refused).
             _BadCountSnapshot: a reply for another node, with ``error`` set (the snapshot expired
-                between two pieces), or a piece that does not continue the first.
+                between two pieces, or the directory refused a new one so soon after the last,
+                ``--count-sync-min-interval-s`` there), a piece that does not continue the first,
+                or a snapshot of a directory epoch that is over (``CountStream.first_piece``).
+            _CountSnapshotTooLarge: more entries than the worker fetches (``first_piece``; the
+                sync has ended, counted ``counts.sync.too_large``).
         """
         st = self.counts
         req = m.CountSyncRequest(node=self.node, reason=st.reason, epoch=st.epoch or "", last_seq=st.last)
@@ -897,6 +918,11 @@ class WorkerService:
         if first.node != self.node or first.error or first.offset != 0:
             self.counters["counts.sync.bad_reply"] += 1
             raise _BadCountSnapshot(f"reply for node {first.node!r}, offset {first.offset}, error {first.error!r}")
+        if not st.first_piece(first.epoch, first.total, gen):
+            if st.syncing:
+                self.counters["counts.sync.bad_reply"] += 1
+                raise _BadCountSnapshot(f"snapshot of directory epoch {first.epoch[:40]!r}, which is over")
+            raise _CountSnapshotTooLarge(f"{first.total} entries; at most {st.max_entries}")
         hashes, counts = list(first.hashes), list(first.counts)
         while len(hashes) < first.total:
             more = msgspec.structs.replace(req, snapshot=first.snapshot, offset=len(hashes))

@@ -144,7 +144,8 @@ async def test_directory_sigkill_loses_nothing_and_gets_index_and_branches_back(
 
     held = [f"held-{k}" for k in range(3)]
     ttl = ["--branch-ttl-s", "1000000"]  # simulated s: no branch expires during the test
-    spec = FaultSpec(extra={"router": ttl, "kvdirectory": ttl})
+    # branch-count eviction: only then does a worker read kv.counts (and see the new directory's epoch)
+    spec = FaultSpec(extra={"router": ttl, "kvdirectory": ttl, "worker": ["--host-eviction", "branch-count"]})
     reqs, bs = demo_requests(8, max_per_agent=12)
     async with FaultCluster(spec, tmp_path / "cluster") as fc:
         async with httpx.AsyncClient(base_url=fc.router_url(), timeout=60) as http:

@@ -6,7 +6,10 @@ deterministically: ``--fault-drop-counts`` drops the directory's message with th
 arrival, or the test publishes a message with a skipped seq itself. Afterwards the worker's
 counted blocks are the directory's R[·, node] > 0. A lost *last* message (none after it) is
 revealed by the directory's seq beacon (``--count-seq-beacon-s``), and beacons racing flushes
-start no sync without a loss."""
+start no sync without a loss. The directory takes a new snapshot of a node at most once per its
+``--count-sync-min-interval-s``: a worker asking sooner is refused, backs off and still gets its
+counts; a well-behaved one (1 s) is never refused. A worker under ``lru`` eviction reads no count:
+it neither subscribes to ``kv.counts`` nor syncs."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import pytest
 from services.kvdirectory.config import DirectoryConfig
 from services.kvdirectory.service import DirectoryService
 from services.worker.config import WorkerConfig
+from services.worker.countseq import SNAPSHOT_MAX_ENTRIES
+from services.worker.prom import worker_families
 from services.worker.service import WorkerService
 from shared import messages as m
 from shared.bus import Bus, BusError
@@ -156,6 +161,48 @@ async def test_a_large_node_snapshot_comes_in_pieces(nats_url):
         assert gone.error and gone.hashes == [] and d.counters["countsync.snapshot_gone"] == 1
 
 
+async def test_a_worker_asking_faster_than_the_directory_allows_is_refused_and_still_converges(nats_url):
+    """The directory takes a new snapshot of w0 at most every 0.6 s; this worker would ask every
+    0.05 s. Two gaps in a row: the second sync's first request is refused (``error``), the worker
+    backs off and asks again until the interval has passed, then applies the snapshot."""
+    async with cluster(nats_url, directory={"count_sync_min_interval_s": 0.6},
+                       worker={"fault_drop_counts": [2, 4], "count_sync_min_interval_s": 0.05}) as (c, d, w):  # fmt: skip
+        await place(c, "a", A)
+        await until(lambda: w.counts.last == 1, what="message 1 applied")
+        await place(c, "b", B)  # 2: lost
+        await until(lambda: w.counters["counts.fault_dropped"] == 1, what="message 2 dropped")
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a"))  # 3: the gap
+        await until(lambda: w.counts.counters["syncs"] == 1 and not w.counts.syncing, what="first sync")
+        t0 = time.monotonic()
+        await place(c, "c", C)  # 4: lost
+        await until(lambda: w.counters["counts.fault_dropped"] == 2, what="message 4 dropped")
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="b"))  # 5: the gap, within 0.6 s of the first snapshot
+        await until(lambda: w.counts.counters["syncs"] == 2 and not w.counts.syncing, what="second sync")
+        assert time.monotonic() - t0 < 3.0
+        assert worker_counted(w) == set(directory_counts(d)) == set(C)
+        assert d.counters["countsync.rate_limited"] >= 1 and d.counters["countsync.snapshots"] == 2
+        assert w.counters["counts.sync.bad_reply"] == d.counters["countsync.rate_limited"] == w.counters["counts.sync.failures"]
+
+
+async def test_a_well_behaved_worker_is_never_refused_by_the_rate_limit(nats_url):
+    """Defaults (the directory: a new snapshot of a node per 0.5 s; the worker: one per 1 s):
+    two gaps in a row make the worker wait for its own limit, and the directory refuses none."""
+    async with cluster(nats_url, worker={"fault_drop_counts": [2, 4]}) as (c, d, w):
+        await place(c, "a", A)
+        await until(lambda: w.counts.last == 1, what="message 1 applied")
+        await place(c, "b", B)
+        await until(lambda: w.counters["counts.fault_dropped"] == 1, what="message 2 dropped")
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a"))
+        await until(lambda: w.counts.counters["syncs"] == 1 and not w.counts.syncing, what="first sync")
+        await place(c, "c", C)
+        await until(lambda: w.counters["counts.fault_dropped"] == 2, what="message 4 dropped")
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="b"))
+        await until(lambda: w.counts.counters["syncs"] == 2 and not w.counts.syncing, what="second sync")
+        assert worker_counted(w) == set(directory_counts(d)) == set(C)
+        assert w.counters["counts.sync.rate_limited"] >= 1  # the worker's own limit held the second sync back
+        assert d.counters.get("countsync.rate_limited", 0) == 0 and w.counters.get("counts.sync.failures", 0) == 0
+
+
 @pytest.mark.timeout(90)
 async def test_a_worker_that_reconnects_to_nats_syncs_its_counts(nats_server):
     """A NATS server SIGKILL and restart: a ``kv.counts`` message sent meanwhile may be lost with
@@ -233,8 +280,8 @@ async def test_without_a_loss_the_seq_beacon_starts_no_sync(nats_url):
 async def lone_worker(url: str, **worker: Any) -> AsyncIterator[tuple[Bus, WorkerService, asyncio.Event]]:
     """Worker ``w0`` alone (no directory process); yields a client bus, the service and its stop event."""
     made: dict[str, Any] = {}
-    wcfg = WorkerConfig(nats_url=url, node="w0", profile="tiny", host_eviction="branch-count", idle_state_interval_s=0.2,
-                        check_invariants=True, **worker)  # fmt: skip
+    wcfg = WorkerConfig(nats_url=url, node="w0", profile="tiny", idle_state_interval_s=0.2, check_invariants=True,
+                        **{"host_eviction": "branch-count", **worker})  # fmt: skip
 
     def factory(cfg: Any, bus: Bus, clock: Any) -> Any:
         made["w0"] = WorkerService(cfg, bus, clock)
@@ -257,6 +304,12 @@ async def lone_worker(url: str, **worker: Any) -> AsyncIterator[tuple[Bus, Worke
         stop.set()
         await asyncio.wait_for(task, 10)
         await client.close()
+
+
+def prom(w: WorkerService, family: str) -> float:
+    """The value of one of the worker's Prometheus counters (node w0)."""
+    (f,) = [f for f in worker_families(w) if f.name == family]
+    return sum(x.value for x in f.samples if x.name == family + "_total")
 
 
 def counts(node: str, epoch: str, seq: int, hashes: list[int], cnts: list[int]) -> m.CountUpdates:
@@ -365,3 +418,70 @@ async def test_while_no_directory_answers_kv_countsync_later_messages_still_appl
         await until(lambda: worker_counted(w) == {2, 3, 4, 5}, timeout=3, what="the messages after the gap applied")
         await until(lambda: w.counters["counts.sync.failures"] >= 3, what="the sync still asking")
         assert w.counts.syncing and sorted(w.counts.kept) == [3, 4, 5]
+
+
+async def test_a_snapshot_too_large_to_fetch_is_asked_once_and_later_messages_still_apply(nats_url):
+    """The directory's snapshot of w0 announces more entries than a worker fetches: the worker
+    asks once, counts it, stops syncing in that epoch (no retry loop), and applies what comes."""
+    async with lone_worker(nats_url, count_sync_min_interval_s=0.05, count_sync_backoff_max_s=0.1) as (c, w, _):
+        asked: list[m.CountSyncRequest] = []
+
+        async def directory(req: m.CountSyncRequest, _s: str) -> m.CountSnapshot:
+            asked.append(req)
+            return m.CountSnapshot(node="w0", epoch="e1", seq=3, snapshot="s1", total=SNAPSHOT_MAX_ENTRIES + 1, hashes=[11], counts=[1])
+
+        await c.serve(KV_COUNT_SYNC, directory, node="w0")
+        await c.publish(KV_COUNTS, counts("w0", "e1", 1, [1], [1]), node="w0")
+        await c.publish(KV_COUNTS, counts("w0", "e1", 3, [3], [1]), node="w0")  # 2 lost: a gap
+        await until(lambda: w.counts.counters["sync.too_large"] == 1, what="the snapshot refused")
+        await c.publish(KV_COUNTS, counts("w0", "e1", 4, [4], [1]), node="w0")
+        await c.publish(KV_COUNTS, counts("w0", "e1", 6, [6], [1]), node="w0")  # another gap: no sync now
+        await until(lambda: w.counts.last == 6, what="later messages applied")
+        await asyncio.sleep(0.3)
+        assert len(asked) == 1 and not w.counts.syncing and worker_counted(w) == {1, 3, 4, 6}
+        assert w.counts.counters["sync.unsynced"] == 1 and w.counts.counters.get("syncs", 0) == 0
+        assert w.counters.get("counts.sync.failures", 0) == 0 and not w.counters.get("task_errors")
+        assert prom(w, "ei_node_count_sync_too_large") == 1
+
+
+async def test_a_late_message_of_the_directorys_previous_epoch_is_dropped(nats_url):
+    """The directory restarted (e1 → e2); a message of e1 delayed past e2's first one must not be
+    taken for another restart: no reset, no sync."""
+    async with lone_worker(nats_url) as (c, w, _):
+        asked: list[m.CountSyncRequest] = []
+
+        async def directory(req: m.CountSyncRequest, _s: str) -> m.CountSnapshot:
+            asked.append(req)
+            return m.CountSnapshot(node="w0", epoch="e2", snapshot="s", error="not expected")
+
+        await c.serve(KV_COUNT_SYNC, directory, node="w0")
+        await c.publish(KV_COUNTS, counts("w0", "e1", 1, [1], [1]), node="w0")
+        await c.publish(KV_COUNTS, counts("w0", "e2", 1, [2], [1]), node="w0")
+        await c.publish(KV_COUNTS, counts("w0", "e1", 2, [9], [1]), node="w0")  # late, from the old process
+        await c.publish(KV_COUNTS, m.CountUpdates(node="w0", seq=5, epoch="e1", beacon=True), node="w0")
+        await c.publish(KV_COUNTS, counts("w0", "e2", 2, [3], [1]), node="w0")
+        await until(lambda: w.counts.last == 2 and w.counts.epoch == "e2", what="e2's messages applied")
+        await asyncio.sleep(0.2)
+        assert worker_counted(w) == {2, 3} and not w.counts.syncing and not asked
+        assert w.counts.counters["stale_epoch"] == 2 and w.counts.counters["directory_restarts"] == 1
+        assert prom(w, "ei_node_count_stale_epoch") == 2
+
+
+async def test_a_worker_under_lru_eviction_reads_no_counts_and_never_syncs(nats_url):
+    """``lru`` ignores branch counts: the worker does not subscribe to ``kv.counts.<node>``, so a
+    gap, a beacon or a reconnect there start no ``kv.countsync``."""
+    async with lone_worker(nats_url, host_eviction="lru", count_sync_min_interval_s=0.05) as (c, w, _):
+        asked: list[m.CountSyncRequest] = []
+
+        async def directory(req: m.CountSyncRequest, _s: str) -> m.CountSnapshot:
+            asked.append(req)
+            return m.CountSnapshot(node="w0", epoch="e1", seq=3, snapshot="s", total=0)
+
+        await c.serve(KV_COUNT_SYNC, directory, node="w0")
+        for msg in (counts("w0", "e1", 1, [1], [1]), counts("w0", "e1", 3, [3], [1]), m.CountUpdates(node="w0", seq=9, epoch="e1", beacon=True)):
+            await c.publish(KV_COUNTS, msg, node="w0")
+        await c.nc.flush()
+        await asyncio.sleep(0.3)
+        ws = await c.request(SVC_STATS, m.StatsRequest(), instance="worker-w0")
+        assert not asked and w.counts.epoch is None and not w.counts.counters and w._count_sync_task is None
+        assert ws.gauges["counts.subscribed"] == 0 and not any(k.startswith(("counts.", "dropped.kv.counts")) for k in ws.counters)

@@ -252,7 +252,7 @@ async def test_sim_engine_runs_its_plans_back_to_back_whatever_the_loop_overhead
 
 async def test_malformed_payloads_are_counted_and_the_worker_keeps_serving(nats_url):
     c = await Client.connect(nats_url)
-    async with workers(nats_url, {"node": "w0"}):
+    async with workers(nats_url, {"node": "w0", "host_eviction": "branch-count"}):  # (lru subscribes to no kv.counts)
         subs = Subjects("p0")
         targets = [WORK_PREFILL, WORK_DECODE, WORK_ABORT, SPLIT_COMMANDS, KV_COUNTS, KV_RESYNC]
         for subj in targets:
@@ -281,7 +281,7 @@ async def test_a_new_directory_epoch_resets_the_branch_counts(nats_url):
     """Count messages of one directory process (one ``epoch``) apply as they come; the first of a
     new epoch (the directory restarted, its counts start empty) resets every count first."""
     c = await Client.connect(nats_url)
-    async with workers(nats_url, {"node": "w0"}):
+    async with workers(nats_url, {"node": "w0", "host_eviction": "branch-count"}):
         for epoch, hashes, counts in (("d1", [3, 4], [1, 1]), ("d1", [4], [2]), ("d2", [5], [1]), ("d2", [5], [0])):
             await c.bus.publish(KV_COUNTS, m.CountUpdates(node="w0", hashes=hashes, counts=counts, epoch=epoch), node="w0")
         await c.bus.nc.flush()

@@ -142,6 +142,19 @@ def test_every_hostile_variant_is_refused_or_harmless_and_check_never_raises():
     assert total > 100 and refused / total > 0.6
 
 
+def test_a_count_snapshot_past_2_23_entries_passes_the_edge():
+    """A node with more than 2^23 blocks counted (R[b, n] > 0): its ``kv.countsync`` snapshot's
+    ``total`` and the offsets of its later pieces used to be refused at the edge (the KvSnapshot
+    bound), so the worker retried its sync for good. The worker bounds what it fetches itself
+    (``countseq.SNAPSHOT_MAX_ENTRIES``: counted, no retry), so a larger ``total`` must reach it."""
+    big = 2**23 + 1
+    assert check(m.CountSnapshot(node="w0", offset=big - 1, total=big, hashes=[7], counts=[1])) is None
+    assert check(m.CountSyncRequest(node="w0", snapshot="s1", offset=big - 1), {"node": "w0"}) is None
+    assert check(m.CountSnapshot(node="w0", total=2**40)) is None  # past what a worker fetches: it refuses it itself
+    assert "total" in check(m.CountSnapshot(node="w0", total=2**53 + 1))  # not an exact float: malformed
+    assert "offset" in check(m.CountSyncRequest(node="w0", snapshot="s1", offset=2**53 + 1))
+
+
 def test_payload_rotation_and_huge_cap():
     rng = random.Random(2)
     s = KV_EVENTS

@@ -16,7 +16,7 @@ import pytest
 
 from services.kvdirectory.core import KvDirectory
 from services.worker.blocks import KvBlockManager
-from services.worker.countseq import CountStream
+from services.worker.countseq import SNAPSHOT_MAX_ENTRIES, CountStream
 from shared.messages import CountUpdates, Msg, NonNeg
 from tests.unit.worker.test_count_message_cut import compute, order
 
@@ -160,14 +160,113 @@ def test_a_beacon_decodes_for_a_worker_that_predates_it_and_an_old_message_is_no
     assert new.beacon is False and CountStream().offer(new) == (False, "apply")  # a numbered (empty) message
 
 
-def test_the_buffer_is_bounded():
-    s = CountStream(buffer_max=3)
+def test_the_buffer_is_bounded_in_block_counts_not_messages():
+    """The kept messages are capped by the block counts they carry (an empty one counting one):
+    three messages of 400 entries each fill a 1,000-entry buffer, which a cap of 4,096 messages
+    would have let grow 4,096-fold. Past the cap the oldest go first (each counted; a dropped one
+    leaves a hole, so the sync goes on after the snapshot); the newest is kept even alone past it."""
+    s = CountStream(buffer_entries=1000)
     s.offer(cu(1))
-    for q in range(3, 9):
-        s.offer(cu(q))
-    assert sorted(s.kept) == [6, 7, 8] and s.counters["sync.buffer_overflow"] == 3
-    with pytest.raises(ValueError):
-        CountStream(buffer_max=0)
+    s.offer(cu(3, hashes=list(range(400))))  # the gap
+    gen = s.asking()
+    for q in range(4, 7):
+        s.offer(cu(q, hashes=list(range(1000 * q, 1000 * q + 400))))
+    assert sorted(s.kept) == [5, 6] and s.kept_entries == 800 and s.counters["sync.buffer_overflow"] == 2
+    for q in range(7, 9):  # empty messages count one entry each
+        s.offer(cu(q, hashes=[]))
+    assert sorted(s.kept) == [5, 6, 7, 8] and s.kept_entries == 802
+    s.offer(cu(9, hashes=list(range(1500))))  # one message past the cap alone: kept, the older ones dropped
+    assert sorted(s.kept) == [9] and s.kept_entries == 1500 and s.counters["sync.buffer_overflow"] == 6
+    assert [m.seq for m in s.snapshot("e1", 6, gen)] == [9] and s.syncing  # 7, 8 dropped: a hole, sync again
+    assert s.kept_entries == 1500 and s.counters["sync.hole_after"] == 1
+    assert s.snapshot("e1", 9, s.asking()) == [] and not s.syncing and s.last == 9 and s.kept_entries == 0
+    for bad in ({"buffer_entries": 0}, {"retired_max": 0}, {"max_entries": 0}):
+        with pytest.raises(ValueError):
+            CountStream(**bad)
+
+
+def test_kept_entries_follow_the_kept_messages():
+    rng = random.Random(5)
+    s = CountStream(buffer_entries=50)
+    last = 0
+    for _ in range(2000):
+        last += rng.choice((1, 1, 1, 2, 3))
+        s.offer(cu(last if rng.random() < 0.9 else max(1, last - 2), hashes=list(range(rng.randrange(12)))))
+        if s.syncing and rng.random() < 0.1:
+            s.snapshot("e1", max(0, last - rng.randrange(4)), s.asking())
+        assert s.kept_entries == sum(max(1, len(m.hashes)) for m in s.kept.values())
+        assert s.kept_entries <= 50 or len(s.kept) == 1
+
+
+# --------------------------------------------------------------------------- #
+# a snapshot too large to fetch; late messages of an epoch that is over
+# --------------------------------------------------------------------------- #
+
+
+def test_a_snapshot_too_large_to_fetch_ends_the_sync_once_and_its_epoch_syncs_no_more():
+    """A node's counts past ``SNAPSHOT_MAX_ENTRIES`` (2^30; more than 2^23, the old edge bound,
+    fits): the sync ends unfetched, counted; later gaps, beacons and reconnects of that epoch
+    start none (the numbering goes on, the counts apply as without the sync); a new epoch syncs."""
+    s = CountStream()
+    s.offer(cu(1))
+    s.offer(cu(3))
+    gen = s.asking()
+    s.offer(cu(5))
+    s.offer(cu(4))  # after 5: only kept
+    # a 2 TB host pool at 64-token blocks of a 12 KB/token model: ~2.5 M blocks; 2^23 + 1 and the bound itself fit
+    for total in (2_500_000, 2**23 + 1, SNAPSHOT_MAX_ENTRIES):
+        assert s.first_piece("e1", total, gen) and s.syncing
+    assert not s.first_piece("e1", SNAPSHOT_MAX_ENTRIES + 1, gen)
+    assert not s.syncing and s.counters["sync.too_large"] == 1 and s.unsynced == "e1"
+    assert s.last == 5 and not s.kept and s.kept_entries == 0 and s.kept_top == 0
+    assert s.snapshot("e1", 5, gen) is None  # a reply to that sync no longer applies
+    assert s.offer(cu(6)) == (False, "apply") and s.offer(cu(8)) == (False, "apply") and not s.syncing and s.last == 8
+    assert s.offer(cu(7)) == (False, "stale")
+    assert s.offer(beacon(10)) == (False, "beacon") and not s.syncing and s.last == 10
+    assert not s.start_sync("reconnect") and s.counters["sync.unsynced"] == 3 and s.counters["gap"] == 3
+    assert s.offer(cu(11)) == (False, "apply")
+    # the directory restarted: its counts may fit, so a gap of the new epoch syncs
+    assert s.offer(cu(3, "e2")) == (True, "apply") and s.syncing and s.counters["sync.too_large"] == 1
+    # a too-large snapshot of a new epoch marks that epoch (the old one's counts are dropped on its first message)
+    t = CountStream(max_entries=10)
+    t.offer(cu(1))
+    t.offer(cu(3))
+    assert not t.first_piece("e2", 11, t.asking()) and not t.syncing and t.unsynced == "e2" and t.epoch == "e1"
+    assert t.offer(cu(4, "e2")) == (True, "apply") and not t.syncing and t.last == 4 and t.counters["sync.unsynced"] == 1
+
+
+def test_late_messages_beacons_and_snapshots_of_a_retired_epoch_are_dropped():
+    """The directory restarted (e1 → e2): a message, beacon or snapshot of e1 arriving late must
+    not be taken for another restart (a reset of every count and a sync)."""
+    s = CountStream()
+    for q in (1, 2):
+        s.offer(cu(q, "e1"))
+    assert s.offer(cu(1, "e2")) == (True, "apply") and list(s.retired) == ["e1"]
+    assert s.offer(cu(3, "e1")) == (False, "stale") and s.offer(beacon(7, "e1")) == (False, "stale")
+    assert s.offer(CountUpdates(node="w0", epoch="e1")) == (False, "stale")  # its epoch announcement too
+    assert (s.epoch, s.last, s.syncing, s.counters["stale_epoch"], s.counters["directory_restarts"]) == ("e2", 1, False, 3, 1)
+    assert s.offer(cu(2, "e2")) == (False, "apply")
+    s.offer(cu(4, "e2"))  # a gap in e2: a snapshot of e1 (a forged or a dead process's reply) is not taken
+    gen = s.asking()
+    assert not s.first_piece("e1", 3, gen) and s.snapshot("e1", 9, gen) is None and s.syncing and s.epoch == "e2"
+    assert s.counters["sync.stale_epoch"] == 2
+    assert s.snapshot("e2", 4, s.asking()) == [] and not s.syncing and s.last == 4
+    # a genuinely new epoch is adopted as ever; an epoch the worker never held (it came after) cannot be told old
+    assert s.offer(cu(1, "e3")) == (True, "apply") and list(s.retired) == ["e1", "e2"]
+    # a snapshot of a new process adopts it, retiring the one held
+    s.offer(cu(3, "e3"))
+    assert s.snapshot("e4", 2, s.asking()) == [] and s.epoch == "e4" and list(s.retired) == ["e1", "e2", "e3"]
+    assert s.offer(cu(5, "e3")) == (False, "stale") and s.counters["directory_restarts"] == 2
+
+
+def test_the_retired_epochs_are_bounded():
+    s = CountStream(retired_max=3)
+    for i in range(6):
+        s.offer(cu(1, f"e{i}"))
+    assert list(s.retired) == ["e2", "e3", "e4"] and s.epoch == "e5"
+    assert s.offer(cu(2, "e4")) == (False, "stale")
+    assert s.offer(cu(2, "e1")) == (True, "apply")  # forgotten: taken for a restart, as before
+    assert s.counters["directory_restarts"] == 6
 
 
 # --------------------------------------------------------------------------- #
