@@ -47,3 +47,14 @@ class PlannerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fiel
     busy_timeout_s: Annotated[
         float, Meta(gt=0, description="simulated seconds a node may take to confirm a phase switch before it stops blocking planning")
     ] = 900.0
+    adopt_grace_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="wall seconds a (re)started planner reads the node states before it announces a split: it "
+            "adopts the split the nodes serve (their phases, the epoch a majority of them holds) and announces its "
+            "--split only when no node holds one; ends early once every node has reported, none draining. Default: "
+            "3 x the workers' --idle-state-interval-s (1 s), so one lost state still leaves two. 0 = announce --split "
+            "at once (a majority of nodes above its epoch still makes it adopt)",
+        ),
+    ] = 3.0

@@ -9,6 +9,9 @@ s), and publishes what they return or what the outboxes hold:
 * ``tick(now)`` at ``next_tick()`` → a new :class:`SplitCommand` (new epoch) when
   the policy changes the phases;
 * ``set_split`` is the operator's override (``split.set``);
+* adoption (``adopt_until``): a (re)started planner first observes the node states
+  and takes over the split the cluster serves (:meth:`PlannerCore.tick` returns it)
+  instead of announcing its configured one; see "Restart" in ``README.md``;
 * ``take_decisions()`` → every :class:`PlannerDecision` (``planner.decisions``);
 * ``take_models()`` → :class:`PlannerModels` when they changed (``planner.models``).
 
@@ -38,6 +41,7 @@ from shared.messages import (
 )
 from shared.split import split_name, split_phases
 from shared.subjects import check_token
+from shared.validate import MAX_EPOCH_STEP, split_problem
 from services.planner.online import OnlineModels
 from services.planner.policy import PlannerPolicy, PolicyBase, RequestDone, StaticPlanner
 
@@ -106,6 +110,12 @@ class PlannerCore:
         online: per-node models refitted from the iteration records for the router
             (``online.OnlineModels``), used when the policy publishes no models of its own
             (``static``, ``dynamo``, ``arrow``): :meth:`take_models` returns its refits.
+        adopt_until: when given (simulated s), the core starts *adopting*: until then, or
+            until every node has reported a state and none is draining, it only observes
+            (no policy tick, no ``split.get`` answer, ``split set`` refused); then
+            :meth:`tick` returns the split the nodes serve under the epoch they hold
+            (:meth:`_take_cluster`), or — no node holds a split (a fresh cluster) — the
+            configured ``split`` at epoch 1. None: the configured split is current at once.
 
     Raises:
         ValueError / SplitError: on an invalid node id or a split that does not fit the nodes.
@@ -120,6 +130,7 @@ class PlannerCore:
         policy: PlannerPolicy | None = None,
         busy_timeout_s: float = 900.0,
         online: OnlineModels | None = None,
+        adopt_until: float | None = None,
     ) -> None:
         if not nodes:
             raise ValueError("the planner needs at least one node")
@@ -146,6 +157,19 @@ class PlannerCore:
         self.switches = 0
         self.foreign_commands = 0
         """Split commands seen on the bus that this planner did not issue."""
+        self.adopt_until = adopt_until
+        """Simulated s until which a (re)started core observes before it announces (None: not adopting)."""
+        self.reports: dict[str, tuple[int, Phase, bool]] = {}
+        """node → (epoch, phase, accepting) of its latest ``node.state``: what the cluster serves."""
+        self.adoptions = 0
+        """Times the core took over the split the nodes serve (at start, or later: :meth:`on_node_state`)."""
+        self.states_epoch_ahead = 0
+        """Node states above the planner's epoch after the start: counted; only a majority of the nodes moves it."""
+        self._late = False
+        """A strict majority of the nodes reported epochs above the planner's: adopt at the next :meth:`tick`."""
+        self._unsure: set[str] = set()
+        """Nodes adopted while draining (the phase they drain to is not in a state): their entry is the
+        phase they still served, replaced by the one they report once serving, until the next command."""
 
     @property
     def split(self) -> str:
@@ -169,16 +193,43 @@ class PlannerCore:
         return len(msg.records)
 
     def on_node_state(self, state: NodeState, now: float) -> bool:
-        """Feed a node state to the policy; False (counted) for an unknown node."""
-        if state.node not in self.records:
+        """Feed a node state to the policy and keep it as the node's report (its epoch, phase,
+        draining); False (counted) for an unknown node. O(1), O(N) when above the planner's epoch.
+
+        A state's epoch never moves the planner's epoch by itself (any node can put any number
+        there): above the planner's epoch it is counted (``states_epoch_ahead``), and only when a
+        strict majority of the nodes report epochs above it does the next :meth:`tick` adopt the
+        cluster's split (:meth:`_take_cluster`): the planner's commands were ignored by those nodes
+        (they refuse epochs at or below their own), e.g. its start-up grace ended before they were
+        back on the bus. A node adopted while draining gets the phase it reports once serving."""
+        node = state.node
+        if node not in self.records:
             self.states_unknown_node += 1
             return False
         if not state.accepting:
-            self.draining.add(state.node)
+            self.draining.add(node)
         else:
-            self.draining.discard(state.node)
+            self.draining.discard(node)
+        self.reports[node] = (state.epoch, state.phase, state.accepting)
+        if self.adopt_until is None:
+            if node in self._unsure and state.accepting:
+                self._unsure.discard(node)
+                self._refine(node, state.phase)
+            if state.epoch > self.command.epoch:
+                self.states_epoch_ahead += 1
+                ahead = sum(1 for e, _, _ in self.reports.values() if e > self.command.epoch)
+                self._late = 2 * ahead > len(self.nodes)
         self.policy.on_node_state(state, now)
         return True
+
+    def _refine(self, node: str, phase: Phase) -> None:
+        """An adopted node that was draining now serves ``phase``: the adopted command (not yet
+        followed by one of this planner's) says so, under the same epoch, if still a valid split."""
+        if self.command.phases.get(node) == phase:
+            return
+        phases = {**self.command.phases, node: phase}
+        if split_problem(phases, self.nodes) is None:
+            self.command = msgspec.structs.replace(self.command, phases=phases)
 
     def on_token_chunk(self, chunk: TokenChunk, now: float) -> RequestDone | None:
         """Feed a token chunk; a finished request goes to the policy and is returned."""
@@ -209,12 +260,41 @@ class PlannerCore:
 
     # -- decisions ------------------------------------------------------------ #
 
+    @property
+    def adopting(self) -> bool:
+        """True while the (re)started core observes the nodes before it announces a split."""
+        return self.adopt_until is not None
+
+    def adopt_due(self) -> bool:
+        """True when the next :meth:`tick` adopts at once: every node reported during the
+        start-up grace and none is draining, or a majority of nodes is above the planner's epoch."""
+        if self.adopt_until is None:
+            return self._late
+        return len(self.reports) == len(self.nodes) and all(acc for _, _, acc in self.reports.values())
+
     def next_tick(self) -> float | None:
-        """When the policy wants :meth:`tick` (simulated s), or None."""
+        """When :meth:`tick` is due (simulated s): while adopting, the grace's end (0 once
+        :meth:`adopt_due`); else when the policy wants it, or None."""
+        if self.adopt_due():
+            return 0.0
+        if self.adopt_until is not None:
+            return self.adopt_until
         return self.policy.next_tick()
 
     def tick(self, now: float) -> SplitCommand | None:
-        """Run the policy; a new command (epoch + 1) when it changes the phases."""
+        """Run the policy; a new command (epoch + 1) when it changes the phases. While adopting:
+        None until the grace ends (or :meth:`adopt_due`), then the command to announce (the
+        adopted split, or the configured one in a fresh cluster); the policy runs from the next tick."""
+        if self.adopt_until is not None:
+            if now < self.adopt_until and not self.adopt_due():
+                return None
+            self.adopt_until = None
+            return self._take_cluster(now, start=True) or self.command
+        if self._late:
+            self._late = False
+            cmd = self._take_cluster(now, start=False)
+            if cmd is not None:
+                return cmd
         self.ticks += 1
         d = self.policy.tick(now, dict(self.command.phases), frozenset(self.busy(now)))
         cmd = None
@@ -231,7 +311,14 @@ class PlannerCore:
 
         Raises:
             SplitError: if the spec does not fit the node list.
+            ValueError: while adopting (the split the nodes serve is not known yet: a split
+                set now would be issued below their epoch, and ignored).
         """
+        if self.adopt_until is not None:
+            raise ValueError(
+                f"the planner is starting: it is reading the split the nodes serve (until t={self.adopt_until:.1f} s "
+                "or every node has reported); try again in a few seconds"
+            )
         before = dict(self.command.phases)
         phases: dict[str, Phase] = split_phases(spec, self.nodes)
         cmd = self._adopt(phases, now, reason)
@@ -266,6 +353,8 @@ class PlannerCore:
         if cmd.epoch == self.command.epoch and dict(cmd.phases) == dict(self.command.phases):
             return None  # our own, echoed back
         self.foreign_commands += 1
+        if self.adopt_until is not None:
+            return None  # nothing announced yet: the adoption reads the epoch the nodes hold
         if cmd.epoch < self.command.epoch or cmd.epoch - self.command.epoch > max_step:
             return None
         old = cmd.phases
@@ -278,6 +367,72 @@ class PlannerCore:
         for n, ph in self.command.phases.items():
             if old.get(n) != ph:
                 self.pending[n] = (self.command.epoch, now)
+        self._unsure.clear()
+        return self.command
+
+    def _take_cluster(self, now: float, *, start: bool) -> SplitCommand | None:
+        """Take over the split the nodes report; the command to announce, or None.
+
+        The epoch: the highest one a strict majority of the nodes that hold a split
+        (epoch > 0) report at or above (their lower median), so a node alone cannot
+        move it while others report; capped at ``MAX_EPOCH_STEP − 1`` above the lowest
+        reported epoch, so the planner's next command is one every reporting node accepts
+        (``shared.validate.epoch_step_ok``). The phases: each node's reported phase (a
+        draining node's: the one it still serves — or ``both`` if that leaves no prefill or
+        no decode node — corrected once it serves its new one, :meth:`on_node_state`); a node
+        that did not report keeps the planner's entry.
+        Nothing changes on any node: the command carries the epoch they hold, which every
+        node at that epoch ignores, and tells a node behind it (or ``split.get``) what
+        the others serve. Only if those phases are no split (no prefill or no decode
+        node) are the planner's phases issued above that epoch (nodes switch then).
+
+        Returns None when no node holds a split (fresh cluster: the configured split
+        stands) or, after the ``start`` (the grace's end), when that epoch is not above the
+        planner's. O(N log N).
+        """
+        held = sorted(e for e, _, _ in self.reports.values() if e > 0)
+        if not held:
+            return None
+        lowest = min(e for e, _, _ in self.reports.values())
+        epoch = min(held[(len(held) - 1) // 2], lowest + MAX_EPOCH_STEP - 1)
+        if not start and epoch <= self.command.epoch:
+            return None
+        before = dict(self.command.phases)
+        phases: dict[str, Phase] = {n: self.reports[n][1] if n in self.reports else before[n] for n in self.nodes}
+        draining = [n for n, (_, _, acc) in self.reports.items() if not acc]
+        if draining and split_problem(phases, self.nodes) is not None:
+            # the split the nodes were given has a prefill and a decode node, so the missing side is
+            # where a draining node goes: `both` until it reports the phase it serves (no node switches)
+            phases.update({n: "both" for n in draining})
+        why = split_problem(phases, self.nodes)
+        self.pending.clear()
+        self._unsure = set()
+        self.adoptions += 1
+        if why is None:
+            reason = f"adopted the split the nodes serve at epoch {epoch} ({len(self.reports)} of {len(self.nodes)} nodes reported)"
+            self.command = SplitCommand(epoch=epoch, phases=phases, reason=reason, decided_at=now)
+            self._unsure = set(draining)
+            hook = getattr(self.policy, "on_adopted", None)
+            if hook is not None:
+                hook(dict(phases), now)
+        else:
+            reason = f"the nodes' phases at epoch {epoch} are no split ({why}): the planner's split re-issued above it"
+            self.command = SplitCommand(epoch=epoch + 1, phases=before, reason=reason, decided_at=now)
+            for n, ph in before.items():
+                if phases[n] != ph:
+                    self.pending[n] = (self.command.epoch, now)
+        self._decisions.append(
+            PlannerDecision(
+                seq=0,
+                ts=now,
+                policy=self.policy.name,
+                action="adopt",
+                split_before=split_name(before),
+                split_after=split_name(self.command.phases),
+                epoch=self.command.epoch,
+                reason=reason,
+            )
+        )
         return self.command
 
     def _adopt(self, phases: dict[str, Phase], now: float, reason: str) -> SplitCommand:
@@ -287,6 +442,7 @@ class PlannerCore:
             if old.get(n) != ph:
                 self.pending[n] = (self.command.epoch, now)
         self.switches += 1
+        self._unsure.clear()
         return self.command
 
     def _collect_decisions(self) -> None:

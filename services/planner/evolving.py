@@ -223,6 +223,8 @@ class EvolvingPlanner(PolicyBase):
         """Windows evaluated (including skipped ones)."""
         self._guard_backlogs: list[float] = []
         """Backlogs (s) of the current streak of consecutive guard checks that found a violation."""
+        self._resumed = False
+        """:meth:`on_adopted` before the first tick: the warm-up runs in the adopted split."""
 
     # -- inputs ------------------------------------------------------------ #
 
@@ -245,6 +247,24 @@ class EvolvingPlanner(PolicyBase):
     def on_switch_done(self, node: str, phase: Phase, now: float) -> None:
         """A node finished switching: the cooldown runs from the last switch completion too."""
         self.last_switch_at = max(self.last_switch_at, now)
+
+    def on_adopted(self, phases: Mapping[str, Phase], now: float) -> None:
+        """A restarted live planner found the cluster serving ``phases`` (``core.PlannerCore``
+        adoption, before this policy's first :meth:`tick`): plan onward from them.
+
+        The warm-up (the models are this process's to fit again) then runs in ``phases``
+        instead of switching every node to ``both``: each node's records fit the parts its
+        phase runs (a node without one gets its peers' median, ``fit_node``), and ``phases``
+        is the split kept at the freeze — unless it is collocated (the planner crashed during
+        its warm-up), then the freeze chooses as after any warm-up. Called after the first
+        tick (the split changed under a running planner): nothing here, :meth:`tick` sees an
+        external change. O(N).
+        """
+        if self.stage != "start":
+            return
+        self._resumed = True
+        if any(v != "both" for v in phases.values()):
+            self.initial = dict(phases)
 
     # -- schedule ---------------------------------------------------------- #
 
@@ -328,6 +348,18 @@ class EvolvingPlanner(PolicyBase):
         if self.p.t_learn_s <= 0:
             self.expected = dict(phases)
             return self._freeze(now, phases, priors=True)
+        if self._resumed:  # a restarted planner keeps the split the cluster serves (on_adopted)
+            self.expected = dict(phases)
+            self._decide(
+                now,
+                "warmup",
+                phases,
+                None,
+                f"warm-up in the split the cluster serves ({split_name(phases)}, adopted at restart) "
+                f"until t={self.warmup_end:.0f}s to fit the iteration-time models",
+                metrics={"warmup_end": self.warmup_end},
+            )
+            return None
         return self._decide(
             now,
             "warmup",

@@ -2,10 +2,12 @@
 
 Contains zero decision logic (it lives in ``core.py`` and the policies). Inputs:
 ``node.iters.*``, ``node.state.*``, ``req.*.out`` (request completions for w̄),
-``split.applied``; request/reply: ``split.get``, ``split.set``. A node state above the
-planner's epoch (the planner restarted; the nodes kept the newer split) is answered as a
-foreign ``split.commands``: the planner's split re-issued above it. Outputs:
-``split.commands`` (at start, on every new epoch, and every
+``split.applied``; request/reply: ``split.get``, ``split.set``. At start the planner reads
+the node states for up to ``adopt_grace_s`` (wall s) and adopts the split the nodes serve
+(``core.PlannerCore`` adoption: a restarted planner neither reverts an operator's split nor
+switches a node); meanwhile ``split.get`` is not answered (the asking worker or router
+retries) and ``split set`` is refused. Outputs:
+``split.commands`` (once the adoption ends, on every new epoch, and every
 ``announce_interval_s``), ``planner.decisions`` (every decision),
 ``planner.models`` (when the models change, and with each announcement; for a
 policy without models of its own — static, dynamo, arrow — the online refits of
@@ -69,8 +71,10 @@ class PlannerService:
         profile = load_profile(cfg.profile)
         policy = make_planner(cfg.planner, cfg.nodes, profile, **parse_planner_args(cfg.planner_args))
         online = OnlineModels(cfg.nodes, profile, refit_interval_s=cfg.refit_interval_s) if cfg.nodes else None
+        adopt_until = clock.now() + cfg.adopt_grace_s * clock.speedup if cfg.adopt_grace_s > 0 else None
         self.core = PlannerCore(
-            cfg.nodes, cfg.split, history=cfg.history, policy=policy, busy_timeout_s=cfg.busy_timeout_s, online=online
+            cfg.nodes, cfg.split, history=cfg.history, policy=policy, busy_timeout_s=cfg.busy_timeout_s, online=online,
+            adopt_until=adopt_until,
         )
         self.log = structlog.get_logger("planner").bind(policy=cfg.planner)
         self.applied: dict[str, m.SplitApplied] = {}
@@ -98,8 +102,11 @@ class PlannerService:
         await self.bus.serve(SPLIT_GET, self._on_get)
         await self.bus.serve(SPLIT_SET, self._on_set)
         await self.bus.subscribe(SPLIT_COMMANDS, self._on_command)
-        await self.bus.publish(SPLIT_COMMANDS, self.core.command)
-        self.log.info("split announced", split=self.core.split, epoch=self.core.command.epoch)
+        if self.core.adopting:
+            self.log.info("reading the node states before announcing a split", grace_s=self.cfg.adopt_grace_s)
+        else:
+            await self.bus.publish(SPLIT_COMMANDS, self.core.command)
+            self.log.info("split announced", split=self.core.split, epoch=self.core.command.epoch)
         await self._publish_models(force=True)
         self._tasks.append(asyncio.create_task(self._announce_loop(), name="planner-announce"))
         self._tasks.append(asyncio.create_task(self._tick_loop(), name="planner-tick"))
@@ -119,6 +126,8 @@ class PlannerService:
     async def _announce_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.announce_interval_s)
+            if self.core.adopting:
+                continue
             await self.bus.publish(SPLIT_COMMANDS, self.core.command)
             await self._publish_models(force=True)
 
@@ -149,7 +158,7 @@ class PlannerService:
             return
         if cmd is not None:
             await self.bus.publish(SPLIT_COMMANDS, cmd)
-            self.log.info("split changed", split=self.core.split, epoch=cmd.epoch, reason=cmd.reason)
+            self.log.info("split announced", split=self.core.split, epoch=cmd.epoch, reason=cmd.reason)
         await self._flush()
 
     async def _flush(self) -> None:
@@ -183,11 +192,9 @@ class PlannerService:
             self.log.warning("iteration records from an unknown node dropped", node=msg.node)
 
     async def _on_state(self, msg: m.NodeState, _subject: str) -> None:
-        if self.core.on_node_state(msg, self.clock.now()) and msg.epoch > self.core.command.epoch:
-            # the node serves an epoch this process never issued: the planner restarted (its epochs
-            # begin again) and the cluster kept the newer split, so it ignored every command since,
-            # and `split.get` (asked by a restarted worker or router) answered a split nobody serves
-            await self._on_command(m.SplitCommand(epoch=msg.epoch, phases={msg.node: msg.phase}, reason="node.state"), "node.state")
+        # a state's epoch only feeds the adoption (core.on_node_state); the tick loop adopts when it is due
+        if self.core.on_node_state(msg, self.clock.now()) and self.core.adopt_due():
+            self._wake.set()
 
     async def _on_chunk(self, msg: m.TokenChunk, _subject: str) -> None:
         self.core.on_token_chunk(msg, self.clock.now())
@@ -209,7 +216,10 @@ class PlannerService:
                 "split.foreign", "foreign split command overridden", level="warning", foreign_epoch=cmd.epoch, src=cmd.src, epoch=again.epoch
             )
 
-    async def _on_get(self, _req: m.SplitQuery, _subject: str) -> m.SplitCommand:
+    async def _on_get(self, _req: m.SplitQuery, _subject: str) -> m.SplitCommand | None:
+        if self.core.adopting:  # no split known yet: no answer, the asker retries (Bus.request_until)
+            self.counters["split.get.adopting"] = self.counters.get("split.get.adopting", 0) + 1
+            return None
         return self.core.command
 
     async def _on_set(self, req: m.SplitSetRequest, _subject: str) -> m.SplitSetReply:
@@ -239,6 +249,8 @@ class PlannerService:
             "requests_dropped": self.core.tracker.dropped,
             "switches": self.core.switches,
             "split.foreign": self.core.foreign_commands,
+            "split.adoptions": self.core.adoptions,
+            "node_states_epoch_ahead": self.core.states_epoch_ahead,
             "ticks": self.core.ticks,
             **self.counters,
         }

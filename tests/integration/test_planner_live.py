@@ -85,6 +85,7 @@ class Client:
 
 @asynccontextmanager
 async def planner(url: str, **kw):
+    kw.setdefault("adopt_grace_s", 0.0)  # no node here reports unless a test says so: announce at once
     cfg = PlannerConfig(nats_url=url, nodes=NODES, split="2P2D", clock_origin=time.time(), announce_interval_s=0.5, **kw)
     stop = asyncio.Event()
     task = asyncio.create_task(serve_until_stopped("planner", cfg, PlannerService, instance="planner", stop_event=stop))
@@ -182,22 +183,55 @@ async def test_token_streams_become_completed_requests(nats_url):
     await c.bus.close()
 
 
-async def test_a_restarted_planner_reissues_its_split_above_the_epoch_the_nodes_serve(nats_url):
-    """A restarted planner begins at epoch 1 while the nodes serve a later one (here 5: an operator
-    `split set` and switches before the crash). Every receiver ignored its commands and `split.get`
-    answered a split nobody served (a worker restarted then took it and left service: the router
-    routes by the newer split). The first node state above its epoch makes it re-issue its split
-    above that epoch."""
+async def test_a_started_planner_adopts_the_split_the_nodes_serve_and_answers_nothing_before(nats_url):
+    """A planner (re)started in a running cluster (here: the operator's 3P1D at epoch 7) reads the
+    node states before it announces: until it has (every node reported, or its grace ended) it
+    answers no ``split.get`` and refuses ``split set``; then it announces the nodes' split under
+    their epoch, nothing else, so no node switches. (Before: it announced 2P2D at epoch 1 at once,
+    then re-issued it above the first node state's epoch: the operator's split was reverted.)"""
+    c = await Client.connect(nats_url)
+    async with planner(nats_url, adopt_grace_s=20.0):
+        with pytest.raises(BusError):
+            await c.bus.request(SPLIT_GET, m.SplitQuery(), timeout=0.5)
+        refused = await c.bus.request(SPLIT_SET, m.SplitSetRequest(split="1P3D"))
+        assert not refused.ok and "starting" in refused.error
+        for n, ph in zip(NODES, ["prefill", "prefill", "prefill", "decode"]):
+            await c.bus.publish(NODE_STATE, m.NodeState(node=n, phase=ph, epoch=7), node=n)
+        await c.until(lambda: c.commands, what="the adopted split announced (every node reported: before the grace's end)")
+        got = await c.bus.request(SPLIT_GET, m.SplitQuery())
+        assert got.epoch == 7 and split_name(got.phases) == "3P1D"
+        await asyncio.sleep(1.2)  # two announcements later
+        assert {(cmd.epoch, split_name(cmd.phases)) for cmd in c.commands} == {(7, "3P1D")}
+        assert [d.action for d in c.decisions] == ["adopt"]
+        stats = await c.stats()
+        assert stats.counters["split.adoptions"] == 1 and stats.counters["split.foreign"] == 0
+        assert stats.counters["split.get.adopting"] == 1
+    await c.bus.close()
+
+
+async def test_a_node_state_above_the_planners_epoch_moves_it_only_with_a_majority(nats_url):
+    """A worker's state can forge its epoch (its own node only, under auth). Before, one state at
+    the planner's epoch + k (k ≤ 2^20) made the planner re-issue its split at + k + 1, one
+    command per state. Now a state alone is counted (``node_states_epoch_ahead``); only when a
+    strict majority of the nodes report epochs above the planner's (its commands are ignored by
+    them) does it adopt, at the lower median of their epochs (not the forger's)."""
     c = await Client.connect(nats_url)
     async with planner(nats_url):
         assert (await c.bus.request(SPLIT_GET, m.SplitQuery())).epoch == 1
-        await c.bus.publish(NODE_STATE, m.NodeState(node="w1", phase="decode", epoch=5), node="w1")
-        await c.until(lambda: any(cmd.epoch == 6 for cmd in c.commands), what="the split re-issued above epoch 5")
-        again = await c.bus.request(SPLIT_GET, m.SplitQuery())
-        assert again.epoch == 6 and split_name(again.phases) == "2P2D"
-        await c.bus.publish(NODE_STATE, m.NodeState(node="w2", phase="decode", epoch=6), node="w2")  # the nodes follow: nothing more
-        await asyncio.sleep(0.3)
-        assert (await c.bus.request(SPLIT_GET, m.SplitQuery())).epoch == 6 and (await c.stats()).counters["split.foreign"] == 1
+        for k in (1, 2, 3):
+            await c.bus.publish(NODE_STATE, m.NodeState(node="w1", phase="decode", epoch=1 + k * 2**20), node="w1")
+        await c.bus.nc.flush()
+        await asyncio.sleep(0.6)
+        assert (await c.bus.request(SPLIT_GET, m.SplitQuery())).epoch == 1
+        assert all(cmd.epoch == 1 for cmd in c.commands)
+        stats = await c.stats()
+        assert stats.counters["node_states_epoch_ahead"] == 3 and stats.counters["split.foreign"] == 0
+        await c.bus.publish(NODE_STATE, m.NodeState(node="w2", phase="decode", epoch=5), node="w2")
+        await c.bus.publish(NODE_STATE, m.NodeState(node="w3", phase="decode", epoch=5), node="w3")
+        await c.until(lambda: any(cmd.epoch == 5 for cmd in c.commands), what="adoption by a majority")
+        got = await c.bus.request(SPLIT_GET, m.SplitQuery())
+        assert got.epoch == 5 and got.phases == {"w0": "prefill", "w1": "decode", "w2": "decode", "w3": "decode"}
+        assert max(cmd.epoch for cmd in c.commands) == 5
     await c.bus.close()
 
 
