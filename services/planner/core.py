@@ -170,6 +170,9 @@ class PlannerCore:
         self._unsure: set[str] = set()
         """Nodes adopted while draining (the phase they drain to is not in a state): their entry is the
         phase they still served, replaced by the one they report once serving, until the next command."""
+        self._echo: SplitCommand | None = None
+        """The command a correction (:meth:`_refine`) replaced under the same epoch: its announcements
+        still on the bus come back as this planner's own, not as foreign commands."""
 
     @property
     def split(self) -> str:
@@ -229,6 +232,7 @@ class PlannerCore:
             return
         phases = {**self.command.phases, node: phase}
         if split_problem(phases, self.nodes) is None:
+            self._echo = self.command
             self.command = msgspec.structs.replace(self.command, phases=phases)
 
     def on_token_chunk(self, chunk: TokenChunk, now: float) -> RequestDone | None:
@@ -352,6 +356,8 @@ class PlannerCore:
         """
         if cmd.epoch == self.command.epoch and dict(cmd.phases) == dict(self.command.phases):
             return None  # our own, echoed back
+        if self._echo is not None and cmd.epoch == self._echo.epoch and dict(cmd.phases) == dict(self._echo.phases):
+            return None  # our own before a correction (_refine), echoed back
         self.foreign_commands += 1
         if self.adopt_until is not None:
             return None  # nothing announced yet: the adoption reads the epoch the nodes hold

@@ -86,6 +86,7 @@ def test_a_node_draining_at_restart_is_waited_for_then_corrected_when_it_serves(
     assert core.command.epoch == 5 and core.command.phases == OPERATOR and core.busy(4.0) == set()
     core.on_node_state(st("w2", "decode", 5), 5.0)  # corrected once only: later states do not edit the command
     assert core.command.phases == OPERATOR and core.switches == 0
+    assert core.on_foreign_command(cmd, 5.5, MAX_EPOCH_STEP) is None and core.foreign_commands == 0  # an earlier announcement
 
 
 def test_a_draining_node_whose_old_phase_leaves_no_split_is_both_until_it_serves():
