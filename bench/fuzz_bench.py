@@ -6,7 +6,8 @@ truncated and mutated valid messages, valid-shaped hostile values, each from
 the identity allowed to publish there, while a client sends requests. Prints
 per subject what was sent, refused by the server, dropped as counted by every
 subscriber next to the drops expected by decoding and validating each payload
-locally, handler errors; then crashes (0 = every process alive), requests
+locally, handler errors; the workers' kv.counts counters (they read kv.counts
+under the default ``--eviction branch-count`` only); then crashes (0 = every process alive), requests
 served during and after, resync requests, RSS before/after.
 
 Auth cost (``--auth-cost S``): the same cluster twice, open NATS and no API
@@ -111,6 +112,9 @@ def render(rep: dict, per_subject: int) -> str:
         f"- crashes: {0 if rep['alive'] else 'some'}; every drop counted exactly: {'yes' if exact else 'NO'}",
         f"- requests during the flood: {rep['requests_ok']} ok, {rep['requests_failed']} failed; after: {rep['requests_after_ok']}/5 ok",
         f"- resync requests of the directory: {rep['resync_requests']}; permission violations (server refusals): {rep['permission_violations']}",
+        "- workers' kv.counts handling (host eviction " + rep.get("eviction", "?") + "): "
+        + ("; ".join(f"{i} " + (", ".join(f"{k} {v:,}" for k, v in c.items()) or "none") for i, c in rep["worker_counts"].items())),
+        "- directory kv.countsync: " + (", ".join(f"{k} {v:,}" for k, v in rep["directory_countsync"].items()) or "none"),
         f"- RSS MiB before→after: {rss}",
         f"- service log lines (whole run, level warning): {sum(rep['log_lines'].values()):,} "
         f"({', '.join(f'{k} {v:,}' for k, v in rep['log_lines'].items())})",
@@ -124,13 +128,15 @@ async def main() -> int:
     ap.add_argument("--rate", type=float, default=4000.0, help="messages per second at most (default 4000)")
     ap.add_argument("--max-huge", type=int, default=16, help="payloads over 64 KiB per subject (default 16)")
     ap.add_argument("--auth-cost", type=float, default=0.0, help="seconds per auth on/off run (0 = skip)")
+    ap.add_argument("--eviction", default="branch-count", choices=("branch-count", "lru"),
+                    help="workers' host eviction (default branch-count, the evolving set's: lru workers read no kv.counts)")
     ap.add_argument("--skip-fuzz", action="store_true")
     ap.add_argument("--json", default="", help="write the raw report here")
     args = ap.parse_args()
     result: dict = {}
     if not args.skip_fuzz:
         rep = await run(args.per_subject, log_dir=tempfile.mkdtemp(prefix="ei-fuzz-"), rate=args.rate, max_huge=args.max_huge,
-                        progress=_progress)
+                        progress=_progress, eviction=args.eviction)
         result["fuzz"] = rep
         print(render(rep, args.per_subject))
     if args.auth_cost > 0:

@@ -7,6 +7,13 @@ returns a report: per subject and subscriber the drops the bus counted next to
 the drops expected from decoding and validating each payload locally, handler
 errors, resyncs, memory before/after, requests served during and after the
 flood, and whether every process is still alive.
+
+The workers run ``branch-count`` host eviction by default (the ``evolving`` policy
+set's, ``evolving_infra.sim.policies``): only then does a worker subscribe to
+``kv.counts.<node>`` and sync its counts on ``kv.countsync.<node>``
+(``services/worker/service.py``), so only then does the flood reach that code.
+``report["worker_counts"]`` holds each worker's count-related counter deltas,
+``report["directory_countsync"]`` the directory's ``countsync.*`` ones (snapshots served).
 """
 
 from __future__ import annotations
@@ -48,11 +55,22 @@ async def _counters(cluster: LocalCluster, admin: Bus) -> dict[str, dict[str, in
     return out
 
 
+COUNT_KEYS = ("counts.", "received.kv.counts.", "dropped.kv.counts.", "invalid.kv.counts.", "handler_errors.kv.counts.",
+              "request_failed.kv.countsync.", "request_refused.kv.countsync.", "dropped_reply.kv.countsync.")
+"""Prefixes of the worker counters ``report["worker_counts"]`` keeps: the ``kv.counts`` stream
+(``services.worker.countseq.CountStream`` counters as ``counts.*``, the bus's per-subject
+counts) and the worker's ``kv.countsync`` requests."""
+
+
 async def run(count: int, *, log_dir: str, seed: int = 18, rate: float = 20_000.0, big: int = 300_000, max_huge: int = 16,
-              progress: Any = None) -> dict[str, Any]:
-    """Flood ``count`` payloads per subject; see the module docstring for the report."""
+              progress: Any = None, eviction: str = "branch-count") -> dict[str, Any]:
+    """Flood ``count`` payloads per subject; see the module docstring for the report.
+
+    ``eviction``: the workers' ``--host-eviction`` (``lru`` workers read no ``kv.counts``:
+    the flood's drop accounting leaves them out of that subject's subscribers).
+    """
     spec = ClusterSpec(nodes=2, split="1P1D", profile="tiny", speedup=5.0, port=0, block_size=4, log_dir=log_dir, ready_timeout_s=120.0,
-                       log_level="warning")
+                       log_level="warning", eviction=eviction)
     async with LocalCluster(spec) as cluster:
         admin = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="fuzz-admin", auth=cluster.client_auth("admin"))
         http = httpx.AsyncClient(base_url=cluster.router_url, timeout=30.0)
@@ -100,6 +118,11 @@ async def run(count: int, *, log_dir: str, seed: int = 18, rate: float = 20_000.
                     "handler_errors": {i: delta[i].get("handler_errors." + template, 0) for i in delta if delta[i].get("handler_errors." + template)},
                 }
             rep["resync_requests"] = delta["kvdirectory"].get("resync.requests", 0)
+            rep["eviction"] = eviction
+            rep["worker_counts"] = {
+                i: {k: v for k, v in sorted(d.items()) if v and k.startswith(COUNT_KEYS)} for i, d in delta.items() if i.startswith("worker-")
+            }
+            rep["directory_countsync"] = {k: v for k, v in sorted(delta["kvdirectory"].items()) if v and k.startswith("countsync.")}
             rep["log_lines"] = {p.stem: sum(1 for _ in p.open(errors="replace")) for p in sorted(Path(log_dir).glob("*.log"))}
             rep["nats_errors"] = {i: delta[i].get("nats.errors", 0) for i in delta}
             rep["slow_consumer"] = {i: delta[i].get("nats.slow_consumer", 0) for i in delta}

@@ -58,6 +58,7 @@ from shared.subjects import (
     WORK_REQUEUE,
     Subject,
 )
+from shared.validate import MAX_KV_BATCH_HASHES
 
 KINDS = ("random", "truncated", "mutated", "hostile")
 
@@ -193,6 +194,12 @@ def hostile_variants(template: str, params: dict[str, str], msg: msgspec.Struct,
     if isinstance(msg, m.KvEventBatch):
         out.append((params, msgspec.structs.replace(msg, seq=10**12)))  # sequence jump
         out.append((params, msgspec.structs.replace(msg, events=[m.BlockStored(block_hashes=list(range(big)), block_size=_BS)])))
+    if isinstance(msg, m.CountUpdates):  # kv.counts (a worker under branch-count host eviction): its seq/epoch rules
+        out.append((params, msgspec.structs.replace(msg, seq=10**12)))  # sequence jump: a gap, the worker syncs
+        out.append((params, msgspec.structs.replace(msg, beacon=True, seq=10**12, hashes=[], counts=[])))  # beacon past the numbering
+        out.append((params, msgspec.structs.replace(msg, epoch=f"fz-forged-{rng.randrange(10**9)}", seq=10**12)))  # forged restart
+        n = min(big, MAX_KV_BATCH_HASHES)  # the largest batch the edge lets through, every block counted
+        out.append((params, msgspec.structs.replace(msg, hashes=list(range(n)), counts=[1] * n)))
     if isinstance(msg, m.SplitCommand):
         out.append((params, msgspec.structs.replace(msg, epoch=10**15, phases={k: "decode" for k in msg.phases})))
         out.append((params, msgspec.structs.replace(msg, epoch=10**15)))

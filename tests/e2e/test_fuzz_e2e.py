@@ -2,7 +2,8 @@
 
 For each subject, random bytes, truncated and mutated valid messages and
 valid-shaped hostile values (NaN, 1e300, negative, huge lists, invented
-nodes, sequence jumps, forged splits and chunks) are published by the identity
+nodes, sequence jumps, forged splits and chunks, count beacons and directory
+epochs; the workers run branch-count host eviction, so they read kv.counts) are published by the identity
 that may publish there, while a client keeps sending normal requests. Every
 service stays alive and serving, every bad payload a service received is
 counted as dropped (exactly: the test decodes and validates each payload
@@ -25,6 +26,16 @@ async def test_fuzz_every_subject_live(tmp_path):
     for template, entry in rep["subjects"].items():
         assert entry["sent"] == PER_SUBJECT and all(entry["kinds"].values()), (template, entry)
         assert rep["counted"][template]["dropped"] == entry["expected_drops"], (template, rep["counted"][template], entry)
+    # the workers read kv.counts (the fuzz cluster runs branch-count host eviction, the evolving
+    # set's; lru workers subscribe to no kv.counts since 7ea823c): the flood reached their count
+    # handling, every malformed message was counted and dropped by the bus, the valid-shaped ones
+    # (forged seq, beacon, epoch) reached CountStream and made the worker sync on kv.countsync
+    counts = rep["subjects"]["kv.counts.{node}"]
+    w0 = rep["worker_counts"]["worker-w0"]
+    assert counts["expected_drops"].get("worker-w0", 0) > 0, counts
+    assert w0.get("dropped.kv.counts.{node}", 0) == counts["expected_drops"]["worker-w0"], w0
+    assert w0.get("received.kv.counts.{node}", 0) > 0 and w0.get("counts.sync.started", 0) >= 1, w0
+    assert w0.get("counts.sync.pieces", 0) >= 1 and rep["directory_countsync"].get("countsync.pieces", 0) >= 1, rep["directory_countsync"]
     # one forged sequence jump per kind of payload at most one resync per node per second
     assert rep["resync_requests"] <= 2 * (rep["wall_s"] + rep["drain_s"] + 1), rep["resync_requests"]
     # logs survive the flood: the first few drops per subject and 10 s, then one summary line
