@@ -9,7 +9,8 @@ from context that an output file is being specified)"). So, in ``evolving-infra`
 * a trace to read (``trace validate/stats/sample/pack``, ``simulate --trace``, ``replay``,
   ``demo --trace``, ``fidelity --trace``) may be ``-``: stdin, plain or gzip (detected by its
   magic, as a file's), read once into a temporary file (:func:`stdin_file`) because the readers
-  open a trace more than once (header, then requests);
+  open a trace more than once (header, then requests); a stdin that is a terminal or closed is
+  refused (a trace is piped or redirected; ``trace stats -`` typed by mistake does not wait);
 * a trace to write (``trace convert/generate/sample -o``, ``trace pack IN OUT``) may be ``-``:
   stdout (uncompressed JSON Lines; a packed trace's bytes), the status line stays on stderr;
 * a folder (``simulate/replay/demo/fidelity/report compare --out``, ``report show RUN_DIR``,
@@ -34,9 +35,10 @@ __all__ = ["STDIO", "folder", "not_stdin", "shown", "stdin_file", "write_stdout"
 STDIO = "-"
 """The path that names stdin (an input) or stdout (an output)."""
 
-_spooled: list[tuple[IO[bytes], str]] = []
-"""``(stdin's stream, the temporary file holding what it gave)`` once :func:`stdin_file` has read
-it: at most one (a caller that replaces ``sys.stdin``, a test, gets its new stream read)."""
+_spooled: list[tuple[IO[bytes], str, Callable[[], None]]] = []
+"""``(stdin's stream, the name of the temporary file holding what it gave, what removes that
+file)`` once :func:`stdin_file` has read it: at most one (a caller that replaces ``sys.stdin``,
+a test, gets its new stream read)."""
 
 
 def folder(value: str) -> str:
@@ -67,28 +69,62 @@ def not_stdin(value: str) -> str:
 
 def stdin_file(path: str | os.PathLike[str]) -> str:
     """``path`` as a readable file name: itself, or for ``-`` a temporary file holding all of
-    stdin (read at the first call, the same file at every later one; removed at exit).
+    stdin (read at the first call, the same file at every later one).
+
+    On Linux the copy has no name in ``$TMPDIR`` (``tempfile.TemporaryFile``, reopened through
+    ``/proc/self/fd/N``), so nothing of it outlives the process however it ends (SIGTERM from
+    ``timeout`` or a job scheduler, SIGKILL); elsewhere it is a named file removed at exit.
 
     Raises:
-        OSError: stdin cannot be read, or the temporary file cannot be written.
+        OSError: stdin is closed or a terminal (a trace is piped or redirected, never typed:
+            ``trace stats -`` typed by mistake would wait for input nobody gives), cannot be
+            read, or the temporary file cannot be written (the message names the folder).
     """
     if os.fspath(path) != STDIO:
         return os.fspath(path)
+    if sys.stdin is None:  # the process started with fd 0 closed
+        raise OSError("stdin is closed; pipe or redirect a trace into it (... < trace.jsonl)")
     stream = sys.stdin.buffer
     if _spooled and _spooled[0][0] is stream:
         return _spooled[0][1]
-    import atexit
+    if stream.isatty():
+        raise OSError("stdin is a terminal; pipe or redirect a trace into it (zcat t.jsonl.gz | ... -, ... - < t.jsonl), "
+                      "or give the trace's file name")
     import shutil
     import tempfile
 
     if _spooled:
-        shutil.rmtree(os.path.dirname(_spooled.pop()[1]), ignore_errors=True)
-    folder_ = tempfile.mkdtemp(prefix="evolving-infra-stdin-")
-    atexit.register(shutil.rmtree, folder_, True)
-    name = os.path.join(folder_, "stdin")
-    with open(name, "wb") as f:
-        shutil.copyfileobj(stream, f, 1 << 20)
-    _spooled.append((stream, name))
+        _spooled.pop()[2]()
+    release: Callable[[], None]
+    if os.path.isdir("/proc/self/fd"):
+        f = tempfile.TemporaryFile(prefix="evolving-infra-stdin-")
+        name, release = f"/proc/self/fd/{f.fileno()}", f.close
+    else:
+        import atexit
+
+        folder_ = tempfile.mkdtemp(prefix="evolving-infra-stdin-")
+        atexit.register(shutil.rmtree, folder_, True)
+        name = os.path.join(folder_, "stdin")
+        f = open(name, "w+b")
+
+        def release_named() -> None:
+            f.close()
+            shutil.rmtree(folder_, ignore_errors=True)
+
+        release = release_named
+
+    try:
+        while chunk := stream.read(1 << 20):  # a read error is stdin's, raised as it is
+            try:
+                f.write(chunk)
+            except OSError as e:  # disk full: say where, the message would name no file
+                raise OSError(e.errno, f"stdin could not be copied into the temporary folder {tempfile.gettempdir()}: "
+                              f"{e.strerror or e} (set TMPDIR to another)") from e
+        f.flush()
+    except BaseException:
+        release()
+        raise
+    _spooled.append((stream, name, release))
     return name
 
 

@@ -252,3 +252,68 @@ def test_dash_is_a_usage_error_where_a_folder_or_a_raw_input_is_named(
         err = capsys.readouterr().err
         assert ei.value.code == 2 and "usage: " in err and "'-' (stdin" in err, (argv, err)
     assert list(tmp_path.iterdir()) == []
+
+
+def _proc(args: list[str], cwd: Path, **popen: object):  # type: ignore[no-untyped-def]
+    """``evolving-infra ARGS`` started in a fresh process (``popen``: its stdin, stdout, env...)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root), **popen.pop("env", {})}  # type: ignore[dict-item]
+    return subprocess.Popen([sys.executable, "-m", "evolving_infra.cli", *args], cwd=cwd, env=env, **popen)  # type: ignore[call-overload]
+
+
+def test_dash_refuses_a_stdin_that_is_a_terminal_or_closed(tmp_path: Path) -> None:
+    """``trace stats -`` typed at a terminal would wait for a trace nobody types: it says so and
+    exits with status 2 at once; a closed stdin is named, not a traceback."""
+    import os
+    import pty
+    import subprocess
+
+    master, slave = pty.openpty()
+    try:
+        p = _proc(["trace", "stats", "-"], tmp_path, stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            pytest.fail("trace stats - waits on a terminal")
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert p.returncode == 2 and err.decode().startswith("-: cannot read: stdin is a terminal"), err
+    p = _proc(["trace", "validate", "-"], tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+              preexec_fn=lambda: os.close(0))
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and err.decode().startswith("-: cannot read: stdin is closed") and b"Traceback" not in err, err
+
+
+def test_the_copy_of_stdin_is_gone_however_the_command_ends(tmp_path: Path) -> None:
+    """``-`` is read into a temporary file: nothing of it stays in $TMPDIR, not even when the
+    command is ended by SIGTERM (``timeout``, a job scheduler) while it reads."""
+    import os
+    import signal
+    import subprocess
+
+    src = tmp_path / "t.jsonl"
+    assert main(["generate", "claude-code", "--agents", "3", "--seed", "2", "-o", str(src)]) == 0
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = _proc(["trace", "stats", "-"], tmp_path, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+              env={"TMPDIR": str(tmp)})
+    data = src.read_bytes()
+    p.stdin.write(data * (1 + (1 << 18) // len(data)))  # more than a pipe holds: returns once the command reads
+    p.stdin.flush()
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=60)
+    p.stdin.close()
+    assert p.returncode == -signal.SIGTERM and list(tmp.iterdir()) == []
+    p = _proc(["trace", "stats", "-"], tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+              env={"TMPDIR": str(tmp)})
+    out, err = p.communicate(b"not a trace\n", timeout=60)
+    assert p.returncode == 2 and err.decode().startswith("-: 1 problem(s)") and list(tmp.iterdir()) == [], err
+    assert not os.listdir(tmp)
+
