@@ -83,7 +83,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
-    rc = args.func(args)
+    try:
+        rc = args.func(args)
+    except BrokenPipeError:  # stdout's reader stopped early (| head): quiet, as cat's SIGPIPE
+        from evolving_infra.stdio_args import READER_GONE, reader_gone
+
+        if not reader_gone():
+            raise
+        return READER_GONE
     return int(rc or 0)
 
 

@@ -12,7 +12,8 @@ from context that an output file is being specified)"). So, in ``evolving-infra`
   open a trace more than once (header, then requests); a stdin that is a terminal or closed is
   refused (a trace is piped or redirected; ``trace stats -`` typed by mistake does not wait);
 * a trace to write (``trace convert/generate/sample -o``, ``trace pack IN OUT``) may be ``-``:
-  stdout (uncompressed JSON Lines; a packed trace's bytes), the status line stays on stderr;
+  stdout (uncompressed JSON Lines; a packed trace's bytes), the status line stays on stderr; a
+  reader that stops early (``| head``) ends any command quietly, status :data:`READER_GONE`;
 * a folder (``simulate/replay/demo/fidelity/report compare --out``, ``report show RUN_DIR``,
   ``up --log-dir``, ``auth --dir``, ``model init DIR``) or a raw input walked as files and folders
   (``trace convert`` inputs, ``replay --from`` inputs) cannot be a stream: ``-`` there is a usage
@@ -30,7 +31,7 @@ import sys
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["STDIO", "folder", "not_stdin", "shown", "stdin_file", "write_stdout"]
+__all__ = ["READER_GONE", "STDIO", "folder", "not_stdin", "reader_gone", "shown", "stdin_file", "write_stdout"]
 
 STDIO = "-"
 """The path that names stdin (an input) or stdout (an output)."""
@@ -134,21 +135,44 @@ def shown(text: str) -> str:
 
 
 def write_stdout(write: Callable[[IO[bytes]], object]) -> object:
-    """``write(sys.stdout.buffer)``, flushed. A reader that stops early (``| head``) ends the
-    output quietly: stdout is pointed at ``/dev/null`` so the interpreter's last flush does not
-    print ``BrokenPipeError`` at exit, and the error is raised for the caller's exit status.
+    """``write(sys.stdout.buffer)``, flushed.
 
     Raises:
-        BrokenPipeError: the reader went away.
+        BrokenPipeError: the reader went away (``| head``); ``evolving_infra.cli.main`` ends the
+            command quietly then (:func:`reader_gone`).
     """
     out = sys.stdout.buffer
+    sys.stdout.flush()
+    result = write(out)
+    out.flush()
+    return result
+
+
+READER_GONE = 141
+"""Exit status of a command whose stdout reader went away (``| head -1``): 128 + SIGPIPE, what a
+shell shows for ``cat`` or ``yes`` ended by the same reader (Python ignores SIGPIPE, so the
+write fails with ``BrokenPipeError`` instead of ending the process)."""
+
+
+def reader_gone() -> bool:
+    """True if stdout is a pipe (or socket) whose reader has closed it: a ``BrokenPipeError`` is
+    then the reader stopping early (``| head``), not a failure to report. stdout is pointed at
+    ``/dev/null`` so the interpreter's last flush does not print the error again at exit. False
+    (nothing changed) when stdout is open, or is no file (a test's capture): another peer broke
+    the pipe (a socket), which stays an error.
+    """
+    import select
+
     try:
-        sys.stdout.flush()
-        result = write(out)
-        out.flush()
-        return result
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        raise
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        events = poll.poll(0)
+    except (AttributeError, OSError, ValueError):  # no stdout, or not a file (io.UnsupportedOperation)
+        return False
+    if not any(ev & select.POLLERR for _, ev in events):  # Linux: POLLERR on a pipe's write end once no reader is left
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return True

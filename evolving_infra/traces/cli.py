@@ -192,7 +192,14 @@ def _write(path: str, write: Callable[[str | IO[bytes]], Any]) -> Any:
 
 
 def _write_failed(path: str, e: OSError) -> int:
-    """Exit status 2 once a write that failed midway (disk full, ...) is named with its reason."""
+    """Exit status 2 once a write that failed midway (disk full, ...) is named with its reason.
+
+    Raises:
+        BrokenPipeError: ``e``, for ``-``: stdout's reader stopped early (``| head``), which
+            ``evolving_infra.cli.main`` ends quietly.
+    """
+    if path == STDIO and isinstance(e, BrokenPipeError):
+        raise e
     print(f"error: {path}: cannot write: {e}", file=sys.stderr)
     return 2
 

@@ -265,6 +265,23 @@ def _proc(args: list[str], cwd: Path, **popen: object):  # type: ignore[no-untyp
     return subprocess.Popen([sys.executable, "-m", "evolving_infra.cli", *args], cwd=cwd, env=env, **popen)  # type: ignore[call-overload]
 
 
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``... -o - | head -1`` or ``trace stats ... | head -1``: the reader closes the pipe; the
+    command stops without a message or a traceback, with status 141 (128 + SIGPIPE, what a
+    shell shows for ``cat`` ended by the same reader)."""
+    import subprocess
+
+    src = tmp_path / "t.jsonl"
+    assert main(["generate", "claude-code", "--agents", "3", "--seed", "2", "-o", str(src)]) == 0
+    for args in (["trace", "generate", "claude-code", "--agents", "3", "-o", "-"], ["trace", "sample", str(src), "-o", "-"],
+                 ["trace", "pack", str(src), "-"], ["trace", "stats", str(src)]):
+        p = _proc(args, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p.stdout.close()  # the reader is gone before the first byte
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=60) == 141, (args, err)
+        assert "rror" not in err and "Traceback" not in err, (args, err)
+
+
 def test_dash_refuses_a_stdin_that_is_a_terminal_or_closed(tmp_path: Path) -> None:
     """``trace stats -`` typed at a terminal would wait for a trace nobody types: it says so and
     exits with status 2 at once; a closed stdin is named, not a traceback."""
