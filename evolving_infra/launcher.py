@@ -27,7 +27,7 @@ from importlib import resources
 from pathlib import Path
 
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
-from evolving_infra.stdio_args import folder, stdin_file
+from evolving_infra.stdio_args import folder, shown, stdin_file
 from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, write_json
 from shared.log import setup_logging
 from shared.profile import available_profiles
@@ -385,7 +385,7 @@ async def _demo(args: argparse.Namespace) -> int:
     from evolving_infra.replay.live import LiveReplayer
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import build_report, print_summary, write_report
-    from evolving_infra.traces.io import read_trace
+    from evolving_infra.traces.io import TraceError, read_trace
     from services.router.ingress import ApiKeyError, local_client_key
     from shared.clock import SimClock
 
@@ -394,8 +394,16 @@ async def _demo(args: argparse.Namespace) -> int:
         args.sessions = 4 if torch_engine else 60
     if args.concurrency is None:
         args.concurrency = 4 if torch_engine else 16
-    trace_path = Path(stdin_file(args.trace)) if args.trace else demo_trace_path()
-    trace = read_trace(trace_path)
+    try:
+        trace_path = Path(stdin_file(args.trace)) if args.trace else demo_trace_path()
+        trace = read_trace(trace_path)
+    except TraceError as e:  # every bad line; before a service is started or a folder made
+        print(f"error: --trace: {shown(str(e))}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: --trace: {args.trace or demo_trace_path()}: cannot read: {e}", file=sys.stderr)
+        return 2
+    trace_name = shown(str(trace_path))  # '-' for stdin, not its temporary copy
     agents = list(dict.fromkeys(r.agent for r in trace.requests))[: args.sessions]
     keep = set(agents)
     requests = [r for r in trace.requests if r.agent in keep]
@@ -418,7 +426,7 @@ async def _demo(args: argparse.Namespace) -> int:
         token_block = trace.header.block_size
     pol: LivePolicy = args.live_policy
     print(
-        f"demo: {len(agents)} Claude Code sessions, {len(requests)} requests from {trace_path.name}; "
+        f"demo: {len(agents)} Claude Code sessions, {len(requests)} requests from {Path(trace_name).name}; "
         f"{spec.nodes} workers at {spec.split}, speedup {spec.speedup:g}, {args.concurrency} concurrent agents",
         flush=True,
     )
@@ -455,11 +463,11 @@ async def _demo(args: argparse.Namespace) -> int:
     sample = trace.header.meta.get("sample") or {}
     cap = sample.get("max_requests_per_branch") if isinstance(sample, dict) else None
     if cap:
-        notes.append(f"sessions capped to the first {cap} requests of each branch (replayed trace: {trace_path.name})")
+        notes.append(f"sessions capped to the first {cap} requests of each branch (replayed trace: {Path(trace_name).name})")
     meta = {
         "command": "demo",
         "argv": sys.argv[1:],
-        "trace": str(trace_path),
+        "trace": trace_name,
         "trace_source": trace.header.source,
         "cluster": {"nodes": spec.nodes, "split": spec.split, "profile": spec.profile, "routing": spec.routing},
         "policy": pol.meta(),

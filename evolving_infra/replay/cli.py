@@ -49,6 +49,9 @@ async def _replay(args: argparse.Namespace) -> int:
         except TraceError as e:
             print(f"error: {shown(str(e))}", file=sys.stderr)
             return 2
+        except OSError as e:  # missing, or a stdin that is a terminal or closed
+            print(f"error: {args.input[0]}: cannot read: {e}", file=sys.stderr)
+            return 2
     else:
         from evolving_infra.traces.convert import convert_inputs
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from collections.abc import Iterable
 from typing import Any
 
-from evolving_infra.stdio_args import folder, stdin_file
+from evolving_infra.stdio_args import folder, shown, stdin_file
 
 FIDELITY_KEYS = ("throughput_rps", "ttft_mean_s", "e2e_mean_s")
 
@@ -126,12 +126,23 @@ class FidelitySettings:
 
 
 def load_requests(s: FidelitySettings) -> tuple[list[Any], int, str]:
-    """The first ``sessions`` agents of the trace (branches capped when asked)."""
-    from evolving_infra.launcher import demo_trace_path
-    from evolving_infra.traces.io import read_trace
+    """The first ``sessions`` agents of the trace (branches capped when asked), its block size
+    and its name (``-`` for stdin).
 
-    path = Path(stdin_file(s.trace)) if s.trace else demo_trace_path()
-    trace = read_trace(path)
+    Raises:
+        SimConfigError: the trace cannot be read (one line: ``--trace: <name>: ...``).
+    """
+    from evolving_infra.launcher import demo_trace_path
+    from evolving_infra.sim.config import SimConfigError
+    from evolving_infra.traces.io import TraceError, read_trace
+
+    try:
+        path = Path(stdin_file(s.trace)) if s.trace else demo_trace_path()
+        trace = read_trace(path)
+    except TraceError as e:
+        raise SimConfigError(f"--trace: {shown(str(e))}") from e
+    except OSError as e:
+        raise SimConfigError(f"--trace: {s.trace or demo_trace_path()}: cannot read: {e}") from e
     if s.max_requests_per_branch:
         from evolving_infra.traces.sample import sample_sessions
 
@@ -146,7 +157,7 @@ def load_requests(s: FidelitySettings) -> tuple[list[Any], int, str]:
 
         cap = s.max_pause_s
         reqs = [r if r.pause_s <= cap else msgspec.structs.replace(r, pause_s=cap) for r in reqs]
-    return reqs, trace.header.block_size, str(path)
+    return reqs, trace.header.block_size, shown(str(path))
 
 
 async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path) -> tuple[dict[str, Any], list[Any]]:
@@ -306,6 +317,7 @@ def add_fidelity_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from evolving_infra.cluster import ClusterError
+    from evolving_infra.sim.config import SimConfigError
     from shared.log import setup_logging
 
     setup_logging("console", "warning")
@@ -323,6 +335,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     )
     try:
         res = fidelity(s, Path(args.out))
+    except SimConfigError as e:  # a bad --trace (read first: nothing started or written), or simulator setting
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except ClusterError as e:
         print(f"error: live cluster: {e}", file=sys.stderr)
         return 1

@@ -334,3 +334,31 @@ def test_the_copy_of_stdin_is_gone_however_the_command_ends(tmp_path: Path) -> N
     assert p.returncode == 2 and err.decode().startswith("-: 1 problem(s)") and list(tmp.iterdir()) == [], err
     assert not os.listdir(tmp)
 
+
+def test_demo_and_fidelity_name_a_bad_trace_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``demo/fidelity --trace -`` with a stdin that is no trace: one ``error: --trace: -: ...``
+    line and status 2 (not a traceback naming the temporary copy), nothing started or written;
+    a good one is recorded as ``-`` (fidelity.json's ``trace``), not as the copy's name."""
+    import gzip
+    import io
+    import sys
+
+    from evolving_infra.sim.fidelity import FidelitySettings, load_requests
+
+    monkeypatch.chdir(tmp_path)
+    for argv in (["demo", "--trace", "-", "--out", "d"], ["fidelity", "--trace", "-", "--out", "f"]):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"not a trace\n")))
+        assert top_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: --trace: -: 1 problem(s)") and "Traceback" not in err, (argv, err)
+    for argv in (["demo", "--trace", "missing.jsonl", "--out", "d"], ["fidelity", "--trace", "missing.jsonl", "--out", "f"]):
+        assert top_main(argv) == 2, argv
+        assert capsys.readouterr().err.startswith("error: --trace: missing.jsonl: cannot read: "), argv
+    assert list(tmp_path.iterdir()) == []
+    src = tmp_path / "t.jsonl"
+    assert main(["generate", "claude-code", "--agents", "2", "--seed", "2", "-o", str(src)]) == 0
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(gzip.compress(src.read_bytes()))))
+    reqs, bs, name = load_requests(FidelitySettings(trace="-", sessions=2))
+    assert name == "-" and len(reqs) > 0 and bs == 64
