@@ -7,7 +7,8 @@ the identity allowed to publish there, while a client sends requests. Prints
 per subject what was sent, refused by the server, dropped as counted by every
 subscriber next to the drops expected by decoding and validating each payload
 locally, handler errors; the workers' kv.counts counters (they read kv.counts
-under the default ``--eviction branch-count`` only); then crashes (0 = every process alive), requests
+under the default ``--eviction branch-count`` only) and the hostile replies to
+their kv.countsync requests (``--countsync-s``); then crashes (0 = every process alive), requests
 served during and after, resync requests, RSS before/after.
 
 Auth cost (``--auth-cost S``): the same cluster twice, open NATS and no API
@@ -115,6 +116,11 @@ def render(rep: dict, per_subject: int) -> str:
         "- workers' kv.counts handling (host eviction " + rep.get("eviction", "?") + "): "
         + ("; ".join(f"{i} " + (", ".join(f"{k} {v:,}" for k, v in c.items()) or "none") for i, c in rep["worker_counts"].items())),
         "- directory kv.countsync: " + (", ".join(f"{k} {v:,}" for k, v in rep["directory_countsync"].items()) or "none"),
+        *([f"- hostile kv.countsync replies (directory stopped {cs['wall_s']:.0f} s): sent "
+           + ", ".join(f"{n} {v:,}" for n, v in cs["replies"].items()) + "; dropped as counted (expected): "
+           + ", ".join(f"{i} {rep['worker_counts'][i].get('dropped_reply.kv.countsync.{node}', 0):,} ({v:,})"
+                       for i, v in sorted(cs["expected_drops"].items()))]
+          if (cs := rep.get("countsync_replies")) else []),
         f"- RSS MiB before→after: {rss}",
         f"- service log lines (whole run, level warning): {sum(rep['log_lines'].values()):,} "
         f"({', '.join(f'{k} {v:,}' for k, v in rep['log_lines'].items())})",
@@ -130,13 +136,15 @@ async def main() -> int:
     ap.add_argument("--auth-cost", type=float, default=0.0, help="seconds per auth on/off run (0 = skip)")
     ap.add_argument("--eviction", default="branch-count", choices=("branch-count", "lru"),
                     help="workers' host eviction (default branch-count, the evolving set's: lru workers read no kv.counts)")
+    ap.add_argument("--countsync-s", type=float, default=30.0,
+                    help="wall seconds of hostile kv.countsync replies to the workers after the flood (0 = skip; default 30)")
     ap.add_argument("--skip-fuzz", action="store_true")
     ap.add_argument("--json", default="", help="write the raw report here")
     args = ap.parse_args()
     result: dict = {}
     if not args.skip_fuzz:
         rep = await run(args.per_subject, log_dir=tempfile.mkdtemp(prefix="ei-fuzz-"), rate=args.rate, max_huge=args.max_huge,
-                        progress=_progress, eviction=args.eviction)
+                        progress=_progress, eviction=args.eviction, countsync_s=args.countsync_s)
         result["fuzz"] = rep
         print(render(rep, args.per_subject))
     if args.auth_cost > 0:

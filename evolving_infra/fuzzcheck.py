@@ -14,6 +14,9 @@ set's, ``evolving_infra.sim.policies``): only then does a worker subscribe to
 (``services/worker/service.py``), so only then does the flood reach that code.
 ``report["worker_counts"]`` holds each worker's count-related counter deltas,
 ``report["directory_countsync"]`` the directory's ``countsync.*`` ones (snapshots served).
+After the flood, the workers' own ``kv.countsync`` requests get hostile replies for a few
+seconds (the directory stopped meanwhile; ``report["countsync_replies"]``: replies sent and
+the drops each worker's bus must count, ``dropped_reply.kv.countsync.{node}``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import httpx
 
 from evolving_infra.cluster import ClusterSpec, LocalCluster
-from evolving_infra.hostile import SUBSCRIBERS, flood
+from evolving_infra.hostile import SUBSCRIBERS, flood, flood_count_sync_replies
 from shared import messages as m
 from shared.bus import Bus
 from shared.subjects import SVC_STATS, Subjects
@@ -63,11 +66,14 @@ counts) and the worker's ``kv.countsync`` requests."""
 
 
 async def run(count: int, *, log_dir: str, seed: int = 18, rate: float = 20_000.0, big: int = 300_000, max_huge: int = 16,
-              progress: Any = None, eviction: str = "branch-count") -> dict[str, Any]:
+              progress: Any = None, eviction: str = "branch-count", countsync_s: float = 6.0) -> dict[str, Any]:
     """Flood ``count`` payloads per subject; see the module docstring for the report.
 
     ``eviction``: the workers' ``--host-eviction`` (``lru`` workers read no ``kv.counts``:
     the flood's drop accounting leaves them out of that subject's subscribers).
+    ``countsync_s``: wall seconds of the hostile ``kv.countsync`` reply phase after the flood
+    (``evolving_infra.hostile.flood_count_sync_replies``, at most ``count`` replies per node;
+    ``report["countsync_replies"]``); 0 or ``lru``: none.
     """
     spec = ClusterSpec(nodes=2, split="1P1D", profile="tiny", speedup=5.0, port=0, block_size=4, log_dir=log_dir, ready_timeout_s=120.0,
                        log_level="warning", eviction=eviction)
@@ -88,6 +94,9 @@ async def run(count: int, *, log_dir: str, seed: int = 18, rate: float = 20_000.
             before = await _counters(cluster, admin)
             t0 = time.monotonic()
             rep = await flood(cluster, count, seed=seed, rate=rate, big=big, max_huge=max_huge, request=request, progress=progress)
+            if countsync_s > 0 and eviction == "branch-count":
+                rep["countsync_replies"] = await flood_count_sync_replies(cluster, count, seed=seed + 1, big=big, max_huge=max_huge,
+                                                                          duration_s=countsync_s)  # fmt: skip
             # let the services drain their queues: counters stop moving
             def settled(c: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
                 return {i: {k: v for k, v in d.items() if k.startswith(("dropped.", "invalid.", "handler_errors."))} for i, d in c.items()}
@@ -100,7 +109,7 @@ async def run(count: int, *, log_dir: str, seed: int = 18, rate: float = 20_000.
                     break
                 last = settled(after)
                 await asyncio.sleep(1.0)
-            rep["drain_s"] = time.monotonic() - t0 - rep["wall_s"]
+            rep["drain_s"] = time.monotonic() - t0 - rep["wall_s"] - rep.get("countsync_replies", {}).get("wall_s", 0.0)
             rep["rss_before"] = rss_before
             rep["rss_after"] = {k: rss_bytes(p) for k, p in pids.items()}
             cluster.check_alive()

@@ -141,6 +141,16 @@ def samples(nodes: tuple[str, ...] = ("w0", "w1")) -> dict[str, tuple[dict[str, 
     return out
 
 
+def count_snapshot_sample(node: str) -> m.CountSnapshot:
+    """A well-formed ``kv.countsync.<node>`` reply (what an honest directory answers a worker's
+    first ``CountSyncRequest``): the whole snapshot in one piece, of epoch :data:`COUNTSYNC_EPOCH`
+    (the epoch :func:`flood_count_sync_replies` announces to the workers)."""
+    return m.CountSnapshot(node=node, epoch=COUNTSYNC_EPOCH, seq=1, snapshot="fz-snap", offset=0, total=2, hashes=[1, 2], counts=[1, 1])
+
+
+COUNTSYNC_EPOCH = "fz-countsync"
+"""The directory epoch the reply flood's ``kv.counts`` triggers and well-formed replies carry."""
+
 _BAD_FLOATS = (math.nan, math.inf, -math.inf, 1e300, -1e300)
 _BAD_INTS = (2**62, 10**15, 2**53 + 1, 2**31)
 _NEG_INTS = (-1, -(2**62))
@@ -200,6 +210,11 @@ def hostile_variants(template: str, params: dict[str, str], msg: msgspec.Struct,
         out.append((params, msgspec.structs.replace(msg, epoch=f"fz-forged-{rng.randrange(10**9)}", seq=10**12)))  # forged restart
         n = min(big, MAX_KV_BATCH_HASHES)  # the largest batch the edge lets through, every block counted
         out.append((params, msgspec.structs.replace(msg, hashes=list(range(n)), counts=[1] * n)))
+    if isinstance(msg, m.CountSnapshot):  # a kv.countsync reply: the worker's own checks past the edge
+        out.append((params, msgspec.structs.replace(msg, total=2**31)))  # past what a worker fetches (2^30): the sync ends
+        out.append((params, msgspec.structs.replace(msg, total=10**6, hashes=[1], counts=[1])))  # first of many pieces: it asks the next
+        out.append((params, msgspec.structs.replace(msg, error="snapshot expired")))
+        out.append((params, msgspec.structs.replace(msg, offset=1, total=3)))  # not a first piece
     if isinstance(msg, m.SplitCommand):
         out.append((params, msgspec.structs.replace(msg, epoch=10**15, phases={k: "decode" for k in msg.phases})))
         out.append((params, msgspec.structs.replace(msg, epoch=10**15)))
@@ -439,3 +454,122 @@ async def flood(cluster: Any, count: int, *, seed: int = 18, rate: float = 20_00
         for b in buses.values():
             await b.close()
     return report
+
+
+async def flood_count_sync_replies(cluster: Any, count: int, *, seed: int = 19, big: int = 300_000, max_huge: int = 16,
+                                   duration_s: float = 6.0, tick_s: float = 1.0) -> dict[str, Any]:
+    """Answer the workers' ``kv.countsync.<node>`` requests with hostile ``CountSnapshot`` replies.
+
+    A reply goes to the requester alone, so the subject flood (:func:`flood`) cannot reach a
+    worker's count-sync client. Here the directory process is stopped (SIGSTOP; SIGCONT at the end,
+    whatever happens), a bus with the ``kvdirectory`` identity answers every request on
+    ``kv.countsync.*`` with the next payload (around :func:`count_snapshot_sample` of the
+    requesting node: the hostile variants that pass the edge, one in two while they last, between
+    the four kinds of :func:`payloads`), and every ``tick_s`` it publishes on
+    ``kv.counts.<node>`` a message of epoch :data:`COUNTSYNC_EPOCH` whose ``seq`` skips one (a gap:
+    a worker that is not syncing starts a sync; a new epoch when a node asked nothing since the
+    last tick, e.g. after a too-large snapshot ended its sync for the epoch). While the directory is
+    stopped every reply a worker gets is one of these, so its bus must count exactly the
+    undecodable and invalid ones (``dropped_reply.kv.countsync.{node}``; the directory's own
+    replies are valid); the valid-shaped ones reach the worker's sync (``counts.sync.*``).
+
+    A worker asks at most once per ``--count-sync-min-interval-s`` (1 s) and backs off after a
+    failed sync (up to ``--count-sync-backoff-max-s``, 5 s), except for the next piece of a
+    snapshot, so ``count`` replies per node are a cap, ``duration_s`` (wall seconds) the limit.
+
+    Args:
+        cluster: a started ``LocalCluster`` with nodes w0, w1 whose workers run ``branch-count``
+            host eviction (others read no ``kv.counts`` and never sync).
+        count: replies per node at most.
+        seed / big / max_huge: see :func:`payloads`.
+        duration_s: wall seconds of the phase.
+        tick_s: wall seconds between two ``kv.counts`` triggers of a node.
+
+    Returns:
+        ``{"replies": {node: sent}, "kinds": {kind: sent}, "expected_drops": {"worker-<node>": n},
+        "triggers": n, "wall_s": s}``.
+    """
+    import asyncio
+    import os
+    import signal
+    import time
+
+    from shared.bus import Bus, decoder_for
+    from shared.subjects import Subjects
+    from shared.validate import check
+
+    rng = random.Random(seed)
+    subj = Subjects(cluster.spec.partition)
+    nodes = sorted(cluster.spec.node_ids())
+    def replies(i: int, node: str) -> Iterator[tuple[str, dict[str, str], bytes]]:
+        # the worker asks about once a second: the variants that pass the edge (they reach the
+        # worker's own rules) alternate with the rotation of payloads(), each node starting at
+        # another variant so that the nodes together reach more of them in a short run
+        params, sample = {"node": node}, count_snapshot_sample(node)
+        passing = [m.encode(v) for _, v in hostile_variants(KV_COUNT_SYNC.template, params, sample, rng, big=big) if check(v) is None]
+        passing = passing[i * len(passing) // len(nodes):] + passing[: i * len(passing) // len(nodes)]
+        rotation = payloads(KV_COUNT_SYNC, params, sample, rng, count, big=big, max_huge=max_huge)
+        for k in range(count):
+            if k % 2 == 0 and k // 2 < len(passing):
+                yield "hostile", params, passing[k // 2]
+            else:
+                nxt = next(rotation, None)
+                if nxt is None:
+                    return
+                yield nxt
+
+    gens = {n: replies(i, n) for i, n in enumerate(nodes)}
+    rep: dict[str, Any] = {"replies": {n: 0 for n in nodes}, "kinds": {k: 0 for k in KINDS}, "expected_drops": {}, "triggers": 0}
+    asked = {n: 0 for n in nodes}
+    decoder = decoder_for(KV_COUNT_SYNC.reply_type)
+    bus = await Bus.connect(cluster.nats_url, subj, service="kvdirectory", instance="fuzz-countsync", auth=cluster.client_auth("kvdirectory"))
+    directory = cluster.pids()["kvdirectory"]
+
+    async def answer(raw: Any) -> None:
+        node = raw.subject.rsplit(".", 1)[-1]
+        if not raw.reply or node not in gens:
+            return
+        asked[node] += 1
+        nxt = next(gens[node], None)
+        if nxt is None:
+            return  # the cap: the request times out (counted by the worker as request_failed)
+        kind, _p, data = nxt
+        try:
+            bad = check(decoder.decode(data), None, None) is not None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            bad = True
+        if bad:
+            key = f"worker-{node}"
+            rep["expected_drops"][key] = rep["expected_drops"].get(key, 0) + 1
+        rep["replies"][node] += 1
+        rep["kinds"][kind] += 1
+        await bus.nc.publish(raw.reply, data)
+
+    t0 = time.monotonic()
+    os.kill(directory, signal.SIGSTOP)
+    try:
+        sub = await bus.nc.subscribe(subj.prefix + KV_COUNT_SYNC.template.format(node="*"), cb=answer)
+        await bus.nc.flush(timeout=10)
+        epoch = {n: 1 for n in nodes}
+        seq = {n: 1 for n in nodes}
+        seen = {n: -1 for n in nodes}
+        while time.monotonic() - t0 < duration_s and any(r < count for r in rep["replies"].values()):
+            for n in nodes:
+                if asked[n] == seen[n]:  # nothing asked since the last tick: a new epoch (a gap there)
+                    epoch[n] += 1
+                    seq[n] = 1
+                seen[n] = asked[n]
+                seq[n] += 2
+                ep = COUNTSYNC_EPOCH if epoch[n] == 1 else f"{COUNTSYNC_EPOCH}-{epoch[n]}"
+                await bus.publish_raw(subj.prefix + KV_COUNTS.template.format(node=n), m.encode(m.CountUpdates(node=n, seq=seq[n], epoch=ep)))
+                rep["triggers"] += 1
+            await bus.nc.flush(timeout=10)
+            await asyncio.sleep(tick_s)
+        await sub.unsubscribe()
+        await bus.nc.flush(timeout=10)
+        await asyncio.sleep(0.2)  # answers being written finish before the directory resumes
+    finally:
+        os.kill(directory, signal.SIGCONT)
+        await bus.close()
+    rep["wall_s"] = time.monotonic() - t0
+    return rep

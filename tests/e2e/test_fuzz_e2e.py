@@ -4,7 +4,8 @@ For each subject, random bytes, truncated and mutated valid messages and
 valid-shaped hostile values (NaN, 1e300, negative, huge lists, invented
 nodes, sequence jumps, forged splits and chunks, count beacons and directory
 epochs; the workers run branch-count host eviction, so they read kv.counts) are published by the identity
-that may publish there, while a client keeps sending normal requests. Every
+that may publish there, while a client keeps sending normal requests; then the
+workers' own kv.countsync requests get hostile replies. Every
 service stays alive and serving, every bad payload a service received is
 counted as dropped (exactly: the test decodes and validates each payload
 itself), no resync storm, memory bounded. ``bench/fuzz_bench.py`` runs the same
@@ -36,6 +37,12 @@ async def test_fuzz_every_subject_live(tmp_path):
     assert w0.get("dropped.kv.counts.{node}", 0) == counts["expected_drops"]["worker-w0"], w0
     assert w0.get("received.kv.counts.{node}", 0) > 0 and w0.get("counts.sync.started", 0) >= 1, w0
     assert w0.get("counts.sync.pieces", 0) >= 1 and rep["directory_countsync"].get("countsync.pieces", 0) >= 1, rep["directory_countsync"]
+    # the workers' own kv.countsync requests got hostile CountSnapshot replies (directory stopped
+    # meanwhile): every undecodable or invalid one counted as a dropped reply, exactly
+    cs = rep["countsync_replies"]
+    assert all(cs["replies"].values()) and sum(cs["expected_drops"].values()) > 0, cs
+    for inst, c in rep["worker_counts"].items():
+        assert c.get("dropped_reply.kv.countsync.{node}", 0) == cs["expected_drops"].get(inst, 0), (inst, c, cs)
     # one forged sequence jump per kind of payload at most one resync per node per second
     assert rep["resync_requests"] <= 2 * (rep["wall_s"] + rep["drain_s"] + 1), rep["resync_requests"]
     # logs survive the flood: the first few drops per subject and 10 s, then one summary line

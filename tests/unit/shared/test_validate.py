@@ -9,11 +9,11 @@ import typing
 import msgspec
 import pytest
 
-from evolving_infra.hostile import hostile_variants, payloads, samples
+from evolving_infra.hostile import count_snapshot_sample, hostile_variants, payloads, samples
 from shared import messages as m
 from shared.bus import decoder_for
 from shared.ratelog import RateLimitedLog
-from shared.subjects import ALL, KV_EVENTS, REQ_OUT, Subjects
+from shared.subjects import ALL, KV_COUNT_SYNC, KV_COUNTS, KV_EVENTS, REQ_OUT, Subjects
 from shared.validate import CHECKERS, MAX_EPOCH_STEP, check, epoch_step_ok, split_problem, subject_params
 
 
@@ -153,6 +153,22 @@ def test_a_count_snapshot_past_2_23_entries_passes_the_edge():
     assert check(m.CountSnapshot(node="w0", total=2**40)) is None  # past what a worker fetches: it refuses it itself
     assert "total" in check(m.CountSnapshot(node="w0", total=2**53 + 1))  # not an exact float: malformed
     assert "offset" in check(m.CountSyncRequest(node="w0", snapshot="s1", offset=2**53 + 1))
+
+
+def test_count_sync_hostile_inputs_reach_the_worker_past_the_edge():
+    """The kv.counts / kv.countsync variants meant for the worker's own rules (seq jump, beacon,
+    forged epoch, a snapshot too large to fetch, a first piece of many, an error, a later piece)
+    must pass the edge: refused there, they would never reach ``CountStream`` / ``_fetch_counts``."""
+    rng = random.Random(4)
+    params, msg = samples()[KV_COUNTS.template]
+    ok = [v for p, v in hostile_variants(KV_COUNTS.template, params, msg, rng, big=300_000) if check(v, p) is None]
+    assert any(v.beacon and v.seq == 10**12 for v in ok) and any(v.epoch.startswith("fz-forged") for v in ok)
+    assert any(len(v.hashes) == 2**18 for v in ok) and any(v.seq == 10**12 and not v.beacon and v.epoch == msg.epoch for v in ok)
+    snap = count_snapshot_sample("w1")
+    assert snap.node == "w1" and check(snap) is None
+    assert check(decoder_for(KV_COUNT_SYNC.reply_type).decode(m.encode(snap))) is None
+    ok = [v for _, v in hostile_variants(KV_COUNT_SYNC.template, {"node": "w1"}, snap, rng, big=300_000) if check(v) is None]
+    assert {2**31, 10**6} <= {v.total for v in ok} and any(v.error for v in ok) and any(v.offset == 1 for v in ok)
 
 
 def test_payload_rotation_and_huge_cap():
