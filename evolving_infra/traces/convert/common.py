@@ -209,8 +209,10 @@ def write_conversion(conv: Conversion, out: str | os.PathLike[str] | IO[bytes]) 
     counts are collected, then header + requests are written; the bytes are the
     same as :func:`evolving_infra.traces.io.write_trace` would give. ``out`` may also be an
     open binary stream (``trace convert -o -``: stdout), written uncompressed; the spool is
-    then in the system's temporary folder. A conversion that fails (``--strict``) leaves
-    nothing new on disk: no spool, no ``.tmp``, none of the folders made for ``out``.
+    then in the system's temporary folder. The spool has no name (``tempfile.TemporaryFile``),
+    so nothing of it outlives the process however it ends (SIGTERM, SIGKILL: a named spool
+    stayed, a copy of the whole trace). A conversion that fails (``--strict``) leaves nothing
+    new on disk: no spool, no ``.tmp``, none of the folders made for ``out``.
 
     Returns:
         (header, number of requests).
@@ -220,42 +222,33 @@ def write_conversion(conv: Conversion, out: str | os.PathLike[str] | IO[bytes]) 
     made = [] if stream else make_folders(outp.parent)
     n = 0
     tmp = outp.with_name(outp.name + ".tmp")
-    body_path: Path | None = None
     try:
         spool_dir = None if stream else outp.parent
-        with tempfile.NamedTemporaryFile("wb", dir=spool_dir, prefix=outp.name + ".", suffix=".body", delete=False) as body:
-            body_path = Path(body.name)
+        with tempfile.TemporaryFile(dir=spool_dir, prefix=outp.name + ".", suffix=".body") as body:
             for r in conv.requests():
                 body.write(encode_line(r))
                 body.write(b"\n")
                 n += 1
-        header = conv.header
-        if stream:
-            f: IO[bytes] = out  # type: ignore[assignment]
-            f.write(encode_line(header) + b"\n")
-            with open(body_path, "rb") as src:
-                shutil.copyfileobj(src, f, 1 << 20)
-            f.flush()
-            return header, n
-        with open(tmp, "wb") as raw:
-            if outp.name.endswith(".gz"):
-                with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
-                    gz.write(encode_line(header) + b"\n")
-                    with open(body_path, "rb") as src:
-                        shutil.copyfileobj(src, gz, 1 << 20)
-            else:
-                raw.write(encode_line(header) + b"\n")
-                with open(body_path, "rb") as src:
-                    shutil.copyfileobj(src, raw, 1 << 20)
-        os.replace(tmp, outp)
-    except BaseException:
+            header = conv.header
+            body.seek(0)
+            if stream:
+                f: IO[bytes] = out  # type: ignore[assignment]
+                f.write(encode_line(header) + b"\n")
+                shutil.copyfileobj(body, f, 1 << 20)
+                f.flush()
+                return header, n
+            with open(tmp, "wb") as raw:
+                if outp.name.endswith(".gz"):
+                    with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
+                        gz.write(encode_line(header) + b"\n")
+                        shutil.copyfileobj(body, gz, 1 << 20)
+                else:
+                    raw.write(encode_line(header) + b"\n")
+                    shutil.copyfileobj(body, raw, 1 << 20)
+            os.replace(tmp, outp)
+    except BaseException:  # the spool is gone already (closed)
         if not stream:
             tmp.unlink(missing_ok=True)
-        if body_path is not None:  # before the folders that hold it
-            body_path.unlink(missing_ok=True)
         remove_folders(made)
         raise
-    finally:
-        if body_path is not None:
-            body_path.unlink(missing_ok=True)
     return header, n

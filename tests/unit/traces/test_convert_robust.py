@@ -105,3 +105,44 @@ def test_mini_swe_agent_repeated_task_ids_get_unique_ids(tmp_path):
     assert len({r.agent for r in t.requests}) == 4
     assert header.meta["counts"]["agents_renamed_duplicate_task_id"] == 2
     assert sorted(a for a in {r.agent for r in t.requests} if "#" in a) == sorted(a + "#2" for a in {r.agent for r in t.requests} if "#" not in a)
+
+
+def test_the_conversion_spool_has_no_name(tmp_path, monkeypatch):
+    """``write_conversion`` spools the requests before the header: the spool has no name in the
+    output's folder nor (``-o -``) in $TMPDIR while it is written, so a conversion ended by
+    SIGTERM or SIGKILL leaves no copy of the trace behind; the bytes are as before."""
+    import io
+    import os
+    import tempfile
+
+    from evolving_infra.traces.convert import convert
+    from evolving_infra.traces.convert.common import Conversion, write_conversion
+
+    mc = tmp_path / "mc.jsonl"
+    mc.write_text("".join(json.dumps({"timestamp": i, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2 + i]}) + "\n"
+                          for i in range(3)))
+    out_dir, tmpd = tmp_path / "out", tmp_path / "tmp"
+    out_dir.mkdir()
+    tmpd.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpd))
+    seen: list[list[str]] = []
+
+    def spied() -> Conversion:
+        real = convert("mooncake", [mc])
+
+        def requests():  # type: ignore[no-untyped-def]
+            for i, r in enumerate(real.requests()):
+                if i == 2:  # two requests spooled
+                    seen.append(sorted(set(os.listdir(out_dir)) - {"o.jsonl"}) + sorted(os.listdir(tmpd)))
+                yield r
+
+        return Conversion(requests(), lambda: real.header)
+
+    write_conversion(spied(), out_dir / "o.jsonl")
+    buf = io.BytesIO()
+    write_conversion(spied(), buf)
+    assert seen == [[], []]
+    assert sorted(os.listdir(out_dir)) == ["o.jsonl"] and os.listdir(tmpd) == []
+    assert buf.getvalue() == (out_dir / "o.jsonl").read_bytes()
+    convert_to_file("mooncake", [mc], tmp_path / "ref.jsonl")
+    assert buf.getvalue() == (tmp_path / "ref.jsonl").read_bytes()
