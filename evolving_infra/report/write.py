@@ -115,7 +115,8 @@ def write_report(
 ) -> Path:
     """Write ``report.json``, ``requests.jsonl`` and (``plots=True``) the PNGs and ``report.html``.
 
-    ``report.json`` and ``requests.jsonl`` are each replaced atomically (records first).
+    ``report.json`` and ``requests.jsonl`` are each replaced atomically (records first); a
+    write that fails (disk full) removes its ``.tmp`` files and raises.
 
     The JSON and the records are written first; a plotting failure is printed to
     stderr and does not lose them (``evolving-infra report show DIR`` redraws).
@@ -129,11 +130,16 @@ def write_report(
     # atomically (a temp file renamed over the old one): a run killed while writing never
     # leaves half a report, nor the previous run's report under this run's name
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
     rec_tmp = out_dir / (REQUESTS_JSONL + ".tmp")
-    write_records(rec_tmp, records)
-    os.replace(rec_tmp, out_dir / REQUESTS_JSONL)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+        write_records(rec_tmp, records)
+        os.replace(rec_tmp, out_dir / REQUESTS_JSONL)
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C: no half-written .tmp left
+        tmp.unlink(missing_ok=True)
+        rec_tmp.unlink(missing_ok=True)
+        raise
     if plots:
         try:
             render_run(out_dir, report, records)

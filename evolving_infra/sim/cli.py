@@ -268,7 +268,7 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     from evolving_infra.sim.config import SimConfigError
     from evolving_infra.sim.planners import ComponentMissing
     from evolving_infra.sim.run import simulate, write_decisions
-    from evolving_infra.traces.io import output_error
+    from evolving_infra.traces.io import make_folders, output_error, remove_folders
 
     t0 = time.monotonic()
     try:
@@ -291,13 +291,25 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
         except (SimConfigError, ComponentMissing, ReplayError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except OSError as e:  # an item's report could not be written (disk full, ...)
+            print(f"error: {out}: cannot write: {e}", file=sys.stderr)
+            return 2
     try:
         res = simulate(cfg, requests, bs, meta=prov, setup_wall_s=setup, progress=True)
     except (SimConfigError, ComponentMissing, ReplayError) as e:  # a component's bad option (--planner-opt ...) names itself
         print(f"error: {e}", file=sys.stderr)
         return 2
-    path = write_report(out, res.report, res.records, plots=not args.no_plots)
-    write_decisions(out, res.stats.planner_decisions)
+    made: list[Path] = []
+    try:  # the folders are made now, for the report; taken back if it cannot be written
+        made = make_folders(out)
+        path = write_report(out, res.report, res.records, plots=not args.no_plots)
+        write_decisions(out, res.stats.planner_decisions)
+    except BaseException as e:
+        remove_folders(made)
+        if not isinstance(e, OSError):
+            raise
+        print(f"error: {out}: cannot write: {e}", file=sys.stderr)
+        return 2
     print_summary(res.report)
     r = res.report
     print(

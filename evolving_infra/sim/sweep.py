@@ -94,11 +94,17 @@ def _simulate_item(
 ) -> dict[str, Any]:
     from evolving_infra.report.write import write_report
     from evolving_infra.sim.run import simulate, write_decisions
+    from evolving_infra.traces.io import make_folders, remove_folders
 
     res = simulate(cfg, requests, bs, meta=dict(meta, sweep_label=label))
     d = out / safe_dir(label)
-    write_report(d, res.report, res.records, plots=plots)
-    write_decisions(d, res.stats.planner_decisions)
+    made = make_folders(d)
+    try:
+        write_report(d, res.report, res.records, plots=plots)
+        write_decisions(d, res.stats.planner_decisions)
+    except BaseException:  # a report that cannot be written (disk full): its empty folder goes too
+        remove_folders(made)
+        raise
     row = {k: res.report.get(k) for k in SUMMARY_KEYS}
     row.update(label=label, dir=str(d))
     return row

@@ -39,3 +39,28 @@ def test_a_run_that_fails_leaves_no_output_folder(tmp_path: Path, monkeypatch, c
     assert main(["simulate", *extra, "--duration", "5", "--no-plots", "--out", str(out)]) == 2
     assert capsys.readouterr().err.startswith("error: ")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra", [[], ["--sweep", "policies", "dynamo,evolving"]], ids=["run", "sweep"])
+def test_a_report_that_cannot_be_written_is_an_error_line_and_leaves_nothing(
+    tmp_path: Path, monkeypatch, capsys, extra: list[str]
+) -> None:
+    """The disk fills while the report is written (under a nested ``--out`` that did not exist):
+    one ``error: OUT: cannot write: ...`` line and status 2, not a traceback; no ``.tmp`` file
+    nor any folder made for the report stays."""
+    import errno
+
+    import evolving_infra.report.write as report_write
+
+    def disk_full(path, records):  # type: ignore[no-untyped-def]
+        Path(path).write_text("half a record")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(report_write, "write_records", disk_full)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "new" / "deeper" / "run"
+    argv = ["simulate", "--trace", str(SAMPLE), "--duration", "5", "--no-plots", "--out", str(out), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot write: [Errno 28] No space left on device" in err and err.startswith("error: ") and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
