@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["READER_GONE", "STDIO", "folder", "not_stdin", "reader_gone", "shown", "stdin_file", "write_stdout"]
+__all__ = ["READER_GONE", "STDIO", "STDOUT_CLOSED", "folder", "not_stdin", "reader_gone", "shown", "stdin_file", "write_stdout"]
 
 STDIO = "-"
 """The path that names stdin (an input) or stdout (an output)."""
@@ -134,13 +134,20 @@ def shown(text: str) -> str:
     return text.replace(_spooled[0][1], STDIO) if _spooled else text
 
 
+STDOUT_CLOSED = "stdout is closed; run without >&- or give a file name"
+"""Why ``-`` cannot be written when the process started with fd 1 closed (``sys.stdout`` is None)."""
+
+
 def write_stdout(write: Callable[[IO[bytes]], object]) -> object:
     """``write(sys.stdout.buffer)``, flushed.
 
     Raises:
         BrokenPipeError: the reader went away (``| head``); ``evolving_infra.cli.main`` ends the
             command quietly then (:func:`reader_gone`).
+        OSError: the process was started with stdout closed (``>&-``).
     """
+    if sys.stdout is None:
+        raise OSError(STDOUT_CLOSED)
     out = sys.stdout.buffer
     sys.stdout.flush()
     result = write(out)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from evolving_infra.stdio_args import STDIO, not_stdin, shown, stdin_file, write_stdout
+from evolving_infra.stdio_args import STDIO, STDOUT_CLOSED, not_stdin, shown, stdin_file, write_stdout
 
 __all__ = ["register"]
 
@@ -175,10 +175,14 @@ def _read(read: Callable[[str], Any], path: str) -> Any:
 
 def _bad_output(path: str, inputs: Sequence[str] = ()) -> bool:
     """True once the reason ``path`` cannot be written is printed (checked before reading anything);
-    ``-`` (stdout) can always be written, and an input ``-`` (stdin) is no file it could replace."""
+    ``-`` (stdout) can be written unless the command was started with it closed (``>&-``), and an
+    input ``-`` (stdin) is no file it could replace."""
     from evolving_infra.traces.io import output_error
 
     if path == STDIO:
+        if sys.stdout is None:
+            print(f"error: -: cannot write: {STDOUT_CLOSED}", file=sys.stderr)
+            return True
         return False
     why = output_error(path, inputs=[i for i in inputs if i != STDIO])
     if why:

@@ -362,3 +362,18 @@ def test_demo_and_fidelity_name_a_bad_trace_in_one_line(
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(gzip.compress(src.read_bytes()))))
     reqs, bs, name = load_requests(FidelitySettings(trace="-", sessions=2))
     assert name == "-" and len(reqs) > 0 and bs == 64
+
+
+def test_dash_output_with_stdout_closed_is_named_before_the_work(tmp_path: Path) -> None:
+    """``-o -`` run with stdout closed (``>&-``): ``error: -: cannot write: stdout is closed`` and
+    status 2 before anything is read or generated, not an AttributeError traceback."""
+    import os
+    import subprocess
+
+    src = tmp_path / "t.jsonl"
+    assert main(["generate", "claude-code", "--agents", "2", "--seed", "2", "-o", str(src)]) == 0
+    for args in (["trace", "generate", "claude-code", "--agents", "2", "-o", "-"], ["trace", "sample", str(src), "-o", "-"],
+                 ["trace", "pack", str(src), "-"]):
+        p = _proc(args, tmp_path, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1))
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 2 and err.decode().startswith("error: -: cannot write: stdout is closed"), (args, err)
