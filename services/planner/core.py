@@ -112,7 +112,8 @@ class PlannerCore:
             (``static``, ``dynamo``, ``arrow``): :meth:`take_models` returns its refits.
         adopt_until: when given (simulated s), the core starts *adopting*: until then, or
             until every node has reported a state and none is draining, it only observes
-            (no policy tick, no ``split.get`` answer, ``split set`` refused); then
+            (no policy tick, no ``split.get`` answer, ``split set`` refused: the service holds
+            both until the adoption has ended); then
             :meth:`tick` returns the split the nodes serve under the epoch they hold
             (:meth:`_take_cluster`), or — no node holds a split (a fresh cluster) — the
             configured ``split`` at epoch 1. None: the configured split is current at once.
@@ -168,11 +169,15 @@ class PlannerCore:
         self._late = False
         """A strict majority of the nodes reported epochs above the planner's: adopt at the next :meth:`tick`."""
         self._unsure: set[str] = set()
-        """Nodes adopted while draining (the phase they drain to is not in a state): their entry is the
-        phase they still served, replaced by the one they report once serving, until the next command."""
-        self._echo: SplitCommand | None = None
-        """The command a correction (:meth:`_refine`) replaced under the same epoch: its announcements
-        still on the bus come back as this planner's own, not as foreign commands."""
+        """Nodes whose adopted entry is a guess: adopted while draining (the phase they drain to is not in
+        a state: their entry is the phase they still served) or silent during the adoption (their entry is
+        the planner's ``--split`` phase, not necessarily the one they serve); each is replaced by the phase
+        the node reports once serving, until the next command."""
+        self._echo: list[SplitCommand] = []
+        """The last commands this core replaced (at most ``2N + 8``): their announcements still on the
+        bus come back as this planner's own, not as foreign commands — a correction (:meth:`_refine`)
+        under the same epoch, or a command that came right after another (a ``split set`` held
+        during the adoption, answered as it ends)."""
 
     @property
     def split(self) -> str:
@@ -204,7 +209,8 @@ class PlannerCore:
         strict majority of the nodes report epochs above it does the next :meth:`tick` adopt the
         cluster's split (:meth:`_take_cluster`): the planner's commands were ignored by those nodes
         (they refuse epochs at or below their own), e.g. its start-up grace ended before they were
-        back on the bus. A node adopted while draining gets the phase it reports once serving."""
+        back on the bus. A node adopted while draining, or silent during the adoption, gets the
+        phase it reports once serving (:meth:`_refine`)."""
         node = state.node
         if node not in self.records:
             self.states_unknown_node += 1
@@ -226,14 +232,21 @@ class PlannerCore:
         return True
 
     def _refine(self, node: str, phase: Phase) -> None:
-        """An adopted node that was draining now serves ``phase``: the adopted command (not yet
-        followed by one of this planner's) says so, under the same epoch, if still a valid split."""
+        """An adopted node that was draining, or did not report during the adoption, now serves
+        ``phase``: the adopted command (not yet followed by one of this planner's) says so, under
+        the same epoch, if still a valid split. The routers apply a command at their epoch (they
+        exclude a node whose reported phase differs from the split's), so the service announces
+        the corrected command at once."""
         if self.command.phases.get(node) == phase:
             return
         phases = {**self.command.phases, node: phase}
         if split_problem(phases, self.nodes) is None:
-            self._echo = self.command
-            self.command = msgspec.structs.replace(self.command, phases=phases)
+            self._replace(msgspec.structs.replace(self.command, phases=phases))
+
+    def _replace(self, cmd: SplitCommand) -> None:
+        """Make ``cmd`` the current command; the one it replaces is kept in ``_echo``. O(N)."""
+        self._echo = [*self._echo[-(2 * len(self.nodes) + 7) :], self.command]
+        self.command = cmd
 
     def on_token_chunk(self, chunk: TokenChunk, now: float) -> RequestDone | None:
         """Feed a token chunk; a finished request goes to the policy and is returned."""
@@ -356,19 +369,21 @@ class PlannerCore:
         """
         if cmd.epoch == self.command.epoch and dict(cmd.phases) == dict(self.command.phases):
             return None  # our own, echoed back
-        if self._echo is not None and cmd.epoch == self._echo.epoch and dict(cmd.phases) == dict(self._echo.phases):
-            return None  # our own before a correction (_refine), echoed back
+        if any(cmd.epoch == e.epoch and dict(cmd.phases) == dict(e.phases) for e in self._echo):
+            return None  # our own, replaced since (_replace), echoed back
         self.foreign_commands += 1
         if self.adopt_until is not None:
             return None  # nothing announced yet: the adoption reads the epoch the nodes hold
         if cmd.epoch < self.command.epoch or cmd.epoch - self.command.epoch > max_step:
             return None
         old = cmd.phases
-        self.command = SplitCommand(
-            epoch=cmd.epoch + 1,
-            phases=dict(self.command.phases),
-            reason=f"planner re-issued its split over a foreign command (epoch {cmd.epoch})",
-            decided_at=now,
+        self._replace(
+            SplitCommand(
+                epoch=cmd.epoch + 1,
+                phases=dict(self.command.phases),
+                reason=f"planner re-issued its split over a foreign command (epoch {cmd.epoch})",
+                decided_at=now,
+            )
         )
         for n, ph in self.command.phases.items():
             if old.get(n) != ph:
@@ -383,10 +398,12 @@ class PlannerCore:
         (epoch > 0) report at or above (their lower median), so a node alone cannot
         move it while others report; capped at ``MAX_EPOCH_STEP − 1`` above the lowest
         reported epoch, so the planner's next command is one every reporting node accepts
-        (``shared.validate.epoch_step_ok``). The phases: each node's reported phase (a
-        draining node's: the one it still serves — or ``both`` if that leaves no prefill or
-        no decode node — corrected once it serves its new one, :meth:`on_node_state`); a node
-        that did not report keeps the planner's entry.
+        (``shared.validate.epoch_step_ok``) — above 0 while a node has not reported (it may
+        hold no split: a node alone on the bus, e.g. one worker up before the others at a cold
+        start, cannot put the planner's epoch out of every other node's and router's reach). The
+        phases: each node's reported phase (a draining node's: the one it still serves — or
+        ``both`` if that leaves no prefill or no decode node); a node that did not report keeps
+        the planner's entry; both corrected once the node reports serving (:meth:`on_node_state`).
         Nothing changes on any node: the command carries the epoch they hold, which every
         node at that epoch ignores, and tells a node behind it (or ``split.get``) what
         the others serve. Only if those phases are no split (no prefill or no decode
@@ -399,7 +416,7 @@ class PlannerCore:
         held = sorted(e for e, _, _ in self.reports.values() if e > 0)
         if not held:
             return None
-        lowest = min(e for e, _, _ in self.reports.values())
+        lowest = min(e for e, _, _ in self.reports.values()) if len(self.reports) == len(self.nodes) else 0
         epoch = min(held[(len(held) - 1) // 2], lowest + MAX_EPOCH_STEP - 1)
         if not start and epoch <= self.command.epoch:
             return None
@@ -416,14 +433,14 @@ class PlannerCore:
         self.adoptions += 1
         if why is None:
             reason = f"adopted the split the nodes serve at epoch {epoch} ({len(self.reports)} of {len(self.nodes)} nodes reported)"
-            self.command = SplitCommand(epoch=epoch, phases=phases, reason=reason, decided_at=now)
-            self._unsure = set(draining)
+            self._replace(SplitCommand(epoch=epoch, phases=phases, reason=reason, decided_at=now))
+            self._unsure = set(draining) | {n for n in self.nodes if n not in self.reports}
             hook = getattr(self.policy, "on_adopted", None)
             if hook is not None:
                 hook(dict(phases), now)
         else:
             reason = f"the nodes' phases at epoch {epoch} are no split ({why}): the planner's split re-issued above it"
-            self.command = SplitCommand(epoch=epoch + 1, phases=before, reason=reason, decided_at=now)
+            self._replace(SplitCommand(epoch=epoch + 1, phases=before, reason=reason, decided_at=now))
             for n, ph in before.items():
                 if phases[n] != ph:
                     self.pending[n] = (self.command.epoch, now)
@@ -443,7 +460,7 @@ class PlannerCore:
 
     def _adopt(self, phases: dict[str, Phase], now: float, reason: str) -> SplitCommand:
         old = self.command.phases
-        self.command = SplitCommand(epoch=self.command.epoch + 1, phases=dict(phases), reason=reason, decided_at=now)
+        self._replace(SplitCommand(epoch=self.command.epoch + 1, phases=dict(phases), reason=reason, decided_at=now))
         for n, ph in phases.items():
             if old.get(n) != ph:
                 self.pending[n] = (self.command.epoch, now)

@@ -5,8 +5,8 @@ Contains zero decision logic (it lives in ``core.py`` and the policies). Inputs:
 ``split.applied``; request/reply: ``split.get``, ``split.set``. At start the planner reads
 the node states for up to ``adopt_grace_s`` (wall s) and adopts the split the nodes serve
 (``core.PlannerCore`` adoption: a restarted planner neither reverts an operator's split nor
-switches a node); meanwhile ``split.get`` is not answered (the asking worker or router
-retries) and ``split set`` is refused. Outputs:
+switches a node); a ``split.get`` or ``split set`` sent meanwhile is held and answered once
+the adoption has ended (a ``split set`` then goes above the adopted epoch). Outputs:
 ``split.commands`` (once the adoption ends, on every new epoch, and every
 ``announce_interval_s``), ``planner.decisions`` (every decision),
 ``planner.models`` (when the models change, and with each announcement; for a
@@ -80,6 +80,11 @@ class PlannerService:
         self.applied: dict[str, m.SplitApplied] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
+        self._adopted = asyncio.Event()
+        """Set once the start-up adoption has ended (at once without one): held ``split.get`` and
+        ``split set`` requests are answered then."""
+        if not self.core.adopting:
+            self._adopted.set()
         self.counters: dict[str, int] = {"split.set.ok": 0, "split.set.refused": 0, "decisions": 0, "models.published": 0}
         self.registry = make_registry(bus)
         """Prometheus registry served on ``--metrics-port`` (``services/planner/prom.py``)."""
@@ -159,7 +164,22 @@ class PlannerService:
         if cmd is not None:
             await self.bus.publish(SPLIT_COMMANDS, cmd)
             self.log.info("split announced", split=self.core.split, epoch=cmd.epoch, reason=cmd.reason)
+        if not self.core.adopting:
+            self._adopted.set()
         await self._flush()
+
+    async def _adoption_ended(self) -> bool:
+        """Wait (at most the grace left, + 1 wall s) until the start-up adoption has ended: a
+        ``split.get`` or ``split set`` sent meanwhile is answered once the planner knows the
+        split the nodes serve, instead of timing out at the asker (``evolving-infra split get``
+        asks once) or being refused. True when it has ended."""
+        if self.core.adopt_until is not None:
+            left = self.clock.to_wall(max(0.0, self.core.adopt_until - self.clock.now())) + 1.0
+            try:
+                await asyncio.wait_for(self._adopted.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                pass
+        return not self.core.adopting
 
     async def _flush(self) -> None:
         for d in self.core.take_decisions():
@@ -193,8 +213,15 @@ class PlannerService:
 
     async def _on_state(self, msg: m.NodeState, _subject: str) -> None:
         # a state's epoch only feeds the adoption (core.on_node_state); the tick loop adopts when it is due
+        before = self.core.command
         if self.core.on_node_state(msg, self.clock.now()) and self.core.adopt_due():
             self._wake.set()
+        if self.core.command is not before and not self.core.adopting:
+            # an adopted node's entry corrected under the same epoch (core._refine): the routers
+            # exclude the node while the split they hold names another phase, so say it now, not
+            # at the next announcement (announce_interval_s)
+            await self.bus.publish(SPLIT_COMMANDS, self.core.command)
+            self.log.info("split announced", split=self.core.split, epoch=self.core.command.epoch, reason="corrected: " + msg.node)
 
     async def _on_chunk(self, msg: m.TokenChunk, _subject: str) -> None:
         self.core.on_token_chunk(msg, self.clock.now())
@@ -217,12 +244,16 @@ class PlannerService:
             )
 
     async def _on_get(self, _req: m.SplitQuery, _subject: str) -> m.SplitCommand | None:
-        if self.core.adopting:  # no split known yet: no answer, the asker retries (Bus.request_until)
+        if self.core.adopting:  # no split known yet: answered once it is (an asker that gave up retries)
             self.counters["split.get.adopting"] = self.counters.get("split.get.adopting", 0) + 1
-            return None
+            if not await self._adoption_ended():
+                return None
         return self.core.command
 
     async def _on_set(self, req: m.SplitSetRequest, _subject: str) -> m.SplitSetReply:
+        if self.core.adopting:  # set above the epoch the nodes hold, once it is known (else refused: core)
+            self.counters["split.set.adopting"] = self.counters.get("split.set.adopting", 0) + 1
+            await self._adoption_ended()
         now = self.clock.now()
         try:
             cmd = self.core.set_split(req.split, now, reason=req.reason or "operator")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
@@ -86,7 +87,8 @@ class Client:
 @asynccontextmanager
 async def planner(url: str, **kw):
     kw.setdefault("adopt_grace_s", 0.0)  # no node here reports unless a test says so: announce at once
-    cfg = PlannerConfig(nats_url=url, nodes=NODES, split="2P2D", clock_origin=time.time(), announce_interval_s=0.5, **kw)
+    kw.setdefault("announce_interval_s", 0.5)
+    cfg = PlannerConfig(nats_url=url, nodes=NODES, split="2P2D", clock_origin=time.time(), **kw)
     stop = asyncio.Event()
     task = asyncio.create_task(serve_until_stopped("planner", cfg, PlannerService, instance="planner", stop_event=stop))
     probe = await Bus.connect(url, Subjects("p0"), service="probe", instance="probe")
@@ -183,29 +185,64 @@ async def test_token_streams_become_completed_requests(nats_url):
     await c.bus.close()
 
 
-async def test_a_started_planner_adopts_the_split_the_nodes_serve_and_answers_nothing_before(nats_url):
+async def test_a_started_planner_adopts_the_split_the_nodes_serve_and_answers_once_it_has(nats_url, capsys):
     """A planner (re)started in a running cluster (here: the operator's 3P1D at epoch 7) reads the
     node states before it announces: until it has (every node reported, or its grace ended) it
-    answers no ``split.get`` and refuses ``split set``; then it announces the nodes' split under
-    their epoch, nothing else, so no node switches. (Before: it announced 2P2D at epoch 1 at once,
-    then re-issued it above the first node state's epoch: the operator's split was reverted.)"""
+    holds ``split.get`` and ``split set``; then it announces the nodes' split under their epoch
+    (no node switches), answers the held get with it, and applies the held set above it.
+    (Before: it announced 2P2D at epoch 1 at once, then re-issued it above the first node
+    state's epoch: the operator's split was reverted. And, with the adoption first landed,
+    ``evolving-infra split get`` during the grace failed with "no planner answered" (exit 2) and
+    ``split set`` was refused (exit 1).)"""
     c = await Client.connect(nats_url)
     async with planner(nats_url, adopt_grace_s=20.0):
         with pytest.raises(BusError):
-            await c.bus.request(SPLIT_GET, m.SplitQuery(), timeout=0.5)
-        refused = await c.bus.request(SPLIT_SET, m.SplitSetRequest(split="1P3D"))
-        assert not refused.ok and "starting" in refused.error
+            await c.bus.request(SPLIT_GET, m.SplitQuery(), timeout=0.5)  # nothing known yet
+        ns = dict(nats_url=nats_url, partition="p0", timeout=10.0, json=True, nats_creds="")
+        get = asyncio.create_task(split_cli._run(argparse.Namespace(split_command="get", **ns)))
+        await asyncio.sleep(0.3)
+        put = asyncio.create_task(split_cli._run(argparse.Namespace(split_command="set", split="1P3D", reason="operator", **ns)))
+        await asyncio.sleep(0.5)
+        assert not get.done() and not put.done() and not c.commands
         for n, ph in zip(NODES, ["prefill", "prefill", "prefill", "decode"]):
             await c.bus.publish(NODE_STATE, m.NodeState(node=n, phase=ph, epoch=7), node=n)
-        await c.until(lambda: c.commands, what="the adopted split announced (every node reported: before the grace's end)")
-        got = await c.bus.request(SPLIT_GET, m.SplitQuery())
-        assert got.epoch == 7 and split_name(got.phases) == "3P1D"
+        assert await asyncio.wait_for(get, 5.0) == 0  # every node reported: before the grace's end
+        assert await asyncio.wait_for(put, 5.0) == 0
+        got, done = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+        assert (got["epoch"], got["split"]) == (7, "3P1D") and (done["epoch"], done["split"]) == (8, "1P3D")
+        await c.until(lambda: any(cmd.epoch == 8 for cmd in c.commands), what="the held split set announced")
+        assert [(cmd.epoch, split_name(cmd.phases)) for cmd in c.commands][:2] == [(7, "3P1D"), (8, "1P3D")]
         await asyncio.sleep(1.2)  # two announcements later
-        assert {(cmd.epoch, split_name(cmd.phases)) for cmd in c.commands} == {(7, "3P1D")}
-        assert [d.action for d in c.decisions] == ["adopt"]
+        assert {(cmd.epoch, split_name(cmd.phases)) for cmd in c.commands} == {(7, "3P1D"), (8, "1P3D")}
+        assert [d.action for d in c.decisions] == ["adopt", "switch"]
         stats = await c.stats()
         assert stats.counters["split.adoptions"] == 1 and stats.counters["split.foreign"] == 0
-        assert stats.counters["split.get.adopting"] == 1
+        assert stats.counters["split.get.adopting"] >= 1 and stats.counters["split.set.adopting"] == 1
+        assert stats.counters["split.set.ok"] == 1 and stats.counters["split.set.refused"] == 0
+    await c.bus.close()
+
+
+async def test_a_node_silent_during_the_grace_gets_its_phase_announced_when_it_reports(nats_url):
+    """w2 serves prefill at epoch 7 (the operator's 3P1D) but sends no state within the grace: the
+    adopted command carries the planner's guess (--split: decode). At epoch 7 w2 ignores it, but a
+    router applies a command at its own epoch and excludes a node whose reported phase differs
+    from the split's, so w2 was left out of every placement (live: /v1/cluster eligible=false,
+    split.get 2P2D) until the planner's next command. Now w2's first state corrects the command
+    under epoch 7, announced at once (not at the next announcement: 30 s here)."""
+    c = await Client.connect(nats_url)
+    async with planner(nats_url, adopt_grace_s=0.6, announce_interval_s=30.0):
+        for n, ph in (("w0", "prefill"), ("w1", "prefill"), ("w3", "decode")):
+            await c.bus.publish(NODE_STATE, m.NodeState(node=n, phase=ph, epoch=7), node=n)
+        await c.until(lambda: c.commands, what="the adopted split at the grace's end")
+        assert c.commands[0].epoch == 7 and split_name(c.commands[0].phases) == "2P2D"
+        await c.bus.publish(NODE_STATE, m.NodeState(node="w2", phase="prefill", epoch=7), node="w2")
+        await c.until(lambda: len(c.commands) >= 2, timeout=3.0, what="the corrected split announced")
+        assert (c.commands[1].epoch, split_name(c.commands[1].phases)) == (7, "3P1D")
+        got = await c.bus.request(SPLIT_GET, m.SplitQuery())
+        assert got.epoch == 7 and split_name(got.phases) == "3P1D"
+        await asyncio.sleep(0.3)
+        stats = await c.stats()
+        assert stats.counters["split.foreign"] == 0 and stats.counters["split_epoch"] == 7 and stats.counters["switches"] == 0
     await c.bus.close()
 
 

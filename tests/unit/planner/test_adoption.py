@@ -206,3 +206,52 @@ def test_the_command_object_is_still_a_struct_after_a_correction():
     core.tick(3.0)
     core.on_node_state(st("w2", "prefill", 5), 4.0)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(core.command), type=SplitCommand) == core.command
+
+
+def test_a_node_silent_during_the_grace_is_corrected_to_the_phase_it_reports():
+    """Review of the adoption: w2 (prefill since the operator's 3P1D at epoch 5) sends no state
+    within the grace; its entry is the planner's --split phase (decode). At epoch 5 w2 ignores
+    that command, but the routers apply a command at their epoch and exclude a node whose
+    reported phase differs from the split's: w2 stayed out of every placement, and split.get
+    said 2P2D, until the planner's next command (never, with the static policy). Now its first
+    state corrects its entry under the same epoch, as for a node adopted while draining."""
+    core = restarted()
+    for n in ("w0", "w1", "w3"):
+        core.on_node_state(st(n, OPERATOR[n], 5), 0.1)
+    cmd = core.tick(3.0)
+    assert cmd is not None and cmd.epoch == 5 and cmd.phases["w2"] == "decode"  # the planner's guess
+    core.on_node_state(st("w2", "prefill", 5), 4.0)
+    assert core.command.epoch == 5 and core.command.phases == OPERATOR and core.switches == 0
+    core.on_node_state(st("w2", "decode", 5), 5.0)  # corrected once only
+    assert core.command.phases == OPERATOR
+    assert core.on_foreign_command(cmd, 5.5, MAX_EPOCH_STEP) is None and core.foreign_commands == 0  # an earlier announcement
+
+
+def test_every_command_a_correction_replaced_echoes_back_as_the_planners_own():
+    core = restarted()
+    core.on_node_state(st("w0", "prefill", 5), 0.1)
+    core.on_node_state(st("w3", "decode", 5), 0.1)
+    first = core.tick(3.0)  # w1, w2 silent: w1 prefill, w2 decode (--split)
+    assert first is not None and first.phases == {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "decode"}
+    core.on_node_state(st("w2", "prefill", 5), 4.0)
+    second = core.command
+    core.on_node_state(st("w1", "decode", 5), 4.0)
+    assert core.command.phases == {"w0": "prefill", "w1": "decode", "w2": "prefill", "w3": "decode"}
+    for echo in (first, second):  # both still on the bus when the second correction came
+        assert core.on_foreign_command(echo, 4.1, MAX_EPOCH_STEP) is None
+    assert core.foreign_commands == 0 and core.command.epoch == 5
+
+
+@pytest.mark.parametrize("forged", [MAX_EPOCH_STEP, 2**40, 2**53])
+def test_a_lone_state_within_the_grace_cannot_put_the_epoch_out_of_the_silent_nodes_reach(forged):
+    """Review of the adoption: the cap was taken above the lowest *reported* epoch, so a state
+    alone within the grace (the other workers not up yet at a cold start, or cut off) set the
+    planner's epoch to its number, up to 2^53: every other node and router then refused each
+    of its commands (a jump above MAX_EPOCH_STEP), and their states, below the planner's epoch,
+    never made it adopt again. A node that has not reported may hold no split: the cap is then
+    above 0."""
+    core = restarted()
+    core.on_node_state(st("w0", "prefill", forged), 0.1)
+    cmd = core.tick(3.0)
+    assert cmd is not None and cmd.epoch == MAX_EPOCH_STEP - 1
+    assert epoch_step_ok(0, cmd.epoch) and epoch_step_ok(5, core.set_split("2P2D", 4.0).epoch)
