@@ -63,7 +63,11 @@ def _add_cluster_args(
     g.add_argument("--host", default="127.0.0.1", help="router HTTP bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=port, help=f"router HTTP port; 0 = any free port (default {port})")
     g.add_argument(
-        "--block-size", type=int, default=None, help="tokens per KV block (default 64; --engine torch: the profile's page size)"
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block (default: the profile's block_size, e.g. 64 for gb300-glm52, 4 for tiny; the workers "
+        "always use the profile's, so another size is refused)",
     )
     g.add_argument(
         "--engine",
@@ -156,38 +160,59 @@ def _policy(args: argparse.Namespace) -> LivePolicy:
     return pol
 
 
+def profile_block_size(args: argparse.Namespace) -> int:
+    """The cluster's KV block size in tokens: the profile's ``block_size`` (64 for ``gb300-glm52``, 4 for
+    ``tiny``, the page size of ``torch-tiny-cpu``), which every worker uses whatever the router's and the
+    directory's are; ``--block-size`` may only repeat it.
+
+    A router at another size hashes every prompt into blocks that no worker accepts: the cluster would
+    start and then answer every request with 500 ("block size mismatch"), so a conflict is refused here,
+    before anything starts, with status 2 (a usage error, as argparse's).
+
+    Raises:
+        SystemExit: 2 when ``--block-size`` differs from the profile's (both named, with the flag to pass);
+            the message when the profile cannot be read.
+    """
+    from shared.profile import ProfileError, load_profile
+
+    try:
+        page = load_profile(args.profile).block_size
+    except ProfileError as e:
+        raise SystemExit(f"error: --profile {args.profile}: {e}")
+    if args.block_size is not None and args.block_size != page:
+        what = "torch engine's page size" if args.engine == "torch" else "block size"
+        print(
+            f"error: --block-size {args.block_size} differs from the {what} {page} of profile {args.profile}; "
+            f"the router, directory and workers must use one block size: pass --block-size {page} (or leave it out) "
+            "or a --profile whose block_size is the size you want",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return page
+
+
 def _torch_values(args: argparse.Namespace) -> dict[str, object]:
-    """Cluster fields for ``--engine``: with ``torch``, check the model folder here (a clear
-    error at start-up, not in every worker's log), default the profile to ``torch-tiny-cpu``,
-    the block size to the profile's page size (any other is refused), the tokenizer to the
-    model's own, and the served model name to the folder's name."""
+    """Cluster fields for ``--engine``: the block size is the profile's (:func:`profile_block_size`);
+    with ``torch``, check the model folder here (a clear error at start-up, not in every worker's
+    log), default the profile to ``torch-tiny-cpu``, the tokenizer to the model's own, and the
+    served model name to the folder's name."""
     if args.engine == "sim":
         if args.model_dir:
             raise SystemExit("error: --model needs --engine torch")
-        return {"block_size": args.block_size or 64}
+        return {"block_size": profile_block_size(args)}
     if not args.model_dir:
         raise SystemExit("error: --engine torch needs --model DIR (evolving-infra model init DIR writes a tiny one)")
     try:
         from services.worker.engines.torch_engine.model import ModelConfig, ModelConfigError
     except ModuleNotFoundError as e:
         raise SystemExit(f"error: --engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'")
-    from shared.profile import ProfileError, load_profile
-
     try:
         context = ModelConfig.load(args.model_dir).max_position_embeddings
     except ModelConfigError as e:
         raise SystemExit(f"error: --model {args.model_dir}: {e}")
     if args.profile == "gb300-glm52":  # the sim default: a GLM-5.2 node is not this model
         args.profile = "torch-tiny-cpu"
-    try:
-        page = load_profile(args.profile).block_size
-    except ProfileError as e:
-        raise SystemExit(f"error: --profile {args.profile}: {e}")
-    if args.block_size is not None and args.block_size != page:
-        raise SystemExit(
-            f"error: --block-size {args.block_size} differs from the torch engine's page size {page} "
-            f"(profile {args.profile}); the router, directory and engine must use one block size"
-        )
+    page = profile_block_size(args)
     if args.tokenizer == "sim":
         args.tokenizer = f"hf:{args.model_dir}"
     return {
@@ -408,7 +433,6 @@ async def _demo(args: argparse.Namespace) -> int:
     keep = set(agents)
     requests = [r for r in trace.requests if r.agent in keep]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(args.log_dir) if args.log_dir else out / "logs"
     if torch_engine:  # the engine's page size (and the model's context) rule; the trace is scaled to fit
         spec = _spec(args, log_dir=str(log_dir), fence_after_s=DEMO_FENCE_S)
@@ -422,8 +446,11 @@ async def _demo(args: argparse.Namespace) -> int:
               f"to {limit - args.max_output - 1} tokens (half of L1, within the model's context), at most "
               f"{args.max_output} output tokens", flush=True)  # fmt: skip
     else:
-        spec = _spec(args, log_dir=str(log_dir), block_size=trace.header.block_size, fence_after_s=DEMO_FENCE_S)
+        # the cluster's blocks are the profile's (the workers'); each trace block is sent as trace.header.block_size
+        # tokens, so equal block prefixes stay equal token prefixes at any cluster block size
+        spec = _spec(args, log_dir=str(log_dir), fence_after_s=DEMO_FENCE_S)
         token_block = trace.header.block_size
+    out.mkdir(parents=True, exist_ok=True)  # after the checks of _spec: a refused demo leaves no folder
     pol: LivePolicy = args.live_policy
     print(
         f"demo: {len(agents)} Claude Code sessions, {len(requests)} requests from {Path(trace_name).name}; "
