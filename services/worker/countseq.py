@@ -36,12 +36,29 @@ the shell does with it, and when the node's counts must be fetched whole from th
   nothing the epoch announcement does not: taken as one.)
 
 An ``epoch`` the worker held counts of before the one it holds now (the directory restarted;
-the last ``retired_max``, 8, are remembered) is over: a late message, beacon or snapshot of it is
-dropped (``stale_epoch``, ``sync.stale_epoch``), not taken for another restart (which would reset
-the counts and cost a sync). Epochs are opaque (``uuid4().hex`` per directory process,
-``DirectoryService.count_epoch``): a process never reuses one, so a genuinely new epoch is never
-among them. (A worker that first hears a new process, then a late message of the one before it,
-never held that one: it takes it for a restart, as before.)
+the last ``retired_max``, 8, are remembered) is over: a late message or beacon of it is dropped
+(``stale_epoch``), not taken for another restart (which would reset the counts and cost a sync).
+Epochs are opaque (``uuid4().hex`` per directory process, ``DirectoryService.count_epoch``): a
+process never reuses one, so a genuinely new epoch is never among them. (A worker that first hears
+a new process, then a late message of the one before it, never held that one: it takes it for a
+restart, as before.)
+
+A message's epoch is only a claim: anyone allowed to publish ``kv.counts`` can send one with a new
+epoch (the fuzz flood does), and the worker adopts it, retiring the real one. The sync's snapshot
+is different: it is the reply to the worker's own request (a fresh reply inbox per request, and
+per piece: nats-py's ``request`` matches the reply by a per-request token and drops one arriving
+after its request timed out, so no reply of an earlier request or sync is ever taken; a sync
+superseded meanwhile is told by :attr:`CountStream.gen`), so it comes from the responder that is
+live on ``kv.countsync.<node>``. It is the authority: its epoch is adopted even if retired (taken
+back out of :attr:`CountStream.retired`, ``sync.epoch_restored``; the epoch left is retired), and
+that epoch's messages apply from then on. Without this, one forged-epoch message cut the worker
+off from the real directory for good (its snapshot and messages all dropped as of a retired
+epoch, a sync asked every few seconds forever). While the epoch held came back that way
+(:attr:`CountStream.restored`: until a message adopts a new one), a message or beacon of a retired
+epoch also starts a sync (``sync.started.retired_epoch``; if none runs): the snapshot may have come
+from an old process still answering while its successor started (two directories up at once),
+which then stops, leaving the worker on an epoch nobody sends; the live responder's next snapshot
+settles it. Outside that state a late message of a retired epoch costs nothing but its drop.
 
 A snapshot of more than ``max_entries`` blocks (:data:`SNAPSHOT_MAX_ENTRIES`; its first piece
 says how many) is not fetched: the sync ends (``sync.too_large``), and no later gap of that epoch
@@ -114,7 +131,12 @@ class CountStream:
         """Block counts in :attr:`kept` (an empty message counts one): at most ``buffer_entries``
         unless a single message holds more."""
         self.retired: deque[str] = deque(maxlen=retired_max)
-        """Epochs held before :attr:`epoch`, newest last: their messages, beacons and snapshots are dropped."""
+        """Epochs held before :attr:`epoch`, newest last: their messages and beacons are dropped (a
+        snapshot of one is adopted: :meth:`snapshot`)."""
+        self.restored = False
+        """Whether :attr:`epoch` was taken back from :attr:`retired` by a snapshot (:meth:`snapshot`)
+        and no message has adopted a new epoch since: then a message or beacon of a retired epoch
+        starts a sync (the snapshot's responder may have been an old process that has stopped since)."""
         self.unsynced: str | None = None
         """Epoch whose snapshot was too large to fetch (:meth:`first_piece`): its gaps start no sync."""
         self.asked_above = 0
@@ -131,6 +153,8 @@ class CountStream:
         c = self.counters
         if msg.epoch != self.epoch and msg.epoch in self.retired:  # a late one of a process that is gone
             c["stale_epoch"] += 1
+            if self.restored and not self.syncing:  # or the live one, if the epoch held came back from a stopped one
+                self.start_sync("retired epoch")
             return False, "stale"
         if msg.beacon and msg.seq:
             return self._beacon(msg)
@@ -173,6 +197,7 @@ class CountStream:
             self._end_sync()
             c["sync.abandoned"] += 1
         self._adopt(epoch)
+        self.restored = False
         return reset
 
     def _end_sync(self) -> None:
@@ -182,9 +207,11 @@ class CountStream:
 
     def _adopt(self, epoch: str) -> None:
         """Hold counts of ``epoch`` from none of its messages: nothing applied, nothing kept; the
-        epoch held so far is remembered as over (:attr:`retired`)."""
+        epoch held so far is remembered as over (:attr:`retired`), ``epoch`` no longer is."""
         if self.epoch is not None and self.epoch != epoch and self.epoch not in self.retired:
             self.retired.append(self.epoch)
+        if epoch in self.retired:
+            self.retired.remove(epoch)
         self.epoch, self.last = epoch, 0
         self._drop_kept()
 
@@ -234,17 +261,14 @@ class CountStream:
     def first_piece(self, epoch: str, total: int, gen: int) -> bool:
         """The first piece of the snapshot asked under ``gen`` says it is of ``epoch`` and has
         ``total`` entries: whether to fetch the rest (True for a superseded sync's, which
-        :meth:`snapshot` discards). False for an epoch that is over (``sync.stale_epoch``; the
-        sync goes on: ask again) and for more than ``max_entries`` entries (``sync.too_large``):
-        then the sync ends, the kept messages are dropped (each was applied when it came, unless
-        one numbered past it had been), the numbering goes on from the highest one, and no gap of
-        ``epoch`` starts another sync (``sync.unsynced``). O(kept)."""
+        :meth:`snapshot` discards, and for a retired epoch: the live responder's, adopted). False
+        only for more than ``max_entries`` entries (``sync.too_large``): then the sync ends, the
+        kept messages are dropped (each was applied when it came, unless one numbered past it had
+        been), the numbering goes on from the highest one, and no gap of ``epoch`` starts another
+        sync (``sync.unsynced``). O(kept)."""
         c = self.counters
         if not self.syncing or gen != self.gen:
             return True  # a superseded sync's: snapshot() discards it
-        if epoch != self.epoch and epoch in self.retired:
-            c["sync.stale_epoch"] += 1
-            return False
         if total <= self.max_entries:
             return True
         c["sync.too_large"] += 1
@@ -259,7 +283,9 @@ class CountStream:
     def snapshot(self, epoch: str, seq: int, gen: int) -> list[CountUpdates] | None:
         """The directory's counts after its message ``seq`` of ``epoch`` arrived whole. Returns
         None when they must not be applied (a sync that no longer runs or was superseded, or a
-        snapshot older than the counts held: counted), else the kept messages to apply after
+        snapshot older than the counts held: counted), else (the snapshot's epoch adopted if it is
+        another, even a retired one: the reply to this sync's own request comes from the live
+        responder; see the module docstring) the kept messages to apply after
         them, in order: those that follow ``seq`` without a hole, then, if a hole is left (the
         sync goes on), the kept ones past it (applied early, so the reset must not undo them;
         they stay kept for the next snapshot). The shell then resets every count, applies the snapshot and these
@@ -268,12 +294,11 @@ class CountStream:
         if not self.syncing or gen != self.gen:
             c["sync.superseded"] += 1
             return None
-        if epoch != self.epoch and epoch in self.retired:  # a process that is over: ask again
-            c["sync.stale_epoch"] += 1
-            return None
-        if epoch != self.epoch:  # the directory restarted after the gap: its snapshot is all there is
-            c["sync.new_epoch"] += 1
+        if epoch != self.epoch:  # the directory restarted after the gap, or the epoch held was forged
+            back = epoch in self.retired
+            c["sync.epoch_restored" if back else "sync.new_epoch"] += 1
             self._adopt(epoch)
+            self.restored = back
         elif seq < self.last:  # cannot come from the directory (its numbers only grow): ask again
             c["sync.stale"] += 1
             return None

@@ -905,8 +905,7 @@ class WorkerService:
             BusError: a request got no reply in ``count_sync_timeout_s`` (or was refused).
             _BadCountSnapshot: a reply for another node, with ``error`` set (the snapshot expired
                 between two pieces, or the directory refused a new one so soon after the last,
-                ``--count-sync-min-interval-s`` there), a piece that does not continue the first,
-                or a snapshot of a directory epoch that is over (``CountStream.first_piece``).
+                ``--count-sync-min-interval-s`` there), or a piece that does not continue the first.
             _CountSnapshotTooLarge: more entries than the worker fetches (``first_piece``; the
                 sync has ended, counted ``counts.sync.too_large``).
         """
@@ -919,9 +918,6 @@ class WorkerService:
             self.counters["counts.sync.bad_reply"] += 1
             raise _BadCountSnapshot(f"reply for node {first.node!r}, offset {first.offset}, error {first.error!r}")
         if not st.first_piece(first.epoch, first.total, gen):
-            if st.syncing:
-                self.counters["counts.sync.bad_reply"] += 1
-                raise _BadCountSnapshot(f"snapshot of directory epoch {first.epoch[:40]!r}, which is over")
             raise _CountSnapshotTooLarge(f"{first.total} entries; at most {st.max_entries}")
         hashes, counts = list(first.hashes), list(first.counts)
         while len(hashes) < first.total:

@@ -273,6 +273,31 @@ async def test_without_a_loss_the_seq_beacon_starts_no_sync(nats_url):
 
 # --------------------------------------------------------------------------- #
 # the worker's sync against a scripted directory (the test serves kv.countsync itself)
+async def test_one_forged_epoch_message_does_not_cut_the_worker_off_from_the_directory(nats_url):
+    """A single ``kv.counts`` message with a forged epoch (anyone allowed to publish there can send
+    one) is taken for a directory restart: the worker resets, retires the real epoch and syncs. The
+    real directory answers the sync: its snapshot is adopted (the reply to the worker's own request
+    comes from the live responder), and its later messages apply again. On main the snapshot and
+    every later message of the real epoch were dropped as of a retired epoch, and the worker asked
+    for a snapshot every few seconds for good."""
+    async with cluster(nats_url) as (c, d, w):
+        await place(c, "a", A)
+        await place(c, "b", B)
+        await until(lambda: worker_counted(w) == set(A + B), what="counts applied")
+        await c.publish(KV_COUNTS, m.CountUpdates(node="w0", seq=5, epoch="forged-1"), node="w0")
+        await until(lambda: w.counts.counters["directory_restarts"] == 1, what="the forged epoch taken")
+        await place(c, "c", C)  # the real directory's next messages
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a"))
+        await until(lambda: w.counts.epoch == d.count_epoch and not w.counts.syncing and worker_counted(w) == set(B + C),
+                    timeout=8, what="back on the real directory's counts")  # fmt: skip
+        assert worker_counted(w) == set(directory_counts(d)) and list(w.counts.retired) == ["forged-1"]
+        await place(c, "d", [401, 402])  # and its numbering goes on
+        await until(lambda: worker_counted(w) == set(B + C + [401, 402]), what="the directory's next message applied")
+        assert worker_counted(w) == set(directory_counts(d))
+        assert w.counts.counters["sync.epoch_restored"] == 1 and w.counts.counters["syncs"] <= 2
+        assert w.counts.counters.get("sync.stale_epoch", 0) == 0 and not w.counters.get("counts.sync.failures")
+
+
 # --------------------------------------------------------------------------- #
 
 

@@ -246,17 +246,70 @@ def test_late_messages_beacons_and_snapshots_of_a_retired_epoch_are_dropped():
     assert s.offer(CountUpdates(node="w0", epoch="e1")) == (False, "stale")  # its epoch announcement too
     assert (s.epoch, s.last, s.syncing, s.counters["stale_epoch"], s.counters["directory_restarts"]) == ("e2", 1, False, 3, 1)
     assert s.offer(cu(2, "e2")) == (False, "apply")
-    s.offer(cu(4, "e2"))  # a gap in e2: a snapshot of e1 (a forged or a dead process's reply) is not taken
-    gen = s.asking()
-    assert not s.first_piece("e1", 3, gen) and s.snapshot("e1", 9, gen) is None and s.syncing and s.epoch == "e2"
-    assert s.counters["sync.stale_epoch"] == 2
+    s.offer(cu(4, "e2"))  # a gap in e2
     assert s.snapshot("e2", 4, s.asking()) == [] and not s.syncing and s.last == 4
+    assert s.counters["stale_epoch"] == 3 and not s.restored  # dropped at no further cost: no sync
     # a genuinely new epoch is adopted as ever; an epoch the worker never held (it came after) cannot be told old
     assert s.offer(cu(1, "e3")) == (True, "apply") and list(s.retired) == ["e1", "e2"]
     # a snapshot of a new process adopts it, retiring the one held
     s.offer(cu(3, "e3"))
     assert s.snapshot("e4", 2, s.asking()) == [] and s.epoch == "e4" and list(s.retired) == ["e1", "e2", "e3"]
-    assert s.offer(cu(5, "e3")) == (False, "stale") and s.counters["directory_restarts"] == 2
+    assert s.offer(cu(5, "e3")) == (False, "stale") and s.counters["directory_restarts"] == 2 and not s.syncing
+
+
+def test_one_forged_epoch_message_does_not_cut_the_worker_off_from_the_directory():
+    """A forged ``kv.counts`` message of a new epoch is adopted (a message's epoch is only a claim)
+    and retires the real one; the sync it starts is answered by the live directory, whose snapshot
+    of the real epoch is adopted (taken back from the retired ones): its messages apply again.
+    (Before: the snapshot was dropped as of a retired epoch, asked again for good, and every real
+    message dropped.)"""
+    s = CountStream()
+    for q in (1, 2, 3):
+        s.offer(cu(q, "real"))
+    assert s.offer(cu(5, "forged-1")) == (True, "apply") and s.syncing and list(s.retired) == ["real"]
+    assert s.offer(cu(4, "real")) == (False, "stale")  # the real directory's, while the sync runs
+    gen = s.asking()
+    assert s.first_piece("real", 4, gen)  # fetched, not refused
+    assert s.snapshot("real", 4, gen) == [] and not s.syncing
+    assert (s.epoch, s.last, list(s.retired), s.restored) == ("real", 4, ["forged-1"], True)
+    assert s.offer(cu(5, "real")) == (False, "apply") and s.last == 5
+    assert s.counters["sync.epoch_restored"] == 1 and s.counters["syncs"] == 1 and s.counters.get("sync.stale_epoch", 0) == 0
+    # the forged epoch repeated: dropped, and (the epoch held came back from retirement) checked with one sync
+    assert s.offer(cu(9, "forged-1")) == (False, "stale") and s.syncing and s.reason == "retired epoch"
+    assert s.offer(cu(10, "forged-1")) == (False, "stale") and s.counters["sync.started.retired_epoch"] == 1
+    assert s.snapshot("real", 5, s.asking()) == [] and not s.syncing and s.epoch == "real"
+    # a real restart adopted from a message ends that state: a late message of a retired epoch costs only its drop
+    assert s.offer(cu(1, "real-2")) == (True, "apply") and not s.restored and list(s.retired) == ["forged-1", "real"]
+    assert s.offer(cu(6, "real")) == (False, "stale") and not s.syncing
+
+
+def test_a_snapshot_from_an_old_directory_still_answering_is_undone_by_its_successors():
+    """Two directory processes up at once (the new one started before the old one stopped): the
+    worker holds the new epoch, a sync is answered by the old process (adopted: the reply's
+    responder is taken for the live one), which then stops. The new process's next message or
+    beacon (its epoch now retired) starts a sync; its snapshot puts the worker back on it."""
+    s = CountStream()
+    s.offer(cu(1, "old"))
+    s.offer(cu(1, "new"))
+    s.offer(cu(3, "new"))  # a gap in the new epoch
+    assert s.snapshot("old", 7, s.asking()) == [] and s.epoch == "old" and s.restored and list(s.retired) == ["new"]
+    assert s.offer(beacon(3, "new")) == (False, "stale") and s.syncing  # the old one stopped: the new one's beacon
+    assert s.snapshot("new", 3, s.asking()) == [] and (s.epoch, s.last, list(s.retired)) == ("new", 3, ["old"])
+    assert s.offer(cu(4, "new")) == (False, "apply") and s.counters["sync.epoch_restored"] == 2
+
+
+def test_a_superseded_syncs_snapshot_is_discarded_even_of_a_retired_epoch():
+    """A reply to a request sent before a new epoch arrived (:attr:`CountStream.gen`) is never
+    adopted, retired epoch or not (replies to earlier requests never arrive: a fresh inbox each)."""
+    s = CountStream()
+    s.offer(cu(1, "e1"))
+    s.offer(cu(3, "e1"))
+    gen = s.asking()
+    assert s.offer(cu(1, "e2")) == (True, "apply") and not s.syncing
+    assert s.first_piece("e1", 1, gen) and s.snapshot("e1", 3, gen) is None and s.epoch == "e2" and list(s.retired) == ["e1"]
+    s.offer(cu(3, "e2"))
+    assert s.snapshot("e1", 3, gen) is None and s.syncing  # still the old generation's
+    assert s.counters["sync.superseded"] == 2 and not s.restored
 
 
 def test_the_retired_epochs_are_bounded():
@@ -408,3 +461,4 @@ def test_while_a_sync_cannot_complete_the_pool_is_as_if_there_were_no_sync(seed)
             synced.update_counts(msg.hashes, msg.counts)
     assert s.syncing and s.counters["sync.applied_early"] > 0
     assert order(synced) == order(stale) and synced.host.counted == stale.host.counted
+
