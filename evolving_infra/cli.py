@@ -76,9 +76,31 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED = 130
+"""Exit status of a command ended by Ctrl-C (SIGINT): 128 + 2, as a shell reports a process its
+SIGINT killed, and as ``simulate`` returns."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit status."""
+    """Entry point; returns the process exit status.
+
+    Ctrl-C (``KeyboardInterrupt``) anywhere in a command that does not handle it itself (``trace``,
+    ``report``, ``tap``, ``demo``, ``fidelity``, ...; ``up``, ``replay`` and ``simulate`` stop in their
+    own way) ends it with one line on stderr and status :data:`INTERRUPTED`, not a traceback; the
+    writers it interrupts remove what they had begun (``OUT.tmp``, the folders made for it) as the
+    exception passes through them.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        if sys.stderr is not None:  # on a line of its own after the terminal's ^C; stdout may carry a trace (-o -)
+            command = " ".join(argv[:2] if argv[:1] == ["trace"] else argv[:1]) if argv and argv[0] in COMMANDS else ""
+            print(f"\nevolving-infra{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     for key, value in COMMAND_ENV.get(argv[0] if argv else "", {}).items():
         os.environ.setdefault(key, value)
     parser = build_parser(argv[0] if argv else None)
