@@ -10,6 +10,7 @@
 #   EI_CREDS_DIR   credentials volume (auth writes, services read)            default /creds
 #   EI_NATS_AUTH   nkeys (default) | off (NATS open inside the compose network)
 #   EI_CLOCK_ORIGIN  set here from $EI_CREDS_DIR/clock_origin (written by the auth job) unless given
+#   EI_BLOCK_SIZE  kvdirectory, router: set here to EI_PROFILE's block_size (the workers'); another is refused
 set -eu
 role=${1:-}
 [ $# -gt 0 ] && shift
@@ -17,6 +18,25 @@ WORKERS=${WORKERS:-2}
 SPLIT=${SPLIT:-1P1D}
 CREDS=${EI_CREDS_DIR:-/creds}
 AUTH=${EI_NATS_AUTH:-nkeys}
+
+[ -n "${EI_BLOCK_SIZE:-}" ] || unset EI_BLOCK_SIZE  # compose passes an unset one as empty
+
+profile_block_size() {  # EI_BLOCK_SIZE := the profile's block_size, which every worker uses; exit 2 on another
+    profile=${EI_PROFILE:-gb300-glm52}
+    bs=$(python -c 'import sys
+from shared.profile import ProfileError, load_profile
+try:
+    print(load_profile(sys.argv[1]).block_size)
+except ProfileError as e:
+    sys.exit(f"{sys.argv[2]}: EI_PROFILE={sys.argv[1]}: {e}")' "$profile" "$role") || exit 2
+    if [ -n "${EI_BLOCK_SIZE:-}" ] && [ "$EI_BLOCK_SIZE" != "$bs" ]; then
+        echo "$role: EI_BLOCK_SIZE=$EI_BLOCK_SIZE differs from the block size $bs of profile $profile; the router," \
+            "directory and workers must use one block size: set EI_BLOCK_SIZE=$bs (or leave it unset) or an EI_PROFILE" \
+            "whose block_size is the size you want" >&2
+        exit 2
+    fi
+    export EI_BLOCK_SIZE="$bs"
+}
 
 nodes() { i=0; out=""; while [ "$i" -lt "$WORKERS" ]; do out="${out:+$out,}w$i"; i=$((i + 1)); done; echo "$out"; }
 
@@ -51,6 +71,7 @@ case "$role" in
     exec nats-server -c "$CREDS/nats.conf" "$@"
     ;;
   kvdirectory)
+    profile_block_size
     creds_for kvdirectory
     exec python -m services.kvdirectory --instance kvdirectory "$@"
     ;;
@@ -59,6 +80,7 @@ case "$role" in
     exec python -m services.planner --instance planner --nodes "$(nodes)" --split "$SPLIT" "$@"
     ;;
   router)
+    profile_block_size
     creds_for router
     exec python -m services.router --instance router --host 0.0.0.0 "$@"
     ;;

@@ -1,0 +1,59 @@
+"""The container entrypoint gives the KV directory and the router ``EI_PROFILE``'s block size (the
+workers': compose's ``EI_PROFILE=tiny`` with its old ``EI_BLOCK_SIZE`` default of 64 answered every
+request with 500 "block size mismatch"), and refuses another ``EI_BLOCK_SIZE`` (status 2, one line).
+
+Runs ``deploy/docker/entrypoint.sh`` itself with ``/bin/sh`` (no docker): a ``python`` first on
+PATH shows what ``python -m services.<role>`` would be started with, and runs anything else with
+this interpreter (the entrypoint reads the profile with ``python -c``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENTRYPOINT = REPO / "deploy" / "docker" / "entrypoint.sh"
+
+
+def _run(tmp_path: Path, role: str, **env: str) -> subprocess.CompletedProcess[str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    shim = bin_dir / "python"
+    shim.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = -m ]; then echo "started $2 EI_BLOCK_SIZE=${EI_BLOCK_SIZE-unset}"; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    shim.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
+    base.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(REPO), EI_CLOCK_ORIGIN="1.0", EI_NATS_AUTH="off")
+    return subprocess.run(["/bin/sh", str(ENTRYPOINT), role], env={**base, **env}, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("role", ["kvdirectory", "router"])
+def test_the_block_size_follows_the_profile(tmp_path, role):
+    r = _run(tmp_path, role, EI_PROFILE="tiny", EI_BLOCK_SIZE="")  # compose's value when EI_BLOCK_SIZE is not set
+    assert (r.returncode, r.stdout.strip()) == (0, f"started services.{role} EI_BLOCK_SIZE=4"), r.stderr
+    r = _run(tmp_path, role)  # no profile given: the services' default, gb300-glm52
+    assert (r.returncode, r.stdout.strip()) == (0, f"started services.{role} EI_BLOCK_SIZE=64"), r.stderr
+    r = _run(tmp_path, role, EI_PROFILE="tiny", EI_BLOCK_SIZE="4")  # the same size, said again
+    assert (r.returncode, r.stdout.strip()) == (0, f"started services.{role} EI_BLOCK_SIZE=4"), r.stderr
+
+
+@pytest.mark.parametrize("role", ["kvdirectory", "router"])
+def test_another_block_size_is_refused(tmp_path, role):
+    r = _run(tmp_path, role, EI_PROFILE="tiny", EI_BLOCK_SIZE="64")
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1, line
+    assert "EI_BLOCK_SIZE=64 differs from the block size 4 of profile tiny" in line and "set EI_BLOCK_SIZE=4" in line, line
+
+
+def test_an_unreadable_profile_stops_the_service(tmp_path):
+    r = _run(tmp_path, "router", EI_PROFILE=str(tmp_path / "missing.toml"))
+    assert r.returncode == 2 and "started" not in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.startswith(f"router: EI_PROFILE={tmp_path / 'missing.toml'}: ") and "Traceback" not in r.stderr, r.stderr
