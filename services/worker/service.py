@@ -56,7 +56,7 @@ import structlog
 
 from shared import messages as m
 from shared.bus import Bus, BusError
-from shared.clock import SimClock
+from shared.clock import SimClock, sleep_until
 from shared.profile import Profile, load_profile
 from shared.validate import epoch_step_ok
 from shared.subjects import (
@@ -108,19 +108,6 @@ def make_torch_engine(cfg: WorkerConfig, profile: Profile) -> Engine:
     except ModuleNotFoundError as e:
         raise ValueError(f"--engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'") from e
     return TorchEngine(profile, cfg.model, dtype=cfg.dtype or None, device=cfg.device or None, check=cfg.check_invariants)
-
-
-async def sleep_until(deadline: float) -> None:
-    """Sleep until ``time.monotonic()`` reaches ``deadline`` (seconds).
-
-    One ``asyncio.sleep(deadline - now)`` is not enough under uvloop (the services' loop,
-    ``shared.service``): ``uvloop.Loop.call_later`` rounds the delay to whole milliseconds (under
-    0.5 ms it is ``call_soon``: no wait at all) and libuv counts it from the loop's cached
-    millisecond clock, so the sleep ends up to ~1 ms early; a loop re-checking the time then went
-    round ~100 times at once (measured: a 0.2 s wait woke 98 times under uvloop 0.23, once under
-    asyncio). Each pass here sleeps at least 1 ms, so the few early wakes left are real waits."""
-    while (left := deadline - time.monotonic()) > 0:
-        await asyncio.sleep(max(left, 0.001))
 
 
 class _BadCountSnapshot(Exception):
@@ -1222,10 +1209,10 @@ class WorkerService:
         """node.state at least every ``idle_state_interval_s`` (liveness for the router)."""
         interval = self.cfg.idle_state_interval_s
         while True:
-            wait = self._last_state_wall + interval - time.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-                continue
+            due = self._last_state_wall + interval
+            if time.time() < due:
+                await sleep_until(due, time.time)  # one asyncio.sleep wakes early under uvloop (a spin)
+                continue  # a state may have gone out meanwhile
             self._check_reconnect()  # also when no count message comes after the reconnect
             try:
                 await self._publish_state(self.clock.now())

@@ -1,0 +1,70 @@
+"""The worker's ``node.state`` heartbeat (``WorkerService._state_heartbeat``) under the services' loop.
+
+uvloop (``shared.service``) rounds a sleep to whole ms from its cached ms clock, so a sleep until
+the next heartbeat woke up to ~1 ms early and the loop went round without waiting (a sleep under
+0.5 ms is no wait there) until the heartbeat was due: a spin of up to ~1 ms per heartbeat (commit
+4c88d96 found the same in the worker's count sync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+import structlog
+
+
+class _HeartbeatShell:
+    """What ``WorkerService._state_heartbeat`` touches; counts the loop's passes (reads of
+    ``_last_state_wall``) and stops the loop after ``beats`` states."""
+
+    def __init__(self, interval: float, beats: int) -> None:
+        self.cfg = SimpleNamespace(idle_state_interval_s=interval)
+        self.clock = SimpleNamespace(now=lambda: 0.0)
+        self.log = structlog.get_logger()
+        self.reads = 0
+        self._last = time.time()
+        self.sent: list[tuple[float, float]] = []
+        """(when due, when sent) per state, wall s."""
+        self.beats = beats
+        self.done = asyncio.Event()
+
+    @property
+    def _last_state_wall(self) -> float:
+        self.reads += 1
+        return self._last
+
+    def _check_reconnect(self) -> None:
+        pass
+
+    async def _publish_state(self, now: float) -> None:
+        t = time.time()
+        self.sent.append((self._last + self.cfg.idle_state_interval_s, t))
+        self._last = t
+        if len(self.sent) == self.beats:
+            self.done.set()
+            await asyncio.Event().wait()  # the test cancels the loop here
+
+
+@pytest.mark.parametrize("interval", [0.0022, 0.0302, 0.1003])
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_the_state_heartbeat_waits_for_each_beat_without_spinning(loop, interval):
+    """Each heartbeat goes out when due (not before), after one pass that waits and one that
+    sends: at most 2 passes per beat. Before the fix uvloop went round once per early wake."""
+    from services.worker.service import WorkerService
+
+    run = pytest.importorskip("uvloop").run if loop == "uvloop" else asyncio.run
+    beats = 8
+
+    async def heartbeat() -> _HeartbeatShell:
+        shell = _HeartbeatShell(interval, beats)
+        task = asyncio.create_task(WorkerService._state_heartbeat(shell))  # type: ignore[arg-type]
+        await shell.done.wait()
+        task.cancel()
+        return shell
+
+    shell = run(heartbeat())
+    assert len(shell.sent) == beats and all(t >= due for due, t in shell.sent), shell.sent
+    assert shell.reads <= 2 * beats, (shell.reads, beats)
