@@ -26,7 +26,7 @@ from prometheus_client import Histogram
 
 from shared import messages as m
 from shared.bus import Bus, BusError
-from shared.clock import SimClock
+from shared.clock import SimClock, sleep_until
 from shared.metrics import HANDLER_BUCKETS_S, FuncCollector, make_registry
 from shared.subjects import (
     BRANCH_EVENTS,
@@ -280,10 +280,10 @@ class DirectoryService:
     async def _resync(self, node: str) -> None:
         delay = 0.1
         while self.core.awaiting_resync(node) and not self._stopping:
-            wait = self._last_resync.get(node, -1e18) + self.cfg.resync_min_interval_s - time.monotonic()
-            if wait > 0:  # rate limit: one request per node per interval, whatever the batches say
+            allowed = self._last_resync.get(node, -1e18) + self.cfg.resync_min_interval_s
+            if time.monotonic() < allowed:  # rate limit: one request per node per interval, whatever the batches say
                 self.counters["resync.rate_limited"] += 1
-                await asyncio.sleep(wait)
+                await sleep_until(allowed)  # one asyncio.sleep wakes early under uvloop: counted once per wait
                 continue
             self._last_resync[node] = time.monotonic()
             req = self.core.resync_request(node)
