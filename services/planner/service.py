@@ -34,7 +34,7 @@ from services.planner.online import OnlineModels
 from services.planner.policy import make_planner, parse_planner_args
 from shared import messages as m
 from shared.bus import Bus
-from shared.clock import SimClock
+from shared.clock import MIN_SLEEP_S, SimClock
 from shared.metrics import FuncCollector, make_registry
 from shared.profile import load_profile
 from shared.split import SplitError
@@ -145,7 +145,9 @@ class PlannerService:
                 continue
             wait = self.cfg.max_tick_wait_s
             if nxt is not None:
-                wait = min(wait, max(0.0, self.clock.to_wall(nxt - now)))
+                # at least MIN_SLEEP_S: the wait ends up to ~1 ms early under uvloop, and a shorter
+                # one is no wait there (the loop went round up to ~13 times before a tick)
+                wait = min(wait, max(MIN_SLEEP_S, self.clock.to_wall(nxt - now)))
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=wait)
