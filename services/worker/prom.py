@@ -21,7 +21,7 @@ name                                       type     meaning
 ``ei_node_count_stale_total{node}``        counter  ``kv.counts`` messages dropped as old or duplicated
 ``ei_node_count_syncs_total{node}``        counter  node count snapshots applied from the directory (``kv.countsync``)
 ``ei_node_count_sync_failures_total{node}`` counter ``kv.countsync`` requests without a usable reply (retried)
-``ei_node_count_stale_epoch_total{node}``  counter  ``kv.counts`` messages, beacons and snapshots of a directory epoch that is over
+``ei_node_count_stale_epoch_total{node}``  counter  ``kv.counts`` messages and beacons of a directory epoch that is over
 ``ei_node_count_sync_too_large_total{node}`` counter node count snapshots too large to fetch (no sync in that epoch after one)
 ``ei_node_count_syncing{node}``            gauge    1 while the node's counts await a ``kv.countsync`` snapshot
 =========================================  =======  ===============================================================
@@ -70,8 +70,7 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
         ("ei_node_count_stale", "kv.counts messages dropped as old or duplicated", cc["stale"]),
         ("ei_node_count_syncs", "Node count snapshots applied from the KV directory (kv.countsync)", cc["syncs"]),
         ("ei_node_count_sync_failures", "kv.countsync requests without a usable reply (retried)", svc.counters["counts.sync.failures"]),
-        ("ei_node_count_stale_epoch", "kv.counts messages, beacons and snapshots of a KV directory epoch that is over (dropped)",
-         cc["stale_epoch"] + cc["sync.stale_epoch"]),
+        ("ei_node_count_stale_epoch", "kv.counts messages and beacons of a KV directory epoch that is over (dropped)", cc["stale_epoch"]),
         ("ei_node_count_sync_too_large", "Node count snapshots too large to fetch (no count sync in that directory epoch after one)",
          cc["sync.too_large"]),
     ):
