@@ -295,7 +295,7 @@ async def test_one_forged_epoch_message_does_not_cut_the_worker_off_from_the_dir
         await until(lambda: worker_counted(w) == set(B + C + [401, 402]), what="the directory's next message applied")
         assert worker_counted(w) == set(directory_counts(d))
         assert w.counts.counters["sync.epoch_restored"] == 1 and w.counts.counters["syncs"] <= 2
-        assert w.counts.counters.get("sync.stale_epoch", 0) == 0 and not w.counters.get("counts.sync.failures")
+        assert not w.counters.get("counts.sync.failures")
 
 
 # --------------------------------------------------------------------------- #
