@@ -58,7 +58,23 @@ epoch, a sync asked every few seconds forever). While the epoch held came back t
 epoch also starts a sync (``sync.started.retired_epoch``; if none runs): the snapshot may have come
 from an old process still answering while its successor started (two directories up at once),
 which then stops, leaving the worker on an epoch nobody sends; the live responder's next snapshot
-settles it. Outside that state a late message of a retired epoch costs nothing but its drop.
+settles it. The same holds while the epoch held was adopted from a message that retired another
+(:attr:`CountStream.claimed`: until a snapshot of it comes): a new epoch's ``seq`` 0 (the
+announcement) or 1 starts no sync, so one forged such message retired the real epoch with no
+snapshot to undo it, and every real message and beacon after it was dropped as ``stale_epoch``
+for good (seen: 5 of 5 real messages dropped after one forged ``seq`` 1, commit e53688f's rule
+only covered ``seq`` > 1). Now the real directory's next message or beacon (one every
+``--count-seq-beacon-s``) starts one sync, whose snapshot restores its epoch. After a genuine
+restart a late message of the dead process costs at most that one sync (its snapshot, of the new
+epoch, ends the doubt); otherwise a late message of a retired epoch costs nothing but its drop.
+
+A snapshot of the epoch held numbered below the last message applied (``sync.behind``) cannot come
+from the directory (it takes the snapshot after every message it numbered, and no message moves
+:attr:`CountStream.last` while a sync runs) unless that message was forged in sequence
+(``seq = last + 1`` with the real epoch): it is adopted like any other (``last`` goes back to its
+``seq``). It used to be refused and asked again, which on an idle node (the directory's numbers not
+growing) repeated for good: one forged message and one forged beacon cost a snapshot every
+``--count-sync-min-interval-s`` forever (seen: 10 of 10 asks refused).
 
 A snapshot of more than ``max_entries`` blocks (:data:`SNAPSHOT_MAX_ENTRIES`; its first piece
 says how many) is not fetched: the sync ends (``sync.too_large``), and no later gap of that epoch
@@ -137,6 +153,10 @@ class CountStream:
         """Whether :attr:`epoch` was taken back from :attr:`retired` by a snapshot (:meth:`snapshot`)
         and no message has adopted a new epoch since: then a message or beacon of a retired epoch
         starts a sync (the snapshot's responder may have been an old process that has stopped since)."""
+        self.claimed = False
+        """Whether :attr:`epoch` was adopted from a message (not a snapshot) that retired another, and
+        no snapshot of it has come since: then a message or beacon of a retired epoch starts a sync
+        (the message may have been forged, leaving the live directory's epoch retired)."""
         self.unsynced: str | None = None
         """Epoch whose snapshot was too large to fetch (:meth:`first_piece`): its gaps start no sync."""
         self.asked_above = 0
@@ -153,7 +173,7 @@ class CountStream:
         c = self.counters
         if msg.epoch != self.epoch and msg.epoch in self.retired:  # a late one of a process that is gone
             c["stale_epoch"] += 1
-            if self.restored and not self.syncing:  # or the live one, if the epoch held came back from a stopped one
+            if (self.restored or self.claimed) and not self.syncing:  # or the live one, if the epoch held is in doubt
                 self.start_sync("retired epoch")
             return False, "stale"
         if msg.beacon and msg.seq:
@@ -198,6 +218,7 @@ class CountStream:
             c["sync.abandoned"] += 1
         self._adopt(epoch)
         self.restored = False
+        self.claimed = reset
         return reset
 
     def _end_sync(self) -> None:
@@ -282,8 +303,8 @@ class CountStream:
 
     def snapshot(self, epoch: str, seq: int, gen: int) -> list[CountUpdates] | None:
         """The directory's counts after its message ``seq`` of ``epoch`` arrived whole. Returns
-        None when they must not be applied (a sync that no longer runs or was superseded, or a
-        snapshot older than the counts held: counted), else (the snapshot's epoch adopted if it is
+        None when they must not be applied (a sync that no longer runs or was superseded: counted),
+        else (one numbered below the counts held adopted too, ``sync.behind``: see the module docstring) (the snapshot's epoch adopted if it is
         another, even a retired one: the reply to this sync's own request comes from the live
         responder; see the module docstring) the kept messages to apply after
         them, in order: those that follow ``seq`` without a hole, then, if a hole is left (the
@@ -299,9 +320,9 @@ class CountStream:
             c["sync.epoch_restored" if back else "sync.new_epoch"] += 1
             self._adopt(epoch)
             self.restored = back
-        elif seq < self.last:  # cannot come from the directory (its numbers only grow): ask again
-            c["sync.stale"] += 1
-            return None
+        elif seq < self.last:  # not the directory's numbers: a message was forged in sequence; asking again would loop
+            c["sync.behind"] += 1
+        self.claimed = False
         c["syncs"] += 1
         self.last = seq
         kept = self.kept

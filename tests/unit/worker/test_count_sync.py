@@ -95,14 +95,34 @@ def test_first_contact_past_seq_1_is_a_gap():
     assert s.counters["sync.beyond_snapshot"] == 1
 
 
-def test_a_snapshot_older_than_the_counts_held_is_refused_and_a_reconnect_syncs():
+def test_a_snapshot_older_than_the_counts_held_is_adopted_not_asked_for_again():
+    """The directory takes its snapshot after every message it numbered, so one below ``last``
+    means a message was forged in sequence (here 3): the snapshot is adopted. Refused and asked
+    again (before), it came back the same for as long as the directory sent the node nothing: a
+    snapshot every ``--count-sync-min-interval-s`` for good on an idle node."""
     s = CountStream()
-    for q in (1, 2, 3):
+    for q in (1, 2, 3):  # 3 forged: the directory is at 2
         s.offer(cu(q))
     assert s.start_sync("reconnect") and not s.start_sync("reconnect")
     gen = s.asking()
-    assert s.snapshot("e1", 2, gen) is None and s.syncing and s.counters["sync.stale"] == 1
-    assert s.snapshot("e1", 3, s.asking()) == [] and not s.syncing and s.counters["sync.started.reconnect"] == 1
+    assert s.snapshot("e1", 2, gen) == [] and not s.syncing and s.last == 2 and s.counters["sync.behind"] == 1
+    assert s.offer(cu(3)) == (False, "apply")  # the directory's own 3 applies
+    assert s.counters["syncs"] == 1 and s.counters["sync.started.reconnect"] == 1
+
+
+def test_a_forged_in_sequence_message_and_a_forged_beacon_cost_one_snapshot_not_a_loop():
+    s = CountStream()
+    s.offer(cu(1))
+    s.offer(cu(2))
+    s.offer(cu(3))  # forged, in sequence: the directory's 3 will be dropped as a duplicate
+    assert s.offer(beacon(10**9)) == (False, "beacon") and s.syncing
+    asks = 0
+    while s.syncing and asks < 5:
+        asks += 1
+        gen = s.asking()
+        assert s.first_piece("e1", 2, gen)
+        s.snapshot("e1", 2, gen)  # the idle directory's: still at 2
+    assert (asks, s.syncing, s.last) == (1, False, 2)
 
 
 def beacon(seq: int, epoch: str = "e1") -> CountUpdates:
@@ -246,14 +266,19 @@ def test_late_messages_beacons_and_snapshots_of_a_retired_epoch_are_dropped():
     s = CountStream()
     for q in (1, 2):
         s.offer(cu(q, "e1"))
-    assert s.offer(cu(1, "e2")) == (True, "apply") and list(s.retired) == ["e1"]
-    assert s.offer(cu(3, "e1")) == (False, "stale") and s.offer(beacon(7, "e1")) == (False, "stale")
+    assert s.offer(cu(1, "e2")) == (True, "apply") and list(s.retired) == ["e1"] and s.claimed
+    # e2 came by a message only (it may be forged): the first late one of e1 starts one sync
+    assert s.offer(cu(3, "e1")) == (False, "stale") and s.syncing and s.reason == "retired epoch"
+    assert s.offer(beacon(7, "e1")) == (False, "stale")
     assert s.offer(CountUpdates(node="w0", epoch="e1")) == (False, "stale")  # its epoch announcement too
-    assert (s.epoch, s.last, s.syncing, s.counters["stale_epoch"], s.counters["directory_restarts"]) == ("e2", 1, False, 3, 1)
+    assert (s.epoch, s.last, s.counters["stale_epoch"], s.counters["directory_restarts"]) == ("e2", 1, 3, 1)
+    assert s.counters["sync.started"] == 1
+    assert s.snapshot("e2", 1, s.asking()) == [] and not s.syncing and not s.claimed  # e2 is the live one
+    assert s.offer(cu(4, "e1")) == (False, "stale") and not s.syncing  # from now on dropped at no further cost
     assert s.offer(cu(2, "e2")) == (False, "apply")
     s.offer(cu(4, "e2"))  # a gap in e2
     assert s.snapshot("e2", 4, s.asking()) == [] and not s.syncing and s.last == 4
-    assert s.counters["stale_epoch"] == 3 and not s.restored  # dropped at no further cost: no sync
+    assert s.counters["stale_epoch"] == 4 and not s.restored and s.counters["sync.started"] == 2
     # a genuinely new epoch is adopted as ever; an epoch the worker never held (it came after) cannot be told old
     assert s.offer(cu(1, "e3")) == (True, "apply") and list(s.retired) == ["e1", "e2"]
     # a snapshot of a new process adopts it, retiring the one held
@@ -283,9 +308,31 @@ def test_one_forged_epoch_message_does_not_cut_the_worker_off_from_the_directory
     assert s.offer(cu(9, "forged-1")) == (False, "stale") and s.syncing and s.reason == "retired epoch"
     assert s.offer(cu(10, "forged-1")) == (False, "stale") and s.counters["sync.started.retired_epoch"] == 1
     assert s.snapshot("real", 5, s.asking()) == [] and not s.syncing and s.epoch == "real"
-    # a real restart adopted from a message ends that state: a late message of a retired epoch costs only its drop
+    # a real restart adopted from a message ends that state; a late message of a retired epoch costs one sync,
+    # whose snapshot (of the new epoch) settles it: later ones cost only their drop
     assert s.offer(cu(1, "real-2")) == (True, "apply") and not s.restored and list(s.retired) == ["forged-1", "real"]
-    assert s.offer(cu(6, "real")) == (False, "stale") and not s.syncing
+    assert s.offer(cu(6, "real")) == (False, "stale") and s.syncing
+    assert s.snapshot("real-2", 1, s.asking()) == [] and not s.syncing and s.epoch == "real-2"
+    assert s.offer(cu(7, "real")) == (False, "stale") and not s.syncing
+
+
+@pytest.mark.parametrize("seq", [0, 1])
+def test_a_forged_new_epoch_at_seq_0_or_1_is_undone_by_the_directorys_next_message_or_beacon(seq):
+    """A new epoch's announcement (``seq`` 0) or first message starts no sync; forged, it retired
+    the real epoch with nothing to take it back: every real message and beacon after it was dropped
+    (``stale_epoch``) for good. Now the first one of them starts a sync; its snapshot restores the
+    real epoch."""
+    s = CountStream()
+    for q in (1, 2):
+        s.offer(cu(q, "real"))
+    assert s.offer(cu(seq, "forged")) == (True, "apply") and not s.syncing and s.epoch == "forged"
+    assert s.offer(cu(3, "real")) == (False, "stale") and s.syncing and s.reason == "retired epoch"
+    assert s.offer(beacon(3, "real")) == (False, "stale")
+    gen = s.asking()
+    assert s.first_piece("real", 3, gen) and s.snapshot("real", 3, gen) == [] and not s.syncing
+    assert (s.epoch, s.last, list(s.retired), s.counters["sync.epoch_restored"]) == ("real", 3, ["forged"], 1)
+    assert s.offer(cu(4, "real")) == (False, "apply")
+    assert s.offer(beacon(4, "real")) == (False, "beacon") and not s.syncing
 
 
 def test_a_snapshot_from_an_old_directory_still_answering_is_undone_by_its_successors():
@@ -315,6 +362,78 @@ def test_a_superseded_syncs_snapshot_is_discarded_even_of_a_retired_epoch():
     s.offer(cu(3, "e2"))
     assert s.snapshot("e1", 3, gen) is None and s.syncing  # still the old generation's
     assert s.counters["sync.superseded"] == 2 and not s.restored
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_forged_messages_cost_at_most_one_snapshot_each_and_never_cut_the_worker_off(seed):
+    """A real directory (epoch ``real``, every message delivered) and a forger sending random
+    ``kv.counts`` messages and beacons (the real epoch or others, new or retired; ``seq`` 0, 1, in
+    sequence, behind, ahead, huge), the shell's sync run at once after each message against the real
+    directory's snapshot. Each sync takes one snapshot (no loop), all of them together at most one
+    per forged message; after the forger stops, the directory's next message and beacon put the
+    worker back on its epoch, and a reconnect's sync on its counts exactly."""
+    rng = random.Random(seed)
+    s = CountStream(retired_max=4)
+    real, dir_counts, held = "real", {}, {}
+    dir_seq = snaps = forged = 0
+
+    def deliver(msg: CountUpdates) -> None:
+        reset, action = s.offer(msg)
+        if reset:
+            held.clear()
+        if action == "apply":
+            held.update(zip(msg.hashes, msg.counts))
+        run_sync()
+
+    def run_sync() -> None:
+        nonlocal snaps
+        asks = 0
+        while s.syncing:
+            asks += 1
+            assert asks == 1, (seed, dict(s.counters))
+            snaps += 1
+            gen = s.asking()
+            assert s.first_piece(real, len(dir_counts), gen)
+            after = s.snapshot(real, dir_seq, gen)
+            if after is not None:
+                held.clear()
+                held.update(dir_counts)
+                for msg in after:
+                    held.update(zip(msg.hashes, msg.counts))
+
+    def send_real(beacon_only: bool = False) -> None:
+        nonlocal dir_seq
+        if beacon_only:
+            deliver(beacon(dir_seq, real))
+            return
+        dir_seq += 1
+        h = rng.randrange(8)
+        dir_counts[h] = rng.randrange(1, 5)
+        deliver(cu(dir_seq, real, [h], [dir_counts[h]]))
+
+    send_real()
+    for _ in range(120):
+        r = rng.random()
+        if r < 0.45:
+            send_real()
+        elif r < 0.55:
+            send_real(beacon_only=True)
+        else:
+            forged += 1
+            epoch = rng.choice([real, real, "f1", "f2", f"f{rng.randrange(3, 1000)}"])
+            seq = rng.choice([0, 1, s.last, s.last + 1, dir_seq + rng.randrange(1, 4), 10**9, rng.randrange(50)])
+            if rng.random() < 0.2 and seq:
+                deliver(beacon(seq, epoch))
+            else:
+                h = rng.randrange(8)
+                deliver(cu(seq, epoch, [h], [rng.randrange(1, 5)]))
+        assert snaps <= forged, (seed, snaps, forged, dict(s.counters))
+    send_real()
+    send_real(beacon_only=True)
+    assert s.epoch == real and not s.syncing, (seed, s.epoch, dict(s.counters))
+    assert s.start_sync("reconnect")
+    run_sync()
+    assert held == dir_counts and s.last == dir_seq and s.epoch == real
 
 
 def test_the_retired_epochs_are_bounded():
