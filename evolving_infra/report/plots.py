@@ -158,13 +158,15 @@ def plot_split(out: Path, report: Mapping[str, Any], timeline: RunTimeline | Non
 def plot_lost_kv(out: Path, report: Mapping[str, Any]) -> PlotFile | None:
     """Lost KV reuse over time when the series exists, else bars of h, h* and 1 − h/h*."""
     s = report.get("series") or {}
-    lost_t = s.get("lost_kv_reuse")
-    if lost_t:
-        t0, w = _t0(report), float(s.get("window_s") or 60.0)
-        xs = [(a + w / 2 - t0) / 60 for a in s.get("t_s") or []]  # window midpoints
+    lost_t = s.get("lost_kv_reuse") or []
+    t0, w = _t0(report), float(s.get("window_s") or 60.0)
+    xs = [(a + w / 2 - t0) / 60 for a in s.get("t_s") or []]  # window midpoints
+    pts = [(x, 100 * v) for x, v in zip(xs, lost_t) if v is not None]
+    # a series of only None windows (no request had ideal reuse, h* = 0) and no run figure
+    # draws nothing: the bars below say h = h* = 0 instead of an empty plot
+    if pts or (lost_t and report.get("lost_kv_reuse") is not None):
         fig = Figure(figsize=(6.4, 3.6))
         ax = fig.add_subplot()
-        pts = [(x, 100 * v) for x, v in zip(xs, lost_t) if v is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, color="C3", label=f"per {w:g} s window (by send)")
         if report.get("lost_kv_reuse") is not None:
@@ -197,7 +199,8 @@ def plot_lost_kv(out: Path, report: Mapping[str, Any]) -> PlotFile | None:
     ax.set_ylim(0, 105)
     ax.grid(alpha=0.3, axis="y")
     ax.set_title("KV reuse (run)")
-    caption = "Run-level h, h* and lost KV reuse; no per-window series (records carry no ideal_cached_tokens)."
+    caption = ("Run-level h, h* and lost KV reuse; no per-window series (records carry no ideal_cached_tokens)."
+               if not lost_t else "Run-level h and h*; no request had ideal KV reuse (h* = 0), so 1 − h/h* is undefined.")
     return PlotFile(_save(fig, out, "lost_kv_reuse.png"), "Lost KV reuse", caption)
 
 

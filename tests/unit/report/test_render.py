@@ -183,3 +183,25 @@ def test_eviction_share_label_says_it_is_a_share_of_the_lost_reuse(capsys: pytes
     out = capsys.readouterr().out
     assert "share of the lost KV reuse due to eviction 60.0%" in out
     assert _LABELS["lost_kv_reuse_eviction_share"] == "Share of the lost KV reuse due to eviction"
+
+
+def test_lost_kv_plot_without_ideal_reuse_draws_bars_not_an_empty_legend(tmp_path: Path):
+    """A run where no request had ideal KV reuse (h* = 0: every window's 1 − h/h* undefined, as a
+    short replay of fresh sessions) got an empty line plot and matplotlib's "No artists with labels
+    found to put in legend" warning on stderr; it now gets the run-level bars of h and h*."""
+    import warnings
+
+    from evolving_infra.report.plots import plot_lost_kv
+    from evolving_infra.report.write import build_report
+
+    from .helpers import rec
+
+    records = [rec(i, sent_at=10.0 * i, ideal=0) for i in range(3)]
+    report = build_report(records, meta={})
+    assert report["lost_kv_reuse"] is None and report["series"]["lost_kv_reuse"]
+    assert all(v is None for v in report["series"]["lost_kv_reuse"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot = plot_lost_kv(tmp_path, report)
+    assert plot is not None and "h* = 0" in plot.caption
+    assert (tmp_path / plot.file).read_bytes().startswith(PNG_MAGIC)
