@@ -583,10 +583,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "demo",
         help="up + replay real Claude Code sessions + report",
         description="Start a local cluster, replay real Claude Code sessions (shipped sample) closed-loop through the "
-        "router, and write OUT/report.json, OUT/requests.jsonl and the services' logs under OUT/logs.",
+        "router, and write OUT/report.json, OUT/requests.jsonl, the plots (OUT/*.png) with OUT/report.html that shows "
+        "them, and the services' logs under OUT/logs.",
     )
     _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs")
-    d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json (default demo-out)")
+    d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots and report.html (default demo-out)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample (- reads stdin)")
     d.add_argument("--sessions", type=int, default=None, help="sessions (agents) to replay (default 60; --engine torch: 4)")
     d.add_argument("--concurrency", type=int, default=None, help="concurrent agents, closed loop (default 16; --engine torch: 4)")
