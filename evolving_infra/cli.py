@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from evolving_infra.stdio_args import READER_GONE
+
 # Modules that contribute subcommands, in the order `--help` lists them.
 COMMAND_MODULES = (
     "evolving_infra.launcher",  # up, demo
@@ -61,6 +63,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="evolving-infra",
         description="Agent-adaptive LLM serving on a prefill-decode disaggregated cluster.",
+        epilog=EXIT_STATUSES,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     one = command in COMMANDS
@@ -76,9 +79,42 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+RUNTIME_FAILURE = 1
+"""Exit status of a command that was given valid options but failed (a service died, a report could not be
+written, a missing optional package); a command prints why on stderr."""
+
+USAGE_ERROR = 2
+"""Exit status of a usage error (a bad option value, options that conflict), found before anything starts;
+one line on stderr. argparse exits 2 for the errors it finds itself (an unknown flag, a missing argument),
+as most Unix tools do; the commands' own checks raise :class:`UsageError` for the same status."""
+
 INTERRUPTED = 130
 """Exit status of a command ended by Ctrl-C (SIGINT): 128 + 2, as a shell reports a process its
 SIGINT killed, and as ``simulate`` returns."""
+
+EXIT_STATUSES = (
+    f"exit status: 0 ok; {RUNTIME_FAILURE} runtime failure (the options were right but the run failed: a service "
+    f"died, requests failed, a package is missing; the reason on stderr); {USAGE_ERROR} usage error (a bad option "
+    "value or options that conflict, one line on stderr, before anything starts; also an unreadable input or an "
+    "unwritable output, and for split, tap and replay no running cluster or NATS server to talk to); "
+    f"{INTERRUPTED} interrupted (Ctrl-C); {READER_GONE} stdout's reader went away (| head)"
+)
+"""The epilog of ``evolving-infra --help``: the statuses :func:`main` returns."""
+
+
+class UsageError(SystemExit):
+    """A usage error found by a command's own checks (a bad option value, options that conflict):
+    :func:`main` prints the message (one line, ``error: ...``) on stderr and returns :data:`USAGE_ERROR`.
+
+    A :class:`SystemExit` whose ``str()`` is the message, as the ``SystemExit("error: ...")`` it replaces
+    (which exited 1, the status of a runtime failure); its ``code`` is :data:`USAGE_ERROR`, so that outside
+    :func:`main` it still exits 2 (without the message: Python prints a SystemExit's code only when it is
+    not an int).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = USAGE_ERROR
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,8 +143,11 @@ def _main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         rc = args.func(args)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return USAGE_ERROR
     except BrokenPipeError:  # stdout's reader stopped early (| head): quiet, as cat's SIGPIPE
-        from evolving_infra.stdio_args import READER_GONE, reader_gone
+        from evolving_infra.stdio_args import reader_gone
 
         if not reader_gone():
             raise
@@ -116,5 +155,8 @@ def _main(argv: list[str]) -> int:
     return int(rc or 0)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m evolving_infra.cli: run the module's main, not this __main__ copy's, so that
+    # the UsageError the commands import from evolving_infra.cli is the class its main catches
+    from evolving_infra.cli import main as module_main
+
+    sys.exit(module_main())

@@ -26,6 +26,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from evolving_infra.cli import UsageError
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
 from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, write_json
@@ -152,11 +153,11 @@ def _policy(args: argparse.Namespace) -> LivePolicy:
     try:
         profile = load_profile(args.profile)
     except ProfileError as e:  # not the planner's fault: say which flag
-        raise SystemExit(f"error: --profile {args.profile}: {e}") from None
+        raise UsageError(f"error: --profile {args.profile}: {e}") from None
     try:
         make_planner(pol.planner, [f"w{i}" for i in range(max(args.nodes, 1))], profile, **parse_planner_args(list(pol.planner_args)))
     except (ValueError, TypeError, ProfileError) as e:
-        raise SystemExit(f"error: --planner {pol.planner} / --planner-opt: {e}") from None
+        raise UsageError(f"error: --planner {pol.planner} / --planner-opt: {e}") from None
     return pol
 
 
@@ -170,24 +171,22 @@ def profile_block_size(args: argparse.Namespace) -> int:
     before anything starts, with status 2 (a usage error, as argparse's).
 
     Raises:
-        SystemExit: 2 when ``--block-size`` differs from the profile's (both named, with the flag to pass);
-            the message when the profile cannot be read.
+        UsageError: (status 2) ``--block-size`` differs from the profile's (both named, with the flag to pass),
+            or the profile cannot be read.
     """
     from shared.profile import ProfileError, load_profile
 
     try:
         page = load_profile(args.profile).block_size
     except ProfileError as e:
-        raise SystemExit(f"error: --profile {args.profile}: {e}")
+        raise UsageError(f"error: --profile {args.profile}: {e}") from None
     if args.block_size is not None and args.block_size != page:
         what = "torch engine's page size" if args.engine == "torch" else "block size"
-        print(
+        raise UsageError(
             f"error: --block-size {args.block_size} differs from the {what} {page} of profile {args.profile}; "
             f"the router, directory and workers must use one block size: pass --block-size {page} (or leave it out) "
-            "or a --profile whose block_size is the size you want",
-            file=sys.stderr,
+            "or a --profile whose block_size is the size you want"
         )
-        raise SystemExit(2)
     return page
 
 
@@ -198,18 +197,18 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
     served model name to the folder's name."""
     if args.engine == "sim":
         if args.model_dir:
-            raise SystemExit("error: --model needs --engine torch")
+            raise UsageError("error: --model needs --engine torch")
         return {"block_size": profile_block_size(args)}
     if not args.model_dir:
-        raise SystemExit("error: --engine torch needs --model DIR (evolving-infra model init DIR writes a tiny one)")
+        raise UsageError("error: --engine torch needs --model DIR (evolving-infra model init DIR writes a tiny one)")
     try:
         from services.worker.engines.torch_engine.model import ModelConfig, ModelConfigError
-    except ModuleNotFoundError as e:
+    except ModuleNotFoundError as e:  # a runtime failure (status 1): the options are right, the install lacks a package
         raise SystemExit(f"error: --engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'")
     try:
         context = ModelConfig.load(args.model_dir).max_position_embeddings
     except ModelConfigError as e:
-        raise SystemExit(f"error: --model {args.model_dir}: {e}")
+        raise UsageError(f"error: --model {args.model_dir}: {e}") from None
     if args.profile == "gb300-glm52":  # the sim default: a GLM-5.2 node is not this model
         args.profile = "torch-tiny-cpu"
     page = profile_block_size(args)
@@ -232,7 +231,7 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
     try:
         parse_split(args.split, args.nodes)
     except SplitError as e:  # the split may be the default (2P2D) the user never typed: say what to change
-        raise SystemExit(f"error: {e}; pass --split xPyD with x + y = {args.nodes} (or 'collocated'), or --nodes")
+        raise UsageError(f"error: {e}; pass --split xPyD with x + y = {args.nodes} (or 'collocated'), or --nodes")
     torch_values = _torch_values(args)
     if args.tokenizer != "sim":  # fail here, with the reason, not in every service's log
         from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
@@ -240,7 +239,7 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         try:
             output_vocabulary(load_tokenizer(args.tokenizer))
         except TokenizerError as e:
-            raise SystemExit(f"error: --tokenizer {args.tokenizer}: {e}")
+            raise UsageError(f"error: --tokenizer {args.tokenizer}: {e}") from None
     values = dict(
         nodes=args.nodes,
         split=args.split,
@@ -293,6 +292,7 @@ def port_unavailable(host: str, port: int) -> str | None:
 
 
 async def _up(args: argparse.Namespace) -> int:
+    spec = _spec(args)  # usage errors (status 2) before the port's state (a runtime failure, status 1)
     if unavailable := port_unavailable(args.host, args.port):
         print(f"error: {unavailable}; stop what listens there or pick another --port (0 = any free port)", file=sys.stderr)
         return 1
@@ -302,7 +302,7 @@ async def _up(args: argparse.Namespace) -> int:
     hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
     for sig in (signal.SIGINT, signal.SIGTERM, *hup):
         loop.add_signal_handler(sig, stop.set)
-    cluster = LocalCluster(_spec(args))
+    cluster = LocalCluster(spec)
 
     async def start() -> bool:
         await cluster.start()

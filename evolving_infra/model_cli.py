@@ -20,7 +20,7 @@ def _init(args: argparse.Namespace) -> int:
         from services.worker.engines.torch_engine.checkpoint import init_model
     except ModuleNotFoundError as e:
         print(f"error: {e.name} is not installed; install the torch extra: pip install -e '.[torch]'", file=sys.stderr)
-        return 2
+        return 1  # a runtime failure (the install lacks a package), as `up --engine torch` without it; 2 is a usage error
     try:
         folder = init_model(
             args.dir,

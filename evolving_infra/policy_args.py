@@ -117,9 +117,10 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
             (the demo's shorter warm-up); used only when the planner is ``evolving``.
 
     Raises:
-        SystemExit: an unknown set, component, malformed ``--planner-opt`` or a ``--routing-opt``
+        UsageError: (a SystemExit, status 2) an unknown set, component, malformed ``--planner-opt`` or a ``--routing-opt``
             that is not a router policy option or not a valid value of it (with the reason).
     """
+    from evolving_infra.cli import UsageError
     from services.planner.policy import PLANNERS
     from services.router.policy import policy_names
 
@@ -129,11 +130,11 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
         opts = parse_key_values(args.planner_opt or [], "--planner-opt")
         router_args = routing_option_args(parse_key_values(args.routing_opt or [], "--routing-opt"))
     except (PolicyError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+        raise UsageError(f"error: {e}") from None
     if ps.routing not in policy_names():
-        raise SystemExit(f"error: routing policy {ps.routing!r} is not registered; known: {', '.join(policy_names())}")
+        raise UsageError(f"error: routing policy {ps.routing!r} is not registered; known: {', '.join(policy_names())}")
     if ps.planner not in PLANNERS:
-        raise SystemExit(f"error: planner {ps.planner!r} is not known; known: {', '.join(PLANNERS)}")
+        raise UsageError(f"error: planner {ps.planner!r} is not known; known: {', '.join(PLANNERS)}")
     if ps.planner == "evolving" and planner_defaults:
         opts = {**planner_defaults, **opts}
     notes = []

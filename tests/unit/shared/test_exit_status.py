@@ -1,0 +1,96 @@
+"""Exit statuses of ``evolving-infra`` (``evolving_infra.cli``): a usage error exits 2 with one line on stderr.
+
+Before, ``up --split 3P3D`` and ``up --policy foo`` exited 1 (``SystemExit("error: ...")`` in the launcher)
+while ``up --block-size 16`` and ``simulate``'s split mismatch exited 2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.cli import EXIT_STATUSES, INTERRUPTED, RUNTIME_FAILURE, USAGE_ERROR, UsageError, build_parser
+from evolving_infra.stdio_args import READER_GONE
+
+ROOT = Path(__file__).resolve().parents[3]
+
+ENTRY = "import sys; from evolving_infra.cli import main; sys.exit(main())"
+"""What the ``evolving-infra`` console script runs (pyproject's ``evolving_infra.cli:main``)."""
+
+
+def _run(argv: list[str], tmp_path: Path, *, module: bool = False) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EI_STATE_DIR": str(tmp_path / "state")}
+    head = [sys.executable, "-m", "evolving_infra.cli"] if module else [sys.executable, "-c", ENTRY]
+    return subprocess.run([*head, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["up", "--split", "3P3D", "--port", "0"], "split '3P3D' covers 6 nodes but the cluster has 4"),  # was 1
+        (["up", "--policy", "foo", "--port", "0"], "unknown policy set 'foo'"),  # was 1
+        (["up", "--planner", "evolving", "--planner-opt", "t_learn_s=-1", "--port", "0"], "--planner-opt"),  # was 1
+        (["up", "--block-size", "16", "--port", "0"], "--block-size 16 differs from the block size 64"),
+        (["demo", "--model", "somewhere", "--out", "out"], "--model needs --engine torch"),  # was 1
+        (["simulate", "--workload", "putnam", "--nodes", "3", "--split", "2P2D", "--out", "out"], "2P2D"),
+        (["split", "set", "three"], "must look like '4P5D'"),
+    ],
+)
+def test_a_usage_error_exits_2_with_one_line(argv, fragment, tmp_path):
+    p = _run(argv, tmp_path)
+    lines = p.stderr.splitlines()
+    assert p.returncode == USAGE_ERROR == 2, (p.returncode, p.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], p.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything was made
+
+
+def test_python_m_reports_the_message_too(tmp_path):
+    """``python -m evolving_infra.cli`` runs the module as ``__main__``; the commands raise the UsageError of
+    ``evolving_infra.cli``, which that copy's main would not catch (status 2, no message)."""
+    p = _run(["up", "--policy", "foo"], tmp_path, module=True)
+    assert (p.returncode, p.stderr.splitlines()) == (2, ["error: unknown policy set 'foo'; known: static:<x>P<y>D, dynamo, arrow, evolving"])
+
+
+def test_argparse_errors_exit_2_as_before(tmp_path):
+    p = _run(["up", "--nodes", "many"], tmp_path)
+    assert p.returncode == 2 and p.stderr.splitlines()[-1] == "evolving-infra up: error: argument --nodes: invalid int value: 'many'"
+
+
+def test_a_usage_error_is_a_system_exit_with_its_message():
+    """Code that calls a command's checks outside main (tests, ``pytest.raises(SystemExit, match=...)``) sees
+    the message; uncaught, it exits 2."""
+    e = UsageError("error: x")
+    assert isinstance(e, SystemExit) and str(e) == "error: x" and e.code == 2
+
+
+def test_help_lists_the_exit_statuses():
+    text = " ".join(build_parser().format_help().split())
+    assert " ".join(EXIT_STATUSES.split()) in text
+    for status in (0, RUNTIME_FAILURE, USAGE_ERROR, INTERRUPTED, READER_GONE):
+        assert f"{status} " in EXIT_STATUSES
+
+
+@pytest.mark.parametrize(
+    "argv, module",
+    [
+        (["up", "--engine", "torch", "--model", "m"], "services.worker.engines.torch_engine.model"),
+        (["model", "init", "m"], "services.worker.engines.torch_engine.checkpoint"),  # was 2
+    ],
+)
+def test_a_missing_torch_extra_is_a_runtime_failure(argv, module, tmp_path, monkeypatch, capsys):
+    """The options are right; the install lacks a package: status 1 (``up`` and ``model init`` alike)."""
+    from evolving_infra.cli import main
+
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ModuleNotFoundError
+    monkeypatch.chdir(tmp_path)
+    try:
+        rc = main([*argv, *(["--log-dir", str(tmp_path / "logs"), "--port", "0"] if argv[0] == "up" else [])])
+    except SystemExit as e:  # up: SystemExit("error: ..."), which Python prints and exits 1 with
+        print(e, file=sys.stderr)
+        rc = 1 if isinstance(e.code, str) else e.code
+    err = capsys.readouterr().err
+    assert rc == RUNTIME_FAILURE and "torch extra" in err, (rc, err)
