@@ -38,6 +38,7 @@ _MORE_ROWS: tuple[tuple[str, bool | None], ...] = (
     ("e2e_p50_s", True),
     ("split_changes", None),
     ("final_split", None),
+    ("ttft_prediction_node_abs_error_median_s", True),
     ("ttft_prediction_abs_error_median_s", True),
     ("lost_kv_reuse_eviction_share", None),
     ("wall_s", None),

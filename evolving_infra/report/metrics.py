@@ -31,6 +31,13 @@ simulated seconds.
   (Figure 7a, Appendix C.2): from a :class:`RunTimeline`, see
   :func:`timeline_metrics`.
 * per period of a shifting run (§6.3, Table C.4): :func:`period_metrics`.
+* TTFT prediction error (``ttft`` routing, paper Eq. 7): ``ttft_prediction_abs_error_*`` =
+  |client TTFT − admission wait − ``predicted_ttft_s``| (in a live run the client TTFT adds the
+  control plane: router, dispatch to the node, first token back to the client, none of which the
+  predictor models); ``ttft_prediction_node_abs_error_*``, only when records carry
+  ``node_arrived_at`` and ``first_token_at`` (live runs) = |(``first_token_at`` −
+  ``node_arrived_at``) − ``predicted_ttft_s``|: against what the predictor predicts, the wait on
+  the prefill node plus the request's prefill (and exposed fetch), ``services/router/ttft.py``.
 """
 
 from __future__ import annotations
@@ -220,7 +227,9 @@ def summarize(
         window_s: window of the prefill queue imbalance (default 60 s).
 
     Returns:
-        A flat dict with the report keys (None where a metric has no samples).
+        A flat dict with the report keys (None where a metric has no samples;
+        ``ttft_prediction_node_*`` only when a record carries the node's arrival and first-token
+        times, i.e. in live runs).
     """
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -247,6 +256,20 @@ def summarize(
         for r in ok
         if r.predicted_ttft_s is not None and r.ttft_s is not None
     ]
+    # live: the node's part of TTFT (arrival on the prefill node -> its first token), what the
+    # predictor predicts; absent from simulator records (no node_arrived_at), so no key for them
+    node_err = [
+        abs(r.first_token_at - r.node_arrived_at - r.predicted_ttft_s)
+        for r in ok
+        if r.predicted_ttft_s is not None and r.first_token_at is not None and r.node_arrived_at is not None
+    ]
+    node_keys: dict[str, Any] = {}
+    if node_err:
+        node_keys = {
+            "ttft_prediction_node_samples": len(node_err),
+            "ttft_prediction_node_abs_error_median_s": _pct(node_err, 50),
+            "ttft_prediction_node_abs_error_p95_s": _pct(node_err, 95),
+        }
     imbalance, _ = prefill_queue_imbalance(records, start=start, end=end, window_s=window_s, timeline=timeline)
     return {
         "requests_sent": len(records),
@@ -277,6 +300,7 @@ def summarize(
         "ttft_prediction_samples": len(pred_err),
         "ttft_prediction_abs_error_median_s": _pct(pred_err, 50),
         "ttft_prediction_abs_error_p95_s": _pct(pred_err, 95),
+        **node_keys,
     }
 
 

@@ -205,3 +205,17 @@ def test_lost_kv_plot_without_ideal_reuse_draws_bars_not_an_empty_legend(tmp_pat
         plot = plot_lost_kv(tmp_path, report)
     assert plot is not None and "h* = 0" in plot.caption
     assert (tmp_path / plot.file).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_summary_labels_what_the_ttft_prediction_error_compares(capsys: pytest.CaptureFixture[str]):
+    """A live run printed 'TTFT prediction |error| median 10.555 s' against the client TTFT, mostly
+    control plane: it now leads with the error against the node's part and labels both."""
+    from evolving_infra.report.write import print_summary
+
+    print_summary({"ttft_prediction_abs_error_median_s": 10.555, "ttft_prediction_node_abs_error_median_s": 0.28,
+                   "ttft_prediction_node_abs_error_p95_s": 1.5, "meta": {}})
+    out = capsys.readouterr().out
+    assert "TTFT prediction |error| median 0.280 s p95 1.500 s (router's prediction vs the prefill node's arrival" in out
+    assert "vs client TTFT median 10.555 s (adds the control plane" in out
+    print_summary({"ttft_prediction_abs_error_median_s": 0.125, "meta": {}})  # simulator: one figure, labelled
+    assert "TTFT prediction |error| median 0.125 s (router's prediction vs client TTFT" in capsys.readouterr().out
