@@ -106,11 +106,24 @@ class TimelineRecorder:
         ...
         report = build_report(records, meta=meta, timeline=rec.timeline())
 
-    Operations: ``on_applied`` O(nodes) (recomputes the split name).
+    Time order: messages are folded as they arrive, but nodes stamp ``applied_at`` on their own
+    clocks and their messages cross the bus in any order, so a message can arrive after one
+    stamped later (live: a point at 1140.6957 s before one at 1140.6344 s). When the points so
+    folded are not in time order, :meth:`timeline` folds every message again in order of its
+    time (a stable sort: equal times keep their arrival order), so that each point is the split
+    of the messages stamped up to it. A run whose messages came in time order (the simulator's)
+    gets the points as folded.
+
+    Operations: ``on_applied`` O(nodes) (recomputes the split name); ``timeline`` O(points), or
+    O(M·nodes + M log M) for M messages when they came out of time order.
     """
 
     def __init__(self, initial_phases: Mapping[str, Phase], t0: float = 0.0, epoch: int = 0):
         """``initial_phases``: node → phase at launch; ``t0``: launch time (simulated seconds)."""
+        self._init = (dict(initial_phases), t0, epoch)
+        self._msgs: list[SplitApplied] = []
+        self._ordered = True
+        """Whether every point was emitted at a time ≥ the previous point's."""
         self._phases: dict[str, Phase] = dict(initial_phases)
         self._draining: set[str] = set()
         self._points: list[SplitPoint] = []
@@ -119,14 +132,21 @@ class TimelineRecorder:
         if self._phases:
             self._emit(t0)
 
+    @staticmethod
+    def _time_of(msg: SplitApplied) -> float:
+        """The time a message's point takes (simulated seconds): ``applied_at``, or the decision
+        for a ``draining`` message that has none."""
+        return (msg.applied_at or msg.decided_at) if msg.status == "draining" else msg.applied_at
+
     def on_applied(self, msg: SplitApplied) -> None:
         """Fold one ``SplitApplied`` into the timeline. Out-of-order epochs are applied as they come."""
+        self._msgs.append(msg)
         self._epoch = max(self._epoch, msg.epoch)
         old = self._phases.get(msg.node)
         if msg.status == "draining":
             if msg.node not in self._draining and old != msg.phase:
                 self._draining.add(msg.node)
-                self._emit(msg.applied_at or msg.decided_at)
+                self._emit(self._time_of(msg))
             return
         was_draining = msg.node in self._draining
         self._draining.discard(msg.node)
@@ -153,7 +173,12 @@ class TimelineRecorder:
             self.on_applied(m)
 
     def timeline(self) -> RunTimeline:
-        """A snapshot of the timeline so far."""
+        """A snapshot of the timeline so far, its points in time order (see the class docstring)."""
+        if not self._ordered:
+            phases, t0, epoch = self._init
+            again = TimelineRecorder(phases, t0, epoch)
+            again.feed(sorted(self._msgs, key=self._time_of))
+            return RunTimeline(split_timeline=list(again._points), switches=list(again._switches))
         return RunTimeline(split_timeline=list(self._points), switches=list(self._switches))
 
     def _emit(self, t: float) -> None:
@@ -184,6 +209,8 @@ class TimelineRecorder:
                 point.prefill_nodes,
             ):
                 return
+        if self._points and t < self._points[-1].t:
+            self._ordered = False
         self._points.append(point)
 
 

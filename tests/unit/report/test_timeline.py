@@ -75,3 +75,28 @@ def test_round_trip_and_metrics_window():
     assert m["switches"] == 2 and m["switch_time_mean_s"] == pytest.approx(3.5)
     assert m["split_changes"] == 2 and m["final_split"] == "3P1D"
     assert timeline_metrics(RunTimeline())["switches"] == 0
+
+
+def test_messages_stamped_out_of_order_give_a_timeline_in_time_order():
+    """Nodes stamp applied_at on their own clocks: a demo's split_timeline had [1140.6957, '1P1D+2B']
+    before [1140.6344, '2P1D+1B'] (arrival order). Points are in time order, each the split of the
+    messages stamped up to it, and switches follow applied_at; the same messages in time order give
+    the same timeline."""
+    start = {"w0": "both", "w1": "both", "w2": "both", "w3": "decode"}
+    msgs = [
+        applied("w0", "prefill", epoch=1, decided=1140.0, at=1140.6344),
+        applied("w1", "decode", epoch=1, decided=1140.0, at=1140.6957),
+        applied("w2", "both", epoch=1, decided=1140.0, at=1140.70),
+    ]
+    late = TimelineRecorder(start, t0=0.0)
+    late.feed([msgs[1], msgs[0], msgs[2]])  # w1's message crossed the bus first
+    tl = late.timeline()
+    assert [(p.t, p.split) for p in tl.split_timeline] == [
+        (0.0, "0P1D+3B"), (1140.6344, "1P1D+2B"), (1140.6957, "1P2D+1B"),
+    ]
+    assert [s.node for s in tl.switches] == ["w0", "w1"]
+    in_order = TimelineRecorder(start, t0=0.0)
+    in_order.feed(msgs)
+    assert in_order.timeline() == tl
+    times = [t for t, _ in timeline_metrics(tl)["split_timeline"]]
+    assert times == sorted(times)
