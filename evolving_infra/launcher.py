@@ -506,7 +506,8 @@ async def _demo(args: argparse.Namespace) -> int:
         "notes": notes,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, timeline=timeline)
+    # duration: the replay's own window (wall x speedup), not the span of the answered requests
+    report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, timeline=timeline, start=result.start, end=result.end)
     path = write_report(out, report, sorted(result.records, key=lambda r: r.sent_at))
     print_summary(report)
     print(f"report: {path}")

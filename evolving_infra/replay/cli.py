@@ -123,7 +123,8 @@ async def _replay(args: argparse.Namespace) -> int:
         meta["notes"] = [*meta["notes"], f"interrupted by {meta['interrupted']['signal']}: {len(result.records)} requests "
                          f"answered, {result.in_flight_at_stop} in flight cancelled (not counted)"]
     ideal = annotate_ideal(result.records, {r.id: r for r in trace.requests}, trace.header.block_size)
-    report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal)
+    # duration: the replay's own window (wall x speedup), also when stopped early, not the span of the answered requests
+    report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, start=result.start, end=result.end)
     path = write_report(Path(args.out), report, sorted(result.records, key=lambda r: r.sent_at))
     print_summary(report)
     print(f"report: {path}")

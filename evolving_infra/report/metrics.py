@@ -3,7 +3,8 @@
 Pure functions over :class:`RequestRecord` lists (no I/O, no clock). Times are
 simulated seconds.
 
-* throughput: completed requests per simulated second over the measured span;
+* throughput: completed requests per simulated second over the measured window (the caller's: a
+  live replay's own window; default first send → last finish);
   over time, completions per window (by ``finished_at``) / window length.
 * TTFT and E2E latency: mean, P50, P95 (P95 by linear interpolation, numpy default).
 * TPOT: mean over requests with ≥ 2 output tokens of (E2E − TTFT)/(tokens − 1).

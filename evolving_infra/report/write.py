@@ -46,6 +46,8 @@ def build_report(
     extra: Mapping[str, Any] | None = None,
     timeline: RunTimeline | None = None,
     window_s: float = WINDOW_S,
+    start: float | None = None,
+    end: float | None = None,
 ) -> dict[str, Any]:
     """The report dict: headline metrics, per-window series, per-period metrics, run metadata.
 
@@ -60,12 +62,18 @@ def build_report(
         timeline: the PD split over time and phase switches; without it
             ``switches``, ``switch_time_mean_s``, ``split_timeline`` and ``final_split`` are None.
         window_s: window of the time series and the prefill queue imbalance (default 60 s).
+        start, end: the measured window in simulated seconds (``start_s``, ``end_s``,
+            ``duration_s``, the denominator of ``throughput_rps``, the series' windows); default
+            the span of the records, first send → last finish (the simulator's). A live replay
+            passes its own window (``ReplayResult.start`` / ``.end``: replay start → its end,
+            wall seconds × speedup), so a replay stopped after 89 s wall at speedup 1 with 2
+            requests answered in 2.4 s reports 2 / 89 req/s, not 2 / 2.4.
 
     Returns:
         A JSON-serialisable dict (see ``evolving_infra/report/README.md``).
     """
     report: dict[str, Any] = dict(
-        summarize(records, ideal_kv_hit_rate=ideal_kv_hit_rate, timeline=timeline, window_s=window_s)
+        summarize(records, ideal_kv_hit_rate=ideal_kv_hit_rate, timeline=timeline, window_s=window_s, start=start, end=end)
     )
     report.update(timeline_metrics(timeline))
     report["sessions"] = len({r.agent for r in records})

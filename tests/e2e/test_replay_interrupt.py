@@ -66,6 +66,9 @@ def test_sigint_and_sigterm_write_partial_results_and_set_aside_the_previous_run
         assert first["meta"]["interrupted"]["signal"] == "SIGINT"
         assert first["requests_sent"] == len(lines) >= 3
         assert "interrupted by SIGINT" in " ".join(first["meta"]["notes"])
+        # throughput over the replay's own window (wall x speedup 50), not the span of the answered requests
+        assert first["duration_s"] == pytest.approx(50 * first["meta"]["wall_s"], rel=0.05)
+        assert first["throughput_rps"] == pytest.approx(first["requests_completed"] / first["duration_s"])
 
         rc, text = _replay_until(run.router_url, out, signal.SIGTERM, after_records=2, started=out / "previous" / "report.json")
         assert rc == 143, text

@@ -213,3 +213,14 @@ def test_live_ttft_prediction_error_against_the_node_part():
     sim = [rec(0, ttft=2.0)]
     sim[0].predicted_ttft_s, sim[0].first_token_at = 1.5, 1.0
     assert not any(k.startswith("ttft_prediction_node") for k in summarize(sim))
+
+
+def test_live_replay_window_is_the_duration_not_the_span_of_the_requests():
+    """A replay at speedup 1 stopped after 89.3 s wall, 2 requests answered within 2.433 s,
+    printed 'throughput 0.822 req/s'; over the replay's own window it is 2 / 89.3."""
+    rs = [rec(0, sent_at=1000.0, e2e=1.0), rec(1, sent_at=1001.0, e2e=1.433)]
+    assert build_report(rs, meta={})["throughput_rps"] == pytest.approx(2 / 2.433)  # the simulator's default
+    report = build_report(rs, meta={}, start=999.5, end=999.5 + 89.3)
+    assert (report["start_s"], report["duration_s"]) == (999.5, pytest.approx(89.3))
+    assert report["throughput_rps"] == pytest.approx(2 / 89.3)
+    assert report["series"]["t_s"] == [999.5, 1059.5]  # windows over the replay's window too
