@@ -25,6 +25,7 @@ import sys
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from evolving_infra.cli import UsageError
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
@@ -319,7 +320,8 @@ async def _up(args: argparse.Namespace) -> int:
     write_json(cluster.log_dir / "cluster.json", info)
     state = _write_state({**info, **_state_fields(cluster.spec)})
     try:
-        print(f"cluster ready: router {cluster.router_url}  (split {cluster.spec.split}, {args.nodes} workers, speedup {args.speedup:g})")
+        print(f"cluster ready: router {cluster.router_url}  ({split_plan(args.live_policy, cluster.spec.split)}; "
+              f"{args.nodes} workers, speedup {args.speedup:g})")
         print(f"  {args.live_policy.describe()}" + "".join(f"\n  note: {n}" for n in args.live_policy.notes))
         warmup = planner_warmup_line(args.live_policy, cluster.spec.split, cluster.spec.speedup)
         if warmup:  # the split above is served only after it; /v1/cluster and `split get` show the warm-up meanwhile
@@ -364,26 +366,66 @@ def _state_fields(spec: ClusterSpec) -> dict[str, object]:
     return {"partition": spec.partition, "tokenizer": spec.tokenizer, "model": spec.model}
 
 
+def _evolving_params(pol: LivePolicy) -> Any:
+    """The :class:`~services.planner.evolving.EvolvingParams` the planner service builds from ``pol``'s
+    ``--planner-opt`` items (its defaults where none is given; checked by :func:`_policy`)."""
+    from services.planner.evolving import EvolvingParams
+    from services.planner.policy import params_from, parse_planner_args
+
+    return params_from(EvolvingParams, parse_planner_args(list(pol.planner_args)), "evolving")
+
+
+def split_plan(pol: LivePolicy, split: str) -> str:
+    """What the cluster's split will be, for ``up``'s ready line and the demo's first line: ``split 2P2D`` for
+    the static planner; for the others the split the nodes start in and what the planner does with it
+    (``initial split 2P2D; planner evolving: collocated warm-up for 1800 s, then adapts``), since the
+    evolving planner's first tick (~0.2 s of simulated time after start) switches every node to ``both``.
+
+    Args:
+        pol: the live policy (its ``planner`` and ``planner_args``).
+        split: the split the workers are launched in (``--split`` or the policy's).
+    """
+    if pol.planner == "static":
+        return f"split {split}"
+    if pol.planner == "evolving" and (t_learn := _evolving_params(pol).t_learn_s) > 0:
+        return f"initial split {split}; planner evolving: collocated warm-up for {t_learn:.0f} s, then adapts"
+    return f"initial split {split}; planner {pol.planner} adapts it"
+
+
 def planner_warmup_line(pol: LivePolicy, split: str, speedup: float) -> str | None:
     """One line saying that the evolving planner serves every node collocated (phase ``both``) for its
-    warm-up (``t_learn_s``, paper: 1,800 s) before it moves to ``split``; None for the other planners
-    or without a warm-up (``t_learn_s=0``).
+    warm-up (``t_learn_s``, paper: 1,800 s) and which split it serves after it; None for the other planners
+    or without a warm-up (``t_learn_s=0``). The figures are the planner's parameters
+    (``services.planner.evolving.EvolvingParams`` with the ``--planner-opt`` items), not copies.
+
+    The warm-up ends on the first slice boundary (a multiple of ``window_s / slices``, 60 s, of simulated
+    time) at or after its first tick + ``t_learn_s``: ``split get`` says "until t=1860s" for a first tick
+    just after t=0 (services/planner/README.md). After it the planner goes to ``initial_split`` when given,
+    else to the split it found at its first tick (``split``), or, when that is collocated, to the split the
+    warm-up's records predict best (``objective``).
 
     Args:
         pol: the live policy (its ``planner`` and ``planner_args``, ``key=value`` items).
-        split: the split served after the warm-up (``2P2D``).
+        split: the split the workers are launched in (``2P2D``).
         speedup: simulated seconds per wall second (for the warm-up's wall time).
     """
     if pol.planner != "evolving":
         return None
-    opts = dict(a.split("=", 1) for a in pol.planner_args)
-    t_learn = float(opts.get("t_learn_s", 1800.0))
-    window = float(opts.get("window_s", 600.0))
-    if t_learn <= 0:
+    p = _evolving_params(pol)
+    if p.t_learn_s <= 0:
         return None
-    return (f"the planner serves every node collocated for its {t_learn:.0f}-s warm-up ({t_learn / speedup:.0f} s wall), "
-            f"fits each node's iteration-time models, then moves to {split} and re-plans the split every {window:.0f} s "
-            "of simulated time when a candidate is significantly better")
+    slice_s = p.window_s / p.slices
+    if p.initial_split:
+        after = p.initial_split
+    elif split == "collocated":
+        after = ("the split with the lowest predicted mean latency over the warm-up" if p.objective == "latency"
+                 else "the split with the best mean predicted throughput over the warm-up")
+    else:
+        after = split
+    return (f"planner evolving: every node collocated for its {p.t_learn_s:.0f}-s warm-up ({p.t_learn_s / speedup:.0f} s wall; "
+            f"it ends on a {slice_s:.0f}-s slice boundary, `split get` says when), fitting each node's iteration-time "
+            f"models; then {after}, re-planned every {p.window_s:.0f} s of simulated time when a candidate is "
+            f"significantly better (objective {p.objective})")
 
 
 def _write_state(info: dict[str, object]) -> Path | None:
@@ -454,7 +496,7 @@ async def _demo(args: argparse.Namespace) -> int:
     pol: LivePolicy = args.live_policy
     print(
         f"demo: {len(agents)} Claude Code sessions, {len(requests)} requests from {Path(trace_name).name}; "
-        f"{spec.nodes} workers at {spec.split}, speedup {spec.speedup:g}, {args.concurrency} concurrent agents",
+        f"{spec.nodes} workers, {split_plan(pol, spec.split)}; speedup {spec.speedup:g}, {args.concurrency} concurrent agents",
         flush=True,
     )
     print(f"  {pol.describe()}" + "".join(f"\n  note: {n}" for n in pol.notes), flush=True)

@@ -479,3 +479,14 @@ def test_guard_a_sustained_overload_switches():
     assert 480.0 < t <= 800.0 and split_name(d.phases) == "3P6D"
     ev = [e for e in pl.take_decisions() if e.action == "switch"][-1]
     assert ev.reason.startswith("SLO guard") and ev.metrics["sustained_checks"] >= 3
+
+
+@pytest.mark.parametrize("first_tick, end", [(0.0, 1800.0), (0.2, 1860.0), (59.0, 1860.0), (60.0, 1860.0), (60.5, 1920.0)])
+def test_the_warm_up_ends_on_the_first_slice_boundary_after_t_learn(first_tick, end):
+    """A live planner ticks first ~0.2 s after t=0, and `split get` said "until t=1860s" for t_learn_s=1800:
+    the warm-up ends on the first 60-s slice boundary at or after first tick + t_learn_s (the freeze and the
+    windows after it use whole slices), so it lasts t_learn_s to t_learn_s + one slice."""
+    pl = planner(t_learn_s=1800.0)
+    d = pl.tick(first_tick, split_phases("4P5D", NODES), set())
+    assert d is not None and set(d.phases.values()) == {"both"}
+    assert pl.warmup_end == end and f"until t={end:.0f}s" in d.reason

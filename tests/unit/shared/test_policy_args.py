@@ -6,7 +6,7 @@ import pytest
 
 from evolving_infra.cli import build_parser
 from evolving_infra.cluster import LocalCluster
-from evolving_infra.launcher import DEMO_PLANNER, _spec, planner_warmup_line
+from evolving_infra.launcher import DEMO_PLANNER, _spec, planner_warmup_line, split_plan
 from evolving_infra.sim.cli import config_from_args
 from evolving_infra.sim.config import resolve
 
@@ -98,9 +98,14 @@ def test_bad_policy_flags_fail_with_the_reason(argv, frag, tmp_path):
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["up"], "collocated for its 1800-s warm-up (1800 s wall), fits each node's iteration-time models, then moves to 2P2D"),
-        (["demo"], "collocated for its 900-s warm-up (18 s wall)"),
-        (["up", "--nodes", "3", "--split", "2P1D", "--planner-opt", "t_learn_s=60", "--speedup", "2"], "60-s warm-up (30 s wall)"),
+        (["up"], "collocated for its 1800-s warm-up (1800 s wall; it ends on a 60-s slice boundary, `split get` says when), "
+                 "fitting each node's iteration-time models; then 2P2D, re-planned every 600 s"),
+        (["demo"], "collocated for its 900-s warm-up (18 s wall;"),
+        (["up", "--split", "collocated"], "then the split with the lowest predicted mean latency over the warm-up"),
+        (["up", "--planner-opt", "initial_split=3P1D"], "then 3P1D, re-planned"),
+        (["up", "--planner-opt", "window_s=300", "--planner-opt", "slices=5"], "on a 60-s slice boundary, `split get` says when), "
+                                                                               "fitting each node's iteration-time models; then 2P2D, re-planned every 300 s"),
+        (["up", "--nodes", "3", "--split", "2P1D", "--planner-opt", "t_learn_s=60", "--speedup", "2"], "60-s warm-up (30 s wall;"),
         (["up", "--planner-opt", "t_learn_s=0"], None),
         (["up", "--policy", "static:3P1D"], None),
         (["up", "--policy", "dynamo"], None),
@@ -112,3 +117,20 @@ def test_up_and_demo_say_that_the_evolving_planner_warms_up_collocated(argv, exp
     spec = _spec(args)
     line = planner_warmup_line(args.live_policy, spec.split, spec.speedup)
     assert (line is None) if expected is None else (expected in line), line
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["up"], "initial split 2P2D; planner evolving: collocated warm-up for 1800 s, then adapts"),
+        (["demo"], "initial split 2P2D; planner evolving: collocated warm-up for 900 s, then adapts"),
+        (["up", "--planner-opt", "t_learn_s=0"], "initial split 2P2D; planner evolving adapts it"),
+        (["up", "--policy", "dynamo"], "initial split 2P2D; planner dynamo adapts it"),
+        (["up", "--policy", "static:3P1D"], "split 3P1D"),
+    ],
+)
+def test_the_ready_line_says_what_the_split_will_do(argv, expected, tmp_path):
+    """`up`'s ready line said "split 2P2D" while the evolving planner switched every node to both ~0.2 s later."""
+    args = build_parser().parse_args([*argv, "--log-dir", str(tmp_path)])
+    spec = _spec(args)
+    assert split_plan(args.live_policy, spec.split) == expected
