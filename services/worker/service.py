@@ -230,7 +230,10 @@ class WorkerService:
         """Simulated time from which the engine can act on what it holds: the end of its last plan,
         or the latest input handed to the core, or a deadline it waited for (sim engines)."""
         self._tasks: list[asyncio.Task[None]] = []
-        self._last_state_wall = 0.0
+        self._last_state_mono = float("-inf")
+        """``time.monotonic()`` when the last ``node.state`` went out: the heartbeat and the state
+        cadence count from it, not from the wall clock (a step back of the wall clock by an hour
+        stopped every state for an hour)."""
         self._switch: _Switch | None = None
         self._started_at = clock.now()
         """Simulated s this process started (``_Switch.since``)."""
@@ -1014,7 +1017,7 @@ class WorkerService:
                 if deadline is not None and deadline > self._ready_at:
                     self._ready_at = deadline  # a KV arrival or fetch completion: the engine acts at it
             return
-        if time.time() - self._last_state_wall >= self.cfg.state_interval_s:
+        if time.monotonic() - self._last_state_mono >= self.cfg.state_interval_s:
             await self._publish_state(now)
         duration = await asyncio.to_thread(self.engine.execute, plan) if self.engine.threaded else self.engine.execute(plan)
         end = plan.start + duration
@@ -1202,16 +1205,16 @@ class WorkerService:
             accepting=self.accepting and self._switch is None,
             engine=self.engine.name,
         )
-        self._last_state_wall = time.time()
+        self._last_state_mono = time.monotonic()
         await self.bus.publish(NODE_STATE, st, node=self.node)
 
     async def _state_heartbeat(self) -> None:
         """node.state at least every ``idle_state_interval_s`` (liveness for the router)."""
         interval = self.cfg.idle_state_interval_s
         while True:
-            due = self._last_state_wall + interval
-            if time.time() < due:
-                await sleep_until(due, time.time)  # one asyncio.sleep wakes early under uvloop (a spin)
+            due = self._last_state_mono + interval
+            if time.monotonic() < due:
+                await sleep_until(due)  # one asyncio.sleep wakes early under uvloop (a spin)
                 continue  # a state may have gone out meanwhile
             self._check_reconnect()  # also when no count message comes after the reconnect
             try:

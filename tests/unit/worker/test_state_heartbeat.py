@@ -18,21 +18,21 @@ import structlog
 
 class _HeartbeatShell:
     """What ``WorkerService._state_heartbeat`` touches; counts the loop's passes (reads of
-    ``_last_state_wall``) and stops the loop after ``beats`` states."""
+    ``_last_state_mono``) and stops the loop after ``beats`` states."""
 
     def __init__(self, interval: float, beats: int) -> None:
         self.cfg = SimpleNamespace(idle_state_interval_s=interval)
         self.clock = SimpleNamespace(now=lambda: 0.0)
         self.log = structlog.get_logger()
         self.reads = 0
-        self._last = time.time()
+        self._last = time.monotonic()
         self.sent: list[tuple[float, float]] = []
-        """(when due, when sent) per state, wall s."""
+        """(when due, when sent) per state, monotonic s."""
         self.beats = beats
         self.done = asyncio.Event()
 
     @property
-    def _last_state_wall(self) -> float:
+    def _last_state_mono(self) -> float:
         self.reads += 1
         return self._last
 
@@ -40,7 +40,7 @@ class _HeartbeatShell:
         pass
 
     async def _publish_state(self, now: float) -> None:
-        t = time.time()
+        t = time.monotonic()
         self.sent.append((self._last + self.cfg.idle_state_interval_s, t))
         self._last = t
         if len(self.sent) == self.beats:
@@ -68,3 +68,30 @@ def test_the_state_heartbeat_waits_for_each_beat_without_spinning(loop, interval
     shell = run(heartbeat())
     assert len(shell.sent) == beats and all(t >= due for due, t in shell.sent), shell.sent
     assert shell.reads <= 2 * beats, (shell.reads, beats)
+
+
+@pytest.mark.parametrize("step_s", [-3600.0, 3600.0])
+def test_the_heartbeat_keeps_its_beat_when_the_wall_clock_steps(monkeypatch, step_s):
+    """The wall clock stepped (NTP, an admin) by an hour: the heartbeat still beats every interval.
+    It counted from ``time.time()``: stepped back, no state went out for an hour (an idle worker
+    then looks dead to a router on another host, and a busy one's states stopped too)."""
+    from services.worker.service import WorkerService
+
+    interval, beats = 0.02, 6
+
+    async def heartbeat() -> _HeartbeatShell:
+        shell = _HeartbeatShell(interval, beats)
+        task = asyncio.create_task(WorkerService._state_heartbeat(shell))  # type: ignore[arg-type]
+        while len(shell.sent) < 2:
+            await asyncio.sleep(0.001)
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + step_s)
+        try:
+            await asyncio.wait_for(shell.done.wait(), 2.0)
+        finally:
+            task.cancel()
+        return shell
+
+    shell = pytest.importorskip("uvloop").run(heartbeat())
+    gaps = [b[1] - a[1] for a, b in zip(shell.sent, shell.sent[1:])]
+    assert len(shell.sent) == beats and max(gaps) < 0.5, gaps
