@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -115,6 +117,37 @@ class UsageError(SystemExit):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.code = USAGE_ERROR
+
+
+def command_name(cwd: str | os.PathLike[str] | None = None) -> str:
+    """``evolving-infra`` as the user can type it in the shell they ran this one from, for the commands a
+    command prints (the demo's baseline line): bare ``evolving-infra`` only when the ``evolving-infra`` on
+    ``PATH`` is the one running; else the path of the running console script (``.venv/bin/evolving-infra``
+    after ``make demo`` in a fresh clone, whose venv is not activated; relative to ``cwd`` when under it,
+    else absolute); else, run as ``python -m evolving_infra.cli`` with no script beside the interpreter,
+    that interpreter with ``-m evolving_infra.cli``.
+
+    Args:
+        cwd: the folder the shell is in (default: this process's).
+    """
+    cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
+
+    def shown(path: str) -> str:
+        rel = os.path.relpath(os.path.abspath(path), cwd)
+        text = os.path.abspath(path) if rel.startswith(os.pardir) else rel
+        return shlex.quote(text if os.sep in text else os.path.join(os.curdir, text))  # a bare name would be looked up on PATH
+
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    if os.path.basename(argv0) == "evolving-infra" and os.path.isfile(argv0):
+        script = argv0
+    else:
+        script = os.path.join(os.path.dirname(sys.executable), "evolving-infra")
+        if not os.path.isfile(script):
+            return f"{shown(sys.executable)} -m evolving_infra.cli"
+    found = shutil.which("evolving-infra")
+    if found and os.path.realpath(found) == os.path.realpath(script):
+        return "evolving-infra"
+    return shown(script)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from evolving_infra.cli import UsageError
+from evolving_infra.cli import UsageError, command_name
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
 from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, write_json
@@ -326,7 +326,7 @@ async def _up(args: argparse.Namespace) -> int:
         warmup = planner_warmup_line(args.live_policy, cluster.spec.split, cluster.spec.speedup)
         if warmup:  # the split above is served only after it; /v1/cluster and `split get` show the warm-up meanwhile
             print(f"  {warmup}")
-        print(f"  NATS {cluster.nats_url}   logs {cluster.log_dir}   trace with: evolving-infra tap (or split get)")
+        print(f"  NATS {cluster.nats_url}   logs {cluster.log_dir}   trace with: {command_name()} tap (or split get)")
         if cluster.creds is not None:
             print(
                 f"  NATS auth {args.nats_auth}: each service its own identity; split and tap on this machine find the "
@@ -568,17 +568,18 @@ def _vocab_size(tokenizer: str) -> int | None:
 
 
 def _baseline_line(args: argparse.Namespace, out: Path) -> str:
-    """The demo's second line: the same input under the baseline (SGLang PD at the same split,
+    """The demo's last line: the same input under the baseline (SGLang PD at the same split,
     cache-aware routing, no switches), as a command to run and compare."""
+    ei = command_name()  # `make demo` runs .venv/bin/evolving-infra, not on PATH until the venv is activated
     if args.live_policy.name.startswith("static"):
-        return "baseline: this run is the static baseline; compare with the default policy: evolving-infra demo --out demo-out"
+        return f"baseline: this run is the static baseline; compare with the default policy: {ei} demo --out demo-out"
     base_out = f"{out}-static"
     same = [f"--sessions {args.sessions}", f"--concurrency {args.concurrency}", f"--speedup {args.speedup:g}", f"--nodes {args.nodes}"]
     if args.trace:
         same.append(f"--trace {args.trace}")
     return (f"baseline (same input, SGLang PD at {args.split}, cache-aware routing, no switches): "
-            f"evolving-infra demo --policy static:{args.split} {' '.join(same)} --out {base_out} && "
-            f"evolving-infra report compare {out} {base_out}")
+            f"{ei} demo --policy static:{args.split} {' '.join(same)} --out {base_out} && "
+            f"{ei} report compare {out} {base_out}")
 
 
 def scale_trace_for_model(requests: list, context: int, max_output: int) -> list:

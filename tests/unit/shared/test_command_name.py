@@ -1,0 +1,81 @@
+"""``evolving_infra.cli.command_name``: the commands ``evolving-infra`` prints are ones the user can run.
+
+The demo's last line suggested ``evolving-infra demo --policy static:2P2D ...`` after ``make demo``, which runs
+``.venv/bin/evolving-infra`` without activating the venv: bare ``evolving-infra`` was not on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.cli import build_parser, command_name
+from evolving_infra.launcher import _baseline_line, _spec
+
+
+def _clone(tmp_path: Path) -> Path:
+    """A fresh clone after ``make demo``: ``.venv/bin/python`` and the console script ``.venv/bin/evolving-infra``."""
+    repo = tmp_path / "repo"
+    bin_ = repo / ".venv" / "bin"
+    bin_.mkdir(parents=True)
+    for name in ("python", "evolving-infra"):
+        (bin_ / name).write_text("#!/bin/sh\n")
+        (bin_ / name).chmod(0o755)
+    return repo
+
+
+@pytest.fixture
+def make_demo(tmp_path, monkeypatch):
+    """``make demo``'s process: ``.venv/bin/evolving-infra demo`` run in the clone, the venv not activated."""
+    repo = _clone(tmp_path)
+    monkeypatch.chdir(repo)
+    monkeypatch.setattr(sys, "executable", str(repo / ".venv/bin/python"))
+    monkeypatch.setattr(sys, "argv", [".venv/bin/evolving-infra", "demo", "--out", "demo-out"])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    return repo
+
+
+def test_make_demo_in_a_fresh_clone_prints_the_venvs_script(make_demo, monkeypatch):
+    assert command_name() == ".venv/bin/evolving-infra"
+    assert command_name(make_demo.parent) == "repo/.venv/bin/evolving-infra"
+    assert command_name(make_demo.parent / "elsewhere") == str(make_demo / ".venv/bin/evolving-infra")  # not under it: absolute
+
+
+def test_an_activated_venv_prints_the_bare_name(make_demo, monkeypatch):
+    monkeypatch.setenv("PATH", f"{make_demo / '.venv/bin'}{os.pathsep}/usr/bin")
+    assert command_name() == "evolving-infra"
+
+
+def test_another_evolving_infra_on_path_is_not_the_one_running(make_demo, tmp_path, monkeypatch):
+    other = _clone(tmp_path / "other")
+    monkeypatch.setenv("PATH", f"{other / '.venv/bin'}{os.pathsep}/usr/bin")
+    assert command_name() == ".venv/bin/evolving-infra"
+
+
+def test_python_m_without_a_script_prints_the_interpreter(tmp_path, monkeypatch):
+    py = tmp_path / "py" / "bin" / "python3"
+    py.parent.mkdir(parents=True)
+    py.write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(py))
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "evolving_infra" / "cli.py"), "demo"])
+    assert command_name() == "py/bin/python3 -m evolving_infra.cli"
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "my python"))
+    (tmp_path / "my python").write_text("")
+    assert command_name() == "'./my python' -m evolving_infra.cli"
+
+
+@pytest.mark.parametrize("policy", ["evolving", "static:2P2D"])
+def test_the_demos_baseline_line_runs_from_the_clone(make_demo, policy, tmp_path):
+    args = build_parser().parse_args(["demo", "--policy", policy, "--log-dir", str(tmp_path / "logs"), "--sessions", "4",
+                                      "--concurrency", "2"])
+    _spec(args)
+    line = _baseline_line(args, Path("demo-out"))
+    commands = line.split(": ", 1)[1] if policy == "evolving" else line.rsplit(": ", 1)[1]
+    assert commands.startswith(".venv/bin/evolving-infra demo "), line
+    assert " evolving-infra " not in f" {commands} ".replace(".venv/bin/evolving-infra", "")
+    if policy == "evolving":
+        assert "&& .venv/bin/evolving-infra report compare demo-out demo-out-static" in commands
