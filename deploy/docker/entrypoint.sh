@@ -11,6 +11,7 @@
 #   EI_NATS_AUTH   nkeys (default) | off (NATS open inside the compose network)
 #   EI_CLOCK_ORIGIN  set here from $EI_CREDS_DIR/clock_origin (written by the auth job) unless given
 #   EI_BLOCK_SIZE  kvdirectory, router: set here to EI_PROFILE's block_size (the workers'); another is refused
+#   worker --profile P (compose's worker-torch): refused unless P's block_size is EI_PROFILE's
 set -eu
 role=${1:-}
 [ $# -gt 0 ] && shift
@@ -21,14 +22,18 @@ AUTH=${EI_NATS_AUTH:-nkeys}
 
 [ -n "${EI_BLOCK_SIZE:-}" ] || unset EI_BLOCK_SIZE  # compose passes an unset one as empty
 
-profile_block_size() {  # EI_BLOCK_SIZE := the profile's block_size, which every worker uses; exit 2 on another
-    profile=${EI_PROFILE:-gb300-glm52}
-    bs=$(python -c 'import sys
+block_size_of() {  # block_size_of PROFILE SAID_AS: the profile's block_size on stdout; one line and status 1 if unreadable
+    python -c 'import sys
 from shared.profile import ProfileError, load_profile
 try:
     print(load_profile(sys.argv[1]).block_size)
 except ProfileError as e:
-    sys.exit(f"{sys.argv[2]}: EI_PROFILE={sys.argv[1]}: {e}")' "$profile" "$role") || exit 2
+    sys.exit(f"{sys.argv[2]}: {sys.argv[3]}: {e}")' "$1" "$role" "$2"
+}
+
+profile_block_size() {  # EI_BLOCK_SIZE := the profile's block_size, which every worker uses; exit 2 on another
+    profile=${EI_PROFILE:-gb300-glm52}
+    bs=$(block_size_of "$profile" "EI_PROFILE=$profile") || exit 2
     if [ -n "${EI_BLOCK_SIZE:-}" ] && [ "$EI_BLOCK_SIZE" != "$bs" ]; then
         echo "$role: EI_BLOCK_SIZE=$EI_BLOCK_SIZE differs from the block size $bs of profile $profile; the router," \
             "directory and workers must use one block size: set EI_BLOCK_SIZE=$bs (or leave it unset) or an EI_PROFILE" \
@@ -94,6 +99,24 @@ case "$role" in
     case "$SPLIT" in
       *P*D) x=${SPLIT%%P*}; if [ "$((n - 1))" -lt "$x" ]; then phase=prefill; else phase=decode; fi ;;
     esac
+    # a --profile in ARGS (compose's worker-torch: EI_TORCH_PROFILE) must share EI_PROFILE's block size, the
+    # router's and directory's (profile_block_size), or every request fails with 500 'block size mismatch'
+    own="" prev=""
+    for a in "$@"; do
+        case "$a" in --profile=*) own=${a#--profile=} ;; *) [ "$prev" = --profile ] && own=$a ;; esac
+        prev=$a
+    done
+    cluster=${EI_PROFILE:-gb300-glm52}
+    if [ -n "$own" ] && [ "$own" != "$cluster" ]; then
+        own_bs=$(block_size_of "$own" "--profile $own") || exit 2
+        cluster_bs=$(block_size_of "$cluster" "EI_PROFILE=$cluster") || exit 2
+        if [ "$own_bs" != "$cluster_bs" ]; then
+            echo "worker: --profile $own has block size $own_bs but EI_PROFILE=$cluster (the router's and KV directory's)" \
+                "has $cluster_bs; every request would fail with 'block size mismatch': set EI_PROFILE=$own for the whole" \
+                "stack (compose: EI_PROFILE=$own docker compose --profile torch up)" >&2
+            exit 2
+        fi
+    fi
     creds_for "worker-$node"
     exec python -m services.worker --instance "worker-$node" --node "$node" --phase "$phase" "$@"
     ;;

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 ENTRYPOINT = REPO / "deploy" / "docker" / "entrypoint.sh"
 
 
-def _run(tmp_path: Path, role: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, role: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     shim = bin_dir / "python"
@@ -31,7 +31,7 @@ def _run(tmp_path: Path, role: str, **env: str) -> subprocess.CompletedProcess[s
     shim.chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
     base.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(REPO), EI_CLOCK_ORIGIN="1.0", EI_NATS_AUTH="off")
-    return subprocess.run(["/bin/sh", str(ENTRYPOINT), role], env={**base, **env}, capture_output=True, text=True, timeout=60)
+    return subprocess.run(["/bin/sh", str(ENTRYPOINT), role, *args], env={**base, **env}, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("role", ["kvdirectory", "router"])
@@ -57,3 +57,23 @@ def test_an_unreadable_profile_stops_the_service(tmp_path):
     r = _run(tmp_path, "router", EI_PROFILE=str(tmp_path / "missing.toml"))
     assert r.returncode == 2 and "started" not in r.stdout, (r.stdout, r.stderr)
     assert r.stderr.startswith(f"router: EI_PROFILE={tmp_path / 'missing.toml'}: ") and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_worker_whose_profile_has_another_block_size_than_the_clusters_is_refused(tmp_path):
+    """compose's ``worker-torch`` runs ``--profile ${EI_TORCH_PROFILE:-torch-tiny-cpu}`` (8-token
+    blocks) while the router and directory follow ``EI_PROFILE`` (gb300-glm52 by default, 64): it
+    started, and every request failed with 500 "block size mismatch". Refused (one line, status 2)
+    naming the EI_PROFILE to set; one with the same block size, or the same profile, starts."""
+    torch_cmd = ["--engine", "torch", "--model", "/models", "--profile", "torch-tiny-cpu"]
+    r = _run(tmp_path, "worker", *torch_cmd, EI_REPLICA="1")  # EI_PROFILE unset: the default gb300-glm52
+    assert r.returncode == 2 and "started" not in r.stdout, (r.stdout, r.stderr)
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1, line
+    assert "--profile torch-tiny-cpu" in line and "block size 8" in line and "EI_PROFILE=gb300-glm52" in line, line
+    assert "64" in line and "set EI_PROFILE=torch-tiny-cpu" in line, line
+    r = _run(tmp_path, "worker", *torch_cmd, EI_REPLICA="1", EI_PROFILE="torch-tiny-cpu")
+    assert (r.returncode, r.stdout.strip()) == (0, "started services.worker EI_BLOCK_SIZE=unset"), r.stderr
+    r = _run(tmp_path, "worker", "--profile=gb300-kimi-k26", EI_REPLICA="2")  # another profile, same block size (64)
+    assert (r.returncode, r.stdout.strip()) == (0, "started services.worker EI_BLOCK_SIZE=unset"), r.stderr
+    r = _run(tmp_path, "worker", EI_REPLICA="1", EI_PROFILE="tiny")  # no --profile: EI_PROFILE, the cluster's
+    assert (r.returncode, r.stdout.strip()) == (0, "started services.worker EI_BLOCK_SIZE=unset"), r.stderr
