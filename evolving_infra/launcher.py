@@ -456,6 +456,8 @@ async def _demo(args: argparse.Namespace) -> int:
     from services.router.ingress import ApiKeyError, local_client_key
     from shared.clock import SimClock
 
+    from shared.profile import load_profile
+
     torch_engine = args.engine == "torch"
     if args.sessions is None:
         args.sessions = 4 if torch_engine else 60
@@ -478,8 +480,6 @@ async def _demo(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else out / "logs"
     if torch_engine:  # the engine's page size (and the model's context) rule; the trace is scaled to fit
         spec = _spec(args, log_dir=str(log_dir), fence_after_s=DEMO_FENCE_S)
-        from shared.profile import load_profile
-
         # prompts cut so that two requests fit the node's L1 together (and the model's context)
         limit = min(spec.max_context_tokens, load_profile(spec.profile).memory.gpu_kv_tokens // 2)
         requests = scale_trace_for_model(requests, limit, args.max_output)
@@ -541,7 +541,8 @@ async def _demo(args: argparse.Namespace) -> int:
         "cluster": {"nodes": spec.nodes, "split": spec.split, "profile": spec.profile, "routing": spec.routing},
         "policy": pol.meta(),
         "speedup": spec.speedup,
-        "arrival": {"kind": "closed", "concurrency": args.concurrency},
+        **demo_input_meta(concurrency=args.concurrency, agents=len(agents), block_size=load_profile(spec.profile).block_size,
+                          trace_block_size=trace.header.block_size),
         "wall_s": time.monotonic() - wall0,
         "replay_wall_s": result.wall_s,
         "branch_end_failures": result.branch_end_failures,
@@ -556,6 +557,38 @@ async def _demo(args: argparse.Namespace) -> int:
     print(_baseline_line(args, out))
     ok = report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"]
     return 0 if ok else 1
+
+
+def demo_input_meta(*, concurrency: int, agents: int, block_size: int, trace_block_size: int) -> dict[str, object]:
+    """The ``meta`` keys of a demo's report that say what it served, in the keys and shapes
+    ``simulate`` records, so that ``report compare`` (``compare.INPUT_KEYS``) checks a demo against
+    a simulation of the same input and warns only about what differs.
+
+    Args:
+        concurrency: agents running at once (closed loop).
+        agents: sessions replayed.
+        block_size: the cluster's tokens per KV block: the profile's (the workers').
+        trace_block_size: tokens per block of the replayed trace.
+
+    Returns:
+        ``arrival`` (closed, ``rate_per_min`` and ``cap`` None as in ``simulate``), ``agents``,
+        ``block_size``, ``trace_block_size``, ``tile`` 1, ``max_pause_s`` None (the trace's pauses
+        as recorded, scaled by the speedup, none capped), ``duration_s`` None (until every session
+        is done), ``warmup_s`` 0.0 (every request is measured), and ``inputs_not_applicable``
+        ``["seed"]`` (agents enter in trace order on a closed loop: nothing is drawn, so no seed
+        applies). No ``agent_order``: ``simulate`` records none for its default, trace order.
+    """
+    return {
+        "arrival": {"kind": "closed", "concurrency": concurrency, "rate_per_min": None, "cap": None},
+        "agents": agents,
+        "block_size": block_size,
+        "trace_block_size": trace_block_size,
+        "tile": 1,
+        "max_pause_s": None,
+        "duration_s": None,
+        "warmup_s": 0.0,
+        "inputs_not_applicable": ["seed"],
+    }
 
 
 def _vocab_size(tokenizer: str) -> int | None:

@@ -113,11 +113,24 @@ async def _replay(args: argparse.Namespace) -> int:
         "trace_source": trace.header.source,
         "router_url": args.router_url,
         "speedup": args.speedup,
-        "arrival": {"kind": args.arrival, "concurrency": args.concurrency, "rate_per_min": args.rate, "cap": args.cap},
+        # what the replay served, in the keys and shapes `simulate` records (report compare's input check)
+        "arrival": {"kind": args.arrival, "concurrency": args.concurrency if args.arrival == "closed" else None,
+                    "rate_per_min": args.rate if args.arrival == "open" else None, "cap": args.cap if args.arrival == "open" else None},
+        "agents": len({r.agent for r in trace.requests}),
+        "trace_block_size": trace.header.block_size,
+        "tile": 1,
+        "max_pause_s": None,  # the trace's pauses as recorded (scaled by the speedup), none capped
+        "duration_s": None,  # until every session is done (or the replay is stopped)
+        "warmup_s": 0.0,  # every request is measured
+        "seed": args.seed,
         "wall_s": time.monotonic() - wall0,
         "notes": list(trace.header.meta.get("notes", []) or []),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if args.agent_order != "trace":  # as `simulate`, which records no agent_order for its default
+        meta["agent_order"] = args.agent_order
+    if not (args.sessions or args.max_requests_per_branch or args.arrival == "open" or args.agent_order == "shuffled"):
+        meta["inputs_not_applicable"] = ["seed"]  # nothing sampled nor drawn
     if result.interrupted:
         meta["interrupted"] = {"signal": signals[0] if signals else "stop", "in_flight_cancelled": result.in_flight_at_stop}
         meta["notes"] = [*meta["notes"], f"interrupted by {meta['interrupted']['signal']}: {len(result.records)} requests "

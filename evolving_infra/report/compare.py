@@ -108,16 +108,26 @@ def format_table(labels: Sequence[str], table: Sequence[Mapping[str, Any]]) -> s
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
 
 
+NOT_APPLICABLE = "inputs_not_applicable"
+"""``meta`` key: the :data:`INPUT_KEYS` that cannot change what this run served (a live demo's
+``seed``: its agents enter in trace order on a closed loop, nothing is drawn)."""
+
+
 def input_differences(reports: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> list[str]:
     """One line per :data:`INPUT_KEYS` key whose ``meta`` value differs between runs that record
-    it (a key no run records, e.g. in a live replay's report, is skipped), naming each run's value.
+    it (a key no run records is skipped), naming each run's value: ``not recorded`` for a run whose
+    ``meta`` lacks the key. A run that lists the key in ``meta["inputs_not_applicable"]`` is left
+    out of that key's comparison (a live demo has no seed: ``seed: demo=None, sim=0`` would read as
+    a missing setting), and is shown as ``n/a`` when the others differ.
     Empty when the runs served the same input for the same time."""
     out = []
     metas = [r.get("meta") if isinstance(r.get("meta"), Mapping) else {} for r in reports]
     for key in INPUT_KEYS:
-        vals = [m.get(key) for m in metas]
+        na = [key in (m.get(NOT_APPLICABLE) or ()) for m in metas]
+        vals = [m.get(key) for m, skip in zip(metas, na) if not skip]
         if any(v is not None for v in vals) and any(v != vals[0] for v in vals[1:]):
-            out.append(f"{key}: " + ", ".join(f"{lab}={v}" for lab, v in zip(labels, vals)))
+            shown = ["n/a" if skip else m[key] if key in m else "not recorded" for m, skip in zip(metas, na)]
+            out.append(f"{key}: " + ", ".join(f"{lab}={v}" for lab, v in zip(labels, shown)))
     return out
 
 

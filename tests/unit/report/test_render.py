@@ -219,3 +219,32 @@ def test_summary_labels_what_the_ttft_prediction_error_compares(capsys: pytest.C
     assert "vs client TTFT median 10.555 s (adds the control plane" in out
     print_summary({"ttft_prediction_abs_error_median_s": 0.125, "meta": {}})  # simulator: one figure, labelled
     assert "TTFT prediction |error| median 0.125 s (router's prediction vs client TTFT" in capsys.readouterr().out
+
+
+def test_compare_of_a_demo_and_a_simulation_of_its_input_warns_about_nothing(tmp_path: Path):
+    """`report compare demo-out <sim>` warned 'warmup_s: demo-out=None', 'seed: demo-out=None',
+    'block_size: demo-out=None': the demo's meta now records what it served in simulate's keys,
+    and a seed, which a closed loop in trace order never draws from, is not applicable to it."""
+    import subprocess
+    import sys
+
+    from evolving_infra.launcher import demo_input_meta
+    from evolving_infra.report.compare import input_differences
+    from evolving_infra.report.write import load_run
+
+    repo = Path(__file__).resolve().parents[3]
+    sample = "evolving_infra/data/claude-code-sample.jsonl.gz"
+    sims = {}
+    for name, extra in (("sim", []), ("sim-seed3", ["--seed", "3"]), ("sim-pause30", ["--max-pause", "30"])):
+        subprocess.run([sys.executable, "-m", "evolving_infra.cli", "simulate", "--trace", sample, "--nodes", "4",
+                        "--concurrency", "16", "--no-plots", "--duration", "300", "--out", str(tmp_path / name), *extra],
+                       cwd=repo, check=True, capture_output=True)
+        sims[name], _ = load_run(tmp_path / name)
+    demo = {"meta": {"trace": sample, **demo_input_meta(concurrency=16, agents=60, block_size=64, trace_block_size=64),
+                     "duration_s": 300.0}}  # the simulations stop at 300 s; the demo's own is None (until done)
+    assert input_differences([demo, sims["sim"]], ["demo-out", "sim"]) == []
+    assert input_differences([demo, sims["sim-seed3"]], ["demo-out", "sim"]) == []  # no seed applies to the demo
+    assert input_differences([demo, sims["sim-pause30"]], ["demo-out", "sim"]) == ["max_pause_s: demo-out=None, sim=30.0"]
+    assert input_differences([demo, sims["sim"], sims["sim-seed3"]], ["demo-out", "a", "b"]) == ["seed: demo-out=n/a, a=0, b=3"]
+    # a key one run does not record is named so, not shown as None
+    assert input_differences([{"meta": {}}, sims["sim"]], ["old", "sim"])[0].startswith("trace: old=not recorded, sim=")
