@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import signal
 import socket
 import sys
@@ -609,7 +610,11 @@ def _baseline_line(args: argparse.Namespace, out: Path) -> str:
     base_out = f"{out}-static"
     same = [f"--sessions {args.sessions}", f"--concurrency {args.concurrency}", f"--speedup {args.speedup:g}", f"--nodes {args.nodes}"]
     if args.trace:
-        same.append(f"--trace {args.trace}")
+        same.append(f"--trace {shlex.quote(str(args.trace))}")
+    if args.engine == "torch":  # the same real model, scaled the same way (its profile is torch-tiny-cpu unless given)
+        same.append(f"--engine torch --model {shlex.quote(str(args.model_dir))} --max-output {args.max_output}")
+    if args.profile != "gb300-glm52":  # the same nodes (a tiny demo against a GLM-5.2 baseline compares nothing)
+        same.append(f"--profile {shlex.quote(str(args.profile))}")
     return (f"baseline (same input, SGLang PD at {args.split}, cache-aware routing, no switches): "
             f"{ei} demo --policy static:{args.split} {' '.join(same)} --out {base_out} && "
             f"{ei} report compare {out} {base_out}")

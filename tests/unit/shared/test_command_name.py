@@ -79,3 +79,23 @@ def test_the_demos_baseline_line_runs_from_the_clone(make_demo, policy, tmp_path
     assert " evolving-infra " not in f" {commands} ".replace(".venv/bin/evolving-infra", "")
     if policy == "evolving":
         assert "&& .venv/bin/evolving-infra report compare demo-out demo-out-static" in commands
+
+
+@pytest.mark.parametrize("extra", [["--profile", "tiny"], ["--engine", "torch", "--model", "MODEL", "--max-output", "5"]])
+def test_the_demos_baseline_line_keeps_the_profile_and_the_engine(make_demo, extra, tmp_path):
+    """'Same input' means the same nodes: the baseline command dropped ``--profile`` (a ``--profile
+    tiny`` demo was compared with a gb300-glm52 baseline) and ``--engine torch --model DIR
+    --max-output N`` (a real-model demo with a simulated GLM-5.2 one)."""
+    from evolving_infra.cli import main
+
+    if "--engine" in extra:
+        assert main(["model", "init", str(tmp_path / "MODEL")]) in (0, None)
+        extra = [str(tmp_path / "MODEL") if a == "MODEL" else a for a in extra]
+    args = build_parser().parse_args(["demo", "--log-dir", str(tmp_path / "logs"), "--sessions", "4", "--concurrency", "2", *extra])
+    _spec(args)
+    line = _baseline_line(args, Path("demo-out"))
+    base = line.split(": ", 1)[1].split(" && ")[0]
+    if "--engine" in extra:
+        assert f"--engine torch --model {tmp_path / 'MODEL'} --max-output 5" in base and "--profile torch-tiny-cpu" in base, line
+    else:
+        assert "--profile tiny" in base and "--engine" not in base, line
