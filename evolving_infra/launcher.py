@@ -493,6 +493,17 @@ async def _demo(args: argparse.Namespace) -> int:
         # tokens, so equal block prefixes stay equal token prefixes at any cluster block size
         spec = _spec(args, log_dir=str(log_dir), fence_after_s=DEMO_FENCE_S)
         token_block = trace.header.block_size
+        # a node refuses a request whose prompt alone exceeds its L1 (WorkRejected: 'request needs N KV blocks
+        # but node has M in GPU memory'): with none that fits (demo --profile tiny: 256 tokens, prompts of
+        # thousands) every request fails after a full replay; refused here instead
+        l1 = load_profile(spec.profile).memory.gpu_kv_tokens
+        shortest = min((len(r.blocks) * token_block for r in requests), default=0)
+        if requests and shortest > l1:
+            print(f"error: --profile {spec.profile}: a node's GPU KV memory holds {l1} tokens (memory.gpu_kv_tokens) "
+                  f"and the shortest of the {len(requests)} prompts to replay has {shortest}: every request would fail; "
+                  "use a profile with more KV memory (the default gb300-glm52) or --engine torch, which scales the "
+                  "trace to its node", file=sys.stderr)  # fmt: skip
+            return 2
     out.mkdir(parents=True, exist_ok=True)  # after the checks of _spec: a refused demo leaves no folder
     pol: LivePolicy = args.live_policy
     print(

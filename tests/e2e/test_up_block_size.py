@@ -71,3 +71,22 @@ def test_a_block_size_other_than_the_profiles_is_refused_before_anything_starts(
     assert "--block-size 64" in line and "block size 4 of profile tiny" in line and "pass --block-size 4" in line, line
     assert not (tmp_path / "logs").exists()
     assert not out.exists()
+
+
+def test_a_demo_on_a_profile_whose_l1_holds_none_of_the_prompts_is_refused(tmp_path):
+    """``demo --profile tiny``: its L1 holds 256 tokens, the shipped trace's prompts thousands, so
+    every request failed ('request needs 4202 KV blocks but node w0 has 64 in GPU memory': 742 of
+    742 failed after 2 min 25 s). Refused before anything starts (status 2, one line), no --out."""
+    out = tmp_path / "demo-out"
+    proc = _cli("demo", "--profile", "tiny", "--out", str(out), "--log-dir", str(tmp_path / "logs"))
+    try:
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        raise AssertionError("demo --profile tiny started instead of refusing") from None
+    stdout, stderr = proc.stdout.read(), proc.stderr.read()
+    assert rc == 2, (stdout, stderr)
+    line = stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert "profile tiny" in line and "256" in line and "every request would fail" in line, line
+    assert not out.exists() and not (tmp_path / "logs").exists()
