@@ -32,6 +32,7 @@ from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.service import serve_until_stopped
 from shared.subjects import BRANCH_EVENTS, KV_COUNT_SYNC, KV_COUNTS, ROUTE_PLACED, SVC_STATS, Subjects
+from tests.integration.polling import until
 
 pytestmark = pytest.mark.timeout(60)
 BS = 4  # the tiny profile's block size
@@ -76,15 +77,6 @@ async def cluster(url: str, *, directory: dict[str, Any] | None = None, worker: 
             s.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 10)
         await client.close()
-
-
-async def until(pred, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def directory_counts(d: DirectoryService) -> dict[int, int]:

@@ -27,6 +27,7 @@ from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
+from tests.integration.polling import until
 
 pytestmark = pytest.mark.timeout(90)
 BS = 4
@@ -58,15 +59,6 @@ gpu_to_gpu_latency_s = 0.001
 chunk_tokens = 64
 max_running = 16
 """
-
-
-async def _until(pred, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await pred() if asyncio.iscoroutinefunction(pred) else pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def _complete(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
@@ -115,18 +107,18 @@ async def test_decode_node_is_chosen_when_the_prefill_starts(nats_url, tmp_path:
 
         stops.append(asyncio.Event())
         tasks.append(asyncio.create_task(serve_until_stopped("router", rcfg, factory, instance="router", stop_event=stops[-1])))
-        await _until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and len(states) == 3, "router ready")
+        await until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and len(states) == 3, 15.0, "router ready")
         url = f"http://127.0.0.1:{port_file.read_text().strip()}"
 
         a = asyncio.create_task(_complete(url, list(range(1, 601)), 1))  # ≈ 1.2 s of prefill on w0
-        await _until(lambda: states["w0"].running == 1, "A prefilling on w0")
+        await until(lambda: states["w0"].running == 1, 15.0, "A prefilling on w0")
         b = asyncio.create_task(_complete(url, list(range(1000, 1040)), 4))
-        await _until(lambda: len(states["w0"].queue) >= 1 and states["w0"].waiting == 1, "B queued on w0 behind A")
+        await until(lambda: len(states["w0"].queue) >= 1 and states["w0"].waiting == 1, 15.0, "B queued on w0 behind A")
         # load w2 now, after B's dispatch and before its prefill starts
         x = m.DecodeWork(rid="x-load", prompt_tokens=8, max_tokens=6_000, block_size=BS, block_hashes=[11, 12],
                          prefill_node="w0", kv_ready_at=0.0)  # fmt: skip
         await bus.publish(WORK_DECODE, x, node="w2")
-        await _until(lambda: states["w2"].running >= 1, "w2 decoding the load")
+        await until(lambda: states["w2"].running >= 1, 15.0, "w2 decoding the load")
         assert not b.done() and states["w0"].waiting == 1  # B has not started its prefill yet
         ra, rb = await a, await b
         assert ra.status_code == 200 and rb.status_code == 200, (ra.text, rb.text)
@@ -139,7 +131,7 @@ async def test_decode_node_is_chosen_when_the_prefill_starts(nats_url, tmp_path:
             w0 = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=5.0)).counters
             assert w0["bind.ok"] == 1 and w0.get("bind.failed", 0) == 0
         await bus.publish(WORK_ABORT, m.RequestAbort(rid="x-load", reason="test over"), node="w2")
-        await _until(lambda: states["w2"].running == 0, "the load aborted")
+        await until(lambda: states["w2"].running == 0, 15.0, "the load aborted")
 
 
 async def test_prefill_fails_cleanly_when_no_router_binds_a_decode_node(nats_url):
@@ -172,7 +164,7 @@ async def test_prefill_fails_cleanly_when_no_router_binds_a_decode_node(nats_url
                 await asyncio.sleep(0.02)
         work = m.PrefillWork(rid="lonely", prompt_tokens=9, max_tokens=4, block_size=BS, block_hashes=[1, 2], decode_binding="start")
         await bus.publish(WORK_PREFILL, work, node="w0")
-        await _until(lambda: any(c.finished for c in chunks), "the error chunk", timeout=10)
+        await until(lambda: any(c.finished for c in chunks), timeout=10, what="the error chunk")
         (c,) = chunks
         assert c.finish_reason == "error" and "no decode node" in (c.error or "")
         stats = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=2.0))

@@ -37,6 +37,7 @@ from evolving_infra import split_cli
 from services.planner.config import PlannerConfig
 from services.planner.service import PlannerService
 from tests.unit.planner.helpers import records
+from tests.integration.polling import until
 
 pytestmark = pytest.mark.timeout(60)
 NODES = ["w0", "w1", "w2", "w3"]
@@ -68,14 +69,6 @@ class Client:
         await c.bus.subscribe(PLANNER_DECISIONS, on_dec)
         await c.bus.nc.flush()
         return c
-
-    async def until(self, pred, timeout: float = 10.0, what: str = "condition"):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if pred():
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"timed out waiting for {what}")
 
     async def stats(self) -> m.StatsReply:
         reply = await self.bus.request(SVC_STATS, m.StatsRequest(), instance="planner")
@@ -113,10 +106,10 @@ async def test_records_in_models_out_and_epochs(nats_url):
     args = ["t_learn_s=20", "window_s=600", "fit_cap=5000"]
     async with planner(nats_url, planner="evolving", profile="tiny", speedup=10.0, planner_args=args):
         # the warm-up: every node collocated under epoch 2
-        await c.until(lambda: any(cmd.epoch == 2 for cmd in c.commands), what="warm-up command")
+        await until(lambda: any(cmd.epoch == 2 for cmd in c.commands), what="warm-up command")
         warm = next(cmd for cmd in c.commands if cmd.epoch == 2)
         assert split_name(warm.phases) == "collocated"
-        await c.until(lambda: c.models, what="profile models at start")
+        await until(lambda: c.models, what="profile models at start")
         assert not c.models[0].frozen and {x.source for x in c.models[0].models} == {"profile"}
         for i, n in enumerate(NODES):
             await c.bus.publish(
@@ -124,18 +117,18 @@ async def test_records_in_models_out_and_epochs(nats_url):
             )
             await c.bus.publish(NODE_ITERS, m.IterationRecords(node=n, records=records(200, TINY.prefill, TINY.decode, seed=i)), node=n)
         # t_learn = 20 sim s = 2 wall s: the fit freezes, the initial split comes back under epoch 3
-        await c.until(lambda: any(x.frozen for x in c.models), timeout=15, what="frozen models")
+        await until(lambda: any(x.frozen for x in c.models), timeout=15, what="frozen models")
         frozen = next(x for x in c.models if x.frozen)
         assert {x.node for x in frozen.models} == set(NODES)
         for nm in frozen.models:
             assert nm.source == "fitted" and nm.samples == 200
             assert nm.prefill.c1 == pytest.approx(TINY.prefill.c1, rel=1e-3)
             assert nm.decode.d2 == pytest.approx(TINY.decode.d2, rel=1e-3)
-        await c.until(lambda: any(cmd.epoch == 3 for cmd in c.commands), what="initial split after warm-up")
+        await until(lambda: any(cmd.epoch == 3 for cmd in c.commands), what="initial split after warm-up")
         assert split_name(next(cmd for cmd in c.commands if cmd.epoch == 3).phases) == "2P2D"
         reply = await c.bus.request(SPLIT_GET, m.SplitQuery())
         assert reply.epoch == 3
-        await c.until(lambda: len(c.decisions) >= 2, what="decision events")
+        await until(lambda: len(c.decisions) >= 2, what="decision events")
         assert [d.action for d in c.decisions[:2]] == ["warmup", "switch"] and c.decisions[1].epoch == 3
         stats = await c.stats()
         assert stats.counters["iteration_records"] == 800 and stats.counters["split_epoch"] == 3
@@ -154,7 +147,7 @@ async def test_a_static_planner_publishes_online_models_for_the_router(nats_url)
     async with planner(nats_url, planner="static", profile="tiny", speedup=10.0, refit_interval_s=10.0):
         await c.bus.publish(NODE_ITERS, m.IterationRecords(node="w0", records=records(200, slow_p, slow_d, seed=1)), node="w0")
         await c.bus.publish(NODE_ITERS, m.IterationRecords(node="w1", records=records(200, TINY.prefill, TINY.decode, seed=2)), node="w1")
-        await c.until(lambda: any(x.models for x in c.models), timeout=15, what="online models")
+        await until(lambda: any(x.models for x in c.models), timeout=15, what="online models")
         msg = next(x for x in c.models if x.models)
         assert not msg.frozen and {x.node for x in msg.models} == {"w0", "w1"}
         w0 = next(x for x in msg.models if x.node == "w0")
@@ -210,7 +203,7 @@ async def test_a_started_planner_adopts_the_split_the_nodes_serve_and_answers_on
         assert await asyncio.wait_for(put, 5.0) == 0
         got, done = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
         assert (got["epoch"], got["split"]) == (7, "3P1D") and (done["epoch"], done["split"]) == (8, "1P3D")
-        await c.until(lambda: any(cmd.epoch == 8 for cmd in c.commands), what="the held split set announced")
+        await until(lambda: any(cmd.epoch == 8 for cmd in c.commands), what="the held split set announced")
         assert [(cmd.epoch, split_name(cmd.phases)) for cmd in c.commands][:2] == [(7, "3P1D"), (8, "1P3D")]
         await asyncio.sleep(1.2)  # two announcements later
         assert {(cmd.epoch, split_name(cmd.phases)) for cmd in c.commands} == {(7, "3P1D"), (8, "1P3D")}
@@ -233,10 +226,10 @@ async def test_a_node_silent_during_the_grace_gets_its_phase_announced_when_it_r
     async with planner(nats_url, adopt_grace_s=0.6, announce_interval_s=30.0):
         for n, ph in (("w0", "prefill"), ("w1", "prefill"), ("w3", "decode")):
             await c.bus.publish(NODE_STATE, m.NodeState(node=n, phase=ph, epoch=7), node=n)
-        await c.until(lambda: c.commands, what="the adopted split at the grace's end")
+        await until(lambda: c.commands, what="the adopted split at the grace's end")
         assert c.commands[0].epoch == 7 and split_name(c.commands[0].phases) == "2P2D"
         await c.bus.publish(NODE_STATE, m.NodeState(node="w2", phase="prefill", epoch=7), node="w2")
-        await c.until(lambda: len(c.commands) >= 2, timeout=3.0, what="the corrected split announced")
+        await until(lambda: len(c.commands) >= 2, timeout=3.0, what="the corrected split announced")
         assert (c.commands[1].epoch, split_name(c.commands[1].phases)) == (7, "3P1D")
         got = await c.bus.request(SPLIT_GET, m.SplitQuery())
         assert got.epoch == 7 and split_name(got.phases) == "3P1D"
@@ -265,7 +258,7 @@ async def test_a_node_state_above_the_planners_epoch_moves_it_only_with_a_majori
         assert stats.counters["node_states_epoch_ahead"] == 3 and stats.counters["split.foreign"] == 0
         await c.bus.publish(NODE_STATE, m.NodeState(node="w2", phase="decode", epoch=5), node="w2")
         await c.bus.publish(NODE_STATE, m.NodeState(node="w3", phase="decode", epoch=5), node="w3")
-        await c.until(lambda: any(cmd.epoch == 5 for cmd in c.commands), what="adoption by a majority")
+        await until(lambda: any(cmd.epoch == 5 for cmd in c.commands), what="adoption by a majority")
         got = await c.bus.request(SPLIT_GET, m.SplitQuery())
         assert got.epoch == 5 and got.phases == {"w0": "prefill", "w1": "decode", "w2": "decode", "w3": "decode"}
         assert max(cmd.epoch for cmd in c.commands) == 5
@@ -277,8 +270,8 @@ async def test_split_set_new_epoch_and_refusals(nats_url, capsys):
     async with planner(nats_url):
         reply = await c.bus.request(SPLIT_SET, m.SplitSetRequest(split="3P1D", reason="test"))
         assert reply.ok and reply.command.epoch == 2 and split_name(reply.command.phases) == "3P1D"
-        await c.until(lambda: any(cmd.epoch == 2 for cmd in c.commands), what="epoch 2 published")
-        await c.until(lambda: any(d.policy == "operator" for d in c.decisions), what="operator decision event")
+        await until(lambda: any(cmd.epoch == 2 for cmd in c.commands), what="epoch 2 published")
+        await until(lambda: any(d.policy == "operator" for d in c.decisions), what="operator decision event")
         bad = await c.bus.request(SPLIT_SET, m.SplitSetRequest(split="3P3D"))
         assert not bad.ok and "cluster has 4" in bad.error and bad.command is None
         assert (await c.bus.request(SPLIT_GET, m.SplitQuery())).epoch == 2

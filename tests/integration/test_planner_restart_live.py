@@ -21,19 +21,11 @@ from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.split import split_name
 from shared.subjects import NODE_STATE, PLANNER_DECISIONS, SPLIT_APPLIED, SPLIT_COMMANDS, SPLIT_GET, SPLIT_SET, Subjects
+from tests.integration.polling import until
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 NODES = ["w0", "w1", "w2", "w3"]
-
-
-async def _until(pred, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def _split_get(bus: Bus, timeout_s: float) -> m.SplitCommand:
@@ -86,7 +78,7 @@ async def test_a_planner_killed_and_restarted_keeps_the_operators_split_and_swit
             )  # fmt: skip
             out, err = await p.communicate()
             assert p.returncode == 0 and "epoch 2: 3P1D" in out.decode(), (out, err)
-            await _until(
+            await until(
                 lambda: all(n in states and states[n].epoch == 2 and states[n].accepting for n in NODES) and states["w2"].phase == "prefill",
                 30.0, "every node serving the operator's 3P1D at epoch 2",
             )  # fmt: skip
@@ -117,6 +109,6 @@ async def test_a_planner_killed_and_restarted_keeps_the_operators_split_and_swit
             # the operator's next split goes above the adopted epoch, and the nodes follow it
             reply = await bus.request(SPLIT_SET, m.SplitSetRequest(split="2P2D", reason="test"), timeout=5.0)
             assert reply.ok and reply.command.epoch == 3
-            await _until(lambda: states["w2"].epoch == 3 and states["w2"].phase == "decode" and states["w2"].accepting, 30.0, "w2 back to decode")
+            await until(lambda: states["w2"].epoch == 3 and states["w2"].phase == "decode" and states["w2"].accepting, 30.0, "w2 back to decode")
         finally:
             await bus.close()

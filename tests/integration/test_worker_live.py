@@ -36,6 +36,7 @@ from shared.subjects import (
 from services.worker.config import WorkerConfig
 from services.worker.engines.sim import sim_output_tokens
 from services.worker.service import WorkerService
+from tests.integration.polling import until
 
 pytestmark = pytest.mark.timeout(60)
 BS = 4  # tiny profile block size
@@ -78,14 +79,6 @@ class Client:
         await c.bus.subscribe(SPLIT_APPLIED, on_applied)
         await c.bus.nc.flush()
         return c
-
-    async def until(self, pred, timeout: float = 10.0, what: str = "condition"):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if pred():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"timed out waiting for {what}")
 
     def finished(self, rid: str) -> bool:
         return any(ch.finished for ch in self.chunks[rid])
@@ -157,7 +150,7 @@ async def test_token_stream_kv_events_state_iters_and_resync(nats_url):
     async with workers(nats_url, {"node": "w0"}):
         w = prompt("r1", list(range(1, 11)), tail=1, max_tokens=6)
         await c.bus.publish(WORK_PREFILL, w, node="w0")
-        await c.until(lambda: c.finished("r1"), what="r1 to finish")
+        await until(lambda: c.finished("r1"), what="r1 to finish")
         chunks = c.chunks["r1"]
         check_stream(chunks, "r1", 6)
         assert (chunks[0].prompt_tokens, chunks[0].cached_tokens, chunks[0].node) == (41, 0, "w0")
@@ -166,10 +159,10 @@ async def test_token_stream_kv_events_state_iters_and_resync(nats_url):
 
         # same prompt again: 10 full pages cached, (41 - 1) // 4 = 10 pages usable
         await c.bus.publish(WORK_PREFILL, msgspec.structs.replace(w, rid="r2"), node="w0")
-        await c.until(lambda: c.finished("r2"), what="r2 to finish")
+        await until(lambda: c.finished("r2"), what="r2 to finish")
         assert c.chunks["r2"][0].cached_tokens == 40
 
-        await c.until(lambda: c.iters["w0"], timeout=3, what="iteration records")
+        await until(lambda: c.iters["w0"], timeout=3, what="iteration records")
         await asyncio.sleep(0.3)
         batches = c.kv["w0"]
         assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
@@ -198,7 +191,7 @@ async def test_pd_handoff_between_two_workers(nats_url):
     c = await Client.connect(nats_url)
     async with workers(nats_url, {"node": "w0", "phase": "prefill"}, {"node": "w1", "phase": "decode", "stream_interval": 3}):
         await c.bus.publish(WORK_PREFILL, prompt("pd1", [5, 6, 7], tail=2, max_tokens=12, decode_node="w1"), node="w0")
-        await c.until(lambda: c.finished("pd1"), what="pd1 to finish")
+        await until(lambda: c.finished("pd1"), what="pd1 to finish")
         chunks = c.chunks["pd1"]
         check_stream(chunks, "pd1", 12)
         assert chunks[0].node == "w0" and all(ch.node == "w1" for ch in chunks[1:])
@@ -206,7 +199,7 @@ async def test_pd_handoff_between_two_workers(nats_url):
         s0, s1 = await c.stats("w0"), await c.stats("w1")
         assert s0.counters["requests.handed_off"] == 1 and s0.counters.get("requests.completed", 0) == 0
         assert s1.counters["requests.received.decode"] == 1 and s1.counters["requests.completed"] == 1
-        await c.until(lambda: any(isinstance(e, m.BlockStored) for b in c.kv["w1"] for e in b.events),
+        await until(lambda: any(isinstance(e, m.BlockStored) for b in c.kv["w1"] for e in b.events),
                       what="decode node KV events")
     await c.bus.close()
 
@@ -219,7 +212,7 @@ async def test_stream_interval_is_exact_when_decode_iterations_fold(nats_url):
     async with workers(nats_url, {"node": "w0", **fold}, {"node": "w1", "stream_interval": 3, **fold}):
         for node, rid in (("w0", "one"), ("w1", "three")):
             await c.bus.publish(WORK_PREFILL, prompt(rid, [5, 6, 7], tail=2, max_tokens=40), node=node)
-            await c.until(lambda rid=rid: c.finished(rid), what=f"{rid} to finish")
+            await until(lambda rid=rid: c.finished(rid), what=f"{rid} to finish")
             check_stream(c.chunks[rid], rid, 40)
         assert [len(ch.token_ids) for ch in c.chunks["one"]] == [1] * 40
         assert [len(ch.token_ids) for ch in c.chunks["three"]] == [1] + [3] * 13
@@ -236,9 +229,9 @@ async def test_sim_engine_runs_its_plans_back_to_back_whatever_the_loop_overhead
     c = await Client.connect(nats_url)
     async with workers(nats_url, {"node": "w0", "speedup": 1.0, "fold_wall_s": 0.0}):
         await c.bus.publish(WORK_PREFILL, prompt("b2b", [5, 6, 7], tail=2, max_tokens=60), node="w0")
-        await c.until(lambda: c.finished("b2b"), what="b2b to finish")
+        await until(lambda: c.finished("b2b"), what="b2b to finish")
         check_stream(c.chunks["b2b"], "b2b", 60)
-        await c.until(lambda: sum(r.repeat for b in c.iters["w0"] for r in b.records if r.phase == "decode") >= 39,
+        await until(lambda: sum(r.repeat for b in c.iters["w0"] for r in b.records if r.phase == "decode") >= 39,
                       timeout=3, what="the decode iteration records")
     recs = sorted((r for b in c.iters["w0"] for r in b.records), key=lambda r: r.start)
     assert len(recs) >= 40  # one prefill, then ceil(59 / 1.5) decode iterations
@@ -264,7 +257,7 @@ async def test_malformed_payloads_are_counted_and_the_worker_keeps_serving(nats_
         await c.bus.publish(WORK_PREFILL, prompt("bad-bs", [1, 2], tail=0, max_tokens=2, bs=8), node="w0")
         await c.bus.publish(WORK_PREFILL, prompt("too-big", list(range(60)), tail=0, max_tokens=100), node="w0")
         await c.bus.publish(WORK_PREFILL, prompt("ok", [3, 4], tail=1, max_tokens=3), node="w0")
-        await c.until(lambda: c.finished("ok") and c.finished("bad-bs") and c.finished("too-big"))
+        await until(lambda: c.finished("ok") and c.finished("bad-bs") and c.finished("too-big"))
         for rid, why in (("bad-bs", "block size"), ("too-big", "KV blocks")):
             (ch,) = c.chunks[rid]
             assert (ch.finished, ch.finish_reason) == (True, "error") and why in ch.error
@@ -314,13 +307,13 @@ async def test_a_starting_worker_asks_the_planner_for_the_split(nats_url):
     await c.bus.nc.flush()
     t0 = time.monotonic()
     async with workers(nats_url, {"node": "w0", "phase": "prefill", "clock_origin": time.time() - 100.0}):
-        await c.until(lambda: c.applied, timeout=3, what="split.applied")
+        await until(lambda: c.applied, timeout=3, what="split.applied")
         assert time.monotonic() - t0 < 3 and len(asked) == 1
         a = c.applied[0]
         assert (a.node, a.phase, a.status, a.epoch) == ("w0", "decode", "serving", 3)
         assert a.decided_at == 50.0 and a.received_at > 990.0  # the decision as made, the command as received
         assert a.switch_s < 30.0  # 3 wall s at 10x at most; was ~950 (measured from the decision)
-        await c.until(lambda: c.states["w0"] and c.states["w0"][-1].phase == "decode", what="phase in state")
+        await until(lambda: c.states["w0"] and c.states["w0"][-1].phase == "decode", what="phase in state")
         stats = await c.stats("w0")
         assert stats.counters["split.get_answered"] == 1 and stats.counters["split.switches"] == 1
     await c.bus.close()
@@ -330,22 +323,22 @@ async def test_split_commands_and_abort(nats_url):
     c = await Client.connect(nats_url)
     async with workers(nats_url, {"node": "w0", "speedup": 1.0}):
         await c.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=1, phases={"w0": "decode", "w9": "prefill"}))
-        await c.until(lambda: c.applied, what="split.applied")
+        await until(lambda: c.applied, what="split.applied")
         assert (c.applied[0].node, c.applied[0].phase, c.applied[0].status) == ("w0", "decode", "serving")
-        await c.until(lambda: c.states["w0"] and c.states["w0"][-1].phase == "decode", what="phase in state")
+        await until(lambda: c.states["w0"] and c.states["w0"][-1].phase == "decode", what="phase in state")
         assert c.states["w0"][-1].epoch == 1
         await c.bus.publish(WORK_PREFILL, prompt("refused", [1], tail=1, max_tokens=2), node="w0")
-        await c.until(lambda: c.finished("refused"))
+        await until(lambda: c.finished("refused"))
         assert "serves decode" in c.chunks["refused"][0].error
         await c.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=1, phases={"w0": "both"}))  # stale epoch
         await c.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=2, phases={"w0": "both"}))
-        await c.until(lambda: len(c.applied) == 2, what="second split.applied")
+        await until(lambda: len(c.applied) == 2, what="second split.applied")
         assert c.applied[1].phase == "both"
 
         await c.bus.publish(WORK_PREFILL, prompt("long", [1, 2], tail=1, max_tokens=220), node="w0")
-        await c.until(lambda: len(c.chunks["long"]) >= 2, what="long to stream")
+        await until(lambda: len(c.chunks["long"]) >= 2, what="long to stream")
         await c.bus.publish(WORK_ABORT, m.RequestAbort(rid="long", reason="client gone"), node="w0")
-        await c.until(lambda: c.finished("long"), what="abort chunk")
+        await until(lambda: c.finished("long"), what="abort chunk")
         last = c.chunks["long"][-1]
         assert (last.finish_reason, last.error) == ("abort", "client gone")
         assert sum(len(ch.token_ids) for ch in c.chunks["long"]) < 220
@@ -369,7 +362,7 @@ async def test_collocated_work_at_a_prefill_only_node_is_handed_back(nats_url):
     await c.bus.serve(WORK_REQUEUE, on_requeue, router="router")
     async with workers(nats_url, {"node": "w0", "phase": "prefill"}):
         await c.bus.publish(WORK_PREFILL, prompt("r-coll", [1, 2, 3], 1, 4), node="w0")
-        await c.until(lambda: handed, what="the work handed back")
+        await until(lambda: handed, what="the work handed back")
         assert handed[0].rid == "r-coll" and handed[0].prefill is not None and "prefill only" in handed[0].reason
         await asyncio.sleep(0.3)
         assert not c.chunks["r-coll"], "no error chunk: the router owns the request again"
