@@ -12,6 +12,19 @@ from typing import Literal
 import structlog
 
 
+class _CurrentStderr:
+    """A file that writes to whatever ``sys.stderr`` is when a line is written, not the object it
+    was when logging was configured: a process (a test, an in-process CLI call) that configured
+    logging while ``sys.stderr`` was replaced by a capture that is closed since keeps logging to the
+    real stderr instead of raising ``ValueError: I/O operation on closed file``."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def setup_logging(fmt: Literal["console", "json"] = "console", level: str = "info", *, service: str = "") -> None:
     """Configure structlog (and the stdlib root logger it feeds) for this process.
 
@@ -38,9 +51,9 @@ def setup_logging(fmt: Literal["console", "json"] = "console", level: str = "inf
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=max(lvl, logging.WARNING), stream=_CurrentStderr(), format="%(name)s %(levelname)s %(message)s")
     if service:
         structlog.contextvars.bind_contextvars(service=service)
