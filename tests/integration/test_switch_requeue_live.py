@@ -29,7 +29,9 @@ from services.router.service import RouterService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 
-from .test_dataplane_bind import SLOW_PREFILL, _until
+from tests.integration.polling import until
+
+from .test_dataplane_bind import SLOW_PREFILL
 
 pytestmark = pytest.mark.timeout(90)
 BS = 4
@@ -84,13 +86,13 @@ async def test_queued_work_is_handed_back_parked_and_served_exactly_once(nats_ur
 
         stops.append(asyncio.Event())
         tasks.append(asyncio.create_task(serve_until_stopped("router", rcfg, factory, instance="router", stop_event=stops[-1])))
-        await _until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and len(states) == 3, "router ready")
+        await until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and len(states) == 3, 15.0, "router ready")
         url = f"http://127.0.0.1:{port_file.read_text().strip()}"
 
         # w2 decodes a long request: its switch to prefill must drain it first
         x = m.DecodeWork(rid="x-long", prompt_tokens=8, max_tokens=5_000, block_size=BS, block_hashes=[1, 2], prefill_node="w0")
         await bus.publish(WORK_DECODE, x, node="w2")
-        await _until(lambda: states["w2"].running == 1, "w2 decoding")
+        await until(lambda: states["w2"].running == 1, 15.0, "w2 decoding")
 
         async def complete(i: int) -> httpx.Response:
             prompt = [(i * 1000 + k) % 40_000 for k in range(200)]  # ≈ 0.4 s of prefill each
@@ -98,10 +100,10 @@ async def test_queued_work_is_handed_back_parked_and_served_exactly_once(nats_ur
                 return await http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3})
 
         reqs = [asyncio.create_task(complete(i)) for i in range(5)]
-        await _until(lambda: states["w0"].running == 1 and states["w0"].waiting == 4, "one prefill running, four queued on w0")
+        await until(lambda: states["w0"].running == 1 and states["w0"].waiting == 4, 15.0, "one prefill running, four queued on w0")
         await bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=1, phases={"w0": "decode", "w1": "decode", "w2": "prefill"},
                                                           reason="swap", decided_at=clock.now()))  # fmt: skip
-        await _until(lambda: router["svc"].counters.get("requeue.parked", 0) == 4, "the four handed back and parked")
+        await until(lambda: router["svc"].counters.get("requeue.parked", 0) == 4, 15.0, "the four handed back and parked")
         assert not any(t.done() for t in reqs)
         await asyncio.sleep(0.3)
         await bus.publish(WORK_ABORT, m.RequestAbort(rid="x-long", reason="end the drain"), node="w2")
