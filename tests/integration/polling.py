@@ -1,11 +1,17 @@
-"""Polling for live integration tests: wait until a condition over real services holds."""
+"""Polling for live integration tests: wait until a condition over real services holds, or until
+a service has started (answers ``svc.stats``)."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from shared import messages as m
+from shared.bus import Bus, BusError
+from shared.subjects import SVC_STATS
 
 
 async def until(
@@ -28,3 +34,25 @@ async def until(
             return
         await asyncio.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+async def answering(bus: Bus, instance: str, tasks: Iterable[asyncio.Task[Any]] = (), tries: int = 200) -> None:
+    """Return once service ``instance`` answers ``svc.stats`` (it has started), asking up to
+    ``tries`` times (0.2 s timeout each, 0.02 s apart).
+
+    ``tasks``: the tasks serving it (``serve_until_stopped``); one that has ended is awaited for
+    its error, so a service that failed to start raises its own exception, not a timeout.
+
+    Raises:
+        AssertionError: no answer after ``tries`` requests ("``instance`` did not start").
+    """
+    for _ in range(tries):
+        try:
+            await bus.request(SVC_STATS, m.StatsRequest(), instance=instance, timeout=0.2)
+            return
+        except BusError:
+            for t in tasks:
+                if t.done():
+                    t.result()
+            await asyncio.sleep(0.02)
+    raise AssertionError(f"{instance} did not start")

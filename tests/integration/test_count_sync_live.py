@@ -29,10 +29,10 @@ from services.worker.countseq import SNAPSHOT_MAX_ENTRIES
 from services.worker.prom import worker_families
 from services.worker.service import WorkerService
 from shared import messages as m
-from shared.bus import Bus, BusError
+from shared.bus import Bus
 from shared.service import serve_until_stopped
 from shared.subjects import BRANCH_EVENTS, KV_COUNT_SYNC, KV_COUNTS, ROUTE_PLACED, SVC_STATS, Subjects
-from tests.integration.polling import until
+from tests.integration.polling import answering, until
 
 pytestmark = pytest.mark.timeout(60)
 BS = 4  # the tiny profile's block size
@@ -62,15 +62,7 @@ async def cluster(url: str, *, directory: dict[str, Any] | None = None, worker: 
     client = await Bus.connect(url, Subjects("p0"), service="test", instance="test")
     try:
         for inst in ("kvdirectory", "worker-w0"):
-            for _ in range(200):  # ready once svc.stats answers (after start())
-                try:
-                    await client.request(SVC_STATS, m.StatsRequest(), instance=inst, timeout=0.2)
-                    break
-                except BusError:
-                    for t in tasks:
-                        if t.done():
-                            t.result()
-                    await asyncio.sleep(0.02)
+            await answering(client, inst, tasks)  # ready once svc.stats answers (after start())
         yield client, made["dir"], made["w0"]
     finally:
         for s in stops:
@@ -308,14 +300,7 @@ async def lone_worker(url: str, **worker: Any) -> AsyncIterator[tuple[Bus, Worke
     task = asyncio.create_task(serve_until_stopped("worker", wcfg, factory, instance="worker-w0", stop_event=stop))
     client = await Bus.connect(url, Subjects("p0"), service="test", instance="test")
     try:
-        for _ in range(200):
-            try:
-                await client.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=0.2)
-                break
-            except BusError:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.02)
+        await answering(client, "worker-w0", [task])
         yield client, made["w0"], stop
     finally:
         stop.set()

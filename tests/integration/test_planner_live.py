@@ -37,7 +37,7 @@ from evolving_infra import split_cli
 from services.planner.config import PlannerConfig
 from services.planner.service import PlannerService
 from tests.unit.planner.helpers import records
-from tests.integration.polling import until
+from tests.integration.polling import answering, until
 
 pytestmark = pytest.mark.timeout(60)
 NODES = ["w0", "w1", "w2", "w3"]
@@ -86,14 +86,7 @@ async def planner(url: str, **kw):
     task = asyncio.create_task(serve_until_stopped("planner", cfg, PlannerService, instance="planner", stop_event=stop))
     probe = await Bus.connect(url, Subjects("p0"), service="probe", instance="probe")
     try:
-        for _ in range(200):
-            try:
-                await probe.request(SVC_STATS, m.StatsRequest(), instance="planner", timeout=0.2)
-                break
-            except BusError:
-                await asyncio.sleep(0.02)
-        else:
-            raise AssertionError("planner did not start")
+        await answering(probe, "planner")
         yield
     finally:
         stop.set()

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from shared import messages as m
-from shared.bus import Bus, BusError
+from shared.bus import Bus
 from shared.hashing import block_hashes, tokens_for_blocks
 from shared.service import serve_until_stopped
 from shared.subjects import (
@@ -36,7 +36,7 @@ from shared.subjects import (
 from services.worker.config import WorkerConfig
 from services.worker.engines.sim import sim_output_tokens
 from services.worker.service import WorkerService
-from tests.integration.polling import until
+from tests.integration.polling import answering, until
 
 pytestmark = pytest.mark.timeout(60)
 BS = 4  # tiny profile block size
@@ -105,14 +105,7 @@ async def workers(url: str, *specs: dict):
             stops.append(stop)
             tasks.append(asyncio.create_task(
                 serve_until_stopped("worker", cfg, WorkerService, instance=f"worker-{cfg.node}", stop_event=stop)))
-            for _ in range(200):  # ready once svc.stats answers (after start())
-                try:
-                    await probe.request(SVC_STATS, m.StatsRequest(), instance=f"worker-{cfg.node}", timeout=0.2)
-                    break
-                except BusError:
-                    await asyncio.sleep(0.02)
-            else:
-                raise AssertionError(f"worker {cfg.node} did not start")
+            await answering(probe, f"worker-{cfg.node}")  # ready once svc.stats answers (after start())
         yield
     finally:
         for s in stops:
