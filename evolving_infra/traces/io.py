@@ -700,10 +700,7 @@ def output_error(path: str | os.PathLike[str], *, inputs: Iterable[str | os.Path
     if same:
         return f"{path}: is also the input; writing it would replace the input, give another output path"
     d = p if directory else p.parent
-    have, missing = d, []
-    while not os.path.lexists(have) and have.parent != have:
-        missing.append(have.name)
-        have = have.parent
+    have, missing = _nearest_existing(d)
     if not have.is_dir():
         return f"{path}: cannot write: {have} is not a folder"
     if not os.access(have, os.W_OK | os.X_OK):
@@ -713,7 +710,7 @@ def output_error(path: str | os.PathLike[str], *, inputs: Iterable[str | os.Path
             name_max = os.pathconf(have, "PC_NAME_MAX")
         except (OSError, ValueError):
             name_max = 255
-        for name in missing:
+        for name in (f.name for f in missing):
             if len(os.fsencode(name)) > name_max:
                 return f"{path}: cannot write: the name {name!r} is longer than {name_max} bytes"
         return None
@@ -724,6 +721,17 @@ def output_error(path: str | os.PathLike[str], *, inputs: Iterable[str | os.Path
     return None
 
 
+def _nearest_existing(folder: Path) -> tuple[Path, list[Path]]:
+    """``(the nearest path at or above folder that exists, the missing folders below it, innermost
+    first)``; a dangling link counts as existing (``os.path.lexists``)."""
+    missing: list[Path] = []
+    f = folder
+    while not os.path.lexists(f) and f.parent != f:
+        missing.append(f)
+        f = f.parent
+    return f, missing
+
+
 def make_folders(folder: Path) -> list[Path]:
     """Create ``folder`` and its missing parents (like ``mkdir -p``).
 
@@ -731,11 +739,7 @@ def make_folders(folder: Path) -> list[Path]:
         The folders this call created, outermost first, for :func:`remove_folders` to take back
         when the write that needed them fails.
     """
-    made: list[Path] = []
-    f = folder
-    while not os.path.lexists(f) and f.parent != f:
-        made.append(f)
-        f = f.parent
+    made = _nearest_existing(folder)[1]
     folder.mkdir(parents=True, exist_ok=True)
     return made[::-1]
 
