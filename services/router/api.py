@@ -18,7 +18,11 @@ the chat prompt. Rejected with 400 because they would change the response
 shape: ``n`` > 1, ``best_of`` > 1, ``echo``, ``logprobs``/``top_logprobs``,
 ``suffix``, batched prompts. Unknown fields are ignored (clients send
 vendor extensions); a known field with a wrong type or value is a 400 naming
-the field.
+the field (in the message and in the error's ``param``, as OpenAI's API does).
+An explicit ``null`` is the default for every field OpenAI's spec marks nullable
+(``stream``, ``n``, ``logprobs``, ``echo``, ``stream_options.*``, ...), as vLLM's
+``Optional[...]`` fields take it; ``ignore_eos`` / ``skip_special_tokens`` stay
+strict booleans (vLLM's are too).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class ApiError(Exception):
 _ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
     409: "conflict_error",
     413: "invalid_request_error",
     500: "internal_error",
@@ -75,21 +81,23 @@ def error_body(status: int, reason: str, param: str | None = None) -> dict[str, 
 
 
 class StreamOptions(Struct, kw_only=True):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    """``stream_options``; ``null`` members are ``false`` (OpenAI: a usage chunk only when asked)."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _Sampling(Struct, kw_only=True):
     """Fields shared by both endpoints (see the module docstring for what is ignored)."""
 
     model: str | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: Temperature | None = None
     top_p: Prob | None = None
     top_k: int | None = None
     min_p: Prob | None = None
-    n: PosInt = 1
+    n: PosInt | None = 1
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: Penalty | None = None
@@ -106,7 +114,7 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     prompt: str | list[TokenId]
     max_tokens: PosInt | None = None
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     best_of: PosInt | None = None
     suffix: str | None = None
@@ -119,8 +127,15 @@ class _AnyPrompt(Struct, kw_only=True):
 
 
 class ContentPart(Struct, kw_only=True):
+    """One part of a list ``content``: ``text`` (any role) or ``refusal`` (assistant; OpenAI's
+    ``ChatCompletionContentPartRefusalParam``), both rendered as their text."""
+
     type: str
     text: str | None = None
+    refusal: str | None = None
+
+    def as_text(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
 class ChatMessage(Struct, kw_only=True):
@@ -137,7 +152,7 @@ class ChatRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: PosInt | None = None
     max_completion_tokens: PosInt | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
@@ -151,18 +166,35 @@ _CHAT_DEC = msgspec.json.Decoder(ChatRequest)
 _TOKENS_DEC = msgspec.json.Decoder(list[TokenId])
 
 
+_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
+
+
+def _param_of(message: str) -> str | None:
+    """The field a msgspec validation message names, as OpenAI's ``param``: ``... - at `$.messages[0].content```
+    → ``messages[0].content``; ``Object missing required field `role` - at `$.messages[0]``` → ``messages[0].role``;
+    None for the whole body (``Expected `object`, got `array```)."""
+    at = _AT_PATH.search(message)
+    path = at.group(1) if at else ""
+    missing = _MISSING.search(message)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
+
+
 def _decode_error(e: Exception, body: bytes | None = None) -> ApiError:
     """The 400 for a body the decoder refused; ``body`` given: an empty one, or one that is not JSON at
-    all, is named as such (msgspec says only "Input data was truncated" for both an empty body and cut JSON)."""
+    all, is named as such (msgspec says only "Input data was truncated" for both an empty body and cut JSON).
+    A field that fails validation is the error's ``param`` (:func:`_param_of`)."""
     if body is not None and not isinstance(e, msgspec.ValidationError):
         if not body.strip():
             return ApiError(400, "request body is empty: expected a JSON object")
         return ApiError(400, f"invalid request body: not valid JSON ({e})")
-    return ApiError(400, f"invalid request body: {e}")
+    return ApiError(400, f"invalid request body: {e}", param=_param_of(str(e)))
 
 
 def _check_common(req: _Sampling) -> None:
-    if req.n != 1:
+    if req.n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported; send one request per sample", param="n")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
@@ -230,7 +262,7 @@ def _reparse_prompt(body: bytes, err: msgspec.ValidationError) -> tuple[Completi
             try:
                 prompt: str | list[int] = _TOKENS_DEC.decode(msgspec.json.encode(inner))
             except msgspec.ValidationError as e:
-                raise ApiError(400, f"invalid request body: {e} - at `$.prompt[0]`", param="prompt") from e
+                raise ApiError(400, f"invalid request body: {e} - at `$.prompt[0]`", param="prompt[0]") from e
         else:
             prompt = inner
         # validate the other fields with a placeholder prompt
@@ -262,9 +294,12 @@ def parse_chat(body: bytes) -> ChatRequest:
     for i, msg in enumerate(req.messages):
         if isinstance(msg.content, list):
             for j, part in enumerate(msg.content):
-                if part.type != "text" or part.text is None:
+                text_part = part.type == "text" and part.text is not None
+                refusal_part = part.type == "refusal" and part.refusal is not None and msg.role == "assistant"
+                if not (text_part or refusal_part):
                     raise ApiError(
-                        400, f"content part type {part.type!r} is not supported (text only)", param=f"messages[{i}].content[{j}]"
+                        400, f"content part type {part.type!r} is not supported (text only; refusal in assistant messages)",
+                        param=f"messages[{i}].content[{j}]",
                     )
     return req
 
@@ -275,7 +310,7 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
     for msg in req.messages:
         d: dict[str, Any] = {"role": msg.role}
         if isinstance(msg.content, list):
-            d["content"] = "".join(p.text or "" for p in msg.content)
+            d["content"] = "".join(p.as_text() for p in msg.content)
         else:
             d["content"] = msg.content if msg.content is not None else ""
         if msg.name is not None:

@@ -127,3 +127,48 @@ def test_response_id_is_vllms_prefix_on_the_bare_request_id():
     """vLLM's OpenAI server: ``chatcmpl-<X-Request-Id>`` / ``cmpl-<X-Request-Id>``."""
     assert api.response_id("abc_1", chat=True) == "chatcmpl-abc_1"
     assert api.response_id("abc_1", chat=False) == "cmpl-abc_1"
+
+
+def test_explicit_null_is_the_default_for_openais_nullable_fields():
+    """OpenAI's spec marks ``stream``, ``n``, ``logprobs``, ``echo`` and ``stream_options.*`` nullable and vLLM
+    (``Optional[...]``) takes ``null`` as the default; clients built on typed models (LangChain, litellm) send it."""
+    req, _ = api.parse_completion(b'{"prompt": "x", "stream": null, "n": null, "echo": null, "logprobs": null, "best_of": null}')
+    assert not req.stream and not req.echo
+    req = api.parse_chat(b'{"messages": [{"role": "user", "content": "x"}], "stream": null, "n": null, "logprobs": null}')
+    assert not req.stream and not req.logprobs
+    req = api.parse_chat(
+        b'{"messages": [{"role": "user", "content": "x"}], "stream": true,'
+        b' "stream_options": {"include_usage": null, "continuous_usage_stats": null}}'
+    )
+    assert req.stream and not req.stream_options.include_usage and not req.stream_options.continuous_usage_stats
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n > 1")  # still refused
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "ignore_eos": None}, r"\$.ignore_eos")  # vLLM: bool
+
+
+def test_a_bad_field_is_named_in_param():
+    """OpenAI's error ``param`` names the field (vLLM leaves it null; clients show it next to the message)."""
+
+    def param(fn, body: dict) -> str | None:
+        with pytest.raises(api.ApiError) as ei:
+            fn(msgspec.json.encode(body))
+        return ei.value.param
+
+    assert param(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "temperature": 3}) == "temperature"
+    assert param(api.parse_chat, {"messages": [{"role": "user", "content": 5}]}) == "messages[0].content"
+    assert param(api.parse_chat, {"messages": [{"content": "x"}]}) == "messages[0].role"
+    assert param(api.parse_chat, {}) == "messages"
+    assert param(api.parse_completion, {"prompt": "x", "max_tokens": "5"}) == "max_tokens"
+    assert param(api.parse_completion, {"max_tokens": 3}) == "prompt"
+    assert param(api.parse_completion, {"prompt": [1, -1]}) == "prompt[1]"
+    opts = {"prompt": "x", "stream_options": {"include_usage": 3}, "stream": True}
+    assert param(api.parse_completion, opts) == "stream_options.include_usage"
+    assert param(api.parse_chat, {"messages": "hi"}) == "messages"
+
+
+def test_refusal_content_part_of_an_assistant_message_is_text():
+    """OpenAI's assistant content parts are ``text`` and ``refusal``; a conversation sent back with one is valid."""
+    body = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                         {"role": "user", "content": "b"}]}
+    req = api.parse_chat(msgspec.json.encode(body))
+    assert api.chat_messages(req)[1]["content"] == "no"
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": [{"type": "refusal"}]}]}, "text only")
