@@ -113,7 +113,8 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     max_prompt_tokens: Annotated[int, Meta(ge=1, description="longest accepted prompt (tokens)")] = 1_048_576
     max_output_tokens: Annotated[int, Meta(ge=1, description="largest accepted max_tokens")] = 131_072
     max_context_tokens: Annotated[
-        int, Meta(ge=0, description="largest accepted prompt + max_tokens (the model's context, e.g. a torch engine's); 0 = no limit")
+        int, Meta(ge=0, description="largest accepted prompt + max_tokens (the model's context, e.g. a torch engine's; an unset "
+                  "max_tokens is cut to the rest); 0 = no limit")
     ] = 0
     chat_default_max_tokens: Annotated[
         int, Meta(ge=1, description="max_tokens of a chat request that sets neither max_tokens nor max_completion_tokens")

@@ -946,7 +946,8 @@ class RouterService:
         async def not_found(request: Request, exc: Exception) -> Response:
             status = exc.status_code if isinstance(exc, HTTPException) else 404
             reason = f"{request.method} {request.url.path}: " + ("not found" if status == 404 else "method not allowed")
-            return self._error(status, reason)
+            headers = exc.headers if isinstance(exc, HTTPException) else None  # a 405's Allow (RFC 9110 §15.5.6)
+            return self._json(api.error_body(status, reason), status, headers=headers)
 
         async def bus_failed(request: Request, exc: Exception) -> Response:
             # NATS down and the outbound buffer full, or the connection closed: the client may retry
@@ -961,6 +962,7 @@ class RouterService:
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self._model, methods=["GET"]),  # OpenAI's models.retrieve
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/health", self._healthz, methods=["GET"]),  # the name guidellm and vLLM use
                 Route("/v1/cluster", self._cluster, methods=["GET"]),
@@ -980,6 +982,13 @@ class RouterService:
 
     async def _models(self, request: Request) -> Response:
         return self._json(api.models_response(self.cfg.model, int(self._started_wall)))
+
+    async def _model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: the served model's entry of ``/v1/models``; another id is a 404."""
+        model = request.path_params["model"]
+        if model != self.cfg.model:
+            return self._error(404, f"model {model[:256]!r} not found; this router serves {self.cfg.model!r}", param="model")
+        return self._json(api.models_response(self.cfg.model, int(self._started_wall))["data"][0])
 
     async def _healthz(self, request: Request) -> Response:
         if not self.bus.nc.is_connected:
@@ -1098,12 +1107,15 @@ class RouterService:
         hdrs = api.parse_branch_headers(request.headers, self.cfg.max_id_len)
         body = await self._read_body(request)
         prompt: str | list[int] | None = None
+        asked: int | None  # the client's max_tokens; None: a default, cut to the context left after the prompt
         if chat:
             req: Any = api.parse_chat(body)
-            max_tokens = req.max_completion_tokens or req.max_tokens or self.cfg.chat_default_max_tokens
+            asked = req.max_completion_tokens or req.max_tokens
+            max_tokens = asked or self.cfg.chat_default_max_tokens
         else:
             req, prompt = api.parse_completion(body)
-            max_tokens = req.max_tokens or 16
+            asked = req.max_tokens
+            max_tokens = asked or 16
         if req.model is not None and req.model != self.cfg.model:
             raise api.ApiError(404, f"model {req.model!r} not found; this router serves {self.cfg.model!r}", param="model")
         if max_tokens > self.cfg.max_output_tokens:
@@ -1133,10 +1145,20 @@ class RouterService:
         if arr.size > self.cfg.max_prompt_tokens:
             raise api.ApiError(400, f"prompt has {arr.size} tokens; at most {self.cfg.max_prompt_tokens} allowed", param="prompt")
         ctx = self.cfg.max_context_tokens
-        if ctx and arr.size + max_tokens > ctx:
-            raise api.ApiError(
-                400, f"prompt ({arr.size} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {ctx} tokens", param="max_tokens"
-            )
+        if ctx:
+            # vLLM: an unset max_tokens is the context left after the prompt (here at most the default);
+            # a set one that does not fit, or a prompt that leaves no room, is a 400 with OpenAI's message
+            n = int(arr.size)
+            if asked is None and n < ctx:
+                max_tokens = min(max_tokens, ctx - n)
+            if n + max_tokens > ctx:
+                part = "messages" if chat else "prompt"
+                raise api.ApiError(
+                    400,
+                    f"This model's maximum context length is {ctx} tokens. However, you requested {n + max_tokens} tokens "
+                    f"({n} in the {part}, {max_tokens} in the completion). Please reduce the length of the {part} or completion.",
+                    param=part if asked is None or n >= ctx else "max_tokens",
+                )
         top = int(arr.max())
         if top >= self.tokenizer.vocab_size:
             raise api.ApiError(400, f"token id {top} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param="prompt")

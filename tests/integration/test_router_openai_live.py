@@ -1,0 +1,109 @@
+"""The router's HTTP API as an OpenAI / vLLM client uses it: nullable fields, the model context,
+405 / model retrieval, and the error's ``param``.
+
+Real router (in-process uvicorn on a free port) over a real nats-server, with the fake cluster
+of ``test_router_live`` answering on the bus (its engine always produces ``max_tokens`` tokens).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.tokenizer import SimTokenizer
+from tests.integration.test_router_live import router_env, sse_events
+
+USER = [{"role": "user", "content": "hello there"}]
+
+
+async def test_explicit_nulls_are_defaults_as_in_vllm(nats_url, tmp_path):
+    """``"stream": null``, ``"n": null``, ``"logprobs": null``, ``"stream_options": {"include_usage": null}``:
+    OpenAI's spec marks them nullable and vLLM serves them; they were a 400."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        r = await env.http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "stream": None, "n": None, "logprobs": None})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "echo": None, "n": None, "stream": None})
+        assert r.status_code == 200, r.text
+        body = {"messages": USER, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": None}}
+        r = await env.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and all(e["choices"] for e in events[:-1])  # no usage chunk: null is false
+
+
+async def test_the_model_context_limits_the_default_max_tokens_not_the_request(nats_url, tmp_path):
+    """With a model context (``--max-context-tokens``, the torch engine's), a request that leaves ``max_tokens``
+    unset gets the rest of the context (at most the default), as vLLM; it was a 400 blaming ``max_tokens``
+    it never sent. Asked-for tokens beyond the context, or a prompt that fills it, are a 400 with OpenAI's /
+    vLLM's "maximum context length" message (clients such as litellm detect context overflow by it)
+    naming the part to shorten in ``param``."""
+    ctx = 100
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, max_context_tokens=ctx, chat_default_max_tokens=256) as env:
+        prompt = list(range(1, 91))  # 90 tokens: 10 left; the completions default is 16
+        r = await env.http.post("/v1/completions", json={"prompt": prompt})
+        assert r.status_code == 200, r.text
+        b = r.json()
+        assert b["usage"] == {"prompt_tokens": 90, "completion_tokens": 10, "total_tokens": 100, "prompt_tokens_details": {"cached_tokens": 0}}
+        assert b["choices"][0]["finish_reason"] == "length"
+        assert env.cluster.works[-1].max_tokens == 10
+        chat_tokens = len(SimTokenizer().apply_chat_template(USER))
+        r = await env.http.post("/v1/chat/completions", json={"messages": USER})  # default 256 > the context left
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == ctx - chat_tokens
+        # asked for more than fits: 400 naming max_tokens
+        for path, body, asked in (
+            ("/v1/completions", {"prompt": prompt, "max_tokens": 11}, 11),
+            ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": ctx}, ctx),
+        ):
+            r = await env.http.post(path, json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
+            assert err["message"].startswith(f"This model's maximum context length is {ctx} tokens."), err
+            assert f"{asked} in the completion" in err["message"]
+        # the prompt alone fills the context: 400 naming the prompt / the messages, with or without max_tokens
+        for body in ({"prompt": list(range(1, ctx + 1))}, {"prompt": list(range(1, ctx + 1)), "max_tokens": 1}):
+            r = await env.http.post("/v1/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            assert f"({ctx} in the prompt" in r.json()["error"]["message"]
+        long_chat = [{"role": "user", "content": "word " * ctx}]
+        r = await env.http.post("/v1/chat/completions", json={"messages": long_chat})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "maximum context length" in r.json()["error"]["message"]
+        # one token left: served with max_tokens 1
+        r = await env.http.post("/v1/completions", json={"prompt": list(range(1, ctx)), "stream": True})
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert env.cluster.works[-1].max_tokens == 1
+        assert env.service.counters.get("http_status.500", 0) == 0
+
+
+async def test_405_carries_allow_and_a_model_is_retrievable(nats_url, tmp_path):
+    """A 405 names the allowed methods (``Allow``, RFC 9110 §15.5.6); ``GET /v1/models/{id}`` (OpenAI's
+    ``models.retrieve``, SGLang's) answers the served model, another id is a 404 naming ``model``."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, model="org/test-model") as env:
+        r = await env.http.get("/v1/chat/completions")
+        assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        r = await env.http.delete("/v1/models")
+        assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "HEAD"}
+        r = await env.http.get("/v1/models/org/test-model")
+        assert r.status_code == 200, r.text
+        listed = (await env.http.get("/v1/models")).json()["data"][0]
+        assert r.json() == listed and listed["id"] == "org/test-model" and listed["object"] == "model"
+        r = await env.http.get("/v1/models/gpt-4")
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+        assert "gpt-4" in r.json()["error"]["message"]
+
+
+async def test_a_bad_field_is_named_in_the_errors_param(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        for body, param in (
+            ({"messages": USER, "temperature": 3}, "temperature"),
+            ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+            ({"messages": USER, "max_tokens": "8"}, "max_tokens"),
+            ({}, "messages"),
+        ):
+            r = await env.http.post("/v1/chat/completions", content=msgspec.json.encode(body), headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert env.cluster.works == []
