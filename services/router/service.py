@@ -1116,7 +1116,7 @@ class RouterService:
             req, prompt = api.parse_completion(body)
             asked = req.max_tokens
             max_tokens = asked or 16
-        if req.model is not None and req.model != self.cfg.model:
+        if req.model and req.model != self.cfg.model:  # absent, null or "": the served model (vLLM's _is_model_supported)
             raise api.ApiError(404, f"model {req.model!r} not found; this router serves {self.cfg.model!r}", param="model")
         if max_tokens > self.cfg.max_output_tokens:
             raise api.ApiError(400, f"max_tokens={max_tokens} exceeds the limit {self.cfg.max_output_tokens}", param="max_tokens")

@@ -107,3 +107,15 @@ async def test_a_bad_field_is_named_in_the_errors_param(nats_url, tmp_path):
             r = await env.http.post("/v1/chat/completions", content=msgspec.json.encode(body), headers={"content-type": "application/json"})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert env.cluster.works == []
+
+
+async def test_an_empty_model_name_is_the_served_model_as_in_vllm(nats_url, tmp_path):
+    """vLLM's ``_is_model_supported``: an empty (or absent / null) ``model`` means the served model; it was a 404."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        for model in ("", None):
+            r = await env.http.post("/v1/chat/completions", json={"model": model, "messages": USER, "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == "test-model", r.text
+        r = await env.http.post("/v1/completions", json={"model": "", "prompt": [1], "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == "test-model", r.text
+        r = await env.http.post("/v1/completions", json={"model": "other", "prompt": [1], "max_tokens": 1})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
