@@ -41,6 +41,12 @@ span                               process     covers
 ``worker.decode``                  decode      arrival → last token (``ei.output_tokens``)
 ``router.stream_out``              router      first chunk → response end
 =================================  ==========  =================================================================
+
+Work handed back (``work.requeue``) or re-dispatched after its node was fenced stays in the
+request's trace: each placement try adds a ``router.kv_lookup`` and a zero-length
+``router.route`` (``ei.attempt``, ``ei.reason``, ``ei.prefill_node`` or ``ei.no_route``), and the
+new ``work.prefill`` / ``work.decode`` carry the request's ``traceparent``, so the new nodes'
+spans join it.
 """
 
 from __future__ import annotations

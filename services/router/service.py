@@ -666,6 +666,8 @@ class RouterService:
             self._parked.pop(rid, None)
             return True
         now = self.clock.now()
+        tr = p.tr  # the request's trace: the new attempt's lookup, route and work stay in it
+        headers = None if tr is None else tracing.inject(tr.span)
         if msg.prefill is not None:
             w = msg.prefill
             rreq = RouteRequest(
@@ -677,10 +679,15 @@ class RouterService:
                 branch_id=w.branch_id,
                 ignore_eos=w.ignore_eos,
             )
-            lookup, status = await self._lookup(list(w.block_hashes)) if w.block_hashes else (None, "skipped")
+            lookup, status = await self._lookup(list(w.block_hashes), tr) if w.block_hashes else (None, "skipped")
             if p.done:
                 return True
             out = self.core.route(rreq, lookup, self.clock.now())
+            if tr is not None:
+                tracing.record("router.route", tr.span, time.time_ns(), time.time_ns(), {
+                    "ei.attempt": p.attempt, "ei.reason": msg.reason, "ei.lookup": status,
+                    **({"ei.no_route": out.reason} if isinstance(out, NoRoute) else {"ei.prefill_node": out.prefill.node}),
+                })  # fmt: skip
             if isinstance(out, NoRoute):
                 self._park(msg, out.reason)
                 return False
@@ -688,7 +695,7 @@ class RouterService:
             p.prefill_node, p.decode_node, p.predicted_ttft_s = out.prefill.node, out.decode_node, out.predicted_ttft_s
             for placed in out.placed:
                 await self._publish_placed(placed)
-            await self.bus.publish(WORK_PREFILL, self._work(p, out), node=out.prefill.node)
+            await self.bus.publish(WORK_PREFILL, self._work(p, out), node=out.prefill.node, headers=headers)
             self.counters[f"routed.prefill.{out.prefill.node}"] += 1
             self.counters["redispatch.placed" if msg.reason.startswith("redispatch:") else "requeue.rerouted"] += 1
         else:
@@ -700,7 +707,9 @@ class RouterService:
                 self._park(msg, bound.reason)
                 return False
             await self._bound(p, bound)
-            await self.bus.publish(WORK_DECODE, msgspec.structs.replace(d, attempt=p.attempt, router=self.bus.instance), node=bound.node)
+            await self.bus.publish(
+                WORK_DECODE, msgspec.structs.replace(d, attempt=p.attempt, router=self.bus.instance), node=bound.node, headers=headers
+            )
             self.counters["requeue.rebound"] += 1
         self._parked.pop(rid, None)
         return True

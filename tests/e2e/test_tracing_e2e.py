@@ -12,6 +12,8 @@ headers), with the routing decision's attributes on ``router.route``.
 from __future__ import annotations
 
 import gzip
+import os
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -125,3 +127,52 @@ async def test_one_request_is_one_trace_across_router_directory_and_both_workers
     assert span[DECODE_IN].parent_span_id == span["worker.handoff"].span_id
     assert span[LOOKUP].parent_span_id == span["router.kv_lookup"].span_id
     assert span[BIND].parent_span_id == span["worker.decode_binding"].span_id
+
+
+@pytest.mark.timeout(300)
+async def test_a_request_re_dispatched_after_its_decode_node_died_stays_one_trace_with_its_second_attempt(tmp_path, monkeypatch):
+    """The decode node of a streaming request is SIGKILLed mid-decode; the router fences it and
+    re-dispatches the rest (a continuation: new lookup, new prefill, decode on the restarted node).
+    That second attempt's spans belong to the request's trace: before the fix the re-dispatched
+    ``work.prefill`` / ``work.decode`` carried no ``traceparent``, so the trace ended at the dead node."""
+    rid = "trace-e2e-redispatch"
+    with OtlpReceiver() as rx:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.url)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        spec = ClusterSpec(
+            nodes=2, split="1P1D", speedup=1.0, port=0, routing="ttft", block_size=64, log_dir=str(tmp_path / "logs"),
+            ready_timeout_s=120.0, restart=True,
+        )
+        async with LocalCluster(spec) as cluster:
+            body = {"prompt": list(range(1, 700)), "max_tokens": 1500, "stream": True, "ignore_eos": True}
+            chunks = 0
+            async with httpx.AsyncClient(timeout=120) as http:
+                async with http.stream("POST", cluster.router_url + "/v1/completions", json=body, headers={"X-Request-ID": rid}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            assert '"error"' not in line, line
+                            chunks += 1
+                            if chunks == 30:  # decoding on w1 (the prefill node sends only the first token)
+                                os.kill(cluster.pids()["worker-w1"], signal.SIGKILL)
+            assert chunks >= 1500 // spec.stream_interval, chunks
+
+    trace_ids = {sp.trace_id for _, sp in rx.spans if _attrs(sp).get("ei.rid") == rid}
+    assert len(trace_ids) == 1, f"spans naming the request belong to {len(trace_ids)} traces"
+    tid = trace_ids.pop()
+    trace = [(res, sp) for res, sp in rx.spans if sp.trace_id == tid]
+    ids = {sp.span_id for _, sp in trace}
+    assert [sp.name for _, sp in trace if not sp.parent_span_id] == ["router.request"]
+    assert all(sp.parent_span_id in ids for _, sp in trace if sp.parent_span_id), "a parent link leaves the trace"
+    where = [(res["service.instance.id"].string_value, sp.name) for res, sp in trace]
+    # two attempts, each prefilled on w0; the second was looked up and routed again (more than
+    # once while it waited, parked, for a live decode node: each try is a lookup and a route span)
+    for name in (PREFILL_IN, "worker.prefill"):
+        assert where.count(("worker-w0", name)) == 2, (name, sorted(where))
+    for name in ("router.kv_lookup", LOOKUP, "router.route"):
+        assert sum(1 for _, n in where if n == name) >= 2, (name, sorted(where))
+    retries = [_attrs(sp) for _, sp in trace if sp.name == "router.route" and _attrs(sp).get("ei.attempt") == 1]
+    assert retries and retries[-1]["ei.prefill_node"] == "w0", retries
+    # the second attempt decoded to the end on the restarted w1 (the killed one never ended a
+    # worker.decode), inside this trace
+    assert ("worker-w1", "worker.decode") in where, sorted(where)
