@@ -289,8 +289,8 @@ def parse_chat(body: bytes) -> ChatRequest:
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise _decode_error(e, body) from e
     _check_common(req)
-    if req.logprobs or req.top_logprobs is not None:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    if req.logprobs or req.top_logprobs:  # top_logprobs 0 (vLLM's default) asks for nothing
+        raise ApiError(400, "logprobs are not supported", param="logprobs" if req.logprobs else "top_logprobs")
     for i, msg in enumerate(req.messages):
         if isinstance(msg.content, list):
             for j, part in enumerate(msg.content):

@@ -172,3 +172,12 @@ def test_refusal_content_part_of_an_assistant_message_is_text():
     req = api.parse_chat(msgspec.json.encode(body))
     assert api.chat_messages(req)[1]["content"] == "no"
     bad(api.parse_chat, {"messages": [{"role": "user", "content": [{"type": "refusal"}]}]}, "text only")
+
+
+def test_chat_top_logprobs_zero_without_logprobs_is_the_default():
+    """vLLM's ``top_logprobs`` defaults to 0 and clients that fill every field send it: no logprobs are asked for.
+    ``logprobs: true`` or ``top_logprobs`` > 0 would change the response and stay a 400."""
+    req = api.parse_chat(b'{"messages": [{"role": "user", "content": "x"}], "logprobs": false, "top_logprobs": 0}')
+    assert req.top_logprobs == 0
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs are not supported")
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 0}, "logprobs")
