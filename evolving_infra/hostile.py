@@ -42,6 +42,7 @@ from shared.subjects import (
     PLANNER_MODELS,
     REQ_OUT,
     ROUTE_BIND,
+    ROUTE_HELD,
     ROUTE_PLACED,
     ROUTE_SENT,
     KV_LIVENESS,
@@ -134,6 +135,7 @@ def samples(nodes: tuple[str, ...] = ("w0", "w1")) -> dict[str, tuple[dict[str, 
             ),
         ),
         ROUTE_BIND.template: ({"router": "router"}, m.DecodeBindRequest(rid="fz-1", prefill_node=a, prompt_tokens=256, max_tokens=4)),
+        ROUTE_HELD.template: ({"router": "router"}, m.HeldQuery(node=a, rids=["fz-1"], attempts=[0])),
         WORK_REQUEUE.template: ({"router": "router"}, m.WorkRequeue(rid="fz-1", node=a, reason="fuzz", prefill=_prefill())),
     }
     missing = {s.template for s in ALL} - set(out)

@@ -119,7 +119,7 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
     elif ident.kind == "router":
         pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "route.sent", "kv.lookup", "split.get"]
         sub = ["node.state.*", "split.commands", "planner.models", "req.*.out", "route.sent", "kv.liveness", "branch.sync",
-               f"route.bind.{ident.name}", f"work.requeue.{ident.name}"]  # fmt: skip
+               f"route.bind.{ident.name}", f"work.requeue.{ident.name}", f"route.held.{ident.name}"]  # fmt: skip
     elif ident.kind == "kvdirectory":
         pub = ["kv.counts.*", "kv.resync.*", "kv.liveness", "branch.sync"]
         sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup", "node.state.*", "kv.countsync.*"]
@@ -128,7 +128,7 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
             raise AuthError(f"worker identity {ident.name!r} names no node")
         pub = [
             f"kv.events.{n}", f"node.state.{n}", f"node.iters.{n}", "split.applied", "req.*.out",
-            "work.*.decode", "work.requeue.*", "route.bind.*", "kv.pool.*", "split.get", f"kv.countsync.{n}",
+            "work.*.decode", "work.requeue.*", "route.bind.*", "route.held.*", "kv.pool.*", "split.get", f"kv.countsync.{n}",
         ]
         sub = [f"work.{n}.prefill", f"work.{n}.decode", f"work.{n}.abort", "split.commands", f"kv.counts.{n}", f"kv.resync.{n}", f"kv.pool.{n}"]
     elif ident.kind == "operator":

@@ -20,6 +20,7 @@ Producer → consumer flow, in the order of the subject table:
     worker ──req.<rid>.out─────────▶ router           (TokenChunk stream)
     router ◀─route.bind────────────  worker           (DecodeBindRequest → DecodeBindReply)
     router ◀─work.requeue──────────  worker           (WorkRequeue → WorkRequeueReply)
+    router ◀─route.held────────────  worker           (HeldQuery → HeldReply: requests its owner dropped)
     any ──svc.heartbeat.<service>──▶ launcher, tap    (Heartbeat)
     any ◀─svc.stats.<instance>─────  tests, operators (StatsRequest → StatsReply)
     planner ◀─split.get────────────  router, workers  (SplitQuery → SplitCommand)
@@ -675,6 +676,24 @@ class WorkRequeueReply(Msg, frozen=True, kw_only=True):
     rid: str
     accepted: bool = False
     reason: str = ""
+
+
+class HeldQuery(Msg, frozen=True, kw_only=True):
+    """Worker → owning router (``route.held.<router>``), every ``--owner-check-interval-s``:
+    ``node`` holds these requests of that router (``rids[i]`` at attempt ``attempts[i]``);
+    which does the router no longer want? A router that was SIGKILLed (no responder) or
+    restarted (it has none of them) frees the node of work nobody reads."""
+
+    node: str
+    rids: list[str] = []
+    attempts: list[NonNeg] = []
+
+
+class HeldReply(Msg, frozen=True, kw_only=True):
+    """``dropped``: the rids of the query the router does not have in flight at that attempt
+    (finished, failed, aborted, re-dispatched, or never its own): the node drops them."""
+
+    dropped: list[str] = []
 
 
 class BranchSync(Msg, frozen=True, kw_only=True):

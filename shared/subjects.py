@@ -81,6 +81,9 @@ PLANNER_MODELS = Subject("planner.models", m.PlannerModels, doc="planner → rou
 ROUTE_BIND = Subject(
     "route.bind.{router}", m.DecodeBindRequest, m.DecodeBindReply, doc="worker → owning router: decode node at prefill start"
 )
+ROUTE_HELD = Subject(
+    "route.held.{router}", m.HeldQuery, m.HeldReply, doc="worker → owning router: which held requests it no longer wants"
+)
 BRANCH_SYNC = Subject("branch.sync", m.BranchSync, doc="directory → routers: republish active branches (directory restart)")
 KV_LIVENESS = Subject("kv.liveness", m.KvLiveness, doc="directory → routers: per node, seconds served without a KV batch; stale views")
 ROUTE_SENT = Subject("route.sent", m.RouteSent, doc="router → routers: a placement (others count it in their load view)")
@@ -112,6 +115,7 @@ ALL: tuple[Subject, ...] = (
     PLANNER_DECISIONS,
     SPLIT_SET,
     ROUTE_BIND,
+    ROUTE_HELD,
     WORK_REQUEUE,
     ROUTE_SENT,
     KV_LIVENESS,

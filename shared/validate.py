@@ -463,6 +463,23 @@ def _bind_reply(r: m.DecodeBindReply, p: dict[str, str], nodes: Collection[str] 
     _text(r.reason, "reason")
 
 
+def _held_query(q: m.HeldQuery, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _tok(q.node, "node")
+    _len(q.rids, "rids", MAX_LIST)
+    if len(q.attempts) != len(q.rids):
+        raise Invalid(f"{len(q.attempts)} attempts for {len(q.rids)} rids")
+    for rid in q.rids:
+        _tok(rid, "rid")
+    for a in q.attempts:
+        _int(a, "attempt", MAX_SEQ)
+
+
+def _held_reply(r: m.HeldReply, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _len(r.dropped, "dropped", MAX_LIST)
+    for rid in r.dropped:
+        _tok(rid, "rid")
+
+
 def _branch_sync(r: m.BranchSync, p: dict[str, str], nodes: Collection[str] | None) -> None:
     _tok(r.directory, "directory", optional=True)
     _time(r.ts, "ts")
@@ -590,6 +607,8 @@ CHECKERS: dict[type, Checker] = {
     m.KvLiveness: _kv_liveness,
     m.BranchSync: _branch_sync,
     m.WorkRequeueReply: _requeue_reply,
+    m.HeldQuery: _held_query,
+    m.HeldReply: _held_reply,
     m.Heartbeat: _heartbeat,
     m.StatsRequest: _empty,
     m.StatsReply: _stats_reply,

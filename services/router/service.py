@@ -70,6 +70,7 @@ from shared.subjects import (
     PLANNER_MODELS,
     REQ_OUT,
     ROUTE_BIND,
+    ROUTE_HELD,
     ROUTE_PLACED,
     ROUTE_SENT,
     SPLIT_COMMANDS,
@@ -330,6 +331,7 @@ class RouterService:
         # replies that concern a request go to the router that owns it (PrefillWork.router)
         await self.bus.serve(ROUTE_BIND, self._on_bind, router=self.bus.instance)
         await self.bus.serve(WORK_REQUEUE, self._on_requeue, router=self.bus.instance)
+        await self.bus.serve(ROUTE_HELD, self._on_held, router=self.bus.instance)
         self._tasks.append(asyncio.create_task(self._fetch_split(), name="router-split-get"))
         self._tasks.append(asyncio.create_task(self._fence_loop(), name="router-fence"))
         try:
@@ -624,6 +626,20 @@ class RouterService:
         self.counters[f"routed.decode.{out.node}"] += 1
         if self.log.is_enabled_for(logging.DEBUG):
             self.log.debug("decode bound", rid=p.rid, prefill=out.prefill_node, decode=out.node, loads=out.decode.loads)
+
+    async def _on_held(self, q: m.HeldQuery, _subject: str) -> m.HeldReply:
+        """``route.held``: a node asks which of the requests it holds for this router are no longer
+        in flight here (finished, failed, aborted, another attempt, or never this router's: a
+        restarted router has none of its predecessor's); it drops those (no client reads them)."""
+        dropped = []
+        for rid, attempt in zip(q.rids, q.attempts):
+            p = self._pending.get(rid)
+            if p is None or p.done or p.attempt != attempt:
+                dropped.append(rid)
+        if dropped:
+            self.counters["held.dropped"] += len(dropped)
+            self.log.info("node holds requests no longer in flight here; it drops them", node=q.node, requests=len(dropped))
+        return m.HeldReply(dropped=dropped)
 
     async def _on_requeue(self, msg: m.WorkRequeue, _subject: str) -> m.WorkRequeueReply:
         """``work.requeue``: a node hands back work it will not serve (phase switch).

@@ -118,6 +118,15 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     requeue_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds to wait for the router to take back handed-back work (work.requeue)")
     ] = 5.0
+    owner_check_interval_s: Annotated[
+        float, Meta(ge=0, description="wall seconds between asks to each owning router (route.held) which of this node's "
+                    "requests it no longer has in flight (a router SIGKILLed or restarted sends no abort): those are "
+                    "dropped and their KV freed; 0 = never ask")
+    ] = 2.0
+    owner_gone_after_s: Annotated[
+        float, Meta(ge=0, description="wall seconds nobody serves an owning router's route.held (no responders) before "
+                    "its requests on this node are dropped (grace for a router re-subscribing after a NATS restart)")
+    ] = 5.0
     # real-bytes host KV pool (services/worker/kvpool, issue 6 part 2); the fields of KvPoolSettings
     kv_pool: Annotated[
         Literal["off", "real"],

@@ -18,6 +18,9 @@ Subjects (DESIGN §3, ``shared/subjects.py``):
          split.applied (SplitApplied: draining, serving)
     req  route.bind (DecodeBindRequest → DecodeBindReply: decode node at prefill start)
          work.requeue (WorkRequeue → WorkRequeueReply: work handed back in a phase switch)
+         route.held (HeldQuery → HeldReply: every ``--owner-check-interval-s``, which of the requests
+             held here each owning router no longer has in flight; a router gone or restarted sends
+             no abort: ``owners.py``)
          kv.pool.<peer> (real-bytes fetches)
          split.get (SplitQuery → SplitCommand: the current split, once at start)
          kv.countsync.<node> (CountSyncRequest → CountSnapshot: every branch count of this node,
@@ -68,6 +71,7 @@ from shared.subjects import (
     NODE_STATE,
     REQ_OUT,
     ROUTE_BIND,
+    ROUTE_HELD,
     SPLIT_APPLIED,
     SPLIT_COMMANDS,
     SPLIT_GET,
@@ -83,6 +87,7 @@ from services.worker.traced import WorkerTraces
 from services.worker.prom import worker_families
 from services.worker.config import WorkerConfig
 from services.worker.countseq import CountStream
+from services.worker.owners import OwnerLeases
 from services.worker.engines.base import Engine
 from services.worker.engines.sim import SimEngine
 from shared.tokenizer import load_tokenizer, output_vocabulary  # the same tokenizers as the router: one spec
@@ -244,6 +249,8 @@ class WorkerService:
         self._spawned: set[asyncio.Task[None]] = set()
         self._owners: dict[str, _Owner] = {}
         """rid → attempt, output offset and owning router of every request on this node."""
+        self._leases = OwnerLeases(cfg.owner_gone_after_s)
+        """No-responder streaks of owning routers (``route.held``): a router gone drops its requests here."""
         self._traces = WorkerTraces(cfg.node, clock.speedup)
         """Spans of traced requests (empty unless tracing is on and requests carry ``traceparent``)."""
         self.kvpool = None  # HostKvPool with --kv-pool real (imported lazily: Mooncake is optional)
@@ -273,6 +280,7 @@ class WorkerService:
             (self._state_heartbeat(), "state"),
             (self._flush_iters_periodically(), "iters"),
             (self._fetch_split(), "split-get"),
+            *(((self._check_owners(), "owners"),) if self.cfg.owner_check_interval_s > 0 else ()),
         ):
             self._tasks.append(asyncio.create_task(coro, name=f"worker-{node}-{name}"))
         self.log.info("worker started", profile=self.profile.name, phase=self.core.phase, engine=self.engine.name)
@@ -491,39 +499,92 @@ class WorkerService:
         self._owners.pop(rid, None)
 
     async def _on_abort(self, msg: m.RequestAbort, _subject: str) -> None:
-        now = self.clock.now()
         held = self._owners.get(msg.rid)
         if held is not None and held.attempt > msg.attempt:
             self.counters["aborts.stale_attempt"] += 1  # aimed at an attempt this node no longer holds
             return
-        owner = self._owners.pop(msg.rid, None) or _Owner(attempt=msg.attempt)
-        self._bind_later.pop(msg.rid, None)
-        if self._traces:
-            self._traces.forget(msg.rid)
-        bind = self._binds.pop(msg.rid, None)
-        if bind is not None:
-            bind.cancel()
-        if not self.core.abort(msg.rid, now):
+        if not await self._drop(msg.rid, msg.reason, attempt=msg.attempt):
             self.counters["aborts.unknown"] += 1
             return
         self.counters["requests.aborted"] += 1
-        st = self._streams.pop(msg.rid, None)
-        if self._valid_rid(msg.rid):
+
+    async def _drop(self, rid: str, reason: str, *, attempt: int = 0) -> bool:
+        """Drop ``rid`` wherever it is on this node, free its KV, and end its stream with an
+        ``abort`` chunk (so every router's count of it ends). False if the node does not hold it.
+        ``attempt``: the attempt to stamp when the node has no owner record of it."""
+        now = self.clock.now()
+        owner = self._owners.pop(rid, None) or _Owner(attempt=attempt)
+        self._bind_later.pop(rid, None)
+        if self._traces:
+            self._traces.forget(rid)
+        bind = self._binds.pop(rid, None)
+        if bind is not None:
+            bind.cancel()
+        if not self.core.abort(rid, now):
+            return False
+        st = self._streams.pop(rid, None)
+        if self._valid_rid(rid):
             await self.bus.publish(
                 REQ_OUT,
                 m.TokenChunk(
-                    rid=msg.rid,
+                    rid=rid,
                     node=self.node,
                     index=owner.offset + (st.start if st else 0),
                     finished=True,
                     finish_reason="abort",
-                    error=msg.reason or None,
+                    error=reason or None,
                     ts=now,
                     attempt=owner.attempt,
                 ),
-                rid=msg.rid,
+                rid=rid,
             )
         self._input()  # freed KV may admit waiting work; a drain may be over
+        return True
+
+    async def _check_owners(self) -> None:
+        """Every ``owner_check_interval_s``: ask each owning router (``route.held.<router>``) which of
+        the requests held here it no longer has in flight, and drop those; drop every request of a
+        router nobody has answered for ``owner_gone_after_s`` (``owners.py``)."""
+        while True:
+            await asyncio.sleep(self.cfg.owner_check_interval_s)
+            try:
+                await self._check_owners_once()
+            except Exception as e:  # never let a bad reply stop the checks
+                self.counters["owners.check_errors"] += 1
+                self.log.warning("owner check failed", error=repr(e))
+
+    async def _check_owners_once(self) -> None:
+        held = [(rid, o.router_id, o.attempt) for rid, o in self._owners.items() if rid in self.core.requests]
+        self._leases.forget(r for _, r, _ in held)
+        for router, rids, attempts in OwnerLeases.queries(held):
+            if not self.bus.nc.is_connected:
+                return
+            timeout = max(0.05, min(2.0, self.cfg.owner_check_interval_s))
+            try:
+                rep = await self.bus.request(ROUTE_HELD, m.HeldQuery(node=self.node, rids=rids, attempts=attempts), timeout=timeout, router=router)
+            except BusError as e:
+                if "NoRespondersError" not in str(e):
+                    self.counters["owners.no_answer"] += 1  # a timeout decides nothing: kept
+                    continue
+                self.counters["owners.no_responders"] += 1
+                if not self._leases.no_responders(router, time.monotonic()):
+                    continue
+                gone = [(rid, a) for rid, a in zip(rids, attempts)]
+                why = f"owning router {router} is gone (nobody served route.held.{router} for {self.cfg.owner_gone_after_s:g} s)"
+                self.counters["owners.router_gone"] += 1
+            else:
+                self._leases.answered(router)
+                asked = dict(zip(rids, attempts))
+                gone = [(rid, asked[rid]) for rid in rep.dropped if rid in asked]
+                why = f"router {router} no longer has the request in flight"
+            for rid, attempt in gone:
+                o = self._owners.get(rid)
+                if o is None or o.attempt != attempt or o.router_id != router:
+                    continue  # finished, aborted or replaced since the query
+                if await self._drop(rid, why):
+                    self.counters["owners.dropped"] += 1
+            if gone:
+                self.log.info("requests dropped: their owning router no longer wants them", router=router, requests=len(gone), reason=why)
 
     # ------------------------------------------------------------------ #
     # in-place phase switch

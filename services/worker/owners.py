@@ -1,0 +1,83 @@
+"""Owner leases: which requests a node drops because their owning router no longer wants them.
+
+Pure bookkeeping; no I/O, no clock (``now`` is passed in, wall seconds, monotonic).
+
+A request on a node belongs to one router (``PrefillWork.router`` / ``DecodeWork.router``).
+The router tells the node to drop it with a ``RequestAbort`` when its client goes away; but a
+router that is SIGKILLed, or restarted (same ``--instance``, none of its old requests), sends
+no abort, and the node would decode to ``max_tokens`` for nobody, keep the KV and hold up the
+work queued behind (measured before this: a 90,000-token prefill of a killed router's client ran
+on for ~60 s of wall time at ``--speedup 0.05`` and a new request queued behind it timed out,
+504). So every ``--owner-check-interval-s`` the node asks each owner, on
+``route.held.<router>``, which of the requests it holds the router no longer has in flight
+(``HeldQuery`` → ``HeldReply.dropped``): those it drops at once (the owner answered). When
+nobody serves ``route.held.<router>`` (NATS "no responders": the router is gone) for
+``gone_after_s`` wall seconds in a row, every request of that router is dropped. A timeout or
+another bus error decides nothing (NATS down, a busy router): the requests are kept.
+
+The grace (``gone_after_s``) covers a NATS restart, during which a router that is alive may be
+a few seconds late to subscribe again after the node has reconnected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+MAX_RIDS_PER_QUERY = 4096
+"""rids in one ``HeldQuery`` (``shared.validate`` accepts up to 2^16); more are split across queries."""
+
+
+class OwnerLeases:
+    """No-responder streaks per router and the queries to send.
+
+    Args:
+        gone_after_s: wall seconds of consecutive "no responders" answers after which a
+            router is taken for gone (its requests dropped).
+    """
+
+    def __init__(self, gone_after_s: float) -> None:
+        if gone_after_s < 0:
+            raise ValueError(f"gone_after_s must be >= 0, got {gone_after_s}")
+        self.gone_after_s = gone_after_s
+        self._silent_since: dict[str, float] = {}
+        """router → ``now`` of the first "no responders" of its current streak."""
+
+    @staticmethod
+    def queries(held: Iterable[tuple[str, str, int]]) -> list[tuple[str, list[str], list[int]]]:
+        """Group held requests ``(rid, router, attempt)`` into ``(router, rids, attempts)``
+        queries of at most :data:`MAX_RIDS_PER_QUERY` rids, routers in sorted order. O(R log R)."""
+        by: dict[str, tuple[list[str], list[int]]] = {}
+        for rid, router, attempt in held:
+            rids, attempts = by.setdefault(router, ([], []))
+            rids.append(rid)
+            attempts.append(attempt)
+        out: list[tuple[str, list[str], list[int]]] = []
+        for router in sorted(by):
+            rids, attempts = by[router]
+            for i in range(0, len(rids), MAX_RIDS_PER_QUERY):
+                out.append((router, rids[i : i + MAX_RIDS_PER_QUERY], attempts[i : i + MAX_RIDS_PER_QUERY]))
+        return out
+
+    def answered(self, router: str) -> None:
+        """``router`` answered a query: it is alive (its streak, if any, ends)."""
+        self._silent_since.pop(router, None)
+
+    def no_responders(self, router: str, now: float) -> bool:
+        """Nobody serves ``route.held.<router>`` at ``now``; True when that has lasted
+        ``gone_after_s`` (the router is gone: drop its requests). The streak ends then, so a
+        router that comes back and gets new work starts from nothing."""
+        since = self._silent_since.setdefault(router, now)
+        if now - since >= self.gone_after_s:
+            del self._silent_since[router]
+            return True
+        return False
+
+    def forget(self, live_routers: Iterable[str]) -> None:
+        """Drop the streaks of routers that own none of the node's requests any more."""
+        keep = set(live_routers)
+        for r in [r for r in self._silent_since if r not in keep]:
+            del self._silent_since[r]
+
+    def silent(self) -> dict[str, float]:
+        """router → ``now`` its current no-responders streak began (for stats)."""
+        return dict(self._silent_since)

@@ -1,0 +1,121 @@
+"""A router that dies (SIGKILL) or restarts with requests in flight: the workers drop the work
+nobody reads any more (``route.held``, ``services/worker/owners.py``). Real nats-server, every
+service its own process (``evolving_infra.faultkit``), nothing supervised.
+
+Before ``route.held``, a SIGKILLed router's requests ran on to ``max_tokens`` (a 90,000-token
+prefill kept its node busy ~60 s wall at ``--speedup 0.05``, and a new request queued behind it
+timed out) and other routers counted them until ``--request-timeout-s``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from evolving_infra.faultkit import FaultCluster, FaultSpec
+from tests.integration.polling import until
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKERS = ("worker-w0", "worker-w1")
+
+
+def _prompt(n: int, base: int) -> list[int]:
+    return [(base + i) % 90_000 for i in range(n)]
+
+
+async def _open_streams(url: str) -> tuple[list[asyncio.Task[None]], list[int]]:
+    """Two streams on the router at ``url``: a long decode (tokens flowing) and a long prefill."""
+    got = [0, 0]
+
+    async def stream(i: int, body: dict) -> None:
+        async with httpx.AsyncClient(timeout=120) as c, c.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    got[i] += 1
+
+    tasks = [
+        asyncio.create_task(stream(0, {"prompt": _prompt(300, 11), "max_tokens": 20_000})),
+        asyncio.create_task(stream(1, {"prompt": _prompt(60_000, 7), "max_tokens": 20_000})),
+    ]
+    await until(lambda: got[0] >= 3, 20.0, "tokens of the first stream")
+    return tasks, got
+
+
+async def _held(fc: FaultCluster) -> dict[str, tuple[float, float]]:
+    """Per worker: (requests running + waiting, GPU blocks in use)."""
+    out = {}
+    for w in WORKERS:
+        st = await fc.stats(w)
+        assert st is not None, w
+        out[w] = (st.gauges["running"] + st.gauges["waiting"], st.gauges["gpu_used_blocks"])
+    return out
+
+
+async def _counter(fc: FaultCluster, name: str) -> int:
+    total = 0
+    for w in WORKERS:
+        st = await fc.stats(w)
+        assert st is not None, w
+        total += st.counters.get(name, 0)
+    return total
+
+
+async def _empty(fc: FaultCluster) -> bool:
+    return all(v == (0.0, 0.0) for v in (await _held(fc)).values())
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            await t
+
+
+def _spec(gone_after_s: float) -> FaultSpec:
+    # slowed 20x: the requests outlive the test by far unless something drops them
+    return FaultSpec(
+        nodes=2, split="1P1D", speedup=0.05,
+        extra={"worker": ["--owner-check-interval-s", "0.5", "--owner-gone-after-s", repr(gone_after_s)]},
+    )  # fmt: skip
+
+
+async def test_workers_drop_the_requests_of_a_sigkilled_router(tmp_path: Path) -> None:
+    async with FaultCluster(_spec(1.0), tmp_path / "cluster") as fc:
+        tasks, _ = await _open_streams(fc.router_url())
+        try:
+            held = await _held(fc)
+            assert sum(n for n, _ in held.values()) == 2 and all(b > 0 for _, b in held.values()), held
+            fc.signal("router", signal.SIGKILL)
+            # interval 0.5 s + gone after 1 s of no responders: dropped within a few seconds, KV freed
+            await until(lambda: _empty(fc), 10.0, "workers dropping the dead router's requests", every=0.25)
+            assert await _counter(fc, "owners.router_gone") >= 1
+            assert await _counter(fc, "owners.dropped") == 2
+        finally:
+            await _cancel(tasks)
+
+
+async def test_a_restarted_router_makes_the_workers_drop_its_predecessors_requests(tmp_path: Path) -> None:
+    # no-responder grace far beyond the test: only the restarted router's answer can drop them
+    async with FaultCluster(_spec(600.0), tmp_path / "cluster") as fc:
+        tasks, _ = await _open_streams(fc.router_url())
+        try:
+            fc.signal("router", signal.SIGKILL)
+            (fc.workdir / "router.port").unlink()
+            fc.restart("router")
+            await fc.wait_healthy(30.0)
+            await until(lambda: _empty(fc), 10.0, "workers dropping the old router's requests", every=0.25)
+            assert await _counter(fc, "owners.dropped") == 2 and await _counter(fc, "owners.router_gone") == 0
+            st = await fc.stats("router")
+            assert st is not None and st.counters.get("held.dropped", 0) >= 2, st
+            # and the restarted router serves at once (the prefill node is not busy with dead work)
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await c.post(fc.router_url() + "/v1/completions", json={"prompt": _prompt(100, 5), "max_tokens": 4})
+            assert r.status_code == 200, r.text
+        finally:
+            await _cancel(tasks)

@@ -1,0 +1,43 @@
+"""OwnerLeases (services/worker/owners.py): queries grouped per owning router, and a router taken
+for gone only after ``gone_after_s`` of consecutive no-responders answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.worker.owners import MAX_RIDS_PER_QUERY, OwnerLeases
+
+
+def test_queries_group_by_router_in_order_and_split_long_lists():
+    held = [("a", "router-1", 0), ("b", "router", 2), ("c", "router-1", 1)]
+    assert OwnerLeases.queries(held) == [("router", ["b"], [2]), ("router-1", ["a", "c"], [0, 1])]
+    many = [(f"r{i}", "router", i % 3) for i in range(MAX_RIDS_PER_QUERY + 5)]
+    qs = OwnerLeases.queries(many)
+    assert [len(q[1]) for q in qs] == [MAX_RIDS_PER_QUERY, 5]
+    assert [r for q in qs for r in q[1]] == [r for r, _, _ in many] and [a for q in qs for a in q[2]] == [a for _, _, a in many]
+    assert OwnerLeases.queries([]) == []
+
+
+def test_gone_only_after_the_grace_and_an_answer_resets_the_streak():
+    leases = OwnerLeases(gone_after_s=5.0)
+    assert not leases.no_responders("router", 100.0)
+    assert not leases.no_responders("router", 104.9)
+    leases.answered("router")  # it answered (e.g. re-subscribed after a NATS restart): streak over
+    assert not leases.no_responders("router", 105.0)
+    assert not leases.no_responders("router", 109.0)
+    assert leases.no_responders("router", 110.0)  # 5 s of silence since 105
+    assert leases.silent() == {}  # the streak ends with the verdict: a router that comes back starts afresh
+    assert not leases.no_responders("router", 111.0)
+
+
+def test_streaks_are_per_router_and_forgotten_when_it_owns_nothing_here():
+    leases = OwnerLeases(gone_after_s=1.0)
+    leases.no_responders("router", 0.0)
+    leases.no_responders("router-1", 0.5)
+    leases.forget(["router-1"])
+    assert leases.silent() == {"router-1": 0.5}
+    assert not leases.no_responders("router", 1.2)  # its streak was forgotten: starts again at 1.2
+    assert leases.no_responders("router-1", 1.5)
+    assert OwnerLeases(0.0).no_responders("x", 3.0)  # no grace: the first no-responders decides
+    with pytest.raises(ValueError):
+        OwnerLeases(-1.0)
