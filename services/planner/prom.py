@@ -10,7 +10,8 @@ name                                       type       meaning
 ``ei_split_changes_total``                 counter    split changes the planner decided (policy or operator)
 ``ei_split_switch_seconds``                histogram  a node's decision → serving its new phase (simulated s),
                                                       from ``split.applied`` (a node restarted after the decision:
-                                                      from its start); ``_count`` = node switches done
+                                                      from its start); ``_count`` = node switches done (a node
+                                                      the split leaves in its phase is not counted)
 ``ei_split_switch_drain_seconds``          histogram  of that, draining the node's running requests
 ``ei_planner_decisions_total``             counter    planner decisions published (keep or switch)
 =========================================  =========  =============================================================

@@ -97,6 +97,8 @@ class PlannerService:
             "ei_split_switch_drain_seconds", "Part of a node phase switch spent draining its running requests (simulated s)",
             buckets=SWITCH_BUCKETS_S, registry=self.registry,
         )
+        self._serving_phase: dict[str, str] = {}
+        """node → the phase its last ``split.applied`` ``serving`` named (what a switch leaves)."""
         bus.known_nodes = frozenset(cfg.nodes)
 
     async def start(self) -> None:
@@ -230,8 +232,15 @@ class PlannerService:
 
     async def _on_applied(self, msg: m.SplitApplied, _subject: str) -> None:
         if msg.status == "serving" and self.applied.get(msg.node) != msg:
-            self._switch_s.observe(msg.switch_s)
-            self._drain_s.observe(max(0.0, msg.drained_at - msg.received_at))
+            # a switch: the node serves another phase than it last said it served, or its switch
+            # took time (a node restarted after the decision: from its start). A node the command
+            # leaves in its phase confirms it at once (switch_s 0, same phase): no switch
+            # (evolving_infra/report/timeline.py counts switches the same way).
+            last = self._serving_phase.get(msg.node)
+            if msg.switch_s > 0 or (last is not None and last != msg.phase):
+                self._switch_s.observe(msg.switch_s)
+                self._drain_s.observe(max(0.0, msg.drained_at - msg.received_at))
+            self._serving_phase[msg.node] = msg.phase
         self.applied[msg.node] = msg
         self.core.on_split_applied(msg, self.clock.now())
 

@@ -322,3 +322,54 @@ async def test_malformed_payloads_are_counted_and_the_planner_keeps_serving(nats
         reply = await c.bus.request(SPLIT_SET, m.SplitSetRequest(split="2P2D"))
         assert reply.ok
     await c.bus.close()
+
+
+async def test_the_switch_histogram_counts_phase_switches_not_confirmations_of_an_unchanged_phase(nats_url):
+    """A node whose phase a new split leaves unchanged answers ``serving`` at once (switch_s 0,
+    nothing drained): that is no switch. ``ei_split_switch_seconds_count`` is documented as
+    "node switches done" and the dashboard's "Phase switch time P95" reads it; before the fix every
+    such confirmation went in as a 0-s switch (a live 4-node ``up`` run: 16 observations for 9
+    switches), and the P95 fell toward 0."""
+    import socket
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = await Client.connect(nats_url)
+    async with planner(nats_url, metrics_port=port):
+        reply = await c.bus.request(SPLIT_SET, m.SplitSetRequest(split="3P1D", reason="test"))
+        assert reply.ok and reply.command.epoch == 2 and reply.command.phases["w2"] == "prefill"
+        # epoch 2 = 3P1D after 2P2D: w2 switches decode -> prefill (drains 1.5 s of its 2 s),
+        # w0, w1 (prefill) and w3 (decode) only confirm their phase
+        for n, ph in (("w0", "prefill"), ("w1", "prefill"), ("w3", "decode")):
+            await c.bus.publish(SPLIT_APPLIED, m.SplitApplied(
+                epoch=2, node=n, phase=ph, status="serving", decided_at=10.0, applied_at=10.2, received_at=10.2, drained_at=10.2), node=n)
+        await c.bus.publish(SPLIT_APPLIED, m.SplitApplied(
+            epoch=2, node="w2", phase="prefill", status="draining", decided_at=10.0, applied_at=10.2, received_at=10.2), node="w2")
+        await c.bus.publish(SPLIT_APPLIED, m.SplitApplied(
+            epoch=2, node="w2", phase="prefill", status="serving", decided_at=10.0, applied_at=12.0, switch_s=2.0,
+            received_at=10.2, drained_at=11.7), node="w2")
+        # a node restarted after the decision switches from its start: counted though its phase
+        # is the one the planner last saw it serve (the new process started in another)
+        await c.bus.publish(SPLIT_APPLIED, m.SplitApplied(
+            epoch=2, node="w3", phase="decode", status="serving", decided_at=10.0, applied_at=20.0, switch_s=0.5,
+            received_at=19.5, drained_at=19.5), node="w3")
+
+        async def scrape() -> dict:
+            async with httpx.AsyncClient(timeout=5) as http:
+                text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+            return {smp.name: smp.value for f in text_string_to_metric_families(text) for smp in f.samples if not smp.labels}
+
+        got: dict = {}
+
+        async def all_seen() -> bool:  # the last message (w3's 0.5 s) is in the sum
+            got.update(await scrape())
+            return got.get("ei_split_switch_seconds_sum", 0.0) >= 2.5 - 1e-9
+
+        await until(all_seen, what="the switches in the histogram")
+        assert got["ei_split_switch_seconds_count"] == 2 and got["ei_split_switch_seconds_sum"] == pytest.approx(2.5), got
+        assert got["ei_split_switch_drain_seconds_count"] == 2 and got["ei_split_switch_drain_seconds_sum"] == pytest.approx(1.5), got
+    await c.bus.close()
