@@ -136,6 +136,9 @@ class Bus:
         self.counters: Counter[str] = Counter()
         self.log = structlog.get_logger("bus").bind(instance=instance)
         self._subs: list[Subscription] = []
+        self.subscribed: set[str] = set()
+        """Subject templates this bus subscribes to or serves: their per-subject Prometheus
+        series (dropped, handler errors, received) start at 0 (``shared.metrics.bus_families``)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self.droplog = RateLimitedLog(self.log, first=5, interval_s=10.0)
@@ -390,6 +393,7 @@ class Bus:
         miss messages) or a queue group uses a core subscription.
         """
         template = subject.template
+        self.subscribed.add(template)
         use_js = (subject.reliable if reliable is None else reliable) and not queue and await self.ensure_stream()
         floor = [0]
         """Highest stream sequence handled: a redelivery after a consumer reset is dropped."""
@@ -480,6 +484,7 @@ class Bus:
         costs a decode each, not a full answer each.
         """
         template = subject.template
+        self.subscribed.add(template)
 
         async def cb(raw: NatsMsg) -> None:
             msg, why = self._decode_why(subject, raw)

@@ -88,7 +88,7 @@ def histogram_family(
     """A Prometheus histogram family from core histograms, one series per label tuple.
 
     Args:
-        name: metric name without ``_bucket``/``_sum``/``_count`` (e.g. ``ei_request_ttft_seconds``).
+        name: metric name without ``_bucket``/``_sum``/``_count`` (e.g. ``ei_router_ttft_seconds``).
         doc: HELP text (say the unit).
         series: label values (``len(labels)`` strings) → histogram.
         labels: label names.
@@ -134,25 +134,32 @@ def by_prefix(counters: Mapping[str, int], prefix: str) -> dict[tuple[str, ...],
     return {(k[n:],): float(v) for k, v in counters.items() if k.startswith(prefix)}
 
 
-def bus_families(counters: Mapping[str, int]) -> Iterator[Metric]:
+def bus_families(counters: Mapping[str, int], subscribed: Iterable[str] = ()) -> Iterator[Metric]:
     """The bus's per-subject counters (``shared.bus.Bus.counters``) as Prometheus families.
 
     ``subject`` is the subject template (``ei.{partition}.work.{node}.prefill`` style,
     as in ``shared/subjects.py``), so label cardinality is bounded by the templates.
+    ``subscribed`` (``Bus.subscribed``): templates whose dropped / handler-error / received
+    series exist from the start at 0, so ``rate()`` reads 0, not "no data", until the first one.
     """
+    zero = {(t,): 0.0 for t in sorted(subscribed)}
+
+    def by_subject(prefix: str) -> dict[tuple[str, ...], float]:
+        return {**zero, **by_prefix(counters, prefix)}
+
     yield counter_family(
         "ei_bus_messages_dropped",
         "Malformed NATS messages counted and dropped, by subject template",
-        by_prefix(counters, "dropped."),
+        by_subject("dropped."),
         ["subject"],
     )
     yield counter_family(
         "ei_bus_handler_errors", "Handler exceptions (message dropped, service kept running), by subject template",
-        by_prefix(counters, "handler_errors."), ["subject"],
+        by_subject("handler_errors."), ["subject"],
     )
     yield counter_family(
         "ei_bus_messages_received", "Decoded NATS messages handed to a handler, by subject template",
-        by_prefix(counters, "received."), ["subject"],
+        by_subject("received."), ["subject"],
     )
     yield counter_family(
         "ei_bus_messages_published", "NATS messages published, by subject template", by_prefix(counters, "published."), ["subject"]
@@ -254,7 +261,7 @@ def make_registry(bus: Any = None) -> CollectorRegistry:
     """A fresh registry for one service, with the bus's per-subject counters when ``bus`` is given."""
     reg = CollectorRegistry(auto_describe=False)
     if bus is not None:
-        reg.register(FuncCollector(lambda: bus_families(bus.counters)))
+        reg.register(FuncCollector(lambda: bus_families(bus.counters, getattr(bus, "subscribed", ()))))
     return reg
 
 
