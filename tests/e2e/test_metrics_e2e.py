@@ -126,8 +126,21 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
     assert sample("ei_kvdirectory_ingest_seconds", d, suffix="_count") > 0
     assert sample("ei_bus_messages_dropped", d, {"subject": KV_EVENTS.template}, "_total") == 1
 
-    # every series the Grafana dashboard queries exists in what the services export
-    exported = {smp.name for fam in fams.values() for f in fam.values() for smp in f.samples}
-    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
-    queried = {name for e in exprs for name in re.findall(r"\bei_[a-z0-9_]+", e)}
-    assert queried and queried <= exported, sorted(queried - exported)
+    # every series the Grafana dashboard queries exists in what the services export, with the
+    # labels its PromQL groups by (``by (...)``) or selects (``{...}``)
+    exported: dict[str, set[str]] = {}
+    for fam in fams.values():
+        for f in fam.values():
+            for smp in f.samples:
+                exported.setdefault(smp.name, set()).update(smp.labels)
+    targets = [t for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    assert targets
+    for t in targets:
+        e = t["expr"]
+        names = set(re.findall(r"\bei_[a-z0-9_]+", e))
+        labels = {x.strip() for g in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", e) for x in g.split(",") if x.strip()}
+        labels |= {x.split("=")[0].strip(" !~") for g in re.findall(r"\{([^}]*)\}", e) for x in g.split(",") if x.strip()}
+        labels |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", t.get("legendFormat", "")))
+        assert names and names <= set(exported), (e, sorted(names - set(exported)))
+        for n in names:
+            assert labels <= exported[n], (e, n, sorted(labels - exported[n]))
