@@ -36,7 +36,7 @@ import re
 import socket
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +153,12 @@ class _Pending:
     """Output token ids delivered to the client so far (in order)."""
     stale_aborted: set[tuple[str, int]] = field(default_factory=set)
     """(node, attempt) pairs told to drop a superseded attempt."""
+    first_attempt: int = 0
+    """The attempt it was first dispatched with: 0, or one past the last attempt of an earlier
+    request with the same client ``X-Request-ID`` (a retry), so that late output, aborts and
+    hand-offs of that earlier request are told apart from this one's (``_RetriedRids``)."""
+    client_rid: bool = False
+    """Its rid is the client's ``X-Request-ID`` (may come again)."""
 
 
 @dataclass(slots=True)
@@ -174,6 +180,31 @@ class _ReqTrace:
 
 class _ClientGone(Exception):
     pass
+
+
+class _RetriedRids:
+    """The last attempt of recently ended requests whose rid was the client's ``X-Request-ID``.
+
+    A client that goes away and retries with the same id (a timeout, a dropped connection)
+    starts a new request with the same rid while the nodes may still hold, or still be ending,
+    the first one: its abort chunk came back on the retry's stream, and the retry's work, of the
+    same attempt 0, could be taken for the first one's by its node. The retry's first attempt is
+    one past the last one's, so every node and the router tell them apart by the attempt (the
+    fencing token of issue #22). At most ``cap`` rids, oldest forgotten first. O(1) per call.
+    """
+
+    def __init__(self, cap: int = 65_536) -> None:
+        self.cap = cap
+        self._last: OrderedDict[str, int] = OrderedDict()
+
+    def next_attempt(self, rid: str) -> int:
+        return self._last.get(rid, -1) + 1
+
+    def ended(self, rid: str, attempt: int) -> None:
+        self._last[rid] = attempt
+        self._last.move_to_end(rid)
+        if len(self._last) > self.cap:
+            self._last.popitem(last=False)
 
 
 class _SseResponse(StreamingResponse):
@@ -293,6 +324,8 @@ class RouterService:
         self.api_keys_on = guard.enabled
         self.app: ASGIApp = _StatusCounter(guard, self.counters)
         self._pending: dict[str, _Pending] = {}
+        self._retried = _RetriedRids()
+        """Last attempts of ended requests with a client ``X-Request-ID`` (a retry starts past them)."""
         self._kv_liveness: dict[str, m.NodeKvLiveness] = {}
         """Latest ``kv.liveness`` per node (the directory's view of each node's KV freshness)."""
         self._remote = RemoteSends()
@@ -1361,6 +1394,9 @@ class RouterService:
             tr=tr,
         )
         p.rreq = p.cur = rreq
+        if client_rid is not None:  # a retry of an ended request with this id starts past its attempts
+            p.client_rid = True
+            p.attempt = p.first_attempt = self._retried.next_attempt(rid)
         self._pending[rid] = p
         try:
             for placed in out.placed:
@@ -1369,7 +1405,7 @@ class RouterService:
                 WORK_PREFILL, self._work(p, out), node=out.prefill.node, headers=None if tr is None else tracing.inject(tr.span)
             )
         except Exception as e:
-            self._pending.pop(rid, None)
+            self._forget(p)
             self._abandon(p, "dispatch failed", "dispatch_failed")
             self.log.error("dispatch failed", rid=rid, error=repr(e))
             return self._error(503, f"cannot dispatch to node {out.prefill.node}: {e}")
@@ -1439,7 +1475,7 @@ class RouterService:
         finally:
             if not watcher.done():
                 watcher.cancel()
-            self._pending.pop(rid, None)
+            self._forget(p)
 
     async def _stream(
         self, p: _Pending, rreq: RouteRequest, chat: bool, created: int, include_usage: bool, continuous_usage: bool
@@ -1512,13 +1548,20 @@ class RouterService:
         finally:
             if not completed:
                 self._abandon(p, "client disconnected", "client_disconnect")
-            self._pending.pop(p.rid, None)
+            self._forget(p)
 
     def _close_stream(self, p: _Pending) -> None:
         """After an SSE response: forget ``p`` if its body never ran (the client left before it started)."""
         if self._pending.get(p.rid) is p:
             self._abandon(p, "client disconnected", "client_disconnect")
-            self._pending.pop(p.rid, None)
+            self._forget(p)
+
+    def _forget(self, p: _Pending) -> None:
+        """The HTTP side of ``p`` is over: forget it (remembering a client rid's last attempt)."""
+        if self._pending.get(p.rid) is p:
+            del self._pending[p.rid]
+            if p.client_rid:
+                self._retried.ended(p.rid, p.attempt)
 
     @staticmethod
     def _ei(p: _Pending) -> dict[str, Any]:
@@ -1527,7 +1570,7 @@ class RouterService:
         return {
             "prefill_node": p.prefill_node,
             "decode_node": p.decode_node,
-            "redispatches": p.attempt,
+            "redispatches": p.attempt - p.first_attempt,
             "queue_s": p.queue_s,
             "arrived_at": p.arrived_at,
             "first_token_at": p.first_token_at,
