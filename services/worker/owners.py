@@ -15,8 +15,12 @@ nobody serves ``route.held.<router>`` (NATS "no responders": the router is gone)
 ``gone_after_s`` wall seconds in a row, every request of that router is dropped. A timeout or
 another bus error decides nothing (NATS down, a busy router): the requests are kept.
 
-The grace (``gone_after_s``) covers a NATS restart, during which a router that is alive may be
-a few seconds late to subscribe again after the node has reconnected.
+The grace (``gone_after_s``, 30 s by default: the router's ``bus_outage_wait_s``) covers a router
+cut off from NATS, which looks the same as a dead one (nobody serves its subject) but whose
+streams may still complete after it reconnects (``req.*.out`` is reliable), and a NATS restart,
+after which a live router may subscribe again a moment after the node. A router restarted under
+the same ``--instance`` (``evolving-infra up`` restarts it within about a second) answers for its
+predecessor's requests at once.
 """
 
 from __future__ import annotations
