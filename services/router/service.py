@@ -96,6 +96,11 @@ _JSON = msgspec.json.Encoder()
 _SSE_DONE = b"data: [DONE]\n\n"
 _BIG_TEXT = 32_768
 """Characters above which tokenization runs in a worker thread."""
+_DUPLICATE_GRACE_S = 0.5
+"""Wall seconds a request whose ``X-Request-ID`` is in flight waits for that request to end before
+its 409: a client that closes a request and retries at once with the same id reaches the router
+before the close does (on a local 4-node cluster 3 of 5 such retries got a 409, each gone a few
+ms later)."""
 
 
 @dataclass(slots=True)
@@ -1326,7 +1331,7 @@ class RouterService:
             return self._error(503, "router is shutting down")
         try:
             client_rid = api.parse_request_id(request.headers.get("x-request-id"))
-            if client_rid is not None and client_rid in self._pending:
+            if client_rid is not None and client_rid in self._pending and not await self._rid_freed(client_rid):
                 raise api.ApiError(409, f"X-Request-ID {client_rid!r} is already in flight", param="X-Request-ID")
             hdrs, req, arr, max_tokens = await self._prepare(request, chat)
             start = None
@@ -1555,6 +1560,14 @@ class RouterService:
         if self._pending.get(p.rid) is p:
             self._abandon(p, "client disconnected", "client_disconnect")
             self._forget(p)
+
+    async def _rid_freed(self, rid: str) -> bool:
+        """A request with ``rid`` is in flight: True if it ends within ``_DUPLICATE_GRACE_S``
+        (polled every 10 ms; the client that sent it went away and is retrying)."""
+        deadline = time.monotonic() + _DUPLICATE_GRACE_S
+        while rid in self._pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return rid not in self._pending
 
     def _forget(self, p: _Pending) -> None:
         """The HTTP side of ``p`` is over: forget it (remembering a client rid's last attempt)."""
