@@ -314,7 +314,10 @@ class WorkerService:
         self.log.info("real-bytes host KV pool up", session=self.kvpool.session, slots=slots, slot_bytes=slot_bytes)
 
     async def stop(self) -> None:
-        """Stop the loop, flush iteration records and announce ``accepting=False``."""
+        """Stop the loop, flush iteration records, announce ``accepting=False`` and that the node's KV
+        is gone (``AllBlocksCleared``, as at start): the directory drops its blocks, so a node that
+        left is no longer counted in ``ei_kvdirectory_copies`` / ``blocks_indexed`` or offered in
+        lookups (a SIGKILLed node cannot say so: its blocks stay until it comes back)."""
         self.accepting = False
         self._stopped = True
         for t in (*self._tasks, *self._binds.values(), *self._spawned):
@@ -332,6 +335,8 @@ class WorkerService:
         try:
             await self._flush_iters()
             await self._publish_state(self.clock.now())
+            self.kv_seq += 1
+            await self._publish_kv(self.kv_seq, [m.AllBlocksCleared()], self.clock.now())
         except Exception as e:  # connection already gone: nothing more to say
             self.log.debug("final publish failed", error=repr(e))
 
