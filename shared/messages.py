@@ -556,6 +556,37 @@ class SplitSetReply(Msg, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- #
 
 
+class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A request's sampling parameters (vLLM's ``SamplingParams`` subset the ``torch``
+    engine applies), carried by :class:`PrefillWork` and the hand-off :class:`DecodeWork`
+    so the prefill node (first token) and the decode node (the rest) sample alike.
+
+    The defaults are greedy decoding; a work without ``sampling`` (None: old senders,
+    the simulator) is greedy. The ``sim`` engine has no real tokens and ignores all of it.
+    Stop *strings* are not here: the router ends the text at them (it detokenizes).
+    """
+
+    temperature: NonNegF = 0.0
+    """Softmax temperature; below 1e-5 (vLLM's ``_SAMPLING_EPS``) = greedy (argmax)."""
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    """Nucleus: keep the most likely tokens whose probabilities sum to ``top_p``; 1 = off."""
+    top_k: NonNeg = 0
+    """Keep the ``top_k`` most likely tokens; 0 = off (the router maps vLLM's -1 to 0)."""
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    """Drop tokens less likely than ``min_p`` × the most likely one's probability; 0 = off."""
+    seed: int | None = None
+    """Reproducible sampling: output position i draws from a generator seeded with
+    (``seed``, i) (``TorchEngine``); None = a random seed per request."""
+    stop_token_ids: list[int] = []
+    """Token ids that end the request (``finish_reason`` ``stop``; ``ignore_eos`` does not
+    apply to them, as in vLLM); the token is part of the output, its text is not shown."""
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding (temperature below 1e-5)."""
+        return self.temperature < 1e-5
+
+
 class PrefillWork(Msg, frozen=True, kw_only=True):
     """A request dispatched to a node for prefill (and decode when collocated)."""
 
@@ -597,6 +628,9 @@ class PrefillWork(Msg, frozen=True, kw_only=True):
     ``SamplingParams.ignore_eos``). Without it a real engine (``torch``) ends the request
     at its EOS token (``finish_reason`` ``stop``); the ``sim`` engine has no tokens and
     always generates ``max_tokens``."""
+    sampling: Sampling | None = None
+    """Sampling parameters (:class:`Sampling`); None = greedy. A re-dispatched request
+    (``output_offset``) keeps them, so a seeded request continues its sequence exactly."""
 
 
 class DecodeWork(Msg, frozen=True, kw_only=True):
@@ -631,6 +665,8 @@ class DecodeWork(Msg, frozen=True, kw_only=True):
     kv: bytes = b""
     """Real engines (``torch``): the prompt's K/V pages, ``ceil(prompt / block_size)`` pages
     of the engine's page layout (``TorchEngine.handoff``); empty for the sim engine."""
+    sampling: Sampling | None = None
+    """See ``PrefillWork.sampling`` (the decode node samples as the prefill node did)."""
 
 
 class DecodeBindRequest(Msg, frozen=True, kw_only=True):

@@ -66,6 +66,10 @@ MAX_BIG = 2**62
 """Largest byte count or other non-token integer."""
 MAX_BLOCK_COUNT = 2**40
 """Largest number of KV blocks a node reports (free, total, used)."""
+MAX_TEMPERATURE = 100.0
+"""Largest sampling temperature a work may carry (the router's API allows [0, 2]; vLLM has no bound)."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most ``Sampling.stop_token_ids`` of one request."""
 
 _TOKEN = re.compile(r"[A-Za-z0-9_\-]{1,128}\Z")  # \Z: "$" would let a trailing newline through
 
@@ -401,6 +405,22 @@ def _prefill(w: m.PrefillWork, p: dict[str, str], nodes: Collection[str] | None)
     for f in w.fetch:
         _fetch_range(f, len(w.block_hashes))
     _owner(w.attempt, w.output_offset, w.router)
+    _sampling(w.sampling)
+
+
+def _sampling(sp: m.Sampling | None) -> None:
+    """A work's sampling parameters (``shared.messages.Sampling``; msgspec checked the signs
+    and ``top_p`` ∈ (0, 1], ``min_p`` ∈ [0, 1])."""
+    if sp is None:
+        return
+    if not (math.isfinite(sp.temperature) and sp.temperature <= MAX_TEMPERATURE):
+        raise Invalid(f"sampling.temperature={sp.temperature!r} is not finite in [0, {MAX_TEMPERATURE:g}]")
+    _int(sp.top_k, "sampling.top_k", 2**32)
+    if sp.seed is not None:
+        _int(sp.seed, "sampling.seed", 2**64 - 1, -(2**63))
+    _len(sp.stop_token_ids, "sampling.stop_token_ids", MAX_STOP_TOKEN_IDS)
+    if sp.stop_token_ids and (min(sp.stop_token_ids) < 0 or max(sp.stop_token_ids) >= 2**32):
+        raise Invalid("a sampling.stop_token_ids id is outside [0, 2^32)")
 
 
 def _owner(attempt: int, output_offset: int, router: str) -> None:
@@ -419,6 +439,7 @@ def _decode(w: m.DecodeWork, p: dict[str, str], nodes: Collection[str] | None) -
     _int(w.kv_bytes, "kv_bytes", MAX_BIG)
     _owner(w.attempt, w.output_offset, w.router)
     _len(w.output_ids, "output_ids", w.max_tokens)
+    _sampling(w.sampling)
 
 
 def _abort(a: m.RequestAbort, p: dict[str, str], nodes: Collection[str] | None) -> None:

@@ -1189,6 +1189,7 @@ class EngineScheduler:
             output_offset=w.output_offset,
             router=w.router,
             ignore_eos=w.ignore_eos,
+            sampling=w.sampling,
         )
         return HandOff(rid=r.rid, decode_node=r.handoff_to, work=work, at=now)
 

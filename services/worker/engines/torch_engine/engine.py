@@ -30,17 +30,24 @@ page (the scheduler deduplicates it the same way). :meth:`check` proves that
 the maps equal the pools' contents, every L1 page's bytes equal its L2 copy,
 and pages are conserved (hashed + private + free = capacity).
 
-Greedy decoding (argmax); one output token per decode iteration, so the
-profile must have ``tokens_per_forward == accepted_per_iteration == 1``. A
-request ends at the model's end-of-sequence token (``generation_config.json``'s
-``eos_token_id``, else ``config.json``'s) unless it says ``ignore_eos``: the
-engine reports it (:meth:`TorchEngine.take_stopped`) and the scheduler finishes
+Sampling per request (``PrefillWork.sampling`` / ``DecodeWork.sampling``,
+:mod:`.sampling`): greedy (argmax, the default and a temperature below 1e-5) or
+temperature / ``top_k`` / ``top_p`` / ``min_p`` sampling, every row of one decode
+step with its own parameters; with a ``seed`` the token at output position i is
+drawn from a generator seeded with (seed, i), so it does not depend on the batch or
+on the node that samples it (see :mod:`.sampling` for the limits). One output token
+per decode iteration, so the profile must have ``tokens_per_forward ==
+accepted_per_iteration == 1``. A request ends at the model's end-of-sequence token
+(``generation_config.json``'s ``eos_token_id``, else ``config.json``'s) unless it
+says ``ignore_eos``, and at any of its ``stop_token_ids`` (``ignore_eos`` or not):
+the engine reports it (:meth:`TorchEngine.take_stopped`) and the scheduler finishes
 it there with ``finish_reason`` ``stop``.
 """
 
 from __future__ import annotations
 
 import functools
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -51,10 +58,11 @@ from typing import Any
 import torch
 
 from shared.hashing import unpack_tokens
-from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, DecodeWork, KvEvent, PrefillWork
+from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, DecodeWork, KvEvent, PrefillWork, Sampling
 from shared.profile import Profile
 from services.worker.engines.base import Engine
 from services.worker.engines.torch_engine.model import ModelConfigError, PagedDecoder, SeqBatch, int64_tensor
+from services.worker.engines.torch_engine.sampling import is_greedy, sample
 from services.worker.plan import IterationPlan
 
 
@@ -126,6 +134,22 @@ class _Seq:
     """Output position of ``out[0]`` for the client (``output_offset`` of a re-dispatched request)."""
     ignore_eos: bool = False
     """Keep generating past an end-of-sequence token (``PrefillWork.ignore_eos``)."""
+    sampling: Sampling | None = None
+    """Sampling parameters (``PrefillWork.sampling``); None = greedy."""
+    seed: int = 0
+    """Seed of the request's draws: ``sampling.seed``, else a random 64-bit one (sampled requests)."""
+    stop_ids: frozenset[int] = frozenset()
+    """``sampling.stop_token_ids``: the request ends at any of them."""
+
+
+def _seq(prompt: list[int], sp: Sampling | None, **kw: Any) -> _Seq:
+    """A :class:`_Seq` with ``sp``'s seed (a random one for an unseeded sampled request) and stop ids."""
+    seed = 0
+    if not is_greedy(sp):
+        assert sp is not None
+        seed = sp.seed if sp.seed is not None else secrets.randbits(64)
+    stop = frozenset(sp.stop_token_ids) if sp is not None and sp.stop_token_ids else frozenset()
+    return _Seq(prompt=prompt, sampling=sp, seed=seed, stop_ids=stop, **kw)
 
 
 class TorchEngine(Engine):
@@ -238,7 +262,7 @@ class TorchEngine(Engine):
         err = self.context_error(work.prompt_tokens, work.max_tokens)
         if err:
             raise ValueError(err)
-        self.seqs[work.rid] = _Seq(prompt=ids, offset=work.output_offset, ignore_eos=work.ignore_eos)
+        self.seqs[work.rid] = _seq(ids, work.sampling, offset=work.output_offset, ignore_eos=work.ignore_eos)
 
     @_locked
     def accept_decode(self, work: DecodeWork) -> None:
@@ -263,7 +287,7 @@ class TorchEngine(Engine):
             )
         raw = torch.frombuffer(bytearray(work.kv), dtype=torch.uint8)
         kv = raw.view(self.host.dtype).reshape(pages, *self.host.shape[1:])
-        s = _Seq(prompt=ids, out=list(work.output_ids), offset=work.output_offset, ignore_eos=work.ignore_eos)
+        s = _seq(ids, work.sampling, out=list(work.output_ids), offset=work.output_offset, ignore_eos=work.ignore_eos)
         s.incoming = {i: kv[i] for i in range(pages)}
         s.path = list(work.block_hashes)
         for i, h in enumerate(work.block_hashes):
@@ -545,7 +569,7 @@ class TorchEngine(Engine):
         positions: list[int] = []
         batch: list[SeqBatch] = []
         logits_at: list[int] = []
-        sample: list[tuple[str, _Seq]] = []
+        rows_s: list[tuple[str, _Seq]] = []  # (rid, seq) of each logits row, in row order
         chunk_pages: list[tuple[_Seq, Any, int, int]] = []
         chunks = list(zip(plan.prefill, plan.reqs[:n_chunks])) if first else []
         for c, r in chunks:
@@ -569,7 +593,7 @@ class TorchEngine(Engine):
             chunk_pages.append((s, r, start // ps, s.computed // ps))
             if c.completes:
                 logits_at.append(len(tokens) - 1)
-                sample.append((r.rid, s))
+                rows_s.append((r.rid, s))
         rows: list[tuple[int, Any, _Seq]] = []
         for r in plan.reqs[n_chunks:]:
             if r.rid in self._stopped:  # ended at EOS in an earlier iteration of this plan
@@ -605,7 +629,7 @@ class TorchEngine(Engine):
             batch.append(SeqBatch(offset=off, n=1, ctx=pos, block_table=s.table))
             s.computed = pos + 1
             logits_at.append(off)
-            sample.append((rid, s))
+            rows_s.append((rid, s))
         if not tokens:
             return
         dev = self.device
@@ -614,10 +638,15 @@ class TorchEngine(Engine):
             int64_tensor(tokens, dev), int64_tensor(positions, dev), batch, self.k_cache, self.v_cache,
             None if every else int64_tensor(logits_at, dev),
         )  # fmt: skip
-        nxt = logits.argmax(dim=-1).tolist()
-        for (rid, s), t in zip(sample, nxt):
+        if all(s.sampling is None for _, s in rows_s):
+            nxt = logits.argmax(dim=-1).tolist()
+        else:
+            nxt = sample(
+                logits, [s.sampling for _, s in rows_s], [s.seed for _, s in rows_s], [s.offset + len(s.out) for _, s in rows_s]
+            )
+        for (rid, s), t in zip(rows_s, nxt):
             s.out.append(t)
-            if t in self.eos and not s.ignore_eos:
+            if (t in self.eos and not s.ignore_eos) or t in s.stop_ids:
                 self._stopped[rid] = len(s.out)
         self._count("forwards")
         self._count("tokens", len(tokens))
@@ -636,7 +665,7 @@ class TorchEngine(Engine):
     @_locked
     def take_stopped(self) -> dict[str, int]:
         """Requests the last executed plan ended at an EOS token (model's ``eos_token_id``,
-        no ``ignore_eos``) → their output count on this engine including that token
+        no ``ignore_eos``) or at one of their ``stop_token_ids`` → their output count on this engine including that token
         (``EngineScheduler.finish_iteration``'s ``stopped``); cleared once taken."""
         out, self._stopped = self._stopped, {}
         return out

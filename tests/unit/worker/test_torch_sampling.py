@@ -1,0 +1,190 @@
+"""Per-request sampling in the torch engine (``torch_engine/sampling.py``, ``TorchEngine``).
+
+Sampler: greedy rows are the argmax (bit-identical to the engine's old call, also inside a
+mixed batch); temperature > 0 varies across seeds and is reproducible with one; ``top_k=1``
+and a tiny ``top_p`` are the argmax; ``top_k`` / ``min_p`` never pick a filtered token; the
+draws follow softmax(logits / T); a row's token does not depend on the batch around it.
+
+Engine (tiny random model, ``LocalNode``): a seeded request gives the same tokens collocated,
+in a batch with other requests, and split over a prefill node and a decode node (hand-off);
+another seed gives other tokens; ``stop_token_ids`` end it with ``finish_reason`` ``stop``
+(also with ``ignore_eos``); temperature 0 is the greedy reference.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from shared.hashing import block_hashes, pack_tokens  # noqa: E402
+from shared.messages import PrefillWork, Sampling  # noqa: E402
+from shared.profile import load_profile  # noqa: E402
+from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
+from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
+from services.worker.engines.torch_engine.sampling import position_seed, sample  # noqa: E402
+
+V = 50
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, V, generator=g) * 2.0
+
+
+def test_greedy_rows_are_the_argmax_also_in_a_mixed_batch():
+    x = _logits(6)
+    ref = x.argmax(dim=-1).tolist()
+    assert sample(x, [None] * 6, [0] * 6, list(range(6))) == ref
+    assert sample(x, [Sampling()] * 6, [0] * 6, list(range(6))) == ref
+    hot = Sampling(temperature=5.0)
+    mixed = [None, hot, Sampling(temperature=0.0), hot, None, Sampling(temperature=1e-6)]
+    got = sample(x, mixed, [1] * 6, list(range(6)))
+    assert [got[i] for i in (0, 2, 4, 5)] == [ref[i] for i in (0, 2, 4, 5)]
+
+
+def test_temperature_varies_across_seeds_and_is_reproducible_with_one():
+    x = _logits(1)
+    sp = Sampling(temperature=1.5)
+    by_seed = [sample(x, [sp], [s], [0])[0] for s in range(40)]
+    assert len(set(by_seed)) > 5
+    assert by_seed == [sample(x, [sp], [s], [0])[0] for s in range(40)]
+    # the position is part of the draw: one seed, many positions, many tokens
+    assert len({sample(x, [sp], [7], [i])[0] for i in range(40)}) > 5
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    x = _logits(8, seed=1)
+    x[3, 10] = x[3, 20] = x[3].max() + 1.0  # a tie: the first maximum, as argmax
+    ref = x.argmax(dim=-1).tolist()
+    for sp in (Sampling(temperature=2.0, top_k=1), Sampling(temperature=2.0, top_p=1e-6)):
+        for seed in range(5):
+            assert sample(x, [sp] * 8, [seed] * 8, list(range(8))) == ref
+
+
+def test_top_k_and_min_p_never_pick_a_filtered_token():
+    x = _logits(1, seed=2)
+    top3 = set(x[0].topk(3).indices.tolist())
+    assert {sample(x, [Sampling(temperature=3.0, top_k=3)], [s], [0])[0] for s in range(200)} <= top3
+    p = (x[0] / 3.0).softmax(-1)
+    allowed = {i for i in range(V) if p[i] >= 0.5 * p.max()}
+    got = {sample(x, [Sampling(temperature=3.0, min_p=0.5)], [s], [0])[0] for s in range(200)}
+    assert got <= allowed and len(allowed) > 1
+    # top_p: only the smallest head of the distribution with mass >= 0.5
+    order = p.argsort(descending=True).tolist()
+    mass, head = 0.0, set()
+    for i in order:
+        head.add(i)
+        mass += float(p[i])
+        if mass >= 0.5:
+            break
+    got = {sample(x, [Sampling(temperature=3.0, top_p=0.5)], [s], [0])[0] for s in range(300)}
+    assert got <= head and len(head) > 1
+
+
+def test_draws_follow_the_tempered_softmax():
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    sp = Sampling(temperature=0.8)
+    n = 4000
+    counts = [0] * 4
+    for s in range(n):
+        counts[sample(x, [sp], [s], [0])[0]] += 1
+    p = (x[0] / 0.8).softmax(-1).tolist()
+    for c, q in zip(counts, p):
+        assert abs(c / n - q) < 4 * math.sqrt(q * (1 - q) / n) + 1e-3, (counts, p)
+
+
+def test_a_rows_token_does_not_depend_on_the_batch():
+    x = _logits(5, seed=3)
+    params = [Sampling(temperature=1.0, top_k=10), Sampling(temperature=0.7, top_p=0.8), None, Sampling(temperature=1.2), Sampling(temperature=1.0, min_p=0.1)]
+    seeds, pos = [11, 12, 13, 14, 15], [0, 4, 9, 2, 7]
+    whole = sample(x, params, seeds, pos)
+    for i in range(5):
+        assert sample(x[i : i + 1], [params[i]], [seeds[i]], [pos[i]]) == [whole[i]]
+    perm = [4, 2, 0, 3, 1]
+    shuffled = sample(x[perm], [params[i] for i in perm], [seeds[i] for i in perm], [pos[i] for i in perm])
+    assert shuffled == [whole[i] for i in perm]
+
+
+def test_position_seed_spreads_and_takes_negative_seeds():
+    seeds = {position_seed(s, i) for s in range(-5, 5) for i in range(100)}
+    assert len(seeds) == 1000 and all(0 <= z < 2**64 for z in seeds)
+
+
+# --------------------------------------------------------------------------- #
+# engine
+# --------------------------------------------------------------------------- #
+
+PROFILE = load_profile("torch-tiny-cpu")
+BS = PROFILE.block_size
+N = 12
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("samp-model")
+    init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=1024, seed=5)
+    return str(folder)
+
+
+def work(rid, prompt, sp, decode_node=None, n=N, ignore_eos=True):
+    return PrefillWork(
+        rid=rid, prompt_tokens=len(prompt), max_tokens=n, block_size=BS, block_hashes=block_hashes(prompt, BS),
+        token_ids=pack_tokens(prompt), decode_node=decode_node, ignore_eos=ignore_eos, sampling=sp,
+    )  # fmt: skip
+
+
+def _prompt(seed, n=29):
+    rng = random.Random(seed)
+    return [rng.randrange(500) for _ in range(n)]
+
+
+def test_seeded_request_is_the_same_alone_batched_and_across_a_handoff(model):
+    prompt = _prompt(3)
+    sp = Sampling(temperature=1.3, top_k=50, seed=1234)
+    alone = LocalNode("a", PROFILE, model)
+    alone.add_prefill(work("r", prompt, sp))
+    alone.run()
+    ref = alone.finished["r"].tokens
+    assert len(ref) == N
+    # batched with other requests (greedy and sampled ones, other lengths)
+    busy = LocalNode("b", PROFILE, model)
+    busy.add_prefill(work("x1", _prompt(4, 40), None))
+    busy.add_prefill(work("r", prompt, sp))
+    busy.add_prefill(work("x2", _prompt(5, 17), Sampling(temperature=0.9)))
+    busy.run()
+    assert busy.finished["r"].tokens == ref
+    # prefill on one node (first token), decode on another after the hand-off
+    p = LocalNode("p", PROFILE, model, phase="prefill")
+    d = LocalNode("d", PROFILE, model, phase="decode")
+    p.add_prefill(work("r", prompt, sp, decode_node="d"))
+    p.run()
+    assert [h.work.sampling for h in p.handoffs] == [sp]
+    d.add_decode(p.handoffs[0].work)
+    d.run()
+    assert d.finished["r"].tokens == ref
+    # another seed: other tokens; no seed: random per run
+    other = LocalNode("o", PROFILE, model)
+    other.add_prefill(work("r2", prompt, Sampling(temperature=1.3, top_k=50, seed=99)))
+    other.add_prefill(work("r3", prompt, Sampling(temperature=1.3, top_k=50)))
+    other.add_prefill(work("r4", prompt, Sampling(temperature=1.3, top_k=50)))
+    other.run()
+    assert other.finished["r2"].tokens != ref
+    assert other.finished["r3"].tokens != other.finished["r4"].tokens
+
+
+def test_greedy_params_equal_no_params_and_stop_token_ids_end_the_request(model):
+    prompt = _prompt(6)
+    node = LocalNode("a", PROFILE, model)
+    node.add_prefill(work("g0", prompt, None))
+    node.add_prefill(work("g1", prompt, Sampling(temperature=0.0, top_k=3, seed=5)))
+    node.run()
+    ref = node.finished["g0"].tokens
+    assert node.finished["g1"].tokens == ref
+    j = next(i for i in range(3, N) if ref.index(ref[i]) == i)
+    node.add_prefill(work("s", prompt, Sampling(stop_token_ids=[ref[j], 100_000]), ignore_eos=True))
+    node.run()
+    assert node.finished["s"].tokens == ref[: j + 1] and node.finished["s"].finish_reason == "stop"
