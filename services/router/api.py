@@ -5,12 +5,16 @@ for a prompt of ~300K token ids), semantic checks raise :class:`ApiError`
 with the HTTP status and the reason, and the response builders return plain
 dicts that the shell encodes with ``msgspec.json``.
 
-Sampling fields. The sim engine always generates exactly ``max_tokens``
-tokens, and :class:`~shared.messages.PrefillWork` carries no sampling
-parameters but ``ignore_eos`` (the torch engine, greedy, stops at the model's
-EOS token with ``finish_reason`` ``stop`` unless it is true), so these are
-*accepted, validated and ignored*: ``temperature``
-[0, 2], ``top_p`` [0, 1], ``top_k``, ``min_p``, ``seed``, ``stop``,
+Sampling fields (:func:`sampling`). Sent to the nodes in
+:class:`~shared.messages.Sampling` and applied by the ``torch`` engine:
+``temperature`` [0, 2] (0 = greedy, the default), ``top_p`` (0, 1], ``top_k``
+(-1 or 0 = off, else ≥ 1, as vLLM), ``min_p`` [0, 1], ``seed`` (int64),
+``stop_token_ids``; ``ignore_eos``. ``stop`` (a string or a list of at most
+:data:`MAX_STOP` non-empty strings of at most :data:`MAX_STOP_LEN` characters)
+is applied by the router where it detokenizes (``services.router.stops``), for
+every engine. The ``sim`` engine has no real tokens: it accepts the sampling
+parameters and ignores them (always ``max_tokens`` tokens, unless the router ends
+the text at a stop string or stop token id). *Accepted, validated and ignored*:
 ``presence_penalty``/``frequency_penalty`` [-2, 2], ``repetition_penalty``,
 ``logit_bias``, ``user``, ``response_format``, ``tool_choice``,
 ``parallel_tool_calls``, ``skip_special_tokens``. ``tools`` are rendered into
@@ -37,11 +41,22 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
+from shared.messages import Sampling
+
 TokenId = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
 PosInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+MAX_STOP = 16
+"""Most stop strings of one request (OpenAI allows 4; vLLM has no limit)."""
+MAX_STOP_LEN = 1024
+"""Longest stop string, characters (the router holds back that much streamed text)."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most ``stop_token_ids`` of one request (``shared.validate.MAX_STOP_TOKEN_IDS``)."""
 
 
 _T = TypeVar("_T")
@@ -94,12 +109,13 @@ class _Sampling(Struct, kw_only=True):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: Temperature | None = None
-    top_p: Prob | None = None
-    top_k: int | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     min_p: Prob | None = None
     n: PosInt | None = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
@@ -196,8 +212,40 @@ def _decode_error(e: Exception, body: bytes | None = None) -> ApiError:
 def _check_common(req: _Sampling) -> None:
     if req.n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported; send one request per sample", param="n")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"stop has {len(stops)} strings; at most {MAX_STOP} are supported", param="stop")
+    if any(len(x) > MAX_STOP_LEN for x in stops):
+        raise ApiError(400, f"a stop string is longer than {MAX_STOP_LEN} characters", param="stop")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+def stop_strings(req: _Sampling) -> list[str]:
+    """The request's stop strings (``stop``: a string or a list), empty ones dropped (they would
+    end every output at once; vLLM's ``SamplingParams`` drops them too), duplicates once."""
+    stop = req.stop
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    return list(dict.fromkeys(x for x in items if x))
+
+
+def sampling(req: _Sampling) -> Sampling | None:
+    """The :class:`~shared.messages.Sampling` the nodes get for ``req`` (None: greedy with no
+    stop token ids, the default, sent as nothing; ``top_*`` / ``seed`` do not change greedy). Unset fields take vLLM's defaults except
+    ``temperature``: unset = 0 (greedy; vLLM's OpenAI server takes the model's
+    ``generation_config`` default, 1.0 without one) so a request that says nothing gets today's
+    deterministic output. ``top_k`` -1 and 0 are both off (0 on the wire)."""
+    sp = Sampling(
+        temperature=req.temperature or 0.0,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, req.top_k or 0),
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        stop_token_ids=list(dict.fromkeys(req.stop_token_ids or ())),
+    )
+    return None if sp.greedy and not sp.stop_token_ids else sp
 
 
 def _bounded_nesting(fn: Callable[..., _T]) -> Callable[..., _T]:
@@ -472,19 +520,31 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def completion_response(oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+def _choice(choice: dict[str, Any], stop_reason: str | int | None) -> dict[str, Any]:
+    """``choice`` with vLLM's ``stop_reason`` (the stop string or stop token id that ended the
+    output) when one did; the key is left out otherwise (vLLM sends ``null``)."""
+    if stop_reason is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
+
+
+def completion_response(
+    oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any], *, stop_reason: str | int | None = None
+) -> dict[str, Any]:
     """A non-streaming ``/v1/completions`` body; ``oid``: its :func:`response_id`."""
     return {
         "id": oid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [_choice({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}, stop_reason)],
         "usage": use,
     }
 
 
-def chat_response(oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+def chat_response(
+    oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any], *, stop_reason: str | int | None = None
+) -> dict[str, Any]:
     """A non-streaming ``/v1/chat/completions`` body; ``oid``: its :func:`response_id`."""
     return {
         "id": oid,
@@ -492,26 +552,29 @@ def chat_response(oid: str, created: int, model: str, text: str, finish_reason: 
         "created": created,
         "model": model,
         "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
+            _choice(
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                },
+                stop_reason,
+            )
         ],
         "usage": use,
     }
 
 
 def completion_chunk(
-    oid: str, created: int, model: str, text: str, finish_reason: str | None, include_usage: bool
+    oid: str, created: int, model: str, text: str, finish_reason: str | None, include_usage: bool, *, stop_reason: str | int | None = None
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": oid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [_choice({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}, stop_reason)],
     }
     if include_usage:
         out["usage"] = None
@@ -519,14 +582,15 @@ def completion_chunk(
 
 
 def chat_chunk(
-    oid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None, include_usage: bool
+    oid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None, include_usage: bool,
+    *, stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": oid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [_choice({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}, stop_reason)],
     }
     if include_usage:
         out["usage"] = None

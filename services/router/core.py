@@ -272,6 +272,7 @@ class RouterCore:
             fetch=list(choice.fetch),
             decode_binding="start" if late else "dispatch",
             ignore_eos=req.ignore_eos,
+            sampling=req.sampling,
         )
         return RouteDecision(choice, decode, placed, work, tuple(offered), tuple(dec) if decode is not None else ())
 

@@ -59,4 +59,5 @@ def continuation(req: RouteRequest, sent: Sequence[int], *, block_size: int, max
         token_ids=packed,
         branch_id=req.branch_id,
         ignore_eos=req.ignore_eos,
+        sampling=req.sampling,
     )

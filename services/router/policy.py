@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels
+from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels, Sampling
 from shared.values import FACTORY, FrozenValue, Value, set_field
 
 from services.router.nodes import NodeLoad
@@ -62,6 +62,7 @@ class RouteRequest:
         token_ids: the prompt as packed little-endian uint32 (may be empty in simulation).
         branch_id: the agent branch the request belongs to, if any.
         ignore_eos: generate ``max_tokens`` past the model's EOS token (``PrefillWork.ignore_eos``).
+        sampling: sampling parameters for the nodes (``PrefillWork.sampling``); None = greedy.
 
     Read-only once built (the policy and the router core read it; nothing assigns to it).
     Not ``frozen=True`` (nothing hashes it; equality is unchanged): one is built per request, and a
@@ -75,6 +76,7 @@ class RouteRequest:
     token_ids: bytes = b""
     branch_id: str | None = None
     ignore_eos: bool = False
+    sampling: Sampling | None = None
 
     @property
     def num_blocks(self) -> int:

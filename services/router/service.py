@@ -89,8 +89,9 @@ from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCo
 from services.router.faults import continuation
 from services.router.replicas import RemoteSends
 from services.router.policy import RouteRequest, make_policy
+from services.router.stops import OutputText
 from services.router.prom import router_families
-from shared.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+from shared.tokenizer import Tokenizer, load_tokenizer
 
 _JSON = msgspec.json.Encoder()
 _SSE_DONE = b"data: [DONE]\n\n"
@@ -732,6 +733,7 @@ class RouterService:
                 token_ids=w.token_ids,
                 branch_id=w.branch_id,
                 ignore_eos=w.ignore_eos,
+                sampling=w.sampling,
             )
             lookup, status = await self._lookup(list(w.block_hashes), tr) if w.block_hashes else (None, "skipped")
             if p.done:
@@ -986,8 +988,32 @@ class RouterService:
             rid=p.rid, prompt_tokens=c.prompt_tokens, max_tokens=c.max_tokens, block_size=self.cfg.block_size,
             block_hashes=list(c.block_hashes), token_ids=c.token_ids, branch_id=c.branch_id,
             attempt=p.attempt, output_offset=p.offset, router=self.bus.instance, ignore_eos=c.ignore_eos,
+            sampling=c.sampling,
         )  # fmt: skip
         self._spawn(self._place_again(m.WorkRequeue(rid=p.rid, node=node, reason=f"redispatch: {reason}", prefill=work, attempt=p.attempt)))
+
+    def _end_at_stop(self, p: _Pending, out: OutputText) -> None:
+        """The client's output ended at a stop string or stop token id (``out.stop_reason``):
+        the request finished (``finish_reason`` ``stop``). Unless its node ended it in the same
+        chunk, it is counted finished here (``finished.stop``) and its nodes are told to drop it
+        (``aborts.stop``), so no node decodes on for nobody."""
+        self.counters["stopped_at_router"] += 1
+        if p.done:
+            return
+        p.done = True
+        now = self.clock.now()
+        aborts = self.core.abort(p.rid, f"stop reached at the router ({out.stop_reason!r})", now=now)
+        self.counters["finished.stop"] += 1
+        if p.ttft_s is not None:
+            self.core.metrics.observe_finished(p.ttft_s, now - p.t_in, out.tokens)
+        if aborts:
+            self.counters["aborts.stop"] += 1
+        for node, msg in aborts:
+            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node))
+
+    def _output_text(self, req: Any) -> OutputText:
+        """The request's :class:`OutputText` (its ``stop`` strings and ``stop_token_ids``)."""
+        return OutputText(self.tokenizer, api.stop_strings(req), req.stop_token_ids or ())
 
     def _abandon(self, p: _Pending, reason: str, why: str) -> None:
         """Stop counting ``p`` and tell its nodes to drop it (idempotent, never awaits)."""
@@ -1363,6 +1389,7 @@ class RouterService:
             token_ids=packed,
             branch_id=hdrs.branch_id,
             ignore_eos=req.ignore_eos,
+            sampling=api.sampling(req),
         )
         now = self.clock.now()
         route_span = None if tr is None else tracing.start("router.route", tr.span)
@@ -1432,7 +1459,7 @@ class RouterService:
             headers = {"x-request-id": rid, "x-ei-prefill-node": p.prefill_node}
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
-            gen = self._stream(p, rreq, chat, created, include_usage, continuous_usage)
+            gen = self._stream(p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req))
             return _SseResponse(
                 gen,
                 on_close=lambda: self._close_stream(p),
@@ -1456,7 +1483,12 @@ class RouterService:
             prompt_tokens = first.prompt_tokens or rreq.prompt_tokens
             cached = first.cached_tokens
             last = first
-            while not last.finished:
+            # with stop strings / stop token ids the text is made as the ids arrive (it may end
+            # before the node ends the request); without, once at the end as before
+            stops = self._output_text(req) if api.stop_strings(req) or req.stop_token_ids else None
+            if stops is not None:
+                stops.push(first.token_ids)
+            while not last.finished and not (stops is not None and stops.stopped):
                 item = await self._next_item(p, watcher)
                 if isinstance(item, _Failure):
                     return self._error(item.status, item.reason)
@@ -1466,11 +1498,23 @@ class RouterService:
                         return self._error(fail.status, fail.reason)
                 ids.extend(item.token_ids)
                 last = item
-            text = self.tokenizer.decode(ids)
-            use = api.usage(prompt_tokens, len(ids), cached)
+                if stops is not None:
+                    stops.push(item.token_ids)
+            finish_reason, stop_reason, n_out = last.finish_reason, None, len(ids)
+            if stops is None:
+                text = self.tokenizer.decode(ids)
+            else:
+                stops.finish()
+                text, n_out = stops.text, stops.tokens
+                if stops.stopped:
+                    finish_reason, stop_reason = "stop", stops.stop_reason
+                    self._end_at_stop(p, stops)
+            use = api.usage(prompt_tokens, n_out, cached)
             model = self.cfg.model
             oid = api.response_id(rid, chat=chat)
-            body = (api.chat_response if chat else api.completion_response)(oid, created, model, text, last.finish_reason, use)
+            body = (api.chat_response if chat else api.completion_response)(
+                oid, created, model, text, finish_reason, use, stop_reason=stop_reason
+            )
             body["ei"] = self._ei(p)
             return self._json(body, headers=headers)
         except _ClientGone:
@@ -1483,15 +1527,18 @@ class RouterService:
             self._forget(p)
 
     async def _stream(
-        self, p: _Pending, rreq: RouteRequest, chat: bool, created: int, include_usage: bool, continuous_usage: bool
+        self, p: _Pending, rreq: RouteRequest, chat: bool, created: int, include_usage: bool, continuous_usage: bool,
+        decoder: OutputText,
     ) -> AsyncIterator[bytes]:
         """SSE body from acceptance on: data chunks (one per TokenChunk whose text is not empty),
         optional usage chunk, ``[DONE]``; an error event on failure. With ``continuous_usage``
         (``stream_options.continuous_usage_stats``, vLLM) every data chunk carries ``usage`` so far.
+        ``decoder`` makes the text: at a stop string / stop token id the stream ends there
+        (``finish_reason`` ``stop``) and the request is dropped on its nodes; text a stop string
+        may still cut is held back (``services.router.stops``).
         A client that goes away cancels this generator (Starlette): the request is aborted."""
         model = self.cfg.model
         oid = api.response_id(p.rid, chat=chat)
-        decoder = IncrementalDecoder(self.tokenizer)
         prompt_tokens = rreq.prompt_tokens
         cached = 0
         completed = False
@@ -1501,14 +1548,14 @@ class RouterService:
 
         def with_usage(obj: dict[str, Any]) -> dict[str, Any]:
             if continuous_usage:
-                obj["usage"] = api.usage(prompt_tokens, len(decoder.ids), cached)
+                obj["usage"] = api.usage(prompt_tokens, decoder.tokens, cached)
             return obj
 
-        def piece_obj(text: str, finish: str | None) -> dict[str, Any]:
+        def piece_obj(text: str, finish: str | None, stop_reason: str | int | None = None) -> dict[str, Any]:
             if chat:
                 delta = {"content": text} if text or finish is None else {}
-                return with_usage(api.chat_chunk(oid, created, model, delta, finish, include_usage))
-            return with_usage(api.completion_chunk(oid, created, model, text, finish, include_usage))
+                return with_usage(api.chat_chunk(oid, created, model, delta, finish, include_usage, stop_reason=stop_reason))
+            return with_usage(api.completion_chunk(oid, created, model, text, finish, include_usage, stop_reason=stop_reason))
 
         def piece(text: str, finish: str | None) -> bytes:
             return sse(piece_obj(text, finish))
@@ -1534,9 +1581,13 @@ class RouterService:
                     completed = True
                     return
                 text = decoder.push(item.token_ids)
-                if item.finished:
-                    text += decoder.flush()
-                    last = piece_obj(text, item.finish_reason or "length")
+                if item.finished or decoder.stopped:
+                    text += decoder.finish()
+                    if decoder.stopped:
+                        self._end_at_stop(p, decoder)
+                        last = piece_obj(text, "stop", decoder.stop_reason)
+                    else:
+                        last = piece_obj(text, item.finish_reason or "length")
                     last["ei"] = self._ei(p)
                     yield sse(last)
                     break
@@ -1545,7 +1596,7 @@ class RouterService:
                 item = await self._next_item(p, None)
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                usage = api.usage_chunk(oid, created, model, obj, api.usage(prompt_tokens, len(decoder.ids), cached))
+                usage = api.usage_chunk(oid, created, model, obj, api.usage(prompt_tokens, decoder.tokens, cached))
                 usage["ei"] = self._ei(p)
                 yield sse(usage)
             yield _SSE_DONE

@@ -181,3 +181,51 @@ def test_chat_top_logprobs_zero_without_logprobs_is_the_default():
     assert req.top_logprobs == 0
     bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs are not supported")
     bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 0}, "logprobs")
+
+
+def test_sampling_parameters_go_to_the_nodes_and_bad_ones_are_named():
+    """``temperature`` / ``top_p`` / ``top_k`` / ``min_p`` / ``seed`` / ``stop_token_ids`` become the work's
+    ``Sampling`` (None = greedy: the default, and any request with temperature 0 and no stop token ids);
+    ``stop`` stays at the router (``stop_strings``). Out-of-range values are 400s naming the field."""
+    from shared.messages import Sampling
+
+    def parse(**kw):
+        return api.parse_completion(msgspec.json.encode({"prompt": "x", **kw}))[0]
+
+    assert api.sampling(parse()) is None
+    assert api.sampling(parse(temperature=0, top_k=5, seed=3)) is None
+    sp = api.sampling(parse(temperature=0.8, top_p=0.9, top_k=-1, min_p=0.1, seed=-7, stop_token_ids=[5, 5, 9]))
+    assert sp == Sampling(temperature=0.8, top_p=0.9, top_k=0, min_p=0.1, seed=-7, stop_token_ids=[5, 9])
+    assert api.sampling(parse(stop_token_ids=[2])) == Sampling(stop_token_ids=[2])  # greedy, but must stop at 2
+    chat = api.parse_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "x"}], "temperature": 1, "top_k": 4}))
+    assert api.sampling(chat) == Sampling(temperature=1.0, top_k=4)
+    assert api.stop_strings(parse(stop="END")) == ["END"]
+    assert api.stop_strings(parse(stop=["a", "", "b", "a"])) == ["a", "b"]
+    assert api.stop_strings(parse()) == []
+
+    def param(**kw) -> str | None:
+        with pytest.raises(api.ApiError) as ei:
+            parse(**kw)
+        assert ei.value.status == 400
+        return ei.value.param
+
+    assert param(temperature=-0.5) == "temperature"
+    assert param(top_p=0) == "top_p"
+    assert param(top_p=1.01) == "top_p"
+    assert param(top_p=-1) == "top_p"
+    assert param(top_k=-2) == "top_k"
+    assert param(min_p=1.5) == "min_p"
+    assert param(seed=2**63) == "seed"
+    assert param(stop_token_ids=[-1]) == "stop_token_ids[0]"
+    assert param(stop=["x"] * (api.MAX_STOP + 1)) == "stop"
+    assert param(stop="y" * (api.MAX_STOP_LEN + 1)) == "stop"
+    assert param(stop=3) == "stop"
+
+
+def test_stop_reason_is_in_the_choice_only_when_a_stop_ended_it():
+    use = api.usage(1, 1, 0)
+    assert "stop_reason" not in api.completion_response("id", 1, "m", "t", "stop", use)["choices"][0]
+    assert api.completion_response("id", 1, "m", "t", "stop", use, stop_reason="\n")["choices"][0]["stop_reason"] == "\n"
+    assert api.chat_response("id", 1, "m", "t", "stop", use, stop_reason=7)["choices"][0]["stop_reason"] == 7
+    assert api.chat_chunk("id", 1, "m", {}, "stop", False, stop_reason="x")["choices"][0]["stop_reason"] == "x"
+    assert api.completion_chunk("id", 1, "m", "", "stop", False, stop_reason="x")["choices"][0]["stop_reason"] == "x"

@@ -1,0 +1,115 @@
+"""Output token ids → the client's text, ended at the request's stop strings / stop token ids
+(vLLM's semantics), for both a streamed and a whole response.
+
+The router is where text is made (the nodes produce token ids; ``shared.tokenizer``
+detokenizes), so the ``stop`` strings are applied here, for every engine:
+
+* a **stop string** ends the text *before* it (vLLM's default,
+  ``include_stop_str_in_output=False``), ``finish_reason`` ``stop``, ``stop_reason`` = the
+  string; the tokens up to and including the one that completed it count as output
+  (``usage.completion_tokens``), later ones are dropped. Of several stop strings the one
+  that starts first in the text wins;
+* a **stop token id** (``stop_token_ids``) ends the output *at* that token: it counts as
+  output, its text is not shown (vLLM), ``stop_reason`` = the id. The ``torch`` engine
+  ends the request there itself; the ``sim`` engine does not, and the router's stop is
+  what ends it;
+* **streaming** never sends text a stop string may still cut: the last
+  ``len(longest stop string) - 1`` characters are held back until more text shows they
+  are not the start of a stop string, or the stream ends (vLLM's ``stop_buffer_length``).
+
+The caller aborts the request on its nodes once :attr:`OutputText.stopped` (no node
+decodes on for nobody). Without stops :meth:`OutputText.push` is the plain incremental
+decode (``shared.tokenizer.IncrementalDecoder``), one call per chunk, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from shared.tokenizer import IncrementalDecoder, Tokenizer
+
+
+class OutputText:
+    """The text of one request's output as its token ids arrive.
+
+    Args:
+        tokenizer: the router's tokenizer.
+        stop: stop strings (non-empty; ``api.stop_strings``).
+        stop_token_ids: token ids that end the output.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), stop_token_ids: Collection[int] = ()) -> None:
+        self._dec = IncrementalDecoder(tokenizer)
+        self.stop = [s for s in stop if s]
+        self.stop_ids = frozenset(stop_token_ids)
+        self._longest = max((len(s) for s in self.stop), default=0)
+        self._hold = max(0, self._longest - 1)
+        """Characters of streamed text held back (the longest stop string's length - 1)."""
+        self._keep = bool(self.stop or self.stop_ids)
+        self.text = ""
+        """Text so far (with stops: all of it, cut at the stop once one matched)."""
+        self._sent = 0
+        """Characters of :attr:`text` handed out by :meth:`push` / :meth:`finish`."""
+        self.tokens = 0
+        """Output tokens that count (with a stop: up to and including the one that ended it)."""
+        self.stop_reason: str | int | None = None
+        """The stop string or stop token id that ended the output; None while none has."""
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string or stop token id ended the output (later ids are ignored)."""
+        return self.stop_reason is not None
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add the next output ids; return the text that may be sent now (may be empty).
+        With stops, ids are decoded one at a time so the stopping token is known exactly."""
+        if not self._keep:
+            self.tokens += len(ids)
+            return self._dec.push(ids)
+        if self.stopped:
+            return ""
+        for t in ids:
+            self.tokens += 1
+            if t in self.stop_ids:
+                # the text of the tokens before it (an incomplete character included, as a
+                # whole decode would show it); the stop token's own text is not shown
+                self._add(self._dec.flush())
+                if not self.stopped:
+                    self.stop_reason = t
+                break
+            if self._add(self._dec.push([t])):
+                break
+        return self._take(final=self.stopped)
+
+    def finish(self) -> str:
+        """End of the output (the node finished it, or :attr:`stopped`): the text not sent yet."""
+        if not self._keep:
+            return self._dec.flush()
+        if not self.stopped:
+            self._add(self._dec.flush())
+        return self._take(final=True)
+
+    def _add(self, delta: str) -> bool:
+        """Append ``delta``; cut :attr:`text` at the first stop string it completes. True if one did."""
+        if not delta:
+            return False
+        start = max(0, len(self.text) - self._longest + 1)
+        self.text += delta
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            k = self.text.find(s, start)
+            if k >= 0 and (best is None or k < best[0]):
+                best = (k, s)
+        if best is None:
+            return False
+        self.text = self.text[: best[0]]
+        self.stop_reason = best[1]
+        return True
+
+    def _take(self, *, final: bool) -> str:
+        end = len(self.text) if final else len(self.text) - self._hold
+        if end <= self._sent:
+            return ""
+        out = self.text[self._sent : end]
+        self._sent = end
+        return out

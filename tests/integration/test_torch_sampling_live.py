@@ -1,0 +1,138 @@
+"""Sampling parameters end to end on a 1P1D cluster of real processes serving a real model
+(``--engine torch``, no Mooncake: ``--kv-pool off``), over the OpenAI API and NATS.
+
+* **seed**: a request with ``temperature`` 1.0, ``top_k`` 40 and ``seed`` 42, sent twice, gives the
+  same token ids (read off ``req.<rid>.out``); its first token is sampled on the prefill node and
+  the rest on the decode node after the hand-off, and they equal the same request run
+  collocated in this process (``LocalNode``): the draws do not depend on the node. Another seed
+  gives other ids; temperature 0 gives the greedy ones.
+* **stop string**: a substring of a greedy completion's text, asked as ``stop``: the text ends
+  before it (non-streamed and streamed, ``finish_reason`` ``stop``, ``stop_reason`` the string),
+  and the streamed request (``max_tokens`` 900) is dropped on its node once the router saw the
+  stop: the node ends its stream with an ``abort`` chunk long before ``max_tokens``, and the
+  router counts ``aborts.stop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import defaultdict
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("tokenizers")
+
+from evolving_infra.cluster import ClusterSpec, LocalCluster  # noqa: E402
+from shared import messages as m  # noqa: E402
+from shared.bus import Bus  # noqa: E402
+from shared.hashing import block_hashes, pack_tokens  # noqa: E402
+from shared.profile import load_profile  # noqa: E402
+from shared.subjects import REQ_OUT, SVC_STATS, Subjects  # noqa: E402
+from shared.tokenizer import load_tokenizer  # noqa: E402
+from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
+from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+BS = 8  # torch-tiny-cpu page size
+
+
+async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path):
+    folder = tmp_path / "model"
+    init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=2048, seed=5)
+    spec = ClusterSpec(
+        nodes=2, split="1P1D", profile="torch-tiny-cpu", speedup=1.0, port=0, block_size=BS,
+        log_dir=str(tmp_path / "logs"), ready_timeout_s=180.0, engine="torch", model_dir=str(folder),
+        tokenizer=f"hf:{folder}", model="tiny", max_context_tokens=2048, worker_args=("--check-invariants",),
+    )  # fmt: skip
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, 500) for _ in range(37)]
+    sampled = {"temperature": 1.0, "top_k": 40}
+    async with LocalCluster(spec) as cluster:
+        bus = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="test-samp", auth=cluster.client_auth("admin"))
+        chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
+
+        async def on_chunk(msg: m.TokenChunk, _s: str) -> None:
+            chunks[msg.rid].append(msg)
+
+        await bus.subscribe(REQ_OUT, on_chunk)
+
+        async def done(rid: str) -> list[m.TokenChunk]:
+            for _ in range(400):
+                if any(c.finished for c in chunks[rid]):
+                    break
+                await asyncio.sleep(0.025)
+            return sorted(chunks[rid], key=lambda c: c.index)
+
+        async with httpx.AsyncClient(base_url=cluster.router_url, timeout=120) as http:
+
+            async def ids(**kw) -> tuple[list[int], dict]:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "ignore_eos": True, **kw}
+                r = await http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                got = [t for c in await done(r.headers["x-request-id"]) for t in c.token_ids]
+                return got, r.json()
+
+            a, obj = await ids(seed=42, **sampled)
+            b, _ = await ids(seed=42, **sampled)
+            c, _ = await ids(seed=43, **sampled)
+            g, _ = await ids()
+            g0, _ = await ids(temperature=0, seed=42, top_k=3)
+            assert obj["ei"]["prefill_node"] != obj["ei"]["decode_node"]  # the hand-off path: two nodes sampled it
+
+            # a stop string: a piece of the greedy completion's text
+            r = await http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 24, "ignore_eos": True})
+            full = r.json()["choices"][0]["text"]
+            stop = next(full[i : i + 3] for i in range(4, len(full) - 3) if full[i : i + 3].strip() and full.find(full[i : i + 3]) == i)
+            want = full[: full.find(stop)]
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "ignore_eos": True, "stop": [stop]}
+            r = await http.post("/v1/completions", json=body)
+            whole = r.json()
+            body = {**body, "max_tokens": 900, "stream": True, "stream_options": {"include_usage": True}}
+            pieces, finish, stop_reason, usage = [], None, None, None
+            async with http.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                srid = resp.headers["x-request-id"]
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    assert "error" not in ev, ev
+                    if ev["choices"]:
+                        pieces.append(ev["choices"][0]["text"])
+                        finish = ev["choices"][0]["finish_reason"] or finish
+                        stop_reason = ev["choices"][0].get("stop_reason", stop_reason)
+                    else:
+                        usage = ev["usage"]
+            streamed = await done(srid)
+        stats = (await bus.request(SVC_STATS, m.StatsRequest(), instance="router", timeout=10.0)).counters
+        await bus.close()
+
+    # seeds: reproducible, seed-dependent, and temperature 0 is greedy
+    assert a == b and len(a) == 12
+    assert a != c and a != g
+    assert g0 == g
+    # the same draws in one process, collocated (no hand-off): node-independent
+    node = LocalNode("x", load_profile("torch-tiny-cpu"), str(folder))
+    node.add_prefill(m.PrefillWork(
+        rid="ref", prompt_tokens=len(prompt), max_tokens=12, block_size=BS, block_hashes=block_hashes(prompt, BS),
+        token_ids=pack_tokens(prompt), ignore_eos=True, sampling=m.Sampling(temperature=1.0, top_k=40, seed=42),
+    ))  # fmt: skip
+    node.run()
+    assert node.finished["ref"].tokens == a
+    # stop string: the text ends before it, both ways
+    ch = whole["choices"][0]
+    assert ch["text"] == want and ch["finish_reason"] == "stop" and ch["stop_reason"] == stop, (ch, full, stop)
+    assert "".join(pieces) == want and finish == "stop" and stop_reason == stop, (pieces, full, stop)
+    tok = load_tokenizer(f"hf:{folder}")
+    assert want in tok.decode([t for c in streamed for t in c.token_ids])
+    assert usage["completion_tokens"] < 24
+    # the node was told to drop it: its stream ends with an abort chunk, far short of max_tokens
+    assert streamed[-1].finish_reason == "abort", streamed[-1]
+    produced = sum(len(c.token_ids) for c in streamed)
+    print(f"stop string {stop!r}: {usage['completion_tokens']} tokens for the client, the node produced {produced} of 900 before the abort")
+    assert produced < 900
+    assert stats.get("aborts.stop", 0) >= 1 and stats.get("finished.stop", 0) >= 2, stats

@@ -1,0 +1,117 @@
+"""Stop strings and stop token ids where the router makes text (``services/router/stops.py``):
+the text ends before a stop string (``finish_reason`` ``stop``, ``stop_reason`` the string),
+the tokens up to the one that completed it count, a stream never carries text past it (also
+when the stop string is split across two chunks), a stop token id counts but shows no text,
+and without stops the text is the plain incremental decode."""
+
+from __future__ import annotations
+
+import random
+
+from shared.tokenizer import IncrementalDecoder, SimTokenizer
+from services.router.stops import OutputText
+
+
+class CharTok:
+    """One character per id: ``chr(id)`` (enough to place a stop string anywhere)."""
+
+    name = "char"
+    vocab_size = 0x110000
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+TOK = CharTok()
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text)
+
+
+def stream(out: OutputText, chunks: list[list[int]]) -> tuple[list[str], str]:
+    """Pieces a client would receive, and their concatenation (push each chunk, then finish)."""
+    pieces = []
+    for c in chunks:
+        pieces.append(out.push(c))
+        if out.stopped:
+            break
+    pieces.append(out.finish())
+    return pieces, "".join(pieces)
+
+
+def test_without_stops_the_text_is_the_incremental_decode():
+    tok = SimTokenizer()
+    seq = list(range(100, 140))
+    ref = IncrementalDecoder(tok)
+    out = OutputText(tok)
+    for i in range(0, 40, 7):
+        assert out.push(seq[i : i + 7]) == ref.push(seq[i : i + 7])
+    assert out.finish() == ref.flush()
+    assert out.tokens == 40 and not out.stopped
+
+
+def test_stop_string_in_one_chunk_ends_the_text_before_it():
+    out = OutputText(TOK, ["STOP"])
+    _, text = stream(out, [ids("hello STOP and more")])
+    assert text == "hello " and out.stop_reason == "STOP"
+    assert out.tokens == len("hello STOP")  # the token that completed the stop string counts; later ones do not
+
+
+def test_stop_string_split_across_two_streamed_chunks_is_never_sent():
+    out = OutputText(TOK, ["</end>"])
+    first = out.push(ids("abc</e"))
+    assert "<" not in first  # "</e" could be the start of the stop string: held back
+    assert first == "a"  # len("</end>") - 1 = 5 characters held back
+    second = out.push(ids("nd> tail"))
+    assert out.stopped and out.stop_reason == "</end>"
+    assert first + second + out.finish() == "abc"
+    assert out.tokens == len("abc</end>")
+
+
+def test_held_back_text_is_released_when_no_stop_comes():
+    out = OutputText(TOK, ["XYZ"])
+    assert out.push(ids("abcdXY")) == "abcd"
+    assert out.push(ids("Q")) == "X"  # always the last len("XYZ") - 1 = 2 characters held
+    assert out.finish() == "YQ"
+    assert not out.stopped and out.text == "abcdXYQ" and out.tokens == 7
+
+
+def test_earliest_stop_string_wins_and_stop_token_ids_show_no_text():
+    out = OutputText(TOK, ["stop here", "op"])
+    _, text = stream(out, [ids("a stop here")])
+    assert text == "a st" and out.stop_reason == "op"  # "op" is completed first, inside "stop here"
+    out = OutputText(TOK, ["op", "long stop"])
+    _, text = stream(out, [ids("a long stop")])
+    assert text == "a " and out.stop_reason == "long stop"  # both completed by one token: the earlier start
+    out = OutputText(TOK, ["zz"], stop_token_ids=[ord("#")])
+    _, text = stream(out, [ids("ab"), ids("c#de")])
+    assert text == "abc" and out.stop_reason == ord("#") and out.tokens == 4
+
+
+def test_random_streams_never_send_text_past_the_stop():
+    rng = random.Random(7)
+    alphabet = "ab<>/ "
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 3))]
+        # reference: the text ends where the first stop string to be completed starts (of those
+        # completed by the same token, the one starting first)
+        done = [text.find(x) + len(x) for x in stops if x in text]
+        ref = text
+        if done:
+            head = text[: min(done)]
+            ref = text[: min(head.find(x) for x in stops if x in head)]
+        cut = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 5)))) if len(text) > 1 else []
+        chunks = [ids(text[a:b]) for a, b in zip([0, *cut], [*cut, len(text)])]
+        out = OutputText(TOK, stops)
+        pieces, got = stream(out, chunks)
+        assert got == ref, (text, stops, chunks)
+        assert out.stopped == bool(done)
+        sent = ""
+        for p in pieces:
+            sent += p
+            assert ref.startswith(sent)
