@@ -997,7 +997,7 @@ class RouterService:
         the request finished (``finish_reason`` ``stop``). Unless its node ended it in the same
         chunk, it is counted finished here (``finished.stop``) and its nodes are told to drop it
         (``aborts.stop``), so no node decodes on for nobody."""
-        self.counters["stopped_at_router"] += 1
+        self.counters["stops.matched"] += 1
         if p.done:
             return
         p.done = True
