@@ -339,7 +339,17 @@ def parse_chat(body: bytes) -> ChatRequest:
     _check_common(req)
     if req.logprobs or req.top_logprobs:  # top_logprobs 0 (vLLM's default) asks for nothing
         raise ApiError(400, "logprobs are not supported", param="logprobs" if req.logprobs else "top_logprobs")
-    for i, msg in enumerate(req.messages):
+    _check_content_parts(req.messages)
+    return req
+
+
+def _check_content_parts(messages: list[ChatMessage]) -> None:
+    """Only text parts (and refusal parts in assistant messages) can be rendered.
+
+    Raises:
+        ApiError: 400 naming the part (``messages[i].content[j]``).
+    """
+    for i, msg in enumerate(messages):
         if isinstance(msg.content, list):
             for j, part in enumerate(msg.content):
                 text_part = part.type == "text" and part.text is not None
@@ -349,10 +359,9 @@ def parse_chat(body: bytes) -> ChatRequest:
                         400, f"content part type {part.type!r} is not supported (text only; refusal in assistant messages)",
                         param=f"messages[{i}].content[{j}]",
                     )
-    return req
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+def chat_messages(req: ChatRequest | TokenizeChatRequest) -> list[dict[str, Any]]:
     """Messages as plain dicts for a chat template (``None`` fields dropped)."""
     out: list[dict[str, Any]] = []
     for msg in req.messages:
@@ -602,5 +611,135 @@ def usage_chunk(oid: str, created: int, model: str, obj: str, use: dict[str, Any
     return {"id": oid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
-def models_response(model: str, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "evolving-infra"}]}
+def models_response(model: str, created: int, max_model_len: int | None = None) -> dict[str, Any]:
+    """``GET /v1/models``; ``max_model_len`` (vLLM's ``ModelCard`` field, tokens) is left out when None."""
+    entry: dict[str, Any] = {"id": model, "object": "model", "created": created, "owned_by": "evolving-infra"}
+    if max_model_len is not None:
+        entry["max_model_len"] = max_model_len
+    return {"object": "list", "data": [entry]}
+
+
+# --------------------------------------------------------------------------- #
+# vLLM's utility endpoints: /version, /tokenize, /detokenize
+# --------------------------------------------------------------------------- #
+
+PACKAGE = "evolving-infra"
+"""This project's distribution name (``pyproject.toml`` ``[project] name``)."""
+
+
+@functools.cache
+def version_response() -> dict[str, str]:
+    """``GET /version``: ``{"version": ...}`` as vLLM's, the installed package's version
+    (``importlib.metadata``); ``"unknown"`` when the package is not installed (a bare source tree)."""
+    import importlib.metadata
+
+    try:
+        return {"version": importlib.metadata.version(PACKAGE)}
+    except importlib.metadata.PackageNotFoundError:
+        return {"version": "unknown"}
+
+
+class TokenizeCompletionRequest(Struct, kw_only=True):
+    """``POST /tokenize`` with a ``prompt`` (vLLM's ``TokenizeCompletionRequest``)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(Struct, kw_only=True):
+    """``POST /tokenize`` with ``messages`` (vLLM's ``TokenizeChatRequest``); ``chat_template`` /
+    ``chat_template_kwargs`` are ignored as ``/v1/chat/completions`` ignores them, so the count is
+    that request's ``usage.prompt_tokens``."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    """``POST /detokenize`` (vLLM's ``DetokenizeRequest``)."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+@_bounded_nesting
+def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """Decode a ``/tokenize`` body: a chat request when it has ``messages`` (as vLLM's union picks), else a prompt.
+
+    Only what the router does when it serves the same request is accepted, so the count is the
+    ``usage.prompt_tokens`` of that request: a prompt tokenized with the model's special tokens
+    (``add_special_tokens`` true, the default), a chat rendered with the generation prompt
+    (``add_generation_prompt`` true, the default) and without extra special tokens.
+
+    Raises:
+        ApiError: 400 naming the field (invalid JSON or value, a non-text content part, an option
+            the router's tokenization does not have).
+    """
+    try:
+        head = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise _decode_error(e, body) from e
+    if not isinstance(head, dict):
+        raise ApiError(400, f"invalid request body: Expected `object`, got `{type(head).__name__}`")
+    if "messages" in head:
+        chat = _convert(head, TokenizeChatRequest)
+        _check_content_parts(chat.messages)
+        if chat.continue_final_message and chat.add_generation_prompt:  # vLLM's check_generation_prompt
+            raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", param="continue_final_message")
+        if chat.continue_final_message:
+            raise ApiError(400, "continue_final_message is not supported: the router's chat formatting ends with the generation prompt", param="continue_final_message")
+        if not chat.add_generation_prompt:
+            raise ApiError(400, "add_generation_prompt false is not supported: the router's chat formatting ends with the generation prompt", param="add_generation_prompt")
+        if chat.add_special_tokens:
+            raise ApiError(400, "add_special_tokens true is not supported for messages: the router adds no special tokens to a chat template", param="add_special_tokens")
+        return chat
+    req = _convert(head, TokenizeCompletionRequest)
+    if not req.add_special_tokens:
+        raise ApiError(400, "add_special_tokens false is not supported: the router tokenizes a prompt with the model's special tokens", param="add_special_tokens")
+    return req
+
+
+def _convert(obj: Any, cls: type[_T]) -> _T:
+    try:
+        return msgspec.convert(obj, cls)
+    except msgspec.ValidationError as e:
+        raise _decode_error(e) from e
+
+
+_DETOKENIZE_DEC = msgspec.json.Decoder(DetokenizeRequest)
+
+
+@_bounded_nesting
+def parse_detokenize(body: bytes) -> DetokenizeRequest:
+    """Decode a ``/detokenize`` body; ids must be in [0, 2^32) here, the vocabulary is checked by the caller.
+
+    Raises:
+        ApiError: 400 naming the field.
+    """
+    try:
+        return _DETOKENIZE_DEC.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise _decode_error(e, body) from e
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str = "tokens") -> None:
+    """Every id in ``[0, vocab_size)``.
+
+    Raises:
+        ApiError: 400 naming the first id outside (``param``: ``tokens[i]``).
+    """
+    for i, t in enumerate(ids):
+        if t >= vocab_size:
+            raise ApiError(400, f"token id {t} is outside the vocabulary [0, {vocab_size})", param=f"{param}[{i}]")
+
+
+def tokenize_response(ids: list[int], max_model_len: int, token_strs: list[str] | None = None) -> dict[str, Any]:
+    """vLLM's ``TokenizeResponse``: ``count``, ``max_model_len`` (tokens), ``tokens``, ``token_strs`` (null unless asked)."""
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}

@@ -132,6 +132,20 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     api_key_max_inflight: Annotated[
         int, Meta(ge=0, description="requests one API key may have in flight (streams until they end); one more gets 429; 0 = unlimited")
     ] = 256
+    allowed_origins: Annotated[
+        list[Annotated[str, Meta(pattern=r"^(\*|[A-Za-z][A-Za-z0-9+.-]*://[^/\s\[\]\"',]+)$")]],
+        Meta(description="CORS: origins a browser may call from, comma-separated (e.g. https://app.example:8443, or *); "
+             "empty = no CORS headers and no preflight answer (vLLM's --allowed-origins, a JSON list there)"),
+    ] = msgspec.field(default_factory=list)
+    allowed_methods: Annotated[
+        list[str], Meta(description="CORS: methods allowed cross-origin, comma-separated (* = all); only with allowed_origins")
+    ] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: Annotated[
+        list[str], Meta(description="CORS: request headers allowed cross-origin, comma-separated (* = all); only with allowed_origins")
+    ] = msgspec.field(default_factory=lambda: ["*"])
+    allow_credentials: Annotated[
+        bool, Meta(description="CORS: allow credentials (cookies, Authorization) cross-origin; only with allowed_origins")
+    ] = False
     header_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds a connection may take to send a complete request head; then it is closed (slowloris)")
     ] = 10.0

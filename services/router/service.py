@@ -9,7 +9,9 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 =====================================  =========================================================
 ``POST /v1/completions``               OpenAI completions; ``prompt`` is text or token ids
 ``POST /v1/chat/completions``          OpenAI chat completions
-``GET /v1/models``                     the served model
+``GET /v1/models``                     the served model (with vLLM's ``max_model_len``)
+``GET /version``                       vLLM's: the package version
+``POST /tokenize``, ``/detokenize``    vLLM's: the router's tokenizer and chat formatting
 ``GET /healthz``, ``GET /health``      200 when NATS is connected and a placement is possible, else 503
 ``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts
 ``GET /metrics``                       Prometheus text format (``services/router/prom.py`` lists the metrics)
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -49,6 +52,7 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -275,6 +279,23 @@ class _AnyCharRoute(Route):
         self.path_regex = re.compile(self.path_regex.pattern, re.DOTALL)
 
 
+def _with_cors(app: ASGIApp, cfg: RouterConfig) -> ASGIApp:
+    """``app`` behind Starlette's CORS middleware when ``--allowed-origins`` is set (vLLM's flags), else as is.
+
+    Outside the API-key guard: a browser's preflight (``OPTIONS`` with ``Origin`` and
+    ``Access-Control-Request-Method``) carries no credentials, and a 401 / 429 must carry the
+    CORS headers for the page to read it."""
+    if not cfg.allowed_origins:
+        return app
+    return CORSMiddleware(
+        app,
+        allow_origins=cfg.allowed_origins,
+        allow_methods=cfg.allowed_methods,
+        allow_headers=cfg.allowed_headers,
+        allow_credentials=cfg.allow_credentials,
+    )
+
+
 def _bind_socket(host: str, port: int) -> socket.socket:
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, stype, proto, _, addr = infos[0]
@@ -328,7 +349,7 @@ class RouterService:
             counters=self.counters,
         )
         self.api_keys_on = guard.enabled
-        self.app: ASGIApp = _StatusCounter(guard, self.counters)
+        self.app: ASGIApp = _StatusCounter(_with_cors(guard, cfg), self.counters)
         self._pending: dict[str, _Pending] = {}
         self._retried = _RetriedRids()
         """Last attempts of ended requests with a client ``X-Request-ID`` (a retry starts past them)."""
@@ -1058,6 +1079,9 @@ class RouterService:
                 Route("/metrics", self._metrics, methods=["GET"]),
                 _AnyCharRoute("/v1/branches/{branch_id:path}/end", self._end_branch, methods=["POST"]),
                 _AnyCharRoute("/v1/branches/{branch_id:path}/tool-call", self._tool_call, methods=["POST"]),
+                Route("/version", self._version, methods=["GET"]),  # vLLM's utility endpoints
+                Route("/tokenize", self._tokenize, methods=["POST"]),
+                Route("/detokenize", self._detokenize, methods=["POST"]),
             ],
             exception_handlers={404: not_found, 405: not_found, BusError: bus_failed, nats.errors.Error: bus_failed},
         )
@@ -1070,14 +1094,66 @@ class RouterService:
         return self._json(api.error_body(status, reason, param), status)
 
     async def _models(self, request: Request) -> Response:
-        return self._json(api.models_response(self.cfg.model, int(self._started_wall)))
+        return self._json(api.models_response(self.cfg.model, int(self._started_wall), self.max_model_len))
 
     async def _model(self, request: Request) -> Response:
         """``GET /v1/models/{id}``: the served model's entry of ``/v1/models``; another id is a 404."""
         model = request.path_params["model"]
         if model != self.cfg.model:
             return self._error(404, f"model {model[:256]!r} not found; this router serves {self.cfg.model!r}", param="model")
-        return self._json(api.models_response(self.cfg.model, int(self._started_wall))["data"][0])
+        return self._json(api.models_response(self.cfg.model, int(self._started_wall), self.max_model_len)["data"][0])
+
+    @property
+    def max_model_len(self) -> int:
+        """vLLM's ``max_model_len`` (tokens) as ``/v1/models`` and ``/tokenize`` report it: the model's context
+        (``--max-context-tokens``) when set, else the longest accepted prompt (``--max-prompt-tokens``; the
+        router then has no limit on prompt + output beyond ``--max-output-tokens``)."""
+        return self.cfg.max_context_tokens or self.cfg.max_prompt_tokens
+
+    async def _version(self, request: Request) -> Response:
+        """``GET /version`` (vLLM's): this package's version."""
+        return self._json(api.version_response())
+
+    async def _tokenize(self, request: Request) -> Response:
+        """``POST /tokenize`` (vLLM's): a prompt or chat messages tokenized as the router tokenizes them for
+        ``/v1/completions`` / ``/v1/chat/completions`` (``count`` = that request's ``usage.prompt_tokens``)."""
+        try:
+            req = api.parse_tokenize(await self._read_body(request))
+            self._check_model(req.model)
+            if isinstance(req, api.TokenizeChatRequest):
+                messages = api.chat_messages(req)
+                big = sum(len(x.get("content") or "") for x in messages) > _BIG_TEXT
+                work: Any = functools.partial(self.tokenizer.apply_chat_template, messages, req.tools)
+            else:
+                big = len(req.prompt) > _BIG_TEXT
+                work = functools.partial(self.tokenizer.encode, req.prompt)
+            try:
+                ids = [int(t) for t in (await asyncio.to_thread(work) if big else work())]
+            except Exception as e:  # a chat template may raise on a malformed conversation
+                raise api.ApiError(400, f"cannot tokenize: {e}", param="messages" if isinstance(req, api.TokenizeChatRequest) else "prompt") from e
+        except api.ApiError as e:
+            return self._error(e.status, e.reason, e.param)
+        strs = [self.tokenizer.decode([t]) for t in ids] if req.return_token_strs else None
+        return self._json(api.tokenize_response(ids, self.max_model_len, strs))
+
+    async def _detokenize(self, request: Request) -> Response:
+        """``POST /detokenize`` (vLLM's): ``{"prompt": text}`` of ``tokens``, decoded as the router decodes output."""
+        try:
+            req = api.parse_detokenize(await self._read_body(request))
+            self._check_model(req.model)
+            api.check_token_ids(req.tokens, self.tokenizer.vocab_size)
+        except api.ApiError as e:
+            return self._error(e.status, e.reason, e.param)
+        if len(req.tokens) > _BIG_TEXT:
+            text = await asyncio.to_thread(self.tokenizer.decode, req.tokens)
+        else:
+            text = self.tokenizer.decode(req.tokens)
+        return self._json({"prompt": text})
+
+    def _check_model(self, model: str | None) -> None:
+        """Absent, null or "": the served model (vLLM's ``_is_model_supported``); another name is a 404."""
+        if model and model != self.cfg.model:
+            raise api.ApiError(404, f"model {model[:256]!r} not found; this router serves {self.cfg.model!r}", param="model")
 
     async def _healthz(self, request: Request) -> Response:
         if not self.bus.nc.is_connected:

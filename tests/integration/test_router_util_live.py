@@ -1,0 +1,166 @@
+"""vLLM's small server endpoints on the router: ``/version``, ``/tokenize`` / ``/detokenize``, ``max_model_len``
+in ``/v1/models``, CORS (``--allowed-origins`` ...), and API keys on all of them.
+
+Real router over a real nats-server: in-process (uvicorn on a free port) with the fake cluster of
+``test_router_live`` answering on the bus, and once as a ``python -m services.router`` process with
+the CORS flags and ``EI_API_KEYS``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from shared.tokenizer import SimTokenizer
+from tests.integration.test_router_live import router_env
+
+REPO = Path(__file__).resolve().parents[2]
+USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there, how are you?"}]
+TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+PREFLIGHT = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+
+
+async def test_tokenize_counts_what_a_served_request_uses_and_detokenize_round_trips(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        # chat: count == usage.prompt_tokens of the same chat request served by the cluster
+        r = await env.http.post("/tokenize", json={"model": "test-model", "messages": USER, "tools": TOOLS})
+        assert r.status_code == 200, r.text
+        tok = r.json()
+        assert set(tok) == {"count", "max_model_len", "tokens", "token_strs"} and tok["token_strs"] is None
+        served = await env.http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "max_tokens": 2})
+        assert served.status_code == 200, served.text
+        assert tok["count"] == len(tok["tokens"]) == served.json()["usage"]["prompt_tokens"] > 0
+        work = env.cluster.works[-1]  # the ids the node got are the ones /tokenize returned
+        assert work.prompt_tokens == tok["count"] and np.frombuffer(work.token_ids, "<u4").tolist() == tok["tokens"]
+        # a prompt: the same count as /v1/completions with that text
+        r = await env.http.post("/tokenize", json={"prompt": "The quick brown fox, again.", "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        tok = r.json()
+        served = await env.http.post("/v1/completions", json={"prompt": "The quick brown fox, again.", "max_tokens": 1})
+        assert tok["count"] == served.json()["usage"]["prompt_tokens"] == len(SimTokenizer().encode("The quick brown fox, again."))
+        assert len(tok["token_strs"]) == tok["count"] and tok["max_model_len"] == 1_048_576  # no context: the prompt limit
+        # round trip: detokenize → the text that re-tokenizes to the same ids (the sim tokenizer's placeholder words)
+        r = await env.http.post("/detokenize", json={"model": "test-model", "tokens": tok["tokens"]})
+        assert r.status_code == 200, r.text
+        text = r.json()["prompt"]
+        assert text == " ".join(tok["token_strs"])
+        again = await env.http.post("/tokenize", json={"prompt": text})
+        assert again.json()["tokens"] == tok["tokens"]
+        assert (await env.http.post("/detokenize", json={"tokens": []})).json() == {"prompt": ""}
+        # errors: OpenAI's shape, 400 with param; another model → 404
+        vocab = SimTokenizer().vocab_size
+        for path, body, status, param in (
+            ("/detokenize", {"tokens": [1, vocab]}, 400, "tokens[1]"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
+            ("/detokenize", {"tokens": [1], "model": "gpt-4"}, 404, "model"),
+            ("/tokenize", {"prompt": 5}, 400, "prompt"),
+            ("/tokenize", {"messages": USER, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+            ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0]"),
+            ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        ):
+            r = await env.http.post(path, json=body)
+            assert r.status_code == status, (path, body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and err["code"] == status and err["type"], (body, err)
+        r = await env.http.post("/tokenize", content=b"{", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        assert (await env.http.get("/tokenize")).status_code == 405
+        assert env.service.counters.get("http_status.500", 0) == 0
+
+
+async def test_version_and_max_model_len(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, max_context_tokens=8192) as env:
+        r = await env.http.get("/version")
+        assert r.status_code == 200 and r.json() == {"version": importlib.metadata.version("evolving-infra")}
+        listed = (await env.http.get("/v1/models")).json()["data"][0]
+        assert listed["max_model_len"] == 8192
+        assert (await env.http.get("/v1/models/test-model")).json()["max_model_len"] == 8192
+        assert (await env.http.post("/tokenize", json={"prompt": "hi"})).json()["max_model_len"] == 8192
+
+
+async def test_cors_is_off_by_default_and_answers_preflights_when_set(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        r = await env.http.options("/v1/chat/completions", headers=PREFLIGHT)
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers  # today's behaviour
+        r = await env.http.get("/v1/models", headers={"Origin": "https://app.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, allowed_origins=["*"], api_keys="k1") as env:
+        r = await env.http.options("/v1/chat/completions", headers=PREFLIGHT)  # no key: a preflight carries none
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert r.headers["access-control-allow-headers"].lower() == "authorization"
+        r = await env.http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1}, headers={"Origin": "https://app.example"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"  # the page can read the 401
+        r = await env.http.post(
+            "/v1/chat/completions", json={"messages": USER, "max_tokens": 1},
+            headers={"Origin": "https://app.example", "Authorization": "Bearer k1"},
+        )
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, allowed_origins=["https://app.example"], allow_credentials=True) as env:
+        r = await env.http.options("/tokenize", headers=PREFLIGHT)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        assert r.headers["access-control-allow-credentials"] == "true"
+        r = await env.http.options("/tokenize", headers={**PREFLIGHT, "Origin": "https://evil.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
+async def test_api_keys_guard_the_new_paths(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, api_keys="k1") as env:
+        for method, path, body in (("GET", "/version", None), ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]})):
+            r = await env.http.request(method, path, json=body)
+            assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer"), (path, r.text)
+            r = await env.http.request(method, path, json=body, headers={"Authorization": "Bearer k2"})
+            assert r.status_code == 401, path
+            r = await env.http.request(method, path, json=body, headers={"Authorization": "Bearer k1"})
+            assert r.status_code == 200, (path, r.text)
+
+
+@pytest.mark.timeout(60)
+def test_router_process_with_cors_flags_and_keys(nats_url, tmp_path):
+    """``python -m services.router --allowed-origins '*' ...`` with ``EI_API_KEYS``: the flags reach the app."""
+    port_file = tmp_path / "port"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
+    env.update(PYTHONPATH=str(REPO), EI_API_KEYS="k1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.router", "--nats-url", nats_url, "--port", "0", "--port-file", str(port_file),
+         "--model", "m1", "--split-get-timeout-s", "0.5", "--max-context-tokens", "4096",
+         "--allowed-origins", "*", "--allowed-methods", "GET,POST", "--log-format", "json"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not port_file.exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "router did not write its port file"
+            time.sleep(0.05)
+        port = int(port_file.read_text())
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+            r = http.options("/tokenize", headers=PREFLIGHT)
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+            assert r.headers["access-control-allow-methods"] == "GET, POST"
+            assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 401
+            auth = {"Authorization": "Bearer k1"}
+            r = http.post("/tokenize", json={"messages": USER}, headers=auth)
+            assert r.status_code == 200 and r.json()["max_model_len"] == 4096
+            assert r.json()["count"] == len(SimTokenizer().apply_chat_template(USER))
+            r = http.post("/detokenize", json={"tokens": r.json()["tokens"][:3]}, headers=auth)
+            assert r.status_code == 200 and len(r.json()["prompt"].split()) == 3
+            assert http.get("/version", headers=auth).json() == {"version": importlib.metadata.version("evolving-infra")}
+            assert http.get("/v1/models", headers=auth).json()["data"][0]["max_model_len"] == 4096
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,108 @@
+"""vLLM's utility endpoints in ``api.py`` (sans-IO): ``/version``, ``/tokenize``, ``/detokenize`` bodies,
+``max_model_len`` in ``/v1/models``, and the router's CORS settings (vLLM's ``--allowed-origins`` ...)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+import pytest
+
+from services.router import api
+from services.router.config import RouterConfig
+from shared.config import ConfigError, load_config
+
+USER = [{"role": "user", "content": "hello there"}]
+
+
+def _err(fn, body: object) -> api.ApiError:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(api.ApiError) as ei:
+        fn(raw)
+    return ei.value
+
+
+def test_version_is_the_package_metadata_version():
+    assert api.version_response() == {"version": importlib.metadata.version("evolving-infra")}
+
+
+def test_tokenize_picks_chat_by_messages_as_vllm_and_keeps_its_fields():
+    req = api.parse_tokenize(json.dumps({"model": "m", "messages": USER, "return_token_strs": True}).encode())
+    assert isinstance(req, api.TokenizeChatRequest)
+    assert req.add_generation_prompt and not req.add_special_tokens and req.return_token_strs
+    assert api.chat_messages(req) == [{"role": "user", "content": "hello there"}]
+    req = api.parse_tokenize(b'{"prompt": "hi", "vendor_extension": 1}')  # unknown fields ignored, as elsewhere
+    assert isinstance(req, api.TokenizeCompletionRequest) and req.prompt == "hi" and req.add_special_tokens
+    assert req.model is None and not req.return_token_strs
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": 3}, "prompt"),
+        ({"prompt": ["a"]}, "prompt"),
+        ({}, "prompt"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+        ({"messages": USER, "add_generation_prompt": False}, "add_generation_prompt"),
+        ({"messages": USER, "continue_final_message": True}, "continue_final_message"),
+        ({"messages": USER, "continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
+        ({"messages": USER, "add_special_tokens": True}, "add_special_tokens"),
+        ({"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+        ({"prompt": "x", "return_token_strs": "yes"}, "return_token_strs"),
+    ],
+)
+def test_tokenize_bad_input_is_a_400_naming_the_field(body, param):
+    e = _err(api.parse_tokenize, body)
+    assert e.status == 400 and e.param == param, (e.reason, e.param)
+
+
+def test_tokenize_refuses_both_generation_prompt_and_continue_with_vllms_message():
+    e = _err(api.parse_tokenize, {"messages": USER, "continue_final_message": True})
+    assert e.reason == "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b"[" * 100_000 + b"]" * 100_000])
+def test_tokenize_body_not_an_object_is_a_400(raw):
+    assert _err(api.parse_tokenize, raw).status == 400
+    assert _err(api.parse_detokenize, raw).status == 400
+
+
+def test_detokenize_body_and_vocabulary_check():
+    req = api.parse_detokenize(b'{"model": "m", "tokens": [0, 5, 7]}')
+    assert req.tokens == [0, 5, 7] and req.model == "m"
+    assert api.parse_detokenize(b'{"tokens": []}').tokens == []
+    for body, param in (({"tokens": [1, -1]}, "tokens[1]"), ({"tokens": "1 2"}, "tokens"), ({}, "tokens"), ({"tokens": [1.5]}, "tokens[0]")):
+        e = _err(api.parse_detokenize, body)
+        assert e.status == 400 and e.param == param, (body, e.reason, e.param)
+    api.check_token_ids([0, 9], 10)
+    with pytest.raises(api.ApiError) as ei:
+        api.check_token_ids([0, 9, 10, 11], 10)
+    assert ei.value.status == 400 and ei.value.param == "tokens[2]" and "[0, 10)" in ei.value.reason
+
+
+def test_tokenize_response_is_vllms_shape():
+    assert api.tokenize_response([4, 5], 100) == {"count": 2, "max_model_len": 100, "tokens": [4, 5], "token_strs": None}
+    assert api.tokenize_response([4], 100, ["a"])["token_strs"] == ["a"]
+
+
+def test_models_entry_has_max_model_len_when_given():
+    entry = api.models_response("m", 7, 4096)["data"][0]
+    assert entry == {"id": "m", "object": "model", "created": 7, "owned_by": "evolving-infra", "max_model_len": 4096}
+    assert "max_model_len" not in api.models_response("m", 7)["data"][0]
+
+
+def test_cors_flags_follow_the_config_rules_and_default_to_off():
+    cfg = load_config(RouterConfig, [], prog="router", env={})
+    assert cfg.allowed_origins == [] and cfg.allowed_methods == ["*"] and cfg.allowed_headers == ["*"] and not cfg.allow_credentials
+    cfg = load_config(
+        RouterConfig, ["--allowed-origins", "*,https://app.example:8443", "--allowed-methods", "GET,POST", "--allow-credentials"],
+        prog="router", env={"EI_ALLOWED_HEADERS": "authorization,content-type"},
+    )
+    assert cfg.allowed_origins == ["*", "https://app.example:8443"] and cfg.allowed_methods == ["GET", "POST"]
+    assert cfg.allowed_headers == ["authorization", "content-type"] and cfg.allow_credentials
+    with pytest.raises(ConfigError, match="allowed_origins"):  # vLLM's JSON-list spelling is refused, not half-read
+        load_config(RouterConfig, ["--allowed-origins", '["*"]'], prog="router", env={})
+    with pytest.raises(ConfigError, match="allowed_origins"):
+        load_config(RouterConfig, ["--allowed-origins", "https://app.example/path"], prog="router", env={})
