@@ -164,3 +164,28 @@ def test_router_process_with_cors_flags_and_keys(nats_url, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_tokenize_with_a_real_bpe_tokenizer(nats_url, tmp_path):
+    """``--tokenizer hf:<folder>`` (byte-level BPE, ChatML template): a chat's count is its usage, a prompt's ids
+    are the ones the node gets, and /detokenize gives the text back byte for byte."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    folder = write_bpe_tokenizer(tmp_path / "tok")
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, tokenizer=f"hf:{folder}") as env:
+        tok = (await env.http.post("/tokenize", json={"messages": USER})).json()
+        served = await env.http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
+        assert served.status_code == 200, served.text
+        assert tok["count"] == served.json()["usage"]["prompt_tokens"] > 0
+        assert np.frombuffer(env.cluster.works[-1].token_ids, "<u4").tolist() == tok["tokens"]
+        text = "Évolving infra: a router, a KV directory — and 3 planners!"
+        tok = (await env.http.post("/tokenize", json={"prompt": text, "return_token_strs": True})).json()
+        served = await env.http.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
+        assert tok["count"] == served.json()["usage"]["prompt_tokens"]
+        assert np.frombuffer(env.cluster.works[-1].token_ids, "<u4").tolist() == tok["tokens"]
+        assert (await env.http.post("/detokenize", json={"tokens": tok["tokens"]})).json() == {"prompt": text}
+        assert len(tok["token_strs"]) == tok["count"]
+        r = await env.http.post("/detokenize", json={"tokens": [env.service.tokenizer.vocab_size]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[0]"
