@@ -7,7 +7,8 @@ draws follow softmax(logits / T); a row's token does not depend on the batch aro
 
 Engine (tiny random model, ``LocalNode``): a seeded request gives the same tokens collocated,
 in a batch with other requests, and split over a prefill node and a decode node (hand-off);
-another seed gives other tokens; ``stop_token_ids`` end it with ``finish_reason`` ``stop``
+another seed gives other tokens; a re-dispatched continuation (prompt + the first k tokens,
+``output_offset`` k) continues the same sequence; ``stop_token_ids`` end it with ``finish_reason`` ``stop``
 (also with ``ignore_eos``); temperature 0 is the greedy reference.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 
+import msgspec
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -188,3 +190,22 @@ def test_greedy_params_equal_no_params_and_stop_token_ids_end_the_request(model)
     node.add_prefill(work("s", prompt, Sampling(stop_token_ids=[ref[j], 100_000]), ignore_eos=True))
     node.run()
     assert node.finished["s"].tokens == ref[: j + 1] and node.finished["s"].finish_reason == "stop"
+
+
+def test_a_seeded_continuation_after_a_redispatch_continues_the_same_sequence(model):
+    """A re-dispatch after a dead decode node sends prompt + the k tokens the client has as the new
+    prompt with ``output_offset`` k (``services/router/faults.continuation``): position k onward is
+    drawn with the same (seed, position) generators, so the stream goes on as if nothing happened."""
+    prompt = _prompt(8)
+    sp = Sampling(temperature=1.1, top_p=0.95, seed=77)
+    node = LocalNode("a", PROFILE, model)
+    node.add_prefill(work("r", prompt, sp))
+    node.run()
+    ref = node.finished["r"].tokens
+    k = 5
+    cont = prompt + ref[:k]
+    again = LocalNode("b", PROFILE, model)
+    w = work("r", cont, sp, n=N - k)
+    again.add_prefill(msgspec.structs.replace(w, output_offset=k))
+    again.run()
+    assert again.finished["r"].tokens == ref[k:]

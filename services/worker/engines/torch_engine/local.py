@@ -27,7 +27,8 @@ class Finished:
 
     rid: str
     tokens: list[int]
-    """Output token ids, all positions (a decode node's include the prefill node's first token)."""
+    """Output token ids, all positions from the work's ``output_offset`` on (a decode node's
+    include the prefill node's first token)."""
     cached_tokens: int
     """Prompt tokens served from cache where its prefill ran (L1 hit + L2 restore)."""
     finish_reason: str | None = None
@@ -63,6 +64,8 @@ class LocalNode:
     finished: dict[str, Finished] = field(default_factory=dict)
     cached: dict[str, int] = field(default_factory=dict)
     records: list = field(default_factory=list)
+    offsets: dict[str, int] = field(default_factory=dict)
+    """``output_offset`` of each request's work (a re-dispatched continuation's first position)."""
 
     def __post_init__(self) -> None:
         self.core = EngineScheduler(self.node, self.profile, self.phase, check_invariants=self.check)  # type: ignore[arg-type]
@@ -76,11 +79,13 @@ class LocalNode:
         """Queue prefill work (raises WorkRejected / ValueError as the scheduler / engine do)."""
         self.engine.accept_prefill(work)
         self.core.add_prefill(work, self.now)
+        self.offsets[work.rid] = work.output_offset
 
     def add_decode(self, work: DecodeWork) -> None:
         """Accept a hand-off carrying its prompt K/V (``TorchEngine.handoff`` of the prefill node)."""
         self.engine.accept_decode(work)
         self.core.add_decode(msgspec_replace(work, kv_ready_at=self.now), self.now)
+        self.offsets[work.rid] = work.output_offset
 
     def step(self) -> bool:
         """Run one plan; False when there is nothing to run."""
@@ -96,7 +101,7 @@ class LocalNode:
                 if o.index == 0:
                     self.cached[o.rid] = o.cached_tokens
                 if o.finished:
-                    toks = self.engine.output_tokens(o.rid, 0, o.index + o.count)
+                    toks = self.engine.output_tokens(o.rid, self.offsets.get(o.rid, 0), o.index + o.count)
                     self.finished[o.rid] = Finished(o.rid, toks, self.cached.get(o.rid, 0), o.finish_reason)
             elif isinstance(o, HandOff):
                 self.handoffs.append(HandOff(o.rid, o.decode_node, self.engine.handoff(o.work), o.at))
