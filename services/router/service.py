@@ -351,6 +351,9 @@ class RouterService:
         self.api_keys_on = guard.enabled
         self.app: ASGIApp = _StatusCounter(_with_cors(guard, cfg), self.counters)
         self._pending: dict[str, _Pending] = {}
+        self._routing: set[str] = set()
+        """rids of requests being routed (waiting up to ``no_route_wait_s`` / ``bus_outage_wait_s``
+        for a node), not pending yet: another request with that ``X-Request-ID`` is a duplicate too."""
         self._retried = _RetriedRids()
         """Last attempts of ended requests with a client ``X-Request-ID`` (a retry starts past them)."""
         self._kv_liveness: dict[str, m.NodeKvLiveness] = {}
@@ -881,6 +884,38 @@ class RouterService:
                 for n, msg in self.core.abort(rid, reason, now=self.clock.now()):
                     self._spawn(self.bus.publish(WORK_ABORT, msg, node=n))
             self.counters["fenced_requests_failed"] += 1
+
+    async def _route_new(
+        self, rreq: RouteRequest, lookup: m.KvLookupReply | None, lookup_status: str, tr: _ReqTrace | None
+    ) -> RouteDecision | NoRoute:
+        """Route a new request, waiting for a node while NATS settles (``bus_outage_wait_s``) or none
+        is eligible (``no_route_wait_s``); its ``router.route`` span when tracing is on."""
+        now = self.clock.now()
+        route_span = None if tr is None else tracing.start("router.route", tr.span)
+        out = self.core.route(rreq, lookup, now)
+        if isinstance(out, NoRoute) and self._bus_settling():
+            # a NATS outage silences node states: wait for them instead of failing the request
+            self.counters["routes_waited_bus_down"] += 1
+            wait_until = time.monotonic() + self.cfg.bus_outage_wait_s
+            while isinstance(out, NoRoute) and self._bus_settling() and time.monotonic() < wait_until:
+                await asyncio.sleep(0.1)
+                out = self.core.route(rreq, lookup, self.clock.now())
+        if isinstance(out, NoRoute) and self.cfg.no_route_wait_s > 0:
+            out = await self._route_when_possible(rreq, lookup, out)
+        if route_span is not None:
+            assert tr is not None
+            tr.span.set_attribute("ei.rid", rreq.rid)
+            if isinstance(out, NoRoute):
+                route_span.set_attribute("ei.no_route", out.reason)
+            else:
+                route_span.set_attributes(
+                    {"ei.policy": self.core.policy.name, "ei.prefill_node": out.prefill.node, "ei.decode_node": out.decode_node or "",
+                     "ei.lookup": lookup_status, "ei.matched_blocks": out.prefill.matched_blocks, "ei.prompt_tokens": rreq.prompt_tokens}
+                )
+                if out.predicted_ttft_s is not None:
+                    route_span.set_attribute("ei.predicted_ttft_s", out.predicted_ttft_s)
+            route_span.end()
+        return out
 
     async def _route_when_possible(self, rreq: RouteRequest, lookup: m.KvLookupReply | None, out: NoRoute) -> RouteDecision | NoRoute:
         """No node can take the request now (the last prefill node fenced, a split in flight):
@@ -1433,7 +1468,7 @@ class RouterService:
             return self._error(503, "router is shutting down")
         try:
             client_rid = api.parse_request_id(request.headers.get("x-request-id"))
-            if client_rid is not None and client_rid in self._pending and not await self._rid_freed(client_rid):
+            if client_rid is not None and self._in_flight(client_rid) and not await self._rid_freed(client_rid):
                 raise api.ApiError(409, f"X-Request-ID {client_rid!r} is already in flight", param="X-Request-ID")
             hdrs, req, arr, max_tokens = await self._prepare(request, chat)
             start = None
@@ -1455,7 +1490,7 @@ class RouterService:
         # the client's X-Request-ID is the rid on every node, in every log line and in the response's
         # x-request-id, so records join; the body's id is chatcmpl-/cmpl-<rid> (api.response_id, vLLM's)
         rid = client_rid or uuid.uuid4().hex
-        if rid in self._pending:  # the same X-Request-ID arrived while this one was tokenized
+        if self._in_flight(rid):  # the same X-Request-ID arrived while this one was tokenized
             return self._error(409, f"X-Request-ID {rid!r} is already in flight", "X-Request-ID")
         rreq = RouteRequest(
             rid=rid,
@@ -1467,31 +1502,11 @@ class RouterService:
             ignore_eos=req.ignore_eos,
             sampling=api.sampling(req),
         )
-        now = self.clock.now()
-        route_span = None if tr is None else tracing.start("router.route", tr.span)
-        out = self.core.route(rreq, lookup, now)
-        if isinstance(out, NoRoute) and self._bus_settling():
-            # a NATS outage silences node states: wait for them instead of failing the request
-            self.counters["routes_waited_bus_down"] += 1
-            wait_until = time.monotonic() + self.cfg.bus_outage_wait_s
-            while isinstance(out, NoRoute) and self._bus_settling() and time.monotonic() < wait_until:
-                await asyncio.sleep(0.1)
-                out = self.core.route(rreq, lookup, self.clock.now())
-        if isinstance(out, NoRoute) and self.cfg.no_route_wait_s > 0:
-            out = await self._route_when_possible(rreq, lookup, out)
-        if route_span is not None:
-            assert tr is not None
-            tr.span.set_attribute("ei.rid", rid)
-            if isinstance(out, NoRoute):
-                route_span.set_attribute("ei.no_route", out.reason)
-            else:
-                route_span.set_attributes(
-                    {"ei.policy": self.core.policy.name, "ei.prefill_node": out.prefill.node, "ei.decode_node": out.decode_node or "",
-                     "ei.lookup": lookup_status, "ei.matched_blocks": out.prefill.matched_blocks, "ei.prompt_tokens": rreq.prompt_tokens}
-                )
-                if out.predicted_ttft_s is not None:
-                    route_span.set_attribute("ei.predicted_ttft_s", out.predicted_ttft_s)
-            route_span.end()
+        self._routing.add(rid)  # until it is pending (no await between): a duplicate in the meantime is a 409
+        try:
+            out = await self._route_new(rreq, lookup, lookup_status, tr)
+        finally:
+            self._routing.discard(rid)
         if isinstance(out, NoRoute):
             self.counters["no_route"] += 1
             self.log.warning("no route", rid=rid, reason=out.reason)
@@ -1688,13 +1703,17 @@ class RouterService:
             self._abandon(p, "client disconnected", "client_disconnect")
             self._forget(p)
 
+    def _in_flight(self, rid: str) -> bool:
+        """A request with ``rid`` is pending, or being routed (not pending yet)."""
+        return rid in self._pending or rid in self._routing
+
     async def _rid_freed(self, rid: str) -> bool:
         """A request with ``rid`` is in flight: True if it ends within ``_DUPLICATE_GRACE_S``
         (polled every 10 ms; the client that sent it went away and is retrying)."""
         deadline = time.monotonic() + _DUPLICATE_GRACE_S
-        while rid in self._pending and time.monotonic() < deadline:
+        while self._in_flight(rid) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        return rid not in self._pending
+        return not self._in_flight(rid)
 
     def _forget(self, p: _Pending) -> None:
         """The HTTP side of ``p`` is over: forget it (remembering a client rid's last attempt)."""

@@ -88,3 +88,24 @@ async def test_a_retry_sent_just_before_the_first_ones_close_is_served_not_409(n
         third.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await third
+
+
+async def test_two_requests_with_one_request_id_waiting_for_a_node_are_not_both_dispatched(nats_url, tmp_path):
+    """A request waits up to --no-route-wait-s for an eligible node before it is pending; a second
+    one with its X-Request-ID arriving meanwhile (the client gave up and retried) must not pass the
+    in-flight check too: before, both were routed and dispatched under one rid and one attempt,
+    the later one's _Pending replaced the earlier's, and the earlier client hung until its timeout."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, no_route_wait_s=5.0, request_timeout_s=3.0) as env:
+        env.cluster.alive.clear()
+        await _wait_for(lambda: not env.service.ready(), timeout=5, what="node fenced")
+        hdr = {"X-Request-ID": "wait-1"}
+        body = {"prompt": [1, 2, 3], "max_tokens": 3}
+        first = asyncio.create_task(env.http.post("/v1/completions", json=body, headers=hdr))
+        await asyncio.sleep(0.2)
+        second = asyncio.create_task(env.http.post("/v1/completions", json=body, headers=hdr))
+        await asyncio.sleep(0.8)  # the second is past its grace while the first still waits for a node
+        env.cluster.alive.add("c0")
+        r1, r2 = await asyncio.gather(first, second)
+        assert (r1.status_code, r2.status_code) == (200, 409), (r1.text, r2.text)
+        assert "already in flight" in r2.json()["error"]["message"]
+        assert [w.rid for w in env.cluster.works] == ["wait-1"]
