@@ -201,14 +201,25 @@ class _RetriedRids:
     same attempt 0, could be taken for the first one's by its node. The retry's first attempt is
     one past the last one's, so every node and the router tell them apart by the attempt (the
     fencing token of issue #22). At most ``cap`` rids, oldest forgotten first. O(1) per call.
+
+    An id not remembered here (never seen, forgotten, or seen by a predecessor: a router
+    restarted under the same ``--instance`` knows none) starts at the wall clock in ms, past
+    every attempt an earlier router or a forgotten request of that id used (those started at
+    their own earlier ms, +1 per re-dispatch). Starting at 0 there, a retry on a restarted router
+    had the attempt its predecessor's request still ran at on a node: the node dropped the retry's
+    work as old, ``route.held`` called the old request in flight, and its output fed the retry.
     """
 
     def __init__(self, cap: int = 65_536) -> None:
         self.cap = cap
         self._last: OrderedDict[str, int] = OrderedDict()
 
-    def next_attempt(self, rid: str) -> int:
-        return self._last.get(rid, -1) + 1
+    def next_attempt(self, rid: str, now_ms: int | None = None) -> int:
+        """The first attempt of a new request ``rid``: one past its last one, and at least
+        ``now_ms`` (wall ms since the Unix epoch; default the clock's now)."""
+        if now_ms is None:
+            now_ms = time.time_ns() // 1_000_000
+        return max(self._last.get(rid, -1) + 1, now_ms)
 
     def ended(self, rid: str, attempt: int) -> None:
         self._last[rid] = attempt

@@ -119,3 +119,43 @@ async def test_a_restarted_router_makes_the_workers_drop_its_predecessors_reques
             assert r.status_code == 200, r.text
         finally:
             await _cancel(tasks)
+
+
+async def test_a_retry_with_the_same_request_id_after_a_router_restart_is_not_served_the_old_requests_output(tmp_path: Path) -> None:
+    """A client whose router was SIGKILLed retries with the same X-Request-ID on the restarted one
+    before the nodes' next owner check. Before: the restarted router knew no earlier attempt of the
+    id and dispatched the retry as attempt 0, the attempt the old request still ran at on the decode
+    node: that node dropped the retry's hand-off as an old attempt, route.held called the old request
+    in flight (same rid, same attempt), and its output (far past the retry's max_tokens) fed the
+    retry, which never ended. The owner checks are made rare here so the retry surely comes first
+    (with the default 2 s the window is up to 2 s after the restart)."""
+    spec = FaultSpec(
+        nodes=2, split="1P1D", speedup=0.05,
+        extra={"worker": ["--owner-check-interval-s", "60", "--owner-gone-after-s", "600"]},
+    )  # fmt: skip
+    body = {"prompt": _prompt(300, 11), "max_tokens": 20_000, "stream": True}
+    hdr = {"X-Request-ID": "keep-1"}
+    async with FaultCluster(spec, tmp_path / "cluster") as fc:
+        got = [0]
+
+        async def stream() -> None:
+            async with httpx.AsyncClient(timeout=120) as c, c.stream("POST", fc.router_url() + "/v1/completions", json=body, headers=hdr) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        got[0] += 1
+
+        tasks = [asyncio.create_task(stream())]
+        try:
+            await until(lambda: got[0] >= 3, 20.0, "tokens of the first stream")
+            fc.signal("router", signal.SIGKILL)
+            (fc.workdir / "router.port").unlink()
+            fc.restart("router")
+            await fc.wait_healthy(30.0)
+            async with httpx.AsyncClient(timeout=40) as c:
+                r = await c.post(fc.router_url() + "/v1/completions", json={**body, "max_tokens": 4, "stream": False}, headers=hdr)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4, r.json()
+            # the retry superseded the old request on the decode node; nothing of it is left running
+            await until(lambda: _empty(fc), 10.0, "workers empty after the retry", every=0.25)
+        finally:
+            await _cancel(tasks)
