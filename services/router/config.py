@@ -111,7 +111,7 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         float, Meta(gt=0, description="wall seconds a request may wait for its next output chunk before it fails with 504")
     ] = 600.0
     max_prompt_tokens: Annotated[int, Meta(ge=1, description="longest accepted prompt (tokens)")] = 1_048_576
-    max_output_tokens: Annotated[int, Meta(ge=1, description="largest accepted max_tokens")] = 131_072
+    max_output_tokens: Annotated[int, Meta(ge=1, description="largest accepted max_tokens (a default one is cut to it)")] = 131_072
     max_context_tokens: Annotated[
         int, Meta(ge=0, description="largest accepted prompt + max_tokens (the model's context, e.g. a torch engine's; an unset "
                   "max_tokens is cut to the rest); 0 = no limit")

@@ -1329,6 +1329,8 @@ class RouterService:
             max_tokens = asked or 16
         if req.model and req.model != self.cfg.model:  # absent, null or "": the served model (vLLM's _is_model_supported)
             raise api.ApiError(404, f"model {req.model!r} not found; this router serves {self.cfg.model!r}", param="model")
+        if asked is None:  # a default the client never sent is cut to the limit, not refused (like the context cut below)
+            max_tokens = min(max_tokens, self.cfg.max_output_tokens)
         if max_tokens > self.cfg.max_output_tokens:
             raise api.ApiError(400, f"max_tokens={max_tokens} exceeds the limit {self.cfg.max_output_tokens}", param="max_tokens")
         try:

@@ -119,3 +119,18 @@ async def test_an_empty_model_name_is_the_served_model_as_in_vllm(nats_url, tmp_
         assert r.status_code == 200 and r.json()["model"] == "test-model", r.text
         r = await env.http.post("/v1/completions", json={"model": "other", "prompt": [1], "max_tokens": 1})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+async def test_an_unset_max_tokens_is_cut_to_the_output_limit_not_refused(nats_url, tmp_path):
+    """A default max_tokens (chat's --chat-default-max-tokens, completions' 16) above
+    --max-output-tokens is cut to that limit, like the context cut: it was a 400
+    'max_tokens=256 exceeds the limit 100' blaming a field the client never sent. An asked-for
+    max_tokens above the limit stays a 400."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, max_output_tokens=10, chat_default_max_tokens=256) as env:
+        r = await env.http.post("/v1/chat/completions", json={"messages": USER})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 10 and env.cluster.works[-1].max_tokens == 10
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": None})
+        assert r.status_code == 200 and env.cluster.works[-1].max_tokens == 10, r.text
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 11})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
