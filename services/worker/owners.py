@@ -68,13 +68,13 @@ class OwnerLeases:
 
     def no_responders(self, router: str, now: float) -> bool:
         """Nobody serves ``route.held.<router>`` at ``now``; True when that has lasted
-        ``gone_after_s`` (the router is gone: drop its requests). The streak ends then, so a
-        router that comes back and gets new work starts from nothing."""
+        ``gone_after_s`` (the router is gone: drop its requests). The streak lasts until the
+        router answers (:meth:`answered`) or owns nothing here (:meth:`forget`), so every query
+        of a check (a node with more than :data:`MAX_RIDS_PER_QUERY` of its requests asks in
+        several) and its late work (a hand-off) are judged gone too; a router that comes back
+        and gets new work starts from nothing."""
         since = self._silent_since.setdefault(router, now)
-        if now - since >= self.gone_after_s:
-            del self._silent_since[router]
-            return True
-        return False
+        return now - since >= self.gone_after_s
 
     def forget(self, live_routers: Iterable[str]) -> None:
         """Drop the streaks of routers that own none of the node's requests any more."""

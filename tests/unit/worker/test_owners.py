@@ -26,8 +26,23 @@ def test_gone_only_after_the_grace_and_an_answer_resets_the_streak():
     assert not leases.no_responders("router", 105.0)
     assert not leases.no_responders("router", 109.0)
     assert leases.no_responders("router", 110.0)  # 5 s of silence since 105
-    assert leases.silent() == {}  # the streak ends with the verdict: a router that comes back starts afresh
+    leases.forget([])  # its requests dropped, it owns nothing here: the streak ends
+    assert leases.silent() == {}  # a router that comes back and gets new work starts afresh
     assert not leases.no_responders("router", 111.0)
+
+
+def test_a_gone_router_is_gone_for_every_query_of_the_pass_until_it_answers():
+    """A node holding more than MAX_RIDS_PER_QUERY requests of a dead router asks in several
+    queries per check: every one of them is judged gone, not only the first (before, the verdict
+    ended the streak, the next query started a new one, and the rest of the router's requests
+    waited another gone_after_s each, 4096 at a time)."""
+    leases = OwnerLeases(gone_after_s=5.0)
+    assert not leases.no_responders("router", 100.0)
+    assert leases.no_responders("router", 105.0)  # the pass's first query
+    assert leases.no_responders("router", 105.01)  # its second query, same pass
+    assert leases.no_responders("router", 107.0)  # new work of the dead router (a late hand-off): dropped at once
+    leases.answered("router")  # it came back
+    assert not leases.no_responders("router", 108.0)
 
 
 def test_streaks_are_per_router_and_forgotten_when_it_owns_nothing_here():
