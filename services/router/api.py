@@ -57,6 +57,8 @@ MAX_STOP_LEN = 1024
 """Longest stop string, characters (the router holds back that much streamed text)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Most ``stop_token_ids`` of one request (``shared.validate.MAX_STOP_TOKEN_IDS``)."""
+MAX_TOP_K = 2**32
+"""Largest ``top_k`` sent to the nodes (``shared.validate`` bound); a larger one is sent as 0 (off)."""
 
 
 _T = TypeVar("_T")
@@ -236,11 +238,14 @@ def sampling(req: _Sampling) -> Sampling | None:
     stop token ids, the default, sent as nothing; ``top_*`` / ``seed`` do not change greedy). Unset fields take vLLM's defaults except
     ``temperature``: unset = 0 (greedy; vLLM's OpenAI server takes the model's
     ``generation_config`` default, 1.0 without one) so a request that says nothing gets today's
-    deterministic output. ``top_k`` -1 and 0 are both off (0 on the wire)."""
+    deterministic output. ``top_k`` -1 and 0 are both off (0 on the wire), and so is one above
+    :data:`MAX_TOP_K` (more than any vocabulary: the engine keeps every token anyway), which the
+    nodes' message check (``shared.validate``) would drop (the request then waited for nothing)."""
+    top_k = req.top_k or 0
     sp = Sampling(
         temperature=req.temperature or 0.0,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(0, req.top_k or 0),
+        top_k=top_k if 0 < top_k <= MAX_TOP_K else 0,
         min_p=req.min_p or 0.0,
         seed=req.seed,
         stop_token_ids=list(dict.fromkeys(req.stop_token_ids or ())),

@@ -229,3 +229,20 @@ def test_stop_reason_is_in_the_choice_only_when_a_stop_ended_it():
     assert api.chat_response("id", 1, "m", "t", "stop", use, stop_reason=7)["choices"][0]["stop_reason"] == 7
     assert api.chat_chunk("id", 1, "m", {}, "stop", False, stop_reason="x")["choices"][0]["stop_reason"] == "x"
     assert api.completion_chunk("id", 1, "m", "", "stop", False, stop_reason="x")["choices"][0]["stop_reason"] == "x"
+
+
+def test_a_huge_top_k_is_off_and_the_work_passes_the_nodes_check():
+    """``top_k`` above any vocabulary (the API takes any int ≥ -1, up to 2^64 and past it) keeps every
+    token, so it goes out as 0 (off): sent as is, the nodes' message check (``top_k`` ≤ 2^32) dropped
+    the work and the request waited for a node that never saw it."""
+    from shared import validate
+    from shared.messages import PrefillWork, Sampling
+
+    for k in (2**32 + 1, 2**63, 2**64 - 1, 2**64, 10**30):
+        req = api.parse_completion(msgspec.json.encode({"prompt": "x", "temperature": 1.0, "top_k": k}))[0]
+        sp = api.sampling(req)
+        assert sp == Sampling(temperature=1.0), (k, sp)
+        work = PrefillWork(rid="r1", prompt_tokens=1, max_tokens=1, block_size=16, block_hashes=[], sampling=sp)
+        assert validate.check(msgspec.msgpack.decode(msgspec.msgpack.encode(work), type=PrefillWork)) is None
+    sp = api.sampling(api.parse_completion(msgspec.json.encode({"prompt": "x", "temperature": 1.0, "top_k": 2**32}))[0])
+    assert sp is not None and sp.top_k == 2**32  # the largest the nodes take: sent as is
