@@ -163,6 +163,13 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         float, Meta(gt=0, description="longest hold of a tool-call hint (POST /v1/branches/{id}/tool-call), simulated s")
     ] = 14400.0
 
+    def __post_init__(self) -> None:
+        if self.allow_credentials and "*" in self.allowed_origins:
+            # Starlette's CORS middleware would answer any origin with that origin and
+            # Access-Control-Allow-Credentials: true (a literal * with credentials is refused by
+            # browsers, Fetch standard §3.2.5), so every web page could send a visitor's credentials
+            raise ValueError("allow_credentials with allowed_origins '*' would let any web page send credentialed requests; list the origins")
+
     def policy_options(self) -> dict[str, object]:
         """Every policy knob, for ``make_policy(routing, **options)`` (each policy takes its own)."""
         return {

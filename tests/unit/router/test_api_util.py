@@ -97,12 +97,26 @@ def test_cors_flags_follow_the_config_rules_and_default_to_off():
     cfg = load_config(RouterConfig, [], prog="router", env={})
     assert cfg.allowed_origins == [] and cfg.allowed_methods == ["*"] and cfg.allowed_headers == ["*"] and not cfg.allow_credentials
     cfg = load_config(
-        RouterConfig, ["--allowed-origins", "*,https://app.example:8443", "--allowed-methods", "GET,POST", "--allow-credentials"],
+        RouterConfig, ["--allowed-origins", "https://b.example,https://app.example:8443", "--allowed-methods", "GET,POST", "--allow-credentials"],
         prog="router", env={"EI_ALLOWED_HEADERS": "authorization,content-type"},
     )
-    assert cfg.allowed_origins == ["*", "https://app.example:8443"] and cfg.allowed_methods == ["GET", "POST"]
+    assert cfg.allowed_origins == ["https://b.example", "https://app.example:8443"] and cfg.allowed_methods == ["GET", "POST"]
     assert cfg.allowed_headers == ["authorization", "content-type"] and cfg.allow_credentials
     with pytest.raises(ConfigError, match="allowed_origins"):  # vLLM's JSON-list spelling is refused, not half-read
         load_config(RouterConfig, ["--allowed-origins", '["*"]'], prog="router", env={})
     with pytest.raises(ConfigError, match="allowed_origins"):
         load_config(RouterConfig, ["--allowed-origins", "https://app.example/path"], prog="router", env={})
+
+
+def test_cors_credentials_with_any_origin_is_refused():
+    """``--allow-credentials`` with ``--allowed-origins '*'``: Starlette's middleware answers such a
+    config by echoing every request's Origin with ``Access-Control-Allow-Credentials: true`` (browsers
+    refuse a literal ``*`` with credentials, so it reflects instead), which lets any web page send a
+    visitor's credentials. Refused at start, naming the flags; '*' alone and listed origins with
+    credentials still load."""
+    for argv in (["--allowed-origins", "*", "--allow-credentials"], ["--allowed-origins", "https://a.example,*", "--allow-credentials"]):
+        with pytest.raises(ConfigError, match="allow_credentials"):
+            load_config(RouterConfig, argv, prog="router", env={})
+    assert load_config(RouterConfig, ["--allowed-origins", "*"], prog="router", env={}).allowed_origins == ["*"]
+    cfg = load_config(RouterConfig, ["--allowed-origins", "https://a.example"], prog="router", env={"EI_ALLOW_CREDENTIALS": "1"})
+    assert cfg.allow_credentials
