@@ -1179,7 +1179,12 @@ class RouterService:
                 raise api.ApiError(400, f"cannot tokenize: {e}", param="messages" if isinstance(req, api.TokenizeChatRequest) else "prompt") from e
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
-        strs = [self.tokenizer.decode([t]) for t in ids] if req.return_token_strs else None
+        strs = None
+        if req.return_token_strs:  # one decode per id: 1.2 s for 1M ids (5.5 MB of prompt), off the loop when big
+            def each() -> list[str]:
+                return [self.tokenizer.decode([t]) for t in ids]
+
+            strs = await asyncio.to_thread(each) if big else each()
         return self._json(api.tokenize_response(ids, self.max_model_len, strs))
 
     async def _detokenize(self, request: Request) -> Response:
