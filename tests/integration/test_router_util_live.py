@@ -221,3 +221,35 @@ async def test_token_strs_of_a_big_prompt_are_made_off_the_event_loop(nats_url, 
         assert on_loop == [], f"{len(on_loop)} decodes ran on the event loop"
         small = await env.http.post("/tokenize", json={"prompt": "alpha beta", "return_token_strs": True})
         assert small.json()["token_strs"] == [real.decode([t]) for t in small.json()["tokens"]]
+
+
+async def test_a_chat_with_big_tools_is_rendered_off_the_event_loop(nats_url, tmp_path):
+    """A chat whose ``tools`` are big and contents small (5.9 MB of tools: 0.5 s of rendering and
+    tokenizing) is rendered in a worker thread, on /v1/chat/completions and on /tokenize: the router
+    measured only the messages' contents to decide, so it ran on the event loop."""
+    import threading
+
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        real = env.service.tokenizer
+        loop_thread = threading.get_ident()
+        on_loop: list[str] = []
+
+        class Recording:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def apply_chat_template(self, messages, tools=None):
+                if threading.get_ident() == loop_thread:
+                    on_loop.append("apply_chat_template")
+                return real.apply_chat_template(messages, tools)
+
+        env.service.tokenizer = Recording()
+        tools = [{"type": "function", "function": {"name": f"f{i}", "description": "does a thing " * 10}} for i in range(400)]
+        tok = await env.http.post("/tokenize", json={"messages": USER, "tools": tools})
+        assert tok.status_code == 200, tok.text
+        served = await env.http.post("/v1/chat/completions", json={"messages": USER, "tools": tools, "max_tokens": 1})
+        assert served.status_code == 200, served.text
+        assert tok.json()["count"] == served.json()["usage"]["prompt_tokens"] == len(real.apply_chat_template(USER, tools))
+        assert on_loop == [], on_loop
+        small = await env.http.post("/tokenize", json={"messages": USER})
+        assert small.json()["count"] == len(real.apply_chat_template(USER))
