@@ -1187,17 +1187,21 @@ class RouterService:
         return self._json(api.tokenize_response(ids, self.max_model_len, strs))
 
     async def _detokenize(self, request: Request) -> Response:
-        """``POST /detokenize`` (vLLM's): ``{"prompt": text}`` of ``tokens``, decoded as the router decodes output."""
-        try:
-            req = api.parse_detokenize(await self._read_body(request))
+        """``POST /detokenize`` (vLLM's): ``{"prompt": text}`` of ``tokens``, decoded as the router decodes output.
+        A body over ``_BIG_TEXT`` bytes is parsed, checked and decoded in a worker thread (a 59 MB body of 10M
+        ids: 0.63 s to parse and 0.37 s to check the ids, which ran on the event loop)."""
+
+        def run(body: bytes) -> str:
+            req = api.parse_detokenize(body)
             self._check_model(req.model)
             api.check_token_ids(req.tokens, self.tokenizer.vocab_size)
+            return self.tokenizer.decode(req.tokens)
+
+        try:
+            body = await self._read_body(request)
+            text = await asyncio.to_thread(run, body) if len(body) > _BIG_TEXT else run(body)
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
-        if len(req.tokens) > _BIG_TEXT:
-            text = await asyncio.to_thread(self.tokenizer.decode, req.tokens)
-        else:
-            text = self.tokenizer.decode(req.tokens)
         return self._json({"prompt": text})
 
     def _check_model(self, model: str | None) -> None:
