@@ -290,3 +290,33 @@ async def test_a_big_detokenize_body_is_parsed_and_checked_off_the_event_loop(na
         r = await env.http.post("/detokenize", json={"tokens": [1, 2], "model": "other"})
         assert r.status_code == 404
         assert (await env.http.post("/detokenize", json={"tokens": ids[:3]})).json() == {"prompt": tok.decode(ids[:3])}
+
+
+async def test_a_big_tokenize_body_is_parsed_off_the_event_loop(nats_url, tmp_path, monkeypatch):
+    """/tokenize of a big body is parsed (and tokenized, and its token strings made) in a worker
+    thread, as /detokenize; its parse ran on the loop. The results and the 400 for a bad chat are as before."""
+    import threading
+
+    from services.router import api
+
+    loop_thread = threading.get_ident()
+    on_loop: list[str] = []
+    real_parse = api.parse_tokenize
+
+    def parse(body):
+        if threading.get_ident() == loop_thread:
+            on_loop.append("parse")
+        return real_parse(body)
+
+    monkeypatch.setattr(api, "parse_tokenize", parse)
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        tok = env.service.tokenizer
+        prompt = "alpha beta gamma delta " * 2000
+        r = await env.http.post("/tokenize", json={"prompt": prompt, "return_token_strs": True})
+        assert r.status_code == 200 and r.json()["tokens"] == tok.encode(prompt)
+        assert r.json()["token_strs"] == [tok.decode([t]) for t in tok.encode(prompt)]
+        assert on_loop == [], on_loop
+        r = await env.http.post("/tokenize", json={"messages": USER, "model": "other", "tools": TOOLS * 400})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        r = await env.http.post("/tokenize", json={"prompt": "alpha", "return_token_strs": False})
+        assert r.json()["tokens"] == tok.encode("alpha") and r.json()["token_strs"] is None
