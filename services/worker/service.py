@@ -1002,6 +1002,11 @@ class WorkerService:
         return first.epoch, first.seq, hashes, counts
 
     async def _on_resync(self, req: m.KvResyncRequest, _subject: str) -> m.KvSnapshot:
+        if self._stopped:
+            # leaving: its last batch (or the one stop() is about to publish) is AllBlocksCleared,
+            # and Bus.close drains, so this can run after it; a snapshot of the engine's blocks
+            # would put them back in the directory for good
+            return m.KvSnapshot(node=self.node, seq=self.kv_seq, block_size=self.profile.block_size)
         now = self.clock.now()
         # drain pending events and snapshot in one synchronous step, so the
         # snapshot is exactly the state after batch `seq`

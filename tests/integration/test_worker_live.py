@@ -405,3 +405,38 @@ async def test_a_worker_that_stops_clears_its_blocks_from_the_directory(nats_url
         stop_dir.set()
         await asyncio.wait_for(directory, 10)
         await c.bus.close()
+
+
+async def test_a_resync_answered_while_the_worker_stops_offers_no_blocks(nats_url):
+    """A stopping worker's last KV batch says its blocks are gone (``AllBlocksCleared``); a
+    ``kv.resync`` it answers after that (``Bus.close`` drains: in-flight handlers still run after
+    ``WorkerService.stop``) must agree, or the directory replaces its view of the node with the
+    snapshot and indexes the blocks of a node that left for as long as it runs. Before, the
+    snapshot listed every block the engine still held, at the seq of the clearing batch."""
+    c = await Client.connect(nats_url)
+    held: dict[str, WorkerService] = {}
+
+    def factory(cfg, bus, clock):
+        held["svc"] = WorkerService(cfg, bus, clock)
+        return held["svc"]
+
+    cfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", speedup=10.0, idle_state_interval_s=0.2, iters_flush_s=0.1)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_until_stopped("worker", cfg, factory, instance="worker-w0", stop_event=stop))
+    try:
+        await answering(c.bus, "worker-w0")
+        await c.bus.publish(WORK_PREFILL, prompt("r1", list(range(1, 11)), tail=1, max_tokens=3), node="w0")
+        await until(lambda: c.finished("r1"), what="r1 to finish")
+        svc = held["svc"]
+        live = await svc._on_resync(m.KvResyncRequest(node="w0"), "")
+        assert len(live.gpu) >= 10  # a running node offers its blocks
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        last = c.kv["w0"][-1]
+        assert last.events == [m.AllBlocksCleared()]
+        snap = await svc._on_resync(m.KvResyncRequest(node="w0"), "")
+        assert snap.seq == last.seq and snap.gpu == [] and snap.host == [], (snap.seq, len(snap.gpu), len(snap.host))
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await c.bus.close()
