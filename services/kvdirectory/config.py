@@ -36,6 +36,13 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
         float, Meta(gt=0, description="wall seconds a node may serve (running or waiting work in its node.state) without a "
                     "kv.events batch before its KV view is stale: left out of lookups, one resync asked (issue #22)")
     ] = 10.0
+    forget_node_after_s: Annotated[
+        float,
+        Meta(ge=0, description="wall seconds without a kv.events batch or a node.state from a node (a running worker "
+             "sends a state at least every second) after which the directory drops the node's blocks as an "
+             "AllBlocksCleared would (a worker SIGKILLed and never restarted); a node heard again is resynced; "
+             "checked every --liveness-interval-s; 0 = never"),
+    ] = 300.0
     liveness_interval_s: Annotated[
         float, Meta(gt=0, description="wall seconds between staleness checks and kv.liveness publications")
     ] = 1.0

@@ -258,6 +258,30 @@ class KvDirectory:
         self.counters["kv.stale_resyncs"] += 1
         return True
 
+    def forget_node(self, node: str) -> int:
+        """Forget the KV of a node that went silent (the shell's ``--forget-node-after-s``: a
+        worker SIGKILLed and never restarted sends no ``AllBlocksCleared``): its index entries are
+        dropped exactly as an ``AllBlocksCleared`` of every tier from it drops them (branch counts
+        R[·, node] are kept, as after that event: they belong to the branches, which release them
+        when they end or expire), and its stream awaits a snapshot with its buffer emptied, so a
+        node heard again is resynced, never half-indexed: its later batches are buffered (a
+        restarted one's ``seq`` 1 too) until a ``KvSnapshot`` replaces its presence. Counted
+        ``nodes.forgotten`` and ``nodes.forgotten_copies``. Returns the copies dropped (0 for a
+        node never named). O(blocks of the node) C-level, like ``AllBlocksCleared``."""
+        n = self._ids.get(node)
+        if n is None:
+            return 0
+        dropped = 0
+        for tier, removed in self.index.clear(n, None):
+            self.branches.on_removed(n, tier, removed)
+            dropped += len(removed)
+        st = self._streams[n]
+        st.awaiting = st.needs_snapshot = True
+        st.buffer.clear()
+        self.counters["nodes.forgotten"] += 1
+        self.counters["nodes.forgotten_copies"] += dropped
+        return dropped
+
     def resync_request(self, node: str, reason: str = "sequence gap") -> KvResyncRequest:
         """The ``kv.resync.<node>`` request to send for a node awaiting resync."""
         st = self._streams[self.node_id(node)]

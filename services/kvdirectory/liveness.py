@@ -10,7 +10,12 @@ TensorRT-LLM #14882), and the directory's view of it silently rots. Per node thi
   (idle time does not count: an idle node rightly sends nothing);
 * ``stale``: set by :meth:`KvLiveness.check` once ``silent_s`` exceeds ``stale_after``;
   cleared by the node's next batch. While stale, lookups leave the node out (no prefix
-  credit, no fetch source) and the directory asks it for one resync per stale episode.
+  credit, no fetch source) and the directory asks it for one resync per stale episode;
+* ``last_heard``: when the node last sent anything the directory hears from it (a KV batch
+  or a ``node.state``; a worker publishes a state at least every second while it runs).
+  :meth:`KvLiveness.forget` marks *forgotten* every node unheard for longer than the
+  directory's ``--forget-node-after-s`` (a worker SIGKILLed and never restarted), once; the
+  directory then drops its KV. :meth:`KvLiveness.heard` clears the mark (the node is back).
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ class _Node:
     last_state: float | None = None
     last_batch: float | None = None
     stale: bool = False
+    last_heard: float | None = None
+    """Wall time of the node's last KV batch or state (:meth:`KvLiveness.heard`)."""
+    forgotten: bool = False
+    """Unheard for longer than the forget limit (set by :meth:`KvLiveness.forget`)."""
 
 
 class KvLiveness:
@@ -61,6 +70,31 @@ class KvLiveness:
         if n.serving and n.last_state is not None and now > n.last_state:
             n.silent += now - n.last_state
         n.serving, n.last_state = serving, now
+
+    def heard(self, node: str, now: float) -> bool:
+        """``node`` sent a KV batch or a state at ``now`` (wall s). Returns True when it was
+        forgotten (it is back: its KV must come back whole, by a resync). O(1)."""
+        n = self._nodes.setdefault(node, _Node())
+        was = n.forgotten
+        n.forgotten = False
+        if n.last_heard is None or now > n.last_heard:
+            n.last_heard = now
+        return was
+
+    def forget(self, now: float, after: float) -> list[str]:
+        """Mark forgotten every node not :meth:`heard` for more than ``after`` seconds (> 0) before
+        ``now``; returns those newly forgotten (sorted; once per silence). Nodes never heard are
+        left alone. O(nodes)."""
+        out = []
+        for name, n in sorted(self._nodes.items()):
+            if not n.forgotten and n.last_heard is not None and now - n.last_heard > after:
+                n.forgotten = True
+                out.append(name)
+        return out
+
+    def is_forgotten(self, node: str) -> bool:
+        n = self._nodes.get(node)
+        return n is not None and n.forgotten
 
     def silent_s(self, node: str, now: float) -> float:
         """Seconds ``node`` has served without a KV batch (0 when unknown or just fresh)."""

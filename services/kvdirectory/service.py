@@ -172,7 +172,10 @@ class DirectoryService:
         t0 = time.perf_counter()
         res = self.core.apply_kv_batch(batch, self.clock.now())
         self._ingest_s.observe(time.perf_counter() - t0)
-        if self.liveness.batch(batch.node, time.time()):
+        wall = time.time()
+        if self.liveness.heard(batch.node, wall):  # its batch was buffered: the core awaits a snapshot
+            self._node_back(batch.node)
+        if self.liveness.batch(batch.node, wall):
             self.counters["kv_view.fresh_again"] += 1
             self.log.info("node sends KV events again; its view counts again", node=batch.node)
         if res.mismatched_block_sizes:
@@ -221,7 +224,12 @@ class DirectoryService:
             await self._maybe_flush()
 
     async def _on_state(self, st: m.NodeState, subject: str) -> None:
-        self.liveness.state(st.node, st.running + st.waiting > 0, time.time())
+        wall = time.time()
+        if self.liveness.heard(st.node, wall):
+            self._node_back(st.node)
+            if self.core.awaiting_resync(st.node):  # an idle node holds KV too: ask for it now
+                self._ensure_resync(st.node)
+        self.liveness.state(st.node, st.running + st.waiting > 0, wall)
         if st.node not in self._epoch_told and len(self._epoch_told) < self.cfg.max_nodes:
             # tell the node this process's count epoch now, with no counts: a worker holding counts of
             # a directory that died resets them at once, not at this process's first count change for
@@ -244,12 +252,32 @@ class DirectoryService:
                     )  # fmt: skip
                     if self.core.request_resync(node):
                         self._ensure_resync(node)
+                if self.cfg.forget_node_after_s > 0:
+                    for node in self.liveness.forget(now, self.cfg.forget_node_after_s):
+                        self._forget(node)
                 report = [m.NodeKvLiveness(node=n, silent_s=round(s, 3), last_batch_s=None if b is None else round(b, 3), stale=st)
                           for n, s, b, st in self.liveness.report(now)]  # fmt: skip
                 await self.bus.publish(KV_LIVENESS, m.KvLiveness(nodes=report, stale_after_s=self.cfg.kv_stale_after_s))
             except Exception as e:  # one failed round must not end the checks
                 self.counters["liveness.errors"] += 1
                 self.log.warning("liveness round failed", error=repr(e))
+
+    def _forget(self, node: str) -> None:
+        """``node`` was heard of neither on ``kv.events`` nor on ``node.state`` for
+        ``forget_node_after_s``: drop its KV (``KvDirectory.forget_node``) and stop asking it for
+        a snapshot (a resync task of a dead node retries forever); it is asked again when heard."""
+        dropped = self.core.forget_node(node)
+        t = self._resyncs.pop(node, None)
+        if t is not None and not t.done():
+            t.cancel()
+        self.log.warning(
+            "NODE FORGOTTEN: no KV events and no state for too long; its blocks are dropped from the directory",
+            node=node, silent_for_s=self.cfg.forget_node_after_s, copies_dropped=dropped,
+        )  # fmt: skip
+
+    def _node_back(self, node: str) -> None:
+        self.counters["nodes.returned"] += 1
+        self.log.info("forgotten node heard again; its KV is resynced", node=node)
 
     async def _on_lookup(self, req: m.KvLookupRequest, subject: str) -> m.KvLookupReply:
         if req.block_size != self.core.block_size:

@@ -301,3 +301,60 @@ async def test_forged_sequence_jumps_cause_at_most_one_resync_per_interval(nats_
         await eventually(applied)
         s = await stats(c)
         assert s.gauges["nodes.awaiting_resync"] == 0 and s.counters["kv.batches_beyond_snapshot"] >= 1
+
+
+async def test_a_node_silent_past_forget_node_after_s_is_forgotten_and_resynced_when_back(nats_url):
+    """A worker SIGKILLed for good sends no AllBlocksCleared: the directory drops its blocks after
+    --forget-node-after-s without a batch or a state; a live node (states only) is kept; the
+    forgotten node, heard again (a state), is asked for a snapshot and indexed whole again."""
+    async with running_directory(nats_url, forget_node_after_s=1.0, liveness_interval_s=0.1) as c:
+        asked: list[m.KvResyncRequest] = []
+
+        async def answer(req: m.KvResyncRequest, subject: str) -> m.KvSnapshot:
+            asked.append(req)
+            return m.KvSnapshot(node="w5", seq=1, block_size=BS, gpu=PATH, gpu_parents=[None] + PATH[:-1])
+
+        await c.serve(KV_RESYNC, answer, node="w5")
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w5", seq=1, events=[stored(PATH)]), node="w5")
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w6", seq=1, events=[stored(PATH[:2], "host")]), node="w6")
+        await c.publish(NODE_STATE, m.NodeState(node="w5", ts=1.0), node="w5")
+
+        async def indexed():
+            return {p.node: p.local_blocks for p in (await lookup(c, PATH)).nodes} == {"w5": 6, "w6": 2}
+
+        await eventually(indexed)
+        t0 = asyncio.get_running_loop().time()
+
+        async def forgotten():  # w6 stays heard (a state every 0.2 s), w5 says nothing
+            await c.publish(NODE_STATE, m.NodeState(node="w6", ts=1.0), node="w6")
+            return (await stats(c)).counters.get("nodes.forgotten", 0) >= 1
+
+        await eventually(forgotten, timeout=10.0)
+        assert asyncio.get_running_loop().time() - t0 > 0.8  # not before the limit (1 s since w5's state)
+        s = await stats(c)
+        assert s.counters["nodes.forgotten"] == 1 and s.counters["nodes.forgotten_copies"] == 6
+        assert s.gauges["copies.gpu"] == 0 and s.gauges["copies.host"] == 2
+        r = await lookup(c, PATH)
+        assert {p.node: p.local_blocks for p in r.nodes} == {"w6": 2} and r.longest_any == 2
+        assert asked == []  # no resync asked of a silent node
+
+        await c.publish(NODE_STATE, m.NodeState(node="w5", ts=2.0), node="w5")  # back, idle, KV intact
+        await eventually(indexed)
+        s = await stats(c)
+        assert len(asked) == 1 and s.counters["nodes.returned"] == 1 and s.counters["kv.resyncs"] == 1
+        assert s.gauges["nodes.awaiting_resync"] == 0 and s.gauges["copies.gpu"] == 6
+        # and its stream goes on from the snapshot's seq
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w5", seq=2, events=[m.BlockRemoved(block_hashes=PATH[4:], tier="gpu")]), node="w5")
+
+        async def applied():
+            return (await lookup(c, PATH)).nodes[0].gpu_blocks == 4
+
+        await eventually(applied)
+
+
+def test_forget_node_after_s_flag():
+    from shared.config import load_config
+
+    assert DirectoryConfig().forget_node_after_s == 300.0
+    cfg = load_config(DirectoryConfig, ["--forget-node-after-s", "0"], prog="kvdirectory", env={})
+    assert cfg.forget_node_after_s == 0.0

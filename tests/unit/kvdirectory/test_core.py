@@ -644,3 +644,44 @@ def test_count_snapshot_is_what_the_messages_up_to_its_seq_net_to():
         elif step == 1:
             d.place("b", "p0", "prefill", [P[0], 99], 3.0)  # a version bump: P[1:6] released
     assert d.count_snapshot("p0") == ([P[0], 99], [1, 1], seq)
+
+
+def test_forget_node_drops_its_blocks_like_all_blocks_cleared_and_a_returning_node_is_resynced():
+    def cluster():
+        d = KvDirectory(BS, keep_counted_copies=True)
+        f = Feed(d)
+        f.send("w0", st(P[:6]), st(P[:6], "host"))
+        f.send("w1", st(P[:3], "host"))
+        d.branch_start("b", 1.0)
+        d.place("b", "w0", "both", P[:6], 1.0)
+        return d, f
+
+    d, f = cluster()
+    ref, rf = cluster()
+    rf.send("w0", AllBlocksCleared())  # what a SIGTERMed worker sends; a SIGKILLed one sends nothing
+    assert d.forget_node("w0") == 12 and d.forget_node("nobody") == 0
+    lk, rk = d.lookup(P), ref.lookup(P)
+    assert lk.node("w0") == rk.node("w0") and lk.node("w0").local_blocks == 0
+    assert lk.node("w1").host_blocks == 3  # other nodes untouched
+    g, rg = d.gauges(), ref.gauges()
+    for k in ("blocks.indexed", "copies.gpu", "copies.host", "copies.gpu.positive_count", "copies.host.positive_count", "counts.entries"):
+        assert g[k] == rg[k], k
+    assert counts(d, "w0", P[:6]) == counts(ref, "w0", P[:6]) == [1] * 6  # R is the branches': kept
+    assert d.counters["nodes.forgotten"] == 1 and d.counters["nodes.forgotten_copies"] == 12
+    assert d.awaiting_resync("w0") and not d.awaiting_resync("w1")
+
+    # the same process comes back (a long pause, a partition): its next batch is not applied on an
+    # empty view (half-indexed) but buffered until a snapshot of its true KV arrives
+    r = f.send("w0", st(P[6:8]))
+    assert r.status == "buffered" and r.need_resync and d.lookup(P).node("w0").local_blocks == 0
+    r = d.apply_snapshot(KvSnapshot(node="w0", seq=f.seq["w0"] - 1, block_size=BS, gpu=P[:6], gpu_parents=[None] + P[:5]), 2.0)
+    assert r.status == "resynced" and not r.need_resync and not d.awaiting_resync("w0")
+    assert d.lookup(P).node("w0").gpu_blocks == 8  # snapshot + the buffered batch after it
+    assert f.send("w0", st(P[8:9])).status == "applied" and d.lookup(P).node("w0").gpu_blocks == 9
+
+    # a restarted worker (seq back to 1, newer ts) after being forgotten: resynced as well
+    d.forget_node("w1")
+    r = d.apply_kv_batch(KvEventBatch(node="w1", seq=1, ts=5.0, events=[AllBlocksCleared()]), 5.0)
+    assert r.need_resync and d.awaiting_resync("w1")
+    d.apply_snapshot(KvSnapshot(node="w1", seq=1, block_size=BS, host=P[:2], host_parents=[None, P[0]]), 5.0)
+    assert not d.awaiting_resync("w1") and d.lookup(P).node("w1").host_blocks == 2

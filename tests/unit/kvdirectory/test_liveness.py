@@ -45,3 +45,17 @@ def test_a_stale_node_gets_one_resync_request():
     assert d.request_resync("w9")  # never heard of on kv.events: registered and asked
     assert d.awaiting_resync("w9") and not d.request_resync("w9")
     assert d.resync_request("w9").node == "w9"
+
+
+def test_a_node_unheard_for_the_forget_limit_is_forgotten_once_and_back_when_heard():
+    lv = KvLiveness(stale_after=2.0)
+    lv.heard("w0", 0.0)
+    lv.heard("w1", 0.0)
+    lv.heard("w1", 250.0)  # a state or a batch: any of them keeps a node known
+    assert lv.forget(300.0, 300.0) == []  # not before the limit
+    assert lv.forget(300.5, 300.0) == ["w0"] and lv.is_forgotten("w0") and not lv.is_forgotten("w1")
+    assert lv.forget(1000.0, 300.0) == ["w1"]  # w0 once per silence
+    assert lv.heard("w0", 1001.0) and not lv.is_forgotten("w0")  # back
+    assert not lv.heard("w0", 1002.0)
+    assert lv.forget(1302.0, 300.0) == [] and lv.forget(1302.5, 300.0) == ["w0"]
+    assert lv.forget(10_000.0, 300.0) == [] and not lv.is_forgotten("never-heard")
