@@ -27,7 +27,7 @@ from shared.messages import PrefillWork, Sampling  # noqa: E402
 from shared.profile import load_profile  # noqa: E402
 from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
-from services.worker.engines.torch_engine.sampling import position_seed, sample  # noqa: E402
+from services.worker.engines.torch_engine.sampling import sample, splitmix64, uniform, uniforms  # noqa: E402
 
 V = 50
 
@@ -111,9 +111,43 @@ def test_a_rows_token_does_not_depend_on_the_batch():
     assert shuffled == [whole[i] for i in perm]
 
 
-def test_position_seed_spreads_and_takes_negative_seeds():
-    seeds = {position_seed(s, i) for s in range(-5, 5) for i in range(100)}
-    assert len(seeds) == 1000 and all(0 <= z < 2**64 for z in seeds)
+def test_splitmix64_and_uniform_match_the_reference_generator():
+    """Outputs of Vigna's ``splitmix64.c`` ``next()`` (compiled and run from states 0, 1, 1234 and
+    2^64-1: the i-th call's value); the uniform is its top 24 bits / 2^24 (0xE220A8 = 14819496)."""
+    ref = {
+        (0, 0): (0xE220A8397B1DCDAF, 14819496 / 2**24),
+        (0, 1): (0x6E789E6AA1B965F4, 7239838 / 2**24),
+        (0, 2): (0x06C45D188009454F, 443485 / 2**24),
+        (1, 0): (0x910A2DEC89025CC1, 9505325 / 2**24),
+        (1234, 2): (0x33BEFAE49BC025DA, 3391226 / 2**24),
+        (2**64 - 1, 1): (0xE99FF867DBF682C9, 15310840 / 2**24),
+    }
+    for (seed, i), (z, u) in ref.items():
+        assert splitmix64(seed, i) == z and uniform(seed, i) == u
+    assert splitmix64(-1, 1) == splitmix64(2**64 - 1, 1) == splitmix64(2**65 - 1, 1)  # mod 2^64
+    vals = {uniform(s, i) for s in range(-5, 5) for i in range(100)}
+    assert len(vals) > 990 and all(0.0 <= v < 1.0 and v * 2**24 == int(v * 2**24) for v in vals)
+    assert uniform(0, 0) == 0.8833107948303223 and float(torch.tensor(uniform(0, 0), dtype=torch.float32)) == uniform(0, 0)
+
+
+def test_uniforms_are_the_same_bits_on_any_device_and_for_any_logits_dtype():
+    seeds, pos = [0, 7, -3, 2**63 + 5, 1234], [0, 1, 99, 4, 2]
+    want = [uniform(s, p) for s, p in zip(seeds, pos)]
+    devices = [None, "cpu", torch.device("cpu")] + (["cuda"] if torch.cuda.is_available() else [])
+    for dev in devices:
+        u = uniforms(seeds, pos, dev)
+        assert u.dtype == torch.float32 and tuple(u.shape) == (5, 1)
+        assert u[:, 0].cpu().tolist() == want, dev
+    assert tuple(uniforms([], [], "cpu").shape) == (0, 1)
+    # logits exactly representable in bfloat16: every dtype gives the same float32 row, so the same tokens
+    x = (torch.randint(-16, 16, (5, V), generator=torch.Generator().manual_seed(4)) / 4.0).float()
+    params = [
+        Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=8), Sampling(temperature=1.3, min_p=0.05),
+        Sampling(temperature=1.0, top_p=0.9), None,
+    ]  # fmt: skip
+    ref = sample(x, params, seeds, pos)
+    for dt in (torch.float64, torch.float16, torch.bfloat16):
+        assert sample(x.to(dt), params, seeds, pos) == ref, dt
 
 
 # --------------------------------------------------------------------------- #
@@ -195,7 +229,7 @@ def test_greedy_params_equal_no_params_and_stop_token_ids_end_the_request(model)
 def test_a_seeded_continuation_after_a_redispatch_continues_the_same_sequence(model):
     """A re-dispatch after a dead decode node sends prompt + the k tokens the client has as the new
     prompt with ``output_offset`` k (``services/router/faults.continuation``): position k onward is
-    drawn with the same (seed, position) generators, so the stream goes on as if nothing happened."""
+    drawn with the same (seed, position) uniforms, so the stream goes on as if nothing happened."""
     prompt = _prompt(8)
     sp = Sampling(temperature=1.1, top_p=0.95, seed=77)
     node = LocalNode("a", PROFILE, model)

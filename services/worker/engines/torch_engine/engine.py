@@ -34,8 +34,9 @@ Sampling per request (``PrefillWork.sampling`` / ``DecodeWork.sampling``,
 :mod:`.sampling`): greedy (argmax, the default and a temperature below 1e-5) or
 temperature / ``top_k`` / ``top_p`` / ``min_p`` sampling, every row of one decode
 step with its own parameters; with a ``seed`` the token at output position i is
-drawn from a generator seeded with (seed, i), so it does not depend on the batch or
-on the node that samples it (see :mod:`.sampling` for the limits). One output token
+drawn with a uniform hashed on the host from (seed, i) (SplitMix64, the same bits on
+every device), so it does not depend on the batch or on the node that samples it
+(see :mod:`.sampling` for the limits). One output token
 per decode iteration, so the profile must have ``tokens_per_forward ==
 accepted_per_iteration == 1``. A request ends at the model's end-of-sequence token
 (``generation_config.json``'s ``eos_token_id``, else ``config.json``'s) unless it
