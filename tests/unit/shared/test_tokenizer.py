@@ -177,3 +177,99 @@ def test_output_vocabulary_of_a_word_level_tokenizer(tmp_path):
     tok = load_tokenizer(f"hf:{tmp_path}")
     assert output_vocabulary(tok) == [2, 3, 4, 5]  # the words; not [UNK], <s>, ':' or '!'
     assert tok.encode(tok.decode([5, 2, 2, 4])) == [1, 5, 2, 2, 4]
+
+
+_SAME_TEXTS = [
+    "",
+    " ",
+    "a",
+    "\n\n\t  \n",
+    TEXT,
+    "ünïcödé 日本語の文章 🙂👩‍👩‍👧 ÅÅ e\u0301 \u200b zero-width",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><|endoftext|>x<|im_end|>",
+    "<s> hello world <s>!",
+]
+
+
+def _hf_tokenizers(tmp_path: Path) -> list[HFTokenizer]:
+    """The byte-level BPE the router tests use and the word-level one whose post-processor adds ``<s>``."""
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    (tmp_path / "wl").mkdir()
+    _write_wordlevel_tokenizer(tmp_path / "wl", None)
+    toks = [load_tokenizer(f"hf:{write_bpe_tokenizer(tmp_path / 'bpe')}"), load_tokenizer(f"hf:{tmp_path / 'wl'}")]
+    assert all(isinstance(t, HFTokenizer) for t in toks)
+    return toks  # type: ignore[return-value]
+
+
+def test_hf_batch_calls_give_the_plain_calls_ids_and_text(tmp_path):
+    """HFTokenizer encodes/decodes long inputs through ``encode_batch_fast`` / ``decode_batch`` (they release
+    the GIL): the same ids and text as ``encode`` / ``decode``, special tokens added or not, skipped or not."""
+    pytest.importorskip("tokenizers")
+    from shared.tokenizer import _GIL_FREE_CHARS
+
+    for tok in _hf_tokenizers(tmp_path):
+        raw = tok._tok
+        long = "".join(_SAME_TEXTS) * (2 * _GIL_FREE_CHARS // len("".join(_SAME_TEXTS)) + 1)
+        assert len(long) > _GIL_FREE_CHARS
+        for text in [*_SAME_TEXTS, long, long[:_GIL_FREE_CHARS], long[: _GIL_FREE_CHARS + 1]]:
+            for add in (True, False):
+                plain = raw.encode(text, add_special_tokens=add).ids
+                assert raw.encode_batch([text], add_special_tokens=add)[0].ids == plain
+                if hasattr(raw, "encode_batch_fast"):
+                    assert raw.encode_batch_fast([text], add_special_tokens=add)[0].ids == plain
+                assert tok._encode(text, add) == plain
+            ids = raw.encode(text, add_special_tokens=True).ids
+            assert tok.encode(text) == ids
+            for skip in (True, False):
+                assert raw.decode_batch([ids], skip_special_tokens=skip)[0] == raw.decode(ids, skip_special_tokens=skip)
+            assert tok.decode(ids) == raw.decode(ids, skip_special_tokens=True)
+            assert tok.decode(tuple(ids)) == tok.decode(ids)
+        chat = [{"role": "user", "content": long}, {"role": "assistant", "content": "hello <|im_end|> world"}]
+        assert len(tok.apply_chat_template(chat)) > 100
+
+
+def _longest_stall_s(work, *args) -> tuple[float, float]:
+    """``work(*args)`` in another thread while this one wakes every 1 ms: (longest wait between wakes, call's wall s)."""
+    import threading
+    import time
+
+    done = threading.Event()
+    wall = [0.0]
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        work(*args)
+        wall[0] = time.perf_counter() - t0
+        done.set()
+
+    th = threading.Thread(target=run)
+    last = time.perf_counter()
+    longest = 0.0
+    th.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        now = time.perf_counter()
+        longest = max(longest, now - last)
+        last = now
+    th.join()
+    return longest, wall[0]
+
+
+def test_hf_encode_and_decode_of_a_big_text_let_other_threads_run(tmp_path):
+    """The router encodes a big prompt in a worker thread so the event loop keeps serving streams; that only
+    helps if the tokenizer releases the GIL. ``Tokenizer.encode`` / ``decode`` hold it for the whole call (the
+    waker above waits the full call, ~1 s here); the batch calls do not (longest wait: tens of ms). Margins are
+    wide for a loaded box: the longest wait must be under half the call."""
+    pytest.importorskip("tokenizers")
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    tok = load_tokenizer(f"hf:{write_bpe_tokenizer(tmp_path)}")
+    base = (REPO / "README.md").read_text() + " ünïcödé 日本語 🙂 <|im_end|> "
+    big = base * (1_500_000 // len(base) + 1)  # ~1.5M characters
+    stall, wall = _longest_stall_s(tok.encode, big)
+    assert wall > 0.05 and stall < 0.5 * wall, (stall, wall)
+    ids = tok.encode(big) * 4  # ~1.7M ids
+    stall, wall = _longest_stall_s(tok.decode, ids)
+    assert wall > 0.05 and stall < 0.5 * wall, (stall, wall)
