@@ -273,3 +273,27 @@ def test_hf_encode_and_decode_of_a_big_text_let_other_threads_run(tmp_path):
     ids = tok.encode(big) * 4  # ~1.7M ids
     stall, wall = _longest_stall_s(tok.decode, ids)
     assert wall > 0.05 and stall < 0.5 * wall, (stall, wall)
+
+
+def test_hf_encode_falls_back_to_encode_batch_before_tokenizers_0_21(tmp_path):
+    """``encode_batch_fast`` came in ``tokenizers`` 0.21 (the 'hf' extra allows >=0.15): without it, ``encode_batch``."""
+    pytest.importorskip("tokenizers")
+    from shared.tokenizer import _GIL_FREE_CHARS
+
+    tok = _hf_tokenizers(tmp_path)[0]
+    raw = tok._tok
+    calls: list[str] = []
+
+    class Old:
+        def encode(self, *a, **k):
+            calls.append("encode")
+            return raw.encode(*a, **k)
+
+        def encode_batch(self, *a, **k):
+            calls.append("encode_batch")
+            return raw.encode_batch(*a, **k)
+
+    text = TEXT * (_GIL_FREE_CHARS // len(TEXT) + 1)
+    tok._tok = Old()
+    assert tok.encode(text) == raw.encode(text).ids and calls == ["encode_batch"]
+    assert tok.encode(TEXT) == raw.encode(TEXT).ids and calls == ["encode_batch", "encode"]
