@@ -580,11 +580,27 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     """Token ids that end the request (``finish_reason`` ``stop``; ``ignore_eos`` does not
     apply to them, as in vLLM); the token is part of the output, its text is not shown."""
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    """vLLM / OpenAI: subtracted from the logit of every token already in the request's output
+    (the client's output: a re-dispatch's earlier output counts); 0 = off."""
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    """vLLM / OpenAI: subtracted × the token's count in the output so far; 0 = off."""
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    """vLLM (CTRL, Keskar et al. 2019): the logit of a token in the prompt or the output is
+    divided by it when positive, multiplied when not; 1 = off."""
+    min_tokens: NonNeg = 0
+    """vLLM: the model's EOS token(s) and ``stop_token_ids`` are masked (logit -inf) while the
+    client's output is shorter than this; 0 = off."""
 
     @property
     def greedy(self) -> bool:
         """Argmax decoding (temperature below 1e-5)."""
         return self.temperature < 1e-5
+
+    @property
+    def penalized(self) -> bool:
+        """Any of ``presence_penalty`` / ``frequency_penalty`` / ``repetition_penalty`` is on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 class PrefillWork(Msg, frozen=True, kw_only=True):

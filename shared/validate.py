@@ -70,6 +70,11 @@ MAX_TEMPERATURE = 100.0
 """Largest sampling temperature a work may carry (the router's API allows [0, 2]; vLLM has no bound)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Most ``Sampling.stop_token_ids`` of one request."""
+MAX_REPETITION_PENALTY = 100.0
+"""Largest ``Sampling.repetition_penalty`` a work may carry (vLLM: > 0, no upper bound; the
+router's API takes (0, this])."""
+MAX_MIN_TOKENS = 2**32
+"""Bound of ``Sampling.min_tokens`` (the router's API takes at most ``max_tokens``)."""
 
 _TOKEN = re.compile(r"[A-Za-z0-9_\-]{1,128}\Z")  # \Z: "$" would let a trailing newline through
 
@@ -421,6 +426,13 @@ def _sampling(sp: m.Sampling | None) -> None:
     _len(sp.stop_token_ids, "sampling.stop_token_ids", MAX_STOP_TOKEN_IDS)
     if sp.stop_token_ids and (min(sp.stop_token_ids) < 0 or max(sp.stop_token_ids) >= 2**32):
         raise Invalid("a sampling.stop_token_ids id is outside [0, 2^32)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(sp, name)
+        if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+            raise Invalid(f"sampling.{name}={v!r} is not finite in [-2, 2]")
+    if not (math.isfinite(sp.repetition_penalty) and 0.0 < sp.repetition_penalty <= MAX_REPETITION_PENALTY):
+        raise Invalid(f"sampling.repetition_penalty={sp.repetition_penalty!r} is not finite in (0, {MAX_REPETITION_PENALTY:g}]")
+    _int(sp.min_tokens, "sampling.min_tokens", MAX_MIN_TOKENS)
 
 
 def _owner(attempt: int, output_offset: int, router: str) -> None:

@@ -9,13 +9,14 @@ Sampling fields (:func:`sampling`). Sent to the nodes in
 :class:`~shared.messages.Sampling` and applied by the ``torch`` engine:
 ``temperature`` [0, 2] (0 = greedy, the default), ``top_p`` (0, 1], ``top_k``
 (-1 or 0 = off, else ≥ 1, as vLLM), ``min_p`` [0, 1], ``seed`` (int64),
-``stop_token_ids``; ``ignore_eos``. ``stop`` (a string or a list of at most
+``stop_token_ids``; ``ignore_eos``; ``presence_penalty`` / ``frequency_penalty``
+[-2, 2], ``repetition_penalty`` (0, 100] (1 = off) and ``min_tokens`` (≥ 0, at most an
+explicit ``max_tokens``; vLLM's extras). ``stop`` (a string or a list of at most
 :data:`MAX_STOP` non-empty strings of at most :data:`MAX_STOP_LEN` characters)
 is applied by the router where it detokenizes (``services.router.stops``), for
 every engine. The ``sim`` engine has no real tokens: it accepts the sampling
 parameters and ignores them (always ``max_tokens`` tokens, unless the router ends
 the text at a stop string or stop token id). *Accepted, validated and ignored*:
-``presence_penalty``/``frequency_penalty`` [-2, 2], ``repetition_penalty``,
 ``logit_bias``, ``user``, ``response_format``, ``tool_choice``,
 ``parallel_tool_calls``, ``skip_special_tokens``. ``tools`` are rendered into
 the chat prompt. Rejected with 400 because they would change the response
@@ -57,6 +58,10 @@ MAX_STOP_LEN = 1024
 """Longest stop string, characters (the router holds back that much streamed text)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Most ``stop_token_ids`` of one request (``shared.validate.MAX_STOP_TOKEN_IDS``)."""
+MAX_REPETITION_PENALTY = 100.0
+"""Largest ``repetition_penalty`` (``shared.validate.MAX_REPETITION_PENALTY``; vLLM: > 0, unbounded)."""
+MAX_MIN_TOKENS = 2**32
+"""Largest ``min_tokens`` (``shared.validate.MAX_MIN_TOKENS``)."""
 MAX_TOP_K = 2**32
 """Largest ``top_k`` sent to the nodes (``shared.validate`` bound); a larger one is sent as 0 (off)."""
 
@@ -120,7 +125,8 @@ class _Sampling(Struct, kw_only=True):
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_MIN_TOKENS)] | None = None
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -221,6 +227,9 @@ def _check_common(req: _Sampling) -> None:
         raise ApiError(400, f"a stop string is longer than {MAX_STOP_LEN} characters", param="stop")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    max_tokens = getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
+    if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})", param="min_tokens")
 
 
 def stop_strings(req: _Sampling) -> list[str]:
@@ -235,7 +244,7 @@ def stop_strings(req: _Sampling) -> list[str]:
 
 def sampling(req: _Sampling) -> Sampling | None:
     """The :class:`~shared.messages.Sampling` the nodes get for ``req`` (None: greedy with no
-    stop token ids, the default, sent as nothing; ``top_*`` / ``seed`` do not change greedy). Unset fields take vLLM's defaults except
+    stop token ids, penalties or ``min_tokens``, the default, sent as nothing; ``top_*`` / ``seed`` do not change greedy). Unset fields take vLLM's defaults except
     ``temperature``: unset = 0 (greedy; vLLM's OpenAI server takes the model's
     ``generation_config`` default, 1.0 without one) so a request that says nothing gets today's
     deterministic output. ``top_k`` -1 and 0 are both off (0 on the wire), and so is one above
@@ -249,8 +258,12 @@ def sampling(req: _Sampling) -> Sampling | None:
         min_p=req.min_p or 0.0,
         seed=req.seed,
         stop_token_ids=list(dict.fromkeys(req.stop_token_ids or ())),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_tokens=req.min_tokens or 0,
     )
-    return None if sp.greedy and not sp.stop_token_ids else sp
+    return None if sp.greedy and not sp.stop_token_ids and not sp.penalized and not sp.min_tokens else sp
 
 
 def _bounded_nesting(fn: Callable[..., _T]) -> Callable[..., _T]:

@@ -36,7 +36,9 @@ temperature / ``top_k`` / ``top_p`` / ``min_p`` sampling, every row of one decod
 step with its own parameters; with a ``seed`` the token at output position i is
 drawn with a uniform hashed on the host from (seed, i) (SplitMix64, the same bits on
 every device), so it does not depend on the batch or on the node that samples it
-(see :mod:`.sampling` for the limits). One output token
+(see :mod:`.sampling` for the limits); ``presence_penalty`` / ``frequency_penalty`` /
+``repetition_penalty`` / ``min_tokens`` rewrite a request's logits first, from counts kept
+per request (:class:`.sampling.TokenStats`, updated with each token). One output token
 per decode iteration, so the profile must have ``tokens_per_forward ==
 accepted_per_iteration == 1``. A request ends at the model's end-of-sequence token
 (``generation_config.json``'s ``eos_token_id``, else ``config.json``'s) unless it
@@ -63,7 +65,7 @@ from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, DecodeW
 from shared.profile import Profile
 from services.worker.engines.base import Engine
 from services.worker.engines.torch_engine.model import ModelConfigError, PagedDecoder, SeqBatch, int64_tensor
-from services.worker.engines.torch_engine.sampling import is_greedy, sample
+from services.worker.engines.torch_engine.sampling import TokenStats, is_greedy, sample, token_stats
 from services.worker.plan import IterationPlan
 
 
@@ -141,6 +143,8 @@ class _Seq:
     """Seed of the request's draws: ``sampling.seed``, else a random 64-bit one (sampled requests)."""
     stop_ids: frozenset[int] = frozenset()
     """``sampling.stop_token_ids``: the request ends at any of them."""
+    stats: TokenStats | None = None
+    """Penalty counts / ``min_tokens`` state (:func:`.sampling.token_stats`); None = neither set."""
 
 
 def _seq(prompt: list[int], sp: Sampling | None, **kw: Any) -> _Seq:
@@ -263,7 +267,8 @@ class TorchEngine(Engine):
         err = self.context_error(work.prompt_tokens, work.max_tokens)
         if err:
             raise ValueError(err)
-        self.seqs[work.rid] = _seq(ids, work.sampling, offset=work.output_offset, ignore_eos=work.ignore_eos)
+        self.seqs[work.rid] = s = _seq(ids, work.sampling, offset=work.output_offset, ignore_eos=work.ignore_eos)
+        s.stats = token_stats(work.sampling, ids, (), work.output_offset, self.eos, self.cfg.vocab_size, self.device)
 
     @_locked
     def accept_decode(self, work: DecodeWork) -> None:
@@ -289,6 +294,7 @@ class TorchEngine(Engine):
         raw = torch.frombuffer(bytearray(work.kv), dtype=torch.uint8)
         kv = raw.view(self.host.dtype).reshape(pages, *self.host.shape[1:])
         s = _seq(ids, work.sampling, out=list(work.output_ids), offset=work.output_offset, ignore_eos=work.ignore_eos)
+        s.stats = token_stats(work.sampling, ids, s.out, work.output_offset, self.eos, self.cfg.vocab_size, self.device)
         s.incoming = {i: kv[i] for i in range(pages)}
         s.path = list(work.block_hashes)
         for i, h in enumerate(work.block_hashes):
@@ -643,10 +649,13 @@ class TorchEngine(Engine):
             nxt = logits.argmax(dim=-1).tolist()
         else:
             nxt = sample(
-                logits, [s.sampling for _, s in rows_s], [s.seed for _, s in rows_s], [s.offset + len(s.out) for _, s in rows_s]
-            )
+                logits, [s.sampling for _, s in rows_s], [s.seed for _, s in rows_s], [s.offset + len(s.out) for _, s in rows_s],
+                [s.stats for _, s in rows_s],
+            )  # fmt: skip
         for (rid, s), t in zip(rows_s, nxt):
             s.out.append(t)
+            if s.stats is not None:
+                s.stats.add(t)
             if (t in self.eos and not s.ignore_eos) or t in s.stop_ids:
                 self._stopped[rid] = len(s.out)
         self._count("forwards")

@@ -17,6 +17,31 @@ its own request's :class:`~shared.messages.Sampling`:
   (temperature, top-k, top-p, min-p); ties in the sort keep vocabulary order, so
   ``top_k=1`` or a tiny ``top_p`` returns the argmax (first maximum), like greedy.
 
+Penalties and ``min_tokens`` (vLLM's ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``min_tokens``). A request that sets any of them gets a
+:class:`TokenStats` (``token_stats``; None otherwise) and :func:`sample` first rewrites the
+rows that have one, in float32, in vLLM's order (``vllm/model_executor/layers/utils.py``
+``apply_penalties``, the v1 ``MinTokensLogitsProcessor``), before greedy's argmax and before
+temperature / top-k / top-p / min-p:
+
+* ``min_tokens``: while the client's output is shorter (its output position < ``min_tokens``)
+  the model's EOS ids and the request's ``stop_token_ids`` get -inf (vLLM masks its
+  ``all_stop_token_ids``: EOS also under ``ignore_eos``, where it does not end the request anyway);
+* ``repetition_penalty`` r: a token in the prompt or the output has its logit divided by r
+  when positive, multiplied by r otherwise (vLLM's ``torch.where(logits > 0, logits / r,
+  logits * r)``; its newer custom op multiplies by ``1 / r``, which can differ in the last bit);
+* ``frequency_penalty`` f, ``presence_penalty`` p (OpenAI's definition): logit −= f × the
+  token's count in the output, then −= p × (count > 0).
+
+"The output" is the client's: a re-dispatched request (``output_offset`` k) carries its
+first k output tokens as the last k tokens of its prompt, and they count as output, as they
+would have on the node that died. The per-request counts (``[V]`` float32) and the
+prompt-or-output mask (``[V]`` bool) live on the logits' device, built once when the request
+arrives and updated by :meth:`TokenStats.add` with each new token (2 indexed writes), not
+recomputed from the output: ~5 bytes × vocabulary per penalized request (0.76 MB at 152k).
+Rows without a :class:`TokenStats` are not touched: their logits are the same values (a
+float32 copy, exact), so a greedy row without penalties is still the same argmax.
+
 Determinism. The token at output position ``i`` (the client's position: a re-dispatched
 request's ``output_offset`` counts) is drawn with the uniform :func:`uniform` (``seed``, ``i``):
 the ``i``-th output of SplitMix64 seeded ``seed``, computed on the host in plain Python
@@ -52,7 +77,7 @@ whole 32-row step 103 ms against 77 ms.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -107,7 +132,88 @@ def is_greedy(sp: Sampling | None) -> bool:
     return sp is None or sp.temperature < SAMPLING_EPS
 
 
-def sample(logits: torch.Tensor, params: Sequence[Sampling | None], seeds: Sequence[int], positions: Sequence[int]) -> list[int]:
+class TokenStats:
+    """One request's token statistics for its penalties and ``min_tokens`` (see the module
+    docstring), on the logits' device.
+
+    Attributes:
+        counts: ``[V]`` float32, each token's count in the client's output so far; None when
+            the request sets no penalty (``min_tokens`` only).
+        seen: ``[V]`` bool, the token is in the prompt or the output; None likewise.
+        min_tokens: ``Sampling.min_tokens``.
+        min_stop: ids masked while the output is shorter than ``min_tokens`` (EOS ids ∪
+            ``stop_token_ids``, those inside the vocabulary), a ``[n]`` int64 tensor.
+    """
+
+    __slots__ = ("counts", "seen", "min_tokens", "min_stop")
+
+    def __init__(self, counts: torch.Tensor | None, seen: torch.Tensor | None, min_tokens: int, min_stop: torch.Tensor) -> None:
+        self.counts = counts
+        self.seen = seen
+        self.min_tokens = min_tokens
+        self.min_stop = min_stop
+
+    def add(self, token: int) -> None:
+        """Count ``token`` as the request's next output token (O(1) on the device)."""
+        if self.counts is not None and self.seen is not None:
+            self.counts[token] += 1.0
+            self.seen[token] = True
+
+
+def token_stats(
+    sp: Sampling | None, prompt: Sequence[int], out: Sequence[int], offset: int, eos: Collection[int], vocab: int, device: torch.device | str
+) -> TokenStats | None:
+    """The :class:`TokenStats` of a request arriving with ``prompt`` and output ``out`` (a
+    hand-off's first token(s)), ``offset`` = its ``output_offset`` (the last ``offset`` prompt
+    tokens are earlier output of a re-dispatch); None when ``sp`` sets no penalty and no
+    ``min_tokens`` (nothing to do). ``eos``: the model's end-of-sequence ids. O(prompt + out), once."""
+    if sp is None or not (sp.penalized or sp.min_tokens > 0):
+        return None
+    counts = seen = None
+    if sp.penalized:
+        prev = list(prompt[len(prompt) - offset :]) if offset else []
+        outs = torch.tensor(prev + list(out), dtype=torch.int64, device=device)
+        counts = torch.bincount(outs, minlength=vocab).to(torch.float32) if outs.numel() else torch.zeros(vocab, dtype=torch.float32, device=device)
+        seen = counts > 0
+        if len(prompt):
+            seen[torch.tensor(list(prompt), dtype=torch.int64, device=device)] = True
+    stop = sorted(t for t in set(eos) | set(sp.stop_token_ids) if 0 <= t < vocab) if sp.min_tokens > 0 else []
+    return TokenStats(counts, seen, sp.min_tokens, torch.tensor(stop, dtype=torch.int64, device=device))
+
+
+def penalize(logits: torch.Tensor, stats: Sequence[TokenStats | None], params: Sequence[Sampling | None], positions: Sequence[int]) -> torch.Tensor:
+    """A float32 copy of ``logits`` ``[R, V]`` with each row that has a :class:`TokenStats`
+    rewritten by its ``min_tokens`` mask and penalties (module docstring); the other rows are
+    the same values. ``positions``: the rows' client output positions (= output length so far)."""
+    x = logits.to(torch.float32, copy=True)
+    dev = x.device
+    pen = [i for i, st in enumerate(stats) if st is not None and st.counts is not None]
+    if pen:
+        sps = [params[i] for i in pen]
+        counts = torch.stack([stats[i].counts for i in pen])  # type: ignore[union-attr,misc]
+        seen = torch.stack([stats[i].seen for i in pen])  # type: ignore[union-attr,misc]
+        rep = torch.tensor([sp.repetition_penalty for sp in sps], dtype=torch.float32, device=dev)[:, None]  # type: ignore[union-attr]
+        freq = torch.tensor([sp.frequency_penalty for sp in sps], dtype=torch.float32, device=dev)[:, None]  # type: ignore[union-attr]
+        pres = torch.tensor([sp.presence_penalty for sp in sps], dtype=torch.float32, device=dev)[:, None]  # type: ignore[union-attr]
+        sub = x[pen]
+        r = torch.where(seen, rep, torch.ones_like(rep))
+        sub = torch.where(sub > 0, sub / r, sub * r)
+        sub = sub - freq * counts
+        sub = sub - pres * (counts > 0).to(torch.float32)
+        x[pen] = sub
+    for i, st in enumerate(stats):
+        if st is not None and positions[i] < st.min_tokens and st.min_stop.numel():
+            x[i, st.min_stop] = float("-inf")
+    return x
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[Sampling | None],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+    stats: Sequence[TokenStats | None] | None = None,
+) -> list[int]:
     """One token per row.
 
     Args:
@@ -116,10 +222,14 @@ def sample(logits: torch.Tensor, params: Sequence[Sampling | None], seeds: Seque
         seeds: ``R`` seeds (a row's ``Sampling.seed``, else the request's random seed);
             read for sampled rows only.
         positions: ``R`` output positions (the client's: ``output_offset`` + tokens before).
+        stats: ``R`` :class:`TokenStats` (None for a row without penalties / ``min_tokens``),
+            or None for none at all: those rows are rewritten first (:func:`penalize`).
 
     Returns:
         ``R`` token ids in ``[0, V)``.
     """
+    if stats is not None and any(st is not None for st in stats):
+        logits = penalize(logits, stats, params, positions)
     out = logits.argmax(dim=-1)
     rows = [i for i, sp in enumerate(params) if not is_greedy(sp)]
     if not rows:
