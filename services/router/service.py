@@ -1094,8 +1094,8 @@ class RouterService:
             self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node))
 
     def _output_text(self, req: Any) -> OutputText:
-        """The request's :class:`OutputText` (its ``stop`` strings and ``stop_token_ids``)."""
-        return OutputText(self.tokenizer, api.stop_strings(req), req.stop_token_ids or ())
+        """The request's :class:`OutputText` (its ``stop`` strings, ``stop_token_ids``, ``min_tokens``)."""
+        return OutputText(self.tokenizer, api.stop_strings(req), req.stop_token_ids or (), req.min_tokens or 0)
 
     def _abandon(self, p: _Pending, reason: str, why: str) -> None:
         """Stop counting ``p`` and tell its nodes to drop it (idempotent, never awaits)."""

@@ -13,6 +13,11 @@ detokenizes), so the ``stop`` strings are applied here, for every engine:
   output, its text is not shown (vLLM), ``stop_reason`` = the id. The ``torch`` engine
   ends the request there itself; the ``sim`` engine does not, and the router's stop is
   what ends it;
+* ``min_tokens`` (vLLM's extra): neither ends the output at or before its ``min_tokens``-th token
+  (vLLM v1: the ``MinTokensLogitsProcessor`` masks stop token ids while the output is shorter,
+  and the detokenizer checks stop strings only once ``len(output_token_ids) > min_tokens``,
+  in the text the new token added, so a stop string completed earlier is never matched later);
+  the ``torch`` engine masks the ids itself, this keeps the ``sim`` engine and stop strings alike;
 * **streaming** never sends text a stop string may still cut: the last
   ``len(longest stop string) - 1`` characters are held back until more text shows they
   are not the start of a stop string, or the stream ends (vLLM's ``stop_buffer_length``).
@@ -36,10 +41,14 @@ class OutputText:
         tokenizer: the router's tokenizer.
         stop: stop strings (non-empty; ``api.stop_strings``).
         stop_token_ids: token ids that end the output.
+        min_tokens: no stop ends the output at or before this many tokens (vLLM's ``min_tokens``).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), stop_token_ids: Collection[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Sequence[str] = (), stop_token_ids: Collection[int] = (), min_tokens: int = 0
+    ) -> None:
         self._dec = IncrementalDecoder(tokenizer)
+        self.min_tokens = min_tokens
         self.stop = [s for s in stop if s]
         self.stop_ids = frozenset(stop_token_ids)
         self._longest = max((len(s) for s in self.stop), default=0)
@@ -77,6 +86,9 @@ class OutputText:
             return ""
         for t in ids:
             self.tokens += 1
+            if self.tokens <= self.min_tokens:  # no stop yet: text only
+                self._add(self._dec.push([t]), match=False)
+                continue
             if t in self.stop_ids:
                 # the text of the tokens before it (an incomplete character included, as a
                 # whole decode would show it); the stop token's own text is not shown
@@ -96,17 +108,20 @@ class OutputText:
             self._add(self._dec.flush())
         return self._take(final=True)
 
-    def _add(self, delta: str) -> bool:
-        """Append ``delta``; cut :attr:`text` at the first stop string it completes. True if one did."""
+    def _add(self, delta: str, *, match: bool = True) -> bool:
+        """Append ``delta``; cut :attr:`text` at the first stop string it completes (``match``;
+        not while under ``min_tokens``). True if one did."""
         if not delta:
             return False
-        # a stop string completed by ``delta`` starts at most longest - 1 characters before it,
+        # a stop string completed by ``delta`` starts at most len(s) - 1 characters before it,
         # all of them in _pending (it keeps _hold = longest - 1 characters until the end)
-        start = max(0, len(self._pending) - self._longest + 1)
+        old = len(self._pending)
         self._pending += delta
+        if not match:
+            return False
         best: tuple[int, str] | None = None
         for s in self.stop:
-            k = self._pending.find(s, start)
+            k = self._pending.find(s, max(0, old - len(s) + 1))
             if k >= 0 and (best is None or k < best[0]):
                 best = (k, s)
         if best is None:

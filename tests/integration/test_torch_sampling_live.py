@@ -6,6 +6,11 @@
   the rest on the decode node after the hand-off, and they equal the same request run
   collocated in this process (``LocalNode``): the draws do not depend on the node. Another seed
   gives other ids; temperature 0 gives the greedy ones.
+* **penalties / min_tokens**: a greedy request with ``repetition_penalty`` / ``frequency_penalty`` /
+  ``presence_penalty`` gives other ids than greedy and the same as collocated in this process
+  (its counts cross the hand-off); ``stop_token_ids`` [the greedy output's j-th id] ends the
+  output there, and with ``min_tokens`` j + 3 not before j + 3 tokens; a stop string does not end
+  a request whose ``min_tokens`` is its ``max_tokens``.
 * **stop string**: a substring of a greedy completion's text, asked as ``stop``: the text ends
   before it (non-streamed and streamed, ``finish_reason`` ``stop``, ``stop_reason`` the string),
   and the streamed request (``max_tokens`` 900) is dropped on its node once the router saw the
@@ -82,6 +87,12 @@ async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path
             g, _ = await ids()
             g0, _ = await ids(temperature=0, seed=42, top_k=3)
             assert obj["ei"]["prefill_node"] != obj["ei"]["decode_node"]  # the hand-off path: two nodes sampled it
+            # penalties (greedy: the first token on the prefill node, the rest after the hand-off) and min_tokens
+            pen = {"repetition_penalty": 1.5, "frequency_penalty": 1.0, "presence_penalty": 0.5}
+            pg, _ = await ids(**pen)
+            j = next(i for i in range(1, 8) if g.index(g[i]) == i)
+            mt, mobj = await ids(stop_token_ids=[g[j]], min_tokens=j + 3)
+            st, _ = await ids(stop_token_ids=[g[j]])
 
             # a stop string: a piece of the greedy completion's text
             r = await http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 24, "ignore_eos": True})
@@ -91,6 +102,8 @@ async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "ignore_eos": True, "stop": [stop]}
             r = await http.post("/v1/completions", json=body)
             whole = r.json()
+            r = await http.post("/v1/completions", json={**body, "min_tokens": 24})
+            unstopped = r.json()["choices"][0]  # min_tokens = max_tokens: the stop string cannot end it
             body = {**body, "max_tokens": 900, "stream": True, "stream_options": {"include_usage": True}}
             pieces, finish, stop_reason, usage = [], None, None, None
             async with http.stream("POST", "/v1/completions", json=body) as resp:
@@ -123,8 +136,23 @@ async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path
     ))  # fmt: skip
     node.run()
     assert node.finished["ref"].tokens == a
+    # penalties and min_tokens: what the same request gives collocated in this process
+    def local(rid: str, sp: m.Sampling) -> list[int]:
+        node.add_prefill(m.PrefillWork(
+            rid=rid, prompt_tokens=len(prompt), max_tokens=12, block_size=BS, block_hashes=block_hashes(prompt, BS),
+            token_ids=pack_tokens(prompt), ignore_eos=True, sampling=sp,
+        ))  # fmt: skip
+        node.run()
+        return node.finished[rid].tokens
+
+    assert pg == local("pen", m.Sampling(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)) and pg != g
+    assert st == g[: j + 1]  # the stop token id ends it ...
+    assert g[j] not in mt[: j + 3] and len(mt) >= j + 3 and mt[:j] == g[:j]  # ... not before min_tokens
+    assert mt == local("min", m.Sampling(stop_token_ids=[g[j]], min_tokens=j + 3)), (mt, g, j)
+    print(f"penalized greedy {pg} vs greedy {g}; min_tokens {j + 3} with stop id {g[j]}: {len(mt)} tokens, finish {mobj['choices'][0]['finish_reason']}")
     # stop string: the text ends before it, both ways
     ch = whole["choices"][0]
+    assert unstopped["text"] == full and unstopped["finish_reason"] == "length", (unstopped, full, stop)
     assert ch["text"] == want and ch["finish_reason"] == "stop" and ch["stop_reason"] == stop, (ch, full, stop)
     assert "".join(pieces) == want and finish == "stop" and stop_reason == stop, (pieces, full, stop)
     tok = load_tokenizer(f"hf:{folder}")
