@@ -189,18 +189,29 @@ def penalize(logits: torch.Tensor, stats: Sequence[TokenStats | None], params: S
     dev = x.device
     pen = [i for i, st in enumerate(stats) if st is not None and st.counts is not None]
     if pen:
-        sps = [params[i] for i in pen]
-        counts = torch.stack([stats[i].counts for i in pen])  # type: ignore[union-attr,misc]
-        seen = torch.stack([stats[i].seen for i in pen])  # type: ignore[union-attr,misc]
-        rep = torch.tensor([sp.repetition_penalty for sp in sps], dtype=torch.float32, device=dev)[:, None]  # type: ignore[union-attr]
-        freq = torch.tensor([sp.frequency_penalty for sp in sps], dtype=torch.float32, device=dev)[:, None]  # type: ignore[union-attr]
-        pres = torch.tensor([sp.presence_penalty for sp in sps], dtype=torch.float32, device=dev)[:, None]  # type: ignore[union-attr]
-        sub = x[pen]
-        r = torch.where(seen, rep, torch.ones_like(rep))
-        sub = torch.where(sub > 0, sub / r, sub * r)
-        sub = sub - freq * counts
-        sub = sub - pres * (counts > 0).to(torch.float32)
-        x[pen] = sub
+        sps: list[Sampling] = [params[i] for i in pen]  # type: ignore[misc]
+        whole = len(pen) == x.shape[0]
+        sub = x if whole else x[pen]  # x is our copy: in place is fine
+        # each term only when some row sets it (an unset one is exact no-op: / 1, - 0)
+        if any(sp.repetition_penalty != 1.0 for sp in sps):
+            seen = torch.stack([stats[i].seen for i in pen])  # type: ignore[union-attr,misc]
+            rep = torch.tensor([sp.repetition_penalty for sp in sps], dtype=torch.float32, device=dev)[:, None]
+            r = torch.where(seen, rep, 1.0)
+            sub = torch.where(sub > 0, sub / r, sub * r)
+        f_on = any(sp.frequency_penalty != 0.0 for sp in sps)
+        p_on = any(sp.presence_penalty != 0.0 for sp in sps)
+        if f_on or p_on:
+            counts = torch.stack([stats[i].counts for i in pen])  # type: ignore[union-attr,misc]
+            if f_on:
+                freq = torch.tensor([sp.frequency_penalty for sp in sps], dtype=torch.float32, device=dev)[:, None]
+                sub = sub.sub_(freq * counts)
+            if p_on:
+                pres = torch.tensor([sp.presence_penalty for sp in sps], dtype=torch.float32, device=dev)[:, None]
+                sub = torch.where(counts > 0, sub - pres, sub)
+        if whole:
+            x = sub
+        else:
+            x[pen] = sub
     for i, st in enumerate(stats):
         if st is not None and positions[i] < st.min_tokens and st.min_stop.numel():
             x[i, st.min_stop] = float("-inf")
