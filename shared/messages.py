@@ -591,6 +591,12 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     min_tokens: NonNeg = 0
     """vLLM: the model's EOS token(s) and ``stop_token_ids`` are masked (logit -inf) while the
     client's output is shorter than this; 0 = off."""
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    """Log-probabilities asked for: None = none (no cost); k = the chosen token's and the k
+    most likely tokens' (``TokenChunk.logprobs`` / ``top_ids`` / ``top_logprobs``) of every
+    output token, from the raw model distribution (vLLM's default ``logprobs_mode``
+    ``raw_logprobs``: log_softmax of the logits before temperature and filters). Only a real
+    engine (``torch``) has them; the ``sim`` engine refuses such a work."""
 
     @property
     def greedy(self) -> bool:
@@ -836,6 +842,14 @@ class TokenChunk(Msg, frozen=True, kw_only=True):
     arrived_at: float | None = None
     """On the first chunk: when the work reached this node (simulated s; the control plane's
     share of TTFT is the client's TTFT minus ``ts − arrived_at``, see ``evolving-infra fidelity``)."""
+    logprobs: list[float] = []
+    """With ``Sampling.logprobs``: natural-log probability of each of ``token_ids`` under the raw
+    model distribution (one per token id); empty when not asked (old writers, other requests)."""
+    top_ids: list[list[int]] = []
+    """With ``Sampling.logprobs`` = k > 0: the k most likely token ids at each position, most
+    likely first (one list per token id); empty otherwise."""
+    top_logprobs: list[list[float]] = []
+    """The log-probabilities of ``top_ids`` (same shape)."""
 
 
 # --------------------------------------------------------------------------- #

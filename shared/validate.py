@@ -75,6 +75,8 @@ MAX_REPETITION_PENALTY = 100.0
 router's API takes (0, this])."""
 MAX_MIN_TOKENS = 2**32
 """Bound of ``Sampling.min_tokens`` (the router's API takes at most ``max_tokens``)."""
+MAX_TOP_LOGPROBS = 20
+"""Most top log-probabilities per output token (``Sampling.logprobs``; OpenAI's and vLLM's chat limit)."""
 
 _TOKEN = re.compile(r"[A-Za-z0-9_\-]{1,128}\Z")  # \Z: "$" would let a trailing newline through
 
@@ -433,6 +435,8 @@ def _sampling(sp: m.Sampling | None) -> None:
     if not (math.isfinite(sp.repetition_penalty) and 0.0 < sp.repetition_penalty <= MAX_REPETITION_PENALTY):
         raise Invalid(f"sampling.repetition_penalty={sp.repetition_penalty!r} is not finite in (0, {MAX_REPETITION_PENALTY:g}]")
     _int(sp.min_tokens, "sampling.min_tokens", MAX_MIN_TOKENS)
+    if sp.logprobs is not None:
+        _int(sp.logprobs, "sampling.logprobs", MAX_TOP_LOGPROBS)
 
 
 def _owner(attempt: int, output_offset: int, router: str) -> None:
@@ -478,6 +482,34 @@ def _chunk(c: m.TokenChunk, p: dict[str, str], nodes: Collection[str] | None) ->
     _dur(c.fetch_s, "fetch_s")
     _dur(c.exposed_fetch_s, "exposed_fetch_s")
     _int(c.attempt, "attempt", MAX_SEQ)
+    _chunk_logprobs(c)
+
+
+def _chunk_logprobs(c: m.TokenChunk) -> None:
+    """A chunk's log-probabilities: none, or one per token id (each ≤ 0, -inf allowed, NaN not),
+    and the top lists one per token id, of at most :data:`MAX_TOP_LOGPROBS` equal-length items."""
+    if not (c.logprobs or c.top_ids or c.top_logprobs):
+        return
+    n = len(c.token_ids)
+    if len(c.logprobs) != n:
+        raise Invalid(f"logprobs has {len(c.logprobs)} entries for {n} token ids")
+    if c.top_ids or c.top_logprobs:
+        if len(c.top_ids) != n or len(c.top_logprobs) != n:
+            raise Invalid(f"top_ids/top_logprobs have {len(c.top_ids)}/{len(c.top_logprobs)} entries for {n} token ids")
+        for ids, lps in zip(c.top_ids, c.top_logprobs):
+            if len(ids) != len(lps) or len(ids) > MAX_TOP_LOGPROBS:
+                raise Invalid(f"a top_ids/top_logprobs entry has {len(ids)}/{len(lps)} items (at most {MAX_TOP_LOGPROBS}, equal)")
+            if ids and (min(ids) < 0 or max(ids) >= 2**32):
+                raise Invalid("a top_ids id is outside [0, 2^32)")
+            _logprobs(lps, "top_logprobs")
+    _logprobs(c.logprobs, "logprobs")
+
+
+def _logprobs(xs: list[float], name: str) -> None:
+    """Natural-log probabilities: ≤ 0, -inf allowed (a token the model rules out), NaN not."""
+    for x in xs:
+        if not x <= 0.0:
+            raise Invalid(f"a {name} value {x!r} is not a log-probability (<= 0)")
 
 
 def _bind_req(r: m.DecodeBindRequest, p: dict[str, str], nodes: Collection[str] | None) -> None:

@@ -20,8 +20,13 @@ the text at a stop string or stop token id). *Accepted, validated and ignored*:
 ``logit_bias``, ``user``, ``response_format``, ``tool_choice``,
 ``parallel_tool_calls``, ``skip_special_tokens``. ``tools`` are rendered into
 the chat prompt. Rejected with 400 because they would change the response
-shape: ``n`` > 1, ``best_of`` > 1, ``echo``, ``logprobs``/``top_logprobs``,
-``suffix``, batched prompts. Unknown fields are ignored (clients send
+shape: ``n`` > 1, ``best_of`` > 1, ``echo`` (and so prompt logprobs), ``suffix``,
+batched prompts. ``logprobs`` (:func:`logprobs_asked`): chat ``logprobs: true`` with
+``top_logprobs`` 0..20, completions ``logprobs`` 0..:data:`MAX_LOGPROBS` (vLLM's default
+``max_logprobs``; OpenAI's legacy API allows 5) are sent to the nodes in
+``Sampling.logprobs`` and answered in OpenAI's / vLLM's shapes (:func:`chat_logprobs`,
+:func:`completion_logprobs`); only the ``torch`` engine computes them, a ``sim`` node
+refuses the work (the client gets a 500 naming the reason). Unknown fields are ignored (clients send
 vendor extensions); a known field with a wrong type or value is a 400 naming
 the field (in the message and in the error's ``param``, as OpenAI's API does).
 An explicit ``null`` is the default for every field OpenAI's spec marks nullable
@@ -62,6 +67,12 @@ MAX_REPETITION_PENALTY = 100.0
 """Largest ``repetition_penalty`` (``shared.validate.MAX_REPETITION_PENALTY``; vLLM: > 0, unbounded)."""
 MAX_MIN_TOKENS = 2**32
 """Largest ``min_tokens`` (``shared.validate.MAX_MIN_TOKENS``)."""
+MAX_LOGPROBS = 20
+"""Most top log-probabilities per token (chat ``top_logprobs``, completions ``logprobs``): vLLM's
+default ``max_logprobs``, OpenAI's chat limit (``shared.validate.MAX_TOP_LOGPROBS``)."""
+LOGPROB_FLOOR = -9999.0
+"""A log-probability of -inf (a token the model rules out) is sent as this, as vLLM does (JSON has no -inf);
+NaN (a chunk of a node that sent none) is sent as ``null``."""
 MAX_TOP_K = 2**32
 """Largest ``top_k`` sent to the nodes (``shared.validate`` bound); a larger one is sent as 0 (off)."""
 
@@ -262,8 +273,67 @@ def sampling(req: _Sampling) -> Sampling | None:
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_tokens=req.min_tokens or 0,
+        logprobs=logprobs_asked(req),
     )
-    return None if sp.greedy and not sp.stop_token_ids and not sp.penalized and not sp.min_tokens else sp
+    return None if sp.greedy and not sp.stop_token_ids and not sp.penalized and not sp.min_tokens and sp.logprobs is None else sp
+
+
+def logprobs_asked(req: _Sampling) -> int | None:
+    """How many top log-probabilities per output token ``req`` asks for (``Sampling.logprobs``):
+    None = no logprobs; chat ``logprobs: true`` → ``top_logprobs`` (0 if unset); completions → ``logprobs``."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return None
+
+
+LogprobEntry = tuple[int, float, list[int], list[float]]
+"""One output token's ``(token id, logprob, top ids most likely first, their logprobs)`` (``TokenChunk``)."""
+
+
+def _lp(x: float) -> float | None:
+    if x != x:  # NaN: not computed
+        return None
+    return x if x >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def chat_logprobs(entries: list[LogprobEntry], top: int, decode: Callable[[int], str]) -> dict[str, Any]:
+    """OpenAI's / vLLM's chat ``logprobs`` (``ChatCompletionLogProbs``):
+    ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}``,
+    one item per token of ``entries``; ``top_logprobs`` the ``top`` most likely tokens, most likely
+    first. ``token`` is ``decode(id)`` (the token's own text), ``bytes`` its UTF-8 bytes."""
+    def item(t: int, lp: float) -> dict[str, Any]:
+        text = decode(t)
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for t, lp, ids, lps in entries:
+        d = item(t, lp)
+        d["top_logprobs"] = [item(i, v) for i, v in zip(ids[:top], lps[:top])]
+        content.append(d)
+    return {"content": content}
+
+
+def completion_logprobs(entries: list[LogprobEntry], top: int, decode: Callable[[int], str], offset: int = 0) -> dict[str, Any]:
+    """vLLM's / OpenAI's legacy completions ``logprobs`` (``CompletionLogProbs``): ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (per token a dict token text → logprob of the ``top`` most
+    likely and the chosen token, as vLLM's), ``text_offset`` (characters: the token's start in
+    the output text made of the tokens' texts, counting from ``offset``, for a stream's later chunks)."""
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float | None]] = []
+    offsets: list[int] = []
+    for t, lp, ids, lps in entries:
+        text = decode(t)
+        tokens.append(text)
+        token_lps.append(_lp(lp))
+        d = {decode(i): _lp(v) for i, v in zip(ids[:top], lps[:top])}
+        d.setdefault(text, _lp(lp))
+        tops.append(d)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def _bounded_nesting(fn: Callable[..., _T]) -> Callable[..., _T]:
@@ -304,8 +374,8 @@ def parse_completion(body: bytes) -> tuple[CompletionRequest, str | list[int]]:
     _check_common(req)
     if req.echo:
         raise ApiError(400, "echo is not supported", param="echo")
-    if req.logprobs is not None:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
     if req.best_of not in (None, 1):
         raise ApiError(400, "best_of > 1 is not supported", param="best_of")
     if req.suffix:
@@ -355,8 +425,10 @@ def parse_chat(body: bytes) -> ChatRequest:
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise _decode_error(e, body) from e
     _check_common(req)
-    if req.logprobs or req.top_logprobs:  # top_logprobs 0 (vLLM's default) asks for nothing
-        raise ApiError(400, "logprobs are not supported", param="logprobs" if req.logprobs else "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs")
+    if req.top_logprobs and not req.logprobs:  # top_logprobs 0 (vLLM's default) asks for nothing
+        raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     _check_content_parts(req.messages)
     return req
 
@@ -556,23 +628,25 @@ def _choice(choice: dict[str, Any], stop_reason: str | int | None) -> dict[str, 
 
 
 def completion_response(
-    oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any], *, stop_reason: str | int | None = None
+    oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any], *, stop_reason: str | int | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A non-streaming ``/v1/completions`` body; ``oid``: its :func:`response_id`."""
+    """A non-streaming ``/v1/completions`` body; ``oid``: its :func:`response_id`; ``logprobs``: :func:`completion_logprobs`."""
     return {
         "id": oid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_choice({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}, stop_reason)],
+        "choices": [_choice({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}, stop_reason)],
         "usage": use,
     }
 
 
 def chat_response(
-    oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any], *, stop_reason: str | int | None = None
+    oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any], *, stop_reason: str | int | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A non-streaming ``/v1/chat/completions`` body; ``oid``: its :func:`response_id`."""
+    """A non-streaming ``/v1/chat/completions`` body; ``oid``: its :func:`response_id`; ``logprobs``: :func:`chat_logprobs`."""
     return {
         "id": oid,
         "object": "chat.completion",
@@ -583,7 +657,7 @@ def chat_response(
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": finish_reason,
                 },
                 stop_reason,
@@ -594,14 +668,15 @@ def chat_response(
 
 
 def completion_chunk(
-    oid: str, created: int, model: str, text: str, finish_reason: str | None, include_usage: bool, *, stop_reason: str | int | None = None
+    oid: str, created: int, model: str, text: str, finish_reason: str | None, include_usage: bool, *, stop_reason: str | int | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": oid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_choice({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}, stop_reason)],
+        "choices": [_choice({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}, stop_reason)],
     }
     if include_usage:
         out["usage"] = None
@@ -610,14 +685,14 @@ def completion_chunk(
 
 def chat_chunk(
     oid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None, include_usage: bool,
-    *, stop_reason: str | int | None = None,
+    *, stop_reason: str | int | None = None, logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": oid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [_choice({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}, stop_reason)],
+        "choices": [_choice({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}, stop_reason)],
     }
     if include_usage:
         out["usage"] = None

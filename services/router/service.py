@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import socket
@@ -129,6 +130,17 @@ class _Failure:
 
     status: int
     reason: str
+
+
+def _lp_entries(chunk: m.TokenChunk) -> list[api.LogprobEntry]:
+    """``chunk``'s logprob entries, one per token id. A chunk without them (a node of an older
+    version, which does not know ``Sampling.logprobs``) gives NaN logprobs and no top lists,
+    sent as ``null`` (``api.LOGPROB_FLOOR``'s doc), not made up."""
+    n = len(chunk.token_ids)
+    lps = chunk.logprobs if len(chunk.logprobs) == n else [math.nan] * n
+    tops = chunk.top_ids if len(chunk.top_ids) == n else [[] for _ in range(n)]
+    top_lps = chunk.top_logprobs if len(chunk.top_logprobs) == n else [[] for _ in range(n)]
+    return list(zip(chunk.token_ids, lps, tops, top_lps))
 
 
 @dataclass(slots=True)
@@ -626,7 +638,10 @@ class RouterService:
                 if skip >= len(chunk.token_ids) and not chunk.finished:
                     self.counters["chunks_duplicate"] += 1
                     return
-                chunk = msgspec.structs.replace(chunk, index=p.next_index, token_ids=chunk.token_ids[skip:])
+                chunk = msgspec.structs.replace(
+                    chunk, index=p.next_index, token_ids=chunk.token_ids[skip:], logprobs=chunk.logprobs[skip:],
+                    top_ids=chunk.top_ids[skip:], top_logprobs=chunk.top_logprobs[skip:],
+                )  # fmt: skip
             p.next_index = chunk.index + len(chunk.token_ids)
             p.tokens.extend(chunk.token_ids)
         p.out_tokens += len(chunk.token_ids)
@@ -1597,7 +1612,9 @@ class RouterService:
             headers = {"x-request-id": rid, "x-ei-prefill-node": p.prefill_node}
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
-            gen = self._stream(p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req))
+            gen = self._stream(
+                p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req), api.logprobs_asked(req)
+            )
             return _SseResponse(
                 gen,
                 on_close=lambda: self._close_stream(p),
@@ -1618,6 +1635,8 @@ class RouterService:
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
             ids: list[int] = list(first.token_ids)
+            lp_top = api.logprobs_asked(req)
+            lps: list[api.LogprobEntry] = _lp_entries(first) if lp_top is not None else []
             prompt_tokens = first.prompt_tokens or rreq.prompt_tokens
             cached = first.cached_tokens
             last = first
@@ -1635,6 +1654,8 @@ class RouterService:
                     if fail is not None:
                         return self._error(fail.status, fail.reason)
                 ids.extend(item.token_ids)
+                if lp_top is not None:
+                    lps.extend(_lp_entries(item))
                 last = item
                 if stops is not None:
                     stops.push(item.token_ids)
@@ -1650,8 +1671,11 @@ class RouterService:
             use = api.usage(prompt_tokens, n_out, cached)
             model = self.cfg.model
             oid = api.response_id(rid, chat=chat)
+            lp_body = None
+            if lp_top is not None:  # one entry per token that counts (vLLM: up to the one that completed a stop)
+                lp_body = (api.chat_logprobs if chat else api.completion_logprobs)(lps[:n_out], lp_top, self._token_text)
             body = (api.chat_response if chat else api.completion_response)(
-                oid, created, model, text, finish_reason, use, stop_reason=stop_reason
+                oid, created, model, text, finish_reason, use, stop_reason=stop_reason, logprobs=lp_body
             )
             body["ei"] = self._ei(p)
             return self._json(body, headers=headers)
@@ -1666,14 +1690,16 @@ class RouterService:
 
     async def _stream(
         self, p: _Pending, rreq: RouteRequest, chat: bool, created: int, include_usage: bool, continuous_usage: bool,
-        decoder: OutputText,
+        decoder: OutputText, lp_top: int | None = None,
     ) -> AsyncIterator[bytes]:
         """SSE body from acceptance on: data chunks (one per TokenChunk whose text is not empty),
         optional usage chunk, ``[DONE]``; an error event on failure. With ``continuous_usage``
         (``stream_options.continuous_usage_stats``, vLLM) every data chunk carries ``usage`` so far.
         ``decoder`` makes the text: at a stop string / stop token id the stream ends there
         (``finish_reason`` ``stop``) and the request is dropped on its nodes; text a stop string
-        may still cut is held back (``services.router.stops``).
+        may still cut is held back (``services.router.stops``). ``lp_top`` (``api.logprobs_asked``)
+        not None: each data chunk carries the logprobs of the tokens counted since the last one
+        (``decoder.tokens``), so the stream's entries are the whole response's.
         A client that goes away cancels this generator (Starlette): the request is aborted."""
         model = self.cfg.model
         oid = api.response_id(p.rid, chat=chat)
@@ -1689,11 +1715,28 @@ class RouterService:
                 obj["usage"] = api.usage(prompt_tokens, decoder.tokens, cached)
             return obj
 
+        lps: list[api.LogprobEntry] = []
+        lp_sent = 0  # entries sent so far
+        lp_offset = 0  # completions' text_offset of the next entry
+
+        def lp_obj() -> dict[str, Any] | None:
+            nonlocal lp_sent, lp_offset
+            if lp_top is None:
+                return None
+            part = lps[lp_sent : decoder.tokens]
+            lp_sent += len(part)
+            if chat:
+                return api.chat_logprobs(part, lp_top, self._token_text)
+            out = api.completion_logprobs(part, lp_top, self._token_text, lp_offset)
+            lp_offset += sum(len(t) for t in out["tokens"])
+            return out
+
         def piece_obj(text: str, finish: str | None, stop_reason: str | int | None = None) -> dict[str, Any]:
+            lp = lp_obj()
             if chat:
                 delta = {"content": text} if text or finish is None else {}
-                return with_usage(api.chat_chunk(oid, created, model, delta, finish, include_usage, stop_reason=stop_reason))
-            return with_usage(api.completion_chunk(oid, created, model, text, finish, include_usage, stop_reason=stop_reason))
+                return with_usage(api.chat_chunk(oid, created, model, delta, finish, include_usage, stop_reason=stop_reason, logprobs=lp))
+            return with_usage(api.completion_chunk(oid, created, model, text, finish, include_usage, stop_reason=stop_reason, logprobs=lp))
 
         def piece(text: str, finish: str | None) -> bytes:
             return sse(piece_obj(text, finish))
@@ -1718,6 +1761,8 @@ class RouterService:
                     yield _SSE_DONE
                     completed = True
                     return
+                if lp_top is not None:
+                    lps.extend(_lp_entries(item))
                 text = decoder.push(item.token_ids)
                 if item.finished or decoder.stopped:
                     text += decoder.finish()
@@ -1743,6 +1788,10 @@ class RouterService:
             if not completed:
                 self._abandon(p, "client disconnected", "client_disconnect")
             self._forget(p)
+
+    def _token_text(self, t: int) -> str:
+        """One token's own text (a logprob entry's ``token``; vLLM decodes each id alone)."""
+        return self.tokenizer.decode([t])
 
     def _close_stream(self, p: _Pending) -> None:
         """After an SSE response: forget ``p`` if its body never ran (the client left before it started)."""

@@ -170,6 +170,20 @@ class _Stream:
     start: int
     """Output index of ``pending[0]``."""
     pending: list[int] = field(default_factory=list)
+    lps: list[tuple[float, list[int], list[float]]] | None = None
+    """Log-probabilities of ``pending`` (one each) when the request asked (``Sampling.logprobs``)."""
+
+
+def _lp_fields(lps: list[tuple[float, list[int], list[float]]] | None) -> dict[str, Any]:
+    """``TokenChunk`` log-probability fields of ``lps`` (``Engine.output_logprobs``): none when
+    not asked, ``top_ids`` / ``top_logprobs`` only when some position has a top list."""
+    if not lps:
+        return {}
+    out: dict[str, Any] = {"logprobs": [x[0] for x in lps]}
+    if any(x[1] for x in lps):
+        out["top_ids"] = [x[1] for x in lps]
+        out["top_logprobs"] = [x[2] for x in lps]
+    return out
 
 
 class WorkerService:
@@ -1146,6 +1160,7 @@ class WorkerService:
         owner = self._owners.get(rid) or _Owner()
         base = owner.offset  # output position of this node's first output (a re-dispatched decode continues)
         tokens = self.engine.output_tokens(rid, base + out.index, out.count)
+        lps = self.engine.output_logprobs(rid, base + out.index, out.count)
         if out.finished:
             self._owners.pop(rid, None)
         if out.index == 0:
@@ -1169,6 +1184,7 @@ class WorkerService:
                     fetched_tokens=out.fetched_tokens,
                     attempt=owner.attempt,
                     arrived_at=owner.arrived_at,
+                    **_lp_fields(lps[:1] if lps is not None else None),
                 ),
                 rid=rid,
             )
@@ -1177,14 +1193,20 @@ class WorkerService:
                 return
             st = self._streams[rid] = _Stream(start=1)
             tokens = tokens[1:]
+            lps = lps[1:] if lps is not None else None
         else:
             st = self._streams.get(rid)
             if st is None:
                 st = self._streams[rid] = _Stream(start=out.index)
         st.pending.extend(tokens)
+        if lps is not None:
+            st.lps = (st.lps or []) + lps
         size = self.cfg.stream_interval
         while len(st.pending) >= size or (out.finished and st.pending) or (out.finished and not st.pending and rid in self._streams):
             part, st.pending = st.pending[:size], st.pending[size:]
+            lp_part = None
+            if st.lps is not None:
+                lp_part, st.lps = st.lps[: len(part)], st.lps[len(part) :]
             last = out.finished and not st.pending
             await self.bus.publish(
                 REQ_OUT,
@@ -1197,6 +1219,7 @@ class WorkerService:
                     finish_reason=out.finish_reason if last else None,
                     ts=now,
                     attempt=owner.attempt,
+                    **_lp_fields(lp_part),
                 ),
                 rid=rid,
             )

@@ -39,6 +39,12 @@ class Engine(ABC):
         """Token ids of request ``rid`` at output positions ``[start, start + count)``
         that the last executed plans produced."""
 
+    def output_logprobs(self, rid: str, start: int, count: int) -> list[tuple[float, list[int], list[float]]] | None:
+        """Log-probabilities of the tokens :meth:`output_tokens` returns for the same arguments,
+        one ``(logprob, top_ids, top_logprobs)`` per token; None when ``rid`` asked for none
+        (``Sampling.logprobs``) or the engine has no model (the default)."""
+        return None
+
     # Hooks of engines that hold real KV (the torch engine); the sim engine keeps the defaults.
 
     def accept_prefill(self, work: PrefillWork) -> None:

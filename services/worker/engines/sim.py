@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Sequence
 
 from shared.hashing import SIM_VOCAB_SIZE
+from shared.messages import DecodeWork, PrefillWork, Sampling
 from shared.profile import Profile
 from services.worker.engines.base import Engine
 from services.worker.plan import IterationPlan
@@ -70,3 +71,18 @@ class SimEngine(Engine):
 
     def output_tokens(self, rid: str, start: int, count: int) -> list[int]:
         return sim_output_tokens(rid, start, count, self.vocab)
+
+    def accept_prefill(self, work: PrefillWork) -> None:
+        """Refuse a work that asks for log-probabilities: the sim engine has no model, so no
+        distribution to report (the router answers the client 500 naming this reason)."""
+        _refuse_logprobs(work.sampling)
+
+    def accept_decode(self, work: DecodeWork) -> None:
+        """As :meth:`accept_prefill`."""
+        _refuse_logprobs(work.sampling)
+
+
+def _refuse_logprobs(sp: Sampling | None) -> None:
+    """Raises ValueError if ``sp`` asks for ``logprobs`` (the sim engine has no model)."""
+    if sp is not None and sp.logprobs is not None:
+        raise ValueError("logprobs are not supported by the sim engine (no model, no token distribution); serve a torch engine")

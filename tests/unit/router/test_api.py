@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from services.router import api
+from shared.messages import Sampling
 
 
 def bad(fn, body: dict | bytes, match: str, status: int = 400) -> None:
@@ -55,7 +56,9 @@ def test_completion_400_reasons():
     bad(api.parse_completion, {"prompt": "x", "stream": "yes"}, r"\$.stream")
     bad(api.parse_completion, {"prompt": "x", "n": 2}, "n > 1")
     bad(api.parse_completion, {"prompt": "x", "echo": True}, "echo")
-    bad(api.parse_completion, {"prompt": "x", "logprobs": 2}, "logprobs")
+    bad(api.parse_completion, {"prompt": "x", "logprobs": 21}, "logprobs must be in")
+    bad(api.parse_completion, {"prompt": "x", "logprobs": -1}, "logprobs must be in")
+    bad(api.parse_completion, {"prompt": "x", "logprobs": 1, "echo": True}, "echo")
     bad(api.parse_completion, {"prompt": "x", "best_of": 3}, "best_of")
     bad(api.parse_completion, {"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed when stream")
     bad(api.parse_completion, {"prompt": ["a"], "max_tokens": -2}, r"\$.max_tokens")
@@ -89,7 +92,7 @@ def test_chat_400_reasons():
     bad(api.parse_chat, {"messages": [{"role": "user", "content": 5}]}, r"\$.messages\[0\].content")
     bad(api.parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text only")
     bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens")
-    bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs")
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs must be in")
 
 
 def test_branch_headers():
@@ -176,11 +179,63 @@ def test_refusal_content_part_of_an_assistant_message_is_text():
 
 def test_chat_top_logprobs_zero_without_logprobs_is_the_default():
     """vLLM's ``top_logprobs`` defaults to 0 and clients that fill every field send it: no logprobs are asked for.
-    ``logprobs: true`` or ``top_logprobs`` > 0 would change the response and stay a 400."""
+    ``top_logprobs`` > 0 without ``logprobs: true`` is vLLM's 400."""
     req = api.parse_chat(b'{"messages": [{"role": "user", "content": "x"}], "logprobs": false, "top_logprobs": 0}')
-    assert req.top_logprobs == 0
-    bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs are not supported")
-    bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 0}, "logprobs")
+    assert req.top_logprobs == 0 and api.logprobs_asked(req) is None and api.sampling(req) is None
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs needs logprobs")
+
+
+def test_logprobs_ask_reaches_the_nodes_sampling():
+    """Chat ``logprobs: true`` → ``Sampling.logprobs`` = ``top_logprobs`` (0 unset); completions ``logprobs`` N → N;
+    a greedy request that asks is sent a Sampling (else it would be None = nothing asked)."""
+    chat = api.parse_chat(b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 3}')
+    assert api.logprobs_asked(chat) == 3 and api.sampling(chat) == Sampling(logprobs=3)
+    chat0 = api.parse_chat(b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true}')
+    assert api.sampling(chat0) == Sampling(logprobs=0)
+    comp, _ = api.parse_completion(b'{"prompt": "x", "logprobs": 0, "temperature": 0.5}')
+    assert api.sampling(comp) == Sampling(temperature=0.5, logprobs=0)
+    comp5, _ = api.parse_completion(b'{"prompt": "x", "logprobs": 5}')
+    assert api.logprobs_asked(comp5) == 5
+    plain, _ = api.parse_completion(b'{"prompt": "x"}')
+    assert api.logprobs_asked(plain) is None and api.sampling(plain) is None
+
+
+TEXT = {1: "He", 2: "llo", 3: " wor", 4: "é"}
+
+
+def test_chat_logprobs_shape():
+    """OpenAI's / vLLM's ``ChatCompletionLogProbs``: ``content`` items ``token``, ``logprob``, ``bytes``
+    (UTF-8), ``top_logprobs`` cut at ``top``; -inf is vLLM's -9999.0, NaN (not computed) null."""
+    entries = [(1, -0.5, [1, 3, 2], [-0.5, -1.0, -2.0]), (4, -float("inf"), [2, 4], [-0.1, -float("inf")])]
+    out = api.chat_logprobs(entries, 2, TEXT.__getitem__)
+    assert out == {"content": [
+        {"token": "He", "logprob": -0.5, "bytes": [72, 101], "top_logprobs": [
+            {"token": "He", "logprob": -0.5, "bytes": [72, 101]}, {"token": " wor", "logprob": -1.0, "bytes": [32, 119, 111, 114]}]},
+        {"token": "é", "logprob": -9999.0, "bytes": [195, 169], "top_logprobs": [
+            {"token": "llo", "logprob": -0.1, "bytes": [108, 108, 111]}, {"token": "é", "logprob": -9999.0, "bytes": [195, 169]}]},
+    ]}  # fmt: skip
+    assert api.chat_logprobs([(1, float("nan"), [], [])], 0, TEXT.__getitem__)["content"][0]["logprob"] is None
+    body = api.chat_response("chatcmpl-x", 1, "m", "Hé", "length", api.usage(1, 2, 0), logprobs=out)
+    assert body["choices"][0]["logprobs"] is out
+    chunk = api.chat_chunk("chatcmpl-x", 1, "m", {"content": "He"}, None, False, logprobs=out)
+    assert chunk["choices"][0]["logprobs"] is out
+    assert api.chat_chunk("chatcmpl-x", 1, "m", {}, None, False)["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_shape():
+    """vLLM's ``CompletionLogProbs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (a dict per token of
+    the ``top`` most likely and the chosen token), ``text_offset`` (characters, from ``offset``)."""
+    entries = [(1, -0.5, [3, 1], [-0.4, -0.5]), (2, -2.0, [3, 1], [-0.2, -0.3]), (4, -1.0, [], [])]
+    out = api.completion_logprobs(entries, 1, TEXT.__getitem__, offset=7)
+    assert out == {
+        "tokens": ["He", "llo", "é"],
+        "token_logprobs": [-0.5, -2.0, -1.0],
+        "top_logprobs": [{" wor": -0.4, "He": -0.5}, {" wor": -0.2, "llo": -2.0}, {"é": -1.0}],
+        "text_offset": [7, 9, 12],
+    }
+    body = api.completion_response("cmpl-x", 1, "m", "Hello", "length", api.usage(1, 3, 0), logprobs=out)
+    assert body["choices"][0]["logprobs"] is out
+    assert api.completion_chunk("cmpl-x", 1, "m", "He", None, False, logprobs=out)["choices"][0]["logprobs"] is out
 
 
 def test_sampling_parameters_go_to_the_nodes_and_bad_ones_are_named():

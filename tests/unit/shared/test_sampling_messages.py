@@ -73,3 +73,40 @@ def test_edge_refuses_what_types_cannot_say():
         assert "stop_token_ids" in bad(stop_token_ids=list(range(5000)))
         assert "stop_token_ids" in bad(stop_token_ids=[-1])
         assert "seed" in bad(seed=2**64)
+
+
+def test_logprobs_ask_and_chunk_fields_round_trip_and_stay_compatible():
+    """``Sampling.logprobs`` travels on both works; ``TokenChunk.logprobs`` / ``top_ids`` /
+    ``top_logprobs`` round-trip, default empty (an old writer's chunk decodes, an old reader skips them)."""
+    sp = m.Sampling(logprobs=3)
+    for w in (_prefill(sampling=sp), _decode(sampling=sp)):
+        back = decoder_for(type(w)).decode(m.encode(w))
+        assert back.sampling.logprobs == 3 and check(back, {}) is None
+    assert m.Sampling().logprobs is None and msgspec.msgpack.encode(m.Sampling()) == msgspec.msgpack.encode({})
+    with pytest.raises(msgspec.ValidationError, match="logprobs"):
+        decoder_for(m.PrefillWork).decode(msgspec.msgpack.encode({"rid": "r", "prompt_tokens": 4, "max_tokens": 3, "block_size": 64, "sampling": {"logprobs": 21}}))
+    c = m.TokenChunk(rid="r", token_ids=[5, 6], logprobs=[-0.1, -math.inf], top_ids=[[5, 1], [2, 6]], top_logprobs=[[-0.1, -3.0], [-0.5, -math.inf]])
+    back = decoder_for(m.TokenChunk).decode(m.encode(c))
+    assert back == c and check(back, {"rid": "r"}) is None
+    plain = decoder_for(m.TokenChunk).decode(m.encode(m.TokenChunk(rid="r", token_ids=[5])))
+    assert plain.logprobs == [] and plain.top_ids == [] and check(plain, {"rid": "r"}) is None
+
+    class OldChunk(m.Msg, frozen=True, kw_only=True):
+        rid: str
+        token_ids: list[int] = []
+
+    assert msgspec.msgpack.Decoder(OldChunk).decode(m.encode(c)).token_ids == [5, 6]
+
+
+def test_edge_refuses_bad_logprob_chunks():
+    def bad(**kw):
+        return check(m.TokenChunk(rid="r", token_ids=[5, 6], **kw), {"rid": "r"})
+
+    assert "logprobs has 1 entries" in bad(logprobs=[-1.0])
+    assert "log-probability" in bad(logprobs=[-1.0, 0.5])
+    assert "log-probability" in bad(logprobs=[-1.0, math.nan])
+    assert "top_ids/top_logprobs have" in bad(logprobs=[-1.0, -1.0], top_ids=[[1]], top_logprobs=[[-1.0]])
+    assert "items" in bad(logprobs=[-1.0, -1.0], top_ids=[[1], [2, 3]], top_logprobs=[[-1.0], [-1.0]])
+    assert "items" in bad(logprobs=[-1.0, -1.0], top_ids=[list(range(21))] * 2, top_logprobs=[[-1.0] * 21] * 2)
+    assert "outside" in bad(logprobs=[-1.0, -1.0], top_ids=[[-1], [2]], top_logprobs=[[-1.0], [-1.0]])
+    assert check(_prefill(sampling=msgspec.structs.replace(SP, logprobs=20)), {}) is None

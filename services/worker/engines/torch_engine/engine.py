@@ -45,6 +45,11 @@ accepted_per_iteration == 1``. A request ends at the model's end-of-sequence tok
 says ``ignore_eos``, and at any of its ``stop_token_ids`` (``ignore_eos`` or not):
 the engine reports it (:meth:`TorchEngine.take_stopped`) and the scheduler finishes
 it there with ``finish_reason`` ``stop``.
+
+Log-probabilities (``Sampling.logprobs``, :mod:`.logprobs`): for the requests that ask,
+``log_softmax`` of the raw float32 logits each token was sampled from (vLLM's
+``raw_logprobs``), the chosen token's and the top ``k``, computed at the prefill's first
+token and every decode token (:meth:`TorchEngine.output_logprobs`); others cost nothing.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, DecodeW
 from shared.profile import Profile
 from services.worker.engines.base import Engine
 from services.worker.engines.torch_engine.model import ModelConfigError, PagedDecoder, SeqBatch, int64_tensor
+from services.worker.engines.torch_engine.logprobs import TokenLogprob, token_logprobs
 from services.worker.engines.torch_engine.sampling import TokenStats, is_greedy, sample, token_stats
 from services.worker.plan import IterationPlan
 
@@ -145,6 +151,9 @@ class _Seq:
     """``sampling.stop_token_ids``: the request ends at any of them."""
     stats: TokenStats | None = None
     """Penalty counts / ``min_tokens`` state (:func:`.sampling.token_stats`); None = neither set."""
+    lps: dict[int, TokenLogprob] | None = None
+    """``sampling.logprobs`` asked: the log-probabilities computed here of ``out[i]``, by index
+    ``i`` (a hand-off's first token was computed on the prefill node and is not here)."""
 
 
 def _seq(prompt: list[int], sp: Sampling | None, **kw: Any) -> _Seq:
@@ -154,7 +163,8 @@ def _seq(prompt: list[int], sp: Sampling | None, **kw: Any) -> _Seq:
         assert sp is not None
         seed = sp.seed if sp.seed is not None else secrets.randbits(64)
     stop = frozenset(sp.stop_token_ids) if sp is not None and sp.stop_token_ids else frozenset()
-    return _Seq(prompt=prompt, sampling=sp, seed=seed, stop_ids=stop, **kw)
+    lps: dict[int, TokenLogprob] | None = {} if sp is not None and sp.logprobs is not None else None
+    return _Seq(prompt=prompt, sampling=sp, seed=seed, stop_ids=stop, lps=lps, **kw)
 
 
 class TorchEngine(Engine):
@@ -645,6 +655,10 @@ class TorchEngine(Engine):
             int64_tensor(tokens, dev), int64_tensor(positions, dev), batch, self.k_cache, self.v_cache,
             None if every else int64_tensor(logits_at, dev),
         )  # fmt: skip
+        # logprobs: the raw rows (before penalties / min_tokens masks / temperature), copied
+        # before sampling so nothing the sampler does to the logits reaches them
+        asked = [j for j, (_, s) in enumerate(rows_s) if s.lps is not None]
+        raw = logits.index_select(0, int64_tensor(asked, dev)) if asked else None
         if all(s.sampling is None for _, s in rows_s):
             nxt = logits.argmax(dim=-1).tolist()
         else:
@@ -652,6 +666,11 @@ class TorchEngine(Engine):
                 logits, [s.sampling for _, s in rows_s], [s.seed for _, s in rows_s], [s.offset + len(s.out) for _, s in rows_s],
                 [s.stats for _, s in rows_s],
             )  # fmt: skip
+        if raw is not None:
+            ks = [rows_s[j][1].sampling.logprobs or 0 for j in asked]  # type: ignore[union-attr]
+            for j, lp in zip(asked, token_logprobs(raw, range(len(asked)), [nxt[j] for j in asked], ks)):
+                s = rows_s[j][1]
+                s.lps[len(s.out)] = lp  # type: ignore[index]
         for (rid, s), t in zip(rows_s, nxt):
             s.out.append(t)
             if s.stats is not None:
@@ -690,6 +709,20 @@ class TorchEngine(Engine):
         """
         s = self.seqs[rid]
         return s.out[start - s.offset : start - s.offset + count]
+
+    @_locked
+    def output_logprobs(self, rid: str, start: int, count: int) -> list[TokenLogprob] | None:
+        """Log-probabilities of the tokens :meth:`output_tokens` returns for the same arguments
+        (:mod:`.logprobs`); None when ``rid`` did not ask (``Sampling.logprobs``).
+
+        Raises:
+            KeyError: ``rid`` unknown, or a position whose logprobs were not computed here.
+        """
+        s = self.seqs[rid]
+        if s.lps is None:
+            return None
+        lo = start - s.offset
+        return [s.lps[i] for i in range(lo, min(lo + count, len(s.out)))]
 
     # ------------------------------------------------------------------ #
     # invariants

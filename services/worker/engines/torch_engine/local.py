@@ -33,6 +33,9 @@ class Finished:
     """Prompt tokens served from cache where its prefill ran (L1 hit + L2 restore)."""
     finish_reason: str | None = None
     """``length`` (max_tokens) or ``stop`` (the model's EOS token)."""
+    logprobs: dict[int, tuple[float, list[int], list[float]]] | None = None
+    """With ``Sampling.logprobs``: the logprobs this node computed, by index into ``tokens``
+    (a decode node's lack index 0, the prefill node's token); None when not asked."""
 
 
 @dataclass
@@ -64,6 +67,8 @@ class LocalNode:
     finished: dict[str, Finished] = field(default_factory=dict)
     cached: dict[str, int] = field(default_factory=dict)
     records: list = field(default_factory=list)
+    handoff_logprobs: dict[str, dict[int, tuple[float, list[int], list[float]]]] = field(default_factory=dict)
+    """With ``Sampling.logprobs``: the logprobs of each handed-off request's first token (index 0)."""
     offsets: dict[str, int] = field(default_factory=dict)
     """``output_offset`` of each request's work (a re-dispatched continuation's first position)."""
 
@@ -102,8 +107,14 @@ class LocalNode:
                     self.cached[o.rid] = o.cached_tokens
                 if o.finished:
                     toks = self.engine.output_tokens(o.rid, self.offsets.get(o.rid, 0), o.index + o.count)
-                    self.finished[o.rid] = Finished(o.rid, toks, self.cached.get(o.rid, 0), o.finish_reason)
+                    lps = self.engine.seqs[o.rid].lps
+                    self.finished[o.rid] = Finished(
+                        o.rid, toks, self.cached.get(o.rid, 0), o.finish_reason, None if lps is None else dict(lps)
+                    )
             elif isinstance(o, HandOff):
+                lps = self.engine.seqs[o.rid].lps
+                if lps is not None:
+                    self.handoff_logprobs[o.rid] = dict(lps)
                 self.handoffs.append(HandOff(o.rid, o.decode_node, self.engine.handoff(o.work), o.at))
         self.records.extend(self.core.take_records())
         self._drain()

@@ -1,0 +1,109 @@
+"""Log-probabilities in the ``torch`` engine (``torch_engine.logprobs``, ``Sampling.logprobs``):
+the values are ``torch.log_softmax`` of the raw logits, the top lists sorted and holding the
+chosen token of a greedy row, computed on the prefill node's first token and every decode token
+(equal across a hand-off), none for requests that did not ask; the sim engine refuses such work."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from shared.hashing import block_hashes, pack_tokens  # noqa: E402
+from shared.messages import DecodeWork, PrefillWork, Sampling  # noqa: E402
+from shared.profile import load_profile  # noqa: E402
+from services.worker.engines.sim import SimEngine  # noqa: E402
+from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
+from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
+from services.worker.engines.torch_engine.logprobs import token_logprobs  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_are_log_softmax_and_top_k_is_sorted(dtype):
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 300, generator=g) * 4).to(dtype)
+    rows, chosen, ks = [4, 0, 2], [7, 299, 0], [3, 0, 20]
+    out = token_logprobs(logits, rows, chosen, ks)
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    assert len(out) == 3
+    for (lp, ids, lps), r, t, k in zip(out, rows, chosen, ks):
+        assert lp == pytest.approx(ref[r, t].item(), abs=1e-6)
+        assert len(ids) == len(lps) == k
+        assert lps == sorted(lps, reverse=True)
+        assert ids == torch.topk(ref[r], k).indices.tolist() if k else ids == []
+        for i, v in zip(ids, lps):
+            assert v == pytest.approx(ref[r, i].item(), abs=1e-6)
+    # the argmax token, chosen, is the top-1 entry with the same value
+    am = int(ref[1].argmax())
+    (lp, ids, lps), = token_logprobs(logits, [1], [am], [2])
+    assert ids[0] == am and lps[0] == lp
+    assert token_logprobs(logits, [], [], []) == []
+
+
+PROFILE = load_profile("torch-tiny-cpu")
+BS = PROFILE.block_size
+N = 10
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lp-model")
+    init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=1024, seed=5)
+    return str(folder)
+
+
+def work(rid, prompt, sp, decode_node=None):
+    return PrefillWork(
+        rid=rid, prompt_tokens=len(prompt), max_tokens=N, block_size=BS, block_hashes=block_hashes(prompt, BS),
+        token_ids=pack_tokens(prompt), decode_node=decode_node, ignore_eos=True, sampling=sp,
+    )  # fmt: skip
+
+
+def _prompt(seed, n=29):
+    rng = random.Random(seed)
+    return [rng.randrange(500) for _ in range(n)]
+
+
+def test_engine_logprobs_every_token_only_when_asked_and_across_a_handoff(model):
+    prompt = _prompt(2)
+    node = LocalNode("a", PROFILE, model)
+    node.add_prefill(work("plain", prompt, None))
+    node.add_prefill(work("g", prompt, Sampling(logprobs=3)))
+    node.add_prefill(work("t", _prompt(4), Sampling(temperature=1.2, seed=9, logprobs=0)))
+    node.run()
+    assert node.finished["plain"].logprobs is None
+    f = node.finished["g"]
+    assert f.tokens == node.finished["plain"].tokens  # asking changes no token
+    assert sorted(f.logprobs) == list(range(N))
+    for i, t in enumerate(f.tokens):
+        lp, ids, lps = f.logprobs[i]
+        assert ids[0] == t and lps[0] == lp and len(ids) == 3 and lp <= 0  # greedy: the chosen token is the top one
+    ft = node.finished["t"]
+    assert sorted(ft.logprobs) == list(range(N)) and all(v[1] == [] for v in ft.logprobs.values())
+    # prefill node: position 0; decode node: the rest; the same values as collocated
+    p = LocalNode("p", PROFILE, model, phase="prefill")
+    d = LocalNode("d", PROFILE, model, phase="decode")
+    p.add_prefill(work("g", prompt, Sampling(logprobs=3), decode_node="d"))
+    p.run()
+    assert p.handoffs[0].work.sampling == Sampling(logprobs=3)
+    first = p.handoff_logprobs["g"]
+    assert sorted(first) == [0]
+    d.add_decode(p.handoffs[0].work)
+    d.run()
+    split = {0: first[0], **d.finished["g"].logprobs}
+    assert d.finished["g"].tokens == f.tokens and sorted(split) == list(range(N))
+    for i in range(N):
+        assert split[i][0] == pytest.approx(f.logprobs[i][0], abs=1e-4)
+        assert split[i][1] == f.logprobs[i][1]
+
+
+def test_sim_engine_refuses_logprobs():
+    eng = SimEngine(load_profile("torch-tiny-cpu"))
+    w = PrefillWork(rid="r", prompt_tokens=4, max_tokens=3, block_size=16, sampling=Sampling(logprobs=0))
+    with pytest.raises(ValueError, match="logprobs are not supported by the sim engine"):
+        eng.accept_prefill(w)
+    with pytest.raises(ValueError, match="sim engine"):
+        eng.accept_decode(DecodeWork(rid="r", prompt_tokens=4, max_tokens=3, block_size=16, sampling=Sampling(logprobs=2)))
+    eng.accept_prefill(PrefillWork(rid="r", prompt_tokens=4, max_tokens=3, block_size=16, sampling=Sampling(top_k=3)))
