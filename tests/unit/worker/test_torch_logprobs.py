@@ -107,3 +107,16 @@ def test_sim_engine_refuses_logprobs():
     with pytest.raises(ValueError, match="sim engine"):
         eng.accept_decode(DecodeWork(rid="r", prompt_tokens=4, max_tokens=3, block_size=16, sampling=Sampling(logprobs=2)))
     eng.accept_prefill(PrefillWork(rid="r", prompt_tokens=4, max_tokens=3, block_size=16, sampling=Sampling(top_k=3)))
+
+
+def test_logprobs_are_the_raw_distribution_not_the_penalized_one(model):
+    """vLLM's ``raw_logprobs``: penalties (here ``repetition_penalty``, which already changes position 0:
+    it applies to the prompt's tokens) and temperature do not change the reported values; at position 0
+    the prompt is the same, so the top lists equal an unpenalized greedy request's."""
+    prompt = _prompt(7)
+    node = LocalNode("a", PROFILE, model)
+    node.add_prefill(work("g", prompt, Sampling(logprobs=5)))
+    node.add_prefill(work("p", prompt, Sampling(temperature=0.7, seed=3, repetition_penalty=3.0, logprobs=5)))
+    node.run()
+    g0, p0 = node.finished["g"].logprobs[0], node.finished["p"].logprobs[0]
+    assert p0[1] == g0[1] and p0[2] == pytest.approx(g0[2], abs=1e-5)
