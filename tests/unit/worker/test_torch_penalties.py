@@ -191,3 +191,23 @@ def test_min_tokens_keeps_a_stop_token_id_from_ending_the_request_before_it(mode
     assert got.tokens[:j] == ref[:j]
     assert stop not in got.tokens[:m] and len(got.tokens) > m - 1
     assert got.finish_reason == ("stop" if stop in got.tokens else "length")
+
+
+def test_a_queued_penalized_request_holds_no_device_counts_until_it_is_first_sampled(model):
+    # 5 bytes x vocabulary each (0.76 MB at 152k): only requests the engine samples hold them,
+    # not every request waiting in the queue; built from the packed prompt (numpy, not a list)
+    import numpy as np
+
+    node = LocalNode("q", PROFILE, model)
+    sp = Sampling(repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=3)
+    for i in range(3):
+        node.add_prefill(work(f"q{i}", _prompt(20 + i), sp))
+    node.add_prefill(work("plain", _prompt(30), None))
+    assert all(s.stats is None for s in node.engine.seqs.values())
+    node.step()
+    sampled = [rid for rid, s in node.engine.seqs.items() if s.out]
+    assert sampled and all(node.engine.seqs[r].stats is not None for r in sampled if r != "plain")
+    assert node.engine.seqs["plain"].stats is None
+    p = _prompt(21)
+    a, b = token_stats(sp, p, [7, 7], 2, [1], 512, "cpu"), token_stats(sp, np.asarray(p, dtype="<u4"), [7, 7], 2, [1], 512, "cpu")
+    assert torch.equal(a.counts, b.counts) and torch.equal(a.seen, b.seen) and torch.equal(a.min_stop, b.min_stop)

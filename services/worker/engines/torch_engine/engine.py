@@ -150,7 +150,12 @@ class _Seq:
     stop_ids: frozenset[int] = frozenset()
     """``sampling.stop_token_ids``: the request ends at any of them."""
     stats: TokenStats | None = None
-    """Penalty counts / ``min_tokens`` state (:func:`.sampling.token_stats`); None = neither set."""
+    """Penalty counts / ``min_tokens`` state (:func:`.sampling.token_stats`); None = neither set,
+    or not built yet (``stats_from``)."""
+    stats_from: bytes | None = None
+    """The packed prompt (``<u4``) of a request that needs :attr:`stats` and has none yet: they are
+    built when it is first sampled (``_forward``, in the engine's thread), so a queued request holds
+    no ``[V]`` tensors on the device and its arrival (on the event loop) does no O(prompt) tensor work."""
     lps: dict[int, TokenLogprob] | None = None
     """``sampling.logprobs`` asked: the log-probabilities computed here of ``out[i]``, by index
     ``i`` (a hand-off's first token was computed on the prefill node and is not here)."""
@@ -164,6 +169,8 @@ def _seq(prompt: list[int], sp: Sampling | None, **kw: Any) -> _Seq:
         seed = sp.seed if sp.seed is not None else secrets.randbits(64)
     stop = frozenset(sp.stop_token_ids) if sp is not None and sp.stop_token_ids else frozenset()
     lps: dict[int, TokenLogprob] | None = {} if sp is not None and sp.logprobs is not None else None
+    if sp is None or not (sp.penalized or sp.min_tokens > 0):
+        kw.pop("stats_from", None)
     return _Seq(prompt=prompt, sampling=sp, seed=seed, stop_ids=stop, lps=lps, **kw)
 
 
@@ -277,8 +284,7 @@ class TorchEngine(Engine):
         err = self.context_error(work.prompt_tokens, work.max_tokens)
         if err:
             raise ValueError(err)
-        self.seqs[work.rid] = s = _seq(ids, work.sampling, offset=work.output_offset, ignore_eos=work.ignore_eos)
-        s.stats = token_stats(work.sampling, ids, (), work.output_offset, self.eos, self.cfg.vocab_size, self.device)
+        self.seqs[work.rid] = _seq(ids, work.sampling, offset=work.output_offset, ignore_eos=work.ignore_eos, stats_from=work.token_ids)
 
     @_locked
     def accept_decode(self, work: DecodeWork) -> None:
@@ -303,8 +309,7 @@ class TorchEngine(Engine):
             )
         raw = torch.frombuffer(bytearray(work.kv), dtype=torch.uint8)
         kv = raw.view(self.host.dtype).reshape(pages, *self.host.shape[1:])
-        s = _seq(ids, work.sampling, out=list(work.output_ids), offset=work.output_offset, ignore_eos=work.ignore_eos)
-        s.stats = token_stats(work.sampling, ids, s.out, work.output_offset, self.eos, self.cfg.vocab_size, self.device)
+        s = _seq(ids, work.sampling, out=list(work.output_ids), offset=work.output_offset, ignore_eos=work.ignore_eos, stats_from=work.token_ids)
         s.incoming = {i: kv[i] for i in range(pages)}
         s.path = list(work.block_hashes)
         for i, h in enumerate(work.block_hashes):
@@ -662,6 +667,10 @@ class TorchEngine(Engine):
         if all(s.sampling is None for _, s in rows_s):
             nxt = logits.argmax(dim=-1).tolist()
         else:
+            for _, s in rows_s:
+                if s.stats_from is not None:  # first sampled here: build its counts now (see _Seq.stats_from)
+                    s.stats = token_stats(s.sampling, unpack_tokens(s.stats_from), s.out, s.offset, self.eos, self.cfg.vocab_size, dev)
+                    s.stats_from = None
             nxt = sample(
                 logits, [s.sampling for _, s in rows_s], [s.seed for _, s in rows_s], [s.offset + len(s.out) for _, s in rows_s],
                 [s.stats for _, s in rows_s],

@@ -37,8 +37,10 @@ temperature / top-k / top-p / min-p:
 first k output tokens as the last k tokens of its prompt, and they count as output, as they
 would have on the node that died. The per-request counts (``[V]`` float32) and the
 prompt-or-output mask (``[V]`` bool) live on the logits' device, built once when the request
-arrives and updated by :meth:`TokenStats.add` with each new token (2 indexed writes), not
-recomputed from the output: ~5 bytes × vocabulary per penalized request (0.76 MB at 152k).
+is first sampled on a node (``TorchEngine``: a queued request holds none, so they are bounded by
+the running batch, not by the queue) and updated by :meth:`TokenStats.add` with each new token
+(2 indexed writes), not recomputed from the output: ~5 bytes × vocabulary per penalized running
+request (0.76 MB at 152k).
 Rows without a :class:`TokenStats` are not touched: their logits are the same values (a
 float32 copy, exact), so a greedy row without penalties is still the same argmax.
 
@@ -79,6 +81,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+import numpy as np
 import torch
 
 from shared.messages import Sampling
@@ -161,22 +164,31 @@ class TokenStats:
 
 
 def token_stats(
-    sp: Sampling | None, prompt: Sequence[int], out: Sequence[int], offset: int, eos: Collection[int], vocab: int, device: torch.device | str
+    sp: Sampling | None,
+    prompt: Sequence[int] | np.ndarray,
+    out: Sequence[int],
+    offset: int,
+    eos: Collection[int],
+    vocab: int,
+    device: torch.device | str,
 ) -> TokenStats | None:
-    """The :class:`TokenStats` of a request arriving with ``prompt`` and output ``out`` (a
-    hand-off's first token(s)), ``offset`` = its ``output_offset`` (the last ``offset`` prompt
-    tokens are earlier output of a re-dispatch); None when ``sp`` sets no penalty and no
-    ``min_tokens`` (nothing to do). ``eos``: the model's end-of-sequence ids. O(prompt + out), once."""
+    """The :class:`TokenStats` of a request with ``prompt`` and output ``out`` so far (a
+    hand-off's first token(s), or what this node sampled before it was built), ``offset`` = its
+    ``output_offset`` (the last ``offset`` prompt tokens are earlier output of a re-dispatch);
+    None when ``sp`` sets no penalty and no ``min_tokens`` (nothing to do). ``eos``: the model's
+    end-of-sequence ids. ``prompt`` may be a numpy array (the engine passes the packed
+    ``<u4`` prompt as is: a 1M-token list took 150-400 ms through ``torch.tensor``, holding the
+    GIL). O(prompt + out), once."""
     if sp is None or not (sp.penalized or sp.min_tokens > 0):
         return None
     counts = seen = None
     if sp.penalized:
-        prev = list(prompt[len(prompt) - offset :]) if offset else []
-        outs = torch.tensor(prev + list(out), dtype=torch.int64, device=device)
+        ids = torch.from_numpy(np.asarray(prompt, dtype=np.int64)).to(device)
+        outs = torch.cat([ids[len(ids) - offset :] if offset else ids[:0], torch.tensor(list(out), dtype=torch.int64, device=device)])
         counts = torch.bincount(outs, minlength=vocab).to(torch.float32) if outs.numel() else torch.zeros(vocab, dtype=torch.float32, device=device)
         seen = counts > 0
-        if len(prompt):
-            seen[torch.tensor(list(prompt), dtype=torch.int64, device=device)] = True
+        if len(ids):
+            seen[ids] = True
     stop = sorted(t for t in set(eos) | set(sp.stop_token_ids) if 0 <= t < vocab) if sp.min_tokens > 0 else []
     return TokenStats(counts, seen, sp.min_tokens, torch.tensor(stop, dtype=torch.int64, device=device))
 
