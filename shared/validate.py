@@ -72,7 +72,14 @@ MAX_STOP_TOKEN_IDS = 1024
 """Most ``Sampling.stop_token_ids`` of one request."""
 MAX_REPETITION_PENALTY = 100.0
 """Largest ``Sampling.repetition_penalty`` a work may carry (vLLM: > 0, no upper bound; the
-router's API takes (0, this])."""
+router's API takes [:data:`MIN_REPETITION_PENALTY`, this])."""
+MIN_REPETITION_PENALTY = 1.0 / MAX_REPETITION_PENALTY
+"""Smallest ``Sampling.repetition_penalty`` (vLLM: any > 0). Below ~3e-37 a positive logit of the
+prompt or output divided by it overflows float32 to +inf (and under 1.4e-45 it is 0 in float32):
+a sampled row's softmax is then NaN and the inverse-CDF draw falls to the last vocabulary id
+(measured, 50-token vocabulary, whole vocabulary in the prompt, r = 1e-39, temperature 1, 8
+seeds: id 49 each time, also when 49 is the EOS that ``min_tokens`` = 5 masks at position 0), a
+greedy row takes the first +inf. 1/100 mirrors the upper bound."""
 MAX_MIN_TOKENS = 2**32
 """Bound of ``Sampling.min_tokens`` (the router's API takes at most ``max_tokens``)."""
 MAX_TOP_LOGPROBS = 20
@@ -432,8 +439,10 @@ def _sampling(sp: m.Sampling | None) -> None:
         v = getattr(sp, name)
         if not (math.isfinite(v) and -2.0 <= v <= 2.0):
             raise Invalid(f"sampling.{name}={v!r} is not finite in [-2, 2]")
-    if not (math.isfinite(sp.repetition_penalty) and 0.0 < sp.repetition_penalty <= MAX_REPETITION_PENALTY):
-        raise Invalid(f"sampling.repetition_penalty={sp.repetition_penalty!r} is not finite in (0, {MAX_REPETITION_PENALTY:g}]")
+    if not (math.isfinite(sp.repetition_penalty) and MIN_REPETITION_PENALTY <= sp.repetition_penalty <= MAX_REPETITION_PENALTY):
+        raise Invalid(
+            f"sampling.repetition_penalty={sp.repetition_penalty!r} is not finite in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"
+        )
     _int(sp.min_tokens, "sampling.min_tokens", MAX_MIN_TOKENS)
     if sp.logprobs is not None:
         _int(sp.logprobs, "sampling.logprobs", MAX_TOP_LOGPROBS)

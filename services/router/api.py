@@ -10,7 +10,7 @@ Sampling fields (:func:`sampling`). Sent to the nodes in
 ``temperature`` [0, 2] (0 = greedy, the default), ``top_p`` (0, 1], ``top_k``
 (-1 or 0 = off, else ≥ 1, as vLLM), ``min_p`` [0, 1], ``seed`` (int64),
 ``stop_token_ids``; ``ignore_eos``; ``presence_penalty`` / ``frequency_penalty``
-[-2, 2], ``repetition_penalty`` (0, 100] (1 = off) and ``min_tokens`` (≥ 0, at most an
+[-2, 2], ``repetition_penalty`` [0.01, 100] (1 = off) and ``min_tokens`` (≥ 0, at most an
 explicit ``max_tokens``; vLLM's extras). ``stop`` (a string or a list of at most
 :data:`MAX_STOP` non-empty strings of at most :data:`MAX_STOP_LEN` characters)
 is applied by the router where it detokenizes (``services.router.stops``), for
@@ -65,6 +65,9 @@ MAX_STOP_TOKEN_IDS = 1024
 """Most ``stop_token_ids`` of one request (``shared.validate.MAX_STOP_TOKEN_IDS``)."""
 MAX_REPETITION_PENALTY = 100.0
 """Largest ``repetition_penalty`` (``shared.validate.MAX_REPETITION_PENALTY``; vLLM: > 0, unbounded)."""
+MIN_REPETITION_PENALTY = 1.0 / MAX_REPETITION_PENALTY
+"""Smallest ``repetition_penalty`` (``shared.validate.MIN_REPETITION_PENALTY``: a tiny one overflows
+the float32 logits to +inf and the draw to garbage; vLLM: any > 0)."""
 MAX_MIN_TOKENS = 2**32
 """Largest ``min_tokens`` (``shared.validate.MAX_MIN_TOKENS``)."""
 MAX_LOGPROBS = 20
@@ -136,7 +139,7 @@ class _Sampling(Struct, kw_only=True):
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None
+    repetition_penalty: Annotated[float, Meta(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] | None = None
     min_tokens: Annotated[int, Meta(ge=0, le=MAX_MIN_TOKENS)] | None = None
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False

@@ -52,6 +52,11 @@ def test_bad_values_are_400s_naming_the_field():
     assert param(repetition_penalty=0) == "repetition_penalty"
     assert param(repetition_penalty=-1) == "repetition_penalty"
     assert param(repetition_penalty=api.MAX_REPETITION_PENALTY * 2) == "repetition_penalty"
+    # a tiny one overflowed the float32 logits to +inf: NaN softmax, the draw fell to id V - 1
+    assert param(repetition_penalty=1e-39) == "repetition_penalty"
+    assert param(repetition_penalty=api.MIN_REPETITION_PENALTY * 0.99) == "repetition_penalty"
+    assert api.MIN_REPETITION_PENALTY == validate.MIN_REPETITION_PENALTY
+    assert parse(repetition_penalty=api.MIN_REPETITION_PENALTY).repetition_penalty == validate.MIN_REPETITION_PENALTY
     assert param(min_tokens=-1) == "min_tokens"
     assert param(min_tokens=1.5) == "min_tokens"
     assert param(min_tokens=5, max_tokens=4) == "min_tokens"
@@ -66,6 +71,7 @@ def test_the_nodes_check_bounds_and_old_messages_decode():
         (Sampling(frequency_penalty=3.0), "frequency_penalty"),
         (Sampling(repetition_penalty=0.0), "repetition_penalty"),
         (Sampling(repetition_penalty=float("inf")), "repetition_penalty"),
+        (Sampling(repetition_penalty=1e-39), "repetition_penalty"),
         (Sampling(min_tokens=2**40), "min_tokens"),
     ):
         reason = validate.check(_work(bad))
