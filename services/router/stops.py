@@ -105,7 +105,8 @@ class OutputText:
         if not self._keep:
             return self._dec.flush()
         if not self.stopped:
-            self._add(self._dec.flush())
+            # text held for an incomplete character: under min_tokens no stop string ends it here either
+            self._add(self._dec.flush(), match=self.tokens > self.min_tokens)
         return self._take(final=True)
 
     def _add(self, delta: str, *, match: bool = True) -> bool:

@@ -57,3 +57,34 @@ def test_stop_token_ids_wait_for_min_tokens():
     got = run("abcabc", 1, stop_ids=[ord("b")])
     assert (got.text, got.tokens) == ("a", 2)
     assert run("abcabc", 6, stop_ids=[ord("b")]).stop_reason is None
+
+
+class ByteTok:
+    """Each id a byte string (``PIECES``); the text is their concatenation decoded with replacement."""
+
+    name = "bytes"
+    PIECES = [b"st", b"op\xe4", b"\xb8\xad", b"x"]
+    vocab_size = len(PIECES)
+
+    def encode(self, text):
+        raise NotImplementedError
+
+    def decode(self, ids):
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_text_held_for_an_incomplete_character_is_not_matched_at_the_end_under_min_tokens():
+    # the last token ("op" + half a character) ends the output at min_tokens: its text is held
+    # until the end, and a stop string it completes ("stop") must not cut it there (vLLM checks
+    # no stop string while the output has at most min_tokens tokens)
+    out = OutputText(ByteTok(), ["stop"], (), 2)
+    out.push([0])
+    out.push([1])
+    out.finish()
+    assert (out.text, out.stop_reason) == ("stop\ufffd", None)
+    # past min_tokens it is matched, at the end as before
+    out = OutputText(ByteTok(), ["stop"], (), 1)
+    out.push([0])
+    out.push([1])
+    out.finish()
+    assert (out.text, out.stop_reason) == ("", "stop")
