@@ -11,7 +11,7 @@ Sampling fields (:func:`sampling`). Sent to the nodes in
 (-1 or 0 = off, else ≥ 1, as vLLM), ``min_p`` [0, 1], ``seed`` (int64),
 ``stop_token_ids``; ``ignore_eos``; ``presence_penalty`` / ``frequency_penalty``
 [-2, 2], ``repetition_penalty`` [0.01, 100] (1 = off) and ``min_tokens`` (≥ 0, at most an
-explicit ``max_tokens``; vLLM's extras). ``stop`` (a string or a list of at most
+explicit ``max_tokens`` here, at most the defaulted one in ``RouterService._prepare_body``; vLLM's extras). ``stop`` (a string or a list of at most
 :data:`MAX_STOP` non-empty strings of at most :data:`MAX_STOP_LEN` characters)
 is applied by the router where it detokenizes (``services.router.stops``), for
 every engine. The ``sim`` engine has no real tokens: it accepts the sampling

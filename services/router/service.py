@@ -1422,6 +1422,12 @@ class RouterService:
                     f"({n} in the {part}, {max_tokens} in the completion). Please reduce the length of the {part} or completion.",
                     param=part if asked is None or n >= ctx else "max_tokens",
                 )
+        if req.min_tokens and req.min_tokens > max_tokens:
+            # vLLM checks min_tokens against the max_tokens it uses (defaulted, cut to the context) too:
+            # sent on, a request with a default max_tokens below it ended before its min_tokens
+            raise api.ApiError(
+                400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens}, the limit this request gets)", param="min_tokens"
+            )
         top = int(arr.max())
         if top >= self.tokenizer.vocab_size:
             raise api.ApiError(400, f"token id {top} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param="prompt")

@@ -134,3 +134,20 @@ async def test_an_unset_max_tokens_is_cut_to_the_output_limit_not_refused(nats_u
         assert r.status_code == 200 and env.cluster.works[-1].max_tokens == 10, r.text
         r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 11})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+async def test_min_tokens_above_the_max_tokens_a_request_gets_is_a_400(nats_url, tmp_path):
+    """min_tokens is checked against the max_tokens the request gets (vLLM's SamplingParams check runs
+    on its defaulted, context-cut max_tokens too): completions' default 16, a chat's default cut to
+    --max-output-tokens, a default cut to the context. It was sent on, and the output ended (length)
+    before its min_tokens."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, max_output_tokens=10, max_context_tokens=20) as env:
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "min_tokens": 11})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+        r = await env.http.post("/v1/chat/completions", json={"messages": USER, "min_tokens": 11})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+        r = await env.http.post("/v1/completions", json={"prompt": list(range(1, 16)), "min_tokens": 6})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+        r = await env.http.post("/v1/completions", json={"prompt": list(range(1, 16)), "min_tokens": 5})
+        assert r.status_code == 200 and env.cluster.works[-1].max_tokens == 5, r.text
+        assert env.cluster.works[-1].sampling.min_tokens == 5
