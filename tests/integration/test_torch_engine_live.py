@@ -107,7 +107,9 @@ async def test_torch_cluster_outputs_equal_reference_on_every_path(tmp_path):
         nodes=4, split="2P2D", profile="torch-tiny-cpu", speedup=1.0, port=0, block_size=BS, routing="ttft",
         log_dir=str(tmp_path / "logs"), ready_timeout_s=180.0, engine="torch", model_dir=str(folder),
         tokenizer=f"hf:{folder}", model="tiny", max_context_tokens=2048, router_args=ROUTER_ARGS,
-        worker_args=("--check-invariants", "--kv-pool", "real"),
+        # the test publishes work itself (as admin, not through the router), so no router has it in
+        # flight: the nodes' owner checks (route.held) would drop it as a dead router's work
+        worker_args=("--check-invariants", "--kv-pool", "real", "--owner-check-interval-s", "0"),
         node_args={n: ("--kv-pool-ports", "%d-%d" % r) for n, r in zip(NODES, _disjoint_port_ranges(len(NODES)))},
     )  # fmt: skip
     rng = random.Random(3)
