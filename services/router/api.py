@@ -321,7 +321,9 @@ def chat_logprobs(entries: list[LogprobEntry], top: int, decode: Callable[[int],
 def completion_logprobs(entries: list[LogprobEntry], top: int, decode: Callable[[int], str], offset: int = 0) -> dict[str, Any]:
     """vLLM's / OpenAI's legacy completions ``logprobs`` (``CompletionLogProbs``): ``tokens``,
     ``token_logprobs``, ``top_logprobs`` (per token a dict token text → logprob of the ``top`` most
-    likely and the chosen token, as vLLM's), ``text_offset`` (characters: the token's start in
+    likely and the chosen token, as vLLM's; ids whose texts are equal, e.g. byte pieces of one
+    character that each decode alone to U+FFFD, share one key, holding the likeliest one's logprob,
+    so a greedy token's entry is its own), ``text_offset`` (characters: the token's start in
     the output text made of the tokens' texts, counting from ``offset``, for a stream's later chunks)."""
     tokens: list[str] = []
     token_lps: list[float | None] = []
@@ -331,7 +333,9 @@ def completion_logprobs(entries: list[LogprobEntry], top: int, decode: Callable[
         text = decode(t)
         tokens.append(text)
         token_lps.append(_lp(lp))
-        d = {decode(i): _lp(v) for i, v in zip(ids[:top], lps[:top])}
+        d: dict[str, float | None] = {}
+        for i, v in zip(ids[:top], lps[:top]):  # most likely first: of ids whose texts collide, the likeliest is kept
+            d.setdefault(decode(i), _lp(v))
         d.setdefault(text, _lp(lp))
         tops.append(d)
         offsets.append(offset)

@@ -444,6 +444,11 @@ class NodeLoadView(Value):
             return True, ""
         return False, self.no_candidate_reason("decode", now)
 
+    def engines(self) -> set[str]:
+        """Engines the nodes reported (``NodeState.engine``: ``sim``, ``torch``, ...), over every
+        node with a state; empty before any state arrived. O(nodes)."""
+        return {rec.state.engine for rec in self.nodes.values() if rec.state is not None}
+
     def no_candidate_reason(self, role: str, now: float) -> str:
         """Human-readable reason why no node of ``role`` (prefill|decode) is eligible."""
         phases = PREFILL_PHASES if role == "prefill" else DECODE_PHASES

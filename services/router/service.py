@@ -1541,6 +1541,12 @@ class RouterService:
             if client_rid is not None and self._in_flight(client_rid) and not await self._rid_freed(client_rid):
                 raise api.ApiError(409, f"X-Request-ID {client_rid!r} is already in flight", param="X-Request-ID")
             hdrs, req, arr, max_tokens, packed, hashes = await self._prepare(request, chat)
+            if api.logprobs_asked(req) is not None and self.core.view.engines() == {"sim"}:
+                # no node has a model to take log-probabilities from: the client's request, not a node, is at fault
+                raise api.ApiError(
+                    400, "logprobs need a model's logits: every node of this cluster runs the sim engine (start workers "
+                    "with --engine torch to get them)", param="logprobs",
+                )
             start = None
             if hdrs.branch_id is not None:
                 start = self.branches.observe(

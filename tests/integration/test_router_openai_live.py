@@ -151,3 +151,24 @@ async def test_min_tokens_above_the_max_tokens_a_request_gets_is_a_400(nats_url,
         r = await env.http.post("/v1/completions", json={"prompt": list(range(1, 16)), "min_tokens": 5})
         assert r.status_code == 200 and env.cluster.works[-1].max_tokens == 5, r.text
         assert env.cluster.works[-1].sampling.min_tokens == 5
+
+
+async def test_logprobs_on_a_cluster_of_sim_engines_is_a_400(nats_url, tmp_path):
+    """Every node reports the ``sim`` engine (``NodeState.engine``, the fake cluster's default): no node
+    has logits, so asking for logprobs is the request's fault, a 400 naming ``logprobs`` before anything
+    is dispatched (it was dispatched and came back as a 500 engine error from the sim node). The same
+    request without logprobs is served."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        sent = len(env.cluster.works)
+        for path, body in (
+            ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "logprobs": True, "top_logprobs": 2}),
+            ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "logprobs": True}),
+            ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "logprobs": 0}),
+        ):
+            r = await env.http.post(path, json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "logprobs" and "sim engine" in err["message"], err
+        assert len(env.cluster.works) == sent  # nothing dispatched
+        r = await env.http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "logprobs": False})
+        assert r.status_code == 200, r.text

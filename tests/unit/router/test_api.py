@@ -238,6 +238,18 @@ def test_completion_logprobs_shape():
     assert api.completion_chunk("cmpl-x", 1, "m", "He", None, False, logprobs=out)["choices"][0]["logprobs"] is out
 
 
+def test_completion_logprobs_ids_with_one_text_keep_the_likeliest():
+    """Byte pieces of one character each decode alone to U+FFFD: in the legacy dict (keyed by text)
+    they share one key, which keeps the likeliest one's logprob, so a greedy token's entry is its own
+    (the last one's used to win: a live torch run answered a greedy token's entry with a less likely
+    piece's logprob)."""
+    text = {5: "\ufffd", 6: "\ufffd", 7: "\ufffd", 1: "He"}
+    entries = [(5, -0.3, [5, 6, 1, 7], [-0.3, -0.9, -1.1, -2.0])]
+    out = api.completion_logprobs(entries, 4, text.__getitem__)
+    assert out["top_logprobs"] == [{"\ufffd": -0.3, "He": -1.1}]
+    assert out["tokens"] == ["\ufffd"] and out["token_logprobs"] == [-0.3]
+
+
 def test_sampling_parameters_go_to_the_nodes_and_bad_ones_are_named():
     """``temperature`` / ``top_p`` / ``top_k`` / ``min_p`` / ``seed`` / ``stop_token_ids`` become the work's
     ``Sampling`` (None = greedy: the default, and any request with temperature 0 and no stop token ids);
