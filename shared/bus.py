@@ -83,6 +83,11 @@ class BusError(RuntimeError):
     """A request got no (decodable) reply in time, or the bus could not take a message."""
 
 
+class NoResponders(BusError):
+    """A request found nobody serving its subject (NATS "no responders"): the service that answers it
+    is gone or not subscribed yet, unlike a timeout, where it may only be slow."""
+
+
 class BusUnavailable(BusError):
     """NATS is unreachable and the outbound buffer is full or the connection closed:
     the caller should answer 503 and let the client retry."""
@@ -528,15 +533,16 @@ class Bus:
         """Send a request and return the decoded reply (``headers``: NATS headers, e.g. ``traceparent``).
 
         Raises:
-            BusError: on timeout, no responders, an undecodable reply, or a request the
-                server refused as malformed or invalid (the reason is in the message).
+            BusError: on timeout, no responders (:class:`NoResponders`), an undecodable reply, or a
+                request the server refused as malformed or invalid (the reason is in the message).
         """
         full = self.subjects.format(subject, **params)
         try:
             raw = await self.nc.request(full, m.encode(self._stamp(msg)), timeout=timeout, headers=headers)
         except (nats.errors.Error, asyncio.TimeoutError) as e:  # timeout, no responders, closed, buffer full
             self.counters["request_failed." + subject.template] += 1
-            raise BusError(f"no reply on {full}: {type(e).__name__}") from e
+            cls = NoResponders if isinstance(e, nats.errors.NoRespondersError) else BusError
+            raise cls(f"no reply on {full}: {type(e).__name__}") from e
         if raw.headers and REFUSED_HEADER in raw.headers:
             self.counters["request_refused." + subject.template] += 1
             raise BusError(f"request refused on {full}: {raw.headers[REFUSED_HEADER]}")

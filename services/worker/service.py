@@ -58,7 +58,7 @@ import msgspec
 import structlog
 
 from shared import messages as m
-from shared.bus import Bus, BusError
+from shared.bus import Bus, BusError, NoResponders
 from shared.clock import SimClock, sleep_until
 from shared.profile import Profile, load_profile
 from shared.validate import epoch_step_ok
@@ -582,7 +582,7 @@ class WorkerService:
             try:
                 rep = await self.bus.request(ROUTE_HELD, m.HeldQuery(node=self.node, rids=rids, attempts=attempts), timeout=timeout, router=router)
             except BusError as e:
-                if "NoRespondersError" not in str(e):
+                if not isinstance(e, NoResponders):
                     self.counters["owners.no_answer"] += 1  # a timeout decides nothing: kept
                     continue
                 self.counters["owners.no_responders"] += 1
@@ -799,7 +799,7 @@ class WorkerService:
                     )
                 except BusError as e:  # router restarting or gone: retry until the deadline
                     reason = str(e)
-                    if "NoRespondersError" in reason:
+                    if isinstance(e, NoResponders):
                         # nobody serves route.bind.<owner>: the owning router is gone, and with it the
                         # client's stream; waiting would stall this node's other requests (issue #22)
                         self.counters["bind.owner_gone"] += 1
