@@ -1207,7 +1207,7 @@ class RouterService:
             except Exception as e:  # a chat template may raise on a malformed conversation
                 raise api.ApiError(400, f"cannot tokenize: {e}", param="messages" if isinstance(req, api.TokenizeChatRequest) else "prompt") from e
             ids = [int(t) for t in ids]
-            return ids, [self.tokenizer.decode([t]) for t in ids] if req.return_token_strs else None
+            return ids, [self._token_text(t) for t in ids] if req.return_token_strs else None
 
         try:
             body = await self._read_body(request)
@@ -1382,8 +1382,7 @@ class RouterService:
             req, prompt = api.parse_completion(body)
             asked = req.max_tokens
             max_tokens = asked or 16
-        if req.model and req.model != self.cfg.model:  # absent, null or "": the served model (vLLM's _is_model_supported)
-            raise api.ApiError(404, f"model {req.model!r} not found; this router serves {self.cfg.model!r}", param="model")
+        self._check_model(req.model)
         if asked is None:  # a default the client never sent is cut to the limit, not refused (like the context cut below)
             max_tokens = min(max_tokens, self.cfg.max_output_tokens)
         if max_tokens > self.cfg.max_output_tokens:
