@@ -271,10 +271,7 @@ class KvDirectory:
         n = self._ids.get(node)
         if n is None:
             return 0
-        dropped = 0
-        for tier, removed in self.index.clear(n, None):
-            self.branches.on_removed(n, tier, removed)
-            dropped += len(removed)
+        dropped = self._clear(n, None)
         st = self._streams[n]
         st.awaiting = st.needs_snapshot = True
         st.buffer.clear()
@@ -405,10 +402,18 @@ class KvDirectory:
                 res.blocks_removed += len(ev.block_hashes)
                 counters["kv.blocks_removed"] += len(ev.block_hashes)
             elif t is AllBlocksCleared:
-                for tier, removed in index.clear(n, None if ev.tier is None else TIER_INDEX[ev.tier]):
-                    table.on_removed(n, tier, removed)
-                    counters["kv.cleared_blocks"] += len(removed)
+                counters["kv.cleared_blocks"] += self._clear(n, None if ev.tier is None else TIER_INDEX[ev.tier])
                 counters["kv.clears"] += 1
+
+    def _clear(self, n: int, tier: int | None) -> int:
+        """Drop every copy node ``n`` holds in ``tier`` (None: both) from the index, each through the
+        branch table's presence hook (``AllBlocksCleared``, and a forgotten node). Returns the copies
+        dropped. O(blocks of the node) C-level."""
+        dropped = 0
+        for t, removed in self.index.clear(n, tier):
+            self.branches.on_removed(n, t, removed)
+            dropped += len(removed)
+        return dropped
 
     def apply_snapshot(self, snap: KvSnapshot, now: float) -> ApplyResult:
         """Replace a node's presence with a ``KvSnapshot`` and continue from ``snap.seq + 1``.
