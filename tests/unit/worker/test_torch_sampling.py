@@ -27,7 +27,7 @@ from shared.messages import PrefillWork, Sampling  # noqa: E402
 from shared.profile import load_profile  # noqa: E402
 from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
-from services.worker.engines.torch_engine.sampling import sample, splitmix64, uniform, uniforms  # noqa: E402
+from services.worker.engines.torch_engine.sampling import sample, sample_rows, splitmix64, uniform, uniforms  # noqa: E402
 
 V = 50
 
@@ -85,6 +85,20 @@ def test_top_k_and_min_p_never_pick_a_filtered_token():
             break
     got = {sample(x, [Sampling(temperature=3.0, top_p=0.5)], [s], [0])[0] for s in range(300)}
     assert got <= head and len(head) > 1
+
+
+def test_a_uniform_at_the_top_of_the_mass_draws_the_last_kept_token():
+    """``u`` × the kept mass that reaches the total (a float32 rounding of ``u`` < 1; here ``u`` = 1)
+    finds no cumulative probability above it: the draw is the last token with a probability, in
+    the row's draw order (sorted rows: the k-th highest; others: the last kept in vocabulary order),
+    never a filtered one or an index past the vocabulary."""
+    x = torch.tensor([[0.5, 3.0, 1.0, 2.5, -1.0, 0.0]])
+    one = torch.ones(1, 1)
+    assert sample_rows(x, [Sampling(temperature=1.0, top_k=2)], one) == [3]  # sorted: 1 (3.0), then 3 (2.5)
+    assert sample_rows(x, [Sampling(temperature=1.0, min_p=0.5)], one) == [3]  # vocabulary order: 1 and 3 kept
+    assert sample_rows(x, [Sampling(temperature=1.0)], one) == [5]  # nothing filtered: the last id
+    assert sample_rows(torch.cat([x, x]), [Sampling(temperature=1.0, top_k=2), Sampling(temperature=1.0, top_k=3)],
+                       torch.tensor([[1.0], [0.0]])) == [3, 1]  # fmt: skip
 
 
 def test_draws_follow_the_tempered_softmax():

@@ -313,9 +313,15 @@ def _draw(logits: torch.Tensor, params: Sequence[Sampling], u: torch.Tensor, *, 
         prob = prob.masked_fill(prob < top * mp[:, None], 0.0)
     cdf = prob.cumsum(dim=-1)
     j = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    # u × total can round up to the total (u < 1): then the last token with a probability
-    last = V - 1 - (prob > 0).flip(-1).to(torch.int8).argmax(dim=-1, keepdim=True)
-    j = torch.minimum(j, last)
+    # u × total can round up to the total (u < 1): no cumulative probability exceeds it and j = V;
+    # then the last token with a probability. Otherwise j is at most that token already (the
+    # tokens after it add nothing, so their cdf equals its own), so the scan for it (a flip and
+    # an argmax over [r, V]: ~12 ms of a 45-75 ms step at 32 rows x 152k on one CPU thread) runs
+    # only in that case
+    over = j >= V
+    if bool(over.any()):
+        last = V - 1 - (prob > 0).flip(-1).to(torch.int8).argmax(dim=-1, keepdim=True)
+        j = torch.where(over, last, j)
     if idx is not None:
         j = idx.gather(1, j)
     return j[:, 0].tolist()
