@@ -82,6 +82,8 @@ seeds: id 49 each time, also when 49 is the EOS that ``min_tokens`` = 5 masks at
 greedy row takes the first +inf. 1/100 mirrors the upper bound."""
 MAX_MIN_TOKENS = 2**32
 """Bound of ``Sampling.min_tokens`` (the router's API takes at most ``max_tokens``)."""
+MAX_TOP_K = 2**32
+"""Largest ``Sampling.top_k`` a work may carry (the router sends a larger one as 0, off)."""
 MAX_TOP_LOGPROBS = 20
 """Most top log-probabilities per output token (``Sampling.logprobs``; OpenAI's and vLLM's chat limit)."""
 
@@ -429,7 +431,7 @@ def _sampling(sp: m.Sampling | None) -> None:
         return
     if not (math.isfinite(sp.temperature) and sp.temperature <= MAX_TEMPERATURE):
         raise Invalid(f"sampling.temperature={sp.temperature!r} is not finite in [0, {MAX_TEMPERATURE:g}]")
-    _int(sp.top_k, "sampling.top_k", 2**32)
+    _int(sp.top_k, "sampling.top_k", MAX_TOP_K)
     if sp.seed is not None:
         _int(sp.seed, "sampling.seed", 2**64 - 1, -(2**63))
     _len(sp.stop_token_ids, "sampling.stop_token_ids", MAX_STOP_TOKEN_IDS)

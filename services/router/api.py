@@ -48,6 +48,14 @@ import msgspec
 from msgspec import Meta, Struct
 
 from shared.messages import Sampling
+from shared.validate import (  # the nodes' bounds of a work's Sampling: the API takes no more than they do
+    MAX_MIN_TOKENS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+)
+from shared.validate import MAX_TOP_LOGPROBS as MAX_LOGPROBS
 
 TokenId = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
 PosInt = Annotated[int, Meta(ge=1)]
@@ -61,23 +69,9 @@ MAX_STOP = 16
 """Most stop strings of one request (OpenAI allows 4; vLLM has no limit)."""
 MAX_STOP_LEN = 1024
 """Longest stop string, characters (the router holds back that much streamed text)."""
-MAX_STOP_TOKEN_IDS = 1024
-"""Most ``stop_token_ids`` of one request (``shared.validate.MAX_STOP_TOKEN_IDS``)."""
-MAX_REPETITION_PENALTY = 100.0
-"""Largest ``repetition_penalty`` (``shared.validate.MAX_REPETITION_PENALTY``; vLLM: > 0, unbounded)."""
-MIN_REPETITION_PENALTY = 1.0 / MAX_REPETITION_PENALTY
-"""Smallest ``repetition_penalty`` (``shared.validate.MIN_REPETITION_PENALTY``: a tiny one overflows
-the float32 logits to +inf and the draw to garbage; vLLM: any > 0)."""
-MAX_MIN_TOKENS = 2**32
-"""Largest ``min_tokens`` (``shared.validate.MAX_MIN_TOKENS``)."""
-MAX_LOGPROBS = 20
-"""Most top log-probabilities per token (chat ``top_logprobs``, completions ``logprobs``): vLLM's
-default ``max_logprobs``, OpenAI's chat limit (``shared.validate.MAX_TOP_LOGPROBS``)."""
 LOGPROB_FLOOR = -9999.0
 """A log-probability of -inf (a token the model rules out) is sent as this, as vLLM does (JSON has no -inf);
 NaN (a chunk of a node that sent none) is sent as ``null``."""
-MAX_TOP_K = 2**32
-"""Largest ``top_k`` sent to the nodes (``shared.validate`` bound); a larger one is sent as 0 (off)."""
 
 
 _T = TypeVar("_T")
