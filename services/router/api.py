@@ -14,14 +14,16 @@ Sampling fields (:func:`sampling`). Sent to the nodes in
 explicit ``max_tokens`` here, at most the defaulted one in ``RouterService._prepare_body``; vLLM's extras). ``stop`` (a string or a list of at most
 :data:`MAX_STOP` non-empty strings of at most :data:`MAX_STOP_LEN` characters)
 is applied by the router where it detokenizes (``services.router.stops``), for
-every engine. The ``sim`` engine has no real tokens: it accepts the sampling
+every engine, and so is ``include_stop_str_in_output`` (vLLM's extra: keep the matched stop
+string, or the stop token id's text, in the output). The ``sim`` engine has no real tokens: it accepts the sampling
 parameters and ignores them (always ``max_tokens`` tokens, unless the router ends
 the text at a stop string or stop token id). *Accepted, validated and ignored*:
 ``logit_bias``, ``user``, ``response_format``, ``tool_choice``,
 ``parallel_tool_calls``, ``skip_special_tokens``. ``tools`` are rendered into
 the chat prompt. Rejected with 400 because they would change the response
-shape: ``n`` > 1, ``best_of`` > 1, ``echo`` (and so prompt logprobs), ``suffix``,
-batched prompts. ``logprobs`` (:func:`logprobs_asked`): chat ``logprobs: true`` with
+shape: ``n`` > 1, ``best_of`` > 1, ``suffix``, batched prompts, completions ``echo`` with
+``logprobs`` (vLLM adds the prompt's logprobs, which no engine here computes); ``echo`` alone
+puts the prompt's text (a token-id prompt detokenized) before the choice's text. ``logprobs`` (:func:`logprobs_asked`): chat ``logprobs: true`` with
 ``top_logprobs`` 0..20, completions ``logprobs`` 0..:data:`MAX_LOGPROBS` (vLLM's default
 ``max_logprobs``; OpenAI's legacy API allows 5) are sent to the nodes in
 ``Sampling.logprobs`` and answered in OpenAI's / vLLM's shapes (:func:`chat_logprobs`,
@@ -138,6 +140,7 @@ class _Sampling(Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     user: str | None = None
 
 
@@ -373,8 +376,11 @@ def parse_completion(body: bytes) -> tuple[CompletionRequest, str | list[int]]:
     else:
         prompt = req.prompt
     _check_common(req)
-    if req.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
+    if req.echo and req.logprobs is not None:
+        raise ApiError(
+            400, "echo with logprobs is not supported: it would need the prompt's logprobs, which no engine here computes; "
+            "send echo or logprobs, not both", param="echo",
+        )
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
     if req.best_of not in (None, 1):
@@ -621,10 +627,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def _choice(choice: dict[str, Any], stop_reason: str | int | None) -> dict[str, Any]:
-    """``choice`` with vLLM's ``stop_reason`` (the stop string or stop token id that ended the
-    output) when one did; the key is left out otherwise (vLLM sends ``null``)."""
-    if stop_reason is not None:
-        choice["stop_reason"] = stop_reason
+    """``choice`` with vLLM's ``stop_reason``: the stop string or stop token id that ended the
+    output, ``null`` when none did (EOS, ``max_tokens``, or not ended yet in a stream's chunk)."""
+    choice["stop_reason"] = stop_reason
     return choice
 
 
@@ -672,6 +677,8 @@ def completion_chunk(
     oid: str, created: int, model: str, text: str, finish_reason: str | None, include_usage: bool, *, stop_reason: str | int | None = None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One ``/v1/completions`` stream chunk; its choice always has ``stop_reason`` (``null``
+    until the last chunk), as vLLM's."""
     out: dict[str, Any] = {
         "id": oid,
         "object": "text_completion",
@@ -688,12 +695,15 @@ def chat_chunk(
     oid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None, include_usage: bool,
     *, stop_reason: str | int | None = None, logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One ``/v1/chat/completions`` stream chunk; its choice has ``stop_reason`` only with a
+    ``finish_reason`` (the last chunk), as vLLM's (set there only; ``exclude_unset``)."""
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     out: dict[str, Any] = {
         "id": oid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [_choice({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}, stop_reason)],
+        "choices": [choice if finish_reason is None else _choice(choice, stop_reason)],
     }
     if include_usage:
         out["usage"] = None

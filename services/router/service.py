@@ -1109,8 +1109,11 @@ class RouterService:
             self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node))
 
     def _output_text(self, req: Any) -> OutputText:
-        """The request's :class:`OutputText` (its ``stop`` strings, ``stop_token_ids``, ``min_tokens``)."""
-        return OutputText(self.tokenizer, api.stop_strings(req), req.stop_token_ids or (), req.min_tokens or 0)
+        """The request's :class:`OutputText` (its ``stop`` strings, ``stop_token_ids``, ``min_tokens``,
+        ``include_stop_str_in_output``)."""
+        return OutputText(
+            self.tokenizer, api.stop_strings(req), req.stop_token_ids or (), req.min_tokens or 0, req.include_stop_str_in_output
+        )
 
     def _abandon(self, p: _Pending, reason: str, why: str) -> None:
         """Stop counting ``p`` and tell its nodes to drop it (idempotent, never awaits)."""
@@ -1348,10 +1351,10 @@ class RouterService:
             self.log.warning("request failed on the message bus", error=str(e))
             return self._error(503, f"message bus unavailable: {e}")
 
-    async def _prepare(self, request: Request, chat: bool) -> tuple[api.BranchHeaders, Any, np.ndarray, int, bytes, list[int]]:
+    async def _prepare(self, request: Request, chat: bool) -> tuple[api.BranchHeaders, Any, np.ndarray, int, bytes, list[int], str]:
         """Validate headers and body, tokenize; returns (headers, request, token ids, max_tokens, the ids
-        packed as little-endian uint32, their block hashes). The body's work (:meth:`_prepare_body`) runs in
-        a worker thread when the body is over ``_BIG_TEXT`` bytes (:func:`_off_loop_if_big`).
+        packed as little-endian uint32, their block hashes, the echo text). The body's work (:meth:`_prepare_body`)
+        runs in a worker thread when the body is over ``_BIG_TEXT`` bytes (:func:`_off_loop_if_big`).
 
         Raises:
             ApiError: the 4xx to answer.
@@ -1361,13 +1364,14 @@ class RouterService:
         # the body's size, not the prompt's: tools (and tool calls) are rendered too (5.9 MB of tools took
         # 0.5 s on the loop when only contents were counted), and a prompt of ids is parsed, made an array,
         # packed and hashed (1M ids, 6.2 MB: 140 ms on the loop at block_size 16, 90 ms at 64)
-        req, arr, max_tokens, packed, hashes = await _off_loop_if_big(body, lambda b: self._prepare_body(b, chat))
-        return hdrs, req, arr, max_tokens, packed, hashes
+        req, arr, max_tokens, packed, hashes, echo = await _off_loop_if_big(body, lambda b: self._prepare_body(b, chat))
+        return hdrs, req, arr, max_tokens, packed, hashes, echo
 
-    def _prepare_body(self, body: bytes, chat: bool) -> tuple[Any, np.ndarray, int, bytes, list[int]]:
+    def _prepare_body(self, body: bytes, chat: bool) -> tuple[Any, np.ndarray, int, bytes, list[int], str]:
         """Parse and check a generation body and tokenize its prompt: (request, token ids, max_tokens, the
-        ids packed as little-endian uint32, their block hashes at ``block_size``). No await and no state
-        written: it may run in a worker thread.
+        ids packed as little-endian uint32, their block hashes at ``block_size``, the echo text: the
+        completions prompt for ``echo``, as sent or a token-id prompt detokenized, else ""). No await and
+        no state written: it may run in a worker thread.
 
         Raises:
             ApiError: the 4xx to answer.
@@ -1431,7 +1435,8 @@ class RouterService:
         if top >= self.tokenizer.vocab_size:
             raise api.ApiError(400, f"token id {top} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param="prompt")
         packed = arr.astype("<u4").tobytes()
-        return req, arr, max_tokens, packed, block_hashes_packed(packed, self.cfg.block_size)
+        echo = "" if chat or not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        return req, arr, max_tokens, packed, block_hashes_packed(packed, self.cfg.block_size), echo
 
     async def _lookup(self, hashes: list[int], tr: _ReqTrace | None = None) -> tuple[m.KvLookupReply | None, str]:
         if not hashes:
@@ -1539,7 +1544,7 @@ class RouterService:
             client_rid = api.parse_request_id(request.headers.get("x-request-id"))
             if client_rid is not None and self._in_flight(client_rid) and not await self._rid_freed(client_rid):
                 raise api.ApiError(409, f"X-Request-ID {client_rid!r} is already in flight", param="X-Request-ID")
-            hdrs, req, arr, max_tokens, packed, hashes = await self._prepare(request, chat)
+            hdrs, req, arr, max_tokens, packed, hashes, echo = await self._prepare(request, chat)
             if api.logprobs_asked(req) is not None and self.core.view.engines() == {"sim"}:
                 # no node has a model to take log-probabilities from: the client's request, not a node, is at fault
                 raise api.ApiError(
@@ -1624,7 +1629,7 @@ class RouterService:
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
             gen = self._stream(
-                p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req), api.logprobs_asked(req)
+                p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req), api.logprobs_asked(req), echo
             )
             return _SseResponse(
                 gen,
@@ -1686,7 +1691,7 @@ class RouterService:
             if lp_top is not None:  # one entry per token that counts (vLLM: up to the one that completed a stop)
                 lp_body = (api.chat_logprobs if chat else api.completion_logprobs)(lps[:n_out], lp_top, self._token_text)
             body = (api.chat_response if chat else api.completion_response)(
-                oid, created, model, text, finish_reason, use, stop_reason=stop_reason, logprobs=lp_body
+                oid, created, model, echo + text, finish_reason, use, stop_reason=stop_reason, logprobs=lp_body
             )
             body["ei"] = self._ei(p)
             return self._json(body, headers=headers)
@@ -1701,7 +1706,7 @@ class RouterService:
 
     async def _stream(
         self, p: _Pending, rreq: RouteRequest, chat: bool, created: int, include_usage: bool, continuous_usage: bool,
-        decoder: OutputText, lp_top: int | None = None,
+        decoder: OutputText, lp_top: int | None = None, echo: str = "",
     ) -> AsyncIterator[bytes]:
         """SSE body from acceptance on: data chunks (one per TokenChunk whose text is not empty),
         optional usage chunk, ``[DONE]``; an error event on failure. With ``continuous_usage``
@@ -1710,7 +1715,9 @@ class RouterService:
         (``finish_reason`` ``stop``) and the request is dropped on its nodes; text a stop string
         may still cut is held back (``services.router.stops``). ``lp_top`` (``api.logprobs_asked``)
         not None: each data chunk carries the logprobs of the tokens counted since the last one
-        (``decoder.tokens``), so the stream's entries are the whole response's.
+        (``decoder.tokens``), so the stream's entries are the whole response's. ``echo`` (completions'
+        ``echo``: the prompt's text) starts the first data chunk's text, as vLLM's first chunk
+        is the prompt and the first output text.
         A client that goes away cancels this generator (Starlette): the request is aborted."""
         model = self.cfg.model
         oid = api.response_id(p.rid, chat=chat)
@@ -1774,7 +1781,8 @@ class RouterService:
                     return
                 if lp_top is not None:
                     lps.extend(_lp_entries(item))
-                text = decoder.push(item.token_ids)
+                text = echo + decoder.push(item.token_ids)
+                echo = ""
                 if item.finished or decoder.stopped:
                     text += decoder.finish()
                     if decoder.stopped:

@@ -18,9 +18,14 @@ detokenizes), so the ``stop`` strings are applied here, for every engine:
   and the detokenizer checks stop strings only once ``len(output_token_ids) > min_tokens``,
   in the text the new token added, so a stop string completed earlier is never matched later);
   the ``torch`` engine masks the ids itself, this keeps the ``sim`` engine and stop strings alike;
+* ``include_stop_str_in_output`` (vLLM's extra): the text ends *after* the stop string, and a
+  stop token id's own text is shown (vLLM v1's detokenizer decodes the stopping token then);
+  ``stop_reason`` and the tokens that count are the same;
 * **streaming** never sends text a stop string may still cut: the last
   ``len(longest stop string) - 1`` characters are held back until more text shows they
-  are not the start of a stop string, or the stream ends (vLLM's ``stop_buffer_length``).
+  are not the start of a stop string, or the stream ends (vLLM's ``stop_buffer_length``);
+  with ``include_stop_str_in_output`` nothing is held back (a stop string never cuts text
+  before its end), as vLLM's ``stop_buffer_length`` 0.
 
 The caller aborts the request on its nodes once :attr:`OutputText.stopped` (no node
 decodes on for nobody). Without stops :meth:`OutputText.push` is the plain incremental
@@ -42,18 +47,28 @@ class OutputText:
         stop: stop strings (non-empty; ``api.stop_strings``).
         stop_token_ids: token ids that end the output.
         min_tokens: no stop ends the output at or before this many tokens (vLLM's ``min_tokens``).
+        include_stop: keep the matched stop string / the stop token id's text (vLLM's
+            ``include_stop_str_in_output``).
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, stop: Sequence[str] = (), stop_token_ids: Collection[int] = (), min_tokens: int = 0
+        self, tokenizer: Tokenizer, stop: Sequence[str] = (), stop_token_ids: Collection[int] = (), min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         self._dec = IncrementalDecoder(tokenizer)
         self.min_tokens = min_tokens
+        self.include_stop = include_stop
         self.stop = [s for s in stop if s]
         self.stop_ids = frozenset(stop_token_ids)
         self._longest = max((len(s) for s in self.stop), default=0)
-        self._hold = max(0, self._longest - 1)
-        """Characters of streamed text held back (the longest stop string's length - 1)."""
+        self._window = max(0, self._longest - 1)
+        """Characters before new text that a stop string it completes may start in."""
+        self._hold = 0 if include_stop else self._window
+        """Characters of streamed text held back (the longest stop string's length - 1; none when
+        the stop string is kept: a match then cuts only after its end, in the new text)."""
+        self._seen = ""
+        """With ``include_stop``: the last :attr:`_window` characters handed out (a stop string may
+        start in them; without it they are still in :attr:`_pending`)."""
         self._keep = bool(self.stop or self.stop_ids)
         self._given: list[str] = []
         """Pieces handed out by :meth:`push` / :meth:`finish` (a stop string can no longer cut them)."""
@@ -91,8 +106,12 @@ class OutputText:
                 continue
             if t in self.stop_ids:
                 # the text of the tokens before it (an incomplete character included, as a
-                # whole decode would show it); the stop token's own text is not shown
-                self._add(self._dec.flush())
+                # whole decode would show it); the stop token's own text only with include_stop
+                # (vLLM v1: a stop string that text completes is then the stop_reason)
+                if self.include_stop:
+                    self._add(self._dec.push([t]))
+                if not self.stopped:
+                    self._add(self._dec.flush())
                 if not self.stopped:
                     self.stop_reason = t
                 break
@@ -111,24 +130,30 @@ class OutputText:
 
     def _add(self, delta: str, *, match: bool = True) -> bool:
         """Append ``delta``; cut :attr:`text` at the first stop string it completes (``match``;
-        not while under ``min_tokens``). True if one did."""
+        not while under ``min_tokens``): before it, or after it with :attr:`include_stop`.
+        True if one did."""
         if not delta:
             return False
         # a stop string completed by ``delta`` starts at most len(s) - 1 characters before it,
-        # all of them in _pending (it keeps _hold = longest - 1 characters until the end)
+        # all of them in _seen + _pending (_pending keeps _hold = longest - 1 characters until
+        # the end; with include_stop _seen keeps them)
         old = len(self._pending)
         self._pending += delta
-        if not match:
+        if not match or not self.stop:
             return False
+        base = len(self._seen)
+        text = self._seen + self._pending if base else self._pending
         best: tuple[int, str] | None = None
         for s in self.stop:
-            k = self._pending.find(s, max(0, old - len(s) + 1))
+            k = text.find(s, max(0, base + old - len(s) + 1))
             if k >= 0 and (best is None or k < best[0]):
                 best = (k, s)
         if best is None:
             return False
-        self._pending = self._pending[: best[0]]
-        self.stop_reason = best[1]
+        k, s = best
+        # kept, the stop string ends in delta (k + len(s) > base + old): no text handed out is cut
+        self._pending = self._pending[: k + len(s) - base] if self.include_stop else self._pending[:k]
+        self.stop_reason = s
         return True
 
     def _take(self, *, final: bool) -> str:
@@ -137,4 +162,6 @@ class OutputText:
             return ""
         out, self._pending = self._pending[:end], self._pending[end:]
         self._given.append(out)
+        if self.include_stop and self._window:
+            self._seen = (self._seen + out)[-self._window :]
         return out

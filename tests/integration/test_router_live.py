@@ -245,7 +245,7 @@ async def test_completion_with_token_ids_non_streaming(nats_url, tmp_path):
         assert body["object"] == "text_completion" and body["model"] == "test-model" and body["id"].startswith("cmpl-")
         assert isinstance(body["created"], int)
         ids = [(7919 * (i + 1)) % 100_000 for i in range(5)]
-        assert body["choices"] == [{"index": 0, "text": SimTokenizer().decode(ids), "logprobs": None, "finish_reason": "length"}]
+        assert body["choices"] == [{"index": 0, "text": SimTokenizer().decode(ids), "logprobs": None, "finish_reason": "length", "stop_reason": None}]
         assert body["usage"] == {
             "prompt_tokens": 200,
             "completion_tokens": 5,

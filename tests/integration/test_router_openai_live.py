@@ -7,10 +7,12 @@ of ``test_router_live`` answering on the bus (its engine always produces ``max_t
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from shared.tokenizer import SimTokenizer
-from tests.integration.test_router_live import router_env, sse_events
+from tests.integration.test_router_live import output_token, router_env, sse_events
 
 USER = [{"role": "user", "content": "hello there"}]
 
@@ -172,3 +174,92 @@ async def test_logprobs_on_a_cluster_of_sim_engines_is_a_400(nats_url, tmp_path)
         assert len(env.cluster.works) == sent  # nothing dispatched
         r = await env.http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "logprobs": False})
         assert r.status_code == 200, r.text
+
+
+def _ask(env, path: str, body: dict, stream: bool):
+    """POST ``body`` (streamed or not); returns (status, text, finish_reason, the last choice, chunks)."""
+
+    async def go() -> tuple[int, str, Any, dict, list]:
+        r = await env.http.post(path, json={**body, "stream": stream})
+        if r.status_code != 200:
+            return r.status_code, r.text, None, {}, []
+        chat = path.endswith("chat/completions")
+        if not stream:
+            choice = r.json()["choices"][0]
+            return 200, choice["message"]["content"] if chat else choice["text"], choice["finish_reason"], choice, []
+        chunks = [e for e in sse_events(r.text)[:-1] if e["choices"]]
+        text = "".join((c["choices"][0]["delta"].get("content") or "") if chat else c["choices"][0]["text"] for c in chunks)
+        return 200, text, chunks[-1]["choices"][0]["finish_reason"], chunks[-1]["choices"][0], chunks
+
+    return go()
+
+
+async def test_stop_reason_and_include_stop_str_in_output_as_in_vllm(nats_url, tmp_path):
+    """vLLM's ``stop_reason`` is in every choice: null when the output ended at ``max_tokens`` (or EOS),
+    the stop string or the stop token id that ended it otherwise (it was left out when null); every
+    completions stream chunk carries it, a chat stream only on its last chunk (vLLM's). With
+    ``include_stop_str_in_output`` (vLLM's extra; it was ignored) the stop string, or the stop token
+    id's text, stays in the text; ``finish_reason`` and ``usage`` are the same either way."""
+    tok = SimTokenizer()
+    words = [tok.word(output_token(i)) for i in range(8)]  # the fake engine's output: these words, space-joined
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        for path, base in (("/v1/completions", {"prompt": [1, 2, 3]}), ("/v1/chat/completions", {"messages": USER})):
+            base = {**base, "max_tokens": 8}
+            for stream in (False, True):
+                cases = (
+                    ({}, " ".join(words), "length", None, 8),
+                    ({"stop": words[3]}, " ".join(words[:3]) + " ", "stop", words[3], 4),
+                    ({"stop": [words[3]], "include_stop_str_in_output": True}, " ".join(words[:4]), "stop", words[3], 4),
+                    ({"stop_token_ids": [output_token(2)]}, " ".join(words[:2]), "stop", output_token(2), 3),
+                    ({"stop_token_ids": [output_token(2)], "include_stop_str_in_output": True}, " ".join(words[:3]), "stop", output_token(2), 3),
+                )
+                for extra, text, finish, reason, n_out in cases:
+                    status, got, fin, choice, chunks = await _ask(env, path, {**base, **extra}, stream)
+                    where = (path, stream, extra)
+                    assert status == 200, (where, got)
+                    assert (got, fin) == (text, finish), where
+                    assert "stop_reason" in choice and choice["stop_reason"] == reason, (where, choice)
+                    if stream and path == "/v1/completions":
+                        assert all(c["choices"][0]["stop_reason"] is None for c in chunks[:-1]), (where, chunks)
+                    elif stream:
+                        assert all("stop_reason" not in c["choices"][0] for c in chunks[:-1]), (where, chunks)
+                    assert env.cluster.works[-1].max_tokens == 8
+                # usage counts the tokens up to the stopping one, kept or not
+                for keep in (False, True):
+                    r = await env.http.post(path, json={**base, "stop": words[3], "include_stop_str_in_output": keep})
+                    assert r.json()["usage"]["completion_tokens"] == 4, r.text
+        r = await env.http.post("/v1/completions", json={"prompt": [1], "include_stop_str_in_output": "yes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "include_stop_str_in_output", r.text
+
+
+async def test_completions_echo_puts_the_prompt_before_the_text(nats_url, tmp_path):
+    """Legacy completions ``echo`` (it was a 400): the choice's text is the prompt's text and then the
+    output (vLLM / OpenAI), a token-id prompt detokenized; streamed, the first chunk starts with it.
+    ``usage`` is unchanged. With ``logprobs`` vLLM also returns the prompt's logprobs, which no engine
+    here computes: a 400 naming ``echo``, nothing dispatched."""
+    tok = SimTokenizer()
+    out = " ".join(tok.word(output_token(i)) for i in range(4))
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        for prompt, echoed in (("hello there", "hello there"), ([1, 2, 3], tok.decode([1, 2, 3])), ([[5, 6]], tok.decode([5, 6]))):
+            body = {"prompt": prompt, "max_tokens": 4, "echo": True}
+            for stream in (False, True):
+                status, got, fin, _, chunks = await _ask(env, "/v1/completions", body, stream)
+                assert status == 200 and (got, fin) == (echoed + out, "length"), (prompt, stream, got)
+                if stream:
+                    assert chunks[0]["choices"][0]["text"].startswith(echoed + tok.word(output_token(0)))
+            r = await env.http.post("/v1/completions", json=body)
+            n_prompt = len(tok.encode(prompt)) if isinstance(prompt, str) else len(prompt if isinstance(prompt[0], int) else prompt[0])
+            assert r.json()["usage"]["prompt_tokens"] == n_prompt and r.json()["usage"]["completion_tokens"] == 4
+            # echo false / null: the output alone
+            for off in (False, None):
+                r = await env.http.post("/v1/completions", json={**body, "echo": off})
+                assert r.json()["choices"][0]["text"] == out, r.text
+        # echo with a stop string: the stop applies to the output only
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "echo": True, "stop": tok.word(output_token(1))})
+        assert r.json()["choices"][0]["text"] == tok.decode([1, 2, 3]) + tok.word(output_token(0)) + " ", r.text
+        sent = len(env.cluster.works)
+        for lp in (0, 2):
+            r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "echo": True, "logprobs": lp})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+            assert "logprobs" in r.json()["error"]["message"]
+        assert len(env.cluster.works) == sent

@@ -55,10 +55,10 @@ def test_completion_400_reasons():
     bad(api.parse_completion, {"prompt": "x", "top_p": 1.5}, r"\$.top_p")
     bad(api.parse_completion, {"prompt": "x", "stream": "yes"}, r"\$.stream")
     bad(api.parse_completion, {"prompt": "x", "n": 2}, "n > 1")
-    bad(api.parse_completion, {"prompt": "x", "echo": True}, "echo")
     bad(api.parse_completion, {"prompt": "x", "logprobs": 21}, "logprobs must be in")
     bad(api.parse_completion, {"prompt": "x", "logprobs": -1}, "logprobs must be in")
-    bad(api.parse_completion, {"prompt": "x", "logprobs": 1, "echo": True}, "echo")
+    bad(api.parse_completion, {"prompt": "x", "logprobs": 1, "echo": True}, "echo with logprobs")
+    bad(api.parse_completion, {"prompt": "x", "logprobs": 0, "echo": True}, "echo with logprobs")
     bad(api.parse_completion, {"prompt": "x", "best_of": 3}, "best_of")
     bad(api.parse_completion, {"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed when stream")
     bad(api.parse_completion, {"prompt": ["a"], "max_tokens": -2}, r"\$.max_tokens")
@@ -289,9 +289,31 @@ def test_sampling_parameters_go_to_the_nodes_and_bad_ones_are_named():
     assert param(stop=3) == "stop"
 
 
-def test_stop_reason_is_in_the_choice_only_when_a_stop_ended_it():
+def test_echo_is_accepted_alone_and_include_stop_str_in_output_is_a_strict_bool():
+    """``echo`` was a 400; now it is served (the shell prepends the prompt's text) unless logprobs
+    are asked too (they would need the prompt's). ``include_stop_str_in_output`` is vLLM's bool."""
+    req, prompt = api.parse_completion(b'{"prompt": [[5, 6]], "echo": true}')
+    assert req.echo and prompt == [5, 6] and not req.include_stop_str_in_output
+    req = api.parse_chat(b'{"messages": [{"role": "user", "content": "x"}], "include_stop_str_in_output": true}')
+    assert req.include_stop_str_in_output
+    bad(api.parse_completion, {"prompt": "x", "include_stop_str_in_output": "yes"}, r"\$.include_stop_str_in_output")
+
+
+def test_stop_reason_is_in_every_choice_as_in_vllm():
+    """vLLM's choices always carry ``stop_reason`` (null unless a stop string / stop token id ended the
+    output), every completions stream chunk too; a chat stream chunk only with its ``finish_reason``
+    (vLLM sets it only there and serializes with ``exclude_unset``). It was left out when null."""
     use = api.usage(1, 1, 0)
-    assert "stop_reason" not in api.completion_response("id", 1, "m", "t", "stop", use)["choices"][0]
+    for body in (
+        api.completion_response("id", 1, "m", "t", "stop", use),
+        api.chat_response("id", 1, "m", "t", "length", use),
+        api.completion_chunk("id", 1, "m", "t", None, False),
+        api.completion_chunk("id", 1, "m", "t", "length", False),
+        api.chat_chunk("id", 1, "m", {}, "stop", False),
+    ):
+        choice = body["choices"][0]
+        assert "stop_reason" in choice and choice["stop_reason"] is None, body
+    assert "stop_reason" not in api.chat_chunk("id", 1, "m", {"content": "t"}, None, False)["choices"][0]
     assert api.completion_response("id", 1, "m", "t", "stop", use, stop_reason="\n")["choices"][0]["stop_reason"] == "\n"
     assert api.chat_response("id", 1, "m", "t", "stop", use, stop_reason=7)["choices"][0]["stop_reason"] == 7
     assert api.chat_chunk("id", 1, "m", {}, "stop", False, stop_reason="x")["choices"][0]["stop_reason"] == "x"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from shared.tokenizer import IncrementalDecoder, SimTokenizer
 from services.router.stops import OutputText
 
@@ -92,29 +94,60 @@ def test_earliest_stop_string_wins_and_stop_token_ids_show_no_text():
     assert text == "abc" and out.stop_reason == ord("#") and out.tokens == 4
 
 
-def test_random_streams_never_send_text_past_the_stop():
+def test_include_stop_str_in_output_keeps_the_stop_and_holds_nothing_back():
+    """vLLM's ``include_stop_str_in_output``: the text ends after the stop string (also one split
+    across chunks and tokens, starting in text already sent), a stop token id's own text is shown,
+    nothing is held back while streaming; ``stop_reason`` and the tokens that count are the same."""
+    out = OutputText(TOK, ["STOP"], include_stop=True)
+    _, text = stream(out, [ids("hello STOP and more")])
+    assert text == "hello STOP" and out.stop_reason == "STOP" and out.tokens == len("hello STOP")
+    out = OutputText(TOK, ["</end>"], include_stop=True)
+    first = out.push(ids("abc</e"))
+    assert first == "abc</e"  # nothing held back: the stop string is kept anyway
+    assert out.push(ids("n")) == "n"
+    second = out.push(ids("d> tail"))
+    assert out.stopped and out.stop_reason == "</end>" and first + "n" + second + out.finish() == "abc</end>"
+    assert out.tokens == len("abc</end>")
+    out = OutputText(TOK, ["zz"], stop_token_ids=[ord("#")], include_stop=True)
+    _, text = stream(out, [ids("ab"), ids("c#de")])
+    assert text == "abc#" and out.stop_reason == ord("#") and out.tokens == 4
+    # the earliest-starting stop string still wins; under min_tokens nothing matches
+    out = OutputText(TOK, ["op", "long stop"], include_stop=True)
+    _, text = stream(out, [ids("a long stop!")])
+    assert text == "a long stop" and out.stop_reason == "long stop"
+    out = OutputText(TOK, ["ab"], min_tokens=2, include_stop=True)
+    _, text = stream(out, [ids("abxab"), ids("ab")])
+    assert text == "abxab" and out.stop_reason == "ab" and out.tokens == 5
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_random_streams_never_send_text_past_the_stop(include):
     rng = random.Random(7)
     alphabet = "ab<>/ "
     for _ in range(400):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
         stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 3))]
         # reference: the text ends where the first stop string to be completed starts (of those
-        # completed by the same token, the one starting first)
+        # completed by the same token, the one starting first), or where it ends with include_stop
         done = [text.find(x) + len(x) for x in stops if x in text]
         ref = text
         if done:
             head = text[: min(done)]
-            ref = text[: min(head.find(x) for x in stops if x in head)]
+            k, s = min((head.find(x), x) for x in stops if x in head)
+            ref = text[: k + len(s) if include else k]
         cut = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 5)))) if len(text) > 1 else []
-        chunks = [ids(text[a:b]) for a, b in zip([0, *cut], [*cut, len(text)])]
-        out = OutputText(TOK, stops)
-        pieces, got = stream(out, chunks)
-        assert got == ref, (text, stops, chunks)
+        spans = list(zip([0, *cut], [*cut, len(text)]))
+        out = OutputText(TOK, stops, include_stop=include)
+        pieces, got = stream(out, [ids(text[a:b]) for a, b in spans])
+        assert got == ref, (text, stops, spans)
         assert out.stopped == bool(done)
+        assert out.tokens == (min(done) if done else len(text))
         sent = ""
         for p in pieces:
             sent += p
             assert ref.startswith(sent)
+        if include and not done:  # nothing held back: every chunk's text is sent with it
+            assert pieces[:-1] == [text[a:b] for a, b in spans]
 
 
 def test_a_long_output_keeps_only_the_hold_back_unsent():
