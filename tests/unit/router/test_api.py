@@ -132,6 +132,36 @@ def test_response_id_is_vllms_prefix_on_the_bare_request_id():
     assert api.response_id("abc_1", chat=False) == "cmpl-abc_1"
 
 
+def test_an_accepted_request_id_is_always_one_nats_subject_token():
+    """The client's ``X-Request-ID`` becomes the rid of ``req.<rid>.out`` and of every log line: what
+    :func:`api.parse_request_id` accepts must pass ``shared.subjects.check_token`` (a ``.``, ``*``, ``>``,
+    space, control character or non-ASCII letter would split or widen a subject); anything else is a
+    400 naming the header. Pins the rule against loosening (vLLM takes any value; Dynamo replaces a
+    non-UUID by a new UUID)."""
+    import random
+
+    from shared.subjects import check_token
+
+    rng = random.Random(5)
+    alphabet = [chr(i) for i in range(0x20, 0x7F)] + ["\t", "\n", "\x7f", "\u00e9", "\u0663", "\uff11"]
+    values = ["a.b", "a*", ">", "x y", "id\n", "\u0663", "a" * api.REQUEST_ID_MAX_LEN, "a" * (api.REQUEST_ID_MAX_LEN + 1)]
+    values += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6))) for _ in range(3000)]
+    for v in values:
+        try:
+            got = api.parse_request_id(v)
+        except api.ApiError as e:
+            assert e.status == 400 and e.param == "X-Request-ID", v
+            token_ok = True
+            try:
+                check_token(v)
+            except ValueError:
+                token_ok = False
+            assert not token_ok or len(v) > api.REQUEST_ID_MAX_LEN, v
+        else:
+            assert got == v and check_token(v) == v and len(v) <= api.REQUEST_ID_MAX_LEN, v
+    assert api.parse_request_id(None) is None
+
+
 def test_explicit_null_is_the_default_for_openais_nullable_fields():
     """OpenAI's spec marks ``stream``, ``n``, ``logprobs``, ``echo`` and ``stream_options.*`` nullable and vLLM
     (``Optional[...]``) takes ``null`` as the default; clients built on typed models (LangChain, litellm) send it."""
