@@ -12,7 +12,9 @@
   output there, and with ``min_tokens`` j + 3 not before j + 3 tokens; a stop string does not end
   a request whose ``min_tokens`` is its ``max_tokens``.
 * **stop string**: a substring of a greedy completion's text, asked as ``stop``: the text ends
-  before it (non-streamed and streamed, ``finish_reason`` ``stop``, ``stop_reason`` the string),
+  before it (non-streamed and streamed, ``finish_reason`` ``stop``, ``stop_reason`` the string;
+  after it with ``include_stop_str_in_output``; ``stop_reason`` the id for a stop token id, null at
+  ``max_tokens``; ``echo`` puts the detokenized token-id prompt first),
   and the streamed request (``max_tokens`` 900) is dropped on its node once the router saw the
   stop: the node ends its stream with an ``abort`` chunk long before ``max_tokens``, and the
   router counts ``aborts.stop``.
@@ -84,7 +86,7 @@ async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path
             a, obj = await ids(seed=42, **sampled)
             b, _ = await ids(seed=42, **sampled)
             c, _ = await ids(seed=43, **sampled)
-            g, _ = await ids()
+            g, gobj = await ids()
             g0, _ = await ids(temperature=0, seed=42, top_k=3)
             assert obj["ei"]["prefill_node"] != obj["ei"]["decode_node"]  # the hand-off path: two nodes sampled it
             # penalties (greedy: the first token on the prefill node, the rest after the hand-off) and min_tokens
@@ -92,7 +94,8 @@ async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path
             pg, _ = await ids(**pen)
             j = next(i for i in range(1, 8) if g.index(g[i]) == i)
             mt, mobj = await ids(stop_token_ids=[g[j]], min_tokens=j + 3)
-            st, _ = await ids(stop_token_ids=[g[j]])
+            st, sobj = await ids(stop_token_ids=[g[j]])
+            _, kobj = await ids(stop_token_ids=[g[j]], include_stop_str_in_output=True)
 
             # a stop string: a piece of the greedy completion's text
             r = await http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 24, "ignore_eos": True})
@@ -102,6 +105,8 @@ async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "ignore_eos": True, "stop": [stop]}
             r = await http.post("/v1/completions", json=body)
             whole = r.json()
+            kept = (await http.post("/v1/completions", json={**body, "include_stop_str_in_output": True})).json()["choices"][0]
+            echoed = (await http.post("/v1/completions", json={**body, "stop": None, "echo": True})).json()["choices"][0]
             r = await http.post("/v1/completions", json={**body, "min_tokens": 24})
             unstopped = r.json()["choices"][0]  # min_tokens = max_tokens: the stop string cannot end it
             body = {**body, "max_tokens": 900, "stream": True, "stream_options": {"include_usage": True}}
@@ -147,6 +152,12 @@ async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path
 
     assert pg == local("pen", m.Sampling(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)) and pg != g
     assert st == g[: j + 1]  # the stop token id ends it ...
+    tok = load_tokenizer(f"hf:{folder}")
+    # ... with vLLM's stop_reason (the id; null at max_tokens); its text shown only with include_stop_str_in_output
+    assert gobj["choices"][0]["stop_reason"] is None and gobj["choices"][0]["finish_reason"] == "length"
+    assert sobj["choices"][0]["stop_reason"] == g[j] and sobj["choices"][0]["finish_reason"] == "stop"
+    assert sobj["choices"][0]["text"] == tok.decode(g[:j]) and kobj["choices"][0]["text"] == tok.decode(g[: j + 1])
+    assert kobj["choices"][0]["stop_reason"] == g[j] and kobj["usage"] == sobj["usage"]
     assert g[j] not in mt[: j + 3] and len(mt) >= j + 3 and mt[:j] == g[:j]  # ... not before min_tokens
     assert mt == local("min", m.Sampling(stop_token_ids=[g[j]], min_tokens=j + 3)), (mt, g, j)
     print(f"penalized greedy {pg} vs greedy {g}; min_tokens {j + 3} with stop id {g[j]}: {len(mt)} tokens, finish {mobj['choices'][0]['finish_reason']}")
@@ -155,7 +166,8 @@ async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path
     assert unstopped["text"] == full and unstopped["finish_reason"] == "length", (unstopped, full, stop)
     assert ch["text"] == want and ch["finish_reason"] == "stop" and ch["stop_reason"] == stop, (ch, full, stop)
     assert "".join(pieces) == want and finish == "stop" and stop_reason == stop, (pieces, full, stop)
-    tok = load_tokenizer(f"hf:{folder}")
+    assert kept["text"] == want + stop and kept["stop_reason"] == stop, (kept, full, stop)  # include_stop_str_in_output
+    assert echoed["text"] == tok.decode(prompt) + full and echoed["stop_reason"] is None  # echo of a token-id prompt
     assert want in tok.decode([t for c in streamed for t in c.token_ids])
     assert usage["completion_tokens"] < 24
     # the node was told to drop it: its stream ends with an abort chunk, far short of max_tokens
