@@ -449,6 +449,12 @@ class NodeLoadView(Value):
         node with a state; empty before any state arrived. O(nodes)."""
         return {rec.state.engine for rec in self.nodes.values() if rec.state is not None}
 
+    def nodes_with_engine(self, engine: str) -> list[str]:
+        """Nodes not fenced out whose last state reports ``engine`` (``NodeState.engine``), sorted:
+        the nodes a request may be placed on (now or, with its phase switched, later) that run it.
+        O(nodes log nodes)."""
+        return sorted(rec.node for rec in self.nodes.values() if rec.state is not None and not rec.fenced and rec.state.engine == engine)
+
     def no_candidate_reason(self, role: str, now: float) -> str:
         """Human-readable reason why no node of ``role`` (prefill|decode) is eligible."""
         phases = PREFILL_PHASES if role == "prefill" else DECODE_PHASES

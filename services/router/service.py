@@ -1535,6 +1535,36 @@ class RouterService:
             tr.end(resp.status_code)
         return resp
 
+    def _check_logprobs_engines(self) -> None:
+        """A request asks for logprobs: refuse it (400, ``param`` ``logprobs``) when a node it may be
+        placed on runs the sim engine, which has no model and so no logits.
+
+        Every node: no node can serve it, the client's request is at fault. Some nodes (a cluster that
+        mixes engines): the router places a request on any eligible prefill and decode node, and on
+        another one after a node fails or hands it back, so it cannot promise a model engine for the
+        whole request; before, it was dispatched and a sim node's refusal came back as a 500
+        ``engine error``. The nodes counted are those with a state and not fenced out
+        (:meth:`NodeLoadView.nodes_with_engine`).
+
+        Raises:
+            api.ApiError: 400 naming the sim nodes.
+        """
+        view = self.core.view
+        sim = view.nodes_with_engine("sim")
+        if not sim:
+            return
+        self.counters["logprobs_refused_sim"] += 1
+        if view.engines() == {"sim"}:  # no node has a model to take log-probabilities from
+            raise api.ApiError(
+                400, "logprobs need a model's logits: every node of this cluster runs the sim engine (start workers "
+                "with --engine torch to get them)", param="logprobs",
+            )
+        shown = ", ".join(sim[:8]) + (f" and {len(sim) - 8} more" if len(sim) > 8 else "")
+        raise api.ApiError(
+            400, f"logprobs need a model's logits: node(s) {shown} of this cluster run the sim engine (no model) and the "
+            "request may be placed there; serve logprobs from a cluster whose nodes all run --engine torch", param="logprobs",
+        )
+
     async def _generate_traced(self, request: Request, chat: bool, tr: _ReqTrace | None) -> Response:
         """The generation endpoints; ``tr``: the request's spans (None when tracing is off)."""
         t_in = self.clock.now()
@@ -1545,12 +1575,8 @@ class RouterService:
             if client_rid is not None and self._in_flight(client_rid) and not await self._rid_freed(client_rid):
                 raise api.ApiError(409, f"X-Request-ID {client_rid!r} is already in flight", param="X-Request-ID")
             hdrs, req, arr, max_tokens, packed, hashes, echo = await self._prepare(request, chat)
-            if api.logprobs_asked(req) is not None and self.core.view.engines() == {"sim"}:
-                # no node has a model to take log-probabilities from: the client's request, not a node, is at fault
-                raise api.ApiError(
-                    400, "logprobs need a model's logits: every node of this cluster runs the sim engine (start workers "
-                    "with --engine torch to get them)", param="logprobs",
-                )
+            if api.logprobs_asked(req) is not None:
+                self._check_logprobs_engines()
             start = None
             if hdrs.branch_id is not None:
                 start = self.branches.observe(

@@ -66,6 +66,9 @@ class FakeCluster:
     stall_after_first: set[str] = field(default_factory=set)
     """Nodes that send the first chunk of a first attempt (``attempt`` 0) and then nothing."""
     error_nodes: set[str] = field(default_factory=set)
+    engines: dict[str, str] = field(default_factory=dict)
+    """node -> ``NodeState.engine`` it reports (default ``sim``); a sim node refuses work with logprobs as
+    the real sim engine does (``services/worker/engines/sim.py``): an ``error`` chunk."""
     cached: dict[str, int] = field(default_factory=dict)
     """node -> local prefix blocks reported by kv.lookup (and cached tokens reported)."""
     lookup_enabled: bool = True
@@ -104,7 +107,8 @@ class FakeCluster:
 
     async def publish_states(self) -> None:
         for node in sorted(self.alive):
-            st = m.NodeState(node=node, phase=self.phases[node], epoch=1, block_size=BS, gpu_free_blocks=100, gpu_total_blocks=100)  # type: ignore[arg-type]
+            st = m.NodeState(node=node, phase=self.phases[node], epoch=1, block_size=BS, gpu_free_blocks=100, gpu_total_blocks=100,
+                             engine=self.engines.get(node, "sim"))  # type: ignore[arg-type]
             await self.bus.publish(NODE_STATE, st, node=node)
 
     async def _beat(self) -> None:
@@ -136,6 +140,10 @@ class FakeCluster:
         cached = min(self.cached.get(node, 0), len(w.block_hashes)) * BS
         if node in self.error_nodes:
             await out(m.TokenChunk(rid=w.rid, node=node, finished=True, finish_reason="error", error="kv transfer failed", attempt=w.attempt))
+            return
+        if w.sampling is not None and w.sampling.logprobs is not None and self.engines.get(node, "sim") == "sim":
+            error = "logprobs are not supported by the sim engine (no model, no token distribution); serve a torch engine"
+            await out(m.TokenChunk(rid=w.rid, node=node, finished=True, finish_reason="error", error=error, attempt=w.attempt))
             return
         # like a worker: output positions from the work's output_offset, chunks stamped with its attempt
         off, att = w.output_offset, w.attempt

@@ -263,3 +263,29 @@ async def test_completions_echo_puts_the_prompt_before_the_text(nats_url, tmp_pa
             assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
             assert "logprobs" in r.json()["error"]["message"]
         assert len(env.cluster.works) == sent
+
+
+async def test_logprobs_on_a_cluster_that_mixes_sim_and_torch_engines_is_a_400_naming_the_sim_nodes(nats_url, tmp_path):
+    """One prefill node runs the torch engine, the other and the decode node the sim engine: the router may
+    place the request (or re-place it after a failure) on a sim node, which has no logits. Before, it was
+    dispatched and the sim node's refusal came back as a 500 ``engine error``; now a 400 naming ``logprobs``
+    and the sim nodes, nothing dispatched. Once every live node runs torch, logprobs are dispatched."""
+    phases = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
+    async with router_env(nats_url, tmp_path, phases) as env:
+        env.cluster.engines = {"p0": "torch"}
+        await env.cluster.publish_states()
+        sent = len(env.cluster.works)
+        for body in ({"prompt": [1, 2], "max_tokens": 2, "logprobs": 1}, {"prompt": [1, 2], "max_tokens": 2, "logprobs": 1, "stream": True}):
+            r = await env.http.post("/v1/completions", json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "logprobs" and "p1, d0" not in err["message"] and "d0, p1" in err["message"], err
+            assert "sim engine" in err["message"] and "p0" not in err["message"], err
+        assert len(env.cluster.works) == sent  # nothing dispatched
+        env.cluster.engines = {"p0": "torch", "p1": "torch", "d0": "torch"}
+        await env.cluster.publish_states()
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        assert env.cluster.works[-1].sampling.logprobs == 1
+        st = await env.stats()
+        assert st.counters["logprobs_refused_sim"] == 2
