@@ -107,6 +107,13 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         float, Meta(ge=0, description="wall seconds a request waits for an eligible node (retried every 50 ms) before 503 "
                     "'no live ... node'; 0 = answer at once")
     ] = 5.0
+    requeue_wait_s: Annotated[
+        float,
+        Meta(ge=0, description="wall seconds work handed back or re-dispatched after its node failed (a phase switch, a "
+             "fenced node) waits for an eligible node (retried at every node state) before the request fails with 503 "
+             "naming what is missing ('no live decode node ...'); long enough for a supervisor to restart the node "
+             "(evolving-infra up: ~2 s) and the router to fence it first (--fence-after-s); 0 = fail at once"),
+    ] = 30.0
     request_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds a request may wait for its next output chunk before it fails with 504")
     ] = 600.0

@@ -400,6 +400,9 @@ class RouterService:
         """Requests other routers placed (counted in ``core.view``, never aborted here)."""
         self._parked: dict[str, m.WorkRequeue] = {}
         """Handed-back work that found no eligible node yet (retried on every node state)."""
+        self._parked_since: dict[str, tuple[float, str]] = {}
+        """rid → (``time.monotonic()`` when it was parked, the latest reason no node took it): the
+        request fails with 503 after ``requeue_wait_s`` parked (:meth:`_expire_parked`)."""
         self._retrying = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._spawned: set[asyncio.Task[Any]] = set()
@@ -783,7 +786,7 @@ class RouterService:
         rid = msg.rid
         p = self._pending.get(rid)
         if p is None or p.done:
-            self._parked.pop(rid, None)
+            self._unpark(rid)
             return True
         now = self.clock.now()
         tr = p.tr  # the request's trace: the new attempt's lookup, route and work stay in it
@@ -832,14 +835,48 @@ class RouterService:
                 WORK_DECODE, msgspec.structs.replace(d, attempt=p.attempt, router=self.bus.instance), node=bound.node, headers=headers
             )
             self.counters["requeue.rebound"] += 1
-        self._parked.pop(rid, None)
+        self._unpark(rid)
         return True
 
     def _park(self, msg: m.WorkRequeue, reason: str) -> None:
-        if msg.rid not in self._parked:
+        """No node can take handed-back ``msg`` now (``reason``): keep it, retried at every node state,
+        for at most ``requeue_wait_s`` (then :meth:`_expire_parked` fails the request)."""
+        since = self._parked_since.get(msg.rid)
+        if since is None:
             self.counters["requeue.parked"] += 1
-            self.log.info("handed-back work parked until a node is eligible", rid=msg.rid, reason=reason)
+            self.log.info("handed-back work parked until a node is eligible", rid=msg.rid, reason=reason, wait_s=self.cfg.requeue_wait_s)
         self._parked[msg.rid] = msg
+        self._parked_since[msg.rid] = (time.monotonic() if since is None else since[0], reason)
+        if self.cfg.requeue_wait_s == 0:
+            self._expire_parked(time.monotonic())
+
+    def _unpark(self, rid: str) -> None:
+        """``rid`` is no longer parked (placed, failed or gone)."""
+        self._parked.pop(rid, None)
+        self._parked_since.pop(rid, None)
+
+    def _expire_parked(self, now_mono: float) -> None:
+        """Fail every request parked for ``requeue_wait_s`` or more (``now_mono``: ``time.monotonic()``):
+        503 with the reason no node took it (a stream gets it as an error event), its nodes told to
+        drop it, and no record of it left (parked work, in-flight counts). Not while NATS is down or
+        settling after an outage (``bus_outage_wait_s``: node states are silent then). Called by the fence loop
+        (at most every 0.5 s), so a request fails within ``requeue_wait_s`` + 0.5 s of being parked.
+        Before, it waited for its next output chunk until ``request_timeout_s`` (600 s), then 504."""
+        if self._bus_settling():  # node states are silent because of the bus: "no live node" says nothing yet
+            return
+        wait = self.cfg.requeue_wait_s
+        for rid, (since, reason) in list(self._parked_since.items()):
+            if now_mono - since < wait:
+                continue
+            self._unpark(rid)
+            p = self._pending.get(rid)
+            if p is None or p.done:
+                continue
+            why = f"{reason} (handed-back work waited {wait:g} s for one: requeue_wait_s); request failed"
+            self.counters["requeue.parked_expired"] += 1
+            self.log.warning("parked work found no eligible node in time; request failed", rid=rid, reason=reason, wait_s=wait)
+            self._abandon(p, why, "parked_expired")
+            p.queue.put_nowait(_Failure(503, why))
 
     async def _retry_parked(self) -> None:
         try:
@@ -891,6 +928,7 @@ class RouterService:
             else:
                 for f in self.core.check_fences(now):
                     self._fence(f.node, f.age, f.rids)
+            self._expire_parked(time.monotonic())
             for rid in self._remote.expired(time.time(), self.cfg.request_timeout_s):
                 self.core.finish(rid, now)  # its owner went away without its end reaching the bus
                 self.counters["remote.expired"] += 1
@@ -1860,6 +1898,7 @@ class RouterService:
         """The HTTP side of ``p`` is over: forget it (remembering a client rid's last attempt)."""
         if self._pending.get(p.rid) is p:
             del self._pending[p.rid]
+            self._unpark(p.rid)
             if p.client_rid:
                 self._retried.ended(p.rid, p.attempt)
 

@@ -1,0 +1,93 @@
+"""Work handed back to the router (a fenced node's re-dispatch, a phase switch's ``work.requeue``) that finds
+no eligible node is parked at most ``--requeue-wait-s``, then the request fails with 503 naming what is missing
+(real nats-server, the router's service; nodes played by ``FakeCluster`` of ``test_router_live``).
+
+Before, a 1P1D cluster whose only decode node died (SIGKILL, not restarted) kept the client waiting for its next
+output chunk until ``--request-timeout-s`` (600 s by default), then a 504, and the parked work stayed in the
+router's ``parked`` gauge after the request ended."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.integration.test_router_live import output_token, router_env, sse_events
+
+pytestmark = pytest.mark.timeout(60)
+
+PD = {"p0": "prefill", "d0": "decode"}
+KEY = {"Authorization": "Bearer k1"}
+# request_timeout_s far above the bound: a request that is not failed by the bound hangs past the test's checks
+SLOW = {"request_timeout_s": 30.0, "no_route_wait_s": 0.5, "api_keys": "k1", "api_key_max_inflight": 1}
+
+
+def _clean(env) -> None:
+    svc = env.service
+    assert svc._parked == {} and svc._parked_since == {} and svc._pending == {}
+    assert svc.core.view.inflight_total == 0 and svc.core.view.placement("x") is None
+
+
+async def test_the_only_decode_node_dies_mid_stream_and_the_stream_ends_with_a_503_within_the_bound(nats_url, tmp_path):
+    """Back within ``--requeue-wait-s`` (a supervisor restarted it): the parked work is placed on it and the
+    stream completes. Not back: the stream ends with a 503 error event naming the missing decode node."""
+    async with router_env(nats_url, tmp_path, PD, requeue_wait_s=1.0, **SLOW) as env:
+        env.cluster.stall_after_first.add("p0")  # attempt 0: first token, then nothing (the decode node has it)
+        async with env.http.stream("POST", "/v1/completions", json={"prompt": [5] * 70, "max_tokens": 6, "stream": True}, headers=KEY) as r:
+            lines = r.aiter_lines()
+            first = await anext(lines)
+            env.cluster.alive.discard("d0")
+            while not env.service._parked:  # fenced, re-dispatched, no decode node: parked
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            env.cluster.alive.add("d0")  # back within the bound: its next state places the parked work (attempt 1, served in full)
+            rest = "".join([line + "\n" async for line in lines])
+        events = sse_events(first + "\n\n" + rest)
+        assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2]
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == env.service.tokenizer.decode([output_token(i) for i in range(6)])
+        st = await env.stats()
+        assert st.counters["requeue.parked"] == 1 and st.counters.get("requeue.parked_expired", 0) == 0
+        assert st.counters["redispatch.placed"] == 1
+        _clean(env)
+
+        # now the decode node dies and is not restarted
+        loop = asyncio.get_running_loop()
+        async with env.http.stream("POST", "/v1/completions", json={"prompt": [6] * 70, "max_tokens": 6, "stream": True}, headers=KEY) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            first = await anext(lines)
+            env.cluster.alive.discard("d0")
+            t0 = loop.time()
+            rest = "".join([line + "\n" async for line in lines])
+            waited = loop.time() - t0
+        events = sse_events(first + "\n\n" + rest)
+        assert events[-1] == "[DONE]"
+        err = events[-2]["error"]
+        assert err["code"] == 503 and "no live decode" in err["message"] and "requeue_wait_s" in err["message"], err
+        # fenced after FENCE_S (1.5 s) of silence, then parked 1 s (+ the fence loop's 0.5 s tick); before: 504 after 30 s
+        assert waited < 6.0, waited
+        st = await env.stats()
+        assert st.counters["requeue.parked"] == 2 and st.counters["requeue.parked_expired"] == 1 and st.gauges["parked"] == 0
+        _clean(env)
+        # the API key's in-flight slot was given back: its next request is not a 429 (no decode node: 503 after no_route_wait_s)
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers=KEY)
+        assert r.status_code == 503 and "no live decode" in r.json()["error"]["message"], r.text
+
+
+async def test_a_prefill_redispatch_with_no_prefill_node_left_is_a_503_within_the_bound(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, PD, requeue_wait_s=1.0, **SLOW) as env:
+        env.cluster.answering.discard("p0")  # takes the work, never answers ...
+        req = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, headers=KEY))
+        while not env.cluster.works:
+            await asyncio.sleep(0.02)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        env.cluster.alive.discard("p0")  # ... and dies: its re-dispatch finds no prefill node
+        r = await asyncio.wait_for(req, 20)
+        assert r.status_code == 503, r.text
+        msg = r.json()["error"]["message"]
+        assert "no live prefill" in msg and "requeue_wait_s" in msg, msg
+        assert loop.time() - t0 < 6.0
+        st = await env.stats()
+        assert st.counters["redispatch.prefill"] == 1 and st.counters["requeue.parked_expired"] == 1
+        _clean(env)
