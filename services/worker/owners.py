@@ -13,7 +13,10 @@ on for ~60 s of wall time at ``--speedup 0.05`` and a new request queued behind 
 (``HeldQuery`` → ``HeldReply.dropped``): those it drops at once (the owner answered). When
 nobody serves ``route.held.<router>`` (NATS "no responders": the router is gone) for
 ``gone_after_s`` wall seconds in a row, every request of that router is dropped. A timeout or
-another bus error decides nothing (NATS down, a busy router): the requests are kept.
+another bus error decides nothing (NATS down, a busy router): the requests are kept; but a timeout
+(or a reply that could not be used) while this node's bus is connected ends a no-responders streak
+(:meth:`OwnerLeases.subscribed`): NATS answers "no responders" at once when nobody is subscribed,
+so a query that waited instead reached the router's subscription, and the router was there.
 
 The grace (``gone_after_s``, 30 s by default: the router's ``bus_outage_wait_s``) covers a router
 cut off from NATS, which looks the same as a dead one (nobody serves its subject) but whose
@@ -64,6 +67,19 @@ class OwnerLeases:
 
     def answered(self, router: str) -> None:
         """``router`` answered a query: it is alive (its streak, if any, ends)."""
+        self._silent_since.pop(router, None)
+
+    def subscribed(self, router: str) -> None:
+        """A query to ``router`` was delivered to its subscription but got no usable answer (a timeout
+        with this node's bus connected: NATS answers "no responders" at once when nobody serves the
+        subject; a malformed or refused reply): the router was there, so its streak, if any, ends —
+        "gone" needs ``gone_after_s`` of no-responders answers with no sign of it in between. Kept
+        apart from :meth:`answered` (a timeout drops nothing). Without this, a router that stayed
+        subscribed but slow (timeouts) after one no-responders moment (a NATS restart it resubscribed
+        after) kept that streak, and its next single no-responders (another reconnect) past
+        ``gone_after_s`` dropped every request it owns here at once: their streams ended although it
+        was alive all along. Ending a streak wrongly only delays a dead router's verdict (its
+        subscription outlives it only until NATS drops its connection)."""
         self._silent_since.pop(router, None)
 
     def no_responders(self, router: str, now: float) -> bool:

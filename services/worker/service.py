@@ -584,6 +584,8 @@ class WorkerService:
             except BusError as e:
                 if not isinstance(e, NoResponders):
                     self.counters["owners.no_answer"] += 1  # a timeout decides nothing: kept
+                    if self.bus.nc.is_connected:  # it reached the router's subscription: not "no responders in a row"
+                        self._leases.subscribed(router)
                     continue
                 self.counters["owners.no_responders"] += 1
                 if not self._leases.no_responders(router, time.monotonic()):

@@ -1,0 +1,61 @@
+"""The worker's owner checks (``route.held``, ``services/worker/owners.py``) over a real nats-server: a router
+that stays subscribed but does not answer in time (timeouts) is not "gone", so one no-responders moment after
+such a spell does not drop its requests at once.
+
+Before: the no-responders streak begun before the timeouts was kept through them, and the first no-responders
+after ``--owner-gone-after-s`` dropped every request of the router (its streams ended with an abort) although
+the router had been subscribed all along."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared import messages as m
+from shared.subjects import ROUTE_HELD, WORK_PREFILL, Subjects
+from tests.integration.polling import until
+from tests.integration.test_worker_live import Client, prompt, workers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_a_router_that_only_timed_out_in_between_is_not_gone_at_its_next_no_responders(nats_url):
+    c = await Client.connect(nats_url)
+    # slowed 10x: 200 tokens outlive the test unless the owner checks drop them
+    spec = {"node": "w0", "speedup": 0.1, "owner_check_interval_s": 0.2, "owner_gone_after_s": 1.0}
+    async with workers(nats_url, spec):
+        work = m.PrefillWork(**{f: getattr(prompt("held-1", [1, 2], tail=1, max_tokens=200), f)
+                                for f in ("rid", "prompt_tokens", "max_tokens", "block_size", "block_hashes")}, router="slow")
+        await c.bus.publish(WORK_PREFILL, work, node="w0")
+        await until(lambda: len(c.chunks["held-1"]) >= 2, what="the request to stream")
+
+        async def counter(name: str) -> int:
+            return (await c.stats("w0")).counters.get(name, 0)
+
+        # nobody serves route.held.slow yet: a no-responders streak starts
+        await until(lambda: counter("owners.no_responders"), 5.0, "a no-responders answer", every=0.05)
+        # the router (re)subscribes but does not answer in time (a stalled loop): timeouts for longer than the grace
+        async def never_answer(_msg) -> None:
+            pass
+
+        silent = await c.bus.nc.subscribe(Subjects("p0").format(ROUTE_HELD, router="slow"), cb=never_answer)
+        await c.bus.nc.flush()
+        await asyncio.sleep(1.5)
+        assert await counter("owners.no_answer") >= 3
+        # a no-responders moment (it reconnects to NATS): one answer of that kind is no 1 s streak
+        await silent.unsubscribe()
+        await c.bus.nc.flush()
+        nr = await counter("owners.no_responders")
+
+        async def one_more() -> bool:
+            return await counter("owners.no_responders") > nr
+
+        await until(one_more, 5.0, "a no-responders answer after the timeouts", every=0.05)
+        await asyncio.sleep(0.5)
+        assert await counter("owners.router_gone") == 0 and not c.finished("held-1")
+        # still nobody after the grace: gone, the request dropped
+        await until(lambda: c.finished("held-1"), 5.0, "the gone router's request dropped")
+        assert c.chunks["held-1"][-1].finish_reason == "abort" and await counter("owners.router_gone") >= 1
+        assert await counter("owners.dropped") == 1
+    await c.bus.close()
