@@ -829,8 +829,9 @@ class WorkerService:
             if self.core.abort(rid, now):
                 self._streams.pop(rid, None)
                 owner = self._owners.pop(rid, None)
-                await self._reject(
-                    WorkRejected(rid, f"no decode node for the request: {reason}"), now, attempt=owner.attempt if owner else work.attempt
+                await self._reject(  # nothing failed in an engine: the router answers an abort with 503
+                    WorkRejected(rid, f"no decode node for the request: {reason}"), now, attempt=owner.attempt if owner else work.attempt,
+                    finish_reason="abort",
                 )
         finally:
             if span is not None:
@@ -1259,8 +1260,10 @@ class WorkerService:
             return False
         return True
 
-    async def _reject(self, e: WorkRejected, now: float, *, attempt: int | None = None) -> None:
-        """Fail ``e.rid`` with an error chunk (of ``attempt``; default: the attempt held here)."""
+    async def _reject(self, e: WorkRejected, now: float, *, attempt: int | None = None, finish_reason: str = "error") -> None:
+        """Fail ``e.rid`` with an error chunk (of ``attempt``; default: the attempt held here). ``finish_reason``
+        ``abort`` instead: the node could serve it but the cluster cannot now (no decode node to bind), which
+        the router answers with 503, not the 500 of an engine error."""
         self.counters["requests.errored"] += 1
         if self._traces:
             self._traces.forget(e.rid)
@@ -1270,7 +1273,7 @@ class WorkerService:
             attempt = owner.attempt if owner is not None else 0
         await self.bus.publish(
             REQ_OUT,
-            m.TokenChunk(rid=e.rid, node=self.node, finished=True, finish_reason="error", error=e.reason, ts=now, attempt=attempt),
+            m.TokenChunk(rid=e.rid, node=self.node, finished=True, finish_reason=finish_reason, error=e.reason, ts=now, attempt=attempt),
             rid=e.rid,
         )
 

@@ -135,7 +135,7 @@ async def test_decode_node_is_chosen_when_the_prefill_starts(nats_url, tmp_path:
 
 
 async def test_prefill_fails_cleanly_when_no_router_binds_a_decode_node(nats_url):
-    """No router answers route.bind: the started prefill fails with an error chunk at once
+    """No router answers route.bind: the started prefill fails with an abort chunk at once
     (nobody serves the owner's route.bind: its router is gone, issue #22; a router that does not
     answer in time costs ``bind_timeout_s``), nothing hangs, and the node is left empty."""
     chunks: list[m.TokenChunk] = []
@@ -166,8 +166,83 @@ async def test_prefill_fails_cleanly_when_no_router_binds_a_decode_node(nats_url
         await bus.publish(WORK_PREFILL, work, node="w0")
         await until(lambda: any(c.finished for c in chunks), timeout=10, what="the error chunk")
         (c,) = chunks
-        assert c.finish_reason == "error" and "no decode node" in (c.error or "")
+        assert c.finish_reason == "abort" and "no decode node" in (c.error or "")  # the cluster's state, not an engine error
         stats = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=2.0))
         assert stats.counters["bind.failed"] == 1 and stats.gauges["running"] == 0 and stats.gauges["waiting"] == 0
         assert stats.counters["bind.owner_gone"] == 1 and stats.counters.get("bind.retries", 0) == 0
         assert stats.counters.get("loop_errors", 0) == 0
+
+
+async def test_a_prefill_that_starts_with_no_decode_node_left_fails_with_a_503_not_a_500(nats_url, tmp_path: Path):
+    """1P1D; the only decode node (w1, played by the test: its node states) goes silent while A prefills on w0
+    (bound to w1) and B waits behind it. w1 is fenced: A, which depends on it, is re-dispatched, finds no decode
+    node and fails after ``--requeue-wait-s``; B's prefill starts (A dropped) and ``route.bind`` finds no decode
+    node for ``--bind-timeout-s``. Both clients get a 503 naming the missing decode node. Before, B got a 500
+    ``engine error on node w0: no decode node for the request ...``: the node's refusal was an ``error`` chunk
+    although nothing failed in an engine (now an ``abort`` chunk, as for other work a node cannot serve)."""
+    profile = tmp_path / "slow.toml"
+    profile.write_text(SLOW_PREFILL)
+    origin = time.time()
+    port_file = tmp_path / "router.port"
+    states: dict[str, m.NodeState] = {}
+    router: dict[str, RouterService] = {}
+    w1_alive = asyncio.Event()
+    w1_alive.set()
+    async with AsyncExitStack() as stack:
+        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-nodecode")
+        stack.push_async_callback(bus.close)
+
+        async def on_state(st: m.NodeState, _s: str) -> None:
+            states[st.node] = st
+
+        await bus.subscribe(NODE_STATE, on_state)
+        stops: list[asyncio.Event] = []
+        tasks: list[asyncio.Task] = []
+
+        async def shutdown() -> None:
+            for s in stops:
+                s.set()
+            w1_alive.clear()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        stack.push_async_callback(shutdown)
+
+        async def w1_states() -> None:  # the decode node's liveness, until it "dies"
+            while w1_alive.is_set():
+                st = m.NodeState(node="w1", phase="decode", epoch=0, block_size=BS, gpu_free_blocks=1000, gpu_total_blocks=1000)
+                await bus.publish(NODE_STATE, st, node="w1")
+                await asyncio.sleep(0.1)
+
+        tasks.append(asyncio.create_task(w1_states()))
+        cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node="w0", phase="prefill", profile=str(profile),
+                           idle_state_interval_s=0.2, state_interval_s=0.01, bind_timeout_s=0.5)  # fmt: skip
+        stops.append(asyncio.Event())
+        tasks.append(asyncio.create_task(serve_until_stopped("worker", cfg, WorkerService, instance="worker-w0", stop_event=stops[-1])))
+        rcfg = RouterConfig(
+            nats_url=nats_url, clock_origin=origin, port=0, port_file=str(port_file), block_size=BS, decode_binding="prefill-start",
+            split_get_timeout_s=0.2, lookup_timeout_s=0.05, fence_after_s=1.0, request_timeout_s=30.0, requeue_wait_s=1.0,
+        )  # fmt: skip
+
+        def factory(c, b, clock):
+            router["svc"] = RouterService(c, b, clock)
+            return router["svc"]
+
+        stops.append(asyncio.Event())
+        tasks.append(asyncio.create_task(serve_until_stopped("router", rcfg, factory, instance="router", stop_event=stops[-1])))
+        await until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and len(states) == 2, 15.0, "router ready")
+        url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+
+        a = asyncio.create_task(_complete(url, list(range(1, 2001)), 4))  # ≈ 4 s of prefill on w0, bound to w1 at its start
+        await until(lambda: states["w0"].running == 1, 15.0, "A prefilling on w0")
+        b = asyncio.create_task(_complete(url, list(range(3000, 3040)), 4))
+        await until(lambda: states["w0"].waiting == 1, 15.0, "B queued on w0 behind A")
+        w1_alive.clear()  # the decode node dies
+        ra, rb = await asyncio.wait_for(a, 20), await asyncio.wait_for(b, 20)
+        for r in (ra, rb):
+            assert r.status_code == 503, r.text
+            assert "no live decode" in r.json()["error"]["message"], r.text
+        assert "no decode node for the request" in rb.json()["error"]["message"], rb.text
+        w0 = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=5.0)).counters
+        assert w0["bind.failed"] == 1
+        svc = router["svc"]
+        assert svc._pending == {} and svc._parked == {} and svc.core.view.inflight_total == 0
