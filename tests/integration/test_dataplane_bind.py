@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -61,44 +64,43 @@ max_running = 16
 """
 
 
-async def _complete(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
-    async with httpx.AsyncClient(timeout=30) as http:
-        return await http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens})
+@dataclass
+class _Live:
+    bus: Bus
+    states: dict[str, m.NodeState]
+    router: RouterService
+    url: str
 
 
-@pytest.mark.parametrize("binding,expected", [("prefill-start", "w1"), ("dispatch", "w2")])
-async def test_decode_node_is_chosen_when_the_prefill_starts(nats_url, tmp_path: Path, binding: str, expected: str):
+@asynccontextmanager
+async def _live(nats_url: str, tmp_path: Path, workers: dict[str, dict[str, Any]], *, fake_nodes: int = 0,
+                **router_kw: Any) -> AsyncIterator[_Live]:
+    """In-process workers (node -> extra ``WorkerConfig`` fields; the slow-prefill profile) and a router over a
+    real nats-server, on one clock origin; yields once the router is ready and every node (workers and
+    ``fake_nodes`` the test reports itself) has a state."""
     profile = tmp_path / "slow.toml"
     profile.write_text(SLOW_PREFILL)
     origin = time.time()
     port_file = tmp_path / "router.port"
     states: dict[str, m.NodeState] = {}
     router: dict[str, RouterService] = {}
-    async with AsyncExitStack() as stack:
-        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-bind")
-        stack.push_async_callback(bus.close)
+    stops: list[asyncio.Event] = []
+    tasks: list[asyncio.Task] = []
+    bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-bind")
+    try:
 
         async def on_state(st: m.NodeState, _s: str) -> None:
             states[st.node] = st
 
         await bus.subscribe(NODE_STATE, on_state)
-        stops: list[asyncio.Event] = []
-        tasks: list[asyncio.Task] = []
-
-        async def shutdown() -> None:
-            for s in stops:
-                s.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        stack.push_async_callback(shutdown)
-        for node, phase in (("w0", "prefill"), ("w1", "decode"), ("w2", "decode")):
-            cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node=node, phase=phase, profile=str(profile),
-                               idle_state_interval_s=0.2, state_interval_s=0.01)  # fmt: skip
+        for node, kw in workers.items():
+            cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node=node, profile=str(profile),
+                               idle_state_interval_s=0.2, state_interval_s=0.01, **kw)  # fmt: skip
             stops.append(asyncio.Event())
             tasks.append(asyncio.create_task(serve_until_stopped("worker", cfg, WorkerService, instance=f"worker-{node}", stop_event=stops[-1])))
         rcfg = RouterConfig(
-            nats_url=nats_url, clock_origin=origin, port=0, port_file=str(port_file), block_size=BS, decode_binding=binding,
-            split_get_timeout_s=0.2, lookup_timeout_s=0.05, fence_after_s=5.0, request_timeout_s=30.0,
+            nats_url=nats_url, clock_origin=origin, port=0, port_file=str(port_file), block_size=BS,
+            **{"split_get_timeout_s": 0.2, "lookup_timeout_s": 0.05, "fence_after_s": 5.0, "request_timeout_s": 30.0, **router_kw},
         )  # fmt: skip
 
         def factory(c, b, clock):
@@ -107,9 +109,26 @@ async def test_decode_node_is_chosen_when_the_prefill_starts(nats_url, tmp_path:
 
         stops.append(asyncio.Event())
         tasks.append(asyncio.create_task(serve_until_stopped("router", rcfg, factory, instance="router", stop_event=stops[-1])))
-        await until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and len(states) == 3, 15.0, "router ready")
-        url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+        n = len(workers) + fake_nodes
+        await until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and len(states) == n, 15.0, "router ready")
+        yield _Live(bus, states, router["svc"], f"http://127.0.0.1:{port_file.read_text().strip()}")
+    finally:
+        for st in stops:
+            st.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await bus.close()
 
+
+async def _complete(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as http:
+        return await http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens})
+
+
+@pytest.mark.parametrize("binding,expected", [("prefill-start", "w1"), ("dispatch", "w2")])
+async def test_decode_node_is_chosen_when_the_prefill_starts(nats_url, tmp_path: Path, binding: str, expected: str):
+    workers = {"w0": {"phase": "prefill"}, "w1": {"phase": "decode"}, "w2": {"phase": "decode"}}
+    async with _live(nats_url, tmp_path, workers, decode_binding=binding) as live:
+        bus, states, url = live.bus, live.states, live.url
         a = asyncio.create_task(_complete(url, list(range(1, 601)), 1))  # ≈ 1.2 s of prefill on w0
         await until(lambda: states["w0"].running == 1, 15.0, "A prefilling on w0")
         b = asyncio.create_task(_complete(url, list(range(1000, 1040)), 4))
@@ -180,69 +199,36 @@ async def test_a_prefill_that_starts_with_no_decode_node_left_fails_with_a_503_n
     node for ``--bind-timeout-s``. Both clients get a 503 naming the missing decode node. Before, B got a 500
     ``engine error on node w0: no decode node for the request ...``: the node's refusal was an ``error`` chunk
     although nothing failed in an engine (now an ``abort`` chunk, as for other work a node cannot serve)."""
-    profile = tmp_path / "slow.toml"
-    profile.write_text(SLOW_PREFILL)
-    origin = time.time()
-    port_file = tmp_path / "router.port"
-    states: dict[str, m.NodeState] = {}
-    router: dict[str, RouterService] = {}
-    w1_alive = asyncio.Event()
-    w1_alive.set()
-    async with AsyncExitStack() as stack:
-        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-nodecode")
-        stack.push_async_callback(bus.close)
+    bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-w1")
+    w1_alive = True
 
-        async def on_state(st: m.NodeState, _s: str) -> None:
-            states[st.node] = st
+    async def w1_states() -> None:  # the decode node's liveness, until it "dies"
+        while w1_alive:
+            st = m.NodeState(node="w1", phase="decode", epoch=0, block_size=BS, gpu_free_blocks=1000, gpu_total_blocks=1000)
+            await bus.publish(NODE_STATE, st, node="w1")
+            await asyncio.sleep(0.1)
 
-        await bus.subscribe(NODE_STATE, on_state)
-        stops: list[asyncio.Event] = []
-        tasks: list[asyncio.Task] = []
-
-        async def shutdown() -> None:
-            for s in stops:
-                s.set()
-            w1_alive.clear()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        stack.push_async_callback(shutdown)
-
-        async def w1_states() -> None:  # the decode node's liveness, until it "dies"
-            while w1_alive.is_set():
-                st = m.NodeState(node="w1", phase="decode", epoch=0, block_size=BS, gpu_free_blocks=1000, gpu_total_blocks=1000)
-                await bus.publish(NODE_STATE, st, node="w1")
-                await asyncio.sleep(0.1)
-
-        tasks.append(asyncio.create_task(w1_states()))
-        cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node="w0", phase="prefill", profile=str(profile),
-                           idle_state_interval_s=0.2, state_interval_s=0.01, bind_timeout_s=0.5)  # fmt: skip
-        stops.append(asyncio.Event())
-        tasks.append(asyncio.create_task(serve_until_stopped("worker", cfg, WorkerService, instance="worker-w0", stop_event=stops[-1])))
-        rcfg = RouterConfig(
-            nats_url=nats_url, clock_origin=origin, port=0, port_file=str(port_file), block_size=BS, decode_binding="prefill-start",
-            split_get_timeout_s=0.2, lookup_timeout_s=0.05, fence_after_s=1.0, request_timeout_s=30.0, requeue_wait_s=1.0,
-        )  # fmt: skip
-
-        def factory(c, b, clock):
-            router["svc"] = RouterService(c, b, clock)
-            return router["svc"]
-
-        stops.append(asyncio.Event())
-        tasks.append(asyncio.create_task(serve_until_stopped("router", rcfg, factory, instance="router", stop_event=stops[-1])))
-        await until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and len(states) == 2, 15.0, "router ready")
-        url = f"http://127.0.0.1:{port_file.read_text().strip()}"
-
-        a = asyncio.create_task(_complete(url, list(range(1, 2001)), 4))  # ≈ 4 s of prefill on w0, bound to w1 at its start
-        await until(lambda: states["w0"].running == 1, 15.0, "A prefilling on w0")
-        b = asyncio.create_task(_complete(url, list(range(3000, 3040)), 4))
-        await until(lambda: states["w0"].waiting == 1, 15.0, "B queued on w0 behind A")
-        w1_alive.clear()  # the decode node dies
-        ra, rb = await asyncio.wait_for(a, 20), await asyncio.wait_for(b, 20)
-        for r in (ra, rb):
-            assert r.status_code == 503, r.text
-            assert "no live decode" in r.json()["error"]["message"], r.text
-        assert "no decode node for the request" in rb.json()["error"]["message"], rb.text
-        w0 = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=5.0)).counters
-        assert w0["bind.failed"] == 1
-        svc = router["svc"]
-        assert svc._pending == {} and svc._parked == {} and svc.core.view.inflight_total == 0
+    beat = asyncio.create_task(w1_states())
+    try:
+        workers = {"w0": {"phase": "prefill", "bind_timeout_s": 0.5}}
+        async with _live(nats_url, tmp_path, workers, fake_nodes=1, decode_binding="prefill-start", fence_after_s=1.0,
+                         requeue_wait_s=1.0) as live:  # fmt: skip
+            states, url = live.states, live.url
+            a = asyncio.create_task(_complete(url, list(range(1, 2001)), 4))  # ≈ 4 s of prefill on w0, bound to w1 at its start
+            await until(lambda: states["w0"].running == 1, 15.0, "A prefilling on w0")
+            b = asyncio.create_task(_complete(url, list(range(3000, 3040)), 4))
+            await until(lambda: states["w0"].waiting == 1, 15.0, "B queued on w0 behind A")
+            w1_alive = False  # the decode node dies
+            ra, rb = await asyncio.wait_for(a, 20), await asyncio.wait_for(b, 20)
+            for r in (ra, rb):
+                assert r.status_code == 503, r.text
+                assert "no live decode" in r.json()["error"]["message"], r.text
+            assert "no decode node for the request" in rb.json()["error"]["message"], rb.text
+            w0 = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=5.0)).counters
+            assert w0["bind.failed"] == 1
+            svc = live.router
+            assert svc._pending == {} and svc._parked == {} and svc.core.view.inflight_total == 0
+    finally:
+        w1_alive = False
+        await beat
+        await bus.close()
