@@ -92,14 +92,63 @@ def _t0(report: Mapping[str, Any]) -> float:
     return float(report.get("start_s") or 0.0)
 
 
-def _maybe_log_x(ax: Any, *xs: Any) -> None:
-    """Log x axis when the positive values span more than two decades (agent latencies are heavy-tailed)."""
+def _log_x(*xs: Any) -> bool:
+    """Whether a latency axis is logarithmic: the positive values span more than two decades (agent latencies are heavy-tailed)."""
     vals = np.concatenate([np.asarray(x, dtype=float) for x in xs]) if xs else np.empty(0)
-    if len(vals) and vals.min() > 0 and vals.max() / vals.min() > 100:
-        ax.set_xscale("log")
-        # the formatters LogScale installs (base 10, no subs), less their mathtext
-        ax.xaxis.set_major_formatter(LogTickFormatter(10))
-        ax.xaxis.set_minor_formatter(LogTickFormatter(10, labelOnlyBase=False))
+    return bool(len(vals) and vals.min() > 0 and vals.max() / vals.min() > 100)
+
+
+def _set_log_x(ax: Any) -> None:
+    ax.set_xscale("log")
+    # the formatters LogScale installs (base 10, no subs), less their mathtext
+    ax.xaxis.set_major_formatter(LogTickFormatter(10))
+    ax.xaxis.set_minor_formatter(LogTickFormatter(10, labelOnlyBase=False))
+
+
+def cdf_steps(x: np.ndarray, y: np.ndarray, *, log: bool, width_px: float) -> tuple[np.ndarray, np.ndarray]:
+    """The points of an empirical CDF that its ``steps-post`` line needs at ``width_px`` pixels across.
+
+    Cuts the CDF's x span (log10 of it when ``log``) into columns of ``span / (2 * width_px)``
+    and keeps the first point and the last point of each column. Between two kept points the
+    full staircase then stays inside one column, so the line through the kept points (across
+    at the lower level, up at the column's last x) is never further from it than a column's
+    width: under half a pixel on an axes at most ``width_px`` wide showing at least the span
+    (the plots' axes are narrower than the figure and autoscale adds margins). A run of 10⁶
+    requests draws at most ``2 * width_px + 2`` points instead of 10⁶ — the same picture for a
+    fraction of matplotlib's transform, step and path work.
+
+    Args:
+        x: [n] sample values sorted ascending (``metrics.cdf``); positive when ``log``.
+        y: [n] cumulative fractions at ``x``.
+        log: the x axis is logarithmic.
+        width_px: the figure's width in pixels (an upper bound of the axes' width).
+
+    Returns:
+        ``(x[keep], y[keep])``; the inputs unchanged when there is nothing to cut (fewer than
+        3 points, one distinct value).
+
+    Raises:
+        ValueError: if ``x`` and ``y`` differ in length, ``x`` is not sorted ascending, or
+            ``log`` is set and ``x`` has a value ≤ 0.
+    """
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"cdf_steps: x and y must be 1-d of one length, got {x.shape} and {y.shape}")
+    if len(x) < 3:
+        return x, y
+    if np.any(np.diff(x) < 0):
+        raise ValueError("cdf_steps: x must be sorted ascending")
+    if log and x[0] <= 0:
+        raise ValueError(f"cdf_steps: a log axis needs positive x, got {x[0]}")
+    u = np.log10(x) if log else x
+    span = u[-1] - u[0]
+    if not span > 0 or not width_px > 0:
+        return x, y
+    col = np.floor((u - u[0]) * (2.0 * width_px / span))
+    keep = np.empty(len(x), dtype=bool)
+    keep[:-1] = col[1:] != col[:-1]  # the last point of each column
+    keep[0] = keep[-1] = True
+    return x[keep], y[keep]
 
 
 def _latencies(records: Sequence[RequestRecord], attr: str) -> list[float]:
@@ -115,14 +164,16 @@ def plot_latency_cdf(out: Path, records: Sequence[RequestRecord], attr: str, nam
     if not values:
         return None
     x, y = cdf(values)
+    log = _log_x(x)
     fig = Figure(figsize=(6.4, 4.0))
     ax = fig.add_subplot()
-    ax.plot(x, y, drawstyle="steps-post", color="C0")
+    ax.plot(*cdf_steps(x, y, log=log, width_px=6.4 * DPI), drawstyle="steps-post", color="C0")
     for q, style in ((50, ":"), (95, "--")):
         v = float(np.percentile(x, q))  # same interpolation as the report's P50/P95
         ax.axvline(v, color="grey", linestyle=style, linewidth=1)
         ax.text(v, 0.02 if q == 50 else 0.1, f" P{q} = {v:.2f} s", fontsize=8, color="dimgrey")
-    _maybe_log_x(ax, x)
+    if log:
+        _set_log_x(ax)
     ax.set_xlabel(f"{title} (s)")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.01)
@@ -300,19 +351,17 @@ def plot_run(out: Path, report: Mapping[str, Any], records: Sequence[RequestReco
 
 def compare_latency_cdf(out: Path, runs: Sequence[RunData], attr: str, name: str, title: str) -> PlotFile | None:
     """CDFs of one latency overlaid, one line per run."""
+    curves = [(i, run, cdf(values)) for i, run in enumerate(runs) if (values := _latencies(run.records, attr))]
+    if not curves:
+        return None
+    log = _log_x(*(x for _, _, (x, _) in curves))
     fig = Figure(figsize=(6.4, 4.0))
     ax = fig.add_subplot()
-    drawn: list[Any] = []
-    for i, run in enumerate(runs):
-        values = _latencies(run.records, attr)
-        if not values:
-            continue
-        x, y = cdf(values)
-        ax.plot(x, y, drawstyle="steps-post", color=f"C{i % 10}", label=f"{run.label} (n={len(values)})")
-        drawn.append(x)
-    if not drawn:
-        return None
-    _maybe_log_x(ax, *drawn)
+    for i, run, (x, y) in curves:
+        ax.plot(*cdf_steps(x, y, log=log, width_px=6.4 * DPI), drawstyle="steps-post", color=f"C{i % 10}",
+                label=f"{run.label} (n={len(x)})")
+    if log:
+        _set_log_x(ax)
     ax.set_xlabel(f"{title} (s)")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.01)

@@ -1,15 +1,17 @@
-"""What the plots draw: log axes label their ticks as matplotlib does, without mathtext."""
+"""What the plots draw: the decimated CDF line stays within a pixel of the full one; log axes need no mathtext."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.mathtext import MathTextParser
 
-from evolving_infra.report.plots import DPI, LogTickFormatter, RunData, plain_tick_label, plot_compare, plot_run
+from evolving_infra.report.metrics import cdf
+from evolving_infra.report.plots import DPI, LogTickFormatter, RunData, cdf_steps, plain_tick_label, plot_compare, plot_run
 from evolving_infra.report.timeline import timeline_from_builtins
 from evolving_infra.report.write import build_report
 
@@ -17,6 +19,66 @@ from .helpers import rec, switching_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGSIZE = (6.4, 4.0)  # the latency CDFs' figure
+
+
+def _raster(x: np.ndarray, y: np.ndarray, *, log: bool) -> np.ndarray:
+    """[H, W] bool: the pixels a 1-px, non-antialiased steps-post line through (x, y) lights, on the CDF's figure."""
+    fig = Figure(figsize=FIGSIZE, dpi=DPI)
+    ax = fig.add_subplot()
+    ax.plot(x, y, drawstyle="steps-post", color="k", linewidth=1, antialiased=False)
+    if log:
+        ax.set_xscale("log")
+    ax.set_ylim(0, 1.01)
+    ax.set_axis_off()
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].min(axis=-1) < 128
+
+
+def _dilate(mask: np.ndarray) -> np.ndarray:
+    padded = np.pad(mask, 1)
+    h, w = mask.shape
+    out = np.zeros_like(mask)
+    for dy in (0, 1, 2):
+        for dx in (0, 1, 2):
+            out |= padded[dy:dy + h, dx:dx + w]
+    return out
+
+
+def _within_a_pixel(a: np.ndarray, b: np.ndarray) -> bool:
+    """Every lit pixel of each raster has a lit pixel of the other at most one pixel away (8-neighbourhood)."""
+    return bool(a.any() and b.any() and not (a & ~_dilate(b)).any() and not (b & ~_dilate(a)).any())
+
+
+@pytest.mark.parametrize("n", [400, 20_000])
+@pytest.mark.parametrize("log", [True, False])
+def test_decimated_cdf_draws_within_a_pixel_of_the_full_one(log: bool, n: int):
+    rng = np.random.default_rng(7)
+    # heavy-tailed like agent latencies: a dense steep body, a sparse tail where every step shows
+    x, y = cdf(rng.lognormal(-1.0, 1.6, n) if log else rng.gamma(2.0, 1.5, n))
+    xd, yd = cdf_steps(x, y, log=log, width_px=FIGSIZE[0] * DPI)
+    assert len(xd) <= 2 * FIGSIZE[0] * DPI + 2 and len(xd) < len(x)
+    assert (xd[0], yd[0], xd[-1], yd[-1]) == (x[0], y[0], x[-1], y[-1])  # same span, so the same autoscaled axes
+    full = _raster(x, y, log=log)
+    assert _within_a_pixel(full, _raster(xd, yd, log=log))
+    if n == 400:  # the check has teeth: a step here is ~0.8 px tall; every 3rd point (and the last) is not the same line
+        blind = np.r_[np.arange(0, n, 3), n - 1]
+        assert not _within_a_pixel(full, _raster(x[blind], y[blind], log=log))
+
+
+def test_cdf_steps_bounds_points_and_rejects_bad_input():
+    x, y = cdf(np.random.default_rng(1).lognormal(0, 2, 1_000_000))
+    xd, _ = cdf_steps(x, y, log=True, width_px=704)
+    assert len(xd) <= 2 * 704 + 2
+    assert np.all(np.diff(xd) >= 0)
+    same = np.ones(5)
+    assert cdf_steps(same, np.arange(1, 6) / 5, log=True, width_px=704)[0].tolist() == same.tolist()  # one value: uncut
+    with pytest.raises(ValueError, match="sorted"):
+        cdf_steps(np.array([3.0, 1.0, 2.0]), np.array([1 / 3, 2 / 3, 1.0]), log=False, width_px=704)
+    with pytest.raises(ValueError, match="positive"):
+        cdf_steps(np.array([0.0, 1.0, 2.0]), np.array([1 / 3, 2 / 3, 1.0]), log=True, width_px=704)
+    with pytest.raises(ValueError, match="one length"):
+        cdf_steps(np.array([0.0, 1.0, 2.0]), np.array([1.0]), log=False, width_px=704)
 
 
 def test_log_tick_labels_read_as_matplotlibs_without_mathtext():
