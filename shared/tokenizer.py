@@ -52,8 +52,10 @@ class Tokenizer(Protocol):
         """Token ids of ``text`` (completion prompts; special tokens as the model adds them)."""
         ...
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``."""
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens (BOS, EOS, chat markers) are left out unless
+        ``skip_special_tokens`` is False (output text skips them, as vLLM's default
+        ``skip_special_tokens``; an echoed token-id prompt keeps them, as vLLM's)."""
         ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
@@ -140,8 +142,9 @@ class SimTokenizer:
         tid = self.token_id
         return [tid(m) for m in _WORD.findall(text)]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Placeholder words joined by single spaces."""
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Placeholder words joined by single spaces (the sim vocabulary has no special tokens:
+        ``skip_special_tokens`` changes nothing)."""
         w = self.word
         return " ".join(w(int(i)) for i in ids)
 
@@ -243,14 +246,14 @@ class HFTokenizer:
         batch = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
         return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids`` with special tokens skipped. Over ``_GIL_FREE_CHARS`` ids through
-        ``decode_batch([ids])``, which releases the GIL (``decode`` holds it: 1.73M ids, 0.50 s, loop stopped
-        0.50 s; ``decode_batch`` 0.43 s, largest loop gap 27 ms; same text)."""
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``, special tokens skipped unless ``skip_special_tokens`` is False. Over
+        ``_GIL_FREE_CHARS`` ids through ``decode_batch([ids])``, which releases the GIL (``decode`` holds it:
+        1.73M ids, 0.50 s, loop stopped 0.50 s; ``decode_batch`` 0.43 s, largest loop gap 27 ms; same text)."""
         seq = list(ids)
         if len(seq) <= _GIL_FREE_CHARS:
-            return str(self._tok.decode(seq, skip_special_tokens=True))
-        return str(self._tok.decode_batch([seq], skip_special_tokens=True)[0])
+            return str(self._tok.decode(seq, skip_special_tokens=skip_special_tokens))
+        return str(self._tok.decode_batch([seq], skip_special_tokens=skip_special_tokens)[0])
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
         """Render the model's chat template (generation prompt on) and encode it without extra specials."""

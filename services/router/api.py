@@ -23,7 +23,7 @@ the text at a stop string or stop token id). *Accepted, validated and ignored*:
 the chat prompt. Rejected with 400 because they would change the response
 shape: ``n`` > 1, ``best_of`` > 1, ``suffix``, batched prompts, completions ``echo`` with
 ``logprobs`` (vLLM adds the prompt's logprobs, which no engine here computes); ``echo`` alone
-puts the prompt's text (a token-id prompt detokenized) before the choice's text. ``logprobs`` (:func:`logprobs_asked`): chat ``logprobs: true`` with
+puts the prompt's text (a token-id prompt detokenized, special tokens shown, as vLLM) before the choice's text. ``logprobs`` (:func:`logprobs_asked`): chat ``logprobs: true`` with
 ``top_logprobs`` 0..20, completions ``logprobs`` 0..:data:`MAX_LOGPROBS` (vLLM's default
 ``max_logprobs``; OpenAI's legacy API allows 5) are sent to the nodes in
 ``Sampling.logprobs`` and answered in OpenAI's / vLLM's shapes (:func:`chat_logprobs`,

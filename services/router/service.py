@@ -1408,7 +1408,7 @@ class RouterService:
     def _prepare_body(self, body: bytes, chat: bool) -> tuple[Any, np.ndarray, int, bytes, list[int], str]:
         """Parse and check a generation body and tokenize its prompt: (request, token ids, max_tokens, the
         ids packed as little-endian uint32, their block hashes at ``block_size``, the echo text: the
-        completions prompt for ``echo``, as sent or a token-id prompt detokenized, else ""). No await and
+        completions prompt for ``echo``, as sent or a token-id prompt detokenized with its special tokens, else ""). No await and
         no state written: it may run in a worker thread.
 
         Raises:
@@ -1473,7 +1473,9 @@ class RouterService:
         if top >= self.tokenizer.vocab_size:
             raise api.ApiError(400, f"token id {top} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param="prompt")
         packed = arr.astype("<u4").tobytes()
-        echo = "" if chat or not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        # a token-id prompt is echoed with its special tokens' text (vLLM detokenizes it for echo with the
+        # tokenizer's batch_decode defaults: skip_special_tokens False), unlike output text
+        echo = "" if chat or not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
         return req, arr, max_tokens, packed, block_hashes_packed(packed, self.cfg.block_size), echo
 
     async def _lookup(self, hashes: list[int], tr: _ReqTrace | None = None) -> tuple[m.KvLookupReply | None, str]:

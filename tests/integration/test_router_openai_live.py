@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import pytest
 
-from shared.tokenizer import SimTokenizer
+from shared.tokenizer import SimTokenizer, load_tokenizer
 from tests.integration.test_router_live import output_token, router_env, sse_events
 
 USER = [{"role": "user", "content": "hello there"}]
@@ -289,3 +290,25 @@ async def test_logprobs_on_a_cluster_that_mixes_sim_and_torch_engines_is_a_400_n
         assert env.cluster.works[-1].sampling.logprobs == 1
         st = await env.stats()
         assert st.counters["logprobs_refused_sim"] == 2
+
+
+async def test_echo_of_a_token_id_prompt_keeps_its_special_tokens_as_vllm(nats_url, tmp_path):
+    """vLLM echoes a token-id prompt as its tokenizer's ``batch_decode`` gives it (``skip_special_tokens``
+    False: BOS, ``<|im_start|>``, ... are shown; the renderer's ``_create_prompt_from_token_ids``); the
+    router decoded it as output text, special tokens skipped, so ``[<|im_start|>, user, hello, <|im_end|>]``
+    echoed ``user hello``. A text prompt is echoed as sent; the output's text still skips them."""
+    pytest.importorskip("tokenizers")
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    folder = write_bpe_tokenizer(tmp_path / "tok")
+    tok = load_tokenizer(f"hf:{folder}")
+    text = "<|im_start|>user hello<|im_end|>"
+    ids = tok._tok.encode(text, add_special_tokens=False).ids  # type: ignore[attr-defined]
+    special = {tok._tok.token_to_id(s) for s in ("<|im_start|>", "<|im_end|>")}  # type: ignore[attr-defined]
+    assert ids[0] in special and ids[-1] in special and tok.decode(ids) != text
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, tokenizer=f"hf:{folder}") as env:
+        for prompt in (ids, text, [ids]):
+            for stream in (False, True):
+                status, got, fin, _, _ = await _ask(env, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "echo": True}, stream)
+                assert status == 200 and got.startswith(text) and fin == "length", (prompt, stream, got)
+                assert got == text + tok.decode([output_token(0), output_token(1)]), (prompt, stream, got)

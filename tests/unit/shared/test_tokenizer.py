@@ -226,8 +226,14 @@ def test_hf_batch_calls_give_the_plain_calls_ids_and_text(tmp_path):
                 assert raw.decode_batch([ids], skip_special_tokens=skip)[0] == raw.decode(ids, skip_special_tokens=skip)
             assert tok.decode(ids) == raw.decode(ids, skip_special_tokens=True)
             assert tok.decode(tuple(ids)) == tok.decode(ids)
+            # kept when asked (an echoed token-id prompt, vLLM's), on the plain and the batch path
+            assert tok.decode(ids, skip_special_tokens=False) == raw.decode(ids, skip_special_tokens=False)
         chat = [{"role": "user", "content": long}, {"role": "assistant", "content": "hello <|im_end|> world"}]
         assert len(tok.apply_chat_template(chat)) > 100
+        if "<|im_start|>" in raw.get_vocab():  # the BPE's ChatML markers are special tokens
+            marked = tok.apply_chat_template(chat)
+            for ids in (marked[:50], marked):  # under and over _GIL_FREE_CHARS ids
+                assert "<|im_start|>" in tok.decode(ids, skip_special_tokens=False) and "<|im_start|>" not in tok.decode(ids)
 
 
 def _longest_stall_s(work, *args) -> tuple[float, float]:
