@@ -239,3 +239,84 @@ def test_text_held_for_an_incomplete_character_is_not_matched_at_the_end_under_m
     out.push([1])
     out.finish()
     assert (out.text, out.stop_reason) == ("", "stop")
+
+
+class SplitTok:
+    """Byte pieces that split multi-byte characters (中 = e4 b8 ad, 😀 = f0 9f 98 80) across ids, an
+    invalid byte and a real U+FFFD; the text is their concatenation decoded with replacement."""
+
+    name = "split"
+    PIECES = [b"a", b"b", b"ab", b"\xe4", b"\xb8", b"\xad", b"\xe4\xb8", b"\xad ", b"<", b"/>", b"\xf0\x9f", b"\x98\x80", b"x\xe4", b"\xef\xbf\xbd", b"\xff"]
+    vocab_size = len(PIECES)
+
+    def encode(self, text):
+        raise NotImplementedError
+
+    def decode(self, ids):
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def _oracle(tok, ids: list[int], stop: list[str], stop_ids: set[int], min_tokens: int, include: bool) -> tuple[str, str | int | None, int]:
+    """(text, stop_reason, tokens) from a whole decode after every token (vLLM's detokenizer, no
+    windows): the text grows by what the decode of the ids so far adds, unless it ends in U+FFFD (an
+    incomplete character, held); past ``min_tokens`` the first stop string completed by the new
+    text ends it (the earliest start of those), before it or, with ``include``, after it; a stop
+    token id ends it with the text before it (held text flushed), its own text too with ``include``;
+    at the end held text is flushed."""
+    text, shown = "", ""
+
+    def grow(upto: int, hold: bool) -> str:
+        nonlocal shown
+        full = tok.decode(ids[:upto])
+        if len(full) <= len(shown) or (hold and full.endswith("\ufffd")):
+            return ""
+        new, shown = full[len(shown) :], full
+        return new
+
+    def add(new: str, match: bool) -> str | None:
+        nonlocal text
+        old, text = len(text), text + new
+        found = [(text.find(s, max(0, old - len(s) + 1)), s) for s in stop] if new and match else []
+        found = [(k, s) for k, s in found if k >= 0]
+        if not found:
+            return None
+        k, s = min(found)
+        text = text[: k + len(s)] if include else text[:k]
+        return s
+
+    for n, t in enumerate(ids, 1):
+        if n > min_tokens and t in stop_ids:
+            s = add(grow(n, True), True) if include else None
+            s = s or add(grow(n if include else n - 1, False), True)
+            return text, s or t, n
+        s = add(grow(n, True), n > min_tokens)
+        if s:
+            return text, s, n
+    # the end: held text is flushed (a whole decode shows it) and may still complete a stop string
+    s = add(grow(len(ids), False), len(ids) > min_tokens)
+    return text, s, len(ids)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_split_characters_stop_ids_and_min_tokens_give_one_text_for_any_chunking(include):
+    """Property test, random outputs of :class:`SplitTok` (characters split across ids), random stop
+    strings (multi-byte characters and U+FFFD among them), stop token ids and ``min_tokens``: the
+    streamed pieces joined are the non-streamed text, no piece carries text past the stop, and one id
+    per push, random chunks and one chunk give the same (text, stop_reason, tokens) as the oracle."""
+    tok = SplitTok()
+    rng = random.Random(36)
+    alphabet = ["a", "b", "a", "b", "<", "/", ">", " ", "中", "\ufffd", "😀", "x"]  # stops spanning single-byte ids often
+    for _ in range(3000):
+        seq = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 14))]
+        stop = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(0, 3))]
+        stop_ids = set(rng.sample(range(tok.vocab_size), rng.randrange(0, 2)))
+        min_tokens = rng.choice([0, 0, 1, 2, 4])
+        want = _oracle(tok, seq, stop, stop_ids, min_tokens, include)
+        cuts = sorted(rng.sample(range(1, len(seq)), rng.randrange(0, len(seq)))) if len(seq) > 1 else []
+        for chunks in ([[t] for t in seq], [seq[a:b] for a, b in zip([0, *cuts], [*cuts, len(seq)])], [seq]):
+            out = OutputText(tok, stop, stop_ids, min_tokens, include_stop=include)
+            pieces, got = stream(out, chunks)
+            case = (seq, stop, stop_ids, min_tokens, chunks)
+            assert (got, out.stop_reason, out.tokens) == want, case
+            assert out.text == got or not (stop or stop_ids), case  # without stops .text is not kept
+            assert all(got.startswith("".join(pieces[:i])) for i in range(len(pieces))), case
