@@ -23,7 +23,9 @@ the text at a stop string or stop token id). *Accepted, validated and ignored*:
 the chat prompt. Rejected with 400 because they would change the response
 shape: ``n`` > 1, ``best_of`` > 1, ``suffix``, batched prompts, completions ``echo`` with
 ``logprobs`` (vLLM adds the prompt's logprobs, which no engine here computes); ``echo`` alone
-puts the prompt's text (a token-id prompt detokenized, special tokens shown, as vLLM) before the choice's text. ``logprobs`` (:func:`logprobs_asked`): chat ``logprobs: true`` with
+puts the prompt's text (a token-id prompt detokenized, special tokens shown, as vLLM) before the choice's text;
+chat ``echo`` (vLLM's extra) puts the last message's content before the reply when that message is the
+assistant's (:func:`chat_echo`). ``logprobs`` (:func:`logprobs_asked`): chat ``logprobs: true`` with
 ``top_logprobs`` 0..20, completions ``logprobs`` 0..:data:`MAX_LOGPROBS` (vLLM's default
 ``max_logprobs``; OpenAI's legacy API allows 5) are sent to the nodes in
 ``Sampling.logprobs`` and answered in OpenAI's / vLLM's shapes (:func:`chat_logprobs`,
@@ -193,6 +195,8 @@ class ChatRequest(_Sampling, kw_only=True):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    echo: bool = False
+    """vLLM's chat extra (:func:`chat_echo`); not OpenAI's, so null is a 400, as in vLLM."""
 
 
 _COMPLETION_DEC = msgspec.json.Decoder(CompletionRequest)
@@ -276,6 +280,19 @@ def sampling(req: _Sampling) -> Sampling | None:
         logprobs=logprobs_asked(req),
     )
     return None if sp.greedy and not sp.stop_token_ids and not sp.penalized and not sp.min_tokens and sp.logprobs is None else sp
+
+
+def chat_echo(req: ChatRequest) -> str:
+    """The text vLLM's chat ``echo`` puts before the reply: the last message's content when that
+    message has the reply's role (``assistant``: the router always adds the generation prompt), its
+    text parts joined by newlines as vLLM's conversation parsing joins them; "" when ``echo`` is off
+    or the last message is another role's or has no content (vLLM's ``serving_chat``)."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, list):
+        return "\n".join(p.as_text() for p in last.content)
+    return last.content
 
 
 def logprobs_asked(req: _Sampling) -> int | None:

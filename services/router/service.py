@@ -1408,7 +1408,8 @@ class RouterService:
     def _prepare_body(self, body: bytes, chat: bool) -> tuple[Any, np.ndarray, int, bytes, list[int], str]:
         """Parse and check a generation body and tokenize its prompt: (request, token ids, max_tokens, the
         ids packed as little-endian uint32, their block hashes at ``block_size``, the echo text: the
-        completions prompt for ``echo``, as sent or a token-id prompt detokenized with its special tokens, else ""). No await and
+        completions prompt for ``echo``, as sent or a token-id prompt detokenized with its special tokens; a chat's
+        ``api.chat_echo``; else ""). No await and
         no state written: it may run in a worker thread.
 
         Raises:
@@ -1475,7 +1476,10 @@ class RouterService:
         packed = arr.astype("<u4").tobytes()
         # a token-id prompt is echoed with its special tokens' text (vLLM detokenizes it for echo with the
         # tokenizer's batch_decode defaults: skip_special_tokens False), unlike output text
-        echo = "" if chat or not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+        if chat:
+            echo = api.chat_echo(req)
+        else:
+            echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
         return req, arr, max_tokens, packed, block_hashes_packed(packed, self.cfg.block_size), echo
 
     async def _lookup(self, hashes: list[int], tr: _ReqTrace | None = None) -> tuple[m.KvLookupReply | None, str]:
@@ -1783,7 +1787,8 @@ class RouterService:
         not None: each data chunk carries the logprobs of the tokens counted since the last one
         (``decoder.tokens``), so the stream's entries are the whole response's. ``echo`` (completions'
         ``echo``: the prompt's text) starts the first data chunk's text, as vLLM's first chunk
-        is the prompt and the first output text.
+        is the prompt and the first output text; a chat's (``api.chat_echo``) is its own chunk after
+        the role's, as vLLM's.
         A client that goes away cancels this generator (Starlette): the request is aborted."""
         model = self.cfg.model
         oid = api.response_id(p.rid, chat=chat)
@@ -1833,6 +1838,9 @@ class RouterService:
                 if chat:
                     role = {"role": "assistant", "content": ""}
                     yield sse(with_usage(api.chat_chunk(oid, created, model, role, None, include_usage)))
+                    if echo:  # vLLM: the echoed content is its own chunk, after the role's
+                        yield sse(with_usage(api.chat_chunk(oid, created, model, {"content": echo}, None, include_usage)))
+                        echo = ""
             while True:
                 if isinstance(item, _Failure):
                     yield sse(api.error_body(item.status, item.reason))

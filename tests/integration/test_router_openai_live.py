@@ -312,3 +312,28 @@ async def test_echo_of_a_token_id_prompt_keeps_its_special_tokens_as_vllm(nats_u
                 status, got, fin, _, _ = await _ask(env, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "echo": True}, stream)
                 assert status == 200 and got.startswith(text) and fin == "length", (prompt, stream, got)
                 assert got == text + tok.decode([output_token(0), output_token(1)]), (prompt, stream, got)
+
+
+async def test_chat_echo_starts_the_reply_with_the_last_assistant_message_as_vllm(nats_url, tmp_path):
+    """vLLM's chat ``echo`` (it was ignored: the reply had no echo): a conversation ending with an
+    assistant message gets that message's content before the reply, non-streamed in ``content``,
+    streamed as its own chunk right after the role's (vLLM's); ``usage`` counts the output only;
+    a conversation ending with the user's gets nothing; stop strings apply to the output only."""
+    tok = SimTokenizer()
+    words = [tok.word(output_token(i)) for i in range(3)]
+    out = " ".join(words)
+    start = [*USER, {"role": "assistant", "content": f"Sure: {words[1]}"}]
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        for stream in (False, True):
+            body = {"messages": start, "max_tokens": 3, "echo": True, "stream_options": {"include_usage": True} if stream else None}
+            status, got, fin, _, chunks = await _ask(env, "/v1/chat/completions", body, stream)
+            assert status == 200 and (got, fin) == (f"Sure: {words[1]}" + out, "length"), (stream, got)
+            if stream:
+                assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+                assert chunks[1]["choices"][0]["delta"] == {"content": f"Sure: {words[1]}"}, chunks[1]
+            status, got, _, _, _ = await _ask(env, "/v1/chat/completions", {**body, "messages": USER}, stream)
+            assert got == out, (stream, got)
+            status, got, fin, choice, _ = await _ask(env, "/v1/chat/completions", {**body, "stop": words[1]}, stream)
+            assert (got, fin, choice["stop_reason"]) == (f"Sure: {words[1]}" + words[0] + " ", "stop", words[1]), (stream, got)
+        r = await env.http.post("/v1/chat/completions", json={"messages": start, "max_tokens": 3, "echo": True})
+        assert r.json()["usage"]["completion_tokens"] == 3, r.text

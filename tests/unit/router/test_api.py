@@ -329,6 +329,26 @@ def test_echo_is_accepted_alone_and_include_stop_str_in_output_is_a_strict_bool(
     bad(api.parse_completion, {"prompt": "x", "include_stop_str_in_output": "yes"}, r"\$.include_stop_str_in_output")
 
 
+def test_chat_echo_is_the_last_assistant_messages_content_as_in_vllm():
+    """vLLM's chat ``echo`` (it was ignored as an unknown field): the reply starts with the last
+    message's content when that message is the assistant's (the reply's role), text parts joined by
+    newlines (vLLM's conversation parsing); nothing for another role, no content, or echo off. A plain
+    bool, as vLLM's (null or a string is a 400 naming it)."""
+
+    def echo(messages: list, on: object = True) -> str:
+        return api.chat_echo(api.parse_chat(msgspec.json.encode({"messages": messages, "echo": on})))
+
+    user = {"role": "user", "content": "q"}
+    assert echo([user, {"role": "assistant", "content": "The answer is"}]) == "The answer is"
+    parts = [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}]
+    assert echo([user, {"role": "assistant", "content": parts}]) == "a\nb"
+    assert echo([user]) == "" and echo([user, {"role": "assistant", "content": None, "tool_calls": []}]) == ""
+    assert echo([user, {"role": "assistant", "content": "x"}], on=False) == ""
+    assert api.chat_echo(api.parse_chat(b'{"messages": [{"role": "assistant", "content": "x"}]}')) == ""  # off by default
+    for on in (None, "true", 1):
+        bad(api.parse_chat, {"messages": [user], "echo": on}, r"\$.echo")
+
+
 def test_stop_reason_is_in_every_choice_as_in_vllm():
     """vLLM's choices always carry ``stop_reason`` (null unless a stop string / stop token id ended the
     output), every completions stream chunk too; a chat stream chunk only with its ``finish_reason``
