@@ -7,8 +7,9 @@ detokenizes), so the ``stop`` strings are applied here, for every engine:
 * a **stop string** ends the text *before* it (vLLM's default,
   ``include_stop_str_in_output=False``), ``finish_reason`` ``stop``, ``stop_reason`` = the
   string; the tokens up to and including the one that completed it count as output
-  (``usage.completion_tokens``), later ones are dropped. Of several stop strings the one
-  that starts first in the text wins;
+  (``usage.completion_tokens``), later ones are dropped. Of several stop strings completed
+  by the same token, the first in the request's ``stop`` list wins (vLLM's ``check_stop_strings``
+  order: ``["User:", "\\nUser:"]`` ends ``"hi\\nUser:"`` at ``"hi\\n"`` with ``User:``);
 * a **stop token id** (``stop_token_ids``) ends the output *at* that token: it counts as
   output, its text is not shown (vLLM), ``stop_reason`` = the id. The ``torch`` engine
   ends the request there itself; the ``sim`` engine does not, and the router's stop is
@@ -143,14 +144,12 @@ class OutputText:
             return False
         base = len(self._seen)
         text = self._seen + self._pending if base else self._pending
-        best: tuple[int, str] | None = None
-        for s in self.stop:
+        for s in self.stop:  # the first of the list found wins, as vLLM's check_stop_strings
             k = text.find(s, max(0, base + old - len(s) + 1))
-            if k >= 0 and (best is None or k < best[0]):
-                best = (k, s)
-        if best is None:
+            if k >= 0:
+                break
+        else:
             return False
-        k, s = best
         # kept, the stop string ends in delta (k + len(s) > base + old): no text handed out is cut
         self._pending = self._pending[: k + len(s) - base] if self.include_stop else self._pending[:k]
         self.stop_reason = s

@@ -82,13 +82,19 @@ def test_held_back_text_is_released_when_no_stop_comes():
     assert not out.stopped and out.text == "abcdXYQ" and out.tokens == 7
 
 
-def test_earliest_stop_string_wins_and_stop_token_ids_show_no_text():
+def test_first_completed_stop_string_wins_and_stop_token_ids_show_no_text():
     out = OutputText(TOK, ["stop here", "op"])
     _, text = stream(out, [ids("a stop here")])
     assert text == "a st" and out.stop_reason == "op"  # "op" is completed first, inside "stop here"
-    out = OutputText(TOK, ["op", "long stop"])
-    _, text = stream(out, [ids("a long stop")])
-    assert text == "a " and out.stop_reason == "long stop"  # both completed by one token: the earlier start
+    # both completed by one token: the first of the list, as vLLM's check_stop_strings (it was the
+    # one starting first: ["User:", "\nUser:"] cut "hi\nUser:" to "hi" where vLLM gives "hi\n")
+    for stop, want in ((["op", "long stop"], "a long st"), (["long stop", "op"], "a ")):
+        out = OutputText(TOK, stop)
+        _, text = stream(out, [ids("a long stop")])
+        assert (text, out.stop_reason) == (want, stop[0]), stop
+    out = OutputText(TOK, ["User:", "\nUser:"])
+    _, text = stream(out, [ids("hi\nUser: x")])
+    assert (text, out.stop_reason) == ("hi\n", "User:")
     out = OutputText(TOK, ["zz"], stop_token_ids=[ord("#")])
     _, text = stream(out, [ids("ab"), ids("c#de")])
     assert text == "abc" and out.stop_reason == ord("#") and out.tokens == 4
@@ -111,10 +117,13 @@ def test_include_stop_str_in_output_keeps_the_stop_and_holds_nothing_back():
     out = OutputText(TOK, ["zz"], stop_token_ids=[ord("#")], include_stop=True)
     _, text = stream(out, [ids("ab"), ids("c#de")])
     assert text == "abc#" and out.stop_reason == ord("#") and out.tokens == 4
-    # the earliest-starting stop string still wins; under min_tokens nothing matches
-    out = OutputText(TOK, ["op", "long stop"], include_stop=True)
+    # the first of the list completed still wins; under min_tokens nothing matches
+    out = OutputText(TOK, ["long stop", "op"], include_stop=True)
     _, text = stream(out, [ids("a long stop!")])
     assert text == "a long stop" and out.stop_reason == "long stop"
+    out = OutputText(TOK, ["b", "ab"], include_stop=True)  # the token "b" completes both
+    _, text = stream(out, [ids("xab")])
+    assert text == "xab" and out.stop_reason == "b"
     out = OutputText(TOK, ["ab"], min_tokens=2, include_stop=True)
     _, text = stream(out, [ids("abxab"), ids("ab")])
     assert text == "abxab" and out.stop_reason == "ab" and out.tokens == 5
@@ -128,12 +137,13 @@ def test_random_streams_never_send_text_past_the_stop(include):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
         stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 3))]
         # reference: the text ends where the first stop string to be completed starts (of those
-        # completed by the same token, the one starting first), or where it ends with include_stop
+        # completed by the same token, the first of the list), or where it ends with include_stop
         done = [text.find(x) + len(x) for x in stops if x in text]
         ref = text
         if done:
             head = text[: min(done)]
-            k, s = min((head.find(x), x) for x in stops if x in head)
+            s = next(x for x in stops if x in head)
+            k = head.find(s)
             ref = text[: k + len(s) if include else k]
         cut = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 5)))) if len(text) > 1 else []
         spans = list(zip([0, *cut], [*cut, len(text)]))
@@ -260,7 +270,7 @@ def _oracle(tok, ids: list[int], stop: list[str], stop_ids: set[int], min_tokens
     """(text, stop_reason, tokens) from a whole decode after every token (vLLM's detokenizer, no
     windows): the text grows by what the decode of the ids so far adds, unless it ends in U+FFFD (an
     incomplete character, held); past ``min_tokens`` the first stop string completed by the new
-    text ends it (the earliest start of those), before it or, with ``include``, after it; a stop
+    text ends it (the first of the list found), before it or, with ``include``, after it; a stop
     token id ends it with the text before it (held text flushed), its own text too with ``include``;
     at the end held text is flushed."""
     text, shown = "", ""
@@ -280,7 +290,7 @@ def _oracle(tok, ids: list[int], stop: list[str], stop_ids: set[int], min_tokens
         found = [(k, s) for k, s in found if k >= 0]
         if not found:
             return None
-        k, s = min(found)
+        k, s = found[0]  # the first of the list
         text = text[: k + len(s)] if include else text[:k]
         return s
 
