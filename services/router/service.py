@@ -1259,15 +1259,16 @@ class RouterService:
         return self._json(api.tokenize_response(ids, self.max_model_len, strs))
 
     async def _detokenize(self, request: Request) -> Response:
-        """``POST /detokenize`` (vLLM's): ``{"prompt": text}`` of ``tokens``, decoded as the router decodes output.
-        A body over ``_BIG_TEXT`` bytes is parsed, checked and decoded in a worker thread (a 59 MB body of 10M
-        ids: 0.63 s to parse and 0.37 s to check the ids, which ran on the event loop)."""
+        """``POST /detokenize`` (vLLM's): ``{"prompt": text}`` of ``tokens``, special tokens shown, as vLLM (its
+        tokenizer's ``decode`` defaults), so a chat's ``/tokenize`` ids come back with their template markers and
+        re-tokenize to themselves. A body over ``_BIG_TEXT`` bytes is parsed, checked and decoded in a worker
+        thread (a 59 MB body of 10M ids: 0.63 s to parse and 0.37 s to check the ids, which ran on the event loop)."""
 
         def run(body: bytes) -> str:
             req = api.parse_detokenize(body)
             self._check_model(req.model)
             api.check_token_ids(req.tokens, self.tokenizer.vocab_size)
-            return self.tokenizer.decode(req.tokens)
+            return self.tokenizer.decode(req.tokens, skip_special_tokens=False)
 
         try:
             body = await self._read_body(request)

@@ -180,6 +180,11 @@ async def test_tokenize_with_a_real_bpe_tokenizer(nats_url, tmp_path):
         assert served.status_code == 200, served.text
         assert tok["count"] == served.json()["usage"]["prompt_tokens"] > 0
         assert np.frombuffer(env.cluster.works[-1].token_ids, "<u4").tolist() == tok["tokens"]
+        # the chat's ids come back with their ChatML markers (special tokens; vLLM's /detokenize shows them) and
+        # re-tokenize to themselves; they were skipped ("system\nBe brief.\nuser\n..." re-tokenized to other ids)
+        chat = (await env.http.post("/detokenize", json={"tokens": tok["tokens"]})).json()["prompt"]
+        assert chat.startswith("<|im_start|>system\nBe brief.<|im_end|>") and chat.endswith("<|im_start|>assistant\n"), chat
+        assert (await env.http.post("/tokenize", json={"prompt": chat})).json()["tokens"] == tok["tokens"]
         text = "Évolving infra: a router, a KV directory — and 3 planners!"
         tok = (await env.http.post("/tokenize", json={"prompt": text, "return_token_strs": True})).json()
         served = await env.http.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
