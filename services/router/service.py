@@ -196,6 +196,13 @@ class _Pending:
     hand-offs of that earlier request are told apart from this one's (``_RetriedRids``)."""
     client_rid: bool = False
     """Its rid is the client's ``X-Request-ID`` (may come again)."""
+    stops: bool = False
+    """It has stop strings or stop token ids: the router, not its node, may end it with ``stop``, so a
+    node's ``length`` / ``stop`` end is counted when the response's finish reason is known (:meth:`RouterService._forget`)."""
+    node_reason: str | None = None
+    """The finish reason of its node's last chunk (served: ``stop`` / ``length``) while not yet counted."""
+    counted: str | None = None
+    """The finish reason it is counted under in ``ei_router_requests_finished_total`` (once; None: not yet)."""
 
 
 @dataclass(slots=True)
@@ -678,12 +685,15 @@ class RouterService:
         if chunk.finished and not p.done:
             p.done = True
             if failed:
-                self.counters[f"finish.{chunk.finish_reason}"] += 1
+                self._count_end(p, chunk.finish_reason or "error")
                 for node, msg in self.core.abort(chunk.rid, f"{chunk.finish_reason} on {chunk.node}", skip=chunk.node, now=now):
                     await self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node)
             else:
                 self.core.finish(chunk.rid, now)
-                self.counters[f"finished.{chunk.finish_reason or 'length'}"] += 1  # failures: finish.<reason>
+                if p.stops:  # a stop string may still end it at the router (stop): counted by _end_at_stop or _forget
+                    p.node_reason = chunk.finish_reason or "length"
+                else:
+                    self._count_end(p, chunk.finish_reason or "length")
                 if p.ttft_s is not None:
                     self.core.metrics.observe_finished(p.ttft_s, now - p.t_in, p.out_tokens)
         p.queue.put_nowait(chunk)
@@ -1096,6 +1106,9 @@ class RouterService:
             if left <= 0:  # every token arrived, only the end was lost
                 self.counters["redispatch.ended_at_router"] += 1
                 p.done = True
+                self._count_end(p, "length")
+                if p.ttft_s is not None:
+                    self.core.metrics.observe_finished(p.ttft_s, now - p.t_in, p.out_tokens)
                 p.queue.put_nowait(m.TokenChunk(rid=p.rid, node=node, index=p.next_index, finished=True, finish_reason="length", attempt=p.attempt))
                 return
             cont = continuation(p.rreq, p.tokens, block_size=self.cfg.block_size, max_prompt_tokens=self.cfg.max_prompt_tokens)
@@ -1104,6 +1117,7 @@ class RouterService:
                 why = f"{reason} after {len(p.tokens)} output tokens; the stream cannot be continued exactly: {cont}"
                 self.log.warning("decode node lost; stream ended with an error", rid=p.rid, node=node, reason=cont)
                 p.done = True
+                self._count_end(p, "error")
                 p.queue.put_nowait(_Failure(503, why))
                 return
             p.cur, p.offset = cont, len(p.tokens)
@@ -1129,16 +1143,16 @@ class RouterService:
 
     def _end_at_stop(self, p: _Pending, out: OutputText) -> None:
         """The client's output ended at a stop string or stop token id (``out.stop_reason``):
-        the request finished (``finish_reason`` ``stop``). Unless its node ended it in the same
-        chunk, it is counted finished here (``finished.stop``) and its nodes are told to drop it
-        (``aborts.stop``), so no node decodes on for nobody."""
+        the request finished (``finish_reason`` ``stop``) and is counted so (``finished.stop``), also
+        when its node's last chunk arrived first. Unless its node had ended it, its nodes are told to
+        drop it (``aborts.stop``), so no node decodes on for nobody."""
         self.counters["stops.matched"] += 1
+        self._count_end(p, "stop")  # also when its node's last chunk came first (counted here, not as its node's reason)
         if p.done:
             return
         p.done = True
         now = self.clock.now()
         aborts = self.core.abort(p.rid, f"stop reached at the router ({out.stop_reason!r})", now=now)
-        self.counters["finished.stop"] += 1
         if p.ttft_s is not None:
             self.core.metrics.observe_finished(p.ttft_s, now - p.t_in, out.tokens)
         if aborts:
@@ -1153,11 +1167,26 @@ class RouterService:
             self.tokenizer, api.stop_strings(req), req.stop_token_ids or (), req.min_tokens or 0, req.include_stop_str_in_output
         )
 
+    def _count_end(self, p: _Pending, reason: str) -> None:
+        """Count ``p``'s end once in ``ei_router_requests_finished_total{reason}`` (``reason``: the
+        ``finish_reason`` its client sees: ``stop`` / ``length`` served, counters ``finished.<reason>``;
+        ``error`` / ``abort`` failed, ``finish.<reason>``). Later calls are no-ops."""
+        if p.counted is not None:
+            return
+        p.counted = reason
+        p.node_reason = None
+        self.counters[f"finished.{reason}" if reason in ("stop", "length") else f"finish.{reason}"] += 1
+
+    _ABANDON_REASON = {"client_disconnect": "abort", "shutdown": "abort"}
+    """``_abandon``'s ``why`` → the finish reason it is counted under (others: ``error``)."""
+
     def _abandon(self, p: _Pending, reason: str, why: str) -> None:
-        """Stop counting ``p`` and tell its nodes to drop it (idempotent, never awaits)."""
+        """Stop counting ``p`` and tell its nodes to drop it (idempotent, never awaits); counted finished
+        as ``abort`` (client disconnect, shutdown) or ``error`` (timeout, fenced, parked too long, dispatch failed)."""
         if p.done:
             return
         p.done = True
+        self._count_end(p, self._ABANDON_REASON.get(why, "error"))
         aborts = self.core.abort(p.rid, reason, now=self.clock.now())
         if aborts:
             self.counters["aborts"] += 1
@@ -1666,6 +1695,7 @@ class RouterService:
             tr=tr,
         )
         p.rreq = p.cur = rreq
+        p.stops = bool(api.stop_strings(req) or req.stop_token_ids)
         if client_rid is not None:  # a retry of an ended request with this id starts past its attempts
             p.client_rid = True
             p.attempt = p.first_attempt = self._retried.next_attempt(rid)
@@ -1906,7 +1936,10 @@ class RouterService:
         return not self._in_flight(rid)
 
     def _forget(self, p: _Pending) -> None:
-        """The HTTP side of ``p`` is over: forget it (remembering a client rid's last attempt)."""
+        """The HTTP side of ``p`` is over: forget it (remembering a client rid's last attempt); its
+        node's end not counted yet (a request with stops whose router did not stop it) is counted now."""
+        if p.node_reason is not None:
+            self._count_end(p, p.node_reason)
         if self._pending.get(p.rid) is p:
             del self._pending[p.rid]
             self._unpark(p.rid)

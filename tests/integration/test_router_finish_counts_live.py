@@ -1,0 +1,129 @@
+"""Every request the router accepted is counted once in ``ei_router_requests_finished_total{reason}``,
+under the ``finish_reason`` its client saw, also when the router ends it itself (real nats-server, the
+router's service, nodes played by ``FakeCluster`` of ``test_router_live``; counts read from ``GET /metrics``).
+
+Before: a request whose decode node died after its last token (the router ended it, ``length``), one whose
+continuation could not be exact (503), one whose parked work expired (503), one that timed out (504) and
+one whose client went away were in no ``reason``; one whose stop string or stop token id came in its last
+chunk was counted ``length`` while its client got ``stop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared import messages as m
+from shared.subjects import REQ_OUT
+from shared.tokenizer import SimTokenizer
+from tests.integration.test_router_live import _wait_for, output_token, router_env, sse_events
+
+pytestmark = pytest.mark.timeout(60)
+
+PD2 = {"p0": "prefill", "d0": "decode", "d1": "decode"}
+
+
+async def finished(env) -> dict[str, float]:
+    """``ei_router_requests_finished_total`` by ``reason`` as scraped from the router's ``/metrics``."""
+    r = await env.http.get("/metrics")
+    assert r.status_code == 200
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        if fam.name == "ei_router_requests_finished":
+            for s in fam.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["reason"]] = s.value
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+async def test_a_request_whose_decode_node_died_after_its_last_token_counts_once_as_length(nats_url, tmp_path):
+    """Every output token reached the router, only the end was lost with its decode node: the router ends
+    the request itself (``redispatch.ended_at_router``), finish reason ``length``."""
+    async with router_env(nats_url, tmp_path, PD2) as env:
+        env.cluster.answering.clear()
+        before = await finished(env)
+        req = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [5] * 70, "max_tokens": 4}))
+        await _wait_for(lambda: len(env.cluster.works) == 1, what="work on p0")
+        w = env.cluster.works[0]
+        ids = [output_token(i) for i in range(4)]
+        out = lambda c: env.bus.publish(REQ_OUT, c, rid=w.rid)  # noqa: E731
+        await out(m.TokenChunk(rid=w.rid, node="p0", index=0, token_ids=ids[:1], prompt_tokens=70, attempt=0))
+        await out(m.TokenChunk(rid=w.rid, node=w.decode_node, index=1, token_ids=ids[1:], attempt=0))  # no end
+        await _wait_for(lambda: len(env.service._pending[w.rid].tokens) == 4, what="all tokens at the router")
+        env.cluster.alive.discard(w.decode_node)  # its decode node dies before the last chunk's end
+        r = await asyncio.wait_for(req, 10)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        st = await env.stats()
+        assert st.counters["redispatch.ended_at_router"] == 1
+        assert delta(await finished(env), before) == {"length": 1.0}
+
+
+async def test_a_continuation_that_cannot_be_exact_counts_once_as_error(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, PD2, max_prompt_tokens=70) as env:
+        env.cluster.stall_after_first.add("p0")
+        before = await finished(env)
+        async with env.http.stream("POST", "/v1/completions", json={"prompt": [5] * 70, "max_tokens": 6, "stream": True}) as r:
+            lines = r.aiter_lines()
+            await anext(lines)
+            env.cluster.alive.discard(env.cluster.works[0].decode_node)
+            rest = "".join([line + "\n" async for line in lines])
+        assert sse_events(rest)[-2]["error"]["code"] == 503
+        assert (await env.stats()).counters["redispatch.decode_failed"] == 1
+        assert delta(await finished(env), before) == {"error": 1.0}
+
+
+async def test_parked_work_that_expires_counts_once_as_error(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, requeue_wait_s=1.0, no_route_wait_s=0.5) as env:
+        env.cluster.stall_after_first.add("p0")
+        before = await finished(env)
+        async with env.http.stream("POST", "/v1/completions", json={"prompt": [6] * 70, "max_tokens": 6, "stream": True}) as r:
+            lines = r.aiter_lines()
+            await anext(lines)
+            env.cluster.alive.discard("d0")  # the only decode node: the re-dispatch is parked, then expires
+            rest = "".join([line + "\n" async for line in lines])
+        assert sse_events(rest)[-2]["error"]["code"] == 503
+        assert (await env.stats()).counters["requeue.parked_expired"] == 1
+        assert delta(await finished(env), before) == {"error": 1.0}
+
+
+async def test_a_timeout_counts_as_error_and_a_client_disconnect_as_abort(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, request_timeout_s=0.5) as env:
+        env.cluster.answering.clear()
+        before = await finished(env)
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert r.status_code == 504, r.text
+        assert delta(await finished(env), before) == {"error": 1.0}
+        for stream in (False, True):
+            n = len(env.cluster.works)
+            req = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "stream": stream}))
+            await _wait_for(lambda n=n: len(env.cluster.works) == n + 1, what="work dispatched")
+            req.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await req
+            await _wait_for(lambda: env.service.core.view.inflight_total == 0, what="request forgotten")
+        assert (await env.stats()).counters["aborts.client_disconnect"] == 2
+        assert delta(await finished(env), before) == {"error": 1.0, "abort": 2.0}
+
+
+async def test_a_stop_matched_at_the_router_counts_once_as_stop_also_in_the_last_chunk(nats_url, tmp_path):
+    """The fake engine sends output positions 0, 1–3, 4–6, 7 (the last chunk ends it, ``length``)."""
+    words = [SimTokenizer().word(output_token(i)) for i in range(8)]
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        base = {"prompt": [1, 2, 3], "max_tokens": 8}
+        cases = (({}, "length"), ({"stop": words[4]}, "stop"), ({"stop": words[7]}, "stop"), ({"stop_token_ids": [output_token(7)]}, "stop"))
+        for stream in (False, True):
+            for extra, reason in cases:
+                before = await finished(env)
+                r = await env.http.post("/v1/completions", json={**base, **extra, "stream": stream})
+                assert r.status_code == 200, r.text
+                last = sse_events(r.text)[-2] if stream else r.json()
+                assert last["choices"][0]["finish_reason"] == reason, (extra, stream)
+                await _wait_for(lambda: env.service.core.view.inflight_total == 0, what="request ended")
+                assert delta(await finished(env), before) == {reason: 1.0}, (extra, stream)
