@@ -12,7 +12,7 @@ name                                            type       meaning
 ``ei_kv_reuse_hit_tokens_total``                counter    Σ h: of those, tokens held somewhere (hit)
 ``ei_kv_reuse_lost_tokens_total{cause}``        counter    Σ (h* − h) by cause: eviction / routing / unattributed
 ``ei_kv_lost_reuse_ratio``                      gauge      1 − Σh / Σh* (0 before any placement)
-``ei_kv_hit_ratio``                             gauge      Σh / Σh*
+``ei_kv_hit_ratio``                             gauge      Σh / Σh* = 1 − lost KV reuse (see below)
 ``ei_kvdirectory_blocks_indexed``               gauge      distinct KV blocks the directory knows
 ``ei_kvdirectory_copies{tier}``                 gauge      block copies held, by tier (gpu = L1, host = L2)
 ``ei_kvdirectory_count_syncs_total``            counter    node count snapshots sent to workers that lost a ``kv.counts``
@@ -23,6 +23,13 @@ name                                            type       meaning
 ``ei_kvdirectory_ingest_seconds``               histogram  wall time to apply one ``kv.events`` batch
 ``ei_kvdirectory_lookup_seconds``               histogram  wall time to answer one ``kv.lookup``
 ==============================================  =========  ========================================================
+
+``ei_kv_hit_ratio`` is the share of the *reusable* prefix tokens (h*) that the cluster
+held (h), over prefill placements of ``X-Branch-Id`` requests; new prompt tokens are in
+neither. It is not the served KV hit rate (the share of *all* prompt tokens served from
+cache, the run report's "KV hit"): that is the router's ``ei_router_kv_hit_ratio``
+(``services/router/prom.py``), lower whenever prompts carry new tokens (1.0 here vs 0.5
+there for a turn whose prompt is half an earlier turn's prefix, half new).
 """
 
 from __future__ import annotations
@@ -52,7 +59,13 @@ def directory_families(svc: "DirectoryService") -> Iterator[Metric]:
     lost.update(by_prefix(c, "reuse.lost_tokens."))
     yield counter_family("ei_kv_reuse_lost_tokens", "Lost KV reuse (h* - h) in tokens, by cause", lost, ["cause"])
     yield gauge_family("ei_kv_lost_reuse_ratio", "Lost KV reuse: 1 - h/h*", {(): (1.0 - hit / ideal) if ideal else 0.0})
-    yield gauge_family("ei_kv_hit_ratio", "KV hit over ideal hit: h/h*", {(): (hit / ideal) if ideal else 0.0})
+    yield gauge_family(
+        "ei_kv_hit_ratio",
+        "Reusable prefix tokens the cluster held over those an ideal shared cache would reuse, h/h* at X-Branch-Id "
+        "placements (= 1 - ei_kv_lost_reuse_ratio; 0 before any); not the served KV hit rate over all prompt tokens, "
+        "which is the router's ei_router_kv_hit_ratio",
+        {(): (hit / ideal) if ideal else 0.0},
+    )
     g = svc.core.gauges()
     yield gauge_family("ei_kvdirectory_blocks_indexed", "Distinct KV blocks the directory knows", {(): g.get("blocks.indexed", 0.0)})
     yield gauge_family(

@@ -13,15 +13,30 @@ name                                                type       meaning
 ``ei_router_queue_seconds{node}``                   histogram  time queued on the prefill node (first chunk's queue_s)
 ``ei_router_ttft_prediction_abs_error_seconds``     histogram  abs(predicted − measured TTFT) of the routing policy
 ``ei_router_requests_total{code}``                  counter    generation requests (completions, chat) by HTTP status
-``ei_router_requests_finished_total{reason}``       counter    requests whose last chunk arrived, by finish reason
+``ei_router_requests_finished_total{reason}``       counter    requests that ended, once each, by the finish reason the
+                                                               client saw: stop / length (served), error / abort (failed)
 ``ei_router_prompt_tokens_total``                   counter    prompt tokens of requests that got a first token
 ``ei_router_cached_prompt_tokens_total``            counter    of those, tokens whose KV was reused (hit)
-``ei_router_kv_hit_ratio``                          gauge      cached / prompt tokens so far
+``ei_router_kv_hit_ratio``                          gauge      cached / prompt tokens so far (served KV hit rate)
 ``ei_router_routed_total{phase,node}``              counter    placements (prefill / decode) per node
 ``ei_router_inflight_requests``                     gauge      requests placed and not finished
 ``ei_router_split_epoch``                           gauge      epoch of the split the router applies
 ``ei_router_live_nodes{phase}``                     gauge      nodes routable now (prefill / decode candidates)
 ==================================================  =========  ==========================================================
+
+``ei_router_requests_finished_total``: every request the router accepted (placed) counts once
+when it ends, also when the router ends it itself: ``stop`` also for a stop string or stop
+token id matched at the router; ``length`` also for a request whose last tokens arrived and
+whose node died before its end; ``error`` for a node's error chunk and the router's 5xx
+(continuation impossible, parked work expired, node fenced, request timeout, dispatch failed);
+``abort`` for a client that went away, a router shutting down and a node's abort. Requests
+refused before placement (4xx, no route) are only in ``ei_router_requests_total{code}``, which
+counts a stream's status when its headers go out (200 also for a stream that later fails).
+
+``ei_router_kv_hit_ratio`` is the share of *all* prompt tokens whose KV was reused (the run
+report's "KV hit"). It is not the directory's ``ei_kv_hit_ratio`` (h/h*: the share of the
+*reusable* prefix tokens the cluster held, ``services/kvdirectory/prom.py``), which is higher
+whenever prompts carry new tokens.
 """
 
 from __future__ import annotations
@@ -60,12 +75,22 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
     )
     finished = by_prefix(c, "finished.")  # served: stop / length
     finished.update(by_prefix(c, "finish."))  # failed: error / abort
-    yield counter_family("ei_router_requests_finished", "Requests whose last chunk reached the router, by finish reason", finished, ["reason"])
+    yield counter_family(
+        "ei_router_requests_finished",
+        "Requests that ended, each once, by the finish reason its client saw: stop / length (served), "
+        "error / abort (failed at a node or ended by the router)",
+        finished, ["reason"],
+    )
     yield counter_family("ei_router_prompt_tokens", "Prompt tokens of requests that got a first token", {(): mt.prompt_tokens})
     yield counter_family(
         "ei_router_cached_prompt_tokens", "Prompt tokens whose KV was reused (local or fetched) instead of computed", {(): mt.cached_tokens}
     )
-    yield gauge_family("ei_router_kv_hit_ratio", "Cached over prompt tokens so far (KV hit rate)", {(): mt.kv_hit_rate or 0.0})
+    yield gauge_family(
+        "ei_router_kv_hit_ratio",
+        "Served KV hit rate: cached over all prompt tokens so far (ei_router_cached_prompt_tokens_total / "
+        "ei_router_prompt_tokens_total); not the directory's ei_kv_hit_ratio (h/h*, reusable prefix tokens only)",
+        {(): mt.kv_hit_rate or 0.0},
+    )
     routed = {("prefill", k[0]): v for k, v in by_prefix(c, "routed.prefill.").items()}
     routed.update({("decode", k[0]): v for k, v in by_prefix(c, "routed.decode.").items()})
     yield counter_family("ei_router_routed", "Placements per node and phase", routed, ["phase", "node"])

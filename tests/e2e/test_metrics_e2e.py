@@ -97,6 +97,12 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
     assert sample("ei_router_requests", router, {"code": "200"}, "_total") == len(served)
     assert sample("ei_router_prompt_tokens", router, suffix="_total") == sum(r.prompt_tokens for r in served)
     assert sample("ei_router_cached_prompt_tokens", router, suffix="_total") == sum(r.cached_tokens for r in served)
+    # every served request counted once, under its finish reason
+    assert sum(v.value for v in router["ei_router_requests_finished"].samples if v.name.endswith("_total")) == len(served)
+    # the served KV hit rate: cached over ALL prompt tokens (the report's "KV hit")
+    prompt, cached = sum(r.prompt_tokens for r in served), sum(r.cached_tokens for r in served)
+    router_hit = sample("ei_router_kv_hit_ratio", router)
+    assert router_hit == pytest.approx(cached / prompt)
     queued = sum(sample("ei_router_queue_seconds", router, {"node": n}, "_count") for n in ("w0", "w1"))
     assert queued == len(served)
     # the router's metrics port serves the same registry as its HTTP port
@@ -122,6 +128,13 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
     hit = sample("ei_kv_reuse_hit_tokens", d, suffix="_total")
     assert ideal > 0 and 0 <= hit <= ideal
     assert sample("ei_kv_lost_reuse_ratio", d) == pytest.approx(1 - hit / ideal)
+    # the directory's ei_kv_hit_ratio is h/h* over reusable prefix tokens only: a different quantity from the
+    # router's served hit rate (higher, new prompt tokens are in neither h nor h*), and each HELP says which
+    dir_hit = sample("ei_kv_hit_ratio", d)
+    assert dir_hit == pytest.approx(hit / ideal) and ideal < prompt and dir_hit > router_hit, (dir_hit, router_hit)
+    assert "ei_router_kv_hit_ratio" in d["ei_kv_hit_ratio"].documentation
+    assert "ei_kv_hit_ratio" in router["ei_router_kv_hit_ratio"].documentation.replace("ei_router_kv_hit_ratio", "")
+    print(f"served KV hit (router) {router_hit:.4f} = {cached}/{prompt}; h/h* (directory) {dir_hit:.4f} = {hit:.0f}/{ideal:.0f}")
     assert sample("ei_kvdirectory_lookup_seconds", d, suffix="_count") >= len(served)
     assert sample("ei_kvdirectory_ingest_seconds", d, suffix="_count") > 0
     assert sample("ei_bus_messages_dropped", d, {"subject": KV_EVENTS.template}, "_total") == 1
