@@ -33,6 +33,10 @@ span                               process     covers
 ``worker work.{node}.prefill``     prefill     receipt of the work (consumer)
 ``worker.queue_wait``              prefill     arrival → admitted to a prefill batch
 ``worker.fetch``                   prefill     peer KV fetch issued while queued (``ei.fetch_s``, simulated)
+``worker.kv_transfer``             prefill     real-bytes mode (``--kv-pool real``): the bytes pulled from one peer's host
+                                               pool, wall time (``ei.peer``, ``ei.blocks``, ``ei.blocks_fetched``,
+                                               ``ei.blocks_missing``, ``ei.bytes``, ``ei.seconds``, ``ei.transfer_s``;
+                                               status ERROR and ``ei.error`` when the pull failed); one per source node
 ``worker.prefill``                 prefill     admitted → first token
 ``worker.decode_binding``          prefill     ``route.bind`` request → ``router route.bind.{router}`` (server span,
                                                ``ei.decode_node``)

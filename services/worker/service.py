@@ -848,7 +848,19 @@ class WorkerService:
 
     async def _transfer(self, fs: FetchStarted) -> None:
         assert self.kvpool is not None
+        parent = self._traces.parent(fs.rid) if self._traces else None
+        t0 = time.time_ns()
         results = await asyncio.gather(*(self.kvpool.fetch(peer, hashes) for peer, hashes in fs.sources), return_exceptions=True)
+        if parent is not None:
+            t1 = time.time_ns()
+            for (peer, hashes), res in zip(fs.sources, results):
+                if isinstance(res, BaseException):
+                    self._traces.kv_transfer(parent, fs.rid, peer, t0, t1, blocks=len(hashes), missing=len(hashes), error=repr(res))
+                else:
+                    self._traces.kv_transfer(
+                        parent, fs.rid, peer, t0, t0 + int(res.seconds * 1e9), blocks=len(hashes), fetched=len(res.fetched),
+                        missing=len(res.missing), nbytes=res.bytes, seconds=res.seconds, transfer_s=res.transfer_s, error=res.error,
+                    )  # fmt: skip
         missing: set[int] = set()
         c = self.counters
         for (peer, hashes), res in zip(fs.sources, results):

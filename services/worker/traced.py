@@ -85,6 +85,33 @@ class WorkerTraces:
                 tracing.record("worker.decode", r.ctx, r.decode_from_ns, now,
                                {"ei.node": self.node, "ei.rid": rid, "ei.output_tokens": output_tokens})
 
+    def kv_transfer(self, parent: Any, rid: str, peer: str, start_ns: int, end_ns: int, *, blocks: int, fetched: int = 0,
+                    missing: int = 0, nbytes: int = 0, seconds: float = 0.0, transfer_s: float = 0.0,
+                    error: str | None = None) -> None:
+        """A ``worker.kv_transfer`` span: the real bytes of ``rid``'s prefix pulled from ``peer``'s host
+        pool (real-bytes mode, ``--kv-pool real``), one span per source node.
+
+        Args:
+            parent: ``rid``'s parent context taken when the fetch started (:meth:`parent`; None = not
+                traced: nothing recorded), so a request that left while its bytes moved keeps its span.
+            start_ns, end_ns: wall ns (``time.time_ns()``) of the pull.
+            blocks: blocks asked of ``peer``; fetched / missing: of those, now held locally
+                (checksum-verified) / not obtained (recomputed).
+            nbytes: bytes the transfer engine moved; seconds: wall s of the whole pull (locate +
+                transfer + verify); transfer_s: its transfer part.
+            error: why the pull failed, if it did (the span's status is then ERROR).
+        """
+        if parent is None:
+            return
+        span = tracing.start("worker.kv_transfer", parent, start_ns=start_ns, attributes={
+            "ei.node": self.node, "ei.rid": rid, "ei.peer": peer, "ei.blocks": blocks, "ei.blocks_fetched": fetched,
+            "ei.blocks_missing": missing, "ei.bytes": nbytes, "ei.seconds": seconds, "ei.transfer_s": transfer_s,
+        })  # fmt: skip
+        if error is not None:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+            span.set_attribute("ei.error", error)
+        span.end(end_time=max(start_ns, end_ns))
+
     def handoff(self, rid: str, decode_node: str) -> dict[str, str] | None:
         """``rid`` leaves for ``decode_node``: a ``worker.handoff`` span; returns the headers for ``work.<d>.decode``."""
         r = self._reqs.pop(rid, None)

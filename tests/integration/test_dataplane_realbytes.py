@@ -30,6 +30,7 @@ from shared import messages as m
 from shared.bus import Bus, BusError, decoder_for
 from shared.hashing import block_hashes, pack_tokens, tokens_for_blocks
 from shared.subjects import KV_LOOKUP, REQ_OUT, SVC_STATS, WORK_PREFILL, Subjects
+from tests.e2e.test_tracing_e2e import OtlpReceiver, _attrs
 
 REPO = Path(__file__).resolve().parents[2]
 BS = 4
@@ -55,9 +56,9 @@ def mooncake_or_skip() -> None:
         pytest.skip(f"mooncake.engine does not import: {last}")
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen:
+def _spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", *args], cwd=REPO, env=_env(), stdin=subprocess.DEVNULL,
+        [sys.executable, "-m", *args], cwd=REPO, env={**_env(), **(env or {})}, stdin=subprocess.DEVNULL,
         stdout=open(log, "wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
 
@@ -98,6 +99,14 @@ def _work(rid: str, ids: list[int], tail: int, max_tokens: int, fetch: list[m.Fe
 
 
 async def test_prefix_in_a_peer_l2_is_pulled_with_mooncake_and_every_checksum_matches(nats_url, mooncake_or_skip, tmp_path):
+    """The pull is also a ``worker.kv_transfer`` span of the request's trace (workers export to an in-process
+    OTLP receiver; the test sends the work with a sampled ``traceparent``), with peer, blocks, bytes, seconds."""
+    with OtlpReceiver() as otlp:
+        await _pull_with_mooncake(nats_url, tmp_path, otlp)
+
+
+async def _pull_with_mooncake(nats_url: str, tmp_path: Path, otlp: OtlpReceiver) -> None:
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     origin = time.time()
     common = ["--nats-url", nats_url, "--speedup", "1.0", "--clock-origin", repr(origin), "--log-format", "json"]
     procs, logs = [], []
@@ -110,7 +119,7 @@ async def test_prefix_in_a_peer_l2_is_pulled_with_mooncake_and_every_checksum_ma
             _spawn(
                 ["services.worker", *common, "--instance", f"worker-{node}", "--node", node, "--profile", "tiny",
                  "--phase", "both", "--kv-pool", "real", "--kv-pool-ports", f"{lo}-{hi}", "--idle-state-interval-s", "0.2"],
-                logs[-1],
+                logs[-1], otel,
             )
         )  # fmt: skip
     bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-realbytes")
@@ -123,8 +132,8 @@ async def test_prefix_in_a_peer_l2_is_pulled_with_mooncake_and_every_checksum_ma
         await bus.subscribe(REQ_OUT, on_chunk)
         await _wait_up(bus, ["kvdirectory", "worker-w0", "worker-w1"], procs, logs)
 
-        async def run(work: m.PrefillWork, node: str) -> list[m.TokenChunk]:
-            await bus.publish(WORK_PREFILL, work, node=node)
+        async def run(work: m.PrefillWork, node: str, headers: dict[str, str] | None = None) -> list[m.TokenChunk]:
+            await bus.publish(WORK_PREFILL, work, node=node, headers=headers)
             for _ in range(300):
                 if any(c.finished for c in chunks[work.rid]):
                     return chunks[work.rid]
@@ -147,7 +156,8 @@ async def test_prefix_in_a_peer_l2_is_pulled_with_mooncake_and_every_checksum_ma
         assert [(r.node, r.start, r.end) for r in plan.ranges] == [("w0", 0, 40)]
         # 3. routed to w1 with the fetch plan: w1 pulls the 40 blocks from w0's registered buffer
         work = m.PrefillWork(**{**{f: getattr(longer, f) for f in longer.__struct_fields__}, "fetch": list(plan.ranges)})
-        out = await run(work, "w1")
+        trace_id = os.urandom(16).hex()
+        out = await run(work, "w1", {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
         first = out[0]
         assert first.finish_reason is None and out[-1].finish_reason == "length"
         assert first.fetched_tokens == 40 * BS and first.cached_tokens == 40 * BS  # restored from L2, not recomputed
@@ -165,6 +175,22 @@ async def test_prefix_in_a_peer_l2_is_pulled_with_mooncake_and_every_checksum_ma
         assert c1["fetch.started"] == 1 and c1["fetch.completed"] == 1 and c1["fetch.blocks"] == 40
         c0 = (await _stats(bus, "worker-w0")).counters
         assert c0["kvpool.locate_hit"] == 40 and c0["kvpool.put"] >= 40
+        # the pull is a span of the request's trace, under w1's receipt of the work
+        spans: list = []
+        for _ in range(100):
+            spans = [(res, sp) for res, sp in otlp.spans if sp.trace_id.hex() == trace_id]
+            if any(sp.name == "worker.kv_transfer" for _, sp in spans):
+                break
+            await asyncio.sleep(0.05)
+        pulls = [sp for _, sp in spans if sp.name == "worker.kv_transfer"]
+        assert len(pulls) == 1, sorted(sp.name for _, sp in spans)
+        pull, a = pulls[0], _attrs(pulls[0])
+        assert a["ei.node"] == "w1" and a["ei.peer"] == "w0" and a["ei.rid"] == "pull"
+        assert a["ei.blocks"] == 40 and a["ei.blocks_fetched"] == 40 and a["ei.blocks_missing"] == 0
+        assert a["ei.bytes"] == c1["kvfetch.bytes"] and 0 < a["ei.transfer_s"] <= a["ei.seconds"]
+        assert pull.end_time_unix_nano - pull.start_time_unix_nano == pytest.approx(a["ei.seconds"] * 1e9, abs=1e3)
+        receipt = [sp for _, sp in spans if sp.name == f"worker {WORK_PREFILL.template}"]
+        assert [sp.span_id for sp in receipt] == [pull.parent_span_id]
         # 4. w1's L2 now holds the prefix too (BlockStored host from the fetch, then its own L1 copy)
         for _ in range(100):
             reply = await bus.request(KV_LOOKUP, m.KvLookupRequest(block_hashes=longer.block_hashes, block_size=BS), timeout=5.0)

@@ -1,0 +1,56 @@
+"""``worker.kv_transfer``: a real-bytes KV pull between nodes is a span of the request's trace, with its
+source node, blocks, bytes and seconds (``services/worker/traced.py``; spans caught by the SDK's in-memory
+exporter). Before, the pull (``WorkerService._transfer``) had no span: the trace showed only the simulated
+``worker.fetch``, without the peer, the bytes or the wall time the bytes took."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.worker.traced import WorkerTraces
+from shared import tracing
+
+
+@pytest.fixture
+def spans(monkeypatch):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(tracing, "ENABLED", True)
+    yield exporter
+    provider.shutdown()
+
+
+def test_a_pull_from_each_peer_is_a_child_span_of_the_work_with_its_peer_blocks_bytes_and_seconds(spans):
+    traces = WorkerTraces("w1", speedup=1.0)
+    with tracing.tracer().start_as_current_span("worker work.{node}.prefill") as work:
+        traces.arrived("r1", decode=False)
+    parent = traces.parent("r1")
+    assert parent is not None
+    traces.kv_transfer(parent, "r1", "w0", 1_000, 2_500_000, blocks=40, fetched=40, nbytes=40 * 65536, seconds=0.0025, transfer_s=0.002)
+    traces.kv_transfer(parent, "r1", "w2", 1_000, 9_000, blocks=3, missing=3, error="peer w2 unreachable")
+    got = {s.attributes["ei.peer"]: s for s in spans.get_finished_spans() if s.name == "worker.kv_transfer"}
+    assert set(got) == {"w0", "w2"}
+    ok, bad = got["w0"], got["w2"]
+    for s in (ok, bad):
+        assert s.parent.span_id == work.get_span_context().span_id and s.context.trace_id == work.get_span_context().trace_id
+        assert s.attributes["ei.node"] == "w1" and s.attributes["ei.rid"] == "r1"
+    assert (ok.start_time, ok.end_time) == (1_000, 2_500_000)
+    assert {k: ok.attributes[k] for k in ("ei.blocks", "ei.blocks_fetched", "ei.blocks_missing", "ei.bytes")} == {
+        "ei.blocks": 40, "ei.blocks_fetched": 40, "ei.blocks_missing": 0, "ei.bytes": 40 * 65536}
+    assert ok.attributes["ei.seconds"] == 0.0025 and ok.attributes["ei.transfer_s"] == 0.002
+    assert ok.status.status_code == trace.StatusCode.UNSET and "ei.error" not in ok.attributes
+    assert bad.status.status_code == trace.StatusCode.ERROR and bad.attributes["ei.error"] == "peer w2 unreachable"
+    assert bad.attributes["ei.blocks_missing"] == 3 and bad.attributes["ei.bytes"] == 0
+
+
+def test_an_untraced_request_records_nothing(spans):
+    traces = WorkerTraces("w1", speedup=1.0)
+    traces.arrived("r1", decode=False)  # no traceparent: not tracked
+    traces.kv_transfer(traces.parent("r1"), "r1", "w0", 1, 2, blocks=1, fetched=1)
+    assert spans.get_finished_spans() == ()
