@@ -46,3 +46,6 @@ async def test_a_stream_on_a_sigkilled_only_decode_node_ends_with_a_503_within_t
         st = await fc.stats("router")
         assert st is not None
         assert st.counters["requeue.parked_expired"] == 1 and st.gauges["parked"] == 0 and st.gauges["inflight"] == 0, st
+        # counted once, as the error its client got (it was in no finish reason: ei_router_requests_finished_total)
+        ended = {k: v for k, v in st.counters.items() if k.startswith(("finished.", "finish."))}
+        assert ended == {"finish.error": 1}, ended

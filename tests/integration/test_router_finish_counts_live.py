@@ -117,7 +117,9 @@ async def test_a_stop_matched_at_the_router_counts_once_as_stop_also_in_the_last
     words = [SimTokenizer().word(output_token(i)) for i in range(8)]
     async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
         base = {"prompt": [1, 2, 3], "max_tokens": 8}
-        cases = (({}, "length"), ({"stop": words[4]}, "stop"), ({"stop": words[7]}, "stop"), ({"stop_token_ids": [output_token(7)]}, "stop"))
+        cases = (
+            ({}, "length"), ({"stop": words[4]}, "stop"), ({"stop": words[7]}, "stop"), ({"stop_token_ids": [output_token(7)]}, "stop"),
+        )  # fmt: skip
         for stream in (False, True):
             for extra, reason in cases:
                 before = await finished(env)
