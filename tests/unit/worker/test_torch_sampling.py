@@ -27,7 +27,7 @@ from shared.messages import PrefillWork, Sampling  # noqa: E402
 from shared.profile import load_profile  # noqa: E402
 from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
-from services.worker.engines.torch_engine.sampling import sample, sample_rows, splitmix64, uniform, uniforms  # noqa: E402
+from services.worker.engines.torch_engine.sampling import _draw, sample, sample_rows, splitmix64, uniform, uniforms  # noqa: E402
 
 V = 50
 
@@ -99,6 +99,62 @@ def test_a_uniform_at_the_top_of_the_mass_draws_the_last_kept_token():
     assert sample_rows(x, [Sampling(temperature=1.0)], one) == [5]  # nothing filtered: the last id
     assert sample_rows(torch.cat([x, x]), [Sampling(temperature=1.0, top_k=2), Sampling(temperature=1.0, top_k=3)],
                        torch.tensor([[1.0], [0.0]])) == [3, 1]  # fmt: skip
+
+
+def test_cpu_top_k_and_top_p_rows_draw_the_stable_sorts_token_also_with_ties():
+    """The CPU draws of ``top_k`` rows (``torch.topk``) and ``top_p``-only rows (values sorted
+    without indices) give the token the stable ``[r, V]`` sort gives (``_draw(order="sorted")``,
+    the path before them and still the one of other devices), over random rows with many ties
+    (logits on a grid of quarters, so also ties at the top-k boundary), -0.0 beside 0.0, -inf
+    tokens (``min_tokens`` masks; rows with fewer finite tokens than k), rows that are all one
+    value, and uniforms at 0, at the top of the grid and at 1 (the last kept token)."""
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for case in range(60):
+        v = rng.choice([7, 16, 50, 301, 1000])
+        r = rng.randint(1, 6)
+        x = (torch.randint(-12, 12, (r, v), generator=g) / 4.0).float()
+        if case % 3 == 0:
+            x[x == 0] = -0.0 if case % 2 else 0.0  # a mix of -0.0 and 0.0 in the rows below
+            x[:, ::5] = x[:, ::5].abs() * -0.0 + x[:, ::5].clamp(max=0) * 0  # zeros at every 5th id
+        if case % 4 == 1:
+            x[0, rng.sample(range(v), max(1, v - 3))] = float("-inf")  # fewer finite tokens than k
+        if case % 4 == 2:
+            x[:, rng.sample(range(v), 2)] = float("-inf")
+        if case % 10 == 5:
+            x[-1] = 0.5  # all tied
+        params = []
+        for _ in range(r):
+            top_k = rng.choice([0, 1, 2, 3, 5, 17, 50, v - 1, v, v + 3])
+            top_p = rng.choice([1.0, 1.0, 0.9, 0.5, 0.2, 1e-6])
+            if top_k == 0 and top_p == 1.0:
+                top_p = 0.7
+            params.append(Sampling(temperature=rng.choice([0.3, 1.0, 1.7]), top_k=top_k, top_p=top_p, min_p=rng.choice([0.0, 0.0, 0.2])))
+        orders = ["sorted" if 0 < sp.top_k < v or sp.top_p < 1.0 else "vocab" for sp in params]
+        for u0 in (0.0, 1.0 - 2**-24, 1.0, rng.random()):
+            u = torch.tensor([[u0 if i % 2 else rng.randrange(1 << 24) / (1 << 24)] for i in range(r)])
+            got = sample_rows(x, params, u)
+            want = [_draw(x[i : i + 1], [params[i]], u[i : i + 1], order=orders[i])[0] for i in range(r)]
+            assert got == want, (case, u0, params)
+            checked += orders.count("sorted")
+    assert checked > 400
+    # a row whose highest value is not finite takes the stable sort (the same ops, so the same token)
+    bad = torch.tensor([[0.5, float("nan"), 1.0], [float("inf"), 1.0, 2.0]])
+    for sp in (Sampling(temperature=1.0, top_k=2), Sampling(temperature=1.0, top_p=0.5)):
+        want = [_draw(bad[i : i + 1], [sp], torch.zeros(1, 1), order="sorted")[0] for i in range(2)]
+        assert sample_rows(bad, [sp, sp], torch.zeros(2, 1)) == want
+
+
+def test_a_row_without_top_p_keeps_its_tail_beside_a_top_p_row():
+    """A top-k row (``top_p`` 1.0) drawn at u = 1 takes its last kept token (rank 6 of 7: id 6) alone
+    and beside a ``top_p`` row: its float32 running sum passes 1.0 before that token, which the
+    top-p cut of the step (``before > top_p``, 1.0 for this row) dropped when a top-p row shared
+    it (the draw became id 1)."""
+    x = torch.tensor([[0.0, -2.0, 2.75, -2.5, -1.25, 0.0, -2.25]])
+    a, b = Sampling(temperature=0.3, top_k=6), Sampling(temperature=1.0, top_p=0.5)
+    assert sample_rows(x, [a], torch.ones(1, 1)) == [6]
+    assert sample_rows(torch.cat([x, x]), [a, b], torch.ones(2, 1)) == [6, 2]
 
 
 def test_draws_follow_the_tempered_softmax():

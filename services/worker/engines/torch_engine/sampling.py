@@ -54,7 +54,7 @@ request's own logits, its parameters, the seed and the position: not on the batc
 sampled in, the other requests in it, or which node (the prefill node samples position 0,
 a decode node the rest, a re-dispatch continues at ``output_offset``). A row with
 ``top_k``/``top_p`` is drawn in sorted order, any other in vocabulary order, decided per
-row (:func:`sample_rows` runs the two groups apart): drawing a row in the batch's order
+row (:func:`sample_rows` runs the groups apart): drawing a row in the batch's order
 instead changed a token in ``test_a_rows_token_does_not_depend_on_the_batch``. The one
 limit: the arithmetic must agree. The uniform is device-independent, but the token is the
 first whose cumulative probability exceeds ``u`` × the kept mass, and the probabilities
@@ -272,41 +272,92 @@ def sample_rows(logits: torch.Tensor, params: Sequence[Sampling], u: torch.Tenso
 
     The draw is by inverse CDF: the token is the first whose cumulative probability exceeds
     ``u`` × the row's total (the kept mass: no
-    renormalisation needed after top-p / min-p). Rows with ``top_k`` / ``top_p`` are sorted
-    (stable, descending), filtered and drawn in sorted order; the others in vocabulary order.
-    Which order a row is drawn in depends on its own parameters only (the two groups run
-    apart), so the batch never changes a row's token. O(r·V log V) for sorted rows, else O(r·V).
+    renormalisation needed after top-p / min-p). Rows with ``top_k`` / ``top_p`` are drawn in
+    sorted order (descending, ties in vocabulary order: a stable sort), the others in vocabulary
+    order. Which order a row is drawn in depends on its own parameters only (the groups run
+    apart), so the batch never changes a row's token.
+
+    On the CPU the sorted rows skip the stable ``[r, V]`` sort with its indices (O(V log V), ~22 ms
+    a row of a 152k vocabulary on one thread): every step of the draw reads only the row's
+    values in sorted order, which are the same floats without the indices, so a ``top_k`` row
+    takes its k highest values (``torch.topk``, O(V)) followed by -inf (the filter the sorted row
+    got), a ``top_p``-only row its values sorted alone (numpy), and the drawn rank ``j`` becomes
+    a token as the stable sort would have placed it (:func:`_token_at_rank`): the same token,
+    bit for bit (the exact softmax runs on the same ``[r, V]`` row). A row whose highest logit is
+    not finite (NaN, ±inf) and every row on another device take the stable sort.
     """
     V = logits.shape[-1]
-    sort = [(0 < sp.top_k < V) or sp.top_p < 1.0 for sp in params]
-    if all(sort) or not any(sort):
-        return _draw(logits, params, u, sort=sort[0] if sort else False)
+    cpu = logits.device.type == "cpu"
+    order = [_order(sp, V, cpu) for sp in params]
+    if len(set(order)) <= 1:
+        return _draw(logits, params, u, order=order[0] if order else "vocab")
     out = [0] * len(params)
-    for flag in (True, False):
-        rows = [i for i, f in enumerate(sort) if f == flag]
-        got = _draw(logits[rows], [params[i] for i in rows], u[rows], sort=flag)
+    for kind in sorted(set(order)):
+        rows = [i for i, o in enumerate(order) if o == kind]
+        got = _draw(logits[rows], [params[i] for i in rows], u[rows], order=kind)
         for i, t in zip(rows, got):
             out[i] = t
     return out
 
 
-def _draw(logits: torch.Tensor, params: Sequence[Sampling], u: torch.Tensor, *, sort: bool) -> list[int]:
-    """:func:`sample_rows` for rows that are all sorted (``sort``) or all drawn in vocabulary order."""
+def _order(sp: Sampling, vocab: int, cpu: bool) -> str:
+    """How :func:`sample_rows` draws a row: ``vocab`` (no top-k / top-p: vocabulary order),
+    ``sorted`` (a stable sort), on the CPU ``top_k`` (the k highest values) or ``values`` (top-p
+    only: the values sorted without indices)."""
+    top_k = 0 < sp.top_k < vocab
+    if not (top_k or sp.top_p < 1.0):
+        return "vocab"
+    if not cpu:
+        return "sorted"
+    return "top_k" if top_k else "values"
+
+
+def _draw(logits: torch.Tensor, params: Sequence[Sampling], u: torch.Tensor, *, order: str) -> list[int]:
+    """:func:`sample_rows` for rows that are all drawn the same way (``order``, :func:`_order`)."""
     dev = logits.device
     temp = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=dev)
     x = logits.float() / temp[:, None]
+    if order == "vocab":
+        return _rank(x, params, u, sort=False)[:, 0].tolist()
     V = x.shape[-1]
-    idx: torch.Tensor | None = None
-    if sort:
-        x, idx = x.sort(dim=-1, descending=True, stable=True)
-        ks = [sp.top_k if 0 < sp.top_k < V else V for sp in params]
-        if any(k < V for k in ks):
-            rank = torch.arange(V, device=dev)[None, :]
-            x = x.masked_fill(rank >= torch.tensor(ks, device=dev)[:, None], float("-inf"))
+    ks = [sp.top_k if 0 < sp.top_k < V else V for sp in params]
+    if order != "sorted":
+        if order == "top_k":
+            kmax = max(ks)
+            vals = torch.full_like(x, float("-inf"))
+            vals[:, :kmax] = x.topk(kmax, dim=-1, sorted=True).values
+        else:
+            vals = torch.from_numpy(np.ascontiguousarray(np.sort(x.detach().numpy(), axis=-1)[:, ::-1]))
+        if bool(torch.isfinite(vals[:, 0]).all()):
+            j = _rank(_keep_top_k(vals, ks), params, u, sort=True)
+            return _token_at_rank(x, vals, j)
+    vals, idx = x.sort(dim=-1, descending=True, stable=True)
+    j = _rank(_keep_top_k(vals, ks), params, u, sort=True)
+    return idx.gather(1, j)[:, 0].tolist()
+
+
+def _keep_top_k(vals: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
+    """``vals`` ``[r, V]`` (each row descending) with rank ``ks[row]`` and above set to -inf."""
+    V = vals.shape[-1]
+    if all(k >= V for k in ks):
+        return vals
+    rank = torch.arange(V, device=vals.device)[None, :]
+    return vals.masked_fill(rank >= torch.tensor(ks, device=vals.device)[:, None], float("-inf"))
+
+
+def _rank(x: torch.Tensor, params: Sequence[Sampling], u: torch.Tensor, *, sort: bool) -> torch.Tensor:
+    """The drawn position ``[r, 1]`` (int64) in each row of tempered logits ``x`` ``[r, V]``: rows in
+    descending order already cut to their top-k (``sort``: top-p applies) or in vocabulary order."""
+    V = x.shape[-1]
+    dev = x.device
     prob = x.softmax(dim=-1)
     if sort and any(sp.top_p < 1.0 for sp in params):
-        before = prob.cumsum(dim=-1) - prob  # mass of the tokens ranked above each one
-        prob = prob.masked_fill(before > torch.tensor([sp.top_p for sp in params], device=dev)[:, None], 0.0)
+        # mass of the tokens ranked above each one; a row without top-p (1.0) keeps them all: its
+        # float32 running sum can pass 1.0 before the last kept token (which, cut, moved a draw
+        # near u = 1 when such a row shared the step with a top-p row)
+        before = prob.cumsum(dim=-1) - prob
+        top_p = torch.tensor([sp.top_p if sp.top_p < 1.0 else float("inf") for sp in params], device=dev)
+        prob = prob.masked_fill(before > top_p[:, None], 0.0)
     if any(sp.min_p > 0.0 for sp in params):
         mp = torch.tensor([sp.min_p for sp in params], dtype=torch.float32, device=dev)
         top = prob[:, :1] if sort else prob.max(dim=-1, keepdim=True).values
@@ -322,6 +373,23 @@ def _draw(logits: torch.Tensor, params: Sequence[Sampling], u: torch.Tensor, *, 
     if bool(over.any()):
         last = V - 1 - (prob > 0).flip(-1).to(torch.int8).argmax(dim=-1, keepdim=True)
         j = torch.where(over, last, j)
-    if idx is not None:
-        j = idx.gather(1, j)
-    return j[:, 0].tolist()
+    return j
+
+
+def _token_at_rank(x: torch.Tensor, vals: torch.Tensor, j: torch.Tensor) -> list[int]:
+    """The vocabulary id a stable descending sort of ``x`` ``[r, V]`` (finite maxima, no NaN
+    drawn) puts at rank ``j[row]`` ``[r, 1]``, from the row's value there ``v`` = ``vals[row, j]``
+    (a kept token: finite): the ranks above hold the ``g`` tokens greater than ``v``, then the
+    tokens equal to ``v`` in vocabulary order, so it is the (``j`` − ``g``)-th token equal to ``v``
+    (-0.0 and 0.0 are equal, as in the sort; ``g`` by a binary search of the sorted values, ascending
+    once negated). Two passes over ``[r, V]``; a row whose rank falls past the first of tied tokens
+    looks its tie up alone."""
+    v = vals.gather(1, j)
+    m = int(j.max()) + 1  # the ranks above j hold every value greater than v: g from them
+    nth = (j - torch.searchsorted(vals[:, :m].neg(), v.neg()))[:, 0].tolist()
+    eq = x == v
+    out = eq.to(torch.int8).argmax(dim=-1).tolist()
+    for r, n in enumerate(nth):
+        if n:
+            out[r] = int(eq[r].nonzero()[n, 0])
+    return out
