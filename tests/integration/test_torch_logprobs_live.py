@@ -20,26 +20,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("tokenizers")
 
-from evolving_infra.cluster import ClusterSpec, LocalCluster  # noqa: E402
+from evolving_infra.cluster import LocalCluster  # noqa: E402
 from shared import messages as m  # noqa: E402
-from shared.hashing import block_hashes, pack_tokens  # noqa: E402
-from shared.profile import load_profile  # noqa: E402
-from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
-from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
+from tests.integration.torch_cluster import InProcess, tiny_1p1d  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
-BS = 8  # torch-tiny-cpu page size
 N = 12
 
 
 async def test_chat_logprobs_streamed_and_not_equal_an_in_process_recomputation(tmp_path):
-    folder = tmp_path / "model"
-    init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=2048, seed=5)
-    spec = ClusterSpec(
-        nodes=2, split="1P1D", profile="torch-tiny-cpu", speedup=1.0, port=0, block_size=BS,
-        log_dir=str(tmp_path / "logs"), ready_timeout_s=180.0, engine="torch", model_dir=str(folder),
-        tokenizer=f"hf:{folder}", model="tiny", max_context_tokens=2048, worker_args=("--check-invariants",),
-    )  # fmt: skip
+    folder, spec = tiny_1p1d(tmp_path)
     messages = [{"role": "user", "content": "tell me about logprobs and how they are computed"}]
     chat = {"model": "tiny", "messages": messages, "max_tokens": N, "ignore_eos": True, "logprobs": True, "top_logprobs": 3}
     async with LocalCluster(spec) as cluster, httpx.AsyncClient(base_url=cluster.router_url, timeout=120) as http:
@@ -83,13 +73,7 @@ async def test_chat_logprobs_streamed_and_not_equal_an_in_process_recomputation(
     assert [e["token"] for e in content_s] == [e["token"] for e in content]
     assert [e["logprob"] for e in content_s] == pytest.approx([e["logprob"] for e in content], abs=1e-5)
     # the same request in this process
-    node = LocalNode("x", load_profile("torch-tiny-cpu"), str(folder))
-    node.add_prefill(m.PrefillWork(
-        rid="ref", prompt_tokens=len(prompt), max_tokens=N, block_size=BS, block_hashes=block_hashes(prompt, BS),
-        token_ids=pack_tokens(prompt), ignore_eos=True, sampling=m.Sampling(logprobs=3),
-    ))  # fmt: skip
-    node.run()
-    ref = node.finished["ref"].logprobs
+    ref = InProcess(folder).run("ref", prompt, N, m.Sampling(logprobs=3)).logprobs
     got = [e["logprob"] for e in content]
     want = [ref[i][0] for i in range(N)]
     print(f"chosen-token logprobs over HTTP {got}\nrecomputed in process   {want}")

@@ -33,28 +33,18 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("tokenizers")
 
-from evolving_infra.cluster import ClusterSpec, LocalCluster  # noqa: E402
+from evolving_infra.cluster import LocalCluster  # noqa: E402
 from shared import messages as m  # noqa: E402
 from shared.bus import Bus  # noqa: E402
-from shared.hashing import block_hashes, pack_tokens  # noqa: E402
-from shared.profile import load_profile  # noqa: E402
 from shared.subjects import REQ_OUT, SVC_STATS, Subjects  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
-from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
-from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
+from tests.integration.torch_cluster import InProcess, tiny_1p1d  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
-BS = 8  # torch-tiny-cpu page size
 
 
 async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path):
-    folder = tmp_path / "model"
-    init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=2048, seed=5)
-    spec = ClusterSpec(
-        nodes=2, split="1P1D", profile="torch-tiny-cpu", speedup=1.0, port=0, block_size=BS,
-        log_dir=str(tmp_path / "logs"), ready_timeout_s=180.0, engine="torch", model_dir=str(folder),
-        tokenizer=f"hf:{folder}", model="tiny", max_context_tokens=2048, worker_args=("--check-invariants",),
-    )  # fmt: skip
+    folder, spec = tiny_1p1d(tmp_path)
     rng = random.Random(11)
     prompt = [rng.randrange(3, 500) for _ in range(37)]
     sampled = {"temperature": 1.0, "top_k": 40}
@@ -134,21 +124,12 @@ async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path
     assert a != c and a != g
     assert g0 == g
     # the same draws in one process, collocated (no hand-off): node-independent
-    node = LocalNode("x", load_profile("torch-tiny-cpu"), str(folder))
-    node.add_prefill(m.PrefillWork(
-        rid="ref", prompt_tokens=len(prompt), max_tokens=12, block_size=BS, block_hashes=block_hashes(prompt, BS),
-        token_ids=pack_tokens(prompt), ignore_eos=True, sampling=m.Sampling(temperature=1.0, top_k=40, seed=42),
-    ))  # fmt: skip
-    node.run()
-    assert node.finished["ref"].tokens == a
+    here = InProcess(folder)
+    assert here.run("ref", prompt, 12, m.Sampling(temperature=1.0, top_k=40, seed=42)).tokens == a
+
     # penalties and min_tokens: what the same request gives collocated in this process
     def local(rid: str, sp: m.Sampling) -> list[int]:
-        node.add_prefill(m.PrefillWork(
-            rid=rid, prompt_tokens=len(prompt), max_tokens=12, block_size=BS, block_hashes=block_hashes(prompt, BS),
-            token_ids=pack_tokens(prompt), ignore_eos=True, sampling=sp,
-        ))  # fmt: skip
-        node.run()
-        return node.finished[rid].tokens
+        return here.run(rid, prompt, 12, sp).tokens
 
     assert pg == local("pen", m.Sampling(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)) and pg != g
     assert st == g[: j + 1]  # the stop token id ends it ...

@@ -96,3 +96,13 @@ def run_until_idle(s: EngineScheduler, now: float = 0.0, horizon: float | None =
 @pytest.fixture
 def run():
     return run_until_idle
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The torch engine tests' tiny random llama folder (``torch_tiny.write_tiny_llama``), built
+    once a session: the tests only read it (``LocalNode`` loads it; ``test_torch_eos`` copies it
+    before it names another EOS token)."""
+    from tests.unit.worker.torch_tiny import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

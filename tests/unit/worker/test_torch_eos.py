@@ -11,43 +11,32 @@ after a hand-off — and must run to ``max_tokens`` (``length``) with ``ignore_e
 
 from __future__ import annotations
 
+import functools
 import json
-import random
 import shutil
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from shared.hashing import block_hashes, pack_tokens  # noqa: E402
-from shared.messages import PrefillWork  # noqa: E402
-from shared.profile import load_profile  # noqa: E402
-from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 from services.worker.engines.torch_engine.engine import ModelConfigError, eos_token_ids  # noqa: E402
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
+from tests.unit.worker import torch_tiny  # noqa: E402
+from tests.unit.worker.torch_tiny import PROFILE  # noqa: E402
 
-PROFILE = load_profile("torch-tiny-cpu")
-BS = PROFILE.block_size
 N = 14
-
-
-def work(rid: str, prompt: list[int], n: int, decode_node: str | None = None, ignore_eos: bool = False) -> PrefillWork:
-    return PrefillWork(
-        rid=rid, prompt_tokens=len(prompt), max_tokens=n, block_size=BS, block_hashes=block_hashes(prompt, BS),
-        token_ids=pack_tokens(prompt), decode_node=decode_node, ignore_eos=ignore_eos,
-    )  # fmt: skip
+work = functools.partial(torch_tiny.work, sp=None, ignore_eos=False)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tiny_llama):
     """(folder, prompt, greedy continuation of N tokens by transformers)."""
-    folder = tmp_path_factory.mktemp("eos-model")
-    init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=1024, seed=5)
+    folder = Path(tiny_llama)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     hf.eval()
-    rng = random.Random(3)
-    prompt = [rng.randrange(500) for _ in range(29)]
+    prompt = torch_tiny.prompt(3)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N, do_sample=False)
@@ -71,8 +60,8 @@ def test_stops_at_eos_collocated_and_ignore_eos_runs_to_length(setup, tmp_path):
     model = with_eos(folder, tmp_path / "m", eos)
     node = LocalNode("a", PROFILE, model)
     assert node.engine.eos == {eos}
-    node.add_prefill(work("stop", prompt, N))
-    node.add_prefill(work("all", prompt, N, ignore_eos=True))
+    node.add_prefill(work("stop", prompt, n=N))
+    node.add_prefill(work("all", prompt, n=N, ignore_eos=True))
     node.run()
     assert node.finished["stop"].tokens == ref[: first + 1]
     assert node.finished["stop"].finish_reason == "stop"
@@ -85,7 +74,7 @@ def test_eos_first_token_on_prefill_node_and_eos_on_decode_node(setup, tmp_path)
     folder, prompt, ref = setup
     # EOS = the first output token: the prefill node ends the request, nothing is handed off
     p = LocalNode("p", PROFILE, with_eos(folder, tmp_path / "m0", ref[0]), phase="prefill")
-    p.add_prefill(work("r0", prompt, N, decode_node="d"))
+    p.add_prefill(work("r0", prompt, n=N, decode_node="d"))
     p.run()
     assert p.handoffs == []
     assert p.finished["r0"].tokens == ref[:1] and p.finished["r0"].finish_reason == "stop"
@@ -94,8 +83,8 @@ def test_eos_first_token_on_prefill_node_and_eos_on_decode_node(setup, tmp_path)
     model = with_eos(folder, tmp_path / "m1", ref[j])
     p = LocalNode("p", PROFILE, model, phase="prefill")
     d = LocalNode("d", PROFILE, model, phase="decode")
-    p.add_prefill(work("r1", prompt, N, decode_node="d"))
-    p.add_prefill(work("r2", prompt, N, decode_node="d", ignore_eos=True))
+    p.add_prefill(work("r1", prompt, n=N, decode_node="d"))
+    p.add_prefill(work("r2", prompt, n=N, decode_node="d", ignore_eos=True))
     p.run()
     assert [h.work.ignore_eos for h in p.handoffs] == [False, True]
     for h in p.handoffs:

@@ -7,19 +7,18 @@ is a float32 claim, not a bfloat16 GPU one."""
 
 from __future__ import annotations
 
-import random
+import functools
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from shared.hashing import block_hashes, pack_tokens  # noqa: E402
 from shared.messages import DecodeWork, PrefillWork, Sampling  # noqa: E402
-from shared.profile import load_profile  # noqa: E402
 from services.worker.engines.sim import SimEngine  # noqa: E402
-from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
 from services.worker.engines.torch_engine.logprobs import token_logprobs  # noqa: E402
+from tests.unit.worker import torch_tiny  # noqa: E402
+from tests.unit.worker.torch_tiny import PROFILE  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -44,33 +43,14 @@ def test_values_are_log_softmax_and_top_k_is_sorted(dtype):
     assert token_logprobs(logits, [], [], []) == []
 
 
-PROFILE = load_profile("torch-tiny-cpu")
-BS = PROFILE.block_size
 N = 10
+work = functools.partial(torch_tiny.work, n=N)
+_prompt = torch_tiny.prompt
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("lp-model")
-    init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=1024, seed=5)
-    return str(folder)
-
-
-def work(rid, prompt, sp, decode_node=None):
-    return PrefillWork(
-        rid=rid, prompt_tokens=len(prompt), max_tokens=N, block_size=BS, block_hashes=block_hashes(prompt, BS),
-        token_ids=pack_tokens(prompt), decode_node=decode_node, ignore_eos=True, sampling=sp,
-    )  # fmt: skip
-
-
-def _prompt(seed, n=29):
-    rng = random.Random(seed)
-    return [rng.randrange(500) for _ in range(n)]
-
-
-def test_engine_logprobs_every_token_only_when_asked_and_across_a_handoff(model):
+def test_engine_logprobs_every_token_only_when_asked_and_across_a_handoff(tiny_llama):
     prompt = _prompt(2)
-    node = LocalNode("a", PROFILE, model, device="cpu")
+    node = LocalNode("a", PROFILE, tiny_llama, device="cpu")
     node.add_prefill(work("plain", prompt, None))
     node.add_prefill(work("g", prompt, Sampling(logprobs=3)))
     node.add_prefill(work("t", _prompt(4), Sampling(temperature=1.2, seed=9, logprobs=0)))
@@ -85,8 +65,8 @@ def test_engine_logprobs_every_token_only_when_asked_and_across_a_handoff(model)
     ft = node.finished["t"]
     assert sorted(ft.logprobs) == list(range(N)) and all(v[1] == [] for v in ft.logprobs.values())
     # prefill node: position 0; decode node: the rest; the same values as collocated
-    p = LocalNode("p", PROFILE, model, phase="prefill", device="cpu")
-    d = LocalNode("d", PROFILE, model, phase="decode", device="cpu")
+    p = LocalNode("p", PROFILE, tiny_llama, phase="prefill", device="cpu")
+    d = LocalNode("d", PROFILE, tiny_llama, phase="decode", device="cpu")
     p.add_prefill(work("g", prompt, Sampling(logprobs=3), decode_node="d"))
     p.run()
     assert p.handoffs[0].work.sampling == Sampling(logprobs=3)
@@ -102,7 +82,7 @@ def test_engine_logprobs_every_token_only_when_asked_and_across_a_handoff(model)
 
 
 def test_sim_engine_refuses_logprobs():
-    eng = SimEngine(load_profile("torch-tiny-cpu"))
+    eng = SimEngine(PROFILE)
     w = PrefillWork(rid="r", prompt_tokens=4, max_tokens=3, block_size=16, sampling=Sampling(logprobs=0))
     with pytest.raises(ValueError, match="logprobs are not supported by the sim engine"):
         eng.accept_prefill(w)
@@ -111,12 +91,12 @@ def test_sim_engine_refuses_logprobs():
     eng.accept_prefill(PrefillWork(rid="r", prompt_tokens=4, max_tokens=3, block_size=16, sampling=Sampling(top_k=3)))
 
 
-def test_logprobs_are_the_raw_distribution_not_the_penalized_one(model):
+def test_logprobs_are_the_raw_distribution_not_the_penalized_one(tiny_llama):
     """vLLM's ``raw_logprobs``: penalties (here ``repetition_penalty``, which already changes position 0:
     it applies to the prompt's tokens) and temperature do not change the reported values; at position 0
     the prompt is the same, so the top lists equal an unpenalized greedy request's."""
     prompt = _prompt(7)
-    node = LocalNode("a", PROFILE, model, device="cpu")
+    node = LocalNode("a", PROFILE, tiny_llama, device="cpu")
     node.add_prefill(work("g", prompt, Sampling(logprobs=5)))
     node.add_prefill(work("p", prompt, Sampling(temperature=0.7, seed=3, repetition_penalty=3.0, logprobs=5)))
     node.run()

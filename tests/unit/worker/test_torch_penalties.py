@@ -16,19 +16,18 @@ from ending the request before it.
 
 from __future__ import annotations
 
-import random
+import functools
 
 import msgspec
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from shared.hashing import block_hashes, pack_tokens  # noqa: E402
-from shared.messages import PrefillWork, Sampling  # noqa: E402
-from shared.profile import load_profile  # noqa: E402
-from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
+from shared.messages import Sampling  # noqa: E402
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
 from services.worker.engines.torch_engine.sampling import penalize, sample, token_stats  # noqa: E402
+from tests.unit.worker import torch_tiny  # noqa: E402
+from tests.unit.worker.torch_tiny import PROFILE  # noqa: E402
 
 ROW = [2.0, -1.0, 0.5, -3.0, 1.0, 0.0]
 
@@ -120,28 +119,9 @@ def test_token_stats_add_counts_incrementally():
 # engine
 # --------------------------------------------------------------------------- #
 
-PROFILE = load_profile("torch-tiny-cpu")
-BS = PROFILE.block_size
 N = 14
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pen-model")
-    init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=1024, seed=5)
-    return str(folder)
-
-
-def work(rid, prompt, sp, decode_node=None, n=N, ignore_eos=True):
-    return PrefillWork(
-        rid=rid, prompt_tokens=len(prompt), max_tokens=n, block_size=BS, block_hashes=block_hashes(prompt, BS),
-        token_ids=pack_tokens(prompt), decode_node=decode_node, ignore_eos=ignore_eos, sampling=sp,
-    )  # fmt: skip
-
-
-def _prompt(seed, n=29):
-    rng = random.Random(seed)
-    return [rng.randrange(500) for _ in range(n)]
+work = functools.partial(torch_tiny.work, n=N)
+_prompt = torch_tiny.prompt
 
 
 def _run(node, *works):
@@ -151,16 +131,16 @@ def _run(node, *works):
     return node
 
 
-def test_penalized_request_same_collocated_split_and_continued(model):
+def test_penalized_request_same_collocated_split_and_continued(tiny_llama):
     prompt = _prompt(11)
-    greedy = _run(LocalNode("g", PROFILE, model), work("g", prompt, None)).finished["g"].tokens
+    greedy = _run(LocalNode("g", PROFILE, tiny_llama), work("g", prompt, None)).finished["g"].tokens
     sp = Sampling(frequency_penalty=2.0, presence_penalty=1.0, repetition_penalty=1.5)
-    ref = _run(LocalNode("a", PROFILE, model), work("r", prompt, sp), work("x", _prompt(12, 40), None)).finished["r"].tokens
+    ref = _run(LocalNode("a", PROFILE, tiny_llama), work("r", prompt, sp), work("x", _prompt(12, 40), None)).finished["r"].tokens
     assert len(ref) == N and ref != greedy
     assert len(set(ref)) == N  # penalties of this size never repeat a token of this random model
     # prefill node samples the first token, decode node the rest
-    p = LocalNode("p", PROFILE, model, phase="prefill")
-    d = LocalNode("d", PROFILE, model, phase="decode")
+    p = LocalNode("p", PROFILE, tiny_llama, phase="prefill")
+    d = LocalNode("d", PROFILE, tiny_llama, phase="decode")
     _run(p, work("r", prompt, sp, decode_node="d"))
     assert [h.work.sampling for h in p.handoffs] == [sp]
     d.add_decode(p.handoffs[0].work)
@@ -169,9 +149,9 @@ def test_penalized_request_same_collocated_split_and_continued(model):
     # re-dispatch: prompt + first k tokens, output_offset k; the earlier output still counts
     for k in (1, 6):
         w = msgspec.structs.replace(work("r", prompt + ref[:k], sp, n=N - k), output_offset=k)
-        assert _run(LocalNode("c", PROFILE, model), w).finished["r"].tokens == ref[k:], k
+        assert _run(LocalNode("c", PROFILE, tiny_llama), w).finished["r"].tokens == ref[k:], k
     # the engine's counts are the output's, kept incrementally
-    node = LocalNode("s", PROFILE, model)
+    node = LocalNode("s", PROFILE, tiny_llama)
     node.add_prefill(work("r", prompt, sp, n=N))
     for _ in range(4):
         node.step()
@@ -179,26 +159,26 @@ def test_penalized_request_same_collocated_split_and_continued(model):
     assert s.stats.counts.tolist() == torch.bincount(torch.tensor(s.out), minlength=512).float().tolist()
 
 
-def test_min_tokens_keeps_a_stop_token_id_from_ending_the_request_before_it(model):
+def test_min_tokens_keeps_a_stop_token_id_from_ending_the_request_before_it(tiny_llama):
     prompt = _prompt(6)
-    ref = _run(LocalNode("g", PROFILE, model), work("g", prompt, None)).finished["g"].tokens
+    ref = _run(LocalNode("g", PROFILE, tiny_llama), work("g", prompt, None)).finished["g"].tokens
     j = next(i for i in range(1, N - 4) if ref.index(ref[i]) == i)
     stop = ref[j]
-    plain = _run(LocalNode("a", PROFILE, model), work("s", prompt, Sampling(stop_token_ids=[stop]))).finished["s"]
+    plain = _run(LocalNode("a", PROFILE, tiny_llama), work("s", prompt, Sampling(stop_token_ids=[stop]))).finished["s"]
     assert plain.tokens == ref[: j + 1] and plain.finish_reason == "stop"
     m = j + 3
-    got = _run(LocalNode("b", PROFILE, model), work("m", prompt, Sampling(stop_token_ids=[stop], min_tokens=m))).finished["m"]
+    got = _run(LocalNode("b", PROFILE, tiny_llama), work("m", prompt, Sampling(stop_token_ids=[stop], min_tokens=m))).finished["m"]
     assert got.tokens[:j] == ref[:j]
     assert stop not in got.tokens[:m] and len(got.tokens) > m - 1
     assert got.finish_reason == ("stop" if stop in got.tokens else "length")
 
 
-def test_a_queued_penalized_request_holds_no_device_counts_until_it_is_first_sampled(model):
+def test_a_queued_penalized_request_holds_no_device_counts_until_it_is_first_sampled(tiny_llama):
     # 5 bytes x vocabulary each (0.76 MB at 152k): only requests the engine samples hold them,
     # not every request waiting in the queue; built from the packed prompt (numpy, not a list)
     import numpy as np
 
-    node = LocalNode("q", PROFILE, model)
+    node = LocalNode("q", PROFILE, tiny_llama)
     sp = Sampling(repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=3)
     for i in range(3):
         node.add_prefill(work(f"q{i}", _prompt(20 + i), sp))

@@ -14,6 +14,7 @@ another seed gives other tokens; a re-dispatched continuation (prompt + the firs
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -22,12 +23,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shared.hashing import block_hashes, pack_tokens  # noqa: E402
-from shared.messages import PrefillWork, Sampling  # noqa: E402
-from shared.profile import load_profile  # noqa: E402
-from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
+from shared.messages import Sampling  # noqa: E402
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
 from services.worker.engines.torch_engine.sampling import _draw, sample, sample_rows, splitmix64, uniform, uniforms  # noqa: E402
+from tests.unit.worker import torch_tiny  # noqa: E402
+from tests.unit.worker.torch_tiny import PROFILE  # noqa: E402
 
 V = 50
 
@@ -224,48 +224,29 @@ def test_uniforms_are_the_same_bits_on_any_device_and_for_any_logits_dtype():
 # engine
 # --------------------------------------------------------------------------- #
 
-PROFILE = load_profile("torch-tiny-cpu")
-BS = PROFILE.block_size
 N = 12
+work = functools.partial(torch_tiny.work, n=N)
+_prompt = torch_tiny.prompt
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("samp-model")
-    init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=1024, seed=5)
-    return str(folder)
-
-
-def work(rid, prompt, sp, decode_node=None, n=N, ignore_eos=True):
-    return PrefillWork(
-        rid=rid, prompt_tokens=len(prompt), max_tokens=n, block_size=BS, block_hashes=block_hashes(prompt, BS),
-        token_ids=pack_tokens(prompt), decode_node=decode_node, ignore_eos=ignore_eos, sampling=sp,
-    )  # fmt: skip
-
-
-def _prompt(seed, n=29):
-    rng = random.Random(seed)
-    return [rng.randrange(500) for _ in range(n)]
-
-
-def test_seeded_request_is_the_same_alone_batched_and_across_a_handoff(model):
+def test_seeded_request_is_the_same_alone_batched_and_across_a_handoff(tiny_llama):
     prompt = _prompt(3)
     sp = Sampling(temperature=1.3, top_k=50, seed=1234)
-    alone = LocalNode("a", PROFILE, model)
+    alone = LocalNode("a", PROFILE, tiny_llama)
     alone.add_prefill(work("r", prompt, sp))
     alone.run()
     ref = alone.finished["r"].tokens
     assert len(ref) == N
     # batched with other requests (greedy and sampled ones, other lengths)
-    busy = LocalNode("b", PROFILE, model)
+    busy = LocalNode("b", PROFILE, tiny_llama)
     busy.add_prefill(work("x1", _prompt(4, 40), None))
     busy.add_prefill(work("r", prompt, sp))
     busy.add_prefill(work("x2", _prompt(5, 17), Sampling(temperature=0.9)))
     busy.run()
     assert busy.finished["r"].tokens == ref
     # prefill on one node (first token), decode on another after the hand-off
-    p = LocalNode("p", PROFILE, model, phase="prefill")
-    d = LocalNode("d", PROFILE, model, phase="decode")
+    p = LocalNode("p", PROFILE, tiny_llama, phase="prefill")
+    d = LocalNode("d", PROFILE, tiny_llama, phase="decode")
     p.add_prefill(work("r", prompt, sp, decode_node="d"))
     p.run()
     assert [h.work.sampling for h in p.handoffs] == [sp]
@@ -273,7 +254,7 @@ def test_seeded_request_is_the_same_alone_batched_and_across_a_handoff(model):
     d.run()
     assert d.finished["r"].tokens == ref
     # another seed: other tokens; no seed: random per run
-    other = LocalNode("o", PROFILE, model)
+    other = LocalNode("o", PROFILE, tiny_llama)
     other.add_prefill(work("r2", prompt, Sampling(temperature=1.3, top_k=50, seed=99)))
     other.add_prefill(work("r3", prompt, Sampling(temperature=1.3, top_k=50)))
     other.add_prefill(work("r4", prompt, Sampling(temperature=1.3, top_k=50)))
@@ -282,9 +263,9 @@ def test_seeded_request_is_the_same_alone_batched_and_across_a_handoff(model):
     assert other.finished["r3"].tokens != other.finished["r4"].tokens
 
 
-def test_greedy_params_equal_no_params_and_stop_token_ids_end_the_request(model):
+def test_greedy_params_equal_no_params_and_stop_token_ids_end_the_request(tiny_llama):
     prompt = _prompt(6)
-    node = LocalNode("a", PROFILE, model)
+    node = LocalNode("a", PROFILE, tiny_llama)
     node.add_prefill(work("g0", prompt, None))
     node.add_prefill(work("g1", prompt, Sampling(temperature=0.0, top_k=3, seed=5)))
     node.run()
@@ -296,19 +277,19 @@ def test_greedy_params_equal_no_params_and_stop_token_ids_end_the_request(model)
     assert node.finished["s"].tokens == ref[: j + 1] and node.finished["s"].finish_reason == "stop"
 
 
-def test_a_seeded_continuation_after_a_redispatch_continues_the_same_sequence(model):
+def test_a_seeded_continuation_after_a_redispatch_continues_the_same_sequence(tiny_llama):
     """A re-dispatch after a dead decode node sends prompt + the k tokens the client has as the new
     prompt with ``output_offset`` k (``services/router/faults.continuation``): position k onward is
     drawn with the same (seed, position) uniforms, so the stream goes on as if nothing happened."""
     prompt = _prompt(8)
     sp = Sampling(temperature=1.1, top_p=0.95, seed=77)
-    node = LocalNode("a", PROFILE, model)
+    node = LocalNode("a", PROFILE, tiny_llama)
     node.add_prefill(work("r", prompt, sp))
     node.run()
     ref = node.finished["r"].tokens
     k = 5
     cont = prompt + ref[:k]
-    again = LocalNode("b", PROFILE, model)
+    again = LocalNode("b", PROFILE, tiny_llama)
     w = work("r", cont, sp, n=N - k)
     again.add_prefill(msgspec.structs.replace(w, output_offset=k))
     again.run()
