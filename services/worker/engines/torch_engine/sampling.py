@@ -321,27 +321,28 @@ def _draw(logits: torch.Tensor, params: Sequence[Sampling], u: torch.Tensor, *, 
         return _rank(x, params, u, sort=False)[:, 0].tolist()
     V = x.shape[-1]
     ks = [sp.top_k if 0 < sp.top_k < V else V for sp in params]
-    if order != "sorted":
-        if order == "top_k":
-            kmax = max(ks)
-            vals = torch.full_like(x, float("-inf"))
-            vals[:, :kmax] = x.topk(kmax, dim=-1, sorted=True).values
-        else:
-            vals = torch.from_numpy(np.ascontiguousarray(np.sort(x.detach().numpy(), axis=-1)[:, ::-1]))
+    if order == "top_k":
+        head, head_idx = x.topk(max(ks), dim=-1, sorted=True)
+        if bool(torch.isfinite(head[:, 0]).all()):
+            vals = torch.full_like(x, float("-inf"))  # the sorted row cut to its top-k
+            vals[:, : head.shape[1]] = _keep_top_k(head, ks)
+            return _token_at_rank(x, vals, _rank(vals, params, u, sort=True), head, head_idx)
+    elif order == "values":
+        vals = torch.from_numpy(np.ascontiguousarray(np.sort(x.detach().numpy(), axis=-1)[:, ::-1]))
         if bool(torch.isfinite(vals[:, 0]).all()):
-            j = _rank(_keep_top_k(vals, ks), params, u, sort=True)
-            return _token_at_rank(x, vals, j)
+            return _token_at_rank(x, vals, _rank(_keep_top_k(vals, ks), params, u, sort=True))
     vals, idx = x.sort(dim=-1, descending=True, stable=True)
     j = _rank(_keep_top_k(vals, ks), params, u, sort=True)
     return idx.gather(1, j)[:, 0].tolist()
 
 
 def _keep_top_k(vals: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
-    """``vals`` ``[r, V]`` (each row descending) with rank ``ks[row]`` and above set to -inf."""
-    V = vals.shape[-1]
-    if all(k >= V for k in ks):
+    """``vals`` ``[r, n]`` (each row descending, its first ``n`` ranks) with rank ``ks[row]`` and
+    above set to -inf."""
+    n = vals.shape[-1]
+    if all(k >= n for k in ks):
         return vals
-    rank = torch.arange(V, device=vals.device)[None, :]
+    rank = torch.arange(n, device=vals.device)[None, :]
     return vals.masked_fill(rank >= torch.tensor(ks, device=vals.device)[:, None], float("-inf"))
 
 
@@ -376,20 +377,33 @@ def _rank(x: torch.Tensor, params: Sequence[Sampling], u: torch.Tensor, *, sort:
     return j
 
 
-def _token_at_rank(x: torch.Tensor, vals: torch.Tensor, j: torch.Tensor) -> list[int]:
+def _token_at_rank(
+    x: torch.Tensor, vals: torch.Tensor, j: torch.Tensor, head: torch.Tensor | None = None, head_idx: torch.Tensor | None = None
+) -> list[int]:
     """The vocabulary id a stable descending sort of ``x`` ``[r, V]`` (finite maxima, no NaN
     drawn) puts at rank ``j[row]`` ``[r, 1]``, from the row's value there ``v`` = ``vals[row, j]``
     (a kept token: finite): the ranks above hold the ``g`` tokens greater than ``v``, then the
     tokens equal to ``v`` in vocabulary order, so it is the (``j`` − ``g``)-th token equal to ``v``
     (-0.0 and 0.0 are equal, as in the sort; ``g`` by a binary search of the sorted values, ascending
-    once negated). Two passes over ``[r, V]``; a row whose rank falls past the first of tied tokens
-    looks its tie up alone."""
+    once negated). With ``head``, ``head_idx`` (``torch.topk``'s values and ids, ``[r, k]``) a row
+    whose ``v`` is above the k-th value has all its tokens equal to ``v`` among them; the other rows
+    (and all without ``head``) look for them in ``x`` (two passes over the row)."""
     v = vals.gather(1, j)
     m = int(j.max()) + 1  # the ranks above j hold every value greater than v: g from them
     nth = (j - torch.searchsorted(vals[:, :m].neg(), v.neg()))[:, 0].tolist()
-    eq = x == v
-    out = eq.to(torch.int8).argmax(dim=-1).tolist()
-    for r, n in enumerate(nth):
-        if n:
-            out[r] = int(eq[r].nonzero()[n, 0])
+    out = [0] * len(nth)
+    scan = list(range(len(nth)))
+    if head is not None and head_idx is not None:
+        inside = (v[:, 0] > head[:, -1]).tolist()
+        eq_head = head == v
+        first = torch.where(eq_head, head_idx, x.shape[-1]).min(dim=-1).values.tolist()
+        scan = [r for r in scan if not inside[r]]
+        for r in range(len(nth)):
+            if inside[r]:
+                out[r] = sorted(head_idx[r][eq_head[r]].tolist())[nth[r]] if nth[r] else first[r]
+    if scan:
+        eq = x[scan] == v[scan]
+        firsts = eq.to(torch.int8).argmax(dim=-1).tolist()
+        for i, r in enumerate(scan):
+            out[r] = int(eq[i].nonzero()[nth[r], 0]) if nth[r] else firsts[i]
     return out
