@@ -294,3 +294,15 @@ def test_a_seeded_continuation_after_a_redispatch_continues_the_same_sequence(ti
     again.add_prefill(msgspec.structs.replace(w, output_offset=k))
     again.run()
     assert again.finished["r"].tokens == ref[k:]
+
+
+def test_a_one_token_vocabulary_is_drawn_on_every_path():
+    """V = 1 (the only token is 0): a ``top_p``-only row, a ``top_k`` one and a plain one, alone and
+    together. Before, the ``top_p``-only CPU path raised ValueError (numpy kept the reversed sort's
+    negative stride for a one-column array, which ``torch.from_numpy`` refuses)."""
+    x = torch.tensor([[0.25], [-3.0], [0.0]])
+    params = [Sampling(temperature=1.0, top_p=0.9), Sampling(temperature=0.5, top_k=1), Sampling(temperature=2.0)]
+    for u0 in (0.0, 0.5, 1.0):
+        assert sample_rows(x[:1], params[:1], torch.full((1, 1), u0)) == [0]
+        assert sample_rows(x, params, torch.full((3, 1), u0)) == [0, 0, 0]
+    assert sample(x, params, [1, 2, 3], [0, 0, 0]) == [0, 0, 0]

@@ -330,7 +330,9 @@ def _draw(logits: torch.Tensor, params: Sequence[Sampling], u: torch.Tensor, *, 
             vals[:, : head.shape[1]] = _keep_top_k(head, ks)
             return _token_at_rank(x, vals, _rank(vals, params, u, sort=True), head, head_idx)
     elif order == "values":
-        vals = torch.from_numpy(np.ascontiguousarray(np.sort(x.detach().numpy(), axis=-1)[:, ::-1]))
+        # .copy(): a new C-order array (ascontiguousarray kept the reversed view's -4 stride when
+        # V = 1, which torch.from_numpy refuses)
+        vals = torch.from_numpy(np.sort(x.detach().numpy(), axis=-1)[:, ::-1].copy())
         if bool(torch.isfinite(vals[:, 0]).all()):
             return _token_at_rank(x, vals, _rank(_keep_top_k(vals, ks), params, u, sort=True))
     vals, idx = x.sort(dim=-1, descending=True, stable=True)
