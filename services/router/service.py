@@ -197,10 +197,12 @@ class _Pending:
     client_rid: bool = False
     """Its rid is the client's ``X-Request-ID`` (may come again)."""
     stops: bool = False
-    """It has stop strings or stop token ids: the router, not its node, may end it with ``stop``, so a
-    node's ``length`` / ``stop`` end is counted when the response's finish reason is known (:meth:`RouterService._forget`)."""
-    node_reason: str | None = None
-    """The finish reason of its node's last chunk (served: ``stop`` / ``length``) while not yet counted."""
+    """It has stop strings or stop token ids: the router, not its node, may end it with ``stop``, so an
+    end decided outside its response (its node's last chunk, a failure, a fence) is counted when the
+    response's finish reason is known (:meth:`RouterService._end_decided`)."""
+    end_reason: str | None = None
+    """The finish reason of an end decided outside its response (``stop`` / ``length`` served, ``error`` /
+    ``abort``) while not yet counted: chunks queued before it may still end the response at a stop."""
     counted: str | None = None
     """The finish reason it is counted under in ``ei_router_requests_finished_total`` (once; None: not yet)."""
 
@@ -685,15 +687,12 @@ class RouterService:
         if chunk.finished and not p.done:
             p.done = True
             if failed:
-                self._count_end(p, chunk.finish_reason or "error")
+                self._end_decided(p, chunk.finish_reason or "error")
                 for node, msg in self.core.abort(chunk.rid, f"{chunk.finish_reason} on {chunk.node}", skip=chunk.node, now=now):
                     await self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node)
             else:
                 self.core.finish(chunk.rid, now)
-                if p.stops:  # a stop string may still end it at the router (stop): counted by _end_at_stop or _forget
-                    p.node_reason = chunk.finish_reason or "length"
-                else:
-                    self._count_end(p, chunk.finish_reason or "length")
+                self._end_decided(p, chunk.finish_reason or "length")
                 if p.ttft_s is not None:
                     self.core.metrics.observe_finished(p.ttft_s, now - p.t_in, p.out_tokens)
         p.queue.put_nowait(chunk)
@@ -1106,7 +1105,7 @@ class RouterService:
             if left <= 0:  # every token arrived, only the end was lost
                 self.counters["redispatch.ended_at_router"] += 1
                 p.done = True
-                self._count_end(p, "length")
+                self._end_decided(p, "length")
                 if p.ttft_s is not None:
                     self.core.metrics.observe_finished(p.ttft_s, now - p.t_in, p.out_tokens)
                 p.queue.put_nowait(m.TokenChunk(rid=p.rid, node=node, index=p.next_index, finished=True, finish_reason="length", attempt=p.attempt))
@@ -1117,7 +1116,7 @@ class RouterService:
                 why = f"{reason} after {len(p.tokens)} output tokens; the stream cannot be continued exactly: {cont}"
                 self.log.warning("decode node lost; stream ended with an error", rid=p.rid, node=node, reason=cont)
                 p.done = True
-                self._count_end(p, "error")
+                self._end_decided(p, "error")
                 p.queue.put_nowait(_Failure(503, why))
                 return
             p.cur, p.offset = cont, len(p.tokens)
@@ -1147,7 +1146,7 @@ class RouterService:
         when its node's last chunk arrived first. Unless its node had ended it, its nodes are told to
         drop it (``aborts.stop``), so no node decodes on for nobody."""
         self.counters["stops.matched"] += 1
-        self._count_end(p, "stop")  # also when its node's last chunk came first (counted here, not as its node's reason)
+        self._count_end(p, "stop")  # also when an end decided outside the response came first (_end_decided)
         if p.done:
             return
         p.done = True
@@ -1174,8 +1173,20 @@ class RouterService:
         if p.counted is not None:
             return
         p.counted = reason
-        p.node_reason = None
+        p.end_reason = None
         self.counters[f"finished.{reason}" if reason in ("stop", "length") else f"finish.{reason}"] += 1
+
+    def _end_decided(self, p: _Pending, reason: str) -> None:
+        """``p`` ended outside its response (``reason``: its node's last chunk's, or the router's failure
+        of it): counted now, unless it has stops and its response is still on (``_pending``): the
+        chunks queued before this end may complete a stop string, and the response, which reads them in
+        order, then ends with ``stop`` (counted by :meth:`_end_at_stop`); else :meth:`_forget` counts
+        ``reason``. Before, a failure or fence decided while such a chunk was queued was counted
+        ``error`` / ``abort`` / ``length`` under a client's ``stop``."""
+        if p.stops and p.counted is None and self._pending.get(p.rid) is p:
+            p.end_reason = reason
+        else:
+            self._count_end(p, reason)
 
     _ABANDON_REASON = {"client_disconnect": "abort", "shutdown": "abort"}
     """``_abandon``'s ``why`` → the finish reason it is counted under (others: ``error``)."""
@@ -1186,7 +1197,7 @@ class RouterService:
         if p.done:
             return
         p.done = True
-        self._count_end(p, self._ABANDON_REASON.get(why, "error"))
+        self._end_decided(p, self._ABANDON_REASON.get(why, "error"))
         aborts = self.core.abort(p.rid, reason, now=self.clock.now())
         if aborts:
             self.counters["aborts"] += 1
@@ -1937,9 +1948,9 @@ class RouterService:
 
     def _forget(self, p: _Pending) -> None:
         """The HTTP side of ``p`` is over: forget it (remembering a client rid's last attempt); its
-        node's end not counted yet (a request with stops whose router did not stop it) is counted now."""
-        if p.node_reason is not None:
-            self._count_end(p, p.node_reason)
+        end not counted yet (a request with stops whose router did not stop it: :meth:`_end_decided`) is counted now."""
+        if p.end_reason is not None:
+            self._count_end(p, p.end_reason)
         if self._pending.get(p.rid) is p:
             del self._pending[p.rid]
             self._unpark(p.rid)

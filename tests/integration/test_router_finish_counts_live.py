@@ -129,3 +129,40 @@ async def test_a_stop_matched_at_the_router_counts_once_as_stop_also_in_the_last
                 assert last["choices"][0]["finish_reason"] == reason, (extra, stream)
                 await _wait_for(lambda: env.service.core.view.inflight_total == 0, what="request ended")
                 assert delta(await finished(env), before) == {reason: 1.0}, (extra, stream)
+
+
+async def test_a_stop_the_client_gets_is_counted_stop_also_when_an_end_decided_outside_the_response_is_queued_behind_it(nats_url, tmp_path):
+    """The chunk that completes a stop string is queued for the response, and before the response reads it
+    the router decides another end: its node's ``error`` / ``abort`` chunk came in the same bus read, or the
+    node was fenced (every token there: ``length``; a continuation that cannot be exact: 503). The response
+    still ends at the stop (it reads its queue in order and stops there), so the request is counted ``stop``.
+    Before: counted ``error`` / ``abort`` / ``length`` at that decision, and ``_end_at_stop`` was a no-op.
+    The chunks are given to the router's chunk handler (what the bus calls) back to back, with no await
+    between them that lets the response run, as when they arrive in one read."""
+    words = [SimTokenizer().word(output_token(i)) for i in range(8)]
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, max_prompt_tokens=70) as env:
+        env.cluster.answering.clear()
+        svc = env.service
+        ends = ("error", "abort", "fenced_all_tokens", "fenced_cannot_continue")
+        for stream in (False, True):
+            for end in ends:
+                before = await finished(env)
+                n = len(env.cluster.works)
+                max_tokens = 4 if end == "fenced_all_tokens" else 8
+                body = {"prompt": [5] * 70, "max_tokens": max_tokens, "stop": words[2], "stream": stream}
+                req = asyncio.create_task(env.http.post("/v1/completions", json=body))
+                await _wait_for(lambda n=n: len(env.cluster.works) == n + 1, what="work dispatched")
+                w = env.cluster.works[-1]
+                ids = [output_token(i) for i in range(4)]
+                await svc._on_chunk(m.TokenChunk(rid=w.rid, node="c0", index=0, token_ids=ids[:1], prompt_tokens=70, attempt=w.attempt), "")
+                await svc._on_chunk(m.TokenChunk(rid=w.rid, node="c0", index=1, token_ids=ids[1:4], attempt=w.attempt), "")  # the stop
+                if end in ("error", "abort"):
+                    await svc._on_chunk(m.TokenChunk(rid=w.rid, node="c0", finished=True, finish_reason=end, error="x", attempt=w.attempt), "")
+                else:
+                    svc._fence("c0", 0.0, (w.rid,))
+                r = await asyncio.wait_for(req, 10)
+                assert r.status_code == 200, (end, stream, r.text)
+                last = sse_events(r.text)[-2] if stream else r.json()
+                assert last["choices"][0]["finish_reason"] == "stop", (end, stream, r.text)
+                await _wait_for(lambda: env.service.core.view.inflight_total == 0, what="request ended")
+                assert delta(await finished(env), before) == {"stop": 1.0}, (end, stream)
