@@ -3,24 +3,44 @@
 The folder has the Hugging Face layout (config.json, model.safetensors,
 tokenizer.json trained locally, tokenizer_config.json with a ChatML template),
 so ``--engine torch --model DIR`` and ``transformers`` both load it. Needs the
-``torch`` extra (``pip install -e '.[torch]'``). Exit status 0, or 2 with a
-message when the extra is missing or a size is invalid.
+``torch`` extra (``pip install -e '.[torch]'``). Exit status 0; 1 with one line
+on stderr when the extra is missing (a runtime failure, as ``up --engine torch``
+without it), before any folder is made; 2 with a message when a size is invalid.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+from evolving_infra.cli import RUNTIME_FAILURE, USAGE_ERROR
 
 from evolving_infra.stdio_args import folder
 
 
+TORCH_EXTRA = ("torch", "safetensors", "tokenizers")
+"""The modules of the ``torch`` extra that writing a checkpoint imports (``checkpoint.init_model``
+imports them lazily, so a missing one surfaced as a traceback from inside it)."""
+
+
+def missing_torch_extra(command: str) -> str | None:
+    """The one-line error for ``command`` (``model init``) when a module of the ``torch`` extra
+    (:data:`TORCH_EXTRA`) cannot be imported, in the words of ``up --engine torch``; None when all import."""
+    for name in TORCH_EXTRA:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            return f"error: {command} needs the torch extra ({e.name or name} missing): pip install -e '.[torch]'"
+    return None
+
+
 def _init(args: argparse.Namespace) -> int:
-    try:
-        from services.worker.engines.torch_engine.checkpoint import init_model
-    except ModuleNotFoundError as e:
-        print(f"error: {e.name} is not installed; install the torch extra: pip install -e '.[torch]'", file=sys.stderr)
-        return 1  # a runtime failure (the install lacks a package), as `up --engine torch` without it; 2 is a usage error
+    if missing := missing_torch_extra("model init"):
+        print(missing, file=sys.stderr)
+        return RUNTIME_FAILURE  # the install lacks a package, as `up --engine torch` without it; 2 is a usage error
+    from services.worker.engines.torch_engine.checkpoint import init_model
+
     try:
         folder = init_model(
             args.dir,
@@ -35,7 +55,7 @@ def _init(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     print(f"wrote {args.arch} model ({args.layers} layers, hidden {args.hidden}) to {folder}")
     return 0
 

@@ -78,7 +78,8 @@ def test_help_lists_the_exit_statuses():
     "argv, module",
     [
         (["up", "--engine", "torch", "--model", "m"], "services.worker.engines.torch_engine.model"),
-        (["model", "init", "m"], "services.worker.engines.torch_engine.checkpoint"),  # was 2
+        # torch itself missing: init_model imports it lazily, so it was a raw traceback from checkpoint.py
+        (["model", "init", "m"], "torch"),
     ],
 )
 def test_a_missing_torch_extra_is_a_runtime_failure(argv, module, tmp_path, monkeypatch, capsys):
@@ -94,3 +95,16 @@ def test_a_missing_torch_extra_is_a_runtime_failure(argv, module, tmp_path, monk
         rc = 1 if isinstance(e.code, str) else e.code
     err = capsys.readouterr().err
     assert rc == RUNTIME_FAILURE and "torch extra" in err, (rc, err)
+
+
+def test_model_init_without_torch_says_which_extra_in_one_line(tmp_path):
+    """``model init`` on an install without the torch extra (torch unimportable in a fresh interpreter): one
+    line in ``up --engine torch``'s words, status 1, no folder made. It was a traceback ending in
+    ``ModuleNotFoundError: No module named 'torch'`` (checkpoint.py) after making the folder."""
+    entry = "import sys; sys.modules['torch'] = None; " + ENTRY.split("; ", 1)[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EI_STATE_DIR": str(tmp_path / "state")}
+    p = subprocess.run([sys.executable, "-c", entry, "model", "init", str(tmp_path / "tiny"), "--arch", "llama"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (p.returncode, p.stderr.splitlines()) == (
+        RUNTIME_FAILURE, ["error: model init needs the torch extra (torch missing): pip install -e '.[torch]'"]), p.stderr
+    assert not (tmp_path / "tiny").exists()
