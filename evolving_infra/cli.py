@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from evolving_infra.stdio_args import READER_GONE
+from shared import package_version
 
 # Modules that contribute subcommands, in the order `--help` lists them.
 COMMAND_MODULES = (
@@ -67,6 +68,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="Agent-adaptive LLM serving on a prefill-decode disaggregated cluster.",
         epilog=EXIT_STATUSES,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
+                        help="print the installed package's version (what a router's GET /version serves) and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     one = command in COMMANDS
     for name in (COMMANDS[command],) if one else COMMAND_MODULES:
@@ -154,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status.
 
     Ctrl-C (``KeyboardInterrupt``) anywhere in a command that does not handle it itself (``trace``,
-    ``report``, ``tap``, ``demo``, ``fidelity``, ...; ``up``, ``replay`` and ``simulate`` stop in their
+    ``report``, ``tap``, ``fidelity``, ...; ``up``, ``demo``, ``replay`` and ``simulate`` stop in their
     own way) ends it with one line on stderr and status :data:`INTERRUPTED`, not a traceback; the
     writers it interrupts remove what they had begun (``OUT.tmp``, the folders made for it) as the
     exception passes through them.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import signal
 import socket
@@ -39,6 +40,12 @@ from shared.split import SplitError, parse_split
 
 DEMO_TRACE = "claude-code-sample.jsonl.gz"
 
+DEFAULT_PROFILE = "gb300-glm52"
+"""``up``'s and ``demo``'s node profile unless ``--profile`` (``--engine sim``)."""
+
+TORCH_PROFILE = "torch-tiny-cpu"
+"""The profile ``--engine torch`` uses when ``--profile`` is left at :data:`DEFAULT_PROFILE`."""
+
 
 def demo_trace_path() -> Path:
     """The Claude Code sample shipped with the package (see evolving_infra/data/SOURCE.md)."""
@@ -53,14 +60,16 @@ def _add_cluster_args(
     g.add_argument(
         "--split",
         default=None,
-        help=f"initial PD split: 'collocated' or xPyD with x+y = nodes (default: a static:xPyD policy's, else {split}; "
-        "the evolving planner serves it after its collocated warm-up)",
+        help=f"initial PD split: 'collocated' or xPyD with x+y = nodes (default: a static:xPyD policy's, else {split} on "
+        f"the default {nodes} nodes and, for another --nodes, round(2N/3) prefill nodes as simulate's (3 nodes: 2P1D, "
+        "2: 1P1D, 1: collocated); the evolving planner serves it after its collocated warm-up)",
     )
-    p.set_defaults(default_split=split)
+    p.set_defaults(default_split=split, default_nodes=nodes)
     g.add_argument(
         "--profile",
-        default="gb300-glm52",
-        help=f"node profile: a shipped name ({', '.join(available_profiles()) or 'none found'}) or a TOML path",
+        default=DEFAULT_PROFILE,
+        help=f"node profile: a shipped name ({', '.join(available_profiles()) or 'none found'}) or a TOML path "
+        f"(default {DEFAULT_PROFILE}: simulated GB300 nodes serving GLM-5.2; --engine torch: {TORCH_PROFILE})",
     )
     g.add_argument("--speedup", type=float, default=speedup, help=f"simulated seconds per wall second (default {speedup:g})")
     g.add_argument("--host", default="127.0.0.1", help="router HTTP bind address (default 127.0.0.1)")
@@ -84,6 +93,14 @@ def _add_cluster_args(
         default="",
         help="--engine torch: local Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
         "`evolving-infra model init DIR` writes a tiny one",
+    )
+    g.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="FILE",
+        help="API keys the router accepts, one per line (# comments), with EI_API_KEYS's: every request then needs "
+        "'Authorization: Bearer <key>' (401 otherwise) except /healthz, /health, /metrics (default: EI_API_KEYS_FILE, "
+        "EI_API_KEYS; neither = open)",
     )
     g.add_argument("--partition", default="p0", help="partition name; subjects live under ei.<partition>. (default p0)")
     g.add_argument("--nats-url", default=None, help="use this NATS server instead of starting an embedded one")
@@ -143,6 +160,25 @@ shows the policies on one shared machine, where a worker process starved of CPU 
 planner may pick) a fence would fail the requests that arrive meanwhile."""
 
 
+def default_split_for(nodes: int, *, default_nodes: int, default_split: str) -> str:
+    """The initial split of ``up``/``demo`` when neither ``--split`` nor the policy names one: ``default_split``
+    (2P2D) on the default node count, else simulate's rule for ``nodes`` (round(2N/3) prefill nodes, at least
+    one of each; one node collocated: :func:`evolving_infra.sim.policies.default_split`). 2P2D was the default
+    for any ``--nodes``, so ``up --nodes 2`` was refused ("split '2P2D' covers 4 nodes but the cluster has 2");
+    on 4 nodes simulate's rule gives 3P1D, so the 4-node default stays 2P2D.
+
+    Args:
+        nodes: ``--nodes``.
+        default_nodes: the command's default ``--nodes`` (4).
+        default_split: the command's split on that many nodes (``2P2D``).
+    """
+    if nodes == default_nodes:
+        return default_split
+    from evolving_infra.sim.policies import default_split as simulate_default
+
+    return simulate_default(nodes)
+
+
 def _policy(args: argparse.Namespace) -> LivePolicy:
     """The live policy of ``args``, its split applied to ``args.split``; planner options checked
     by building the planner once (a bad option fails here, not in the planner's log)."""
@@ -151,7 +187,7 @@ def _policy(args: argparse.Namespace) -> LivePolicy:
 
     pol = live_policy(args, planner_defaults=DEMO_PLANNER if args.command == "demo" else None)
     if args.split is None:
-        args.split = pol.split or args.default_split
+        args.split = pol.split or default_split_for(args.nodes, default_nodes=args.default_nodes, default_split=args.default_split)
     try:
         profile = load_profile(args.profile)
     except ProfileError as e:  # not the planner's fault: say which flag
@@ -211,8 +247,8 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
         context = ModelConfig.load(args.model_dir).max_position_embeddings
     except ModelConfigError as e:
         raise UsageError(f"error: --model {args.model_dir}: {e}") from None
-    if args.profile == "gb300-glm52":  # the sim default: a GLM-5.2 node is not this model
-        args.profile = "torch-tiny-cpu"
+    if args.profile == DEFAULT_PROFILE:  # the sim default: a GLM-5.2 node is not this model
+        args.profile = TORCH_PROFILE
     page = profile_block_size(args)
     if args.tokenizer == "sim":
         args.tokenizer = f"hf:{args.model_dir}"
@@ -227,14 +263,52 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def router_api_keys(args: argparse.Namespace) -> frozenset[str]:
+    """The API keys the cluster's router will accept, read as the router reads them: the file of
+    ``--api-keys-file`` (which wins over env ``EI_API_KEYS_FILE``, as a router flag wins over the
+    environment) and the comma-separated env ``EI_API_KEYS``; empty = the router is open.
+
+    Read before anything starts, so that a missing or empty file is one line, not a router that dies at start.
+
+    Raises:
+        UsageError: (status 2) the file is unreadable or holds no key (naming the flag or variable).
+    """
+    path = args.api_keys_file or os.environ.get("EI_API_KEYS_FILE", "")
+    inline = os.environ.get("EI_API_KEYS", "")
+    if not path and not inline.strip():
+        return frozenset()
+    from services.router.ingress import ApiKeyError, load_api_keys
+
+    try:
+        return load_api_keys(path, inline)
+    except ApiKeyError as e:
+        raise UsageError(f"error: {'--api-keys-file' if args.api_keys_file else 'EI_API_KEYS_FILE'}: {e}") from None
+
+
+def api_keys_line(args: argparse.Namespace) -> str | None:
+    """``up``'s ready-banner line saying that the router requires API keys (how many, from where); None when open."""
+    keys = getattr(args, "router_api_keys", frozenset())
+    if not keys:
+        return None
+    where = " and ".join(w for w, on in ((f"--api-keys-file {args.api_keys_file}", bool(args.api_keys_file)),
+                                          ("EI_API_KEYS_FILE", not args.api_keys_file and bool(os.environ.get("EI_API_KEYS_FILE"))),
+                                          ("EI_API_KEYS", bool(os.environ.get("EI_API_KEYS", "").strip()))) if on)  # fmt: skip
+    return (f"API keys ON ({len(keys)} from {where}): every request needs 'Authorization: Bearer <key>' (401 without one) "
+            "except the router's public paths (/healthz, /health, /metrics unless --api-key-public-paths)")
+
+
 def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
     pol = args.live_policy if getattr(args, "live_policy", None) else _policy(args)
     args.live_policy = pol
     try:
         parse_split(args.split, args.nodes)
-    except SplitError as e:  # the split may be the default (2P2D) the user never typed: say what to change
+    except SplitError as e:  # the split may be a policy's (static:2P2D) the user did not size: say what to change
         raise UsageError(f"error: {e}; pass --split xPyD with x + y = {args.nodes} (or 'collocated'), or --nodes")
     torch_values = _torch_values(args)
+    args.router_api_keys = router_api_keys(args)
+    router_args = pol.router_args
+    if args.api_keys_file:
+        router_args = (*router_args, "--api-keys-file", str(Path(args.api_keys_file).resolve()))
     if args.tokenizer != "sim":  # fail here, with the reason, not in every service's log
         from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
@@ -254,7 +328,7 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         planner_args=pol.planner_args,
         eviction=pol.eviction,
         decode_binding=pol.decode_binding,
-        router_args=pol.router_args,
+        router_args=router_args,
         block_size=args.block_size,
         partition=args.partition,
         nats_url=args.nats_url,
@@ -322,7 +396,7 @@ async def _up(args: argparse.Namespace) -> int:
     state = _write_state({**info, **_state_fields(cluster.spec)})
     try:
         print(f"cluster ready: router {cluster.router_url}  ({split_plan(args.live_policy, cluster.spec.split)}; "
-              f"{args.nodes} workers, speedup {args.speedup:g})")
+              f"{args.nodes} workers, profile {cluster.spec.profile}, speedup {args.speedup:g})")
         print(f"  {args.live_policy.describe()}" + "".join(f"\n  note: {n}" for n in args.live_policy.notes))
         warmup = planner_warmup_line(args.live_policy, cluster.spec.split, cluster.spec.speedup)
         if warmup:  # the split above is served only after it; /v1/cluster and `split get` show the warm-up meanwhile
@@ -335,11 +409,16 @@ async def _up(args: argparse.Namespace) -> int:
             )
         elif not args.nats_url:
             print("  NATS is OPEN (--nats-auth off): any local process can publish and read every subject (loopback only)")
+        if keys_line := api_keys_line(args):
+            print(f"  {keys_line}")
         print("READY " + json.dumps(info), flush=True)
 
         def restarted(name: str) -> None:
             # new pids and restart counts, for operators and for fault tests
-            write_json(cluster.log_dir / "cluster.json", cluster.describe())
+            now = cluster.describe()
+            write_json(cluster.log_dir / "cluster.json", now)
+            if state is not None:  # the state file lists the process ids too (README): rewritten, atomically
+                _write_state({**now, **_state_fields(cluster.spec)})
             print(f"restarted {name} (restarts: {cluster.restarts().get(name, 0)})", flush=True)
 
         cluster.on_restart = restarted
@@ -508,7 +587,7 @@ async def _demo(args: argparse.Namespace) -> int:
     pol: LivePolicy = args.live_policy
     print(
         f"demo: {len(agents)} Claude Code sessions, {len(requests)} requests from {Path(trace_name).name}; "
-        f"{spec.nodes} workers, {split_plan(pol, spec.split)}; speedup {spec.speedup:g}, {args.concurrency} concurrent agents",
+        f"{spec.nodes} workers ({spec.profile}), {split_plan(pol, spec.split)}; speedup {spec.speedup:g}, {args.concurrency} concurrent agents",
         flush=True,
     )
     print(f"  {pol.describe()}" + "".join(f"\n  note: {n}" for n in pol.notes), flush=True)
@@ -516,27 +595,42 @@ async def _demo(args: argparse.Namespace) -> int:
     if warmup:
         print(f"  {warmup} (these Claude Code sessions are prefill-heavy and bursty: expect it to move nodes between phases)",
               flush=True)
-    try:
-        api_key = local_client_key()  # its router reads EI_API_KEYS / EI_API_KEYS_FILE like any other
+    try:  # its router reads --api-keys-file (else EI_API_KEYS_FILE) and EI_API_KEYS like any other
+        api_key = local_client_key({**os.environ, "EI_API_KEYS_FILE": args.api_keys_file} if args.api_keys_file else None)
     except ApiKeyError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
     wall0 = time.monotonic()
-    async with LocalCluster(spec) as cluster:
-        print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, logs {cluster.log_dir}", flush=True)
-        clock = SimClock(spec.speedup, cluster.clock_origin)
-        replayer = LiveReplayer(
-            cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer),
-            api_key=api_key,
-        )
-        state = _write_state({**cluster.describe(), **_state_fields(spec)})  # tap, split get, replay
-        try:
-            result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency))
-        finally:
-            if state is not None:
-                state.unlink(missing_ok=True)
-        cluster.check_alive()
-        timeline = cluster.timeline()
+    signals = _cancel_on_signals()
+    try:
+        async with LocalCluster(spec) as cluster:
+            print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, profile {spec.profile}, "
+                  f"logs {cluster.log_dir}", flush=True)
+            clock = SimClock(spec.speedup, cluster.clock_origin)
+            replayer = LiveReplayer(
+                cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer),
+                api_key=api_key,
+            )
+            state = _write_state({**cluster.describe(), **_state_fields(spec)})  # tap, split get, replay
+
+            def restarted(name: str) -> None:  # the state file lists the process ids: keep them current
+                if state is not None:
+                    _write_state({**cluster.describe(), **_state_fields(spec)})
+
+            cluster.on_restart = restarted
+            try:
+                result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency))
+            finally:
+                if state is not None:
+                    state.unlink(missing_ok=True)
+            cluster.check_alive()
+            timeline = cluster.timeline()
+    except asyncio.CancelledError:
+        if not signals:  # not ours
+            raise
+        name = signal.Signals(signals[0]).name
+        print(f"demo: {name}: stopped the cluster (its state file and NATS store removed); no report written", file=sys.stderr)
+        return 128 + signals[0]  # 130 for Ctrl-C (cli.INTERRUPTED), 143 for SIGTERM, as a shell reports them
     by_id = {r.id: r for r in requests}
     ideal = annotate_ideal(result.records, by_id, token_block)
     annotate_lost_reuse(result.records, by_id)
@@ -569,6 +663,26 @@ async def _demo(args: argparse.Namespace) -> int:
     print(_baseline_line(args, out))
     ok = report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"]
     return 0 if ok else 1
+
+
+def _cancel_on_signals() -> list[int]:
+    """Make SIGINT, SIGTERM and SIGHUP (unless ignored, as ``up``) cancel the running task once, so that its
+    ``async with LocalCluster`` stops every service and the embedded nats-server (whose JetStream store,
+    ``/tmp/ei-nats-*``, reached 196 MB) and its ``finally`` removes the state file; the default SIGTERM
+    action killed the demo with none of that. Returns the list that receives the signal's number."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    got: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        if not got and task is not None:  # a second signal while stopping changes nothing
+            got.append(sig)
+            task.cancel()
+
+    hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    for sig in (signal.SIGINT, signal.SIGTERM, *hup):
+        loop.add_signal_handler(sig, on_signal, int(sig))
+    return got
 
 
 def demo_input_meta(*, concurrency: int, agents: int, block_size: int, trace_block_size: int) -> dict[str, object]:
@@ -624,7 +738,7 @@ def _baseline_line(args: argparse.Namespace, out: Path) -> str:
         same.append(f"--trace {shlex.quote(str(args.trace))}")
     if args.engine == "torch":  # the same real model, scaled the same way (its profile is torch-tiny-cpu unless given)
         same.append(f"--engine torch --model {shlex.quote(str(args.model_dir))} --max-output {args.max_output}")
-    if args.profile != "gb300-glm52":  # the same nodes (a tiny demo against a GLM-5.2 baseline compares nothing)
+    if args.profile != DEFAULT_PROFILE:  # the same nodes (a tiny demo against a GLM-5.2 baseline compares nothing)
         same.append(f"--profile {shlex.quote(str(args.profile))}")
     return (f"baseline (same input, SGLang PD at {args.split}, cache-aware routing, no switches): "
             f"{ei} demo --policy static:{args.split} {' '.join(same)} --out {base_out} && "

@@ -744,20 +744,13 @@ def models_response(model: str, created: int, max_model_len: int | None = None) 
 # vLLM's utility endpoints: /version, /tokenize, /detokenize
 # --------------------------------------------------------------------------- #
 
-PACKAGE = "evolving-infra"
-"""This project's distribution name (``pyproject.toml`` ``[project] name``)."""
-
-
 @functools.cache
 def version_response() -> dict[str, str]:
     """``GET /version``: ``{"version": ...}`` as vLLM's, the installed package's version
-    (``importlib.metadata``); ``"unknown"`` when the package is not installed (a bare source tree)."""
-    import importlib.metadata
+    (:func:`shared.package_version`; ``"unknown"`` when the package is not installed, a bare source tree)."""
+    from shared import package_version
 
-    try:
-        return {"version": importlib.metadata.version(PACKAGE)}
-    except importlib.metadata.PackageNotFoundError:
-        return {"version": "unknown"}
+    return {"version": package_version()}
 
 
 class TokenizeCompletionRequest(Struct, kw_only=True):

@@ -86,7 +86,7 @@ def test_routing_options_reach_the_live_router_as_its_flags(tmp_path):
     (["--routing-opt", "block_size=8"], "set it with --block-size"),
     (["--routing-opt", "ttft_fetch_min_tokens=-1"], ">= 0"),
     (["--routing-opt", "ttft_fetch_base_s=fast"], "ttft_fetch_base_s"),
-    (["--nodes", "3"], r"split '2P2D' covers 4 nodes but the cluster has 3; pass --split xPyD with x \+ y = 3"),  # the default split
+    (["--nodes", "3", "--policy", "static:2P2D"], r"split '2P2D' covers 4 nodes but the cluster has 3; pass --split xPyD with x \+ y = 3"),  # a policy's split; --nodes 3 alone now defaults to 2P1D
     (["--profile", "nope"], "^error: --profile nope: profile 'nope' not found"),  # was blamed on "--planner evolving / --planner-opt"
 ])
 def test_bad_policy_flags_fail_with_the_reason(argv, frag, tmp_path):

@@ -1,0 +1,83 @@
+"""What a newcomer following the README hit with ``up`` and ``demo`` (session 36): ``up --nodes 2`` refused
+for a 2P2D default it never typed, no ``--api-keys-file``, help and ready line silent about the profile,
+no ``evolving-infra --version``."""
+
+from __future__ import annotations
+
+import pytest
+
+from evolving_infra.cli import UsageError, build_parser, main
+from evolving_infra.cluster import LocalCluster
+from evolving_infra.launcher import _spec, api_keys_line, default_split_for
+from evolving_infra.sim.policies import default_split
+from shared import package_version
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+@pytest.mark.parametrize("nodes, split", [(1, "collocated"), (2, "1P1D"), (3, "2P1D"), (4, "2P2D"), (6, "4P2D"), (9, "6P3D")])
+def test_the_default_split_follows_nodes(command, nodes, split, tmp_path):
+    """2P2D on the default 4 nodes (simulate's rule would give 3P1D: kept as it was), simulate's round(2N/3)
+    prefill nodes for any other --nodes; ``up --nodes 2`` was refused ("split '2P2D' covers 4 nodes")."""
+    args = build_parser(command).parse_args([command, "--nodes", str(nodes), "--log-dir", str(tmp_path)])
+    assert _spec(args).split == split
+    if nodes != 4:
+        assert split == default_split(nodes)  # the simulator's function, not a copy
+
+
+def test_a_policy_or_flag_split_still_wins(tmp_path):
+    args = build_parser("up").parse_args(["up", "--nodes", "2", "--policy", "static", "--split",
+                                          "collocated", "--log-dir", str(tmp_path)])  # fmt: skip
+    assert _spec(args).split == "collocated"
+    args = build_parser("up").parse_args(["up", "--nodes", "3", "--policy", "static:1P2D", "--log-dir", str(tmp_path)])
+    assert _spec(args).split == "1P2D"
+    assert default_split_for(4, default_nodes=4, default_split="2P2D") == "2P2D"
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_help_names_the_default_profile(command):
+    sub = build_parser(command)._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    text = "".join(sub.format_help().split())  # argparse wraps at hyphens too
+    assert "(defaultgb300-glm52:simulatedGB300nodesservingGLM-5.2;--enginetorch:torch-tiny-cpu)" in text
+    assert "--api-keys-fileFILE" in text
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"evolving-infra {package_version()}\n"
+    assert package_version() != "unknown"  # the test venv installs the package
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_api_keys_file_goes_to_the_router(command, tmp_path, monkeypatch):
+    monkeypatch.delenv("EI_API_KEYS", raising=False)
+    monkeypatch.delenv("EI_API_KEYS_FILE", raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("# ops\nk-one\nk-two\n")
+    args = build_parser(command).parse_args([command, "--api-keys-file", str(keys), "--log-dir", str(tmp_path)])
+    router = {c.name: c for c in LocalCluster(_spec(args))._plan_children()}["router"]
+    assert router.argv[router.argv.index("--api-keys-file") + 1] == str(keys.resolve())
+    assert api_keys_line(args) is not None and api_keys_line(args).startswith(f"API keys ON (2 from --api-keys-file {keys})")
+    assert "--api-keys-file" not in " ".join(args.live_policy.describe().split())  # not a routing option
+
+
+def test_api_keys_line_says_open_is_open_and_names_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("EI_API_KEYS_FILE", raising=False)
+    monkeypatch.delenv("EI_API_KEYS", raising=False)
+    args = build_parser("up").parse_args(["up", "--log-dir", str(tmp_path)])
+    _spec(args)
+    assert api_keys_line(args) is None
+    monkeypatch.setenv("EI_API_KEYS", "a,b,c")
+    _spec(args)
+    assert api_keys_line(args).startswith("API keys ON (3 from EI_API_KEYS)")
+
+
+@pytest.mark.parametrize("content", [None, "# only a comment\n"])
+def test_an_unusable_api_keys_file_is_a_usage_error_before_anything_starts(content, tmp_path):
+    keys = tmp_path / "keys"
+    if content is not None:
+        keys.write_text(content)
+    args = build_parser("up").parse_args(["up", "--api-keys-file", str(keys), "--log-dir", str(tmp_path / "logs")])
+    with pytest.raises(UsageError, match="^error: --api-keys-file: " + ("cannot read API keys" if content is None else ".* holds no API key")):
+        _spec(args)
