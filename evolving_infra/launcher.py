@@ -601,36 +601,42 @@ async def _demo(args: argparse.Namespace) -> int:
         print(f"demo: {e}", file=sys.stderr)
         return 2
     wall0 = time.monotonic()
-    signals = _cancel_on_signals()
+    stop = asyncio.Event()
+    signals = _stop_on_signals(stop)
+    cluster = LocalCluster(spec)
+
+    async def start() -> bool:
+        await cluster.start()  # on cancellation it stops what it started
+        return True
+
+    if await until_stopped(start(), stop) is None:
+        return _demo_interrupted(signals)
+    state: Path | None = None
     try:
-        async with LocalCluster(spec) as cluster:
-            print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, profile {spec.profile}, "
-                  f"logs {cluster.log_dir}", flush=True)
-            clock = SimClock(spec.speedup, cluster.clock_origin)
-            replayer = LiveReplayer(
-                cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer),
-                api_key=api_key,
-            )
-            state = _write_state({**cluster.describe(), **_state_fields(spec)})  # tap, split get, replay
+        print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, profile {spec.profile}, "
+              f"logs {cluster.log_dir}", flush=True)
+        clock = SimClock(spec.speedup, cluster.clock_origin)
+        replayer = LiveReplayer(
+            cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer),
+            api_key=api_key,
+        )
+        state = _write_state({**cluster.describe(), **_state_fields(spec)})  # tap, split get, replay
 
-            def restarted(name: str) -> None:  # the state file lists the process ids: keep them current
-                if state is not None:
-                    _write_state({**cluster.describe(), **_state_fields(spec)})
+        def restarted(name: str) -> None:  # the state file lists the process ids: keep them current
+            if state is not None:
+                _write_state({**cluster.describe(), **_state_fields(spec)})
 
-            cluster.on_restart = restarted
-            try:
-                result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency))
-            finally:
-                if state is not None:
-                    state.unlink(missing_ok=True)
+        cluster.on_restart = restarted
+        result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency), stop=stop)
+        if not signals:
             cluster.check_alive()
-            timeline = cluster.timeline()
-    except asyncio.CancelledError:
-        if not signals:  # not ours
-            raise
-        name = signal.Signals(signals[0]).name
-        print(f"demo: {name}: stopped the cluster (its state file and NATS store removed); no report written", file=sys.stderr)
-        return 128 + signals[0]  # 130 for Ctrl-C (cli.INTERRUPTED), 143 for SIGTERM, as a shell reports them
+        timeline = cluster.timeline()
+    finally:
+        if state is not None:
+            state.unlink(missing_ok=True)
+        await cluster.stop()
+    if signals:
+        return _demo_interrupted(signals)
     by_id = {r.id: r for r in requests}
     ideal = annotate_ideal(result.records, by_id, token_block)
     annotate_lost_reuse(result.records, by_id)
@@ -665,24 +671,32 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _cancel_on_signals() -> list[int]:
-    """Make SIGINT, SIGTERM and SIGHUP (unless ignored, as ``up``) cancel the running task once, so that its
-    ``async with LocalCluster`` stops every service and the embedded nats-server (whose JetStream store,
-    ``/tmp/ei-nats-*``, reached 196 MB) and its ``finally`` removes the state file; the default SIGTERM
-    action killed the demo with none of that. Returns the list that receives the signal's number."""
+def _stop_on_signals(stop: asyncio.Event) -> list[int]:
+    """Make SIGINT, SIGTERM and SIGHUP (unless ignored, as ``up``) set ``stop`` (the demo's start-up and replay
+    end on it), so that the demo stops every service and the embedded nats-server (whose JetStream store,
+    ``/tmp/ei-nats-*``, reached 196 MB) and removes its state file; the default SIGTERM action killed the demo
+    with none of that. Returns the list that receives the first signal's number."""
     loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
     got: list[int] = []
 
     def on_signal(sig: int) -> None:
-        if not got and task is not None:  # a second signal while stopping changes nothing
+        if not got:  # a second signal while stopping changes nothing (the stop has its own timeouts)
             got.append(sig)
-            task.cancel()
+        stop.set()
 
     hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
     for sig in (signal.SIGINT, signal.SIGTERM, *hup):
         loop.add_signal_handler(sig, on_signal, int(sig))
     return got
+
+
+def _demo_interrupted(signals: list[int]) -> int:
+    """The line and status of a demo a signal stopped (its cluster already stopped): 130 for Ctrl-C
+    (:data:`evolving_infra.cli.INTERRUPTED`), 143 for SIGTERM, 129 for SIGHUP, as a shell reports them."""
+    name = signal.Signals(signals[0]).name
+    print(f"demo: {name}: stopped the cluster (its state file and NATS store removed); no report written",
+          file=sys.stderr, flush=True)
+    return 128 + signals[0]
 
 
 def demo_input_meta(*, concurrency: int, agents: int, block_size: int, trace_block_size: int) -> dict[str, object]:

@@ -1,0 +1,116 @@
+"""A live ``up`` and ``demo`` as a newcomer runs them from the README (session 36): ``up --nodes 2`` with no
+``--split``, ``--api-keys-file``, the profile and the keys in the banner, a state file that follows the
+supervisor's restarts; ``demo`` ended by SIGINT/SIGTERM removes its state file and NATS store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _read_until(proc: subprocess.Popen[str], prefix: str, lines: list[str], timeout_s: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith(prefix):
+            return line
+    pytest.fail(f"no line starting {prefix!r}:\n{''.join(lines)[-3000:]}")
+
+
+def test_up_with_keys_file_on_two_nodes_keeps_its_state_file_current(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# ops\nk-newcomer\n")
+    state_dir = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(state_dir)}
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "2", "--profile", "tiny", "--port", "0",
+           "--policy", "static", "--api-keys-file", str(keys), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        info = json.loads(_read_until(proc, "READY ", lines)[len("READY "):])
+        banner = "".join(lines)
+        assert "split 1P1D; 2 workers, profile tiny" in banner, banner  # was refused: '2P2D' covers 4 nodes
+        assert f"API keys ON (1 from --api-keys-file {keys})" in banner, banner
+        url = info["router_url"]
+        assert httpx.get(url + "/v1/models", timeout=5).status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k-newcomer"}, timeout=5).status_code == 200
+
+        [path] = state_dir.glob("up-*.json")
+        assert json.loads(path.read_text())["pids"] == info["pids"]
+        old = info["pids"]["worker-w1"]
+        os.kill(old, signal.SIGKILL)
+        _read_until(proc, "restarted worker-w1", lines, timeout_s=60)
+        state = json.loads(path.read_text())  # was the READY-time file: the dead pid, restarts 0
+        new = state["pids"]["worker-w1"]
+        assert new != old and _alive(new) and state["restarts"]["worker-w1"] == 1, state
+        assert {k: v for k, v in state["pids"].items() if k != "worker-w1"} == {k: v for k, v in info["pids"].items() if k != "worker-w1"}
+        assert not list(state_dir.glob("*.tmp"))  # written atomically
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not list(state_dir.glob("up-*.json"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_demo_stops_its_cluster_and_removes_its_state_and_nats_store(sig, tmp_path):
+    """SIGTERM killed the demo (143, no message) with its state file and its nats-server's JetStream folder
+    (/tmp/ei-nats-*, 196 MB once) left behind; now it stops as ``up`` does."""
+    tmp = tmp_path / "tmp"  # where tempfile puts ei-nats-*
+    tmp.mkdir()
+    state_dir = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")}
+    env |= {"EI_STATE_DIR": str(state_dir), "TMPDIR": str(tmp)}
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "demo", "--sessions", "4", "--concurrency", "2", "--speedup", "5",
+           "--nodes", "2", "--out", str(tmp_path / "demo")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    try:
+        _read_until(proc, "cluster ready in", lines)
+        deadline = time.monotonic() + 10
+        while not list(state_dir.glob("up-*.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(state_dir.glob("up-*.json")) and list(tmp.glob("ei-nats-*")), list(tmp.iterdir())
+        pids = json.loads(next(state_dir.glob("up-*.json")).read_text())["pids"]
+        time.sleep(1.0)  # requests in flight
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
+    assert err.splitlines()[-1] == f"demo: {sig.name}: stopped the cluster (its state file and NATS store removed); no report written", err
+    assert not list(state_dir.glob("up-*.json"))
+    assert not list(tmp.glob("ei-nats-*"))
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [n for n, p in pids.items() if _alive(p)]
