@@ -11,7 +11,9 @@ same port; ``--no-restart`` stops the whole cluster on the first exit instead.
 
 ``demo`` does the same, replays real Claude Code sessions through the router
 (closed loop, N concurrent agents), writes ``OUT/report.json`` plus
-``OUT/requests.jsonl`` and prints a summary.
+``OUT/requests.jsonl`` and prints a summary; SIGINT / SIGTERM / SIGHUP stop it as
+they stop ``up`` (cluster, nats-server store and state file gone; one line on
+stderr; status 128 + the signal; no report).
 """
 
 from __future__ import annotations

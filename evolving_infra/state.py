@@ -1,8 +1,9 @@
 """How command-line tools find the running local cluster: the state file ``up`` writes.
 
 ``evolving-infra up`` (and ``demo``, while it replays) writes ``<state dir>/up-<pid>.json`` once every service is healthy —
-the router URL, the NATS URL, the partition, the log folder and every process id — and
-removes it when it stops cleanly. ``split`` and ``tap`` read it when no ``--nats-url`` is
+the router URL, the NATS URL, the partition, the log folder and every process id — rewrites it
+(atomically) with the new process ids and restart counts when its supervisor restarts a service, and
+removes it when it stops (Ctrl-C, SIGTERM, SIGHUP). ``split`` and ``tap`` read it when no ``--nats-url`` is
 given. A file whose launcher process is gone (killed, machine rebooted) is stale: it is
 removed when found, and says so. The state dir is ``$EI_STATE_DIR`` if set, else
 ``$XDG_RUNTIME_DIR/evolving-infra``, else ``~/.local/state/evolving-infra``.
