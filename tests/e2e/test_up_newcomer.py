@@ -15,19 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from evolving_infra.state import _alive  # a zombie counts as dead
+
 pytestmark = pytest.mark.timeout(240)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _read_until(proc: subprocess.Popen[str], prefix: str, lines: list[str], timeout_s: float = 120.0) -> str:
