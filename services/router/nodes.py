@@ -455,6 +455,22 @@ class NodeLoadView(Value):
         O(nodes log nodes)."""
         return sorted(rec.node for rec in self.nodes.values() if rec.state is not None and not rec.fenced and rec.state.engine == engine)
 
+    def largest_gpu_kv(self) -> tuple[int, str] | None:
+        """(``NodeState.gpu_total_blocks``, node) of the node whose GPU memory (L1) holds the most KV
+        blocks, over the nodes with a state that are not fenced out (those a request may be placed on,
+        now or after a phase switch); the first node id on a tie. None when there is none, or when one
+        of them reports no capacity (0: a node of an older version; nothing can be promised then). O(nodes)."""
+        best: tuple[int, str] | None = None
+        for rec in self.nodes.values():
+            st = rec.state
+            if st is None or rec.fenced:
+                continue
+            if st.gpu_total_blocks <= 0:
+                return None
+            if best is None or (-st.gpu_total_blocks, rec.node) < (-best[0], best[1]):
+                best = (st.gpu_total_blocks, rec.node)
+        return best
+
     def no_candidate_reason(self, role: str, now: float) -> str:
         """Human-readable reason why no node of ``role`` (prefill|decode) is eligible."""
         phases = PREFILL_PHASES if role == "prefill" else DECODE_PHASES

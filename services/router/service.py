@@ -1650,6 +1650,39 @@ class RouterService:
             "request may be placed there; serve logprobs from a cluster whose nodes all run --engine torch", param="logprobs",
         )
 
+    def _check_kv_room(self, prompt_tokens: int, max_tokens: int, chat: bool) -> None:
+        """Refuse (400) a request no node of the cluster could hold: its KV footprint, ``prompt_tokens``
+        + ``max_tokens`` in blocks of ``block_size`` tokens, is more than the largest GPU KV memory (L1,
+        ``NodeState.gpu_total_blocks``) of the nodes not fenced out. A node reserves a request's whole
+        footprint when it takes it (no preemption, ``services/worker/scheduler.py``) and refuses one that
+        exceeds its L1; before, such a request was dispatched and that refusal came back as a 500
+        ``engine error on node w0: request needs 5003 KV blocks but node w0 has 64 in GPU memory``
+        although the request, not an engine, was at fault (vLLM answers a prompt longer than it can
+        hold with a 400). ``param`` names the prompt (``messages`` for chat) when the prompt alone does
+        not fit, else ``max_tokens``. Nothing is checked while no node reports its capacity
+        (:meth:`NodeLoadView.largest_gpu_kv`); counted ``kv_room_refused``.
+
+        Raises:
+            api.ApiError: 400 with both sizes and the node that holds most.
+        """
+        largest = self.core.view.largest_gpu_kv()
+        if largest is None:
+            return
+        blocks, node = largest
+        bs = self.cfg.block_size
+        need = -(-(prompt_tokens + max_tokens) // bs)
+        if need <= blocks:
+            return
+        self.counters["kv_room_refused"] += 1
+        part = "messages" if chat else "prompt"
+        alone = -(-prompt_tokens // bs) > blocks
+        raise api.ApiError(
+            400, f"request needs {need} KV blocks of {bs} tokens ({prompt_tokens} in the {part}, {max_tokens} in the completion) "
+            f"but the node of this cluster with the most GPU KV memory ({node}) holds {blocks} ({blocks * bs} tokens); "
+            f"reduce the length of the {part}" + ("" if alone else " or max_tokens"),
+            param=part if alone else "max_tokens",
+        )
+
     async def _generate_traced(self, request: Request, chat: bool, tr: _ReqTrace | None) -> Response:
         """The generation endpoints; ``tr``: the request's spans (None when tracing is off)."""
         t_in = self.clock.now()
@@ -1662,6 +1695,7 @@ class RouterService:
             hdrs, req, arr, max_tokens, packed, hashes, echo = await self._prepare(request, chat)
             if api.logprobs_asked(req) is not None:
                 self._check_logprobs_engines()
+            self._check_kv_room(int(arr.size), max_tokens, chat)
             start = None
             if hdrs.branch_id is not None:
                 start = self.branches.observe(

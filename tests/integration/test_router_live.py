@@ -71,6 +71,9 @@ class FakeCluster:
     the real sim engine does (``services/worker/engines/sim.py``): an ``error`` chunk."""
     cached: dict[str, int] = field(default_factory=dict)
     """node -> local prefix blocks reported by kv.lookup (and cached tokens reported)."""
+    gpu_blocks: dict[str, int] = field(default_factory=dict)
+    """node -> ``NodeState.gpu_total_blocks`` it reports (default 100); like a worker's scheduler, a node
+    refuses work whose KV footprint (prompt, + max_tokens where it decodes) is more: an ``error`` chunk."""
     lookup_enabled: bool = True
     works: list[m.PrefillWork] = field(default_factory=list)
     aborts: list[tuple[str, m.RequestAbort]] = field(default_factory=list)
@@ -107,7 +110,8 @@ class FakeCluster:
 
     async def publish_states(self) -> None:
         for node in sorted(self.alive):
-            st = m.NodeState(node=node, phase=self.phases[node], epoch=1, block_size=BS, gpu_free_blocks=100, gpu_total_blocks=100,
+            blocks = self.gpu_blocks.get(node, 100)
+            st = m.NodeState(node=node, phase=self.phases[node], epoch=1, block_size=BS, gpu_free_blocks=blocks, gpu_total_blocks=blocks,
                              engine=self.engines.get(node, "sim"))  # type: ignore[arg-type]
             await self.bus.publish(NODE_STATE, st, node=node)
 
@@ -140,6 +144,11 @@ class FakeCluster:
         cached = min(self.cached.get(node, 0), len(w.block_hashes)) * BS
         if node in self.error_nodes:
             await out(m.TokenChunk(rid=w.rid, node=node, finished=True, finish_reason="error", error="kv transfer failed", attempt=w.attempt))
+            return
+        footprint = -(-(w.prompt_tokens + (w.max_tokens if w.decode_node in (None, node) else 0)) // BS)
+        if footprint > self.gpu_blocks.get(node, 100):  # services/worker/scheduler.py's _check_fits
+            error = f"request needs {footprint} KV blocks but node {node} has {self.gpu_blocks.get(node, 100)} in GPU memory"
+            await out(m.TokenChunk(rid=w.rid, node=node, finished=True, finish_reason="error", error=error, attempt=w.attempt))
             return
         if w.sampling is not None and w.sampling.logprobs is not None and self.engines.get(node, "sim") == "sim":
             error = "logprobs are not supported by the sim engine (no model, no token distribution); serve a torch engine"

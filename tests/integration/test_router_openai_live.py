@@ -337,3 +337,39 @@ async def test_chat_echo_starts_the_reply_with_the_last_assistant_message_as_vll
             assert (got, fin, choice["stop_reason"]) == (f"Sure: {words[1]}" + words[0] + " ", "stop", words[1]), (stream, got)
         r = await env.http.post("/v1/chat/completions", json={"messages": start, "max_tokens": 3, "echo": True})
         assert r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
+async def test_a_request_larger_than_any_nodes_kv_memory_is_a_400_before_dispatch(nats_url, tmp_path):
+    """A node reserves a request's whole KV footprint (prompt + max_tokens) and refuses one larger than
+    its GPU KV memory. Before, the router dispatched it and the refusal came back as a 500 ``engine error
+    on node c0: request needs 102 KV blocks but node c0 has 100 in GPU memory``; now a 400 before dispatch
+    naming both sizes and the node that holds most (``param`` ``max_tokens``, or the prompt when it alone
+    does not fit), as vLLM refuses a prompt longer than it can hold. What fits the largest node is served."""
+    async with router_env(nats_url, tmp_path, {"c0": "both", "c1": "both"}) as env:
+        env.cluster.gpu_blocks = {"c0": 100, "c1": 50}  # 64-token blocks: 6400 and 3200 tokens
+        await env.cluster.publish_states()
+        sent = len(env.cluster.works)
+        for body, param in (
+            ({"prompt": [1] * 6000, "max_tokens": 500}, "max_tokens"),  # 6500 tokens: 102 blocks
+            ({"prompt": [1] * 6000, "max_tokens": 500, "stream": True}, "max_tokens"),
+            ({"prompt": [1] * 6450, "max_tokens": 1}, "prompt"),  # the prompt alone needs 101
+        ):
+            r = await env.http.post("/v1/completions", json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and "KV blocks" in err["message"] and "(c0) holds 100 (6400 tokens)" in err["message"], err
+        r = await env.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a " * 7000}], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert len(env.cluster.works) == sent  # nothing dispatched
+        st = await env.stats()
+        assert st.counters["kv_room_refused"] == 4
+        # exactly a node's memory: served
+        env.cluster.gpu_blocks = {"c0": 100, "c1": 100}
+        await env.cluster.publish_states()
+        r = await env.http.post("/v1/completions", json={"prompt": [1] * 6000, "max_tokens": 400})
+        assert r.status_code == 200, r.text
+        # a node that reports no capacity (an older version): nothing is promised, the request is dispatched
+        env.cluster.gpu_blocks = {"c0": 100, "c1": 0}
+        await env.cluster.publish_states()
+        r = await env.http.post("/v1/completions", json={"prompt": [1] * 6000, "max_tokens": 500})
+        assert r.status_code == 500 and "needs 102 KV blocks" in r.text, r.text
