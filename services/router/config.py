@@ -112,7 +112,8 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Meta(ge=0, description="wall seconds work handed back or re-dispatched after its node failed (a phase switch, a "
              "fenced node) waits for an eligible node (retried at every node state) before the request fails with 503 "
              "naming what is missing ('no live decode node ...'); long enough for a supervisor to restart the node "
-             "(evolving-infra up: ~2 s) and the router to fence it first (--fence-after-s); 0 = fail at once"),
+             "(evolving-infra up: ~2 s) and the router to fence it first (--fence-after-s); time while NATS is down or settling "
+             "after an outage does not count; 0 = fail at once"),
     ] = 30.0
     request_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds a request may wait for its next output chunk before it fails with 504")

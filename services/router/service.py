@@ -412,6 +412,9 @@ class RouterService:
         self._parked_since: dict[str, tuple[float, str]] = {}
         """rid → (``time.monotonic()`` when it was parked, the latest reason no node took it): the
         request fails with 503 after ``requeue_wait_s`` parked (:meth:`_expire_parked`)."""
+        self._parked_checked: float | None = None
+        """``time.monotonic()`` of the last :meth:`_expire_parked` (the time since, while the bus was
+        settling, is added to every parked request's start: it does not count against the bound)."""
         self._retrying = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._spawned: set[asyncio.Task[Any]] = set()
@@ -867,11 +870,19 @@ class RouterService:
     def _expire_parked(self, now_mono: float) -> None:
         """Fail every request parked for ``requeue_wait_s`` or more (``now_mono``: ``time.monotonic()``):
         503 with the reason no node took it (a stream gets it as an error event), its nodes told to
-        drop it, and no record of it left (parked work, in-flight counts). Not while NATS is down or
-        settling after an outage (``bus_outage_wait_s``: node states are silent then). Called by the fence loop
-        (at most every 0.5 s), so a request fails within ``requeue_wait_s`` + 0.5 s of being parked.
+        drop it, and no record of it left (parked work, in-flight counts). Time while NATS is down or
+        settling after an outage (:meth:`_bus_settling`: node states are silent then, and a node restarted
+        meanwhile can report only once the bus is back) does not count: the bound is suspended, every
+        parked request's start moved on by that time, so a request gets ``requeue_wait_s`` of a working bus
+        (before, an outage longer than the bound failed every parked request the moment the bus settled,
+        although a node restarted during it had had no chance to report). Called by the fence loop
+        (at most every 0.5 s), so a request fails within ``requeue_wait_s`` + 0.5 s of bus-up time parked.
         Before, it waited for its next output chunk until ``request_timeout_s`` (600 s), then 504."""
+        last, self._parked_checked = self._parked_checked, now_mono
         if self._bus_settling():  # node states are silent because of the bus: "no live node" says nothing yet
+            if last is not None and now_mono > last:
+                for rid, (since, reason) in self._parked_since.items():
+                    self._parked_since[rid] = (since + (now_mono - last), reason)
             return
         wait = self.cfg.requeue_wait_s
         for rid, (since, reason) in list(self._parked_since.items()):

@@ -9,6 +9,8 @@ router's ``parked`` gauge after the request ended."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
@@ -90,4 +92,41 @@ async def test_a_prefill_redispatch_with_no_prefill_node_left_is_a_503_within_th
         assert loop.time() - t0 < 6.0
         st = await env.stats()
         assert st.counters["redispatch.prefill"] == 1 and st.counters["requeue.parked_expired"] == 1
+        _clean(env)
+
+
+async def test_the_bound_does_not_run_while_nats_is_down_and_a_node_back_after_the_outage_takes_the_work(nats_server, tmp_path):
+    """The decode node dies (the request parked), then nats-server is down longer than ``--requeue-wait-s``;
+    the node reports again a while after the bus is back. The outage and the settling after it
+    (``fence_after_s`` + 1 s: node states are silent because of the bus) do not count against the bound, so
+    the parked work is placed on the node and the stream completes. Before, the time of the outage counted
+    and the request failed with 503 the moment the bus settled (2.5 s after it was back), although a node
+    restarted meanwhile could not have reported before."""
+    async with router_env(nats_server.url, tmp_path, PD, requeue_wait_s=3.0, **SLOW) as env:
+        svc = env.service
+        env.cluster.stall_after_first.add("p0")
+        loop = asyncio.get_running_loop()
+        async with env.http.stream("POST", "/v1/completions", json={"prompt": [5] * 70, "max_tokens": 6, "stream": True}, headers=KEY) as r:
+            lines = r.aiter_lines()
+            first = await anext(lines)
+            env.cluster.alive.discard("d0")
+            while not svc._parked:  # fenced, re-dispatched, no decode node: parked
+                await asyncio.sleep(0.02)
+            os.kill(nats_server.pid, signal.SIGKILL)
+            nats_server.proc.wait()
+            await asyncio.sleep(4.0)  # longer than the bound
+            nats_server.restart()
+            while not (svc.bus.nc.is_connected and svc.bus.reconnected_at is not None):
+                await asyncio.sleep(0.02)
+            back = loop.time()
+            await asyncio.sleep(4.0)  # settled 2.5 s after the reconnect; the node comes back 1.5 s later
+            assert svc._parked, "the parked request failed before the bound ran out in bus-up time"
+            env.cluster.alive.add("d0")
+            rest = "".join([line + "\n" async for line in lines])
+            assert loop.time() - back < 7.0
+        events = sse_events(first + "\n\n" + rest)
+        assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2]
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == svc.tokenizer.decode([output_token(i) for i in range(6)])
+        st = await env.stats()
+        assert st.counters["requeue.parked"] == 1 and st.counters.get("requeue.parked_expired", 0) == 0
         _clean(env)
