@@ -974,6 +974,11 @@ class RouterService:
                 continue
             p = self._pending.get(rid)
             if p is not None and not p.done and p.cur is not None:
+                if node not in (self.core.view.placement(rid) or ()):
+                    # re-dispatched already by the fence of its other node in the same check (both went
+                    # silent together): a second one sent a third attempt after the second
+                    self.counters["redispatch.already"] += 1
+                    continue
                 self._redispatch(p, node, reason)
                 continue
             if p is not None:

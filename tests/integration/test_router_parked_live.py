@@ -130,3 +130,33 @@ async def test_the_bound_does_not_run_while_nats_is_down_and_a_node_back_after_t
         st = await env.stats()
         assert st.counters["requeue.parked"] == 1 and st.counters.get("requeue.parked_expired", 0) == 0
         _clean(env)
+
+
+async def test_a_request_on_two_nodes_fenced_at_once_is_re_dispatched_once(nats_url, tmp_path):
+    """Its prefill node and its decode node stop reporting together (one host lost): both are fenced in one
+    check, and the request is in both nodes' lists. It is re-dispatched once (one new attempt, one work
+    sent), served in full, and nothing is left in flight. Before, the second node's fence re-dispatched it
+    again (attempt 2, a second round of aborts, ``redispatched`` 2): the first re-dispatch's work went out
+    as attempt 2, and the second's routing raised "already in flight" in a background task
+    (``publish_errors``, a warning); had the core not refused it, a double placement."""
+    phases = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
+    async with router_env(nats_url, tmp_path, phases) as env:
+        svc = env.service
+        env.cluster.answering.clear()  # takes the work, never answers ...
+        req = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}))
+        while not env.cluster.works:
+            await asyncio.sleep(0.02)
+        (p,) = svc._pending.values()
+        dead = {p.prefill_node, p.decode_node}
+        env.cluster.answering = set(phases) - dead
+        env.cluster.alive -= dead  # ... and both its nodes go silent in the same heartbeat
+        r = await asyncio.wait_for(req, 20)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == svc.tokenizer.decode([output_token(i) for i in range(4)])
+        assert [w.attempt for w in env.cluster.works] == [0, 1], [(w.attempt, w.decode_node) for w in env.cluster.works]
+        st = await env.stats()
+        assert st.counters["fenced"] == 2 and st.counters["redispatched"] == 1, st.counters
+        assert st.counters["redispatch.already"] == 1 and "publish_errors" not in st.counters, st.counters
+        await asyncio.sleep(0.3)  # the aborts' and placements' background publishes
+        assert st.gauges["inflight"] == 0 and svc.core.view.inflight_total == 0
+        assert svc._parked == {} and svc._pending == {}
