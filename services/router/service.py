@@ -797,8 +797,11 @@ class RouterService:
         """Route handed-back work to one eligible node; park it when there is none. True if placed."""
         rid = msg.rid
         p = self._pending.get(rid)
-        if p is None or p.done:
-            self._unpark(rid)
+        if p is None or p.done or msg.attempt != p.attempt:
+            # gone, or another attempt of the rid is current (a client's retry with the same X-Request-ID
+            # after this one ended): this work is of no request now
+            if self._parked.get(rid) is msg:
+                self._unpark(rid)
             return True
         now = self.clock.now()
         tr = p.tr  # the request's trace: the new attempt's lookup, route and work stay in it
@@ -816,7 +819,7 @@ class RouterService:
                 sampling=w.sampling,
             )
             lookup, status = await self._lookup(list(w.block_hashes), tr) if w.block_hashes else (None, "skipped")
-            if p.done:
+            if p.done or self._pending.get(rid) is not p:
                 return True
             out = self.core.route(rreq, lookup, self.clock.now())
             if tr is not None:
@@ -899,8 +902,18 @@ class RouterService:
             p.queue.put_nowait(_Failure(503, why))
 
     async def _retry_parked(self) -> None:
+        """Place again every parked work a node may take now (called at an accepting node state). The
+        list is taken at the start and each placement may await a ``kv.lookup``: work no longer parked
+        by then (its request ended, or placed) is skipped. Before, such work was placed anyway: with a
+        client's retry under the same ``X-Request-ID`` in flight meanwhile, the old request's work went
+        out under the new request's attempt (a ``DecodeWork`` rebound its decode node: the old
+        request's hand-off decoded into the new stream; a ``PrefillWork`` failed "already in flight"
+        and ended the round)."""
         try:
             for msg in list(self._parked.values()):
+                if self._parked.get(msg.rid) is not msg:
+                    self.counters["requeue.parked_gone"] += 1
+                    continue
                 await self._place_again(msg)
         finally:
             self._retrying = False

@@ -64,7 +64,10 @@ class FakeCluster:
     answering: set[str] = field(default_factory=set)
     """Nodes that answer prefill work; others only record it."""
     stall_after_first: set[str] = field(default_factory=set)
-    """Nodes that send the first chunk of a first attempt (``attempt`` 0) and then nothing."""
+    """Nodes that send the first chunk of a request's first work (its first attempt: 0, or a client
+    ``X-Request-ID``'s first attempt) and then nothing."""
+    stalled: set[str] = field(default_factory=set)
+    """rids whose first work was stalled (``stall_after_first``)."""
     error_nodes: set[str] = field(default_factory=set)
     engines: dict[str, str] = field(default_factory=dict)
     """node -> ``NodeState.engine`` it reports (default ``sim``); a sim node refuses work with logprobs as
@@ -75,6 +78,8 @@ class FakeCluster:
     """node -> ``NodeState.gpu_total_blocks`` it reports (default 100); like a worker's scheduler, a node
     refuses work whose KV footprint (prompt, + max_tokens where it decodes) is more: an ``error`` chunk."""
     lookup_enabled: bool = True
+    lookup_delay_s: float = 0.0
+    """Wall seconds kv.lookup takes to answer (a slow directory)."""
     works: list[m.PrefillWork] = field(default_factory=list)
     aborts: list[tuple[str, m.RequestAbort]] = field(default_factory=list)
     branch_events: list[Any] = field(default_factory=list)
@@ -126,6 +131,8 @@ class FakeCluster:
 
     async def _lookup(self, req: m.KvLookupRequest, _s: str) -> m.KvLookupReply | None:
         self.lookups.append(req)
+        if self.lookup_delay_s:
+            await asyncio.sleep(self.lookup_delay_s)
         if not self.lookup_enabled:
             return None
         n = len(req.block_hashes)
@@ -163,7 +170,8 @@ class FakeCluster:
             finished=w.max_tokens == 1, finish_reason="length" if w.max_tokens == 1 else None, attempt=att,
         )
         await out(first)
-        if node in self.stall_after_first and att == 0:
+        if node in self.stall_after_first and w.rid not in self.stalled:
+            self.stalled.add(w.rid)
             return
         for i in range(1, w.max_tokens, 3):
             part = ids[i : i + 3]
