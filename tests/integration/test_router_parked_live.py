@@ -205,3 +205,4 @@ async def test_parked_work_of_a_request_that_ended_is_not_placed_under_a_retry_w
         again.cancel()
         await streams[_first].aclose()
         await _wait_for(lambda: not svc._pending and not svc._parked, what="requests ended")
+        assert svc.core.view.inflight_total == 0 and svc._parked_since == {}  # a parked request whose client went: nothing left
