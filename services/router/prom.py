@@ -28,8 +28,10 @@ name                                                type       meaning
 when it ends, also when the router ends it itself: ``stop`` also for a stop string or stop
 token id matched at the router; ``length`` also for a request whose last tokens arrived and
 whose node died before its end; ``error`` for a node's error chunk and the router's 5xx
-(continuation impossible, parked work expired, node fenced, request timeout, dispatch failed);
-``abort`` for a client that went away, a router shutting down and a node's abort. Requests
+(continuation impossible, parked work expired, node fenced, request timeout, dispatch failed) and
+for a node's abort chunk, which its client gets as a 503 (a prefill node that found no decode node
+to bind: the failure parked work that expires is); ``abort`` for a client that went away and a
+router shutting down. Requests
 refused before placement (4xx, no route) are only in ``ei_router_requests_total{code}``, which
 counts a stream's status when its headers go out (200 also for a stream that later fails).
 

@@ -690,7 +690,9 @@ class RouterService:
         if chunk.finished and not p.done:
             p.done = True
             if failed:
-                self._end_decided(p, chunk.finish_reason or "error")
+                # its client gets a 5xx either way (500 engine error, 503 a node's abort: no decode node to
+                # bind): error, as the router's own 503s; abort is a client that went away, or a shutdown
+                self._end_decided(p, "error")
                 for node, msg in self.core.abort(chunk.rid, f"{chunk.finish_reason} on {chunk.node}", skip=chunk.node, now=now):
                     await self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node)
             else:

@@ -166,3 +166,21 @@ async def test_a_stop_the_client_gets_is_counted_stop_also_when_an_end_decided_o
                 assert last["choices"][0]["finish_reason"] == "stop", (end, stream, r.text)
                 await _wait_for(lambda: env.service.core.view.inflight_total == 0, what="request ended")
                 assert delta(await finished(env), before) == {"stop": 1.0}, (end, stream)
+
+
+async def test_a_node_that_ends_a_request_with_abort_counts_as_error_not_as_a_client_abort(nats_url, tmp_path):
+    """A prefill node that found no decode node to bind within its ``--bind-timeout-s`` ends the request with
+    an ``abort`` chunk; its client gets a 503 (``request aborted by node p0: no decode node ...``), the same
+    failure as parked work that expired (counted ``error``). Counted ``error``; ``abort`` stays the requests
+    whose client went away (or a router shutting down). Before, ``abort``: since the bind timeout's chunk became
+    an abort (it was an ``error``, a 500), those 503s were counted with the client disconnects."""
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        env.cluster.abort_nodes.add("p0")
+        before = await finished(env)
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert r.status_code == 503 and "no decode node" in r.json()["error"]["message"], r.text
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "stream": True})
+        assert sse_events(r.text)[-2]["error"]["code"] == 503, r.text
+        assert delta(await finished(env), before) == {"error": 2.0}
+        st = await env.stats()
+        assert st.counters["finish.error"] == 2 and "finish.abort" not in st.counters, st.counters

@@ -69,6 +69,9 @@ class FakeCluster:
     stalled: set[str] = field(default_factory=set)
     """rids whose first work was stalled (``stall_after_first``)."""
     error_nodes: set[str] = field(default_factory=set)
+    abort_nodes: set[str] = field(default_factory=set)
+    """Nodes that end work with an ``abort`` chunk, as a prefill node that found no decode node to bind
+    within its ``--bind-timeout-s`` (``services/worker/service.py`` ``_bind``)."""
     engines: dict[str, str] = field(default_factory=dict)
     """node -> ``NodeState.engine`` it reports (default ``sim``); a sim node refuses work with logprobs as
     the real sim engine does (``services/worker/engines/sim.py``): an ``error`` chunk."""
@@ -149,6 +152,10 @@ class FakeCluster:
             return
         out = lambda c: self.bus.publish(REQ_OUT, c, rid=w.rid)  # noqa: E731
         cached = min(self.cached.get(node, 0), len(w.block_hashes)) * BS
+        if node in self.abort_nodes:
+            error = "no decode node for the request: no live decode (phase decode) or collocated (both) node: d9: fenced"
+            await out(m.TokenChunk(rid=w.rid, node=node, finished=True, finish_reason="abort", error=error, attempt=w.attempt))
+            return
         if node in self.error_nodes:
             await out(m.TokenChunk(rid=w.rid, node=node, finished=True, finish_reason="error", error="kv transfer failed", attempt=w.attempt))
             return
