@@ -628,6 +628,8 @@ class RouterService:
 
     async def _on_chunk(self, chunk: m.TokenChunk, _subject: str) -> None:
         p = self._pending.get(chunk.rid)
+        if chunk.node == self.bus.instance and chunk.finish_reason == "abort" and (p is None or p.done or chunk.attempt != p.attempt):
+            return  # this router's own end of a request that ended parked (_publish_parked_end)
         if p is None:
             self._remote_chunk(chunk)
             return
@@ -901,7 +903,18 @@ class RouterService:
             self.counters["requeue.parked_expired"] += 1
             self.log.warning("parked work found no eligible node in time; request failed", rid=rid, reason=reason, wait_s=wait)
             self._abandon(p, why, "parked_expired")
+            self._publish_parked_end(p, why)
             p.queue.put_nowait(_Failure(503, why))
+
+    def _publish_parked_end(self, p: _Pending, why: str) -> None:
+        """``p`` ended while parked: no node holds it, so no node's last or abort chunk tells the other
+        routers (which count it in their load view since its ``route.sent``) or the planner that it
+        ended. Publish that end on its output subject: an ``abort`` chunk from this router (``node`` =
+        its instance), which this router ignores (:meth:`_on_chunk`). Before, the other routers counted
+        it on the nodes it had left until ``request_timeout_s`` after its last ``route.sent``."""
+        end = m.TokenChunk(rid=p.rid, node=self.bus.instance, index=p.next_index, finished=True, finish_reason="abort", error=why, attempt=p.attempt)
+        self.counters["parked_end_published"] += 1
+        self._spawn(self.bus.publish(REQ_OUT, end, rid=p.rid))
 
     async def _retry_parked(self) -> None:
         """Place again every parked work a node may take now (called at an accepting node state). The
@@ -2018,6 +2031,8 @@ class RouterService:
             self._count_end(p, p.end_reason)
         if self._pending.get(p.rid) is p:
             del self._pending[p.rid]
+            if p.rid in self._parked:  # its client went (or it timed out) while parked
+                self._publish_parked_end(p, "request ended while its work was parked")
             self._unpark(p.rid)
             if p.client_rid:
                 self._retried.ended(p.rid, p.attempt)

@@ -13,8 +13,13 @@ import contextlib
 import os
 import signal
 
+import msgspec
 import pytest
 
+from services.router.service import RouterService
+from shared import messages as m
+from shared.service import serve_until_stopped
+from shared.subjects import WORK_REQUEUE
 from tests.integration.test_router_live import _wait_for, output_token, router_env, sse_events
 
 pytestmark = pytest.mark.timeout(60)
@@ -206,3 +211,44 @@ async def test_parked_work_of_a_request_that_ended_is_not_placed_under_a_retry_w
         await streams[_first].aclose()
         await _wait_for(lambda: not svc._pending and not svc._parked, what="requests ended")
         assert svc.core.view.inflight_total == 0 and svc._parked_since == {}  # a parked request whose client went: nothing left
+
+
+async def test_a_parked_request_that_fails_ends_in_the_other_routers_view_too(nats_url, tmp_path):
+    """Router B counts router A's requests in its load view (``route.sent``) until their end reaches the bus
+    (a node's last or abort chunk). A's request is handed back by its decode node (a phase switch) and
+    parked: no node holds it, so when it fails (``--requeue-wait-s``) no node publishes its end. A publishes
+    it (an ``abort`` chunk from the router) and B stops counting it at once. Before, B counted it on the
+    nodes it had left until ``--request-timeout-s`` (600 s by default) after its last ``route.sent``."""
+    async with router_env(nats_url, tmp_path, PD, requeue_wait_s=1.0, request_timeout_s=30.0) as env:
+        svc = env.service
+        holder: dict[str, RouterService] = {}
+
+        def factory(c, b, clock):
+            holder["b"] = RouterService(c, b, clock)
+            return holder["b"]
+
+        cfg_b = msgspec.structs.replace(svc.cfg, port_file=str(tmp_path / "b.port"))
+        stop_b = asyncio.Event()
+        task_b = asyncio.create_task(serve_until_stopped("router", cfg_b, factory, instance="router-b", stop_event=stop_b))
+        try:
+            await _wait_for(lambda: "b" in holder and holder["b"].ready() and holder["b"].core.view.epoch == 1, what="router B ready")
+            b = holder["b"]
+            env.cluster.stall_after_first.add("p0")  # the first token, then nothing: the decode node has it
+            async with env.http.stream("POST", "/v1/completions", json={"prompt": [5] * 70, "max_tokens": 6, "stream": True}) as r:
+                lines = r.aiter_lines()
+                first = await anext(lines)
+                (p,) = svc._pending.values()
+                await _wait_for(lambda: len(b._remote) == 1, what="B counts A's request")
+                work = m.DecodeWork(rid=p.rid, prompt_tokens=70, max_tokens=6, block_size=64, block_hashes=list(p.rreq.block_hashes),
+                                    prefill_node="p0", attempt=p.attempt, router="router")
+                back = m.WorkRequeue(rid=p.rid, node="d0", reason="phase switch", decode=work, attempt=p.attempt)
+                rep = await env.bus.request(WORK_REQUEUE, back, timeout=2.0, router="router")
+                assert rep.accepted, rep
+                rest = "".join([line + "\n" async for line in lines])
+            events = sse_events(first + "\n\n" + rest)
+            assert events[-2]["error"]["code"] == 503 and "requeue_wait_s" in events[-2]["error"]["message"], events[-2]
+            await _wait_for(lambda: len(b._remote) == 0 and b.core.view.inflight_total == 0, timeout=2.0, what="B stops counting it")
+            assert b.counters["remote.ended"] == 1
+        finally:
+            stop_b.set()
+            await asyncio.wait_for(task_b, 20)
