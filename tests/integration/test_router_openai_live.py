@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from shared.tokenizer import SimTokenizer, load_tokenizer
-from tests.integration.test_router_live import output_token, router_env, sse_events
+from tests.integration.test_router_live import _wait_for, output_token, router_env, sse_events
 
 USER = [{"role": "user", "content": "hello there"}]
 
@@ -275,6 +275,7 @@ async def test_logprobs_on_a_cluster_that_mixes_sim_and_torch_engines_is_a_400_n
     async with router_env(nats_url, tmp_path, phases) as env:
         env.cluster.engines = {"p0": "torch"}
         await env.cluster.publish_states()
+        await _wait_for(lambda: env.service.core.view.engines() == {"sim", "torch"}, what="states applied")  # else a race
         sent = len(env.cluster.works)
         for body in ({"prompt": [1, 2], "max_tokens": 2, "logprobs": 1}, {"prompt": [1, 2], "max_tokens": 2, "logprobs": 1, "stream": True}):
             r = await env.http.post("/v1/completions", json=body)
@@ -285,6 +286,7 @@ async def test_logprobs_on_a_cluster_that_mixes_sim_and_torch_engines_is_a_400_n
         assert len(env.cluster.works) == sent  # nothing dispatched
         env.cluster.engines = {"p0": "torch", "p1": "torch", "d0": "torch"}
         await env.cluster.publish_states()
+        await _wait_for(lambda: env.service.core.view.engines() == {"torch"}, what="states applied")
         r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "logprobs": 1})
         assert r.status_code == 200, r.text
         assert env.cluster.works[-1].sampling.logprobs == 1
@@ -346,8 +348,10 @@ async def test_a_request_larger_than_any_nodes_kv_memory_is_a_400_before_dispatc
     naming both sizes and the node that holds most (``param`` ``max_tokens``, or the prompt when it alone
     does not fit), as vLLM refuses a prompt longer than it can hold. What fits the largest node is served."""
     async with router_env(nats_url, tmp_path, {"c0": "both", "c1": "both"}) as env:
+        view = env.service.core.view
         env.cluster.gpu_blocks = {"c0": 100, "c1": 50}  # 64-token blocks: 6400 and 3200 tokens
         await env.cluster.publish_states()
+        await _wait_for(lambda: view.nodes["c1"].state.gpu_total_blocks == 50, what="states applied")
         sent = len(env.cluster.works)
         for body, param in (
             ({"prompt": [1] * 6000, "max_tokens": 500}, "max_tokens"),  # 6500 tokens: 102 blocks
@@ -366,10 +370,12 @@ async def test_a_request_larger_than_any_nodes_kv_memory_is_a_400_before_dispatc
         # exactly a node's memory: served
         env.cluster.gpu_blocks = {"c0": 100, "c1": 100}
         await env.cluster.publish_states()
+        await _wait_for(lambda: view.nodes["c1"].state.gpu_total_blocks == 100, what="states applied")
         r = await env.http.post("/v1/completions", json={"prompt": [1] * 6000, "max_tokens": 400})
         assert r.status_code == 200, r.text
         # a node that reports no capacity (an older version): nothing is promised, the request is dispatched
         env.cluster.gpu_blocks = {"c0": 100, "c1": 0}
         await env.cluster.publish_states()
+        await _wait_for(lambda: view.largest_gpu_kv() is None, what="states applied")
         r = await env.http.post("/v1/completions", json={"prompt": [1] * 6000, "max_tokens": 500})
         assert r.status_code == 500 and "needs 102 KV blocks" in r.text, r.text
