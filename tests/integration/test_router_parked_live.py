@@ -170,13 +170,13 @@ async def test_a_request_on_two_nodes_fenced_at_once_is_re_dispatched_once(nats_
 
 async def test_parked_work_of_a_request_that_ended_is_not_placed_under_a_retry_with_the_same_request_id(nats_url, tmp_path):
     """Two requests are parked (their decode node died). The node comes back: the retry round takes the list
-    of parked work and places each in turn, each after a ``kv.lookup`` (here slow, 1.5 s). Meanwhile the
+    of parked work and places each in turn, each after a ``kv.lookup`` (here slow, 2.5 s). Meanwhile the
     client of the second request goes away and sends it again under the same ``X-Request-ID``, which is
     dispatched. When the round reaches the second request's old work it is skipped (``requeue.parked_gone``).
     Before, it was placed anyway for the new request: a prefill's routing failed "already in flight" in a
     background task (``publish_errors``); a parked ``DecodeWork`` was bound to a decode node under the new
     request's attempt, the old request's hand-off decoding into the new request's stream."""
-    async with router_env(nats_url, tmp_path, PD, requeue_wait_s=20.0, request_timeout_s=30.0, lookup_timeout_s=3.0) as env:
+    async with router_env(nats_url, tmp_path, PD, requeue_wait_s=20.0, request_timeout_s=30.0, lookup_timeout_s=5.0) as env:
         svc, cluster = env.service, env.cluster
         cluster.stall_after_first.add("p0")
         streams: dict[str, contextlib.AsyncExitStack] = {}
@@ -191,9 +191,9 @@ async def test_parked_work_of_a_request_that_ended_is_not_placed_under_a_retry_w
         while len(svc._parked) < 2:  # fenced, both re-dispatched, no decode node: parked
             await asyncio.sleep(0.02)
         _first, second = svc._parked  # the order the retry round takes them
-        cluster.lookup_delay_s = 1.5
+        cluster.lookup_delay_s = 2.5
         cluster.answering.discard("p0")  # what is dispatched from now on stays in flight
-        cluster.alive.add("d0")  # its next state starts the round: the first one's lookup takes 1.5 s
+        cluster.alive.add("d0")  # its next state starts the round: the first one's lookup takes 2.5 s
         await asyncio.sleep(0.3)
         await streams[second].aclose()  # the second's client goes away ...
         while second in svc._pending:
@@ -202,7 +202,8 @@ async def test_parked_work_of_a_request_that_ended_is_not_placed_under_a_retry_w
         again = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [6] * 10, "max_tokens": 6}, headers={"X-Request-ID": second}))
         while second not in svc._pending or svc.core.view.placement(second) is None:
             await asyncio.sleep(0.02)
-        await asyncio.sleep(3.5)  # the round: the first's lookup, then (before) the old work's lookup and routing
+        # the round: the first's lookup, then the old work skipped (before: its lookup and routing, "already in flight")
+        await _wait_for(lambda: svc.counters.get("requeue.parked_gone", 0) == 1, timeout=8.0, what="the old work skipped")
         st = await env.stats()
         assert "publish_errors" not in st.counters, st.counters
         assert st.counters["requeue.parked_gone"] == 1, st.counters
