@@ -190,10 +190,14 @@ async def test_parked_work_of_a_request_that_ended_is_not_placed_under_a_retry_w
         cluster.alive.discard("d0")
         while len(svc._parked) < 2:  # fenced, both re-dispatched, no decode node: parked
             await asyncio.sleep(0.02)
-        _first, second = svc._parked  # the order the retry round takes them
+        _first, second = "r1", "r2"
+        # every accepting state (p0's) starts a round while work is parked: wait for one at r1's lookup (its
+        # continuation has 2 block hashes, r2's 1), so that r2 comes after it in that round
+        n = len(cluster.lookups)
         cluster.lookup_delay_s = 2.5
+        await _wait_for(lambda: any(len(q.block_hashes) == 2 for q in cluster.lookups[n:]), timeout=8.0, what="a round at r1's lookup")
         cluster.answering.discard("p0")  # what is dispatched from now on stays in flight
-        cluster.alive.add("d0")  # its next state starts the round: the first one's lookup takes 2.5 s
+        cluster.alive.add("d0")  # back before r1's lookup returns: r1 is placed, then the round reaches r2's work
         await asyncio.sleep(0.3)
         await streams[second].aclose()  # the second's client goes away ...
         while second in svc._pending:
