@@ -6,6 +6,7 @@ Interface (:class:`Tokenizer`)::
     ids = tok.encode("Hello, world!")           # list[int]
     text = tok.decode(ids)                      # str
     ids = tok.apply_chat_template(messages)     # list[int], generation prompt included
+    ids = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)  # last message left open
     tok.vocab_size                              # token ids are in [0, vocab_size)
 
 ``sim``: words (``\\w+``) and single punctuation characters become token ids by
@@ -48,8 +49,9 @@ class Tokenizer(Protocol):
     name: str
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (completion prompts; special tokens as the model adds them)."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (completion prompts; special tokens as the model adds them unless
+        ``add_special_tokens`` is False, as vLLM's ``add_special_tokens``)."""
         ...
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -58,8 +60,19 @@ class Tokenizer(Protocol):
         ``skip_special_tokens``; an echoed token-id prompt keeps them, as vLLM's)."""
         ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
-        """Token ids of a chat, ending with the assistant generation prompt."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
+        add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Token ids of a chat, ending with the assistant generation prompt (``add_generation_prompt``, the
+        default) or after the last message's end of turn (False), or inside the last message
+        (``continue_final_message``: its text left open, no end of turn, as transformers' / vLLM's);
+        ``add_special_tokens`` adds the model's special tokens (BOS) on top of the template's.
+
+        Raises:
+            ValueError: ``continue_final_message`` with ``add_generation_prompt``, or a final message
+                whose text the rendered chat does not hold (:func:`continue_final`).
+        """
         ...
 
 
@@ -76,8 +89,12 @@ _WORD = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 _SIM_WORD = re.compile(r"^(?:[bdfghjklmnprstvz][aeiou]){3}$")
 
 
-def _render_chatml(messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
-    """ChatML rendering used by the sim tokenizer (and HF folders without a template)."""
+def _render_chatml(
+    messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool = True, continue_final_message: bool = False,
+) -> str:
+    """ChatML rendering used by the sim tokenizer (and HF folders without a template); ``continue_final_message``
+    leaves the last message open (no ``<|im_end|>``), ``add_generation_prompt`` appends ``<|im_start|>assistant``."""
+    _check_chat_flags(add_generation_prompt, continue_final_message)
     parts: list[str] = []
     if tools:
         parts.append("<|im_start|>system\n# Tools\n" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "<|im_end|>\n")
@@ -94,8 +111,37 @@ def _render_chatml(messages: list[dict[str, Any]], tools: list[Any] | None) -> s
         if msg.get("tool_call_id"):
             role = f"{role} id={msg['tool_call_id']}"
         parts.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
-    parts.append("<|im_start|>assistant\n")
+    if continue_final_message:
+        parts[-1] = parts[-1][: -len("<|im_end|>\n")]
+    elif add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
     return "".join(parts)
+
+
+def _check_chat_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if add_generation_prompt and continue_final_message:  # transformers' apply_chat_template refuses the pair too
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+
+
+def continue_final(rendered: str, final_text: str) -> str:
+    """``rendered`` (a chat template's text without the generation prompt) cut right after the last
+    message's text, so the model continues that message: transformers' ``continue_final_message``
+    (``apply_chat_template``, which vLLM calls): the last occurrence of the stripped text, kept with its
+    leading spacing and, when the template kept it, its trailing spacing.
+
+    Raises:
+        ValueError: the text is empty or not in ``rendered`` (a template that rewrites it).
+    """
+    stripped = final_text.strip()
+    if not stripped:
+        raise ValueError("continue_final_message needs text in the final message to continue")
+    if stripped not in rendered:
+        raise ValueError("continue_final_message: the final message's text is not in the chat the template renders")
+    loc = rendered.rindex(stripped)
+    kept = final_text.lstrip()
+    if rendered[loc : loc + len(kept)] == kept:
+        return rendered[: loc + len(kept)]
+    return rendered[: loc + len(stripped)]
 
 
 class SimTokenizer:
@@ -137,8 +183,9 @@ class SimTokenizer:
             self._cache[piece] = tid
         return tid
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of the words and punctuation of ``text`` (whitespace is dropped)."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Ids of the words and punctuation of ``text`` (whitespace is dropped; the sim vocabulary has no
+        special tokens: ``add_special_tokens`` changes nothing)."""
         tid = self.token_id
         return [tid(m) for m in _WORD.findall(text)]
 
@@ -148,9 +195,13 @@ class SimTokenizer:
         w = self.word
         return " ".join(w(int(i)) for i in ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
-        """ChatML rendering of ``messages`` (+ tools) encoded with :meth:`encode`."""
-        return self.encode(_render_chatml(messages, tools))
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
+        add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
+    ) -> list[int]:
+        """ChatML rendering of ``messages`` (+ tools) encoded with :meth:`encode` (flags: :class:`Tokenizer`;
+        ``add_special_tokens`` changes nothing here). Raises ValueError for both flags true."""
+        return self.encode(_render_chatml(messages, tools, add_generation_prompt, continue_final_message))
 
 
 # --------------------------------------------------------------------------- #
@@ -226,10 +277,11 @@ class HFTokenizer:
         else:
             self.notes.append(f"no chat_template next to {file}; chat requests use ChatML")
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text`` with the model's special tokens (e.g. BOS) added, as vLLM does for completions.
-        A text over ``_GIL_FREE_CHARS`` characters is encoded without holding the GIL (:meth:`_encode`)."""
-        return self._encode(text, True)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text`` with the model's special tokens (e.g. BOS) added unless ``add_special_tokens`` is
+        False, as vLLM does for completions. A text over ``_GIL_FREE_CHARS`` characters is encoded without
+        holding the GIL (:meth:`_encode`)."""
+        return self._encode(text, add_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Ids of ``text``; over ``_GIL_FREE_CHARS`` characters through ``encode_batch_fast([text])``
@@ -255,13 +307,25 @@ class HFTokenizer:
             return str(self._tok.decode(seq, skip_special_tokens=skip_special_tokens))
         return str(self._tok.decode_batch([seq], skip_special_tokens=skip_special_tokens)[0])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
-        """Render the model's chat template (generation prompt on) and encode it without extra specials."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
+        add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Render the model's chat template and encode it, the model's special tokens added only with
+        ``add_special_tokens`` (flags: :class:`Tokenizer`; ``continue_final_message`` cuts the rendering
+        as transformers does, :func:`continue_final`).
+
+        Raises:
+            ValueError: both flags true, or a final message that cannot be continued.
+        """
         if self._template is None:
-            text = _render_chatml(messages, tools)
+            text = _render_chatml(messages, tools, add_generation_prompt, continue_final_message)
         else:
-            text = self._template.render(messages=messages, tools=tools, add_generation_prompt=True, **self._special)
-        return self._encode(text, False)
+            _check_chat_flags(add_generation_prompt, continue_final_message)
+            text = self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self._special)
+            if continue_final_message:
+                text = continue_final(text, str(messages[-1].get("content") or ""))
+        return self._encode(text, add_special_tokens)
 
     def output_ids(self) -> list[int]:
         """Ids a simulated engine may emit so that a client can count them from the text.

@@ -32,7 +32,10 @@ assistant's (:func:`chat_echo`). ``logprobs`` (:func:`logprobs_asked`): chat ``l
 :func:`completion_logprobs`); only the ``torch`` engine computes them, a ``sim`` node
 refuses the work (the client gets a 500 naming the reason). Unknown fields are ignored (clients send
 vendor extensions); a known field with a wrong type or value is a 400 naming
-the field (in the message and in the error's ``param``, as OpenAI's API does).
+the field (in the message and in the error's ``param``, as OpenAI's API does). vLLM's chat-template
+extras are applied (:func:`render_chat`): chat ``add_generation_prompt`` / ``continue_final_message`` /
+``add_special_tokens`` and completions ``add_special_tokens``; token ids of any size are decoded and the
+router names the first outside the vocabulary (:func:`check_token_ids`).
 An explicit ``null`` is the default for every field OpenAI's spec marks nullable
 (``stream``, ``n``, ``logprobs``, ``echo``, ``stream_options.*``, ...), as vLLM's
 ``Optional[...]`` fields take it; ``ignore_eos`` / ``skip_special_tokens`` stay
@@ -149,8 +152,12 @@ class _Sampling(Struct, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     """``POST /v1/completions``; ``prompt`` is text or token ids."""
 
-    prompt: str | list[TokenId]
+    prompt: str | list[int]
+    """Text or token ids; ids are checked against the vocabulary by the router (``check_token_ids``), so an id
+    of any size gets the same 400."""
     max_tokens: PosInt | None = None
+    add_special_tokens: bool = True
+    """vLLM's extra: False encodes a text prompt without the model's special tokens (BOS)."""
     echo: bool | None = False
     logprobs: int | None = None
     best_of: PosInt | None = None
@@ -197,12 +204,19 @@ class ChatRequest(_Sampling, kw_only=True):
     response_format: dict[str, Any] | None = None
     echo: bool = False
     """vLLM's chat extra (:func:`chat_echo`); not OpenAI's, so null is a 400, as in vLLM."""
+    add_generation_prompt: bool = True
+    """vLLM's chat extra: False renders no generation prompt (the reply's role is then the last message's, :func:`reply_role`)."""
+    continue_final_message: bool = False
+    """vLLM's chat extra: the last message is left open (no end of turn) and the reply continues it;
+    needs ``add_generation_prompt`` false (a 400 otherwise, as vLLM's ``check_generation_prompt``)."""
+    add_special_tokens: bool = False
+    """vLLM's chat extra: True adds the model's special tokens (BOS) on top of the chat template's."""
 
 
 _COMPLETION_DEC = msgspec.json.Decoder(CompletionRequest)
 _ANY_PROMPT_DEC = msgspec.json.Decoder(_AnyPrompt)
 _CHAT_DEC = msgspec.json.Decoder(ChatRequest)
-_TOKENS_DEC = msgspec.json.Decoder(list[TokenId])
+_TOKENS_DEC = msgspec.json.Decoder(list[int])
 
 
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -284,11 +298,11 @@ def sampling(req: _Sampling) -> Sampling | None:
 
 def chat_echo(req: ChatRequest) -> str:
     """The text vLLM's chat ``echo`` puts before the reply: the last message's content when that
-    message has the reply's role (``assistant``: the router always adds the generation prompt), its
-    text parts joined by newlines as vLLM's conversation parsing joins them; "" when ``echo`` is off
-    or the last message is another role's or has no content (vLLM's ``serving_chat``)."""
+    message has the reply's role (:func:`reply_role`: ``assistant`` with the generation prompt, else
+    the last message's own), its text parts joined by newlines as vLLM's conversation parsing joins
+    them; "" when ``echo`` is off or the last message is another role's or has no content (vLLM's ``serving_chat``)."""
     last = req.messages[-1]
-    if not req.echo or last.role != "assistant" or last.content is None:
+    if not req.echo or last.role != reply_role(req) or last.content is None:
         return ""
     if isinstance(last.content, list):
         return "\n".join(p.as_text() for p in last.content)
@@ -454,7 +468,40 @@ def parse_chat(body: bytes) -> ChatRequest:
     if req.top_logprobs and not req.logprobs:  # top_logprobs 0 (vLLM's default) asks for nothing
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     _check_content_parts(req.messages)
+    _check_generation_prompt(req)
     return req
+
+
+def _check_generation_prompt(req: ChatRequest | TokenizeChatRequest) -> None:
+    """vLLM's ``check_generation_prompt``: ``continue_final_message`` needs ``add_generation_prompt`` false
+    (its default is true, so a body must say so; vLLM's chat template call refuses the pair too).
+
+    Raises:
+        ApiError: 400 naming ``continue_final_message``.
+    """
+    if req.continue_final_message and req.add_generation_prompt:
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", param="continue_final_message")
+
+
+def render_chat(tokenizer: Any, req: ChatRequest | TokenizeChatRequest) -> list[int]:
+    """The prompt ids of a chat request: its messages and tools through ``tokenizer``'s chat template with
+    the request's ``add_generation_prompt`` / ``continue_final_message`` / ``add_special_tokens``
+    (``shared.tokenizer.Tokenizer.apply_chat_template``); what ``/v1/chat/completions`` serves and
+    ``/tokenize`` counts.
+
+    Raises:
+        ValueError (or the template's own error): a conversation the template refuses.
+    """
+    return tokenizer.apply_chat_template(
+        chat_messages(req), req.tools, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
+    )
+
+
+def reply_role(req: ChatRequest) -> str:
+    """The role of a chat reply, as vLLM's ``get_chat_request_role``: ``assistant`` when the chat ends with the
+    generation prompt (the default), else the last message's role (the reply continues that turn)."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
 
 
 def _check_content_parts(messages: list[ChatMessage]) -> None:
@@ -667,9 +714,10 @@ def completion_response(
 
 def chat_response(
     oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any], *, stop_reason: str | int | None = None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None, role: str = "assistant",
 ) -> dict[str, Any]:
-    """A non-streaming ``/v1/chat/completions`` body; ``oid``: its :func:`response_id`; ``logprobs``: :func:`chat_logprobs`."""
+    """A non-streaming ``/v1/chat/completions`` body; ``oid``: its :func:`response_id`; ``logprobs``: :func:`chat_logprobs`;
+    ``role``: the message's, :func:`reply_role`."""
     return {
         "id": oid,
         "object": "chat.completion",
@@ -679,7 +727,7 @@ def chat_response(
             _choice(
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text},
+                    "message": {"role": role, "content": text},
                     "logprobs": logprobs,
                     "finish_reason": finish_reason,
                 },
@@ -780,21 +828,22 @@ class DetokenizeRequest(Struct, kw_only=True):
     """``POST /detokenize`` (vLLM's ``DetokenizeRequest``)."""
 
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: list[int]
+    """Any integers here: :func:`check_token_ids` names the first outside the vocabulary (a bound in the
+    decoder answered msgspec's bare ``Expected `int` <= 4294967295``)."""
 
 
 @_bounded_nesting
 def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
     """Decode a ``/tokenize`` body: a chat request when it has ``messages`` (as vLLM's union picks), else a prompt.
 
-    Only what the router does when it serves the same request is accepted, so the count is the
-    ``usage.prompt_tokens`` of that request: a prompt tokenized with the model's special tokens
-    (``add_special_tokens`` true, the default), a chat rendered with the generation prompt
-    (``add_generation_prompt`` true, the default) and without extra special tokens.
+    The options are the ones ``/v1/completions`` / ``/v1/chat/completions`` take (``add_special_tokens``,
+    ``add_generation_prompt``, ``continue_final_message``), so the count is the ``usage.prompt_tokens``
+    of the same request.
 
     Raises:
-        ApiError: 400 naming the field (invalid JSON or value, a non-text content part, an option
-            the router's tokenization does not have).
+        ApiError: 400 naming the field (invalid JSON or value, a non-text content part,
+            ``continue_final_message`` with ``add_generation_prompt``).
     """
     try:
         head = msgspec.json.decode(body)
@@ -805,19 +854,9 @@ def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatReque
     if "messages" in head:
         chat = _convert(head, TokenizeChatRequest)
         _check_content_parts(chat.messages)
-        if chat.continue_final_message and chat.add_generation_prompt:  # vLLM's check_generation_prompt
-            raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", param="continue_final_message")
-        if chat.continue_final_message:
-            raise ApiError(400, "continue_final_message is not supported: the router's chat formatting ends with the generation prompt", param="continue_final_message")
-        if not chat.add_generation_prompt:
-            raise ApiError(400, "add_generation_prompt false is not supported: the router's chat formatting ends with the generation prompt", param="add_generation_prompt")
-        if chat.add_special_tokens:
-            raise ApiError(400, "add_special_tokens true is not supported for messages: the router adds no special tokens to a chat template", param="add_special_tokens")
+        _check_generation_prompt(chat)
         return chat
-    req = _convert(head, TokenizeCompletionRequest)
-    if not req.add_special_tokens:
-        raise ApiError(400, "add_special_tokens false is not supported: the router tokenizes a prompt with the model's special tokens", param="add_special_tokens")
-    return req
+    return _convert(head, TokenizeCompletionRequest)
 
 
 def _convert(obj: Any, cls: type[_T]) -> _T:
@@ -832,7 +871,7 @@ _DETOKENIZE_DEC = msgspec.json.Decoder(DetokenizeRequest)
 
 @_bounded_nesting
 def parse_detokenize(body: bytes) -> DetokenizeRequest:
-    """Decode a ``/detokenize`` body; ids must be in [0, 2^32) here, the vocabulary is checked by the caller.
+    """Decode a ``/detokenize`` body; the ids are checked against the vocabulary by the caller (:func:`check_token_ids`).
 
     Raises:
         ApiError: 400 naming the field.
@@ -844,13 +883,13 @@ def parse_detokenize(body: bytes) -> DetokenizeRequest:
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str = "tokens") -> None:
-    """Every id in ``[0, vocab_size)``.
+    """Every id in ``[0, vocab_size)`` (ids of any size: the decoders take plain ``int``).
 
     Raises:
         ApiError: 400 naming the first id outside (``param``: ``tokens[i]``).
     """
     for i, t in enumerate(ids):
-        if t >= vocab_size:
+        if not 0 <= t < vocab_size:
             raise ApiError(400, f"token id {t} is outside the vocabulary [0, {vocab_size})", param=f"{param}[{i}]")
 
 

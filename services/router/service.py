@@ -1326,9 +1326,9 @@ class RouterService:
             self._check_model(req.model)
             try:
                 if isinstance(req, api.TokenizeChatRequest):
-                    ids = self.tokenizer.apply_chat_template(api.chat_messages(req), req.tools)
+                    ids = api.render_chat(self.tokenizer, req)
                 else:
-                    ids = self.tokenizer.encode(req.prompt)
+                    ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
             except Exception as e:  # a chat template may raise on a malformed conversation
                 raise api.ApiError(400, f"cannot tokenize: {e}", param="messages" if isinstance(req, api.TokenizeChatRequest) else "prompt") from e
             ids = [int(t) for t in ids]
@@ -1517,10 +1517,9 @@ class RouterService:
             raise api.ApiError(400, f"max_tokens={max_tokens} exceeds the limit {self.cfg.max_output_tokens}", param="max_tokens")
         try:
             if chat:
-                messages = api.chat_messages(req)
-                ids = self.tokenizer.apply_chat_template(messages, req.tools)
+                ids = api.render_chat(self.tokenizer, req)
             elif isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt)
+                ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
             else:
                 ids = prompt  # type: ignore[assignment]
         except api.ApiError:
@@ -1533,7 +1532,11 @@ class RouterService:
             raise api.ApiError(400, "prompt encodes to no tokens", param="prompt")
         if len(ids) > self.cfg.max_prompt_tokens:
             raise api.ApiError(400, f"prompt has {len(ids)} tokens; at most {self.cfg.max_prompt_tokens} allowed", param="prompt")
-        arr = np.asarray(ids, dtype=np.int64)
+        try:
+            arr = np.asarray(ids, dtype=np.int64)
+        except OverflowError:  # an id past int64 (the decoder takes any int, so its 400 is the vocabulary's)
+            api.check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
+            raise
         ctx = self.cfg.max_context_tokens
         if ctx:
             # vLLM: an unset max_tokens is the context left after the prompt (here at most the default);
@@ -1555,9 +1558,8 @@ class RouterService:
             raise api.ApiError(
                 400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens}, the limit this request gets)", param="min_tokens"
             )
-        top = int(arr.max())
-        if top >= self.tokenizer.vocab_size:
-            raise api.ApiError(400, f"token id {top} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param="prompt")
+        if int(arr.min()) < 0 or int(arr.max()) >= self.tokenizer.vocab_size:
+            api.check_token_ids(ids, self.tokenizer.vocab_size, "prompt")  # names the first (a Python scan, only here)
         packed = arr.astype("<u4").tobytes()
         # a token-id prompt is echoed with its special tokens' text (vLLM detokenizes it for echo with the
         # tokenizer's batch_decode defaults: skip_special_tokens False), unlike output text
@@ -1819,7 +1821,8 @@ class RouterService:
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
             gen = self._stream(
-                p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req), api.logprobs_asked(req), echo
+                p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req), api.logprobs_asked(req), echo,
+                api.reply_role(req) if chat else "assistant",
             )
             return _SseResponse(
                 gen,
@@ -1880,9 +1883,12 @@ class RouterService:
             lp_body = None
             if lp_top is not None:  # one entry per token that counts (vLLM: up to the one that completed a stop)
                 lp_body = (api.chat_logprobs if chat else api.completion_logprobs)(lps[:n_out], lp_top, self._token_text)
-            body = (api.chat_response if chat else api.completion_response)(
-                oid, created, model, echo + text, finish_reason, use, stop_reason=stop_reason, logprobs=lp_body
-            )
+            if chat:
+                body = api.chat_response(
+                    oid, created, model, echo + text, finish_reason, use, stop_reason=stop_reason, logprobs=lp_body, role=api.reply_role(req)
+                )
+            else:
+                body = api.completion_response(oid, created, model, echo + text, finish_reason, use, stop_reason=stop_reason, logprobs=lp_body)
             body["ei"] = self._ei(p)
             return self._json(body, headers=headers)
         except _ClientGone:
@@ -1896,7 +1902,7 @@ class RouterService:
 
     async def _stream(
         self, p: _Pending, rreq: RouteRequest, chat: bool, created: int, include_usage: bool, continuous_usage: bool,
-        decoder: OutputText, lp_top: int | None = None, echo: str = "",
+        decoder: OutputText, lp_top: int | None = None, echo: str = "", role: str = "assistant",
     ) -> AsyncIterator[bytes]:
         """SSE body from acceptance on: data chunks (one per TokenChunk whose text is not empty),
         optional usage chunk, ``[DONE]``; an error event on failure. With ``continuous_usage``
@@ -1908,7 +1914,7 @@ class RouterService:
         (``decoder.tokens``), so the stream's entries are the whole response's. ``echo`` (completions'
         ``echo``: the prompt's text) starts the first data chunk's text, as vLLM's first chunk
         is the prompt and the first output text; a chat's (``api.chat_echo``) is its own chunk after
-        the role's, as vLLM's.
+        the role's, as vLLM's; ``role`` (``api.reply_role``) is the first chat chunk's.
         A client that goes away cancels this generator (Starlette): the request is aborted."""
         model = self.cfg.model
         oid = api.response_id(p.rid, chat=chat)
@@ -1956,8 +1962,7 @@ class RouterService:
                 prompt_tokens = item.prompt_tokens or rreq.prompt_tokens
                 cached = item.cached_tokens
                 if chat:
-                    role = {"role": "assistant", "content": ""}
-                    yield sse(with_usage(api.chat_chunk(oid, created, model, role, None, include_usage)))
+                    yield sse(with_usage(api.chat_chunk(oid, created, model, {"role": role, "content": ""}, None, include_usage)))
                     if echo:  # vLLM: the echoed content is its own chunk, after the role's
                         yield sse(with_usage(api.chat_chunk(oid, created, model, {"content": echo}, None, include_usage)))
                         echo = ""

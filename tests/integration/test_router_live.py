@@ -454,6 +454,9 @@ async def test_bad_requests_get_4xx_with_reasons(nats_url, tmp_path):
             (b"{oops", 400, "JSON is malformed"),
             (b'{"prompt": [1, 2], "max_tokens": "many"}', 400, "$.max_tokens"),
             (b'{"prompt": [1, 100000]}', 400, "outside the vocabulary"),
+            (b'{"prompt": [1, 99999999999]}', 400, "token id 99999999999 is outside the vocabulary"),  # was msgspec's `<= 4294967295`
+            (b'{"prompt": [[-1]]}', 400, "token id -1 is outside the vocabulary"),
+            (b'{"prompt": [7, 99999999999999999999999]}', 400, "token id 99999999999999999999999 is outside"),  # past int64: no 500
             (b'{"prompt": [[1], [2]]}', 400, "batched prompts"),
             (msgspec.json.encode({"prompt": list(range(1001))}), 400, "at most 1000"),
             (b'{"prompt": [1], "model": "gpt-4"}', 404, "not found"),

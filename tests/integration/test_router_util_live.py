@@ -63,7 +63,8 @@ async def test_tokenize_counts_what_a_served_request_uses_and_detokenize_round_t
             ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
             ("/detokenize", {"tokens": [1], "model": "gpt-4"}, 404, "model"),
             ("/tokenize", {"prompt": 5}, 400, "prompt"),
-            ("/tokenize", {"messages": USER, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+            ("/tokenize", {"messages": USER, "continue_final_message": True}, 400, "continue_final_message"),
+            ("/detokenize", {"tokens": [1, 99999999999]}, 400, "tokens[1]"),
             ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0]"),
             ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
         ):
@@ -75,6 +76,48 @@ async def test_tokenize_counts_what_a_served_request_uses_and_detokenize_round_t
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
         assert (await env.http.get("/tokenize")).status_code == 405
         assert env.service.counters.get("http_status.500", 0) == 0
+
+
+async def test_chat_template_options_are_served_as_tokenize_counts_them(nats_url, tmp_path):
+    """``add_generation_prompt`` false and ``continue_final_message`` change the prompt /v1/chat/completions sends
+    (they were silently ignored: the prompt of a fresh assistant turn) and /tokenize counts the same ids (it
+    refused them with a 400); the reply's role is vLLM's; an id past 2^32 in /detokenize gets the vocabulary's
+    message (msgspec's ``Expected `int` <= 4294967295`` before)."""
+    opened = [*USER, {"role": "assistant", "content": "Well, I am"}]
+    tok = SimTokenizer()
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        counts = {}
+        for name, flags in (
+            ("turn", {}), ("no_prompt", {"add_generation_prompt": False}),
+            ("open", {"add_generation_prompt": False, "continue_final_message": True}),
+        ):
+            t = await env.http.post("/tokenize", json={"messages": opened, **flags})
+            assert t.status_code == 200, (name, t.text)
+            served = await env.http.post("/v1/chat/completions", json={"messages": opened, "max_tokens": 1, **flags})
+            assert served.status_code == 200, (name, served.text)
+            assert served.json()["usage"]["prompt_tokens"] == t.json()["count"], name
+            assert np.frombuffer(env.cluster.works[-1].token_ids, "<u4").tolist() == t.json()["tokens"], name
+            assert served.json()["choices"][0]["message"]["role"] == "assistant"
+            counts[name] = t.json()["tokens"]
+        assert counts["turn"] == tok.apply_chat_template(opened)
+        gen_prompt, end_of_turn = len(tok.encode("<|im_start|>assistant\n")), len(tok.encode("<|im_end|>"))
+        assert counts["no_prompt"] == counts["turn"][:-gen_prompt]  # no "<|im_start|>assistant\n"
+        assert counts["open"] == counts["no_prompt"][:-end_of_turn]  # no "<|im_end|>": the turn is left open
+        # without a generation prompt the reply is the last message's role's (vLLM's get_chat_request_role)
+        r = await env.http.post("/v1/chat/completions", json={"messages": USER, "add_generation_prompt": False, "max_tokens": 1})
+        assert r.json()["choices"][0]["message"]["role"] == "user"
+        r = await env.http.post(
+            "/v1/chat/completions",
+            json={"messages": opened, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 1, "stream": True},
+        )
+        assert r.status_code == 200 and '"delta":{"role":"assistant"' in r.text.replace(" ", "")
+        r = await env.http.post("/v1/chat/completions", json={"messages": opened, "continue_final_message": True, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+        p = await env.http.post("/tokenize", json={"prompt": "hi there", "add_special_tokens": False})  # the sim vocabulary has none
+        assert p.status_code == 200 and p.json()["tokens"] == tok.encode("hi there")
+        d = await env.http.post("/detokenize", json={"tokens": [99999999999]})
+        assert d.status_code == 400
+        assert d.json()["error"]["message"] == f"token id 99999999999 is outside the vocabulary [0, {tok.vocab_size})"
 
 
 async def test_version_and_max_model_len(nats_url, tmp_path):
@@ -243,10 +286,10 @@ async def test_a_chat_with_big_tools_is_rendered_off_the_event_loop(nats_url, tm
             def __getattr__(self, name):
                 return getattr(real, name)
 
-            def apply_chat_template(self, messages, tools=None):
+            def apply_chat_template(self, messages, tools=None, **flags):
                 if threading.get_ident() == loop_thread:
                     on_loop.append("apply_chat_template")
-                return real.apply_chat_template(messages, tools)
+                return real.apply_chat_template(messages, tools, **flags)
 
         env.service.tokenizer = Recording()
         env.cluster.gpu_blocks = {"c0": 1000}  # room for the ~24k-token prompt (else a 400 before dispatch)
@@ -377,7 +420,7 @@ async def test_a_big_completion_body_is_parsed_tokenized_and_hashed_off_the_even
         r = await env.http.post("/v1/completions", json={"prompt": ids * 2, "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["message"] == "prompt has 40000 tokens; at most 30000 allowed"
         r = await env.http.post("/v1/completions", json={"prompt": ids + [tok.vocab_size], "max_tokens": 1})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"prompt[{len(ids)}]"  # the id, as /detokenize names tokens[i]
         r = await env.http.post("/v1/completions", json={"prompt": ids, "model": "other"})
         assert r.status_code == 404
         calls.clear()

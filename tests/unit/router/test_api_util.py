@@ -45,11 +45,9 @@ def test_tokenize_picks_chat_by_messages_as_vllm_and_keeps_its_fields():
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
-        ({"messages": USER, "add_generation_prompt": False}, "add_generation_prompt"),
         ({"messages": USER, "continue_final_message": True}, "continue_final_message"),
-        ({"messages": USER, "continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
-        ({"messages": USER, "add_special_tokens": True}, "add_special_tokens"),
-        ({"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+        ({"messages": USER, "add_generation_prompt": "no"}, "add_generation_prompt"),
+        ({"prompt": "x", "add_special_tokens": 0}, "add_special_tokens"),
         ({"prompt": "x", "return_token_strs": "yes"}, "return_token_strs"),
     ],
 )
@@ -63,6 +61,38 @@ def test_tokenize_refuses_both_generation_prompt_and_continue_with_vllms_message
     assert e.reason == "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
 
 
+def test_tokenize_and_chat_take_vllms_chat_template_options():
+    """``add_generation_prompt`` false, ``continue_final_message`` (with it false) and ``add_special_tokens``
+    either way are the router's options on /tokenize and /v1/chat/completions (they were 400s on
+    /tokenize and silently ignored on chat); the chat's reply role follows vLLM's ``get_chat_request_role``."""
+    opened = [*USER, {"role": "assistant", "content": "Once"}]
+    body = {"messages": opened, "add_generation_prompt": False, "continue_final_message": True, "add_special_tokens": True}
+    req = api.parse_tokenize(json.dumps(body).encode())
+    assert isinstance(req, api.TokenizeChatRequest) and req.continue_final_message and not req.add_generation_prompt and req.add_special_tokens
+    req = api.parse_tokenize(b'{"prompt": "x", "add_special_tokens": false}')
+    assert isinstance(req, api.TokenizeCompletionRequest) and not req.add_special_tokens
+    chat = api.parse_chat(json.dumps({**body, "echo": True}).encode())
+    assert chat.continue_final_message and not chat.add_generation_prompt and chat.add_special_tokens
+    assert api.reply_role(chat) == "assistant" and api.chat_echo(chat) == "Once"
+    as_user = api.parse_chat(json.dumps({"messages": USER, "add_generation_prompt": False, "echo": True}).encode())
+    assert api.reply_role(as_user) == "user" and api.chat_echo(as_user) == "hello there"  # vLLM: the last message's role
+    assert api.reply_role(api.parse_chat(json.dumps({"messages": USER}).encode())) == "assistant"
+    assert not api.parse_completion(b'{"prompt": "x", "add_special_tokens": false}')[0].add_special_tokens
+    e = _err(api.parse_chat, {"messages": opened, "continue_final_message": True})
+    assert e.param == "continue_final_message" and e.reason.startswith("Cannot set both")
+
+
+@pytest.mark.parametrize("tokens", [[99999999999], [2**70], [-1], [1, -(2**70)]])
+def test_detokenize_ids_of_any_size_get_the_vocabulary_message(tokens):
+    """An id past 2^32 (or below 0) is the documented ``outside the vocabulary`` 400 naming ``tokens[i]``, not
+    msgspec's ``Expected `int` <= 4294967295`` (the decoder's bound answered first)."""
+    req = api.parse_detokenize(json.dumps({"tokens": tokens}).encode())
+    with pytest.raises(api.ApiError) as e:
+        api.check_token_ids(req.tokens, 1000)
+    bad = len(tokens) - 1
+    assert e.value.reason == f"token id {tokens[bad]} is outside the vocabulary [0, 1000)" and e.value.param == f"tokens[{bad}]"
+
+
 @pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b"[" * 100_000 + b"]" * 100_000])
 def test_tokenize_body_not_an_object_is_a_400(raw):
     assert _err(api.parse_tokenize, raw).status == 400
@@ -73,7 +103,7 @@ def test_detokenize_body_and_vocabulary_check():
     req = api.parse_detokenize(b'{"model": "m", "tokens": [0, 5, 7]}')
     assert req.tokens == [0, 5, 7] and req.model == "m"
     assert api.parse_detokenize(b'{"tokens": []}').tokens == []
-    for body, param in (({"tokens": [1, -1]}, "tokens[1]"), ({"tokens": "1 2"}, "tokens"), ({}, "tokens"), ({"tokens": [1.5]}, "tokens[0]")):
+    for body, param in (({"tokens": "1 2"}, "tokens"), ({}, "tokens"), ({"tokens": [1.5]}, "tokens[0]")):
         e = _err(api.parse_detokenize, body)
         assert e.status == 400 and e.param == param, (body, e.reason, e.param)
     api.check_token_ids([0, 9], 10)

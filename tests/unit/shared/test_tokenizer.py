@@ -303,3 +303,50 @@ def test_hf_encode_falls_back_to_encode_batch_before_tokenizers_0_21(tmp_path):
     tok._tok = Old()
     assert tok.encode(text) == raw.encode(text).ids and calls == ["encode_batch"]
     assert tok.encode(TEXT) == raw.encode(TEXT).ids and calls == ["encode_batch", "encode"]
+
+
+CHAT = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "The answer is "}]
+
+
+def test_sim_chat_template_flags_end_the_chat_where_asked():
+    """``add_generation_prompt`` false ends after the last turn; ``continue_final_message`` leaves the last
+    message open (no ``<|im_end|>``, no new turn); both true is refused; ``add_special_tokens`` changes nothing
+    (the sim vocabulary has none). The router ignored both chat flags before."""
+    tok = SimTokenizer()
+    turns = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nThe answer is <|im_end|>\n"
+    assert tok.apply_chat_template(CHAT) == tok.encode(turns + "<|im_start|>assistant\n")
+    assert tok.apply_chat_template(CHAT, add_generation_prompt=False) == tok.encode(turns)
+    opened = tok.apply_chat_template(CHAT, add_generation_prompt=False, continue_final_message=True)
+    assert opened == tok.encode(turns[: -len("<|im_end|>\n")])
+    assert tok.apply_chat_template(CHAT, add_special_tokens=True) == tok.apply_chat_template(CHAT)
+    assert tok.encode("a b", add_special_tokens=False) == tok.encode("a b")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tok.apply_chat_template(CHAT, continue_final_message=True)
+
+
+def test_hf_chat_template_flags_give_transformers_ids(tmp_path):
+    """The hf tokenizer's ``add_generation_prompt`` / ``continue_final_message`` / ``add_special_tokens`` give
+    the ids of transformers' ``apply_chat_template`` (what vLLM calls), trailing spaces of the final message
+    included; a completion's ``add_special_tokens`` false drops the BOS."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    transformers = pytest.importorskip("transformers")
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    folder = write_bpe_tokenizer(tmp_path / "bpe")
+    tok = load_tokenizer(f"hf:{folder}")
+    ref = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for chat in (CHAT, [*CHAT[:1], {"role": "assistant", "content": "  Sure thing"}]):
+        for flags in ({}, {"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True}):
+            want = ref.apply_chat_template(chat, tokenize=True, return_dict=False, **{"add_generation_prompt": True, **flags})
+            assert tok.apply_chat_template(chat, **flags) == list(want), (chat, flags)
+    assert tok.apply_chat_template(CHAT) != tok.apply_chat_template(CHAT, add_generation_prompt=False)
+    with pytest.raises(ValueError, match="final message"):
+        tok.apply_chat_template([*CHAT[:1], {"role": "assistant", "content": ""}], add_generation_prompt=False, continue_final_message=True)
+    # BOS: the word-level folder's post-processor adds <s> (id 1)
+    (tmp_path / "wl").mkdir()
+    _write_wordlevel_tokenizer(tmp_path / "wl", "{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    wl = load_tokenizer(f"hf:{tmp_path / 'wl'}")
+    assert wl.encode("hello world") == [1, 2, 3] and wl.encode("hello world", add_special_tokens=False) == [2, 3]
+    assert wl.apply_chat_template([{"role": "user", "content": "hello"}]) == [2]
+    assert wl.apply_chat_template([{"role": "user", "content": "hello"}], add_special_tokens=True) == [1, 2]
