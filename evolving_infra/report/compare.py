@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from evolving_infra.report.html import compare_page, fmt_key, label_of
-from evolving_infra.report.metrics import HEADLINE_METRICS
+from evolving_infra.report.metrics import HEADLINE_METRICS, with_derived
 from evolving_infra.report.plots import RunData, plot_compare
 from evolving_infra.report.timeline import timeline_from_builtins
 from evolving_infra.report.write import load_run
@@ -36,6 +36,7 @@ _MORE_ROWS: tuple[tuple[str, bool | None], ...] = (
     ("duration_s", None),
     ("ttft_p50_s", True),
     ("e2e_p50_s", True),
+    ("split_decisions", None),
     ("split_changes", None),
     ("final_split", None),
     ("ttft_prediction_node_abs_error_median_s", True),
@@ -81,6 +82,7 @@ def compare_table(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     non-numbers, or when the first is 0 or None), ``lower_is_better``.
     """
     rows: list[dict[str, Any]] = []
+    reports = [with_derived(r) for r in reports]
     keys: list[tuple[str, str, bool | None]] = [(k, label, lib) for k, label, _, lib in HEADLINE_METRICS]
     keys += [(k, label_of(k), lib) for k, lib in _MORE_ROWS]
     for key, label, lib in keys:

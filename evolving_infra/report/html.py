@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from evolving_infra.report.metrics import HEADLINE_METRICS, fmt_value
+from evolving_infra.report.metrics import HEADLINE_METRICS, fmt_value, with_derived
 from evolving_infra.report.plots import PlotFile
 
 _CSS = """
@@ -46,7 +46,7 @@ _SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("KV cache", ("kv_hit_rate", "ideal_kv_hit_rate", "lost_kv_reuse", "lost_kv_reuse_eviction_share",
                   "prompt_tokens_total", "cached_tokens_total", "completion_tokens_total")),
     ("Prefill queue", ("prefill_queue_mean_s", "prefill_queue_p95_s", "prefill_queue_imbalance", "prefill_queue_samples")),
-    ("PD split", ("switches", "switch_time_mean_s", "split_changes", "final_split")),
+    ("PD split", ("split_decisions", "switches", "switch_time_mean_s", "split_changes", "final_split")),
 )
 
 _LABELS = {k: label for k, label, _, _ in HEADLINE_METRICS} | {
@@ -67,7 +67,8 @@ _LABELS = {k: label for k, label, _, _ in HEADLINE_METRICS} | {
     "cached_tokens_total": "Cached prompt tokens",
     "completion_tokens_total": "Completion tokens",
     "prefill_queue_samples": "Requests reporting queue time",
-    "split_changes": "Split changes",
+    "split_changes": "Split points after launch (one per node step)",
+    "split_decisions": "Planner split decisions",
     "final_split": "Final split",
     "wall_s": "Wall time",
     "sim_speed": "Simulation speed (sim s / wall s)",
@@ -136,6 +137,7 @@ def _page(title: str, body: str) -> str:
 
 
 def _summary_table(report: Mapping[str, Any]) -> str:
+    report = with_derived(report)
     rows: list[str] = []
     shown: set[str] = set()
     for section, keys in _SECTIONS:

@@ -69,7 +69,7 @@ HEADLINE_METRICS: tuple[tuple[str, str, str, bool | None], ...] = (
     ("prefill_queue_mean_s", "Prefill queue mean", "s", True),
     ("prefill_queue_p95_s", "Prefill queue P95", "s", True),
     ("prefill_queue_imbalance", "Prefill queue imbalance (max/mean)", "x", True),
-    ("switches", "Phase switches", "count", None),
+    ("switches", "Node phase switches", "count", None),
     ("switch_time_mean_s", "Time per switch", "s", True),
 )
 """The metrics every view shows (terminal, HTML, compare), in display order."""
@@ -303,6 +303,25 @@ def summarize(
         "ttft_prediction_abs_error_p95_s": _pct(pred_err, 95),
         **node_keys,
     }
+
+
+def split_decisions(report: Mapping[str, Any]) -> int | None:
+    """Planner split decisions of a report (:meth:`RunTimeline.split_decisions` of its ``timeline``), for display
+    next to ``switches`` (node phase switches) and ``split_changes`` (split points, one per node step); derived
+    from ``report["timeline"]``, not a ``report.json`` key. None without a timeline."""
+    tl = report.get("timeline")
+    if not isinstance(tl, Mapping):
+        return None
+    return len({s.get("epoch", 0) for s in tl.get("switches") or () if isinstance(s, Mapping)})
+
+
+def with_derived(report: Mapping[str, Any]) -> dict[str, Any]:
+    """``report`` plus the display-only values derived from it (``split_decisions``, when it has a timeline)."""
+    out = dict(report)
+    decisions = split_decisions(report)
+    if decisions is not None:
+        out["split_decisions"] = decisions
+    return out
 
 
 def timeline_metrics(timeline: RunTimeline | None, *, start: float | None = None, end: float | None = None) -> dict[str, Any]:

@@ -223,6 +223,13 @@ def _split_ticks(ax: Any, timelines: Sequence[RunTimeline]) -> None:
         ax.set_ylim(min(ks) - 0.5, max(ks) + 0.5)
 
 
+def switch_counts(timeline: RunTimeline) -> str:
+    """``"3 split decisions, 9 node phase switches"``: what a split plot's title / legend counts (the planner's
+    decisions and each node's switch, the shaded intervals), so the two are not read as one number."""
+    d, n = timeline.split_decisions(), len(timeline.switches)
+    return f"{d} split decision{'s' if d != 1 else ''}, {n} node phase switch{'es' if n != 1 else ''}"
+
+
 def plot_split(out: Path, report: Mapping[str, Any], timeline: RunTimeline | None) -> PlotFile | None:
     """PD split over time as a step plot of the prefill node count; switch intervals shaded."""
     if timeline is None or not timeline.split_timeline:
@@ -240,8 +247,7 @@ def plot_split(out: Path, report: Mapping[str, Any], timeline: RunTimeline | Non
     ax.set_ylabel("PD split")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    n = len(timeline.switches)
-    ax.set_title(f"PD split over time ({n} switch{'es' if n != 1 else ''})")
+    ax.set_title(f"PD split over time ({switch_counts(timeline)})")
     return PlotFile(_save(fig, out, "split_timeline.png"), "PD split over time",
                     "Prefill node count over time (Figure 7a, C.1); shaded: node switches, decision to serving.")
 
@@ -435,7 +441,7 @@ def compare_split(out: Path, runs: Sequence[RunData]) -> PlotFile | None:
         assert run.timeline is not None
         t0 = _t0(run.report)
         xs, ys = _split_steps(run.timeline, t0, float(run.report.get("end_s") or t0))
-        ax.step(xs, ys, where="post", color=f"C{i % 10}", linewidth=2, alpha=0.8, label=f"{run.label} ({len(run.timeline.switches)} switches)")
+        ax.step(xs, ys, where="post", color=f"C{i % 10}", linewidth=2, alpha=0.8, label=f"{run.label} ({switch_counts(run.timeline)})")
     _split_ticks(ax, [r.timeline for _, r in with_tl if r.timeline is not None])
     ax.set_xlabel("time since first request (min)")
     ax.set_ylabel("PD split")

@@ -70,6 +70,11 @@ class RunTimeline(msgspec.Struct, kw_only=True):
     switches: list[SwitchRecord] = []
     """Completed node phase switches in the order they were applied."""
 
+    def split_decisions(self) -> int:
+        """Planner split decisions that switched at least one node: the distinct epochs of :attr:`switches`
+        (a decision from 6P3D to 3P6D is 3 node phase switches and, on the way, 3 split points, but one decision)."""
+        return len({s.epoch for s in self.switches})
+
     def split_at(self, t: float) -> SplitPoint | None:
         """The split point in force at time ``t`` (None before the first point)."""
         cur: SplitPoint | None = None

@@ -26,6 +26,7 @@ from evolving_infra.report.metrics import (
     fmt_value,
     period_metrics,
     prefill_queue_by_node,
+    split_decisions,
     summarize,
     time_series,
     timeline_metrics,
@@ -216,8 +217,10 @@ def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None
             f"imbalance {fmt_value(g('prefill_queue_imbalance'), 'x')} (most loaded / mean, per minute)"
         )
     if g("switches") is not None:
+        n_decisions = split_decisions(report)
+        decisions = "" if n_decisions is None else f"split decisions {n_decisions}  "
         lines.append(
-            f"PD split   final {g('final_split') or '-'}  switches {g('switches')}  "
+            f"PD split   final {g('final_split') or '-'}  {decisions}node phase switches {g('switches')}  "
             f"time per switch {fmt_seconds(g('switch_time_mean_s'))}"
         )
     elif g("final_split"):
@@ -230,7 +233,7 @@ def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None
         )
         if g("ttft_prediction_abs_error_median_s") is not None:
             lines.append(
-                f"  vs client TTFT median {fmt_seconds(g('ttft_prediction_abs_error_median_s'))} "
+                f"  |error| vs client TTFT: median {fmt_seconds(g('ttft_prediction_abs_error_median_s'))} "
                 f"(adds the control plane, router → node → client, which it does not predict)"
             )
     elif g("ttft_prediction_abs_error_median_s") is not None:

@@ -13,8 +13,9 @@ from PIL import Image
 
 from evolving_infra.cli import main
 from evolving_infra.report.compare import compare_table
+from evolving_infra.report.timeline import RunTimeline
 
-from .helpers import make_run
+from .helpers import make_run, switching_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -78,7 +79,8 @@ def test_report_show_redraws_from_disk(tmp_path: Path, capsys: pytest.CaptureFix
     assert not list(run.glob("*.png")) and not (run / "report.html").exists()
     assert main(["report", "show", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "TTFT" in out and "PD split   final 3P1D  switches 3" in out
+    # 2 planner decisions moved 3 nodes: the line said only "switches 3", read as 3 split changes
+    assert "TTFT" in out and "PD split   final 3P1D  split decisions 2  node phase switches 3" in out
     files, _ = check_page(run / "report.html")
     assert "split_timeline.png" in files and "ttft_cdf.png" in files
 
@@ -112,6 +114,19 @@ def test_report_compare_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert rows["ttft_mean_s"]["ratios"][1] == pytest.approx(2.0)
     assert rows["e2e_p95_s"]["ratios"][1] == pytest.approx(2.0)
     assert rows["switches"]["values"] == [3, None] and rows["switches"]["ratios"] == [None, None]
+    assert rows["switches"]["label"] == "Node phase switches"
+    assert rows["split_decisions"]["values"] == [2, None] and rows["split_decisions"]["label"] == "Planner split decisions"
+    assert rows["split_changes"]["label"] == "Split points after launch (one per node step)"
+    assert "Planner split decisions" in text and "Split changes" not in text
+
+
+def test_split_plot_title_counts_decisions_and_node_switches():
+    """The split plot's title said "(3 switches)" for 2 planner decisions that moved 3 nodes."""
+    from evolving_infra.report.plots import switch_counts
+
+    tl = switching_timeline()
+    assert switch_counts(tl) == "2 split decisions, 3 node phase switches"
+    assert switch_counts(RunTimeline()) == "0 split decisions, 0 node phase switches"
 
 
 def test_compare_table_ratios_and_missing():
@@ -216,7 +231,7 @@ def test_summary_labels_what_the_ttft_prediction_error_compares(capsys: pytest.C
                    "ttft_prediction_node_abs_error_p95_s": 1.5, "meta": {}})
     out = capsys.readouterr().out
     assert "TTFT prediction |error| median 0.280 s p95 1.500 s (router's prediction vs the prefill node's arrival" in out
-    assert "vs client TTFT median 10.555 s (adds the control plane" in out
+    assert "  |error| vs client TTFT: median 10.555 s (adds the control plane" in out
     print_summary({"ttft_prediction_abs_error_median_s": 0.125, "meta": {}})  # simulator: one figure, labelled
     assert "TTFT prediction |error| median 0.125 s (router's prediction vs client TTFT" in capsys.readouterr().out
 
