@@ -157,8 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status.
 
     Ctrl-C (``KeyboardInterrupt``) anywhere in a command that does not handle it itself (``trace``,
-    ``report``, ``tap``, ``fidelity``, ...; ``up``, ``demo``, ``replay`` and ``simulate`` stop in their
-    own way) ends it with one line on stderr and status :data:`INTERRUPTED`, not a traceback; the
+    ``report``, ``fidelity``, ...; ``up`` and ``tap`` stop cleanly with status 0, ``demo`` stops its cluster and
+    returns 130, ``replay`` writes what completed and returns 130, ``simulate`` prints its own line and returns 130)
+    ends it with one line on stderr and status :data:`INTERRUPTED`, not a traceback; the
     writers it interrupts remove what they had begun (``OUT.tmp``, the folders made for it) as the
     exception passes through them.
     """
