@@ -33,7 +33,7 @@ import numpy as np
 from msgspec import Meta
 
 from evolving_infra.traces.inflate import InflateAhead
-from evolving_infra.traces.io import PACK_MAGIC, TraceError, _request_type, _scan, _Validator, paused_gc
+from evolving_infra.traces.io import PACK_MAGIC, TraceError, _request_type, _scan_runs, _Validator, paused_gc
 from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceHeader, TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechain_blocks, rechunk_blocks, shared_prefix_len
 from shared.values import Value
@@ -499,145 +499,164 @@ class _TextBuilder(_Builder):
         -1: not searched): the previous line's search past its ids, which finds the next line's."""
 
     def feed(self, line: int, buf: bytes, s: int, e: int) -> None:
-        """Take line ``line`` (1-based) of the file, ``buf[s:e]`` (its end excluded).
+        """Take line ``line`` (1-based) of the file, ``buf[s:e]`` (its end excluded): :meth:`feed_run`
+        of that one line."""
+        self.feed_run(line - 1, buf, [s], [e])
 
+    def feed_run(self, line: int, buf: bytes, starts: list[int], ends: list[int]) -> int:
+        """Take the lines of a :data:`~evolving_infra.traces.io.Run` (line ``i`` is
+        ``buf[starts[i]:ends[i]]``, its end excluded), the lines after line ``line`` (1-based) of the
+        file; returns the number of the last. One call a run, the loop over its lines written here
+        (no call, generator step or attribute look-up of the reader's state per line).
         The usual line (cut by :func:`_stub_and_text`'s fast path; a request that extends its
         reference's text) is taken here in one frame: the steps of :meth:`_split`,
         :meth:`_Validator.feed_checked`, :meth:`BlockStore.add_segment` and :meth:`_added` written
         out, the same values in the same order (~40% of the Python time per line of reading a
         16,000-request trace was calls and attribute look-ups between those). Any other line
         takes :meth:`_feed_split`, the general path."""
-        if line == 1:
-            self.v.feed(1, buf[s:e])
-            return
-        # _stub_and_text's cut, its checks in fewer calls (each bytes.find with bounds costs more in
-        # parsing its arguments than in searching): the first "blocks" token followed by ":[" is
-        # the first _KEY with no "blocks" token before it; no backslash anywhere in the line is
-        # stricter than none outside the array (a line with one goes the general way, which
-        # takes it or not as before). The line is searched for one only when its chunk holds one
-        # (one search of the chunk, ~1,200 instructions of a call saved per line: the usual
-        # trace has none)
-        # The line's first "blocks" token is the one the previous line's search past its ids found,
-        # when that search ran over this chunk from before this line and found none before it
-        # (a token never crosses a line's end): one bytes.find call fewer a line.
         if buf is not self._chunk:
             self._chunk = buf
             self._chunk_bs = buf.find(b"\\") >= 0
             self._name_from = -1
-        at = self._name_at
-        if 0 <= self._name_from <= s and (at < 0 or at >= s):
-            i = at if at < e else -1
-        else:
-            i = buf.find(_NAME, s, e)
-        if (i < 0 or i + 10 > e or buf[i + 8] != _COLON or buf[i + 9] != _OPEN
-                or (self._chunk_bs and buf.find(b"\\", s, e) >= 0)):
-            return self._feed_split(line, buf, s, e)
-        j = buf.find(b"]", i, e)
-        if j < 0:
-            return self._feed_split(line, buf, s, e)
-        at = buf.find(_NAME, j)  # past this line too: the next line's first, if this line has no other
-        self._name_from = j
-        self._name_at = at
-        if 0 <= at < e:
-            return self._feed_split(line, buf, s, e)
-        try:
-            req = _REQUEST_DECODER.decode(buf[s : i + 10] + b"0" + buf[j:e])
-        except msgspec.DecodeError:
-            return self._feed_split(line, buf, s, e)
-        probe = req.blocks
-        if probe != [0]:
-            return self._feed_split(line, buf, s, e)
-        probe.clear()  # the stub: the decoded request, its own list emptied (equal to replace(req, blocks=[]), one struct fewer)
-        stub = req
-        a, b = i + 9, j + 1  # the ids' text is buf[a:b], "[" to "]"
-        branch = stub.branch
-        last_branch = self.last_branch
-        ref = last_branch.get(branch)
-        if ref is None and stub.parent_branch is not None:
-            ref = last_branch.get(stub.parent_branch)
-        if ref is None:
-            ref = self.last_agent.get(stub.agent)
-        store = self.store
-        depths = store._depth
-        k = 0
-        r = -1
-        try:
-            if ref is not None and depths[ref[0]] + 1 < KEYFRAME_DEPTH:
-                r, (ref_text, ref_n) = ref
-                p = a + len(ref_text)
-                if ref_n and buf.startswith(ref_text, a, b) and buf[p] in _DELIMS:  # shared_text_prefix's usual case
-                    k, d = ref_n, p
-                else:
-                    k, d = shared_text_prefix(ref_text, ref_n, buf, a, b)
-            if k == 0:
-                new = _IDS_DECODER.decode(memoryview(buf)[a:b])
-                r = -1
-            elif buf[d] == _CLOSE:  # every id shared
-                new = []
-            else:
-                new = _IDS_DECODER.decode(b"[" + buf[d + 1 : b])
-                if not new:  # ",]"
-                    raise msgspec.DecodeError("a comma before the array's end")
-        except msgspec.DecodeError:  # the validator's own decode and report
-            return self._feed_invalid(line, buf, s, e)
-        n = k + len(new)
-        # _Validator._check_request(line, stub, ids_checked=True, n_blocks=n), its usual case written
-        # out (~1 µs of its ~2.5 a line): a new id; the id count its tokens give; no `after`, or one
-        # request of the same agent; a branch of that agent open already, neither kind nor parent set.
-        # Any other line takes the call, which finds and records exactly what it did before.
+        chunk_bs, name_from, name_at = self._chunk_bs, self._name_from, self._name_at
+        find = buf.find
+        startswith = buf.startswith
+        decode = _REQUEST_DECODER.decode
+        decode_ids = _IDS_DECODER.decode
         v = self.v
-        rid = stub.id
-        agent = stub.agent
-        vids = v.ids
-        br = v.branches.get(branch)
-        after = stub.after
-        bs = v.block_size
-        if (br is not None and br.agent == agent and not br.ended_line and rid not in vids
-                and (not after or (len(after) == 1 and vids.get(after[0]) == agent))
-                and stub.kind is None and stub.parent_branch is None and bs is not None and n == stub.input_tokens // bs):
-            vids[rid] = agent
-            v.id_line[rid] = line
-            br.last_line = line
+        vids, id_line, branches, problems = v.ids, v.id_line, v.branches, v.problems
+        last_branch, last_agent, index, stubs = self.last_branch, self.last_agent, self.index, self.stubs
+        store = self.store
+        depths, ks, refs, off, flat = store._depth, store._k, store._ref, store._off, store._flat
+        prevs, branch_of = store._prev, store._branch
+        for s, e in zip(starts, ends):
+            line += 1
+            if line == 1:
+                self.v.feed(1, buf[s:e])
+                continue
+            # _stub_and_text's cut, its checks in fewer calls (each bytes.find with bounds costs more in
+            # parsing its arguments than in searching): the first "blocks" token followed by ":[" is
+            # the first _KEY with no "blocks" token before it; no backslash anywhere in the line is
+            # stricter than none outside the array (a line with one goes the general way, which
+            # takes it or not as before). The line is searched for one only when its chunk holds one
+            # (one search of the chunk, ~1,200 instructions of a call saved per line: the usual
+            # trace has none)
+            # The line's first "blocks" token is the one the previous line's search past its ids found,
+            # when that search ran over this chunk from before this line and found none before it
+            # (a token never crosses a line's end): one bytes.find call fewer a line.
+            at = name_at
+            if 0 <= name_from <= s and (at < 0 or at >= s):
+                i = at if at < e else -1
+            else:
+                i = find(_NAME, s, e)
+            if (i < 0 or i + 10 > e or buf[i + 8] != _COLON or buf[i + 9] != _OPEN
+                    or (chunk_bs and find(b"\\", s, e) >= 0)):
+                self._feed_split(line, buf, s, e)
+                continue
+            j = find(b"]", i, e)
+            if j < 0:
+                self._feed_split(line, buf, s, e)
+                continue
+            at = find(_NAME, j)  # past this line too: the next line's first, if this line has no other
+            name_from = j
+            name_at = at
+            if 0 <= at < e:
+                self._feed_split(line, buf, s, e)
+                continue
+            try:
+                req = decode(buf[s : i + 10] + b"0" + buf[j:e])
+            except msgspec.DecodeError:
+                self._feed_split(line, buf, s, e)
+                continue
+            probe = req.blocks
+            if probe != [0]:
+                self._feed_split(line, buf, s, e)
+                continue
+            probe.clear()  # the stub: the decoded request, its own list emptied (equal to replace(req, blocks=[]), one struct fewer)
+            stub = req
+            a, b = i + 9, j + 1  # the ids' text is buf[a:b], "[" to "]"
+            branch = stub.branch
+            ref = last_branch.get(branch)
+            if ref is None and stub.parent_branch is not None:
+                ref = last_branch.get(stub.parent_branch)
+            if ref is None:
+                ref = last_agent.get(stub.agent)
+            k = 0
+            r = -1
+            try:
+                if ref is not None and depths[ref[0]] + 1 < KEYFRAME_DEPTH:
+                    r, (ref_text, ref_n) = ref
+                    p = a + len(ref_text)
+                    if ref_n and startswith(ref_text, a, b) and buf[p] in _DELIMS:  # shared_text_prefix's usual case
+                        k, d = ref_n, p
+                    else:
+                        k, d = shared_text_prefix(ref_text, ref_n, buf, a, b)
+                if k == 0:
+                    new = decode_ids(memoryview(buf)[a:b])
+                    r = -1
+                elif buf[d] == _CLOSE:  # every id shared
+                    new = []
+                else:
+                    new = decode_ids(b"[" + buf[d + 1 : b])
+                    if not new:  # ",]"
+                        raise msgspec.DecodeError("a comma before the array's end")
+            except msgspec.DecodeError:  # the validator's own decode and report
+                self._feed_invalid(line, buf, s, e)
+                continue
+            n = k + len(new)
+            # _Validator._check_request(line, stub, ids_checked=True, n_blocks=n), its usual case written
+            # out (~1 µs of its ~2.5 a line): a new id; the id count its tokens give; no `after`, or one
+            # request of the same agent; a branch of that agent open already, neither kind nor parent set.
+            # Any other line takes the call, which finds and records exactly what it did before.
+            rid = stub.id
+            agent = stub.agent
+            br = branches.get(branch)
+            after = stub.after
+            bs = v.block_size
+            if (br is not None and br.agent == agent and not br.ended_line and rid not in vids
+                    and (not after or (len(after) == 1 and vids.get(after[0]) == agent))
+                    and stub.kind is None and stub.parent_branch is None and bs is not None and n == stub.input_tokens // bs):
+                vids[rid] = agent
+                id_line[rid] = line
+                br.last_line = line
+                if stub.ends_branch:
+                    br.ended_line = line
+            else:
+                n_before = len(problems)
+                v._check_request(line, stub, ids_checked=True, n_blocks=n)
+                if len(problems) != n_before:
+                    continue
+            # BlockStore.add_segment(new, k, branch, r)
+            if k:
+                depth = depths[r] + 1
+                pos, at = k - 1, r  # BlockStore.id_at(r, k - 1)
+                while pos < ks[at]:
+                    at = refs[at]
+                q = off[at] + pos - ks[at]
+                if q >= off[at + 1]:
+                    raise IndexError(f"request {at} has no id {pos}")
+                prev = flat[q]
+            else:
+                depth, prev = 0, -1
+            refs.append(r)
+            ks.append(k)
+            depths.append(depth)
+            prevs.append(prev)
+            flat.fromlist(new)
+            off.append(len(flat))
+            branch_of.append(branch)
+            idx = len(refs) - 1
+            # _Builder._added(stub, idx, (text, n))
+            index[rid] = idx
+            stubs.append(stub)
+            entry = (idx, (buf[a : b - 1], n))
             if stub.ends_branch:
-                br.ended_line = line
-        else:
-            problems = v.problems
-            n_before = len(problems)
-            v._check_request(line, stub, ids_checked=True, n_blocks=n)
-            if len(problems) != n_before:
-                return
-        # BlockStore.add_segment(new, k, branch, r)
-        if k:
-            depth = depths[r] + 1
-            ks, refs, off = store._k, store._ref, store._off
-            pos, at = k - 1, r  # BlockStore.id_at(r, k - 1)
-            while pos < ks[at]:
-                at = refs[at]
-            q = off[at] + pos - ks[at]
-            if q >= off[at + 1]:
-                raise IndexError(f"request {at} has no id {pos}")
-            prev = store._flat[q]
-        else:
-            depth, prev = 0, -1
-        store._ref.append(r)
-        store._k.append(k)
-        depths.append(depth)
-        store._prev.append(prev)
-        flat = store._flat
-        flat.fromlist(new)
-        store._off.append(len(flat))
-        store._branch.append(branch)
-        idx = len(store._ref) - 1
-        # _Builder._added(stub, idx, (text, n))
-        self.index[stub.id] = idx
-        self.stubs.append(stub)
-        entry = (idx, (buf[a : b - 1], n))
-        if stub.ends_branch:
-            last_branch.pop(branch, None)
-        else:
-            last_branch[branch] = entry
-        self.last_agent[stub.agent] = entry
-        return None
+                last_branch.pop(branch, None)
+            else:
+                last_branch[branch] = entry
+            last_agent[agent] = entry
+        self._name_from, self._name_at = name_from, name_at
+        return line
 
     def _feed_split(self, line: int, buf: bytes, s: int, e: int) -> None:
         """:meth:`feed` of a line its fast path does not take: :meth:`_split`, then the validator."""
@@ -712,8 +731,7 @@ def read_trace_compact(path: str | os.PathLike[str], *, ahead: InflateAhead | No
     v = _Validator()
     b = _TextBuilder(v)
     with paused_gc():
-        for _ in _scan(path, v, b.feed, ahead):
-            pass
+        _scan_runs(path, v, b.feed_run, ahead)
     if v.problems:
         raise TraceError(path, v.problems)
     assert v.header is not None

@@ -34,9 +34,12 @@ import gc
 import gzip
 import os
 import zlib
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from io import BytesIO
+from itertools import accumulate, repeat
 from pathlib import Path
 from typing import IO, Any
 
@@ -208,48 +211,79 @@ def _one_member(f: IO[bytes]) -> Iterator[bytes]:
     return one_member(f, _CHUNK)
 
 
-def _spans(chunks: Iterable[bytes], hold: int) -> Iterator[Span]:
-    """The lines of the concatenated ``chunks`` as :data:`Span` s, none copied but a line that
-    crosses a chunk's end; a line only once ``hold`` more bytes follow it, or the chunks have
-    ended (an error raised by ``chunks`` comes before the lines it holds back). A last line without
-    its end keeps a ``\\r`` at its end (as reading the file line by line gives it)."""
-    held: deque[tuple[bytes, int, int, int]] = deque()  # (buf, start, end, bytes read to its end)
+Run = tuple[bytes, list[int], list[int]]
+"""Lines of one buffer as ``(buf, starts, ends)``: line ``i`` is ``buf[starts[i]:ends[i]]``, as a
+:data:`Span` (``traces.compact`` takes a whole run in one call: no generator step per line)."""
+
+
+def _span_runs(chunks: Iterable[bytes], hold: int) -> Iterator[Run]:
+    """The lines of the concatenated ``chunks`` as :data:`Run` s, none copied but a line that
+    crosses a chunk's end (its own run); a line only once ``hold`` more bytes follow it, or the
+    chunks have ended (an error raised by ``chunks`` comes before the lines it holds back). A last
+    line without its end keeps a ``\\r`` at its end (as reading the file line by line gives it).
+
+    A chunk's line ends are found in C (``io.BytesIO.readlines``, which finds them with
+    ``memchr``, and ``itertools.accumulate`` of the lines' lengths), not by a ``bytes.find`` call
+    per line (~1,200 instructions, most of them parsing its arguments)."""
+    held: deque[list[Any]] = deque()  # [buf, starts, ends, newline indices, base, lines given]
     total = 0  # bytes read
     rest: list[bytes] = []  # pieces of a line not ended yet
-    find = bytes.find
+    minus1 = (-1).__add__
     for buf in chunks:
         base, total = total, total + len(buf)
-        nl = find(buf, b"\n")
+        nl = buf.find(b"\n")
         if nl < 0:
             rest.append(buf)
             continue
+        parts = BytesIO(buf).readlines()  # memchr: bytes.split and bytes.count step byte by byte
+        tail = parts.pop() if buf[-1] != 10 else None  # a line not ended yet
+        cum = list(accumulate(map(len, parts)))  # cum[j] - 1: the newline that ends parts[j]
         if rest:
-            rest.append(buf[:nl])
+            rest.append(parts[0][:-1])
             line = b"".join(rest)
             rest = []
-            held.append((line, 0, len(line), base + nl + 1))
+            n = len(line)
+            held.append([line, [0], [n - 1 if n and line[-1] == 13 else n], [n], base + nl - n, 0])
+            starts = cum[:-1]
+            nls = list(map(minus1, cum[1:]))
         else:
-            held.append((buf, 0, nl, base + nl + 1))
-        s = nl + 1
-        nl = find(buf, b"\n", s)
-        while nl >= 0:
-            held.append((buf, s, nl, base + nl + 1))
-            s = nl + 1
-            nl = find(buf, b"\n", s)
-        if s < len(buf):
-            rest.append(buf[s:])
-        while held and total - held[0][3] >= hold:
-            b, s, e, _ = held.popleft()
-            yield b, s, e - 1 if e > s and b[e - 1] == 13 else e
-    for b, s, e, _ in held:
-        yield b, s, e - 1 if e > s and b[e - 1] == 13 else e
+            starts = [0, *cum[:-1]]
+            nls = list(map(minus1, cum))
+        if nls:
+            ends = nls
+            if buf.find(b"\r") >= 0:
+                ends = [e - 1 if e > s and buf[e - 1] == 13 else e for s, e in zip(starts, nls)]
+            held.append([buf, starts, ends, nls, base, 0])
+        if tail is not None:
+            rest.append(tail)
+        lim = total - hold  # a line is given once base + its newline + 1 <= lim
+        while held:
+            run = held[0]
+            b, ss, es, nls, rb, pos = run
+            k = bisect_right(nls, lim - rb - 1, pos)
+            if k == len(nls):
+                held.popleft()
+                yield (b, ss, es) if pos == 0 else (b, ss[pos:], es[pos:])
+                continue
+            if k > pos:
+                run[5] = k
+                yield b, ss[pos:k], es[pos:k]
+            break
+    for b, ss, es, _, _, pos in held:
+        yield (b, ss, es) if pos == 0 else (b, ss[pos:], es[pos:])
     if rest:  # a last line without its end
         line = b"".join(rest)
-        yield line, 0, len(line)
+        yield line, [0], [len(line)]
 
 
-def _line_spans(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Iterator[Span]:
-    """The lines of a trace file, gzip or plain, in order, as :data:`Span` s. A compressed file
+def _spans(chunks: Iterable[bytes], hold: int) -> Iterator[Span]:
+    """:func:`_span_runs`, line by line."""
+    for buf, starts, ends in _span_runs(chunks, hold):
+        yield from zip(repeat(buf), starts, ends)
+
+
+def _line_runs(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Iterator[Run]:
+    """The lines of a trace file, gzip or plain, in order, as :data:`Run` s. A compressed file
     that is one clean gzip member (what :func:`write_trace` writes) is inflated by zlib in large
     chunks; any other (several members, padding, truncated or corrupt data) is read on by
     ``gzip``'s own reader from the first line not yet given, so every line, and the error after
@@ -265,18 +299,18 @@ def _line_spans(path: str | os.PathLike[str], ahead: InflateAhead | None = None)
     try:
         with open(path, "rb") as f:
             if f.read(len(PACK_MAGIC)) == PACK_MAGIC:  # binary: its magic is its one line, for the problem that names it
-                yield PACK_MAGIC, 0, len(PACK_MAGIC)
+                yield PACK_MAGIC, [0], [len(PACK_MAGIC)]
                 return
             f.seek(0)
             if f.read(2) != _GZIP_MAGIC:
                 f.seek(0)
-                yield from _spans(iter(lambda: f.read(_CHUNK), b""), 0)
+                yield from _span_runs(iter(lambda: f.read(_CHUNK), b""), 0)
                 return
             f.seek(0)
             try:
-                for span in _spans(_one_member(f) if ahead is None else ahead.chunks(), _HOLD):
-                    n += 1
-                    yield span
+                for run in _span_runs(_one_member(f) if ahead is None else ahead.chunks(), _HOLD):
+                    n += len(run[1])
+                    yield run
                 return
             except (_NotOneMember, zlib.error):
                 pass
@@ -287,7 +321,13 @@ def _line_spans(path: str | os.PathLike[str], ahead: InflateAhead | None = None)
         for i, raw in enumerate(g, start=1):
             if i > n:
                 raw = _strip_eol(raw)
-                yield raw, 0, len(raw)
+                yield raw, [0], [len(raw)]
+
+
+def _line_spans(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Iterator[Span]:
+    """:func:`_line_runs`, line by line, as :data:`Span` s."""
+    for buf, starts, ends in _line_runs(path, ahead):
+        yield from zip(repeat(buf), starts, ends)
 
 
 def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
@@ -510,7 +550,25 @@ def _scan(path: str | os.PathLike[str], v: "_Validator", feed: Callable[[int, by
             if req is not None:
                 yield req
     except _READ_ERRORS as e:
-        v._bad(n + 1, f"unreadable compressed data after line {n}: {e}")
+        _unreadable(v, n, e)
+    v.finish(n)
+
+
+def _unreadable(v: "_Validator", n: int, e: Exception) -> None:
+    v._bad(n + 1, f"unreadable compressed data after line {n}: {e}")
+
+
+def _scan_runs(path: str | os.PathLike[str], v: "_Validator", feed_run: Callable[[int, bytes, list[int], list[int]], int],
+               ahead: InflateAhead | None = None) -> None:
+    """:func:`_scan` of a reader that takes a :data:`Run` at a time: ``feed_run(lines before,
+    buf, starts, ends)`` takes the run's lines and returns the lines read so far; then
+    ``v.finish``. The same problems, at the same lines, as :func:`_scan`."""
+    n = 0
+    try:
+        for buf, starts, ends in _line_runs(path, ahead):
+            n = feed_run(n, buf, starts, ends)
+    except _READ_ERRORS as e:
+        _unreadable(v, n, e)
     v.finish(n)
 
 
