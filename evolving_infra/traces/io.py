@@ -38,8 +38,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from io import BytesIO
-from itertools import accumulate, repeat
+from itertools import repeat
 from pathlib import Path
 from typing import IO, Any
 
@@ -220,42 +219,40 @@ def _span_runs(chunks: Iterable[bytes], hold: int) -> Iterator[Run]:
     """The lines of the concatenated ``chunks`` as :data:`Run` s, none copied but a line that
     crosses a chunk's end (its own run); a line only once ``hold`` more bytes follow it, or the
     chunks have ended (an error raised by ``chunks`` comes before the lines it holds back). A last
-    line without its end keeps a ``\\r`` at its end (as reading the file line by line gives it).
-
-    A chunk's line ends are found in C (``io.BytesIO.readlines``, which finds them with
-    ``memchr``, and ``itertools.accumulate`` of the lines' lengths), not by a ``bytes.find`` call
-    per line (~1,200 instructions, most of them parsing its arguments)."""
+    line without its end keeps a ``\\r`` at its end (as reading the file line by line gives it)."""
     held: deque[list[Any]] = deque()  # [buf, starts, ends, newline indices, base, lines given]
     total = 0  # bytes read
     rest: list[bytes] = []  # pieces of a line not ended yet
-    minus1 = (-1).__add__
+    find = bytes.find
     for buf in chunks:
         base, total = total, total + len(buf)
         nl = buf.find(b"\n")
         if nl < 0:
             rest.append(buf)
             continue
-        parts = BytesIO(buf).readlines()  # memchr: bytes.split and bytes.count step byte by byte
-        tail = parts.pop() if buf[-1] != 10 else None  # a line not ended yet
-        cum = list(accumulate(map(len, parts)))  # cum[j] - 1: the newline that ends parts[j]
         if rest:
-            rest.append(parts[0][:-1])
+            rest.append(buf[:nl])
             line = b"".join(rest)
             rest = []
             n = len(line)
             held.append([line, [0], [n - 1 if n and line[-1] == 13 else n], [n], base + nl - n, 0])
-            starts = cum[:-1]
-            nls = list(map(minus1, cum[1:]))
+            starts, nls = [], []
         else:
-            starts = [0, *cum[:-1]]
-            nls = list(map(minus1, cum))
+            starts, nls = [0], [nl]
+        s = nl + 1
+        nl = find(buf, b"\n", s)
+        while nl >= 0:
+            starts.append(s)
+            nls.append(nl)
+            s = nl + 1
+            nl = find(buf, b"\n", s)
         if nls:
             ends = nls
-            if buf.find(b"\r") >= 0:
+            if find(buf, b"\r") >= 0:
                 ends = [e - 1 if e > s and buf[e - 1] == 13 else e for s, e in zip(starts, nls)]
             held.append([buf, starts, ends, nls, base, 0])
-        if tail is not None:
-            rest.append(tail)
+        if s < len(buf):
+            rest.append(buf[s:])
         lim = total - hold  # a line is given once base + its newline + 1 <= lim
         while held:
             run = held[0]
