@@ -264,3 +264,20 @@ def test_coarsened_names_a_request_whose_id_count_is_not_the_one_given() -> None
     j = len(lengths) // 2
     with pytest.raises(ValueError, match=f"request {j} holds {lengths[j]} ids, not {lengths[j] + 1}"):
         ct.store.coarsened(2, lengths[:j] + [lengths[j] + 1] + lengths[j + 1 :])
+
+
+def test_the_store_read_holds_its_tables_as_arrays(tmp_path: Path) -> None:
+    """The reader appends to the per-request tables as lists (``BlockStore._as_lists``) and hands
+    back arrays of the store's own types: what ``nbytes``, ``coarsened``, ``chained`` and the packer
+    read with numpy."""
+    reqs = _random_requests(7)
+    path = tmp_path / "t.jsonl"
+    write_trace(path, HEADER, reqs)
+    got = read_trace_compact(path)
+    want = compact_requests(HEADER, read_trace(path).requests)
+    for name in STORE_ARRAYS[:-1]:
+        a, b = getattr(got.store, name), getattr(want.store, name)
+        assert type(a) is type(b) and a.typecode == b.typecode and a == b, name
+    assert got.store.nbytes == want.store.nbytes
+    assert got.store.chained() == want.store.chained()
+    assert got.at_block_size(2 * BS).requests_with_blocks() == want.at_block_size(2 * BS).requests_with_blocks()
