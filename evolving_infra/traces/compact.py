@@ -159,6 +159,26 @@ class BlockStore:
                 a.frombytes(_pack(f"{len(t)}{code}", *t))
             setattr(self, name, a)
 
+    def prefix(self, i: int, k: int) -> list[int]:
+        """The first ``k`` ids of request ``i`` (``k`` at most its length) as a new list, taken from
+        the stored segments (the rebuild cache of :meth:`blocks` neither read nor changed).
+
+        Raises:
+            IndexError: ``i`` is not a stored request.
+        """
+        flat, off, ks, refs = self._flat, self._off, self._k, self._ref
+        pieces: list[list[int]] = []
+        while k:
+            ki = ks[i]
+            if ki < k:
+                pieces.append(flat[off[i] : off[i] + k - ki].tolist())
+                k = ki
+            i = refs[i]
+        out: list[int] = []
+        for piece in reversed(pieces):
+            out += piece
+        return out
+
     def depth(self, i: int) -> int:
         """References followed to rebuild request ``i`` from stored ids alone (0: a keyframe)."""
         return self._depth[i]
@@ -607,7 +627,7 @@ class _TextBuilder(_Builder):
             k = 0
             r = -1
             try:
-                if ref is not None and depths[ref[0]] + 1 < KEYFRAME_DEPTH:
+                if ref is not None:
                     r, (ref_text, ref_n) = ref
                     p = a + len(ref_text)
                     if ref_n and startswith(ref_text, a, b) and buf[p] in _DELIMS:  # shared_text_prefix's usual case
@@ -626,6 +646,12 @@ class _TextBuilder(_Builder):
             except msgspec.DecodeError:  # the validator's own decode and report
                 pend, base = self._general(self._feed_invalid, pend, line, buf, s, e)
                 continue
+            if k and depths[r] + 1 >= KEYFRAME_DEPTH:  # a keyframe stores every id: the shared ones
+                _store_ids(flat, pend)  # copied from the store, not decoded again (~560 instructions an id)
+                pend = []
+                base = len(flat)
+                new = store.prefix(r, k) + new
+                k, r = 0, -1
             n = k + len(new)
             # _Validator._check_request(line, stub, ids_checked=True, n_blocks=n), its usual case written
             # out (~1 µs of its ~2.5 a line): a new id; the id count its tokens give; no `after`, or one

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from evolving_infra.traces import io as tio
-from evolving_infra.traces.compact import compact_requests, read_trace_compact, shared_text_prefix
+from evolving_infra.traces.compact import KEYFRAME_DEPTH, compact_requests, read_trace_compact, shared_text_prefix
 from evolving_infra.traces.io import TraceError, read_trace, write_trace
 from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceRequest
 from tests.unit.traces.test_compact import BS, HEADER
@@ -281,3 +281,25 @@ def test_the_store_read_holds_its_tables_as_arrays(tmp_path: Path) -> None:
     assert got.store.nbytes == want.store.nbytes
     assert got.store.chained() == want.store.chained()
     assert got.at_block_size(2 * BS).requests_with_blocks() == want.at_block_size(2 * BS).requests_with_blocks()
+
+
+def test_a_keyframe_holds_every_id_its_reference_chain_gives(tmp_path: Path) -> None:
+    """A request whose reference chain would reach KEYFRAME_DEPTH stores all its ids: those it shares
+    are copied from the store (``BlockStore.prefix``), the rest decoded; the store equals the one
+    decoding every id gives, keyframes and all."""
+    n = 2 * KEYFRAME_DEPTH + 5
+    reqs, blocks = [], []
+    for j in range(n):
+        blocks = blocks + [1000 * j + x for x in range(1 + j % 3)]
+        if j % 7 == 6:  # no new id: the whole reference shared
+            blocks = blocks[:-1] if j % 2 else blocks
+        reqs.append(TraceRequest(id=f"r{j}", agent="a", branch="a:main", input_tokens=len(blocks) * BS + 1, output_tokens=1,
+                                 blocks=list(blocks), kind="main" if j == 0 else None, after=[f"r{j - 1}"] if j else [],
+                                 ends_branch=j == n - 1))
+    path = tmp_path / "k.jsonl"
+    write_trace(path, HEADER, reqs)
+    got = read_trace_compact(path)
+    want = compact_requests(HEADER, reqs)
+    assert [i for i, d in enumerate(got.store._depth) if d == 0] == [0, KEYFRAME_DEPTH, 2 * KEYFRAME_DEPTH]
+    assert _same_store(got, want)
+    assert got.requests_with_blocks() == reqs
