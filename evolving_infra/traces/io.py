@@ -273,12 +273,6 @@ def _span_runs(chunks: Iterable[bytes], hold: int) -> Iterator[Run]:
         yield line, [0], [len(line)]
 
 
-def _spans(chunks: Iterable[bytes], hold: int) -> Iterator[Span]:
-    """:func:`_span_runs`, line by line."""
-    for buf, starts, ends in _span_runs(chunks, hold):
-        yield from zip(repeat(buf), starts, ends)
-
-
 def _line_runs(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Iterator[Run]:
     """The lines of a trace file, gzip or plain, in order, as :data:`Run` s. A compressed file
     that is one clean gzip member (what :func:`write_trace` writes) is inflated by zlib in large
