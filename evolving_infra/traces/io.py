@@ -178,14 +178,14 @@ def _strip_eol(raw: bytes) -> bytes:
 
 
 _CHUNK = CHUNK
-"""Bytes read, and most bytes inflated, at a time by :func:`_line_spans` (``gzip``'s line reads go
+"""Bytes read, and most bytes inflated, at a time by :func:`_line_runs` (``gzip``'s line reads go
 8 KiB at a time through Python, with a separate CRC pass: ~20% of reading a large compressed
 trace). zlib's cost per byte falls with the bytes inflated per call (each call fills a chain of
 output blocks from 32 KiB up): reading the 260-session CC trace at 64-token blocks (281 MB
 inflated) took 6.15 G instructions with 1-MiB calls, 5.88 G with 4-MiB ones (5.77 G with 16 MiB),
 for ~10 MB more peak memory while reading (the run's peak, in its loop, is unchanged)."""
 _HOLD = 1 << 20
-"""Inflated bytes :func:`_line_spans` holds back until more follows: ``gzip`` loses at most one
+"""Inflated bytes :func:`_line_runs` holds back until more follows: ``gzip`` loses at most one
 read of its buffer (8 KiB; 128 KiB from Python 3.12) before bad data, so the lines given before an
 error are never more than ``gzip`` gives."""
 
