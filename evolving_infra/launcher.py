@@ -444,8 +444,8 @@ async def _up(args: argparse.Namespace) -> int:
 
 def _state_fields(spec: ClusterSpec) -> dict[str, object]:
     """What the state file adds to :meth:`LocalCluster.describe` for the tools that find the cluster through it:
-    the partition (``split``, ``tap``), the router's tokenizer and served model name (``replay``)."""
-    return {"partition": spec.partition, "tokenizer": spec.tokenizer, "model": spec.model}
+    the partition (``split``, ``tap``), the router's tokenizer, served model name and tokens per KV block (``replay``)."""
+    return {"partition": spec.partition, "tokenizer": spec.tokenizer, "model": spec.model, "block_size": spec.block_size}
 
 
 def _evolving_params(pol: LivePolicy) -> Any:

@@ -6,6 +6,12 @@ cancels the requests in flight and writes ``OUT/report.json`` from what complete
 (``meta.interrupted``); the report and the final records are replaced atomically.
 An earlier run's outputs in ``OUT`` are moved to ``OUT/previous/`` at the start,
 and every report carries this run's ``meta.run_id``.
+
+The branch and agent ids sent to the cluster are the trace's prefixed with
+``<run_id>:`` (``--branch-prefix``; recorded as ``meta.branch_prefix``): the
+router refuses a request for a branch that was ended (409 'branch ... was ended'),
+so replaying a trace a second time against the same cluster needs new ids. The
+records and the report keep the trace's ids.
 """
 
 from __future__ import annotations
@@ -71,9 +77,10 @@ async def _replay(args: argparse.Namespace) -> int:
     if moved:
         print(f"replay: an earlier run's outputs in {out} moved to {out / PREVIOUS}/ ({', '.join(moved)})", file=sys.stderr)
     run_id = uuid.uuid4().hex[:12]
+    prefix = f"{run_id}:" if args.branch_prefix is None else args.branch_prefix
     clock = SimClock(args.speedup)
     replayer = LiveReplayer(args.router_url, clock, block_size=trace.header.block_size, model=args.model, vocab_size=vocab_size,
-                            api_key=args.api_key or os.environ.get("EI_API_KEY") or None)
+                            api_key=args.api_key or os.environ.get("EI_API_KEY") or None, branch_prefix=prefix)
     stop = asyncio.Event()
     signals: list[str] = []
     loop = asyncio.get_running_loop()
@@ -111,6 +118,7 @@ async def _replay(args: argparse.Namespace) -> int:
         "argv": sys.argv[1:],
         "input": args.input,
         "trace_source": trace.header.source,
+        "branch_prefix": prefix,
         "router_url": args.router_url,
         "speedup": args.speedup,
         # what the replay served, in the keys and shapes `simulate` records (report compare's input check)
@@ -127,6 +135,10 @@ async def _replay(args: argparse.Namespace) -> int:
         "notes": list(trace.header.meta.get("notes", []) or []),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if args.from_kind == "canonical":  # the file replayed, as `simulate` and `demo` record it (report compare's input check)
+        meta["trace"] = STDIO if args.input[0] == STDIO else str(Path(args.input[0]).resolve())
+    if args.cluster_block_size is not None:  # the running cluster's (its state file); unknown for a bare --router-url
+        meta["block_size"] = args.cluster_block_size
     if args.agent_order != "trace":  # as `simulate`, which records no agent_order for its default
         meta["agent_order"] = args.agent_order
     if not (args.sessions or args.max_requests_per_branch or args.arrival == "open" or args.agent_order == "shuffled"):
@@ -171,8 +183,9 @@ async def router_unreachable(router_url: str, timeout_s: float = 5.0) -> str | N
 
 def _use_running_cluster(args: argparse.Namespace) -> int | None:
     """Fill ``--router-url`` / ``--speedup`` left unset from the running ``up`` cluster's state file
-    (:mod:`evolving_infra.state`), else ``http://127.0.0.1:8000`` and 1; returns the router tokenizer's
-    vocabulary size when it is not the sim one (the replayer takes prompt ids modulo it)."""
+    (:mod:`evolving_infra.state`), else ``http://127.0.0.1:8000`` and 1, and set ``args.cluster_block_size``
+    (the cluster's tokens per KV block from the state file; None when not read from one); returns the
+    router tokenizer's vocabulary size when it is not the sim one (the replayer takes prompt ids modulo it)."""
     from evolving_infra.state import running_clusters
 
     info: dict = {}
@@ -187,6 +200,8 @@ def _use_running_cluster(args: argparse.Namespace) -> int | None:
         args.router_url = info.get("router_url") or "http://127.0.0.1:8000"
     if args.speedup is None:
         args.speedup = float(info.get("speedup") or 1.0)
+    bs = info.get("block_size")
+    args.cluster_block_size = bs if isinstance(bs, int) and not isinstance(bs, bool) else None
     if getattr(args, "model", None) is None:  # `up --engine torch --model DIR` serves DIR's name, not the sim's
         args.model = info.get("model") or DEFAULT_MODEL
     tokenizer = info.get("tokenizer") or "sim"
@@ -266,5 +281,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and open-loop arrivals (default 0)")
     p.add_argument("--agent-order", choices=("trace", "shuffled"), default="trace",
                    help="order in which agents enter (closed and open loops): as in the trace (default), or shuffled by --seed")
+    p.add_argument("--branch-prefix", default=None, metavar="STR",
+                   help="put STR in front of every branch and agent id sent to the cluster (X-Branch-Id, "
+                   "X-Parent-Branch-Id, X-Agent-Id, branch ends); the router refuses a branch that was ended (409), "
+                   "so each run needs ids of its own: default '<run id>:' (meta.run_id); '' sends the trace's ids "
+                   "as they are (once per cluster). Records and the report keep the trace's ids")
     p.add_argument("--out", default="replay-out", type=folder, help="output directory for report.json and requests.jsonl (default replay-out)")
     p.set_defaults(func=cmd_replay)

@@ -7,6 +7,11 @@ headers ``X-Branch-Id`` (+ ``X-Branch-Kind`` / ``X-Parent-Branch-Id`` on a
 branch's first request, ``X-Agent-Id``). A branch's last request is followed
 by ``POST /v1/branches/{id}/end``. Timing follows :class:`ReplayCore` on the
 cluster's simulated clock; TTFT and E2E are measured at the client.
+
+The ids the cluster sees are the trace's with ``branch_prefix`` in front (branch,
+parent branch and agent alike): a router refuses a request for a branch that was
+ended (409), so a second replay of a trace against the same cluster needs ids of
+its own (``evolving-infra replay`` prefixes its run id). Records keep the trace's ids.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -61,6 +66,8 @@ class LiveReplayer:
         request_timeout_s: wall seconds before a request is abandoned (counted as failed).
         api_key: sent as ``Authorization: Bearer <key>`` with every request (a router run with
             API keys answers 401 without it); None = no header.
+        branch_prefix: put in front of every branch, parent branch and agent id sent to the
+            cluster (headers and branch-end calls); ``""`` = the trace's own ids.
     """
 
     def __init__(
@@ -75,7 +82,9 @@ class LiveReplayer:
         max_connections: int = 512,
         vocab_size: int | None = None,
         api_key: str | None = None,
+        branch_prefix: str = "",
     ) -> None:
+        self.branch_prefix = branch_prefix
         self.router_url = router_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.vocab_size = vocab_size
@@ -140,7 +149,7 @@ class LiveReplayer:
             async def end(action: EndBranch) -> None:
                 nonlocal end_failures
                 try:
-                    resp = await http.post(f"/v1/branches/{action.branch}/end")
+                    resp = await http.post(f"/v1/branches/{self.branch_prefix}{action.branch}/end")
                     if resp.status_code >= 400:
                         end_failures += 1
                         log.warning("branch end refused", branch=action.branch, status=resp.status_code, body=resp.text[:200])
@@ -148,42 +157,58 @@ class LiveReplayer:
                     end_failures += 1
                     log.warning("branch end failed", branch=action.branch, error=repr(e))
 
-            def spawn(coro: object) -> None:
-                t = asyncio.create_task(coro)  # type: ignore[arg-type]
+            closing = False
+
+            def spawn(coro: Coroutine[object, object, None]) -> None:
+                if closing:  # run() is unwinding: nothing new may start on a client about to close
+                    coro.close()
+                    return
+                t = asyncio.create_task(coro)
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
 
             stopped = False
-            while not core.done:
+            in_flight = 0
+            try:
+                while not core.done:
+                    if stop is not None and stop.is_set():
+                        stopped = True
+                        break
+                    for action in core.poll(self.clock.now()):
+                        if isinstance(action, SendRequest):
+                            spawn(send(action))
+                        else:
+                            spawn(end(action))
+                    nxt = core.next_time()
+                    wake.clear()
+                    timeout = None if nxt is None else max(0.0, self.clock.wall_at(nxt) - time.time())
+                    if nxt is None and not tasks:
+                        break  # nothing due and nothing in flight: the trace is exhausted
+                    waiters = [asyncio.ensure_future(wake.wait())]
+                    if stop is not None:
+                        waiters.append(asyncio.ensure_future(stop.wait()))
+                    try:
+                        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        for w in waiters:
+                            w.cancel()
                 if stop is not None and stop.is_set():
                     stopped = True
-                    break
-                for action in core.poll(self.clock.now()):
-                    if isinstance(action, SendRequest):
-                        spawn(send(action))
-                    else:
-                        spawn(end(action))
-                nxt = core.next_time()
-                wake.clear()
-                timeout = None if nxt is None else max(0.0, self.clock.wall_at(nxt) - time.time())
-                if nxt is None and not tasks:
-                    break  # nothing due and nothing in flight: the trace is exhausted
-                waiters = [asyncio.ensure_future(wake.wait())]
-                if stop is not None:
-                    waiters.append(asyncio.ensure_future(stop.wait()))
-                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                for w in waiters:
-                    w.cancel()
-            if stop is not None and stop.is_set():
-                stopped = True
-            in_flight = 0
-            if stopped:
-                in_flight = len(tasks)
+                if stopped:
+                    in_flight = len(tasks)
+                    for t in list(tasks):
+                        t.cancel()
+                while tasks:  # an answered send may spawn its branch's end
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                # no task outlives the client: run() cancelled (Ctrl-C on `demo`) while a send was answered,
+                # its branch's end() met a closed client ('Task exception was never retrieved')
+                closing = True
                 for t in list(tasks):
                     t.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-        bar.close()
+                while tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                bar.close()
         return ReplayResult(
             records=records,
             start=start,
@@ -197,13 +222,14 @@ class LiveReplayer:
 
     def _headers(self, action: SendRequest) -> dict[str, str]:
         req = action.req
-        h = {"X-Branch-Id": req.branch, "X-Agent-Id": req.agent}
+        pre = self.branch_prefix
+        h = {"X-Branch-Id": pre + req.branch, "X-Agent-Id": pre + req.agent}
         if action.new_branch:
             kind = req.kind or "main"
             if kind in ("fork", "subagent"):
                 h["X-Branch-Kind"] = kind
             if req.parent_branch:
-                h["X-Parent-Branch-Id"] = req.parent_branch
+                h["X-Parent-Branch-Id"] = pre + req.parent_branch
         return h
 
     async def _send(self, http: httpx.AsyncClient, action: SendRequest) -> RequestRecord:

@@ -29,8 +29,23 @@ def test_the_running_cluster_fills_what_is_unset(tmp_path, monkeypatch):
     a = _args()
     assert _use_running_cluster(a) is None
     assert (a.router_url, a.speedup) == ("http://127.0.0.1:43210", 50.0)
+    assert a.cluster_block_size is None  # an older `up`'s state file: no block size to record
     b = _args(router_url="http://elsewhere:1", speedup=2.0)  # given flags win, and nothing is read
     assert _use_running_cluster(b) is None and (b.router_url, b.speedup) == ("http://elsewhere:1", 2.0)
+
+
+def test_the_running_clusters_block_size_is_kept_for_the_report(tmp_path, monkeypatch):
+    """`report compare` said 'block_size: ... not recorded' for every replay."""
+    from evolving_infra.cluster import ClusterSpec
+    from evolving_infra.launcher import _state_fields
+
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path))
+    fields = _state_fields(ClusterSpec(block_size=16))
+    assert fields["block_size"] == 16
+    write_state({"router_url": "http://127.0.0.1:43210", "speedup": 1.0, **fields}, pid=os.getpid())
+    a = _args()
+    _use_running_cluster(a)
+    assert a.cluster_block_size == 16
 
 
 def test_a_real_tokenizer_gives_the_vocabulary_size(tmp_path, monkeypatch):

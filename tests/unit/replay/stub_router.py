@@ -1,0 +1,134 @@
+"""A small HTTP/1.1 server that answers what the live replayer sends, as the router does.
+
+``GET /health``, ``POST /v1/completions`` (an SSE stream of one token and the usage) and
+``POST /v1/branches/{id}/end``. Branch ids go through the router's own
+:class:`services.router.branches.BranchTable`: a request for a branch that was ended is
+answered 409 with the router's message, an end of an unknown or ended branch 404 / 409.
+Every request's path and agent headers are kept in ``seen``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import unquote
+
+from services.router.branches import BranchAlreadyEnded, BranchEnded, BranchTable, UnknownBranch
+
+
+class StubRouter:
+    """Serve on ``127.0.0.1`` (a free port) in the running event loop (:meth:`start`).
+
+    Args:
+        hold: when given, a completion is answered only once it is set (``received`` is set
+            when the first completion arrives).
+    """
+
+    def __init__(self, hold: asyncio.Event | None = None) -> None:
+        self.branches = BranchTable()
+        self.seen: list[tuple[str, dict[str, str]]] = []
+        self.hold = hold
+        self.received = asyncio.Event() if hold is not None else None
+        self._server: asyncio.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> str:
+        """Listen; returns the base URL."""
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for t in list(self._conns):  # keep-alive connections the client left open
+                t.cancel()
+            await asyncio.gather(*self._conns, return_exceptions=True)
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                method, target, _ = line.decode().split(" ", 2)
+                headers: dict[str, str] = {}
+                while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    k, v = h.decode().split(":", 1)
+                    headers[k.strip().lower()] = v.strip()
+                n = int(headers.get("content-length", "0"))
+                body = await reader.readexactly(n) if n else b""
+                status, ctype, payload = await self._answer(method, target, headers, body)
+                writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                             + payload)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            return
+        finally:
+            self._conns.discard(task)
+            writer.close()
+
+    async def _answer(self, method: str, target: str, headers: dict[str, str], body: bytes) -> tuple[int, str, bytes]:
+        self.seen.append((target, {k: v for k, v in headers.items() if k.startswith("x-")}))
+        if method == "GET" and target == "/health":
+            return 200, "application/json", b"{}"
+        if target.startswith("/v1/branches/") and target.endswith("/end"):
+            try:
+                self.branches.end(unquote(target[len("/v1/branches/"):-len("/end")]), 0.0)
+            except UnknownBranch as e:
+                return 404, "application/json", json.dumps({"error": {"message": str(e)}}).encode()
+            except BranchAlreadyEnded as e:
+                return 409, "application/json", json.dumps({"error": {"message": str(e)}}).encode()
+            return 200, "application/json", b"{}"
+        if target == "/v1/completions":
+            try:
+                self.branches.observe(headers["x-branch-id"], 0.0, kind=headers.get("x-branch-kind", "main"),  # type: ignore[arg-type]
+                                      parent=headers.get("x-parent-branch-id"), agent_id=headers.get("x-agent-id"))
+            except BranchEnded as e:
+                return 409, "application/json", json.dumps({"error": {"message": str(e)}}).encode()
+            if self.hold is not None:
+                assert self.received is not None
+                self.received.set()
+                await self.hold.wait()
+            prompt = len(json.loads(body)["prompt"])
+            events = [{"choices": [{"index": 0, "text": "a"}]},
+                      {"choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+                       "usage": {"prompt_tokens": prompt, "completion_tokens": 1}}]
+            sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+            return 200, "text/event-stream", sse.encode()
+        return 404, "application/json", b'{"error": {"message": "not found"}}'
+
+
+@contextmanager
+def stub_router_thread() -> Iterator[tuple[str, StubRouter]]:
+    """A :class:`StubRouter` served by its own event loop in a thread (for code that runs ``asyncio.run``
+    itself, such as the ``replay`` command); yields ``(base URL, stub)``."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        stub = StubRouter()
+        box["stub"] = stub
+        box["url"] = loop.run_until_complete(stub.start())
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(stub.close())
+        loop.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert ready.wait(10), "the stub router did not start"
+    try:
+        yield str(box["url"]), box["stub"]  # type: ignore[misc]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)

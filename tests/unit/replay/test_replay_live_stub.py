@@ -1,0 +1,120 @@
+"""The live replayer against a small HTTP server that keeps branches as the router does
+(:mod:`tests.unit.replay.stub_router`, the router's own ``BranchTable``):
+
+* the ids sent to the cluster carry a prefix, the records the trace's ids; `replay` run twice
+  against the same cluster no longer fails every request of the second run with 409
+  ('branch ... was ended');
+* a replay cancelled while a request is answered (Ctrl-C on `demo`) leaves no task behind
+  that uses the closed HTTP client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+
+from evolving_infra.launcher import demo_trace_path
+from evolving_infra.replay.core import Arrival
+from evolving_infra.replay.live import LiveReplayer
+from evolving_infra.traces.schema import TraceRequest
+from shared.clock import SimClock
+from tests.unit.replay.stub_router import StubRouter, stub_router_thread
+
+
+def _trace() -> list[TraceRequest]:
+    """One agent: a main branch of two requests and a fork of it, each ended."""
+    return [
+        TraceRequest(id="r1", agent="a1", branch="a1:main", input_tokens=4, output_tokens=1, blocks=[1], kind="main"),
+        TraceRequest(id="r2", agent="a1", branch="a1:fork", input_tokens=4, output_tokens=1, blocks=[1], kind="fork",
+                     parent_branch="a1:main", after=["r1"], ends_branch=True),
+        TraceRequest(id="r3", agent="a1", branch="a1:main", input_tokens=8, output_tokens=1, blocks=[1, 2], after=["r1"],
+                     ends_branch=True),
+    ]
+
+
+async def test_every_id_sent_carries_the_prefix_and_records_keep_the_trace_ids():
+    stub = StubRouter()
+    url = await stub.start()
+    try:
+        replayer = LiveReplayer(url, SimClock(1000.0), block_size=4, progress=False, branch_prefix="run7:")
+        res = await replayer.run(_trace(), Arrival(kind="closed", concurrency=1))
+    finally:
+        await stub.close()
+    assert [r.ok for r in res.records] == [True] * 3 and res.branch_end_failures == 0
+    assert {r.branch for r in res.records} == {"a1:main", "a1:fork"} and {r.agent for r in res.records} == {"a1"}
+    sent = [h for target, h in stub.seen if target == "/v1/completions"]
+    assert {h["x-branch-id"] for h in sent} == {"run7:a1:main", "run7:a1:fork"}
+    assert {h["x-agent-id"] for h in sent} == {"run7:a1"}
+    assert [h["x-parent-branch-id"] for h in sent if "x-parent-branch-id" in h] == ["run7:a1:main"]
+    ends = sorted(target for target, _ in stub.seen if target.endswith("/end"))
+    assert ends == ["/v1/branches/run7:a1:fork/end", "/v1/branches/run7:a1:main/end"]
+
+
+def _replay_cli(url: str, out, *extra: str) -> tuple[int, dict]:
+    from evolving_infra.cli import main
+
+    rc = main(["replay", str(demo_trace_path()), "--router-url", url, "--speedup", "1000", "--sessions", "1",
+               "--max-requests-per-branch", "2", "--out", str(out), *extra])
+    return rc, json.loads((out / "report.json").read_text())
+
+
+def test_replaying_twice_against_the_same_cluster_is_not_refused(tmp_path, monkeypatch):
+    """The README's `replay` run twice against one `up` cluster: the first run ends its branches, and
+    a router refuses an ended branch id (409), which failed every request of the second run."""
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))  # no running cluster's state is read
+    with stub_router_thread() as (url, stub):
+        rc1, first = _replay_cli(url, tmp_path / "a")
+        rc2, second = _replay_cli(url, tmp_path / "b")
+        assert (rc1, rc2) == (0, 0), second.get("meta")
+        assert first["requests_sent"] == second["requests_sent"] > 0 and second["requests_failed"] == 0
+        p1, p2 = first["meta"]["branch_prefix"], second["meta"]["branch_prefix"]
+        assert p1 == first["meta"]["run_id"] + ":" and p2 == second["meta"]["run_id"] + ":" and p1 != p2
+        # the file replayed, resolved (report compare's input check); no state file, so no block size known
+        assert first["meta"]["trace"] == str(demo_trace_path().resolve()) and "block_size" not in first["meta"]
+        rows = [json.loads(line) for line in (tmp_path / "b" / "requests.jsonl").read_text().splitlines()]
+        assert rows and not any(r["branch"].startswith(p2) or r["agent"].startswith(p2) for r in rows)  # the trace's ids
+        # '' sends the trace's own ids: once per cluster, as the option says
+        rc3, exact = _replay_cli(url, tmp_path / "c", "--branch-prefix", "")
+        rc4, again = _replay_cli(url, tmp_path / "d", "--branch-prefix", "")
+        assert rc3 == 0 and exact["requests_failed"] == 0 and exact["meta"]["branch_prefix"] == ""
+        assert rc4 == 1 and again["requests_failed"] == again["requests_sent"]
+        refused = [json.loads(line) for line in (tmp_path / "d" / "requests.jsonl").read_text().splitlines()]
+        assert all(r["status"] == 409 and "was ended" in r["error"] for r in refused)
+        exact_ids = {r["branch"] for r in (json.loads(line) for line in (tmp_path / "c" / "requests.jsonl").read_text().splitlines())}
+        assert exact_ids <= {h.get("x-branch-id") for _, h in stub.seen}
+
+
+async def test_a_replay_cancelled_while_a_request_is_answered_leaves_no_task_behind():
+    """Ctrl-C on `demo` cancels the replay: a request answered meanwhile spawned its branch's end
+    after the HTTP client had closed ('Task exception was never retrieved', RuntimeError
+    'Cannot send a request, as the client has been closed')."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    release = asyncio.Event()
+    stub = StubRouter(hold=release)
+    url = await stub.start()
+    try:
+        replayer = LiveReplayer(url, SimClock(1000.0), block_size=4, progress=False)
+        trace = [TraceRequest(id="r1", agent="a1", branch="a1:main", input_tokens=4, output_tokens=1, blocks=[1], kind="main",
+                              ends_branch=True),
+                 TraceRequest(id="r2", agent="a2", branch="a2:main", input_tokens=4, output_tokens=1, blocks=[1], kind="main",
+                              pause_s=1e6)]
+        run = asyncio.ensure_future(replayer.run(trace, Arrival(kind="closed", concurrency=2)))
+        assert stub.received is not None
+        await asyncio.wait_for(stub.received.wait(), 10)
+        run.cancel()  # Ctrl-C: asyncio.run cancels the main task ...
+        release.set()  # ... while the router answers the request in flight
+        await asyncio.wait([run], timeout=10)
+        assert run.cancelled()
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        left = [t for t in asyncio.all_tasks() if "LiveReplayer.run" in t.get_coro().__qualname__]
+        assert left == []
+        gc.collect()
+        assert errors == []
+    finally:
+        release.set()
+        await stub.close()
+        loop.set_exception_handler(None)
