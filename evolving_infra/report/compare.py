@@ -121,15 +121,45 @@ def input_differences(reports: Sequence[Mapping[str, Any]], labels: Sequence[str
     ``meta`` lacks the key. A run that lists the key in ``meta["inputs_not_applicable"]`` is left
     out of that key's comparison (a live demo has no seed: ``seed: demo=None, sim=0`` would read as
     a missing setting), and is shown as ``n/a`` when the others differ.
+    ``trace`` values naming the same file (one run recorded it relative, the other absolute, or a
+    copy with the same bytes) are equal: :func:`trace_identities`.
     Empty when the runs served the same input for the same time."""
     out = []
     metas = [r.get("meta") if isinstance(r.get("meta"), Mapping) else {} for r in reports]
     for key in INPUT_KEYS:
         na = [key in (m.get(NOT_APPLICABLE) or ()) for m in metas]
         vals = [m.get(key) for m, skip in zip(metas, na) if not skip]
+        if key == "trace":
+            vals = trace_identities(vals)
         if any(v is not None for v in vals) and any(v != vals[0] for v in vals[1:]):
             shown = ["n/a" if skip else m[key] if key in m else "not recorded" for m, skip in zip(metas, na)]
             out.append(f"{key}: " + ", ".join(f"{lab}={v}" for lab, v in zip(labels, shown)))
+    return out
+
+
+def trace_identities(values: Sequence[Any]) -> list[Any]:
+    """``meta["trace"]`` values made comparable: a path to an existing file becomes its resolved path
+    (relative ones resolved against the current directory: ``report compare`` run where the runs
+    were), and when those still differ, the SHA-256 of each file's bytes (read only then; O(file
+    size)). Other values (``-`` for stdin, None, a file no longer there) are kept as they are."""
+    import hashlib
+
+    paths: list[Path | None] = []
+    for v in values:
+        p = Path(v) if isinstance(v, str) and v not in ("", "-") else None
+        paths.append(p.resolve() if p is not None and p.is_file() else None)
+    out: list[Any] = [str(p) if p is not None else v for p, v in zip(paths, values)]
+    if len({str(p) for p in paths if p is not None}) > 1:
+        digests: dict[Path, str] = {}
+        for i, p in enumerate(paths):
+            if p is not None:
+                if p not in digests:
+                    h = hashlib.sha256()
+                    with open(p, "rb") as f:
+                        for chunk in iter(lambda: f.read(1 << 20), b""):
+                            h.update(chunk)
+                    digests[p] = "sha256:" + h.hexdigest()
+                out[i] = digests[p]
     return out
 
 

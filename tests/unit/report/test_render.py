@@ -263,3 +263,21 @@ def test_compare_of_a_demo_and_a_simulation_of_its_input_warns_about_nothing(tmp
     assert input_differences([demo, sims["sim"], sims["sim-seed3"]], ["demo-out", "a", "b"]) == ["seed: demo-out=n/a, a=0, b=3"]
     # a key one run does not record is named so, not shown as None
     assert input_differences([{"meta": {}}, sims["sim"]], ["old", "sim"])[0].startswith("trace: old=not recorded, sim=")
+
+
+def test_compare_takes_a_relative_and_an_absolute_path_to_one_trace_as_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`report compare` warned 'different traces' for a replay that recorded the trace's absolute path
+    and a simulation of the same file given relative."""
+    from evolving_infra.report.compare import input_differences
+
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.jsonl").write_bytes(b"same bytes\n")
+    (tmp_path / "copy.jsonl").write_bytes(b"same bytes\n")
+    (tmp_path / "other.jsonl").write_bytes(b"other bytes\n")
+    monkeypatch.chdir(tmp_path)
+    rel, absolute = {"meta": {"trace": "t/a.jsonl"}}, {"meta": {"trace": str(tmp_path / "t" / ".." / "t" / "a.jsonl")}}
+    assert input_differences([rel, absolute], ["sim", "replay"]) == []
+    assert input_differences([rel, {"meta": {"trace": "copy.jsonl"}}], ["sim", "copy"]) == []  # the same bytes
+    # a different file is still named, with each run's value as recorded
+    assert input_differences([rel, {"meta": {"trace": "other.jsonl"}}], ["sim", "x"]) == ["trace: sim=t/a.jsonl, x=other.jsonl"]
+    assert input_differences([rel, {"meta": {"trace": "gone.jsonl"}}], ["sim", "x"]) == ["trace: sim=t/a.jsonl, x=gone.jsonl"]
