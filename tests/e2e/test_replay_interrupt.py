@@ -51,12 +51,18 @@ def _replay_until(router_url: str, out: Path, sig: int, after_records: int, star
     return proc.returncode, text
 
 
-@pytest.mark.timeout(400)
-def test_sigint_and_sigterm_write_partial_results_and_set_aside_the_previous_run(tmp_path):
+def start_small_cluster(tmp_path: Path):
+    """``evolving-infra up`` at speedup 50, 2 nodes 1P1D, logs under ``tmp_path/logs``; returns
+    ``(bench/faults.py module, its FaultRun)`` (stop it with ``faults.stop_up(run)``)."""
     faults = _faults()
     logs = tmp_path / "logs"
     logs.mkdir()
-    run = faults.start_up(logs, speedup=50.0, nodes=2, split="1P1D")
+    return faults, faults.start_up(logs, speedup=50.0, nodes=2, split="1P1D")
+
+
+@pytest.mark.timeout(400)
+def test_sigint_and_sigterm_write_partial_results_and_set_aside_the_previous_run(tmp_path):
+    faults, run = start_small_cluster(tmp_path)
     out = tmp_path / "out"
     try:
         rc, text = _replay_until(run.router_url, out, signal.SIGINT, after_records=3)

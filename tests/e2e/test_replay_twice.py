@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_replay_interrupt import REPO, _faults
+from tests.e2e.test_replay_interrupt import REPO, start_small_cluster
 
 
 def _replay(router_url: str, out: Path, *extra: str) -> tuple[int, dict, str]:
@@ -27,10 +27,7 @@ def _replay(router_url: str, out: Path, *extra: str) -> tuple[int, dict, str]:
 
 @pytest.mark.timeout(300)
 def test_the_same_trace_replayed_twice_against_one_cluster(tmp_path):
-    faults = _faults()
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    run = faults.start_up(logs, speedup=50.0, nodes=2, split="1P1D")
+    faults, run = start_small_cluster(tmp_path)
     try:
         rc1, first, text1 = _replay(run.router_url, tmp_path / "a")
         rc2, second, text2 = _replay(run.router_url, tmp_path / "b")
