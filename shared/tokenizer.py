@@ -71,7 +71,8 @@ class Tokenizer(Protocol):
 
         Raises:
             ValueError: ``continue_final_message`` with ``add_generation_prompt``, or a final message
-                whose text the rendered chat does not hold (:func:`continue_final`).
+                without text (content None) or whose text the rendered chat does not hold (:func:`tag_final`,
+                :func:`continue_final`).
         """
         ...
 
@@ -93,8 +94,12 @@ def _render_chatml(
     messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool = True, continue_final_message: bool = False,
 ) -> str:
     """ChatML rendering used by the sim tokenizer (and HF folders without a template); ``continue_final_message``
-    leaves the last message open (no ``<|im_end|>``), ``add_generation_prompt`` appends ``<|im_start|>assistant``."""
+    leaves the last message open: cut right after its text (no ``<|im_end|>``, no tool calls rendered after the
+    text), as transformers cuts a template's (:func:`continue_final`); ``add_generation_prompt`` appends ``<|im_start|>assistant``."""
     _check_chat_flags(add_generation_prompt, continue_final_message)
+    final_text = ""
+    if continue_final_message:
+        messages, final_text = tag_final(messages)
     parts: list[str] = []
     if tools:
         parts.append("<|im_start|>system\n# Tools\n" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "<|im_end|>\n")
@@ -112,8 +117,8 @@ def _render_chatml(
             role = f"{role} id={msg['tool_call_id']}"
         parts.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
     if continue_final_message:
-        parts[-1] = parts[-1][: -len("<|im_end|>\n")]
-    elif add_generation_prompt:
+        return continue_final("".join(parts), final_text)
+    if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
     return "".join(parts)
 
@@ -123,25 +128,59 @@ def _check_chat_flags(add_generation_prompt: bool, continue_final_message: bool)
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
 
 
-def continue_final(rendered: str, final_text: str) -> str:
-    """``rendered`` (a chat template's text without the generation prompt) cut right after the last
-    message's text, so the model continues that message: transformers' ``continue_final_message``
-    (``apply_chat_template``, which vLLM calls): the last occurrence of the stripped text, kept with its
-    leading spacing and, when the template kept it, its trailing spacing.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""transformers' ``continue_final_message_tag`` (``render_jinja_template``): put after the final message's text
+before rendering, so the cut is where the template put that text's end, not wherever the text occurs last."""
+
+
+def tag_final(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """``messages`` with :data:`_CONTINUE_TAG` after the final message's text (a copy; the caller's are not
+    changed) and that text: transformers' ``continue_final_message`` preparation (a list content's last
+    ``text`` part is the one tagged).
 
     Raises:
-        ValueError: the text is empty or not in ``rendered`` (a template that rewrites it).
+        ValueError: no messages, or a final message without text to continue (content None, or a list
+            with no ``text`` part), as transformers'.
     """
-    stripped = final_text.strip()
-    if not stripped:
-        raise ValueError("continue_final_message needs text in the final message to continue")
-    if stripped not in rendered:
+    if not messages:
+        raise ValueError("continue_final_message is set but the conversation is empty")
+    last = dict(messages[-1])
+    content = last.get("content")
+    if content is None:
+        raise ValueError('continue_final_message is set but the final message has no "content" to continue')
+    if isinstance(content, list):
+        parts = [dict(p) if isinstance(p, dict) else p for p in content]
+        for part in reversed(parts):
+            if isinstance(part, dict) and "text" in part:
+                final_text = str(part["text"])
+                part["text"] = final_text + _CONTINUE_TAG
+                break
+        else:
+            raise ValueError("continue_final_message is set but the final message has no text to continue")
+        last["content"] = parts
+    else:
+        final_text = str(content)
+        last["content"] = final_text + _CONTINUE_TAG
+    return [*messages[:-1], last], final_text
+
+
+def continue_final(rendered: str, final_text: str) -> str:
+    """``rendered`` (a chat rendered without the generation prompt from :func:`tag_final`'s messages) cut
+    where the final message's text ends, so the model continues that message: transformers'
+    ``continue_final_message`` (``render_jinja_template``, which vLLM's ``apply_hf_chat_template`` calls):
+    cut at the last tag; when the template trimmed the space after it (it trimmed the message), the
+    whitespace before the cut goes too. An empty final text leaves the turn's header open.
+
+    Raises:
+        ValueError: the text or the tag is not in ``rendered`` (a template that rewrites the message).
+    """
+    tag = _CONTINUE_TAG.strip()
+    if final_text.strip() not in rendered or tag not in rendered:
         raise ValueError("continue_final_message: the final message's text is not in the chat the template renders")
-    loc = rendered.rindex(stripped)
-    kept = final_text.lstrip()
-    if rendered[loc : loc + len(kept)] == kept:
-        return rendered[: loc + len(kept)]
-    return rendered[: loc + len(stripped)]
+    loc = rendered.rindex(tag)
+    if rendered[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:loc]
+    return rendered[:loc].rstrip()
 
 
 class SimTokenizer:
@@ -322,9 +361,12 @@ class HFTokenizer:
             text = _render_chatml(messages, tools, add_generation_prompt, continue_final_message)
         else:
             _check_chat_flags(add_generation_prompt, continue_final_message)
+            final_text = ""
+            if continue_final_message:
+                messages, final_text = tag_final(messages)
             text = self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self._special)
             if continue_final_message:
-                text = continue_final(text, str(messages[-1].get("content") or ""))
+                text = continue_final(text, final_text)
         return self._encode(text, add_special_tokens)
 
     def output_ids(self) -> list[int]:

@@ -341,8 +341,6 @@ def test_hf_chat_template_flags_give_transformers_ids(tmp_path):
             want = ref.apply_chat_template(chat, tokenize=True, return_dict=False, **{"add_generation_prompt": True, **flags})
             assert tok.apply_chat_template(chat, **flags) == list(want), (chat, flags)
     assert tok.apply_chat_template(CHAT) != tok.apply_chat_template(CHAT, add_generation_prompt=False)
-    with pytest.raises(ValueError, match="final message"):
-        tok.apply_chat_template([*CHAT[:1], {"role": "assistant", "content": ""}], add_generation_prompt=False, continue_final_message=True)
     # BOS: the word-level folder's post-processor adds <s> (id 1)
     (tmp_path / "wl").mkdir()
     _write_wordlevel_tokenizer(tmp_path / "wl", "{% for m in messages %}{{ m['content'] }} {% endfor %}")
@@ -350,3 +348,57 @@ def test_hf_chat_template_flags_give_transformers_ids(tmp_path):
     assert wl.encode("hello world") == [1, 2, 3] and wl.encode("hello world", add_special_tokens=False) == [2, 3]
     assert wl.apply_chat_template([{"role": "user", "content": "hello"}]) == [2]
     assert wl.apply_chat_template([{"role": "user", "content": "hello"}], add_special_tokens=True) == [1, 2]
+
+
+TRIM_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% for t in m.tool_calls or [] %}"
+    "<tool_call>{{ t.function.name }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [None, TRIM_TEMPLATE, TOOL_TEMPLATE])
+def test_hf_continue_final_message_cuts_where_the_message_ends_as_transformers(tmp_path, template):
+    """``continue_final_message`` cuts where the template put the final message's end (transformers 5's tag),
+    not at the last occurrence of its text: a prefill ``<`` / ``end`` / ``d`` also occurs in ``<|im_end|>`` and a
+    tool call's name after the content (the rindex cut left ``<<`` or ``d<|im_end`` in the prompt); an empty or
+    whitespace-only prefill opens the turn (was a ValueError, a 400). Ids equal transformers' for each."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    folder = write_bpe_tokenizer(tmp_path / "bpe")
+    if template is not None:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = template
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(f"hf:{folder}")
+    ref = transformers.AutoTokenizer.from_pretrained(str(folder))
+    call = [{"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}]
+    for final in (
+        {"content": "<"}, {"content": "end"}, {"content": "d"}, {"content": ""}, {"content": "\n"}, {"content": " x \n"},
+        {"content": "get", "tool_calls": call}, {"content": "", "tool_calls": call},
+    ):
+        chat = [{"role": "user", "content": "hello"}, {"role": "assistant", **final}]
+        want = ref.apply_chat_template(chat, tokenize=True, return_dict=False, add_generation_prompt=False, continue_final_message=True)
+        got = tok.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True)
+        assert got == list(want), (final, ref.decode(got), ref.decode(want))
+    with pytest.raises(ValueError, match="no \"content\""):
+        tok.apply_chat_template([{"role": "assistant", "content": None}], add_generation_prompt=False, continue_final_message=True)
+
+
+def test_sim_continue_final_message_cuts_after_the_text_before_tool_calls():
+    """The sim ChatML cut is the one transformers makes in a template: right after the final message's text, so
+    tool calls rendered after it are not in the prompt (they were, the turn left open after ``</tool_call>``)."""
+    tok = SimTokenizer()
+    call = [{"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}]
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Let me", "tool_calls": call}]
+    opened = tok.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True)
+    assert opened == tok.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nLet me")
