@@ -170,6 +170,14 @@ class _AnyPrompt(Struct, kw_only=True):
     prompt: Any = None
 
 
+class _CompletionAnyPrompt(CompletionRequest, kw_only=True):
+    """The other fields of a completions body whose prompt is decoded apart (``[text]`` / ``[[ids]]``), checked
+    with their types (an untyped decode of the whole body refused an integer msgspec cannot hold anywhere in it
+    with an uncaught error naming ``$[...]``)."""
+
+    prompt: Any = None
+
+
 class ContentPart(Struct, kw_only=True):
     """One part of a list ``content``: ``text`` (any role) or ``refusal`` (assistant; OpenAI's
     ``ChatCompletionContentPartRefusalParam``), both rendered as their text."""
@@ -215,6 +223,7 @@ class ChatRequest(_Sampling, kw_only=True):
 
 _COMPLETION_DEC = msgspec.json.Decoder(CompletionRequest)
 _ANY_PROMPT_DEC = msgspec.json.Decoder(_AnyPrompt)
+_COMPLETION_ANY_PROMPT_DEC = msgspec.json.Decoder(_CompletionAnyPrompt)
 _CHAT_DEC = msgspec.json.Decoder(ChatRequest)
 _TOKENS_DEC = msgspec.json.Decoder(list[int])
 
@@ -426,8 +435,12 @@ def parse_completion(body: bytes) -> tuple[CompletionRequest, str | list[int]]:
 
 
 def _reparse_prompt(body: bytes, err: msgspec.ValidationError) -> tuple[CompletionRequest, str | list[int]]:
-    """Accept ``[text]`` and ``[[ids]]``; explain batches; else re-raise ``err`` as a 400."""
-    raw = _ANY_PROMPT_DEC.decode(body).prompt
+    """Accept ``[text]`` and ``[[ids]]``; explain batches; else re-raise ``err`` as a 400. An id msgspec cannot
+    decode at all (an integer of over 4300 digits: ``Integer value out of range``) is a 400 naming it too."""
+    try:
+        raw = _ANY_PROMPT_DEC.decode(body).prompt
+    except msgspec.ValidationError as e:
+        raise _decode_error(e) from e
     if isinstance(raw, list) and raw and all(isinstance(x, (str, list)) for x in raw):
         if len(raw) > 1:
             raise ApiError(400, f"batched prompts ({len(raw)} prompts in one request) are not supported; send one request per prompt", param="prompt")
@@ -435,17 +448,18 @@ def _reparse_prompt(body: bytes, err: msgspec.ValidationError) -> tuple[Completi
         if isinstance(inner, list):
             try:
                 prompt: str | list[int] = _TOKENS_DEC.decode(msgspec.json.encode(inner))
-            except msgspec.ValidationError as e:
-                raise ApiError(400, f"invalid request body: {e} - at `$.prompt[0]`", param="prompt[0]") from e
+            except msgspec.ValidationError as e:  # "... - at `$[1]`": the id's place in the inner list
+                at = _AT_PATH.search(str(e))
+                where = "prompt[0]" + (at.group(1) if at else "")
+                raise ApiError(400, f"invalid request body: {_AT_PATH.sub('', str(e))} - at `$.{where}`", param=where) from e
         else:
             prompt = inner
-        # validate the other fields with a placeholder prompt
-        obj = msgspec.json.decode(body)
-        obj["prompt"] = ""
+        # validate the other fields (typed: the prompt apart)
         try:
-            req = msgspec.convert(obj, CompletionRequest)
+            req = _COMPLETION_ANY_PROMPT_DEC.decode(body)
         except msgspec.ValidationError as e:
             raise _decode_error(e) from e
+        req.prompt = ""
         return req, prompt
     raise _decode_error(err) from err
 

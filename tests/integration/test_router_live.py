@@ -457,6 +457,8 @@ async def test_bad_requests_get_4xx_with_reasons(nats_url, tmp_path):
             (b'{"prompt": [1, 99999999999]}', 400, "token id 99999999999 is outside the vocabulary"),  # was msgspec's `<= 4294967295`
             (b'{"prompt": [[-1]]}', 400, "token id -1 is outside the vocabulary"),
             (b'{"prompt": [7, 99999999999999999999999]}', 400, "token id 99999999999999999999999 is outside"),  # past int64: no 500
+            (b'{"prompt": [7, ' + b"9" * 5000 + b"]}", 400, "Integer value out of range - at `$.prompt[1]`"),  # past msgspec: was a 500
+            (b'{"prompt": [[7, null]]}', 400, "at `$.prompt[0][1]`"),
             (b'{"prompt": [[1], [2]]}', 400, "batched prompts"),
             (msgspec.json.encode({"prompt": list(range(1001))}), 400, "at most 1000"),
             (b'{"prompt": [1], "model": "gpt-4"}', 404, "not found"),

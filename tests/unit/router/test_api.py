@@ -32,6 +32,37 @@ def test_large_token_prompt_parses():
     assert prompt == ids
 
 
+@pytest.mark.parametrize(
+    ("prompt", "param"),
+    [
+        (b"[" + b"9" * 5000 + b"]", "prompt[0]"),  # msgspec: Integer value out of range (an uncaught ValidationError: a 500)
+        (b"[[1, " + b"9" * 5000 + b"]]", "prompt[0][1]"),
+        (b"[[1, null]]", "prompt[0][1]"),  # was prompt[0], the message '... - at `$[1]` - at `$.prompt[0]`'
+        (b"[[1, 2.5]]", "prompt[0][1]"),
+        (b"[[1, true]]", "prompt[0][1]"),
+        (b'[[1], "x"]', "prompt"),
+    ],
+)
+def test_a_token_id_prompt_msgspec_cannot_decode_is_a_400_naming_the_id(prompt, param):
+    """Ids msgspec refuses in a ``[ids]`` / ``[[ids]]`` prompt (an integer of over 4300 digits, null, a float, a
+    bool) are a 400 whose param and message name the id's place; none escapes as msgspec's own error."""
+    with pytest.raises(api.ApiError) as e:
+        api.parse_completion(b'{"prompt": ' + prompt + b', "max_tokens": 2}')
+    assert e.value.status == 400 and e.value.param == param, e.value.reason
+    if param != "prompt":
+        assert e.value.reason.endswith(f"- at `$.{param}`") and e.value.reason.count(" - at ") == 1
+
+
+def test_a_field_msgspec_cannot_decode_beside_a_nested_prompt_is_a_400_naming_it():
+    """Beside a ``[[ids]]`` prompt the other fields were checked by an untyped decode of the whole body: an
+    integer msgspec cannot hold (``seed`` of 5000 digits) escaped as msgspec's error naming ``$[...]`` (a 500)."""
+    with pytest.raises(api.ApiError) as e:
+        api.parse_completion(b'{"prompt": [[1, 2]], "seed": ' + b"9" * 5000 + b"}")
+    assert e.value.status == 400 and e.value.param == "seed"
+    req, prompt = api.parse_completion(b'{"prompt": [[1, 2]], "max_tokens": 3, "add_special_tokens": false}')
+    assert prompt == [1, 2] and req.max_tokens == 3 and not req.add_special_tokens and isinstance(req, api.CompletionRequest)
+
+
 def test_completion_400_reasons():
     bad(api.parse_completion, b"{not json", "not valid JSON \\(JSON is malformed")
     bad(api.parse_completion, b'{"prompt": "x"', r"not valid JSON \(Input data was truncated\)")
