@@ -106,7 +106,7 @@ def _render_chatml(
     for msg in messages:
         content = msg.get("content")
         if isinstance(content, list):
-            content = "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+            content = "\n".join(str(p.get("text") or "") for p in content if isinstance(p, dict))  # as vLLM joins text parts
         text = content or ""
         if msg.get("tool_calls"):
             text += "\n<tool_call>" + json.dumps(msg["tool_calls"], sort_keys=True, separators=(",", ":")) + "</tool_call>"

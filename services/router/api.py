@@ -537,12 +537,13 @@ def _check_content_parts(messages: list[ChatMessage]) -> None:
 
 
 def chat_messages(req: ChatRequest | TokenizeChatRequest) -> list[dict[str, Any]]:
-    """Messages as plain dicts for a chat template (``None`` fields dropped)."""
+    """Messages as plain dicts for a chat template (``None`` fields dropped; content None is ""); a content
+    list's text parts joined by newlines, as vLLM's conversation parsing gives a template that reads a string."""
     out: list[dict[str, Any]] = []
     for msg in req.messages:
         d: dict[str, Any] = {"role": msg.role}
         if isinstance(msg.content, list):
-            d["content"] = "".join(p.as_text() for p in msg.content)
+            d["content"] = "\n".join(p.as_text() for p in msg.content)
         else:
             d["content"] = msg.content if msg.content is not None else ""
         if msg.name is not None:

@@ -117,7 +117,8 @@ def test_chat_body():
     )
     assert req.max_completion_tokens == 7 and req.stream_options.include_usage
     msgs = api.chat_messages(req)
-    assert msgs[1]["content"] == "ab" and msgs[2]["content"] == "" and msgs[3]["tool_call_id"] == "t1"
+    # text parts joined by newlines, as vLLM's _parse_chat_message_content_parts ("\n".join(texts); was "ab")
+    assert msgs[1]["content"] == "a\nb" and msgs[2]["content"] == "" and msgs[3]["tool_call_id"] == "t1"
 
 
 def test_chat_400_reasons():

@@ -402,3 +402,11 @@ def test_sim_continue_final_message_cuts_after_the_text_before_tool_calls():
     chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Let me", "tool_calls": call}]
     opened = tok.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True)
     assert opened == tok.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nLet me")
+
+
+def test_sim_chatml_joins_text_parts_by_newlines_as_vllm():
+    """A list content's text parts are joined by newlines, as vLLM's conversation parsing joins them for a
+    template that reads a string (``"".join`` made ``a`` + ``b`` the one word ``ab``)."""
+    tok = SimTokenizer()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert tok.apply_chat_template(parts) == tok.apply_chat_template([{"role": "user", "content": "a\nb"}])
