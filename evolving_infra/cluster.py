@@ -64,6 +64,10 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Workers' ``--host-eviction``: lru or branch-count."""
     decode_binding: str = "prefill-start"
     """Router ``--decode-binding``: prefill-start or dispatch."""
+    router_env: tuple[tuple[str, str], ...] = ()
+    """Environment variables set for the router process only, over the launcher's (``up``/``demo``: the API keys
+    they read at start, ``EI_API_KEYS``, so that no key is on a command line and a restarted router serves the
+    same keys without reading a file again)."""
     router_args: tuple[str, ...] = ()
     """Extra router flags, after the launcher's own (e.g. routing policy options: ``("--ttft-fetch-min-tokens",
     "64")``; ``up``/``demo`` make them from ``--routing-opt``, ``evolving_infra.policy_args``)."""
@@ -142,6 +146,8 @@ class _Child:
     """``time.monotonic()`` of the last start."""
     restart_at: float | None = None
     """``time.monotonic()`` at which the supervisor starts it again (None: not scheduled)."""
+    env: dict[str, str] | None = None
+    """Variables set over the launcher's environment for this process (None: the launcher's as is)."""
 
 
 def restart_delay(streak: int, base_s: float, max_s: float) -> float:
@@ -298,6 +304,7 @@ class LocalCluster:
                 + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else [])
                 + list(s.router_args),
                 self.log_dir / "router.log",
+                env=dict(s.router_env) or None,
             )
         )
         return kids
@@ -377,6 +384,7 @@ class LocalCluster:
         child.proc = subprocess.Popen(
             child.argv,
             stdin=subprocess.DEVNULL,
+            env={**os.environ, **child.env} if child.env else None,
             stdout=child.log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -270,10 +270,13 @@ def router_api_keys(args: argparse.Namespace) -> frozenset[str]:
     ``--api-keys-file`` (which wins over env ``EI_API_KEYS_FILE``, as a router flag wins over the
     environment) and the comma-separated env ``EI_API_KEYS``; empty = the router is open.
 
-    Read before anything starts, so that a missing or empty file is one line, not a router that dies at start.
+    Read once, before anything starts, so that a missing or empty file is one line, not a router that dies at
+    start; the router gets these keys in its environment (:func:`_spec`), so a pipe (``<(pass show key)``) works
+    and a file deleted later does not fail a router restart.
 
     Raises:
-        UsageError: (status 2) the file is unreadable or holds no key (naming the flag or variable).
+        UsageError: (status 2) the file is unreadable or holds no key, or a key holds a comma (naming the flag or
+            variable).
     """
     path = args.api_keys_file or os.environ.get("EI_API_KEYS_FILE", "")
     inline = os.environ.get("EI_API_KEYS", "")
@@ -281,10 +284,15 @@ def router_api_keys(args: argparse.Namespace) -> frozenset[str]:
         return frozenset()
     from services.router.ingress import ApiKeyError, load_api_keys
 
+    where = "--api-keys-file" if args.api_keys_file else "EI_API_KEYS_FILE"
     try:
-        return load_api_keys(path, inline)
+        keys = load_api_keys(path, inline)
     except ApiKeyError as e:
-        raise UsageError(f"error: {'--api-keys-file' if args.api_keys_file else 'EI_API_KEYS_FILE'}: {e}") from None
+        raise UsageError(f"error: {where}: {e}") from None
+    if comma := sum("," in k for k in keys):  # they reach the router as EI_API_KEYS, comma-separated
+        raise UsageError(f"error: {where}: {comma} of its keys hold a comma, which the router's EI_API_KEYS "
+                         "cannot carry; use keys without commas")
+    return keys
 
 
 def api_keys_line(args: argparse.Namespace) -> str | None:
@@ -308,9 +316,10 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         raise UsageError(f"error: {e}; pass --split xPyD with x + y = {args.nodes} (or 'collocated'), or --nodes")
     torch_values = _torch_values(args)
     args.router_api_keys = router_api_keys(args)
-    router_args = pol.router_args
-    if args.api_keys_file:
-        router_args = (*router_args, "--api-keys-file", str(Path(args.api_keys_file).resolve()))
+    # the keys read here go to the router in its environment: a path to read again broke a pipe
+    # (--api-keys-file <(pass show key): the router got /proc/PID/fd/pipe:[N]), and a file deleted since
+    # failed every router restart; the command line (ps) shows neither keys nor a path
+    router_env = (("EI_API_KEYS", ",".join(sorted(args.router_api_keys))), ("EI_API_KEYS_FILE", "")) if args.router_api_keys else ()
     if args.tokenizer != "sim":  # fail here, with the reason, not in every service's log
         from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
@@ -330,7 +339,8 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         planner_args=pol.planner_args,
         eviction=pol.eviction,
         decode_binding=pol.decode_binding,
-        router_args=router_args,
+        router_args=pol.router_args,
+        router_env=router_env,
         block_size=args.block_size,
         partition=args.partition,
         nats_url=args.nats_url,
@@ -535,7 +545,6 @@ async def _demo(args: argparse.Namespace) -> int:
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import build_report, print_summary, write_report
     from evolving_infra.traces.io import TraceError, read_trace
-    from services.router.ingress import ApiKeyError, local_client_key
     from shared.clock import SimClock
 
     from shared.profile import load_profile
@@ -597,11 +606,7 @@ async def _demo(args: argparse.Namespace) -> int:
     if warmup:
         print(f"  {warmup} (these Claude Code sessions are prefill-heavy and bursty: expect it to move nodes between phases)",
               flush=True)
-    try:  # its router reads --api-keys-file (else EI_API_KEYS_FILE) and EI_API_KEYS like any other
-        api_key = local_client_key({**os.environ, "EI_API_KEYS_FILE": args.api_keys_file} if args.api_keys_file else None)
-    except ApiKeyError as e:
-        print(f"demo: {e}", file=sys.stderr)
-        return 2
+    api_key = demo_client_key(args)
     wall0 = time.monotonic()
     stop = asyncio.Event()
     signals = _stop_on_signals(stop)
@@ -671,6 +676,15 @@ async def _demo(args: argparse.Namespace) -> int:
     print(_baseline_line(args, out))
     ok = report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"]
     return 0 if ok else 1
+
+
+def demo_client_key(args: argparse.Namespace) -> str | None:
+    """The key the demo's replay sends: ``EI_API_KEY`` when set, else one of the keys its router got
+    (``args.router_api_keys``, read once by :func:`_spec`: a second read of a ``--api-keys-file`` pipe is empty);
+    None when the router is open (:func:`services.router.ingress.local_client_key`)."""
+    from services.router.ingress import local_client_key
+
+    return local_client_key(keys=args.router_api_keys)
 
 
 def _stop_on_signals(stop: asyncio.Event) -> list[int]:

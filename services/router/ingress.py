@@ -39,8 +39,8 @@ class ApiKeyError(ValueError):
 
 
 def load_api_keys(path: str = "", inline: str = "") -> frozenset[str]:
-    """API keys from a file (one per line; blank lines and ``#`` comments skipped) and a
-    comma-separated string; empty set = no keys (the router is open).
+    """API keys from a file (UTF-8, one per line; blank lines and ``#`` comments skipped; a leading BOM, as
+    Notepad writes, is not part of the first key) and a comma-separated string; empty set = no keys (the router is open).
 
     Raises:
         ApiKeyError: ``path`` is given but unreadable or holds no key.
@@ -48,7 +48,7 @@ def load_api_keys(path: str = "", inline: str = "") -> frozenset[str]:
     keys: set[str] = {k.strip() for k in inline.split(",") if k.strip()}
     if path:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8-sig")
         except OSError as e:
             raise ApiKeyError(f"cannot read API keys from {path}: {e}") from e
         file_keys = {ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")}
@@ -58,8 +58,11 @@ def load_api_keys(path: str = "", inline: str = "") -> frozenset[str]:
     return frozenset(keys)
 
 
-def local_client_key(environ: Mapping[str, str] | None = None) -> str | None:
+def local_client_key(environ: Mapping[str, str] | None = None, keys: frozenset[str] | None = None) -> str | None:
     """The key a command that starts its own cluster (``demo``, ``fidelity``) sends to its router.
+
+    ``keys``: the router's keys when the command already read them (``demo``: its ``--api-keys-file``
+    may be a pipe, read once); else they are read from the environment as the router reads them.
 
     Its router reads the same environment as any other: with ``EI_API_KEYS`` or
     ``EI_API_KEYS_FILE`` set it requires a key, so the command's own replay must send one.
@@ -74,7 +77,8 @@ def local_client_key(environ: Mapping[str, str] | None = None) -> str | None:
     own = env.get("EI_API_KEY", "").strip()
     if own:
         return own
-    keys = load_api_keys(env.get("EI_API_KEYS_FILE", ""), env.get("EI_API_KEYS", ""))
+    if keys is None:
+        keys = load_api_keys(env.get("EI_API_KEYS_FILE", ""), env.get("EI_API_KEYS", ""))
     return min(keys) if keys else None
 
 

@@ -4,12 +4,15 @@ no ``evolving-infra --version``."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from evolving_infra.cli import UsageError, build_parser, main
 from evolving_infra.cluster import LocalCluster
-from evolving_infra.launcher import _spec, api_keys_line, default_split_for
+from evolving_infra.launcher import _spec, api_keys_line, default_split_for, demo_client_key
 from evolving_infra.sim.policies import default_split
+from services.router.ingress import load_api_keys
 from shared import package_version
 
 
@@ -57,7 +60,7 @@ def test_api_keys_file_goes_to_the_router(command, tmp_path, monkeypatch):
     keys.write_text("# ops\nk-one\nk-two\n")
     args = build_parser(command).parse_args([command, "--api-keys-file", str(keys), "--log-dir", str(tmp_path)])
     router = {c.name: c for c in LocalCluster(_spec(args))._plan_children()}["router"]
-    assert router.argv[router.argv.index("--api-keys-file") + 1] == str(keys.resolve())
+    assert router.env == {"EI_API_KEYS": "k-one,k-two", "EI_API_KEYS_FILE": ""}
     assert api_keys_line(args) is not None and api_keys_line(args).startswith(f"API keys ON (2 from --api-keys-file {keys})")
     assert "--api-keys-file" not in " ".join(args.live_policy.describe().split())  # not a routing option
 
@@ -81,3 +84,39 @@ def test_an_unusable_api_keys_file_is_a_usage_error_before_anything_starts(conte
     args = build_parser("up").parse_args(["up", "--api-keys-file", str(keys), "--log-dir", str(tmp_path / "logs")])
     with pytest.raises(UsageError, match="^error: --api-keys-file: " + ("cannot read API keys" if content is None else ".* holds no API key")):
         _spec(args)
+
+
+def test_the_router_gets_the_keys_read_at_start_in_its_environment_not_a_path_to_read_again(tmp_path, monkeypatch):
+    """``--api-keys-file <(pass show key)`` (a pipe, read once) gave the router '/proc/PID/fd/pipe:[N]' (it died at start)
+    and the demo 'holds no API key' (a second read); a key file deleted after start failed every router restart."""
+    monkeypatch.delenv("EI_API_KEYS", raising=False)
+    monkeypatch.delenv("EI_API_KEYS_FILE", raising=False)
+    r, w = os.pipe()
+    os.write(w, b"k-pipe\n")
+    os.close(w)
+    try:
+        args = build_parser("demo").parse_args(["demo", "--api-keys-file", f"/dev/fd/{r}", "--log-dir", str(tmp_path)])
+        router = {c.name: c for c in LocalCluster(_spec(args))._plan_children()}["router"]
+    finally:
+        os.close(r)
+    assert "--api-keys-file" not in router.argv and "k-pipe" not in " ".join(router.argv)  # not in `ps`
+    assert router.env == {"EI_API_KEYS": "k-pipe", "EI_API_KEYS_FILE": ""}
+    assert demo_client_key(args) == "k-pipe"  # the keys read once, not the file again
+    monkeypatch.setenv("EI_API_KEY", "mine")
+    assert demo_client_key(args) == "mine"
+
+
+def test_a_key_with_a_comma_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.delenv("EI_API_KEYS", raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("a,b\n")
+    args = build_parser("up").parse_args(["up", "--api-keys-file", str(keys), "--log-dir", str(tmp_path / "logs")])
+    with pytest.raises(UsageError, match="^error: --api-keys-file: .* comma"):
+        _spec(args)
+
+
+def test_a_keys_file_with_a_bom_and_crlf_lines_gives_the_keys_as_typed(tmp_path):
+    """Notepad's UTF-8 starts with a BOM: the first key was '\\ufeffk-bom', which no client sends (401)."""
+    keys = tmp_path / "keys"
+    keys.write_bytes("\ufeffk-bom\r\n\r\n# ops\r\nk two\r\n".encode())
+    assert load_api_keys(str(keys)) == {"k-bom", "k two"}
