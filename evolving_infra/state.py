@@ -67,6 +67,15 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _mtime(path: Path) -> float:
+    """``path``'s modification time; 0 for a file gone since the folder was listed (its launcher stopped: the
+    read that follows skips it)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def running_clusters(*, remove_stale: bool = True) -> list[dict[str, Any]]:
     """State of every cluster whose launcher is alive, oldest file first.
 
@@ -77,7 +86,7 @@ def running_clusters(*, remove_stale: bool = True) -> list[dict[str, Any]]:
     if not folder.is_dir():
         return []
     out: list[dict[str, Any]] = []
-    for path in sorted(folder.glob("up-*.json"), key=lambda p: p.stat().st_mtime):
+    for path in sorted(folder.glob("up-*.json"), key=_mtime):
         try:
             info = json.loads(path.read_text())
             pid = int(info["pid"])
