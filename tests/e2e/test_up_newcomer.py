@@ -104,3 +104,40 @@ def test_an_interrupted_demo_stops_its_cluster_and_removes_its_state_and_nats_st
     while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [n for n, p in pids.items() if _alive(p)]
+
+
+def test_a_router_restarted_after_its_key_file_was_deleted_keeps_the_keys_none_in_ps_or_logs(tmp_path):
+    """The router re-read --api-keys-file's path at each start: a file deleted after ``up`` started (a secret
+    mounted for the start) failed every restart until the cluster gave up. The keys go in its environment now."""
+    keys = tmp_path / "keys"
+    keys.write_text("k-secret-rl36\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(tmp_path / "state")}
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "1", "--profile", "tiny", "--port", "0",
+           "--policy", "static", "--api-keys-file", str(keys), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        info = json.loads(_read_until(proc, "READY ", lines)[len("READY "):])
+        keys.unlink()
+        router = info["pids"]["router"]
+        assert b"k-secret-rl36" not in Path(f"/proc/{router}/cmdline").read_bytes()  # world-readable (ps)
+        os.kill(router, signal.SIGKILL)
+        _read_until(proc, "restarted router", lines, timeout_s=60)
+        url, auth = info["router_url"], {"Authorization": "Bearer k-secret-rl36"}
+        deadline = time.monotonic() + 30
+        while True:  # the restarted router listens on the same port
+            try:
+                if httpx.get(url + "/v1/models", headers=auth, timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "logs" / "router.log").read_text()[-2000:]
+            time.sleep(0.2)
+        assert httpx.get(url + "/v1/models", timeout=5).status_code == 401
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not [p.name for p in (tmp_path / "logs").glob("*.log") if "k-secret-rl36" in p.read_text()]
