@@ -13,7 +13,8 @@ same port; ``--no-restart`` stops the whole cluster on the first exit instead.
 (closed loop, N concurrent agents), writes ``OUT/report.json`` plus
 ``OUT/requests.jsonl`` and prints a summary; SIGINT / SIGTERM / SIGHUP stop it as
 they stop ``up`` (cluster, nats-server store and state file gone; one line on
-stderr; status 128 + the signal; no report).
+stderr; status 128 + the signal; no report); once its cluster has stopped they act
+as their defaults (Ctrl-C while the report is written: "interrupted", status 130).
 """
 
 from __future__ import annotations
@@ -642,6 +643,7 @@ async def _demo(args: argparse.Namespace) -> int:
         if state is not None:
             state.unlink(missing_ok=True)
         await cluster.stop()
+        _default_signals()  # nothing left to stop: Ctrl-C while the report and plots are written interrupts them
     if signals:
         return _demo_interrupted(signals)
     by_id = {r.id: r for r in requests}
@@ -704,6 +706,16 @@ def _stop_on_signals(stop: asyncio.Event) -> list[int]:
     for sig in (signal.SIGINT, signal.SIGTERM, *hup):
         loop.add_signal_handler(sig, on_signal, int(sig))
     return got
+
+
+def _default_signals() -> None:
+    """Undo :func:`_stop_on_signals` once the demo's cluster has stopped: SIGINT raises ``KeyboardInterrupt`` again
+    (the CLI's "interrupted", status 130; the report writers remove what they had begun) and SIGTERM / SIGHUP end
+    the process, instead of setting a stop event that nothing waits for any more (a Ctrl-C while the plots were
+    drawn was swallowed: status 0, the report written)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.remove_signal_handler(sig)  # False (nothing done) for one not installed: SIGHUP under nohup
 
 
 def _demo_interrupted(signals: list[int]) -> int:

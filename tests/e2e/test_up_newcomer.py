@@ -141,3 +141,29 @@ def test_a_router_restarted_after_its_key_file_was_deleted_keeps_the_keys_none_i
             proc.kill()
             proc.wait()
     assert not [p.name for p in (tmp_path / "logs").glob("*.log") if "k-secret-rl36" in p.read_text()]
+
+
+_SIGINT_WHILE_WRITING = """
+import os, signal, sys, time
+import evolving_infra.report.write as w
+from evolving_infra.cli import main
+real = w.write_report
+def write_report(*a, **k):  # Ctrl-C while the plots are drawn (seconds on the full sample)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1.0)
+    return real(*a, **k)
+w.write_report = write_report
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_after_the_cluster_stopped_still_interrupts_the_demo(tmp_path):
+    """The demo's signal handlers only set its stop event, and stayed installed after the cluster had stopped: a
+    Ctrl-C while the report and plots were written was swallowed (status 0, report written as if none came)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(tmp_path / "state")}
+    cmd = [sys.executable, "-c", _SIGINT_WHILE_WRITING, "demo", "--sessions", "2", "--concurrency", "2", "--speedup", "100",
+           "--nodes", "1", "--out", str(tmp_path / "demo")]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    assert p.returncode == 130, (p.returncode, (p.stdout + p.stderr)[-3000:])
+    assert p.stderr.splitlines()[-1] == "evolving-infra demo: interrupted", p.stderr[-2000:]
+    assert not (tmp_path / "demo" / "report.json").exists()
