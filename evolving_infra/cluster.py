@@ -179,7 +179,8 @@ class LocalCluster:
     nats_restarts: int = 0
     """Times the supervisor restarted the embedded nats-server."""
     on_restart: object = None
-    """Optional ``callable(name: str) -> None`` called after the supervisor restarted a service."""
+    """Optional ``callable(name: str) -> None`` called after the supervisor restarted a service; an exception it
+    raises is logged (a warning) and supervision goes on."""
     _bus: Bus | None = None
     creds: Credentials | None = None
     """Credentials generated for the embedded server (None when it runs open or NATS is external)."""
@@ -474,7 +475,10 @@ class LocalCluster:
                 return
             if started and callable(self.on_restart):
                 for name in started:
-                    self.on_restart(name)
+                    try:  # up's rewrites cluster.json and prints: a full disk or a closed stdout must not end supervision
+                        self.on_restart(name)
+                    except Exception as e:
+                        log.warning("restart callback failed; supervision goes on", service=name, error=repr(e))
             await asyncio.sleep(interval_s)
 
     def restarts(self) -> dict[str, int]:

@@ -88,3 +88,38 @@ def test_without_supervision_an_exit_fails_the_cluster(tmp_path):
             c.check_alive()  # no supervisor task running (start() was not called): fail fast
     finally:
         child.log_file.close()
+
+
+def test_a_failing_restart_callback_does_not_end_supervision(tmp_path):
+    """``up``'s on_restart rewrites cluster.json and prints a line: a full disk or a closed stdout
+    (``up | head``) raised out of the supervisor task, and the cluster failed ('supervisor crashed')."""
+    import asyncio
+
+    c = _cluster(tmp_path, restart_backoff_max_s=0.1)
+    child = c.children[0]
+    calls: list[str] = []
+
+    def on_restart(name: str) -> None:
+        calls.append(name)
+        raise BrokenPipeError(32, "Broken pipe")
+
+    c.on_restart = on_restart
+
+    async def run() -> None:
+        c._supervisor = asyncio.create_task(c._supervise(interval_s=0.02))
+        for _ in range(2):
+            _kill(child)
+            deadline = time.monotonic() + 5
+            while child.proc.poll() is not None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        c.check_alive()  # raised: supervisor crashed: BrokenPipeError
+        c._supervisor.cancel()
+
+    try:
+        asyncio.run(run())
+        assert calls == ["svc", "svc"] and child.restarts == 2
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+        child.log_file.close()
