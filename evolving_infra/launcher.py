@@ -309,6 +309,8 @@ def api_keys_line(args: argparse.Namespace) -> str | None:
 
 
 def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
+    if args.nodes < 1:  # before the default split (collocated for any N < 2) and the planner check (sized >= 1)
+        raise UsageError(f"error: --nodes {args.nodes}: a cluster needs at least one worker node")
     pol = args.live_policy if getattr(args, "live_policy", None) else _policy(args)
     args.live_policy = pol
     try:

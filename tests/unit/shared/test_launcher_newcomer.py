@@ -120,3 +120,13 @@ def test_a_keys_file_with_a_bom_and_crlf_lines_gives_the_keys_as_typed(tmp_path)
     keys = tmp_path / "keys"
     keys.write_bytes("\ufeffk-bom\r\n\r\n# ops\r\nk two\r\n".encode())
     assert load_api_keys(str(keys)) == {"k-bom", "k two"}
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+@pytest.mark.parametrize("nodes", ["0", "-2"])
+def test_no_worker_node_is_a_usage_error(command, nodes, tmp_path):
+    """With 2P2D the default, --nodes 0 was refused ('covers 4 nodes'); simulate's default for it is 'collocated',
+    which every check passed: NATS and every service started and the planner died ('a planner needs at least one node')."""
+    args = build_parser(command).parse_args([command, "--nodes", nodes, "--log-dir", str(tmp_path)])
+    with pytest.raises(UsageError, match=f"^error: --nodes {nodes}: a cluster needs at least one worker node"):
+        _spec(args)
