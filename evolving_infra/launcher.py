@@ -450,7 +450,8 @@ async def _up(args: argparse.Namespace) -> int:
         await cluster.stop()
         print("stopped", flush=True)
         return 0
-    finally:
+    finally:  # also when a print failed (up | head: BrokenPipeError): the nats-server's store goes with it
+        await cluster.stop()  # a second stop does nothing
         if state is not None:
             state.unlink(missing_ok=True)
 

@@ -167,3 +167,25 @@ def test_ctrl_c_after_the_cluster_stopped_still_interrupts_the_demo(tmp_path):
     assert p.returncode == 130, (p.returncode, (p.stdout + p.stderr)[-3000:])
     assert p.stderr.splitlines()[-1] == "evolving-infra demo: interrupted", p.stderr[-2000:]
     assert not (tmp_path / "demo" / "report.json").exists()
+
+
+def test_up_whose_stdout_reader_went_stops_its_cluster_and_removes_its_nats_store(tmp_path):
+    """``up | head -1``: the banner's next line raised BrokenPipeError (the CLI ends quietly, 141) past ``_up``'s
+    finally, which removed the state file but did not stop the cluster: the services died with their parent, the
+    nats-server's JetStream folder (/tmp/ei-nats-*) stayed."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")}
+    env |= {"EI_STATE_DIR": str(tmp_path / "state"), "TMPDIR": str(tmp)}
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "1", "--profile", "tiny", "--port", "0",
+           "--policy", "static", "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().startswith("cluster ready")  # type: ignore[union-attr]
+        proc.stdout.close()  # type: ignore[union-attr]
+        assert proc.wait(timeout=60) == 141, proc.stderr.read()[-2000:]  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not list(tmp.glob("ei-nats-*")) and not list((tmp_path / "state").glob("up-*.json"))
