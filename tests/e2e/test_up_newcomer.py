@@ -189,3 +189,33 @@ def test_up_whose_stdout_reader_went_stops_its_cluster_and_removes_its_nats_stor
             proc.kill()
             proc.wait()
     assert not list(tmp.glob("ei-nats-*")) and not list((tmp_path / "state").glob("up-*.json"))
+
+
+def test_up_whose_terminal_closed_stops_on_sighup_and_removes_its_nats_store(tmp_path):
+    """The terminal closed, then SIGHUP: 'stopping ...' to the gone terminal raised OSError (EIO), and the cluster
+    was never stopped (its /tmp/ei-nats-* store stayed), as with ``up | head``."""
+    import pty
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")}
+    env |= {"EI_STATE_DIR": str(tmp_path / "state"), "TMPDIR": str(tmp)}
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "1", "--profile", "tiny", "--port", "0",
+           "--policy", "static", "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    terminal, tty = pty.openpty()
+    proc = subprocess.Popen(cmd, stdout=tty, stderr=tty, env=env, start_new_session=True)
+    os.close(tty)
+    try:
+        seen, deadline = b"", time.monotonic() + 120
+        while b"READY " not in seen and time.monotonic() < deadline:
+            seen += os.read(terminal, 4096)
+        assert b"READY " in seen, seen[-2000:]
+        os.close(terminal)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGHUP)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not list(tmp.glob("ei-nats-*")) and not list((tmp_path / "state").glob("up-*.json"))
