@@ -4,12 +4,14 @@ supervisor's restarts; ``demo`` ended by SIGINT/SIGTERM removes its state file a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -32,17 +34,37 @@ def _read_until(proc: subprocess.Popen[str], prefix: str, lines: list[str], time
     pytest.fail(f"no line starting {prefix!r}:\n{''.join(lines)[-3000:]}")
 
 
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """This process's environment without API keys, the state dir under ``tmp_path``, plus ``extra``."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(tmp_path / "state"), **extra}
+
+
+def _small_up(tmp_path: Path, nodes: int, *extra: str) -> list[str]:
+    """``up`` of ``nodes`` tiny static workers on a free port, logs under ``tmp_path``."""
+    return [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", str(nodes), "--profile", "tiny", "--port", "0",
+            "--policy", "static", *extra, "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+
+
+@contextlib.contextmanager
+def _running_up(tmp_path: Path, nodes: int, *extra: str) -> Iterator[tuple[subprocess.Popen[str], dict, list[str]]]:
+    """A :func:`_small_up` until READY: (its process, the READY line's JSON, the lines so far); killed if still
+    running at the end."""
+    proc = subprocess.Popen(_small_up(tmp_path, nodes, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=_env(tmp_path))  # fmt: skip
+    lines: list[str] = []
+    try:
+        yield proc, json.loads(_read_until(proc, "READY ", lines)[len("READY "):]), lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_up_with_keys_file_on_two_nodes_keeps_its_state_file_current(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# ops\nk-newcomer\n")
     state_dir = tmp_path / "state"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(state_dir)}
-    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "2", "--profile", "tiny", "--port", "0",
-           "--policy", "static", "--api-keys-file", str(keys), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    try:
-        info = json.loads(_read_until(proc, "READY ", lines)[len("READY "):])
+    with _running_up(tmp_path, 2, "--api-keys-file", str(keys)) as (proc, info, lines):
         banner = "".join(lines)
         assert "split 1P1D; 2 workers, profile tiny" in banner, banner  # was refused: '2P2D' covers 4 nodes
         assert f"API keys ON (1 from --api-keys-file {keys})" in banner, banner
@@ -62,10 +84,6 @@ def test_up_with_keys_file_on_two_nodes_keeps_its_state_file_current(tmp_path):
         assert not list(state_dir.glob("*.tmp"))  # written atomically
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert not list(state_dir.glob("up-*.json"))
 
 
@@ -76,8 +94,7 @@ def test_an_interrupted_demo_stops_its_cluster_and_removes_its_state_and_nats_st
     tmp = tmp_path / "tmp"  # where tempfile puts ei-nats-*
     tmp.mkdir()
     state_dir = tmp_path / "state"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")}
-    env |= {"EI_STATE_DIR": str(state_dir), "TMPDIR": str(tmp)}
+    env = _env(tmp_path, TMPDIR=str(tmp))
     cmd = [sys.executable, "-m", "evolving_infra.cli", "demo", "--sessions", "4", "--concurrency", "2", "--speedup", "5",
            "--nodes", "2", "--out", str(tmp_path / "demo")]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -111,13 +128,7 @@ def test_a_router_restarted_after_its_key_file_was_deleted_keeps_the_keys_none_i
     mounted for the start) failed every restart until the cluster gave up. The keys go in its environment now."""
     keys = tmp_path / "keys"
     keys.write_text("k-secret-rl36\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(tmp_path / "state")}
-    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "1", "--profile", "tiny", "--port", "0",
-           "--policy", "static", "--api-keys-file", str(keys), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    try:
-        info = json.loads(_read_until(proc, "READY ", lines)[len("READY "):])
+    with _running_up(tmp_path, 1, "--api-keys-file", str(keys)) as (proc, info, lines):
         keys.unlink()
         router = info["pids"]["router"]
         assert b"k-secret-rl36" not in Path(f"/proc/{router}/cmdline").read_bytes()  # world-readable (ps)
@@ -136,10 +147,6 @@ def test_a_router_restarted_after_its_key_file_was_deleted_keeps_the_keys_none_i
         assert httpx.get(url + "/v1/models", timeout=5).status_code == 401
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert not [p.name for p in (tmp_path / "logs").glob("*.log") if "k-secret-rl36" in p.read_text()]
 
 
@@ -160,7 +167,7 @@ sys.exit(main(sys.argv[1:]))
 def test_ctrl_c_after_the_cluster_stopped_still_interrupts_the_demo(tmp_path):
     """The demo's signal handlers only set its stop event, and stayed installed after the cluster had stopped: a
     Ctrl-C while the report and plots were written was swallowed (status 0, report written as if none came)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(tmp_path / "state")}
+    env = _env(tmp_path)
     cmd = [sys.executable, "-c", _SIGINT_WHILE_WRITING, "demo", "--sessions", "2", "--concurrency", "2", "--speedup", "100",
            "--nodes", "1", "--out", str(tmp_path / "demo")]  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
@@ -170,19 +177,19 @@ def test_ctrl_c_after_the_cluster_stopped_still_interrupts_the_demo(tmp_path):
 
 
 def test_up_whose_stdout_reader_went_stops_its_cluster_and_removes_its_nats_store(tmp_path):
-    """``up | head -1``: the banner's next line raised BrokenPipeError (the CLI ends quietly, 141) past ``_up``'s
-    finally, which removed the state file but did not stop the cluster: the services died with their parent, the
+    """``up | head -1``, then Ctrl-C: a line to the closed pipe raised BrokenPipeError (the CLI ends quietly, 141)
+    past ``_up``'s finally, which removed the state file but did not stop the cluster: the services died with their parent, the
     nats-server's JetStream folder (/tmp/ei-nats-*) stayed."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")}
-    env |= {"EI_STATE_DIR": str(tmp_path / "state"), "TMPDIR": str(tmp)}
-    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "1", "--profile", "tiny", "--port", "0",
-           "--policy", "static", "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    env = _env(tmp_path, TMPDIR=str(tmp))
+    cmd = _small_up(tmp_path, 1)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().startswith("cluster ready")  # type: ignore[union-attr]
         proc.stdout.close()  # type: ignore[union-attr]
+        time.sleep(0.5)  # the rest of the banner may have fit the pipe before the close: 'stopping ...' cannot
+        proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 141, proc.stderr.read()[-2000:]  # type: ignore[union-attr]
     finally:
         if proc.poll() is None:
@@ -198,10 +205,8 @@ def test_up_whose_terminal_closed_stops_on_sighup_and_removes_its_nats_store(tmp
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")}
-    env |= {"EI_STATE_DIR": str(tmp_path / "state"), "TMPDIR": str(tmp)}
-    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "1", "--profile", "tiny", "--port", "0",
-           "--policy", "static", "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    env = _env(tmp_path, TMPDIR=str(tmp))
+    cmd = _small_up(tmp_path, 1)
     terminal, tty = pty.openpty()
     proc = subprocess.Popen(cmd, stdout=tty, stderr=tty, env=env, start_new_session=True)
     os.close(tty)
