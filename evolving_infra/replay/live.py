@@ -136,10 +136,21 @@ class LiveReplayer:
                                      headers=self.headers) as http:
 
             async def send(action: SendRequest) -> None:
-                rec = await self._send(http, action)
+                try:
+                    rec = await self._send(http, action)
+                except Exception as e:  # noqa: BLE001 - not httpx's (bad request data, a defect): this request fails,
+                    # the replay goes on (a send that raised never reached on_complete and run() waited forever)
+                    rec = self._record(action)
+                    rec.ok = False
+                    rec.error = f"{type(e).__name__}: {e}"
+                    rec.finished_at = self.clock.now()
+                    log.warning("request failed in the replayer", request=action.req.id, error=rec.error)
                 records.append(rec)
                 if on_record is not None:
-                    on_record(rec)
+                    try:
+                        on_record(rec)
+                    except Exception as e:  # noqa: BLE001 - the record stays in the result; the agent must go on
+                        log.error("on_record failed", request=rec.id, error=f"{type(e).__name__}: {e}")
                 bar.update(1)
                 for follow in core.on_complete(action.req.agent, action.req.id, self.clock.now(), ok=rec.ok):
                     if isinstance(follow, EndBranch):
@@ -232,6 +243,20 @@ class LiveReplayer:
                 h["X-Parent-Branch-Id"] = pre + req.parent_branch
         return h
 
+    def _record(self, action: SendRequest) -> RequestRecord:
+        """The request's record as it is sent (trace ids, ``sent_at`` now), before any answer."""
+        req = action.req
+        return RequestRecord(
+            id=req.id,
+            agent=req.agent,
+            branch=req.branch,
+            branch_kind=self._branch_kind.get(req.branch, "main"),
+            sent_at=self.clock.now(),
+            admission_wait_s=action.admission_wait_s,
+            expected_prompt_tokens=req.input_tokens,
+            expected_completion_tokens=req.output_tokens,
+        )
+
     async def _send(self, http: httpx.AsyncClient, action: SendRequest) -> RequestRecord:
         req = action.req
         tokens = prompt_token_ids(req, self.block_size)
@@ -246,16 +271,7 @@ class LiveReplayer:
             "stream_options": {"include_usage": True},
         }
         wait = action.admission_wait_s
-        rec = RequestRecord(
-            id=req.id,
-            agent=req.agent,
-            branch=req.branch,
-            branch_kind=self._branch_kind.get(req.branch, "main"),
-            sent_at=self.clock.now(),
-            admission_wait_s=wait,
-            expected_prompt_tokens=req.input_tokens,
-            expected_completion_tokens=req.output_tokens,
-        )
+        rec = self._record(action)
         t0 = rec.sent_at
         first: float | None = None
         n_out = 0

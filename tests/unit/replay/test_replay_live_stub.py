@@ -118,3 +118,37 @@ async def test_a_replay_cancelled_while_a_request_is_answered_leaves_no_task_beh
         release.set()
         await stub.close()
         loop.set_exception_handler(None)
+
+
+async def test_a_request_whose_send_raises_is_counted_failed_and_the_replay_goes_on():
+    """A send that raised something other than httpx's (here ``prompt_token_ids``' ValueError on a
+    request whose blocks do not match its input_tokens) killed its task before ``on_complete``:
+    its agent never went on and ``run`` waited forever. The same for an ``on_record`` that raised
+    (``replay``'s appends to requests.jsonl on a full disk)."""
+    trace = [
+        TraceRequest(id="bad", agent="a1", branch="a1:main", input_tokens=400, output_tokens=1, blocks=[1], kind="main"),
+        TraceRequest(id="next", agent="a1", branch="a1:main", input_tokens=4, output_tokens=1, blocks=[1], after=["bad"],
+                     ends_branch=True),
+        TraceRequest(id="other", agent="a2", branch="a2:main", input_tokens=4, output_tokens=1, blocks=[1], kind="main",
+                     ends_branch=True),
+    ]
+    seen: list[str] = []
+
+    def keep(rec) -> None:
+        seen.append(rec.id)
+        if rec.id == "other":
+            raise OSError(28, "No space left on device")
+
+    stub = StubRouter()
+    url = await stub.start()
+    try:
+        replayer = LiveReplayer(url, SimClock(1000.0), block_size=4, progress=False)
+        res = await asyncio.wait_for(replayer.run(trace, Arrival(kind="closed", concurrency=1), on_record=keep),
+                                     10)
+    finally:
+        await stub.close()
+    by_id = {r.id: r for r in res.records}
+    assert sorted(by_id) == sorted(seen) == ["bad", "next", "other"]
+    assert not by_id["bad"].ok and "ValueError" in by_id["bad"].error and "1 blocks but" in by_id["bad"].error
+    assert by_id["bad"].finished_at is not None and by_id["bad"].agent == "a1" and by_id["bad"].branch == "a1:main"
+    assert by_id["next"].ok and by_id["other"].ok and res.branch_end_failures == 0
