@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -53,6 +54,13 @@ class ReplayResult:
     """The run was stopped (``stop`` set: SIGINT / SIGTERM) before the trace was done."""
     in_flight_at_stop: int = 0
     """Requests cancelled unanswered at the stop (not in ``records``)."""
+
+
+def branch_path(branch_id: str) -> str:
+    """``branch_id`` as one path segment of ``/v1/branches/{id}/end``: every character but letters,
+    digits and ``_-~:`` percent-escaped (the router's path parameter is the decoded segment), so an
+    id holding ``/``, ``?``, ``#``, ``%``, a space or ``.`` / ``..`` ends that branch, not another path."""
+    return quote(branch_id, safe=":").replace(".", "%2E")
 
 
 class LiveReplayer:
@@ -160,11 +168,11 @@ class LiveReplayer:
             async def end(action: EndBranch) -> None:
                 nonlocal end_failures
                 try:
-                    resp = await http.post(f"/v1/branches/{self.branch_prefix}{action.branch}/end")
+                    resp = await http.post(f"/v1/branches/{branch_path(self.branch_prefix + action.branch)}/end")
                     if resp.status_code >= 400:
                         end_failures += 1
                         log.warning("branch end refused", branch=action.branch, status=resp.status_code, body=resp.text[:200])
-                except httpx.HTTPError as e:
+                except Exception as e:  # noqa: BLE001 - httpx's, or InvalidURL / UnicodeEncodeError for an id no URL holds
                     end_failures += 1
                     log.warning("branch end failed", branch=action.branch, error=repr(e))
 

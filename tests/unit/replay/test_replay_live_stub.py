@@ -152,3 +152,26 @@ async def test_a_request_whose_send_raises_is_counted_failed_and_the_replay_goes
     assert not by_id["bad"].ok and "ValueError" in by_id["bad"].error and "1 blocks but" in by_id["bad"].error
     assert by_id["bad"].finished_at is not None and by_id["bad"].agent == "a1" and by_id["bad"].branch == "a1:main"
     assert by_id["next"].ok and by_id["other"].ok and res.branch_end_failures == 0
+
+
+async def test_a_branch_end_reaches_the_branch_whatever_characters_its_id_holds():
+    """The end's path was the id as it is: '?' or '#' cut it (the router saw another path, 404), '%41'
+    was read as 'A', '../' was folded away by the URL parser, and a tab raised httpx.InvalidURL out of
+    the task (not counted, 'Task exception was never retrieved')."""
+    from urllib.parse import unquote
+
+    from evolving_infra.replay.live import branch_path
+
+    for odd in ("a?b#c/%41 ..", "..", "."):
+        assert unquote(branch_path(odd)) == odd and "/" not in branch_path(odd)
+    for pre in ("r/1?#%41 :", "../", "tab\t:"):
+        stub = StubRouter()
+        url = await stub.start()
+        try:
+            replayer = LiveReplayer(url, SimClock(1000.0), block_size=4, progress=False, branch_prefix=pre)
+            res = await asyncio.wait_for(replayer.run(_trace(), Arrival(kind="closed", concurrency=1)), 10)
+        finally:
+            await stub.close()
+        assert res.branch_end_failures == 0 and [r.ok for r in res.records] == [True] * 3, pre
+        ends = sorted(unquote(t[len("/v1/branches/"):-len("/end")]) for t, _ in stub.seen if t.endswith("/end"))
+        assert ends == [pre + "a1:fork", pre + "a1:main"], pre
