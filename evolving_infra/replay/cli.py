@@ -24,13 +24,18 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from evolving_infra.replay.core import Arrival, ReplayError
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from shared.log import setup_logging
+
+if TYPE_CHECKING:
+    from evolving_infra.traces.schema import TraceRequest
 
 
 async def _replay(args: argparse.Namespace) -> int:
@@ -43,6 +48,9 @@ async def _replay(args: argparse.Namespace) -> int:
     if args.from_kind != "canonical" and STDIO in args.input:
         print(f"error: '-' (stdin) cannot be a --from {args.from_kind} input, which is read as named files and folders; "
               "save it to a file (./- for a file named '-')", file=sys.stderr)
+        return 2
+    if args.branch_prefix is not None and (bad := branch_prefix_problem(args.branch_prefix)):
+        print(f"error: --branch-prefix {args.branch_prefix!r}: {bad}", file=sys.stderr)
         return 2
     vocab_size = _use_running_cluster(args)
     unreachable = await router_unreachable(args.router_url)
@@ -78,6 +86,12 @@ async def _replay(args: argparse.Namespace) -> int:
         print(f"replay: an earlier run's outputs in {out} moved to {out / PREVIOUS}/ ({', '.join(moved)})", file=sys.stderr)
     run_id = uuid.uuid4().hex[:12]
     prefix = f"{run_id}:" if args.branch_prefix is None else args.branch_prefix
+    too_long = longest_sent_id(trace.requests, prefix)
+    if too_long is not None:
+        print(f"warning: the id {too_long!r} is sent {len(too_long)} characters long; a router refuses ids over its "
+              f"max_id_len (default {ROUTER_MAX_ID_LEN}) with 400, so every request of that branch would fail"
+              + (": pass a shorter --branch-prefix (or '' on a cluster this trace has not been replayed on)" if prefix else ""),
+              file=sys.stderr)
     clock = SimClock(args.speedup)
     replayer = LiveReplayer(args.router_url, clock, block_size=trace.header.block_size, model=args.model, vocab_size=vocab_size,
                             api_key=args.api_key or os.environ.get("EI_API_KEY") or None, branch_prefix=prefix)
@@ -179,6 +193,32 @@ async def router_unreachable(router_url: str, timeout_s: float = 5.0) -> str | N
         return (f"no router answers at {router_url} ({type(e).__name__}: {e or 'no answer'}); start a cluster with "
                 "`evolving-infra up`, or pass the router's --router-url")
     return None
+
+
+def branch_prefix_problem(prefix: str) -> str | None:
+    """Why ``prefix`` cannot go in front of the ids sent as headers, or None when it can.
+
+    Headers are sent as ASCII (a non-ASCII character fails every request in the client) and the
+    router refuses control characters in ids (400).
+    """
+    for ch in prefix:
+        if not " " <= ch <= "~":
+            return f"holds {ch!r}; only printable ASCII can go in the X-Branch-Id / X-Agent-Id headers"
+    if len(prefix) >= ROUTER_MAX_ID_LEN:
+        return f"is {len(prefix)} characters long; a router refuses ids over {ROUTER_MAX_ID_LEN} (its max_id_len default)"
+    return None
+
+
+def longest_sent_id(requests: Sequence[TraceRequest], prefix: str) -> str | None:
+    """The longest branch, parent branch or agent id sent (``prefix`` + the trace's) when it is longer
+    than :data:`ROUTER_MAX_ID_LEN`, else None."""
+    longest = max((i for r in requests for i in (r.branch, r.agent, r.parent_branch or "")), key=len, default="")
+    return prefix + longest if len(prefix) + len(longest) > ROUTER_MAX_ID_LEN else None
+
+
+ROUTER_MAX_ID_LEN = 256
+"""The longest X-Branch-Id / X-Parent-Branch-Id / X-Agent-Id a router accepts by default
+(``services.router.config.RouterConfig.max_id_len``; a router may be run with another)."""
 
 
 def _use_running_cluster(args: argparse.Namespace) -> int | None:
@@ -285,6 +325,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="put STR in front of every branch and agent id sent to the cluster (X-Branch-Id, "
                    "X-Parent-Branch-Id, X-Agent-Id, branch ends); the router refuses a branch that was ended (409), "
                    "so each run needs ids of its own: default '<run id>:' (meta.run_id); '' sends the trace's ids "
-                   "as they are (once per cluster). Records and the report keep the trace's ids")
+                   "as they are (once per cluster). Printable ASCII only; a router refuses ids over 256 characters (its "
+                   "max_id_len), which the run warns of. Records and the report keep the trace's ids")
     p.add_argument("--out", default="replay-out", type=folder, help="output directory for report.json and requests.jsonl (default replay-out)")
     p.set_defaults(func=cmd_replay)

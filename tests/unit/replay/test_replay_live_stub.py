@@ -175,3 +175,24 @@ async def test_a_branch_end_reaches_the_branch_whatever_characters_its_id_holds(
         assert res.branch_end_failures == 0 and [r.ok for r in res.records] == [True] * 3, pre
         ends = sorted(unquote(t[len("/v1/branches/"):-len("/end")]) for t, _ in stub.seen if t.endswith("/end"))
         assert ends == [pre + "a1:fork", pre + "a1:main"], pre
+
+
+def test_a_prefix_no_header_can_hold_is_refused_and_one_making_ids_too_long_is_warned_of(tmp_path, monkeypatch, capsys):
+    """'é' failed every request in the client (headers go as ASCII: UnicodeEncodeError) and a tab every
+    request at the router (400, control character); a prefix that takes the ids over the router's
+    256 characters failed every request with 400 and nothing said why before the report."""
+    from evolving_infra.cli import main
+
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))
+    with stub_router_thread() as (url, stub):
+        for n, bad in enumerate(("é:", "tab\t:", "x" * 256)):
+            rc = main(["replay", str(demo_trace_path()), "--router-url", url, "--out", str(tmp_path / f"bad{n}"),
+                       "--branch-prefix", bad])
+            err = capsys.readouterr().err
+            assert rc == 2 and "error: --branch-prefix" in err, err
+        assert not [t for t, _ in stub.seen if t == "/v1/completions"]
+        rc, report = _replay_cli(url, tmp_path / "long", "--branch-prefix", "x" * 245)  # + "trace_0601:main"
+        err = capsys.readouterr().err
+        assert rc == 0 and "warning: the id 'xxxx" in err and "max_id_len (default 256)" in err, err
+        rc, report = _replay_cli(url, tmp_path / "short")
+        assert rc == 0 and "warning" not in capsys.readouterr().err
