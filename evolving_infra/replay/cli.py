@@ -32,6 +32,7 @@ import msgspec
 
 from evolving_infra.replay.core import Arrival, ReplayError
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
+from services.router.config import RouterConfig
 from shared.log import setup_logging
 
 if TYPE_CHECKING:
@@ -216,9 +217,9 @@ def longest_sent_id(requests: Sequence[TraceRequest], prefix: str) -> str | None
     return prefix + longest if len(prefix) + len(longest) > ROUTER_MAX_ID_LEN else None
 
 
-ROUTER_MAX_ID_LEN = 256
+ROUTER_MAX_ID_LEN: int = next(f.default for f in msgspec.structs.fields(RouterConfig) if f.name == "max_id_len")
 """The longest X-Branch-Id / X-Parent-Branch-Id / X-Agent-Id a router accepts by default
-(``services.router.config.RouterConfig.max_id_len``; a router may be run with another)."""
+(``services.router.config.RouterConfig.max_id_len``'s default, read from it; a router may be run with another)."""
 
 
 def _use_running_cluster(args: argparse.Namespace) -> int | None:
@@ -325,7 +326,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="put STR in front of every branch and agent id sent to the cluster (X-Branch-Id, "
                    "X-Parent-Branch-Id, X-Agent-Id, branch ends); the router refuses a branch that was ended (409), "
                    "so each run needs ids of its own: default '<run id>:' (meta.run_id); '' sends the trace's ids "
-                   "as they are (once per cluster). Printable ASCII only; a router refuses ids over 256 characters (its "
+                   f"as they are (once per cluster). Printable ASCII only; a router refuses ids over {ROUTER_MAX_ID_LEN} characters (its "
                    "max_id_len), which the run warns of. Records and the report keep the trace's ids")
     p.add_argument("--out", default="replay-out", type=folder, help="output directory for report.json and requests.jsonl (default replay-out)")
     p.set_defaults(func=cmd_replay)
