@@ -154,11 +154,8 @@ def trace_identities(values: Sequence[Any]) -> list[Any]:
         for i, p in enumerate(paths):
             if p is not None:
                 if p not in digests:
-                    h = hashlib.sha256()
                     with open(p, "rb") as f:
-                        for chunk in iter(lambda: f.read(1 << 20), b""):
-                            h.update(chunk)
-                    digests[p] = "sha256:" + h.hexdigest()
+                        digests[p] = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
                 out[i] = digests[p]
     return out
 
