@@ -388,11 +388,8 @@ async def _up(args: argparse.Namespace) -> int:
         print(f"error: {unavailable}; stop what listens there or pick another --port (0 = any free port)", file=sys.stderr)
         return 1
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     # SIGHUP (the terminal closed): a clean stop too, unless ignored (`nohup evolving-infra up` keeps running)
-    hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
-    for sig in (signal.SIGINT, signal.SIGTERM, *hup):
-        loop.add_signal_handler(sig, stop.set)
+    _stop_on_signals(stop)
     cluster = LocalCluster(spec)
 
     async def start() -> bool:
@@ -693,8 +690,8 @@ def demo_client_key(args: argparse.Namespace) -> str | None:
 
 
 def _stop_on_signals(stop: asyncio.Event) -> list[int]:
-    """Make SIGINT, SIGTERM and SIGHUP (unless ignored, as ``up``) set ``stop`` (the demo's start-up and replay
-    end on it), so that the demo stops every service and the embedded nats-server (whose JetStream store,
+    """Make SIGINT, SIGTERM and SIGHUP (unless ignored: ``nohup``) set ``stop`` (``up``'s run and the demo's
+    start-up and replay end on it), so that the demo stops every service and the embedded nats-server (whose JetStream store,
     ``/tmp/ei-nats-*``, reached 196 MB) and removes its state file; the default SIGTERM action killed the demo
     with none of that. Returns the list that receives the first signal's number."""
     loop = asyncio.get_running_loop()
