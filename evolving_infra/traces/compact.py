@@ -531,18 +531,13 @@ class _TextBuilder(_Builder):
         super().__init__()
         self.v = v
         self._chunk: bytes | None = None
-        """The last ``buf`` :meth:`feed` was given (a whole chunk of the file, shared by its lines)."""
+        """The last ``buf`` :meth:`feed_run` was given (a whole chunk of the file, shared by its lines)."""
         self._chunk_bs = True
         """Whether ``_chunk`` holds a backslash anywhere: searched once per chunk, not once per line."""
         self._name_from = -1
         self._name_at = -1
         """The first "blocks" token of ``_chunk`` at or after ``_name_from`` (-1: none; ``_name_from``
         -1: not searched): the previous line's search past its ids, which finds the next line's."""
-
-    def feed(self, line: int, buf: bytes, s: int, e: int) -> None:
-        """Take line ``line`` (1-based) of the file, ``buf[s:e]`` (its end excluded): :meth:`feed_run`
-        of that one line."""
-        self.feed_run(line - 1, buf, [s], [e])
 
     def feed_run(self, line: int, buf: bytes, starts: list[int], ends: list[int]) -> int:
         """Take the lines of a :data:`~evolving_infra.traces.io.Run` (line ``i`` is
@@ -718,7 +713,7 @@ class _TextBuilder(_Builder):
         return [], len(flat)
 
     def _feed_split(self, line: int, buf: bytes, s: int, e: int) -> None:
-        """:meth:`feed` of a line its fast path does not take: :meth:`_split`, then the validator."""
+        """:meth:`feed_run`'s line its fast path does not take: :meth:`_split`, then the validator."""
         try:
             stub, text, new, k, ref = self._split(buf, s, e)
         except msgspec.DecodeError:

@@ -526,18 +526,14 @@ class _Validator:
 _READ_ERRORS: tuple[type[Exception], ...] = (EOFError, gzip.BadGzipFile, zlib.error)
 
 
-def _scan(path: str | os.PathLike[str], v: "_Validator", feed: Callable[[int, bytes, int, int], Any] | None = None,
-          ahead: InflateAhead | None = None) -> Iterator[Any]:
-    """The valid requests of a file (``feed(line, buf, start, end)``'s results that are not None,
-    line ``line`` being ``buf[start:end]``, :data:`Span`; default ``v.feed`` of that line), then
-    ``v.finish``; an unreadable compressed stream is one problem. ``ahead``: as :func:`_line_spans`'s."""
+def _scan(path: str | os.PathLike[str], v: "_Validator") -> Iterator[Any]:
+    """The valid requests of a file (``v.feed`` of each line that is not None), then
+    ``v.finish``; an unreadable compressed stream is one problem."""
     n = 0
-    if feed is None:
-        vfeed = v.feed
-        feed = lambda n, buf, s, e: vfeed(n, buf[s:e])  # noqa: E731
+    feed = v.feed
     try:
-        for n, (buf, s, e) in enumerate(_line_spans(path, ahead), start=1):
-            req = feed(n, buf, s, e)
+        for n, (buf, s, e) in enumerate(_line_spans(path), start=1):
+            req = feed(n, buf[s:e])
             if req is not None:
                 yield req
     except _READ_ERRORS as e:
