@@ -851,26 +851,23 @@ class WorkerService:
         parent = self._traces.parent(fs.rid) if self._traces else None
         t0 = time.time_ns()
         results = await asyncio.gather(*(self.kvpool.fetch(peer, hashes) for peer, hashes in fs.sources), return_exceptions=True)
-        if parent is not None:
-            t1 = time.time_ns()
-            for (peer, hashes), res in zip(fs.sources, results):
-                if isinstance(res, BaseException):
-                    self._traces.kv_transfer(parent, fs.rid, peer, t0, t1, blocks=len(hashes), missing=len(hashes), error=repr(res))
-                else:
-                    self._traces.kv_transfer(
-                        parent, fs.rid, peer, t0, t0 + int(res.seconds * 1e9), blocks=len(hashes), fetched=len(res.fetched),
-                        missing=len(res.missing), nbytes=res.bytes, seconds=res.seconds, transfer_s=res.transfer_s, error=res.error,
-                    )  # fmt: skip
+        t1 = time.time_ns()
         missing: set[int] = set()
         c = self.counters
         for (peer, hashes), res in zip(fs.sources, results):
             c["kvfetch.calls"] += 1
             c["kvfetch.blocks_requested"] += len(hashes)
             if isinstance(res, BaseException):
+                err = repr(res)
+                self._traces.kv_transfer(parent, fs.rid, peer, t0, t1, blocks=len(hashes), missing=len(hashes), error=err)
                 c["kvfetch.errors"] += 1
                 missing.update(hashes)
-                self.log.warning("real-bytes fetch failed", rid=fs.rid, peer=peer, error=repr(res))
+                self.log.warning("real-bytes fetch failed", rid=fs.rid, peer=peer, error=err)
                 continue
+            self._traces.kv_transfer(  # parent None (not traced): records nothing
+                parent, fs.rid, peer, t0, t0 + int(res.seconds * 1e9), blocks=len(hashes), fetched=len(res.fetched),
+                missing=len(res.missing), nbytes=res.bytes, seconds=res.seconds, transfer_s=res.transfer_s, error=res.error,
+            )  # fmt: skip
             c["kvfetch.blocks_fetched"] += len(res.fetched)
             c["kvfetch.blocks_already"] += len(res.already)
             c["kvfetch.blocks_missing"] += len(res.missing)
