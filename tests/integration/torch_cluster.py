@@ -10,14 +10,10 @@ from typing import TYPE_CHECKING
 
 from evolving_infra.cluster import ClusterSpec
 from shared import messages as m
-from shared.hashing import block_hashes, pack_tokens
-from shared.profile import load_profile
+from tests.unit.worker.torch_tiny import BS, PROFILE, work
 
 if TYPE_CHECKING:
     from services.worker.engines.torch_engine.local import Finished
-
-BS = 8  # torch-tiny-cpu page size
-
 
 def tiny_1p1d(tmp_path: Path) -> tuple[Path, ClusterSpec]:
     """Write the tiny random llama (2 layers, hidden 64, vocabulary 512, context 2048, seed 5) to
@@ -42,13 +38,10 @@ class InProcess:
     def __init__(self, folder: Path) -> None:
         from services.worker.engines.torch_engine.local import LocalNode
 
-        self.node = LocalNode("x", load_profile("torch-tiny-cpu"), str(folder))
+        self.node = LocalNode("x", PROFILE, str(folder))
 
     def run(self, rid: str, prompt: list[int], max_tokens: int, sp: m.Sampling) -> Finished:
         """Run request ``rid`` (``prompt``, ``max_tokens``, sampling ``sp``) to its end; its record."""
-        self.node.add_prefill(m.PrefillWork(
-            rid=rid, prompt_tokens=len(prompt), max_tokens=max_tokens, block_size=BS, block_hashes=block_hashes(prompt, BS),
-            token_ids=pack_tokens(prompt), ignore_eos=True, sampling=sp,
-        ))  # fmt: skip
+        self.node.add_prefill(work(rid, prompt, sp, n=max_tokens))
         self.node.run()
         return self.node.finished[rid]
