@@ -1851,7 +1851,7 @@ class RouterService:
             last = first
             # with stop strings / stop token ids the text is made as the ids arrive (it may end
             # before the node ends the request); without, once at the end as before
-            stops = self._output_text(req) if api.stop_strings(req) or req.stop_token_ids else None
+            stops = self._output_text(req) if p.stops else None
             if stops is not None:
                 stops.push(first.token_ids)
             while not last.finished and not (stops is not None and stops.stopped):
