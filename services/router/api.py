@@ -311,11 +311,9 @@ def chat_echo(req: ChatRequest) -> str:
     the last message's own), its text parts joined by newlines as vLLM's conversation parsing joins
     them; "" when ``echo`` is off or the last message is another role's or has no content (vLLM's ``serving_chat``)."""
     last = req.messages[-1]
-    if not req.echo or last.role != reply_role(req) or last.content is None:
+    if not req.echo or last.role != reply_role(req):
         return ""
-    if isinstance(last.content, list):
-        return "\n".join(p.as_text() for p in last.content)
-    return last.content
+    return _content_text(last.content)
 
 
 def logprobs_asked(req: _Sampling) -> int | None:
@@ -536,16 +534,21 @@ def _check_content_parts(messages: list[ChatMessage]) -> None:
                     )
 
 
+def _content_text(content: str | list[ContentPart] | None) -> str:
+    """A message's text: a content list's text parts joined by newlines, as vLLM's conversation parsing
+    joins them; None is "" (:func:`chat_messages`, :func:`chat_echo`)."""
+    if isinstance(content, list):
+        return "\n".join(p.as_text() for p in content)
+    return content if content is not None else ""
+
+
 def chat_messages(req: ChatRequest | TokenizeChatRequest) -> list[dict[str, Any]]:
     """Messages as plain dicts for a chat template (``None`` fields dropped; content None is ""); a content
     list's text parts joined by newlines, as vLLM's conversation parsing gives a template that reads a string."""
     out: list[dict[str, Any]] = []
     for msg in req.messages:
         d: dict[str, Any] = {"role": msg.role}
-        if isinstance(msg.content, list):
-            d["content"] = "\n".join(p.as_text() for p in msg.content)
-        else:
-            d["content"] = msg.content if msg.content is not None else ""
+        d["content"] = _content_text(msg.content)
         if msg.name is not None:
             d["name"] = msg.name
         if msg.tool_calls is not None:
