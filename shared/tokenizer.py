@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -96,10 +96,29 @@ def _render_chatml(
     """ChatML rendering used by the sim tokenizer (and HF folders without a template); ``continue_final_message``
     leaves the last message open: cut right after its text (no ``<|im_end|>``, no tool calls rendered after the
     text), as transformers cuts a template's (:func:`continue_final`); ``add_generation_prompt`` appends ``<|im_start|>assistant``."""
+    return _render_chat(lambda msgs, gen: _chatml(msgs, tools, gen), messages, add_generation_prompt, continue_final_message)
+
+
+def _render_chat(
+    render: Callable[[list[dict[str, Any]], bool], str], messages: list[dict[str, Any]], add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> str:
+    """``render(messages, add_generation_prompt)`` (a chat template) with transformers' ``continue_final_message``
+    on top: the flags checked (:func:`_check_chat_flags`), the final message tagged (:func:`tag_final`) and the
+    rendering cut after its text (:func:`continue_final`).
+
+    Raises:
+        ValueError: both flags true, or a final message that cannot be continued.
+    """
     _check_chat_flags(add_generation_prompt, continue_final_message)
-    final_text = ""
-    if continue_final_message:
-        messages, final_text = tag_final(messages)
+    if not continue_final_message:
+        return render(messages, add_generation_prompt)
+    tagged, final_text = tag_final(messages)
+    return continue_final(render(tagged, False), final_text)
+
+
+def _chatml(messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool) -> str:
+    """ChatML text of ``messages`` (+ ``tools``), ``<|im_start|>assistant`` appended with ``add_generation_prompt``."""
     parts: list[str] = []
     if tools:
         parts.append("<|im_start|>system\n# Tools\n" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "<|im_end|>\n")
@@ -116,8 +135,6 @@ def _render_chatml(
         if msg.get("tool_call_id"):
             role = f"{role} id={msg['tool_call_id']}"
         parts.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
-    if continue_final_message:
-        return continue_final("".join(parts), final_text)
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
     return "".join(parts)
@@ -360,13 +377,11 @@ class HFTokenizer:
         if self._template is None:
             text = _render_chatml(messages, tools, add_generation_prompt, continue_final_message)
         else:
-            _check_chat_flags(add_generation_prompt, continue_final_message)
-            final_text = ""
-            if continue_final_message:
-                messages, final_text = tag_final(messages)
-            text = self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self._special)
-            if continue_final_message:
-                text = continue_final(text, final_text)
+            template = self._template
+            text = _render_chat(
+                lambda msgs, gen: template.render(messages=msgs, tools=tools, add_generation_prompt=gen, **self._special),
+                messages, add_generation_prompt, continue_final_message,
+            )
         return self._encode(text, add_special_tokens)
 
     def output_ids(self) -> list[int]:
