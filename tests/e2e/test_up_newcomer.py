@@ -187,8 +187,13 @@ def test_up_whose_stdout_reader_went_stops_its_cluster_and_removes_its_nats_stor
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().startswith("cluster ready")  # type: ignore[union-attr]
+        # the whole banner is read before the close: closed after its first line, the banner's next print could
+        # fail first, up then stopped by itself and the SIGINT below met the exiting interpreter (-2, not 141)
+        while (line := proc.stdout.readline()) and not line.startswith("READY"):  # type: ignore[union-attr]
+            pass
+        assert line.startswith("READY"), proc.stderr.read()[-2000:]  # type: ignore[union-attr]
         proc.stdout.close()  # type: ignore[union-attr]
-        time.sleep(0.5)  # the rest of the banner may have fit the pipe before the close: 'stopping ...' cannot
+        time.sleep(0.5)  # 'stopping ...' is the next print, the first to meet the closed pipe
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 141, proc.stderr.read()[-2000:]  # type: ignore[union-attr]
     finally:
