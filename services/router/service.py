@@ -53,7 +53,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -1441,6 +1441,12 @@ class RouterService:
         return self._json({"branch_id": branch_id, "outstanding": outstanding, "expected_s": expected_s})
 
     async def _read_body(self, request: Request) -> bytes:
+        """The request's body, at most ``max_body_bytes``, received within ``body_timeout_s``.
+
+        Raises:
+            ApiError: 413 (too big), 408 (not received in time; ``http.body_timeouts``), 499 (the client
+                closed the connection before its end; ``http.body_disconnects``: the answer is never read).
+        """
         limit = self.cfg.max_body_bytes
         cl = request.headers.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > limit:
@@ -1457,6 +1463,9 @@ class RouterService:
         except TimeoutError:
             self.counters["http.body_timeouts"] += 1
             raise api.ApiError(408, f"request body not received within body_timeout_s={self.cfg.body_timeout_s:g} s") from None
+        except ClientDisconnect:  # escaped as a 500 with a traceback in the log (Starlette's ServerErrorMiddleware)
+            self.counters["http.body_disconnects"] += 1
+            raise api.ApiError(499, f"client closed the connection after {size} of its body's bytes") from None
         return b"".join(parts)
 
     async def _completions(self, request: Request) -> Response:

@@ -77,6 +77,25 @@ async def test_200_stalled_bodies_are_closed_after_the_read_timeout_and_service_
         assert (await env.http.post("/v1/completions", json=BODY)).status_code == 200
 
 
+async def test_client_closing_mid_body_is_a_499_never_a_500(nats_url, tmp_path):
+    """A client that announces a body, sends part of it and closes: counted as a disconnect (499), not as a
+    server error. Before, Starlette's ClientDisconnect escaped ``_read_body``: every such close was an
+    ``http_status.500`` and an ``Exception in ASGI application`` traceback in the router's log."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        paths = (b"/v1/completions", b"/v1/chat/completions", b"/tokenize", b"/detokenize", b"/v1/branches/b1/tool-call")
+        for path in paths:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", env.service.port)
+            writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")
+            await writer.drain()
+            await asyncio.sleep(0.2)  # the router is reading the body
+            writer.close()
+        await _wait_for(lambda: env.service.counters["http.body_disconnects"] == len(paths), what="every disconnect counted")
+        assert env.service.counters.get("http_status.500", 0) == 0, dict(env.service.counters)
+        assert env.service.counters["http_status.499"] == len(paths) and env.service.counters["requests.499"] == 2
+        assert not env.service._pending
+        assert (await env.http.post("/v1/completions", json=BODY)).status_code == 200
+
+
 async def test_stalled_request_head_is_closed(nats_url, tmp_path):
     async with router_env(nats_url, tmp_path, {"c0": "both"}, header_timeout_s=1.0) as env:
         t0 = time.monotonic()
