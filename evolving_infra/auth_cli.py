@@ -4,7 +4,8 @@
 any external nats-server, ``auth gen`` writes one credentials file per instance
 (``<instance>.nk`` nkey seeds, or ``.pass`` with ``--mode password``; mode 0600)
 plus ``nats-auth.conf``, the ``authorization { ... }`` block to ``include`` in
-the server's config. Each service then gets its file with ``--nats-creds`` (or
+the server's config (mode 0600 too: with ``--mode password`` it holds every
+identity's password, ``admin``'s included). Each service then gets its file with ``--nats-creds`` (or
 ``EI_NATS_CREDS``); see ``shared/auth.py`` for the permission table.
 """
 
@@ -14,7 +15,7 @@ import argparse
 import sys
 
 from evolving_infra.stdio_args import folder
-from shared.auth import AuthError, NatsAuth, auth_from_env, generate
+from shared.auth import AuthError, NatsAuth, auth_from_env, generate, write_private
 
 
 def cmd_auth(args: argparse.Namespace) -> int:
@@ -26,7 +27,7 @@ def cmd_auth(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     conf = creds.directory / "nats-auth.conf"
-    conf.write_text(creds.server_block)
+    write_private(conf, creds.server_block.encode())
     for name, path in creds.files.items():
         print(f"{name:16s} {path}")
     print(f"server: add `include {conf.name}` (copy it next to the server config) to nats-server's config")
@@ -38,12 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "auth",
         help="generate NATS credentials and least-privilege permissions for an external deployment",
         description="Write one credentials file per service instance (plus operator, launcher and admin) and the "
-        "server's authorization block (nats-auth.conf). Services read their file from --nats-creds / EI_NATS_CREDS.",
+        "server's authorization block (nats-auth.conf, mode 0600: with --mode password it holds the passwords). "
+        "Services read their file from --nats-creds / EI_NATS_CREDS.",
     )
     ss = p.add_subparsers(dest="auth_command", metavar="ACTION", required=True)
     g = ss.add_parser("gen", help="generate credentials into a folder")
     g.add_argument("--dir", required=True, type=folder, help="output folder (created, mode 0700)")
-    g.add_argument("--nodes", required=True, help="worker node ids, comma-separated (e.g. w0,w1,w2,w3)")
+    g.add_argument("--nodes", required=True, help="worker node ids, comma-separated, each [A-Za-z0-9_-]+ (e.g. w0,w1,w2,w3)")
     g.add_argument("--routers", default="router", help="router instance names, comma-separated (default router)")
     g.add_argument("--partition", default="p0", help="partition the permissions cover (default p0)")
     g.add_argument("--mode", choices=("nkeys", "password"), default="nkeys", help="nkeys (default) or user/password")

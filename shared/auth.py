@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from shared.subjects import check_token
+
 AuthMode = Literal["nkeys", "password", "off"]
 
 KINDS = ("planner", "router", "kvdirectory", "worker", "operator", "launcher", "admin")
@@ -74,9 +76,19 @@ def identity(name: str) -> Identity:
     """The identity of a service instance name: ``worker-w0`` → worker of node ``w0``;
     ``router``, ``router-1`` → router; other names must be a kind (``planner``, ``operator`` ...).
 
+    The name is one NATS subject token (``[A-Za-z0-9_-]+``): it is put in subjects
+    (``route.bind.<name>``, ``_INBOX.<name>.>``, a worker's node in ``work.<node>.prefill``) and
+    in a file name. Unchecked, ``auth gen --nodes '*'`` gave a worker identity every node's
+    subjects (``work.*.prefill``: every prompt) and ``--nodes 'w0, w1'`` a server config with
+    subjects holding a space.
+
     Raises:
-        AuthError: for a name of no known kind.
+        AuthError: for a name of no known kind or not one subject token.
     """
+    try:
+        check_token(name, "NATS identity name")
+    except ValueError as e:
+        raise AuthError(str(e)) from None
     if name.startswith("worker-"):
         return Identity(name, "worker", name[len("worker-") :])
     kind = name.split("-", 1)[0]
@@ -107,6 +119,10 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
     Request subjects are in ``publish`` (the request goes out there); replies need no
     entry (``allow_responses``). See the module table.
     """
+    try:
+        check_token(partition, "partition")
+    except ValueError as e:  # '*' would give every identity the subjects of every partition
+        raise AuthError(str(e)) from None
     p = f"ei.{partition}."
     n = ident.node
     pub: list[str]
@@ -170,8 +186,15 @@ def new_nkey_seed() -> tuple[bytes, str]:
     return seed, kp.public_key.decode()
 
 
-def _write_secret(path: Path, data: bytes) -> None:
+def write_private(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path``, mode 0600 (readable by its owner only), also when the file existed
+    with a wider mode.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
 
@@ -220,19 +243,19 @@ def generate(
         The credential files and the server's ``authorization`` block.
 
     Raises:
-        AuthError: a name of no known kind, or ``mode`` is ``off``.
+        AuthError: a name of no known kind or not one subject token, a partition not one token, or
+            ``mode`` is ``off`` (checked before anything is written).
     """
     if mode == "off":
         raise AuthError("generate() needs mode nkeys or password")
+    all_names = list(dict.fromkeys([*names, "operator", "launcher", "admin"]))
+    table = {name: permissions(identity(name), partition) for name in all_names}
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
     creds = Credentials(mode=mode, directory=d)
     users: list[str] = []
-    all_names = list(dict.fromkeys([*names, "operator", "launcher", "admin"]))
-    for name in all_names:
-        ident = identity(name)
-        perms = permissions(ident, partition)
+    for name, perms in table.items():
         body = (
             f"permissions: {{ publish: {{ allow: {_conf_list(perms['publish'])} }}, "
             f"subscribe: {{ allow: {_conf_list(perms['subscribe'])} }}, allow_responses: true }}"
@@ -240,12 +263,12 @@ def generate(
         if mode == "nkeys":
             seed, public = new_nkey_seed()
             path = d / f"{name}.nk"
-            _write_secret(path, seed + b"\n")
+            write_private(path, seed + b"\n")
             users.append(f'  {{ nkey: "{public}", {body} }}')
         else:
             password = secrets.token_hex(32)
             path = d / f"{name}.pass"
-            _write_secret(path, f"{name}:{password}\n".encode())
+            write_private(path, f"{name}:{password}\n".encode())
             users.append(f'  {{ user: "{name}", password: "{password}", {body} }}')
         creds.files[name] = path
     creds.server_block = "authorization {\n users = [\n" + ",\n".join(users) + "\n ]\n}\n"

@@ -74,3 +74,30 @@ def test_generate_writes_private_files_and_a_server_block(tmp_path):
     assert not NatsAuth.from_settings().enabled and NatsAuth.from_settings().connect_options() == {}
     with pytest.raises(AuthError):
         NatsAuth.from_settings(user="x")
+
+
+@pytest.mark.parametrize("names", [["worker-*"], ["worker->"], ["worker-w0", "worker-w 1"], ["router-a.b"], ["router-/../x"], ["worker-w0\n"]])
+def test_generate_refuses_a_name_that_is_not_one_subject_token_and_writes_nothing(tmp_path, names):
+    """``auth gen --nodes '*'`` gave a worker identity ``work.*.prefill`` (every node's prompts) and
+    ``kv.events.*``; ``--nodes 'w0, w1'`` a server config with a space in its subjects."""
+    with pytest.raises(AuthError, match="one NATS subject token"):
+        generate(tmp_path / "creds", names)
+    assert not (tmp_path / "creds").exists()
+    with pytest.raises(AuthError, match="partition"):
+        generate(tmp_path / "creds", ["worker-w0"], partition="*")
+
+
+def test_auth_gen_server_block_is_private_and_bad_nodes_exit_2(tmp_path, capsys):
+    """nats-auth.conf holds every password with ``--mode password`` (admin's too): mode 0600, as the credentials."""
+    from evolving_infra.cli import main
+
+    for mode in ("password", "nkeys"):
+        d = tmp_path / mode
+        assert main(["auth", "gen", "--dir", str(d), "--nodes", "w0,w1", "--mode", mode]) == 0
+        conf = d / "nats-auth.conf"
+        assert stat.S_IMODE(os.stat(conf).st_mode) == 0o600, mode
+        if mode == "password":
+            assert open(d / "admin.pass").read().split(":", 1)[1].strip() in conf.read_text()
+    capsys.readouterr()
+    assert main(["auth", "gen", "--dir", str(tmp_path / "bad"), "--nodes", "w0,*"]) == 2
+    assert "one NATS subject token" in capsys.readouterr().err and not (tmp_path / "bad").exists()
