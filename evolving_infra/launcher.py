@@ -36,6 +36,7 @@ from evolving_infra.cli import UsageError, command_name
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
 from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, write_json
+from shared.auth import redact_url
 from shared.log import setup_logging
 from shared.profile import available_profiles
 from shared.service import until_stopped
@@ -404,8 +405,8 @@ async def _up(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     info = cluster.describe()
-    write_json(cluster.log_dir / "cluster.json", info)
-    state = _write_state({**info, **_state_fields(cluster.spec)})
+    write_json(cluster.log_dir / "cluster.json", _shown(info))
+    state = _write_state({**info, **_state_fields(cluster.spec)})  # the URL whole: split and tap connect with it (0600)
     try:
         print(f"cluster ready: router {cluster.router_url}  ({split_plan(args.live_policy, cluster.spec.split)}; "
               f"{args.nodes} workers, profile {cluster.spec.profile}, speedup {args.speedup:g})")
@@ -413,7 +414,7 @@ async def _up(args: argparse.Namespace) -> int:
         warmup = planner_warmup_line(args.live_policy, cluster.spec.split, cluster.spec.speedup)
         if warmup:  # the split above is served only after it; /v1/cluster and `split get` show the warm-up meanwhile
             print(f"  {warmup}")
-        print(f"  NATS {cluster.nats_url}   logs {cluster.log_dir}   trace with: {command_name()} tap (or split get)")
+        print(f"  NATS {redact_url(cluster.nats_url)}   logs {cluster.log_dir}   trace with: {command_name()} tap (or split get)")
         if cluster.creds is not None:
             print(
                 f"  NATS auth {args.nats_auth}: each service its own identity; split and tap on this machine find the "
@@ -423,12 +424,12 @@ async def _up(args: argparse.Namespace) -> int:
             print("  NATS is OPEN (--nats-auth off): any local process can publish and read every subject (loopback only)")
         if keys_line := api_keys_line(args):
             print(f"  {keys_line}")
-        print("READY " + json.dumps(info), flush=True)
+        print("READY " + json.dumps(_shown(info)), flush=True)
 
         def restarted(name: str) -> None:
             # new pids and restart counts, for operators and for fault tests
             now = cluster.describe()
-            write_json(cluster.log_dir / "cluster.json", now)
+            write_json(cluster.log_dir / "cluster.json", _shown(now))
             if state is not None:  # the state file lists the process ids too (README): rewritten, atomically
                 _write_state({**now, **_state_fields(cluster.spec)})
             print(f"restarted {name} (restarts: {cluster.restarts().get(name, 0)})", flush=True)
@@ -519,6 +520,12 @@ def planner_warmup_line(pol: LivePolicy, split: str, speedup: float) -> str | No
             f"it ends on a {slice_s:.0f}-s slice boundary, `split get` says when), fitting each node's iteration-time "
             f"models; then {after}, re-planned every {p.window_s:.0f} s of simulated time when a candidate is "
             f"significantly better (objective {p.objective})")
+
+
+def _shown(info: dict[str, object]) -> dict[str, object]:
+    """``cluster.describe()`` as printed (READY) and written to ``LOG_DIR/cluster.json``: a password or token
+    in ``--nats-url`` replaced by ``***`` (the 0600 state file keeps it for ``split`` / ``tap``)."""
+    return {**info, "nats_url": redact_url(str(info["nats_url"]))}
 
 
 def _write_state(info: dict[str, object]) -> Path | None:

@@ -20,7 +20,7 @@ import sys
 
 from shared import messages as m
 from evolving_infra.auth_cli import tool_auth
-from shared.auth import AuthError
+from shared.auth import AuthError, redact_url
 from shared.bus import Bus, BusError
 from shared.split import split_name
 from shared.subjects import SPLIT_GET, SPLIT_SET, Subjects
@@ -57,10 +57,10 @@ async def _run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
         )
     except BusError as e:  # refused credentials
-        print(f"error: cannot connect to NATS at {args.nats_url}: {e}", file=sys.stderr)
+        print(f"error: cannot connect to NATS at {redact_url(args.nats_url)}: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # no server: a clear message, not a traceback, within --timeout
-        print(f"error: cannot connect to NATS at {args.nats_url}: no server answered ({e!r})", file=sys.stderr)
+        print(f"error: cannot connect to NATS at {redact_url(args.nats_url)}: no server answered ({e!r})", file=sys.stderr)
         return 2
     try:
         if args.split_command == "get":

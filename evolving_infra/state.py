@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shared.auth import redact_url, write_private
+
 
 class ClusterNotFound(RuntimeError):
     """No running local cluster (or several, and nothing says which); the message says what to do."""
@@ -34,7 +36,7 @@ def state_dir() -> Path:
 
 
 def write_state(info: dict[str, Any], pid: int | None = None) -> Path:
-    """Write this launcher's state file atomically; returns its path.
+    """Write this launcher's state file atomically, mode 0600 (its folder, when created, 0700); returns its path.
 
     Args:
         info: what runs (``router_url``, ``nats_url``, ``partition``, ``log_dir``, ``pids``, ...).
@@ -45,10 +47,11 @@ def write_state(info: dict[str, Any], pid: int | None = None) -> Path:
     """
     pid = os.getpid() if pid is None else pid
     folder = state_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = folder / f"up-{pid}.json"
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({**info, "pid": pid}, indent=2, sort_keys=True) + "\n")
+    # mode 0600: it names the cluster's credential files and its NATS URL, which may carry a password
+    write_private(tmp, (json.dumps({**info, "pid": pid}, indent=2, sort_keys=True) + "\n").encode())
     os.replace(tmp, path)
     return path
 
@@ -135,6 +138,6 @@ def find_nats_url(partition: str | None = None) -> str:
             "`evolving-infra up`, or pass --nats-url for a cluster started otherwise"
         )
     if len(found) > 1:
-        listed = "; ".join(f"{c.get('nats_url')} (router {c.get('router_url')}, pid {c.get('pid')})" for c in found)
+        listed = "; ".join(f"{redact_url(str(c.get('nats_url')))} (router {c.get('router_url')}, pid {c.get('pid')})" for c in found)
         raise ClusterNotFound(f"{len(found)} local clusters are running: {listed}; pass --nats-url to pick one")
     return str(found[0]["nats_url"])

@@ -25,7 +25,7 @@ import msgspec
 import nats
 
 from evolving_infra.auth_cli import tool_auth
-from shared.auth import AuthError
+from shared.auth import AuthError, redact_url
 from shared.bus import decoder_for
 from shared.subjects import ALL, Subjects
 
@@ -111,7 +111,7 @@ async def _tap(args: argparse.Namespace) -> int:
             ), timeout=5
         )
     except Exception as e:  # no server: a clear message within seconds, not a traceback
-        print(f"error: cannot connect to NATS at {args.nats_url}: no server answered ({e!r})", file=sys.stderr)
+        print(f"error: cannot connect to NATS at {redact_url(args.nats_url)}: no server answered ({e!r})", file=sys.stderr)
         return 2
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -132,7 +132,7 @@ async def _tap(args: argparse.Namespace) -> int:
 
     for p in patterns:
         await nc.subscribe(p, cb=cb)
-    print(f"tapping {', '.join(patterns)} on {args.nats_url} (known roots: {', '.join(sorted(templates))}); Ctrl-C to stop", file=sys.stderr)
+    print(f"tapping {', '.join(patterns)} on {redact_url(args.nats_url)} (known roots: {', '.join(sorted(templates))}); Ctrl-C to stop", file=sys.stderr)
     await stop.wait()
     if lost:
         print(f"error: {lost[0]}", file=sys.stderr)

@@ -372,6 +372,28 @@ class NatsAuth:
         return out
 
 
+def redact_url(url: str) -> str:
+    """``url`` (a NATS server URL, or several comma-separated) with the password or token of its
+    user part replaced by ``***`` (``nats://router:***@host:4222``, ``nats://***@host``), for logs,
+    error messages and banners; other text is returned as is.
+
+    nats-py authenticates with the user part of the URL, so ``EI_NATS_URL=nats://user:pass@host``
+    works; before, every service logged it whole at start (``service started nats=...``) and the
+    CLIs printed it in their connection errors."""
+    out = []
+    for part in url.split(","):
+        scheme, sep, rest = part.partition("://")
+        if not sep:
+            scheme, rest = "", part
+        auth, at, hostport = rest.rpartition("@")
+        if at and "/" not in auth:
+            user, colon, _secret = auth.partition(":")
+            auth = f"{user}:***" if colon else "***"
+            part = f"{scheme}{sep}{auth}@{hostport}"
+        out.append(part)
+    return ",".join(out)
+
+
 def auth_from_env(name: str = "") -> NatsAuth:
     """Client auth from ``EI_NATS_CREDS`` / ``EI_NATS_USER`` + ``EI_NATS_PASSWORD`` / ``EI_NATS_TLS_*``
     (what the CLI tools use when no flag is given).

@@ -56,7 +56,7 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription
 
 from shared import messages as m
-from shared.auth import NatsAuth
+from shared.auth import NatsAuth, redact_url
 from shared.ratelog import RateLimitedLog
 from shared import tracing
 from shared.subjects import SVC_HEARTBEAT, SVC_STATS, Subject, Subjects
@@ -250,12 +250,12 @@ class Bus:
             refusal.cancel()
         if not connecting.done():
             await abandon()
-            raise BusError(f"NATS at {url} refused the credentials of {instance!r} (Authorization Violation)")
+            raise BusError(f"NATS at {redact_url(url)} refused the credentials of {instance!r} (Authorization Violation)")
         try:
             connecting.result()
         except Exception as e:
             if refused.is_set():
-                raise BusError(f"NATS at {url} refused the credentials of {instance!r} (Authorization Violation)") from e
+                raise BusError(f"NATS at {redact_url(url)} refused the credentials of {instance!r} (Authorization Violation)") from e
             raise
         return bus
 

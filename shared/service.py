@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from shared.auth import NatsAuth
+from shared.auth import NatsAuth, redact_url
 from shared.bus import Bus
 from shared.clock import SimClock
 from shared.config import CommonConfig
@@ -108,9 +108,9 @@ async def serve_until_stopped(
         # A signal during start-up (NATS unreachable: the connect retries forever) cancels
         # it; what was already set up is closed by the exit stack, and the process exits 0.
         if (auth := await until_stopped(start_up(), stop)) is None:
-            log.info("service stopped during start-up", nats=cfg.nats_url)
+            log.info("service stopped during start-up", nats=redact_url(cfg.nats_url))
             return
-        log.info("service started", nats=cfg.nats_url, partition=cfg.partition, speedup=cfg.speedup, nats_auth=auth.enabled)
+        log.info("service started", nats=redact_url(cfg.nats_url), partition=cfg.partition, speedup=cfg.speedup, nats_auth=auth.enabled)
         await stop.wait()
         log.info("service stopping")
     log.info("service stopped")

@@ -101,3 +101,22 @@ def test_auth_gen_server_block_is_private_and_bad_nodes_exit_2(tmp_path, capsys)
     capsys.readouterr()
     assert main(["auth", "gen", "--dir", str(tmp_path / "bad"), "--nodes", "w0,*"]) == 2
     assert "one NATS subject token" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def test_redact_url_hides_passwords_and_tokens_only():
+    from shared.auth import redact_url
+
+    assert redact_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+    assert redact_url("nats://ei:pw@h:4222") == "nats://ei:***@h:4222"
+    assert redact_url("tls://token@h") == "tls://***@h"
+    assert redact_url("nats://a:p1@h1:1,nats://b:p2@h2:2") == "nats://a:***@h1:1,nats://b:***@h2:2"
+    assert redact_url("nats://a:p:with:colons@h") == "nats://a:***@h"
+
+
+def test_up_prints_and_writes_the_nats_url_without_its_password():
+    """``up --nats-url nats://user:pass@host``: READY and LOG_DIR/cluster.json show ``user:***``."""
+    from evolving_infra.launcher import _shown
+
+    info = {"nats_url": "nats://ei:pw-secret@h:4222", "router_url": "http://127.0.0.1:8000"}
+    assert _shown(info) == {"nats_url": "nats://ei:***@h:4222", "router_url": "http://127.0.0.1:8000"}
+    assert info["nats_url"] == "nats://ei:pw-secret@h:4222"  # the state file gets it whole

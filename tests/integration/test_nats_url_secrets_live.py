@@ -1,0 +1,61 @@
+"""A password in the NATS URL (``nats://user:pass@host``, which nats-py authenticates with) stays out of logs
+and error messages, against a real nats-server that requires it.
+
+Before, every service logged its URL whole at start (``service started nats=nats://ei:<password>@...``) and
+a refused connection's error (``BusError``, printed by ``split`` / ``tap``) carried it too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.bus import Bus, BusError
+from shared.natsserver import EmbeddedNatsServer
+from shared.subjects import Subjects
+
+REPO = Path(__file__).resolve().parents[2]
+PASSWORD = "pw-6f1c0e9a4b7d"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def password_server():
+    with EmbeddedNatsServer(auth_block=f'authorization {{ user: "ei", password: "{PASSWORD}" }}') as srv:
+        yield srv
+
+
+def test_service_log_shows_the_url_without_its_password(password_server, tmp_path):
+    url = password_server.url.replace("nats://", f"nats://ei:{PASSWORD}@")
+    log = tmp_path / "kvdirectory.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "services.kvdirectory", "--nats-url", url],
+                            cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "service started" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "service started" in text, text  # it connected with the URL's password
+    assert PASSWORD not in text, [ln for ln in text.splitlines() if PASSWORD in ln]
+    assert f"nats://ei:***@127.0.0.1:{password_server.port}" in text
+
+
+async def test_refused_password_is_not_in_the_error(password_server):
+    url = password_server.url.replace("nats://", "nats://ei:wrong-secret-9@")
+    with pytest.raises(BusError) as e:
+        await Bus.connect(url, Subjects("p0"), service="operator", instance="operator", max_reconnect_attempts=0)
+    assert "wrong-secret-9" not in str(e.value) and "ei:***@" in str(e.value), str(e.value)
