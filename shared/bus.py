@@ -118,6 +118,11 @@ MSG_ID = "Nats-Msg-Id"
 REFUSED_HEADER = "Ei-Refused"
 
 
+REPLY_PREFIX = "_INBOX."
+"""Reply subjects :meth:`Bus.serve` answers: nats-py's inboxes (``_INBOX.<id>``, and with credentials
+``_INBOX.<identity>.<id>``, ``shared.auth.NatsAuth.inbox_prefix``)."""
+
+
 def stream_name(subjects: Subjects) -> str:
     """Name of the partition's JetStream stream for reliable subjects: ``EI_<partition>``."""
     return "EI_" + subjects.partition
@@ -483,6 +488,11 @@ class Bus:
     async def serve(self, subject: Subject, handler: ReplyHandler, *, queue: str = "", query: bool = False, **params: str) -> Subscription:
         """Answer requests on ``subject``; the handler returns the reply Struct.
 
+        Only a reply subject under ``_INBOX.`` (:data:`REPLY_PREFIX`, where every client of the system
+        gets its replies) is answered: a request with another one is counted (``dropped.<template>``,
+        ``bad_reply.<template>``) and dropped, unanswered and unhandled, since the server lets the
+        responder publish on any reply subject (``allow_responses``), the JetStream API's included.
+
         ``query=True``: the handler only computes an answer (no side effect), so a
         request without a reply inbox is counted under ``noreply.<template>`` (after
         decoding and validation, like any request) and not run: a flood of them
@@ -492,6 +502,16 @@ class Bus:
         self.subscribed.add(template)
 
         async def cb(raw: NatsMsg) -> None:
+            if raw.reply and not raw.reply.startswith(REPLY_PREFIX):
+                # The server lets a responder publish on a request's reply subject whatever it is
+                # (allow_responses): a worker's request with reply ``$JS.API.STREAM.DELETE.EI_p0`` made
+                # the router's refusal (an empty body) delete the partition's stream, and one with
+                # reply ``ei.p0.kv.events.w1`` put the router's answer on a subject it may not publish.
+                self.counters["dropped." + template] += 1
+                self.counters["bad_reply." + template] += 1
+                self.droplog.event(template, "request dropped: its reply subject is not an inbox", subject=raw.subject,
+                                   reply=raw.reply[:200], size=len(raw.data))  # fmt: skip
+                return
             msg, why = self._decode_why(subject, raw)
             if msg is None:
                 # A refused request is answered at once (empty body, the reason in a header), so

@@ -24,7 +24,7 @@ from shared import messages as m
 from shared.auth import generate
 from shared.bus import Bus
 from shared.natsserver import EmbeddedNatsServer
-from shared.subjects import KV_EVENTS, NODE_STATE, REQ_OUT, SPLIT_COMMANDS, SVC_STATS, Subjects
+from shared.subjects import KV_EVENTS, NODE_STATE, REQ_OUT, ROUTE_BIND, SPLIT_COMMANDS, SVC_STATS, Subjects
 
 NAMES = ["planner", "router", "kvdirectory", "worker-w0", "worker-w1"]
 
@@ -91,6 +91,43 @@ async def test_worker_identity_is_confined_to_its_own_subjects(secured):
     assert leaked == []
     await raw.unsubscribe()
     for b in (w0, admin):
+        await b.close()
+
+
+async def test_a_request_cannot_aim_a_services_reply_outside_the_inboxes(secured):
+    """The server lets a responder publish on any reply subject it is handed (``allow_responses``). A
+    worker's garbage request on ``route.bind.router`` with reply ``$JS.API.STREAM.DELETE.EI_p0`` made the
+    router's refusal (an empty body, what a stream delete takes) delete the partition's stream, and a
+    valid one with reply ``ei.p0.kv.events.w1`` put the router's answer on w1's KV events (the router may
+    not publish there). Now such requests are counted and dropped; inbox requests are answered."""
+    srv, creds = secured
+    launcher = await _connect(srv, creds, "launcher")
+    assert await launcher.ensure_stream()
+    admin, router, w0 = [await _connect(srv, creds, n) for n in ("admin", "router", "worker-w0")]
+
+    async def on_bind(req: m.DecodeBindRequest, _subject: str) -> m.DecodeBindReply:
+        return m.DecodeBindReply(rid=req.rid, reason="no decode node")
+
+    await router.serve(ROUTE_BIND, on_bind, router="router")
+    await router.nc.flush()
+    reflected: list[str] = []
+
+    async def on_any(msg) -> None:
+        reflected.append(msg.subject)
+
+    await admin.nc.subscribe("ei.p0.kv.events.>", cb=on_any)
+    await admin.nc.flush()
+    bind = "ei.p0.route.bind.router"
+    await w0.nc.publish(bind, m.encode(m.DecodeBindRequest(rid="r1", prefill_node="w0")), reply="ei.p0.kv.events.w1")
+    await w0.nc.publish(bind, b"garbage", reply="$JS.API.STREAM.DELETE.EI_p0")
+    await w0.nc.flush()
+    reply = await w0.request(ROUTE_BIND, m.DecodeBindRequest(rid="r2", prefill_node="w0"), router="router")  # its own inbox: answered
+    assert reply.rid == "r2"
+    await asyncio.sleep(0.3)
+    assert (await admin.nc.jetstream().stream_info("EI_p0")).config.name == "EI_p0"
+    assert reflected == []
+    assert router.counters["bad_reply.route.bind.{router}"] == 2 and router.counters["dropped.route.bind.{router}"] == 2
+    for b in (launcher, admin, router, w0):
         await b.close()
 
 
