@@ -27,7 +27,10 @@ Subscriptions follow the same table (a worker receives only its own ``work.<n>.*
 heartbeat and answers ``svc.stats.<its name>``; replies go back through
 ``allow_responses`` and each identity reads only its own inbox prefix
 ``_INBOX.<name>.`` (:attr:`NatsAuth.inbox_prefix`), so no one reads another's
-replies. The JetStream API is closed but for the one stream the system uses
+replies. ``allow_responses`` lets a responder publish on whatever reply subject
+a request names, so ``shared.bus.Bus.serve`` answers only replies under
+``_INBOX.`` (a worker's request with reply ``$JS.API.STREAM.DELETE.EI_p0`` made
+the router delete the stream). The JetStream API is closed but for the one stream the system uses
 (``EI_<partition>``, ``shared.bus``: the must-arrive subjects survive a NATS
 restart): only the launcher may create it; the router, the directory and the
 workers may read its info and create ordered consumers on it (the API subject
