@@ -1,0 +1,205 @@
+"""``deploy/slurm/evolving-infra.sbatch`` restarts a service or worker that dies and fails the job
+visibly when one keeps dying; before, a dead router, directory, NATS server or worker stayed dead
+and the job ran on (still RUNNING, READY printed, every request failing), and a router that never
+became healthy left the job waiting for its workers forever.
+
+The script itself runs here with ``bash`` and the real services (sim engine, real nats-server);
+only Slurm's two commands are stand-ins on ``PATH``: ``scontrol`` names three nodes at 127.0.0.1,
+``srun`` starts the worker step's tasks on this machine with ``SLURM_PROCID`` 0..n-1 and, with
+``--kill-on-bad-exit=1``, ends the step when a task exits non-zero (Slurm's documented
+behaviour). ``deploy/slurm/smoke.sh`` (tests/deploy/test_deploy.py) runs it under real Slurm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "deploy" / "slurm" / "evolving-infra.sbatch"
+
+SCONTROL = """#!/bin/sh
+# scontrol stand-in: three nodes n1..n3, all at 127.0.0.1
+case "$1 $2" in
+  "show hostnames") printf 'n1\\nn2\\nn3\\n' ;;
+  "show node") echo "NodeName=$3 Arch=x86_64 CoresPerSocket=1"; echo "   NodeAddr=127.0.0.1 NodeHostName=localhost" ;;
+  *) echo "scontrol stand-in: $*" >&2; exit 1 ;;
+esac
+"""
+
+SRUN = """#!/bin/bash
+# srun stand-in: the command after the options, once per task on this machine (SLURM_PROCID 0..n-1);
+# --kill-on-bad-exit=1: a task that exits non-zero ends the others and the step exits with its status
+n=1 kob=0
+while [ $# -gt 0 ]; do
+    case $1 in --ntasks=*) n=${1#*=} ;; --kill-on-bad-exit=*) kob=${1#*=} ;; --*) ;; *) break ;; esac
+    shift
+done
+pids=() stop=""
+for ((i = 0; i < n; i++)); do SLURM_PROCID=$i "$@" & pids+=($!); done
+trap 'stop=1; kill -TERM "${pids[@]}" 2>/dev/null' TERM
+rc=0
+while :; do
+    live=(); for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && live+=("$p"); done
+    [ ${#live[@]} -eq 0 ] && break
+    wait -n "${live[@]}"; r=$?
+    if [ -z "$stop" ] && [ "$r" -ne 0 ] && [ "$r" -lt 128 ] && [ "$kob" = 1 ]; then
+        rc=$r; stop=1; kill -TERM "${pids[@]}" 2>/dev/null
+    fi
+done
+exit $rc
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_pids(run: Path) -> dict[int, str]:
+    """pid → command line of every live process started for the job (they inherit ``EI_RUN_DIR``)."""
+    out: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if f"EI_RUN_DIR={run}".encode() not in (d / "environ").read_bytes().split(b"\0"):
+                continue
+            if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+    return out
+
+
+def service_pid(run: Path, module: str, arg: str = "") -> int:
+    hits = [p for p, cmd in job_pids(run).items() if f"-m {module} " in cmd and arg in cmd]
+    assert len(hits) == 1, (module, arg, job_pids(run))
+    return hits[0]
+
+
+def get(url: str, body: dict | None = None) -> bytes:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read()
+
+
+class Job:
+    """The sbatch script started as Slurm would start it on the first node of a three-node allocation."""
+
+    def __init__(self, tmp: Path, **env: str) -> None:
+        bin_dir = tmp / "bin"
+        bin_dir.mkdir()
+        for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
+            (bin_dir / name).write_text(text)
+            (bin_dir / name).chmod(0o755)
+        self.run = tmp / "run"
+        self.port = free_port()
+        self.out = tmp / "job.out"
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("EI_", "SLURM_"))}
+        base.update(
+            PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(REPO), EI_HOME=str(REPO), EI_PYTHON=sys.executable,
+            EI_RUN_DIR=str(self.run), SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="3", SLURM_JOB_NODELIST="n[1-3]",
+            ROUTER_PORT=str(self.port), NATS_PORT=str(free_port()), SPLIT="1P1D", SPEEDUP="20", PROFILE="tiny",
+        )
+        base.update(env)
+        self.proc = subprocess.Popen(
+            ["bash", str(SBATCH)], cwd=REPO, env=base, stdout=self.out.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def text(self) -> str:
+        return self.out.read_text()
+
+    def wait_for(self, what: str, timeout_s: float, count: int = 1) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.text().count(what) < count:
+            assert self.proc.poll() is None or self.text().count(what) >= count, f"job ended (rc {self.proc.returncode}):\n{self.text()}"
+            assert time.monotonic() < deadline, f"no {what!r} ({count}) in {timeout_s} s:\n{self.text()}"
+            time.sleep(0.3)
+
+    def healthy(self) -> bool:
+        try:
+            return get(f"http://127.0.0.1:{self.port}/healthz").startswith(b"{")
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in job_pids(self.run):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.mark.timeout(300)
+def test_a_router_and_a_worker_killed_are_restarted_and_sigterm_stops_everything(tmp_path):
+    job = Job(tmp_path)
+    try:
+        job.wait_for("READY", 150)
+        nodes = json.loads(get(f"http://127.0.0.1:{job.port}/v1/cluster"))["nodes"]
+        assert sorted(n["node"] for n in nodes) == ["w0", "w1"]
+
+        os.kill(service_pid(job.run, "services.router"), signal.SIGKILL)
+        job.wait_for("router exited (status 137); restart 1 of 10", 20)
+        deadline = time.monotonic() + 60
+        while not job.healthy():
+            assert time.monotonic() < deadline, f"router not back:\n{job.text()}"
+            time.sleep(0.5)
+
+        # 1P1D: w1 is the decode node, so a request served end to end after this needs it back
+        os.kill(service_pid(job.run, "services.worker", "--node w1 "), signal.SIGKILL)
+        job.wait_for("worker-w1 exited (status 137); restart 1 of 10", 20)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                r = json.loads(get(f"http://127.0.0.1:{job.port}/v1/completions", {"prompt": "hello there", "max_tokens": 4}))
+                break
+            except OSError as e:
+                assert time.monotonic() < deadline, f"no completion after the worker restart: {e}\n{job.text()}"
+                time.sleep(1)
+        assert r["usage"]["completion_tokens"] == 4
+        assert job.proc.poll() is None and "FAILED" not in job.text()
+
+        os.kill(job.proc.pid, signal.SIGTERM)  # scancel's signal to the batch script
+        assert job.proc.wait(60) == 0, job.text()
+        time.sleep(0.5)
+        assert job_pids(job.run) == {}, job_pids(job.run)
+        assert "stopped" in job.text()
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_service_that_keeps_dying_fails_the_job_with_its_name(tmp_path):
+    """The router's port is taken: the router exits at start each time; after MAX_RESTARTS the
+    job says which service gave up, stops the others and exits 1 (Slurm: state FAILED)."""
+    with socket.socket() as blocker:
+        blocker.bind(("0.0.0.0", 0))
+        blocker.listen()
+        job = Job(tmp_path, MAX_RESTARTS="1", ROUTER_PORT=str(blocker.getsockname()[1]))
+        try:
+            rc = job.proc.wait(180)
+            text = job.text()
+            assert rc == 1, text
+            assert "router exited (status 1); restart 1 of 1" in text, text
+            assert "router exited (status 1) 2 times in a row, none 60 s up: giving up" in text, text
+            assert "FAILED: router ended before the router answered /healthz" in text, text
+            assert "READY" not in text
+            time.sleep(0.5)
+            assert job_pids(job.run) == {}, job_pids(job.run)
+        finally:
+            job.close()
