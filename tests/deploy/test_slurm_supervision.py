@@ -152,6 +152,13 @@ def test_a_router_and_a_worker_killed_are_restarted_and_sigterm_stops_everything
         job.wait_for("READY", 150)
         nodes = json.loads(get(f"http://127.0.0.1:{job.port}/v1/cluster"))["nodes"]
         assert sorted(n["node"] for n in nodes) == ["w0", "w1"]
+        # the must-arrive subjects' JetStream stream exists (the job creates it with the launcher's
+        # credentials; under nkeys no service may): before, every service logged "no JetStream stream"
+        # and NATS a "Publish Violation" on $JS.API.STREAM.CREATE: at most once, silently
+        logs = {p.name: p.read_text() for p in job.run.glob("*.log")}
+        assert not [n for n, t in logs.items() if "no JetStream stream" in t], logs
+        assert "STREAM.CREATE" not in logs["nats.log"], logs["nats.log"]
+        assert "JetStream stream EI_p0" in job.text()
 
         os.kill(service_pid(job.run, "services.router"), signal.SIGKILL)
         job.wait_for("router exited (status 137); restart 1 of 10", 20)
