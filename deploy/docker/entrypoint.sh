@@ -13,6 +13,11 @@
 #   EI_BLOCK_SIZE  kvdirectory, router: set here to EI_PROFILE's block_size (the workers'); another is refused
 #   worker --profile P (compose's worker-torch): refused unless P's block_size is EI_PROFILE's
 set -eu
+# PID 1 of the container until the exec below: the kernel drops a signal PID 1 has no handler for, so
+# without this `docker compose stop` waited out its 10 s and killed a container still waiting for
+# its credentials or clock origin (up to 60 s each). exec resets the trap; the service sets its own.
+trap 'exit 143' TERM
+trap 'exit 130' INT
 role=${1:-}
 [ $# -gt 0 ] && shift
 WORKERS=${WORKERS:-2}

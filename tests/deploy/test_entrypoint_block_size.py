@@ -77,3 +77,45 @@ def test_a_worker_whose_profile_has_another_block_size_than_the_clusters_is_refu
     assert (r.returncode, r.stdout.strip()) == (0, "started services.worker EI_BLOCK_SIZE=unset"), r.stderr
     r = _run(tmp_path, "worker", EI_REPLICA="1", EI_PROFILE="tiny")  # no --profile: EI_PROFILE, the cluster's
     assert (r.returncode, r.stdout.strip()) == (0, "started services.worker EI_BLOCK_SIZE=unset"), r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (unshare --pid: the entrypoint as PID 1, as in a container)")
+def test_sigterm_stops_the_entrypoint_as_pid_1_while_it_waits(tmp_path):
+    """In a container the entrypoint is PID 1 until it execs the service, and the kernel drops a
+    signal PID 1 has no handler for: waiting for ``$EI_CREDS_DIR/clock_origin`` (written by the
+    auth job; up to 60 s) it ignored ``docker compose stop``'s SIGTERM until the 10-s SIGKILL.
+    Here in a new PID namespace (``unshare --pid --fork``): SIGTERM ends it within ~1 s, status 143."""
+    import shutil
+    import time
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
+    env.update(EI_CREDS_DIR=str(creds), EI_NATS_AUTH="off", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "/bin/sh", str(ENTRYPOINT), "router"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        pid1 = None
+        while pid1 is None:  # the entrypoint: unshare's child, PID 1 of the new namespace
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            if kids and Path(f"/proc/{kids[0]}/status").read_text().split("NSpid:")[1].split("\n")[0].split()[-1] == "1":
+                pid1 = int(kids[0])
+            time.sleep(0.05)
+        time.sleep(1.0)  # inside its wait for clock_origin
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        os.kill(pid1, 15)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the entrypoint (PID 1) ignored SIGTERM while waiting for the clock origin")
+        assert time.monotonic() - t0 < 3
+        assert proc.returncode == 143, proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
