@@ -7,6 +7,11 @@ plus ``nats-auth.conf``, the ``authorization { ... }`` block to ``include`` in
 the server's config (mode 0600 too: with ``--mode password`` it holds every
 identity's password, ``admin``'s included). Each service then gets its file with ``--nats-creds`` (or
 ``EI_NATS_CREDS``); see ``shared/auth.py`` for the permission table.
+
+``auth stream`` creates the partition's JetStream stream of must-arrive subjects
+(``shared.bus``) with the ``launcher`` credentials, as ``up``'s launcher does
+before any service starts: under these permissions no service may create it,
+and without it they fall back to core NATS (at most once).
 """
 
 from __future__ import annotations
@@ -14,11 +19,64 @@ from __future__ import annotations
 import argparse
 import sys
 
+import asyncio
+
 from evolving_infra.stdio_args import folder
 from shared.auth import AuthError, NatsAuth, auth_from_env, generate, write_private
 
 
+async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: float) -> str:
+    """Find or create ``partition``'s JetStream stream on ``nats_url`` as the ``launcher`` identity.
+
+    Args:
+        nats_url: the NATS server.
+        partition: Evolving Infra partition (the stream is ``EI_<partition>``).
+        creds: the launcher's credentials file (``auth gen``'s ``launcher.nk``); empty = none (open server).
+        timeout_s: wall seconds for the connection (Bus.connect retries until then).
+
+    Returns:
+        The stream's name.
+
+    Raises:
+        AuthError: unreadable credentials; TimeoutError: no connection in ``timeout_s``;
+        RuntimeError: the server has no JetStream or refused the stream.
+    """
+    from shared.bus import Bus, stream_name
+    from shared.subjects import Subjects
+
+    auth = NatsAuth.from_settings(creds=creds, name="launcher")
+    subjects = Subjects(partition)
+    bus = await asyncio.wait_for(Bus.connect(nats_url, subjects, service="launcher", instance="launcher", auth=auth), timeout_s)
+    try:
+        if not await bus.ensure_stream():
+            raise RuntimeError("no JetStream stream (JetStream off, or these credentials may not create it: the launcher's may)")
+    finally:
+        await bus.close()
+    return stream_name(subjects)
+
+
+def cmd_stream(args: argparse.Namespace) -> int:
+    from shared.log import setup_logging
+
+    setup_logging("console", "error")  # the bus client's lines (and its fallback warning) are not this command's output
+    try:
+        name = asyncio.run(make_stream(args.nats_url, args.partition, args.creds, args.timeout))
+    except AuthError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (TimeoutError, asyncio.TimeoutError):
+        print(f"error: no connection to {args.nats_url} in {args.timeout:g} s", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        print(f"error: {args.nats_url}: {e}", file=sys.stderr)
+        return 1
+    print(f"JetStream stream {name} on {args.nats_url}")
+    return 0
+
+
 def cmd_auth(args: argparse.Namespace) -> int:
+    if args.auth_command == "stream":
+        return cmd_stream(args)
     nodes = [n for n in args.nodes.split(",") if n]
     names = ["planner", "kvdirectory", *args.routers.split(","), *(f"worker-{n}" for n in nodes)]
     try:
@@ -49,6 +107,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     g.add_argument("--routers", default="router", help="router instance names, comma-separated (default router)")
     g.add_argument("--partition", default="p0", help="partition the permissions cover (default p0)")
     g.add_argument("--mode", choices=("nkeys", "password"), default="nkeys", help="nkeys (default) or user/password")
+    st = ss.add_parser(
+        "stream", help="create the partition's JetStream stream with the launcher credentials (before the services)",
+        description="Find or create the JetStream stream of the partition's must-arrive subjects (EI_<partition>), as up's "
+        "launcher does; under auth gen's permissions no service may create it, and without it they fall back to core "
+        "NATS (at most once). Exit 0 when it is there, 1 when it cannot be made, 2 for unreadable credentials.",
+    )
+    st.add_argument("--nats-url", required=True, help="the NATS server, e.g. nats://head:4222")
+    st.add_argument("--creds", default="", help="the launcher's credentials file (auth gen's launcher.nk); empty = none")
+    st.add_argument("--partition", default="p0", help="partition (default p0)")
+    st.add_argument("--timeout", type=float, default=30.0, help="wall seconds to connect (default 30)")
     p.set_defaults(func=cmd_auth)
 
 

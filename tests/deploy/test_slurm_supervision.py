@@ -158,7 +158,7 @@ def test_a_router_and_a_worker_killed_are_restarted_and_sigterm_stops_everything
         logs = {p.name: p.read_text() for p in job.run.glob("*.log")}
         assert not [n for n, t in logs.items() if "no JetStream stream" in t], logs
         assert "STREAM.CREATE" not in logs["nats.log"], logs["nats.log"]
-        assert "JetStream stream EI_p0" in job.text()
+        assert "JetStream stream EI_p0 on nats:" in job.text()
 
         os.kill(service_pid(job.run, "services.router"), signal.SIGKILL)
         job.wait_for("router exited (status 137); restart 1 of 10", 20)

@@ -1,0 +1,52 @@
+"""``evolving-infra auth stream`` creates the partition's JetStream stream as the launcher, on a real
+nats-server with ``auth gen``'s permissions: a deployment outside ``up`` (Slurm, compose) needs it,
+as no service identity may create the stream there and each would fall back to core NATS (at most
+once). A service's credentials are refused (exit 1, one line); a missing file is a usage error (2)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+from shared.auth import generate
+from shared.bus import Bus
+from shared.natsserver import EmbeddedNatsServer
+from shared.subjects import Subjects
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def auth_stream(url: str, creds: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "evolving_infra.cli", "auth", "stream", "--nats-url", url, "--partition", "p7",
+         "--creds", creds, "--timeout", "10"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_auth_stream_creates_the_stream_the_services_then_find(tmp_path):
+    creds = generate(tmp_path / "creds", ["planner", "kvdirectory", "router", "worker-w0"], partition="p7")
+    server = EmbeddedNatsServer(auth_block=creds.server_block).start()
+    try:
+        r = auth_stream(server.url, str(creds.files["router"]))  # a service may not create it
+        assert r.returncode == 1 and "no JetStream stream" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r
+
+        r = auth_stream(server.url, str(creds.files["launcher"]))
+        assert (r.returncode, r.stdout.strip()) == (0, f"JetStream stream EI_p7 on {server.url}"), r
+        assert auth_stream(server.url, str(creds.files["launcher"])).returncode == 0  # idempotent
+
+        async def router_finds_it() -> bool:
+            bus = await Bus.connect(server.url, Subjects("p7"), service="router", instance="router", auth=creds.auth_for("router"))
+            try:
+                return await bus.ensure_stream()
+            finally:
+                await bus.close()
+
+        assert asyncio.run(router_finds_it())
+
+        r = auth_stream(server.url, str(tmp_path / "missing.nk"))
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r
+    finally:
+        server.stop()
