@@ -79,6 +79,9 @@ log "router sees nodes $nodes"
 expected=$("$PY" -c "print(sorted(f'w{i}' for i in range($WORKERS)))")
 [ "$nodes" = "$expected" ] || { log "expected $expected"; $COMPOSE logs --tail 30 worker; exit 1; }
 
+$COMPOSE logs stream | grep -q "JetStream stream EI_" || { log "no JetStream stream"; $COMPOSE logs stream; exit 1; }
+if $COMPOSE logs | grep "no JetStream stream"; then log "a service runs without the JetStream stream (at most once)"; exit 1; fi
+
 log "replay $SESSIONS Claude Code sessions"
 TRACE=$("$PY" -c 'from evolving_infra.launcher import demo_trace_path; print(demo_trace_path())')
 OUT=$(mktemp -d /tmp/ei-smoke-out.XXXXXX)

@@ -1,7 +1,8 @@
 #!/bin/sh
 # ei-entrypoint ROLE [ARGS...]: run one Evolving Infra service in the container.
 #
-# Roles: auth (write NATS credentials + server config into $EI_CREDS_DIR, once), nats,
+# Roles: auth (write NATS credentials + server config into $EI_CREDS_DIR, once), nats, stream
+# (create the partition's JetStream stream as the launcher, once NATS is up: no service may),
 # kvdirectory, planner, router, worker; anything else is run as a command
 # (e.g. `evolving-infra replay ...`). Every service reads its settings from EI_* variables
 # (shared/config.py). Variables used here:
@@ -80,6 +81,12 @@ case "$role" in
     fi
     exec nats-server -c "$CREDS/nats.conf" "$@"
     ;;
+  stream)
+    launcher=""
+    [ "$AUTH" != off ] && launcher="$CREDS/launcher.nk"
+    exec evolving-infra auth stream --nats-url "${EI_NATS_URL:-nats://nats:4222}" --partition "${EI_PARTITION:-p0}" \
+        --creds "$launcher" "$@"
+    ;;
   kvdirectory)
     profile_block_size
     creds_for kvdirectory
@@ -126,7 +133,7 @@ case "$role" in
     exec python -m services.worker --instance "worker-$node" --node "$node" --phase "$phase" "$@"
     ;;
   ""|--help|-h)
-    echo "usage: ei-entrypoint auth|nats|kvdirectory|planner|router|worker [ARGS...] | COMMAND [ARGS...]"
+    echo "usage: ei-entrypoint auth|nats|stream|kvdirectory|planner|router|worker [ARGS...] | COMMAND [ARGS...]"
     ;;
   *)
     exec "$role" "$@"
