@@ -47,6 +47,27 @@ def parse(text: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
+def type_problems(expr: str, kinds: dict[str, str]) -> list[str]:
+    """What in one PromQL expression does not fit the exported types: ``rate``/``irate``/``increase``
+    of anything but a counter's ``_total`` or a histogram's ``_bucket``/``_sum``/``_count``
+    (a gauge's rate is meaningless), ``histogram_quantile`` over anything but a histogram's
+    ``_bucket``. ``kinds``: exported sample name → its family's type (``counter``, ``gauge``, ...)."""
+    out = []
+    for name in re.findall(r"\b(?:rate|irate|increase)\(\s*(ei_[a-z0-9_]+)", expr):
+        kind = kinds.get(name)
+        if not ((kind == "counter" and name.endswith("_total")) or (kind == "histogram" and name.endswith(("_bucket", "_sum", "_count")))):
+            out.append(f"rate/increase of {name} ({kind})")
+    for m in re.finditer(r"histogram_quantile\(", expr):
+        depth, i = 1, m.end()
+        while depth and i < len(expr):
+            depth += {"(": 1, ")": -1}.get(expr[i], 0)
+            i += 1
+        for name in re.findall(r"\bei_[a-z0-9_]+", expr[m.end() : i]):
+            if not (name.endswith("_bucket") and kinds.get(name) == "histogram"):
+                out.append(f"histogram_quantile over {name} ({kinds.get(name)})")
+    return out
+
+
 @pytest.mark.timeout(600)
 async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the_requests_served(tmp_path):
     trace = read_trace(demo_trace_path())
@@ -142,10 +163,12 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
     # every series the Grafana dashboard queries exists in what the services export, with the
     # labels its PromQL groups by (``by (...)``) or selects (``{...}``)
     exported: dict[str, set[str]] = {}
+    kinds: dict[str, str] = {}
     for fam in fams.values():
         for f in fam.values():
             for smp in f.samples:
                 exported.setdefault(smp.name, set()).update(smp.labels)
+                kinds[smp.name] = f.type
     targets = [t for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
     assert targets
     for t in targets:
@@ -157,3 +180,10 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
         assert names and names <= set(exported), (e, sorted(names - set(exported)))
         for n in names:
             assert labels <= exported[n], (e, n, sorted(labels - exported[n]))
+        # and with the functions their types allow (rate of a counter / bucket, quantiles of a histogram)
+        assert not type_problems(e, kinds), (e, type_problems(e, kinds))
+    # the type check catches what it is for, on the same exported types
+    assert type_problems("sum by (node) (rate(ei_node_queue_depth[5m]))", kinds) == ["rate/increase of ei_node_queue_depth (gauge)"]
+    assert type_problems("histogram_quantile(0.9, sum by (le) (ei_router_ttft_seconds_count))", kinds)
+    assert type_problems("histogram_quantile(0.9, sum by (le) (rate(ei_router_kv_hit_ratio[1m])))", kinds)
+    assert not type_problems("histogram_quantile(0.9, sum by (le) (rate(ei_router_ttft_seconds_bucket[1m])))", kinds)
