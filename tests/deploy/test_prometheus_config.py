@@ -47,3 +47,38 @@ def test_prometheus_scrapes_every_evolving_infra_service_of_the_compose_file_on_
     targets = scraped((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
     missing = sorted(s for s in services if (s, port) not in targets)
     assert not missing, f"not scraped on :{port}: {missing} (scraped: {sorted(targets)})"
+
+
+def resolved_services(env: dict[str, str]) -> dict[str, str]:
+    """Service name → its block of ``docker-compose config`` (the file with anchors, merges and
+    variables resolved), as text."""
+    import subprocess
+
+    out = subprocess.run(["docker-compose", "-f", str(REPO / "docker-compose.yml"), "config"], env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    block = ("\n" + out).split("\nservices:\n", 1)[1]
+    block = re.split(r"\n[a-z]", block, maxsplit=1)[0]  # up to the next top-level key
+    parts = re.split(r"^  ([A-Za-z0-9_-]+):\n", block, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_api_keys_reach_the_router_and_only_the_router():
+    """``EI_API_KEYS=k1,k2 docker compose up`` (README, Security) must reach the router, whose port
+    is published: the compose file listed every variable it passes and not this one, so the
+    router served open whatever the operator set. Resolved by ``docker-compose config`` (Debian's
+    docker-compose 1.29; no engine needed); the other services do not get the keys."""
+    import os
+    import shutil
+
+    import pytest
+
+    if shutil.which("docker-compose") is None:
+        pytest.skip("needs docker-compose (Debian package; .ci/run installs it)")
+    services = resolved_services(dict(os.environ, EI_API_KEYS="k1,k2"))
+    assert {"router", "kvdirectory", "planner", "worker", "nats", "auth", "stream"} <= set(services), sorted(services)
+    assert re.search(r"^      EI_API_KEYS: k1,k2$", services["router"], re.M), services["router"]
+    others = sorted(n for n, text in services.items() if n != "router" and "EI_API_KEYS" in text)
+    assert others == [], others
+    env = {k: v for k, v in os.environ.items() if k != "EI_API_KEYS"}
+    unset = re.findall(r"^      EI_API_KEYS:(.*)$", resolved_services(env)["router"], re.M)
+    assert unset in ([], [" ''"]), unset  # open by default (empty = no keys)
