@@ -118,7 +118,7 @@ def test_decode_gather_reused_one_token_on(tmp_path):
     for step in range(12):  # crosses page boundaries (a fresh gather) and back to reuse
         rows = [0, 1, 2] if step < 9 else [0, 2]  # a row leaves: the batch changes
         pos = [lens[r] - 1 + step for r in rows]
-        seqs = [SeqBatch(b, 1, p, tables[r]) for b, (r, p) in enumerate(zip(rows, pos))]
+        seqs = [SeqBatch(b, 1, p, tables[r], seq=r) for b, (r, p) in enumerate(zip(rows, pos))]
         before = dec._dec_gathered
         out = dec(toks[rows], torch.tensor(pos), seqs, kc, vc, None)
         ref._dec_gathered = None  # the reference always gathers afresh

@@ -149,6 +149,33 @@ def test_handoff_decodes_from_real_pages(model):
     assert d.engine.counters.get("tokens", 0) == 4 * 8  # only decode tokens computed on d
 
 
+def test_decode_node_page_of_an_ended_request_is_not_reused(model):
+    """A decode node's next request on the pages of the one that just ended: A (one full
+    prompt page x, decodes into page y) ends; B shares A's prompt page x, its partial prompt
+    page is y again (freed last, allocated first) and its first decode row has A's last
+    context + 1 keys: the same pages one token on. The model reused A's gathered keys for B
+    (A's output tokens' K/V in place of B's prompt) and B's third token was wrong (seed 1:
+    [70, 172, 172, 172] against the reference's [70, 172, 103, 479])."""
+    folder, hf = model
+    ref = Ref(hf)
+    rng = random.Random(1)
+    a = toks(rng, BS)
+    b = a + toks(rng, 3)  # A's last decode row attends 8 + 3 keys; B's first 8 + 3 + 1
+    p = LocalNode("p", PROFILE, folder, phase="prefill")
+    d = LocalNode("d", PROFILE, folder, phase="decode")
+    p.add_prefill(work("A", a, 4, decode_node="d"))
+    p.add_prefill(work("B", b, 4, decode_node="d"))
+    p.run()
+    handoffs = {h.rid: h.work for h in p.handoffs}
+    d.add_decode(handoffs["A"])
+    d.run()
+    assert "A" not in d.engine.seqs  # A has ended and left the engine (its pages freed) before B arrives
+    d.add_decode(handoffs["B"])
+    d.run()
+    assert d.finished["A"].tokens == ref(a, 4)
+    assert d.finished["B"].tokens == ref(b, 4)
+
+
 def test_corrupted_restore_is_detected(model):
     """The bytes check catches an L1 page that differs from its L2 copy."""
     folder, _ = model

@@ -55,6 +55,7 @@ token and every decode token (:meth:`TorchEngine.output_logprobs`); others cost 
 from __future__ import annotations
 
 import functools
+import itertools
 import secrets
 import threading
 import time
@@ -156,6 +157,9 @@ class _Seq:
     """The packed prompt (``<u4``) of a request that needs :attr:`stats` and has none yet: they are
     built when it is first sampled (``_forward``, in the engine's thread), so a queued request holds
     no ``[V]`` tensors on the device and its arrival (on the event loop) does no O(prompt) tensor work."""
+    serial: int = 0
+    """This registration's number on the engine (:attr:`.model.SeqBatch.seq`): the model reuses a
+    decode row's gathered keys only for the same sequence, never for a later one on its freed pages."""
     lps: dict[int, TokenLogprob] | None = None
     """``sampling.logprobs`` asked: the log-probabilities computed here of ``out[i]``, by index
     ``i`` (a hand-off's first token was computed on the prefill node and is not here)."""
@@ -244,6 +248,8 @@ class TorchEngine(Engine):
         self._free = list(range(self.pages - 1, -1, -1))
         self._host_free = list(range(profile.host_blocks - 1, -1, -1))
         self.seqs: dict[str, _Seq] = {}
+        self._serials = itertools.count(1)
+        """:attr:`_Seq.serial` of the next registration."""
         self._pending: dict[int, list[tuple[str, int]]] = {}
         """Prompt pages completed by the last plan, by hash: [(rid, page)] awaiting BlockStored(gpu)."""
         self._fetched: dict[int, torch.Tensor] = {}
@@ -284,7 +290,10 @@ class TorchEngine(Engine):
         err = self.context_error(work.prompt_tokens, work.max_tokens)
         if err:
             raise ValueError(err)
-        self.seqs[work.rid] = _seq(ids, work.sampling, offset=work.output_offset, ignore_eos=work.ignore_eos, stats_from=work.token_ids)
+        self.seqs[work.rid] = _seq(
+            ids, work.sampling, serial=next(self._serials), offset=work.output_offset, ignore_eos=work.ignore_eos,
+            stats_from=work.token_ids,
+        )  # fmt: skip
 
     @_locked
     def accept_decode(self, work: DecodeWork) -> None:
@@ -309,7 +318,10 @@ class TorchEngine(Engine):
             )
         raw = torch.frombuffer(bytearray(work.kv), dtype=torch.uint8)
         kv = raw.view(self.host.dtype).reshape(pages, *self.host.shape[1:])
-        s = _seq(ids, work.sampling, out=list(work.output_ids), offset=work.output_offset, ignore_eos=work.ignore_eos, stats_from=work.token_ids)
+        s = _seq(
+            ids, work.sampling, serial=next(self._serials), out=list(work.output_ids), offset=work.output_offset,
+            ignore_eos=work.ignore_eos, stats_from=work.token_ids,
+        )  # fmt: skip
         s.incoming = {i: kv[i] for i in range(pages)}
         s.path = list(work.block_hashes)
         for i, h in enumerate(work.block_hashes):
@@ -610,7 +622,7 @@ class TorchEngine(Engine):
             off = len(tokens)
             tokens.extend(s.prompt[start : start + c.tokens])
             positions.extend(range(start, start + c.tokens))
-            batch.append(SeqBatch(offset=off, n=c.tokens, ctx=start, block_table=s.table))
+            batch.append(SeqBatch(offset=off, n=c.tokens, ctx=start, block_table=s.table, seq=s.serial))
             s.computed = start + c.tokens
             chunk_pages.append((s, r, start // ps, s.computed // ps))
             if c.completes:
@@ -648,7 +660,7 @@ class TorchEngine(Engine):
             off = len(tokens)
             tokens.append(s.out[-1])
             positions.append(pos)
-            batch.append(SeqBatch(offset=off, n=1, ctx=pos, block_table=s.table))
+            batch.append(SeqBatch(offset=off, n=1, ctx=pos, block_table=s.table, seq=s.serial))
             s.computed = pos + 1
             logits_at.append(off)
             rows_s.append((rid, s))

@@ -20,9 +20,10 @@ masked, that padding bounded by ``group_overhead_keys``), consecutive chunks tha
 start at position 0 with one length in one causal call over their own fresh K/V
 (no gather), and each other chunk in its own call over its ``ctx + n`` keys. The
 decode groups' keys come from one ``index_select`` per layer and tensor (the chunks'
-from another); when the next forward's decode rows are the same rows one token on
+from another); when the next forward's decode rows are the same sequences one token on
 (same pages), their gathered keys are reused and only the new token written into
-them. Page indices, masks and RoPE rows are built once per iteration for all layers.
+them (:attr:`SeqBatch.seq` names the sequences). Page indices, masks and RoPE rows are
+built once per iteration for all layers.
 """
 
 from __future__ import annotations
@@ -218,6 +219,13 @@ class SeqBatch:
     n: int
     ctx: int
     block_table: list[int]
+    seq: int | None = None
+    """The sequence's identity (the engine's serial of the request's registration). A decode
+    row's gathered keys are reused by the next forward only when its decode rows are the same
+    sequences (none None), on the same pages, one token on: the pages of a sequence that
+    ended go back to the pool, and another sequence with the same block table one token
+    longer (a hand-off sharing its prefix page, its partial page allocated from the freed
+    one) holds other keys in them. None: never reused."""
 
 
 DECODE_GROUP_OVERHEAD_KEYS = {"cpu": 96, "cuda": 8192}
@@ -322,6 +330,8 @@ class _Plan:
     the ``[len(dec_pages)·page_size]`` flat view): ``(p0 + b·npg)·page_size + ctx``."""
     chunk_pages: list[int]
     """Pages every chunk group reads, chunk after chunk."""
+    dec_seqs: list[int | None]
+    """:attr:`SeqBatch.seq` of each decode row, in the order of ``dec_pages``."""
 
 
 def _plan_groups(seqs: list[SeqBatch], ps: int, dtype: torch.dtype, dev: torch.device, overhead: int) -> _Plan:
@@ -345,6 +355,7 @@ def _plan_groups(seqs: list[SeqBatch], ps: int, dtype: torch.dtype, dev: torch.d
     d_ends: list[int] = []
     d_rows: list[int] = []
     d_slots: list[int] = []
+    d_seqs: list[int | None] = []
     row = 0
     for sq in seqs:
         if sq.offset != row or sq.n < 1:
@@ -367,6 +378,7 @@ def _plan_groups(seqs: list[SeqBatch], ps: int, dtype: torch.dtype, dev: torch.d
                     kp = -(-e[r] // ps)
                     d_slots.append(len(flat) * ps + s.ctx)
                     d_rows.append(s.offset)
+                    d_seqs.append(s.seq)
                     flat += s.block_table[:kp]
                     if kp < npg:
                         flat += [0] * (npg - kp)
@@ -394,7 +406,7 @@ def _plan_groups(seqs: list[SeqBatch], ps: int, dtype: torch.dtype, dev: torch.d
             groups.append(_Group("chunk", sq.offset, sq.offset + Q, 1, Q, Lk, len(cflat), npg, mask.to(dev)))
             cflat += sq.block_table[:npg]
             i += 1
-    return _Plan(groups, flat, d_ends, d_rows, d_slots, cflat)
+    return _Plan(groups, flat, d_ends, d_rows, d_slots, cflat, d_seqs)
 
 
 class PagedDecoder(torch.nn.Module):
@@ -472,9 +484,12 @@ class PagedDecoder(torch.nn.Module):
         }
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self._rope_tab = torch.empty(0, 2, D, dtype=dtype, device=device)
-        self._dec_gathered: tuple[torch.Tensor, list[int], list[int], list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._dec_gathered: (
+            tuple[torch.Tensor, list[int], list[int], list[torch.Tensor], list[torch.Tensor], list[int | None]] | None
+        ) = None
         """The last forward's decode rows: (layer 0's K cache, pages, keys per row, gathered K
-        and V per layer), reused by the next forward when the rows are the same, one token on."""
+        and V per layer, sequence of each row), reused by the next forward when the rows are
+        the same sequences on the same pages, one token on."""
         self.group_overhead_keys = (
             DECODE_GROUP_OVERHEAD_KEYS.get(device.type, DECODE_GROUP_OVERHEAD_KEYS["cuda"])
             if group_overhead_keys is None
@@ -570,12 +585,16 @@ class PagedDecoder(torch.nn.Module):
         plan = _plan_groups(seqs, ps, self.dtype, dev, self.group_overhead_keys)
         groups = plan.groups
         # the decode rows' gathered keys of the last forward hold every key they need but
-        # the new token's when the rows are the same (same pages) one token further on
-        # (a computed token's K/V never changes): write that token instead of regathering
+        # the new token's when the rows are the same sequences (same pages) one token further
+        # on (a computed token's K/V never changes while its sequence lives): write that token
+        # instead of regathering. Same pages alone is not enough: a page freed by a sequence
+        # that ended holds another sequence's keys once reallocated (SeqBatch.seq).
         prev = self._dec_gathered
         reuse = (
             prev is not None
             and prev[0] is k_cache[0]
+            and None not in plan.dec_seqs
+            and prev[5] == plan.dec_seqs
             and prev[1] == plan.dec_pages
             and len(prev[2]) == len(plan.dec_ends)
             and all(a + 1 == b for a, b in zip(prev[2], plan.dec_ends))
@@ -632,7 +651,7 @@ class PagedDecoder(torch.nn.Module):
             gu = _linear(h, L["gate_up_t"])
             x = torch.addmm(x, F.silu(gu[:, :I]) * gu[:, I:], L["down_t"])
         if kept_k:
-            self._dec_gathered = (k_cache[0], plan.dec_pages, plan.dec_ends, kept_k, kept_v)
+            self._dec_gathered = (k_cache[0], plan.dec_pages, plan.dec_ends, kept_k, kept_v, plan.dec_seqs)
         if logits_at is not None:
             x = x.index_select(0, logits_at.to(dev))
         return _linear(_rms(x, self.norm, c.rms_norm_eps, self._rms_consts), self.lm_head_t).float()
