@@ -176,6 +176,35 @@ def test_decode_node_page_of_an_ended_request_is_not_reused(model):
     assert d.finished["B"].tokens == ref(b, 4)
 
 
+def test_queued_handoff_sharing_an_evicted_page_brings_it_back(model):
+    """Hand-offs A and B share prompt page h (B is queued for L1 behind A, C1 and C2 on a
+    5-page decode node). A stores h, decodes and ends; C1 evicts h from L1 and C2 from L2.
+    B's transfer stores h again, from the bytes B brought. The engine kept one copy per hash
+    and dropped it at A's store / first decode: B's BlockStored(gpu) raised KvMapError ("not
+    computed, not in L2, not handed off"); the worker loop logs it and goes on with the rest of
+    that event batch unapplied, its page map out of step with the pools."""
+    import msgspec
+
+    folder, hf = model
+    ref = Ref(hf)
+    rng = random.Random(3)
+    shared = toks(rng, BS)
+    prompts = {"A": (shared, 32), "C1": (toks(rng, 32), 8), "C2": (toks(rng, 32), 8), "B": (shared + toks(rng, 3), 13)}
+    p = LocalNode("p", PROFILE, folder, phase="prefill")
+    small = msgspec.structs.replace(PROFILE, memory=msgspec.structs.replace(PROFILE.memory, gpu_kv_tokens=5 * BS, host_kv_tokens=5 * BS))
+    d = LocalNode("d", small, folder, phase="decode")
+    for rid, (pr, n) in prompts.items():
+        p.add_prefill(work(rid, pr, n, decode_node="d"))
+    p.run()
+    for h in p.handoffs:
+        d.add_decode(h.work)  # every footprint is 5 pages: one at a time, in this order
+    d.run()
+    for rid, (pr, n) in prompts.items():
+        assert d.finished[rid].tokens == ref(pr, n), rid
+    assert d.engine.counters["handoff_pages_in"] == 10  # h twice: A's, then B's after the evictions
+    assert not d.engine._incoming  # every hand-off's pages were let go
+
+
 def test_corrupted_restore_is_detected(model):
     """The bytes check catches an L1 page that differs from its L2 copy."""
     folder, _ = model

@@ -255,8 +255,11 @@ class TorchEngine(Engine):
         self._fetched: dict[int, torch.Tensor] = {}
         """Pages fetched from a peer (real bytes), by hash, until their BlockStored(host)."""
         self._handoffs: dict[str, torch.Tensor] = {}
-        self._incoming: dict[int, torch.Tensor] = {}
-        """Hand-off pages by hash, until their BlockStored(gpu) (or until already resident)."""
+        self._incoming: dict[int, dict[str, torch.Tensor]] = {}
+        """Hand-off pages by hash → the bytes each hand-off carrying it brought, by rid, until that
+        request's first decode (or its end). Not dropped at the page's BlockStored(gpu): another
+        hand-off queued for L1 may share the page and need it again once it was evicted from
+        L1 and L2 in between."""
         self.check_each = check
         self.clock = clock
         self._lock = threading.RLock()
@@ -325,7 +328,7 @@ class TorchEngine(Engine):
         s.incoming = {i: kv[i] for i in range(pages)}
         s.path = list(work.block_hashes)
         for i, h in enumerate(work.block_hashes):
-            self._incoming[h] = kv[i]
+            self._incoming.setdefault(h, {})[work.rid] = kv[i]
         self.seqs[work.rid] = s
 
     def _ids(self, rid: str, packed: bytes, lo: int, hi: int) -> list[int]:
@@ -496,8 +499,9 @@ class TorchEngine(Engine):
             self.page_of[h] = page
             self._count("restored_pages")
             return
-        kv = self._incoming.pop(h, None)
-        if kv is not None:  # a hand-off's page
+        holders = self._incoming.get(h)
+        if holders:  # a hand-off's page
+            kv = next(iter(holders.values()))
             page = self._alloc()
             self._write_page(page, kv)
             self.page_of[h] = page
@@ -540,13 +544,23 @@ class TorchEngine(Engine):
                     self._count("dedup_pages")
             del self._pending[h]
 
+    def _drop_incoming(self, rid: str, path: list[int]) -> None:
+        """Forget the hand-off pages ``rid`` brought (its prompt's hashes ``path``); other
+        hand-offs' copies of the same pages stay."""
+        for h in path:
+            holders = self._incoming.get(h)
+            if holders is not None:
+                holders.pop(rid, None)
+                if not holders:
+                    del self._incoming[h]
+
     def gc(self, live: set[str] | dict[str, Any]) -> None:
         """Forget requests not in ``live`` (the scheduler's requests): free their private pages."""
         for rid in [r for r in self.seqs if r not in live]:
             s = self.seqs.pop(rid)
             self._free.extend(s.own)
-            for h in s.path if s.incoming is not None else ():
-                self._incoming.pop(h, None)
+            if s.incoming is not None:
+                self._drop_incoming(rid, s.path)
             self._handoffs.pop(rid, None)
         for h, cands in list(self._pending.items()):
             keep = [(r, p) for r, p in cands if r in self.seqs]
@@ -644,8 +658,7 @@ class TorchEngine(Engine):
                     s.table.append(p)
                     s.own.add(p)
                 s.incoming = None
-                for h in r.path:
-                    self._incoming.pop(h, None)
+                self._drop_incoming(r.rid, r.path)
                 s.computed = len(s.prompt)
             pos = len(s.prompt) + len(s.out) - 1
             if s.computed != pos:

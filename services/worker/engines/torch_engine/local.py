@@ -121,10 +121,16 @@ class LocalNode:
         return True
 
     def run(self, max_steps: int = 100_000) -> None:
-        """Step until idle (or ``max_steps``)."""
+        """Step until idle (or ``max_steps``): when no plan can run now but a hand-off's KV or a
+        fetch is due later (``EngineScheduler.next_deadline``, e.g. a decode reservation granted
+        when another request ended: ready after its transfer time), the clock moves on to it."""
         for _ in range(max_steps):
-            if not self.step():
+            if self.step():
+                continue
+            due = self.core.next_deadline()
+            if due is None:
                 return
+            self.now = max(self.now, due)
 
 
 def msgspec_replace(work: DecodeWork, **kw: object) -> DecodeWork:
