@@ -205,6 +205,34 @@ def test_queued_handoff_sharing_an_evicted_page_brings_it_back(model):
     assert not d.engine._incoming  # every hand-off's pages were let go
 
 
+def test_page_recomputed_while_in_l2_keeps_one_version(model):
+    """r1 computes pages h0 h1 of a 16-token prompt in chunks of 7, 8 and 1 tokens (budget 9)
+    and ends; h1 leaves L1 (6 pages) but stays in L2. r2, the same prompt, hits h0 and, under
+    the cache cap, computes h1 again in one 8-token chunk: the same tokens' K/V in the last
+    bits apart (1e-6). Its page became L1's h1 next to the other L2 copy, and the invariant
+    check (every L1 page's bytes = its L2 copy; live workers run with --check-invariants)
+    raised KvMapError. Now L2's version is kept in both."""
+    import msgspec
+
+    folder, hf = model
+    ref = Ref(hf)
+    rng = random.Random(0)
+    shared = toks(rng, 2 * BS)
+    prompts = {"r0": (toks(rng, 2), 7), "r1": (shared, 1), "r2": (shared, 9)}
+    small = msgspec.structs.replace(
+        PROFILE,
+        memory=msgspec.structs.replace(PROFILE.memory, gpu_kv_tokens=6 * BS, host_kv_tokens=6 * BS),
+        scheduler=msgspec.structs.replace(PROFILE.scheduler, chunk_tokens=9, max_running=4),
+    )
+    node = LocalNode("a", small, folder)
+    for rid, (pr, n) in prompts.items():
+        node.add_prefill(work(rid, pr, n))
+    node.run()  # check=True: the bytes invariant after every step
+    for rid, (pr, n) in prompts.items():
+        assert node.finished[rid].tokens == ref(pr, n), rid
+    assert node.engine.counters["recomputed_kept_l2"] == 1
+
+
 def test_corrupted_restore_is_detected(model):
     """The bytes check catches an L1 page that differs from its L2 copy."""
     folder, _ = model

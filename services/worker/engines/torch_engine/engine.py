@@ -265,7 +265,7 @@ class TorchEngine(Engine):
         self._lock = threading.RLock()
         self.counters: dict[str, int] = {}
         """``restored_pages``, ``written_through``, ``handoff_pages_in``, ``fetched_pages``,
-        ``dedup_pages``, ``forwards``, ``tokens``."""
+        ``dedup_pages``, ``recomputed_kept_l2``, ``forwards``, ``tokens``."""
 
     # ------------------------------------------------------------------ #
     # work registration
@@ -491,6 +491,14 @@ class TorchEngine(Engine):
             s = self.seqs.get(rid)
             if s is not None:
                 s.own.discard(page)
+            slot = self.host_slot.get(h)
+            if slot is not None:
+                # recomputed while its L2 copy stayed (evicted from L1 only; the cache cap makes a
+                # request compute its last page): the same tokens' K/V in other chunks or batches
+                # differ in the last bits (1e-6 of 3 on the tiny model). Keep the L2 version, the
+                # one peers fetch and later restores read: L1 = L2 bytes, one version per hash.
+                self._write_page(page, self.host[slot])
+                self._count("recomputed_kept_l2")
             self.page_of[h] = page
             return
         if h in self.host_slot:  # restore L2 → L1
