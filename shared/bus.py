@@ -56,7 +56,7 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription
 
 from shared import messages as m
-from shared.auth import NatsAuth, redact_url
+from shared.auth import NatsAuth, redact_url, subject_matches
 from shared.ratelog import RateLimitedLog
 from shared import tracing
 from shared.subjects import SVC_HEARTBEAT, SVC_STATS, Subject, Subjects
@@ -126,6 +126,14 @@ REPLY_PREFIX = "_INBOX."
 def stream_name(subjects: Subjects) -> str:
     """Name of the partition's JetStream stream for reliable subjects: ``EI_<partition>``."""
     return "EI_" + subjects.partition
+
+
+def _ordered_state(sub: Subscription) -> Any:
+    """nats-py's state of the ordered consumer behind ``sub`` (``_JSI``: next stream sequence, the
+    consumer's config, its reset), or None. ``js.subscribe`` returns a ``PushSubscription`` that
+    wraps the subscription holding it: read on the wrapper, it was never found, so the start
+    sequence and the resumption after a shortened stream were not set."""
+    return getattr(sub, "_jsi", None) or getattr(getattr(sub, "_sub", None), "_jsi", None)
 
 
 class Bus:
@@ -283,7 +291,7 @@ class Bus:
             return
         last = int(info.state.last_seq)
         for sub, floor in self._js_subs:
-            jsi = getattr(sub, "_jsi", None)
+            jsi = _ordered_state(sub)
             if jsi is None or floor[0] <= last:
                 continue
             # a killed server lost the tail of its store: new messages reuse those sequence
@@ -405,6 +413,7 @@ class Bus:
         template = subject.template
         self.subscribed.add(template)
         use_js = (subject.reliable if reliable is None else reliable) and not queue and await self.ensure_stream()
+        pattern = self.subjects.wildcard(subject, **params)
         floor = [0]
         """Highest stream sequence handled: a redelivery after a consumer reset is dropped."""
         seen: OrderedDict[str, None] = OrderedDict()
@@ -428,6 +437,9 @@ class Bus:
                     seen[mid] = None
                     if len(seen) > SEEN_IDS:
                         seen.popitem(last=False)
+            elif not subject_matches(pattern, raw.subject):
+                self._wrong_subject(template, raw)
+                return
             msg = self._decode(subject, raw)
             if msg is None:
                 return
@@ -447,10 +459,10 @@ class Bus:
                     span.end()
 
         if use_js:
-            sub = await self._js_subscribe(self.subjects.wildcard(subject, **params), cb, floor)
+            sub = await self._js_subscribe(pattern, cb, floor)
         else:
             sub = await self.nc.subscribe(
-                self.subjects.wildcard(subject, **params),
+                pattern,
                 queue=queue,
                 cb=cb,
                 pending_msgs_limit=1_000_000,
@@ -467,23 +479,61 @@ class Bus:
         info = await js.stream_info(name)
         last = int(info.state.last_seq)
         floor[0] = last
+        # A named consumer with one filter is created on ``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``
+        # (nats-py does so when the config has a name and a filter_subject, server >= 2.9), so the
+        # server's permissions confine each identity to consumers on its own subjects (shared.auth).
         sub = await js.subscribe(
             filter_subject,
             stream=name,
             cb=cb,
             ordered_consumer=True,
             idle_heartbeat=CONSUMER_HEARTBEAT_S,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1),
+            config=ConsumerConfig(
+                name=self._consumer_name(), deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1
+            ),
             pending_msgs_limit=1_000_000,
             pending_bytes_limit=1024 * 1024 * 1024,
         )
-        jsi = getattr(sub, "_jsi", None)
+        jsi = _ordered_state(sub)
         if jsi is not None and hasattr(jsi, "_sseq"):
             # nats-py resumes an ordered consumer from its last seen stream sequence + 1, and from 1
             # (the whole retained stream) when it has seen none yet: start that count where we start
             jsi._sseq = last
+        if jsi is not None and hasattr(jsi, "recreate_consumer") and hasattr(jsi, "_ccreq"):
+            # nats-py recreates a reset ordered consumer (missed heartbeats, a gap, a NATS restart) from
+            # the same config: with the same name, while the old consumer still lives, the server takes
+            # it for an update of the start sequence and refuses it, and the subscription stops. Each
+            # incarnation gets a fresh name (the old one expires once nobody listens on its inbox).
+            recreate = jsi.recreate_consumer
+
+            async def recreate_renamed() -> None:
+                jsi._ccreq.name = self._consumer_name()
+                await recreate()
+
+            jsi.recreate_consumer = recreate_renamed
         self._js_subs.append((sub, floor))
         return sub
+
+    def _wrong_subject(self, template: str, raw: NatsMsg) -> None:
+        """Count (``dropped.<template>``, ``wrong_subject.<template>``) and drop a message that came
+        in on a subscription to ``template`` under another subject.
+
+        A JetStream push consumer delivers the stream's messages on its deliver subject under their
+        own subject, and that deliver subject is in the consumer's config, which the server's
+        permissions do not see: a worker had a consumer of its own ``work.<n>.decode`` (where it may
+        publish anything) deliver a forged split command on ``split.commands``, which it may not publish.
+        """
+        self.counters["dropped." + template] += 1
+        self.counters["wrong_subject." + template] += 1
+        self.droplog.event(template, "message dropped: its subject is not the subscription's", subject=raw.subject[:200],
+                           reply=(raw.reply or "")[:200], size=len(raw.data))  # fmt: skip
+
+    def _consumer_name(self) -> str:
+        """A fresh JetStream consumer name: ``<instance>_<16 hex>`` (the instance cut to the characters
+        a consumer name may hold, ``[A-Za-z0-9_-]``, and 32 of them), unique per subscription and
+        incarnation, so two processes, or one process before and after a restart, never share one."""
+        tag = "".join(c if c.isascii() and (c.isalnum() or c in "_-") else "_" for c in self.instance)[:32] or "ei"
+        return f"{tag}_{os.urandom(8).hex()}"
 
     async def serve(self, subject: Subject, handler: ReplyHandler, *, queue: str = "", query: bool = False, **params: str) -> Subscription:
         """Answer requests on ``subject``; the handler returns the reply Struct.
@@ -501,7 +551,12 @@ class Bus:
         template = subject.template
         self.subscribed.add(template)
 
+        pattern = self.subjects.wildcard(subject, **params)
+
         async def cb(raw: NatsMsg) -> None:
+            if not subject_matches(pattern, raw.subject):  # a consumer's delivery (see _wrong_subject)
+                self._wrong_subject(template, raw)
+                return
             if raw.reply and not raw.reply.startswith(REPLY_PREFIX):
                 # The server lets a responder publish on a request's reply subject whatever it is
                 # (allow_responses): a worker's request with reply ``$JS.API.STREAM.DELETE.EI_p0`` made
@@ -543,7 +598,7 @@ class Bus:
             if reply is not None and raw.reply:
                 await self.nc.publish(raw.reply, m.encode(self._stamp(reply)))
 
-        sub = await self.nc.subscribe(self.subjects.wildcard(subject, **params), queue=queue, cb=cb)
+        sub = await self.nc.subscribe(pattern, queue=queue, cb=cb)
         self._subs.append(sub)
         return sub
 

@@ -59,6 +59,47 @@ async def test_reliable_subject_arrives_exactly_once_across_a_server_kill():
     assert resent > 0  # the resend window was published again and deduplicated
 
 
+@pytest.mark.timeout(60)
+async def test_a_reset_consumer_comes_back_under_a_new_name_while_the_old_one_lives():
+    """nats-py resets an ordered consumer (a delivery gap, missed heartbeats; ``Bus`` after a
+    shortened stream) by creating it again from the same config, while the old consumer still
+    lives on the server. Consumers are named (the permissions see the filter only then): under
+    the same name the server took the new one for an update of its start sequence, refused it,
+    and nothing arrived after the reset."""
+    with EmbeddedNatsServer() as srv:
+        subj = Subjects("p0")
+        pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
+        sub = await Bus.connect(srv.url, subj, service="router", instance="router.a b")  # cut to a valid name
+        got: list[int] = []
+
+        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
+            got.append(c.index)
+
+        async def wait_for(k: int) -> None:
+            for _ in range(250):
+                if len(got) >= k:
+                    return
+                await asyncio.sleep(0.02)
+
+        js_sub = await sub.subscribe(REQ_OUT, on_chunk)
+        info = await sub.nc.jetstream().stream_info(stream_name(subj))
+        names = [c.name for c in await sub.nc.jetstream().consumers_info(stream_name(subj))]
+        assert info.state.consumer_count == 1 and names[0].startswith("router_a_b_"), names
+        for i in range(5):
+            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
+        await wait_for(5)
+        jsi = js_sub._sub._jsi
+        await jsi.reset_ordered_consumer(jsi._sseq + 1)
+        for i in range(5, 10):
+            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
+        await wait_for(10)
+        await asyncio.sleep(0.2)
+        assert got == list(range(10))
+        assert js_sub._consumer not in names  # the new incarnation's name
+        await pub.close()
+        await sub.close()
+
+
 @pytest.mark.timeout(120)
 async def test_core_subscription_loses_messages_across_the_same_kill():
     """The control: the same traffic on a core (at-most-once) subscription loses what was sent
