@@ -33,10 +33,17 @@ a request names, so ``shared.bus.Bus.serve`` answers only replies under
 the router delete the stream). The JetStream API is closed but for the one stream the system uses
 (``EI_<partition>``, ``shared.bus``: the must-arrive subjects survive a NATS
 restart): only the launcher may create it; the router, the directory and the
-workers may read its info and create ordered consumers on it (the API subject
-of an unnamed consumer does not carry its filter, so such an identity could
-read any of the stream's subjects through a consumer: the stream holds work,
-outputs and KV events of this partition only). No one may create another stream.
+workers may read its info and create consumers on it, each only on the reliable
+subjects it may subscribe: the grant is ``$JS.API.CONSUMER.CREATE.EI_<p>.*.<filter>``
+(a named consumer with one filter, the form whose API subject carries the filter;
+``shared.bus`` creates its consumers so), never the bare
+``$JS.API.CONSUMER.CREATE.EI_<p>`` whose filter is in the body (a worker read another
+node's prompts and every output through such a consumer). A push consumer's
+deliver subject is in its config, out of the permissions' sight (the server only
+checks that it is a literal outside the stream): a worker may have a consumer of its
+own ``work.<n>.decode`` deliver onto a core subject it may not publish, and such a
+delivery keeps its stream subject, so ``shared.bus`` drops a message whose subject is
+not the subscription's. No one may create another stream.
 
 Credentials are nkeys (Ed25519 key pairs, the ``nkeys`` package nats-py uses):
 the server holds the public keys, each process a seed file readable only by its
@@ -55,7 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.subjects import check_token
+from shared.subjects import ALL, check_token
 
 AuthMode = Literal["nkeys", "password", "off"]
 
@@ -116,6 +123,10 @@ def allowed(perms: dict[str, Any], action: str, subject: str) -> bool:
     return any(subject_matches(p, subject) for p in perms[action])
 
 
+_RELIABLE = tuple(s.template.format(**dict.fromkeys(s.params, "*")) for s in ALL if s.reliable)
+"""The subjects consumed from the partition's stream, relative, with ``*`` for each parameter."""
+
+
 def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
     """The server permissions of one identity: ``{"publish": [...], "subscribe": [...]}`` (full subjects).
 
@@ -161,8 +172,11 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
     pub = [p + s for s in pub] + [f"{p}svc.heartbeat.{ident.kind}"]
     stream = "EI_" + partition
     if ident.kind in ("router", "kvdirectory", "worker"):  # reliable subscriptions (shared.bus)
-        pub += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
-                f"$JS.FC.{stream}.>"]
+        # a consumer only on a reliable subject it may read: the create subject carries the filter
+        # (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``); neither the bare form nor the named
+        # one without a filter (any filter, or several) is granted
+        pub += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.FC.{stream}.>"]
+        pub += [f"$JS.API.CONSUMER.CREATE.{stream}.*.{p}{s}" for s in sub if any(subject_matches(r, s) for r in _RELIABLE)]
     if ident.kind == "launcher":  # creates the stream before any service starts
         pub += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}"]
     sub = [p + s for s in sub] + [f"{p}svc.stats.{ident.name}", f"_INBOX.{ident.name}.>"]

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -24,7 +25,7 @@ from shared import messages as m
 from shared.auth import generate
 from shared.bus import Bus
 from shared.natsserver import EmbeddedNatsServer
-from shared.subjects import KV_EVENTS, NODE_STATE, REQ_OUT, ROUTE_BIND, SPLIT_COMMANDS, SVC_STATS, Subjects
+from shared.subjects import KV_EVENTS, NODE_STATE, REQ_OUT, ROUTE_BIND, SPLIT_COMMANDS, SVC_STATS, WORK_PREFILL, Subjects
 
 NAMES = ["planner", "router", "kvdirectory", "worker-w0", "worker-w1"]
 
@@ -133,6 +134,104 @@ async def test_a_request_cannot_aim_a_services_reply_outside_the_inboxes(secured
 
 # --------------------------------------------------------------------------- #
 # whole cluster, auth on (the default of `up`)
+async def _create_consumer(bus: Bus, api_subject: str, config: dict) -> bool:
+    """Ask the JetStream API for a consumer on ``EI_p0`` as ``bus``'s identity: True when it was created."""
+    try:
+        reply = await bus.nc.request(api_subject, json.dumps({"stream_name": "EI_p0", "config": config}).encode(), timeout=1.0)
+    except (nats.errors.Error, asyncio.TimeoutError):  # a denied publish gets no reply
+        return False
+    return "error" not in json.loads(reply.data)
+
+
+async def test_a_worker_cannot_create_a_consumer_on_another_nodes_work_or_the_outputs(secured):
+    """JetStream consumers read the stream whatever the identity may subscribe: with the bare
+    ``$JS.API.CONSUMER.CREATE.EI_p0`` (filter in the body) granted, worker w0 read w1's prompts
+    (``work.w1.prefill``) and every request's output (``req.*.out``) through a consumer."""
+    srv, creds = secured
+    admin = await _connect(srv, creds, "admin")
+    w0 = await _connect(srv, creds, "worker-w0")
+    assert await admin.ensure_stream()
+    js = admin.nc.jetstream(timeout=5.0)
+    leaked: list[bytes] = []
+
+    async def on_leak(msg) -> None:
+        leaked.append(msg.data)
+
+    await w0.nc.subscribe("_INBOX.worker-w0.leak", cb=on_leak)
+    await w0.nc.flush()
+    inbox = "_INBOX.worker-w0.leak"
+    for api, cfg in [
+        ("$JS.API.CONSUMER.CREATE.EI_p0", {"filter_subject": "ei.p0.work.w1.prefill", "deliver_subject": inbox}),
+        ("$JS.API.CONSUMER.CREATE.EI_p0", {"filter_subject": "ei.p0.req.*.out", "deliver_subject": inbox}),
+        ("$JS.API.CONSUMER.CREATE.EI_p0", {"deliver_subject": inbox}),
+        ("$JS.API.CONSUMER.CREATE.EI_p0.spy", {"name": "spy", "filter_subjects": ["ei.p0.work.w0.prefill", "ei.p0.work.w1.prefill"], "deliver_subject": inbox}),
+        ("$JS.API.CONSUMER.CREATE.EI_p0.spy.ei.p0.work.w1.prefill", {"name": "spy", "filter_subject": "ei.p0.work.w1.prefill", "deliver_subject": inbox}),
+        ("$JS.API.CONSUMER.CREATE.EI_p0.spy.ei.p0.req.*.out", {"name": "spy", "filter_subject": "ei.p0.req.*.out", "deliver_subject": inbox}),
+        ("$JS.API.CONSUMER.CREATE.EI_p0.spy.ei.p0.>", {"name": "spy", "filter_subject": "ei.p0.>", "deliver_subject": inbox}),
+        ("$JS.API.CONSUMER.DURABLE.CREATE.EI_p0.spy", {"durable_name": "spy", "filter_subject": "ei.p0.work.w1.prefill", "deliver_subject": inbox}),
+    ]:
+        assert not await _create_consumer(w0, api, cfg), (api, cfg)
+    assert (await js.stream_info("EI_p0")).state.consumer_count == 0
+    await admin.nc.publish("ei.p0.work.w1.prefill", b"w1's prompt")
+    await admin.publish(REQ_OUT, m.TokenChunk(rid="secret", node="w1", token_ids=[1, 2]), rid="secret")
+    await admin.nc.flush()
+    # its own work it consumes, through a named consumer with its one filter (shared.bus)
+    got: list[str] = []
+
+    async def on_prefill(msg: m.PrefillWork, _subject: str) -> None:
+        got.append(msg.rid)
+
+    await w0.subscribe(WORK_PREFILL, on_prefill, node="w0")
+    assert (await js.stream_info("EI_p0")).state.consumer_count == 1
+    await admin.publish(WORK_PREFILL, m.PrefillWork(rid="mine", token_ids=b"\x01\x00\x00\x00", prompt_tokens=1, max_tokens=1, block_size=4), node="w0")
+    for _ in range(100):
+        if got:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    assert got == ["mine"] and leaked == []
+    for b in (w0, admin):
+        await b.close()
+
+
+async def test_a_consumer_delivering_onto_a_core_subject_is_not_taken_for_its_messages(secured):
+    """The deliver subject of a push consumer is in the request body, out of reach of the server's
+    permissions (nats-server checks only that it is a literal subject outside the stream): a worker
+    publishes a split command's bytes on ``work.w0.decode`` (it may: hand-offs) and has a consumer of
+    its own ``work.w0.decode`` deliver them on ``split.commands``, which it may not publish. They
+    arrive under their stream subject, so a subscriber of ``split.commands`` drops them."""
+    srv, creds = secured
+    admin = await _connect(srv, creds, "admin")
+    w0 = await _connect(srv, creds, "worker-w0")
+    router = await _connect(srv, creds, "router")
+    assert await admin.ensure_stream()
+    commands: list[int] = []
+
+    async def on_command(msg: m.SplitCommand, _subject: str) -> None:
+        commands.append(msg.epoch)
+
+    await router.subscribe(SPLIT_COMMANDS, on_command)
+    await router.nc.flush()
+    cfg = {"name": "relay", "filter_subject": "ei.p0.work.w0.decode", "deliver_subject": "ei.p0.split.commands"}
+    assert await _create_consumer(w0, "$JS.API.CONSUMER.CREATE.EI_p0.relay.ei.p0.work.w0.decode", cfg)
+    await w0.nc.publish("ei.p0.work.w0.decode", m.encode(m.SplitCommand(epoch=10**15, phases={"w0": "decode", "w1": "prefill"})))
+    await w0.nc.flush()
+    for _ in range(100):
+        if router.counters["wrong_subject." + SPLIT_COMMANDS.template]:
+            break
+        await asyncio.sleep(0.02)
+    await admin.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=3, phases={"w0": "prefill", "w1": "decode"}))
+    for _ in range(100):
+        if commands:
+            break
+        await asyncio.sleep(0.02)
+    assert commands == [3]
+    assert router.counters["wrong_subject." + SPLIT_COMMANDS.template] == 1
+    assert router.counters["dropped." + SPLIT_COMMANDS.template] == 1
+    for b in (router, w0, admin):
+        await b.close()
+
+
 # --------------------------------------------------------------------------- #
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

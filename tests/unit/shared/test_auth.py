@@ -60,6 +60,33 @@ def test_roles_are_confined():
         identity("mallory")
 
 
+def test_a_consumer_only_on_a_reliable_subject_the_identity_reads():
+    """The consumer-create API subject carries the filter only in its named form
+    (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``): the bare one let a worker read any of the
+    stream's subjects (another node's prompts, every output) through a consumer."""
+    p = Subjects("p0").prefix
+    create = "$JS.API.CONSUMER.CREATE.EI_p0"
+    for n in SERVICES:
+        perm = permissions(identity(n))
+        for bare in (create, create + ".c1", "$JS.API.CONSUMER.DURABLE.CREATE.EI_p0.c1"):
+            assert not allowed(perm, "publish", bare), (n, bare)
+        grants = [s for s in perm["publish"] if s.startswith(create)]
+        for g in grants:  # each a named consumer on one subject the identity may subscribe
+            name, filt = g[len(create) + 1 :].split(".", 1)
+            assert name == "*" and allowed(perm, "subscribe", filt), (n, g)
+        if n not in ("router", "kvdirectory") and not n.startswith("worker-"):
+            assert grants == [], n
+    w0 = permissions(identity("worker-w0"))
+    for s in ("work.w0.prefill", "work.w0.decode", "work.w0.abort"):
+        assert allowed(w0, "publish", f"{create}.c1.{p}{s}"), s
+    for s in ("work.w1.prefill", "work.*.prefill", "req.r1.out", "req.*.out", "kv.events.w0", ">"):
+        assert not allowed(w0, "publish", f"{create}.c1.{p}{s}"), s
+    router = permissions(identity("router"))
+    assert allowed(router, "publish", f"{create}.c1.{p}req.*.out") and not allowed(router, "publish", f"{create}.c1.{p}work.w0.prefill")
+    kvd = permissions(identity("kvdirectory"))
+    assert allowed(kvd, "publish", f"{create}.c1.{p}kv.events.*") and not allowed(kvd, "publish", f"{create}.c1.{p}req.*.out")
+
+
 def test_generate_writes_private_files_and_a_server_block(tmp_path):
     for mode in ("nkeys", "password"):
         creds = generate(tmp_path / mode, ["planner", "worker-w0"], mode=mode)
