@@ -167,6 +167,13 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Meta(gt=0, description="simulated seconds without a request after which a branch expires (as the directory's "
              "--branch-ttl-s); its next request is a resume: accepted, re-announced (BranchStart)"),
     ] = 1800.0
+    log_requests: Annotated[
+        bool,
+        Meta(description="log one info line per request when it is accepted (request accepted: rid, branch, prompt_tokens, "
+             "max_tokens, stream) and one when it ends (request finished: rid, status, finish_reason as counted in "
+             "ei_router_requests_finished_total, prompt/cached/output tokens, ttft_s, e2e_s, prefill and decode node; "
+             "request rejected: a request refused before it was accepted); vLLM's --enable-log-requests"),
+    ] = False
     max_tool_hold_s: Annotated[
         float, Meta(gt=0, description="longest hold of a tool-call hint (POST /v1/branches/{id}/tool-call), simulated s")
     ] = 14400.0

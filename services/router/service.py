@@ -174,6 +174,9 @@ class _Pending:
     """The request's spans when tracing is on (``shared/tracing.py``)."""
     ttft_s: float | None = None
     out_tokens: int = 0
+    """Output tokens received (the client's count once a stop string or stop token id cut its output)."""
+    cached_tokens: int = 0
+    """``cached_tokens`` of the first chunk (prompt tokens whose KV the prefill node had or fetched)."""
     rreq: RouteRequest | None = None
     """The request as first routed (its prompt: the base of a continuation)."""
     cur: RouteRequest | None = None
@@ -222,6 +225,17 @@ class _ReqTrace:
             tracing.record("router.stream_out", self.span, self.first_ns, now)
         self.span.set_attribute("http.status_code", status)
         self.span.end(end_time=now)
+
+
+@dataclass(slots=True)
+class _ReqLog:
+    """One request's ``--log-requests`` record at the router (filled as it is accepted and placed)."""
+
+    rid: str | None = None
+    """Set when the request is accepted (None: refused before, ``request rejected``)."""
+    prompt_tokens: int = 0
+    p: _Pending | None = None
+    """Set once it is placed (None: it failed before, e.g. no route)."""
 
 
 class _ClientGone(Exception):
@@ -422,6 +436,8 @@ class RouterService:
         self._server_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._have_split = False
+        self._split_logged: tuple[int, tuple[tuple[str, str], ...]] | None = None
+        """(epoch, phases) of the split last logged as applied (a repeat of it is logged at debug)."""
         self._lookup_ok = True
         self._bad_block_size: set[str] = set()
         self._started_wall = time.time()
@@ -617,7 +633,12 @@ class RouterService:
             return
         self._have_split = True
         self.counters["splits_applied"] += 1
-        self.log.info("split applied", source=source, epoch=cmd.epoch, phases=dict(cmd.phases), reason=cmd.reason)
+        # the planner repeats its current split every few seconds (a beacon for late joiners): only a
+        # new epoch or new phases are news (info); a repeat is logged at debug
+        key = (cmd.epoch, tuple(sorted(cmd.phases.items())))
+        log = self.log.info if key != self._split_logged else self.log.debug
+        self._split_logged = key
+        log("split applied", source=source, epoch=cmd.epoch, phases=dict(cmd.phases), reason=cmd.reason)
 
     async def _on_models(self, msg: m.PlannerModels, _subject: str) -> None:
         changed = self.core.apply_models(msg, self.clock.now())
@@ -673,6 +694,7 @@ class RouterService:
             p.queue_s = chunk.queue_s
             p.arrived_at, p.first_token_at = chunk.arrived_at, chunk.ts or None
             p.fetch_s, p.exposed_fetch_s = chunk.fetch_s, chunk.exposed_fetch_s
+            p.cached_tokens = chunk.cached_tokens
             if chunk.fetch_s is not None:
                 p.fetched_tokens, p.fetch_sources = chunk.fetched_tokens, p.plan_sources
             if not failed:
@@ -1190,6 +1212,7 @@ class RouterService:
         when its node's last chunk arrived first. Unless its node had ended it, its nodes are told to
         drop it (``aborts.stop``), so no node decodes on for nobody."""
         self.counters["stops.matched"] += 1
+        p.out_tokens = out.tokens  # the client's count (its node may have sent more)
         self._count_end(p, "stop")  # also when an end decided outside the response came first (_end_decided)
         if p.done:
             return
@@ -1652,28 +1675,64 @@ class RouterService:
         return None
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
-        if not tracing.ENABLED:
-            return await self._generate_traced(request, chat, None)
-        span = tracing.start(
-            "router.request", tracing.extract(request.headers), kind=tracing.SpanKind.SERVER, attributes={"http.route": request.url.path}
-        )
-        tr = _ReqTrace(span)
+        if not tracing.ENABLED and not self.cfg.log_requests:
+            return await self._generate_traced(request, chat, None, None)
+        tr = None
+        if tracing.ENABLED:
+            span = tracing.start(
+                "router.request", tracing.extract(request.headers), kind=tracing.SpanKind.SERVER, attributes={"http.route": request.url.path}
+            )
+            tr = _ReqTrace(span)
+        rl = _ReqLog() if self.cfg.log_requests else None
+
+        def ended(status: int, resp: Response | None) -> None:
+            if tr is not None:
+                tr.end(status)
+            if rl is not None:
+                self._log_end(rl, status, request, resp)
+
         try:
-            resp = await self._generate_traced(request, chat, tr)
+            resp = await self._generate_traced(request, chat, tr, rl)
         except BaseException:
-            tr.end(500)
+            ended(500, None)
             raise
         if isinstance(resp, _SseResponse):
             close = resp._on_close
 
             def on_close() -> None:
-                close()
-                tr.end(resp.status_code)
+                close()  # counts the end of a stream whose body never ran before it is logged
+                ended(resp.status_code, None)
 
             resp._on_close = on_close
         else:
-            tr.end(resp.status_code)
+            ended(resp.status_code, resp)
         return resp
+
+    def _log_end(self, rl: _ReqLog, status: int, request: Request, resp: Response | None) -> None:
+        """``--log-requests``: the info line of a request's end (``request finished``), or of one
+        refused before it was accepted (``request rejected``: status, the client's ``X-Request-ID``
+        if any, the error message). Times are the router clock's seconds (wall × ``--speedup``)."""
+        if rl.rid is None:
+            error = None
+            if resp is not None and resp.status_code >= 400:
+                with contextlib.suppress(Exception):  # our own JSON error body; anything else: no message
+                    error = msgspec.json.decode(bytes(resp.body))["error"]["message"]
+            rid = None
+            with contextlib.suppress(api.ApiError):  # an unusable id (the reason it was refused) is not logged
+                rid = api.parse_request_id(request.headers.get("x-request-id"))
+            self.log.info("request rejected", rid=rid, status=status, error=error)
+            return
+        p = rl.p
+        if p is None:  # accepted, failed before it was placed (no route, dispatch failed)
+            self.log.info("request finished", rid=rl.rid, status=status, finish_reason=None, prompt_tokens=rl.prompt_tokens)
+            return
+        self.log.info(
+            "request finished",
+            rid=p.rid, status=status, finish_reason=p.counted, prompt_tokens=rl.prompt_tokens, cached_tokens=p.cached_tokens,
+            output_tokens=p.out_tokens, ttft_s=None if p.ttft_s is None else round(p.ttft_s, 6),
+            e2e_s=round(self.clock.now() - p.t_in, 6), prefill=p.prefill_node, decode=p.decode_node,
+            redispatches=p.attempt - p.first_attempt,
+        )  # fmt: skip
 
     def _check_logprobs_engines(self) -> None:
         """A request asks for logprobs: refuse it (400, ``param`` ``logprobs``) when a node it may be
@@ -1738,8 +1797,9 @@ class RouterService:
             param=part if alone else "max_tokens",
         )
 
-    async def _generate_traced(self, request: Request, chat: bool, tr: _ReqTrace | None) -> Response:
-        """The generation endpoints; ``tr``: the request's spans (None when tracing is off)."""
+    async def _generate_traced(self, request: Request, chat: bool, tr: _ReqTrace | None, rl: _ReqLog | None) -> Response:
+        """The generation endpoints; ``tr``: the request's spans (None when tracing is off); ``rl``: its
+        ``--log-requests`` record (None when off)."""
         t_in = self.clock.now()
         if self._stopping:
             return self._error(503, "router is shutting down")
@@ -1770,6 +1830,12 @@ class RouterService:
         rid = client_rid or uuid.uuid4().hex
         if self._in_flight(rid):  # the same X-Request-ID arrived while this one was tokenized
             return self._error(409, f"X-Request-ID {rid!r} is already in flight", "X-Request-ID")
+        if rl is not None:
+            rl.rid, rl.prompt_tokens = rid, int(arr.size)
+            self.log.info(
+                "request accepted", rid=rid, branch=hdrs.branch_id, prompt_tokens=rl.prompt_tokens, max_tokens=max_tokens,
+                stream=bool(req.stream), api="chat" if chat else "completions",
+            )  # fmt: skip
         rreq = RouteRequest(
             rid=rid,
             prompt_tokens=int(arr.size),
@@ -1796,6 +1862,8 @@ class RouterService:
         )
         p.rreq = p.cur = rreq
         p.stops = bool(api.stop_strings(req) or req.stop_token_ids)
+        if rl is not None:
+            rl.p = p
         if client_rid is not None:  # a retry of an ended request with this id starts past its attempts
             p.client_rid = True
             p.attempt = p.first_attempt = self._retried.next_attempt(rid)

@@ -1,0 +1,106 @@
+"""The router's request log (``--log-requests``, vLLM's ``--enable-log-requests``) and its split log, over a real nats-server.
+
+A newcomer sent ``-H 'X-Request-ID: nc37-req-1'``: at the default info level no log line carried the
+id and a successful request left no line at all; and the router logged ``split applied`` at info
+every 5 s for the same epoch (the planner repeats its split as a beacon). With ``--log-requests``
+each request has one ``request accepted`` and one ``request finished`` line carrying its id and
+its accounting; off (the default), neither; a repeated split is logged at debug.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import structlog
+
+from shared import messages as m
+from shared.subjects import SPLIT_COMMANDS
+from tests.integration.test_router_live import _wait_for, router_env, sse_events
+
+
+@pytest.fixture
+def logs():
+    """Every structlog event of the test (all levels) as dicts; the configuration is restored after."""
+    old = structlog.get_config()
+    cap = structlog.testing.LogCapture()
+    structlog.configure(processors=[cap], wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG), cache_logger_on_first_use=False)
+    try:
+        yield cap.entries
+    finally:
+        structlog.configure(**old)
+
+
+def _events(logs, name):
+    return [e for e in logs if e["event"] == name]
+
+
+async def test_log_requests_gives_each_request_an_accepted_and_a_finished_line_with_its_id(nats_url, tmp_path, logs):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, log_requests=True, log_level="info") as env:
+        env.cluster.cached = {"p0": 2}
+        prompt = list(range(1000, 1200))  # 200 tokens, 3 full blocks
+        r = await env.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5}, headers={"X-Request-ID": "nc37-req-1"})
+        assert r.status_code == 200, r.text
+        r = await env.http.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "stream": True},
+            headers={"X-Request-ID": "nc37-req-2", "X-Branch-Id": "b7"},
+        )  # fmt: skip
+        assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
+        r = await env.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0}, headers={"X-Request-ID": "nc37-req-3"})
+        assert r.status_code == 400
+        await _wait_for(lambda: len(_events(logs, "request finished")) == 2, what="finished lines")
+
+    acc = {e["rid"]: e for e in _events(logs, "request accepted")}
+    assert set(acc) == {"nc37-req-1", "nc37-req-2"}
+    assert all(e["log_level"] == "info" for e in acc.values())
+    a1, a2 = acc["nc37-req-1"], acc["nc37-req-2"]
+    assert (a1["branch"], a1["prompt_tokens"], a1["max_tokens"], a1["stream"], a1["api"]) == (None, 200, 5, False, "completions")
+    assert (a2["branch"], a2["prompt_tokens"], a2["max_tokens"], a2["stream"]) == ("b7", 200, 4, True)
+
+    fin = {e["rid"]: e for e in _events(logs, "request finished")}
+    assert all(e["log_level"] == "info" for e in fin.values())
+    f1, f2 = fin["nc37-req-1"], fin["nc37-req-2"]
+    assert (f1["status"], f1["finish_reason"], f1["prompt_tokens"], f1["cached_tokens"], f1["output_tokens"]) == (200, "length", 200, 128, 5)
+    assert (f1["prefill"], f1["decode"], f1["redispatches"]) == ("p0", "d0", 0)
+    assert 0 < f1["ttft_s"] <= f1["e2e_s"] < 30
+    assert (f2["status"], f2["finish_reason"], f2["output_tokens"], f2["prefill"]) == (200, "length", 4, "p0")
+    assert 0 < f2["ttft_s"] <= f2["e2e_s"] < 30
+    # the finish reason is the one ei_router_requests_finished_total counts
+    assert env.service.counters["finished.length"] == 2
+
+    (rej,) = _events(logs, "request rejected")
+    assert rej["rid"] == "nc37-req-3" and rej["status"] == 400 and "max_tokens" in rej["error"]
+
+
+async def test_a_request_cut_at_a_stop_string_logs_the_clients_token_count_and_stop(nats_url, tmp_path, logs):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, log_requests=True) as env:
+        r = await env.http.post(
+            "/v1/completions", json={"prompt": list(range(1, 100)), "max_tokens": 8, "stop_token_ids": [(7919 * 3) % 100_000]},
+            headers={"X-Request-ID": "stop-1"},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        used = r.json()["usage"]["completion_tokens"]
+        await _wait_for(lambda: _events(logs, "request finished"), what="finished line")
+    (f,) = _events(logs, "request finished")
+    assert (f["rid"], f["finish_reason"], f["output_tokens"]) == ("stop-1", "stop", used)
+
+
+async def test_without_log_requests_no_request_lines_are_logged(nats_url, tmp_path, logs):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, log_level="info") as env:
+        r = await env.http.post("/v1/completions", json={"prompt": list(range(1, 100)), "max_tokens": 3}, headers={"X-Request-ID": "q1"})
+        assert r.status_code == 200
+    names = {e["event"] for e in logs}
+    assert not names & {"request accepted", "request finished", "request rejected"}
+
+
+async def test_a_repeated_split_is_logged_at_debug_a_new_epoch_at_info(nats_url, tmp_path, logs):
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        same = m.SplitCommand(epoch=1, phases={"p0": "prefill", "d0": "decode"}, reason="test")
+        for _ in range(3):  # the planner's beacon
+            await env.bus.publish(SPLIT_COMMANDS, same)
+        await _wait_for(lambda: env.service.counters["splits_applied"] == 4, what="beacons applied")
+        await env.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=2, phases={"p0": "prefill", "d0": "decode"}, reason="next"))
+        await _wait_for(lambda: env.service.counters["splits_applied"] == 5, what="epoch 2 applied")
+    applied = [(e["epoch"], e["log_level"]) for e in _events(logs, "split applied")]
+    assert applied == [(1, "info"), (1, "debug"), (1, "debug"), (1, "debug"), (2, "info")]
