@@ -66,7 +66,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="evolving-infra",
         description="Agent-adaptive LLM serving on a prefill-decode disaggregated cluster.",
-        epilog=EXIT_STATUSES,
+        epilog=OBSERVABILITY + " " + EXIT_STATUSES,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
                         help="print the installed package's version (what a router's GET /version serves) and exit")
@@ -105,6 +105,15 @@ EXIT_STATUSES = (
     f"{INTERRUPTED} interrupted (Ctrl-C); {READER_GONE} stdout's reader went away (| head)"
 )
 """The epilog of ``evolving-infra --help``: the statuses :func:`main` returns."""
+
+OBSERVABILITY = (
+    "logs and traces: up/demo write each service's log under --log-dir (JSON lines; --log-level debug for routing "
+    "decisions); up/demo --log-requests (router --log-requests, EI_LOG_REQUESTS=1) logs every request accepted and "
+    "finished under its X-Request-ID; --otlp-traces-endpoint URL (up/demo and every service; or the standard "
+    "OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_TRACES_SAMPLER) exports OpenTelemetry "
+    "traces over OTLP/HTTP, one trace per request across the processes (service.name evolving-infra-<service>)."
+)
+"""The part of ``evolving-infra --help``'s epilog that says where logs and traces come from."""
 
 
 class UsageError(SystemExit):

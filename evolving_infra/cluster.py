@@ -114,6 +114,11 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     restart_backoff_max_s: float = 30.0
     stable_s: float = 60.0
     """Wall seconds of uptime after which a service's consecutive-restart count resets."""
+    log_requests: bool = False
+    """Router ``--log-requests``: an info line per request accepted and finished, with its id."""
+    otlp_traces_endpoint: str = ""
+    """Every service's ``--otlp-traces-endpoint`` (OTLP/HTTP collector URL; empty = each process's own
+    ``OTEL_EXPORTER_OTLP_*`` environment, inherited from the launcher)."""
     fence_after_s: float = 0.0
     """Router ``--fence-after-s`` (wall seconds without a node.state before a node is fenced out);
     0 = the router's default (3 s)."""
@@ -221,7 +226,7 @@ class LocalCluster:
             s.log_level,
             "--log-format",
             "json",
-        ]
+        ] + (["--otlp-traces-endpoint", s.otlp_traces_endpoint] if s.otlp_traces_endpoint else [])
 
     def _plan_children(self) -> list[_Child]:
         s = self.spec
@@ -303,6 +308,7 @@ class LocalCluster:
                 ]
                 + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])
                 + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else [])
+                + (["--log-requests"] if s.log_requests else [])
                 + list(s.router_args),
                 self.log_dir / "router.log",
                 env=dict(s.router_env) or None,

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -122,6 +123,21 @@ def _add_cluster_args(
     )
     g.add_argument("--log-dir", default=None, type=folder, help=f"directory for each service's log (default: {log_dir})")
     g.add_argument("--log-level", default="info", help="service log level (default info)")
+    g.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="the router logs one info line per request accepted and one per request finished (rid = the client's "
+        "X-Request-ID, status, finish reason, prompt/cached/output tokens, TTFT, E2E, nodes), as vLLM's --enable-log-requests",
+    )
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        default="",
+        metavar="URL",
+        help="every service exports OpenTelemetry traces (OTLP/HTTP) to this collector, e.g. http://127.0.0.1:4318 "
+        "(/v1/traces appended); default: the services inherit OTEL_EXPORTER_OTLP_ENDPOINT / "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (and OTEL_TRACES_SAMPLER...) from this environment, unset = no traces; "
+        "each process is service.name evolving-infra-<service> (OTEL_SERVICE_NAME is ignored)",
+    )
     g.add_argument("--stream-interval", type=int, default=1, help="output tokens per streamed chunk (default 1)")
     g.add_argument(
         "--tokenizer",
@@ -318,6 +334,9 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         parse_split(args.split, args.nodes)
     except SplitError as e:  # the split may be a policy's (static:2P2D) the user did not size: say what to change
         raise UsageError(f"error: {e}; pass --split xPyD with x + y = {args.nodes} (or 'collocated'), or --nodes")
+    otlp = getattr(args, "otlp_traces_endpoint", "")
+    if otlp and not re.fullmatch(r"https?://\S+", otlp):  # each service would refuse it (exit 2) after the cluster started
+        raise UsageError(f"error: --otlp-traces-endpoint {otlp!r}: an http:// or https:// URL of an OTLP/HTTP collector (e.g. http://127.0.0.1:4318)")
     torch_values = _torch_values(args)
     args.router_api_keys = router_api_keys(args)
     # the keys read here go to the router in its environment: a path to read again broke a pipe
@@ -352,6 +371,8 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         nats_creds_dir=args.nats_creds_dir,
         log_dir=args.log_dir,
         log_level=args.log_level,
+        log_requests=args.log_requests,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         stream_interval=args.stream_interval,
         ready_timeout_s=args.ready_timeout,
         metrics=args.metrics,

@@ -67,6 +67,18 @@ class CommonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     metrics_host: typing.Annotated[
         str, Meta(description="bind address of the metrics port (0.0.0.0 inside a container)")
     ] = "127.0.0.1"
+    otlp_traces_endpoint: typing.Annotated[
+        str,
+        Meta(
+            pattern=r"^(https?://\S+)?$",
+            description="export OpenTelemetry traces over OTLP/HTTP (protobuf) to this collector, e.g. "
+            "http://127.0.0.1:4318 (/v1/traces is appended unless the URL ends with it); empty = the standard "
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, unset = no tracing; other "
+            "OTEL_EXPORTER_OTLP_* variables (headers, timeout), OTEL_TRACES_SAMPLER(_ARG) and OTEL_SDK_DISABLED=true "
+            "apply; service.name is always evolving-infra-<service> (OTEL_SERVICE_NAME is ignored, "
+            "OTEL_RESOURCE_ATTRIBUTES kept); vLLM's --otlp-traces-endpoint",
+        ),
+    ] = ""
 
 
 def _field_infos(cls: type[Struct]) -> list[msgspec.inspect.Field]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -81,9 +80,8 @@ async def serve_until_stopped(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
     clock = SimClock(cfg.speedup, cfg.clock_origin)
-    if tracing.setup(service_name, instance):
-        log.info("tracing on: OTLP/HTTP export", endpoint=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    if tracing.setup(service_name, instance, endpoint=cfg.otlp_traces_endpoint):
+        log.info("tracing on: OTLP/HTTP export", endpoint=redact_url(tracing.URL or ""), service_name=f"evolving-infra-{service_name}")
     async with AsyncExitStack() as stack:
         stack.callback(tracing.shutdown)
 

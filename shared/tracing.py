@@ -1,13 +1,19 @@
 """OpenTelemetry traces across the services, W3C ``traceparent`` carried in NATS message headers.
 
-Off unless the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) variable is set and ``OTEL_SDK_DISABLED``
-is not ``true``. Off, every hook is one test of the module flag :data:`ENABLED`
+Off unless a service's ``--otlp-traces-endpoint URL`` (``EI_OTLP_TRACES_ENDPOINT``;
+``evolving-infra up/demo --otlp-traces-endpoint`` passes it to every service) or the
+standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``)
+variable is set, and ``OTEL_SDK_DISABLED`` is not ``true``. The flag wins over the
+variables; like ``OTEL_EXPORTER_OTLP_ENDPOINT`` it names the collector and
+``/v1/traces`` is appended (unless the URL already ends with it), while
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is used as is (the OTLP spec's rule). Off, every hook is one test of the module flag :data:`ENABLED`
 (and, on receive, of a message's headers): no span objects, no header is added.
 
 On, :func:`setup` (called by ``shared.service`` for every service process)
 installs an SDK ``TracerProvider`` whose resource names the service
-(``service.name=evolving-infra-<service>``, ``service.instance.id=<instance>``)
+(``service.name=evolving-infra-<service>``, ``service.instance.id=<instance>``;
+this ``service.name`` replaces ``OTEL_SERVICE_NAME``, which would give every
+process of a cluster one name, while other ``OTEL_RESOURCE_ATTRIBUTES`` are kept)
 with a batch OTLP/HTTP exporter (protobuf, ``<endpoint>/v1/traces``). Sampling
 is the SDK's, from the standard variables: ``OTEL_TRACES_SAMPLER`` (default
 ``parentbased_always_on``) and ``OTEL_TRACES_SAMPLER_ARG``; e.g.
@@ -66,28 +72,52 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 ENABLED: bool = False
 """True once :func:`setup` installed an exporter in this process."""
+URL: str | None = None
+"""The URL spans are posted to once :func:`setup` installed the exporter."""
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _tracer: trace.Tracer = trace.NoOpTracer()
 _provider: Any = None
 
 
-def wanted(env: Mapping[str, str] | None = None) -> bool:
-    """Whether the environment asks for traces (an OTLP endpoint is set and the SDK is not disabled)."""
+def traces_url(endpoint: str = "", env: Mapping[str, str] | None = None) -> str | None:
+    """The OTLP/HTTP URL spans are posted to, or None when tracing is not asked for (or disabled).
+
+    Args:
+        endpoint: a service's ``--otlp-traces-endpoint`` (the collector, e.g. ``http://host:4318``;
+            ``/v1/traces`` appended unless it ends with it); empty = the environment's.
+        env: the environment (default ``os.environ``): ``OTEL_SDK_DISABLED=true`` turns tracing off;
+            ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is used as is, else ``OTEL_EXPORTER_OTLP_ENDPOINT``
+            + ``/v1/traces`` (OpenTelemetry's OTLP exporter specification).
+    """
     env = os.environ if env is None else env
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        return None
+    if endpoint:
+        base = endpoint.rstrip("/")
+        return base if base.endswith("/v1/traces") else base + "/v1/traces"
+    if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    if env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
+    return None
 
 
-def setup(service: str, instance: str, *, env: Mapping[str, str] | None = None) -> bool:
+def wanted(env: Mapping[str, str] | None = None, endpoint: str = "") -> bool:
+    """Whether traces are asked for (:func:`traces_url` is not None)."""
+    return traces_url(endpoint, env) is not None
+
+
+def setup(service: str, instance: str, *, env: Mapping[str, str] | None = None, endpoint: str = "") -> bool:
     """Install the OTLP/HTTP exporter when :func:`wanted`; returns :data:`ENABLED`.
 
-    Idempotent per process (the first call wins). The exporter reads the standard
-    ``OTEL_EXPORTER_OTLP_*`` variables (endpoint, headers, timeout, compression).
+    Idempotent per process (the first call wins). ``endpoint``: the service's
+    ``--otlp-traces-endpoint`` (:func:`traces_url`). The exporter reads the other standard
+    ``OTEL_EXPORTER_OTLP_*`` variables (headers, timeout, compression).
     """
-    global ENABLED, _tracer, _provider
-    if ENABLED or not wanted(env):
+    global ENABLED, _tracer, _provider, URL
+    url = traces_url(endpoint, env)
+    if ENABLED or url is None:
         return ENABLED
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
@@ -98,20 +128,21 @@ def setup(service: str, instance: str, *, env: Mapping[str, str] | None = None) 
         {"service.name": f"evolving-infra-{service}", "service.instance.id": instance, "process.pid": os.getpid()}
     )
     _provider = TracerProvider(resource=resource)
-    _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
     _tracer = _provider.get_tracer("evolving_infra")
-    ENABLED = True
+    ENABLED, URL = True, url
     return True
 
 
 def shutdown() -> None:
     """Export what is buffered and stop (a service's last step); no-op when off."""
-    global ENABLED, _tracer, _provider
+    global ENABLED, _tracer, _provider, URL
     if _provider is not None:
         _provider.shutdown()
     _provider = None
     _tracer = trace.NoOpTracer()
     ENABLED = False
+    URL = None
 
 
 def tracer() -> trace.Tracer:

@@ -1,7 +1,7 @@
 """OpenTelemetry traces across processes (issue 20, traces must-show).
 
 A 1P1D cluster of real processes over a real nats-server exports spans with the
-real OTLP/HTTP exporter (``OTEL_EXPORTER_OTLP_ENDPOINT``) to an in-process OTLP
+real OTLP/HTTP exporter (``--otlp-traces-endpoint`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``) to an in-process OTLP
 receiver started by this test (protobuf ``ExportTraceServiceRequest`` on
 ``POST /v1/traces``). One request through the router must yield one trace whose
 spans come from the router, the directory and both workers' processes, every
@@ -12,6 +12,7 @@ headers), with the routing decision's attributes on ``router.route``.
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import signal
 import threading
@@ -79,11 +80,17 @@ def _attrs(span) -> dict:
 
 @pytest.mark.timeout(300)
 async def test_one_request_is_one_trace_across_router_directory_and_both_workers(tmp_path, monkeypatch):
+    """Tracing asked for by ``up --otlp-traces-endpoint`` (``ClusterSpec.otlp_traces_endpoint``: every
+    service's ``--otlp-traces-endpoint``), no OTLP variable set; ``OTEL_SERVICE_NAME`` does not rename
+    the processes; with ``--log-requests`` the router logs the request's end under its X-Request-ID."""
+    for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "one-name-for-all")
     with OtlpReceiver() as rx:
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.url)
         monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
         spec = ClusterSpec(
-            nodes=2, split="1P1D", speedup=20.0, port=0, routing="ttft", block_size=64, log_dir=str(tmp_path / "logs"), ready_timeout_s=120.0
+            nodes=2, split="1P1D", speedup=20.0, port=0, routing="ttft", block_size=64, log_dir=str(tmp_path / "logs"), ready_timeout_s=120.0,
+            otlp_traces_endpoint=rx.url, log_requests=True,
         )
         async with LocalCluster(spec) as cluster:
             body = {"prompt": list(range(1, 700)), "max_tokens": 6, "stream": True}
@@ -118,6 +125,14 @@ async def test_one_request_is_one_trace_across_router_directory_and_both_workers
     assert where["worker.decode"] == where[DECODE_IN] == "worker-w1"
     pids = {res["service.instance.id"].string_value: res["process.pid"].int_value for res, _ in trace}
     assert len(set(pids.values())) == 4, pids  # four processes
+    names_of = {res["service.instance.id"].string_value: res["service.name"].string_value for res, _ in trace}
+    assert names_of == {"router": "evolving-infra-router", "kvdirectory": "evolving-infra-kvdirectory",
+                        "worker-w0": "evolving-infra-worker", "worker-w1": "evolving-infra-worker"}  # fmt: skip
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "router.log").read_text().splitlines() if x.startswith("{")]
+    (fin,) = [x for x in lines if x.get("event") == "request finished"]
+    assert fin["rid"] == RID and fin["status"] == 200 and fin["finish_reason"] == "length" and fin["output_tokens"] == 6
+    assert (fin["prefill"], fin["decode"], fin["prompt_tokens"]) == ("w0", "w1", 699) and fin["level"] == "info"
+    assert [x["rid"] for x in lines if x.get("event") == "request accepted"] == [RID]
 
     span = {sp.name: sp for _, sp in trace}
     route = _attrs(span["router.route"])
