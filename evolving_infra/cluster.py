@@ -115,7 +115,8 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     stable_s: float = 60.0
     """Wall seconds of uptime after which a service's consecutive-restart count resets."""
     log_requests: bool = False
-    """Router ``--log-requests``: an info line per request accepted and finished, with its id."""
+    """Router's and workers' ``--log-requests``: an info line per request accepted and finished (router), and
+    received, handed off, finished or aborted (each worker), with its id."""
     otlp_traces_endpoint: str = ""
     """Every service's ``--otlp-traces-endpoint`` (OTLP/HTTP collector URL; empty = each process's own
     ``OTEL_EXPORTER_OTLP_*`` environment, inherited from the launcher)."""
@@ -274,6 +275,7 @@ class LocalCluster:
                         s.eviction,
                     ]
                     + (["--engine", s.engine, "--model", s.model_dir] if s.engine != "sim" else [])
+                    + (["--log-requests"] if s.log_requests else [])
                     + list(s.worker_args)
                     + list(s.node_args.get(node, ())),
                     self.log_dir / f"worker-{node}.log",

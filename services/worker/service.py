@@ -448,6 +448,11 @@ class WorkerService:
             await self._reject(e, now, attempt=work.attempt)
             return
         self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router, arrived_at=now)
+        if self.cfg.log_requests:
+            self.log.info(
+                "request received", rid=work.rid, role="prefill", attempt=work.attempt, prompt_tokens=work.prompt_tokens,
+                max_tokens=work.max_tokens, decode=work.decode_node, router=work.router,
+            )  # fmt: skip
         if late and work.max_tokens > 1:  # a one-token request ends at its prefill: nothing to bind
             self._bind_later[work.rid] = work
         if tracing.ENABLED:
@@ -487,6 +492,11 @@ class WorkerService:
             await self._reject(e, now, attempt=work.attempt)
             return
         self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router)
+        if self.cfg.log_requests:
+            self.log.info(
+                "request received", rid=work.rid, role="decode", attempt=work.attempt, prompt_tokens=work.prompt_tokens,
+                max_tokens=work.max_tokens, prefill=work.prefill_node, router=work.router,
+            )  # fmt: skip
         if tracing.ENABLED:
             self._traces.arrived(work.rid, decode=True)
         await self._flush_kv(now)  # a reservation may have evicted blocks
@@ -541,6 +551,8 @@ class WorkerService:
             bind.cancel()
         if not self.core.abort(rid, now):
             return False
+        if self.cfg.log_requests:
+            self.log.info("request aborted", rid=rid, reason=reason)
         st = self._streams.pop(rid, None)
         if self._valid_rid(rid):
             await self.bus.publish(
@@ -605,7 +617,10 @@ class WorkerService:
                 if await self._drop(rid, why):
                     self.counters["owners.dropped"] += 1
             if gone:
-                self.log.info("requests dropped: their owning router no longer wants them", router=router, requests=len(gone), reason=why)
+                self.log.info(
+                    "requests dropped: their owning router no longer wants them", router=router, requests=len(gone), reason=why,
+                    rids=[rid for rid, _ in gone[:32]],
+                )  # fmt: skip
 
     # ------------------------------------------------------------------ #
     # in-place phase switch
@@ -1175,6 +1190,8 @@ class WorkerService:
         lps = self.engine.output_logprobs(rid, base + out.index, out.count)
         if out.finished:
             self._owners.pop(rid, None)
+            if self.cfg.log_requests:
+                self.log.info("request finished", rid=rid, finish_reason=out.finish_reason, output_tokens=base + out.index + out.count)
         if out.index == 0:
             # the first token streams at once and carries the prompt accounting
             alone = out.finished and len(tokens) <= 1
@@ -1254,6 +1271,8 @@ class WorkerService:
             return
         self._owners.pop(h.rid, None)
         self.counters["requests.handed_off"] += 1
+        if self.cfg.log_requests:
+            self.log.info("request handed off", rid=h.rid, decode=h.decode_node)
 
     # ------------------------------------------------------------------ #
     # publishing helpers

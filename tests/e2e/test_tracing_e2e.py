@@ -82,7 +82,7 @@ def _attrs(span) -> dict:
 async def test_one_request_is_one_trace_across_router_directory_and_both_workers(tmp_path, monkeypatch):
     """Tracing asked for by ``up --otlp-traces-endpoint`` (``ClusterSpec.otlp_traces_endpoint``: every
     service's ``--otlp-traces-endpoint``), no OTLP variable set; ``OTEL_SERVICE_NAME`` does not rename
-    the processes; with ``--log-requests`` the router logs the request's end under its X-Request-ID."""
+    the processes; with ``--log-requests`` the router and both workers log the request under its X-Request-ID."""
     for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("OTEL_SERVICE_NAME", "one-name-for-all")
@@ -133,6 +133,13 @@ async def test_one_request_is_one_trace_across_router_directory_and_both_workers
     assert fin["rid"] == RID and fin["status"] == 200 and fin["finish_reason"] == "length" and fin["output_tokens"] == 6
     assert (fin["prefill"], fin["decode"], fin["prompt_tokens"]) == ("w0", "w1", 699) and fin["level"] == "info"
     assert [x["rid"] for x in lines if x.get("event") == "request accepted"] == [RID]
+    # each worker's --log-requests lines carry the rid: received, handed off (prefill node), finished (decode node)
+    seen = {}
+    for node in ("w0", "w1"):
+        log = [json.loads(x) for x in (tmp_path / "logs" / f"worker-{node}.log").read_text().splitlines() if x.startswith("{")]
+        seen[node] = [(x["event"], x.get("role") or x.get("decode") or x.get("finish_reason")) for x in log if x.get("rid") == RID]
+    assert seen == {"w0": [("request received", "prefill"), ("request handed off", "w1")],
+                    "w1": [("request received", "decode"), ("request finished", "length")]}, seen  # fmt: skip
 
     span = {sp.name: sp for _, sp in trace}
     route = _attrs(span["router.route"])

@@ -45,12 +45,12 @@ def test_up_passes_the_otlp_endpoint_to_every_service_and_log_requests_to_the_ro
         argv = kid.argv
         i = argv.index("--otlp-traces-endpoint")
         assert argv[i + 1] == url, kid.name
-        assert ("--log-requests" in argv) == (kid.name == "router"), kid.name
+        assert ("--log-requests" in argv) == (kid.name == "router" or kid.name.startswith("worker-")), kid.name
         # the service's own parser takes every flag up gives it
         service = argv[argv.index("-m") + 1].split(".")[1]
         cfg = load_config(_config_class(service), argv[argv.index("-m") + 2 :], prog=service, env={})
         assert cfg.otlp_traces_endpoint == url
-        if service == "router":
+        if service in ("router", "worker"):
             assert cfg.log_requests is True
 
     plain = _children(command, tmp_path)
