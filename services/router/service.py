@@ -1693,8 +1693,8 @@ class RouterService:
 
         try:
             resp = await self._generate_traced(request, chat, tr, rl)
-        except BaseException:
-            ended(500, None)
+        except BaseException as e:
+            ended(503 if isinstance(e, BusError) else 500, None)  # a bus failure is answered 503 (_bus_guard)
             raise
         if isinstance(resp, _SseResponse):
             close = resp._on_close
