@@ -9,6 +9,7 @@ Each generator module documents its parameters with their sources and carries
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any
 
 from evolving_infra.traces.generate.common import GenerateError, Target, check_targets
@@ -49,10 +50,13 @@ def generate(
     """Generate a workload (an :class:`evolving_infra.traces.io.Trace`); same arguments, same trace.
 
     Raises:
-        GenerateError: unknown kind or invalid options.
+        GenerateError: unknown kind or invalid options (``duration_s`` NaN or infinite too: an agent's
+            busy time never reaches it, so the generator would never stop).
     """
     if duration_s is not None and requests_per_agent is not None:
         raise GenerateError("give duration_s or requests_per_agent, not both")
+    if duration_s is not None and not 0 < duration_s < math.inf:  # NaN fails both comparisons
+        raise GenerateError(f"--duration must be a finite number > 0, not {duration_s!r}")
     return _module(kind).generate(seed=seed, agents=agents, duration_s=duration_s, requests_per_agent=requests_per_agent, block_size=block_size)
 
 

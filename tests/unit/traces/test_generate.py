@@ -83,6 +83,14 @@ def test_options_requests_and_duration() -> None:
         generate("nope")
 
 
+@pytest.mark.timeout(30)  # before the check, NaN / inf never stopped an agent: generate ran until killed
+@pytest.mark.parametrize("kind", ["claude-code", "osworld", "putnam", "shift"])
+@pytest.mark.parametrize("duration_s", [float("nan"), float("inf"), 0.0, -5.0])
+def test_duration_not_finite_positive_is_an_error(kind: str, duration_s: float) -> None:
+    with pytest.raises(GenerateError, match="--duration must be"):
+        generate(kind, seed=0, agents=4, duration_s=duration_s)
+
+
 def test_shift_periods_in_meta() -> None:
     t = generate("shift", seed=0, agents=8)
     meta = t.header.meta
