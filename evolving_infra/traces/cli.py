@@ -211,6 +211,10 @@ def _write_failed(path: str, e: OSError) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     from evolving_infra.traces.io import read_trace, sample_sessions, write_trace
 
+    for flag, value in (("--sessions", args.sessions), ("--max-requests-per-branch", args.max_requests_per_branch)):
+        if value < 0:  # sample_sessions' ValueError was a traceback after the whole trace was read
+            print(f"error: {flag} must be >= 0 (0 = no limit), not {value}", file=sys.stderr)
+            return 2
     if _bad_output(args.output, [args.input]):
         return 2
     trace = _read(read_trace, args.input)

@@ -125,6 +125,20 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path: Pa
     assert src.read_bytes() == before
 
 
+def test_sample_negative_counts_are_one_line_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``trace sample --sessions -1`` / ``--max-requests-per-branch -2``: exit 2 with one ``error:`` line and
+    no output file (was sample_sessions' ValueError traceback, exit 1)."""
+    src = tmp_path / "t.jsonl"
+    assert main(["generate", "claude-code", "--agents", "2", "--seed", "1", "-o", str(src)]) == 0
+    capsys.readouterr()
+    for flag, value in (("--sessions", "-1"), ("--max-requests-per-branch", "-2")):
+        out = tmp_path / "o.jsonl"
+        assert top_main(["trace", "sample", str(src), "-o", str(out), flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: {flag} must be >= 0 (0 = no limit), not {value}\n", err
+        assert not out.exists()
+
+
 def test_convert_refuses_an_output_under_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = shared_traces_or_skip("claude-code-weka")
     blocker = tmp_path / "file"
