@@ -11,6 +11,7 @@ found by name (routing in ``services.router.policy``, planner in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,7 +228,9 @@ def resolve(cfg: SimConfig) -> Resolved:
         raise SimConfigError(f"--partitions must be in [1, nodes={cfg.nodes}]")
     if cfg.workers < 1:
         raise SimConfigError("--workers must be >= 1")
-    if cfg.relaunch_s < 0 or cfg.msg_latency_s < 0 or cfg.state_staleness_s < 0 or cfg.warmup_s < 0:
+    # the checks are written 'not x >= 0' so that NaN fails them: 'nan < 0' is False, and a NaN that passed ran
+    # a different experiment silently (--duration nan: 0 s simulated, exit 0) or never ended (--max-pause nan)
+    if not (cfg.relaunch_s >= 0 and cfg.msg_latency_s >= 0 and cfg.state_staleness_s >= 0 and cfg.warmup_s >= 0):
         raise SimConfigError("--relaunch-s, --msg-latency-s, --state-staleness-s and --warmup must be >= 0")
     if not (cfg.ingress_s >= 0 and cfg.ingress_s_per_token >= 0 and cfg.egress_s >= 0):
         raise SimConfigError("--ingress-s, --ingress-s-per-token and --egress-s must be >= 0")
@@ -235,10 +238,18 @@ def resolve(cfg: SimConfig) -> Resolved:
         raise SimConfigError(f"--agent-order must be trace or shuffled, got {cfg.agent_order!r}")
     if cfg.decode_kv_events not in ("auto", "always"):
         raise SimConfigError("decode_kv_events must be 'auto' or 'always'")
-    if cfg.max_pause_s is not None and cfg.max_pause_s < 0:
+    if cfg.max_pause_s is not None and not cfg.max_pause_s >= 0:
         raise SimConfigError("--max-pause must be >= 0")
-    if cfg.duration_s is not None and cfg.duration_s <= 0:
+    if cfg.duration_s is not None and not cfg.duration_s > 0:
         raise SimConfigError("--duration must be > 0")
+    if cfg.arrival == "closed" and cfg.concurrency < 1:  # arrival_for's max(1, ...) ran 0 or -1 as 1
+        raise SimConfigError("--concurrency must be >= 1")
+    if cfg.arrival == "open" and not 0 < cfg.arrival_rate < math.inf:
+        raise SimConfigError("--arrival-rate must be a finite number > 0 (agents per minute)")
+    if cfg.cap < 0:
+        raise SimConfigError("--cap must be >= 0 (0 = no cap)")
+    if cfg.max_agents is not None and cfg.max_agents < 1:
+        raise SimConfigError("--max-agents must be >= 1")
     try:
         ps = policy_set(cfg.policy)
         ps = with_overrides(
@@ -287,7 +298,7 @@ def resolve(cfg: SimConfig) -> Resolved:
             ) from e
     if ps.switch_mode == "none" and (cfg.forced_switches or cfg.switch_every_s is not None):
         raise SimConfigError("forced switches need a switch mode (policy set or --switch-mode decoupled|relaunch|strand)")
-    if cfg.switch_control_s < 0:
+    if not cfg.switch_control_s >= 0:
         raise SimConfigError("--switch-control-s must be >= 0")
     for node, factor in cfg.node_slowdown:
         if not factor > 0:
@@ -297,7 +308,7 @@ def resolve(cfg: SimConfig) -> Resolved:
     if (cfg.switch_every_s is None) != (cfg.switch_to is None):
         raise SimConfigError("--switch-every and --switch-to go together (alternate between --split and --switch-to)")
     if cfg.switch_every_s is not None:
-        if cfg.switch_every_s <= 0:
+        if not cfg.switch_every_s > 0:
             raise SimConfigError("--switch-every must be > 0 seconds")
         for n in sorted(set(parts)):
             try:

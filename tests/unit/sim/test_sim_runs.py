@@ -6,6 +6,8 @@ import json
 import zlib
 from dataclasses import replace
 
+import pytest
+
 from evolving_infra.cli import main
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.run import merge_timelines, partition_of, simulate
@@ -116,6 +118,46 @@ def test_cli_rejects_bad_flags(tmp_path, capsys):
     rc = main(["simulate", "--workload", "putnam", "--agents", "2", "--nodes", "2", "--duration", "10", "--out", str(tmp_path),
                "--policy", "evolving", "--planner-opt", "objective=e2e", "--no-plots"])
     assert rc == 2 and "objective must be" in capsys.readouterr().err
+
+
+NAN = float("nan")
+
+
+@pytest.mark.timeout(60)  # --max-pause nan never finished before
+@pytest.mark.parametrize("kw, flag", [
+    ({"duration_s": NAN}, "--duration"),  # ran 0 s and exited 0
+    ({"max_pause_s": NAN}, "--max-pause"),  # the run never ended
+    ({"warmup_s": NAN}, "--warmup"),  # report said 'out of service nan%'
+    ({"relaunch_s": NAN}, "--relaunch-s"),
+    ({"msg_latency_s": NAN}, "--msg-latency-s"),
+    ({"state_staleness_s": NAN}, "--state-staleness-s"),
+    ({"switch_control_s": NAN}, "--switch-control-s"),
+    ({"concurrency": 0}, "--concurrency"),  # ran as 1
+    ({"concurrency": -1}, "--concurrency"),
+    ({"arrival": "open", "arrival_rate": NAN}, "--arrival-rate"),
+    ({"arrival": "open", "arrival_rate": 0.0}, "--arrival-rate"),
+    ({"arrival": "open", "cap": -1}, "--cap"),
+    ({"max_agents": 0}, "--max-agents"),  # ran no agent and exited 0
+])
+def test_nan_and_out_of_range_settings_are_usage_errors(tmp_path, capsys, kw, flag):
+    """A NaN passed the 'x < 0' checks (every comparison with NaN is False): each value here
+    is now one 'error:' line naming its flag, exit 2, before the run; the library raises
+    SimConfigError from resolve."""
+    from evolving_infra.sim.config import SimConfigError, resolve
+
+    with pytest.raises(SimConfigError, match=flag):
+        resolve(SimConfig(nodes=3, profile="tiny", policy="static:2P1D", **kw))
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(format=FORMAT, block_size=BS), small_trace(2, 3))
+    value = next(iter(kw.values())) if len(kw) == 1 else kw[{"--arrival-rate": "arrival_rate", "--cap": "cap"}[flag]]
+    argv = ["simulate", "--trace", str(trace), "--nodes", "3", "--profile", "tiny", "--policy", "static:2P1D",
+            "--duration", "30", "--no-plots", "--out", str(tmp_path / "run"), flag, str(value)]
+    if flag == "--cap":
+        argv += ["--arrival-rate", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and flag in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
 
 
 def _with_shared_prefix(reqs, shared=(7, 8)):
