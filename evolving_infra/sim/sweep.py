@@ -47,13 +47,16 @@ def sweep_items(cfg: SimConfig, spec: Sequence[str]) -> list[tuple[str, SimConfi
     """The runs a ``--sweep`` spec stands for, as ``(label, config)``.
 
     Raises:
-        SimConfigError: unknown sweep kind, or an empty list.
+        SimConfigError: unknown sweep kind, an empty list, an item listed twice (both runs would write the
+            same OUT/ folder, the second over the first), or ``splits`` with ``--split`` (which it replaces).
     """
     if not spec:
         raise SimConfigError("--sweep needs 'splits' or 'policies SET,SET,...'")
     kind, rest = spec[0], [x for part in spec[1:] for x in part.split(",") if x.strip()]
     items: list[tuple[str, SimConfig]] = []
     if kind == "splits":
+        if cfg.split is not None:
+            raise SimConfigError(f"--split {cfg.split} and --sweep splits conflict: the sweep sets the split of each run")
         n = cfg.nodes // cfg.partitions
         splits = [s.strip().upper() for s in rest] or [f"{p}P{n - p}D" for p in range(1, n)]
         if not splits:
@@ -73,6 +76,11 @@ def sweep_items(cfg: SimConfig, spec: Sequence[str]) -> list[tuple[str, SimConfi
             items.append((name.strip(), replace(cfg, policy=name.strip(), label=name.strip())))
     else:
         raise SimConfigError(f"unknown --sweep kind {kind!r}: use 'splits' or 'policies'")
+    seen: set[str] = set()
+    for label, _ in items:
+        if safe_dir(label) in seen:
+            raise SimConfigError(f"--sweep lists {label!r} twice (its runs would share OUT/{safe_dir(label)})")
+        seen.add(safe_dir(label))
     return items
 
 
@@ -133,6 +141,8 @@ def run_sweep(
     from evolving_infra.sim.config import resolve
     from evolving_infra.traces.io import make_folders, remove_folders
 
+    if parallel < 1:
+        raise SimConfigError(f"--sweep-workers must be >= 1, not {parallel}")
     items = sweep_items(cfg, spec)
     sizes = {resolve(c).profile.block_size for _, c in items}  # fails before any run
     if len(sizes) == 1:  # convert the trace's blocks once, not once per item

@@ -57,6 +57,27 @@ def test_sweep_items():
     assert [label for label, _ in pol] == ["dynamo", "arrow", "static:2P2D"]
 
 
+def test_sweep_refuses_conflicts_before_any_run(tmp_path, capsys):
+    """A sweep item listed twice (the second run overwrote the first's OUT/ folder), --split with
+    --sweep splits (the split was silently ignored) and --sweep-workers < 1 (ran serially) are usage
+    errors: exit 2, one 'error:' line, nothing written."""
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(format=FORMAT, block_size=BS), small_trace(2, 3))
+    common = ["simulate", "--trace", str(trace), "--nodes", "3", "--profile", "tiny", "--duration", "30", "--no-plots"]
+    cases = [
+        (["--sweep", "policies", "static:2P1D,static:2P1D"], "twice"),
+        (["--sweep", "splits", "2P1D,2p1d"], "twice"),
+        (["--sweep", "splits", "1P2D,2P1D", "--split", "1P2D"], "conflict"),
+        (["--sweep", "splits", "1P2D,2P1D", "--sweep-workers", "0"], "--sweep-workers"),
+    ]
+    for i, (extra, why) in enumerate(cases):
+        out = tmp_path / f"sweep{i}"
+        assert main([*common, "--out", str(out), *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and why in err and len(err.splitlines()) == 1, (extra, err)
+        assert not out.exists(), extra
+
+
 def test_sweep_writes_runs_comparison_and_summary(tmp_path, capsys):
     reqs = small_trace(6, 4, pause=0.02)
     cfg = SimConfig(nodes=3, profile="tiny", policy="static", concurrency=6)
