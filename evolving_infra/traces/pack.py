@@ -35,6 +35,7 @@ reported as the lines of the trace the pack was made from (request ``i`` on line
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import zlib
@@ -90,6 +91,25 @@ def _le_bytes(a: array) -> bytes:
     return b.tobytes()
 
 
+def _write_all(f: IO[bytes], data: bytes) -> None:
+    """``data`` written to ``f`` to the last byte.
+
+    A buffered stream's ``write`` of a payload larger than a pipe returns the count the first raw write took
+    (64 KiB) when a later one fails, without raising: ``trace pack IN - | head -c 100`` printed
+    "1,203,985 bytes" and exited 0. Writing the rest makes that failure raise.
+
+    Raises:
+        OSError: the write failed (``BrokenPipeError``: the reader went away); a stream that takes
+            nothing is reported as ``OSError(EIO)``.
+    """
+    view = memoryview(data)
+    while view:
+        n = f.write(view)
+        if not n:
+            raise OSError(errno.EIO, "the stream took no bytes")
+        view = view[n:]
+
+
 def write_packed(path: str | os.PathLike[str] | IO[bytes], trace: CompactTrace) -> int:
     """Write ``trace`` (as :func:`~evolving_infra.traces.compact.read_trace_compact` builds it) as a
     packed trace; the bytes are a pure function of ``trace``. Written to ``path.tmp`` then renamed;
@@ -106,16 +126,16 @@ def write_packed(path: str | os.PathLike[str] | IO[bytes], trace: CompactTrace) 
                                        *(_le_bytes(getattr(st, "_" + name)) for name in _ARRAYS)))
     head = MAGIC + len(payload).to_bytes(8, "little") + zlib.crc32(payload).to_bytes(4, "little")
     if not isinstance(path, (str, os.PathLike)):
-        path.write(head)
-        path.write(payload)
+        _write_all(path, head)
+        _write_all(path, payload)
         return _PREFIX + len(payload)
     p = Path(path)
     made = make_folders(p.parent)
     tmp = p.with_name(p.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(head)
-            f.write(payload)
+            _write_all(f, head)
+            _write_all(f, payload)
         os.replace(tmp, p)
     except BaseException:  # no partial .tmp (disk full, a folder in the way) nor folders made for it left behind
         tmp.unlink(missing_ok=True)

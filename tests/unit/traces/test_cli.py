@@ -296,6 +296,23 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path: Path) -> N
         assert "rror" not in err and "Traceback" not in err, (args, err)
 
 
+def test_pack_to_a_reader_that_stops_midway_is_not_reported_written(tmp_path: Path) -> None:
+    """``trace pack IN - | head -c 10``: the reader takes the first bytes of a pack larger than a pipe
+    (the shipped 1.2 MB sample) and goes; pack stops quietly with status 141. Before, the buffered
+    stream's one large write returned the 64 KiB the pipe took without raising: pack printed
+    '1,203,985 bytes' and exited 0 with most of the pack never written."""
+    import os
+    import subprocess
+
+    sample = Path(__file__).resolve().parents[3] / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
+    p = _proc(["trace", "pack", str(sample), "-"], tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(os.read(p.stdout.fileno(), 10)) == 10  # the writer is inside its write now
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141, err
+    assert "bytes" not in err and "Traceback" not in err, err
+
+
 def test_dash_refuses_a_stdin_that_is_a_terminal_or_closed(tmp_path: Path) -> None:
     """``trace stats -`` typed at a terminal would wait for a trace nobody types: it says so and
     exits with status 2 at once; a closed stdin is named, not a traceback."""
