@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import re
 import sys
 
@@ -81,6 +82,9 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def cmd_split(args: argparse.Namespace) -> int:
+    if not 0 < args.timeout < math.inf:  # 0, negative or NaN read as 'cannot connect to NATS: no server answered'
+        print(f"error: --timeout must be a number of seconds > 0, not {args.timeout:g}", file=sys.stderr)
+        return 2
     if args.split_command == "set" and not _SPEC.match(args.split):
         print(f"error: split {args.split!r} must look like '4P5D' or 'collocated'", file=sys.stderr)
         return 2

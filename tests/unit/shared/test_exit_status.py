@@ -38,6 +38,10 @@ def _run(argv: list[str], tmp_path: Path, *, module: bool = False) -> subprocess
         (["demo", "--model", "somewhere", "--out", "out"], "--model needs --engine torch"),  # was 1
         (["simulate", "--workload", "putnam", "--nodes", "3", "--split", "2P2D", "--out", "out"], "2P2D"),
         (["split", "set", "three"], "must look like '4P5D'"),
+        # was 'cannot connect to NATS at ...: no server answered', whether or not one was there
+        (["split", "get", "--nats-url", "nats://127.0.0.1:1", "--timeout", "0"], "--timeout must be a number of seconds > 0"),
+        (["split", "set", "1P1D", "--nats-url", "nats://127.0.0.1:1", "--timeout", "-1"], "--timeout must be"),
+        (["split", "get", "--nats-url", "nats://127.0.0.1:1", "--timeout", "nan"], "--timeout must be"),
     ],
 )
 def test_a_usage_error_exits_2_with_one_line(argv, fragment, tmp_path):
