@@ -117,15 +117,21 @@ async def _tap(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     count = 0
+    reader_gone: list[BrokenPipeError] = []
 
     async def cb(msg: nats.aio.msg.Msg) -> None:
         nonlocal count
-        if any(msg.subject.startswith(e.rstrip(">*")) for e in excluded):
+        if reader_gone or any(msg.subject.startswith(e.rstrip(">*")) for e in excluded):
             return
-        if args.json:
-            print(render_json(subjects, msg.subject, msg.data, msg.headers, full=args.full), flush=True)
-        else:
-            print(render(subjects, msg.subject, msg.data, full=args.full), flush=True)
+        try:
+            if args.json:
+                print(render_json(subjects, msg.subject, msg.data, msg.headers, full=args.full), flush=True)
+            else:
+                print(render(subjects, msg.subject, msg.data, full=args.full), flush=True)
+        except BrokenPipeError as e:  # raised in nats' callback task it would be dropped, and tap | head run on
+            reader_gone.append(e)
+            stop.set()
+            return
         count += 1
         if args.max and count >= args.max:
             stop.set()
@@ -134,6 +140,9 @@ async def _tap(args: argparse.Namespace) -> int:
         await nc.subscribe(p, cb=cb)
     print(f"tapping {', '.join(patterns)} on {redact_url(args.nats_url)} (known roots: {', '.join(sorted(templates))}); Ctrl-C to stop", file=sys.stderr)
     await stop.wait()
+    if reader_gone:  # stdout's reader stopped (| head): evolving_infra.cli.main ends quietly with 141
+        await nc.close()
+        raise reader_gone[0]
     if lost:
         print(f"error: {lost[0]}", file=sys.stderr)
         return 1
