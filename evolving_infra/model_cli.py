@@ -5,13 +5,15 @@ tokenizer.json trained locally, tokenizer_config.json with a ChatML template),
 so ``--engine torch --model DIR`` and ``transformers`` both load it. Needs the
 ``torch`` extra (``pip install -e '.[torch]'``). Exit status 0; 1 with one line
 on stderr when the extra is missing (a runtime failure, as ``up --engine torch``
-without it), before any folder is made; 2 with a message when a size is invalid.
+without it), before any folder is made; 2 with one line when a size is invalid (checked
+before the folder is made) or the folder cannot be written.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from evolving_infra.cli import RUNTIME_FAILURE, USAGE_ERROR
@@ -41,6 +43,9 @@ def _init(args: argparse.Namespace) -> int:
         return RUNTIME_FAILURE  # the install lacks a package, as `up --engine torch` without it; 2 is a usage error
     from services.worker.engines.torch_engine.checkpoint import init_model
 
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        print(f"error: {args.dir}: is a file; give a folder path (created)", file=sys.stderr)
+        return USAGE_ERROR
     try:
         folder = init_model(
             args.dir,
@@ -55,6 +60,9 @@ def _init(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except OSError as e:  # the folder cannot be made or written (under a missing or read-only folder, disk full)
+        print(f"error: {args.dir}: cannot write: {e}", file=sys.stderr)
         return USAGE_ERROR
     print(f"wrote {args.arch} model ({args.layers} layers, hidden {args.hidden}) to {folder}")
     return 0

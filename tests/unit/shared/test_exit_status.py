@@ -112,3 +112,35 @@ def test_model_init_without_torch_says_which_extra_in_one_line(tmp_path):
     assert (p.returncode, p.stderr.splitlines()) == (
         RUNTIME_FAILURE, ["error: model init needs the torch extra (torch missing): pip install -e '.[torch]'"]), p.stderr
     assert not (tmp_path / "tiny").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--heads", "0"], "--heads must be >= 1"),  # was ZeroDivisionError traceback, exit 1
+        (["--hidden", "-64"], "--hidden must be >= 1"),  # was torch's 'negative dimension' traceback
+        (["--layers", "0"], "--layers must be >= 1"),  # wrote a model of no layers, exit 0
+        (["--context", "-1"], "--context must be >= 1"),  # wrote max_position_embeddings -1, exit 0
+        (["--vocab", "10"], "--vocab must be >= 300"),  # right message, but after making the folder
+        (["--kv-heads", "3"], "heads by kv_heads 3"),  # the same
+    ],
+)
+def test_model_init_bad_size_is_one_line_before_any_folder(extra, fragment, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("tokenizers")
+    p = _run(["model", "init", "out", *extra], tmp_path)
+    lines = p.stderr.splitlines()
+    assert p.returncode == USAGE_ERROR and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_init_into_a_file_or_under_a_file_is_one_line(tmp_path):
+    """A DIR that is a file, or under one, was a FileExistsError / NotADirectoryError traceback (exit 1)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("tokenizers")
+    (tmp_path / "afile").write_text("")
+    for target, fragment in (("afile", "afile: is a file"), ("afile/m", "afile/m: cannot write")):
+        p = _run(["model", "init", target], tmp_path)
+        lines = p.stderr.splitlines()
+        assert p.returncode == USAGE_ERROR and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], p.stderr
+    assert (tmp_path / "afile").read_text() == ""

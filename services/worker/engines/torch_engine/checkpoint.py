@@ -53,6 +53,16 @@ def corpus(max_chars: int = 400_000) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) + "." for _ in range(2000)]
 
 
+MIN_VOCAB = 300
+"""The smallest BPE vocabulary :func:`train_tokenizer` trains: the 256 byte symbols, the special tokens and some merges."""
+
+
+def check_vocab(vocab: int) -> None:
+    """Raises ValueError if ``vocab`` < :data:`MIN_VOCAB` (no room for the bytes and merges)."""
+    if vocab < MIN_VOCAB:
+        raise ValueError(f"--vocab must be >= {MIN_VOCAB} (256 bytes + specials + merges), got {vocab}")
+
+
 def train_tokenizer(vocab: int, out: Path) -> int:
     """Train a byte-level BPE of at most ``vocab`` ids on :func:`corpus` and write
     ``out/tokenizer.json``. Returns the tokenizer's vocabulary size (≤ ``vocab``; the
@@ -63,8 +73,7 @@ def train_tokenizer(vocab: int, out: Path) -> int:
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab < 300:
-        raise ValueError(f"--vocab must be >= 300 (256 bytes + specials + merges), got {vocab}")
+    check_vocab(vocab)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -89,11 +98,15 @@ def model_config(
     context) and untied embeddings; ``qwen3`` ties them and has q/k norms.
 
     Raises:
-        ValueError: unknown arch, ``hidden`` not divisible by ``heads``, or ``heads``
+        ValueError: unknown arch, a size below 1, ``hidden`` not divisible by ``heads``, or ``heads``
             not divisible by ``kv_heads``.
     """
     if arch not in ("llama", "qwen3"):
         raise ValueError(f"--arch must be llama or qwen3, got {arch!r}")
+    for flag, size in (("--layers", layers), ("--hidden", hidden), ("--heads", heads), ("--kv-heads", kv_heads),
+                       ("--context", context)):
+        if size < 1:  # 0 heads was a ZeroDivisionError, hidden -64 a torch error, layers 0 a model of no layers
+            raise ValueError(f"{flag} must be >= 1, got {size}")
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden {hidden} must divide by heads {heads}, heads by kv_heads {kv_heads}")
     common: dict[str, Any] = {
@@ -163,6 +176,8 @@ def init_model(
     import torch
     from safetensors.torch import save_file
 
+    check_vocab(vocab)  # the size checks, before the folder is made (a refused size left an empty folder)
+    model_config(arch, layers, hidden, heads, kv_heads, vocab, context, 0)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     n_vocab = train_tokenizer(vocab, folder)
