@@ -241,11 +241,40 @@ def relative_differences(live: dict[str, Any], sim: dict[str, Any]) -> dict[str,
     return out
 
 
+def check_settings(s: FidelitySettings) -> None:
+    """The numeric settings' ranges, checked before the live cluster starts: its services refused
+    ``--speedup 0`` / ``nan`` only once started (a service's config traceback, exit 1), and a NaN
+    ``--max-pause`` passed every check and the live replay never ended.
+
+    Raises:
+        SimConfigError: the first setting out of range, named by its flag.
+    """
+    import math
+
+    from evolving_infra.sim.config import SimConfigError
+
+    if not 0 < s.speedup < math.inf:
+        raise SimConfigError(f"--speedup must be a finite number > 0, not {s.speedup:g}")
+    if s.max_pause_s is not None and not 0 <= s.max_pause_s < math.inf:
+        raise SimConfigError(f"--max-pause must be a finite number of seconds >= 0, not {s.max_pause_s:g}")
+    for flag, value in (("--sessions", s.sessions), ("--concurrency", s.concurrency), ("--nodes", s.nodes)):
+        if value < 1:
+            raise SimConfigError(f"{flag} must be >= 1, not {value}")
+    if s.max_requests_per_branch < 0:
+        raise SimConfigError(f"--max-requests-per-branch must be >= 0 (0 = no cap), not {s.max_requests_per_branch}")
+
+
 def fidelity(s: FidelitySettings, out: Path) -> dict[str, Any]:
     """Run both and return ``{settings, live, sim, relative_difference, control_plane, sim_plain,
     relative_difference_plain}`` (also ``out/fidelity.json``): ``sim`` runs with the control plane
     measured on the live run (:func:`control_plane`; none when the router did not report it),
-    ``sim_plain`` without (``out/sim-plain``)."""
+    ``sim_plain`` without (``out/sim-plain``).
+
+    Raises:
+        SimConfigError: a setting out of range (:func:`check_settings`) or an unreadable trace, before
+            anything is started or written.
+    """
+    check_settings(s)
     requests, bs, path = load_requests(s)
     out.mkdir(parents=True, exist_ok=True)
     import asyncio  # here: `simulate` registers this command's flags and needs no event loop

@@ -46,3 +46,19 @@ def test_records_without_the_node_times_are_not_measured():
     failed = rec(1, 100, 0.05, engine=0.1, egress=0.01)
     failed.ok = False
     assert control_plane([rec(0, 100, 0.05, engine=0.1, egress=0.01), failed]) is None  # one measurable: no fit
+
+
+@pytest.mark.timeout(60)  # --max-pause nan: the live replay never ended
+@pytest.mark.parametrize("flag, value", [("--speedup", "0"), ("--speedup", "nan"), ("--max-pause", "nan"),
+                                         ("--sessions", "0"), ("--concurrency", "0"), ("--nodes", "0"),
+                                         ("--max-requests-per-branch", "-1")])
+def test_fidelity_refuses_out_of_range_settings_before_starting(flag, value, tmp_path, capsys):
+    """One 'error:' line naming the flag, exit 2, nothing started or written. --speedup 0 / nan started the
+    live cluster, whose kvdirectory died with a config traceback (printed from its log, exit 1)."""
+    from evolving_infra.cli import main
+
+    out = tmp_path / "fid"
+    assert main(["fidelity", "--out", str(out), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and flag in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
