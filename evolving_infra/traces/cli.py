@@ -50,21 +50,24 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from evolving_infra.traces.stats import format_stats, trace_stats_file
 
     results: dict[str, dict] = {}
-    for path in args.files:
+    status = 0
+    for path in args.files:  # a file that cannot be read is named and skipped; the others are still reported
         try:
             results[path] = trace_stats_file(stdin_file(path))
         except TraceError as e:
             print(shown(str(e)), file=sys.stderr)
-            return 2
+            status = 2
         except OSError as e:
             print(f"{path}: cannot read: {e}", file=sys.stderr)
-            return 2
+            status = 2
+    if not results:
+        return status
     if args.json:
         obj = results[args.files[0]] if len(args.files) == 1 else results
         print(json.dumps(obj, indent=2))
     else:
         print("\n\n".join(format_stats(s) for s in results.values()))
-    return 0
+    return status
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -268,8 +271,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v.set_defaults(func=cmd_validate)
 
     s = tsub.add_parser("stats", help="requests, sessions, branches, compactions, token and pause distributions, h*")
-    s.add_argument("files", nargs="+", help="trace files (- reads stdin)")
-    s.add_argument("--json", action="store_true", help="print a JSON object (one file) or {file: object} (several)")
+    s.add_argument("files", nargs="+", help="trace files (- reads stdin); one that cannot be read is named on stderr and "
+                   "skipped, the others still reported (exit status 2)")
+    s.add_argument("--json", action="store_true", help="print a JSON object (one file) or {file: object} (several; "
+                   "the files read)")
     s.set_defaults(func=cmd_stats)
 
     c = tsub.add_parser("convert", help="convert public traces into the canonical format")

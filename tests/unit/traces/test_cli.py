@@ -125,6 +125,21 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path: Pa
     assert src.read_bytes() == before
 
 
+def test_stats_names_and_skips_a_bad_file_of_several(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``trace stats good bad good2``: the bad file's line is named on stderr, the two good files are
+    still reported, exit 2. Before, the first bad file ended the command with no stats at all."""
+    good = tmp_path / "good.jsonl"
+    assert main(["generate", "claude-code", "--agents", "2", "--seed", "1", "-o", str(good)]) == 0
+    lines = good.read_text().splitlines(keepends=True)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines[:2]) + "{bad json\n" + "".join(lines[2:]))
+    capsys.readouterr()
+    assert top_main(["trace", "stats", "--json", str(good), str(bad), str(tmp_path / "missing.jsonl"), str(good)]) == 2
+    cap = capsys.readouterr()
+    assert list(json.loads(cap.out)) == [str(good)]
+    assert "line 3: invalid JSON" in cap.err and "missing.jsonl: cannot read" in cap.err and "Traceback" not in cap.err, cap.err
+
+
 def test_sample_negative_counts_are_one_line_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``trace sample --sessions -1`` / ``--max-requests-per-branch -2``: exit 2 with one ``error:`` line and
     no output file (was sample_sessions' ValueError traceback, exit 1)."""
