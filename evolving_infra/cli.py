@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "evolving_infra.sim.cli",  # simulate, fidelity
     "evolving_infra.model_cli",  # model init (torch engine)
     "evolving_infra.auth_cli",  # auth gen
+    "evolving_infra.deploy_cli",  # deploy-args
 )
 
 
@@ -44,6 +45,7 @@ COMMANDS = {
     "fidelity": "evolving_infra.sim.cli",
     "model": "evolving_infra.model_cli",
     "auth": "evolving_infra.auth_cli",
+    "deploy-args": "evolving_infra.deploy_cli",
 }
 """The module that registers each command: running a command imports only its module (the
 others pull in the live stack — NATS client, metrics, asyncio services — ~0.5 s of CPU that

@@ -156,6 +156,56 @@ class _Child:
     """Variables set over the launcher's environment for this process (None: the launcher's as is)."""
 
 
+SERVICES = ("kvdirectory", "planner", "router", "worker")
+"""The services :func:`service_flags` knows."""
+
+
+def node_phases(spec: ClusterSpec) -> list[str]:
+    """Each worker node's ``--phase`` in node order (``spec.node_ids()``): ``both`` for a collocated split, else the
+    split's ``x`` prefill nodes first, then its ``y`` decode nodes.
+
+    Raises:
+        SplitError: (``shared.split``) a split that is not ``collocated`` or ``xPyD`` with x + y = ``spec.nodes``.
+    """
+    pd = parse_split(spec.split, spec.nodes)
+    return ["both"] * spec.nodes if pd is None else ["prefill"] * pd[0] + ["decode"] * pd[1]
+
+
+def service_flags(spec: ClusterSpec, service: str) -> list[str]:
+    """The flags of ``service`` that say which serving system and engine the cluster runs: its policy set's part
+    (router ``--routing``/``--decode-binding``/routing options, planner ``--planner``/``--planner-args``/``--split``,
+    workers ``--host-eviction``), the profile, block size, tokenizer, served model name and, for the torch engine,
+    the model folder and context limit. ``up`` (:class:`LocalCluster`) and the deploy scripts (``evolving-infra
+    deploy-args``: compose's entrypoint, the Slurm batch script) start each service with these, so that all three
+    run one system for one ``--policy``; each adds its own addresses, ports, identity and credentials.
+
+    Args:
+        spec: the cluster (``evolving_infra.launcher._spec`` makes it from ``up``'s flags).
+        service: one of :data:`SERVICES`.
+
+    Returns:
+        argv items, e.g. ``["--planner", "evolving", "--split", "2P2D", "--profile", "gb300-glm52"]``.
+
+    Raises:
+        ValueError: an unknown ``service``.
+    """
+    s = spec
+    if service == "kvdirectory":
+        return ["--block-size", str(s.block_size)]
+    if service == "planner":
+        return (["--nodes", ",".join(s.node_ids()), "--split", s.split, "--planner", s.planner, "--profile", s.profile]
+                + (["--planner-args", ",".join(s.planner_args)] if s.planner_args else []))
+    if service == "worker":
+        return (["--profile", s.profile, "--tokenizer", s.tokenizer, "--host-eviction", s.eviction]
+                + (["--engine", s.engine, "--model", s.model_dir] if s.engine != "sim" else []))
+    if service == "router":
+        return (["--routing", s.routing, "--decode-binding", s.decode_binding, "--profile", s.profile, "--block-size",
+                 str(s.block_size), "--model", s.model, "--tokenizer", s.tokenizer]
+                + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])
+                + list(s.router_args))
+    raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
+
+
 def restart_delay(streak: int, base_s: float, max_s: float) -> float:
     """Backoff before the ``streak``-th consecutive restart (1-based): ``min(max_s, base_s * 2**(streak-1))`` seconds."""
     return min(max_s, base_s * (2.0 ** max(0, streak - 1)))
@@ -232,49 +282,24 @@ class LocalCluster:
     def _plan_children(self) -> list[_Child]:
         s = self.spec
         nodes = s.node_ids()
-        phases = ["both"] * len(nodes)
-        pd = parse_split(s.split, len(nodes))
-        if pd is not None:
-            phases = ["prefill"] * pd[0] + ["decode"] * pd[1]
         py = [sys.executable, "-m"]
         kids = [
             _Child(
                 "kvdirectory",
-                py + ["services.kvdirectory"] + self._common("kvdirectory") + ["--block-size", str(s.block_size), "--nodes", ",".join(nodes)],
+                py + ["services.kvdirectory"] + self._common("kvdirectory") + service_flags(s, "kvdirectory") + ["--nodes", ",".join(nodes)],
                 self.log_dir / "kvdirectory.log",
             ),
-            _Child(
-                "planner",
-                py
-                + ["services.planner"]
-                + self._common("planner")
-                + ["--nodes", ",".join(nodes), "--split", s.split, "--planner", s.planner, "--profile", s.profile]
-                + (["--planner-args", ",".join(s.planner_args)] if s.planner_args else []),
-                self.log_dir / "planner.log",
-            ),
+            _Child("planner", py + ["services.planner"] + self._common("planner") + service_flags(s, "planner"), self.log_dir / "planner.log"),
         ]
-        for node, phase in zip(nodes, phases):
+        for node, phase in zip(nodes, node_phases(s)):
             kids.append(
                 _Child(
                     f"worker-{node}",
                     py
                     + ["services.worker"]
                     + self._common(f"worker-{node}")
-                    + [
-                        "--node",
-                        node,
-                        "--profile",
-                        s.profile,
-                        "--phase",
-                        phase,
-                        "--stream-interval",
-                        str(s.stream_interval),
-                        "--tokenizer",
-                        s.tokenizer,
-                        "--host-eviction",
-                        s.eviction,
-                    ]
-                    + (["--engine", s.engine, "--model", s.model_dir] if s.engine != "sim" else [])
+                    + ["--node", node, "--phase", phase, "--stream-interval", str(s.stream_interval)]
+                    + service_flags(s, "worker")
                     + (["--log-requests"] if s.log_requests else [])
                     + list(s.worker_args)
                     + list(s.node_args.get(node, ())),
@@ -288,30 +313,10 @@ class LocalCluster:
                 py
                 + ["services.router"]
                 + self._common("router")
-                + [
-                    "--host",
-                    s.host,
-                    "--port",
-                    str(s.port),
-                    "--port-file",
-                    str(self._port_file),
-                    "--routing",
-                    s.routing,
-                    "--decode-binding",
-                    s.decode_binding,
-                    "--profile",
-                    s.profile,
-                    "--block-size",
-                    str(s.block_size),
-                    "--model",
-                    s.model,
-                    "--tokenizer",
-                    s.tokenizer,
-                ]
-                + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])
+                + ["--host", s.host, "--port", str(s.port), "--port-file", str(self._port_file)]
+                + service_flags(s, "router")
                 + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else [])
-                + (["--log-requests"] if s.log_requests else [])
-                + list(s.router_args),
+                + (["--log-requests"] if s.log_requests else []),
                 self.log_dir / "router.log",
                 env=dict(s.router_env) or None,
             )

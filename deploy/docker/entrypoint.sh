@@ -11,8 +11,13 @@
 #   EI_CREDS_DIR   credentials volume (auth writes, services read)            default /creds
 #   EI_NATS_AUTH   nkeys (default) | off (NATS open inside the compose network)
 #   EI_CLOCK_ORIGIN  set here from $EI_CREDS_DIR/clock_origin (written by the auth job) unless given
+#   EI_POLICY      serving system, as `evolving-infra up --policy`: evolving | static[:xPyD] | dynamo | arrow
+#                  (default evolving); each service gets its part from `evolving-infra deploy-args`, up's own code
+#   EI_ENGINE      sim | torch (the model folder mounted at /models; the profile, tokenizer, served model name
+#                  and context limit follow from it as with `up --engine torch --model DIR`)   default sim
+#   EI_MODEL_DIR   EI_ENGINE=torch: the model folder in the container                       default /models
 #   EI_BLOCK_SIZE  kvdirectory, router: set here to EI_PROFILE's block_size (the workers'); another is refused
-#   worker --profile P (compose's worker-torch): refused unless P's block_size is EI_PROFILE's
+#   worker --profile P: refused unless P's block_size is EI_PROFILE's
 set -eu
 # PID 1 of the container until the exec below: the kernel drops a signal PID 1 has no handler for, so
 # without this `docker compose stop` waited out its 10 s and killed a container still waiting for
@@ -22,7 +27,9 @@ trap 'exit 130' INT
 role=${1:-}
 [ $# -gt 0 ] && shift
 WORKERS=${WORKERS:-2}
-SPLIT=${SPLIT:-1P1D}
+SPLIT=${SPLIT:-}  # empty: the policy set's (static:2P2D) or up's default for WORKERS nodes
+POLICY=${EI_POLICY:-evolving}
+ENGINE=${EI_ENGINE:-sim}
 CREDS=${EI_CREDS_DIR:-/creds}
 AUTH=${EI_NATS_AUTH:-nkeys}
 
@@ -47,6 +54,13 @@ profile_block_size() {  # EI_BLOCK_SIZE := the profile's block_size, which every
         exit 2
     fi
     export EI_BLOCK_SIZE="$bs"
+}
+
+deploy_args() {  # deploy_args SERVICE: SERVICE's flags for EI_POLICY/EI_ENGINE, one a line, as `up` sets them; exit 2 if refused
+    model=""
+    [ "$ENGINE" = torch ] && model=${EI_MODEL_DIR:-/models}
+    evolving-infra deploy-args "$1" --policy "$POLICY" --nodes "$WORKERS" ${SPLIT:+--split "$SPLIT"} \
+        --profile "${EI_PROFILE:-gb300-glm52}" --engine "$ENGINE" ${model:+--model "$model"} || exit 2
 }
 
 nodes() { i=0; out=""; while [ "$i" -lt "$WORKERS" ]; do out="${out:+$out,}w$i"; i=$((i + 1)); done; echo "$out"; }
@@ -87,19 +101,17 @@ case "$role" in
     exec evolving-infra auth stream --nats-url "${EI_NATS_URL:-nats://nats:4222}" --partition "${EI_PARTITION:-p0}" \
         --creds "$launcher" "$@"
     ;;
-  kvdirectory)
-    profile_block_size
-    creds_for kvdirectory
-    exec python -m services.kvdirectory --instance kvdirectory "$@"
-    ;;
-  planner)
-    creds_for planner
-    exec python -m services.planner --instance planner --nodes "$(nodes)" --split "$SPLIT" "$@"
-    ;;
-  router)
-    profile_block_size
-    creds_for router
-    exec python -m services.router --instance router --host 0.0.0.0 "$@"
+  kvdirectory|planner|router)
+    [ "$role" = planner ] || profile_block_size
+    flags=$(deploy_args "$role") || exit 2
+    creds_for "$role"
+    set -f; IFS='
+'
+    # shellcheck disable=SC2086  # one flag a line: split on newlines only, no globbing
+    set -- $flags "$@"
+    unset IFS; set +f
+    [ "$role" = router ] && set -- --host 0.0.0.0 "$@"
+    exec python -m "services.$role" --instance "$role" "$@"
     ;;
   worker)
     n=${EI_REPLICA:-$(python /usr/local/lib/ei/replica.py)}
@@ -107,11 +119,7 @@ case "$role" in
     if [ "$((n - 1))" -ge "$WORKERS" ]; then
         echo "worker: replica $n but WORKERS=$WORKERS (scale the service and set WORKERS to the same number)" >&2; exit 2
     fi
-    phase=both
-    case "$SPLIT" in
-      *P*D) x=${SPLIT%%P*}; if [ "$((n - 1))" -lt "$x" ]; then phase=prefill; else phase=decode; fi ;;
-    esac
-    # a --profile in ARGS (compose's worker-torch: EI_TORCH_PROFILE) must share EI_PROFILE's block size, the
+    # a --profile in ARGS must share EI_PROFILE's block size, the
     # router's and directory's (profile_block_size), or every request fails with 500 'block size mismatch'
     own="" prev=""
     for a in "$@"; do
@@ -125,11 +133,24 @@ case "$role" in
         if [ "$own_bs" != "$cluster_bs" ]; then
             echo "worker: --profile $own has block size $own_bs but EI_PROFILE=$cluster (the router's and KV directory's)" \
                 "has $cluster_bs; every request would fail with 'block size mismatch': set EI_PROFILE=$own for the whole" \
-                "stack (compose: EI_PROFILE=$own docker compose --profile torch up)" >&2
+                "stack (compose: EI_PROFILE=$own docker compose up)" >&2
             exit 2
         fi
     fi
+    resolved=$(deploy_args env) || exit 2
+    eval "$resolved"  # EI_DEPLOY_SPLIT: SPLIT, or the policy set's, or up's default for WORKERS nodes
+    SPLIT=$EI_DEPLOY_SPLIT
+    phase=both
+    case "$SPLIT" in
+      *P*D) x=${SPLIT%%P*}; if [ "$((n - 1))" -lt "$x" ]; then phase=prefill; else phase=decode; fi ;;
+    esac
+    flags=$(deploy_args worker) || exit 2
     creds_for "worker-$node"
+    set -f; IFS='
+'
+    # shellcheck disable=SC2086
+    set -- $flags "$@"
+    unset IFS; set +f
     exec python -m services.worker --instance "worker-$node" --node "$node" --phase "$phase" "$@"
     ;;
   ""|--help|-h)

@@ -25,10 +25,14 @@ def _run(tmp_path: Path, role: str, *args: str, **env: str) -> subprocess.Comple
     shim = bin_dir / "python"
     shim.write_text(
         "#!/bin/sh\n"
-        'if [ "$1" = -m ]; then echo "started $2 EI_BLOCK_SIZE=${EI_BLOCK_SIZE-unset}"; exit 0; fi\n'
+        'if [ "$1" = -m ]; then echo "started $2 EI_BLOCK_SIZE=${EI_BLOCK_SIZE-unset}"; '
+        '[ -n "${ARGS_OUT:-}" ] && shift 2 && printf "%s\\n" "$@" > "$ARGS_OUT"; exit 0; fi\n'
         f'exec {sys.executable} "$@"\n'
     )
     shim.chmod(0o755)
+    cli = bin_dir / "evolving-infra"  # the image's console script (deploy-args)
+    cli.write_text(f'#!/bin/sh\nexec {sys.executable} -m evolving_infra.cli "$@"\n')
+    cli.chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
     base.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(REPO), EI_CLOCK_ORIGIN="1.0", EI_NATS_AUTH="off")
     return subprocess.run(["/bin/sh", str(ENTRYPOINT), role, *args], env={**base, **env}, capture_output=True, text=True, timeout=60)
@@ -60,8 +64,8 @@ def test_an_unreadable_profile_stops_the_service(tmp_path):
 
 
 def test_a_worker_whose_profile_has_another_block_size_than_the_clusters_is_refused(tmp_path):
-    """compose's ``worker-torch`` runs ``--profile ${EI_TORCH_PROFILE:-torch-tiny-cpu}`` (8-token
-    blocks) while the router and directory follow ``EI_PROFILE`` (gb300-glm52 by default, 64): it
+    """A worker given ``--profile torch-tiny-cpu`` (8-token blocks; compose's old ``worker-torch``)
+    while the router and directory follow ``EI_PROFILE`` (gb300-glm52 by default, 64): it
     started, and every request failed with 500 "block size mismatch". Refused (one line, status 2)
     naming the EI_PROFILE to set; one with the same block size, or the same profile, starts."""
     torch_cmd = ["--engine", "torch", "--model", "/models", "--profile", "torch-tiny-cpu"]

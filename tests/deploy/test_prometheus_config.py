@@ -2,7 +2,7 @@
 metrics port the compose file gives it (no docker needed: both files are read as text).
 
 Every Evolving Infra service of the compose file (``command: ["<service>", ...]`` for router,
-planner, kvdirectory, worker; the torch workers of profile ``torch`` too) serves ``/metrics`` on
+planner, kvdirectory, worker, whatever its engine) serves ``/metrics`` on
 ``EI_METRICS_PORT`` (``x-service`` environment, bound to ``EI_METRICS_HOST`` 0.0.0.0); Prometheus
 must reach each by its compose service name (a static target, or a DNS A lookup of a scaled
 service) on that port.
@@ -43,7 +43,7 @@ def test_prometheus_scrapes_every_evolving_infra_service_of_the_compose_file_on_
     port = int(re.search(r'EI_METRICS_PORT: "(\d+)"', compose).group(1))
     assert re.search(r"EI_METRICS_HOST: 0\.0\.0\.0", compose)
     services = {name for name, cmd in compose_services(compose).items() if cmd in EI_SERVICES}
-    assert {"router", "planner", "kvdirectory", "worker", "worker-torch"} <= services, services
+    assert {"router", "planner", "kvdirectory", "worker"} <= services, services
     targets = scraped((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
     missing = sorted(s for s in services if (s, port) not in targets)
     assert not missing, f"not scraped on :{port}: {missing} (scraped: {sorted(targets)})"

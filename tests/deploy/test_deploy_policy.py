@@ -1,0 +1,128 @@
+"""Compose and Slurm run the serving system ``evolving-infra up`` runs (issue: a newcomer's deploy walk).
+
+Before, compose's services ran their own defaults (planner ``static``, host eviction ``lru``,
+routing ``cache-aware``: a baseline) and the Slurm script the same with ttft routing, while
+``up`` runs ``--policy evolving``; and a torch stack's router got neither the model's tokenizer,
+name nor context. Now the entrypoint asks ``evolving-infra deploy-args`` (``up``'s own
+``_spec`` and ``cluster.service_flags``) for each service's flags, with one knob, ``EI_POLICY``.
+
+The entrypoint runs here with ``/bin/sh`` and a ``python`` shim that records the service's argv
+(``test_entrypoint_block_size._run``); the compose file is resolved by ``docker-compose config``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.cli import build_parser
+from evolving_infra.cluster import service_flags
+from evolving_infra.launcher import _spec
+from tests.deploy.test_entrypoint_block_size import _run
+from tests.deploy.test_prometheus_config import resolved_services
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _argv(tmp_path: Path, role: str, *args: str, **env: str) -> list[str]:
+    out = tmp_path / f"args-{role}-{len(list(tmp_path.glob('args-*')))}"
+    r = _run(tmp_path, role, *args, ARGS_OUT=str(out), **env)
+    assert r.returncode == 0 and r.stdout.startswith(f"started services.{role}"), (r.stdout, r.stderr)
+    return out.read_text().splitlines()
+
+
+def _flag(argv: list[str], name: str) -> str:
+    """The value of the last ``name`` (the one argparse keeps)."""
+    return argv[len(argv) - 1 - argv[::-1].index(name) + 1]
+
+
+def _up_flags(service: str, *up: str) -> list[str]:
+    return service_flags(_spec(build_parser("up").parse_args(["up", *up])), service)
+
+
+def test_compose_services_run_up_s_default_system_evolving(tmp_path):
+    planner = _argv(tmp_path, "planner")
+    router = _argv(tmp_path, "router", "--port", "8000")
+    worker = _argv(tmp_path, "worker", EI_REPLICA="2")
+    assert (_flag(planner, "--planner"), _flag(planner, "--split"), _flag(planner, "--nodes")) == ("evolving", "1P1D", "w0,w1")
+    assert (_flag(router, "--routing"), _flag(router, "--decode-binding")) == ("ttft", "prefill-start")
+    assert (_flag(worker, "--host-eviction"), _flag(worker, "--phase")) == ("branch-count", "decode")
+    assert _flag(router, "--port") == "8000" and _flag(router, "--host") == "0.0.0.0"
+    # the very flags up gives each service for the same cluster (2 nodes)
+    for role, argv in (("planner", planner), ("router", router), ("worker", worker)):
+        want = _up_flags(role, "--nodes", "2")
+        assert any(argv[i : i + len(want)] == want for i in range(len(argv))), (role, argv, want)
+
+
+def test_ei_policy_picks_another_set_with_its_split(tmp_path):
+    env = dict(EI_POLICY="static:2P2D", WORKERS="4")
+    planner = _argv(tmp_path, "planner", **env)
+    router = _argv(tmp_path, "router", **env)
+    phases = [_flag(_argv(tmp_path, "worker", EI_REPLICA=str(i), **env), "--phase") for i in (1, 2, 3, 4)]
+    assert (_flag(planner, "--planner"), _flag(planner, "--split")) == ("static", "2P2D")
+    assert (_flag(router, "--routing"), _flag(router, "--decode-binding")) == ("cache-aware", "dispatch")
+    assert phases == ["prefill", "prefill", "decode", "decode"]
+    worker = _argv(tmp_path, "worker", EI_REPLICA="1", EI_POLICY="dynamo", WORKERS="4", SPLIT="3P1D")
+    assert (_flag(worker, "--host-eviction"), _flag(worker, "--phase")) == ("lru", "prefill")
+    r = _run(tmp_path, "planner", EI_POLICY="nope")
+    assert r.returncode == 2 and "started" not in r.stdout and "unknown policy set" in r.stderr, (r.stdout, r.stderr)
+
+
+def test_torch_engine_gives_the_router_the_model_s_tokenizer_name_and_context(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("tokenizers")
+    model = tmp_path / "tiny-model"
+    subprocess.run([sys.executable, "-m", "evolving_infra.cli", "model", "init", str(model)], check=True, capture_output=True,
+                   timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    env = dict(EI_ENGINE="torch", EI_MODEL_DIR=str(model))
+    router = _argv(tmp_path, "router", **env)
+    worker = _argv(tmp_path, "worker", EI_REPLICA="1", **env)
+    context = __import__("json").loads((model / "config.json").read_text())["max_position_embeddings"]
+    assert (_flag(router, "--tokenizer"), _flag(router, "--model"), _flag(router, "--max-context-tokens")) == (
+        f"hf:{model}", "tiny-model", str(context))
+    assert (_flag(router, "--profile"), _flag(router, "--block-size")) == ("torch-tiny-cpu", "8")
+    assert (_flag(worker, "--engine"), _flag(worker, "--model"), _flag(worker, "--profile")) == ("torch", str(model), "torch-tiny-cpu")
+    assert _flag(worker, "--tokenizer") == f"hf:{model}"
+
+
+needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None, reason="needs docker-compose (.ci/run installs it)")
+
+
+def _env(**kw: str) -> dict[str, str]:
+    keep = ("EI_", "SPLIT", "WORKERS", "MODEL_DIR", "GRAFANA_", "OBSERVABILITY_")
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(keep)}, **kw}
+
+
+@needs_compose
+def test_compose_passes_ei_policy_and_no_routing_of_its_own():
+    services = resolved_services(_env(EI_POLICY="static:2P2D"))
+    for name in ("router", "planner", "kvdirectory", "worker"):
+        assert re.search(r"^      EI_POLICY: static:2P2D$", services[name], re.M), (name, services[name])
+    assert "--routing" not in services["router"] and "cache-aware" not in services["router"], services["router"]
+    assert re.search(r"^      EI_POLICY: evolving$", resolved_services(_env())["planner"], re.M)
+
+
+@needs_compose
+def test_compose_torch_mounts_the_model_in_the_router_and_workers(tmp_path):
+    services = resolved_services(_env(EI_ENGINE="torch", MODEL_DIR=str(tmp_path)))
+    for name in ("router", "worker", "kvdirectory", "planner"):
+        assert re.search(r"^      EI_ENGINE: torch$", services[name], re.M), (name, services[name])
+        assert f"{tmp_path}:/models:ro" in services[name], (name, services[name])
+    assert "worker-torch" not in services
+
+
+@needs_compose
+def test_compose_observability_is_on_loopback_and_grafana_s_password_is_the_operator_s():
+    services = resolved_services(_env(GRAFANA_ADMIN_PASSWORD="s3cret"))
+    for name, port in (("prometheus", 9090), ("grafana", 3000), ("jaeger", 16686)):
+        published = re.findall(r"^    - (.*):%d/tcp$" % port, services[name], re.M)
+        assert published == [f"127.0.0.1:{port}"], (name, services[name])
+    assert "published: 8000" in services["router"] and "host_ip" not in services["router"], services["router"]  # as before
+    assert re.search(r"^      GF_SECURITY_ADMIN_PASSWORD: s3cret$", services["grafana"], re.M), services["grafana"]
+    assert re.search(r"^      GF_AUTH_ANONYMOUS_ENABLED: [\"']false[\"']$", services["grafana"], re.M), services["grafana"]
