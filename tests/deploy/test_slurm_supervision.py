@@ -210,3 +210,96 @@ def test_a_service_that_keeps_dying_fails_the_job_with_its_name(tmp_path):
             assert job_pids(job.run) == {}, job_pids(job.run)
         finally:
             job.close()
+
+
+def free_port_run(n: int) -> int:
+    """A first port of ``n`` consecutive TCP ports free on every interface now."""
+    for _ in range(200):
+        base = free_port()
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
+@pytest.mark.timeout(300)
+def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(tmp_path):
+    """Before, the job ran a static planner with LRU eviction (the services' defaults; `up` runs the evolving
+    set) and only the router's /metrics existed (no EI_METRICS_PORT): the dashboard's split, queue, KV and
+    directory panels stayed empty. Now: POLICY (default evolving) through `deploy-args`, and kvdirectory,
+    planner, router on METRICS_PORT+0..2, worker wN on METRICS_PORT+3+N, listed in a file_sd targets file."""
+    base = free_port_run(5)
+    job = Job(tmp_path, METRICS_PORT=str(base))
+    try:
+        job.wait_for("READY", 150)
+        assert json.loads(get(f"http://127.0.0.1:{job.port}/v1/cluster"))["policy"] == "ttft"
+        assert "policy evolving: routing ttft, planner evolving, eviction branch-count, decode binding prefill-start" in job.text()
+        assert '"policy": "evolving"' in (job.run / "planner.log").read_text()
+        worker = job_pids(job.run)[service_pid(job.run, "services.worker", "--node w0 ")]
+        assert "--host-eviction branch-count" in worker and "--phase prefill" in worker, worker
+        router = job_pids(job.run)[service_pid(job.run, "services.router")]
+        assert "--decode-binding prefill-start" in router, router
+        targets = json.loads((job.run / "prometheus-targets.json").read_text())
+        by_service = [(t["labels"]["service"], t["labels"].get("node"), t["targets"]) for t in targets]
+        assert by_service == [
+            ("kvdirectory", None, [f"127.0.0.1:{base}"]), ("planner", None, [f"127.0.0.1:{base + 1}"]),
+            ("router", None, [f"127.0.0.1:{base + 2}"]), ("worker", "w0", [f"n2:{base + 3}"]), ("worker", "w1", [f"n3:{base + 4}"]),
+        ], by_service
+        families = {}
+        for k in range(5):
+            text = get(f"http://127.0.0.1:{base + k}/metrics").decode()
+            families[k] = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+        assert all(families.values()), families
+        assert len({frozenset(f) for f in list(families.values())[:4]}) == 4, "the head's services serve one port each"
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("env, frag", [
+    ({"POLICY": "nope"}, "unknown policy set"),
+    ({"ENGINE": "torch", "MODEL_DIR": "/nonexistent/model"}, "--model /nonexistent/model"),
+])
+def test_a_policy_or_model_up_refuses_fails_the_job_before_anything_starts(tmp_path, env, frag):
+    job = Job(tmp_path, **env)
+    try:
+        assert job.proc.wait(50) == 2, job.text()
+        assert frag in job.text() and "READY" not in job.text(), job.text()
+        assert job_pids(job.run) == {}, job_pids(job.run)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(420)
+def test_engine_torch_serves_the_model_as_up_does(tmp_path):
+    """The header's ``ENGINE=torch MODEL_DIR=...`` could not work: PROFILE stayed gb300-glm52 (the torch engine
+    refuses it: tokens_per_forward 4.0) and the router got neither the model's tokenizer, name nor context. Now
+    the job derives them as ``up --engine torch`` (profile torch-tiny-cpu, hf:MODEL_DIR, the folder's name,
+    max_position_embeddings) and a completion is served by the model."""
+    pytest.importorskip("torch")
+    pytest.importorskip("tokenizers")
+    model = tmp_path / "tiny-model"
+    subprocess.run([sys.executable, "-m", "evolving_infra.cli", "model", "init", str(model)], check=True, capture_output=True,
+                   timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    job = Job(tmp_path, ENGINE="torch", MODEL_DIR=str(model), PROFILE="gb300-glm52", SPEEDUP="1")
+    try:
+        job.wait_for("READY", 300)
+        router = job_pids(job.run)[service_pid(job.run, "services.router")]
+        for frag in (f"--tokenizer hf:{model} ", "--model tiny-model ", f"--max-context-tokens {context}", "--profile torch-tiny-cpu "):
+            assert frag in router, (frag, router)
+        worker = job_pids(job.run)[service_pid(job.run, "services.worker", "--node w1 ")]
+        assert f"--engine torch --model {model}" in worker and "--profile torch-tiny-cpu" in worker, worker
+        r = json.loads(get(f"http://127.0.0.1:{job.port}/v1/completions", {"prompt": "hello there", "max_tokens": 3}))
+        assert r["usage"]["completion_tokens"] == 3 and r["model"] == "tiny-model", r
+    finally:
+        job.close()
