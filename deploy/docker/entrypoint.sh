@@ -9,6 +9,8 @@
 #   WORKERS        number of worker replicas (node ids w0..w<WORKERS-1>)      default 2
 #   SPLIT          initial PD split: collocated | xPyD with x+y = WORKERS      default 1P1D
 #   EI_CREDS_DIR   credentials volume (auth writes, services read)            default /creds
+#   EI_CREDS_OUT   auth: folders router, planner, kvdirectory, launcher, workers, each another service's /creds;
+#                  auth copies the clock origin and that identity's seed(s) into each   default /creds-out
 #   EI_NATS_AUTH   nkeys (default) | off (NATS open inside the compose network)
 #   EI_CLOCK_ORIGIN  set here from $EI_CREDS_DIR/clock_origin (written by the auth job) unless given
 #   EI_POLICY      serving system, as `evolving-infra up --policy`: evolving | static[:xPyD] | dynamo | arrow
@@ -31,6 +33,7 @@ SPLIT=${SPLIT:-}  # empty: the policy set's (static:2P2D) or up's default for WO
 POLICY=${EI_POLICY:-evolving}
 ENGINE=${EI_ENGINE:-sim}
 CREDS=${EI_CREDS_DIR:-/creds}
+CREDS_OUT=${EI_CREDS_OUT:-/creds-out}  # auth: one folder per identity (router, planner, kvdirectory, launcher, workers)
 AUTH=${EI_NATS_AUTH:-nkeys}
 
 [ -n "${EI_BLOCK_SIZE:-}" ] || unset EI_BLOCK_SIZE  # compose passes an unset one as empty
@@ -81,13 +84,30 @@ fi
 case "$role" in
   auth)
     [ -s "$CREDS/clock_origin" ] || python -c 'import time; print(repr(time.time()))' > "$CREDS/clock_origin"
-    if [ "$AUTH" = off ]; then echo "auth: off (NATS open inside the compose network)"; exit 0; fi
-    if [ -s "$CREDS/nats.conf" ] && [ "$(cat "$CREDS/nodes" 2>/dev/null)" = "$(nodes)" ]; then
-        echo "auth: credentials for $(nodes) already in $CREDS"; exit 0
+    if [ "$AUTH" = off ]; then
+        echo "auth: off (NATS open inside the compose network)"
+    elif [ -s "$CREDS/nats.conf" ] && [ "$(cat "$CREDS/nodes" 2>/dev/null)" = "$(nodes)" ]; then
+        echo "auth: credentials for $(nodes) already in $CREDS"
+    else
+        evolving-infra auth gen --dir "$CREDS" --nodes "$(nodes)" --routers router --partition "${EI_PARTITION:-p0}"
+        printf 'listen: 0.0.0.0:4222\nhttp: 0.0.0.0:8222\njetstream { store_dir: "/var/lib/ei/jetstream" }\ninclude nats-auth.conf\n' > "$CREDS/nats.conf"
+        nodes > "$CREDS/nodes"
     fi
-    evolving-infra auth gen --dir "$CREDS" --nodes "$(nodes)" --routers router --partition "${EI_PARTITION:-p0}"
-    printf 'listen: 0.0.0.0:4222\nhttp: 0.0.0.0:8222\njetstream { store_dir: "/var/lib/ei/jetstream" }\ninclude nats-auth.conf\n' > "$CREDS/nats.conf"
-    nodes > "$CREDS/nodes"
+    # each service's own volume (compose mounts it at the service's /creds): the clock origin and only that
+    # identity's seed, so that the router (its port published) cannot read the admin, launcher or other seeds
+    for dir in "$CREDS_OUT"/*/; do
+        [ -d "$dir" ] || continue
+        who=$(basename "$dir")
+        cp "$CREDS/clock_origin" "$dir/clock_origin"
+        find "$dir" -maxdepth 1 -name '*.nk' -delete
+        [ "$AUTH" = off ] && continue
+        case "$who" in
+          workers) cp -p "$CREDS"/worker-*.nk "$dir" ;;
+          router|planner|kvdirectory|launcher) cp -p "$CREDS/$who.nk" "$dir" ;;
+          *) echo "auth: $dir: no identity named $who (router, planner, kvdirectory, launcher, workers)" >&2; exit 2 ;;
+        esac
+        echo "auth: $who's credentials in its own volume"
+    done
     ;;
   nats)
     if [ "$AUTH" = off ]; then

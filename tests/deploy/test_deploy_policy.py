@@ -126,3 +126,37 @@ def test_compose_observability_is_on_loopback_and_grafana_s_password_is_the_oper
     assert "published: 8000" in services["router"] and "host_ip" not in services["router"], services["router"]  # as before
     assert re.search(r"^      GF_SECURITY_ADMIN_PASSWORD: s3cret$", services["grafana"], re.M), services["grafana"]
     assert re.search(r"^      GF_AUTH_ANONYMOUS_ENABLED: [\"']false[\"']$", services["grafana"], re.M), services["grafana"]
+
+
+@needs_compose
+def test_each_compose_service_mounts_only_its_own_credentials():
+    """Every container mounted the whole credentials volume: the router, whose port is published, could read
+    the admin, operator and launcher seeds. Now the auth job copies each identity's seed into that service's
+    own volume; only auth (which writes them) and nats (its config) mount the full one."""
+    services = resolved_services(_env())
+    mounts = {name: re.findall(r"^    - (creds[a-z-]*):(/creds[a-z/-]*)", text, re.M) for name, text in services.items()}
+    assert mounts["router"] == [("creds-router", "/creds")], mounts
+    assert mounts["planner"] == [("creds-planner", "/creds")] and mounts["kvdirectory"] == [("creds-kvdirectory", "/creds")]
+    assert mounts["worker"] == [("creds-workers", "/creds")] and mounts["stream"] == [("creds-launcher", "/creds")]
+    assert sorted(n for n, m in mounts.items() if ("creds", "/creds") in m) == ["auth", "nats"], mounts
+    assert {v for _, v in mounts["auth"]} == {"/creds", *(f"/creds-out/{w}" for w in ("router", "planner", "kvdirectory", "launcher", "workers"))}
+
+
+def test_the_auth_job_gives_each_identity_folder_only_its_own_seed(tmp_path):
+    creds, out = tmp_path / "creds", tmp_path / "out"
+    creds.mkdir()
+    for who in ("router", "planner", "kvdirectory", "launcher", "workers"):
+        (out / who).mkdir(parents=True)
+    (out / "router" / "admin.nk").write_text("stale")  # a seed left from another run goes
+    env = dict(EI_CREDS_DIR=str(creds), EI_CREDS_OUT=str(out), EI_NATS_AUTH="nkeys", WORKERS="2")
+    r = _run(tmp_path, "auth", **env)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    held = {who: sorted(p.name for p in (out / who).iterdir()) for who in ("router", "planner", "kvdirectory", "launcher", "workers")}
+    assert held == {"router": ["clock_origin", "router.nk"], "planner": ["clock_origin", "planner.nk"],
+                    "kvdirectory": ["clock_origin", "kvdirectory.nk"], "launcher": ["clock_origin", "launcher.nk"],
+                    "workers": ["clock_origin", "worker-w0.nk", "worker-w1.nk"]}, held
+    assert (out / "router" / "router.nk").read_bytes() == (creds / "router.nk").read_bytes()
+    assert (out / "router" / "clock_origin").read_text() == (creds / "clock_origin").read_text()
+    r = _run(tmp_path, "auth", **env)  # again (compose restarts it on a second `up`): the same, no error
+    assert r.returncode == 0 and "already in" in r.stdout, (r.stdout, r.stderr)
+    assert sorted(p.name for p in (out / "router").iterdir()) == ["clock_origin", "router.nk"]
