@@ -79,6 +79,15 @@ log "router sees nodes $nodes"
 expected=$("$PY" -c "print(sorted(f'w{i}' for i in range($WORKERS)))")
 [ "$nodes" = "$expected" ] || { log "expected $expected"; $COMPOSE logs --tail 30 worker; exit 1; }
 
+if [ "${EI_POLICY:-evolving}" = evolving ]; then  # the system `up` runs, not the services' defaults (a baseline)
+    routing=$(curl -fsS "http://127.0.0.1:$ROUTER_PORT/v1/cluster" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["policy"])')
+    [ "$routing" = ttft ] || { log "router routing $routing, expected ttft (EI_POLICY=evolving)"; exit 1; }
+    $COMPOSE logs planner | grep -q '"policy": "evolving"' || { log "planner is not the evolving one"; $COMPOSE logs --tail 20 planner; exit 1; }
+    log "policy evolving: router ttft, planner evolving"
+fi
+held=$($COMPOSE exec -T router ls /creds | tr -d '\r' | tr '\n' ' ')  # its own seed only (auth copies it there)
+[ "$held" = "clock_origin router.nk " ] || { log "router's /creds holds: $held (expected clock_origin router.nk)"; exit 1; }
+
 $COMPOSE logs stream | grep -q "JetStream stream EI_" || { log "no JetStream stream"; $COMPOSE logs stream; exit 1; }
 if $COMPOSE logs | grep "no JetStream stream"; then log "a service runs without the JetStream stream (at most once)"; exit 1; fi
 
