@@ -120,6 +120,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=cmd_auth)
 
 
+CREDS_HINT = (
+    "pass --nats-creds FILE (an nkey seed .nk, a .creds file or a user:password .pass file, as "
+    "`evolving-infra auth gen` writes) or set EI_NATS_CREDS (or EI_NATS_USER and EI_NATS_PASSWORD)"
+)
+"""How a CLI tool is given NATS credentials: appended to the error of a server that requires them."""
+
+
 def tool_auth(nats_url: str, creds: str, key: str) -> NatsAuth:
     """Credentials of a CLI tool (``split``, ``tap``): ``--nats-creds``, else ``EI_NATS_*``, else
     the file the state of the local cluster at ``nats_url`` names under ``key``

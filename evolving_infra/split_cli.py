@@ -6,8 +6,9 @@ a new epoch on ``split.commands`` and replies with that command. ``split get``
 asks ``split.get``. Without ``--nats-url`` the NATS server is the one of the running
 ``evolving-infra up`` cluster (its state file, :mod:`evolving_infra.state`). Nothing is
 retried past ``--timeout``. Exit status: 0 on success, 1 when the planner refused the
-split (the reason is printed), 2 when no cluster is found, no planner answered or the
-input is malformed.
+split (the reason is printed), 2 when no cluster is found, NATS refused the credentials
+(or wanted some and none were given), the identity may not publish the request's subject,
+no planner answered or the input is malformed.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import re
 import sys
 
 from shared import messages as m
-from evolving_infra.auth_cli import tool_auth
+from evolving_infra.auth_cli import CREDS_HINT, tool_auth
 from shared.auth import AuthError, redact_url
-from shared.bus import Bus, BusError
+from shared.bus import Bus, BusError, NoCredentials, PermissionDenied
 from shared.split import split_name
 from shared.subjects import SPLIT_GET, SPLIT_SET, Subjects
 
@@ -57,8 +58,11 @@ async def _run(args: argparse.Namespace) -> int:
             ),
             timeout=args.timeout,
         )
+    except NoCredentials as e:  # an auth'd server and no credentials given: say how to give them
+        print(f"error: cannot connect: {e}; {CREDS_HINT}", file=sys.stderr)
+        return 2
     except BusError as e:  # refused credentials
-        print(f"error: cannot connect to NATS at {redact_url(args.nats_url)}: {e}", file=sys.stderr)
+        print(f"error: cannot connect: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # no server: a clear message, not a traceback, within --timeout
         print(f"error: cannot connect to NATS at {redact_url(args.nats_url)}: no server answered ({e!r})", file=sys.stderr)
@@ -69,6 +73,9 @@ async def _run(args: argparse.Namespace) -> int:
             _print_command(cmd, args.json)
             return 0
         reply = await bus.request(SPLIT_SET, m.SplitSetRequest(split=args.split, reason=args.reason), timeout=args.timeout)
+    except PermissionDenied as e:  # the credentials, not the planner: name the subject and the identity
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except BusError as e:
         print(f"error: no planner answered on partition {args.partition!r} ({e})", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import nats
 
-from evolving_infra.auth_cli import tool_auth
+from evolving_infra.auth_cli import CREDS_HINT, tool_auth
 from shared.auth import AuthError, redact_url
 from shared.bus import decoder_for
 from shared.subjects import ALL, Subjects
@@ -99,7 +99,8 @@ async def _tap(args: argparse.Namespace) -> int:
         pass
 
     try:
-        opts = tool_auth(args.nats_url, getattr(args, "nats_creds", ""), "nats_admin_creds").connect_options()
+        auth = tool_auth(args.nats_url, getattr(args, "nats_creds", ""), "nats_admin_creds")
+        opts = auth.connect_options()
     except AuthError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -111,6 +112,10 @@ async def _tap(args: argparse.Namespace) -> int:
             ), timeout=5
         )
     except Exception as e:  # no server: a clear message within seconds, not a traceback
+        if "authorization violation" in str(e).lower():  # refused credentials, or none given to a server that wants them
+            why = "requires credentials and none were given; " + CREDS_HINT if not auth.enabled else f"refused the credentials of {auth.name!r}"
+            print(f"error: NATS at {redact_url(args.nats_url)} {why} (Authorization Violation)", file=sys.stderr)
+            return 2
         print(f"error: cannot connect to NATS at {redact_url(args.nats_url)}: no server answered ({e!r})", file=sys.stderr)
         return 2
     loop = asyncio.get_running_loop()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
@@ -88,9 +89,39 @@ class NoResponders(BusError):
     is gone or not subscribed yet, unlike a timeout, where it may only be slow."""
 
 
+class PermissionDenied(BusError):
+    """The NATS server refused this identity a publish its request needed ("Permissions Violation"):
+    its credentials lack the subject, so waiting or retrying cannot help."""
+
+
+class NoCredentials(BusError):
+    """The NATS server requires credentials and the client connected without any."""
+
+
+_VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE)
+
+
+def denied_subject(error_text: str) -> tuple[str, str] | None:
+    """``("publish" | "subscription", subject)`` of a NATS "Permissions Violation" error text, else None.
+
+    Source: nats-server's ``-ERR 'Permissions Violation for Publish to "SUBJECT"'``, as nats-py
+    passes it to ``error_cb``.
+    """
+    found = _VIOLATION.search(error_text)
+    return (found.group(1).lower(), found.group(2)) if found else None
+
+
 class BusUnavailable(BusError):
     """NATS is unreachable and the outbound buffer is full or the connection closed:
     the caller should answer 503 and let the client retry."""
+
+
+def _refusal(url: str, instance: str, auth: NatsAuth | None) -> BusError:
+    """The error of a connect the server refused: :class:`NoCredentials` when none were given."""
+    if auth is None or not auth.enabled:
+        return NoCredentials(f"NATS at {redact_url(url)} requires credentials and none were given (Authorization Violation)")
+    who = repr(instance) if auth.name in ("", instance) else f"{instance!r} (identity {auth.name!r})"
+    return BusError(f"NATS at {redact_url(url)} refused the credentials of {who} (Authorization Violation)")
 
 
 PENDING_BYTES = 256 * 1024 * 1024
@@ -175,6 +206,12 @@ class Bus:
         """(monotonic time, subject, payload, headers) of recent reliable publishes."""
         self._resend: list[tuple[float, str, bytes, dict[str, str]]] = []
         self._js_subs: list[tuple[Subscription, list[int]]] = []
+        self.identity = ""
+        """Name of the NATS identity this bus connected as (``NatsAuth.name``); empty = no credentials."""
+        self._requesting: Counter[str] = Counter()
+        """Full subjects of requests in flight (a permission violation on one is the request's error, not a log line)."""
+        self._denied: dict[str, str] = {}
+        """Full subject of an in-flight request -> the server's permission violation for it."""
 
     # -- construction ---------------------------------------------------- #
 
@@ -199,19 +236,28 @@ class Bus:
 
         Raises:
             AuthError: unreadable TLS files.
+            NoCredentials: the server requires credentials and ``auth`` gives none.
             BusError: the server refused the credentials ("Authorization Violation").
             OSError / nats.errors.NoServersError: if no server answers in time.
         """
         bus = cls(NatsClient(), subjects, service=service, instance=instance)
+        bus.identity = auth.name if auth is not None and auth.enabled else ""
         refused = asyncio.Event()
+        connected = False
 
         async def error_cb(e: Exception) -> None:
             bus.counters["nats.errors"] += 1
             text = str(e).lower()
             if "permissions violation" in text:
                 bus.counters["nats.permission_violations"] += 1
+                denied = denied_subject(str(e))
+                if denied is not None and denied[0] == "publish" and bus._requesting[denied[1]]:
+                    bus._denied[denied[1]] = str(e)  # the request reports it (PermissionDenied), once
+                    return
             if not bus.nc.is_connected and ("authorization violation" in text or "authentication" in text):
                 refused.set()  # wrong or missing credentials: retrying cannot help
+                if not connected:
+                    return  # connect() raises it: one message, not a log line too
             bus.droplog.event("nats.errors", "nats error", error=repr(e)[:300])
 
         async def disconnected_cb() -> None:
@@ -263,14 +309,26 @@ class Bus:
             refusal.cancel()
         if not connecting.done():
             await abandon()
-            raise BusError(f"NATS at {redact_url(url)} refused the credentials of {instance!r} (Authorization Violation)")
+            raise _refusal(url, instance, auth)
         try:
             connecting.result()
         except Exception as e:
             if refused.is_set():
-                raise BusError(f"NATS at {redact_url(url)} refused the credentials of {instance!r} (Authorization Violation)") from e
+                raise _refusal(url, instance, auth) from e
             raise
+        connected = True
         return bus
+
+    def _permission_error(self, full: str) -> PermissionDenied | None:
+        """The error of a request on ``full`` whose publish the server refused, else None."""
+        text = self._denied.get(full)
+        if text is None:
+            return None
+        who = f"identity {self.identity!r}" if self.identity else "a client without credentials"
+        return PermissionDenied(
+            f"NATS refused {who} permission to publish to {full} (Permissions Violation): "
+            "its credentials do not allow this subject; use an identity that may publish it"
+        )
 
     async def _after_reconnect(self) -> None:
         """Publish the resend window again; resume consumers whose stream came back shorter."""
@@ -608,16 +666,25 @@ class Bus:
         """Send a request and return the decoded reply (``headers``: NATS headers, e.g. ``traceparent``).
 
         Raises:
-            BusError: on timeout, no responders (:class:`NoResponders`), an undecodable reply, or a
-                request the server refused as malformed or invalid (the reason is in the message).
+            BusError: on timeout, no responders (:class:`NoResponders`), a publish this identity may not
+                make (:class:`PermissionDenied`, at the timeout), an undecodable reply, or a request the
+                server refused as malformed or invalid (the reason is in the message).
         """
         full = self.subjects.format(subject, **params)
+        self._requesting[full] += 1
         try:
             raw = await self.nc.request(full, m.encode(self._stamp(msg)), timeout=timeout, headers=headers)
         except (nats.errors.Error, asyncio.TimeoutError) as e:  # timeout, no responders, closed, buffer full
             self.counters["request_failed." + subject.template] += 1
+            if (denied := self._permission_error(full)) is not None:
+                raise denied from e
             cls = NoResponders if isinstance(e, nats.errors.NoRespondersError) else BusError
             raise cls(f"no reply on {full}: {type(e).__name__}") from e
+        finally:
+            self._requesting[full] -= 1
+            if not self._requesting[full]:
+                del self._requesting[full]
+                self._denied.pop(full, None)
         if raw.headers and REFUSED_HEADER in raw.headers:
             self.counters["request_refused." + subject.template] += 1
             raise BusError(f"request refused on {full}: {raw.headers[REFUSED_HEADER]}")

@@ -303,3 +303,30 @@ async def test_hostile_split_does_not_wedge_and_operator_split_set_restores(clus
             assert st.counters.get("nats.errors", 0) == 0, (inst, st.counters)  # no permission the service needs is missing
     finally:
         await admin.close()
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run ``evolving-infra ARGV`` without any EI_NATS_* credentials from the environment."""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("EI_NATS")}
+    return subprocess.run([sys.executable, "-m", "evolving_infra.cli", *argv], capture_output=True, text=True, timeout=60, env=env)
+
+
+async def test_cli_tools_blame_the_credentials_not_the_planner(secured):
+    """split set with an identity that may not publish split.set names the subject and the identity (not
+    'no planner answered'), in one line; no credentials at all says how to give them; tap the same."""
+    srv, creds = secured
+    router = creds.files["router"]
+    denied = await asyncio.to_thread(_cli, "split", "set", "2P0D", "--nats-url", srv.url, "--nats-creds", str(router), "--timeout", "1")
+    assert denied.returncode == 2
+    assert "identity 'router' permission to publish to ei.p0.split.set" in denied.stderr and "no planner" not in denied.stderr
+    assert len(denied.stderr.strip().splitlines()) == 1, denied.stderr
+    elsewhere = await asyncio.to_thread(
+        _cli, "split", "get", "--partition", "nope", "--nats-url", srv.url, "--nats-creds", str(creds.files["operator"]), "--timeout", "1"
+    )
+    assert elsewhere.returncode == 2 and "publish to ei.nope.split.get" in elsewhere.stderr
+    assert len(elsewhere.stderr.strip().splitlines()) == 1, elsewhere.stderr  # no structlog warning before it
+    for argv in (["split", "get"], ["tap", "--max", "1"]):
+        bare = await asyncio.to_thread(_cli, *argv, "--nats-url", srv.url, *(["--timeout", "1"] if argv[0] == "split" else []))
+        assert bare.returncode == 2
+        assert "requires credentials and none were given" in bare.stderr and "--nats-creds" in bare.stderr, bare.stderr
+        assert "EI_NATS_CREDS" in bare.stderr and "split-cli" not in bare.stderr and len(bare.stderr.strip().splitlines()) == 1
