@@ -156,6 +156,9 @@ async def _tap(args: argparse.Namespace) -> int:
 
 
 def cmd_tap(args: argparse.Namespace) -> int:
+    if args.max < 0:  # -1 read as 'stop after one message' (count >= -1)
+        print(f"error: --max must be a count of messages >= 0 (0 = never stop), not {args.max}", file=sys.stderr)
+        return 2
     from evolving_infra.state import fill_nats_url
     from shared.log import setup_logging
 

@@ -3,8 +3,9 @@
 A trace to read may be ``-`` (stdin), a trace to write ``-`` (stdout, uncompressed); a raw
 ``convert`` input may not (:mod:`evolving_infra.stdio_args`).
 
-Exit status: 0 success; 1 the trace has problems (validate) ; 2 bad input or
-arguments (unreadable file, conversion error, malformed trace for stats).
+Exit status: 0 success; 2 bad input or arguments (an unreadable file, a conversion error, a
+malformed trace: ``validate`` finding problems and ``stats`` refusing the same file agree, as the
+README's rule says of an unreadable input); 1 a runtime failure (an output that cannot be written).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"{path}: cannot read: {e}", file=sys.stderr)
             status = 2
             continue
-        if problems:
-            status = max(status, 1)
+        if problems:  # a malformed trace is an unreadable input: 2, as stats and simulate --trace say of it
+            status = 2
             for p in problems:
                 print(f"{path}:{p.line}: {p.reason}")
             print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
@@ -266,7 +267,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v = tsub.add_parser(
         "validate", help="check a trace (format invariants, then chained block ids); report every bad line with its number and reason"
     )
-    v.add_argument("files", nargs="+", help="trace files (.jsonl or .jsonl.gz; - reads stdin)")
+    v.add_argument("files", nargs="+", help="trace files (.jsonl, .jsonl.gz or .eipack; - reads stdin); exit status 2 when "
+                   "any has a problem or cannot be read (as stats and simulate --trace for the same file), 0 when all are valid")
     v.add_argument("-q", "--quiet", action="store_true", help="print nothing for valid files")
     v.set_defaults(func=cmd_validate)
 

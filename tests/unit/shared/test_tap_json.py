@@ -32,3 +32,12 @@ def test_json_line_for_malformed_and_unknown_subjects():
 def test_tap_takes_json_and_subject_filters():
     args = build_parser().parse_args(["tap", "--json", "kv.lookup", "req.>"])
     assert args.json and args.subjects == ["kv.lookup", "req.>"]
+
+
+def test_tap_max_below_zero_is_a_usage_error(capsys):
+    """--max -1 once stopped after one message (count >= -1); now exit 2 before connecting to anything."""
+    from evolving_infra.cli import main
+
+    assert main(["tap", "--max", "-1", "--nats-url", "nats://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "--max must be a count of messages >= 0" in err and len(err.strip().splitlines()) == 1

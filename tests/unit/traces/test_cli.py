@@ -42,7 +42,7 @@ def test_validate_reports_line_numbers_and_fails(tmp_path: Path, capsys: pytest.
         '"parent_branch": "x:none", "after": ["a"], "ends_branch": true}\n'
         '{"id": "d", "agent": "x", "branch": "x:m", "input_tokens": 4, "output_tokens": 1, "blocks": [1], "after": ["a"], "ends_branch": true}\n'
     )
-    assert main(["validate", str(bad)]) == 1
+    assert main(["validate", str(bad)]) == 2  # a malformed trace is an unreadable input (README): as stats says
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[1] for line in out] == ["3", "4", "5"]
     assert "invalid JSON" in out[0] and "input_tokens" in out[1] and "x:none" in out[2]
@@ -84,7 +84,7 @@ def test_validate_reports_unchained_block_ids(tmp_path: Path, capsys: pytest.Cap
     assert main(["validate", str(good)]) == 0
     bad = tmp_path / "bad.jsonl"  # id 2 follows id 1 on line 2, then starts the path on line 4
     bad.write_text(head + req("a", [1, 2], True) + req("b", [1, 2, 3]) + req("c", [2, 5]))
-    assert main(["validate", str(bad)]) == 1
+    assert main(["validate", str(bad)]) == 2
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and out[1].startswith(f"{bad}:4: block 0 (id 2) follows the path's start here but id 1 earlier")
 
@@ -423,3 +423,17 @@ def test_dash_output_with_stdout_closed_is_named_before_the_work(tmp_path: Path)
         p = _proc(args, tmp_path, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1))
         _, err = p.communicate(timeout=60)
         assert p.returncode == 2 and err.decode().startswith("error: -: cannot write: stdout is closed"), (args, err)
+
+
+def test_validate_and_stats_agree_on_the_exit_status_of_one_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A packed trace (which only simulate reads) and a malformed one: validate and stats both exit 2, an unreadable
+    input by the README's rule (validate said 1 for the same file stats said 2 for)."""
+    src = tmp_path / "p.jsonl"
+    assert main(["generate", "putnam", "--seed", "2", "--agents", "3", "-o", str(src)]) == 0
+    packed = tmp_path / "p.eipack"
+    assert main(["pack", str(src), str(packed)]) == 0
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text("junk\n")
+    for path in (packed, junk):
+        assert main(["validate", str(path)]) == main(["stats", str(path)]) == 2, path
+    capsys.readouterr()
