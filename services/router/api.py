@@ -18,8 +18,11 @@ every engine, and so is ``include_stop_str_in_output`` (vLLM's extra: keep the m
 string, or the stop token id's text, in the output). The ``sim`` engine has no real tokens: it accepts the sampling
 parameters and ignores them (always ``max_tokens`` tokens, unless the router ends
 the text at a stop string or stop token id). *Accepted, validated and ignored*:
-``logit_bias``, ``user``, ``response_format``, ``tool_choice``,
-``parallel_tool_calls``, ``skip_special_tokens``. ``tools`` are rendered into
+``logit_bias``, ``user``, ``parallel_tool_calls``, ``skip_special_tokens``, ``response_format``
+``{"type": "text"}`` and ``tool_choice`` ``none`` / ``auto``. Rejected with 400 because no engine here
+constrains the output (vLLM does, by guided decoding; :func:`_check_no_output_constraint`): any other
+``response_format`` type (``json_object``, ``json_schema``) and a ``tool_choice`` that forces a tool call
+(``required``, a named function). ``tools`` are rendered into
 the chat prompt. Rejected with 400 because they would change the response
 shape: ``n`` > 1, ``best_of`` > 1, ``suffix``, batched prompts, completions ``echo`` with
 ``logprobs`` (vLLM adds the prompt's logprobs, which no engine here computes); ``echo`` alone
@@ -481,7 +484,36 @@ def parse_chat(body: bytes) -> ChatRequest:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     _check_content_parts(req.messages)
     _check_generation_prompt(req)
+    _check_no_output_constraint(req)
     return req
+
+
+def _check_no_output_constraint(req: ChatRequest) -> None:
+    """Refuse what would constrain the output, which no engine here enforces (vLLM does, by guided
+    decoding): ``response_format`` of any ``type`` but ``text`` (``json_object``, ``json_schema``, ...)
+    and a ``tool_choice`` that demands a tool call (``required``, or a named function). A JSON-mode
+    client silently given free text is worse off than one told so. ``tool_choice`` ``none`` / ``auto``
+    and ``response_format`` ``{"type": "text"}`` (what the output is anyway) are accepted.
+
+    Raises:
+        ApiError: 400 naming the field (``param``) and saying it is not supported.
+    """
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type") != "text":
+        raise ApiError(
+            400, f"response_format type {fmt.get('type')!r} is not supported: this server does not constrain the output "
+            "(no guided decoding); omit response_format or send {\"type\": \"text\"}", param="response_format",
+        )
+    choice = req.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return
+    if choice == "required" or isinstance(choice, dict):
+        what = "'required'" if choice == "required" else "a named function"
+        raise ApiError(
+            400, f"tool_choice {what} is not supported: this server cannot force a tool call (no guided decoding); "
+            "send 'auto' (the model may call a tool) or 'none'", param="tool_choice",
+        )
+    raise ApiError(400, f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}", param="tool_choice")
 
 
 def _check_generation_prompt(req: ChatRequest | TokenizeChatRequest) -> None:

@@ -420,3 +420,25 @@ def test_a_huge_top_k_is_off_and_the_work_passes_the_nodes_check():
         assert validate.check(msgspec.msgpack.decode(msgspec.msgpack.encode(work), type=PrefillWork)) is None
     sp = api.sampling(api.parse_completion(msgspec.json.encode({"prompt": "x", "temperature": 1.0, "top_k": 2**32}))[0])
     assert sp is not None and sp.top_k == 2**32  # the largest the nodes take: sent as is
+
+
+def test_an_output_constraint_no_engine_enforces_is_a_400_naming_the_field():
+    """vLLM enforces response_format json_object / json_schema and a forced tool_choice by guided decoding; no
+    engine here does, so they are refused (were validated and ignored: a JSON-mode client got free text).
+    What the output is anyway (type text; tool_choice none / auto) is still accepted."""
+    msgs = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for field, value in (
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}),
+        ("response_format", {}),
+        ("tool_choice", "required"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("tool_choice", "sometimes"),
+    ):
+        with pytest.raises(api.ApiError) as e:
+            api.parse_chat(msgspec.json.encode({"messages": msgs, "tools": [tool], field: value}))
+        assert e.value.status == 400 and e.value.param == field, (field, value)
+        assert field in str(e.value) and ("not supported" in str(e.value) or value == "sometimes")
+    for extra in ({"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tool_choice": "auto"}, {"tool_choice": None}):
+        assert api.parse_chat(msgspec.json.encode({"messages": msgs, "tools": [tool], **extra})).messages
