@@ -14,6 +14,7 @@ name                                       type     meaning
 ``ei_node_kv_l2_used_blocks{node}``        gauge    KV blocks in host memory (L2)
 ``ei_node_kv_l2_capacity_blocks{node}``    gauge    KV blocks host memory holds
 ``ei_node_switching{node}``                gauge    1 while draining for a phase switch
+``ei_node_kv_fetched_held_bytes{node}``    gauge    bytes of peer-fetched KV pages the engine holds for open fetches (0 between)
 ``ei_node_iterations_total{node}``         counter  engine iterations run
 ``ei_node_split_epoch{node}``              gauge    epoch of the split command the node last applied
 ``ei_node_count_gaps_total{node}``         counter  ``kv.counts`` messages found missing (a skipped ``seq`` or a seq beacon past the last)
@@ -58,6 +59,8 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
         "ei_node_kv_l2_used_blocks": ("KV blocks held in host memory (L2)", st.host_used_blocks),
         "ei_node_kv_l2_capacity_blocks": ("KV blocks host memory (L2) holds", st.host_total_blocks),
         "ei_node_switching": ("1 while draining for a phase switch", 1 if svc._switch is not None else 0),
+        "ei_node_kv_fetched_held_bytes": ("Bytes of peer-fetched KV pages the engine holds for fetches still open",
+                                          svc.engine.fetched_bytes()),
         "ei_node_split_epoch": ("Epoch of the split command the node last applied", svc.epoch),
     }
     for name, (doc, v) in g.items():

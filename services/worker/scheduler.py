@@ -235,6 +235,8 @@ class EngineScheduler:
         """rids whose fetch is incomplete (each is waiting or gated)."""
         self._seq = 0
         self._fetch_starts: list[FetchStarted] = []
+        self._fetch_ends: list[str] = []
+        """rids whose fetch ended since the last :meth:`take_fetch_ends` (``external_fetch`` only)."""
         self.fetch_counters: dict[str, int] = {}
         """``started``, ``completed``, ``cancelled``, ``blocks`` (fetched pages), ``missing``
         (pages the real transfer did not deliver), ``nothing`` (plan adds no page),
@@ -595,6 +597,15 @@ class EngineScheduler:
         self._fetch_starts = []
         return out
 
+    def take_fetch_ends(self) -> list[str]:
+        """Drain the rids whose fetch ended since the last call (only with ``external_fetch``):
+        completed (its ``BlockStored(host)`` events are queued before it is listed here, so drain
+        the KV events first) or cancelled (the request left). The caller frees the bytes the
+        transfer brought that L2 did not take."""
+        out = self._fetch_ends
+        self._fetch_ends = []
+        return out
+
     def fetch_done(self, rid: str, missing: Iterable[int], now: float) -> bool:
         """The real transfer of ``rid``'s fetch finished (``external_fetch`` mode).
 
@@ -644,6 +655,8 @@ class EngineScheduler:
             self._count("missing", f.hi - hi)
         self.kv.store_fetched(r.path, f.lo, hi)
         self._count("completed")
+        if self.external_fetch:
+            self._fetch_ends.append(r.rid)
         r.q_gpu, r.q_host = self.kv.match(r.path, r.limit)
         self._drop_hold(r)
         if r.q_host:  # hold the extended L2 prefix (fetched pages and their ancestors) until admission
@@ -665,6 +678,8 @@ class EngineScheduler:
         self.link.cancel(r.rid, now)
         self._fetching.discard(r.rid)
         self._count("cancelled")
+        if self.external_fetch:
+            self._fetch_ends.append(r.rid)
 
     def _head_admissible(self, now: float) -> _Request | None:
         """The oldest waiting request whose fetch is complete (or that has none).

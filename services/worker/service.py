@@ -373,6 +373,7 @@ class WorkerService:
             "kv_seq": float(self.kv_seq),
         }
         gauges["fetching"] = float(self.core.fetching)
+        gauges["engine.fetched_bytes"] = float(self.engine.fetched_bytes())
         gauges["counts.syncing"] = 1.0 if self.counts.syncing else 0.0
         gauges["counts.last_seq"] = float(self.counts.last)
         gauges["counts.kept"] = float(len(self.counts.kept))
@@ -896,12 +897,13 @@ class WorkerService:
             missing.update(res.missing)
         for res in results:  # a real engine takes the fetched bytes before the core stores the pages
             if not isinstance(res, BaseException) and res.fetched:
-                self.engine.on_fetched(self.kvpool, res.fetched)
+                self.engine.on_fetched(self.kvpool, res.fetched, fs.rid)
         now = self.clock.now()
         path = [h for _, hs in fs.sources for h in hs]
         cut = next((i for i, h in enumerate(path) if h in missing), len(path))
         if not self.core.fetch_done(fs.rid, missing, now):
             c["kvfetch.late"] += 1  # the request left (abort, hand-back) while the bytes moved
+            self.engine.drop_fetched(fs.rid)  # its fetch ended already: nothing will store them
             cut = 0
         for h in self.core.kv.host.absent(path[cut:]):  # pages L2 will never hold (past a missing one, or unused): free their slots
             self.kvpool.evict(h)
@@ -1052,7 +1054,7 @@ class WorkerService:
         # drain pending events and snapshot in one synchronous step, so the
         # snapshot is exactly the state after batch `seq`
         events = self.core.take_kv_events()
-        self.engine.on_kv_events(events, self.core.requests, self.core.snapshot)
+        self._engine_kv_events(events)
         gpu, gpu_parents, host, host_parents = self.core.snapshot_parents()
         if events and self.kvpool is not None:
             if not self.engine.mirror_pool(self.kvpool, events):
@@ -1305,9 +1307,16 @@ class WorkerService:
             rid=e.rid,
         )
 
+    def _engine_kv_events(self, events: list[m.KvEvent]) -> None:
+        """Hand the engine a drained KV event batch, then free the fetched bytes of the fetches
+        that ended (after the events: a completed fetch's ``BlockStored(host)`` takes them first)."""
+        self.engine.on_kv_events(events, self.core.requests, self.core.snapshot)
+        for rid in self.core.take_fetch_ends():
+            self.engine.drop_fetched(rid)
+
     async def _flush_kv(self, now: float) -> None:
         events = self.core.take_kv_events()
-        self.engine.on_kv_events(events, self.core.requests, self.core.snapshot)
+        self._engine_kv_events(events)
         if not events:
             return
         if self.kvpool is not None:  # the real-bytes pool mirrors L2 (host-tier events)

@@ -77,9 +77,19 @@ class Engine(ABC):
         payloads."""
         return False
 
-    def on_fetched(self, pool: Any, hashes: Any) -> None:
-        """Pages ``hashes`` were fetched from a peer into ``pool`` (checksum-verified), before
-        the scheduler stores them in L2: an engine with real KV takes their bytes."""
+    def on_fetched(self, pool: Any, hashes: Any, rid: str) -> None:
+        """Pages ``hashes`` were fetched from a peer into ``pool`` (checksum-verified) by
+        ``rid``'s fetch, before the scheduler stores them in L2: an engine with real KV takes
+        their bytes and holds them until :meth:`drop_fetched`. The sim engine holds no bytes."""
+
+    def drop_fetched(self, rid: str) -> int:
+        """``rid``'s fetch ended (stored, not stored, or abandoned): free the bytes it brought that
+        no other open fetch holds. Returns the pages freed; the sim engine holds none (0)."""
+        return 0
+
+    def fetched_bytes(self) -> int:
+        """Bytes of fetched pages held for open fetches (:meth:`on_fetched`); the sim engine: 0."""
+        return 0
 
     def pool_slot_bytes(self) -> int:
         """Bytes of one KV page in this engine's layout (0 = the pool's default slot size)."""

@@ -165,6 +165,18 @@ class _Seq:
     ``i`` (a hand-off's first token was computed on the prefill node and is not here)."""
 
 
+@dataclass
+class _Fetched:
+    """A page fetched from a peer (:meth:`TorchEngine.put_fetched`)."""
+
+    kv: torch.Tensor
+    """``[layers, 2, block_size, kv_heads, head_dim]``."""
+    holders: set[str]
+    """Rids of the open fetches that brought it."""
+    stored: bool = False
+    """Copied into L2 at a ``BlockStored(host)``."""
+
+
 def _seq(prompt: list[int], sp: Sampling | None, **kw: Any) -> _Seq:
     """A :class:`_Seq` with ``sp``'s seed (a random one for an unseeded sampled request) and stop ids."""
     seed = 0
@@ -252,8 +264,13 @@ class TorchEngine(Engine):
         """:attr:`_Seq.serial` of the next registration."""
         self._pending: dict[int, list[tuple[str, int]]] = {}
         """Prompt pages completed by the last plan, by hash: [(rid, page)] awaiting BlockStored(gpu)."""
-        self._fetched: dict[int, torch.Tensor] = {}
-        """Pages fetched from a peer (real bytes), by hash, until their BlockStored(host)."""
+        self._fetched: dict[int, _Fetched] = {}
+        """Pages fetched from a peer (real bytes), by hash, while a fetch that brought them is open:
+        their ``BlockStored(host)`` copies them into L2 and :meth:`drop_fetched` (the fetch ended:
+        stored, not stored, or abandoned) lets them go. Not dropped at the store: another open
+        fetch of the same page may need it again once L2 evicted it in between."""
+        self._fetch_pages: dict[str, set[int]] = {}
+        """Open fetches: rid → the pages its fetch brought (:meth:`put_fetched`)."""
         self._handoffs: dict[str, torch.Tensor] = {}
         self._incoming: dict[int, dict[str, torch.Tensor]] = {}
         """Hand-off pages by hash → the bytes each hand-off carrying it brought, by rid, until that
@@ -265,7 +282,8 @@ class TorchEngine(Engine):
         self._lock = threading.RLock()
         self.counters: dict[str, int] = {}
         """``restored_pages``, ``written_through``, ``handoff_pages_in``, ``fetched_pages``,
-        ``dedup_pages``, ``recomputed_kept_l2``, ``forwards``, ``tokens``."""
+        ``fetched_unstored_pages`` (fetched, dropped without being stored), ``dedup_pages``,
+        ``recomputed_kept_l2``, ``forwards``, ``tokens``."""
 
     # ------------------------------------------------------------------ #
     # work registration
@@ -372,10 +390,39 @@ class TorchEngine(Engine):
             self.check(*snapshot())
 
     @_locked
-    def put_fetched(self, h: int, kv: torch.Tensor) -> None:
-        """Real bytes of page ``h`` fetched from a peer's L2, ``[layers, 2, block_size,
-        kv_heads, head_dim]``; stored into L2 at its ``BlockStored(host)`` event."""
-        self._fetched[h] = kv
+    def put_fetched(self, h: int, kv: torch.Tensor, rid: str) -> None:
+        """Real bytes of page ``h`` fetched from a peer's L2 by ``rid``'s fetch, ``[layers, 2,
+        block_size, kv_heads, head_dim]``; stored into L2 at its ``BlockStored(host)`` event, kept
+        until every fetch that brought it ended (:meth:`drop_fetched`). A page two open fetches
+        brought is held once (one version per hash: the first bytes)."""
+        f = self._fetched.get(h)
+        if f is None:
+            self._fetched[h] = _Fetched(kv, {rid})
+        else:
+            f.holders.add(rid)
+        self._fetch_pages.setdefault(rid, set()).add(h)
+
+    @_locked
+    def drop_fetched(self, rid: str) -> int:
+        """``rid``'s fetch ended (the scheduler stored what it would, or the request left): let go
+        of the pages it brought that no other open fetch holds. Call after the KV events of the
+        fetch's completion were applied. Returns the pages freed (0 if ``rid`` has none)."""
+        freed = 0
+        for h in self._fetch_pages.pop(rid, ()):
+            f = self._fetched.get(h)
+            if f is None:
+                continue
+            f.holders.discard(rid)
+            if not f.holders:
+                del self._fetched[h]
+                freed += 1
+                if not f.stored:
+                    self._count("fetched_unstored_pages")
+        return freed
+
+    def fetched_bytes(self) -> int:
+        """Bytes of fetched pages held for open fetches (:meth:`put_fetched`); 0 when no fetch is open."""
+        return len(self._fetched) * self.pool_slot_bytes()
 
     def pool_slot_bytes(self) -> int:
         """Bytes of one page in L2 (``layers × 2 × block_size × kv_heads × head_dim × dtype``)."""
@@ -401,14 +448,15 @@ class TorchEngine(Engine):
                 pool.buffer.clear(pool.clock())
         return True
 
-    def on_fetched(self, pool: Any, hashes: Any) -> None:
-        """Take the bytes of pages fetched from a peer into ``pool`` (verified by the pool's
-        CRC) for their coming ``BlockStored(host)`` (:meth:`put_fetched`)."""
+    def on_fetched(self, pool: Any, hashes: Any, rid: str) -> None:
+        """Take the bytes of pages ``rid``'s fetch brought from a peer into ``pool`` (verified by
+        the pool's CRC) for their coming ``BlockStored(host)`` (:meth:`put_fetched`; freed by
+        :meth:`drop_fetched`)."""
         shape = tuple(self.host.shape[1:])
         for h in hashes:
             if pool.has(h):
                 raw = torch.from_numpy(pool.buffer.view(h).copy())
-                self.put_fetched(h, raw.view(self.host.dtype).reshape(shape))
+                self.put_fetched(h, raw.view(self.host.dtype).reshape(shape), rid)
 
     def host_page(self, h: int) -> torch.Tensor:
         """The L2 bytes of page ``h`` (``[layers, 2, block_size, kv_heads, head_dim]``, a view).
@@ -528,11 +576,12 @@ class TorchEngine(Engine):
             self.host[slot].copy_(self._page_kv(page))
             self._count("written_through")
         else:
-            kv = self._fetched.pop(h, None)
-            if kv is None:
+            f = self._fetched.get(h)
+            if f is None:
                 self._host_free.append(slot)
                 raise KvMapError(f"BlockStored(host) of {h}: not in L1 and not fetched")
-            self.host[slot].copy_(kv)
+            self.host[slot].copy_(f.kv)
+            f.stored = True
             self._count("fetched_pages")
         self.host_slot[h] = slot
 

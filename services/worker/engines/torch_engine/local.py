@@ -59,6 +59,9 @@ class LocalNode:
     """None = float32 on CPU, bfloat16 on CUDA."""
     clock: Callable[[], float] = time.perf_counter
     """What the engine measures iterations with (see :class:`TorchEngine`)."""
+    external_fetch: bool = False
+    """Real-bytes fetches (``EngineScheduler``'s ``external_fetch``): the caller moves each
+    fetch's bytes (``TorchEngine.put_fetched``) and reports it (``core.fetch_done``)."""
     now: float = 0.0
     core: EngineScheduler = field(init=False)
     engine: TorchEngine = field(init=False)
@@ -73,12 +76,17 @@ class LocalNode:
     """``output_offset`` of each request's work (a re-dispatched continuation's first position)."""
 
     def __post_init__(self) -> None:
-        self.core = EngineScheduler(self.node, self.profile, self.phase, check_invariants=self.check)  # type: ignore[arg-type]
+        self.core = EngineScheduler(
+            self.node, self.profile, self.phase, check_invariants=self.check, external_fetch=self.external_fetch  # type: ignore[arg-type]
+        )
         self.engine = TorchEngine(self.profile, self.model_dir, dtype=self.dtype, device=self.device, check=self.check, clock=self.clock)
         self._drain()
 
     def _drain(self) -> None:
+        """KV events into the engine, then the bytes of the fetches that ended let go (as the worker)."""
         self.engine.on_kv_events(self.core.take_kv_events(), self.core.requests, self.core.snapshot)
+        for rid in self.core.take_fetch_ends():
+            self.engine.drop_fetched(rid)
 
     def add_prefill(self, work: PrefillWork) -> None:
         """Queue prefill work (raises WorkRejected / ValueError as the scheduler / engine do)."""

@@ -1,0 +1,152 @@
+"""Bytes fetched from a peer (``--kv-pool real``) are held only while their fetch is open.
+
+The scheduler core (``external_fetch``) and the torch engine, driven as the worker drives them
+(:class:`LocalNode`): a peer node computes a prompt, its L2 bytes are the fetched pages
+(``TorchEngine.put_fetched``, what ``on_fetched`` does with the Mooncake pool's copy), the
+transfer is reported (``fetch_done``). Before, ``TorchEngine._fetched`` dropped a page only at
+its ``BlockStored(host)``: a fetch abandoned (the request aborted while or after the bytes moved)
+or pages the core did not store (past a missing page, no L2 room) stayed for the process's life
+(8 MiB a page of a 7-8B model). Needs the ``torch`` extra; skipped without it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from shared.messages import FetchRange  # noqa: E402
+from shared.profile import load_profile  # noqa: E402
+from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
+from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
+from tests.unit.worker.test_torch_engine import Ref, toks, work  # noqa: E402
+
+PROFILE = load_profile("torch-tiny-cpu")
+BS = PROFILE.block_size
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model-fetch")
+    init_model(folder, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, context=1024, seed=5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    hf.eval()
+    return str(folder), hf
+
+
+def peer_and_fetch(folder: str, prompt: list[int], pages: int, profile=PROFILE, n: int = 4):
+    """Peer ``a`` computed ``prompt`` (its L2 holds its pages); node ``b`` queued ``r`` with a
+    fetch of the first ``pages`` pages from ``a``. Returns (a, b, the fetched hashes)."""
+    a = LocalNode("a", PROFILE, folder)
+    a.add_prefill(work("w", prompt, 1))
+    a.run()
+    b = LocalNode("b", profile, folder, external_fetch=True)
+    b.add_prefill(msgspec.structs.replace(work("r", prompt, n), fetch=[FetchRange(node="a", start=0, end=pages)] if pages else []))
+    hashes = [h for fs in b.core.take_fetch_starts() for _, hs in fs.sources for h in hs]
+    assert len(hashes) == pages
+    return a, b, hashes
+
+
+def deliver(a: LocalNode, b: LocalNode, hashes: list[int], rid: str = "r") -> None:
+    for h in hashes:
+        b.engine.put_fetched(h, a.engine.host_page(h).clone(), rid)
+
+
+def test_stored_fetch_is_freed_and_serves_the_reference(model):
+    folder, hf = model
+    prompt = toks(random.Random(1), 6 * BS + 3)
+    a, b, hashes = peer_and_fetch(folder, prompt, 5)
+    deliver(a, b, hashes)
+    assert b.engine.fetched_bytes() == 5 * b.engine.pool_slot_bytes()
+    assert b.core.fetch_done("r", (), b.now)
+    b.run()
+    assert b.finished["r"].tokens == Ref(hf)(prompt, 4)
+    assert b.engine.counters["fetched_pages"] == 5 and b.engine.counters.get("fetched_unstored_pages", 0) == 0
+    assert not b.engine._fetched and b.engine.fetched_bytes() == 0
+
+
+@pytest.mark.parametrize("when", ["bytes after the abort", "abort after fetch_done"])
+def test_aborted_fetch_frees_its_pages(model, when):
+    """The request leaves while its bytes move (the worker's ``kvfetch.late``: ``fetch_done``
+    says False, the worker drops them) or after they were reported but before the link model's
+    completion (the core cancels the fetch: ``take_fetch_ends``). Before, both kept the pages."""
+    folder, _ = model
+    prompt = toks(random.Random(2), 6 * BS + 3)
+    a, b, hashes = peer_and_fetch(folder, prompt, 5)
+    if when == "bytes after the abort":
+        assert b.core.abort("r", b.now)
+        b._drain()
+        deliver(a, b, hashes)
+        assert not b.core.fetch_done("r", (), b.now)
+        assert b.engine.drop_fetched("r") == 5  # the worker's late path
+    else:
+        deliver(a, b, hashes)
+        assert b.core.fetch_done("r", (), b.now)  # the link model is not done at b.now: completion waits
+        assert b.core.fetching == 1
+        assert b.core.abort("r", b.now)
+        b._drain()
+    assert not b.engine._fetched and b.engine.fetched_bytes() == 0
+    assert b.engine.counters["fetched_unstored_pages"] == 5
+    assert not b.core.kv.host.members  # nothing reached L2
+
+
+def test_fetched_pages_the_core_does_not_store_are_freed(model):
+    """Page 1 of 5 is missing (checksum failed): the core keeps page 0 and recomputes from 1;
+    pages 2-4 arrived but are never stored. Before, they stayed in ``_fetched``."""
+    folder, hf = model
+    prompt = toks(random.Random(3), 6 * BS + 3)
+    a, b, hashes = peer_and_fetch(folder, prompt, 5)
+    deliver(a, b, [h for i, h in enumerate(hashes) if i != 1])
+    assert b.core.fetch_done("r", {hashes[1]}, b.now)
+    b.run()
+    assert b.finished["r"].tokens == Ref(hf)(prompt, 4)
+    assert b.engine.counters["fetched_pages"] == 1 and b.engine.counters["fetched_unstored_pages"] == 3
+    assert not b.engine._fetched and b.engine.fetched_bytes() == 0
+
+
+def test_fetched_pages_without_l2_room_are_freed(model):
+    """L1 = L2 = 8 pages, 7 of them pinned by an earlier prompt's cached L1 pages: a fetch of 5
+    finds room for 1; the rest is recomputed and its bytes let go."""
+    folder, hf = model
+    small = msgspec.structs.replace(PROFILE, memory=msgspec.structs.replace(PROFILE.memory, gpu_kv_tokens=8 * BS, host_kv_tokens=8 * BS))
+    rng = random.Random(4)
+    prompt = toks(rng, 5 * BS + 3)
+    a, b, hashes = peer_and_fetch(folder, toks(rng, 7 * BS), 0, small)  # b serves its own prompt first
+    a.add_prefill(work("w2", prompt, 1))
+    a.run()
+    b.run()
+    b.add_prefill(msgspec.structs.replace(work("r", prompt, 4), fetch=[FetchRange(node="a", start=0, end=5)]))
+    [fs] = b.core.take_fetch_starts()
+    hashes = [h for _, hs in fs.sources for h in hs]
+    deliver(a, b, hashes)
+    assert b.core.fetch_done("r", (), b.now)
+    b.run()
+    assert b.finished["r"].tokens == Ref(hf)(prompt, 4)
+    c = b.engine.counters
+    assert c["fetched_pages"] == 1 and c["fetched_unstored_pages"] == 4
+    assert not b.engine._fetched and b.engine.fetched_bytes() == 0
+
+
+def test_page_two_fetches_brought_outlives_the_first(model):
+    """r1 and r2 fetch the same pages; r1's completion stores them; r2's fetch is still open:
+    its pages stay held (r2's completion may need them again once L2 evicted them), and go
+    when r2's fetch ends."""
+    folder, _ = model
+    prompt = toks(random.Random(5), 6 * BS + 3)
+    a, b, hashes = peer_and_fetch(folder, prompt, 5)
+    b.add_prefill(msgspec.structs.replace(work("r2", prompt, 2), fetch=[FetchRange(node="a", start=0, end=5)]))
+    [fs2] = b.core.take_fetch_starts()
+    deliver(a, b, hashes)
+    deliver(a, b, hashes, "r2")
+    assert b.core.fetch_done("r", (), b.now)
+    b.now += 1.0  # both links done
+    b.step()
+    assert b.core.kv.host.absent(hashes) == []
+    assert len(b.engine._fetched) == 5  # r2's fetch is open
+    assert b.core.fetch_done("r2", (), b.now)
+    b.run()
+    assert not b.engine._fetched
