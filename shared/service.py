@@ -12,7 +12,10 @@ SIGINT set a stop event; the service is then stopped and the bus drained
 (in-flight handlers finish) before the connection closes (nats.py's graceful
 shutdown example). A signal during start-up (NATS unreachable: the connect
 retries forever) cancels the start-up instead, closes what was set up and
-exits 0. With ``--metrics-port N`` (N > 0) the shell also serves the
+exits 0. A service that fails beyond repair sets its ``fatal`` event (an ``asyncio.Event``,
+optional, with the cause in ``fatal_error``): it is stopped the same way and
+:func:`serve_until_stopped` raises :class:`ServiceFailed` (the process exits non-zero, so its
+supervisor restarts it). With ``--metrics-port N`` (N > 0) the shell also serves the
 service's Prometheus registry (its ``registry`` attribute, see ``shared.metrics``)
 on ``GET http://<metrics-host>:N/metrics``.
 """
@@ -53,6 +56,10 @@ class Service(Protocol):
 ServiceFactory = Callable[[Any, Bus, SimClock], Service]
 
 
+class ServiceFailed(RuntimeError):
+    """The service set its ``fatal`` event; it was stopped and the process must exit non-zero."""
+
+
 def instance_name(service: str, cfg: CommonConfig, suffix: str = "") -> str:
     """The instance id: ``cfg.instance`` or ``<service>[-suffix]``."""
     if cfg.instance:
@@ -72,6 +79,7 @@ async def serve_until_stopped(
 
     Raises:
         Whatever the factory or ``start()`` raise (a service that cannot start exits non-zero).
+        ServiceFailed: the service set its ``fatal`` event while serving (it was stopped first).
     """
     log = structlog.get_logger(service_name).bind(instance=instance)
     stop = stop_event or asyncio.Event()
@@ -82,6 +90,8 @@ async def serve_until_stopped(
     clock = SimClock(cfg.speedup, cfg.clock_origin)
     if tracing.setup(service_name, instance, endpoint=cfg.otlp_traces_endpoint):
         log.info("tracing on: OTLP/HTTP export", endpoint=redact_url(tracing.URL or ""), service_name=f"evolving-infra-{service_name}")
+    started: list[Any] = []
+    failed: BaseException | None = None
     async with AsyncExitStack() as stack:
         stack.callback(tracing.shutdown)
 
@@ -93,6 +103,7 @@ async def serve_until_stopped(
             bus = await Bus.connect(cfg.nats_url, Subjects(cfg.partition), service=service_name, instance=instance, auth=auth)
             stack.push_async_callback(bus.close)
             svc = factory(cfg, bus, clock)
+            started.append(svc)
             await svc.start()
             stack.push_async_callback(svc.stop)
             ready = getattr(svc, "ready", None)
@@ -109,8 +120,23 @@ async def serve_until_stopped(
             log.info("service stopped during start-up", nats=redact_url(cfg.nats_url))
             return
         log.info("service started", nats=redact_url(cfg.nats_url), partition=cfg.partition, speedup=cfg.speedup, nats_auth=auth.enabled)
-        await stop.wait()
-        log.info("service stopping")
+        fatal = getattr(started[0], "fatal", None)
+        waits = [asyncio.ensure_future(stop.wait())]
+        if isinstance(fatal, asyncio.Event):
+            waits.append(asyncio.ensure_future(fatal.wait()))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if isinstance(fatal, asyncio.Event) and fatal.is_set() and not stop.is_set():
+            failed = getattr(started[0], "fatal_error", None) or RuntimeError("fatal")
+            log.error("service failed; stopping, then exiting non-zero", error=repr(failed))
+        else:
+            log.info("service stopping")
+    if failed is not None:
+        log.error("service stopped after a fatal error", error=repr(failed))
+        raise ServiceFailed(f"{service_name} {instance}: {failed!r}") from failed
     log.info("service stopped")
 
 

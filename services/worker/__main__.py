@@ -8,14 +8,15 @@ from collections.abc import Sequence
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
 from shared.profile import ProfileError, load_profile
-from shared.service import run_service
+from shared.service import ServiceFailed, run_service
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the config, check the profile, run the worker until SIGINT/SIGTERM."""
+    """Parse the config, check the profile, run the worker until SIGINT/SIGTERM (0), or until its
+    engine fails beyond repair (``EngineFatal``: stopped, 1; its supervisor restarts it)."""
     try:
         cfg = load_config(WorkerConfig, argv, prog="worker", description="Evolving Infra worker (symmetric engine host)")
         load_profile(cfg.profile)
@@ -32,7 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     def factory(c, bus, clock):  # type: ignore[no-untyped-def]
         return WorkerService(c, bus, clock, vocab=vocab)
 
-    run_service("worker", cfg, factory, instance=cfg.instance or f"worker-{cfg.node}")
+    try:
+        run_service("worker", cfg, factory, instance=cfg.instance or f"worker-{cfg.node}")
+    except ServiceFailed as e:  # logged at error; the supervisor restarts the node with empty KV
+        print(f"worker: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

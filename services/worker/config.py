@@ -99,6 +99,12 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Meta(description="fault injection (tests, drills): publish no kv.events batches while serving, like a node "
              "whose KV publisher broke; the directory must mark its KV view stale (issue #22). Never set in production"),
     ] = False
+    fault_skip_engine_kv_batch: Annotated[
+        int,
+        Meta(ge=0, description="fault injection (tests, drills): the engine is not given the N-th non-empty KV event "
+             "batch (1-based; 0: off), as if the shell lost it: a torch engine's page map falls out of step with the "
+             "block pools (KvMapError at its next use) and the node exits non-zero to be restarted. Never set in production"),
+    ] = 0
     fault_drop_counts: Annotated[
         list[int],
         Meta(description="fault injection (tests, drills): kv.counts messages with these seq numbers are dropped on "

@@ -88,7 +88,7 @@ from services.worker.prom import worker_families
 from services.worker.config import WorkerConfig
 from services.worker.countseq import CountStream
 from services.worker.owners import OwnerLeases
-from services.worker.engines.base import Engine
+from services.worker.engines.base import Engine, EngineFatal
 from services.worker.engines.sim import SimEngine
 from shared.tokenizer import load_tokenizer, output_vocabulary  # the same tokenizers as the router: one spec
 from services.worker.fetch import FetchStarted
@@ -268,6 +268,12 @@ class WorkerService:
         self._traces = WorkerTraces(cfg.node, clock.speedup)
         """Spans of traced requests (empty unless tracing is on and requests carry ``traceparent``)."""
         self.kvpool = None  # HostKvPool with --kv-pool real (imported lazily: Mooncake is optional)
+        self.fatal = asyncio.Event()
+        """Set when the engine failed beyond repair (:class:`EngineFatal`, e.g. ``KvMapError``): the
+        process shell (``shared.service``) then stops the node and exits non-zero (``fatal_error``)."""
+        self.fatal_error: BaseException | None = None
+        self._kv_batches = 0
+        """Non-empty KV event batches handed to the engine (``--fault-skip-engine-kv-batch``)."""
 
     # ------------------------------------------------------------------ #
     # lifecycle
@@ -1079,6 +1085,9 @@ class WorkerService:
                 await self._step()
             except asyncio.CancelledError:
                 raise
+            except EngineFatal as e:  # the engine's KV is wrong: serving on could send wrong tokens
+                self._fail(e)
+                return
             except Exception as e:  # a bug must not stop the node: count, log, go on
                 self.counters["loop_errors"] += 1
                 self.log.exception("worker loop step failed", error=repr(e))
@@ -1309,10 +1318,35 @@ class WorkerService:
 
     def _engine_kv_events(self, events: list[m.KvEvent]) -> None:
         """Hand the engine a drained KV event batch, then free the fetched bytes of the fetches
-        that ended (after the events: a completed fetch's ``BlockStored(host)`` takes them first)."""
-        self.engine.on_kv_events(events, self.core.requests, self.core.snapshot)
+        that ended (after the events: a completed fetch's ``BlockStored(host)`` takes them first).
+
+        Raises:
+            EngineFatal: the engine's KV is out of step (the node is failed first: :meth:`_fail`).
+        """
+        given = events
+        if events and self.cfg.fault_skip_engine_kv_batch:
+            self._kv_batches += 1
+            if self._kv_batches == self.cfg.fault_skip_engine_kv_batch:  # injected fault: the engine misses it
+                self.counters["engine.kv_batches_skipped_by_fault"] += 1
+                given = []
+        try:
+            self.engine.on_kv_events(given, self.core.requests, self.core.snapshot)
+        except EngineFatal as e:
+            self._fail(e)
+            raise
         for rid in self.core.take_fetch_ends():
             self.engine.drop_fetched(rid)
+
+    def _fail(self, e: BaseException) -> None:
+        """The engine failed beyond repair: stop taking work and signal the process shell
+        (:attr:`fatal`), which stops the node and exits non-zero. Idempotent."""
+        if self.fatal.is_set():
+            return
+        self.counters["engine_fatal"] += 1
+        self.accepting = False
+        self.fatal_error = e
+        self.log.error("engine failed: its KV can no longer be trusted; the node exits to be restarted", error=repr(e))
+        self.fatal.set()
 
     async def _flush_kv(self, now: float) -> None:
         events = self.core.take_kv_events()

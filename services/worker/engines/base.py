@@ -17,6 +17,14 @@ from shared.messages import DecodeWork, KvEvent, PrefillWork
 from services.worker.plan import IterationPlan
 
 
+class EngineFatal(RuntimeError):
+    """The engine's state can no longer be trusted (an invariant of its KV broke): the node must
+    not serve another token from it. The worker stops and exits non-zero, so its supervisor
+    (``up``, the compose / sbatch restart policies) restarts it with empty KV, and the router
+    re-dispatches its in-flight requests (as vLLM's EngineCore dies on an exception in its busy
+    loop, ``EngineDeadError``, and SGLang's scheduler SIGQUITs its server)."""
+
+
 class Engine(ABC):
     """One model replica that executes iteration plans."""
 

@@ -69,7 +69,7 @@ import torch
 from shared.hashing import unpack_tokens
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, DecodeWork, KvEvent, PrefillWork, Sampling
 from shared.profile import Profile
-from services.worker.engines.base import Engine
+from services.worker.engines.base import Engine, EngineFatal
 from services.worker.engines.torch_engine.model import ModelConfigError, PagedDecoder, SeqBatch, int64_tensor
 from services.worker.engines.torch_engine.logprobs import TokenLogprob, token_logprobs
 from services.worker.engines.torch_engine.sampling import TokenStats, is_greedy, sample, token_stats
@@ -111,8 +111,9 @@ def eos_token_ids(model_dir: str | Path, config_eos: list[int]) -> frozenset[int
     return frozenset(config_eos)
 
 
-class KvMapError(RuntimeError):
-    """The engine's physical KV map disagrees with the scheduler's block pools (a bug)."""
+class KvMapError(EngineFatal):
+    """The engine's physical KV map disagrees with the scheduler's block pools (a bug): fatal
+    for the node (:class:`EngineFatal`), its pages may serve another prompt's K/V."""
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
