@@ -15,6 +15,7 @@ K/V. Needs the torch extra and Mooncake (skipped without them, unless
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import subprocess
@@ -33,8 +34,8 @@ from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: 
 from services.worker.kvpool.transport import pick_port_range  # noqa: E402
 from shared import messages as m  # noqa: E402
 from shared.bus import Bus, BusError  # noqa: E402
-from shared.hashing import block_hashes, pack_tokens  # noqa: E402
-from shared.subjects import KV_LOOKUP, REQ_OUT, SVC_STATS, WORK_PREFILL, Subjects  # noqa: E402
+from shared.hashing import block_hashes, pack_tokens, unpack_tokens  # noqa: E402
+from shared.subjects import KV_LOOKUP, REQ_OUT, SVC_STATS, WORK_ABORT, WORK_PREFILL, Subjects  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BS = 8  # torch-tiny-cpu
@@ -71,10 +72,11 @@ def _work(rid: str, prompt: list[int], n: int, fetch: list[m.FetchRange] | None 
                          token_ids=pack_tokens(prompt), fetch=fetch or [])  # fmt: skip
 
 
-async def test_peer_fetch_moves_real_kv_pages(nats_url, mooncake_or_skip, tmp_path):
-    folder = tmp_path / "model"
-    init_model(folder, arch="qwen3", seed=9, context=1024)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+@contextlib.asynccontextmanager
+async def _two_workers(nats_url: str, tmp_path: Path, folder: Path, profile: str = "torch-tiny-cpu"):
+    """A KV directory and workers w0, w1 (``--engine torch --kv-pool real``, collocated, serving
+    ``folder`` with ``profile``) as processes; yields (bus, run): ``await run(work, node)`` publishes
+    ``work`` to ``node`` and returns its chunks once it finished."""
     origin = time.time()
     common = ["--nats-url", nats_url, "--speedup", "1.0", "--clock-origin", repr(origin), "--log-format", "json"]
     procs, logs = [], []
@@ -85,7 +87,7 @@ async def test_peer_fetch_moves_real_kv_pages(nats_url, mooncake_or_skip, tmp_pa
         logs.append(tmp_path / f"worker-{node}.log")
         procs.append(
             _spawn(
-                ["services.worker", *common, "--instance", f"worker-{node}", "--node", node, "--profile", "torch-tiny-cpu",
+                ["services.worker", *common, "--instance", f"worker-{node}", "--node", node, "--profile", profile,
                  "--phase", "both", "--engine", "torch", "--model", str(folder), "--check-invariants",
                  "--kv-pool", "real", "--kv-pool-ports", f"{lo}-{hi}", "--idle-state-interval-s", "0.2"],
                 logs[-1],
@@ -121,26 +123,7 @@ async def test_peer_fetch_moves_real_kv_pages(nats_url, mooncake_or_skip, tmp_pa
                 await asyncio.sleep(0.02)
             raise AssertionError(f"{work.rid} did not finish on {node}")
 
-        rng = random.Random(4)
-        first = [rng.randrange(3, 500) for _ in range(163)]  # 20 full pages + 3 tokens
-        out = await run(_work("warm", first, 6), "w0")
-        assert out[0].cached_tokens == 0 and out[-1].finish_reason == "length"
-        warm_ids = [t for c in out for t in c.token_ids]
-        second = first + warm_ids + [rng.randrange(3, 500) for _ in range(21)]
-        longer = _work("pull", second, 7)
-        for _ in range(200):
-            reply = await bus.request(KV_LOOKUP, m.KvLookupRequest(block_hashes=longer.block_hashes, block_size=BS), timeout=5.0)
-            if reply.longest_any >= 20:
-                break
-            await asyncio.sleep(0.05)
-        plan = fetch_plan_for_reply(reply, "w1")
-        assert plan.fetch_tokens >= 20 * BS and [r.node for r in plan.ranges] == ["w0"]
-        work = m.PrefillWork(**{**{f: getattr(longer, f) for f in longer.__struct_fields__}, "fetch": list(plan.ranges)})
-        out = await run(work, "w1")
-        assert out[0].fetched_tokens >= 20 * BS and out[0].cached_tokens >= 20 * BS  # restored, not recomputed
-        pulled = [t for c in out for t in c.token_ids]
-        c1 = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w1", timeout=5.0)).counters
-        c0 = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=5.0)).counters
+        yield bus, run
     finally:
         await bus.close()
         for p in procs:
@@ -151,6 +134,41 @@ async def test_peer_fetch_moves_real_kv_pages(nats_url, mooncake_or_skip, tmp_pa
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+async def _pull_work(bus: Bus, run, rng: random.Random) -> tuple[list[int], m.PrefillWork]:
+    """w0 computes a 163-token prompt (20 full pages); returns its output ids and the work of a
+    continuation for w1 with the directory's fetch plan (w0's 20 pages)."""
+    first = [rng.randrange(3, 500) for _ in range(163)]  # 20 full pages + 3 tokens
+    out = await run(_work("warm", first, 6), "w0")
+    assert out[0].cached_tokens == 0 and out[-1].finish_reason == "length"
+    warm_ids = [t for c in out for t in c.token_ids]
+    second = first + warm_ids + [rng.randrange(3, 500) for _ in range(21)]
+    longer = _work("pull", second, 7)
+    for _ in range(200):
+        reply = await bus.request(KV_LOOKUP, m.KvLookupRequest(block_hashes=longer.block_hashes, block_size=BS), timeout=5.0)
+        if reply.longest_any >= 20:
+            break
+        await asyncio.sleep(0.05)
+    plan = fetch_plan_for_reply(reply, "w1")
+    assert plan.fetch_tokens >= 20 * BS and [r.node for r in plan.ranges] == ["w0"]
+    return first, m.PrefillWork(**{**{f: getattr(longer, f) for f in longer.__struct_fields__}, "fetch": list(plan.ranges)})
+
+
+async def test_peer_fetch_moves_real_kv_pages(nats_url, mooncake_or_skip, tmp_path):
+    folder = tmp_path / "model"
+    init_model(folder, arch="qwen3", seed=9, context=1024)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    async with _two_workers(nats_url, tmp_path, folder) as (bus, run):
+        first, work = await _pull_work(bus, run, random.Random(4))
+        second = unpack_tokens(work.token_ids).tolist()
+        out = await run(work, "w1")
+        assert out[0].fetched_tokens >= 20 * BS and out[0].cached_tokens >= 20 * BS  # restored, not recomputed
+        pulled = [t for c in out for t in c.token_ids]
+        st1 = await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w1", timeout=5.0)
+        c1 = st1.counters
+        c0 = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=5.0)).counters
+    warm_ids = second[len(first) : len(first) + 6]
 
     def ref(prompt: list[int], n: int) -> list[int]:
         ids = torch.tensor([prompt])
@@ -163,3 +181,39 @@ async def test_peer_fetch_moves_real_kv_pages(nats_url, mooncake_or_skip, tmp_pa
     assert c1["kvfetch.blocks_fetched"] >= 20 and c1.get("kvfetch.blocks_mismatched", 0) == 0
     assert c1["engine.fetched_pages"] >= 20 and c1["engine.restored_pages"] >= 20
     assert c0["kvpool.locate_hit"] >= 20 and c0["engine.written_through"] >= 20
+    assert st1.gauges["engine.fetched_bytes"] == 0 and c1.get("engine.fetched_unstored_pages", 0) == 0  # stored, then let go
+
+
+async def test_fetched_pages_of_an_aborted_request_are_freed(nats_url, mooncake_or_skip, tmp_path):
+    """w1's modelled peer link is slow (20 kB/s: the 20 pages' 80 kB complete after ~4 s), so the
+    real bytes arrive and are reported (fetch_done) long before the fetch completes; the request
+    is aborted meanwhile. Before, the engine kept those pages for the process's life (8 MiB a page
+    of a 7-8B model); now they are held while the fetch is open (``engine.fetched_bytes``) and let
+    go when the core cancels it."""
+    folder = tmp_path / "model"
+    init_model(folder, arch="qwen3", seed=9, context=1024)
+    prof = tmp_path / "slow-link.toml"
+    text = (REPO / "shared" / "profiles" / "torch-tiny-cpu.toml").read_text()
+    assert "peer_fetch_bytes_per_s = 1.0e9" in text
+    prof.write_text(text.replace("peer_fetch_bytes_per_s = 1.0e9", "peer_fetch_bytes_per_s = 2.0e4"))
+    async with _two_workers(nats_url, tmp_path, folder, str(prof)) as (bus, run):
+        _, work = await _pull_work(bus, run, random.Random(4))
+        await bus.publish(WORK_PREFILL, work, node="w1")
+
+        async def stats() -> m.StatsReply:
+            return await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w1", timeout=5.0)
+
+        for _ in range(200):
+            st = await stats()
+            if st.counters.get("kvfetch.blocks_fetched", 0) >= 20:
+                break
+            await asyncio.sleep(0.02)
+        assert st.gauges["engine.fetched_bytes"] == st.counters["kvfetch.bytes"] > 0 and st.gauges["fetching"] == 1, st  # held: the fetch is open
+        await bus.publish(WORK_ABORT, m.RequestAbort(rid=work.rid, reason="test"), node="w1")
+        for _ in range(200):
+            st = await stats()
+            if st.counters.get("requests.aborted", 0):
+                break
+            await asyncio.sleep(0.02)
+        assert st.gauges["engine.fetched_bytes"] == 0 and st.gauges["fetching"] == 0, st
+        assert st.counters["engine.fetched_unstored_pages"] == 20 and st.counters.get("engine.fetched_pages", 0) == 0
