@@ -303,3 +303,26 @@ def test_engine_torch_serves_the_model_as_up_does(tmp_path):
         assert r["usage"]["completion_tokens"] == 3 and r["model"] == "tiny-model", r
     finally:
         job.close()
+
+
+@pytest.mark.timeout(120)
+def test_ready_timeout_is_wall_seconds_even_when_each_probe_hangs(tmp_path):
+    """READY_TIMEOUT is seconds, as its doc says. Before, it counted probe rounds: each round was a
+    Python start, a /healthz probe of up to 2 s and a 1 s sleep, so a router port that accepts and
+    never answers (here: another listener holds it, the router keeps restarting) made READY_TIMEOUT=4
+    last 12+ s (300: 15+ minutes)."""
+    with socket.socket() as blocker:
+        blocker.bind(("0.0.0.0", 0))
+        blocker.listen(64)  # connections are accepted by the kernel and never answered
+        job = Job(tmp_path, MAX_RESTARTS="100", READY_TIMEOUT="4", ROUTER_PORT=str(blocker.getsockname()[1]))
+        try:
+            job.wait_for("JetStream stream EI_p0 on", 60)  # the line just before the services start
+            t0 = time.monotonic()
+            rc = job.proc.wait(60)
+            took = time.monotonic() - t0
+            text = job.text()
+            assert rc == 1, text
+            assert "FAILED: the router did not answer /healthz within 4 s" in text, text
+            assert took < 9.0, f"READY_TIMEOUT=4 took {took:.1f} s:\n{text}"
+        finally:
+            job.close()
