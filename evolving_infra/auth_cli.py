@@ -17,9 +17,9 @@ and without it they fall back to core NATS (at most once).
 from __future__ import annotations
 
 import argparse
-import sys
-
 import asyncio
+import math
+import sys
 
 from evolving_infra.stdio_args import folder
 from shared.auth import AuthError, NatsAuth, auth_from_env, generate, write_private
@@ -57,7 +57,16 @@ async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: floa
 
 def cmd_stream(args: argparse.Namespace) -> int:
     from shared.log import setup_logging
+    from shared.subjects import check_token
 
+    try:  # usage errors before any connection (as auth gen's partition check; split get's --timeout)
+        check_token(args.partition, "partition")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not (math.isfinite(args.timeout) and args.timeout > 0):  # NaN passes '<= 0'
+        print("error: --timeout must be a number of seconds > 0", file=sys.stderr)
+        return 2
     setup_logging("console", "error")  # the bus client's lines (and its fallback warning) are not this command's output
     try:
         name = asyncio.run(make_stream(args.nats_url, args.partition, args.creds, args.timeout))
@@ -111,12 +120,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "stream", help="create the partition's JetStream stream with the launcher credentials (before the services)",
         description="Find or create the JetStream stream of the partition's must-arrive subjects (EI_<partition>), as up's "
         "launcher does; under auth gen's permissions no service may create it, and without it they fall back to core "
-        "NATS (at most once). Exit 0 when it is there, 1 when it cannot be made, 2 for unreadable credentials.",
+        "NATS (at most once). Exit 0 when it is there, 1 when it cannot be made, 2 for unreadable credentials, a "
+        "partition that is not one subject token or a --timeout not > 0.",
     )
     st.add_argument("--nats-url", required=True, help="the NATS server, e.g. nats://head:4222")
     st.add_argument("--creds", default="", help="the launcher's credentials file (auth gen's launcher.nk); empty = none")
     st.add_argument("--partition", default="p0", help="partition (default p0)")
-    st.add_argument("--timeout", type=float, default=30.0, help="wall seconds to connect (default 30)")
+    st.add_argument("--timeout", type=float, default=30.0, help="wall seconds to connect, > 0 (default 30)")
     p.set_defaults(func=cmd_auth)
 
 

@@ -50,3 +50,21 @@ def test_auth_stream_creates_the_stream_the_services_then_find(tmp_path):
         assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r
     finally:
         server.stop()
+
+
+def test_auth_stream_refuses_a_bad_partition_or_timeout_before_connecting(tmp_path):
+    """A partition that is not one subject token, and a --timeout that is not a number of seconds > 0,
+    are one 'error:' line and exit 2 (usage), before any connection. Before: --partition a.b was a
+    ValueError traceback (exit 1); --timeout 0 said 'no connection to URL in 0 s' (exit 1, a server up)
+    and --timeout nan waited on."""
+    server = EmbeddedNatsServer().start()
+    try:
+        for args in (["--partition", "a.b"], ["--partition", ""], ["--timeout", "0"], ["--timeout", "-1"], ["--timeout", "nan"]):
+            r = subprocess.run(
+                [sys.executable, "-m", "evolving_infra.cli", "auth", "stream", "--nats-url", server.url, *args],
+                cwd=REPO, capture_output=True, text=True, timeout=60,
+            )
+            assert r.returncode == 2, (args, r)
+            assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1 and not r.stdout, (args, r)
+    finally:
+        server.stop()
