@@ -104,3 +104,29 @@ async def test_a_repeated_split_is_logged_at_debug_a_new_epoch_at_info(nats_url,
         await _wait_for(lambda: env.service.counters["splits_applied"] == 5, what="epoch 2 applied")
     applied = [(e["epoch"], e["log_level"]) for e in _events(logs, "split applied")]
     assert applied == [(1, "info"), (1, "debug"), (1, "debug"), (1, "debug"), (2, "info")]
+
+
+async def test_each_end_path_logs_one_finished_line_with_the_reason_the_counter_counts(nats_url, tmp_path, logs):
+    """A client gone mid-stream, a timeout (answered 504, or as an SSE error event) and an engine error
+    each give exactly one ``request finished`` line, with the finish reason counted in
+    ``ei_router_requests_finished_total`` (``finish.abort`` / ``finish.error``) and the status sent."""
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, log_requests=True, request_timeout_s=1.0) as env:
+        env.cluster.stall_after_first = {"p0"}  # first token, then nothing
+        body = {"prompt": list(range(1, 100)), "max_tokens": 8}
+        async with env.http.stream("POST", "/v1/completions", json={**body, "stream": True}, headers={"X-Request-ID": "gone-1"}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    break  # the client leaves after its first event
+        await _wait_for(lambda: any(e["rid"] == "gone-1" for e in _events(logs, "request finished")), what="gone-1 finished")
+        r = await env.http.post("/v1/completions", json=body, headers={"X-Request-ID": "slow-1"})
+        assert r.status_code == 504, r.text
+        r = await env.http.post("/v1/completions", json={**body, "stream": True}, headers={"X-Request-ID": "slow-2"})
+        assert r.status_code == 200 and "request_timeout_s" in r.text
+        env.cluster.stall_after_first, env.cluster.error_nodes = set(), {"p0"}
+        r = await env.http.post("/v1/completions", json=body, headers={"X-Request-ID": "err-1"})
+        assert r.status_code == 500
+        await _wait_for(lambda: len(_events(logs, "request finished")) >= 4, what="4 finished lines")
+        counted = {k: v for k, v in env.service.counters.items() if k.startswith(("finish.", "finished.")) and v}
+    fin = sorted((e["rid"], e["status"], e["finish_reason"]) for e in _events(logs, "request finished"))
+    assert fin == [("err-1", 500, "error"), ("gone-1", 200, "abort"), ("slow-1", 504, "error"), ("slow-2", 200, "error")]
+    assert counted == {"finish.abort": 1, "finish.error": 3}
