@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +100,15 @@ class IngressGuard:
         public_paths: paths served without a key.
         max_inflight: requests in flight per key; 0 = unlimited.
         counters: where ``http.unauthorized``, ``http.key_limited`` are counted.
+        on_refused: called as ``on_refused(scope, status, message)`` for each request refused here
+            (401, 429) before it is answered (the router's ``--log-requests`` line); never given the key.
     """
 
     def __init__(self, app: ASGIApp, keys: Iterable[str], *, public_paths: Iterable[str] = ("/healthz", "/health", "/metrics"),
-                 max_inflight: int = 0, counters: Counter[str] | None = None) -> None:
+                 max_inflight: int = 0, counters: Counter[str] | None = None,
+                 on_refused: Callable[[Scope, int, str], None] | None = None) -> None:
         self.app = app
+        self.on_refused = on_refused
         self._digests = {_digest(k): f"key{i}" for i, k in enumerate(sorted(keys))}
         self.public = frozenset(public_paths)
         self.max_inflight = max_inflight
@@ -141,15 +145,21 @@ class IngressGuard:
                 break
         if who is None:
             self.counters["http.unauthorized"] += 1
+            message = "missing or invalid API key: send 'Authorization: Bearer <key>'"
+            if self.on_refused is not None:
+                self.on_refused(scope, 401, message)
             await self._reply(
-                send, 401, _error(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "invalid_api_key"),
+                send, 401, _error(401, message, "invalid_api_key"),
                 [(b"www-authenticate", b'Bearer realm="evolving-infra"'), (b"connection", b"close")],
             )
             return
         if self.max_inflight and self.inflight[who] >= self.max_inflight:
             self.counters["http.key_limited"] += 1
+            message = f"this API key has {self.max_inflight} requests in flight; retry when one ends"
+            if self.on_refused is not None:
+                self.on_refused(scope, 429, message)
             await self._reply(
-                send, 429, _error(429, f"this API key has {self.max_inflight} requests in flight; retry when one ends", "too_many_requests"),
+                send, 429, _error(429, message, "too_many_requests"),
                 [(b"retry-after", b"1"), (b"connection", b"close")],
             )
             return

@@ -408,6 +408,7 @@ class RouterService:
             public_paths=cfg.api_key_public_paths,
             max_inflight=cfg.api_key_max_inflight,
             counters=self.counters,
+            on_refused=self._log_refused if cfg.log_requests else None,
         )
         self.api_keys_on = guard.enabled
         self.app: ASGIApp = _StatusCounter(_with_cors(guard, cfg), self.counters)
@@ -1707,6 +1708,18 @@ class RouterService:
         else:
             ended(resp.status_code, resp)
         return resp
+
+    def _log_refused(self, scope: Scope, status: int, error: str) -> None:
+        """``--log-requests``: a generation request the ingress guard refused (401: no or unknown API
+        key; 429: its key's requests in flight) is ``request rejected`` too (status, a valid client
+        ``X-Request-ID``, the error message; never the key). Other paths are not request lines."""
+        if scope["path"] not in _GENERATE_PATHS:
+            return
+        raw = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        rid = None
+        with contextlib.suppress(api.ApiError, UnicodeDecodeError):  # an unusable id is not logged
+            rid = api.parse_request_id(None if raw is None else raw.decode("latin-1"))
+        self.log.info("request rejected", rid=rid, status=status, error=error)
 
     def _log_end(self, rl: _ReqLog, status: int, request: Request, resp: Response | None) -> None:
         """``--log-requests``: the info line of a request's end (``request finished``), or of one

@@ -130,3 +130,36 @@ async def test_each_end_path_logs_one_finished_line_with_the_reason_the_counter_
     fin = sorted((e["rid"], e["status"], e["finish_reason"]) for e in _events(logs, "request finished"))
     assert fin == [("err-1", 500, "error"), ("gone-1", 200, "abort"), ("slow-1", 504, "error"), ("slow-2", 200, "error")]
     assert counted == {"finish.abort": 1, "finish.error": 3}
+
+
+async def test_a_generation_request_refused_for_its_api_key_is_logged_rejected_without_the_key(nats_url, tmp_path, logs):
+    """With API keys, a 401 (no or unknown key) or 429 (the key's requests in flight) of a generation
+    request is refused before acceptance: ``request rejected`` (status, client rid, error), as the
+    README says of every such refusal, and never the key. Before, the ingress guard answered them and
+    no line was logged."""
+    async with router_env(
+        nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, log_requests=True, api_keys="good-key-1", api_key_max_inflight=1
+    ) as env:
+        body = {"prompt": list(range(1, 100)), "max_tokens": 3}
+        good = {"Authorization": "Bearer good-key-1"}
+        env.cluster.stall_after_first = {"p0"}  # holds the key's one request in flight
+        async with env.http.stream("POST", "/v1/completions", json={**body, "stream": True}, headers={**good, "X-Request-ID": "held-1"}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    break
+            r2 = await env.http.post("/v1/completions", json=body, headers={**good, "X-Request-ID": "over-1"})
+            assert r2.status_code == 429
+        env.cluster.stall_after_first = set()
+        await _wait_for(lambda: not env.service._pending, what="held-1 ended")
+        r = await env.http.post("/v1/completions", json=body, headers={"X-Request-ID": "nokey-1", "Authorization": "Bearer wrong-key-xyz"})
+        assert r.status_code == 401
+        r = await env.http.get("/v1/models", headers={"X-Request-ID": "models-1"})  # not a generation request: no line
+        assert r.status_code == 401
+        r = await env.http.post("/v1/completions", json=body, headers={**good, "X-Request-ID": "ok-1"})
+        assert r.status_code == 200
+    rej = {e["rid"]: e for e in _events(logs, "request rejected")}
+    assert sorted(rej) == ["nokey-1", "over-1"]
+    assert rej["nokey-1"]["status"] == 401 and "API key" in rej["nokey-1"]["error"]
+    assert rej["over-1"]["status"] == 429 and "in flight" in rej["over-1"]["error"]
+    text = repr(logs)
+    assert "wrong-key-xyz" not in text and "good-key-1" not in text
