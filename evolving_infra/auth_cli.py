@@ -39,10 +39,11 @@ async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: floa
 
     Raises:
         AuthError: unreadable credentials; TimeoutError: no connection in ``timeout_s``;
-        RuntimeError: the server has no JetStream or refused the stream.
+        RuntimeError: the server has no JetStream or refused the stream, or the stream there does not
+            take every reliable subject (made by another version or by hand: what it lacks would not be kept).
     """
     from shared.bus import Bus, stream_name
-    from shared.subjects import Subjects
+    from shared.subjects import ALL, Subjects
 
     auth = NatsAuth.from_settings(creds=creds, name="launcher")
     subjects = Subjects(partition)
@@ -50,9 +51,30 @@ async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: floa
     try:
         if not await bus.ensure_stream():
             raise RuntimeError("no JetStream stream (JetStream off, or these credentials may not create it: the launcher's may)")
+        name = stream_name(subjects)
+        info = await bus.nc.jetstream(timeout=5.0).stream_info(name)
+        have = list(info.config.subjects or ())
+        lacks = [w for w in (subjects.wildcard(x) for x in ALL if x.reliable) if not any(covers(h, w) for h in have)]
+        if lacks:  # found, not made: ensure_stream accepts any stream of that name
+            raise RuntimeError(
+                f"stream {name} is there but lacks subjects {lacks} (it has {have}): messages on them would not be kept; "
+                f"delete it (nats stream rm {name}) or use another partition"
+            )
     finally:
         await bus.close()
     return stream_name(subjects)
+
+
+def covers(pattern: str, subject: str) -> bool:
+    """Whether NATS subject ``pattern`` (``*`` one token, ``>`` the rest) matches every subject that
+    ``subject`` (itself possibly a wildcard) matches; e.g. ``ei.p0.>`` covers ``ei.p0.work.*.prefill``."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return i < len(s)
+        if i >= len(s) or s[i] == ">" or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
 
 
 def cmd_stream(args: argparse.Namespace) -> int:
@@ -120,7 +142,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "stream", help="create the partition's JetStream stream with the launcher credentials (before the services)",
         description="Find or create the JetStream stream of the partition's must-arrive subjects (EI_<partition>), as up's "
         "launcher does; under auth gen's permissions no service may create it, and without it they fall back to core "
-        "NATS (at most once). Exit 0 when it is there, 1 when it cannot be made, 2 for unreadable credentials, a "
+        "NATS (at most once). Exit 0 when it is there, 1 when it cannot be made or one of that name lacks some of "
+        "those subjects, 2 for unreadable credentials, a "
         "partition that is not one subject token or a --timeout not > 0.",
     )
     st.add_argument("--nats-url", required=True, help="the NATS server, e.g. nats://head:4222")

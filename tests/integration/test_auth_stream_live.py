@@ -68,3 +68,44 @@ def test_auth_stream_refuses_a_bad_partition_or_timeout_before_connecting(tmp_pa
             assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1 and not r.stdout, (args, r)
     finally:
         server.stop()
+
+
+def test_auth_stream_refuses_a_stream_that_does_not_take_every_reliable_subject(tmp_path):
+    """A stream EI_<partition> already there (another version's, a persisted JetStream store, made by
+    hand) that lacks some reliable subjects is exit 1 naming what it lacks: publishes there would not
+    be kept, so the must-arrive guarantee is silently gone. Before: exit 0 ('JetStream stream EI_p7'),
+    as 'found' was enough. A stream with every subject is still found (exit 0)."""
+    from nats.js.api import StreamConfig
+
+    server = EmbeddedNatsServer().start()
+    try:
+
+        async def make(subjects: list[str]) -> None:
+            bus = await Bus.connect(server.url, Subjects("p7"), service="test", instance="test")
+            try:
+                await bus.nc.jetstream(timeout=5.0).add_stream(StreamConfig(name="EI_p7", subjects=subjects))
+            finally:
+                await bus.close()
+
+        asyncio.run(make(["ei.p7.work.>"]))
+        r = auth_stream(server.url, "")
+        assert r.returncode == 1 and "EI_p7" in r.stderr and "lacks" in r.stderr, r
+        assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout, r
+    finally:
+        server.stop()
+    server = EmbeddedNatsServer().start()
+    try:
+        assert auth_stream(server.url, "").returncode == 0  # created with every subject
+        assert auth_stream(server.url, "").returncode == 0  # then found
+    finally:
+        server.stop()
+
+
+def test_covers_is_nats_subject_matching_of_patterns():
+    from evolving_infra.auth_cli import covers
+
+    assert covers("ei.p0.>", "ei.p0.work.*.prefill") and covers("ei.p0.work.*.prefill", "ei.p0.work.*.prefill")
+    assert covers("ei.*.work.*.prefill", "ei.p0.work.*.prefill") and covers("ei.p0.work.>", "ei.p0.work.*.prefill")
+    assert not covers("ei.p0.work.w1.prefill", "ei.p0.work.*.prefill")  # one node's, not every node's
+    assert not covers("ei.p0.work.*", "ei.p0.work.*.prefill") and not covers("ei.p0.work.*.prefill.>", "ei.p0.work.*.prefill")
+    assert not covers("ei.p0.*", "ei.p0.>") and not covers("ei.p1.>", "ei.p0.work.*.prefill") and not covers("ei.p0.work.>", "ei.p0.work")
