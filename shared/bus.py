@@ -167,6 +167,33 @@ def _ordered_state(sub: Subscription) -> Any:
     return getattr(sub, "_jsi", None) or getattr(getattr(sub, "_sub", None), "_jsi", None)
 
 
+class _StreamPosition:
+    """Where one reliable subscription stands in the partition's stream (``Bus.subscribe``).
+
+    ``floor``: the highest stream sequence handled; a delivery at or below it is a redelivery after
+    a consumer reset and is dropped. When the stream comes back shorter (a killed server lost its
+    last writes) the floor falls to the stream's end and new messages reuse the lost sequence numbers;
+    the deliveries already received then (waiting in the subscription, from the consumers in
+    ``stale``) belong to the lost numbering: they are checked against ``stale_floor`` and leave the
+    floor alone. Before, handling them raised the floor back, and the new messages under the reused
+    numbers were dropped as redeliveries (lost)."""
+
+    __slots__ = ("floor", "stale_floor", "stale", "names")
+
+    def __init__(self) -> None:
+        self.floor = 0
+        self.stale_floor = 0
+        self.stale: set[str] = set()
+        self.names: deque[str] = deque(maxlen=64)
+        """The subscription's latest consumer names (each reset makes one)."""
+
+    def rewind(self, last: int) -> None:
+        """The stream came back ending at ``last`` < ``floor``: what the current consumers delivered is stale."""
+        self.stale.update(self.names)
+        self.stale_floor = max(self.stale_floor, self.floor)
+        self.floor = last
+
+
 class Bus:
     """A NATS connection bound to a partition and a publishing instance.
 
@@ -205,7 +232,7 @@ class Bus:
         self._recent: deque[tuple[float, str, bytes, dict[str, str]]] = deque()
         """(monotonic time, subject, payload, headers) of recent reliable publishes."""
         self._resend: list[tuple[float, str, bytes, dict[str, str]]] = []
-        self._js_subs: list[tuple[Subscription, list[int]]] = []
+        self._js_subs: list[tuple[Subscription, _StreamPosition]] = []
         self.identity = ""
         """Name of the NATS identity this bus connected as (``NatsAuth.name``); empty = no credentials."""
         self._requesting: Counter[str] = Counter()
@@ -348,15 +375,15 @@ class Bus:
             self.log.warning("stream info after reconnect failed", error=repr(e))
             return
         last = int(info.state.last_seq)
-        for sub, floor in self._js_subs:
+        for sub, pos in self._js_subs:
             jsi = _ordered_state(sub)
-            if jsi is None or floor[0] <= last:
+            if jsi is None or pos.floor <= last:
                 continue
             # a killed server lost the tail of its store: new messages reuse those sequence
             # numbers, so resume from the stream's end (message ids drop any duplicate)
             self.counters["stream_rewound"] += 1
-            self.log.warning("stream came back shorter; consumer resumes at its end", stream_last=last, consumer_at=floor[0])
-            floor[0] = last
+            self.log.warning("stream came back shorter; consumer resumes at its end", stream_last=last, consumer_at=pos.floor)
+            pos.rewind(last)
             jsi._sseq = last
             await jsi.reset_ordered_consumer(last + 1)
 
@@ -472,21 +499,27 @@ class Bus:
         self.subscribed.add(template)
         use_js = (subject.reliable if reliable is None else reliable) and not queue and await self.ensure_stream()
         pattern = self.subjects.wildcard(subject, **params)
-        floor = [0]
-        """Highest stream sequence handled: a redelivery after a consumer reset is dropped."""
+        pos = _StreamPosition()
         seen: OrderedDict[str, None] = OrderedDict()
         """Message ids handled lately: a copy published again after a reconnect is dropped."""
 
         async def cb(raw: NatsMsg) -> None:
             if use_js:
                 try:
-                    seq = raw.metadata.sequence.stream
+                    meta = raw.metadata
+                    seq, consumer = meta.sequence.stream, meta.consumer
                 except Exception:  # not a JetStream delivery (cannot happen on a push consumer)
-                    seq = 0
-                if seq and seq <= floor[0]:
-                    self.counters["redelivered." + template] += 1
-                    return
-                floor[0] = max(floor[0], seq)
+                    seq, consumer = 0, ""
+                if consumer in pos.stale:  # received before the stream came back shorter
+                    if seq and seq <= pos.stale_floor:
+                        self.counters["redelivered." + template] += 1
+                        return
+                    pos.stale_floor = max(pos.stale_floor, seq)
+                else:
+                    if seq and seq <= pos.floor:
+                        self.counters["redelivered." + template] += 1
+                        return
+                    pos.floor = max(pos.floor, seq)
                 mid = raw.headers.get(MSG_ID) if raw.headers else None
                 if mid is not None:
                     if mid in seen:
@@ -517,7 +550,7 @@ class Bus:
                     span.end()
 
         if use_js:
-            sub = await self._js_subscribe(pattern, cb, floor)
+            sub = await self._js_subscribe(pattern, cb, pos)
         else:
             sub = await self.nc.subscribe(
                 pattern,
@@ -529,14 +562,15 @@ class Bus:
         self._subs.append(sub)
         return sub
 
-    async def _js_subscribe(self, filter_subject: str, cb: Callable[[NatsMsg], Awaitable[None]], floor: list[int]) -> Subscription:
+    async def _js_subscribe(self, filter_subject: str, cb: Callable[[NatsMsg], Awaitable[None]], pos: _StreamPosition) -> Subscription:
         from nats.js.api import ConsumerConfig, DeliverPolicy
 
         js = self.nc.jetstream(timeout=5.0)
         name = stream_name(self.subjects)
         info = await js.stream_info(name)
         last = int(info.state.last_seq)
-        floor[0] = last
+        pos.floor = last
+        pos.names.append(first_name := self._consumer_name())
         # A named consumer with one filter is created on ``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``
         # (nats-py does so when the config has a name and a filter_subject, server >= 2.9), so the
         # server's permissions confine each identity to consumers on its own subjects (shared.auth).
@@ -547,7 +581,7 @@ class Bus:
             ordered_consumer=True,
             idle_heartbeat=CONSUMER_HEARTBEAT_S,
             config=ConsumerConfig(
-                name=self._consumer_name(), deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1
+                name=first_name, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1
             ),
             pending_msgs_limit=1_000_000,
             pending_bytes_limit=1024 * 1024 * 1024,
@@ -566,10 +600,11 @@ class Bus:
 
             async def recreate_renamed() -> None:
                 jsi._ccreq.name = self._consumer_name()
+                pos.names.append(jsi._ccreq.name)
                 await recreate()
 
             jsi.recreate_consumer = recreate_renamed
-        self._js_subs.append((sub, floor))
+        self._js_subs.append((sub, pos))
         return sub
 
     def _wrong_subject(self, template: str, raw: NatsMsg) -> None:
