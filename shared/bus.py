@@ -291,7 +291,10 @@ class Bus:
             if bus._closing:
                 return
             bus.counters["nats.disconnects"] += 1
-            bus._resend = list(bus._recent)  # may have died unstored: published again on reconnect
+            # the last RESEND_WINDOW_S may have died unstored: published again on reconnect (the window
+            # is cut on publish too, so after a quiet spell _recent still holds older messages)
+            since = time.monotonic() - RESEND_WINDOW_S
+            bus._resend = [r for r in bus._recent if r[0] >= since]
             bus.log.warning("nats disconnected")
 
         async def reconnected_cb() -> None:

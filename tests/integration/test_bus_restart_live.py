@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shared import messages as m
-from shared.bus import Bus, BusUnavailable, stream_name
+from shared.bus import RESEND_WINDOW_S, Bus, BusUnavailable, stream_name
 from shared.natsserver import EmbeddedNatsServer
 from shared.subjects import NODE_STATE, REQ_OUT, Subjects
 
@@ -222,3 +222,29 @@ async def test_full_outbound_buffer_raises_bus_unavailable_not_a_raw_nats_error(
         assert bus.counters["publish_failed.node.state.{node}"] == 1
         with contextlib.suppress(Exception):
             await bus.nc.close()
+
+
+@pytest.mark.timeout(60)
+async def test_only_the_last_resend_window_is_published_again_after_a_disconnect():
+    """``RESEND_WINDOW_S``: what was published that long before a disconnect reached the stream.
+    The window was cut only by the next publish, so after a quiet spell a disconnect published
+    again messages of any age (up to ``RESEND_MAX_MSGS``): past the stream's duplicate window they
+    are stored again, and a consumer that does not remember their ids (a restarted service)
+    handles old work a second time."""
+    with EmbeddedNatsServer() as srv:
+        bus = await Bus.connect(srv.url, Subjects("p0"), service="worker", instance="w0")
+        try:
+            assert await bus.ensure_stream()
+            await bus.publish(REQ_OUT, m.TokenChunk(rid="old", index=0), rid="old")
+            await bus.nc.flush()
+            await asyncio.sleep(RESEND_WINDOW_S + 0.5)  # quiet: the message is out of the window
+            srv.restart()  # SIGKILL and start again
+            for _ in range(100):
+                if bus.counters["nats.reconnects"]:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            assert bus.counters["nats.reconnects"] == 1
+            assert bus.counters["resent"] == 0
+        finally:
+            await bus.close()
