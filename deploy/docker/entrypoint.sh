@@ -83,6 +83,12 @@ fi
 
 case "$role" in
   auth)
+    # the system every service will run, checked once here, before NATS: a refused EI_POLICY, SPLIT or model
+    # ends this one-shot job (status 2, one line; compose: "service auth didn't complete successfully") instead
+    # of every service exiting 2 and being restarted (restart: on-failure) without end
+    resolved=$(deploy_args env) || exit 2
+    eval "$resolved"
+    echo "auth: $EI_DEPLOY_POLICY; split $EI_DEPLOY_SPLIT, profile $EI_DEPLOY_PROFILE"
     [ -s "$CREDS/clock_origin" ] || python -c 'import time; print(repr(time.time()))' > "$CREDS/clock_origin"
     if [ "$AUTH" = off ]; then
         echo "auth: off (NATS open inside the compose network)"
@@ -146,19 +152,24 @@ case "$role" in
         case "$a" in --profile=*) own=${a#--profile=} ;; *) [ "$prev" = --profile ] && own=$a ;; esac
         prev=$a
     done
-    cluster=${EI_PROFILE:-gb300-glm52}
+    resolved=$(deploy_args env) || exit 2
+    eval "$resolved"  # EI_DEPLOY_SPLIT: SPLIT, or the policy set's, or up's default for WORKERS nodes
+    # the cluster's profile as up resolves it (EI_ENGINE=torch with the default EI_PROFILE: torch-tiny-cpu), the
+    # one deploy-args gives the router and directory: comparing with EI_PROFILE let a gb300-glm52 worker (64) join
+    # a torch stack of 8-token blocks
+    cluster=$EI_DEPLOY_PROFILE
+    said="EI_PROFILE=$cluster"
+    [ "$cluster" = "${EI_PROFILE:-gb300-glm52}" ] || said="profile $cluster (EI_ENGINE=$ENGINE's, as up's)"
     if [ -n "$own" ] && [ "$own" != "$cluster" ]; then
         own_bs=$(block_size_of "$own" "--profile $own") || exit 2
-        cluster_bs=$(block_size_of "$cluster" "EI_PROFILE=$cluster") || exit 2
+        cluster_bs=$EI_DEPLOY_BLOCK_SIZE
         if [ "$own_bs" != "$cluster_bs" ]; then
-            echo "worker: --profile $own has block size $own_bs but EI_PROFILE=$cluster (the router's and KV directory's)" \
+            echo "worker: --profile $own has block size $own_bs but $said (the router's and KV directory's)" \
                 "has $cluster_bs; every request would fail with 'block size mismatch': set EI_PROFILE=$own for the whole" \
                 "stack (compose: EI_PROFILE=$own docker compose up)" >&2
             exit 2
         fi
     fi
-    resolved=$(deploy_args env) || exit 2
-    eval "$resolved"  # EI_DEPLOY_SPLIT: SPLIT, or the policy set's, or up's default for WORKERS nodes
     SPLIT=$EI_DEPLOY_SPLIT
     phase=both
     case "$SPLIT" in

@@ -160,3 +160,44 @@ def test_the_auth_job_gives_each_identity_folder_only_its_own_seed(tmp_path):
     r = _run(tmp_path, "auth", **env)  # again (compose restarts it on a second `up`): the same, no error
     assert r.returncode == 0 and "already in" in r.stdout, (r.stdout, r.stderr)
     assert sorted(p.name for p in (out / "router").iterdir()) == ["clock_origin", "router.nk"]
+
+
+def test_a_refused_policy_ends_the_auth_job_before_any_service_starts(tmp_path):
+    """A bad ``EI_POLICY`` made every service exit 2 at start, and ``restart: on-failure`` restarted each
+    without end (the stack neither up nor failed). The one-shot auth job (no restart policy; nats, stream and
+    so every service wait for it to complete) now checks the system first: status 2, one line, nothing written."""
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    r = _run(tmp_path, "auth", EI_POLICY="nope", EI_CREDS_DIR=str(creds), EI_CREDS_OUT=str(tmp_path / "out"))
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and "unknown policy set 'nope'" in r.stderr, r.stderr
+    assert list(creds.iterdir()) == []
+    r = _run(tmp_path, "auth", EI_POLICY="static", WORKERS="4", SPLIT="3P2D", EI_CREDS_DIR=str(creds), EI_CREDS_OUT=str(tmp_path / "out"))
+    assert r.returncode == 2 and "3P2D" in r.stderr, (r.stdout, r.stderr)
+    r = _run(tmp_path, "auth", EI_POLICY="static:2P2D", WORKERS="4", EI_CREDS_DIR=str(creds), EI_CREDS_OUT=str(tmp_path / "out"))
+    assert r.returncode == 0 and "auth: policy static:2P2D" in r.stdout and "split 2P2D" in r.stdout, (r.stdout, r.stderr)
+
+
+@needs_compose
+def test_the_auth_job_that_checks_the_system_is_one_shot_and_sees_the_model():
+    services = resolved_services(_env(EI_ENGINE="torch", MODEL_DIR="/srv/m"))
+    assert "restart:" not in services["auth"] and "/srv/m:/models:ro" in services["auth"], services["auth"]
+    assert re.search(r"^      auth:\n        condition: service_completed_successfully", services["nats"], re.M), services["nats"]
+
+
+def test_a_worker_profile_is_checked_against_the_cluster_s_as_up_resolves_it(tmp_path):
+    """With ``EI_ENGINE=torch`` and the default ``EI_PROFILE``, up (and deploy-args: the router's and directory's
+    flags) run ``torch-tiny-cpu`` (8-token blocks). The worker's ``--profile`` check compared with ``EI_PROFILE``
+    (gb300-glm52, 64): a ``--profile gb300-glm52`` worker joined and every request failed 'block size mismatch',
+    and a ``--profile torch-tiny-cpu`` one, the cluster's own, was refused."""
+    pytest.importorskip("torch")
+    model = tmp_path / "tiny-model"
+    subprocess.run([sys.executable, "-m", "evolving_infra.cli", "model", "init", str(model)], check=True, capture_output=True,
+                   timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    env = dict(EI_ENGINE="torch", EI_MODEL_DIR=str(model), EI_REPLICA="1")
+    r = _run(tmp_path, "worker", "--profile", "gb300-glm52", **env)
+    assert r.returncode == 2 and "started" not in r.stdout, (r.stdout, r.stderr)
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and "block size 64 but profile torch-tiny-cpu (EI_ENGINE=torch's" in line and "has 8" in line, line
+    worker = _argv(tmp_path, "worker", "--profile", "torch-tiny-cpu", **env)
+    assert _flag(worker, "--profile") == "torch-tiny-cpu"
