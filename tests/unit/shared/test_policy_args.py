@@ -134,3 +134,50 @@ def test_the_ready_line_says_what_the_split_will_do(argv, expected, tmp_path):
     args = build_parser().parse_args([*argv, "--log-dir", str(tmp_path)])
     spec = _spec(args)
     assert split_plan(args.live_policy, spec.split) == expected
+
+
+_SIM = "--profile gb300-glm52 --block-size 64 --model evolving-infra-sim --tokenizer sim"
+_WORKER = "--profile gb300-glm52 --stream-interval 1 --tokenizer sim"
+
+
+@pytest.mark.parametrize("up, nodes, router, planner, eviction, phases", [
+    (["--policy", "evolving"], 4, "--routing ttft --decode-binding prefill-start",
+     "--split 2P2D --planner evolving", "branch-count", "PPDD"),
+    (["--policy", "static:2P2D"], 4, "--routing cache-aware --decode-binding dispatch", "--split 2P2D --planner static", "lru", "PPDD"),
+    (["--policy", "dynamo"], 3, "--routing cache-aware --decode-binding dispatch", "--split 2P1D --planner dynamo", "lru", "PPD"),
+    (["--policy", "arrow"], 4, "--routing cache-aware --decode-binding prefill-start", "--split 2P2D --planner arrow", "lru", "PPDD"),
+    (["--policy", "evolving", "--planner-opt", "t_learn_s=300", "--routing-opt", "sticky_ttl_s=5"], 4,
+     "--routing ttft --decode-binding prefill-start --sticky-ttl-s 5.0",
+     "--split 2P2D --planner evolving --planner-args t_learn_s=300", "branch-count", "PPDD"),
+])
+def test_up_gives_each_service_the_flags_it_gave_before_service_flags_and_deploy_args_the_same(
+        tmp_path, up, nodes, router, planner, eviction, phases):
+    """Each child's service flags for every policy set, as ``LocalCluster._plan_children`` wrote them before
+    they moved into ``cluster.service_flags`` (recorded from c96aa25; the flag order within a worker changed,
+    nothing else), and ``deploy-args`` (compose, Slurm) prints a run of each child's argv."""
+    from evolving_infra.deploy_cli import deploy_args
+
+    argv_up = [*up, "--nodes", str(nodes)]
+    kids = {c.name: c.argv for c in LocalCluster(_spec(build_parser("up").parse_args(["up", *argv_up, "--log-dir", str(tmp_path)])))._plan_children()}
+    ids = ",".join(f"w{i}" for i in range(nodes))
+
+    def flags(argv):  # the service's own flags (after the common ones), flag -> value; each flag once
+        tail = argv[argv.index("json") + 1 :]
+        pairs = list(zip(tail[::2], tail[1::2]))
+        assert len({k for k, _ in pairs}) == len(pairs) and len(tail) % 2 == 0, tail
+        return {k: v for k, v in pairs if k != "--port-file"}
+
+    def want(text):
+        items = text.split()
+        return dict(zip(items[::2], items[1::2]))
+
+    assert flags(kids["kvdirectory"]) == want(f"--block-size 64 --nodes {ids}")
+    assert flags(kids["planner"]) == want(f"--nodes {ids} {planner} --profile gb300-glm52")
+    assert flags(kids["router"]) == want(f"--host 127.0.0.1 --port 8000 {router} {_SIM}")
+    for i, phase in enumerate(phases):
+        phase = {"P": "prefill", "D": "decode"}[phase]
+        assert flags(kids[f"worker-w{i}"]) == want(f"--node w{i} --phase {phase} {_WORKER} --host-eviction {eviction}")
+    for service, child in (("kvdirectory", "kvdirectory"), ("planner", "planner"), ("router", "router"), ("worker", "worker-w0")):
+        printed, _ = deploy_args(argv_up, service)
+        argv = kids[child]
+        assert any(argv[i : i + len(printed)] == printed for i in range(len(argv))), (service, printed, argv)
