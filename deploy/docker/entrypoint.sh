@@ -49,7 +49,12 @@ except ProfileError as e:
 
 profile_block_size() {  # EI_BLOCK_SIZE := the profile's block_size, which every worker uses; exit 2 on another
     profile=${EI_PROFILE:-gb300-glm52}
-    bs=$(block_size_of "$profile" "EI_PROFILE=$profile") || exit 2
+    block_size_of "$profile" "EI_PROFILE=$profile" >/dev/null || exit 2  # unreadable: one line naming EI_PROFILE
+    # the profile as up resolves it (EI_ENGINE=torch with the default EI_PROFILE: torch-tiny-cpu), whose block
+    # size deploy-args gives these services and the workers; EI_PROFILE's refused a torch stack's own size
+    resolved=$(deploy_args env) || exit 2
+    eval "$resolved"
+    profile=$EI_DEPLOY_PROFILE bs=$EI_DEPLOY_BLOCK_SIZE
     if [ -n "${EI_BLOCK_SIZE:-}" ] && [ "$EI_BLOCK_SIZE" != "$bs" ]; then
         echo "$role: EI_BLOCK_SIZE=$EI_BLOCK_SIZE differs from the block size $bs of profile $profile; the router," \
             "directory and workers must use one block size: set EI_BLOCK_SIZE=$bs (or leave it unset) or an EI_PROFILE" \

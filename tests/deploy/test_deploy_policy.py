@@ -201,3 +201,19 @@ def test_a_worker_profile_is_checked_against_the_cluster_s_as_up_resolves_it(tmp
     assert len(line.splitlines()) == 1 and "block size 64 but profile torch-tiny-cpu (EI_ENGINE=torch's" in line and "has 8" in line, line
     worker = _argv(tmp_path, "worker", "--profile", "torch-tiny-cpu", **env)
     assert _flag(worker, "--profile") == "torch-tiny-cpu"
+
+
+@pytest.mark.parametrize("role", ["kvdirectory", "router"])
+def test_a_torch_stack_s_block_size_is_its_profile_s_not_ei_profile_s(tmp_path, role):
+    """``EI_ENGINE=torch`` runs ``torch-tiny-cpu`` (8-token blocks) as up does, and deploy-args gives the router
+    and directory ``--block-size 8``; the entrypoint still took ``EI_BLOCK_SIZE`` from ``EI_PROFILE``
+    (gb300-glm52, 64): it exported 64 beside the flag and refused ``EI_BLOCK_SIZE=8``, the stack's own size."""
+    pytest.importorskip("torch")
+    model = tmp_path / "tiny-model"
+    subprocess.run([sys.executable, "-m", "evolving_infra.cli", "model", "init", str(model)], check=True, capture_output=True,
+                   timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    env = dict(EI_ENGINE="torch", EI_MODEL_DIR=str(model))
+    r = _run(tmp_path, role, EI_BLOCK_SIZE="8", **env)
+    assert (r.returncode, r.stdout.strip()) == (0, f"started services.{role} EI_BLOCK_SIZE=8"), (r.stdout, r.stderr)
+    r = _run(tmp_path, role, EI_BLOCK_SIZE="64", **env)
+    assert r.returncode == 2 and "EI_BLOCK_SIZE=64 differs from the block size 8 of profile torch-tiny-cpu" in r.stderr, r.stderr
