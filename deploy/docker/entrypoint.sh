@@ -18,8 +18,11 @@
 #   EI_ENGINE      sim | torch (the model folder mounted at /models; the profile, tokenizer, served model name
 #                  and context limit follow from it as with `up --engine torch --model DIR`)   default sim
 #   EI_MODEL_DIR   EI_ENGINE=torch: the model folder in the container                       default /models
-#   EI_BLOCK_SIZE  kvdirectory, router: set here to EI_PROFILE's block_size (the workers'); another is refused
-#   worker --profile P: refused unless P's block_size is EI_PROFILE's
+#   EI_BLOCK_SIZE  kvdirectory, router: set here to the block_size of the profile up resolves (EI_PROFILE; with
+#                  EI_ENGINE=torch and EI_PROFILE the default, torch-tiny-cpu), the workers'; another is refused
+#   worker --profile P: refused unless P's block_size is that profile's
+#   auth checks EI_POLICY / SPLIT / EI_ENGINE first (deploy-args env): a refused one ends it with status 2,
+#   before NATS or any service (which restart on failure) starts
 set -eu
 # PID 1 of the container until the exec below: the kernel drops a signal PID 1 has no handler for, so
 # without this `docker compose stop` waited out its 10 s and killed a container still waiting for

@@ -260,6 +260,10 @@ def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(
             families[k] = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
         assert all(families.values()), families
         assert len({frozenset(f) for f in list(families.values())[:4]}) == 4, "the head's services serve one port each"
+        # stopped (scancel): no targets left for a file_sd glob over runs/ to scrape under this job's label
+        os.kill(job.proc.pid, signal.SIGTERM)
+        assert job.proc.wait(60) == 0, job.text()
+        assert json.loads((job.run / "prometheus-targets.json").read_text()) == [], job.text()
     finally:
         job.close()
 
