@@ -116,7 +116,8 @@ case "$role" in
         find "$dir" -maxdepth 1 -name '*.nk' -delete
         [ "$AUTH" = off ] && continue
         case "$who" in
-          workers) cp -p "$CREDS"/worker-*.nk "$dir" ;;
+          workers)  # this WORKERS's seeds only: a larger WORKERS's older ones stay in $CREDS after regeneration
+            for node in $(nodes | tr , ' '); do cp -p "$CREDS/worker-$node.nk" "$dir"; done ;;
           router|planner|kvdirectory|launcher) cp -p "$CREDS/$who.nk" "$dir" ;;
           *) echo "auth: $dir: no identity named $who (router, planner, kvdirectory, launcher, workers)" >&2; exit 2 ;;
         esac

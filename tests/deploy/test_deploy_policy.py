@@ -148,6 +148,7 @@ def test_the_auth_job_gives_each_identity_folder_only_its_own_seed(tmp_path):
     for who in ("router", "planner", "kvdirectory", "launcher", "workers"):
         (out / who).mkdir(parents=True)
     (out / "router" / "admin.nk").write_text("stale")  # a seed left from another run goes
+    (creds / "worker-w2.nk").write_text("stale")  # a WORKERS=3 run's, not regenerated for WORKERS=2: not copied
     env = dict(EI_CREDS_DIR=str(creds), EI_CREDS_OUT=str(out), EI_NATS_AUTH="nkeys", WORKERS="2")
     r = _run(tmp_path, "auth", **env)
     assert r.returncode == 0, (r.stdout, r.stderr)
