@@ -173,15 +173,17 @@ class FetchState(IdentityValue):
     """Pages of ``[lo, hi)`` in the prefix the request restored at admission: fewer than
     fetched when the transfer missed some, L2 had no room for all of them (other requests'
     held prefixes) or a broken hold lost some before admission."""
+    fetch_id: int
+    """This fetch's number on the node (:attr:`FetchStarted.fetch_id`; 0 = not external)."""
 
     __slots__ = __match_args__ = (
-        "lo", "hi", "started_at", "external", "sim_done_at", "missing", "skipped_at", "done_at", "used",
+        "lo", "hi", "started_at", "external", "sim_done_at", "missing", "skipped_at", "done_at", "used", "fetch_id",
     )
 
     def __init__(
         self, lo: int, hi: int, started_at: float, external: bool = False, sim_done_at: float | None = None,
         missing: frozenset[int] = frozenset(), skipped_at: float | None = None, done_at: float | None = None,
-        used: int = 0,
+        used: int = 0, fetch_id: int = 0,
     ) -> None:
         self.lo = lo
         self.hi = hi
@@ -192,6 +194,7 @@ class FetchState(IdentityValue):
         self.skipped_at = skipped_at
         self.done_at = done_at
         self.used = used
+        self.fetch_id = fetch_id
 
     @property
     def fetch_s(self) -> float | None:
@@ -219,13 +222,19 @@ class FetchStarted(FrozenValue):
     clipped to the blocks this node lacked when the request arrived)."""
     at: float
     """Simulated time the fetch started (the request's arrival on the node)."""
+    fetch_id: int
+    """This fetch's number on the node (from 1): what its report (``fetch_done``), the engine's
+    hold on its bytes (``on_fetched`` / ``drop_fetched``) and ``take_fetch_ends`` name it by. The
+    rid alone is not enough: a request re-dispatched here (a newer attempt) starts a new fetch
+    while the old attempt's transfer may still be moving bytes."""
 
-    __slots__ = __match_args__ = ("rid", "sources", "at")
+    __slots__ = __match_args__ = ("rid", "sources", "at", "fetch_id")
 
-    def __init__(self, rid: str, sources: Any = FACTORY, at: float = 0.0) -> None:
+    def __init__(self, rid: str, sources: Any = FACTORY, at: float = 0.0, fetch_id: int = 0) -> None:
         set_field(self, "rid", rid)
         set_field(self, "sources", [] if sources is FACTORY else sources)
         set_field(self, "at", at)
+        set_field(self, "fetch_id", fetch_id)
 
 
 __all__ = ["FetchLink", "FetchStarted", "FetchState"]

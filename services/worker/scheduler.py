@@ -235,8 +235,11 @@ class EngineScheduler:
         """rids whose fetch is incomplete (each is waiting or gated)."""
         self._seq = 0
         self._fetch_starts: list[FetchStarted] = []
-        self._fetch_ends: list[str] = []
-        """rids whose fetch ended since the last :meth:`take_fetch_ends` (``external_fetch`` only)."""
+        self._fetch_ends: list[int] = []
+        """Fetch ids (:attr:`FetchStarted.fetch_id`) of the fetches that ended since the last
+        :meth:`take_fetch_ends` (``external_fetch`` only)."""
+        self._fetch_ids = 0
+        """Fetch id of the last external fetch started."""
         self.fetch_counters: dict[str, int] = {}
         """``started``, ``completed``, ``cancelled``, ``blocks`` (fetched pages), ``missing``
         (pages the real transfer did not deliver), ``nothing`` (plan adds no page),
@@ -581,14 +584,18 @@ class EngineScheduler:
             self._count("nothing")
             return
         p = self.profile
-        r.fetch = FetchState(lo=lo, hi=pos, started_at=now, external=self.external_fetch)
+        fetch_id = 0
+        if self.external_fetch:
+            self._fetch_ids += 1
+            fetch_id = self._fetch_ids
+        r.fetch = FetchState(lo=lo, hi=pos, started_at=now, external=self.external_fetch, fetch_id=fetch_id)
         self.link.start(r.rid, (pos - lo) * self.block_size * p.kv_bytes_per_token, now)
         self._fetching.add(r.rid)
         r.q_host += pos - lo  # what the queue entry will restore once the fetch is in
         self._count("started")
         self._count("blocks", pos - lo)
         if self.external_fetch:
-            self._fetch_starts.append(FetchStarted(r.rid, [(n, r.path[a:b]) for n, a, b in spans], now))
+            self._fetch_starts.append(FetchStarted(r.rid, [(n, r.path[a:b]) for n, a, b in spans], now, fetch_id))
 
     def take_fetch_starts(self) -> list[FetchStarted]:
         """Drain the fetches started since the last call (only with ``external_fetch``):
@@ -597,8 +604,9 @@ class EngineScheduler:
         self._fetch_starts = []
         return out
 
-    def take_fetch_ends(self) -> list[str]:
-        """Drain the rids whose fetch ended since the last call (only with ``external_fetch``):
+    def take_fetch_ends(self) -> list[int]:
+        """Drain the fetch ids (:attr:`FetchStarted.fetch_id`) of the fetches that ended since the
+        last call (only with ``external_fetch``):
         completed (its ``BlockStored(host)`` events are queued before it is listed here, so drain
         the KV events first) or cancelled (the request left). The caller frees the bytes the
         transfer brought that L2 did not take."""
@@ -606,18 +614,23 @@ class EngineScheduler:
         self._fetch_ends = []
         return out
 
-    def fetch_done(self, rid: str, missing: Iterable[int], now: float) -> bool:
+    def fetch_done(self, rid: str, missing: Iterable[int], now: float, fetch_id: int | None = None) -> bool:
         """The real transfer of ``rid``'s fetch finished (``external_fetch`` mode).
 
         ``missing``: hashes not delivered or whose checksum failed; the fetch keeps
         the pages before the first missing one and the request recomputes the rest.
+        ``fetch_id``: the transfer's :attr:`FetchStarted.fetch_id` (None: whichever fetch ``rid``
+        has); a transfer of an earlier fetch of the same rid (the request left and was
+        re-dispatched here while its bytes moved) is late, not this fetch's report.
         The fetch completes now if the link model is done, else when it is.
         Returns False (nothing changes) if ``rid`` has no real transfer pending
-        (aborted, handed back, or reported already). O(pages) at completion.
+        (aborted, handed back, reported already, or another fetch). O(pages) at completion.
         """
         r = self.requests.get(rid)
         f = r.fetch if r is not None else None
         if r is None or f is None or f.done_at is not None or not f.external:
+            return False
+        if fetch_id is not None and f.fetch_id != fetch_id:
             return False
         f.external = False
         f.missing = frozenset(missing)
@@ -656,7 +669,7 @@ class EngineScheduler:
         self.kv.store_fetched(r.path, f.lo, hi)
         self._count("completed")
         if self.external_fetch:
-            self._fetch_ends.append(r.rid)
+            self._fetch_ends.append(f.fetch_id)
         r.q_gpu, r.q_host = self.kv.match(r.path, r.limit)
         self._drop_hold(r)
         if r.q_host:  # hold the extended L2 prefix (fetched pages and their ancestors) until admission
@@ -679,7 +692,7 @@ class EngineScheduler:
         self._fetching.discard(r.rid)
         self._count("cancelled")
         if self.external_fetch:
-            self._fetch_ends.append(r.rid)
+            self._fetch_ends.append(f.fetch_id)
 
     def _head_admissible(self, now: float) -> _Request | None:
         """The oldest waiting request whose fetch is complete (or that has none).

@@ -903,13 +903,13 @@ class WorkerService:
             missing.update(res.missing)
         for res in results:  # a real engine takes the fetched bytes before the core stores the pages
             if not isinstance(res, BaseException) and res.fetched:
-                self.engine.on_fetched(self.kvpool, res.fetched, fs.rid)
+                self.engine.on_fetched(self.kvpool, res.fetched, fs.fetch_id)
         now = self.clock.now()
         path = [h for _, hs in fs.sources for h in hs]
         cut = next((i for i, h in enumerate(path) if h in missing), len(path))
-        if not self.core.fetch_done(fs.rid, missing, now):
-            c["kvfetch.late"] += 1  # the request left (abort, hand-back) while the bytes moved
-            self.engine.drop_fetched(fs.rid)  # its fetch ended already: nothing will store them
+        if not self.core.fetch_done(fs.rid, missing, now, fs.fetch_id):
+            c["kvfetch.late"] += 1  # the request left (abort, hand-back, re-dispatch) while the bytes moved
+            self.engine.drop_fetched(fs.fetch_id)  # its fetch ended already: nothing will store them
             cut = 0
         for h in self.core.kv.host.absent(path[cut:]):  # pages L2 will never hold (past a missing one, or unused): free their slots
             self.kvpool.evict(h)
@@ -1334,8 +1334,8 @@ class WorkerService:
         except EngineFatal as e:
             self._fail(e)
             raise
-        for rid in self.core.take_fetch_ends():
-            self.engine.drop_fetched(rid)
+        for fetch_id in self.core.take_fetch_ends():
+            self.engine.drop_fetched(fetch_id)
 
     def _fail(self, e: BaseException) -> None:
         """The engine failed beyond repair: stop taking work and signal the process shell

@@ -85,13 +85,14 @@ class Engine(ABC):
         payloads."""
         return False
 
-    def on_fetched(self, pool: Any, hashes: Any, rid: str) -> None:
-        """Pages ``hashes`` were fetched from a peer into ``pool`` (checksum-verified) by
-        ``rid``'s fetch, before the scheduler stores them in L2: an engine with real KV takes
-        their bytes and holds them until :meth:`drop_fetched`. The sim engine holds no bytes."""
+    def on_fetched(self, pool: Any, hashes: Any, fetch_id: int) -> None:
+        """Pages ``hashes`` were fetched from a peer into ``pool`` (checksum-verified) by fetch
+        ``fetch_id`` (``FetchStarted.fetch_id``), before the scheduler stores them in L2: an engine
+        with real KV takes their bytes and holds them until :meth:`drop_fetched`. The sim engine
+        holds no bytes."""
 
-    def drop_fetched(self, rid: str) -> int:
-        """``rid``'s fetch ended (stored, not stored, or abandoned): free the bytes it brought that
+    def drop_fetched(self, fetch_id: int) -> int:
+        """Fetch ``fetch_id`` ended (stored, not stored, or abandoned): free the bytes it brought that
         no other open fetch holds. Returns the pages freed; the sim engine holds none (0)."""
         return 0
 

@@ -51,9 +51,10 @@ def peer_and_fetch(folder: str, prompt: list[int], pages: int, profile=PROFILE, 
     return a, b, hashes
 
 
-def deliver(a: LocalNode, b: LocalNode, hashes: list[int], rid: str = "r") -> None:
+def deliver(a: LocalNode, b: LocalNode, hashes: list[int], fetch_id: int = 1) -> None:
+    """Peer ``a``'s L2 bytes of ``hashes`` into ``b``'s engine for fetch ``fetch_id`` (``r``'s: b's first)."""
     for h in hashes:
-        b.engine.put_fetched(h, a.engine.host_page(h).clone(), rid)
+        b.engine.put_fetched(h, a.engine.host_page(h).clone(), fetch_id)
 
 
 def test_stored_fetch_is_freed_and_serves_the_reference(model):
@@ -82,7 +83,7 @@ def test_aborted_fetch_frees_its_pages(model, when):
         b._drain()
         deliver(a, b, hashes)
         assert not b.core.fetch_done("r", (), b.now)
-        assert b.engine.drop_fetched("r") == 5  # the worker's late path
+        assert b.engine.drop_fetched(1) == 5  # the worker's late path
     else:
         deliver(a, b, hashes)
         assert b.core.fetch_done("r", (), b.now)  # the link model is not done at b.now: completion waits
@@ -122,7 +123,7 @@ def test_fetched_pages_without_l2_room_are_freed(model):
     b.add_prefill(msgspec.structs.replace(work("r", prompt, 4), fetch=[FetchRange(node="a", start=0, end=5)]))
     [fs] = b.core.take_fetch_starts()
     hashes = [h for _, hs in fs.sources for h in hs]
-    deliver(a, b, hashes)
+    deliver(a, b, hashes, fs.fetch_id)
     assert b.core.fetch_done("r", (), b.now)
     b.run()
     assert b.finished["r"].tokens == Ref(hf)(prompt, 4)
@@ -141,7 +142,7 @@ def test_page_two_fetches_brought_outlives_the_first(model):
     b.add_prefill(msgspec.structs.replace(work("r2", prompt, 2), fetch=[FetchRange(node="a", start=0, end=5)]))
     [fs2] = b.core.take_fetch_starts()
     deliver(a, b, hashes)
-    deliver(a, b, hashes, "r2")
+    deliver(a, b, hashes, fs2.fetch_id)
     assert b.core.fetch_done("r", (), b.now)
     b.now += 1.0  # both links done
     b.step()
@@ -150,3 +151,39 @@ def test_page_two_fetches_brought_outlives_the_first(model):
     assert b.core.fetch_done("r2", (), b.now)
     b.run()
     assert not b.engine._fetched
+
+
+def test_redispatched_request_is_not_completed_by_its_old_transfer(model):
+    """The router re-dispatched ``r`` to this node (a newer attempt: the worker aborts the held one,
+    ``_newest_attempt``) while the old attempt's transfer was still moving 3 pages; the new attempt
+    fetches 5. The old transfer ends first: its report must not complete the new fetch (its
+    ``missing`` says nothing of pages 3-4) nor its late path free the new fetch's bytes. Before
+    (fetches keyed by rid), ``fetch_done("r")`` completed the new fetch with the old bytes and the
+    completion stored pages 3-4 that had none: ``KvMapError``, the node exited."""
+    folder, hf = model
+    prompt = toks(random.Random(6), 6 * BS + 3)
+    a = LocalNode("a", PROFILE, folder)
+    a.add_prefill(work("w", prompt, 1))
+    a.run()
+    b = LocalNode("b", PROFILE, folder, external_fetch=True)
+    b.add_prefill(msgspec.structs.replace(work("r", prompt, 4), fetch=[FetchRange(node="a", start=0, end=3)]))
+    [old] = b.core.take_fetch_starts()
+    b.core.abort("r", b.now)  # re-dispatched: the worker drops the held attempt ...
+    b._drain()
+    b.add_prefill(msgspec.structs.replace(work("r", prompt, 4), fetch=[FetchRange(node="a", start=0, end=5)]))
+    [new] = b.core.take_fetch_starts()  # ... and serves the new one, fetching 5 pages
+    old_hashes = [h for _, hs in old.sources for h in hs]
+    new_hashes = [h for _, hs in new.sources for h in hs]
+    assert len(old_hashes) == 3 and len(new_hashes) == 5
+    deliver(a, b, old_hashes, old.fetch_id)  # the old transfer ends first (the worker's _transfer)
+    assert not b.core.fetch_done("r", (), b.now, old.fetch_id)  # late: its attempt left
+    b.engine.drop_fetched(old.fetch_id)
+    b.now += 1.0  # the link model is done with the new fetch; its bytes have not come yet
+    b.step()
+    assert b.core.fetching == 1 and not b.core.kv.host.members
+    deliver(a, b, new_hashes, new.fetch_id)
+    assert b.core.fetch_done("r", (), b.now, new.fetch_id)
+    b.run()
+    assert b.finished["r"].tokens == Ref(hf)(prompt, 4)
+    assert b.engine.counters["fetched_pages"] == 5
+    assert not b.engine._fetched and b.engine.fetched_bytes() == 0

@@ -172,8 +172,8 @@ class _Fetched:
 
     kv: torch.Tensor
     """``[layers, 2, block_size, kv_heads, head_dim]``."""
-    holders: set[str]
-    """Rids of the open fetches that brought it."""
+    holders: set[int]
+    """Fetch ids (``FetchStarted.fetch_id``) of the open fetches that brought it."""
     stored: bool = False
     """Copied into L2 at a ``BlockStored(host)``."""
 
@@ -270,8 +270,8 @@ class TorchEngine(Engine):
         their ``BlockStored(host)`` copies them into L2 and :meth:`drop_fetched` (the fetch ended:
         stored, not stored, or abandoned) lets them go. Not dropped at the store: another open
         fetch of the same page may need it again once L2 evicted it in between."""
-        self._fetch_pages: dict[str, set[int]] = {}
-        """Open fetches: rid → the pages its fetch brought (:meth:`put_fetched`)."""
+        self._fetch_pages: dict[int, set[int]] = {}
+        """Open fetches: fetch id → the pages it brought (:meth:`put_fetched`)."""
         self._handoffs: dict[str, torch.Tensor] = {}
         self._incoming: dict[int, dict[str, torch.Tensor]] = {}
         """Hand-off pages by hash → the bytes each hand-off carrying it brought, by rid, until that
@@ -391,29 +391,31 @@ class TorchEngine(Engine):
             self.check(*snapshot())
 
     @_locked
-    def put_fetched(self, h: int, kv: torch.Tensor, rid: str) -> None:
-        """Real bytes of page ``h`` fetched from a peer's L2 by ``rid``'s fetch, ``[layers, 2,
-        block_size, kv_heads, head_dim]``; stored into L2 at its ``BlockStored(host)`` event, kept
-        until every fetch that brought it ended (:meth:`drop_fetched`). A page two open fetches
-        brought is held once (one version per hash: the first bytes)."""
+    def put_fetched(self, h: int, kv: torch.Tensor, fetch_id: int) -> None:
+        """Real bytes of page ``h`` fetched from a peer's L2 by fetch ``fetch_id``
+        (``FetchStarted.fetch_id``), ``[layers, 2, block_size, kv_heads, head_dim]``; stored into
+        L2 at its ``BlockStored(host)`` event, kept until every fetch that brought it ended
+        (:meth:`drop_fetched`). A page two open fetches brought is held once (one version per
+        hash: the first bytes)."""
         f = self._fetched.get(h)
         if f is None:
-            self._fetched[h] = _Fetched(kv, {rid})
+            self._fetched[h] = _Fetched(kv, {fetch_id})
         else:
-            f.holders.add(rid)
-        self._fetch_pages.setdefault(rid, set()).add(h)
+            f.holders.add(fetch_id)
+        self._fetch_pages.setdefault(fetch_id, set()).add(h)
 
     @_locked
-    def drop_fetched(self, rid: str) -> int:
-        """``rid``'s fetch ended (the scheduler stored what it would, or the request left): let go
-        of the pages it brought that no other open fetch holds. Call after the KV events of the
-        fetch's completion were applied. Returns the pages freed (0 if ``rid`` has none)."""
+    def drop_fetched(self, fetch_id: int) -> int:
+        """Fetch ``fetch_id`` ended (the scheduler stored what it would, or the request left): let
+        go of the pages it brought that no other open fetch holds (by fetch, not rid: a request
+        re-dispatched here has a new fetch open while its old one's transfer ends). Call after the
+        KV events of the fetch's completion were applied. Returns the pages freed (0 if it has none)."""
         freed = 0
-        for h in self._fetch_pages.pop(rid, ()):
+        for h in self._fetch_pages.pop(fetch_id, ()):
             f = self._fetched.get(h)
             if f is None:
                 continue
-            f.holders.discard(rid)
+            f.holders.discard(fetch_id)
             if not f.holders:
                 del self._fetched[h]
                 freed += 1
@@ -449,15 +451,15 @@ class TorchEngine(Engine):
                 pool.buffer.clear(pool.clock())
         return True
 
-    def on_fetched(self, pool: Any, hashes: Any, rid: str) -> None:
-        """Take the bytes of pages ``rid``'s fetch brought from a peer into ``pool`` (verified by
+    def on_fetched(self, pool: Any, hashes: Any, fetch_id: int) -> None:
+        """Take the bytes of pages fetch ``fetch_id`` brought from a peer into ``pool`` (verified by
         the pool's CRC) for their coming ``BlockStored(host)`` (:meth:`put_fetched`; freed by
         :meth:`drop_fetched`)."""
         shape = tuple(self.host.shape[1:])
         for h in hashes:
             if pool.has(h):
                 raw = torch.from_numpy(pool.buffer.view(h).copy())
-                self.put_fetched(h, raw.view(self.host.dtype).reshape(shape), rid)
+                self.put_fetched(h, raw.view(self.host.dtype).reshape(shape), fetch_id)
 
     def host_page(self, h: int) -> torch.Tensor:
         """The L2 bytes of page ``h`` (``[layers, 2, block_size, kv_heads, head_dim]``, a view).

@@ -85,8 +85,8 @@ class LocalNode:
     def _drain(self) -> None:
         """KV events into the engine, then the bytes of the fetches that ended let go (as the worker)."""
         self.engine.on_kv_events(self.core.take_kv_events(), self.core.requests, self.core.snapshot)
-        for rid in self.core.take_fetch_ends():
-            self.engine.drop_fetched(rid)
+        for fetch_id in self.core.take_fetch_ends():
+            self.engine.drop_fetched(fetch_id)
 
     def add_prefill(self, work: PrefillWork) -> None:
         """Queue prefill work (raises WorkRejected / ValueError as the scheduler / engine do)."""
