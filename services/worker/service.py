@@ -53,6 +53,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import structlog
@@ -144,6 +145,19 @@ class _Switch:
 def _drain_needed(old: str, new: str) -> bool:
     """A switch to ``both`` serves every phase's work at once; any other change drains first."""
     return new != "both" and new != old
+
+
+def take_fetched(engine: Engine, pool: Any, results: list[Any], fetch_id: int) -> set[int]:
+    """A real engine takes the bytes of fetch ``fetch_id`` before the core stores its pages: those
+    each ``FetchResult`` (exceptions skipped) fetched and those the pool held already (another open
+    fetch brought them: the engine holds them for this fetch too, or the completion of this one,
+    after the other ended and L2 evicted them, would store a page without bytes). Returns the
+    pages the engine could not take (the pool let them go meanwhile): reported missing."""
+    lost: set[int] = set()
+    for res in results:
+        if not isinstance(res, BaseException) and (res.fetched or res.already):
+            lost.update(engine.on_fetched(pool, (*res.fetched, *res.already), fetch_id))
+    return lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -901,9 +915,7 @@ class WorkerService:
                     c[f"kvfetch.failed.{why}"] += n
                 self.log.warning("real-bytes fetch failed; the missing pages are recomputed", rid=fs.rid, peer=peer, error=res.error)
             missing.update(res.missing)
-        for res in results:  # a real engine takes the fetched bytes before the core stores the pages
-            if not isinstance(res, BaseException) and res.fetched:
-                self.engine.on_fetched(self.kvpool, res.fetched, fs.fetch_id)
+        missing |= take_fetched(self.engine, self.kvpool, results, fs.fetch_id)
         now = self.clock.now()
         path = [h for _, hs in fs.sources for h in hs]
         cut = next((i for i, h in enumerate(path) if h in missing), len(path))

@@ -85,11 +85,13 @@ class Engine(ABC):
         payloads."""
         return False
 
-    def on_fetched(self, pool: Any, hashes: Any, fetch_id: int) -> None:
-        """Pages ``hashes`` were fetched from a peer into ``pool`` (checksum-verified) by fetch
-        ``fetch_id`` (``FetchStarted.fetch_id``), before the scheduler stores them in L2: an engine
-        with real KV takes their bytes and holds them until :meth:`drop_fetched`. The sim engine
-        holds no bytes."""
+    def on_fetched(self, pool: Any, hashes: Any, fetch_id: int) -> list[int]:
+        """Pages ``hashes`` are in ``pool`` for fetch ``fetch_id`` (``FetchStarted.fetch_id``;
+        fetched, checksum-verified, or held already), before the scheduler stores them in L2: an
+        engine with real KV takes their bytes and holds them until :meth:`drop_fetched`. Returns
+        the pages it could not take (the caller reports them missing); the sim engine holds no
+        bytes (none)."""
+        return []
 
     def drop_fetched(self, fetch_id: int) -> int:
         """Fetch ``fetch_id`` ended (stored, not stored, or abandoned): free the bytes it brought that

@@ -23,6 +23,9 @@ from shared.messages import FetchRange  # noqa: E402
 from shared.profile import load_profile  # noqa: E402
 from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
+from services.worker.kvpool.buffer import HostKvBuffer  # noqa: E402
+from services.worker.kvpool.pool import FetchResult  # noqa: E402
+from services.worker.service import take_fetched  # noqa: E402
 from tests.unit.worker.test_torch_engine import Ref, toks, work  # noqa: E402
 
 PROFILE = load_profile("torch-tiny-cpu")
@@ -187,3 +190,71 @@ def test_redispatched_request_is_not_completed_by_its_old_transfer(model):
     assert b.finished["r"].tokens == Ref(hf)(prompt, 4)
     assert b.engine.counters["fetched_pages"] == 5
     assert not b.engine._fetched and b.engine.fetched_bytes() == 0
+
+
+class BufferPool:
+    """The surface of ``HostKvPool`` that ``on_fetched`` reads (``has``, ``buffer``) over a real
+    ``HostKvBuffer``: a pool without its Mooncake endpoint."""
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.buffer = HostKvBuffer(slots, slot_bytes, payload="external")
+
+    def has(self, h: int) -> bool:
+        return self.buffer.has(h)
+
+
+def test_pages_the_pool_held_already_are_held_for_the_second_fetch(model):
+    """r1 and r2 fetch the same 5 pages; r1's transfer committed them to the pool, so r2's finds
+    them held (``FetchResult.already``, nothing transferred). r1 leaves; r2's fetch completes. The
+    worker (``take_fetched``) used to hand the engine only ``fetched``: r2 held none of the 5,
+    r1's end freed them, and r2's completion stored pages without bytes (``KvMapError``: the node
+    exited)."""
+    folder, hf = model
+    prompt = toks(random.Random(7), 6 * BS + 3)
+    a, b, hashes = peer_and_fetch(folder, prompt, 5)
+    b.add_prefill(msgspec.structs.replace(work("r2", prompt, 4), fetch=[FetchRange(node="a", start=0, end=5)]))
+    [fs2] = b.core.take_fetch_starts()
+    pool = BufferPool(8, b.engine.pool_slot_bytes())
+    for h in hashes:  # r1's transfer: committed to the pool
+        pool.buffer.put(h, b.now, a.engine.host_page(h).contiguous().view(torch.uint8).numpy())
+    assert take_fetched(b.engine, pool, [FetchResult("a", 5, fetched=tuple(hashes))], 1) == set()
+    assert b.core.fetch_done("r", (), b.now, 1)
+    res2 = FetchResult("a", 5, already=tuple(hashes))  # r2's transfer found them held
+    assert take_fetched(b.engine, pool, [res2], fs2.fetch_id) == set()
+    assert b.core.abort("r", b.now)
+    b._drain()  # r1's fetch ended: its hold on the 5 pages goes; r2's stays
+    assert len(b.engine._fetched) == 5
+    assert b.core.fetch_done("r2", (), b.now, fs2.fetch_id)
+    b.now += 1.0
+    b.run()
+    assert b.finished["r2"].tokens == Ref(hf)(prompt, 4)
+    assert b.engine.counters["fetched_pages"] == 5
+    assert not b.engine._fetched
+
+
+def test_pages_the_pool_let_go_are_reported_missing(model):
+    """r1's fetch ended before r2's transfer reported the pages the pool held for it (``already``),
+    and the pool let one of them go meanwhile: the engine holds the other 4 for r2 and the one
+    it has no bytes for comes back missing (recomputed). Before, the core stored all 5."""
+    folder, hf = model
+    prompt = toks(random.Random(8), 6 * BS + 3)
+    a, b, hashes = peer_and_fetch(folder, prompt, 5)
+    b.add_prefill(msgspec.structs.replace(work("r2", prompt, 4), fetch=[FetchRange(node="a", start=0, end=5)]))
+    [fs2] = b.core.take_fetch_starts()
+    pool = BufferPool(8, b.engine.pool_slot_bytes())
+    for h in hashes:
+        pool.buffer.put(h, b.now, a.engine.host_page(h).contiguous().view(torch.uint8).numpy())
+    assert take_fetched(b.engine, pool, [FetchResult("a", 5, fetched=tuple(hashes))], 1) == set()
+    assert b.core.abort("r", b.now)
+    b._drain()
+    assert not b.engine._fetched
+    pool.buffer.evict(hashes[3], b.now)  # e.g. r1's kvfetch.late path
+    res2 = FetchResult("a", 5, already=tuple(hashes))
+    missing = take_fetched(b.engine, pool, [res2, RuntimeError("peer gone")], fs2.fetch_id)
+    assert missing == {hashes[3]}
+    assert b.core.fetch_done("r2", missing, b.now, fs2.fetch_id)
+    b.now += 1.0
+    b.run()
+    assert b.finished["r2"].tokens == Ref(hf)(prompt, 4)
+    assert b.engine.counters["fetched_pages"] == 3 and b.engine.counters["fetched_unstored_pages"] == 5 + 1
+    assert not b.engine._fetched

@@ -451,15 +451,26 @@ class TorchEngine(Engine):
                 pool.buffer.clear(pool.clock())
         return True
 
-    def on_fetched(self, pool: Any, hashes: Any, fetch_id: int) -> None:
-        """Take the bytes of pages fetch ``fetch_id`` brought from a peer into ``pool`` (verified by
-        the pool's CRC) for their coming ``BlockStored(host)`` (:meth:`put_fetched`; freed by
-        :meth:`drop_fetched`)."""
+    @_locked
+    def on_fetched(self, pool: Any, hashes: Any, fetch_id: int) -> list[int]:
+        """Hold the bytes of the pages fetch ``fetch_id`` got (``FetchResult.fetched`` and
+        ``already``: pages the pool held when it started, e.g. brought by another open fetch) for
+        their coming ``BlockStored(host)`` (:meth:`put_fetched`; freed by :meth:`drop_fetched`):
+        the copy another open fetch holds, else the pool's (CRC-verified). Returns the pages it has
+        no bytes for (the pool let them go meanwhile): the caller reports them missing, so the core
+        never stores a page without bytes (``KvMapError``)."""
         shape = tuple(self.host.shape[1:])
+        lost: list[int] = []
         for h in hashes:
-            if pool.has(h):
+            f = self._fetched.get(h)
+            if f is not None:
+                self.put_fetched(h, f.kv, fetch_id)
+            elif pool.has(h):
                 raw = torch.from_numpy(pool.buffer.view(h).copy())
                 self.put_fetched(h, raw.view(self.host.dtype).reshape(shape), fetch_id)
+            else:
+                lost.append(h)
+        return lost
 
     def host_page(self, h: int) -> torch.Tensor:
         """The L2 bytes of page ``h`` (``[layers, 2, block_size, kv_heads, head_dim]``, a view).
