@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from shared.hashing import block_hashes, pack_tokens  # noqa: E402
-from shared.messages import PrefillWork  # noqa: E402
+from shared.messages import BlockStored, PrefillWork  # noqa: E402
 from shared.profile import load_profile  # noqa: E402
 from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 from services.worker.engines.torch_engine.engine import KvMapError, TorchEngine  # noqa: E402
@@ -271,3 +271,27 @@ def test_model_init_cli(tmp_path):
     assert main(["model", "init", str(tmp_path / "m"), "--arch", "qwen3", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1"]) == 0
     eng = TorchEngine(PROFILE, tmp_path / "m")
     assert eng.cfg.arch == "qwen3" and eng.cfg.num_layers == 1 and eng.cfg.qk_norm
+
+
+def test_handoff_pages_missing_from_l1_is_a_kv_map_error(model):
+    """A decode node's engine missed the KV batch that put a hand-off's prompt pages in L1 (a lost
+    batch: ``--fault-skip-engine-kv-batch``; no ``--check-invariants`` to catch it at the drain).
+    Its first decode must raise ``KvMapError`` (the node exits and is restarted). Before it was a
+    bare ``KeyError``: the worker loop only counted it (``loop_errors``) with the plan still in
+    flight, so every later step raised ``SchedulerError``: the node stayed up serving nothing."""
+    folder, _ = model
+    p = LocalNode("p", PROFILE, folder, phase="prefill")
+    d = LocalNode("d", PROFILE, folder, phase="decode", check=False)
+    p.add_prefill(work("h", toks(random.Random(12), 2 * BS + 5), 4, decode_node="d"))
+    p.run()
+    d.add_decode(p.handoffs[0].work)
+    for _ in range(10):
+        plan = d.core.schedule(d.now)
+        lost = d.core.take_kv_events()  # the engine never sees this batch
+        if plan is not None and any(r.rid == "h" for r in plan.reqs):
+            assert any(isinstance(e, BlockStored) and e.tier == "gpu" for e in lost)
+            with pytest.raises(KvMapError, match="hand-off page"):
+                d.engine.execute(plan)
+            return
+        d.now = d.core.next_deadline() or d.now + 1.0
+    raise AssertionError("the hand-off never decoded")

@@ -722,7 +722,10 @@ class TorchEngine(Engine):
                 raise KvMapError(f"{r.rid}: decode without registered tokens")
             if s.incoming is not None:  # hand-off: prompt pages are in L1 now; copy the partial one
                 full = len(s.prompt) // ps
-                s.table = [self.page_of[h] for h in r.path[:full]]
+                try:
+                    s.table = [self.page_of[h] for h in r.path[:full]]
+                except KeyError as e:
+                    raise KvMapError(f"{r.rid}: hand-off page {e} has no L1 page") from e
                 if len(s.prompt) % ps:
                     p = self._alloc()
                     self._write_page(p, s.incoming[full])
@@ -856,6 +859,8 @@ class TorchEngine(Engine):
         slots = list(self.host_slot.values()) + self._host_free
         if len(slots) != self.host.shape[0] or len(set(slots)) != len(slots):
             raise KvMapError("L2 slots not conserved")
+        if not set(self.page_of) <= set(self.host_slot):
+            raise KvMapError(f"{len(set(self.page_of) - set(self.host_slot))} L1 pages have no L2 copy (write-through)")
         if bytes_check:
             for h, p in self.page_of.items():
                 if not torch.equal(self._page_kv(p).cpu(), self.host[self.host_slot[h]].cpu()):
