@@ -203,6 +203,20 @@ class BufferPool:
         return self.buffer.has(h)
 
 
+def two_fetches(folder: str, prompt: list[int]):
+    """``r`` (fetch 1) and ``r2`` (``fs2``) on node ``b`` fetch the same 5 pages of ``prompt``; r's
+    transfer committed them to ``pool`` and the engine took them (``take_fetched``).
+    Returns (b, the hashes, fs2, pool)."""
+    a, b, hashes = peer_and_fetch(folder, prompt, 5)
+    b.add_prefill(msgspec.structs.replace(work("r2", prompt, 4), fetch=[FetchRange(node="a", start=0, end=5)]))
+    [fs2] = b.core.take_fetch_starts()
+    pool = BufferPool(8, b.engine.pool_slot_bytes())
+    for h in hashes:
+        pool.buffer.put(h, b.now, a.engine.host_page(h).contiguous().view(torch.uint8).numpy())
+    assert take_fetched(b.engine, pool, [FetchResult("a", 5, fetched=tuple(hashes))], 1) == set()
+    return b, hashes, fs2, pool
+
+
 def test_pages_the_pool_held_already_are_held_for_the_second_fetch(model):
     """r1 and r2 fetch the same 5 pages; r1's transfer committed them to the pool, so r2's finds
     them held (``FetchResult.already``, nothing transferred). r1 leaves; r2's fetch completes. The
@@ -211,13 +225,7 @@ def test_pages_the_pool_held_already_are_held_for_the_second_fetch(model):
     exited)."""
     folder, hf = model
     prompt = toks(random.Random(7), 6 * BS + 3)
-    a, b, hashes = peer_and_fetch(folder, prompt, 5)
-    b.add_prefill(msgspec.structs.replace(work("r2", prompt, 4), fetch=[FetchRange(node="a", start=0, end=5)]))
-    [fs2] = b.core.take_fetch_starts()
-    pool = BufferPool(8, b.engine.pool_slot_bytes())
-    for h in hashes:  # r1's transfer: committed to the pool
-        pool.buffer.put(h, b.now, a.engine.host_page(h).contiguous().view(torch.uint8).numpy())
-    assert take_fetched(b.engine, pool, [FetchResult("a", 5, fetched=tuple(hashes))], 1) == set()
+    b, hashes, fs2, pool = two_fetches(folder, prompt)
     assert b.core.fetch_done("r", (), b.now, 1)
     res2 = FetchResult("a", 5, already=tuple(hashes))  # r2's transfer found them held
     assert take_fetched(b.engine, pool, [res2], fs2.fetch_id) == set()
@@ -238,13 +246,7 @@ def test_pages_the_pool_let_go_are_reported_missing(model):
     it has no bytes for comes back missing (recomputed). Before, the core stored all 5."""
     folder, hf = model
     prompt = toks(random.Random(8), 6 * BS + 3)
-    a, b, hashes = peer_and_fetch(folder, prompt, 5)
-    b.add_prefill(msgspec.structs.replace(work("r2", prompt, 4), fetch=[FetchRange(node="a", start=0, end=5)]))
-    [fs2] = b.core.take_fetch_starts()
-    pool = BufferPool(8, b.engine.pool_slot_bytes())
-    for h in hashes:
-        pool.buffer.put(h, b.now, a.engine.host_page(h).contiguous().view(torch.uint8).numpy())
-    assert take_fetched(b.engine, pool, [FetchResult("a", 5, fetched=tuple(hashes))], 1) == set()
+    b, hashes, fs2, pool = two_fetches(folder, prompt)
     assert b.core.abort("r", b.now)
     b._drain()
     assert not b.engine._fetched
