@@ -1716,9 +1716,14 @@ class RouterService:
         if scope["path"] not in _GENERATE_PATHS:
             return
         raw = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        self._log_rejected(None if raw is None else raw.decode("latin-1"), status, error)
+
+    def _log_rejected(self, rid_header: str | None, status: int, error: str | None) -> None:
+        """``--log-requests``' ``request rejected`` line: the client's ``X-Request-ID`` header value if it is a
+        usable id (an unusable one, maybe the reason for the refusal, is not logged), the status, the error."""
         rid = None
-        with contextlib.suppress(api.ApiError, UnicodeDecodeError):  # an unusable id is not logged
-            rid = api.parse_request_id(None if raw is None else raw.decode("latin-1"))
+        with contextlib.suppress(api.ApiError):
+            rid = api.parse_request_id(rid_header)
         self.log.info("request rejected", rid=rid, status=status, error=error)
 
     def _log_end(self, rl: _ReqLog, status: int, request: Request, resp: Response | None) -> None:
@@ -1730,10 +1735,7 @@ class RouterService:
             if resp is not None and resp.status_code >= 400:
                 with contextlib.suppress(Exception):  # our own JSON error body; anything else: no message
                     error = msgspec.json.decode(bytes(resp.body))["error"]["message"]
-            rid = None
-            with contextlib.suppress(api.ApiError):  # an unusable id (the reason it was refused) is not logged
-                rid = api.parse_request_id(request.headers.get("x-request-id"))
-            self.log.info("request rejected", rid=rid, status=status, error=error)
+            self._log_rejected(request.headers.get("x-request-id"), status, error)
             return
         p = rl.p
         if p is None:  # accepted, failed before it was placed (no route, dispatch failed)
