@@ -193,6 +193,19 @@ class _StreamPosition:
         self.stale_floor = max(self.stale_floor, self.floor)
         self.floor = last
 
+    def accept(self, seq: int, consumer: str) -> bool:
+        """Whether the delivery of stream sequence ``seq`` (0: unknown) by ``consumer`` is new, raising the floor
+        it is checked against (``stale_floor`` for a consumer from before a rewind); False: a redelivery."""
+        if consumer in self.stale:  # received before the stream came back shorter
+            if seq and seq <= self.stale_floor:
+                return False
+            self.stale_floor = max(self.stale_floor, seq)
+        else:
+            if seq and seq <= self.floor:
+                return False
+            self.floor = max(self.floor, seq)
+        return True
+
 
 class Bus:
     """A NATS connection bound to a partition and a publishing instance.
@@ -291,10 +304,10 @@ class Bus:
             if bus._closing:
                 return
             bus.counters["nats.disconnects"] += 1
-            # the last RESEND_WINDOW_S may have died unstored: published again on reconnect (the window
-            # is cut on publish too, so after a quiet spell _recent still holds older messages)
-            since = time.monotonic() - RESEND_WINDOW_S
-            bus._resend = [r for r in bus._recent if r[0] >= since]
+            # the last RESEND_WINDOW_S may have died unstored: published again on reconnect (the window is
+            # cut here too, not only on publish: after a quiet spell _recent still holds older messages)
+            bus._trim_recent(time.monotonic())
+            bus._resend = list(bus._recent)
             bus.log.warning("nats disconnected")
 
         async def reconnected_cb() -> None:
@@ -452,10 +465,8 @@ class Bus:
                 self._msg_no += 1
                 hdr = {MSG_ID: f"{self.instance}-{self._boot}-{self._msg_no}"}
                 now = time.monotonic()
-                recent = self._recent
-                recent.append((now, full, data, hdr))
-                while recent and (now - recent[0][0] > RESEND_WINDOW_S or len(recent) > RESEND_MAX_MSGS):
-                    recent.popleft()
+                self._recent.append((now, full, data, hdr))
+                self._trim_recent(now)
                 await self.nc.publish(full, data, headers={**headers, **hdr} if headers else hdr)
             else:
                 await self.nc.publish(full, data, headers=headers)
@@ -513,16 +524,9 @@ class Bus:
                     seq, consumer = meta.sequence.stream, meta.consumer
                 except Exception:  # not a JetStream delivery (cannot happen on a push consumer)
                     seq, consumer = 0, ""
-                if consumer in pos.stale:  # received before the stream came back shorter
-                    if seq and seq <= pos.stale_floor:
-                        self.counters["redelivered." + template] += 1
-                        return
-                    pos.stale_floor = max(pos.stale_floor, seq)
-                else:
-                    if seq and seq <= pos.floor:
-                        self.counters["redelivered." + template] += 1
-                        return
-                    pos.floor = max(pos.floor, seq)
+                if not pos.accept(seq, consumer):
+                    self.counters["redelivered." + template] += 1
+                    return
                 mid = raw.headers.get(MSG_ID) if raw.headers else None
                 if mid is not None:
                     if mid in seen:
@@ -609,6 +613,13 @@ class Bus:
             jsi.recreate_consumer = recreate_renamed
         self._js_subs.append((sub, pos))
         return sub
+
+    def _trim_recent(self, now: float) -> None:
+        """Keep in ``_recent`` only the reliable publishes of the last ``RESEND_WINDOW_S`` (``now``: monotonic
+        seconds), at most ``RESEND_MAX_MSGS`` of them: what a reconnect publishes again."""
+        recent = self._recent
+        while recent and (now - recent[0][0] > RESEND_WINDOW_S or len(recent) > RESEND_MAX_MSGS):
+            recent.popleft()
 
     def _wrong_subject(self, template: str, raw: NatsMsg) -> None:
         """Count (``dropped.<template>``, ``wrong_subject.<template>``) and drop a message that came
