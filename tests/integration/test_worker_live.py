@@ -392,7 +392,8 @@ async def test_a_worker_that_stops_clears_its_blocks_from_the_directory(nats_url
                 return g["blocks.indexed"] >= 10 and g["copies.gpu"] >= 10 and g["copies.host"] >= 10
 
             await until(indexed, what="the directory to index w0's blocks")
-        # the worker stopped
+        # the worker stopped; its clearing batch reaches this client's subscription a moment later
+        await until(lambda: c.kv["w0"][-1].events == [m.AllBlocksCleared()], what="the stopped worker's clearing KV batch")
         last = c.kv["w0"][-1]
         assert last.events == [m.AllBlocksCleared()] and last.seq == len(c.kv["w0"]), [b.seq for b in c.kv["w0"]]
 
@@ -432,8 +433,10 @@ async def test_a_resync_answered_while_the_worker_stops_offers_no_blocks(nats_ur
         assert len(live.gpu) >= 10  # a running node offers its blocks
         stop.set()
         await asyncio.wait_for(task, 10)
+        # the clearing batch is published before the worker's bus closes, but reaches this client's
+        # subscription a moment later (CI once read the batch before it)
+        await until(lambda: c.kv["w0"][-1].events == [m.AllBlocksCleared()], what="the stopped worker's clearing KV batch")
         last = c.kv["w0"][-1]
-        assert last.events == [m.AllBlocksCleared()]
         snap = await svc._on_resync(m.KvResyncRequest(node="w0"), "")
         assert snap.seq == last.seq and snap.gpu == [] and snap.host == [], (snap.seq, len(snap.gpu), len(snap.host))
     finally:
