@@ -8,7 +8,10 @@ instead (``ts`` epoch s, ``subject``, ``type``, ``msg``, and ``traceparent``
 when the message carries one), for ``jq`` and scripts. Without ``--nats-url`` it
 taps the running ``evolving-infra up`` cluster (its state file,
 :mod:`evolving_infra.state`). It fails within seconds when no server answers and stops
-when the connection is lost (no endless reconnecting).
+when the connection is lost (no endless reconnecting). A subject its credentials may not
+read (only ``admin`` reads everything) is one line on stderr naming the identity and the
+subjects, and exit 2: the server refuses such a subscription with an error the client
+otherwise only logs, and tap printed nothing, forever, as if the cluster were idle.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import nats
 
 from evolving_infra.auth_cli import CREDS_HINT, tool_auth
 from shared.auth import AuthError, redact_url
-from shared.bus import decoder_for
+from shared.bus import decoder_for, denied_subject
 from shared.subjects import ALL, Subjects
 
 
@@ -95,8 +98,12 @@ async def _tap(args: argparse.Namespace) -> int:
             lost.append("connection to NATS lost (the cluster stopped?)")
             stop.set()
 
-    async def quiet(_e: Exception) -> None:  # the failure is reported once, below
-        pass
+    refused: set[str] = set()
+
+    async def on_error(e: Exception) -> None:  # a connect failure is reported once, below
+        found = denied_subject(str(e))
+        if found is not None and found[0] == "subscription":
+            refused.add(found[1].lower())  # nats-py passes the server's error text lower-cased
 
     try:
         auth = tool_auth(args.nats_url, getattr(args, "nats_creds", ""), "nats_admin_creds")
@@ -108,7 +115,7 @@ async def _tap(args: argparse.Namespace) -> int:
         nc = await asyncio.wait_for(
             nats.connect(
                 args.nats_url, name="tap", connect_timeout=2, max_reconnect_attempts=1, allow_reconnect=False, closed_cb=closed_cb,
-                error_cb=quiet, **opts,
+                error_cb=on_error, **opts,
             ), timeout=5
         )
     except Exception as e:  # no server: a clear message within seconds, not a traceback
@@ -143,6 +150,25 @@ async def _tap(args: argparse.Namespace) -> int:
 
     for p in patterns:
         await nc.subscribe(p, cb=cb)
+    try:  # the server answers a SUB it refuses with -ERR, ahead of the PONG to a later PING
+        # nats-py writes a flush's PING straight to the socket, ahead of SUBs still in its pending buffer
+        # (its flusher task writes them): one flush's PONG came before the -ERR about 1 time in 20; by the
+        # end of the first round trip the flusher has written them, so the second PING follows them
+        await nc.flush(timeout=5)
+        await nc.flush(timeout=5)
+    except Exception as e:
+        print(f"error: NATS at {redact_url(args.nats_url)} did not answer after subscribing ({e!r})", file=sys.stderr)
+        await nc.close()
+        return 1
+    if denied := [p for p in patterns if p.lower() in refused]:
+        who = f"identity {auth.name!r}" if auth.enabled else "a client without credentials"
+        print(
+            f"error: NATS refused {who} permission to subscribe to {', '.join(denied)} (Permissions Violation): "
+            "its credentials may not read these subjects; tap with the admin credentials (they read everything)",
+            file=sys.stderr,
+        )
+        await nc.close()
+        return 2
     print(f"tapping {', '.join(patterns)} on {redact_url(args.nats_url)} (known roots: {', '.join(sorted(templates))}); Ctrl-C to stop", file=sys.stderr)
     await stop.wait()
     if reader_gone:  # stdout's reader stopped (| head): evolving_infra.cli.main ends quietly with 141

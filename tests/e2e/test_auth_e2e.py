@@ -330,3 +330,25 @@ async def test_cli_tools_blame_the_credentials_not_the_planner(secured):
         assert bare.returncode == 2
         assert "requires credentials and none were given" in bare.stderr and "--nats-creds" in bare.stderr, bare.stderr
         assert "EI_NATS_CREDS" in bare.stderr and "split-cli" not in bare.stderr and len(bare.stderr.strip().splitlines()) == 1
+
+
+async def test_tap_names_the_subjects_its_credentials_may_not_read(secured):
+    """The server refuses a subscription outside an identity's permissions with an error the client only
+    logs: tap with a service's credentials printed nothing, forever, as if the cluster were idle (it ran
+    until killed). Now it is one line naming the identity and the refused subjects, and exit 2; the
+    subjects it may read are not named."""
+    srv, creds = secured
+
+    def tap(creds_file: str, *subjects: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("EI_NATS")}
+        return subprocess.run([sys.executable, "-m", "evolving_infra.cli", "tap", "--nats-url", srv.url, "--nats-creds", creds_file,
+                               *subjects], capture_output=True, text=True, timeout=20, env=env)  # fmt: skip
+
+    everything = await asyncio.to_thread(tap, str(creds.files["router"]))
+    assert everything.returncode == 2, everything
+    assert "identity 'router' permission to subscribe to ei.p0.>" in everything.stderr and not everything.stdout
+    assert len(everything.stderr.strip().splitlines()) == 1, everything.stderr
+    mixed = await asyncio.to_thread(tap, str(creds.files["worker-w0"]), "work.w0.prefill", "work.w1.prefill")
+    assert mixed.returncode == 2, mixed
+    assert "identity 'worker-w0' permission to subscribe to ei.p0.work.w1.prefill (" in mixed.stderr
+    assert "work.w0.prefill" not in mixed.stderr and len(mixed.stderr.strip().splitlines()) == 1, mixed.stderr
