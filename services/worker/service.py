@@ -50,8 +50,10 @@ spinning.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -316,7 +318,9 @@ class WorkerService:
             (self._fetch_split(), "split-get"),
             *(((self._check_owners(), "owners"),) if self.cfg.owner_check_interval_s > 0 else ()),
         ):
-            self._tasks.append(asyncio.create_task(coro, name=f"worker-{node}-{name}"))
+            task = asyncio.create_task(coro, name=f"worker-{node}-{name}")
+            task.add_done_callback(self._task_done if name != "split-get" else self._spawned_done)
+            self._tasks.append(task)
         self.log.info("worker started", profile=self.profile.name, phase=self.core.phase, engine=self.engine.name)
 
     async def _start_kvpool(self) -> None:
@@ -414,20 +418,35 @@ class WorkerService:
             gauges.update(pg)
         return counters, gauges
 
-    def _spawn(self, coro, name: str | None = None) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
-        """Run ``coro`` in the background (a task named ``name``); stop() cancels it; errors are
-        counted and logged. Returns the task."""
+    def _spawn(self, coro, name: str | None = None, *, fatal: bool = False) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
+        """Run ``coro`` in the background (a task named ``name``); stop() cancels it. An exception
+        that ends it is counted (``task_errors``) and logged with its traceback; with ``fatal``
+        (a task that leaves the node half-updated when it stops midway: a fetch's bookkeeping)
+        it also fails the node (:meth:`_task_done`). Returns the task."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._spawned.add(task)
-
-        def done(t: asyncio.Task[None]) -> None:
-            self._spawned.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                self.counters["task_errors"] += 1
-                self.log.warning("background task failed", task=t.get_name(), error=repr(t.exception()))
-
-        task.add_done_callback(done)
+        task.add_done_callback(self._task_done if fatal else self._spawned_done)
         return task
+
+    def _spawned_done(self, t: asyncio.Task[Any]) -> None:
+        """Done callback of a task whose failure leaves the node able to go on (a count sync is
+        started again by the next ``kv.counts`` message; ``split.get`` as a ``split.commands``
+        handler): count and log the exception that ended it, if any."""
+        self._spawned.discard(t)
+        if not t.cancelled() and (e := t.exception()) is not None:
+            self.counters["task_errors"] += 1
+            self.log.error("background task failed", task=t.get_name(), error=repr(e), exc_info=e)
+
+    def _task_done(self, t: asyncio.Task[Any]) -> None:
+        """Done callback of a task the node needs (the step loop, the state heartbeat, the
+        iteration records, the owner checks, a decode binding, a real-bytes fetch): one that an
+        exception ended fails the node (:meth:`_fail`). Before, such a task died silently (asyncio
+        logs "Task exception was never retrieved" at best): a dead heartbeat left a busy node
+        routed, a dead fetch left its request fetching forever."""
+        self._spawned.discard(t)
+        if not t.cancelled() and (e := t.exception()) is not None:
+            self.counters["task_errors"] += 1
+            self._fail(e, f"task {t.get_name()}")
 
     # ------------------------------------------------------------------ #
     # handlers
@@ -460,11 +479,9 @@ class WorkerService:
                     check_token(work.decode_node, "decode_node")
                 except ValueError as e:
                     raise WorkRejected(work.rid, str(e)) from None
-            try:
-                self.engine.accept_prefill(work)
-            except ValueError as e:
-                raise WorkRejected(work.rid, str(e)) from None
-            self.core.add_prefill(work, now, decode_later=late)
+            self._accept(self.engine.accept_prefill, work)
+            with self._fatal_on_error("add prefill work", allowed=(WorkRejected,)):
+                self.core.add_prefill(work, now, decode_later=late)
         except WorkRejected as e:
             await self._reject(e, now, attempt=work.attempt)
             return
@@ -504,11 +521,9 @@ class WorkerService:
         try:
             if not self.accepting:
                 raise WorkRejected(work.rid, f"node {self.node} is shutting down")
-            try:
-                self.engine.accept_decode(work)
-            except ValueError as e:
-                raise WorkRejected(work.rid, str(e)) from None
-            self.core.add_decode(work, now)
+            self._accept(self.engine.accept_decode, work)
+            with self._fatal_on_error("add decode work", allowed=(WorkRejected,)):
+                self.core.add_decode(work, now)
         except WorkRejected as e:
             await self._reject(e, now, attempt=work.attempt)
             return
@@ -523,6 +538,28 @@ class WorkerService:
         await self._flush_kv(now)  # a reservation may have evicted blocks
         self._input()
 
+    def _accept(self, hook: Any, work: m.PrefillWork | m.DecodeWork) -> None:
+        """Run the engine's ``accept_prefill`` / ``accept_decode`` ``hook`` on ``work``.
+
+        The hook only checks the work and registers it last (``Engine.accept_prefill``: an engine
+        that raises has not changed), and the core has not taken the work yet, so any exception
+        concerns this request alone: it is refused with the error (the client gets it), and the
+        node serves on. An unexpected one is counted (``requests.accept_errors``) and logged with
+        its traceback. Before, an exception other than ``ValueError`` escaped to the bus handler:
+        the request was dropped with no answer, and its client waited for its timeout.
+
+        Raises:
+            WorkRejected: the hook refused the work (``ValueError``) or failed.
+        """
+        try:
+            hook(work)
+        except ValueError as e:
+            raise WorkRejected(work.rid, str(e)) from None
+        except Exception as e:
+            self.counters["requests.accept_errors"] += 1
+            self.log.error("engine failed to accept work: request refused", rid=work.rid, error=repr(e), exc_info=e)
+            raise WorkRejected(work.rid, f"the {self.engine.name} engine failed to accept the work: {e!r}") from None
+
     def _newest_attempt(self, rid: str, attempt: int, now: float) -> bool:
         """Fencing: True if work of ``attempt`` may be served here. An older attempt than the
         one this node holds is dropped (counted); a newer one replaces the held one (the router
@@ -535,7 +572,8 @@ class WorkerService:
             self.log.info("work of an old attempt dropped", rid=rid, attempt=attempt, held=held.attempt)
             return False
         self._forget(rid)
-        self.core.abort(rid, now)
+        with self._fatal_on_error("abort a superseded attempt"):
+            self.core.abort(rid, now)
         self.counters["requests.superseded"] += 1
         return True
 
@@ -570,7 +608,9 @@ class WorkerService:
         bind = self._binds.pop(rid, None)
         if bind is not None:
             bind.cancel()
-        if not self.core.abort(rid, now):
+        with self._fatal_on_error("abort"):
+            held_here = self.core.abort(rid, now)
+        if not held_here:
             return False
         if self.cfg.log_requests:
             self.log.info("request aborted", rid=rid, reason=reason)
@@ -708,7 +748,8 @@ class WorkerService:
             await self._serving(sw, now)
             return
         self._switch = sw
-        queued = self.core.take_queued(now)
+        with self._fatal_on_error("switch: take the queued work"):
+            queued = self.core.take_queued(now)
         sw.requeued = len(queued)
         for w in queued:
             self._bind_later.pop(w.rid, None)
@@ -736,7 +777,8 @@ class WorkerService:
     async def _serving(self, sw: _Switch, now: float) -> None:
         """Serve ``sw.target`` from now on; announce it (state first: the router routes by it)."""
         old = self.core.phase
-        self.core.set_phase(sw.target, now)
+        with self._fatal_on_error("switch: set the phase"):
+            self.core.set_phase(sw.target, now)
         drained = sw.drained_at if sw.drained_at is not None else now
         await self._publish_state(now)
         await self._publish_applied(
@@ -814,7 +856,8 @@ class WorkerService:
         for rid in plan.admitted:
             work = self._bind_later.pop(rid, None)
             if work is not None:
-                self._binds[rid] = asyncio.create_task(self._bind(work, now), name=f"bind-{rid}")
+                self._binds[rid] = task = asyncio.create_task(self._bind(work, now), name=f"bind-{rid}")
+                task.add_done_callback(self._task_done)
 
     async def _bind(self, work: m.PrefillWork, started: float) -> None:
         """``route.bind`` until the router names a decode node (retried while none is eligible)."""
@@ -880,7 +923,7 @@ class WorkerService:
         if self.kvpool is None:
             return
         for fs in self.core.take_fetch_starts():
-            self._spawn(self._transfer(fs))
+            self._spawn(self._transfer(fs), name=f"fetch-{fs.rid}", fatal=True)
 
     async def _transfer(self, fs: FetchStarted) -> None:
         assert self.kvpool is not None
@@ -937,7 +980,8 @@ class WorkerService:
         gaps = st.counters["gap"]
         reset, action = st.offer(msg)
         if reset:  # the directory restarted: its counts start from empty
-            moved = self.core.reset_counts()
+            with self._fatal_on_error("reset branch counts"):
+                moved = self.core.reset_counts()
             self.log.info("kv directory restarted: branch counts reset to 0", epoch=msg.epoch, moved=moved)
         if action == "apply":
             self._apply_counts(msg.hashes, msg.counts)
@@ -949,7 +993,8 @@ class WorkerService:
     def _apply_counts(self, hashes: list[int], counts: list[int]) -> int:
         """``core.update_counts``; a message it refuses is counted and dropped. Returns the host blocks moved."""
         try:
-            return self.core.update_counts(hashes, counts)
+            with self._fatal_on_error("apply branch counts", allowed=(ValueError,)):
+                return self.core.update_counts(hashes, counts)
         except ValueError as e:
             self.counters["counts.invalid"] += 1
             self.log.warning("invalid count update dropped", error=str(e))
@@ -1019,7 +1064,8 @@ class WorkerService:
             after = st.snapshot(epoch, seq, gen)
             if after is None:
                 continue
-            moved = self.core.reset_counts()
+            with self._fatal_on_error("reset branch counts"):
+                moved = self.core.reset_counts()
             moved += self._apply_counts(hashes, counts)
             for msg in after:
                 moved += self._apply_counts(msg.hashes, msg.counts)
@@ -1074,9 +1120,7 @@ class WorkerService:
         events = self.core.take_kv_events()
         self._engine_kv_events(events)
         gpu, gpu_parents, host, host_parents = self.core.snapshot_parents()
-        if events and self.kvpool is not None:
-            if not self.engine.mirror_pool(self.kvpool, events):
-                self.kvpool.apply_kv_events(events)
+        self._mirror_pool(events)
         if events:
             self.kv_seq += 1
         seq = self.kv_seq
@@ -1092,18 +1136,25 @@ class WorkerService:
     # ------------------------------------------------------------------ #
 
     async def _run(self) -> None:
+        """Step until the node stops or a step fails. Any exception out of :meth:`_step` ends the
+        node (:meth:`_fail`): ``EngineFatal`` (its KV is wrong: serving on could send wrong tokens)
+        and every other one (a CUDA out-of-memory in the forward, an engine hook, a core bug, NATS
+        refusing a publish). A step is not atomic: once ``schedule()`` has taken a plan, only
+        ``finish_iteration`` ends it, and every later ``schedule()`` raises ``SchedulerError``; the
+        engine and the pools may have applied part of it. Before, the loop counted the error
+        (``loop_errors``) and went on: the node kept heartbeating and holding its requests while
+        every step failed, so the router never re-dispatched them and clients waited for their
+        timeout. As vLLM's EngineCore dies on an exception in its busy loop (``EngineDeadError``)
+        and SGLang's scheduler SIGQUITs its server, the node exits 1; its supervisor restarts it
+        and the router re-dispatches what it held."""
         while True:
             try:
                 await self._step()
             except asyncio.CancelledError:
                 raise
-            except EngineFatal as e:  # the engine's KV is wrong: serving on could send wrong tokens
-                self._fail(e)
+            except Exception as e:
+                self._fail(e, "step")
                 return
-            except Exception as e:  # a bug must not stop the node: count, log, go on
-                self.counters["loop_errors"] += 1
-                self.log.exception("worker loop step failed", error=repr(e))
-                await asyncio.sleep(0.1)
 
     def _input(self) -> None:
         """The core was handed input (work, abort, a switch, fetched bytes, a binding) now: note
@@ -1334,6 +1385,9 @@ class WorkerService:
 
         Raises:
             EngineFatal: the engine's KV is out of step (the node is failed first: :meth:`_fail`).
+            Exception: anything else the engine raised, after failing the node too: the batch is
+                drained from the core, so an engine that did not take all of it (a CUDA
+                out-of-memory in a page copy) has a page map out of step with the pools.
         """
         given = events
         if events and self.cfg.fault_skip_engine_kv_batch:
@@ -1341,33 +1395,60 @@ class WorkerService:
             if self._kv_batches == self.cfg.fault_skip_engine_kv_batch:  # injected fault: the engine misses it
                 self.counters["engine.kv_batches_skipped_by_fault"] += 1
                 given = []
-        try:
+        with self._fatal_on_error("engine KV events"):
             self.engine.on_kv_events(given, self.core.requests, self.core.snapshot)
-        except EngineFatal as e:
-            self._fail(e)
-            raise
-        for fetch_id in self.core.take_fetch_ends():
-            self.engine.drop_fetched(fetch_id)
+            for fetch_id in self.core.take_fetch_ends():
+                self.engine.drop_fetched(fetch_id)
 
-    def _fail(self, e: BaseException) -> None:
-        """The engine failed beyond repair: stop taking work and signal the process shell
-        (:attr:`fatal`), which stops the node and exits non-zero. Idempotent."""
+    def _mirror_pool(self, events: list[m.KvEvent]) -> None:
+        """``--kv-pool real``: the pool follows the host-tier ``events`` (the engine's L2 bytes, or
+        synthetic payloads). Raises what the engine or the pool raised, after failing the node
+        (:meth:`_fail`): a pool that took part of a batch serves pages L2 no longer holds."""
+        if events and self.kvpool is not None:
+            with self._fatal_on_error("real-bytes pool mirror"):
+                if not self.engine.mirror_pool(self.kvpool, events):
+                    self.kvpool.apply_kv_events(events)
+
+    def _fail(self, e: BaseException, where: str) -> None:
+        """The node cannot serve on (``where``: the step, a handler, a background task): stop taking
+        work and signal the process shell (:attr:`fatal`), which stops the node and exits non-zero.
+        Logged at error with the traceback and the requests it held (up to 64 rids; the router
+        re-dispatches them once it fences the node). Idempotent: only the first failure is kept."""
         if self.fatal.is_set():
             return
-        self.counters["engine_fatal"] += 1
+        self.counters["engine_fatal" if isinstance(e, EngineFatal) else "node_fatal"] += 1
         self.accepting = False
         self.fatal_error = e
-        self.log.error("engine failed: its KV can no longer be trusted; the node exits to be restarted", error=repr(e))
+        why = (
+            "engine failed: its KV can no longer be trusted"
+            if isinstance(e, EngineFatal)
+            else "engine failed: an unexpected error left the node unable to make progress"
+        )
+        rids = list(dict.fromkeys((*self.core.requests, *self._owners)))  # with one the core handed off, not yet sent
+        self.log.error(
+            f"{why}; the node exits to be restarted", where=where, error=repr(e), requests=len(rids), rids=rids[:64], exc_info=e
+        )
         self.fatal.set()
+
+    @contextlib.contextmanager
+    def _fatal_on_error(self, where: str, *, allowed: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+        """Run engine or core code that may leave the node half-updated when it raises: any
+        exception but ``allowed`` (the refusals the code documents) fails the node (:meth:`_fail`)
+        and is raised on (a bus handler logs it; the step loop stops)."""
+        try:
+            yield
+        except allowed:
+            raise
+        except Exception as e:
+            self._fail(e, where)
+            raise
 
     async def _flush_kv(self, now: float) -> None:
         events = self.core.take_kv_events()
         self._engine_kv_events(events)
         if not events:
             return
-        if self.kvpool is not None:  # the real-bytes pool mirrors L2 (host-tier events)
-            if not self.engine.mirror_pool(self.kvpool, events):
-                self.kvpool.apply_kv_events(events)
+        self._mirror_pool(events)  # the real-bytes pool mirrors L2 (host-tier events)
         self.kv_seq += 1
         await self._publish_kv(self.kv_seq, events, now)
 

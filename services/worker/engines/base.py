@@ -22,7 +22,11 @@ class EngineFatal(RuntimeError):
     not serve another token from it. The worker stops and exits non-zero, so its supervisor
     (``up``, the compose / sbatch restart policies) restarts it with empty KV, and the router
     re-dispatches its in-flight requests (as vLLM's EngineCore dies on an exception in its busy
-    loop, ``EngineDeadError``, and SGLang's scheduler SIGQUITs its server)."""
+    loop, ``EngineDeadError``, and SGLang's scheduler SIGQUITs its server).
+
+    Any other exception out of the engine's ``execute`` or hooks ends the node the same way (the
+    shell cannot know what the engine applied of the plan or batch), except from
+    :meth:`Engine.accept_prefill` / :meth:`Engine.accept_decode`, which fails only that request."""
 
 
 class Engine(ABC):
@@ -57,11 +61,14 @@ class Engine(ABC):
 
     def accept_prefill(self, work: PrefillWork) -> None:
         """Called before the scheduler queues ``work``. Raises ValueError to refuse it
-        (e.g. a prompt longer than the model's context)."""
+        (e.g. a prompt longer than the model's context). An engine that raises (anything)
+        must be unchanged: check first, register last; the shell then refuses only this
+        request (any other exception is reported to the client as an engine error)."""
 
     def accept_decode(self, work: DecodeWork) -> None:
         """Called before the scheduler takes a hand-off (``work.kv`` carries K/V bytes
-        a real engine needs). Raises ValueError to refuse it."""
+        a real engine needs). Raises ValueError to refuse it; unchanged when it raises, as
+        :meth:`accept_prefill`."""
 
     def on_kv_events(self, events: list[KvEvent], live: Any, snapshot: Any = None) -> None:
         """Every batch of KV events the shell drains (also an empty one), in order;
