@@ -85,7 +85,7 @@ class Client:
 
     async def stats(self, node: str) -> m.StatsReply:
         reply = await self.bus.request(SVC_STATS, m.StatsRequest(), instance=f"worker-{node}")
-        bugs = {k: v for k, v in reply.counters.items() if k.startswith(("handler_errors", "loop_errors"))}
+        bugs = {k: v for k, v in reply.counters.items() if k.startswith(("handler_errors", "node_fatal", "engine_fatal", "task_errors"))}
         assert not bugs, f"worker {node} hit internal errors: {bugs}"
         return reply
 
