@@ -308,7 +308,9 @@ class _Group:
         if self.kind == "decode":
             qs = q[rows].view(B, nkv, nh // nkv, D)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=self.mask, scale=scale)
-            return o.view(B, nh, D)
+            # CUDA's kernels may return [B, nkv, g, D] in another memory order than CPU's (contiguous):
+            # reshape copies only then (a view raised on an H200: "view size is not compatible")
+            return o.reshape(B, nh, D)
         qs = q[rows].view(1, Q, nh, D).transpose(1, 2)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=self.mask, scale=scale, enable_gqa=nh != nkv)
         return o.transpose(1, 2)[0]
