@@ -45,16 +45,18 @@ import torch
 assert torch.cuda.is_available(), "no CUDA device visible to torch"
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0))
 PYEOF
-step "gpu-marked tests" 90 "$PYX" -m pytest -q -p no:cacheprovider -m gpu tests/unit/worker/test_torch_engine_gpu.py
-step "torch unit tests on cuda, float32" 150 "$PYX" -m pytest -q -p no:cacheprovider -p gpu_float32 --timeout 120 \
+step "gpu-marked tests" 60 "$PYX" -m pytest -q -p no:cacheprovider -m gpu tests/unit/worker/test_torch_engine_gpu.py
+# -v: a step cut at its limit prints no summary, but each test's line shows how far it got
+step "torch unit tests on cuda, float32" 130 "$PYX" -m pytest -v --tb=short -p no:cacheprovider -p gpu_float32 --timeout 60 \
   tests/unit/worker/test_torch_engine.py tests/unit/worker/test_torch_engine_fetch.py tests/unit/worker/test_torch_eos.py \
   tests/unit/worker/test_torch_logprobs.py tests/unit/worker/test_torch_penalties.py tests/unit/worker/test_torch_sampling.py \
-  tests/unit/worker/test_torch_attention_groups.py tests/unit/worker/test_torch_model_archs.py \
+  tests/unit/worker/test_torch_attention_groups.py tests/unit/worker/test_torch_model_archs.py
+step "randomized torch tests on cuda, float32" 80 "$PYX" -m pytest -v --tb=short -p no:cacheprovider -p gpu_float32 --timeout 60 \
   tests/unit/worker/test_torch_engine_random.py tests/unit/worker/test_torch_engine_fetch_random.py
 step "torch live tests on cuda, float32" 120 env EI_DTYPE=float32 "$PYX" -m pytest -q -p no:cacheprovider -p gpu_float32 --timeout 100 \
   tests/integration/test_torch_engine_live.py tests/integration/test_torch_sampling_live.py \
   tests/integration/test_torch_logprobs_live.py tests/integration/test_torch_engine_fatal_live.py
-step "throughput, bfloat16" 120 "$PYX" - <<'PYEOF'
+step "throughput, bfloat16" 90 "$PYX" - <<'PYEOF'
 import random, tempfile, time
 from pathlib import Path
 import msgspec, torch, transformers
