@@ -38,7 +38,15 @@ subjects it may subscribe: the grant is ``$JS.API.CONSUMER.CREATE.EI_<p>.*.<filt
 (a named consumer with one filter, the form whose API subject carries the filter;
 ``shared.bus`` creates its consumers so), never the bare
 ``$JS.API.CONSUMER.CREATE.EI_<p>`` whose filter is in the body (a worker read another
-node's prompts and every output through such a consumer). A push consumer's
+node's prompts and every output through such a consumer). The name stays ``*``: ``shared.bus``
+names each consumer afresh per subscription and reset (``<instance>_<16 random hex>``), and a
+NATS wildcard is a whole token. No identity may list the stream's consumers or call their other
+APIs (info, delete, next; ordered consumers ack nothing and ``$JS.ACK.>`` is not granted), and
+the flow-control replies (``$JS.FC.EI_<p>.>``) name the consumer, so another's is out of reach
+but by its name. One that learned a name may update that consumer with its own create grant:
+the server refuses a new deliver subject (name in use), so it cannot take the deliveries, but
+takes a new filter (one of the updater's own subjects) or a rate limit; ``shared.bus`` drops a
+delivery whose subject is not the subscription's. A push consumer's
 deliver subject is in its config, out of the permissions' sight (the server only
 checks that it is a literal outside the stream): a worker may have a consumer of its
 own ``work.<n>.decode`` deliver onto a core subject it may not publish, and such a

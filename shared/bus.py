@@ -518,6 +518,9 @@ class Bus:
         """Message ids handled lately: a copy published again after a reconnect is dropped."""
 
         async def cb(raw: NatsMsg) -> None:
+            if not subject_matches(pattern, raw.subject):  # see _wrong_subject; a consumer's filter can be changed too
+                self._wrong_subject(template, raw)
+                return
             if use_js:
                 try:
                     meta = raw.metadata
@@ -535,9 +538,6 @@ class Bus:
                     seen[mid] = None
                     if len(seen) > SEEN_IDS:
                         seen.popitem(last=False)
-            elif not subject_matches(pattern, raw.subject):
-                self._wrong_subject(template, raw)
-                return
             msg = self._decode(subject, raw)
             if msg is None:
                 return
@@ -629,6 +629,9 @@ class Bus:
         own subject, and that deliver subject is in the consumer's config, which the server's
         permissions do not see: a worker had a consumer of its own ``work.<n>.decode`` (where it may
         publish anything) deliver a forged split command on ``split.commands``, which it may not publish.
+        Likewise an identity that learned the name of another's consumer may update its filter (to one of
+        its own subjects, all its create grant allows): a worker turned the directory's ``route.placed``
+        consumer onto its ``work.<n>.decode`` and the directory took the worker's placement for the router's.
         """
         self.counters["dropped." + template] += 1
         self.counters["wrong_subject." + template] += 1

@@ -25,7 +25,7 @@ from shared import messages as m
 from shared.auth import generate
 from shared.bus import Bus
 from shared.natsserver import EmbeddedNatsServer
-from shared.subjects import KV_EVENTS, NODE_STATE, REQ_OUT, ROUTE_BIND, SPLIT_COMMANDS, SVC_STATS, WORK_PREFILL, Subjects
+from shared.subjects import KV_EVENTS, NODE_STATE, REQ_OUT, ROUTE_BIND, ROUTE_PLACED, SPLIT_COMMANDS, SVC_STATS, WORK_PREFILL, Subjects
 
 NAMES = ["planner", "router", "kvdirectory", "worker-w0", "worker-w1"]
 
@@ -229,6 +229,44 @@ async def test_a_consumer_delivering_onto_a_core_subject_is_not_taken_for_its_me
     assert router.counters["wrong_subject." + SPLIT_COMMANDS.template] == 1
     assert router.counters["dropped." + SPLIT_COMMANDS.template] == 1
     for b in (router, w0, admin):
+        await b.close()
+
+
+async def test_a_consumer_refiltered_by_another_identity_is_not_taken_for_its_messages(secured):
+    """Consumer names are random (``Bus._consumer_name``, 64 bits) and no identity may list or read the
+    stream's consumers, but one that learned a name (the ``$JS.ACK.<stream>.<name>...`` reply of every
+    delivery carries it) may, with its own create grant, update that consumer: the server keeps its deliver
+    subject (changing it is refused: name in use) and takes the new filter, which the grant confines to the
+    updater's own subjects. Worker w0 turned the directory's ``route.placed`` consumer onto its own
+    ``work.w0.decode`` and published a placement there: the directory handled it as the router's (the
+    reliable path did not check the subject, the core path did). Now it is counted and dropped."""
+    srv, creds = secured
+    admin = await _connect(srv, creds, "admin")
+    assert await admin.ensure_stream()
+    directory = await _connect(srv, creds, "kvdirectory")
+    w0 = await _connect(srv, creds, "worker-w0")
+    placed: list[str] = []
+
+    async def on_placed(msg: m.RoutePlaced, _subject: str) -> None:
+        placed.append(msg.rid)
+
+    await directory.subscribe(ROUTE_PLACED, on_placed)
+    names = json.loads((await admin.nc.request("$JS.API.CONSUMER.NAMES.EI_p0", b"{}", timeout=2.0)).data)["consumers"]
+    assert len(names) == 1 and names[0].startswith("kvdirectory_")  # the leaked name (w0 may not list them)
+    info = json.loads((await admin.nc.request(f"$JS.API.CONSUMER.INFO.EI_p0.{names[0]}", b"", timeout=2.0)).data)
+    cfg = {**info["config"], "filter_subject": "ei.p0.work.w0.decode"}
+    assert await _create_consumer(w0, f"$JS.API.CONSUMER.CREATE.EI_p0.{names[0]}.ei.p0.work.w0.decode", cfg)
+    forged = m.RoutePlaced(rid="forged", branch_id="b", node="w0", phase="prefill")
+    await w0.nc.publish("ei.p0.work.w0.decode", m.encode(forged))
+    await w0.nc.flush()
+    template = ROUTE_PLACED.template
+    for _ in range(150):
+        if placed or directory.counters["wrong_subject." + template]:
+            break
+        await asyncio.sleep(0.02)
+    assert placed == [] and directory.counters["wrong_subject." + template] == 1, (placed, dict(directory.counters))
+    assert directory.counters["dropped." + template] == 1
+    for b in (directory, w0, admin):
         await b.close()
 
 

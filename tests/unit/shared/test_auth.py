@@ -70,6 +70,10 @@ def test_a_consumer_only_on_a_reliable_subject_the_identity_reads():
         perm = permissions(identity(n))
         for bare in (create, create + ".c1", "$JS.API.CONSUMER.DURABLE.CREATE.EI_p0.c1"):
             assert not allowed(perm, "publish", bare), (n, bare)
+        # nor may it find, read, pull from, delete or ack a consumer (another's, whose name is random)
+        for api in ("$JS.API.CONSUMER.NAMES.EI_p0", "$JS.API.CONSUMER.LIST.EI_p0", "$JS.API.CONSUMER.INFO.EI_p0.c1",
+                    "$JS.API.CONSUMER.DELETE.EI_p0.c1", "$JS.API.CONSUMER.MSG.NEXT.EI_p0.c1", "$JS.ACK.EI_p0.c1.1.2.3.4.0", "$JS.API.INFO"):
+            assert not allowed(perm, "publish", api), (n, api)
         grants = [s for s in perm["publish"] if s.startswith(create)]
         for g in grants:  # each a named consumer on one subject the identity may subscribe
             name, filt = g[len(create) + 1 :].split(".", 1)
