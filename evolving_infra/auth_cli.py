@@ -11,7 +11,9 @@ identity's password, ``admin``'s included). Each service then gets its file with
 ``auth stream`` creates the partition's JetStream stream of must-arrive subjects
 (``shared.bus``) with the ``launcher`` credentials, as ``up``'s launcher does
 before any service starts: under these permissions no service may create it,
-and without it they fall back to core NATS (at most once).
+and without it they fall back to core NATS (at most once). Its server is
+``--nats-url`` or else ``EI_NATS_URL`` (as the services read it): a password in the URL
+(``nats://user:pass@host``) stays out of the process list, and out of what it prints.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import sys
 
 from evolving_infra.stdio_args import folder
-from shared.auth import AuthError, NatsAuth, auth_from_env, generate, write_private
+from shared.auth import AuthError, NatsAuth, auth_from_env, generate, redact_url, write_private
 
 
 async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: float) -> str:
@@ -89,19 +92,24 @@ def cmd_stream(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.timeout) and args.timeout > 0):  # NaN passes '<= 0'
         print("error: --timeout must be a number of seconds > 0", file=sys.stderr)
         return 2
+    url = args.nats_url or os.environ.get("EI_NATS_URL", "")
+    if not url:
+        print("error: no NATS server: pass --nats-url URL or set EI_NATS_URL", file=sys.stderr)
+        return 2
+    shown = redact_url(url)  # a password in the URL is neither printed nor logged
     setup_logging("console", "error")  # the bus client's lines (and its fallback warning) are not this command's output
     try:
-        name = asyncio.run(make_stream(args.nats_url, args.partition, args.creds, args.timeout))
+        name = asyncio.run(make_stream(url, args.partition, args.creds, args.timeout))
     except AuthError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (TimeoutError, asyncio.TimeoutError):
-        print(f"error: no connection to {args.nats_url} in {args.timeout:g} s", file=sys.stderr)
+        print(f"error: no connection to {shown} in {args.timeout:g} s", file=sys.stderr)
         return 1
     except RuntimeError as e:
-        print(f"error: {args.nats_url}: {e}", file=sys.stderr)
+        print(f"error: {shown}: {e}", file=sys.stderr)
         return 1
-    print(f"JetStream stream {name} on {args.nats_url}")
+    print(f"JetStream stream {name} on {shown}")
     return 0
 
 
@@ -144,9 +152,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "launcher does; under auth gen's permissions no service may create it, and without it they fall back to core "
         "NATS (at most once). Exit 0 when it is there, 1 when it cannot be made or one of that name lacks some of "
         "those subjects, 2 for unreadable credentials, a "
-        "partition that is not one subject token or a --timeout not > 0.",
+        "partition that is not one subject token, a --timeout not > 0 or no server (--nats-url, EI_NATS_URL).",
     )
-    st.add_argument("--nats-url", required=True, help="the NATS server, e.g. nats://head:4222")
+    st.add_argument(
+        "--nats-url", default="", help="the NATS server, e.g. nats://head:4222; default: env EI_NATS_URL (a password in the URL "
+        "stays out of the process list)",
+    )
     st.add_argument("--creds", default="", help="the launcher's credentials file (auth gen's launcher.nk); empty = none")
     st.add_argument("--partition", default="p0", help="partition (default p0)")
     st.add_argument("--timeout", type=float, default=30.0, help="wall seconds to connect, > 0 (default 30)")

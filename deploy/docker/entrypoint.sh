@@ -133,8 +133,9 @@ case "$role" in
   stream)
     launcher=""
     [ "$AUTH" != off ] && launcher="$CREDS/launcher.nk"
-    exec evolving-infra auth stream --nats-url "${EI_NATS_URL:-nats://nats:4222}" --partition "${EI_PARTITION:-p0}" \
-        --creds "$launcher" "$@"
+    # the URL through the environment, not argv: a password in it stays out of the process list
+    export EI_NATS_URL="${EI_NATS_URL:-nats://nats:4222}"
+    exec evolving-infra auth stream --partition "${EI_PARTITION:-p0}" --creds "$launcher" "$@"
     ;;
   kvdirectory|planner|router)
     [ "$role" = planner ] || profile_block_size

@@ -59,3 +59,25 @@ async def test_refused_password_is_not_in_the_error(password_server):
     with pytest.raises(BusError) as e:
         await Bus.connect(url, Subjects("p0"), service="operator", instance="operator", max_reconnect_attempts=0)
     assert "wrong-secret-9" not in str(e.value) and "ei:***@" in str(e.value), str(e.value)
+
+
+def test_auth_stream_takes_the_url_from_the_environment_and_prints_it_without_its_password(password_server, tmp_path):
+    """``auth stream`` needed ``--nats-url`` (the compose entrypoint and the Slurm job passed ``$EI_NATS_URL``
+    there, in every local user's ``ps``) and printed the URL whole: ``JetStream stream EI_p0 on
+    nats://ei:<password>@...`` in the job's log. Now it reads ``EI_NATS_URL`` when the flag is absent and
+    prints the URL with ``***`` for the password; no URL at all is a usage error (2)."""
+    url = password_server.url.replace("nats://", f"nats://ei:{PASSWORD}@")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
+    env["PYTHONPATH"] = str(REPO)
+
+    def auth_stream(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "evolving_infra.cli", "auth", "stream", "--timeout", "10", *args],
+                              cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    r = auth_stream(EI_NATS_URL=url)
+    assert r.returncode == 0, r
+    assert r.stdout.strip() == f"JetStream stream EI_p0 on nats://ei:***@127.0.0.1:{password_server.port}", r
+    r = auth_stream("--nats-url", url.replace(PASSWORD, "wrong-secret-9"))  # the flag still works; refused
+    assert r.returncode == 1 and "wrong-secret-9" not in r.stderr + r.stdout and "ei:***@" in r.stderr, r
+    r = auth_stream()
+    assert r.returncode == 2 and "EI_NATS_URL" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r
