@@ -6,7 +6,10 @@ so ``--engine torch --model DIR`` and ``transformers`` both load it. Needs the
 ``torch`` extra (``pip install -e '.[torch]'``). Exit status 0; 1 with one line
 on stderr when the extra is missing (a runtime failure, as ``up --engine torch``
 without it), before any folder is made; 2 with one line when a size is invalid (checked
-before the folder is made) or the folder cannot be written.
+before the folder is made), the folder already holds files and ``--force`` is absent (nothing
+is written), or the folder cannot be written. ``--force`` writes into a non-empty folder after
+removing its weight files and shard indexes (an old ``model-00001-of-00002.safetensors`` left beside
+the new ``model.safetensors`` would be loaded with it). Files get the umask's mode (0644 under 022).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _init(args: argparse.Namespace) -> int:
     if missing := missing_torch_extra("model init"):
         print(missing, file=sys.stderr)
         return RUNTIME_FAILURE  # the install lacks a package, as `up --engine torch` without it; 2 is a usage error
-    from services.worker.engines.torch_engine.checkpoint import init_model
+    from services.worker.engines.torch_engine.checkpoint import FolderNotEmptyError, init_model
 
     if os.path.exists(args.dir) and not os.path.isdir(args.dir):
         print(f"error: {args.dir}: is a file; give a folder path (created)", file=sys.stderr)
@@ -57,7 +60,11 @@ def _init(args: argparse.Namespace) -> int:
             vocab=args.vocab,
             context=args.context,
             seed=args.seed,
+            force=args.force,
         )
+    except FolderNotEmptyError as e:
+        print(f"error: {e}; pass --force to write the model into it (its weight files are removed)", file=sys.stderr)
+        return USAGE_ERROR
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
@@ -76,9 +83,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "init",
         help="write a seeded random Llama/Qwen3 checkpoint with a locally trained byte-level BPE tokenizer",
         description="Write a seeded random checkpoint in the Hugging Face folder layout (config.json, "
-        "model.safetensors, tokenizer.json, tokenizer_config.json). Same arguments and seed give the same folder.",
+        "model.safetensors, tokenizer.json, tokenizer_config.json). Same arguments and seed give the same folder. "
+        "A folder that already holds files is refused (exit 2) unless --force.",
     )
-    i.add_argument("dir", type=folder, help="output folder (created)")
+    i.add_argument("dir", type=folder, help="output folder (created; must be empty unless --force)")
+    i.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty folder: its *.safetensors, pytorch_model*.bin and shard index files are "
+        "deleted first (an old shard would be loaded with the new weights); other files of the same name are replaced",
+    )
     i.add_argument("--arch", choices=("llama", "qwen3"), default="llama", help="llama (Llama 3 RoPE scaling, untied) or qwen3 (q/k norm, tied)")
     i.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     i.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")

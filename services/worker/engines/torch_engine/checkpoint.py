@@ -15,6 +15,7 @@ change when any K/V page is wrong, which the engine's correctness tests rely on.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,35 @@ def model_config(
     return common
 
 
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json")
+"""Weight files and shard indexes of a Hugging Face folder. The engine loads *every* ``*.safetensors``
+in a folder and ``transformers`` follows an index, so an old shard left beside a new
+``model.safetensors`` makes a mixed, broken model: ``init_model(force=True)`` removes these."""
+
+
+class FolderNotEmptyError(ValueError):
+    """``init_model`` was given a folder that already holds files, without ``force``.
+
+    Attributes:
+        folder: the folder.
+        names: the names in it, sorted.
+    """
+
+    def __init__(self, folder: Path, names: list[str]) -> None:
+        self.folder = folder
+        self.names = names
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} entries)" if len(names) > 4 else "")
+        super().__init__(f"{folder}: folder is not empty ({shown})")
+
+
+def _umask_mode() -> int:
+    """The permission bits ``open()`` gives a new file: 0o666 without the process umask (0o644 under
+    umask 022). Python < 3.13 can only read the umask by setting it, so it is set and put back at once."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def init_model(
     out: str | Path,
     *,
@@ -165,13 +195,23 @@ def init_model(
     vocab: int = 512,
     context: int = 2048,
     seed: int = 0,
+    force: bool = False,
 ) -> Path:
     """Write a seeded random checkpoint folder (see module docstring); returns its path.
 
-    Same arguments and seed → the same weights and tokenizer.
+    Same arguments and seed → the same weights and tokenizer. Every file is written with the
+    process umask, as ``open()`` would (0o644 under umask 022), so other users, such as a container's
+    ``USER ei`` on a read-only mount, can read the folder.
+
+    Args:
+        force: write into a folder that already holds files; its weight files and shard indexes
+            (:data:`WEIGHT_PATTERNS`) are removed first, so no old shard is loaded with the new
+            weights. Without it such a folder is refused before anything is written.
 
     Raises:
         ValueError: bad sizes (see :func:`model_config`, :func:`train_tokenizer`).
+        FolderNotEmptyError: ``out`` holds files and ``force`` is false.
+        OSError: the folder cannot be made or written.
     """
     import torch
     from safetensors.torch import save_file
@@ -179,6 +219,12 @@ def init_model(
     check_vocab(vocab)  # the size checks, before the folder is made (a refused size left an empty folder)
     model_config(arch, layers, hidden, heads, kv_heads, vocab, context, 0)
     folder = Path(out)
+    if folder.is_dir() and (names := sorted(p.name for p in folder.iterdir())):
+        if not force:
+            raise FolderNotEmptyError(folder, names)
+        for pattern in WEIGHT_PATTERNS:
+            for old in folder.glob(pattern):
+                old.unlink()
     folder.mkdir(parents=True, exist_ok=True)
     n_vocab = train_tokenizer(vocab, folder)
     from tokenizers import Tokenizer
@@ -216,7 +262,11 @@ def init_model(
     w["model.norm.weight"] = norm(H)
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = lin(V, H) * 4.0
-    save_file({k: v.contiguous() for k, v in w.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    weights = folder / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in w.items()}, str(weights), metadata={"format": "pt"})
+    # safetensors >= 0.8 writes a tempfile (mode 0600 whatever the umask) and renames it into place
+    # (safetensors#782), so the weights alone were unreadable to anyone else: give them the umask's mode
+    weights.chmod(_umask_mode())
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}, indent=2) + "\n")
     tok_cfg = {
