@@ -614,6 +614,39 @@ class Bus:
         self._js_subs.append((sub, pos))
         return sub
 
+    async def flush(self, timeout_s: float = 10.0) -> None:
+        """Return once the server has handled every command this bus sent before the call: its
+        subscriptions are registered (what anyone publishes afterwards reaches them), its publishes routed.
+
+        nats-py's ``Client.flush`` does not promise that: it writes its PING straight to the socket,
+        ahead of the SUBs and PUBs still queued for nats-py's flusher task (``subscribe`` and ``publish``
+        only queue theirs), so its PONG can come back before the server has seen them. A test's planner,
+        whose subscriptions are all core (no JetStream round trip flushes them on the way), had its 16
+        SUBs reach the server 13 ms after that PING, after another connection's publishes: it received
+        none of them (5 runs of 40 under CPU load; ``tests/integration/test_bus_flush_live.py``). Here the
+        PING is written only when nothing is queued, so it follows everything sent before it, and the
+        server answers one connection's commands in order.
+
+        Raises:
+            ValueError: ``timeout_s`` is not positive.
+            BusUnavailable: no PONG within ``timeout_s`` seconds in all (connection down or closed),
+                or commands still queued all that time (others keep publishing on this connection).
+        """
+        if not timeout_s > 0:
+            raise ValueError(f"flush timeout must be positive seconds, got {timeout_s!r}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            clean = self.nc.pending_data_size == 0  # nothing queued: the PING below goes out after all of it
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BusUnavailable(f"flush: commands still queued after {timeout_s} s")
+            try:
+                await self.nc.flush(timeout=left)  # also lets nats-py's flusher write what is queued
+            except (nats.errors.Error, asyncio.TimeoutError) as e:
+                raise BusUnavailable(f"flush: no answer from NATS within {timeout_s} s: {type(e).__name__}") from e
+            if clean:
+                return
+
     def _trim_recent(self, now: float) -> None:
         """Keep in ``_recent`` only the reliable publishes of the last ``RESEND_WINDOW_S`` (``now``: monotonic
         seconds), at most ``RESEND_MAX_MSGS`` of them: what a reconnect publishes again."""

@@ -64,7 +64,7 @@ async def _subscribe_all(bus: Bus, got: Counter[str], may: Any, may_consume: Any
             else:
                 await bus.subscribe(s, handler(key), **kw)
             expect.append(key)
-    await bus.nc.flush()
+    await bus.flush()  # not nc.flush(): its PING can overtake the SUBs still queued (a core-only identity lost all)
     return expect
 
 
@@ -79,7 +79,7 @@ async def _publish_all(pub: Bus) -> None:
             await pub.nc.publish(full, m.encode(msg), reply=pub.nc.new_inbox())
         else:
             await pub.publish(s, msg, **params)
-    await pub.nc.flush()
+    await pub.flush()
 
 
 async def _wait_for(got: Counter[str], expect: list[str]) -> None:
