@@ -67,7 +67,7 @@ class Client:
         await c.bus.subscribe(SPLIT_COMMANDS, on_cmd)
         await c.bus.subscribe(PLANNER_MODELS, on_models)
         await c.bus.subscribe(PLANNER_DECISIONS, on_dec)
-        await c.bus.nc.flush()
+        await c.bus.flush()
         return c
 
     async def stats(self) -> m.StatsReply:
@@ -159,7 +159,7 @@ async def test_token_streams_become_completed_requests(nats_url):
             rid = f"r{i}"
             await c.bus.publish(REQ_OUT, m.TokenChunk(rid=rid, node="w0", index=0, token_ids=[1], prompt_tokens=50, cached_tokens=20, ts=1.0), rid=rid)
             await c.bus.publish(REQ_OUT, m.TokenChunk(rid=rid, node="w2", index=1, token_ids=[2, 3], finished=True, finish_reason="length", ts=2.0), rid=rid)
-        await c.bus.nc.flush()
+        await c.bus.flush()
 
         async def completed():
             return (await c.stats()).counters.get("requests_completed", 0)
@@ -243,7 +243,7 @@ async def test_a_node_state_above_the_planners_epoch_moves_it_only_with_a_majori
         assert (await c.bus.request(SPLIT_GET, m.SplitQuery())).epoch == 1
         for k in (1, 2, 3):
             await c.bus.publish(NODE_STATE, m.NodeState(node="w1", phase="decode", epoch=1 + k * 2**20), node="w1")
-        await c.bus.nc.flush()
+        await c.bus.flush()
         await asyncio.sleep(0.6)
         assert (await c.bus.request(SPLIT_GET, m.SplitQuery())).epoch == 1
         assert all(cmd.epoch == 1 for cmd in c.commands)
@@ -312,7 +312,7 @@ async def test_malformed_payloads_are_counted_and_the_planner_keeps_serving(nats
         # well-formed msgpack but invalid: a negative duration fails validation
         invalid = msgspec.msgpack.encode({"node": "w0", "records": [{"start": 0.0, "duration_s": -1.0, "phase": "decode"}]})
         await c.bus.publish_raw(subs.format(NODE_ITERS, node="w0"), invalid)
-        await c.bus.nc.flush()
+        await c.bus.flush()
         await asyncio.sleep(0.3)
         stats = await c.stats()
         for subj, _ in targets:

@@ -77,7 +77,7 @@ class Client:
         await c.bus.subscribe(NODE_STATE, on_state)
         await c.bus.subscribe(NODE_ITERS, on_iters)
         await c.bus.subscribe(SPLIT_APPLIED, on_applied)
-        await c.bus.nc.flush()
+        await c.bus.flush()
         return c
 
     def finished(self, rid: str) -> bool:
@@ -245,7 +245,7 @@ async def test_malformed_payloads_are_counted_and_the_worker_keeps_serving(nats_
             params = {"node": "w0"} if "node" in subj.params else {}
             await c.bus.publish_raw(subs.format(subj, **params), b"\xc1 not msgpack")
         await c.bus.publish(KV_COUNTS, m.CountUpdates(node="w0", hashes=[1, 2], counts=[1]), node="w0")
-        await c.bus.nc.flush()
+        await c.bus.flush()
         # bad input that decodes: wrong block size, never fits L1
         await c.bus.publish(WORK_PREFILL, prompt("bad-bs", [1, 2], tail=0, max_tokens=2, bs=8), node="w0")
         await c.bus.publish(WORK_PREFILL, prompt("too-big", list(range(60)), tail=0, max_tokens=100), node="w0")
@@ -270,7 +270,7 @@ async def test_a_new_directory_epoch_resets_the_branch_counts(nats_url):
     async with workers(nats_url, {"node": "w0", "host_eviction": "branch-count"}):
         for epoch, hashes, counts in (("d1", [3, 4], [1, 1]), ("d1", [4], [2]), ("d2", [5], [1]), ("d2", [5], [0])):
             await c.bus.publish(KV_COUNTS, m.CountUpdates(node="w0", hashes=hashes, counts=counts, epoch=epoch), node="w0")
-        await c.bus.nc.flush()
+        await c.bus.flush()
 
         for _ in range(100):  # the stats reply may overtake the count messages: poll
             stats = await c.stats("w0")
@@ -297,7 +297,7 @@ async def test_a_starting_worker_asks_the_planner_for_the_split(nats_url):
         return m.SplitCommand(epoch=3, phases={"w0": "decode", "w1": "prefill"}, decided_at=50.0)
 
     await c.bus.serve(SPLIT_GET, on_get)
-    await c.bus.nc.flush()
+    await c.bus.flush()
     t0 = time.monotonic()
     async with workers(nats_url, {"node": "w0", "phase": "prefill", "clock_origin": time.time() - 100.0}):
         await until(lambda: c.applied, timeout=3, what="split.applied")

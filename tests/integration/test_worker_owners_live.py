@@ -40,12 +40,12 @@ async def test_a_router_that_only_timed_out_in_between_is_not_gone_at_its_next_n
             pass
 
         silent = await c.bus.nc.subscribe(Subjects("p0").format(ROUTE_HELD, router="slow"), cb=never_answer)
-        await c.bus.nc.flush()
+        await c.bus.flush()
         await asyncio.sleep(1.5)
         assert await counter("owners.no_answer") >= 3
         # a no-responders moment (it reconnects to NATS): one answer of that kind is no 1 s streak
         await silent.unsubscribe()
-        await c.bus.nc.flush()
+        await c.bus.flush()
         nr = await counter("owners.no_responders")
 
         async def one_more() -> bool:
