@@ -30,6 +30,7 @@ from shared import messages as m
 from shared.auth import AuthError, Credentials, NatsAuth, generate
 from shared.bus import Bus
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent
+from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from shared.split import parse_split, split_phases
 from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
@@ -104,7 +105,12 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     node_args: dict[str, tuple[str, ...]] = {}
     """Extra flags of one worker by node id (e.g. its own ``--kv-pool-ports`` range)."""
     max_context_tokens: int = 0
-    """Router: refuse (400) prompt + max_tokens above this (the torch model's context); 0 = no limit."""
+    """Router: refuse (400) prompt + max_tokens above this (the torch model's context); 0 = no limit. The router
+    lowers it to what the largest node's GPU KV memory holds (``max_model_len``)."""
+    gpu_kv_tokens: int = 0
+    """Every worker's ``--gpu-kv-tokens`` (L1 tokens over the profile's ``memory.gpu_kv_tokens``); 0 = the profile's."""
+    host_kv_tokens: int = 0
+    """Every worker's ``--host-kv-tokens`` (L2 tokens over the profile's ``memory.host_kv_tokens``); 0 = the profile's."""
     restart: bool = False
     """Supervise: restart a service (or the embedded nats-server) that exits instead of failing."""
     max_restarts: int = 10
@@ -126,6 +132,14 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def node_ids(self) -> list[str]:
         return [f"w{i}" for i in range(self.nodes)]
+
+    def node_profile(self) -> Profile:
+        """The profile every worker runs: ``profile`` with ``gpu_kv_tokens`` / ``host_kv_tokens`` applied.
+
+        Raises:
+            ProfileError: the profile cannot be loaded or a KV size is invalid (``shared.profile.with_kv_tokens``).
+        """
+        return with_kv_tokens(load_profile(self.profile), self.gpu_kv_tokens, self.host_kv_tokens)
 
 
 def _free_port(host: str) -> int:
@@ -174,8 +188,8 @@ def node_phases(spec: ClusterSpec) -> list[str]:
 def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     """The flags of ``service`` that say which serving system and engine the cluster runs: its policy set's part
     (router ``--routing``/``--decode-binding``/routing options, planner ``--planner``/``--planner-args``/``--split``,
-    workers ``--host-eviction``), the profile, block size, tokenizer, served model name and, for the torch engine,
-    the model folder and context limit. ``up`` (:class:`LocalCluster`) and the deploy scripts (``evolving-infra
+    workers ``--host-eviction``), the profile (and the workers' KV sizes over it), block size, tokenizer, served
+    model name and, for the torch engine, the model folder and context limit. ``up`` (:class:`LocalCluster`) and the deploy scripts (``evolving-infra
     deploy-args``: compose's entrypoint, the Slurm batch script) start each service with these, so that all three
     run one system for one ``--policy``; each adds its own addresses, ports, identity and credentials.
 
@@ -197,6 +211,8 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
                 + (["--planner-args", ",".join(s.planner_args)] if s.planner_args else []))
     if service == "worker":
         return (["--profile", s.profile, "--tokenizer", s.tokenizer, "--host-eviction", s.eviction]
+                + (["--gpu-kv-tokens", str(s.gpu_kv_tokens)] if s.gpu_kv_tokens else [])
+                + (["--host-kv-tokens", str(s.host_kv_tokens)] if s.host_kv_tokens else [])
                 + (["--engine", s.engine, "--model", s.model_dir] if s.engine != "sim" else []))
     if service == "router":
         return (["--routing", s.routing, "--decode-binding", s.decode_binding, "--profile", s.profile, "--block-size",

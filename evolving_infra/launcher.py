@@ -39,7 +39,7 @@ from evolving_infra.stdio_args import folder, shown, stdin_file
 from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, write_json
 from shared.auth import redact_url
 from shared.log import setup_logging
-from shared.profile import available_profiles
+from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
 from shared.split import SplitError, parse_split
 
@@ -98,6 +98,25 @@ def _add_cluster_args(
         default="",
         help="--engine torch: local Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
         "`evolving-infra model init DIR` writes a tiny one",
+    )
+    g.add_argument(
+        "--gpu-kv-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tokens of KV each worker keeps in GPU memory (L1), over the profile's memory.gpu_kv_tokens (torch-tiny-cpu: "
+        "1024); a multiple of the profile's block size. The longest request (prompt + max_tokens) a node can hold: the "
+        "router's max_model_len is the model's context lowered to it, so set it to the context you want served "
+        "(like vLLM's KV cache size); 0 = the profile's",
+    )
+    g.add_argument(
+        "--host-kv-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tokens of KV each worker keeps in host memory (L2, the prefix cache behind L1), over the profile's "
+        "memory.host_kv_tokens; a multiple of the block size, at least --gpu-kv-tokens; 0 = the profile's (raised to "
+        "--gpu-kv-tokens when that is more)",
     )
     g.add_argument(
         "--api-keys-file",
@@ -315,6 +334,28 @@ def router_api_keys(args: argparse.Namespace) -> frozenset[str]:
     return keys
 
 
+def context_line(spec: ClusterSpec) -> str | None:
+    """``up``'s ready-banner line with the served model and its ``max_model_len`` (tokens), for a cluster with a
+    model context (``--engine torch``); None without one. ``max_model_len`` is what the router serves: the model's
+    context lowered to what a node's GPU KV memory holds (``--gpu-kv-tokens`` or the profile's, in whole blocks),
+    as vLLM lowers its own to its KV cache; when lowered the line says so and how to serve the whole context.
+
+    Raises:
+        ProfileError: the profile cannot be loaded (``_spec`` has checked it).
+    """
+    ctx = spec.max_context_tokens
+    if not ctx:
+        return None
+    profile = spec.node_profile()
+    kv = profile.gpu_blocks * profile.block_size
+    if kv >= ctx:
+        return f"model {spec.model!r}: max_model_len {ctx} (the model's context; a node's GPU KV holds {kv} tokens)"
+    source = "--gpu-kv-tokens" if spec.gpu_kv_tokens else f"profile {spec.profile}'s memory.gpu_kv_tokens"
+    need = -(-ctx // profile.block_size) * profile.block_size
+    return (f"model {spec.model!r}: max_model_len {kv}, LOWERED from the model's context {ctx}: a node's GPU KV memory "
+            f"holds {kv} tokens ({source}); longer requests get 400; pass --gpu-kv-tokens {need} to serve the whole context")
+
+
 def api_keys_line(args: argparse.Namespace) -> str | None:
     """``up``'s ready-banner line saying that the router requires API keys (how many, from where); None when open."""
     keys = getattr(args, "router_api_keys", frozenset())
@@ -352,6 +393,11 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
             output_vocabulary(load_tokenizer(args.tokenizer))
         except TokenizerError as e:
             raise UsageError(f"error: --tokenizer {args.tokenizer}: {e}") from None
+    kv = dict(gpu_kv_tokens=args.gpu_kv_tokens, host_kv_tokens=args.host_kv_tokens)
+    try:  # every worker applies them to its profile (and refuses a bad size, exit 2): refused here, before anything starts
+        ClusterSpec(profile=str(torch_values.get("profile", args.profile)), **kv).node_profile()
+    except ProfileError as e:
+        raise UsageError(f"error: {e}") from None
     values = dict(
         nodes=args.nodes,
         split=args.split,
@@ -381,6 +427,7 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         tokenizer=args.tokenizer,
         restart=args.restart,
         max_restarts=args.max_restarts,
+        **kv,
     )
     values.update(torch_values)
     values.update(overrides)
@@ -445,6 +492,8 @@ async def _up(args: argparse.Namespace) -> int:
             )
         elif not args.nats_url:
             print("  NATS is OPEN (--nats-auth off): any local process can publish and read every subject (loopback only)")
+        if line := context_line(cluster.spec):
+            print(f"  {line}")
         if keys_line := api_keys_line(args):
             print(f"  {keys_line}")
         print("READY " + json.dumps(_shown(info)), flush=True)
@@ -603,7 +652,7 @@ async def _demo(args: argparse.Namespace) -> int:
     if torch_engine:  # the engine's page size (and the model's context) rule; the trace is scaled to fit
         spec = _spec(args, log_dir=str(log_dir), fence_after_s=DEMO_FENCE_S)
         # prompts cut so that two requests fit the node's L1 together (and the model's context)
-        limit = min(spec.max_context_tokens, load_profile(spec.profile).memory.gpu_kv_tokens // 2)
+        limit = min(spec.max_context_tokens, spec.node_profile().memory.gpu_kv_tokens // 2)
         requests = scale_trace_for_model(requests, limit, args.max_output)
         token_block = 1
         print(f"demo --engine torch: each {trace.header.block_size}-token block of the trace is one token, prompts cut "
@@ -617,10 +666,11 @@ async def _demo(args: argparse.Namespace) -> int:
         # a node refuses a request whose prompt alone exceeds its L1 (WorkRejected: 'request needs N KV blocks
         # but node has M in GPU memory'): with none that fits (demo --profile tiny: 256 tokens, prompts of
         # thousands) every request fails after a full replay; refused here instead
-        l1 = load_profile(spec.profile).memory.gpu_kv_tokens
+        l1 = spec.node_profile().memory.gpu_kv_tokens
         shortest = min((len(r.blocks) * token_block for r in requests), default=0)
         if requests and shortest > l1:
-            print(f"error: --profile {spec.profile}: a node's GPU KV memory holds {l1} tokens (memory.gpu_kv_tokens) "
+            print(f"error: --profile {spec.profile}: a node's GPU KV memory holds {l1} tokens (memory.gpu_kv_tokens, "
+                  "--gpu-kv-tokens) "
                   f"and the shortest of the {len(requests)} prompts to replay has {shortest}: every request would fail; "
                   "use a profile with more KV memory (the default gb300-glm52) or --engine torch, which scales the "
                   "trace to its node", file=sys.stderr)  # fmt: skip

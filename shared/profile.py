@@ -107,3 +107,40 @@ def load_profile(name_or_path: str) -> Profile:
         return msgspec.convert(data, Profile)
     except (tomllib.TOMLDecodeError, msgspec.ValidationError) as e:
         raise ProfileError(f"invalid profile {path}: {e}") from e
+
+
+def with_kv_tokens(profile: Profile, gpu_kv_tokens: int = 0, host_kv_tokens: int = 0) -> Profile:
+    """``profile`` with its node's KV memory resized (``up`` / worker ``--gpu-kv-tokens`` / ``--host-kv-tokens``),
+    so that a user sizes the KV for a model without writing a profile file; 0 keeps the profile's value.
+
+    A GPU size alone that is more than the profile's host size raises the host size to it too: L2 is
+    written through and must hold L1 (``services.worker.blocks.KvBlockManager``).
+
+    Args:
+        profile: the loaded profile.
+        gpu_kv_tokens: L1 tokens (``memory.gpu_kv_tokens``), a multiple of ``block_size``; 0 = the profile's.
+        host_kv_tokens: L2 tokens (``memory.host_kv_tokens``), a multiple of ``block_size``, at least the L1
+            size; 0 = the profile's (or the L1 size when that is more).
+
+    Raises:
+        ProfileError: a negative size, one that is not a positive multiple of the block size, or a host size
+            below the GPU size (each message names the flag).
+    """
+    bs = profile.block_size
+    for flag, value in (("--gpu-kv-tokens", gpu_kv_tokens), ("--host-kv-tokens", host_kv_tokens)):
+        if value < 0 or value % bs:
+            raise ProfileError(
+                f"{flag} {value}: must be a positive multiple of the block size {bs} of profile {profile.name} "
+                f"(e.g. {max(bs, -(-max(value, 1) // bs) * bs)}); 0 = the profile's"
+            )
+    if not gpu_kv_tokens and not host_kv_tokens:
+        return profile
+    gpu = gpu_kv_tokens or profile.memory.gpu_kv_tokens
+    host = host_kv_tokens or max(profile.memory.host_kv_tokens, gpu)
+    if host < gpu:
+        where = "--host-kv-tokens" if host_kv_tokens else f"profile {profile.name}'s memory.host_kv_tokens"
+        raise ProfileError(
+            f"{where} {host} is less than --gpu-kv-tokens {gpu}: host memory (L2) is written through and must hold "
+            f"the GPU KV (L1); pass --host-kv-tokens {gpu} or more"
+        )
+    return msgspec.structs.replace(profile, memory=MemoryProfile(gpu_kv_tokens=gpu, host_kv_tokens=host))

@@ -441,6 +441,8 @@ class RouterService:
         """(epoch, phases) of the split last logged as applied (a repeat of it is logged at debug)."""
         self._lookup_ok = True
         self._bad_block_size: set[str] = set()
+        self._context_logged: int | None = None
+        """The lowered ``max_model_len`` last logged (:meth:`_note_context`); None: none logged yet."""
         self._started_wall = time.time()
 
     # ------------------------------------------------------------------ #
@@ -592,6 +594,8 @@ class RouterService:
     # ------------------------------------------------------------------ #
 
     async def _on_state(self, st: m.NodeState, _subject: str) -> None:
+        rec = self.core.view.nodes.get(st.node)
+        known = rec.state.gpu_total_blocks if rec is not None and rec.state is not None else None
         try:
             back = self.core.apply_state(st, self.clock.now())
         except ValueError as e:
@@ -601,6 +605,8 @@ class RouterService:
         if back:
             self.counters["unfenced"] += 1
             self.log.info("node reports again; let back in", node=st.node, phase=st.phase)
+        if back or known != st.gpu_total_blocks:  # a capacity seen for the first time or changed (O(nodes) only then)
+            self._note_context()
         if self._parked and not self._retrying and st.accepting:
             self._retrying = True
             self._spawn(self._retry_parked())
@@ -1332,8 +1338,48 @@ class RouterService:
     def max_model_len(self) -> int:
         """vLLM's ``max_model_len`` (tokens) as ``/v1/models`` and ``/tokenize`` report it: the model's context
         (``--max-context-tokens``) when set, else the longest accepted prompt (``--max-prompt-tokens``; the
-        router then has no limit on prompt + output beyond ``--max-output-tokens``)."""
-        return self.cfg.max_context_tokens or self.cfg.max_prompt_tokens
+        router then has no limit on prompt + output beyond ``--max-output-tokens``), lowered to what the
+        largest GPU KV memory of a node holds (:meth:`kv_capacity_tokens`) when that is less: a request
+        longer than every node's L1 cannot be served (vLLM lowers its ``max_model_len`` to what its KV
+        cache holds, or refuses to start). O(nodes)."""
+        limit = self.cfg.max_context_tokens or self.cfg.max_prompt_tokens
+        kv = self.kv_capacity_tokens()
+        return limit if kv is None else min(limit, kv[0])
+
+    def kv_capacity_tokens(self) -> tuple[int, str] | None:
+        """(tokens, node) of the node whose GPU KV memory (L1) holds the most, as the nodes report it
+        (``NodeState.gpu_total_blocks`` × ``--block-size``; the nodes not fenced out,
+        :meth:`NodeLoadView.largest_gpu_kv`); None while no node reports its capacity. O(nodes)."""
+        largest = self.core.view.largest_gpu_kv()
+        return None if largest is None else (largest[0] * self.cfg.block_size, largest[1])
+
+    def context_limit(self) -> int:
+        """The prompt + max_tokens limit of the context check (tokens; 0 = none): the model's context
+        (``--max-context-tokens``) lowered to :meth:`kv_capacity_tokens`, i.e. :attr:`max_model_len`, when the
+        model's context is set; 0 without one (a sim cluster: a request that no node's KV holds is
+        refused by :meth:`_check_kv_room`, naming the blocks). O(nodes)."""
+        return self.max_model_len if self.cfg.max_context_tokens else 0
+
+    def _note_context(self) -> None:
+        """Log (once per value; a warning when the model's context is cut, else info) that ``max_model_len`` is
+        lowered below the model's context (or the prompt limit) because no node's GPU KV memory holds that many tokens, and how to raise it;
+        info when it is back at the configured value. Called when a node's reported capacity changes."""
+        limit = self.cfg.max_context_tokens or self.cfg.max_prompt_tokens
+        kv = self.kv_capacity_tokens()
+        now = limit if kv is None or kv[0] >= limit else kv[0]
+        if now == (self._context_logged or limit):
+            return
+        if now < limit and kv is not None:
+            what = "the model's context (--max-context-tokens)" if self.cfg.max_context_tokens else "--max-prompt-tokens"
+            say = self.log.warning if self.cfg.max_context_tokens else self.log.info  # a model's context cut: news
+            say(
+                "max_model_len lowered to what a node's GPU KV memory holds: requests longer than that get 400; "
+                "give the workers more KV (evolving-infra up --gpu-kv-tokens N, or the profile's memory.gpu_kv_tokens)",
+                max_model_len=now, configured=limit, configured_from=what, largest_kv_node=kv[1], kv_tokens=kv[0],
+            )
+        elif self._context_logged is not None:
+            self.log.info("max_model_len back at its configured value", max_model_len=now)
+        self._context_logged = now
 
     async def _version(self, request: Request) -> Response:
         """``GET /version`` (vLLM's): this package's version."""
@@ -1520,15 +1566,17 @@ class RouterService:
         # the body's size, not the prompt's: tools (and tool calls) are rendered too (5.9 MB of tools took
         # 0.5 s on the loop when only contents were counted), and a prompt of ids is parsed, made an array,
         # packed and hashed (1M ids, 6.2 MB: 140 ms on the loop at block_size 16, 90 ms at 64)
-        req, arr, max_tokens, packed, hashes, echo = await _off_loop_if_big(body, lambda b: self._prepare_body(b, chat))
+        ctx = self.context_limit()  # read here, on the loop: the node view is not read from a worker thread
+        req, arr, max_tokens, packed, hashes, echo = await _off_loop_if_big(body, lambda b: self._prepare_body(b, chat, ctx))
         return hdrs, req, arr, max_tokens, packed, hashes, echo
 
-    def _prepare_body(self, body: bytes, chat: bool) -> tuple[Any, np.ndarray, int, bytes, list[int], str]:
+    def _prepare_body(self, body: bytes, chat: bool, ctx: int) -> tuple[Any, np.ndarray, int, bytes, list[int], str]:
         """Parse and check a generation body and tokenize its prompt: (request, token ids, max_tokens, the
         ids packed as little-endian uint32, their block hashes at ``block_size``, the echo text: the
         completions prompt for ``echo``, as sent or a token-id prompt detokenized with its special tokens; a chat's
         ``api.chat_echo``; else ""). No await and
-        no state written: it may run in a worker thread.
+        no state written: it may run in a worker thread. ``ctx``: the prompt + max_tokens limit in tokens
+        (:meth:`context_limit`; 0 = none).
 
         Raises:
             ApiError: the 4xx to answer.
@@ -1570,8 +1618,7 @@ class RouterService:
         except OverflowError:  # an id past int64 (the decoder takes any int, so its 400 is the vocabulary's)
             api.check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
             raise
-        ctx = self.cfg.max_context_tokens
-        if ctx:
+        if ctx:  # the model's context, lowered to what the largest node's KV holds
             # vLLM: an unset max_tokens is the context left after the prompt (here at most the default);
             # a set one that does not fit, or a prompt that leaves no room, is a 400 with OpenAI's message
             n = int(arr.size)

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
-from shared.profile import ProfileError, load_profile
+from shared.profile import ProfileError
 from shared.service import ServiceFailed, run_service
-from services.worker.config import WorkerConfig
+from services.worker.config import WorkerConfig, worker_profile
 from services.worker.service import WorkerService
 from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine fails beyond repair (``EngineFatal``: stopped, 1; its supervisor restarts it)."""
     try:
         cfg = load_config(WorkerConfig, argv, prog="worker", description="Evolving Infra worker (symmetric engine host)")
-        load_profile(cfg.profile)
+        worker_profile(cfg)
     except (ConfigError, ProfileError) as e:
         print(f"worker: {e}", file=sys.stderr)
         return 2

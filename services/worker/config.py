@@ -6,9 +6,12 @@ every field is also ``EI_<FIELD>`` in the environment and a key in ``--config FI
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from msgspec import Meta
+
+if TYPE_CHECKING:
+    from shared.profile import Profile
 
 from services.worker.kvpool.config import DEFAULT_MAX_POOL_BYTES
 from shared.config import CommonConfig
@@ -22,6 +25,17 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     profile: Annotated[
         str, Meta(description="hardware/model profile: a name in shared/profiles (gb300-glm52, tiny) or a TOML path")
     ] = "gb300-glm52"
+    gpu_kv_tokens: Annotated[
+        int,
+        Meta(ge=0, description="tokens of KV in this node's GPU memory (L1), over the profile's memory.gpu_kv_tokens; a "
+             "multiple of the profile's block_size; the longest request (prompt + max_tokens) a node can hold, so the "
+             "router's max_model_len is at most this; 0 = the profile's"),
+    ] = 0
+    host_kv_tokens: Annotated[
+        int,
+        Meta(ge=0, description="tokens of KV in this node's host memory (L2), over the profile's memory.host_kv_tokens; "
+             "a multiple of block_size, at least the GPU KV; 0 = the profile's, raised to --gpu-kv-tokens when that is more"),
+    ] = 0
     phase: Annotated[
         Literal["prefill", "decode", "both"], Meta(description="phase served at start: prefill, decode or both (collocated)")
     ] = "both"
@@ -175,3 +189,15 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
 
     def __post_init__(self) -> None:
         check_token(self.node, "node")
+
+
+def worker_profile(cfg: WorkerConfig) -> "Profile":
+    """The profile this worker runs: ``cfg.profile`` with ``--gpu-kv-tokens`` / ``--host-kv-tokens`` applied
+    (``shared.profile.with_kv_tokens``).
+
+    Raises:
+        shared.profile.ProfileError: the profile cannot be loaded, or a KV size is invalid.
+    """
+    from shared.profile import load_profile, with_kv_tokens
+
+    return with_kv_tokens(load_profile(cfg.profile), cfg.gpu_kv_tokens, cfg.host_kv_tokens)

@@ -63,7 +63,7 @@ import structlog
 from shared import messages as m
 from shared.bus import Bus, BusError, NoResponders
 from shared.clock import SimClock, sleep_until
-from shared.profile import Profile, load_profile
+from shared.profile import Profile
 from shared.validate import epoch_step_ok
 from shared.subjects import (
     KV_COUNT_SYNC,
@@ -88,7 +88,7 @@ from shared import tracing
 from shared.metrics import FuncCollector, make_registry
 from services.worker.traced import WorkerTraces
 from services.worker.prom import worker_families
-from services.worker.config import WorkerConfig
+from services.worker.config import WorkerConfig, worker_profile
 from services.worker.countseq import CountStream
 from services.worker.owners import OwnerLeases
 from services.worker.engines.base import Engine, EngineFatal
@@ -213,7 +213,7 @@ class WorkerService:
             computed here when not given).
 
     Raises:
-        shared.profile.ProfileError: if the profile cannot be loaded.
+        shared.profile.ProfileError: if the profile cannot be loaded, or --gpu-kv-tokens / --host-kv-tokens is invalid.
         ValueError: if the profile does not suit the scheduler (see EngineScheduler).
         TokenizerError: if ``cfg.tokenizer`` cannot be loaded.
     """
@@ -223,7 +223,7 @@ class WorkerService:
         self.bus = bus
         self.clock = clock
         self.node = cfg.node
-        self.profile = load_profile(cfg.profile)
+        self.profile = worker_profile(cfg)  # the profile with --gpu-kv-tokens / --host-kv-tokens applied
         self.core = EngineScheduler(
             cfg.node,
             self.profile,

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from shared.tokenizer import SimTokenizer
-from tests.integration.test_router_live import router_env
+from tests.integration.test_router_live import _wait_for, router_env
 
 REPO = Path(__file__).resolve().parents[2]
 USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there, how are you?"}]
@@ -47,7 +47,8 @@ async def test_tokenize_counts_what_a_served_request_uses_and_detokenize_round_t
         tok = r.json()
         served = await env.http.post("/v1/completions", json={"prompt": "The quick brown fox, again.", "max_tokens": 1})
         assert tok["count"] == served.json()["usage"]["prompt_tokens"] == len(SimTokenizer().encode("The quick brown fox, again."))
-        assert len(tok["token_strs"]) == tok["count"] and tok["max_model_len"] == 1_048_576  # no context: the prompt limit
+        # no context: the prompt limit (1,048,576), lowered to what the node's KV holds (the fake's 100 blocks of 64)
+        assert len(tok["token_strs"]) == tok["count"] and tok["max_model_len"] == 6400
         # round trip: detokenize → the text that re-tokenizes to the same ids (the sim tokenizer's placeholder words)
         r = await env.http.post("/detokenize", json={"model": "test-model", "tokens": tok["tokens"]})
         assert r.status_code == 200, r.text
@@ -121,13 +122,42 @@ async def test_chat_template_options_are_served_as_tokenize_counts_them(nats_url
 
 
 async def test_version_and_max_model_len(nats_url, tmp_path):
-    async with router_env(nats_url, tmp_path, {"c0": "both"}, max_context_tokens=8192) as env:
+    """``max_model_len`` is the model's context (``--max-context-tokens``) lowered to what the largest GPU KV memory
+    of a node holds: before, ``/v1/models`` said 8192 (the model's context) while the node's KV held 6400 tokens,
+    so a 7000-token prompt got a 400 about KV blocks, and an unset max_tokens was cut to the context, not the KV,
+    so a 6000-token prompt that a node could serve with 400 output tokens was refused. vLLM lowers its
+    ``max_model_len`` to what its KV cache holds; the context check uses it (message and cut); the router logs it."""
+    async with router_env(nats_url, tmp_path, {"c0": "both", "c1": "both"}, max_context_tokens=8192) as env:
+        view = env.service.core.view
         r = await env.http.get("/version")
         assert r.status_code == 200 and r.json() == {"version": importlib.metadata.version("evolving-infra")}
+        # the fake nodes hold 100 blocks of 64 tokens each: 6400 < 8192
         listed = (await env.http.get("/v1/models")).json()["data"][0]
-        assert listed["max_model_len"] == 8192
-        assert (await env.http.get("/v1/models/test-model")).json()["max_model_len"] == 8192
-        assert (await env.http.post("/tokenize", json={"prompt": "hi"})).json()["max_model_len"] == 8192
+        assert listed["max_model_len"] == 6400
+        assert (await env.http.get("/v1/models/test-model")).json()["max_model_len"] == 6400
+        assert (await env.http.post("/tokenize", json={"prompt": "hi"})).json()["max_model_len"] == 6400
+        assert env.service._context_logged == 6400  # logged once, when the nodes reported their capacity
+        # max_tokens unset: the default 16 is cut to the 10 tokens the KV has left (was: a 400, 101 KV blocks)
+        r = await env.http.post("/v1/completions", json={"prompt": [1] * 6390})
+        assert r.status_code == 200 and env.cluster.works[-1].max_tokens == 10, r.text
+        r = await env.http.post("/v1/completions", json={"prompt": [1] * 6000, "max_tokens": 401})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert r.json()["error"]["message"].startswith("This model's maximum context length is 6400 tokens. However, you requested 6401")
+        r = await env.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a " * 6500}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "maximum context length is 6400 tokens" in r.json()["error"]["message"]
+        # the largest node's KV counts (a request may be placed there): 200 blocks hold 12800 > 8192, the model's context
+        env.cluster.gpu_blocks = {"c0": 50, "c1": 200}
+        await env.cluster.publish_states()
+        await _wait_for(lambda: view.nodes["c1"].state.gpu_total_blocks == 200, what="states applied")
+        assert (await env.http.get("/v1/models")).json()["data"][0]["max_model_len"] == 8192
+        assert env.service._context_logged == 8192
+        env.cluster.gpu_blocks = {"c0": 120, "c1": 120}  # 7680 tokens
+        await env.cluster.publish_states()
+        await _wait_for(lambda: view.nodes["c1"].state.gpu_total_blocks == 120, what="states applied")
+        assert (await env.http.get("/v1/models")).json()["data"][0]["max_model_len"] == 7680
+        r = await env.http.post("/v1/completions", json={"prompt": [1] * 7600, "max_tokens": 80})
+        assert r.status_code == 200, r.text
 
 
 async def test_cors_is_off_by_default_and_answers_preflights_when_set(nats_url, tmp_path):

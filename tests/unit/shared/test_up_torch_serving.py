@@ -1,0 +1,105 @@
+"""What a vLLM user serving a model with ``up --engine torch`` hit (session 38): ``/v1/models`` advertised the
+model's context (2048) while torch-tiny-cpu's nodes hold 1024 tokens of KV, with no way to size the KV but
+writing a profile; workers could not be placed on devices; the served name could not be set on ``up``; a
+tokenizer larger than the model's vocabulary was accepted.
+
+These tests build ``up``'s cluster spec and each child's argv (nothing starts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.cli import UsageError, build_parser
+from evolving_infra.cluster import LocalCluster
+from evolving_infra.launcher import _spec, context_line
+from services.worker.config import WorkerConfig, worker_profile
+from shared.config import load_config
+from shared.profile import ProfileError, load_profile, with_kv_tokens
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """``evolving-infra model init``'s tiny model: context 2048, vocabulary 512."""
+    pytest.importorskip("torch")
+    from evolving_infra.cli import main
+
+    folder = tmp_path_factory.mktemp("m") / "tiny"
+    assert main(["model", "init", str(folder)]) in (0, None)
+    return folder
+
+
+def _children(argv: list[str], tmp_path: Path) -> dict[str, list[str]]:
+    args = build_parser("up").parse_args(["up", *argv, "--log-dir", str(tmp_path)])
+    return {c.name: c.argv for c in LocalCluster(_spec(args))._plan_children()}
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+# ----------------------------------------------------------------------------- KV size (issue 1)
+
+
+def test_with_kv_tokens_resizes_and_checks():
+    p = load_profile("torch-tiny-cpu")  # 8-token blocks, L1 1024, L2 4096
+    assert with_kv_tokens(p) is p
+    q = with_kv_tokens(p, 2048)
+    assert (q.memory.gpu_kv_tokens, q.memory.host_kv_tokens, q.gpu_blocks) == (2048, 4096, 256)
+    q = with_kv_tokens(p, 8192)  # L2 must hold L1: raised with it
+    assert (q.memory.gpu_kv_tokens, q.memory.host_kv_tokens) == (8192, 8192)
+    assert with_kv_tokens(p, 0, 16384).memory == type(p.memory)(gpu_kv_tokens=1024, host_kv_tokens=16384)
+    assert with_kv_tokens(p, 1000).gpu_blocks == 125
+    with pytest.raises(ProfileError, match=r"--gpu-kv-tokens 1001: .* \(e\.g\. 1008\)"):
+        with_kv_tokens(p, 1001)
+    with pytest.raises(ProfileError, match="--host-kv-tokens -8"):
+        with_kv_tokens(p, 0, -8)
+    with pytest.raises(ProfileError, match="--host-kv-tokens 2048 is less than --gpu-kv-tokens 4096"):
+        with_kv_tokens(p, 4096, 2048)
+
+
+def test_a_worker_applies_its_kv_flags_to_its_profile():
+    cfg = load_config(WorkerConfig, ["--profile", "torch-tiny-cpu", "--gpu-kv-tokens", "2048", "--host-kv-tokens", "8192"])
+    prof = worker_profile(cfg)
+    assert (prof.gpu_blocks, prof.host_blocks) == (256, 1024)
+    assert worker_profile(load_config(WorkerConfig, ["--profile", "torch-tiny-cpu"])).gpu_blocks == 128
+
+
+def test_up_passes_the_kv_sizes_to_every_worker_and_says_when_the_context_is_lowered(model, tmp_path):
+    kids = _children(["--engine", "torch", "--model", str(model), "--nodes", "2"], tmp_path / "a")
+    assert all("--gpu-kv-tokens" not in argv for argv in kids.values())
+    args = build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(model), "--log-dir", str(tmp_path)])
+    line = context_line(_spec(args))
+    assert line == ("model 'tiny': max_model_len 1024, LOWERED from the model's context 2048: a node's GPU KV memory holds "
+                    "1024 tokens (profile torch-tiny-cpu's memory.gpu_kv_tokens); longer requests get 400; pass "
+                    "--gpu-kv-tokens 2048 to serve the whole context")
+    argv = ["--engine", "torch", "--model", str(model), "--nodes", "2", "--gpu-kv-tokens", "2048", "--host-kv-tokens", "8192"]
+    kids = _children(argv, tmp_path / "b")
+    for node in ("w0", "w1"):
+        w = kids[f"worker-{node}"]
+        assert (_value(w, "--gpu-kv-tokens"), _value(w, "--host-kv-tokens")) == ("2048", "8192")
+        # the worker's own parser takes them: its argv after the module name
+        cfg = load_config(WorkerConfig, w[w.index("services.worker") + 1 :])
+        assert worker_profile(cfg).gpu_blocks == 256
+    for name in ("router", "planner", "kvdirectory"):  # they learn node KV sizes from the nodes' states
+        assert "--gpu-kv-tokens" not in kids[name]
+    args = build_parser("up").parse_args(["up", *argv, "--log-dir", str(tmp_path)])
+    assert context_line(_spec(args)) == "model 'tiny': max_model_len 2048 (the model's context; a node's GPU KV holds 2048 tokens)"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpu-kv-tokens", "1001"], "error: --gpu-kv-tokens 1001: must be a positive multiple of the block size 8"),
+    (["--gpu-kv-tokens", "-8"], "error: --gpu-kv-tokens -8"),
+    (["--gpu-kv-tokens", "4096", "--host-kv-tokens", "2048"], "error: --host-kv-tokens 2048 is less than --gpu-kv-tokens 4096"),
+])
+def test_up_refuses_a_bad_kv_size_before_anything_starts(model, flags, message, tmp_path):
+    args = build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(model), *flags, "--log-dir", str(tmp_path)])
+    with pytest.raises(UsageError) as e:
+        _spec(args)
+    assert str(e.value).startswith(message) and e.value.code == 2
+
+
+def test_sim_up_takes_the_kv_flags_too(tmp_path):
+    kids = _children(["--profile", "tiny", "--gpu-kv-tokens", "512", "--nodes", "1"], tmp_path)
+    assert _value(kids["worker-w0"], "--gpu-kv-tokens") == "512" and "--host-kv-tokens" not in kids["worker-w0"]
