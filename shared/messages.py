@@ -575,8 +575,8 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     """Drop tokens less likely than ``min_p`` × the most likely one's probability; 0 = off."""
     seed: int | None = None
-    """Reproducible sampling: output position i draws from a generator seeded with
-    (``seed``, i) (``TorchEngine``); None = a random seed per request."""
+    """Reproducible sampling: output position i is drawn with a uniform hashed from (``seed``, i)
+    (SplitMix64, no ``torch.Generator``: ``torch_engine.sampling``); None = a random seed per request."""
     stop_token_ids: list[int] = []
     """Token ids that end the request (``finish_reason`` ``stop``; ``ignore_eos`` does not
     apply to them, as in vLLM); the token is part of the output, its text is not shown."""
@@ -597,6 +597,12 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     output token, from the raw model distribution (vLLM's default ``logprobs_mode``
     ``raw_logprobs``: log_softmax of the logits before temperature and filters). Only a real
     engine (``torch``) has them; the ``sim`` engine refuses such a work."""
+    logit_bias: dict[int, float] = {}
+    """vLLM / OpenAI: token id → bias in [-100, 100] added to that token's logit before
+    penalties, temperature and the filters, on greedy and sampled rows alike (-100 effectively bans
+    a token, +100 all but forces it); empty = off. Ids are in the model's vocabulary (the router
+    checks its tokenizer's, the ``torch`` engine the model's: it refuses the work otherwise). Only a
+    real engine applies it; the ``sim`` engine refuses such a work, as it does ``logprobs``."""
 
     @property
     def greedy(self) -> bool:

@@ -86,6 +86,11 @@ MAX_TOP_K = 2**32
 """Largest ``Sampling.top_k`` a work may carry (the router sends a larger one as 0, off)."""
 MAX_TOP_LOGPROBS = 20
 """Most top log-probabilities per output token (``Sampling.logprobs``; OpenAI's and vLLM's chat limit)."""
+MAX_LOGIT_BIAS = 2**18
+"""Most ``Sampling.logit_bias`` entries (262,144: one per token of the largest common vocabularies,
+Gemma's 256,000; the router sends at most its vocabulary's size, keys being distinct ids)."""
+MAX_ABS_LOGIT_BIAS = 100.0
+"""``Sampling.logit_bias`` values are in [-this, this] (OpenAI's range; the router's API refuses others)."""
 
 _TOKEN = re.compile(r"[A-Za-z0-9_\-]{1,128}\Z")  # \Z: "$" would let a trailing newline through
 
@@ -448,6 +453,12 @@ def _sampling(sp: m.Sampling | None) -> None:
     _int(sp.min_tokens, "sampling.min_tokens", MAX_MIN_TOKENS)
     if sp.logprobs is not None:
         _int(sp.logprobs, "sampling.logprobs", MAX_TOP_LOGPROBS)
+    if sp.logit_bias:
+        _len(sp.logit_bias, "sampling.logit_bias", MAX_LOGIT_BIAS)
+        if min(sp.logit_bias) < 0 or max(sp.logit_bias) >= 2**32:
+            raise Invalid("a sampling.logit_bias token id is outside [0, 2^32)")
+        if not all(math.isfinite(v) and -MAX_ABS_LOGIT_BIAS <= v <= MAX_ABS_LOGIT_BIAS for v in sp.logit_bias.values()):
+            raise Invalid(f"a sampling.logit_bias value is not finite in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
 
 
 def _owner(attempt: int, output_offset: int, router: str) -> None:

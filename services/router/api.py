@@ -9,7 +9,9 @@ Sampling fields (:func:`sampling`). Sent to the nodes in
 :class:`~shared.messages.Sampling` and applied by the ``torch`` engine:
 ``temperature`` [0, 2] (0 = greedy, the default), ``top_p`` (0, 1], ``top_k``
 (-1 or 0 = off, else ≥ 1, as vLLM), ``min_p`` [0, 1], ``seed`` (int64),
-``stop_token_ids``; ``ignore_eos``; ``presence_penalty`` / ``frequency_penalty``
+``stop_token_ids``; ``ignore_eos``; ``logit_bias`` (keys integer token ids in the vocabulary,
+values in [-100, 100], as OpenAI: :func:`check_logit_bias`; added to the logits before the
+penalties, so -100 effectively bans a token); ``presence_penalty`` / ``frequency_penalty``
 [-2, 2], ``repetition_penalty`` [0.01, 100] (1 = off) and ``min_tokens`` (≥ 0, at most an
 explicit ``max_tokens`` here, at most the defaulted one in ``RouterService._prepare_body``; vLLM's extras). ``stop`` (a string or a list of at most
 :data:`MAX_STOP` non-empty strings of at most :data:`MAX_STOP_LEN` characters)
@@ -17,8 +19,8 @@ is applied by the router where it detokenizes (``services.router.stops``), for
 every engine, and so is ``include_stop_str_in_output`` (vLLM's extra: keep the matched stop
 string, or the stop token id's text, in the output). The ``sim`` engine has no real tokens: it accepts the sampling
 parameters and ignores them (always ``max_tokens`` tokens, unless the router ends
-the text at a stop string or stop token id). *Accepted, validated and ignored*:
-``logit_bias``, ``user``, ``parallel_tool_calls``, ``skip_special_tokens``, ``response_format``
+the text at a stop string or stop token id); ``logit_bias`` is refused there, as ``logprobs`` (below).
+*Accepted, validated and ignored*: ``user``, ``parallel_tool_calls``, ``skip_special_tokens``, ``response_format``
 ``{"type": "text"}`` and ``tool_choice`` ``none`` / ``auto``. Rejected with 400 because no engine here
 constrains the output (vLLM does, by guided decoding; :func:`_check_no_output_constraint`): any other
 ``response_format`` type (``json_object``, ``json_schema``) and a ``tool_choice`` that forces a tool call
@@ -32,8 +34,8 @@ assistant's (:func:`chat_echo`). ``logprobs`` (:func:`logprobs_asked`): chat ``l
 ``top_logprobs`` 0..20, completions ``logprobs`` 0..:data:`MAX_LOGPROBS` (vLLM's default
 ``max_logprobs``; OpenAI's legacy API allows 5) are sent to the nodes in
 ``Sampling.logprobs`` and answered in OpenAI's / vLLM's shapes (:func:`chat_logprobs`,
-:func:`completion_logprobs`); only the ``torch`` engine computes them, a ``sim`` node
-refuses the work (the client gets a 500 naming the reason). Unknown fields are ignored (clients send
+:func:`completion_logprobs`); only the ``torch`` engine computes them (and applies ``logit_bias``): the
+router refuses either with a 400 while a node it may place the request on runs the ``sim`` engine. Unknown fields are ignored (clients send
 vendor extensions); a known field with a wrong type or value is a 400 naming
 the field (in the message and in the error's ``param``, as OpenAI's API does). vLLM's chat-template
 extras are applied (:func:`render_chat`): chat ``add_generation_prompt`` / ``continue_final_message`` /
@@ -59,6 +61,8 @@ from msgspec import Meta, Struct
 
 from shared.messages import Sampling
 from shared.validate import (  # the nodes' bounds of a work's Sampling: the API takes no more than they do
+    MAX_ABS_LOGIT_BIAS,
+    MAX_LOGIT_BIAS,
     MAX_MIN_TOKENS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
@@ -271,6 +275,45 @@ def _check_common(req: _Sampling) -> None:
     max_tokens = getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
     if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})", param="min_tokens")
+    _check_logit_bias_form(req.logit_bias)
+
+
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,20}\Z")  # \Z: "$" would let a trailing newline through
+
+
+def _check_logit_bias_form(bias: dict[str, float] | None) -> None:
+    """At most :data:`~shared.validate.MAX_LOGIT_BIAS` entries, every ``logit_bias`` key an integer
+    (decimal digits, as vLLM's ``int(key)`` takes them, without its spaces, ``+`` or ``_``; not
+    ``"abc"`` or ``"1e3"``), every value finite in [-100, 100] (OpenAI's range; vLLM clamps instead).
+    The vocabulary bound needs the tokenizer: :func:`check_logit_bias`.
+
+    Raises:
+        ApiError: 400, ``param`` ``logit_bias``, naming the key or value.
+    """
+    if not bias:
+        return
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
+    for key, value in bias.items():
+        if not _TOKEN_ID_KEY.match(key):
+            raise ApiError(400, f"logit_bias key {key[:40]!r} is not a token id (an integer)", param="logit_bias")
+        if not (math.isfinite(value) and -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS):
+            raise ApiError(
+                400, f"logit_bias value {value!r} for token {key} is outside [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]",
+                param="logit_bias",
+            )
+
+
+def check_logit_bias(req: _Sampling, vocab_size: int) -> None:
+    """Every ``logit_bias`` key (well formed: checked when the body is parsed) is a token id in
+    ``[0, vocab_size)`` (vLLM refuses out-of-vocabulary ids with a 400 too).
+
+    Raises:
+        ApiError: 400, ``param`` ``logit_bias``, naming the first such id in the body's order.
+    """
+    for key in req.logit_bias or ():
+        if not 0 <= int(key) < vocab_size:
+            raise ApiError(400, f"logit_bias token id {key} is outside the vocabulary [0, {vocab_size})", param="logit_bias")
 
 
 def stop_strings(req: _Sampling) -> list[str]:
@@ -285,7 +328,7 @@ def stop_strings(req: _Sampling) -> list[str]:
 
 def sampling(req: _Sampling) -> Sampling | None:
     """The :class:`~shared.messages.Sampling` the nodes get for ``req`` (None: greedy with no
-    stop token ids, penalties or ``min_tokens``, the default, sent as nothing; ``top_*`` / ``seed`` do not change greedy). Unset fields take vLLM's defaults except
+    stop token ids, penalties, ``min_tokens``, ``logprobs`` or ``logit_bias``, the default, sent as nothing; ``top_*`` / ``seed`` do not change greedy). Unset fields take vLLM's defaults except
     ``temperature``: unset = 0 (greedy; vLLM's OpenAI server takes the model's
     ``generation_config`` default, 1.0 without one) so a request that says nothing gets today's
     deterministic output. ``top_k`` -1 and 0 are both off (0 on the wire), and so is one above
@@ -304,8 +347,12 @@ def sampling(req: _Sampling) -> Sampling | None:
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_tokens=req.min_tokens or 0,
         logprobs=logprobs_asked(req),
+        # keys checked (_check_logit_bias_form); "7" and "07" are one id, the later value wins (as vLLM's dict)
+        logit_bias={int(k): float(v) for k, v in (req.logit_bias or {}).items()},
     )
-    return None if sp.greedy and not sp.stop_token_ids and not sp.penalized and not sp.min_tokens and sp.logprobs is None else sp
+    if sp.greedy and not sp.stop_token_ids and not sp.penalized and not sp.min_tokens and sp.logprobs is None and not sp.logit_bias:
+        return None
+    return sp
 
 
 def chat_echo(req: ChatRequest) -> str:

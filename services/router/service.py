@@ -1796,16 +1796,17 @@ class RouterService:
             redispatches=p.attempt - p.first_attempt,
         )  # fmt: skip
 
-    def _check_logprobs_engines(self) -> None:
-        """A request asks for logprobs: refuse it (400, ``param`` ``logprobs``) when a node it may be
-        placed on runs the sim engine, which has no model and so no logits.
+    def _check_model_engines(self, param: str) -> None:
+        """A request asks for ``param``, ``logprobs`` or ``logit_bias``, which need a model's logits:
+        refuse it (400 naming ``param``) when a node it may be placed on runs the sim engine, which has
+        no model (its nodes refuse such a work).
 
         Every node: no node can serve it, the client's request is at fault. Some nodes (a cluster that
         mixes engines): the router places a request on any eligible prefill and decode node, and on
         another one after a node fails or hands it back, so it cannot promise a model engine for the
         whole request; before, it was dispatched and a sim node's refusal came back as a 500
         ``engine error``. The nodes counted are those with a state and not fenced out
-        (:meth:`NodeLoadView.nodes_with_engine`).
+        (:meth:`NodeLoadView.nodes_with_engine`). Counted ``<param>_refused_sim``.
 
         Raises:
             api.ApiError: 400 naming the sim nodes.
@@ -1814,16 +1815,16 @@ class RouterService:
         sim = view.nodes_with_engine("sim")
         if not sim:
             return
-        self.counters["logprobs_refused_sim"] += 1
+        self.counters[f"{param}_refused_sim"] += 1
         if view.engines() == {"sim"}:  # no node has a model to take log-probabilities from
             raise api.ApiError(
-                400, "logprobs need a model's logits: every node of this cluster runs the sim engine (start workers "
-                "with --engine torch to get them)", param="logprobs",
+                400, f"{param} needs a model's logits: every node of this cluster runs the sim engine (start workers "
+                "with --engine torch to get them)", param=param,
             )
         shown = ", ".join(sim[:8]) + (f" and {len(sim) - 8} more" if len(sim) > 8 else "")
         raise api.ApiError(
-            400, f"logprobs need a model's logits: node(s) {shown} of this cluster run the sim engine (no model) and the "
-            "request may be placed there; serve logprobs from a cluster whose nodes all run --engine torch", param="logprobs",
+            400, f"{param} needs a model's logits: node(s) {shown} of this cluster run the sim engine (no model) and the "
+            f"request may be placed there; serve {param} from a cluster whose nodes all run --engine torch", param=param,
         )
 
     def _check_kv_room(self, prompt_tokens: int, max_tokens: int, chat: bool) -> None:
@@ -1871,7 +1872,10 @@ class RouterService:
                 raise api.ApiError(409, f"X-Request-ID {client_rid!r} is already in flight", param="X-Request-ID")
             hdrs, req, arr, max_tokens, packed, hashes, echo = await self._prepare(request, chat)
             if api.logprobs_asked(req) is not None:
-                self._check_logprobs_engines()
+                self._check_model_engines("logprobs")
+            if req.logit_bias:
+                api.check_logit_bias(req, self.tokenizer.vocab_size)
+                self._check_model_engines("logit_bias")
             self._check_kv_room(int(arr.size), max_tokens, chat)
             start = None
             if hdrs.branch_id is not None:

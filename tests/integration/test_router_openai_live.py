@@ -177,6 +177,35 @@ async def test_logprobs_on_a_cluster_of_sim_engines_is_a_400(nats_url, tmp_path)
         assert r.status_code == 200, r.text
 
 
+async def test_logit_bias_is_checked_and_refused_on_sim_engines_and_carried_to_torch_nodes(nats_url, tmp_path):
+    """``logit_bias`` was accepted and dropped: ``{"abc": -100}``, ``{"99999": 5}``, ``{"284": -1000}`` got a
+    200 and no node saw a bias. Now: a malformed key, an id outside the router's vocabulary (the sim
+    tokenizer's here) or a value outside [-100, 100] is a 400 naming ``logit_bias``; on a cluster of sim
+    engines (no logits) a well-formed one is a 400 too, nothing dispatched; once every node runs torch it
+    reaches the nodes in ``Sampling.logit_bias`` as int ids."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        vocab = env.service.tokenizer.vocab_size
+        sent = len(env.cluster.works)
+        for bias, fragment in (
+            ({"abc": -100}, "'abc' is not a token id"),
+            ({str(vocab): 5}, f"token id {vocab} is outside the vocabulary [0, {vocab})"),
+            ({"284": -1000}, "outside [-100, 100]"),
+            ({"284": -100}, "sim engine"),
+        ):
+            for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": [1, 2]})):
+                r = await env.http.post(path, json={**body, "max_tokens": 2, "logit_bias": bias})
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["param"] == "logit_bias" and fragment in err["message"], err
+        assert len(env.cluster.works) == sent  # nothing dispatched
+        env.cluster.engines = {"c0": "torch"}
+        await env.cluster.publish_states()
+        await _wait_for(lambda: env.service.core.view.engines() == {"torch"}, what="states applied")
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "logit_bias": {"284": -100, "3": 2}})
+        assert r.status_code == 200, r.text
+        assert env.cluster.works[-1].sampling.logit_bias == {284: -100.0, 3: 2.0}
+
+
 def _ask(env, path: str, body: dict, stream: bool):
     """POST ``body`` (streamed or not); returns (status, text, finish_reason, the last choice, chunks)."""
 

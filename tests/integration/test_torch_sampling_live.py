@@ -11,6 +11,8 @@
   (its counts cross the hand-off); ``stop_token_ids`` [the greedy output's j-th id] ends the
   output there, and with ``min_tokens`` j + 3 not before j + 3 tokens; a stop string does not end
   a request whose ``min_tokens`` is its ``max_tokens``.
+* **logit_bias**: -100 on every id of the greedy output bans them all (first token on the prefill
+  node, the rest after the hand-off), the same ids as collocated in this process.
 * **stop string**: a substring of a greedy completion's text, asked as ``stop``: the text ends
   before it (non-streamed and streamed, ``finish_reason`` ``stop``, ``stop_reason`` the string;
   after it with ``include_stop_str_in_output``; ``stop_reason`` the id for a stop token id, null at
@@ -86,6 +88,8 @@ async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path
             mt, mobj = await ids(stop_token_ids=[g[j]], min_tokens=j + 3)
             st, sobj = await ids(stop_token_ids=[g[j]])
             _, kobj = await ids(stop_token_ids=[g[j]], include_stop_str_in_output=True)
+            # logit_bias -100 on every token greedy chose (accepted and ignored before: the same ids came back)
+            lb, _ = await ids(logit_bias={str(t): -100 for t in set(g)})
 
             # a stop string: a piece of the greedy completion's text
             r = await http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 24, "ignore_eos": True})
@@ -132,6 +136,7 @@ async def test_seed_reproducible_across_nodes_and_stop_string_over_http(tmp_path
         return here.run(rid, prompt, 12, sp).tokens
 
     assert pg == local("pen", m.Sampling(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)) and pg != g
+    assert not set(lb) & set(g) and lb == local("lb", m.Sampling(logit_bias=dict.fromkeys(set(g), -100.0))), (lb, g)
     assert st == g[: j + 1]  # the stop token id ends it ...
     tok = load_tokenizer(f"hf:{folder}")
     # ... with vLLM's stop_reason (the id; null at max_tokens); its text shown only with include_stop_str_in_output

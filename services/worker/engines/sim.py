@@ -73,16 +73,19 @@ class SimEngine(Engine):
         return sim_output_tokens(rid, start, count, self.vocab)
 
     def accept_prefill(self, work: PrefillWork) -> None:
-        """Refuse a work that asks for log-probabilities: the sim engine has no model, so no
-        distribution to report (the router answers the client 500 naming this reason)."""
-        _refuse_logprobs(work.sampling)
+        """Refuse a work that asks for log-probabilities or a ``logit_bias``: the sim engine has no
+        model, so no distribution to report or bias (the router refuses such a request with a 400
+        before it is dispatched to a sim node; one that gets here anyway is an engine error)."""
+        _refuse_model_only(work.sampling)
 
     def accept_decode(self, work: DecodeWork) -> None:
         """As :meth:`accept_prefill`."""
-        _refuse_logprobs(work.sampling)
+        _refuse_model_only(work.sampling)
 
 
-def _refuse_logprobs(sp: Sampling | None) -> None:
-    """Raises ValueError if ``sp`` asks for ``logprobs`` (the sim engine has no model)."""
+def _refuse_model_only(sp: Sampling | None) -> None:
+    """Raises ValueError if ``sp`` asks for ``logprobs`` or a ``logit_bias`` (the sim engine has no model)."""
     if sp is not None and sp.logprobs is not None:
         raise ValueError("logprobs are not supported by the sim engine (no model, no token distribution); serve a torch engine")
+    if sp is not None and sp.logit_bias:
+        raise ValueError("logit_bias is not supported by the sim engine (no model, no logits to bias); serve a torch engine")

@@ -28,3 +28,18 @@ def test_sim_engine_executes_a_plan_in_its_profile_duration(b):
     assert plan.iterations > 1
     assert eng.execute(plan) == pytest.approx(plan.end - plan.start)
     assert eng.name == "sim" and eng.simulated
+
+
+def test_sim_engine_refuses_logit_bias():
+    """The sim engine has no logits to bias: a work with a ``logit_bias`` is refused (as one with
+    ``logprobs``), not served with the bias silently dropped; an empty one is no bias."""
+    from shared.messages import DecodeWork, PrefillWork, Sampling
+    from shared.profile import load_profile
+
+    eng = SimEngine(load_profile("tiny"))
+    sp = Sampling(logit_bias={3: -100.0})
+    with pytest.raises(ValueError, match="logit_bias is not supported by the sim engine"):
+        eng.accept_prefill(PrefillWork(rid="r", prompt_tokens=4, max_tokens=3, block_size=16, sampling=sp))
+    with pytest.raises(ValueError, match="logit_bias is not supported by the sim engine"):
+        eng.accept_decode(DecodeWork(rid="r", prompt_tokens=4, max_tokens=3, block_size=16, sampling=sp))
+    eng.accept_prefill(PrefillWork(rid="r", prompt_tokens=4, max_tokens=3, block_size=16, sampling=Sampling(logit_bias={})))

@@ -36,7 +36,7 @@ temperature / ``top_k`` / ``top_p`` / ``min_p`` sampling, every row of one decod
 step with its own parameters; with a ``seed`` the token at output position i is
 drawn with a uniform hashed on the host from (seed, i) (SplitMix64, the same bits on
 every device), so it does not depend on the batch or on the node that samples it
-(see :mod:`.sampling` for the limits); ``presence_penalty`` / ``frequency_penalty`` /
+(see :mod:`.sampling` for the limits); ``logit_bias`` / ``presence_penalty`` / ``frequency_penalty`` /
 ``repetition_penalty`` / ``min_tokens`` rewrite a request's logits first, from counts kept
 per request (:class:`.sampling.TokenStats`, updated with each token). One output token
 per decode iteration, so the profile must have ``tokens_per_forward ==
@@ -72,7 +72,7 @@ from shared.profile import Profile
 from services.worker.engines.base import Engine, EngineFatal
 from services.worker.engines.torch_engine.model import ModelConfigError, PagedDecoder, SeqBatch, int64_tensor
 from services.worker.engines.torch_engine.logprobs import TokenLogprob, token_logprobs
-from services.worker.engines.torch_engine.sampling import TokenStats, is_greedy, sample, token_stats
+from services.worker.engines.torch_engine.sampling import TokenStats, check_logit_bias, is_greedy, sample, token_stats
 from services.worker.plan import IterationPlan
 
 
@@ -186,7 +186,7 @@ def _seq(prompt: list[int], sp: Sampling | None, **kw: Any) -> _Seq:
         seed = sp.seed if sp.seed is not None else secrets.randbits(64)
     stop = frozenset(sp.stop_token_ids) if sp is not None and sp.stop_token_ids else frozenset()
     lps: dict[int, TokenLogprob] | None = {} if sp is not None and sp.logprobs is not None else None
-    if sp is None or not (sp.penalized or sp.min_tokens > 0):
+    if sp is None or not (sp.penalized or sp.min_tokens > 0 or sp.logit_bias):
         kw.pop("stats_from", None)
     return _Seq(prompt=prompt, sampling=sp, seed=seed, stop_ids=stop, lps=lps, **kw)
 
@@ -306,12 +306,14 @@ class TorchEngine(Engine):
 
         Raises:
             ValueError: token ids missing, not matching ``prompt_tokens``, out of the
-                vocabulary, or longer than the model's context.
+                vocabulary, or longer than the model's context; a ``logit_bias`` id outside the
+                model's vocabulary (it would fail the decode step the request joins).
         """
         ids = self._ids(work.rid, work.token_ids, work.prompt_tokens, work.prompt_tokens)
         err = self.context_error(work.prompt_tokens, work.max_tokens)
         if err:
             raise ValueError(err)
+        check_logit_bias(work.sampling, self.cfg.vocab_size)
         self.seqs[work.rid] = _seq(
             ids, work.sampling, serial=next(self._serials), offset=work.output_offset, ignore_eos=work.ignore_eos,
             stats_from=work.token_ids,
@@ -325,10 +327,12 @@ class TorchEngine(Engine):
         kv_heads, head_dim]`` in this engine's dtype.
 
         Raises:
-            ValueError: token ids or KV missing or of the wrong size.
+            ValueError: token ids or KV missing or of the wrong size; a ``logit_bias`` id outside the
+                model's vocabulary.
         """
         n = work.prompt_tokens
         ids = self._ids(work.rid, work.token_ids, n, n)
+        check_logit_bias(work.sampling, self.cfg.vocab_size)
         if len(work.output_ids) != work.generated or any(not 0 <= t < self.cfg.vocab_size for t in work.output_ids):
             raise ValueError(f"{work.rid}: hand-off has {len(work.output_ids)} output ids in the vocabulary, expected {work.generated}")
         pages = -(-work.prompt_tokens // self.page_size)

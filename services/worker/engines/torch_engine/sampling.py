@@ -17,13 +17,16 @@ its own request's :class:`~shared.messages.Sampling`:
   (temperature, top-k, top-p, min-p); ties in the sort keep vocabulary order, so
   ``top_k=1`` or a tiny ``top_p`` returns the argmax (first maximum), like greedy.
 
-Penalties and ``min_tokens`` (vLLM's ``presence_penalty``, ``frequency_penalty``,
-``repetition_penalty``, ``min_tokens``). A request that sets any of them gets a
-:class:`TokenStats` (``token_stats``; None otherwise) and :func:`sample` first rewrites the
-rows that have one, in float32, in vLLM's order (``vllm/model_executor/layers/utils.py``
-``apply_penalties``, the v1 ``MinTokensLogitsProcessor``), before greedy's argmax and before
-temperature / top-k / top-p / min-p:
+``logit_bias``, penalties and ``min_tokens`` (vLLM's ``logit_bias``, ``presence_penalty``,
+``frequency_penalty``, ``repetition_penalty``, ``min_tokens``). A request that sets any of them
+gets a :class:`TokenStats` (``token_stats``; None otherwise) and :func:`sample` first rewrites the
+rows that have one, in float32, in vLLM's order (v1 ``Sampler.forward``: the non-argmax-invariant
+logits processors ``MinTokensLogitsProcessor`` and ``LogitBiasLogitsProcessor``, then
+``apply_penalties``), before greedy's argmax and before temperature / top-k / top-p / min-p:
 
+* ``logit_bias``: each listed token's bias is added to its logit (``LogitBiasLogitsProcessor``:
+  ``logits[rows, ids] += biases``), first, so the penalties see the biased logit (a repetition
+  penalty divides or multiplies it) and -100 effectively bans a token on greedy and sampled rows;
 * ``min_tokens``: while the client's output is shorter (its output position < ``min_tokens``)
   the model's EOS ids and the request's ``stop_token_ids`` get -inf (vLLM masks its
   ``all_stop_token_ids``: EOS also under ``ignore_eos``, where it does not end the request anyway);
@@ -32,6 +35,9 @@ temperature / top-k / top-p / min-p:
   logits * r)``; its newer custom op multiplies by ``1 / r``, which can differ in the last bit);
 * ``frequency_penalty`` f, ``presence_penalty`` p (OpenAI's definition): logit −= f × the
   token's count in the output, then −= p × (count > 0).
+
+(The ``min_tokens`` mask is applied last here; vLLM applies it before the bias, the same result:
+-inf plus a finite bias or under a penalty stays -inf.)
 
 "The output" is the client's: a re-dispatched request (``output_offset`` k) carries its
 first k output tokens as the last k tokens of its prompt, and they count as output, as they
@@ -136,8 +142,8 @@ def is_greedy(sp: Sampling | None) -> bool:
 
 
 class TokenStats:
-    """One request's token statistics for its penalties and ``min_tokens`` (see the module
-    docstring), on the logits' device.
+    """One request's token statistics for its penalties and ``min_tokens``, and its ``logit_bias``
+    (see the module docstring), on the logits' device.
 
     Attributes:
         counts: ``[V]`` float32, each token's count in the client's output so far; None when
@@ -146,15 +152,27 @@ class TokenStats:
         min_tokens: ``Sampling.min_tokens``.
         min_stop: ids masked while the output is shorter than ``min_tokens`` (EOS ids ∪
             ``stop_token_ids``, those inside the vocabulary), a ``[n]`` int64 tensor.
+        bias_ids: ``[b]`` int64, the ``logit_bias`` token ids (distinct); None = no bias.
+        bias: ``[b]`` float32, their biases.
     """
 
-    __slots__ = ("counts", "seen", "min_tokens", "min_stop")
+    __slots__ = ("counts", "seen", "min_tokens", "min_stop", "bias_ids", "bias")
 
-    def __init__(self, counts: torch.Tensor | None, seen: torch.Tensor | None, min_tokens: int, min_stop: torch.Tensor) -> None:
+    def __init__(
+        self,
+        counts: torch.Tensor | None,
+        seen: torch.Tensor | None,
+        min_tokens: int,
+        min_stop: torch.Tensor,
+        bias_ids: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         self.counts = counts
         self.seen = seen
         self.min_tokens = min_tokens
         self.min_stop = min_stop
+        self.bias_ids = bias_ids
+        self.bias = bias
 
     def add(self, token: int) -> None:
         """Count ``token`` as the request's next output token (O(1) on the device)."""
@@ -175,12 +193,16 @@ def token_stats(
     """The :class:`TokenStats` of a request with ``prompt`` and output ``out`` so far (a
     hand-off's first token(s), or what this node sampled before it was built), ``offset`` = its
     ``output_offset`` (the last ``offset`` prompt tokens are earlier output of a re-dispatch);
-    None when ``sp`` sets no penalty and no ``min_tokens`` (nothing to do). ``eos``: the model's
-    end-of-sequence ids. ``prompt`` may be a numpy array (the engine passes the packed
+    None when ``sp`` sets no penalty, no ``min_tokens`` and no ``logit_bias`` (nothing to do). ``eos``:
+    the model's end-of-sequence ids. ``prompt`` may be a numpy array (the engine passes the packed
     ``<u4`` prompt as is: a 1M-token list took 150-400 ms through ``torch.tensor``, holding the
-    GIL). O(prompt + out), once."""
-    if sp is None or not (sp.penalized or sp.min_tokens > 0):
+    GIL). O(prompt + out), once.
+
+    Raises:
+        ValueError: a ``logit_bias`` id is outside ``[0, vocab)`` (:func:`check_logit_bias`)."""
+    if sp is None or not (sp.penalized or sp.min_tokens > 0 or sp.logit_bias):
         return None
+    check_logit_bias(sp, vocab)
     counts = seen = None
     if sp.penalized:
         ids = torch.from_numpy(np.asarray(prompt, dtype=np.int64)).to(device)
@@ -190,15 +212,34 @@ def token_stats(
         if len(ids):
             seen[ids] = True
     stop = sorted(t for t in set(eos) | set(sp.stop_token_ids) if 0 <= t < vocab) if sp.min_tokens > 0 else []
-    return TokenStats(counts, seen, sp.min_tokens, torch.tensor(stop, dtype=torch.int64, device=device))
+    bias_ids = bias = None
+    if sp.logit_bias:
+        bias_ids = torch.tensor(list(sp.logit_bias), dtype=torch.int64, device=device)
+        bias = torch.tensor(list(sp.logit_bias.values()), dtype=torch.float32, device=device)
+    return TokenStats(counts, seen, sp.min_tokens, torch.tensor(stop, dtype=torch.int64, device=device), bias_ids, bias)
+
+
+def check_logit_bias(sp: Sampling | None, vocab: int) -> None:
+    """Raises ValueError naming the first ``sp.logit_bias`` id outside the model's vocabulary
+    ``[0, vocab)`` (the router checks its tokenizer's, which may be smaller or, paired with another
+    model, larger; an id past the logits would fail the whole decode step). O(entries)."""
+    if sp is None or not sp.logit_bias:
+        return
+    bad = [t for t in sp.logit_bias if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"logit_bias token id {min(bad)} is outside the model's vocabulary [0, {vocab})")
 
 
 def penalize(logits: torch.Tensor, stats: Sequence[TokenStats | None], params: Sequence[Sampling | None], positions: Sequence[int]) -> torch.Tensor:
     """A float32 copy of ``logits`` ``[R, V]`` with each row that has a :class:`TokenStats`
-    rewritten by its ``min_tokens`` mask and penalties (module docstring); the other rows are
-    the same values. ``positions``: the rows' client output positions (= output length so far)."""
+    rewritten by its ``logit_bias``, penalties and ``min_tokens`` mask, in that order (module
+    docstring); the other rows are the same values. ``positions``: the rows' client output
+    positions (= output length so far)."""
     x = logits.to(torch.float32, copy=True)
     dev = x.device
+    for i, st in enumerate(stats):
+        if st is not None and st.bias_ids is not None and st.bias is not None:
+            x[i, st.bias_ids] += st.bias  # ids are distinct (dict keys): no accumulation needed
     pen = [i for i, st in enumerate(stats) if st is not None and st.counts is not None]
     if pen:
         sps: list[Sampling] = [params[i] for i in pen]  # type: ignore[misc]
@@ -245,8 +286,8 @@ def sample(
         seeds: ``R`` seeds (a row's ``Sampling.seed``, else the request's random seed);
             read for sampled rows only.
         positions: ``R`` output positions (the client's: ``output_offset`` + tokens before).
-        stats: ``R`` :class:`TokenStats` (None for a row without penalties / ``min_tokens``),
-            or None for none at all: those rows are rewritten first (:func:`penalize`).
+        stats: ``R`` :class:`TokenStats` (None for a row without penalties / ``min_tokens`` /
+            ``logit_bias``), or None for none at all: those rows are rewritten first (:func:`penalize`).
 
     Returns:
         ``R`` token ids in ``[0, V)``.
