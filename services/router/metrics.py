@@ -9,6 +9,14 @@ simulator can read the same object.
 * **request latencies** (:meth:`RouteMetrics.observe_request`, fed by the shell,
   simulated seconds): TTFT = HTTP arrival → first output chunk at the router,
   E2E = HTTP arrival → last chunk, TPOT = (E2E − TTFT) / (output tokens − 1).
+* **inter-token latency** (:meth:`RouteMetrics.observe_chunk_tokens`, simulated seconds): per output
+  token after a request's first, the gap since the previous output chunk reached the router divided
+  evenly over the chunk's tokens (a chunk of k tokens after a gap g gives k samples of g/k; tokens that
+  came in the first chunk with the first token give 0). Over a request the samples sum to E2E − TTFT
+  and number output tokens − 1, so their mean is its TPOT (vLLM's ``inter_token_latency_seconds``).
+* **generation tokens** (:meth:`RouteMetrics.observe_delivered`): output tokens given to clients,
+  counted as they are sent (``usage.completion_tokens`` of a finished response; a stream that
+  fails or whose client leaves counts what was sent).
 * **TTFT prediction error**: predicted TTFT (the policy's, from the decision
   to the end of the prefill) minus the measured one (decision → the first
   chunk's ``ts`` on the worker), both in simulated seconds. The absolute
@@ -75,16 +83,16 @@ class Histogram:
         self.max = 0.0
         self.recent: deque[float] = deque(maxlen=window)
 
-    def observe(self, x: float) -> None:
-        """Add one sample (NaN is ignored)."""
-        if math.isnan(x):
+    def observe(self, x: float, n: int = 1) -> None:
+        """Add ``n`` samples of value ``x`` (NaN, or ``n`` < 1, is ignored)."""
+        if math.isnan(x) or n < 1:
             return
-        self.counts[bisect.bisect_left(self.edges, x)] += 1
-        self.count += 1
-        self.sum += x
-        if x > self.max or self.count == 1:
+        self.counts[bisect.bisect_left(self.edges, x)] += n
+        self.count += n
+        self.sum += x * n
+        if x > self.max or self.count == n:
             self.max = x
-        self.recent.append(x)
+        self.recent.extend((x,) * min(n, self.recent.maxlen or n))
 
     @property
     def mean(self) -> float | None:
@@ -157,8 +165,12 @@ class RouteMetrics:
         """Time per output token after the first (s); requests with one output token are not counted."""
         self.e2e = Histogram(LATENCY_EDGES_S, window)
         """End-to-end latency of a served request (s): HTTP arrival → last chunk."""
+        self.itl = Histogram(TPOT_EDGES_S, window)
+        """Inter-token latency (s): one sample per output token after the first (:meth:`observe_chunk_tokens`)."""
         self.prompt_tokens = 0
         """Σ prompt tokens of requests that got a first token."""
+        self.generation_tokens = 0
+        """Σ output tokens sent to clients (:meth:`observe_delivered`)."""
         self.cached_tokens = 0
         """Σ of those prompt tokens whose KV was reused (local or fetched) instead of computed."""
         self.ttft_abs_err = Histogram(ABS_ERR_EDGES_S, window)
@@ -193,6 +205,21 @@ class RouteMetrics:
         if output_tokens > 1:
             self.tpot.observe(max(0.0, e2e_s - ttft_s) / (output_tokens - 1))
 
+    def observe_chunk_tokens(self, gap_s: float | None, tokens: int) -> None:
+        """An output chunk of ``tokens`` tokens reached the router ``gap_s`` seconds after the request's
+        previous one with tokens (None: it is the first, whose first token is the TTFT): ``tokens`` samples
+        of ``gap_s / tokens`` in :attr:`itl`, or ``tokens − 1`` samples of 0 for the first chunk."""
+        if tokens < 1:
+            return
+        if gap_s is None:
+            self.itl.observe(0.0, tokens - 1)
+        else:
+            self.itl.observe(max(0.0, gap_s) / tokens, tokens)
+
+    def observe_delivered(self, tokens: int) -> None:
+        """``tokens`` output tokens were sent to a client (a response body, or a stream's data chunk)."""
+        self.generation_tokens += max(0, tokens)
+
     @property
     def kv_hit_rate(self) -> float | None:
         """Σ cached / Σ prompt tokens over first tokens (None before any)."""
@@ -212,7 +239,7 @@ class RouteMetrics:
         """Counters and gauges for ``stats()`` (names in the module docstring)."""
         counters: dict[str, int] = {}
         gauges: dict[str, float] = {}
-        for name, lat in (("ttft_s", self.ttft), ("tpot_s", self.tpot), ("e2e_s", self.e2e)):
+        for name, lat in (("ttft_s", self.ttft), ("tpot_s", self.tpot), ("e2e_s", self.e2e), ("itl_s", self.itl)):
             if lat.count:
                 counters[f"{name}.count"] = lat.count
                 gauges[f"{name}.p50"] = lat.quantile(0.5) or 0.0

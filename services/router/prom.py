@@ -1,8 +1,20 @@
 """The router's Prometheus families, built at scrape time from the core's records (shell side).
 
 Served on the router's HTTP port (``GET /metrics``) and on ``--metrics-port``
-when set. Latencies are simulated seconds of the cluster clock (= wall seconds
-at ``--speedup 1``).
+when set. Latencies are seconds of the router's cluster clock: simulated seconds under
+``--speedup`` N (N of them per wall second), wall seconds at ``--speedup 1`` (the default).
+
+Token rates as vLLM's dashboards draw them: ``rate(ei_router_generation_tokens_total[1m])``
+(vLLM ``vllm:generation_tokens_total``, Dynamo's output sequence tokens) and
+``rate(ei_router_prompt_tokens_total[1m])`` (``vllm:prompt_tokens_total``). Both count once per
+request: prompt tokens when its first output token arrives (its ``usage.prompt_tokens``), output
+tokens as they are sent (a non-streamed response's when it is sent; a stream's with each data
+chunk), so over finished requests ``generation_tokens_total`` is the sum of their
+``usage.completion_tokens``. ``ei_router_inter_token_latency_seconds`` is vLLM's
+``inter_token_latency_seconds``: a chunk of k tokens after a gap g (router clock, chunk to chunk)
+gives k samples of g/k, so ``--stream-interval`` > 1 spreads a chunk's gap over its tokens; its
+``_sum / _count`` over a request is that request's ``ei_router_tpot_seconds`` sample (a per-request
+mean, kept as is).
 
 ==================================================  =========  ==========================================================
 name                                                type       meaning
@@ -10,12 +22,16 @@ name                                                type       meaning
 ``ei_router_ttft_seconds``                          histogram  HTTP arrival → first output chunk, per request
 ``ei_router_tpot_seconds``                          histogram  (E2E − TTFT) / (output tokens − 1), served requests
 ``ei_router_e2e_seconds``                           histogram  HTTP arrival → last chunk, served requests
+``ei_router_inter_token_latency_seconds``           histogram  per output token after the first: the gap between the
+                                                               output chunks that brought it, over that chunk's tokens
 ``ei_router_queue_seconds{node}``                   histogram  time queued on the prefill node (first chunk's queue_s)
 ``ei_router_ttft_prediction_abs_error_seconds``     histogram  abs(predicted − measured TTFT) of the routing policy
 ``ei_router_requests_total{code}``                  counter    generation requests (completions, chat) by HTTP status
 ``ei_router_requests_finished_total{reason}``       counter    requests that ended, once each, by the finish reason the
                                                                client saw: stop / length (served), error / abort (failed)
 ``ei_router_prompt_tokens_total``                   counter    prompt tokens of requests that got a first token
+``ei_router_generation_tokens_total``               counter    output tokens sent to clients (``usage.completion_tokens``;
+                                                               a stream that fails or is abandoned: what was sent)
 ``ei_router_cached_prompt_tokens_total``            counter    of those, tokens whose KV was reused (hit)
 ``ei_router_kv_hit_ratio``                          gauge      cached / prompt tokens so far (served KV hit rate)
 ``ei_router_routed_total{phase,node}``              counter    placements (prefill / decode) per node
@@ -62,6 +78,12 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
     yield histogram_family("ei_router_tpot_seconds", "Time per output token after the first (s), served requests", {(): mt.tpot})
     yield histogram_family("ei_router_e2e_seconds", "End-to-end latency (s): HTTP arrival to the last chunk, served requests", {(): mt.e2e})
     yield histogram_family(
+        "ei_router_inter_token_latency_seconds",
+        "Inter-token latency (s, router clock): per output token after the first, the gap since the previous output "
+        "chunk over the tokens of the chunk that brought it",
+        {(): mt.itl},
+    )
+    yield histogram_family(
         "ei_router_queue_seconds",
         "Time a request queued on its prefill node before its first prefill chunk (s)",
         {(node,): h for node, h in sorted(mt.queue.items())},
@@ -84,6 +106,12 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         finished, ["reason"],
     )
     yield counter_family("ei_router_prompt_tokens", "Prompt tokens of requests that got a first token", {(): mt.prompt_tokens})
+    yield counter_family(
+        "ei_router_generation_tokens",
+        "Output (generation) tokens sent to clients: usage.completion_tokens of finished requests, what was sent of "
+        "streams that failed or whose client left",
+        {(): mt.generation_tokens},
+    )
     yield counter_family(
         "ei_router_cached_prompt_tokens", "Prompt tokens whose KV was reused (local or fetched) instead of computed", {(): mt.cached_tokens}
     )

@@ -175,6 +175,9 @@ class _Pending:
     ttft_s: float | None = None
     out_tokens: int = 0
     """Output tokens received (the client's count once a stop string or stop token id cut its output)."""
+    last_token_t: float | None = None
+    """When its last output chunk with tokens reached the router (simulated s; None before the first):
+    the start of the next inter-token gap (``ei_router_inter_token_latency_seconds``)."""
     cached_tokens: int = 0
     """``cached_tokens`` of the first chunk (prompt tokens whose KV the prefill node had or fetched)."""
     rreq: RouteRequest | None = None
@@ -689,6 +692,10 @@ class RouterService:
                 )  # fmt: skip
             p.next_index = chunk.index + len(chunk.token_ids)
             p.tokens.extend(chunk.token_ids)
+            if chunk.token_ids:
+                gap = None if p.last_token_t is None else now - p.last_token_t
+                self.core.metrics.observe_chunk_tokens(gap, len(chunk.token_ids))
+                p.last_token_t = now
         p.out_tokens += len(chunk.token_ids)
         if p.tr is not None and not p.tr.first_ns:
             p.tr.first_ns = time.time_ns()
@@ -706,7 +713,9 @@ class RouterService:
                 p.fetched_tokens, p.fetch_sources = chunk.fetched_tokens, p.plan_sources
             if not failed:
                 p.ttft_s = now - p.t_in
-                self.core.metrics.observe_first_token(p.ttft_s, chunk.prompt_tokens, chunk.cached_tokens)
+                # the prompt's count as its usage.prompt_tokens says it (the node's, else the router's own)
+                prompt = chunk.prompt_tokens or (p.rreq.prompt_tokens if p.rreq is not None else 0)
+                self.core.metrics.observe_first_token(p.ttft_s, prompt, chunk.cached_tokens)
                 sample = self.core.on_first_token(chunk.rid, now, first_token_at=chunk.ts or None, queue_s=chunk.queue_s)
                 if sample is not None and sample.error_s is not None:
                     self.log.debug(
@@ -2033,6 +2042,7 @@ class RouterService:
             else:
                 body = api.completion_response(oid, created, model, echo + text, finish_reason, use, stop_reason=stop_reason, logprobs=lp_body)
             body["ei"] = self._ei(p)
+            self.core.metrics.observe_delivered(n_out)
             return self._json(body, headers=headers)
         except _ClientGone:
             self._abandon(p, "client disconnected", "client_disconnect")
@@ -2072,6 +2082,13 @@ class RouterService:
             if continuous_usage:
                 obj["usage"] = api.usage(prompt_tokens, decoder.tokens, cached)
             return obj
+
+        sent = 0  # output tokens in the data chunks sent so far (ei_router_generation_tokens_total)
+
+        def delivered() -> None:
+            nonlocal sent
+            self.core.metrics.observe_delivered(decoder.tokens - sent)
+            sent = decoder.tokens
 
         lps: list[api.LogprobEntry] = []
         lp_sent = 0  # entries sent so far
@@ -2134,9 +2151,11 @@ class RouterService:
                         last = piece_obj(text, item.finish_reason or "length")
                     last["ei"] = self._ei(p)
                     yield sse(last)
+                    delivered()
                     break
                 if text:
                     yield piece(text, None)
+                    delivered()
                 item = await self._next_item(p, None)
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"

@@ -50,3 +50,16 @@ def test_request_latencies_tpot_and_kv_hit_rate():
     counters, gauges = m.export()
     assert counters["ttft_s.count"] == 2 and counters["tpot_s.count"] == 1
     assert gauges["ttft_s.p95"] == pytest.approx(0.4) and gauges["kv_hit_rate"] == pytest.approx(0.875)
+
+
+def test_inter_token_latency_spreads_a_chunk_gap_over_its_tokens_and_sums_to_e2e_minus_ttft():
+    m = RouteMetrics()
+    m.observe_chunk_tokens(None, 2)  # the first chunk: the first token and one more, 0 s after it
+    m.observe_chunk_tokens(0.3, 3)  # 3 tokens 0.3 s later: three samples of 0.1 s
+    m.observe_chunk_tokens(0.05, 0)  # no tokens: nothing
+    assert m.itl.count == 4 and m.itl.sum == pytest.approx(0.3)
+    assert m.itl.cumulative()[:4] == [("0.001", 1), ("0.0025", 1), ("0.005", 1), ("0.01", 1)]
+    assert m.itl.cumulative()[8] == ("0.1", 4) and list(m.itl.recent) == pytest.approx([0.0, 0.1, 0.1, 0.1]) and m.itl.max == pytest.approx(0.1)
+    m.observe_delivered(5)
+    m.observe_delivered(-1)
+    assert m.generation_tokens == 5
