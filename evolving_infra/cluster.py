@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -256,6 +257,8 @@ class LocalCluster:
     _bus: Bus | None = None
     creds: Credentials | None = None
     """Credentials generated for the embedded server (None when it runs open or NATS is external)."""
+    made_log_dir: bool = False
+    """``log_dir`` is a temporary folder (``ei-logs-*``) this cluster made, ``spec.log_dir`` being unset."""
     _supervisor: asyncio.Task[None] | None = None
     _failure: ClusterError | None = None
     _nats_restart_at: float | None = None
@@ -356,6 +359,7 @@ class LocalCluster:
     async def _start(self) -> None:
         s = self.spec
         parse_split(s.split, s.nodes)  # fail fast on a bad split
+        self.made_log_dir = not s.log_dir
         self.log_dir = Path(s.log_dir) if s.log_dir else Path(tempfile.mkdtemp(prefix="ei-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.clock_origin = time.time()
@@ -633,6 +637,21 @@ class LocalCluster:
         if self.nats:
             self.nats.stop()
             self.nats = None
+
+    def remove_generated_creds(self) -> Path | None:
+        """Delete the NATS credentials this cluster generated (``<log_dir>/nats-creds``: every identity's
+        nkey seed or password, the operator's and admin's included) when it generated them into the
+        temporary log folder it made itself; the logs stay (users read them). Call it after :meth:`stop`:
+        the nats-server that trusted them is gone, and a new cluster generates new ones. Nothing is removed
+        when the caller chose ``log_dir`` (its folder, its files), gave credentials, or auth is off.
+
+        Returns:
+            The folder removed, or None when there was none to remove.
+        """
+        if self.creds is None or not self.made_log_dir or not self.creds.directory.exists():
+            return None
+        shutil.rmtree(self.creds.directory, ignore_errors=True)
+        return self.creds.directory
 
     def describe(self) -> dict[str, object]:
         """What is running, for humans and for the `up` ready line."""

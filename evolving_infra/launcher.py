@@ -469,9 +469,11 @@ async def _up(args: argparse.Namespace) -> int:
 
     try:  # a signal during start-up (e.g. --nats-url unreachable) cancels it; start() stops what it started
         if await until_stopped(start(), stop) is None:
+            cluster.remove_generated_creds()
             print("stopped during start-up", flush=True)
             return 0
     except ClusterError as e:
+        cluster.remove_generated_creds()
         print(f"error: {e}", file=sys.stderr)
         return 1
     info = cluster.describe()
@@ -518,10 +520,14 @@ async def _up(args: argparse.Namespace) -> int:
         failed.cancel()
         print("stopping ...", flush=True)
         await cluster.stop()
-        print("stopped", flush=True)
+        # the logs stay for the user to read; credentials up generated into its own temp folder do not
+        # (secrets, useless once the nats-server that trusted them is gone)
+        removed = cluster.remove_generated_creds()
+        print(f"stopped; logs in {cluster.log_dir}" + (" (its generated NATS credentials removed)" if removed else ""), flush=True)
         return 0
     finally:  # also when a print failed (up | head: BrokenPipeError): the nats-server's store goes with it
         await cluster.stop()  # a second stop does nothing
+        cluster.remove_generated_creds()
         if state is not None:
             state.unlink(missing_ok=True)
 
@@ -905,7 +911,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Start an embedded nats-server (unless --nats-url) and the directory, planner, workers and router, "
         "each as its own OS process; wait until all are healthy; Ctrl-C stops everything cleanly.",
     )
-    _add_cluster_args(p, nodes=4, split="2P2D", speedup=1.0)
+    _add_cluster_args(
+        p, nodes=4, split="2P2D", speedup=1.0,
+        log_dir="a new $TMPDIR/ei-logs-* folder, kept after a stop; the NATS credentials up generates in it are deleted then",
+    )  # fmt: skip
     p.set_defaults(func=cmd_up)
 
     d = sub.add_parser(

@@ -229,3 +229,28 @@ def test_up_whose_terminal_closed_stops_on_sighup_and_removes_its_nats_store(tmp
             proc.kill()
             proc.wait()
     assert not list(tmp.glob("ei-nats-*")) and not list((tmp_path / "state").glob("up-*.json"))
+
+
+def test_a_clean_stop_keeps_the_temp_logs_and_deletes_the_generated_credentials(tmp_path):
+    """Without ``--log-dir`` up logs into a new ``$TMPDIR/ei-logs-*`` folder and generates every identity's NATS
+    credentials into its ``nats-creds/`` (nkey seeds: secrets). A clean stop left all of it behind and said only
+    'stopped'. Now the logs stay, the credentials go, and the last line says where the logs are."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "1", "--profile", "tiny", "--port", "0", "--policy", "static"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(tmp_path, TMPDIR=str(tmp)))
+    lines: list[str] = []
+    try:
+        ready = json.loads(_read_until(proc, "READY ", lines)[len("READY "):])
+        logs = Path(ready["log_dir"])
+        assert logs.parent == tmp and logs.name.startswith("ei-logs-") and list((logs / "nats-creds").glob("*.nk")), ready
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-2000:]
+    assert out.splitlines()[-1] == f"stopped; logs in {logs} (its generated NATS credentials removed)", out[-2000:]
+    assert not (logs / "nats-creds").exists() and not list(tmp.rglob("*.nk"))
+    assert list(logs.glob("*.log")) and (logs / "cluster.json").exists()  # the logs stay
