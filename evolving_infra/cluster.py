@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +109,11 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_context_tokens: int = 0
     """Router: refuse (400) prompt + max_tokens above this (the torch model's context); 0 = no limit. The router
     lowers it to what the largest node's GPU KV memory holds (``max_model_len``)."""
+    dtype: str = ""
+    """``torch`` engine: every worker's ``--dtype`` (float32, bfloat16, float16); empty = the worker's default."""
+    placement: tuple[tuple[str, int], ...] = ()
+    """``torch`` engine: (``--device``, ``--torch-threads``) of each worker in node order (:func:`worker_placement`;
+    an empty device or 0 threads: the flag is not passed); empty = none passed to any."""
     gpu_kv_tokens: int = 0
     """Every worker's ``--gpu-kv-tokens`` (L1 tokens over the profile's ``memory.gpu_kv_tokens``); 0 = the profile's."""
     host_kv_tokens: int = 0
@@ -186,6 +192,65 @@ def node_phases(spec: ClusterSpec) -> list[str]:
     return ["both"] * spec.nodes if pd is None else ["prefill"] * pd[0] + ["decode"] * pd[1]
 
 
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "EI_TORCH_THREADS")
+"""Variables that set a worker's torch intra-op threads when inherited (torch reads the first two at import, the
+worker its ``--torch-threads`` from the last): with one set, :func:`worker_placement` leaves the count to it."""
+
+
+def worker_placement(
+    nodes: int, device: str, *, cuda_count: int, cores: int, torch_threads: int = 0, env: Mapping[str, str] | None = None
+) -> list[tuple[str, int]]:
+    """Where each of ``nodes`` torch workers runs and with how many intra-op CPU threads (sans-IO: the counts are
+    given). A worker's torch defaulted to ``cuda`` (device 0) whenever CUDA is present, so ``up --nodes 4`` on a
+    4-GPU box put every worker on one GPU; and on CPU each worker's torch used a thread per core, so workers
+    competed for every core.
+
+    Devices: no ``device`` or plain ``cuda`` with CUDA present: worker i gets ``cuda:{i % cuda_count}`` (round
+    robin over the visible devices; ``CUDA_VISIBLE_DEVICES`` picks them); no ``device`` without CUDA, or ``cpu``:
+    ``cpu``; ``cuda:N``: that device for every worker. Threads: ``torch_threads`` when given (every worker);
+    else, when one of :data:`THREAD_ENV` is set in ``env``, 0 (the workers inherit it); else each CPU worker
+    ``max(1, cores // (CPU workers))`` and a CUDA worker 0 (torch's default).
+
+    Args:
+        nodes: workers (>= 1).
+        device: ``up --device``: ``""``, ``cpu``, ``cuda`` or ``cuda:N``.
+        cuda_count: CUDA devices visible (``torch.cuda.device_count()``; 0 without CUDA).
+        cores: CPU cores this process may use (``len(os.sched_getaffinity(0))``).
+        torch_threads: ``up --torch-threads``; 0 = choose.
+        env: the environment the workers inherit (default ``os.environ``).
+
+    Returns:
+        ``(device, threads)`` per worker in node order; threads 0 = not set.
+
+    Raises:
+        ValueError: a device that is not cpu / cuda / cuda:N, CUDA asked for but none visible, ``cuda:N`` beyond the
+            visible devices, or negative threads.
+    """
+    env = os.environ if env is None else env
+    if torch_threads < 0:
+        raise ValueError(f"--torch-threads {torch_threads}: must be >= 0 (0 = one share of the cores per CPU worker)")
+    kind, _, index = device.partition(":")
+    if kind not in ("", "cpu", "cuda") or (kind != "cuda" and index) or (index and not index.isdigit()) or device.endswith(":"):
+        raise ValueError(f"--device {device!r}: cpu, cuda or cuda:N")
+    if kind == "cuda" and cuda_count < 1:
+        raise ValueError(f"--device {device}: no CUDA device is visible (torch.cuda.device_count() is 0); use --device cpu")
+    if index and int(index) >= cuda_count:
+        raise ValueError(f"--device {device}: {cuda_count} CUDA device(s) visible (cuda:0 to cuda:{cuda_count - 1})")
+    if index or kind == "cpu":
+        devices = [device] * nodes
+    elif cuda_count > 0:
+        devices = [f"cuda:{i % cuda_count}" for i in range(nodes)]
+    else:
+        devices = ["cpu"] * nodes
+    on_cpu = devices.count("cpu")
+    if torch_threads:
+        return [(d, torch_threads) for d in devices]
+    if any(env.get(k) for k in THREAD_ENV):
+        return [(d, 0) for d in devices]
+    share = max(1, cores // on_cpu) if on_cpu else 0
+    return [(d, share if d == "cpu" else 0) for d in devices]
+
+
 def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     """The flags of ``service`` that say which serving system and engine the cluster runs: its policy set's part
     (router ``--routing``/``--decode-binding``/routing options, planner ``--planner``/``--planner-args``/``--split``,
@@ -214,7 +279,8 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
         return (["--profile", s.profile, "--tokenizer", s.tokenizer, "--host-eviction", s.eviction]
                 + (["--gpu-kv-tokens", str(s.gpu_kv_tokens)] if s.gpu_kv_tokens else [])
                 + (["--host-kv-tokens", str(s.host_kv_tokens)] if s.host_kv_tokens else [])
-                + (["--engine", s.engine, "--model", s.model_dir] if s.engine != "sim" else []))
+                + (["--engine", s.engine, "--model", s.model_dir] if s.engine != "sim" else [])
+                + (["--dtype", s.dtype] if s.dtype else []))
     if service == "router":
         return (["--routing", s.routing, "--decode-binding", s.decode_binding, "--profile", s.profile, "--block-size",
                  str(s.block_size), "--model", s.model, "--tokenizer", s.tokenizer]
@@ -310,7 +376,9 @@ class LocalCluster:
             ),
             _Child("planner", py + ["services.planner"] + self._common("planner") + service_flags(s, "planner"), self.log_dir / "planner.log"),
         ]
+        placement = dict(zip(nodes, s.placement))
         for node, phase in zip(nodes, node_phases(s)):
+            device, threads = placement.get(node, ("", 0))
             kids.append(
                 _Child(
                     f"worker-{node}",
@@ -319,6 +387,8 @@ class LocalCluster:
                     + self._common(f"worker-{node}")
                     + ["--node", node, "--phase", phase, "--stream-interval", str(s.stream_interval)]
                     + service_flags(s, "worker")
+                    + (["--device", device] if device else [])
+                    + (["--torch-threads", str(threads)] if threads else [])
                     + (["--log-requests"] if s.log_requests else [])
                     + list(s.worker_args)
                     + list(s.node_args.get(node, ())),

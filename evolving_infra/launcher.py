@@ -36,7 +36,7 @@ from typing import Any
 from evolving_infra.cli import UsageError, command_name
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
-from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, write_json
+from evolving_infra.cluster import THREAD_ENV, ClusterError, ClusterSpec, LocalCluster, worker_placement, write_json
 from shared.auth import redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
@@ -98,6 +98,27 @@ def _add_cluster_args(
         default="",
         help="--engine torch: local Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
         "`evolving-infra model init DIR` writes a tiny one",
+    )
+    g.add_argument(
+        "--device",
+        default="",
+        help="--engine torch: cpu, cuda or cuda:N for every worker (default: with CUDA present worker i runs on "
+        "cuda:{i %% visible devices}, as does plain cuda; else cpu); the ready banner lists each worker's",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="",
+        help="--engine torch: weights and KV dtype of every worker (default float32 on CPU, bfloat16 on CUDA)",
+    )
+    g.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--engine torch: intra-op CPU threads of each worker's torch (default: OMP_NUM_THREADS / MKL_NUM_THREADS / "
+        "EI_TORCH_THREADS when set, else each CPU worker max(1, cores // CPU workers), so workers do not compete "
+        "for every core; CUDA workers torch's default)",
     )
     g.add_argument(
         "--gpu-kv-tokens",
@@ -277,6 +298,9 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
     if args.engine == "sim":
         if args.model_dir:
             raise UsageError("error: --model needs --engine torch")
+        for flag, value in (("--device", args.device), ("--dtype", args.dtype), ("--torch-threads", args.torch_threads)):
+            if value:
+                raise UsageError(f"error: {flag} needs --engine torch (the sim engine runs no model)")
         return {"block_size": profile_block_size(args)}
     if not args.model_dir:
         raise UsageError("error: --engine torch needs --model DIR (evolving-infra model init DIR writes a tiny one)")
@@ -293,8 +317,15 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
     page = profile_block_size(args)
     if args.tokenizer == "sim":
         args.tokenizer = f"hf:{args.model_dir}"
+    try:
+        placement = worker_placement(max(args.nodes, 1), args.device, cuda_count=cuda_device_count(), cores=cpu_cores(),
+                                     torch_threads=args.torch_threads)
+    except ValueError as e:
+        raise UsageError(f"error: {e}") from None
     return {
         "engine": "torch",
+        "dtype": args.dtype,
+        "placement": tuple(placement),
         "model_dir": str(Path(args.model_dir).resolve()),
         "profile": args.profile,
         "block_size": page,
@@ -302,6 +333,34 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
         "model": Path(args.model_dir).resolve().name,
         "max_context_tokens": context,
     }
+
+
+def cuda_device_count() -> int:
+    """CUDA devices torch sees (``CUDA_VISIBLE_DEVICES`` applies); 0 without CUDA. Imports torch: call it only
+    for ``--engine torch`` (``up`` runs without the torch extra otherwise)."""
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity: ``taskset``, a container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def placement_line(spec: ClusterSpec) -> str | None:
+    """``up``'s ready-banner line saying where each torch worker runs and with how many torch threads
+    (:func:`~evolving_infra.cluster.worker_placement`); None for the sim engine."""
+    if not spec.placement:
+        return None
+    parts = [f"{node} {device}" + (f" ({threads} torch thread{'s' if threads > 1 else ''})" if threads else "")
+             for node, (device, threads) in zip(spec.node_ids(), spec.placement)]
+    env = next((k for k in THREAD_ENV if os.environ.get(k)), None)
+    note = f"; torch threads from {env}" if env and not any(t for _, t in spec.placement) else ""
+    return "workers on " + ", ".join(parts) + (f", dtype {spec.dtype}" if spec.dtype else "") + note
 
 
 def router_api_keys(args: argparse.Namespace) -> frozenset[str]:
@@ -494,8 +553,9 @@ async def _up(args: argparse.Namespace) -> int:
             )
         elif not args.nats_url:
             print("  NATS is OPEN (--nats-auth off): any local process can publish and read every subject (loopback only)")
-        if line := context_line(cluster.spec):
-            print(f"  {line}")
+        for line in (context_line(cluster.spec), placement_line(cluster.spec)):
+            if line:
+                print(f"  {line}")
         if keys_line := api_keys_line(args):
             print(f"  {keys_line}")
         print("READY " + json.dumps(_shown(info)), flush=True)
@@ -709,6 +769,9 @@ async def _demo(args: argparse.Namespace) -> int:
     try:
         print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, profile {spec.profile}, "
               f"logs {cluster.log_dir}", flush=True)
+        for line in (context_line(spec), placement_line(spec)):
+            if line:
+                print(f"  {line}", flush=True)
         clock = SimClock(spec.speedup, cluster.clock_origin)
         replayer = LiveReplayer(
             cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer),

@@ -55,7 +55,13 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Literal["", "float32", "bfloat16", "float16"],
         Meta(description="torch engine: weight/KV dtype; empty = float32 on CPU, bfloat16 on CUDA"),
     ] = ""
-    device: Annotated[str, Meta(description="torch engine: cpu, cuda or cuda:N; empty = cuda when present, else cpu")] = ""
+    device: Annotated[str, Meta(description="torch engine: cpu, cuda or cuda:N; empty = cuda when present, else cpu "
+                                "(evolving-infra up gives worker i cuda:{i % visible devices})")] = ""
+    torch_threads: Annotated[
+        int,
+        Meta(ge=0, description="torch engine: intra-op CPU threads (torch.set_num_threads); 0 = torch's default "
+             "(OMP_NUM_THREADS, else one per core; evolving-infra up gives each CPU worker its share of the cores)"),
+    ] = 0
     tokenizer: Annotated[
         str,
         Meta(description="the router's tokenizer (sim | hf:<local path>); with hf the sim engine emits only ids of "

@@ -115,6 +115,10 @@ def make_torch_engine(cfg: WorkerConfig, profile: Profile) -> Engine:
         from services.worker.engines.torch_engine.engine import TorchEngine
     except ModuleNotFoundError as e:
         raise ValueError(f"--engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'") from e
+    if cfg.torch_threads:  # before the model loads: several workers on one machine share its cores
+        import torch
+
+        torch.set_num_threads(cfg.torch_threads)
     return TorchEngine(profile, cfg.model, dtype=cfg.dtype or None, device=cfg.device or None, check=cfg.check_invariants)
 
 
@@ -321,7 +325,13 @@ class WorkerService:
             task = asyncio.create_task(coro, name=f"worker-{node}-{name}")
             task.add_done_callback(self._task_done if name != "split-get" else self._spawned_done)
             self._tasks.append(task)
-        self.log.info("worker started", profile=self.profile.name, phase=self.core.phase, engine=self.engine.name)
+        where = {}
+        if self.cfg.engine == "torch":  # the placement up chose (or the defaults), for whoever reads the log
+            import torch
+
+            where = {"device": str(getattr(self.engine, "device", "")), "torch_threads": torch.get_num_threads()}
+        self.log.info("worker started", profile=self.profile.name, phase=self.core.phase, engine=self.engine.name,
+                      gpu_kv_tokens=self.profile.memory.gpu_kv_tokens, host_kv_tokens=self.profile.memory.host_kv_tokens, **where)
 
     async def _start_kvpool(self) -> None:
         """``--kv-pool real``: a Mooncake-registered buffer mirroring L2, serving ``kv.pool.<node>``

@@ -103,3 +103,106 @@ def test_up_refuses_a_bad_kv_size_before_anything_starts(model, flags, message, 
 def test_sim_up_takes_the_kv_flags_too(tmp_path):
     kids = _children(["--profile", "tiny", "--gpu-kv-tokens", "512", "--nodes", "1"], tmp_path)
     assert _value(kids["worker-w0"], "--gpu-kv-tokens") == "512" and "--host-kv-tokens" not in kids["worker-w0"]
+
+
+# ----------------------------------------------------------------------------- devices and threads (issue 2)
+
+
+@pytest.mark.parametrize("nodes, device, cuda, cores, threads, env, want", [
+    (4, "", 4, 64, 0, {}, [("cuda:0", 0), ("cuda:1", 0), ("cuda:2", 0), ("cuda:3", 0)]),  # was: all on cuda (device 0)
+    (4, "", 2, 64, 0, {}, [("cuda:0", 0), ("cuda:1", 0), ("cuda:0", 0), ("cuda:1", 0)]),
+    (3, "cuda", 8, 64, 0, {}, [("cuda:0", 0), ("cuda:1", 0), ("cuda:2", 0)]),
+    (2, "cuda:1", 2, 64, 0, {}, [("cuda:1", 0), ("cuda:1", 0)]),
+    (4, "", 0, 16, 0, {}, [("cpu", 4)] * 4),  # was: each worker's torch on all 16 cores
+    (4, "", 0, 2, 0, {}, [("cpu", 1)] * 4),
+    (3, "cpu", 4, 8, 0, {}, [("cpu", 2)] * 3),
+    (2, "", 0, 16, 0, {"OMP_NUM_THREADS": "3"}, [("cpu", 0)] * 2),  # the user's setting, inherited
+    (2, "", 0, 16, 0, {"EI_TORCH_THREADS": "5"}, [("cpu", 0)] * 2),
+    (2, "", 0, 16, 6, {"OMP_NUM_THREADS": "3"}, [("cpu", 6)] * 2),  # the flag wins
+    (2, "cuda", 1, 16, 2, {}, [("cuda:0", 2)] * 2),
+])
+def test_worker_placement(nodes, device, cuda, cores, threads, env, want):
+    from evolving_infra.cluster import worker_placement
+
+    assert worker_placement(nodes, device, cuda_count=cuda, cores=cores, torch_threads=threads, env=env) == want
+
+
+@pytest.mark.parametrize("device, cuda, message", [
+    ("gpu", 1, "--device 'gpu': cpu, cuda or cuda:N"),
+    ("cuda:", 1, "cpu, cuda or cuda:N"),
+    ("cpu:0", 1, "cpu, cuda or cuda:N"),
+    ("cuda:x", 1, "cpu, cuda or cuda:N"),
+    ("cuda", 0, "--device cuda: no CUDA device is visible"),
+    ("cuda:2", 2, r"--device cuda:2: 2 CUDA device\(s\) visible \(cuda:0 to cuda:1\)"),
+])
+def test_worker_placement_refuses(device, cuda, message):
+    from evolving_infra.cluster import worker_placement
+
+    with pytest.raises(ValueError, match=message):
+        worker_placement(2, device, cuda_count=cuda, cores=4, env={})
+
+
+def _torch_children(monkeypatch, tmp_path, model, argv, *, cuda, cores):
+    import evolving_infra.launcher as launcher
+
+    monkeypatch.setattr(launcher, "cuda_device_count", lambda: cuda)
+    monkeypatch.setattr(launcher, "cpu_cores", lambda: cores)
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "EI_TORCH_THREADS"):
+        monkeypatch.delenv(k, raising=False)
+    return _children(["--engine", "torch", "--model", str(model), *argv], tmp_path)
+
+
+def test_up_places_each_torch_worker_on_its_own_gpu(monkeypatch, model, tmp_path):
+    kids = _torch_children(monkeypatch, tmp_path, model, ["--nodes", "4", "--dtype", "bfloat16"], cuda=4, cores=32)
+    for i in range(4):
+        w = kids[f"worker-w{i}"]
+        assert (_value(w, "--device"), _value(w, "--dtype"), _value(w, "--torch-threads")) == (f"cuda:{i}", "bfloat16", None)
+        cfg = load_config(WorkerConfig, w[w.index("services.worker") + 1 :])  # the worker's own parser takes them
+        assert (cfg.device, cfg.dtype, cfg.torch_threads) == (f"cuda:{i}", "bfloat16", 0)
+    for name in ("router", "planner", "kvdirectory"):
+        assert "--device" not in kids[name] and "--dtype" not in kids[name]
+
+
+def test_up_shares_the_cores_between_cpu_workers(monkeypatch, model, tmp_path):
+    from evolving_infra.launcher import placement_line
+
+    kids = _torch_children(monkeypatch, tmp_path / "a", model, ["--nodes", "2"], cuda=0, cores=8)
+    for i in range(2):
+        w = kids[f"worker-w{i}"]
+        assert (_value(w, "--device"), _value(w, "--torch-threads")) == ("cpu", "4")
+        assert load_config(WorkerConfig, w[w.index("services.worker") + 1 :]).torch_threads == 4
+    kids = _torch_children(monkeypatch, tmp_path / "b", model, ["--nodes", "2", "--torch-threads", "1"], cuda=0, cores=8)
+    assert _value(kids["worker-w1"], "--torch-threads") == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's own setting: inherited, no flag
+    args = build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(model), "--nodes", "2", "--log-dir", str(tmp_path / "c")])
+    spec = _spec(args)
+    assert all("--torch-threads" not in c.argv for c in LocalCluster(spec)._plan_children())
+    assert placement_line(spec) == "workers on w0 cpu, w1 cpu; torch threads from OMP_NUM_THREADS"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    args = build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(model), "--nodes", "2", "--log-dir", str(tmp_path / "d")])
+    assert placement_line(_spec(args)) == "workers on w0 cpu (4 torch threads), w1 cpu (4 torch threads)"
+
+
+@pytest.mark.parametrize("flags", [["--device", "cpu"], ["--dtype", "float16"], ["--torch-threads", "2"]])
+def test_torch_placement_flags_need_the_torch_engine(flags, tmp_path):
+    args = build_parser("up").parse_args(["up", *flags, "--log-dir", str(tmp_path)])
+    with pytest.raises(UsageError, match=f"error: {flags[0]} needs --engine torch"):
+        _spec(args)
+
+
+def test_up_with_a_bad_device_is_a_usage_error(monkeypatch, model, tmp_path):
+    with pytest.raises(UsageError, match="error: --device cuda:3: 2 CUDA device"):
+        _torch_children(monkeypatch, tmp_path, model, ["--device", "cuda:3"], cuda=2, cores=8)
+
+
+def test_sim_up_does_not_import_torch(tmp_path):
+    """``up`` without the torch extra must still work: placement imports torch only for ``--engine torch``."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from evolving_infra.cli import build_parser; from evolving_infra.launcher import _spec; "
+            f"a = build_parser('up').parse_args(['up', '--nodes', '2', '--log-dir', {str(tmp_path)!r}]); _spec(a); "
+            "from evolving_infra.cluster import LocalCluster; LocalCluster(_spec(a))._plan_children(); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[3])
+    assert r.returncode == 0, r.stderr
