@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -86,7 +87,11 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Output tokens per streamed chunk (SGLang --stream-interval semantics)."""
     ready_timeout_s: float = 60.0
     metrics: bool = False
-    """Give every service a Prometheus ``--metrics-port`` (free loopback ports; see ``metrics_urls``)."""
+    """Give every service a Prometheus ``--metrics-port`` (free ports on ``host``; see ``metrics_urls``), and write
+    ``<log_dir>/prometheus-targets.json`` (:meth:`LocalCluster.prometheus_targets`)."""
+    metrics_base_port: int = 0
+    """With ``metrics``: fixed metrics ports, as the Slurm job's: the KV directory on this port, the planner on +1,
+    the router on +2, worker ``wN`` on +3+N; 0 = free ports chosen at start."""
     tokenizer: str = "sim"
     """Router tokenizer (``sim`` | ``hf:<local path>``); the workers draw output ids from its vocabulary."""
     nats_auth: str = "nkeys"
@@ -149,10 +154,27 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
         return with_kv_tokens(load_profile(self.profile), self.gpu_kv_tokens, self.host_kv_tokens)
 
 
+PER_SERVICE_ENV = ("EI_METRICS_PORT", "EI_PORT", "EI_PORT_FILE", "EI_INSTANCE", "EI_NODE", "EI_PHASE")
+"""Variables that configure one process (a port it binds, its identity): never passed from the launcher's
+environment to its children, where every service would take the same value (``EI_METRICS_PORT``: the second
+one to bind it exited 1, Address already in use, and the cluster stopped). ``up`` refuses ``EI_METRICS_PORT``
+itself (``--metrics-base-port`` is what gives fixed ports); the others it always sets per service on the
+command line."""
+
+TARGETS_FILE = "prometheus-targets.json"
+"""The Prometheus ``file_sd`` list ``LocalCluster`` writes in its log folder (the Slurm job's name and labels)."""
+
+
+def child_env(env: dict[str, str] | None, base: "os._Environ[str] | dict[str, str] | None" = None) -> dict[str, str]:
+    """The environment of a service process: ``base`` (default: this process's) without :data:`PER_SERVICE_ENV`,
+    with ``env`` (the child's own variables, e.g. the router's ``EI_API_KEYS``) set over it."""
+    out = {k: v for k, v in (os.environ if base is None else base).items() if k not in PER_SERVICE_ENV}
+    out.update(env or {})
+    return out
+
+
 def _free_port(host: str) -> int:
     """A TCP port free on ``host`` now (the kernel's choice; the service binds it moments later)."""
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
@@ -344,7 +366,8 @@ class LocalCluster:
         s = self.spec
         extra: list[str] = []
         if s.metrics:
-            port = _free_port(s.host)
+            # fixed ports in the Slurm job's order (kvdirectory, planner, router, w0, w1, ...), else free ones
+            port = s.metrics_base_port + self._metrics_index(instance) if s.metrics_base_port else _free_port(s.host)
             self.metrics_urls[instance] = f"http://{s.host}:{port}/metrics"
             extra = ["--metrics-port", str(port), "--metrics-host", s.host]
         return extra + [
@@ -363,6 +386,41 @@ class LocalCluster:
             "--log-format",
             "json",
         ] + (["--otlp-traces-endpoint", s.otlp_traces_endpoint] if s.otlp_traces_endpoint else [])
+
+    def _metrics_index(self, instance: str) -> int:
+        """Offset of ``instance``'s metrics port from ``metrics_base_port`` (the Slurm job's layout)."""
+        fixed = {"kvdirectory": 0, "planner": 1, "router": 2}
+        if instance in fixed:
+            return fixed[instance]
+        return 3 + self.spec.node_ids().index(instance.removeprefix("worker-"))
+
+    def prometheus_targets(self) -> list[dict[str, object]]:
+        """The services' metrics ports as a Prometheus ``file_sd`` list, with the Slurm job's labels: ``service``,
+        and ``node`` for a worker (``deploy/slurm/evolving-infra.sbatch``); empty without ``metrics``. A wildcard
+        ``host`` (0.0.0.0, ::) is listed as this machine's host name, which a Prometheus elsewhere can reach."""
+        out: list[dict[str, object]] = []
+        for instance, url in self.metrics_urls.items():
+            hostport = url.removeprefix("http://").removesuffix("/metrics")
+            host, port = hostport.rsplit(":", 1)
+            if host in ("0.0.0.0", "::", "[::]", ""):
+                host = socket.gethostname()
+            labels = {"service": "worker", "node": instance.removeprefix("worker-")} if instance.startswith("worker-") else {"service": instance}
+            out.append({"targets": [f"{host}:{port}"], "labels": labels})
+        return out
+
+    def write_targets(self, *, empty: bool = False) -> Path | None:
+        """Write ``<log_dir>/prometheus-targets.json`` (atomically): :meth:`prometheus_targets`, or ``[]`` with
+        ``empty`` (a stopped cluster: a ``file_sd`` glob over log folders stops scraping it, as the Slurm job's
+        list is emptied when it stops). Nothing without ``metrics`` (None). An unwritable folder is a warning."""
+        if not self.spec.metrics or not self.metrics_urls:
+            return None
+        path = self.log_dir / TARGETS_FILE
+        try:
+            write_json(path, [] if empty else self.prometheus_targets())
+        except OSError as e:
+            log.warning("cannot write the Prometheus targets file", path=str(path), error=str(e))
+            return None
+        return path
 
     def _plan_children(self) -> list[_Child]:
         s = self.spec
@@ -479,6 +537,7 @@ class LocalCluster:
         for child in self.children:
             if child.name == "router":
                 child.argv[child.argv.index("--port") + 1] = port
+        self.write_targets()
         if s.restart:
             self._supervisor = asyncio.create_task(self._supervise(), name="cluster-supervisor")
 
@@ -488,7 +547,7 @@ class LocalCluster:
         child.proc = subprocess.Popen(
             child.argv,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **child.env} if child.env else None,
+            env=child_env(child.env),
             stdout=child.log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -576,6 +635,8 @@ class LocalCluster:
                 self._failure = e
                 log.error("supervisor gave up", error=str(e))
                 return
+            if started:
+                self.write_targets()  # the same ports (a restart reuses its argv): the file is current again
             if started and callable(self.on_restart):
                 for name in started:
                     try:  # up's rewrites cluster.json and prints: a full disk or a closed stdout must not end supervision
@@ -701,6 +762,8 @@ class LocalCluster:
             if c.log_file:
                 c.log_file.close()  # type: ignore[attr-defined]
                 c.log_file = None
+        if (self.log_dir / TARGETS_FILE).exists():
+            self.write_targets(empty=True)
         if self._bus is not None:
             await self._bus.close()
             self._bus = None
@@ -735,7 +798,7 @@ class LocalCluster:
             "split": self.spec.split,
             "speedup": self.spec.speedup,
             "pids": self.pids(),
-            **({"metrics": dict(self.metrics_urls)} if self.metrics_urls else {}),
+            **({"metrics": dict(self.metrics_urls), "prometheus_targets": str(self.log_dir / TARGETS_FILE)} if self.metrics_urls else {}),
             "restarts": self.restarts(),
         }
 

@@ -191,8 +191,17 @@ def _add_cluster_args(
     g.add_argument(
         "--metrics",
         action="store_true",
-        help="give every service a Prometheus /metrics port (free loopback ports, listed in the READY line); "
-        "the router also serves /metrics on its HTTP port",
+        help="give every service a Prometheus /metrics port (free ports on --host, listed in the READY line) and write "
+        "LOG_DIR/prometheus-targets.json (a Prometheus file_sd list; [] once stopped); the router also serves /metrics "
+        "on its HTTP port",
+    )
+    g.add_argument(
+        "--metrics-base-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="--metrics on fixed ports, as the Slurm job's: the KV directory on PORT, the planner on PORT+1, the router "
+        "on PORT+2, worker wN on PORT+3+N (EI_METRICS_PORT is one service's port: up refuses it)",
     )
     g.add_argument(
         "--no-restart",
@@ -436,6 +445,16 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         parse_split(args.split, args.nodes)
     except SplitError as e:  # the split may be a policy's (static:2P2D) the user did not size: say what to change
         raise UsageError(f"error: {e}; pass --split xPyD with x + y = {args.nodes} (or 'collocated'), or --nodes")
+    env_port = os.environ.get("EI_METRICS_PORT", "").strip()
+    if env_port not in ("", "0"):  # every service would take it: the second to bind it exited 1 and the cluster stopped
+        raise UsageError(
+            f"error: EI_METRICS_PORT={env_port} is one service's metrics port, and up starts {args.nodes + 3} services; "
+            f"unset it and pass --metrics (free ports, in the READY line and LOG_DIR/prometheus-targets.json) or "
+            f"--metrics-base-port {env_port} (the KV directory on {env_port}, planner +1, router +2, worker wN +3+N)"
+        )
+    base = getattr(args, "metrics_base_port", 0)
+    if base and not 1024 <= base <= 65535 - (args.nodes + 2):
+        raise UsageError(f"error: --metrics-base-port {base}: {args.nodes + 3} ports from it must lie within 1024-65535")
     otlp = getattr(args, "otlp_traces_endpoint", "")
     if otlp and not re.fullmatch(r"https?://\S+", otlp):  # each service would refuse it (exit 2) after the cluster started
         raise UsageError(f"error: --otlp-traces-endpoint {otlp!r}: an http:// or https:// URL of an OTLP/HTTP collector (e.g. http://127.0.0.1:4318)")
@@ -482,7 +501,8 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         stream_interval=args.stream_interval,
         ready_timeout_s=args.ready_timeout,
-        metrics=args.metrics,
+        metrics=args.metrics or bool(getattr(args, "metrics_base_port", 0)),
+        metrics_base_port=getattr(args, "metrics_base_port", 0),
         tokenizer=args.tokenizer,
         restart=args.restart,
         max_restarts=args.max_restarts,

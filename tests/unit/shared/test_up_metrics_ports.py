@@ -1,0 +1,67 @@
+"""``up``'s metrics ports (issue of a vLLM/Dynamo operator): ``EI_METRICS_PORT=19450 evolving-infra up`` gave every
+child the same port (the second to bind it exited 1, Address already in use, and the cluster stopped); ``--metrics``
+ports were random each start with no Prometheus ``file_sd`` file, which only the Slurm job wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import pytest
+
+from evolving_infra.cli import UsageError, build_parser
+from evolving_infra.cluster import TARGETS_FILE, ClusterSpec, LocalCluster, _Child
+from evolving_infra.launcher import _spec
+
+
+def test_ei_metrics_port_in_ups_environment_is_a_usage_error_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("EI_METRICS_PORT", "19450")
+    args = build_parser("up").parse_args(["up", "--log-dir", str(tmp_path)])
+    with pytest.raises(UsageError, match="EI_METRICS_PORT=19450 is one service's metrics port.*--metrics-base-port 19450"):
+        _spec(args)
+    monkeypatch.setenv("EI_METRICS_PORT", "0")  # off: nothing to refuse
+    assert not _spec(build_parser("up").parse_args(["up", "--log-dir", str(tmp_path)])).metrics
+
+
+def test_no_child_inherits_a_per_service_variable_of_the_launcher(tmp_path, monkeypatch):
+    monkeypatch.setenv("EI_METRICS_PORT", "19450")
+    monkeypatch.setenv("EI_PORT", "8001")
+    monkeypatch.setenv("EI_LOG_LEVEL", "debug")  # a setting every service shares is kept
+    c = LocalCluster(ClusterSpec(log_dir=str(tmp_path)))
+    code = "import os; print(os.environ.get('EI_METRICS_PORT'), os.environ.get('EI_PORT'), os.environ.get('EI_LOG_LEVEL'), os.environ.get('MINE'))"
+    child = _Child("probe", [sys.executable, "-c", code], tmp_path / "probe.log", env={"MINE": "x"})
+    c._spawn(child)
+    assert child.proc is not None and child.proc.wait(30) == 0
+    child.log_file.close()  # type: ignore[attr-defined]
+    assert (tmp_path / "probe.log").read_text().split() == ["None", "None", "debug", "x"]
+
+
+def test_metrics_base_port_gives_the_slurm_jobs_ports_and_a_file_sd_list_emptied_at_stop(tmp_path, monkeypatch):
+    monkeypatch.delenv("EI_METRICS_PORT", raising=False)
+    args = build_parser("up").parse_args(["up", "--nodes", "2", "--metrics-base-port", "19450", "--log-dir", str(tmp_path)])
+    spec = _spec(args)
+    assert spec.metrics and spec.metrics_base_port == 19450
+    c = LocalCluster(spec)
+    c.log_dir = tmp_path
+    c._plan_children()
+    assert {k: int(v.rsplit(":", 1)[1].split("/")[0]) for k, v in c.metrics_urls.items()} == {
+        "kvdirectory": 19450, "planner": 19451, "router": 19452, "worker-w0": 19453, "worker-w1": 19454,
+    }
+    path = c.write_targets()
+    assert path == tmp_path / TARGETS_FILE
+    listed = json.loads(path.read_text())
+    assert sorted((t["labels"].get("node", ""), t["labels"]["service"], t["targets"][0]) for t in listed) == [
+        ("", "kvdirectory", "127.0.0.1:19450"), ("", "planner", "127.0.0.1:19451"), ("", "router", "127.0.0.1:19452"),
+        ("w0", "worker", "127.0.0.1:19453"), ("w1", "worker", "127.0.0.1:19454"),
+    ]
+    assert c.describe()["prometheus_targets"] == str(path)
+    asyncio.run(c.stop())
+    assert json.loads(path.read_text()) == []  # as the Slurm job leaves it: a file_sd glob scrapes nothing
+
+
+@pytest.mark.parametrize("port", ["80", "65534"])
+def test_a_base_port_whose_range_does_not_fit_is_a_usage_error(port, tmp_path):
+    args = build_parser("up").parse_args(["up", "--metrics-base-port", port, "--log-dir", str(tmp_path)])
+    with pytest.raises(UsageError, match=f"--metrics-base-port {port}"):
+        _spec(args)
