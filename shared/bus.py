@@ -746,9 +746,12 @@ class Bus:
         return sub
 
     async def request(
-        self, subject: Subject, msg: msgspec.Struct, *, timeout: float = 2.0, headers: dict[str, str] | None = None, **params: str
+        self, subject: Subject, msg: msgspec.Struct, *, timeout: float = 2.0, headers: dict[str, str] | None = None,
+        _unanswered: str = "request_failed.", **params: str,
     ) -> Any:
         """Send a request and return the decoded reply (``headers``: NATS headers, e.g. ``traceparent``).
+        Without a reply it is counted under ``request_failed.<template>`` (``ei_bus_requests_failed_total``;
+        :meth:`request_until`'s tries under ``_unanswered`` = ``request_retried.``).
 
         Raises:
             BusError: on timeout, no responders (:class:`NoResponders`), a publish this identity may not
@@ -760,7 +763,7 @@ class Bus:
         try:
             raw = await self.nc.request(full, m.encode(self._stamp(msg)), timeout=timeout, headers=headers)
         except (nats.errors.Error, asyncio.TimeoutError) as e:  # timeout, no responders, closed, buffer full
-            self.counters["request_failed." + subject.template] += 1
+            self.counters[_unanswered + subject.template] += 1
             if (denied := self._permission_error(full)) is not None:
                 raise denied from e
             cls = NoResponders if isinstance(e, nats.errors.NoRespondersError) else BusError
@@ -804,15 +807,25 @@ class Bus:
         Returns ``(reply or None, attempts made, last error or None)``: None and the last error
         when the deadline passed; None and no error when ``done()`` ended it. Never raises
         :class:`BusError`.
+
+        Counted: each try without a reply under ``request_retried.<template>``
+        (``ei_bus_request_retries_total``), not as a failed request: a clean start, where the router asks
+        the planner before it is up, counted ``ei_bus_requests_failed_total{subject="split.get"}`` 2 and
+        an alert on failures fired on every start. A wait that gives up at the deadline without a reply
+        counts once in ``request_failed.<template>``.
         """
         deadline = time.monotonic() + deadline_s
         attempt = 0
+        key = "request_retried." + subject.template
         while done is None or not done():
             attempt += 1
+            unanswered = self.counters.get(key, 0)
             try:
-                return await self.request(subject, msg, timeout=attempt_timeout_s), attempt, None
+                return await self.request(subject, msg, timeout=attempt_timeout_s, _unanswered="request_retried."), attempt, None
             except BusError as e:
                 if time.monotonic() >= deadline:
+                    if self.counters.get(key, 0) != unanswered:  # no reply (not a refusal or a bad reply, counted apart)
+                        self.counters["request_failed." + subject.template] += 1
                     return None, attempt, e
                 if on_retry is not None:
                     on_retry(attempt, e)

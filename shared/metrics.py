@@ -165,8 +165,16 @@ def bus_families(counters: Mapping[str, int], subscribed: Iterable[str] = ()) ->
         "ei_bus_messages_published", "NATS messages published, by subject template", by_prefix(counters, "published."), ["subject"]
     )
     yield counter_family(
-        "ei_bus_requests_failed", "NATS requests without a (decodable) reply in time, by subject template",
+        "ei_bus_requests_failed",
+        "NATS requests without a reply in time, by subject template (a retried start-up wait only when it gives up: "
+        "ei_bus_request_retries_total counts its tries)",
         by_prefix(counters, "request_failed."), ["subject"],
+    )
+    yield counter_family(
+        "ei_bus_request_retries",
+        "Unanswered tries of a request its service retries until a deadline (split.get at start, before the planner "
+        "is up), by subject template; not failures: a wait that gives up counts once in ei_bus_requests_failed_total",
+        by_prefix(counters, "request_retried."), ["subject"],
     )
     yield counter_family(
         "ei_nats_reconnects", "Reconnections to the NATS server", {(): float(counters.get("nats.reconnects", 0))}

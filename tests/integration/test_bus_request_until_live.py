@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from shared import messages as m
 from shared.bus import Bus, BusError
+from shared.metrics import make_registry, metrics_payload
 from shared.subjects import SPLIT_GET, Subjects
 
 
@@ -35,6 +38,10 @@ async def test_reply_from_a_responder_that_comes_up_late(nats_url):
         await task
         assert err is None and reply is not None and reply.epoch == 7
         assert attempts >= 2 and retries == list(range(1, attempts))  # every failed try reported, in order
+        # the start-up wait's unanswered tries are retries, not failed requests (an alert on
+        # ei_bus_requests_failed_total fired on every clean start: the router asks before the planner is up)
+        assert asker.counters["request_retried.split.get"] == attempts - 1
+        assert asker.counters["request_failed.split.get"] == 0
     finally:
         await asker.close()
         await planner.close()
@@ -50,6 +57,15 @@ async def test_gives_up_at_the_deadline_with_the_last_error(nats_url):
         waited = time.monotonic() - t0
         assert reply is None and isinstance(err, BusError) and attempts >= 2
         assert 0.6 <= waited < 3.0  # bounded by the deadline plus one try, not forever
+        # a wait that gave up is one failed request; each of its tries a retry
+        assert asker.counters["request_failed.split.get"] == 1
+        assert asker.counters["request_retried.split.get"] == attempts
+        with pytest.raises(BusError):  # a plain request without a reply is still a failure
+            await asker.request(SPLIT_GET, m.SplitQuery(), timeout=0.1)
+        assert asker.counters["request_failed.split.get"] == 2
+        text = metrics_payload(make_registry(asker)).decode()
+        assert 'ei_bus_requests_failed_total{subject="split.get"} 2.0' in text
+        assert f'ei_bus_request_retries_total{{subject="split.get"}} {float(attempts)}' in text
     finally:
         await asker.close()
 
