@@ -27,8 +27,10 @@ $(MOONCAKE): $(STAMP) scripts/install-mooncake.sh
 $(HF): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[hf]'
 	touch $(HF)
-# The torch engine's extra (PyTorch CPU build, safetensors, tokenizers, transformers);
-# `make test` needs it, `make demo` (sim engine) does not.
+# The torch engine's extra (PyTorch, safetensors, tokenizers, transformers); `make test` needs
+# it, `make demo` (sim engine) does not. pip takes torch from PyPI (the CUDA build on Linux)
+# unless told otherwise: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
+# takes the CPU build.
 $(TORCH): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test,torch]'
 	touch $(TORCH)

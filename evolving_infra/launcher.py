@@ -326,6 +326,7 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
     page = profile_block_size(args)
     if args.tokenizer == "sim":
         args.tokenizer = f"hf:{args.model_dir}"
+        args.tokenizer_of_model = True  # an error names --model: no --tokenizer was given
     try:
         placement = worker_placement(max(args.nodes, 1), args.device, cuda_count=cuda_device_count(), cores=cpu_cores(),
                                      torch_threads=args.torch_threads)
@@ -470,6 +471,11 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         try:
             output_vocabulary(load_tokenizer(args.tokenizer))
         except TokenizerError as e:
+            if getattr(args, "tokenizer_of_model", False):  # the user gave --model only: say so, not a flag they never passed
+                raise UsageError(
+                    f"error: --model {args.model_dir}: {e} (the model folder's tokenizer is the default; pass "
+                    "--tokenizer hf:FOLDER to take one from another folder)"
+                ) from None
             raise UsageError(f"error: --tokenizer {args.tokenizer}: {e}") from None
     kv = dict(gpu_kv_tokens=args.gpu_kv_tokens, host_kv_tokens=args.host_kv_tokens)
     try:  # every worker applies them to its profile (and refuses a bad size, exit 2): refused here, before anything starts
@@ -560,7 +566,7 @@ async def _up(args: argparse.Namespace) -> int:
     state = _write_state({**info, **_state_fields(cluster.spec)})  # the URL whole: split and tap connect with it (0600)
     try:
         print(f"cluster ready: router {cluster.router_url}  ({split_plan(args.live_policy, cluster.spec.split)}; "
-              f"{args.nodes} workers, profile {cluster.spec.profile}, speedup {args.speedup:g})")
+              f"{args.nodes} worker{'' if args.nodes == 1 else 's'}, profile {cluster.spec.profile}, speedup {args.speedup:g})")
         print(f"  {args.live_policy.describe()}" + "".join(f"\n  note: {n}" for n in args.live_policy.notes))
         warmup = planner_warmup_line(args.live_policy, cluster.spec.split, cluster.spec.speedup)
         if warmup:  # the split above is served only after it; /v1/cluster and `split get` show the warm-up meanwhile

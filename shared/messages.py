@@ -641,9 +641,12 @@ class PrefillWork(Msg, frozen=True, kw_only=True):
     None, on a prefill node): the worker asks the router for the decode node on
     ``route.bind`` when the request's prefill starts (paper Eq. 7, App. D.1)."""
     attempt: NonNeg = 0
-    """Dispatch attempt of ``rid`` (fencing token): 0 at the first dispatch, +1 each time the
-    router re-dispatches the request after its node was fenced. A node serves only the newest
-    attempt it has seen; the router drops output of any older one (issue #22)."""
+    """Dispatch attempt of ``rid`` (fencing token): at the first dispatch 0, or, for a rid that is
+    the client's ``X-Request-ID`` (which may come again), the router's wall clock in ms or one past
+    the last attempt of an earlier request with that id (``RouterService._RetriedRids``); +1 each
+    time the router re-dispatches the request after its node was fenced. Only its order means
+    something: a node serves only the newest attempt it has seen; the router drops output of any
+    older one (issue #22)."""
     output_offset: NonNeg = 0
     """Output tokens the client already has: a re-dispatch of a request whose decode node
     died sends prompt + those tokens as the new prompt; the new output's position 0 is
@@ -678,9 +681,12 @@ class DecodeWork(Msg, frozen=True, kw_only=True):
     """When the GPU-to-GPU KV transfer completes (simulated clock)."""
     kv_bytes: NonNeg = 0
     attempt: NonNeg = 0
-    """Dispatch attempt of ``rid`` (fencing token): 0 at the first dispatch, +1 each time the
-    router re-dispatches the request after its node was fenced. A node serves only the newest
-    attempt it has seen; the router drops output of any older one (issue #22)."""
+    """Dispatch attempt of ``rid`` (fencing token): at the first dispatch 0, or, for a rid that is
+    the client's ``X-Request-ID`` (which may come again), the router's wall clock in ms or one past
+    the last attempt of an earlier request with that id (``RouterService._RetriedRids``); +1 each
+    time the router re-dispatches the request after its node was fenced. Only its order means
+    something: a node serves only the newest attempt it has seen; the router drops output of any
+    older one (issue #22)."""
     output_offset: NonNeg = 0
     """See ``PrefillWork.output_offset``."""
     router: str = ""

@@ -498,8 +498,8 @@ class WorkerService:
         self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router, arrived_at=now)
         if self.cfg.log_requests:
             self.log.info(
-                "request received", rid=work.rid, role="prefill", attempt=work.attempt, prompt_tokens=work.prompt_tokens,
-                max_tokens=work.max_tokens, decode=work.decode_node, router=work.router,
+                "request received", rid=work.rid, role="prefill", fence=work.attempt, output_offset=work.output_offset,
+                prompt_tokens=work.prompt_tokens, max_tokens=work.max_tokens, decode=work.decode_node, router=work.router,
             )  # fmt: skip
         if late and work.max_tokens > 1:  # a one-token request ends at its prefill: nothing to bind
             self._bind_later[work.rid] = work
@@ -540,8 +540,8 @@ class WorkerService:
         self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router)
         if self.cfg.log_requests:
             self.log.info(
-                "request received", rid=work.rid, role="decode", attempt=work.attempt, prompt_tokens=work.prompt_tokens,
-                max_tokens=work.max_tokens, prefill=work.prefill_node, router=work.router,
+                "request received", rid=work.rid, role="decode", fence=work.attempt, output_offset=work.output_offset,
+                prompt_tokens=work.prompt_tokens, max_tokens=work.max_tokens, prefill=work.prefill_node, router=work.router,
             )  # fmt: skip
         if tracing.ENABLED:
             self._traces.arrived(work.rid, decode=True)

@@ -140,6 +140,12 @@ async def test_one_request_is_one_trace_across_router_directory_and_both_workers
         seen[node] = [(x["event"], x.get("role") or x.get("decode") or x.get("finish_reason")) for x in log if x.get("rid") == RID]
     assert seen == {"w0": [("request received", "prefill"), ("request handed off", "w1")],
                     "w1": [("request received", "decode"), ("request finished", "length")]}, seen  # fmt: skip
+    # the fencing token of a client X-Request-ID is the router's wall clock in ms: it was logged as
+    # "attempt": 1796403068366, read as a count of attempts; logged as "fence" now, with the output offset
+    for node in ("w0", "w1"):
+        log = [json.loads(x) for x in (tmp_path / "logs" / f"worker-{node}.log").read_text().splitlines() if x.startswith("{")]
+        (rec,) = [x for x in log if x.get("rid") == RID and x["event"] == "request received"]
+        assert "attempt" not in rec and rec["fence"] > 10**12 and rec["output_offset"] == 0, rec
 
     span = {sp.name: sp for _, sp in trace}
     route = _attrs(span["router.route"])

@@ -234,7 +234,8 @@ def test_up_whose_terminal_closed_stops_on_sighup_and_removes_its_nats_store(tmp
 def test_a_clean_stop_keeps_the_temp_logs_and_deletes_the_generated_credentials(tmp_path):
     """Without ``--log-dir`` up logs into a new ``$TMPDIR/ei-logs-*`` folder and generates every identity's NATS
     credentials into its ``nats-creds/`` (nkey seeds: secrets). A clean stop left all of it behind and said only
-    'stopped'. Now the logs stay, the credentials go, and the last line says where the logs are."""
+    'stopped'. Now the logs stay, the credentials go, and the last line says where the logs are. (And the banner
+    of one node says '1 worker', not '1 workers'.)"""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "1", "--profile", "tiny", "--port", "0", "--policy", "static"]
@@ -242,6 +243,8 @@ def test_a_clean_stop_keeps_the_temp_logs_and_deletes_the_generated_credentials(
     lines: list[str] = []
     try:
         ready = json.loads(_read_until(proc, "READY ", lines)[len("READY "):])
+        banner = next(line for line in lines if line.startswith("cluster ready"))
+        assert "collocated; 1 worker, profile tiny" in banner, banner  # was '1 workers'
         logs = Path(ready["log_dir"])
         assert logs.parent == tmp and logs.name.startswith("ei-logs-") and list((logs / "nats-creds").glob("*.nk")), ready
         proc.send_signal(signal.SIGINT)

@@ -206,3 +206,25 @@ def test_sim_up_does_not_import_torch(tmp_path):
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[3])
     assert r.returncode == 0, r.stderr
+
+
+def test_a_model_folder_without_tokenizer_names_the_model_not_a_tokenizer_flag(tmp_path):
+    """``up --engine torch --model DIR`` (no ``--tokenizer``) on a folder without tokenizer.json said
+    ``error: --tokenizer hf:DIR: no tokenizer.json`` although no --tokenizer was passed: it names --model now,
+    and a --tokenizer the user did give is still named as before."""
+    pytest.importorskip("torch")
+    import json
+
+    from services.worker.engines.torch_engine.checkpoint import model_config
+
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(model_config("llama", 2, 64, 4, 2, 512, 2048, 2)))
+    with pytest.raises(UsageError) as ei:
+        _spec(build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(folder), "--log-dir", str(tmp_path)]))
+    msg = str(ei.value)
+    assert msg.startswith(f"error: --model {folder}: no tokenizer.json") and "--tokenizer hf:FOLDER" in msg, msg
+    other = tmp_path / "other"
+    with pytest.raises(UsageError, match=f"^error: --tokenizer hf:{other}: no tokenizer.json"):
+        _spec(build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(folder), "--tokenizer", f"hf:{other}",
+                                             "--log-dir", str(tmp_path)]))  # fmt: skip
