@@ -35,6 +35,46 @@ SESSIONS = 3
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "evolving-infra.json"
 
 
+SCRAPE_LABELS = {"job", "instance", "slurm_job"}
+"""Labels Prometheus adds to every scraped series (``job``, ``instance``; ``slurm_job`` from the Slurm job's file_sd
+targets, ``deploy/slurm/evolving-infra.sbatch``), not in what a service exports: the dashboard's template variables."""
+
+SELECTOR = '{job=~"$job",instance=~"$instance",slurm_job=~"$slurm_job"}'
+
+
+def test_dashboard_filters_every_query_by_its_variables_and_seconds_axes_draw_only_seconds():
+    """Every series the dashboard queries is selected by its ``job`` / ``instance`` / ``slurm_job`` variables (one
+    Prometheus scraping several clusters, or the Slurm jobs of a file_sd glob, showed them summed); the variables
+    exist, list the label's values, and ``slurm_job`` is a label the Slurm job's targets carry. A panel whose axis is
+    seconds draws only ``*_seconds*`` series: "Phase switch time P95 (s)" also drew increase(ei_split_changes_total),
+    a count. Static (no cluster): the live test below checks names, labels and types against real scrapes."""
+    dash = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    for name in SCRAPE_LABELS:
+        v = variables[name]
+        assert v["type"] == "query" and v["includeAll"] and v["allValue"] == ".*", v  # .* also matches a series without it
+        assert re.fullmatch(rf"label_values\(ei_\w+(\{{[^}}]*\}})?, {name}\)", v["query"]["query"]), v["query"]
+    sbatch = (DASHBOARD.parents[2] / "slurm" / "evolving-infra.sbatch").read_text()
+    assert '"slurm_job": "%s"' in sbatch
+    titles = set()
+    for p in dash["panels"]:
+        titles.add(p["title"])
+        for t in p["targets"]:
+            e = t["expr"]
+            uses = re.findall(r"\bei_[a-z0-9_]+(\{[^}]*\})?", e)
+            assert uses and all(u == SELECTOR for u in uses), (p["title"], e)
+            if p["fieldConfig"]["defaults"]["unit"] == "s":
+                assert all("_seconds" in n for n in re.findall(r"\bei_[a-z0-9_]+", e)), (p["title"], e)
+        if p["fieldConfig"]["defaults"]["unit"] == "s":
+            assert not any(o["properties"] for o in p["fieldConfig"].get("overrides", ())), p["title"]
+    # what a vLLM / Dynamo operator looks for first
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    for name in ("ei_router_e2e_seconds_bucket", "ei_router_generation_tokens_total", "ei_router_cached_prompt_tokens_total",
+                 "ei_router_inter_token_latency_seconds_bucket", "ei_split_changes_total"):
+        assert name in exprs, name
+    assert len(titles) == len(dash["panels"]) and len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
 def sample(name: str, families: dict, labels: dict | None = None, suffix: str = "") -> float:
     """Value of the one sample ``name+suffix`` with ``labels`` (subset match) in parsed families."""
     fam = families[name]
@@ -177,6 +217,7 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
         labels = {x.strip() for g in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", e) for x in g.split(",") if x.strip()}
         labels |= {x.split("=")[0].strip(" !~") for g in re.findall(r"\{([^}]*)\}", e) for x in g.split(",") if x.strip()}
         labels |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", t.get("legendFormat", "")))
+        labels -= SCRAPE_LABELS  # Prometheus adds these at scrape (test_dashboard_filters_every_query_by_its_variables)
         assert names and names <= set(exported), (e, sorted(names - set(exported)))
         for n in names:
             assert labels <= exported[n], (e, n, sorted(labels - exported[n]))
