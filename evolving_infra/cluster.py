@@ -78,6 +78,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 64
     partition: str = "p0"
     model: str = "evolving-infra-sim"
+    model_aliases: tuple[str, ...] = ()
+    """Router ``--model-aliases``: other names a request's ``model`` may give (``up --served-model-name``'s other
+    names; the ``--model`` folder as given, and resolved, when no served name is set)."""
     nats_url: str | None = None
     """External NATS server; None starts an embedded one."""
     log_dir: str | None = None
@@ -306,6 +309,7 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     if service == "router":
         return (["--routing", s.routing, "--decode-binding", s.decode_binding, "--profile", s.profile, "--block-size",
                  str(s.block_size), "--model", s.model, "--tokenizer", s.tokenizer]
+                + (["--model-aliases", ",".join(s.model_aliases)] if s.model_aliases else [])
                 + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])
                 + list(s.router_args))
     raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")

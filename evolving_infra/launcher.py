@@ -100,6 +100,15 @@ def _add_cluster_args(
         "`evolving-infra model init DIR` writes a tiny one",
     )
     g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model name(s) the router serves, as vLLM's: the first is /v1/models' id and every response's model, "
+        "a request may give any (default: --engine torch: the --model folder's name, and a request may also give "
+        "the folder path as typed; sim: evolving-infra-sim)",
+    )
+    g.add_argument(
         "--device",
         default="",
         help="--engine torch: cpu, cuda or cuda:N for every worker (default: with CUDA present worker i runs on "
@@ -303,14 +312,19 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
     """Cluster fields for ``--engine``: the block size is the profile's (:func:`profile_block_size`);
     with ``torch``, check the model folder here (a clear error at start-up, not in every worker's
     log), default the profile to ``torch-tiny-cpu``, the tokenizer to the model's own, and the
-    served model name to the folder's name."""
+    served model name to the folder's name (:func:`served_from_folder`); ``--served-model-name`` sets it for
+    either engine."""
+    names = list(args.served_model_name or [])
+    if bad := [n for n in names if not n or "," in n or n != n.strip()]:
+        raise UsageError(f"error: --served-model-name {bad[0]!r}: a name without commas or surrounding spaces")
+    served = {"model": names[0], "model_aliases": tuple(dict.fromkeys(n for n in names[1:] if n != names[0]))} if names else {}
     if args.engine == "sim":
         if args.model_dir:
             raise UsageError("error: --model needs --engine torch")
         for flag, value in (("--device", args.device), ("--dtype", args.dtype), ("--torch-threads", args.torch_threads)):
             if value:
                 raise UsageError(f"error: {flag} needs --engine torch (the sim engine runs no model)")
-        return {"block_size": profile_block_size(args)}
+        return {"block_size": profile_block_size(args), **served}
     if not args.model_dir:
         raise UsageError("error: --engine torch needs --model DIR (evolving-infra model init DIR writes a tiny one)")
     try:
@@ -340,9 +354,19 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
         "profile": args.profile,
         "block_size": page,
         "tokenizer": args.tokenizer,
-        "model": Path(args.model_dir).resolve().name,
         "max_context_tokens": context,
+        **(served or served_from_folder(args.model_dir)),
     }
+
+
+def served_from_folder(model_dir: str) -> dict[str, object]:
+    """The served name of ``up --engine torch --model DIR`` without ``--served-model-name``: the folder's name,
+    and as other names a request may give (vLLM serves its model path when no name is set) the path as typed and
+    resolved (one holding a comma is left out: the router's ``--model-aliases`` is comma-separated)."""
+    resolved = Path(model_dir).resolve()
+    aliases = [a for a in dict.fromkeys((model_dir, str(resolved), model_dir.rstrip("/") or model_dir))
+               if a != resolved.name and "," not in a and a]
+    return {"model": resolved.name, "model_aliases": tuple(aliases)}
 
 
 def cuda_device_count() -> int:

@@ -68,6 +68,12 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     seed: Annotated[int, Meta(description="seed of randomized policies (dynamo-kv with temperature > 0)")] = 0
     tokenizer: Annotated[str, Meta(description="sim (built-in, deterministic) or hf:<local path to tokenizer.json or model folder>")] = "sim"
     model: Annotated[str, Meta(description="model name served (GET /v1/models; requests naming another model get 404)")] = "evolving-infra-sim"
+    model_aliases: Annotated[
+        list[str],
+        Meta(description="other names a request's model may give, comma-separated (vLLM accepts each of its "
+             "--served-model-name names, and the model path it was started with when none is set; evolving-infra up "
+             "passes them); responses and GET /v1/models name --model"),
+    ] = msgspec.field(default_factory=list)
     block_size: Annotated[int, Meta(ge=1, description="tokens per KV block; must equal the directory's and the engines'")] = 64
     cache_threshold: Annotated[
         float, Meta(ge=0.0, le=1.0, description="cache-aware: match rate above which the longest-match node wins (gateway CLI default)")

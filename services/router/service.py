@@ -444,6 +444,8 @@ class RouterService:
         """(epoch, phases) of the split last logged as applied (a repeat of it is logged at debug)."""
         self._lookup_ok = True
         self._bad_block_size: set[str] = set()
+        self._model_aliases = frozenset(cfg.model_aliases)
+        """Other names a request's ``model`` may give (``--model-aliases``)."""
         self._context_logged: int | None = None
         """The lowered ``max_model_len`` last logged (:meth:`_note_context`); None: none logged yet."""
         self._started_wall = time.time()
@@ -1339,7 +1341,7 @@ class RouterService:
     async def _model(self, request: Request) -> Response:
         """``GET /v1/models/{id}``: the served model's entry of ``/v1/models``; another id is a 404."""
         model = request.path_params["model"]
-        if model != self.cfg.model:
+        if model != self.cfg.model and model not in self._model_aliases:
             return self._error(404, f"model {model[:256]!r} not found; this router serves {self.cfg.model!r}", param="model")
         return self._json(api.models_response(self.cfg.model, int(self._started_wall), self.max_model_len)["data"][0])
 
@@ -1441,8 +1443,9 @@ class RouterService:
         return self._json({"prompt": text})
 
     def _check_model(self, model: str | None) -> None:
-        """Absent, null or "": the served model (vLLM's ``_is_model_supported``); another name is a 404."""
-        if model and model != self.cfg.model:
+        """Absent, null or "": the served model (vLLM's ``_is_model_supported``); so is one of ``--model-aliases``
+        (vLLM's other served names, or its model path); another name is a 404."""
+        if model and model != self.cfg.model and model not in self._model_aliases:
             raise api.ApiError(404, f"model {model[:256]!r} not found; this router serves {self.cfg.model!r}", param="model")
 
     async def _healthz(self, request: Request) -> Response:

@@ -457,3 +457,18 @@ async def test_a_big_completion_body_is_parsed_tokenized_and_hashed_off_the_even
         r = await env.http.post("/v1/completions", json={"prompt": ids[:100], "max_tokens": 1})  # small: no thread hop
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 100
         assert calls == [("parse_completion", True), ("hash", True)], calls
+
+
+async def test_a_request_may_name_the_model_by_an_alias(nats_url, tmp_path):
+    """vLLM accepts each of its served names, and the model path it was started with when none is set; ``up``
+    passes the others as ``--model-aliases``. Responses and ``/v1/models`` name the served model."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, model_aliases=["/models/tiny", "tiny/"]) as env:
+        for name in ("test-model", "/models/tiny", "tiny/"):
+            r = await env.http.post("/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == "test-model", (name, r.text)
+            assert (await env.http.get(f"/v1/models/{name}")).status_code == 200, name
+        r = await env.http.post("/v1/chat/completions", json={"model": "/models/tiny", "messages": USER, "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == "test-model", r.text
+        r = await env.http.post("/v1/completions", json={"model": "/models/other", "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        assert [m["id"] for m in (await env.http.get("/v1/models")).json()["data"]] == ["test-model"]

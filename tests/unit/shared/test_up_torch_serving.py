@@ -228,3 +228,34 @@ def test_a_model_folder_without_tokenizer_names_the_model_not_a_tokenizer_flag(t
     with pytest.raises(UsageError, match=f"^error: --tokenizer hf:{other}: no tokenizer.json"):
         _spec(build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(folder), "--tokenizer", f"hf:{other}",
                                              "--log-dir", str(tmp_path)]))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- served model name (issue 3)
+
+
+def _router(kids):
+    r = kids["router"]
+    return _value(r, "--model"), _value(r, "--model-aliases")
+
+
+def test_up_serves_the_folder_name_and_accepts_the_path_given(model, tmp_path, monkeypatch):
+    monkeypatch.chdir(model.parent)
+    kids = _children(["--engine", "torch", "--model", "tiny/", "--nodes", "1"], tmp_path / "a")
+    assert _router(kids) == ("tiny", f"tiny/,{model}")  # as typed and resolved ("tiny" is the name itself)
+    kids = _children(["--engine", "torch", "--model", str(model), "--nodes", "1"], tmp_path / "b")
+    assert _router(kids) == ("tiny", str(model))
+
+
+def test_served_model_name_on_up(model, tmp_path):
+    kids = _children(["--engine", "torch", "--model", str(model), "--nodes", "1", "--served-model-name", "my-llm"], tmp_path / "a")
+    assert _router(kids) == ("my-llm", None)  # vLLM: with a served name, the path is not a name
+    kids = _children(["--engine", "torch", "--model", str(model), "--nodes", "1", "--served-model-name", "a", "b", "a"], tmp_path / "b")
+    assert _router(kids) == ("a", "b")
+    kids = _children(["--nodes", "1", "--served-model-name", "glm"], tmp_path / "c")  # sim too
+    assert _router(kids) == ("glm", None)
+    args = build_parser("demo").parse_args(["demo", "--served-model-name", "x", "--log-dir", str(tmp_path / "d")])
+    assert _spec(args).model == "x"
+    for bad in ("a,b", "", " a"):
+        args = build_parser("up").parse_args(["up", "--served-model-name", bad, "--log-dir", str(tmp_path)])
+        with pytest.raises(UsageError, match="--served-model-name"):
+            _spec(args)
