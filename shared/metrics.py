@@ -22,7 +22,13 @@ Served:
 
 * ``GET /metrics`` on the router's HTTP port (the router's own registry);
 * ``GET /metrics`` on ``--metrics-host:--metrics-port`` of every service when
-  ``--metrics-port`` is non-zero (0 = off, the default).
+  ``--metrics-port`` is non-zero (0 = off, the default);
+* ``GET /healthz`` on that metrics port: 200 ``{"status":"ok"}`` whenever the process
+  is alive and its event loop answers (a liveness check: compose's healthcheck of the
+  KV directory, planner and workers). It says nothing of NATS or of the cluster;
+  readiness to serve requests is the router's ``GET /health`` (or ``/healthz``) on
+  its HTTP port: 503 with the reason until NATS is connected and a collocated node,
+  or a prefill and a decode node, are live.
 """
 
 from __future__ import annotations
@@ -203,7 +209,8 @@ class _QuietServer(uvicorn.Server):
 
 
 class MetricsServer:
-    """``GET /metrics`` (and ``GET /healthz``) on its own port, inside the running event loop.
+    """``GET /metrics`` (and ``GET /healthz``: liveness only, always 200 while the process runs; see the
+    module docstring) on its own port, inside the running event loop.
 
     Args:
         registry: what to expose.

@@ -90,11 +90,11 @@ class PlannerService:
         """Prometheus registry served on ``--metrics-port`` (``services/planner/prom.py``)."""
         self.registry.register(FuncCollector(lambda: planner_families(self)))
         self._switch_s = Histogram(
-            "ei_split_switch_seconds", "Node phase switch: decision (or, for a node restarted after it, its start) to serving the new phase (simulated s)",
+            "ei_split_switch_seconds", "Node phase switch: decision (or, for a node restarted after it, its start) to serving the new phase (s, cluster clock: simulated s under --speedup, wall s at speedup 1)",
             buckets=SWITCH_BUCKETS_S, registry=self.registry,
         )
         self._drain_s = Histogram(
-            "ei_split_switch_drain_seconds", "Part of a node phase switch spent draining its running requests (simulated s)",
+            "ei_split_switch_drain_seconds", "Part of a node phase switch spent draining its running requests (s, cluster clock: simulated s under --speedup, wall s at speedup 1)",
             buckets=SWITCH_BUCKETS_S, registry=self.registry,
         )
         self._serving_phase: dict[str, str] = {}

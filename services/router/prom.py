@@ -74,24 +74,24 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
     """Every router family (table in the module docstring) from ``svc``'s core and counters."""
     mt = svc.core.metrics
     c = svc.counters
-    yield histogram_family("ei_router_ttft_seconds", "Time to first token (s): HTTP arrival to the first output chunk", {(): mt.ttft})
-    yield histogram_family("ei_router_tpot_seconds", "Time per output token after the first (s), served requests", {(): mt.tpot})
-    yield histogram_family("ei_router_e2e_seconds", "End-to-end latency (s): HTTP arrival to the last chunk, served requests", {(): mt.e2e})
+    yield histogram_family("ei_router_ttft_seconds", "Time to first token (s, router clock: simulated s under --speedup, wall s at speedup 1): HTTP arrival to the first output chunk", {(): mt.ttft})
+    yield histogram_family("ei_router_tpot_seconds", "Time per output token after the first (s, router clock: simulated s under --speedup, wall s at speedup 1): (E2E - TTFT) / (output tokens - 1), one sample per served request", {(): mt.tpot})
+    yield histogram_family("ei_router_e2e_seconds", "End-to-end latency (s, router clock: simulated s under --speedup, wall s at speedup 1): HTTP arrival to the last chunk, served requests", {(): mt.e2e})
     yield histogram_family(
         "ei_router_inter_token_latency_seconds",
-        "Inter-token latency (s, router clock): per output token after the first, the gap since the previous output "
+        "Inter-token latency (s, router clock: simulated s under --speedup, wall s at speedup 1): per output token after the first, the gap since the previous output "
         "chunk over the tokens of the chunk that brought it",
         {(): mt.itl},
     )
     yield histogram_family(
         "ei_router_queue_seconds",
-        "Time a request queued on its prefill node before its first prefill chunk (s)",
+        "Time a request queued on its prefill node before its first prefill chunk (s, cluster clock: simulated s under --speedup, wall s at speedup 1)",
         {(node,): h for node, h in sorted(mt.queue.items())},
         ["node"],
     )
     yield histogram_family(
         "ei_router_ttft_prediction_abs_error_seconds",
-        "Absolute error of the routing policy's predicted TTFT (s; policies that predict)",
+        "Absolute error of the routing policy's predicted TTFT (s, router clock: simulated s under --speedup, wall s at speedup 1; policies that predict)",
         {(): mt.ttft_abs_err},
     )
     yield counter_family(

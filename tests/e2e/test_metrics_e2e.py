@@ -223,6 +223,12 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
             assert labels <= exported[n], (e, n, sorted(labels - exported[n]))
         # and with the functions their types allow (rate of a counter / bucket, quantiles of a histogram)
         assert not type_problems(e, kinds), (e, type_problems(e, kinds))
+    # every latency on the cluster clock says so in its HELP (simulated s under --speedup); the directory's are wall s
+    for inst in ("router", "planner"):
+        for f in fams[inst].values():
+            if f.name.endswith("_seconds"):
+                assert "clock: simulated s under --speedup" in f.documentation, (inst, f.name, f.documentation)
+    assert all("wall" in d[n].documentation.lower() for n in ("ei_kvdirectory_lookup_seconds", "ei_kvdirectory_ingest_seconds"))
     # the type check catches what it is for, on the same exported types
     assert type_problems("sum by (node) (rate(ei_node_queue_depth[5m]))", kinds) == ["rate/increase of ei_node_queue_depth (gauge)"]
     assert type_problems("histogram_quantile(0.9, sum by (le) (ei_router_ttft_seconds_count))", kinds)
