@@ -32,9 +32,15 @@ Spans of one request (names; attributes prefixed ``ei.``):
 =================================  ==========  =================================================================
 span                               process     covers
 =================================  ==========  =================================================================
-``router.request``                 router      HTTP ingress → response end (root; ``ei.rid``, ``http.route``)
+``router.request``                 router      HTTP ingress → response end (root, SERVER; ``ei.rid`` (a refused request's
+                                               too when its ``X-Request-ID`` is valid), ``http.route``,
+                                               ``http.response.status_code``; from 400 ``error.type``, from 500 status
+                                               ERROR; ``gen_ai.request.*`` (model, max_tokens, temperature, top_p),
+                                               once accepted ``ei.finish_reason`` / ``gen_ai.response.finish_reasons``
+                                               (``abort``: the client went away), ``gen_ai.usage.*``,
+                                               ``gen_ai.latency.time_to_first_token``, ``ei.prefill_node``/``ei.decode_node``)
 ``router.kv_lookup``               router      the ``kv.lookup`` request → ``kvdirectory kv.lookup`` (server span)
-``router.route``                   router      routing decision (``ei.prefill_node``, ``ei.decode_node``,
+``router.route``                   router      routing decision (``ei.prefill_node``, ``ei.decode_node`` when chosen with it,
                                                ``ei.predicted_ttft_s``, ``ei.policy``, ``ei.matched_blocks``)
 ``worker work.{node}.prefill``     prefill     receipt of the work (consumer)
 ``worker.queue_wait``              prefill     arrival → admitted to a prefill batch

@@ -213,6 +213,15 @@ class _Pending:
     """The finish reason it is counted under in ``ei_router_requests_finished_total`` (once; None: not yet)."""
 
 
+def _error_message(resp: Response | None) -> str | None:
+    """The message of our own JSON error body (``api.error_body``), or None (no response, a success, another body)."""
+    if resp is None or resp.status_code < 400:
+        return None
+    with contextlib.suppress(Exception):
+        return str(msgspec.json.decode(bytes(resp.body))["error"]["message"])
+    return None
+
+
 @dataclass(slots=True)
 class _ReqTrace:
     """Spans of one request at the router (tracing on only)."""
@@ -221,13 +230,57 @@ class _ReqTrace:
     """``router.request``: HTTP ingress → response end."""
     first_ns: int = 0
     """Wall ns of the first output chunk (``router.stream_out`` starts here)."""
+    p: "_Pending | None" = None
+    """The request once accepted and placed (its finish reason and usage go on the span at its end)."""
 
-    def end(self, status: int) -> None:
+    def asked(self, model: str, req: Any, max_tokens: int) -> None:
+        """The request's parameters as vLLM's ``llm_request`` span has them (GenAI semconv names):
+        ``gen_ai.request.model`` (the served model when the body names none), ``gen_ai.request.max_tokens``
+        (the effective one), ``gen_ai.request.temperature`` / ``gen_ai.request.top_p`` when the body sets them."""
+        attrs: dict[str, Any] = {"gen_ai.request.model": req.model or model, "gen_ai.response.model": model,
+                                 "gen_ai.request.max_tokens": max_tokens}  # fmt: skip
+        if req.temperature is not None:
+            attrs["gen_ai.request.temperature"] = float(req.temperature)
+        if req.top_p is not None:
+            attrs["gen_ai.request.top_p"] = float(req.top_p)
+        self.span.set_attributes(attrs)
+
+    def end(self, status: int, *, error: str | None = None) -> None:
+        """End ``router.request`` with HTTP status ``status`` (OTel HTTP server semconv): ``http.response.status_code``
+        (and the older ``http.status_code``); from 400 on ``error.type`` = the status code; from 500 on status ERROR
+        (``error``, the response's message, as its description); a 4xx leaves the status UNSET (the client's fault).
+        An accepted request adds how it ended (``ei.finish_reason`` and ``gen_ai.response.finish_reasons``: ``stop``,
+        ``length``, ``abort`` for a client that went away, ``error``; absent when it ended before a reason was
+        decided) and its usage: ``gen_ai.usage.input_tokens`` / ``output_tokens`` (also under vLLM's
+        ``prompt_tokens`` / ``completion_tokens``), ``ei.cached_tokens`` and ``gen_ai.latency.time_to_first_token``
+        (router-clock seconds: simulated under ``--speedup``), and its final placement (``ei.prefill_node``,
+        ``ei.decode_node`` when it has one)."""
         now = time.time_ns()
+        span = self.span
         if self.first_ns:
-            tracing.record("router.stream_out", self.span, self.first_ns, now)
-        self.span.set_attribute("http.status_code", status)
-        self.span.end(end_time=now)
+            tracing.record("router.stream_out", span, self.first_ns, now)
+        span.set_attributes({"http.status_code": status, "http.response.status_code": status})
+        if status >= 400:
+            span.set_attribute("error.type", str(status))
+        if status >= 500:
+            span.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR, error or f"HTTP {status}"))
+        p = self.p
+        if p is not None:
+            reason = p.counted or p.end_reason
+            if reason is not None:
+                span.set_attributes({"ei.finish_reason": reason, "gen_ai.response.finish_reasons": [reason]})
+            prompt = 0 if p.rreq is None else p.rreq.prompt_tokens
+            span.set_attribute("ei.prefill_node", p.prefill_node)  # the final placement
+            if p.decode_node is not None:
+                span.set_attribute("ei.decode_node", p.decode_node)
+            span.set_attributes({
+                "gen_ai.usage.input_tokens": prompt, "gen_ai.usage.prompt_tokens": prompt,
+                "gen_ai.usage.output_tokens": p.out_tokens, "gen_ai.usage.completion_tokens": p.out_tokens,
+                "ei.cached_tokens": p.cached_tokens,
+            })  # fmt: skip
+            if p.ttft_s is not None:
+                span.set_attribute("gen_ai.latency.time_to_first_token", p.ttft_s)
+        span.end(end_time=now)
 
 
 @dataclass(slots=True)
@@ -1080,10 +1133,14 @@ class RouterService:
             if isinstance(out, NoRoute):
                 route_span.set_attribute("ei.no_route", out.reason)
             else:
+                # a decode node bound later (``route.bind``) is not known here: no ``ei.decode_node`` then
+                # (the ``router route.bind.{router}`` span and the root span's final placement carry it)
                 route_span.set_attributes(
-                    {"ei.policy": self.core.policy.name, "ei.prefill_node": out.prefill.node, "ei.decode_node": out.decode_node or "",
-                     "ei.lookup": lookup_status, "ei.matched_blocks": out.prefill.matched_blocks, "ei.prompt_tokens": rreq.prompt_tokens}
+                    {"ei.policy": self.core.policy.name, "ei.prefill_node": out.prefill.node, "ei.lookup": lookup_status,
+                     "ei.matched_blocks": out.prefill.matched_blocks, "ei.prompt_tokens": rreq.prompt_tokens}
                 )
+                if out.decode_node is not None:
+                    route_span.set_attribute("ei.decode_node", out.decode_node)
                 if out.predicted_ttft_s is not None:
                     route_span.set_attribute("ei.predicted_ttft_s", out.predicted_ttft_s)
             route_span.end()
@@ -1740,14 +1797,20 @@ class RouterService:
         tr = None
         if tracing.ENABLED:
             span = tracing.start(
-                "router.request", tracing.extract(request.headers), kind=tracing.SpanKind.SERVER, attributes={"http.route": request.url.path}
-            )
+                "router.request", tracing.extract(request.headers), kind=tracing.SpanKind.SERVER, attributes={
+                    "http.route": request.url.path, "http.request.method": request.method,
+                    "gen_ai.operation.name": "chat" if chat else "text_completion",
+                },
+            )  # fmt: skip
+            with contextlib.suppress(api.ApiError):  # a refused request is found by its X-Request-ID too
+                if (client := api.parse_request_id(request.headers.get("x-request-id"))) is not None:
+                    span.set_attribute("ei.rid", client)
             tr = _ReqTrace(span)
         rl = _ReqLog() if self.cfg.log_requests else None
 
         def ended(status: int, resp: Response | None) -> None:
             if tr is not None:
-                tr.end(status)
+                tr.end(status, error=_error_message(resp) if status >= 500 else None)
             if rl is not None:
                 self._log_end(rl, status, request, resp)
 
@@ -1790,11 +1853,7 @@ class RouterService:
         refused before it was accepted (``request rejected``: status, the client's ``X-Request-ID``
         if any, the error message). Times are the router clock's seconds (wall × ``--speedup``)."""
         if rl.rid is None:
-            error = None
-            if resp is not None and resp.status_code >= 400:
-                with contextlib.suppress(Exception):  # our own JSON error body; anything else: no message
-                    error = msgspec.json.decode(bytes(resp.body))["error"]["message"]
-            self._log_rejected(request.headers.get("x-request-id"), status, error)
+            self._log_rejected(request.headers.get("x-request-id"), status, _error_message(resp))
             return
         p = rl.p
         if p is None:  # accepted, failed before it was placed (no route, dispatch failed)
@@ -1898,6 +1957,8 @@ class RouterService:
             return self._error(e.status, e.reason, e.param)
         except BranchError as e:
             return self._error(e.status, e.reason, "X-Branch-Id")
+        if tr is not None:
+            tr.asked(self.cfg.model, req, max_tokens)
         if start is not None:
             await self.bus.publish(BRANCH_EVENTS, start)
             self.counters["branches_started"] += 1
@@ -1939,6 +2000,8 @@ class RouterService:
             tr=tr,
         )
         p.rreq = p.cur = rreq
+        if tr is not None:
+            tr.p = p
         p.stops = bool(api.stop_strings(req) or req.stop_token_ids)
         if rl is not None:
             rl.p = p
