@@ -122,6 +122,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     placement: tuple[tuple[str, int], ...] = ()
     """``torch`` engine: (``--device``, ``--torch-threads``) of each worker in node order (:func:`worker_placement`;
     an empty device or 0 threads: the flag is not passed); empty = none passed to any."""
+    model_vocab_size: int = 0
+    """Router ``--model-vocab-size`` (the torch model's vocabulary: prompt and logit_bias ids at or past it get 400);
+    0 = the tokenizer's."""
     gpu_kv_tokens: int = 0
     """Every worker's ``--gpu-kv-tokens`` (L1 tokens over the profile's ``memory.gpu_kv_tokens``); 0 = the profile's."""
     host_kv_tokens: int = 0
@@ -280,7 +283,7 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     """The flags of ``service`` that say which serving system and engine the cluster runs: its policy set's part
     (router ``--routing``/``--decode-binding``/routing options, planner ``--planner``/``--planner-args``/``--split``,
     workers ``--host-eviction``), the profile (and the workers' KV sizes over it), block size, tokenizer, served
-    model name and, for the torch engine, the model folder and context limit. ``up`` (:class:`LocalCluster`) and the deploy scripts (``evolving-infra
+    model name and, for the torch engine, the model folder, context limit and vocabulary size. ``up`` (:class:`LocalCluster`) and the deploy scripts (``evolving-infra
     deploy-args``: compose's entrypoint, the Slurm batch script) start each service with these, so that all three
     run one system for one ``--policy``; each adds its own addresses, ports, identity and credentials.
 
@@ -311,6 +314,7 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
                  str(s.block_size), "--model", s.model, "--tokenizer", s.tokenizer]
                 + (["--model-aliases", ",".join(s.model_aliases)] if s.model_aliases else [])
                 + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])
+                + (["--model-vocab-size", str(s.model_vocab_size)] if s.model_vocab_size else [])
                 + list(s.router_args))
     raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
 

@@ -332,7 +332,8 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
     except ModuleNotFoundError as e:  # a runtime failure (status 1): the options are right, the install lacks a package
         raise SystemExit(f"error: --engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'")
     try:
-        context = ModelConfig.load(args.model_dir).max_position_embeddings
+        model_cfg = ModelConfig.load(args.model_dir)
+        context = model_cfg.max_position_embeddings
     except ModelConfigError as e:
         raise UsageError(f"error: --model {args.model_dir}: {e}") from None
     if args.profile == DEFAULT_PROFILE:  # the sim default: a GLM-5.2 node is not this model
@@ -355,6 +356,7 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
         "block_size": page,
         "tokenizer": args.tokenizer,
         "max_context_tokens": context,
+        "model_vocab_size": model_cfg.vocab_size,
         **(served or served_from_folder(args.model_dir)),
     }
 
@@ -493,7 +495,8 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
         from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
         try:
-            output_vocabulary(load_tokenizer(args.tokenizer))
+            tok = load_tokenizer(args.tokenizer)
+            output_vocabulary(tok)
         except TokenizerError as e:
             if getattr(args, "tokenizer_of_model", False):  # the user gave --model only: say so, not a flag they never passed
                 raise UsageError(
@@ -501,6 +504,15 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
                     "--tokenizer hf:FOLDER to take one from another folder)"
                 ) from None
             raise UsageError(f"error: --tokenizer {args.tokenizer}: {e}") from None
+        model_vocab = int(torch_values.get("model_vocab_size", 0))  # type: ignore[call-overload]
+        if model_vocab and tok.vocab_size > model_vocab:
+            # its ids past the model's would reach the engine (a 500 per request); vLLM's 400s need ids the model has
+            raise UsageError(
+                f"error: --tokenizer {args.tokenizer}: its vocabulary has {tok.vocab_size} tokens but the model "
+                f"{args.model_dir} has {model_vocab} (config.json vocab_size): a prompt or output token past "
+                f"{model_vocab - 1} would not exist in the model; use the model's own tokenizer (leave --tokenizer out) "
+                "or one of at most its vocabulary"
+            )
     kv = dict(gpu_kv_tokens=args.gpu_kv_tokens, host_kv_tokens=args.host_kv_tokens)
     try:  # every worker applies them to its profile (and refuses a bad size, exit 2): refused here, before anything starts
         ClusterSpec(profile=str(torch_values.get("profile", args.profile)), **kv).node_profile()

@@ -304,7 +304,7 @@ def _check_logit_bias_form(bias: dict[str, float] | None) -> None:
             )
 
 
-def check_logit_bias(req: _Sampling, vocab_size: int) -> None:
+def check_logit_bias(req: _Sampling, vocab_size: int, what: str = "the vocabulary") -> None:
     """Every ``logit_bias`` key (well formed: checked when the body is parsed) is a token id in
     ``[0, vocab_size)`` (vLLM refuses out-of-vocabulary ids with a 400 too).
 
@@ -313,7 +313,7 @@ def check_logit_bias(req: _Sampling, vocab_size: int) -> None:
     """
     for key in req.logit_bias or ():
         if not 0 <= int(key) < vocab_size:
-            raise ApiError(400, f"logit_bias token id {key} is outside the vocabulary [0, {vocab_size})", param="logit_bias")
+            raise ApiError(400, f"logit_bias token id {key} is outside {what} [0, {vocab_size})", param="logit_bias")
 
 
 def stop_strings(req: _Sampling) -> list[str]:
@@ -979,15 +979,18 @@ def parse_detokenize(body: bytes) -> DetokenizeRequest:
         raise _decode_error(e, body) from e
 
 
-def check_token_ids(ids: list[int], vocab_size: int, param: str = "tokens") -> None:
+def check_token_ids(ids: list[int], vocab_size: int, param: str = "tokens", what: str = "the vocabulary") -> None:
     """Every id in ``[0, vocab_size)`` (ids of any size: the decoders take plain ``int``).
+
+    Args:
+        what: the vocabulary the message names (``the model's vocabulary`` when the model's size is the limit).
 
     Raises:
         ApiError: 400 naming the first id outside (``param``: ``tokens[i]``).
     """
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
-            raise ApiError(400, f"token id {t} is outside the vocabulary [0, {vocab_size})", param=f"{param}[{i}]")
+            raise ApiError(400, f"token id {t} is outside {what} [0, {vocab_size})", param=f"{param}[{i}]")
 
 
 def tokenize_response(ids: list[int], max_model_len: int, token_strs: list[str] | None = None) -> dict[str, Any]:

@@ -130,6 +130,10 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         int, Meta(ge=0, description="largest accepted prompt + max_tokens (the model's context, e.g. a torch engine's; an unset "
                   "max_tokens is cut to the rest); 0 = no limit")
     ] = 0
+    model_vocab_size: Annotated[
+        int, Meta(ge=0, description="the model's vocabulary size (a torch engine's config.json vocab_size): a prompt or "
+                  "logit_bias token id at or past it, or past the tokenizer's, gets 400 naming it; 0 = the tokenizer's only")
+    ] = 0
     chat_default_max_tokens: Annotated[
         int, Meta(ge=1, description="max_tokens of a chat request that sets neither max_tokens nor max_completion_tokens")
     ] = 256

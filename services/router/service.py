@@ -497,6 +497,11 @@ class RouterService:
         """(epoch, phases) of the split last logged as applied (a repeat of it is logged at debug)."""
         self._lookup_ok = True
         self._bad_block_size: set[str] = set()
+        tv = self.tokenizer.vocab_size
+        self.vocab_size = min(tv, cfg.model_vocab_size) if cfg.model_vocab_size else tv
+        """Prompt and logit_bias ids must be below this: the tokenizer's vocabulary size, or the model's
+        (``--model-vocab-size``) when smaller (the engine has no embedding past it: such an id was a 500)."""
+        self._vocab_what = "the model's vocabulary" if cfg.model_vocab_size and self.vocab_size == cfg.model_vocab_size else "the vocabulary"
         self._model_aliases = frozenset(cfg.model_aliases)
         """Other names a request's ``model`` may give (``--model-aliases``)."""
         self._context_logged: int | None = None
@@ -1685,7 +1690,7 @@ class RouterService:
         try:
             arr = np.asarray(ids, dtype=np.int64)
         except OverflowError:  # an id past int64 (the decoder takes any int, so its 400 is the vocabulary's)
-            api.check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
+            api.check_token_ids(ids, self.vocab_size, "prompt", self._vocab_what)
             raise
         if ctx:  # the model's context, lowered to what the largest node's KV holds
             # vLLM: an unset max_tokens is the context left after the prompt (here at most the default);
@@ -1707,8 +1712,8 @@ class RouterService:
             raise api.ApiError(
                 400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens}, the limit this request gets)", param="min_tokens"
             )
-        if int(arr.min()) < 0 or int(arr.max()) >= self.tokenizer.vocab_size:
-            api.check_token_ids(ids, self.tokenizer.vocab_size, "prompt")  # names the first (a Python scan, only here)
+        if int(arr.min()) < 0 or int(arr.max()) >= self.vocab_size:
+            api.check_token_ids(ids, self.vocab_size, "prompt", self._vocab_what)  # names the first (a Python scan, only here)
         packed = arr.astype("<u4").tobytes()
         # a token-id prompt is echoed with its special tokens' text (vLLM detokenizes it for echo with the
         # tokenizer's batch_decode defaults: skip_special_tokens False), unlike output text
@@ -1945,7 +1950,7 @@ class RouterService:
             if api.logprobs_asked(req) is not None:
                 self._check_model_engines("logprobs")
             if req.logit_bias:
-                api.check_logit_bias(req, self.tokenizer.vocab_size)
+                api.check_logit_bias(req, self.vocab_size, self._vocab_what)
                 self._check_model_engines("logit_bias")
             self._check_kv_room(int(arr.size), max_tokens, chat)
             start = None

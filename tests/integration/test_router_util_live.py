@@ -472,3 +472,28 @@ async def test_a_request_may_name_the_model_by_an_alias(nats_url, tmp_path):
         r = await env.http.post("/v1/completions", json={"model": "/models/other", "prompt": "hi", "max_tokens": 1})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
         assert [m["id"] for m in (await env.http.get("/v1/models")).json()["data"]] == ["test-model"]
+
+
+async def test_prompt_ids_past_the_models_vocabulary_are_a_400(nats_url, tmp_path):
+    """A token-id prompt ``[600, 601]`` on a 512-token model passed the router's check (the tokenizer's vocabulary
+    was the limit) and came back a 500 from the engine ("token id 600 outside the model's vocabulary (512)");
+    vLLM answers 400. With ``--model-vocab-size`` (up passes the torch model's) the router refuses any prompt or
+    logit_bias id at or past it, naming the id and the model's vocabulary."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, model_vocab_size=512) as env:
+        sent = len(env.cluster.works)
+        for path, body, param in (
+            ("/v1/completions", {"prompt": [600, 601], "max_tokens": 1}, "prompt[0]"),
+            ("/v1/completions", {"prompt": [1, 511, 512], "max_tokens": 1, "stream": True}, "prompt[2]"),
+        ):
+            r = await env.http.post(path, json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and err["message"] == (
+                f"token id {body['prompt'][int(param[7])]} is outside the model's vocabulary [0, 512)"), err
+        r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1, "logit_bias": {"512": 1}})
+        assert r.status_code == 400 and "logit_bias token id 512 is outside the model's vocabulary [0, 512)" in r.text
+        r = await env.http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1})  # sim ids past 512
+        assert r.status_code == 400 and "outside the model's vocabulary [0, 512)" in r.json()["error"]["message"]
+        assert len(env.cluster.works) == sent  # nothing dispatched
+        r = await env.http.post("/v1/completions", json={"prompt": [0, 511], "max_tokens": 1})
+        assert r.status_code == 200, r.text

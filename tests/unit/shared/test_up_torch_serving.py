@@ -259,3 +259,26 @@ def test_served_model_name_on_up(model, tmp_path):
         args = build_parser("up").parse_args(["up", "--served-model-name", bad, "--log-dir", str(tmp_path)])
         with pytest.raises(UsageError, match="--served-model-name"):
             _spec(args)
+
+
+# ----------------------------------------------------------------------------- vocabularies (issue 4)
+
+
+def test_up_refuses_a_tokenizer_larger_than_the_models_vocabulary(model, tmp_path):
+    """``--tokenizer hf:OTHER`` with more tokens than the model was accepted; its ids past the model's vocabulary
+    then failed in the engine (a 500: "token id 637 outside the model's vocabulary (512)")."""
+    from evolving_infra.cli import main
+
+    other = tmp_path / "other"
+    assert main(["model", "init", str(other), "--vocab", "700"]) in (0, None)
+    args = build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(model), "--tokenizer", f"hf:{other}",
+                                          "--log-dir", str(tmp_path / "a")])  # fmt: skip
+    with pytest.raises(UsageError) as e:
+        _spec(args)
+    assert e.value.code == 2
+    assert str(e.value).startswith(f"error: --tokenizer hf:{other}: its vocabulary has 700 tokens but the model {model} "
+                                   "has 512 (config.json vocab_size)"), str(e.value)
+    # the model's own (512) and a smaller one are served; the router gets the model's size
+    kids = _children(["--engine", "torch", "--model", str(model), "--nodes", "1"], tmp_path / "b")
+    assert _value(kids["router"], "--model-vocab-size") == "512"
+    assert "--model-vocab-size" not in _children(["--nodes", "1"], tmp_path / "c")["router"]
