@@ -147,7 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Struct]) -> None:
         tp = _base_type(cls, f.name)
         desc = _description(f)
         default = f.default if f.default is not msgspec.NODEFAULT else None
-        help_text = f"{desc} (env {env_name(f.name)}; default {default!r})"
+        # argparse formats help with %: a description's own % ('cuda:{i % visible devices}') crashed --help
+        help_text = f"{desc} (env {env_name(f.name)}; default {default!r})".replace("%", "%%")
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if _is_bool(tp):
             parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kw)
