@@ -80,6 +80,19 @@ def decoder_for(msg_type: Any) -> msgspec.msgpack.Decoder:
     return dec
 
 
+
+def _span_attrs(subject: str, template: str, msg: Any, operation: str) -> dict[str, Any]:
+    """Attributes of the span opened for a received message (OTel messaging semconv): ``messaging.system``
+    ``nats``, ``messaging.destination.name`` (the subject, e.g. ``work.w0.prefill``),
+    ``messaging.destination.template`` (``work.{node}.prefill``), ``messaging.operation.type``, and
+    ``ei.rid`` when the message names a request (a ``rid`` field that is not empty)."""
+    attrs: dict[str, Any] = {"messaging.system": "nats", "messaging.destination.name": subject,
+                             "messaging.destination.template": template, "messaging.operation.type": operation}  # fmt: skip
+    rid = getattr(msg, "rid", None)
+    if isinstance(rid, str) and rid:
+        attrs["ei.rid"] = rid
+    return attrs
+
 class BusError(RuntimeError):
     """A request got no (decodable) reply in time, or the bus could not take a message."""
 
@@ -544,7 +557,8 @@ class Bus:
             self.counters["received." + template] += 1
             span = token = None
             if tracing.ENABLED and raw.headers and "traceparent" in raw.headers:
-                span = tracing.start(f"{self.service} {template}", tracing.extract(raw.headers), kind=tracing.SpanKind.CONSUMER)
+                span = tracing.start(f"{self.service} {template}", tracing.extract(raw.headers), kind=tracing.SpanKind.CONSUMER,
+                                     attributes=_span_attrs(raw.subject, template, msg, "process"))
                 token = tracing.attach(tracing.trace.set_span_in_context(span))
             try:
                 await handler(msg, raw.subject)
@@ -726,7 +740,8 @@ class Bus:
                 return
             span = token = None
             if tracing.ENABLED and raw.headers and "traceparent" in raw.headers:
-                span = tracing.start(f"{self.service} {template}", tracing.extract(raw.headers), kind=tracing.SpanKind.SERVER)
+                span = tracing.start(f"{self.service} {template}", tracing.extract(raw.headers), kind=tracing.SpanKind.SERVER,
+                                     attributes=_span_attrs(raw.subject, template, msg, "process"))
                 token = tracing.attach(tracing.trace.set_span_in_context(span))
             try:
                 reply = await handler(msg, raw.subject)

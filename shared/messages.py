@@ -153,6 +153,8 @@ class KvLookupRequest(Msg, frozen=True, kw_only=True):
 
     block_hashes: list[int]
     block_size: NonNeg
+    rid: str = ""
+    """The request looked up for (its trace's ``ei.rid`` on the directory's span); empty: not said."""
 
 
 class NodePrefix(Struct, frozen=True, omit_defaults=True, gc=False):

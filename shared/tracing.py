@@ -25,7 +25,14 @@ Propagation: a publisher passes ``headers=tracing.inject(ctx)`` to
 :meth:`shared.bus.Bus.publish` / :meth:`~shared.bus.Bus.request`; the bus, on a
 message with a ``traceparent`` header, opens a CONSUMER (or SERVER, for a
 request) span ``<service> <subject template>`` and runs the handler inside it,
-so the handler's spans and :func:`current` are its children.
+so the handler's spans and :func:`current` are its children. That span carries OTel's messaging
+attributes (``messaging.system`` ``nats``, ``messaging.destination.name`` the subject,
+``messaging.destination.template``) and ``ei.rid`` when the message names a request.
+
+A request that ends on a node otherwise than by its last token or a hand-off (aborted, rejected,
+handed back) still ends that node's span of the stage it was in (``worker.queue_wait``,
+``worker.prefill`` or ``worker.decode``) with ``ei.ended`` (``aborted`` / ``rejected`` /
+``handed_back``) and ``ei.end_reason``; a node's engine error is status ERROR.
 
 Spans of one request (names; attributes prefixed ``ei.``):
 

@@ -920,7 +920,7 @@ class RouterService:
                 ignore_eos=w.ignore_eos,
                 sampling=w.sampling,
             )
-            lookup, status = await self._lookup(list(w.block_hashes), tr) if w.block_hashes else (None, "skipped")
+            lookup, status = await self._lookup(list(w.block_hashes), tr, rid) if w.block_hashes else (None, "skipped")
             if p.done or self._pending.get(rid) is not p:
                 return True
             out = self.core.route(rreq, lookup, self.clock.now())
@@ -1723,14 +1723,17 @@ class RouterService:
             echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
         return req, arr, max_tokens, packed, block_hashes_packed(packed, self.cfg.block_size), echo
 
-    async def _lookup(self, hashes: list[int], tr: _ReqTrace | None = None) -> tuple[m.KvLookupReply | None, str]:
+    async def _lookup(self, hashes: list[int], tr: _ReqTrace | None = None, rid: str = "") -> tuple[m.KvLookupReply | None, str]:
         if not hashes:
             return None, "skipped"
-        span = None if tr is None else tracing.start("router.kv_lookup", tr.span, kind=tracing.SpanKind.CLIENT)
+        span = None if tr is None else tracing.start("router.kv_lookup", tr.span, kind=tracing.SpanKind.CLIENT, attributes={
+            "ei.rid": rid, "messaging.system": "nats", "messaging.destination.name": KV_LOOKUP.template,
+            "messaging.operation.type": "send",
+        })  # fmt: skip
         try:
             rep = await self.bus.request(
                 KV_LOOKUP,
-                m.KvLookupRequest(block_hashes=hashes, block_size=self.cfg.block_size),
+                m.KvLookupRequest(block_hashes=hashes, block_size=self.cfg.block_size, rid=rid),
                 timeout=self.cfg.lookup_timeout_s,
                 headers=None if span is None else tracing.inject(span),
             )
@@ -1968,10 +1971,12 @@ class RouterService:
             await self.bus.publish(BRANCH_EVENTS, start)
             self.counters["branches_started"] += 1
 
-        lookup, lookup_status = await self._lookup(hashes, tr)
         # the client's X-Request-ID is the rid on every node, in every log line and in the response's
         # x-request-id, so records join; the body's id is chatcmpl-/cmpl-<rid> (api.response_id, vLLM's)
         rid = client_rid or uuid.uuid4().hex
+        if tr is not None:
+            tr.span.set_attribute("ei.rid", rid)
+        lookup, lookup_status = await self._lookup(hashes, tr, rid)
         if self._in_flight(rid):  # the same X-Request-ID arrived while this one was tokenized
             return self._error(409, f"X-Request-ID {rid!r} is already in flight", "X-Request-ID")
         if rl is not None:

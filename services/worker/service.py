@@ -614,7 +614,7 @@ class WorkerService:
         owner = self._owners.pop(rid, None) or _Owner(attempt=attempt)
         self._bind_later.pop(rid, None)
         if self._traces:
-            self._traces.forget(rid)
+            self._traces.forget(rid, "aborted", reason)
         bind = self._binds.pop(rid, None)
         if bind is not None:
             bind.cancel()
@@ -836,7 +836,7 @@ class WorkerService:
         owner = self._owners.pop(msg.rid, None) or _Owner(work.attempt, work.output_offset, work.router)
         msg = msgspec.structs.replace(msg, attempt=work.attempt)
         if self._traces:
-            self._traces.forget(msg.rid)
+            self._traces.forget(msg.rid, "handed_back", msg.reason)
         # asked again until requeue_timeout_s when a reply does not come (a NATS restart loses
         # replies): a repeat of a hand-back the router already took is refused, and dropped here
         deadline = time.monotonic() + self.cfg.requeue_timeout_s
@@ -1377,8 +1377,8 @@ class WorkerService:
         ``abort`` instead: the node could serve it but the cluster cannot now (no decode node to bind), which
         the router answers with 503, not the 500 of an engine error."""
         self.counters["requests.errored"] += 1
-        if self._traces:
-            self._traces.forget(e.rid)
+        if self._traces:  # no decode node to bind (abort) is the cluster's state, not this node failing
+            self._traces.forget(e.rid, "rejected", e.reason, error=finish_reason == "error")
         self.log.warning("work rejected", rid=e.rid, reason=e.reason)
         owner = self._owners.pop(e.rid, None)
         if attempt is None:

@@ -122,6 +122,30 @@ class WorkerTraces:
         span.end()
         return headers
 
-    def forget(self, rid: str) -> None:
-        """``rid`` ended otherwise (aborted, rejected, handed back)."""
-        self._reqs.pop(rid, None)
+    def forget(self, rid: str, ended: str, reason: str = "", *, error: bool = False) -> None:
+        """``rid`` ended otherwise than by its last token or a hand-off: its span of the phase it was in ends
+        now, so an aborted or failed request's trace keeps its node's part.
+
+        The span is ``worker.decode`` once decoding (after its first token here, or a hand-off's arrival),
+        else ``worker.prefill`` once admitted, else ``worker.queue_wait``; it carries ``ei.ended`` (how it
+        ended: ``aborted``, ``rejected``, ``handed_back``) and ``ei.end_reason`` (the reason given, when
+        one is); ``error``: status ERROR with ``reason`` (the node failed the request, an engine error).
+        Nothing for a request not traced here.
+        """
+        r = self._reqs.pop(rid, None)
+        if r is None:
+            return
+        now = time.time_ns()
+        if r.decode_from_ns:
+            name, start = "worker.decode", r.decode_from_ns
+        elif r.admitted_ns:
+            name, start = "worker.prefill", r.admitted_ns
+        else:
+            name, start = "worker.queue_wait", r.arrived_ns
+        attrs = {"ei.node": self.node, "ei.rid": rid, "ei.ended": ended}
+        if reason:
+            attrs["ei.end_reason"] = reason
+        span = tracing.start(name, r.ctx, start_ns=start, attributes=attrs)
+        if error:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, reason or ended))
+        span.end(end_time=max(start, now))

@@ -97,3 +97,21 @@ async def test_router_route_names_no_decode_node_it_does_not_know(nats_url, tmp_
         await _wait_for(lambda: _roots(spans), what="router.request span")
     (route,) = [s for s in spans.get_finished_spans() if s.name == "router.route"]
     assert route.attributes["ei.prefill_node"] == "p0" and "ei.decode_node" not in route.attributes
+
+
+async def test_received_message_spans_name_their_request_and_nats_subject(nats_url, tmp_path, spans):
+    """The bus's span of a received message (``worker work.{node}.prefill``, ``kvdirectory kv.lookup``; here the
+    fake cluster's bus) had no ``ei.rid`` and no messaging attributes."""
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        body = {"prompt": list(range(1, 131)), "max_tokens": 2}  # 2 full blocks: the router asks kv.lookup
+        assert (await env.http.post("/v1/completions", json=body, headers={"X-Request-ID": "msg-1"})).status_code == 200
+        await _wait_for(lambda: _roots(spans), what="router.request span")
+    by_name = {s.name: s for s in spans.get_finished_spans()}
+    lookup, work = by_name["fake kv.lookup"], by_name["fake work.{node}.prefill"]
+    assert lookup.kind == trace.SpanKind.SERVER and work.kind == trace.SpanKind.CONSUMER
+    for s, template in ((lookup, "kv.lookup"), (work, "work.{node}.prefill")):
+        a = s.attributes
+        assert a["ei.rid"] == "msg-1" and a["messaging.system"] == "nats"
+        assert a["messaging.destination.template"] == template
+    assert "p0" in work.attributes["messaging.destination.name"]
+    assert by_name["router.kv_lookup"].attributes["ei.rid"] == "msg-1"

@@ -54,3 +54,31 @@ def test_an_untraced_request_records_nothing(spans):
     traces.arrived("r1", decode=False)  # no traceparent: not tracked
     traces.kv_transfer(traces.parent("r1"), "r1", "w0", 1, 2, blocks=1, fetched=1)
     assert spans.get_finished_spans() == ()
+
+
+@pytest.mark.parametrize(("stage", "name"), [("queued", "worker.queue_wait"), ("admitted", "worker.prefill"), ("decoding", "worker.decode")])
+def test_a_request_that_ends_otherwise_keeps_the_span_of_its_stage_with_how_it_ended(spans, stage, name):
+    """``forget`` (aborted, rejected, handed back) recorded nothing: an aborted request's trace lost its decode span."""
+    traces = WorkerTraces("w1", speedup=1.0)
+    with tracing.tracer().start_as_current_span("worker work.{node}.decode") as work:
+        traces.arrived("r1", decode=stage == "decoding")
+    if stage == "admitted":
+        traces.admitted(["r1"])
+    traces.forget("r1", "aborted", "client disconnected")
+    got = [s for s in spans.get_finished_spans() if s.name == name and "ei.ended" in s.attributes]
+    assert len(got) == 1
+    s = got[0]
+    assert s.parent.span_id == work.get_span_context().span_id
+    assert (s.attributes["ei.rid"], s.attributes["ei.ended"], s.attributes["ei.end_reason"]) == ("r1", "aborted", "client disconnected")
+    assert s.status.status_code == trace.StatusCode.UNSET
+    assert not traces  # no longer tracked
+
+
+def test_a_request_the_node_failed_is_an_error_span(spans):
+    traces = WorkerTraces("w1", speedup=1.0)
+    with tracing.tracer().start_as_current_span("worker work.{node}.prefill"):
+        traces.arrived("r1", decode=False)
+    traces.forget("r1", "rejected", "request needs 90 KV blocks", error=True)
+    (s,) = spans.get_finished_spans()[1:]
+    assert s.name == "worker.queue_wait" and s.attributes["ei.ended"] == "rejected"
+    assert s.status.status_code == trace.StatusCode.ERROR and s.status.description == "request needs 90 KV blocks"
