@@ -52,7 +52,7 @@ class CommonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     partition: typing.Annotated[str, Meta(description="partition name; every subject lives under ei.<partition>.")] = "p0"
     instance: typing.Annotated[str, Meta(description="instance id of this process (default: derived from the service)")] = ""
     log_format: typing.Annotated[
-        Literal["console", "json"], Meta(description="console for humans, json for machines")
+        Literal["console", "json"], Meta(description="console for humans, json for machines (one JSON object per line, libraries' lines too)")
     ] = "console"
     log_level: typing.Annotated[str, Meta(description="debug, info, warning or error")] = "info"
     speedup: typing.Annotated[

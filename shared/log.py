@@ -1,6 +1,9 @@
 """structlog setup: console output for humans, JSON lines for machines.
 
-Call :func:`setup_logging` once in a process's ``__main__`` (never at import).
+Call :func:`setup_logging` once in a process's ``__main__`` (never at import). Lines of the stdlib
+``logging`` module (libraries: the OTLP exporter, nats, uvicorn; warning and above) are rendered by
+the same renderer (structlog's ``ProcessorFormatter``, with a ``logger`` key), so a ``json`` log is
+JSON on every line.
 """
 
 from __future__ import annotations
@@ -10,6 +13,10 @@ import sys
 from typing import Literal
 
 import structlog
+
+
+_HANDLER = "evolving-infra"
+"""Name of the root logger's handler :func:`setup_logging` installs."""
 
 
 class _CurrentStderr:
@@ -54,6 +61,19 @@ def setup_logging(fmt: Literal["console", "json"] = "console", level: str = "inf
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=max(lvl, logging.WARNING), stream=_CurrentStderr(), format="%(name)s %(levelname)s %(message)s")
+    # stdlib logging (libraries: the OTLP exporter's "Transient error ...", nats, uvicorn) goes through the
+    # same renderer (structlog's ProcessorFormatter), so with ``json`` every line of a service's log is a
+    # JSON object (``logger`` names the library); it was "name LEVEL message" plain text before
+    handler = logging.StreamHandler(_CurrentStderr())  # type: ignore[arg-type]
+    handler.set_name(_HANDLER)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*processors[:-1], structlog.stdlib.add_logger_name],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, processors[-1]],
+    ))  # fmt: skip
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if h.get_name() == _HANDLER]:  # a second call replaces ours
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(max(lvl, logging.WARNING))
     if service:
         structlog.contextvars.bind_contextvars(service=service)

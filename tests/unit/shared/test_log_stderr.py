@@ -29,3 +29,35 @@ def test_a_logger_configured_under_a_closed_capture_writes_to_the_current_stderr
     finally:
         structlog.configure(**old)
     assert "after the capture closed" in now.getvalue() and "code=-9" in now.getvalue()
+
+
+def test_a_stdlib_logger_warning_is_one_json_line_in_json_format(monkeypatch):
+    """With ``--log-format json`` a library's stdlib warning (the OTLP exporter's ``Transient error ...`` while
+    the collector is down) was a plain-text line ``name WARNING message`` among the JSON lines."""
+    import json
+    import logging
+
+    old = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    out = io.StringIO()
+    try:
+        monkeypatch.setattr(sys, "stderr", out)
+        root.handlers[:] = []  # as in a fresh service process (pytest's capture handlers are off this logger)
+        setup_logging("json", "info", service="router")
+        logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter").warning(
+            "Transient error %s encountered while exporting span batch, retrying in %.2fs.", "Service Unavailable", 1.0)
+        logging.getLogger("some.lib").info("below warning: not shown")
+        structlog.get_logger().info("own line")
+    finally:
+        structlog.configure(**old)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        structlog.contextvars.clear_contextvars()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    stdlib, own = (json.loads(ln) for ln in lines)
+    assert stdlib["event"] == "Transient error Service Unavailable encountered while exporting span batch, retrying in 1.00s."
+    assert stdlib["level"] == "warning" and stdlib["logger"] == "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+    assert stdlib["service"] == "router" and "timestamp" in stdlib
+    assert own["event"] == "own line" and own["service"] == "router"
