@@ -18,6 +18,10 @@ optional, with the cause in ``fatal_error``): it is stopped the same way and
 supervisor restarts it). With ``--metrics-port N`` (N > 0) the shell also serves the
 service's Prometheus registry (its ``registry`` attribute, see ``shared.metrics``)
 on ``GET http://<metrics-host>:N/metrics``.
+
+:class:`BackgroundTasks` watches a service's background tasks (loops, per-node tasks): one the
+service needs that ends is logged with its traceback, counted, and fails the service through
+``fatal``; one it can do without is logged and counted.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, MutableMapping
 from contextlib import AsyncExitStack
 from typing import Any, Protocol
 
@@ -58,6 +62,106 @@ ServiceFactory = Callable[[Any, Bus, SimClock], Service]
 
 class ServiceFailed(RuntimeError):
     """The service set its ``fatal`` event; it was stopped and the process must exit non-zero."""
+
+
+class BackgroundTasks:
+    """A service's background tasks, watched (the router's, the planner's, the KV directory's).
+
+    A task started ``needed`` (the default: a loop the service cannot do without, the router's
+    fence loop or HTTP server) must run until :meth:`stop`. When it ends before (an exception, or
+    a return), the service fails: the cause is logged at error with its traceback, counted
+    (``task_errors``, and ``task_fatal``), :attr:`fatal_error` holds it and :attr:`fatal` is set,
+    so :func:`serve_until_stopped` stops the service and raises :class:`ServiceFailed` (the process
+    exits 1 and its supervisor restarts it), as the worker does for its step loop. A task started
+    with ``needed=False`` (one whose failure leaves the service able to go on: a node's resync,
+    started again by that node's next message) that an exception ends is logged at error with the
+    traceback and counted (``task_errors``, and ``counter`` when given); the service serves on.
+    :meth:`healthy` is False once a needed task has ended: the service's ``ready()`` uses it.
+
+    Before, such a task died silently (asyncio's "Task exception was never retrieved" at best, at
+    garbage collection): the router's fence loop could end on one exception and the router went on
+    answering ready while dead nodes' requests waited ``request_timeout_s``.
+
+    Args:
+        log: the service's structlog logger.
+        counters: the service's counters (name → int), updated in place.
+    """
+
+    def __init__(self, log: Any, counters: MutableMapping[str, int]) -> None:
+        self.log = log
+        self.counters = counters
+        self.fatal = asyncio.Event()
+        """Set when a needed task ended before :meth:`stop` (the service's ``fatal``)."""
+        self.fatal_error: BaseException | None = None
+        """Why (the first needed task that ended; its exception, or a ``RuntimeError`` saying it returned)."""
+        self.stopping = False
+        """Set by the service when it begins to stop: a needed task that ends from then on is not a failure."""
+        self._needed: dict[str, asyncio.Task[Any]] = {}
+        self._all: set[asyncio.Task[Any]] = set()
+
+    def start(self, coro: Coroutine[Any, Any, Any], name: str, *, needed: bool = True, counter: str | None = None) -> asyncio.Task[Any]:
+        """Run ``coro`` as task ``name`` (watched, cancelled by :meth:`stop`). ``needed``: its end
+        fails the service; else an exception ending it is logged and counted (also as ``counter``).
+        Returns the task."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._all.add(task)
+        if needed:
+            self._needed[name] = task
+        task.add_done_callback(lambda t: self._done(t, needed, counter))
+        return task
+
+    def _done(self, t: asyncio.Task[Any], needed: bool, counter: str | None) -> None:
+        self._all.discard(t)
+        if t.cancelled():
+            return
+        e = t.exception()
+        if e is not None:
+            self.counters["task_errors"] = self.counters.get("task_errors", 0) + 1
+            if counter:
+                self.counters[counter] = self.counters.get(counter, 0) + 1
+        if not needed:
+            if e is not None:
+                self.log.error("background task failed", task=t.get_name(), error=repr(e), exc_info=e)
+            return
+        if self.stopping:
+            if e is not None:
+                self.log.warning("background task failed while stopping", task=t.get_name(), error=repr(e), exc_info=e)
+            return
+        self.fail(e if e is not None else RuntimeError(f"background task {t.get_name()} ended"), f"task {t.get_name()}")
+
+    def fail(self, e: BaseException, where: str) -> None:
+        """The service cannot serve on (``where``): log at error with the traceback, count
+        ``task_fatal``, keep ``e`` in :attr:`fatal_error` and set :attr:`fatal`. Idempotent: only
+        the first failure is kept."""
+        if self.fatal.is_set():
+            return
+        self.counters["task_fatal"] = self.counters.get("task_fatal", 0) + 1
+        self.fatal_error = e
+        self.log.error(
+            "a task the service needs failed; the service exits to be restarted", where=where, error=repr(e), exc_info=e
+        )
+        self.fatal.set()
+
+    def names(self) -> list[str]:
+        """Names of the needed tasks started (running or not)."""
+        return list(self._needed)
+
+    def dead(self) -> list[str]:
+        """Names of the needed tasks that have ended (empty while all run)."""
+        return [n for n, t in self._needed.items() if t.done()]
+
+    def healthy(self) -> bool:
+        """True while every needed task runs and none has failed."""
+        return not self.fatal.is_set() and not self.dead()
+
+    async def stop(self) -> None:
+        """Cancel every task still running and wait for them (their errors are already logged)."""
+        self.stopping = True
+        tasks = list(self._all)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def instance_name(service: str, cfg: CommonConfig, suffix: str = "") -> str:

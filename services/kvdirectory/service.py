@@ -28,6 +28,7 @@ from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock, sleep_until
 from shared.metrics import HANDLER_BUCKETS_S, FuncCollector, make_registry
+from shared.service import BackgroundTasks
 from shared.subjects import (
     BRANCH_EVENTS,
     BRANCH_SYNC,
@@ -103,7 +104,11 @@ class DirectoryService:
         )
         self.log = structlog.get_logger("kvdirectory").bind(instance=bus.instance)
         self._resyncs: dict[str, asyncio.Task[None]] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._bg = BackgroundTasks(self.log, self.counters)
+        """The loops (flush, liveness, beacon: one that ends fails the directory, exit 1) and the
+        per-node resyncs (one that fails is logged and counted, ``resync.errors``)."""
+        self.fatal = self._bg.fatal
+        """Set when a loop ended (``shared.service`` stops the directory and exits non-zero)."""
         self._flush_lock = asyncio.Lock()
         self.count_epoch = uuid.uuid4().hex
         """``CountUpdates.epoch`` of this process: workers reset their counts when it changes."""
@@ -136,29 +141,28 @@ class DirectoryService:
         # a restarted directory has lost its branch table: the routers republish it (issue #22)
         await self.bus.publish(BRANCH_SYNC, m.BranchSync(directory=self.bus.instance, ts=self.clock.now()))
         self.counters["branch_sync.sent"] += 1
-        self._tasks.append(asyncio.create_task(self._flush_loop(), name="kvdirectory-flush"))
-        self._tasks.append(asyncio.create_task(self._liveness_loop(), name="kvdirectory-liveness"))
+        self._bg.start(self._flush_loop(), "kvdirectory-flush")
+        self._bg.start(self._liveness_loop(), "kvdirectory-liveness")
         if self.cfg.count_seq_beacon_s > 0:
-            self._tasks.append(asyncio.create_task(self._beacon_loop(), name="kvdirectory-count-beacon"))
+            self._bg.start(self._beacon_loop(), "kvdirectory-count-beacon")
 
     async def stop(self) -> None:
         """Cancel resyncs and the flush loop, then publish the last count updates."""
         self._stopping = True
-        tasks = self._tasks + list(self._resyncs.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await self._bg.stop()
         try:
             await self.flush_counts()
         except Exception as e:  # connection already gone: nothing to lose but counts
             self.log.warning("final count flush failed", error=repr(e))
 
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """Why :attr:`fatal` was set (the exception that ended a loop), else None."""
+        return self._bg.fatal_error
+
     def ready(self) -> bool:
-        return not self._stopping
+        """Not stopping, and the flush / liveness / beacon loops run."""
+        return not self._stopping and self._bg.healthy()
 
     # ------------------------------------------------------------------ #
     # handlers
@@ -303,7 +307,9 @@ class DirectoryService:
     def _ensure_resync(self, node: str) -> None:
         t = self._resyncs.get(node)
         if (t is None or t.done()) and not self._stopping:
-            self._resyncs[node] = asyncio.create_task(self._resync(node), name=f"kvdirectory-resync-{node}")
+            # an exception other than the bus's ends it: logged with the traceback and counted
+            # (resync.errors; before, it died silently); the node's next state or gap starts another
+            self._resyncs[node] = self._bg.start(self._resync(node), f"kvdirectory-resync-{node}", needed=False, counter="resync.errors")
 
     async def _resync(self, node: str) -> None:
         delay = 0.1

@@ -17,6 +17,12 @@ the nodes whatever the policy).
 The tick loop sleeps on the cluster clock until the policy's ``next_tick()``
 (at most ``max_tick_wait_s`` wall seconds at a time), then calls
 ``core.tick(now)``.
+
+Failures: a round of either loop that raises (a publish NATS refuses, a policy or core bug) is
+logged at error with the traceback, counted (``announce.errors``, ``tick.round_errors``) and the
+loop goes on after a pause: the core's command and models stand, and the next announcement sends
+them again. Anything that ends a loop all the same fails the planner (``BackgroundTasks``:
+exit 1, its supervisor restarts it, and a restarted planner adopts the split the nodes serve).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from shared.bus import Bus
 from shared.clock import MIN_SLEEP_S, SimClock
 from shared.metrics import FuncCollector, make_registry
 from shared.profile import load_profile
+from shared.service import BackgroundTasks
 from shared.split import SplitError
 from shared.validate import MAX_EPOCH_STEP
 from shared.subjects import (
@@ -78,7 +85,6 @@ class PlannerService:
         )
         self.log = structlog.get_logger("planner").bind(policy=cfg.planner)
         self.applied: dict[str, m.SplitApplied] = {}
-        self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
         self._adopted = asyncio.Event()
         """Set once the start-up adoption has ended (at once without one): held ``split.get`` and
@@ -86,6 +92,9 @@ class PlannerService:
         if not self.core.adopting:
             self._adopted.set()
         self.counters: dict[str, int] = {"split.set.ok": 0, "split.set.refused": 0, "decisions": 0, "models.published": 0}
+        self._bg = BackgroundTasks(self.log, self.counters)
+        self.fatal = self._bg.fatal
+        """Set when the announce or the tick loop ended (``shared.service`` stops the planner, exit 1)."""
         self.registry = make_registry(bus)
         """Prometheus registry served on ``--metrics-port`` (``services/planner/prom.py``)."""
         self.registry.register(FuncCollector(lambda: planner_families(self)))
@@ -115,47 +124,64 @@ class PlannerService:
             await self.bus.publish(SPLIT_COMMANDS, self.core.command)
             self.log.info("split announced", split=self.core.split, epoch=self.core.command.epoch)
         await self._publish_models(force=True)
-        self._tasks.append(asyncio.create_task(self._announce_loop(), name="planner-announce"))
-        self._tasks.append(asyncio.create_task(self._tick_loop(), name="planner-tick"))
+        self._bg.start(self._announce_loop(), "planner-announce")
+        self._bg.start(self._tick_loop(), "planner-tick")
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
-        self._tasks.clear()
+        await self._bg.stop()
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """Why :attr:`fatal` was set (the exception that ended a loop), else None."""
+        return self._bg.fatal_error
+
+    def ready(self) -> bool:
+        """Both loops (announce, tick) run."""
+        return self._bg.healthy()
 
     # -- loops ------------------------------------------------------------------ #
+
+    async def _round_failed(self, loop: str, counter: str, e: Exception) -> None:
+        """One round of ``loop`` raised ``e``: count it (``counter``), log it at error with the
+        traceback, pause ``max_tick_wait_s`` (a failure that repeats, NATS refusing every publish,
+        is not retried in a busy loop). Before, the exception ended the loop silently: no more
+        announcements (a router started later never learnt the split), or no more planning."""
+        self.counters[counter] = self.counters.get(counter, 0) + 1
+        self.log.error(f"planner {loop} round failed; the loop goes on", error=repr(e), exc_info=e)
+        await asyncio.sleep(self.cfg.max_tick_wait_s)
 
     async def _announce_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.announce_interval_s)
             if self.core.adopting:
                 continue
-            await self.bus.publish(SPLIT_COMMANDS, self.core.command)
-            await self._publish_models(force=True)
+            try:
+                await self.bus.publish(SPLIT_COMMANDS, self.core.command)
+                await self._publish_models(force=True)
+            except Exception as e:
+                await self._round_failed("announce", "announce.errors", e)
 
     async def _tick_loop(self) -> None:
         while True:
-            nxt = self.core.next_tick()
-            now = self.clock.now()
-            if nxt is not None and nxt <= now:
-                await self._tick(now)
-                continue
-            wait = self.cfg.max_tick_wait_s
-            if nxt is not None:
-                # at least MIN_SLEEP_S: the wait ends up to ~1 ms early under uvloop, and a shorter
-                # one is no wait there (the loop went round up to ~13 times before a tick)
-                wait = min(wait, max(MIN_SLEEP_S, self.clock.to_wall(nxt - now)))
-            self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=wait)
-            except asyncio.TimeoutError:
-                pass
-            await self._publish_models()  # online refits for the router (policies without models of their own)
+                nxt = self.core.next_tick()
+                now = self.clock.now()
+                if nxt is not None and nxt <= now:
+                    await self._tick(now)
+                    continue
+                wait = self.cfg.max_tick_wait_s
+                if nxt is not None:
+                    # at least MIN_SLEEP_S: the wait ends up to ~1 ms early under uvloop, and a shorter
+                    # one is no wait there (the loop went round up to ~13 times before a tick)
+                    wait = min(wait, max(MIN_SLEEP_S, self.clock.to_wall(nxt - now)))
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=wait)
+                except asyncio.TimeoutError:
+                    pass
+                await self._publish_models()  # online refits for the router (policies without models of their own)
+            except Exception as e:
+                await self._round_failed("tick", "tick.round_errors", e)
 
     async def _tick(self, now: float) -> None:
         try:

@@ -12,7 +12,8 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 ``GET /v1/models``                     the served model (with vLLM's ``max_model_len``)
 ``GET /version``                       vLLM's: the package version
 ``POST /tokenize``, ``/detokenize``    vLLM's: the router's tokenizer and chat formatting
-``GET /healthz``, ``GET /health``      200 when NATS is connected and a placement is possible, else 503
+``GET /healthz``, ``GET /health``      200 when the fence loop and HTTP server run, NATS is connected and a
+                                       placement is possible, else 503
 ``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts
 ``GET /metrics``                       Prometheus text format (``services/router/prom.py`` lists the metrics)
 ``POST /v1/branches/{id}/end``         end an agent branch (publishes ``BranchEnd``)
@@ -64,6 +65,7 @@ from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.hashing import block_hashes_packed
 from shared.metrics import FuncCollector, make_registry, metrics_response
+from shared.service import BackgroundTasks
 from shared.validate import epoch_step_ok
 from shared.subjects import (
     BRANCH_EVENTS,
@@ -487,7 +489,11 @@ class RouterService:
         """``time.monotonic()`` of the last :meth:`_expire_parked` (the time since, while the bus was
         settling, is added to every parked request's start: it does not count against the bound)."""
         self._retrying = False
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._bg = BackgroundTasks(self.log, self.counters)
+        """The split.get task and the tasks the router needs (fence loop, HTTP server): one of those
+        that ends fails the router (:attr:`fatal`, exit 1) and makes it not ready."""
+        self.fatal = self._bg.fatal
+        """Set when a task the router needs ended (``shared.service`` stops it and exits non-zero)."""
         self._spawned: set[asyncio.Task[Any]] = set()
         self._server: _Server | None = None
         self._server_task: asyncio.Task[None] | None = None
@@ -530,8 +536,8 @@ class RouterService:
         await self.bus.serve(ROUTE_BIND, self._on_bind, router=self.bus.instance)
         await self.bus.serve(WORK_REQUEUE, self._on_requeue, router=self.bus.instance)
         await self.bus.serve(ROUTE_HELD, self._on_held, router=self.bus.instance)
-        self._tasks.append(asyncio.create_task(self._fetch_split(), name="router-split-get"))
-        self._tasks.append(asyncio.create_task(self._fence_loop(), name="router-fence"))
+        self._bg.start(self._fetch_split(), "router-split-get", needed=False)
+        self._bg.start(self._fence_loop(), "router-fence")
         try:
             await self._start_http()
         except BaseException:
@@ -554,7 +560,7 @@ class RouterService:
             http=guarded_h11(self.cfg.header_timeout_s, self.counters),
         )
         self._server = _Server(config)
-        self._server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="router-http")
+        self._server_task = self._bg.start(self._server.serve(sockets=[sock]), "router-http")
         while not self._server.started:
             if self._server_task.done():
                 exc = self._server_task.exception() if not self._server_task.cancelled() else None
@@ -579,6 +585,7 @@ class RouterService:
     async def stop(self) -> None:
         """Refuse new requests, fail the in-flight ones (aborting them on their nodes), stop HTTP."""
         self._stopping = True
+        self._bg.stopping = True  # the HTTP server's end from here on is no failure
         for p in list(self._pending.values()):
             self._abandon(p, "router shutting down", "shutdown")
             p.queue.put_nowait(_Failure(503, "router shutting down"))
@@ -591,12 +598,7 @@ class RouterService:
                 self._server_task.cancel()
                 with contextlib.suppress(BaseException):
                     await self._server_task
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(BaseException):
-                await t
-        self._tasks.clear()
+        await self._bg.stop()
         if self._spawned:
             await asyncio.gather(*self._spawned, return_exceptions=True)
         if self.cfg.port_file and self._server is not None and self._server.started:
@@ -604,11 +606,19 @@ class RouterService:
                 Path(self.cfg.port_file).unlink()
         self.log.info("router stopped")
 
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """Why :attr:`fatal` was set (the exception that ended a task the router needs), else None."""
+        return self._bg.fatal_error
+
     def ready(self) -> bool:
-        """HTTP up, NATS connected, and a placement possible."""
+        """HTTP up, NATS connected, a placement possible, and the tasks the router needs (fence
+        loop, HTTP server) running: a router whose fence loop died would leave dead nodes'
+        requests waiting ``request_timeout_s``."""
         return (
             self._server is not None
             and self._server.started
+            and self._bg.healthy()
             and self.bus.nc.is_connected
             and self.core.view.routable(self.clock.now())[0]
         )
@@ -1066,7 +1076,15 @@ class RouterService:
 
     async def _fence_loop(self) -> None:
         """Fence nodes whose state went silent (not while the bus itself is settling after an
-        outage); wake at the core's next deadline (at most every 0.5 s)."""
+        outage), fail parked requests past ``requeue_wait_s``, drop other routers' requests past
+        ``request_timeout_s``; wake at the core's next deadline (at most every 0.5 s).
+
+        One request whose re-dispatch fails is failed alone (:meth:`_fence`). Any other exception
+        ends the task, and the router with it (exit 1: ``BackgroundTasks``, the supervisor restarts
+        it; its in-flight requests get a 503 at the stop): a round that stopped midway leaves
+        nodes fenced in the core whose requests nobody handles, and no later round would. Before,
+        it ended the loop silently: fencing stopped for the router's lifetime (dead nodes' requests
+        waited ``request_timeout_s``, parked ones never expired) while it answered ready."""
         while True:
             now = self.clock.now()
             if self._bus_settling():
@@ -1094,26 +1112,48 @@ class RouterService:
         reason = (f"node {node} stopped answering (no state for {self.clock.to_wall(age):.1f}s)" if age > self.core.view.fence_after
                   else f"node {node} restarted (its state sequence went back)")
         for rid in rids:
-            if self._remote.forget(rid):  # another router's request: its owner re-dispatches it
-                self.core.finish(rid, self.clock.now())
-                self.counters["remote.fenced"] += 1
-                continue
-            p = self._pending.get(rid)
-            if p is not None and not p.done and p.cur is not None:
-                if node not in (self.core.view.placement(rid) or ()):
-                    # re-dispatched already by the fence of its other node in the same check (both went
-                    # silent together): a second one sent a third attempt after the second
-                    self.counters["redispatch.already"] += 1
-                    continue
-                self._redispatch(p, node, reason)
-                continue
-            if p is not None:
-                self._abandon(p, reason + "; request failed", "fenced")
-                p.queue.put_nowait(_Failure(503, reason + "; request failed"))
-            else:
-                for n, msg in self.core.abort(rid, reason, now=self.clock.now()):
-                    self._spawn(self.bus.publish(WORK_ABORT, msg, node=n))
-            self.counters["fenced_requests_failed"] += 1
+            try:
+                self._fence_request(rid, node, reason)
+            except Exception as e:
+                self._fence_request_failed(rid, node, reason, e)
+
+    def _fence_request(self, rid: str, node: str, reason: str) -> None:
+        """Request ``rid`` was on fenced ``node`` (``reason``): re-dispatch it, or fail it."""
+        if self._remote.forget(rid):  # another router's request: its owner re-dispatches it
+            self.core.finish(rid, self.clock.now())
+            self.counters["remote.fenced"] += 1
+            return
+        p = self._pending.get(rid)
+        if p is not None and not p.done and p.cur is not None:
+            if node not in (self.core.view.placement(rid) or ()):
+                # re-dispatched already by the fence of its other node in the same check (both went
+                # silent together): a second one sent a third attempt after the second
+                self.counters["redispatch.already"] += 1
+                return
+            self._redispatch(p, node, reason)
+            return
+        if p is not None:
+            self._abandon(p, reason + "; request failed", "fenced")
+            p.queue.put_nowait(_Failure(503, reason + "; request failed"))
+        else:
+            for n, msg in self.core.abort(rid, reason, now=self.clock.now()):
+                self._spawn(self.bus.publish(WORK_ABORT, msg, node=n))
+        self.counters["fenced_requests_failed"] += 1
+
+    def _fence_request_failed(self, rid: str, node: str, reason: str, e: Exception) -> None:
+        """Re-dispatching (or failing) ``rid`` off fenced ``node`` raised ``e`` (a bug): that request
+        alone is failed (503 with the reason, its nodes told to drop it), counted
+        (``fence.request_errors``) and logged at error with the traceback; the fence goes on with
+        the node's other requests. Before, the exception ended the fence loop (see
+        :meth:`_fence_loop`). Raises what failing the request raises (the fence loop then ends the
+        router)."""
+        self.counters["fence.request_errors"] += 1
+        why = f"{reason}; re-dispatch failed ({e!r}); request failed"
+        self.log.error("re-dispatch after a fence failed; request failed", rid=rid, node=node, error=repr(e), exc_info=e)
+        p = self._pending.get(rid)
+        if p is not None:
+            self._abandon(p, why, "fenced")
+            p.queue.put_nowait(_Failure(503, why))  # a response already ended reads no further
 
     async def _route_new(
         self, rreq: RouteRequest, lookup: m.KvLookupReply | None, lookup_status: str, tr: _ReqTrace | None
@@ -1511,6 +1551,8 @@ class RouterService:
             raise api.ApiError(404, f"model {model[:256]!r} not found; this router serves {self.cfg.model!r}", param="model")
 
     async def _healthz(self, request: Request) -> Response:
+        if not self._bg.healthy():
+            return self._error(503, f"router failing: task(s) ended: {', '.join(self._bg.dead()) or repr(self._bg.fatal_error)}")
         if not self.bus.nc.is_connected:
             return self._error(503, "not connected to NATS")
         ok, reason = self.core.view.routable(self.clock.now())

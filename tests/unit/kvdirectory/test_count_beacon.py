@@ -156,7 +156,7 @@ async def test_the_service_beacons_every_period_and_zero_disables_it():
     off, _ = directory(count_seq_beacon_s=0)
     await off.start()
     try:
-        assert "kvdirectory-count-beacon" not in {t.get_name() for t in off._tasks}
-        assert "kvdirectory-count-beacon" in {t.get_name() for t in d._tasks}
+        assert "kvdirectory-count-beacon" not in off._bg.names()
+        assert "kvdirectory-count-beacon" in d._bg.names()
     finally:
         await off.stop()
