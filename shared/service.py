@@ -194,6 +194,8 @@ async def serve_until_stopped(
     clock = SimClock(cfg.speedup, cfg.clock_origin)
     if tracing.setup(service_name, instance, endpoint=cfg.otlp_traces_endpoint):
         log.info("tracing on: OTLP/HTTP export", endpoint=redact_url(tracing.URL or ""), service_name=f"evolving-infra-{service_name}")
+        if (ignored := tracing.protocol_ignored()) is not None:
+            log.warning(ignored, protocol="http/protobuf")
     started: list[Any] = []
     failed: BaseException | None = None
     async with AsyncExitStack() as stack:

@@ -4,7 +4,9 @@ Off unless a service's ``--otlp-traces-endpoint URL`` (``EI_OTLP_TRACES_ENDPOINT
 ``evolving-infra up/demo --otlp-traces-endpoint`` passes it to every service) or the
 standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``)
 variable is set, and ``OTEL_SDK_DISABLED`` is not ``true``. The flag wins over the
-variables; like ``OTEL_EXPORTER_OTLP_ENDPOINT`` it names the collector and
+variables; like ``OTEL_EXPORTER_OTLP_ENDPOINT`` it names the collector's OTLP/HTTP port (4318; the
+protocol is always ``http/protobuf``: an ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`` of ``grpc`` or
+``http/json`` is not served, and the service logs one warning saying so, :func:`protocol_ignored`) and
 ``/v1/traces`` is appended (unless the URL already ends with it), while
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is used as is (the OTLP spec's rule). Off, every hook is one test of the module flag :data:`ENABLED`
 (and, on receive, of a message's headers): no span objects, no header is added.
@@ -113,6 +115,24 @@ def traces_url(endpoint: str = "", env: Mapping[str, str] | None = None) -> str 
         return env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
     if env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         return env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
+    return None
+
+
+def protocol_ignored(env: Mapping[str, str] | None = None) -> str | None:
+    """The warning to log once when the environment asks for an OTLP protocol other than ``http/protobuf``, the
+    only one exported (``opentelemetry-exporter-otlp-proto-http``; the gRPC exporter is not a dependency), else None.
+
+    ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` wins over ``OTEL_EXPORTER_OTLP_PROTOCOL`` (the OTLP exporter
+    specification); values ``grpc``, ``http/json`` are not served. ``env``: default ``os.environ``.
+    """
+    env = os.environ if env is None else env
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = env.get(name, "").strip()
+        if value:
+            if value.lower() == "http/protobuf":
+                return None
+            return (f"{name}={value} is not supported: spans are exported over OTLP/HTTP with protobuf (http/protobuf, "
+                    "POST <endpoint>/v1/traces; a collector's port 4318, not gRPC's 4317)")  # fmt: skip
     return None
 
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 
 import pytest
+import structlog
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -115,3 +116,17 @@ async def test_received_message_spans_name_their_request_and_nats_subject(nats_u
         assert a["messaging.destination.template"] == template
     assert "p0" in work.attributes["messaging.destination.name"]
     assert by_name["router.kv_lookup"].attributes["ei.rid"] == "msg-1"
+
+
+async def test_a_grpc_otlp_protocol_is_warned_about_once_at_start(nats_url, tmp_path, spans, monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    old = structlog.get_config()
+    cap = structlog.testing.LogCapture()
+    structlog.configure(processors=[cap], cache_logger_on_first_use=False)
+    try:
+        async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, log_level="info"):
+            pass
+    finally:
+        structlog.configure(**old)
+    warned = [e for e in cap.entries if "OTEL_EXPORTER_OTLP_PROTOCOL" in e["event"]]
+    assert len(warned) == 1 and warned[0]["log_level"] == "warning" and warned[0]["protocol"] == "http/protobuf"

@@ -113,3 +113,14 @@ def test_traces_url_follows_the_flag_then_the_otlp_variables():
     assert tracing.traces_url("", env) == "http://b:9/custom"
     assert tracing.traces_url("http://c:4318", {"OTEL_SDK_DISABLED": "true"}) is None
     assert tracing.wanted({}, "http://c:4318") and not tracing.wanted({})
+
+
+def test_an_otlp_protocol_other_than_http_protobuf_is_named_in_a_warning():
+    """``OTEL_EXPORTER_OTLP_PROTOCOL=grpc`` was silently ignored (spans still went over OTLP/HTTP)."""
+    assert tracing.protocol_ignored({}) is None
+    assert tracing.protocol_ignored({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}) is None
+    got = tracing.protocol_ignored({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+    assert got is not None and got.startswith("OTEL_EXPORTER_OTLP_PROTOCOL=grpc ") and "http/protobuf" in got
+    both = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}
+    assert tracing.protocol_ignored(both).startswith("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/json ")  # the signal's wins
+    assert tracing.protocol_ignored({**both, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}) is None
