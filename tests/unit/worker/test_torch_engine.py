@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from shared.hashing import block_hashes, pack_tokens  # noqa: E402
-from shared.messages import BlockStored, PrefillWork  # noqa: E402
+from shared.messages import BlockRemoved, BlockStored, PrefillWork  # noqa: E402
 from shared.profile import load_profile  # noqa: E402
 from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 from services.worker.engines.torch_engine.engine import KvMapError, TorchEngine  # noqa: E402
@@ -245,6 +245,32 @@ def test_corrupted_restore_is_detected(model):
     gpu, host = node.core.snapshot()
     with pytest.raises(KvMapError, match="differs from its L2 copy"):
         node.engine.check(gpu, host)
+
+
+def test_write_through_copies_a_page_before_the_batch_reuses_it(model):
+    """Write-through copies (L1 page → L2 slot) are batched over an event batch
+    (``TorchEngine._flush_write_through``), but one must still copy the bytes its page held at
+    its ``BlockStored(host)``: here the page is evicted later in the same batch and a restore
+    refills it with another page's bytes; copied at the batch's end, L2 would hold those."""
+    folder, _ = model
+    eng = TorchEngine(PROFILE, folder)
+    shape = tuple(eng.host.shape[1:])
+    gen = torch.Generator().manual_seed(0)
+    kv_a, kv_b = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    eng.put_fetched(1, kv_a, fetch_id=1)
+    eng.put_fetched(2, kv_b, fetch_id=1)
+
+    def stored(tier: str, *hs: int) -> BlockStored:
+        return BlockStored(block_hashes=list(hs), parent_block_hash=None, tier=tier, block_size=BS)
+
+    # page 1 restored into L1 from its fetched L2 copy, then dropped from L2: in L1 only
+    eng.apply_kv_events([stored("host", 1, 2), stored("gpu", 1), BlockRemoved(block_hashes=[1], tier="host")])
+    page = eng.page_of[1]
+    eng.apply_kv_events([stored("host", 1), BlockRemoved(block_hashes=[1], tier="gpu"), stored("gpu", 2)])
+    assert eng.page_of[2] == page  # page 1's L1 page was freed and refilled in the batch ...
+    assert torch.equal(eng.host_page(1), kv_a)  # ... after its write-through copied it
+    assert torch.equal(eng.host_page(2), kv_b)
+    assert eng.counters["written_through"] == 1
 
 
 def test_bad_model_folders(tmp_path, model):

@@ -542,11 +542,12 @@ class TorchEngine(Engine):
             KvMapError: an event the engine has no bytes for (a bug).
         """
         # Write-through copies (L1 page → L2 slot) are deferred into ``_wt`` and done in batches
-        # (:meth:`_flush_write_through`) before anything that could change the pages they read or
-        # the slots they write, or read those slots: a removal or clear, an L1 store that writes a
-        # page from L2 (:meth:`_store_gpu`), and the dedup / gc after the loop. Between those, the
-        # pages of deferred copies stay hashed in L1 and their slots are reserved, so the bytes
-        # copied are the ones the per-event copy would have made.
+        # (:meth:`_flush_write_through`) before any removal or clear (which could free a page a
+        # copy reads, to be refilled by a later store, or a slot it writes) and before the dedup /
+        # gc after the loop (which free pages). Between those, the page of a deferred copy stays
+        # hashed in L1 (a store only writes a page it takes from the free list) and its slot stays
+        # reserved to a hash in L1 (a restore reads the slot of a hash not in L1; a fetched page
+        # goes to a free slot), so the bytes copied are the ones the per-event copy made.
         try:
             self._apply_kv_events(events)
         finally:
@@ -600,7 +601,6 @@ class TorchEngine(Engine):
                 s.own.discard(page)
             slot = self.host_slot.get(h)
             if slot is not None:
-                self._flush_write_through()  # the copy below reads this slot
                 # recomputed while its L2 copy stayed (evicted from L1 only; the cache cap makes a
                 # request compute its last page): the same tokens' K/V in other chunks or batches
                 # differ in the last bits (1e-6 of 3 on the tiny model). Keep the L2 version, the
@@ -610,7 +610,6 @@ class TorchEngine(Engine):
             self.page_of[h] = page
             return
         if h in self.host_slot:  # restore L2 → L1
-            self._flush_write_through()  # the copy below reads this slot
             page = self._alloc()
             self._write_page(page, self.host[self.host_slot[h]])
             self.page_of[h] = page
