@@ -902,8 +902,30 @@ class RouterService:
         else:  # the decode node had the hand-off: the router holds it now, not the prefill node
             self.core.view.on_handoff(rid, msg.node)
         self.log.info("work handed back", rid=rid, node=msg.node, role="prefill" if role == 0 else "decode", reason=msg.reason)
-        self._spawn(self._place_again(msg))
+        self._spawn(self._place_again_or_fail(msg))
         return m.WorkRequeueReply(rid=rid, accepted=True)
+
+    async def _place_again_or_fail(self, msg: m.WorkRequeue) -> bool:
+        """:meth:`_place_again`, run in the background (a hand-back, a re-dispatch, a parked retry).
+        When it raises (NATS refusing the work's publish, a bug), the request is failed: 503 naming
+        the error, its nodes told to drop it, its work no longer parked; counted
+        (``requeue.place_errors``) and logged at error with the traceback. Before, the exception was
+        counted as a failed publish (``publish_errors``) and the request, routed in the core to a
+        node that never got its work, waited ``request_timeout_s`` (600 s) for output. Returns
+        :meth:`_place_again`'s answer, or True once the request is failed so."""
+        try:
+            return await self._place_again(msg)
+        except Exception as e:
+            self.counters["requeue.place_errors"] += 1
+            self.log.error("placing work again failed; request failed", rid=msg.rid, reason=msg.reason, error=repr(e), exc_info=e)
+            if self._parked.get(msg.rid) is msg:
+                self._unpark(msg.rid)
+            p = self._pending.get(msg.rid)
+            if p is not None and not p.done and p.attempt == msg.attempt:
+                why = f"its work could not be placed again ({msg.reason}): {e!r}; request failed"
+                self._abandon(p, why, "dispatch_failed")
+                p.queue.put_nowait(_Failure(503, why))
+            return True
 
     async def _place_again(self, msg: m.WorkRequeue) -> bool:
         """Route handed-back work to one eligible node; park it when there is none. True if placed."""
@@ -1037,7 +1059,7 @@ class RouterService:
                 if self._parked.get(msg.rid) is not msg:
                     self.counters["requeue.parked_gone"] += 1
                     continue
-                await self._place_again(msg)
+                await self._place_again_or_fail(msg)  # one that fails fails its request only
         finally:
             self._retrying = False
 
@@ -1324,7 +1346,7 @@ class RouterService:
             attempt=p.attempt, output_offset=p.offset, router=self.bus.instance, ignore_eos=c.ignore_eos,
             sampling=c.sampling,
         )  # fmt: skip
-        self._spawn(self._place_again(m.WorkRequeue(rid=p.rid, node=node, reason=f"redispatch: {reason}", prefill=work, attempt=p.attempt)))
+        self._spawn(self._place_again_or_fail(m.WorkRequeue(rid=p.rid, node=node, reason=f"redispatch: {reason}", prefill=work, attempt=p.attempt)))
 
     def _end_at_stop(self, p: _Pending, out: OutputText) -> None:
         """The client's output ended at a stop string or stop token id (``out.stop_reason``):

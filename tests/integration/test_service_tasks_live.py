@@ -7,7 +7,7 @@ Before, none of them was: one exception in the router's fence loop (the ``assert
 server could end and the router serve on without it; one failed publish ended the planner's
 announcements or its planning; a KV directory resync that failed other than on the bus died with
 no log and no count. Now (``shared.service.BackgroundTasks``): a re-dispatch that fails fails that
-request alone and fencing goes on; any other end of a task the router needs fails the router
+request alone and fencing goes on, as does work whose placement again raises; any other end of a task the router needs fails the router
 (``ServiceFailed``: exit 1, its supervisor restarts it) and makes it not ready; a failed planner
 round is logged with the traceback, counted, and its loop goes on; a failed resync is logged with
 the traceback and counted. Faults are injected by patching the services' own methods.
@@ -90,6 +90,35 @@ async def test_a_redispatch_that_fails_fails_that_request_only_and_fencing_goes_
             assert svc.counters["fenced"] == 2 and not svc.fatal.is_set()
     [line] = errors(logs, "re-dispatch after a fence failed; request failed")
     assert line["rid"] == broken[0] and line["node"] == a and isinstance(line["exc_info"], AssertionError)
+
+
+async def test_work_that_cannot_be_placed_again_fails_its_request_at_once(nats_url, tmp_path: Path, monkeypatch):
+    """A re-dispatch whose placement raises (here: NATS refusing the work's publish) fails the
+    request with a 503 naming the error. Before, the spawned placement's exception was counted as
+    a failed publish and the request waited ``request_timeout_s`` (20 s here) for output."""
+    real = RouterService._place_again
+    failed: list[str] = []
+
+    async def place_again(self: RouterService, msg: m.WorkRequeue) -> bool:
+        if not failed:
+            failed.append(msg.rid)
+            raise RuntimeError("injected: nats: outbound buffer limit exceeded")
+        return await real(self, msg)
+
+    monkeypatch.setattr(RouterService, "_place_again", place_again)
+    with structlog.testing.capture_logs() as logs:
+        async with router_env(nats_url, tmp_path, {"n0": "both", "n1": "both"}, fence_after_s=0.5) as env:
+            env.cluster.answering.clear()
+            req = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}))
+            await until(lambda: env.cluster.works, 3.0, "work sent")
+            rid = env.cluster.works[0].rid
+            env.cluster.alive.discard((env.service.core.view.placement(rid) or ("?",))[0])  # fenced: re-dispatched
+            r = await asyncio.wait_for(req, 5.0)  # before: it waited for request_timeout_s
+            assert r.status_code == 503 and "could not be placed again" in r.text and "outbound buffer" in r.text, r.text
+            assert env.service.counters["requeue.place_errors"] == 1 and failed == [rid]
+            assert env.service.core.view.placement(rid) is None  # no node counts it any more
+    [line] = errors(logs, "placing work again failed; request failed")
+    assert line["rid"] == rid and isinstance(line["exc_info"], RuntimeError)
 
 
 def _fence_round_fails(svc: RouterService, monkeypatch: Any) -> None:
