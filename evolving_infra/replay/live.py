@@ -12,11 +12,18 @@ The ids the cluster sees are the trace's with ``branch_prefix`` in front (branch
 parent branch and agent alike): a router refuses a request for a branch that was
 ended (409), so a second replay of a trace against the same cluster needs ids of
 its own (``evolving-infra replay`` prefixes its run id). Records keep the trace's ids.
+
+Each request carries an ``X-Request-ID`` made from ``branch_prefix`` + its record id
+(:func:`request_id_for`), so the router keeps it as the request's ``rid`` in its logs and traces
+(``ei.rid``); the record keeps the id sent (``x_request_id``) and the router's ``x-request-id``
+response header (``request_id``), so ``requests.jsonl`` joins with the server's records.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import re
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -32,6 +39,7 @@ from evolving_infra.replay.core import Arrival, EndBranch, ReplayCore, SendReque
 from evolving_infra.report.records import RequestRecord
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import prompt_token_ids
+from services.router.api import REQUEST_ID_MAX_LEN
 from shared.clock import SimClock
 
 log = structlog.get_logger("replay")
@@ -54,6 +62,32 @@ class ReplayResult:
     """The run was stopped (``stop`` set: SIGINT / SIGTERM) before the trace was done."""
     in_flight_at_stop: int = 0
     """Requests cancelled unanswered at the stop (not in ``records``)."""
+
+
+_NOT_IN_RID = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def request_id_for(record_id: str, used: set[str] | None = None) -> str:
+    """The ``X-Request-ID`` sent for a request whose id (branch prefix + trace id) is ``record_id``.
+
+    The router keeps only 1 to ``REQUEST_ID_MAX_LEN`` (128) characters of ``[A-Za-z0-9_-]`` (the id is a
+    token of NATS subjects, ``req.<rid>.out``), so every other character becomes ``-``
+    (``ab12cd34ef56:trace_0242:0`` → ``ab12cd34ef56-trace_0242-0``) and a longer id keeps its first 115
+    characters + ``-`` + 12 hex digits of its SHA-256. ``used``: ids already sent in this run; an id that
+    maps onto one of them (``a:b`` and ``a-b``) gets ``-2``, ``-3``, ... so each is unique, and is added.
+    """
+    rid = _NOT_IN_RID.sub("-", record_id) or "-"
+    if len(rid) > REQUEST_ID_MAX_LEN:
+        rid = rid[: REQUEST_ID_MAX_LEN - 13] + "-" + hashlib.sha256(record_id.encode()).hexdigest()[:12]
+    if used is None:
+        return rid
+    base, n = rid, 1
+    while rid in used:
+        n += 1
+        tail = f"-{n}"
+        rid = base[: REQUEST_ID_MAX_LEN - len(tail)] + tail
+    used.add(rid)
+    return rid
 
 
 def branch_path(branch_id: str) -> str:
@@ -105,6 +139,9 @@ class LiveReplayer:
         self.progress = progress
         self.max_connections = max_connections
         self._branch_kind: dict[str, str] = {}
+        self._rids: dict[str, str] = {}
+        """Trace request id → the ``X-Request-ID`` sent for it (one per request, unique in the run)."""
+        self._rids_used: set[str] = set()
 
     async def run(
         self,
@@ -251,11 +288,19 @@ class LiveReplayer:
                 h["X-Parent-Branch-Id"] = pre + req.parent_branch
         return h
 
+    def _request_id(self, trace_id: str) -> str:
+        """The ``X-Request-ID`` of the trace's request ``trace_id`` (:func:`request_id_for`; the same on every call)."""
+        rid = self._rids.get(trace_id)
+        if rid is None:
+            rid = self._rids[trace_id] = request_id_for(self.branch_prefix + trace_id, self._rids_used)
+        return rid
+
     def _record(self, action: SendRequest) -> RequestRecord:
         """The request's record as it is sent (trace ids, ``sent_at`` now), before any answer."""
         req = action.req
         return RequestRecord(
             id=req.id,
+            x_request_id=self._request_id(req.id),
             agent=req.agent,
             branch=req.branch,
             branch_kind=self._branch_kind.get(req.branch, "main"),
@@ -288,9 +333,10 @@ class LiveReplayer:
                 "POST",
                 "/v1/completions",
                 content=_JSON.encode(body),
-                headers={**self._headers(action), "Content-Type": "application/json"},
+                headers={**self._headers(action), "Content-Type": "application/json", "X-Request-ID": rec.x_request_id or ""},
             ) as resp:
                 rec.status = resp.status_code
+                rec.request_id = resp.headers.get("x-request-id")
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
                     rec.ok = False

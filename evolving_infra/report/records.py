@@ -17,6 +17,13 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     id: str
     """Trace request id."""
+    x_request_id: str | None = None
+    """The ``X-Request-ID`` the live replayer sent (``evolving_infra.replay.live.request_id_for``: the run's
+    branch prefix + ``id``, characters other than ``[A-Za-z0-9_-]`` as ``-``); None: not sent (simulated)."""
+    request_id: str | None = None
+    """The server's ``x-request-id`` response header: the request's ``rid`` in the router's and workers'
+    logs and the ``ei.rid`` of its spans; None when the response had none (a request refused before it
+    was accepted: find it by ``x_request_id`` in the router's ``request rejected`` line)."""
     agent: str
     branch: str
     branch_kind: str = "main"

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import unquote
 
+from services.router import api
 from services.router.branches import BranchAlreadyEnded, BranchEnded, BranchTable, UnknownBranch
 
 
@@ -66,7 +67,9 @@ class StubRouter:
                 n = int(headers.get("content-length", "0"))
                 body = await reader.readexactly(n) if n else b""
                 status, ctype, payload = await self._answer(method, target, headers, body)
-                writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                rid = headers.get("x-request-id")  # the router keeps a valid X-Request-ID as the rid and echoes it
+                extra = f"x-request-id: {rid}\r\n" if rid and status == 200 and target == "/v1/completions" else ""
+                writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\n{extra}Content-Length: {len(payload)}\r\n\r\n".encode()
                              + payload)
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
@@ -88,6 +91,10 @@ class StubRouter:
                 return 409, "application/json", json.dumps({"error": {"message": str(e)}}).encode()
             return 200, "application/json", b"{}"
         if target == "/v1/completions":
+            try:
+                api.parse_request_id(headers.get("x-request-id"))
+            except api.ApiError as e:
+                return e.status, "application/json", json.dumps({"error": {"message": e.reason}}).encode()
             try:
                 self.branches.observe(headers["x-branch-id"], 0.0, kind=headers.get("x-branch-kind", "main"),  # type: ignore[arg-type]
                                       parent=headers.get("x-parent-branch-id"), agent_id=headers.get("x-agent-id"))

@@ -196,3 +196,35 @@ def test_a_prefix_no_header_can_hold_is_refused_and_one_making_ids_too_long_is_w
         assert rc == 0 and "warning: the id 'xxxx" in err and "max_id_len (default 256)" in err, err
         rc, report = _replay_cli(url, tmp_path / "short")
         assert rc == 0 and "warning" not in capsys.readouterr().err
+
+
+async def test_each_request_sends_an_x_request_id_from_its_record_id_and_records_the_servers():
+    """requests.jsonl had ``"id": "r1"`` but the server's rid was random (no X-Request-ID sent): records could
+    not be joined with the router's logs and traces. The id is the prefixed record id with ':' (refused by the
+    router: the rid is a NATS subject token) as '-', unique in the run."""
+    stub = StubRouter()
+    url = await stub.start()
+    try:
+        replayer = LiveReplayer(url, SimClock(1000.0), block_size=4, progress=False, branch_prefix="run7:")
+        res = await replayer.run(_trace(), Arrival(kind="closed", concurrency=1))
+    finally:
+        await stub.close()
+    assert [r.ok for r in res.records] == [True] * 3
+    sent = sorted(h["x-request-id"] for target, h in stub.seen if target == "/v1/completions")
+    assert sent == ["run7-r1", "run7-r2", "run7-r3"]
+    assert {r.id: (r.x_request_id, r.request_id) for r in res.records} == {
+        f"r{i}": (f"run7-r{i}", f"run7-r{i}") for i in (1, 2, 3)}
+
+
+def test_request_id_for_maps_characters_the_router_refuses_keeps_ids_unique_and_short():
+    from evolving_infra.replay.live import request_id_for
+    from services.router import api
+
+    used: set[str] = set()
+    assert request_id_for("ab12:trace_0242:0", used) == "ab12-trace_0242-0"
+    assert request_id_for("ab12-trace_0242-0", used) == "ab12-trace_0242-0-2"  # maps onto the first: made unique
+    assert request_id_for("ab12:trace_0242/0", used) == "ab12-trace_0242-0-3"
+    long = request_id_for("x" * 300, used)
+    assert len(long) == 128 and long != request_id_for("x" * 299 + "y")
+    for rid in used | {request_id_for("é ü"), request_id_for("")}:
+        assert api.parse_request_id(rid) == rid  # the router takes every one
