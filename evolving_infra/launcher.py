@@ -58,7 +58,8 @@ def demo_trace_path() -> Path:
 
 
 def _add_cluster_args(
-    p: argparse.ArgumentParser, *, nodes: int, split: str, speedup: float, port: int = 8000, log_dir: str = "a temp dir"
+    p: argparse.ArgumentParser, *, nodes: int, split: str, speedup: float, port: int = 8000, log_dir: str = "a temp dir",
+    warmup: str = "1800 s of simulated time, the paper's",
 ) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--nodes", type=int, default=nodes, help=f"worker nodes, one process each (default {nodes})")
@@ -67,7 +68,10 @@ def _add_cluster_args(
         default=None,
         help=f"initial PD split: 'collocated' or xPyD with x+y = nodes (default: a static:xPyD policy's, else {split} on "
         f"the default {nodes} nodes and, for another --nodes, round(2N/3) prefill nodes as simulate's (3 nodes: 2P1D, "
-        "2: 1P1D, 1: collocated); the evolving planner serves it after its collocated warm-up)",
+        "2: 1P1D, 1: collocated). The default policy's evolving planner serves every node collocated for its warm-up "
+        f"first (t_learn_s: {warmup}; the paper's policy fits each node's models collocated) and this split only "
+        "after it, then re-plans; for this split at once: --policy static:xPyD (fixed), or --planner-opt t_learn_s=60 "
+        "(a 60-s warm-up)",
     )
     p.set_defaults(default_split=split, default_nodes=nodes)
     g.add_argument(
@@ -233,6 +237,16 @@ of the paper's 1,800 s, so that most of the demo's ~6,700 simulated seconds run 
 planner's 600-s windows get to decide (``--planner-opt t_learn_s=...`` overrides)."""
 
 
+DEMO_TORCH_PLANNER = {"t_learn_s": 240.0}
+"""``demo --engine torch``'s evolving planner: a 240-s collocated warm-up (4.8 s of wall time at speed-up 50).
+Its 4 scaled sessions last ~480-500 simulated seconds (2 busy cores, 2026-12-04). The warm-up counts from the planner's
+first tick, ~300-360 s of cluster clock into the start-up (7-9 wall s at speed-up 50), and the replay starts at
+~355-470 s: with :data:`DEMO_PLANNER`'s 900 s it ended at t=1260 s, after the replay (~840-965 s), so the demo said the
+planner would move nodes and served collocated throughout; with 120 s it ended (t=480 s) before the first request,
+found no iteration records and was extended by a window (to t=1080 s). 240 s ends it at t≈600 s, after ~130-250 s of
+the replay's requests, and the rest is served at the split; ``--planner-opt t_learn_s=...`` overrides."""
+
+
 DEMO_FENCE_S = 10.0
 """The demo's router fences a node after 10 wall seconds without its state (3 s elsewhere): the demo
 shows the policies on one shared machine, where a worker process starved of CPU for a few seconds
@@ -265,7 +279,10 @@ def _policy(args: argparse.Namespace) -> LivePolicy:
     from services.planner.policy import make_planner, parse_planner_args
     from shared.profile import ProfileError, load_profile
 
-    pol = live_policy(args, planner_defaults=DEMO_PLANNER if args.command == "demo" else None)
+    demo_planner = DEMO_TORCH_PLANNER if args.engine == "torch" else DEMO_PLANNER
+    pol = live_policy(args, planner_defaults=demo_planner if args.command == "demo" else None)
+    if not hasattr(args, "split_given"):  # split_deferred_line: what the user asked for, not the default filled in
+        args.split_given = args.split is not None
     if args.split is None:
         args.split = pol.split or default_split_for(args.nodes, default_nodes=args.default_nodes, default_split=args.default_split)
     try:
@@ -607,6 +624,8 @@ async def _up(args: argparse.Namespace) -> int:
         warmup = planner_warmup_line(args.live_policy, cluster.spec.split, cluster.spec.speedup)
         if warmup:  # the split above is served only after it; /v1/cluster and `split get` show the warm-up meanwhile
             print(f"  {warmup}")
+        if deferred := split_deferred_line(args.live_policy, cluster.spec.split, given=args.split_given):
+            print(f"  {deferred}")
         print(f"  NATS {redact_url(cluster.nats_url)}   logs {cluster.log_dir}   trace with: {command_name()} tap (or split get)")
         if cluster.creds is not None:
             print(
@@ -722,6 +741,30 @@ def planner_warmup_line(pol: LivePolicy, split: str, speedup: float) -> str | No
             f"significantly better (objective {p.objective})")
 
 
+def split_deferred_line(pol: LivePolicy, split: str, *, given: bool) -> str | None:
+    """One line for ``up`` / ``demo`` when the user passed ``--split`` and the evolving planner's collocated warm-up
+    (``t_learn_s`` > 0) serves something else first: every node collocated until the warm-up ends, the split only
+    after it. ``up --engine torch --split 1P1D`` answered every request with ``"decode_node": null`` for 30 minutes
+    and only the banner's warm-up line hinted why. The warm-up stays (paper §5.1: each node's Eq. 1/2 models are fitted
+    while it serves both phases; a prefill-only node never measures decode); the line names the two ways to the split
+    at once. None when ``--split`` was not given, is ``collocated``, or the policy has no warm-up.
+
+    Args:
+        pol: the live policy (its ``planner`` and ``planner_args``).
+        split: the split the workers are launched in (``--split``).
+        given: whether the user passed ``--split`` (``args.split_given``).
+    """
+    if not given or split == "collocated" or pol.planner != "evolving":
+        return None
+    p = _evolving_params(pol)
+    if p.t_learn_s <= 0:
+        return None
+    after = p.initial_split or split
+    return (f"note: --split {split} is not served yet: the evolving planner (policy {pol.name}) serves every node collocated "
+            f"(\"decode_node\": null) for its {p.t_learn_s:.0f}-s warm-up, then {after}; for {split} at once pass "
+            f"--policy static:{split} (a fixed split), or a short warm-up: --planner-opt t_learn_s=60")
+
+
 def _shown(info: dict[str, object]) -> dict[str, object]:
     """``cluster.describe()`` as printed (READY) and written to ``LOG_DIR/cluster.json``: a password or token
     in ``--nats-url`` replaced by ``***`` (the 0600 state file keeps it for ``split`` / ``tap``)."""
@@ -813,8 +856,9 @@ async def _demo(args: argparse.Namespace) -> int:
     print(f"  {pol.describe()}" + "".join(f"\n  note: {n}" for n in pol.notes), flush=True)
     warmup = planner_warmup_line(pol, spec.split, spec.speedup)
     if warmup:
-        print(f"  {warmup} (these Claude Code sessions are prefill-heavy and bursty: expect it to move nodes between phases)",
-              flush=True)
+        print(f"  {warmup} ({demo_outlook(spec.split, spec.nodes, torch=torch_engine)})", flush=True)
+    if deferred := split_deferred_line(pol, spec.split, given=args.split_given):
+        print(f"  {deferred}", flush=True)
     api_key = demo_client_key(args)
     wall0 = time.monotonic()
     stop = asyncio.Event()
@@ -885,10 +929,50 @@ async def _demo(args: argparse.Namespace) -> int:
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, timeline=timeline, start=result.start, end=result.end)
     path = write_report(out, report, sorted(result.records, key=lambda r: r.sent_at))
     print_summary(report)
+    if late := warmup_outlasted_note(pol, spec.split, str(report.get("final_split") or "")):
+        print(late)
     print(f"report: {path}")
     print(_baseline_line(args, out))
     ok = report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"]
     return 0 if ok else 1
+
+
+def demo_outlook(split: str, nodes: int, *, torch: bool) -> str:
+    """What the demo's planner will show within the run, after its warm-up line: the sim demo (~6,700 simulated s)
+    re-plans several 600-s windows; the torch demo's few scaled sessions (~480 simulated s) see the warm-up end and
+    the split served, and no re-plan (with 2 nodes 1P1D is the only PD split: ``candidate_masks`` tries 1..N-1
+    prefill nodes). The torch demo said "expect it to move nodes between phases" and ended collocated.
+
+    Args:
+        split: the split served after the warm-up.
+        nodes: worker nodes.
+        torch: ``--engine torch``.
+    """
+    if not torch:
+        return "these Claude Code sessions are prefill-heavy and bursty: expect it to move nodes between phases"
+    only = f"; with {nodes} nodes {split} is its only PD split" if nodes == 2 and split != "collocated" else ""
+    return (f"the torch demo's few short sessions last ~500 s of simulated time: expect the warm-up to end partway through the "
+            f"replay and {split} to serve the rest, with no re-plan within the run{only}")
+
+
+def warmup_outlasted_note(pol: LivePolicy, split: str, final_split: str) -> str | None:
+    """The demo's line after its summary when the evolving planner was still in its collocated warm-up at the end
+    (the report's ``final_split`` collocated though the cluster was launched at a PD split): the run never left the
+    warm-up, so the summary's "PD split final collocated" is the warm-up's, not an adaptation. None otherwise.
+
+    Args:
+        pol: the live policy.
+        split: the split the workers were launched in.
+        final_split: the report's ``final_split``.
+    """
+    if pol.planner != "evolving" or split == "collocated" or final_split != "collocated":
+        return None
+    t_learn = _evolving_params(pol).t_learn_s
+    if t_learn <= 0:
+        return None
+    return (f"note       the replay ended within the planner's {t_learn:.0f}-s collocated warm-up: every node served both "
+            f"phases throughout and {split} was never served; a shorter warm-up (--planner-opt t_learn_s=60) or more "
+            f"--sessions shows it adapt, --policy static:{split} serves {split} from the start")
 
 
 def demo_client_key(args: argparse.Namespace) -> str | None:
@@ -1049,7 +1133,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "router, and write OUT/report.json, OUT/requests.jsonl, the plots (OUT/*.png) with OUT/report.html that shows "
         "them, and the services' logs under OUT/logs.",
     )
-    _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs")
+    _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs",
+                      warmup="900 s of simulated time in the demo, --engine torch 240 s")
     d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots and report.html (default demo-out)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample (- reads stdin)")
     d.add_argument("--sessions", type=int, default=None, help="sessions (agents) to replay (default 60; --engine torch: 4)")
