@@ -466,7 +466,7 @@ class RouterService:
             public_paths=cfg.api_key_public_paths,
             max_inflight=cfg.api_key_max_inflight,
             counters=self.counters,
-            on_refused=self._log_refused if cfg.log_requests else None,
+            on_refused=self._refused,
         )
         self.api_keys_on = guard.enabled
         self.app: ASGIApp = _StatusCounter(_with_cors(guard, cfg), self.counters)
@@ -1903,14 +1903,27 @@ class RouterService:
             ended(resp.status_code, resp)
         return resp
 
-    def _log_refused(self, scope: Scope, status: int, error: str) -> None:
-        """``--log-requests``: a generation request the ingress guard refused (401: no or unknown API
-        key; 429: its key's requests in flight) is ``request rejected`` too (status, a valid client
-        ``X-Request-ID``, the error message; never the key). Other paths are not request lines."""
+    def _refused(self, scope: Scope, status: int, error: str) -> None:
+        """A generation request the ingress guard refused (401: no or unknown API key; 429: its key's requests
+        in flight): with ``--log-requests`` a ``request rejected`` line too (status, a valid client
+        ``X-Request-ID``, the error message; never the key); with tracing on, its ``router.request`` span
+        (status code, ``error.type``, ``ei.rid`` from a valid ``X-Request-ID``), as a request refused past the
+        guard has. Other paths are neither request lines nor spans."""
         if scope["path"] not in _GENERATE_PATHS:
             return
         raw = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        self._log_rejected(None if raw is None else raw.decode("latin-1"), status, error)
+        header = None if raw is None else raw.decode("latin-1")
+        if tracing.ENABLED:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            span = tracing.start("router.request", tracing.extract(headers), kind=tracing.SpanKind.SERVER, attributes={
+                "http.route": scope["path"], "http.request.method": scope.get("method", "POST"),
+            })  # fmt: skip
+            with contextlib.suppress(api.ApiError):
+                if (rid := api.parse_request_id(header)) is not None:
+                    span.set_attribute("ei.rid", rid)
+            _ReqTrace(span).end(status, error=error)
+        if self.cfg.log_requests:
+            self._log_rejected(header, status, error)
 
     def _log_rejected(self, rid_header: str | None, status: int, error: str | None) -> None:
         """``--log-requests``' ``request rejected`` line: the client's ``X-Request-ID`` header value if it is a

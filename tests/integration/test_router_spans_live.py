@@ -130,3 +130,15 @@ async def test_a_grpc_otlp_protocol_is_warned_about_once_at_start(nats_url, tmp_
         structlog.configure(**old)
     warned = [e for e in cap.entries if "OTEL_EXPORTER_OTLP_PROTOCOL" in e["event"]]
     assert len(warned) == 1 and warned[0]["log_level"] == "warning" and warned[0]["protocol"] == "http/protobuf"
+
+
+async def test_a_request_the_api_key_guard_refuses_has_its_span(nats_url, tmp_path, spans):
+    """401 (no or wrong API key) is answered by the ingress guard, before the generation handler: no span."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, api_keys="k1") as env:
+        r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Request-ID": "nokey-1"})
+        assert r.status_code == 401
+        await env.http.get("/v1/models")  # not a generation path: no span
+    (s,) = _roots(spans)
+    assert s.kind == trace.SpanKind.SERVER and s.status.status_code == trace.StatusCode.UNSET
+    a = s.attributes
+    assert (a["ei.rid"], a["http.response.status_code"], a["error.type"], a["http.route"]) == ("nokey-1", 401, "401", "/v1/completions")
