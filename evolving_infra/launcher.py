@@ -1063,23 +1063,45 @@ def _vocab_size(tokenizer: str) -> int | None:
     return load_tokenizer(tokenizer).vocab_size
 
 
-def _baseline_line(args: argparse.Namespace, out: Path) -> str:
-    """The demo's last line: the same input under the baseline (SGLang PD at the same split,
-    cache-aware routing, no switches), as a command to run and compare."""
-    ei = command_name()  # `make demo` runs .venv/bin/evolving-infra, not on PATH until the venv is activated
-    if args.live_policy.name.startswith("static"):
-        return f"baseline: this run is the static baseline; compare with the default policy: {ei} demo --out demo-out"
-    base_out = f"{out}-static"
+def demo_input_flags(args: argparse.Namespace) -> list[str]:
+    """The demo flags that define what it serves (the sessions, how they arrive, the trace and its scaling) and on what
+    nodes (count, profile, engine, model, KV sizes, device): a comparison command must repeat all of them, or it
+    compares another input (``report compare`` warns). The static demo's comparison line was ``demo --out demo-out``,
+    which dropped ``--engine torch --model DIR --nodes 2 --sessions 4``: a 60-session sim run against a 4-session
+    real-model one."""
     same = [f"--sessions {args.sessions}", f"--concurrency {args.concurrency}", f"--speedup {args.speedup:g}", f"--nodes {args.nodes}"]
     if args.trace:
         same.append(f"--trace {shlex.quote(str(args.trace))}")
     if args.engine == "torch":  # the same real model, scaled the same way (its profile is torch-tiny-cpu unless given)
         same.append(f"--engine torch --model {shlex.quote(str(args.model_dir))} --max-output {args.max_output}")
+        same += [f"{flag} {shlex.quote(str(value))}" for flag, value in
+                 (("--device", args.device), ("--dtype", args.dtype), ("--torch-threads", args.torch_threads)) if value]
     if args.profile != DEFAULT_PROFILE:  # the same nodes (a tiny demo against a GLM-5.2 baseline compares nothing)
         same.append(f"--profile {shlex.quote(str(args.profile))}")
+    # the KV sizes set the nodes' memory, and for --engine torch how far prompts are cut (half of L1)
+    same += [f"{flag} {value}" for flag, value in (("--gpu-kv-tokens", args.gpu_kv_tokens), ("--host-kv-tokens", args.host_kv_tokens)) if value]
+    return same
+
+
+def _baseline_line(args: argparse.Namespace, out: Path) -> str:
+    """The demo's last line: the same input (:func:`demo_input_flags`) under the baseline (SGLang PD at the same
+    split, cache-aware routing, no switches), or, after a static run, under the default policy starting from the same
+    split, as a command to run and compare; the comparison goes to a folder next to ``out`` (``OUT-compare``; a
+    bare ``report compare`` wrote ``./compare-out`` wherever the user stood)."""
+    ei = command_name()  # `make demo` runs .venv/bin/evolving-infra, not on PATH until the venv is activated
+    same = " ".join(demo_input_flags(args))
+    if args.live_policy.name.startswith("static"):
+        stem = str(out)[: -len("-static")] if str(out).endswith("-static") and len(str(out)) > len("-static") else None
+        other = Path(stem) if stem else Path(f"{out}-evolving")
+        compare = Path(f"{stem or out}-compare")
+        return (f"baseline: this run is the static baseline; the default policy (evolving, from {args.split}) on the same "
+                f"input: {ei} demo --split {args.split} {same} --out {shlex.quote(str(other))} && "
+                f"{ei} report compare --out {shlex.quote(str(compare))} {shlex.quote(str(other))} {shlex.quote(str(out))}")
+    base_out = Path(f"{out}-static")
+    compare = Path(f"{out}-compare")
     return (f"baseline (same input, SGLang PD at {args.split}, cache-aware routing, no switches): "
-            f"{ei} demo --policy static:{args.split} {' '.join(same)} --out {base_out} && "
-            f"{ei} report compare {out} {base_out}")
+            f"{ei} demo --policy static:{args.split} {same} --out {shlex.quote(str(base_out))} && "
+            f"{ei} report compare --out {shlex.quote(str(compare))} {shlex.quote(str(out))} {shlex.quote(str(base_out))}")
 
 
 def scale_trace_for_model(requests: list, context: int, max_output: int) -> list:

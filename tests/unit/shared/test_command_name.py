@@ -78,7 +78,7 @@ def test_the_demos_baseline_line_runs_from_the_clone(make_demo, policy, tmp_path
     assert commands.startswith(".venv/bin/evolving-infra demo "), line
     assert " evolving-infra " not in f" {commands} ".replace(".venv/bin/evolving-infra", "")
     if policy == "evolving":
-        assert "&& .venv/bin/evolving-infra report compare demo-out demo-out-static" in commands
+        assert "&& .venv/bin/evolving-infra report compare --out demo-out-compare demo-out demo-out-static" in commands
 
 
 @pytest.mark.parametrize("extra", [["--profile", "tiny"], ["--engine", "torch", "--model", "MODEL", "--max-output", "5"]])
@@ -99,3 +99,30 @@ def test_the_demos_baseline_line_keeps_the_profile_and_the_engine(make_demo, ext
         assert f"--engine torch --model {tmp_path / 'MODEL'} --max-output 5" in base and "--profile torch-tiny-cpu" in base, line
     else:
         assert "--profile tiny" in base and "--engine" not in base, line
+
+
+def test_the_static_demos_comparison_carries_every_input_flag(make_demo, tmp_path):
+    """After ``demo --policy static:1P1D --engine torch --model DIR --nodes 2 --sessions 3`` the comparison command
+    was ``demo --out demo-out``: the default 4-node, 60-session sim demo, not the same input; and ``report compare``
+    without ``--out`` wrote ./compare-out wherever the user stood."""
+    from evolving_infra.cli import main
+
+    assert main(["model", "init", str(tmp_path / "M")]) in (0, None)
+    args = build_parser().parse_args(["demo", "--policy", "static:1P1D", "--engine", "torch", "--model", str(tmp_path / "M"),
+                                      "--nodes", "2", "--sessions", "3", "--concurrency", "2", "--max-output", "4",
+                                      "--gpu-kv-tokens", "2048", "--trace", "t.jsonl.gz", "--out", "runs/x-static",
+                                      "--log-dir", str(tmp_path / "logs")])
+    _spec(args)
+    line = _baseline_line(args, Path("runs/x-static"))
+    run, compare = line.split(": ", 2)[2].split(" && ")
+    for flag in ("--sessions 3", "--concurrency 2", "--nodes 2", "--speedup 50", "--trace t.jsonl.gz", "--engine torch",
+                 f"--model {tmp_path / 'M'}", "--max-output 4", "--profile torch-tiny-cpu", "--gpu-kv-tokens 2048",
+                 "--split 1P1D", "--out runs/x"):
+        assert flag in run, (flag, line)
+    assert "--policy" not in run, line
+    assert compare.endswith("report compare --out runs/x-compare runs/x runs/x-static"), line
+    other = build_parser().parse_args(["demo", "--policy", "static:2P2D", "--sessions", "60", "--concurrency", "16",
+                                       "--log-dir", str(tmp_path / "l2")])
+    _spec(other)
+    line = _baseline_line(other, Path("demo-out"))  # an --out not ending in -static
+    assert "--out demo-out-evolving && " in line and "report compare --out demo-out-compare demo-out-evolving demo-out" in line, line
