@@ -53,7 +53,11 @@ async def _replay(args: argparse.Namespace) -> int:
     if args.branch_prefix is not None and (bad := branch_prefix_problem(args.branch_prefix)):
         print(f"error: --branch-prefix {args.branch_prefix!r}: {bad}", file=sys.stderr)
         return 2
-    vocab_size = _use_running_cluster(args)
+    try:
+        vocab_size = _use_running_cluster(args)
+    except SystemExit as e:  # UsageError: several clusters and no --router-url
+        print(str(e), file=sys.stderr)
+        return 2
     unreachable = await router_unreachable(args.router_url)
     if unreachable:  # fail now, not after every request of the trace has failed to connect
         print(f"error: {unreachable}", file=sys.stderr)
@@ -224,9 +228,13 @@ ROUTER_MAX_ID_LEN: int = next(f.default for f in msgspec.structs.fields(RouterCo
 
 def _use_running_cluster(args: argparse.Namespace) -> int | None:
     """Fill ``--router-url`` / ``--speedup`` left unset from the running ``up`` cluster's state file
-    (:mod:`evolving_infra.state`), else ``http://127.0.0.1:8000`` and 1, and set ``args.cluster_block_size``
+    (:mod:`evolving_infra.state`), else (no cluster running) ``http://127.0.0.1:8000`` and 1, and set ``args.cluster_block_size``
     (the cluster's tokens per KV block from the state file; None when not read from one); returns the
-    router tokenizer's vocabulary size when it is not the sim one (the replayer takes prompt ids modulo it)."""
+    router tokenizer's vocabulary size when it is not the sim one (the replayer takes prompt ids modulo it).
+
+    Raises:
+        UsageError: (status 2) no ``--router-url`` and several local clusters run (each listed, as ``split get`` lists them).
+    """
     from evolving_infra.state import running_clusters
 
     info: dict = {}
@@ -236,8 +244,11 @@ def _use_running_cluster(args: argparse.Namespace) -> int | None:
             info = found[0]
             print(f"replaying against the running cluster: router {info.get('router_url')} (state {info.get('state_file')})",
                   file=sys.stderr)
-        elif len(found) > 1:
-            print(f"note: {len(found)} local clusters are running; using --router-url's default (pass it to pick one)", file=sys.stderr)
+        elif len(found) > 1:  # as `split get`: the default URL (port 8000) was neither of them, and every request failed
+            from evolving_infra.cli import UsageError
+
+            listed = "; ".join(f"router {c.get('router_url')} (pid {c.get('pid')}, state {c.get('state_file')})" for c in found)
+            raise UsageError(f"error: {len(found)} local clusters are running: {listed}; pass --router-url to pick one")
         args.router_url = info.get("router_url") or "http://127.0.0.1:8000"
     if args.speedup is None:
         args.speedup = float(info.get("speedup") or 1.0)
@@ -303,7 +314,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="input kind (default canonical)",
     )
     p.add_argument(
-        "--router-url", default=None, help="router base URL (default: the running `up` cluster's, else http://127.0.0.1:8000)"
+        "--router-url", default=None, help="router base URL (default: the running `up` cluster's, else http://127.0.0.1:8000; "
+        "with several running, each is listed and this flag is required: exit 2)"
     )
     p.add_argument(
         "--speedup", type=float, default=None, help="the cluster's speedup, simulated s per wall s (default: the running cluster's, else 1)"

@@ -71,3 +71,21 @@ def test_the_running_clusters_served_model_is_sent(tmp_path, monkeypatch):
     b = _args(model="mine")  # --model wins
     _use_running_cluster(b)
     assert b.model == "mine"
+
+
+def test_two_running_clusters_are_listed_and_replay_asks_for_router_url(tmp_path, monkeypatch, capsys):
+    """With two local clusters `replay` said 'using --router-url's default' and failed every request at port 8000;
+    `split get` lists them and asks for --nats-url: replay now does the same for --router-url, exit 2."""
+    from evolving_infra.cli import main
+
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path))
+    for pid, port in ((os.getpid(), 43210), (os.getppid(), 43211)):
+        write_state({"router_url": f"http://127.0.0.1:{port}", "nats_url": "nats://x", "speedup": 1.0}, pid=pid)
+    assert main(["replay", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "2 local clusters are running" in err and "pass --router-url to pick one" in err, err
+    assert "http://127.0.0.1:43210" in err and "http://127.0.0.1:43211" in err, err
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+    a = _args(router_url="http://127.0.0.1:43211")  # --router-url picks one: nothing to ask
+    _use_running_cluster(a)
+    assert a.router_url == "http://127.0.0.1:43211"
