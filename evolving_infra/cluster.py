@@ -283,9 +283,11 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     """The flags of ``service`` that say which serving system and engine the cluster runs: its policy set's part
     (router ``--routing``/``--decode-binding``/routing options, planner ``--planner``/``--planner-args``/``--split``,
     workers ``--host-eviction``), the profile (and the workers' KV sizes over it), block size, tokenizer, served
-    model name and, for the torch engine, the model folder, context limit and vocabulary size. ``up`` (:class:`LocalCluster`) and the deploy scripts (``evolving-infra
-    deploy-args``: compose's entrypoint, the Slurm batch script) start each service with these, so that all three
-    run one system for one ``--policy``; each adds its own addresses, ports, identity and credentials.
+    model name, for the torch engine the model folder, dtype, context limit and vocabulary size, and the
+    observability flags (every service's ``--otlp-traces-endpoint``, the router's and workers' ``--log-requests``).
+    ``up`` (:class:`LocalCluster`) and the deploy scripts (``evolving-infra deploy-args``: compose's entrypoint,
+    the Slurm batch script) start each service with these, so that all three run one system for one ``--policy``;
+    each adds its own addresses, ports, identity and credentials.
 
     Args:
         spec: the cluster (``evolving_infra.launcher._spec`` makes it from ``up``'s flags).
@@ -298,24 +300,28 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
         ValueError: an unknown ``service``.
     """
     s = spec
+    # observability: every service's trace exporter, the router's and workers' request log (they were added by
+    # LocalCluster only, so deploy-args, and with it compose and Slurm, could not give them)
+    traces = ["--otlp-traces-endpoint", s.otlp_traces_endpoint] if s.otlp_traces_endpoint else []
+    requests = ["--log-requests"] if s.log_requests else []
     if service == "kvdirectory":
-        return ["--block-size", str(s.block_size)]
+        return ["--block-size", str(s.block_size)] + traces
     if service == "planner":
         return (["--nodes", ",".join(s.node_ids()), "--split", s.split, "--planner", s.planner, "--profile", s.profile]
-                + (["--planner-args", ",".join(s.planner_args)] if s.planner_args else []))
+                + (["--planner-args", ",".join(s.planner_args)] if s.planner_args else []) + traces)
     if service == "worker":
         return (["--profile", s.profile, "--tokenizer", s.tokenizer, "--host-eviction", s.eviction]
                 + (["--gpu-kv-tokens", str(s.gpu_kv_tokens)] if s.gpu_kv_tokens else [])
                 + (["--host-kv-tokens", str(s.host_kv_tokens)] if s.host_kv_tokens else [])
                 + (["--engine", s.engine, "--model", s.model_dir] if s.engine != "sim" else [])
-                + (["--dtype", s.dtype] if s.dtype else []))
+                + (["--dtype", s.dtype] if s.dtype else []) + traces + requests)
     if service == "router":
         return (["--routing", s.routing, "--decode-binding", s.decode_binding, "--profile", s.profile, "--block-size",
                  str(s.block_size), "--model", s.model, "--tokenizer", s.tokenizer]
                 + (["--model-aliases", ",".join(s.model_aliases)] if s.model_aliases else [])
                 + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])
                 + (["--model-vocab-size", str(s.model_vocab_size)] if s.model_vocab_size else [])
-                + list(s.router_args))
+                + list(s.router_args) + traces + requests)
     raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
 
 
@@ -393,7 +399,7 @@ class LocalCluster:
             s.log_level,
             "--log-format",
             "json",
-        ] + (["--otlp-traces-endpoint", s.otlp_traces_endpoint] if s.otlp_traces_endpoint else [])
+        ]
 
     def _metrics_index(self, instance: str) -> int:
         """Offset of ``instance``'s metrics port from ``metrics_base_port`` (the Slurm job's layout)."""
@@ -455,7 +461,6 @@ class LocalCluster:
                     + service_flags(s, "worker")
                     + (["--device", device] if device else [])
                     + (["--torch-threads", str(threads)] if threads else [])
-                    + (["--log-requests"] if s.log_requests else [])
                     + list(s.worker_args)
                     + list(s.node_args.get(node, ())),
                     self.log_dir / f"worker-{node}.log",
@@ -470,8 +475,7 @@ class LocalCluster:
                 + self._common("router")
                 + ["--host", s.host, "--port", str(s.port), "--port-file", str(self._port_file)]
                 + service_flags(s, "router")
-                + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else [])
-                + (["--log-requests"] if s.log_requests else []),
+                + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else []),
                 self.log_dir / "router.log",
                 env=dict(s.router_env) or None,
             )

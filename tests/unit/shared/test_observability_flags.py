@@ -124,3 +124,19 @@ def test_an_otlp_protocol_other_than_http_protobuf_is_named_in_a_warning():
     both = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}
     assert tracing.protocol_ignored(both).startswith("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/json ")  # the signal's wins
     assert tracing.protocol_ignored({**both, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}) is None
+
+
+def test_deploy_args_gives_each_service_its_observability_flags_as_up_does():
+    """``up --log-requests`` / ``--otlp-traces-endpoint`` were added by ``LocalCluster`` only, outside
+    ``cluster.service_flags``: ``deploy-args`` (compose's entrypoint, the Slurm job) printed neither, so a
+    deployment could not turn them on. Now each service gets them from ``service_flags``, as under ``up``."""
+    from evolving_infra.deploy_cli import deploy_args
+
+    url = "http://collector:4318"
+    for service in ("kvdirectory", "planner", "router", "worker"):
+        printed, _ = deploy_args(["--otlp-traces-endpoint", url, "--log-requests"], service)
+        i = printed.index("--otlp-traces-endpoint")
+        assert printed[i + 1] == url, (service, printed)
+        assert ("--log-requests" in printed) == (service in ("router", "worker")), (service, printed)
+        plain, _ = deploy_args([], service)
+        assert "--otlp-traces-endpoint" not in plain and "--log-requests" not in plain, (service, plain)
