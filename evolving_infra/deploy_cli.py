@@ -54,7 +54,11 @@ def deploy_args(argv_up: list[str], service: str) -> tuple[list[str], str]:
 
 def cmd_deploy_args(args: argparse.Namespace) -> int:
     """Print ``args.service``'s flags one a line on stdout, the policy line on stderr (the service's log; not for
-    ``env``)."""
+    ``env``); with ``-h``/``--help`` among the flags, deploy-args' own help (argparse's REMAINDER hands them to
+    up's parser, which printed up's help instead)."""
+    if any(a in ("-h", "--help") for a in args.up_args):  # REMAINDER took it: up's parser printed up's help
+        args.deploy_parser.print_help()
+        return 0
     lines, policy = deploy_args(args.up_args, args.service)
     if args.service != "env":
         print(f"{args.service}: {policy}", file=sys.stderr)
@@ -70,15 +74,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="one service's flags for --policy/--engine as `up` sets them (compose's entrypoint, the Slurm script)",
         description="Print, one a line, the flags that `evolving-infra up` would give SERVICE for the same flags: the "
         "policy set's part (--policy SET and its overrides: router --routing and --decode-binding, planner --planner, "
-        "--planner-args and the split, workers --host-eviction), the profile, block size, tokenizer and, with "
-        "--engine torch --model DIR, the model folder, served name and context limit. `env` prints EI_DEPLOY_SPLIT, "
+        "--planner-args and the split, workers --host-eviction), the profile, block size, tokenizer, served name, the "
+        "workers' KV sizes, request logging and trace export and, with --engine torch --model DIR, the model folder, "
+        "dtype, context limit and vocabulary size. `env` prints EI_DEPLOY_SPLIT, "
         "EI_DEPLOY_PROFILE, EI_DEPLOY_BLOCK_SIZE and EI_DEPLOY_POLICY as sh assignments. The policy line goes to "
         "stderr (not for env). deploy/docker/entrypoint.sh and deploy/slurm/evolving-infra.sbatch start every service with these.",
         epilog="UP_FLAGS: any of `evolving-infra up --help`'s; those that pick the system matter here (--policy, "
         "--routing, --planner, --eviction, --decode-binding, --planner-opt, --routing-opt, --nodes, --split, "
-        "--profile, --block-size, --engine, --model, --tokenizer). Example: evolving-infra deploy-args planner "
+        "--profile, --block-size, --engine, --model, --tokenizer, --served-model-name, --dtype, --gpu-kv-tokens, "
+        "--host-kv-tokens, --log-requests, --otlp-traces-endpoint). Example: evolving-infra deploy-args planner "
         "--policy static:2P2D --nodes 4",
     )
     p.add_argument("service", choices=(*SERVICES, "env"), help="the service whose flags to print, or env")
     p.add_argument("up_args", nargs=argparse.REMAINDER, metavar="UP_FLAGS", help="up's flags")
-    p.set_defaults(func=cmd_deploy_args)
+    p.set_defaults(func=cmd_deploy_args, deploy_parser=p)
