@@ -11,6 +11,7 @@ headers), with the routing decision's attributes on ``router.route``.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import os
@@ -26,6 +27,7 @@ from evolving_infra.cluster import ClusterSpec, LocalCluster
 from shared.subjects import KV_LOOKUP, ROUTE_BIND, WORK_DECODE, WORK_PREFILL
 
 RID = "trace-e2e-1"
+GONE = "trace-e2e-gone"
 # the bus names a received message's span "<service> <subject template>"
 LOOKUP, BIND = f"kvdirectory {KV_LOOKUP.template}", f"router {ROUTE_BIND.template}"
 PREFILL_IN, DECODE_IN = f"worker {WORK_PREFILL.template}", f"worker {WORK_DECODE.template}"
@@ -99,6 +101,16 @@ async def test_one_request_is_one_trace_across_router_directory_and_both_workers
                     assert r.status_code == 200
                     text = (await r.aread()).decode()
             assert "[DONE]" in text and '"error"' not in text
+            # a client that goes away mid-stream: the trace keeps the decode node's span and says why it ended
+            long = {"prompt": list(range(1000, 1200)), "max_tokens": 4000, "stream": True}
+            async with httpx.AsyncClient(timeout=60) as http:
+                async with http.stream("POST", cluster.router_url + "/v1/completions", json=long, headers={"X-Request-ID": GONE}) as r:
+                    seen = 0
+                    async for line in r.aiter_lines():
+                        seen += line.startswith("data:")
+                        if seen >= 3:
+                            break
+            await asyncio.sleep(1.0)  # the router's abort reaches the decode node
         # the cluster stopped: every service flushed its spans on shutdown
 
     by_rid = {sp.trace_id for res, sp in rx.spans if _attrs(sp).get("ei.rid") == RID}
@@ -129,10 +141,10 @@ async def test_one_request_is_one_trace_across_router_directory_and_both_workers
     assert names_of == {"router": "evolving-infra-router", "kvdirectory": "evolving-infra-kvdirectory",
                         "worker-w0": "evolving-infra-worker", "worker-w1": "evolving-infra-worker"}  # fmt: skip
     lines = [json.loads(x) for x in (tmp_path / "logs" / "router.log").read_text().splitlines() if x.startswith("{")]
-    (fin,) = [x for x in lines if x.get("event") == "request finished"]
+    (fin,) = [x for x in lines if x.get("event") == "request finished" and x["rid"] == RID]
     assert fin["rid"] == RID and fin["status"] == 200 and fin["finish_reason"] == "length" and fin["output_tokens"] == 6
     assert (fin["prefill"], fin["decode"], fin["prompt_tokens"]) == ("w0", "w1", 699) and fin["level"] == "info"
-    assert [x["rid"] for x in lines if x.get("event") == "request accepted"] == [RID]
+    assert [x["rid"] for x in lines if x.get("event") == "request accepted"] == [RID, GONE]
     # each worker's --log-requests lines carry the rid: received, handed off (prefill node), finished (decode node)
     seen = {}
     for node in ("w0", "w1"):
@@ -146,6 +158,19 @@ async def test_one_request_is_one_trace_across_router_directory_and_both_workers
         log = [json.loads(x) for x in (tmp_path / "logs" / f"worker-{node}.log").read_text().splitlines() if x.startswith("{")]
         (rec,) = [x for x in log if x.get("rid") == RID and x["event"] == "request received"]
         assert "attempt" not in rec and rec["fence"] > 10**12 and rec["output_offset"] == 0, rec
+
+    # every line of every service's log is JSON (stdlib logging lines too)
+    for log_file in (tmp_path / "logs").glob("*.log"):
+        for line in log_file.read_text().splitlines():
+            json.loads(line)
+
+    gone = {sp.trace_id for res, sp in rx.spans if _attrs(sp).get("ei.rid") == GONE}
+    assert len(gone) == 1
+    gone_spans = [(res["service.instance.id"].string_value, sp) for res, sp in rx.spans if sp.trace_id in gone]
+    (root,) = [sp for _, sp in gone_spans if sp.name == "router.request"]
+    assert _attrs(root)["ei.finish_reason"] == "abort"
+    decode = [(where, _attrs(sp)) for where, sp in gone_spans if sp.name == "worker.decode"]
+    assert [(where, a["ei.ended"]) for where, a in decode] == [("worker-w1", "aborted")], decode
 
     span = {sp.name: sp for _, sp in trace}
     route = _attrs(span["router.route"])
