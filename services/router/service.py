@@ -252,8 +252,8 @@ class _ReqTrace:
         (and the older ``http.status_code``); from 400 on ``error.type`` = the status code; from 500 on status ERROR
         (``error``, the response's message, as its description); a 4xx leaves the status UNSET (the client's fault).
         An accepted request adds how it ended (``ei.finish_reason`` and ``gen_ai.response.finish_reasons``: ``stop``,
-        ``length``, ``abort`` for a client that went away, ``error``; absent when it ended before a reason was
-        decided) and its usage: ``gen_ai.usage.input_tokens`` / ``output_tokens`` (also under vLLM's
+        ``length``, ``abort`` for a client that went away, ``error``, which is status ERROR also for a stream
+        that failed after its 200; absent when it ended before a reason was decided) and its usage: ``gen_ai.usage.input_tokens`` / ``output_tokens`` (also under vLLM's
         ``prompt_tokens`` / ``completion_tokens``), ``ei.cached_tokens`` and ``gen_ai.latency.time_to_first_token``
         (router-clock seconds: simulated under ``--speedup``), and its final placement (``ei.prefill_node``,
         ``ei.decode_node`` when it has one)."""
@@ -271,6 +271,8 @@ class _ReqTrace:
             reason = p.counted or p.end_reason
             if reason is not None:
                 span.set_attributes({"ei.finish_reason": reason, "gen_ai.response.finish_reasons": [reason]})
+                if reason == "error" and status < 500:  # a stream's failure after its 200 went out (an SSE error event)
+                    span.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR, "the request failed after its response started"))
             prompt = 0 if p.rreq is None else p.rreq.prompt_tokens
             span.set_attribute("ei.prefill_node", p.prefill_node)  # the final placement
             if p.decode_node is not None:

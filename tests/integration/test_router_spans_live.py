@@ -60,9 +60,14 @@ async def test_router_request_span_has_status_error_type_finish_reason_and_usage
         env.cluster.error_nodes = {"p0"}
         err = {"model": "test-model", "prompt": [1, 2], "max_tokens": 2}
         assert (await env.http.post("/v1/completions", json=err, headers={"X-Request-ID": "err-1"})).status_code == 500
-        await _wait_for(lambda: len(_roots(spans)) == 5, what="5 router.request spans")
+        r = await env.http.post("/v1/completions", json={**err, "stream": True}, headers={"X-Request-ID": "err-stream-1"})
+        assert r.status_code == 200 and '"error"' in r.text  # the failure is an SSE error event after the 200
+        await _wait_for(lambda: len(_roots(spans)) == 6, what="6 router.request spans")
     got = {s.attributes.get("ei.rid"): s for s in _roots(spans)}
-    assert set(got) == {"ok-1", "bad-1", "nomodel-1", "gone-1", "err-1"}
+    assert set(got) == {"ok-1", "bad-1", "nomodel-1", "gone-1", "err-1", "err-stream-1"}
+    streamed = got["err-stream-1"]
+    assert streamed.status.status_code == trace.StatusCode.ERROR and streamed.attributes["ei.finish_reason"] == "error"
+    assert "error.type" not in streamed.attributes
     ok = got["ok-1"]
     assert ok.kind == trace.SpanKind.SERVER and ok.status.status_code == trace.StatusCode.UNSET
     a = ok.attributes
