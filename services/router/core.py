@@ -43,7 +43,7 @@ or when its prefill starts on the prefill node (``route.bind``, paper Eq. 7 / Ap
 
 from services.router.faults import usable_lookup
 from services.router.metrics import RouteMetrics, TtftSample
-from services.router.nodes import FencedNode, NodeLoad, NodeLoadView
+from services.router.nodes import NO_SUCH_NODE, FencedNode, NodeLoad, NodeLoadView, kv_blocks
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy
 
 
@@ -208,6 +208,13 @@ class RouterCore:
         are offered to the policy. On success the request is counted in flight
         on both nodes until :meth:`finish`.
 
+        Only nodes whose GPU KV memory holds the request are candidates (:meth:`_room`): a node
+        that reports less than its footprint would refuse it (before, a request that fit only the
+        largest node was placed on a smaller one and failed there). When no eligible node of a needed
+        phase holds it, :class:`NoRoute` names the sizes (the live router waits, then 503s, as for no
+        eligible node); a request no node of the cluster holds is the caller's to refuse (the live
+        router's 400) and is placed as before.
+
         Returns:
             :class:`RouteDecision`, or :class:`NoRoute` with the reason.
 
@@ -221,6 +228,18 @@ class RouterCore:
             return NoRoute(self.view.no_candidate_reason("prefill", now))
         dec = self.view.decode_candidates(now)
         offered = pre if dec else [n for n in pre if n.phase == "both"]
+        need = self._room(req)
+        if need and offered:  # some node is too small for it: offer only those that hold it
+            pneed = kv_blocks(req.prompt_tokens, 0, self.block_size)  # a prefill node that hands the decode on
+            small = [n for n in pre if 0 < n.gpu_total_blocks < (pneed if n.phase == "prefill" else need)]
+            small += [n for n in dec if 0 < n.gpu_total_blocks < need]
+            if small:
+                out = {n.node for n in small}
+                pre = [n for n in pre if n.node not in out]
+                dec = [n for n in dec if n.node not in out]
+                offered = pre if dec else [n for n in pre if n.phase == "both"]
+                if not offered:
+                    return NoRoute(self._no_room_reason("prefill" if not pre else "decode", req, small, now))
         if not offered:
             return NoRoute(self.view.no_candidate_reason("decode", now))
         # no prefix credit and no fetch source on a fenced node (issue #22)
@@ -322,6 +341,13 @@ class RouterCore:
             choice: DecodeChoice | None = DecodeChoice(node=node)
         else:
             cands = [n for n in self.view.decode_candidates(now) if n.node != prefill and n.node != exclude]
+            need = self._room(req) if cands else 0
+            if need:  # only decode nodes whose GPU KV memory holds it (see route)
+                small = [n for n in cands if 0 < n.gpu_total_blocks < need]
+                if small:
+                    cands = [n for n in cands if not 0 < n.gpu_total_blocks < need]
+                    if not cands:
+                        return NoRoute(self._no_room_reason("decode", req, small, now))
             choice = self.policy.choose_decode(req, cands, now) if cands else None
         if choice is None:
             return NoRoute(self.view.no_candidate_reason("decode", now))
@@ -334,6 +360,28 @@ class RouterCore:
                 RoutePlaced(rid=rid, branch_id=req.branch_id, node=choice.node, phase="decode", block_hashes=list(req.block_hashes), ts=now)
             )
         return DecodeBinding(choice, prefill, placed)
+
+    def _room(self, req: RouteRequest) -> int:
+        """The KV blocks ``req`` takes on a node that decodes it (:func:`~services.router.nodes.kv_blocks` of
+        prompt + ``max_tokens``) when placement must look at node sizes: some node reports GPU KV memory
+        (``NodeState.gpu_total_blocks``) smaller than that and another one holds it; else 0 (every node
+        holds it, or none does: then the caller refuses it, the live router's 400, or the node does).
+        O(1) while no node reports a new capacity (:meth:`NodeLoadView.kv_bounds`)."""
+        need = kv_blocks(req.prompt_tokens, req.max_tokens, self.block_size)
+        smallest, largest = self.view.kv_bounds()
+        return need if smallest < need <= largest else 0
+
+    def _no_room_reason(self, role: str, req: RouteRequest, small: Sequence[NodeLoad], now: float) -> str:
+        """Why no eligible ``role`` (prefill|decode) node can take ``req``: the eligible ones are too small
+        for its KV (``small``: each with its GPU KV memory in blocks), then why the others are not eligible."""
+        need = kv_blocks(req.prompt_tokens, req.max_tokens, self.block_size)
+        sizes = ", ".join(f"{n.node} {n.gpu_total_blocks}" for n in small[:8]) + (f" and {len(small) - 8} more" if len(small) > 8 else "")
+        why = self.view.no_candidate_reason(role, now)
+        return (
+            f"no live {role} node can hold the request's KV ({need} blocks of {self.block_size} tokens for {req.prompt_tokens} "
+            f"prompt + {req.max_tokens} max_tokens; GPU KV blocks of the live nodes too small for it: {sizes})"
+            + ("" if why.endswith(NO_SUCH_NODE) else f"; the others: {why}")
+        )
 
     def requeue(self, rid: str, now: float) -> bool:
         """A prefill node handed ``rid`` back before starting it (phase switch): forget its

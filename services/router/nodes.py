@@ -48,6 +48,17 @@ from shared.subjects import check_token
 from shared.values import FACTORY, FrozenValue, Value, set_field
 
 
+def kv_blocks(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """KV blocks a request's footprint takes: ``prompt_tokens + max_tokens`` tokens in blocks of ``block_size``
+    tokens, rounded up. A node reserves it whole when it takes the request and refuses one larger than its GPU KV
+    memory (``services/worker/scheduler.py``: ``_check_fits``; a prefill node that hands the decode to another
+    node reserves the prompt's blocks only, ``max_tokens=0`` here). O(1)."""
+    return -(-(prompt_tokens + max_tokens) // block_size)
+
+
+NO_SUCH_NODE = "no such node known"
+"""How :meth:`NodeLoadView.no_candidate_reason` ends when no known node of the role is ineligible."""
+
 PREFILL_PHASES: frozenset[str] = frozenset(("prefill", "both"))
 DECODE_PHASES: frozenset[str] = frozenset(("decode",))
 
@@ -236,17 +247,19 @@ class NodeLoadView(Value):
     _usable_gen: int
     """``_gen`` at which :meth:`all_usable` last found every node's record usable with an infinite
     ``fence_after`` (then only a fence or a new node, which bump ``_gen``, can change that)."""
+    _kv_bounds: tuple[int, int] | None
+    """:meth:`kv_bounds`' answer; None after a node reported a capacity it had not reported before."""
 
     __slots__ = __match_args__ = (
         "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists", "_tokens",
-        "_usable_gen",
+        "_usable_gen", "_kv_bounds",
     )
 
     def __init__(
         self, fence_after: float = 3.0, nodes: Any = FACTORY, epoch: int = -1, split_reason: str = "",
         kv_stale: frozenset[str] = frozenset(), _flights: Any = FACTORY, _gen: int = 0,
         _by_id: list[NodeRecord] | None = None, _lists: Any = FACTORY, _tokens: Any = FACTORY,
-        _usable_gen: int = -1,
+        _usable_gen: int = -1, _kv_bounds: tuple[int, int] | None = None,
     ) -> None:
         self.fence_after = fence_after
         self.nodes = {} if nodes is FACTORY else nodes
@@ -259,6 +272,7 @@ class NodeLoadView(Value):
         self._lists = {} if _lists is FACTORY else _lists
         self._tokens = set() if _tokens is FACTORY else _tokens
         self._usable_gen = _usable_gen
+        self._kv_bounds = _kv_bounds
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -303,6 +317,8 @@ class NodeLoadView(Value):
             rec.restarted = True  # a new process: what the old one held is gone (issue #22)
         rec.state = state
         rec.last_seen = now
+        if old is None or old.gpu_total_blocks != state.gpu_total_blocks:
+            self._kv_bounds = None
         if (
             old is None
             or rec.fenced
@@ -457,19 +473,31 @@ class NodeLoadView(Value):
 
     def largest_gpu_kv(self) -> tuple[int, str] | None:
         """(``NodeState.gpu_total_blocks``, node) of the node whose GPU memory (L1) holds the most KV
-        blocks, over the nodes with a state that are not fenced out (those a request may be placed on,
-        now or after a phase switch); the first node id on a tie. None when there is none, or when one
-        of them reports no capacity (0: a node of an older version; nothing can be promised then). O(nodes)."""
+        blocks, over every node that has reported a state, fenced ones included (a fenced node is let back
+        in when it reports again, and a request may be placed on any node now or after a phase switch);
+        the first node id on a tie. None when there is none, or when one of them reports no capacity
+        (0: a node of an older version; nothing can be promised then). O(nodes)."""
         best: tuple[int, str] | None = None
         for rec in self.nodes.values():
             st = rec.state
-            if st is None or rec.fenced:
+            if st is None:
                 continue
             if st.gpu_total_blocks <= 0:
                 return None
             if best is None or (-st.gpu_total_blocks, rec.node) < (-best[0], best[1]):
                 best = (st.gpu_total_blocks, rec.node)
         return best
+
+    def kv_bounds(self) -> tuple[int, int]:
+        """(smallest, largest) GPU KV memory (``NodeState.gpu_total_blocks``, blocks) that a node reports, over
+        every node with a state, fenced ones included, leaving out nodes that report none (0); ``(0, 0)``
+        when no node reports one. A request of at most ``smallest`` blocks fits every node, so placement
+        need not look at sizes (:meth:`fits`). O(1) while no node reports a new capacity, else O(nodes)."""
+        b = self._kv_bounds
+        if b is None:
+            caps = [rec.state.gpu_total_blocks for rec in self.nodes.values() if rec.state is not None and rec.state.gpu_total_blocks > 0]
+            b = self._kv_bounds = (min(caps), max(caps)) if caps else (0, 0)
+        return b
 
     def no_candidate_reason(self, role: str, now: float) -> str:
         """Human-readable reason why no node of ``role`` (prefill|decode) is eligible."""
@@ -487,7 +515,7 @@ class NodeLoadView(Value):
             elif rec.split_phase is not None and rec.split_phase != rec.state.phase:
                 parts.append(f"{rec.node}: switching {rec.state.phase}->{rec.split_phase}")
         what = "prefill (phase prefill or both)" if role == "prefill" else "decode (phase decode) or collocated (both)"
-        detail = "; ".join(parts) if parts else "no such node known"
+        detail = "; ".join(parts) if parts else NO_SUCH_NODE
         return f"no live {what} node: {detail}"
 
     # -- in-flight bookkeeping ------------------------------------------- #

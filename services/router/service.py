@@ -93,6 +93,7 @@ from services.router.branches import BranchError, BranchTable
 from services.router.config import RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
 from services.router.faults import continuation
+from services.router.nodes import kv_blocks
 from services.router.replicas import RemoteSends
 from services.router.policy import RouteRequest, make_policy
 from services.router.stops import OutputText
@@ -1485,7 +1486,7 @@ class RouterService:
 
     def kv_capacity_tokens(self) -> tuple[int, str] | None:
         """(tokens, node) of the node whose GPU KV memory (L1) holds the most, as the nodes report it
-        (``NodeState.gpu_total_blocks`` × ``--block-size``; the nodes not fenced out,
+        (``NodeState.gpu_total_blocks`` × ``--block-size``; every node that reported, fenced ones included,
         :meth:`NodeLoadView.largest_gpu_kv`); None while no node reports its capacity. O(nodes)."""
         largest = self.core.view.largest_gpu_kv()
         return None if largest is None else (largest[0] * self.cfg.block_size, largest[1])
@@ -1987,8 +1988,10 @@ class RouterService:
 
     def _check_kv_room(self, prompt_tokens: int, max_tokens: int, chat: bool) -> None:
         """Refuse (400) a request no node of the cluster could hold: its KV footprint, ``prompt_tokens``
-        + ``max_tokens`` in blocks of ``block_size`` tokens, is more than the largest GPU KV memory (L1,
-        ``NodeState.gpu_total_blocks``) of the nodes not fenced out. A node reserves a request's whole
+        + ``max_tokens`` in blocks of ``block_size`` tokens (:func:`~services.router.nodes.kv_blocks`), is more
+        than the largest GPU KV memory (L1, ``NodeState.gpu_total_blocks``) of the nodes that reported, fenced
+        ones included (one only a fenced node holds waits for it, then 503s: :meth:`RouterCore.route` offers
+        only the nodes that hold a request, in placement and re-dispatch alike). A node reserves a request's whole
         footprint when it takes it (no preemption, ``services/worker/scheduler.py``) and refuses one that
         exceeds its L1; before, such a request was dispatched and that refusal came back as a 500
         ``engine error on node w0: request needs 5003 KV blocks but node w0 has 64 in GPU memory``
@@ -2005,12 +2008,12 @@ class RouterService:
             return
         blocks, node = largest
         bs = self.cfg.block_size
-        need = -(-(prompt_tokens + max_tokens) // bs)
+        need = kv_blocks(prompt_tokens, max_tokens, bs)
         if need <= blocks:
             return
         self.counters["kv_room_refused"] += 1
         part = "messages" if chat else "prompt"
-        alone = -(-prompt_tokens // bs) > blocks
+        alone = kv_blocks(prompt_tokens, 0, bs) > blocks
         raise api.ApiError(
             400, f"request needs {need} KV blocks of {bs} tokens ({prompt_tokens} in the {part}, {max_tokens} in the completion) "
             f"but the node of this cluster with the most GPU KV memory ({node}) holds {blocks} ({blocks * bs} tokens); "

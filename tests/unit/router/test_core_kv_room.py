@@ -1,0 +1,107 @@
+"""RouterCore places a request only on nodes whose GPU KV memory holds it (nodes of different sizes).
+
+Before: the router's 400 check used the largest node, but placement could pick a smaller node, which
+refused the request (a 500 ``engine error``: ``request needs N KV blocks but node ... has M``)."""
+
+from __future__ import annotations
+
+from services.router.core import NoRoute, RouteDecision, RouterCore
+from services.router.policy import RouteRequest, make_policy
+
+from .helpers import state
+
+BS = 4
+
+
+def core(policy: str = "round-robin", binding: str = "dispatch") -> RouterCore:
+    return RouterCore(make_policy(policy), block_size=BS, fence_after=3.0, decode_binding=binding)
+
+
+def big(rid: str, prompt: int = 60 * BS, max_tokens: int = 20 * BS) -> RouteRequest:
+    """80 blocks of KV (60 in the prompt): more than a 50-block node holds, less than a 120-block one."""
+    return RouteRequest(rid=rid, prompt_tokens=prompt, block_hashes=list(range(prompt // BS)), max_tokens=max_tokens)
+
+
+def test_collocated_request_goes_only_to_the_node_that_holds_it():
+    for policy in ("round-robin", "cache-aware", "ttft", "dynamo-kv", "sticky"):
+        c = core(policy)
+        c.apply_state(state("a", "both", gpu_total_blocks=50, gpu_free_blocks=50), 0.0)  # first by id: ties go here
+        c.apply_state(state("b", "both", gpu_total_blocks=120, gpu_free_blocks=120), 0.0)
+        for i in range(4):
+            out = c.route(big(f"r{i}"), None, 0.1)
+            assert isinstance(out, RouteDecision) and out.prefill.node == "b", (policy, out)
+            assert [n.node for n in out.candidates] == ["b"]
+        small = c.route(big("s", prompt=8 * BS, max_tokens=BS), None, 0.1)  # fits both: both offered
+        assert isinstance(small, RouteDecision) and [n.node for n in small.candidates] == ["a", "b"]
+
+
+def test_pd_prefill_needs_the_prompt_decode_needs_prompt_and_output():
+    c = core()
+    c.apply_state(state("p1", "prefill", gpu_total_blocks=61), 0.0)  # holds the prompt's 60 blocks
+    c.apply_state(state("p2", "prefill", gpu_total_blocks=59), 0.0)
+    c.apply_state(state("d1", "decode", gpu_total_blocks=50), 0.0)
+    c.apply_state(state("d2", "decode", gpu_total_blocks=120), 0.0)
+    for i in range(3):
+        out = c.route(big(f"r{i}"), None, 0.0)
+        assert isinstance(out, RouteDecision) and (out.prefill.node, out.decode_node) == ("p1", "d2"), out
+        assert [n.node for n in out.decode_candidates] == ["d2"]
+
+
+def test_no_live_node_that_holds_it_is_no_route_and_a_fenced_large_node_back_serves_it():
+    c = core()
+    c.apply_state(state("a", "both", gpu_total_blocks=50), 0.0)
+    c.apply_state(state("b", "both", gpu_total_blocks=120), 0.0)
+    c.apply_state(state("a", "both", gpu_total_blocks=50), 4.0)
+    assert [f.node for f in c.check_fences(4.0)] == ["b"]
+    out = c.route(big("r1"), None, 4.0)
+    assert isinstance(out, NoRoute) and "80 blocks" in out.reason and "a 50" in out.reason and "b: fenced" in out.reason, out
+    assert c.view.inflight_total == 0
+    c.apply_state(state("b", "both", gpu_total_blocks=120), 4.5)  # it reports again: the parked work goes there
+    out = c.route(big("r1"), None, 4.5)
+    assert isinstance(out, RouteDecision) and out.prefill.node == "b"
+
+
+def test_a_request_no_node_holds_is_placed_as_before():
+    """The live router refuses it first (400, ``_check_kv_room``); the core leaves the choice alone."""
+    c = core()
+    c.apply_state(state("a", "both", gpu_total_blocks=50), 0.0)
+    c.apply_state(state("b", "both", gpu_total_blocks=60), 0.0)
+    out = c.route(big("r1"), None, 0.0)
+    assert isinstance(out, RouteDecision) and [n.node for n in out.candidates] == ["a", "b"]
+
+
+def test_decode_binding_at_prefill_start_and_rebinding_pick_a_node_that_holds_it():
+    c = core(binding="prefill-start")
+    c.apply_state(state("p", "prefill", gpu_total_blocks=120), 0.0)
+    c.apply_state(state("d1", "decode", gpu_total_blocks=50), 0.0)  # least loaded and first by id
+    c.apply_state(state("d2", "decode", gpu_total_blocks=120, running=9), 0.0)
+    c.apply_state(state("d3", "decode", gpu_total_blocks=120, running=9), 0.0)
+    out = c.route(big("r1"), None, 0.0)
+    assert isinstance(out, RouteDecision) and out.decode is None and out.work.decode_binding == "start"
+    bound = c.bind_decode("r1", 0.1, prefill_node="p")
+    assert not isinstance(bound, NoRoute) and bound.node == "d2"
+    # d2 hands it back: d3 (d1 is too small)
+    again = c.bind_decode("r1", 0.2, req=big("r1"), exclude="d2")
+    assert not isinstance(again, NoRoute) and again.node == "d3"
+    # d3 hands it back while d2 drains: none left that holds it, no route (parked by the live router)
+    c.apply_state(state("d2", "decode", gpu_total_blocks=120, accepting=False), 0.3)
+    none = c.bind_decode("r1", 0.3, req=big("r1"), exclude="d3")
+    assert isinstance(none, NoRoute) and "decode node can hold" in none.reason and "d1 50" in none.reason, none
+    assert "d2: not accepting" in none.reason, none
+    # a PD route whose decode nodes that hold it are gone: offered nothing but collocated nodes (none)
+    c.apply_state(state("d3", "decode", gpu_total_blocks=120, accepting=False), 0.4)
+    out = c.route(big("r2"), None, 0.4)
+    assert isinstance(out, NoRoute) and "decode node can hold" in out.reason and "not accepting" in out.reason, out
+
+
+def test_kv_bounds_follow_reported_capacities_fenced_included():
+    c = core()
+    assert c.view.kv_bounds() == (0, 0)
+    c.apply_state(state("a", "both", gpu_total_blocks=50), 0.0)
+    c.apply_state(state("b", "both", gpu_total_blocks=0), 0.0)  # no capacity reported: left out
+    assert c.view.kv_bounds() == (50, 50)
+    c.apply_state(state("b", "both", gpu_total_blocks=120), 0.0)
+    assert c.view.kv_bounds() == (50, 120)
+    c.apply_state(state("a", "both", gpu_total_blocks=50), 5.0)
+    c.check_fences(5.0)  # b fenced: still counted (it may report again)
+    assert c.view.kv_bounds() == (50, 120) and c.view.largest_gpu_kv() == (120, "b")
