@@ -408,3 +408,21 @@ async def test_a_request_larger_than_any_nodes_kv_memory_is_a_400_before_dispatc
         await _wait_for(lambda: view.largest_gpu_kv() is None, what="states applied")
         r = await env.http.post("/v1/completions", json={"prompt": [1] * 6000, "max_tokens": 500})
         assert r.status_code == 500 and "needs 102 KV blocks" in r.text, r.text
+
+
+async def test_a_request_only_the_large_node_holds_is_placed_there(nats_url, tmp_path):
+    """Nodes of 50 and 120 KV blocks: a request of 96 blocks fits the cluster (no 400) and goes to the
+    120-block node. Before, routing placed it on the 50-block node (the first by id on a tie), which
+    refused it: a 500 ``engine error ... request needs 96 KV blocks but node c0 has 50``."""
+    async with router_env(nats_url, tmp_path, {"c0": "both", "c1": "both"}) as env:
+        view = env.service.core.view
+        env.cluster.gpu_blocks = {"c0": 50, "c1": 120}
+        await env.cluster.publish_states()
+        await _wait_for(lambda: view.largest_gpu_kv() == (120, "c1") and view.nodes["c0"].state.gpu_total_blocks == 50, what="states applied")
+        for stream in (False, True, False):
+            r = await env.http.post("/v1/completions", json={"prompt": [1] * 6000, "max_tokens": 100, "stream": stream})
+            assert r.status_code == 200 and "error" not in r.text, r.text
+        st = await env.stats()
+        assert st.counters["routed.prefill.c1"] == 3 and not st.counters.get("routed.prefill.c0"), st.counters
+        r = await env.http.post("/v1/completions", json={"prompt": [1] * 64, "max_tokens": 4})  # fits both
+        assert r.status_code == 200, r.text
