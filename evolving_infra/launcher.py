@@ -796,6 +796,7 @@ async def _demo(args: argparse.Namespace) -> int:
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import build_report, print_summary, write_report
     from evolving_infra.traces.io import TraceError, read_trace
+    from evolving_infra.traces.sample import scale_description, scale_trace_for_model
     from shared.clock import SimClock
 
     from shared.profile import load_profile
@@ -826,9 +827,8 @@ async def _demo(args: argparse.Namespace) -> int:
         limit = min(spec.max_context_tokens, spec.node_profile().memory.gpu_kv_tokens // 2)
         requests = scale_trace_for_model(requests, limit, args.max_output)
         token_block = 1
-        print(f"demo --engine torch: each {trace.header.block_size}-token block of the trace is one token, prompts cut "
-              f"to {limit - args.max_output - 1} tokens (half of L1, within the model's context), at most "
-              f"{args.max_output} output tokens", flush=True)  # fmt: skip
+        print(f"demo --engine torch: {scale_description(trace.header.block_size, limit, args.max_output)} (half of L1, "
+              "within the model's context)", flush=True)
     else:
         # the cluster's blocks are the profile's (the workers'); each trace block is sent as trace.header.block_size
         # tokens, so equal block prefixes stay equal token prefixes at any cluster block size
@@ -1102,29 +1102,6 @@ def _baseline_line(args: argparse.Namespace, out: Path) -> str:
     return (f"baseline (same input, SGLang PD at {args.split}, cache-aware routing, no switches): "
             f"{ei} demo --policy static:{args.split} {same} --out {shlex.quote(str(base_out))} && "
             f"{ei} report compare --out {shlex.quote(str(compare))} {shlex.quote(str(out))} {shlex.quote(str(base_out))}")
-
-
-def scale_trace_for_model(requests: list, context: int, max_output: int) -> list:
-    """The trace scaled down for a small real model (``demo --engine torch``): each trace
-    block becomes one token (``LiveReplayer(block_size=1)``; equal block prefixes stay equal
-    token prefixes, so cache reuse, forks and sub-agents keep their shape), prompts are cut
-    to ``context − max_output − 1`` tokens (``context``: the token limit a request must fit) (a prefix, so sharing is kept), outputs to
-    ``max_output`` tokens. A request with no full block gets one private block.
-
-    Raises:
-        ValueError: ``context`` ≤ ``max_output`` + 1 or ``max_output`` < 1.
-    """
-    import msgspec
-
-    from evolving_infra.traces.tokens import PRIVATE_ID_BASE
-
-    if max_output < 1 or context <= max_output + 1:
-        raise ValueError(f"context {context} must exceed max_output {max_output} + 1")
-    out = []
-    for i, r in enumerate(requests):
-        blocks = list(r.blocks[: context - max_output - 1]) or [PRIVATE_ID_BASE + i]
-        out.append(msgspec.structs.replace(r, blocks=blocks, input_tokens=len(blocks), output_tokens=min(r.output_tokens, max_output)))
-    return out
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

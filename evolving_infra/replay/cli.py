@@ -79,6 +79,20 @@ async def _replay(args: argparse.Namespace) -> int:
         from evolving_infra.traces.sample import sample_sessions
 
         trace = sample_sessions(trace, args.sessions or 10**9, seed=args.seed, max_requests_per_branch=args.max_requests_per_branch)
+    api_key = args.api_key or os.environ.get("EI_API_KEY") or None
+    max_model_len = await router_max_model_len(args.router_url, api_key)
+    try:
+        requests, token_block, note = fit_to_router(trace.requests, trace.header.block_size, max_model_len,
+                                                    scale=args.scale_to_model, max_output=args.max_output)
+    except SystemExit as e:  # UsageError: nothing fits, or --scale-to-model without a max_model_len
+        print(str(e), file=sys.stderr)
+        return 2
+    if note:
+        print(note, file=sys.stderr)
+    if requests is not trace.requests:
+        from evolving_infra.traces.io import Trace
+
+        trace = Trace(trace.header, requests)
     try:
         arrival = Arrival(kind=args.arrival, concurrency=args.concurrency, rate_per_min=args.rate, cap=args.cap, seed=args.seed,
                           order=args.agent_order)
@@ -98,8 +112,8 @@ async def _replay(args: argparse.Namespace) -> int:
               + (": pass a shorter --branch-prefix (or '' on a cluster this trace has not been replayed on)" if prefix else ""),
               file=sys.stderr)
     clock = SimClock(args.speedup)
-    replayer = LiveReplayer(args.router_url, clock, block_size=trace.header.block_size, model=args.model, vocab_size=vocab_size,
-                            api_key=args.api_key or os.environ.get("EI_API_KEY") or None, branch_prefix=prefix)
+    replayer = LiveReplayer(args.router_url, clock, block_size=token_block, model=args.model, vocab_size=vocab_size,
+                            api_key=api_key, branch_prefix=prefix)
     stop = asyncio.Event()
     signals: list[str] = []
     loop = asyncio.get_running_loop()
@@ -158,6 +172,10 @@ async def _replay(args: argparse.Namespace) -> int:
         meta["trace"] = STDIO if args.input[0] == STDIO else str(Path(args.input[0]).resolve())
     if args.cluster_block_size is not None:  # the running cluster's (its state file); unknown for a bare --router-url
         meta["block_size"] = args.cluster_block_size
+    if args.scale_to_model:  # what the model was served instead of the trace's prompts (fit_to_router)
+        meta["scaled_to_model"] = {"max_model_len": max_model_len, "context": max_model_len // 2 if max_model_len else None,
+                                   "max_output": SCALE_MAX_OUTPUT if args.max_output is None else args.max_output,
+                                   "token_block_size": token_block}
     if args.agent_order != "trace":  # as `simulate`, which records no agent_order for its default
         meta["agent_order"] = args.agent_order
     if not (args.sessions or args.max_requests_per_branch or args.arrival == "open" or args.agent_order == "shuffled"):
@@ -166,7 +184,7 @@ async def _replay(args: argparse.Namespace) -> int:
         meta["interrupted"] = {"signal": signals[0] if signals else "stop", "in_flight_cancelled": result.in_flight_at_stop}
         meta["notes"] = [*meta["notes"], f"interrupted by {meta['interrupted']['signal']}: {len(result.records)} requests "
                          f"answered, {result.in_flight_at_stop} in flight cancelled (not counted)"]
-    ideal = annotate_ideal(result.records, {r.id: r for r in trace.requests}, trace.header.block_size)
+    ideal = annotate_ideal(result.records, {r.id: r for r in trace.requests}, token_block)
     # duration: the replay's own window (wall x speedup), also when stopped early, not the span of the answered requests
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, start=result.start, end=result.end)
     path = write_report(Path(args.out), report, sorted(result.records, key=lambda r: r.sent_at))
@@ -198,6 +216,83 @@ async def router_unreachable(router_url: str, timeout_s: float = 5.0) -> str | N
         return (f"no router answers at {router_url} ({type(e).__name__}: {e or 'no answer'}); start a cluster with "
                 "`evolving-infra up`, or pass the router's --router-url")
     return None
+
+
+async def router_max_model_len(router_url: str, api_key: str | None = None, timeout_s: float = 5.0,
+                               transport: object = None) -> int | None:
+    """The router's ``max_model_len`` (tokens: the longest prompt + ``max_tokens`` it serves) from ``GET /v1/models``
+    (vLLM's ``ModelCard`` field; ``up --engine torch``'s router: the model's context lowered to a node's GPU KV memory).
+    None when the router does not say (no field, an error status, no answer): the replay then checks nothing.
+
+    Args:
+        router_url: the router's base URL.
+        api_key: sent as a bearer token when set.
+        timeout_s: wall seconds for the answer.
+        transport: an httpx transport (tests).
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:  # type: ignore[arg-type]
+            reply = await http.get(router_url.rstrip("/") + "/v1/models", headers=headers)
+        if reply.status_code != 200:
+            return None
+        value = reply.json()["data"][0].get("max_model_len")
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+SCALE_MAX_OUTPUT = 8
+"""``replay --scale-to-model``'s output tokens per request at most unless ``--max-output``: ``demo --max-output``'s default."""
+
+
+def fit_to_router(requests: list[TraceRequest], block_size: int, max_model_len: int | None, *, scale: bool,
+                  max_output: int | None) -> tuple[list[TraceRequest], int, str | None]:
+    """The requests to send and the tokens per trace block to send them at, given the router's ``max_model_len``.
+
+    Without ``scale``: the trace as it is (``block_size``); when some requests ask for more than ``max_model_len``
+    tokens (prompt + ``max_tokens``, which the router refuses with 400 "maximum context length"), a warning saying
+    how many and the flag that fixes it; when none fits, a usage error (every request would fail: a Claude Code
+    sample replayed against ``up --engine torch``'s 1,024-token tiny model failed all of them). With ``scale``
+    (``--scale-to-model``): the trace scaled as ``demo --engine torch`` scales it
+    (:func:`~evolving_infra.traces.sample.scale_trace_for_model`: one token per block, prompts cut to a prefix so
+    that a request takes at most half of ``max_model_len``, two fitting a node's GPU KV together; outputs capped to
+    ``max_output``, default 8) sent at one token per block, and the line saying so.
+
+    Raises:
+        UsageError: (status 2) no request fits; ``scale`` and the router said no ``max_model_len``, or one too small
+            for ``max_output``; ``max_output`` without ``scale``.
+    """
+    from evolving_infra.cli import UsageError
+    from evolving_infra.traces.sample import scale_description, scale_trace_for_model
+
+    if not scale:
+        if max_output is not None:
+            raise UsageError("error: --max-output applies with --scale-to-model (the trace's own output lengths otherwise)")
+        if not max_model_len:
+            return requests, block_size, None
+        over = [r.input_tokens + max(1, r.output_tokens) for r in requests if r.input_tokens + max(1, r.output_tokens) > max_model_len]
+        if not over:
+            return requests, block_size, None
+        what = (f"{len(over)} of the {len(requests)} requests ask for more than the router's max_model_len {max_model_len} "
+                f"tokens (prompt + max_tokens; up to {max(over)}) and would fail with 400; pass --scale-to-model to scale "
+                "the trace to the model as demo --engine torch does (or serve a longer context: up --gpu-kv-tokens)")
+        if len(over) == len(requests):
+            raise UsageError(f"error: {what}")
+        return requests, block_size, f"warning: {what}"
+    if not max_model_len:
+        raise UsageError("error: --scale-to-model: the router did not report its max_model_len (GET /v1/models); "
+                         "it scales a trace to a router that does (evolving-infra up)")
+    out = SCALE_MAX_OUTPUT if max_output is None else max_output
+    try:
+        scaled = scale_trace_for_model(list(requests), max_model_len // 2, out)
+    except ValueError:
+        raise UsageError(f"error: --max-output {out}: the router's max_model_len {max_model_len} leaves no room for a prompt "
+                         f"in half of it; pass a --max-output below {max_model_len // 2 - 1}") from None
+    return scaled, 1, (f"replay --scale-to-model: {scale_description(block_size, max_model_len // 2, out)} (half of the "
+                       f"router's max_model_len {max_model_len})")
 
 
 def branch_prefix_problem(prefix: str) -> str | None:
@@ -331,6 +426,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--cap", type=int, default=0, help="open loop: admission cap (0 = none)")
     p.add_argument("--sessions", type=int, default=0, help="replay at most this many agents (0 = all)")
     p.add_argument("--max-requests-per-branch", type=int, default=0, help="cap each branch to its first K requests (0 = no cap)")
+    p.add_argument("--scale-to-model", action="store_true",
+                   help="scale the trace to the router's model as demo --engine torch does: each trace block becomes one "
+                   "token, prompts cut to a prefix so that a request takes at most half of the router's max_model_len "
+                   "(GET /v1/models), outputs to --max-output; for a small real model (up --engine torch), whose context "
+                   "the trace's prompts exceed. Without it the replay says up front how many requests do not fit")
+    p.add_argument("--max-output", type=int, default=None, metavar="N",
+                   help=f"with --scale-to-model: output tokens per request at most (default {SCALE_MAX_OUTPUT}, as demo's)")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and open-loop arrivals (default 0)")
     p.add_argument("--agent-order", choices=("trace", "shuffled"), default="trace",
                    help="order in which agents enter (closed and open loops): as in the trace (default), or shuffled by --seed")

@@ -102,3 +102,31 @@ def cap_branches(requests: list[TraceRequest], k: int) -> tuple[list[TraceReques
         ends = last[r.branch] == idx
         out.append(r if r.ends_branch == ends else msgspec.structs.replace(r, ends_branch=ends))
     return out, len(requests) - len(out), len(all_branches) - len(kept_branches)
+
+
+def scale_trace_for_model(requests: list, context: int, max_output: int) -> list:
+    """The trace scaled down for a small real model (``demo --engine torch``, ``replay --scale-to-model``): each trace
+    block becomes one token (``LiveReplayer(block_size=1)``; equal block prefixes stay equal
+    token prefixes, so cache reuse, forks and sub-agents keep their shape), prompts are cut
+    to ``context − max_output − 1`` tokens (``context``: the token limit a request must fit) (a prefix, so sharing is kept), outputs to
+    ``max_output`` tokens. A request with no full block gets one private block.
+
+    Raises:
+        ValueError: ``context`` ≤ ``max_output`` + 1 or ``max_output`` < 1.
+    """
+    from evolving_infra.traces.tokens import PRIVATE_ID_BASE
+
+    if max_output < 1 or context <= max_output + 1:
+        raise ValueError(f"context {context} must exceed max_output {max_output} + 1")
+    out = []
+    for i, r in enumerate(requests):
+        blocks = list(r.blocks[: context - max_output - 1]) or [PRIVATE_ID_BASE + i]
+        out.append(msgspec.structs.replace(r, blocks=blocks, input_tokens=len(blocks), output_tokens=min(r.output_tokens, max_output)))
+    return out
+
+
+def scale_description(trace_block_size: int, context: int, max_output: int) -> str:
+    """What :func:`scale_trace_for_model` does to a trace of ``trace_block_size``-token blocks, in one phrase for the
+    line ``demo --engine torch`` and ``replay --scale-to-model`` print (``context``, ``max_output`` as there)."""
+    return (f"each {trace_block_size}-token block of the trace is one token, prompts cut to {context - max_output - 1} "
+            f"tokens, at most {max_output} output tokens")

@@ -1,11 +1,11 @@
-"""``demo --engine torch`` scales the Claude Code trace to a small model: one token per block,
+"""``demo --engine torch`` (and ``replay --scale-to-model``) scales the Claude Code trace to a small model: one token per block,
 prompts cut to a prefix, outputs capped; shared prefixes stay shared."""
 
 from __future__ import annotations
 
 import pytest
 
-from evolving_infra.launcher import scale_trace_for_model
+from evolving_infra.traces.sample import scale_trace_for_model
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import prompt_token_ids
 
