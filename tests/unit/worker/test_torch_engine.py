@@ -321,3 +321,41 @@ def test_handoff_pages_missing_from_l1_is_a_kv_map_error(model):
             return
         d.now = d.core.next_deadline() or d.now + 1.0
     raise AssertionError("the hand-off never decoded")
+
+
+def test_a_newer_attempt_registered_again_frees_the_old_ones_pages(model):
+    """The worker takes a newer attempt of a request it holds (``_newest_attempt``: the router
+    re-dispatched it here) by aborting the old one in the core and registering the new work with
+    the engine, with no KV drain (``gc``) in between. The old registration's private pages (its
+    decode pages) must be freed: overwritten in ``seqs``, they were lost to the engine for good
+    (``check``: 'L1 pages not conserved'; without it, one page per re-dispatch until ``_alloc``
+    fails). Same for a hand-off registered again on a decode node."""
+    import msgspec
+
+    folder, hf = model
+    ref = Ref(hf)
+    rng = random.Random(5)
+    pr = toks(rng, 2 * BS + 3)  # a partial last page: decoded into a private page
+    node = LocalNode("n", PROFILE, folder)
+    node.add_prefill(work("a", pr, 6))
+    for _ in range(3):
+        node.step()
+    assert node.engine.seqs["a"].own  # decoding, on a page of its own
+    node.core.abort("a", node.now)
+    node.add_prefill(msgspec.structs.replace(work("a", pr, 6), attempt=2))
+    node.run()  # check=True: pages conserved after every drain
+    assert node.finished["a"].tokens == ref(pr, 6)
+
+    p = LocalNode("p", PROFILE, folder, phase="prefill")
+    d = LocalNode("d", PROFILE, folder, phase="decode")
+    p.add_prefill(work("b", pr, 6, decode_node="d"))
+    p.run()
+    (h,) = p.handoffs
+    d.add_decode(h.work)
+    for _ in range(2):
+        d.step()
+    assert d.engine.seqs["b"].own
+    d.core.abort("b", d.now)
+    d.add_decode(msgspec.structs.replace(h.work, attempt=2))
+    d.run()
+    assert d.finished["b"].tokens == ref(pr, 6)

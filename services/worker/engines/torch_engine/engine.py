@@ -316,10 +316,12 @@ class TorchEngine(Engine):
         if err:
             raise ValueError(err)
         check_logit_bias(work.sampling, self.cfg.vocab_size)
-        self.seqs[work.rid] = _seq(
+        s = _seq(
             ids, work.sampling, serial=next(self._serials), offset=work.output_offset, ignore_eos=work.ignore_eos,
             stats_from=work.token_ids,
         )  # fmt: skip
+        self._forget_seq(work.rid)  # an older attempt's registration (see _forget_seq)
+        self.seqs[work.rid] = s
 
     @_locked
     def accept_decode(self, work: DecodeWork) -> None:
@@ -352,6 +354,7 @@ class TorchEngine(Engine):
         )  # fmt: skip
         s.incoming = {i: kv[i] for i in range(pages)}
         s.path = list(work.block_hashes)
+        self._forget_seq(work.rid)  # an older attempt's registration (see _forget_seq)
         for i, h in enumerate(work.block_hashes):
             self._incoming.setdefault(h, {})[work.rid] = kv[i]
         self.seqs[work.rid] = s
@@ -674,17 +677,37 @@ class TorchEngine(Engine):
     def gc(self, live: set[str] | dict[str, Any]) -> None:
         """Forget requests not in ``live`` (the scheduler's requests): free their private pages."""
         for rid in [r for r in self.seqs if r not in live]:
-            s = self.seqs.pop(rid)
-            self._free.extend(s.own)
-            if s.incoming is not None:
-                self._drop_incoming(rid, s.path)
-            self._handoffs.pop(rid, None)
+            self._forget_seq(rid, pending=False)
         for h, cands in list(self._pending.items()):
             keep = [(r, p) for r, p in cands if r in self.seqs]
             if keep:
                 self._pending[h] = keep
             else:
                 del self._pending[h]
+
+    def _forget_seq(self, rid: str, *, pending: bool = True) -> None:
+        """Forget the registration of ``rid`` if any: free its private pages, drop the hand-off
+        pages it brought and its captured hand-off, and (``pending``) its computed pages awaiting
+        their ``BlockStored(gpu)``. :meth:`gc` does it for a request that left the scheduler;
+        :meth:`accept_prefill` / :meth:`accept_decode` for the registration a newer attempt of the
+        same request replaces (the worker aborts the old attempt in the core and registers the new
+        work at once, before any KV drain runs gc: overwritten in :attr:`seqs`, the old
+        registration's private pages were lost to the engine, one per re-dispatch here, until
+        :meth:`_alloc` failed)."""
+        s = self.seqs.pop(rid, None)
+        if s is None:
+            return
+        self._free.extend(s.own)
+        if s.incoming is not None:
+            self._drop_incoming(rid, s.path)
+        self._handoffs.pop(rid, None)
+        if pending:
+            for h, cands in list(self._pending.items()):
+                keep = [(r, p) for r, p in cands if r != rid]
+                if keep:
+                    self._pending[h] = keep
+                else:
+                    del self._pending[h]
 
     # ------------------------------------------------------------------ #
     # execution
