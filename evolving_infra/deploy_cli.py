@@ -13,6 +13,8 @@ and Slurm the same but ttft routing, whatever ``up`` runs (the evolving set).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import shlex
 import sys
 
@@ -32,13 +34,21 @@ def deploy_args(argv_up: list[str], service: str) -> tuple[list[str], str]:
 
     Raises:
         UsageError: (status 2) what ``up`` refuses for the same flags (an unknown set, a split that does not fit
-            the nodes, a block size not the profile's, a bad model folder), or a value holding a newline.
-        SystemExit: argparse's, for an unknown flag.
+            the nodes, a block size not the profile's, a bad model folder, a KV size, dtype or trace endpoint up
+            refuses), or a value holding a newline; argparse's refusals (an unknown flag, a value not a number or
+            not one of the choices) as its one error line, without the usage lines.
     """
     from evolving_infra.cli import UsageError, build_parser
     from evolving_infra.launcher import _spec
 
-    args = build_parser("up").parse_args(["up", *argv_up])
+    err = io.StringIO()
+    try:  # argparse's own refusal (a bad number or choice) as one line too: the scripts log only the last line
+        with contextlib.redirect_stderr(err):
+            args = build_parser("up").parse_args(["up", *argv_up])
+    except SystemExit as e:
+        if e.code == 0:
+            raise
+        raise UsageError(err.getvalue().strip().splitlines()[-1]) from None
     spec = _spec(args)
     pol = args.live_policy
     line = pol.describe() + "".join(f"\n  note: {n}" for n in pol.notes)

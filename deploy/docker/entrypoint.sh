@@ -20,9 +20,19 @@
 #   EI_MODEL_DIR   EI_ENGINE=torch: the model folder in the container                       default /models
 #   EI_BLOCK_SIZE  kvdirectory, router: set here to the block_size of the profile up resolves (EI_PROFILE; with
 #                  EI_ENGINE=torch and EI_PROFILE the default, torch-tiny-cpu), the workers'; another is refused
+#   up's other settings, each passed to deploy-args as up's flag (empty or unset: up's default; the services get
+#   what `up` gives them):
+#   EI_GPU_KV_TOKENS   up --gpu-kv-tokens: each worker's GPU KV (L1) tokens, which bound the longest request the
+#                      router serves (max_model_len); unset: the profile's (torch-tiny-cpu: 1024)
+#   EI_HOST_KV_TOKENS  up --host-kv-tokens: each worker's host KV (L2) tokens
+#   EI_SERVED_MODEL_NAME  up --served-model-name: the model name(s) the router serves, comma-separated (the first
+#                      is /v1/models' id); unset with EI_ENGINE=torch: the folder's name, "models" for /models
+#   EI_DTYPE           up --dtype (EI_ENGINE=torch): float32 | bfloat16 | float16
+#   EI_LOG_REQUESTS    up --log-requests: 1/true/yes/on (router and workers log each request), 0/false/no/off
+#   EI_OTLP_TRACES_ENDPOINT  up --otlp-traces-endpoint URL: every service exports OTLP/HTTP traces there
 #   worker --profile P: refused unless P's block_size is that profile's
-#   auth checks EI_POLICY / SPLIT / EI_ENGINE first (deploy-args env): a refused one ends it with status 2,
-#   before NATS or any service (which restart on failure) starts
+#   auth checks EI_POLICY / SPLIT / EI_ENGINE and the settings above first (deploy-args env): a refused one ends
+#   it with status 2, before NATS or any service (which restart on failure) starts
 set -eu
 # PID 1 of the container until the exec below: the kernel drops a signal PID 1 has no handler for, so
 # without this `docker compose stop` waited out its 10 s and killed a container still waiting for
@@ -39,7 +49,12 @@ CREDS=${EI_CREDS_DIR:-/creds}
 CREDS_OUT=${EI_CREDS_OUT:-/creds-out}  # auth: one folder per identity (router, planner, kvdirectory, launcher, workers)
 AUTH=${EI_NATS_AUTH:-nkeys}
 
-[ -n "${EI_BLOCK_SIZE:-}" ] || unset EI_BLOCK_SIZE  # compose passes an unset one as empty
+UP_SETTINGS="EI_GPU_KV_TOKENS EI_HOST_KV_TOKENS EI_SERVED_MODEL_NAME EI_DTYPE EI_LOG_REQUESTS EI_OTLP_TRACES_ENDPOINT"
+# compose passes an unset one as empty; a service reads EI_<FIELD> itself, and an empty number or boolean is
+# an invalid value there (EI_GPU_KV_TOKENS, EI_LOG_REQUESTS)
+for var in EI_BLOCK_SIZE $UP_SETTINGS; do
+    eval "[ -n \"\${$var:-}\" ] || unset $var"
+done
 
 block_size_of() {  # block_size_of PROFILE SAID_AS: the profile's block_size on stdout; one line and status 1 if unreadable
     python -c 'import sys
@@ -67,11 +82,29 @@ profile_block_size() {  # EI_BLOCK_SIZE := the profile's block_size, which every
     export EI_BLOCK_SIZE="$bs"
 }
 
-deploy_args() {  # deploy_args SERVICE: SERVICE's flags for EI_POLICY/EI_ENGINE, one a line, as `up` sets them; exit 2 if refused
+log_requests() {  # up's --log-requests when EI_LOG_REQUESTS is on (as the services read it), nothing when off
+    case $(printf %s "${EI_LOG_REQUESTS:-}" | tr '[:upper:]' '[:lower:]') in
+      1|true|yes|on) echo --log-requests ;;
+      ""|0|false|no|off) ;;
+      *) echo "$role: EI_LOG_REQUESTS=$EI_LOG_REQUESTS: 1, true, yes or on (or 0, false, no, off; empty = off)" >&2; return 2 ;;
+    esac
+}
+
+deploy_args() {  # deploy_args SERVICE: SERVICE's flags for EI_POLICY/EI_ENGINE/..., one a line, as `up` sets them; exit 2 if refused
     model=""
     [ "$ENGINE" = torch ] && model=${EI_MODEL_DIR:-/models}
-    evolving-infra deploy-args "$1" --policy "$POLICY" --nodes "$WORKERS" ${SPLIT:+--split "$SPLIT"} \
-        --profile "${EI_PROFILE:-gb300-glm52}" --engine "$ENGINE" ${model:+--model "$model"} || exit 2
+    lr=$(log_requests) || exit 2
+    set -- "$1" --policy "$POLICY" --nodes "$WORKERS" ${SPLIT:+--split "$SPLIT"} \
+        --profile "${EI_PROFILE:-gb300-glm52}" --engine "$ENGINE" ${model:+--model "$model"} \
+        ${EI_GPU_KV_TOKENS:+--gpu-kv-tokens "$EI_GPU_KV_TOKENS"} ${EI_HOST_KV_TOKENS:+--host-kv-tokens "$EI_HOST_KV_TOKENS"} \
+        ${EI_DTYPE:+--dtype "$EI_DTYPE"} ${EI_OTLP_TRACES_ENDPOINT:+--otlp-traces-endpoint "$EI_OTLP_TRACES_ENDPOINT"} $lr
+    if [ -n "${EI_SERVED_MODEL_NAME:-}" ]; then  # comma-separated (a served name has no comma): one argument each
+        set -f; IFS=,
+        # shellcheck disable=SC2086
+        set -- "$@" --served-model-name $EI_SERVED_MODEL_NAME
+        unset IFS; set +f
+    fi
+    evolving-infra deploy-args "$@" || exit 2
 }
 
 nodes() { i=0; out=""; while [ "$i" -lt "$WORKERS" ]; do out="${out:+$out,}w$i"; i=$((i + 1)); done; echo "$out"; }

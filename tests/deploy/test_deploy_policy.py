@@ -82,13 +82,16 @@ def test_torch_engine_gives_the_router_the_model_s_tokenizer_name_and_context(tm
                    timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     env = dict(EI_ENGINE="torch", EI_MODEL_DIR=str(model))
     router = _argv(tmp_path, "router", **env)
-    worker = _argv(tmp_path, "worker", EI_REPLICA="1", **env)
-    context = __import__("json").loads((model / "config.json").read_text())["max_position_embeddings"]
+    # and the torch settings up takes (tests/deploy/test_deploy_settings.py: the others): dtype, KV size
+    worker = _argv(tmp_path, "worker", EI_REPLICA="1", EI_DTYPE="float32", EI_GPU_KV_TOKENS="8192", **env)
+    config = __import__("json").loads((model / "config.json").read_text())
     assert (_flag(router, "--tokenizer"), _flag(router, "--model"), _flag(router, "--max-context-tokens")) == (
-        f"hf:{model}", "tiny-model", str(context))
+        f"hf:{model}", "tiny-model", str(config["max_position_embeddings"]))
     assert (_flag(router, "--profile"), _flag(router, "--block-size")) == ("torch-tiny-cpu", "8")
+    assert _flag(router, "--model-vocab-size") == str(config["vocab_size"])
     assert (_flag(worker, "--engine"), _flag(worker, "--model"), _flag(worker, "--profile")) == ("torch", str(model), "torch-tiny-cpu")
     assert _flag(worker, "--tokenizer") == f"hf:{model}"
+    assert (_flag(worker, "--dtype"), _flag(worker, "--gpu-kv-tokens")) == ("float32", "8192"), worker
 
 
 needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None, reason="needs docker-compose (.ci/run installs it)")

@@ -26,6 +26,7 @@ def _run(tmp_path: Path, role: str, *args: str, **env: str) -> subprocess.Comple
     shim.write_text(
         "#!/bin/sh\n"
         'if [ "$1" = -m ]; then echo "started $2 EI_BLOCK_SIZE=${EI_BLOCK_SIZE-unset}"; '
+        '[ -n "${ENV_OUT:-}" ] && env > "$ENV_OUT"; '
         '[ -n "${ARGS_OUT:-}" ] && shift 2 && printf "%s\\n" "$@" > "$ARGS_OUT"; exit 0; fi\n'
         f'exec {sys.executable} "$@"\n'
     )

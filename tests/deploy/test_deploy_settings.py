@@ -1,0 +1,94 @@
+"""Compose and Slurm reach ``up``'s serving settings: KV sizes, served model name, dtype, request log, traces.
+
+The entrypoint and the Slurm job passed deploy-args a fixed set of up's flags (policy, nodes, split, profile,
+engine, model): ``--gpu-kv-tokens`` (a torch stack served only torch-tiny-cpu's 1024-token KV),
+``--host-kv-tokens``, ``--served-model-name`` (a torch stack served the name "models", its mount point),
+``--dtype``, ``--log-requests`` and ``--otlp-traces-endpoint`` had no way in. Now one variable each
+(compose ``EI_GPU_KV_TOKENS``..., as ``EI_POLICY``) is passed to
+deploy-args as up's flag, and a bad value ends the one-shot auth job once.
+
+The entrypoint runs with ``/bin/sh`` and a ``python`` shim that records the service's argv and environment
+(``test_entrypoint_block_size._run``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+from pathlib import Path
+
+from shared.config import load_config
+from tests.deploy.test_deploy_policy import _env, needs_compose
+from tests.deploy.test_entrypoint_block_size import _run
+from tests.deploy.test_prometheus_config import resolved_services
+
+REPO = Path(__file__).resolve().parents[2]
+
+CONFIGS = {
+    "router": "services.router.config:RouterConfig",
+    "worker": "services.worker.config:WorkerConfig",
+}
+
+SETTINGS = dict(EI_GPU_KV_TOKENS="2048", EI_HOST_KV_TOKENS="4096", EI_SERVED_MODEL_NAME="qwen,qwen-chat",
+                EI_LOG_REQUESTS="True", EI_OTLP_TRACES_ENDPOINT="http://jaeger:4318")
+
+
+def _started(tmp_path: Path, role: str, **env: str) -> tuple[list[str], dict[str, str]]:
+    """``role``'s argv after ``-m services.ROLE`` and its environment, as the entrypoint starts it."""
+    n = len(list(tmp_path.glob("args-*")))
+    args, envf = tmp_path / f"args-{n}", tmp_path / f"env-{n}"
+    r = _run(tmp_path, role, ARGS_OUT=str(args), ENV_OUT=str(envf), **env)
+    assert r.returncode == 0 and r.stdout.startswith(f"started services.{role}"), (r.stdout, r.stderr)
+    seen = dict(line.split("=", 1) for line in envf.read_text().splitlines() if re.match(r"^EI_\w+=", line))
+    return args.read_text().splitlines(), seen
+
+
+def _config(role: str, argv: list[str], env: dict[str, str]):
+    """The service's own configuration from that argv and environment (as ``python -m services.ROLE`` reads them)."""
+    mod, name = CONFIGS[role].split(":")
+    return load_config(getattr(importlib.import_module(mod), name), argv, prog=role, env=env)
+
+
+def test_compose_settings_reach_the_services_as_up_s_flags(tmp_path):
+    router, renv = _started(tmp_path, "router", **SETTINGS)
+    worker, wenv = _started(tmp_path, "worker", EI_REPLICA="1", **SETTINGS)
+    r, w = _config("router", router, renv), _config("worker", worker, wenv)
+    assert (r.model, list(r.model_aliases), r.log_requests) == ("qwen", ["qwen-chat"], True), router
+    assert (w.gpu_kv_tokens, w.host_kv_tokens, w.log_requests) == (2048, 4096, True), worker
+    assert r.otlp_traces_endpoint == w.otlp_traces_endpoint == "http://jaeger:4318"
+    assert "--gpu-kv-tokens" in worker and "--served-model-name" not in router, (worker, router)
+
+
+def test_compose_s_empty_settings_are_up_s_defaults_and_unset_for_the_services(tmp_path):
+    """Compose passes an unset variable as empty: no flag, and the variable is not left empty for the
+    service, which reads ``EI_<FIELD>`` itself (an empty number or boolean is an invalid value there)."""
+    empty = {k: "" for k in (*SETTINGS, "EI_DTYPE")}
+    worker, wenv = _started(tmp_path, "worker", EI_REPLICA="1", **empty)
+    assert not set(empty) & set(wenv), wenv
+    assert not {"--gpu-kv-tokens", "--log-requests", "--otlp-traces-endpoint", "--dtype"} & set(worker), worker
+    w = _config("worker", worker, wenv)
+    assert (w.gpu_kv_tokens, w.host_kv_tokens, w.log_requests, w.dtype) == (0, 0, False, "")
+
+
+def test_a_bad_setting_ends_the_auth_job_before_anything_starts(tmp_path):
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    for env, frag in (
+        ({"EI_GPU_KV_TOKENS": "8k"}, "argument --gpu-kv-tokens: invalid int value: '8k'"),
+        ({"EI_LOG_REQUESTS": "maybe"}, "EI_LOG_REQUESTS=maybe: 1, true, yes or on"),
+        ({"EI_DTYPE": "bfloat16"}, "--dtype needs --engine torch"),
+    ):
+        r = _run(tmp_path, "auth", EI_CREDS_DIR=str(creds), EI_CREDS_OUT=str(tmp_path / "out"), **env)
+        assert r.returncode == 2 and r.stdout == "", (env, r.stdout, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and frag in r.stderr, (env, r.stderr)
+        assert list(creds.iterdir()) == [], env
+
+
+@needs_compose
+def test_compose_gives_every_service_the_settings_from_one_place():
+    services = resolved_services(_env(EI_GPU_KV_TOKENS="8192", EI_SERVED_MODEL_NAME="qwen"))
+    for name in ("auth", "router", "planner", "kvdirectory", "worker"):
+        assert re.search(r"^      EI_GPU_KV_TOKENS: \"?8192\"?$", services[name], re.M), (name, services[name])
+        assert re.search(r"^      EI_SERVED_MODEL_NAME: qwen$", services[name], re.M), (name, services[name])
+
