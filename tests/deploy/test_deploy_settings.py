@@ -4,11 +4,12 @@ The entrypoint and the Slurm job passed deploy-args a fixed set of up's flags (p
 engine, model): ``--gpu-kv-tokens`` (a torch stack served only torch-tiny-cpu's 1024-token KV),
 ``--host-kv-tokens``, ``--served-model-name`` (a torch stack served the name "models", its mount point),
 ``--dtype``, ``--log-requests`` and ``--otlp-traces-endpoint`` had no way in. Now one variable each
-(compose ``EI_GPU_KV_TOKENS``..., as ``EI_POLICY``) is passed to
-deploy-args as up's flag, and a bad value ends the one-shot auth job once.
+(compose ``EI_GPU_KV_TOKENS``..., Slurm ``GPU_KV_TOKENS``..., as ``EI_POLICY`` / ``POLICY``) is passed to
+deploy-args as up's flag, and a bad value ends the one-shot auth job (compose) or the job (Slurm) once.
 
 The entrypoint runs with ``/bin/sh`` and a ``python`` shim that records the service's argv and environment
-(``test_entrypoint_block_size._run``).
+(``test_entrypoint_block_size._run``); the Slurm script's flag-building and service-argument functions run
+alone with ``bash``, as ``test_slurm_supervision`` runs its ``supervise``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import re
 import subprocess
 from pathlib import Path
 
+from evolving_infra.deploy_cli import deploy_args
 from shared.config import load_config
 from tests.deploy.test_deploy_policy import _env, needs_compose
 from tests.deploy.test_entrypoint_block_size import _run
 from tests.deploy.test_prometheus_config import resolved_services
 
 REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "deploy" / "slurm" / "evolving-infra.sbatch"
 
 CONFIGS = {
     "router": "services.router.config:RouterConfig",
@@ -92,3 +95,48 @@ def test_compose_gives_every_service_the_settings_from_one_place():
         assert re.search(r"^      EI_GPU_KV_TOKENS: \"?8192\"?$", services[name], re.M), (name, services[name])
         assert re.search(r"^      EI_SERVED_MODEL_NAME: qwen$", services[name], re.M), (name, services[name])
 
+
+def _sbatch(body: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``body`` run by ``bash`` after the Slurm script's ``log``, ``up_flags`` and ``service_args`` functions."""
+    text = SBATCH.read_text()
+    funcs = [re.search(rf"^{name}\(\) \{{.*?^\}}\n" if name != "log" else r"^log\(\) \{.*?\}\n", text, re.S | re.M)
+             for name in ("log", "up_flags", "service_args")]
+    assert all(funcs), "the sbatch lacks log(), up_flags() or service_args()"
+    base = dict(POLICY="evolving", NWORKERS="2", PROFILE="gb300-glm52", ENGINE="sim", SPLIT="", ROUTING="",
+                LOG_REQUESTS="", METRICS_PORT="9100", AUTH="nkeys", RUN="/run")
+    script = "".join(f.group(0) for f in funcs) + body
+    return subprocess.run(["bash", "-c", script], env={"PATH": "/usr/bin:/bin", **base, **env}, capture_output=True,
+                          text=True, timeout=30)
+
+
+def test_slurm_settings_reach_deploy_args_as_up_s_flags():
+    r = _sbatch('up_flags || exit; printf "%s\\n" "${UP_FLAGS[@]}"', GPU_KV_TOKENS="2048", HOST_KV_TOKENS="4096",
+                SERVED_MODEL_NAME="qwen,my model", DTYPE="bfloat16", LOG_REQUESTS="ON", OTLP_TRACES_ENDPOINT="http://c:4318")
+    assert r.returncode == 0, r.stderr
+    flags = r.stdout.splitlines()
+    assert flags[flags.index("--served-model-name") + 1 :][:2] == ["qwen", "my model"], flags
+    for flag, value in (("--gpu-kv-tokens", "2048"), ("--host-kv-tokens", "4096"), ("--dtype", "bfloat16"),
+                        ("--otlp-traces-endpoint", "http://c:4318")):
+        assert flags[flags.index(flag) + 1] == value, (flag, flags)
+    assert "--log-requests" in flags
+    # what the job's deploy-args calls then print (DTYPE aside: up refuses it with the sim engine)
+    flags = flags[: flags.index("--dtype")] + flags[flags.index("--dtype") + 2 :]
+    router, worker = deploy_args(flags, "router")[0], deploy_args(flags, "worker")[0]
+    assert router[router.index("--model") + 1 :][:1] == ["qwen"] and "--log-requests" in router, router
+    assert router[router.index("--model-aliases") + 1] == "my model", router
+    assert worker[worker.index("--gpu-kv-tokens") + 1] == "2048" and "--log-requests" in worker, worker
+    r = _sbatch('up_flags || exit; printf "%s\\n" "${UP_FLAGS[@]}"')  # none set: up's defaults, no flag
+    assert r.returncode == 0 and r.stdout.split() == "--policy evolving --nodes 2 --profile gb300-glm52 --engine sim".split()
+    r = _sbatch('up_flags; echo "status $?"', LOG_REQUESTS="maybe")
+    assert r.stdout.count("status 2") == 1 and "LOG_REQUESTS=maybe: 1, true, yes or on" in r.stdout, r.stdout
+
+
+def test_slurm_service_arguments_keep_a_run_folder_with_spaces_whole():
+    """``$(metrics 0) $(creds kvdirectory)`` were unquoted: ``--nats-creds /scratch/my run/creds/...`` reached the
+    service as three words (and a ``*`` in the path was globbed)."""
+    run = "/scratch/my run */job 1"
+    r = _sbatch('service_args 2 router; printf "%s\\n" "${SVC_ARGS[@]}"', RUN=run)
+    assert r.stdout.splitlines() == ["--metrics-port", "9102", "--metrics-host", "0.0.0.0", "--nats-creds",
+                                     f"{run}/creds/router.nk"], r
+    r = _sbatch('service_args 0 kvdirectory; printf "%s\\n" "${SVC_ARGS[@]}"', RUN=run, AUTH="off")
+    assert r.stdout.splitlines() == ["--metrics-port", "9100", "--metrics-host", "0.0.0.0"], r
