@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from shared.hashing import block_hashes, pack_tokens  # noqa: E402
-from shared.messages import BlockRemoved, BlockStored, PrefillWork  # noqa: E402
+from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, PrefillWork  # noqa: E402
 from shared.profile import load_profile  # noqa: E402
 from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 from services.worker.engines.torch_engine.engine import KvMapError, TorchEngine  # noqa: E402
@@ -271,6 +271,95 @@ def test_write_through_copies_a_page_before_the_batch_reuses_it(model):
     assert torch.equal(eng.host_page(1), kv_a)  # ... after its write-through copied it
     assert torch.equal(eng.host_page(2), kv_b)
     assert eng.counters["written_through"] == 1
+
+
+class _EagerWriteThrough(TorchEngine):
+    """The write-through as it was before it was batched: each page copied at its own event."""
+
+    def _store_host(self, h: int) -> None:
+        super()._store_host(h)
+        self._flush_write_through()
+
+
+def test_batched_write_through_matches_per_event_copies_on_random_batches(model):
+    """Random valid event batches (computed pages stored, recomputed over an L2 copy, fetched
+    pages, write-through, restores, removals from either tier, clears) leave the batching engine's
+    L1 and L2 bytes equal to those of an engine that copies each write-through page at its event.
+    Fails when the flush before removals is taken out (a page freed and refilled in the batch
+    before its deferred copy)."""
+    folder, _ = model
+    counts: dict[str, int] = {}
+    for seed in range(6):
+        rng = random.Random(seed)
+        gen = torch.Generator().manual_seed(seed)
+        a, b = TorchEngine(PROFILE, folder), _EagerWriteThrough(PROFILE, folder)
+        shape = tuple(a.host.shape[1:])
+        l1: set[int] = set()
+        l2: set[int] = set()
+        nxt = 1
+        for _ in range(25):
+            evs: list = []
+            computed: list[int] = []
+            for _ in range(rng.randrange(1, 10)):
+                k = rng.random()
+                free1, free2 = a.pages - len(l1), a.host.shape[0] - len(l2)
+                in_l1_only = sorted(l1 - l2)
+                in_l2_only = sorted(l2 - l1 - set(computed))
+                if k < 0.2 and free1 and len(a._free) > len(computed):  # a page the last plan computed (on a page free before the batch)
+                    computed.append(nxt)
+                    evs.append(BlockStored(block_hashes=[nxt], parent_block_hash=None, tier="gpu", block_size=BS))
+                    l1.add(nxt)
+                    nxt += 1
+                elif k < 0.35 and free2:  # fetched from a peer into L2
+                    kv = torch.randn(shape, generator=gen)
+                    for e in (a, b):
+                        e.put_fetched(nxt, kv, fetch_id=nxt)
+                    evs.append(BlockStored(block_hashes=[nxt], parent_block_hash=None, tier="host", block_size=BS))
+                    l2.add(nxt)
+                    nxt += 1
+                elif k < 0.5 and free2 and in_l1_only:  # write-through
+                    h = rng.choice(in_l1_only)
+                    evs.append(BlockStored(block_hashes=[h], parent_block_hash=None, tier="host", block_size=BS))
+                    l2.add(h)
+                elif k < 0.65 and free1 and in_l2_only:  # restored (or recomputed over its L2 copy)
+                    h = rng.choice(in_l2_only)
+                    if rng.random() < 0.5:
+                        computed.append(h)
+                    evs.append(BlockStored(block_hashes=[h], parent_block_hash=None, tier="gpu", block_size=BS))
+                    l1.add(h)
+                elif k < 0.8 and l1:
+                    h = rng.choice(sorted(l1))
+                    evs.append(BlockRemoved(block_hashes=[h], tier="gpu"))
+                    l1.discard(h)
+                elif k < 0.95 and l2:
+                    h = rng.choice(sorted(l2))
+                    evs.append(BlockRemoved(block_hashes=[h], tier="host"))
+                    l2.discard(h)
+                elif k >= 0.97:
+                    tier = rng.choice([None, "gpu", "host"])
+                    evs.append(AllBlocksCleared(tier=tier))
+                    if tier != "host":
+                        l1.clear()
+                    if tier != "gpu":
+                        l2.clear()
+            for h in computed:  # as execute leaves them: private pages awaiting BlockStored(gpu)
+                kv = torch.randn(shape, generator=gen)
+                for e in (a, b):
+                    page = e._alloc()
+                    e._write_page(page, kv)
+                    e._pending[h] = [("r", page)]
+            for e in (a, b):
+                e.apply_kv_events(evs)
+                for page in e._free[-3:]:  # the next forward may write free pages
+                    e._write_page(page, torch.zeros(shape))
+            assert set(a.page_of) == set(b.page_of) == l1 and set(a.host_slot) == set(b.host_slot) == l2
+            for h in l2:
+                assert torch.equal(a.host_page(h), b.host_page(h)), (seed, h, evs)
+            for h in l1:
+                assert torch.equal(a._page_kv(a.page_of[h]), b._page_kv(b.page_of[h])), (seed, h, evs)
+        for key, n in a.counters.items():
+            counts[key] = counts.get(key, 0) + n
+    assert all(counts.get(k) for k in ("written_through", "restored_pages", "recomputed_kept_l2", "fetched_pages")), counts
 
 
 def test_bad_model_folders(tmp_path, model):
