@@ -39,7 +39,7 @@ from evolving_infra.replay.core import Arrival, EndBranch, ReplayCore, SendReque
 from evolving_infra.report.records import RequestRecord
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import prompt_token_ids
-from services.router.api import REQUEST_ID_MAX_LEN
+from services.router.api import RID_MAX_LEN
 from shared.clock import SimClock
 
 log = structlog.get_logger("replay")
@@ -70,22 +70,24 @@ _NOT_IN_RID = re.compile(r"[^A-Za-z0-9_-]")
 def request_id_for(record_id: str, used: set[str] | None = None) -> str:
     """The ``X-Request-ID`` sent for a request whose id (branch prefix + trace id) is ``record_id``.
 
-    The router keeps only 1 to ``REQUEST_ID_MAX_LEN`` (128) characters of ``[A-Za-z0-9_-]`` (the id is a
-    token of NATS subjects, ``req.<rid>.out``), so every other character becomes ``-``
+    The router takes any 1 to 256 visible ASCII characters but keeps an id as its rid (``req.<rid>.out``,
+    its logs and traces) only when it is 1 to ``RID_MAX_LEN`` (128) characters of ``[A-Za-z0-9_-]``
+    (``services.router.api.request_rid`` maps the others), so for the id sent to be the rid of the
+    server's records every other character becomes ``-``
     (``ab12cd34ef56:trace_0242:0`` → ``ab12cd34ef56-trace_0242-0``) and a longer id keeps its first 115
     characters + ``-`` + 12 hex digits of its SHA-256. ``used``: ids already sent in this run; an id that
     maps onto one of them (``a:b`` and ``a-b``) gets ``-2``, ``-3``, ... so each is unique, and is added.
     """
     rid = _NOT_IN_RID.sub("-", record_id) or "-"
-    if len(rid) > REQUEST_ID_MAX_LEN:
-        rid = rid[: REQUEST_ID_MAX_LEN - 13] + "-" + hashlib.sha256(record_id.encode()).hexdigest()[:12]
+    if len(rid) > RID_MAX_LEN:
+        rid = rid[: RID_MAX_LEN - 13] + "-" + hashlib.sha256(record_id.encode()).hexdigest()[:12]
     if used is None:
         return rid
     base, n = rid, 1
     while rid in used:
         n += 1
         tail = f"-{n}"
-        rid = base[: REQUEST_ID_MAX_LEN - len(tail)] + tail
+        rid = base[: RID_MAX_LEN - len(tail)] + tail
     used.add(rid)
     return rid
 

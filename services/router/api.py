@@ -53,6 +53,7 @@ import json
 import math
 import re
 import functools
+import hashlib
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -662,9 +663,15 @@ def check_header_value(name: str, value: str, max_len: int) -> str:
     return value
 
 
-REQUEST_ID_MAX_LEN = 128
-"""Longest accepted ``X-Request-ID``."""
-_REQUEST_ID = re.compile(r"[A-Za-z0-9_-]+")
+REQUEST_ID_MAX_LEN = 256
+"""Longest accepted ``X-Request-ID`` (characters)."""
+RID_MAX_LEN = 128
+"""Longest rid (:func:`request_rid`): a client id of up to this many characters of ``[A-Za-z0-9_-]`` is its own rid."""
+_REQUEST_ID = re.compile(r"[\x21-\x7e]+")
+_RID_SAFE = re.compile(r"[A-Za-z0-9_-]+")
+_RID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_RID_HASH_HEX = 20
+_RID_MAPPED = re.compile(r"--[0-9a-f]{%d}\Z" % _RID_HASH_HEX)
 
 
 @_bounded_nesting
@@ -700,16 +707,17 @@ def parse_tool_call(body: bytes) -> tuple[bool, float]:
 
 
 def parse_request_id(value: str | None) -> str | None:
-    """The client's ``X-Request-ID``, kept as the request's id (``rid``) on every node, in every log and
-    in the ``x-request-id`` response header; the body's ``id`` is :func:`response_id` of it.
+    """The client's ``X-Request-ID`` as sent: echoed in the ``x-request-id`` response header, the body's
+    ``id`` (:func:`response_id` of it, as vLLM's), the 409 of a duplicate and the ``--log-requests`` lines;
+    the request's id on the bus, the nodes and in logs (``rid``) is :func:`request_rid` of it.
 
-    The id names the request's NATS subject (``req.<rid>.out``), so it must be one subject
-    token: 1 to :data:`REQUEST_ID_MAX_LEN` characters of ``[A-Za-z0-9_-]`` (a UUID fits).
-    ``None`` (no header) means the router makes one.
+    Any valid HTTP header value of 1 to :data:`REQUEST_ID_MAX_LEN` visible ASCII characters (0x21-0x7E)
+    is taken: vLLM takes any value, and gateways' and tracers' ids hold ``.``, ``:``, ``/``
+    (``abc/def:ghi.jkl``, Envoy's, AWS's). ``None`` (no header) means the router makes one.
 
     Raises:
-        ApiError: 400 naming the header for an empty, too long or otherwise unusable id
-            (not replaced by one of ours: the client's records could not be joined with ours).
+        ApiError: 400 naming the header for an empty or too long id or one with a space, control or
+            non-ASCII character (not replaced by one of ours: the client's records could not be joined with ours).
     """
     if value is None:
         return None
@@ -718,18 +726,46 @@ def parse_request_id(value: str | None) -> str | None:
     if len(value) > REQUEST_ID_MAX_LEN:
         raise ApiError(400, f"X-Request-ID is {len(value)} characters long; at most {REQUEST_ID_MAX_LEN} allowed", param="X-Request-ID")
     if not _REQUEST_ID.fullmatch(value):
-        raise ApiError(400, "X-Request-ID may hold only letters, digits, '-' and '_'", param="X-Request-ID")
+        bad = next(ch for ch in value if not "\x21" <= ch <= "\x7e")
+        raise ApiError(
+            400, f"X-Request-ID may hold only visible ASCII characters (0x21-0x7E), not U+{ord(bad):04X}", param="X-Request-ID"
+        )
     return value
 
 
-def response_id(rid: str, *, chat: bool) -> str:
-    """The OpenAI ``id`` of a response (every chunk of a stream has the same): ``chatcmpl-<rid>``
-    for ``/v1/chat/completions``, ``cmpl-<rid>`` for ``/v1/completions``, as vLLM's OpenAI server
-    (``chat_completion/serving.py`` / ``completion/serving.py``: the prefix before
-    ``_base_request_id``, the ``X-Request-Id`` value or a random hex). ``rid`` stays the bare id
-    (the nodes', the logs', the ``x-request-id`` response header's); only the body gets the prefix.
+def request_rid(client_id: str) -> str:
+    """The request's id (``rid``) for the client's ``X-Request-ID`` ``client_id`` (:func:`parse_request_id`):
+    one NATS subject token (``req.<rid>.out``; ``shared.subjects.check_token``: ``[A-Za-z0-9_-]``) of at most
+    :data:`RID_MAX_LEN` characters, the same for the same id on every call and router.
+
+    An id of 1 to :data:`RID_MAX_LEN` characters of ``[A-Za-z0-9_-]`` is its own rid (a UUID; the rid,
+    logs and spans are the id as sent), unless it ends like a mapped one (``--`` + 20 lowercase hex digits).
+    Any other id is mapped: each character but ``[A-Za-z0-9_-]`` becomes ``_``, the first
+    ``RID_MAX_LEN - 22`` characters are kept, then ``--`` and the first 20 hex digits (80 bits) of the
+    SHA-256 of the whole id (``abc/def:ghi.jkl`` → ``abc_def_ghi_jkl--<hash>``). So two different ids
+    never have the same rid: an id kept as is never ends like a mapped one, and mapped ones differ in
+    their hash (two ids of the same hash prefix: chance 2**-80 a pair). A duplicate in flight (409) and a
+    client's retry are told by the rid, which is thus told by the client's id as sent.
+
+    Raises:
+        ValueError: ``client_id`` is empty (``parse_request_id`` refuses it first).
     """
-    return ("chatcmpl-" if chat else "cmpl-") + rid
+    if not client_id:
+        raise ValueError("an X-Request-ID is never empty")
+    if len(client_id) <= RID_MAX_LEN and _RID_SAFE.fullmatch(client_id) and not _RID_MAPPED.search(client_id):
+        return client_id
+    digest = hashlib.sha256(client_id.encode("utf-8", "surrogatepass")).hexdigest()[:_RID_HASH_HEX]
+    return _RID_UNSAFE.sub("_", client_id)[: RID_MAX_LEN - 2 - _RID_HASH_HEX] + "--" + digest
+
+
+def response_id(request_id: str, *, chat: bool) -> str:
+    """The OpenAI ``id`` of a response (every chunk of a stream has the same): ``chatcmpl-<request_id>``
+    for ``/v1/chat/completions``, ``cmpl-<request_id>`` for ``/v1/completions``, as vLLM's OpenAI server
+    (``chat_completion/serving.py`` / ``completion/serving.py``: the prefix before
+    ``_base_request_id``, the ``X-Request-Id`` value or a random hex). ``request_id``: the client's
+    ``X-Request-ID`` as sent (also the ``x-request-id`` response header, bare), or the rid the router made.
+    """
+    return ("chatcmpl-" if chat else "cmpl-") + request_id
 
 
 class BranchHeaders(Struct, frozen=True, kw_only=True):

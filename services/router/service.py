@@ -204,7 +204,10 @@ class _Pending:
     request with the same client ``X-Request-ID`` (a retry), so that late output, aborts and
     hand-offs of that earlier request are told apart from this one's (``_RetriedRids``)."""
     client_rid: bool = False
-    """Its rid is the client's ``X-Request-ID`` (may come again)."""
+    """Its rid is made of the client's ``X-Request-ID`` (may come again)."""
+    client_id: str | None = None
+    """The client's ``X-Request-ID`` as sent (``api.parse_request_id``; its rid is ``api.request_rid`` of it):
+    the response's ``x-request-id`` and body ``id``; None: the router made the rid."""
     stops: bool = False
     """It has stop strings or stop token ids: the router, not its node, may end it with ``stop``, so an
     end decided outside its response (its node's last chunk, a failure, a fence) is counted when the
@@ -222,6 +225,21 @@ def _error_message(resp: Response | None) -> str | None:
         return None
     with contextlib.suppress(Exception):
         return str(msgspec.json.decode(bytes(resp.body))["error"]["message"])
+    return None
+
+
+def _client_id_fields(rid: str, client_id: str | None, key: str = "client_request_id") -> dict[str, str]:
+    """``{key: client_id}`` when the client's ``X-Request-ID`` as sent is not the request's rid (it was mapped
+    by ``api.request_rid``: it holds characters a NATS subject token cannot, or is long), else empty: a log
+    line or span of a request whose id is its own rid stays as it was."""
+    return {key: client_id} if client_id is not None and client_id != rid else {}
+
+
+def _client_rid(header: str | None) -> tuple[str, str] | None:
+    """``(rid, id as sent)`` of a valid ``X-Request-ID`` header value; None: no header or an invalid one."""
+    with contextlib.suppress(api.ApiError):
+        if (client := api.parse_request_id(header)) is not None:
+            return api.request_rid(client), client
     return None
 
 
@@ -294,6 +312,8 @@ class _ReqLog:
 
     rid: str | None = None
     """Set when the request is accepted (None: refused before, ``request rejected``)."""
+    client_id: str | None = None
+    """The client's ``X-Request-ID`` as sent (None: none); logged as ``client_request_id`` when it is not the rid."""
     prompt_tokens: int = 0
     p: _Pending | None = None
     """Set once it is placed (None: it failed before, e.g. no route)."""
@@ -1877,9 +1897,8 @@ class RouterService:
                     "gen_ai.operation.name": "chat" if chat else "text_completion",
                 },
             )  # fmt: skip
-            with contextlib.suppress(api.ApiError):  # a refused request is found by its X-Request-ID too
-                if (client := api.parse_request_id(request.headers.get("x-request-id"))) is not None:
-                    span.set_attribute("ei.rid", client)
+            if (ids := _client_rid(request.headers.get("x-request-id"))) is not None:  # a refused request is found by it too
+                span.set_attributes({"ei.rid": ids[0], **_client_id_fields(*ids, key="ei.client_request_id")})
             tr = _ReqTrace(span)
         rl = _ReqLog() if self.cfg.log_requests else None
 
@@ -1921,20 +1940,19 @@ class RouterService:
             span = tracing.start("router.request", tracing.extract(headers), kind=tracing.SpanKind.SERVER, attributes={
                 "http.route": scope["path"], "http.request.method": scope.get("method", "POST"),
             })  # fmt: skip
-            with contextlib.suppress(api.ApiError):
-                if (rid := api.parse_request_id(header)) is not None:
-                    span.set_attribute("ei.rid", rid)
+            if (ids := _client_rid(header)) is not None:
+                span.set_attributes({"ei.rid": ids[0], **_client_id_fields(*ids, key="ei.client_request_id")})
             _ReqTrace(span).end(status, error=error)
         if self.cfg.log_requests:
             self._log_rejected(header, status, error)
 
     def _log_rejected(self, rid_header: str | None, status: int, error: str | None) -> None:
-        """``--log-requests``' ``request rejected`` line: the client's ``X-Request-ID`` header value if it is a
-        usable id (an unusable one, maybe the reason for the refusal, is not logged), the status, the error."""
-        rid = None
-        with contextlib.suppress(api.ApiError):
-            rid = api.parse_request_id(rid_header)
-        self.log.info("request rejected", rid=rid, status=status, error=error)
+        """``--log-requests``' ``request rejected`` line: the rid of the client's ``X-Request-ID`` header value if it
+        is a usable id (and the value as sent, ``client_request_id``, when the rid is not it; an unusable one,
+        maybe the reason for the refusal, is not logged), the status, the error."""
+        ids = _client_rid(rid_header)
+        extra = {} if ids is None else _client_id_fields(*ids)
+        self.log.info("request rejected", rid=None if ids is None else ids[0], **extra, status=status, error=error)
 
     def _log_end(self, rl: _ReqLog, status: int, request: Request, resp: Response | None) -> None:
         """``--log-requests``: the info line of a request's end (``request finished``), or of one
@@ -1944,12 +1962,13 @@ class RouterService:
             self._log_rejected(request.headers.get("x-request-id"), status, _error_message(resp))
             return
         p = rl.p
+        extra = _client_id_fields(rl.rid, rl.client_id)
         if p is None:  # accepted, failed before it was placed (no route, dispatch failed)
-            self.log.info("request finished", rid=rl.rid, status=status, finish_reason=None, prompt_tokens=rl.prompt_tokens)
+            self.log.info("request finished", rid=rl.rid, **extra, status=status, finish_reason=None, prompt_tokens=rl.prompt_tokens)
             return
         self.log.info(
             "request finished",
-            rid=p.rid, status=status, finish_reason=p.counted, prompt_tokens=rl.prompt_tokens, cached_tokens=p.cached_tokens,
+            rid=p.rid, **extra, status=status, finish_reason=p.counted, prompt_tokens=rl.prompt_tokens, cached_tokens=p.cached_tokens,
             output_tokens=p.out_tokens, ttft_s=None if p.ttft_s is None else round(p.ttft_s, 6),
             e2e_s=round(self.clock.now() - p.t_in, 6), prefill=p.prefill_node, decode=p.decode_node,
             redispatches=p.attempt - p.first_attempt,
@@ -2028,9 +2047,12 @@ class RouterService:
         if self._stopping:
             return self._error(503, "router is shutting down")
         try:
-            client_rid = api.parse_request_id(request.headers.get("x-request-id"))
+            # the rid is a function of the id as sent that never gives two ids one rid (api.request_rid):
+            # a duplicate in flight is the same id as sent, whatever characters it holds
+            client_id = api.parse_request_id(request.headers.get("x-request-id"))
+            client_rid = None if client_id is None else api.request_rid(client_id)
             if client_rid is not None and self._in_flight(client_rid) and not await self._rid_freed(client_rid):
-                raise api.ApiError(409, f"X-Request-ID {client_rid!r} is already in flight", param="X-Request-ID")
+                raise api.ApiError(409, f"X-Request-ID {client_id!r} is already in flight", param="X-Request-ID")
             hdrs, req, arr, max_tokens, packed, hashes, echo = await self._prepare(request, chat)
             if api.logprobs_asked(req) is not None:
                 self._check_model_engines("logprobs")
@@ -2053,19 +2075,21 @@ class RouterService:
             await self.bus.publish(BRANCH_EVENTS, start)
             self.counters["branches_started"] += 1
 
-        # the client's X-Request-ID is the rid on every node, in every log line and in the response's
-        # x-request-id, so records join; the body's id is chatcmpl-/cmpl-<rid> (api.response_id, vLLM's)
+        # the client's X-Request-ID (api.request_rid of it when it is not one NATS subject token) is the rid
+        # on every node and in every log line, so records join; the response's x-request-id is the id as
+        # sent and the body's id chatcmpl-/cmpl-<id as sent> (api.response_id, vLLM's)
         rid = client_rid or uuid.uuid4().hex
+        shown = client_id or rid
         if tr is not None:
             tr.span.set_attribute("ei.rid", rid)
         lookup, lookup_status = await self._lookup(hashes, tr, rid)
         if self._in_flight(rid):  # the same X-Request-ID arrived while this one was tokenized
-            return self._error(409, f"X-Request-ID {rid!r} is already in flight", "X-Request-ID")
+            return self._error(409, f"X-Request-ID {shown!r} is already in flight", "X-Request-ID")
         if rl is not None:
-            rl.rid, rl.prompt_tokens = rid, int(arr.size)
+            rl.rid, rl.client_id, rl.prompt_tokens = rid, client_id, int(arr.size)
             self.log.info(
-                "request accepted", rid=rid, branch=hdrs.branch_id, prompt_tokens=rl.prompt_tokens, max_tokens=max_tokens,
-                stream=bool(req.stream), api="chat" if chat else "completions",
+                "request accepted", rid=rid, **_client_id_fields(rid, client_id), branch=hdrs.branch_id,
+                prompt_tokens=rl.prompt_tokens, max_tokens=max_tokens, stream=bool(req.stream), api="chat" if chat else "completions",
             )  # fmt: skip
         rreq = RouteRequest(
             rid=rid,
@@ -2098,7 +2122,7 @@ class RouterService:
         if rl is not None:
             rl.p = p
         if client_rid is not None:  # a retry of an ended request with this id starts past its attempts
-            p.client_rid = True
+            p.client_rid, p.client_id = True, client_id
             p.attempt = p.first_attempt = self._retried.next_attempt(rid)
         self._pending[rid] = p
         try:
@@ -2127,7 +2151,7 @@ class RouterService:
             # status and headers go out now, at acceptance (a client sees its request taken before
             # the first token); what fails before the first token is an SSE error event. The nodes
             # are the placement at dispatch: the ``ei`` object of the last chunk has the final one.
-            headers = {"x-request-id": rid, "x-ei-prefill-node": p.prefill_node}
+            headers = {"x-request-id": shown, "x-ei-prefill-node": p.prefill_node}
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
             gen = self._stream(
@@ -2150,7 +2174,7 @@ class RouterService:
                 return self._error(fail.status, fail.reason)
             # placement as of the first token: a handed-back request was placed again, and the
             # decode node of a request bound at prefill start is known only from then on
-            headers = {"x-request-id": rid, "x-ei-prefill-node": p.prefill_node}
+            headers = {"x-request-id": shown, "x-ei-prefill-node": p.prefill_node}
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
             ids: list[int] = list(first.token_ids)
@@ -2189,7 +2213,7 @@ class RouterService:
                     self._end_at_stop(p, stops)
             use = api.usage(prompt_tokens, n_out, cached)
             model = self.cfg.model
-            oid = api.response_id(rid, chat=chat)
+            oid = api.response_id(shown, chat=chat)
             lp_body = None
             if lp_top is not None:  # one entry per token that counts (vLLM: up to the one that completed a stop)
                 lp_body = (api.chat_logprobs if chat else api.completion_logprobs)(lps[:n_out], lp_top, self._token_text)
@@ -2228,7 +2252,7 @@ class RouterService:
         the role's, as vLLM's; ``role`` (``api.reply_role``) is the first chat chunk's.
         A client that goes away cancels this generator (Starlette): the request is aborted."""
         model = self.cfg.model
-        oid = api.response_id(p.rid, chat=chat)
+        oid = api.response_id(p.client_id or p.rid, chat=chat)
         prompt_tokens = rreq.prompt_tokens
         cached = 0
         completed = False

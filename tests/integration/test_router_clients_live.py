@@ -2,7 +2,7 @@
 
 Real nats-server; workers, planner and directory played by ``FakeCluster`` of
 ``test_router_live`` (same fixtures). Each test is a gap a client run found:
-``/health``; ``X-Request-ID`` kept as the request's id; usage in every chunk with
+``/health``; ``X-Request-ID`` kept as the request's id (a gateway's, with ``/:.``, too); usage in every chunk with
 ``stream_options.continuous_usage_stats``; a stream's status and headers sent at
 acceptance, before the first token.
 """
@@ -15,7 +15,11 @@ import contextlib
 import httpx
 import pytest
 
+from services.router import api
+from shared.subjects import check_token
 from tests.integration.test_router_live import _wait_for, router_env, sse_events
+from tests.integration.test_router_log_requests_live import logs  # noqa: F401 (fixture)
+from tests.integration.test_router_spans_live import _roots, spans  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,9 +58,9 @@ async def test_client_request_id_is_the_rid_everywhere(nats_url, tmp_path):
             r = await env.http.post(path, json=body)
             made = r.headers["x-request-id"]
             assert r.json()["id"] == prefix + made and len(made) == 32 and env.cluster.works[-1].rid == made, r.text
-        # unusable ids: 400 with the reason, nothing dispatched
+        # unusable ids (not a visible-ASCII header value of 1-256 characters): 400 with the reason, nothing dispatched
         n = len(env.cluster.works)
-        for value, frag in [("a.b", "letters, digits"), ("x" * 129, "at most 128"), ("id with space", "letters, digits"), ("", "empty")]:
+        for value, frag in [("x" * 257, "at most 256"), ("id with space", "visible ASCII"), ("", "empty")]:
             r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Request-ID": value})
             assert r.status_code == 400 and frag in r.json()["error"]["message"], (value, r.text)
             assert r.json()["error"]["param"] == "X-Request-ID"
@@ -70,6 +74,51 @@ async def test_client_request_id_is_the_rid_everywhere(nats_url, tmp_path):
         first.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await first
+
+
+async def test_a_gateway_request_id_is_taken_echoed_as_sent_and_told_apart_by_the_id_as_sent(nats_url, tmp_path, logs, spans):  # noqa: F811
+    """A vLLM/Dynamo user's gateway sent ids with ``/``, ``:``, ``.`` (Envoy's, AWS's): each was a 400
+    (only ``[A-Za-z0-9_-]`` was taken; vLLM takes any value). Now it is served, its response carries it as
+    sent (``x-request-id``, ``cmpl-``/``chatcmpl-<id>``), the nodes see its NATS-safe rid
+    (``api.request_rid``), ``--log-requests`` lines and the root span carry both; the same id twice at once
+    is a 409 naming it, while an id of the same safe characters (``abc:def/ghi.jkl``, ``abc_def_ghi_jkl``) is not."""
+    gw = "abc/def:ghi.jkl"
+    rid = api.request_rid(gw)
+    assert check_token(rid) == rid and rid != gw
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, log_requests=True, log_level="info") as env:
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}, headers={"X-Request-ID": gw})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == gw and r.json()["id"] == "cmpl-" + gw
+        assert env.cluster.works[-1].rid == rid
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+        r = await env.http.post("/v1/chat/completions", json=chat, headers={"X-Request-ID": gw})  # the first ended: not a duplicate
+        assert r.status_code == 200 and r.headers["x-request-id"] == gw, r.text
+        assert {e["id"] for e in sse_events(r.text)[:-1]} == {"chatcmpl-" + gw}
+        # in flight: the same id again is a 409; ids of the same safe characters are other requests
+        env.cluster.answering.clear()
+        n = len(env.cluster.works)
+        body = {"prompt": [1], "max_tokens": 1}
+        held = [asyncio.create_task(env.http.post("/v1/completions", json=body, headers={"X-Request-ID": gw}))]
+        await _wait_for(lambda: len(env.cluster.works) == n + 1, what="first dispatched")
+        r = await env.http.post("/v1/completions", json=body, headers={"X-Request-ID": gw})
+        assert r.status_code == 409 and r.json()["error"]["message"] == f"X-Request-ID {gw!r} is already in flight"
+        for i, other in enumerate(["abc:def/ghi.jkl", "abc_def_ghi_jkl"], 2):
+            held.append(asyncio.create_task(env.http.post("/v1/completions", json=body, headers={"X-Request-ID": other})))
+            await _wait_for(lambda i=i: len(env.cluster.works) == n + i, what=f"{other} dispatched")
+        assert [w.rid for w in env.cluster.works[n:]] == [rid, api.request_rid("abc:def/ghi.jkl"), "abc_def_ghi_jkl"]
+        for t in held:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await _wait_for(lambda: len([e for e in logs if e["event"] == "request finished"]) == 5, what="finished lines")
+        await _wait_for(lambda: len(_roots(spans)) == 6, what="6 router.request spans")
+    # log lines: the rid, and the id as sent when it is not the rid
+    accepted = [(e["rid"], e.get("client_request_id")) for e in logs if e["event"] == "request accepted"]
+    assert accepted == [(rid, gw), (rid, gw), (rid, gw), (api.request_rid("abc:def/ghi.jkl"), "abc:def/ghi.jkl"), ("abc_def_ghi_jkl", None)]
+    (rej,) = [e for e in logs if e["event"] == "request rejected"]
+    assert (rej["rid"], rej["client_request_id"], rej["status"]) == (rid, gw, 409)
+    roots = [(s.attributes.get("ei.rid"), s.attributes.get("ei.client_request_id")) for s in _roots(spans)]
+    assert sorted(roots, key=str) == sorted([(rid, gw)] * 4 + [(api.request_rid("abc:def/ghi.jkl"), "abc:def/ghi.jkl"), ("abc_def_ghi_jkl", None)], key=str)
 
 
 async def test_continuous_usage_stats_puts_usage_in_every_chunk(nats_url, tmp_path):

@@ -227,4 +227,4 @@ def test_request_id_for_maps_characters_the_router_refuses_keeps_ids_unique_and_
     long = request_id_for("x" * 300, used)
     assert len(long) == 128 and long != request_id_for("x" * 299 + "y")
     for rid in used | {request_id_for("é ü"), request_id_for("")}:
-        assert api.parse_request_id(rid) == rid  # the router takes every one
+        assert api.parse_request_id(rid) == rid and api.request_rid(rid) == rid  # the router keeps every one as its rid

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 import pytest
 
@@ -168,34 +170,62 @@ def test_response_id_is_vllms_prefix_on_the_bare_request_id():
     assert api.response_id("abc_1", chat=False) == "cmpl-abc_1"
 
 
-def test_an_accepted_request_id_is_always_one_nats_subject_token():
-    """The client's ``X-Request-ID`` becomes the rid of ``req.<rid>.out`` and of every log line: what
-    :func:`api.parse_request_id` accepts must pass ``shared.subjects.check_token`` (a ``.``, ``*``, ``>``,
-    space, control character or non-ASCII letter would split or widen a subject); anything else is a
-    400 naming the header. Pins the rule against loosening (vLLM takes any value; Dynamo replaces a
-    non-UUID by a new UUID)."""
+def test_any_visible_ascii_request_id_is_taken_and_its_rid_is_one_nats_subject_token():
+    """The client's ``X-Request-ID`` is taken when it is 1 to 256 visible ASCII characters (vLLM takes any
+    value; gateways' ids hold ``.``, ``:``, ``/``), else a 400 naming the header; its rid
+    (:func:`api.request_rid`, the token of ``req.<rid>.out`` and of every log line) always passes
+    ``shared.subjects.check_token`` within 128 characters, and is the id itself when that already does."""
     import random
 
     from shared.subjects import check_token
 
     rng = random.Random(5)
     alphabet = [chr(i) for i in range(0x20, 0x7F)] + ["\t", "\n", "\x7f", "\u00e9", "\u0663", "\uff11"]
-    values = ["a.b", "a*", ">", "x y", "id\n", "\u0663", "a" * api.REQUEST_ID_MAX_LEN, "a" * (api.REQUEST_ID_MAX_LEN + 1)]
+    values = ["a.b", "a*", ">", "x y", "id\n", "\u0663", "abc/def:ghi.jkl", "a" * 128, "a" * 129, "a" * 256, "a" * 257]
     values += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6))) for _ in range(3000)]
     for v in values:
+        visible = 1 <= len(v) <= api.REQUEST_ID_MAX_LEN and all(0x21 <= ord(c) <= 0x7E for c in v)
         try:
             got = api.parse_request_id(v)
         except api.ApiError as e:
-            assert e.status == 400 and e.param == "X-Request-ID", v
-            token_ok = True
-            try:
-                check_token(v)
-            except ValueError:
-                token_ok = False
-            assert not token_ok or len(v) > api.REQUEST_ID_MAX_LEN, v
-        else:
-            assert got == v and check_token(v) == v and len(v) <= api.REQUEST_ID_MAX_LEN, v
+            assert e.status == 400 and e.param == "X-Request-ID" and not visible, v
+            continue
+        assert visible and got == v, v
+        rid = api.request_rid(v)
+        assert check_token(rid) == rid and len(rid) <= api.RID_MAX_LEN and api.request_rid(v) == rid, v
+        token_ok = True
+        try:
+            check_token(v)
+        except ValueError:
+            token_ok = False
+        assert (rid == v) == (token_ok and len(v) <= api.RID_MAX_LEN), v  # a safe id is its own rid
     assert api.parse_request_id(None) is None
+    assert api.REQUEST_ID_MAX_LEN == 256 and api.RID_MAX_LEN == 128
+    with pytest.raises(api.ApiError, match="at most 256"):
+        api.parse_request_id("a" * 257)
+    with pytest.raises(api.ApiError, match="U\\+0020"):
+        api.parse_request_id("id with space")
+
+
+def test_request_rid_never_maps_two_client_ids_to_one_rid():
+    """Two different ``X-Request-ID`` values never share a rid (they would share ``req.<rid>.out`` and be
+    taken for duplicates): ids of the same safe characters (``a.b``, ``a:b``, ``a/b`` and the safe ``a_b``),
+    a safe id spelled as another's mapped rid (kept apart: it ends like a mapped one, so it is mapped too),
+    long ids that differ past the kept prefix; a safe id is its own rid, the rest are mapped the same every time."""
+    a_dot = api.request_rid("a.b")
+    assert a_dot.startswith("a_b--") and len(a_dot) == 3 + 2 + 20
+    tricky = ["a.b", "a:b", "a/b", "a_b", "a-b", a_dot, a_dot + ".", "abc/def:ghi.jkl", "abc_def_ghi_jkl",
+              "x" * 200 + "1", "x" * 200 + "2", "x" * 129, "x" * 128, "x" * 127 + ".", "x" * 127 + "_", "x" * 256]  # fmt: skip
+    tricky += [api.request_rid(t) for t in list(tricky)]  # every mapped rid sent back as a client id
+    ids = set(tricky) | {"".join(chr(c) for c in (0x21 + i % 94, 0x21 + i // 94 % 94, 0x21 + i // 8836)) for i in range(20000)}
+    rids = {api.request_rid(i) for i in ids}
+    assert len(rids) == len(ids)
+    assert api.request_rid("a_b") == "a_b" and api.request_rid("x" * 128) == "x" * 128
+    assert api.request_rid("0b0f8c3e-5a1d-4f6e-9c7a-1234567890ab") == "0b0f8c3e-5a1d-4f6e-9c7a-1234567890ab"
+    assert api.request_rid(a_dot) != a_dot  # safe, but ends like a mapped rid: mapped too
+    assert api.request_rid("abc/def:ghi.jkl") == "abc_def_ghi_jkl--" + hashlib.sha256(b"abc/def:ghi.jkl").hexdigest()[:20]
+    with pytest.raises(ValueError):
+        api.request_rid("")
 
 
 def test_explicit_null_is_the_default_for_openais_nullable_fields():
