@@ -180,7 +180,7 @@ def _add_cluster_args(
         "--log-requests",
         action="store_true",
         help="the router logs one info line per request accepted and one per request finished (rid = the client's "
-        "X-Request-ID, status, finish reason, prompt/cached/output tokens, ttft_s and e2e_s in "
+        "X-Request-ID, or its NATS-safe form with client_request_id = the id as sent; status, finish reason, prompt/cached/output tokens, ttft_s and e2e_s in "
         "simulated seconds = wall x --speedup, nodes), each worker one per request "
         "received, handed off, finished or aborted (rid), as vLLM's --enable-log-requests",
     )

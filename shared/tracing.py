@@ -42,7 +42,8 @@ Spans of one request (names; attributes prefixed ``ei.``):
 span                               process     covers
 =================================  ==========  =================================================================
 ``router.request``                 router      HTTP ingress → response end (root, SERVER; ``ei.rid`` (a refused request's
-                                               too when its ``X-Request-ID`` is valid), ``http.route``,
+                                               too when its ``X-Request-ID`` is valid; ``ei.client_request_id``:
+                                               the id as sent when ``ei.rid`` maps it), ``http.route``,
                                                ``http.response.status_code``; from 400 ``error.type``, from 500 status
                                                ERROR; ``gen_ai.request.*`` (model, max_tokens, temperature, top_p),
                                                once accepted ``ei.finish_reason`` / ``gen_ai.response.finish_reasons``

@@ -21,8 +21,9 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The ``X-Request-ID`` the live replayer sent (``evolving_infra.replay.live.request_id_for``: the run's
     branch prefix + ``id``, characters other than ``[A-Za-z0-9_-]`` as ``-``); None: not sent (simulated)."""
     request_id: str | None = None
-    """The server's ``x-request-id`` response header: the request's ``rid`` in the router's and workers'
-    logs and the ``ei.rid`` of its spans; None when the response had none (a request refused before it
+    """The server's ``x-request-id`` response header: the ``X-Request-ID`` as sent, which for the replayer's ids
+    (1 to 128 characters of ``[A-Za-z0-9_-]``) is the request's ``rid`` in the router's and workers' logs and
+    the ``ei.rid`` of its spans (``services.router.api.request_rid``); None when the response had none (a request refused before it
     was accepted: find it by ``x_request_id`` in the router's ``request rejected`` line)."""
     agent: str
     branch: str
