@@ -1,8 +1,9 @@
 """``evolving-infra model init``: a seeded random Llama/Qwen3 checkpoint in the Hugging Face layout.
 
 Writes ``config.json``, ``model.safetensors``, ``tokenizer.json`` (a byte-level
-BPE trained here by ``tokenizers`` on the text the repository ships: its
-README and docs, else on text generated from a fixed seed), ``tokenizer_config.json``
+BPE trained here by ``tokenizers`` on :data:`CORPUS_FILE`, a fixed text that ships with
+the package, so the same arguments and seed give the same files in any commit and any
+install), ``tokenizer_config.json``
 (ChatML chat template, eos ``<|im_end|>``) and ``generation_config.json``.
 ``transformers``' ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` load the folder as
 it is, and so does :class:`~services.worker.engines.torch_engine.model.PagedDecoder`.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -25,33 +26,43 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-_REPO = Path(__file__).resolve().parents[4]
+CORPUS_FILE = "tokenizer_corpus.txt"
+"""The tokenizer's training text, package data beside this module (pyproject
+``[tool.setuptools.package-data]``): 63 KB of this repository's own README, architecture doc
+and two Python modules, copied once (2026-12-04, commit f2aec31) and never changed since, so
+later doc edits do not change the tokenizer. Its header (up to the first ``==> PATH <==``
+line) is not trained on."""
 
 
-def corpus(max_chars: int = 400_000) -> list[str]:
-    """Training text for the tokenizer: the repository's README and docs (Markdown),
-    or, when the package is installed without them, 2,000 sentences generated from a
-    fixed seed. Returns a list of documents."""
+def corpus() -> list[str]:
+    """Training text for the tokenizer: the documents of :data:`CORPUS_FILE` (each starts
+    after a ``==> PATH <==`` line; the header before the first is left out), read as UTF-8 with
+    CRLF taken as LF, so a checkout that rewrites line ends trains the same tokenizer. Reads
+    nothing else: not the repository's docs, not the working directory.
+
+    Raises:
+        FileNotFoundError: the file is not installed beside this module (a package built
+            without its package data).
+        ValueError: the file holds no ``==> PATH <==`` document.
+    """
+    ref = resources.files(__package__).joinpath(CORPUS_FILE)
+    try:
+        text = ref.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{CORPUS_FILE} is missing beside {__name__} (package data not installed); "
+            "reinstall evolving-infra from a complete sdist or wheel"
+        ) from None
+    text = text.replace("\r\n", "\n")
     docs: list[str] = []
-    total = 0
-    for pattern in ("README.md", "docs/*.md", "services/*/README.md"):
-        for p in sorted(_REPO.glob(pattern)):
-            try:
-                t = p.read_text(errors="replace")
-            except OSError:
-                continue
-            docs.append(t)
-            total += len(t)
-            if total >= max_chars:
-                return docs
-    if docs:
-        return docs
-    rng = random.Random(0)
-    words = (
-        "the agent reads a file and calls a tool then the model writes code prefill decode cache block page "
-        "request token fork branch session node router worker memory host gpu time batch"
-    ).split()
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) + "." for _ in range(2000)]
+    for line in text.splitlines(keepends=True):
+        if line.startswith("==> ") and line.rstrip("\n").endswith(" <=="):
+            docs.append("")
+        elif docs:
+            docs[-1] += line
+    if not docs:
+        raise ValueError(f"{CORPUS_FILE}: no '==> PATH <==' document in it")
+    return docs
 
 
 MIN_VOCAB = 300
@@ -67,10 +78,13 @@ def check_vocab(vocab: int) -> None:
 def train_tokenizer(vocab: int, out: Path) -> int:
     """Train a byte-level BPE of at most ``vocab`` ids on :func:`corpus` and write
     ``out/tokenizer.json``. Returns the tokenizer's vocabulary size (≤ ``vocab``; the
-    256 byte symbols and the special tokens are always in it).
+    256 byte symbols and the special tokens are always in it; the fixed corpus allows some
+    thousands of merges, so a larger ``vocab`` gets fewer ids than asked). The same ``vocab``
+    and the same ``tokenizers`` version give the same tokenizer.
 
     Raises:
         ValueError: if ``vocab`` < 300 (no room for the bytes and merges).
+        FileNotFoundError: the corpus is not installed (see :func:`corpus`).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -199,7 +213,10 @@ def init_model(
 ) -> Path:
     """Write a seeded random checkpoint folder (see module docstring); returns its path.
 
-    Same arguments and seed → the same weights and tokenizer. Every file is written with the
+    Same arguments and seed → the same weights and tokenizer, in any commit and any install
+    (the tokenizer is trained on the fixed :data:`CORPUS_FILE`; the weights are drawn from a
+    ``torch.Generator`` seeded with ``seed``; both given the same ``tokenizers`` and ``torch``
+    versions). Every file is written with the
     process umask, as ``open()`` would (0o644 under umask 022), so other users, such as a container's
     ``USER ei`` on a read-only mount, can read the folder.
 
