@@ -1,7 +1,9 @@
 """``evolving-infra model init DIR``: write a tiny seeded random model for the ``torch`` engine.
 
 The folder has the Hugging Face layout (config.json, model.safetensors,
-tokenizer.json trained locally, tokenizer_config.json with a ChatML template),
+tokenizer.json trained locally on a fixed text that ships with the package, so the same
+arguments and seed give the same folder in any commit or install; tokenizer_config.json with a
+ChatML template),
 so ``--engine torch --model DIR`` and ``transformers`` both load it. Needs the
 ``torch`` extra (``pip install -e '.[torch]'``). Exit status 0; 1 with one line
 on stderr when the extra is missing (a runtime failure, as ``up --engine torch``
@@ -98,7 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     i.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
     i.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     i.add_argument("--kv-heads", type=int, default=2, help="key/value heads, GQA (default 2)")
-    i.add_argument("--vocab", type=int, default=512, help="BPE vocabulary size, >= 300 (default 512)")
+    i.add_argument("--vocab", type=int, default=512, help="BPE vocabulary size, >= 300 (default 512); the fixed training text "
+                   "gives at most 4496 ids, the model's vocabulary is still --vocab")
     i.add_argument("--context", type=int, default=2048, help="max_position_embeddings in tokens (default 2048)")
     i.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     i.set_defaults(func=_init)
