@@ -154,7 +154,9 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     owner_check_interval_s: Annotated[
         float, Meta(ge=0, description="wall seconds between asks to each owning router (route.held) which of this node's "
                     "requests it no longer has in flight (a router SIGKILLed or restarted sends no abort): those are "
-                    "dropped and their KV freed; 0 = never ask")
+                    "dropped and their KV freed; a router that answered no responders (missing, restarting) is asked again "
+                    "every min(this, 0.25 s), so a restarted one drops its predecessor's requests right after it subscribes; "
+                    "0 = never ask")
     ] = 2.0
     owner_gone_after_s: Annotated[
         float, Meta(ge=0, description="wall seconds nobody serves an owning router's route.held (no responders) before "

@@ -22,13 +22,33 @@ The grace (``gone_after_s``, 30 s by default: the router's ``bus_outage_wait_s``
 cut off from NATS, which looks the same as a dead one (nobody serves its subject) but whose
 streams may still complete after it reconnects (``req.*.out`` is reliable), and a NATS restart,
 after which a live router may subscribe again a moment after the node. A router restarted under
-the same ``--instance`` (``evolving-infra up`` restarts it within about a second) answers for its
-predecessor's requests at once.
+the same ``--instance`` answers for its predecessor's requests (it has none of them in flight: all
+dropped) at the first query that reaches it. While a router is missing (its streak runs) the node asks
+it again every :data:`SILENT_RETRY_S` (not only every ``--owner-check-interval-s``), so that query
+comes at most ``min(interval, SILENT_RETRY_S)`` after the new router subscribes.
+
+Bound (wall seconds, from the moment the owner no longer has the request in flight; plus one
+``route.held`` round trip): a live router that lost the request (finished, aborted, failed, superseded
+attempt), or one restarted before this node noticed it missing: ``--owner-check-interval-s``; a router
+restarted after this node found it missing: its restart time + ``min(interval, SILENT_RETRY_S)``; a
+router that does not come back: ``--owner-gone-after-s`` after the first "no responders" (+ up to one
+interval). Before the re-ask, a restarted router's predecessor's requests waited for the next full
+check: under ``evolving-infra up --engine torch`` (1P1D, tiny model on CPU, ~450 tokens/s) the router
+was back ~3 s after its SIGKILL and a 900-token decode finished (~2 s) before any check reached it.
+
+Never dropped: a request its router has in flight (the router records it before it places the work,
+and a re-dispatch moves its attempt before the new work is sent: a node holding the old attempt is
+told to drop it, which the new attempt then replaces).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+SILENT_RETRY_S = 0.25
+"""Wall seconds between asks to an owning router in a no-responders streak (capped by the check interval):
+a router restarted under the same ``--instance`` is asked within this of subscribing. Costs one request
+per missing router per node that often; NATS answers "no responders" at once."""
 
 MAX_RIDS_PER_QUERY = 4096
 """rids in one ``HeldQuery`` (``shared.validate`` accepts up to 2^16); more are split across queries."""

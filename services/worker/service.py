@@ -90,7 +90,7 @@ from services.worker.traced import WorkerTraces
 from services.worker.prom import worker_families
 from services.worker.config import WorkerConfig, worker_profile
 from services.worker.countseq import CountStream
-from services.worker.owners import OwnerLeases
+from services.worker.owners import SILENT_RETRY_S, OwnerLeases
 from services.worker.engines.base import Engine, EngineFatal
 from services.worker.engines.sim import SimEngine
 from shared.tokenizer import load_tokenizer, output_vocabulary  # the same tokenizers as the router: one spec
@@ -646,18 +646,33 @@ class WorkerService:
     async def _check_owners(self) -> None:
         """Every ``owner_check_interval_s``: ask each owning router (``route.held.<router>``) which of
         the requests held here it no longer has in flight, and drop those; drop every request of a
-        router nobody has answered for ``owner_gone_after_s`` (``owners.py``)."""
+        router nobody has answered for ``owner_gone_after_s`` (``owners.py``). In between, every
+        ``min(interval, SILENT_RETRY_S)``, ask again only the routers that answered "no responders"
+        (missing: SIGKILLed, restarting), so a restarted one's answer comes right after it subscribes."""
+        interval = self.cfg.owner_check_interval_s
+        retry = min(interval, SILENT_RETRY_S)
+        next_full = time.monotonic() + interval
         while True:
-            await asyncio.sleep(self.cfg.owner_check_interval_s)
+            now = time.monotonic()
+            wake = min(next_full, now + retry) if self._leases.silent() else next_full
+            await asyncio.sleep(max(0.0, wake - now))
+            only: set[str] | None = None
+            if time.monotonic() >= next_full:
+                next_full = time.monotonic() + interval
+            else:
+                only = set(self._leases.silent())
             try:
-                await self._check_owners_once()
+                await self._check_owners_once(only)
             except Exception as e:  # never let a bad reply stop the checks
                 self.counters["owners.check_errors"] += 1
                 self.log.warning("owner check failed", error=repr(e))
 
-    async def _check_owners_once(self) -> None:
+    async def _check_owners_once(self, only: set[str] | None = None) -> None:
+        """One owner check; ``only``: ask just these routers (a re-ask of missing ones), None = all."""
         held = [(rid, o.router_id, o.attempt) for rid, o in self._owners.items() if rid in self.core.requests]
         self._leases.forget(r for _, r, _ in held)
+        if only is not None:
+            held = [h for h in held if h[1] in only]
         for router, rids, attempts in OwnerLeases.queries(held):
             if not self.bus.nc.is_connected:
                 return

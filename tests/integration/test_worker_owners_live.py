@@ -59,3 +59,41 @@ async def test_a_router_that_only_timed_out_in_between_is_not_gone_at_its_next_n
         assert c.chunks["held-1"][-1].finish_reason == "abort" and await counter("owners.router_gone") >= 1
         assert await counter("owners.dropped") == 1
     await c.bus.close()
+
+
+async def test_a_router_back_after_a_no_responders_answer_is_asked_again_at_once_and_its_lost_request_dropped(nats_url):
+    """A router SIGKILLed and restarted under the same ``--instance`` (``evolving-infra up`` does it) has
+    none of its predecessor's requests: its first ``route.held`` answer drops them. The node found the
+    router missing (no responders) at a check; the new router subscribes right after. Before, the node
+    asked it again only at the next full check (``--owner-check-interval-s``, 3 s here): the request ran
+    on for nobody that long (under ``up --engine torch`` a 900-token decode of the tiny model ended
+    first). Now a missing router is asked again every ``SILENT_RETRY_S`` (0.25 s): dropped within ~0.3 s."""
+    c = await Client.connect(nats_url)
+    spec = {"node": "w0", "speedup": 0.02, "owner_check_interval_s": 3.0, "owner_gone_after_s": 30.0}
+    async with workers(nats_url, spec):
+        work = m.PrefillWork(**{f: getattr(prompt("lost-1", [1, 2], tail=1, max_tokens=200), f)
+                                for f in ("rid", "prompt_tokens", "max_tokens", "block_size", "block_hashes")}, router="r1")
+        await c.bus.publish(WORK_PREFILL, work, node="w0")
+        await until(lambda: len(c.chunks["lost-1"]) >= 2, what="the request to stream")
+
+        async def counter(name: str) -> int:
+            return (await c.stats("w0")).counters.get(name, 0)
+
+        # the router is gone: the node's check gets "no responders" (the first full check, <= 3 s)
+        await until(lambda: counter("owners.no_responders"), 5.0, "a no-responders answer", every=0.05)
+        asked: list[m.HeldQuery] = []
+
+        async def restarted(q: m.HeldQuery, _subject: str) -> m.HeldReply:  # empty state, as RouterService._on_held
+            asked.append(q)
+            return m.HeldReply(dropped=list(q.rids))
+
+        back = asyncio.get_running_loop().time()
+        await c.bus.serve(ROUTE_HELD, restarted, router="r1")
+        await c.bus.flush()
+        await until(lambda: c.finished("lost-1"), 2.5, "the lost request dropped before the next full check", every=0.02)
+        took = asyncio.get_running_loop().time() - back
+        assert took < 1.0, f"dropped {took:.2f} s after the router came back"
+        assert c.chunks["lost-1"][-1].finish_reason == "abort" and "no longer has the request in flight" in c.chunks["lost-1"][-1].error
+        assert [q.rids for q in asked] == [["lost-1"]] and await counter("owners.dropped") == 1
+        assert await counter("owners.router_gone") == 0
+    await c.bus.close()
