@@ -13,7 +13,8 @@ SIGINT set a stop event; the service is then stopped and the bus drained
 shutdown example). A signal during start-up (NATS unreachable: the connect
 retries forever) cancels the start-up instead, closes what was set up and
 exits 0. A service that fails beyond repair sets its ``fatal`` event (an ``asyncio.Event``,
-optional, with the cause in ``fatal_error``): it is stopped the same way and
+optional, with the cause in ``fatal_error`` and, optionally, where it came from in ``fatal_where``,
+e.g. ``task router-fence``): it is stopped the same way and
 :func:`serve_until_stopped` raises :class:`ServiceFailed` (the process exits non-zero, so its
 supervisor restarts it). With ``--metrics-port N`` (N > 0) the shell also serves the
 service's Prometheus registry (its ``registry`` attribute, see ``shared.metrics``)
@@ -94,6 +95,8 @@ class BackgroundTasks:
         """Set when a needed task ended before :meth:`stop` (the service's ``fatal``)."""
         self.fatal_error: BaseException | None = None
         """Why (the first needed task that ended; its exception, or a ``RuntimeError`` saying it returned)."""
+        self.fatal_where: str | None = None
+        """Where :attr:`fatal_error` came from (``task <name>``), for the one line the process prints at exit."""
         self.stopping = False
         """Set by the service when it begins to stop: a needed task that ends from then on is not a failure."""
         self._needed: dict[str, asyncio.Task[Any]] = {}
@@ -137,6 +140,7 @@ class BackgroundTasks:
             return
         self.counters["task_fatal"] = self.counters.get("task_fatal", 0) + 1
         self.fatal_error = e
+        self.fatal_where = where
         self.log.error(
             "a task the service needs failed; the service exits to be restarted", where=where, error=repr(e), exc_info=e
         )
@@ -242,7 +246,8 @@ async def serve_until_stopped(
             log.info("service stopping")
     if failed is not None:
         log.error("service stopped after a fatal error", error=repr(failed))
-        raise ServiceFailed(f"{service_name} {instance}: {failed!r}") from failed
+        where = getattr(started[0], "fatal_where", None)
+        raise ServiceFailed(f"{service_name} {instance}: {f'{where} failed: ' if where else ''}{failed!r}") from failed
     log.info("service stopped")
 
 

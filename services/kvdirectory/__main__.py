@@ -2,19 +2,34 @@
 
 from __future__ import annotations
 
-from shared.config import load_config
+import sys
+from collections.abc import Sequence
+
+from shared.config import ConfigError, load_config
 from shared.log import setup_logging
-from shared.service import run_service
+from shared.service import ServiceFailed, run_service
 
 from .config import DirectoryConfig
 from .service import DirectoryService
 
 
-def main() -> None:
-    cfg = load_config(DirectoryConfig, prog="kvdirectory", description="cluster-wide KV directory")
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the config (a bad one: one line on stderr, 2), run the KV directory; returns the exit
+    status: 0 after SIGINT/SIGTERM, 1 when a loop it needs ended (``ServiceFailed``: one line on stderr
+    naming the task; the traceback is in the directory's log)."""
+    try:
+        cfg = load_config(DirectoryConfig, argv, prog="kvdirectory", description="cluster-wide KV directory")
+    except ConfigError as e:
+        print(f"kvdirectory: {e}", file=sys.stderr)
+        return 2
     setup_logging(cfg.log_format, cfg.log_level, service="kvdirectory")
-    run_service("kvdirectory", cfg, DirectoryService, instance=cfg.instance or "kvdirectory")
+    try:
+        run_service("kvdirectory", cfg, DirectoryService, instance=cfg.instance or "kvdirectory")
+    except ServiceFailed as e:  # logged at error with the traceback; the supervisor restarts the directory
+        print(f"kvdirectory: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -160,6 +160,11 @@ class DirectoryService:
         """Why :attr:`fatal` was set (the exception that ended a loop), else None."""
         return self._bg.fatal_error
 
+    @property
+    def fatal_where(self) -> str | None:
+        """Where :attr:`fatal_error` came from (``task <name>``), else None (``shared.service`` names it at exit)."""
+        return self._bg.fatal_where
+
     def ready(self) -> bool:
         """Not stopping, and the flush / liveness / beacon loops run."""
         return not self._stopping and self._bg.healthy()

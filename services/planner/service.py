@@ -135,6 +135,11 @@ class PlannerService:
         """Why :attr:`fatal` was set (the exception that ended a loop), else None."""
         return self._bg.fatal_error
 
+    @property
+    def fatal_where(self) -> str | None:
+        """Where :attr:`fatal_error` came from (``task <name>``), else None (``shared.service`` names it at exit)."""
+        return self._bg.fatal_where
+
     def ready(self) -> bool:
         """Both loops (announce, tick) run."""
         return self._bg.healthy()

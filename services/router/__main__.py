@@ -12,7 +12,7 @@ import sys
 
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
-from shared.service import run_service
+from shared.service import ServiceFailed, run_service
 
 from services.router.config import RouterConfig
 from services.router.policy import make_policy
@@ -21,7 +21,9 @@ from shared.tokenizer import TokenizerError, load_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the config, check policy and tokenizer, run the service; returns the exit status."""
+    """Parse the config, check policy and tokenizer, run the service; returns the exit status: 0 after
+    SIGINT/SIGTERM, 2 on a bad configuration, 1 when a task the router needs ended (``ServiceFailed``:
+    one line on stderr naming the task; the traceback is in the router's log)."""
     try:
         cfg = load_config(RouterConfig, argv, prog="router", description="Evolving Infra router: OpenAI-compatible HTTP ingress and PD routing")
     except ConfigError as e:
@@ -40,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     def factory(c, bus, clock):  # type: ignore[no-untyped-def]
         return RouterService(c, bus, clock, tokenizer=tokenizer)
 
-    run_service("router", cfg, factory, instance=cfg.instance or "router")
+    try:
+        run_service("router", cfg, factory, instance=cfg.instance or "router")
+    except ServiceFailed as e:  # logged at error with the traceback; the supervisor restarts the router
+        print(f"router: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -13,7 +13,7 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 ``GET /version``                       vLLM's: the package version
 ``POST /tokenize``, ``/detokenize``    vLLM's: the router's tokenizer and chat formatting
 ``GET /healthz``, ``GET /health``      200 when the fence loop and HTTP server run, NATS is connected and a
-                                       placement is possible, else 503
+                                       placement is possible, else 503 ("router stopping" during a stop)
 ``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts
 ``GET /metrics``                       Prometheus text format (``services/router/prom.py`` lists the metrics)
 ``POST /v1/branches/{id}/end``         end an agent branch (publishes ``BranchEnd``)
@@ -633,6 +633,11 @@ class RouterService:
     def fatal_error(self) -> BaseException | None:
         """Why :attr:`fatal` was set (the exception that ended a task the router needs), else None."""
         return self._bg.fatal_error
+
+    @property
+    def fatal_where(self) -> str | None:
+        """Where :attr:`fatal_error` came from (``task <name>``), else None (``shared.service`` names it at exit)."""
+        return self._bg.fatal_where
 
     def ready(self) -> bool:
         """HTTP up, NATS connected, a placement possible, and the tasks the router needs (fence
@@ -1596,6 +1601,12 @@ class RouterService:
             raise api.ApiError(404, f"model {model[:256]!r} not found; this router serves {self.cfg.model!r}", param="model")
 
     async def _healthz(self, request: Request) -> Response:
+        """``/healthz``, ``/health``: 200 ``{"status": "ok"}`` when the router can place a request, else 503 with
+        why. During a stop (SIGTERM: :meth:`stop`): 503 "router stopping", as vLLM's ``/health`` answers 503 while
+        its server shuts down; before, the tasks the stop cancels (or that end at it) read as "router failing:
+        task(s) ended" for the up to 5 s uvicorn drains open connections."""
+        if self._stopping:
+            return self._error(503, "router stopping")
         if not self._bg.healthy():
             return self._error(503, f"router failing: task(s) ended: {', '.join(self._bg.dead()) or repr(self._bg.fatal_error)}")
         if not self.bus.nc.is_connected:

@@ -168,14 +168,39 @@ async def test_a_task_the_router_needs_that_ends_fails_the_router(nats_url, tmp_
                     await until(lambda: cluster.works, 3.0, "work sent")
                 inject(svc, monkeypatch)
                 await until(lambda: not svc.ready(), 3.0, "the router not ready")  # before: it served on, ready
-                with pytest.raises(ServiceFailed, match=error):
+                with pytest.raises(ServiceFailed, match=error) as failed:
                     await asyncio.wait_for(run, 10.0)
+                # the one line the process prints at exit (services/router/__main__.py) names the task
+                assert str(failed.value).startswith(f"router router: task {task} failed: "), str(failed.value)
                 if req is not None:  # the in-flight request is answered at the stop, not left waiting
                     r = await asyncio.wait_for(req, 5.0)
                     assert r.status_code == 503 and "shutting down" in r.text
     assert svc.counters["task_fatal"] == 1
     [line] = errors(logs, "a task the service needs failed; the service exits to be restarted")
     assert line["where"] == f"task {task}" and line["exc_info"] is svc.fatal_error
+
+
+async def test_healthz_during_a_clean_stop_says_the_router_is_stopping(nats_url, tmp_path: Path):
+    """SIGTERM (``RouterService.stop``): ``/healthz`` is 503 "router stopping" (vLLM's ``/health`` is 503
+    while its server shuts down), from the stop's start to its end. Before, the tasks the stop ends (HTTP
+    server, fence loop) read as "router failing: task(s) ended: ..." (a crash) once they had ended.
+    Asked through the app itself (ASGI): the router's listening socket closes at the stop."""
+    async with router_env(nats_url, tmp_path, {"n0": "both"}) as env:
+        svc = env.service
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=svc.app), base_url="http://router") as asgi:
+            assert (await asgi.get("/healthz")).status_code == 200
+            stopping = asyncio.create_task(svc.stop())
+            await asyncio.sleep(0)  # the stop has begun
+            answers = []
+            while not stopping.done():
+                answers.append(await asgi.get("/healthz"))
+                await asyncio.sleep(0.02)
+            await stopping
+            answers.append(await asgi.get("/healthz"))
+            assert svc._bg.dead(), "the stop ended the router's tasks"
+    assert answers and all(r.status_code == 503 and r.json()["error"]["message"] == "router stopping" for r in answers), [
+        (r.status_code, r.text) for r in answers
+    ]
 
 
 # --------------------------------------------------------------------------- planner
