@@ -39,7 +39,7 @@ from evolving_infra.replay.core import Arrival, EndBranch, ReplayCore, SendReque
 from evolving_infra.report.records import RequestRecord
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import prompt_token_ids
-from services.router.api import RID_MAX_LEN
+from services.router.api import RID_MAX_LEN, request_rid
 from shared.clock import SimClock
 
 log = structlog.get_logger("replay")
@@ -75,12 +75,17 @@ def request_id_for(record_id: str, used: set[str] | None = None) -> str:
     (``services.router.api.request_rid`` maps the others), so for the id sent to be the rid of the
     server's records every other character becomes ``-``
     (``ab12cd34ef56:trace_0242:0`` → ``ab12cd34ef56-trace_0242-0``) and a longer id keeps its first 115
-    characters + ``-`` + 12 hex digits of its SHA-256. ``used``: ids already sent in this run; an id that
-    maps onto one of them (``a:b`` and ``a-b``) gets ``-2``, ``-3``, ... so each is unique, and is added.
+    characters + ``-`` + 12 hex digits of its SHA-256. An id ending like one the router maps (``--`` + 20
+    lowercase hex digits: ``request_rid`` maps such a safe id too, so that no two ids share a rid) has its
+    second ``-`` there made ``_`` (``s--0123…`` → ``s-_0123…``), so the router keeps it. ``used``: ids already
+    sent in this run; an id that maps onto one of them (``a:b`` and ``a-b``) gets ``-2``, ``-3``, ... so each
+    is unique, and is added.
     """
     rid = _NOT_IN_RID.sub("-", record_id) or "-"
     if len(rid) > RID_MAX_LEN:
         rid = rid[: RID_MAX_LEN - 13] + "-" + hashlib.sha256(record_id.encode()).hexdigest()[:12]
+    if request_rid(rid) != rid:  # ends in '--' + 20 lowercase hex digits (the rest is safe and short here)
+        rid = rid[:-21] + "_" + rid[-20:]
     if used is None:
         return rid
     base, n = rid, 1

@@ -228,3 +228,18 @@ def test_request_id_for_maps_characters_the_router_refuses_keeps_ids_unique_and_
     assert len(long) == 128 and long != request_id_for("x" * 299 + "y")
     for rid in used | {request_id_for("é ü"), request_id_for("")}:
         assert api.parse_request_id(rid) == rid and api.request_rid(rid) == rid  # the router keeps every one as its rid
+
+
+def test_request_id_for_never_sends_an_id_the_router_maps():
+    """A trace id ending like a mapped rid (``--`` + 20 lowercase hex digits, ``api.request_rid``) gave an id the
+    router does not keep as its rid (``t::0123456789abcdef0123`` → ``t--0123456789abcdef0123``, rid
+    ``t--0123456789abcdef0123--5faa…``): the record's ``x_request_id`` no longer joined the server's logs and spans."""
+    from evolving_infra.replay.live import request_id_for
+    from services.router import api
+
+    hexes = "0123456789abcdef0123"
+    used: set[str] = set()
+    for record_id in (f"t::{hexes}", f"run7-sess--{hexes}", f"sess--{hexes}", "y" * 106 + f"--{hexes}"):
+        for rid in (request_id_for(record_id), request_id_for(record_id, used)):
+            assert api.parse_request_id(rid) == rid and api.request_rid(rid) == rid, rid
+    assert len(used) == 4
