@@ -77,7 +77,8 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Meta(description="log one info line per request this node takes (request received: rid, role prefill/decode, "
              "attempt, prompt_tokens, max_tokens), hands off (request handed off: rid, decode node), ends (request "
              "finished: rid, finish_reason, output_tokens) or drops (request aborted: rid, reason); the rid is the "
-             "router's, its client's X-Request-ID when given; vLLM's --enable-log-requests"),
+             "router's: its client's X-Request-ID when given, or that id's NATS-safe form (the router's "
+             "--log-requests lines name both); vLLM's --enable-log-requests"),
     ] = False
     stream_interval: Annotated[
         int, Meta(ge=1, description="output tokens per streamed TokenChunk after the first (SGLang stream_interval)")
