@@ -100,8 +100,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     i.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
     i.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     i.add_argument("--kv-heads", type=int, default=2, help="key/value heads, GQA (default 2)")
-    i.add_argument("--vocab", type=int, default=512, help="BPE vocabulary size, >= 300 (default 512); the fixed training text "
-                   "gives at most 4496 ids, the model's vocabulary is still --vocab")
+    i.add_argument("--vocab", type=int, default=512, help="vocabulary size of the model and its tokenizer, >= 300 (default 512); "
+                   "the fixed training text gives at most 4496 BPE ids, the rest are special filler tokens <|extra_N|> "
+                   "(skipped in output text, as vLLM's skip_special_tokens)")
     i.add_argument("--context", type=int, default=2048, help="max_position_embeddings in tokens (default 2048)")
     i.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     i.set_defaults(func=_init)

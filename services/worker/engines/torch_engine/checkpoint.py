@@ -3,7 +3,8 @@
 Writes ``config.json``, ``model.safetensors``, ``tokenizer.json`` (a byte-level
 BPE trained here by ``tokenizers`` on :data:`CORPUS_FILE`, a fixed text that ships with
 the package, so the same arguments and seed give the same files in any commit and any
-install), ``tokenizer_config.json``
+install; padded with special filler tokens ``<|extra_N|>`` up to the model's vocabulary
+when the text gives fewer ids, :func:`train_tokenizer`), ``tokenizer_config.json``
 (ChatML chat template, eos ``<|im_end|>``) and ``generation_config.json``.
 ``transformers``' ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` load the folder as
 it is, and so does :class:`~services.worker.engines.torch_engine.model.PagedDecoder`.
@@ -68,6 +69,12 @@ def corpus() -> list[str]:
 MIN_VOCAB = 300
 """The smallest BPE vocabulary :func:`train_tokenizer` trains: the 256 byte symbols, the special tokens and some merges."""
 
+EXTRA_TOKEN = "<|extra_{}|>"
+"""Name of filler token N (``<|extra_0|>`` first), as Qwen's tokenizer names its reserved ids. Filler
+tokens are *special* added tokens: every id in ``[0, vocab_size)`` exists in the tokenizer, decoding
+skips them (``skip_special_tokens``, vLLM's default for output text; the untrained model may emit them)
+or spells them ``<|extra_N|>`` (``skip_special_tokens=False``), and that text encodes back to the id."""
+
 
 def check_vocab(vocab: int) -> None:
     """Raises ValueError if ``vocab`` < :data:`MIN_VOCAB` (no room for the bytes and merges)."""
@@ -76,15 +83,20 @@ def check_vocab(vocab: int) -> None:
 
 
 def train_tokenizer(vocab: int, out: Path) -> int:
-    """Train a byte-level BPE of at most ``vocab`` ids on :func:`corpus` and write
-    ``out/tokenizer.json``. Returns the tokenizer's vocabulary size (≤ ``vocab``; the
-    256 byte symbols and the special tokens are always in it; the fixed corpus allows some
-    thousands of merges, so a larger ``vocab`` gets fewer ids than asked). The same ``vocab``
-    and the same ``tokenizers`` version give the same tokenizer.
+    """Train a byte-level BPE of ``vocab`` ids on :func:`corpus` and write ``out/tokenizer.json``.
+    Returns the tokenizer's vocabulary size, always ``vocab``: the 256 byte symbols and the special
+    tokens are always in it, then merges; the fixed corpus allows only 4,496 ids (measured,
+    ``tokenizers`` 0.23.3), so a larger ``vocab`` is filled up with special added tokens
+    :data:`EXTRA_TOKEN` (ids 4496 .. ``vocab`` - 1), as the model's vocabulary has ``vocab`` ids and
+    the router must be able to decode every id the model emits (an id the tokenizer lacks decoded to
+    nothing, silently). A ``vocab`` the corpus reaches is written without filler, as before.
+    The same ``vocab`` and the same ``tokenizers`` version give the same tokenizer.
 
     Raises:
         ValueError: if ``vocab`` < 300 (no room for the bytes and merges).
         FileNotFoundError: the corpus is not installed (see :func:`corpus`).
+        RuntimeError: the ``tokenizers`` version gave the filler tokens other ids than the next free
+            ones (the tokenizer would not match the model's vocabulary; nothing is written).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -99,8 +111,17 @@ def train_tokenizer(vocab: int, out: Path) -> int:
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
+    trained = tok.get_vocab_size(with_added_tokens=True)
+    if trained < vocab:  # added tokens take the next free ids: trained, trained + 1, ...
+        from tokenizers import AddedToken
+
+        tok.add_special_tokens([AddedToken(EXTRA_TOKEN.format(n), special=True, normalized=False)
+                                for n in range(vocab - trained)])
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size != vocab or (trained < vocab and tok.token_to_id(EXTRA_TOKEN.format(vocab - trained - 1)) != vocab - 1):
+        raise RuntimeError(f"tokenizer of {size} ids for --vocab {vocab} ({trained} trained): filler ids misplaced")
     tok.save(str(out / "tokenizer.json"))
-    return tok.get_vocab_size()
+    return size
 
 
 def model_config(
@@ -216,7 +237,9 @@ def init_model(
     Same arguments and seed → the same weights and tokenizer, in any commit and any install
     (the tokenizer is trained on the fixed :data:`CORPUS_FILE`; the weights are drawn from a
     ``torch.Generator`` seeded with ``seed``; both given the same ``tokenizers`` and ``torch``
-    versions). Every file is written with the
+    versions). config.json's ``vocab_size`` is ``vocab`` and the tokenizer has exactly as many ids
+    (filler tokens past what the corpus gives, :func:`train_tokenizer`), so ``up`` accepts the pair and
+    every id the model emits decodes. Every file is written with the
     process umask, as ``open()`` would (0o644 under umask 022), so other users, such as a container's
     ``USER ei`` on a read-only mount, can read the folder.
 
@@ -243,11 +266,11 @@ def init_model(
             for old in folder.glob(pattern):
                 old.unlink()
     folder.mkdir(parents=True, exist_ok=True)
-    n_vocab = train_tokenizer(vocab, folder)
+    n_vocab = train_tokenizer(vocab, folder)  # == vocab (padded): the tokenizer has every id the model has
     from tokenizers import Tokenizer
 
     eos = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id("<|im_end|>")
-    cfg = model_config(arch, layers, hidden, heads, kv_heads, max(vocab, n_vocab), context, eos)
+    cfg = model_config(arch, layers, hidden, heads, kv_heads, n_vocab, context, eos)
     g = torch.Generator().manual_seed(seed)
     D = cfg["head_dim"]
     V, H, I = cfg["vocab_size"], hidden, cfg["intermediate_size"]
