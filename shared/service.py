@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 from collections.abc import Callable, Coroutine, MutableMapping
 from contextlib import AsyncExitStack
 from typing import Any, Protocol
@@ -63,6 +64,24 @@ ServiceFactory = Callable[[Any, Bus, SimClock], Service]
 
 class ServiceFailed(RuntimeError):
     """The service set its ``fatal`` event; it was stopped and the process must exit non-zero."""
+
+
+class WatchedService:
+    """For a service whose background tasks a :class:`BackgroundTasks` (``self._bg``) watches (the
+    router, the planner, the KV directory): :attr:`fatal_error` and :attr:`fatal_where`, which
+    :func:`serve_until_stopped` reads when the service's ``fatal`` event is set."""
+
+    _bg: "BackgroundTasks"
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """Why ``fatal`` was set (the exception that ended a task the service needs), else None."""
+        return self._bg.fatal_error
+
+    @property
+    def fatal_where(self) -> str | None:
+        """Where :attr:`fatal_error` came from (``task <name>``), else None (named at exit)."""
+        return self._bg.fatal_where
 
 
 class BackgroundTasks:
@@ -285,3 +304,19 @@ def run_service(service_name: str, cfg: CommonConfig, factory: ServiceFactory, *
         uvloop.run(coro)
     else:  # pragma: no cover
         asyncio.run(coro)
+
+
+def run_service_main(service_name: str, cfg: CommonConfig, factory: ServiceFactory, *, instance: str | None = None) -> int:
+    """:func:`run_service` for a service's ``main``: its exit status.
+
+    Returns:
+        0 after SIGINT/SIGTERM; 1 when the service failed (:class:`ServiceFailed`: a task or loop
+        it needs ended, already logged at error with the traceback), after one line on stderr
+        (``<service>: <what failed>``) in place of a Python traceback; the supervisor restarts it.
+    """
+    try:
+        run_service(service_name, cfg, factory, instance=instance)
+    except ServiceFailed as e:
+        print(f"{service_name}: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
-from shared.service import ServiceFailed, run_service
+from shared.service import run_service_main
 
 from .config import DirectoryConfig
 from .service import DirectoryService
@@ -23,12 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvdirectory: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_format, cfg.log_level, service="kvdirectory")
-    try:
-        run_service("kvdirectory", cfg, DirectoryService, instance=cfg.instance or "kvdirectory")
-    except ServiceFailed as e:  # logged at error with the traceback; the supervisor restarts the directory
-        print(f"kvdirectory: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service_main("kvdirectory", cfg, DirectoryService, instance=cfg.instance or "kvdirectory")
 
 
 if __name__ == "__main__":

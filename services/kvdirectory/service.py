@@ -28,7 +28,7 @@ from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock, sleep_until
 from shared.metrics import HANDLER_BUCKETS_S, FuncCollector, make_registry
-from shared.service import BackgroundTasks
+from shared.service import BackgroundTasks, WatchedService
 from shared.subjects import (
     BRANCH_EVENTS,
     BRANCH_SYNC,
@@ -68,7 +68,7 @@ class _CountSnap:
         """``time.monotonic()`` when it was taken."""
 
 
-class DirectoryService:
+class DirectoryService(WatchedService):
     """The KV directory process: one core, its subscriptions and background tasks.
 
     Args:
@@ -154,16 +154,6 @@ class DirectoryService:
             await self.flush_counts()
         except Exception as e:  # connection already gone: nothing to lose but counts
             self.log.warning("final count flush failed", error=repr(e))
-
-    @property
-    def fatal_error(self) -> BaseException | None:
-        """Why :attr:`fatal` was set (the exception that ended a loop), else None."""
-        return self._bg.fatal_error
-
-    @property
-    def fatal_where(self) -> str | None:
-        """Where :attr:`fatal_error` came from (``task <name>``), else None (``shared.service`` names it at exit)."""
-        return self._bg.fatal_where
 
     def ready(self) -> bool:
         """Not stopping, and the flush / liveness / beacon loops run."""

@@ -9,7 +9,7 @@ from services.planner.config import PlannerConfig
 from services.planner.service import PlannerService
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
-from shared.service import ServiceFailed, run_service
+from shared.service import run_service_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -22,12 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"planner: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_format, cfg.log_level, service="planner")
-    try:
-        run_service("planner", cfg, PlannerService, instance=cfg.instance or "planner")
-    except ServiceFailed as e:  # logged at error with the traceback; the supervisor restarts the planner
-        print(f"planner: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service_main("planner", cfg, PlannerService, instance=cfg.instance or "planner")
 
 
 if __name__ == "__main__":

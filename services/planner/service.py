@@ -43,7 +43,7 @@ from shared.bus import Bus
 from shared.clock import MIN_SLEEP_S, SimClock
 from shared.metrics import FuncCollector, make_registry
 from shared.profile import load_profile
-from shared.service import BackgroundTasks
+from shared.service import BackgroundTasks, WatchedService
 from shared.split import SplitError
 from shared.validate import MAX_EPOCH_STEP
 from shared.subjects import (
@@ -64,7 +64,7 @@ from shared.subjects import (
 # (50 simulated s at speed-up 50: the demo's switch at the end of the warm-up took 41 s instead of 2).
 
 
-class PlannerService:
+class PlannerService(WatchedService):
     """Runs the selected planner policy over the bus (see the module docstring).
 
     Raises:
@@ -129,16 +129,6 @@ class PlannerService:
 
     async def stop(self) -> None:
         await self._bg.stop()
-
-    @property
-    def fatal_error(self) -> BaseException | None:
-        """Why :attr:`fatal` was set (the exception that ended a loop), else None."""
-        return self._bg.fatal_error
-
-    @property
-    def fatal_where(self) -> str | None:
-        """Where :attr:`fatal_error` came from (``task <name>``), else None (``shared.service`` names it at exit)."""
-        return self._bg.fatal_where
 
     def ready(self) -> bool:
         """Both loops (announce, tick) run."""

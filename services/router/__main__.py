@@ -12,7 +12,7 @@ import sys
 
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
-from shared.service import ServiceFailed, run_service
+from shared.service import run_service_main
 
 from services.router.config import RouterConfig
 from services.router.policy import make_policy
@@ -42,12 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     def factory(c, bus, clock):  # type: ignore[no-untyped-def]
         return RouterService(c, bus, clock, tokenizer=tokenizer)
 
-    try:
-        run_service("router", cfg, factory, instance=cfg.instance or "router")
-    except ServiceFailed as e:  # logged at error with the traceback; the supervisor restarts the router
-        print(f"router: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service_main("router", cfg, factory, instance=cfg.instance or "router")
 
 
 if __name__ == "__main__":

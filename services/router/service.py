@@ -65,7 +65,7 @@ from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.hashing import block_hashes_packed
 from shared.metrics import FuncCollector, make_registry, metrics_response
-from shared.service import BackgroundTasks
+from shared.service import BackgroundTasks, WatchedService
 from shared.validate import epoch_step_ok
 from shared.subjects import (
     BRANCH_EVENTS,
@@ -452,7 +452,7 @@ def _bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class RouterService:
+class RouterService(WatchedService):
     """HTTP ingress and request routing over NATS (see the module docstring).
 
     Args:
@@ -628,16 +628,6 @@ class RouterService:
             with contextlib.suppress(OSError):
                 Path(self.cfg.port_file).unlink()
         self.log.info("router stopped")
-
-    @property
-    def fatal_error(self) -> BaseException | None:
-        """Why :attr:`fatal` was set (the exception that ended a task the router needs), else None."""
-        return self._bg.fatal_error
-
-    @property
-    def fatal_where(self) -> str | None:
-        """Where :attr:`fatal_error` came from (``task <name>``), else None (``shared.service`` names it at exit)."""
-        return self._bg.fatal_where
 
     def ready(self) -> bool:
         """HTTP up, NATS connected, a placement possible, and the tasks the router needs (fence

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
 from shared.profile import ProfileError
-from shared.service import ServiceFailed, run_service
+from shared.service import run_service_main
 from services.worker.config import WorkerConfig, worker_profile
 from services.worker.service import WorkerService
 from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
@@ -33,12 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def factory(c, bus, clock):  # type: ignore[no-untyped-def]
         return WorkerService(c, bus, clock, vocab=vocab)
 
-    try:
-        run_service("worker", cfg, factory, instance=cfg.instance or f"worker-{cfg.node}")
-    except ServiceFailed as e:  # logged at error; the supervisor restarts the node with empty KV
-        print(f"worker: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service_main("worker", cfg, factory, instance=cfg.instance or f"worker-{cfg.node}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The router, planner and KV directory processes end on ``ServiceFailed`` (a task they need ended; the
 traceback is already in their log) with exit status 1 and one line on stderr naming the task, as the
 worker does. Before, the router, planner and directory let it escape ``run_service``: a raw Python
-traceback on stderr (the exit status, 1, was right). ``run_service`` is replaced by one that raises
-what ``shared.service.serve_until_stopped`` raises."""
+traceback on stderr (the exit status, 1, was right). ``shared.service.run_service`` (which each ``main`` runs
+through ``run_service_main``) is replaced by one that raises what ``serve_until_stopped`` raises."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_a_failed_service_exits_1_with_one_line_naming_the_task(service: str, ar
         except RuntimeError as e:
             raise ServiceFailed(why) from e
 
-    monkeypatch.setattr(mod, "run_service", failing)
+    monkeypatch.setattr("shared.service.run_service", failing)
     monkeypatch.setattr(mod, "setup_logging", lambda *a, **k: None)  # no process-wide logging set up in the test run
     assert mod.main(argv) == 1
     out = capsys.readouterr()
@@ -40,7 +40,7 @@ def test_a_failed_service_exits_1_with_one_line_naming_the_task(service: str, ar
 @pytest.mark.parametrize("service", ["planner", "kvdirectory"])
 def test_a_bad_configuration_is_one_line_and_exit_2(service: str, monkeypatch, capsys) -> None:
     mod = importlib.import_module(f"services.{service}.__main__")
-    monkeypatch.setattr(mod, "run_service", lambda *a, **k: pytest.fail("must not run"))
+    monkeypatch.setattr("shared.service.run_service", lambda *a, **k: pytest.fail("must not run"))
     assert mod.main(["--speedup", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{service}: ") and err.count("\n") == 1 and "Traceback" not in err
