@@ -33,21 +33,28 @@ def _trace() -> list[TraceRequest]:
     ]
 
 
-async def test_every_id_sent_carries_the_prefix_and_records_keep_the_trace_ids():
+async def _replay_on_stub(trace: list[TraceRequest], *, branch_prefix: str = "", on_record=None, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
+    """Replay ``trace`` closed-loop (one agent at a time) against a fresh :class:`StubRouter`, within
+    ``timeout_s``; returns ``(result, what the stub saw)`` (``(target, headers)`` per HTTP request)."""
     stub = StubRouter()
     url = await stub.start()
     try:
-        replayer = LiveReplayer(url, SimClock(1000.0), block_size=4, progress=False, branch_prefix="run7:")
-        res = await replayer.run(_trace(), Arrival(kind="closed", concurrency=1))
+        replayer = LiveReplayer(url, SimClock(1000.0), block_size=4, progress=False, branch_prefix=branch_prefix)
+        res = await asyncio.wait_for(replayer.run(trace, Arrival(kind="closed", concurrency=1), on_record=on_record), timeout_s)
     finally:
         await stub.close()
+    return res, stub.seen
+
+
+async def test_every_id_sent_carries_the_prefix_and_records_keep_the_trace_ids():
+    res, seen = await _replay_on_stub(_trace(), branch_prefix="run7:")
     assert [r.ok for r in res.records] == [True] * 3 and res.branch_end_failures == 0
     assert {r.branch for r in res.records} == {"a1:main", "a1:fork"} and {r.agent for r in res.records} == {"a1"}
-    sent = [h for target, h in stub.seen if target == "/v1/completions"]
+    sent = [h for target, h in seen if target == "/v1/completions"]
     assert {h["x-branch-id"] for h in sent} == {"run7:a1:main", "run7:a1:fork"}
     assert {h["x-agent-id"] for h in sent} == {"run7:a1"}
     assert [h["x-parent-branch-id"] for h in sent if "x-parent-branch-id" in h] == ["run7:a1:main"]
-    ends = sorted(target for target, _ in stub.seen if target.endswith("/end"))
+    ends = sorted(target for target, _ in seen if target.endswith("/end"))
     assert ends == ["/v1/branches/run7:a1:fork/end", "/v1/branches/run7:a1:main/end"]
 
 
@@ -139,14 +146,7 @@ async def test_a_request_whose_send_raises_is_counted_failed_and_the_replay_goes
         if rec.id == "other":
             raise OSError(28, "No space left on device")
 
-    stub = StubRouter()
-    url = await stub.start()
-    try:
-        replayer = LiveReplayer(url, SimClock(1000.0), block_size=4, progress=False)
-        res = await asyncio.wait_for(replayer.run(trace, Arrival(kind="closed", concurrency=1), on_record=keep),
-                                     10)
-    finally:
-        await stub.close()
+    res, _seen = await _replay_on_stub(trace, on_record=keep)
     by_id = {r.id: r for r in res.records}
     assert sorted(by_id) == sorted(seen) == ["bad", "next", "other"]
     assert not by_id["bad"].ok and "ValueError" in by_id["bad"].error and "1 blocks but" in by_id["bad"].error
@@ -165,15 +165,9 @@ async def test_a_branch_end_reaches_the_branch_whatever_characters_its_id_holds(
     for odd in ("a?b#c/%41 ..", "..", "."):
         assert unquote(branch_path(odd)) == odd and "/" not in branch_path(odd)
     for pre in ("r/1?#%41 :", "../", "tab\t:"):
-        stub = StubRouter()
-        url = await stub.start()
-        try:
-            replayer = LiveReplayer(url, SimClock(1000.0), block_size=4, progress=False, branch_prefix=pre)
-            res = await asyncio.wait_for(replayer.run(_trace(), Arrival(kind="closed", concurrency=1)), 10)
-        finally:
-            await stub.close()
+        res, seen = await _replay_on_stub(_trace(), branch_prefix=pre)
         assert res.branch_end_failures == 0 and [r.ok for r in res.records] == [True] * 3, pre
-        ends = sorted(unquote(t[len("/v1/branches/"):-len("/end")]) for t, _ in stub.seen if t.endswith("/end"))
+        ends = sorted(unquote(t[len("/v1/branches/"):-len("/end")]) for t, _ in seen if t.endswith("/end"))
         assert ends == [pre + "a1:fork", pre + "a1:main"], pre
 
 
@@ -202,15 +196,9 @@ async def test_each_request_sends_an_x_request_id_from_its_record_id_and_records
     """requests.jsonl had ``"id": "r1"`` but the server's rid was random (no X-Request-ID sent): records could
     not be joined with the router's logs and traces. The id is the prefixed record id with ':' (refused by the
     router: the rid is a NATS subject token) as '-', unique in the run."""
-    stub = StubRouter()
-    url = await stub.start()
-    try:
-        replayer = LiveReplayer(url, SimClock(1000.0), block_size=4, progress=False, branch_prefix="run7:")
-        res = await replayer.run(_trace(), Arrival(kind="closed", concurrency=1))
-    finally:
-        await stub.close()
+    res, seen = await _replay_on_stub(_trace(), branch_prefix="run7:")
     assert [r.ok for r in res.records] == [True] * 3
-    sent = sorted(h["x-request-id"] for target, h in stub.seen if target == "/v1/completions")
+    sent = sorted(h["x-request-id"] for target, h in seen if target == "/v1/completions")
     assert sent == ["run7-r1", "run7-r2", "run7-r3"]
     assert {r.id: (r.x_request_id, r.request_id) for r in res.records} == {
         f"r{i}": (f"run7-r{i}", f"run7-r{i}") for i in (1, 2, 3)}
