@@ -20,18 +20,26 @@ from tests.integration.test_worker_live import Client, prompt, workers
 pytestmark = pytest.mark.timeout(60)
 
 
+async def _stream_owned(c, rid: str, router: str):  # type: ignore[no-untyped-def]
+    """Send w0 a 200-token request ``rid`` owned by ``router`` and wait until it streams; returns an
+    async ``counter(name)`` reading w0's counter ``name`` (0 when absent)."""
+    work = m.PrefillWork(**{f: getattr(prompt(rid, [1, 2], tail=1, max_tokens=200), f)
+                            for f in ("rid", "prompt_tokens", "max_tokens", "block_size", "block_hashes")}, router=router)
+    await c.bus.publish(WORK_PREFILL, work, node="w0")
+    await until(lambda: len(c.chunks[rid]) >= 2, what="the request to stream")
+
+    async def counter(name: str) -> int:
+        return (await c.stats("w0")).counters.get(name, 0)
+
+    return counter
+
+
 async def test_a_router_that_only_timed_out_in_between_is_not_gone_at_its_next_no_responders(nats_url):
     c = await Client.connect(nats_url)
     # slowed 10x: 200 tokens outlive the test unless the owner checks drop them
     spec = {"node": "w0", "speedup": 0.1, "owner_check_interval_s": 0.2, "owner_gone_after_s": 1.0}
     async with workers(nats_url, spec):
-        work = m.PrefillWork(**{f: getattr(prompt("held-1", [1, 2], tail=1, max_tokens=200), f)
-                                for f in ("rid", "prompt_tokens", "max_tokens", "block_size", "block_hashes")}, router="slow")
-        await c.bus.publish(WORK_PREFILL, work, node="w0")
-        await until(lambda: len(c.chunks["held-1"]) >= 2, what="the request to stream")
-
-        async def counter(name: str) -> int:
-            return (await c.stats("w0")).counters.get(name, 0)
+        counter = await _stream_owned(c, "held-1", "slow")
 
         # nobody serves route.held.slow yet: a no-responders streak starts
         await until(lambda: counter("owners.no_responders"), 5.0, "a no-responders answer", every=0.05)
@@ -71,13 +79,7 @@ async def test_a_router_back_after_a_no_responders_answer_is_asked_again_at_once
     c = await Client.connect(nats_url)
     spec = {"node": "w0", "speedup": 0.02, "owner_check_interval_s": 3.0, "owner_gone_after_s": 30.0}
     async with workers(nats_url, spec):
-        work = m.PrefillWork(**{f: getattr(prompt("lost-1", [1, 2], tail=1, max_tokens=200), f)
-                                for f in ("rid", "prompt_tokens", "max_tokens", "block_size", "block_hashes")}, router="r1")
-        await c.bus.publish(WORK_PREFILL, work, node="w0")
-        await until(lambda: len(c.chunks["lost-1"]) >= 2, what="the request to stream")
-
-        async def counter(name: str) -> int:
-            return (await c.stats("w0")).counters.get(name, 0)
+        counter = await _stream_owned(c, "lost-1", "r1")
 
         # the router is gone: the node's check gets "no responders" (the first full check, <= 3 s)
         await until(lambda: counter("owners.no_responders"), 5.0, "a no-responders answer", every=0.05)
