@@ -72,7 +72,7 @@ from shared.profile import Profile
 from services.worker.engines.base import Engine, EngineFatal
 from services.worker.engines.torch_engine.model import ModelConfigError, PagedDecoder, SeqBatch, int64_tensor
 from services.worker.engines.torch_engine.logprobs import TokenLogprob, token_logprobs
-from services.worker.engines.torch_engine.sampling import TokenStats, check_logit_bias, is_greedy, sample, token_stats
+from services.worker.engines.torch_engine.sampling import TokenStats, check_logit_bias, is_greedy, needs_stats, sample, token_stats
 from services.worker.plan import IterationPlan
 
 
@@ -186,7 +186,7 @@ def _seq(prompt: list[int], sp: Sampling | None, **kw: Any) -> _Seq:
         seed = sp.seed if sp.seed is not None else secrets.randbits(64)
     stop = frozenset(sp.stop_token_ids) if sp is not None and sp.stop_token_ids else frozenset()
     lps: dict[int, TokenLogprob] | None = {} if sp is not None and sp.logprobs is not None else None
-    if sp is None or not (sp.penalized or sp.min_tokens > 0 or sp.logit_bias):
+    if not needs_stats(sp):
         kw.pop("stats_from", None)
     return _Seq(prompt=prompt, sampling=sp, seed=seed, stop_ids=stop, lps=lps, **kw)
 
@@ -678,12 +678,7 @@ class TorchEngine(Engine):
         """Forget requests not in ``live`` (the scheduler's requests): free their private pages."""
         for rid in [r for r in self.seqs if r not in live]:
             self._forget_seq(rid, pending=False)
-        for h, cands in list(self._pending.items()):
-            keep = [(r, p) for r, p in cands if r in self.seqs]
-            if keep:
-                self._pending[h] = keep
-            else:
-                del self._pending[h]
+        self._keep_pending(lambda r: r in self.seqs)
 
     def _forget_seq(self, rid: str, *, pending: bool = True) -> None:
         """Forget the registration of ``rid`` if any: free its private pages, drop the hand-off
@@ -702,12 +697,17 @@ class TorchEngine(Engine):
             self._drop_incoming(rid, s.path)
         self._handoffs.pop(rid, None)
         if pending:
-            for h, cands in list(self._pending.items()):
-                keep = [(r, p) for r, p in cands if r != rid]
-                if keep:
-                    self._pending[h] = keep
-                else:
-                    del self._pending[h]
+            self._keep_pending(lambda r: r != rid)
+
+    def _keep_pending(self, keep_rid: Callable[[str], bool]) -> None:
+        """Keep in :attr:`_pending` only the candidates of requests ``keep_rid`` accepts (a hash
+        left with none is dropped)."""
+        for h, cands in list(self._pending.items()):
+            keep = [(r, p) for r, p in cands if keep_rid(r)]
+            if keep:
+                self._pending[h] = keep
+            else:
+                del self._pending[h]
 
     # ------------------------------------------------------------------ #
     # execution

@@ -196,13 +196,11 @@ def token_stats(
     None when ``sp`` sets no penalty, no ``min_tokens`` and no ``logit_bias`` (nothing to do). ``eos``:
     the model's end-of-sequence ids. ``prompt`` may be a numpy array (the engine passes the packed
     ``<u4`` prompt as is: a 1M-token list took 150-400 ms through ``torch.tensor``, holding the
-    GIL). O(prompt + out), once.
-
-    Raises:
-        ValueError: a ``logit_bias`` id is outside ``[0, vocab)`` (:func:`check_logit_bias`)."""
-    if sp is None or not (sp.penalized or sp.min_tokens > 0 or sp.logit_bias):
+    GIL). O(prompt + out), once. ``logit_bias`` ids are in ``[0, vocab)``: the engine's accept
+    hooks refused the work otherwise (:func:`check_logit_bias`)."""
+    if not needs_stats(sp):
         return None
-    check_logit_bias(sp, vocab)
+    assert sp is not None
     counts = seen = None
     if sp.penalized:
         ids = torch.from_numpy(np.asarray(prompt, dtype=np.int64)).to(device)
@@ -217,6 +215,12 @@ def token_stats(
         bias_ids = torch.tensor(list(sp.logit_bias), dtype=torch.int64, device=device)
         bias = torch.tensor(list(sp.logit_bias.values()), dtype=torch.float32, device=device)
     return TokenStats(counts, seen, sp.min_tokens, torch.tensor(stop, dtype=torch.int64, device=device), bias_ids, bias)
+
+
+def needs_stats(sp: Sampling | None) -> bool:
+    """Whether a request sampled with ``sp`` needs a :class:`TokenStats`: a penalty, ``min_tokens``
+    or a ``logit_bias``."""
+    return sp is not None and bool(sp.penalized or sp.min_tokens > 0 or sp.logit_bias)
 
 
 def check_logit_bias(sp: Sampling | None, vocab: int) -> None:
