@@ -49,7 +49,7 @@ def deploy_args(argv_up: list[str], service: str) -> tuple[list[str], str]:
         if e.code == 0:
             raise
         raise UsageError(err.getvalue().strip().splitlines()[-1]) from None
-    spec = _spec(args)
+    spec = _spec(args, one_host=False)  # each service in its own container or on its own host: EI_METRICS_PORT is fine
     pol = args.live_policy
     line = pol.describe() + "".join(f"\n  note: {n}" for n in pol.notes)
     if service == "env":

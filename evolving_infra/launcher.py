@@ -480,7 +480,16 @@ def api_keys_line(args: argparse.Namespace) -> str | None:
             "except the router's public paths (/healthz, /health, /metrics unless --api-key-public-paths)")
 
 
-def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
+def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: object) -> ClusterSpec:
+    """The :class:`ClusterSpec` for ``up``'s parsed flags ``args`` (``overrides`` replace its fields).
+
+    ``one_host``: ``up`` starts every service on this host, so one ``EI_METRICS_PORT`` for all of them is
+    refused; ``deploy-args`` (compose, Slurm) passes False: there each service has its own host or container.
+
+    Raises:
+        UsageError: (status 2) flags ``up`` refuses: a split that does not fit the nodes, a bad metrics port,
+            trace endpoint, tokenizer, model folder or KV size.
+    """
     if args.nodes < 1:  # before the default split (collocated for any N < 2) and the planner check (sized >= 1)
         raise UsageError(f"error: --nodes {args.nodes}: a cluster needs at least one worker node")
     pol = args.live_policy if getattr(args, "live_policy", None) else _policy(args)
@@ -490,7 +499,7 @@ def _spec(args: argparse.Namespace, **overrides: object) -> ClusterSpec:
     except SplitError as e:  # the split may be a policy's (static:2P2D) the user did not size: say what to change
         raise UsageError(f"error: {e}; pass --split xPyD with x + y = {args.nodes} (or 'collocated'), or --nodes")
     env_port = os.environ.get("EI_METRICS_PORT", "").strip()
-    if env_port not in ("", "0"):  # every service would take it: the second to bind it exited 1 and the cluster stopped
+    if one_host and env_port not in ("", "0"):  # every service would take it: the second to bind it exited 1 and the cluster stopped
         raise UsageError(
             f"error: EI_METRICS_PORT={env_port} is one service's metrics port, and up starts {args.nodes + 3} services; "
             f"unset it and pass --metrics (free ports, in the READY line and LOG_DIR/prometheus-targets.json) or "

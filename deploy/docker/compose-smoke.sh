@@ -66,7 +66,7 @@ log "docker build (base $BASE_IMAGE, offline from the wheelhouse)"
 $DOCKER build -q --network none --target sim --build-arg BASE_IMAGE="$BASE_IMAGE" -f deploy/docker/Dockerfile -t "$EI_IMAGE" . >/dev/null
 
 log "up: WORKERS=$WORKERS SPLIT=$SPLIT, router on 127.0.0.1:$ROUTER_PORT"
-$COMPOSE up -d --scale worker="$WORKERS" --no-build
+$COMPOSE up -d --scale worker="$WORKERS" --no-build || { $COMPOSE ps; $COMPOSE logs --tail 30; exit 1; }
 ok=""
 for _ in $(seq 180); do
     if curl -fsS "http://127.0.0.1:$ROUTER_PORT/healthz" >/dev/null 2>&1; then ok=1; break; fi
@@ -82,13 +82,14 @@ expected=$("$PY" -c "print(sorted(f'w{i}' for i in range($WORKERS)))")
 if [ "${EI_POLICY:-evolving}" = evolving ]; then  # the system `up` runs, not the services' defaults (a baseline)
     routing=$(curl -fsS "http://127.0.0.1:$ROUTER_PORT/v1/cluster" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["policy"])')
     [ "$routing" = ttft ] || { log "router routing $routing, expected ttft (EI_POLICY=evolving)"; exit 1; }
-    $COMPOSE logs planner | grep -q '"policy": "evolving"' || { log "planner is not the evolving one"; $COMPOSE logs --tail 20 planner; exit 1; }
+    # grep reads the whole log (not -q): under pipefail, -q's early exit SIGPIPEs docker-compose and fails the check
+    $COMPOSE logs planner | grep -c '"policy": "evolving"' >/dev/null || { log "planner is not the evolving one"; $COMPOSE logs --tail 20 planner; exit 1; }
     log "policy evolving: router ttft, planner evolving"
 fi
 held=$($COMPOSE exec -T router ls /creds | tr -d '\r' | tr '\n' ' ')  # its own seed only (auth copies it there)
 [ "$held" = "clock_origin router.nk " ] || { log "router's /creds holds: $held (expected clock_origin router.nk)"; exit 1; }
 
-$COMPOSE logs stream | grep -q "JetStream stream EI_" || { log "no JetStream stream"; $COMPOSE logs stream; exit 1; }
+$COMPOSE logs stream | grep -c "JetStream stream EI_" >/dev/null || { log "no JetStream stream"; $COMPOSE logs stream; exit 1; }
 if $COMPOSE logs | grep "no JetStream stream"; then log "a service runs without the JetStream stream (at most once)"; exit 1; fi
 
 log "replay $SESSIONS Claude Code sessions"

@@ -92,7 +92,7 @@ def test_a_bad_setting_ends_the_auth_job_before_anything_starts(tmp_path):
 def test_compose_gives_every_service_the_settings_from_one_place():
     services = resolved_services(_env(EI_GPU_KV_TOKENS="8192", EI_SERVED_MODEL_NAME="qwen"))
     for name in ("auth", "router", "planner", "kvdirectory", "worker"):
-        assert re.search(r"^      EI_GPU_KV_TOKENS: \"?8192\"?$", services[name], re.M), (name, services[name])
+        assert re.search(r"^      EI_GPU_KV_TOKENS: ['\"]?8192['\"]?$", services[name], re.M), (name, services[name])
         assert re.search(r"^      EI_SERVED_MODEL_NAME: qwen$", services[name], re.M), (name, services[name])
 
 

@@ -108,8 +108,7 @@ async def test_a_worker_silent_on_kv_events_is_marked_stale_within_the_threshold
         run = await replay
         d = (await fc.stats("kvdirectory")).counters
         w1 = (await fc.stats("worker-w1")).counters
-    assert seen is not None, "w1 never marked stale"
-    stale_at = time.monotonic() - t0  # upper bound on when it was seen
+    assert seen is not None, "w1 not marked stale within 30 s of the replay's start"
     w1v, w0v = seen["w1"], seen["w0"]
     assert stale_after < w1v["kv_silent_s"] < stale_after + 1.5, w1v  # marked within the threshold (+ check and publish periods)
     assert w1v["kv_last_batch_s"] is None
@@ -117,7 +116,6 @@ async def test_a_worker_silent_on_kv_events_is_marked_stale_within_the_threshold
     assert d["kv_view.stale"] == 1 and d["kv.stale_resyncs"] == 1 and w1["kv.resyncs"] >= 1  # one resync asked, answered
     assert w1["kv.batches_dropped_by_fault"] > 0
     _no_loss(run)
-    assert stale_at < 30
 
 
 @pytest.mark.timeout(420)

@@ -15,3 +15,12 @@ def test_help_after_the_service_is_deploy_args_own(argv, capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: evolving-infra deploy-args"), out[:200]
     assert "UP_FLAGS" in out and "EI_DEPLOY_SPLIT" in out, out
+
+
+@pytest.mark.parametrize("service", ["env", "router", "worker"])
+def test_each_service_s_own_ei_metrics_port_is_not_refused(service, monkeypatch, capsys):
+    """Compose sets EI_METRICS_PORT=9100 for every container (each its own network namespace) and the
+    Slurm job one per service; ``up``'s refusal of one port for all its local services broke the compose
+    stack: the auth job's ``deploy-args env`` exited 2 and nats never started."""
+    monkeypatch.setenv("EI_METRICS_PORT", "9100")
+    assert main(["deploy-args", service, "--nodes", "2", "--split", "1P1D"]) == 0, capsys.readouterr().err
