@@ -384,9 +384,7 @@ class LocalCluster:
             port = s.metrics_base_port + self._metrics_index(instance) if s.metrics_base_port else _free_port(s.host)
             self.metrics_urls[instance] = f"http://{s.host}:{port}/metrics"
             extra = ["--metrics-port", str(port), "--metrics-host", s.host]
-        return extra + [
-            "--nats-url",
-            self.nats_url,
+        return extra + [  # no --nats-url: the URL goes through the environment (_wire_children)
             "--partition",
             s.partition,
             "--instance",
@@ -482,6 +480,19 @@ class LocalCluster:
         )
         return kids
 
+    def _wire_children(self) -> None:
+        """Point every planned child at ``nats_url`` and give it its credentials file (``--nats-creds``).
+
+        The URL goes in the child's environment (``EI_NATS_URL``, which every service reads, shared/config.py),
+        not on its command line: a URL may carry a password (``up --nats-url nats://user:pass@host``), and a
+        command line is in every local user's ``ps``; the environment (``/proc/<pid>/environ``) only the owner
+        reads. A restart reuses ``env`` and ``argv``, so a restarted service connects the same way."""
+        for c in self.children:
+            c.env = {**(c.env or {}), "EI_NATS_URL": self.nats_url}
+            path = self.creds_file(_flag(c.argv, "--instance"))
+            if path:
+                c.argv += ["--nats-creds", path]
+
     async def start(self) -> None:
         """Start NATS (unless external), then every service; wait until all are healthy.
 
@@ -519,11 +530,7 @@ class LocalCluster:
             self.nats_url = self.nats.url
             if self.creds:
                 log.info("embedded NATS with per-service credentials", mode=s.nats_auth, creds=str(self.creds.directory))
-        for c in self.children:
-            _set_flag(c.argv, "--nats-url", self.nats_url)
-            path = self.creds_file(_flag(c.argv, "--instance"))
-            if path:
-                c.argv += ["--nats-creds", path]
+        self._wire_children()
         self._bus = await Bus.connect(
             self.nats_url, Subjects(s.partition), service="launcher", instance="launcher", auth=self.client_auth("launcher")
         )
@@ -817,10 +824,6 @@ class LocalCluster:
 
 def _flag(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
-
-
-def _set_flag(argv: list[str], flag: str, value: str) -> None:
-    argv[argv.index(flag) + 1] = value
 
 
 def write_json(path: Path, data: object) -> None:

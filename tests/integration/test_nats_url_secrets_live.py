@@ -81,3 +81,43 @@ def test_auth_stream_takes_the_url_from_the_environment_and_prints_it_without_it
     assert r.returncode == 1 and "wrong-secret-9" not in r.stderr + r.stdout and "ei:***@" in r.stderr, r
     r = auth_stream()
     assert r.returncode == 2 and "EI_NATS_URL" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r
+
+
+def test_up_children_connect_with_a_password_url_that_is_not_on_their_command_line(password_server, tmp_path, monkeypatch):
+    """``up --nats-url nats://ei:<password>@...``: a service ``up`` starts (and the supervisor restarts) has the URL in
+    its environment, not in ``/proc/<pid>/cmdline`` (every local user's ``ps``), and connects with it. Before, each
+    got ``--nats-url <the URL>`` on its command line."""
+    from evolving_infra.cluster import ClusterSpec, LocalCluster
+
+    for k in [k for k in os.environ if k.startswith("EI_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    url = password_server.url.replace("nats://", f"nats://ei:{PASSWORD}@")
+    c = LocalCluster(ClusterSpec(nodes=1, split="collocated", nats_url=url, log_dir=str(tmp_path)))
+    c.log_dir, c.nats_url = tmp_path, url
+    c.children = [k for k in c._plan_children() if k.name == "kvdirectory"]
+    c._wire_children()
+    kv = c.children[0]
+
+    def started(times: int) -> None:
+        deadline = time.monotonic() + 60
+        while kv.log_path.read_text().count("service started") < times and kv.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert kv.log_path.read_text().count("service started") == times, kv.log_path.read_text()  # connected
+        cmdline = Path(f"/proc/{kv.proc.pid}/cmdline").read_bytes().decode()
+        assert PASSWORD not in cmdline and "--nats-url" not in cmdline, cmdline
+
+    try:
+        c._spawn(kv)
+        started(1)
+        kv.proc.kill()
+        kv.proc.wait(timeout=10)
+        now = time.monotonic()
+        assert c.supervise_once(now) == [] and c.supervise_once(now + 60) == ["kvdirectory"]  # the supervisor's restart
+        started(2)
+    finally:
+        if kv.proc is not None and kv.proc.poll() is None:
+            kv.proc.terminate()
+            kv.proc.wait(timeout=30)
+        kv.log_file.close()  # type: ignore[attr-defined]
+    assert PASSWORD not in kv.log_path.read_text()
