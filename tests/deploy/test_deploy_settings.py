@@ -97,11 +97,12 @@ def test_compose_gives_every_service_the_settings_from_one_place():
 
 
 def _sbatch(body: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """``body`` run by ``bash`` after the Slurm script's ``log``, ``up_flags`` and ``service_args`` functions."""
+    """``body`` run by ``bash`` after the Slurm script's ``log``, ``shown_url``, ``up_flags`` and ``service_args``
+    functions."""
     text = SBATCH.read_text()
-    funcs = [re.search(rf"^{name}\(\) \{{.*?^\}}\n" if name != "log" else r"^log\(\) \{.*?\}\n", text, re.S | re.M)
-             for name in ("log", "up_flags", "service_args")]
-    assert all(funcs), "the sbatch lacks log(), up_flags() or service_args()"
+    funcs = [re.search(rf"^{name}\(\) \{{.*?^\}}\n" if name not in ("log", "shown_url") else rf"^{name}\(\) \{{.*?\}}\n", text, re.S | re.M)
+             for name in ("log", "shown_url", "up_flags", "service_args")]
+    assert all(funcs), "the sbatch lacks log(), shown_url(), up_flags() or service_args()"
     base = dict(POLICY="evolving", NWORKERS="2", PROFILE="gb300-glm52", ENGINE="sim", SPLIT="", ROUTING="",
                 LOG_REQUESTS="", METRICS_PORT="9100", AUTH="nkeys", RUN="/run")
     script = "".join(f.group(0) for f in funcs) + body
@@ -140,3 +141,20 @@ def test_slurm_service_arguments_keep_a_run_folder_with_spaces_whole():
                                      f"{run}/creds/router.nk"], r
     r = _sbatch('service_args 0 kvdirectory; printf "%s\\n" "${SVC_ARGS[@]}"', RUN=run, AUTH="off")
     assert r.stdout.splitlines() == ["--metrics-port", "9100", "--metrics-host", "0.0.0.0"], r
+
+
+def test_slurm_job_log_shows_a_nats_url_without_its_password():
+    """``NATS_URL=nats://ei:<password>@host:4222 sbatch ...`` (a shared NATS server with password auth): the job
+    printed ``READY router ... nats nats://ei:<password>@host:4222 ...`` into its output file. Its ``shown_url``
+    writes what ``shared.auth.redact_url`` writes (``***``), and the READY and FAILED lines use it."""
+    from shared.auth import redact_url
+
+    urls = ["nats://10.0.0.1:4222", "nats://ei:pw-71c3@10.0.0.1:4222", "tls://tok-9e2@head", "nats://a:p:with:colons@h",
+            "nats://a:p@w0rd@h:1", "nats://a:p1@h1:1,nats://b:p2@h2:2,nats://h3:3", "ei:pw-71c3@head:4222", "nats://head"]
+    for url in urls:
+        r = _sbatch('shown_url "$URL"', URL=url)
+        assert r.returncode == 0 and r.stdout == redact_url(url) + "\n", (url, r)
+    text = SBATCH.read_text()
+    assert re.search(r'log "READY router .* nats \$NATS_SHOWN ', text) and 'stream on $NATS_SHOWN"' in text
+    assert 'NATS_SHOWN=$(shown_url "$NATS_URL")' in text
+    assert not re.search(r'log "[^"\n]*\$\{?NATS_URL\b', text), "a log line prints NATS_URL whole"
