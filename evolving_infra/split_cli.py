@@ -3,7 +3,7 @@
 ``split set 4P5D`` sends a ``SplitSetRequest`` on ``split.set``; the planner
 validates it against its node list and, when it fits, publishes the split under
 a new epoch on ``split.commands`` and replies with that command. ``split get``
-asks ``split.get``. Without ``--nats-url`` the NATS server is the one of the running
+asks ``split.get``. Without ``--nats-url`` (or ``EI_NATS_URL``) the NATS server is the one of the running
 ``evolving-infra up`` cluster (its state file, :mod:`evolving_infra.state`). Nothing is
 retried past ``--timeout``. Exit status: 0 on success, 1 when the planner refused the
 split (the reason is printed), 2 when no cluster is found, NATS refused the credentials
@@ -122,7 +122,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         q.add_argument(
             "--nats-url",
             default=None,
-            help="NATS server (default: the running `evolving-infra up` cluster's, from the state file it writes)",
+            help="NATS server (default: env EI_NATS_URL, which keeps a password in it out of the process list; else "
+            "the running `evolving-infra up` cluster's, from the state file it writes)",
         )
         q.add_argument("--partition", default="p0", help="partition (default p0)")
         q.add_argument(

@@ -3,8 +3,8 @@
 ``evolving-infra up`` (and ``demo``, while it replays) writes ``<state dir>/up-<pid>.json`` once every service is healthy —
 the router URL, the NATS URL, the partition, the log folder and every process id — rewrites it
 (atomically) with the new process ids and restart counts when its supervisor restarts a service, and
-removes it when it stops (Ctrl-C, SIGTERM, SIGHUP). ``split`` and ``tap`` read it when no ``--nats-url`` is
-given. A file whose launcher process is gone (killed, machine rebooted) is stale: it is
+removes it when it stops (Ctrl-C, SIGTERM, SIGHUP). ``split`` and ``tap`` read it when neither ``--nats-url``
+nor ``EI_NATS_URL`` is given. A file whose launcher process is gone (killed, machine rebooted) is stale: it is
 removed when found, and says so. The state dir is ``$EI_STATE_DIR`` if set, else
 ``$XDG_RUNTIME_DIR/evolving-infra``, else ``~/.local/state/evolving-infra``.
 """
@@ -108,13 +108,17 @@ def running_clusters(*, remove_stale: bool = True) -> list[dict[str, Any]]:
 
 
 def fill_nats_url(args: argparse.Namespace) -> str | None:
-    """Give ``args.nats_url`` the running local cluster's NATS URL when it was not passed
-    (``--nats-url``), for the CLI tools that talk to a live cluster (``split``, ``tap``).
+    """Give ``args.nats_url``, when it was not passed (``--nats-url``), ``EI_NATS_URL`` (as the services and
+    ``auth stream`` read it) or else the running local cluster's NATS URL, for the CLI tools that talk to a
+    live cluster (``split``, ``tap``). ``EI_NATS_URL`` keeps a password in the URL out of the process list,
+    where ``--nats-url`` shows it to every local user.
 
     Returns:
         None when ``args.nats_url`` is set, or the reason no cluster was found (the caller
         prints it and exits non-zero).
     """
+    if args.nats_url is None and os.environ.get("EI_NATS_URL"):
+        args.nats_url = os.environ["EI_NATS_URL"]
     if args.nats_url is None:
         try:
             args.nats_url = find_nats_url(args.partition)
@@ -135,7 +139,7 @@ def find_nats_url(partition: str | None = None) -> str:
     if not found:
         raise ClusterNotFound(
             f"no running local cluster found (no live state file in {state_dir()}); start one with "
-            "`evolving-infra up`, or pass --nats-url for a cluster started otherwise"
+            "`evolving-infra up`, or pass --nats-url (or set EI_NATS_URL) for a cluster started otherwise"
         )
     if len(found) > 1:
         listed = "; ".join(f"{redact_url(str(c.get('nats_url')))} (router {c.get('router_url')}, pid {c.get('pid')})" for c in found)

@@ -5,7 +5,7 @@ subjects / wildcards) and prints one line per message: wall time, subject,
 message type and its fields as JSON. Long lists (block hashes, token ids) are
 abbreviated unless ``--full``. ``--json`` prints one JSON object per line
 instead (``ts`` epoch s, ``subject``, ``type``, ``msg``, and ``traceparent``
-when the message carries one), for ``jq`` and scripts. Without ``--nats-url`` it
+when the message carries one), for ``jq`` and scripts. Without ``--nats-url`` (or ``EI_NATS_URL``) it
 taps the running ``evolving-infra up`` cluster (its state file,
 :mod:`evolving_infra.state`). It fails within seconds when no server answers and stops
 when the connection is lost (no endless reconnecting). A subject its credentials may not
@@ -204,7 +204,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("subjects", nargs="*", metavar="SUBJECT", help="subjects or wildcards (default: everything)")
     p.add_argument(
-        "--nats-url", default=None, help="NATS server (default: the running `evolving-infra up` cluster's, from the state file it writes)"
+        "--nats-url", default=None, help="NATS server (default: env EI_NATS_URL, which keeps a password in it out of the process "
+        "list; else the running `evolving-infra up` cluster's, from the state file it writes)"
     )
     p.add_argument("--partition", default="p0", help="partition (default p0)")
     p.add_argument(

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _cli(state: Path, *args: str, timeout: float = 60) -> tuple[int, str, float]:
-    env = {**os.environ, "EI_STATE_DIR": str(state)}
+    env = {**{k: v for k, v in os.environ.items() if k != "EI_NATS_URL"}, "EI_STATE_DIR": str(state)}  # a URL there wins
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "evolving_infra.cli", *args], capture_output=True, text=True, env=env, timeout=timeout)
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
@@ -69,7 +69,7 @@ def test_stale_state_file_is_removed_and_said(tmp_path):
 
 def test_up_writes_the_state_file_split_and_tap_use_it_and_it_is_removed(tmp_path):
     state = tmp_path / "state"
-    env = {**os.environ, "EI_STATE_DIR": str(state)}
+    env = {**{k: v for k, v in os.environ.items() if k != "EI_NATS_URL"}, "EI_STATE_DIR": str(state)}  # a URL there wins
     cmd = [
         sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "2", "--split", "1P1D", "--profile", "tiny",
         "--block-size", "4", "--port", "0", "--log-dir", str(tmp_path / "logs"),

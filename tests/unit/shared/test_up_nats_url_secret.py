@@ -41,3 +41,27 @@ def test_a_credentials_folder_still_gives_each_child_its_nats_creds(tmp_path):
     assert kids["planner"].argv[-2:] == ["--nats-creds", str(creds / "planner.pass")]
     assert "--nats-creds" not in kids["kvdirectory"].argv
     assert kids["planner"].env == {"EI_NATS_URL": URL}
+
+
+def test_split_and_tap_take_the_nats_url_from_ei_nats_url_before_the_state_file(tmp_path, monkeypatch):
+    """``split`` / ``tap`` against a cluster ``up`` did not start needed ``--nats-url`` (a password in it is in every
+    local user's ``ps``); now ``EI_NATS_URL`` (as the services and ``auth stream`` read it) serves, the flag
+    still wins, and the state file is the fallback."""
+    import argparse
+
+    from evolving_infra.state import fill_nats_url, write_state
+
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("EI_NATS_URL", raising=False)
+    args = argparse.Namespace(nats_url=None, partition="p0")
+    missing = fill_nats_url(args)
+    assert args.nats_url is None and missing is not None and "EI_NATS_URL" in missing
+    write_state({"router_url": "http://127.0.0.1:1", "nats_url": "nats://127.0.0.1:4999", "partition": "p0"})
+    monkeypatch.setenv("EI_NATS_URL", URL)
+    args = argparse.Namespace(nats_url=None, partition="p0")
+    assert fill_nats_url(args) is None and args.nats_url == URL
+    args = argparse.Namespace(nats_url="nats://given:4222", partition="p0")
+    assert fill_nats_url(args) is None and args.nats_url == "nats://given:4222"
+    monkeypatch.delenv("EI_NATS_URL")
+    args = argparse.Namespace(nats_url=None, partition="p0")
+    assert fill_nats_url(args) is None and args.nats_url == "nats://127.0.0.1:4999"  # this process's state file
