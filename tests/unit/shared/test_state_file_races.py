@@ -54,3 +54,12 @@ def test_the_state_file_is_private_and_keeps_the_url_for_the_tools(tmp_path, mon
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     [info] = running_clusters()
     assert info["nats_url"] == url
+
+
+def test_a_test_sessions_clusters_are_not_the_users(tmp_path_factory):
+    """A test that starts ``up`` without its own ``EI_STATE_DIR`` (``tests/e2e/test_up.py``) wrote its state file into
+    the user's folder, where the other lane of ``make test -n 2``, another checkout's test run and the user's
+    ``split`` / ``replay`` counted it as a running cluster (tests/conftest.py gives each test process its own)."""
+    from evolving_infra.state import state_dir
+
+    assert state_dir().is_relative_to(tmp_path_factory.getbasetemp()), state_dir()
