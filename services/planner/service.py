@@ -28,8 +28,9 @@ exit 1, its supervisor restarts it, and a restarted planner adopts the split the
 from __future__ import annotations
 
 import asyncio
+import importlib
+import time
 
-import scipy.optimize  # noqa: F401  (see below)
 import structlog
 from prometheus_client import Histogram
 
@@ -59,9 +60,15 @@ from shared.subjects import (
 )
 
 # SciPy (the fits' NNLS, services/planner/fit.py) is imported lazily there, because most simulator
-# runs never fit; the live planner loads it here, before it announces anything, so that its first
-# fit (the end of the warm-up) does not stall a planning tick for the ~1 s of CPU the import takes
-# (50 simulated s at speed-up 50: the demo's switch at the end of the warm-up took 41 s instead of 2).
+# runs never fit. The live planner loads it in a thread from its start (:meth:`PlannerService._load_scipy`):
+# its first fit (the end of the warm-up, at least the adoption grace after the start) then finds it
+# loaded and does not stall a planning tick for the ~1 s of CPU the import takes (50 simulated s at
+# speed-up 50: the demo's switch at the end of the warm-up took 41 s instead of 2), and the process
+# no longer spends that second before it starts (spawn → 'service started' 1.75 → 1.08 s, median of 5,
+# bench/RESULTS.md "Service start"). A fit that comes before the thread has finished waits for it on
+# the import's module lock, as it waited for the whole import before.
+SCIPY_MODULE = "scipy.optimize"
+"""The module :meth:`PlannerService._load_scipy` loads off the start path (the fits' ``nnls``)."""
 
 
 class PlannerService(WatchedService):
@@ -111,6 +118,7 @@ class PlannerService(WatchedService):
         bus.known_nodes = frozenset(cfg.nodes)
 
     async def start(self) -> None:
+        self._bg.start(self._load_scipy(), "planner-load-scipy", needed=False, counter="scipy.load_errors")
         await self.bus.subscribe(NODE_ITERS, self._on_iters)
         await self.bus.subscribe(NODE_STATE, self._on_state)
         await self.bus.subscribe(REQ_OUT, self._on_chunk, reliable=False)  # observes only: a missed chunk is harmless
@@ -129,6 +137,19 @@ class PlannerService(WatchedService):
 
     async def stop(self) -> None:
         await self._bg.stop()
+
+    async def _load_scipy(self) -> None:
+        """Import :data:`SCIPY_MODULE` in a worker thread (see the comment above the class): the
+        event loop serves meanwhile. Logs the wall seconds it took at debug.
+
+        Raises:
+            ImportError: SciPy missing or broken; ``BackgroundTasks`` logs it at error and counts
+                ``scipy.load_errors``; the planner serves on, and a fit then raises the ImportError
+                again in its tick (counted as the tick loop's errors).
+        """
+        t0 = time.perf_counter()
+        await asyncio.to_thread(importlib.import_module, SCIPY_MODULE)
+        self.log.debug("scipy loaded", module=SCIPY_MODULE, wall_s=round(time.perf_counter() - t0, 3))
 
     def ready(self) -> bool:
         """Both loops (announce, tick) run."""
