@@ -35,20 +35,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+
+if TYPE_CHECKING:
+    import uvicorn
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+# uvicorn and Starlette (~0.1 s of imports) load in the functions that serve HTTP: a service with
+# --metrics-port 0 (the default; LocalCluster's, so every e2e test's workers, KV directory and planner)
+# never serves here and starts without them (the router imports them itself for its HTTP port).
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
@@ -194,18 +199,26 @@ def metrics_payload(registry: CollectorRegistry) -> bytes:
 
 def metrics_response(registry: CollectorRegistry) -> Response:
     """A Starlette response for ``GET /metrics``."""
+    from starlette.responses import Response
+
     return Response(metrics_payload(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-class _QuietServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the service shell owns SIGINT/SIGTERM."""
+@functools.cache
+def _quiet_server_type() -> type[uvicorn.Server]:
+    """``uvicorn.Server`` without its own signal handling: the service shell owns SIGINT/SIGTERM
+    (a class made on first use, so that importing this module does not import uvicorn)."""
+    import uvicorn
 
-    @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[no-untyped-def, override]
-        yield
+    class _QuietServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[no-untyped-def, override]
+            yield
 
-    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-        pass
+        def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+            pass
+
+    return _QuietServer
 
 
 class MetricsServer:
@@ -222,7 +235,7 @@ class MetricsServer:
         self.registry = registry
         self.host = host
         self.port = port
-        self._server: _QuietServer | None = None
+        self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -231,6 +244,10 @@ class MetricsServer:
         Raises:
             OSError: the address cannot be bound (the service then does not start).
         """
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import Response
+        from starlette.routing import Route
 
         async def metrics(_request: Request) -> Response:
             return metrics_response(self.registry)
@@ -250,7 +267,7 @@ class MetricsServer:
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         cfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="none", timeout_graceful_shutdown=2)
-        self._server = _QuietServer(cfg)
+        self._server = _quiet_server_type()(cfg)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="metrics-http")
         while not self._server.started:
             if self._task.done():
