@@ -158,3 +158,13 @@ def test_slurm_job_log_shows_a_nats_url_without_its_password():
     assert re.search(r'log "READY router .* nats \$NATS_SHOWN ', text) and 'stream on $NATS_SHOWN"' in text
     assert 'NATS_SHOWN=$(shown_url "$NATS_URL")' in text
     assert not re.search(r'log "[^"\n]*\$\{?NATS_URL\b', text), "a log line prints NATS_URL whole"
+
+
+def test_slurm_job_log_hides_the_password_of_a_nats_user_with_an_at_sign():
+    """A NATS user named like an e-mail address (``nats://alice@corp.example:<password>@host``: nats-py, as
+    ``urllib.parse``, takes the last ``@`` as the end of the user part, so the URL works unencoded): ``shown_url``
+    matched the user only up to its ``@``, wrote ``nats://***@corp.example:<password>@host`` and the job log
+    held the password."""
+    for url in ("nats://alice@corp.example:pw-5e1d@head:4222", "nats://h:1,nats://alice@corp.example:pw-5e1d@h2:2"):
+        r = _sbatch('shown_url "$URL"', URL=url)
+        assert r.returncode == 0 and "pw-5e1d" not in r.stdout and r.stdout.count("***") >= 1, (url, r)
