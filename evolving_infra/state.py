@@ -113,12 +113,22 @@ def fill_nats_url(args: argparse.Namespace) -> str | None:
     live cluster (``split``, ``tap``). ``EI_NATS_URL`` keeps a password in the URL out of the process list,
     where ``--nats-url`` shows it to every local user.
 
+    ``up`` itself does not read ``EI_NATS_URL`` (it starts its own server unless ``--nats-url``), so a URL left
+    exported in the shell (another cluster's) would silently take ``split`` / ``tap`` away from the local
+    cluster ``up`` just started (``split set`` changed that other cluster's split): when a live local cluster of
+    the partition runs on another server, a note on stderr names both.
+
     Returns:
         None when ``args.nats_url`` is set, or the reason no cluster was found (the caller
         prints it and exits non-zero).
     """
     if args.nats_url is None and os.environ.get("EI_NATS_URL"):
         args.nats_url = os.environ["EI_NATS_URL"]
+        local = [c for c in running_clusters(remove_stale=False) if c.get("partition", "p0") == args.partition]
+        if local and all(c.get("nats_url") != args.nats_url for c in local):
+            listed = "; ".join(f"{redact_url(str(c.get('nats_url')))} (router {c.get('router_url')}, pid {c.get('pid')})" for c in local)
+            print(f"note: using EI_NATS_URL ({redact_url(args.nats_url)}), not the local cluster `up` started: {listed}; "
+                  "unset EI_NATS_URL or pass --nats-url to pick one", file=sys.stderr)
     if args.nats_url is None:
         try:
             args.nats_url = find_nats_url(args.partition)

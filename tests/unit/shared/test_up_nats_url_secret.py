@@ -65,3 +65,27 @@ def test_split_and_tap_take_the_nats_url_from_ei_nats_url_before_the_state_file(
     monkeypatch.delenv("EI_NATS_URL")
     args = argparse.Namespace(nats_url=None, partition="p0")
     assert fill_nats_url(args) is None and args.nats_url == "nats://127.0.0.1:4999"  # this process's state file
+
+
+def test_split_and_tap_say_so_when_ei_nats_url_is_not_the_local_cluster_up_started(tmp_path, monkeypatch, capsys):
+    """``up`` starts its own NATS server whatever ``EI_NATS_URL`` says, but ``split`` / ``tap`` take ``EI_NATS_URL``
+    first: a URL left exported in the shell (another cluster's) silently took them away from the cluster ``up`` had
+    just started (its banner: "trace with: evolving-infra tap (or split get)"), and ``split set`` changed the other
+    cluster. Now a note on stderr names both; none when they agree or no local cluster runs."""
+    import argparse
+
+    from evolving_infra.state import fill_nats_url, write_state
+
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("EI_NATS_URL", URL)
+    assert fill_nats_url(argparse.Namespace(nats_url=None, partition="p0")) is None
+    assert capsys.readouterr().err == ""  # no local cluster: nothing to say
+    write_state({"router_url": "http://127.0.0.1:1", "nats_url": "nats://127.0.0.1:4999", "partition": "p0"})
+    args = argparse.Namespace(nats_url=None, partition="p0")
+    assert fill_nats_url(args) is None and args.nats_url == URL
+    err = capsys.readouterr().err
+    assert "EI_NATS_URL" in err and "nats://127.0.0.1:4999" in err and "nats://ei:***@127.0.0.1:4222" in err, err
+    assert SECRET not in err
+    monkeypatch.setenv("EI_NATS_URL", "nats://127.0.0.1:4999")  # the local cluster's own URL: nothing to say
+    assert fill_nats_url(argparse.Namespace(nats_url=None, partition="p0")) is None
+    assert capsys.readouterr().err == ""
