@@ -8,9 +8,12 @@ the 2-core CI box. Every test is in one of two groups, each run whole, in order,
   wall-clock bounds; one at a time, as before.
 - ``rest``: ``tests/unit``, ``tests/property`` and ``tests/deploy`` (Docker and Slurm smokes with minute-long
   bounds), at nice +5 under xdist, so that the live lane's processes get the CPU first and this lane fills
-  what they leave idle.
+  what they leave idle. With the kernel's autogroup scheduling on (``/proc/sys/kernel/sched_autogroup_enabled``,
+  as on the box this was measured on) nice weighs only within a session: what this lane starts in a session
+  of its own (the Slurm jobs, slurmd, Docker's containers) runs at full weight beside the live lane.
 
-Serial, the suite took 2082 s here; CI allows about 30 minutes. Plain ``pytest`` (no ``-n``) runs
+Serial, the suite took 2082 s here; in two lanes 1477 s (the live lane's slowest tests ran up to 2-3x
+longer than alone, and passed); CI allows about 30 minutes. Plain ``pytest`` (no ``-n``) runs
 everything in one process as before.
 """
 
@@ -59,7 +62,6 @@ def shared_traces_or_skip(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not present (the shared traces folder is outside the repo)")
     return path
-
 
 
 LIVE_DIRS = ("tests/e2e/", "tests/integration/")
