@@ -32,6 +32,7 @@ import structlog
 from shared import messages as m
 from shared.auth import AuthError, Credentials, NatsAuth, generate
 from shared.bus import Bus
+from shared.config import ENV_PREFIX, CommonConfig
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent
 from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
@@ -171,10 +172,26 @@ TARGETS_FILE = "prometheus-targets.json"
 """The Prometheus ``file_sd`` list ``LocalCluster`` writes in its log folder (the Slurm job's name and labels)."""
 
 
-def child_env(env: dict[str, str] | None, base: "os._Environ[str] | dict[str, str] | None" = None) -> dict[str, str]:
-    """The environment of a service process: ``base`` (default: this process's) without :data:`PER_SERVICE_ENV`,
-    with ``env`` (the child's own variables, e.g. the router's ``EI_API_KEYS``) set over it."""
-    out = {k: v for k, v in (os.environ if base is None else base).items() if k not in PER_SERVICE_ENV}
+NATS_CONNECTION_ENV = tuple(
+    ENV_PREFIX + name.upper() for name in CommonConfig.__struct_fields__ if name.startswith("nats_") and name != "nats_url"
+)
+"""How a service connects to its NATS server besides the URL (shared/config.py ``CommonConfig``, shared/auth.py):
+``EI_NATS_CREDS``, ``EI_NATS_USER``, ``EI_NATS_PASSWORD``, ``EI_NATS_TLS_CA``, ``EI_NATS_TLS_CERT``,
+``EI_NATS_TLS_KEY``. Exported in the shell for another server, they do not belong to the embedded nats-server
+``up`` starts (its URL, and its credentials files as ``--nats-creds``, are the cluster's own): a TLS CA path of
+another machine made every service exit 1 (``cannot load NATS TLS files``) and ``up`` fail in 10 s, measured.
+``LocalCluster`` drops them from its children's environment then; with ``--nats-url`` (an external server) they
+are the user's settings for that server and are kept."""
+
+
+def child_env(
+    env: dict[str, str] | None, base: "os._Environ[str] | dict[str, str] | None" = None, unset: tuple[str, ...] = ()
+) -> dict[str, str]:
+    """The environment of a service process: ``base`` (default: this process's) without :data:`PER_SERVICE_ENV`
+    and ``unset`` (e.g. :data:`NATS_CONNECTION_ENV` under an embedded server), with ``env`` (the child's own
+    variables, e.g. the router's ``EI_API_KEYS``) set over it."""
+    drop = set(PER_SERVICE_ENV) | set(unset)
+    out = {k: v for k, v in (os.environ if base is None else base).items() if k not in drop}
     out.update(env or {})
     return out
 
@@ -203,6 +220,8 @@ class _Child:
     """``time.monotonic()`` at which the supervisor starts it again (None: not scheduled)."""
     env: dict[str, str] | None = None
     """Variables set over the launcher's environment for this process (None: the launcher's as is)."""
+    unset: tuple[str, ...] = ()
+    """Variables of the launcher's environment this process does not inherit (besides :data:`PER_SERVICE_ENV`)."""
 
 
 SERVICES = ("kvdirectory", "planner", "router", "worker")
@@ -486,9 +505,16 @@ class LocalCluster:
         The URL goes in the child's environment (``EI_NATS_URL``, which every service reads, shared/config.py),
         not on its command line: a URL may carry a password (``up --nats-url nats://user:pass@host``), and a
         command line is in every local user's ``ps``; the environment (``/proc/<pid>/environ``) only the owner
-        reads. A restart reuses ``env`` and ``argv``, so a restarted service connects the same way."""
+        reads. A restart reuses ``env`` and ``argv``, so a restarted service connects the same way.
+
+        Under the embedded server (no ``spec.nats_url``) the launcher's :data:`NATS_CONNECTION_ENV` (another
+        server's credentials or TLS files, left exported in the shell) is not inherited: the server ``up`` runs
+        is reached with its URL and the ``--nats-creds`` it generated, nothing else. With ``spec.nats_url`` those
+        variables are how the user reaches that server (TLS files, a user and password) and are inherited."""
+        unset = () if self.spec.nats_url else NATS_CONNECTION_ENV
         for c in self.children:
             c.env = {**(c.env or {}), "EI_NATS_URL": self.nats_url}
+            c.unset = unset
             path = self.creds_file(_flag(c.argv, "--instance"))
             if path:
                 c.argv += ["--nats-creds", path]
@@ -566,7 +592,7 @@ class LocalCluster:
         child.proc = subprocess.Popen(
             child.argv,
             stdin=subprocess.DEVNULL,
-            env=child_env(child.env),
+            env=child_env(child.env, unset=child.unset),
             stdout=child.log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -5,6 +5,8 @@ which the services read; ``/proc/<pid>/environ`` only the owner reads), restarts
 
 from __future__ import annotations
 
+import os
+
 from evolving_infra.cluster import ClusterSpec, LocalCluster, child_env
 
 SECRET = "pw-3d9b0c71e2"
@@ -89,3 +91,60 @@ def test_split_and_tap_say_so_when_ei_nats_url_is_not_the_local_cluster_up_start
     monkeypatch.setenv("EI_NATS_URL", "nats://127.0.0.1:4999")  # the local cluster's own URL: nothing to say
     assert fill_nats_url(argparse.Namespace(nats_url=None, partition="p0")) is None
     assert capsys.readouterr().err == ""
+
+
+
+OTHER_SERVERS = {  # another cluster's NATS settings, left exported in the shell
+    "EI_NATS_CREDS": "/home/me/other/admin.nk",
+    "EI_NATS_USER": "alice",
+    "EI_NATS_PASSWORD": "pw-other",
+    "EI_NATS_TLS_CA": "/home/me/other/ca.pem",
+    "EI_NATS_TLS_CERT": "/home/me/other/client.pem",
+    "EI_NATS_TLS_KEY": "/home/me/other/client.key",
+    "EI_LOG_LEVEL": "debug",  # a setting of every service, not of a server: kept
+}
+PROBE = "import json, os; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('EI_') and k != 'EI_API_KEYS'}))"
+
+
+def _spawned_envs(c: LocalCluster) -> dict[str, dict[str, str]]:
+    """Each wired child's ``EI_*`` environment as ``_spawn`` gives it (its argv replaced by a probe)."""
+    import json
+    import sys
+
+    for kid in c.children:
+        kid.argv = [sys.executable, "-c", PROBE]
+        c._spawn(kid)
+    out = {}
+    for kid in c.children:
+        assert kid.proc is not None and kid.proc.wait(30) == 0, kid.name
+        kid.log_file.close()  # type: ignore[attr-defined]
+        out[kid.name] = json.loads(kid.log_path.read_text().splitlines()[-1])
+    return out
+
+
+def test_no_child_of_the_embedded_server_inherits_another_servers_nats_settings(tmp_path, monkeypatch):
+    """``up`` without ``--nats-url`` runs its own nats-server, but its services inherited the shell's
+    ``EI_NATS_TLS_CA`` & co. (another server's): with a CA path not on this machine every service exited 1
+    (``cannot load NATS TLS files``) and ``up`` failed in 10 s. Now they are dropped; with ``--nats-url`` (an
+    external server) they are the user's settings for that server and kept."""
+    from shared.config import CommonConfig
+
+    # every connection setting a service reads (shared/config.py) but the URL, which the cluster sets itself
+    assert set(OTHER_SERVERS) - {"EI_LOG_LEVEL"} == {f"EI_{f.upper()}" for f in CommonConfig.__struct_fields__ if f.startswith("nats_")} - {"EI_NATS_URL"}
+    for k in [k for k in os.environ if k.startswith("EI_")]:
+        monkeypatch.delenv(k)
+    for k, v in {**OTHER_SERVERS, "EI_NATS_URL": URL}.items():
+        monkeypatch.setenv(k, v)
+    (tmp_path / "embedded").mkdir()
+    embedded = LocalCluster(ClusterSpec(nodes=2, split="1P1D", log_dir=str(tmp_path / "embedded")))
+    embedded.log_dir = tmp_path / "embedded"
+    embedded.nats_url = "nats://127.0.0.1:4999"  # the server it started
+    embedded.children = embedded._plan_children()
+    embedded._wire_children()
+    envs = _spawned_envs(embedded)
+    assert sorted(envs) == ["kvdirectory", "planner", "router", "worker-w0", "worker-w1"]
+    for name, env in envs.items():
+        assert env == {"EI_NATS_URL": "nats://127.0.0.1:4999", "EI_LOG_LEVEL": "debug"}, name
+    (tmp_path / "external").mkdir()
+    for name, env in _spawned_envs(_wired(tmp_path / "external")).items():  # --nats-url: kept
+        assert env == {**OTHER_SERVERS, "EI_NATS_URL": URL}, name
