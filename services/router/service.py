@@ -411,6 +411,51 @@ class _StatusCounter:
         await self.app(scope, receive, counting_send)
 
 
+REQUEST_ID_SCOPE_KEY = "ei.request_id"
+"""ASGI scope key of the request's id as :class:`_RequestIdHeader` set it: the client's valid ``X-Request-ID`` as
+sent, else a fresh ``uuid4().hex`` (then also the rid of an accepted generation request)."""
+
+
+class _RequestIdHeader:
+    """ASGI middleware giving every HTTP response an ``x-request-id`` header (vLLM's
+    ``--enable-request-id-headers``, OpenAI's API): errors too, refusals of the API-key guard and of
+    requests never accepted (bad JSON, 404, 413...) included, so that an operator finds a client's failed
+    request in the router's log lines and spans, which carry the same id.
+
+    The id is the client's ``X-Request-ID`` as sent when it is valid (:func:`api.parse_request_id`:
+    1-256 visible ASCII characters), else a fresh ``uuid4().hex``; it is put in the scope under
+    :data:`REQUEST_ID_SCOPE_KEY` for the handlers (the rid of an accepted request without a client id,
+    the ``rid`` of a ``request rejected`` line). A header the app set itself is kept (a success's id is
+    the same). Cost per request: one scan of the request headers and of the response start's headers,
+    a regex match of a client id or one ``uuid4``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        shown = None
+        if raw is not None:
+            with contextlib.suppress(api.ApiError):
+                shown = api.parse_request_id(raw.decode("latin-1"))
+        if shown is None:
+            shown = uuid.uuid4().hex
+        scope[REQUEST_ID_SCOPE_KEY] = shown
+        value = shown.encode("ascii")  # visible ASCII only (parse_request_id)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = message.get("headers") or []
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class _AnyCharRoute(Route):
     """A route whose ``path`` parameters may hold any character, newlines included,
     so that a bad branch id reaches the handler and gets a 400 with a reason
@@ -492,7 +537,9 @@ class RouterService(WatchedService):
             on_refused=self._refused,
         )
         self.api_keys_on = guard.enabled
-        self.app: ASGIApp = _StatusCounter(_with_cors(guard, cfg), self.counters)
+        self.ingress = guard
+        """The API-key guard (its ``inflight`` per key)."""
+        self.app: ASGIApp = _StatusCounter(_RequestIdHeader(_with_cors(guard, cfg)), self.counters)
         self._pending: dict[str, _Pending] = {}
         self._routing: set[str] = set()
         """rids of requests being routed (waiting up to ``no_route_wait_s`` / ``bus_outage_wait_s``
@@ -1446,7 +1493,9 @@ class RouterService(WatchedService):
         async def bus_failed(request: Request, exc: Exception) -> Response:
             # NATS down and the outbound buffer full, or the connection closed: the client may retry
             self.counters["bus_errors_503"] += 1
-            self.log.warning("bus error answered as 503", path=request.url.path, error=repr(exc))
+            self.log.warning(
+                "bus error answered as 503", rid=request.scope.get(REQUEST_ID_SCOPE_KEY), path=request.url.path, error=repr(exc)
+            )
             return self._json(
                 api.error_body(503, f"message bus unavailable, retry later: {exc}"), 503, headers={"retry-after": "1"}
             )
@@ -1898,7 +1947,7 @@ class RouterService(WatchedService):
                     "gen_ai.operation.name": "chat" if chat else "text_completion",
                 },
             )  # fmt: skip
-            if (ids := _client_rid(request.headers.get("x-request-id"))) is not None:  # a refused request is found by it too
+            if (ids := _client_rid(request.scope.get(REQUEST_ID_SCOPE_KEY))) is not None:  # a refused request is found by it too
                 span.set_attributes({"ei.rid": ids[0], **_client_id_fields(*ids, key="ei.client_request_id")})
             tr = _ReqTrace(span)
         rl = _ReqLog() if self.cfg.log_requests else None
@@ -1928,14 +1977,13 @@ class RouterService(WatchedService):
 
     def _refused(self, scope: Scope, status: int, error: str) -> None:
         """A generation request the ingress guard refused (401: no or unknown API key; 429: its key's requests
-        in flight): with ``--log-requests`` a ``request rejected`` line too (status, a valid client
-        ``X-Request-ID``, the error message; never the key); with tracing on, its ``router.request`` span
-        (status code, ``error.type``, ``ei.rid`` from a valid ``X-Request-ID``), as a request refused past the
-        guard has. Other paths are neither request lines nor spans."""
+        in flight): with ``--log-requests`` a ``request rejected`` line too (status, the id of the response's
+        ``x-request-id``: a valid client ``X-Request-ID`` or the one the router made, the error message; never
+        the key); with tracing on, its ``router.request`` span (status code, ``error.type``, ``ei.rid`` of that
+        id), as a request refused past the guard has. Other paths are neither request lines nor spans."""
         if scope["path"] not in _GENERATE_PATHS:
             return
-        raw = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        header = None if raw is None else raw.decode("latin-1")
+        header = scope.get(REQUEST_ID_SCOPE_KEY)  # the response's x-request-id (_RequestIdHeader)
         if tracing.ENABLED:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             span = tracing.start("router.request", tracing.extract(headers), kind=tracing.SpanKind.SERVER, attributes={
@@ -1948,19 +1996,20 @@ class RouterService(WatchedService):
             self._log_rejected(header, status, error)
 
     def _log_rejected(self, rid_header: str | None, status: int, error: str | None) -> None:
-        """``--log-requests``' ``request rejected`` line: the rid of the client's ``X-Request-ID`` header value if it
-        is a usable id (and the value as sent, ``client_request_id``, when the rid is not it; an unusable one,
-        maybe the reason for the refusal, is not logged), the status, the error."""
+        """``--log-requests``' ``request rejected`` line: the rid of ``rid_header``, the response's ``x-request-id``
+        (:data:`REQUEST_ID_SCOPE_KEY`: the client's valid ``X-Request-ID``, else an id the router made; an
+        invalid client value, maybe the reason for the refusal, is never logged), and the value as sent,
+        ``client_request_id``, when the rid is not it; the status, the error."""
         ids = _client_rid(rid_header)
         extra = {} if ids is None else _client_id_fields(*ids)
         self.log.info("request rejected", rid=None if ids is None else ids[0], **extra, status=status, error=error)
 
     def _log_end(self, rl: _ReqLog, status: int, request: Request, resp: Response | None) -> None:
         """``--log-requests``: the info line of a request's end (``request finished``), or of one
-        refused before it was accepted (``request rejected``: status, the client's ``X-Request-ID``
-        if any, the error message). Times are the router clock's seconds (wall × ``--speedup``)."""
+        refused before it was accepted (``request rejected``: status, the id of the response's
+        ``x-request-id``, the error message). Times are the router clock's seconds (wall × ``--speedup``)."""
         if rl.rid is None:
-            self._log_rejected(request.headers.get("x-request-id"), status, _error_message(resp))
+            self._log_rejected(request.scope.get(REQUEST_ID_SCOPE_KEY), status, _error_message(resp))
             return
         p = rl.p
         extra = _client_id_fields(rl.rid, rl.client_id)
@@ -2079,7 +2128,7 @@ class RouterService(WatchedService):
         # the client's X-Request-ID (api.request_rid of it when it is not one NATS subject token) is the rid
         # on every node and in every log line, so records join; the response's x-request-id is the id as
         # sent and the body's id chatcmpl-/cmpl-<id as sent> (api.response_id, vLLM's)
-        rid = client_rid or uuid.uuid4().hex
+        rid = client_rid or request.scope.get(REQUEST_ID_SCOPE_KEY) or uuid.uuid4().hex  # the id of its x-request-id
         shown = client_id or rid
         if tr is not None:
             tr.span.set_attribute("ei.rid", rid)

@@ -136,7 +136,7 @@ async def test_per_key_concurrency_limit_429(nats_url, tmp_path):
                 await hold
             except (asyncio.CancelledError, httpx.HTTPError):
                 pass
-            await _wait_for(lambda: not env.service.app.app.inflight if hasattr(env.service.app, "app") else True, what="in-flight released")
+            await _wait_for(lambda: not env.service.ingress.inflight, what="in-flight released")
             r = await http.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k1"})
             assert r.status_code == 200
         assert env.service.counters["http.key_limited"] == 1

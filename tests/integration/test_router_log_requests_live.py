@@ -14,6 +14,7 @@ import logging
 import pytest
 import structlog
 
+from services.router import api
 from shared import messages as m
 from shared.subjects import SPLIT_COMMANDS
 from tests.integration.test_router_live import _wait_for, router_env, sse_events
@@ -163,3 +164,60 @@ async def test_a_generation_request_refused_for_its_api_key_is_logged_rejected_w
     assert rej["over-1"]["status"] == 429 and "in flight" in rej["over-1"]["error"]
     text = repr(logs)
     assert "wrong-key-xyz" not in text and "good-key-1" not in text
+
+
+async def test_every_response_carries_x_request_id_and_a_refusal_logs_that_id(nats_url, tmp_path, logs):
+    """An operator finds a client's failed request in the log by the response's ``x-request-id``: errors carry
+    it as successes do (OpenAI's API, vLLM's ``--enable-request-id-headers``), the client's valid id as sent
+    or one the router made, and the ``request rejected`` line has that id. Before, only a success had the
+    header: a 401, 429, 400 or 404 had none, and a refusal without a client id was logged with ``rid=None``."""
+    async with router_env(
+        nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, log_requests=True, api_keys="good-key-1", api_key_max_inflight=1
+    ) as env:
+        body = {"prompt": list(range(1, 20)), "max_tokens": 2}
+        good = {"Authorization": "Bearer good-key-1"}
+        made: dict[str, int] = {}  # ids the router made -> status of the refused generation request
+
+        def made_id(r) -> None:
+            rid = r.headers["x-request-id"]
+            assert len(rid) == 32 and int(rid, 16) >= 0, rid
+            made[rid] = r.status_code
+
+        r = await env.http.post("/v1/completions", json=body, headers={"X-Request-ID": "nokey-2"})
+        assert r.status_code == 401 and r.headers["x-request-id"] == "nokey-2"
+        r = await env.http.post("/v1/completions", json=body)
+        assert r.status_code == 401
+        made_id(r)
+        r = await env.http.post("/v1/chat/completions", content=b"{", headers={**good, "content-type": "application/json"})
+        assert r.status_code == 400
+        made_id(r)
+        r = await env.http.post("/v1/completions", json=body, headers={**good, "X-Request-ID": "x" * 300})  # invalid: not echoed
+        assert r.status_code == 400 and "X-Request-ID" in r.json()["error"]["message"]
+        made_id(r)
+        r = await env.http.post("/v1/completions", json={**body, "max_tokens": -1}, headers={**good, "X-Request-ID": "gw/a:1"})
+        assert r.status_code == 400 and r.headers["x-request-id"] == "gw/a:1"
+        env.cluster.stall_after_first = {"p0"}  # holds the key's one request in flight
+        async with env.http.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=good) as held:
+            assert held.status_code == 200
+            held_id = held.headers["x-request-id"]
+            async for line in held.aiter_lines():
+                if line.startswith("data:"):
+                    break
+            r = await env.http.post("/v1/completions", json=body, headers=good)
+            assert r.status_code == 429
+            made_id(r)
+        env.cluster.stall_after_first = set()
+        await _wait_for(lambda: not env.service._pending, what="the held request ended")
+        r = await env.http.get("/v1/no-such-path", headers=good)
+        assert r.status_code == 404 and len(r.headers["x-request-id"]) == 32
+        r = await env.http.get("/v1/models/other-model", headers={**good, "X-Request-ID": "m-1"})
+        assert r.status_code == 404 and r.headers["x-request-id"] == "m-1"
+        r = await env.http.post("/v1/completions", json=body, headers=good)
+        assert r.status_code == 200
+        ok_id = r.headers["x-request-id"]
+    rej = {e["rid"]: e for e in _events(logs, "request rejected")}
+    assert set(rej) == {"nokey-2", *made, api.request_rid("gw/a:1")}, rej
+    assert {rid: rej[rid]["status"] for rid in made} == made
+    assert rej[api.request_rid("gw/a:1")]["client_request_id"] == "gw/a:1"
+    accepted = {e["rid"] for e in _events(logs, "request accepted")}
+    assert {held_id, ok_id} <= accepted  # a success's header is the rid it is logged with
