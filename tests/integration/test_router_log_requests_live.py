@@ -170,9 +170,10 @@ async def test_every_response_carries_x_request_id_and_a_refusal_logs_that_id(na
     """An operator finds a client's failed request in the log by the response's ``x-request-id``: errors carry
     it as successes do (OpenAI's API, vLLM's ``--enable-request-id-headers``), the client's valid id as sent
     or one the router made, and the ``request rejected`` line has that id. Before, only a success had the
-    header: a 401, 429, 400 or 404 had none, and a refusal without a client id was logged with ``rid=None``."""
+    header: a 401, 429, 400, 404 or 503 had none, and a refusal without a client id was logged with ``rid=None``."""
     async with router_env(
-        nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, log_requests=True, api_keys="good-key-1", api_key_max_inflight=1
+        nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}, log_requests=True, api_keys="good-key-1", api_key_max_inflight=1,
+        no_route_wait_s=0.2,
     ) as env:
         body = {"prompt": list(range(1, 20)), "max_tokens": 2}
         good = {"Authorization": "Bearer good-key-1"}
@@ -215,9 +216,16 @@ async def test_every_response_carries_x_request_id_and_a_refusal_logs_that_id(na
         r = await env.http.post("/v1/completions", json=body, headers=good)
         assert r.status_code == 200
         ok_id = r.headers["x-request-id"]
+        env.cluster.alive.clear()  # accepted, then no node to serve it: 503 with the id it is logged with
+        await _wait_for(lambda: not env.service.ready(), what="nodes fenced")
+        r = await env.http.post("/v1/completions", json=body, headers=good)
+        assert r.status_code == 503 and "no live" in r.json()["error"]["message"]
+        no_route_id = r.headers["x-request-id"]
+    assert [e["rid"] for e in _events(logs, "no route")] == [no_route_id]
+    assert {e["rid"]: e["status"] for e in _events(logs, "request finished")}[no_route_id] == 503
     rej = {e["rid"]: e for e in _events(logs, "request rejected")}
     assert set(rej) == {"nokey-2", *made, api.request_rid("gw/a:1")}, rej
     assert {rid: rej[rid]["status"] for rid in made} == made
     assert rej[api.request_rid("gw/a:1")]["client_request_id"] == "gw/a:1"
     accepted = {e["rid"] for e in _events(logs, "request accepted")}
-    assert {held_id, ok_id} <= accepted  # a success's header is the rid it is logged with
+    assert {held_id, ok_id, no_route_id} <= accepted  # a success's header is the rid it is logged with
