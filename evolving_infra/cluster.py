@@ -220,8 +220,6 @@ class _Child:
     """``time.monotonic()`` at which the supervisor starts it again (None: not scheduled)."""
     env: dict[str, str] | None = None
     """Variables set over the launcher's environment for this process (None: the launcher's as is)."""
-    unset: tuple[str, ...] = ()
-    """Variables of the launcher's environment this process does not inherit (besides :data:`PER_SERVICE_ENV`)."""
 
 
 SERVICES = ("kvdirectory", "planner", "router", "worker")
@@ -507,14 +505,12 @@ class LocalCluster:
         command line is in every local user's ``ps``; the environment (``/proc/<pid>/environ``) only the owner
         reads. A restart reuses ``env`` and ``argv``, so a restarted service connects the same way.
 
-        Under the embedded server (no ``spec.nats_url``) the launcher's :data:`NATS_CONNECTION_ENV` (another
-        server's credentials or TLS files, left exported in the shell) is not inherited: the server ``up`` runs
-        is reached with its URL and the ``--nats-creds`` it generated, nothing else. With ``spec.nats_url`` those
+        Under the embedded server (no ``spec.nats_url``) :meth:`_spawn` drops the launcher's
+        :data:`NATS_CONNECTION_ENV` (another server's credentials or TLS files, left exported in the shell): the
+        server ``up`` runs is reached with its URL and the ``--nats-creds`` it generated, nothing else. With ``spec.nats_url`` those
         variables are how the user reaches that server (TLS files, a user and password) and are inherited."""
-        unset = () if self.spec.nats_url else NATS_CONNECTION_ENV
         for c in self.children:
             c.env = {**(c.env or {}), "EI_NATS_URL": self.nats_url}
-            c.unset = unset
             path = self.creds_file(_flag(c.argv, "--instance"))
             if path:
                 c.argv += ["--nats-creds", path]
@@ -592,7 +588,8 @@ class LocalCluster:
         child.proc = subprocess.Popen(
             child.argv,
             stdin=subprocess.DEVNULL,
-            env=child_env(child.env, unset=child.unset),
+            # under the embedded server, another server's connection settings are not inherited (_wire_children)
+            env=child_env(child.env, unset=() if self.spec.nats_url else NATS_CONNECTION_ENV),
             stdout=child.log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
