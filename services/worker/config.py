@@ -115,6 +115,20 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Meta(gt=0, description="wall seconds a prefill that started may wait for its decode node (route.bind, retried "
              "while no decode node is eligible) before the request fails"),
     ] = 10.0
+    watchdog_timeout_s: Annotated[
+        float,
+        Meta(ge=0, description="wall seconds one engine step (a plan from schedule() to its end: the engine's KV drain, "
+             "its forward, the outputs and hand-offs; not a wait for a decode binding) may run; past it the step is hung "
+             "(a stuck CUDA kernel or collective): the worker logs the step's requests and every thread's Python "
+             "stack, stops serving and exits 1, so its supervisor restarts it and the router re-dispatches its "
+             "requests (SGLang's --watchdog-timeout, 300 s). 0 = no watchdog"),
+    ] = 300.0
+    fault_hang_step: Annotated[
+        int,
+        Meta(ge=0, description="fault injection (tests, drills): the N-th engine step (1-based; 0: off) hangs in a "
+             "thread and never returns, as a forward stuck in a CUDA kernel; the node keeps heartbeating until "
+             "--watchdog-timeout-s ends it. Never set in production"),
+    ] = 0
     fault_drop_kv_events: Annotated[
         bool,
         Meta(description="fault injection (tests, drills): publish no kv.events batches while serving, like a node "

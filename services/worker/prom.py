@@ -25,6 +25,9 @@ name                                       type     meaning
 ``ei_node_count_stale_epoch_total{node}``  counter  ``kv.counts`` messages and beacons of a directory epoch that is over
 ``ei_node_count_sync_too_large_total{node}`` counter node count snapshots too large to fetch (no sync in that epoch after one)
 ``ei_node_count_syncing{node}``            gauge    1 while the node's counts await a ``kv.countsync`` snapshot
+``ei_node_step_running_seconds{node}``     gauge    wall seconds the engine step in flight has run (0 between steps or
+                                                    without ``--watchdog-timeout-s``); past the timeout the node exits
+``ei_node_watchdog_timeouts_total{node}``  counter  engine steps found hung by the step watchdog (the node exits right after)
 =========================================  =======  ===============================================================
 """
 
@@ -78,4 +81,9 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
          cc["sync.too_large"]),
     ):
         yield counter_family(name, doc, {(n,): float(v)}, ["node"])
+    wd = svc.watchdog
+    yield gauge_family("ei_node_step_running_seconds", "Wall seconds the engine step in flight has run (0 between steps)",
+                       {(n,): wd.running_s() if wd is not None else 0.0}, ["node"])
+    yield counter_family("ei_node_watchdog_timeouts", "Engine steps found hung by the step watchdog (the node exits)",
+                         {(n,): float(svc.counters["watchdog.timeouts"])}, ["node"])
     yield gauge_family("ei_node_count_syncing", "1 while the node's counts await a kv.countsync snapshot", {(n,): float(svc.counts.syncing)}, ["node"])

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -97,6 +98,7 @@ from shared.tokenizer import load_tokenizer, output_vocabulary  # the same token
 from services.worker.fetch import FetchStarted
 from services.worker.plan import HandOff, IterationPlan, SchedulerError, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
+from services.worker.watchdog import StepHung, StepInfo, StepWatchdog
 
 ENGINES: dict[str, type[SimEngine]] = {"sim": SimEngine}
 """Engine kinds by ``WorkerConfig.engine`` (``torch``: :func:`make_torch_engine`)."""
@@ -294,6 +296,13 @@ class WorkerService:
         self.fatal_error: BaseException | None = None
         self._kv_batches = 0
         """Non-empty KV event batches handed to the engine (``--fault-skip-engine-kv-batch``)."""
+        self._steps = 0
+        """Engine steps (plans) started by this process (``StepInfo.seq``, ``--fault-hang-step``)."""
+        self._fault_hang = threading.Event()
+        """``--fault-hang-step``: the hung step's thread waits for it (never set while serving)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_hang) if cfg.watchdog_timeout_s > 0 else None
+        """``--watchdog-timeout-s``: ends the process when one engine step hangs (``watchdog.py``)."""
 
     # ------------------------------------------------------------------ #
     # lifecycle
@@ -302,6 +311,7 @@ class WorkerService:
     async def start(self) -> None:
         """Subscribe, announce an empty KV (seq 1: AllBlocksCleared) and start the loop."""
         b, node = self.bus, self.node
+        self._loop = asyncio.get_running_loop()
         await b.subscribe(WORK_PREFILL, self._on_prefill, node=node)
         await b.subscribe(WORK_DECODE, self._on_decode, node=node)
         await b.subscribe(WORK_ABORT, self._on_abort, node=node)
@@ -325,6 +335,8 @@ class WorkerService:
             task = asyncio.create_task(coro, name=f"worker-{node}-{name}")
             task.add_done_callback(self._task_done if name != "split-get" else self._spawned_done)
             self._tasks.append(task)
+        if self.watchdog is not None:
+            self.watchdog.start()
         where = {}
         if self.cfg.engine == "torch":  # the placement up chose (or the defaults), for whoever reads the log
             import torch
@@ -368,6 +380,8 @@ class WorkerService:
         lookups (a SIGKILLed node cannot say so: its blocks stay until it comes back)."""
         self.accepting = False
         self._stopped = True
+        if self.watchdog is not None:
+            self.watchdog.stop()
         for t in (*self._tasks, *self._binds.values(), *self._spawned):
             t.cancel()
         for t in (*self._tasks, *self._binds.values(), *self._spawned):
@@ -385,8 +399,12 @@ class WorkerService:
             await self._publish_state(self.clock.now())
             self.kv_seq += 1
             await self._publish_kv(self.kv_seq, [m.AllBlocksCleared()], self.clock.now())
+            if self.watchdog is not None and self.watchdog.fired is not None:
+                await self.bus.flush(1.0)  # the watchdog exits the process next: these must be out
         except Exception as e:  # connection already gone: nothing more to say
             self.log.debug("final publish failed", error=repr(e))
+        if self.watchdog is not None and self.watchdog.fired is not None:
+            self.watchdog.exit_ready()
 
     def ready(self) -> bool:
         return self.accepting
@@ -1214,12 +1232,8 @@ class WorkerService:
         now = self._launch_time()
         horizon = now + self.cfg.fold_wall_s * self.clock.speedup if self.cfg.fold_wall_s > 0 else None
         plan = self.core.schedule(now, horizon)
-        await self._flush_kv(now)
-        if plan is not None and plan.admitted and self._bind_later:
-            self._bind_started(plan, now)
-        if plan is not None and plan.admitted and self._traces:
-            self._traces.admitted(plan.admitted)
         if plan is None:
+            await self._flush_kv(now)
             deadline = self.core.next_deadline()
             timeout = None if deadline is None else max(0.0, self.clock.wall_at(deadline) - time.time())
             try:
@@ -1228,8 +1242,31 @@ class WorkerService:
                 if deadline is not None and deadline > self._ready_at:
                     self._ready_at = deadline  # a KV arrival or fetch completion: the engine acts at it
             return
+        self._steps += 1
+        wd = self.watchdog
+        info = StepInfo.of(plan, self._steps) if wd is not None else None
+        if wd is not None and info is not None:
+            wd.begin(info)  # watched from the plan's taking to its end (--watchdog-timeout-s)
+        try:
+            await self._run_plan(plan, now, info)
+        finally:
+            if wd is not None:
+                wd.end()
+
+    async def _run_plan(self, plan: IterationPlan, now: float, info: StepInfo | None) -> None:
+        """Execute ``plan`` (taken at ``now``), finish it and publish what it produced. ``info``:
+        the step the watchdog watches (None: no watchdog); a wait for decode bindings is not
+        watched (``--bind-timeout-s`` bounds it)."""
+        await self._flush_kv(now)
+        if plan.admitted and self._bind_later:
+            self._bind_started(plan, now)
+        if plan.admitted and self._traces:
+            self._traces.admitted(plan.admitted)
         if time.monotonic() - self._last_state_mono >= self.cfg.state_interval_s:
             await self._publish_state(now)
+        if self._steps == self.cfg.fault_hang_step:  # injected fault: this forward never returns
+            self.counters["engine.steps_hung_by_fault"] += 1
+            await asyncio.to_thread(self._hang_forever)
         duration = await asyncio.to_thread(self.engine.execute, plan) if self.engine.threaded else self.engine.execute(plan)
         end = plan.start + duration
         if self.engine.simulated:
@@ -1238,7 +1275,12 @@ class WorkerService:
         if self._binds:  # a prompt that completes now needs its decode node (route.bind)
             waits = [self._binds[c.rid] for c in plan.prefill if c.completes and c.rid in self._binds]
             if waits:
+                wd = self.watchdog
+                if wd is not None:
+                    wd.end()
                 await asyncio.gather(*waits, return_exceptions=True)
+                if wd is not None and info is not None:
+                    wd.begin(info)
         # a sim engine's plan ends at its end on the engine's timeline (the shell's lateness is not
         # GPU time, see _launch_time); a real one, or one that waited for a binding, ends now
         now = end if self.engine.simulated and not waits else max(self.clock.now(), end)
@@ -1447,6 +1489,8 @@ class WorkerService:
         why = (
             "engine failed: its KV can no longer be trusted"
             if isinstance(e, EngineFatal)
+            else "engine failed: a step hung past --watchdog-timeout-s"
+            if isinstance(e, StepHung)
             else "engine failed: an unexpected error left the node unable to make progress"
         )
         rids = list(dict.fromkeys((*self.core.requests, *self._owners)))  # with one the core handed off, not yet sent
@@ -1454,6 +1498,30 @@ class WorkerService:
             f"{why}; the node exits to be restarted", where=where, error=repr(e), requests=len(rids), rids=rids[:64], exc_info=e
         )
         self.fatal.set()
+
+    def _on_hang(self, e: StepHung, stacks: str) -> None:
+        """``--watchdog-timeout-s``: the engine step in flight hung (called on the watchdog's thread:
+        the execute thread and the event loop may both be stuck). Log at error the step (its
+        requests, up to 64, and its size) and every thread's Python stack, stop taking work
+        (the heartbeat says ``accepting=False``) and fail the node on the loop (:meth:`_fail`:
+        the service stops, its last ``node.state`` and ``AllBlocksCleared`` go out); the watchdog
+        then exits the process with status 1, at once when the stop is done, else after its
+        grace (a loop blocked too). Its supervisor restarts it; the router re-dispatches what it held."""
+        self.counters["watchdog.timeouts"] += 1
+        self.accepting = False
+        info = e.info
+        self.log.error(
+            "engine step hung past --watchdog-timeout-s; the node exits to be restarted",
+            step=info.seq, elapsed_s=round(e.elapsed_s, 3), timeout_s=self.cfg.watchdog_timeout_s, requests=len(info.rids),
+            rids=list(info.rids[:64]), prefill_tokens=info.prefill_tokens, decode_rows=info.decode_rows,
+            iterations=info.iterations, stacks=stacks,
+        )  # fmt: skip
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail, e, "step")
+
+    def _hang_forever(self) -> None:
+        """``--fault-hang-step``: a forward that never returns (the thread waits for an event nobody sets)."""
+        self._fault_hang.wait()
 
     @contextlib.contextmanager
     def _fatal_on_error(self, where: str, *, allowed: tuple[type[BaseException], ...] = ()) -> Iterator[None]:

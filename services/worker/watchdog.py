@@ -1,0 +1,171 @@
+"""The step watchdog: a worker whose engine step hangs ends, so its supervisor restarts it.
+
+A model forward can hang without raising (a stuck CUDA kernel, a deadlocked collective, a torch
+op waiting forever): the execute thread never returns, while the asyncio loop keeps the node's
+``node.state`` heartbeat going, so the router keeps routing to it and its requests never finish.
+SGLang's ``--watchdog-timeout`` (300 s) guards against it: a forward batch that takes longer dumps
+the stacks and kills the server. :class:`StepWatchdog` is that guard for one worker: the step loop
+marks each engine step's start and end (:meth:`StepWatchdog.begin` / :meth:`StepWatchdog.end`),
+and a thread of its own (not the execute thread, not the event loop's: either may be the one that
+hangs; the loop also blocks when a handler waits for the engine's lock held by a hung forward)
+checks the step in flight every ``timeout_s / 8`` (at most 1 s). A step older than ``timeout_s``
+calls ``on_hang`` once with a :class:`StepHung` naming the step and the Python stacks of every
+thread (``faulthandler``); the watcher then waits for ``exit_ready`` (the service stopped) for at
+most ``grace_s`` and ends the process with ``os._exit(1)``: a hung thread cannot be stopped, and
+Python's exit joins the executor thread that runs it, so a normal exit would hang too.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.worker.plan import IterationPlan
+
+EXIT_CODE = 1
+"""Exit status of a worker the watchdog ended (as any other fatal failure: its supervisor restarts it)."""
+GRACE_S = 5.0
+"""Default wall seconds the watcher waits, after ``on_hang``, for the service to stop before it exits."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """What one engine step runs (for the watchdog's error line)."""
+
+    seq: int
+    """Engine steps started by this process, this one included (1-based)."""
+    rids: tuple[str, ...]
+    """Requests of the step: its prefill chunks', then its decode rows'."""
+    prefill_tokens: int
+    """Prompt tokens the step's prefill chunks compute."""
+    decode_rows: int
+    """Decode rows per iteration."""
+    iterations: int
+    """Iterations folded into the step (each decode row makes one token per iteration)."""
+
+    @classmethod
+    def of(cls, plan: IterationPlan, seq: int) -> "StepInfo":
+        """The step that runs ``plan`` (the ``seq``-th of the process)."""
+        rids = tuple(dict.fromkeys((*(c.rid for c in plan.prefill), *plan.decode)))
+        return cls(seq, rids, sum(c.tokens for c in plan.prefill), len(plan.decode), plan.iterations)
+
+
+class StepHung(RuntimeError):
+    """An engine step ran past ``--watchdog-timeout-s`` (:class:`StepWatchdog`)."""
+
+    def __init__(self, info: StepInfo, elapsed_s: float, timeout_s: float) -> None:
+        super().__init__(
+            f"engine step {info.seq} ({len(info.rids)} requests, {info.prefill_tokens} prefill tokens, "
+            f"{info.decode_rows} decode rows × {info.iterations} iterations) has run {elapsed_s:.1f} s, "
+            f"past --watchdog-timeout-s {timeout_s:g}"
+        )
+        self.info = info
+        self.elapsed_s = elapsed_s
+
+
+def thread_stacks() -> str:
+    """The Python stacks of every thread of the process, as ``faulthandler`` writes them (C-level:
+    it needs no lock a hung thread may hold)."""
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        return f.read()
+
+
+def overdue(since: float | None, now: float, timeout_s: float) -> bool:
+    """True if a step that started at ``since`` (monotonic s; None: no step in flight) has run
+    longer than ``timeout_s`` at ``now``."""
+    return since is not None and now - since > timeout_s
+
+
+class StepWatchdog:
+    """Watches the engine step in flight from a thread of its own (module docstring).
+
+    Args:
+        timeout_s: wall seconds one step may run (> 0).
+        on_hang: called once, on the watcher thread, with the :class:`StepHung` and the threads'
+            stacks (:func:`thread_stacks`); it should log, stop taking work and ask the service
+            to stop. Its exceptions are printed and ignored: the exit follows anyway.
+        grace_s: wall seconds to wait for :meth:`exit_ready` after ``on_hang`` before exiting.
+        exit: ends the process (``os._exit``; tests pass a recorder). Called with :data:`EXIT_CODE`.
+        clock: monotonic seconds.
+
+    Raises:
+        ValueError: ``timeout_s`` or ``grace_s`` not positive.
+    """
+
+    def __init__(
+        self,
+        timeout_s: float,
+        on_hang: Callable[[StepHung, str], None],
+        *,
+        grace_s: float = GRACE_S,
+        exit: Callable[[int], object] = os._exit,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not timeout_s > 0 or not grace_s > 0:
+            raise ValueError(f"watchdog timeout and grace must be positive seconds, got {timeout_s!r}, {grace_s!r}")
+        self.timeout_s = timeout_s
+        self.grace_s = grace_s
+        self.poll_s = min(1.0, timeout_s / 8)
+        self._on_hang = on_hang
+        self._exit = exit
+        self._clock = clock
+        self._step: tuple[float, StepInfo] | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self.fired: StepHung | None = None
+        """The hang found (None until then)."""
+        self._thread = threading.Thread(target=self._watch, name="worker-step-watchdog", daemon=True)
+
+    def start(self) -> None:
+        """Start the watcher thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching (the service stops normally); a hang already found still ends the process."""
+        self._stop.set()
+
+    def begin(self, info: StepInfo) -> None:
+        """A step starts now (one at a time: a step that begins replaces the one in flight)."""
+        self._step = (self._clock(), info)
+
+    def end(self) -> None:
+        """The step in flight ended (a no-op when none is)."""
+        self._step = None
+
+    def running_s(self) -> float:
+        """Wall seconds the step in flight has run (0 when none)."""
+        step = self._step
+        return 0.0 if step is None else max(0.0, self._clock() - step[0])
+
+    def exit_ready(self) -> None:
+        """The service has stopped after a hang (its last messages are out): exit now."""
+        self._ready.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            step = self._step  # one read: the loop thread may replace it meanwhile
+            if step is not None and overdue(step[0], self._clock(), self.timeout_s):
+                self._fire(*step)
+                return
+
+    def _fire(self, since: float, info: StepInfo) -> None:
+        self.fired = StepHung(info, self._clock() - since, self.timeout_s)
+        try:
+            self._on_hang(self.fired, thread_stacks())
+        except Exception as e:  # never let a logging failure keep a hung node alive
+            print(f"worker: step watchdog: on_hang failed: {e!r}", file=sys.stderr)
+        self._ready.wait(self.grace_s)
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:
+                pass
+        self._exit(EXIT_CODE)

@@ -1,0 +1,121 @@
+"""A worker whose engine step hangs ends, live: ``python -m services.worker`` as a process, a real
+nats-server, the router in this process.
+
+A forward that hangs without raising (a stuck CUDA kernel, a deadlocked collective) left the node
+heartbeating and routed forever: its requests never finished, and nothing restarted it. With
+``--watchdog-timeout-s`` the worker finds the step hung, logs it (the step's requests, every
+thread's Python stack) and exits 1; restarted (as ``up``'s supervisor, compose or Slurm does), the
+router fences the old process and re-dispatches the request, which completes. The hang is injected
+with ``--fault-hang-step 1`` (the first forward waits forever in the execute thread, as a torch
+forward stuck in a kernel: the event loop, and so the heartbeat, go on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from shared import messages as m
+from shared.bus import Bus
+from shared.service import serve_until_stopped
+from shared.subjects import NODE_STATE, Subjects
+from services.router.config import RouterConfig
+from services.router.service import RouterService
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+from tests.integration.polling import until
+
+pytestmark = pytest.mark.timeout(60)
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 1.0
+
+
+async def test_a_hung_step_ends_the_worker_and_the_router_redispatches_its_request(nats_url, tmp_path: Path):
+    origin = time.time()
+    port_file = tmp_path / "router.port"
+    states: dict[str, list[m.NodeState]] = {}
+    router: dict[str, RouterService] = {}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
+    env["PYTHONPATH"] = str(REPO)
+    async with AsyncExitStack() as stack:
+        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
+        stack.push_async_callback(bus.close)
+
+        async def on_state(st: m.NodeState, _s: str) -> None:
+            states.setdefault(st.node, []).append(st)
+
+        await bus.subscribe(NODE_STATE, on_state)
+        stops: list[asyncio.Event] = []
+        tasks: list[asyncio.Task[None]] = []
+
+        async def shutdown() -> None:
+            for s in stops:
+                s.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        stack.push_async_callback(shutdown)
+
+        def start(name: str, cfg: Any, make: Any) -> None:
+            stops.append(asyncio.Event())
+            tasks.append(asyncio.create_task(serve_until_stopped(name, cfg, make, instance=name, stop_event=stops[-1])))
+
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.worker", "--nats-url", nats_url, "--node", "w0", "--profile", "tiny",
+            "--speedup", "1", "--clock-origin", str(origin), "--split-get-timeout-s", "0", "--idle-state-interval-s", "0.1",
+            "--watchdog-timeout-s", str(TIMEOUT_S), "--fault-hang-step", "1", "--log-format", "json",
+            cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+
+        async def kill() -> None:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+        stack.push_async_callback(kill)
+        rcfg = RouterConfig(nats_url=nats_url, clock_origin=origin, port=0, port_file=str(port_file), block_size=4,
+                            split_get_timeout_s=0.2, lookup_timeout_s=0.05, fence_after_s=1.0, requeue_wait_s=10.0,
+                            request_timeout_s=20.0)  # fmt: skip
+
+        def make_router(c: Any, b: Bus, clk: Any) -> RouterService:
+            router["svc"] = RouterService(c, b, clk)
+            return router["svc"]
+
+        start("router", rcfg, make_router)
+        await until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and "w0" in states, 20.0, "router and w0 up")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port_file.read_text().strip()}", timeout=30.0) as http:
+            req = asyncio.create_task(
+                http.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3}, headers={"x-request-id": "hung-1"})
+            )
+            await until(lambda: any(s.running for s in states["w0"]), 5.0, "w0 runs the request")
+            t0 = time.monotonic()
+            await until(lambda: len(states["w0"]) >= 3 + next(i for i, s in enumerate(states["w0"]) if s.running), 5.0,
+                        "w0 heartbeats on while its step hangs")  # fmt: skip
+            rc = await asyncio.wait_for(proc.wait(), 15.0)
+            exited_s = time.monotonic() - t0
+            out = (await proc.stdout.read()).decode() if proc.stdout else ""
+            assert rc == 1, out
+            assert exited_s < TIMEOUT_S + 3.0, (exited_s, out)
+            assert not states["w0"][-1].accepting  # its last state: not routed to any more
+            lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+            [hung] = [x for x in lines if x.get("event", "").startswith("engine step hung")]
+            assert hung["level"] == "error" and hung["rids"] == ["hung-1"] and hung["step"] == 1, hung
+            assert hung["elapsed_s"] >= TIMEOUT_S and hung["prefill_tokens"] == 6, hung
+            assert "_hang_forever" in hung["stacks"] and "Thread 0x" in hung["stacks"], hung["stacks"]
+            assert not req.done()
+            # the supervisor restarts it: the router fences the hung process and re-dispatches the request
+            wcfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", speedup=1.0, clock_origin=origin,
+                                split_get_timeout_s=0.0, idle_state_interval_s=0.1)  # fmt: skip
+            start("worker-w0", wcfg, WorkerService)
+            r = await asyncio.wait_for(req, 15.0)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 3 and body["ei"]["redispatches"] >= 1, body
