@@ -797,16 +797,34 @@ class WorkerService:
         for w in queued:
             self._bind_later.pop(w.rid, None)
         self.log.info("switch started: draining", target=phase, epoch=cmd.epoch, requeued=len(queued), running=len(self.core.running))
-        await self._publish_applied(
-            m.SplitApplied(epoch=cmd.epoch, node=self.node, phase=phase, status="draining", decided_at=cmd.decided_at,
-                           applied_at=now, received_at=now, requeued=len(queued))
+        # The core no longer holds the queued work: from here every request taken is handed back
+        # (or failed with an error chunk, _hand_back), whatever becomes of the two announcements. A
+        # publish NATS refuses (a full reconnect buffer) is logged and counted, not raised: before,
+        # it ended the handler here and the work taken was lost with the epoch already recorded (a
+        # repeat of the command is ignored). The heartbeat repeats accepting=False; the router
+        # accepts a hand-back on its own checks (pending, placed here, same attempt), not on these.
+        await self._announce(
+            "split.applied draining",
+            self._publish_applied(
+                m.SplitApplied(epoch=cmd.epoch, node=self.node, phase=phase, status="draining", decided_at=cmd.decided_at,
+                               applied_at=now, received_at=now, requeued=len(queued))
+            ),
         )  # fmt: skip
-        await self._publish_state(now)  # accepting=False: the router stops routing here
+        await self._announce("node.state", self._publish_state(now))  # accepting=False: the router stops routing here
         if queued:
             reason = f"node {self.node} switches to {phase}"
             await asyncio.gather(*(self._hand_back(m.WorkRequeue(rid=w.rid, node=self.node, reason=reason, epoch=cmd.epoch, prefill=w)) for w in queued))
         await self._maybe_switch(self.clock.now())
         self._input()
+
+    async def _announce(self, what: str, publish: Any) -> None:
+        """Await ``publish`` (a switch announcement, ``what``); a publish NATS refuses (``BusError``)
+        is logged at warning and counted (``split.announce_failed``) instead of raised."""
+        try:
+            await publish
+        except BusError as e:
+            self.counters["split.announce_failed"] += 1
+            self.log.warning("switch announcement not published; the switch goes on", what=what, error=repr(e))
 
     async def _maybe_switch(self, now: float) -> None:
         """Finish the switch in progress once nothing runs on the node (``now`` = when it drained)."""
@@ -886,7 +904,12 @@ class WorkerService:
                     continue
                 self.counters["requeue.failed"] += 1
                 why = f"{msg.reason}; the router did not take the request back: {e}"
-                await self._reject(WorkRejected(msg.rid, why), self.clock.now(), attempt=owner.attempt)
+                try:
+                    await self._reject(WorkRejected(msg.rid, why), self.clock.now(), attempt=owner.attempt)
+                except BusError as e2:  # NATS refuses even the error chunk: say so, and let the other hand-backs go on
+                    self.counters["requeue.lost"] += 1
+                    self.log.error("handed-back request neither taken back nor failed: NATS refused both", rid=msg.rid,
+                                   reason=msg.reason, requeue_error=str(e), error=repr(e2))  # fmt: skip
                 return
         self.counters["requeue.accepted" if reply.accepted else "requeue.refused"] += 1
 
@@ -1255,8 +1278,9 @@ class WorkerService:
 
     async def _run_plan(self, plan: IterationPlan, now: float, info: StepInfo | None) -> None:
         """Execute ``plan`` (taken at ``now``), finish it and publish what it produced. ``info``:
-        the step the watchdog watches (None: no watchdog); a wait for decode bindings is not
-        watched (``--bind-timeout-s`` bounds it)."""
+        the step the watchdog watches (None: no watchdog); a sim engine's wait for the plan's end on
+        the simulated clock (a sleep, as long as ``--speedup`` makes it) and a wait for decode
+        bindings (``--bind-timeout-s`` bounds it) are not watched (:meth:`_unwatched`)."""
         await self._flush_kv(now)
         if plan.admitted and self._bind_later:
             self._bind_started(plan, now)
@@ -1270,17 +1294,14 @@ class WorkerService:
         duration = await asyncio.to_thread(self.engine.execute, plan) if self.engine.threaded else self.engine.execute(plan)
         end = plan.start + duration
         if self.engine.simulated:
-            end = await self._wait_for_plan_end(plan, end)
+            async with self._unwatched(info):
+                end = await self._wait_for_plan_end(plan, end)
         waits = None
         if self._binds:  # a prompt that completes now needs its decode node (route.bind)
             waits = [self._binds[c.rid] for c in plan.prefill if c.completes and c.rid in self._binds]
             if waits:
-                wd = self.watchdog
-                if wd is not None:
-                    wd.end()
-                await asyncio.gather(*waits, return_exceptions=True)
-                if wd is not None and info is not None:
-                    wd.begin(info)
+                async with self._unwatched(info):
+                    await asyncio.gather(*waits, return_exceptions=True)
         # a sim engine's plan ends at its end on the engine's timeline (the shell's lateness is not
         # GPU time, see _launch_time); a real one, or one that waited for a binding, ends now
         now = end if self.engine.simulated and not waits else max(self.clock.now(), end)
@@ -1296,6 +1317,18 @@ class WorkerService:
         await self._flush_kv(now)
         if self._switch is not None:
             await self._maybe_switch(now)
+
+    @contextlib.asynccontextmanager
+    async def _unwatched(self, info: StepInfo | None) -> Any:
+        """A wait inside step ``info`` the watchdog does not count: the step's clock starts again after it."""
+        wd = self.watchdog
+        if wd is not None:
+            wd.end()
+        try:
+            yield
+        finally:
+            if wd is not None and info is not None:
+                wd.begin(info)
 
     async def _wait_for_plan_end(self, plan: IterationPlan, end: float) -> float:
         """Sleep until the plan's end on the simulated clock; new work arriving while

@@ -20,10 +20,13 @@ import httpx
 import pytest
 
 from shared import messages as m
-from shared.bus import Bus
+from shared.bus import Bus, BusUnavailable
 from shared.clock import SimClock
 from shared.service import serve_until_stopped
-from shared.subjects import NODE_STATE, REQ_OUT, SPLIT_APPLIED, SPLIT_COMMANDS, SVC_STATS, WORK_ABORT, WORK_DECODE, Subjects
+from shared.hashing import block_hashes, tokens_for_blocks
+from shared.subjects import (
+    NODE_STATE, REQ_OUT, SPLIT_APPLIED, SPLIT_COMMANDS, SVC_STATS, WORK_ABORT, WORK_DECODE, WORK_PREFILL, WORK_REQUEUE, Subjects,
+)  # fmt: skip
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
@@ -135,3 +138,89 @@ async def test_queued_work_is_handed_back_parked_and_served_exactly_once(nats_ur
         assert w2[1].drained_at - w2[1].received_at >= 0.3  # waited for the long decode (ended by the abort)
         w0c = (await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=5.0)).counters
         assert w0c["requeue.accepted"] == 4 and w0c.get("requeue.failed", 0) == 0 and w0c["split.serving"] == 1
+
+
+async def test_a_switch_whose_draining_announcement_fails_still_hands_back_all_its_queued_work(nats_url, tmp_path: Path):
+    """w0 (collocated) has one prefill running and four queued when a split moves it to decode; NATS
+    refuses its ``split.applied(draining)`` publish (``BusUnavailable``, as with a full reconnect
+    buffer). The four are handed back all the same (this test answers ``work.requeue.router``), the
+    running one finishes in place and the switch ends ``serving``. Before, the failed publish ended the
+    handler right after ``take_queued()``: the four were neither queued nor handed back (no requeue,
+    no chunk: their clients waited for their timeout), and the command's epoch was recorded, so its
+    next announcement did not try again."""
+    profile = tmp_path / "slow.toml"
+    profile.write_text(SLOW_PREFILL)
+    origin = time.time()
+    clock = SimClock(1.0, origin)
+    states: dict[str, m.NodeState] = {}
+    applied: list[m.SplitApplied] = []
+    chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
+    requeued: list[m.WorkRequeue] = []
+    refused: list[m.SplitApplied] = []
+    held: list[WorkerService] = []
+
+    def make(c: WorkerConfig, b: Bus, clk: SimClock) -> WorkerService:
+        svc = WorkerService(c, b, clk)
+        real = b.publish
+
+        async def publish(subject, msg, **kw):  # type: ignore[no-untyped-def]
+            if subject is SPLIT_APPLIED and not refused:
+                refused.append(msg)
+                raise BusUnavailable("cannot publish on split.applied: OutboundBufferLimitError (injected)")
+            await real(subject, msg, **kw)
+
+        b.publish = publish  # type: ignore[method-assign]
+        held.append(svc)
+        return svc
+
+    async with AsyncExitStack() as stack:
+        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-requeue-fail")
+        stack.push_async_callback(bus.close)
+
+        async def on_state(st: m.NodeState, _s: str) -> None:
+            states[st.node] = st
+
+        async def on_applied(a: m.SplitApplied, _s: str) -> None:
+            applied.append(a)
+
+        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
+            chunks[c.rid].append(c)
+
+        async def on_requeue(msg: m.WorkRequeue, _s: str) -> m.WorkRequeueReply:
+            requeued.append(msg)
+            return m.WorkRequeueReply(rid=msg.rid, accepted=True)
+
+        await bus.subscribe(NODE_STATE, on_state)
+        await bus.subscribe(SPLIT_APPLIED, on_applied)
+        await bus.subscribe(REQ_OUT, on_chunk)
+        await bus.serve(WORK_REQUEUE, on_requeue, router="router")
+        cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node="w0", phase="both", profile=str(profile),
+                           idle_state_interval_s=0.2, state_interval_s=0.01, split_get_timeout_s=0.0, check_invariants=True)  # fmt: skip
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
+
+        async def shutdown() -> None:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+
+        stack.push_async_callback(shutdown)
+        await until(lambda: "w0" in states, 10.0, "w0 up")
+        rids = [f"q{i}" for i in range(5)]
+        for i, rid in enumerate(rids):
+            ids = [i * 100 + k for k in range(50)]  # 200 tokens, ≈ 0.4 s of prefill each
+            work = m.PrefillWork(rid=rid, prompt_tokens=200, max_tokens=2, block_size=BS,
+                                 block_hashes=block_hashes(tokens_for_blocks(ids, BS), BS))  # fmt: skip
+            await bus.publish(WORK_PREFILL, work, node="w0")
+        await until(lambda: states["w0"].running == 1 and states["w0"].waiting == 4, 10.0, "one prefill running, four queued on w0")
+        await bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=1, phases={"w0": "decode", "w1": "prefill"}, reason="to decode", decided_at=clock.now()))
+        await until(lambda: any(a.status == "serving" for a in applied), 10.0, "w0 serving decode")
+        await until(lambda: len(requeued) + sum(any(c.finished for c in chunks[r]) for r in rids) >= 5, 5.0, "every request accounted for")
+    svc = held[0]
+    assert [a.status for a in refused] == ["draining"]
+    assert [(a.status, a.phase, a.requeued) for a in applied] == [("serving", "decode", 4)]
+    done = [r for r in rids if any(c.finished for c in chunks[r])]
+    assert len(done) == 1 and chunks[done[0]][-1].finish_reason == "length", dict(chunks)
+    assert sorted(q.rid for q in requeued) == sorted(set(rids) - set(done))
+    assert all(q.node == "w0" and q.epoch == 1 and q.prefill is not None for q in requeued)
+    assert svc.counters["requeue.accepted"] == 4 and svc.counters["split.announce_failed"] == 1
+    assert svc.core.phase == "decode" and svc.epoch == 1 and svc.fatal_error is None
