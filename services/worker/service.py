@@ -168,6 +168,23 @@ def take_fetched(engine: Engine, pool: Any, results: list[Any], fetch_id: int) -
     return lost
 
 
+class _Live:
+    """The rids the engine must keep registered at a KV drain (``Engine.on_kv_events``'s ``live``,
+    read with ``in`` only): the scheduler's requests, and those of the engine step in flight. A
+    request aborted (or superseded) after ``schedule()`` planned it is no longer the scheduler's,
+    but the plan still runs it: forgotten by a drain in a bus handler before the execute thread
+    took the engine's lock, its registration was gone when the plan ran (``KvMapError``)."""
+
+    __slots__ = ("core", "step")
+
+    def __init__(self, core: Any, step: frozenset[str]) -> None:
+        self.core = core
+        self.step = step
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self.core or rid in self.step
+
+
 @dataclass(frozen=True, slots=True)
 class _Owner:
     """Who a request on this node belongs to: its dispatch attempt (fencing token), the output
@@ -301,6 +318,11 @@ class WorkerService:
         self._fault_hang = threading.Event()
         """``--fault-hang-step``: the hung step's thread waits for it (never set while serving)."""
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._step_rids: frozenset[str] = frozenset()
+        """Requests of the engine step in flight (from its ``schedule()`` to its end; empty between)."""
+        self._step_over = asyncio.Event()
+        """Set when no engine step is in flight (:meth:`_after_steps_of`)."""
+        self._step_over.set()
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_hang) if cfg.watchdog_timeout_s > 0 else None
         """``--watchdog-timeout-s``: ends the process when one engine step hangs (``watchdog.py``)."""
 
@@ -486,8 +508,9 @@ class WorkerService:
         if not self._valid_rid(work.rid):
             return
         now = self.clock.now()
-        if not self._newest_attempt(work.rid, work.attempt, now):
+        if not await self._newest_attempt(work.rid, work.attempt, now):
             return
+        now = self.clock.now()  # it may have waited for a step (_newest_attempt)
         # decode node bound when the prefill starts (paper D.1), on a prefill-only node
         late = work.decode_binding == "start" and work.decode_node is None and self.core.phase == "prefill"
         # routed as collocated work (decode here) while this node served both phases; it now serves
@@ -532,8 +555,9 @@ class WorkerService:
         if not self._valid_rid(work.rid):
             return
         now = self.clock.now()
-        if not self._newest_attempt(work.rid, work.attempt, now):
+        if not await self._newest_attempt(work.rid, work.attempt, now):
             return
+        now = self.clock.now()  # it may have waited for a step (_newest_attempt)
         if self.accepting and self.core.phase == "prefill" and work.rid not in self.core.requests:
             # bound here while this node served decode; it has switched since: the KV goes to
             # another decode node instead (transfer restarts now)
@@ -588,22 +612,35 @@ class WorkerService:
             self.log.error("engine failed to accept work: request refused", rid=work.rid, error=repr(e), exc_info=e)
             raise WorkRejected(work.rid, f"the {self.engine.name} engine failed to accept the work: {e!r}") from None
 
-    def _newest_attempt(self, rid: str, attempt: int, now: float) -> bool:
+    async def _newest_attempt(self, rid: str, attempt: int, now: float) -> bool:
         """Fencing: True if work of ``attempt`` may be served here. An older attempt than the
         one this node holds is dropped (counted); a newer one replaces the held one (the router
-        re-dispatched the request after fencing this node, and dispatched it here again)."""
-        held = self._owners.get(rid)
-        if held is None or rid not in self.core.requests:
-            return True
-        if attempt <= held.attempt:
-            self.counters["requests.stale_attempt"] += 1
-            self.log.info("work of an old attempt dropped", rid=rid, attempt=attempt, held=held.attempt)
-            return False
-        self._forget(rid)
-        with self._fatal_on_error("abort a superseded attempt"):
-            self.core.abort(rid, now)
-        self.counters["requests.superseded"] += 1
-        return True
+        re-dispatched the request after fencing this node, and dispatched it here again).
+
+        Returns only once no engine step in flight runs ``rid`` (counted ``requests.waited_for_step``;
+        the old attempt is aborted in the core first, so no later plan takes it): the engine keeps
+        one registration per rid, and the new work's (``accept_prefill`` / ``accept_decode``, next)
+        replaced the old attempt's while a plan that ``schedule()`` had taken, but whose execute
+        thread had not yet taken the engine's lock, still ran it; the plan then computed the old
+        chunk into the new registration and the node failed (``KvMapError``) at the new attempt's
+        first chunk. The fencing is decided again after the wait (another attempt may have come)."""
+        while True:
+            held = self._owners.get(rid)
+            if held is not None and rid in self.core.requests:
+                if attempt <= held.attempt:
+                    self.counters["requests.stale_attempt"] += 1
+                    self.log.info("work of an old attempt dropped", rid=rid, attempt=attempt, held=held.attempt)
+                    return False
+                self._forget(rid)
+                with self._fatal_on_error("abort a superseded attempt"):
+                    self.core.abort(rid, now)
+                self.counters["requests.superseded"] += 1
+            if rid not in self._step_rids:
+                return True
+            self.counters["requests.waited_for_step"] += 1
+            while rid in self._step_rids:
+                await self._step_over.wait()
+            now = self.clock.now()
 
     def _forget(self, rid: str) -> None:
         """Drop this shell's per-request state of ``rid`` (binding, stream, owner)."""
@@ -1267,14 +1304,18 @@ class WorkerService:
             return
         self._steps += 1
         wd = self.watchdog
-        info = StepInfo.of(plan, self._steps) if wd is not None else None
-        if wd is not None and info is not None:
+        info = StepInfo.of(plan, self._steps)
+        self._step_rids = frozenset(info.rids)  # kept registered in the engine until the step ends (_Live)
+        self._step_over.clear()
+        if wd is not None:
             wd.begin(info)  # watched from the plan's taking to its end (--watchdog-timeout-s)
         try:
-            await self._run_plan(plan, now, info)
+            await self._run_plan(plan, now, info if wd is not None else None)
         finally:
             if wd is not None:
                 wd.end()
+            self._step_rids = frozenset()
+            self._step_over.set()
 
     async def _run_plan(self, plan: IterationPlan, now: float, info: StepInfo | None) -> None:
         """Execute ``plan`` (taken at ``now``), finish it and publish what it produced. ``info``:
@@ -1495,8 +1536,9 @@ class WorkerService:
             if self._kv_batches == self.cfg.fault_skip_engine_kv_batch:  # injected fault: the engine misses it
                 self.counters["engine.kv_batches_skipped_by_fault"] += 1
                 given = []
+        live = _Live(self.core.requests, self._step_rids) if self._step_rids else self.core.requests
         with self._fatal_on_error("engine KV events"):
-            self.engine.on_kv_events(given, self.core.requests, self.core.snapshot)
+            self.engine.on_kv_events(given, live, self.core.snapshot)
             for fetch_id in self.core.take_fetch_ends():
                 self.engine.drop_fetched(fetch_id)
 
