@@ -25,8 +25,9 @@ name                                       type     meaning
 ``ei_node_count_stale_epoch_total{node}``  counter  ``kv.counts`` messages and beacons of a directory epoch that is over
 ``ei_node_count_sync_too_large_total{node}`` counter node count snapshots too large to fetch (no sync in that epoch after one)
 ``ei_node_count_syncing{node}``            gauge    1 while the node's counts await a ``kv.countsync`` snapshot
-``ei_node_step_running_seconds{node}``     gauge    wall seconds the engine step in flight has run (0 between steps or
-                                                    without ``--watchdog-timeout-s``); past the timeout the node exits
+``ei_node_step_running_seconds{node}``     gauge    wall seconds the engine step in flight has run as the watchdog counts
+                                                    it (0 between steps, in its unwatched waits, or without
+                                                    ``--watchdog-timeout-s``); past the timeout the node exits
 ``ei_node_watchdog_timeouts_total{node}``  counter  engine steps found hung by the step watchdog (the node exits right after)
 =========================================  =======  ===============================================================
 """
