@@ -944,7 +944,24 @@ class RouterService(WatchedService):
         it; the router accepts it only while it is pending and placed on that node
         (for that role), then places it on exactly one other node — or parks it
         until a node is eligible. A duplicate or stale hand-back is refused.
-        """
+
+        Always answered: taking the work back raising (a bug, a policy hook's failure) is answered
+        with a refusal naming the error, and the request is failed here (:meth:`_take_back_failed`),
+        since the node drops work the router refuses. Before, the exception escaped to the bus, which
+        sent no reply: the node asked again until its ``--requeue-timeout-s``, and a repeat found the
+        placement already forgotten ("not placed on"), so the node dropped the work while the client
+        waited ``request_timeout_s`` (600 s) for output nobody would send."""
+        try:
+            return self._take_back(msg)
+        except Exception as e:
+            return self._take_back_failed(msg, e)
+
+    def _take_back(self, msg: m.WorkRequeue) -> m.WorkRequeueReply:
+        """:meth:`_on_requeue`'s check and hand-over (see there). The core's bookkeeping of the old
+        placement (``RouterCore.requeue`` / ``NodeLoadView.on_handoff``) raising does not refuse the work:
+        the node has forgotten it, so it is placed again all the same (a placement that then fails fails
+        the request with 503, :meth:`_place_again_or_fail`); counted ``requeue.bookkeeping_errors`` and
+        logged at error with the traceback."""
         rid = msg.rid
         p = self._pending.get(rid)
         if p is None or p.done:
@@ -954,21 +971,50 @@ class RouterService(WatchedService):
         if (msg.prefill is None) == (msg.decode is None):
             self.counters["requeue.malformed"] += 1
             return m.WorkRequeueReply(rid=rid, reason="exactly one of prefill / decode must be set")
-        role = 0 if msg.prefill is not None else 1
+        role = "prefill" if msg.prefill is not None else "decode"
         if msg.attempt != p.attempt:
             self.counters["requeue.stale_attempt"] += 1
             return m.WorkRequeueReply(rid=rid, reason=f"stale attempt {msg.attempt} (the router's is {p.attempt})")
-        if placement is None or placement[role] != msg.node:
+        if placement is None or placement[0 if role == "prefill" else 1] != msg.node:
             self.counters["requeue.stale"] += 1
-            return m.WorkRequeueReply(rid=rid, reason=f"request is not placed on {msg.node} for {'prefill' if role == 0 else 'decode'}")
-        self.counters[f"requeue.{'prefill' if role == 0 else 'decode'}"] += 1
-        if role == 0:
-            self.core.requeue(rid, self.clock.now())
-        else:  # the decode node had the hand-off: the router holds it now, not the prefill node
-            self.core.view.on_handoff(rid, msg.node)
-        self.log.info("work handed back", rid=rid, node=msg.node, role="prefill" if role == 0 else "decode", reason=msg.reason)
+            return m.WorkRequeueReply(rid=rid, reason=f"request is not placed on {msg.node} for {role}")
+        self.counters[f"requeue.{role}"] += 1
+        try:
+            if role == "prefill":
+                self.core.requeue(rid, self.clock.now())
+            else:  # the decode node had the hand-off: the router holds it now, not the prefill node
+                self.core.view.on_handoff(rid, msg.node)
+        except Exception as e:
+            self.counters["requeue.bookkeeping_errors"] += 1
+            self.log.error(
+                "work handed back: forgetting its old placement failed; placing it again all the same",
+                rid=rid, node=msg.node, role=role, reason=msg.reason, error=repr(e), exc_info=e,
+            )  # fmt: skip
+        self.log.info("work handed back", rid=rid, node=msg.node, role=role, reason=msg.reason)
         self._spawn(self._place_again_or_fail(msg))
         return m.WorkRequeueReply(rid=rid, accepted=True)
+
+    def _take_back_failed(self, msg: m.WorkRequeue, e: Exception) -> m.WorkRequeueReply:
+        """Taking handed-back ``msg`` raised ``e``: the work is refused (the reply names ``e``; the node
+        drops it) and its request, when still pending at that attempt, is failed here: 503 naming the
+        error, its nodes told to drop it. Counted ``requeue.errors``, logged at error with the traceback.
+        Never raises (a failure while failing the request is logged too): the node always gets its answer."""
+        self.counters["requeue.errors"] += 1
+        self.log.error(
+            "taking handed-back work failed; refused, request failed", rid=msg.rid, node=msg.node, reason=msg.reason,
+            error=repr(e), exc_info=e,
+        )  # fmt: skip
+        err = repr(e)[:300]  # the reply's reason is bounded (shared/validate.py)
+        why = f"node {msg.node} handed it back ({msg.reason[:200]}) and the router failed to take it: {err}; request failed"
+        p = self._pending.get(msg.rid)
+        if p is not None and not p.done and p.attempt == msg.attempt:
+            try:
+                self._abandon(p, why, "requeue_failed")
+            except Exception as e2:
+                self.log.error("failing a request whose hand-back failed raised", rid=msg.rid, error=repr(e2), exc_info=e2)
+                p.done = True
+            p.queue.put_nowait(_Failure(503, why))
+        return m.WorkRequeueReply(rid=msg.rid, reason=f"the router failed to take the request back: {err}")
 
     async def _place_again_or_fail(self, msg: m.WorkRequeue) -> bool:
         """:meth:`_place_again`, run in the background (a hand-back, a re-dispatch, a parked retry).

@@ -16,6 +16,7 @@ import signal
 import msgspec
 import pytest
 
+from services.router.nodes import NodeLoadView
 from services.router.service import RouterService
 from shared import messages as m
 from shared.service import serve_until_stopped
@@ -257,3 +258,56 @@ async def test_a_parked_request_that_fails_ends_in_the_other_routers_view_too(na
         finally:
             stop_b.set()
             await asyncio.wait_for(task_b, 20)
+
+
+async def _handed_back_prefill(env, prompt: list[int]) -> tuple[asyncio.Task, m.WorkRequeue]:
+    """A request whose prefill work p0 records and does not answer, and p0's hand-back of it (a phase switch)."""
+    env.cluster.answering.discard("p0")
+    task = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}))
+    await _wait_for(lambda: env.cluster.works, what="the work dispatched")
+    work = env.cluster.works[-1]
+    return task, m.WorkRequeue(rid=work.rid, node="p0", reason="phase switch", prefill=work, attempt=work.attempt)
+
+
+async def test_a_hand_back_whose_bookkeeping_raises_is_taken_and_served(nats_url, tmp_path):
+    """``RouterCore.requeue`` raising in the ``work.requeue`` handler (here: after it forgot the placement, as a
+    policy hook failing would): the node's hand-back is still answered ``accepted`` and the request served
+    elsewhere, the error counted and logged with its traceback. Before, the exception reached the bus, which sent
+    no reply: the node's request timed out, and its repeat was refused ("not placed on p0"), so it dropped the
+    work while the client waited ``request_timeout_s``."""
+    async with router_env(nats_url, tmp_path, PD, request_timeout_s=10.0) as env:
+        svc = env.service
+        task, back = await _handed_back_prefill(env, [5] * 70)
+        real = svc.core.requeue
+
+        def failing(rid: str, now: float) -> bool:
+            real(rid, now)
+            raise RuntimeError("policy hook failed")
+
+        svc.core.requeue = failing
+        env.cluster.answering.add("p0")  # the work placed again is served
+        rep = await env.bus.request(WORK_REQUEUE, back, timeout=2.0, router="router")  # the worker's timeout
+        assert rep.accepted, rep
+        r = await asyncio.wait_for(task, 5.0)
+        assert r.status_code == 200, r.text
+        assert svc.counters["requeue.bookkeeping_errors"] == 1 and svc.counters["requeue.rerouted"] == 1
+        assert len(env.cluster.works) == 2 and svc._pending == {}
+
+
+async def test_a_hand_back_the_router_fails_to_take_is_refused_and_its_request_fails_at_once(nats_url, tmp_path, monkeypatch):
+    """Taking the work back raising before the router owns it (here the placement lookup): the node gets a
+    refusal naming the error (it drops the work) and the client a 503 at once, nodes told to drop it. Before,
+    no reply (the node timed out and retried) and the client waited ``request_timeout_s`` (10 s here)."""
+    async with router_env(nats_url, tmp_path, PD, request_timeout_s=10.0) as env:
+        svc = env.service
+        task, back = await _handed_back_prefill(env, [6] * 70)
+
+        def failing(self, rid: str):
+            raise KeyError("view broken")
+
+        monkeypatch.setattr(NodeLoadView, "placement", failing)
+        rep = await env.bus.request(WORK_REQUEUE, back, timeout=2.0, router="router")  # the worker's timeout
+        assert not rep.accepted and "failed to take the request back" in rep.reason and "view broken" in rep.reason, rep
+        r = await asyncio.wait_for(task, 3.0)
+        assert r.status_code == 503 and "failed to take it" in r.json()["error"]["message"], r.text
+        assert svc.counters["requeue.errors"] == 1 and svc._pending == {}
