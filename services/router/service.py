@@ -715,15 +715,17 @@ class RouterService(WatchedService):
         return counters, gauges
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run a publish in the background (used where awaiting is not possible, e.g. under cancellation)."""
+        """Run a publish in the background (used where awaiting is not possible, e.g. under cancellation).
+        One that raises is counted (``publish_errors``) and logged at warning with its traceback (before:
+        the exception's repr alone, which does not say where a bug raised)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._spawned.add(task)
 
         def done(t: asyncio.Task[Any]) -> None:
             self._spawned.discard(t)
-            if not t.cancelled() and t.exception() is not None:
+            if not t.cancelled() and (e := t.exception()) is not None:
                 self.counters["publish_errors"] += 1
-                self.log.warning("background publish failed", error=repr(t.exception()))
+                self.log.warning("background publish failed", error=repr(e), exc_info=e)
 
         task.add_done_callback(done)
 

@@ -229,3 +229,20 @@ async def test_every_response_carries_x_request_id_and_a_refusal_logs_that_id(na
     assert rej[api.request_rid("gw/a:1")]["client_request_id"] == "gw/a:1"
     accepted = {e["rid"] for e in _events(logs, "request accepted")}
     assert {held_id, ok_id, no_route_id} <= accepted  # a success's header is the rid it is logged with
+
+
+async def test_a_background_publish_that_fails_is_logged_with_its_traceback(nats_url, tmp_path, logs):
+    """A publish the router runs in the background (``_spawn``: aborts, placements, parked retries) that raises is
+    counted and logged with its traceback, so the line says where it raised. Before, only the exception's repr."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        svc = env.service
+
+        async def failing() -> None:
+            raise RuntimeError("publish refused")
+
+        svc._spawn(failing())
+        await _wait_for(lambda: svc.counters["publish_errors"] == 1, what="the failure counted")
+    (line,) = _events(logs, "background publish failed")
+    assert line["log_level"] == "warning" and line["error"] == "RuntimeError('publish refused')"
+    exc = line["exc_info"]
+    assert isinstance(exc, RuntimeError) and exc.__traceback__ is not None, line
