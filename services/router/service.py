@@ -466,12 +466,19 @@ class _AnyCharRoute(Route):
         self.path_regex = re.compile(self.path_regex.pattern, re.DOTALL)
 
 
+CORS_EXPOSE_HEADERS = ("x-request-id", "x-ei-prefill-node", "x-ei-decode-node", "retry-after")
+"""Response headers a browser page may read with CORS on (``Access-Control-Expose-Headers``): the router's own
+(the request's id, its nodes) and the 429 / 503 retry hint. A browser shows a cross-origin page only the
+CORS-safelisted response headers (``Content-Type`` and a few more) and those listed here."""
+
+
 def _with_cors(app: ASGIApp, cfg: RouterConfig) -> ASGIApp:
     """``app`` behind Starlette's CORS middleware when ``--allowed-origins`` is set (vLLM's flags), else as is.
 
     Outside the API-key guard: a browser's preflight (``OPTIONS`` with ``Origin`` and
     ``Access-Control-Request-Method``) carries no credentials, and a 401 / 429 must carry the
-    CORS headers for the page to read it."""
+    CORS headers for the page to read it. The response headers of :data:`CORS_EXPOSE_HEADERS` are
+    exposed (before, none: a page could not read a response's ``x-request-id``)."""
     if not cfg.allowed_origins:
         return app
     return CORSMiddleware(
@@ -480,6 +487,7 @@ def _with_cors(app: ASGIApp, cfg: RouterConfig) -> ASGIApp:
         allow_methods=cfg.allowed_methods,
         allow_headers=cfg.allowed_headers,
         allow_credentials=cfg.allow_credentials,
+        expose_headers=CORS_EXPOSE_HEADERS,
     )
 
 

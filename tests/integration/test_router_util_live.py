@@ -179,6 +179,10 @@ async def test_cors_is_off_by_default_and_answers_preflights_when_set(nats_url, 
             headers={"Origin": "https://app.example", "Authorization": "Bearer k1"},
         )
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        # the page may read the router's headers (before: no access-control-expose-headers, so x-request-id was hidden)
+        exposed = {h.strip() for h in r.headers["access-control-expose-headers"].lower().split(",")}
+        assert {"x-request-id", "x-ei-prefill-node", "retry-after"} <= exposed, exposed
+        assert r.headers["x-request-id"] and r.headers["x-ei-prefill-node"] == "c0"
     async with router_env(nats_url, tmp_path, {"c0": "both"}, allowed_origins=["https://app.example"], allow_credentials=True) as env:
         r = await env.http.options("/tokenize", headers=PREFLIGHT)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
