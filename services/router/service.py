@@ -41,7 +41,7 @@ import socket
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -235,12 +235,44 @@ def _client_id_fields(rid: str, client_id: str | None, key: str = "client_reques
     return {key: client_id} if client_id is not None and client_id != rid else {}
 
 
-def _client_rid(header: str | None) -> tuple[str, str] | None:
-    """``(rid, id as sent)`` of a valid ``X-Request-ID`` header value; None: no header or an invalid one."""
-    with contextlib.suppress(api.ApiError):
-        if (client := api.parse_request_id(header)) is not None:
-            return api.request_rid(client), client
-    return None
+@dataclass(frozen=True, slots=True)
+class _RequestId:
+    """A request's id, as :class:`_RequestIdHeader` read it once from its ``X-Request-ID`` header
+    (:func:`request_id_of`); every handler, log line and span of the request uses this record."""
+
+    shown: str
+    """The response's ``x-request-id``: the client's valid ``X-Request-ID`` as sent, else a fresh ``uuid4().hex``."""
+    rid: str
+    """The request's id on the bus, the nodes and in log lines: ``api.request_rid`` of the client's id, else ``shown``."""
+    client: str | None
+    """The client's valid ``X-Request-ID`` as sent; None: no header, or an invalid one (``error``)."""
+    error: api.ApiError | None
+    """Why the client's header is invalid (a generation request answers it with this 400); None: valid or absent."""
+
+    @classmethod
+    def parse(cls, headers: Iterable[tuple[bytes, bytes]]) -> _RequestId:
+        """The record of a request with ASGI ``headers`` (the first ``x-request-id`` counts, as Starlette's
+        ``Request.headers.get``). O(headers) + one regex match or one ``uuid4``."""
+        raw = next((v for k, v in headers if k == b"x-request-id"), None)
+        client = error = None
+        if raw is not None:
+            try:
+                client = api.parse_request_id(raw.decode("latin-1"))
+            except api.ApiError as e:
+                error = e
+        if client is None:
+            made = uuid.uuid4().hex
+            return cls(made, made, None, error)
+        return cls(client, api.request_rid(client), client, None)
+
+
+def request_id_of(scope: Scope) -> _RequestId:
+    """The request's :class:`_RequestId` as :class:`_RequestIdHeader` put it in ``scope``
+    (:data:`REQUEST_ID_SCOPE_KEY`); read from the headers and put there now when the app runs without it."""
+    ident = scope.get(REQUEST_ID_SCOPE_KEY)
+    if ident is None:
+        ident = scope[REQUEST_ID_SCOPE_KEY] = _RequestId.parse(scope["headers"])
+    return ident
 
 
 @dataclass(slots=True)
@@ -412,8 +444,9 @@ class _StatusCounter:
 
 
 REQUEST_ID_SCOPE_KEY = "ei.request_id"
-"""ASGI scope key of the request's id as :class:`_RequestIdHeader` set it: the client's valid ``X-Request-ID`` as
-sent, else a fresh ``uuid4().hex`` (then also the rid of an accepted generation request)."""
+"""ASGI scope key of the request's :class:`_RequestId` (:func:`request_id_of`) as :class:`_RequestIdHeader` set
+it: the response's ``x-request-id`` (the client's valid ``X-Request-ID`` as sent, else a fresh ``uuid4().hex``,
+then also the rid of an accepted generation request), the rid, the client's id, why it is invalid."""
 
 
 class _RequestIdHeader:
@@ -423,11 +456,12 @@ class _RequestIdHeader:
     request in the router's log lines and spans, which carry the same id.
 
     The id is the client's ``X-Request-ID`` as sent when it is valid (:func:`api.parse_request_id`:
-    1-256 visible ASCII characters), else a fresh ``uuid4().hex``; it is put in the scope under
-    :data:`REQUEST_ID_SCOPE_KEY` for the handlers (the rid of an accepted request without a client id,
-    the ``rid`` of a ``request rejected`` line). A header the app set itself is kept (a success's id is
-    the same). Cost per request: one scan of the request headers and of the response start's headers,
-    a regex match of a client id or one ``uuid4``."""
+    1-256 visible ASCII characters), else a fresh ``uuid4().hex``; the header is read here only, once:
+    its :class:`_RequestId` (the id, the rid, the client's id or why it is invalid) is put in the scope under
+    :data:`REQUEST_ID_SCOPE_KEY` for the handlers, log lines and spans (the rid of an accepted request, the
+    400 of an invalid header, the ``rid`` of a ``request rejected`` line). A header the app set itself is
+    kept (a success's id is the same). Cost per request: one scan of the request headers and of the
+    response start's headers, a regex match of a client id or one ``uuid4``."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -436,15 +470,8 @@ class _RequestIdHeader:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        raw = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        shown = None
-        if raw is not None:
-            with contextlib.suppress(api.ApiError):
-                shown = api.parse_request_id(raw.decode("latin-1"))
-        if shown is None:
-            shown = uuid.uuid4().hex
-        scope[REQUEST_ID_SCOPE_KEY] = shown
-        value = shown.encode("ascii")  # visible ASCII only (parse_request_id)
+        ident = scope[REQUEST_ID_SCOPE_KEY] = _RequestId.parse(scope["headers"])
+        value = ident.shown.encode("ascii")  # visible ASCII only (parse_request_id)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -1550,7 +1577,7 @@ class RouterService(WatchedService):
             # NATS down and the outbound buffer full, or the connection closed: the client may retry
             self.counters["bus_errors_503"] += 1
             self.log.warning(
-                "bus error answered as 503", rid=request.scope.get(REQUEST_ID_SCOPE_KEY), path=request.url.path, error=repr(exc)
+                "bus error answered as 503", rid=request_id_of(request.scope).rid, path=request.url.path, error=repr(exc)
             )
             return self._json(
                 api.error_body(503, f"message bus unavailable, retry later: {exc}"), 503, headers={"retry-after": "1"}
@@ -2003,8 +2030,8 @@ class RouterService(WatchedService):
                     "gen_ai.operation.name": "chat" if chat else "text_completion",
                 },
             )  # fmt: skip
-            if (ids := _client_rid(request.scope.get(REQUEST_ID_SCOPE_KEY))) is not None:  # a refused request is found by it too
-                span.set_attributes({"ei.rid": ids[0], **_client_id_fields(*ids, key="ei.client_request_id")})
+            ident = request_id_of(request.scope)  # a refused request is found by it too
+            span.set_attributes({"ei.rid": ident.rid, **_client_id_fields(ident.rid, ident.client, key="ei.client_request_id")})
             tr = _ReqTrace(span)
         rl = _ReqLog() if self.cfg.log_requests else None
 
@@ -2039,33 +2066,31 @@ class RouterService(WatchedService):
         id), as a request refused past the guard has. Other paths are neither request lines nor spans."""
         if scope["path"] not in _GENERATE_PATHS:
             return
-        header = scope.get(REQUEST_ID_SCOPE_KEY)  # the response's x-request-id (_RequestIdHeader)
+        ident = request_id_of(scope)  # the response's x-request-id (_RequestIdHeader)
         if tracing.ENABLED:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             span = tracing.start("router.request", tracing.extract(headers), kind=tracing.SpanKind.SERVER, attributes={
                 "http.route": scope["path"], "http.request.method": scope.get("method", "POST"),
             })  # fmt: skip
-            if (ids := _client_rid(header)) is not None:
-                span.set_attributes({"ei.rid": ids[0], **_client_id_fields(*ids, key="ei.client_request_id")})
+            span.set_attributes({"ei.rid": ident.rid, **_client_id_fields(ident.rid, ident.client, key="ei.client_request_id")})
             _ReqTrace(span).end(status, error=error)
         if self.cfg.log_requests:
-            self._log_rejected(header, status, error)
+            self._log_rejected(ident, status, error)
 
-    def _log_rejected(self, rid_header: str | None, status: int, error: str | None) -> None:
-        """``--log-requests``' ``request rejected`` line: the rid of ``rid_header``, the response's ``x-request-id``
-        (:data:`REQUEST_ID_SCOPE_KEY`: the client's valid ``X-Request-ID``, else an id the router made; an
-        invalid client value, maybe the reason for the refusal, is never logged), and the value as sent,
-        ``client_request_id``, when the rid is not it; the status, the error."""
-        ids = _client_rid(rid_header)
-        extra = {} if ids is None else _client_id_fields(*ids)
-        self.log.info("request rejected", rid=None if ids is None else ids[0], **extra, status=status, error=error)
+    def _log_rejected(self, ident: _RequestId, status: int, error: str | None) -> None:
+        """``--log-requests``' ``request rejected`` line: the rid of ``ident``, the request's id
+        (:func:`request_id_of`: the client's valid ``X-Request-ID``, else an id the router made, the response's
+        ``x-request-id``; an invalid client value, maybe the reason for the refusal, is never logged), and the
+        value as sent, ``client_request_id``, when the rid is not it; the status, the error."""
+        extra = _client_id_fields(ident.rid, ident.client)
+        self.log.info("request rejected", rid=ident.rid, **extra, status=status, error=error)
 
     def _log_end(self, rl: _ReqLog, status: int, request: Request, resp: Response | None) -> None:
         """``--log-requests``: the info line of a request's end (``request finished``), or of one
         refused before it was accepted (``request rejected``: status, the id of the response's
         ``x-request-id``, the error message). Times are the router clock's seconds (wall × ``--speedup``)."""
         if rl.rid is None:
-            self._log_rejected(request.scope.get(REQUEST_ID_SCOPE_KEY), status, _error_message(resp))
+            self._log_rejected(request_id_of(request.scope), status, _error_message(resp))
             return
         p = rl.p
         extra = _client_id_fields(rl.rid, rl.client_id)
@@ -2154,9 +2179,13 @@ class RouterService(WatchedService):
             return self._error(503, "router is shutting down")
         try:
             # the rid is a function of the id as sent that never gives two ids one rid (api.request_rid):
-            # a duplicate in flight is the same id as sent, whatever characters it holds
-            client_id = api.parse_request_id(request.headers.get("x-request-id"))
-            client_rid = None if client_id is None else api.request_rid(client_id)
+            # a duplicate in flight is the same id as sent, whatever characters it holds; the header was
+            # read once, by _RequestIdHeader (its id, rid, or why it is invalid: answered 400 here)
+            ident = request_id_of(request.scope)
+            if ident.error is not None:
+                raise ident.error
+            client_id = ident.client
+            client_rid = None if client_id is None else ident.rid
             if client_rid is not None and self._in_flight(client_rid) and not await self._rid_freed(client_rid):
                 raise api.ApiError(409, f"X-Request-ID {client_id!r} is already in flight", param="X-Request-ID")
             hdrs, req, arr, max_tokens, packed, hashes, echo = await self._prepare(request, chat)
@@ -2184,8 +2213,7 @@ class RouterService(WatchedService):
         # the client's X-Request-ID (api.request_rid of it when it is not one NATS subject token) is the rid
         # on every node and in every log line, so records join; the response's x-request-id is the id as
         # sent and the body's id chatcmpl-/cmpl-<id as sent> (api.response_id, vLLM's)
-        rid = client_rid or request.scope.get(REQUEST_ID_SCOPE_KEY) or uuid.uuid4().hex  # the id of its x-request-id
-        shown = client_id or rid
+        rid, shown = ident.rid, ident.shown  # the id of its x-request-id: the client's as sent, or one the router made
         if tr is not None:
             tr.span.set_attribute("ei.rid", rid)
         lookup, lookup_status = await self._lookup(hashes, tr, rid)

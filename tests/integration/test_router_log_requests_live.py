@@ -246,3 +246,35 @@ async def test_a_background_publish_that_fails_is_logged_with_its_traceback(nats
     assert line["log_level"] == "warning" and line["error"] == "RuntimeError('publish refused')"
     exc = line["exc_info"]
     assert isinstance(exc, RuntimeError) and exc.__traceback__ is not None, line
+
+
+async def test_the_x_request_id_header_is_read_once_per_request(nats_url, tmp_path, logs, monkeypatch):
+    """The ``x-request-id`` middleware reads the header once; the generation handler, its ``request rejected``
+    line and its spans use what it read (the id, the rid, or why the header is invalid: the same 400). Before,
+    the handler parsed the header again, and a refused request's log line a third time."""
+    calls: list[str | None] = []
+    real = api.parse_request_id
+
+    def counting(value: str | None) -> str | None:
+        calls.append(value)
+        return real(value)
+
+    monkeypatch.setattr(api, "parse_request_id", counting)
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, log_requests=True) as env:
+        body = {"prompt": [1, 2, 3], "max_tokens": 2}
+        cases = (
+            ({"X-Request-ID": "gw/a:1"}, body, 200),
+            ({"X-Request-ID": "x" * 300}, body, 400),  # invalid: the handler's 400 names the header
+            ({"X-Request-ID": "bad-max-1"}, {**body, "max_tokens": -1}, 400),  # refused: a request rejected line
+        )
+        for headers, sent, status in cases:
+            calls.clear()
+            r = await env.http.post("/v1/completions", json=sent, headers=headers)
+            assert r.status_code == status, r.text
+            assert calls == [headers["X-Request-ID"]], calls
+            if len(headers["X-Request-ID"]) == 300:
+                assert r.json()["error"]["message"] == "X-Request-ID is 300 characters long; at most 256 allowed", r.text
+    rej = {e["rid"]: e for e in _events(logs, "request rejected")}
+    assert "bad-max-1" in rej and len(rej) == 2
+    (fin,) = _events(logs, "request finished")
+    assert fin["rid"] == api.request_rid("gw/a:1") and fin["client_request_id"] == "gw/a:1"
