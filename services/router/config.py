@@ -183,7 +183,8 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
              "max_tokens, stream) and one when it ends (request finished: rid, status, finish_reason as counted in "
              "ei_router_requests_finished_total, prompt/cached/output tokens, ttft_s and e2e_s in router-clock seconds (wall "
              "seconds x --speedup, as ei_router_ttft_seconds; wall seconds at --speedup 1), prefill and decode node; "
-             "request rejected: a request refused before it was accepted); vLLM's --enable-log-requests"),
+             "request rejected: a request refused before it was accepted, and a 401 / 404 / 429 on another path, with its "
+             "path); vLLM's --enable-log-requests"),
     ] = False
     max_tool_hold_s: Annotated[
         float, Meta(gt=0, description="longest hold of a tool-call hint (POST /v1/branches/{id}/tool-call), simulated s")

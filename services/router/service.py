@@ -483,6 +483,39 @@ class _RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+class _NotFoundLog:
+    """ASGI middleware for ``--log-requests``: a 404 on a path other than the generation paths (an unknown path,
+    model, or branch) calls ``on_404(scope, error)`` once its body is sent, ``error`` the message of its
+    OpenAI error body (None if it has none). The generation paths log their own refusals (``request
+    rejected``). Cost: one status check per response, and the body of a 404 kept until it is sent."""
+
+    def __init__(self, app: ASGIApp, on_404: Callable[[Scope, str | None], None]) -> None:
+        self.app = app
+        self.on_404 = on_404
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _GENERATE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        body: list[bytes] | None = None
+
+        async def watching_send(message: Message) -> None:
+            nonlocal body
+            if message["type"] == "http.response.start" and message["status"] == 404:
+                body = []
+            elif message["type"] == "http.response.body" and body is not None:
+                body.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    error = None
+                    with contextlib.suppress(Exception):
+                        error = str(msgspec.json.decode(b"".join(body))["error"]["message"])
+                    body = None
+                    self.on_404(scope, error)
+            await send(message)
+
+        await self.app(scope, receive, watching_send)
+
+
 class _AnyCharRoute(Route):
     """A route whose ``path`` parameters may hold any character, newlines included,
     so that a bad branch id reaches the handler and gets a 400 with a reason
@@ -563,8 +596,9 @@ class RouterService(WatchedService):
         """Prometheus registry (``GET /metrics`` here and on ``--metrics-port``)."""
         self.registry.register(FuncCollector(lambda: router_families(self)))
         self.port: int | None = None
+        app: ASGIApp = self._build_app()
         guard = IngressGuard(
-            self._build_app(),
+            _NotFoundLog(app, lambda scope, error: self._log_rejected(request_id_of(scope), 404, error, scope)) if cfg.log_requests else app,
             load_api_keys(cfg.api_keys_file, cfg.api_keys),
             public_paths=cfg.api_key_public_paths,
             max_inflight=cfg.api_key_max_inflight,
@@ -2059,14 +2093,17 @@ class RouterService(WatchedService):
         return resp
 
     def _refused(self, scope: Scope, status: int, error: str) -> None:
-        """A generation request the ingress guard refused (401: no or unknown API key; 429: its key's requests
-        in flight): with ``--log-requests`` a ``request rejected`` line too (status, the id of the response's
-        ``x-request-id``: a valid client ``X-Request-ID`` or the one the router made, the error message; never
-        the key); with tracing on, its ``router.request`` span (status code, ``error.type``, ``ei.rid`` of that
-        id), as a request refused past the guard has. Other paths are neither request lines nor spans."""
-        if scope["path"] not in _GENERATE_PATHS:
-            return
+        """A request the ingress guard refused (401: no or unknown API key; 429: its key's requests in flight):
+        with ``--log-requests`` a ``request rejected`` line (status, the id of the response's ``x-request-id``:
+        a valid client ``X-Request-ID`` or the one the router made, the error message; never the key; on a path
+        other than the generation paths also ``path`` and ``method``; before, those were not logged); a
+        generation request's, with tracing on, also its ``router.request`` span (status code, ``error.type``,
+        ``ei.rid`` of that id), as a request refused past the guard has."""
         ident = request_id_of(scope)  # the response's x-request-id (_RequestIdHeader)
+        if scope["path"] not in _GENERATE_PATHS:
+            if self.cfg.log_requests:
+                self._log_rejected(ident, status, error, scope)
+            return
         if tracing.ENABLED:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             span = tracing.start("router.request", tracing.extract(headers), kind=tracing.SpanKind.SERVER, attributes={
@@ -2077,12 +2114,16 @@ class RouterService(WatchedService):
         if self.cfg.log_requests:
             self._log_rejected(ident, status, error)
 
-    def _log_rejected(self, ident: _RequestId, status: int, error: str | None) -> None:
+    def _log_rejected(self, ident: _RequestId, status: int, error: str | None, scope: Scope | None = None) -> None:
         """``--log-requests``' ``request rejected`` line: the rid of ``ident``, the request's id
         (:func:`request_id_of`: the client's valid ``X-Request-ID``, else an id the router made, the response's
         ``x-request-id``; an invalid client value, maybe the reason for the refusal, is never logged), and the
-        value as sent, ``client_request_id``, when the rid is not it; the status, the error."""
+        value as sent, ``client_request_id``, when the rid is not it; the status, the error; ``scope`` given
+        (a request on a path other than the generation paths: a 401, 404 or 429), its ``path`` and ``method``."""
         extra = _client_id_fields(ident.rid, ident.client)
+        if scope is not None:
+            path = scope["path"][:256]  # percent-decoded: a branch id's newline is shown escaped, never as a line break
+            extra.update(path=path if path.isprintable() else ascii(path)[1:-1], method=scope.get("method", ""))
         self.log.info("request rejected", rid=ident.rid, **extra, status=status, error=error)
 
     def _log_end(self, rl: _ReqLog, status: int, request: Request, resp: Response | None) -> None:

@@ -154,12 +154,14 @@ async def test_a_generation_request_refused_for_its_api_key_is_logged_rejected_w
         await _wait_for(lambda: not env.service._pending, what="held-1 ended")
         r = await env.http.post("/v1/completions", json=body, headers={"X-Request-ID": "nokey-1", "Authorization": "Bearer wrong-key-xyz"})
         assert r.status_code == 401
-        r = await env.http.get("/v1/models", headers={"X-Request-ID": "models-1"})  # not a generation request: no line
+        r = await env.http.get("/v1/models", headers={"X-Request-ID": "models-1"})  # another path: logged too, with its path
         assert r.status_code == 401
         r = await env.http.post("/v1/completions", json=body, headers={**good, "X-Request-ID": "ok-1"})
         assert r.status_code == 200
     rej = {e["rid"]: e for e in _events(logs, "request rejected")}
-    assert sorted(rej) == ["nokey-1", "over-1"]
+    assert sorted(rej) == ["models-1", "nokey-1", "over-1"]
+    assert (rej["models-1"]["status"], rej["models-1"]["path"], rej["models-1"]["method"]) == (401, "/v1/models", "GET")
+    assert "path" not in rej["nokey-1"]  # a generation request's line is as it was
     assert rej["nokey-1"]["status"] == 401 and "API key" in rej["nokey-1"]["error"]
     assert rej["over-1"]["status"] == 429 and "in flight" in rej["over-1"]["error"]
     text = repr(logs)
@@ -211,6 +213,7 @@ async def test_every_response_carries_x_request_id_and_a_refusal_logs_that_id(na
         await _wait_for(lambda: not env.service._pending, what="the held request ended")
         r = await env.http.get("/v1/no-such-path", headers=good)
         assert r.status_code == 404 and len(r.headers["x-request-id"]) == 32
+        not_found_id = r.headers["x-request-id"]
         r = await env.http.get("/v1/models/other-model", headers={**good, "X-Request-ID": "m-1"})
         assert r.status_code == 404 and r.headers["x-request-id"] == "m-1"
         r = await env.http.post("/v1/completions", json=body, headers=good)
@@ -224,7 +227,7 @@ async def test_every_response_carries_x_request_id_and_a_refusal_logs_that_id(na
     assert [e["rid"] for e in _events(logs, "no route")] == [no_route_id]
     assert {e["rid"]: e["status"] for e in _events(logs, "request finished")}[no_route_id] == 503
     rej = {e["rid"]: e for e in _events(logs, "request rejected")}
-    assert set(rej) == {"nokey-2", *made, api.request_rid("gw/a:1")}, rej
+    assert set(rej) == {"nokey-2", *made, api.request_rid("gw/a:1"), not_found_id, "m-1"}, rej  # the 404s of other paths too
     assert {rid: rej[rid]["status"] for rid in made} == made
     assert rej[api.request_rid("gw/a:1")]["client_request_id"] == "gw/a:1"
     accepted = {e["rid"] for e in _events(logs, "request accepted")}
@@ -278,3 +281,34 @@ async def test_the_x_request_id_header_is_read_once_per_request(nats_url, tmp_pa
     assert "bad-max-1" in rej and len(rej) == 2
     (fin,) = _events(logs, "request finished")
     assert fin["rid"] == api.request_rid("gw/a:1") and fin["client_request_id"] == "gw/a:1"
+
+
+async def test_a_401_or_404_on_another_path_is_logged_rejected_with_its_request_id(nats_url, tmp_path, logs):
+    """With ``--log-requests``, a 401 (no or unknown API key) or a 404 (unknown path, model or branch) on a path
+    other than ``/v1/completions`` and ``/v1/chat/completions`` logs ``request rejected`` as those paths' refusals
+    do: the id of the response's ``x-request-id``, status, error, plus its path and method (a newline in the path
+    shown escaped). Before, none of them was logged: an operator could not find a client's 401 or 404 by its id."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, log_requests=True, api_keys="k1") as env:
+        key = {"Authorization": "Bearer k1"}
+        r = await env.http.post("/tokenize", json={"prompt": "hi"}, headers={"X-Request-ID": "tok-401"})
+        assert r.status_code == 401
+        r = await env.http.get("/v1/models/other-model", headers={**key, "X-Request-ID": "model-404"})
+        assert r.status_code == 404
+        r = await env.http.get("/v1/nothing%0Ahere", headers=key)
+        assert r.status_code == 404
+        made = r.headers["x-request-id"]
+        r = await env.http.post("/v1/branches/no-such/end", headers={**key, "X-Request-ID": "gw/b:2"})
+        assert r.status_code == 404
+        r = await env.http.get("/v1/models", headers={**key, "X-Request-ID": "ok-1"})  # a success: no line
+        assert r.status_code == 200
+    rej = {e["rid"]: e for e in _events(logs, "request rejected")}
+    assert set(rej) == {"tok-401", "model-404", made, api.request_rid("gw/b:2")}, rej
+    assert all(e["log_level"] == "info" for e in rej.values())
+    e = rej["tok-401"]
+    assert (e["status"], e["path"], e["method"]) == (401, "/tokenize", "POST") and "API key" in e["error"]
+    e = rej["model-404"]
+    assert (e["status"], e["path"]) == (404, "/v1/models/other-model") and "other-model" in e["error"]
+    assert (rej[made]["status"], rej[made]["path"]) == (404, "/v1/nothing\\nhere") and rej[made]["error"].endswith(": not found")
+    e = rej[api.request_rid("gw/b:2")]
+    assert (e["status"], e["path"], e["method"], e["client_request_id"]) == (404, "/v1/branches/no-such/end", "POST", "gw/b:2"), e
+    assert "no-such" in e["error"]
