@@ -471,16 +471,25 @@ class NodeLoadView(Value):
         O(nodes log nodes)."""
         return sorted(rec.node for rec in self.nodes.values() if rec.state is not None and not rec.fenced and rec.state.engine == engine)
 
-    def largest_gpu_kv(self) -> tuple[int, str] | None:
+    def left(self, rec: NodeRecord, now: float, forget_after: float) -> bool:
+        """True when the node has left for good: fenced and its last state older than ``forget_after`` at ``now``
+        (the caller's clock units; ``math.inf``: never). A node fenced for a moment (restarted, silent less than
+        ``forget_after``) has not; a node fenced while the bus is down is not fenced (the shell skips fence
+        checks then), so an outage does not make nodes leave. O(1)."""
+        return rec.fenced and rec.last_seen is not None and now - rec.last_seen > forget_after
+
+    def largest_gpu_kv(self, now: float = 0.0, forget_after: float = math.inf) -> tuple[int, str] | None:
         """(``NodeState.gpu_total_blocks``, node) of the node whose GPU memory (L1) holds the most KV
-        blocks, over every node that has reported a state, fenced ones included (a fenced node is let back
-        in when it reports again, and a request may be placed on any node now or after a phase switch);
-        the first node id on a tie. None when there is none, or when one of them reports no capacity
-        (0: a node of an older version; nothing can be promised then). O(nodes)."""
+        blocks, over every node that has reported a state and not left for good (:meth:`left` at ``now``:
+        fenced and silent longer than ``forget_after``; fenced ones still count until then: a fenced node is
+        let back in when it reports again, and a request may be placed on any node now or after a phase
+        switch); the first node id on a tie. None when there is none, or when one of them reports no capacity
+        (0: a node of an older version; nothing can be promised then). The defaults count every node that
+        reported. O(nodes)."""
         best: tuple[int, str] | None = None
         for rec in self.nodes.values():
             st = rec.state
-            if st is None:
+            if st is None or (forget_after < math.inf and self.left(rec, now, forget_after)):
                 continue
             if st.gpu_total_blocks <= 0:
                 return None

@@ -651,6 +651,9 @@ class RouterService(WatchedService):
         """Other names a request's ``model`` may give (``--model-aliases``)."""
         self._context_logged: int | None = None
         """The lowered ``max_model_len`` last logged (:meth:`_note_context`); None: none logged yet."""
+        self._forget_after = cfg.forget_node_after_s * cfg.speedup if cfg.forget_node_after_s > 0 else math.inf
+        """``--forget-node-after-s`` in router-clock seconds (``math.inf``: 0, never): a node fenced and silent longer
+        has left for good and no longer counts toward the KV cap (:meth:`largest_kv`)."""
         self._started_wall = time.time()
 
     # ------------------------------------------------------------------ #
@@ -1296,6 +1299,7 @@ class RouterService(WatchedService):
             else:
                 for f in self.core.check_fences(now):
                     self._fence(f.node, f.age, f.rids)
+                self._note_context()  # a node silent past --forget-node-after-s no longer counts toward the KV cap
             self._expire_parked(time.monotonic())
             for rid in self._remote.expired(time.time(), self.cfg.request_timeout_s):
                 self.core.finish(rid, now)  # its owner went away without its end reaching the bus
@@ -1667,10 +1671,21 @@ class RouterService(WatchedService):
 
     def kv_capacity_tokens(self) -> tuple[int, str] | None:
         """(tokens, node) of the node whose GPU KV memory (L1) holds the most, as the nodes report it
-        (``NodeState.gpu_total_blocks`` × ``--block-size``; every node that reported, fenced ones included,
-        :meth:`NodeLoadView.largest_gpu_kv`); None while no node reports its capacity. O(nodes)."""
-        largest = self.core.view.largest_gpu_kv()
+        (``NodeState.gpu_total_blocks`` × ``--block-size``, :meth:`largest_kv`); None while no node reports its
+        capacity. O(nodes)."""
+        largest = self.largest_kv()
         return None if largest is None else (largest[0] * self.cfg.block_size, largest[1])
+
+    def largest_kv(self) -> tuple[int, str] | None:
+        """(blocks, node) of the largest GPU KV memory (L1) over the nodes that reported and have not left for good
+        (:meth:`NodeLoadView.largest_gpu_kv`): a node fenced and silent longer than ``--forget-node-after-s`` no
+        longer counts, nor does its 0 (an older worker's unknown capacity) turn the cap off; a fenced node counts
+        until then (a restarting node does not lower the cap, which would refuse prompts it serves once back)
+        and again as soon as it reports. None: no capacity to promise (no node, or one reports 0). Before, every
+        node that ever reported counted for the router's lifetime: a request only a departed node could hold
+        waited ``--no-route-wait-s`` and got a 503 instead of a 400, and ``/v1/models`` advertised its size.
+        O(nodes)."""
+        return self.core.view.largest_gpu_kv(self.clock.now(), self._forget_after)
 
     def context_limit(self) -> int:
         """The prompt + max_tokens limit of the context check (tokens; 0 = none): the model's context
@@ -1682,7 +1697,8 @@ class RouterService(WatchedService):
     def _note_context(self) -> None:
         """Log (once per value; a warning when the model's context is cut, else info) that ``max_model_len`` is
         lowered below the model's context (or the prompt limit) because no node's GPU KV memory holds that many tokens, and how to raise it;
-        info when it is back at the configured value. Called when a node's reported capacity changes."""
+        info when it is back at the configured value. Called when a node's reported capacity changes and at every
+        fence-loop round (a node that left for good, :meth:`largest_kv`). O(nodes)."""
         limit = self.cfg.max_context_tokens or self.cfg.max_prompt_tokens
         kv = self.kv_capacity_tokens()
         now = limit if kv is None or kv[0] >= limit else kv[0]
@@ -2180,8 +2196,9 @@ class RouterService(WatchedService):
     def _check_kv_room(self, prompt_tokens: int, max_tokens: int, chat: bool) -> None:
         """Refuse (400) a request no node of the cluster could hold: its KV footprint, ``prompt_tokens``
         + ``max_tokens`` in blocks of ``block_size`` tokens (:func:`~services.router.nodes.kv_blocks`), is more
-        than the largest GPU KV memory (L1, ``NodeState.gpu_total_blocks``) of the nodes that reported, fenced
-        ones included (one only a fenced node holds waits for it, then 503s: :meth:`RouterCore.route` offers
+        than the largest GPU KV memory (L1, ``NodeState.gpu_total_blocks``) of the nodes that reported and have not
+        left for good (:meth:`largest_kv`: fenced ones included until ``--forget-node-after-s``; one only a fenced
+        node holds waits for it, then 503s: :meth:`RouterCore.route` offers
         only the nodes that hold a request, in placement and re-dispatch alike). A node reserves a request's whole
         footprint when it takes it (no preemption, ``services/worker/scheduler.py``) and refuses one that
         exceeds its L1; before, such a request was dispatched and that refusal came back as a 500
@@ -2189,12 +2206,12 @@ class RouterService(WatchedService):
         although the request, not an engine, was at fault (vLLM answers a prompt longer than it can
         hold with a 400). ``param`` names the prompt (``messages`` for chat) when the prompt alone does
         not fit, else ``max_tokens``. Nothing is checked while no node reports its capacity
-        (:meth:`NodeLoadView.largest_gpu_kv`); counted ``kv_room_refused``.
+        (:meth:`largest_kv`); counted ``kv_room_refused``.
 
         Raises:
             api.ApiError: 400 with both sizes and the node that holds most.
         """
-        largest = self.core.view.largest_gpu_kv()
+        largest = self.largest_kv()
         if largest is None:
             return
         blocks, node = largest

@@ -160,6 +160,34 @@ async def test_version_and_max_model_len(nats_url, tmp_path):
         assert r.status_code == 200, r.text
 
 
+async def test_max_model_len_follows_the_nodes_that_have_not_left_for_good(nats_url, tmp_path):
+    """A node fenced and silent past ``--forget-node-after-s`` has left: its KV no longer counts toward
+    ``max_model_len``, nor does its 0 (an older worker's unknown capacity) turn the cap off, so a prompt only a
+    departed node could hold gets the 400 of ``/v1/models``' limit at once; back, a node counts again. Before,
+    every node that ever reported counted for the router's lifetime: here ``/v1/models`` kept the model's 8192
+    and the 4000-token prompt waited ``--no-route-wait-s`` for a node that holds it, then got a 503."""
+    phases = {"c0": "both", "c1": "both", "c2": "both"}
+    async with router_env(nats_url, tmp_path, phases, max_context_tokens=8192, forget_node_after_s=0.5, no_route_wait_s=0.2) as env:
+        svc, view = env.service, env.service.core.view
+        models = lambda: env.http.get("/v1/models")  # noqa: E731
+        env.cluster.gpu_blocks = {"c0": 50, "c1": 200, "c2": 0}  # c2: an older worker, no capacity reported
+        await env.cluster.publish_states()
+        await _wait_for(lambda: view.nodes["c2"].state.gpu_total_blocks == 0, what="states applied")
+        assert (await models()).json()["data"][0]["max_model_len"] == 8192
+        env.cluster.alive -= {"c1", "c2"}  # both leave for good
+        await _wait_for(lambda: view.nodes["c1"].fenced and view.nodes["c2"].fenced, what="c1, c2 fenced")
+        await _wait_for(lambda: svc._context_logged == 3200, what="the cap lowered (fence loop)")
+        assert (await models()).json()["data"][0]["max_model_len"] == 3200  # c0's 50 blocks of 64 tokens
+        r = await env.http.post("/v1/completions", json={"prompt": [1] * 4000, "max_tokens": 16})
+        assert r.status_code == 400 and "maximum context length is 3200 tokens" in r.json()["error"]["message"], r.text
+        env.cluster.alive.add("c1")  # back (a restarted worker): counted at once
+        await env.cluster.publish_states()
+        await _wait_for(lambda: not view.nodes["c1"].fenced, what="c1 back")
+        assert (await models()).json()["data"][0]["max_model_len"] == 8192
+        r = await env.http.post("/v1/completions", json={"prompt": [1] * 4000, "max_tokens": 16})
+        assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == "c1", r.text
+
+
 async def test_cors_is_off_by_default_and_answers_preflights_when_set(nats_url, tmp_path):
     async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
         r = await env.http.options("/v1/chat/completions", headers=PREFLIGHT)

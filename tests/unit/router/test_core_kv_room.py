@@ -105,3 +105,29 @@ def test_kv_bounds_follow_reported_capacities_fenced_included():
     c.apply_state(state("a", "both", gpu_total_blocks=50), 5.0)
     c.check_fences(5.0)  # b fenced: still counted (it may report again)
     assert c.view.kv_bounds() == (50, 120) and c.view.largest_gpu_kv() == (120, "b")
+
+
+def test_largest_gpu_kv_leaves_out_nodes_gone_for_good_not_restarting_ones():
+    """The KV cap (``max_model_len``, the 400 of a request no node holds) counts a node until it has left for good:
+    fenced and silent past ``forget_after`` (the router's ``--forget-node-after-s``). A node fenced for a moment
+    (silent less than that, or restarted: its sequence went back) still counts, so the cap does not drop under
+    prompts it serves once back; one that reports again counts at once. A 0 (an older worker: capacity unknown)
+    turns the cap off only while its node counts. Before, every node that ever reported counted forever."""
+    c = core()
+    v = c.view
+    c.apply_state(state("a", "both", gpu_total_blocks=50, seq=1), 0.0)
+    c.apply_state(state("b", "both", gpu_total_blocks=120, seq=1), 0.0)
+    c.apply_state(state("old", "both", gpu_total_blocks=0, seq=1), 0.0)  # an older worker: capacity unknown
+    assert v.largest_gpu_kv(0.0, 10.0) is None  # nothing can be promised while it counts
+    for t in (2.0, 4.0, 6.0, 8.0, 10.0, 12.0):  # a keeps reporting; b and old went silent at 0.0
+        c.apply_state(state("a", "both", gpu_total_blocks=50, seq=1 + int(t)), t)
+        c.check_fences(t)
+    assert v.nodes["b"].fenced and v.nodes["old"].fenced
+    assert v.largest_gpu_kv(9.0, 10.0) is None  # fenced, silent 9 s < 10: may come back, still counted
+    assert v.largest_gpu_kv(12.0, 10.0) == (50, "a")  # silent 12 s: both left for good
+    assert v.largest_gpu_kv(12.0) is None  # without a forget_after (the default): every node that reported
+    c.apply_state(state("b", "both", gpu_total_blocks=120, seq=1), 12.5)  # b back: counted at once
+    assert v.largest_gpu_kv(12.5, 10.0) == (120, "b")
+    c.apply_state(state("b", "both", gpu_total_blocks=120, seq=0), 13.0)  # a restart: its sequence went back
+    assert [f.node for f in c.check_fences(13.0)] == ["b"]  # fenced at once ...
+    assert v.largest_gpu_kv(13.0, 10.0) == (120, "b")  # ... and still counted: no flap of the cap
