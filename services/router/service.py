@@ -1614,9 +1614,11 @@ class RouterService(WatchedService):
         async def bus_failed(request: Request, exc: Exception) -> Response:
             # NATS down and the outbound buffer full, or the connection closed: the client may retry
             self.counters["bus_errors_503"] += 1
+            ident = request_id_of(request.scope)
             self.log.warning(
-                "bus error answered as 503", rid=request_id_of(request.scope).rid, path=request.url.path, error=repr(exc)
-            )
+                "bus error answered as 503", rid=ident.rid, **_client_id_fields(ident.rid, ident.client), path=request.url.path,
+                error=repr(exc),
+            )  # fmt: skip
             return self._json(
                 api.error_body(503, f"message bus unavailable, retry later: {exc}"), 503, headers={"retry-after": "1"}
             )
@@ -2138,7 +2140,7 @@ class RouterService(WatchedService):
         (a request on a path other than the generation paths: a 401, 404 or 429), its ``path`` and ``method``."""
         extra = _client_id_fields(ident.rid, ident.client)
         if scope is not None:
-            path = scope["path"][:256]  # percent-decoded: a branch id's newline is shown escaped, never as a line break
+            path = scope["path"][:256]  # percent-decoded: a %0A in it is shown escaped, never as a line break
             extra.update(path=path if path.isprintable() else ascii(path)[1:-1], method=scope.get("method", ""))
         self.log.info("request rejected", rid=ident.rid, **extra, status=status, error=error)
 
