@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+import nats.errors
 import pytest
 import structlog
 
@@ -312,3 +313,22 @@ async def test_a_401_or_404_on_another_path_is_logged_rejected_with_its_request_
     e = rej[api.request_rid("gw/b:2")]
     assert (e["status"], e["path"], e["method"], e["client_request_id"]) == (404, "/v1/branches/no-such/end", "POST", "gw/b:2"), e
     assert "no-such" in e["error"]
+
+
+async def test_a_bus_failure_on_another_path_logs_the_rid_and_the_id_as_sent(nats_url, tmp_path, logs, monkeypatch):
+    """A bus failure answered 503 by the app's handler (here the NATS client's own error, which
+    ``POST /v1/branches/{id}/end`` does not catch) logs the request's
+    rid and, when the client's id was mapped, ``client_request_id``, as every request line does. Before, ``rid``
+    was the id as sent (``gw/e:5``), not the rid the rest of the logs carry."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, headers={"X-Branch-Id": "b1"})
+        assert r.status_code == 200
+
+        async def down(*_a, **_k):
+            raise nats.errors.ConnectionClosedError
+
+        monkeypatch.setattr(env.service.bus, "publish", down)
+        r = await env.http.post("/v1/branches/b1/end", headers={"X-Request-ID": "gw/e:5"})
+        assert r.status_code == 503 and r.headers["x-request-id"] == "gw/e:5", r.text
+    (line,) = _events(logs, "bus error answered as 503")
+    assert (line["rid"], line["client_request_id"], line["path"]) == (api.request_rid("gw/e:5"), "gw/e:5", "/v1/branches/b1/end"), line
