@@ -54,7 +54,10 @@ def setup_logging(fmt: Literal["console", "json"] = "console", level: str = "inf
     if fmt == "json":
         processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
-        processors += [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+        # plain tracebacks, never rich's: with ``rich`` installed (transformers pulls it in) structlog's
+        # default prints every frame's local variables (a request's prompt, an API key, a NATS URL with
+        # its password) and took ~1 s per traceback, long enough for a bus handler to miss its reply
+        processors += [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback)]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(lvl),

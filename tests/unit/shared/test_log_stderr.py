@@ -61,3 +61,28 @@ def test_a_stdlib_logger_warning_is_one_json_line_in_json_format(monkeypatch):
     assert stdlib["level"] == "warning" and stdlib["logger"] == "opentelemetry.exporter.otlp.proto.http.trace_exporter"
     assert stdlib["service"] == "router" and "timestamp" in stdlib
     assert own["event"] == "own line" and own["service"] == "router"
+
+
+def test_a_console_traceback_shows_no_local_variables(monkeypatch):
+    """With ``rich`` installed (transformers pulls it in), structlog's default console traceback
+    printed every frame's locals: a secret held in a local variable (an API key, a prompt, a NATS URL
+    with its password) went into the log, and one traceback took ~1 s to render."""
+    old = structlog.get_config()
+    out = io.StringIO()
+    try:
+        monkeypatch.setattr(sys, "stderr", out)
+        setup_logging("console", "info")
+
+        def handler() -> None:
+            api_key = "sk-secret-do-not-log"  # noqa: F841 (a local the traceback must not show)
+            raise RuntimeError("boom")
+
+        try:
+            handler()
+        except RuntimeError:
+            structlog.get_logger().exception("handler failed")
+    finally:
+        structlog.configure(**old)
+    text = out.getvalue()
+    assert "handler failed" in text and "RuntimeError: boom" in text and "in handler" in text
+    assert "sk-secret-do-not-log" not in text
