@@ -50,7 +50,9 @@ spinning.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import threading
 import time
 from collections import Counter
@@ -321,8 +323,13 @@ class WorkerService:
         self._step_rids: frozenset[str] = frozenset()
         """Requests of the engine step in flight (from its ``schedule()`` to its end; empty between)."""
         self._step_over = asyncio.Event()
-        """Set when no engine step is in flight (:meth:`_after_steps_of`)."""
+        """Set when no engine step is in flight (:meth:`_newest_attempt`)."""
         self._step_over.set()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        """The execute thread (threaded engines, ``--fault-hang-step``), made at the first use."""
+        self._step_abandoned = False
+        """The step in flight was cancelled (stop) while its thread still ran: the watchdog keeps
+        watching it until the thread returns (:meth:`_in_thread`)."""
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_hang) if cfg.watchdog_timeout_s > 0 else None
         """``--watchdog-timeout-s``: ends the process when one engine step hangs (``watchdog.py``)."""
 
@@ -416,6 +423,8 @@ class WorkerService:
         self._spawned.clear()
         if self.kvpool is not None:
             await self.kvpool.stop()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)  # a thread still in a forward ends with it (or the watchdog ends the process)
         try:
             await self._flush_iters()
             await self._publish_state(self.clock.now())
@@ -1312,7 +1321,7 @@ class WorkerService:
         try:
             await self._run_plan(plan, now, info if wd is not None else None)
         finally:
-            if wd is not None:
+            if wd is not None and not self._step_abandoned:
                 wd.end()
             self._step_rids = frozenset()
             self._step_over.set()
@@ -1331,8 +1340,8 @@ class WorkerService:
             await self._publish_state(now)
         if self._steps == self.cfg.fault_hang_step:  # injected fault: this forward never returns
             self.counters["engine.steps_hung_by_fault"] += 1
-            await asyncio.to_thread(self._hang_forever)
-        duration = await asyncio.to_thread(self.engine.execute, plan) if self.engine.threaded else self.engine.execute(plan)
+            await self._in_thread(self._hang_forever)
+        duration = await self._in_thread(self.engine.execute, plan) if self.engine.threaded else self.engine.execute(plan)
         end = plan.start + duration
         if self.engine.simulated:
             async with self._unwatched(info):
@@ -1358,6 +1367,24 @@ class WorkerService:
         await self._flush_kv(now)
         if self._switch is not None:
             await self._maybe_switch(now)
+
+    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the execute thread (as ``asyncio.to_thread``, with the context); returns
+        its result. When the step is cancelled (stop, SIGTERM) while ``fn`` still runs, the
+        watchdog keeps the step until ``fn`` returns: a forward that hangs then still ends the
+        process at ``--watchdog-timeout-s`` (before, the stop left the hung thread, and Python's
+        exit waited for it forever)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"worker-{self.node}-execute")
+        cf = self._executor.submit(contextvars.copy_context().run, fn, *args)
+        try:
+            return await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:
+            wd = self.watchdog
+            if wd is not None and not cf.done():
+                self._step_abandoned = True
+                cf.add_done_callback(lambda _: wd.end())
+            raise
 
     @contextlib.asynccontextmanager
     async def _unwatched(self, info: StepInfo | None) -> Any:
@@ -1591,7 +1618,10 @@ class WorkerService:
             rids=list(info.rids[:64]), prefill_tokens=info.prefill_tokens, decode_rows=info.decode_rows,
             iterations=info.iterations, stacks=stacks,
         )  # fmt: skip
-        if self._loop is not None:
+        if self._stopped:  # stopped already (a SIGTERM while the forward hung): nothing left to stop
+            if self.watchdog is not None:
+                self.watchdog.exit_ready()
+        elif self._loop is not None:
             self._loop.call_soon_threadsafe(self._fail, e, "step")
 
     def _hang_forever(self) -> None:

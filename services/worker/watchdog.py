@@ -129,7 +129,9 @@ class StepWatchdog:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop watching (the service stops normally); a hang already found still ends the process."""
+        """Stop watching once no step is in flight (the service stops). A step still in flight (a
+        forward the stop could not interrupt) is watched until it ends or hangs past the timeout;
+        a hang already found still ends the process."""
         self._stop.set()
 
     def begin(self, info: StepInfo) -> None:
@@ -150,11 +152,17 @@ class StepWatchdog:
         self._ready.set()
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while True:
             step = self._step  # one read: the loop thread may replace it meanwhile
+            if step is None and self._stop.is_set():
+                return
             if step is not None and overdue(step[0], self._clock(), self.timeout_s):
                 self._fire(*step)
                 return
+            if self._stop.is_set():
+                time.sleep(self.poll_s)
+            else:
+                self._stop.wait(self.poll_s)
 
     def _fire(self, since: float, info: StepInfo) -> None:
         self.fired = StepHung(info, self._clock() - since, self.timeout_s)

@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -23,14 +24,18 @@ from typing import Any
 
 import httpx
 import pytest
+import structlog
 
 from shared import messages as m
 from shared.bus import Bus
 from shared.service import serve_until_stopped
-from shared.subjects import NODE_STATE, Subjects
+from shared.hashing import block_hashes, tokens_for_blocks
+from shared.subjects import NODE_STATE, WORK_PREFILL, Subjects
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
+from services.worker.engines.sim import SimEngine
+from services.worker.plan import IterationPlan
 from services.worker.service import WorkerService
 from tests.integration.polling import until
 
@@ -119,3 +124,65 @@ async def test_a_hung_step_ends_the_worker_and_the_router_redispatches_its_reque
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["usage"]["completion_tokens"] == 3 and body["ei"]["redispatches"] >= 1, body
+
+
+class HangInThread(SimEngine):
+    """Every forward waits for ``release`` in the execute thread (as a torch forward stuck in a kernel)."""
+
+    threaded = True
+    entered = threading.Event()
+    release = threading.Event()
+
+    def execute(self, plan: IterationPlan) -> float:
+        self.entered.set()
+        self.release.wait(30)
+        return super().execute(plan)
+
+
+async def test_a_stop_while_a_forward_hangs_still_ends_the_process_at_the_timeout(nats_url):
+    """SIGTERM reached a worker whose forward hangs: the stop cancels the step, not the thread, and
+    Python's exit then waits for that thread forever (the supervisor's SIGKILL at best). The
+    watchdog keeps watching the step whose thread still runs, and ends the process at the timeout."""
+    exits: list[float] = []
+    held: list[WorkerService] = []
+
+    def make(c: WorkerConfig, b: Bus, clk: Any) -> WorkerService:
+        svc = WorkerService(c, b, clk)
+        svc.engine = HangInThread(svc.profile)
+        assert svc.watchdog is not None
+        svc.watchdog._exit = lambda code: exits.append(time.monotonic()) if code == 1 else None  # in place of os._exit
+        held.append(svc)
+        return svc
+
+    HangInThread.entered.clear()
+    HangInThread.release.clear()
+    states: dict[str, m.NodeState] = {}
+    cfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", split_get_timeout_s=0.0, idle_state_interval_s=0.1,
+                       watchdog_timeout_s=TIMEOUT_S)  # fmt: skip
+    try:
+        with structlog.testing.capture_logs() as logs:
+            async with AsyncExitStack() as stack:
+                bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
+                stack.push_async_callback(bus.close)
+
+                async def on_state(st: m.NodeState, _s: str) -> None:
+                    states[st.node] = st
+
+                await bus.subscribe(NODE_STATE, on_state)
+                stop = asyncio.Event()
+                task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
+                await until(lambda: "w0" in states, 10.0, "w0 up")
+                work = m.PrefillWork(rid="r1", prompt_tokens=9, max_tokens=4, block_size=4,
+                                     block_hashes=block_hashes(tokens_for_blocks([1, 2], 4), 4))  # fmt: skip
+                await bus.publish(WORK_PREFILL, work, node="w0")
+                assert await asyncio.to_thread(HangInThread.entered.wait, 5.0)
+                t0 = time.monotonic()
+                stop.set()  # SIGTERM
+                await asyncio.wait_for(task, 5.0)  # stopped (no failure): what follows is the process's exit
+                await until(lambda: bool(exits), TIMEOUT_S + 3.0, "the watchdog ended the process")
+        assert exits[0] - t0 < TIMEOUT_S + 2.0, exits[0] - t0
+        [hung] = [e for e in logs if str(e.get("event", "")).startswith("engine step hung")]
+        assert hung["rids"] == ["r1"] and "test_worker_watchdog_live.py" in hung["stacks"] and " in execute" in hung["stacks"], hung
+        assert held[0].counters["watchdog.timeouts"] == 1
+    finally:
+        HangInThread.release.set()
