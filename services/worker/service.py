@@ -330,6 +330,9 @@ class WorkerService:
         self._step_abandoned = False
         """The step in flight was cancelled (stop) while its thread still ran: the watchdog keeps
         watching it until the thread returns (:meth:`_in_thread`)."""
+        self._unannounced: m.SplitApplied | None = None
+        """The last ``split.applied`` NATS refused, published again until it goes out (:meth:`_announce_applied`)."""
+        self._announcing: asyncio.Task[None] | None = None
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_hang) if cfg.watchdog_timeout_s > 0 else None
         """``--watchdog-timeout-s``: ends the process when one engine step hangs (``watchdog.py``)."""
 
@@ -824,7 +827,7 @@ class WorkerService:
             self._input()
             return
         if phase == self.core.phase:
-            await self._publish_applied(
+            await self._announce_applied(
                 m.SplitApplied(epoch=cmd.epoch, node=self.node, phase=phase, status="serving", decided_at=cmd.decided_at,
                                applied_at=now, received_at=now, drained_at=now)
             )  # fmt: skip
@@ -847,14 +850,12 @@ class WorkerService:
         # (or failed with an error chunk, _hand_back), whatever becomes of the two announcements. A
         # publish NATS refuses (a full reconnect buffer) is logged and counted, not raised: before,
         # it ended the handler here and the work taken was lost with the epoch already recorded (a
-        # repeat of the command is ignored). The heartbeat repeats accepting=False; the router
-        # accepts a hand-back on its own checks (pending, placed here, same attempt), not on these.
-        await self._announce(
-            "split.applied draining",
-            self._publish_applied(
-                m.SplitApplied(epoch=cmd.epoch, node=self.node, phase=phase, status="draining", decided_at=cmd.decided_at,
-                               applied_at=now, received_at=now, requeued=len(queued))
-            ),
+        # repeat of the command is ignored). The heartbeat repeats accepting=False and split.applied
+        # goes out again (_announce_applied); the router accepts a hand-back on its own checks
+        # (pending, placed here, same attempt), not on these.
+        await self._announce_applied(
+            m.SplitApplied(epoch=cmd.epoch, node=self.node, phase=phase, status="draining", decided_at=cmd.decided_at,
+                           applied_at=now, received_at=now, requeued=len(queued))
         )  # fmt: skip
         await self._announce("node.state", self._publish_state(now))  # accepting=False: the router stops routing here
         if queued:
@@ -863,14 +864,46 @@ class WorkerService:
         await self._maybe_switch(self.clock.now())
         self._input()
 
-    async def _announce(self, what: str, publish: Any) -> None:
+    async def _announce(self, what: str, publish: Any) -> bool:
         """Await ``publish`` (a switch announcement, ``what``); a publish NATS refuses (``BusError``)
-        is logged at warning and counted (``split.announce_failed``) instead of raised."""
+        is logged at warning and counted (``split.announce_failed``) instead of raised. Returns
+        whether it went out."""
         try:
             await publish
         except BusError as e:
             self.counters["split.announce_failed"] += 1
             self.log.warning("switch announcement not published; the switch goes on", what=what, error=repr(e))
+            return False
+        return True
+
+    async def _announce_applied(self, msg: m.SplitApplied) -> None:
+        """Publish ``msg`` (``split.applied``); one NATS refuses is logged and counted
+        (:meth:`_announce`), and a ``serving`` one is published again every
+        ``--idle-state-interval-s`` until NATS takes it or a newer ``split.applied`` replaces it
+        (``split.announce_retried``): the planner ends a node's busy period on ``serving``, so a
+        lost one kept the node busy in its eyes until its ``busy_timeout_s``. A lost ``draining``
+        is not repeated (the planner counts the node busy from its command on; a late one would
+        say draining after the drain). The switch never waits for either."""
+        if not await self._announce(f"split.applied {msg.status}", self._publish_applied(msg)) and msg.status == "serving":
+            self._unannounced = msg
+            if self._announcing is None or self._announcing.done():
+                self._announcing = self._spawn(self._announce_again(), f"worker-{self.node}-split-announce")
+
+    async def _announce_again(self) -> None:
+        """Publish the ``split.applied`` NATS refused (:meth:`_announce_applied`) until it goes out."""
+        while (msg := self._unannounced) is not None:
+            await asyncio.sleep(self.cfg.idle_state_interval_s)
+            if self._unannounced is not msg:  # a newer announcement went out (or failed: that one is retried)
+                continue
+            try:
+                await self.bus.publish(SPLIT_APPLIED, msg)
+            except BusError as e:
+                self.log.debug("switch announcement refused again", status=msg.status, epoch=msg.epoch, error=repr(e))
+                continue
+            if self._unannounced is msg:
+                self._unannounced = None
+            self.counters["split.announce_retried"] += 1
+            self.log.info("switch announcement published on retry", status=msg.status, phase=msg.phase, epoch=msg.epoch)
 
     async def _maybe_switch(self, now: float) -> None:
         """Finish the switch in progress once nothing runs on the node (``now`` = when it drained)."""
@@ -887,8 +920,12 @@ class WorkerService:
         with self._fatal_on_error("switch: set the phase"):
             self.core.set_phase(sw.target, now)
         drained = sw.drained_at if sw.drained_at is not None else now
-        await self._publish_state(now)
-        await self._publish_applied(
+        # The node serves sw.target from here whatever becomes of the two announcements (a refused
+        # one is logged and counted; the heartbeat repeats the state, split.applied goes out again).
+        # Before, a refusal raised: from the step loop (_maybe_switch) it ended the node as any step
+        # error, from the split handler it was only logged and the planner never heard "serving".
+        await self._announce("node.state", self._publish_state(now))
+        await self._announce_applied(
             m.SplitApplied(
                 epoch=sw.epoch,
                 node=self.node,
@@ -914,6 +951,7 @@ class WorkerService:
         self._input()
 
     async def _publish_applied(self, msg: m.SplitApplied) -> None:
+        self._unannounced = None  # a newer announcement replaces one waiting to go out again
         self.counters[f"split.{msg.status}"] += 1
         if msg.status == "serving":
             self.counters["split.applied"] += 1

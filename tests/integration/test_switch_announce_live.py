@@ -1,0 +1,101 @@
+"""A switch whose ``split.applied(serving)`` NATS refuses, live (one worker in this process, a real
+nats-server; the refusal is injected through the worker's own bus).
+
+The node serves its new phase all the same, and the announcement goes out again until NATS takes
+it, so the planner (which ends a node's busy period on ``serving``) learns of it. Before, the two
+paths differed and neither announced it: from the step loop (a switch that drained a running
+request) the ``BusUnavailable`` ended the node as any step error (``node_fatal``); from the split
+handler (an idle node) it was only logged by the bus and ``serving`` was never announced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shared import messages as m
+from shared.bus import Bus, BusUnavailable
+from shared.clock import SimClock
+from shared.hashing import block_hashes, tokens_for_blocks
+from shared.service import serve_until_stopped
+from shared.subjects import NODE_STATE, SPLIT_APPLIED, SPLIT_COMMANDS, WORK_PREFILL, Subjects
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+from tests.integration.polling import until
+
+from .test_dataplane_bind import SLOW_PREFILL
+
+pytestmark = pytest.mark.timeout(60)
+BS = 4
+
+
+@pytest.mark.parametrize("path", ["step", "handler"], ids=["drained in the step loop", "idle: split handler"])
+async def test_a_refused_serving_announcement_is_not_fatal_and_goes_out_again(nats_url, tmp_path: Path, path: str):
+    profile = tmp_path / "slow.toml"
+    profile.write_text(SLOW_PREFILL)
+    origin = time.time()
+    clock = SimClock(1.0, origin)
+    states: dict[str, m.NodeState] = {}
+    applied: list[m.SplitApplied] = []
+    refused: list[m.SplitApplied] = []
+    held: list[WorkerService] = []
+
+    def make(c: WorkerConfig, b: Bus, clk: SimClock) -> WorkerService:
+        svc = WorkerService(c, b, clk)
+        real = b.publish
+
+        async def publish(subject, msg, **kw):  # type: ignore[no-untyped-def]
+            if subject is SPLIT_APPLIED and msg.status == "serving" and not refused:
+                refused.append(msg)
+                raise BusUnavailable("cannot publish on split.applied: OutboundBufferLimitError (injected)")
+            await real(subject, msg, **kw)
+
+        b.publish = publish  # type: ignore[method-assign]
+        held.append(svc)
+        return svc
+
+    async with AsyncExitStack() as stack:
+        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-announce")
+        stack.push_async_callback(bus.close)
+
+        async def on_state(st: m.NodeState, _s: str) -> None:
+            states[st.node] = st
+
+        async def on_applied(a: m.SplitApplied, _s: str) -> None:
+            applied.append(a)
+
+        await bus.subscribe(NODE_STATE, on_state)
+        await bus.subscribe(SPLIT_APPLIED, on_applied)
+        cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node="w0", phase="both", profile=str(profile),
+                           idle_state_interval_s=0.1, state_interval_s=0.01, split_get_timeout_s=0.0, check_invariants=True)  # fmt: skip
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
+
+        async def shutdown() -> None:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+
+        stack.push_async_callback(shutdown)
+        await until(lambda: "w0" in states, 10.0, "w0 up")
+        if path == "step":  # a prefill runs (≈ 0.2 s): the switch drains it, the step loop then serves decode
+            work = m.PrefillWork(rid="r1", prompt_tokens=100, max_tokens=2, block_size=BS,
+                                 block_hashes=block_hashes(tokens_for_blocks(list(range(25)), BS), BS))  # fmt: skip
+            await bus.publish(WORK_PREFILL, work, node="w0")
+            await until(lambda: states["w0"].running == 1, 10.0, "w0 runs the prefill")
+        await bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=1, phases={"w0": "decode", "w1": "prefill"}, reason="to decode", decided_at=clock.now()))
+        await until(lambda: bool(refused), 5.0, "the serving announcement refused")
+        await until(lambda: any(a.status == "serving" for a in applied) or task.done(), 3.0, "serving announced again")
+        await until(lambda: states["w0"].phase == "decode" and states["w0"].accepting, 2.0, "w0 heartbeats serving decode")
+    svc = held[0]
+    assert svc.fatal_error is None and svc.counters.get("node_fatal", 0) == 0, svc.fatal_error
+    want = ([("draining", "decode")] if path == "step" else []) + [("serving", "decode")]
+    assert [(a.status, a.phase) for a in applied] == want, applied
+    [again] = [a for a in applied if a.status == "serving"]
+    assert msgspec.structs.replace(again, src="") == refused[0]  # the same announcement (switch_s, drain), not a new one
+    assert svc.counters["split.announce_failed"] == 1 and svc.counters["split.announce_retried"] == 1
+    assert svc.core.phase == "decode" and svc.epoch == 1
