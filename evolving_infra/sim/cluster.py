@@ -514,7 +514,12 @@ class ClusterSim:
         # call that stores is followed by ``_flush_kv``, which drains after it; the other calls that
         # drain follow engine calls that store nothing), unless a decode node's events are not sent
         # (``skip_decode_kv``: its view would lack its stores). Tested: identical reports.
-        self.directory = KvDirectory(self.bs, held_counts_only=self.track_branches and not self.skip_decode_kv)
+        # Chained: every path and every engine store here lists ids of one chained id space (a trace is
+        # re-chained when read, generated workloads are chained), so the directory's presence hooks
+        # bisect chains for their counted blocks (``BranchTable``'s ``chained``). Identical reports.
+        self.directory = KvDirectory(
+            self.bs, held_counts_only=self.track_branches and not self.skip_decode_kv, chained=True
+        )
         for n in names:
             self.directory.node_id(n)
         ropts: dict[str, Any] = {"profile": self.profile, "block_size": self.bs, "seed": cfg.seed}

@@ -184,6 +184,14 @@ class BranchTable:
             the node holding in neither tier (:meth:`take_count_updates`); only for a caller that
             applies a node's KV events before it drains (see there). False (the default): every
             changed count is sent.
+        chained: every placed path and every stored block list agree as chains: no hash repeats
+            in one, and a block named by several has the same block before it in each (a hash
+            names its whole prefix, ``shared.hashing``). Then R[n] never grows along a stored
+            or evicted chain (parent first), so the presence hooks find a chain's counted
+            blocks and their counts by bisection, O(distinct counts · log L) probes, instead of
+            a probe per block (:meth:`_resend`, :meth:`on_removed`). For a caller that builds
+            paths and stores from one chained id space (the simulator); False (the default):
+            every block is probed.
     """
 
     def __init__(
@@ -197,8 +205,10 @@ class BranchTable:
         max_hold_s: float = 14400.0,
         keep_counted_copies: bool = False,
         held_counts_only: bool = False,
+        chained: bool = False,
     ) -> None:
         self.index = index
+        self.chained = chained
         self.keep_counted_copies = keep_counted_copies
         self.held_counts_only = held_counts_only
         self._cc: list[list[int]] = []
@@ -591,14 +601,23 @@ class BranchTable:
         of the tier(s) with ``keep_counted_copies``). O(len(newly)) C-level: one pass when all are counted (the
         usual: the list ``newly`` itself is queued, not a copy), else a filter and a second pass
         over the counted ones."""
-        try:
-            counts = _values(R, newly)
+        if self.chained and len(newly) >= _CHAIN_MIN:  # the counted blocks are a head, their counts stretches
             hit = newly if type(newly) is list else list(newly)
-        except KeyError:  # some are not counted
-            hit = list(filter(R.__contains__, newly))
-            if not hit:
+            j = _counted_head(R, hit, 0, len(hit))
+            if not j:
                 return
-            counts = _values(R, hit)
+            if j < len(hit):
+                hit = hit[:j]
+            counts = _chain_values(R, hit)
+        else:
+            try:
+                counts = _values(R, newly)
+                hit = newly if type(newly) is list else list(newly)
+            except KeyError:  # some are not counted
+                hit = list(filter(R.__contains__, newly))
+                if not hit:
+                    return
+                counts = _values(R, hit)
         if self.keep_counted_copies:
             cc = self._cc[n]
             cc[HOST] += len(hit)
@@ -631,9 +650,13 @@ class BranchTable:
                 if b is not None and n in b.pending and b.path and b.path[-1] == h:
                     self._finish_move(b, n)
 
-    def on_removed(self, n: int, tier: int, removed: Sequence[int]) -> int:
+    def on_removed(
+        self, n: int, tier: int, removed: Sequence[int], spans: Sequence[tuple[int, int, bool]] | None = None
+    ) -> int:
         """Presence hook: blocks ``removed`` (distinct, as ``BlockIndex.remove`` returns them)
-        left (n, tier).
+        left (n, tier). ``spans``: the chain stretches of ``removed`` that ``BlockIndex.remove``
+        reports; with :attr:`chained` each one's counted blocks are its parent-side end, found
+        by bisection (two probes when a stretch is counted wholly or not at all).
 
         Returns:
             How many of them had a positive count on n (``evictions.<tier>.positive_count``).
@@ -648,6 +671,18 @@ class BranchTable:
         R = self.R[n]
         if not R or not removed:
             return 0
+        if spans is not None and self.chained:
+            pos = 0
+            for a, b, down in spans:
+                if b - a < _CHAIN_MIN:
+                    pos += sum(map(R.__contains__, removed[a:b]))
+                elif down:
+                    pos += b - _counted_tail(R, removed, a, b)
+                else:
+                    pos += _counted_head(R, removed, a, b) - a
+            if self.keep_counted_copies:
+                self._cc[n][tier] -= pos
+            return pos
         if R.keys().isdisjoint(removed):
             return 0
         pos = len(removed) if _holds_all(R, removed) else sum(map(R.__contains__, removed))
@@ -1144,6 +1179,76 @@ def _values(R: dict[int, int], keys: Sequence[int]) -> list[int]:
     if len(keys) == 1:
         return [R[keys[0]]]
     return list(itemgetter(*keys)(R))
+
+
+_CHAIN_MIN = 8
+"""Chains shorter than this are probed block by block even with ``chained`` (a bisection's Python
+steps cost more than a few C-level probes)."""
+
+
+def _counted_head(R: dict[int, int], seq: Sequence[int], lo: int, hi: int) -> int:
+    """``seq[lo:hi]`` (not empty), whose counted blocks are a head (R never grows along it):
+    the end of that head, ``lo`` (none counted) … ``hi`` (all). Two probes when all or none
+    are counted, else a bisection."""
+    if seq[hi - 1] in R:
+        return hi
+    if seq[lo] not in R:
+        return lo
+    lo += 1  # seq[lo - 1] counted, seq[hi - 1] not
+    hi -= 1
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if seq[mid] in R:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _counted_tail(R: dict[int, int], seq: Sequence[int], lo: int, hi: int) -> int:
+    """``seq[lo:hi]`` (not empty) listed deepest first, so its counted blocks are a tail: where
+    that tail starts, ``lo`` (all counted) … ``hi`` (none)."""
+    if seq[lo] in R:
+        return lo
+    if seq[hi - 1] not in R:
+        return hi
+    lo += 1  # seq[lo - 1] not counted, seq[hi - 1] counted
+    hi -= 1
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if seq[mid] in R:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _chain_values(R: dict[int, int], seq: list[int]) -> list[int]:
+    """``[R[k] for k in seq]`` for a chain ``seq`` (not empty) of counted blocks whose counts
+    never grow along it: built stretch by stretch of equal counts, each stretch's end found by
+    bisection, O(distinct counts · log L) probes and a C-level list repeat per stretch (the
+    usual: one stretch, two probes)."""
+    L = len(seq)
+    last = R[seq[-1]]
+    v = R[seq[0]]
+    if v == last:
+        return [v] * L
+    out: list[int] = []
+    i = 0
+    while True:
+        lo, hi = i + 1, L - 1  # R[seq[i]] == v > last == R[seq[L - 1]]: the first j > i with R[seq[j]] < v
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if R[seq[mid]] < v:
+                hi = mid
+            else:
+                lo = mid + 1
+        out += [v] * (lo - i)
+        i = lo
+        v = R[seq[i]]
+        if v == last:
+            out += [v] * (L - i)
+            return out
 
 
 def _values_or_none(R: dict[int, int], keys: Sequence[int]) -> list[int] | None:

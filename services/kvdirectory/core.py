@@ -182,6 +182,9 @@ class KvDirectory:
             in neither tier (``BranchTable.take_count_updates``: exact for a caller that applies
             a node's KV events before it drains, as the simulator does); False (the default):
             every changed count is sent.
+        chained: paths and stores agree as chains (``BranchTable``'s ``chained``: the presence
+            hooks bisect a chain for its counted blocks instead of probing each); False (the
+            default): every block is probed.
 
     Raises:
         ValueError: on a non-positive ``block_size`` or an unknown scope.
@@ -199,6 +202,7 @@ class KvDirectory:
         max_tool_hold_s: float = 14400.0,
         keep_counted_copies: bool = False,
         held_counts_only: bool = False,
+        chained: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -217,6 +221,7 @@ class KvDirectory:
             max_hold_s=max_tool_hold_s,
             keep_counted_copies=keep_counted_copies,
             held_counts_only=held_counts_only,
+            chained=chained,
         )
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
@@ -395,8 +400,13 @@ class KvDirectory:
                 counters["kv.blocks_stored"] += len(ev.block_hashes)
             elif t is BlockRemoved:
                 tier = TIER_INDEX[ev.tier]
-                removed = index.remove(n, tier, ev.block_hashes)
-                pos = table.on_removed(n, tier, removed)
+                if table.chained:
+                    spans: list[tuple[int, int, bool]] = []
+                    removed = index.remove(n, tier, ev.block_hashes, spans)
+                    pos = table.on_removed(n, tier, removed, spans)
+                else:
+                    removed = index.remove(n, tier, ev.block_hashes)
+                    pos = table.on_removed(n, tier, removed)
                 counters[_EVICT_KEYS[tier, 1]] += pos
                 counters[_EVICT_KEYS[tier, 0]] += len(removed) - pos
                 res.blocks_removed += len(ev.block_hashes)

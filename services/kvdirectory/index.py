@@ -697,8 +697,15 @@ class BlockIndex:
         cnt[HOST] += k
         return list(hashes)
 
-    def remove(self, node: int, tier: int, hashes: Iterable[int]) -> list[int]:
+    def remove(self, node: int, tier: int, hashes: Iterable[int], spans: list[tuple[int, int, bool]] | None = None) -> list[int]:
         """Mark blocks absent from (node, tier); unknown ones are counted and skipped.
+
+        Args:
+            spans: if given, gets one ``(start, end, deepest_first)`` per stretch of the returned
+                list that was consecutive blocks of one index chain: ``removed[start:end]`` lists
+                them parent first (``deepest_first`` False) or deepest first (True), in the
+                order of the parent links the stores reported. (For a caller that tallies
+                something monotone along chains, :meth:`BranchTable.on_removed`.)
 
         Returns:
             The hashes that were present and are now removed.
@@ -730,9 +737,14 @@ class BlockIndex:
             if j < last and i + 1 < k and hashes[i + 1] == keys[j + 1]:
                 m = _match(keys, j, hashes, i)  # parent first
                 a, b = j, j + m
+                down = False
             else:
                 m = _match_down(keys, j, hashes, i)  # deepest first
                 a, b = j - m + 1, j + 1
+                down = True
+            if spans is not None:
+                s0 = len(removed)
+                spans.append((s0, s0 + m, down))
             removed.extend(hashes[i : i + m])
             i += m
             pc = r.pc

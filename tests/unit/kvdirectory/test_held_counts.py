@@ -118,8 +118,10 @@ class _World:
     """A directory and one worker block manager per node; a node's KV events are applied to the
     directory after every engine call, then counts are drained (the simulator's order)."""
 
-    def __init__(self, held: bool, cap: int, max_blocks: int = 16_000_000) -> None:
-        self.d = KvDirectory(BS, held_counts_only=held, max_updates_per_msg=cap, branch_ttl_s=300.0, max_blocks=max_blocks)
+    def __init__(self, held: bool, cap: int, max_blocks: int = 16_000_000, chained: bool = False) -> None:
+        self.d = KvDirectory(
+            BS, held_counts_only=held, max_updates_per_msg=cap, branch_ttl_s=300.0, max_blocks=max_blocks, chained=chained
+        )
         for n in NODES:
             self.d.node_id(n)
         self.kv = {n: KvBlockManager(12, 40, BS, "branch-count") for n in NODES}
@@ -209,11 +211,31 @@ def test_workers_end_the_same_after_clears_resyncs_and_a_capped_index(seed: int,
     _differential(100 + seed, gaps=seed % 2 == 1, event=event)
 
 
-def _differential(seed: int, gaps: bool, event: str = "") -> None:
+@pytest.mark.parametrize("chain_min", [1, 8])
+@pytest.mark.parametrize("event", ["", "clear", "resync without parents"])
+@pytest.mark.parametrize("seed", range(2))
+def test_chained_bisection_changes_nothing(seed: int, event: str, chain_min: int, monkeypatch):
+    """``chained`` (issue 23: the simulator's paths and stores come from one chained id space):
+    the presence hooks bisect a stored or evicted chain for its counted blocks instead of probing
+    each. The differential run above, with and without it (both with ``held_counts_only``, as
+    the simulator runs): the same count messages reach the workers (pools, counts and KV events
+    equal after every step) and every directory counter, the eviction tallies by count
+    included, is equal after every step; with ``chain_min`` 1 every chain is bisected, with 8
+    (the default) short ones are probed block by block."""
+    from services.kvdirectory import branches
+
+    monkeypatch.setattr(branches, "_CHAIN_MIN", chain_min)
+    _differential(200 + seed, gaps=seed % 2 == 1, event=event, chained=True)
+
+
+def _differential(seed: int, gaps: bool, event: str = "", chained: bool = False) -> None:
     rng = random.Random(seed)
     cap = rng.choice([5, 4096])
     max_blocks = 60 if event == "cap" else 16_000_000
-    full, held = _World(False, cap, max_blocks), _World(True, cap, max_blocks)
+    if chained:  # the same drains, with the hooks probing every block vs bisecting chains
+        full, held = _World(True, cap, max_blocks), _World(True, cap, max_blocks, chained=True)
+    else:
+        full, held = _World(False, cap, max_blocks), _World(True, cap, max_blocks)
     worlds = (full, held)
     paths: dict[str, list[int]] = {}
     nxt = [1000 * (seed + 1)]
@@ -292,10 +314,16 @@ def _differential(seed: int, gaps: bool, event: str = "") -> None:
             for bid in gone:
                 paths.pop(bid, None)
         assert full.flush(t) == held.flush(t), f"step {step}: the nodes' KV events differ"
+        if chained:
+            assert full.d.all_counters() == held.d.all_counters(), f"step {step}: counters differ"
         for n in NODES:  # (cut elsewhere, a drain gives the same order, not the same stamps)
             assert full.state(n, cap > 100) == held.state(n, cap > 100), f"step {step}: node {n}'s pools differ"
     assert full.moved == held.moved and full.moved > 0
-    if event == "cap":
+    if chained:
+        assert held.entries == full.entries
+        c = held.d.all_counters()
+        assert c["evictions.gpu.positive_count"] > 0 and c["evictions.gpu.zero_count"] > 0
+    elif event == "cap":
         assert held.d.all_counters()["cap.rejected_blocks"] > 0
     else:
         assert held.entries < full.entries  # some entries were left out
