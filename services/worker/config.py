@@ -122,7 +122,8 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
              "the plan's end) may run; past it the step is hung "
              "(a stuck CUDA kernel or collective): the worker logs the step's requests and every thread's Python "
              "stack, stops serving and exits 1, so its supervisor restarts it and the router re-dispatches its "
-             "requests (SGLang's --watchdog-timeout, 300 s). 0 = no watchdog"),
+             "requests (SGLang's --watchdog-timeout, 300 s). The same applies when, with no step in flight, the "
+             "event loop runs nothing for this long (a handler blocks it). 0 = no watchdog"),
     ] = 300.0
     fault_hang_step: Annotated[
         int,

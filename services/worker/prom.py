@@ -28,7 +28,8 @@ name                                       type     meaning
 ``ei_node_step_running_seconds{node}``     gauge    wall seconds the engine step in flight has run as the watchdog counts
                                                     it (0 between steps, in its unwatched waits, or without
                                                     ``--watchdog-timeout-s``); past the timeout the node exits
-``ei_node_watchdog_timeouts_total{node}``  counter  engine steps found hung by the step watchdog (the node exits right after)
+``ei_node_watchdog_timeouts_total{node}``  counter  engine steps (or, between steps, the event loop) found hung by the
+                                                    watchdog (the node exits right after)
 =========================================  =======  ===============================================================
 """
 
@@ -85,6 +86,6 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
     wd = svc.watchdog
     yield gauge_family("ei_node_step_running_seconds", "Wall seconds the engine step in flight has run (0 between steps)",
                        {(n,): wd.running_s() if wd is not None else 0.0}, ["node"])
-    yield counter_family("ei_node_watchdog_timeouts", "Engine steps found hung by the step watchdog (the node exits)",
+    yield counter_family("ei_node_watchdog_timeouts", "Engine steps (or, between steps, the event loop) found hung by the watchdog (the node exits)",
                          {(n,): float(svc.counters["watchdog.timeouts"])}, ["node"])
     yield gauge_family("ei_node_count_syncing", "1 while the node's counts await a kv.countsync snapshot", {(n,): float(svc.counts.syncing)}, ["node"])

@@ -100,7 +100,7 @@ from shared.tokenizer import load_tokenizer, output_vocabulary  # the same token
 from services.worker.fetch import FetchStarted
 from services.worker.plan import HandOff, IterationPlan, SchedulerError, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
-from services.worker.watchdog import StepHung, StepInfo, StepWatchdog
+from services.worker.watchdog import LoopBlocked, StepHung, StepInfo, StepWatchdog
 
 ENGINES: dict[str, type[SimEngine]] = {"sim": SimEngine}
 """Engine kinds by ``WorkerConfig.engine`` (``torch``: :func:`make_torch_engine`)."""
@@ -368,7 +368,7 @@ class WorkerService:
             task.add_done_callback(self._task_done if name != "split-get" else self._spawned_done)
             self._tasks.append(task)
         if self.watchdog is not None:
-            self.watchdog.start()
+            self.watchdog.start(self._loop)  # also ends the process when a handler blocks the loop
         where = {}
         if self.cfg.engine == "torch":  # the placement up chose (or the defaults), for whoever reads the log
             import torch
@@ -1631,6 +1631,8 @@ class WorkerService:
             if isinstance(e, EngineFatal)
             else "engine failed: a step hung past --watchdog-timeout-s"
             if isinstance(e, StepHung)
+            else "node failed: the event loop was blocked past --watchdog-timeout-s"
+            if isinstance(e, LoopBlocked)
             else "engine failed: an unexpected error left the node unable to make progress"
         )
         rids = list(dict.fromkeys((*self.core.requests, *self._owners)))  # with one the core handed off, not yet sent
@@ -1639,16 +1641,32 @@ class WorkerService:
         )
         self.fatal.set()
 
-    def _on_hang(self, e: StepHung, stacks: str) -> None:
-        """``--watchdog-timeout-s``: the engine step in flight hung (called on the watchdog's thread:
-        the execute thread and the event loop may both be stuck). Log at error the step (its
-        requests, up to 64, and its size) and every thread's Python stack, stop taking work
-        (the heartbeat says ``accepting=False``) and fail the node on the loop (:meth:`_fail`:
+    def _on_hang(self, e: StepHung | LoopBlocked, stacks: str) -> None:
+        """``--watchdog-timeout-s``: the engine step in flight hung, or with no step in flight the
+        event loop ran nothing (a handler blocks it: :class:`LoopBlocked`); called on the watchdog's
+        thread (the execute thread and the event loop may both be stuck). Log at error the step (its
+        requests, up to 64, and its size; or how long the loop ran nothing) and every thread's
+        Python stack, stop taking work (the heartbeat says ``accepting=False``) and fail the node
+        on the loop (:meth:`_fail`:
         the service stops, its last ``node.state`` and ``AllBlocksCleared`` go out); the watchdog
         then exits the process with status 1, at once when the stop is done, else after its
         grace (a loop blocked too). Its supervisor restarts it; the router re-dispatches what it held."""
         self.counters["watchdog.timeouts"] += 1
         self.accepting = False
+        if isinstance(e, LoopBlocked):
+            self.counters["watchdog.loop_blocked"] += 1
+            self.log.error("event loop blocked past --watchdog-timeout-s with no engine step in flight; the node exits to be restarted",
+                           elapsed_s=round(e.elapsed_s, 3), timeout_s=self.cfg.watchdog_timeout_s, stacks=stacks)  # fmt: skip
+        else:
+            self._log_step_hung(e, stacks)
+        if self._stopped:  # stopped already (a SIGTERM while the forward hung): nothing left to stop
+            if self.watchdog is not None:
+                self.watchdog.exit_ready()
+        elif self._loop is not None:  # a blocked loop runs it only if it recovers: else the grace ends it
+            self._loop.call_soon_threadsafe(self._fail, e, "step" if isinstance(e, StepHung) else "event loop")
+
+    def _log_step_hung(self, e: StepHung, stacks: str) -> None:
+        """The error line of a hung step (:meth:`_on_hang`): the step, its requests and ``stacks``."""
         info = e.info
         self.log.error(
             "engine step hung past --watchdog-timeout-s; the node exits to be restarted",
@@ -1656,11 +1674,6 @@ class WorkerService:
             rids=list(info.rids[:64]), prefill_tokens=info.prefill_tokens, decode_rows=info.decode_rows,
             iterations=info.iterations, stacks=stacks,
         )  # fmt: skip
-        if self._stopped:  # stopped already (a SIGTERM while the forward hung): nothing left to stop
-            if self.watchdog is not None:
-                self.watchdog.exit_ready()
-        elif self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail, e, "step")
 
     def _hang_forever(self) -> None:
         """``--fault-hang-step``: a forward that never returns (the thread waits for an event nobody sets)."""

@@ -13,10 +13,20 @@ calls ``on_hang`` once with a :class:`StepHung` naming the step and the Python s
 thread (``faulthandler``); the watcher then waits for ``exit_ready`` (the service stopped) for at
 most ``grace_s`` and ends the process with ``os._exit(1)``: a hung thread cannot be stopped, and
 Python's exit joins the executor thread that runs it, so a normal exit would hang too.
+
+The same thread watches the event loop between steps (:meth:`StepWatchdog.start` with the loop): a
+handler that blocks the loop outside a step (a synchronous call that never returns, a CUDA copy of a
+hand-off's pages with no step in flight) stops the heartbeat, so the router fences the node, but the
+process lived on and its supervisor never restarted it. The watcher posts a tick to the loop
+(``call_soon_threadsafe``) every poll; a loop that has run none for ``timeout_s`` while no step is
+watched calls ``on_hang`` with a :class:`LoopBlocked` and exits the same way. A watched step covers
+the loop itself (the step cannot end while the loop is blocked); a loop that is not running
+(stopped between runs, closed) is not blocked.
 """
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import os
 import sys
@@ -69,6 +79,17 @@ class StepHung(RuntimeError):
         self.elapsed_s = elapsed_s
 
 
+class LoopBlocked(RuntimeError):
+    """The event loop ran nothing for ``--watchdog-timeout-s`` while no engine step was watched
+    (:class:`StepWatchdog`): a handler blocks it."""
+
+    def __init__(self, elapsed_s: float, timeout_s: float) -> None:
+        super().__init__(
+            f"the event loop has run nothing for {elapsed_s:.1f} s (no engine step in flight), past --watchdog-timeout-s {timeout_s:g}"
+        )
+        self.elapsed_s = elapsed_s
+
+
 def thread_stacks() -> str:
     """The Python stacks of every thread of the process, as ``faulthandler`` writes them (C-level:
     it needs no lock a hung thread may hold)."""
@@ -89,9 +110,10 @@ class StepWatchdog:
 
     Args:
         timeout_s: wall seconds one step may run (> 0).
-        on_hang: called once, on the watcher thread, with the :class:`StepHung` and the threads'
-            stacks (:func:`thread_stacks`); it should log, stop taking work and ask the service
-            to stop. Its exceptions are printed and ignored: the exit follows anyway.
+        on_hang: called once, on the watcher thread, with the :class:`StepHung` (or
+            :class:`LoopBlocked`) and the threads' stacks (:func:`thread_stacks`); it should log,
+            stop taking work and ask the service to stop. Its exceptions are printed and ignored:
+            the exit follows anyway.
         grace_s: wall seconds to wait for :meth:`exit_ready` after ``on_hang`` before exiting.
         exit: ends the process (``os._exit``; tests pass a recorder). Called with :data:`EXIT_CODE`.
         clock: monotonic seconds.
@@ -103,7 +125,7 @@ class StepWatchdog:
     def __init__(
         self,
         timeout_s: float,
-        on_hang: Callable[[StepHung, str], None],
+        on_hang: Callable[[StepHung | LoopBlocked, str], None],
         *,
         grace_s: float = GRACE_S,
         exit: Callable[[int], object] = os._exit,
@@ -120,13 +142,27 @@ class StepWatchdog:
         self._step: tuple[float, StepInfo] | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
-        self.fired: StepHung | None = None
+        self.fired: StepHung | LoopBlocked | None = None
         """The hang found (None until then)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ticked = 0.0
+        """When the loop last ran a tick (monotonic s; or was last seen not running)."""
+        self._tick_posted = False
+        """A tick is in the loop's queue (one at a time: a blocked loop does not pile them up)."""
         self._thread = threading.Thread(target=self._watch, name="worker-step-watchdog", daemon=True)
 
-    def start(self) -> None:
-        """Start the watcher thread."""
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the watcher thread; with ``loop`` (the service's event loop), also end the process
+        when that loop runs nothing for ``timeout_s`` with no step watched (module docstring)."""
+        self._loop = loop
+        self._ticked = self._clock()
         self._thread.start()
+
+    def loop_idle_s(self) -> float:
+        """Wall seconds since the watched loop last ran a tick (0 without a loop or while it is not
+        running); normally under the poll interval."""
+        loop = self._loop
+        return 0.0 if loop is None or not loop.is_running() else max(0.0, self._clock() - self._ticked)
 
     def stop(self) -> None:
         """Stop watching once no step is in flight (the service stops). A step still in flight (a
@@ -135,11 +171,16 @@ class StepWatchdog:
         self._stop.set()
 
     def begin(self, info: StepInfo) -> None:
-        """A step starts now (one at a time: a step that begins replaces the one in flight)."""
-        self._step = (self._clock(), info)
+        """A step starts now (one at a time: a step that begins replaces the one in flight). Called
+        on the loop: it ran just now."""
+        now = self._clock()
+        self._ticked = now
+        self._step = (now, info)
 
     def end(self) -> None:
-        """The step in flight ended (a no-op when none is)."""
+        """The step in flight ended (a no-op when none is). Called on the loop (or, for a step a
+        stop abandoned, by its thread): the loop ran just now."""
+        self._ticked = self._clock()
         self._step = None
 
     def running_s(self) -> float:
@@ -157,15 +198,42 @@ class StepWatchdog:
             if step is None and self._stop.is_set():
                 return
             if step is not None and overdue(step[0], self._clock(), self.timeout_s):
-                self._fire(*step)
+                self._fire(StepHung(step[1], self._clock() - step[0], self.timeout_s))
                 return
+            if step is None and self._loop is not None and not self._stop.is_set():
+                blocked = self._check_loop()
+                if blocked is not None:
+                    self._fire(LoopBlocked(blocked, self.timeout_s))
+                    return
             if self._stop.is_set():
                 time.sleep(self.poll_s)
             else:
                 self._stop.wait(self.poll_s)
 
-    def _fire(self, since: float, info: StepInfo) -> None:
-        self.fired = StepHung(info, self._clock() - since, self.timeout_s)
+    def _tick(self) -> None:
+        """Run by the loop: it is alive now."""
+        self._ticked = self._clock()
+        self._tick_posted = False
+
+    def _check_loop(self) -> float | None:
+        """Wall seconds the running loop has run no tick, when past the timeout (else None); posts
+        the next tick. A loop not running is not blocked; a closed one is no longer watched."""
+        loop, now = self._loop, self._clock()
+        if loop is None or not loop.is_running():
+            self._ticked, self._tick_posted = now, False
+            return None
+        if overdue(self._ticked, now, self.timeout_s):
+            return now - self._ticked
+        if not self._tick_posted:
+            self._tick_posted = True
+            try:
+                loop.call_soon_threadsafe(self._tick)
+            except RuntimeError:  # closed meanwhile
+                self._loop = None
+        return None
+
+    def _fire(self, hang: StepHung | LoopBlocked) -> None:
+        self.fired = hang
         try:
             self._on_hang(self.fired, thread_stacks())
         except Exception as e:  # never let a logging failure keep a hung node alive

@@ -186,3 +186,64 @@ async def test_a_stop_while_a_forward_hangs_still_ends_the_process_at_the_timeou
         assert held[0].counters["watchdog.timeouts"] == 1
     finally:
         HangInThread.release.set()
+
+
+def handler_blocking_the_loop(release: threading.Event) -> None:
+    """A handler's synchronous call that does not return (a CUDA copy of a hand-off's pages stuck,
+    a lock never released), on the event loop, with no engine step in flight."""
+    release.wait(10.0)
+
+
+async def test_a_loop_blocked_outside_a_step_ends_the_process_at_the_timeout(nats_url):
+    """An idle worker (no step in flight) whose event loop a handler blocks: its heartbeat stops, so
+    the router fences it, but before only steps were watched and the process lived on (its
+    supervisor never restarted it). The watchdog's loop check logs the stacks and exits 1."""
+    exits: list[float] = []
+    held: list[WorkerService] = []
+    release = threading.Event()
+
+    def make(c: WorkerConfig, b: Bus, clk: Any) -> WorkerService:
+        svc = WorkerService(c, b, clk)
+        assert svc.watchdog is not None
+
+        def exit(code: int) -> None:  # in place of os._exit: record it and let the loop go
+            exits.append(time.monotonic())
+            release.set()
+
+        svc.watchdog._exit = exit
+        svc.watchdog.grace_s = 0.3  # the wait for a stop the blocked loop cannot run (5 s by default)
+        held.append(svc)
+        return svc
+
+    states: dict[str, m.NodeState] = {}
+    cfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", split_get_timeout_s=0.0, idle_state_interval_s=0.1,
+                       watchdog_timeout_s=TIMEOUT_S)  # fmt: skip
+    try:
+        with structlog.testing.capture_logs() as logs:
+            async with AsyncExitStack() as stack:
+                bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
+                stack.push_async_callback(bus.close)
+
+                async def on_state(st: m.NodeState, _s: str) -> None:
+                    states[st.node] = st
+
+                await bus.subscribe(NODE_STATE, on_state)
+                stop = asyncio.Event()
+                task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
+                stack.push_async_callback(lambda: asyncio.gather(task, return_exceptions=True))
+                stack.callback(stop.set)
+                await until(lambda: "w0" in states and held[0].accepting, 10.0, "w0 up")
+                t0 = time.monotonic()
+                handler_blocking_the_loop(release)  # this test shares the worker's loop: it blocks it
+                blocked_s = time.monotonic() - t0
+                await until(lambda: task.done(), 5.0, "the node failed and stopped once its loop ran again")
+        assert exits, f"the watchdog did not end the process (the loop was blocked {blocked_s:.1f} s)"
+        assert TIMEOUT_S <= exits[0] - t0 < TIMEOUT_S + 1.5, exits[0] - t0  # (its last tick up to a poll earlier) + the grace
+        [line] = [e for e in logs if str(e.get("event", "")).startswith("event loop blocked")]
+        assert line["log_level"] == "error" and line["elapsed_s"] >= TIMEOUT_S, line
+        assert "handler_blocking_the_loop" in line["stacks"], line["stacks"]
+        svc = held[0]
+        assert svc.counters["watchdog.timeouts"] == 1 and svc.counters["watchdog.loop_blocked"] == 1
+        assert not states["w0"].accepting  # once the loop ran again: the node failed, its last state out
+    finally:
+        release.set()

@@ -9,13 +9,14 @@ requests and the hung thread's stack, then ends the process (an exit recorder in
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import pytest
 
 from services.worker.plan import IterationPlan, PrefillChunk
-from services.worker.watchdog import EXIT_CODE, StepHung, StepInfo, StepWatchdog, overdue
+from services.worker.watchdog import EXIT_CODE, LoopBlocked, StepHung, StepInfo, StepWatchdog, overdue
 
 TIMEOUT = 0.3
 
@@ -31,11 +32,11 @@ def plan() -> IterationPlan:
 
 class Recorder:
     def __init__(self) -> None:
-        self.hangs: list[tuple[StepHung, str, float]] = []
+        self.hangs: list[tuple[StepHung | LoopBlocked, str, float]] = []
         self.exits: list[tuple[int, float]] = []
         self.exited = threading.Event()
 
-    def on_hang(self, e: StepHung, stacks: str) -> None:
+    def on_hang(self, e: StepHung | LoopBlocked, stacks: str) -> None:
         self.hangs.append((e, stacks, time.monotonic()))
 
     def exit(self, code: int) -> None:
@@ -102,3 +103,56 @@ def test_overdue_and_bad_settings():
     assert not overdue(10.0, 11.0, 1.0) and overdue(10.0, 11.01, 1.0)
     with pytest.raises(ValueError, match="positive"):
         StepWatchdog(0.0, lambda e, s: None)
+
+
+def handler_blocking_the_loop(release: threading.Event) -> None:
+    release.wait(10.0)  # a synchronous call that does not return (on the loop's thread)
+
+
+def test_a_loop_blocked_outside_a_step_is_reported_with_its_stacks_then_the_process_exits():
+    """No step in flight, a handler blocks the event loop (a real loop, in a thread of its own as
+    the worker's main thread): before, only steps were watched, so the process lived on."""
+    rec = Recorder()
+    release = threading.Event()
+    wd = StepWatchdog(TIMEOUT, rec.on_hang, grace_s=0.2, exit=lambda code: (rec.exit(code), release.set()))
+    blocked_at: list[float] = []
+
+    async def serve() -> None:
+        wd.start(asyncio.get_running_loop())
+        for _ in range(3):  # steps that end in time, then an idle loop: not hangs
+            wd.begin(StepInfo.of(plan(), 1))
+            await asyncio.sleep(TIMEOUT / 3)
+            wd.end()
+        await asyncio.sleep(2 * TIMEOUT)
+        assert not rec.hangs
+        blocked_at.append(time.monotonic())
+        handler_blocking_the_loop(release)
+
+    loop_thread = threading.Thread(target=asyncio.run, args=(serve(),), name="loop", daemon=True)
+    loop_thread.start()
+    try:
+        assert rec.exited.wait(5.0), "the watchdog did not end the process"
+    finally:
+        release.set()
+        wd.stop()
+        loop_thread.join(5.0)
+    [(e, stacks, at)] = rec.hangs
+    assert isinstance(e, LoopBlocked) and wd.fired is e and rec.exits[0][0] == EXIT_CODE
+    assert TIMEOUT - wd.poll_s <= at - blocked_at[0] <= TIMEOUT + 0.5, at - blocked_at[0]  # its last tick: up to a poll before
+    assert e.elapsed_s > TIMEOUT and "event loop has run nothing" in str(e)
+    assert "handler_blocking_the_loop" in stacks, stacks
+
+
+def test_a_loop_not_running_is_not_blocked():
+    """A loop stopped between runs (or never run) runs no tick, and is not a hang."""
+    rec = Recorder()
+    loop = asyncio.new_event_loop()
+    wd = StepWatchdog(TIMEOUT, rec.on_hang, grace_s=0.1, exit=rec.exit)
+    try:
+        wd.start(loop)
+        time.sleep(3 * TIMEOUT)
+        assert wd.loop_idle_s() == 0.0
+    finally:
+        wd.stop()
+        loop.close()
+    assert not rec.hangs and not rec.exits
