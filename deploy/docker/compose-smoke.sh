@@ -53,7 +53,12 @@ if [ ! -s "$BASE_TAR" ]; then
     tar -C "$root" -c . >"$BASE_TAR.tmp" && mv "$BASE_TAR.tmp" "$BASE_TAR"
     rm -rf "$root"
 fi
-$DOCKER import "$BASE_TAR" "$BASE_IMAGE" >/dev/null
+# imported once per tar: every `docker import` makes a new image id (its creation time), which made every build
+# below miss docker's layer cache and left the previous image untagged; the label ties the image to its tar
+tar_key=$(stat -c %s-%Y "$BASE_TAR")
+if [ "$($DOCKER image inspect -f '{{index .Config.Labels "ei.base-tar"}}' "$BASE_IMAGE" 2>/dev/null)" != "$tar_key" ]; then
+    $DOCKER import --change "LABEL ei.base-tar=$tar_key" "$BASE_TAR" "$BASE_IMAGE" >/dev/null
+fi
 
 if ! ls deploy/docker/wheelhouse/numpy-*.whl >/dev/null 2>&1; then
     log "wheelhouse (dependencies)"
@@ -64,6 +69,9 @@ rm -f deploy/docker/wheelhouse/evolving_infra-*.whl
 SOURCE_DATE_EPOCH=315532800 "$PY" -m pip wheel --quiet --no-deps --wheel-dir deploy/docker/wheelhouse . 2>&1 | grep -v "^WARNING: Location" || true
 log "docker build (base $BASE_IMAGE, offline from the wheelhouse)"
 $DOCKER build -q --network none --target sim --build-arg BASE_IMAGE="$BASE_IMAGE" -f deploy/docker/Dockerfile -t "$EI_IMAGE" . >/dev/null
+# the image this tag named before (another checkout's wheel) is now untagged: ~780 MB each in $DATA, which held
+# 12 of them (5.9 GB) after a day of runs; layers the new image shares (the base, the venv) stay
+$DOCKER image prune -f >/dev/null
 
 log "up: WORKERS=$WORKERS SPLIT=$SPLIT, router on 127.0.0.1:$ROUTER_PORT"
 $COMPOSE up -d --scale worker="$WORKERS" --no-build || { $COMPOSE ps; $COMPOSE logs --tail 30; exit 1; }
