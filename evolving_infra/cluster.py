@@ -813,17 +813,23 @@ class LocalCluster:
             self.nats.stop()
             self.nats = None
 
-    def remove_generated_creds(self) -> Path | None:
+    def remove_generated_creds(self, *, own_log_dir: bool | None = None) -> Path | None:
         """Delete the NATS credentials this cluster generated (``<log_dir>/nats-creds``: every identity's
         nkey seed or password, the operator's and admin's included) when it generated them into the
         temporary log folder it made itself; the logs stay (users read them). Call it after :meth:`stop`:
         the nats-server that trusted them is gone, and a new cluster generates new ones. Nothing is removed
         when the caller chose ``log_dir`` (its folder, its files), gave credentials, or auth is off.
 
+        Args:
+            own_log_dir: whether ``log_dir`` is the calling command's own folder rather than the user's;
+                None = whether this cluster made it (no ``spec.log_dir``). ``demo`` passes True for its
+                default ``OUT/logs``: the report folder that users share kept every seed.
+
         Returns:
             The folder removed, or None when there was none to remove.
         """
-        if self.creds is None or not self.made_log_dir or not self.creds.directory.exists():
+        own = self.made_log_dir if own_log_dir is None else own_log_dir
+        if self.creds is None or not own or not self.creds.directory.exists():
             return None
         shutil.rmtree(self.creds.directory, ignore_errors=True)
         return self.creds.directory

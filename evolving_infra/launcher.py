@@ -878,7 +878,15 @@ async def _demo(args: argparse.Namespace) -> int:
         await cluster.start()  # on cancellation it stops what it started
         return True
 
-    if await until_stopped(start(), stop) is None:
+    own_logs = not args.log_dir  # OUT/logs: the report's folder, shared with it; its NATS seeds go when the cluster stops
+    try:
+        started = await until_stopped(start(), stop)
+    except ClusterError as e:  # as up's: one line, not a traceback (e.g. not healthy within --ready-timeout)
+        cluster.remove_generated_creds(own_log_dir=own_logs)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if started is None:
+        cluster.remove_generated_creds(own_log_dir=own_logs)
         return _demo_interrupted(signals)
     state: Path | None = None
     try:
@@ -907,6 +915,7 @@ async def _demo(args: argparse.Namespace) -> int:
         if state is not None:
             state.unlink(missing_ok=True)
         await cluster.stop()
+        cluster.remove_generated_creds(own_log_dir=own_logs)
         _default_signals()  # nothing left to stop: Ctrl-C while the report and plots are written interrupts them
     if signals:
         return _demo_interrupted(signals)
