@@ -131,6 +131,12 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
              "thread and never returns, as a forward stuck in a CUDA kernel; the node keeps heartbeating until "
              "--watchdog-timeout-s ends it. Never set in production"),
     ] = 0
+    fault_block_loop_at_s: Annotated[
+        float,
+        Meta(ge=0, description="fault injection (tests, drills): this many wall seconds after start (0: off), a "
+             "callback blocks the event loop and never returns, as a handler stuck in a synchronous call; the "
+             "heartbeat stops until --watchdog-timeout-s ends the process. Never set in production"),
+    ] = 0.0
     fault_drop_kv_events: Annotated[
         bool,
         Meta(description="fault injection (tests, drills): publish no kv.events batches while serving, like a node "

@@ -318,7 +318,8 @@ class WorkerService:
         self._steps = 0
         """Engine steps (plans) started by this process (``StepInfo.seq``, ``--fault-hang-step``)."""
         self._fault_hang = threading.Event()
-        """``--fault-hang-step``: the hung step's thread waits for it (never set while serving)."""
+        """``--fault-hang-step`` / ``--fault-block-loop-at-s``: the hung step's thread, or the blocked
+        loop, waits for it (never set while serving)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._step_rids: frozenset[str] = frozenset()
         """Requests of the engine step in flight (from its ``schedule()`` to its end; empty between)."""
@@ -369,6 +370,8 @@ class WorkerService:
             self._tasks.append(task)
         if self.watchdog is not None:
             self.watchdog.start(self._loop)  # also ends the process when a handler blocks the loop
+        if self.cfg.fault_block_loop_at_s > 0:
+            self._loop.call_later(self.cfg.fault_block_loop_at_s, self._block_loop_forever)
         where = {}
         if self.cfg.engine == "torch":  # the placement up chose (or the defaults), for whoever reads the log
             import torch
@@ -1677,6 +1680,14 @@ class WorkerService:
 
     def _hang_forever(self) -> None:
         """``--fault-hang-step``: a forward that never returns (the thread waits for an event nobody sets)."""
+        self._fault_hang.wait()
+
+    def _block_loop_forever(self) -> None:
+        """``--fault-block-loop-at-s``: a handler that never returns, on the event loop (it waits for
+        the event ``--fault-hang-step`` waits for: nobody sets it)."""
+        if self._stopped:
+            return
+        self.counters["loop.blocked_by_fault"] += 1
         self._fault_hang.wait()
 
     @contextlib.contextmanager

@@ -194,10 +194,12 @@ def handler_blocking_the_loop(release: threading.Event) -> None:
     release.wait(10.0)
 
 
-async def test_a_loop_blocked_outside_a_step_ends_the_process_at_the_timeout(nats_url):
-    """An idle worker (no step in flight) whose event loop a handler blocks: its heartbeat stops, so
-    the router fences it, but before only steps were watched and the process lived on (its
-    supervisor never restarted it). The watchdog's loop check logs the stacks and exits 1."""
+@pytest.mark.parametrize("how", ["handler", "drill"])
+async def test_a_loop_blocked_outside_a_step_ends_the_process_at_the_timeout(nats_url, how: str):
+    """An idle worker (no step in flight) whose event loop a handler blocks (this test's call, or
+    the drill's ``--fault-block-loop-at-s``): its heartbeat stops, so the router fences it, but before
+    only steps were watched and the process lived on (its supervisor never restarted it). The
+    watchdog's loop check logs the stacks and exits 1."""
     exits: list[float] = []
     held: list[WorkerService] = []
     release = threading.Event()
@@ -209,6 +211,7 @@ async def test_a_loop_blocked_outside_a_step_ends_the_process_at_the_timeout(nat
         def exit(code: int) -> None:  # in place of os._exit: record it and let the loop go
             exits.append(time.monotonic())
             release.set()
+            svc._fault_hang.set()  # the drill's block
 
         svc.watchdog._exit = exit
         svc.watchdog.grace_s = 0.3  # the wait for a stop the blocked loop cannot run (5 s by default)
@@ -217,7 +220,7 @@ async def test_a_loop_blocked_outside_a_step_ends_the_process_at_the_timeout(nat
 
     states: dict[str, m.NodeState] = {}
     cfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", split_get_timeout_s=0.0, idle_state_interval_s=0.1,
-                       watchdog_timeout_s=TIMEOUT_S)  # fmt: skip
+                       watchdog_timeout_s=TIMEOUT_S, fault_block_loop_at_s=0.5 if how == "drill" else 0.0)  # fmt: skip
     try:
         with structlog.testing.capture_logs() as logs:
             async with AsyncExitStack() as stack:
@@ -234,16 +237,19 @@ async def test_a_loop_blocked_outside_a_step_ends_the_process_at_the_timeout(nat
                 stack.callback(stop.set)
                 await until(lambda: "w0" in states and held[0].accepting, 10.0, "w0 up")
                 t0 = time.monotonic()
-                handler_blocking_the_loop(release)  # this test shares the worker's loop: it blocks it
-                blocked_s = time.monotonic() - t0
+                if how == "handler":
+                    handler_blocking_the_loop(release)  # this test shares the worker's loop: it blocks it
                 await until(lambda: task.done(), 5.0, "the node failed and stopped once its loop ran again")
-        assert exits, f"the watchdog did not end the process (the loop was blocked {blocked_s:.1f} s)"
-        assert TIMEOUT_S <= exits[0] - t0 < TIMEOUT_S + 1.5, exits[0] - t0  # (its last tick up to a poll earlier) + the grace
+        assert exits, "the watchdog did not end the process"
+        late = 0.5 if how == "drill" else 0.0  # the drill blocks 0.5 s after start (t0 is a bit later)
+        assert TIMEOUT_S <= exits[0] - t0 < TIMEOUT_S + late + 1.5, exits[0] - t0  # (its last tick up to a poll earlier) + the grace
         [line] = [e for e in logs if str(e.get("event", "")).startswith("event loop blocked")]
         assert line["log_level"] == "error" and line["elapsed_s"] >= TIMEOUT_S, line
-        assert "handler_blocking_the_loop" in line["stacks"], line["stacks"]
+        blocker = "handler_blocking_the_loop" if how == "handler" else "_block_loop_forever"
+        assert blocker in line["stacks"], line["stacks"]
         svc = held[0]
         assert svc.counters["watchdog.timeouts"] == 1 and svc.counters["watchdog.loop_blocked"] == 1
+        assert svc.counters["loop.blocked_by_fault"] == (how == "drill")
         assert not states["w0"].accepting  # once the loop ran again: the node failed, its last state out
     finally:
         release.set()
