@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,11 +93,27 @@ class LoopBlocked(RuntimeError):
 
 def thread_stacks() -> str:
     """The Python stacks of every thread of the process, as ``faulthandler`` writes them (C-level:
-    it needs no lock a hung thread may hold)."""
-    with tempfile.TemporaryFile("w+") as f:
-        faulthandler.dump_traceback(file=f, all_threads=True)
-        f.seek(0)
-        return f.read()
+    it needs no lock a hung thread may hold) into a temporary file; where none can be made (a
+    read-only root file system without a writable ``/tmp``, as a hardened container runs: ``OSError``),
+    as :func:`frame_stacks` reads them instead. Before, that ``OSError`` skipped ``on_hang``: no error
+    line, no ``accepting=False``, no stop; the process only exited after the grace."""
+    try:
+        with tempfile.TemporaryFile("w+") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            f.seek(0)
+            return f.read()
+    except OSError as e:
+        return f"(faulthandler needs a temporary file: {e!r}; the stacks as Python reads them)\n" + frame_stacks()
+
+
+def frame_stacks() -> str:
+    """The Python stacks of every thread (``sys._current_frames``), most recent call last, each headed
+    ``Thread 0x<ident> (<name>)`` as ``faulthandler``'s. O(threads × frames); reads source lines."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(
+        f"Thread 0x{ident:x} ({names.get(ident, '?')}), most recent call last:\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 def overdue(since: float | None, now: float, timeout_s: float) -> bool:
@@ -235,7 +252,11 @@ class StepWatchdog:
     def _fire(self, hang: StepHung | LoopBlocked) -> None:
         self.fired = hang
         try:
-            self._on_hang(self.fired, thread_stacks())
+            stacks = thread_stacks()
+        except Exception as e:  # the hang is reported all the same
+            stacks = f"(no stacks: {e!r})"
+        try:
+            self._on_hang(self.fired, stacks)
         except Exception as e:  # never let a logging failure keep a hung node alive
             print(f"worker: step watchdog: on_hang failed: {e!r}", file=sys.stderr)
         self._ready.wait(self.grace_s)

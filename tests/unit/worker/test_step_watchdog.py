@@ -156,3 +156,27 @@ def test_a_loop_not_running_is_not_blocked():
         wd.stop()
         loop.close()
     assert not rec.hangs and not rec.exits
+
+
+def test_a_hang_is_reported_with_stacks_where_no_temporary_file_can_be_made(tmp_path, monkeypatch):
+    """A read-only root file system without a writable /tmp (a hardened container): faulthandler's
+    temporary file cannot be made. Before, that OSError skipped ``on_hang`` (no error line, no stop,
+    the node still said accepting) and the process only exited after the grace."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-dir"))
+    rec = Recorder()
+    wd = StepWatchdog(TIMEOUT, rec.on_hang, grace_s=0.2, exit=rec.exit)
+    release = threading.Event()
+    hung = threading.Thread(target=forward_stuck_in_a_kernel, args=(release,), daemon=True)
+    wd.start()
+    try:
+        wd.begin(StepInfo.of(plan(), 1))
+        hung.start()
+        assert rec.exited.wait(5.0), "the watchdog did not end the process"
+    finally:
+        release.set()
+        wd.stop()
+    [(e, stacks, _)] = rec.hangs
+    assert e.info.seq == 1
+    assert "forward_stuck_in_a_kernel" in stacks and "Thread 0x" in stacks and "temporary file" in stacks, stacks
