@@ -334,6 +334,8 @@ class WorkerService:
         self._unannounced: m.SplitApplied | None = None
         """The last ``split.applied`` NATS refused, published again until it goes out (:meth:`_announce_applied`)."""
         self._announcing: asyncio.Task[None] | None = None
+        self._stop_done = False
+        """:meth:`stop` has published its last messages (:meth:`_on_hang` exits at once then)."""
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_hang) if cfg.watchdog_timeout_s > 0 else None
         """``--watchdog-timeout-s``: ends the process when one engine step hangs (``watchdog.py``)."""
 
@@ -436,10 +438,12 @@ class WorkerService:
             await self._publish_state(self.clock.now())
             self.kv_seq += 1
             await self._publish_kv(self.kv_seq, [m.AllBlocksCleared()], self.clock.now())
-            if self.watchdog is not None and self.watchdog.fired is not None:
-                await self.bus.flush(1.0)  # the watchdog exits the process next: these must be out
+            if self.watchdog is not None and (self.watchdog.fired is not None or self._step_abandoned):
+                await self.bus.flush(1.0)  # the watchdog exits the process next (or may, any moment): these must be out
         except Exception as e:  # connection already gone: nothing more to say
             self.log.debug("final publish failed", error=repr(e))
+        # a hang found during the stop waits for this (_on_hang): the exit comes once the last messages are out
+        self._stop_done = True
         if self.watchdog is not None and self.watchdog.fired is not None:
             self.watchdog.exit_ready()
 
@@ -1662,9 +1666,14 @@ class WorkerService:
                            elapsed_s=round(e.elapsed_s, 3), timeout_s=self.cfg.watchdog_timeout_s, stacks=stacks)  # fmt: skip
         else:
             self._log_step_hung(e, stacks)
-        if self._stopped:  # stopped already (a SIGTERM while the forward hung): nothing left to stop
+        if self._stop_done:  # stopped already (a SIGTERM while the forward hung): nothing left to stop
             if self.watchdog is not None:
                 self.watchdog.exit_ready()
+        elif self._stopped:
+            # stopping now: stop() says exit_ready once its last messages are out (it reads ``fired``,
+            # set before this call, after setting _stop_done, read here after: one of the two sees
+            # the other). Before, the exit came at once, before the last node.state and AllBlocksCleared
+            pass
         elif self._loop is not None:  # a blocked loop runs it only if it recovers: else the grace ends it
             self._loop.call_soon_threadsafe(self._fail, e, "step" if isinstance(e, StepHung) else "event loop")
 

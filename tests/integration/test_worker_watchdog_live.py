@@ -253,3 +253,60 @@ async def test_a_loop_blocked_outside_a_step_ends_the_process_at_the_timeout(nat
         assert not states["w0"].accepting  # once the loop ran again: the node failed, its last state out
     finally:
         release.set()
+
+
+async def test_a_hang_found_while_the_node_stops_exits_only_after_its_last_messages(nats_url):
+    """SIGTERM reached a worker whose forward hangs, and its stop takes a while (here its first
+    await is slowed past the timeout): the watchdog fires while the stop is under way. Before, the
+    hang handler saw the node stopped and let the watchdog exit at once, before the stop published
+    (and flushed) its last node.state and AllBlocksCleared; the exit now waits for the stop's end."""
+    exits: list[bool] = []
+    final: list[float] = []
+
+    def make(c: WorkerConfig, b: Bus, clk: Any) -> WorkerService:
+        svc = WorkerService(c, b, clk)
+        svc.engine = HangInThread(svc.profile)
+        assert svc.watchdog is not None
+        svc.watchdog._exit = lambda code: exits.append(bool(final))  # in place of os._exit: were the last messages out?
+        flush_iters, publish_kv = svc._flush_iters, svc._publish_kv
+
+        async def slow_flush_iters() -> None:  # a stop that takes a while: the watchdog fires meanwhile
+            await asyncio.sleep(TIMEOUT_S + 0.5)
+            await flush_iters()
+
+        async def recorded_publish_kv(seq: int, events: list[Any], now: float) -> None:
+            await publish_kv(seq, events, now)
+            if svc._stopped and any(isinstance(e, m.AllBlocksCleared) for e in events):
+                final.append(time.monotonic())
+
+        svc._flush_iters = slow_flush_iters  # type: ignore[method-assign]
+        svc._publish_kv = recorded_publish_kv  # type: ignore[method-assign]
+        return svc
+
+    HangInThread.entered.clear()
+    HangInThread.release.clear()
+    states: dict[str, m.NodeState] = {}
+    cfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", split_get_timeout_s=0.0, idle_state_interval_s=0.1,
+                       watchdog_timeout_s=TIMEOUT_S)  # fmt: skip
+    try:
+        async with AsyncExitStack() as stack:
+            bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
+            stack.push_async_callback(bus.close)
+
+            async def on_state(st: m.NodeState, _s: str) -> None:
+                states[st.node] = st
+
+            await bus.subscribe(NODE_STATE, on_state)
+            stop = asyncio.Event()
+            task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
+            await until(lambda: "w0" in states, 10.0, "w0 up")
+            work = m.PrefillWork(rid="r1", prompt_tokens=9, max_tokens=4, block_size=4,
+                                 block_hashes=block_hashes(tokens_for_blocks([1, 2], 4), 4))  # fmt: skip
+            await bus.publish(WORK_PREFILL, work, node="w0")
+            assert await asyncio.to_thread(HangInThread.entered.wait, 5.0)
+            stop.set()  # SIGTERM
+            await asyncio.wait_for(task, 10.0)
+            await until(lambda: bool(exits), TIMEOUT_S + 6.0, "the watchdog ended the process")
+        assert exits == [True], "the watchdog exited before the stop's last messages were out"
+    finally:
+        HangInThread.release.set()
