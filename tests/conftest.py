@@ -24,8 +24,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from shared.natsserver import EmbeddedNatsServer
+
+# Tests that run services in this process never call shared.log.setup_logging, so structlog's default
+# console renderer applied: with rich installed (the torch extra pulls it in) each logged traceback was
+# rendered by rich with every frame's locals, 0.05-0.3 s idle and over 2 s on a loaded box, on the
+# event loop of the service under test: a router's work.requeue handler that logs an error with its
+# traceback then missed the test's 2-s reply timeout (test_router_parked_live, 2 of 3 runs under load).
+# Plain tracebacks here, as setup_logging gives the services.
+structlog.configure(
+    processors=[
+        *structlog.get_config()["processors"][:-1],
+        structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback),
+    ]
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_TRACES = REPO.parent / "shared" / "traces"
