@@ -55,7 +55,7 @@ import contextlib
 import contextvars
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +101,9 @@ from services.worker.fetch import FetchStarted
 from services.worker.plan import HandOff, IterationPlan, SchedulerError, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
 from services.worker.watchdog import LoopBlocked, StepHung, StepInfo, StepWatchdog
+
+ABORTED_KEPT = 4096
+"""Aborts of requests a node did not hold that it remembers (``WorkerService._aborted``), newest first."""
 
 ENGINES: dict[str, type[SimEngine]] = {"sim": SimEngine}
 """Engine kinds by ``WorkerConfig.engine`` (``torch``: :func:`make_torch_engine`)."""
@@ -334,6 +337,10 @@ class WorkerService:
         self._unannounced: m.SplitApplied | None = None
         """The last ``split.applied`` NATS refused, published again until it goes out (:meth:`_announce_applied`)."""
         self._announcing: asyncio.Task[None] | None = None
+        self._aborted: OrderedDict[str, int] = OrderedDict()
+        """Aborts of requests this node did not hold (``aborts.unknown``): rid → the attempt aborted, the
+        newest :data:`ABORTED_KEPT`. Work of that attempt or an older one that arrives later is dropped
+        (:meth:`_newest_attempt`): the abort overtook it on the bus, or came while it waited for a step."""
         self._stop_done = False
         """:meth:`stop` has published its last messages (:meth:`_on_hang` exits at once then)."""
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_hang) if cfg.watchdog_timeout_s > 0 else None
@@ -642,7 +649,9 @@ class WorkerService:
         replaced the old attempt's while a plan that ``schedule()`` had taken, but whose execute
         thread had not yet taken the engine's lock, still ran it; the plan then computed the old
         chunk into the new registration and the node failed (``KvMapError``) at the new attempt's
-        first chunk. The fencing is decided again after the wait (another attempt may have come)."""
+        first chunk. The fencing is decided again after the wait (another attempt may have come), and
+        work whose attempt an abort the node did not hold has already ended is dropped (``_aborted``,
+        ``requests.aborted_before_arrival``)."""
         while True:
             held = self._owners.get(rid)
             if held is not None and rid in self.core.requests:
@@ -655,6 +664,12 @@ class WorkerService:
                     self.core.abort(rid, now)
                 self.counters["requests.superseded"] += 1
             if rid not in self._step_rids:
+                aborted = self._aborted.get(rid)
+                if aborted is not None and attempt <= aborted:
+                    # aborted before it was taken: before, it then ran to its last token for nobody
+                    self.counters["requests.aborted_before_arrival"] += 1
+                    self.log.info("work of an aborted attempt dropped", rid=rid, attempt=attempt, aborted=aborted)
+                    return False
                 return True
             self.counters["requests.waited_for_step"] += 1
             while rid in self._step_rids:
@@ -677,6 +692,10 @@ class WorkerService:
             return
         if not await self._drop(msg.rid, msg.reason, attempt=msg.attempt):
             self.counters["aborts.unknown"] += 1
+            # its work may still come (behind a wait for a step, or overtaken on the bus): dropped then
+            self._aborted[msg.rid] = max(msg.attempt, self._aborted.pop(msg.rid, msg.attempt))
+            if len(self._aborted) > ABORTED_KEPT:
+                self._aborted.popitem(last=False)
             return
         self.counters["requests.aborted"] += 1
 
