@@ -1150,7 +1150,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "router, and write OUT/report.json, OUT/requests.jsonl, the plots (OUT/*.png) with OUT/report.html that shows "
         "them, and the services' logs under OUT/logs.",
     )
-    _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs",
+    _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs; the NATS credentials the demo generates in it are deleted when it stops",
                       warmup="900 s of simulated time in the demo, --engine torch 240 s")
     d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots and report.html (default demo-out)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample (- reads stdin)")
