@@ -600,7 +600,10 @@ class BranchTable:
         the counts of the counted ones, in the store's order (and count them as present copies
         of the tier(s) with ``keep_counted_copies``). O(len(newly)) C-level: one pass when all are counted (the
         usual: the list ``newly`` itself is queued, not a copy), else a filter and a second pass
-        over the counted ones."""
+        over the counted ones. With :attr:`chained` (``newly`` is a store's chain, or what of it was
+        new: R never grows along it) the counted ones are a head, found by bisection, and their
+        counts are built stretch by stretch (:func:`_chain_values`): O(distinct counts · log L)
+        probes, plus a copy of the head when some are not counted."""
         if self.chained and len(newly) >= _CHAIN_MIN:  # the counted blocks are a head, their counts stretches
             hit = newly if type(newly) is list else list(newly)
             j = _counted_head(R, hit, 0, len(hit))
