@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import os
 import re
@@ -469,15 +470,32 @@ def context_line(spec: ClusterSpec) -> str | None:
 
 
 def api_keys_line(args: argparse.Namespace) -> str | None:
-    """``up``'s ready-banner line saying that the router requires API keys (how many, from where); None when open."""
+    """``up``'s ready-banner line saying that the router requires API keys (how many, from where), or, when it is
+    open and ``--host`` is not a loopback address, that anyone who reaches the port may send requests (``up --host
+    0.0.0.0`` said nothing of it; compose's README warns of the same); None when open on loopback only."""
     keys = getattr(args, "router_api_keys", frozenset())
     if not keys:
-        return None
+        host = str(getattr(args, "host", "127.0.0.1"))
+        if _loopback(host):
+            return None
+        return (f"API keys OFF and the router listens on {host}:{args.port}: anyone who reaches that port may send "
+                "requests; --api-keys-file FILE (or EI_API_KEYS=k1,k2) makes every request need a key")
     where = " and ".join(w for w, on in ((f"--api-keys-file {args.api_keys_file}", bool(args.api_keys_file)),
                                           ("EI_API_KEYS_FILE", not args.api_keys_file and bool(os.environ.get("EI_API_KEYS_FILE"))),
                                           ("EI_API_KEYS", bool(os.environ.get("EI_API_KEYS", "").strip()))) if on)  # fmt: skip
     return (f"API keys ON ({len(keys)} from {where}): every request needs 'Authorization: Bearer <key>' (401 without one) "
             "except the router's public paths (/healthz, /health, /metrics unless --api-key-public-paths)")
+
+
+def _loopback(host: str) -> bool:
+    """Whether the bind address ``host`` (an IP address or a name) reaches this machine only: 127.0.0.0/8, ::1,
+    ``localhost``. A name that is not ``localhost`` counts as reachable from elsewhere (it is not resolved)."""
+    if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: object) -> ClusterSpec:

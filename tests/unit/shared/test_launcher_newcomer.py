@@ -130,3 +130,23 @@ def test_no_worker_node_is_a_usage_error(command, nodes, tmp_path):
     args = build_parser(command).parse_args([command, "--nodes", nodes, "--log-dir", str(tmp_path)])
     with pytest.raises(UsageError, match=f"^error: --nodes {nodes}: a cluster needs at least one worker node"):
         _spec(args)
+
+
+@pytest.mark.parametrize("host, warned", [("0.0.0.0", True), ("::", True), ("10.1.2.3", True), ("node17", True),
+                                          ("127.0.0.1", False), ("127.0.1.1", False), ("::1", False), ("localhost", False)])
+def test_an_open_router_on_another_interface_is_said_in_the_banner(host, warned, tmp_path, monkeypatch):
+    """``up --host 0.0.0.0`` without keys served every interface and the banner said nothing of it (measured: the
+    ready lines name NATS's auth but not the API's); now one line says the API is open there and how to close it."""
+    monkeypatch.delenv("EI_API_KEYS_FILE", raising=False)
+    monkeypatch.delenv("EI_API_KEYS", raising=False)
+    args = build_parser("up").parse_args(["up", "--host", host, "--port", "18000", "--log-dir", str(tmp_path)])
+    _spec(args)
+    line = api_keys_line(args)
+    if not warned:
+        assert line is None
+        return
+    assert line == (f"API keys OFF and the router listens on {host}:18000: anyone who reaches that port may send requests; "
+                    "--api-keys-file FILE (or EI_API_KEYS=k1,k2) makes every request need a key")
+    monkeypatch.setenv("EI_API_KEYS", "a")
+    _spec(args)
+    assert api_keys_line(args).startswith("API keys ON (1 from EI_API_KEYS)")
