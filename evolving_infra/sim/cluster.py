@@ -418,7 +418,9 @@ class ClusterSim:
 
     Args:
         run: the resolved run (profile, policy set, split, options).
-        requests: trace requests (already at the profile's block size), file order.
+        requests: trace requests (already at the profile's block size), file order, with chained
+            block ids (docs/trace-format.md §4; :func:`evolving_infra.sim.run.simulate` re-chains its
+            input): the KV directory's presence hooks assume it.
         node_names: node ids of this cluster (partition), in split order.
         arrival: the arrival process of this cluster's agents.
         forced: forced switches for these nodes.
@@ -514,8 +516,8 @@ class ClusterSim:
         # call that stores is followed by ``_flush_kv``, which drains after it; the other calls that
         # drain follow engine calls that store nothing), unless a decode node's events are not sent
         # (``skip_decode_kv``: its view would lack its stores). Tested: identical reports.
-        # Chained: every path and every engine store here lists ids of one chained id space (a trace is
-        # re-chained when read, generated workloads are chained), so the directory's presence hooks
+        # Chained: every path and every engine store here lists ids of one chained id space (``simulate``
+        # re-chains its input, generated workloads are chained; ``requests`` must be), so the directory's presence hooks
         # bisect chains for their counted blocks (``BranchTable``'s ``chained``). Identical reports.
         self.directory = KvDirectory(
             self.bs, held_counts_only=self.track_branches and not self.skip_decode_kv, chained=True

@@ -34,7 +34,7 @@ from evolving_infra.sim.workload import PlainWorkload, TiledWorkload, WorkloadEr
 from evolving_infra.traces.compact import CompactTrace
 from evolving_infra.traces.io import paused_gc
 from evolving_infra.traces.schema import TraceRequest
-from evolving_infra.traces.tokens import PrivateIds, rechunk_request
+from evolving_infra.traces.tokens import PrivateIds, rechain_blocks, rechunk_request
 from shared.values import Value
 
 DECISIONS_JSONL = "decisions.jsonl"
@@ -442,6 +442,15 @@ def _simulate(
     wall0 = time.monotonic()
     run = resolve(cfg)
     bs = run.profile.block_size
+    # ids must be chained (docs/trace-format.md §4): the engines' radix pools and the directory's
+    # chained presence hooks (ClusterSim) rely on it, so every caller's input is (the CLI's already
+    # is: the check is kept on the trace, not redone); unchained ids are remapped as the CLI does
+    if isinstance(requests, CompactTrace):
+        requests, remapped = requests.rechained()
+    else:
+        requests, remapped = rechain_blocks(requests)
+    if remapped and (meta is None or "block_ids_rechained" not in meta):
+        meta = {**(meta or {}), "block_ids_rechained": remapped}
     try:
         reqs = convert_block_size(requests, trace_block_size, bs)
     except ValueError as e:

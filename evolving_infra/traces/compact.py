@@ -66,7 +66,7 @@ class BlockStore:
     insertion order.
     """
 
-    __slots__ = ("_flat", "_off", "_ref", "_k", "_depth", "_prev", "_branch", "_cache")
+    __slots__ = ("_flat", "_off", "_ref", "_k", "_depth", "_prev", "_branch", "_cache", "_chained")
 
     def __init__(self) -> None:
         self._flat = array("q")
@@ -79,6 +79,8 @@ class BlockStore:
         self._branch: list[str] = []
         self._cache: dict[str, tuple[int, list[int]]] = {}
         """branch -> (index, ids) of the last request of the branch rebuilt (open branches)."""
+        self._chained: tuple[int, bool] | None = None
+        """(stored ids when checked, :meth:`chained`'s answer then): the store is append-only."""
 
     def __len__(self) -> int:
         return len(self._ref)
@@ -283,7 +285,15 @@ class BlockStore:
     def chained(self) -> bool:
         """True when the ids are chained (docs/trace-format.md §4: every id follows the same id,
         or starts the path, wherever it appears), checked with a numpy sort over the stored
-        segments only: a request's shared prefix repeats pairs of its reference."""
+        segments only: a request's shared prefix repeats pairs of its reference. The answer is
+        kept until an id is added (``simulate`` checks what the CLI has already checked)."""
+        if self._chained is not None and self._chained[0] == len(self._flat):
+            return self._chained[1]
+        ok = self._check_chained()
+        self._chained = (len(self._flat), ok)
+        return ok
+
+    def _check_chained(self) -> bool:
         ids = np.frombuffer(self._flat, dtype=np.int64) if len(self._flat) else np.empty(0, np.int64)
         if not len(ids):
             return True
