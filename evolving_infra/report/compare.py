@@ -160,8 +160,9 @@ def trace_identities(values: Sequence[Any]) -> list[Any]:
     return out
 
 
-def write_compare(dirs: Sequence[Path], out: Path) -> tuple[Path, list[RunData], list[dict[str, Any]]]:
-    """Compare run directories; write ``compare.html``, ``compare.json`` and the PNGs into ``out``.
+def write_compare(dirs: Sequence[Path], out: Path, *, plots: bool = True) -> tuple[Path, list[RunData], list[dict[str, Any]]]:
+    """Compare run directories; write ``compare.html``, ``compare.json`` and the PNGs into ``out``
+    (``plots`` False: no PNGs, the page has the table only; ``simulate --sweep --no-plots``).
 
     Returns:
         ``(html path, runs, table)``.
@@ -176,7 +177,7 @@ def write_compare(dirs: Sequence[Path], out: Path) -> tuple[Path, list[RunData],
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table = compare_table([r.report for r in runs])
-    plots = plot_compare(out, runs)
+    figs = plot_compare(out, runs) if plots else []
     info = []
     for d, r in zip(dirs, runs):
         meta = r.report.get("meta") or {}
@@ -185,9 +186,9 @@ def write_compare(dirs: Sequence[Path], out: Path) -> tuple[Path, list[RunData],
                      "split": cluster.get("split"), "date": meta.get("date")})
     diffs = input_differences([r.report for r in runs], [r.label for r in runs])
     (out / COMPARE_JSON).write_text(
-        json.dumps({"runs": info, "input_differences": diffs, "metrics": table, "plots": [p.file for p in plots]}, indent=2, default=str)
+        json.dumps({"runs": info, "input_differences": diffs, "metrics": table, "plots": [p.file for p in figs]}, indent=2, default=str)
         + "\n"
     )
     html_path = out / COMPARE_HTML
-    html_path.write_text(compare_page(info, table, plots, base=out), encoding="utf-8")
+    html_path.write_text(compare_page(info, table, figs, base=out), encoding="utf-8")
     return html_path, runs, table

@@ -267,7 +267,7 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     from evolving_infra.replay.core import ReplayError
     from evolving_infra.sim.config import SimConfigError
     from evolving_infra.sim.planners import ComponentMissing
-    from evolving_infra.sim.run import simulate, write_decisions
+    from evolving_infra.sim.run import simulate, warmup_outlasted, warmup_outlasted_note, write_decisions
     from evolving_infra.traces.io import make_folders, output_error, remove_folders
 
     t0 = time.monotonic()
@@ -317,6 +317,8 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
         f"relaunches {r['relaunches']}, out of service {100 * r['out_of_service_share']:.1f}% of the time, "
         f"reroutes {r['reroutes']}, unfinished {r['requests_unfinished']}"
     )
+    if late := warmup_outlasted_note("the run", warmup_outlasted(res.stats.planner_decisions, r["simulated_s"]), r["simulated_s"]):
+        print(f"note: {late}")
     if r.get("closed_loop_exhausted_at_s") is not None:
         print(f"note: the input ran out of agents at {r['closed_loop_exhausted_at_s']:.0f} s (closed loop: concurrency "
               "fell from then on); give more agents (--workload --agents, or --tile)")
@@ -397,7 +399,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--out", required=True, type=folder, help="output directory (report.json, requests.jsonl, plots; created when they are written)")
     o.add_argument("--label", default=None, help="run label in comparisons (default: the policy set)")
-    o.add_argument("--no-plots", action="store_true", help="write report.json and requests.jsonl only")
+    o.add_argument("--no-plots", action="store_true", help="no plots: report.json, requests.jsonl and decisions.jsonl only (a sweep's compare/ has "
+                   "compare.json and compare.html's table, no PNGs)")
     o.add_argument("--sweep", nargs="+", metavar="KIND",
                    help="'splits [xPyD,...]' (every split, or the listed ones) or 'policies SET,SET,...'; "
                    "writes one run per item under OUT/ and OUT/compare/")

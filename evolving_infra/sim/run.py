@@ -66,6 +66,34 @@ def write_decisions(out_dir: Any, decisions: Sequence[dict[str, Any]]) -> Any:
     return path
 
 
+def warmup_outlasted(decisions: Sequence[dict[str, Any]], end_s: float) -> float | None:
+    """The end (simulated s) of a planner warm-up the run never left, else None.
+
+    The evolving planner serves every node collocated for its warm-up (``t_learn_s``, 1,800 s by
+    default; paper §5.1) and states its end in each warm-up decision (``metrics.warmup_end``, later
+    ones extending it). A run that stops before the last stated end compared collocated serving, not
+    an adapted split; ``simulate --duration 900`` of the README's sample did so and said nothing,
+    its "PD split final collocated" read as the planner's choice.
+
+    Args:
+        decisions: ``SimStats.planner_decisions`` (every evaluation, in time order).
+        end_s: the run's end, simulated seconds (``report["simulated_s"]``).
+    """
+    ends = [float(m["warmup_end"]) for d in decisions if isinstance(m := d.get("metrics"), dict) and "warmup_end" in m]
+    return ends[-1] if ends and ends[-1] > end_s + 1e-9 else None
+
+
+def warmup_outlasted_note(label: str, warm: float | None, end_s: float) -> str | None:
+    """One line (no ``note:`` prefix) saying that run ``label``, which ended at ``end_s`` simulated
+    seconds, did so inside its planner's collocated warm-up, which would have ended at ``warm``
+    (:func:`warmup_outlasted`), with the flags that show the planner adapt; None when ``warm`` is None."""
+    if warm is None:
+        return None
+    return (f"{label} ended at {end_s:,.0f} s, within its planner's collocated warm-up (until t={warm:,.0f} s): every "
+            f"node served both phases throughout, so it measured collocated serving, not an adapted PD split; run past "
+            f"the warm-up (--duration, more agents) or shorten it (--planner-opt t_learn_s=300)")
+
+
 WALL_CLOCK_KEYS = ("wall_s", "sim_wall_s", "setup_wall_s", "sim_speed", "peak_rss_mb")
 """Top-level ``report.json`` keys that measure the host (wall clock, memory), not the
 simulated system; with ``meta.date`` and ``meta.wall_s`` they are the only keys two runs
@@ -171,8 +199,11 @@ def _simulate_partition(run: Resolved, k: int, workload: Any, keep: set[str] | N
     reqs = workload.partition(lambda a: partition_of(a, cfg.partitions), k, keep)
     with quiet_gc():
         sim = ClusterSim(run, reqs, names, cfg.arrival_for(share, seed_offset=k), forced=forced, blocks_of=workload.blocks_of)
-        label = f"partition {k + 1}/{cfg.partitions}" if cfg.partitions > 1 else "simulate"
-        progress = ProgressLine(label, sim.duration) if _FORK.get("progress") else None
+        part = f"partition {k + 1}/{cfg.partitions}" if cfg.partitions > 1 else ""
+        name = _FORK.get("progress")
+        name = name if isinstance(name, str) else "simulate"  # a sweep names its item
+        label = f"{name}, {part}" if part and name != "simulate" else (part or name)
+        progress = ProgressLine(label, sim.duration, redraw=_FORK.get("progress_redraw", True)) if _FORK.get("progress") else None
         try:
             return sim.run_to_end(progress=progress)
         finally:
@@ -192,13 +223,16 @@ class ProgressLine:
         duration_s: simulated seconds to run, or None (until the agents finish).
         every_s: wall seconds between lines when stderr is not a terminal.
         stream: where to write (default ``sys.stderr``).
+        redraw: redraw one line on a terminal; False writes whole lines every ``every_s`` there too
+            (several processes sharing one terminal: a parallel sweep's items).
     """
 
-    def __init__(self, label: str, duration_s: float | None, every_s: float = 5.0, stream: Any = None) -> None:
+    def __init__(self, label: str, duration_s: float | None, every_s: float = 5.0, stream: Any = None,
+                 redraw: bool = True) -> None:
         self.label = label
         self.duration_s = duration_s
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.tty = redraw and bool(getattr(self.stream, "isatty", lambda: False)())
         self.every_s = 0.5 if self.tty else every_s
         self.t0 = time.monotonic()
         self.next_at = self.t0 + self.every_s
@@ -412,23 +446,28 @@ def simulate(
     *,
     meta: dict[str, Any] | None = None,
     setup_wall_s: float = 0.0,
-    progress: bool = False,
+    progress: bool | str = False,
+    progress_redraw: bool = True,
 ) -> SimRun:
     """Simulate ``requests`` (a trace at ``trace_block_size``: a list, or a
     :class:`~evolving_infra.traces.compact.CompactTrace` — same report, a fraction of the
     memory) under ``cfg`` and build the report.
 
-    ``progress``: print how far each partition has simulated on stderr (:class:`ProgressLine`).
+    ``progress``: print how far each partition has simulated on stderr (:class:`ProgressLine`),
+    labelled ``simulate`` (True) or with the string given (a sweep's item, ``dynamo (2/4)``);
+    ``progress_redraw`` False: whole lines on a terminal too (processes sharing it).
 
     Raises:
         SimConfigError: the configuration cannot run (bad flag, missing component).
     """
     _FORK["progress"] = progress
+    _FORK["progress_redraw"] = progress_redraw
     try:
         with paused_gc():  # the loop (quiet_gc) collects; the setup around it leaves the trace alone
             return _simulate(cfg, requests, trace_block_size, meta=meta, setup_wall_s=setup_wall_s)
     finally:
         _FORK.pop("progress", None)
+        _FORK.pop("progress_redraw", None)
 
 
 def _simulate(

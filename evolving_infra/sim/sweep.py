@@ -94,17 +94,21 @@ _FORK: dict[str, Any] = {}
 
 def _run_item(i: int) -> dict[str, Any]:
     label, cfg = _FORK["items"][i]
-    return _simulate_item(label, cfg, _FORK["requests"], _FORK["bs"], _FORK["out"], _FORK["meta"], _FORK["plots"])
+    return _simulate_item(label, cfg, _FORK["requests"], _FORK["bs"], _FORK["out"], _FORK["meta"], _FORK["plots"],
+                          progress=f"{label} ({i + 1}/{len(_FORK['items'])})", redraw=False)
 
 
 def _simulate_item(
-    label: str, cfg: SimConfig, requests: Sequence[TraceRequest], bs: int, out: Path, meta: dict[str, Any], plots: bool
+    label: str, cfg: SimConfig, requests: Sequence[TraceRequest], bs: int, out: Path, meta: dict[str, Any], plots: bool,
+    *, progress: str | bool = False, redraw: bool = True,
 ) -> dict[str, Any]:
+    """Run one sweep item and write its report under ``out``; its summary row. ``progress``: the item's
+    progress label on stderr (``dynamo (2/4)``); ``redraw`` False in parallel workers sharing a terminal."""
     from evolving_infra.report.write import write_report
-    from evolving_infra.sim.run import simulate, write_decisions
+    from evolving_infra.sim.run import simulate, warmup_outlasted, write_decisions
     from evolving_infra.traces.io import make_folders, remove_folders
 
-    res = simulate(cfg, requests, bs, meta=dict(meta, sweep_label=label))
+    res = simulate(cfg, requests, bs, meta=dict(meta, sweep_label=label), progress=progress, progress_redraw=redraw)
     d = out / safe_dir(label)
     made = make_folders(d)
     try:
@@ -114,8 +118,14 @@ def _simulate_item(
         remove_folders(made)
         raise
     row = {k: res.report.get(k) for k in SUMMARY_KEYS}
-    row.update(label=label, dir=str(d))
+    row.update(label=label, dir=str(d), simulated_s=res.report["simulated_s"],
+               warmup_outlasted_until_s=warmup_outlasted(res.stats.planner_decisions, res.report["simulated_s"]))
     return row
+
+
+def _item_line(row: dict[str, Any]) -> str:
+    return (f"  {row['label']}: {row['throughput_rps'] or 0:.3f} req/s, TTFT {row['ttft_mean_s'] or 0:.2f} s, "
+            f"E2E {row['e2e_mean_s'] or 0:.2f} s")
 
 
 def run_sweep(
@@ -160,14 +170,15 @@ def run_sweep(
             _FORK.update(items=items, requests=requests, bs=bs, out=out, meta=meta, plots=plots)
             try:
                 with fork_pool(min(parallel, len(items))) as pool:
-                    rows = list(pool.map(_run_item, range(len(items))))
+                    for row in pool.map(_run_item, range(len(items))):  # in order, each as soon as it and those before are done
+                        rows.append(row)
+                        print(_item_line(row), flush=True)
             finally:
                 _FORK.clear()
         else:
-            for label, c in items:
-                rows.append(_simulate_item(label, c, requests, bs, out, meta, plots))
-                print(f"  {label}: {rows[-1]['throughput_rps'] or 0:.3f} req/s, TTFT {rows[-1]['ttft_mean_s'] or 0:.2f} s, "
-                      f"E2E {rows[-1]['e2e_mean_s'] or 0:.2f} s", flush=True)
+            for i, (label, c) in enumerate(items):
+                rows.append(_simulate_item(label, c, requests, bs, out, meta, plots, progress=f"{label} ({i + 1}/{len(items)})"))
+                print(_item_line(rows[-1]), flush=True)
     except BaseException:  # an item that cannot run: the folders made for --out go again if nothing was written in them
         remove_folders(made)
         raise
@@ -176,9 +187,14 @@ def run_sweep(
     summary = {"sweep": list(spec), "items": rows, "best_by_throughput": best["label"]}
     (out / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     if len(dirs) >= 2:
-        _, runs, table = write_compare(dirs, out / "compare")
+        _, runs, table = write_compare(dirs, out / "compare", plots=plots)
         print(format_table([r.label for r in runs], table))
         print(f"compare: {out / 'compare' / 'compare.html'}")
+    from evolving_infra.sim.run import warmup_outlasted_note
+
+    for r in rows:
+        if late := warmup_outlasted_note(r["label"], r["warmup_outlasted_until_s"], r["simulated_s"]):
+            print(f"note: {late}")
     print(f"best by throughput: {best['label']} ({best['throughput_rps'] or 0:.3f} req/s)")
     print(f"sweep: {out / 'sweep.json'}")
     failed = 0

@@ -56,8 +56,8 @@ def test_simulate_with_progress_writes_to_stderr(monkeypatch, capsys):
 
 
 def _every_call(init):
-    def patched(self, label, duration_s, every_s=5.0, stream=None):
-        init(self, label, duration_s, every_s, stream)
+    def patched(self, label, duration_s, every_s=5.0, stream=None, redraw=True):
+        init(self, label, duration_s, every_s, stream, redraw)
         self.every_s = 0.0
         self.next_at = 0.0
 
@@ -72,3 +72,26 @@ def test_progress_is_consulted_every_256_events(monkeypatch):
     res = simulate(SimConfig(nodes=2, profile="tiny", policy="static:1P1D", concurrency=4), reqs, BS, progress=True)
     events = res.report["sim_stats"]["events"]
     assert events > 1024 and len(calls) >= events // 256, (events, len(calls))
+
+
+def test_a_sweep_shows_each_item_progress_labelled(monkeypatch, tmp_path, capsys):
+    """``simulate --sweep`` ran its items with no progress at all: minutes of silence for a sweep of 3,600-s
+    runs, though ``simulate`` alone shows it. Each item's lines name it and its place in the sweep."""
+    from evolving_infra.sim.sweep import run_sweep
+
+    monkeypatch.setattr(sim_run.ProgressLine, "__init__", _every_call(ProgressLine.__init__))
+    reqs = small_trace(6, 4, pause=0.02)
+    cfg = SimConfig(nodes=3, profile="tiny", policy="static", concurrency=6)
+    assert run_sweep(cfg, reqs, BS, ["splits"], tmp_path, plots=False) == 0
+    err = capsys.readouterr().err
+    assert "static:1P2D (1/2): " in err and "static:2P1D (2/2): " in err and "requests completed" in err, err
+
+
+def test_progress_line_without_redraw_writes_whole_lines_on_a_terminal():
+    """Parallel sweep workers share one terminal: each writes whole lines, never a ``\\r`` redraw of another's."""
+    out = _Tty()
+    p = ProgressLine("dynamo (2/4)", 100.0, stream=out, redraw=False)
+    assert not p.tty and p.every_s == 5.0
+    p.next_at = 0.0
+    p(50.0, 3)
+    assert out.getvalue().startswith("dynamo (2/4): 50 of 100 simulated s (50%)") and "\r" not in out.getvalue()

@@ -91,6 +91,9 @@ def test_sweep_writes_runs_comparison_and_summary(tmp_path, capsys):
         assert rep["requests_completed"] == len(reqs) and rep["meta"]["label"] == d.replace("_", ":")
     comp = json.loads((tmp_path / "compare" / "compare.json").read_text())
     assert [r["label"] for r in comp["runs"]] == ["static:1P2D", "static:2P1D"]
+    # plots=False (--no-plots): the comparison is its table, no PNGs (they cost ~4 s of CPU here)
+    assert comp["plots"] == [] and not list((tmp_path / "compare").glob("*.png"))
+    assert (tmp_path / "compare" / "compare.html").is_file()
     assert "best by throughput" in capsys.readouterr().out
 
 
@@ -212,3 +215,25 @@ def test_tiled_run_reuses_within_a_copy_only():
     assert sorted(r.ideal_cached_tokens for r in firsts) == [0, 2 * BS, 2 * BS], "copies share only the common prefix"
     seconds = [r for r in res.records if r.id.startswith("a0-r1~")]
     assert all(r.ideal_cached_tokens >= 6 * BS for r in seconds), "each copy reuses its own history"
+
+
+def test_a_run_that_ends_inside_the_evolving_warm_up_says_so(tmp_path, capsys):
+    """The README's sample run (``--duration 900``) ended inside the evolving planner's 1,800-s collocated
+    warm-up and its summary read "PD split final collocated" as if the planner had chosen it; simulate and
+    a sweep now say so, and say nothing when the warm-up ended within the run."""
+    path = tmp_path / "t.jsonl"
+    write_trace(path, TraceHeader(format=FORMAT, block_size=BS, source="test"), small_trace(4, 3, pause=0.5))
+    common = ["simulate", "--trace", str(path), "--profile", "tiny", "--nodes", "3", "--concurrency", "2", "--no-plots"]
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "note: the run ended at " in out and "within its planner's collocated warm-up (until t=1,800 s)" in out, out
+    assert main([*common, "--out", str(tmp_path / "b"), "--planner-opt", "t_learn_s=0"]) == 0
+    assert "warm-up" not in capsys.readouterr().out
+    assert main([*common, "--out", str(tmp_path / "c"), "--sweep", "policies", "evolving,static:1P2D"]) == 0
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("note: ")]
+    assert len(notes) == 1 and notes[0].startswith("note: evolving ended at "), notes
+    from evolving_infra.sim.run import warmup_outlasted
+
+    assert warmup_outlasted([{"metrics": {"warmup_end": 1800.0}}, {"metrics": {"warmup_end": 1900.0}}], 1850.0) == 1900.0
+    assert warmup_outlasted([{"metrics": {"warmup_end": 1800.0}}], 1800.0) is None
+    assert warmup_outlasted([{"action": "switch", "metrics": {}}], 10.0) is None
