@@ -52,7 +52,9 @@ class Skipped:
         except ConvertError as e:
             if self.strict:
                 raise
-            reason = str(e)
+            # every ConvertError names its file first (for --strict's one line); the warning and
+            # meta.skipped name it once ("skipped F: F: not a ..." before)
+            reason = str(e).removeprefix(f"{path}: ")
             self.files.append({"file": str(path), "reason": reason})
             print(f"warning: skipped {path}: {reason}", file=sys.stderr)
             return None

@@ -146,3 +146,22 @@ def test_the_conversion_spool_has_no_name(tmp_path, monkeypatch):
     assert buf.getvalue() == (out_dir / "o.jsonl").read_bytes()
     convert_to_file("mooncake", [mc], tmp_path / "ref.jsonl")
     assert buf.getvalue() == (tmp_path / "ref.jsonl").read_bytes()
+
+
+def test_a_skipped_file_is_named_once(tmp_path, capsys):
+    """``warning: skipped F: F: not a WEKA Claude Code trace: ...`` named the file twice (the ConvertError
+    names it for --strict's one line); the warning and meta.skipped's reason now name it once."""
+    from evolving_infra.traces.convert.common import Skipped
+
+    bad = tmp_path / "trace_9999.json"
+
+    def fail() -> None:
+        raise ConvertError(f"{bad}: not a WEKA Claude Code trace: Input data was truncated")
+
+    sk = Skipped()
+    assert sk.call(bad, fail) is None
+    err = capsys.readouterr().err
+    assert err == f"warning: skipped {bad}: not a WEKA Claude Code trace: Input data was truncated\n", err
+    assert sk.files == [{"file": str(bad), "reason": "not a WEKA Claude Code trace: Input data was truncated"}]
+    with pytest.raises(ConvertError, match="trace_9999.json: not a WEKA"):
+        Skipped(strict=True).call(bad, fail)
