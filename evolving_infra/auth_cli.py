@@ -4,8 +4,9 @@
 any external nats-server, ``auth gen`` writes one credentials file per instance
 (``<instance>.nk`` nkey seeds, or ``.pass`` with ``--mode password``; mode 0600)
 plus ``nats-auth.conf``, the ``authorization { ... }`` block to ``include`` in
-the server's config (mode 0600 too: with ``--mode password`` it holds every
-identity's password, ``admin``'s included). Each service then gets its file with ``--nats-creds`` (or
+the server's config (mode 0600 too; it holds the nkeys' public keys, or with ``--mode password``
+the passwords' bcrypt hashes, never a clear password: nats-server compares a client's password with
+its hash). Each service then gets its file with ``--nats-creds`` (or
 ``EI_NATS_CREDS``); see ``shared/auth.py`` for the permission table.
 
 ``auth stream`` creates the partition's JetStream stream of must-arrive subjects
@@ -136,7 +137,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "auth",
         help="generate NATS credentials and least-privilege permissions for an external deployment",
         description="Write one credentials file per service instance (plus operator, launcher and admin) and the "
-        "server's authorization block (nats-auth.conf, mode 0600: with --mode password it holds the passwords). "
+        "server's authorization block (nats-auth.conf, mode 0600: public keys, or with --mode password the passwords' "
+        "bcrypt hashes). "
         "Services read their file from --nats-creds / EI_NATS_CREDS.",
     )
     ss = p.add_subparsers(dest="auth_command", metavar="ACTION", required=True)

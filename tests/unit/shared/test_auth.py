@@ -119,7 +119,7 @@ def test_generate_refuses_a_name_that_is_not_one_subject_token_and_writes_nothin
 
 
 def test_auth_gen_server_block_is_private_and_bad_nodes_exit_2(tmp_path, capsys):
-    """nats-auth.conf holds every password with ``--mode password`` (admin's too): mode 0600, as the credentials."""
+    """nats-auth.conf (its hashes, with ``--mode password``): mode 0600, as the credentials."""
     from evolving_infra.cli import main
 
     for mode in ("password", "nkeys"):
@@ -127,8 +127,8 @@ def test_auth_gen_server_block_is_private_and_bad_nodes_exit_2(tmp_path, capsys)
         assert main(["auth", "gen", "--dir", str(d), "--nodes", "w0,w1", "--mode", mode]) == 0
         conf = d / "nats-auth.conf"
         assert stat.S_IMODE(os.stat(conf).st_mode) == 0o600, mode
-        if mode == "password":
-            assert open(d / "admin.pass").read().split(":", 1)[1].strip() in conf.read_text()
+        if mode == "password":  # bcrypt hashes, not the passwords (tests/integration/test_nats_password_hash_live.py)
+            assert open(d / "admin.pass").read().split(":", 1)[1].strip() not in conf.read_text()
     capsys.readouterr()
     assert main(["auth", "gen", "--dir", str(tmp_path / "bad"), "--nodes", "w0,*"]) == 2
     assert "one NATS subject token" in capsys.readouterr().err and not (tmp_path / "bad").exists()
