@@ -64,6 +64,7 @@ TLS optional (``EI_NATS_TLS_CA`` and, for client certificates,
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import ssl
 from collections.abc import Iterable, Sequence
@@ -425,6 +426,14 @@ class NatsAuth:
         return out
 
 
+_NEXT_SERVER = re.compile(r",[ \t]*(?=(?:nats|tls|ws|wss)://)")
+"""A comma that starts the next server of a list: one followed by a NATS scheme (the only place a
+password with a comma cannot be told from a list)."""
+_SCHEME = re.compile(r"[ \t]*(?:(?:nats|tls|ws|wss|https?)://)?")
+"""The scheme of one server (``https?`` for the OTLP endpoint a service logs); only these, so a
+token with ``://`` (``tok://en@host``) is no scheme and stays hidden."""
+
+
 def redact_url(url: str) -> str:
     """``url`` (a NATS server URL, or several comma-separated) with the password or token of its
     user part replaced by ``***`` (``nats://router:***@host:4222``, ``nats://***@host``), for logs,
@@ -432,19 +441,30 @@ def redact_url(url: str) -> str:
 
     nats-py authenticates with the user part of the URL, so ``EI_NATS_URL=nats://user:pass@host``
     works; before, every service logged it whole at start (``service started nats=...``) and the
-    CLIs printed it in their connection errors."""
+    CLIs printed it in their connection errors.
+
+    The user part of a server runs from its scheme (or its start) to its last ``@`` (nats-py's
+    reading: ``nats://alice@corp:pw@host`` is user ``alice@corp``), whatever it holds: a password
+    with ``/``, ``,``, ``:`` or ``@`` is hidden whole. Servers are split only at a comma followed by
+    a NATS scheme (``nats://``, ``tls://``, ``ws://``, ``wss://``), so a password with a comma is not
+    taken for two servers (``deploy/slurm/evolving-infra.sbatch``'s ``shown_url`` reads it the same
+    way); a list without schemes (``u:p@h1,u:p@h2``) is one server to it, shown as ``***@h2`` (less
+    shown, nothing leaked): a user part with a comma may span servers, so its user is hidden too. A password that holds ``,nats://`` itself cannot
+    be told from a list (NATS' Go client splits every comma) and is shown in part."""
     out = []
-    for part in url.split(","):
-        scheme, sep, rest = part.partition("://")
-        if not sep:
-            scheme, rest = "", part
+    pos = 0
+    for cut in [*(m.start() for m in _NEXT_SERVER.finditer(url)), len(url)]:
+        part = url[pos:cut]
+        lead = "," if part.startswith(",") else ""
+        scheme = _SCHEME.match(part, len(lead)).group(0)  # type: ignore[union-attr]
+        rest = part[len(lead) + len(scheme) :]
         auth, at, hostport = rest.rpartition("@")
-        if at and "/" not in auth:
+        if at:
             user, colon, _secret = auth.partition(":")
-            auth = f"{user}:***" if colon else "***"
-            part = f"{scheme}{sep}{auth}@{hostport}"
+            part = f"{lead}{scheme}{user + ':***' if colon and ',' not in auth else '***'}@{hostport}"
         out.append(part)
-    return ",".join(out)
+        pos = cut
+    return "".join(out)
 
 
 def auth_from_env(name: str = "") -> NatsAuth:

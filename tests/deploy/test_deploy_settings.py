@@ -100,7 +100,7 @@ def _sbatch(body: str, **env: str) -> subprocess.CompletedProcess[str]:
     """``body`` run by ``bash`` after the Slurm script's ``log``, ``shown_url``, ``up_flags`` and ``service_args``
     functions."""
     text = SBATCH.read_text()
-    funcs = [re.search(rf"^{name}\(\) \{{.*?^\}}\n" if name not in ("log", "shown_url") else rf"^{name}\(\) \{{.*?\}}\n", text, re.S | re.M)
+    funcs = [re.search(rf"^{name}\(\) \{{.*?^\}}\n" if name != "log" else rf"^{name}\(\) \{{.*?\}}\n", text, re.S | re.M)
              for name in ("log", "shown_url", "up_flags", "service_args")]
     assert all(funcs), "the sbatch lacks log(), shown_url(), up_flags() or service_args()"
     base = dict(POLICY="evolving", NWORKERS="2", PROFILE="gb300-glm52", ENGINE="sim", SPLIT="", ROUTING="",
@@ -150,10 +150,12 @@ def test_slurm_job_log_shows_a_nats_url_without_its_password():
     from shared.auth import redact_url
 
     urls = ["nats://10.0.0.1:4222", "nats://ei:pw-71c3@10.0.0.1:4222", "tls://tok-9e2@head", "nats://a:p:with:colons@h",
-            "nats://a:p@w0rd@h:1", "nats://a:p1@h1:1,nats://b:p2@h2:2,nats://h3:3", "ei:pw-71c3@head:4222", "nats://head"]
-    for url in urls:
-        r = _sbatch('shown_url "$URL"', URL=url)
-        assert r.returncode == 0 and r.stdout == redact_url(url) + "\n", (url, r)
+            "nats://a:p@w0rd@h:1", "nats://a:p1@h1:1,nats://b:p2@h2:2,nats://h3:3", "ei:pw-71c3@head:4222", "nats://head",
+            # a password with / or , (nats://ei:pw/1@h was printed whole, nats://ei:pw,1@h as nats://ei:pw,***@h)
+            "nats://ei:pw/5c@h:1", "nats://ei:pw,5c@h:1", "nats://a:p,1@h1:1, tls://b:p/2@h2:2,wss://t,k@h3/ws",
+            "u:p1@h1:1,v:p2@h2:2", "tok://en@h", "nats://h:1,x:y,z@h2", ""]
+    r = _sbatch('while IFS= read -r url; do shown_url "$url"; done <<<"$URLS"', URLS="\n".join(urls))
+    assert r.returncode == 0 and r.stdout.splitlines() == [redact_url(url) for url in urls], r
     text = SBATCH.read_text()
     assert re.search(r'log "READY router .* nats \$NATS_SHOWN ', text) and 'stream on $NATS_SHOWN"' in text
     assert 'NATS_SHOWN=$(shown_url "$NATS_URL")' in text

@@ -6,6 +6,8 @@ import os
 import stat
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from evolving_infra.hostile import samples
 from shared.auth import AuthError, NatsAuth, allowed, generate, identity, permissions, subject_matches
@@ -142,6 +144,46 @@ def test_redact_url_hides_passwords_and_tokens_only():
     assert redact_url("tls://token@h") == "tls://***@h"
     assert redact_url("nats://a:p1@h1:1,nats://b:p2@h2:2") == "nats://a:***@h1:1,nats://b:***@h2:2"
     assert redact_url("nats://a:p:with:colons@h") == "nats://a:***@h"
+    # a password with / or , (both were printed: nats://ei:p/w@h whole, nats://ei:p,w@h as nats://ei:p,***@h)
+    assert redact_url("nats://ei:p/w@h:4222") == "nats://ei:***@h:4222"
+    assert redact_url("nats://ei:p,w@h:4222") == "nats://***@h:4222"  # a user part with a comma may span servers
+    assert redact_url("nats://a:p1@h1:1, tls://b:p/2@h2:2,wss://t,k@h3:443/ws") == "nats://a:***@h1:1, tls://b:***@h2:2,wss://***@h3:443/ws"
+    assert redact_url("u:p1@h1:1,v:p2@h2:2") == "***@h2:2"  # no scheme: one user part, up to the last @
+    assert redact_url("tok://en@h") == "tok:***@h" and redact_url("http://c:4318") == "http://c:4318" and redact_url("") == ""
+
+
+_HOSTS = st.sampled_from(["h1", "10.0.0.1:4222", "[::1]:4222", "head.example:1", "h2:4223"])
+_SECRET = st.text(alphabet="QXZ,/@:%?#-", min_size=1, max_size=12).filter(lambda t: any(c in t for c in "QXZ"))
+
+
+@st.composite
+def _server(draw: st.DrawFn) -> tuple[str, str]:
+    """One server URL and its secret ("" = none); the secret's letters (Q, X, Z) are in nothing else."""
+    scheme = draw(st.sampled_from(["nats://", "tls://", "ws://", "wss://", " nats://", ""]))
+    host = draw(_HOSTS) + ("/ws" if scheme.strip().startswith("ws") and draw(st.booleans()) else "")
+    kind = draw(st.sampled_from(["none", "password", "token"]))
+    secret = "" if kind == "none" else draw(_SECRET)
+    user = draw(st.sampled_from(["ei", "alice@corp.example", "router-1"]))
+    if kind == "token":  # a token with ':' is user:password to NATS (urlparse), its user shown
+        secret = secret.replace(":", "") or "Q"
+    userinfo = {"none": "", "password": f"{user}:{secret}@", "token": f"{secret}@"}[kind]
+    return f"{scheme}{userinfo}{host}", secret
+
+
+@given(st.lists(_server(), min_size=1, max_size=3))
+@settings(max_examples=300, deadline=None)
+def test_redact_url_shows_no_part_of_any_password_or_token(servers):
+    """Every form NATS takes (nats/tls/ws/wss or no scheme, user:password or token, a list of servers),
+    passwords and tokens with , / @ : % ? #: no letter of one is left in what ``redact_url`` writes (before,
+    a password with / was shown whole and one with , in part)."""
+    from shared.auth import redact_url
+
+    url = ",".join(u for u, _ in servers)
+    shown = redact_url(url)
+    assert not any(c in shown for c in "QXZ"), (url, shown)
+    if not any(secret for _, secret in servers):
+        assert shown == url
+    assert shown.endswith(servers[-1][0].rpartition("@")[2])  # the last host is still shown
 
 
 def test_up_prints_and_writes_the_nats_url_without_its_password():
