@@ -157,8 +157,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "partition that is not one subject token, a --timeout not > 0 or no server (--nats-url, EI_NATS_URL).",
     )
     st.add_argument(
-        "--nats-url", default="", help="the NATS server, e.g. nats://head:4222; default: env EI_NATS_URL (a password in the URL "
-        "stays out of the process list)",
+        "--nats-url", default="", help="the NATS server, e.g. nats://head:4222; default: env EI_NATS_URL, which keeps a password in "
+        "the URL out of the process list (one given here is in every local user's ps)",
     )
     st.add_argument("--creds", default="", help="the launcher's credentials file (auth gen's launcher.nk); empty = none")
     st.add_argument("--partition", default="p0", help="partition (default p0)")

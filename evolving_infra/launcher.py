@@ -38,7 +38,7 @@ from evolving_infra.cli import UsageError, command_name
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
 from evolving_infra.cluster import THREAD_ENV, ClusterError, ClusterSpec, LocalCluster, worker_placement, write_json
-from shared.auth import redact_url
+from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
@@ -162,7 +162,13 @@ def _add_cluster_args(
         "EI_API_KEYS; neither = open)",
     )
     g.add_argument("--partition", default="p0", help="partition name; subjects live under ei.<partition>. (default p0)")
-    g.add_argument("--nats-url", default=None, help="use this NATS server instead of starting an embedded one")
+    g.add_argument(
+        "--nats-url",
+        default=None,
+        help="use this NATS server instead of starting an embedded one. A password in it (nats://user:pass@host) is on "
+        "this command line, which every local user sees in ps: give the URL without one, and the credentials with "
+        "--nats-creds-dir (auth gen --mode password writes user:password files, mode 0600)",
+    )
     g.add_argument(
         "--nats-auth",
         choices=("nkeys", "password", "off"),
@@ -947,7 +953,7 @@ async def _demo(args: argparse.Namespace) -> int:
         notes.append(f"sessions capped to the first {cap} requests of each branch (replayed trace: {Path(trace_name).name})")
     meta = {
         "command": "demo",
-        "argv": sys.argv[1:],
+        "argv": redact_argv(sys.argv[1:]),  # the report folder is for sharing: no --nats-url password
         "trace": trace_name,
         "trace_source": trace.header.source,
         "cluster": {"nodes": spec.nodes, "split": spec.split, "profile": spec.profile, "routing": spec.routing},

@@ -467,6 +467,18 @@ def redact_url(url: str) -> str:
     return "".join(out)
 
 
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` with :func:`redact_url` applied to each argument, for a command line a run records
+    (``demo``'s ``report.json`` and ``report.html``): ``--nats-url nats://u:p@h`` (also as
+    ``--nats-url=...`` or abbreviated, ``--nats-u``) keeps no password. Errs on hiding: any argument
+    with an ``@`` loses what comes before it (``a@b`` is written ``***@b``)."""
+    out = []
+    for a in argv:
+        flag, eq, value = a.partition("=")
+        out.append(f"{flag}={redact_url(value)}" if a.startswith("-") and eq else redact_url(a))
+    return out
+
+
 def auth_from_env(name: str = "") -> NatsAuth:
     """Client auth from ``EI_NATS_CREDS`` / ``EI_NATS_USER`` + ``EI_NATS_PASSWORD`` / ``EI_NATS_TLS_*``
     (what the CLI tools use when no flag is given).

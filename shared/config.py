@@ -38,7 +38,7 @@ class ConfigError(ValueError):
 class CommonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Settings every service process shares."""
 
-    nats_url: typing.Annotated[str, Meta(description="NATS server URL, e.g. nats://127.0.0.1:4222")] = (
+    nats_url: typing.Annotated[str, Meta(description="NATS server URL, e.g. nats://127.0.0.1:4222; one with a password is, as a flag, in every local user's ps: set it in the environment")] = (
         "nats://127.0.0.1:4222"
     )
     nats_creds: typing.Annotated[

@@ -152,6 +152,19 @@ def test_redact_url_hides_passwords_and_tokens_only():
     assert redact_url("tok://en@h") == "tok:***@h" and redact_url("http://c:4318") == "http://c:4318" and redact_url("") == ""
 
 
+
+def test_demo_report_records_its_command_line_without_a_nats_password():
+    """``demo --nats-url nats://u:<password>@host`` wrote the password into ``OUT/report.json`` (meta ``argv``) and
+    ``OUT/report.html``, the folder a user shares."""
+    from pathlib import Path
+
+    from shared.auth import redact_argv
+
+    argv = ["--nats-url", "nats://ei:pw-3a9f@h:4222", "--nats-u=tls://ei:pw-3a9f@h", "--out", "my out", "--split", "2P2D"]
+    assert redact_argv(argv) == ["--nats-url", "nats://ei:***@h:4222", "--nats-u=tls://ei:***@h", "--out", "my out", "--split", "2P2D"]
+    launcher = (Path(__file__).parents[3] / "evolving_infra" / "launcher.py").read_text()
+    assert '"argv": redact_argv(sys.argv[1:])' in launcher and '"argv": sys.argv' not in launcher
+
 _HOSTS = st.sampled_from(["h1", "10.0.0.1:4222", "[::1]:4222", "head.example:1", "h2:4223"])
 _SECRET = st.text(alphabet="QXZ,/@:%?#-", min_size=1, max_size=12).filter(lambda t: any(c in t for c in "QXZ"))
 
