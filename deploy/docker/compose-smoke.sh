@@ -60,13 +60,20 @@ if [ "$($DOCKER image inspect -f '{{index .Config.Labels "ei.base-tar"}}' "$BASE
     $DOCKER import --change "LABEL ei.base-tar=$tar_key" "$BASE_TAR" "$BASE_IMAGE" >/dev/null
 fi
 
-if ! ls deploy/docker/wheelhouse/numpy-*.whl >/dev/null 2>&1; then
+own_wheel() {
+    rm -f deploy/docker/wheelhouse/evolving_infra-*.whl
+    SOURCE_DATE_EPOCH=315532800 "$PY" -m pip wheel --quiet --no-deps --wheel-dir deploy/docker/wheelhouse . 2>&1 | grep -v "^WARNING: Location" || true
+}
+log "wheel of this checkout (fixed timestamps: unchanged sources give the same bytes, so docker reuses its layers)"
+own_wheel
+# the dependencies' wheels, fetched when the image's offline install (the Dockerfile's pip command) would miss one:
+# none yet, or a dependency this checkout added (bcrypt): before, any numpy wheel counted as a full wheelhouse
+if ! "$PY" -m pip install --dry-run --quiet --no-index --find-links deploy/docker/wheelhouse --ignore-installed evolving-infra \
+        >/dev/null 2>&1; then
     log "wheelhouse (dependencies)"
     PYTHON=$PY deploy/docker/wheelhouse.sh
+    own_wheel  # wheelhouse.sh built this checkout's wheel with the build's timestamps
 fi
-log "wheel of this checkout (fixed timestamps: unchanged sources give the same bytes, so docker reuses its layers)"
-rm -f deploy/docker/wheelhouse/evolving_infra-*.whl
-SOURCE_DATE_EPOCH=315532800 "$PY" -m pip wheel --quiet --no-deps --wheel-dir deploy/docker/wheelhouse . 2>&1 | grep -v "^WARNING: Location" || true
 log "docker build (base $BASE_IMAGE, offline from the wheelhouse)"
 $DOCKER build -q --network none --target sim --build-arg BASE_IMAGE="$BASE_IMAGE" -f deploy/docker/Dockerfile -t "$EI_IMAGE" . >/dev/null
 # the image this tag named before (another checkout's wheel) is now untagged: ~780 MB each in $DATA, which held
