@@ -314,7 +314,8 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     r = res.report
     print(
         f"simulated {r['simulated_s']:.0f} s in {r['wall_s']:.1f} s wall ({r['sim_speed']:.0f}x), "
-        f"relaunches {r['relaunches']}, out of service {100 * r['out_of_service_share']:.1f}% of the time, "
+        f"relaunches {r['relaunches']}, a node out of service {100 * r['out_of_service_share']:.1f}% of the time "
+        f"({r['out_of_service_node_s']:,.0f} node-s), "
         f"reroutes {r['reroutes']}, unfinished {r['requests_unfinished']}"
     )
     if late := warmup_outlasted_note("the run", warmup_outlasted(res.stats.planner_decisions, r["simulated_s"]), r["simulated_s"]):

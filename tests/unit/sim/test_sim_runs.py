@@ -237,3 +237,18 @@ def test_a_run_that_ends_inside_the_evolving_warm_up_says_so(tmp_path, capsys):
     assert warmup_outlasted([{"metrics": {"warmup_end": 1800.0}}, {"metrics": {"warmup_end": 1900.0}}], 1850.0) == 1900.0
     assert warmup_outlasted([{"metrics": {"warmup_end": 1800.0}}], 1800.0) is None
     assert warmup_outlasted([{"action": "switch", "metrics": {}}], 10.0) is None
+
+
+def test_the_summary_says_a_node_was_out_of_service_not_the_cluster(tmp_path, capsys):
+    """One of 9 nodes relaunching (dynamo, 180 s to the end of a 600-s run) read 'out of service 87.5% of the
+    time', as if the cluster had been: out_of_service_share is the share of the time with at least one node
+    relaunching (sim README). The line now says so, with the node-seconds."""
+    path = tmp_path / "t.jsonl"
+    write_trace(path, TraceHeader(format=FORMAT, block_size=BS, source="test"), small_trace(4, 6, pause=0.5))
+    rc = main(["simulate", "--trace", str(path), "--out", str(tmp_path / "r"), "--profile", "tiny", "--nodes", "3",
+               "--policy", "static:2P1D", "--switch-mode", "relaunch", "--relaunch-s", "1", "--switch-at", "0.5:w0:decode",
+               "--concurrency", "2", "--no-plots"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("simulated "))
+    assert "relaunches 1, a node out of service " in line and " node-s)" in line, line
