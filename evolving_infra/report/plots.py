@@ -242,6 +242,10 @@ def plot_split(out: Path, report: Mapping[str, Any], timeline: RunTimeline | Non
     for i, sw in enumerate(timeline.switches):
         ax.axvspan((sw.decided_at - t0) / 60, (sw.applied_at - t0) / 60, color="C3", alpha=0.2,
                    label="switch (decision → serving)" if i == 0 else None)
+    if pending := pending_switch(timeline):
+        since, nodes = pending
+        ax.axvspan((since - t0) / 60, xs[-1], facecolor="none", edgecolor="C3", hatch="//", linewidth=0,
+                   label=f"{nodes} node{'s' if nodes != 1 else ''} still switching at the run's end")
     _split_ticks(ax, [timeline])
     ax.set_xlabel("time since first request (min)")
     ax.set_ylabel("PD split")
@@ -249,7 +253,24 @@ def plot_split(out: Path, report: Mapping[str, Any], timeline: RunTimeline | Non
     ax.legend(fontsize=8, loc="best")
     ax.set_title(f"PD split over time ({switch_counts(timeline)})")
     return PlotFile(_save(fig, out, "split_timeline.png"), "PD split over time",
-                    "Prefill node count over time (Figure 7a, C.1); shaded: node switches, decision to serving.")
+                    "Prefill node count over time (Figure 7a, C.1); shaded: node switches, decision to serving; "
+                    "hatched: a switch still under way when the run ended (draining, or a relaunch: out of service; the node is "
+                    "counted under its old phase).")
+
+
+def pending_switch(timeline: RunTimeline) -> tuple[float, int] | None:
+    """``(since, nodes)`` when the run ended with ``nodes`` nodes still switching (the last split point's
+    ``switching``), ``since`` the first point of that unbroken stretch; None otherwise. A Dynamo relaunch
+    (750 s) decided within the last 750 s of a run is never applied: it is no :attr:`RunTimeline.switches`
+    entry, so the plot drew a flat split and "0 node phase switches" while a node was out of service for the
+    rest of the run (a 600-s dynamo run on 9 nodes: one node from t=180 s to the end)."""
+    pts = timeline.split_timeline
+    if not pts or pts[-1].switching == 0:
+        return None
+    i = len(pts) - 1
+    while i > 0 and pts[i - 1].switching > 0:
+        i -= 1
+    return pts[i].t, pts[-1].switching
 
 
 def plot_lost_kv(out: Path, report: Mapping[str, Any]) -> PlotFile | None:

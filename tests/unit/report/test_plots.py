@@ -127,3 +127,22 @@ def test_run_and_compare_plots_of_heavy_tailed_latencies_parse_no_mathtext(tmp_p
     for d, p in [(tmp_path / "run", p) for p in plots] + [(tmp_path / "cmp", p) for p in compared]:
         assert (d / p.file).read_bytes().startswith(PNG_MAGIC), p.file
     assert parsed == []
+
+
+def test_split_plot_hatches_a_switch_still_under_way_at_the_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A Dynamo relaunch decided 420 s before a run's end (750 s) never completes: the split plot showed a flat
+    6P3D, '0 node phase switches' and no shading while the node was out of service for the rest of the run."""
+    from evolving_infra.report import plots as plots_mod
+    from evolving_infra.report.timeline import RunTimeline, SplitPoint
+
+    figs: list[Figure] = []
+    real_save = plots_mod._save
+    monkeypatch.setattr(plots_mod, "_save", lambda fig, out, name: (figs.append(fig), real_save(fig, out, name))[1])
+    w = [f"w{i}" for i in range(6)]
+    tl = RunTimeline(split_timeline=[SplitPoint(t=0.0, split="6P3D", prefill=6, decode=3, prefill_nodes=w),
+                                     SplitPoint(t=180.0, split="6P3D", epoch=2, prefill=6, decode=3, switching=1, prefill_nodes=w)])
+    p = plots_mod.plot_split(tmp_path, {"start_s": 0.0, "end_s": 600.0}, tl)
+    assert p is not None and "hatched" in p.caption
+    labels = [t.get_text() for t in figs[-1].axes[0].get_legend().get_texts()]
+    assert "1 node still switching at the run's end" in labels, labels
+    assert plots_mod.pending_switch(switching_timeline()) is None  # every switch applied: nothing hatched
