@@ -69,7 +69,24 @@ PACK_MAGIC = b"\x93EITPACK"
 """The first bytes of a packed trace (``evolving_infra.traces.pack``): only ``read_trace_compact``
 (``simulate --trace``) reads one; the line readers see its magic as its only line and name it."""
 _PACKED = "a packed trace (trace pack): simulate --trace reads it; the other commands read the .jsonl[.gz] it was packed from"
+_NOT_CANONICAL = ("not a canonical trace (its line 1 is the header {\"format\": \"" + FORMAT + "\", ...}); a raw public "
+                  "trace is converted first: evolving-infra trace convert --from "
+                  "{azure,claude-code-weka,mini-swe-agent,mooncake} IN... -o OUT.jsonl.gz (docs/trace-format.md)")
+"""Appended to an invalid line-1 header: a raw WEKA Claude Code file given to ``simulate --trace`` read only
+'invalid trace header: Object missing required field `format`', naming neither the cause nor the command."""
 _HEADER_DECODER = msgspec.json.Decoder(TraceHeader)
+
+
+def _header_problem(raw: bytes, e: msgspec.DecodeError) -> str:
+    """The problem of a line 1 that is no valid header: the decoder's reason, and :data:`_NOT_CANONICAL` unless
+    the line is a JSON object with a ``format`` key (a canonical header with a bad field)."""
+    try:
+        obj = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        obj = None
+    if isinstance(obj, dict) and "format" in obj:
+        return f"invalid trace header: {_short(e)}"
+    return f"invalid trace header: {_short(e)}; {_NOT_CANONICAL}"
 _REQUEST_DECODER = msgspec.json.Decoder(TraceRequest)
 
 
@@ -385,7 +402,7 @@ class _Validator:
             try:
                 _lenient_decoder().decode(raw)
             except msgspec.DecodeError:
-                self._bad(1, f"invalid trace header: {_short(e)}")
+                self._bad(1, _header_problem(raw, e))
                 return None
             self._bad(1, f'missing trace header (expected {{"format": "{FORMAT}", "block_size": ...}} first)')
             self._feed_request(1, raw)
@@ -652,7 +669,7 @@ def read_header(path: str | os.PathLike[str]) -> TraceHeader:
         try:
             return _HEADER_DECODER.decode(raw)
         except msgspec.DecodeError as e:
-            raise TraceError(path, [TraceProblem(n, f"invalid trace header: {_short(e)}")]) from None
+            raise TraceError(path, [TraceProblem(n, _header_problem(raw, e))]) from None
     raise TraceError(path, [TraceProblem(1, "empty file: expected the trace header")])
 
 

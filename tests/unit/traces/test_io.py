@@ -123,6 +123,26 @@ def test_header_problems(tmp_path: Path) -> None:
     assert "unsupported" in next(iter(iter_validate(newer))).reason
 
 
+def test_a_raw_public_trace_is_told_to_be_converted(tmp_path: Path) -> None:
+    """``simulate --trace`` of a raw WEKA Claude Code file said only 'invalid trace header: Object missing
+    required field `format`'; a line 1 that is no header and no canonical header with a bad field now names
+    the cause and the command. A canonical header with a bad field gets no such hint."""
+    from evolving_infra.traces.io import read_header
+
+    weka = tmp_path / "trace_0001.json"
+    weka.write_text(json.dumps({"id": "trace_0001", "block_size": 64, "requests": [{"t": 0.0, "type": "n"}]}) + "\n")
+    csv = tmp_path / "azure.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    for path in (weka, csv):
+        (problem,) = list(iter_validate(path))
+        assert problem.line == 1 and "not a canonical trace" in problem.reason and "trace convert --from" in problem.reason
+        with pytest.raises(TraceError, match="trace convert --from"):
+            read_header(path)
+    bad_field = _write_lines(tmp_path / "b.jsonl", [{**HEADER, "block_size": "sixty-four"}])
+    (problem,) = list(iter_validate(bad_field))[:1]
+    assert problem.reason.startswith("invalid trace header: ") and "not a canonical trace" not in problem.reason
+
+
 def test_iter_requests_streams_then_raises(tmp_path: Path) -> None:
     lines = _good_lines() + ['{"nope"']
     header, it = iter_requests(_write_lines(tmp_path / "s.jsonl", lines))
