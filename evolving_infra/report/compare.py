@@ -18,7 +18,7 @@ from evolving_infra.report.html import compare_page, fmt_key, label_of
 from evolving_infra.report.metrics import HEADLINE_METRICS, with_derived
 from evolving_infra.report.plots import RunData, plot_compare
 from evolving_infra.report.timeline import timeline_from_builtins
-from evolving_infra.report.write import load_run
+from evolving_infra.report.write import REPORT_JSON, load_run, not_a_run
 
 COMPARE_HTML = "compare.html"
 COMPARE_JSON = "compare.json"
@@ -172,7 +172,9 @@ def write_compare(dirs: Sequence[Path], out: Path, *, plots: bool = True) -> tup
         FileNotFoundError: if a directory has no ``report.json``.
     """
     if len(dirs) < 2:
-        raise ValueError("report compare needs at least two run directories")
+        lone = Path(dirs[0]) if dirs else None  # a sweep's --out given alone: name its runs
+        why = f" ({not_a_run(lone)})" if lone is not None and not (lone / REPORT_JSON).is_file() else ""
+        raise ValueError(f"report compare needs at least two run directories{why}")
     runs = load_runs(dirs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -170,6 +170,25 @@ def render_run(out_dir: Path, report: Mapping[str, Any], records: Sequence[Reque
     return html_path
 
 
+def not_a_run(run_dir: Path) -> str:
+    """What ``run_dir``, which holds no ``report.json``, is instead: a sweep's ``--out`` (its runs and
+    comparison named), a comparison's ``--out``, or a folder of runs (``fidelity``'s); else the question
+    whether it is a run directory. ``report show runs/baselines`` (a sweep) said only the question."""
+    try:
+        runs = sorted(str(p) for p in run_dir.iterdir() if (p / REPORT_JSON).is_file())
+    except OSError:
+        runs = []
+    listed = ", ".join(runs[:8]) + (f", ... ({len(runs)} runs)" if len(runs) > 8 else "")
+    if (run_dir / "sweep.json").is_file():
+        cmp = run_dir / "compare" / "compare.html"
+        return f"{run_dir} is a sweep: its runs are {listed or 'none'}" + (f"; compared in {cmp}" if cmp.is_file() else "")
+    if (run_dir / "compare.json").is_file():
+        return f"{run_dir} is a comparison (report compare's --out): open {run_dir / 'compare.html'}"
+    if runs:
+        return f"{run_dir} holds runs: {listed}"
+    return f"is {run_dir} a run directory?"
+
+
 def load_run(run_dir: Path) -> tuple[dict[str, Any], list[RequestRecord]]:
     """Read ``report.json`` and ``requests.jsonl`` (empty list if absent) of a run directory.
 
@@ -180,7 +199,7 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], list[RequestRecord]]:
     run_dir = Path(run_dir)
     path = run_dir / REPORT_JSON
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no report.json (is {run_dir} a run directory?)")
+        raise FileNotFoundError(f"{path}: no report.json ({not_a_run(run_dir)})")
     try:
         report = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -147,6 +147,27 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert "at least two" in err and "no report.json" in err and "expected a JSON object" in err
 
 
+def test_a_sweep_or_comparison_folder_given_as_a_run_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """``report show runs/baselines`` (a sweep's --out) said only 'no report.json (is runs/baselines a run
+    directory?)'; it now names the sweep's runs and comparison, and a comparison's folder its page."""
+    sweep = tmp_path / "sweep"
+    make_run(sweep, "dynamo", plots=False)
+    make_run(sweep, "arrow", plots=False)
+    (sweep / "sweep.json").write_text("{}")
+    (sweep / "compare").mkdir()
+    (sweep / "compare" / "compare.json").write_text("{}")
+    (sweep / "compare" / "compare.html").write_text("")
+    assert main(["report", "show", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert f"{sweep} is a sweep: its runs are {sweep / 'arrow'}, {sweep / 'dynamo'}; compared in " in err, err
+    assert main(["report", "compare", str(sweep)]) == 2
+    assert "at least two run directories" in (err := capsys.readouterr().err) and f"{sweep} is a sweep" in err, err
+    assert main(["report", "show", str(sweep / "compare")]) == 2
+    assert "is a comparison (report compare's --out): open " in capsys.readouterr().err
+    assert main(["report", "show", str(tmp_path / "missing")]) == 2
+    assert "a run directory?" in capsys.readouterr().err
+
+
 def test_plot_failure_keeps_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
     from evolving_infra.report import plots
     from evolving_infra.report.write import build_report, write_report
