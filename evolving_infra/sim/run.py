@@ -89,9 +89,10 @@ def warmup_outlasted_note(label: str, warm: float | None, end_s: float) -> str |
     (:func:`warmup_outlasted`), with the flags that show the planner adapt; None when ``warm`` is None."""
     if warm is None:
         return None
+    short = max(60, int(end_s / 3 // 60) * 60)  # a third of the run, on the planner's 60-s slices
     return (f"{label} ended at {end_s:,.0f} s, within its planner's collocated warm-up (until t={warm:,.0f} s): every "
             f"node served both phases throughout, so it measured collocated serving, not an adapted PD split; run past "
-            f"the warm-up (--duration, more agents) or shorten it (--planner-opt t_learn_s=300)")
+            f"the warm-up (--duration, more agents) or shorten it (--planner-opt t_learn_s={short})")
 
 
 WALL_CLOCK_KEYS = ("wall_s", "sim_wall_s", "setup_wall_s", "sim_speed", "peak_rss_mb")

@@ -227,6 +227,7 @@ def test_a_run_that_ends_inside_the_evolving_warm_up_says_so(tmp_path, capsys):
     assert main([*common, "--out", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "note: the run ended at " in out and "within its planner's collocated warm-up (until t=1,800 s)" in out, out
+    assert "--planner-opt t_learn_s=60)" in out  # a third of this short run, at least one 60-s slice
     assert main([*common, "--out", str(tmp_path / "b"), "--planner-opt", "t_learn_s=0"]) == 0
     assert "warm-up" not in capsys.readouterr().out
     assert main([*common, "--out", str(tmp_path / "c"), "--sweep", "policies", "evolving,static:1P2D"]) == 0
