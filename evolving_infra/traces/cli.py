@@ -21,10 +21,6 @@ from evolving_infra.stdio_args import STDIO, STDOUT_CLOSED, not_stdin, shown, st
 __all__ = ["register"]
 
 
-def _progress_default() -> bool:
-    return sys.stderr.isatty()
-
-
 def cmd_validate(args: argparse.Namespace) -> int:
     from evolving_infra.traces.io import iter_validate
 
@@ -96,7 +92,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         files = args.inputs
     if _bad_output(args.output, files):
         return 2
-    progress = _progress_default() if args.progress is None else args.progress
+    progress = args.progress is not False  # on unless --no-progress: a bar on a terminal, else a line every 5 s (progress_iter)
     try:
         header, n = _write(args.output, lambda out: convert_to_file(args.from_kind, args.inputs, out, progress=progress, **options))
     except ConvertError as e:
@@ -300,8 +296,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c.add_argument("--infer-sessions", action="store_true", help="mooncake: link rows that extend an earlier row's path into agents")
     c.add_argument("--min-shared-blocks", type=int, default=2, help="mooncake: shortest earlier path a row may extend (default 2)")
     g = c.add_mutually_exclusive_group()
-    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="show a progress bar (default: when stderr is a terminal)")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="show progress on stderr (default): a bar on a terminal, else a line every 5 s")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress")
     c.set_defaults(func=cmd_convert)
 
     gen = tsub.add_parser("generate", help="generate a calibrated synthetic agent workload")

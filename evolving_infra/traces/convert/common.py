@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -164,13 +165,27 @@ def lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def progress_iter(items: Sequence[Any], *, enabled: bool, desc: str) -> Iterable[Any]:
-    """``items`` wrapped in a tqdm bar on stderr when ``enabled``."""
+def progress_iter(items: Sequence[Any], *, enabled: bool, desc: str, every_s: float = 5.0) -> Iterable[Any]:
+    """``items`` with progress on stderr when ``enabled``: a tqdm bar on a terminal; otherwise (a log
+    file, a pipe, CI) one whole line every ``every_s`` wall seconds, ``DESC: 120 of 530 files, 8 s``,
+    as ``simulate``'s progress. A 34-s conversion of the 530 WEKA files printed nothing into a log before."""
     if not enabled:
         return items
-    from tqdm import tqdm
+    if sys.stderr.isatty():
+        from tqdm import tqdm
 
-    return tqdm(items, desc=desc, unit="file", file=sys.stderr, leave=False)
+        return tqdm(items, desc=desc, unit="file", file=sys.stderr, leave=False)
+    return _progress_lines(items, desc, every_s)
+
+
+def _progress_lines(items: Sequence[Any], desc: str, every_s: float) -> Iterator[Any]:
+    t0 = time.monotonic()
+    next_at = t0 + every_s
+    for i, item in enumerate(items):
+        if (t := time.monotonic()) >= next_at:
+            next_at = t + every_s
+            print(f"{desc}: {i:,} of {len(items):,} files, {t - t0:,.0f} s", file=sys.stderr, flush=True)
+        yield item
 
 
 class Conversion:
