@@ -25,7 +25,7 @@ h1{font-size:1.4rem;margin-bottom:.2rem} h2{font-size:1.1rem;margin-top:1.8rem;b
 table{border-collapse:collapse;font-size:.88rem;margin:.5rem 0}
 th,td{border:1px solid #ddd;padding:.25rem .6rem;text-align:right;vertical-align:top}
 th{background:#f4f4f4} td.k,th.k{text-align:left}
-tr.sec td{background:#fafafa;font-weight:600;text-align:left}
+tr.sec td{background:#fafafa;font-weight:600;text-align:left} .where{font-weight:400;color:#666;font-size:.8rem}
 .better{color:#1a7f37} .worse{color:#b42318}
 .grid{display:flex;flex-wrap:wrap;gap:1rem}
 figure{margin:0;flex:1 1 520px;max-width:100%} figure img{max-width:100%;border:1px solid #eee}
@@ -136,6 +136,11 @@ def _page(title: str, body: str) -> str:
     )
 
 
+KEY_DOCS = "evolving_infra/report/README.md (every run) and evolving_infra/sim/README.md (simulate's)"
+"""Where the keys of a page's "Other" rows (``lost_kv_reuse_unattributed_share``, ``out_of_service_share``, ...),
+shown by their report.json names, are defined: the page named none of them."""
+
+
 def _summary_table(report: Mapping[str, Any]) -> str:
     report = with_derived(report)
     rows: list[str] = []
@@ -152,7 +157,8 @@ def _summary_table(report: Mapping[str, Any]) -> str:
              if k not in shown and k not in _STRUCTURED and (v is None or isinstance(v, (int, float, str, bool)))
              and k not in ("start_s", "end_s")]
     if other:
-        rows.append('<tr class="sec"><td colspan="2">Other</td></tr>')
+        rows.append('<tr class="sec"><td colspan="2">Other <span class="where">(keys by name: their definitions are in '
+                    f'{_e(KEY_DOCS)})</span></td></tr>')
         for k in other:
             rows.append(f'<tr><td class="k">{_e(label_of(k))}</td><td>{_e(fmt_key(k, report[k]))}</td></tr>')
     return "<table>" + "".join(rows) + "</table>"

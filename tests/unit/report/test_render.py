@@ -168,6 +168,19 @@ def test_a_sweep_or_comparison_folder_given_as_a_run_is_named(tmp_path: Path, ca
     assert "a run directory?" in capsys.readouterr().err
 
 
+def test_the_page_says_where_its_other_keys_are_defined(tmp_path: Path):
+    """The run page's "Other" rows show report.json key names (``lost_kv_reuse_unattributed_share``,
+    ``counted_kv_tokens_per_prefill_node_max``) with nothing saying where they are defined."""
+    from evolving_infra.report.write import build_report, render_run
+
+    from .helpers import rec
+
+    report = build_report([rec(0)], meta={}, extra={"counted_kv_tokens_per_prefill_node_max": 64})
+    page = render_run(tmp_path, report, [rec(0)]).read_text()
+    assert "counted_kv_tokens_per_prefill_node_max" in page  # shown by its key name, in "Other"
+    assert "evolving_infra/report/README.md" in page and "evolving_infra/sim/README.md" in page
+
+
 def test_plot_failure_keeps_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
     from evolving_infra.report import plots
     from evolving_infra.report.write import build_report, write_report
