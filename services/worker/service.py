@@ -644,7 +644,8 @@ class WorkerService:
         re-dispatched the request after fencing this node, and dispatched it here again).
 
         Returns only once no engine step in flight runs ``rid`` (counted ``requests.waited_for_step``;
-        the old attempt is aborted in the core first, so no later plan takes it): the engine keeps
+        the old attempt is aborted in the core first, so no later plan takes it, and the step loop is
+        woken, so a sim engine's folded plan ends at its next iteration boundary): the engine keeps
         one registration per rid, and the new work's (``accept_prefill`` / ``accept_decode``, next)
         replaced the old attempt's while a plan that ``schedule()`` had taken, but whose execute
         thread had not yet taken the engine's lock, still ran it; the plan then computed the old
@@ -672,6 +673,10 @@ class WorkerService:
                     return False
                 return True
             self.counters["requests.waited_for_step"] += 1
+            # wake the step loop, as any new work does: a sim engine's folded plan is cut at its
+            # next iteration boundary (_wait_for_plan_end). Before, the work waited out the whole
+            # plan: up to fold_wall_s of wall time, × speedup in simulated time.
+            self._input()
             while rid in self._step_rids:
                 await self._step_over.wait()
             now = self.clock.now()

@@ -214,6 +214,28 @@ async def test_stream_interval_is_exact_when_decode_iterations_fold(nats_url):
     await c.bus.close()
 
 
+async def test_a_newer_attempt_waiting_for_a_folded_sim_step_cuts_it_short(nats_url):
+    """A newer attempt of a request the step in flight runs is registered only once that step ends
+    (``requests.waited_for_step``). The handler wakes the step loop first, as any new work does: a
+    sim engine's folded decode plan is cut at its next iteration boundary. Before, it waited out
+    the whole plan (here 2 s of wall time) before the re-dispatched request started."""
+    c = await Client.connect(nats_url)
+    async with workers(nats_url, {"node": "w0", "speedup": 0.1, "fold_wall_s": 2.0}):
+        w = prompt("r", [5, 6, 7], tail=2, max_tokens=150)  # ~100 decode iterations: longer than one folded plan
+        await c.bus.publish(WORK_PREFILL, w, node="w0")
+        await until(lambda: c.chunks["r"], what="r's first token")
+        await asyncio.sleep(0.2)  # the first folded decode plan runs (its wall end is ~2 s away)
+        t0 = time.monotonic()
+        await c.bus.publish(WORK_PREFILL, msgspec.structs.replace(w, attempt=1, max_tokens=2), node="w0")
+        await until(lambda: any(ch.attempt == 1 for ch in c.chunks["r"]), timeout=5, what="attempt 1's first token")
+        waited = time.monotonic() - t0
+        await until(lambda: c.finished("r"), timeout=5, what="attempt 1 to finish")
+        stats = await c.stats("w0")
+        assert stats.counters["requests.waited_for_step"] == 1 and stats.counters["requests.superseded"] == 1
+        assert waited < 0.8, f"the re-dispatched request waited {waited:.2f} s of wall time for the folded plan"
+    await c.bus.close()
+
+
 async def test_sim_engine_runs_its_plans_back_to_back_whatever_the_loop_overhead(nats_url):
     """The sim engine is a GPU running Eq. 1/2 iterations back to back: the shell's Python work
     between two plans (finishing, publishing, scheduling) must not stretch its timeline. Every
