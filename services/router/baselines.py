@@ -320,6 +320,11 @@ class DynamoKvPolicy(RoutingPolicy):
         if a.decode_node is not None:
             self._blocks(a.decode_node).remove(a.hashes)
 
+    def on_node_gone(self, node: str, now: float) -> None:
+        """Drop ``node``'s active-block set and prefill load (empty: it holds no request)."""
+        self.blocks.pop(node, None)
+        self.prefill_tokens.pop(node, None)
+
     def active_blocks(self, node: str) -> int:
         """Distinct block hashes active on ``node``."""
         b = self.blocks.get(node)

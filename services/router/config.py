@@ -100,8 +100,9 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Meta(ge=0, description="wall seconds without a node.state after which a fenced node has left for good: its GPU KV "
              "memory no longer counts toward max_model_len (/v1/models, /tokenize) and the 400 of a request no node can hold "
              "(nor does a 0, an older worker's unknown capacity, turn that cap off); until then a silent node counts, so a "
-             "restarting one does not lower the cap; one that reports again counts at once; as the KV directory's "
-             "--forget-node-after-s; 0 = never"),
+             "restarting one does not lower the cap; one that reports again counts at once; one that holds no request is "
+             "then forgotten (no longer listed by /v1/cluster; it is recorded afresh if it reports again); as the KV "
+             "directory's --forget-node-after-s; 0 = never"),
     ] = 300.0
     bus_outage_wait_s: Annotated[
         float,

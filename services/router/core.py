@@ -18,6 +18,7 @@ One call places one request::
     core.on_first_token(rid, now, first_token_at=chunk.ts, queue_s=chunk.queue_s)   # first chunk
     core.finish(rid, now)                        # last chunk, failure or abort
     for f in core.check_fences(now): fail f.rids  # periodic, see next_deadline()
+    core.forget_left(now, forget_after)          # nodes gone for good: records dropped
     core.apply_models(planner_models, now)       # from planner.models
     core.end_branch(branch_id, now)              # POST /v1/branches/{id}/end
 
@@ -486,6 +487,16 @@ class RouterCore:
     def check_fences(self, now: float) -> list[FencedNode]:
         """Fence silent nodes; see :meth:`NodeLoadView.check_fences`."""
         return self.view.check_fences(now)
+
+    def forget_left(self, now: float, forget_after: float) -> list[str]:
+        """Forget nodes that have left for good and hold no request (:meth:`NodeLoadView.forget_left`), in the
+        view, the policy (:meth:`RoutingPolicy.on_node_gone`) and the queue-time metrics; returns their ids,
+        sorted. O(nodes)."""
+        gone = self.view.forget_left(now, forget_after)
+        for node in gone:
+            self.policy.on_node_gone(node, now)
+            self.metrics.queue.pop(node, None)
+        return gone
 
     def next_deadline(self) -> float | None:
         """When :meth:`check_fences` should be called next (None: no node known)."""

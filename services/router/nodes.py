@@ -36,6 +36,13 @@ Operations (N nodes, R requests in flight):
 | check_fences(now)           | O(N)          |
 | next_deadline()             | O(N)          |
 | requests_on(node)           | O(R)          |
+| forget_left(now, after)     | O(N)          |
+
+A node that has left for good (:meth:`NodeLoadView.left`: fenced and silent longer than the
+router's ``--forget-node-after-s``) and holds no request is forgotten (:meth:`NodeLoadView.forget_left`):
+its record goes, so ``GET /v1/cluster`` and every per-node table stop growing with node ids that
+churn (a restarted pod or container may come back under a new id); one that reports again is
+recorded afresh, with the phase the current split gives it.
 """
 
 from __future__ import annotations
@@ -248,18 +255,21 @@ class NodeLoadView(Value):
     """``_gen`` at which :meth:`all_usable` last found every node's record usable with an infinite
     ``fence_after`` (then only a fence or a new node, which bump ``_gen``, can change that)."""
     _kv_bounds: tuple[int, int] | None
-    """:meth:`kv_bounds`' answer; None after a node reported a capacity it had not reported before."""
+    """:meth:`kv_bounds`' answer; None after a node reported a capacity it had not reported before, or was forgotten."""
+    _split_phases: dict[str, Phase]
+    """The applied split's phases (``SplitCommand.phases``): a node recorded afresh after it was forgotten
+    (:meth:`forget_left`) gets its phase from here, as its old record had."""
 
     __slots__ = __match_args__ = (
         "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists", "_tokens",
-        "_usable_gen", "_kv_bounds",
+        "_usable_gen", "_kv_bounds", "_split_phases",
     )
 
     def __init__(
         self, fence_after: float = 3.0, nodes: Any = FACTORY, epoch: int = -1, split_reason: str = "",
         kv_stale: frozenset[str] = frozenset(), _flights: Any = FACTORY, _gen: int = 0,
         _by_id: list[NodeRecord] | None = None, _lists: Any = FACTORY, _tokens: Any = FACTORY,
-        _usable_gen: int = -1, _kv_bounds: tuple[int, int] | None = None,
+        _usable_gen: int = -1, _kv_bounds: tuple[int, int] | None = None, _split_phases: Any = FACTORY,
     ) -> None:
         self.fence_after = fence_after
         self.nodes = {} if nodes is FACTORY else nodes
@@ -273,6 +283,7 @@ class NodeLoadView(Value):
         self._tokens = set() if _tokens is FACTORY else _tokens
         self._usable_gen = _usable_gen
         self._kv_bounds = _kv_bounds
+        self._split_phases = {} if _split_phases is FACTORY else _split_phases
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -284,7 +295,7 @@ class NodeLoadView(Value):
     def _record(self, node: str) -> NodeRecord:
         rec = self.nodes.get(node)
         if rec is None:
-            rec = self.nodes[node] = NodeRecord(node=node)
+            rec = self.nodes[node] = NodeRecord(node=node, split_phase=self._split_phases.get(node))
             self._by_id = None
             self._gen += 1
         return rec
@@ -359,6 +370,7 @@ class NodeLoadView(Value):
         self._gen += 1
         for node, phase in cmd.phases.items():
             self._record(node).split_phase = phase
+        self._split_phases = dict(cmd.phases)
         self.epoch = cmd.epoch
         self.split_reason = cmd.reason
         return True
@@ -477,6 +489,27 @@ class NodeLoadView(Value):
         ``forget_after``) has not; a node fenced while the bus is down is not fenced (the shell skips fence
         checks then), so an outage does not make nodes leave. O(1)."""
         return rec.fenced and rec.last_seen is not None and now - rec.last_seen > forget_after
+
+    def forget_left(self, now: float, forget_after: float) -> list[str]:
+        """Forget every node that has left for good (:meth:`left` at ``now``: fenced and its last state older than
+        ``forget_after``, the caller's clock units; ``math.inf``: never) and holds no request (``inflight`` 0: a
+        request whose decode node holds its hand-off still names its old prefill node until it ends; the node is
+        forgotten at a later call). Its record, and its id among the checked ones, go: :meth:`snapshot`
+        (``GET /v1/cluster``), :meth:`no_candidate_reason`, :meth:`kv_bounds` and :meth:`largest_gpu_kv` no longer
+        list it. A node that reports again is recorded afresh (:meth:`apply_state`: as a new node, with the phase
+        the applied split gives it). Returns the forgotten node ids, sorted (the caller drops its own per-node
+        state). O(nodes)."""
+        if forget_after == math.inf:
+            return []
+        gone = sorted(n for n, rec in self.nodes.items() if rec.inflight == 0 and self.left(rec, now, forget_after))
+        for node in gone:
+            del self.nodes[node]
+            self._tokens.discard(node)
+        if gone:
+            self._by_id = None
+            self._kv_bounds = None
+            self._gen += 1
+        return gone
 
     def largest_gpu_kv(self, now: float = 0.0, forget_after: float = math.inf) -> tuple[int, str] | None:
         """(``NodeState.gpu_total_blocks``, node) of the node whose GPU memory (L1) holds the most KV

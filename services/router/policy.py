@@ -234,6 +234,10 @@ class RoutingPolicy(abc.ABC):
     def on_branch_end(self, branch_id: str, now: float) -> None:
         """The harness ended ``branch_id``."""
 
+    def on_node_gone(self, node: str, now: float) -> None:
+        """``node`` has left for good and holds no request (``RouterCore.forget_left``): drop what is kept
+        about it. It may report again later; it is then a new node."""
+
     def on_models(self, msg: PlannerModels, now: float) -> int:
         """The planner published fitted models; returns how many nodes' models changed."""
         return 0
@@ -274,6 +278,9 @@ class PolicyWrapper(RoutingPolicy):
 
     def on_branch_end(self, branch_id: str, now: float) -> None:
         self.inner.on_branch_end(branch_id, now)
+
+    def on_node_gone(self, node: str, now: float) -> None:
+        self.inner.on_node_gone(node, now)
 
     def on_models(self, msg: PlannerModels, now: float) -> int:
         return self.inner.on_models(msg, now)

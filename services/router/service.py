@@ -653,7 +653,8 @@ class RouterService(WatchedService):
         """The lowered ``max_model_len`` last logged (:meth:`_note_context`); None: none logged yet."""
         self._forget_after = cfg.forget_node_after_s * cfg.speedup if cfg.forget_node_after_s > 0 else math.inf
         """``--forget-node-after-s`` in router-clock seconds (``math.inf``: 0, never): a node fenced and silent longer
-        has left for good and no longer counts toward the KV cap (:meth:`largest_kv`)."""
+        has left for good: it no longer counts toward the KV cap (:meth:`largest_kv`), and once it holds no request
+        it is forgotten (:meth:`_forgotten`)."""
         self._started_wall = time.time()
 
     # ------------------------------------------------------------------ #
@@ -1299,6 +1300,8 @@ class RouterService(WatchedService):
             else:
                 for f in self.core.check_fences(now):
                     self._fence(f.node, f.age, f.rids)
+                for node in self.core.forget_left(now, self._forget_after):
+                    self._forgotten(node)
                 self._note_context()  # a node silent past --forget-node-after-s no longer counts toward the KV cap
             self._expire_parked(time.monotonic())
             for rid in self._remote.expired(time.time(), self.cfg.request_timeout_s):
@@ -1307,6 +1310,18 @@ class RouterService(WatchedService):
             deadline = self.core.next_deadline()
             wait = 0.5 if deadline is None else min(0.5, max(0.01, self.clock.to_wall(deadline - now) + 0.005))
             await asyncio.sleep(wait)
+
+    def _forgotten(self, node: str) -> None:
+        """``node`` was fenced and silent longer than ``--forget-node-after-s``, and holds no request: the core
+        dropped its record (:meth:`RouterCore.forget_left`: no longer in ``GET /v1/cluster`` nor in any per-node
+        table); its block-size warning is forgotten too. Before, a node's record stayed for the router's lifetime,
+        so with node ids that change on every restart (Kubernetes pods, compose containers) the cluster view and
+        the policies' per-node state grew without end. A node that reports again is recorded afresh (the
+        ``routed.*.<node>`` counters, totals since start, stay). Counted ``nodes.forgotten``."""
+        self.counters["nodes.forgotten"] += 1
+        self._bad_block_size.discard(node)
+        self.log.info("node forgotten: fenced and silent past --forget-node-after-s", node=node,
+                      forget_node_after_s=self.cfg.forget_node_after_s)  # fmt: skip
 
     def _fence(self, node: str, age: float, rids: tuple[str, ...]) -> None:
         self.counters["fenced"] += 1

@@ -745,6 +745,19 @@ class TtftPredictor:
                 self._unreplayed(tr)
         return True
 
+    def forget_node(self, node: str) -> bool:
+        """``node`` has left for good: drop its track (state, replays), memoised parts and lower bound, unless
+        requests sent to it are still tracked (then it is kept: :meth:`forget` of them needs it). The planner's
+        coefficients for it (``coefs``) are kept: the planner's models message names its nodes, and sets them
+        again. Returns True if it was dropped. O(1)."""
+        tr = self._nodes.get(node)
+        if tr is not None and tr.sends:
+            return False
+        self._nodes.pop(node, None)
+        self._parts.pop(node, None)
+        self._bounds.pop(node, None)
+        return True
+
     def tracked(self, node: str) -> int:
         """Requests sent to ``node`` that have not produced their first token."""
         tr = self._nodes.get(node)
@@ -1272,3 +1285,7 @@ class TtftPolicy(RoutingPolicy):
 
     def on_models(self, msg: PlannerModels, now: float) -> int:
         return self.predictor.apply_models(msg)
+
+    def on_node_gone(self, node: str, now: float) -> None:
+        self.predictor.forget_node(node)
+        self._decode_reserved.pop(node, None)

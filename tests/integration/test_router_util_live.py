@@ -165,7 +165,10 @@ async def test_max_model_len_follows_the_nodes_that_have_not_left_for_good(nats_
     ``max_model_len``, nor does its 0 (an older worker's unknown capacity) turn the cap off, so a prompt only a
     departed node could hold gets the 400 of ``/v1/models``' limit at once; back, a node counts again. Before,
     every node that ever reported counted for the router's lifetime: here ``/v1/models`` kept the model's 8192
-    and the 4000-token prompt waited ``--no-route-wait-s`` for a node that holds it, then got a 503."""
+    and the 4000-token prompt waited ``--no-route-wait-s`` for a node that holds it, then got a 503. A departed
+    node holding no request is then forgotten: ``/v1/cluster`` and the router's tables no longer list it (before,
+    they kept every node id ever seen, so node ids new at each restart grew them without end); back, it is listed
+    again."""
     phases = {"c0": "both", "c1": "both", "c2": "both"}
     async with router_env(nats_url, tmp_path, phases, max_context_tokens=8192, forget_node_after_s=0.5, no_route_wait_s=0.2) as env:
         svc, view = env.service, env.service.core.view
@@ -174,15 +177,21 @@ async def test_max_model_len_follows_the_nodes_that_have_not_left_for_good(nats_
         await env.cluster.publish_states()
         await _wait_for(lambda: view.nodes["c2"].state.gpu_total_blocks == 0, what="states applied")
         assert (await models()).json()["data"][0]["max_model_len"] == 8192
+        listed = lambda: env.http.get("/v1/cluster")  # noqa: E731
+        assert [n["node"] for n in (await listed()).json()["nodes"]] == ["c0", "c1", "c2"]
         env.cluster.alive -= {"c1", "c2"}  # both leave for good
-        await _wait_for(lambda: view.nodes["c1"].fenced and view.nodes["c2"].fenced, what="c1, c2 fenced")
+        await _wait_for(lambda: not {"c1", "c2"} & view.nodes.keys(), what="c1, c2 fenced and forgotten")
         await _wait_for(lambda: svc._context_logged == 3200, what="the cap lowered (fence loop)")
+        assert svc.counters["fenced"] == 2 and svc.counters["nodes.forgotten"] == 2
+        assert [n["node"] for n in (await listed()).json()["nodes"]] == ["c0"]
+        assert not {"c1", "c2"} & view._tokens
         assert (await models()).json()["data"][0]["max_model_len"] == 3200  # c0's 50 blocks of 64 tokens
         r = await env.http.post("/v1/completions", json={"prompt": [1] * 4000, "max_tokens": 16})
         assert r.status_code == 400 and "maximum context length is 3200 tokens" in r.json()["error"]["message"], r.text
         env.cluster.alive.add("c1")  # back (a restarted worker): counted at once
         await env.cluster.publish_states()
-        await _wait_for(lambda: not view.nodes["c1"].fenced, what="c1 back")
+        await _wait_for(lambda: "c1" in view.nodes and view.nodes["c1"].state is not None, what="c1 back")
+        assert [n["node"] for n in (await listed()).json()["nodes"]] == ["c0", "c1"]
         assert (await models()).json()["data"][0]["max_model_len"] == 8192
         r = await env.http.post("/v1/completions", json={"prompt": [1] * 4000, "max_tokens": 16})
         assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == "c1", r.text

@@ -5,6 +5,10 @@ refused the request (a 500 ``engine error``: ``request needs N KV blocks but nod
 
 from __future__ import annotations
 
+import math
+
+from shared.messages import SplitCommand
+
 from services.router.core import NoRoute, RouteDecision, RouterCore
 from services.router.policy import RouteRequest, make_policy
 
@@ -131,3 +135,41 @@ def test_largest_gpu_kv_leaves_out_nodes_gone_for_good_not_restarting_ones():
     c.apply_state(state("b", "both", gpu_total_blocks=120, seq=0), 13.0)  # a restart: its sequence went back
     assert [f.node for f in c.check_fences(13.0)] == ["b"]  # fenced at once ...
     assert v.largest_gpu_kv(13.0, 10.0) == (120, "b")  # ... and still counted: no flap of the cap
+
+
+def test_a_node_gone_for_good_is_forgotten_once_it_holds_no_request_and_recorded_afresh_when_back():
+    """A node fenced and silent past ``forget_after`` that holds no request is forgotten (``forget_left``): the view
+    (``/v1/cluster``'s snapshot, the checked ids), the policy's per-node state and the queue metrics drop it. One
+    still named by a request is kept until that ends; one that reports again is a new node, with the split's phase.
+    Before, a node's record stayed for the router's lifetime, so ids new at each restart grew every table."""
+    for policy in ("ttft", "dynamo-kv", "round-robin"):
+        c = core(policy)
+        v = c.view
+        c.apply_split(SplitCommand(epoch=1, phases={"a": "both", "b": "both"}, reason="test"))
+        c.apply_state(state("a", "both", gpu_total_blocks=50, seq=1), 0.0)
+        c.apply_state(state("b", "both", gpu_total_blocks=120, seq=1), 0.0)
+        out = c.route(big("r0"), None, 0.1)  # only b holds it
+        assert isinstance(out, RouteDecision) and out.prefill.node == "b"
+        for t in (2.0, 4.0, 6.0, 8.0, 10.0, 12.0):  # a keeps reporting; b went silent at 0.0
+            c.apply_state(state("a", "both", gpu_total_blocks=50, seq=1 + int(t)), t)
+            c.check_fences(t)
+        assert v.nodes["b"].fenced
+        assert c.forget_left(9.0, 10.0) == []  # silent 9 s: may come back
+        assert c.forget_left(12.0, 10.0) == []  # left, but r0 still names it
+        assert c.forget_left(12.0, math.inf) == []  # --forget-node-after-s 0: never
+        c.finish("r0", 12.0)  # the caller re-dispatched or failed it (a fence's rids)
+        assert c.forget_left(12.0, 10.0) == ["b"], policy
+        assert list(v.nodes) == ["a"] and [n["node"] for n in v.snapshot(12.0)] == ["a"] and "b" not in v._tokens
+        assert v.kv_bounds() == (50, 50) and v.largest_gpu_kv() == (50, "a")
+        if policy == "ttft":
+            assert set(c.policy.predictor._nodes) == {"a"} and "b" not in c.policy.predictor._parts  # type: ignore[attr-defined]
+        if policy == "dynamo-kv":
+            assert "b" not in c.policy.blocks and "b" not in c.policy.prefill_tokens  # type: ignore[attr-defined]
+        assert c.forget_left(13.0, 10.0) == []
+        c.apply_state(state("b", "prefill", gpu_total_blocks=120, seq=1), 13.0)  # back: a new node
+        rec = v.nodes["b"]
+        assert (rec.fenced, rec.fence_events, rec.split_phase) == (False, 0, "both")  # the split's phase, as before
+        assert not v.eligible(rec, 13.0)  # reports prefill, the split says both: as an old record would
+        c.apply_state(state("b", "both", gpu_total_blocks=120, seq=2), 13.5)
+        out = c.route(big("r1"), None, 13.5)
+        assert isinstance(out, RouteDecision) and out.prefill.node == "b"
