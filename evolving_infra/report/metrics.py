@@ -39,6 +39,12 @@ simulated seconds.
   ``node_arrived_at`` and ``first_token_at`` (live runs) = |(``first_token_at`` −
   ``node_arrived_at``) − ``predicted_ttft_s``|: against what the predictor predicts, the wait on
   the prefill node plus the request's prefill (and exposed fetch), ``services/router/ttft.py``.
+* TTFT on the node vs the control plane (live runs only, records with ``node_arrived_at`` and
+  ``first_token_at``): ``ttft_node_*`` = ``first_token_at`` − ``node_arrived_at`` (the prefill
+  node's queue + prefill, what a serving system's own TTFT counts); ``ttft_control_plane_*`` =
+  client TTFT − admission wait − that (router, bus, dispatch to the node, first token back to the
+  client). Under ``--speedup N`` the control plane is N × its real latency, so on a loaded machine
+  it can dominate the client TTFT and swamp a comparison of policies.
 """
 
 from __future__ import annotations
@@ -229,8 +235,8 @@ def summarize(
 
     Returns:
         A flat dict with the report keys (None where a metric has no samples;
-        ``ttft_prediction_node_*`` only when a record carries the node's arrival and first-token
-        times, i.e. in live runs).
+        ``ttft_prediction_node_*``, ``ttft_node_*`` and ``ttft_control_plane_*`` only when a record
+        carries the node's arrival and first-token times, i.e. in live runs).
     """
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -270,6 +276,24 @@ def summarize(
             "ttft_prediction_node_samples": len(node_err),
             "ttft_prediction_node_abs_error_median_s": _pct(node_err, 50),
             "ttft_prediction_node_abs_error_p95_s": _pct(node_err, 95),
+        }
+    # live: client TTFT = admission wait + control plane + the node's part; a live run at --speedup N
+    # multiplies the control plane's real latency (and its lateness on a loaded machine) by N
+    split = [
+        (r.first_token_at - r.node_arrived_at, r.ttft_s - r.admission_wait_s - (r.first_token_at - r.node_arrived_at))
+        for r in ok
+        if r.ttft_s is not None and r.first_token_at is not None and r.node_arrived_at is not None
+    ]
+    if split:
+        on_node = [n for n, _ in split]
+        control = [c for _, c in split]
+        node_keys |= {
+            "ttft_node_samples": len(split),
+            "ttft_node_mean_s": _mean(on_node),
+            "ttft_node_p50_s": _pct(on_node, 50),
+            "ttft_node_p95_s": _pct(on_node, 95),
+            "ttft_control_plane_mean_s": _mean(control),
+            "ttft_control_plane_p50_s": _pct(control, 50),
         }
     imbalance, _ = prefill_queue_imbalance(records, start=start, end=end, window_s=window_s, timeline=timeline)
     return {

@@ -211,6 +211,36 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], list[RequestRecord]]:
     return report, records
 
 
+CONTROL_PLANE_DOMINANT = 0.5
+"""Share of the mean client TTFT above which the summary says the control plane dominates it."""
+
+
+def ttft_split_lines(report: Mapping[str, Any]) -> list[str]:
+    """The summary's lines splitting a live run's client TTFT into the prefill node's part and the control
+    plane's (``ttft_node_*``, ``ttft_control_plane_*`` of :func:`~evolving_infra.report.metrics.summarize`),
+    plus a warning when the control plane is more than half the mean client TTFT: under ``--speedup N`` it is
+    N × the real latency of the router, bus and client on this machine, so it measures the machine's load
+    more than the serving policy. Empty for a report without them (simulator runs, older reports)."""
+    g = report.get
+    if g("ttft_node_mean_s") is None:
+        return []
+    speedup = (g("meta") or {}).get("speedup")
+    times = f" × speedup {speedup:g}" if isinstance(speedup, (int, float)) and speedup != 1 else ""
+    lines = [
+        f"  on node  mean {fmt_seconds(g('ttft_node_mean_s'))}  p50 {fmt_seconds(g('ttft_node_p50_s'))}  "
+        f"p95 {fmt_seconds(g('ttft_node_p95_s'))} (prefill node arrival → first token: queue + prefill)",
+        f"  control plane mean {fmt_seconds(g('ttft_control_plane_mean_s'))}  p50 {fmt_seconds(g('ttft_control_plane_p50_s'))} "
+        f"(router → node, first token → client: real latency{times})",
+    ]
+    total, control = g("ttft_mean_s"), g("ttft_control_plane_mean_s")
+    if total and control is not None and control > CONTROL_PLANE_DOMINANT * total:
+        lines.append(
+            f"  note: {100 * control / total:.0f}% of the mean TTFT is control plane, which grows with this machine's "
+            f"load{times}: compare policies on the node's TTFT (or with `simulate`), not the client's"
+        )
+    return lines
+
+
 def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None:
     """Human-readable summary of a report to ``file`` (default stdout); tolerates reports missing newer keys."""
     g = report.get
@@ -226,6 +256,7 @@ def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None
         f"duration   {fmt_seconds(g('duration_s'))} simulated" + (f", {wall:.1f} s wall" if wall else ""),
         f"throughput {g('throughput_rps'):.3f} req/s" if g("throughput_rps") else "throughput -",
         f"TTFT       mean {fmt_seconds(g('ttft_mean_s'))}  p50 {fmt_seconds(g('ttft_p50_s'))}  p95 {fmt_seconds(g('ttft_p95_s'))}",
+        *ttft_split_lines(report),
         f"E2E        mean {fmt_seconds(g('e2e_mean_s'))}  p95 {fmt_seconds(g('e2e_p95_s'))}",
         f"TPOT       mean {fmt_seconds(g('tpot_mean_s'))}",
         f"KV hit     {pct(g('kv_hit_rate'))}  (ideal {pct(g('ideal_kv_hit_rate'))}, lost KV reuse {pct(g('lost_kv_reuse'))})",
