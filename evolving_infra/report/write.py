@@ -149,6 +149,7 @@ def write_report(
         tmp.unlink(missing_ok=True)
         rec_tmp.unlink(missing_ok=True)
         raise
+    _clear_rendered(out_dir)  # a previous run's page and plots in this folder would show that run, not this one
     if plots:
         try:
             render_run(out_dir, report, records)
@@ -158,11 +159,25 @@ def write_report(
     return path
 
 
+RUN_PLOTS = ("ttft_cdf.png", "e2e_cdf.png", "throughput.png", "split_timeline.png", "lost_kv_reuse.png", "prefill_queue.png")
+"""Every PNG :func:`~evolving_infra.report.plots.plot_run` may draw (each only when the run's data supports it)."""
+
+
+def _clear_rendered(out_dir: Path) -> None:
+    """Remove ``report.html`` and the :data:`RUN_PLOTS` from ``out_dir``: what a run's rendering writes, so
+    that none of a previous run's is left beside this run's ``report.json``. A ``simulate --no-plots`` into
+    the folder of an earlier 4-node run kept its report.html and six PNGs next to the new 2-node report.json."""
+    for name in (REPORT_HTML, *RUN_PLOTS):
+        (Path(out_dir) / name).unlink(missing_ok=True)
+
+
 def render_run(out_dir: Path, report: Mapping[str, Any], records: Sequence[RequestRecord]) -> Path:
-    """Draw the run's PNGs into ``out_dir`` and write ``report.html``; returns the HTML path."""
+    """Draw the run's PNGs into ``out_dir`` and write ``report.html``; returns the HTML path. The page and plots
+    there before are removed first (a plot this run's data does not support is not left from an earlier one)."""
     from evolving_infra.report.html import run_page
     from evolving_infra.report.plots import plot_run
 
+    _clear_rendered(Path(out_dir))
     timeline = timeline_from_builtins(report.get("timeline"))
     images = plot_run(Path(out_dir), report, records, timeline)
     html_path = Path(out_dir) / REPORT_HTML

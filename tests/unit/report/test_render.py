@@ -315,3 +315,23 @@ def test_compare_takes_a_relative_and_an_absolute_path_to_one_trace_as_the_same(
     # a different file is still named, with each run's value as recorded
     assert input_differences([rel, {"meta": {"trace": "other.jsonl"}}], ["sim", "x"]) == ["trace: sim=t/a.jsonl, x=other.jsonl"]
     assert input_differences([rel, {"meta": {"trace": "gone.jsonl"}}], ["sim", "x"]) == ["trace: sim=t/a.jsonl, x=gone.jsonl"]
+
+
+def test_a_report_written_again_leaves_no_page_or_plot_of_the_previous_run(tmp_path: Path):
+    """``simulate --no-plots --out DIR`` over an earlier run's DIR kept its report.html and PNGs beside the new
+    report.json (a 4-node page next to a 2-node report); a redraw kept a plot the new data no longer supports."""
+    from evolving_infra.report.write import RUN_PLOTS, build_report, write_report
+
+    from .helpers import synthetic_records
+
+    d = tmp_path / "run"
+    d.mkdir()
+    for name in ("report.html", *RUN_PLOTS):  # an earlier run's rendering
+        (d / name).write_text("earlier run")
+    records = synthetic_records()
+    write_report(d, build_report(records, meta={"label": "again"}), records, plots=False)
+    assert sorted(p.name for p in d.iterdir()) == ["report.json", "requests.jsonl"]
+    (d / "split_timeline.png").write_text("earlier run")
+    write_report(d, build_report(records, meta={"label": "no timeline"}), records)  # no timeline: no split plot
+    assert "again" not in (d / "report.html").read_text() and not (d / "split_timeline.png").exists()
+    assert all((d / n).read_bytes().startswith(b"\x89PNG") for n in RUN_PLOTS if (d / n).exists())
