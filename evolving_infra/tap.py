@@ -28,7 +28,7 @@ import msgspec
 import nats
 
 from evolving_infra.auth_cli import CREDS_HINT, tool_auth
-from shared.auth import AuthError, redact_url
+from shared.auth import AuthError, client_options, redact_url
 from shared.bus import decoder_for, denied_subject
 from shared.subjects import ALL, Subjects
 
@@ -107,14 +107,14 @@ async def _tap(args: argparse.Namespace) -> int:
 
     try:
         auth = tool_auth(args.nats_url, getattr(args, "nats_creds", ""), "nats_admin_creds")
-        opts = auth.connect_options()
+        opts = client_options(args.nats_url, auth)  # a URL list's servers, its credentials percent-decoded
     except AuthError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         nc = await asyncio.wait_for(
             nats.connect(
-                args.nats_url, name="tap", connect_timeout=2, max_reconnect_attempts=1, allow_reconnect=False, closed_cb=closed_cb,
+                name="tap", connect_timeout=2, max_reconnect_attempts=1, allow_reconnect=False, closed_cb=closed_cb,
                 error_cb=on_error, **opts,
             ), timeout=5
         )

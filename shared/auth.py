@@ -71,6 +71,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote, urlparse
 
 from shared.subjects import ALL, check_token
 
@@ -465,6 +466,96 @@ def redact_url(url: str) -> str:
         out.append(part)
         pos = cut
     return "".join(out)
+
+
+_SERVER_SCHEME = re.compile(r"(?:nats|tls|ws|wss)://")
+
+
+def _url_credentials(userinfo: str) -> dict[str, str]:
+    """nats-py's reading of a URL's user part (``user:password``, or a token without ``:``), percent-decoded."""
+    user, colon, password = userinfo.partition(":")
+    return {"user": unquote(user), "password": unquote(password)} if colon else {"token": unquote(userinfo)}
+
+
+def _in_url(scheme: str, host: str, creds: dict[str, str]) -> str:
+    """``host`` with ``creds`` put back raw in its URL, as nats-py (``urlparse``, no decoding) reads them.
+
+    Raises:
+        AuthError: a value that such a URL cannot carry (``/``, ``?``, ``#``; ``:`` in a user), which
+        nats-py would read back changed.
+    """
+    userinfo = f"{creds['user']}:{creds['password']}" if "user" in creds else creds["token"]
+    full = f"{scheme or 'nats://'}{userinfo}@{host}"
+    try:
+        got, bare = urlparse(full), urlparse(f"{scheme or 'nats://'}{host}")
+        same = (got.username, got.password, got.hostname, got.port) == (
+            creds.get("user", creds.get("token")), creds.get("password"), bare.hostname, bare.port)
+    except ValueError:
+        same = False
+    if not same:
+        raise AuthError(
+            f"NATS URL {redact_url(full)}: the servers of the list carry different credentials and this one's cannot "
+            "be passed in its URL (nats-py does not percent-decode it): give every server the same credentials, "
+            "or set them with EI_NATS_USER / EI_NATS_PASSWORD"
+        )
+    return full
+
+
+def nats_servers(url: str) -> tuple[list[str], dict[str, str]]:
+    """nats-py's ``servers`` list and credentials (``user`` + ``password``, or ``token``) of ``url``: one NATS
+    server URL or several comma-separated, as the NATS Go client and ``nats`` CLI take them
+    (``nats://h1:4222,nats://h2:4222``).
+
+    nats-py parses a string as ONE server (a list string fails: "nats: invalid connect url option") and
+    reads the user part of a URL without percent-decoding it (``nats://u:p%2Fw@h`` sent the password
+    ``p%2Fw``: "Authorization Violation"), so a password with ``/``, ``,``, ``@``, ``:`` could not be
+    given at all. Here the servers are split as :func:`redact_url` splits them (at a comma followed by
+    ``nats://``, ``tls://``, ``ws://`` or ``wss://``; also at a comma in the host part, ``nats://h1,h2``),
+    and the user part is percent-decoded (``urllib.parse.unquote``; one written raw still works, ``/``
+    included).
+
+    When every server that carries credentials carries the same (a cluster shares its accounts), they
+    are returned as options for nats-py's ``user=``/``password=`` (``token=``) and the servers bare: nats-py
+    then sends them to every server, those the cluster announces included (from a URL it sent them only
+    to that URL's server). Servers with different credentials keep them in their own URL, decoded, where
+    nats-py uses each for its server.
+
+    Raises:
+        AuthError: an empty server in the list (``nats://h1,,nats://h2``), or servers with different
+            credentials where one's cannot be carried in a URL (see :func:`_in_url`).
+    """
+    cuts = [m.start() for m in _NEXT_SERVER.finditer(url)]
+    parts = [url[a:b].lstrip(",") for a, b in zip([0, *cuts], [*cuts, len(url)])]
+    found: list[tuple[str, str, dict[str, str] | None]] = []  # (scheme, host, credentials)
+    for part in parts:
+        part = part.strip(" \t")
+        m = _SERVER_SCHEME.match(part)
+        scheme = m.group(0) if m else ""
+        userinfo, at, hosts = part[len(scheme) :].rpartition("@")
+        for host in hosts.split(","):
+            if not host.strip(" \t"):
+                raise AuthError(f"NATS URL {redact_url(url)!r}: an empty server in the list")
+            found.append((scheme, host.strip(" \t"), _url_credentials(userinfo) if at else None))
+    distinct = {tuple(sorted(c.items())) for _s, _h, c in found if c is not None}
+    if len(distinct) <= 1:
+        return [s + h for s, h, _c in found], dict(next(iter(distinct), ()))
+    return [s + h if c is None else _in_url(s, h, c) for s, h, c in found], {}
+
+
+def client_options(url: str, auth: NatsAuth | None = None) -> dict[str, Any]:
+    """Keyword arguments for nats-py's ``connect``: ``servers`` and credentials from ``url``
+    (:func:`nats_servers`) and ``auth``'s options (:meth:`NatsAuth.connect_options`). Credentials of
+    ``auth`` (``EI_NATS_CREDS``, ``EI_NATS_USER``) take precedence over those in the URL, as nats-py
+    let its options do; the URL's are then not sent.
+
+    Raises:
+        AuthError: as :func:`nats_servers` and :meth:`NatsAuth.connect_options`.
+    """
+    servers, creds = nats_servers(url)
+    opts = auth.connect_options() if auth is not None else {}
+    if auth is not None and auth.enabled:
+        creds = {}
+    return {"servers": servers, **creds, **opts}
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:

@@ -57,7 +57,7 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription
 
 from shared import messages as m
-from shared.auth import NatsAuth, redact_url, subject_matches
+from shared.auth import NatsAuth, client_options, redact_url, subject_matches
 from shared.ratelog import RateLimitedLog
 from shared import tracing
 from shared.subjects import SVC_HEARTBEAT, SVC_STATS, Subject, Subjects
@@ -287,8 +287,11 @@ class Bus:
         ``auth`` (``shared.auth``): nkey seed / creds file / user+password and TLS of
         this identity; None = connect without credentials (an open server).
 
+        ``url``: one NATS server or a comma-separated list (``nats://h1:4222,nats://h2:4222``, the form
+        of the NATS Go client), credentials in it percent-decoded (``shared.auth.nats_servers``).
+
         Raises:
-            AuthError: unreadable TLS files.
+            AuthError: unreadable TLS files; an empty server in a URL list.
             NoCredentials: the server requires credentials and ``auth`` gives none.
             BusError: the server refused the credentials ("Authorization Violation").
             OSError / nats.errors.NoServersError: if no server answers in time.
@@ -332,8 +335,8 @@ class Bus:
         async def closed_cb() -> None:
             bus.log.debug("nats connection closed")
 
+        options = client_options(url, auth)  # the servers of a list, its credentials percent-decoded
         connecting = asyncio.ensure_future(bus.nc.connect(
-            url,
             name=f"{service}:{instance}",
             connect_timeout=connect_timeout,
             max_reconnect_attempts=max_reconnect_attempts,
@@ -344,7 +347,7 @@ class Bus:
             disconnected_cb=disconnected_cb,
             reconnected_cb=reconnected_cb,
             closed_cb=closed_cb,
-            **(auth.connect_options() if auth is not None else {}),
+            **options,
         ))
         refusal = asyncio.ensure_future(refused.wait())
 

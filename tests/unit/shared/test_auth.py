@@ -206,3 +206,48 @@ def test_up_prints_and_writes_the_nats_url_without_its_password():
     info = {"nats_url": "nats://ei:pw-secret@h:4222", "router_url": "http://127.0.0.1:8000"}
     assert _shown(info) == {"nats_url": "nats://ei:***@h:4222", "router_url": "http://127.0.0.1:8000"}
     assert info["nats_url"] == "nats://ei:pw-secret@h:4222"  # the state file gets it whole
+
+
+_ANY_SECRET = st.text(alphabet="QXZ,/@:%?# -é", min_size=1, max_size=12)
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(["nats://", "tls://", " nats://"]), _HOSTS), min_size=1, max_size=3),
+    st.sampled_from(["ei", "alice@corp.example", "r:1"]),
+    _ANY_SECRET,
+    st.booleans(),
+)
+@settings(max_examples=200, deadline=None)
+def test_nats_servers_splits_a_list_and_percent_decodes_its_credentials(servers, user, secret, token):
+    """``nats://u:p%2Fw@h1,nats://u:p%2Fw@h2`` (the URL form of a password with , / @ : % ...): nats-py took
+    the string as one server and its user part undecoded; ``nats_servers`` gives the bare servers and the
+    decoded credentials for nats-py's ``user=``/``password=`` (``token=``)."""
+    from urllib.parse import quote
+
+    from shared.auth import nats_servers
+
+    userinfo = quote(secret, safe="") if token else f"{quote(user, safe='')}:{quote(secret, safe='')}"
+    url = ",".join(f"{scheme}{userinfo}@{host}" for scheme, host in servers)
+    creds = {"token": secret} if token else {"user": user, "password": secret}
+    assert nats_servers(url) == ([scheme.strip() + host for scheme, host in servers], creds)
+
+
+def test_nats_servers_forms_and_errors():
+    from shared.auth import client_options, nats_servers
+
+    assert nats_servers("nats://h1:4222") == (["nats://h1:4222"], {})
+    assert nats_servers("nats://h1:4222, nats://h2:4222,tls://h3") == (["nats://h1:4222", "nats://h2:4222", "tls://h3"], {})
+    assert nats_servers("nats://ei:p,w/x@h1:4222,h2:4222") == (["nats://h1:4222", "nats://h2:4222"], {"user": "ei", "password": "p,w/x"})
+    assert nats_servers("nats://h1,nats://ei:pw@h2") == (["nats://h1", "nats://h2"], {"user": "ei", "password": "pw"})
+    # different credentials per server: each kept in its own URL, decoded, where nats-py reads it
+    assert nats_servers("nats://a:p%2Cw@h1,nats://b:2@h2") == (["nats://a:p,w@h1", "nats://b:2@h2"], {})
+    with pytest.raises(AuthError, match="different credentials") as e:
+        nats_servers("nats://a:p%2Fsecret@h1,nats://b:2@h2")  # a URL cannot carry that / raw
+    assert "secret" not in str(e.value)
+    for bad in ("", "nats://h1,,nats://h2", "nats://h1,"):
+        with pytest.raises(AuthError, match="empty server"):
+            nats_servers(bad)
+    # credentials of EI_NATS_USER / EI_NATS_CREDS win over the URL's (as nats-py's options did)
+    opts = client_options("nats://u:p@h1,nats://u:p@h2", NatsAuth(name="x", user="x", password="y"))
+    assert (opts["servers"], opts["user"], opts["password"]) == (["nats://h1", "nats://h2"], "x", "y")
+    assert client_options("nats://t%40k@h") == {"servers": ["nats://h"], "token": "t@k"}
