@@ -1,7 +1,10 @@
 """Two-process exercise of the real-bytes pool: one process holds blocks, another pulls them.
 
-    python -m services.worker.kvpool.demo hold  --nats-url URL --node a --blocks 64 [--corrupt 2]
-    python -m services.worker.kvpool.demo fetch --nats-url URL --node b --peer a --blocks 64
+    python -m services.worker.kvpool.demo hold  [--nats-url URL] --node a --blocks 64 [--corrupt 2]
+    python -m services.worker.kvpool.demo fetch [--nats-url URL] --node b --peer a --blocks 64
+
+The NATS server is ``--nats-url``, else env ``EI_NATS_URL`` (as the services read it; a URL with a
+password is, as a flag, in every local user's ``ps``): one server or a comma-separated list.
 
 Both sides derive the same ``--blocks`` chained SGLang block hashes from
 ``--seed`` (``shared.hashing``: deterministic tokens per block id). ``hold``
@@ -12,7 +15,8 @@ them *after* their checksum was recorded, prints one JSON line
 blocks with Mooncake, re-verifies every landed slot locally and prints one
 JSON line ``{"event": "fetched", ...}``. Exit status: 0 when the run finished
 (whatever the checksums said), 2 on bad arguments, 3 when Mooncake is missing,
-4 when the peer could not be reached.
+4 when the peer could not be reached; no NATS server given (neither ``--nats-url`` nor
+``EI_NATS_URL``) is a bad argument.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -155,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("hold", "fetch"):
         s = sub.add_parser(name)
-        s.add_argument("--nats-url", required=True)
+        s.add_argument(
+            "--nats-url", default="", help="NATS server(s); default: env EI_NATS_URL, which keeps a password in it out of ps"
+        )
         s.add_argument("--partition", default="p0")
         s.add_argument("--log-level", default="warning")
         s.add_argument("--node", required=True, help="this pool's node id")
@@ -175,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.nats_url = args.nats_url or os.environ.get("EI_NATS_URL", "")
+    if not args.nats_url:
+        print("demo: no NATS server: pass --nats-url URL or set EI_NATS_URL", file=sys.stderr)
+        return 2
     if args.blocks < 1:
         print("demo: --blocks must be >= 1", file=sys.stderr)
         return 2
