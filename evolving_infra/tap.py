@@ -120,7 +120,11 @@ async def _tap(args: argparse.Namespace) -> int:
         )
     except Exception as e:  # no server: a clear message within seconds, not a traceback
         if "authorization violation" in str(e).lower():  # refused credentials, or none given to a server that wants them
-            why = "requires credentials and none were given; " + CREDS_HINT if not auth.enabled else f"refused the credentials of {auth.name!r}"
+            why = (
+                f"refused the credentials of {auth.name!r}" if auth.enabled
+                else "refused the credentials in the URL" if "@" in args.nats_url
+                else "requires credentials and none were given; " + CREDS_HINT
+            )
             print(f"error: NATS at {redact_url(args.nats_url)} {why} (Authorization Violation)", file=sys.stderr)
             return 2
         print(f"error: cannot connect to NATS at {redact_url(args.nats_url)}: no server answered ({e!r})", file=sys.stderr)

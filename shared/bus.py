@@ -130,8 +130,11 @@ class BusUnavailable(BusError):
 
 
 def _refusal(url: str, instance: str, auth: NatsAuth | None) -> BusError:
-    """The error of a connect the server refused: :class:`NoCredentials` when none were given."""
+    """The error of a connect the server refused: :class:`NoCredentials` when none were given (neither
+    ``auth`` nor a user part in ``url``)."""
     if auth is None or not auth.enabled:
+        if "@" in url:  # the URL's credentials (client_options sends them when auth has none)
+            return BusError(f"NATS at {redact_url(url)} refused the credentials in the URL (Authorization Violation)")
         return NoCredentials(f"NATS at {redact_url(url)} requires credentials and none were given (Authorization Violation)")
     who = repr(instance) if auth.name in ("", instance) else f"{instance!r} (identity {auth.name!r})"
     return BusError(f"NATS at {redact_url(url)} refused the credentials of {who} (Authorization Violation)")

@@ -24,7 +24,7 @@ from urllib.parse import quote
 import pytest
 
 from shared.auth import bcrypt_hash
-from shared.bus import Bus
+from shared.bus import Bus, BusError, NoCredentials
 from shared.natsserver import EmbeddedNatsServer
 from shared.subjects import Subjects
 
@@ -70,6 +70,16 @@ async def test_percent_encoded_password_connects_alone_and_in_a_list(password_se
     each = f"{_down().replace('nats://', f'nats://ei:{ENCODED}@')},nats://ei:{ENCODED}@127.0.0.1:{port}"
     assert await _connected_port(each) == port  # every server with its own (same) credentials
     assert await _connected_port(f"nats://ei:{ENCODED}@{_down().removeprefix('nats://')},127.0.0.1:{port}") == port
+
+
+async def test_a_refused_url_password_is_called_refused_not_missing(password_server):
+    """Wrong credentials in the URL (the only ones given): the error said "requires credentials and none
+    were given" (``NoCredentials``, which ``split`` follows with how to give credentials)."""
+    url = f"nats://ei:{quote('wrong/pw', safe='')}@127.0.0.1:{password_server.port}"
+    with pytest.raises(BusError) as e:
+        await Bus.connect(url, Subjects("p0"), service="operator", instance="operator", max_reconnect_attempts=0)
+    assert not isinstance(e.value, NoCredentials) and "refused the credentials in the URL" in str(e.value), str(e.value)
+    assert "wrong" not in str(e.value)
 
 
 def test_a_service_comes_up_with_a_url_list_in_ei_nats_url(password_server, tmp_path):
@@ -136,3 +146,6 @@ async def test_tap_connects_through_a_url_list_with_a_percent_encoded_password(p
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+    env["EI_NATS_URL"] = f"nats://ei:wrong-9f@127.0.0.1:{password_server.port}"  # said "none were given"
+    r = subprocess.run([sys.executable, "-m", "evolving_infra.cli", "tap"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "refused the credentials in the URL" in r.stderr and "wrong-9f" not in r.stderr, r
