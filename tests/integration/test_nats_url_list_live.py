@@ -23,6 +23,8 @@ from urllib.parse import quote
 
 import pytest
 
+from evolving_infra.cli import main as cli_main
+from services.worker.kvpool.demo import main as demo_main
 from shared.auth import bcrypt_hash
 from shared.bus import Bus, BusError, NoCredentials
 from shared.natsserver import EmbeddedNatsServer
@@ -41,6 +43,13 @@ def _down() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"nats://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """This environment without its ``EI_*`` settings, plus ``extra``; the state folder is the test's own (no
+    ``up`` cluster of another process is found, which ``tap`` would name in a note)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
+    return env | {"PYTHONPATH": str(REPO), "EI_STATE_DIR": str(tmp_path / "state"), **extra}
 
 
 @pytest.fixture
@@ -85,8 +94,7 @@ async def test_a_refused_url_password_is_called_refused_not_missing(password_ser
 def test_a_service_comes_up_with_a_url_list_in_ei_nats_url(password_server, tmp_path):
     url = f"{_down()},nats://ei:{ENCODED}@127.0.0.1:{password_server.port}"
     log = tmp_path / "kvdirectory.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
-    env |= {"PYTHONPATH": str(REPO), "EI_NATS_URL": url}
+    env = _env(tmp_path, EI_NATS_URL=url)
     proc = subprocess.Popen([sys.executable, "-m", "services.kvdirectory"], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -103,15 +111,14 @@ def test_a_service_comes_up_with_a_url_list_in_ei_nats_url(password_server, tmp_
     assert f"nats://ei:***@127.0.0.1:{password_server.port}" in text
 
 
-async def test_kvpool_demo_takes_the_url_from_ei_nats_url(password_server, tmp_path):
+async def test_kvpool_demo_takes_the_url_from_ei_nats_url(password_server, tmp_path, monkeypatch, capsys):
     """``demo`` required ``--nats-url`` (a password there is in every local user's ``ps``); now it reads
     ``EI_NATS_URL`` as the services do, and without either it is a usage error (2)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
-    env["PYTHONPATH"] = str(REPO)
+    monkeypatch.delenv("EI_NATS_URL", raising=False)
+    assert await asyncio.to_thread(demo_main, ["hold", "--node", "a", "--blocks", "1"]) == 2
+    assert "EI_NATS_URL" in capsys.readouterr().err
     demo = [sys.executable, "-m", "services.worker.kvpool.demo", "hold", "--node", "a", "--blocks", "1"]
-    r = subprocess.run(demo, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "EI_NATS_URL" in r.stderr, r
-    env["EI_NATS_URL"] = f"{_down()},nats://ei:{ENCODED}@127.0.0.1:{password_server.port}"
+    env = _env(tmp_path, EI_NATS_URL=f"{_down()},nats://ei:{ENCODED}@127.0.0.1:{password_server.port}")
     proc = await asyncio.create_subprocess_exec(*demo, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 60)  # type: ignore[union-attr]
@@ -129,11 +136,10 @@ async def test_kvpool_demo_takes_the_url_from_ei_nats_url(password_server, tmp_p
             await proc.wait()
 
 
-async def test_tap_connects_through_a_url_list_with_a_percent_encoded_password(password_server):
+async def test_tap_connects_through_a_url_list_with_a_percent_encoded_password(password_server, tmp_path, monkeypatch, capsys):
     """``tap`` (its own nats-py client, not the bus) reads the list and the encoded password too: it
     subscribes and prints its banner, the URL without the password."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
-    env |= {"PYTHONPATH": str(REPO), "EI_NATS_URL": f"{_down()},nats://ei:{ENCODED}@127.0.0.1:{password_server.port}"}
+    env = _env(tmp_path, EI_NATS_URL=f"{_down()},nats://ei:{ENCODED}@127.0.0.1:{password_server.port}")
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "evolving_infra.cli", "tap", cwd=REPO, env=env,
                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
@@ -146,6 +152,9 @@ async def test_tap_connects_through_a_url_list_with_a_percent_encoded_password(p
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    env["EI_NATS_URL"] = f"nats://ei:wrong-9f@127.0.0.1:{password_server.port}"  # said "none were given"
-    r = subprocess.run([sys.executable, "-m", "evolving_infra.cli", "tap"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "refused the credentials in the URL" in r.stderr and "wrong-9f" not in r.stderr, r
+    for k in [k for k in os.environ if k.startswith("EI_NATS_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("EI_NATS_URL", f"nats://ei:wrong-9f@127.0.0.1:{password_server.port}")  # said "none were given"
+    assert await asyncio.to_thread(cli_main, ["tap"]) == 2
+    err = capsys.readouterr().err
+    assert "refused the credentials in the URL" in err and "wrong-9f" not in err, err
