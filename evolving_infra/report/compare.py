@@ -163,6 +163,11 @@ def trace_identities(values: Sequence[Any]) -> list[Any]:
     return out
 
 
+COMPARE_PLOTS = ("compare_ttft_cdf.png", "compare_e2e_cdf.png", "compare_metrics.png", "compare_throughput.png",
+                 "compare_split_timeline.png")
+"""Every PNG :func:`~evolving_infra.report.plots.plot_compare` may draw."""
+
+
 def write_compare(dirs: Sequence[Path], out: Path, *, plots: bool = True) -> tuple[Path, list[RunData], list[dict[str, Any]]]:
     """Compare run directories; write ``compare.html``, ``compare.json`` and the PNGs into ``out``
     (``plots`` False: no PNGs, the page has the table only; ``simulate --sweep --no-plots``).
@@ -182,6 +187,8 @@ def write_compare(dirs: Sequence[Path], out: Path, *, plots: bool = True) -> tup
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table = compare_table([r.report for r in runs])
+    for name in COMPARE_PLOTS:  # an earlier comparison's plots in this folder would not be this one's
+        (out / name).unlink(missing_ok=True)
     figs = plot_compare(out, runs) if plots else []
     info = []
     for d, r in zip(dirs, runs):

@@ -81,6 +81,8 @@ def test_sweep_refuses_conflicts_before_any_run(tmp_path, capsys):
 def test_sweep_writes_runs_comparison_and_summary(tmp_path, capsys):
     reqs = small_trace(6, 4, pause=0.02)
     cfg = SimConfig(nodes=3, profile="tiny", policy="static", concurrency=6)
+    (tmp_path / "compare").mkdir()
+    (tmp_path / "compare" / "compare_metrics.png").write_text("an earlier sweep's")
     rc = run_sweep(cfg, reqs, BS, ["splits"], tmp_path, plots=False, parallel=2)
     assert rc == 0
     summary = json.loads((tmp_path / "sweep.json").read_text())
