@@ -366,6 +366,11 @@ def test_bad_model_folders(tmp_path, model):
     folder, _ = model
     with pytest.raises(ModelConfigError, match="no config.json"):
         TorchEngine(PROFILE, tmp_path)
+    # a folder that does not exist said "no config.json" too; a hub id (vLLM's --model Qwen/Qwen3-0.6B) is named
+    with pytest.raises(ModelConfigError, match="no such folder .*model init DIR"):
+        TorchEngine(PROFILE, tmp_path / "missing")
+    with pytest.raises(ModelConfigError, match="hub id is not downloaded: .*huggingface-cli download Qwen/Qwen3-0.6B"):
+        TorchEngine(PROFILE, "Qwen/Qwen3-0.6B")
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ModelConfigError, match="not supported"):
         TorchEngine(PROFILE, tmp_path)

@@ -85,6 +85,12 @@ class ModelConfig:
                 :data:`SUPPORTED_ARCHS`, or an unsupported ``rope_scaling`` type.
         """
         path = Path(folder) / "config.json"
+        if not Path(folder).exists():
+            # vLLM users pass a hub id (--model Qwen/Qwen3-0.6B); nothing is downloaded here
+            hub = (f"; a Hugging Face hub id is not downloaded: fetch it first (huggingface-cli download {folder} "
+                   f"--local-dir DIR) and pass DIR" if str(folder).count("/") == 1 and not str(folder).startswith((".", "/", "~")) else "")
+            raise ModelConfigError(f"{folder}: no such folder (--model takes a local Hugging Face model folder{hub}; "
+                                   f"evolving-infra model init DIR writes a tiny one)")
         if not path.is_file():
             raise ModelConfigError(f"{folder}: no config.json (not a Hugging Face model folder)")
         try:
