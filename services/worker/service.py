@@ -297,6 +297,9 @@ class WorkerService:
         """``time.monotonic()`` when the last ``node.state`` went out: the heartbeat and the state
         cadence count from it, not from the wall clock (a step back of the wall clock by an hour
         stopped every state for an hour)."""
+        self._last_state_counts: tuple[int, int, int] = (0, 0, 0)
+        """(running, waiting, decoding) of the last ``node.state`` that went out: :meth:`_step` publishes
+        one when the engine stops with other counts (:meth:`_publish_if_stopped`)."""
         self._switch: _Switch | None = None
         self._started_at = clock.now()
         """Simulated s this process started (``_Switch.since``)."""
@@ -1372,6 +1375,7 @@ class WorkerService:
         plan = self.core.schedule(now, horizon)
         if plan is None:
             await self._flush_kv(now)
+            await self._publish_if_stopped(now)
             deadline = self.core.next_deadline()
             timeout = None if deadline is None else max(0.0, self.clock.wall_at(deadline) - time.time())
             try:
@@ -1762,7 +1766,25 @@ class WorkerService:
             engine=self.engine.name,
         )
         self._last_state_mono = time.monotonic()
+        self._last_state_counts = (st.running, st.waiting, st.decoding)
         await self.bus.publish(NODE_STATE, st, node=self.node)
+
+    async def _publish_if_stopped(self, now: float) -> None:
+        """The engine has no plan to run at ``now`` (idle, or waiting for KV): publish ``node.state`` at once
+        (not throttled) when its counts differ from the last one that went out.
+
+        States go out at plan launches (at most every ``state_interval_s``) and, with no launch, every
+        ``idle_state_interval_s`` (1 wall s: 50 simulated s at the demo's speed-up 50). A launch's state
+        shows the batch before the plan finishes it, so the last launch of a busy period left its batch
+        (``decoding`` ≥ 1, a prompt in ``queue``) as the node's state for up to that long after the node
+        had finished it. The evolving planner integrates ``decoding`` over time for q̄ (Eq. 4/5): on the
+        demo's Claude Code sessions it measured q̄ 1.7–2.9 requests live against 0.14–0.39 in
+        ``simulate`` (which samples the exact state every 5 s), predicted decode batches ~10× too large
+        and moved to 1P3D where ``simulate`` kept 2P2D. O(1) when the counts did not change."""
+        st = self.core.state(now, with_queue=False)
+        if (st.running, st.waiting, st.decoding) != self._last_state_counts:
+            self.counters["state.on_stop"] += 1
+            await self._publish_state(now)
 
     async def _state_heartbeat(self) -> None:
         """node.state at least every ``idle_state_interval_s`` (liveness for the router)."""

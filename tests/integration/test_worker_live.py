@@ -258,6 +258,28 @@ async def test_sim_engine_runs_its_plans_back_to_back_whatever_the_loop_overhead
     await c.bus.close()
 
 
+async def test_a_worker_that_finishes_its_work_says_so_before_its_next_heartbeat(nats_url):
+    """A node's state goes out at plan launches, showing the batch before the plan runs; when the
+    node has finished its last request it must say so at once, not at its next idle heartbeat
+    (1 wall s = 50 simulated s in the demo). Before, the last launch's state (a request running)
+    stood until the heartbeat, and the live planner counted that request in decode all the while
+    (q̄ 1.7–2.9 live against 0.14–0.39 in ``simulate`` on the demo's input: it moved to 1P3D)."""
+    c = await Client.connect(nats_url)
+    async with workers(nats_url, {"node": "w0", "idle_state_interval_s": 30.0, "speedup": 1.0}):
+        await asyncio.sleep(0.1)  # past state_interval_s (0.05 s) after the start's state: the first launch publishes
+        await c.bus.publish(WORK_PREFILL, prompt("idle1", [5, 6, 7], tail=2, max_tokens=20), node="w0")
+        await until(lambda: c.finished("idle1"), what="idle1 to finish")
+        assert any(s.running for s in c.states["w0"]), "a state went out while the request ran"
+
+        def idle() -> bool:
+            st = c.states["w0"][-1]
+            return (st.running, st.waiting, st.decoding, len(st.queue)) == (0, 0, 0, 0)
+
+        await until(idle, timeout=3, what="a state that shows the node idle (the heartbeat is 30 s away)")
+        assert (await c.stats("w0")).counters["state.on_stop"] >= 1
+    await c.bus.close()
+
+
 async def test_malformed_payloads_are_counted_and_the_worker_keeps_serving(nats_url):
     c = await Client.connect(nats_url)
     async with workers(nats_url, {"node": "w0", "host_eviction": "branch-count"}):  # (lru subscribes to no kv.counts)
