@@ -187,8 +187,9 @@ def write_compare(dirs: Sequence[Path], out: Path, *, plots: bool = True) -> tup
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table = compare_table([r.report for r in runs])
-    for name in COMPARE_PLOTS:  # an earlier comparison's plots in this folder would not be this one's
-        (out / name).unlink(missing_ok=True)
+    if (out / COMPARE_JSON).is_file():  # an earlier comparison's plots here would not be this one's; without
+        for name in COMPARE_PLOTS:       # its compare.json the folder is not one (`--out .`): a user's files stay
+            (out / name).unlink(missing_ok=True)
     figs = plot_compare(out, runs) if plots else []
     info = []
     for d, r in zip(dirs, runs):

@@ -136,6 +136,7 @@ def write_report(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / REPORT_JSON
+    earlier = path.is_file()  # an earlier run's folder: its page and plots are ours to remove, else a user's files
     # atomically (a temp file renamed over the old one): a run killed while writing never
     # leaves half a report, nor the previous run's report under this run's name
     tmp = path.with_name(path.name + ".tmp")
@@ -149,10 +150,11 @@ def write_report(
         tmp.unlink(missing_ok=True)
         rec_tmp.unlink(missing_ok=True)
         raise
-    _clear_rendered(out_dir)  # a previous run's page and plots in this folder would show that run, not this one
+    if earlier:  # a previous run's page and plots in this folder would show that run, not this one
+        _clear_rendered(out_dir)
     if plots:
         try:
-            render_run(out_dir, report, records)
+            render_run(out_dir, report, records, clear=False)
         except Exception as e:  # noqa: BLE001 - the run's data is already on disk
             print(f"warning: plots for {out_dir} failed ({type(e).__name__}: {e}); "
                   f"retry with: evolving-infra report show {out_dir}", file=sys.stderr)
@@ -166,18 +168,24 @@ RUN_PLOTS = ("ttft_cdf.png", "e2e_cdf.png", "throughput.png", "split_timeline.pn
 def _clear_rendered(out_dir: Path) -> None:
     """Remove ``report.html`` and the :data:`RUN_PLOTS` from ``out_dir``: what a run's rendering writes, so
     that none of a previous run's is left beside this run's ``report.json``. A ``simulate --no-plots`` into
-    the folder of an earlier 4-node run kept its report.html and six PNGs next to the new 2-node report.json."""
+    the folder of an earlier 4-node run kept its report.html and six PNGs next to the new 2-node report.json.
+    Only for a folder that held a run's ``report.json`` before (:func:`write_report`) or holds one
+    (:func:`render_run`, ``report show``): ``--out .`` or ``--out ~`` into a folder of the user's own files
+    removed their ``report.html`` or ``throughput.png`` even with ``--no-plots``, which writes neither."""
     for name in (REPORT_HTML, *RUN_PLOTS):
         (Path(out_dir) / name).unlink(missing_ok=True)
 
 
-def render_run(out_dir: Path, report: Mapping[str, Any], records: Sequence[RequestRecord]) -> Path:
-    """Draw the run's PNGs into ``out_dir`` and write ``report.html``; returns the HTML path. The page and plots
-    there before are removed first (a plot this run's data does not support is not left from an earlier one)."""
+def render_run(out_dir: Path, report: Mapping[str, Any], records: Sequence[RequestRecord], *, clear: bool = True) -> Path:
+    """Draw the run's PNGs into ``out_dir`` and write ``report.html``; returns the HTML path. With ``clear`` (a
+    redraw in a run's folder, ``report show``) the page and plots there before are removed first (a plot this
+    run's data does not support is not left from an earlier one); :func:`write_report` passes False, having
+    removed them itself only when the folder held a run before."""
     from evolving_infra.report.html import run_page
     from evolving_infra.report.plots import plot_run
 
-    _clear_rendered(Path(out_dir))
+    if clear:
+        _clear_rendered(Path(out_dir))
     timeline = timeline_from_builtins(report.get("timeline"))
     images = plot_run(Path(out_dir), report, records, timeline)
     html_path = Path(out_dir) / REPORT_HTML

@@ -326,7 +326,7 @@ def test_a_report_written_again_leaves_no_page_or_plot_of_the_previous_run(tmp_p
 
     d = tmp_path / "run"
     d.mkdir()
-    for name in ("report.html", *RUN_PLOTS):  # an earlier run's rendering
+    for name in ("report.json", "report.html", *RUN_PLOTS):  # an earlier run's report and rendering
         (d / name).write_text("earlier run")
     records = synthetic_records()
     write_report(d, build_report(records, meta={"label": "again"}), records, plots=False)
@@ -335,3 +335,23 @@ def test_a_report_written_again_leaves_no_page_or_plot_of_the_previous_run(tmp_p
     write_report(d, build_report(records, meta={"label": "no timeline"}), records)  # no timeline: no split plot
     assert "again" not in (d / "report.html").read_text() and not (d / "split_timeline.png").exists()
     assert all((d / n).read_bytes().startswith(b"\x89PNG") for n in RUN_PLOTS if (d / n).exists())
+
+
+def test_a_report_into_a_folder_of_the_users_files_removes_none_of_them(tmp_path: Path):
+    """``simulate --no-plots --out .`` (or ``--out ~``) into a folder that held no run removed the user's own
+    ``report.html`` and ``throughput.png``, files this run does not write; a comparison's ``--out`` likewise
+    removed a user's ``compare_metrics.png``. Only an earlier run's (its ``report.json`` / ``compare.json``
+    there) are removed."""
+    from evolving_infra.report.compare import COMPARE_PLOTS, write_compare
+    from evolving_infra.report.write import RUN_PLOTS, build_report, write_report
+
+    from .helpers import synthetic_records
+
+    mine = ("report.html", *RUN_PLOTS, *COMPARE_PLOTS, "notes.txt")
+    for name in mine:
+        (tmp_path / name).write_text("the user's")
+    records = synthetic_records()
+    write_report(tmp_path, build_report(records, meta={"label": "here"}), records, plots=False)
+    runs = [make_run(tmp_path, n, plots=False) for n in ("a", "b")]
+    write_compare(runs, tmp_path, plots=False)
+    assert all((tmp_path / n).read_text() == "the user's" for n in mine)

@@ -83,6 +83,7 @@ def test_sweep_writes_runs_comparison_and_summary(tmp_path, capsys):
     cfg = SimConfig(nodes=3, profile="tiny", policy="static", concurrency=6)
     (tmp_path / "compare").mkdir()
     (tmp_path / "compare" / "compare_metrics.png").write_text("an earlier sweep's")
+    (tmp_path / "compare" / "compare.json").write_text("{}")  # its comparison: the PNG is ours to remove
     rc = run_sweep(cfg, reqs, BS, ["splits"], tmp_path, plots=False, parallel=2)
     assert rc == 0
     summary = json.loads((tmp_path / "sweep.json").read_text())
