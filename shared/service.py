@@ -37,8 +37,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from shared.auth import NatsAuth, redact_url
-from shared.bus import Bus
+from shared.auth import AuthError, NatsAuth, redact_url
+from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.config import CommonConfig
 from shared import tracing
@@ -229,7 +229,11 @@ async def serve_until_stopped(
                 creds=cfg.nats_creds, user=cfg.nats_user, password=cfg.nats_password,
                 tls_ca=cfg.nats_tls_ca, tls_cert=cfg.nats_tls_cert, tls_key=cfg.nats_tls_key, name=instance,
             )
-            bus = await Bus.connect(cfg.nats_url, Subjects(cfg.partition), service=service_name, instance=instance, auth=auth)
+            try:
+                bus = await Bus.connect(cfg.nats_url, Subjects(cfg.partition), service=service_name, instance=instance, auth=auth)
+            except BusError as e:  # the server refused the credentials (or none were given): retrying cannot help
+                log.error("nats refused the connection", error=str(e))
+                raise ServiceFailed(f"{service_name} {instance}: {e}") from e
             stack.push_async_callback(bus.close)
             svc = factory(cfg, bus, clock)
             started.append(svc)
@@ -311,12 +315,18 @@ def run_service_main(service_name: str, cfg: CommonConfig, factory: ServiceFacto
 
     Returns:
         0 after SIGINT/SIGTERM; 1 when the service failed (:class:`ServiceFailed`: a task or loop
-        it needs ended, already logged at error with the traceback), after one line on stderr
-        (``<service>: <what failed>``) in place of a Python traceback; the supervisor restarts it.
+        it needs ended, already logged at error with the traceback; or NATS refused its credentials), after one
+        line on stderr (``<service>: <what failed>``) in place of a Python traceback; the supervisor restarts it.
+        2 after one such line when its NATS settings are unusable (:class:`~shared.auth.AuthError`: an
+        unreadable credentials file, an empty server in ``EI_NATS_URL``'s list, servers with different
+        credentials a URL cannot carry); before, those two cases ended in a Python traceback.
     """
     try:
         run_service(service_name, cfg, factory, instance=instance)
     except ServiceFailed as e:
         print(f"{service_name}: {e}", file=sys.stderr)
         return 1
+    except AuthError as e:
+        print(f"{service_name}: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -44,3 +44,27 @@ def test_a_bad_configuration_is_one_line_and_exit_2(service: str, monkeypatch, c
     assert mod.main(["--speedup", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{service}: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "code", "why"), [
+    (["--nats-url", "nats://h1:4222,,nats://h2:4222"], 2, "an empty server in the list"),
+    (["--nats-url", ""], 2, "an empty server in the list"),
+    (["--nats-creds", "/nonexistent/kvdirectory.nk"], 2, "cannot read NATS credentials"),
+    (["--nats-url", "nats://127.0.0.1:9"], 1, "refused the credentials in the URL"),  # Bus.connect replaced below
+])  # fmt: skip
+def test_unusable_nats_settings_are_one_line_not_a_traceback(argv: list[str], code: int, why: str, monkeypatch, capsys) -> None:
+    """An unusable NATS setting (AuthError: EI_NATS_URL with an empty server, an unreadable credentials file)
+    or credentials the server refuses (BusError from Bus.connect) ended the service in a Python traceback;
+    now one line on stderr naming the problem, exit 2 (the settings) or 1 (the refusal)."""
+    from shared.bus import Bus, BusError
+
+    async def refused(*_a: Any, **_k: Any) -> Any:
+        raise BusError("NATS at nats://127.0.0.1:9 refused the credentials in the URL (Authorization Violation)")
+
+    if code == 1:
+        monkeypatch.setattr(Bus, "connect", refused)
+    mod = importlib.import_module("services.kvdirectory.__main__")
+    monkeypatch.setattr(mod, "setup_logging", lambda *a, **k: None)
+    assert mod.main(argv) == code
+    err = capsys.readouterr().err
+    assert err.startswith("kvdirectory: ") and why in err and err.count("\n") == 1 and "Traceback" not in err, err
