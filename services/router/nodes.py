@@ -259,17 +259,22 @@ class NodeLoadView(Value):
     _split_phases: dict[str, Phase]
     """The applied split's phases (``SplitCommand.phases``): a node recorded afresh after it was forgotten
     (:meth:`forget_left`) gets its phase from here, as its old record had."""
+    _forgotten: set[str]
+    """Nodes :meth:`forget_left` dropped that the applied split still names: :meth:`apply_split` does not record
+    them again (the planner's ``--nodes`` name a dead node in every split; its next command brought the record
+    back, never seen, so never forgotten again and listed by ``/v1/cluster`` for good). An id leaves when the
+    node reports again or a split no longer names it, so the set is bounded by the split's size."""
 
     __slots__ = __match_args__ = (
         "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists", "_tokens",
-        "_usable_gen", "_kv_bounds", "_split_phases",
+        "_usable_gen", "_kv_bounds", "_split_phases", "_forgotten",
     )
 
     def __init__(
         self, fence_after: float = 3.0, nodes: Any = FACTORY, epoch: int = -1, split_reason: str = "",
         kv_stale: frozenset[str] = frozenset(), _flights: Any = FACTORY, _gen: int = 0,
         _by_id: list[NodeRecord] | None = None, _lists: Any = FACTORY, _tokens: Any = FACTORY,
-        _usable_gen: int = -1, _kv_bounds: tuple[int, int] | None = None, _split_phases: Any = FACTORY,
+        _usable_gen: int = -1, _kv_bounds: tuple[int, int] | None = None, _split_phases: Any = FACTORY, _forgotten: Any = FACTORY,
     ) -> None:
         self.fence_after = fence_after
         self.nodes = {} if nodes is FACTORY else nodes
@@ -284,6 +289,7 @@ class NodeLoadView(Value):
         self._usable_gen = _usable_gen
         self._kv_bounds = _kv_bounds
         self._split_phases = {} if _split_phases is FACTORY else _split_phases
+        self._forgotten = set() if _forgotten is FACTORY else _forgotten
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -296,6 +302,7 @@ class NodeLoadView(Value):
         rec = self.nodes.get(node)
         if rec is None:
             rec = self.nodes[node] = NodeRecord(node=node, split_phase=self._split_phases.get(node))
+            self._forgotten.discard(node)
             self._by_id = None
             self._gen += 1
         return rec
@@ -368,8 +375,10 @@ class NodeLoadView(Value):
             rec.split_phase = None
             rec.load = None
         self._gen += 1
+        self._forgotten &= cmd.phases.keys()
         for node, phase in cmd.phases.items():
-            self._record(node).split_phase = phase
+            if node not in self._forgotten:  # a forgotten one gets its phase from _split_phases if it reports again
+                self._record(node).split_phase = phase
         self._split_phases = dict(cmd.phases)
         self.epoch = cmd.epoch
         self.split_reason = cmd.reason
@@ -505,6 +514,8 @@ class NodeLoadView(Value):
         for node in gone:
             del self.nodes[node]
             self._tokens.discard(node)
+            if node in self._split_phases:
+                self._forgotten.add(node)
         if gone:
             self._by_id = None
             self._kv_bounds = None

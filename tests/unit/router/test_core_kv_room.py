@@ -166,6 +166,10 @@ def test_a_node_gone_for_good_is_forgotten_once_it_holds_no_request_and_recorded
         if policy == "dynamo-kv":
             assert "b" not in c.policy.blocks and "b" not in c.policy.prefill_tokens  # type: ignore[attr-defined]
         assert c.forget_left(13.0, 10.0) == []
+        # the planner's --nodes name b in every split: its next command (or a split.get reply) brought the
+        # record back, never seen, so never forgotten again and listed by /v1/cluster for good
+        c.apply_split(SplitCommand(epoch=1, phases={"a": "both", "b": "both"}, reason="test"))
+        assert list(v.nodes) == ["a"] and [n["node"] for n in v.snapshot(13.0)] == ["a"], policy
         c.apply_state(state("b", "prefill", gpu_total_blocks=120, seq=1), 13.0)  # back: a new node
         rec = v.nodes["b"]
         assert (rec.fenced, rec.fence_events, rec.split_phase) == (False, 0, "both")  # the split's phase, as before
