@@ -31,7 +31,7 @@ import structlog
 
 from shared import messages as m
 from shared.auth import AuthError, Credentials, NatsAuth, generate
-from shared.bus import Bus
+from shared.bus import Bus, BusError
 from shared.config import ENV_PREFIX, CommonConfig
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent
 from shared.profile import Profile, load_profile, with_kv_tokens
@@ -521,7 +521,9 @@ class LocalCluster:
         On any failure or cancellation on the way, what was started (NATS included) is stopped.
 
         Raises:
-            ClusterError: if a service exits early or is not healthy within ``ready_timeout_s``.
+            ClusterError: if a service exits early or is not healthy within ``ready_timeout_s``; the
+                launcher's NATS connection is refused or its ``--nats-url`` is unusable (an empty server
+                in the list).
         """
         try:
             await self._start()
@@ -553,9 +555,12 @@ class LocalCluster:
             if self.creds:
                 log.info("embedded NATS with per-service credentials", mode=s.nats_auth, creds=str(self.creds.directory))
         self._wire_children()
-        self._bus = await Bus.connect(
-            self.nats_url, Subjects(s.partition), service="launcher", instance="launcher", auth=self.client_auth("launcher")
-        )
+        try:
+            self._bus = await Bus.connect(
+                self.nats_url, Subjects(s.partition), service="launcher", instance="launcher", auth=self.client_auth("launcher")
+            )
+        except (AuthError, BusError) as e:  # a bad --nats-url list, refused credentials: one line, not a traceback
+            raise ClusterError(f"cannot connect to NATS: {e}") from e
         await self._bus.ensure_stream()  # the JetStream stream of must-arrive subjects (shared.bus), before any service
         seen: dict[str, m.Heartbeat] = {}
 

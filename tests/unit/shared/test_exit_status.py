@@ -144,3 +144,17 @@ def test_model_init_into_a_file_or_under_a_file_is_one_line(tmp_path):
         lines = p.stderr.splitlines()
         assert p.returncode == USAGE_ERROR and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], p.stderr
     assert (tmp_path / "afile").read_text() == ""
+
+
+def test_up_with_an_unusable_nats_url_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """``up --nats-url`` with an empty server in its list (``shared.auth.nats_servers``: AuthError) ended in a
+    Python traceback out of ``LocalCluster.start`` (as did a refusal of the URL's credentials, a BusError);
+    now one ``error:`` line naming the URL's problem, status 1, as any other failed start."""
+    from evolving_infra.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))
+    rc = main(["up", "--nats-url", "nats://h1:4222,,nats://h2:4222", "--log-dir", str(tmp_path / "logs"), "--port", "0"])
+    err = capsys.readouterr().err
+    assert rc == RUNTIME_FAILURE and "error: cannot connect to NATS" in err and "an empty server in the list" in err, (rc, err)
+    assert "Traceback" not in err, err
