@@ -302,7 +302,6 @@ class NodeLoadView(Value):
         rec = self.nodes.get(node)
         if rec is None:
             rec = self.nodes[node] = NodeRecord(node=node, split_phase=self._split_phases.get(node))
-            self._forgotten.discard(node)
             self._by_id = None
             self._gen += 1
         return rec
@@ -330,6 +329,7 @@ class NodeLoadView(Value):
             check_token(state.node, "node")
             self._tokens.add(state.node)
         rec = self.nodes.get(state.node) or self._record(state.node)
+        self._forgotten.discard(state.node)
         old, seen = rec.state, rec.last_seen
         if old is not None and not rec.fenced and state.seq < old.seq:
             rec.restarted = True  # a new process: what the old one held is gone (issue #22)
@@ -377,7 +377,10 @@ class NodeLoadView(Value):
         self._gen += 1
         self._forgotten &= cmd.phases.keys()
         for node, phase in cmd.phases.items():
-            if node not in self._forgotten:  # a forgotten one gets its phase from _split_phases if it reports again
+            rec = self.nodes.get(node)
+            if rec is not None:
+                rec.split_phase = phase
+            elif node not in self._forgotten:  # a forgotten one gets its phase from _split_phases if it reports again
                 self._record(node).split_phase = phase
         self._split_phases = dict(cmd.phases)
         self.epoch = cmd.epoch
@@ -499,6 +502,19 @@ class NodeLoadView(Value):
         checks then), so an outage does not make nodes leave. O(1)."""
         return rec.fenced and rec.last_seen is not None and now - rec.last_seen > forget_after
 
+    def _unseen_leftover(self, rec: NodeRecord) -> bool:
+        """True for a record of a node that never reported to this router and holds no request, which the split
+        does not name or names after :meth:`forget_left` dropped it (``_forgotten``): another router's placement
+        (``RouterCore.remote_dispatch``) or a decode binding recorded it, and that request has ended. It holds
+        nothing a later :meth:`_record` would not rebuild; without this it was never :meth:`left` (never seen, so
+        never fenced) and ``GET /v1/cluster`` listed it for good. A node the split names that has not reported
+        yet (a new one starting) is kept, as before. O(1)."""
+        return (
+            rec.last_seen is None
+            and rec.inflight == 0
+            and (rec.node in self._forgotten or rec.node not in self._split_phases)
+        )
+
     def forget_left(self, now: float, forget_after: float) -> list[str]:
         """Forget every node that has left for good (:meth:`left` at ``now``: fenced and its last state older than
         ``forget_after``, the caller's clock units; ``math.inf``: never) and holds no request (``inflight`` 0: a
@@ -506,11 +522,16 @@ class NodeLoadView(Value):
         forgotten at a later call). Its record, and its id among the checked ones, go: :meth:`snapshot`
         (``GET /v1/cluster``), :meth:`no_candidate_reason`, :meth:`kv_bounds` and :meth:`largest_gpu_kv` no longer
         list it. A node that reports again is recorded afresh (:meth:`apply_state`: as a new node, with the phase
-        the applied split gives it). Returns the forgotten node ids, sorted (the caller drops its own per-node
-        state). O(nodes)."""
+        the applied split gives it). A record of a node that never reported here and holds no request (another
+        router's placement on a node this one forgot or never heard from; :meth:`_unseen_leftover`) goes too, at
+        the first call after its last request ended. Returns the forgotten node ids, sorted (the caller drops its
+        own per-node state). O(nodes)."""
         if forget_after == math.inf:
             return []
-        gone = sorted(n for n, rec in self.nodes.items() if rec.inflight == 0 and self.left(rec, now, forget_after))
+        gone = sorted(
+            n for n, rec in self.nodes.items()
+            if rec.inflight == 0 and (self.left(rec, now, forget_after) or self._unseen_leftover(rec))
+        )
         for node in gone:
             del self.nodes[node]
             self._tokens.discard(node)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from shared.messages import SplitCommand
+from shared.messages import RouteSent, SplitCommand
 
 from services.router.core import NoRoute, RouteDecision, RouterCore
 from services.router.policy import RouteRequest, make_policy
@@ -135,6 +135,34 @@ def test_largest_gpu_kv_leaves_out_nodes_gone_for_good_not_restarting_ones():
     c.apply_state(state("b", "both", gpu_total_blocks=120, seq=0), 13.0)  # a restart: its sequence went back
     assert [f.node for f in c.check_fences(13.0)] == ["b"]  # fenced at once ...
     assert v.largest_gpu_kv(13.0, 10.0) == (120, "b")  # ... and still counted: no flap of the cap
+
+
+def test_another_routers_placement_on_a_forgotten_or_unseen_node_leaves_no_record_for_good():
+    """Another router's placement (``remote_dispatch``) on a node this router forgot, or never heard from, records
+    it with no ``last_seen``: once that request ends and the node stays silent, ``forget_left`` drops the record.
+    Before, such a record was never 'left' (never seen, never fenced), so ``/v1/cluster`` listed it for good."""
+    c = core("ttft")
+    v = c.view
+    c.apply_split(SplitCommand(epoch=1, phases={"a": "both", "b": "both"}, reason="test"))
+    c.apply_state(state("a", "both", gpu_total_blocks=50, seq=1), 0.0)
+    c.apply_state(state("b", "both", gpu_total_blocks=120, seq=1), 0.0)
+    for t in (2.0, 4.0, 6.0, 8.0, 10.0, 12.0):  # b went silent at 0.0
+        c.apply_state(state("a", "both", gpu_total_blocks=50, seq=1 + int(t)), t)
+        c.check_fences(t)
+    assert c.forget_left(12.0, 10.0) == ["b"]
+    for rid, node in (("x1", "b"), ("x2", "c")):  # b: forgotten; c: never reported here
+        assert c.remote_dispatch(RouteSent(router="r2", rid=rid, prefill_node=node, prompt_tokens=8, max_tokens=4), 12.5)
+    assert sorted(v.nodes) == ["a", "b", "c"] and v.nodes["b"].split_phase == "both"  # counted while they run
+    assert c.forget_left(13.0, 10.0) == []  # still named by a request
+    c.finish("x1", 13.0)
+    c.finish("x2", 13.0)
+    assert c.forget_left(14.0, math.inf) == []  # --forget-node-after-s 0: never
+    assert c.forget_left(14.0, 10.0) == ["b", "c"]
+    assert [n["node"] for n in v.snapshot(14.0)] == ["a"]
+    c.apply_split(SplitCommand(epoch=2, phases={"a": "both", "b": "both"}, reason="test"))  # b stays forgotten
+    assert list(v.nodes) == ["a"]
+    c.apply_state(state("b", "prefill", gpu_total_blocks=120, seq=1), 15.0)  # back: a new node, the split's phase
+    assert v.nodes["b"].split_phase == "both" and c.forget_left(15.0, 10.0) == []
 
 
 def test_a_node_gone_for_good_is_forgotten_once_it_holds_no_request_and_recorded_afresh_when_back():
