@@ -43,8 +43,10 @@ simulated seconds.
   ``first_token_at``): ``ttft_node_*`` = ``first_token_at`` − ``node_arrived_at`` (the prefill
   node's queue + prefill, what a serving system's own TTFT counts); ``ttft_control_plane_*`` =
   client TTFT − admission wait − that (router, bus, dispatch to the node, first token back to the
-  client). Under ``--speedup N`` the control plane is N × its real latency, so on a loaded machine
-  it can dominate the client TTFT and swamp a comparison of policies.
+  client); ``ttft_split_client_mean_s`` = the mean client TTFT over those same records (the
+  control plane's share is ``ttft_control_plane_mean_s`` / it). Under ``--speedup N`` the control
+  plane is N × its real latency, so on a loaded machine it can dominate the client TTFT and swamp a
+  comparison of policies.
 """
 
 from __future__ import annotations
@@ -280,15 +282,16 @@ def summarize(
     # live: client TTFT = admission wait + control plane + the node's part; a live run at --speedup N
     # multiplies the control plane's real latency (and its lateness on a loaded machine) by N
     split = [
-        (r.first_token_at - r.node_arrived_at, r.ttft_s - r.admission_wait_s - (r.first_token_at - r.node_arrived_at))
+        (r.first_token_at - r.node_arrived_at, r.ttft_s - r.admission_wait_s - (r.first_token_at - r.node_arrived_at), r.ttft_s)
         for r in ok
         if r.ttft_s is not None and r.first_token_at is not None and r.node_arrived_at is not None
     ]
     if split:
-        on_node = [n for n, _ in split]
-        control = [c for _, c in split]
+        on_node = [n for n, _, _ in split]
+        control = [c for _, c, _ in split]
         node_keys |= {
             "ttft_node_samples": len(split),
+            "ttft_split_client_mean_s": _mean([t for _, _, t in split]),
             "ttft_node_mean_s": _mean(on_node),
             "ttft_node_p50_s": _pct(on_node, 50),
             "ttft_node_p95_s": _pct(on_node, 95),

@@ -241,9 +241,11 @@ CONTROL_PLANE_DOMINANT = 0.5
 def ttft_split_lines(report: Mapping[str, Any]) -> list[str]:
     """The summary's lines splitting a live run's client TTFT into the prefill node's part and the control
     plane's (``ttft_node_*``, ``ttft_control_plane_*`` of :func:`~evolving_infra.report.metrics.summarize`),
-    plus a warning when the control plane is more than half the mean client TTFT: under ``--speedup N`` it is
-    N × the real latency of the router, bus and client on this machine, so it measures the machine's load
-    more than the serving policy. Empty for a report without them (simulator runs, older reports)."""
+    plus a warning when the control plane is more than half the mean client TTFT over the same records
+    (``ttft_split_client_mean_s``; a report without it, from before, gets no warning: its ``ttft_mean_s`` also
+    counts records without a node arrival): under ``--speedup N`` it is N × the real latency of the router, bus
+    and client on this machine, so it measures the machine's load more than the serving policy. Empty for a
+    report without them (simulator runs, older reports)."""
     g = report.get
     if g("ttft_node_mean_s") is None:
         return []
@@ -255,7 +257,7 @@ def ttft_split_lines(report: Mapping[str, Any]) -> list[str]:
         f"  control plane mean {fmt_seconds(g('ttft_control_plane_mean_s'))}  p50 {fmt_seconds(g('ttft_control_plane_p50_s'))} "
         f"(router → node, first token → client: real latency{times})",
     ]
-    total, control = g("ttft_mean_s"), g("ttft_control_plane_mean_s")
+    total, control = g("ttft_split_client_mean_s"), g("ttft_control_plane_mean_s")
     if total and control is not None and control > CONTROL_PLANE_DOMINANT * total:
         lines.append(
             f"  note: {100 * control / total:.0f}% of the mean TTFT is control plane, which grows with this machine's "

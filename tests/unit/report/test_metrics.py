@@ -215,6 +215,24 @@ def test_live_ttft_prediction_error_against_the_node_part():
     assert not any(k.startswith("ttft_prediction_node") for k in summarize(sim))
 
 
+def test_control_plane_note_compares_means_over_the_same_records():
+    """The "control plane over half the mean TTFT" note divides the control plane's mean (records with
+    ``node_arrived_at``) by the mean client TTFT over those same records. Before, it divided by the mean over
+    every record: 8 quick records without a node arrival (0.5 s) pulled that mean to 2.4 s and a 2 s control
+    plane (20% of those records' 10 s) read as 83%."""
+    from evolving_infra.report.write import ttft_split_lines
+
+    rs = [rec(i, ttft=10.0 if i < 2 else 0.5, sent_at=100.0 * i) for i in range(10)]
+    for r in rs[:2]:
+        r.node_arrived_at, r.first_token_at = r.sent_at + 2.0, r.sent_at + 10.0  # 8 s on the node, 2 s control plane
+    s = summarize(rs)
+    assert s["ttft_mean_s"] == pytest.approx(2.4) and s["ttft_split_client_mean_s"] == pytest.approx(10.0)
+    assert not any("note:" in line for line in ttft_split_lines(s))
+    for r in rs[:2]:  # now the control plane is 8 s of those 10 s: 80%
+        r.node_arrived_at = r.sent_at + 8.0
+    assert any("note: 80% of the mean TTFT is control plane" in line for line in ttft_split_lines(summarize(rs)))
+
+
 def test_live_ttft_split_into_the_node_and_the_control_plane():
     """A demo (speedup 50, load ~4 on 2 cores) vs its static:2P2D baseline: client TTFT 23.1 s vs
     35.1 s, but on the prefill node 3.3 s vs 1.1 s; the rest (86% and 97%) was the control plane's real
