@@ -19,7 +19,7 @@ so counting it would make h* unreachable.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -161,13 +161,16 @@ def trace_stats(trace) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     return acc.result(trace.header)
 
 
-def trace_stats_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """:func:`trace_stats` of a file, streamed (validated; raises ``TraceError`` on bad lines)."""
+def trace_stats_file(
+    path: str | os.PathLike[str], progress: Callable[[Iterable[TraceRequest]], Iterable[TraceRequest]] | None = None
+) -> dict[str, Any]:
+    """:func:`trace_stats` of a file, streamed (validated; raises ``TraceError`` on bad lines). ``progress``
+    wraps the stream of requests (``trace stats``: progress lines on stderr), None: none."""
     from evolving_infra.traces.io import iter_requests
 
     header, reqs = iter_requests(path)
     acc = StatsAccumulator(header.block_size)
-    for r in reqs:
+    for r in reqs if progress is None else progress(reqs):
         acc.add(r)
     return acc.result(header)
 

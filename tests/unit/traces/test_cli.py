@@ -140,6 +140,36 @@ def test_stats_names_and_skips_a_bad_file_of_several(tmp_path: Path, capsys: pyt
     assert "line 3: invalid JSON" in cap.err and "missing.jsonl: cannot read" in cap.err and "Traceback" not in cap.err, cap.err
 
 
+def test_stats_shows_progress_like_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trace stats`` of a large trace printed nothing for ~17 s; it now shows progress as ``trace convert``
+    does (88a437e): whole lines every few seconds when stderr is no terminal, a redrawn bar on one, none with
+    ``--no-progress``. The lines come every 0 s here (``PROGRESS_EVERY_S``)."""
+    import io
+
+    from evolving_infra.traces.convert import common
+
+    good = tmp_path / "good.jsonl"
+    assert main(["generate", "claude-code", "--agents", "2", "--seed", "1", "-o", str(good)]) == 0
+    n = sum(1 for _ in good.open()) - 1
+    capsys.readouterr()
+    monkeypatch.setattr(common, "PROGRESS_EVERY_S", 0.0, raising=False)  # (not there before: no progress at all)
+    assert top_main(["trace", "stats", str(good), "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["requests"] == n
+    lines = cap.err.splitlines()
+    assert len(lines) == n and lines[0].startswith(f"{good}: 0 requests, ") and "\r" not in cap.err, cap.err
+    assert top_main(["trace", "stats", str(good), "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Tty()
+    assert list(common.progress_iter(iter(range(3)), enabled=True, desc="t.jsonl", unit="request", stream=out)) == [0, 1, 2]
+    assert "\r" in out.getvalue() and "t.jsonl: " in out.getvalue() and "request" in out.getvalue(), out.getvalue()
+
+
 def test_sample_negative_counts_are_one_line_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``trace sample --sessions -1`` / ``--max-requests-per-branch -2``: exit 2 with one ``error:`` line and
     no output file (was sample_sessions' ValueError traceback, exit 1)."""
