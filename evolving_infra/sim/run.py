@@ -456,7 +456,8 @@ def simulate(
 
     ``progress``: print how far each partition has simulated on stderr (:class:`ProgressLine`),
     labelled ``simulate`` (True) or with the string given (a sweep's item, ``dynamo (2/4)``);
-    ``progress_redraw`` False: whole lines on a terminal too (processes sharing it).
+    ``progress_redraw`` False: whole lines on a terminal too (processes sharing it); partitions run by
+    several worker processes (``cfg.workers`` > 1) always write whole lines, each naming its partition.
 
     Raises:
         SimConfigError: the configuration cannot run (bad flag, missing component).
@@ -530,6 +531,8 @@ def _simulate(
         from evolving_infra.sim.pool import fork_pool  # (signal, process pools: a one-process run does without)
 
         _FORK.update(run=run, workload=workload, keep=keep, shares=shares)
+        if min(cfg.workers, k) > 1:  # processes sharing stderr: whole lines, not \r redraws over each other's
+            _FORK["progress_redraw"] = False
         try:
             with fork_pool(min(cfg.workers, k)) as pool:
                 for i, blob, tl, st, nodes, phases in pool.map(_run_partition, range(k)):

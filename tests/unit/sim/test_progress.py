@@ -95,3 +95,41 @@ def test_progress_line_without_redraw_writes_whole_lines_on_a_terminal():
     p.next_at = 0.0
     p(50.0, 3)
     assert out.getvalue().startswith("dynamo (2/4): 50 of 100 simulated s (50%)") and "\r" not in out.getvalue()
+
+
+class _TtyFile:
+    """A terminal stand-in the forked partition workers can write to: a file on disk that says it is a tty."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+
+    def write(self, s: str) -> int:
+        return self.f.write(s)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_parallel_partitions_on_a_terminal_write_whole_lines(monkeypatch, tmp_path):
+    """``simulate --workers 2 --partitions 2`` on a terminal: each partition process redrew its line with ``\\r``
+    over the other's, so neither could be read. Processes sharing the terminal now write whole lines, each
+    named by its partition; one process (``--workers 1``) still redraws its line."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(sim_run.ProgressLine, "__init__", _every_call(ProgressLine.__init__))
+    reqs = small_trace(10, 4, pause=0.05)
+    cfg = SimConfig(nodes=4, profile="tiny", policy="static:1P1D", partitions=2, concurrency=6)
+    for workers in (2, 1):
+        path = tmp_path / f"err{workers}"
+        with path.open("w") as f:
+            monkeypatch.setattr(sim_run.sys, "stderr", _TtyFile(f))
+            simulate(replace(cfg, workers=workers), reqs, BS, progress=True)
+        text = path.read_bytes().decode()  # (read_text would turn each CR into a newline)
+        assert "partition 1/2: " in text and "partition 2/2: " in text, text
+        if workers == 2:
+            assert "\r" not in text and all(line.startswith("partition ") for line in text.splitlines()), text
+        else:
+            assert "\r" in text
