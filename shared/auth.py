@@ -512,7 +512,10 @@ def nats_servers(url: str) -> tuple[list[str], dict[str, str]]:
     given at all. Here the servers are split as :func:`redact_url` splits them (at a comma followed by
     ``nats://``, ``tls://``, ``ws://`` or ``wss://``; also at a comma in the host part, ``nats://h1,h2``),
     and the user part is percent-decoded (``urllib.parse.unquote``; one written raw still works, ``/``
-    included).
+    included, except in a ``ws://``/``wss://`` URL: it has a path, so its user part is looked for only
+    before the first ``/`` after the scheme, as nats-py's ``urlparse`` does; ``ws://h/p@x`` holds none,
+    where it was read as token ``h/p`` for server ``ws://x``; write a ``/`` there as ``%2F``).
+    :func:`redact_url` hides up to the last ``@`` whatever the scheme: at least this user part.
 
     When every server that carries credentials carries the same (a cluster shares its accounts), they
     are returned as options for nats-py's ``user=``/``password=`` (``token=``) and the servers bare: nats-py
@@ -531,7 +534,12 @@ def nats_servers(url: str) -> tuple[list[str], dict[str, str]]:
         part = part.strip(" \t")
         m = _SERVER_SCHEME.match(part)
         scheme = m.group(0) if m else ""
-        userinfo, at, hosts = part[len(scheme) :].rpartition("@")
+        rest = part[len(scheme) :]
+        # a ws(s) URL has a path (wss://h/nats), where an @ is no user part: look in its authority only
+        end = rest.find("/") if scheme.startswith("ws") else -1
+        end = len(rest) if end < 0 else end
+        userinfo, at, hosts = rest[:end].rpartition("@")
+        hosts += rest[end:]
         for host in hosts.split(","):
             if not host.strip(" \t"):
                 raise AuthError(f"NATS URL {redact_url(url)!r}: an empty server in the list")

@@ -232,6 +232,20 @@ def test_nats_servers_splits_a_list_and_percent_decodes_its_credentials(servers,
     assert nats_servers(url) == ([scheme.strip() + host for scheme, host in servers], creds)
 
 
+def test_nats_servers_reads_a_ws_urls_user_part_in_its_authority_only():
+    """A ws(s) URL has a path, where an ``@`` is no user part: ``ws://h/p@x`` was read as token ``h/p`` for
+    server ``ws://x``. The user part of a ws(s) server is now looked for before the first ``/`` after its scheme
+    (as nats-py's ``urlparse`` does); nats/tls servers keep the raw ``/`` in a password they always took."""
+    from shared.auth import nats_servers, redact_url
+
+    assert nats_servers("ws://h/p@x") == (["ws://h/p@x"], {})
+    assert nats_servers("wss://ei:pw@h:443/nats@edge") == (["wss://h:443/nats@edge"], {"user": "ei", "password": "pw"})
+    assert nats_servers("ws://alice@corp:p%2Fw@h/ws,wss://alice@corp:p%2Fw@h2") == (
+        ["ws://h/ws", "wss://h2"], {"user": "alice@corp", "password": "p/w"})
+    assert nats_servers("nats://ei:p/w@h") == (["nats://h"], {"user": "ei", "password": "p/w"})  # as before
+    assert "pw" not in redact_url("wss://ei:pw@h/p@x")  # redaction stays conservative (hides up to the last @)
+
+
 def test_nats_servers_forms_and_errors():
     from shared.auth import client_options, nats_servers
 
