@@ -430,6 +430,14 @@ class NatsAuth:
 _NEXT_SERVER = re.compile(r",[ \t]*(?=(?:nats|tls|ws|wss)://)")
 """A comma that starts the next server of a list: one followed by a NATS scheme (the only place a
 password with a comma cannot be told from a list)."""
+
+
+def _server_parts(url: str) -> list[str]:
+    """``url`` cut before each comma that starts the next server (:data:`_NEXT_SERVER`); every part but
+    the first starts with that comma, so the parts joined are ``url``. :func:`redact_url` and
+    :func:`nats_servers` read a list the same way through it."""
+    cuts = [m.start() for m in _NEXT_SERVER.finditer(url)]
+    return [url[a:b] for a, b in zip([0, *cuts], [*cuts, len(url)])]
 _SCHEME = re.compile(r"[ \t]*(?:(?:nats|tls|ws|wss|https?)://)?")
 """The scheme of one server (``https?`` for the OTLP endpoint a service logs); only these, so a
 token with ``://`` (``tok://en@host``) is no scheme and stays hidden."""
@@ -453,9 +461,7 @@ def redact_url(url: str) -> str:
     shown, nothing leaked): a user part with a comma may span servers, so its user is hidden too. A password that holds ``,nats://`` itself cannot
     be told from a list (NATS' Go client splits every comma) and is shown in part."""
     out = []
-    pos = 0
-    for cut in [*(m.start() for m in _NEXT_SERVER.finditer(url)), len(url)]:
-        part = url[pos:cut]
+    for part in _server_parts(url):
         lead = "," if part.startswith(",") else ""
         scheme = _SCHEME.match(part, len(lead)).group(0)  # type: ignore[union-attr]
         rest = part[len(lead) + len(scheme) :]
@@ -464,7 +470,6 @@ def redact_url(url: str) -> str:
             user, colon, _secret = auth.partition(":")
             part = f"{lead}{scheme}{user + ':***' if colon and ',' not in auth else '***'}@{hostport}"
         out.append(part)
-        pos = cut
     return "".join(out)
 
 
@@ -527,8 +532,7 @@ def nats_servers(url: str) -> tuple[list[str], dict[str, str]]:
         AuthError: an empty server in the list (``nats://h1,,nats://h2``), or servers with different
             credentials where one's cannot be carried in a URL (see :func:`_in_url`).
     """
-    cuts = [m.start() for m in _NEXT_SERVER.finditer(url)]
-    parts = [url[a:b].lstrip(",") for a, b in zip([0, *cuts], [*cuts, len(url)])]
+    parts = [p.lstrip(",") for p in _server_parts(url)]
     found: list[tuple[str, str, dict[str, str] | None]] = []  # (scheme, host, credentials)
     for part in parts:
         part = part.strip(" \t")
