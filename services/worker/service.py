@@ -1694,15 +1694,14 @@ class WorkerService:
                            elapsed_s=round(e.elapsed_s, 3), timeout_s=self.cfg.watchdog_timeout_s, stacks=stacks)  # fmt: skip
         else:
             self._log_step_hung(e, stacks)
+        # Stopping now (``_stopped`` but not ``_stop_done``): stop() says exit_ready once its last messages
+        # are out (it reads ``fired``, set before this call, after setting _stop_done, read here after: one
+        # of the two sees the other). Before, the exit came at once, before the last node.state and
+        # AllBlocksCleared.
         if self._stop_done:  # stopped already (a SIGTERM while the forward hung): nothing left to stop
             if self.watchdog is not None:
                 self.watchdog.exit_ready()
-        elif self._stopped:
-            # stopping now: stop() says exit_ready once its last messages are out (it reads ``fired``,
-            # set before this call, after setting _stop_done, read here after: one of the two sees
-            # the other). Before, the exit came at once, before the last node.state and AllBlocksCleared
-            pass
-        elif self._loop is not None:  # a blocked loop runs it only if it recovers: else the grace ends it
+        elif not self._stopped and self._loop is not None:  # a blocked loop runs it only if it recovers: else the grace ends it
             self._loop.call_soon_threadsafe(self._fail, e, "step" if isinstance(e, StepHung) else "event loop")
 
     def _log_step_hung(self, e: StepHung, stacks: str) -> None:
