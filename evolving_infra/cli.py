@@ -16,7 +16,6 @@ import sys
 from collections.abc import Sequence
 
 from evolving_infra.stdio_args import READER_GONE
-from shared import package_version
 
 # Modules that contribute subcommands, in the order `--help` lists them.
 COMMAND_MODULES = (
@@ -62,6 +61,24 @@ imported (one thread per core) only costs CPU: ~0.1 s of the ~2.5 s of user time
 9-node run at 512-token blocks on a 2-core box (its partition workers inherit the setting)."""
 
 
+class _PackageVersion(argparse.Action):
+    """``--version``: prints ``PROG VERSION`` on stdout and exits 0, as argparse's ``version`` action,
+    but looks the version up (:func:`shared.package_version`: ``importlib.metadata``, ~35 ms of
+    imports — email, zipfile, csv — and ~3 ms of reading the installed metadata) only when the flag
+    is given, not each time a parser is built (every command, ``simulate`` included, paid it)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:  # noqa: A002 (argparse's name)
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        from shared import package_version
+
+        print(f"{parser.prog} {package_version()}")
+        parser.exit()
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The command line parser: only ``command``'s subcommand when it is a known command
     (:data:`COMMANDS`), else every module's."""
@@ -70,7 +87,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="Agent-adaptive LLM serving on a prefill-decode disaggregated cluster.",
         epilog=OBSERVABILITY + " " + EXIT_STATUSES,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
+    parser.add_argument("--version", action=_PackageVersion,
                         help="print the installed package's version (what a router's GET /version serves) and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     one = command in COMMANDS

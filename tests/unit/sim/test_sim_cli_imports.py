@@ -43,3 +43,14 @@ def test_simulate_runs_numpy_without_a_blas_thread_pool_unless_the_user_sets_one
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(env, OPENBLAS_NUM_THREADS="3")).stderr.split()
     assert out == ["3", "False", "True"]
+
+
+def test_a_command_leaves_the_package_version_unread_unless_asked() -> None:
+    # --version looks the version up when given (importlib.metadata: ~35 ms of imports, email, zipfile,
+    # csv, and a metadata read), not each time a parser is built: every command paid it, simulate too
+    # (up, split, tap and deploy-args import the live stack, whose libraries read package metadata themselves)
+    code = ("import sys; from evolving_infra.cli import build_parser\n"
+            "for c in ('simulate', 'trace', 'report', 'replay', 'fidelity'): build_parser(c)\n"
+            "print('importlib.metadata' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
