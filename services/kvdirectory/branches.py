@@ -270,6 +270,42 @@ class BranchTable:
         self.node_phase.append(None)
         self.placed_phase.append(None)
 
+    def reset_node(self, n: int, name: str) -> None:
+        """Give node index ``n`` to node id ``name`` with nothing of the node that had it (one
+        forgotten for good, ``KvDirectory._take_over``): every branch stops counting there (R[n]
+        emptied, ``C_{β,n}`` dropped, no count change queued: the old node is gone and the new
+        one starts with no counts), no move waits for it or would release it (its watches and
+        pending moves, as target and as source, dropped), no branch names it as its last prefill
+        node (lost-reuse attribution would blame the new one), its outbox and message number
+        (``out_seq``) back to empty and 0, its phases unknown. O(branches) Python steps +
+        O(blocks counted there) C-level."""
+        for b in self.branches.values():
+            if n in b.counted:
+                del b.counted[n]
+            if b.pending:
+                b.pending.pop(n, None)
+                for t, sources in list(b.pending.items()):
+                    sources.discard(n)
+                    if not sources:
+                        del b.pending[t]
+                        self._unwatch(b, t)
+            b.watch.pop(n, None)
+            if b.last_prefill_node == n:
+                b.last_prefill_node = None
+        self.R[n] = {}
+        self._cc[n] = [0, 0]
+        self.node_branches[n] = {}
+        self.watch[n] = {}
+        if self.out_len[n] or self.outbox[n]:
+            self.outbox[n] = []
+            self.out_len[n] = 0
+            if n in self.out_nodes:
+                self.out_nodes.remove(n)
+        self.out_seq[n] = 0
+        self.node_names[n] = name
+        self.node_phase[n] = None
+        self.placed_phase[n] = None
+
     def phase_of(self, n: int) -> str | None:
         """Current phase of node n as the directory knows it."""
         return self.node_phase[n] or self.placed_phase[n]

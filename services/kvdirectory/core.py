@@ -224,27 +224,113 @@ class KvDirectory:
             chained=chained,
         )
         self.names: list[str] = []
+        """Node id of each slot (dense index, from 0); a forgotten node keeps its slot, and its
+        name, until another node takes the slot over."""
         self._ids: dict[str, int] = {}
         self._streams: list[_Stream] = []
+        self._free: dict[int, None] = {}
+        """Slots of forgotten nodes (:meth:`forget_node`), oldest first: the next new node id takes
+        the oldest over (:meth:`node_id`), so a deployment whose node ids change on every restart
+        keeps as many slots as nodes it has at once, not one per id it ever saw."""
+        self._gen: list[int] = []
+        """Per slot: :attr:`reclaims` when its node id was registered (:meth:`node_generation`)."""
+        self.reclaims = 0
+        """Slots taken over from a forgotten node so far."""
+        self._reclaimed: list[str] = []
+        """Node ids whose slot was taken over since the last :meth:`take_reclaimed`."""
 
     # ------------------------------------------------------------------ #
     # nodes
     # ------------------------------------------------------------------ #
 
     def node_id(self, name: str) -> int:
-        """Dense index of a node id (registered on first use)."""
+        """Dense index (slot) of a node id, registered on first use: in the slot of the node
+        forgotten longest ago when there is one (:meth:`_take_over`), else in a new one. A
+        forgotten node named here (its KV events, a snapshot, a resync) is live again, in its own
+        slot, if no other node took it over. O(1), plus O(branches) to take a slot over."""
         i = self._ids.get(name)
         if i is None:
-            i = self._ids[name] = len(self.names)
-            self.names.append(name)
-            self._streams.append(_Stream())
-            self.index.ensure_node(i)
-            self.branches.add_node(name)
+            return self._register(name)
+        if self._free and i in self._free:
+            del self._free[i]
+            self.counters["nodes.revived"] += 1
         return i
 
+    def _slot(self, name: str) -> int:
+        """:meth:`node_id` for a placement or a phase change: another process's word that the
+        node serves, not the node's own, so a forgotten node stays forgotten (its slot free;
+        whatever is counted there is released when another node takes it over). O(1)."""
+        i = self._ids.get(name)
+        return self._register(name) if i is None else i
+
+    def _register(self, name: str) -> int:
+        if self._free:
+            i = next(iter(self._free))
+            del self._free[i]
+            self._take_over(i, name)
+            return i
+        i = self._ids[name] = len(self.names)
+        self.names.append(name)
+        self._streams.append(_Stream())
+        self._gen.append(self.reclaims)
+        self.index.ensure_node(i)
+        self.branches.add_node(name)
+        return i
+
+    def _take_over(self, i: int, name: str) -> None:
+        """Give slot ``i`` of a forgotten node to node id ``name``, with nothing of the old one:
+        no block in the index (dropped when it was forgotten; dropped again here if a copy came
+        back since, which only a bug would do), no branch count, pending move, watch, outbox,
+        message number or phase (``BranchTable.reset_node``), a fresh KV stream. The old id is
+        unknown from then on (its return is a new node: a fresh slot, counts from empty, first
+        contact). Counted ``nodes.reclaimed``; the old id is listed by :meth:`take_reclaimed`.
+        O(branches) + O(blocks counted there), C-level mostly."""
+        old = self.names[i]
+        if self.index.copies[i] != [0, 0]:
+            self._clear(i, None)
+        del self._ids[old]
+        self._ids[name] = i
+        self.names[i] = name
+        self._streams[i] = _Stream()
+        self.reclaims += 1
+        self._gen[i] = self.reclaims
+        self.branches.reset_node(i, name)
+        self.counters["nodes.reclaimed"] += 1
+        self._reclaimed.append(old)
+
+    def take_reclaimed(self) -> list[str]:
+        """Node ids whose slot another node took over since the last call (forgotten for good:
+        the shell drops what it keeps per node), oldest first."""
+        out, self._reclaimed = self._reclaimed, []
+        return out
+
+    def node_generation(self, node: str) -> int:
+        """How many slots had been taken over (:attr:`reclaims`) when ``node`` was registered; 0
+        for an unknown node and for every node while no slot was ever taken over (the simulator,
+        which forgets none). A node id forgotten, taken over and heard again is registered anew
+        with a higher number than before: the shell's count epoch of the node includes it, so the
+        worker resets counts that the directory no longer has. O(1)."""
+        i = self._ids.get(node)
+        return 0 if i is None else self._gen[i]
+
     def has_node(self, node: str) -> bool:
-        """True once ``node`` has an id (KV events, a snapshot or a placement named it)."""
+        """True once ``node`` has an id (KV events, a snapshot or a placement named it), until
+        another node takes over its slot after it was forgotten."""
         return node in self._ids
+
+    def is_live(self, node: str) -> bool:
+        """``node`` has a slot and is not forgotten (:meth:`forget_node`)."""
+        i = self._ids.get(node)
+        return i is not None and i not in self._free
+
+    def is_forgotten(self, node: str) -> bool:
+        """``node`` was forgotten and still holds its slot (no other node took it over)."""
+        i = self._ids.get(node)
+        return i is not None and i in self._free
+
+    def live_nodes(self) -> int:
+        """Nodes with a slot that are not forgotten (what ``--max-nodes`` limits). O(1)."""
+        return len(self.names) - len(self._free)
 
     def awaiting_resync(self, node: str) -> bool:
         """True while ``node``'s KV view waits for a snapshot or a missing batch."""
@@ -270,12 +356,16 @@ class KvDirectory:
         R[·, node] are kept, as after that event: they belong to the branches, which release them
         when they end or expire), and its stream awaits a snapshot with its buffer emptied, so a
         node heard again is resynced, never half-indexed: its later batches are buffered (a
-        restarted one's ``seq`` 1 too) until a ``KvSnapshot`` replaces its presence. Counted
-        ``nodes.forgotten`` and ``nodes.forgotten_copies``. Returns the copies dropped (0 for a
-        node never named). O(blocks of the node) C-level, like ``AllBlocksCleared``."""
+        restarted one's ``seq`` 1 too) until a ``KvSnapshot`` replaces its presence. Its slot is
+        free from then on: the next new node id takes it over (:meth:`node_id`), and the node's
+        counts with it, unless the node is heard first (its KV events, a snapshot or a resync
+        name it: :meth:`node_id`). Counted ``nodes.forgotten`` and ``nodes.forgotten_copies``.
+        Returns the copies dropped (0 for a node never named or already forgotten). O(blocks of
+        the node) C-level, like ``AllBlocksCleared``."""
         n = self._ids.get(node)
-        if n is None:
+        if n is None or n in self._free:
             return 0
+        self._free[n] = None
         dropped = self._clear(n, None)
         st = self._streams[n]
         st.awaiting = st.needs_snapshot = True
@@ -521,7 +611,7 @@ class KvDirectory:
                 looking the path up again. None (the service): looked up here. Same result
                 either way (a lookup reads only block presence).
         """
-        n = self.node_id(node)
+        n = self._slot(node)
         path = list(block_hashes)
         out = self.branches.place(branch_id, n, phase, path, now)
         res = PlaceResult(branch_id=branch_id, node=node, version=out.version, bumped=out.bumped, rejected=out.rejected)
@@ -548,7 +638,7 @@ class KvDirectory:
 
     def node_phase_changed(self, node: str, old: str | None, new: str, now: float) -> int:
         """A node now serves ``new``: D→P resets its counts, P→D keeps them. Returns branches released."""
-        return self.branches.node_phase_changed(self.node_id(node), old, new)
+        return self.branches.node_phase_changed(self._slot(node), old, new)
 
     def node_phase(self, node: str) -> str | None:
         """Phase the directory knows for a node (split.applied, else last placement)."""
@@ -670,7 +760,8 @@ class KvDirectory:
             g[f"copies.{TIERS[t]}.positive_count"] = float(counted)
             g[f"copies.{TIERS[t]}.zero_count"] = float(copies - counted)
         g["counts.entries"] = float(sum(len(r) for r in self.branches.R))
-        g["nodes"] = float(len(self.names))
+        g["nodes"] = float(self.live_nodes())
+        g["nodes.forgotten_slots"] = float(len(self._free))
         g["nodes.awaiting_resync"] = float(sum(1 for s in self._streams if s.awaiting))
         lost = {k.rsplit(".", 1)[1]: v for k, v in self.counters.items() if k.startswith("reuse.lost_tokens.")}
         for k, v in lost_reuse_shares(lost, self.counters["reuse.ideal_tokens"]).items():

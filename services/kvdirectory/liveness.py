@@ -16,6 +16,9 @@ TensorRT-LLM #14882), and the directory's view of it silently rots. Per node thi
   :meth:`KvLiveness.forget` marks *forgotten* every node unheard for longer than the
   directory's ``--forget-node-after-s`` (a worker SIGKILLed and never restarted), once; the
   directory then drops its KV. :meth:`KvLiveness.heard` clears the mark (the node is back).
+  A forgotten node is left out of :meth:`KvLiveness.report` and :meth:`KvLiveness.check`, and
+  :meth:`KvLiveness.drop` removes it once the directory gave its slot to another node (then it
+  is gone for good: node ids that change on every restart do not pile up here).
 """
 
 from __future__ import annotations
@@ -92,6 +95,15 @@ class KvLiveness:
                 out.append(name)
         return out
 
+    def drop(self, node: str) -> bool:
+        """Remove everything kept of ``node`` (gone for good: the directory gave its slot to
+        another node); heard again, it is a new node. Returns whether it was kept. O(1)."""
+        return self._nodes.pop(node, None) is not None
+
+    def __len__(self) -> int:
+        """Nodes kept, forgotten ones included."""
+        return len(self._nodes)
+
     def is_forgotten(self, node: str) -> bool:
         n = self._nodes.get(node)
         return n is not None and n.forgotten
@@ -105,10 +117,12 @@ class KvLiveness:
         return n.silent + extra
 
     def check(self, now: float) -> list[str]:
-        """Mark stale every node silent for more than ``stale_after``; returns those newly stale (sorted)."""
+        """Mark stale every node silent for more than ``stale_after``; returns those newly stale
+        (sorted). A forgotten node is not checked (its KV is dropped already; asking it for a
+        resync would wait on a node that is gone)."""
         out = []
         for name, n in sorted(self._nodes.items()):
-            if not n.stale and self.silent_s(name, now) > self.stale_after:
+            if not n.stale and not n.forgotten and self.silent_s(name, now) > self.stale_after:
                 n.stale = True
                 out.append(name)
         return out
@@ -121,8 +135,10 @@ class KvLiveness:
         return frozenset(k for k, n in self._nodes.items() if n.stale)
 
     def report(self, now: float) -> list[tuple[str, float, float | None, bool]]:
-        """``(node, silent_s, seconds since its last batch or None, stale)`` per node, sorted by node."""
+        """``(node, silent_s, seconds since its last batch or None, stale)`` per node not
+        forgotten (:meth:`forget`), sorted by node (seconds as ``now`` is: wall s in the directory)."""
         return [
             (k, self.silent_s(k, now), None if n.last_batch is None else now - n.last_batch, n.stale)
             for k, n in sorted(self._nodes.items())
+            if not n.forgotten
         ]

@@ -164,7 +164,7 @@ class DirectoryService(WatchedService):
     # ------------------------------------------------------------------ #
 
     async def _on_kv(self, batch: m.KvEventBatch, subject: str) -> None:
-        if not self.core.has_node(batch.node) and len(self.core.names) >= self.cfg.max_nodes:
+        if not self.core.is_live(batch.node) and self.core.live_nodes() >= self.cfg.max_nodes:
             self.counters["kv.nodes_over_limit"] += 1
             self.bus.droplog.event("kv.nodes_over_limit", "KV events of a node past max_nodes dropped", node=batch.node)
             return
@@ -234,7 +234,7 @@ class DirectoryService(WatchedService):
             # a directory that died resets them at once, not at this process's first count change for
             # it (which an idle node may not get for a long time)
             self._epoch_told.add(st.node)
-            await self.bus.publish(KV_COUNTS, m.CountUpdates(node=st.node, epoch=self.count_epoch), node=st.node)
+            await self.bus.publish(KV_COUNTS, m.CountUpdates(node=st.node, epoch=self.node_epoch(st.node)), node=st.node)
             self.counters["counts.epoch_announced"] += 1
 
     async def _liveness_loop(self) -> None:
@@ -254,6 +254,7 @@ class DirectoryService(WatchedService):
                 if self.cfg.forget_node_after_s > 0:
                     for node in self.liveness.forget(now, self.cfg.forget_node_after_s):
                         self._forget(node)
+                self._drop_reclaimed()
                 report = [m.NodeKvLiveness(node=n, silent_s=round(s, 3), last_batch_s=None if b is None else round(b, 3), stale=st)
                           for n, s, b, st in self.liveness.report(now)]  # fmt: skip
                 await self.bus.publish(KV_LIVENESS, m.KvLiveness(nodes=report, stale_after_s=self.cfg.kv_stale_after_s))
@@ -274,8 +275,34 @@ class DirectoryService(WatchedService):
             node=node, silent_for_s=self.cfg.forget_node_after_s, copies_dropped=dropped,
         )  # fmt: skip
 
+    def _drop_reclaimed(self) -> None:
+        """Forget for good the nodes whose directory slot another node took over
+        (``KvDirectory.take_reclaimed``): what this shell keeps per node (liveness, the count epoch
+        told, resync and count-sync marks) goes, so node ids that change on every restart do not
+        pile up. O(nodes reclaimed)."""
+        for node in self.core.take_reclaimed():
+            self.liveness.drop(node)
+            self._epoch_told.discard(node)
+            self._last_resync.pop(node, None)
+            self._count_snaps.pop(node, None)
+            self._count_sync_last.pop(node, None)
+            t = self._resyncs.pop(node, None)
+            if t is not None and not t.done():
+                t.cancel()
+
+    def node_epoch(self, node: str) -> str:
+        """``CountUpdates.epoch`` of ``node``'s counts: :attr:`count_epoch`, with the node's
+        generation appended once a forgotten node's slot was taken over before it was registered
+        (``KvDirectory.node_generation``): a node id forgotten, its slot given to another, then
+        heard again has no counts here and numbers from 1 again, so its worker must reset the
+        counts it holds (a new epoch) rather than drop the new numbers as old ones."""
+        gen = self.core.node_generation(node)
+        return self.count_epoch if gen == 0 else f"{self.count_epoch}.{gen}"
+
     def _node_back(self, node: str) -> None:
         self.counters["nodes.returned"] += 1
+        if self.core.is_forgotten(node):  # live again in its slot (a node.state alone says so too)
+            self.core.node_id(node)
         self.log.info("forgotten node heard again; its KV is resynced", node=node)
 
     async def _on_lookup(self, req: m.KvLookupRequest, subject: str) -> m.KvLookupReply:
@@ -361,7 +388,7 @@ class DirectoryService(WatchedService):
         name only messages whose publication has returned, or failed (lost like one dropped by
         NATS, which the next beacon shows)."""
         for cu in msgs:
-            await self.bus.publish(KV_COUNTS, msgspec.structs.replace(cu, epoch=self.count_epoch), node=cu.node)
+            await self.bus.publish(KV_COUNTS, msgspec.structs.replace(cu, epoch=self.node_epoch(cu.node)), node=cu.node)
 
     # ------------------------------------------------------------------ #
     # kv.countsync: a worker lost a kv.counts message (or reconnected)
@@ -388,14 +415,14 @@ class DirectoryService(WatchedService):
             snap = self._count_snaps.get(node)
             if snap is None or snap.id != req.snapshot or req.offset >= len(snap.hashes):
                 self.counters["countsync.snapshot_gone"] += 1
-                return m.CountSnapshot(node=node, epoch=self.count_epoch, snapshot=req.snapshot,
+                return m.CountSnapshot(node=node, epoch=self.node_epoch(node), snapshot=req.snapshot,
                                        error="count snapshot gone (expired or replaced): ask again from offset 0")  # fmt: skip
         else:
             gap = self.cfg.count_sync_min_interval_s
             last = self._count_sync_last.get(node)
             if last is not None and now - last < gap:
                 self.counters["countsync.rate_limited"] += 1
-                return m.CountSnapshot(node=node, epoch=self.count_epoch,
+                return m.CountSnapshot(node=node, epoch=self.node_epoch(node),
                                        error=f"at most one new count snapshot of a node every {gap:g} s: ask again later")  # fmt: skip
             if gap > 0:
                 self._count_sync_last[node] = now
@@ -417,7 +444,7 @@ class DirectoryService(WatchedService):
         if req.snapshot and hi == len(snap.hashes):
             del self._count_snaps[node]  # the last piece: the worker has them all
         self.counters["countsync.pieces"] += 1
-        return m.CountSnapshot(node=node, epoch=self.count_epoch, seq=snap.seq, snapshot=snap.id, offset=lo, total=len(snap.hashes),
+        return m.CountSnapshot(node=node, epoch=self.node_epoch(node), seq=snap.seq, snapshot=snap.id, offset=lo, total=len(snap.hashes),
                                hashes=snap.hashes[lo:hi], counts=snap.counts[lo:hi])  # fmt: skip
 
     def _expire_count_snaps(self, now: float) -> None:
@@ -455,11 +482,11 @@ class DirectoryService(WatchedService):
         publish is counted (``counts.beacon_errors``) and logged once per round; the others go on."""
         async with self._flush_lock:
             seqs = list(self.core.count_seqs().items())
-        sent, failed, epoch = 0, 0, self.count_epoch
+        sent, failed = 0, 0
         err: Exception | None = None
         for node, seq in seqs:
             try:
-                await self.bus.publish(KV_COUNTS, m.CountUpdates(node=node, seq=seq, epoch=epoch, beacon=True), node=node)
+                await self.bus.publish(KV_COUNTS, m.CountUpdates(node=node, seq=seq, epoch=self.node_epoch(node), beacon=True), node=node)
                 sent += 1
             except Exception as e:  # one node's failure must not stop the others' beacons
                 failed += 1

@@ -17,6 +17,7 @@ from shared.subjects import (
     BRANCH_EVENTS,
     KV_COUNTS,
     KV_EVENTS,
+    KV_LIVENESS,
     KV_LOOKUP,
     KV_RESYNC,
     NODE_STATE,
@@ -350,6 +351,47 @@ async def test_a_node_silent_past_forget_node_after_s_is_forgotten_and_resynced_
             return (await lookup(c, PATH)).nodes[0].gpu_blocks == 4
 
         await eventually(applied)
+
+
+async def test_pods_that_come_and_go_never_exhaust_max_nodes(nats_url):
+    """Node ids that change on every restart: with --max-nodes 2, a third id is indexed once one
+    of the two was forgotten (it takes the forgotten one's slot; before, every id ever seen kept
+    one and the third was dropped as over the limit), and kv.liveness no longer lists the
+    forgotten node (it listed it forever)."""
+    async with running_directory(nats_url, max_nodes=2, forget_node_after_s=0.3, liveness_interval_s=0.05) as c:
+        reports: list[m.KvLiveness] = []
+
+        async def on_liveness(msg: m.KvLiveness, subject: str) -> None:
+            reports.append(msg)
+
+        await c.subscribe(KV_LIVENESS, on_liveness)
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="pod-a", seq=1, events=[stored(PATH)]), node="pod-a")
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="pod-b", seq=1, events=[stored(PATH[:2], "host")]), node="pod-b")
+
+        async def forgotten():  # pod-b stays heard, pod-a says nothing
+            await c.publish(NODE_STATE, m.NodeState(node="pod-b", ts=1.0), node="pod-b")
+            return (await stats(c)).counters.get("nodes.forgotten", 0) >= 1
+
+        await eventually(forgotten)
+        n = len(reports)
+        await eventually(lambda: len(reports) > n)
+        assert [x.node for x in reports[-1].nodes] == ["pod-b"]
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="pod-c", seq=1, events=[stored(PATH[:3])]), node="pod-c")
+
+        async def indexed():
+            return {p.node: p.local_blocks for p in (await lookup(c, PATH)).nodes} == {"pod-b": 2, "pod-c": 3}
+
+        await eventually(indexed)
+        s = await stats(c)
+        assert s.counters.get("kv.nodes_over_limit", 0) == 0 and s.counters["nodes.reclaimed"] == 1
+        assert s.gauges["nodes"] == 2 and s.gauges["nodes.forgotten_slots"] == 0
+        # the limit counts live nodes: a fourth id, with two live, is still refused
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="pod-d", seq=1, events=[stored(PATH[:1])]), node="pod-d")
+        await eventually(lambda: _over_limit(c))
+
+
+async def _over_limit(c: Bus) -> bool:
+    return (await stats(c)).counters.get("kv.nodes_over_limit", 0) == 1
 
 
 def test_forget_node_after_s_flag():

@@ -685,3 +685,58 @@ def test_forget_node_drops_its_blocks_like_all_blocks_cleared_and_a_returning_no
     assert r.need_resync and d.awaiting_resync("w1")
     d.apply_snapshot(KvSnapshot(node="w1", seq=1, block_size=BS, host=P[:2], host_parents=[None, P[0]]), 5.0)
     assert not d.awaiting_resync("w1") and d.lookup(P).node("w1").host_blocks == 2
+
+
+def test_a_forgotten_nodes_slot_goes_to_the_next_new_node_with_nothing_of_the_old_one():
+    """Node ids that change on every restart (pod names): a forgotten node's slot is taken over
+    by the next new id, so slots count the nodes there are, not every id ever seen; the new node
+    inherits no block, count, pending move, phase, lost-reuse history or message number."""
+    d = KvDirectory(BS, keep_counted_copies=True)
+    f = Feed(d)
+    f.send("p0", st(P[:6]))
+    f.send("p1", st(P[:2], "host"))
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", P[:4], 1.0)
+    d.place("b", "p1", "prefill", P[:4], 2.0)  # p1 lacks P[3]: the move p0 -> p1 waits for it
+    d.branch_start("c", 0.0)
+    d.place("c", "p0", "prefill", P[:6], 1.0)  # c's last prefill node is p0
+    d.take_count_updates()
+    assert d.count_seqs()["p0"] == 1 and d.branch("b").pending == {1: {0}}
+
+    assert d.forget_node("p0") == 6 and d.forget_node("p0") == 0  # once
+    assert d.is_forgotten("p0") and not d.is_live("p0") and d.live_nodes() == 1
+    assert d.gauges()["nodes"] == 1.0 and d.gauges()["nodes.forgotten_slots"] == 1.0
+    assert counts(d, "p0", P[:4]) == [2] * 4  # kept while the slot is not taken over
+    d.place("c", "p0", "prefill", P[:6], 1.5)  # another router's word: p0 stays forgotten
+    assert d.is_forgotten("p0")
+
+    f.send("p2", st(P[:1]))  # a new pod: takes over p0's slot
+    assert d.names == ["p2", "p1"] and d.live_nodes() == 2 and not d.has_node("p0")
+    assert d.take_reclaimed() == ["p0"] and d.take_reclaimed() == []
+    assert d.node_generation("p2") == 1 and d.node_generation("p1") == 0 and d.counters["nodes.reclaimed"] == 1
+    assert d.lookup(P).node("p2").gpu_blocks == 1  # only its own block
+    assert d.counted_blocks("p2") == 0 and "p2" not in d.count_seqs() and d.node_phase("p2") is None
+    assert d.branch("b").pending == {} and 0 not in d.branch("b").counted and d.branch("c").counted == {}
+    assert d.take_count_updates() == []  # the release of a gone node's counts is sent to nobody
+    d.branches.check()
+    d.index.check()
+    r = d.place("c", "p2", "prefill", P[:6], 3.0)
+    assert r.reuse is not None and r.reuse.prev_node is None  # p0's history is not p2's
+    assert counts(d, "p2", P[:6]) == [1] * 6
+    f.send("p1", st(P[2:4], "host"))  # b's move to p1 completes: nothing of p2 is released
+    assert counts(d, "p2", P[:6]) == [1] * 6 and counts(d, "p1", P[:4]) == [1] * 4
+    [cu] = [u for u in d.take_count_updates() if u.node == "p2"]
+    assert cu.seq == 1  # p2's own numbering
+
+    # a forgotten node heard again before its slot is taken over is live again, in its own slot
+    d.forget_node("p1")
+    f.send("p1", st(P[4:5], "host"))
+    assert d.is_live("p1") and d.names == ["p2", "p1"] and d.counters["nodes.revived"] == 1
+    # and p0, heard again after its slot went to p2, is a new node: a new slot, a new generation
+    d.forget_node("p2")
+    f.send("p3", st(P[:1]))
+    assert d.names == ["p3", "p1"]
+    f.send("p0", st(P[:1]))
+    assert d.names == ["p3", "p1", "p0"] and d.node_generation("p0") == 2 and d.counted_blocks("p0") == 0
+    d.branches.check()
+    d.index.check()

@@ -160,3 +160,27 @@ async def test_the_service_beacons_every_period_and_zero_disables_it():
         assert "kvdirectory-count-beacon" in d._bg.names()
     finally:
         await off.stop()
+
+
+async def test_a_node_id_back_after_its_slot_was_taken_over_gets_a_new_count_epoch():
+    """w0 is forgotten, w1 takes its slot over, w0 comes back: the directory has no counts of w0
+    any more and numbers its messages from 1 again; a new epoch makes w0's worker reset the counts
+    it holds and apply them (with the old epoch, message 1 was dropped as older than its last)."""
+    d, bus = directory()
+    for i in range(3):  # w0's worker holds counts up to message 3
+        d.core.branch_start(f"a{i}", 0.0)
+        d.core.place(f"a{i}", "w0", "prefill", [1, 2, 3 + i], 0.0)
+        await d.flush_counts()
+    w0 = check_wire(bus.wire)["w0"]
+    assert w0.last == 3 and w0.epoch == d.count_epoch == d.node_epoch("w0")
+    d.core.forget_node("w0")
+    d.core.place("b", "w1", "prefill", [7], 1.0)  # a new node takes the slot over
+    d._drop_reclaimed()
+    assert d.node_epoch("w1") == f"{d.count_epoch}.1" and d.core.names == ["w1"]
+    d.core.place("c", "w0", "prefill", [1, 2], 2.0)  # w0 heard of again: a new node
+    await d.flush_counts()
+    [msg] = [x for x in bus.wire if x.node == "w0" and x.epoch != d.count_epoch]
+    assert msg.seq == 1 and msg.epoch == d.node_epoch("w0") == f"{d.count_epoch}.1"
+    assert w0.offer(msg) == (True, "apply")  # reset, then applied
+    await d.send_count_beacons()
+    assert {x.node: x.epoch for x in bus.wire if x.beacon} == {"w0": d.node_epoch("w0"), "w1": d.node_epoch("w1")}

@@ -59,3 +59,18 @@ def test_a_node_unheard_for_the_forget_limit_is_forgotten_once_and_back_when_hea
     assert not lv.heard("w0", 1002.0)
     assert lv.forget(1302.0, 300.0) == [] and lv.forget(1302.5, 300.0) == ["w0"]
     assert lv.forget(10_000.0, 300.0) == [] and not lv.is_forgotten("never-heard")
+
+
+def test_a_forgotten_node_leaves_the_report_and_checks_and_drop_forgets_it_for_good():
+    lv = KvLiveness(stale_after=2.0)
+    lv.heard("w0", 0.0)
+    lv.state("w0", True, 0.0)  # serving, then SIGKILLed: silent from then on
+    lv.heard("w1", 0.0)
+    lv.heard("w1", 400.0)
+    assert lv.forget(301.0, 300.0) == ["w0"]
+    assert [r[0] for r in lv.report(401.0)] == ["w1"]  # was listed forever
+    assert lv.check(401.0) == []  # no stale mark (and no resync) for a node that is gone
+    assert lv.heard("w0", 402.0) and [r[0] for r in lv.report(402.0)] == ["w0", "w1"]  # back: listed again
+    assert lv.forget(703.0, 300.0) == ["w0", "w1"] and lv.report(703.0) == []
+    assert lv.drop("w0") and not lv.drop("w0") and len(lv) == 1
+    assert not lv.heard("w0", 704.0)  # gone for good: heard again, it is a new node
