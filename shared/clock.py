@@ -41,23 +41,51 @@ async def sleep_until(deadline: float, now: Callable[[], float] = time.monotonic
 class SimClock:
     """Simulated seconds since ``origin`` at ``speedup`` simulated s per wall s.
 
+    Two readings: :meth:`now`, on the wall clock, for every time that goes to or is compared with
+    another process (message ``ts`` fields, a worker's first-token time, a state's ``ts``): all
+    processes of a cluster share ``origin``, and a step of the wall clock (NTP, a VM resumed) moves
+    them all alike; and :meth:`local_now`, on the monotonic clock, for durations a process
+    measures between two of its own readings (how long since a node's last state arrived): a wall
+    clock step does not move it, so it cannot fence every node in one round.
+
     Args:
         speedup: simulated seconds per wall second (> 0).
         origin: wall epoch seconds of simulated time 0; 0 means "now".
+        wall: the wall clock (epoch seconds; default ``time.time``; tests inject a step).
+        mono: the monotonic clock (seconds; default ``time.monotonic``).
 
     Raises:
         ValueError: if ``speedup`` is not positive.
     """
 
-    def __init__(self, speedup: float = 1.0, origin: float = 0.0) -> None:
+    def __init__(
+        self, speedup: float = 1.0, origin: float = 0.0, *,
+        wall: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
         self.speedup = speedup
-        self.origin = origin or time.time()
+        self._wall = wall
+        self._mono = mono
+        self.origin = origin or wall()
+        self._local0 = self.now()
+        self._mono0 = mono()
 
     def now(self) -> float:
-        """Current simulated time (s)."""
-        return (time.time() - self.origin) * self.speedup
+        """Current simulated time (s), on the wall clock (comparable across processes)."""
+        return (self._wall() - self.origin) * self.speedup
+
+    def local_now(self) -> float:
+        """Current simulated time (s) on the monotonic clock: :meth:`now` as it was when the clock
+        was made, plus the monotonic seconds since × ``speedup``. For durations between two
+        readings of this process only (never sent to another process, never compared with
+        :meth:`now` or a message's ``ts``: they part by every step of the wall clock)."""
+        return self._local0 + (self._mono() - self._mono0) * self.speedup
+
+    def monotonic(self) -> float:
+        """The monotonic clock this clock reads (wall-rate seconds, not scaled by ``speedup``;
+        ``time.monotonic`` unless injected): for wall-second durations of this process only."""
+        return self._mono()
 
     def wall_at(self, sim_t: float) -> float:
         """Wall epoch time at which simulated time ``sim_t`` is reached."""
@@ -69,6 +97,6 @@ class SimClock:
 
     async def sleep_until(self, sim_t: float) -> None:
         """Sleep (wall) until simulated time ``sim_t``; returns at once if past."""
-        delay = self.wall_at(sim_t) - time.time()
+        delay = self.wall_at(sim_t) - self._wall()
         if delay > 0:
             await asyncio.sleep(delay)

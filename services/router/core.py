@@ -148,6 +148,9 @@ class RouterCore:
         keep_metrics: accumulate :attr:`metrics` at every first token (the live router exports
             them); False leaves them empty (the simulator, which reads the samples
             :meth:`on_first_token` returns and never the metrics).
+        state_clock: the clock on which node states' arrival and ages are read (``NodeLoadView``'s
+            ``clock``: the live router's monotonic ``SimClock.local_now``, so a step of the wall
+            clock does not fence every node); None (the simulator): each call's ``now``.
 
     Raises:
         ValueError: if ``block_size`` < 1, ``fence_after`` <= 0 or an unknown ``decode_binding``.
@@ -161,6 +164,7 @@ class RouterCore:
         fence_after: float = 3.0,
         decode_binding: str = "dispatch",
         keep_metrics: bool = True,
+        state_clock: Callable[[], float] | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -171,7 +175,7 @@ class RouterCore:
         """rid → request, dispatched to a prefill node with its decode node still to bind."""
         self.policy = policy
         self.block_size = block_size
-        self.view = NodeLoadView(fence_after=fence_after)
+        self.view = NodeLoadView(fence_after=fence_after, clock=state_clock)
         self.metrics = RouteMetrics()
         self.keep_metrics = keep_metrics
         self._routed: dict[str, tuple[str, float, float | None]] = {}
@@ -499,5 +503,6 @@ class RouterCore:
         return gone
 
     def next_deadline(self) -> float | None:
-        """When :meth:`check_fences` should be called next (None: no node known)."""
+        """When :meth:`check_fences` should be called next (None: no node known), on the
+        ``state_clock`` when one was given, else in the unit of ``now``."""
         return self.view.next_deadline()

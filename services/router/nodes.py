@@ -48,7 +48,7 @@ recorded afresh, with the phase the current split gives it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from shared.messages import NodeState, Phase, SplitCommand
 from shared.subjects import check_token
@@ -224,6 +224,13 @@ class NodeLoadView(Value):
         fence_after: a node whose last state is older than this (same unit as
             ``now``) is fenced out. The live shell passes
             ``fence_after_s * speedup`` so the threshold is in wall seconds.
+        clock: when given, the time at which states arrive and every age of a state (fencing,
+            eligibility, forgetting, :meth:`snapshot`'s ``state_age_s``, :meth:`next_deadline`)
+            are read from it, and the ``now`` of each call is not used for them: the live router
+            passes ``SimClock.local_now`` (monotonic, so a step of the wall clock neither fences
+            every node nor keeps a dead one in; the ``now`` it passes is wall-based, for the
+            times it shares with other processes). None (the default: the simulator, tests):
+            the ``now`` of each call. Same unit as ``now``.
 
     Raises:
         ValueError: if ``fence_after`` is not positive.
@@ -265,9 +272,12 @@ class NodeLoadView(Value):
     back, never seen, so never forgotten again and listed by ``/v1/cluster`` for good). An id leaves when the
     node reports again or a split no longer names it, so the set is bounded by the split's size."""
 
+    clock: Callable[[], float] | None
+    """The receiving side's clock for state ages (see Args), or None: each call's ``now``."""
+
     __slots__ = __match_args__ = (
         "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists", "_tokens",
-        "_usable_gen", "_kv_bounds", "_split_phases", "_forgotten",
+        "_usable_gen", "_kv_bounds", "_split_phases", "_forgotten", "clock",
     )
 
     def __init__(
@@ -275,6 +285,7 @@ class NodeLoadView(Value):
         kv_stale: frozenset[str] = frozenset(), _flights: Any = FACTORY, _gen: int = 0,
         _by_id: list[NodeRecord] | None = None, _lists: Any = FACTORY, _tokens: Any = FACTORY,
         _usable_gen: int = -1, _kv_bounds: tuple[int, int] | None = None, _split_phases: Any = FACTORY, _forgotten: Any = FACTORY,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.fence_after = fence_after
         self.nodes = {} if nodes is FACTORY else nodes
@@ -290,6 +301,7 @@ class NodeLoadView(Value):
         self._kv_bounds = _kv_bounds
         self._split_phases = {} if _split_phases is FACTORY else _split_phases
         self._forgotten = set() if _forgotten is FACTORY else _forgotten
+        self.clock = clock
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -325,6 +337,8 @@ class NodeLoadView(Value):
             ValueError: if ``state.node`` is not a single NATS token (it is
                 used to build ``work.<node>.*`` subjects).
         """
+        if self.clock is not None:
+            now = self.clock()
         if state.node not in self._tokens:
             check_token(state.node, "node")
             self._tokens.add(state.node)
@@ -391,6 +405,8 @@ class NodeLoadView(Value):
 
     def age(self, node: str, now: float) -> float | None:
         """Age of the node's last state, or None if it never reported."""
+        if self.clock is not None:
+            now = self.clock()
         rec = self.nodes.get(node)
         if rec is None or rec.last_seen is None:
             return None
@@ -398,10 +414,14 @@ class NodeLoadView(Value):
 
     def is_stale(self, rec: NodeRecord, now: float) -> bool:
         """True when the node is fenced or its last state is older than ``fence_after``."""
+        if self.clock is not None:
+            now = self.clock()
         return rec.fenced or rec.last_seen is None or now - rec.last_seen > self.fence_after
 
     def eligible(self, rec: NodeRecord, now: float) -> bool:
         """Routable now: reported, not stale, accepting, phase agrees with the split."""
+        if self.clock is not None:
+            now = self.clock()
         st = rec.state
         if st is None or self.is_stale(rec, now) or not st.accepting:
             return False
@@ -436,6 +456,8 @@ class NodeLoadView(Value):
         ``_gen``) or until ``now`` leaves the interval in which no listed node can go
         stale; each node's :class:`NodeLoad` is kept until that node's record changes.
         """
+        if self.clock is not None:
+            now = self.clock()
         wanted = phases if isinstance(phases, frozenset) else frozenset(phases)
         hit = self._lists.get(wanted)
         if hit is not None and hit[0] == self._gen and hit[1] <= now and now - hit[2] <= self.fence_after:
@@ -477,6 +499,8 @@ class NodeLoadView(Value):
             ``(True, "")`` when a collocated node, or a prefill node and a decode
             node, are eligible; else ``(False, reason)``.
         """
+        if self.clock is not None:
+            now = self.clock()
         pre = self.prefill_candidates(now)
         if not pre:
             return False, self.no_candidate_reason("prefill", now)
@@ -500,6 +524,8 @@ class NodeLoadView(Value):
         (the caller's clock units; ``math.inf``: never). A node fenced for a moment (restarted, silent less than
         ``forget_after``) has not; a node fenced while the bus is down is not fenced (the shell skips fence
         checks then), so an outage does not make nodes leave. O(1)."""
+        if self.clock is not None:
+            now = self.clock()
         return rec.fenced and rec.last_seen is not None and now - rec.last_seen > forget_after
 
     def _unseen_leftover(self, rec: NodeRecord) -> bool:
@@ -526,6 +552,8 @@ class NodeLoadView(Value):
         router's placement on a node this one forgot or never heard from; :meth:`_unseen_leftover`) goes too, at
         the first call after its last request ended. Returns the forgotten node ids, sorted (the caller drops its
         own per-node state). O(nodes)."""
+        if self.clock is not None:
+            now = self.clock()
         if forget_after == math.inf:
             return []
         gone = sorted(
@@ -551,6 +579,8 @@ class NodeLoadView(Value):
         switch); the first node id on a tie. None when there is none, or when one of them reports no capacity
         (0: a node of an older version; nothing can be promised then). The defaults count every node that
         reported. O(nodes)."""
+        if self.clock is not None:
+            now = self.clock()
         best: tuple[int, str] | None = None
         for rec in self.nodes.values():
             st = rec.state
@@ -575,6 +605,8 @@ class NodeLoadView(Value):
 
     def no_candidate_reason(self, role: str, now: float) -> str:
         """Human-readable reason why no node of ``role`` (prefill|decode) is eligible."""
+        if self.clock is not None:
+            now = self.clock()
         phases = PREFILL_PHASES if role == "prefill" else DECODE_PHASES
         parts: list[str] = []
         for rec in sorted(self.nodes.values(), key=lambda r: r.node):
@@ -701,6 +733,8 @@ class NodeLoadView(Value):
         stale (``kv_stale``, from ``kv.liveness``): its cache may be counted on (prefix credit,
         fetch sources). Unknown nodes count as usable (the directory may know a node
         before its first state reaches this router)."""
+        if self.clock is not None:
+            now = self.clock()
         if node in self.kv_stale:
             return False
         rec = self.nodes.get(node)
@@ -711,6 +745,8 @@ class NodeLoadView(Value):
     def all_usable(self, now: float) -> bool:
         """True when :meth:`usable` holds for every node (none fenced or stale, no KV view
         called stale): a lookup then needs no filtering. O(N)."""
+        if self.clock is not None:
+            now = self.clock()
         if self.kv_stale:
             return False
         fence = self.fence_after
@@ -738,6 +774,8 @@ class NodeLoadView(Value):
             the requests in flight on it; sorted by node id. The caller fails
             those requests and then calls :meth:`on_finish` for each.
         """
+        if self.clock is not None:
+            now = self.clock()
         out: list[FencedNode] = []
         for rec in sorted(self.nodes.values(), key=lambda r: r.node):
             if rec.fenced or rec.last_seen is None:
@@ -761,6 +799,8 @@ class NodeLoadView(Value):
 
     def live_count(self, now: float) -> int:
         """Nodes that are eligible now (any phase)."""
+        if self.clock is not None:
+            now = self.clock()
         return sum(1 for rec in self.nodes.values() if self.eligible(rec, now))
 
     def fenced_count(self) -> int:
@@ -768,6 +808,8 @@ class NodeLoadView(Value):
 
     def snapshot(self, now: float) -> list[dict[str, object]]:
         """One plain dict per node (for ``GET /v1/cluster``), sorted by node id."""
+        if self.clock is not None:
+            now = self.clock()
         out: list[dict[str, object]] = []
         for rec in sorted(self.nodes.values(), key=lambda r: r.node):
             st = rec.state

@@ -23,7 +23,8 @@ class RemoteSend:
     router: str
     attempt: int
     since: float
-    """Wall time (s) of its last ``RouteSent``."""
+    """When its last ``RouteSent`` arrived (s, the caller's clock: the live router's
+    ``time.monotonic()``, a local duration only)."""
     first_token: bool = False
 
 
@@ -39,12 +40,13 @@ class RemoteSends:
     def __contains__(self, rid: object) -> bool:
         return rid in self._sends
 
-    def sent(self, rid: str, router: str, attempt: int, wall: float) -> bool:
-        """A ``RouteSent``: True when it should be counted (newer or equal attempt than known)."""
+    def sent(self, rid: str, router: str, attempt: int, now: float) -> bool:
+        """A ``RouteSent`` arrived at ``now`` (s, the clock :meth:`expired` is given): True when it
+        should be counted (newer or equal attempt than known)."""
         old = self._sends.get(rid)
         if old is not None and attempt < old.attempt:
             return False
-        self._sends[rid] = RemoteSend(router, attempt, wall)
+        self._sends[rid] = RemoteSend(router, attempt, now)
         return True
 
     def chunk(self, rid: str, attempt: int, finished: bool) -> str | None:
@@ -70,9 +72,11 @@ class RemoteSends:
         """Drop ``rid`` (its node was fenced: the owner re-dispatches it and says so again)."""
         return self._sends.pop(rid, None) is not None
 
-    def expired(self, wall: float, ttl: float) -> list[str]:
-        """Forget and return the rids last sent more than ``ttl`` wall seconds before ``wall``."""
-        old = [rid for rid, s in self._sends.items() if wall - s.since > ttl]
+    def expired(self, now: float, ttl: float) -> list[str]:
+        """Forget and return the rids whose last ``RouteSent`` arrived more than ``ttl`` seconds
+        before ``now`` (the clock :meth:`sent` was given: monotonic in the live router, so a
+        step of the wall clock does not drop every other router's request at once)."""
+        old = [rid for rid, s in self._sends.items() if now - s.since > ttl]
         for rid in old:
             del self._sends[rid]
         return old

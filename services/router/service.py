@@ -588,7 +588,8 @@ class RouterService(WatchedService):
         policy = make_policy(cfg.routing, **cfg.policy_options(), ttft_breakdown=self.log.is_enabled_for(logging.DEBUG))
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
         self.core = RouterCore(
-            policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup, decode_binding=cfg.decode_binding
+            policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup, decode_binding=cfg.decode_binding,
+            state_clock=clock.local_now,  # node-state ages on the monotonic clock: a wall-clock step fences no node
         )
         self.branches = BranchTable(cfg.max_ended_branches, ttl_s=cfg.branch_ttl_s, max_hold_s=cfg.max_tool_hold_s)
         self.counters: Counter[str] = Counter()
@@ -1304,11 +1305,11 @@ class RouterService(WatchedService):
                     self._forgotten(node)
                 self._note_context()  # a node silent past --forget-node-after-s no longer counts toward the KV cap
             self._expire_parked(time.monotonic())
-            for rid in self._remote.expired(time.time(), self.cfg.request_timeout_s):
+            for rid in self._remote.expired(time.monotonic(), self.cfg.request_timeout_s):
                 self.core.finish(rid, now)  # its owner went away without its end reaching the bus
                 self.counters["remote.expired"] += 1
-            deadline = self.core.next_deadline()
-            wait = 0.5 if deadline is None else min(0.5, max(0.01, self.clock.to_wall(deadline - now) + 0.005))
+            deadline = self.core.next_deadline()  # on the core's state clock (clock.local_now)
+            wait = 0.5 if deadline is None else min(0.5, max(0.01, self.clock.to_wall(deadline - self.clock.local_now()) + 0.005))
             await asyncio.sleep(wait)
 
     def _forgotten(self, node: str) -> None:
@@ -1476,7 +1477,7 @@ class RouterService(WatchedService):
     async def _on_route_sent(self, msg: m.RouteSent, _subject: str) -> None:
         if msg.router == self.bus.instance or msg.rid in self._pending:
             return
-        if self._remote.sent(msg.rid, msg.router, msg.attempt, time.time()):
+        if self._remote.sent(msg.rid, msg.router, msg.attempt, time.monotonic()):
             if self.core.remote_dispatch(msg, self.clock.now()):
                 self.counters["remote.sent"] += 1
             else:

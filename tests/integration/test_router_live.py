@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 
 from shared import messages as m
 from shared.bus import Bus
+from shared.clock import SimClock
 from shared.hashing import block_hashes, unpack_tokens
 from shared.service import serve_until_stopped
 from shared.subjects import (
@@ -208,7 +210,11 @@ async def _wait_for(pred, timeout: float = 5.0, what: str = "condition") -> None
 
 
 @contextlib.asynccontextmanager
-async def router_env(nats_url: str, tmp_path: Path, phases: dict[str, str], **cfg_kw: Any) -> AsyncIterator[Env]:
+async def router_env(
+    nats_url: str, tmp_path: Path, phases: dict[str, str], *, clock: SimClock | None = None, **cfg_kw: Any
+) -> AsyncIterator[Env]:
+    """The router in-process with a :class:`FakeCluster`; ``clock``: the router's clock instead of
+    the one the shell makes (a test steps its wall clock)."""
     bus = await Bus.connect(nats_url, Subjects("p0"), service="fake", instance="fake-cluster")
     cluster = FakeCluster(bus=bus, phases=phases)
     await cluster.start()
@@ -228,8 +234,8 @@ async def router_env(nats_url: str, tmp_path: Path, phases: dict[str, str], **cf
     cfg = RouterConfig(**{**settings, **cfg_kw})
     holder: dict[str, RouterService] = {}
 
-    def factory(c, b, clock):
-        holder["svc"] = RouterService(c, b, clock)
+    def factory(c, b, made):
+        holder["svc"] = RouterService(c, b, clock or made)
         return holder["svc"]
 
     stop = asyncio.Event()
@@ -544,6 +550,32 @@ async def test_silent_prefill_node_is_fenced_and_its_request_redispatched(nats_u
         await _wait_for(lambda: len(env.service.core.view.prefill_candidates(env.service.clock.now())) == 2, what="p0 back")
         r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
         assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == "p0"
+
+
+async def test_a_wall_clock_step_fences_no_node(nats_url, tmp_path):
+    """The wall clock steps an hour forward (NTP, a VM resumed) while the nodes' states are in the
+    air: node-state ages are measured on the monotonic clock, so no node is fenced or forgotten
+    (on the wall clock every node was fenced in the next round, and forgotten past
+    --forget-node-after-s, at once)."""
+    step = [0.0]
+    clock = SimClock(wall=lambda: time.time() + step[0])
+    async with router_env(nats_url, tmp_path, {"c0": "both", "c1": "both"}, clock=clock, forget_node_after_s=60.0) as env:
+        env.cluster.alive.clear()  # no state arrives for a moment (well under FENCE_S)
+        await asyncio.sleep(2 * HEARTBEAT_S)
+        step[0] = 3600.0
+        await asyncio.sleep(0.7)  # the fence loop wakes at least every 0.5 s
+        st = await env.stats()
+        assert st.counters.get("fenced", 0) == 0 and st.counters.get("nodes.forgotten", 0) == 0
+        env.cluster.alive.update({"c0", "c1"})
+        cl = (await env.http.get("/v1/cluster")).json()
+        assert sorted(n["node"] for n in cl["nodes"] if not n["fenced"]) == ["c0", "c1"]
+        assert all(n["state_age_wall_s"] < FENCE_S for n in cl["nodes"])
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        # a node that really stops is still fenced, on the monotonic clock
+        env.cluster.alive.discard("c1")
+        await _wait_for(lambda: env.service.counters["fenced"] == 1, what="c1 fenced")
+        assert [n.node for n in env.service.core.view.prefill_candidates(clock.now())] == ["c0"]
 
 
 async def test_stale_attempt_output_is_dropped_and_its_node_told_to_stop(nats_url, tmp_path):

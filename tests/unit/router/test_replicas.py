@@ -11,16 +11,16 @@ from services.router.replicas import RemoteSends
 
 def test_remote_sends_follow_attempts_first_token_and_end():
     r = RemoteSends()
-    assert r.sent("x", "router-1", 0, wall=10.0)
+    assert r.sent("x", "router-1", 0, now=10.0)
     assert r.chunk("x", 1, False) is None  # another attempt's chunk
     assert r.chunk("x", 0, False) == "first" and r.chunk("x", 0, False) is None
     assert r.current("x", 0) and not r.current("x", 1) and not r.current("y", 0)
-    assert r.sent("x", "router-1", 1, wall=11.0) and not r.sent("x", "router-1", 0, wall=11.0)
+    assert r.sent("x", "router-1", 1, now=11.0) and not r.sent("x", "router-1", 0, now=11.0)
     assert r.current("x", 1) and not r.current("x", 0)
     assert r.by_router() == {"router-1": 1}
     assert r.chunk("x", 1, True) == "end" and "x" not in r
-    r.sent("y", "router-2", 0, wall=0.0)
-    r.sent("z", "router-2", 0, wall=50.0)
+    r.sent("y", "router-2", 0, now=0.0)
+    r.sent("z", "router-2", 0, now=50.0)
     assert r.expired(61.0, ttl=60.0) == ["y"] and len(r) == 1
     assert r.forget("z") and not r.forget("z")
 
