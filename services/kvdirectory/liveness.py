@@ -1,6 +1,8 @@
 """Liveness of each node's KV view (issue #22): is a node that serves still reporting its KV?
 
-Pure bookkeeping; no I/O; every call takes ``now`` (the directory passes wall seconds).
+Pure bookkeeping; no I/O; every call takes ``now`` in seconds (the directory passes
+``time.monotonic()`` through its clock: durations of its own, which a step of the wall clock must
+not move).
 A node that runs requests stores and frees KV blocks, so it sends ``kv.events`` batches;
 one that serves and sends none has a broken KV publisher (the failure of Dynamo #11984 and
 TensorRT-LLM #14882), and the directory's view of it silently rots. Per node this keeps:
@@ -36,7 +38,7 @@ class _Node:
     last_batch: float | None = None
     stale: bool = False
     last_heard: float | None = None
-    """Wall time of the node's last KV batch or state (:meth:`KvLiveness.heard`)."""
+    """When the node's last KV batch or state arrived (:meth:`KvLiveness.heard`; the caller's clock)."""
     forgotten: bool = False
     """Unheard for longer than the forget limit (set by :meth:`KvLiveness.forget`)."""
 
@@ -75,7 +77,7 @@ class KvLiveness:
         n.serving, n.last_state = serving, now
 
     def heard(self, node: str, now: float) -> bool:
-        """``node`` sent a KV batch or a state at ``now`` (wall s). Returns True when it was
+        """``node`` sent a KV batch or a state at ``now`` (s). Returns True when it was
         forgotten (it is back: its KV must come back whole, by a resync). O(1)."""
         n = self._nodes.setdefault(node, _Node())
         was = n.forgotten
@@ -136,7 +138,7 @@ class KvLiveness:
 
     def report(self, now: float) -> list[tuple[str, float, float | None, bool]]:
         """``(node, silent_s, seconds since its last batch or None, stale)`` per node not
-        forgotten (:meth:`forget`), sorted by node (seconds as ``now`` is: wall s in the directory)."""
+        forgotten (:meth:`forget`), sorted by node (seconds, on the clock of ``now``)."""
         return [
             (k, self.silent_s(k, now), None if n.last_batch is None else now - n.last_batch, n.stale)
             for k, n in sorted(self._nodes.items())

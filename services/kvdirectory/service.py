@@ -74,7 +74,8 @@ class DirectoryService(WatchedService):
     Args:
         cfg: service configuration.
         bus: connected bus (subjects already bound to the partition).
-        clock: simulated cluster clock; only this shell reads it.
+        clock: simulated cluster clock; only this shell reads it (``now()`` for the core,
+            ``monotonic()`` for KV liveness; ``gauges['wall_ts']`` stays wall time: another process reads it).
     """
 
     def __init__(self, cfg: DirectoryConfig, bus: Bus, clock: SimClock) -> None:
@@ -92,7 +93,9 @@ class DirectoryService(WatchedService):
         )
         self.counters: Counter[str] = Counter()
         self.liveness = KvLiveness(cfg.kv_stale_after_s)
-        """Per node: seconds served without a KV batch (wall clock); stale views (issue #22)."""
+        """Per node: seconds served without a KV batch, heard from, forgotten; stale views (issue #22).
+        Fed ``clock.monotonic()``: its durations are this process's own, and on the wall clock a
+        step forward forgot every node in one round (and marked every serving one stale)."""
         self.registry = make_registry(bus)
         """Prometheus registry served on ``--metrics-port`` (``services/kvdirectory/prom.py``)."""
         self.registry.register(FuncCollector(lambda: directory_families(self)))
@@ -171,10 +174,10 @@ class DirectoryService(WatchedService):
         t0 = time.perf_counter()
         res = self.core.apply_kv_batch(batch, self.clock.now())
         self._ingest_s.observe(time.perf_counter() - t0)
-        wall = time.time()
-        if self.liveness.heard(batch.node, wall):  # its batch was buffered: the core awaits a snapshot
+        mono = self.clock.monotonic()  # liveness measures local durations: a wall-clock step must not forget every node
+        if self.liveness.heard(batch.node, mono):  # its batch was buffered: the core awaits a snapshot
             self._node_back(batch.node)
-        if self.liveness.batch(batch.node, wall):
+        if self.liveness.batch(batch.node, mono):
             self.counters["kv_view.fresh_again"] += 1
             self.log.info("node sends KV events again; its view counts again", node=batch.node)
         if res.mismatched_block_sizes:
@@ -223,12 +226,12 @@ class DirectoryService(WatchedService):
             await self._maybe_flush()
 
     async def _on_state(self, st: m.NodeState, subject: str) -> None:
-        wall = time.time()
-        if self.liveness.heard(st.node, wall):
+        mono = self.clock.monotonic()
+        if self.liveness.heard(st.node, mono):
             self._node_back(st.node)
             if self.core.awaiting_resync(st.node):  # an idle node holds KV too: ask for it now
                 self._ensure_resync(st.node)
-        self.liveness.state(st.node, st.running + st.waiting > 0, wall)
+        self.liveness.state(st.node, st.running + st.waiting > 0, mono)
         if st.node not in self._epoch_told and len(self._epoch_told) < self.cfg.max_nodes:
             # tell the node this process's count epoch now, with no counts: a worker holding counts of
             # a directory that died resets them at once, not at this process's first count change for
@@ -242,7 +245,7 @@ class DirectoryService(WatchedService):
         while True:
             await asyncio.sleep(self.cfg.liveness_interval_s)
             try:
-                now = time.time()
+                now = self.clock.monotonic()
                 for node in self.liveness.check(now):
                     self.counters["kv_view.stale"] += 1
                     self.log.warning(
@@ -535,7 +538,7 @@ class DirectoryService(WatchedService):
         gauges = self.core.gauges()
         gauges["resync.in_flight"] = float(sum(1 for t in self._resyncs.values() if not t.done()))
         gauges["countsync.kept"] = float(len(self._count_snaps))
-        now = time.time()
+        now = self.clock.monotonic()
         for node, silent, _last, stale in self.liveness.report(now):
             gauges[f"kv_silent_s.{node}"] = silent
             gauges[f"kv_stale.{node}"] = 1.0 if stale else 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -12,6 +13,7 @@ from services.kvdirectory.config import DirectoryConfig
 from services.kvdirectory.service import DirectoryService
 from shared import messages as m
 from shared.bus import Bus
+from shared.clock import SimClock
 from shared.service import serve_until_stopped
 from shared.subjects import (
     BRANCH_EVENTS,
@@ -32,11 +34,13 @@ PATH = [101, 102, 103, 104, 105, 106]
 
 
 @asynccontextmanager
-async def running_directory(nats_url: str, **over) -> AsyncIterator[Bus]:
-    """Start the service in-process; yield a client bus; stop and drain on exit."""
+async def running_directory(nats_url: str, *, clock: SimClock | None = None, **over) -> AsyncIterator[Bus]:
+    """Start the service in-process (``clock``: its clock instead of the one the shell makes);
+    yield a client bus; stop and drain on exit."""
     cfg = DirectoryConfig(nats_url=nats_url, block_size=BS, resync_timeout_s=0.5, counts_flush_s=0.02, **over)
     stop = asyncio.Event()
-    task = asyncio.create_task(serve_until_stopped("kvdirectory", cfg, DirectoryService, instance="kvdirectory", stop_event=stop))
+    factory = DirectoryService if clock is None else (lambda c, b, _made: DirectoryService(c, b, clock))
+    task = asyncio.create_task(serve_until_stopped("kvdirectory", cfg, factory, instance="kvdirectory", stop_event=stop))
     client = await Bus.connect(nats_url, Subjects(cfg.partition), service="test", instance="test")
     try:
         for _ in range(100):  # until the service answers its stats subject
@@ -392,6 +396,27 @@ async def test_pods_that_come_and_go_never_exhaust_max_nodes(nats_url):
 
 async def _over_limit(c: Bus) -> bool:
     return (await stats(c)).counters.get("kv.nodes_over_limit", 0) == 1
+
+
+async def test_a_wall_clock_step_forgets_no_node_and_stales_no_view(nats_url):
+    """The wall clock steps an hour forward: KV liveness measures its durations on the monotonic
+    clock, so a serving node heard a moment ago is neither forgotten (its blocks dropped) nor
+    stale (on the wall clock both happened in the next liveness round)."""
+    step = [0.0]
+    clock = SimClock(wall=lambda: time.time() + step[0])
+    async with running_directory(nats_url, clock=clock, liveness_interval_s=0.05) as c:
+        await c.publish(KV_EVENTS, m.KvEventBatch(node="w0", seq=1, events=[stored(PATH)]), node="w0")
+        await c.publish(NODE_STATE, m.NodeState(node="w0", ts=1.0, running=1), node="w0")  # serving
+        await eventually(lambda: _local_blocks(c, "w0", 6))
+        step[0] = 3600.0
+        await asyncio.sleep(0.3)  # several liveness rounds
+        s = await stats(c)
+        assert s.counters.get("nodes.forgotten", 0) == 0 and s.counters.get("kv_view.stale", 0) == 0
+        assert s.gauges["copies.gpu"] == 6 and s.gauges["kv_silent_s.w0"] < 1.0
+
+
+async def _local_blocks(c: Bus, node: str, n: int) -> bool:
+    return {p.node: p.local_blocks for p in (await lookup(c, PATH)).nodes}.get(node) == n
 
 
 def test_forget_node_after_s_flag():
