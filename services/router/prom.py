@@ -34,7 +34,8 @@ name                                                type       meaning
                                                                a stream that fails or is abandoned: what was sent)
 ``ei_router_cached_prompt_tokens_total``            counter    of those, tokens whose KV was reused (hit)
 ``ei_router_kv_hit_ratio``                          gauge      cached / prompt tokens so far (served KV hit rate)
-``ei_router_routed_total{phase,node}``              counter    placements (prefill / decode) per node
+``ei_router_routed_total{phase,node}``              counter    placements (prefill / decode) per node (a node the router
+                                                               forgets, ``--forget-node-after-s``, leaves with its series)
 ``ei_router_inflight_requests``                     gauge      requests placed and not finished
 ``ei_router_split_epoch``                           gauge      epoch of the split the router applies
 ``ei_router_live_nodes{phase}``                     gauge      nodes routable now (prefill / decode candidates)

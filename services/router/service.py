@@ -1318,10 +1318,14 @@ class RouterService(WatchedService):
         table); its block-size warning is forgotten too. Before, a node's record stayed for the router's lifetime,
         so with node ids that change on every restart (Kubernetes pods, compose containers) the cluster view and
         the policies' per-node state grew without end. A node that reports again is recorded afresh (the
-        ``routed.*.<node>`` counters, totals since start, stay). A node that never reported here, recorded by
+        ``routed.*.<node>`` counters, hence the node's ``ei_router_routed_total{node}`` series and its
+        ``svc.stats`` entries, go too: with node ids new at each restart they grew without end; the core drops its
+        ``ei_router_queue_seconds{node}`` histogram). A node that never reported here, recorded by
         another router's placement that has ended, is dropped the same way (:meth:`NodeLoadView.forget_left`).
         Counted ``nodes.forgotten``."""
         self.counters["nodes.forgotten"] += 1
+        self.counters.pop(f"routed.prefill.{node}", None)
+        self.counters.pop(f"routed.decode.{node}", None)
         self._bad_block_size.discard(node)
         self.log.info("node forgotten: fenced and silent past --forget-node-after-s, or never reported and no request left",
                       node=node, forget_node_after_s=self.cfg.forget_node_after_s)  # fmt: skip

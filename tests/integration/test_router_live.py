@@ -578,6 +578,28 @@ async def test_a_wall_clock_step_fences_no_node(nats_url, tmp_path):
         assert [n.node for n in env.service.core.view.prefill_candidates(clock.now())] == ["c0"]
 
 
+async def test_a_forgotten_node_leaves_the_routed_metrics(nats_url, tmp_path):
+    """A node the router forgets (fenced, silent past --forget-node-after-s) takes its
+    ei_router_routed_total{node} series and routed.*.<node> stats counters with it: with node ids
+    new at each restart they grew without end."""
+    async with router_env(nats_url, tmp_path, {"c0": "both", "c1": "both"}, forget_node_after_s=0.3) as env:
+        prompt = list(range(1000, 1200))  # 3 full blocks
+        for node in ("c0", "c1"):  # each node holds the prefix in turn: each gets a placement
+            env.cluster.cached = {node: 3}
+            r = await env.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == node, r.text
+        routed = lambda: {n for n in ("c0", "c1") if env.service.counters.get(f"routed.prefill.{n}")}  # noqa: E731
+        assert routed() == {"c0", "c1"}
+        assert 'ei_router_routed_total{node="c1",phase="prefill"}' in (await env.http.get("/metrics")).text
+        env.cluster.alive.discard("c1")  # leaves for good
+        await _wait_for(lambda: env.service.counters["nodes.forgotten"] == 1, what="c1 forgotten")
+        assert routed() == {"c0"}
+        text = (await env.http.get("/metrics")).text
+        assert 'node="c1"' not in text and 'ei_router_routed_total{node="c0",phase="prefill"}' in text
+        st = await env.stats()
+        assert "routed.prefill.c1" not in st.counters and "routed.decode.c1" not in st.counters
+
+
 async def test_stale_attempt_output_is_dropped_and_its_node_told_to_stop(nats_url, tmp_path):
     """A fenced node that comes back and still sends output of the old attempt never reaches the client."""
     async with router_env(nats_url, tmp_path, {"p0": "prefill", "p1": "prefill", "d0": "decode"}) as env:
