@@ -33,15 +33,17 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
         float, Meta(gt=0, description="least wall seconds between two resync requests to one node (a forged sequence jump cannot start a storm)")
     ] = 1.0
     kv_stale_after_s: Annotated[
-        float, Meta(gt=0, description="wall seconds a node may serve (running or waiting work in its node.state) without a "
-                    "kv.events batch before its KV view is stale: left out of lookups, one resync asked (issue #22)")
+        float, Meta(gt=0, description="wall seconds (monotonic clock) a node may serve (running or waiting work in its "
+                    "node.state) without a kv.events batch before its KV view is stale: left out of lookups, one resync "
+                    "asked (issue #22)")
     ] = 10.0
     forget_node_after_s: Annotated[
         float,
-        Meta(ge=0, description="wall seconds without a kv.events batch or a node.state from a node (a running worker "
-             "sends a state at least every second) after which the directory drops the node's blocks as an "
-             "AllBlocksCleared would (a worker SIGKILLed and never restarted); a node heard again is resynced; "
-             "checked every --liveness-interval-s; 0 = never"),
+        Meta(ge=0, description="wall seconds (monotonic clock) without a kv.events batch or a node.state from a node "
+             "(a running worker sends a state at least every second) after which the directory drops the node's blocks as "
+             "an AllBlocksCleared would (a worker SIGKILLed and never restarted) and frees its slot (the next new node id "
+             "takes it, with none of its blocks or counts); a node heard again before that is resynced, one heard after "
+             "it is a new node; checked every --liveness-interval-s; 0 = never (then every node id ever seen keeps a slot)"),
     ] = 300.0
     liveness_interval_s: Annotated[
         float, Meta(gt=0, description="wall seconds between staleness checks and kv.liveness publications")
@@ -50,7 +52,8 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
         list[str], Meta(description="node ids of the cluster, comma-separated; messages naming others are dropped (empty = any id, up to max_nodes)")
     ] = []
     max_nodes: Annotated[
-        int, Meta(gt=0, description="most nodes the directory tracks; KV events of further node ids are dropped (counted as kv.nodes_over_limit)")
+        int, Meta(gt=0, description="most live nodes the directory tracks (a node forgotten after --forget-node-after-s "
+                  "no longer counts); KV events of further node ids are dropped (counted as kv.nodes_over_limit)")
     ] = 1024
     counts_flush_s: Annotated[float, Meta(gt=0, description="wall seconds between kv.counts.<node> flushes")] = 0.05
     counts_flush_updates: Annotated[

@@ -93,7 +93,8 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         ),
     ] = "prefill-start"
     fence_after_s: Annotated[
-        float, Meta(gt=0, description="wall seconds without a node.state after which a node is fenced out")
+        float, Meta(gt=0, description="wall seconds without a node.state after which a node is fenced out (measured on the "
+                    "monotonic clock: a step of the wall clock fences no node)")
     ] = 3.0
     forget_node_after_s: Annotated[
         float,
@@ -101,8 +102,8 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
              "memory no longer counts toward max_model_len (/v1/models, /tokenize) and the 400 of a request no node can hold "
              "(nor does a 0, an older worker's unknown capacity, turn that cap off); until then a silent node counts, so a "
              "restarting one does not lower the cap; one that reports again counts at once; one that holds no request is "
-             "then forgotten (no longer listed by /v1/cluster; it is recorded afresh if it reports again); as the KV "
-             "directory's --forget-node-after-s; 0 = never"),
+             "then forgotten (no longer listed by /v1/cluster nor in ei_router_routed_total; it is recorded afresh if it "
+             "reports again); as the KV directory's --forget-node-after-s; 0 = never"),
     ] = 300.0
     bus_outage_wait_s: Annotated[
         float,
