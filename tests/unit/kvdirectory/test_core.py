@@ -740,3 +740,39 @@ def test_a_forgotten_nodes_slot_goes_to_the_next_new_node_with_nothing_of_the_ol
     assert d.names == ["p3", "p1", "p0"] and d.node_generation("p0") == 2 and d.counted_blocks("p0") == 0
     d.branches.check()
     d.index.check()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pod_churn_keeps_the_branch_table_and_index_consistent(seed):
+    """Pods come and go (each restart a new id) while branches move between them: every slot
+    taken over starts empty and the branch table's and index's invariants hold throughout."""
+    import random
+
+    rng = random.Random(seed)
+    d = KvDirectory(BS, keep_counted_copies=True)
+    f = Feed(d)
+    pods = [f"pod-{i}" for i in range(3)]
+    nxt = 3
+    for step in range(60):
+        node = rng.choice(pods)
+        k = rng.randrange(1, len(P) + 1)
+        if rng.random() < 0.5:
+            f.send(node, st(P[:k], rng.choice(["gpu", "host"])))
+        b = f"b{rng.randrange(5)}"
+        d.place(b, node, rng.choice(["prefill", "decode", "both"]), P[:k], float(step))
+        if rng.random() < 0.1:
+            d.branch_end(b, float(step))
+        if rng.random() < 0.3:
+            d.take_count_updates()
+        if rng.random() < 0.2:  # a pod dies for good; a new one starts
+            gone = pods.pop(rng.randrange(len(pods)))
+            d.forget_node(gone)
+            new = f"pod-{nxt}"
+            nxt += 1
+            pods.append(new)
+            f.send(new, st(P[:1]))
+            assert d.lookup(P).node(new).local_blocks == 1 and d.counted_blocks(new) == 0
+            assert new not in d.count_seqs() and d.node_phase(new) is None
+        d.branches.check()
+        d.index.check()
+    assert len(d.names) == 3 and d.counters["nodes.reclaimed"] == nxt - 3
