@@ -54,7 +54,7 @@ from evolving_infra.sim.schedule import ScheduledReplay
 from evolving_infra.sim.seen import SeenIds
 from evolving_infra.sim.policies import LOCAL_KV_MODES, SHARED_POOL_MODES
 from evolving_infra.traces.schema import TraceRequest
-from evolving_infra.traces.tokens import shared_prefix_len
+from evolving_infra.traces.tokens import chained_prefix_len
 from services.kvdirectory.core import KvDirectory
 from services.kvdirectory.lookup import fetch_ranges
 from services.kvdirectory.reuse import attribute_lost_reuse
@@ -682,12 +682,13 @@ class ClusterSim:
         blocks = req.blocks if self._blocks_of is None else self._blocks_of(req)
         seen = self._seen
         # leading blocks sent before: those shared with the branch's (a new fork: its parent's)
-        # last request are (one slice comparison), the rest are looked up (C loops)
+        # last request are (ids are chained, see the class docstring: one comparison, or a
+        # bisection over single ids), the rest are looked up (C loops)
         paths = self._sent_path
         last = paths.get(req.branch)
         if last is None and req.parent_branch is not None:
             last = paths.get(req.parent_branch)
-        shared = shared_prefix_len(last, blocks) if last is not None else 0
+        shared = chained_prefix_len(last, blocks) if last is not None else 0
         hit = shared + seen.leading(blocks, shared)
         seen.update(islice(blocks, hit, None))  # the first ``hit`` are in already
         paths[req.branch] = blocks

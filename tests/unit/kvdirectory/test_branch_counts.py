@@ -367,3 +367,26 @@ def test_check_catches_a_count_that_is_not_a_prefix_count():
     else:
         raise AssertionError("check() missed a wrong count")
     assert GPU == 0
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_a_same_length_rewrite_rewatches_a_pending_move(chained: bool):
+    """A placement whose path has the old one's length but another last hash (a rewrite: a version
+    bump) makes a pending move wait for the new last block; with ``chained`` (the simulator) the
+    placement tells a rewrite from the last hash alone, not by comparing whole paths: the same
+    messages and counts either way, and the move to p1 completes once p1 stores the new path."""
+    d = KvDirectory(BS, chained=chained)
+    p2 = H[:6]
+    p3 = H[:5] + [H[19] + 1]  # same length as p2, another last block (a sibling of H[5])
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:5], 1.0)
+    d.place("b", "p1", "prefill", p2, 2.0)  # a move: p0 released once p1 holds p2's last block
+    assert drained(d) == [("p0", H[:5], [1] * 5), ("p1", p2, [1] * 6)]
+    d.place("b", "d0", "decode", p3, 3.0)  # rewrite; the pending move to p1 now waits for p3[-1]
+    assert d.branches.counters["branch.version_bumps"] == 1
+    assert drained(d) == [("p1", p2[5:], [0]), ("d0", p3, [1] * 6)]
+    store(d, "p1", p2, "host")  # the old last block: not the version the move waits for
+    assert d.branches.R[d.node_id("p0")]  # p0 still counted: the move waits
+    store(d, "p1", p3[5:], "host", parent=p3[4])
+    assert not d.branches.R[d.node_id("p0")]  # p0 released: p1 holds the branch's version
+    d.branches.check()
