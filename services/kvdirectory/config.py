@@ -17,7 +17,8 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
         int, Meta(gt=0, description="cap on indexed blocks; new blocks past it are not indexed (counted as cap.rejected_blocks)")
     ] = 16_000_000
     branch_ttl_s: Annotated[
-        float, Meta(gt=0, description="simulated seconds of silence after which a branch is expired and its counts released")
+        float, Meta(gt=0, description="simulated seconds of silence after which a branch is expired and its counts released "
+                    "(measured on the monotonic clock: a step of the wall clock expires no branch)")
     ] = 1800.0
     max_tool_hold_s: Annotated[
         float,

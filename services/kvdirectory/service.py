@@ -1,7 +1,7 @@
 """DirectoryService: the asyncio shell around :class:`KvDirectory`.
 
 This module contains zero decision logic: it subscribes, decodes (through the
-bus), calls the core with ``clock.now()``, publishes the core's outbox, logs
+bus), calls the core with ``clock.local_now()`` (monotonic), publishes the core's outbox, logs
 what the core's results report, and runs the resync requests.
 
 Subjects in: ``kv.events.*``, ``branch.events``, ``route.placed``,
@@ -74,8 +74,11 @@ class DirectoryService(WatchedService):
     Args:
         cfg: service configuration.
         bus: connected bus (subjects already bound to the partition).
-        clock: simulated cluster clock; only this shell reads it (``now()`` for the core,
-            ``monotonic()`` for KV liveness; ``gauges['wall_ts']`` stays wall time: another process reads it).
+        clock: simulated cluster clock; only this shell reads it: ``local_now()`` (monotonic) for
+            the core, whose times are all durations of this process (branch TTL, tool-call holds;
+            on the wall clock a step forward of ``branch_ttl_s`` expired every branch at once),
+            ``monotonic()`` for KV liveness; wall time only where another process reads it
+            (``BranchSync.ts``, ``gauges['wall_ts']``).
     """
 
     def __init__(self, cfg: DirectoryConfig, bus: Bus, clock: SimClock) -> None:
@@ -172,7 +175,7 @@ class DirectoryService(WatchedService):
             self.bus.droplog.event("kv.nodes_over_limit", "KV events of a node past max_nodes dropped", node=batch.node)
             return
         t0 = time.perf_counter()
-        res = self.core.apply_kv_batch(batch, self.clock.now())
+        res = self.core.apply_kv_batch(batch, self.clock.local_now())
         self._ingest_s.observe(time.perf_counter() - t0)
         mono = self.clock.monotonic()  # liveness measures local durations: a wall-clock step must not forget every node
         if self.liveness.heard(batch.node, mono):  # its batch was buffered: the core awaits a snapshot
@@ -195,7 +198,7 @@ class DirectoryService(WatchedService):
         await self._maybe_flush()
 
     async def _on_branch(self, ev: m.BranchStart | m.BranchEnd | m.BranchToolCall, subject: str) -> None:
-        now = self.clock.now()
+        now = self.clock.local_now()
         if isinstance(ev, m.BranchToolCall):
             verdict = self.core.branch_hold(ev.branch_id, ev.outstanding, ev.expected_s, now)
             if verdict in ("ended", "unknown"):
@@ -211,7 +214,7 @@ class DirectoryService(WatchedService):
         await self._maybe_flush()
 
     async def _on_placed(self, msg: m.RoutePlaced, subject: str) -> None:
-        res = self.core.place(msg.branch_id, msg.node, msg.phase, msg.block_hashes, self.clock.now())
+        res = self.core.place(msg.branch_id, msg.node, msg.phase, msg.block_hashes, self.clock.local_now())
         if res.rejected:
             self.log.warning("placement refused", branch=msg.branch_id, node=msg.node, rid=msg.rid, reason=res.rejected)
         await self._maybe_flush()
@@ -221,7 +224,7 @@ class DirectoryService(WatchedService):
             return
         old = self.core.node_phase(msg.node)
         if old != msg.phase:
-            released = self.core.node_phase_changed(msg.node, old, msg.phase, self.clock.now())
+            released = self.core.node_phase_changed(msg.node, old, msg.phase, self.clock.local_now())
             self.log.info("node phase changed", node=msg.node, old=old, new=msg.phase, released_branches=released)
             await self._maybe_flush()
 
@@ -360,7 +363,7 @@ class DirectoryService(WatchedService):
                 self.log.error("resync reply for another node ignored", node=node, got=snap.node)
                 await asyncio.sleep(delay)
                 continue
-            res = self.core.apply_snapshot(snap, self.clock.now())
+            res = self.core.apply_snapshot(snap, self.clock.local_now())
             if res.status == "rejected":
                 self.log.error("resync snapshot with a foreign block size rejected", node=node, got=snap.block_size)
                 await asyncio.sleep(delay)
@@ -516,7 +519,7 @@ class DirectoryService(WatchedService):
             try:
                 self._expire_count_snaps(time.monotonic())
                 self._expire_count_sync_marks(time.monotonic())
-                now = self.clock.now()
+                now = self.clock.local_now()
                 deadline = self.core.next_deadline()
                 if deadline is not None and deadline <= now:
                     gone = self.core.expire(now)

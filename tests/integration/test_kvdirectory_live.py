@@ -415,6 +415,27 @@ async def test_a_wall_clock_step_forgets_no_node_and_stales_no_view(nats_url):
         assert s.gauges["copies.gpu"] == 6 and s.gauges["kv_silent_s.w0"] < 1.0
 
 
+async def test_a_wall_clock_step_expires_no_branch(nats_url):
+    """The wall clock steps past --branch-ttl-s: the core's times are the process's own durations,
+    read on the monotonic clock, so an active branch and its counts stay (on the wall clock every
+    branch expired at the next flush round, its counts released)."""
+    step = [0.0]
+    clock = SimClock(wall=lambda: time.time() + step[0])
+    async with running_directory(nats_url, clock=clock, branch_ttl_s=60.0) as c:
+        await c.publish(BRANCH_EVENTS, m.BranchStart(branch_id="a1"))
+        await c.publish(ROUTE_PLACED, m.RoutePlaced(rid="r1", branch_id="a1", node="w0", phase="prefill", block_hashes=PATH))
+        await eventually(lambda: _counts_entries(c, 6))
+        step[0] = 3600.0
+        await asyncio.sleep(0.2)  # the flush loop runs every 0.02 s
+        s = await stats(c)
+        assert s.gauges["branches.active"] == 1 and s.gauges["counts.entries"] == 6
+        assert s.counters.get("branch.expired", 0) == 0
+
+
+async def _counts_entries(c: Bus, n: int) -> bool:
+    return (await stats(c)).gauges["counts.entries"] == n
+
+
 async def _local_blocks(c: Bus, node: str, n: int) -> bool:
     return {p.node: p.local_blocks for p in (await lookup(c, PATH)).nodes}.get(node) == n
 

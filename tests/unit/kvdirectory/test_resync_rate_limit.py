@@ -29,7 +29,7 @@ class _ResyncShell:
         self._last_resync: dict[str, float] = {}
         self.asked: list[float] = []
         self.log = structlog.get_logger()
-        self.clock = SimpleNamespace(now=lambda: 0.0)
+        self.clock = SimpleNamespace(now=lambda: 0.0, local_now=lambda: 0.0)
         shell = self
 
         class Core:
