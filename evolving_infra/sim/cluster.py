@@ -63,7 +63,7 @@ from services.router.policy import RouteRequest
 from services.worker.plan import HandOff, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
 from shared.profile import Profile
-from shared.messages import DecodeWork, FetchRange, KvEventBatch, KvLookupReply, Phase, PrefillWork, SplitApplied, SplitCommand
+from shared.messages import DecodeWork, FetchRange, KvLookupReply, Phase, PrefillWork, SplitApplied, SplitCommand
 from shared.split import SplitError, assign_min_change, parse_split, split_phases
 from shared.values import FACTORY, IdentityValue, Value
 
@@ -163,10 +163,12 @@ class _Node(IdentityValue):
     """Queued requests the current switch handed back for re-routing."""
     host_at_switch: tuple[int, int]
     """(blocks in its L2, of which no other node's L2 holds a copy) at the switch decision."""
+    kv_id: int
+    """The node's id in the KV directory (``KvDirectory.node_id``; -1 until registered)."""
 
     __slots__ = __match_args__ = (
         "name", "sched", "phase", "status", "target", "decided_at", "epoch", "token", "plan_end", "wake_at", "kv_seq",
-        "bound", "state_at", "dirty", "reported", "out_since", "drained_at", "requeued", "host_at_switch",
+        "bound", "state_at", "dirty", "reported", "out_since", "drained_at", "requeued", "host_at_switch", "kv_id",
     )
 
     def __init__(
@@ -174,7 +176,7 @@ class _Node(IdentityValue):
         target: Phase | None = None, decided_at: float = 0.0, epoch: int = 0, token: int = 0,
         plan_end: float = -1.0, wake_at: float = -1.0, kv_seq: int = 0, bound: int = 0,
         state_at: float = -math.inf, dirty: bool = True, reported: Phase | None = None, out_since: float = 0.0,
-        drained_at: float = 0.0, requeued: int = 0, host_at_switch: tuple[int, int] = (0, 0),
+        drained_at: float = 0.0, requeued: int = 0, host_at_switch: tuple[int, int] = (0, 0), kv_id: int = -1,
     ) -> None:
         self.name = name
         self.sched = sched
@@ -195,6 +197,7 @@ class _Node(IdentityValue):
         self.drained_at = drained_at
         self.requeued = requeued
         self.host_at_switch = host_at_switch
+        self.kv_id = kv_id
 
 
 class _Flight(IdentityValue):
@@ -523,7 +526,9 @@ class ClusterSim:
             self.bs, held_counts_only=self.track_branches and not self.skip_decode_kv, chained=True
         )
         for n in names:
-            self.directory.node_id(n)
+            self.nodes[n].kv_id = self.directory.node_id(n)
+        self._by_kv_id = sorted(self.nodes.values(), key=lambda n: n.kv_id)
+        """The nodes by directory id (``_Node.kv_id``: 0, 1, … in ``names``' order)."""
         ropts: dict[str, Any] = {"profile": self.profile, "block_size": self.bs, "seed": cfg.seed}
         ropts.update(cfg.routing_options)
         # prefill-start: the router core defers the decode choice to ``bind_decode`` at the
@@ -1186,7 +1191,7 @@ class ClusterSim:
         d = self.directory
         c = d.counters
         z, p = c.get("evictions.host.zero_count", 0), c.get("evictions.host.positive_count", 0)
-        d.apply_kv_batch(KvEventBatch(node=n.name, seq=n.kv_seq, ts=t, events=events), t)
+        d.apply_kv_events(n.kv_id, n.kv_seq, t, events)  # apply_kv_batch without the batch and result objects
         z, p = c.get("evictions.host.zero_count", 0) - z, c.get("evictions.host.positive_count", 0) - p
         if z or p:  # host evictions by (count > 0) and by the phase of the evicting node
             ev = self.stats.host_evictions
@@ -1206,11 +1211,10 @@ class ClusterSim:
         if not self.track_branches:
             self.directory.drop_count_updates()
             return
-        nodes = self.nodes
-        for cu in self.directory.take_count_updates():
-            node = nodes.get(cu.node)
-            if node is not None:
-                node.sched.update_counts(cu.hashes, cu.counts)
+        by_id = self._by_kv_id
+        for n, _, hashes, counts in self.directory.take_count_lists():  # take_count_updates, no message objects
+            if n < len(by_id):  # (a node the directory heard of from a placement alone has no engine here)
+                by_id[n].sched.update_counts(hashes, counts)
 
     # ------------------------------------------------------------------ #
     # planner and phase switches

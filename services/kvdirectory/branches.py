@@ -1076,12 +1076,20 @@ class BranchTable:
         index runs of the cut tail) probes, plus a copy of the blocks kept when a tail is cut);
         changes touching distinct blocks (a move's count and a release elsewhere): O(listed
         blocks) list copies; else O(listed blocks) C-level dict work to merge them."""
+        names = self.node_names
+        return [CountUpdates(node=names[n], seq=seq, hashes=h, counts=c) for n, seq, h, c in self.take_count_lists()]
+
+    def take_count_lists(self) -> list[tuple[int, int, list[int], list[int]]]:
+        """:meth:`take_count_updates` as ``(node index, seq, hashes, counts)`` per message, the
+        message objects not built: the same drain (outbox emptied, ``out_seq`` advanced per
+        message), for an in-process caller that hands each node's lists to its engine (the
+        simulator, ``ClusterSim._flush_counts``). O(1) per message more than the drain."""
         nodes = self.out_nodes
         if not nodes:
             return []
         if len(nodes) > 1:
             nodes.sort()  # node order, as every node's outbox was once visited in turn
-        msgs = []
+        msgs: list[tuple[int, int, list[int], list[int]]] = []
         cap = self.max_updates_per_msg
         outbox = self.outbox
         held = self.held_counts_only and not self.index.counters["cap.rejected_blocks"]
@@ -1113,16 +1121,12 @@ class BranchTable:
             box.clear()
             self.out_len[n] = 0
             if len(hashes) <= cap:  # one message: the lists themselves (new lists the outbox held alone)
-                self.out_seq[n] += 1
-                msgs.append(CountUpdates(node=self.node_names[n], seq=self.out_seq[n], hashes=hashes, counts=counts))
+                self.out_seq[n] = seq = self.out_seq[n] + 1
+                msgs.append((n, seq, hashes, counts))
                 continue
             for i in range(0, len(hashes), cap):
-                self.out_seq[n] += 1
-                msgs.append(
-                    CountUpdates(
-                        node=self.node_names[n], seq=self.out_seq[n], hashes=hashes[i : i + cap], counts=counts[i : i + cap]
-                    )
-                )
+                self.out_seq[n] = seq = self.out_seq[n] + 1
+                msgs.append((n, seq, hashes[i : i + cap], counts[i : i + cap]))
         nodes.clear()
         return msgs
 

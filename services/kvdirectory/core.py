@@ -38,6 +38,7 @@ from shared.messages import (
     BranchStart,
     BranchToolCall,
     CountUpdates,
+    KvEvent,
     KvEventBatch,
     KvResyncRequest,
     KvSnapshot,
@@ -431,6 +432,25 @@ class KvDirectory:
         res.expected_seq = st.next_seq
         return res
 
+    def apply_kv_events(self, n: int, seq: int, ts: float, events: list[KvEvent]) -> None:
+        """What ``apply_kv_batch(KvEventBatch(node=…, seq=seq, ts=ts, events=events), ts)`` does
+        to the directory, for an in-process caller that holds node n's id (:meth:`node_id`)
+        and reads no result (the simulator, ``ClusterSim._flush_kv``): the batch next in n's
+        sequence is applied by the same code (:meth:`_apply`), with no batch or
+        :class:`ApplyResult` built; any other batch (n's first, a gap, a restart, n awaiting a
+        resync) goes through :meth:`apply_kv_batch` itself. Same index, counts, outbox, counters
+        and stream state either way (``tests/unit/kvdirectory/test_apply_kv_events.py``).
+
+        Raises:
+            IndexError: for a node id never registered.
+        """
+        st = self._streams[n]
+        if seq != st.next_seq or st.awaiting or not st.known:
+            self.apply_kv_batch(KvEventBatch(node=self.names[n], seq=seq, ts=ts, events=events), ts)
+            return
+        self._apply(n, events, ts, [])
+        st.next_seq += 1
+
     def _buffer(self, st: _Stream, batch: KvEventBatch, res: ApplyResult, status: ApplyStatus) -> ApplyResult:
         st.buffer[batch.seq] = batch
         if batch.ts > st.last_ts:
@@ -457,12 +477,22 @@ class KvDirectory:
             st.next_seq += 1
 
     def _apply_events(self, n: int, batch: KvEventBatch, res: ApplyResult) -> None:
+        """Apply ``batch``, the next of node n's sequence; its blocks (and block sizes refused) are
+        added to ``res``."""
+        stored, removed = self._apply(n, batch.events, batch.ts, res.mismatched_block_sizes)
+        res.blocks_stored += stored
+        res.blocks_removed += removed
+
+    def _apply(self, n: int, events: Sequence[Any], ts: float, mismatched: list[int]) -> tuple[int, int]:
+        """Apply ``events`` of node n (a batch stamped ``ts``, next in its sequence): index,
+        presence hooks, counters; the block size of every ``BlockStored`` refused is appended to
+        ``mismatched``. Returns (blocks stored, blocks removed) as :class:`ApplyResult` counts them."""
         index, table, counters = self.index, self.branches, self.counters
         counters["kv.batches_applied"] += 1
         st = self._streams[n]
-        if batch.ts > st.last_ts:
-            st.last_ts = batch.ts
-        events = batch.events
+        if ts > st.last_ts:
+            st.last_ts = ts
+        stored = removed_blocks = 0
         last = len(events) - 1
         paired = -1  # a host store applied with the GPU store before it (its write-through)
         for i, ev in enumerate(events):
@@ -473,7 +503,7 @@ class KvDirectory:
                 if ev.block_size != self.block_size:  # Dynamo #13904: never silently
                     counters["kv.block_size_mismatch"] += 1
                     counters["kv.block_size_mismatch_blocks"] += len(ev.block_hashes)
-                    res.mismatched_block_sizes.append(ev.block_size)
+                    mismatched.append(ev.block_size)
                     continue
                 tier = TIER_INDEX[ev.tier]
                 if tier == GPU and i < last and _writes_through(ev, events[i + 1], self.block_size):
@@ -481,12 +511,12 @@ class KvDirectory:
                     if newly is not None:  # both events applied: same effects as one after the other
                         paired = i + 1
                         table.on_stored_through(n, newly)
-                        res.blocks_stored += 2 * len(newly)
+                        stored += 2 * len(newly)
                         counters["kv.blocks_stored"] += 2 * len(newly)
                         continue
                 newly = index.store(n, tier, ev.block_hashes, ev.parent_block_hash)
                 table.on_stored(n, tier, newly)
-                res.blocks_stored += len(ev.block_hashes)
+                stored += len(ev.block_hashes)
                 counters["kv.blocks_stored"] += len(ev.block_hashes)
             elif t is BlockRemoved:
                 tier = TIER_INDEX[ev.tier]
@@ -499,11 +529,12 @@ class KvDirectory:
                     pos = table.on_removed(n, tier, removed)
                 counters[_EVICT_KEYS[tier, 1]] += pos
                 counters[_EVICT_KEYS[tier, 0]] += len(removed) - pos
-                res.blocks_removed += len(ev.block_hashes)
+                removed_blocks += len(ev.block_hashes)
                 counters["kv.blocks_removed"] += len(ev.block_hashes)
             elif t is AllBlocksCleared:
                 counters["kv.cleared_blocks"] += self._clear(n, None if ev.tier is None else TIER_INDEX[ev.tier])
                 counters["kv.clears"] += 1
+        return stored, removed_blocks
 
     def _clear(self, n: int, tier: int | None) -> int:
         """Drop every copy node ``n`` holds in ``tier`` (None: both) from the index, each through the
@@ -698,6 +729,11 @@ class KvDirectory:
     def take_count_updates(self) -> list[CountUpdates]:
         """Drain the per-node count changes (``kv.counts.<node>`` messages)."""
         return self.branches.take_count_updates()
+
+    def take_count_lists(self) -> list[tuple[int, int, list[int], list[int]]]:
+        """:meth:`take_count_updates` as ``(node id, seq, hashes, counts)`` per message, no message
+        object built (an in-process caller, the simulator); see ``BranchTable.take_count_lists``."""
+        return self.branches.take_count_lists()
 
     def drop_count_updates(self) -> int:
         """Discard the pending count changes without building messages (a caller whose engines

@@ -16,7 +16,7 @@ import pytest
 
 from services.kvdirectory.core import KvDirectory
 from services.worker.blocks import KvBlockManager
-from shared.messages import BlockRemoved, KvEventBatch, KvSnapshot
+from shared.messages import BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
 from tests.unit.kvdirectory.helpers import BS, H, drained, store
 
 
@@ -118,12 +118,17 @@ class _World:
     """A directory and one worker block manager per node; a node's KV events are applied to the
     directory after every engine call, then counts are drained (the simulator's order)."""
 
-    def __init__(self, held: bool, cap: int, max_blocks: int = 16_000_000, chained: bool = False) -> None:
+    def __init__(
+        self, held: bool, cap: int, max_blocks: int = 16_000_000, chained: bool = False, direct: bool = False
+    ) -> None:
         self.d = KvDirectory(
             BS, held_counts_only=held, max_updates_per_msg=cap, branch_ttl_s=300.0, max_blocks=max_blocks, chained=chained
         )
         for n in NODES:
             self.d.node_id(n)
+        self.direct = direct
+        """Events and counts as the simulator passes them (``apply_kv_events``, ``take_count_lists``:
+        no batch, result or message objects) instead of ``apply_kv_batch`` / ``take_count_updates``."""
         self.kv = {n: KvBlockManager(12, 40, BS, "branch-count") for n in NODES}
         self.seq = dict.fromkeys(NODES, 0)
         self.entries = 0
@@ -136,7 +141,10 @@ class _World:
             out.append(ev)
             if ev:
                 self.seq[n] += 1
-                self.d.apply_kv_batch(KvEventBatch(node=n, seq=self.seq[n], ts=t, events=ev), t)
+                if self.direct:
+                    self.d.apply_kv_events(self.d.node_id(n), self.seq[n], t, ev)
+                else:
+                    self.d.apply_kv_batch(KvEventBatch(node=n, seq=self.seq[n], ts=t, events=ev), t)
         self.drain()
         return out
 
@@ -157,9 +165,25 @@ class _World:
         self.drain()
 
     def drain(self) -> None:
+        if self.direct:
+            for n, _, hashes, counts in self.d.take_count_lists():
+                self.entries += len(hashes)
+                self.moved += self.kv[NODES[n]].update_counts(hashes, counts)
+            return
         for u in self.d.take_count_updates():
             self.entries += len(u.hashes)
             self.moved += self.kv[u.node].update_counts(u.hashes, u.counts)
+
+    def directory_state(self) -> tuple[object, ...]:
+        """The directory's state as its callers and its next calls see it: counters, every indexed
+        block's run, presence and completeness, copies, counts R, message numbers and each node's
+        event stream (expected batch, resync flags, buffered batches, last stamp)."""
+        d, ix = self.d, self.d.index
+        streams = [(s.known, s.next_seq, s.awaiting, s.needs_snapshot, sorted(s.buffer), s.last_ts) for s in d._streams]  # noqa: SLF001
+        return (
+            d.all_counters(), ix.entries, ix.negcomp, {h: r.pc for h, r in ix.where.items()}, ix.copies,
+            [dict(R) for R in d.branches.R], d.branches.out_seq, streams,
+        )
 
     def state(self, n: str, stamps: bool) -> tuple[object, ...]:
         """Node n's L2 eviction queue (pages in eviction order, their groups and, with ``stamps``,
@@ -228,11 +252,52 @@ def test_chained_bisection_changes_nothing(seed: int, event: str, chain_min: int
     _differential(200 + seed, gaps=seed % 2 == 1, event=event, chained=True)
 
 
-def _differential(seed: int, gaps: bool, event: str = "", chained: bool = False) -> None:
+@pytest.mark.parametrize("event", ["", "clear", "resync", "cap"])
+@pytest.mark.parametrize("seed", range(2))
+def test_the_simulators_direct_calls_change_nothing(seed: int, event: str):
+    """``apply_kv_events`` and ``take_count_lists`` (issue 23: the simulator hands the directory a
+    node's events and the engines their counts without building batch, result or message
+    objects): the differential run above, through them and through ``apply_kv_batch`` /
+    ``take_count_updates`` (both worlds ``held_counts_only`` and ``chained``, as the simulator
+    runs): the directory's whole state (counters, index, counts, message numbers, event
+    streams) and the workers' pools and KV events are equal after every step, through clears,
+    resync snapshots and a capped index."""
+    _differential(300 + seed, gaps=seed % 2 == 1, event=event, direct=True)
+
+
+def test_apply_kv_events_off_sequence_is_apply_kv_batch():
+    """A batch that is not the next of its node's stream (its first, a gap, a late one, a restart)
+    goes through ``apply_kv_batch``: buffered, stale or resynced exactly as there."""
+    worlds = [_World(True, 4096, chained=True), _World(True, 4096, chained=True, direct=True)]
+    p = [7_000 + i for i in range(6)]
+    batches = [  # (seq, ts, events) of node n0, in arrival order
+        (1, 1.0, [BlockStored(block_hashes=p[:2], parent_block_hash=None, tier="host", block_size=BS)]),
+        (3, 3.0, [BlockStored(block_hashes=p[4:], parent_block_hash=p[3], tier="host", block_size=BS)]),  # a gap
+        (2, 2.0, [BlockStored(block_hashes=p[2:4], parent_block_hash=p[1], tier="host", block_size=BS)]),  # fills it
+        (2, 2.0, [BlockRemoved(block_hashes=p[:1], tier="host")]),  # stale
+        (4, 4.0, [BlockRemoved(block_hashes=p[5:], tier="host")]),
+        (1, 5.0, [BlockStored(block_hashes=p[:1], parent_block_hash=None, tier="gpu", block_size=BS)]),  # a restart
+        (2, 6.0, [BlockStored(block_hashes=p[1:2], parent_block_hash=p[0], tier="gpu", block_size=BS)]),
+    ]
+    for seq, ts, events in batches:
+        for w in worlds:
+            if w.direct:
+                w.d.apply_kv_events(w.d.node_id("n0"), seq, ts, events)
+            else:
+                w.d.apply_kv_batch(KvEventBatch(node="n0", seq=seq, ts=ts, events=events), ts)
+        assert worlds[0].directory_state() == worlds[1].directory_state(), f"after batch {seq} at {ts}"
+    c = worlds[1].d.all_counters()
+    assert c["kv.gaps"] == 1 and c["kv.batches_stale"] == 1 and c["kv.seq_restarts"] == 1
+    assert c["kv.recovered_without_resync"] == 1 and worlds[1].d.awaiting_resync("n0")
+
+
+def _differential(seed: int, gaps: bool, event: str = "", chained: bool = False, direct: bool = False) -> None:
     rng = random.Random(seed)
     cap = rng.choice([5, 4096])
     max_blocks = 60 if event == "cap" else 16_000_000
-    if chained:  # the same drains, with the hooks probing every block vs bisecting chains
+    if direct:  # the simulator's calls vs the general ones
+        full, held = _World(True, cap, max_blocks, chained=True), _World(True, cap, max_blocks, chained=True, direct=True)
+    elif chained:  # the same drains, with the hooks probing every block vs bisecting chains
         full, held = _World(True, cap, max_blocks), _World(True, cap, max_blocks, chained=True)
     else:
         full, held = _World(False, cap, max_blocks), _World(True, cap, max_blocks)
@@ -314,12 +379,16 @@ def _differential(seed: int, gaps: bool, event: str = "", chained: bool = False)
             for bid in gone:
                 paths.pop(bid, None)
         assert full.flush(t) == held.flush(t), f"step {step}: the nodes' KV events differ"
+        if direct:
+            assert full.directory_state() == held.directory_state(), f"step {step}: the directories differ"
         if chained:
             assert full.d.all_counters() == held.d.all_counters(), f"step {step}: counters differ"
         for n in NODES:  # (cut elsewhere, a drain gives the same order, not the same stamps)
             assert full.state(n, cap > 100) == held.state(n, cap > 100), f"step {step}: node {n}'s pools differ"
     assert full.moved == held.moved and full.moved > 0
-    if chained:
+    if direct:
+        assert held.entries == full.entries
+    elif chained:
         assert held.entries == full.entries
         c = held.d.all_counters()
         assert c["evictions.gpu.positive_count"] > 0 and c["evictions.gpu.zero_count"] > 0

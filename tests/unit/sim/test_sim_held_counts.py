@@ -21,16 +21,17 @@ from .conftest import BS, small_trace, strip_wall
 
 
 def _tally(monkeypatch: pytest.MonkeyPatch, sent: dict[str, int]) -> None:
-    """Count the entries and blocks moved of every count message an engine gets."""
-    take = branches.BranchTable.take_count_updates
+    """Count the entries of every count message an engine gets (the simulator drains through
+    ``take_count_lists``, which ``take_count_updates`` builds its messages from)."""
+    take = branches.BranchTable.take_count_lists
 
     def counted(self: branches.BranchTable) -> list:
         msgs = take(self)
-        sent["entries"] += sum(len(u.hashes) for u in msgs)
+        sent["entries"] += sum(len(hashes) for _, _, hashes, _ in msgs)
         sent["held_only"] += self.held_counts_only
         return msgs
 
-    monkeypatch.setattr(branches.BranchTable, "take_count_updates", counted)
+    monkeypatch.setattr(branches.BranchTable, "take_count_lists", counted)
 
 
 @pytest.mark.parametrize(

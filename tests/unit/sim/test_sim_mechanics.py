@@ -19,13 +19,13 @@ def build(cfg: SimConfig, reqs, nodes=None):
     names = nodes or [f"w{i}" for i in range(cfg.nodes)]
     sim = ClusterSim(run, reqs, names, cfg.arrival_for(), forced=cfg.forced_switches)
     batches: list[tuple[float, str, list]] = []
-    orig = sim.directory.apply_kv_batch
+    orig = sim.directory.apply_kv_events  # the simulator's apply_kv_batch (no batch object)
 
-    def spy(batch, now):
-        batches.append((now, batch.node, list(batch.events)))
-        return orig(batch, now)
+    def spy(node, seq, ts, events):
+        batches.append((ts, sim.directory.names[node], list(events)))
+        return orig(node, seq, ts, events)
 
-    sim.directory.apply_kv_batch = spy  # type: ignore[method-assign]
+    sim.directory.apply_kv_events = spy  # type: ignore[method-assign]
     return sim, batches
 
 
