@@ -47,7 +47,7 @@ from shared.messages import (
 from shared.values import FACTORY, Value
 
 from .branches import Branch, BranchTable
-from .index import GPU, HOST, TIER_INDEX, TIERS, BlockIndex
+from .index import GPU, HOST, TIER_INDEX, TIERS, BlockIndex, tier_bit
 from .lookup import LookupResult, build_lookup
 from .reuse import ReuseRecord, attribute_lost_reuse, lost_reuse_shares
 
@@ -494,9 +494,9 @@ class KvDirectory:
             st.last_ts = ts
         stored = removed_blocks = 0
         last = len(events) - 1
-        paired = -1  # a host store applied with the GPU store before it (its write-through)
+        done = -1  # events up to this one were applied with an earlier one (a write-through pair or triple)
         for i, ev in enumerate(events):
-            if i == paired:
+            if i <= done:
                 continue
             t = type(ev)
             if t is BlockStored:
@@ -506,35 +506,88 @@ class KvDirectory:
                     mismatched.append(ev.block_size)
                     continue
                 tier = TIER_INDEX[ev.tier]
-                if tier == GPU and i < last and _writes_through(ev, events[i + 1], self.block_size):
-                    newly = index.store_written_through(n, ev.block_hashes, ev.parent_block_hash)
-                    if newly is not None:  # both events applied: same effects as one after the other
-                        paired = i + 1
-                        table.on_stored_through(n, newly)
-                        stored += 2 * len(newly)
-                        counters["kv.blocks_stored"] += 2 * len(newly)
-                        continue
+                if tier == GPU and i < last:
+                    nxt = events[i + 1]
+                    if _writes_through(ev, nxt, self.block_size):
+                        newly = index.store_written_through(n, ev.block_hashes, ev.parent_block_hash)
+                        if newly is not None:  # both events applied: same effects as one after the other
+                            done = i + 1
+                            table.on_stored_through(n, newly)
+                            stored += 2 * len(newly)
+                            counters["kv.blocks_stored"] += 2 * len(newly)
+                            continue
+                    elif (
+                        i + 1 < last
+                        and type(nxt) is BlockRemoved
+                        and nxt.tier == "host"
+                        and _writes_through(ev, events[i + 2], self.block_size)
+                        and self._room_first(n, ev.block_hashes, ev.parent_block_hash)
+                    ):
+                        # the host eviction that makes room for the write-through, between the two
+                        # stores: applied first, then the stores as one (same effects, _room_first)
+                        removed_blocks += self._apply_removed(n, nxt)
+                        newly = index.store_written_through(n, ev.block_hashes, ev.parent_block_hash)
+                        if newly is not None:  # (always, as _room_first checked)
+                            done = i + 2
+                            table.on_stored_through(n, newly)
+                            stored += 2 * len(newly)
+                            counters["kv.blocks_stored"] += 2 * len(newly)
+                            continue
+                        done = i + 1  # pragma: no cover - the eviction is applied; the stores follow
                 newly = index.store(n, tier, ev.block_hashes, ev.parent_block_hash)
                 table.on_stored(n, tier, newly)
                 stored += len(ev.block_hashes)
                 counters["kv.blocks_stored"] += len(ev.block_hashes)
             elif t is BlockRemoved:
-                tier = TIER_INDEX[ev.tier]
-                if table.chained:
-                    spans: list[tuple[int, int, bool]] = []
-                    removed = index.remove(n, tier, ev.block_hashes, spans)
-                    pos = table.on_removed(n, tier, removed, spans)
-                else:
-                    removed = index.remove(n, tier, ev.block_hashes)
-                    pos = table.on_removed(n, tier, removed)
-                counters[_EVICT_KEYS[tier, 1]] += pos
-                counters[_EVICT_KEYS[tier, 0]] += len(removed) - pos
-                removed_blocks += len(ev.block_hashes)
-                counters["kv.blocks_removed"] += len(ev.block_hashes)
+                removed_blocks += self._apply_removed(n, ev)
             elif t is AllBlocksCleared:
                 counters["kv.cleared_blocks"] += self._clear(n, None if ev.tier is None else TIER_INDEX[ev.tier])
                 counters["kv.clears"] += 1
         return stored, removed_blocks
+
+    def _apply_removed(self, n: int, ev: BlockRemoved) -> int:
+        """Apply node n's ``BlockRemoved`` ``ev``: index, presence hook, counters. Returns its blocks."""
+        index, table, counters = self.index, self.branches, self.counters
+        tier = TIER_INDEX[ev.tier]
+        if table.chained:
+            spans: list[tuple[int, int, bool]] = []
+            removed = index.remove(n, tier, ev.block_hashes, spans)
+            pos = table.on_removed(n, tier, removed, spans)
+        else:
+            removed = index.remove(n, tier, ev.block_hashes)
+            pos = table.on_removed(n, tier, removed)
+        counters[_EVICT_KEYS[tier, 1]] += pos
+        counters[_EVICT_KEYS[tier, 0]] += len(removed) - pos
+        k = len(ev.block_hashes)
+        counters["kv.blocks_removed"] += k
+        return k
+
+    def _room_first(self, n: int, hashes: list[int], parent: int | None) -> bool:
+        """Whether node n's GPU store of ``hashes`` (below ``parent``), a host eviction and the
+        store's write-through (``GPU store, host removal, host store``: the engine evicts from its
+        L2 to make room for the write-through) may be applied as the eviction first, then the
+        two stores as one (``BlockIndex.store_written_through``, which then cannot refuse them):
+        same index, counts, outbox and counters as the three in order, when
+
+        * ``hashes`` is a brand-new chain (none indexed, none repeated) and the index has room for
+          it: the eviction only removes, so it stays brand-new;
+        * ``parent`` is None or held in n's GPU: the host eviction cannot drop it from the index
+          (as without the store below it, which the stores in order hang there first), so the
+          chain is stored below it either way and nothing else it removes depends on the chain.
+
+        The presence hooks commute: the eviction's reads R[n] only, which the stores' hooks leave
+        alone (a move they finish releases nodes other than n); both tiers of one brand-new chain
+        are what ``BranchTable.on_stored_through`` applies. The index keeps runs maximal, so the
+        same blocks and presence make the same runs whatever the order. O(len(hashes)) C-level."""
+        where = self.index.where
+        k = len(hashes)
+        if not k or self.index.max_blocks - len(where) <= k or not where.keys().isdisjoint(hashes):
+            return False
+        if parent is not None:
+            pr = where.get(parent)
+            if pr is None or not pr.pc & tier_bit(n, GPU):
+                return False
+        return len(set(hashes)) == k
 
     def _clear(self, n: int, tier: int | None) -> int:
         """Drop every copy node ``n`` holds in ``tier`` (None: both) from the index, each through the

@@ -127,6 +127,8 @@ class _World:
         for n in NODES:
             self.d.node_id(n)
         self.direct = direct
+        self.split = False
+        """Each KV event in a batch of its own: no write-through pair or triple applied as one."""
         """Events and counts as the simulator passes them (``apply_kv_events``, ``take_count_lists``:
         no batch, result or message objects) instead of ``apply_kv_batch`` / ``take_count_updates``."""
         self.kv = {n: KvBlockManager(12, 40, BS, "branch-count") for n in NODES}
@@ -139,7 +141,11 @@ class _World:
         for n in NODES:
             ev = self.kv[n].take_events()
             out.append(ev)
-            if ev:
+            if ev and self.split:
+                for e in ev:
+                    self.seq[n] += 1
+                    self.d.apply_kv_batch(KvEventBatch(node=n, seq=self.seq[n], ts=t, events=[e]), t)
+            elif ev:
                 self.seq[n] += 1
                 if self.direct:
                     self.d.apply_kv_events(self.d.node_id(n), self.seq[n], t, ev)
@@ -174,15 +180,20 @@ class _World:
             self.entries += len(u.hashes)
             self.moved += self.kv[u.node].update_counts(u.hashes, u.counts)
 
-    def directory_state(self) -> tuple[object, ...]:
+    def directory_state(self, batches: bool = True) -> tuple[object, ...]:
         """The directory's state as its callers and its next calls see it: counters, every indexed
-        block's run, presence and completeness, copies, counts R, message numbers and each node's
-        event stream (expected batch, resync flags, buffered batches, last stamp)."""
+        block's run, presence and completeness, copies, counts R, message numbers and (with
+        ``batches``) each node's event stream (expected batch, resync flags, buffered batches,
+        last stamp) and the batches applied."""
         d, ix = self.d, self.d.index
         streams = [(s.known, s.next_seq, s.awaiting, s.needs_snapshot, sorted(s.buffer), s.last_ts) for s in d._streams]  # noqa: SLF001
+        counters = d.all_counters()
+        if not batches:
+            del counters["kv.batches_applied"]
+            streams = []
         return (
-            d.all_counters(), ix.entries, ix.negcomp, {h: r.pc for h, r in ix.where.items()}, ix.copies,
-            [dict(R) for R in d.branches.R], d.branches.out_seq, streams,
+            counters, ix.entries, ix.negcomp, {h: r.pc for h, r in ix.where.items()}, ix.copies,
+            [dict(R) for R in d.branches.R], d.branches.out_seq, streams, [dict(w) for w in d.branches.watch],
         )
 
     def state(self, n: str, stamps: bool) -> tuple[object, ...]:
@@ -265,6 +276,68 @@ def test_the_simulators_direct_calls_change_nothing(seed: int, event: str):
     _differential(300 + seed, gaps=seed % 2 == 1, event=event, direct=True)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_write_through_pairs_and_triples_act_as_their_events_one_by_one(seed: int, monkeypatch):
+    """A GPU store and its host write-through, with or without the host eviction that makes room
+    for it between them (``KvDirectory._room_first``), applied as one: the differential run above
+    with each engine's events in batches as they come and with every event in a batch of its own
+    (nothing paired): the directory's state (counters but the batches applied, index, counts,
+    message numbers, pending moves), the count messages and the workers are equal after every step,
+    and the triples were met."""
+    from services.kvdirectory.core import KvDirectory as Dir
+
+    met = [0]
+    first = Dir._room_first
+
+    def spy(self, n, hashes, parent):
+        ok = first(self, n, hashes, parent)
+        met[0] += ok
+        return ok
+
+    monkeypatch.setattr(Dir, "_room_first", spy)
+    _differential(400 + seed, gaps=seed % 2 == 1, split=True)
+    assert met[0] > 0
+
+
+@pytest.mark.parametrize("parent_on_gpu", [True, False], ids=["applied as one", "kept in order"])
+def test_a_write_through_triple_ends_as_its_three_events(parent_on_gpu: bool):
+    """A GPU store, a host eviction of the blocks above it (its parent among them) and the store's
+    write-through. With the parent in the node's GPU the eviction goes first and the stores as one;
+    with the parent held in the host alone it does not (applied first, the eviction would drop the
+    parent from the index, childless and held nowhere, and the chain would hang from a
+    placeholder): one batch and three batches end the same either way, results included."""
+    p = [7_100 + i for i in range(6)]
+    worlds = [_World(True, 4096, chained=True), _World(True, 4096, chained=True)]
+    before = [
+        BlockStored(block_hashes=p[:3], parent_block_hash=None, tier=tier, block_size=BS)
+        for tier in (("gpu", "host") if parent_on_gpu else ("host",))
+    ]
+    triple = [
+        BlockStored(block_hashes=p[3:], parent_block_hash=p[2], tier="gpu", block_size=BS),
+        BlockRemoved(block_hashes=p[:3][::-1], tier="host"),
+        BlockStored(block_hashes=p[3:], parent_block_hash=p[2], tier="host", block_size=BS),
+    ]
+    results = []
+    for w, one in zip(worlds, (True, False)):
+        w.d.branch_start("b", 0.0)
+        w.d.place("b", "n0", "prefill", p, 0.0)
+        got = [0, 0]
+        for batch in (before, triple):
+            for part in [batch] if one else [[e] for e in batch]:
+                w.seq["n0"] += 1
+                r = w.d.apply_kv_batch(KvEventBatch(node="n0", seq=w.seq["n0"], ts=1.0, events=part), 1.0)
+                if batch is triple:
+                    got[0] += r.blocks_stored
+                    got[1] += r.blocks_removed
+            w.drain()
+        results.append(got)
+    assert worlds[0].directory_state(batches=False) == worlds[1].directory_state(batches=False)
+    assert results[0] == results[1] == [6, 3]
+    c = worlds[0].d.all_counters()
+    assert c["stored.without_parent"] == (0 if parent_on_gpu else 1)  # (in order: the write-through finds it held nowhere)
+    assert worlds[0].d.index.entries[p[0]] == p[0]  # still indexed: in the GPU, or held nowhere with the chain below
+
+
 def test_apply_kv_events_off_sequence_is_apply_kv_batch():
     """A batch that is not the next of its node's stream (its first, a gap, a late one, a restart)
     goes through ``apply_kv_batch``: buffered, stale or resynced exactly as there."""
@@ -291,12 +364,17 @@ def test_apply_kv_events_off_sequence_is_apply_kv_batch():
     assert c["kv.recovered_without_resync"] == 1 and worlds[1].d.awaiting_resync("n0")
 
 
-def _differential(seed: int, gaps: bool, event: str = "", chained: bool = False, direct: bool = False) -> None:
+def _differential(
+    seed: int, gaps: bool, event: str = "", chained: bool = False, direct: bool = False, split: bool = False
+) -> None:
     rng = random.Random(seed)
     cap = rng.choice([5, 4096])
     max_blocks = 60 if event == "cap" else 16_000_000
     if direct:  # the simulator's calls vs the general ones
         full, held = _World(True, cap, max_blocks, chained=True), _World(True, cap, max_blocks, chained=True, direct=True)
+    elif split:  # every event in a batch of its own vs the engines' batches
+        full, held = _World(True, cap, max_blocks, chained=True), _World(True, cap, max_blocks, chained=True)
+        full.split = True
     elif chained:  # the same drains, with the hooks probing every block vs bisecting chains
         full, held = _World(True, cap, max_blocks), _World(True, cap, max_blocks, chained=True)
     else:
@@ -379,14 +457,14 @@ def _differential(seed: int, gaps: bool, event: str = "", chained: bool = False,
             for bid in gone:
                 paths.pop(bid, None)
         assert full.flush(t) == held.flush(t), f"step {step}: the nodes' KV events differ"
-        if direct:
-            assert full.directory_state() == held.directory_state(), f"step {step}: the directories differ"
+        if direct or split:
+            assert full.directory_state(not split) == held.directory_state(not split), f"step {step}: the directories differ"
         if chained:
             assert full.d.all_counters() == held.d.all_counters(), f"step {step}: counters differ"
         for n in NODES:  # (cut elsewhere, a drain gives the same order, not the same stamps)
             assert full.state(n, cap > 100) == held.state(n, cap > 100), f"step {step}: node {n}'s pools differ"
     assert full.moved == held.moved and full.moved > 0
-    if direct:
+    if direct or split:
         assert held.entries == full.entries
     elif chained:
         assert held.entries == full.entries
