@@ -439,7 +439,7 @@ class KvDirectory:
         sequence is applied by the same code (:meth:`_apply`), with no batch or
         :class:`ApplyResult` built; any other batch (n's first, a gap, a restart, n awaiting a
         resync) goes through :meth:`apply_kv_batch` itself. Same index, counts, outbox, counters
-        and stream state either way (``tests/unit/kvdirectory/test_apply_kv_events.py``).
+        and stream state either way (``tests/unit/kvdirectory/test_held_counts.py``).
 
         Raises:
             IndexError: for a node id never registered.
