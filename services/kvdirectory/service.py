@@ -118,8 +118,10 @@ class DirectoryService(WatchedService):
         self._flush_lock = asyncio.Lock()
         self.count_epoch = uuid.uuid4().hex
         """``CountUpdates.epoch`` of this process: workers reset their counts when it changes."""
-        self._epoch_told: set[str] = set()
-        """Nodes sent an empty ``kv.counts`` with :attr:`count_epoch` (on their first ``node.state``)."""
+        self._epoch_told: dict[str, str] = {}
+        """Node → the count epoch (:meth:`node_epoch`) last announced to it in an empty ``kv.counts``
+        (on a ``node.state``): announced again when its epoch changes (its id registered anew after
+        its slot was taken over)."""
         self._stopping = False
         self._last_resync: dict[str, float] = {}
         """Monotonic time of the last resync request per node (at most one per ``resync_min_interval_s``)."""
@@ -176,6 +178,7 @@ class DirectoryService(WatchedService):
             return
         t0 = time.perf_counter()
         res = self.core.apply_kv_batch(batch, self.clock.local_now())
+        self._drop_reclaimed()  # a new node took a forgotten one's slot: before the old id can be heard again
         self._ingest_s.observe(time.perf_counter() - t0)
         mono = self.clock.monotonic()  # liveness measures local durations: a wall-clock step must not forget every node
         if self.liveness.heard(batch.node, mono):  # its batch was buffered: the core awaits a snapshot
@@ -215,6 +218,7 @@ class DirectoryService(WatchedService):
 
     async def _on_placed(self, msg: m.RoutePlaced, subject: str) -> None:
         res = self.core.place(msg.branch_id, msg.node, msg.phase, msg.block_hashes, self.clock.local_now())
+        self._drop_reclaimed()
         if res.rejected:
             self.log.warning("placement refused", branch=msg.branch_id, node=msg.node, rid=msg.rid, reason=res.rejected)
         await self._maybe_flush()
@@ -225,6 +229,7 @@ class DirectoryService(WatchedService):
         old = self.core.node_phase(msg.node)
         if old != msg.phase:
             released = self.core.node_phase_changed(msg.node, old, msg.phase, self.clock.local_now())
+            self._drop_reclaimed()
             self.log.info("node phase changed", node=msg.node, old=old, new=msg.phase, released_branches=released)
             await self._maybe_flush()
 
@@ -235,12 +240,15 @@ class DirectoryService(WatchedService):
             if self.core.awaiting_resync(st.node):  # an idle node holds KV too: ask for it now
                 self._ensure_resync(st.node)
         self.liveness.state(st.node, st.running + st.waiting > 0, mono)
-        if st.node not in self._epoch_told and len(self._epoch_told) < self.cfg.max_nodes:
+        epoch = self._epoch_to_announce(st.node)
+        told = self._epoch_told.get(st.node)
+        if epoch is not None and told != epoch and (told is not None or len(self._epoch_told) < self.cfg.max_nodes):
             # tell the node this process's count epoch now, with no counts: a worker holding counts of
-            # a directory that died resets them at once, not at this process's first count change for
-            # it (which an idle node may not get for a long time)
-            self._epoch_told.add(st.node)
-            await self.bus.publish(KV_COUNTS, m.CountUpdates(node=st.node, epoch=self.node_epoch(st.node)), node=st.node)
+            # a directory that died (or of this node id's registration before its slot was taken over)
+            # resets them at once, not at this process's first count change for it (which an idle
+            # node may not get for a long time)
+            self._epoch_told[st.node] = epoch
+            await self.bus.publish(KV_COUNTS, m.CountUpdates(node=st.node, epoch=epoch), node=st.node)
             self.counters["counts.epoch_announced"] += 1
 
     async def _liveness_loop(self) -> None:
@@ -271,11 +279,16 @@ class DirectoryService(WatchedService):
     def _forget(self, node: str) -> None:
         """``node`` was heard of neither on ``kv.events`` nor on ``node.state`` for
         ``forget_node_after_s``: drop its KV (``KvDirectory.forget_node``) and stop asking it for
-        a snapshot (a resync task of a dead node retries forever); it is asked again when heard."""
+        a snapshot (a resync task of a dead node retries forever); it is asked again when heard.
+        A node the core never registered (heard on ``node.state`` only) holds no slot that
+        another node would take over: what this shell keeps of it goes at once
+        (:meth:`_drop_marks`), or such ids, new at each restart, piled up here for good."""
         dropped = self.core.forget_node(node)
         t = self._resyncs.pop(node, None)
         if t is not None and not t.done():
             t.cancel()
+        if not self.core.has_node(node):
+            self._drop_marks(node)
         self.log.warning(
             "NODE FORGOTTEN: no KV events and no state for too long; its blocks are dropped from the directory",
             node=node, silent_for_s=self.cfg.forget_node_after_s, copies_dropped=dropped,
@@ -285,16 +298,35 @@ class DirectoryService(WatchedService):
         """Forget for good the nodes whose directory slot another node took over
         (``KvDirectory.take_reclaimed``): what this shell keeps per node (liveness, the count epoch
         told, resync and count-sync marks) goes, so node ids that change on every restart do not
-        pile up. O(nodes reclaimed)."""
+        pile up. Called right after every core call that can take a slot over (a KV batch, a
+        placement, a phase change; and each liveness round), with no await between: the old id,
+        heard again later, is a new node here too (run only on the liveness round, it dropped
+        what the shell had meanwhile kept of the new registration: its resync in flight, its
+        liveness). O(nodes reclaimed)."""
         for node in self.core.take_reclaimed():
-            self.liveness.drop(node)
-            self._epoch_told.discard(node)
-            self._last_resync.pop(node, None)
-            self._count_snaps.pop(node, None)
-            self._count_sync_last.pop(node, None)
-            t = self._resyncs.pop(node, None)
-            if t is not None and not t.done():
-                t.cancel()
+            self._drop_marks(node)
+
+    def _drop_marks(self, node: str) -> None:
+        """Drop what this shell keeps of ``node`` (gone for good), and cancel its resync. O(1)."""
+        self.liveness.drop(node)
+        self._epoch_told.pop(node, None)
+        self._last_resync.pop(node, None)
+        self._count_snaps.pop(node, None)
+        self._count_sync_last.pop(node, None)
+        t = self._resyncs.pop(node, None)
+        if t is not None and not t.done():
+            t.cancel()
+
+    def _epoch_to_announce(self, node: str) -> str | None:
+        """:meth:`node_epoch` of ``node`` when it is settled: the node is registered in the core,
+        or no slot was ever taken over (then every node registers with the plain
+        :attr:`count_epoch`). None otherwise: its epoch depends on how many slots will have been
+        taken over when its first KV batch registers it, and announcing the plain one first made
+        its worker take its first count message for a directory restart (a reset and a log line
+        on every new pod). O(1)."""
+        if self.core.has_node(node) or self.core.reclaims == 0:
+            return self.node_epoch(node)
+        return None
 
     def node_epoch(self, node: str) -> str:
         """``CountUpdates.epoch`` of ``node``'s counts: :attr:`count_epoch`, with the node's

@@ -184,3 +184,79 @@ async def test_a_node_id_back_after_its_slot_was_taken_over_gets_a_new_count_epo
     assert w0.offer(msg) == (True, "apply")  # reset, then applied
     await d.send_count_beacons()
     assert {x.node: x.epoch for x in bus.wire if x.beacon} == {"w0": d.node_epoch("w0"), "w1": d.node_epoch("w1")}
+
+
+class _SlowResyncBus(FakeBus):
+    """A fake bus whose ``kv.resync`` requests wait until cancelled (a resync in flight)."""
+
+    async def request(self, subject: Any, msg: Any, **kw: Any) -> Any:
+        await asyncio.Event().wait()
+
+
+def _kv(node: str, seq: int) -> m.KvEventBatch:
+    return m.KvEventBatch(node=node, seq=seq, events=[m.BlockStored(block_hashes=[seq], tier="gpu", block_size=4)])
+
+
+async def test_a_node_id_back_right_after_its_slot_was_taken_keeps_its_new_state_and_learns_its_new_epoch():
+    """w0 forgotten, w1 takes its slot, w0 heard again before the next liveness round: the round
+    must not drop what the shell now keeps of the new w0 (before: its resync in flight was
+    cancelled and its liveness entry dropped, so an idle w0 was never resynced), and w0's next
+    state announces its new epoch (before: w0 was still marked told, so its worker kept the old
+    registration's counts until a count of the new one changed)."""
+    mono = [100.0]
+    bus = _SlowResyncBus()
+    d = DirectoryService(DirectoryConfig(block_size=4), bus, SimClock(mono=lambda: mono[0]))  # type: ignore[arg-type]
+    await d._on_state(m.NodeState(node="w0"), "")
+    await d._on_kv(_kv("w0", 1), "")
+    mono[0] += 1000.0
+    assert d.liveness.forget(mono[0], 300.0) == ["w0"]
+    d._forget("w0")
+    await d._on_kv(_kv("w1", 1), "")  # takes w0's slot over
+    await d._on_kv(_kv("w0", 5), "")  # w0 back: a new node, first contact past seq 1: resync
+    await d._on_state(m.NodeState(node="w0"), "")
+    task = d._resyncs["w0"]
+    assert d.node_epoch("w0") == f"{d.count_epoch}.1"
+    assert [x.epoch for x in bus.wire if x.node == "w0"] == [d.count_epoch, d.node_epoch("w0")]
+    d._drop_reclaimed()  # what the next liveness round runs
+    await asyncio.sleep(0)
+    assert not task.cancelled() and d._resyncs.get("w0") is task
+    assert [r[0] for r in d.liveness.report(mono[0])] == ["w0", "w1"]
+    task.cancel()
+
+
+async def test_a_node_first_heard_on_node_state_after_a_take_over_gets_one_epoch_only():
+    """After a slot was taken over, a new node's count epoch is only known once the core has
+    registered it: announcing the plain epoch on its first state (before its first KV batch) made
+    its worker take its first count message for a directory restart (a reset, a 'kv directory
+    restarted' log line and a directory_restarts count on every new pod)."""
+    d, bus = directory()
+    await d._on_kv(_kv("w0", 1), "")
+    d.core.forget_node("w0")
+    await d._on_kv(_kv("w1", 1), "")  # takes w0's slot over
+    await d._on_state(m.NodeState(node="w2"), "")  # a new pod: its state before its KV events
+    await d._on_kv(_kv("w2", 1), "")
+    await d._on_state(m.NodeState(node="w2"), "")
+    d.core.branch_start("a", 0.0)
+    d.core.place("a", "w2", "prefill", [1], 0.0)
+    await d.flush_counts()
+    s = check_wire(bus.wire)["w2"]
+    assert s.counters["directory_restarts"] == 0 and s.epoch == d.node_epoch("w2") == f"{d.count_epoch}.1"
+    assert s.last == 1 and not s.syncing
+
+
+async def test_a_node_never_indexed_and_forgotten_leaves_no_marks_behind():
+    """A node id heard only on node.state (a pod that died before its first KV event) and then
+    silent past --forget-node-after-s holds nothing in the core, so no other node ever takes its
+    slot over; its liveness entry and its epoch mark must go when it is forgotten (before they
+    stayed for good: with such ids new at each restart, the marks reached --max-nodes and no node
+    was told the epoch any more)."""
+    mono = [0.0]
+    bus = FakeBus()
+    d = DirectoryService(DirectoryConfig(block_size=4, max_nodes=2), bus, SimClock(mono=lambda: mono[0]))  # type: ignore[arg-type]
+    for i in range(3):
+        await d._on_state(m.NodeState(node=f"p{i}"), "")
+        mono[0] += 1000.0
+        for node in d.liveness.forget(mono[0], 300.0):
+            d._forget(node)
+    assert len(d.liveness) == 0
+    assert [x.node for x in bus.wire] == ["p0", "p1", "p2"]  # each new pod told the epoch
