@@ -135,17 +135,27 @@ class TraceProblem(msgspec.Struct, frozen=True):
         return f"line {self.line}: {self.reason}"
 
 
+ERROR_SHOWN_PROBLEMS = 20
+"""Problems :class:`TraceError`'s message lists: a file that is no trace at all (a README, a log
+given as ``--trace``) has one per line, and ``simulate`` / ``replay`` / ``trace stats`` printed all
+of them (635 lines for the README) as their one error. ``trace validate`` still prints every one."""
+
+
 class TraceError(ValueError):
     """A trace file has problems; ``problems`` lists every one, in line order.
 
     ``str(err)`` is ``"<path>: N problem(s)"`` followed by one ``line N: reason``
-    per problem.
+    for each of the first :data:`ERROR_SHOWN_PROBLEMS` problems, then, when there
+    are more, one line saying how many were left out and that ``evolving-infra
+    trace validate`` lists them all.
     """
 
     def __init__(self, path: str | os.PathLike[str], problems: list[TraceProblem]):
         self.path = str(path)
         self.problems = problems
-        lines = [f"{self.path}: {len(problems)} problem(s)"] + [str(p) for p in problems]
+        lines = [f"{self.path}: {len(problems)} problem(s)"] + [str(p) for p in problems[:ERROR_SHOWN_PROBLEMS]]
+        if len(problems) > ERROR_SHOWN_PROBLEMS:
+            lines.append(f"... {len(problems) - ERROR_SHOWN_PROBLEMS} more not shown (evolving-infra trace validate lists every one)")
         super().__init__("\n".join(lines))
 
 

@@ -467,3 +467,23 @@ def test_validate_and_stats_agree_on_the_exit_status_of_one_input(tmp_path: Path
     for path in (packed, junk):
         assert main(["validate", str(path)]) == main(["stats", str(path)]) == 2, path
     capsys.readouterr()
+
+
+def test_a_file_that_is_no_trace_is_named_in_a_few_lines_not_one_per_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``simulate --trace README.md`` printed one 'line N: invalid JSON' for each of the file's 635
+    lines as its error; the message now lists the first 20 problems and says how many more there
+    are, and ``trace validate`` still lists every one (on stdout)."""
+    monkeypatch.chdir(tmp_path)
+    notes = tmp_path / "notes.md"
+    notes.write_text("".join(f"- note {i}: not JSON\n" for i in range(100)))
+    for argv in (["simulate", "--trace", "notes.md", "--out", "o"], ["demo", "--trace", "notes.md", "--out", "d"]):
+        assert top_main(argv) == 2, argv
+        err = capsys.readouterr().err.splitlines()
+        assert "notes.md: 100 problem(s)" in err[0] and "not a canonical trace" in err[1], (argv, err)
+        assert len(err) == 22 and err[-1] == "... 80 more not shown (evolving-infra trace validate lists every one)", err
+    assert main(["validate", "notes.md"]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 100 and out[-1].startswith("notes.md:100: "), out[-3:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]
