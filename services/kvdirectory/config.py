@@ -43,8 +43,9 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
         Meta(ge=0, description="wall seconds (monotonic clock) without a kv.events batch or a node.state from a node "
              "(a running worker sends a state at least every second) after which the directory drops the node's blocks as "
              "an AllBlocksCleared would (a worker SIGKILLed and never restarted) and frees its slot (the next new node id "
-             "takes it, with none of its blocks or counts); a node heard again before that is resynced, one heard after "
-             "it is a new node; checked every --liveness-interval-s; 0 = never (then every node id ever seen keeps a slot)"),
+             "takes it, with none of its blocks or counts); a forgotten node heard again before another id takes its slot is "
+             "resynced, one heard after that is a new node; checked every --liveness-interval-s; 0 = never (then every "
+             "node id ever seen keeps a slot)"),
     ] = 300.0
     liveness_interval_s: Annotated[
         float, Meta(gt=0, description="wall seconds between staleness checks and kv.liveness publications")

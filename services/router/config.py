@@ -98,7 +98,8 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     ] = 3.0
     forget_node_after_s: Annotated[
         float,
-        Meta(ge=0, description="wall seconds without a node.state after which a fenced node has left for good: its GPU KV "
+        Meta(ge=0, description="wall seconds without a node.state (measured on the monotonic clock, as --fence-after-s) after "
+             "which a fenced node has left for good: its GPU KV "
              "memory no longer counts toward max_model_len (/v1/models, /tokenize) and the 400 of a request no node can hold "
              "(nor does a 0, an older worker's unknown capacity, turn that cap off); until then a silent node counts, so a "
              "restarting one does not lower the cap; one that reports again counts at once; one that holds no request is "
