@@ -67,6 +67,7 @@ class _Branch:
     parent: str | None
     agent_id: str | None
     started_at: float
+    """``BranchStart.ts`` of its (re)start: the wall-based cluster time, sent again by :meth:`BranchTable.republish`."""
     requests: int = 0
     last_seen: float = 0.0
     hold_until: float = 0.0
@@ -147,8 +148,11 @@ class BranchTable:
         kind: BranchKind = "main",
         parent: str | None = None,
         agent_id: str | None = None,
+        ts: float | None = None,
     ) -> BranchStart | None:
-        """Note a request of ``branch_id``.
+        """Note a request of ``branch_id`` at ``now`` (the TTL's clock: the live router's
+        monotonic ``SimClock.local_now``); ``ts``: the ``BranchStart.ts`` (the wall-based cluster
+        time another process reads; None: ``now``).
 
         Returns:
             The ``BranchStart`` to publish when the branch is new, else None
@@ -170,15 +174,17 @@ class BranchTable:
         if old is not None:  # a resume after a pause longer than the TTL: accepted, announced again
             self.resumed += 1
             kind, parent, agent_id = old.kind, old.parent, old.agent_id
-        b = _Branch(kind, parent, agent_id, now, 1, now)
+        b = _Branch(kind, parent, agent_id, now if ts is None else ts, 1, now)  # started_at: a BranchStart.ts again (republish)
         self._active[branch_id] = b
         self._touch(branch_id, b, now)
-        return BranchStart(branch_id=branch_id, kind=kind, parent_branch_id=parent, agent_id=agent_id, ts=now)
+        return BranchStart(branch_id=branch_id, kind=kind, parent_branch_id=parent, agent_id=agent_id, ts=now if ts is None else ts)
 
-    def tool_call(self, branch_id: str, now: float, *, outstanding: bool = True, expected_s: float = 0.0) -> BranchToolCall:
+    def tool_call(
+        self, branch_id: str, now: float, *, outstanding: bool = True, expected_s: float = 0.0, ts: float | None = None
+    ) -> BranchToolCall:
         """"Tool call outstanding" hint: keep ``branch_id`` from expiring until ``now + expected_s``
         (0 or more than ``max_hold_s``: ``max_hold_s``) or its next request; ``outstanding=False``
-        ends the hold.
+        ends the hold. ``now`` and ``ts`` as in :meth:`observe`.
 
         Returns:
             The ``BranchToolCall`` to publish (the directory keeps the branch's blocks counted).
@@ -204,10 +210,10 @@ class BranchTable:
         self._touch(branch_id, b, now)
         span = expected_s if 0 < expected_s <= self.max_hold_s else self.max_hold_s
         b.hold_until = max(b.hold_until, now + span) if outstanding else 0.0
-        return BranchToolCall(branch_id=branch_id, outstanding=outstanding, expected_s=expected_s, ts=now)
+        return BranchToolCall(branch_id=branch_id, outstanding=outstanding, expected_s=expected_s, ts=now if ts is None else ts)
 
-    def end(self, branch_id: str, now: float) -> BranchEnd:
-        """End ``branch_id``.
+    def end(self, branch_id: str, now: float, *, ts: float | None = None) -> BranchEnd:
+        """End ``branch_id`` (``now`` and ``ts`` as in :meth:`observe`).
 
         Returns:
             The ``BranchEnd`` to publish.
@@ -224,7 +230,7 @@ class BranchTable:
             self._ended[branch_id] = now
             while len(self._ended) > self.max_ended:
                 self._ended.popitem(last=False)
-        return BranchEnd(branch_id=branch_id, ts=now)
+        return BranchEnd(branch_id=branch_id, ts=now if ts is None else ts)
 
     def note_placed(self, placed: RoutePlaced) -> None:
         """Remember ``placed`` as part of its branch's latest placement: a new rid replaces the

@@ -186,7 +186,8 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     branch_ttl_s: Annotated[
         float,
         Meta(gt=0, description="simulated seconds without a request after which a branch expires (as the directory's "
-             "--branch-ttl-s); its next request is a resume: accepted, re-announced (BranchStart)"),
+             "--branch-ttl-s; measured on the monotonic clock: a step of the wall clock expires no branch); its next "
+             "request is a resume: accepted, re-announced (BranchStart)"),
     ] = 1800.0
     log_requests: Annotated[
         bool,

@@ -1848,7 +1848,7 @@ class RouterService(WatchedService):
         branch_id = request.path_params["branch_id"]
         try:
             api.check_header_value("branch_id", branch_id, self.cfg.max_id_len)
-            end = self.branches.end(branch_id, self.clock.now())
+            end = self.branches.end(branch_id, self.clock.local_now(), ts=self.clock.now())
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
         except BranchError as e:
@@ -1869,7 +1869,9 @@ class RouterService(WatchedService):
             api.check_header_value("branch_id", branch_id, self.cfg.max_id_len)
             body = await self._read_body(request)
             outstanding, expected_s = api.parse_tool_call(body)
-            ev = self.branches.tool_call(branch_id, self.clock.now(), outstanding=outstanding, expected_s=expected_s)
+            ev = self.branches.tool_call(
+                branch_id, self.clock.local_now(), outstanding=outstanding, expected_s=expected_s, ts=self.clock.now()
+            )  # the TTL and holds on the monotonic clock, as the directory's; the message's ts wall-based
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
         except BranchError as e:
@@ -2279,8 +2281,9 @@ class RouterService(WatchedService):
             self._check_kv_room(int(arr.size), max_tokens, chat)
             start = None
             if hdrs.branch_id is not None:
-                start = self.branches.observe(
-                    hdrs.branch_id, self.clock.now(), kind=hdrs.kind, parent=hdrs.parent_branch_id, agent_id=hdrs.agent_id
+                start = self.branches.observe(  # branch TTL on the monotonic clock: a wall-clock step expires no branch
+                    hdrs.branch_id, self.clock.local_now(), kind=hdrs.kind, parent=hdrs.parent_branch_id,
+                    agent_id=hdrs.agent_id, ts=self.clock.now(),
                 )
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)

@@ -454,6 +454,30 @@ async def test_branch_resumed_after_expiry_and_tool_call_hint(nats_url, tmp_path
         assert st.gauges["branches_resumed"] == 1.0 and st.gauges["branches_expired"] >= 1.0
 
 
+async def test_a_wall_clock_step_expires_no_branch_at_the_router(nats_url, tmp_path):
+    """The wall clock steps past --branch-ttl-s: the router's branch TTL is a duration of its own,
+    read on the monotonic clock as the directory's is, so the branch's next request is no resume
+    (on the wall clock every branch expired at once: each next request counted a resume and sent
+    the directory a second BranchStart for a branch it still held); the BranchStart's ts stays wall."""
+    step = [0.0]
+    clock = SimClock(wall=lambda: time.time() + step[0])
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, clock=clock, branch_ttl_s=60.0) as env:
+        h = {"X-Branch-Id": "w1"}
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, headers=h)
+        assert r.status_code == 200, r.text
+        step[0] = 3600.0
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 1}, headers=h)
+        assert r.status_code == 200, r.text
+        st = await env.stats()
+        assert st.gauges["branches_resumed"] == 0.0 and st.gauges["branches_expired"] == 0.0
+        r = await env.http.post("/v1/completions", json={"prompt": [5], "max_tokens": 1}, headers={"X-Branch-Id": "w2"})
+        assert r.status_code == 200, r.text
+        await _wait_for(lambda: sum(isinstance(e, m.BranchStart) for e in env.cluster.branch_events) == 2, what="BranchStarts")
+        assert [e.branch_id for e in env.cluster.branch_events if isinstance(e, m.BranchStart)] == ["w1", "w2"]
+        w2 = env.cluster.branch_events[-1]
+        assert abs(w2.ts - clock.now()) < 60.0  # the message's ts: the wall-based cluster time, stepped too
+
+
 async def test_bad_requests_get_4xx_with_reasons(nats_url, tmp_path):
     async with router_env(nats_url, tmp_path, {"c0": "both"}, max_prompt_tokens=1000) as env:
         cases = [

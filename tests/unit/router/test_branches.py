@@ -93,3 +93,17 @@ def test_republish_gives_a_restarted_directory_the_active_branches_and_latest_pl
     assert out[3].branch_id == "fork" and out[3].kind == "fork" and out[3].parent_branch_id == "root"
     t.end("fork", 3.0)
     assert [e.branch_id for e in t.republish() if isinstance(e, BranchStart)] == ["root"]
+
+
+def test_the_ttl_runs_on_the_callers_clock_and_messages_carry_the_ts_given():
+    """The live router passes its monotonic reading as ``now`` (TTL, holds) and the wall-based
+    cluster time as ``ts``: every message, a republished BranchStart too, carries ``ts``."""
+    t = BranchTable(ttl_s=100.0)
+    start = t.observe("b", 5.0, ts=1_000_000.0)
+    assert start is not None and start.ts == 1_000_000.0
+    assert t.observe("b", 90.0, ts=2_000_000.0) is None  # within the TTL on ``now``, whatever ``ts`` says
+    assert t.tool_call("b", 95.0, expected_s=10.0, ts=2_000_001.0).ts == 2_000_001.0
+    assert t.expire(150.0) == []  # 90 + 100 > 150
+    [again] = [x for x in t.republish() if isinstance(x, BranchStart)]
+    assert again.ts == 1_000_000.0
+    assert t.end("b", 160.0, ts=2_000_002.0).ts == 2_000_002.0
