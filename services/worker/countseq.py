@@ -7,7 +7,9 @@ blocks' counts stale until they change again, maybe never. This class tells, per
 the shell does with it, and when the node's counts must be fetched whole from the directory
 (``kv.countsync.<node>``, ``CountSnapshot``):
 
-* a new ``epoch`` (a restarted directory, whose counts start empty): reset every count to 0,
+* a new ``epoch`` (a restarted directory, whose counts start empty; or a directory that forgot this
+  node id, gave its slot to another node and registered it anew, with no counts: its epoch then
+  ends in ``.<generation>``, ``DirectoryService.node_epoch``): reset every count to 0,
   then go on with the new process's numbers (the first message must be ``seq`` 1, or the ones
   before it were lost: a gap);
 * ``seq == last + 1``: apply;
@@ -38,8 +40,9 @@ the shell does with it, and when the node's counts must be fetched whole from th
 An ``epoch`` the worker held counts of before the one it holds now (the directory restarted;
 the last ``retired_max``, 8, are remembered) is over: a late message or beacon of it is dropped
 (``stale_epoch``), not taken for another restart (which would reset the counts and cost a sync).
-Epochs are opaque (``uuid4().hex`` per directory process, ``DirectoryService.count_epoch``): a
-process never reuses one, so a genuinely new epoch is never among them. (A worker that first hears
+Epochs are opaque (``uuid4().hex`` per directory process, ``DirectoryService.count_epoch``, with a
+``.<generation>`` per registration of the node id after a slot was taken over): a process never
+reuses one for a node, so a genuinely new epoch is never among them. (A worker that first hears
 a new process, then a late message of the one before it, never held that one: it takes it for a
 restart, as before.)
 

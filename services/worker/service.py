@@ -1163,10 +1163,11 @@ class WorkerService:
         st = self.counts
         gaps = st.counters["gap"]
         reset, action = st.offer(msg)
-        if reset:  # the directory restarted: its counts start from empty
+        if reset:  # the directory restarted (or registered this node id anew): its counts start from empty
             with self._fatal_on_error("reset branch counts"):
                 moved = self.core.reset_counts()
-            self.log.info("kv directory restarted: branch counts reset to 0", epoch=msg.epoch, moved=moved)
+            self.log.info("new kv directory count epoch (the directory restarted, or re-registered this node after "
+                          "forgetting it): branch counts reset to 0", epoch=msg.epoch, moved=moved)  # fmt: skip
         if action == "apply":
             self._apply_counts(msg.hashes, msg.counts)
         if st.counters["gap"] != gaps:
