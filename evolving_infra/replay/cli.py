@@ -442,5 +442,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "so each run needs ids of its own: default '<run id>:' (meta.run_id); '' sends the trace's ids "
                    f"as they are (once per cluster). Printable ASCII only; a router refuses ids over {ROUTER_MAX_ID_LEN} characters (its "
                    "max_id_len), which the run warns of. Records and the report keep the trace's ids")
-    p.add_argument("--out", default="replay-out", type=folder, help="output directory for report.json and requests.jsonl (default replay-out)")
+    p.add_argument("--out", default="replay-out", type=folder, help="output directory for report.json, requests.jsonl, plots and report.html (default replay-out)")
     p.set_defaults(func=cmd_replay)
