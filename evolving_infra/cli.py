@@ -75,7 +75,10 @@ class _PackageVersion(argparse.Action):
                  option_string: str | None = None) -> None:
         from shared import package_version
 
-        print(f"{parser.prog} {package_version()}")
+        try:  # as argparse's version action: no stdout, or its reader gone (| head -0), is no error
+            sys.stdout.write(f"{parser.prog} {package_version()}\n")
+        except (AttributeError, OSError):
+            pass
         parser.exit()
 
 

@@ -5,6 +5,8 @@ no ``evolving-infra --version``."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -50,6 +52,19 @@ def test_version_prints_the_package_version(capsys):
     assert e.value.code == 0
     assert capsys.readouterr().out == f"evolving-infra {package_version()}\n"
     assert package_version() != "unknown"  # the test venv installs the package
+
+
+def test_version_into_a_closed_pipe_exits_0_quietly():
+    # as argparse's own version action did: the reader gone before the line is written is no error
+    # (the lazy --version of 5d2bce6 printed with print() and ended in a BrokenPipeError traceback, status 1)
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "evolving_infra.cli", "--version"], stdout=w, stderr=subprocess.PIPE,
+                           text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (0, "")
 
 
 @pytest.mark.parametrize("command", ["up", "demo"])
