@@ -335,10 +335,9 @@ class EngineScheduler:
             None if decode_here else (work.decode_node or _UNBOUND),  # handoff_to
             work,  # prefill_work
         )
-        r.q_gpu, r.q_host = self.kv.match(r.path, r.limit)
+        # keep the L2 part of the prefix it was routed for (if any) until admission
+        r.q_gpu, r.q_host, r.l2_hold = self.kv.match_hold(r.path, r.limit)
         self.requests[rid] = r
-        if r.q_host:  # keep the L2 part of the prefix it was routed for until admission
-            r.l2_hold = self.kv.hold(r.path, r.q_gpu + r.q_host)
         if work.fetch:
             self._start_fetch(r, work, now)
         if gated:
@@ -670,10 +669,9 @@ class EngineScheduler:
         self._count("completed")
         if self.external_fetch:
             self._fetch_ends.append(f.fetch_id)
-        r.q_gpu, r.q_host = self.kv.match(r.path, r.limit)
-        self._drop_hold(r)
-        if r.q_host:  # hold the extended L2 prefix (fetched pages and their ancestors) until admission
-            r.l2_hold = self.kv.hold(r.path, r.q_gpu + r.q_host)
+        self._drop_hold(r)  # (an unhold changes no page's place: the match below is the same after it)
+        # hold the extended L2 prefix (fetched pages and their ancestors), if any, until admission
+        r.q_gpu, r.q_host, r.l2_hold = self.kv.match_hold(r.path, r.limit)
 
     def _drop_hold(self, r: _Request) -> None:
         """Release the L2 prefix queued request ``r`` holds, if it holds one (idempotent)."""

@@ -373,3 +373,52 @@ def test_branch_count_counted_trim_keeps_l2_pages_only():
     assert kv.host.counted == {1, 2, 5}
     assert [(x.hash, x.group) for x in kv.host.evictable.ordered()] == [(4, 0), (3, 0), (2, 1), (1, 1)]
     holders_none(kv)
+
+
+@pytest.mark.parametrize("policy", ["lru", "branch-count"])
+def test_match_hold_equals_match_then_hold(policy):
+    """``match_hold`` (the scheduler's enqueue and fetch completion) answers and holds as
+    ``match`` then ``hold`` of the L1 + L2 prefix found: two pools fed the same random stream
+    (computed prefixes, L1 evictions, peer fetches into L2, holds taken and dropped), one
+    taking its holds through ``match_hold``, the other through the two calls."""
+    import random
+
+    rng = random.Random(23)
+    a, b = KvBlockManager(10, 30, 4, policy), KvBlockManager(10, 30, 4, policy)
+    paths: list[list[int]] = []
+    holds: list[tuple[list[int], list[int]]] = []
+    seen = {"l2": 0, "l1": 0, "none": 0}
+    nxt = 1
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.3 or not paths:  # a prefix computed (a fork of an earlier one, or new)
+            base = rng.choice(paths)[: rng.randint(0, 6)] if paths and rng.random() < 0.7 else []
+            k = rng.randint(1, 6)
+            path = base + list(range(nxt, nxt + k))
+            nxt += k
+            if len(path) > 8:
+                continue
+            paths.append(path)
+            for kv in (a, b):
+                compute(kv, path)
+        elif op < 0.45:  # a peer fetch lands in L2
+            path = rng.choice(paths)
+            lo = rng.randint(0, len(path))
+            assert a.store_fetched(path, lo, len(path)) == b.store_fetched(path, lo, len(path))
+        elif op < 0.85:  # a queued request's prefix: matched and held
+            path = rng.choice(paths)
+            limit = rng.randint(0, len(path))
+            got = a.match_hold(path, limit)
+            n_gpu, n_host = b.match(path, limit)
+            want = (n_gpu, n_host, b.hold(path, n_gpu + n_host) if n_host else None)
+            assert got == want
+            seen["l2" if n_host else "l1" if n_gpu else "none"] += 1
+            if n_host:
+                holds.append((got[2], want[2]))  # type: ignore[arg-type]
+        elif holds:  # ... and admitted or gone
+            ha, hb = holds.pop(rng.randrange(len(holds)))
+            a.unhold(ha)
+            b.unhold(hb)
+        assert a.host.holds == b.host.holds
+        assert a.take_events() == b.take_events()
+    assert min(seen.values()) > 20, seen

@@ -284,6 +284,8 @@ def test_without_the_hold_the_fetch_would_be_lost(b, run, monkeypatch):
     from services.worker.blocks import KvBlockManager
 
     monkeypatch.setattr(KvBlockManager, "hold", lambda self, path, n: [])
+    # the scheduler's other way in: a match, then the hold of what it found (none here)
+    monkeypatch.setattr(KvBlockManager, "match_hold", lambda self, path, limit: (*self.match(path, limit), None))
     _, outs = _fetch_race(b, run, "lru")
     r = first_token(outs, "r")
     assert r.fetched_tokens == 40 and r.cached_tokens == 40  # 30 pages fetched, 10 left to restore
@@ -323,6 +325,8 @@ def test_without_the_arrival_hold_the_local_prefix_would_be_lost(b, run, monkeyp
     from services.worker.blocks import KvBlockManager
 
     monkeypatch.setattr(KvBlockManager, "hold", lambda self, path, n: [])
+    # the scheduler's other way in: a match, then the hold of what it found (none here)
+    monkeypatch.setattr(KvBlockManager, "match_hold", lambda self, path, limit: (*self.match(path, limit), None))
     _, outs = _local_prefix_race(b, run, "lru")
     assert first_token(outs, "r").cached_tokens < 120
 
