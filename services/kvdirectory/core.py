@@ -521,19 +521,18 @@ class KvDirectory:
                         and type(nxt) is BlockRemoved
                         and nxt.tier == "host"
                         and _writes_through(ev, events[i + 2], self.block_size)
-                        and self._room_first(n, ev.block_hashes, ev.parent_block_hash)
+                        and self._through_first(n, ev.block_hashes, ev.parent_block_hash, nxt.block_hashes)
                     ):
                         # the host eviction that makes room for the write-through, between the two
-                        # stores: applied first, then the stores as one (same effects, _room_first)
-                        removed_blocks += self._apply_removed(n, nxt)
+                        # stores: the stores as one, then the eviction (same effects, _through_first)
                         newly = index.store_written_through(n, ev.block_hashes, ev.parent_block_hash)
-                        if newly is not None:  # (always, as _room_first checked)
+                        if newly is not None:  # (always, as _through_first checked)
                             done = i + 2
                             table.on_stored_through(n, newly)
                             stored += 2 * len(newly)
                             counters["kv.blocks_stored"] += 2 * len(newly)
+                            removed_blocks += self._apply_removed(n, nxt)
                             continue
-                        done = i + 1  # pragma: no cover - the eviction is applied; the stores follow
                 newly = index.store(n, tier, ev.block_hashes, ev.parent_block_hash)
                 table.on_stored(n, tier, newly)
                 stored += len(ev.block_hashes)
@@ -562,23 +561,30 @@ class KvDirectory:
         counters["kv.blocks_removed"] += k
         return k
 
-    def _room_first(self, n: int, hashes: list[int], parent: int | None) -> bool:
-        """Whether node n's GPU store of ``hashes`` (below ``parent``), a host eviction and the
-        store's write-through (``GPU store, host removal, host store``: the engine evicts from its
-        L2 to make room for the write-through) may be applied as the eviction first, then the
-        two stores as one (``BlockIndex.store_written_through``, which then cannot refuse them):
-        same index, counts, outbox and counters as the three in order, when
+    def _through_first(self, n: int, hashes: list[int], parent: int | None, evicted: list[int]) -> bool:
+        """Whether node n's GPU store of ``hashes`` (below ``parent``), a host eviction of
+        ``evicted`` and the store's write-through (``GPU store, host removal, host store``: the
+        engine evicts from its L2 to make room for the write-through) may be applied as the two
+        stores as one (``BlockIndex.store_written_through``, which then cannot refuse them), then
+        the eviction: same index, counts, outbox and counters as the three in order, when
 
         * ``hashes`` is a brand-new chain (none indexed, none repeated) and the index has room for
-          it: the eviction only removes, so it stays brand-new;
-        * ``parent`` is None or held in n's GPU: the host eviction cannot drop it from the index
-          (as without the store below it, which the stores in order hang there first), so the
-          chain is stored below it either way and nothing else it removes depends on the chain.
+          it, as the pair needs;
+        * the eviction lists none of ``hashes`` (in order it finds them on the GPU alone: unknown
+          to the host tier, skipped and counted so; after the write-through it would remove them);
+        * ``parent`` is None or held in n's GPU: the host eviction cannot leave it held nowhere
+          (in order the write-through would then find it so, ``stored.without_parent``), so the
+          chain hangs below a held block during the eviction either way.
 
-        The presence hooks commute: the eviction's reads R[n] only, which the stores' hooks leave
-        alone (a move they finish releases nodes other than n); both tiers of one brand-new chain
-        are what ``BranchTable.on_stored_through`` applies. The index keeps runs maximal, so the
-        same blocks and presence make the same runs whatever the order. O(len(hashes)) C-level."""
+        The index's ``where`` table gets the same insertions then deletions as in order (the
+        chain's blocks, then what the eviction drops), so it is resized at the same points and
+        ends the same size (``BlockIndex.size_bytes``, the simulator's ``kv_directory_size``);
+        the eviction applied first would resize it with fewer live blocks. The presence hooks
+        commute: the eviction's reads R[n] only, which the stores' hooks leave alone (a move they
+        finish releases nodes other than n); both tiers of one brand-new chain are what
+        ``BranchTable.on_stored_through`` applies. The index keeps runs maximal, so the same
+        blocks and presence make the same runs whatever the order. O(len(hashes) + len(evicted))
+        C-level."""
         where = self.index.where
         k = len(hashes)
         if not k or self.index.max_blocks - len(where) <= k or not where.keys().isdisjoint(hashes):
@@ -587,7 +593,8 @@ class KvDirectory:
             pr = where.get(parent)
             if pr is None or not pr.pc & tier_bit(n, GPU):
                 return False
-        return len(set(hashes)) == k
+        chain = set(hashes)
+        return len(chain) == k and chain.isdisjoint(evicted)
 
     def _clear(self, n: int, tier: int | None) -> int:
         """Drop every copy node ``n`` holds in ``tier`` (None: both) from the index, each through the

@@ -279,7 +279,7 @@ def test_the_simulators_direct_calls_change_nothing(seed: int, event: str):
 @pytest.mark.parametrize("seed", range(4))
 def test_write_through_pairs_and_triples_act_as_their_events_one_by_one(seed: int, monkeypatch):
     """A GPU store and its host write-through, with or without the host eviction that makes room
-    for it between them (``KvDirectory._room_first``), applied as one: the differential run above
+    for it between them (``KvDirectory._through_first``), applied as one: the differential run above
     with each engine's events in batches as they come and with every event in a batch of its own
     (nothing paired): the directory's state (counters but the batches applied, index, counts,
     message numbers, pending moves), the count messages and the workers are equal after every step,
@@ -287,14 +287,14 @@ def test_write_through_pairs_and_triples_act_as_their_events_one_by_one(seed: in
     from services.kvdirectory.core import KvDirectory as Dir
 
     met = [0]
-    first = Dir._room_first
+    first = Dir._through_first
 
-    def spy(self, n, hashes, parent):
-        ok = first(self, n, hashes, parent)
+    def spy(self, n, hashes, parent, evicted):
+        ok = first(self, n, hashes, parent, evicted)
         met[0] += ok
         return ok
 
-    monkeypatch.setattr(Dir, "_room_first", spy)
+    monkeypatch.setattr(Dir, "_through_first", spy)
     _differential(400 + seed, gaps=seed % 2 == 1, split=True)
     assert met[0] > 0
 
@@ -302,10 +302,10 @@ def test_write_through_pairs_and_triples_act_as_their_events_one_by_one(seed: in
 @pytest.mark.parametrize("parent_on_gpu", [True, False], ids=["applied as one", "kept in order"])
 def test_a_write_through_triple_ends_as_its_three_events(parent_on_gpu: bool):
     """A GPU store, a host eviction of the blocks above it (its parent among them) and the store's
-    write-through. With the parent in the node's GPU the eviction goes first and the stores as one;
-    with the parent held in the host alone it does not (applied first, the eviction would drop the
-    parent from the index, childless and held nowhere, and the chain would hang from a
-    placeholder): one batch and three batches end the same either way, results included."""
+    write-through. With the parent in the node's GPU the stores go as one, then the eviction; with
+    the parent held in the host alone they do not (in order the eviction leaves the parent held
+    nowhere before the write-through, which then finds it so: ``stored.without_parent``): one
+    batch and three batches end the same either way, results included."""
     p = [7_100 + i for i in range(6)]
     worlds = [_World(True, 4096, chained=True), _World(True, 4096, chained=True)]
     before = [
@@ -336,6 +336,62 @@ def test_a_write_through_triple_ends_as_its_three_events(parent_on_gpu: bool):
     c = worlds[0].d.all_counters()
     assert c["stored.without_parent"] == (0 if parent_on_gpu else 1)  # (in order: the write-through finds it held nowhere)
     assert worlds[0].d.index.entries[p[0]] == p[0]  # still indexed: in the GPU, or held nowhere with the chain below
+
+
+def _triple_worlds(held: list[int], chain: list[int], evicted: list[int]) -> list[_World]:
+    """Node n0 holds ``held`` in its host and the block 5 in its GPU, then stores ``chain`` below 5
+    in its GPU, evicts ``evicted`` from its host and writes ``chain`` through: as one batch (the
+    triple) in the first world, as three in the second."""
+    worlds = [_World(True, 4096, chained=True), _World(True, 4096, chained=True)]
+    for w, one in zip(worlds, (True, False)):
+        w.seq["n0"] = 2
+        w.d.apply_kv_batch(KvEventBatch(node="n0", seq=1, ts=1.0, events=[
+            BlockStored(block_hashes=held, parent_block_hash=None, tier="host", block_size=BS)]), 1.0)
+        w.d.apply_kv_batch(KvEventBatch(node="n0", seq=2, ts=1.0, events=[
+            BlockStored(block_hashes=[5], parent_block_hash=None, tier="gpu", block_size=BS)]), 1.0)
+        triple = [
+            BlockStored(block_hashes=chain, parent_block_hash=5, tier="gpu", block_size=BS),
+            BlockRemoved(block_hashes=evicted, tier="host"),
+            BlockStored(block_hashes=list(chain), parent_block_hash=5, tier="host", block_size=BS),
+        ]
+        for part in [triple] if one else [[e] for e in triple]:
+            w.seq["n0"] += 1
+            w.d.apply_kv_batch(KvEventBatch(node="n0", seq=w.seq["n0"], ts=1.0, events=part), 1.0)
+    return worlds
+
+
+def test_a_write_through_triple_leaves_the_index_the_size_of_its_three_events():
+    """The triple as one leaves the index's ``where`` table the size its three events leave it
+    (``size_bytes``, reported by the simulator as ``kv_directory_size``): the table grows when an
+    insertion finds no free slot, to a size set by the blocks then live, so the chain must be
+    inserted before the eviction's blocks leave, as in order (with the eviction applied first,
+    8 host blocks of 8 evicted and a chain of 2: 872 bytes against 1,152 in order)."""
+    sizes = 0
+    for n_held in range(2, 40):
+        held = list(range(1_000, 1_000 + n_held))
+        for n_evicted in (1, 8):
+            for k in (1, 2, 3):
+                if n_evicted > n_held:
+                    continue
+                chain = list(range(9_000, 9_000 + k))
+                a, b = _triple_worlds(held, chain, held[-n_evicted:][::-1])
+                assert a.directory_state(batches=False) == b.directory_state(batches=False), (n_held, n_evicted, k)
+                assert a.d.index.size_bytes() == b.d.index.size_bytes(), (n_held, n_evicted, k)
+                sizes += 1
+    assert sizes > 150
+
+
+def test_a_write_through_triple_whose_eviction_lists_the_chain_is_kept_in_order():
+    """An eviction that lists blocks of the chain being stored (in order the host does not hold
+    them yet: unknown there, skipped) is applied in order, not after the write-through (which
+    would remove them): one batch and three end the same."""
+    held = [1_000, 1_001, 1_002]
+    chain = [9_000, 9_001]
+    a, b = _triple_worlds(held, chain, [9_001, 1_002])
+    assert a.directory_state(batches=False) == b.directory_state(batches=False)
+    assert a.d.index.size_bytes() == b.d.index.size_bytes()
+    c = a.d.all_counters()
+    assert c["removed.unknown_blocks"] == 1 and a.d.index.holds(a.d.node_id("n0"), 9_001)
 
 
 def test_apply_kv_events_off_sequence_is_apply_kv_batch():
