@@ -494,12 +494,40 @@ class GpuBlockPool:
         """
         if n <= 0:
             return self.capacity - self.hashed - self.reserved + self.queue.blocks >= room  # available
-        runs, end = self._cover(path, n)
+        return self._acquire_runs_if_room(self._cover(path, n)[0], n, room)
+
+    def match_runs(self, path: Sequence[int], limit: int) -> tuple[list[_GpuRun], int]:
+        """:meth:`match_prefix` and the runs that hold the match, root first (the last may go
+        on past it), for :meth:`_acquire_runs_if_room` before L1 changes. O(runs on the path)."""
+        n = min(limit, len(path))
+        pos = 0
+        runs: list[_GpuRun] = []
+        children: dict[int, _GpuRun] | None = self.roots
+        while pos < n and children:
+            r = children.get(path[pos])
+            if r is None:
+                break
+            runs.append(r)
+            keys = r.keys
+            end = pos + len(keys)
+            if end <= n and path[end - 1] == keys[-1]:  # chained: same last page, same run
+                pos = end
+                children = r.children
+                continue
+            return runs, pos + _common(keys, path, pos, n)
+        return runs, pos
+
+    def _acquire_runs_if_room(self, runs: list[_GpuRun], n: int, room: int) -> bool:
+        """:meth:`acquire_if_room` of ``path[:n]``, ``runs`` the runs that hold it, root first
+        (:meth:`_cover`'s or :meth:`match_runs`' list, taken since L1 last changed)."""
+        if n <= 0:
+            return self.capacity - self.hashed - self.reserved + self.queue.blocks >= room  # available
         k = 0  # unreferenced_among(path, n), inline
         for r in runs:
             if r.ref == 0:
                 k += len(r.keys)
         last = runs[-1]
+        end = last.depth + len(last.keys)
         if last.ref == 0:
             k -= end - n
         if self.capacity - self.hashed - self.reserved + self.queue.blocks - k < room:
@@ -2069,6 +2097,24 @@ class KvBlockManager:
         """Pages ``path[lo:hi]`` arrived from a peer's L2 into this node's L2 (not L1);
         see :meth:`RunHostPool.store_fetched`. Returns the pages stored."""
         return self.host.store_fetched(path, lo, hi)
+
+    def match_admit(self, path: Sequence[int], limit: int, footprint: int) -> tuple[int, int, bool]:
+        """:meth:`match`, then :meth:`admit` of the L1 hit it found with ``footprint`` slots in
+        all: ``(gpu_blocks, host_blocks, admitted)`` — the scheduler's admission. The same as the
+        two calls, with one walk of the hit's L1 runs instead of two (~4,000 per 600 s of the
+        ``evolving`` side-by-side). False changes nothing. O(runs).
+        """
+        gpu = self.gpu
+        runs, n_gpu = gpu.match_runs(path, limit)
+        n_host = self.host.match_after_l1(path, n_gpu, limit)
+        new_slots = footprint - n_gpu
+        if not gpu._acquire_runs_if_room(runs, n_gpu, new_slots):
+            return n_gpu, n_host, False
+        evicted = gpu.reserve(new_slots)
+        assert evicted is not None
+        if evicted:
+            self.host.unpin_runs(gpu.evicted_runs)
+        return n_gpu, n_host, True
 
     def match_hold(self, path: Sequence[int], limit: int) -> tuple[int, int, list[int] | None]:
         """:meth:`match`, then :meth:`hold` of the L1 + L2 prefix it found when L2 extends L1:

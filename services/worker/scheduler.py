@@ -1126,11 +1126,11 @@ class EngineScheduler:
 
     def _admit(self, r: _Request, now: float) -> bool:
         """Move the head of the waiting queue to running if L1 can hold its footprint."""
-        n_gpu, n_host = self.kv.match(r.path, r.limit)
+        n_gpu, n_host, admitted = self.kv.match_admit(r.path, r.limit, r.footprint)
         r.q_gpu, r.q_host = n_gpu, n_host
-        new_slots = r.footprint - n_gpu
-        if not self.kv.admit(r.path, n_gpu, new_slots):
+        if not admitted:
             return False
+        new_slots = r.footprint - n_gpu
         r.held, r.reserved = n_gpu, new_slots
         if n_host:
             self.kv.fill(r.path, n_gpu, n_gpu + n_host)

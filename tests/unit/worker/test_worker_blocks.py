@@ -422,3 +422,71 @@ def test_match_hold_equals_match_then_hold(policy):
         assert a.host.holds == b.host.holds
         assert a.take_events() == b.take_events()
     assert min(seen.values()) > 20, seen
+
+
+@pytest.mark.parametrize("policy", ["lru", "branch-count"])
+def test_match_admit_equals_match_then_admit(policy):
+    """``match_admit`` (the scheduler's admission) answers and changes the pools as ``match``
+    then ``admit`` of the L1 hit found: two pools fed the same random stream (admissions with
+    L2 restores, chunks computed, requests leaving, peer fetches into L2), one admitting
+    through ``match_admit``, the other through the two calls; small pools, so admissions
+    are refused and L1 evicts."""
+    import random
+
+    from tests.property.test_worker_blocks_model import _state
+
+    rng = random.Random(41)
+    a, b = KvBlockManager(12, 30, 4, policy), KvBlockManager(12, 30, 4, policy)
+    paths: list[list[int]] = []
+    live: list[list] = []  # [path, held, reserved]
+    seen = {"admitted": 0, "refused": 0, "hit": 0}
+    nxt = 1
+    for _ in range(800):
+        op = rng.random()
+        if op < 0.35 or not paths:  # a request is admitted (or refused) with its L1 hit and L2 restore
+            if paths and rng.random() < 0.7:
+                path = rng.choice(paths)[:]
+                if rng.random() < 0.5:
+                    path = path[: rng.randint(0, len(path))] + list(range(nxt, nxt + 3))
+                    nxt += 3
+            else:
+                path = list(range(nxt, nxt + rng.randint(1, 6)))
+                nxt += len(path)
+            if not path or len(path) > 9:
+                continue
+            paths.append(path)
+            limit = rng.randint(max(0, len(path) - 1), len(path))
+            footprint = len(path) + rng.randint(0, 3)
+            got = a.match_admit(path, limit, footprint)
+            n_gpu, n_host = b.match(path, limit)
+            want = (n_gpu, n_host, b.admit(path, n_gpu, footprint - n_gpu))
+            assert got == want
+            seen["admitted" if got[2] else "refused"] += 1
+            seen["hit"] += bool(got[2] and n_gpu)
+            if got[2]:
+                held, res = n_gpu, footprint - n_gpu
+                if n_host:
+                    for kv in (a, b):
+                        kv.fill(path, n_gpu, n_gpu + n_host)
+                    held, res = held + n_host, res - n_host
+                live.append([path, held, res])
+        elif op < 0.6 and live:  # a chunk computed
+            r = rng.choice(live)
+            path, held, res = r
+            if held < len(path) and res:
+                k = rng.randint(1, min(len(path) - held, res))
+                for kv in (a, b):
+                    kv.fill(path, held, held + k)
+                r[1], r[2] = held + k, res - k
+        elif op < 0.85 and live:  # a request leaves
+            path, held, res = live.pop(rng.randrange(len(live)))
+            for kv in (a, b):
+                kv.release(path, held, res)
+        elif paths:  # a peer fetch lands in L2
+            path = rng.choice(paths)
+            lo = rng.randint(0, len(path))
+            assert a.store_fetched(path, lo, len(path)) == b.store_fetched(path, lo, len(path))
+        assert a.take_events() == b.take_events()
+        assert _state(a) == _state(b)
+    a.check([(p, h, r) for p, h, r in live])
+    assert min(seen.values()) > 20, seen
