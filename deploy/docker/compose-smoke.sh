@@ -16,7 +16,8 @@ PY=${PY:-$REPO/.venv/bin/python}
 CACHE=${EI_CACHE:-$HOME/.cache/evolving-infra}
 SESSIONS=${SESSIONS:-3}
 export WORKERS=${WORKERS:-2} SPLIT=${SPLIT:-1P1D} EI_SPEEDUP=${EI_SPEEDUP:-20}
-export EI_IMAGE=evolving-infra:smoke BASE_IMAGE=ei-base:bookworm-python3
+# compose tags the image REPO:TARGET (docker-compose.yml); EI_TARGET set, so that a caller's EI_TARGET=torch is not it
+export EI_IMAGE_REPO=evolving-infra-smoke EI_TARGET=sim BASE_IMAGE=ei-base:bookworm-python3
 export ROUTER_PORT=${ROUTER_PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
 DOCKER=/usr/bin/docker          # Debian's client (a newer client elsewhere on PATH talks to it too)
 COMPOSE="docker-compose -p eismoke"
@@ -75,7 +76,7 @@ if ! "$PY" -m pip install --dry-run --quiet --no-index --find-links deploy/docke
     own_wheel  # wheelhouse.sh built this checkout's wheel with the build's timestamps
 fi
 log "docker build (base $BASE_IMAGE, offline from the wheelhouse)"
-$DOCKER build -q --network none --target sim --build-arg BASE_IMAGE="$BASE_IMAGE" -f deploy/docker/Dockerfile -t "$EI_IMAGE" . >/dev/null
+$DOCKER build -q --network none --target sim --build-arg BASE_IMAGE="$BASE_IMAGE" -f deploy/docker/Dockerfile -t "$EI_IMAGE_REPO:$EI_TARGET" . >/dev/null
 # the image this tag named before (another checkout's wheel) is now untagged: ~780 MB each in $DATA, which held
 # 12 of them (5.9 GB) after a day of runs; layers the new image shares (the base, the venv) stay
 $DOCKER image prune -f >/dev/null

@@ -221,3 +221,22 @@ def test_a_torch_stack_s_block_size_is_its_profile_s_not_ei_profile_s(tmp_path, 
     assert (r.returncode, r.stdout.strip()) == (0, f"started services.{role} EI_BLOCK_SIZE=8"), (r.stdout, r.stderr)
     r = _run(tmp_path, role, EI_BLOCK_SIZE="64", **env)
     assert r.returncode == 2 and "EI_BLOCK_SIZE=64 differs from the block size 8 of profile torch-tiny-cpu" in r.stderr, r.stderr
+
+
+@needs_compose
+def test_compose_tags_the_sim_and_torch_images_apart():
+    """Both Dockerfile targets were built as ``evolving-infra:latest``: ``EI_TARGET=torch docker compose build``
+    replaced the sim image and a plain ``docker compose build`` the torch one. Now the tag is the target (as
+    vLLM's and SGLang's images carry their variant), for the service that builds it and every service that runs
+    it; ``EI_IMAGE_REPO`` names the repository."""
+    ei = ("auth", "nats", "stream", "kvdirectory", "planner", "router", "worker")
+
+    def images(**env: str) -> tuple[set[str], str]:
+        services = resolved_services(_env(**env))
+        tags = {m.group(1) for name in ei if (m := re.search(r"^    image: (\S+)$", services[name], re.M))}
+        assert len(tags) == 1, tags  # one image for every service
+        return tags, re.search(r"^      target: (\S+)$", services["auth"], re.M).group(1)
+
+    assert images() == ({"evolving-infra:sim"}, "sim")
+    assert images(EI_TARGET="torch") == ({"evolving-infra:torch"}, "torch")
+    assert images(EI_TARGET="torch", EI_IMAGE_REPO="registry.example/ei") == ({"registry.example/ei:torch"}, "torch")
