@@ -5,9 +5,15 @@
 # Needs root, Debian's docker.io + docker-compose (+ debootstrap for the base image) and the
 # project's venv (evolving-infra on PATH or $EI). No registry is needed: the image is built from a
 # debootstrapped Debian bookworm with python3 (cached as a tar in $EI_CACHE, default
-# ~/.cache/evolving-infra, like the engine's data root, so that a second run reuses the image layers)
-# and a wheelhouse built here (deploy/docker/wheelhouse.sh).
+# ~/.cache/evolving-infra) and a wheelhouse built here (deploy/docker/wheelhouse.sh).
 #   deploy/docker/compose-smoke.sh            # WORKERS=2 SPLIT=1P1D, 3 sessions
+#
+# Runs at once do not meet (two checkouts, or CI lanes, may run it together): each has its own dockerd
+# (socket, exec root, pid file in a mktemp folder), router port (a free one unless ROUTER_PORT) and output
+# folder. The engine's data root is $EI_CACHE/docker-data while no other run holds it (a lock, held by this
+# run's dockerd until it exits), so that a later run reuses the image layers; a run that finds it held
+# takes its own data root in the mktemp folder, built from scratch and removed at exit. EI_DOCKER_DATA=DIR
+# names the shared one (default $EI_CACHE/docker-data); the base image's tar is written once, by rename.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -19,7 +25,7 @@ export WORKERS=${WORKERS:-2} SPLIT=${SPLIT:-1P1D} EI_SPEEDUP=${EI_SPEEDUP:-20}
 # compose tags the image REPO:TARGET (docker-compose.yml); EI_TARGET set, so that a caller's EI_TARGET=torch is not it
 export EI_IMAGE_REPO=evolving-infra-smoke EI_TARGET=sim BASE_IMAGE=ei-base:bookworm-python3
 export ROUTER_PORT=${ROUTER_PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
-DOCKER=/usr/bin/docker          # Debian's client (a newer client elsewhere on PATH talks to it too)
+DOCKER=${EI_SMOKE_DOCKER:-/usr/bin/docker}  # Debian's client (a newer client elsewhere on PATH talks to it too)
 COMPOSE="docker-compose -p eismoke"
 D=$(mktemp -d /tmp/ei-docker.XXXXXX)
 export DOCKER_HOST=unix://$D/docker.sock
@@ -30,14 +36,24 @@ cleanup() {
     if [ -S "$D/docker.sock" ]; then
         $COMPOSE down -v --remove-orphans >/dev/null 2>&1
         [ -f "$D/docker.pid" ] && kill "$(cat "$D/docker.pid")" 2>/dev/null
-        for _ in $(seq 50); do [ -f "$D/docker.pid" ] || break; sleep 0.2; done
+        for _ in $(seq 100); do [ -f "$D/docker.pid" ] || break; sleep 0.2; done  # gone before its data root is
     fi
     rm -rf "$D" 2>/dev/null
 }
 trap cleanup EXIT
 
-DATA=${EI_DOCKER_DATA:-$CACHE/docker-data}  # image layers persist between runs (a rebuild is then cached)
+# image layers persist between runs in the shared data root (a rebuild is then cached); one dockerd at a time
+# may use a data root (two corrupt it), so the lock says which run has it: fd 9 is inherited by dockerd, which
+# holds it until it exits, whatever ends this script
+DATA=${EI_DOCKER_DATA:-$CACHE/docker-data}
 mkdir -p "$DATA"
+exec 9>>"$DATA.lock"
+if ! flock -n 9; then
+    log "$DATA is in use by another run: a data root of this run's own ($D/data, removed at exit; no cached layers)"
+    exec 9>&-
+    DATA=$D/data
+    mkdir -p "$DATA"
+fi
 log "dockerd (data root $DATA)"
 dockerd --data-root "$DATA" --exec-root "$D/exec" -H "unix://$D/docker.sock" --pidfile "$D/docker.pid" \
     --bridge=none >"$D/dockerd.log" 2>&1 &
@@ -51,7 +67,8 @@ if [ ! -s "$BASE_TAR" ]; then
     root=$(mktemp -d /tmp/ei-rootfs.XXXXXX)
     debootstrap --variant=minbase --include=python3,python3-venv bookworm "$root" http://deb.debian.org/debian >"$D/debootstrap.log" 2>&1 \
         || { tail -20 "$D/debootstrap.log"; exit 1; }
-    tar -C "$root" -c . >"$BASE_TAR.tmp" && mv "$BASE_TAR.tmp" "$BASE_TAR"
+    tmp=$(mktemp "$BASE_TAR.XXXXXX")  # another run may write it at the same time: each its own file, one rename
+    tar -C "$root" -c . >"$tmp" && mv "$tmp" "$BASE_TAR" || { rm -f "$tmp"; exit 1; }
     rm -rf "$root"
 fi
 # imported once per tar: every `docker import` makes a new image id (its creation time), which made every build
