@@ -158,7 +158,7 @@ def _add_cluster_args(
         default=None,
         metavar="FILE",
         help="API keys the router accepts, one per line (# comments), with EI_API_KEYS's: every request then needs "
-        "'Authorization: Bearer <key>' (401 otherwise) except /healthz, /health, /metrics (default: EI_API_KEYS_FILE, "
+        "'Authorization: Bearer <key>' (401 otherwise) except /healthz, /health, /ping, /metrics (default: EI_API_KEYS_FILE, "
         "EI_API_KEYS; neither = open)",
     )
     g.add_argument("--partition", default="p0", help="partition name; subjects live under ei.<partition>. (default p0)")
@@ -490,7 +490,7 @@ def api_keys_line(args: argparse.Namespace) -> str | None:
                                           ("EI_API_KEYS_FILE", not args.api_keys_file and bool(os.environ.get("EI_API_KEYS_FILE"))),
                                           ("EI_API_KEYS", bool(os.environ.get("EI_API_KEYS", "").strip()))) if on)  # fmt: skip
     return (f"API keys ON ({len(keys)} from {where}): every request needs 'Authorization: Bearer <key>' (401 without one) "
-            "except the router's public paths (/healthz, /health, /metrics unless --api-key-public-paths)")
+            "except the router's public paths (/healthz, /health, /ping, /metrics unless --api-key-public-paths)")
 
 
 def _loopback(host: str) -> bool:

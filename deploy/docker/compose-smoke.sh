@@ -107,6 +107,9 @@ for _ in $(seq 180); do
 done
 if [ -z "$ok" ]; then $COMPOSE ps; $COMPOSE logs --tail 30; exit 1; fi
 $COMPOSE ps
+for m in GET POST; do  # vLLM's /ping, the SageMaker-style check: /health's answer, on the published port
+    curl -fsS -X "$m" "http://127.0.0.1:$ROUTER_PORT/ping" >/dev/null || { log "$m /ping did not answer 200"; exit 1; }
+done
 nodes=$(curl -fsS "http://127.0.0.1:$ROUTER_PORT/v1/cluster" | "$PY" -c 'import json,sys; print(sorted(n["node"] for n in json.load(sys.stdin)["nodes"]))')
 log "router sees nodes $nodes"
 expected=$("$PY" -c "print(sorted(f'w{i}' for i in range($WORKERS)))")

@@ -1,7 +1,7 @@
 """Router ingress guards: API keys, per-key concurrency, header read timeout (issue 18).
 
 * :class:`IngressGuard` (ASGI middleware): with API keys configured, every path
-  except the public ones (``/healthz``, ``/health``, ``/metrics`` by default)
+  except the public ones (``/healthz``, ``/health``, ``/ping``, ``/metrics`` by default)
   needs ``Authorization: Bearer <key>``; a missing or unknown key gets 401 with
   ``WWW-Authenticate: Bearer``. Keys are compared as SHA-256 digests (no key
   text is kept in memory in the clear beyond loading, and the lookup takes the
@@ -104,7 +104,7 @@ class IngressGuard:
             (401, 429) before it is answered (the router's ``--log-requests`` line); never given the key.
     """
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str], *, public_paths: Iterable[str] = ("/healthz", "/health", "/metrics"),
+    def __init__(self, app: ASGIApp, keys: Iterable[str], *, public_paths: Iterable[str] = ("/healthz", "/health", "/ping", "/metrics"),
                  max_inflight: int = 0, counters: Counter[str] | None = None,
                  on_refused: Callable[[Scope, int, str], None] | None = None) -> None:
         self.app = app

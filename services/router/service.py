@@ -14,6 +14,7 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 ``POST /tokenize``, ``/detokenize``    vLLM's: the router's tokenizer and chat formatting
 ``GET /healthz``, ``GET /health``      200 when the fence loop and HTTP server run, NATS is connected and a
                                        placement is possible, else 503 ("router stopping" during a stop)
+``GET /ping``, ``POST /ping``          the same answer (vLLM's: the SageMaker-style health check, GET or POST)
 ``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts
 ``GET /metrics``                       Prometheus text format (``services/router/prom.py`` lists the metrics)
 ``POST /v1/branches/{id}/end``         end an agent branch (publishes ``BranchEnd``)
@@ -1653,6 +1654,7 @@ class RouterService(WatchedService):
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),  # OpenAI's models.retrieve
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/health", self._healthz, methods=["GET"]),  # the name guidellm and vLLM use
+                Route("/ping", self._healthz, methods=["GET", "POST"]),  # vLLM's /ping (SageMaker's check): /health's answer
                 Route("/v1/cluster", self._cluster, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
                 _AnyCharRoute("/v1/branches/{branch_id:path}/end", self._end_branch, methods=["POST"]),
@@ -1797,7 +1799,8 @@ class RouterService(WatchedService):
             raise api.ApiError(404, f"model {model[:256]!r} not found; this router serves {self.cfg.model!r}", param="model")
 
     async def _healthz(self, request: Request) -> Response:
-        """``/healthz``, ``/health``: 200 ``{"status": "ok"}`` when the router can place a request, else 503 with
+        """``/healthz``, ``/health``, ``/ping`` (GET or POST, as vLLM's, whose ``/ping`` answers as its ``/health``
+        for SageMaker-style checks; a POST's body is not read): 200 ``{"status": "ok"}`` when the router can place a request, else 503 with
         why. During a stop (SIGTERM: :meth:`stop`): 503 "router stopping", as vLLM's ``/health`` answers 503 while
         its server shuts down; before, the tasks the stop cancels (or that end at it) read as "router failing:
         task(s) ended" for the up to 5 s uvicorn drains open connections."""

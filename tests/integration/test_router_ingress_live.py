@@ -157,3 +157,25 @@ async def test_replay_sends_its_api_key(nats_url, tmp_path):
             results[key] = (await rep.run(small_trace(1, 2, pause=0.0), Arrival(kind="closed", concurrency=1))).records
     assert len(results[None]) == 2 and all("401" in (r.error or "") for r in results[None]), [r.error for r in results[None]]
     assert len(results["k1"]) == 2 and all(r.error is None for r in results["k1"]), [r.error for r in results["k1"]]
+
+
+async def test_ping_answers_as_health_on_get_and_post_without_a_key(nats_url, tmp_path):
+    """vLLM's server answers ``GET``/``POST /ping`` as its ``/health`` (SageMaker's container check, which sends
+    no API key): the router had no ``/ping`` (404, or 401 with keys). Now it is ``/health``'s answer, 200 while a
+    placement is possible and 503 with the reason when not, and public with keys on, as ``/health``."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, api_keys="k1") as env:
+        url = f"http://127.0.0.1:{env.service.port}"
+        async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+            assert (await http.get("/v1/models")).status_code == 401  # keys are on
+            for method in ("GET", "POST"):
+                r = await http.request(method, "/ping", content=b"{}")
+                assert (r.status_code, r.json()) == (200, {"status": "ok"}), (method, r.text)
+            env.cluster.alive.clear()
+            await _wait_for(lambda: not env.service.ready(), timeout=5, what="node fenced")
+            health = await http.get("/health")
+            for method in ("GET", "POST"):
+                r = await http.request(method, "/ping")
+                assert r.status_code == health.status_code == 503, (method, r.text)
+                assert r.json() == health.json() and "c0: fenced" in r.json()["error"]["message"], r.text
+            assert (await http.put("/ping")).status_code == 405
+        assert env.service.counters["http.unauthorized"] == 1
