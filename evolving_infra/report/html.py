@@ -17,6 +17,7 @@ from typing import Any
 
 from evolving_infra.report.metrics import HEADLINE_METRICS, fmt_value, with_derived
 from evolving_infra.report.plots import PlotFile
+from evolving_infra.report.write import ttft_split_lines
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.5rem auto;max-width:1200px;color:#222;padding:0 1rem}
@@ -30,7 +31,7 @@ tr.sec td{background:#fafafa;font-weight:600;text-align:left} .where{font-weight
 .grid{display:flex;flex-wrap:wrap;gap:1rem}
 figure{margin:0;flex:1 1 520px;max-width:100%} figure img{max-width:100%;border:1px solid #eee}
 figcaption{font-size:.8rem;color:#555}
-ul.notes{font-size:.85rem;color:#444} code{font-size:.85rem}
+ul.notes{font-size:.85rem;color:#444} code{font-size:.85rem} li.warn{color:#b42318}
 """
 
 # Keys never shown in the generic "other" rows (structured or shown elsewhere).
@@ -168,6 +169,20 @@ def _summary_table(report: Mapping[str, Any]) -> str:
     return "<table>" + "".join(rows) + "</table>"
 
 
+def _ttft_split(report: Mapping[str, Any]) -> str:
+    """A live run's TTFT split into the prefill node's part and the control plane's, with the note when the
+    control plane is over half the mean client TTFT: the terminal summary's lines
+    (:func:`~evolving_infra.report.write.ttft_split_lines`), which the page lacked. Empty for a report without
+    the split (simulator runs, older reports)."""
+    lines = [" ".join(line.split()) for line in ttft_split_lines(report)]  # the terminal's column spaces
+    if not lines:
+        return ""
+    warn = ' class="warn"'
+    items = "".join(f"<li{warn if line.startswith('note:') else ''}>{_e(line)}</li>" for line in lines)
+    return ('<div class="sub">TTFT of this live run, on the prefill node and in the control plane '
+            "(over the requests with a node arrival):</div>" f'<ul class="notes">{items}</ul>')
+
+
 def _periods_table(periods: Sequence[Mapping[str, Any]]) -> str:
     cols = ("throughput_rps", "requests_sent", "ttft_mean_s", "ttft_p95_s", "e2e_mean_s", "e2e_p95_s", "tpot_mean_s",
             "kv_hit_rate", "prefill_queue_mean_s", "prefill_queue_imbalance", "switches", "final_split")
@@ -227,7 +242,7 @@ def run_page(report: Mapping[str, Any], plots: Sequence[PlotFile], *, base: Path
     meta = report.get("meta") or {}
     title = f"Evolving Infra report — {meta.get('label') or meta.get('command') or 'run'}"
     parts = [f"<h1>{_e(title)}</h1>", f'<div class="sub">{_e(meta.get("date", ""))}</div>', _meta_list(meta)]
-    parts.append("<h2>Summary</h2>" + _summary_table(report))
+    parts.append("<h2>Summary</h2>" + _summary_table(report) + _ttft_split(report))
     if report.get("periods"):
         parts.append("<h2>Per period</h2>" + _periods_table(report["periods"]))
     if report.get("prefill_queue_by_node"):

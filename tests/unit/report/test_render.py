@@ -355,3 +355,23 @@ def test_a_report_into_a_folder_of_the_users_files_removes_none_of_them(tmp_path
     runs = [make_run(tmp_path, n, plots=False) for n in ("a", "b")]
     write_compare(runs, tmp_path, plots=False)
     assert all((tmp_path / n).read_text() == "the user's" for n in mine)
+
+
+def test_the_page_of_a_live_run_has_the_control_plane_note_and_a_simulated_run_s_has_none(tmp_path: Path):
+    """The terminal summary of a live run splits its TTFT into the prefill node's part and the control plane's
+    and notes when the control plane is most of it (real latency × speedup: the machine's load, not the
+    policy); report.html had only two table rows, without the note. A simulated run has no split: no note."""
+    from evolving_infra.report.html import run_page
+    from evolving_infra.report.write import build_report
+
+    from .helpers import rec
+
+    live = [rec(i, ttft=10.0 + i, sent_at=100.0 * i) for i in range(3)]
+    for r, (arr, first) in zip(live, ((5.0, 7.0), (106.0, 107.0), (209.0, 213.0))):
+        r.node_arrived_at, r.first_token_at = arr, first  # 2, 1, 4 s on the node of 10, 11, 12 s
+    page = run_page(build_report(live, meta={"command": "demo", "speedup": 50.0}), [], base=tmp_path)
+    assert "on node mean 2.333 s" in page and "× speedup 50" in page, page
+    assert '<li class="warn">note: 79% of the mean TTFT is control plane' in page, page
+    sim = run_page(build_report([rec(i, ttft=10.0 + i, sent_at=100.0 * i) for i in range(3)],
+                                meta={"command": "simulate"}), [], base=tmp_path)
+    assert "on node" not in sim and "is control plane" not in sim and "speedup" not in sim, sim
