@@ -14,6 +14,8 @@
 # run's dockerd until it exits), so that a later run reuses the image layers; a run that finds it held
 # takes its own data root in the mktemp folder, built from scratch and removed at exit. EI_DOCKER_DATA=DIR
 # names the shared one (default $EI_CACHE/docker-data); the base image's tar is written once, by rename.
+# One path stays per checkout: the build context's deploy/docker/wheelhouse, where each run writes the
+# checkout's wheel (the Dockerfile copies that folder): run two at once from two checkouts.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
