@@ -98,6 +98,7 @@ log "docker build (base $BASE_IMAGE, offline from the wheelhouse)"
 $DOCKER build -q --network none --target sim --build-arg BASE_IMAGE="$BASE_IMAGE" -f deploy/docker/Dockerfile -t "$EI_IMAGE_REPO:$EI_TARGET" . >/dev/null
 # the image this tag named before (another checkout's wheel) is now untagged: ~780 MB each in $DATA, which held
 # 12 of them (5.9 GB) after a day of runs; layers the new image shares (the base, the venv) stay
+$DOCKER image rmi evolving-infra:smoke >/dev/null 2>&1 || true  # this script's tag before REPO:TARGET (~780 MB kept)
 $DOCKER image prune -f >/dev/null
 
 log "up: WORKERS=$WORKERS SPLIT=$SPLIT, router on 127.0.0.1:$ROUTER_PORT"
