@@ -127,7 +127,15 @@ case "$role" in
     # the system every service will run, checked once here, before NATS: a refused EI_POLICY, SPLIT or model
     # ends this one-shot job (status 2, one line; compose: "service auth didn't complete successfully") instead
     # of every service exiting 2 and being restarted (restart: on-failure) without end
-    resolved=$(deploy_args env) || exit 2
+    if ! resolved=$(deploy_args env); then
+        # the sim image (docker-compose.yml tags it evolving-infra:sim; the torch one evolving-infra:torch) has no
+        # torch: deploy-args's "pip install" advice is not the fix in a container
+        if [ "$ENGINE" = torch ] && ! python -c 'import torch' >/dev/null 2>&1; then
+            echo "auth: EI_ENGINE=torch in an image without the torch engine (the sim target): build and start the" \
+                "stack with EI_TARGET=torch (image evolving-infra:torch), e.g. EI_TARGET=torch EI_ENGINE=torch docker compose up" >&2
+        fi
+        exit 2
+    fi
     eval "$resolved"
     echo "auth: $EI_DEPLOY_POLICY; split $EI_DEPLOY_SPLIT, profile $EI_DEPLOY_PROFILE"
     [ -s "$CREDS/clock_origin" ] || python -c 'import time; print(repr(time.time()))' > "$CREDS/clock_origin"

@@ -240,3 +240,19 @@ def test_compose_tags_the_sim_and_torch_images_apart():
     assert images() == ({"evolving-infra:sim"}, "sim")
     assert images(EI_TARGET="torch") == ({"evolving-infra:torch"}, "torch")
     assert images(EI_TARGET="torch", EI_IMAGE_REPO="registry.example/ei") == ({"registry.example/ei:torch"}, "torch")
+
+
+def test_a_torch_stack_on_the_sim_image_says_to_start_it_with_ei_target_torch(tmp_path):
+    """With one tag per target, ``EI_ENGINE=torch docker compose up`` without ``EI_TARGET=torch`` runs the sim
+    image, which has no torch: the auth job ended with deploy-args's "pip install -e '.[torch]'", not the fix in
+    a container. It now also names the image to start. ``torch`` is made unimportable here by a package that
+    raises as a missing one does."""
+    fake = tmp_path / "no-torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    r = _run(tmp_path, "auth", EI_ENGINE="torch", EI_MODEL_DIR=str(model), EI_CREDS_DIR=str(tmp_path),
+             PYTHONPATH=f"{fake.parent}{os.pathsep}{REPO}")
+    assert r.returncode == 2 and "started" not in r.stdout, (r.stdout, r.stderr)
+    assert "torch missing" in r.stderr and "EI_TARGET=torch (image evolving-infra:torch)" in r.stderr, r.stderr
