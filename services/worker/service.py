@@ -37,14 +37,18 @@ and the real-bytes pool stay up throughout. A switch *to* ``both`` needs no
 drain (both serves every phase's work).
 
 Live loop: ``plan = core.schedule(t)``; wait until the plan's end on the
-simulated clock (the wall deadline is fixed at launch, so Python overhead is
+simulated clock (the deadline is fixed at launch, so Python overhead is
 not added on top; when behind, no wait); ``finish_iteration`` at the plan's
 end; publish. With the sim engine ``t`` is the engine's own timeline, not the
 clock: the previous plan's end, or the latest input's arrival, or a deadline
 waited for (``_launch_time``), so the shell's work between plans does not
 stretch the simulated GPU's time (at most ``--engine-lag-wall-s`` behind the
 clock). When idle it waits for new work or the core's next deadline, never
-spinning.
+spinning. The engine's timeline and every wait are on the clock's monotonic
+reading (``SimClock.local_now``; a wall-clock step neither stalls nor hurries
+the engine); the times the core is given and that go to other processes (a
+token's, a state's, an iteration record's ``ts``) are on the wall-based cluster
+clock (``SimClock.now``), a plan's moved onto it at launch (``_wall_offset``).
 """
 
 from __future__ import annotations
@@ -106,6 +110,14 @@ ABORTED_KEPT = 4096
 """Aborts of requests a node did not hold that it remembers (``WorkerService._aborted``), newest first."""
 
 ENGINES: dict[str, type[SimEngine]] = {"sim": SimEngine}
+
+WALL_STEP_S = 0.01
+"""Least change (wall s) of the wall clock against the monotonic one that moves a sim engine's
+timeline on the cluster clock (``WorkerService._wall_offset``). Reading the two clocks one after
+the other gives an offset that differs by µs from step to step (ms if the thread is preempted
+between the reads): taken every step, the plans of a back-to-back timeline had µs gaps in their
+``ts``. Under this, the timeline keeps its offset; NTP's slew (≤ 500 ppm) moves it by this
+much at most every 20 s."""
 """Engine kinds by ``WorkerConfig.engine`` (``torch``: :func:`make_torch_engine`)."""
 
 
@@ -290,8 +302,13 @@ class WorkerService:
         self._records: list[m.IterationRecord] = []
         self._wake = asyncio.Event()
         self._ready_at = 0.0
-        """Simulated time from which the engine can act on what it holds: the end of its last plan,
-        or the latest input handed to the core, or a deadline it waited for (sim engines)."""
+        self._offset = clock.now() - clock.local_now()
+        """Simulated s from the engine's timeline to the cluster clock (:meth:`_wall_offset`)."""
+        """Simulated time (s) from which the engine can act on what it holds: the end of its last
+        plan, or the latest input handed to the core, or a deadline it waited for (sim engines). On
+        the clock's monotonic reading (``SimClock.local_now``): the engine's timeline is this
+        process's own, so a step of the wall clock neither stalls it nor lets it run ahead; a plan's
+        times are moved onto the cluster's wall-based clock at its launch (:meth:`_wall_offset`)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._last_state_mono = float("-inf")
         """``time.monotonic()`` when the last ``node.state`` went out: the heartbeat and the state
@@ -1344,13 +1361,25 @@ class WorkerService:
     def _input(self) -> None:
         """The core was handed input (work, abort, a switch, fetched bytes, a binding) now: note
         the time (:meth:`_launch_time`) and wake the loop."""
-        now = self.clock.now()
+        now = self.clock.local_now()
         if now > self._ready_at:
             self._ready_at = now
         self._wake.set()
 
-    def _launch_time(self) -> float:
-        """Simulated launch time of the next plan (sim engines): when the engine could first act on
+    def _wall_offset(self) -> float:
+        """Simulated s from the clock's monotonic reading to its wall-based one
+        (``clock.now() - clock.local_now()``): ~0 until the wall clock steps, then the step ×
+        ``speedup``; kept until it moves by :data:`WALL_STEP_S` (× ``speedup``). A plan launched
+        at local time ``t`` runs at ``t + offset`` on the cluster's clock (its tokens' and
+        records' ``ts``, which other processes compare with theirs)."""
+        off = self.clock.now() - self.clock.local_now()
+        if abs(off - self._offset) > WALL_STEP_S * self.clock.speedup:
+            self._offset = off
+        return self._offset
+
+    def _launch_time(self, offset: float) -> float:
+        """Simulated launch time (s, on the cluster's wall-based clock) of the next plan (sim
+        engines): when the engine could first act on
         what it holds (``_ready_at``: its last plan's end, the latest input, a deadline waited for),
         not later than now. The sim engine is a GPU running the profile's Eq. 1/2 iterations back to
         back; the shell's Python work between two plans (finishing, publishing, waking, scheduling:
@@ -1359,31 +1388,34 @@ class WorkerService:
         earlier, and the loop catches up as long as it keeps up on average; it trails the clock by
         at most ``engine_lag_wall_s`` (beyond that the loop is overloaded and simulated time
         stretches, as before). A real engine's plans launch at ``clock.now()`` (its measured time
-        includes its own overhead)."""
-        now = self.clock.now()
+        includes its own overhead). ``offset``: :meth:`_wall_offset` of this step; the engine's
+        timeline (``_ready_at``, the lag) is measured on the monotonic reading and moved by it."""
         if not self.engine.simulated:
-            return now
+            return self.clock.now()
+        now = self.clock.local_now()
         floor = now - self.cfg.engine_lag_wall_s * self.clock.speedup
         t = self._ready_at
-        return now if t >= now else t if t > floor else floor
+        return offset + (now if t >= now else t if t > floor else floor)
 
     async def _step(self) -> None:
         self._wake.clear()
         if self._switch is not None:
             await self._maybe_switch(self.clock.now())
-        now = self._launch_time()
+        offset = self._wall_offset()
+        now = self._launch_time(offset)
         horizon = now + self.cfg.fold_wall_s * self.clock.speedup if self.cfg.fold_wall_s > 0 else None
         plan = self.core.schedule(now, horizon)
         if plan is None:
             await self._flush_kv(now)
             await self._publish_if_stopped(now)
             deadline = self.core.next_deadline()
-            timeout = None if deadline is None else max(0.0, self.clock.wall_at(deadline) - time.time())
+            # wall s until the deadline, read now and waited on the loop's (monotonic) clock
+            timeout = None if deadline is None else max(0.0, self.clock.to_wall(deadline - offset - self.clock.local_now()))
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
-                if deadline is not None and deadline > self._ready_at:
-                    self._ready_at = deadline  # a KV arrival or fetch completion: the engine acts at it
+                if deadline is not None and deadline - offset > self._ready_at:
+                    self._ready_at = deadline - offset  # a KV arrival or fetch completion: the engine acts at it
             return
         self._steps += 1
         wd = self.watchdog
@@ -1393,15 +1425,16 @@ class WorkerService:
         if wd is not None:
             wd.begin(info)  # watched from the plan's taking to its end (--watchdog-timeout-s)
         try:
-            await self._run_plan(plan, now, info if wd is not None else None)
+            await self._run_plan(plan, now, info if wd is not None else None, offset)
         finally:
             if wd is not None and not self._step_abandoned:
                 wd.end()
             self._step_rids = frozenset()
             self._step_over.set()
 
-    async def _run_plan(self, plan: IterationPlan, now: float, info: StepInfo | None) -> None:
-        """Execute ``plan`` (taken at ``now``), finish it and publish what it produced. ``info``:
+    async def _run_plan(self, plan: IterationPlan, now: float, info: StepInfo | None, offset: float) -> None:
+        """Execute ``plan`` (taken at ``now``, simulated s on the cluster's clock; ``offset``: the
+        step's :meth:`_wall_offset`), finish it and publish what it produced. ``info``:
         the step the watchdog watches (None: no watchdog); a sim engine's wait for the plan's end on
         the simulated clock (a sleep, as long as ``--speedup`` makes it) and a wait for decode
         bindings (``--bind-timeout-s`` bounds it) are not watched (:meth:`_unwatched`)."""
@@ -1419,7 +1452,7 @@ class WorkerService:
         end = plan.start + duration
         if self.engine.simulated:
             async with self._unwatched(info):
-                end = await self._wait_for_plan_end(plan, end)
+                end = await self._wait_for_plan_end(plan, end, offset)
         waits = None
         if self._binds:  # a prompt that completes now needs its decode node (route.bind)
             waits = [self._binds[c.rid] for c in plan.prefill if c.completes and c.rid in self._binds]
@@ -1428,9 +1461,12 @@ class WorkerService:
                     await asyncio.gather(*waits, return_exceptions=True)
         # a sim engine's plan ends at its end on the engine's timeline (the shell's lateness is not
         # GPU time, see _launch_time); a real one, or one that waited for a binding, ends now
-        now = end if self.engine.simulated and not waits else max(self.clock.now(), end)
-        if now > self._ready_at:
-            self._ready_at = now
+        if self.engine.simulated and not waits:
+            now, ready = end, end - offset
+        else:
+            now, ready = max(self.clock.now(), end), max(self.clock.local_now(), end - offset)
+        if ready > self._ready_at:
+            self._ready_at = ready
         outs = self.core.finish_iteration(plan, now, self.engine.take_stopped())
         for out in outs:
             if isinstance(out, TokensOut):
@@ -1472,11 +1508,15 @@ class WorkerService:
             if wd is not None and info is not None:
                 wd.begin(info)
 
-    async def _wait_for_plan_end(self, plan: IterationPlan, end: float) -> float:
-        """Sleep until the plan's end on the simulated clock; new work arriving while
-        folded decode iterations run cuts the plan at the next iteration boundary."""
+    async def _wait_for_plan_end(self, plan: IterationPlan, end: float, offset: float) -> float:
+        """Sleep until the plan's end (simulated s on the cluster's clock, launched with ``offset``,
+        :meth:`_wall_offset`) on the clock's monotonic reading; new work arriving while folded
+        decode iterations run cuts the plan at the next iteration boundary. Returns the plan's end
+        (simulated s, cluster clock). The wait is a local duration: before, it ran until
+        ``clock.wall_at(end)`` on the wall clock, so a step of the wall clock back stalled the
+        engine for the length of the step, and a step forward ended a folded plan at once."""
         while True:
-            delay = self.clock.wall_at(end) - time.time()
+            delay = self.clock.to_wall(end - offset - self.clock.local_now())
             if delay <= 0:
                 return end
             if plan.iterations == 1:
@@ -1487,7 +1527,7 @@ class WorkerService:
             except TimeoutError:
                 return end
             self._wake.clear()
-            end = self.core.truncate(plan, self.clock.now())
+            end = self.core.truncate(plan, offset + self.clock.local_now())
 
     async def _emit_tokens(self, out: TokensOut, now: float) -> None:
         """Publish ``out``'s tokens on ``req.<rid>.out``: the first token at once with the prompt

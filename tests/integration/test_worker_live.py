@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -14,6 +15,7 @@ import pytest
 
 from shared import messages as m
 from shared.bus import Bus
+from shared.clock import SimClock
 from shared.hashing import block_hashes, tokens_for_blocks
 from shared.service import serve_until_stopped
 from shared.subjects import (
@@ -91,8 +93,9 @@ class Client:
 
 
 @asynccontextmanager
-async def workers(url: str, *specs: dict):
-    """Run workers in-process (one shared clock origin, as the launcher gives them)."""
+async def workers(url: str, *specs: dict, wall: Callable[[], float] | None = None):
+    """Run workers in-process (one shared clock origin, as the launcher gives them). ``wall``: the
+    workers' clocks read it as the wall clock (epoch s) instead of ``time.time`` (a test steps it)."""
     origin = time.time()
     stops, tasks = [], []
     probe = await Bus.connect(url, Subjects("p0"), service="probe", instance="probe")
@@ -103,8 +106,12 @@ async def workers(url: str, *specs: dict):
             cfg = WorkerConfig(nats_url=url, **spec)
             stop = asyncio.Event()
             stops.append(stop)
+
+            def factory(c, b, made, wall=wall):
+                return WorkerService(c, b, made if wall is None else SimClock(c.speedup, c.clock_origin, wall=wall))
+
             tasks.append(asyncio.create_task(
-                serve_until_stopped("worker", cfg, WorkerService, instance=f"worker-{cfg.node}", stop_event=stop)))
+                serve_until_stopped("worker", cfg, factory, instance=f"worker-{cfg.node}", stop_event=stop)))
             await answering(probe, f"worker-{cfg.node}")  # ready once svc.stats answers (after start())
         yield
     finally:
@@ -255,6 +262,45 @@ async def test_sim_engine_runs_its_plans_back_to_back_whatever_the_loop_overhead
     decode_s = sum(r.duration_s * r.repeat for r in recs if r.phase == "decode")
     chunks = c.chunks["b2b"]
     assert chunks[-1].ts - chunks[0].ts == pytest.approx(decode_s, abs=1e-9)
+    await c.bus.close()
+
+
+@pytest.mark.parametrize("step_s", [-3600.0, 3600.0])
+async def test_a_wall_clock_step_neither_stalls_nor_hurries_the_sim_engine(nats_url, step_s):
+    """The wall clock steps an hour (NTP, a VM resumed) while a sim engine decodes folded plans, and
+    new work then wakes it: its plans still last their simulated durations in wall time, on the
+    monotonic clock. Before, each wait for a plan's end was ``wall_at(end) - time.time()``: stepped
+    back, a folded plan woken by the new work waited out the hour (the new request too); stepped
+    forward, the woken plan ended at once and the timeline ran ``--engine-lag-wall-s`` of plans
+    without waiting (measured with ``time.time`` stepped too: the 1.57 s decode took 1.18 s). The
+    tokens' ``ts`` stay wall-based: other processes compare them with their clocks."""
+    c = await Client.connect(nats_url)
+    step = [0.0]
+    speedup = 0.25  # ~130 decode iterations of ~3 ms simulated: ~1.5 s of wall time
+    async with workers(nats_url, {"node": "w0", "speedup": speedup, "fold_wall_s": 0.5},
+                       wall=lambda: time.time() + step[0]):
+        await c.bus.publish(WORK_PREFILL, prompt("s", [5, 6, 7], tail=2, max_tokens=200), node="w0")
+        await until(lambda: c.chunks["s"], what="s's first token")
+        first = time.monotonic()
+        step[0] = step_s
+        await asyncio.sleep(0.1)  # inside a folded plan of 0.5 s
+        await c.bus.publish(WORK_PREFILL, prompt("t", [8, 9], tail=2, max_tokens=5), node="w0")
+        await until(lambda: c.finished("t"), timeout=5, what="t to finish")
+        await until(lambda: c.finished("s"), timeout=5, what="s to finish")
+        took = time.monotonic() - first
+        check_stream(c.chunks["s"], "s", 200)
+        # s's prefill, then its 199 tokens in 133 iterations (1.5 per iteration), one with t's prefill
+        await until(lambda: sum(r.repeat for b in c.iters["w0"] for r in b.records) >= 134, timeout=3,
+                    what="the iteration records")
+        recs = sorted((r for b in c.iters["w0"] for r in b.records), key=lambda r: r.start)
+        busy_s = sum(r.duration_s * r.repeat for r in recs[1:])  # after s's prefill: the engine never idled
+        assert busy_s / speedup > 1.4
+        # the work after s's first token lasts its simulated time in wall time (never less; an
+        # uvloop timer may end ~1 ms early per plan), and a loaded machine adds a little
+        assert busy_s / speedup - 0.05 < took < busy_s / speedup + 2.0, (took, busy_s / speedup)
+        # the tokens' ts stay on the wall-based cluster clock: the step moved them (× speedup)
+        chunks = c.chunks["s"]
+        assert chunks[-1].ts - chunks[0].ts == pytest.approx(busy_s + step_s * speedup, abs=1e-3)
     await c.bus.close()
 
 

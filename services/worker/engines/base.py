@@ -39,7 +39,8 @@ class Engine(ABC):
     the event loop keeps serving heartbeats and inputs meanwhile)."""
     simulated: bool = True
     """True if executing a plan takes no wall time: the shell then waits until the
-    plan's end on the simulated clock (``SimClock.wall_at(plan.start + duration)``)."""
+    plan's end on the simulated clock (``plan.start + duration``, waited for on the clock's
+    monotonic reading: ``WorkerService._wait_for_plan_end``)."""
 
     @abstractmethod
     def execute(self, plan: IterationPlan) -> float:
