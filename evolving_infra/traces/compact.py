@@ -784,7 +784,9 @@ def read_trace_compact(path: str | os.PathLike[str], *, ahead: InflateAhead | No
     Raises:
         TraceError: one or more lines are bad; ``err.problems`` lists every one as
             ``line N: reason`` (the whole file is checked first), exactly as ``read_trace``
-            (a packed trace: ``pack.read_packed``'s problems).
+            (a packed trace: ``pack.read_packed``'s problems); a file whose line 1 is neither a
+            header nor a request (not JSON, binary): that one problem at once, as ``read_trace``
+            (before, an 18 MB binary file was read whole: 1.4 s, ~60 MB, 70,000 problems).
         OSError: the file cannot be read.
     """
     try:
@@ -800,7 +802,7 @@ def read_trace_compact(path: str | os.PathLike[str], *, ahead: InflateAhead | No
         from evolving_infra.traces.pack import read_packed
 
         return read_packed(path)
-    v = _Validator()
+    v = _Validator(stop_at_no_trace=True)
     b = _TextBuilder(v)
     b.store._as_lists()
     with paused_gc():

@@ -373,15 +373,27 @@ class _Branch(Value):
         self.ended_line = ended_line
 
 
+class _NotATrace(Exception):
+    """Raised by a :class:`_Validator` made with ``stop_at_no_trace`` when line 1 is neither a
+    header nor a request (not JSON, binary, a packed trace, another JSON object): its one problem
+    is in ``problems``; the readers stop there instead of reading the rest of the file."""
+
+
 class _Validator:
     """Streaming checker: feed lines in order, then call :meth:`finish`.
 
     Cascades are avoided: a request or branch defined on a bad line is still
     remembered (when its id can be read), so later lines that refer to it are
     judged on their own merits and only the bad line itself is reported.
+
+    ``stop_at_no_trace``: line 1 that is neither a valid header nor a request raises
+    :class:`_NotATrace` after its problem is noted (the loading readers: ``read_trace``,
+    ``traces.compact.read_trace_compact``); False (``trace validate``) goes on and reports every
+    line. A line 1 that is a request (a header missing) or empty is checked on either way.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stop_at_no_trace: bool = False) -> None:
+        self.stop_at_no_trace = stop_at_no_trace
         self.header: TraceHeader | None = None
         self.block_size: int | None = None
         self.problems: list[TraceProblem] = []
@@ -407,12 +419,16 @@ class _Validator:
         except msgspec.DecodeError as e:
             if raw == PACK_MAGIC:
                 self._bad(1, _PACKED)
+                if self.stop_at_no_trace:
+                    raise _NotATrace from None
                 return None
             # Not a header. If it is a request, check it as one so it is not lost.
             try:
                 _lenient_decoder().decode(raw)
             except msgspec.DecodeError:
                 self._bad(1, _header_problem(raw, e))
+                if self.stop_at_no_trace:
+                    raise _NotATrace from None
                 return None
             self._bad(1, f'missing trace header (expected {{"format": "{FORMAT}", "block_size": ...}} first)')
             self._feed_request(1, raw)
@@ -555,16 +571,22 @@ _READ_ERRORS: tuple[type[Exception], ...] = (EOFError, gzip.BadGzipFile, zlib.er
 
 def _scan(path: str | os.PathLike[str], v: "_Validator") -> Iterator[Any]:
     """The valid requests of a file (``v.feed`` of each line that is not None), then
-    ``v.finish``; an unreadable compressed stream is one problem."""
+    ``v.finish``; an unreadable compressed stream is one problem. Ends after line 1 when ``v``
+    stops there (:class:`_NotATrace`): the rest of the file is not read."""
     n = 0
     feed = v.feed
+    spans = _line_spans(path)
     try:
-        for n, (buf, s, e) in enumerate(_line_spans(path), start=1):
+        for n, (buf, s, e) in enumerate(spans, start=1):
             req = feed(n, buf[s:e])
             if req is not None:
                 yield req
     except _READ_ERRORS as e:
         _unreadable(v, n, e)
+    except _NotATrace:
+        return
+    finally:
+        spans.close()  # the file (and an InflateAhead) closed now, not when the frame is freed
     v.finish(n)
 
 
@@ -576,13 +598,19 @@ def _scan_runs(path: str | os.PathLike[str], v: "_Validator", feed_run: Callable
                ahead: InflateAhead | None = None) -> None:
     """:func:`_scan` of a reader that takes a :data:`Run` at a time: ``feed_run(lines before,
     buf, starts, ends)`` takes the run's lines and returns the lines read so far; then
-    ``v.finish``. The same problems, at the same lines, as :func:`_scan`."""
+    ``v.finish``. The same problems, at the same lines, as :func:`_scan` (and it ends after line
+    1 as :func:`_scan` does when ``v`` stops there)."""
     n = 0
+    runs = _line_runs(path, ahead)
     try:
-        for buf, starts, ends in _line_runs(path, ahead):
+        for buf, starts, ends in runs:
             n = feed_run(n, buf, starts, ends)
     except _READ_ERRORS as e:
         _unreadable(v, n, e)
+    except _NotATrace:
+        return
+    finally:
+        runs.close()  # the file and ``ahead`` closed now, not when the frame is freed
     v.finish(n)
 
 
@@ -712,14 +740,16 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
 
     Raises:
         TraceError: one or more lines are bad; ``err.problems`` lists every one
-            as ``line N: reason`` (the whole file is checked first).
+            as ``line N: reason`` (the whole file is checked first), except a file whose line 1
+            is neither a header nor a request (not JSON, binary, a packed trace): that one
+            problem at once, the rest of the file unread.
         OSError: the file cannot be read.
 
     The cyclic garbage collector is paused while the file is read (and restored after): the
     decoded requests hold no reference cycles, and the collections that walked the growing
     list of requests took ~25% of reading a 35,000-request trace.
     """
-    v = _Validator()
+    v = _Validator(stop_at_no_trace=True)
     with paused_gc():
         requests = list(_scan(path, v))
     if v.problems:
