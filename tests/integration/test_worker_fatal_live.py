@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -28,16 +27,16 @@ import pytest
 import structlog
 
 from shared import messages as m
-from shared.bus import Bus
 from shared.hashing import block_hashes, tokens_for_blocks
-from shared.service import ServiceFailed, serve_until_stopped
-from shared.subjects import NODE_STATE, REQ_OUT, WORK_DECODE, WORK_PREFILL, Subjects
+from shared.service import ServiceFailed
+from shared.subjects import WORK_DECODE, WORK_PREFILL
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
 from services.worker.engines.sim import SimEngine
 from services.worker.plan import IterationPlan
 from services.worker.service import WorkerService
+from tests.integration.live import Services, node_states, open_bus, router_factory, token_chunks, worker_factory
 from tests.integration.polling import answering, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,18 +100,6 @@ def worker_cfg(url: str, node: str, phase: str = "both", **kw: Any) -> WorkerCon
     return WorkerConfig(nats_url=url, node=node, phase=phase, **kw)
 
 
-def factory(engine: type[SimEngine] | None = None, service: type[WorkerService] = WorkerService, held: list | None = None):
-    def make(c: WorkerConfig, b: Bus, clk: Any) -> WorkerService:
-        svc = service(c, b, clk)
-        if engine is not None:
-            svc.engine = engine(svc.profile)
-        if held is not None:
-            held.append(svc)
-        return svc
-
-    return make
-
-
 def fatal_lines(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in logs if str(e.get("event", "")).startswith("engine failed")]
 
@@ -141,12 +128,9 @@ async def test_an_unexpected_error_ends_the_node_with_a_failure_naming_its_reque
     held: list[WorkerService] = []
     with structlog.testing.capture_logs() as logs:
         async with AsyncExitStack() as stack:
-            bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
-            stack.push_async_callback(bus.close)
-            stop = asyncio.Event()
-            task = asyncio.create_task(serve_until_stopped("worker", worker_cfg(nats_url, "w0", phase, **CFG.get(case, {})),
-                                                           factory(engine, service, held), instance="worker-w0", stop_event=stop))  # fmt: skip
-            stack.callback(stop.set)
+            bus = await open_bus(stack, nats_url)
+            task = Services(stack).start("worker", worker_cfg(nats_url, "w0", phase, **CFG.get(case, {})),
+                                         worker_factory(engine, service, held), instance="worker-w0")  # fmt: skip
             await answering(bus, "worker-w0", [task])
             if work is not None:
                 await bus.publish(WORK_PREFILL, work, node="w0")
@@ -166,18 +150,11 @@ async def test_an_unexpected_error_ends_the_node_with_a_failure_naming_its_reque
 
 
 async def test_an_engine_that_fails_to_accept_work_refuses_that_request_only(nats_url):
-    chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
     async with AsyncExitStack() as stack:
-        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
-        stack.push_async_callback(bus.close)
-
-        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-            chunks[c.rid].append(c)
-
-        await bus.subscribe(REQ_OUT, on_chunk)
-        stop = asyncio.Event()
-        task = asyncio.create_task(serve_until_stopped("worker", worker_cfg(nats_url, "w0"), factory(BadAccept),
-                                                       instance="worker-w0", stop_event=stop))  # fmt: skip
+        bus = await open_bus(stack, nats_url)
+        chunks = await token_chunks(bus)
+        services = Services(stack)
+        task = services.start("worker", worker_cfg(nats_url, "w0"), worker_factory(BadAccept), instance="worker-w0")
         await answering(bus, "worker-w0", [task])
         await bus.publish(WORK_PREFILL, prefill("bad-1", [1, 2], 1, 4), node="w0")
         await bus.publish(WORK_PREFILL, prefill("good-1", [3, 4], 1, 4), node="w0")
@@ -187,7 +164,7 @@ async def test_an_engine_that_fails_to_accept_work_refuses_that_request_only(nat
         assert bad.finish_reason == "error" and "failed to accept the work" in (bad.error or "") and "TypeError" in bad.error
         assert chunks["good-1"][-1].finish_reason == "length"
         assert not task.done()
-        stop.set()
+        services.stops[0].set()
         await asyncio.wait_for(task, 5.0)  # no ServiceFailed: the node served on
 
 
@@ -197,48 +174,22 @@ async def test_a_failed_forward_ends_the_node_and_the_router_redispatches_its_re
     and re-dispatches the request to the new one, and the client gets its tokens."""
     origin = time.time()
     port_file = tmp_path / "router.port"
-    states: dict[str, m.NodeState] = {}
-    router: dict[str, RouterService] = {}
+    router: list[RouterService] = []
     async with AsyncExitStack() as stack:
-        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
-        stack.push_async_callback(bus.close)
-
-        async def on_state(st: m.NodeState, _s: str) -> None:
-            states[st.node] = st
-
-        await bus.subscribe(NODE_STATE, on_state)
-        stops: list[asyncio.Event] = []
-        tasks: list[asyncio.Task[None]] = []
-
-        async def shutdown() -> None:
-            for s in stops:
-                s.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        stack.push_async_callback(shutdown)
-
-        def start(name: str, cfg: Any, make: Any) -> asyncio.Task[None]:
-            stops.append(asyncio.Event())
-            tasks.append(asyncio.create_task(serve_until_stopped(name, cfg, make, instance=name, stop_event=stops[-1])))
-            return tasks[-1]
-
+        states = await node_states(await open_bus(stack, nats_url))
+        services = Services(stack)
         wcfg = worker_cfg(nats_url, "w0", clock_origin=origin, speedup=1.0)
-        w0 = start("worker-w0", wcfg, factory(OomInForward))
+        w0 = services.start("worker-w0", wcfg, worker_factory(OomInForward))
         rcfg = RouterConfig(nats_url=nats_url, clock_origin=origin, port=0, port_file=str(port_file), block_size=BS,
                             split_get_timeout_s=0.2, lookup_timeout_s=0.05, fence_after_s=1.0, requeue_wait_s=10.0,
                             request_timeout_s=20.0)  # fmt: skip
-
-        def make_router(c: Any, b: Bus, clk: Any) -> RouterService:
-            router["svc"] = RouterService(c, b, clk)
-            return router["svc"]
-
-        start("router", rcfg, make_router)
-        await until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and "w0" in states, 10.0, "router ready")
+        services.start("router", rcfg, router_factory(router))
+        await until(lambda: port_file.exists() and router and router[0].ready() and "w0" in states, 10.0, "router ready")
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port_file.read_text().strip()}", timeout=30.0) as http:
             req = asyncio.create_task(http.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3}))
             with pytest.raises(ServiceFailed, match="CUDA out of memory"):
                 await asyncio.wait_for(w0, 5.0)
-            start("worker-w0", wcfg, WorkerService)  # the supervisor restarts it with a healthy engine
+            services.start("worker-w0", wcfg, WorkerService)  # the supervisor restarts it with a healthy engine
             r = await asyncio.wait_for(req, 15.0)
         assert r.status_code == 200, r.text
         body = r.json()

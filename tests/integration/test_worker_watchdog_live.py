@@ -28,15 +28,15 @@ import structlog
 
 from shared import messages as m
 from shared.bus import Bus
-from shared.service import serve_until_stopped
 from shared.hashing import block_hashes, tokens_for_blocks
-from shared.subjects import NODE_STATE, WORK_PREFILL, Subjects
+from shared.subjects import WORK_PREFILL
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
 from services.worker.engines.sim import SimEngine
 from services.worker.plan import IterationPlan
 from services.worker.service import WorkerService
+from tests.integration.live import Services, node_state_history, node_states, open_bus, router_factory
 from tests.integration.polling import until
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,32 +47,12 @@ TIMEOUT_S = 1.0
 async def test_a_hung_step_ends_the_worker_and_the_router_redispatches_its_request(nats_url, tmp_path: Path):
     origin = time.time()
     port_file = tmp_path / "router.port"
-    states: dict[str, list[m.NodeState]] = {}
-    router: dict[str, RouterService] = {}
+    router: list[RouterService] = []
     env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
     env["PYTHONPATH"] = str(REPO)
     async with AsyncExitStack() as stack:
-        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
-        stack.push_async_callback(bus.close)
-
-        async def on_state(st: m.NodeState, _s: str) -> None:
-            states.setdefault(st.node, []).append(st)
-
-        await bus.subscribe(NODE_STATE, on_state)
-        stops: list[asyncio.Event] = []
-        tasks: list[asyncio.Task[None]] = []
-
-        async def shutdown() -> None:
-            for s in stops:
-                s.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        stack.push_async_callback(shutdown)
-
-        def start(name: str, cfg: Any, make: Any) -> None:
-            stops.append(asyncio.Event())
-            tasks.append(asyncio.create_task(serve_until_stopped(name, cfg, make, instance=name, stop_event=stops[-1])))
-
+        states = await node_state_history(await open_bus(stack, nats_url))
+        services = Services(stack)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.worker", "--nats-url", nats_url, "--node", "w0", "--profile", "tiny",
             "--speedup", "1", "--clock-origin", str(origin), "--split-get-timeout-s", "0", "--idle-state-interval-s", "0.1",
@@ -89,13 +69,8 @@ async def test_a_hung_step_ends_the_worker_and_the_router_redispatches_its_reque
         rcfg = RouterConfig(nats_url=nats_url, clock_origin=origin, port=0, port_file=str(port_file), block_size=4,
                             split_get_timeout_s=0.2, lookup_timeout_s=0.05, fence_after_s=1.0, requeue_wait_s=10.0,
                             request_timeout_s=20.0)  # fmt: skip
-
-        def make_router(c: Any, b: Bus, clk: Any) -> RouterService:
-            router["svc"] = RouterService(c, b, clk)
-            return router["svc"]
-
-        start("router", rcfg, make_router)
-        await until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and "w0" in states, 20.0, "router and w0 up")
+        services.start("router", rcfg, router_factory(router))
+        await until(lambda: port_file.exists() and router and router[0].ready() and "w0" in states, 20.0, "router and w0 up")
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port_file.read_text().strip()}", timeout=30.0) as http:
             req = asyncio.create_task(
                 http.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3}, headers={"x-request-id": "hung-1"})
@@ -119,7 +94,7 @@ async def test_a_hung_step_ends_the_worker_and_the_router_redispatches_its_reque
             # the supervisor restarts it: the router fences the hung process and re-dispatches the request
             wcfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", speedup=1.0, clock_origin=origin,
                                 split_get_timeout_s=0.0, idle_state_interval_s=0.1)  # fmt: skip
-            start("worker-w0", wcfg, WorkerService)
+            services.start("worker-w0", wcfg, WorkerService)
             r = await asyncio.wait_for(req, 15.0)
         assert r.status_code == 200, r.text
         body = r.json()
@@ -156,28 +131,22 @@ async def test_a_stop_while_a_forward_hangs_still_ends_the_process_at_the_timeou
 
     HangInThread.entered.clear()
     HangInThread.release.clear()
-    states: dict[str, m.NodeState] = {}
     cfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", split_get_timeout_s=0.0, idle_state_interval_s=0.1,
                        watchdog_timeout_s=TIMEOUT_S)  # fmt: skip
     try:
         with structlog.testing.capture_logs() as logs:
             async with AsyncExitStack() as stack:
-                bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
-                stack.push_async_callback(bus.close)
-
-                async def on_state(st: m.NodeState, _s: str) -> None:
-                    states[st.node] = st
-
-                await bus.subscribe(NODE_STATE, on_state)
-                stop = asyncio.Event()
-                task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
+                bus = await open_bus(stack, nats_url)
+                states = await node_states(bus)
+                services = Services(stack)
+                task = services.start("worker", cfg, make, instance="worker-w0")
                 await until(lambda: "w0" in states, 10.0, "w0 up")
                 work = m.PrefillWork(rid="r1", prompt_tokens=9, max_tokens=4, block_size=4,
                                      block_hashes=block_hashes(tokens_for_blocks([1, 2], 4), 4))  # fmt: skip
                 await bus.publish(WORK_PREFILL, work, node="w0")
                 assert await asyncio.to_thread(HangInThread.entered.wait, 5.0)
                 t0 = time.monotonic()
-                stop.set()  # SIGTERM
+                services.stops[0].set()  # SIGTERM
                 await asyncio.wait_for(task, 5.0)  # stopped (no failure): what follows is the process's exit
                 await until(lambda: bool(exits), TIMEOUT_S + 3.0, "the watchdog ended the process")
         assert exits[0] - t0 < TIMEOUT_S + 2.0, exits[0] - t0
@@ -218,23 +187,15 @@ async def test_a_loop_blocked_outside_a_step_ends_the_process_at_the_timeout(nat
         held.append(svc)
         return svc
 
-    states: dict[str, m.NodeState] = {}
     cfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", split_get_timeout_s=0.0, idle_state_interval_s=0.1,
                        watchdog_timeout_s=TIMEOUT_S, fault_block_loop_at_s=0.5 if how == "drill" else 0.0)  # fmt: skip
     try:
         with structlog.testing.capture_logs() as logs:
             async with AsyncExitStack() as stack:
-                bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
-                stack.push_async_callback(bus.close)
-
-                async def on_state(st: m.NodeState, _s: str) -> None:
-                    states[st.node] = st
-
-                await bus.subscribe(NODE_STATE, on_state)
-                stop = asyncio.Event()
-                task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
-                stack.push_async_callback(lambda: asyncio.gather(task, return_exceptions=True))
-                stack.callback(stop.set)
+                bus = await open_bus(stack, nats_url)
+                states = await node_states(bus)
+                services = Services(stack)
+                task = services.start("worker", cfg, make, instance="worker-w0")
                 await until(lambda: "w0" in states and held[0].accepting, 10.0, "w0 up")
                 t0 = time.monotonic()
                 if how == "handler":
@@ -285,26 +246,20 @@ async def test_a_hang_found_while_the_node_stops_exits_only_after_its_last_messa
 
     HangInThread.entered.clear()
     HangInThread.release.clear()
-    states: dict[str, m.NodeState] = {}
     cfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", split_get_timeout_s=0.0, idle_state_interval_s=0.1,
                        watchdog_timeout_s=TIMEOUT_S)  # fmt: skip
     try:
         async with AsyncExitStack() as stack:
-            bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
-            stack.push_async_callback(bus.close)
-
-            async def on_state(st: m.NodeState, _s: str) -> None:
-                states[st.node] = st
-
-            await bus.subscribe(NODE_STATE, on_state)
-            stop = asyncio.Event()
-            task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
+            bus = await open_bus(stack, nats_url)
+            states = await node_states(bus)
+            services = Services(stack)
+            task = services.start("worker", cfg, make, instance="worker-w0")
             await until(lambda: "w0" in states, 10.0, "w0 up")
             work = m.PrefillWork(rid="r1", prompt_tokens=9, max_tokens=4, block_size=4,
                                  block_hashes=block_hashes(tokens_for_blocks([1, 2], 4), 4))  # fmt: skip
             await bus.publish(WORK_PREFILL, work, node="w0")
             assert await asyncio.to_thread(HangInThread.entered.wait, 5.0)
-            stop.set()  # SIGTERM
+            services.stops[0].set()  # SIGTERM
             await asyncio.wait_for(task, 10.0)
             await until(lambda: bool(exits), TIMEOUT_S + 6.0, "the watchdog ended the process")
         assert exits == [True], "the watchdog exited before the stop's last messages were out"
