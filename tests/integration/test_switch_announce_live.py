@@ -10,7 +10,6 @@ handler (an idle node) it was only logged by the bus and ``serving`` was never a
 
 from __future__ import annotations
 
-import asyncio
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -22,10 +21,10 @@ from shared import messages as m
 from shared.bus import Bus, BusUnavailable
 from shared.clock import SimClock
 from shared.hashing import block_hashes, tokens_for_blocks
-from shared.service import serve_until_stopped
-from shared.subjects import NODE_STATE, SPLIT_APPLIED, SPLIT_COMMANDS, WORK_PREFILL, Subjects
+from shared.subjects import SPLIT_APPLIED, SPLIT_COMMANDS, WORK_PREFILL
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
+from tests.integration.live import Services, node_states, open_bus, split_applied
 from tests.integration.polling import until
 
 from .test_dataplane_bind import SLOW_PREFILL
@@ -40,8 +39,6 @@ async def test_a_refused_serving_announcement_is_not_fatal_and_goes_out_again(na
     profile.write_text(SLOW_PREFILL)
     origin = time.time()
     clock = SimClock(1.0, origin)
-    states: dict[str, m.NodeState] = {}
-    applied: list[m.SplitApplied] = []
     refused: list[m.SplitApplied] = []
     held: list[WorkerService] = []
 
@@ -60,27 +57,12 @@ async def test_a_refused_serving_announcement_is_not_fatal_and_goes_out_again(na
         return svc
 
     async with AsyncExitStack() as stack:
-        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-announce")
-        stack.push_async_callback(bus.close)
-
-        async def on_state(st: m.NodeState, _s: str) -> None:
-            states[st.node] = st
-
-        async def on_applied(a: m.SplitApplied, _s: str) -> None:
-            applied.append(a)
-
-        await bus.subscribe(NODE_STATE, on_state)
-        await bus.subscribe(SPLIT_APPLIED, on_applied)
+        bus = await open_bus(stack, nats_url, "test-announce")
+        states = await node_states(bus)
+        applied = await split_applied(bus)
         cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node="w0", phase="both", profile=str(profile),
                            idle_state_interval_s=0.1, state_interval_s=0.01, split_get_timeout_s=0.0, check_invariants=True)  # fmt: skip
-        stop = asyncio.Event()
-        task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
-
-        async def shutdown() -> None:
-            stop.set()
-            await asyncio.gather(task, return_exceptions=True)
-
-        stack.push_async_callback(shutdown)
+        task = Services(stack).start("worker", cfg, make, instance="worker-w0")
         await until(lambda: "w0" in states, 10.0, "w0 up")
         if path == "step":  # a prefill runs (≈ 0.2 s): the switch drains it, the step loop then serves decode
             work = m.PrefillWork(rid="r1", prompt_tokens=100, max_tokens=2, block_size=BS,

@@ -22,16 +22,16 @@ import pytest
 from shared import messages as m
 from shared.bus import Bus, BusUnavailable
 from shared.clock import SimClock
-from shared.service import serve_until_stopped
 from shared.hashing import block_hashes, tokens_for_blocks
 from shared.subjects import (
-    NODE_STATE, REQ_OUT, SPLIT_APPLIED, SPLIT_COMMANDS, SVC_STATS, WORK_ABORT, WORK_DECODE, WORK_PREFILL, WORK_REQUEUE, Subjects,
+    SPLIT_APPLIED, SPLIT_COMMANDS, SVC_STATS, WORK_ABORT, WORK_DECODE, WORK_PREFILL, WORK_REQUEUE,
 )  # fmt: skip
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 
+from tests.integration.live import Services, node_states, open_bus, router_factory, split_applied, token_chunks
 from tests.integration.polling import until
 
 from .test_dataplane_bind import SLOW_PREFILL
@@ -40,56 +40,32 @@ pytestmark = pytest.mark.timeout(90)
 BS = 4
 
 
+async def watched_bus(
+    stack: AsyncExitStack, nats_url: str, instance: str
+) -> tuple[Bus, dict[str, m.NodeState], list[m.SplitApplied], defaultdict[str, list[m.TokenChunk]]]:
+    """The test's bus, with each node's latest ``node.state``, every ``split.applied`` and every token chunk by request."""
+    bus = await open_bus(stack, nats_url, instance)
+    return bus, await node_states(bus), await split_applied(bus), await token_chunks(bus)
+
+
 async def test_queued_work_is_handed_back_parked_and_served_exactly_once(nats_url, tmp_path: Path):
     profile = tmp_path / "slow.toml"
     profile.write_text(SLOW_PREFILL)
     origin = time.time()
     clock = SimClock(1.0, origin)
     port_file = tmp_path / "router.port"
-    states: dict[str, m.NodeState] = {}
-    applied: list[m.SplitApplied] = []
-    chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
-    router: dict[str, RouterService] = {}
+    router: list[RouterService] = []
     async with AsyncExitStack() as stack:
-        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-requeue")
-        stack.push_async_callback(bus.close)
-
-        async def on_state(st: m.NodeState, _s: str) -> None:
-            states[st.node] = st
-
-        async def on_applied(a: m.SplitApplied, _s: str) -> None:
-            applied.append(a)
-
-        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-            chunks[c.rid].append(c)
-
-        await bus.subscribe(NODE_STATE, on_state)
-        await bus.subscribe(SPLIT_APPLIED, on_applied)
-        await bus.subscribe(REQ_OUT, on_chunk)
-        stops: list[asyncio.Event] = []
-        tasks: list[asyncio.Task] = []
-
-        async def shutdown() -> None:
-            for s in stops:
-                s.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        stack.push_async_callback(shutdown)
+        bus, states, applied, chunks = await watched_bus(stack, nats_url, "test-requeue")
+        services = Services(stack)
         for node, phase in (("w0", "prefill"), ("w1", "decode"), ("w2", "decode")):
             cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node=node, phase=phase, profile=str(profile),
                                idle_state_interval_s=0.2, state_interval_s=0.01, check_invariants=True)  # fmt: skip
-            stops.append(asyncio.Event())
-            tasks.append(asyncio.create_task(serve_until_stopped("worker", cfg, WorkerService, instance=f"worker-{node}", stop_event=stops[-1])))
+            services.start("worker", cfg, WorkerService, instance=f"worker-{node}")
         rcfg = RouterConfig(nats_url=nats_url, clock_origin=origin, port=0, port_file=str(port_file), block_size=BS,
                             split_get_timeout_s=0.2, lookup_timeout_s=0.05, fence_after_s=5.0, request_timeout_s=30.0)  # fmt: skip
-
-        def factory(c, b, clk):
-            router["svc"] = RouterService(c, b, clk)
-            return router["svc"]
-
-        stops.append(asyncio.Event())
-        tasks.append(asyncio.create_task(serve_until_stopped("router", rcfg, factory, instance="router", stop_event=stops[-1])))
-        await until(lambda: port_file.exists() and "svc" in router and router["svc"].ready() and len(states) == 3, 15.0, "router ready")
+        services.start("router", rcfg, router_factory(router))
+        await until(lambda: port_file.exists() and router and router[0].ready() and len(states) == 3, 15.0, "router ready")
         url = f"http://127.0.0.1:{port_file.read_text().strip()}"
 
         # w2 decodes a long request: its switch to prefill must drain it first
@@ -106,12 +82,12 @@ async def test_queued_work_is_handed_back_parked_and_served_exactly_once(nats_ur
         await until(lambda: states["w0"].running == 1 and states["w0"].waiting == 4, 15.0, "one prefill running, four queued on w0")
         await bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=1, phases={"w0": "decode", "w1": "decode", "w2": "prefill"},
                                                           reason="swap", decided_at=clock.now()))  # fmt: skip
-        await until(lambda: router["svc"].counters.get("requeue.parked", 0) == 4, 15.0, "the four handed back and parked")
+        await until(lambda: router[0].counters.get("requeue.parked", 0) == 4, 15.0, "the four handed back and parked")
         assert not any(t.done() for t in reqs)
         await asyncio.sleep(0.3)
         await bus.publish(WORK_ABORT, m.RequestAbort(rid="x-long", reason="end the drain"), node="w2")
         responses = await asyncio.gather(*reqs)
-        rstats = router["svc"].counters
+        rstats = router[0].counters
 
         assert [r.status_code for r in responses] == [200] * 5, [r.text for r in responses]
         placed = [r.json()["ei"]["prefill_node"] for r in responses]
@@ -152,9 +128,6 @@ async def test_a_switch_whose_draining_announcement_fails_still_hands_back_all_i
     profile.write_text(SLOW_PREFILL)
     origin = time.time()
     clock = SimClock(1.0, origin)
-    states: dict[str, m.NodeState] = {}
-    applied: list[m.SplitApplied] = []
-    chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
     requeued: list[m.WorkRequeue] = []
     refused: list[m.SplitApplied] = []
     held: list[WorkerService] = []
@@ -174,36 +147,16 @@ async def test_a_switch_whose_draining_announcement_fails_still_hands_back_all_i
         return svc
 
     async with AsyncExitStack() as stack:
-        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-requeue-fail")
-        stack.push_async_callback(bus.close)
-
-        async def on_state(st: m.NodeState, _s: str) -> None:
-            states[st.node] = st
-
-        async def on_applied(a: m.SplitApplied, _s: str) -> None:
-            applied.append(a)
-
-        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-            chunks[c.rid].append(c)
+        bus, states, applied, chunks = await watched_bus(stack, nats_url, "test-requeue-fail")
 
         async def on_requeue(msg: m.WorkRequeue, _s: str) -> m.WorkRequeueReply:
             requeued.append(msg)
             return m.WorkRequeueReply(rid=msg.rid, accepted=True)
 
-        await bus.subscribe(NODE_STATE, on_state)
-        await bus.subscribe(SPLIT_APPLIED, on_applied)
-        await bus.subscribe(REQ_OUT, on_chunk)
         await bus.serve(WORK_REQUEUE, on_requeue, router="router")
         cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node="w0", phase="both", profile=str(profile),
                            idle_state_interval_s=0.2, state_interval_s=0.01, split_get_timeout_s=0.0, check_invariants=True)  # fmt: skip
-        stop = asyncio.Event()
-        task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
-
-        async def shutdown() -> None:
-            stop.set()
-            await asyncio.gather(task, return_exceptions=True)
-
-        stack.push_async_callback(shutdown)
+        Services(stack).start("worker", cfg, make, instance="worker-w0")
         await until(lambda: "w0" in states, 10.0, "w0 up")
         rids = [f"q{i}" for i in range(5)]
         for i, rid in enumerate(rids):
