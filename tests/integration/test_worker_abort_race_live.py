@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import defaultdict
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -21,14 +20,13 @@ import msgspec
 import pytest
 
 from shared import messages as m
-from shared.bus import Bus
 from shared.hashing import block_hashes, tokens_for_blocks
-from shared.service import serve_until_stopped
-from shared.subjects import NODE_STATE, REQ_OUT, WORK_ABORT, WORK_PREFILL, Subjects
+from shared.subjects import WORK_ABORT, WORK_PREFILL
 from services.worker.config import WorkerConfig
 from services.worker.engines.sim import SimEngine
 from services.worker.plan import IterationPlan
 from services.worker.service import WorkerService
+from tests.integration.live import Services, node_states, open_bus, token_chunks, worker_factory
 from tests.integration.polling import until
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,39 +57,14 @@ def prefill(rid: str, attempt: int) -> m.PrefillWork:
 @pytest.mark.parametrize("order", ["abort while the work waits for the step", "abort before the work"])
 async def test_an_abort_that_comes_before_its_work_is_taken_drops_the_work(nats_url, order: str):
     held: list[WorkerService] = []
-    chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
-    states: dict[str, m.NodeState] = {}
-
-    def make(c: WorkerConfig, b: Bus, clk: Any) -> WorkerService:
-        svc = WorkerService(c, b, clk)
-        svc.engine = GatedSim(svc.profile)
-        held.append(svc)
-        return svc
-
     cfg = WorkerConfig(nats_url=nats_url, node="w0", phase="both", profile="tiny", split_get_timeout_s=0.0,
                        idle_state_interval_s=0.1)  # fmt: skip
     async with AsyncExitStack() as stack:
-        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
-        stack.push_async_callback(bus.close)
-
-        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-            chunks[c.rid].append(c)
-
-        async def on_state(st: m.NodeState, _s: str) -> None:
-            states[st.node] = st
-
-        await bus.subscribe(REQ_OUT, on_chunk)
-        await bus.subscribe(NODE_STATE, on_state)
-        stop = asyncio.Event()
-        task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
-
-        async def shutdown() -> None:
-            if held:
-                held[0].engine.gate.set()  # type: ignore[attr-defined]
-            stop.set()
-            await asyncio.gather(task, return_exceptions=True)
-
-        stack.push_async_callback(shutdown)
+        bus = await open_bus(stack, nats_url)
+        chunks = await token_chunks(bus)
+        states = await node_states(bus)
+        Services(stack).start("worker", cfg, worker_factory(GatedSim, held=held), instance="worker-w0")
+        stack.callback(lambda: held and held[0].engine.gate.set())  # type: ignore[attr-defined]  # before the stop: the step ends
         await until(lambda: "w0" in states, 10.0, "w0 up")
         svc = held[0]
         engine = svc.engine

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -30,12 +29,12 @@ torch = pytest.importorskip("torch")
 
 from shared import messages as m  # noqa: E402
 from shared.bus import Bus  # noqa: E402
-from shared.service import serve_until_stopped  # noqa: E402
-from shared.subjects import KV_RESYNC, NODE_STATE, REQ_OUT, WORK_ABORT, WORK_PREFILL, Subjects  # noqa: E402
+from shared.subjects import KV_RESYNC, WORK_ABORT, WORK_PREFILL  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
 from services.worker.engines.torch_engine.engine import TorchEngine  # noqa: E402
 from services.worker.plan import IterationPlan  # noqa: E402
 from services.worker.service import WorkerService  # noqa: E402
+from tests.integration.live import Services, node_states, open_bus, token_chunks  # noqa: E402
 from tests.integration.polling import until  # noqa: E402
 from tests.unit.worker.torch_tiny import prompt, work, write_tiny_llama  # noqa: E402
 
@@ -63,8 +62,6 @@ class Node:
 
 async def gated_node(stack: AsyncExitStack, nats_url: str, tmp_path: Path, arm: Callable[[IterationPlan], bool]) -> tuple[Node, GatedEngine]:
     folder = write_tiny_llama(tmp_path / "model")
-    chunks: dict[str, list[m.TokenChunk]] = defaultdict(list)
-    states: dict[str, m.NodeState] = {}
     held: list[WorkerService] = []
 
     def make(c: WorkerConfig, b: Bus, clk: Any) -> WorkerService:
@@ -74,29 +71,13 @@ async def gated_node(stack: AsyncExitStack, nats_url: str, tmp_path: Path, arm: 
         held.append(svc)
         return svc
 
-    bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test")
-    stack.push_async_callback(bus.close)
-
-    async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-        chunks[c.rid].append(c)
-
-    async def on_state(st: m.NodeState, _s: str) -> None:
-        states[st.node] = st
-
-    await bus.subscribe(REQ_OUT, on_chunk)
-    await bus.subscribe(NODE_STATE, on_state)
+    bus = await open_bus(stack, nats_url)
+    chunks = await token_chunks(bus)
+    states = await node_states(bus)
     cfg = WorkerConfig(nats_url=nats_url, node="w0", phase="both", profile="torch-tiny-cpu", engine="torch", model=folder,
                        split_get_timeout_s=0.0, idle_state_interval_s=0.1, check_invariants=True)  # fmt: skip
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve_until_stopped("worker", cfg, make, instance="worker-w0", stop_event=stop))
-
-    async def shutdown() -> None:
-        if held:
-            held[0].engine.gate.set()  # type: ignore[attr-defined]
-        stop.set()
-        await asyncio.gather(task, return_exceptions=True)
-
-    stack.push_async_callback(shutdown)
+    task = Services(stack).start("worker", cfg, make, instance="worker-w0")
+    stack.callback(lambda: held and held[0].engine.gate.set())  # type: ignore[attr-defined]  # before the stop: the step ends
     await until(lambda: "w0" in states, 60.0, "w0 up")
     engine = held[0].engine
     assert isinstance(engine, GatedEngine)
