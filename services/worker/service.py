@@ -110,6 +110,7 @@ ABORTED_KEPT = 4096
 """Aborts of requests a node did not hold that it remembers (``WorkerService._aborted``), newest first."""
 
 ENGINES: dict[str, type[SimEngine]] = {"sim": SimEngine}
+"""Engine kinds by ``WorkerConfig.engine`` (``torch``: :func:`make_torch_engine`)."""
 
 WALL_STEP_S = 0.01
 """Least change (wall s) of the wall clock against the monotonic one that moves a sim engine's
@@ -117,8 +118,8 @@ timeline on the cluster clock (``WorkerService._wall_offset``). Reading the two 
 the other gives an offset that differs by µs from step to step (ms if the thread is preempted
 between the reads): taken every step, the plans of a back-to-back timeline had µs gaps in their
 ``ts``. Under this, the timeline keeps its offset; NTP's slew (≤ 500 ppm) moves it by this
-much at most every 20 s."""
-"""Engine kinds by ``WorkerConfig.engine`` (``torch``: :func:`make_torch_engine`)."""
+much at most every 20 s. A plan never launches before the latest input's time on the cluster
+clock (``WorkerService._input_wall``), which the kept offset alone could put it before."""
 
 
 def make_torch_engine(cfg: WorkerConfig, profile: Profile) -> Engine:
@@ -301,9 +302,17 @@ class WorkerService:
         self._streams: dict[str, _Stream] = {}
         self._records: list[m.IterationRecord] = []
         self._wake = asyncio.Event()
-        self._ready_at = 0.0
         self._offset = clock.now() - clock.local_now()
         """Simulated s from the engine's timeline to the cluster clock (:meth:`_wall_offset`)."""
+        self._input_wall = (float("-inf"), 0.0)
+        """The latest input's time on the cluster clock (simulated s, ``clock.now()`` read after the
+        core was given it, so not before any time the core was told) and on the monotonic reading:
+        a sim plan launches no earlier on the cluster clock unless the wall clock stepped by more
+        than ``WALL_STEP_S`` since (:meth:`_launch_time`). The kept offset may trail the wall clock's
+        by up to ``WALL_STEP_S`` × speedup (a small step, or a reading delayed between its two clock
+        reads): before, a request's plan then started before its ``arrived_at`` and its first
+        token's ``queue_s`` was negative, a message its router drops (8 ms at speedup 50: -0.4 s)."""
+        self._ready_at = 0.0
         """Simulated time (s) from which the engine can act on what it holds: the end of its last
         plan, or the latest input handed to the core, or a deadline it waited for (sim engines). On
         the clock's monotonic reading (``SimClock.local_now``): the engine's timeline is this
@@ -1364,6 +1373,7 @@ class WorkerService:
         now = self.clock.local_now()
         if now > self._ready_at:
             self._ready_at = now
+        self._input_wall = (self.clock.now(), now)
         self._wake.set()
 
     def _wall_offset(self) -> float:
@@ -1395,7 +1405,12 @@ class WorkerService:
         now = self.clock.local_now()
         floor = now - self.cfg.engine_lag_wall_s * self.clock.speedup
         t = self._ready_at
-        return offset + (now if t >= now else t if t > floor else floor)
+        t = offset + (now if t >= now else t if t > floor else floor)
+        # not before the latest input's cluster time: the kept offset may trail the wall clock's by
+        # up to WALL_STEP_S x speedup (_input_wall); by more, the wall clock stepped since the input
+        wall, local = self._input_wall
+        behind = wall - (offset + local)
+        return wall if t < wall and behind <= 2 * WALL_STEP_S * self.clock.speedup else t
 
     async def _step(self) -> None:
         self._wake.clear()
