@@ -10,15 +10,22 @@ returns fresh containers, so the two xdist lanes (``tests/conftest.py``) and any
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+import httpx
 
 from shared import messages as m
 from shared.bus import Bus
+from shared.clock import SimClock
 from shared.service import serve_until_stopped
-from shared.subjects import NODE_STATE, REQ_OUT, SPLIT_APPLIED, Subjects
+from shared.subjects import NODE_STATE, REQ_OUT, SPLIT_APPLIED, SVC_STATS, Subjects
+from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerService
@@ -128,3 +135,102 @@ def router_factory(held: list[RouterService]) -> Callable[[Any, Bus, Any], Route
         return held[-1]
 
     return make
+
+
+async def wait_for(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    """Return once ``pred()`` is true, polling every 0.02 s (the event loop's clock).
+
+    Raises:
+        AssertionError: ``pred()`` stayed false for ``timeout`` seconds ("timed out waiting for ``what``").
+    """
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def serving_router(cfg: RouterConfig, clock: SimClock | None = None) -> AsyncIterator[RouterService]:
+    """The router of ``cfg`` served in this process as ``router`` (as ``python -m services.router``),
+    with ``clock`` in place of the one the shell makes when given; yields it once its port file
+    (``cfg.port_file``) is written and it has applied split epoch 1 and is ready (5 s each); on exit
+    stops it and waits up to 20 s for its end.
+
+    Raises:
+        AssertionError: no port file, or not ready, within 5 s.
+        Whatever the router failed to start with (its task ended before the port file).
+    """
+    port_file = Path(cfg.port_file)
+    holder: list[RouterService] = []
+
+    def factory(c: Any, b: Bus, made: Any) -> RouterService:
+        holder.append(RouterService(c, b, clock or made))
+        return holder[-1]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_until_stopped("router", cfg, factory, instance="router", stop_event=stop))
+    try:
+        await wait_for(lambda: port_file.exists() or task.done(), what="router port file")
+        if task.done():
+            task.result()
+        svc = holder[0]
+        await wait_for(lambda: svc.core.view.epoch == 1 and svc.ready(), what="split applied and nodes live")
+        yield svc
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+async def cancelled(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel every task of ``tasks`` (a fake cluster's heartbeats), then await each to its end.
+
+    Raises:
+        Whatever a task raised before it saw its cancellation (``CancelledError`` is swallowed).
+    """
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+
+class FakeClusterLike(Protocol):
+    """What :func:`router_on_fake_cluster` needs of a test's fake cluster (workers, planner and
+    directory played on its own bus connection, started already)."""
+
+    bus: Bus
+
+    def stop(self) -> Awaitable[None]: ...
+
+
+C = TypeVar("C", bound=FakeClusterLike)
+
+
+@dataclass
+class RouterEnv(Generic[C]):
+    """A router served in this process beside a test's fake ``cluster``: the router, an HTTP client
+    on its port, the cluster's bus and the router's port file."""
+
+    cluster: C
+    service: RouterService
+    http: httpx.AsyncClient
+    bus: Bus
+    port_file: Path
+
+    async def stats(self) -> m.StatsReply:
+        """The router's ``svc.stats`` (2 s timeout)."""
+        return await self.bus.request(SVC_STATS, m.StatsRequest(), instance="router", timeout=2.0)
+
+
+@contextlib.asynccontextmanager
+async def router_on_fake_cluster(cluster: C, cfg: RouterConfig, clock: SimClock | None = None) -> AsyncIterator[RouterEnv[C]]:
+    """:func:`serving_router` (``cfg``, ``clock``) with an HTTP client on its port (30 s timeout);
+    on exit, after the router's stop, the cluster is stopped and its bus closed (also when the
+    router failed to start)."""
+    try:
+        async with serving_router(cfg, clock) as svc, httpx.AsyncClient(base_url=f"http://127.0.0.1:{svc.port}", timeout=30.0) as http:
+            yield RouterEnv(cluster, svc, http, cluster.bus, Path(cfg.port_file))
+    finally:
+        await cluster.stop()
+        await cluster.bus.close()

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 import pytest
 
@@ -25,7 +24,6 @@ from shared import messages as m
 from shared.bus import Bus
 from shared.clock import SimClock
 from shared.hashing import block_hashes, unpack_tokens
-from shared.service import serve_until_stopped
 from shared.subjects import (
     BRANCH_EVENTS,
     KV_LOOKUP,
@@ -34,15 +32,15 @@ from shared.subjects import (
     ROUTE_PLACED,
     SPLIT_COMMANDS,
     SPLIT_GET,
-    SVC_STATS,
     WORK_ABORT,
     WORK_PREFILL,
     Subjects,
 )
 
 from services.router.config import RouterConfig
-from services.router.service import RouterService
 from shared.tokenizer import SimTokenizer
+from tests.integration.live import RouterEnv, cancelled, router_on_fake_cluster
+from tests.integration.live import wait_for as _wait_for  # the name this file's importers use
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,11 +104,7 @@ class FakeCluster:
         self.tasks.append(asyncio.create_task(self._beat()))
 
     async def stop(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        for t in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancelled(self.tasks)
 
     def _record(self, sink: list[Any]):
         async def handler(msg: Any, _subject: str) -> None:
@@ -189,24 +183,7 @@ class FakeCluster:
                                    finish_reason="length" if last else None, attempt=att))  # fmt: skip
 
 
-@dataclass
-class Env:
-    cluster: FakeCluster
-    service: RouterService
-    http: httpx.AsyncClient
-    bus: Bus
-    port_file: Path
-
-    async def stats(self) -> m.StatsReply:
-        return await self.bus.request(SVC_STATS, m.StatsRequest(), instance="router", timeout=2.0)
-
-
-async def _wait_for(pred, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+Env = RouterEnv[FakeCluster]
 
 
 @contextlib.asynccontextmanager
@@ -232,29 +209,9 @@ async def router_env(
         "decode_binding": "dispatch",  # the fake workers do not ask route.bind (test_dataplane_live covers it)
     }
     cfg = RouterConfig(**{**settings, **cfg_kw})
-    holder: dict[str, RouterService] = {}
-
-    def factory(c, b, made):
-        holder["svc"] = RouterService(c, b, clock or made)
-        return holder["svc"]
-
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve_until_stopped("router", cfg, factory, instance="router", stop_event=stop))
-    try:
-        await _wait_for(lambda: port_file.exists() or task.done(), what="router port file")
-        if task.done():
-            task.result()
-        port = int(port_file.read_text())
-        svc = holder["svc"]
-        assert svc.port == port
-        await _wait_for(lambda: svc.core.view.epoch == 1 and svc.ready(), what="split applied and nodes live")
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30.0) as http:
-            yield Env(cluster, svc, http, bus, port_file)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
-        await cluster.stop()
-        await bus.close()
+    async with router_on_fake_cluster(cluster, cfg, clock) as env:
+        assert int(port_file.read_text()) == env.service.port
+        yield env
 
 
 def sse_events(body: str) -> list[Any]:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 import pytest
 
@@ -28,11 +27,11 @@ from shared import messages as m
 from shared.bus import Bus
 from shared.clock import SimClock
 from shared.itermodel import PrefillModel
-from shared.service import serve_until_stopped
-from shared.subjects import KV_LOOKUP, NODE_STATE, PLANNER_MODELS, REQ_OUT, SPLIT_GET, SVC_STATS, WORK_PREFILL, Subjects
+from shared.subjects import KV_LOOKUP, NODE_STATE, PLANNER_MODELS, REQ_OUT, SPLIT_GET, WORK_PREFILL, Subjects
 
 from services.router.config import RouterConfig
-from services.router.service import RouterService
+from tests.integration.live import RouterEnv, cancelled, router_on_fake_cluster
+from tests.integration.live import wait_for as _wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,11 +63,7 @@ class TtftCluster:
         self.tasks.append(asyncio.create_task(self._beat()))
 
     async def stop(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        for t in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancelled(self.tasks)
 
     async def publish_states(self) -> None:
         now = self.clock.now()
@@ -112,23 +107,7 @@ class TtftCluster:
             await self.bus.publish(REQ_OUT, rest, rid=w.rid)
 
 
-@dataclass
-class Env:
-    cluster: TtftCluster
-    service: RouterService
-    http: httpx.AsyncClient
-    bus: Bus
-
-    async def stats(self) -> m.StatsReply:
-        return await self.bus.request(SVC_STATS, m.StatsRequest(), instance="router", timeout=2.0)
-
-
-async def _wait_for(pred, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+Env = RouterEnv[TtftCluster]
 
 
 @contextlib.asynccontextmanager
@@ -144,27 +123,8 @@ async def ttft_env(nats_url: str, tmp_path: Path) -> AsyncIterator[Env]:
         fence_after_s=2.0, split_get_timeout_s=5.0, lookup_timeout_s=1.0, request_timeout_s=20.0, model="test-model", log_level="debug",
         decode_binding="dispatch",  # the fake workers do not ask route.bind
     )  # fmt: skip
-    holder: dict[str, RouterService] = {}
-
-    def factory(c, b, clk):
-        holder["svc"] = RouterService(c, b, clk)
-        return holder["svc"]
-
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve_until_stopped("router", cfg, factory, instance="router", stop_event=stop))
-    try:
-        await _wait_for(lambda: port_file.exists() or task.done(), what="router port file")
-        if task.done():
-            task.result()
-        svc = holder["svc"]
-        await _wait_for(lambda: svc.core.view.epoch == 1 and svc.ready(), what="split applied and nodes live")
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{svc.port}", timeout=30.0) as http:
-            yield Env(cluster, svc, http, bus)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
-        await cluster.stop()
-        await bus.close()
+    async with router_on_fake_cluster(cluster, cfg) as env:
+        yield env
 
 
 def _sse(body: str) -> list[Any]:
