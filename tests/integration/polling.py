@@ -1,12 +1,16 @@
 """Polling for live integration tests: wait until a condition over real services holds, or until
-a service has started (answers ``svc.stats``)."""
+a service has started (answers ``svc.stats``; a service process: logs ``service started``)."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from shared import messages as m
@@ -56,3 +60,27 @@ async def answering(bus: Bus, instance: str, tasks: Iterable[asyncio.Task[Any]] 
                     t.result()
             await asyncio.sleep(0.02)
     raise AssertionError(f"{instance} did not start")
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_until_started(args: list[str], env: dict[str, str], log: Path) -> str:
+    """Run ``python <args>`` in the repository (``env``, its output to ``log``) until its log says
+    ``service started`` (60 s at most, or until it exits), then SIGTERM it; its log.
+
+    Raises:
+        AssertionError: it did not exit 0 within 30 s of the SIGTERM (the message is its log); it is
+            killed if it still runs.
+    """
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "service started" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return log.read_text()

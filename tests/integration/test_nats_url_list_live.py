@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import quote
 
@@ -29,6 +28,7 @@ from shared.auth import bcrypt_hash
 from shared.bus import Bus, BusError, NoCredentials
 from shared.natsserver import EmbeddedNatsServer
 from shared.subjects import Subjects
+from tests.integration.polling import run_until_started
 
 REPO = Path(__file__).resolve().parents[2]
 PASSWORD = "p,w/x@y:z%41-7c2e"
@@ -93,19 +93,7 @@ async def test_a_refused_url_password_is_called_refused_not_missing(password_ser
 
 def test_a_service_comes_up_with_a_url_list_in_ei_nats_url(password_server, tmp_path):
     url = f"{_down()},nats://ei:{ENCODED}@127.0.0.1:{password_server.port}"
-    log = tmp_path / "kvdirectory.log"
-    env = _env(tmp_path, EI_NATS_URL=url)
-    proc = subprocess.Popen([sys.executable, "-m", "services.kvdirectory"], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while "service started" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
+    text = run_until_started(["-m", "services.kvdirectory"], _env(tmp_path, EI_NATS_URL=url), tmp_path / "kvdirectory.log")
     assert "service started" in text, text
     assert PASSWORD not in text and ENCODED not in text, [ln for ln in text.splitlines() if ENCODED in ln or PASSWORD in ln]
     assert f"nats://ei:***@127.0.0.1:{password_server.port}" in text

@@ -8,7 +8,6 @@ a refused connection's error (``BusError``, printed by ``split`` / ``tap``) carr
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 from shared.bus import Bus, BusError
 from shared.natsserver import EmbeddedNatsServer
 from shared.subjects import Subjects
+from tests.integration.polling import run_until_started
 
 REPO = Path(__file__).resolve().parents[2]
 PASSWORD = "pw-6f1c0e9a4b7d"
@@ -34,21 +34,9 @@ def password_server():
 
 def test_service_log_shows_the_url_without_its_password(password_server, tmp_path):
     url = password_server.url.replace("nats://", f"nats://ei:{PASSWORD}@")
-    log = tmp_path / "kvdirectory.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.Popen([sys.executable, "-m", "services.kvdirectory", "--nats-url", url],
-                            cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while "service started" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
+    text = run_until_started(["-m", "services.kvdirectory", "--nats-url", url], env, tmp_path / "kvdirectory.log")
     assert "service started" in text, text  # it connected with the URL's password
     assert PASSWORD not in text, [ln for ln in text.splitlines() if PASSWORD in ln]
     assert f"nats://ei:***@127.0.0.1:{password_server.port}" in text
