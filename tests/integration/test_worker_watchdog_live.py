@@ -114,6 +114,38 @@ class HangInThread(SimEngine):
         return super().execute(plan)
 
 
+def hanging_worker(c: WorkerConfig, b: Bus, clk: Any, exit: Any) -> WorkerService:
+    """A worker whose engine is a :class:`HangInThread` and whose watchdog calls ``exit(code)`` in
+    place of ``os._exit``."""
+    svc = WorkerService(c, b, clk)
+    svc.engine = HangInThread(svc.profile)
+    assert svc.watchdog is not None
+    svc.watchdog._exit = exit
+    return svc
+
+
+async def stopped_while_hung(stack: AsyncExitStack, nats_url: str, make: Any) -> tuple[asyncio.Task[None], float]:
+    """A worker (``make``, whose engine is a :class:`HangInThread`; watchdog at ``TIMEOUT_S``) gets
+    request ``r1``; once its forward hangs its stop is set (SIGTERM). Its task and the monotonic
+    time of the stop."""
+    HangInThread.entered.clear()
+    HangInThread.release.clear()
+    cfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", split_get_timeout_s=0.0, idle_state_interval_s=0.1,
+                       watchdog_timeout_s=TIMEOUT_S)  # fmt: skip
+    bus = await open_bus(stack, nats_url)
+    states = await node_states(bus)
+    services = Services(stack)
+    task = services.start("worker", cfg, make, instance="worker-w0")
+    await until(lambda: "w0" in states, 10.0, "w0 up")
+    work = m.PrefillWork(rid="r1", prompt_tokens=9, max_tokens=4, block_size=4,
+                         block_hashes=block_hashes(tokens_for_blocks([1, 2], 4), 4))  # fmt: skip
+    await bus.publish(WORK_PREFILL, work, node="w0")
+    assert await asyncio.to_thread(HangInThread.entered.wait, 5.0)
+    t0 = time.monotonic()
+    services.stops[0].set()  # SIGTERM
+    return task, t0
+
+
 async def test_a_stop_while_a_forward_hangs_still_ends_the_process_at_the_timeout(nats_url):
     """SIGTERM reached a worker whose forward hangs: the stop cancels the step, not the thread, and
     Python's exit then waits for that thread forever (the supervisor's SIGKILL at best). The
@@ -122,31 +154,14 @@ async def test_a_stop_while_a_forward_hangs_still_ends_the_process_at_the_timeou
     held: list[WorkerService] = []
 
     def make(c: WorkerConfig, b: Bus, clk: Any) -> WorkerService:
-        svc = WorkerService(c, b, clk)
-        svc.engine = HangInThread(svc.profile)
-        assert svc.watchdog is not None
-        svc.watchdog._exit = lambda code: exits.append(time.monotonic()) if code == 1 else None  # in place of os._exit
+        svc = hanging_worker(c, b, clk, lambda code: exits.append(time.monotonic()) if code == 1 else None)
         held.append(svc)
         return svc
 
-    HangInThread.entered.clear()
-    HangInThread.release.clear()
-    cfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", split_get_timeout_s=0.0, idle_state_interval_s=0.1,
-                       watchdog_timeout_s=TIMEOUT_S)  # fmt: skip
     try:
         with structlog.testing.capture_logs() as logs:
             async with AsyncExitStack() as stack:
-                bus = await open_bus(stack, nats_url)
-                states = await node_states(bus)
-                services = Services(stack)
-                task = services.start("worker", cfg, make, instance="worker-w0")
-                await until(lambda: "w0" in states, 10.0, "w0 up")
-                work = m.PrefillWork(rid="r1", prompt_tokens=9, max_tokens=4, block_size=4,
-                                     block_hashes=block_hashes(tokens_for_blocks([1, 2], 4), 4))  # fmt: skip
-                await bus.publish(WORK_PREFILL, work, node="w0")
-                assert await asyncio.to_thread(HangInThread.entered.wait, 5.0)
-                t0 = time.monotonic()
-                services.stops[0].set()  # SIGTERM
+                task, t0 = await stopped_while_hung(stack, nats_url, make)
                 await asyncio.wait_for(task, 5.0)  # stopped (no failure): what follows is the process's exit
                 await until(lambda: bool(exits), TIMEOUT_S + 3.0, "the watchdog ended the process")
         assert exits[0] - t0 < TIMEOUT_S + 2.0, exits[0] - t0
@@ -225,10 +240,7 @@ async def test_a_hang_found_while_the_node_stops_exits_only_after_its_last_messa
     final: list[float] = []
 
     def make(c: WorkerConfig, b: Bus, clk: Any) -> WorkerService:
-        svc = WorkerService(c, b, clk)
-        svc.engine = HangInThread(svc.profile)
-        assert svc.watchdog is not None
-        svc.watchdog._exit = lambda code: exits.append(bool(final))  # in place of os._exit: were the last messages out?
+        svc = hanging_worker(c, b, clk, lambda code: exits.append(bool(final)))  # were the last messages out?
         flush_iters, publish_kv = svc._flush_iters, svc._publish_kv
 
         async def slow_flush_iters() -> None:  # a stop that takes a while: the watchdog fires meanwhile
@@ -244,22 +256,9 @@ async def test_a_hang_found_while_the_node_stops_exits_only_after_its_last_messa
         svc._publish_kv = recorded_publish_kv  # type: ignore[method-assign]
         return svc
 
-    HangInThread.entered.clear()
-    HangInThread.release.clear()
-    cfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", split_get_timeout_s=0.0, idle_state_interval_s=0.1,
-                       watchdog_timeout_s=TIMEOUT_S)  # fmt: skip
     try:
         async with AsyncExitStack() as stack:
-            bus = await open_bus(stack, nats_url)
-            states = await node_states(bus)
-            services = Services(stack)
-            task = services.start("worker", cfg, make, instance="worker-w0")
-            await until(lambda: "w0" in states, 10.0, "w0 up")
-            work = m.PrefillWork(rid="r1", prompt_tokens=9, max_tokens=4, block_size=4,
-                                 block_hashes=block_hashes(tokens_for_blocks([1, 2], 4), 4))  # fmt: skip
-            await bus.publish(WORK_PREFILL, work, node="w0")
-            assert await asyncio.to_thread(HangInThread.entered.wait, 5.0)
-            services.stops[0].set()  # SIGTERM
+            task, _ = await stopped_while_hung(stack, nats_url, make)
             await asyncio.wait_for(task, 10.0)
             await until(lambda: bool(exits), TIMEOUT_S + 6.0, "the watchdog ended the process")
         assert exits == [True], "the watchdog exited before the stop's last messages were out"
