@@ -21,7 +21,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import httpx
 
 from shared import messages as m
-from shared.bus import Bus
+from shared.bus import Bus, BusUnavailable
 from shared.clock import SimClock
 from shared.service import serve_until_stopped
 from shared.subjects import NODE_STATE, REQ_OUT, SPLIT_APPLIED, SVC_STATS, Subjects
@@ -121,6 +121,30 @@ def worker_factory(
             svc.engine = engine(svc.profile)
         if held is not None:
             held.append(svc)
+        return svc
+
+    return make
+
+
+def refusing_split_applied(
+    refused: list[m.SplitApplied], held: list[WorkerService], status: str | None = None
+) -> Callable[[Any, Bus, Any], WorkerService]:
+    """A factory for :meth:`Services.start`: a ``WorkerService`` (appended to ``held``) whose own bus
+    refuses its first ``split.applied`` publish (the first of ``status`` when given) with
+    ``BusUnavailable``, as with a full reconnect buffer; the refused message is appended to ``refused``."""
+
+    def make(c: Any, b: Bus, clk: Any) -> WorkerService:
+        svc = WorkerService(c, b, clk)
+        real = b.publish
+
+        async def publish(subject, msg, **kw):  # type: ignore[no-untyped-def]
+            if subject is SPLIT_APPLIED and (status is None or msg.status == status) and not refused:
+                refused.append(msg)
+                raise BusUnavailable("cannot publish on split.applied: OutboundBufferLimitError (injected)")
+            await real(subject, msg, **kw)
+
+        b.publish = publish  # type: ignore[method-assign]
+        held.append(svc)
         return svc
 
     return make

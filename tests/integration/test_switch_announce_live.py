@@ -18,13 +18,12 @@ import msgspec
 import pytest
 
 from shared import messages as m
-from shared.bus import Bus, BusUnavailable
 from shared.clock import SimClock
 from shared.hashing import block_hashes, tokens_for_blocks
-from shared.subjects import SPLIT_APPLIED, SPLIT_COMMANDS, WORK_PREFILL
+from shared.subjects import SPLIT_COMMANDS, WORK_PREFILL
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
-from tests.integration.live import Services, node_states, open_bus, split_applied
+from tests.integration.live import Services, node_states, open_bus, refusing_split_applied, split_applied
 from tests.integration.polling import until
 
 from .test_dataplane_bind import SLOW_PREFILL
@@ -42,27 +41,13 @@ async def test_a_refused_serving_announcement_is_not_fatal_and_goes_out_again(na
     refused: list[m.SplitApplied] = []
     held: list[WorkerService] = []
 
-    def make(c: WorkerConfig, b: Bus, clk: SimClock) -> WorkerService:
-        svc = WorkerService(c, b, clk)
-        real = b.publish
-
-        async def publish(subject, msg, **kw):  # type: ignore[no-untyped-def]
-            if subject is SPLIT_APPLIED and msg.status == "serving" and not refused:
-                refused.append(msg)
-                raise BusUnavailable("cannot publish on split.applied: OutboundBufferLimitError (injected)")
-            await real(subject, msg, **kw)
-
-        b.publish = publish  # type: ignore[method-assign]
-        held.append(svc)
-        return svc
-
     async with AsyncExitStack() as stack:
         bus = await open_bus(stack, nats_url, "test-announce")
         states = await node_states(bus)
         applied = await split_applied(bus)
         cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node="w0", phase="both", profile=str(profile),
                            idle_state_interval_s=0.1, state_interval_s=0.01, split_get_timeout_s=0.0, check_invariants=True)  # fmt: skip
-        task = Services(stack).start("worker", cfg, make, instance="worker-w0")
+        task = Services(stack).start("worker", cfg, refusing_split_applied(refused, held, "serving"), instance="worker-w0")
         await until(lambda: "w0" in states, 10.0, "w0 up")
         if path == "step":  # a prefill runs (≈ 0.2 s): the switch drains it, the step loop then serves decode
             work = m.PrefillWork(rid="r1", prompt_tokens=100, max_tokens=2, block_size=BS,

@@ -20,18 +20,18 @@ import httpx
 import pytest
 
 from shared import messages as m
-from shared.bus import Bus, BusUnavailable
+from shared.bus import Bus
 from shared.clock import SimClock
 from shared.hashing import block_hashes, tokens_for_blocks
 from shared.subjects import (
-    SPLIT_APPLIED, SPLIT_COMMANDS, SVC_STATS, WORK_ABORT, WORK_DECODE, WORK_PREFILL, WORK_REQUEUE,
+    SPLIT_COMMANDS, SVC_STATS, WORK_ABORT, WORK_DECODE, WORK_PREFILL, WORK_REQUEUE,
 )  # fmt: skip
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 
-from tests.integration.live import Services, node_states, open_bus, router_factory, split_applied, token_chunks
+from tests.integration.live import Services, node_states, open_bus, refusing_split_applied, router_factory, split_applied, token_chunks
 from tests.integration.polling import until
 
 from .test_dataplane_bind import SLOW_PREFILL
@@ -132,20 +132,6 @@ async def test_a_switch_whose_draining_announcement_fails_still_hands_back_all_i
     refused: list[m.SplitApplied] = []
     held: list[WorkerService] = []
 
-    def make(c: WorkerConfig, b: Bus, clk: SimClock) -> WorkerService:
-        svc = WorkerService(c, b, clk)
-        real = b.publish
-
-        async def publish(subject, msg, **kw):  # type: ignore[no-untyped-def]
-            if subject is SPLIT_APPLIED and not refused:
-                refused.append(msg)
-                raise BusUnavailable("cannot publish on split.applied: OutboundBufferLimitError (injected)")
-            await real(subject, msg, **kw)
-
-        b.publish = publish  # type: ignore[method-assign]
-        held.append(svc)
-        return svc
-
     async with AsyncExitStack() as stack:
         bus, states, applied, chunks = await watched_bus(stack, nats_url, "test-requeue-fail")
 
@@ -156,7 +142,7 @@ async def test_a_switch_whose_draining_announcement_fails_still_hands_back_all_i
         await bus.serve(WORK_REQUEUE, on_requeue, router="router")
         cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node="w0", phase="both", profile=str(profile),
                            idle_state_interval_s=0.2, state_interval_s=0.01, split_get_timeout_s=0.0, check_invariants=True)  # fmt: skip
-        Services(stack).start("worker", cfg, make, instance="worker-w0")
+        Services(stack).start("worker", cfg, refusing_split_applied(refused, held), instance="worker-w0")
         await until(lambda: "w0" in states, 10.0, "w0 up")
         rids = [f"q{i}" for i in range(5)]
         for i, rid in enumerate(rids):
