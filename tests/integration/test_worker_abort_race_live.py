@@ -89,5 +89,8 @@ async def test_an_abort_that_comes_before_its_work_is_taken_drops_the_work(nats_
                     "the node has taken everything and is idle")  # fmt: skip
         ran = [c for c in chunks[gone] if c.attempt == (1 if gone == "x" else 0) and c.token_ids]
         assert not ran, f"aborted work of {gone} ran for nobody: {sum(len(c.token_ids) for c in ran)} tokens"
+        # the check above reads the recorded chunks: work nobody aborted streams all its tokens into them
+        await bus.publish(WORK_PREFILL, prefill("z", 0), node="w0")
+        await until(lambda: sum(len(c.token_ids) for c in chunks.get("z", ())) == 30, 10.0, "z's 30 tokens recorded")
         assert svc.counters["requests.aborted_before_arrival"] == 1
         assert svc.fatal_error is None
