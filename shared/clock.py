@@ -94,9 +94,3 @@ class SimClock:
     def to_wall(self, sim_duration_s: float) -> float:
         """Wall seconds that a simulated duration lasts."""
         return sim_duration_s / self.speedup
-
-    async def sleep_until(self, sim_t: float) -> None:
-        """Sleep (wall) until simulated time ``sim_t``; returns at once if past."""
-        delay = self.wall_at(sim_t) - self._wall()
-        if delay > 0:
-            await asyncio.sleep(delay)

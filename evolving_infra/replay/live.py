@@ -8,6 +8,12 @@ branch's first request, ``X-Agent-Id``). A branch's last request is followed
 by ``POST /v1/branches/{id}/end``. Timing follows :class:`ReplayCore` on the
 cluster's simulated clock; TTFT and E2E are measured at the client.
 
+The core's timeline (arrivals, pauses, when to wake) and the TTFT / E2E durations run on the clock's
+monotonic reading (:meth:`SimClock.local_now`), so a step of the wall clock (NTP, a VM resumed)
+neither stalls the replay for the step's length nor sends the next requests early; the times that
+go into the records and the report (``sent_at``, ``finished_at``, the result's ``start`` / ``end``)
+stay on the wall-based :meth:`SimClock.now`, comparable with the services' times.
+
 The ids the cluster sees are the trace's with ``branch_prefix`` in front (branch,
 parent branch and agent alike): a router refuses a request for a branch that was
 ended (409), so a second replay of a trace against the same cluster needs ids of
@@ -169,7 +175,8 @@ class LiveReplayer:
         """
         wall0 = time.monotonic()
         start = self.clock.now()
-        core = ReplayCore(requests, arrival, start=start, max_agents=max_agents)
+        local = self.clock.local_now  # the core's timeline: a wall-clock step does not move it
+        core = ReplayCore(requests, arrival, start=local(), max_agents=max_agents)
         agents = set(list(dict.fromkeys(r.agent for r in requests))[:max_agents])
         total = sum(1 for r in requests if r.agent in agents)
         for r in requests:
@@ -204,7 +211,7 @@ class LiveReplayer:
                     except Exception as e:  # noqa: BLE001 - the record stays in the result; the agent must go on
                         log.error("on_record failed", request=rec.id, error=f"{type(e).__name__}: {e}")
                 bar.update(1)
-                for follow in core.on_complete(action.req.agent, action.req.id, self.clock.now(), ok=rec.ok):
+                for follow in core.on_complete(action.req.agent, action.req.id, local(), ok=rec.ok):
                     if isinstance(follow, EndBranch):
                         spawn(end(follow))
                 wake.set()
@@ -237,14 +244,14 @@ class LiveReplayer:
                     if stop is not None and stop.is_set():
                         stopped = True
                         break
-                    for action in core.poll(self.clock.now()):
+                    for action in core.poll(local()):
                         if isinstance(action, SendRequest):
                             spawn(send(action))
                         else:
                             spawn(end(action))
                     nxt = core.next_time()
                     wake.clear()
-                    timeout = None if nxt is None else max(0.0, self.clock.wall_at(nxt) - time.time())
+                    timeout = None if nxt is None else max(0.0, self.clock.to_wall(nxt - local()))
                     if nxt is None and not tasks:
                         break  # nothing due and nothing in flight: the trace is exhausted
                     waiters = [asyncio.ensure_future(wake.wait())]
@@ -332,7 +339,7 @@ class LiveReplayer:
         }
         wait = action.admission_wait_s
         rec = self._record(action)
-        t0 = rec.sent_at
+        t0 = self.clock.local_now()  # TTFT / E2E: local durations (a wall-clock step does not lengthen them)
         first: float | None = None
         n_out = 0
         try:
@@ -366,7 +373,7 @@ class LiveReplayer:
                     for choice in obj.get("choices") or ():
                         if choice.get("text") or choice.get("finish_reason"):
                             if first is None and choice.get("text"):
-                                first = self.clock.now()
+                                first = self.clock.local_now()
                     ei = obj.get("ei")
                     if ei:
                         rec.prefill_node = ei.get("prefill_node") or rec.prefill_node
@@ -393,8 +400,8 @@ class LiveReplayer:
         except (httpx.HTTPError, msgspec.DecodeError) as e:
             rec.ok = False
             rec.error = f"{type(e).__name__}: {e}"
-        done = self.clock.now()
-        rec.finished_at = done
+        done = self.clock.local_now()
+        rec.finished_at = self.clock.now()
         rec.completion_tokens = n_out
         if rec.ok:
             if first is None:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import time
+
+import pytest
 
 from evolving_infra.launcher import demo_trace_path
 from evolving_infra.replay.core import Arrival
@@ -231,3 +234,44 @@ def test_request_id_for_never_sends_an_id_the_router_maps():
         for rid in (request_id_for(record_id), request_id_for(record_id, used)):
             assert api.parse_request_id(rid) == rid and api.request_rid(rid) == rid, rid
     assert len(used) == 4
+
+
+@pytest.mark.parametrize("step_s", [-3600.0, 3600.0])
+async def test_a_wall_clock_step_neither_stalls_nor_hurries_the_replay(step_s):
+    """The wall clock steps an hour (NTP, a VM resumed) while the replayer waits out a request's
+    pause: the next request still goes out after its pause in wall time. Before, the wait was
+    ``wall_at(next) - time.time()`` and the core ran on the wall-based clock: stepped back, it
+    waited out the hour (here: the replay never finished); stepped forward, the next request went
+    out as soon as anything woke the replayer (here: another agent's request, 0.2 s early). The records' ``sent_at`` / ``finished_at`` stay wall-based (the report compares them
+    with the services' times); TTFT and E2E are local durations."""
+    step = [0.0]
+    clock = SimClock(1.0, wall=lambda: time.time() + step[0])
+    done_at: dict[str, float] = {}
+
+    def on_record(rec) -> None:  # type: ignore[no-untyped-def]
+        done_at[rec.id] = time.monotonic()
+        if rec.id == "r1":  # inside r2's 0.5-s pause
+            asyncio.get_running_loop().call_later(0.1, step.__setitem__, 0, step_s)
+
+    trace = [
+        TraceRequest(id="r1", agent="a1", branch="a1:main", input_tokens=4, output_tokens=1, blocks=[1], kind="main"),
+        TraceRequest(id="r2", agent="a1", branch="a1:main", input_tokens=4, output_tokens=1, blocks=[1], after=["r1"],
+                     pause_s=0.5, ends_branch=True),
+        # another agent's request due 0.3 s in wakes the replayer after the step, inside r2's pause
+        TraceRequest(id="q1", agent="a2", branch="a2:main", input_tokens=4, output_tokens=1, blocks=[1], kind="main"),
+        TraceRequest(id="q2", agent="a2", branch="a2:main", input_tokens=4, output_tokens=1, blocks=[1], after=["q1"],
+                     pause_s=0.3, ends_branch=True),
+    ]
+    stub = StubRouter()
+    url = await stub.start()
+    try:
+        replayer = LiveReplayer(url, clock, block_size=4, progress=False)
+        res = await asyncio.wait_for(replayer.run(trace, Arrival(kind="closed", concurrency=2), on_record=on_record), 5)
+    finally:
+        await stub.close()
+    assert [r.ok for r in res.records] == [True] * 4
+    gap = done_at["r2"] - done_at["r1"]
+    assert 0.5 <= gap < 1.5, gap  # the pause, in wall time, plus the stub's answer
+    _, _, r1, r2 = sorted(res.records, key=lambda r: r.id)
+    assert r2.sent_at - r1.finished_at == pytest.approx(0.5 + step_s, abs=0.3)  # wall-based: the step shows
+    assert 0 < r2.ttft_s <= r2.e2e_s < 0.5  # local durations: the step does not
