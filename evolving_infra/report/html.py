@@ -40,16 +40,28 @@ _STRUCTURED = {
 }
 
 _SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Requests", ("requests_sent", "requests_completed", "requests_failed", "sessions", "subagent_branches",
-                  "fork_branches", "branches", "duration_s", "throughput_rps")),
-    ("Latency", ("ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "ttft_node_mean_s", "ttft_node_p95_s",
-                 "ttft_control_plane_mean_s", "e2e_mean_s", "e2e_p50_s", "e2e_p95_s", "tpot_mean_s",
-                 "ttft_prediction_node_abs_error_median_s", "ttft_prediction_abs_error_median_s")),
-    ("KV cache", ("kv_hit_rate", "ideal_kv_hit_rate", "lost_kv_reuse", "lost_kv_reuse_eviction_share",
+    ("Requests", ("requests_sent", "requests_completed", "requests_failed", "requests_unfinished",
+                  "requests_warmup_excluded", "sessions", "subagent_branches", "fork_branches", "branches",
+                  "closed_loop_exhausted_at_s", "duration_s", "throughput_rps")),
+    # a live run's TTFT split (ttft_node_*, ttft_control_plane_*) and the router's prediction error sit with TTFT
+    ("Latency", ("ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "ttft_node_samples", "ttft_split_client_mean_s",
+                 "ttft_node_mean_s", "ttft_node_p50_s", "ttft_node_p95_s", "ttft_control_plane_mean_s",
+                 "ttft_control_plane_p50_s", "e2e_mean_s", "e2e_p50_s", "e2e_p95_s", "tpot_mean_s",
+                 "ttft_prediction_node_samples", "ttft_prediction_node_abs_error_median_s",
+                 "ttft_prediction_node_abs_error_p95_s", "ttft_prediction_samples", "ttft_prediction_abs_error_median_s",
+                 "ttft_prediction_abs_error_p95_s", "ttft_prediction_abs_error_median_all_s")),
+    ("KV cache", ("kv_hit_rate", "ideal_kv_hit_rate", "lost_kv_reuse", "lost_kv_reuse_tokens",
+                  "lost_kv_reuse_eviction_share", "lost_kv_reuse_routing_share", "lost_kv_reuse_unattributed_share",
                   "prompt_tokens_total", "cached_tokens_total", "completion_tokens_total")),
     ("Prefill queue", ("prefill_queue_mean_s", "prefill_queue_p95_s", "prefill_queue_imbalance", "prefill_queue_samples")),
-    ("PD split", ("split_decisions", "switches", "switch_time_mean_s", "split_changes", "final_split")),
+    ("PD split", ("split_decisions", "switches", "switch_time_mean_s", "switch_drain_mean_s", "switch_downtime_mean_s",
+                  "switch_downtime_node_s", "switch_requeued", "split_changes", "final_split")),
+    ("Faults", ("relaunches", "out_of_service_share", "out_of_service_node_s", "reroutes")),
+    ("Run", ("simulated_s", "wall_s", "sim_wall_s", "setup_wall_s", "sim_speed", "peak_rss_mb")),
 )
+"""The summary table's sections and their rows in order; a scalar key in none of them (the simulator's internals:
+``counted_kv_tokens_per_prefill_node_*``, ``decode_kv_reserved_*``, ``kv_directory_peak_bytes``, ...) goes to
+"Other" under its report.json name."""
 
 _LABELS = {k: label for k, label, _, _ in HEADLINE_METRICS} | {
     "requests_sent": "Requests sent",
@@ -59,15 +71,30 @@ _LABELS = {k: label for k, label, _, _ in HEADLINE_METRICS} | {
     "subagent_branches": "Sub-agent branches",
     "fork_branches": "Fork branches",
     "branches": "Branches",
+    "requests_unfinished": "Requests unfinished at the end",
+    "requests_warmup_excluded": "Requests in the warm-up (not measured)",
+    "closed_loop_exhausted_at_s": "Input ran out of agents at",
     "duration_s": "Duration (simulated)",
     "ttft_p50_s": "TTFT P50",
+    "ttft_node_samples": "Requests in the TTFT split (with a node arrival)",
+    "ttft_split_client_mean_s": "TTFT client mean over the requests in the split",
     "ttft_node_mean_s": "TTFT on the prefill node mean (arrival → first token)",
+    "ttft_node_p50_s": "TTFT on the prefill node P50",
     "ttft_node_p95_s": "TTFT on the prefill node P95",
     "ttft_control_plane_mean_s": "TTFT control plane mean (router → node → client)",
+    "ttft_control_plane_p50_s": "TTFT control plane P50",
     "e2e_p50_s": "E2E P50",
+    "ttft_prediction_samples": "TTFT prediction samples",
     "ttft_prediction_abs_error_median_s": "TTFT prediction |error| median (vs client TTFT)",
+    "ttft_prediction_abs_error_p95_s": "TTFT prediction |error| P95 (vs client TTFT)",
+    "ttft_prediction_abs_error_median_all_s": "TTFT prediction |error| median, warm-up included (router's samples)",
+    "ttft_prediction_node_samples": "TTFT prediction samples (with a node arrival)",
     "ttft_prediction_node_abs_error_median_s": "TTFT prediction |error| median (vs node arrival → first token)",
+    "ttft_prediction_node_abs_error_p95_s": "TTFT prediction |error| P95 (vs node arrival → first token)",
+    "lost_kv_reuse_tokens": "Lost KV reuse tokens (ideal cached − cached)",
     "lost_kv_reuse_eviction_share": "Share of the lost KV reuse due to eviction",
+    "lost_kv_reuse_routing_share": "Share of the lost KV reuse due to routing",
+    "lost_kv_reuse_unattributed_share": "Share of the lost KV reuse unattributed (a branch's first request)",
     "prompt_tokens_total": "Prompt tokens",
     "cached_tokens_total": "Cached prompt tokens",
     "completion_tokens_total": "Completion tokens",
@@ -75,11 +102,24 @@ _LABELS = {k: label for k, label, _, _ in HEADLINE_METRICS} | {
     "split_changes": "Split points after launch (one per node step)",
     "split_decisions": "Planner split decisions",
     "final_split": "Final split",
+    "switch_drain_mean_s": "Drain time per switch",
+    "switch_downtime_mean_s": "Downtime per switch (drained → serving)",
+    "switch_downtime_node_s": "Switch downtime, all nodes",
+    "switch_requeued": "Requests requeued by switches",
+    "relaunches": "Node relaunches",
+    "out_of_service_share": "Share of the time a node was out of service",
+    "out_of_service_node_s": "Node time out of service",
+    "reroutes": "Reroutes",
+    "simulated_s": "Simulated time",
     "wall_s": "Wall time",
+    "sim_wall_s": "Wall time simulating",
+    "setup_wall_s": "Wall time setting up",
     "sim_speed": "Simulation speed (sim s / wall s)",
+    "peak_rss_mb": "Peak RSS (MB)",
 }
 
 _RATE_KEYS = {"kv_hit_rate", "ideal_kv_hit_rate", "lost_kv_reuse", "lost_kv_reuse_eviction_share"}
+_X_KEYS = {"sim_speed"}  # a ratio: 4502.32x, not 4.5e+03
 
 
 def kind_of(key: str) -> str:
@@ -89,6 +129,8 @@ def kind_of(key: str) -> str:
             return kind
     if key in _RATE_KEYS or key.endswith(("_share", "_rate")):
         return "rate"
+    if key in _X_KEYS:
+        return "x"
     if key.endswith("_s"):
         return "s"
     if key.endswith("_rps"):
@@ -142,7 +184,7 @@ def _page(title: str, body: str) -> str:
 
 
 KEY_DOCS = "evolving_infra/report/README.md (every run) and evolving_infra/sim/README.md (simulate's)"
-"""Where the keys of a page's "Other" rows (``lost_kv_reuse_unattributed_share``, ``out_of_service_share``, ...),
+"""Where the keys of a page's "Other" rows (``counted_kv_tokens_per_prefill_node_max``, ``decode_kv_reserved_share``, ...),
 shown by their report.json names, are defined: the page named none of them."""
 
 

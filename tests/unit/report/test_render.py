@@ -375,3 +375,38 @@ def test_the_page_of_a_live_run_has_the_control_plane_note_and_a_simulated_run_s
     sim = run_page(build_report([rec(i, ttft=10.0 + i, sent_at=100.0 * i) for i in range(3)],
                                 meta={"command": "simulate"}), [], base=tmp_path)
     assert "on node" not in sim and "is control plane" not in sim and "speedup" not in sim, sim
+
+
+def test_the_page_labels_every_metric_key_and_the_live_ttft_split_is_with_ttft_not_in_other(tmp_path: Path):
+    """report.html listed keys without a label under "Other" by their report.json names: a live run's TTFT split
+    (``ttft_node_p50_s``, ``ttft_control_plane_p50_s``, ``ttft_split_client_mean_s``, ``ttft_node_samples``), the
+    prediction error's P95 and samples, the lost KV reuse by cause, and the simulator's run keys. Every key the
+    metrics compute now has a label (a new one without a label fails here), the TTFT split rows sit in the Latency
+    section, and the simulator keys a reader looks for have labels; only the simulator's internals stay raw."""
+    from evolving_infra.report.html import _STRUCTURED, label_of, run_page
+    from evolving_infra.report.write import build_report
+
+    from .helpers import rec
+
+    live = [rec(i, ttft=10.0 + i, sent_at=100.0 * i) for i in range(3)]
+    for r, (arr, first) in zip(live, ((5.0, 7.0), (106.0, 107.0), (209.0, 213.0))):
+        r.node_arrived_at, r.first_token_at, r.predicted_ttft_s = arr, first, 1.5
+    report = build_report(live, meta={"command": "demo", "speedup": 50.0})
+    assert {"ttft_node_p50_s", "ttft_split_client_mean_s", "ttft_prediction_node_samples"} <= set(report)
+    unlabelled = [k for k in report if label_of(k) == k and k not in _STRUCTURED | {"start_s", "end_s"}]
+    assert unlabelled == [], unlabelled
+    page = run_page(report, [], base=tmp_path)
+    table = page[page.index("<h2>Summary</h2>"):page.index("</table>")]
+    latency = table[table.index(">Latency<"):table.index(">KV cache<")]
+    for key, label, value in (("ttft_node_p50_s", "TTFT on the prefill node P50", "2.000 s"),
+                              ("ttft_control_plane_p50_s", "TTFT control plane P50", "8.000 s"),
+                              ("ttft_split_client_mean_s", "TTFT client mean over the requests in the split", "11.000 s"),
+                              ("ttft_node_samples", "Requests in the TTFT split (with a node arrival)", "3")):
+        assert f'<td class="k">{label}</td><td>{value}</td>' in latency, (key, latency)
+        assert key not in page, key
+    assert ">Other " not in table, table
+    sim_keys = ("requests_unfinished", "requests_warmup_excluded", "closed_loop_exhausted_at_s", "simulated_s",
+                "sim_wall_s", "setup_wall_s", "peak_rss_mb", "relaunches", "reroutes", "out_of_service_share",
+                "out_of_service_node_s", "switch_drain_mean_s", "switch_downtime_mean_s", "switch_downtime_node_s",
+                "switch_requeued", "ttft_prediction_abs_error_median_all_s")
+    assert [k for k in sim_keys if label_of(k) == k] == []
