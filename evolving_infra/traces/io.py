@@ -300,7 +300,29 @@ def _span_runs(chunks: Iterable[bytes], hold: int) -> Iterator[Run]:
         yield line, [0], [len(line)]
 
 
+_BOM = b"\xef\xbb\xbf"
+"""The UTF-8 byte order mark: editors on Windows (Notepad, PowerShell's ``Out-File -Encoding utf8``)
+write it before the first line; JSON has no place for it (msgspec: 'invalid character (byte 0)')."""
+
+
 def _line_runs(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Iterator[Run]:
+    """:func:`_file_line_runs` with a UTF-8 byte order mark (:data:`_BOM`) before the first line
+    left out. Only the first run is looked at; the others are the reader's own (``yield from``:
+    no Python step per run)."""
+    runs = _file_line_runs(path, ahead)
+    try:
+        for buf, starts, ends in runs:
+            if buf.startswith(_BOM, starts[0]):
+                starts = starts.copy()  # the reader's list: a run's lists may be slices of a held one
+                starts[0] += len(_BOM)
+            yield buf, starts, ends
+            break
+        yield from runs
+    finally:
+        runs.close()  # the file (and ``ahead``) closed now, whenever this is closed
+
+
+def _file_line_runs(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Iterator[Run]:
     """The lines of a trace file, gzip or plain, in order, as :data:`Run` s. A compressed file
     that is one clean gzip member (what :func:`write_trace` writes) is inflated by zlib in large
     chunks; any other (several members, padding, truncated or corrupt data) is read on by

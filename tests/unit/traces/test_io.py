@@ -180,3 +180,34 @@ def test_write_request_fields_omit_defaults(tmp_path: Path) -> None:
     write_trace(tmp_path / "o.jsonl", TraceHeader(format=FORMAT, block_size=64), [r])
     line = (tmp_path / "o.jsonl").read_text().splitlines()[1]
     assert json.loads(line) == {"id": "x", "agent": "a", "branch": "b", "input_tokens": 1, "output_tokens": 1, "kind": "main", "ends_branch": True}
+
+
+def test_a_utf8_bom_before_the_header_is_skipped_by_every_reader(tmp_path: Path) -> None:
+    """Editors on Windows write a UTF-8 byte order mark before the first line; every reader refused
+    such a trace at line 1 ('invalid character (byte 0)'). Plain, one gzip member (the fast
+    reader), two members (``gzip``'s own), and a first line longer than a read chunk."""
+    from evolving_infra.traces.compact import read_trace_compact
+    from evolving_infra.traces.io import CHUNK
+    from evolving_infra.traces.stats import trace_stats_file
+
+    lines = _good_lines()
+    lines[0] = {**HEADER, "meta": {"pad": "x" * CHUNK}}  # the header crosses the first chunk's end
+    for big in (False, True):
+        text = _write_lines(tmp_path / "src.jsonl", lines if big else _good_lines()).read_bytes()
+        want = read_trace(tmp_path / "src.jsonl")
+        bom = b"\xef\xbb\xbf" + text
+        half = len(bom) // 2
+        files = {"plain.jsonl": bom, "one.jsonl.gz": gzip.compress(bom, mtime=0),
+                 "two.jsonl.gz": gzip.compress(bom[:half], mtime=0) + gzip.compress(bom[half:], mtime=0)}
+        for name, data in files.items():
+            path = tmp_path / name
+            path.write_bytes(data)
+            assert list(iter_validate(path)) == [], (name, big)
+            got = read_trace(path)
+            assert (got.header, got.requests) == (want.header, want.requests), (name, big)
+            assert read_trace_compact(path).requests_with_blocks() == want.requests, (name, big)
+            assert trace_stats_file(path)["requests"] == 3, (name, big)
+    # only a leading mark: one before a later line is still that line's problem
+    path = _write_lines(tmp_path / "mid.jsonl", _good_lines())
+    path.write_bytes(path.read_bytes().replace(b'{"id": "s0"', b'\xef\xbb\xbf{"id": "s0"'))
+    assert [p.line for p in iter_validate(path)][:1] == [3]
