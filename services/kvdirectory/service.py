@@ -171,8 +171,16 @@ class DirectoryService(WatchedService):
     # handlers
     # ------------------------------------------------------------------ #
 
+    def _over_limit(self, node: str) -> bool:
+        """``node`` is not live (unknown, or forgotten: :meth:`KvDirectory.is_live`) and
+        ``--max-nodes`` nodes are: making it live (registering it, or reviving a forgotten one in
+        the slot it still holds) would pass the limit. The limit counts live nodes, and a forgotten
+        node is not one (``--max-nodes``' help), so a slot held is no exception: its KV events, its
+        ``node.state`` and a resync of it all wait until a node is forgotten. O(1)."""
+        return not self.core.is_live(node) and self.core.live_nodes() >= self.cfg.max_nodes
+
     async def _on_kv(self, batch: m.KvEventBatch, subject: str) -> None:
-        if not self.core.is_live(batch.node) and self.core.live_nodes() >= self.cfg.max_nodes:
+        if self._over_limit(batch.node):
             self.counters["kv.nodes_over_limit"] += 1
             self.bus.droplog.event("kv.nodes_over_limit", "KV events of a node past max_nodes dropped", node=batch.node)
             return
@@ -235,10 +243,20 @@ class DirectoryService(WatchedService):
 
     async def _on_state(self, st: m.NodeState, subject: str) -> None:
         mono = self.clock.monotonic()
-        if self.liveness.heard(st.node, mono):
+        back = self.liveness.heard(st.node, mono)
+        if back:
             self._node_back(st.node)
-            if self.core.awaiting_resync(st.node):  # an idle node holds KV too: ask for it now
-                self._ensure_resync(st.node)
+        revived = False
+        if self.core.is_forgotten(st.node):  # live again in its slot (a node.state alone says so too) ...
+            if not self._over_limit(st.node):
+                self.core.node_id(st.node)
+                revived = True
+            elif back:  # ... unless --max-nodes nodes are live: its next state tries again
+                self.counters["nodes.over_limit_not_revived"] += 1
+                self.log.warning("forgotten node heard again but --max-nodes nodes are live; it stays forgotten",
+                                 node=st.node, max_nodes=self.cfg.max_nodes)  # fmt: skip
+        if (back or revived) and self.core.awaiting_resync(st.node):  # an idle node holds KV too: ask for it now
+            self._ensure_resync(st.node)
         self.liveness.state(st.node, st.running + st.waiting > 0, mono)
         epoch = self._epoch_to_announce(st.node)
         told = self._epoch_told.get(st.node)
@@ -263,7 +281,7 @@ class DirectoryService(WatchedService):
                         "KV VIEW STALE: node serves but sends no KV events; left out of lookups, resync asked",
                         node=node, silent_s=round(self.liveness.silent_s(node, now), 2), stale_after_s=self.cfg.kv_stale_after_s,
                     )  # fmt: skip
-                    if self.core.request_resync(node):
+                    if not self._over_limit(node) and self.core.request_resync(node):  # (it registers or revives)
                         self._ensure_resync(node)
                 if self.cfg.forget_node_after_s > 0:
                     for node in self.liveness.forget(now, self.cfg.forget_node_after_s):
@@ -339,8 +357,6 @@ class DirectoryService(WatchedService):
 
     def _node_back(self, node: str) -> None:
         self.counters["nodes.returned"] += 1
-        if self.core.is_forgotten(node):  # live again in its slot (a node.state alone says so too)
-            self.core.node_id(node)
         self.log.info("forgotten node heard again; its KV is resynced", node=node)
 
     async def _on_lookup(self, req: m.KvLookupRequest, subject: str) -> m.KvLookupReply:
@@ -366,7 +382,7 @@ class DirectoryService(WatchedService):
 
     def _ensure_resync(self, node: str) -> None:
         t = self._resyncs.get(node)
-        if (t is None or t.done()) and not self._stopping:
+        if (t is None or t.done()) and not self._stopping and not self._over_limit(node):  # a resync revives it
             # an exception other than the bus's ends it: logged with the traceback and counted
             # (resync.errors; before, it died silently); the node's next state or gap starts another
             self._resyncs[node] = self._bg.start(self._resync(node), f"kvdirectory-resync-{node}", needed=False, counter="resync.errors")

@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Collection
 from typing import Any
 
+import structlog
+
 from services.kvdirectory.config import DirectoryConfig
 from services.kvdirectory.prom import directory_families
 from services.kvdirectory.service import DirectoryService
@@ -22,6 +24,7 @@ from services.worker.countseq import CountStream
 from shared import messages as m
 from shared.bus import BusUnavailable
 from shared.clock import SimClock
+from shared.ratelog import RateLimitedLog
 
 NODES = ("w0", "w1", "w2")
 
@@ -260,3 +263,34 @@ async def test_a_node_never_indexed_and_forgotten_leaves_no_marks_behind():
             d._forget(node)
     assert len(d.liveness) == 0
     assert [x.node for x in bus.wire] == ["p0", "p1", "p2"]  # each new pod told the epoch
+
+
+async def test_a_forgotten_node_holding_its_slot_is_revived_by_nothing_while_max_nodes_are_live():
+    """--max-nodes limits live nodes and a forgotten node is not one: at the limit its KV events
+    were dropped (kv.nodes_over_limit) but its node.state revived it in the slot it still held,
+    with no limit check (limit + 1 live nodes). Now its state, like its KV events, leaves it
+    forgotten until a node is forgotten; its next state then revives it and asks for its KV."""
+    mono = [0.0]
+    bus = _SlowResyncBus()
+    bus.droplog = RateLimitedLog(structlog.get_logger("bus"), first=5, interval_s=10.0)  # type: ignore[attr-defined]
+    d = DirectoryService(DirectoryConfig(block_size=4, max_nodes=2), bus, SimClock(mono=lambda: mono[0]))  # type: ignore[arg-type]
+    await d._on_kv(_kv("w0", 1), "")
+    await d._on_kv(_kv("w1", 1), "")
+    d.core.place("b", "w2", "prefill", [9], 0.0)  # a placement's word registers w2 (3 slots, all live)
+    mono[0] += 1000.0
+    await d._on_state(m.NodeState(node="w1"), "")
+    assert d.liveness.forget(mono[0], 300.0) == ["w0"]
+    d._forget("w0")
+    assert d.core.live_nodes() == 2 and d.core.is_forgotten("w0")
+    await d._on_kv(_kv("w0", 2), "")
+    assert d.counters["kv.nodes_over_limit"] == 1
+    await d._on_state(m.NodeState(node="w0"), "")
+    assert d.core.live_nodes() == 2 and d.core.is_forgotten("w0") and "w0" not in d._resyncs
+    assert d.counters["nodes.over_limit_not_revived"] == 1
+    d.core.forget_node("w2")  # a slot frees
+    await d._on_state(m.NodeState(node="w0"), "")
+    assert d.core.is_live("w0") and d.core.live_nodes() == 2 and d.counters["nodes.over_limit_not_revived"] == 1
+    task = d._resyncs["w0"]  # its KV was dropped when it was forgotten: asked for again
+    await asyncio.sleep(0)
+    assert not task.done()
+    task.cancel()
