@@ -614,24 +614,7 @@ class GpuBlockPool:
         self.reserved -= hi - lo
         if hi <= lo:
             return []
-        # one walk: the runs holding the resident prefix path[:m] of path[:hi]
-        runs: list[_GpuRun] = []
-        pos = 0
-        children: dict[int, _GpuRun] | None = self.roots
-        while pos < hi and children:
-            r = children.get(path[pos])
-            if r is None:
-                break
-            runs.append(r)
-            keys = r.keys
-            end = pos + len(keys)
-            if end <= hi and path[end - 1] == keys[-1]:
-                pos = end
-                children = r.children
-                continue
-            pos += _common(keys, path, pos, hi)
-            break
-        m = pos
+        runs, m = self.match_runs(path, hi)  # one walk: the runs holding the resident prefix path[:m] of path[:hi]
         if m < lo:
             raise KvInvariantError(f"fill from {lo} but only {m} pages of the path are resident")
         if runs:
