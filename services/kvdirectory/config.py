@@ -55,7 +55,8 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
     ] = []
     max_nodes: Annotated[
         int, Meta(gt=0, description="most live nodes the directory tracks (a node forgotten after --forget-node-after-s "
-                  "no longer counts); KV events of further node ids are dropped (counted as kv.nodes_over_limit)")
+                  "no longer counts); KV events of further node ids are dropped (counted as kv.nodes_over_limit), "
+                  "as are placements and phase changes naming a new one (placed. / split.nodes_over_limit)")
     ] = 1024
     counts_flush_s: Annotated[float, Meta(gt=0, description="wall seconds between kv.counts.<node> flushes")] = 0.05
     counts_flush_updates: Annotated[

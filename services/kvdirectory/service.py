@@ -179,6 +179,20 @@ class DirectoryService(WatchedService):
         ``node.state`` and a resync of it all wait until a node is forgotten. O(1)."""
         return not self.core.is_live(node) and self.core.live_nodes() >= self.cfg.max_nodes
 
+    def _new_over_limit(self, node: str, what: str) -> bool:
+        """A placement or a phase change (another process's word, :meth:`KvDirectory._slot`)
+        naming ``node``: True, counted ``<what>.nodes_over_limit`` and logged (rate-limited, as
+        ``kv.nodes_over_limit``), when ``node`` has no slot and ``--max-nodes`` nodes are live,
+        as registering it would pass the limit; the caller drops the message. Before, these
+        registered any id unchecked, so a stream of invented node ids in ``route.placed`` grew
+        the directory without bound. A forgotten node holding its slot is not refused: ``_slot``
+        leaves it forgotten (not live), so it does not pass the limit. O(1)."""
+        if self.core.has_node(node) or self.core.live_nodes() < self.cfg.max_nodes:
+            return False
+        self.counters[f"{what}.nodes_over_limit"] += 1
+        self.bus.droplog.event(f"{what}.nodes_over_limit", f"{what} naming a node past max_nodes dropped", node=node)
+        return True
+
     async def _on_kv(self, batch: m.KvEventBatch, subject: str) -> None:
         if self._over_limit(batch.node):
             self.counters["kv.nodes_over_limit"] += 1
@@ -225,6 +239,8 @@ class DirectoryService(WatchedService):
         await self._maybe_flush()
 
     async def _on_placed(self, msg: m.RoutePlaced, subject: str) -> None:
+        if self._new_over_limit(msg.node, "placed"):
+            return
         res = self.core.place(msg.branch_id, msg.node, msg.phase, msg.block_hashes, self.clock.local_now())
         self._drop_reclaimed()
         if res.rejected:
@@ -235,7 +251,7 @@ class DirectoryService(WatchedService):
         if msg.status != "serving":
             return
         old = self.core.node_phase(msg.node)
-        if old != msg.phase:
+        if old != msg.phase and not self._new_over_limit(msg.node, "split"):
             released = self.core.node_phase_changed(msg.node, old, msg.phase, self.clock.local_now())
             self._drop_reclaimed()
             self.log.info("node phase changed", node=msg.node, old=old, new=msg.phase, released_branches=released)

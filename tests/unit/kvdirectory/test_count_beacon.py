@@ -294,3 +294,26 @@ async def test_a_forgotten_node_holding_its_slot_is_revived_by_nothing_while_max
     await asyncio.sleep(0)
     assert not task.done()
     task.cancel()
+
+
+async def test_placements_and_phase_changes_naming_new_nodes_past_max_nodes_are_dropped():
+    """--max-nodes guards the directory against unbounded node ids, but a route.placed or a
+    split.applied naming an unknown node registered it with no check: a stream of invented ids in
+    placements grew the directory past the limit. Now, at the limit, they are counted and dropped
+    like KV batches; a known node's placement, and any placement below the limit, is unchanged."""
+    d, bus = directory(max_nodes=2)
+    bus.droplog = RateLimitedLog(structlog.get_logger("bus"), first=5, interval_s=10.0)  # type: ignore[attr-defined]
+    d.core.branch_start("a", 0.0)
+    await d._on_placed(m.RoutePlaced(rid="r0", branch_id="a", node="w0", phase="prefill", block_hashes=[1]), "")
+    await d._on_kv(_kv("w1", 1), "")
+    assert d.core.live_nodes() == 2 and not d.counters["placed.nodes_over_limit"]  # below the limit: registered
+    for i in range(5):
+        await d._on_placed(m.RoutePlaced(rid=f"r{i}", branch_id="a", node=f"x{i}", phase="prefill", block_hashes=[1]), "")
+    await d._on_split(m.SplitApplied(epoch=1, node="y", phase="decode", status="serving"), "")
+    assert d.core.live_nodes() == 2 and len(d.core.names) == 2
+    assert not any(d.core.has_node(n) for n in ("x0", "x4", "y"))
+    assert d.counters["placed.nodes_over_limit"] == 5 and d.counters["split.nodes_over_limit"] == 1
+    await d._on_placed(m.RoutePlaced(rid="r9", branch_id="a", node="w1", phase="prefill", block_hashes=[1]), "")
+    await d._on_split(m.SplitApplied(epoch=1, node="w0", phase="decode", status="serving"), "")
+    assert d.core.node_phase("w1") == "prefill" and d.core.node_phase("w0") == "decode"  # known nodes: as before
+    assert d.counters["placed.nodes_over_limit"] == 5 and d.counters["split.nodes_over_limit"] == 1
