@@ -308,7 +308,7 @@ def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None
         )
         if g("ttft_prediction_abs_error_median_s") is not None:
             lines.append(
-                f"  |error| vs client TTFT: median {fmt_seconds(g('ttft_prediction_abs_error_median_s'))} "
+                f"  |error| vs client TTFT less admission wait: median {fmt_seconds(g('ttft_prediction_abs_error_median_s'))} "
                 f"(adds the control plane, router → node → client, which it does not predict)"
             )
     elif g("ttft_prediction_abs_error_median_s") is not None:
