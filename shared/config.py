@@ -146,7 +146,16 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Struct]) -> None:
     for f in fields:
         tp = _base_type(cls, f.name)
         desc = _description(f)
-        default = f.default if f.default is not msgspec.NODEFAULT else None
+        # a list field's default is a factory (msgspec keeps ``= []`` and ``field(default_factory=...)`` so):
+        # --help said "default None" for the router's --api-key-public-paths, whose default is 4 paths
+        if f.default is not msgspec.NODEFAULT:
+            default = f.default
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = f.default_factory()
+        else:
+            default = None
+        if isinstance(default, (list, tuple)):  # as the flag and EI_* variable take it: comma-separated
+            default = ",".join(str(v) for v in default)
         # argparse formats help with %: a description's own % ('cuda:{i % visible devices}') crashed --help
         help_text = f"{desc} (env {env_name(f.name)}; default {default!r})".replace("%", "%%")
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}

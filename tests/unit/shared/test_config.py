@@ -49,3 +49,20 @@ def test_to_argv_leaves_out_list_defaults():
     assert to_argv(DemoConfig()) == []
     assert to_argv(DemoConfig(names=["a", "b"])) == ["--names", "a,b"]
     assert "--names" in to_argv(DemoConfig(), skip_defaults=False)
+
+
+def test_help_shows_list_defaults_as_the_flag_takes_them():
+    """A list field's default comes from a factory: --help said "default None" (the router's
+    --api-key-public-paths, whose default is /healthz,/health,/ping,/metrics)."""
+    import argparse
+
+    from shared.config import add_arguments
+
+    class Paths(CommonConfig, frozen=True, kw_only=True):
+        paths: Annotated[list[str], Meta(description="paths")] = msgspec.field(default_factory=lambda: ["/a", "/b"])
+        empty: Annotated[list[str], Meta(description="empty")] = msgspec.field(default_factory=list)
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Paths)
+    text = " ".join(parser.format_help().split())
+    assert "default '/a,/b'" in text and "default ''" in text and "default None" not in text
