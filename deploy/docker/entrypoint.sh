@@ -7,7 +7,8 @@
 # (e.g. `evolving-infra replay ...`). Every service reads its settings from EI_* variables
 # (shared/config.py). Variables used here:
 #   WORKERS        number of worker replicas (node ids w0..w<WORKERS-1>)      default 2
-#   SPLIT          initial PD split: collocated | xPyD with x+y = WORKERS      default 1P1D
+#   SPLIT          initial PD split: collocated | xPyD with x+y = WORKERS      default: EI_POLICY's (static:2P2D),
+#                  else up's for WORKERS nodes (2: 1P1D, 4: 2P2D)
 #   EI_CREDS_DIR   credentials volume (auth writes, services read)            default /creds
 #   EI_CREDS_OUT   auth: folders router, planner, kvdirectory, launcher, workers, each another service's /creds;
 #                  auth copies the clock origin and that identity's seed(s) into each   default /creds-out
