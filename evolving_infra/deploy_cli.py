@@ -96,5 +96,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--policy static:2P2D --nodes 4",
     )
     p.add_argument("service", choices=(*SERVICES, "env"), help="the service whose flags to print, or env")
-    p.add_argument("up_args", nargs=argparse.REMAINDER, metavar="UP_FLAGS", help="up's flags")
+    rest = p.add_argument("up_args", nargs=argparse.REMAINDER, metavar="UP_FLAGS", help="up's flags (none: up's defaults)")
+    # argparse marks a REMAINDER positional required, so `deploy-args` alone said "required: service, UP_FLAGS";
+    # none is fine (`deploy-args router`), and the parse is the same (REMAINDER takes an empty list)
+    rest.required = False
     p.set_defaults(func=cmd_deploy_args, deploy_parser=p)

@@ -24,3 +24,14 @@ def test_each_service_s_own_ei_metrics_port_is_not_refused(service, monkeypatch,
     stack: the auth job's ``deploy-args env`` exited 2 and nats never started."""
     monkeypatch.setenv("EI_METRICS_PORT", "9100")
     assert main(["deploy-args", service, "--nodes", "2", "--split", "1P1D"]) == 0, capsys.readouterr().err
+
+
+def test_without_a_service_the_error_names_only_the_service(capsys):
+    """``deploy-args`` alone said "the following arguments are required: service, UP_FLAGS", but UP_FLAGS
+    may be empty (``deploy-args router`` runs): argparse counts a REMAINDER positional as required."""
+    with pytest.raises(SystemExit) as e:
+        main(["deploy-args"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "required: service\n" in err, err
+    assert main(["deploy-args", "kvdirectory"]) == 0
