@@ -128,6 +128,11 @@ case "$role" in
     # the system every service will run, checked once here, before NATS: a refused EI_POLICY, SPLIT or model
     # ends this one-shot job (status 2, one line; compose: "service auth didn't complete successfully") instead
     # of every service exiting 2 and being restarted (restart: on-failure) without end
+    case $AUTH in  # every role tests `!= off`: another value (password, a typo) ran nkeys without a word
+      nkeys|off) ;;
+      *) echo "auth: EI_NATS_AUTH=$AUTH: nkeys (per-service credentials, the default) or off (NATS open inside the" \
+             "compose network); up's password mode is its embedded server's only" >&2; exit 2 ;;
+    esac
     if ! resolved=$(deploy_args env); then
         # the sim image (docker-compose.yml tags it evolving-infra:sim; the torch one evolving-infra:torch) has no
         # torch: deploy-args's "pip install" advice is not the fix in a container

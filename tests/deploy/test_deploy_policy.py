@@ -182,6 +182,17 @@ def test_a_refused_policy_ends_the_auth_job_before_any_service_starts(tmp_path):
     assert r.returncode == 0 and "auth: policy static:2P2D" in r.stdout and "split 2P2D" in r.stdout, (r.stdout, r.stderr)
 
 
+def test_an_ei_nats_auth_the_stack_does_not_know_ends_the_auth_job(tmp_path):
+    """Every role tested ``EI_NATS_AUTH != off``: ``EI_NATS_AUTH=password`` (up's other mode) or a typo ran
+    nkeys without a word. The auth job now refuses it, status 2, one line, nothing written."""
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    r = _run(tmp_path, "auth", EI_NATS_AUTH="password", EI_CREDS_DIR=str(creds), EI_CREDS_OUT=str(tmp_path / "out"))
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and "EI_NATS_AUTH=password" in r.stderr, r.stderr
+    assert list(creds.iterdir()) == []
+
+
 @needs_compose
 def test_the_auth_job_that_checks_the_system_is_one_shot_and_sees_the_model():
     services = resolved_services(_env(EI_ENGINE="torch", MODEL_DIR="/srv/m"))

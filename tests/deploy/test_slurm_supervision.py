@@ -272,6 +272,7 @@ def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(
 @pytest.mark.parametrize("env, frag", [
     ({"POLICY": "nope"}, "unknown policy set"),
     ({"ENGINE": "torch", "MODEL_DIR": "/nonexistent/model"}, "--model /nonexistent/model"),
+    ({"EI_NATS_AUTH": "password"}, "EI_NATS_AUTH=password: nkeys"),  # ran nkeys without a word (every test is != off)
 ])
 def test_a_policy_or_model_up_refuses_fails_the_job_before_anything_starts(tmp_path, env, frag):
     job = Job(tmp_path, **env)
