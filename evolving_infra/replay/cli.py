@@ -62,6 +62,16 @@ async def _replay(args: argparse.Namespace) -> int:
     if unreachable:  # fail now, not after every request of the trace has failed to connect
         print(f"error: {unreachable}", file=sys.stderr)
         return 2
+    api_key = args.api_key or os.environ.get("EI_API_KEY") or None
+    served = await router_speedup(args.router_url, api_key)
+    if served is not None and args.speedup_from == "default":  # a compose or Slurm stack: no state file to read it from
+        args.speedup = served
+        print(f"replay: --speedup {served:g}, the router's (GET /v1/cluster)", file=sys.stderr)
+    elif served is not None and served != args.speedup:  # every TTFT / E2E of the report would be scaled wrongly
+        given = "--speedup" if args.speedup_from == "flag" else "the running cluster's state file's speedup"
+        print(f"error: {given} {args.speedup:g} differs from the router's {served:g} (GET /v1/cluster at {args.router_url}); "
+              f"pass --speedup {served:g}, or leave it unset to take the router's", file=sys.stderr)
+        return 2
     if args.from_kind == "canonical":
         try:
             trace = read_trace(Path(stdin_file(args.input[0])))
@@ -79,7 +89,6 @@ async def _replay(args: argparse.Namespace) -> int:
         from evolving_infra.traces.sample import sample_sessions
 
         trace = sample_sessions(trace, args.sessions or 10**9, seed=args.seed, max_requests_per_branch=args.max_requests_per_branch)
-    api_key = args.api_key or os.environ.get("EI_API_KEY") or None
     max_model_len = await router_max_model_len(args.router_url, api_key)
     try:
         requests, token_block, note = fit_to_router(trace.requests, trace.header.block_size, max_model_len,
@@ -218,6 +227,34 @@ async def router_unreachable(router_url: str, timeout_s: float = 5.0) -> str | N
     return None
 
 
+async def router_speedup(router_url: str, api_key: str | None = None, timeout_s: float = 5.0,
+                         transport: object = None) -> float | None:
+    """The router's ``speedup`` (simulated s per wall s: its ``--speedup`` / ``EI_SPEEDUP``) from ``GET /v1/cluster``.
+    None when the router does not say (a router older than the field, an error status such as 401 without an
+    API key, no answer within ``timeout_s``): the replay then keeps its ``--speedup`` (given, the state file's, or 1).
+
+    Args:
+        router_url: the router's base URL.
+        api_key: sent as a bearer token when set.
+        timeout_s: wall seconds for the answer.
+        transport: an httpx transport (tests).
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:  # type: ignore[arg-type]
+            reply = await http.get(router_url.rstrip("/") + "/v1/cluster", headers=headers)
+        if reply.status_code != 200:
+            return None
+        value = reply.json().get("speedup")
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError, AttributeError):  # no answer, not JSON, not an object
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        return None
+    return float(value)
+
+
 async def router_max_model_len(router_url: str, api_key: str | None = None, timeout_s: float = 5.0,
                                transport: object = None) -> int | None:
     """The router's ``max_model_len`` (tokens: the longest prompt + ``max_tokens`` it serves) from ``GET /v1/models``
@@ -323,7 +360,8 @@ ROUTER_MAX_ID_LEN: int = next(f.default for f in msgspec.structs.fields(RouterCo
 
 def _use_running_cluster(args: argparse.Namespace) -> int | None:
     """Fill ``--router-url`` / ``--speedup`` left unset from the running ``up`` cluster's state file
-    (:mod:`evolving_infra.state`), else (no cluster running) ``http://127.0.0.1:8000`` and 1, and set ``args.cluster_block_size``
+    (:mod:`evolving_infra.state`), else (no cluster running) ``http://127.0.0.1:8000`` and 1 (``args.speedup_from``:
+    ``flag``, ``state`` or ``default``; a ``default`` one is the router's when it reports one), and set ``args.cluster_block_size``
     (the cluster's tokens per KV block from the state file; None when not read from one); returns the
     router tokenizer's vocabulary size when it is not the sim one (the replayer takes prompt ids modulo it).
 
@@ -345,8 +383,12 @@ def _use_running_cluster(args: argparse.Namespace) -> int | None:
             listed = "; ".join(f"router {c.get('router_url')} (pid {c.get('pid')}, state {c.get('state_file')})" for c in found)
             raise UsageError(f"error: {len(found)} local clusters are running: {listed}; pass --router-url to pick one")
         args.router_url = info.get("router_url") or "http://127.0.0.1:8000"
-    if args.speedup is None:
-        args.speedup = float(info.get("speedup") or 1.0)
+    if args.speedup is not None:
+        args.speedup_from = "flag"
+    elif info.get("speedup"):
+        args.speedup, args.speedup_from = float(info["speedup"]), "state"
+    else:  # the router's, when it says (`_replay`: GET /v1/cluster), else 1
+        args.speedup, args.speedup_from = 1.0, "default"
     bs = info.get("block_size")
     args.cluster_block_size = bs if isinstance(bs, int) and not isinstance(bs, bool) else None
     if getattr(args, "model", None) is None:  # `up --engine torch --model DIR` serves DIR's name, not the sim's
@@ -413,7 +455,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "with several running, each is listed and this flag is required: exit 2)"
     )
     p.add_argument(
-        "--speedup", type=float, default=None, help="the cluster's speedup, simulated s per wall s (default: the running cluster's, else 1)"
+        "--speedup", type=float, default=None, help="the cluster's speedup, simulated s per wall s (default: the running `up` cluster's, else the router's "
+        "from GET /v1/cluster, else 1); one the router reports otherwise is refused (exit 2), as every time in the "
+        "report would be scaled wrongly"
     )
     p.add_argument("--model", default=None,
                    help="model name sent with requests (default: the running `up` cluster's served model, else evolving-infra-sim)")

@@ -15,7 +15,7 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 ``GET /healthz``, ``GET /health``      200 when the fence loop and HTTP server run, NATS is connected and a
                                        placement is possible, else 503 ("router stopping" during a stop)
 ``GET /ping``, ``POST /ping``          the same answer (vLLM's: the SageMaker-style health check, GET or POST)
-``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts
+``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts, the clock's speedup
 ``GET /metrics``                       Prometheus text format (``services/router/prom.py`` lists the metrics)
 ``POST /v1/branches/{id}/end``         end an agent branch (publishes ``BranchEnd``)
 ``POST /v1/branches/{id}/tool-call``   "tool call outstanding" hint, body ``{"outstanding": true, "expected_s": 120}``
@@ -1834,6 +1834,9 @@ class RouterService(WatchedService):
             {
                 "policy": self.core.policy.name,
                 "block_size": self.core.block_size,
+                # simulated s per wall s (--speedup / EI_SPEEDUP): `replay` takes it, or refuses another, so its
+                # times are on this cluster's clock (a compose or Slurm stack has no state file to read it from)
+                "speedup": self.clock.speedup,
                 "epoch": view.epoch,
                 "split_reason": view.split_reason,
                 "fence_after_s": self.cfg.fence_after_s,

@@ -270,6 +270,7 @@ async def test_completion_with_token_ids_non_streaming(nats_url, tmp_path):
         assert (await env.http.get("/healthz")).status_code == 200
         cl = (await env.http.get("/v1/cluster")).json()
         assert cl["epoch"] == 1 and cl["policy"] == "cache-aware" and cl["inflight"] == 0
+        assert cl["speedup"] == 1.0  # its clock's: `replay` takes it, or refuses another --speedup
         assert {n["node"]: n["phase"] for n in cl["nodes"]} == {"d0": "decode", "p0": "prefill"}
         assert all(n["fenced"] is False and n["state_age_wall_s"] < FENCE_S for n in cl["nodes"])
         st = await env.stats()

@@ -1,7 +1,8 @@
 """A small HTTP/1.1 server that answers what the live replayer sends, as the router does.
 
 ``GET /health``, ``POST /v1/completions`` (an SSE stream of one token and the usage) and
-``POST /v1/branches/{id}/end``. Branch ids go through the router's own
+``POST /v1/branches/{id}/end``; ``GET /v1/cluster`` with a ``speedup`` only when given one (an older
+router's answer has none). Branch ids go through the router's own
 :class:`services.router.branches.BranchTable`: a request for a branch that was ended is
 answered 409 with the router's message, an end of an unknown or ended branch 404 / 409.
 Every request's path and agent headers are kept in ``seen``.
@@ -24,11 +25,13 @@ class StubRouter:
     """Serve on ``127.0.0.1`` (a free port) in the running event loop (:meth:`start`).
 
     Args:
+        speedup: reported by ``GET /v1/cluster`` when given (simulated s per wall s).
         hold: when given, a completion is answered only once it is set (``received`` is set
             when the first completion arrives).
     """
 
-    def __init__(self, hold: asyncio.Event | None = None) -> None:
+    def __init__(self, hold: asyncio.Event | None = None, speedup: float | None = None) -> None:
+        self.speedup = speedup
         self.branches = BranchTable()
         self.seen: list[tuple[str, dict[str, str]]] = []
         self.hold = hold
@@ -82,6 +85,9 @@ class StubRouter:
         self.seen.append((target, {k: v for k, v in headers.items() if k.startswith("x-")}))
         if method == "GET" and target == "/health":
             return 200, "application/json", b"{}"
+        if method == "GET" and target == "/v1/cluster":
+            cluster = {"policy": "stub", "nodes": []} | ({} if self.speedup is None else {"speedup": self.speedup})
+            return 200, "application/json", json.dumps(cluster).encode()
         if target.startswith("/v1/branches/") and target.endswith("/end"):
             try:
                 self.branches.end(unquote(target[len("/v1/branches/"):-len("/end")]), 0.0)
@@ -114,16 +120,16 @@ class StubRouter:
 
 
 @contextmanager
-def stub_router_thread() -> Iterator[tuple[str, StubRouter]]:
+def stub_router_thread(speedup: float | None = None) -> Iterator[tuple[str, StubRouter]]:
     """A :class:`StubRouter` served by its own event loop in a thread (for code that runs ``asyncio.run``
-    itself, such as the ``replay`` command); yields ``(base URL, stub)``."""
+    itself, such as the ``replay`` command); yields ``(base URL, stub)``. ``speedup``: as :class:`StubRouter`'s."""
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     box: dict[str, object] = {}
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        stub = StubRouter()
+        stub = StubRouter(speedup=speedup)
         box["stub"] = stub
         box["url"] = loop.run_until_complete(stub.start())
         ready.set()

@@ -275,3 +275,38 @@ async def test_a_wall_clock_step_neither_stalls_nor_hurries_the_replay(step_s):
     _, _, r1, r2 = sorted(res.records, key=lambda r: r.id)
     assert r2.sent_at - r1.finished_at == pytest.approx(0.5 + step_s, abs=0.3)  # wall-based: the step shows
     assert 0 < r2.ttft_s <= r2.e2e_s < 0.5  # local durations: the step does not
+
+
+def test_without_a_state_file_the_routers_speedup_is_taken_and_another_refused(tmp_path, monkeypatch, capsys):
+    """Against a compose or Slurm stack (no `up` state file) a replay whose --speedup was not the stack's
+    scaled every TTFT / E2E of its report wrongly, unnoticed; the router now reports its speedup in /v1/cluster."""
+    from evolving_infra.cli import main
+
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))  # no running cluster's state is read
+    with stub_router_thread(speedup=1000.0) as (url, _):
+        rc = main(["replay", str(demo_trace_path()), "--router-url", url, "--sessions", "1",
+                   "--max-requests-per-branch", "2", "--out", str(tmp_path / "a")])
+        err = capsys.readouterr().err
+        assert rc == 0, err
+        assert "replay: --speedup 1000, the router's (GET /v1/cluster)" in err, err
+        assert json.loads((tmp_path / "a" / "report.json").read_text())["meta"]["speedup"] == 1000.0
+        rc = main(["replay", str(demo_trace_path()), "--router-url", url, "--speedup", "50", "--out", str(tmp_path / "b")])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1, err
+        assert "error: --speedup 50 differs from the router's 1000" in err and "pass --speedup 1000" in err, err
+        assert not (tmp_path / "b").exists()  # refused before anything was sent or written
+
+
+def test_router_speedup_is_none_when_the_router_does_not_say():
+    """An older router (no `speedup` in /v1/cluster), an error status or a value no clock has: the replay keeps its --speedup."""
+    import httpx
+
+    from evolving_infra.replay.cli import router_speedup
+
+    def answer(body, status=200):
+        return httpx.MockTransport(lambda request: httpx.Response(status, json=body))
+
+    assert asyncio.run(router_speedup("http://r", transport=answer({"speedup": 50}))) == 50.0
+    for body, status in (({"policy": "x"}, 200), ({"speedup": 50}, 401), ({"speedup": True}, 200), ({"speedup": 0}, 200),
+                         ({"speedup": "50"}, 200), ([50], 200)):
+        assert asyncio.run(router_speedup("http://r", transport=answer(body, status))) is None, body
