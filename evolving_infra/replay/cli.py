@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -227,6 +227,21 @@ async def router_unreachable(router_url: str, timeout_s: float = 5.0) -> str | N
     return None
 
 
+async def _router_json(router_url: str, path: str, api_key: str | None, timeout_s: float, transport: object) -> Any:
+    """The JSON body of the router's ``GET <path>`` (a bearer token sent when ``api_key`` is set), or None when
+    there is none to read: no answer within ``timeout_s`` wall seconds, a bad URL, a status other than 200, a
+    body that is not JSON. ``transport``: an httpx transport (tests)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:  # type: ignore[arg-type]
+            reply = await http.get(router_url.rstrip("/") + path, headers=headers)
+        return reply.json() if reply.status_code == 200 else None
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError):
+        return None
+
+
 async def router_speedup(router_url: str, api_key: str | None = None, timeout_s: float = 5.0,
                          transport: object = None) -> float | None:
     """The router's ``speedup`` (simulated s per wall s: its ``--speedup`` / ``EI_SPEEDUP``) from ``GET /v1/cluster``.
@@ -239,17 +254,8 @@ async def router_speedup(router_url: str, api_key: str | None = None, timeout_s:
         timeout_s: wall seconds for the answer.
         transport: an httpx transport (tests).
     """
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:  # type: ignore[arg-type]
-            reply = await http.get(router_url.rstrip("/") + "/v1/cluster", headers=headers)
-        if reply.status_code != 200:
-            return None
-        value = reply.json().get("speedup")
-    except (httpx.HTTPError, httpx.InvalidURL, ValueError, AttributeError):  # no answer, not JSON, not an object
-        return None
+    body = await _router_json(router_url, "/v1/cluster", api_key, timeout_s, transport)
+    value = body.get("speedup") if isinstance(body, dict) else None  # not an object: says nothing
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
         return None
     return float(value)
@@ -267,16 +273,10 @@ async def router_max_model_len(router_url: str, api_key: str | None = None, time
         timeout_s: wall seconds for the answer.
         transport: an httpx transport (tests).
     """
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = await _router_json(router_url, "/v1/models", api_key, timeout_s, transport)
     try:
-        async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:  # type: ignore[arg-type]
-            reply = await http.get(router_url.rstrip("/") + "/v1/models", headers=headers)
-        if reply.status_code != 200:
-            return None
-        value = reply.json()["data"][0].get("max_model_len")
-    except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        value = body["data"][0].get("max_model_len")  # type: ignore[index]
+    except (KeyError, IndexError, TypeError, AttributeError):  # no answer (None), not the shape of a model list
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
