@@ -242,21 +242,52 @@ Run = tuple[bytes, list[int], list[int]]
 :data:`Span` (``traces.compact`` takes a whole run in one call: no generator step per line)."""
 
 
+MAX_FIRST_LINE = 8 << 20
+"""Bytes of a file read at most to find the end of its line 1 (8 MiB): a file with no newline in
+them is no trace (:class:`_NoFirstLine`). Line 1 is the header (12.7 KB in the real Claude Code
+trace, with its converter options and skipped files in ``meta``); the longest request line of
+that trace at 64-token blocks is 136 KB, and a request of 1M tokens at 16-token blocks ~1 MB. A
+file of 18 MB of zeros, or a binary with no newline, was read whole before it failed."""
+_NO_FIRST_LINE = f"not a trace (no newline in the first {MAX_FIRST_LINE:,} bytes); " + _NOT_CANONICAL
+
+
+class _NoFirstLine(Exception):
+    """Raised by :func:`_span_runs` (and the ``gzip`` fallback of :func:`_file_line_runs`) when
+    the first :data:`MAX_FIRST_LINE` bytes hold no newline: the readers report it as line 1's one
+    problem (:func:`_no_first_line`) and read no further."""
+
+
+def _no_first_line(v: "_Validator") -> None:
+    v._bad(1, _NO_FIRST_LINE)
+
+
 def _span_runs(chunks: Iterable[bytes], hold: int) -> Iterator[Run]:
     """The lines of the concatenated ``chunks`` as :data:`Run` s, none copied but a line that
     crosses a chunk's end (its own run); a line only once ``hold`` more bytes follow it, or the
     chunks have ended (an error raised by ``chunks`` comes before the lines it holds back). A last
-    line without its end keeps a ``\\r`` at its end (as reading the file line by line gives it)."""
+    line without its end keeps a ``\\r`` at its end (as reading the file line by line gives it).
+
+    Raises:
+        _NoFirstLine: the first :data:`MAX_FIRST_LINE` bytes hold no newline (read no further
+            than that and one more chunk).
+    """
     held: deque[list[Any]] = deque()  # [buf, starts, ends, newline indices, base, lines given]
     total = 0  # bytes read
     rest: list[bytes] = []  # pieces of a line not ended yet
     find = bytes.find
+    first = True  # no newline seen yet
     for buf in chunks:
         base, total = total, total + len(buf)
         nl = buf.find(b"\n")
         if nl < 0:
+            if first and total >= MAX_FIRST_LINE:
+                raise _NoFirstLine
             rest.append(buf)
             continue
+        if first:
+            if base + nl >= MAX_FIRST_LINE:
+                raise _NoFirstLine
+            first = False
         if rest:
             rest.append(buf[:nl])
             line = b"".join(rest)
@@ -358,7 +389,17 @@ def _file_line_runs(path: str | os.PathLike[str], ahead: InflateAhead | None = N
         if ahead is not None:
             ahead.close()
     with open_trace_bytes(path) as g:
-        for i, raw in enumerate(g, start=1):
+        first = 1
+        if n == 0:  # line 1 read with a bound: ``gzip`` reads a line to its end, however far
+            raw = g.readline(MAX_FIRST_LINE)
+            if len(raw) == MAX_FIRST_LINE and not raw.endswith(b"\n"):
+                raise _NoFirstLine
+            if not raw:
+                return
+            raw = _strip_eol(raw)
+            yield raw, [0], [len(raw)]
+            first = 2
+        for i, raw in enumerate(g, start=first):
             if i > n:
                 raw = _strip_eol(raw)
                 yield raw, [0], [len(raw)]
@@ -607,6 +648,9 @@ def _scan(path: str | os.PathLike[str], v: "_Validator") -> Iterator[Any]:
         _unreadable(v, n, e)
     except _NotATrace:
         return
+    except _NoFirstLine:
+        _no_first_line(v)
+        return
     finally:
         spans.close()  # the file (and an InflateAhead) closed now, not when the frame is freed
     v.finish(n)
@@ -630,6 +674,9 @@ def _scan_runs(path: str | os.PathLike[str], v: "_Validator", feed_run: Callable
     except _READ_ERRORS as e:
         _unreadable(v, n, e)
     except _NotATrace:
+        return
+    except _NoFirstLine:
+        _no_first_line(v)
         return
     finally:
         runs.close()  # the file and ``ahead`` closed now, not when the frame is freed
@@ -723,13 +770,19 @@ def read_header(path: str | os.PathLike[str]) -> TraceHeader:
     Raises:
         TraceError: line 1 is missing or not a valid header.
     """
-    for n, raw in _lines(path):
-        if raw == PACK_MAGIC:
-            raise TraceError(path, [TraceProblem(1, _PACKED)])
-        try:
-            return _HEADER_DECODER.decode(raw)
-        except msgspec.DecodeError as e:
-            raise TraceError(path, [TraceProblem(n, _header_problem(raw, e))]) from None
+    lines = _lines(path)
+    try:
+        for n, raw in lines:
+            if raw == PACK_MAGIC:
+                raise TraceError(path, [TraceProblem(1, _PACKED)])
+            try:
+                return _HEADER_DECODER.decode(raw)
+            except msgspec.DecodeError as e:
+                raise TraceError(path, [TraceProblem(n, _header_problem(raw, e))]) from None
+    except _NoFirstLine:
+        raise TraceError(path, [TraceProblem(1, _NO_FIRST_LINE)]) from None
+    finally:
+        lines.close()
     raise TraceError(path, [TraceProblem(1, "empty file: expected the trace header")])
 
 

@@ -521,3 +521,55 @@ def test_a_file_that_is_no_trace_at_all_is_read_no_further_than_its_line_1(
     assert main(["validate", blob.name]) == 2
     assert len(capsys.readouterr().out.splitlines()) == 1026  # line 1, 1,024 runs of 256 bytes, and the tail
     assert sorted(p.name for p in tmp_path.iterdir()) == [blob.name]
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read with read(2) so far (Linux ``/proc/self/io``'s ``rchar``)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.parametrize("kind", ["plain", "gz", "gz2"])
+def test_a_file_with_no_newline_is_named_at_line_1_after_a_bounded_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """A file with no newline at all (18 MB of zeros, a binary) was read whole, as its one line 1,
+    by every trace reader before it failed ('invalid trace header: JSON is malformed'). They stop
+    after MAX_FIRST_LINE bytes now and name why: plain, one gzip member (zlib's reader, and the
+    thread simulate inflates on) and two members (``gzip``'s own reader)."""
+    from evolving_infra.traces.compact import read_trace_compact
+    from evolving_infra.traces.inflate import InflateAhead
+    from evolving_infra.traces.io import CHUNK, MAX_FIRST_LINE, TraceError, read_header, read_trace
+
+    monkeypatch.chdir(tmp_path)
+    size = 18_000_000
+    blob = tmp_path / ("zeros.gz" if kind != "plain" else "zeros.bin")
+    if kind == "plain":
+        with open(blob, "wb") as f:
+            f.truncate(size)  # sparse: 18 MB of zeros, none written
+    else:
+        half = bytes(size // 2)
+        blob.write_bytes(gzip.compress(half + half, mtime=0) if kind == "gz" else gzip.compress(half, mtime=0) * 2)
+    want = f"line 1: not a trace (no newline in the first {MAX_FIRST_LINE:,} bytes); not a canonical trace"
+    for argv in (["simulate", "--trace", blob.name, "--out", "o"], ["demo", "--trace", blob.name, "--out", "d"],
+                 ["fidelity", "--trace", blob.name, "--out", "f"]):
+        assert top_main(argv) == 2, argv
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 2 and f"{blob.name}: 1 problem(s)" in err[0] and err[1].startswith(want), (argv, err)
+    before = _bytes_read()
+    reads = [read_trace, read_trace_compact, read_header]  # replay reads with read_trace, stats with read_header first
+    if kind != "plain":
+        reads.append(lambda p: read_trace_compact(p, ahead=InflateAhead.start(p)))
+    for read in reads:
+        with pytest.raises(TraceError) as e:
+            read(blob)
+        assert len(e.value.problems) == 1 and str(e.value).splitlines()[-1].startswith(want), (read, str(e.value))
+    if kind == "plain":  # each read stopped within a chunk past the bound
+        assert _bytes_read() - before <= len(reads) * (MAX_FIRST_LINE + CHUNK)
+    assert main(["validate", blob.name]) == main(["stats", blob.name]) == 2
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1 and out.startswith(f"{blob.name}:1: {want[len('line 1: '):]}"), out
+    assert want in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [blob.name]
