@@ -88,6 +88,22 @@ def _header_problem(raw: bytes, e: msgspec.DecodeError) -> str:
         return f"invalid trace header: {_short(e)}"
     return f"invalid trace header: {_short(e)}; {_NOT_CANONICAL}"
 _REQUEST_DECODER = msgspec.json.Decoder(TraceRequest)
+_MISSING_HEADER = f'missing trace header (expected {{"format": "{FORMAT}", "block_size": ...}} first)'
+_REQUEST_KEYS = frozenset(f.name for f in msgspec.structs.fields(TraceRequest) if f.required)
+"""The fields every request sets (id, agent, branch, input_tokens, output_tokens)."""
+
+
+def _request_like(raw: bytes) -> bool:
+    """Whether a line 1 that is no header and no valid request is still meant as a request (a
+    JSON object with no ``format`` and at least 3 of :data:`_REQUEST_KEYS`): a headerless trace
+    whose first request is itself bad, reported as a missing header plus that request's problems
+    (it read 'not a canonical trace' and to convert a raw trace). No raw public trace's object
+    has 3 of these names (WEKA's has ``id``; Mooncake's rows ``input_length``/``output_length``)."""
+    try:
+        obj = _ANY_DECODER.decode(raw)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(obj, dict) and "format" not in obj and len(_REQUEST_KEYS.intersection(obj)) >= 3
 
 
 def _request_type(blocks_type: Any = list[int], blocks_default: Any = msgspec.NODEFAULT) -> type[msgspec.Struct]:
@@ -485,15 +501,16 @@ class _Validator:
                 if self.stop_at_no_trace:
                     raise _NotATrace from None
                 return None
-            # Not a header. If it is a request, check it as one so it is not lost.
+            # Not a header. If it is a request, even an invalid one, check it as one so it is not lost.
             try:
                 _lenient_decoder().decode(raw)
             except msgspec.DecodeError:
-                self._bad(1, _header_problem(raw, e))
-                if self.stop_at_no_trace:
-                    raise _NotATrace from None
-                return None
-            self._bad(1, f'missing trace header (expected {{"format": "{FORMAT}", "block_size": ...}} first)')
+                if not _request_like(raw):
+                    self._bad(1, _header_problem(raw, e))
+                    if self.stop_at_no_trace:
+                        raise _NotATrace from None
+                    return None
+            self._bad(1, _MISSING_HEADER)
             self._feed_request(1, raw)
             return None
         if header.version > VERSION:
@@ -777,8 +794,10 @@ def read_header(path: str | os.PathLike[str]) -> TraceHeader:
                 raise TraceError(path, [TraceProblem(1, _PACKED)])
             try:
                 return _HEADER_DECODER.decode(raw)
-            except msgspec.DecodeError as e:
-                raise TraceError(path, [TraceProblem(n, _header_problem(raw, e))]) from None
+            except msgspec.DecodeError:
+                v = _Validator()  # line 1's problems as validation gives them (a request there: the header missing, and its own)
+                v.feed(1, raw)
+                raise TraceError(path, v.problems) from None
     except _NoFirstLine:
         raise TraceError(path, [TraceProblem(1, _NO_FIRST_LINE)]) from None
     finally:

@@ -143,6 +143,30 @@ def test_a_raw_public_trace_is_told_to_be_converted(tmp_path: Path) -> None:
     assert problem.reason.startswith("invalid trace header: ") and "not a canonical trace" not in problem.reason
 
 
+def test_a_headerless_trace_whose_first_request_is_bad_is_told_its_header_is_missing(tmp_path: Path) -> None:
+    """A trace without its header whose line 1 is itself a bad request read 'invalid trace header: ...;
+    not a canonical trace ... convert it', naming neither the missing header nor the request's fault
+    (and ``trace stats`` said so even of a good request there). Every reader now says the header is
+    missing and what is wrong with the request, as it did of a good request on line 1."""
+    from evolving_infra.traces.compact import read_trace_compact
+    from evolving_infra.traces.io import read_header
+
+    no_agent = {k: v for k, v in _req("r0", kind="main", ends_branch=True).items() if k != "agent"}
+    cases = {"no_agent": (no_agent, "invalid request: Object missing required field `agent`"),
+             "negative": (_req("r0", kind="main", ends_branch=True, input_tokens=-1), "invalid request: Expected `int` >= 1"),
+             "good": (_req("r0", kind="main", ends_branch=True), None)}
+    for name, (line1, fault) in cases.items():
+        path = _write_lines(tmp_path / f"{name}.jsonl", [line1])
+        want = ["missing trace header"] + ([fault] if fault else [])
+        problems = list(iter_validate(path))
+        assert [p.line for p in problems] == [1] * len(want), (name, problems)
+        assert all(p.reason.startswith(w) for p, w in zip(problems, want)), (name, problems)
+        for read in (read_trace, read_trace_compact, read_header):  # stats reads the header first
+            with pytest.raises(TraceError) as ei:
+                read(path)
+            assert ei.value.problems == problems and "not a canonical trace" not in str(ei.value), (name, read, str(ei.value))
+
+
 def test_iter_requests_streams_then_raises(tmp_path: Path) -> None:
     lines = _good_lines() + ['{"nope"']
     header, it = iter_requests(_write_lines(tmp_path / "s.jsonl", lines))
