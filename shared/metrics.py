@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -290,10 +290,19 @@ class MetricsServer:
 
 
 def make_registry(bus: Any = None) -> CollectorRegistry:
-    """A fresh registry for one service, with the bus's per-subject counters when ``bus`` is given."""
+    """A fresh registry for one service, with the bus's per-subject counters when ``bus`` is given.
+
+    Every registry also exports the process's standard ``process_*`` families (prometheus_client's
+    :class:`~prometheus_client.ProcessCollector`, read from ``/proc`` at each scrape; none where
+    there is no ``/proc``): ``process_start_time_seconds`` (Unix s), ``process_cpu_seconds_total``,
+    ``process_resident_memory_bytes``, ``process_open_fds``, as vLLM, SGLang and Dynamo export them.
+    A worker killed and restarted by its supervisor between two scrapes shows only there (its new
+    start time: ``changes(process_start_time_seconds[1h])``); its ``ei_*`` counters merely restart.
+    """
     reg = CollectorRegistry(auto_describe=False)
     if bus is not None:
         reg.register(FuncCollector(lambda: bus_families(bus.counters, getattr(bus, "subscribed", ()))))
+    ProcessCollector(registry=reg)
     return reg
 
 

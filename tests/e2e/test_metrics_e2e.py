@@ -226,8 +226,10 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
     # every latency on the cluster clock says so in its HELP (simulated s under --speedup); the directory's are wall s
     for inst in ("router", "planner"):
         for f in fams[inst].values():
-            if f.name.endswith("_seconds"):
+            if f.name.startswith("ei_") and f.name.endswith("_seconds"):  # not process_start_time_seconds (Unix s)
                 assert "clock: simulated s under --speedup" in f.documentation, (inst, f.name, f.documentation)
+    # every service exports its process's start time: a worker restarted between two scrapes shows there
+    assert all("process_start_time_seconds" in fam for fam in fams.values()), {k: sorted(f) for k, f in fams.items()}
     assert all("wall" in d[n].documentation.lower() for n in ("ei_kvdirectory_lookup_seconds", "ei_kvdirectory_ingest_seconds"))
     # the type check catches what it is for, on the same exported types
     assert type_problems("sum by (node) (rate(ei_node_queue_depth[5m]))", kinds) == ["rate/increase of ei_node_queue_depth (gauge)"]

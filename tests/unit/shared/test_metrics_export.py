@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import httpx
@@ -12,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.router.metrics import Histogram
 from shared.metrics import FuncCollector, MetricsServer, bus_families, histogram_family, make_registry
+
+IMPORTED_AT = time.time()
 
 
 def _samples(reg: CollectorRegistry, name: str) -> list[tuple[str, list, float]]:
@@ -68,3 +71,16 @@ async def test_metrics_server_serves_the_registry_and_refuses_a_taken_port():
     finally:
         await srv.stop()
     await asyncio.sleep(0)
+
+
+def test_every_service_registry_exports_the_process_start_time_so_a_restart_shows():
+    """A worker killed (``kill -9``) and restarted by ``up`` within a second showed nothing in Prometheus:
+    its ``ei_*`` counters restarted from 0 (which ``rate()`` hides) and no series said the process was new.
+    Every service's registry now exports prometheus_client's ``process_*`` families, as vLLM and SGLang do:
+    ``process_start_time_seconds`` is this process's start (Unix s), read at scrape time."""
+    reg = make_registry()
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    start = {s.name: s.value for s in fams["process_start_time_seconds"].samples}["process_start_time_seconds"]
+    # this process started before this module was imported, and not long before (collection comes first)
+    assert IMPORTED_AT - 600.0 < start <= IMPORTED_AT + 1.0, (start, IMPORTED_AT)
+    assert fams["process_resident_memory_bytes"].type == "gauge" and fams["process_cpu_seconds"].type == "counter"
