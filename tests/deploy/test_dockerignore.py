@@ -46,7 +46,8 @@ def copied_sources() -> list[str]:
 def test_the_build_context_leaves_out_the_venv_git_and_run_outputs():
     pats = patterns()
     for path in [".venv/lib/python3.11/site-packages/torch/__init__.py", ".git/objects/pack/x.pack", "demo-out/report.json",
-                 "demo-out-static/logs/nats-creds/admin.nk", "runs/replay/requests.jsonl", "evolving_infra.egg-info/PKG-INFO",
+                 "demo-out-static/logs/nats-creds/admin.nk", "simulate-out/report.json",
+                 "replay-out/requests.jsonl", "fidelity-out/live/report.json", "compare-out/compare.json", "runs/replay/requests.jsonl", "evolving_infra.egg-info/PKG-INFO",
                  "services/router/__pycache__/app.cpython-311.pyc", "build/lib/shared/messages.py"]:
         assert excluded(path, pats), path
 

@@ -1,0 +1,28 @@
+"""``simulate --out`` has a default as ``demo``, ``replay`` and ``fidelity`` have theirs (``COMMAND-out``
+in the current folder): it alone required ``--out``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.cli import build_parser, main
+
+SAMPLE = Path(__file__).resolve().parents[3] / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
+
+
+def test_every_report_command_defaults_its_out_to_its_name_out(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("simulate", "demo", "replay", "fidelity"):
+        argv = [command, "t.jsonl"] if command == "replay" else [command]
+        assert build_parser(command).parse_args(argv).out == f"{command}-out", command
+    with pytest.raises(SystemExit):
+        build_parser("simulate").parse_args(["simulate", "--help"])
+    assert "default simulate-out" in " ".join(capsys.readouterr().out.split())
+
+
+def test_simulate_without_out_writes_simulate_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--trace", str(SAMPLE), "--duration", "5", "--no-plots"]) == 0
+    assert "report: simulate-out/report.json" in capsys.readouterr().out
+    assert (tmp_path / "simulate-out" / "report.json").is_file() and (tmp_path / "simulate-out" / "requests.jsonl").is_file()
