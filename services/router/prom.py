@@ -38,7 +38,11 @@ name                                                type       meaning
                                                                forgets, ``--forget-node-after-s``, leaves with its series)
 ``ei_router_inflight_requests``                     gauge      requests placed and not finished
 ``ei_router_split_epoch``                           gauge      epoch of the split the router applies
-``ei_router_live_nodes{phase}``                     gauge      nodes routable now (prefill / decode candidates)
+``ei_router_live_nodes{phase}``                     gauge      nodes routable now: prefill = prefill and collocated
+                                                               nodes, decode = decode-only nodes
+``ei_router_node_fences_total{node}``               counter    times the router fenced the node out: no ``node.state``
+                                                               within ``--fence-after-s``, or restarted (its state
+                                                               sequence went back: a worker killed and restarted)
 ==================================================  =========  ==========================================================
 
 ``ei_router_requests_finished_total``: every request the router accepted (placed) counts once
@@ -131,7 +135,15 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
     yield gauge_family("ei_router_split_epoch", "Epoch of the PD split the router applies", {(): float(view.epoch)})
     yield gauge_family(
         "ei_router_live_nodes",
-        "Nodes the router can place on now, by phase",
+        "Nodes the router can place on now, by phase: prefill = prefill and collocated (both) nodes, decode = "
+        "decode-only nodes (0 while every node is collocated)",
         {("prefill",): float(len(view.prefill_candidates(now))), ("decode",): float(len(view.decode_candidates(now)))},
         ["phase"],
+    )
+    yield counter_family(
+        "ei_router_node_fences",
+        "Times the router fenced a node out (placed nothing on it until it reported again): no node.state within "
+        "--fence-after-s, or restarted (its state sequence went back); every node the router knows, from 0",
+        {(rec.node,): float(rec.fence_events) for rec in view.nodes.values()},
+        ["node"],
     )

@@ -1,0 +1,48 @@
+"""The router's Prometheus families (``services/router/prom.py``) from a core, no HTTP."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.router.core import RouterCore
+from services.router.policy import make_policy
+from services.router.prom import router_families
+from shared.metrics import FuncCollector, make_registry
+
+from .helpers import state
+
+
+def scrape(core: RouterCore, now: float) -> dict[tuple[str, tuple], float]:
+    svc = SimpleNamespace(core=core, counters=Counter(), clock=SimpleNamespace(now=lambda: now))
+    reg = make_registry()
+    reg.register(FuncCollector(lambda: router_families(svc)))  # type: ignore[arg-type]
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(generate_latest(reg).decode())
+        for s in f.samples
+    }
+
+
+def test_a_fenced_node_is_counted_per_node_so_a_worker_killed_between_scrapes_shows():
+    """``kill -9`` of a worker that ``up`` restarts within a second: the router fences it (its state sequence went
+    back) and lets it back in at its next state, so between two 5-s scrapes ``ei_router_live_nodes`` never moved and
+    only ``GET /v1/cluster``'s ``fence_events`` and a log line said so. ``ei_router_node_fences_total{node}`` counts
+    every fence, silent or restarted, and every known node has its series from 0."""
+    c = RouterCore(make_policy("cache-aware"), block_size=4, fence_after=3.0)
+    c.apply_state(state("p1", seq=5), 0.0)
+    c.apply_state(state("d1", "decode", seq=5), 0.0)
+    fences = lambda m: {dict(k[1])["node"]: v for k, v in m.items() if k[0] == "ei_router_node_fences_total"}  # noqa: E731
+    assert fences(scrape(c, 0.0)) == {"p1": 0.0, "d1": 0.0}
+    c.apply_state(state("d1", "decode", seq=1), 1.0)  # a new process under d1's id
+    assert [f.node for f in c.check_fences(1.0)] == ["d1"]
+    c.apply_state(state("d1", "decode", seq=2), 1.5)  # back in
+    m = scrape(c, 1.5)
+    assert m[("ei_router_live_nodes", (("phase", "decode"),))] == 1.0  # the gauge no longer shows it ...
+    assert fences(m) == {"p1": 0.0, "d1": 1.0}  # ... the counter does
+    c.apply_state(state("p1", seq=6), 4.0)
+    assert [f.node for f in c.check_fences(4.6)] == ["d1"]  # silent since 1.5 > fence_after 3.0
+    assert fences(scrape(c, 4.6)) == {"p1": 0.0, "d1": 2.0}
