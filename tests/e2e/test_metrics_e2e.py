@@ -70,7 +70,9 @@ def test_dashboard_filters_every_query_by_its_variables_and_seconds_axes_draw_on
     # what a vLLM / Dynamo operator looks for first
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
     for name in ("ei_router_e2e_seconds_bucket", "ei_router_generation_tokens_total", "ei_router_cached_prompt_tokens_total",
-                 "ei_router_inter_token_latency_seconds_bucket", "ei_split_changes_total"):
+                 "ei_router_inter_token_latency_seconds_bucket", "ei_split_changes_total",
+                 # a worker killed mid-run: the requests it failed, and its fence (back within a second, between scrapes)
+                 "ei_router_requests_finished_total", "ei_router_node_fences_total"):
         assert name in exprs, name
     assert len(titles) == len(dash["panels"]) and len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
 
