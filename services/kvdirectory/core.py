@@ -72,6 +72,8 @@ class ApplyResult(Value):
     mismatched_block_sizes: list[int]
     """block_size of every rejected ``BlockStored`` (or snapshot) in the batch."""
     detail: str
+    """Why, in words, where the status alone misleads: a ``gap`` that is a restarted node (its sequence back
+    at 1) or a first contact past seq 1; "" otherwise."""
 
     __slots__ = __match_args__ = (
         "status", "node", "seq", "expected_seq", "need_resync", "blocks_stored", "blocks_removed",
@@ -395,10 +397,12 @@ class KvDirectory:
             if seq != 1:  # joined late, or batch 1 is late: buffer, wait for 1.. or a snapshot
                 self.counters["kv.gaps.first_contact"] += 1
                 st.awaiting = True
+                res.detail = f"first batch heard is seq {seq} (the node started before this directory, or its batch 1 is late)"
                 return self._buffer(st, batch, res, "gap")
         if seq == 1 and st.next_seq > 1 and (batch.ts > st.last_ts or batch.ts == 0.0):
             # publisher restarted (a late duplicate of batch 1 has an older ts): old state void
             self.counters["kv.seq_restarts"] += 1
+            res.detail = f"node restarted: its sequence went back to 1 after {st.next_seq - 1}; what it held before is void"
             st.awaiting = st.needs_snapshot = True
             st.next_seq = 1
             st.buffer.clear()

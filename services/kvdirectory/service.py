@@ -217,7 +217,10 @@ class DirectoryService(WatchedService):
                 expected=self.core.block_size,
             )
         if res.status == "gap":
-            self.log.warning("KV sequence gap; resync requested", node=batch.node, seq=batch.seq, expected=res.expected_seq)
+            if res.detail:  # a restarted node or a first contact: not a lost batch (core.ApplyResult.detail)
+                self.log.warning("KV sequence out of order; resync requested", node=batch.node, seq=batch.seq, reason=res.detail)
+            else:
+                self.log.warning("KV sequence gap; resync requested", node=batch.node, seq=batch.seq, expected=res.expected_seq)
         if res.need_resync:
             self._ensure_resync(batch.node)
         await self._maybe_flush()

@@ -320,6 +320,16 @@ def test_publisher_restart_needs_a_snapshot(d):
     restarted = KvEventBatch(node="w0", seq=1, ts=5.0, events=[st(P[:1])])
     r = d.apply_kv_batch(restarted, 5.0)
     assert r.status == "gap" and r.need_resync
+    # the directory's log line says why (it read "KV sequence gap; resync requested seq=1 expected=1" after a
+    # worker was killed -9 and restarted: a gap at the seq it expected); a plain lost batch has no detail
+    assert r.detail.startswith("node restarted") and "after 2" in r.detail, r.detail
+    lost = Feed(d)
+    lost.send("w1", st(P[:1]))
+    lost.batch("w1", st(P[1:2]))  # lost
+    r = d.apply_kv_batch(lost.batch("w1", st(P[2:3])), 5.0)
+    assert (r.status, r.expected_seq, r.detail) == ("gap", 2, "")
+    first = d.apply_kv_batch(KvEventBatch(node="w2", seq=7, ts=5.0, events=[st(P[:1])]), 5.0)
+    assert first.status == "gap" and "first batch heard is seq 7" in first.detail
     r = d.apply_kv_batch(KvEventBatch(node="w0", seq=2, ts=5.0, events=[st(P[1:2])]), 5.0)
     assert r.status == "buffered"  # only a snapshot can end a restart
     r = d.apply_snapshot(KvSnapshot(node="w0", seq=1, block_size=BS, gpu=P[:1], gpu_parents=[None]), 6.0)
