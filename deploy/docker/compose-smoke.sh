@@ -32,6 +32,11 @@ COMPOSE="docker-compose -p eismoke"
 D=$(mktemp -d /tmp/ei-docker.XXXXXX)
 export DOCKER_HOST=unix://$D/docker.sock
 log() { echo "[compose-smoke $(date +%H:%M:%S)] $*"; }
+if [ -n "${EI_IMAGE:-}" ]; then  # renamed EI_IMAGE_REPO; compose passes it on, and the auth job refuses a stack that has it
+    log "EI_IMAGE=$EI_IMAGE is no longer read (renamed EI_IMAGE_REPO, the repository without a tag; the tag is EI_TARGET);" \
+        "this smoke builds and runs its own image $EI_IMAGE_REPO:$EI_TARGET and unsets EI_IMAGE"
+    unset EI_IMAGE
+fi
 
 cleanup() {
     set +e

@@ -13,6 +13,8 @@
 #   EI_CREDS_OUT   auth: folders router, planner, kvdirectory, launcher, workers, each another service's /creds;
 #                  auth copies the clock origin and that identity's seed(s) into each   default /creds-out
 #   EI_NATS_AUTH   nkeys (default) | off (NATS open inside the compose network)
+#   EI_IMAGE       no longer read (renamed EI_IMAGE_REPO): auth refuses to start a stack while it is set (status 2)
+#   EI_IMAGE_REPO, EI_TARGET  the image compose runs (REPO:TARGET), passed in by docker-compose.yml for auth's messages
 #   EI_CLOCK_ORIGIN  set here from $EI_CREDS_DIR/clock_origin (written by the auth job) unless given
 #   EI_POLICY      serving system, as `evolving-infra up --policy`: evolving | static[:xPyD] | dynamo | arrow
 #                  (default evolving); each service gets its part from `evolving-infra deploy-args`, up's own code
@@ -128,6 +130,16 @@ case "$role" in
     # the system every service will run, checked once here, before NATS: a refused EI_POLICY, SPLIT or model
     # ends this one-shot job (status 2, one line; compose: "service auth didn't complete successfully") instead
     # of every service exiting 2 and being restarted (restart: on-failure) without end
+    if [ -n "${EI_IMAGE:-}" ]; then  # compose passes it (docker-compose.yml) so that this can say so
+        # EI_IMAGE (REPO:TAG) became EI_IMAGE_REPO + EI_TARGET: a stack started with EI_IMAGE set ran the default
+        # image without a word; the value split as the two new variables (a registry's port is no tag)
+        repo=$EI_IMAGE tag=""
+        case ${EI_IMAGE##*/} in *:*) repo=${EI_IMAGE%:*} tag=${EI_IMAGE##*:} ;; esac
+        echo "auth: EI_IMAGE=$EI_IMAGE is no longer read (renamed EI_IMAGE_REPO: the repository, without a tag; the" \
+            "tag is EI_TARGET, sim or torch): this stack runs ${EI_IMAGE_REPO:-evolving-infra}:${EI_TARGET:-sim};" \
+            "unset EI_IMAGE and set EI_IMAGE_REPO=$repo${tag:+ (its tag $tag: EI_TARGET=sim or torch, the image's variant)}" >&2
+        exit 2
+    fi
     case $AUTH in  # every role tests `!= off`: another value (password, a typo) ran nkeys without a word
       nkeys|off) ;;
       *) echo "auth: EI_NATS_AUTH=$AUTH: nkeys (per-service credentials, the default) or off (NATS open inside the" \
