@@ -5,10 +5,12 @@ validates it against its node list and, when it fits, publishes the split under
 a new epoch on ``split.commands`` and replies with that command. ``split get``
 asks ``split.get``. Without ``--nats-url`` (or ``EI_NATS_URL``) the NATS server is the one of the running
 ``evolving-infra up`` cluster (its state file, :mod:`evolving_infra.state`). Nothing is
-retried past ``--timeout``. Exit status: 0 on success, 1 when the planner refused the
-split (the reason is printed), 2 when no cluster is found, NATS refused the credentials
-(or wanted some and none were given), the identity may not publish the request's subject,
-no planner answered or the input is malformed.
+retried past ``--timeout``. Exit status (:data:`EXIT_STATUSES`): 0 on success; 1 when the
+planner refused for now (it is starting: the same ``split set`` may succeed in a few seconds);
+2 when the planner refused the split itself (it does not cover the cluster's nodes, 0 prefill
+or decode nodes: the user's error, as every usage error), the input is malformed, no cluster
+is found, NATS refused the credentials (or wanted some and none were given), the identity may
+not publish the request's subject, or no planner answered. The reason is printed on stderr.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ from shared.auth import AuthError, redact_url
 from shared.bus import Bus, BusError, NoCredentials, PermissionDenied
 from shared.split import split_name
 from shared.subjects import SPLIT_GET, SPLIT_SET, Subjects
+
+EXIT_STATUSES = (
+    "exit status: 0 ok; 1 the planner refused for now (it is starting; try again in a few seconds); 2 the planner "
+    "refused the split (it does not cover the cluster's nodes), a malformed SPLIT or --timeout, no running cluster "
+    "or NATS server found, credentials refused or not allowed the subject, or no planner answered"
+)
+"""``split get|set``'s exit statuses, the end of their ``--help`` (and the module docstring's)."""
 
 _SPEC = re.compile(r"^\s*(\d+\s*[pP]\s*\d+\s*[dD]|collocated|both|agg|aggregated)\s*$", re.IGNORECASE)
 
@@ -81,9 +90,9 @@ async def _run(args: argparse.Namespace) -> int:
         return 2
     finally:
         await bus.close()
-    if not reply.ok or reply.command is None:
+    if not reply.ok or reply.command is None:  # the user's split (2, a usage error), or not yet (1: try again)
         print(f"error: planner refused split {args.split!r}: {reply.error}", file=sys.stderr)
-        return 1
+        return 1 if reply.retry else 2
     _print_command(reply.command, args.json)
     return 0
 
@@ -112,10 +121,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Ask the planner of a live cluster for its split (get) or to adopt one now (set). The planner checks "
         "the split against its nodes and publishes it under a new epoch; its policy then plans from that split "
         "(the evolving planner restarts its cooldown).",
+        epilog=EXIT_STATUSES,
     )
     ss = p.add_subparsers(dest="split_command", metavar="ACTION", required=True)
     for name, help_text in (("get", "print the current split and epoch"), ("set", "adopt a split now, e.g. `split set 4P5D`")):
-        q = ss.add_parser(name, help=help_text)
+        q = ss.add_parser(name, help=help_text, epilog=EXIT_STATUSES)
         if name == "set":
             q.add_argument("split", metavar="SPLIT", help="xPyD (x prefill + y decode nodes = all nodes) or 'collocated'")
             q.add_argument("--reason", default="operator", help="reason recorded with the decision")

@@ -551,6 +551,11 @@ class SplitSetReply(Msg, frozen=True, kw_only=True):
     """Why the split was refused (malformed, wrong node count ...)."""
     command: SplitCommand | None = None
     """The new split command (new epoch) when ``ok``."""
+    retry: bool = False
+    """Refused for now, not for the split asked: the planner is starting (it has not read the split the
+    nodes serve yet) and the same request may succeed in a few seconds. False on a refusal of the split
+    itself (malformed, not covering the cluster's nodes): the asker's error. ``evolving-infra split set``
+    exits 1 on a refusal with ``retry``, 2 on one without (a usage error)."""
 
 
 # --------------------------------------------------------------------------- #

@@ -310,10 +310,10 @@ class PlannerService(WatchedService):
         now = self.clock.now()
         try:
             cmd = self.core.set_split(req.split, now, reason=req.reason or "operator")
-        except (SplitError, ValueError) as e:
+        except ValueError as e:  # SplitError (the split does not fit: the asker's), or still starting (retry)
             self.counters["split.set.refused"] += 1
             self.log.warning("split set refused", split=req.split, error=str(e))
-            return m.SplitSetReply(ok=False, error=str(e))
+            return m.SplitSetReply(ok=False, error=str(e), retry=not isinstance(e, SplitError))
         self.counters["split.set.ok"] += 1
         await self.bus.publish(SPLIT_COMMANDS, cmd)
         self.log.info("split set by operator", split=self.core.split, epoch=cmd.epoch)

@@ -283,7 +283,7 @@ async def test_split_set_new_epoch_and_refusals(nats_url, capsys):
         rc, out, _ = await cli("set", "1P3D", "--nats-url", nats_url)
         assert rc == 0 and "epoch 3: 1P3D" in out
         rc, _, err = await cli("set", "5P5D", "--nats-url", nats_url)
-        assert rc == 1 and "refused" in err and "covers 10 nodes" in err
+        assert rc == 2 and "refused" in err and "covers 10 nodes" in err  # the user's split: a usage error (was 1)
         # malformed input never reaches the bus; `get` prints the current command
         assert split_cli.cmd_split(argparse.Namespace(split_command="set", split="lots-of-prefill", timeout=5.0)) == 2
         ns = argparse.Namespace(split_command="get", nats_url=nats_url, partition="p0", timeout=5.0, json=True)

@@ -1,0 +1,86 @@
+"""``split set`` refusals: the planner's reply says whether the split itself was refused (the user's
+error: ``split set`` exits 2, as every usage error) or only refused for now (the planner is starting:
+exit 1, try again). Before, ``split set 5P1D`` on 4 nodes exited 1, as a runtime failure."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from shared import messages as m
+from shared.split import SplitError, split_phases
+
+
+class _Refusing:
+    """What ``PlannerService._on_set`` touches, with a core whose ``set_split`` raises ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        def set_split(spec: str, now: float, reason: str) -> None:
+            raise error
+
+        self.core = SimpleNamespace(adopting=False, set_split=set_split)
+        self.clock = SimpleNamespace(now=lambda: 0.0)
+        self.counters = {"split.set.refused": 0}
+        self.log = SimpleNamespace(warning=lambda *a, **k: None)
+
+
+def _refusal(error: Exception) -> m.SplitSetReply:
+    from services.planner.service import PlannerService
+
+    return asyncio.run(PlannerService._on_set(_Refusing(error), m.SplitSetRequest(split="5P1D"), "split.set"))  # type: ignore[arg-type]
+
+
+def test_the_planner_says_which_refusals_are_worth_a_retry() -> None:
+    try:
+        split_phases("5P1D", ["w0", "w1", "w2", "w3"])
+    except SplitError as e:
+        misfit = e
+    reply = _refusal(misfit)
+    assert (reply.ok, reply.retry) == (False, False) and "covers 6 nodes but the cluster has 4" in (reply.error or "")
+    reply = _refusal(ValueError("the planner is starting: ...; try again in a few seconds"))
+    assert (reply.ok, reply.retry) == (False, True)
+
+
+class _Bus:
+    def __init__(self, reply: m.SplitSetReply) -> None:
+        self.reply = reply
+
+    async def request(self, *a: Any, **k: Any) -> m.SplitSetReply:
+        return self.reply
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("retry, status", [(False, 2), (True, 1)])
+def test_split_set_exits_2_on_a_refused_split_and_1_on_a_refusal_for_now(
+    retry: bool, status: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    from evolving_infra import split_cli
+
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path))
+    for var in ("EI_NATS_CREDS", "EI_NATS_USER", "EI_NATS_PASSWORD", "EI_NATS_AUTH"):
+        monkeypatch.delenv(var, raising=False)
+    reply = m.SplitSetReply(ok=False, error="split '5P1D' covers 6 nodes but the cluster has 4", retry=retry)
+
+    async def connect(*a: Any, **k: Any) -> _Bus:
+        return _Bus(reply)
+
+    monkeypatch.setattr(split_cli.Bus, "connect", connect)
+    args = argparse.Namespace(split_command="set", split="5P1D", reason="operator", nats_url="nats://127.0.0.1:4222",
+                              partition="p0", timeout=5.0, json=False, nats_creds="")
+    assert asyncio.run(split_cli._run(args)) == status
+    assert capsys.readouterr().err == "error: planner refused split '5P1D': split '5P1D' covers 6 nodes but the cluster has 4\n"
+
+
+def test_split_set_help_lists_its_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
+    from evolving_infra.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser("split").parse_args(["split", "set", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "exit status: 0 ok; 1 the planner refused for now" in text and "2 the planner refused the split" in text
