@@ -319,6 +319,12 @@ class PlannerCore:
             if set(d.phases) != set(self.nodes):
                 raise ValueError(f"policy {self.policy.name} returned phases for {sorted(d.phases)}, nodes are {self.nodes}")
             cmd = self._adopt(d.phases, now, d.reason)
+        take_note = getattr(self.policy, "take_split_note", None)
+        note = take_note() if take_note is not None else None
+        if cmd is None and note and note != self.command.reason:
+            # same phases, same epoch, a truer reason (a warm-up extended): split.get answers it and the next
+            # announcement carries it to the routers; nothing switches, no split change is counted
+            self.command = msgspec.structs.replace(self.command, reason=note)
         self._collect_decisions()
         return cmd
 

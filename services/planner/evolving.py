@@ -435,6 +435,14 @@ class EvolvingPlanner(PolicyBase):
         if missing and not priors:  # issue 21 (llm-d-autoscaling #1212): never freeze, never switch on the priors alone
             self.warmup_end = now + self.p.no_data_retry_s
             self.expected = dict(phases)
+            kept = (
+                "every node serves both phases" if all(p == "both" for p in phases.values())
+                else f"in the split the cluster serves ({split_name(phases)})"
+            )
+            self._split_note = (
+                f"warm-up: {kept} until t={self.warmup_end:.0f}s to fit the iteration-time models "
+                f"(extended: {missing}{'; ' + reason if reason else ''})"
+            )
             self._decide(
                 now,
                 "no_switch",

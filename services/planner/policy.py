@@ -145,6 +145,7 @@ class PolicyBase:
         self._seq = 0
         self.switches = 0
         """Decisions returned that changed the phase map."""
+        self._split_note: str | None = None
 
     # -- default no-op inputs --------------------------------------------- #
 
@@ -165,6 +166,14 @@ class PolicyBase:
     def take_decisions(self) -> list[PlannerDecision]:
         """Drain the decisions made since the last call (every evaluation, switch or not)."""
         out, self._outbox = self._outbox, []
+        return out
+
+    def take_split_note(self) -> str | None:
+        """A new reason for the split this policy keeps (phases unchanged), set since the last call, or None:
+        the evolving planner's warm-up extended for want of data, whose split said "until t=180s" while the
+        warm-up went on. The planner core puts it in its current command (same epoch), which ``split get``
+        answers and every announcement carries to the routers (``GET /v1/cluster``'s ``split_reason``)."""
+        out, self._split_note = self._split_note, None
         return out
 
     def models(self) -> Any:

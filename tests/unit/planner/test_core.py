@@ -101,6 +101,31 @@ def test_evolving_core_publishes_epochs_decisions_and_models():
     assert [e.action for e in evs] == ["warmup", "switch"] and [e.epoch for e in evs] == [2, 3]
 
 
+def test_a_warm_up_extended_for_want_of_data_says_so_in_the_split_the_planner_answers():
+    """`up`, then nothing sent for a while: the warm-up's end came with no iteration records, the planner extended
+    it (its log: "warm-up extended to t=780s"), yet `split get` and the router's /v1/cluster kept saying "until
+    t=60s" (the command's reason), long past t=60. The core's current command, same epoch and phases, now carries
+    the extended end; nothing switches and no split change is counted."""
+    pol = make_planner("evolving", NODES, GB, t_learn_s=60.0, window_s=600.0, sample_interval_s=0.0)
+    core = PlannerCore(NODES, "2P2D", policy=pol)
+    cmd = core.tick(0.0)
+    assert cmd is not None and cmd.epoch == 2 and "until t=60s" in cmd.reason
+    for n in NODES:
+        core.on_split_applied(SplitApplied(epoch=2, node=n, phase="both", status="serving"), 2.0)
+    switches = core.switches
+    assert core.tick(60.0) is None  # no records: not frozen, no new command
+    now = core.command
+    assert (now.epoch, split_name(now.phases), core.switches) == (2, "collocated", switches)
+    end = pol.warmup_end
+    assert end > 60.0 and f"until t={end:.0f}s" in now.reason and "extended: no data" in now.reason, now.reason
+    assert now.reason.startswith("warm-up: every node serves both phases")
+    assert core.on_foreign_command(cmd, 61.0, 1000) is None  # the old text's echo is still its own
+    for n in NODES:  # data arrives: the next check freezes and serves 2P2D, with its own reason
+        core.add_records(IterationRecords(node=n, records=records(100, GB.prefill, GB.decode, seed=1)), end - 1.0)
+    cmd = core.tick(end)
+    assert cmd is not None and cmd.epoch == 3 and split_name(cmd.phases) == "2P2D" and "extended" not in cmd.reason
+
+
 def test_foreign_split_command_is_overridden_above_its_epoch():
     """The planner alone issues epochs: a forged command at an epoch ≥ the planner's is
     answered by the planner's own split one epoch above it; the operator's next split is
