@@ -95,7 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "compare",
         help="side-by-side HTML, overlaid CDFs and a metric table with ratios to the first run",
         description="Compare runs: writes OUT/compare.html (self-contained), OUT/compare_*.png and OUT/compare.json; "
-        "ratios are value / value of the first RUN_DIR.",
+        "ratios are value / value of the first RUN_DIR. A run is labelled 'FOLDER (POLICY)', POLICY its simulate --label "
+        "(default its policy set), else the policy set a demo ran, else the command that made it (replay); a folder named "
+        "after it (a sweep's static_4P5D) is labelled by it alone.",
     )
     c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=folder)
     c.add_argument("--out", default="compare-out", type=folder, help="output directory (default compare-out)")

@@ -10,6 +10,7 @@ the first run is the reference.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,26 @@ _MORE_ROWS: tuple[tuple[str, bool | None], ...] = (
 )
 
 
+def run_label(folder: str, meta: Mapping[str, Any]) -> str:
+    """A run's label in a comparison: ``folder (what)``, ``what`` its ``meta.label`` (``simulate``:
+    ``--label``, else its policy set; ``fidelity``: live / sim), else the policy set it ran
+    (``meta.policy.name``: ``demo``), else the command that made it (``replay``: the cluster's policy
+    is not recorded); the folder alone when it is named after ``what`` (a sweep's ``static_4P5D``
+    of ``static:4P5D``: then ``what``) or nothing names it. Before, a simulated run was labelled
+    by its policy alone and a live one by its folder alone: two runs of one policy read the same,
+    and a live run's policy not at all."""
+    policy = meta.get("policy")
+    what = meta.get("label") or (policy.get("name") if isinstance(policy, Mapping) else None) or meta.get("command")
+    if not what:
+        return folder
+    what = str(what)
+    if re.sub(r"[^A-Za-z0-9._@-]+", "_", what) == folder:  # ``sim.sweep.safe_dir``: the folder is named after it
+        return what
+    return f"{folder} ({what})"
+
+
 def load_runs(dirs: Sequence[Path]) -> list[RunData]:
-    """Each run directory as :class:`RunData`; labels from ``meta.label`` or the directory name, made unique.
+    """Each run directory as :class:`RunData`, labelled by :func:`run_label`, made unique.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`evolving_infra.report.write.load_run`.
@@ -60,7 +79,7 @@ def load_runs(dirs: Sequence[Path]) -> list[RunData]:
     seen: dict[str, int] = {}
     for d in dirs:
         report, records = load_run(Path(d))
-        label = str((report.get("meta") or {}).get("label") or Path(d).resolve().name)
+        label = run_label(Path(d).resolve().name, report.get("meta") or {})
         n = seen.get(label, 0)
         seen[label] = n + 1
         if n:

@@ -401,7 +401,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--out", default="simulate-out", type=folder,
                    help="output directory (report.json, requests.jsonl, plots; created when they are written; default simulate-out, "
                    "as demo-out, replay-out and fidelity-out)")
-    o.add_argument("--label", default=None, help="run label in comparisons (default: the policy set)")
+    o.add_argument("--label", default=None, help="what names the run in comparisons, as 'OUT (LABEL)' (default: the policy set)")
     o.add_argument("--no-plots", action="store_true", help="no plots: report.json, requests.jsonl and decisions.jsonl only (a sweep's compare/ has "
                    "compare.json and compare.html's table, no PNGs)")
     o.add_argument("--sweep", nargs="+", metavar="KIND",

@@ -419,3 +419,23 @@ def test_the_page_labels_every_metric_key_and_the_live_ttft_split_is_with_ttft_n
                 "out_of_service_node_s", "switch_drain_mean_s", "switch_downtime_mean_s", "switch_downtime_node_s",
                 "switch_requeued", "ttft_prediction_abs_error_median_all_s")
     assert [k for k in sim_keys if label_of(k) == k] == []
+
+
+def test_compare_labels_simulated_and_live_runs_alike_folder_and_policy(tmp_path: Path):
+    """``report compare`` labelled a simulated run by its policy alone (two of them in different folders:
+    'evolving' and 'evolving (2)') and a live one by its folder alone (its policy nowhere). Now every run
+    is ``folder (policy)``; a folder named after it (a sweep's ``static_1P2D``) is the policy alone."""
+    from evolving_infra.report.compare import load_runs
+
+    runs = [
+        make_run(tmp_path, "simulate-out", plots=False, command="simulate", label="evolving", policy={"name": "evolving"}),
+        make_run(tmp_path / "b", "simulate-out", plots=False, command="simulate", label="dynamo", policy={"name": "dynamo"}),
+        make_run(tmp_path, "demo-out", plots=False, command="demo", label=None, policy={"name": "evolving"}),
+        make_run(tmp_path, "replay-out", plots=False, command="replay", label=None),
+        make_run(tmp_path, "static_1P2D", plots=False, command="simulate", label="static:1P2D"),
+        make_run(tmp_path, "mine", plots=False, command="simulate", label="fast one"),
+    ]
+    assert [r.label for r in load_runs(runs)] == [
+        "simulate-out (evolving)", "simulate-out (dynamo)", "demo-out (evolving)", "replay-out (replay)", "static:1P2D",
+        "mine (fast one)",
+    ]
