@@ -16,7 +16,6 @@ import threading
 from contextlib import AsyncExitStack
 from typing import Any
 
-import msgspec
 import pytest
 
 from shared import messages as m
