@@ -37,6 +37,10 @@ if [ -n "${EI_IMAGE:-}" ]; then  # renamed EI_IMAGE_REPO; compose passes it on, 
         "this smoke builds and runs its own image $EI_IMAGE_REPO:$EI_TARGET and unsets EI_IMAGE"
     unset EI_IMAGE
 fi
+if [ "${EI_ENGINE:-sim}" != sim ]; then  # compose passes it on: the auth job would refuse it on the sim image, after the build
+    log "EI_ENGINE=$EI_ENGINE: this smoke builds and runs the sim image ($EI_IMAGE_REPO:$EI_TARGET), which serves EI_ENGINE=sim only"
+    exit 2
+fi
 
 cleanup() {
     set +e
@@ -100,7 +104,8 @@ if ! "$PY" -m pip install --dry-run --quiet --no-index --find-links deploy/docke
     own_wheel  # wheelhouse.sh built this checkout's wheel with the build's timestamps
 fi
 log "docker build (base $BASE_IMAGE, offline from the wheelhouse)"
-$DOCKER build -q --network none --target sim --build-arg BASE_IMAGE="$BASE_IMAGE" -f deploy/docker/Dockerfile -t "$EI_IMAGE_REPO:$EI_TARGET" . >/dev/null
+# tagged $EI_IMAGE_REPO:sim and $EI_IMAGE_REPO:<version>-sim, as build.sh tags every image
+DOCKER=$DOCKER deploy/docker/build.sh "$EI_TARGET" -q --network none >/dev/null
 # the image this tag named before (another checkout's wheel) is now untagged: ~780 MB each in $DATA, which held
 # 12 of them (5.9 GB) after a day of runs; layers the new image shares (the base, the venv) stay
 $DOCKER image rmi evolving-infra:smoke >/dev/null 2>&1 || true  # this script's tag before REPO:TARGET (~780 MB kept)

@@ -14,7 +14,9 @@
 #                  auth copies the clock origin and that identity's seed(s) into each   default /creds-out
 #   EI_NATS_AUTH   nkeys (default) | off (NATS open inside the compose network)
 #   EI_IMAGE       no longer read (renamed EI_IMAGE_REPO): auth refuses to start a stack while it is set (status 2)
-#   EI_IMAGE_REPO, EI_TARGET  the image compose runs (REPO:TARGET), passed in by docker-compose.yml for auth's messages
+#   EI_IMAGE_REPO, EI_TARGET  the image compose runs (REPO:TARGET; TARGET sim, torch, or pinned VERSION-sim,
+#                  VERSION-torch), passed in by docker-compose.yml: auth refuses an EI_ENGINE of the other variant
+#                  (status 2) and names the image to start
 #   EI_CLOCK_ORIGIN  set here from $EI_CREDS_DIR/clock_origin (written by the auth job) unless given
 #   EI_POLICY      serving system, as `evolving-infra up --policy`: evolving | static[:xPyD] | dynamo | arrow
 #                  (default evolving); each service gets its part from `evolving-infra deploy-args`, up's own code
@@ -145,12 +147,30 @@ case "$role" in
       *) echo "auth: EI_NATS_AUTH=$AUTH: nkeys (per-service credentials, the default) or off (NATS open inside the" \
              "compose network); up's password mode is its embedded server's only" >&2; exit 2 ;;
     esac
+    # the image's variant (compose's EI_TARGET: sim or torch, after a pinned version's VERSION-) against EI_ENGINE,
+    # before deploy-args: a torch stack on the sim image failed there with deploy-args's "pip install" advice (not
+    # the fix in a container), and EI_TARGET=torch without EI_ENGINE=torch served the sim engine without a word
+    repo=${EI_IMAGE_REPO:-evolving-infra} target=${EI_TARGET:-}
+    pin="" variant=$target
+    case $target in *-*) pin=${target%-*}- variant=${target##*-} ;; esac
+    if [ "$ENGINE" = torch ] && [ "$variant" = sim ]; then
+        echo "auth: EI_ENGINE=torch but EI_TARGET=$target: the sim image ($repo:$target) has no torch engine; build and" \
+            "start the stack with EI_TARGET=${pin}torch (image $repo:${pin}torch), e.g. EI_TARGET=${pin}torch EI_ENGINE=torch" \
+            "MODEL_DIR=/path/to/hf-model docker compose up" >&2
+        exit 2
+    fi
+    if [ "$ENGINE" = sim ] && [ "$variant" = torch ]; then
+        echo "auth: EI_TARGET=$target (the torch image, $repo:$target) but EI_ENGINE=sim: the stack would serve the" \
+            "simulated engine, not a model; set EI_ENGINE=torch and MODEL_DIR=/path/to/hf-model, or EI_TARGET=${pin}sim" \
+            "for the sim engine" >&2
+        exit 2
+    fi
     if ! resolved=$(deploy_args env); then
-        # the sim image (docker-compose.yml tags it evolving-infra:sim; the torch one evolving-infra:torch) has no
-        # torch: deploy-args's "pip install" advice is not the fix in a container
+        # no EI_TARGET (the image started without compose) and no torch: the sim image; deploy-args's "pip install"
+        # advice is not the fix in a container
         if [ "$ENGINE" = torch ] && ! python -c 'import torch' >/dev/null 2>&1; then
             echo "auth: EI_ENGINE=torch in an image without the torch engine (the sim target): build and start the" \
-                "stack with EI_TARGET=torch (image evolving-infra:torch), e.g. EI_TARGET=torch EI_ENGINE=torch docker compose up" >&2
+                "stack with EI_TARGET=torch (image $repo:torch), e.g. EI_TARGET=torch EI_ENGINE=torch docker compose up" >&2
         fi
         exit 2
     fi
