@@ -615,7 +615,11 @@ class NodeLoadView(Value):
             if rec.state is None:
                 parts.append(f"{rec.node}: no state reported")
             elif self.is_stale(rec, now):
-                parts.append(f"{rec.node}: fenced (last state {now - (rec.last_seen if rec.last_seen is not None else now):.1f}s ago)")
+                age = now - (rec.last_seen if rec.last_seen is not None else now)
+                if age <= self.fence_after:  # fenced although it reported within the fence time: a new process
+                    parts.append(f"{rec.node}: fenced (restarted: its state sequence went back; let back in at its next state)")
+                else:  # ages and the fence time are on the state clock: simulated s under --speedup
+                    parts.append(f"{rec.node}: fenced (no state for {age:.1f} s, past the fence time of {self.fence_after:.1f} s, cluster clock)")
             elif not rec.state.accepting:
                 parts.append(f"{rec.node}: not accepting (draining)")
             elif rec.split_phase is not None and rec.split_phase != rec.state.phase:

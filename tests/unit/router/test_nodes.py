@@ -157,6 +157,25 @@ def test_routable_reasons():
     assert [s["node"] for s in snap] == ["c", "p"] and snap[0]["fenced"] is True
 
 
+def test_a_fenced_node_s_reason_says_restarted_or_silent_with_the_fence_time_in_the_same_unit():
+    """After ``kill -9`` of a worker ``up`` restarted, /health said "w1: fenced (last state 41.6s ago)" 0.9 wall s
+    after the kill, beside ``fence_after_s: 3.0`` in /v1/cluster: the age was simulated s (speedup 50), the fence
+    time wall s, and the node was fenced for its restart, not its silence. The reason now says which, and gives
+    the age with the fence time on the same clock."""
+    v = view(fence_after=150.0)  # a router at --speedup 50: 3 wall s
+    v.apply_state(state("d", "decode", seq=9), 0.0)
+    v.apply_state(state("p", "prefill", seq=9), 0.0)
+    v.apply_state(state("d", "decode", seq=1), 40.0)  # a new process under d's id
+    assert [f.node for f in v.check_fences(41.6)] == ["d"]
+    ok, reason = v.routable(41.6)
+    assert not ok and "d: fenced (restarted" in reason and "41.6" not in reason, reason
+    v.apply_state(state("d", "decode", seq=2), 42.0)  # back in at its next state
+    assert v.routable(42.0) == (True, "")
+    v.apply_state(state("p", "prefill", seq=10), 199.0)
+    ok, reason = v.routable(200.0)  # d silent since 42
+    assert not ok and "d: fenced (no state for 158.0 s, past the fence time of 150.0 s" in reason, reason
+
+
 def test_fence_after_must_be_positive():
     with pytest.raises(ValueError):
         NodeLoadView(fence_after=0)
