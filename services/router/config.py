@@ -10,6 +10,13 @@ from msgspec import Meta
 from shared.config import CommonConfig
 
 
+
+LOOKUP_TIMEOUT_HINT = "--lookup-timeout-s / EI_LOOKUP_TIMEOUT_S (wall seconds, not scaled by --speedup)"
+"""Named in the router's 'kv.lookup failed' warning: which setting the timeout it ran out was, and its clock (a
+demo at --speedup 50 on a host at load ~6 logged the warning with only 'TimeoutError': 0.5 wall s, 25 s of the
+cluster clock)."""
+
+
 class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Settings of the router service (HTTP ingress + routing)."""
 
@@ -115,7 +122,9 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         ),
     ] = 30.0
     lookup_timeout_s: Annotated[
-        float, Meta(gt=0, description="wall seconds to wait for the directory's kv.lookup reply before routing without cache info")
+        float, Meta(gt=0, description="wall seconds to wait for the directory's kv.lookup reply before routing without cache "
+                    "info; not scaled by --speedup: it bounds a round trip that takes wall time (a few ms; more on a "
+                    "CPU-starved host), and a request that waits it out waits that x --speedup in router-clock seconds")
     ] = 0.5
     split_get_timeout_s: Annotated[
         float, Meta(ge=0, description="wall seconds to keep asking the planner (split.get) at start before using node-reported phases")

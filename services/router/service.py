@@ -91,7 +91,7 @@ from shared.subjects import (
 from services.router import api
 from services.router.ingress import IngressGuard, guarded_h11, load_api_keys
 from services.router.branches import BranchError, BranchTable
-from services.router.config import RouterConfig
+from services.router.config import LOOKUP_TIMEOUT_HINT, RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
 from services.router.faults import continuation
 from services.router.nodes import kv_blocks
@@ -2043,7 +2043,8 @@ class RouterService(WatchedService):
             self.counters["lookups_failed"] += 1
             if self._lookup_ok:
                 self._lookup_ok = False
-                self.log.warning("kv.lookup failed; routing without cache information", error=str(e))
+                self.log.warning("kv.lookup failed; routing without cache information", error=str(e),
+                                 timeout_s=self.cfg.lookup_timeout_s, setting=LOOKUP_TIMEOUT_HINT)
             return None, "failed"
         finally:
             if span is not None:
