@@ -13,7 +13,9 @@ name                                       type       meaning
                                                       from its start); ``_count`` = node switches done (a node
                                                       the split leaves in its phase is not counted)
 ``ei_split_switch_drain_seconds``          histogram  of that, draining the node's running requests
-``ei_planner_decisions_total``             counter    planner decisions published (keep or switch)
+``ei_planner_decisions_total{action}``     counter    planner decisions published, by action: ``switch``,
+                                                      ``no_switch`` (kept; also a warm-up extended for want of
+                                                      data), ``skip``, ``warmup``, ``adopt``
 =========================================  =========  =============================================================
 """
 
@@ -25,7 +27,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
-from shared.metrics import counter_family, gauge_family
+from shared.metrics import by_prefix, counter_family, gauge_family
+
+DECISION_ACTIONS = ("switch", "no_switch", "skip", "warmup", "adopt")
+"""``PlannerDecision.action`` values (``shared/messages.py``), each a series of ``ei_planner_decisions_total``."""
 
 if TYPE_CHECKING:
     from services.planner.service import PlannerService
@@ -44,4 +49,11 @@ def planner_families(svc: "PlannerService") -> Iterator[Metric]:
     )
     yield gauge_family("ei_split_epoch", "Epoch of the current split command", {(): float(cmd.epoch)})
     yield counter_family("ei_split_changes", "Split changes the planner decided (policy or operator)", {(): float(svc.core.switches)})
-    yield counter_family("ei_planner_decisions", "Planner decisions published (keep or switch)", {(): float(svc.counters["decisions"])})
+    actions = {(a,): 0.0 for a in DECISION_ACTIONS}  # every action from 0: rate() sees its first increase
+    actions.update(by_prefix(svc.counters, "decisions."))
+    yield counter_family(
+        "ei_planner_decisions",
+        "Planner decisions published, by action: switch, no_switch (split kept; also a warm-up extended for want of "
+        "data), skip (busy, cooldown, too little data), warmup, adopt (the split the nodes serve, at start)",
+        actions, ["action"],
+    )

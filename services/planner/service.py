@@ -230,6 +230,8 @@ class PlannerService(WatchedService):
     async def _flush(self) -> None:
         for d in self.core.take_decisions():
             self.counters["decisions"] += 1
+            key = f"decisions.{d.action}"
+            self.counters[key] = self.counters.get(key, 0) + 1
             self.log.info(
                 "[decision]",
                 action=d.action,

@@ -372,4 +372,10 @@ async def test_the_switch_histogram_counts_phase_switches_not_confirmations_of_a
         await until(all_seen, what="the switches in the histogram")
         assert got["ei_split_switch_seconds_count"] == 2 and got["ei_split_switch_seconds_sum"] == pytest.approx(2.5), got
         assert got["ei_split_switch_drain_seconds_count"] == 2 and got["ei_split_switch_drain_seconds_sum"] == pytest.approx(1.5), got
+        # decisions by action (the operator's split set is a switch; every action has its series from 0)
+        async with httpx.AsyncClient(timeout=5) as http:
+            text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+        by_action = {smp.labels["action"]: smp.value for f in text_string_to_metric_families(text)
+                     if f.name == "ei_planner_decisions" for smp in f.samples}
+        assert by_action["switch"] >= 1 and {"no_switch", "skip", "warmup", "adopt"} <= set(by_action), by_action
     await c.bus.close()
