@@ -14,8 +14,13 @@
 # run's dockerd until it exits), so that a later run reuses the image layers; a run that finds it held
 # takes its own data root in the mktemp folder, built from scratch and removed at exit. EI_DOCKER_DATA=DIR
 # names the shared one (default $EI_CACHE/docker-data); the base image's tar is written once, by rename.
-# One path stays per checkout: the build context's deploy/docker/wheelhouse, where each run writes the
-# checkout's wheel (the Dockerfile copies that folder): run two at once from two checkouts.
+# A run killed outright (SIGKILL: no cleanup) leaves its dockerd holding the lock: a later run that finds the
+# run named in $EI_DOCKER_DATA.owner gone, and that run's own dockerd still holding the lock, stops that engine
+# (compose down, TERM, KILL after 30 s) and takes the shared root. The cleanup stops this run's dockerd whether or
+# not its socket appeared (EI_SMOKE_DOCKERD_WAIT_S, default 20, is how long the run waits for it). The build
+# context's deploy/docker/wheelhouse is per checkout (each run writes the checkout's wheel there and the
+# Dockerfile copies it): runs from one checkout take turns on it (a lock on the folder, from the wheel to the
+# end of docker build); the rest of such runs goes on at once.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -29,8 +34,6 @@ export EI_IMAGE_REPO=evolving-infra-smoke EI_TARGET=sim BASE_IMAGE=ei-base:bookw
 export ROUTER_PORT=${ROUTER_PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
 DOCKER=${EI_SMOKE_DOCKER:-/usr/bin/docker}  # Debian's client (a newer client elsewhere on PATH talks to it too)
 COMPOSE="docker-compose -p eismoke"
-D=$(mktemp -d /tmp/ei-docker.XXXXXX)
-export DOCKER_HOST=unix://$D/docker.sock
 log() { echo "[compose-smoke $(date +%H:%M:%S)] $*"; }
 if [ -n "${EI_IMAGE:-}" ]; then  # renamed EI_IMAGE_REPO; compose passes it on, and the auth job refuses a stack that has it
     log "EI_IMAGE=$EI_IMAGE is no longer read (renamed EI_IMAGE_REPO, the repository without a tag; the tag is EI_TARGET);" \
@@ -41,25 +44,62 @@ if [ "${EI_ENGINE:-sim}" != sim ]; then  # compose passes it on: the auth job wo
     log "EI_ENGINE=$EI_ENGINE: this smoke builds and runs the sim image ($EI_IMAGE_REPO:$EI_TARGET), which serves EI_ENGINE=sim only"
     exit 2
 fi
+D=$(mktemp -d /tmp/ei-docker.XXXXXX)
+echo $$ >"$D/smoke.pid"  # a later run tells a dead run's engine (this file's process gone) from a live one's
+export DOCKER_HOST=unix://$D/docker.sock
+DOCKERD=""
 
+running() {  # running PID: the process exists and is not a zombie (an exited child not yet waited for)
+    local state
+    state=$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null) && [ -n "$state" ] && [ "$state" != Z ]
+}
+stop_dockerd() {  # stop_dockerd PID: TERM (it stops its containers and containerd), 30 s, then KILL
+    kill "$1" 2>/dev/null
+    for _ in $(seq 150); do running "$1" || return 0; sleep 0.2; done
+    kill -9 "$1" 2>/dev/null
+}
 cleanup() {
     set +e
-    if [ -S "$D/docker.sock" ]; then
-        $COMPOSE down -v --remove-orphans >/dev/null 2>&1
-        [ -f "$D/docker.pid" ] && kill "$(cat "$D/docker.pid")" 2>/dev/null
-        for _ in $(seq 100); do [ -f "$D/docker.pid" ] || break; sleep 0.2; done  # gone before its data root is
-    fi
+    [ -S "$D/docker.sock" ] && $COMPOSE down -v --remove-orphans >/dev/null 2>&1
+    # the engine whether or not its socket appeared: one that never made it (the 20 s wait below) kept running,
+    # and on the shared data root it held the lock for good; gone before its data root is
+    if [ -n "$DOCKERD" ]; then stop_dockerd "$DOCKERD"; wait "$DOCKERD" 2>/dev/null; fi
     rm -rf "$D" 2>/dev/null
 }
 trap cleanup EXIT
 
+holds_lock() {  # holds_lock PID FILE: one of PID's open files is FILE
+    local fd
+    for fd in /proc/"$1"/fd/*; do [ "$(readlink "$fd" 2>/dev/null)" = "$2" ] && return 0; done
+    return 1
+}
+reclaim_stale_lock() {  # the shared data root's lock held by the engine of a run that is gone: stop that engine
+    local pid dir dpid
+    read -r pid dir <"$DATA.owner" 2>/dev/null || return 1  # written by the run that took the lock
+    [ -n "$pid" ] && [ -d "$dir" ] || return 1
+    if running "$pid" && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q compose-smoke; then return 1; fi  # alive
+    dpid=$(cat "$dir/dockerd.pid" 2>/dev/null) || return 1
+    # that run's own engine (its argv names this data root and that run's folder) and still the lock's holder
+    running "$dpid" && tr '\0' ' ' <"/proc/$dpid/cmdline" | grep -qF -- "--data-root $DATA --exec-root $dir/exec " \
+        && holds_lock "$dpid" "$(readlink -f "$DATA.lock")" || return 1
+    log "$DATA is held by the engine (pid $dpid) of a run that is gone (pid $pid, $dir): stopping it"
+    [ -S "$dir/docker.sock" ] && DOCKER_HOST=unix://$dir/docker.sock timeout 120 $COMPOSE down -v --remove-orphans >/dev/null 2>&1
+    stop_dockerd "$dpid"
+    flock -w 30 9 || return 1  # what else of that engine held it (containerd, shims) has 30 s to end
+    rm -rf "$dir"
+}
+
 # image layers persist between runs in the shared data root (a rebuild is then cached); one dockerd at a time
 # may use a data root (two corrupt it), so the lock says which run has it: fd 9 is inherited by dockerd, which
-# holds it until it exits, whatever ends this script
+# holds it until it exits, whatever ends this script (the script closes its own fd 9 once dockerd has it, so
+# that no other command of a killed run holds it). A run killed outright (SIGKILL: no cleanup) leaves its dockerd
+# holding it: a later run finds that run gone ($DATA.owner: its pid and folder) and stops its engine.
 DATA=${EI_DOCKER_DATA:-$CACHE/docker-data}
 mkdir -p "$DATA"
 exec 9>>"$DATA.lock"
-if ! flock -n 9; then
+if flock -n 9 || reclaim_stale_lock; then
+    echo "$$ $D" >"$DATA.owner"
+else
     log "$DATA is in use by another run: a data root of this run's own ($D/data, removed at exit; no cached layers)"
     exec 9>&-
     DATA=$D/data
@@ -68,8 +108,12 @@ fi
 log "dockerd (data root $DATA)"
 dockerd --data-root "$DATA" --exec-root "$D/exec" -H "unix://$D/docker.sock" --pidfile "$D/docker.pid" \
     --bridge=none >"$D/dockerd.log" 2>&1 &
-for _ in $(seq 100); do $DOCKER version >/dev/null 2>&1 && break; sleep 0.2; done
-$DOCKER version >/dev/null || { tail -20 "$D/dockerd.log"; exit 1; }
+DOCKERD=$!
+echo "$DOCKERD" >"$D/dockerd.pid"
+exec 9>&-
+wait_s=${EI_SMOKE_DOCKERD_WAIT_S:-20}
+for _ in $(seq $((wait_s * 5))); do $DOCKER version >/dev/null 2>&1 && break; sleep 0.2; done
+$DOCKER version >/dev/null 2>&1 || { log "no engine socket within $wait_s s"; tail -20 "$D/dockerd.log"; exit 1; }
 
 mkdir -p "$CACHE"
 BASE_TAR=$CACHE/debian-bookworm-python3.tar
@@ -93,6 +137,14 @@ own_wheel() {
     rm -f deploy/docker/wheelhouse/evolving_infra-*.whl
     SOURCE_DATE_EPOCH=315532800 "$PY" -m pip wheel --quiet --no-deps --wheel-dir deploy/docker/wheelhouse . 2>&1 | grep -v "^WARNING: Location" || true
 }
+# the build context's deploy/docker/wheelhouse is this checkout's, whichever run builds from it: one run at a time
+# writes it and builds the image from it (two at once removed and rewrote each other's wheel under the other's
+# docker build); a lock on the folder itself (fd 8), held until the build has read it
+exec 8<deploy/docker/wheelhouse
+if ! flock -n 8; then
+    log "another run from this checkout is building its image from deploy/docker/wheelhouse: waiting for it"
+    flock -w 1200 8 || { log "deploy/docker/wheelhouse still in use after 20 min"; exit 1; }
+fi
 log "wheel of this checkout (fixed timestamps: unchanged sources give the same bytes, so docker reuses its layers)"
 own_wheel
 # the dependencies' wheels, fetched when the image's offline install (the Dockerfile's pip command) would miss one:
@@ -106,6 +158,7 @@ fi
 log "docker build (base $BASE_IMAGE, offline from the wheelhouse)"
 # tagged $EI_IMAGE_REPO:sim and $EI_IMAGE_REPO:<version>-sim, as build.sh tags every image
 DOCKER=$DOCKER deploy/docker/build.sh "$EI_TARGET" -q --network none >/dev/null
+exec 8<&-  # the build has read the wheelhouse: another run from this checkout may write it
 # the image this tag named before (another checkout's wheel) is now untagged: ~780 MB each in $DATA, which held
 # 12 of them (5.9 GB) after a day of runs; layers the new image shares (the base, the venv) stay
 $DOCKER image rmi evolving-infra:smoke >/dev/null 2>&1 || true  # this script's tag before REPO:TARGET (~780 MB kept)
