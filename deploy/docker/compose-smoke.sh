@@ -7,6 +7,10 @@
 # debootstrapped Debian bookworm with python3 (cached as a tar in $EI_CACHE, default
 # ~/.cache/evolving-infra) and a wheelhouse built here (deploy/docker/wheelhouse.sh).
 #   deploy/docker/compose-smoke.sh            # WORKERS=2 SPLIT=1P1D, 3 sessions
+#   PY=/other/.venv/bin/python EI=/other/.venv/bin/evolving-infra PYTHONPATH=$PWD deploy/docker/compose-smoke.sh
+# The image holds this checkout's wheel, but replay (and every $PY step) runs the code that $PY imports: a venv
+# installed editable (pip install -e) from another checkout runs that checkout's replay unless PYTHONPATH
+# points at this one, as in the second line (the run says so when the two differ).
 #
 # Runs at once do not meet (two checkouts, or CI lanes, may run it together): each has its own dockerd
 # (socket, exec root, pid file in a mktemp folder), router port (a free one unless ROUTER_PORT) and output
@@ -43,6 +47,13 @@ fi
 if [ "${EI_ENGINE:-sim}" != sim ]; then  # compose passes it on: the auth job would refuse it on the sim image, after the build
     log "EI_ENGINE=$EI_ENGINE: this smoke builds and runs the sim image ($EI_IMAGE_REPO:$EI_TARGET), which serves EI_ENGINE=sim only"
     exit 2
+fi
+# the package $EI (the venv's console script) imports: another checkout's when the venv is installed editable
+# from there and PYTHONPATH does not put this one first; asked from / (python -c puts its working folder, here
+# this checkout, first on sys.path, a console script does not)
+code=$(cd / && "$PY" -c 'import evolving_infra, os; print(os.path.dirname(os.path.dirname(os.path.realpath(evolving_infra.__file__))))' 2>/dev/null || true)
+if [ -n "$code" ] && [ "$code" != "$(realpath "$REPO")" ]; then
+    log "replay runs the code in $code (what $PY imports), not this checkout's ($REPO): PYTHONPATH=$REPO runs this one's"
 fi
 D=$(mktemp -d /tmp/ei-docker.XXXXXX)
 echo $$ >"$D/smoke.pid"  # a later run tells a dead run's engine (this file's process gone) from a live one's

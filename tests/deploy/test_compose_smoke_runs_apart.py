@@ -155,3 +155,16 @@ def test_two_runs_from_one_checkout_write_its_wheelhouse_one_at_a_time(tmp_path:
     events = log.read_text().split()
     assert [e for e in events[::2]] == ["start", "end", "start", "end"], (events, outs)
     assert events[1] == events[3] and events[5] == events[7] and events[1] != events[5], (events, outs)
+
+
+def test_the_smoke_says_when_replay_runs_another_checkout_s_code(tmp_path: Path):
+    """A venv installed editable from another checkout runs that checkout's replay unless PYTHONPATH points at
+    this one: the smoke named no checkout, and a run of one's own changes tested another's code."""
+    other = tmp_path / "other-checkout"
+    (other / "evolving_infra").mkdir(parents=True)
+    (other / "evolving_infra" / "__init__.py").write_text("")
+    out = _smoke(tmp_path, tmp_path / "roots-other", PYTHONPATH=str(other)).communicate(timeout=60)[0]
+    assert f"replay runs the code in {other.resolve()} (what {sys.executable} imports), not this checkout's" in out, out
+    assert f"PYTHONPATH={REPO} runs this one's" in out, out
+    out = _smoke(tmp_path, tmp_path / "roots-this", PYTHONPATH=str(REPO)).communicate(timeout=60)[0]
+    assert "replay runs the code in" not in out, out
