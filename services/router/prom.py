@@ -40,6 +40,11 @@ name                                                type       meaning
 ``ei_router_split_epoch``                           gauge      epoch of the split the router applies
 ``ei_router_live_nodes{phase}``                     gauge      nodes routable now: prefill = prefill and collocated
                                                                nodes, decode = decode-only nodes
+``ei_router_redispatches_total{lost}``              counter    requests placed again after a node they depended on was
+                                                               fenced, by what was lost: ``prefill`` (before the first
+                                                               token), ``decode`` (the decode node, mid-stream: continued
+                                                               after the tokens sent), ``handoff`` (the prefill node,
+                                                               after the first token, before the hand-off)
 ``ei_router_node_fences_total{node}``               counter    times the router fenced the node out: no ``node.state``
                                                                within ``--fence-after-s``, or restarted (its state
                                                                sequence went back: a worker killed and restarted)
@@ -73,6 +78,9 @@ from shared.metrics import by_prefix, counter_family, gauge_family, histogram_fa
 
 if TYPE_CHECKING:
     from services.router.service import RouterService
+
+REDISPATCH_KINDS = ("prefill", "decode", "handoff")
+"""What a re-dispatched request lost with its fenced node (``RouterService._redispatch``'s ``redispatch.<kind>`` counters)."""
 
 
 def router_families(svc: "RouterService") -> Iterator[Metric]:
@@ -139,6 +147,15 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         "decode-only nodes (0 while every node is collocated)",
         {("prefill",): float(len(view.prefill_candidates(now))), ("decode",): float(len(view.decode_candidates(now)))},
         ["phase"],
+    )
+    redispatched = {(k,): float(c.get(f"redispatch.{k}", 0)) for k in REDISPATCH_KINDS}
+    yield counter_family(
+        "ei_router_redispatches",
+        "Requests placed again after a node they depended on was fenced (its client sees one response), by what was "
+        "lost: prefill (before the first token), decode (the decode node mid-stream: continued after the tokens sent), "
+        "handoff (the prefill node after the first token, before the hand-off); a stream that could not be continued "
+        "exactly ends as error in ei_router_requests_finished_total",
+        redispatched, ["lost"],
     )
     yield counter_family(
         "ei_router_node_fences",

@@ -16,8 +16,8 @@ from shared.metrics import FuncCollector, make_registry
 from .helpers import state
 
 
-def scrape(core: RouterCore, now: float) -> dict[tuple[str, tuple], float]:
-    svc = SimpleNamespace(core=core, counters=Counter(), clock=SimpleNamespace(now=lambda: now))
+def scrape(core: RouterCore, now: float, counters: Counter | None = None) -> dict[tuple[str, tuple], float]:
+    svc = SimpleNamespace(core=core, counters=counters or Counter(), clock=SimpleNamespace(now=lambda: now))
     reg = make_registry()
     reg.register(FuncCollector(lambda: router_families(svc)))  # type: ignore[arg-type]
     return {
@@ -46,3 +46,15 @@ def test_a_fenced_node_is_counted_per_node_so_a_worker_killed_between_scrapes_sh
     c.apply_state(state("p1", seq=6), 4.0)
     assert [f.node for f in c.check_fences(4.6)] == ["d1"]  # silent since 1.5 > fence_after 3.0
     assert fences(scrape(c, 4.6)) == {"p1": 0.0, "d1": 2.0}
+
+
+def test_requests_re_dispatched_off_a_fenced_node_are_counted_by_what_was_lost():
+    """``kill -9`` of a prefill worker with a request on it: the router placed it again and the client got its 200,
+    so no status or finish-reason count moved; only the response's ``ei.redispatches`` and a log line said so. The
+    shell's ``redispatch.<kind>`` counters are now ``ei_router_redispatches_total{lost}``, every kind from 0 (its
+    other ``redispatch.*`` counters, e.g. ``already``, are not re-dispatches and stay out)."""
+    c = RouterCore(make_policy("cache-aware"), block_size=4, fence_after=3.0)
+    counters = Counter({"redispatch.prefill": 2, "redispatch.decode": 1, "redispatch.already": 5, "redispatched": 3})
+    m = scrape(c, 0.0, counters)
+    got = {dict(k[1])["lost"]: v for k, v in m.items() if k[0] == "ei_router_redispatches_total"}
+    assert got == {"prefill": 2.0, "decode": 1.0, "handoff": 0.0}
