@@ -151,6 +151,8 @@ class RouterCore:
         state_clock: the clock on which node states' arrival and ages are read (``NodeLoadView``'s
             ``clock``: the live router's monotonic ``SimClock.local_now``, so a step of the wall
             clock does not fence every node); None (the simulator): each call's ``now``.
+        state_wall_per_s: wall s per second of ``state_clock`` (the live router's ``1 / speedup``): a fenced
+            node's reason gives its ages in wall s (``NodeLoadView``'s ``wall_per_s``); None: in its unit.
 
     Raises:
         ValueError: if ``block_size`` < 1, ``fence_after`` <= 0 or an unknown ``decode_binding``.
@@ -165,6 +167,7 @@ class RouterCore:
         decode_binding: str = "dispatch",
         keep_metrics: bool = True,
         state_clock: Callable[[], float] | None = None,
+        state_wall_per_s: float | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -175,7 +178,7 @@ class RouterCore:
         """rid → request, dispatched to a prefill node with its decode node still to bind."""
         self.policy = policy
         self.block_size = block_size
-        self.view = NodeLoadView(fence_after=fence_after, clock=state_clock)
+        self.view = NodeLoadView(fence_after=fence_after, clock=state_clock, wall_per_s=state_wall_per_s)
         self.metrics = RouteMetrics()
         self.keep_metrics = keep_metrics
         self._routed: dict[str, tuple[str, float, float | None]] = {}

@@ -231,6 +231,9 @@ class NodeLoadView(Value):
             every node nor keeps a dead one in; the ``now`` it passes is wall-based, for the
             times it shares with other processes). None (the default: the simulator, tests):
             the ``now`` of each call. Same unit as ``now``.
+        wall_per_s: wall seconds per second of that clock (``1 / speedup`` for the live router): a fenced
+            node's reason (:meth:`no_candidate_reason`: ``/health``, a 503) then gives its silence and the
+            fence time in wall s, as ``GET /v1/cluster``'s ``fence_after_s``; None: in the clock's unit.
 
     Raises:
         ValueError: if ``fence_after`` is not positive.
@@ -274,10 +277,12 @@ class NodeLoadView(Value):
 
     clock: Callable[[], float] | None
     """The receiving side's clock for state ages (see Args), or None: each call's ``now``."""
+    wall_per_s: float | None
+    """Wall s per second of ``clock`` for the reasons' ages (see Args), or None."""
 
     __slots__ = __match_args__ = (
         "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists", "_tokens",
-        "_usable_gen", "_kv_bounds", "_split_phases", "_forgotten", "clock",
+        "_usable_gen", "_kv_bounds", "_split_phases", "_forgotten", "clock", "wall_per_s",
     )
 
     def __init__(
@@ -285,7 +290,7 @@ class NodeLoadView(Value):
         kv_stale: frozenset[str] = frozenset(), _flights: Any = FACTORY, _gen: int = 0,
         _by_id: list[NodeRecord] | None = None, _lists: Any = FACTORY, _tokens: Any = FACTORY,
         _usable_gen: int = -1, _kv_bounds: tuple[int, int] | None = None, _split_phases: Any = FACTORY, _forgotten: Any = FACTORY,
-        clock: Callable[[], float] | None = None,
+        clock: Callable[[], float] | None = None, wall_per_s: float | None = None,
     ) -> None:
         self.fence_after = fence_after
         self.nodes = {} if nodes is FACTORY else nodes
@@ -302,6 +307,7 @@ class NodeLoadView(Value):
         self._split_phases = {} if _split_phases is FACTORY else _split_phases
         self._forgotten = set() if _forgotten is FACTORY else _forgotten
         self.clock = clock
+        self.wall_per_s = wall_per_s
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -618,8 +624,11 @@ class NodeLoadView(Value):
                 age = now - (rec.last_seen if rec.last_seen is not None else now)
                 if age <= self.fence_after:  # fenced although it reported within the fence time: a new process
                     parts.append(f"{rec.node}: fenced (restarted: its state sequence went back; let back in at its next state)")
-                else:  # ages and the fence time are on the state clock: simulated s under --speedup
-                    parts.append(f"{rec.node}: fenced (no state for {age:.1f} s, past the fence time of {self.fence_after:.1f} s, cluster clock)")
+                elif self.wall_per_s is not None:  # the live router: wall s, as /v1/cluster's fence_after_s
+                    w = self.wall_per_s
+                    parts.append(f"{rec.node}: fenced (no state for {age * w:.1f} wall s, past the fence time of {self.fence_after * w:.1f} s)")
+                else:
+                    parts.append(f"{rec.node}: fenced (no state for {age:.1f} s, past the fence time of {self.fence_after:.1f} s)")
             elif not rec.state.accepting:
                 parts.append(f"{rec.node}: not accepting (draining)")
             elif rec.split_phase is not None and rec.split_phase != rec.state.phase:

@@ -591,6 +591,7 @@ class RouterService(WatchedService):
         self.core = RouterCore(
             policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup, decode_binding=cfg.decode_binding,
             state_clock=clock.local_now,  # node-state ages on the monotonic clock: a wall-clock step fences no node
+            state_wall_per_s=clock.to_wall(1.0),  # a fenced node's reason in wall s, as /v1/cluster's fence_after_s
         )
         self.branches = BranchTable(cfg.max_ended_branches, ttl_s=cfg.branch_ttl_s, max_hold_s=cfg.max_tool_hold_s)
         self.counters: Counter[str] = Counter()
