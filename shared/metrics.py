@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -299,6 +299,11 @@ def make_registry(bus: Any = None) -> CollectorRegistry:
     A worker killed and restarted by its supervisor between two scrapes shows only there (its new
     start time: ``changes(process_start_time_seconds[1h])``); its ``ei_*`` counters merely restart.
     """
+    # prometheus_client's own metrics (the directory's and planner's latency histograms) leave out their
+    # `<name>_created` series, which the text format exposes as a separate gauge family repeating the HELP
+    # (`# TYPE ei_kvdirectory_ingest_seconds_created gauge`): the router's histograms never had one. The switch
+    # is the library's, for the process: each service is its own process, and the setting is only made here.
+    disable_created_metrics()
     reg = CollectorRegistry(auto_describe=False)
     if bus is not None:
         reg.register(FuncCollector(lambda: bus_families(bus.counters, getattr(bus, "subscribed", ()))))

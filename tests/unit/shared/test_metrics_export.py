@@ -84,3 +84,14 @@ def test_every_service_registry_exports_the_process_start_time_so_a_restart_show
     # this process started before this module was imported, and not long before (collection comes first)
     assert IMPORTED_AT - 600.0 < start <= IMPORTED_AT + 1.0, (start, IMPORTED_AT)
     assert fams["process_resident_memory_bytes"].type == "gauge" and fams["process_cpu_seconds"].type == "counter"
+
+
+def test_a_service_registry_s_own_histograms_export_no_created_gauge_family():
+    """The directory's and planner's ``prometheus_client.Histogram`` families came with a separate gauge family,
+    ``# TYPE ei_kvdirectory_ingest_seconds_created gauge`` repeating the HELP text (a Unix time), which the router's
+    histograms never had: every family of a service registry is now only what its table lists."""
+    reg = make_registry()
+    h = PromHistogram("ei_z_seconds", "z (wall s)", buckets=(1.0,), registry=reg)
+    h.observe(0.5)
+    text = generate_latest(reg).decode()
+    assert "ei_z_seconds_count 1.0" in text and "_created" not in text, text
