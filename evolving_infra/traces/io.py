@@ -91,19 +91,28 @@ _REQUEST_DECODER = msgspec.json.Decoder(TraceRequest)
 _MISSING_HEADER = f'missing trace header (expected {{"format": "{FORMAT}", "block_size": ...}} first)'
 _REQUEST_KEYS = frozenset(f.name for f in msgspec.structs.fields(TraceRequest) if f.required)
 """The fields every request sets (id, agent, branch, input_tokens, output_tokens)."""
+_REQUEST_FIELDS = frozenset(f.name for f in msgspec.structs.fields(TraceRequest))
+"""Every field a request may set."""
 
 
 def _request_like(raw: bytes) -> bool:
     """Whether a line 1 that is no header and no valid request is still meant as a request (a
-    JSON object with no ``format`` and at least 3 of :data:`_REQUEST_KEYS`): a headerless trace
-    whose first request is itself bad, reported as a missing header plus that request's problems
-    (it read 'not a canonical trace' and to convert a raw trace). No raw public trace's object
-    has 3 of these names (WEKA's has ``id``; Mooncake's rows ``input_length``/``output_length``)."""
+    JSON object with no ``format``, at least 3 of :data:`_REQUEST_KEYS`, and more of its keys
+    request fields than not): a headerless trace whose first request is itself bad, reported as a
+    missing header plus that request's problems (it read 'not a canonical trace' and to convert a
+    raw trace). No raw public trace's object has 3 of these names (WEKA's has ``id``; Mooncake's
+    rows ``input_length``/``output_length``). A run's ``requests.jsonl`` record has ``id``,
+    ``agent`` and ``branch`` among ~20 keys of its own (``ttft_s``, ``prompt_tokens`` ...): not a
+    request (given as ``--trace`` it read 'missing trace header' and 'invalid request: ... missing
+    required field `input_tokens`' on every line, read to its end)."""
     try:
         obj = _ANY_DECODER.decode(raw)
     except msgspec.DecodeError:
         return False
-    return isinstance(obj, dict) and "format" not in obj and len(_REQUEST_KEYS.intersection(obj)) >= 3
+    if not isinstance(obj, dict) or "format" in obj or len(_REQUEST_KEYS.intersection(obj)) < 3:
+        return False
+    known = len(_REQUEST_FIELDS.intersection(obj))
+    return known > len(obj) - known
 
 
 def _request_type(blocks_type: Any = list[int], blocks_default: Any = msgspec.NODEFAULT) -> type[msgspec.Struct]:

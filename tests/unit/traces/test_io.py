@@ -167,6 +167,32 @@ def test_a_headerless_trace_whose_first_request_is_bad_is_told_its_header_is_mis
             assert ei.value.problems == problems and "not a canonical trace" not in str(ei.value), (name, read, str(ei.value))
 
 
+def test_a_runs_requests_jsonl_is_no_trace_not_a_headerless_one(tmp_path: Path) -> None:
+    """A run's ``requests.jsonl`` given as a trace: its records have ``id``, ``agent`` and ``branch``
+    (3 of a request's required fields) among keys of their own, and every reader took it for a
+    headerless trace: 'missing trace header' and 'invalid request: ... `input_tokens`' on line 1, and
+    the loading readers read on through every record. It is no trace: line 1's one problem, with
+    the hint, as any other JSON object there."""
+    from evolving_infra.report.records import RequestRecord, write_records
+    from evolving_infra.traces.compact import read_trace_compact
+    from evolving_infra.traces.io import read_header
+
+    path = tmp_path / "requests.jsonl"
+    failed = RequestRecord(id="t:0", agent="t", branch="t:main", sent_at=1.0, ok=False, status=503, error="no route")
+    done = RequestRecord(id="t:1", agent="t", branch="t:main", sent_at=2.0, ttft_s=0.4, prompt_tokens=900,
+                         completion_tokens=20, expected_prompt_tokens=900, expected_completion_tokens=20, prefill_node="w0")
+    for first in (failed, done):
+        write_records(path, [first, done, failed])
+        for read in (read_trace, read_trace_compact, read_header):
+            with pytest.raises(TraceError) as ei:
+                read(path)
+            (problem,) = ei.value.problems
+            assert problem.line == 1 and "not a canonical trace" in problem.reason, (read, str(ei.value))
+        problems = list(iter_validate(path))
+        assert problems[0].line == 1 and "not a canonical trace" in problems[0].reason, problems
+        assert not any("missing trace header" in p.reason for p in problems), problems
+
+
 def test_iter_requests_streams_then_raises(tmp_path: Path) -> None:
     lines = _good_lines() + ['{"nope"']
     header, it = iter_requests(_write_lines(tmp_path / "s.jsonl", lines))
