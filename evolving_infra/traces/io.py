@@ -645,7 +645,8 @@ class _Validator:
 
     def finish(self, n_lines: int) -> None:
         if n_lines == 0:
-            self._bad(1, "empty file: expected the trace header")
+            if not self.problems:  # (a compressed file unreadable before its line 1 ends is not empty)
+                self._bad(1, "empty file: expected the trace header")
             return
         if self.header is None and not any(p.line == 1 for p in self.problems):
             self._bad(1, "missing trace header")
@@ -794,7 +795,10 @@ def read_header(path: str | os.PathLike[str]) -> TraceHeader:
     """Decode only the header line.
 
     Raises:
-        TraceError: line 1 is missing or not a valid header.
+        TraceError: line 1 is missing or not a valid header, or the compressed data is unreadable
+            before it ends (before, ``trace stats`` of a gzip cut off in line 1 was an ``EOFError``
+            traceback).
+        OSError: the file cannot be read.
     """
     lines = _lines(path)
     try:
@@ -809,6 +813,10 @@ def read_header(path: str | os.PathLike[str]) -> TraceHeader:
                 raise TraceError(path, v.problems) from None
     except _NoFirstLine:
         raise TraceError(path, [TraceProblem(1, _NO_FIRST_LINE)]) from None
+    except _READ_ERRORS as e:  # compressed data corrupt or cut off before line 1 ends: as the other readers say
+        v = _Validator()
+        _unreadable(v, 0, e)
+        raise TraceError(path, v.problems) from None
     finally:
         lines.close()
     raise TraceError(path, [TraceProblem(1, "empty file: expected the trace header")])

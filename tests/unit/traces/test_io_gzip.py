@@ -114,6 +114,32 @@ def test_truncated_trace_reports_the_line_gzip_reaches(tmp_path: Path) -> None:
     assert f"unreadable compressed data after line {len(lines)}" in str(got.value)
 
 
+def test_gzip_unreadable_before_line_1_ends_is_one_problem_for_every_reader(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A gzip cut off (or corrupt) before its line 1 ends: ``trace stats`` (``read_header``) was an
+    ``EOFError`` / ``zlib.error`` traceback, and the other readers added 'line 1: empty file' to
+    the unreadable data, of a file that is not empty. Now one problem, the same for every reader."""
+    from evolving_infra.traces.cli import main
+    from evolving_infra.traces.compact import read_trace_compact
+    from evolving_infra.traces.inflate import InflateAhead
+    from evolving_infra.traces.io import iter_validate, read_header
+
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(b'{"format": "' + FORMAT.encode() + b'", "block_size": 4, "meta": {"x": "' + bytes(range(97, 123)) * 400 + b'"}}\n', mtime=0)[:-30])
+    corrupt = tmp_path / "corrupt.gz"
+    corrupt.write_bytes(b"\x1f\x8b\x08\x00junkjunkjunk")
+    for path, err in ((cut, "EOFError"), (corrupt, "error")):
+        assert _by_gzip(path) == ([], err)
+        want = list(iter_validate(path))
+        assert len(want) == 1 and want[0].line == 1 and want[0].reason.startswith("unreadable compressed data"), want
+        reads = [read_trace, read_trace_compact, read_header, lambda p: read_trace_compact(p, ahead=InflateAhead.start(p))]
+        for read in reads:
+            with pytest.raises(TraceError) as got:
+                read(path)
+            assert got.value.problems == want, (path.name, read, str(got.value))
+        assert main(["stats", str(path)]) == 2
+        assert "unreadable compressed data" in capsys.readouterr().err
+
+
 def test_one_member_is_inflated_by_zlib_not_gzip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "t.gz"
     path.write_bytes(gzip.compress(b"a\nb\r\nc"))
