@@ -31,7 +31,11 @@ def parse_split(spec: str, n_nodes: int) -> tuple[int, int] | None:
     m = _XPYD.match(spec)
     if not m:
         raise SplitError(f"split {spec!r} must look like '4P5D' or 'collocated'")
-    p, d = int(m.group(1)), int(m.group(2))
+    try:
+        p, d = int(m.group(1)), int(m.group(2))
+    except ValueError:  # more digits than int() takes (4,300): a plain ValueError, which the planner's
+        # split.set reply took for "refused for now, retry" (split set exited 1, not 2)
+        raise SplitError(f"split {spec[:40]!r}... has a node count of more than 4,300 digits") from None
     if p < 1 or d < 1:
         raise SplitError(f"split {spec!r} needs at least one prefill and one decode node")
     if p + d != n_nodes:

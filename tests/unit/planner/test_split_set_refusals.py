@@ -45,6 +45,19 @@ def test_the_planner_says_which_refusals_are_worth_a_retry() -> None:
     assert (reply.ok, reply.retry) == (False, True)
 
 
+def test_a_split_with_too_many_digits_is_the_users_error_not_a_retry() -> None:
+    """``split set 999...9P1D`` (more digits than ``int`` takes, 4,300; the CLI's pattern lets any
+    through): ``parse_split`` raised a plain ValueError, which the planner's reply took for a
+    refusal for now (``retry``: exit 1, 'try again'). It is the split's own fault (exit 2)."""
+    with pytest.raises(SplitError, match="4,300 digits"):
+        split_phases("9" * 5000 + "P1D", ["w0", "w1"])
+    try:
+        split_phases("9" * 5000 + "P1D", ["w0", "w1"])
+    except ValueError as e:
+        reply = _refusal(e)
+    assert (reply.ok, reply.retry) == (False, False)
+
+
 class _Bus:
     def __init__(self, reply: m.SplitSetReply) -> None:
         self.reply = reply
