@@ -5,8 +5,8 @@ validates it against its node list and, when it fits, publishes the split under
 a new epoch on ``split.commands`` and replies with that command. ``split get``
 asks ``split.get``. Without ``--nats-url`` (or ``EI_NATS_URL``) the NATS server is the one of the running
 ``evolving-infra up`` cluster (its state file, :mod:`evolving_infra.state`). Nothing is
-retried past ``--timeout``. Exit status (:data:`EXIT_STATUSES`): 0 on success; 1 when the
-planner refused for now (it is starting: the same ``split set`` may succeed in a few seconds);
+retried past ``--timeout``. Exit status (:data:`EXIT_STATUSES`; ``split get``: never 1,
+:data:`GET_EXIT_STATUSES`): 0 on success; 1 when the planner refused for now (it is starting: the same ``split set`` may succeed in a few seconds);
 2 when the planner refused the split itself (it does not cover the cluster's nodes, 0 prefill
 or decode nodes: the user's error, as every usage error), the input is malformed, no cluster
 is found, NATS refused the credentials (or wanted some and none were given), the identity may
@@ -34,7 +34,12 @@ EXIT_STATUSES = (
     "refused the split (it does not cover the cluster's nodes), a malformed SPLIT or --timeout, no running cluster "
     "or NATS server found, credentials refused or not allowed the subject, or no planner answered"
 )
-"""``split get|set``'s exit statuses, the end of their ``--help`` (and the module docstring's)."""
+"""``split set``'s (and ``split``'s) exit statuses, the end of their ``--help`` (and the module docstring's)."""
+GET_EXIT_STATUSES = (
+    "exit status: 0 ok; 2 a malformed --timeout, no running cluster or NATS server found, credentials refused or "
+    "not allowed the subject, or no planner answered (a starting planner answers once it has read the nodes' split)"
+)
+"""``split get``'s: it is never refused (a starting planner holds the question until it knows the split), so never 1."""
 
 _SPEC = re.compile(r"^\s*(\d+\s*[pP]\s*\d+\s*[dD]|collocated|both|agg|aggregated)\s*$", re.IGNORECASE)
 
@@ -125,7 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     ss = p.add_subparsers(dest="split_command", metavar="ACTION", required=True)
     for name, help_text in (("get", "print the current split and epoch"), ("set", "adopt a split now, e.g. `split set 4P5D`")):
-        q = ss.add_parser(name, help=help_text, epilog=EXIT_STATUSES)
+        q = ss.add_parser(name, help=help_text, epilog=EXIT_STATUSES if name == "set" else GET_EXIT_STATUSES)
         if name == "set":
             q.add_argument("split", metavar="SPLIT", help="xPyD (x prefill + y decode nodes = all nodes) or 'collocated'")
             q.add_argument("--reason", default="operator", help="reason recorded with the decision")
