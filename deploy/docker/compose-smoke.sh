@@ -8,9 +8,9 @@
 # ~/.cache/evolving-infra) and a wheelhouse built here (deploy/docker/wheelhouse.sh).
 #   deploy/docker/compose-smoke.sh            # WORKERS=2 SPLIT=1P1D, 3 sessions
 #   PY=/other/.venv/bin/python EI=/other/.venv/bin/evolving-infra PYTHONPATH=$PWD deploy/docker/compose-smoke.sh
-# The image holds this checkout's wheel, but replay (and every $PY step) runs the code that $PY imports: a venv
-# installed editable (pip install -e) from another checkout runs that checkout's replay unless PYTHONPATH
-# points at this one, as in the second line (the run says so when the two differ).
+# The image holds this checkout's wheel, but replay ($EI) runs the code that its venv imports: a venv installed
+# editable (pip install -e) from another checkout runs that checkout's replay unless PYTHONPATH points at this
+# one, as in the second line (the run says so when the two differ).
 #
 # Runs at once do not meet (two checkouts, or CI lanes, may run it together): each has its own dockerd
 # (socket, exec root, pid file in a mktemp folder), router port (a free one unless ROUTER_PORT) and output
@@ -20,7 +20,10 @@
 # names the shared one (default $EI_CACHE/docker-data); the base image's tar is written once, by rename.
 # A run killed outright (SIGKILL: no cleanup) leaves its dockerd holding the lock: a later run that finds the
 # run named in $EI_DOCKER_DATA.owner gone, and that run's own dockerd still holding the lock, stops that engine
-# (compose down, TERM, KILL after 30 s) and takes the shared root. The cleanup stops this run's dockerd whether or
+# (compose down, TERM, KILL after 30 s) and takes the shared root; killed with its process group (kill -9
+# -PGID), the run leaves its containerd shims (their own session) holding it, with their containers: a later
+# run kills those whose argv names that run's folder, and their containers' first processes, and takes it.
+# Any other holder (a live run's) leaves the shared root to it, as before. The cleanup stops this run's dockerd whether or
 # not its socket appeared (EI_SMOKE_DOCKERD_WAIT_S, default 20, is how long the run waits for it). The build
 # context's deploy/docker/wheelhouse is per checkout (each run writes the checkout's wheel there and the
 # Dockerfile copies it): runs from one checkout take turns on it (a lock on the folder, from the wheel to the
@@ -79,24 +82,50 @@ cleanup() {
 }
 trap cleanup EXIT
 
-holds_lock() {  # holds_lock PID FILE: one of PID's open files is FILE
+lock_holders() {  # lock_holders FILE: the pids that have FILE open (this script has it closed meanwhile)
     local fd
-    for fd in /proc/"$1"/fd/*; do [ "$(readlink "$fd" 2>/dev/null)" = "$2" ] && return 0; done
-    return 1
+    for fd in /proc/[0-9]*/fd/*; do
+        if [ "$(readlink "$fd" 2>/dev/null)" = "$1" ]; then fd=${fd#/proc/}; echo "${fd%%/*}"; fi
+    done | sort -u
 }
+cmdline() { tr '\0' ' ' 2>/dev/null <"/proc/$1/cmdline"; }
 reclaim_stale_lock() {  # the shared data root's lock held by the engine of a run that is gone: stop that engine
-    local pid dir dpid
+    local pid dir dpid lock holders p kids
     read -r pid dir <"$DATA.owner" 2>/dev/null || return 1  # written by the run that took the lock
     [ -n "$pid" ] && [ -d "$dir" ] || return 1
-    if running "$pid" && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q compose-smoke; then return 1; fi  # alive
-    dpid=$(cat "$dir/dockerd.pid" 2>/dev/null) || return 1
-    # that run's own engine (its argv names this data root and that run's folder) and still the lock's holder
-    running "$dpid" && tr '\0' ' ' <"/proc/$dpid/cmdline" | grep -qF -- "--data-root $DATA --exec-root $dir/exec " \
-        && holds_lock "$dpid" "$(readlink -f "$DATA.lock")" || return 1
-    log "$DATA is held by the engine (pid $dpid) of a run that is gone (pid $pid, $dir): stopping it"
-    [ -S "$dir/docker.sock" ] && DOCKER_HOST=unix://$dir/docker.sock timeout 120 $COMPOSE down -v --remove-orphans >/dev/null 2>&1
-    stop_dockerd "$dpid"
-    flock -w 30 9 || return 1  # what else of that engine held it (containerd, shims) has 30 s to end
+    if running "$pid" && cmdline "$pid" | grep -q compose-smoke; then return 1; fi  # that run is alive
+    lock=$(readlink -f "$DATA.lock")
+    exec 9>&-  # not this script's among the lock's holders (nor its subshells'): opened again to take it
+    dpid=$(cat "$dir/dockerd.pid" 2>/dev/null || true)
+    # that run's own engine (its argv names this data root and that run's folder), still holding the lock
+    if [ -n "$dpid" ] && running "$dpid" && cmdline "$dpid" | grep -qF -- "--data-root $DATA --exec-root $dir/exec " \
+            && lock_holders "$lock" | grep -qx "$dpid"; then
+        log "$DATA is held by the engine (pid $dpid) of a run that is gone (pid $pid, $dir): stopping it"
+        [ -S "$dir/docker.sock" ] && DOCKER_HOST=unix://$dir/docker.sock timeout 120 $COMPOSE down -v --remove-orphans >/dev/null 2>&1
+        stop_dockerd "$dpid"
+        sleep 1  # its containerd and shims end after it
+    fi
+    # what is left holding it: a dockerd killed outright (with its process group: kill -9 -PGID, a cancelled job)
+    # leaves its containerd shims (argv: -address DIR/exec/containerd/...) and their containers running; each
+    # shim's children are its containers' first processes (killing one ends its container's pid namespace)
+    holders=$(lock_holders "$lock")
+    for p in $holders; do
+        running "$p" || continue  # ended since
+        cmdline "$p" | grep -qF -- "$dir/" || { log "$DATA is held by pid $p ($(cmdline "$p" | cut -c1-100)), not of that run"; return 1; }
+    done
+    if [ -n "$holders" ]; then
+        log "$DATA is held by what is left of the engine of a run that is gone (pid $pid, $dir): killing pids" \
+            $holders "and their containers"
+        for p in $holders; do
+            kids=$(awk -v p="$p" '$4 == p { print $1 }' /proc/[0-9]*/stat 2>/dev/null || true)
+            # shellcheck disable=SC2086
+            kill -9 $kids "$p" 2>/dev/null
+        done
+    fi
+    exec 9>>"$DATA.lock"
+    flock -w 30 9 || return 1
+    # that run's engine's mounts (network namespaces) under its folder, then the folder
+    awk -v d="$dir/" 'index($2, d) == 1 { print $2 }' /proc/mounts | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
     rm -rf "$dir"
 }
 
@@ -104,7 +133,8 @@ reclaim_stale_lock() {  # the shared data root's lock held by the engine of a ru
 # may use a data root (two corrupt it), so the lock says which run has it: fd 9 is inherited by dockerd, which
 # holds it until it exits, whatever ends this script (the script closes its own fd 9 once dockerd has it, so
 # that no other command of a killed run holds it). A run killed outright (SIGKILL: no cleanup) leaves its dockerd
-# holding it: a later run finds that run gone ($DATA.owner: its pid and folder) and stops its engine.
+# (or, killed with its process group, its containerd shims) holding it: a later run finds that run gone
+# ($DATA.owner: its pid and folder) and stops what is left of its engine.
 DATA=${EI_DOCKER_DATA:-$CACHE/docker-data}
 mkdir -p "$DATA"
 exec 9>>"$DATA.lock"

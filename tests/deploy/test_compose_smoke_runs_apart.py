@@ -33,9 +33,12 @@ FAKE_DOCKERD = """#!/bin/sh
 trap 'touch "$FAKE_ROOTS.exited"; exit 0' TERM
 while [ $# -gt 0 ]; do
     [ "$1" = --data-root ] && echo "$2" >> "$FAKE_ROOTS"
-    [ "$1" = --exec-root ] && echo "$2" >> "$FAKE_ROOTS.exec"
+    [ "$1" = --exec-root ] && echo "$2" >> "$FAKE_ROOTS.exec" && exec_root=$2
     shift
 done
+if [ -n "${FAKE_SHIM:-}" ]; then  # a containerd shim: its own session, its argv naming the run's folder, a container
+    setsid sh -c 'sleep 30 9>&- & echo $! > "$FAKE_ROOTS.container"; wait' "$exec_root/containerd/containerd.sock" &
+fi
 if [ -n "${FAKE_HOLD:-}" ]; then
     i=0; while [ ! -e "$FAKE_HOLD" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done
 fi
@@ -54,7 +57,7 @@ exit 1
 FAKE_COMPOSE = "#!/bin/sh\nexit 1\n"
 
 
-def _smoke(tmp: Path, roots: Path, **env: str) -> subprocess.Popen[str]:
+def _smoke(tmp: Path, roots: Path, session: bool = False, **env: str) -> subprocess.Popen[str]:
     bin_ = tmp / "bin"
     if not bin_.is_dir():
         bin_.mkdir()
@@ -68,7 +71,7 @@ def _smoke(tmp: Path, roots: Path, **env: str) -> subprocess.Popen[str]:
                 EI_SMOKE_DOCKER=str(bin_ / "docker"), ROUTER_PORT="1", FAKE_ROOTS=str(roots))
     full.update(env)
     return subprocess.Popen(["bash", str(SMOKE)], cwd=REPO, env=full, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=session)
 
 
 def _wait_for(path: Path, timeout_s: float = 10.0) -> None:
@@ -120,6 +123,37 @@ def test_a_killed_run_s_engine_is_stopped_and_its_data_root_lock_taken_back(tmp_
         assert f"of a run that is gone (pid {first.pid}, {first_dir}): stopping it" in out, out
         assert Path(f"{first_roots}.exited").exists(), out  # that engine was stopped (TERM)
         assert not Path(first_dir).exists(), out
+    finally:
+        release.touch()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_what_is_left_of_a_run_killed_with_its_process_group_is_killed_by_the_next_run(tmp_path: Path):
+    """kill -9 -PGID (a cancelled job) ends dockerd and containerd too, but not the containerd shims (their own
+    session), which hold the lock and keep their containers running: the next run kills them and their children."""
+    shared = tmp_path / "cache" / "docker-data"
+    release = tmp_path / "release"
+    first_roots, second_roots = tmp_path / "roots-first", tmp_path / "roots-second"
+    try:
+        first = _smoke(tmp_path, first_roots, session=True, FAKE_HOLD=str(release), FAKE_CLIENT_HOLD=str(release),
+                       FAKE_SHIM="1")
+        _wait_for(Path(f"{first_roots}.container"))
+        first_dir = str(Path(Path(f"{first_roots}.exec").read_text().strip()).parent)
+        container = int(Path(f"{first_roots}.container").read_text())
+        os.killpg(first.pid, 9)
+        first.wait(timeout=10)
+
+        second = _smoke(tmp_path, second_roots)
+        out = second.communicate(timeout=90)[0]
+        assert second_roots.read_text().split() == [str(shared)], out
+        assert f"held by what is left of the engine of a run that is gone (pid {first.pid}, {first_dir})" in out, out
+        assert _gone(container) and not Path(first_dir).exists(), out
     finally:
         release.touch()
 
