@@ -42,8 +42,9 @@ name                                                type       meaning
                                                                nodes, decode = decode-only nodes
 ``ei_router_redispatches_total{lost}``              counter    requests placed again after a node they depended on was
                                                                fenced, by what was lost: ``prefill`` (before the first
-                                                               token), ``decode`` (the decode node, mid-stream: continued
-                                                               after the tokens sent), ``handoff`` (the prefill node,
+                                                               token), ``decode`` (the decode or collocated node,
+                                                               mid-stream: continued after the tokens sent),
+                                                               ``handoff`` (the prefill node of a PD placement,
                                                                after the first token, before the hand-off)
 ``ei_router_node_fences_total{node}``               counter    times the router fenced the node out: no ``node.state``
                                                                within ``--fence-after-s``, or restarted (its state
@@ -152,9 +153,9 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
     yield counter_family(
         "ei_router_redispatches",
         "Requests placed again after a node they depended on was fenced (its client sees one response), by what was "
-        "lost: prefill (before the first token), decode (the decode node mid-stream: continued after the tokens sent), "
-        "handoff (the prefill node after the first token, before the hand-off); a stream that could not be continued "
-        "exactly ends as error in ei_router_requests_finished_total",
+        "lost: prefill (before the first token), decode (the decode or collocated node mid-stream: continued after the "
+        "tokens sent), handoff (the prefill node of a PD placement after the first token, before the hand-off); a stream "
+        "that could not be continued exactly ends as error in ei_router_requests_finished_total",
         redispatched, ["lost"],
     )
     yield counter_family(

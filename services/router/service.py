@@ -1538,9 +1538,11 @@ class RouterService(WatchedService):
                 p.queue.put_nowait(_Failure(503, why))
                 return
             p.cur, p.offset = cont, len(p.tokens)
-            # its decode node died, or its prefill node died after the first token, before the
-            # hand-off reached the decode node (the decode node is told to drop it: abort above)
-            self.counters["redispatch.decode" if node != p.prefill_node else "redispatch.handoff"] += 1
+            # its decode node died, or its collocated node (no decode node of its own: it was decoding), or
+            # its prefill node died after the first token, before the hand-off reached the decode node (the
+            # decode node is told to drop it: abort above)
+            lost_handoff = node == p.prefill_node and p.decode_node not in (None, node)
+            self.counters["redispatch.handoff" if lost_handoff else "redispatch.decode"] += 1
         else:
             self.counters["redispatch.prefill"] += 1
         p.attempt_first = False

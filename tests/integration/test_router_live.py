@@ -664,6 +664,32 @@ async def test_prefill_node_dies_between_first_token_and_hand_off_and_the_stream
         assert st.counters.get("redispatch.decode", 0) == 0 and st.counters.get("finish.error", 0) == 0
 
 
+async def test_collocated_node_dies_mid_stream_and_its_redispatch_counts_as_a_lost_decode(nats_url, tmp_path):
+    """A collocated node (phase both) dies after the first token: it was decoding, so the re-dispatch lost a
+    decode (``redispatch.decode``, ``ei_router_redispatches_total{lost="decode"}``), as for a decode node. It
+    was counted ``handoff`` (the prefill node of a PD placement, before its hand-off): a collocated node is its
+    request's prefill node too, and no decode node ever takes a hand-off from it."""
+    async with router_env(nats_url, tmp_path, {"c0": "both", "c1": "both"}) as env:
+        env.cluster.stall_after_first.update({"c0", "c1"})  # attempt 0: first token, then nothing
+        async with env.http.stream("POST", "/v1/completions", json={"prompt": [5] * 70, "max_tokens": 6, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            first = await asyncio.wait_for(anext(lines), 10)
+            rid = env.cluster.works[0].rid
+            dead, decode = env.service.core.view.placement(rid)  # type: ignore[misc]
+            assert decode is None  # collocated: no decode node of its own
+            env.cluster.alive.discard(dead)  # the collocated node dies while decoding
+            rest = "".join([line + "\n" async for line in lines])
+        events = sse_events(first + "\n\n" + rest)
+        assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2]
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        assert text == env.service.tokenizer.decode([output_token(i) for i in range(6)])
+        again = env.cluster.works[1]
+        assert again.attempt == 1 and again.output_offset == 1 and events[-2]["ei"]["redispatches"] == 1
+        st = await env.stats()
+        assert st.counters["redispatch.decode"] == 1 and st.counters.get("redispatch.handoff", 0) == 0, st.counters
+
+
 async def test_decode_continuation_that_cannot_be_exact_ends_with_a_clear_error(nats_url, tmp_path):
     async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode", "d1": "decode"}, max_prompt_tokens=70) as env:
         env.cluster.stall_after_first.add("p0")
