@@ -74,6 +74,10 @@ def test_dashboard_filters_every_query_by_its_variables_and_seconds_axes_draw_on
                  # a worker killed mid-run: the requests it failed, and its fence (back within a second, between scrapes)
                  "ei_router_requests_finished_total", "ei_router_node_fences_total"):
         assert name in exprs, name
+    # every router fences a silent node on its own (router replicas: tests/e2e/test_faults.py): one kill is one fence
+    # per router, so a sum over routers counted it once per router; the panel takes the most any router counted
+    fences = [t["expr"] for p in dash["panels"] for t in p["targets"] if "ei_router_node_fences_total" in t["expr"]]
+    assert fences and all(e.startswith("max by (node) (increase(ei_router_node_fences_total") for e in fences), fences
     assert len(titles) == len(dash["panels"]) and len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
 
 
