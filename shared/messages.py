@@ -525,7 +525,9 @@ class PlannerDecision(Msg, frozen=True, kw_only=True):
     policy: str = ""
     """``evolving``, ``dynamo``, ``arrow``, ``static`` or ``operator``."""
     action: str = "no_switch"
-    """``switch``, ``no_switch``, ``skip`` (busy / cooldown / too little data), ``warmup``."""
+    """``switch``, ``no_switch``, ``skip`` (busy / cooldown / too little data), ``warmup``, ``adopt`` (a started
+    planner takes over the split the nodes serve, or re-issues its own above it: ``PlannerCore._take_cluster``);
+    each a series of ``ei_planner_decisions_total{action}`` (``services/planner/prom.py``)."""
     split_before: str = ""
     split_after: str = ""
     epoch: NonNeg = 0
