@@ -109,8 +109,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"{args.output}: {n} requests" + (f" ({extra})" if extra else ""), file=sys.stderr)
     skipped = header.meta.get("skipped") or {}
     if skipped.get("count"):
+        listed = "" if len(skipped.get("files", ())) >= skipped["count"] else f"the first {len(skipped['files'])} "
         print(f"{args.output}: skipped {skipped['count']} file(s) that could not be converted (named above; "
-              f"listed in the header's meta.skipped; --strict stops at the first instead)", file=sys.stderr)
+              f"{listed}listed in the header's meta.skipped; --strict stops at the first instead)", file=sys.stderr)
     if skipped.get("rows_count"):
         print(f"{args.output}: skipped {skipped['rows_count']} malformed row(s) (named above; the first "
               f"{len(skipped['rows'])} listed in the header's meta.skipped.rows; --strict stops at the first instead)",

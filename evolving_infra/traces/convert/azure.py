@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, make_header
+from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, inputs_meta, make_header, source_line
 from evolving_infra.traces.schema import TraceRequest
 
 KIND = "azure"
@@ -142,13 +142,13 @@ def convert(
     def header():  # type: ignore[no-untyped-def]
         return make_header(
             block_size=block_size,
-            source=f"{KIND}: {', '.join(str(p) for p in inputs)}",
+            source=source_line(KIND, inputs),
             description="Azure LLM inference trace 2023 (Splitwise): arrivals and lengths only, no prefix sharing",
             meta={
                 "converter": KIND,
                 "origin": ORIGIN,
                 "options": {"block_size": block_size},
-                "inputs": [p.name for p in files],
+                **inputs_meta([p.name for p in files]),
                 "clock": {"arrival_s": "seconds since the earliest TIMESTAMP of all inputs", "origin_unix_s": origin[0] if origin else None},
                 "block_ids": "fresh sequential ids (no prefix information in the source)",
                 "counts": dict(sorted(counts.items())),

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import gzip
 import heapq
+import itertools
 import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -71,7 +72,17 @@ from typing import Any
 
 import msgspec
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, lcp, make_header, progress_iter
+from evolving_infra.traces.convert.common import (
+    MAX_HEADER_NAMES,
+    Conversion,
+    ConvertError,
+    Skipped,
+    expand_inputs,
+    inputs_meta,
+    lcp,
+    make_header,
+    progress_iter,
+)
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechunk_blocks
 
@@ -525,13 +536,17 @@ class _Converter:
             "origin": ORIGIN,
             "options": {"shared_prefix": self.opts.shared_prefix, "block_size": self.opts.block_size},
             "files": len(self.files),
-            "inputs": [p.name for p in self.files],
+            **inputs_meta([p.name for p in self.files]),
             "block_ids": {
                 "source_block_size": SOURCE_BLOCK_SIZE,
                 "file_local": f"file_number * {FILE_ID_STRIDE} + local hash id",
                 "shared_prefix": f"namespace * {SHARED_NS_STRIDE} + position" if self.opts.shared_prefix else None,
                 "namespaces": self.namespaces if self.opts.shared_prefix else {},
-                "file_number_fallbacks": self.fallback_numbers,
+                # agent -> file number for the agents whose number did not come from the file's
+                # name; the first MAX_HEADER_NAMES (one per file could pass the readers' 8 MiB bound
+                # on line 1), all counted when more; an agent's number is also its ids // FILE_ID_STRIDE
+                "file_number_fallbacks": dict(itertools.islice(self.fallback_numbers.items(), MAX_HEADER_NAMES)),
+                **({"file_number_fallbacks_count": len(self.fallback_numbers)} if len(self.fallback_numbers) > MAX_HEADER_NAMES else {}),
             },
             "rules": {
                 "chain_continues": "lcp == len(last) or (lcp > K and 2*lcp >= len(last)), K = (tool_tokens+system_tokens)//64",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 import shutil
 import sys
@@ -15,7 +16,44 @@ from typing import IO, Any
 from evolving_infra.traces.io import Trace, encode_line, make_folders, remove_folders
 from evolving_infra.traces.schema import FORMAT, VERSION, TraceHeader, TraceRequest
 
-__all__ = ["ConvertError", "Conversion", "Skipped", "expand_inputs", "lcp", "progress_iter", "write_conversion"]
+__all__ = [
+    "ConvertError", "Conversion", "MAX_HEADER_NAMES", "Skipped", "expand_inputs", "inputs_meta", "lcp", "progress_iter",
+    "source_line", "write_conversion",
+]
+
+MAX_HEADER_NAMES = 1000
+"""Input names a converter's header lists at most (``meta.inputs``, ``source``), and skipped files
+(``meta.skipped.files``) and claude-code-weka's ``meta.block_ids.file_number_fallbacks`` entries it
+keeps at most: one name per file put a conversion of ~150k+ files over the readers' 8 MiB bound on
+line 1 (:data:`evolving_infra.traces.io.MAX_FIRST_LINE`), a trace no reader accepts. 1,000 names
+of up to 255 bytes (a file name) are under 1.6 MB even with every byte JSON-escaped; the real
+WEKA folder has 530 files, so its header is unchanged."""
+
+
+def inputs_meta(names: Sequence[str]) -> dict[str, Any]:
+    """The header's ``meta`` entries that name a conversion's input files, bounded.
+
+    ``{"inputs": names}`` for at most :data:`MAX_HEADER_NAMES` names (as before); more are listed
+    as the first :data:`MAX_HEADER_NAMES` (``inputs``) plus ``inputs_count`` (all of them),
+    ``inputs_last`` (the last name) and ``inputs_sha256``: the SHA-256 (hex) of every name, in
+    order, each followed by a newline (UTF-8) -- ``printf '%s\n' NAME... | sha256sum`` of the same
+    list -- so a user can check that a given list of files is what went in.
+    """
+    names = list(names)
+    if len(names) <= MAX_HEADER_NAMES:
+        return {"inputs": names}
+    h = hashlib.sha256()
+    for n in names:
+        h.update(n.encode("utf-8", "surrogateescape") + b"\n")
+    return {"inputs": names[:MAX_HEADER_NAMES], "inputs_count": len(names), "inputs_last": names[-1], "inputs_sha256": h.hexdigest()}
+
+
+def source_line(kind: str, inputs: Sequence[str | os.PathLike[str]]) -> str:
+    """The header's ``source``: ``KIND: INPUT, INPUT, ...`` of the inputs as given (files or
+    folders), the first :data:`MAX_HEADER_NAMES` of them and then ``... (N inputs in all)``."""
+    shown = ", ".join(str(p) for p in inputs[:MAX_HEADER_NAMES])
+    more = f", ... ({len(inputs):,} inputs in all)" if len(inputs) > MAX_HEADER_NAMES else ""
+    return f"{kind}: {shown}{more}"
 
 
 class ConvertError(ValueError):
@@ -34,10 +72,13 @@ class Skipped:
     WARN_ROWS = 20
     #: bad rows listed in ``meta.skipped.rows`` (all are counted in ``rows_count``)
     META_ROWS = 100
+    #: skipped files listed in ``meta.skipped.files`` (all are counted in ``count``)
+    META_FILES = MAX_HEADER_NAMES
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
-        self.files: list[dict[str, str]] = []
+        self.files: list[dict[str, str]] = []  # the first META_FILES
+        self.files_count = 0
         self.rows: list[dict[str, object]] = []
         self.rows_count = 0
         self._rows_by_file: dict[str, int] = {}
@@ -56,7 +97,9 @@ class Skipped:
             # every ConvertError names its file first (for --strict's one line); the warning and
             # meta.skipped name it once ("skipped F: F: not a ..." before)
             reason = str(e).removeprefix(f"{path}: ")
-            self.files.append({"file": str(path), "reason": reason})
+            self.files_count += 1
+            if len(self.files) < self.META_FILES:
+                self.files.append({"file": str(path), "reason": reason})
             print(f"warning: skipped {path}: {reason}", file=sys.stderr)
             return None
 
@@ -92,7 +135,7 @@ class Skipped:
         """
         if self.files:
             first = self.files[0]
-            raise ConvertError(f"none of the input files could be converted ({len(self.files)} skipped); "
+            raise ConvertError(f"none of the input files could be converted ({self.files_count} skipped); "
                                f"first: {first['file']}: {first['reason']}")
         if self.rows:
             first = self.rows[0]
@@ -100,10 +143,10 @@ class Skipped:
                                f"first: {first['file']}: line {first['line']}: {first['reason']}")
 
     def meta(self) -> dict[str, Any]:
-        """``{"count": n, "files": [{"file", "reason"}, ...]}`` for the header, plus
-        ``rows_count`` and ``rows`` (the first :attr:`META_ROWS` ``{"file", "line", "reason"}``)
-        when rows were skipped."""
-        out: dict[str, Any] = {"count": len(self.files), "files": self.files}
+        """``{"count": n, "files": [{"file", "reason"}, ...]}`` (the first :attr:`META_FILES`) for
+        the header, plus ``rows_count`` and ``rows`` (the first :attr:`META_ROWS` ``{"file",
+        "line", "reason"}``) when rows were skipped."""
+        out: dict[str, Any] = {"count": self.files_count, "files": self.files}
         if self.rows_count:
             out.update(rows_count=self.rows_count, rows=self.rows)
         return out

@@ -49,7 +49,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, make_header, progress_iter
+from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, inputs_meta, make_header, progress_iter, source_line
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import PRIVATE_ID_BASE
 
@@ -320,7 +320,7 @@ def convert(
             "origin": ORIGIN,
             "options": {"block_size": block_size},
             "tools_tokens": TOOLS_TOKENS,
-            "inputs": [str(p.relative_to(p.parents[1])) if len(p.parents) > 1 else p.name for p in files],
+            **inputs_meta([str(p.relative_to(p.parents[1])) if len(p.parents) > 1 else p.name for p in files]),
             "block_ids": "chained BLAKE2b of a content-derived token stream (module docstring); equal prefixes share ids",
             "clock": "arrival_s = unix time of the trajectory's first call; t_s from it",
             "counts": dict(sorted(counts.items())),
@@ -330,7 +330,7 @@ def convert(
             meta["provider_cached_share"] = counts["provider_cached_tokens"] / counts["provider_prompt_tokens"]
         return make_header(
             block_size=block_size,
-            source=f"{KIND}: {', '.join(str(p) for p in inputs)}",
+            source=source_line(KIND, inputs),
             description="mini-swe-agent (DeepSeek-V3) SWE-bench trajectories: one append-only branch per task, tool gaps",
             meta=meta,
         )

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import msgspec
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, make_header, progress_iter
+from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, inputs_meta, make_header, progress_iter, source_line
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import rechunk_blocks
 
@@ -158,13 +158,13 @@ def convert(
     def header():  # type: ignore[no-untyped-def]
         return make_header(
             block_size=block_size,
-            source=f"{KIND}: {', '.join(str(p) for p in inputs)}",
+            source=source_line(KIND, inputs),
             description="Mooncake FAST'25 trace (Kimi production / synthetic), global prefix block ids",
             meta={
                 "converter": KIND,
                 "origin": ORIGIN,
                 "options": {"block_size": block_size, "infer_sessions": infer_sessions, "min_shared_blocks": min_shared_blocks},
-                "inputs": [p.name for p in files],
+                **inputs_meta([p.name for p in files]),
                 "block_ids": "source hash_ids (512 tokens); at a finer size b*(512/block_size)+k",
                 "clock": "arrival_s = timestamp/1000 per file; each file starts at 0",
                 "counts": dict(sorted(st.counts.items())),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import json
 from pathlib import Path
 
@@ -222,3 +223,55 @@ def test_azure_bad_rows_are_named_skipped_and_counted(tmp_path: Path, capsys: py
     assert f"{src}: line 3:" in capsys.readouterr().err
     with pytest.raises(ConvertError, match=r"az.csv: line 3"):
         convert_inputs("azure", [src], strict=True)
+
+
+def test_header_of_many_inputs_stays_under_the_readers_line_1_bound(tmp_path: Path) -> None:
+    """200,000 input names (~40 bytes each, 8.6 MB listed whole) were one header line over the
+    readers' 8 MiB bound (MAX_FIRST_LINE): a trace no reader accepts. Bounded, it reads back."""
+    from evolving_infra.traces.convert.common import MAX_HEADER_NAMES, inputs_meta, make_header, source_line
+    from evolving_infra.traces.io import MAX_FIRST_LINE, encode_line, read_header
+
+    names = [f"session-{i:07d}-0123456789abcdef0123.json.gz" for i in range(200_000)]
+    assert len(json.dumps(names)) > MAX_FIRST_LINE  # the list whole would not fit
+    header = make_header(block_size=64, source=source_line("azure", names), description="d", meta=inputs_meta(names))
+    line = encode_line(header)
+    assert len(line) < 200_000
+    p = tmp_path / "h.jsonl"
+    p.write_bytes(line + b"\n")
+    back = read_header(p).meta
+    assert back["inputs"] == names[:MAX_HEADER_NAMES] and back["inputs_count"] == 200_000
+    assert back["inputs_last"] == names[-1]
+    assert back["inputs_sha256"] == hashlib.sha256("".join(n + "\n" for n in names).encode()).hexdigest()
+    assert header.source.endswith(f"{names[MAX_HEADER_NAMES - 1]}, ... (200,000 inputs in all)")
+
+
+def test_azure_header_lists_bounded_inputs_and_skipped_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_HEADER_NAMES (lowered to 3 here) a conversion's header lists the first names, the
+    count, the last name and the digest of all; skipped files likewise (all counted)."""
+    from evolving_infra.traces.convert import common
+
+    monkeypatch.setattr(common, "MAX_HEADER_NAMES", 3)
+    monkeypatch.setattr(common.Skipped, "META_FILES", 3)
+    good = []
+    for i in range(7):
+        f = tmp_path / f"a{i}.csv"
+        f.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:0{i}.0,100,5\n")
+        good.append(f)
+    bad = []
+    for i in range(5):
+        f = tmp_path / f"b{i}.csv"
+        f.write_text("a,b\n1,2\n")
+        bad.append(f)
+    out = tmp_path / "out.jsonl"
+    header, n = convert_to_file("azure", good + bad, out)
+    assert n == 7 and list(iter_validate(out)) == []
+    meta = header.meta
+    names = [p.name for p in good + bad]
+    assert meta["inputs"] == names[:3] and meta["inputs_count"] == 12 and meta["inputs_last"] == "b4.csv"
+    assert meta["inputs_sha256"] == hashlib.sha256("".join(x + "\n" for x in names).encode()).hexdigest()
+    assert header.source == f"azure: {good[0]}, {good[1]}, {good[2]}, ... (12 inputs in all)"
+    assert meta["skipped"]["count"] == 5 and [s["file"] for s in meta["skipped"]["files"]] == [str(p) for p in bad[:3]]
+    # at or under the bound: listed whole, nothing added (headers of up to 1,000 files unchanged)
+    header, _ = convert_to_file("azure", good[:3], tmp_path / "few.jsonl")
+    assert header.meta["inputs"] == ["a0.csv", "a1.csv", "a2.csv"] and "inputs_count" not in header.meta
+    assert header.source == f"azure: {good[0]}, {good[1]}, {good[2]}"
