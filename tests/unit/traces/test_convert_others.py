@@ -226,7 +226,7 @@ def test_azure_bad_rows_are_named_skipped_and_counted(tmp_path: Path, capsys: py
 
 
 def test_header_of_many_inputs_stays_under_the_readers_line_1_bound(tmp_path: Path) -> None:
-    """200,000 input names (~40 bytes each, 8.6 MB listed whole) were one header line over the
+    """200,000 input names (46 bytes each, 9.6 MB listed whole) were one header line over the
     readers' 8 MiB bound (MAX_FIRST_LINE): a trace no reader accepts. Bounded, it reads back."""
     from evolving_infra.traces.convert.common import MAX_HEADER_NAMES, inputs_meta, make_header, source_line
     from evolving_infra.traces.io import MAX_FIRST_LINE, encode_line, read_header
