@@ -96,6 +96,19 @@ def test_compose_gives_every_service_the_settings_from_one_place():
         assert re.search(r"^      EI_SERVED_MODEL_NAME: qwen$", services[name], re.M), (name, services[name])
 
 
+@needs_compose
+def test_compose_gives_the_router_ei_lookup_timeout_s(tmp_path):
+    """The router's 'kv.lookup failed' warning names EI_LOOKUP_TIMEOUT_S, but the router's environment in
+    docker-compose.yml is a list and lacked it: ``EI_LOOKUP_TIMEOUT_S=2 docker compose up`` left the router at
+    0.5 s. Now it is passed (to the router only); unset, compose passes it empty and the entrypoint unsets it,
+    so the router keeps its default (an empty float is an invalid value for the router's config)."""
+    services = resolved_services(_env(EI_LOOKUP_TIMEOUT_S="2"))
+    assert re.search(r"^      EI_LOOKUP_TIMEOUT_S: ['\"]?2['\"]?$", services["router"], re.M), services["router"]
+    assert [n for n, text in services.items() if n != "router" and "EI_LOOKUP_TIMEOUT_S" in text] == []
+    argv, env = _started(tmp_path, "router", EI_LOOKUP_TIMEOUT_S="")  # compose's value when it is not set
+    assert "EI_LOOKUP_TIMEOUT_S" not in env and _config("router", argv, env).lookup_timeout_s == 0.5, env
+
+
 def _sbatch(body: str, **env: str) -> subprocess.CompletedProcess[str]:
     """``body`` run by ``bash`` after the Slurm script's ``log``, ``shown_url``, ``up_flags`` and ``service_args``
     functions."""
