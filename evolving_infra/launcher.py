@@ -203,9 +203,11 @@ def _add_cluster_args(
     g.add_argument("--stream-interval", type=int, default=1, help="output tokens per streamed chunk (default 1)")
     g.add_argument(
         "--tokenizer",
-        default="sim",
+        default=None,
         help="sim (built in) or hf:<local tokenizer.json or model folder> (needs the hf extra: pip install -e '.[hf]'); "
-        "with hf the sim engines emit whole words of that vocabulary, so clients can count tokens from the text (default sim)",
+        "with hf the sim engines emit whole words of that vocabulary, so clients can count tokens from the text "
+        "(default sim; --engine torch: the --model folder's own, hf:MODEL_DIR, and sim is refused: its ids are not "
+        "the model's)",
     )
     g.add_argument("--ready-timeout", type=float, default=90.0, help="wall seconds to wait for all services (default 90)")
     g.add_argument(
@@ -343,6 +345,8 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
         raise UsageError(f"error: --served-model-name {bad[0]!r}: a name without commas or surrounding spaces")
     served = {"model": names[0], "model_aliases": tuple(dict.fromkeys(n for n in names[1:] if n != names[0]))} if names else {}
     if args.engine == "sim":
+        if args.tokenizer is None:
+            args.tokenizer = "sim"
         if args.model_dir:
             raise UsageError("error: --model needs --engine torch")
         for flag, value in (("--device", args.device), ("--dtype", args.dtype), ("--torch-threads", args.torch_threads)):
@@ -363,7 +367,12 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
     if args.profile == DEFAULT_PROFILE:  # the sim default: a GLM-5.2 node is not this model
         args.profile = TORCH_PROFILE
     page = profile_block_size(args)
-    if args.tokenizer == "sim":
+    if args.tokenizer == "sim":  # it was the default, silently replaced by the model's: a typed flag not obeyed
+        raise UsageError(
+            "error: --tokenizer sim: the built-in sim tokenizer's ids are not this model's; leave --tokenizer out "
+            "(the model folder's own tokenizer) or give hf:<tokenizer.json or folder>"
+        )
+    if args.tokenizer is None:
         args.tokenizer = f"hf:{args.model_dir}"
         args.tokenizer_of_model = True  # an error names --model: no --tokenizer was given
     try:

@@ -282,3 +282,19 @@ def test_up_refuses_a_tokenizer_larger_than_the_models_vocabulary(model, tmp_pat
     kids = _children(["--engine", "torch", "--model", str(model), "--nodes", "1"], tmp_path / "b")
     assert _value(kids["router"], "--model-vocab-size") == "512"
     assert "--model-vocab-size" not in _children(["--nodes", "1"], tmp_path / "c")["router"]
+
+
+def test_tokenizer_sim_typed_with_the_torch_engine_is_refused_not_replaced(model, tmp_path):
+    """``--tokenizer``'s help said ``(default sim)``, untrue for ``--engine torch`` (the model's own), and a typed
+    ``--tokenizer sim`` was silently replaced by the model's: the flag's default is now "not given", a typed sim is
+    a usage error, and the help says the torch default (session 42)."""
+    args = build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(model), "--tokenizer", "sim",
+                                          "--log-dir", str(tmp_path / "a")])  # fmt: skip
+    with pytest.raises(UsageError, match=r"^error: --tokenizer sim: .* leave --tokenizer out"):
+        _spec(args)
+    spec = _spec(build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(model), "--log-dir", str(tmp_path / "b")]))
+    assert spec.tokenizer == f"hf:{model}"
+    assert _spec(build_parser("up").parse_args(["up", "--log-dir", str(tmp_path / "c")])).tokenizer == "sim"
+    for command in ("up", "demo"):
+        sub = build_parser(command)._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+        assert "(defaultsim;--enginetorch:the--modelfolder'sown,hf:MODEL_DIR" in "".join(sub.format_help().split())
