@@ -418,6 +418,10 @@ class _Server(uvicorn.Server):
         pass
 
 
+_PROBE_NO_TIMEOUT_S = 365 * 86400.0
+"""The router's NATS PING (:meth:`RouterService._bus_probe_loop`) is given nats-py's longest wait: never
+given up on while its connection lasts."""
+
 _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
@@ -631,6 +635,15 @@ class RouterService(WatchedService):
         """``time.monotonic()`` of the last :meth:`_expire_parked` (the time since, while the bus was
         settling, is added to every parked request's start: it does not count against the bound)."""
         self._retrying = False
+        self._bus_stalled_at: float | None = None
+        """``time.monotonic()`` when a PING to NATS went unanswered for :attr:`_bus_stall_s` (the server hung,
+        SIGSTOP, or the path to it black-holed while the TCP connection stays up), None once a PONG came back
+        (:meth:`_bus_probe_loop`)."""
+        self._bus_resumed_at: float | None = None
+        """``time.monotonic()`` when a PONG came back after a stall (the bus settles from then, as after a reconnect)."""
+        self._bus_stall_s = cfg.fence_after_s / 3
+        """Wall seconds a PING may wait for its PONG before the bus counts as stalled; with a PING every half of it,
+        a stall is seen within ``fence_after_s / 2``, before a node silent because of it is due for fencing."""
         self._bg = BackgroundTasks(self.log, self.counters)
         """The split.get task and the tasks the router needs (fence loop, HTTP server): one of those
         that ends fails the router (:attr:`fatal`, exit 1) and makes it not ready."""
@@ -684,6 +697,7 @@ class RouterService(WatchedService):
         await self.bus.serve(ROUTE_HELD, self._on_held, router=self.bus.instance)
         self._bg.start(self._fetch_split(), "router-split-get", needed=False)
         self._bg.start(self._fence_loop(), "router-fence")
+        self._bg.start(self._bus_probe_loop(), "router-bus-probe")
         try:
             await self._start_http()
         except BaseException:
@@ -1278,12 +1292,56 @@ class RouterService(WatchedService):
             self._apply_split(cmd, "split.get")
 
     def _bus_settling(self) -> bool:
-        """True while NATS is down or reconnected less than ``fence_after_s`` + 1 s ago: node
-        states are silent because of the bus, not because the nodes died."""
-        if not self.bus.nc.is_connected:
+        """True while NATS is down or stalled (connected, but a PING of :meth:`_bus_probe_loop` got no PONG),
+        or reconnected or answering again less than ``fence_after_s`` + 1 s ago: node states are silent
+        because of the bus, not because the nodes died."""
+        if not self.bus.nc.is_connected or self._bus_stalled_at is not None:
             return True
-        t = self.bus.reconnected_at
-        return t is not None and time.monotonic() - t < self.cfg.fence_after_s + 1.0
+        t = max(self.bus.reconnected_at or -math.inf, self._bus_resumed_at or -math.inf)
+        return time.monotonic() - t < self.cfg.fence_after_s + 1.0
+
+    async def _bus_probe_loop(self) -> None:
+        """PING the NATS server every ``_bus_stall_s / 2`` wall s; a PING without its PONG for
+        ``_bus_stall_s`` marks the bus stalled (:meth:`_bus_settling` is then True) until it is answered.
+
+        A server that hangs (SIGSTOP, a stuck host) or a path to it that drops packets keeps the TCP
+        connection up: nats-py reports it connected (its own PINGs go every 2 min), no node state arrives,
+        and the fence loop fenced every node at once after ``fence_after_s`` (8-s SIGSTOP of nats-server on a
+        2P2D replay: 4 fences, 8 requests re-dispatched, their prompts of up to 611k tokens computed again,
+        3,316 chunks of the old attempts dropped), and a new request got a 503 'no live node' after
+        ``no_route_wait_s``, where a server that died and came back cost nothing (fence checks stop while
+        it is down). Counted ``bus.stalls``; logged when it stalls and when it answers again.
+
+        The PING is never given up on while its connection lasts: nats-py's ``flush`` cancels the PONG's
+        future at its timeout, and the PONG that comes later then ends the client's read loop
+        (``InvalidStateError`` in ``_process_pong``, nats-py 2.16): connected, it never reads again. A
+        reconnect forgets the PINGs sent before it (their PONGs never come): the probe is dropped then."""
+        interval = self._bus_stall_s / 2
+        while True:
+            if not self.bus.nc.is_connected:
+                await asyncio.sleep(interval)
+                continue
+            sent, conn = time.monotonic(), self.bus.reconnected_at
+            probe = asyncio.ensure_future(self.bus.nc.flush(timeout=_PROBE_NO_TIMEOUT_S))
+            done, _ = await asyncio.wait({probe}, timeout=self._bus_stall_s)
+            if not done:  # a PONG already read but not processed yet (a busy loop ran this timer first) is no stall
+                done, _ = await asyncio.wait({probe}, timeout=0.01)
+            while not done and self.bus.reconnected_at == conn:
+                if self._bus_stalled_at is None and self.bus.nc.is_connected:
+                    self._bus_stalled_at = sent
+                    self.counters["bus.stalls"] += 1
+                    self.log.warning("NATS does not answer a PING; fencing suspended until it does", waited_s=round(time.monotonic() - sent, 3))
+                done, _ = await asyncio.wait({probe}, timeout=interval)
+            if not done:  # reconnected meanwhile: that PING's PONG never comes, and no PONG can reach it now
+                probe.cancel()
+            elif not probe.cancelled() and probe.exception() is None and self._bus_stalled_at is not None:
+                self.log.warning("NATS answers again; fencing resumes once node states have had time to come back",
+                                 stalled_s=round(time.monotonic() - self._bus_stalled_at, 3), settle_s=self.cfg.fence_after_s + 1.0)  # fmt: skip
+                self._bus_stalled_at = None
+                self._bus_resumed_at = time.monotonic()
+            if self.bus.reconnected_at != conn:
+                self._bus_stalled_at = None  # a reconnect settles the bus itself (reconnected_at)
+            await asyncio.sleep(max(0.0, sent + interval - time.monotonic()))
 
     async def _fence_loop(self) -> None:
         """Fence nodes whose state went silent (not while the bus itself is settling after an

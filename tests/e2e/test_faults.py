@@ -188,3 +188,38 @@ async def test_directory_sigkill_loses_nothing_and_gets_index_and_branches_back(
     # the held branches were active at the router when the directory died; only branch.sync tells it of them
     assert r.counters["branch_sync.requests"] == 1 and r.counters["branch_sync.branches"] >= len(held), r.counters
     assert d.counters["branch_sync.sent"] == 1
+
+
+async def test_sigstop_of_nats_server_fences_no_node_and_a_request_sent_meanwhile_is_served(tmp_path):
+    """nats-server hangs (SIGSTOP) instead of dying: the router's TCP connection stays up, so nats-py
+    calls it connected and every node state just stops. Before, the router fenced every node
+    ``--fence-after-s`` into the hang (all of them at once: the in-flight requests re-dispatched) and a
+    request sent meanwhile got a 503 'no live prefill node' after ``--no-route-wait-s``; a server that
+    died instead cost nothing (fence checks stop while NATS is down). Now the router's PING finds the
+    server silent: no node is fenced, and the request is served once the server goes on."""
+    import asyncio
+    import os
+    import signal
+
+    import httpx
+
+    spec = FaultSpec(nodes=2, split="1P1D", extra={"router": ["--no-route-wait-s", "1"]})
+    body = {"model": "evolving-infra-sim", "prompt": list(range(1, 200)), "max_tokens": 4, "ignore_eos": True}
+    async with FaultCluster(spec, tmp_path / "cluster") as fc:
+        assert fc.nats is not None and fc.nats.pid is not None
+        async with httpx.AsyncClient(base_url=fc.router_url(), timeout=60) as http:
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+            os.kill(fc.nats.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(spec.fence_after_s + 1.0)  # every node silent past the fence time
+                late = asyncio.create_task(http.post("/v1/completions", json=dict(body, prompt=list(range(7, 300)))))
+                await asyncio.sleep(2.0)  # past --no-route-wait-s
+            finally:
+                os.kill(fc.nats.pid, signal.SIGCONT)
+            resp = await late
+        st = await fc.stats("router")
+    assert resp.status_code == 200, resp.text
+    assert st is not None
+    c = st.counters
+    assert c.get("fenced", 0) == 0 and c.get("redispatched", 0) == 0, c
+    assert c["bus.stalls"] == 1, c
