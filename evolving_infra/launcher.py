@@ -837,7 +837,7 @@ async def _demo(args: argparse.Namespace) -> int:
     from evolving_infra.replay.live import LiveReplayer
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import build_report, print_summary, write_report
-    from evolving_infra.traces.io import TraceError, read_trace
+    from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace
     from evolving_infra.traces.sample import scale_description, scale_trace_for_model
     from shared.clock import SimClock
 
@@ -858,6 +858,9 @@ async def _demo(args: argparse.Namespace) -> int:
         print(f"error: --trace: {args.trace or demo_trace_path()}: cannot read: {e}", file=sys.stderr)
         return 2
     trace_name = shown(str(trace_path))  # '-' for stdin, not its temporary copy
+    if not trace.requests:  # before a service is started or a folder made, as a bad trace
+        print(f"error: --trace: {trace_name}: {NO_REQUESTS}", file=sys.stderr)
+        return 2
     agents = list(dict.fromkeys(r.agent for r in trace.requests))[: args.sessions]
     keep = set(agents)
     requests = [r for r in trace.requests if r.agent in keep]

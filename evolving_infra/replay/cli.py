@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 async def _replay(args: argparse.Namespace) -> int:
     from evolving_infra.replay.live import LiveReplayer
     from evolving_infra.report.write import build_report, print_summary, write_report
-    from evolving_infra.traces.io import TraceError, read_trace
+    from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace
     from evolving_infra.report.ideal import annotate_ideal
     from shared.clock import SimClock
 
@@ -80,6 +80,9 @@ async def _replay(args: argparse.Namespace) -> int:
             return 2
         except OSError as e:  # missing, or a stdin that is a terminal or closed
             print(f"error: {args.input[0]}: cannot read: {e}", file=sys.stderr)
+            return 2
+        if not trace.requests:  # before a request is sent or a folder made
+            print(f"error: {args.input[0]}: {NO_REQUESTS}", file=sys.stderr)
             return 2
     else:
         from evolving_infra.traces.convert import convert_inputs

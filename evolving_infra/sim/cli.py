@@ -150,11 +150,11 @@ def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     ``ahead``: the ``--trace`` file already being inflated on a thread (:func:`inflate_ahead`).
 
     Raises:
-        SimConfigError: no input, or an unreadable trace / bad generator options.
+        SimConfigError: no input, an unreadable trace or one of no request, or bad generator options.
     """
     from evolving_infra.sim.config import SimConfigError
     from evolving_infra.traces.compact import read_trace_compact
-    from evolving_infra.traces.io import TraceError
+    from evolving_infra.traces.io import NO_REQUESTS, TraceError
 
     if bool(args.trace) == bool(args.workload):
         raise SimConfigError("give exactly one of --trace FILE or --workload KIND")
@@ -163,6 +163,8 @@ def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None) -
             trace = read_trace_compact(Path(stdin_file(args.trace)), ahead=ahead)
         except (TraceError, OSError) as e:
             raise SimConfigError(shown(f"--trace: {e}")) from e
+        if not trace.requests:
+            raise SimConfigError(f"--trace: {args.trace}: {NO_REQUESTS}")
         trace, remapped = trace.rechained()
         prov: dict[str, Any] = {"trace": str(args.trace), "trace_source": trace.header.source}
         if remapped:

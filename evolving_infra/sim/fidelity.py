@@ -130,11 +130,11 @@ def load_requests(s: FidelitySettings) -> tuple[list[Any], int, str]:
     and its name (``-`` for stdin).
 
     Raises:
-        SimConfigError: the trace cannot be read (one line: ``--trace: <name>: ...``).
+        SimConfigError: the trace cannot be read, or has no request (one line: ``--trace: <name>: ...``).
     """
     from evolving_infra.launcher import demo_trace_path
     from evolving_infra.sim.config import SimConfigError
-    from evolving_infra.traces.io import TraceError, read_trace
+    from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace
 
     try:
         path = Path(stdin_file(s.trace)) if s.trace else demo_trace_path()
@@ -143,6 +143,8 @@ def load_requests(s: FidelitySettings) -> tuple[list[Any], int, str]:
         raise SimConfigError(f"--trace: {shown(str(e))}") from e
     except OSError as e:
         raise SimConfigError(f"--trace: {s.trace or demo_trace_path()}: cannot read: {e}") from e
+    if not trace.requests:
+        raise SimConfigError(f"--trace: {s.trace or demo_trace_path()}: {NO_REQUESTS}")
     if s.max_requests_per_branch:
         from evolving_infra.traces.sample import sample_sessions
 

@@ -49,6 +49,7 @@ from evolving_infra.traces.schema import FORMAT, MAX_BLOCK_ID, VERSION, TraceHea
 from shared.values import FACTORY, Value
 
 __all__ = [
+    "NO_REQUESTS",
     "PACK_MAGIC",
     "Trace",
     "TraceError",
@@ -75,6 +76,11 @@ _NOT_CANONICAL = ("not a canonical trace (its line 1 is the header {\"format\": 
 """Appended to an invalid line-1 header: a raw WEKA Claude Code file given to ``simulate --trace`` read only
 'invalid trace header: Object missing required field `format`', naming neither the cause nor the command."""
 _HEADER_DECODER = msgspec.json.Decoder(TraceHeader)
+
+NO_REQUESTS = "the trace has no requests (a header and nothing after it): nothing to replay"
+"""Named by the commands that replay a trace (``simulate --trace``, ``demo``, ``fidelity``, ``replay``) for a
+valid trace of no request, which they refuse (exit 2) before any run: ``simulate`` wrote a report of 0 requests
+and exited 0. ``trace validate`` still passes it (the format allows it) and ``trace stats`` gives its zeros."""
 
 
 def _header_problem(raw: bytes, e: msgspec.DecodeError) -> str:

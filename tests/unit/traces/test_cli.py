@@ -573,3 +573,34 @@ def test_a_file_with_no_newline_is_named_at_line_1_after_a_bounded_read(
     assert len(out.splitlines()) == 1 and out.startswith(f"{blob.name}:1: {want[len('line 1: '):]}"), out
     assert want in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == [blob.name]
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_trace_of_no_request_is_refused_by_every_command_that_replays_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], gz: bool
+) -> None:
+    """A valid header and nothing after it: ``simulate`` wrote a report of 0 requests and exited 0.
+    simulate, demo, fidelity and replay now stop with one line naming it, exit 2, nothing written
+    (replay: before asking the router anything more); trace validate still passes it."""
+    import evolving_infra.replay.cli as replay_cli
+    from evolving_infra.traces.io import NO_REQUESTS, encode_line
+    from evolving_infra.traces.schema import FORMAT, VERSION, TraceHeader
+
+    monkeypatch.chdir(tmp_path)
+    line = encode_line(TraceHeader(format=FORMAT, version=VERSION, block_size=64, source="s", description="d")) + b"\n"
+    name = "empty.jsonl.gz" if gz else "empty.jsonl"
+    (tmp_path / name).write_bytes(gzip.compress(line) if gz else line)
+
+    async def nothing(*a: object, **k: object) -> None:
+        return None
+
+    monkeypatch.setattr(replay_cli, "router_unreachable", nothing)
+    monkeypatch.setattr(replay_cli, "router_speedup", nothing)
+    for argv in (["simulate", "--trace", name, "--out", "o"], ["demo", "--trace", name, "--out", "d"],
+                 ["fidelity", "--trace", name, "--out", "f"],
+                 ["replay", name, "--router-url", "http://127.0.0.1:9", "--speedup", "1", "--out", "r"]):
+        assert top_main(argv) == 2, argv
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"error: {'' if argv[0] == 'replay' else '--trace: '}{name}: {NO_REQUESTS}"], (argv, err)
+    assert main(["validate", name]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
