@@ -24,7 +24,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from evolving_infra.cluster import LocalCluster  # noqa: E402
-from shared import messages as m  # noqa: E402
 from tests.integration.torch_cluster import tiny_1p1d  # noqa: E402
 from tests.unit.worker.torch_tiny import prompt  # noqa: E402
 

@@ -9,7 +9,6 @@ timeout under 0.5 ms is no wait there), taking the models each pass, until the t
 from __future__ import annotations
 
 import asyncio
-import time
 from types import SimpleNamespace
 
 import pytest
