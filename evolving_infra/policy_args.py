@@ -109,6 +109,12 @@ class LivePolicy(FrozenValue):
                 "notes": list(self.notes)}
 
 
+_LIVE_DECODE_RULES = {  # RoutingPolicy.choose_decode of each (services/router): the default is least_loaded_decode
+    "ttft": "the least loaded decode node with KV room for the request",
+    "dynamo-kv": "the lowest Dynamo KV cost",
+}
+
+
 def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | None = None) -> LivePolicy:
     """The live mapping of ``args.policy`` with the overrides (see the module docstring).
 
@@ -140,8 +146,11 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
     notes = []
     if ps.switch_mode not in ("decoupled", "none"):
         notes.append(f"switch mode {ps.switch_mode}: live workers switch in place keeping their KV (decoupled)")
-    if ps.decode_routing == "round-robin":
-        notes.append("decode routing round-robin: the live router binds decode with its routing policy's rule")
+    if ps.decode_routing == "round-robin":  # "decode routing round-robin: ..." read as what the router does
+        rule = _LIVE_DECODE_RULES.get(ps.routing, "the least loaded decode node (running + waiting + in flight)")
+        notes.append(f"decode routing: policy {ps.name}'s round-robin is simulate's; the live router binds each request's "
+                     f"decode node by routing {ps.routing}'s rule instead: {rule}, ties to the lowest node id (requests "
+                     "sent one at a time all decode on the first decode node)")
     binding = "prefill-start" if ps.decode_binding == "prefill-start" else "dispatch"
     items = tuple(f"{k}={_fmt(v)}" for k, v in opts.items())
     return LivePolicy(name=ps.name, routing=ps.routing, planner=ps.planner, planner_args=items, eviction=ps.eviction,

@@ -181,3 +181,17 @@ def test_up_gives_each_service_the_flags_it_gave_before_service_flags_and_deploy
         printed, _ = deploy_args(argv_up, service)
         argv = kids[child]
         assert any(argv[i : i + len(printed)] == printed for i in range(len(argv))), (service, printed, argv)
+
+
+def test_the_round_robin_decode_note_says_what_the_live_router_does_instead(tmp_path):
+    """``up --policy static:1P2D`` printed "note: decode routing round-robin: ...", read as round-robin decode
+    (session 42: six requests one at a time all decoded on w1; cache-aware binds the least loaded, ties to the
+    lowest id). The note now names the rule the router uses."""
+    args = build_parser().parse_args(["up", "--nodes", "3", "--policy", "static:1P2D", "--log-dir", str(tmp_path)])
+    _spec(args)
+    (note,) = [n for n in args.live_policy.notes if "decode" in n]
+    assert not note.startswith("decode routing round-robin"), note
+    assert "routing cache-aware's rule instead: the least loaded decode node" in note and "lowest node id" in note, note
+    args = build_parser().parse_args(["up", "--nodes", "3", "--policy", "static:1P2D", "--routing", "ttft", "--log-dir", str(tmp_path)])
+    _spec(args)
+    assert any("routing ttft's rule instead: the least loaded decode node with KV room" in n for n in args.live_policy.notes)
