@@ -10,7 +10,6 @@ the first run is the reference.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,12 +58,14 @@ def run_label(folder: str, meta: Mapping[str, Any]) -> str:
     of ``static:4P5D``: then ``what``) or nothing names it. Before, a simulated run was labelled
     by its policy alone and a live one by its folder alone: two runs of one policy read the same,
     and a live run's policy not at all."""
+    from evolving_infra.sim.sweep import safe_dir  # not at the top: it loads the simulator config (~0.1 s)
+
     policy = meta.get("policy")
     what = meta.get("label") or (policy.get("name") if isinstance(policy, Mapping) else None) or meta.get("command")
     if not what:
         return folder
     what = str(what)
-    if re.sub(r"[^A-Za-z0-9._@-]+", "_", what) == folder:  # ``sim.sweep.safe_dir``: the folder is named after it
+    if safe_dir(what) == folder:  # a sweep's folder is named after its item's label
         return what
     return f"{folder} ({what})"
 
