@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 from shared.messages import NodeState, Phase, SplitCommand
 from shared.subjects import check_token
@@ -190,13 +191,17 @@ class FencedNode(FrozenValue):
     """Age of its last state at fencing time (caller's clock units)."""
     rids: tuple[str, ...]
     """Requests in flight that depend on it when it was fenced (:meth:`NodeLoadView.requests_depending_on`)."""
+    cause: Literal["silent", "restarted"]
+    """Why: ``silent``, no state for longer than ``fence_after``; ``restarted``, its state sequence went back (a new
+    process, :attr:`NodeRecord.restarted`) while it still reported within ``fence_after``."""
 
-    __slots__ = __match_args__ = ("node", "age", "rids")
+    __slots__ = __match_args__ = ("node", "age", "rids", "cause")
 
-    def __init__(self, node: str, age: float, rids: tuple[str, ...] = ()) -> None:
+    def __init__(self, node: str, age: float, rids: tuple[str, ...] = (), *, cause: Literal["silent", "restarted"]) -> None:
         set_field(self, "node", node)
         set_field(self, "age", age)
         set_field(self, "rids", rids)
+        set_field(self, "cause", cause)
 
 
 class _Flight(Value):
@@ -800,7 +805,8 @@ class NodeLoadView(Value):
                 rec.fenced = True
                 rec.fence_events += 1
                 self._eligibility_changed(rec)
-                out.append(FencedNode(node=rec.node, age=age, rids=tuple(self.requests_depending_on(rec.node))))
+                out.append(FencedNode(node=rec.node, age=age, rids=tuple(self.requests_depending_on(rec.node)),
+                                      cause="silent" if age > self.fence_after else "restarted"))
         return out
 
     def next_deadline(self) -> float | None:

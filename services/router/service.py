@@ -94,7 +94,7 @@ from services.router.branches import BranchError, BranchTable
 from services.router.config import LOOKUP_TIMEOUT_HINT, RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
 from services.router.faults import continuation
-from services.router.nodes import kv_blocks
+from services.router.nodes import FencedNode, kv_blocks
 from services.router.replicas import RemoteSends
 from services.router.policy import RouteRequest, make_policy
 from services.router.stops import OutputText
@@ -1360,7 +1360,7 @@ class RouterService(WatchedService):
                 self.counters["fence_checks_skipped_bus_down"] += 1
             else:
                 for f in self.core.check_fences(now):
-                    self._fence(f.node, f.age, f.rids)
+                    self._fence(f)
                 for node in self.core.forget_left(now, self._forget_after):
                     self._forgotten(node)
                 self._note_context()  # a node silent past --forget-node-after-s no longer counts toward the KV cap
@@ -1390,16 +1390,22 @@ class RouterService(WatchedService):
         self.log.info("node forgotten: fenced and silent past --forget-node-after-s, or never reported and no request left",
                       node=node, forget_node_after_s=self.cfg.forget_node_after_s)  # fmt: skip
 
-    def _fence(self, node: str, age: float, rids: tuple[str, ...]) -> None:
+    def _fence(self, f: FencedNode) -> None:
+        """Node ``f.node`` was fenced (:meth:`RouterCore.check_fences`): log it with its ``cause`` (``silent``: no
+        node.state within fence_after_s; ``restarted``: its state sequence went back; the line said "or" before,
+        naming neither) and re-dispatch or fail the requests that depended on it."""
+        node, age, rids = f.node, f.age, f.rids
         self.counters["fenced"] += 1
         self.log.warning(
-            "node fenced out: no node.state within fence_after_s, or restarted (its state sequence went back)",
+            "node fenced out: " + ("no node.state within fence_after_s" if f.cause == "silent"
+                                   else "restarted (its state sequence went back)"),
             node=node,
+            cause=f.cause,
             silent_wall_s=round(self.clock.to_wall(age), 3),
             fence_after_s=self.cfg.fence_after_s,
             inflight=len(rids),
         )
-        reason = (f"node {node} stopped answering (no state for {self.clock.to_wall(age):.1f}s)" if age > self.core.view.fence_after
+        reason = (f"node {node} stopped answering (no state for {self.clock.to_wall(age):.1f}s)" if f.cause == "silent"
                   else f"node {node} restarted (its state sequence went back)")
         for rid in rids:
             try:

@@ -16,6 +16,7 @@ import contextlib
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.router.nodes import FencedNode
 from shared import messages as m
 from shared.subjects import REQ_OUT
 from shared.tokenizer import SimTokenizer
@@ -159,7 +160,7 @@ async def test_a_stop_the_client_gets_is_counted_stop_also_when_an_end_decided_o
                 if end in ("error", "abort"):
                     await svc._on_chunk(m.TokenChunk(rid=w.rid, node="c0", finished=True, finish_reason=end, error="x", attempt=w.attempt), "")
                 else:
-                    svc._fence("c0", 0.0, (w.rid,))
+                    svc._fence(FencedNode("c0", 0.0, (w.rid,), cause="restarted"))
                 r = await asyncio.wait_for(req, 10)
                 assert r.status_code == 200, (end, stream, r.text)
                 last = sse_events(r.text)[-2] if stream else r.json()
