@@ -59,7 +59,6 @@ if [ -n "$code" ] && [ "$code" != "$(realpath "$REPO")" ]; then
     log "replay runs the code in $code (what $PY imports), not this checkout's ($REPO): PYTHONPATH=$REPO runs this one's"
 fi
 D=$(mktemp -d /tmp/ei-docker.XXXXXX)
-echo $$ >"$D/smoke.pid"  # a later run tells a dead run's engine (this file's process gone) from a live one's
 export DOCKER_HOST=unix://$D/docker.sock
 DOCKERD=""
 
@@ -83,23 +82,21 @@ cleanup() {
 trap cleanup EXIT
 
 lock_holders() {  # lock_holders FILE: the pids that have FILE open (this script has it closed meanwhile)
-    local fd
-    for fd in /proc/[0-9]*/fd/*; do
-        if [ "$(readlink "$fd" 2>/dev/null)" = "$1" ]; then fd=${fd#/proc/}; echo "${fd%%/*}"; fi
-    done | sort -u
+    find /proc/[0-9]*/fd -maxdepth 1 -lname "$1" 2>/dev/null | cut -d/ -f3 | sort -u
 }
 cmdline() { tr '\0' ' ' 2>/dev/null <"/proc/$1/cmdline"; }
 reclaim_stale_lock() {  # the shared data root's lock held by the engine of a run that is gone: stop that engine
     local pid dir dpid lock holders p kids
     read -r pid dir <"$DATA.owner" 2>/dev/null || return 1  # written by the run that took the lock
     [ -n "$pid" ] && [ -d "$dir" ] || return 1
-    if running "$pid" && cmdline "$pid" | grep -q compose-smoke; then return 1; fi  # that run is alive
+    # (no `| grep -q` here: under pipefail its early exit may SIGPIPE the writer and fail a match)
+    if running "$pid" && [[ $(cmdline "$pid") == *compose-smoke* ]]; then return 1; fi  # that run is alive
     lock=$(readlink -f "$DATA.lock")
     exec 9>&-  # not this script's among the lock's holders (nor its subshells'): opened again to take it
     dpid=$(cat "$dir/dockerd.pid" 2>/dev/null || true)
     # that run's own engine (its argv names this data root and that run's folder), still holding the lock
-    if [ -n "$dpid" ] && running "$dpid" && cmdline "$dpid" | grep -qF -- "--data-root $DATA --exec-root $dir/exec " \
-            && lock_holders "$lock" | grep -qx "$dpid"; then
+    if [ -n "$dpid" ] && running "$dpid" && [[ $(cmdline "$dpid") == *"--data-root $DATA --exec-root $dir/exec "* ]] \
+            && [[ " $(lock_holders "$lock" | tr "\n" " ")" == *" $dpid "* ]]; then
         log "$DATA is held by the engine (pid $dpid) of a run that is gone (pid $pid, $dir): stopping it"
         [ -S "$dir/docker.sock" ] && DOCKER_HOST=unix://$dir/docker.sock timeout 120 $COMPOSE down -v --remove-orphans >/dev/null 2>&1
         stop_dockerd "$dpid"
@@ -111,13 +108,13 @@ reclaim_stale_lock() {  # the shared data root's lock held by the engine of a ru
     holders=$(lock_holders "$lock")
     for p in $holders; do
         running "$p" || continue  # ended since
-        cmdline "$p" | grep -qF -- "$dir/" || { log "$DATA is held by pid $p ($(cmdline "$p" | cut -c1-100)), not of that run"; return 1; }
+        [[ $(cmdline "$p") == *"$dir/"* ]] || { log "$DATA is held by pid $p ($(cmdline "$p" | cut -c1-100)), not of that run"; return 1; }
     done
     if [ -n "$holders" ]; then
         log "$DATA is held by what is left of the engine of a run that is gone (pid $pid, $dir): killing pids" \
             $holders "and their containers"
         for p in $holders; do
-            kids=$(awk -v p="$p" '$4 == p { print $1 }' /proc/[0-9]*/stat 2>/dev/null || true)
+            kids=$(cat /proc/"$p"/task/*/children 2>/dev/null || true)
             # shellcheck disable=SC2086
             kill -9 $kids "$p" 2>/dev/null
         done

@@ -34,8 +34,10 @@ trap 'touch "$FAKE_ROOTS.exited"; exit 0' TERM
 while [ $# -gt 0 ]; do
     [ "$1" = --data-root ] && echo "$2" >> "$FAKE_ROOTS"
     [ "$1" = --exec-root ] && echo "$2" >> "$FAKE_ROOTS.exec" && exec_root=$2
+    [ "$1" = -H ] && sock=${2#unix://}
     shift
 done
+[ -n "${FAKE_NO_SOCKET:-}" ] || touch "$sock"  # the client's `version` answers once it is there
 if [ -n "${FAKE_SHIM:-}" ]; then  # a containerd shim: its own session, its argv naming the run's folder, a container
     setsid sh -c 'sleep 30 9>&- & echo $! > "$FAKE_ROOTS.container"; wait' "$exec_root/containerd/containerd.sock" &
 fi
@@ -44,10 +46,10 @@ if [ -n "${FAKE_HOLD:-}" ]; then
 fi
 touch "$FAKE_ROOTS.exited"
 """
-# version: the engine is up (unless FAKE_NO_SOCKET); anything else fails (FAKE_CLIENT_HOLD: once that file is
+# version: the engine is up once the fake engine made its "socket" (a file); anything else fails (FAKE_CLIENT_HOLD: once that file is
 # there, the run meanwhile alive) or, with FAKE_ALL_OK, succeeds
 FAKE_DOCKER = """#!/bin/sh
-[ "$1" = version ] && { [ -n "${FAKE_NO_SOCKET:-}" ] && exit 1; exit 0; }
+[ "$1" = version ] && { [ -e "${DOCKER_HOST#unix://}" ] && exit 0; exit 1; }
 [ -n "${FAKE_ALL_OK:-}" ] && exit 0
 if [ -n "${FAKE_CLIENT_HOLD:-}" ]; then
     i=0; while [ ! -e "$FAKE_CLIENT_HOLD" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done
@@ -75,8 +77,9 @@ def _smoke(tmp: Path, roots: Path, session: bool = False, **env: str) -> subproc
 
 
 def _wait_for(path: Path, timeout_s: float = 10.0) -> None:
+    """Until ``path`` has something in it (the fakes write a line, or touch an empty ``.exited``)."""
     end = time.monotonic() + timeout_s
-    while not path.exists():
+    while not (path.exists() and (path.stat().st_size > 0 or path.suffix == ".exited")):
         assert time.monotonic() < end, f"{path} never appeared"
         time.sleep(0.05)
 
@@ -111,7 +114,7 @@ def test_a_killed_run_s_engine_is_stopped_and_its_data_root_lock_taken_back(tmp_
     first_roots, second_roots = tmp_path / "roots-first", tmp_path / "roots-second"
     try:
         first = _smoke(tmp_path, first_roots, FAKE_HOLD=str(release), FAKE_CLIENT_HOLD=str(release))
-        _wait_for(first_roots)
+        _wait_for(Path(f"{first_roots}.exec"))
         first_dir = str(Path(Path(f"{first_roots}.exec").read_text().strip()).parent)  # the run's mktemp folder
         first.kill()  # SIGKILL: no cleanup; its dockerd keeps the lock
         first.wait(timeout=10)
@@ -119,6 +122,7 @@ def test_a_killed_run_s_engine_is_stopped_and_its_data_root_lock_taken_back(tmp_
 
         second = _smoke(tmp_path, second_roots)
         out = second.communicate(timeout=90)[0]
+        assert second_roots.exists(), out  # its engine started
         assert second_roots.read_text().split() == [str(shared)], out  # the shared root, not one of its own
         assert f"of a run that is gone (pid {first.pid}, {first_dir}): stopping it" in out, out
         assert Path(f"{first_roots}.exited").exists(), out  # that engine was stopped (TERM)
@@ -144,6 +148,7 @@ def test_what_is_left_of_a_run_killed_with_its_process_group_is_killed_by_the_ne
         first = _smoke(tmp_path, first_roots, session=True, FAKE_HOLD=str(release), FAKE_CLIENT_HOLD=str(release),
                        FAKE_SHIM="1")
         _wait_for(Path(f"{first_roots}.container"))
+        _wait_for(Path(f"{first_roots}.exec"))
         first_dir = str(Path(Path(f"{first_roots}.exec").read_text().strip()).parent)
         container = int(Path(f"{first_roots}.container").read_text())
         os.killpg(first.pid, 9)
@@ -151,6 +156,7 @@ def test_what_is_left_of_a_run_killed_with_its_process_group_is_killed_by_the_ne
 
         second = _smoke(tmp_path, second_roots)
         out = second.communicate(timeout=90)[0]
+        assert second_roots.exists(), out
         assert second_roots.read_text().split() == [str(shared)], out
         assert f"held by what is left of the engine of a run that is gone (pid {first.pid}, {first_dir})" in out, out
         assert _gone(container) and not Path(first_dir).exists(), out
