@@ -802,9 +802,12 @@ def split_deferred_line(pol: LivePolicy, split: str, *, given: bool) -> str | No
     if p.t_learn_s <= 0:
         return None
     after = p.initial_split or split
+    # a warm-up already this short was told to pass --planner-opt t_learn_s=60, the flag it was started with
+    shorter = (", or a short warm-up: --planner-opt t_learn_s=60" if p.t_learn_s > 60 else
+               f" (the warm-up ends on a {p.window_s / p.slices:.0f}-s slice boundary: `split get` says when)")
     return (f"note: --split {split} is not served yet: the evolving planner (policy {pol.name}) serves every node collocated "
             f"(\"decode_node\": null) for its {p.t_learn_s:.0f}-s warm-up, then {after}; for {split} at once pass "
-            f"--policy static:{split} (a fixed split), or a short warm-up: --planner-opt t_learn_s=60")
+            f"--policy static:{split} (a fixed split){shorter}")
 
 
 def _shown(info: dict[str, object]) -> dict[str, object]:

@@ -47,6 +47,15 @@ def test_an_explicit_split_deferred_by_the_warm_up_is_one_clear_line(argv, expec
         assert '"decode_node": null' in line
 
 
+def test_a_warm_up_already_short_is_not_told_to_pass_the_flag_it_was_given(tmp_path):
+    """``up --engine torch --nodes 2 --split 1P1D --planner-opt t_learn_s=60`` (the README's way to 1P1D) printed
+    "... for its 60-s warm-up, then 1P1D; ... or a short warm-up: --planner-opt t_learn_s=60" (session 42)."""
+    args, pol = _args(["up", "--nodes", "2", "--split", "1P1D", "--planner-opt", "t_learn_s=60"], tmp_path)
+    line = split_deferred_line(pol, args.split, given=args.split_given)
+    assert line is not None and "60-s warm-up, then 1P1D; for 1P1D at once pass --policy static:1P1D" in line, line
+    assert "t_learn_s=60" not in line and "60-s slice boundary: `split get` says when" in line, line
+
+
 def test_split_help_says_the_warm_up_comes_first_and_how_to_skip_it():
     for command in ("up", "demo"):
         split = next(a for a in _subparser(command)._actions if a.dest == "split")
