@@ -85,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "init",
         help="write a seeded random Llama/Qwen3 checkpoint with a locally trained byte-level BPE tokenizer",
         description="Write a seeded random checkpoint in the Hugging Face folder layout (config.json, "
-        "model.safetensors, tokenizer.json, tokenizer_config.json). Same arguments and seed give the same folder. "
+        "generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json). Same arguments and seed give the same folder. "
         "A folder that already holds files is refused (exit 2) unless --force.",
     )
     i.add_argument("dir", type=folder, help="output folder (created; must be empty unless --force)")

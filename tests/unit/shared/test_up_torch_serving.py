@@ -298,3 +298,13 @@ def test_tokenizer_sim_typed_with_the_torch_engine_is_refused_not_replaced(model
     for command in ("up", "demo"):
         sub = build_parser(command)._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
         assert "(defaultsim;--enginetorch:the--modelfolder'sown,hf:MODEL_DIR" in "".join(sub.format_help().split())
+
+
+def test_model_init_help_names_every_file_it_writes(model):
+    """``model init --help`` listed four files; the folder has generation_config.json too (session 42)."""
+    sub = build_parser("model")._subparsers._group_actions[0].choices["model"]  # type: ignore[union-attr]
+    init = sub._subparsers._group_actions[0].choices["init"]  # type: ignore[union-attr]
+    text = " ".join(init.format_help().split())
+    assert sorted(f.name for f in model.iterdir()), model
+    for f in model.iterdir():
+        assert f.name in text, (f.name, text)
