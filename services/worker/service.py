@@ -1070,9 +1070,18 @@ class WorkerService:
                 task.add_done_callback(self._task_done)
 
     async def _bind(self, work: m.PrefillWork, started: float) -> None:
-        """``route.bind`` until the router names a decode node (retried while none is eligible)."""
+        """``route.bind`` until the router names a decode node (retried while none is eligible).
+
+        ``bind_timeout_s`` bounds the time the router answers that no decode node is eligible. A request
+        that gets no reply at all (the owning router or NATS hung, NATS down) does not count toward it:
+        that wait is added to the deadline, up to ``owner_gone_after_s`` from the first request (the same
+        bound as for a router cut off from NATS, :meth:`_check_owners`). Before, a 15-s SIGSTOP of
+        nats-server failed the 2 prefills that were binding ('no decode node for the request: no reply on
+        route.bind.router: TimeoutError') although the router was alive and every node too."""
         rid = work.rid
-        deadline = time.monotonic() + self.cfg.bind_timeout_s
+        first = time.monotonic()
+        deadline = first + self.cfg.bind_timeout_s
+        cap = first + max(self.cfg.bind_timeout_s, self.cfg.owner_gone_after_s)
         req = m.DecodeBindRequest(
             rid=rid, prefill_node=self.node, prompt_tokens=work.prompt_tokens, max_tokens=work.max_tokens, branch_id=work.branch_id,
             attempt=work.attempt,
@@ -1084,9 +1093,10 @@ class WorkerService:
         headers = None if span is None else tracing.inject(span)
         try:
             while time.monotonic() < deadline:
+                sent = time.monotonic()
                 try:
                     rep = await self.bus.request(
-                        ROUTE_BIND, req, timeout=max(0.05, min(2.0, deadline - time.monotonic())), router=router, headers=headers
+                        ROUTE_BIND, req, timeout=max(0.05, min(2.0, deadline - sent)), router=router, headers=headers
                     )
                 except BusError as e:  # router restarting or gone: retry until the deadline
                     reason = str(e)
@@ -1095,6 +1105,10 @@ class WorkerService:
                         # client's stream; waiting would stall this node's other requests (issue #22)
                         self.counters["bind.owner_gone"] += 1
                         break
+                    if isinstance(e.__cause__, TimeoutError) or not self.bus.nc.is_connected:
+                        # no reply at all: the router or NATS is hung or down, not short of decode nodes
+                        self.counters["bind.unanswered"] += 1
+                        deadline = min(cap, deadline + (time.monotonic() - sent))
                     self.counters["bind.retries"] += 1
                     await asyncio.sleep(0.05)
                     continue

@@ -25,7 +25,7 @@ import pytest
 from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.service import serve_until_stopped
-from shared.subjects import NODE_STATE, REQ_OUT, SVC_STATS, WORK_ABORT, WORK_DECODE, WORK_PREFILL, Subjects
+from shared.subjects import NODE_STATE, REQ_OUT, ROUTE_BIND, SVC_STATS, WORK_ABORT, WORK_DECODE, WORK_PREFILL, Subjects
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
@@ -156,7 +156,8 @@ async def test_decode_node_is_chosen_when_the_prefill_starts(nats_url, tmp_path:
 async def test_prefill_fails_cleanly_when_no_router_binds_a_decode_node(nats_url):
     """No router answers route.bind: the started prefill fails with an abort chunk at once
     (nobody serves the owner's route.bind: its router is gone, issue #22; a router that does not
-    answer in time costs ``bind_timeout_s``), nothing hangs, and the node is left empty."""
+    answer at all is waited for up to ``owner_gone_after_s``, the next test), nothing hangs, and the
+    node is left empty."""
     chunks: list[m.TokenChunk] = []
     async with AsyncExitStack() as stack:
         bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-nobind")
@@ -190,6 +191,59 @@ async def test_prefill_fails_cleanly_when_no_router_binds_a_decode_node(nats_url
         assert stats.counters["bind.failed"] == 1 and stats.gauges["running"] == 0 and stats.gauges["waiting"] == 0
         assert stats.counters["bind.owner_gone"] == 1 and stats.counters.get("bind.retries", 0) == 0
         assert not {k for k in stats.counters if k in ("node_fatal", "engine_fatal", "task_errors")}  # the node served on
+
+
+async def test_a_bind_without_reply_is_waited_for_past_bind_timeout(nats_url):
+    """The owning router (or NATS) hangs: route.bind gets no reply at all for 1 s, 3x the worker's
+    ``bind_timeout_s``, then the router answers. That wait is not the router saying no decode node is
+    eligible: the prefill is bound and goes on. Before, it failed at ``bind_timeout_s`` with an abort
+    ('no decode node for the request: no reply on route.bind...: TimeoutError'): a 15-s SIGSTOP of
+    nats-server lost the 2 requests whose prefill was binding, with every node and the router alive."""
+    chunks: list[m.TokenChunk] = []
+    asked: list[float] = []
+    async with AsyncExitStack() as stack:
+        bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-hungbind")
+        stack.push_async_callback(bus.close)
+
+        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
+            chunks.append(c)
+
+        async def on_bind(req: m.DecodeBindRequest, _s: str) -> m.DecodeBindReply | None:
+            asked.append(time.monotonic())
+            if asked[-1] - asked[0] < 1.0:
+                return None  # hung: no reply
+            return m.DecodeBindReply(rid=req.rid, decode_node="w1")
+
+        await bus.subscribe(REQ_OUT, on_chunk)
+        await bus.serve(ROUTE_BIND, on_bind, router="rt")
+        stop = asyncio.Event()
+        cfg = WorkerConfig(nats_url=nats_url, node="w0", phase="prefill", profile="tiny", bind_timeout_s=0.3, owner_gone_after_s=10.0,
+                           owner_check_interval_s=0, check_invariants=True)  # fmt: skip
+        task = asyncio.create_task(serve_until_stopped("worker", cfg, WorkerService, instance="worker-w0", stop_event=stop))
+
+        async def stopper() -> None:
+            stop.set()
+            await task
+
+        stack.push_async_callback(stopper)
+        for _ in range(100):
+            try:
+                await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=0.2)
+                break
+            except BusError:
+                await asyncio.sleep(0.02)
+        work = m.PrefillWork(rid="hung", prompt_tokens=9, max_tokens=4, block_size=BS, block_hashes=[1, 2], decode_binding="start", router="rt")
+        await bus.publish(WORK_PREFILL, work, node="w0")
+        stats = None
+        for _ in range(100):
+            stats = await bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=2.0)
+            if stats.counters.get("bind.ok") or stats.counters.get("bind.failed"):
+                break
+            await asyncio.sleep(0.05)
+        assert stats is not None
+    assert stats.counters.get("bind.failed", 0) == 0 and stats.counters["bind.ok"] == 1, stats.counters
+    assert stats.counters["bind.unanswered"] >= 2 and asked[-1] - asked[0] >= 1.0
+    assert not [c for c in chunks if c.finish_reason in ("abort", "error")], chunks
 
 
 async def test_a_prefill_that_starts_with_no_decode_node_left_fails_with_a_503_not_a_500(nats_url, tmp_path: Path):
