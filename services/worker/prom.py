@@ -50,7 +50,7 @@ PHASES = ("prefill", "decode", "both")
 
 def worker_families(svc: "WorkerService") -> Iterator[Metric]:
     """Every worker family (table in the module docstring) for ``svc``'s node."""
-    st = svc.core.state(svc.clock.now(), with_queue=False)
+    st = svc.core.state(svc.clock.local_now(), with_queue=False)
     n = svc.node
     yield gauge_family(
         "ei_node_phase", "1 for the phase the node serves, else 0", {(n, ph): float(st.phase == ph) for ph in PHASES}, ["node", "phase"]

@@ -2,8 +2,8 @@
 
 Contains zero decision logic: batching, chunking, KV blocks and eviction are
 decided by ``EngineScheduler`` (``scheduler.py``); this file decodes messages,
-calls the core with ``clock.now()``, waits for the engine, and publishes what
-the core returns (STYLE §2.1, §6).
+calls the core with the node's local time (``clock.local_now()``), waits for the
+engine, and publishes what the core returns (STYLE §2.1, §6).
 
 Subjects (DESIGN §3, ``shared/subjects.py``):
 
@@ -44,11 +44,17 @@ clock: the previous plan's end, or the latest input's arrival, or a deadline
 waited for (``_launch_time``), so the shell's work between plans does not
 stretch the simulated GPU's time (at most ``--engine-lag-wall-s`` behind the
 clock). When idle it waits for new work or the core's next deadline, never
-spinning. The engine's timeline and every wait are on the clock's monotonic
-reading (``SimClock.local_now``; a wall-clock step neither stalls nor hurries
-the engine); the times the core is given and that go to other processes (a
-token's, a state's, an iteration record's ``ts``) are on the wall-based cluster
-clock (``SimClock.now``), a plan's moved onto it at launch (``_wall_offset``).
+spinning.
+
+Clocks: the core, the engine's timeline and every wait run on ONE local timeline,
+the clock's monotonic reading (``SimClock.local_now``): a step of the wall clock
+neither stalls nor hurries a plan, a decode waiting for its KV (``kv_ready_at``)
+or a fetch completion. Times are moved at the edge: every time received from
+another process (``DecodeWork.kv_ready_at``) wall → local on receipt
+(:meth:`WorkerService._to_local`), every time sent (a token's, a state's, a KV
+batch's ``ts``, an iteration record's ``start``, a hand-off's ``kv_ready_at``,
+``SplitApplied``'s times) local → wall when sent (:meth:`WorkerService._to_wall`):
+other processes compare them with their wall-based clocks.
 """
 
 from __future__ import annotations
@@ -113,13 +119,15 @@ ENGINES: dict[str, type[SimEngine]] = {"sim": SimEngine}
 """Engine kinds by ``WorkerConfig.engine`` (``torch``: :func:`make_torch_engine`)."""
 
 WALL_STEP_S = 0.01
-"""Least change (wall s) of the wall clock against the monotonic one that moves a sim engine's
-timeline on the cluster clock (``WorkerService._wall_offset``). Reading the two clocks one after
-the other gives an offset that differs by µs from step to step (ms if the thread is preempted
-between the reads): taken every step, the plans of a back-to-back timeline had µs gaps in their
-``ts``. Under this, the timeline keeps its offset; NTP's slew (≤ 500 ppm) moves it by this
-much at most every 20 s. A plan never launches before the latest input's time on the cluster
-clock (``WorkerService._input_wall``), which the kept offset alone could put it before."""
+"""Least change (wall s) of the wall clock against the monotonic one that moves the offset between
+the node's local timeline and the cluster's wall-based clock (``WorkerService._wall_offset``).
+Reading the two clocks one after the other gives an offset that differs by µs from reading to
+reading (ms if the thread is preempted between the reads): taken at every send, the plans of a
+back-to-back timeline had µs gaps in their records' ``start``. Under this, the kept offset stays;
+NTP's slew (≤ 500 ppm) moves it by this much at most every 20 s. So a time sent out may differ
+from the wall clock's by up to this (× speedup) after a smaller step: the order of two hosts' NTP
+skew. Times of this node compared with each other (a first token's ``ts`` and its ``arrived_at``)
+are converted with one offset and keep their order."""
 
 
 def make_torch_engine(cfg: WorkerConfig, profile: Profile) -> Engine:
@@ -158,14 +166,16 @@ class _Switch:
     epoch: int
     target: m.Phase
     decided_at: float
-    """``SplitCommand.decided_at`` (simulated s)."""
+    """``SplitCommand.decided_at`` (simulated s, wall-based: the planner's)."""
     received_at: float
+    """When the command came (simulated s, wall-based: :meth:`WorkerService._to_wall`)."""
     since: float = 0.0
-    """Start of the switch time ``switch_s`` (simulated s): ``decided_at``, or this process's
+    """Start of the switch time ``switch_s`` (simulated s, wall-based): ``decided_at``, or this process's
     start when it began after the decision (a restarted worker catching up through ``split.get``:
     the time it was down is not the switch's)."""
     requeued: int = 0
     drained_at: float | None = None
+    """When the last request running on the node finished (simulated s, wall-based)."""
 
 
 def _drain_needed(old: str, new: str) -> bool:
@@ -212,7 +222,8 @@ class _Owner:
     offset: int = 0
     router: str = ""
     arrived_at: float | None = None
-    """When its work reached this node (simulated s; ``TokenChunk.arrived_at``)."""
+    """When its work reached this node (simulated s, local: ``TokenChunk.arrived_at`` once moved
+    onto the wall-based clock)."""
 
     @property
     def router_id(self) -> str:
@@ -303,21 +314,10 @@ class WorkerService:
         self._records: list[m.IterationRecord] = []
         self._wake = asyncio.Event()
         self._offset = clock.now() - clock.local_now()
-        """Simulated s from the engine's timeline to the cluster clock (:meth:`_wall_offset`)."""
-        self._input_wall = (float("-inf"), 0.0)
-        """The latest input's time on the cluster clock (simulated s, ``clock.now()`` read after the
-        core was given it, so not before any time the core was told) and on the monotonic reading:
-        a sim plan launches no earlier on the cluster clock unless the wall clock stepped by more
-        than ``WALL_STEP_S`` since (:meth:`_launch_time`). The kept offset may trail the wall clock's
-        by up to ``WALL_STEP_S`` × speedup (a small step, or a reading delayed between its two clock
-        reads): before, a request's plan then started before its ``arrived_at`` and its first
-        token's ``queue_s`` was negative, a message its router drops (8 ms at speedup 50: -0.4 s)."""
+        """Simulated s from the node's local timeline to the cluster clock (:meth:`_wall_offset`)."""
         self._ready_at = 0.0
-        """Simulated time (s) from which the engine can act on what it holds: the end of its last
-        plan, or the latest input handed to the core, or a deadline it waited for (sim engines). On
-        the clock's monotonic reading (``SimClock.local_now``): the engine's timeline is this
-        process's own, so a step of the wall clock neither stalls it nor lets it run ahead; a plan's
-        times are moved onto the cluster's wall-based clock at its launch (:meth:`_wall_offset`)."""
+        """Simulated time (s, local) from which the engine can act on what it holds: the end of its
+        last plan, or the latest input handed to the core, or a deadline it waited for (sim engines)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._last_state_mono = float("-inf")
         """``time.monotonic()`` when the last ``node.state`` went out: the heartbeat and the state
@@ -327,7 +327,7 @@ class WorkerService:
         """(running, waiting, decoding) of the last ``node.state`` that went out: :meth:`_step` publishes
         one when the engine stops with other counts (:meth:`_publish_if_stopped`)."""
         self._switch: _Switch | None = None
-        self._started_at = clock.now()
+        self._started_at = clock.now()  # wall-based: compared with SplitCommand.decided_at
         """Simulated s this process started (``_Switch.since``)."""
         self._bind_later: dict[str, m.PrefillWork] = {}
         """Queued requests whose decode node is chosen at prefill start (``route.bind``)."""
@@ -393,7 +393,7 @@ class WorkerService:
         if self.cfg.kv_pool == "real":
             await self._start_kvpool()
         self.accepting = True
-        now = self.clock.now()
+        now = self.clock.local_now()
         await self._flush_kv(now)
         await self._publish_state(now)
         for coro, name in (
@@ -471,9 +471,9 @@ class WorkerService:
             self._executor.shutdown(wait=False)  # a thread still in a forward ends with it (or the watchdog ends the process)
         try:
             await self._flush_iters()
-            await self._publish_state(self.clock.now())
+            await self._publish_state(self.clock.local_now())
             self.kv_seq += 1
-            await self._publish_kv(self.kv_seq, [m.AllBlocksCleared()], self.clock.now())
+            await self._publish_kv(self.kv_seq, [m.AllBlocksCleared()], self.clock.local_now())
             if self.watchdog is not None and (self.watchdog.fired is not None or self._step_abandoned):
                 await self.bus.flush(1.0)  # the watchdog exits the process next (or may, any moment): these must be out
         except Exception as e:  # connection already gone: nothing more to say
@@ -488,7 +488,7 @@ class WorkerService:
 
     def stats(self) -> tuple[dict[str, int], dict[str, float]]:
         """Counters (requests, iterations, KV batches) and gauges (KV use, batch)."""
-        st = self.core.state(self.clock.now())
+        st = self.core.state(self.clock.local_now())
         gauges = {
             "gpu_free_blocks": float(st.gpu_free_blocks),
             "gpu_total_blocks": float(st.gpu_total_blocks),
@@ -562,10 +562,10 @@ class WorkerService:
         self.counters["requests.received.prefill"] += 1
         if not self._valid_rid(work.rid):
             return
-        now = self.clock.now()
+        now = self.clock.local_now()
         if not await self._newest_attempt(work.rid, work.attempt, now):
             return
-        now = self.clock.now()  # it may have waited for a step (_newest_attempt)
+        now = self.clock.local_now()  # it may have waited for a step (_newest_attempt)
         # decode node bound when the prefill starts (paper D.1), on a prefill-only node
         late = work.decode_binding == "start" and work.decode_node is None and self.core.phase == "prefill"
         # routed as collocated work (decode here) while this node served both phases; it now serves
@@ -609,16 +609,19 @@ class WorkerService:
         self.counters["requests.received.decode"] += 1
         if not self._valid_rid(work.rid):
             return
-        now = self.clock.now()
+        now = self.clock.local_now()
         if not await self._newest_attempt(work.rid, work.attempt, now):
             return
-        now = self.clock.now()  # it may have waited for a step (_newest_attempt)
+        now = self.clock.local_now()  # it may have waited for a step (_newest_attempt)
         if self.accepting and self.core.phase == "prefill" and work.rid not in self.core.requests:
             # bound here while this node served decode; it has switched since: the KV goes to
             # another decode node instead (transfer restarts now)
-            moved = msgspec.structs.replace(work, kv_ready_at=now + self.profile.kv_transfer_s(work.prompt_tokens))
+            moved = msgspec.structs.replace(work, kv_ready_at=self._to_wall(now + self.profile.kv_transfer_s(work.prompt_tokens)))
             await self._hand_back(m.WorkRequeue(rid=work.rid, node=self.node, reason=f"node {self.node} serves prefill", decode=moved))
             return
+        # the prefill node's kv_ready_at is on the wall-based cluster clock: the core waits for it
+        # on this node's local one (a step of the wall clock meanwhile neither stalls nor hurries it)
+        work = msgspec.structs.replace(work, kv_ready_at=self._to_local(work.kv_ready_at))
         latest = now + 2.0 * self.profile.kv_transfer_s(work.prompt_tokens) + 1.0
         if work.kv_ready_at > latest:
             # a hand-off's KV arrives within its transfer time: a later kv_ready_at would hold
@@ -708,7 +711,7 @@ class WorkerService:
             self._input()
             while rid in self._step_rids:
                 await self._step_over.wait()
-            now = self.clock.now()
+            now = self.clock.local_now()
 
     def _forget(self, rid: str) -> None:
         """Drop this shell's per-request state of ``rid`` (binding, stream, owner)."""
@@ -737,7 +740,7 @@ class WorkerService:
         """Drop ``rid`` wherever it is on this node, free its KV, and end its stream with an
         ``abort`` chunk (so every router's count of it ends). False if the node does not hold it.
         ``attempt``: the attempt to stamp when the node has no owner record of it."""
-        now = self.clock.now()
+        now = self.clock.local_now()
         owner = self._owners.pop(rid, None) or _Owner(attempt=attempt)
         self._bind_later.pop(rid, None)
         if self._traces:
@@ -762,7 +765,7 @@ class WorkerService:
                     finished=True,
                     finish_reason="abort",
                     error=reason or None,
-                    ts=now,
+                    ts=self._to_wall(now),
                     attempt=owner.attempt,
                 ),
                 rid=rid,
@@ -869,7 +872,8 @@ class WorkerService:
         phase = cmd.phases.get(self.node)
         if phase is None:
             return
-        now = self.clock.now()
+        now = self.clock.local_now()
+        wall = self._to_wall(now)  # the switch's times: compared with the planner's decided_at
         sw = self._switch
         if sw is not None:
             if phase == sw.target:
@@ -889,14 +893,14 @@ class WorkerService:
         if phase == self.core.phase:
             await self._announce_applied(
                 m.SplitApplied(epoch=cmd.epoch, node=self.node, phase=phase, status="serving", decided_at=cmd.decided_at,
-                               applied_at=now, received_at=now, drained_at=now)
+                               applied_at=wall, received_at=wall, drained_at=wall)
             )  # fmt: skip
             return
-        sw = _Switch(epoch=cmd.epoch, target=phase, decided_at=cmd.decided_at, received_at=now,
+        sw = _Switch(epoch=cmd.epoch, target=phase, decided_at=cmd.decided_at, received_at=wall,
                      since=max(cmd.decided_at, self._started_at))
         self.counters["split.switches"] += 1
         if not _drain_needed(self.core.phase, phase) or self.core.idle:  # nothing to drain
-            sw.drained_at = now
+            sw.drained_at = wall
             await self._serving(sw, now)
             return
         self._switch = sw
@@ -915,13 +919,13 @@ class WorkerService:
         # (pending, placed here, same attempt), not on these.
         await self._announce_applied(
             m.SplitApplied(epoch=cmd.epoch, node=self.node, phase=phase, status="draining", decided_at=cmd.decided_at,
-                           applied_at=now, received_at=now, requeued=len(queued))
+                           applied_at=wall, received_at=wall, requeued=len(queued))
         )  # fmt: skip
         await self._announce("node.state", self._publish_state(now))  # accepting=False: the router stops routing here
         if queued:
             reason = f"node {self.node} switches to {phase}"
             await asyncio.gather(*(self._hand_back(m.WorkRequeue(rid=w.rid, node=self.node, reason=reason, epoch=cmd.epoch, prefill=w)) for w in queued))
-        await self._maybe_switch(self.clock.now())
+        await self._maybe_switch(self.clock.local_now())
         self._input()
 
     async def _announce(self, what: str, publish: Any) -> bool:
@@ -966,25 +970,29 @@ class WorkerService:
             self.log.info("switch announcement published on retry", status=msg.status, phase=msg.phase, epoch=msg.epoch)
 
     async def _maybe_switch(self, now: float) -> None:
-        """Finish the switch in progress once nothing runs on the node (``now`` = when it drained)."""
+        """Finish the switch in progress once nothing runs on the node (``now`` = when it drained,
+        simulated s, local)."""
         sw = self._switch
         if sw is None or not self.core.idle or self._binds:
             return
         self._switch = None
-        sw.drained_at = max(now, sw.received_at)
-        await self._serving(sw, self.clock.now())
+        sw.drained_at = max(self._to_wall(now), sw.received_at)
+        await self._serving(sw, self.clock.local_now())
 
     async def _serving(self, sw: _Switch, now: float) -> None:
-        """Serve ``sw.target`` from now on; announce it (state first: the router routes by it)."""
+        """Serve ``sw.target`` from ``now`` (simulated s, local) on; announce it (state first: the
+        router routes by it). ``SplitApplied``'s times and ``switch_s`` are wall-based (measured
+        from the planner's ``decided_at``)."""
         old = self.core.phase
         with self._fatal_on_error("switch: set the phase"):
             self.core.set_phase(sw.target, now)
+        local, now = now, self._to_wall(now)
         drained = sw.drained_at if sw.drained_at is not None else now
         # The node serves sw.target from here whatever becomes of the two announcements (a refused
         # one is logged and counted; the heartbeat repeats the state, split.applied goes out again).
         # Before, a refusal raised: from the step loop (_maybe_switch) it ended the node as any step
         # error, from the split handler it was only logged and the planner never heard "serving".
-        await self._announce("node.state", self._publish_state(now))
+        await self._announce("node.state", self._publish_state(local))
         await self._announce_applied(
             m.SplitApplied(
                 epoch=sw.epoch,
@@ -1049,7 +1057,7 @@ class WorkerService:
                 self.counters["requeue.failed"] += 1
                 why = f"{msg.reason}; the router did not take the request back: {e}"
                 try:
-                    await self._reject(WorkRejected(msg.rid, why), self.clock.now(), attempt=owner.attempt)
+                    await self._reject(WorkRejected(msg.rid, why), self.clock.local_now(), attempt=owner.attempt)
                 except BusError as e2:  # NATS refuses even the error chunk: say so, and let the other hand-backs go on
                     self.counters["requeue.lost"] += 1
                     self.log.error("handed-back request neither taken back nor failed: NATS refused both", rid=msg.rid,
@@ -1128,7 +1136,7 @@ class WorkerService:
                 self.counters["bind.retries"] += 1
                 await asyncio.sleep(0.05)
             self.counters["bind.failed"] += 1
-            now = self.clock.now()
+            now = self.clock.local_now()
             if self.core.abort(rid, now):
                 self._streams.pop(rid, None)
                 owner = self._owners.pop(rid, None)
@@ -1183,7 +1191,7 @@ class WorkerService:
                 self.log.warning("real-bytes fetch failed; the missing pages are recomputed", rid=fs.rid, peer=peer, error=res.error)
             missing.update(res.missing)
         missing |= take_fetched(self.engine, self.kvpool, results, fs.fetch_id)
-        now = self.clock.now()
+        now = self.clock.local_now()
         path = [h for _, hs in fs.sources for h in hs]
         cut = next((i for i, h in enumerate(path) if h in missing), len(path))
         if not self.core.fetch_done(fs.rid, missing, now, fs.fetch_id):
@@ -1339,7 +1347,7 @@ class WorkerService:
             # and Bus.close drains, so this can run after it; a snapshot of the engine's blocks
             # would put them back in the directory for good
             return m.KvSnapshot(node=self.node, seq=self.kv_seq, block_size=self.profile.block_size)
-        now = self.clock.now()
+        now = self.clock.local_now()
         # drain pending events and snapshot in one synchronous step, so the
         # snapshot is exactly the state after batch `seq`
         events = self.core.take_kv_events()
@@ -1387,51 +1395,52 @@ class WorkerService:
         now = self.clock.local_now()
         if now > self._ready_at:
             self._ready_at = now
-        self._input_wall = (self.clock.now(), now)
         self._wake.set()
 
     def _wall_offset(self) -> float:
-        """Simulated s from the clock's monotonic reading to its wall-based one
-        (``clock.now() - clock.local_now()``): ~0 until the wall clock steps, then the step ×
-        ``speedup``; kept until it moves by :data:`WALL_STEP_S` (× ``speedup``). A plan launched
-        at local time ``t`` runs at ``t + offset`` on the cluster's clock (its tokens' and
-        records' ``ts``, which other processes compare with theirs)."""
+        """Simulated s from the node's local timeline (the clock's monotonic reading) to the
+        cluster's wall-based clock (``clock.now() - clock.local_now()``): ~0 until the wall clock
+        steps, then the step × ``speedup``; kept until it moves by :data:`WALL_STEP_S` (×
+        ``speedup``), so the times of back-to-back plans stay back to back once sent."""
         off = self.clock.now() - self.clock.local_now()
         if abs(off - self._offset) > WALL_STEP_S * self.clock.speedup:
             self._offset = off
         return self._offset
 
-    def _launch_time(self, offset: float) -> float:
-        """Simulated launch time (s, on the cluster's wall-based clock) of the next plan (sim
-        engines): when the engine could first act on
-        what it holds (``_ready_at``: its last plan's end, the latest input, a deadline waited for),
-        not later than now. The sim engine is a GPU running the profile's Eq. 1/2 iterations back to
-        back; the shell's Python work between two plans (finishing, publishing, waking, scheduling:
-        a few ms of wall time, more on a loaded machine, and × ``speedup`` in simulated time) is not
-        GPU time, so it is not added to the engine's timeline. The plan's wall deadline is then
-        earlier, and the loop catches up as long as it keeps up on average; it trails the clock by
-        at most ``engine_lag_wall_s`` (beyond that the loop is overloaded and simulated time
-        stretches, as before). A real engine's plans launch at ``clock.now()`` (its measured time
-        includes its own overhead). ``offset``: :meth:`_wall_offset` of this step; the engine's
-        timeline (``_ready_at``, the lag) is measured on the monotonic reading and moved by it."""
-        if not self.engine.simulated:
-            return self.clock.now()
+    def _to_wall(self, t: float) -> float:
+        """Local time ``t`` (simulated s, the core's) on the cluster's wall-based clock, for a
+        message to another process (which compares it with its own clock)."""
+        return t + self._wall_offset()
+
+    def _to_local(self, t: float) -> float:
+        """Time ``t`` from another process (simulated s, the cluster's wall-based clock) on this
+        node's local timeline, for the core: a deadline it holds then lasts its simulated length
+        whatever the wall clock does while it waits."""
+        return t - self._wall_offset()
+
+    def _launch_time(self) -> float:
+        """Simulated launch time (s, local) of the next plan (sim engines): when the engine could
+        first act on what it holds (``_ready_at``: its last plan's end, the latest input, a
+        deadline waited for), not later than now. The sim engine is a GPU running the profile's
+        Eq. 1/2 iterations back to back; the shell's Python work between two plans (finishing,
+        publishing, waking, scheduling: a few ms of wall time, more on a loaded machine, and ×
+        ``speedup`` in simulated time) is not GPU time, so it is not added to the engine's
+        timeline. The plan's deadline is then earlier, and the loop catches up as long as it keeps
+        up on average; it trails the clock by at most ``engine_lag_wall_s`` (beyond that the loop
+        is overloaded and simulated time stretches, as before). A real engine's plans launch now
+        (its measured time includes its own overhead)."""
         now = self.clock.local_now()
+        if not self.engine.simulated:
+            return now
         floor = now - self.cfg.engine_lag_wall_s * self.clock.speedup
         t = self._ready_at
-        t = offset + (now if t >= now else t if t > floor else floor)
-        # not before the latest input's cluster time: the kept offset may trail the wall clock's by
-        # up to WALL_STEP_S x speedup (_input_wall); by more, the wall clock stepped since the input
-        wall, local = self._input_wall
-        behind = wall - (offset + local)
-        return wall if t < wall and behind <= 2 * WALL_STEP_S * self.clock.speedup else t
+        return now if t >= now else t if t > floor else floor
 
     async def _step(self) -> None:
         self._wake.clear()
         if self._switch is not None:
-            await self._maybe_switch(self.clock.now())
-        offset = self._wall_offset()
-        now = self._launch_time(offset)
+            await self._maybe_switch(self.clock.local_now())
+        now = self._launch_time()
         horizon = now + self.cfg.fold_wall_s * self.clock.speedup if self.cfg.fold_wall_s > 0 else None
         plan = self.core.schedule(now, horizon)
         if plan is None:
@@ -1439,12 +1448,12 @@ class WorkerService:
             await self._publish_if_stopped(now)
             deadline = self.core.next_deadline()
             # wall s until the deadline, read now and waited on the loop's (monotonic) clock
-            timeout = None if deadline is None else max(0.0, self.clock.to_wall(deadline - offset - self.clock.local_now()))
+            timeout = None if deadline is None else max(0.0, self.clock.to_wall(deadline - self.clock.local_now()))
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
-                if deadline is not None and deadline - offset > self._ready_at:
-                    self._ready_at = deadline - offset  # a KV arrival or fetch completion: the engine acts at it
+                if deadline is not None and deadline > self._ready_at:
+                    self._ready_at = deadline  # a KV arrival or fetch completion: the engine acts at it
             return
         self._steps += 1
         wd = self.watchdog
@@ -1454,16 +1463,16 @@ class WorkerService:
         if wd is not None:
             wd.begin(info)  # watched from the plan's taking to its end (--watchdog-timeout-s)
         try:
-            await self._run_plan(plan, now, info if wd is not None else None, offset)
+            await self._run_plan(plan, now, info if wd is not None else None)
         finally:
             if wd is not None and not self._step_abandoned:
                 wd.end()
             self._step_rids = frozenset()
             self._step_over.set()
 
-    async def _run_plan(self, plan: IterationPlan, now: float, info: StepInfo | None, offset: float) -> None:
-        """Execute ``plan`` (taken at ``now``, simulated s on the cluster's clock; ``offset``: the
-        step's :meth:`_wall_offset`), finish it and publish what it produced. ``info``:
+    async def _run_plan(self, plan: IterationPlan, now: float, info: StepInfo | None) -> None:
+        """Execute ``plan`` (taken at ``now``, simulated s, local), finish it and publish what it
+        produced. ``info``:
         the step the watchdog watches (None: no watchdog); a sim engine's wait for the plan's end on
         the simulated clock (a sleep, as long as ``--speedup`` makes it) and a wait for decode
         bindings (``--bind-timeout-s`` bounds it) are not watched (:meth:`_unwatched`)."""
@@ -1481,7 +1490,7 @@ class WorkerService:
         end = plan.start + duration
         if self.engine.simulated:
             async with self._unwatched(info):
-                end = await self._wait_for_plan_end(plan, end, offset)
+                end = await self._wait_for_plan_end(plan, end)
         waits = None
         if self._binds:  # a prompt that completes now needs its decode node (route.bind)
             waits = [self._binds[c.rid] for c in plan.prefill if c.completes and c.rid in self._binds]
@@ -1490,19 +1499,16 @@ class WorkerService:
                     await asyncio.gather(*waits, return_exceptions=True)
         # a sim engine's plan ends at its end on the engine's timeline (the shell's lateness is not
         # GPU time, see _launch_time); a real one, or one that waited for a binding, ends now
-        if self.engine.simulated and not waits:
-            now, ready = end, end - offset
-        else:
-            now, ready = max(self.clock.now(), end), max(self.clock.local_now(), end - offset)
-        if ready > self._ready_at:
-            self._ready_at = ready
+        now = end if self.engine.simulated and not waits else max(self.clock.local_now(), end)
+        if now > self._ready_at:
+            self._ready_at = now
         outs = self.core.finish_iteration(plan, now, self.engine.take_stopped())
         for out in outs:
             if isinstance(out, TokensOut):
                 await self._emit_tokens(out, now)
             elif isinstance(out, HandOff):
                 await self._handoff(out)
-        self._records.extend(self.core.take_records())
+        self._take_records()
         await self._flush_kv(now)
         if self._switch is not None:
             await self._maybe_switch(now)
@@ -1537,15 +1543,14 @@ class WorkerService:
             if wd is not None and info is not None:
                 wd.begin(info)
 
-    async def _wait_for_plan_end(self, plan: IterationPlan, end: float, offset: float) -> float:
-        """Sleep until the plan's end (simulated s on the cluster's clock, launched with ``offset``,
-        :meth:`_wall_offset`) on the clock's monotonic reading; new work arriving while folded
-        decode iterations run cuts the plan at the next iteration boundary. Returns the plan's end
-        (simulated s, cluster clock). The wait is a local duration: before, it ran until
+    async def _wait_for_plan_end(self, plan: IterationPlan, end: float) -> float:
+        """Sleep until the plan's end (simulated s, local); new work arriving while folded decode
+        iterations run cuts the plan at the next iteration boundary. Returns the plan's end
+        (simulated s, local). The wait is a local duration: before 7e1f91b it ran until
         ``clock.wall_at(end)`` on the wall clock, so a step of the wall clock back stalled the
         engine for the length of the step, and a step forward ended a folded plan at once."""
         while True:
-            delay = self.clock.to_wall(end - offset - self.clock.local_now())
+            delay = self.clock.to_wall(end - self.clock.local_now())
             if delay <= 0:
                 return end
             if plan.iterations == 1:
@@ -1556,7 +1561,7 @@ class WorkerService:
             except TimeoutError:
                 return end
             self._wake.clear()
-            end = self.core.truncate(plan, offset + self.clock.local_now())
+            end = self.core.truncate(plan, self.clock.local_now())
 
     async def _emit_tokens(self, out: TokensOut, now: float) -> None:
         """Publish ``out``'s tokens on ``req.<rid>.out``: the first token at once with the prompt
@@ -1571,6 +1576,8 @@ class WorkerService:
             )
         owner = self._owners.get(rid) or _Owner()
         base = owner.offset  # output position of this node's first output (a re-dispatched decode continues)
+        off = self._wall_offset()  # one offset for ts and arrived_at: they keep their order
+        ts = now + off
         tokens = self.engine.output_tokens(rid, base + out.index, out.count)
         lps = self.engine.output_logprobs(rid, base + out.index, out.count)
         if out.finished:
@@ -1591,13 +1598,13 @@ class WorkerService:
                     finish_reason=out.finish_reason if alone else None,
                     prompt_tokens=out.prompt_tokens,
                     cached_tokens=out.cached_tokens,
-                    ts=now,
+                    ts=ts,
                     queue_s=out.queue_s,
                     fetch_s=out.fetch_s,
                     exposed_fetch_s=out.exposed_fetch_s,
                     fetched_tokens=out.fetched_tokens,
                     attempt=owner.attempt,
-                    arrived_at=owner.arrived_at,
+                    arrived_at=None if owner.arrived_at is None else owner.arrived_at + off,
                     **_lp_fields(lps[:1] if lps is not None else None),
                 ),
                 rid=rid,
@@ -1631,7 +1638,7 @@ class WorkerService:
                     token_ids=part,
                     finished=last,
                     finish_reason=out.finish_reason if last else None,
-                    ts=now,
+                    ts=ts,
                     attempt=owner.attempt,
                     **_lp_fields(lp_part),
                 ),
@@ -1647,12 +1654,13 @@ class WorkerService:
         self._streams.pop(h.rid, None)
         headers = self._traces.handoff(h.rid, h.decode_node) if self._traces else None
         work = self.engine.handoff(h.work)
+        work = msgspec.structs.replace(work, kv_ready_at=self._to_wall(work.kv_ready_at))  # the decode node's clock is wall-based
         try:
             await self.bus.publish(WORK_DECODE, work, node=h.decode_node, headers=headers)
         except Exception as e:  # e.g. a real engine's K/V pages beyond the server's max payload: fail it, never hang
             self.counters["requests.handoff_failed"] += 1
             reason = f"hand-off to {h.decode_node} failed ({len(work.kv)} B of K/V): {e!r}"
-            await self._reject(WorkRejected(h.rid, reason), self.clock.now())
+            await self._reject(WorkRejected(h.rid, reason), self.clock.local_now())
             return
         self._owners.pop(h.rid, None)
         self.counters["requests.handed_off"] += 1
@@ -1674,7 +1682,7 @@ class WorkerService:
         return True
 
     async def _reject(self, e: WorkRejected, now: float, *, attempt: int | None = None, finish_reason: str = "error") -> None:
-        """Fail ``e.rid`` with an error chunk (of ``attempt``; default: the attempt held here). ``finish_reason``
+        """Fail ``e.rid`` with an error chunk at ``now`` (simulated s, local) (of ``attempt``; default: the attempt held here). ``finish_reason``
         ``abort`` instead: the node could serve it but the cluster cannot now (no decode node to bind), which
         the router answers with 503, not the 500 of an engine error."""
         self.counters["requests.errored"] += 1
@@ -1686,7 +1694,8 @@ class WorkerService:
             attempt = owner.attempt if owner is not None else 0
         await self.bus.publish(
             REQ_OUT,
-            m.TokenChunk(rid=e.rid, node=self.node, finished=True, finish_reason=finish_reason, error=e.reason, ts=now, attempt=attempt),
+            m.TokenChunk(rid=e.rid, node=self.node, finished=True, finish_reason=finish_reason, error=e.reason, ts=self._to_wall(now),
+                         attempt=attempt),  # fmt: skip
             rid=e.rid,
         )
 
@@ -1822,13 +1831,15 @@ class WorkerService:
         if self.cfg.fault_drop_kv_events:  # injected fault: a broken KV publisher (the directory must notice)
             self.counters["kv.batches_dropped_by_fault"] += 1
             return
-        await self.bus.publish(KV_EVENTS, m.KvEventBatch(node=self.node, seq=seq, ts=now, events=events), node=self.node)
+        await self.bus.publish(KV_EVENTS, m.KvEventBatch(node=self.node, seq=seq, ts=self._to_wall(now), events=events), node=self.node)
         self.counters["kv.batches"] += 1
 
     async def _publish_state(self, now: float) -> None:
+        """Publish ``node.state`` as of ``now`` (simulated s, local; its ``ts`` goes out wall-based)."""
         self.state_seq += 1
         st = msgspec.structs.replace(
             self.core.state(now),
+            ts=self._to_wall(now),
             seq=self.state_seq,
             epoch=self.epoch,
             accepting=self.accepting and self._switch is None,
@@ -1865,13 +1876,21 @@ class WorkerService:
                 continue  # a state may have gone out meanwhile
             self._check_reconnect()  # also when no count message comes after the reconnect
             try:
-                await self._publish_state(self.clock.now())
+                await self._publish_state(self.clock.local_now())
             except Exception as e:
                 self.log.debug("state publish failed", error=repr(e))
                 await asyncio.sleep(interval)
 
+    def _take_records(self) -> None:
+        """Take the core's iteration records, their ``start`` moved onto the wall-based clock now
+        (the planner compares them with other nodes' and its own)."""
+        records = self.core.take_records()
+        if records:
+            off = self._wall_offset()
+            self._records.extend(msgspec.structs.replace(r, start=r.start + off) for r in records)
+
     async def _flush_iters(self) -> None:
-        self._records.extend(self.core.take_records())
+        self._take_records()
         if not self._records:
             return
         records, self._records = self._records, []

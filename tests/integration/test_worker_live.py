@@ -292,7 +292,8 @@ async def test_a_wall_clock_step_neither_stalls_nor_hurries_the_sim_engine(nats_
         # s's prefill, then its 199 tokens in 133 iterations (1.5 per iteration), one with t's prefill
         await until(lambda: sum(r.repeat for b in c.iters["w0"] for r in b.records) >= 134, timeout=3,
                     what="the iteration records")
-        recs = sorted((r for b in c.iters["w0"] for r in b.records), key=lambda r: r.start)
+        # in the order they ran (their starts are wall-based, as sent: the step moved the later ones)
+        recs = [r for b in c.iters["w0"] for r in b.records]
         busy_s = sum(r.duration_s * r.repeat for r in recs[1:])  # after s's prefill: the engine never idled
         assert busy_s / speedup > 1.4
         # the work after s's first token lasts its simulated time in wall time (never less; an
@@ -301,6 +302,42 @@ async def test_a_wall_clock_step_neither_stalls_nor_hurries_the_sim_engine(nats_
         # the tokens' ts stay on the wall-based cluster clock: the step moved them (× speedup)
         chunks = c.chunks["s"]
         assert chunks[-1].ts - chunks[0].ts == pytest.approx(busy_s + step_s * speedup, abs=1e-3)
+    await c.bus.close()
+
+
+@pytest.mark.parametrize("step_s", [-3600.0, 3600.0])
+async def test_a_wall_clock_step_neither_stalls_nor_hurries_a_decode_waiting_for_its_kv(nats_url, step_s):
+    """A decode node holds a hand-off whose KV arrives in 1 wall s (``kv_ready_at``, sent on the
+    cluster's wall-based clock) when the wall clock steps an hour; new work then wakes its loop.
+    The decode still starts 1 s after the hand-off came: the shell moves ``kv_ready_at`` onto its
+    monotonic timeline on receipt, and the core waits on that. Before, the core's deadline stayed
+    wall-based: stepped back, the decode waited out the hour; stepped forward, it started at once."""
+    c = await Client.connect(nats_url)
+    step = [0.0]
+    speedup, kv_wait_s = 0.25, 1.0
+    origin = time.time()
+    sender = SimClock(speedup, origin, wall=lambda: time.time() + step[0])  # the prefill node's clock
+    async with workers(nats_url, {"node": "w1", "phase": "decode", "speedup": speedup, "clock_origin": origin},
+                       wall=lambda: time.time() + step[0]):
+        def handoff(rid: str, wait_s: float) -> m.DecodeWork:
+            return m.DecodeWork(rid=rid, prompt_tokens=9, max_tokens=4, block_size=BS, block_hashes=[11, 12], prefill_node="w0",
+                                kv_ready_at=sender.now() + wait_s * speedup)  # fmt: skip
+
+        u = handoff("u", kv_wait_s)
+        t0 = time.monotonic()
+        await c.bus.publish(WORK_DECODE, u, node="w1")
+        await asyncio.sleep(0.2)
+        step[0] = step_s
+        await c.bus.publish(WORK_DECODE, handoff("v", 0.0), node="w1")  # wakes the loop
+        await until(lambda: c.finished("v"), timeout=5, what="v to finish")
+        await until(lambda: c.chunks["u"], timeout=5, what="u's first decode token")
+        took = time.monotonic() - t0
+        await until(lambda: c.finished("u"), timeout=5, what="u to finish")
+        assert kv_wait_s - 0.05 < took < kv_wait_s + 1.0, f"u decoded {took:.2f} s after its hand-off, its KV came in {kv_wait_s} s"
+        # the tokens' ts stay on the wall-based cluster clock: u's first is its KV's arrival (and
+        # one decode iteration), moved by the step
+        assert c.chunks["u"][0].ts == pytest.approx(u.kv_ready_at + step_s * speedup, abs=0.02)
+        await c.stats("w1")
     await c.bus.close()
 
 

@@ -22,7 +22,7 @@ class _HeartbeatShell:
 
     def __init__(self, interval: float, beats: int) -> None:
         self.cfg = SimpleNamespace(idle_state_interval_s=interval)
-        self.clock = SimpleNamespace(now=lambda: 0.0)
+        self.clock = SimpleNamespace(now=lambda: 0.0, local_now=lambda: 0.0)
         self.log = structlog.get_logger()
         self.reads = 0
         self._last = time.monotonic()
