@@ -556,6 +556,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         try:
             tok = load_tokenizer(args.tokenizer)
             output_vocabulary(tok)
+            args.tokenizer_notes = tuple(getattr(tok, "notes", ()))  # up's banner says them: the router's log alone hid them
         except TokenizerError as e:
             if getattr(args, "tokenizer_of_model", False):  # the user gave --model only: say so, not a flag they never passed
                 raise UsageError(
@@ -681,6 +682,8 @@ async def _up(args: argparse.Namespace) -> int:
                 print(f"  {line}")
         if keys_line := api_keys_line(args):
             print(f"  {keys_line}")
+        for line in tokenizer_lines(args):
+            print(f"  {line}")
         print("READY " + json.dumps(_shown(info)), flush=True)
 
         def restarted(name: str) -> None:
@@ -781,6 +784,15 @@ def planner_warmup_line(pol: LivePolicy, split: str, speedup: float) -> str | No
             f"it ends on a {slice_s:.0f}-s slice boundary, `split get` says when), fitting each node's iteration-time "
             f"models; then {after}, re-planned every {p.window_s:.0f} s of simulated time when a candidate is "
             f"significantly better (objective {p.objective})")
+
+
+def tokenizer_lines(args: argparse.Namespace) -> list[str]:
+    """``up``'s banner lines for what loading ``--tokenizer`` noted (``_spec`` keeps ``HFTokenizer.notes``):
+    a model folder without a chat template was served chat requests in ChatML, said only in the router's log,
+    where vLLM refuses them (session 42). Empty for the sim tokenizer or a tokenizer with nothing to say."""
+    return [f"note: tokenizer {args.tokenizer}: {n} (vLLM refuses chat requests without a template: add "
+            "tokenizer_config.json's chat_template or chat_template.jinja to the folder)" if "chat_template" in n
+            else f"note: tokenizer {args.tokenizer}: {n}" for n in getattr(args, "tokenizer_notes", ())]
 
 
 def split_deferred_line(pol: LivePolicy, split: str, *, given: bool) -> str | None:

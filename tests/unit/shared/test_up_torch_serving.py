@@ -308,3 +308,24 @@ def test_model_init_help_names_every_file_it_writes(model):
     assert sorted(f.name for f in model.iterdir()), model
     for f in model.iterdir():
         assert f.name in text, (f.name, text)
+
+
+def test_up_says_when_the_model_folder_has_no_chat_template(model, tmp_path):
+    """A model folder without tokenizer_config.json served chat requests in ChatML; only the router's log said so
+    ("no chat_template next to ...") while vLLM refuses such requests (session 42). up's banner says it now."""
+    import shutil
+
+    from evolving_infra.launcher import tokenizer_lines
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(model / name, bare / name)
+    args = build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(bare), "--log-dir", str(tmp_path / "a")])
+    _spec(args)
+    (line,) = tokenizer_lines(args)
+    assert line.startswith(f"note: tokenizer hf:{bare}: no chat_template next to {bare}/tokenizer.json; chat requests use "
+                           "ChatML (vLLM refuses"), line
+    args = build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(model), "--log-dir", str(tmp_path / "b")])
+    _spec(args)
+    assert tokenizer_lines(args) == []
