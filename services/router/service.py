@@ -2067,8 +2067,16 @@ class RouterService(WatchedService):
             n = int(arr.size)
             if asked is None and n < ctx:
                 max_tokens = min(max_tokens, ctx - n)
+            part = "messages" if chat else "prompt"
+            if chat and asked is None and n >= ctx:  # vLLM's words: the chat default (256) was never requested
+                raise api.ApiError(
+                    400,
+                    f"This model's maximum context length is {ctx} tokens. However, you requested {n} tokens in the "
+                    f"messages, which leaves no room for an output token (max_tokens was not given). Please reduce the "
+                    f"length of the messages.",
+                    param="messages",
+                )
             if n + max_tokens > ctx:
-                part = "messages" if chat else "prompt"
                 raise api.ApiError(
                     400,
                     f"This model's maximum context length is {ctx} tokens. However, you requested {n + max_tokens} tokens "

@@ -73,6 +73,11 @@ async def test_the_model_context_limits_the_default_max_tokens_not_the_request(n
         r = await env.http.post("/v1/chat/completions", json={"messages": long_chat})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
         assert "maximum context length" in r.json()["error"]["message"]
+        # no max_tokens sent: the message counts the messages only, as vLLM's chat does; it said "(N in the messages,
+        # 256 in the completion). Please reduce the length of the messages or completion" (session 42)
+        n = len(SimTokenizer().apply_chat_template(long_chat))
+        assert f"you requested {n} tokens in the messages, which leaves no room" in r.json()["error"]["message"], r.text
+        assert "in the completion" not in r.json()["error"]["message"], r.text
         # one token left: served with max_tokens 1
         r = await env.http.post("/v1/completions", json={"prompt": list(range(1, ctx)), "stream": True})
         events = sse_events(r.text)
