@@ -109,8 +109,9 @@ def _add_cluster_args(
         nargs="+",
         default=None,
         metavar="NAME",
-        help="the model name(s) the router serves, as vLLM's: the first is /v1/models' id and every response's model, "
-        "a request may give any (default: --engine torch: the --model folder's name, and a request may also give "
+        help="the model name(s) the router serves, as vLLM's: a request may give any (unlike vLLM, which lists every "
+        "name in /v1/models and answers with the name the request gave, the first is /v1/models' only id and every "
+        "response's model) (default: --engine torch: the --model folder's name, and a request may also give "
         "the folder path as typed; sim: evolving-infra-sim)",
     )
     g.add_argument(

@@ -329,3 +329,13 @@ def test_up_says_when_the_model_folder_has_no_chat_template(model, tmp_path):
     args = build_parser("up").parse_args(["up", "--engine", "torch", "--model", str(model), "--log-dir", str(tmp_path / "b")])
     _spec(args)
     assert tokenizer_lines(args) == []
+
+
+def test_served_model_name_help_does_not_call_the_first_name_rule_vllms():
+    """The help said "as vLLM's: the first is /v1/models' id and every response's model"; vLLM's /v1/models lists
+    every --served-model-name and its responses name the model the request gave (``_get_model_name``), so the
+    help says how this router differs (session 42; the behaviour is tests/integration/test_router_util_live.py's)."""
+    sub = build_parser("up")._subparsers._group_actions[0].choices["up"]  # type: ignore[union-attr]
+    (action,) = [a for a in sub._actions if "--served-model-name" in a.option_strings]
+    text = " ".join(action.help.split())
+    assert "as vLLM's: the first" not in text and "unlike vLLM, which lists every name in /v1/models" in text, text
