@@ -212,6 +212,10 @@ class EvolvingPlanner(PolicyBase):
         self.stage = "start"
         self.initial: dict[str, Phase] | None = None
         self.expected: dict[str, Phase] = {}
+        self._external_reason = ""
+        """Why the warm-up was asked to end early (an operator's split during it, its reason) while
+        there was no data to freeze on: the extended warm-up's end keeps that split, as a freeze
+        with data at the time would have."""
         self.warmup_end = 0.0
         self.next_window_end = math.inf
         self.next_guard = math.inf
@@ -427,12 +431,16 @@ class EvolvingPlanner(PolicyBase):
         """End of the warm-up: fit, freeze and go to the initial split. Without fitted data
         (:meth:`no_data`) nothing is frozen or switched and the warm-up is extended, unless
         ``priors`` (``t_learn_s`` = 0: the operator asked for no warm-up, so the profile's
-        coefficients are the models, and the decision says so)."""
+        coefficients are the models, and the decision says so). ``reason``: the split was changed
+        externally (an operator's ``split set``); the freeze keeps that split, also when it comes at
+        the end of a warm-up extended for want of data after that change."""
+        reason = reason or self._external_reason
         k_end = self.obs.index(now + 1e-9)
         k_start = max(self.obs.index(now - self.p.t_learn_s + 1e-9), k_end - self.obs.keep)
         fits = self._fits()
         missing = self.no_data(fits)
         if missing and not priors:  # issue 21 (llm-d-autoscaling #1212): never freeze, never switch on the priors alone
+            self._external_reason = reason  # the extended warm-up's end keeps an operator's split
             self.warmup_end = now + self.p.no_data_retry_s
             self.expected = dict(phases)
             kept = (
