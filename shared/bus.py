@@ -143,6 +143,11 @@ def _refusal(url: str, instance: str, auth: NatsAuth | None) -> BusError:
 PENDING_BYTES = 256 * 1024 * 1024
 """Bytes a client buffers while disconnected (nats-py ``pending_size``); beyond it a
 publish raises :class:`BusUnavailable` instead of growing without bound."""
+PING_NO_TIMEOUT_S = 365 * 86400.0
+"""The timeout given to nats-py's ``flush`` (PING, wait for the PONG): one it never reaches. At its timeout
+nats-py cancels the PONG's future, and a PONG that comes later then ends its read loop (nats-py 2.16); the
+bus bounds the wait itself and leaves the PING to its PONG (:meth:`Bus.flush`)."""
+
 RECONNECT_WAIT_S = 0.25
 """Seconds between reconnect attempts to the same server."""
 STREAM_MAX_AGE_S = 120.0
@@ -256,6 +261,8 @@ class Bus:
         self._stream_checked = False
         self.reconnected_at: float | None = None
         """``time.monotonic()`` of the last reconnect (None: never disconnected)."""
+        self._pings: set[asyncio.Future[None]] = set()
+        """PINGs of :meth:`flush` that timed out, left to their PONGs (cancelled at :meth:`close`)."""
         self._boot = os.urandom(4).hex()
         self._msg_no = 0
         self._recent: deque[tuple[float, str, bytes, dict[str, str]]] = deque()
@@ -647,6 +654,11 @@ class Bus:
         PING is written only when nothing is queued, so it follows everything sent before it, and the
         server answers one connection's commands in order.
 
+        A PING not answered in time is left to its PONG (never cancelled): nats-py's own ``flush`` timeout
+        cancels the PONG's future, and the PONG that comes later (a server that hung, SIGSTOP) then ends
+        the client's read loop (``InvalidStateError`` in ``_process_pong``, nats-py 2.16): the bus stayed
+        connected and received nothing for good (``tests/integration/test_bus_flush_live.py``).
+
         Raises:
             ValueError: ``timeout_s`` is not positive.
             BusUnavailable: no PONG within ``timeout_s`` seconds in all (connection down or closed),
@@ -660,9 +672,14 @@ class Bus:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise BusUnavailable(f"flush: commands still queued after {timeout_s} s")
+            # also lets nats-py's flusher write what is queued; nats-py's timeout is never reached (see above)
+            ping = asyncio.ensure_future(self.nc.flush(timeout=PING_NO_TIMEOUT_S))
             try:
-                await self.nc.flush(timeout=left)  # also lets nats-py's flusher write what is queued
+                await asyncio.wait_for(asyncio.shield(ping), left)
             except (nats.errors.Error, asyncio.TimeoutError) as e:
+                if not ping.done():  # left to its PONG; a reconnect forgets it (no PONG then): cancelled at close
+                    self._pings.add(ping)
+                    ping.add_done_callback(self._pings.discard)
                 raise BusUnavailable(f"flush: no answer from NATS within {timeout_s} s: {type(e).__name__}") from e
             if clean:
                 return
@@ -913,3 +930,5 @@ class Bus:
                 await asyncio.wait_for(self.nc.drain(), timeout=5.0)
             except Exception:
                 await self.nc.close()
+        for ping in list(self._pings):  # the client no longer reads: no PONG can reach them now
+            ping.cancel()

@@ -95,3 +95,47 @@ async def test_flush_of_a_closed_bus_or_a_bad_timeout_is_a_clear_error(nats_url)
     await bus.close()
     with pytest.raises(BusUnavailable, match="no answer from NATS"):
         await bus.flush()
+
+
+@pytest.mark.timeout(30)
+async def test_a_flush_that_timed_out_leaves_the_bus_able_to_receive(nats_server):
+    """nats-server hangs (SIGSTOP) during a flush: BusUnavailable at its timeout; once the server goes on
+    the bus still receives. Before, nats-py's ``flush`` cancelled the PONG's future at its timeout and the
+    PONG that came later ended the client's read loop (``InvalidStateError`` in ``_process_pong``): the bus
+    stayed connected and received nothing for good."""
+    import os
+    import signal
+
+    from shared import messages as m
+    from shared.subjects import SVC_HEARTBEAT
+
+    bus = await Bus.connect(nats_server.url, Subjects("p0"), service="test", instance="hung")
+    got: list[Any] = []
+
+    async def on(msg: Any, _subject: str) -> None:
+        got.append(msg)
+
+    try:
+        await bus.subscribe(SVC_HEARTBEAT, on, service="x")
+        await bus.flush()
+        assert nats_server.pid is not None
+        os.kill(nats_server.pid, signal.SIGSTOP)
+        try:
+            for _ in range(200):  # stopped ('T'), not still answering on another core
+                with open(f"/proc/{nats_server.pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                        break
+                await asyncio.sleep(0.01)
+            with pytest.raises(BusUnavailable, match="no answer from NATS"):
+                await bus.flush(0.3)
+        finally:
+            os.kill(nats_server.pid, signal.SIGCONT)
+        await bus.publish(SVC_HEARTBEAT, m.Heartbeat(service="x", instance="hung"), service="x")
+        for _ in range(60):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        assert got, "the bus received nothing after the server went on"
+        await bus.flush(2.0)  # and its flushes are answered again
+    finally:
+        await bus.close()
