@@ -47,4 +47,4 @@ test: $(STAMP) $(MOONCAKE) $(HF) $(TORCH)
 	EI_REQUIRE_MOONCAKE=1 $(BIN)/python -m pytest -q -n 2 --durations=25
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) demo-out demo-out-static demo-out-compare .pytest_cache

@@ -62,3 +62,20 @@ def test_nothing_the_dockerfile_copies_is_left_out():
     for path in ["evolving_infra/data/claude-code-sample.jsonl.gz", "shared/profiles/gb300-glm52.toml",
                  "deploy/docker/wheelhouse/evolving_infra-0-py3-none-any.whl", "deploy/docker/entrypoint.sh"]:
         assert not excluded(path, pats), path
+
+
+def test_git_leaves_out_every_folder_the_demo_and_its_printed_baseline_write():
+    """``make demo`` ends with the baseline command to run next, which writes ``demo-out-static/`` and
+    ``demo-out-compare/``; on a fresh clone both showed in ``git status`` (only ``/demo-out/`` was ignored)."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = ["demo-out/report.json", "demo-out-static/logs/nats-creds/admin.nk", "demo-out-compare/compare.json",
+             "simulate-out/report.json", "replay-out/requests.jsonl", "fidelity-out/live/report.json",
+             "compare-out/compare.json", "runs/replay/requests.jsonl"]
+    out = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=REPO, capture_output=True, text=True)
+    assert sorted(out.stdout.split()) == sorted(paths), out.stdout + out.stderr
