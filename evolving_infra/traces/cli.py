@@ -268,7 +268,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v = tsub.add_parser(
         "validate", help="check a trace (format invariants, then chained block ids); report every bad line with its number and reason"
     )
-    v.add_argument("files", nargs="+", help="trace files (.jsonl, .jsonl.gz or .eipack; - reads stdin); exit status 2 when "
+    v.add_argument("files", nargs="+", help="trace files (.jsonl or .jsonl.gz; - reads stdin; a packed .eipack is a problem: validate "
+                   "the trace it was packed from); exit status 2 when "
                    "any has a problem or cannot be read (as stats and simulate --trace for the same file), 0 when all are valid")
     v.add_argument("-q", "--quiet", action="store_true", help="print nothing for valid files")
     v.set_defaults(func=cmd_validate)

@@ -604,3 +604,12 @@ def test_a_trace_of_no_request_is_refused_by_every_command_that_replays_it(
         assert err == [f"error: {'' if argv[0] == 'replay' else '--trace: '}{name}: {NO_REQUESTS}"], (argv, err)
     assert main(["validate", name]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_validate_help_does_not_offer_a_packed_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    """``trace validate --help`` listed '.jsonl, .jsonl.gz or .eipack' as its files, and validating an
+    .eipack is a problem (exit 2: 'simulate --trace reads it; the other commands read the .jsonl[.gz]')."""
+    with pytest.raises(SystemExit):
+        top_main(["trace", "validate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "or .eipack" not in text and "a packed .eipack is a problem" in text, text
