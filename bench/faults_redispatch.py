@@ -35,6 +35,7 @@ SCENARIOS: dict[str, tuple[str, FaultSpec, list[Fault], list[int]]] = {
     "kill-prefill": ("SIGKILL of a prefill worker (w0) at 3 s", FaultSpec(), [Fault("kill", "worker-w0", 3.0)], [0]),
     "kill-decode": ("SIGKILL of a decode worker (w3) at 3 s", FaultSpec(), [Fault("kill", "worker-w3", 3.0)], [0]),
     "stop-10s": ("SIGSTOP of a prefill worker (w0) at 3 s, SIGCONT 10 s later", FaultSpec(), [Fault("stop", "worker-w0", 3.0, 10.0)], [0]),
+    "stop-nats": ("SIGSTOP of nats-server at 3 s, SIGCONT 15 s later", FaultSpec(), [Fault("stop", "nats-server", 3.0, 15.0)], [0]),
     "directory": ("SIGKILL of the KV directory at 3 s, started again 0.5 s later", FaultSpec(), [Fault("restart", "kvdirectory", 3.0, 0.5)], [0]),
     "router": ("two routers, half the agents each; SIGKILL of router-1 at 3 s", FaultSpec(routers=2), [Fault("kill", "router-1", 3.0)], [0, 1]),
 }

@@ -20,6 +20,7 @@ to recover.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,6 +39,10 @@ from shared.clock import SimClock
 from shared.natsserver import EmbeddedNatsServer, die_with_parent
 from shared.split import parse_split
 from shared.subjects import SVC_STATS, Subjects
+
+
+NATS = "nats-server"
+"""The name a :class:`Fault` gives the embedded nats-server."""
 
 
 class FaultError(RuntimeError):
@@ -193,20 +198,29 @@ class FaultCluster:
             return ""
 
     def pid(self, name: str) -> int:
+        """Pid of service ``name`` (``nats-server``: the embedded server's)."""
+        if name == NATS:
+            if self.nats is None or self.nats.pid is None:
+                raise FaultError("nats-server is not running")
+            return self.nats.pid
         p = self.procs.get(name)
         if p is None or p.proc is None:
-            raise FaultError(f"no service {name!r}; known: {sorted(self.procs)}")
+            raise FaultError(f"no service {name!r}; known: {sorted(self.procs) + [NATS]}")
         return p.proc.pid
 
     def signal(self, name: str, sig: int) -> None:
         """Send ``sig`` to service ``name`` (reaped at once after SIGKILL)."""
         os.kill(self.pid(name), sig)
-        p = self.procs[name]
-        if sig == signal.SIGKILL and p.proc is not None:
-            p.proc.wait(timeout=10)
+        proc = self.nats.proc if name == NATS and self.nats is not None else self.procs[name].proc
+        if sig == signal.SIGKILL and proc is not None:
+            proc.wait(timeout=10)
 
     def restart(self, name: str) -> None:
-        """Start service ``name`` again with the same arguments (after it was killed)."""
+        """Start service ``name`` again with the same arguments (after it was killed); ``nats-server`` on its port."""
+        if name == NATS:
+            assert self.nats is not None
+            self.nats.restart()
+            return
         p = self.procs[name]
         if p.proc is not None and p.proc.poll() is None:
             raise FaultError(f"{name} is still running")
@@ -222,6 +236,9 @@ class FaultCluster:
 
     async def stop(self) -> None:
         """SIGCONT + SIGTERM everything still running, SIGKILL what is left after 10 s, stop NATS."""
+        if self.nats is not None and self.nats.pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(self.nats.pid, signal.SIGCONT)
         for p in self.procs.values():
             if p.proc is not None and p.proc.poll() is None:
                 os.kill(p.proc.pid, signal.SIGCONT)
@@ -248,7 +265,8 @@ class Fault:
     """A timed fault: ``action`` on service ``target`` ``at_s`` wall seconds into the replay.
 
     ``kill`` = SIGKILL; ``stop`` = SIGSTOP, then SIGCONT ``hold_s`` later; ``restart`` = SIGKILL,
-    then the same command again ``hold_s`` later.
+    then the same command again ``hold_s`` later. ``target``: a service (``worker-w0``, ``router``,
+    ``kvdirectory`` ...) or ``nats-server``.
     """
 
     action: str
