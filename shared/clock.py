@@ -7,8 +7,10 @@ Every process maps wall time to simulated time the same way::
 ``origin`` is one wall instant shared by all processes of a cluster (the
 launcher passes it to every service), so simulated timestamps from different
 processes are comparable. With ``speedup = 1`` simulated time is wall time
-since the origin. Cores never read a clock: shells call :meth:`SimClock.now`
-and pass the value in (DESIGN §2).
+since the origin. Cores never read a clock: shells read it and pass the value
+in (DESIGN §2): :meth:`SimClock.now`, or, for a core whose own deadlines must not
+move with a step of the wall clock (the worker's engine scheduler),
+:meth:`SimClock.local_now`, with every time converted at the edge.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ class SimClock:
     another process (message ``ts`` fields, a worker's first-token time, a state's ``ts``): all
     processes of a cluster share ``origin``, and a step of the wall clock (NTP, a VM resumed) moves
     them all alike; and :meth:`local_now`, on the monotonic clock, for durations a process
-    measures between two of its own readings (how long since a node's last state arrived): a wall
-    clock step does not move it, so it cannot fence every node in one round.
+    measures between two of its own readings (how long since a node's last state arrived) and for
+    a process's own timeline (the worker's core: its plans and deadlines): a wall clock step does
+    not move it, so it cannot fence every node in one round, nor stall or hurry a deadline.
 
     Args:
         speedup: simulated seconds per wall second (> 0).
@@ -77,9 +80,11 @@ class SimClock:
 
     def local_now(self) -> float:
         """Current simulated time (s) on the monotonic clock: :meth:`now` as it was when the clock
-        was made, plus the monotonic seconds since × ``speedup``. For durations between two
-        readings of this process only (never sent to another process, never compared with
-        :meth:`now` or a message's ``ts``: they part by every step of the wall clock)."""
+        was made, plus the monotonic seconds since × ``speedup``. For this process only: durations
+        between two of its readings, or its own timeline. Never sent to another process nor
+        compared with :meth:`now` or a message's ``ts`` as it is (they part by every step of the
+        wall clock): a time that crosses the process boundary is moved by ``now() - local_now()``
+        first (the worker: ``WorkerService._to_wall`` / ``_to_local``)."""
         return self._local0 + (self._mono() - self._mono0) * self.speedup
 
     def monotonic(self) -> float:

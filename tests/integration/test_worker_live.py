@@ -575,9 +575,13 @@ async def test_a_resync_answered_while_the_worker_stops_offers_no_blocks(nats_ur
 @pytest.mark.parametrize("step_s", [0.008, -0.008])
 async def test_a_small_wall_clock_step_does_not_put_a_first_token_before_its_work_arrived(nats_url, step_s):
     """A step of the wall clock under ``WALL_STEP_S`` (±8 ms, a hypervisor's time sync) at ``--speedup 50``
-    (the demo's): a request that arrives after it has its ``arrived_at`` on the stepped cluster clock
-    (``clock.now()``), and its first token's ``ts`` must not come before it (``ttft_node`` =
-    ``first_token_at - node_arrived_at`` in the report: the prefill's simulated time, never negative)."""
+    (the demo's): a request that arrives after it has its ``arrived_at`` and its first token's ``ts``
+    moved onto the cluster clock with one kept offset (the pre-step one: the step is under
+    ``WALL_STEP_S``), and the ``ts`` must not come before it (``ttft_node`` = ``first_token_at -
+    node_arrived_at`` in the report: the prefill's simulated time, never negative). Before the core
+    moved onto the local timeline, ``arrived_at`` was the stepped ``clock.now()`` and the plan's times
+    the kept offset's: 771a636 measured a first token 0.397 s before its work (``queue_s`` negative,
+    the chunk dropped)."""
     c = await Client.connect(nats_url)
     step = [0.0]
     async with workers(nats_url, {"node": "w0", "speedup": 50.0}, wall=lambda: time.time() + step[0]):
