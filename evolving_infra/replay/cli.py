@@ -92,6 +92,13 @@ async def _replay(args: argparse.Namespace) -> int:
         from evolving_infra.traces.sample import sample_sessions
 
         trace = sample_sessions(trace, args.sessions or 10**9, seed=args.seed, max_requests_per_branch=args.max_requests_per_branch)
+    if getattr(args, "model_from", "flag") == "default":  # no state file (compose, Slurm, --router-url): the router's name
+        named = await router_model(args.router_url, api_key)  # (a torch router 404s the sim's evolving-infra-sim)
+        if named is not None and named != args.model:
+            args.model = named
+            print(f"replay: --model {named}, the router's (GET /v1/models)", file=sys.stderr)
+    if vocab_size is None:  # the router's vocabulary (a torch model's 512 ids: the trace's ids are up to 100,000)
+        vocab_size = await router_vocab_size(args.router_url, api_key)
     max_model_len = await router_max_model_len(args.router_url, api_key)
     try:
         requests, token_block, note = fit_to_router(trace.requests, trace.header.block_size, max_model_len,
@@ -284,6 +291,42 @@ async def router_max_model_len(router_url: str, api_key: str | None = None, time
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+async def router_model(router_url: str, api_key: str | None = None, timeout_s: float = 5.0,
+                       transport: object = None) -> str | None:
+    """The model name the router serves: the first ``id`` of ``GET /v1/models`` (``up --served-model-name``'s first,
+    a torch cluster's model folder name, the sim's ``evolving-infra-sim``). None when the router does not say.
+
+    Args:
+        router_url: the router's base URL.
+        api_key: sent as a bearer token when set.
+        timeout_s: wall seconds for the answer.
+        transport: an httpx transport (tests).
+    """
+    body = await _router_json(router_url, "/v1/models", api_key, timeout_s, transport)
+    try:
+        value = body["data"][0].get("id")  # type: ignore[index]
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+async def router_vocab_size(router_url: str, api_key: str | None = None, timeout_s: float = 5.0,
+                            transport: object = None) -> int | None:
+    """The router's ``vocab_size`` (prompt token ids must be below it) from ``GET /v1/cluster``; None when it does not
+    say (an older router, an error status, no answer): the replay then sends the trace's ids as they are (below
+    100,000, the sim tokenizer's vocabulary).
+
+    Args:
+        router_url: the router's base URL.
+        api_key: sent as a bearer token when set.
+        timeout_s: wall seconds for the answer.
+        transport: an httpx transport (tests).
+    """
+    body = await _router_json(router_url, "/v1/cluster", api_key, timeout_s, transport)
+    value = body.get("vocab_size") if isinstance(body, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 SCALE_MAX_OUTPUT = 8
 """``replay --scale-to-model``'s output tokens per request at most unless ``--max-output``: ``demo --max-output``'s default."""
 
@@ -364,7 +407,8 @@ ROUTER_MAX_ID_LEN: int = next(f.default for f in msgspec.structs.fields(RouterCo
 def _use_running_cluster(args: argparse.Namespace) -> int | None:
     """Fill ``--router-url`` / ``--speedup`` left unset from the running ``up`` cluster's state file
     (:mod:`evolving_infra.state`), else (no cluster running) ``http://127.0.0.1:8000`` and 1 (``args.speedup_from``:
-    ``flag``, ``state`` or ``default``; a ``default`` one is the router's when it reports one), and set ``args.cluster_block_size``
+    ``flag``, ``state`` or ``default``; a ``default`` one is the router's when it reports one), ``--model`` likewise
+    (``args.model_from``; a ``default`` one is the router's ``GET /v1/models`` name), and set ``args.cluster_block_size``
     (the cluster's tokens per KV block from the state file; None when not read from one); returns the
     router tokenizer's vocabulary size when it is not the sim one (the replayer takes prompt ids modulo it).
 
@@ -394,8 +438,12 @@ def _use_running_cluster(args: argparse.Namespace) -> int | None:
         args.speedup, args.speedup_from = 1.0, "default"
     bs = info.get("block_size")
     args.cluster_block_size = bs if isinstance(bs, int) and not isinstance(bs, bool) else None
-    if getattr(args, "model", None) is None:  # `up --engine torch --model DIR` serves DIR's name, not the sim's
-        args.model = info.get("model") or DEFAULT_MODEL
+    if getattr(args, "model", None) is not None:
+        args.model_from = "flag"
+    elif info.get("model"):  # `up --engine torch --model DIR` serves DIR's name, not the sim's
+        args.model, args.model_from = info["model"], "state"
+    else:  # the router's, when it says (`_replay`: GET /v1/models), else the sim's
+        args.model, args.model_from = DEFAULT_MODEL, "default"
     tokenizer = info.get("tokenizer") or "sim"
     if tokenizer == "sim":
         return None
@@ -463,7 +511,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "report would be scaled wrongly"
     )
     p.add_argument("--model", default=None,
-                   help="model name sent with requests (default: the running `up` cluster's served model, else evolving-infra-sim)")
+                   help="model name sent with requests (default: the running `up` cluster's served model, else the router's: "
+                   "GET /v1/models' first id, else evolving-infra-sim)")
     p.add_argument("--api-key", default=None,
                    help="sent as 'Authorization: Bearer KEY' to a router run with API keys (EI_API_KEYS or --api-keys-file; "
                    "401 without it); default: env EI_API_KEY")

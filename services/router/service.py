@@ -1904,6 +1904,9 @@ class RouterService(WatchedService):
                 # simulated s per wall s (--speedup / EI_SPEEDUP): `replay` takes it, or refuses another, so its
                 # times are on this cluster's clock (a compose or Slurm stack has no state file to read it from)
                 "speedup": self.clock.speedup,
+                # prompt token ids must be below it (the tokenizer's or the model's vocabulary): `replay` --router-url
+                # without a state file takes its ids modulo it, as it does with the state file's tokenizer
+                "vocab_size": self.vocab_size,
                 "epoch": view.epoch,
                 "split_reason": view.split_reason,
                 "fence_after_s": self.cfg.fence_after_s,

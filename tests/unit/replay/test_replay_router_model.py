@@ -1,0 +1,73 @@
+"""`replay --router-url` with no `up` state file for it (compose, Slurm, or two local clusters) sent the sim's model
+name and the trace's token ids as they are: against `up --engine torch --model tiny` every request was a 404 ('model
+'evolving-infra-sim' not found; this router serves 'tiny''), 12 of 12 over 98 s. It now takes the router's model
+(GET /v1/models) and vocabulary (GET /v1/cluster vocab_size), as it takes its speedup."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+import evolving_infra.replay.cli as replay_cli
+import evolving_infra.replay.live as live
+from evolving_infra.cli import main as top_main
+from evolving_infra.replay.cli import router_model, router_vocab_size
+
+SAMPLE = Path(__file__).resolve().parents[3] / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
+
+
+def _answer(body: object, status: int = 200) -> httpx.MockTransport:
+    return httpx.MockTransport(lambda request: httpx.Response(status, json=body))
+
+
+def test_the_router_says_its_model_and_vocabulary():
+    models = {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 1024}]}
+    assert asyncio.run(router_model("http://r", transport=_answer(models))) == "tiny"
+    assert asyncio.run(router_model("http://r", transport=_answer({"data": []}))) is None
+    assert asyncio.run(router_model("http://r", transport=_answer({"error": "no"}, 401))) is None
+    assert asyncio.run(router_vocab_size("http://r", transport=_answer({"speedup": 1.0, "vocab_size": 512}))) == 512
+    assert asyncio.run(router_vocab_size("http://r", transport=_answer({"speedup": 1.0}))) is None  # an older router
+
+
+class _Sent(Exception):
+    pass
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: list[str]) -> dict:
+    seen: dict = {}
+
+    async def nothing(*a: object, **k: object) -> None:
+        return None
+
+    async def model(*a: object, **k: object) -> str:
+        return "tiny"
+
+    async def vocab(*a: object, **k: object) -> int:
+        return 512
+
+    def replayer(*a: object, **k: object) -> None:
+        seen.update(k)
+        raise _Sent
+
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
+    for name, fn in (("router_unreachable", nothing), ("router_speedup", nothing), ("router_max_model_len", nothing),
+                     ("router_model", model), ("router_vocab_size", vocab)):
+        monkeypatch.setattr(replay_cli, name, fn, raising=False)
+    monkeypatch.setattr(live, "LiveReplayer", replayer)
+    with pytest.raises(_Sent):
+        top_main(["replay", str(SAMPLE), "--sessions", "1", "--router-url", "http://127.0.0.1:9", "--out", "r", *argv])
+    return seen
+
+
+def test_replay_without_a_state_file_sends_the_routers_model_and_vocabulary(monkeypatch, tmp_path, capsys):
+    seen = _run(monkeypatch, tmp_path, [])
+    assert seen["model"] == "tiny" and seen["vocab_size"] == 512
+    assert "replay: --model tiny, the router's (GET /v1/models)" in capsys.readouterr().err
+
+
+def test_a_given_model_wins(monkeypatch, tmp_path):
+    assert _run(monkeypatch, tmp_path, ["--model", "mine"])["model"] == "mine"
