@@ -362,11 +362,15 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="that node's engine runs FACTOR times slower than the profile (router and planner not told; "
                    "repeatable; what-if runs of the online per-node models)")
     pol = add_policy_args(p, live=False)
-    pol.add_argument("--decode-routing", default=None, choices=ROUTING_DECODE, help="decode binding rule")
+    pol.add_argument("--decode-routing", default=None, choices=ROUTING_DECODE, help="which decode node a request is bound to (not when: --decode-binding): "
+                     "round-robin (SGLang Model Gateway's PD mode, the baselines') or least-loaded (the routing "
+                     "policy's own rule) (default: the set's: least-loaded for evolving, round-robin for static, "
+                     "dynamo and arrow)")
     pol.add_argument("--switch-mode", default=None, choices=SWITCH_MODES,
                      help="phase switch mechanics: decoupled = drain in place, KV kept in a pool every prefill node "
                      "reads (paper §4; inplace = alias); relaunch = Dynamo (downtime --relaunch-s, KV lost); "
-                     "strand = Arrow (in place, KV lost); none")
+                     "strand = Arrow (in place, KV lost); none (default: the set's: decoupled for evolving, none for static, "
+                     "relaunch for dynamo, strand for arrow)")
     pol.add_argument("--switch-control-s", type=float, default=0.0,
                      help="in-place switches: seconds from the end of the drain to serving the new phase (default 0)")
     pol.add_argument("--relaunch-s", type=float, default=DEFAULT_RELAUNCH_S, help=f"relaunch downtime (default {DEFAULT_RELAUNCH_S:g} s)")
