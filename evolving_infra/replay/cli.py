@@ -46,6 +46,11 @@ async def _replay(args: argparse.Namespace) -> int:
     from evolving_infra.report.ideal import annotate_ideal
     from shared.clock import SimClock
 
+    if args.from_kind == "canonical" and len(args.input) > 1:  # the others were ignored: a run of the first alone
+        print(f"error: {len(args.input)} canonical traces given ({', '.join(args.input[:3])}{', ...' if len(args.input) > 3 else ''}): "
+              "replay takes one; replay each on its own (another --out), or give raw trace files with --from",
+              file=sys.stderr)
+        return 2
     if args.from_kind != "canonical" and STDIO in args.input:
         print(f"error: '-' (stdin) cannot be a --from {args.from_kind} input, which is read as named files and folders; "
               "save it to a file (./- for a file named '-')", file=sys.stderr)
@@ -493,7 +498,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "each request is sent after its predecessors complete plus the recorded pause, with branch headers; "
         "branches are ended; TTFT, E2E, tokens and cached tokens are recorded per request.",
     )
-    p.add_argument("input", nargs="+", help="canonical trace file (- reads stdin), or raw trace files/folders with --from")
+    p.add_argument("input", nargs="+", help="canonical trace file (one; - reads stdin), or raw trace files/folders with --from")
     p.add_argument(
         "--from",
         dest="from_kind",

@@ -71,3 +71,21 @@ def test_replay_without_a_state_file_sends_the_routers_model_and_vocabulary(monk
 
 def test_a_given_model_wins(monkeypatch, tmp_path):
     assert _run(monkeypatch, tmp_path, ["--model", "mine"])["model"] == "mine"
+
+
+def test_two_canonical_traces_are_a_usage_error_not_a_run_of_the_first(monkeypatch, tmp_path, capsys):
+    """`replay a.jsonl b.jsonl` replayed a.jsonl and ignored b.jsonl without a word (nargs='+', only the first read)."""
+    import shutil
+
+    shutil.copy(SAMPLE, tmp_path / "b.jsonl.gz")
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
+
+    def replayer(*a: object, **k: object) -> None:
+        raise _Sent
+
+    monkeypatch.setattr(live, "LiveReplayer", replayer)
+    assert top_main(["replay", str(SAMPLE), "b.jsonl.gz", "--router-url", "http://127.0.0.1:9", "--out", "r"]) == 2
+    err = capsys.readouterr().err
+    assert "2 canonical traces given" in err and "replay takes one" in err, err
+    assert not (tmp_path / "r").exists()
