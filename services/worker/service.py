@@ -168,14 +168,16 @@ class _Switch:
     decided_at: float
     """``SplitCommand.decided_at`` (simulated s, wall-based: the planner's)."""
     received_at: float
-    """When the command came (simulated s, wall-based: :meth:`WorkerService._to_wall`)."""
+    """When the command came (simulated s, local: moved onto the wall clock when announced, with
+    ``drained_at`` and ``applied_at``, so a step of the wall clock during the drain does not change
+    its length)."""
     since: float = 0.0
     """Start of the switch time ``switch_s`` (simulated s, wall-based): ``decided_at``, or this process's
     start when it began after the decision (a restarted worker catching up through ``split.get``:
     the time it was down is not the switch's)."""
     requeued: int = 0
     drained_at: float | None = None
-    """When the last request running on the node finished (simulated s, wall-based)."""
+    """When the last request running on the node finished (simulated s, local)."""
 
 
 def _drain_needed(old: str, new: str) -> bool:
@@ -327,8 +329,10 @@ class WorkerService:
         """(running, waiting, decoding) of the last ``node.state`` that went out: :meth:`_step` publishes
         one when the engine stops with other counts (:meth:`_publish_if_stopped`)."""
         self._switch: _Switch | None = None
-        self._started_at = clock.now()  # wall-based: compared with SplitCommand.decided_at
-        """Simulated s this process started (``_Switch.since``)."""
+        self._started_local = clock.local_now()
+        """Simulated s (local) this process started (``_Switch.since``: moved onto the wall clock when
+        compared with ``SplitCommand.decided_at``). Before, a wall reading: after a step of the wall
+        clock back, every later decision came before it, and ``switch_s`` was 0."""
         self._bind_later: dict[str, m.PrefillWork] = {}
         """Queued requests whose decode node is chosen at prefill start (``route.bind``)."""
         self._binds: dict[str, asyncio.Task[None]] = {}
@@ -886,7 +890,7 @@ class WorkerService:
                 await self._serving(sw, now)
                 return
             sw.epoch, sw.target, sw.decided_at = cmd.epoch, phase, cmd.decided_at
-            sw.since = max(cmd.decided_at, self._started_at)
+            sw.since = max(cmd.decided_at, self._to_wall(self._started_local))
             self.counters["split.retargeted"] += 1
             self._input()
             return
@@ -896,11 +900,11 @@ class WorkerService:
                                applied_at=wall, received_at=wall, drained_at=wall)
             )  # fmt: skip
             return
-        sw = _Switch(epoch=cmd.epoch, target=phase, decided_at=cmd.decided_at, received_at=wall,
-                     since=max(cmd.decided_at, self._started_at))
+        sw = _Switch(epoch=cmd.epoch, target=phase, decided_at=cmd.decided_at, received_at=now,
+                     since=max(cmd.decided_at, self._to_wall(self._started_local)))
         self.counters["split.switches"] += 1
         if not _drain_needed(self.core.phase, phase) or self.core.idle:  # nothing to drain
-            sw.drained_at = wall
+            sw.drained_at = now
             await self._serving(sw, now)
             return
         self._switch = sw
@@ -976,7 +980,7 @@ class WorkerService:
         if sw is None or not self.core.idle or self._binds:
             return
         self._switch = None
-        sw.drained_at = max(self._to_wall(now), sw.received_at)
+        sw.drained_at = max(now, sw.received_at)
         await self._serving(sw, self.clock.local_now())
 
     async def _serving(self, sw: _Switch, now: float) -> None:
@@ -986,8 +990,10 @@ class WorkerService:
         old = self.core.phase
         with self._fatal_on_error("switch: set the phase"):
             self.core.set_phase(sw.target, now)
-        local, now = now, self._to_wall(now)
-        drained = sw.drained_at if sw.drained_at is not None else now
+        off = self._wall_offset()  # one offset for the switch's local times: they keep their order and lengths
+        local, now = now, now + off
+        received = sw.received_at + off
+        drained = sw.drained_at + off if sw.drained_at is not None else now
         # The node serves sw.target from here whatever becomes of the two announcements (a refused
         # one is logged and counted; the heartbeat repeats the state, split.applied goes out again).
         # Before, a refusal raised: from the step loop (_maybe_switch) it ended the node as any step
@@ -1002,7 +1008,7 @@ class WorkerService:
                 decided_at=sw.decided_at,
                 applied_at=now,
                 switch_s=max(0.0, now - sw.since),
-                received_at=sw.received_at,
+                received_at=received,
                 drained_at=drained,
                 requeued=sw.requeued,
             )
@@ -1013,8 +1019,8 @@ class WorkerService:
             new=sw.target,
             epoch=sw.epoch,
             switch_s=round(now - sw.since, 4),
-            drain_s=round(drained - sw.received_at, 4),
-            overhead_s=round(now - drained + sw.received_at - sw.since, 4),
+            drain_s=round(drained - received, 4),
+            overhead_s=round(now - drained + received - sw.since, 4),
         )
         self._input()
 

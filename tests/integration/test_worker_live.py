@@ -595,3 +595,43 @@ async def test_a_small_wall_clock_step_does_not_put_a_first_token_before_its_wor
         assert first.arrived_at is not None and first.ts >= first.arrived_at, (first.ts, first.arrived_at)
         await c.stats("w0")  # no internal errors
     await c.bus.close()
+
+
+async def test_a_wall_clock_step_back_keeps_a_switchs_times_in_order(nats_url):
+    """The wall clock steps back (an hour, then a second) on a live worker. A switch decided after
+    the first step takes its ``switch_s`` from the planner's ``decided_at``: the process start it is
+    bounded by (a worker restarted after the decision) is this node's local time, moved onto the
+    wall clock when compared. A switch whose drain spans the second step keeps received ≤ drained ≤
+    applied, with the drain's local length. Before, the start was a wall reading kept from before
+    the step (an hour ahead of every later ``decided_at``: ``switch_s`` 0), and ``received_at`` a
+    wall reading from before the drain (``drained_at`` clamped to it, ``applied_at`` before it)."""
+    c = await Client.connect(nats_url)
+    step = [0.0]
+    origin = time.time()
+    speedup = 0.1  # d's decode below lasts ~1.2 wall s
+    planner = SimClock(speedup, origin, wall=lambda: time.time() + step[0])
+    async with workers(nats_url, {"node": "w0", "speedup": speedup, "clock_origin": origin}, wall=lambda: time.time() + step[0]):
+        await asyncio.sleep(0.7)  # the decision below comes after the process start
+        step[0] = -3600.0
+        decided = planner.now() - 0.5 * speedup  # decided half a wall second ago, after the step
+        await c.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=2, phases={"w0": "decode", "w9": "prefill"}, decided_at=decided))
+        await until(lambda: any(a.epoch == 2 for a in c.applied), what="the switch to decode")
+        a = next(a for a in c.applied if a.epoch == 2)
+        assert a.status == "serving" and 0.45 < a.switch_s / speedup < 1.5, a
+        await c.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=3, phases={"w0": "both"}, decided_at=planner.now()))
+        await until(lambda: any(a.epoch == 3 for a in c.applied), what="the switch back to both")
+        await c.bus.publish(WORK_PREFILL, prompt("d", [5, 6, 7], tail=2, max_tokens=60), node="w0")
+        await until(lambda: c.chunks["d"], what="d's first token")
+        await c.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=4, phases={"w0": "prefill", "w9": "decode"}, decided_at=planner.now()))
+        await until(lambda: any(a.epoch == 4 for a in c.applied), what="the drain's start")
+        t0 = time.monotonic()
+        await asyncio.sleep(0.1)
+        step[0] -= 1.0
+        await until(lambda: any(a.epoch == 4 and a.status == "serving" for a in c.applied), timeout=10, what="the switch to prefill")
+        drain_wall_s = time.monotonic() - t0
+        s = next(a for a in c.applied if a.epoch == 4 and a.status == "serving")
+        assert s.received_at <= s.drained_at <= s.applied_at, (s.received_at, s.drained_at, s.applied_at)
+        drain_s = (s.drained_at - s.received_at) / speedup
+        assert drain_wall_s > 0.3 and drain_wall_s - 0.3 < drain_s < drain_wall_s + 0.1, (drain_s, drain_wall_s)
+        await c.stats("w0")
+    await c.bus.close()
