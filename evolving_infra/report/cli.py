@@ -37,7 +37,8 @@ def recompute(report: dict, records: list) -> dict:  # type: ignore[type-arg]
     """Recompute the metrics of a stored report from its records, stored timeline, h* and meta.
 
     Keys the stored report has and :func:`build_report` does not produce (a
-    producer's ``extra``) are kept; computed keys are refreshed.
+    producer's ``extra``) are kept; computed keys are refreshed over the stored
+    measured window (``start_s``, ``end_s``: a live replay's own, not its records' span).
 
     Raises:
         ValueError: if the stored timeline is malformed.
@@ -47,7 +48,13 @@ def recompute(report: dict, records: list) -> dict:  # type: ignore[type-arg]
     timeline = timeline_from_builtins(report.get("timeline"))
     window_s = float((report.get("series") or {}).get("window_s") or 60.0)
     meta = report.get("meta") or {}
-    fresh = build_report(records, meta=meta, ideal_kv_hit_rate=report.get("ideal_kv_hit_rate"), timeline=timeline, window_s=window_s)
+    # the stored measured window: a live run's is its replay's (start → end of the replay, not first send → last
+    # finish), which the records alone cannot give (demo-out: 7,772.9 s recomputed as 7,769.3 s)
+    start, end = report.get("start_s"), report.get("end_s")
+    window = {"start": float(start), "end": float(end)} if all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in (start, end)) else {}
+    fresh = build_report(records, meta=meta, ideal_kv_hit_rate=report.get("ideal_kv_hit_rate"), timeline=timeline,
+                         window_s=window_s, **window)
     extra = {k: v for k, v in report.items() if k not in fresh}
     fresh.update(extra)
     return fresh

@@ -439,3 +439,23 @@ def test_compare_labels_simulated_and_live_runs_alike_folder_and_policy(tmp_path
         "simulate-out (evolving)", "simulate-out (dynamo)", "demo-out (evolving)", "replay-out (replay)", "static:1P2D",
         "mine (fast one)",
     ]
+
+
+def test_report_show_recompute_keeps_a_live_runs_measured_window(tmp_path: Path):
+    """A live replay's window is its own (replay start → end), not its records' span: ``report show --recompute``
+    of a demo-out rewrote duration 7,772.9 s as 7,769.3 s (and the throughput with it); a replay stopped long
+    after its last answer would have had its throughput multiplied."""
+    from evolving_infra.report.write import build_report, write_report
+
+    from .helpers import synthetic_records
+
+    records = synthetic_records()
+    first = min(r.sent_at for r in records)
+    last = max(r.finished_at for r in records if r.finished_at is not None)
+    report = build_report(records, meta={"command": "replay"}, start=first - 5.0, end=last + 100.0)
+    run = tmp_path / "live"
+    write_report(run, report, records, plots=False)
+    assert main(["report", "show", "--recompute", "--no-plots", str(run)]) == 0
+    fresh = json.loads((run / "report.json").read_text())
+    assert fresh["duration_s"] == pytest.approx(report["duration_s"]) == pytest.approx(last - first + 105.0)
+    assert fresh["throughput_rps"] == pytest.approx(report["throughput_rps"])
