@@ -639,8 +639,12 @@ class RouterService(WatchedService):
         """``time.monotonic()`` when a PING to NATS went unanswered for :attr:`_bus_stall_s` (the server hung,
         SIGSTOP, or the path to it black-holed while the TCP connection stays up), None once a PONG came back
         (:meth:`_bus_probe_loop`)."""
-        self._bus_resumed_at: float | None = None
-        """``time.monotonic()`` when a PONG came back after a stall (the bus settles from then, as after a reconnect)."""
+        self._resumed_at: float | None = None
+        """``time.monotonic()`` when a PONG came back after a stall, or when this process ran again after it did
+        not run for ``fence_after_s`` (SIGSTOP, a paused VM: :meth:`_fence_loop`): the bus settles from then, as
+        after a reconnect."""
+        self._fence_round_at: float | None = None
+        """``time.monotonic()`` of the fence loop's last round."""
         self._bus_stall_s = cfg.fence_after_s / 3
         """Wall seconds a PING may wait for its PONG before the bus counts as stalled; with a PING every half of it,
         a stall is seen within ``fence_after_s / 2``, before a node silent because of it is due for fencing."""
@@ -1293,11 +1297,12 @@ class RouterService(WatchedService):
 
     def _bus_settling(self) -> bool:
         """True while NATS is down or stalled (connected, but a PING of :meth:`_bus_probe_loop` got no PONG),
-        or reconnected or answering again less than ``fence_after_s`` + 1 s ago: node states are silent
-        because of the bus, not because the nodes died."""
+        or reconnected or answering again, or this process running again after a freeze (:meth:`_fence_loop`),
+        less than ``fence_after_s`` + 1 s ago: node states are silent or unread because of the bus or this
+        process, not because the nodes died."""
         if not self.bus.nc.is_connected or self._bus_stalled_at is not None:
             return True
-        t = max(self.bus.reconnected_at or -math.inf, self._bus_resumed_at or -math.inf)
+        t = max(self.bus.reconnected_at or -math.inf, self._resumed_at or -math.inf)
         return time.monotonic() - t < self.cfg.fence_after_s + 1.0
 
     async def _bus_probe_loop(self) -> None:
@@ -1338,7 +1343,7 @@ class RouterService(WatchedService):
                 self.log.warning("NATS answers again; fencing resumes once node states have had time to come back",
                                  stalled_s=round(time.monotonic() - self._bus_stalled_at, 3), settle_s=self.cfg.fence_after_s + 1.0)  # fmt: skip
                 self._bus_stalled_at = None
-                self._bus_resumed_at = time.monotonic()
+                self._resumed_at = time.monotonic()
             if self.bus.reconnected_at != conn:
                 self._bus_stalled_at = None  # a reconnect settles the bus itself (reconnected_at)
             await asyncio.sleep(max(0.0, sent + interval - time.monotonic()))
@@ -1356,6 +1361,16 @@ class RouterService(WatchedService):
         waited ``request_timeout_s``, parked ones never expired) while it answered ready."""
         while True:
             now = self.clock.now()
+            mono = time.monotonic()
+            if self._fence_round_at is not None and mono - self._fence_round_at > self.cfg.fence_after_s:
+                # the loop sleeps at most 0.5 s: this process did not run (SIGSTOP, a paused VM, a blocked loop),
+                # and the node states sent meanwhile are still unread. Before, its first round fenced every node
+                # (8-s SIGSTOP of the router: 3 fences, 2 requests re-dispatched)
+                self.counters["fence.router_stalls"] += 1
+                self.log.warning("the router did not run for longer than the fence time; node states settle before fencing",
+                                 stalled_s=round(mono - self._fence_round_at, 3), settle_s=self.cfg.fence_after_s + 1.0)  # fmt: skip
+                self._resumed_at = mono
+            self._fence_round_at = mono
             if self._bus_settling():
                 self.counters["fence_checks_skipped_bus_down"] += 1
             else:

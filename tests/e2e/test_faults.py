@@ -223,3 +223,30 @@ async def test_sigstop_of_nats_server_fences_no_node_and_a_request_sent_meanwhil
     c = st.counters
     assert c.get("fenced", 0) == 0 and c.get("redispatched", 0) == 0, c
     assert c["bus.stalls"] == 1, c
+
+
+async def test_sigstop_of_the_router_fences_no_node_when_it_goes_on(tmp_path):
+    """The router itself is frozen (SIGSTOP, a paused VM) past the fence time: when it runs again, the node
+    states sent meanwhile are still unread. Before, its fence loop's first round fenced the nodes (an 8-s
+    stop during a 2P2D replay: 3 fences, 2 requests re-dispatched); now it lets them settle first."""
+    import asyncio
+    import signal
+
+    import httpx
+
+    spec = FaultSpec(nodes=2, split="1P1D")
+    body = {"model": "evolving-infra-sim", "prompt": list(range(1, 200)), "max_tokens": 4, "ignore_eos": True}
+    async with FaultCluster(spec, tmp_path / "cluster") as fc:
+        async with httpx.AsyncClient(base_url=fc.router_url(), timeout=60) as http:
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+            fc.signal("router", signal.SIGSTOP)
+            try:
+                await asyncio.sleep(spec.fence_after_s + 1.5)
+            finally:
+                fc.signal("router", signal.SIGCONT)
+            resp = await http.post("/v1/completions", json=dict(body, prompt=list(range(7, 300))))
+        st = await fc.stats("router")
+    assert resp.status_code == 200, resp.text
+    assert st is not None
+    c = st.counters
+    assert c.get("fenced", 0) == 0 and c["fence.router_stalls"] == 1, c
