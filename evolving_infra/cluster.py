@@ -79,9 +79,12 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 64
     partition: str = "p0"
     model: str = "evolving-infra-sim"
+    model_names: tuple[str, ...] = ()
+    """Router ``--model-names``: other served names, listed in ``/v1/models`` after ``model`` (``up
+    --served-model-name``'s names after the first, as vLLM lists every one)."""
     model_aliases: tuple[str, ...] = ()
-    """Router ``--model-aliases``: other names a request's ``model`` may give (``up --served-model-name``'s other
-    names; the ``--model`` folder as given, and resolved, when no served name is set)."""
+    """Router ``--model-aliases``: other names a request's ``model`` may give, not listed in ``/v1/models`` (the
+    ``--model`` folder as given, and resolved, when no served name is set)."""
     nats_url: str | None = None
     """External NATS server; None starts an embedded one."""
     log_dir: str | None = None
@@ -335,6 +338,7 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     if service == "router":
         return (["--routing", s.routing, "--decode-binding", s.decode_binding, "--profile", s.profile, "--block-size",
                  str(s.block_size), "--model", s.model, "--tokenizer", s.tokenizer]
+                + (["--model-names", ",".join(s.model_names)] if s.model_names else [])
                 + (["--model-aliases", ",".join(s.model_aliases)] if s.model_aliases else [])
                 + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])
                 + (["--model-vocab-size", str(s.model_vocab_size)] if s.model_vocab_size else [])

@@ -109,10 +109,9 @@ def _add_cluster_args(
         nargs="+",
         default=None,
         metavar="NAME",
-        help="the model name(s) the router serves, as vLLM's: a request may give any (unlike vLLM, which lists every "
-        "name in /v1/models and answers with the name the request gave, the first is /v1/models' only id and every "
-        "response's model) (default: --engine torch: the --model folder's name, and a request may also give "
-        "the folder path as typed; sim: evolving-infra-sim)",
+        help="the model name(s) the router serves, as vLLM's: /v1/models lists every one, a request may give any, "
+        "and every response's model is the first (default: --engine torch: the --model folder's name, and a request "
+        "may also give the folder path as typed, not listed; sim: evolving-infra-sim)",
     )
     g.add_argument(
         "--device",
@@ -344,7 +343,7 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
     names = list(args.served_model_name or [])
     if bad := [n for n in names if not n or "," in n or n != n.strip()]:
         raise UsageError(f"error: --served-model-name {bad[0]!r}: a name without commas or surrounding spaces")
-    served = {"model": names[0], "model_aliases": tuple(dict.fromkeys(n for n in names[1:] if n != names[0]))} if names else {}
+    served = {"model": names[0], "model_names": tuple(dict.fromkeys(n for n in names[1:] if n != names[0]))} if names else {}
     if args.engine == "sim":
         if args.tokenizer is None:
             args.tokenizer = "sim"

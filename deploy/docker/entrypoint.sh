@@ -30,8 +30,8 @@
 #   EI_GPU_KV_TOKENS   up --gpu-kv-tokens: each worker's GPU KV (L1) tokens, which bound the longest request the
 #                      router serves (max_model_len); unset: the profile's (torch-tiny-cpu: 1024)
 #   EI_HOST_KV_TOKENS  up --host-kv-tokens: each worker's host KV (L2) tokens
-#   EI_SERVED_MODEL_NAME  up --served-model-name: the model name(s) the router serves, comma-separated (the first
-#                      is /v1/models' id); unset with EI_ENGINE=torch: the folder's name, "models" for /models
+#   EI_SERVED_MODEL_NAME  up --served-model-name: the model name(s) the router serves, comma-separated (/v1/models
+#                      lists each); unset with EI_ENGINE=torch: the folder's name, "models" for /models
 #   EI_DTYPE           up --dtype (EI_ENGINE=torch): float32 | bfloat16 | float16
 #   EI_LOG_REQUESTS    up --log-requests: 1/true/yes/on (router and workers log each request), 0/false/no/off
 #   EI_OTLP_TRACES_ENDPOINT  up --otlp-traces-endpoint URL: every service exports OTLP/HTTP traces there

@@ -54,7 +54,7 @@ import math
 import re
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -913,12 +913,17 @@ def usage_chunk(oid: str, created: int, model: str, obj: str, use: dict[str, Any
     return {"id": oid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
-def models_response(model: str, created: int, max_model_len: int | None = None) -> dict[str, Any]:
-    """``GET /v1/models``; ``max_model_len`` (vLLM's ``ModelCard`` field, tokens) is left out when None."""
-    entry: dict[str, Any] = {"id": model, "object": "model", "created": created, "owned_by": "evolving-infra"}
-    if max_model_len is not None:
-        entry["max_model_len"] = max_model_len
-    return {"object": "list", "data": [entry]}
+def models_response(models: Sequence[str], created: int, max_model_len: int | None = None) -> dict[str, Any]:
+    """``GET /v1/models``: one entry per name of ``models``, in order (vLLM's ``show_available_models``, one
+    ``ModelCard`` per served name); ``max_model_len`` (vLLM's ``ModelCard`` field, tokens) is left out when None.
+
+    Raises:
+        TypeError: ``models`` is a str (a sequence of names is meant)."""
+    if isinstance(models, str):
+        raise TypeError(f"models_response takes a sequence of names, not the str {models!r}")
+    extra = {} if max_model_len is None else {"max_model_len": max_model_len}
+    data = [{"id": m, "object": "model", "created": created, "owned_by": "evolving-infra", **extra} for m in models]
+    return {"object": "list", "data": data}
 
 
 # --------------------------------------------------------------------------- #

@@ -74,12 +74,23 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     ] = 600.0
     seed: Annotated[int, Meta(description="seed of randomized policies (dynamo-kv with temperature > 0)")] = 0
     tokenizer: Annotated[str, Meta(description="sim (built-in, deterministic) or hf:<local path to tokenizer.json or model folder>")] = "sim"
-    model: Annotated[str, Meta(description="model name served (GET /v1/models; requests naming another model get 404)")] = "evolving-infra-sim"
+    model: Annotated[
+        str,
+        Meta(description="model name served: the first id of GET /v1/models and every response's model, whichever "
+             "served name or alias the request gave (vLLM: the first --served-model-name); a request naming a model "
+             "this router does not serve gets 404"),
+    ] = "evolving-infra-sim"
+    model_names: Annotated[
+        list[str],
+        Meta(description="other served names, comma-separated: GET /v1/models lists them after --model and a request's "
+             "model may give any; responses name --model (vLLM's --served-model-name after the first: "
+             "show_available_models lists each, a response names the first; evolving-infra up passes them)"),
+    ] = msgspec.field(default_factory=list)
     model_aliases: Annotated[
         list[str],
-        Meta(description="other names a request's model may give, comma-separated (vLLM accepts each of its "
-             "--served-model-name names, and the model path it was started with when none is set; evolving-infra up "
-             "passes them); responses and GET /v1/models name --model"),
+        Meta(description="other names a request's model may give, comma-separated, not listed in GET /v1/models; "
+             "responses name --model (vLLM, started without --served-model-name, serves the model path as typed; "
+             "evolving-infra up passes the --model folder as typed and resolved when --served-model-name is not set)"),
     ] = msgspec.field(default_factory=list)
     block_size: Annotated[int, Meta(ge=1, description="tokens per KV block; must equal the directory's and the engines'")] = 64
     cache_threshold: Annotated[

@@ -667,8 +667,11 @@ class RouterService(WatchedService):
         """Prompt and logit_bias ids must be below this: the tokenizer's vocabulary size, or the model's
         (``--model-vocab-size``) when smaller (the engine has no embedding past it: such an id was a 500)."""
         self._vocab_what = "the model's vocabulary" if cfg.model_vocab_size and self.vocab_size == cfg.model_vocab_size else "the vocabulary"
-        self._model_aliases = frozenset(cfg.model_aliases)
-        """Other names a request's ``model`` may give (``--model-aliases``)."""
+        self._served_names = tuple(dict.fromkeys((cfg.model, *cfg.model_names)))
+        """The names ``GET /v1/models`` lists, in order: ``--model`` then ``--model-names`` (vLLM's
+        ``--served-model-name``, one ``ModelCard`` each)."""
+        self._model_names = frozenset((*self._served_names, *cfg.model_aliases))
+        """Every name a request's ``model`` may give: the served names and ``--model-aliases`` (not listed)."""
         self._context_logged: int | None = None
         """The lowered ``max_model_len`` last logged (:meth:`_note_context`); None: none logged yet."""
         self._forget_after = cfg.forget_node_after_s * cfg.speedup if cfg.forget_node_after_s > 0 else math.inf
@@ -1756,14 +1759,20 @@ class RouterService(WatchedService):
         return self._json(api.error_body(status, reason, param), status)
 
     async def _models(self, request: Request) -> Response:
-        return self._json(api.models_response(self.cfg.model, int(self._started_wall), self.max_model_len))
+        """``GET /v1/models``: one entry per served name (``--model``, then ``--model-names``), as vLLM's
+        ``show_available_models`` lists one ``ModelCard`` per ``--served-model-name``."""
+        return self._json(api.models_response(self._served_names, int(self._started_wall), self.max_model_len))
 
     async def _model(self, request: Request) -> Response:
-        """``GET /v1/models/{id}``: the served model's entry of ``/v1/models``; another id is a 404."""
+        """``GET /v1/models/{id}``: a served name's entry of ``/v1/models``; for one of ``--model-aliases`` (not
+        listed) the entry of ``--model``; another id is a 404."""
         model = request.path_params["model"]
-        if model != self.cfg.model and model not in self._model_aliases:
-            return self._error(404, f"model {model[:256]!r} not found; this router serves {self.cfg.model!r}", param="model")
-        return self._json(api.models_response(self.cfg.model, int(self._started_wall), self.max_model_len)["data"][0])
+        try:
+            self._check_model(model)
+        except api.ApiError as e:
+            return self._error(e.status, e.reason, e.param)
+        shown = model if model in self._served_names else self.cfg.model
+        return self._json(api.models_response((shown,), int(self._started_wall), self.max_model_len)["data"][0])
 
     @property
     def max_model_len(self) -> int:
@@ -1875,10 +1884,14 @@ class RouterService(WatchedService):
         return self._json({"prompt": text})
 
     def _check_model(self, model: str | None) -> None:
-        """Absent, null or "": the served model (vLLM's ``_is_model_supported``); so is one of ``--model-aliases``
-        (vLLM's other served names, or its model path); another name is a 404."""
-        if model and model != self.cfg.model and model not in self._model_aliases:
-            raise api.ApiError(404, f"model {model[:256]!r} not found; this router serves {self.cfg.model!r}", param="model")
+        """Absent, null or "": the served model (vLLM's ``_is_model_supported``); so is a served name (``--model``,
+        ``--model-names``) or one of ``--model-aliases`` (vLLM's model path); another name is a 404.
+
+        Raises:
+            api.ApiError: 404 naming the served names, ``param`` "model"."""
+        if model and model not in self._model_names:
+            served = ", ".join(map(repr, self._served_names))
+            raise api.ApiError(404, f"model {model[:256]!r} not found; this router serves {served}", param="model")
 
     async def _healthz(self, request: Request) -> Response:
         """``/healthz``, ``/health``, ``/ping`` (GET or POST, as vLLM's, whose ``/ping`` answers as its ``/health``
@@ -2531,7 +2544,7 @@ class RouterService(WatchedService):
                     finish_reason, stop_reason = "stop", stops.stop_reason
                     self._end_at_stop(p, stops)
             use = api.usage(prompt_tokens, n_out, cached)
-            model = self.cfg.model
+            model = self.cfg.model  # the first served name, whichever one (or alias) the request gave: see _stream
             oid = api.response_id(shown, chat=chat)
             lp_body = None
             if lp_top is not None:  # one entry per token that counts (vLLM: up to the one that completed a stop)
@@ -2569,6 +2582,9 @@ class RouterService(WatchedService):
         ``echo``: the prompt's text) starts the first data chunk's text, as vLLM's first chunk
         is the prompt and the first output text; a chat's (``api.chat_echo``) is its own chunk after
         the role's, as vLLM's; ``role`` (``api.reply_role``) is the first chat chunk's.
+        Every chunk's ``model`` is ``--model``, the first served name, whichever name the request gave (vLLM's
+        ``--served-model-name``: "The model name in the model field of a response will be the first name in this
+        list"; vllm-project/vllm#24663 restored it after a time when the request's name was echoed).
         A client that goes away cancels this generator (Starlette): the request is aborted."""
         model = self.cfg.model
         oid = api.response_id(p.client_id or p.rid, chat=chat)

@@ -57,7 +57,7 @@ def test_compose_settings_reach_the_services_as_up_s_flags(tmp_path):
     router, renv = _started(tmp_path, "router", **SETTINGS)
     worker, wenv = _started(tmp_path, "worker", EI_REPLICA="1", **SETTINGS)
     r, w = _config("router", router, renv), _config("worker", worker, wenv)
-    assert (r.model, list(r.model_aliases), r.log_requests) == ("qwen", ["qwen-chat"], True), router
+    assert (r.model, list(r.model_names), r.model_aliases, r.log_requests) == ("qwen", ["qwen-chat"], [], True), router
     assert (w.gpu_kv_tokens, w.host_kv_tokens, w.log_requests) == (2048, 4096, True), worker
     assert r.otlp_traces_endpoint == w.otlp_traces_endpoint == "http://jaeger:4318"
     assert "--gpu-kv-tokens" in worker and "--served-model-name" not in router, (worker, router)
@@ -137,7 +137,7 @@ def test_slurm_settings_reach_deploy_args_as_up_s_flags():
     flags = flags[: flags.index("--dtype")] + flags[flags.index("--dtype") + 2 :]
     router, worker = deploy_args(flags, "router")[0], deploy_args(flags, "worker")[0]
     assert router[router.index("--model") + 1 :][:1] == ["qwen"] and "--log-requests" in router, router
-    assert router[router.index("--model-aliases") + 1] == "my model", router
+    assert router[router.index("--model-names") + 1] == "my model" and "--model-aliases" not in router, router
     assert worker[worker.index("--gpu-kv-tokens") + 1] == "2048" and "--log-requests" in worker, worker
     r = _sbatch('up_flags || exit; printf "%s\\n" "${UP_FLAGS[@]}"')  # none set: up's defaults, no flag
     assert r.returncode == 0 and r.stdout.split() == "--policy evolving --nodes 2 --profile gb300-glm52 --engine sim".split()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from shared.tokenizer import SimTokenizer
-from tests.integration.test_router_live import _wait_for, router_env
+from tests.integration.test_router_live import _wait_for, router_env, sse_events
 
 REPO = Path(__file__).resolve().parents[2]
 USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there, how are you?"}]
@@ -501,18 +501,29 @@ async def test_a_big_completion_body_is_parsed_tokenized_and_hashed_off_the_even
 
 
 async def test_a_request_may_name_the_model_by_an_alias(nats_url, tmp_path):
-    """vLLM accepts each of its served names, and the model path it was started with when none is set; ``up``
-    passes the others as ``--model-aliases``. Responses and ``/v1/models`` name the served model."""
-    async with router_env(nats_url, tmp_path, {"c0": "both"}, model_aliases=["/models/tiny", "tiny/"]) as env:
-        for name in ("test-model", "/models/tiny", "tiny/"):
+    """vLLM lists every --served-model-name in /v1/models (``show_available_models``, a ``ModelCard`` each), accepts
+    any of them, and names the first in every response (its --served-model-name help; vllm-project/vllm#24663).
+    ``up`` passes the others as ``--model-names`` and, without --served-model-name, the --model folder path (vLLM's
+    served name then) as ``--model-aliases``: accepted, not listed. Before: only ``--model`` was listed."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, model_names=["b"], model_aliases=["/models/tiny", "tiny/"]) as env:
+        assert [m["id"] for m in (await env.http.get("/v1/models")).json()["data"]] == ["test-model", "b"]
+        for name in ("test-model", "b", "/models/tiny", "tiny/", None):
             r = await env.http.post("/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 1})
             assert r.status_code == 200 and r.json()["model"] == "test-model", (name, r.text)
-            assert (await env.http.get(f"/v1/models/{name}")).status_code == 200, name
+            if name is not None:
+                r = await env.http.get(f"/v1/models/{name}")
+                assert r.status_code == 200 and r.json()["id"] == (name if name in ("test-model", "b") else "test-model"), r.text
         r = await env.http.post("/v1/chat/completions", json={"model": "/models/tiny", "messages": USER, "max_tokens": 1})
         assert r.status_code == 200 and r.json()["model"] == "test-model", r.text
+        for chat in (False, True):
+            body = {"model": "b", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True},
+                    **({"messages": USER} if chat else {"prompt": "hi"})}
+            r = await env.http.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+            chunks = [c for c in sse_events(r.text) if c != "[DONE]"]
+            assert r.status_code == 200 and len(chunks) >= 2 and {c["model"] for c in chunks} == {"test-model"}, r.text
         r = await env.http.post("/v1/completions", json={"model": "/models/other", "prompt": "hi", "max_tokens": 1})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
-        assert [m["id"] for m in (await env.http.get("/v1/models")).json()["data"]] == ["test-model"]
+        assert r.json()["error"]["message"] == "model '/models/other' not found; this router serves 'test-model', 'b'"
 
 
 async def test_prompt_ids_past_the_models_vocabulary_are_a_400(nats_url, tmp_path):

@@ -118,9 +118,16 @@ def test_tokenize_response_is_vllms_shape():
 
 
 def test_models_entry_has_max_model_len_when_given():
-    entry = api.models_response("m", 7, 4096)["data"][0]
+    entry = api.models_response(("m",), 7, 4096)["data"][0]
     assert entry == {"id": "m", "object": "model", "created": 7, "owned_by": "evolving-infra", "max_model_len": 4096}
-    assert "max_model_len" not in api.models_response("m", 7)["data"][0]
+    assert "max_model_len" not in api.models_response(["m"], 7)["data"][0]
+
+
+def test_models_lists_every_served_name_in_order():
+    """vLLM's /v1/models has one ModelCard per --served-model-name; a str (one name's letters) is refused."""
+    assert [e["id"] for e in api.models_response(("a", "b"), 7, 64)["data"]] == ["a", "b"]
+    with pytest.raises(TypeError, match="sequence of names"):
+        api.models_response("ab", 7)
 
 
 def test_cors_flags_follow_the_config_rules_and_default_to_off():

@@ -238,6 +238,11 @@ def _router(kids):
     return _value(r, "--model"), _value(r, "--model-aliases")
 
 
+def _served(kids):
+    r = kids["router"]
+    return _value(r, "--model"), _value(r, "--model-names"), _value(r, "--model-aliases")
+
+
 def test_up_serves_the_folder_name_and_accepts_the_path_given(model, tmp_path, monkeypatch):
     monkeypatch.chdir(model.parent)
     kids = _children(["--engine", "torch", "--model", "tiny/", "--nodes", "1"], tmp_path / "a")
@@ -248,11 +253,11 @@ def test_up_serves_the_folder_name_and_accepts_the_path_given(model, tmp_path, m
 
 def test_served_model_name_on_up(model, tmp_path):
     kids = _children(["--engine", "torch", "--model", str(model), "--nodes", "1", "--served-model-name", "my-llm"], tmp_path / "a")
-    assert _router(kids) == ("my-llm", None)  # vLLM: with a served name, the path is not a name
+    assert _served(kids) == ("my-llm", None, None)  # vLLM: with a served name, the path is not a name
     kids = _children(["--engine", "torch", "--model", str(model), "--nodes", "1", "--served-model-name", "a", "b", "a"], tmp_path / "b")
-    assert _router(kids) == ("a", "b")
-    kids = _children(["--nodes", "1", "--served-model-name", "glm"], tmp_path / "c")  # sim too
-    assert _router(kids) == ("glm", None)
+    assert _served(kids) == ("a", "b", None)  # all listed in /v1/models, as vLLM's (before: b an unlisted alias)
+    kids = _children(["--nodes", "1", "--served-model-name", "glm", "glm-2"], tmp_path / "c")  # sim too
+    assert _served(kids) == ("glm", "glm-2", None)
     args = build_parser("demo").parse_args(["demo", "--served-model-name", "x", "--log-dir", str(tmp_path / "d")])
     assert _spec(args).model == "x"
     for bad in ("a,b", "", " a"):
@@ -331,11 +336,10 @@ def test_up_says_when_the_model_folder_has_no_chat_template(model, tmp_path):
     assert tokenizer_lines(args) == []
 
 
-def test_served_model_name_help_does_not_call_the_first_name_rule_vllms():
-    """The help said "as vLLM's: the first is /v1/models' id and every response's model"; vLLM's /v1/models lists
-    every --served-model-name and its responses name the model the request gave (``_get_model_name``), so the
-    help says how this router differs (session 42; the behaviour is tests/integration/test_router_util_live.py's)."""
+def test_served_model_name_help_says_every_name_is_listed_and_echoed():
+    """The help said the first name was /v1/models' only id ("unlike vLLM", which lists every name); the router now
+    lists every name, and every response names the first, as vLLM's --served-model-name help says (session 42)."""
     sub = build_parser("up")._subparsers._group_actions[0].choices["up"]  # type: ignore[union-attr]
     (action,) = [a for a in sub._actions if "--served-model-name" in a.option_strings]
     text = " ".join(action.help.split())
-    assert "as vLLM's: the first" not in text and "unlike vLLM, which lists every name in /v1/models" in text, text
+    assert "unlike vLLM" not in text and "/v1/models lists every one" in text and "every response's model is the first" in text, text
