@@ -441,7 +441,9 @@ class EvolvingPlanner(PolicyBase):
         missing = self.no_data(fits)
         if missing and not priors:  # issue 21 (llm-d-autoscaling #1212): never freeze, never switch on the priors alone
             self._external_reason = reason  # the extended warm-up's end keeps an operator's split
-            self.warmup_end = now + self.p.no_data_retry_s
+            before, self.warmup_end = self.warmup_end, now + self.p.no_data_retry_s
+            # an operator's split early in the warm-up asks to freeze now: the retry may come before the first end
+            moved = "extended" if self.warmup_end >= before else "brought forward"
             self.expected = dict(phases)
             kept = (
                 "every node serves both phases" if all(p == "both" for p in phases.values())
@@ -449,14 +451,14 @@ class EvolvingPlanner(PolicyBase):
             )
             self._split_note = (
                 f"warm-up: {kept} until t={self.warmup_end:.0f}s to fit the iteration-time models "
-                f"(extended: {missing}{'; ' + reason if reason else ''})"
+                f"({moved}: {missing}{'; ' + reason if reason else ''})"
             )
             self._decide(
                 now,
                 "no_switch",
                 phases,
                 None,
-                f"{missing}; models not frozen, split kept ({split_name(phases)}), warm-up extended to t={self.warmup_end:.0f}s"
+                f"{missing}; models not frozen, split kept ({split_name(phases)}), warm-up {moved} to t={self.warmup_end:.0f}s"
                 + (f" ({reason})" if reason else ""),
                 metrics={"nodes_fitted": 0.0, "warmup_end": self.warmup_end},
             )
