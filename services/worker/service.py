@@ -172,9 +172,10 @@ class _Switch:
     ``drained_at`` and ``applied_at``, so a step of the wall clock during the drain does not change
     its length)."""
     since: float = 0.0
-    """Start of the switch time ``switch_s`` (simulated s, wall-based): ``decided_at``, or this process's
-    start when it began after the decision (a restarted worker catching up through ``split.get``:
-    the time it was down is not the switch's)."""
+    """Start of the switch time ``switch_s`` (simulated s, local): ``decided_at`` moved onto the local
+    timeline on receipt, or this process's start when it began after the decision (a restarted
+    worker catching up through ``split.get``: the time it was down is not the switch's). So a step
+    of the wall clock during the drain is not in ``switch_s``."""
     requeued: int = 0
     drained_at: float | None = None
     """When the last request running on the node finished (simulated s, local)."""
@@ -330,9 +331,9 @@ class WorkerService:
         one when the engine stops with other counts (:meth:`_publish_if_stopped`)."""
         self._switch: _Switch | None = None
         self._started_local = clock.local_now()
-        """Simulated s (local) this process started (``_Switch.since``: moved onto the wall clock when
-        compared with ``SplitCommand.decided_at``). Before, a wall reading: after a step of the wall
-        clock back, every later decision came before it, and ``switch_s`` was 0."""
+        """Simulated s (local) this process started (``_Switch.since``, compared with
+        ``SplitCommand.decided_at`` moved onto the local timeline). Before, a wall reading: after a
+        step of the wall clock back, every later decision came before it, and ``switch_s`` was 0."""
         self._bind_later: dict[str, m.PrefillWork] = {}
         """Queued requests whose decode node is chosen at prefill start (``route.bind``)."""
         self._binds: dict[str, asyncio.Task[None]] = {}
@@ -890,7 +891,7 @@ class WorkerService:
                 await self._serving(sw, now)
                 return
             sw.epoch, sw.target, sw.decided_at = cmd.epoch, phase, cmd.decided_at
-            sw.since = max(cmd.decided_at, self._to_wall(self._started_local))
+            sw.since = max(self._to_local(cmd.decided_at), self._started_local)
             self.counters["split.retargeted"] += 1
             self._input()
             return
@@ -901,7 +902,7 @@ class WorkerService:
             )  # fmt: skip
             return
         sw = _Switch(epoch=cmd.epoch, target=phase, decided_at=cmd.decided_at, received_at=now,
-                     since=max(cmd.decided_at, self._to_wall(self._started_local)))
+                     since=max(self._to_local(cmd.decided_at), self._started_local))
         self.counters["split.switches"] += 1
         if not _drain_needed(self.core.phase, phase) or self.core.idle:  # nothing to drain
             sw.drained_at = now
@@ -992,7 +993,7 @@ class WorkerService:
             self.core.set_phase(sw.target, now)
         off = self._wall_offset()  # one offset for the switch's local times: they keep their order and lengths
         local, now = now, now + off
-        received = sw.received_at + off
+        received, since = sw.received_at + off, sw.since + off
         drained = sw.drained_at + off if sw.drained_at is not None else now
         # The node serves sw.target from here whatever becomes of the two announcements (a refused
         # one is logged and counted; the heartbeat repeats the state, split.applied goes out again).
@@ -1007,7 +1008,7 @@ class WorkerService:
                 status="serving",
                 decided_at=sw.decided_at,
                 applied_at=now,
-                switch_s=max(0.0, now - sw.since),
+                switch_s=max(0.0, now - since),
                 received_at=received,
                 drained_at=drained,
                 requeued=sw.requeued,
@@ -1018,9 +1019,9 @@ class WorkerService:
             old=old,
             new=sw.target,
             epoch=sw.epoch,
-            switch_s=round(now - sw.since, 4),
+            switch_s=round(now - since, 4),
             drain_s=round(drained - received, 4),
-            overhead_s=round(now - drained + received - sw.since, 4),
+            overhead_s=round(now - drained + received - since, 4),
         )
         self._input()
 

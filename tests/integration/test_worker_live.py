@@ -604,7 +604,8 @@ async def test_a_wall_clock_step_back_keeps_a_switchs_times_in_order(nats_url):
     wall clock when compared. A switch whose drain spans the second step keeps received ≤ drained ≤
     applied, with the drain's local length. Before, the start was a wall reading kept from before
     the step (an hour ahead of every later ``decided_at``: ``switch_s`` 0), and ``received_at`` a
-    wall reading from before the drain (``drained_at`` clamped to it, ``applied_at`` before it)."""
+    wall reading from before the drain (``drained_at`` clamped to it, ``applied_at`` before it), and
+    ``switch_s`` lost the step (``decided_at`` is moved onto the local timeline on receipt now)."""
     c = await Client.connect(nats_url)
     step = [0.0]
     origin = time.time()
@@ -633,5 +634,6 @@ async def test_a_wall_clock_step_back_keeps_a_switchs_times_in_order(nats_url):
         assert s.received_at <= s.drained_at <= s.applied_at, (s.received_at, s.drained_at, s.applied_at)
         drain_s = (s.drained_at - s.received_at) / speedup
         assert drain_wall_s > 0.3 and drain_wall_s - 0.3 < drain_s < drain_wall_s + 0.1, (drain_s, drain_wall_s)
+        assert drain_s - 0.05 < s.switch_s / speedup < drain_s + 0.5, (s.switch_s / speedup, drain_s)  # the step is not in it
         await c.stats("w0")
     await c.bus.close()
