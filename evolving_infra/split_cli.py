@@ -8,7 +8,7 @@ asks ``split.get``. Without ``--nats-url`` (or ``EI_NATS_URL``) the NATS server 
 retried past ``--timeout``. Exit status (:data:`EXIT_STATUSES`; ``split get``: never 1,
 :data:`GET_EXIT_STATUSES`): 0 on success; 1 when the planner refused for now (it is starting: the same ``split set`` may succeed in a few seconds);
 2 when the planner refused the split itself (it does not cover the cluster's nodes, 0 prefill
-or decode nodes: the user's error, as every usage error), the input is malformed, no cluster
+or decode nodes, or one live node left so a phase would be on dead nodes only: the user's error, as every usage error), the input is malformed, no cluster
 is found, NATS refused the credentials (or wanted some and none were given), the identity may
 not publish the request's subject, or no planner answered. The reason is printed on stderr.
 """
@@ -31,7 +31,7 @@ from shared.subjects import SPLIT_GET, SPLIT_SET, Subjects
 
 EXIT_STATUSES = (
     "exit status: 0 ok; 1 the planner refused for now (it is starting; try again in a few seconds); 2 the planner "
-    "refused the split (it does not cover the cluster's nodes), a malformed SPLIT or --timeout, no running cluster "
+    "refused the split (it does not cover the cluster's nodes, or only one node is live), a malformed SPLIT or --timeout, no running cluster "
     "or NATS server found, credentials refused or not allowed the subject, or no planner answered"
 )
 """``split set``'s (and ``split``'s) exit statuses, the end of their ``--help`` (and the module docstring's)."""
@@ -132,7 +132,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     for name, help_text in (("get", "print the current split and epoch"), ("set", "adopt a split now, e.g. `split set 4P5D`")):
         q = ss.add_parser(name, help=help_text, epilog=EXIT_STATUSES if name == "set" else GET_EXIT_STATUSES)
         if name == "set":
-            q.add_argument("split", metavar="SPLIT", help="xPyD (x prefill + y decode nodes = all nodes) or 'collocated'")
+            q.add_argument(
+                "split", metavar="SPLIT",
+                help="xPyD (x prefill + y decode nodes = all nodes) or 'collocated'. The first x nodes serve prefill, "
+                "live nodes first: a node with no node.state for more than the planner's --silent-after-s (3 s), or "
+                "never heard, is placed after the live ones, and with x or fewer live nodes the last live one serves "
+                "decode; with one live node left an xPyD is refused (exit 2) naming the silent nodes",
+            )
             q.add_argument("--reason", default="operator", help="reason recorded with the decision")
         q.add_argument(
             "--nats-url",

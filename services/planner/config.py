@@ -47,6 +47,17 @@ class PlannerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fiel
     busy_timeout_s: Annotated[
         float, Meta(gt=0, description="simulated seconds a node may take to confirm a phase switch before it stops blocking planning")
     ] = 900.0
+    silent_after_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="wall seconds without a node.state after which the planner counts a node as silent (as the "
+            "router's --fence-after-s, which fences it then); one that never reported is silent too. An operator's "
+            "split set lays its phases over the live nodes first (the first x live nodes prefill; with x or fewer "
+            "live, the last live node decode), so no phase is left only on dead nodes, and refuses an xPyD when one "
+            "node alone is live",
+        ),
+    ] = 3.0
     adopt_grace_s: Annotated[
         float,
         Meta(

@@ -39,7 +39,7 @@ from shared.messages import (
     SplitCommand,
     TokenChunk,
 )
-from shared.split import split_name, split_phases
+from shared.split import SplitError, parse_split, split_name, split_phases
 from shared.subjects import check_token
 from shared.validate import MAX_EPOCH_STEP, split_problem
 from services.planner.online import OnlineModels
@@ -117,6 +117,11 @@ class PlannerCore:
             :meth:`tick` returns the split the nodes serve under the epoch they hold
             (:meth:`_take_cluster`), or — no node holds a split (a fresh cluster) — the
             configured ``split`` at epoch 1. None: the configured split is current at once.
+        silent_after: a node whose last ``node.state`` is older than this (s, the clock of ``now``),
+            or that never sent one, is *silent*: an operator's :meth:`set_split` lays its phases over
+            the live nodes first (:meth:`_place`). None: no liveness, splits go by position.
+        wall_per_s: wall seconds per second of ``now`` (``1 / speedup``), for the silences a
+            refusal names (in wall s, as ``--silent-after-s``).
 
     Raises:
         ValueError / SplitError: on an invalid node id or a split that does not fit the nodes.
@@ -132,6 +137,8 @@ class PlannerCore:
         busy_timeout_s: float = 900.0,
         online: OnlineModels | None = None,
         adopt_until: float | None = None,
+        silent_after: float | None = None,
+        wall_per_s: float = 1.0,
     ) -> None:
         if not nodes:
             raise ValueError("the planner needs at least one node")
@@ -160,6 +167,10 @@ class PlannerCore:
         """Split commands seen on the bus that this planner did not issue."""
         self.adopt_until = adopt_until
         """Simulated s until which a (re)started core observes before it announces (None: not adopting)."""
+        self.silent_after = silent_after
+        self.wall_per_s = wall_per_s
+        self.heard: dict[str, float] = {}
+        """node → when (``now``) its latest ``node.state`` arrived: who is live (:meth:`_place`)."""
         self.reports: dict[str, tuple[int, Phase, bool]] = {}
         """node → (epoch, phase, accepting) of its latest ``node.state``: what the cluster serves."""
         self.adoptions = 0
@@ -220,6 +231,7 @@ class PlannerCore:
         else:
             self.draining.discard(node)
         self.reports[node] = (state.epoch, state.phase, state.accepting)
+        self.heard[node] = now
         if self.adopt_until is None:
             if node in self._unsure and state.accepting:
                 self._unsure.discard(node)
@@ -330,10 +342,13 @@ class PlannerCore:
 
     def set_split(self, spec: str, now: float, reason: str = "operator") -> SplitCommand:
         """Adopt a new split spec under a new epoch and return its command (the operator's
-        ``split set``); the decision is recorded like any other.
+        ``split set``); the decision is recorded like any other. The phases go by position
+        (the first ``x`` nodes prefill) over the live nodes first (:meth:`_place`): a silent
+        node (no ``node.state`` within ``silent_after``) gets no phase a live node could take.
 
         Raises:
-            SplitError: if the spec does not fit the node list.
+            SplitError: if the spec does not fit the node list, or a phase could only go to
+                silent nodes (one live node left for an ``xPyD``): the reason names them.
             ValueError: while adopting (the split the nodes serve is not known yet: a split
                 set now would be issued below their epoch, and ignored).
         """
@@ -343,8 +358,8 @@ class PlannerCore:
                 "or every node has reported); try again in a few seconds"
             )
         before = dict(self.command.phases)
-        phases: dict[str, Phase] = split_phases(spec, self.nodes)
-        cmd = self._adopt(phases, now, reason)
+        phases, placed = self._place(spec, now)
+        cmd = self._adopt(phases, now, f"{reason} ({placed})" if placed else reason)
         self._decisions.append(
             PlannerDecision(
                 seq=0,
@@ -354,10 +369,52 @@ class PlannerCore:
                 split_before=split_name(before),
                 split_after=split_name(phases),
                 epoch=cmd.epoch,
-                reason=reason,
+                reason=cmd.reason,
             )
         )
         return cmd
+
+    def _place(self, spec: str, now: float) -> tuple[dict[str, Phase], str]:
+        """The phases of ``spec`` for :meth:`set_split`, and a note when silence moved any. O(N).
+
+        A node is live when its latest ``node.state`` is at most ``silent_after`` old at ``now``.
+        ``split_phases`` is applied to the node list with the live nodes first, each group in
+        cluster order (so the first ``x`` live nodes take prefill); when only ``x`` or fewer
+        nodes are live, the last live node goes last (decode), so each phase has a live node.
+        With every node live, none live (nothing is known: a planner that has heard no state,
+        a stalled bus), ``silent_after`` None or ``collocated``, the phases are the positional
+        ones, as before. Deterministic: the same states and ``now`` give the same phases.
+
+        Raises:
+            SplitError: as ``split_phases``; or one node live for an ``xPyD``: a phase would
+                have only silent nodes (named, with their silence in wall s).
+        """
+        phases = split_phases(spec, self.nodes)
+        if self.silent_after is None:
+            return phases, ""
+        heard = self.heard
+        live = [n for n in self.nodes if n in heard and now - heard[n] <= self.silent_after]
+        if not live or len(live) == len(self.nodes):
+            return phases, ""
+        pd = parse_split(spec, len(self.nodes))
+        if pd is None:
+            return phases, ""
+        silent = [n for n in self.nodes if n not in live]
+        said = ", ".join(
+            f"{n} never reported" if n not in heard else f"{n} silent {(now - heard[n]) * self.wall_per_s:.1f} s" for n in silent
+        )
+        if len(live) == 1:
+            raise SplitError(
+                f"split {spec!r} would leave decode only on silent nodes "
+                f"(no node.state for more than {self.silent_after * self.wall_per_s:g} s): {said}; only {live[0]} is live. "
+                "Start them again, or wait until they report"
+            )
+        order = [*live, *silent] if len(live) > pd[0] else [*live[:-1], *silent, live[-1]]
+        by_order = split_phases(spec, order)
+        placed = {n: by_order[n] for n in self.nodes}
+        if placed == phases:
+            return phases, ""
+        return placed, f"laid over the live nodes first: {said}"
 
     def on_foreign_command(self, cmd: SplitCommand, now: float, max_step: int) -> SplitCommand | None:
         """A split command on the bus that is not this planner's current one.

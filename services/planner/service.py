@@ -88,7 +88,7 @@ class PlannerService(WatchedService):
         adopt_until = clock.now() + cfg.adopt_grace_s * clock.speedup if cfg.adopt_grace_s > 0 else None
         self.core = PlannerCore(
             cfg.nodes, cfg.split, history=cfg.history, policy=policy, busy_timeout_s=cfg.busy_timeout_s, online=online,
-            adopt_until=adopt_until,
+            adopt_until=adopt_until, silent_after=cfg.silent_after_s * clock.speedup, wall_per_s=clock.to_wall(1.0),
         )
         self.log = structlog.get_logger("planner").bind(policy=cfg.planner)
         self.applied: dict[str, m.SplitApplied] = {}

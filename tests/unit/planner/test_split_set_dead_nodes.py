@@ -1,0 +1,88 @@
+"""An operator's ``split set`` lays its phases over the live nodes first (``PlannerCore._place``).
+
+Before, ``set_split`` went by position whatever the nodes' liveness: faultkit 2P2D, ``worker-w0``
+SIGKILLed with no restart, then ``split set 1P3D`` made the dead w0 the only prefill node and
+drained w1 to decode: 66 of 80 requests got a 503 "no live prefill node".
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.planner.core import PlannerCore
+from shared import messages as m
+from shared.messages import NodeState
+from shared.split import SplitError
+
+NODES = ["w0", "w1", "w2", "w3"]
+
+
+def _core(last: dict[str, float], silent_after: float | None = 3.0) -> PlannerCore:
+    """A 2P2D core whose nodes last reported at ``last`` (s; a node not in it never reported)."""
+    core = PlannerCore(NODES, "2P2D", silent_after=silent_after)
+    phases = dict(core.command.phases)
+    for node, t in sorted(last.items(), key=lambda kv: kv[1]):
+        core.on_node_state(NodeState(node=node, phase=phases[node], epoch=1), t)
+    return core
+
+
+def test_a_split_set_after_a_node_died_gives_prefill_to_a_live_node() -> None:
+    core = _core({"w0": 1.0, "w1": 5.0, "w2": 5.0, "w3": 5.0})  # w0 silent 4.2 s > 3 s at t=5.2
+    cmd = core.set_split("1P3D", 5.2)
+    assert dict(cmd.phases) == {"w0": "decode", "w1": "prefill", "w2": "decode", "w3": "decode"}
+    assert list(cmd.phases) == NODES  # cluster order kept (assign_min_change takes nodes in that order)
+    assert cmd.reason == "operator (laid over the live nodes first: w0 silent 4.2 s)"
+    assert core.take_decisions()[-1].reason == cmd.reason
+
+
+def test_with_x_or_fewer_live_nodes_the_last_live_one_serves_decode() -> None:
+    core = _core({"w0": 5.0, "w1": 5.0, "w2": 5.0})  # w3 never reported
+    cmd = core.set_split("3P1D", 5.2)
+    assert dict(cmd.phases) == {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "prefill"}
+    assert "w3 never reported" in cmd.reason
+
+
+def test_positions_stand_when_every_node_or_none_is_live() -> None:
+    positional = {"w0": "prefill", "w1": "decode", "w2": "decode", "w3": "decode"}
+    assert dict(_core({n: 5.0 for n in NODES}).set_split("1P3D", 5.2).phases) == positional
+    assert dict(_core({n: 1.0 for n in NODES}).set_split("1P3D", 5.2).phases) == positional  # nothing known
+    assert dict(_core({}).set_split("1P3D", 5.2).phases) == positional
+    assert dict(_core({"w0": 1.0, "w1": 5.0}, silent_after=None).set_split("1P3D", 5.2).phases) == positional
+    cmd = _core({"w0": 5.0, "w1": 5.0, "w2": 5.0}).set_split("1P3D", 5.2)  # w3 silent, already decode
+    assert dict(cmd.phases) == positional and cmd.reason == "operator"
+
+
+def test_one_live_node_left_refuses_an_xpyd_naming_the_silent_nodes() -> None:
+    core = _core({"w0": 1.0, "w1": 5.0, "w2": 2.0})
+    with pytest.raises(SplitError) as e:
+        core.set_split("2P2D", 5.2)
+    assert str(e.value).startswith(
+        "split '2P2D' would leave decode only on silent nodes (no node.state for more than 3 s): "
+        "w0 silent 4.2 s, w2 silent 3.2 s, w3 never reported; only w1 is live"
+    )
+    assert core.command.epoch == 1  # nothing issued
+    assert set(core.set_split("collocated", 5.2).phases.values()) == {"both"}
+
+
+def test_the_refusal_is_the_splits_not_a_retry() -> None:
+    """The service's reply: refused without ``retry`` (``split set`` exits 2)."""
+    from services.planner.service import PlannerService
+    from types import SimpleNamespace
+
+    core = _core({"w1": 5.0})
+    svc = SimpleNamespace(core=core, clock=SimpleNamespace(now=lambda: 5.2), counters={"split.set.refused": 0},
+                          log=SimpleNamespace(warning=lambda *a, **k: None))
+    reply = asyncio.run(PlannerService._on_set(svc, m.SplitSetRequest(split="1P3D"), "split.set"))  # type: ignore[arg-type]
+    assert (reply.ok, reply.retry) == (False, False) and "only w1 is live" in (reply.error or "")
+
+
+def test_split_set_help_says_live_nodes_go_first(capsys: pytest.CaptureFixture[str]) -> None:
+    from evolving_infra.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser("split").parse_args(["split", "set", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "live nodes first" in text and "with one live node left an xPyD is refused (exit 2)" in text
+    assert "or only one node is live" in text
