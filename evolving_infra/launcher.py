@@ -95,7 +95,8 @@ def _add_cluster_args(
         "--engine",
         choices=("sim", "torch"),
         default="sim",
-        help="worker engine: sim (profile-timed simulated GPU) or torch (a real model from --model DIR; the torch extra)",
+        help="worker engine: sim (profile-timed simulated GPU; the default) or torch (a real model from --model DIR; "
+        "the torch extra)",
     )
     g.add_argument(
         "--model",
