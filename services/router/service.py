@@ -12,8 +12,9 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 ``GET /v1/models``                     the served model (with vLLM's ``max_model_len``)
 ``GET /version``                       vLLM's: the package version
 ``POST /tokenize``, ``/detokenize``    vLLM's: the router's tokenizer and chat formatting
-``GET /healthz``, ``GET /health``      200 when the fence loop and HTTP server run, NATS is connected and a
-                                       placement is possible, else 503 ("router stopping" during a stop)
+``GET /healthz``, ``GET /health``      readiness: 200 when the fence loop and HTTP server run, NATS is connected,
+                                       answers the router's PINGs and has settled, and a placement is possible,
+                                       else 503 with the reason ("router stopping" during a stop)
 ``GET /ping``, ``POST /ping``          the same answer (vLLM's: the SageMaker-style health check, GET or POST)
 ``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts, the clock's speedup
 ``GET /metrics``                       Prometheus text format (``services/router/prom.py`` lists the metrics)
@@ -643,6 +644,8 @@ class RouterService(WatchedService):
         """``time.monotonic()`` when a PONG came back after a stall, or when this process ran again after it did
         not run for ``fence_after_s`` (SIGSTOP, a paused VM: :meth:`_fence_loop`): the bus settles from then, as
         after a reconnect."""
+        self._resumed_why = ""
+        """What :attr:`_resumed_at` follows, for the not-ready reason (:meth:`_bus_unsettled`)."""
         self._fence_round_at: float | None = None
         """``time.monotonic()`` of the fence loop's last round."""
         self._bus_stall_s = cfg.fence_after_s / 3
@@ -774,16 +777,24 @@ class RouterService(WatchedService):
         self.log.info("router stopped")
 
     def ready(self) -> bool:
-        """HTTP up, NATS connected, a placement possible, and the tasks the router needs (fence
-        loop, HTTP server) running: a router whose fence loop died would leave dead nodes'
-        requests waiting ``request_timeout_s``."""
-        return (
-            self._server is not None
-            and self._server.started
-            and self._bg.healthy()
-            and self.bus.nc.is_connected
-            and self.core.view.routable(self.clock.now())[0]
-        )
+        """HTTP up and :meth:`_not_ready` None: the tasks the router needs (fence loop, HTTP server)
+        running (a router whose fence loop died would leave dead nodes' requests waiting
+        ``request_timeout_s``), NATS connected, answering PINGs and settled, a placement possible."""
+        return self._server is not None and self._server.started and self._not_ready() is None
+
+    def _not_ready(self) -> str | None:
+        """Why the router is not ready (``/healthz``'s 503 reason), or None: a task it needs ended; NATS
+        down, stalled or settling (:meth:`_bus_unsettled`: node states are silent or may be stale, and
+        no node is fenced meanwhile, so "a placement is possible" says nothing yet); no placement possible.
+        Before, only nats-py's "connected" counted: a hung nats-server (SIGSTOP) keeps the TCP connection up,
+        and ``/healthz`` answered 200 through the hang while requests waited ``bus_outage_wait_s``."""
+        if not self._bg.healthy():
+            return f"router failing: task(s) ended: {', '.join(self._bg.dead()) or repr(self._bg.fatal_error)}"
+        unsettled = self._bus_unsettled()
+        if unsettled is not None:
+            return unsettled[0]
+        ok, reason = self.core.view.routable(self.clock.now())
+        return None if ok else reason
 
     def stats(self) -> tuple[dict[str, int], dict[str, float]]:
         """Counters (requests by status, routed per node, lookups failed, fences, aborts, ...) and gauges."""
@@ -1303,10 +1314,22 @@ class RouterService(WatchedService):
         or reconnected or answering again, or this process running again after a freeze (:meth:`_fence_loop`),
         less than ``fence_after_s`` + 1 s ago: node states are silent or unread because of the bus or this
         process, not because the nodes died."""
-        if not self.bus.nc.is_connected or self._bus_stalled_at is not None:
-            return True
-        t = max(self.bus.reconnected_at or -math.inf, self._resumed_at or -math.inf)
-        return time.monotonic() - t < self.cfg.fence_after_s + 1.0
+        return self._bus_unsettled() is not None
+
+    def _bus_unsettled(self) -> tuple[str, float] | None:
+        """None when the bus has settled (:meth:`_bus_settling` False), else (why, for ``/healthz``; wall s
+        until it settles at the soonest: ``inf`` while NATS is down or stalled, since the end is unknown)."""
+        if not self.bus.nc.is_connected:
+            return "not connected to NATS", math.inf
+        now = time.monotonic()
+        if self._bus_stalled_at is not None:
+            return f"NATS does not answer a PING (for {now - self._bus_stalled_at:.1f} s): node states cannot come", math.inf
+        rec, res = self.bus.reconnected_at or -math.inf, self._resumed_at or -math.inf
+        left = max(rec, res) + self.cfg.fence_after_s + 1.0 - now
+        if left <= 0:
+            return None
+        why = "NATS reconnected" if rec >= res else self._resumed_why
+        return f"settling after {why}: node states may be stale for {left:.1f} s more (no node is fenced until then)", left
 
     async def _bus_probe_loop(self) -> None:
         """PING the NATS server every ``_bus_stall_s / 2`` wall s; a PING without its PONG for
@@ -1346,7 +1369,7 @@ class RouterService(WatchedService):
                 self.log.warning("NATS answers again; fencing resumes once node states have had time to come back",
                                  stalled_s=round(time.monotonic() - self._bus_stalled_at, 3), settle_s=self.cfg.fence_after_s + 1.0)  # fmt: skip
                 self._bus_stalled_at = None
-                self._resumed_at = time.monotonic()
+                self._resumed_at, self._resumed_why = time.monotonic(), "NATS answered a PING again after a stall"
             if self.bus.reconnected_at != conn:
                 self._bus_stalled_at = None  # a reconnect settles the bus itself (reconnected_at)
             await asyncio.sleep(max(0.0, sent + interval - time.monotonic()))
@@ -1372,7 +1395,7 @@ class RouterService(WatchedService):
                 self.counters["fence.router_stalls"] += 1
                 self.log.warning("the router did not run for longer than the fence time; node states settle before fencing",
                                  stalled_s=round(mono - self._fence_round_at, 3), settle_s=self.cfg.fence_after_s + 1.0)  # fmt: skip
-                self._resumed_at = mono
+                self._resumed_at, self._resumed_why = mono, "the router did not run for longer than the fence time"
             self._fence_round_at = mono
             if self._bus_settling():
                 self.counters["fence_checks_skipped_bus_down"] += 1
@@ -1901,12 +1924,8 @@ class RouterService(WatchedService):
         task(s) ended" for the up to 5 s uvicorn drains open connections."""
         if self._stopping:
             return self._error(503, "router stopping")
-        if not self._bg.healthy():
-            return self._error(503, f"router failing: task(s) ended: {', '.join(self._bg.dead()) or repr(self._bg.fatal_error)}")
-        if not self.bus.nc.is_connected:
-            return self._error(503, "not connected to NATS")
-        ok, reason = self.core.view.routable(self.clock.now())
-        if not ok:
+        reason = self._not_ready()
+        if reason is not None:
             return self._error(503, reason)
         return self._json({"status": "ok"})
 

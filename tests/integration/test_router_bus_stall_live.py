@@ -1,0 +1,57 @@
+"""A hung nats-server (SIGSTOP: the TCP connection stays up, nats-py calls it connected) seen from the router's
+readiness and its fence loop (real nats-server, the router's service; nodes played by ``FakeCluster`` of
+``test_router_live``, whose own bus hangs with the server)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from tests.integration.test_router_live import FENCE_S, router_env
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_a_hung_nats_server_makes_the_router_not_ready_until_it_settled(nats_server, tmp_path):
+    """nats-server is stopped ``FENCE_S`` + 1 s (the router's PING finds it silent within ``FENCE_S`` / 2; every
+    node's state is due for fencing from ``FENCE_S`` on), then goes on. ``/healthz`` (readiness) is 503 naming
+    the unanswered PING through the hang, then 503 "settling" until node states have had ``FENCE_S`` + 1 s to
+    come back, then 200. Before, it answered 200 throughout (only nats-py's "connected" counted)."""
+    async with router_env(nats_server.url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        svc, loop = env.service, asyncio.get_running_loop()
+        assert (await env.http.get("/healthz")).status_code == 200 and svc.ready()
+        hang, after = [], []
+        os.kill(nats_server.pid, signal.SIGSTOP)
+        try:
+            t0 = loop.time()
+            while loop.time() - t0 < FENCE_S + 1.0:
+                r = await env.http.get("/healthz")
+                hang.append((round(loop.time() - t0, 2), r.status_code, r.json().get("error", {}).get("message", "")))
+                await asyncio.sleep(0.1)
+            ready_in_hang = svc.ready()
+        finally:
+            os.kill(nats_server.pid, signal.SIGCONT)
+        t1 = loop.time()
+        while loop.time() - t1 < FENCE_S + 4.0:
+            r = await env.http.get("/healthz")
+            after.append((round(loop.time() - t1, 2), r.status_code, r.json().get("error", {}).get("message", "")))
+            if r.status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        ready_after = svc.ready()
+        st = await env.stats()
+    c = st.counters
+    assert c["bus.stalls"] == 1 and c.get("fenced", 0) == 0, c
+    # the stall is seen within FENCE_S / 2 of the last PONG: the hang's second half is all 503 naming the PING
+    late = [a for a in hang if a[0] >= FENCE_S / 2 + 0.3]
+    assert late and not ready_in_hang, hang
+    assert all(s == 503 and "NATS does not answer a PING" in text for _, s, text in late), hang
+    # after: "settling" until FENCE_S + 1 s after the PONG, then ready
+    assert after[-1][1] == 200, after
+    assert all(s == 503 and ("settling after NATS answered a PING again" in text or "NATS does not answer a PING" in text)
+               for _, s, text in after[:-1]), after  # fmt: skip
+    assert any("settling after NATS answered a PING again after a stall: node states may be stale" in text for _, _, text in after), after
+    assert FENCE_S + 1.0 - 0.3 <= after[-1][0] <= FENCE_S + 1.0 + 1.0 and ready_after, after
