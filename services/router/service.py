@@ -648,6 +648,9 @@ class RouterService(WatchedService):
         """What :attr:`_resumed_at` follows, for the not-ready reason (:meth:`_bus_unsettled`)."""
         self._fence_round_at: float | None = None
         """``time.monotonic()`` of the fence loop's last round."""
+        self._fence_wait_max_s = min(0.5, cfg.fence_after_s / 2)
+        """The fence loop's longest sleep (wall s): below ``fence_after_s``, so that a round later than that by
+        more tells a freeze of this process (:meth:`_fence_loop`), not a long sleep."""
         self._bus_stall_s = cfg.fence_after_s / 3
         """Wall seconds a PING may wait for its PONG before the bus counts as stalled; with a PING every half of it,
         a stall is seen within ``fence_after_s / 2``, before a node silent because of it is due for fencing."""
@@ -1377,7 +1380,9 @@ class RouterService(WatchedService):
     async def _fence_loop(self) -> None:
         """Fence nodes whose state went silent (not while the bus itself is settling after an
         outage), fail parked requests past ``requeue_wait_s``, drop other routers' requests past
-        ``request_timeout_s``; wake at the core's next deadline (at most every 0.5 s).
+        ``request_timeout_s``; wake at the core's next deadline (at most every 0.5 s, or ``fence_after_s`` / 2 if
+        less), or, while the bus is down, stalled or settling, when it settles (at most every 0.5 s: before, a
+        fence already due woke it every 0.01 s then).
 
         One request whose re-dispatch fails is failed alone (:meth:`_fence`). Any other exception
         ends the task, and the router with it (exit 1: ``BackgroundTasks``, the supervisor restarts
@@ -1389,7 +1394,7 @@ class RouterService(WatchedService):
             now = self.clock.now()
             mono = time.monotonic()
             if self._fence_round_at is not None and mono - self._fence_round_at > self.cfg.fence_after_s:
-                # the loop sleeps at most 0.5 s: this process did not run (SIGSTOP, a paused VM, a blocked loop),
+                # the loop sleeps at most fence_after_s / 2: this process did not run (SIGSTOP, a paused VM, a blocked loop),
                 # and the node states sent meanwhile are still unread. Before, its first round fenced every node
                 # (8-s SIGSTOP of the router: 3 fences, 2 requests re-dispatched)
                 self.counters["fence.router_stalls"] += 1
@@ -1409,8 +1414,15 @@ class RouterService(WatchedService):
             for rid in self._remote.expired(time.monotonic(), self.cfg.request_timeout_s):
                 self.core.finish(rid, now)  # its owner went away without its end reaching the bus
                 self.counters["remote.expired"] += 1
-            deadline = self.core.next_deadline()  # on the core's state clock (clock.local_now)
-            wait = 0.5 if deadline is None else min(0.5, max(0.01, self.clock.to_wall(deadline - self.clock.local_now()) + 0.005))
+            cap = self._fence_wait_max_s
+            unsettled = self._bus_unsettled()
+            if unsettled is not None:
+                # no fence check runs before the bus settles; a fence already due (every node silent through the
+                # outage) woke the loop every 0.01 s before: ~100 rounds a second while NATS was down or settling
+                wait = min(cap, max(0.01, unsettled[1] + 0.005))
+            else:
+                deadline = self.core.next_deadline()  # on the core's state clock (clock.local_now)
+                wait = cap if deadline is None else min(cap, max(0.01, self.clock.to_wall(deadline - self.clock.local_now()) + 0.005))
             await asyncio.sleep(wait)
 
     def _forgotten(self, node: str) -> None:
