@@ -68,6 +68,10 @@ async def _replay(args: argparse.Namespace) -> int:
         print(f"error: {unreachable}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get("EI_API_KEY") or None
+    refused = await router_refuses_key(args.router_url, api_key)
+    if refused:  # every request would be a 401, each agent waiting its pauses (12 of 12 in 105 s wall)
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     served = await router_speedup(args.router_url, api_key)
     if served is not None and args.speedup_from == "default":  # a compose or Slurm stack: no state file to read it from
         args.speedup = served
@@ -240,6 +244,35 @@ async def router_unreachable(router_url: str, timeout_s: float = 5.0) -> str | N
         return (f"no router answers at {router_url} ({type(e).__name__}: {e or 'no answer'}); start a cluster with "
                 "`evolving-infra up`, or pass the router's --router-url")
     return None
+
+
+async def router_refuses_key(router_url: str, api_key: str | None, timeout_s: float = 5.0,
+                             transport: object = None) -> str | None:
+    """Whether the router refuses this replay's API key (or its lack of one): ``GET /v1/models`` answered 401 or 403
+    (a router run with ``EI_API_KEYS`` / ``--api-keys-file``). No answer, or any other status, is not a refusal.
+
+    Args:
+        router_url: the router's base URL.
+        api_key: sent as a bearer token when set.
+        timeout_s: wall seconds for the answer.
+        transport: an httpx transport (tests).
+
+    Returns:
+        None when not refused, else the reason and what to do, for the user.
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:  # type: ignore[arg-type]
+            reply = await http.get(router_url.rstrip("/") + "/v1/models", headers=headers)
+    except (httpx.HTTPError, httpx.InvalidURL):
+        return None
+    if reply.status_code not in (401, 403):
+        return None
+    what = "refuses the API key given" if api_key else "needs an API key and none was given"
+    return (f"the router at {router_url} {what} (GET /v1/models: HTTP {reply.status_code}); pass --api-key KEY or set "
+            "EI_API_KEY to one of the router's keys (its EI_API_KEYS / --api-keys-file)")
 
 
 async def _router_json(router_url: str, path: str, api_key: str | None, timeout_s: float, transport: object) -> Any:

@@ -89,3 +89,38 @@ def test_two_canonical_traces_are_a_usage_error_not_a_run_of_the_first(monkeypat
     err = capsys.readouterr().err
     assert "2 canonical traces given" in err and "replay takes one" in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_router_that_refuses_the_key_is_named_before_any_request(monkeypatch, tmp_path, capsys):
+    """`up --api-keys-file` and a replay with no key: 12 of 12 requests were 401 over 105 s wall (each agent waited its
+    recorded pauses, at speedup 1: the router's /v1/cluster, which said its speedup, also wanted the key)."""
+    from evolving_infra.replay.cli import router_refuses_key
+
+    def keyed(request: httpx.Request) -> httpx.Response:
+        ok = request.headers.get("authorization") == "Bearer k1"
+        return httpx.Response(200 if ok else 401, json={"data": [{"id": "evolving-infra-sim"}]} if ok else {"error": {}})
+
+    t = httpx.MockTransport(keyed)
+    assert asyncio.run(router_refuses_key("http://r", "k1", transport=t)) is None
+    assert "needs an API key and none was given" in asyncio.run(router_refuses_key("http://r", None, transport=t))
+    assert "refuses the API key given" in asyncio.run(router_refuses_key("http://r", "k2", transport=t))
+    assert asyncio.run(router_refuses_key("http://r", None, transport=_answer({}, 404))) is None
+
+    async def nothing(*a: object, **k: object) -> None:
+        return None
+
+    async def refused(*a: object, **k: object) -> str:
+        return "the router at http://127.0.0.1:9 needs an API key and none was given (GET /v1/models: HTTP 401)"
+
+    def replayer(*a: object, **k: object) -> None:
+        raise _Sent
+
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("EI_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(replay_cli, "router_unreachable", nothing)
+    monkeypatch.setattr(replay_cli, "router_refuses_key", refused, raising=False)
+    monkeypatch.setattr(live, "LiveReplayer", replayer)
+    assert top_main(["replay", str(SAMPLE), "--sessions", "1", "--router-url", "http://127.0.0.1:9", "--out", "r"]) == 2
+    assert "needs an API key" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
