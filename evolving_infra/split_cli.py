@@ -125,7 +125,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="get | set: show or set the PD split of the running cluster (operator override of the planner)",
         description="Ask the planner of a live cluster for its split (get) or to adopt one now (set). The planner checks "
         "the split against its nodes and publishes it under a new epoch; its policy then plans from that split "
-        "(the evolving planner restarts its cooldown).",
+        "(the evolving planner restarts its cooldown). A phase the split leaves on nodes that stop reporting "
+        "(dead) is swapped with a live node of the other phase by the planner (services/planner/README.md).",
         epilog=EXIT_STATUSES,
     )
     ss = p.add_subparsers(dest="split_command", metavar="ACTION", required=True)

@@ -55,7 +55,8 @@ class PlannerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fiel
             "router's --fence-after-s, which fences it then); one that never reported is silent too. An operator's "
             "split set lays its phases over the live nodes first (the first x live nodes prefill; with x or fewer "
             "live, the last live node decode), so no phase is left only on dead nodes, and refuses an xPyD when one "
-            "node alone is live",
+            "node alone is live; a phase of the current split left on nodes that all reported and are all silent "
+            "swaps its first node with a live node of the other phase (when that phase has two or more)",
         ),
     ] = 3.0
     adopt_grace_s: Annotated[

@@ -8,7 +8,9 @@ s), and publishes what they return or what the outboxes hold:
   feed the policy (``policy.py``: ``static``, ``evolving``, ``dynamo``, ``arrow``);
 * ``tick(now)`` at ``next_tick()`` → a new :class:`SplitCommand` (new epoch) when
   the policy changes the phases;
-* ``set_split`` is the operator's override (``split.set``);
+* ``set_split`` is the operator's override (``split.set``), laid over the live nodes first;
+  a phase left on dead nodes only is swapped with a live node at the next ``tick``
+  (``silent_after``; "Splits and dead nodes" in ``README.md``);
 * adoption (``adopt_until``): a (re)started planner first observes the node states
   and takes over the split the cluster serves (:meth:`PlannerCore.tick` returns it)
   instead of announcing its configured one; see "Restart" in ``README.md``;
@@ -119,7 +121,8 @@ class PlannerCore:
             configured ``split`` at epoch 1. None: the configured split is current at once.
         silent_after: a node whose last ``node.state`` is older than this (s, the clock of ``now``),
             or that never sent one, is *silent*: an operator's :meth:`set_split` lays its phases over
-            the live nodes first (:meth:`_place`). None: no liveness, splits go by position.
+            the live nodes first (:meth:`_place`), and :meth:`tick` swaps a phase left on dead nodes
+            only (:meth:`_rescue`). None: no liveness, splits go by position, nothing is swapped.
         wall_per_s: wall seconds per second of ``now`` (``1 / speedup``), for the silences a
             refusal names (in wall s, as ``--silent-after-s``).
 
@@ -169,8 +172,14 @@ class PlannerCore:
         """Simulated s until which a (re)started core observes before it announces (None: not adopting)."""
         self.silent_after = silent_after
         self.wall_per_s = wall_per_s
+        self._rescue_checked = -float("inf")
+        """``now`` of the last :meth:`_rescue` check (:meth:`_rescue_at` asks for none at or before it)."""
         self.heard: dict[str, float] = {}
         """node → when (``now``) its latest ``node.state`` arrived: who is live (:meth:`_place`)."""
+        self.steady: set[str] = set()
+        """Nodes whose latest state came less than ``silent_after`` after the one before: only these
+        take a dead phase (:meth:`_rescue`). After a stall of the planner's bus every node's first
+        state is a comeback, so the first nodes back cannot take the phase of those a moment behind."""
         self.reports: dict[str, tuple[int, Phase, bool]] = {}
         """node → (epoch, phase, accepting) of its latest ``node.state``: what the cluster serves."""
         self.adoptions = 0
@@ -231,6 +240,12 @@ class PlannerCore:
         else:
             self.draining.discard(node)
         self.reports[node] = (state.epoch, state.phase, state.accepting)
+        prev = self.heard.get(node)
+        if self.silent_after is not None:
+            if prev is not None and now - prev < self.silent_after:
+                self.steady.add(node)
+            else:
+                self.steady.discard(node)
         self.heard[node] = now
         if self.adopt_until is None:
             if node in self._unsure and state.accepting:
@@ -308,7 +323,9 @@ class PlannerCore:
             return 0.0
         if self.adopt_until is not None:
             return self.adopt_until
-        return self.policy.next_tick()
+        nxt = self.policy.next_tick()
+        due = self._rescue_at()
+        return due if nxt is None or (due is not None and due < nxt) else nxt
 
     def tick(self, now: float) -> SplitCommand | None:
         """Run the policy; a new command (epoch + 1) when it changes the phases. While adopting:
@@ -324,6 +341,9 @@ class PlannerCore:
             cmd = self._take_cluster(now, start=False)
             if cmd is not None:
                 return cmd
+        cmd = self._rescue(now)
+        if cmd is not None:
+            return cmd
         self.ticks += 1
         d = self.policy.tick(now, dict(self.command.phases), frozenset(self.busy(now)))
         cmd = None
@@ -377,7 +397,7 @@ class PlannerCore:
     def _place(self, spec: str, now: float) -> tuple[dict[str, Phase], str]:
         """The phases of ``spec`` for :meth:`set_split`, and a note when silence moved any. O(N).
 
-        A node is live when its latest ``node.state`` is at most ``silent_after`` old at ``now``.
+        A node is live when its latest ``node.state`` is less than ``silent_after`` old at ``now``.
         ``split_phases`` is applied to the node list with the live nodes first, each group in
         cluster order (so the first ``x`` live nodes take prefill); when only ``x`` or fewer
         nodes are live, the last live node goes last (decode), so each phase has a live node.
@@ -393,7 +413,7 @@ class PlannerCore:
         if self.silent_after is None:
             return phases, ""
         heard = self.heard
-        live = [n for n in self.nodes if n in heard and now - heard[n] <= self.silent_after]
+        live = [n for n in self.nodes if n in heard and now - heard[n] < self.silent_after]
         if not live or len(live) == len(self.nodes):
             return phases, ""
         pd = parse_split(spec, len(self.nodes))
@@ -415,6 +435,68 @@ class PlannerCore:
         if placed == phases:
             return phases, ""
         return placed, f"laid over the live nodes first: {said}"
+
+    def _rescue_at(self) -> float | None:
+        """When (``now``) a phase of the current command may be left on silent nodes only, for
+        :meth:`next_tick`: the latest state of its nodes + ``silent_after``, the earliest over the
+        phases whose nodes have all reported; None without liveness, or once that time has been
+        checked (:meth:`_rescue` ran after it: nothing to do then until a node reports again). O(N)."""
+        if self.silent_after is None:
+            return None
+        at: float | None = None
+        for phase in ("prefill", "decode"):
+            nodes = [n for n, ph in self.command.phases.items() if ph == phase]
+            if not nodes or any(n not in self.heard for n in nodes):
+                continue
+            t = max(self.heard[n] for n in nodes) + self.silent_after
+            if t > self._rescue_checked and (at is None or t < at):
+                at = t
+        return at
+
+    def _rescue(self, now: float) -> SplitCommand | None:
+        """A new command when a phase of the current one is left on dead nodes only, else None. O(N).
+
+        Dead: every node of the phase has reported and none within ``silent_after`` (a node that
+        never reported, e.g. at a cold start, does not count: it may only be late). Then its first
+        node (cluster order) swaps phases with a live node of the other phase: the first one for
+        prefill, the last one for decode (as ``assign_min_change`` takes them), if that phase
+        keeps a live node (2 or more live), among the ``steady`` ones (not just back from a silence
+        of their own: a stall of the planner's bus silences every node, and the first ones back must
+        not take the phase of the others). The split (``xPyD``) stays as it was; one live node
+        switches; a ``both`` node serves either phase, so a command with one is left alone.
+        Deterministic: the same states and ``now`` give the same command.
+        """
+        self._rescue_checked = now
+        if self.silent_after is None:
+            return None
+        phases = dict(self.command.phases)
+        if any(ph == "both" for ph in phases.values()):
+            return None
+        heard = self.heard
+
+        def live(n: str) -> bool:
+            return n in heard and now - heard[n] < self.silent_after  # type: ignore[operator]
+
+        for phase, other in (("prefill", "decode"), ("decode", "prefill")):
+            mine = [n for n in self.nodes if phases[n] == phase]
+            if not mine or any(n not in heard or live(n) for n in mine):
+                continue
+            theirs = [n for n in self.nodes if phases[n] == other and live(n)]
+            takers = [n for n in theirs if n in self.steady]
+            if len(theirs) < 2 or not takers:
+                return None
+            dead, taker = mine[0], takers[0] if phase == "prefill" else takers[-1]
+            phases[dead], phases[taker] = other, phase
+            silence = ", ".join(f"{n} silent {(now - heard[n]) * self.wall_per_s:.1f} s" for n in mine)
+            reason = f"{phase} was left on silent nodes only ({silence}): {taker} takes it from {dead}"
+            before = split_name(self.command.phases)
+            cmd = self._adopt(phases, now, reason)
+            self._decisions.append(
+                PlannerDecision(seq=0, ts=now, policy="liveness", action="switch", split_before=before,
+                                split_after=split_name(phases), epoch=cmd.epoch, reason=reason)  # fmt: skip
+            )
+            return cmd
+        return None
 
     def on_foreign_command(self, cmd: SplitCommand, now: float, max_step: int) -> SplitCommand | None:
         """A split command on the bus that is not this planner's current one.

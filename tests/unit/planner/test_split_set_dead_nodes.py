@@ -86,3 +86,68 @@ def test_split_set_help_says_live_nodes_go_first(capsys: pytest.CaptureFixture[s
     text = " ".join(capsys.readouterr().out.split())
     assert "live nodes first" in text and "with one live node left an xPyD is refused (exit 2)" in text
     assert "or only one node is live" in text
+
+
+def _states(core: PlannerCore, t: float, *nodes: str) -> None:
+    for n in nodes:
+        core.on_node_state(NodeState(node=n, phase=core.command.phases[n], epoch=core.command.epoch), t)
+
+
+def test_a_phase_left_on_dead_nodes_only_is_swapped_with_a_live_node() -> None:
+    """The fault walk itself: ``split set 1P3D`` 0.2 s after w0's SIGKILL cannot know w0 is dead
+    (its last state is 0.2 s old), so w0 is the only prefill node; once w0 is silent past
+    ``silent_after`` the planner swaps it with the first live decode node. Before, nothing moved."""
+    core = PlannerCore(NODES, "2P2D", silent_after=3.0)
+    _states(core, 2.0, *NODES)
+    cmd = core.set_split("1P3D", 2.2)
+    assert cmd.phases["w0"] == "prefill" and cmd.reason == "operator"
+    core.take_decisions()
+    _states(core, 4.9, "w1", "w2", "w3")
+    assert core.next_tick() == 5.0  # w0's last state + 3 s
+    assert core.tick(4.99) is None
+    cmd = core.tick(5.0)
+    assert cmd is not None and cmd.epoch == 3
+    assert dict(cmd.phases) == {"w0": "decode", "w1": "prefill", "w2": "decode", "w3": "decode"}
+    assert cmd.reason == "prefill was left on silent nodes only (w0 silent 3.0 s): w1 takes it from w0"
+    (d,) = core.take_decisions()
+    assert (d.policy, d.action, d.split_before, d.split_after, d.epoch) == ("liveness", "switch", "1P3D", "1P3D", 3)
+    assert core.tick(5.5) is None  # w1 serves prefill now
+
+
+def test_decode_left_on_dead_nodes_takes_the_last_live_prefill_node() -> None:
+    core = PlannerCore(NODES, "3P1D", silent_after=3.0)
+    _states(core, 1.0, "w3")
+    _states(core, 2.0, "w0", "w1", "w2")
+    _states(core, 4.5, "w0", "w1", "w2")
+    cmd = core.tick(4.5)
+    assert cmd is not None and dict(cmd.phases) == {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "prefill"}
+
+
+def test_no_swap_for_a_node_never_heard_or_without_a_spare_live_node() -> None:
+    late = PlannerCore(NODES, "1P3D", silent_after=3.0)  # w0 never reported (a cold start): it may be late
+    _states(late, 8.0, "w1", "w2", "w3")
+    _states(late, 9.0, "w1", "w2", "w3")
+    assert late.tick(10.0) is None and late.command.epoch == 1
+    alone = PlannerCore(NODES, "2P2D", silent_after=3.0)  # w0, w1 dead; decode keeps one live node only
+    _states(alone, 1.0, "w0", "w1", "w2")
+    _states(alone, 2.0, "w3")
+    _states(alone, 4.5, "w3")
+    assert alone.next_tick() == 4.0
+    assert alone.tick(4.5) is None and alone.command.epoch == 1
+    assert alone.next_tick() == 7.5  # checked: not 4.0 again (no busy loop); decode's w3 silent at 7.5
+    _states(alone, 5.0, "w2")  # w2 back (after 4 s: not steady): w3, steady, takes prefill
+    cmd = alone.tick(5.0)
+    assert cmd is not None and dict(cmd.phases) == {"w0": "decode", "w1": "prefill", "w2": "decode", "w3": "prefill"}
+
+
+def test_the_first_nodes_back_after_a_stall_of_the_bus_take_no_phase() -> None:
+    """A stall of the planner's bus silences every node; the decode nodes' states arrive first after
+    it: they are comebacks, not steady, so prefill (w0, w1: a moment behind) is not taken from them."""
+    core = PlannerCore(NODES, "2P2D", silent_after=3.0)
+    _states(core, 1.0, *NODES)
+    _states(core, 2.0, *NODES)
+    assert core.tick(5.5) is None  # every node silent: nothing live
+    _states(core, 6.0, "w2", "w3")
+    assert core.tick(6.0) is None and core.command.epoch == 1
+    _states(core, 6.2, "w0", "w1")
+    assert core.tick(6.5) is None and core.command.epoch == 1
