@@ -28,7 +28,7 @@ Served:
   KV directory, planner and workers). It says nothing of NATS or of the cluster;
   readiness to serve requests is the router's ``GET /health`` (or ``/healthz``) on
   its HTTP port: 503 with the reason until NATS is connected and a collocated node,
-  or a prefill and a decode node, are live, and while NATS is down, hung or settling.
+  or a prefill and a decode node, are live, and while NATS is down or hung.
 """
 
 from __future__ import annotations

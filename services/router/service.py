@@ -782,19 +782,24 @@ class RouterService(WatchedService):
     def ready(self) -> bool:
         """HTTP up and :meth:`_not_ready` None: the tasks the router needs (fence loop, HTTP server)
         running (a router whose fence loop died would leave dead nodes' requests waiting
-        ``request_timeout_s``), NATS connected, answering PINGs and settled, a placement possible."""
+        ``request_timeout_s``), NATS connected and answering PINGs, a placement possible."""
         return self._server is not None and self._server.started and self._not_ready() is None
 
     def _not_ready(self) -> str | None:
         """Why the router is not ready (``/healthz``'s 503 reason), or None: a task it needs ended; NATS
-        down, stalled or settling (:meth:`_bus_unsettled`: node states are silent or may be stale, and
-        no node is fenced meanwhile, so "a placement is possible" says nothing yet); no placement possible.
-        Before, only nats-py's "connected" counted: a hung nats-server (SIGSTOP) keeps the TCP connection up,
-        and ``/healthz`` answered 200 through the hang while requests waited ``bus_outage_wait_s``."""
+        down or stalled (:meth:`_bus_unsettled` with no known end: no node state can come and no request
+        can be dispatched); no placement possible. Before, only nats-py's "connected" counted: a hung
+        nats-server (SIGSTOP) keeps the TCP connection up, and ``/healthz`` answered 200 through the hang
+        while requests waited ``bus_outage_wait_s``.
+
+        Settling after NATS answers again (``--fence-after-s`` + 1 s, no node fenced meanwhile) is ready
+        when a placement is possible on the nodes as last heard: requests are dispatched then, and every
+        router of a cluster settles at the same moment after a NATS restart, so a 503 there would take
+        them all out of a load balancer for 4 s (by default) while they could serve."""
         if not self._bg.healthy():
             return f"router failing: task(s) ended: {', '.join(self._bg.dead()) or repr(self._bg.fatal_error)}"
         unsettled = self._bus_unsettled()
-        if unsettled is not None:
+        if unsettled is not None and unsettled[1] == math.inf:
             return unsettled[0]
         ok, reason = self.core.view.routable(self.clock.now())
         return None if ok else reason

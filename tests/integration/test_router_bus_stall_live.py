@@ -18,8 +18,11 @@ pytestmark = pytest.mark.timeout(60)
 async def test_a_hung_nats_server_makes_the_router_not_ready_until_it_settled_and_the_fence_loop_does_not_spin(nats_server, tmp_path):
     """nats-server is stopped ``FENCE_S`` + 1 s (the router's PING finds it silent within ``FENCE_S`` / 2; every
     node's state is due for fencing from ``FENCE_S`` on), then goes on. ``/healthz`` (readiness) is 503 naming
-    the unanswered PING through the hang, then 503 "settling" until node states have had ``FENCE_S`` + 1 s to
-    come back, then 200. Before, it answered 200 throughout (only nats-py's "connected" counted).
+    the unanswered PING through the hang, then 200 as soon as the PING is answered: while the bus settles
+    (``FENCE_S`` + 1 s, no node fenced) the router dispatches on the nodes as last heard, so it is ready
+    (every router of a cluster settles at once after a NATS restart: a 503 then would empty a load
+    balancer's pool while they could serve). Before, it answered 200 throughout the hang (only nats-py's
+    "connected" counted); with 4c98255 it stayed 503 "settling" for ``FENCE_S`` + 1 s after it.
 
     The fence loop, which checks nothing while the bus is stalled or settling, wakes at most every 0.5 s
     then, or when the bus settles: 9 rounds (measured). Before, a fence already due made it sleep its 0.01-s
@@ -55,9 +58,7 @@ async def test_a_hung_nats_server_makes_the_router_not_ready_until_it_settled_an
     late = [a for a in hang if a[0] >= FENCE_S / 2 + 0.3]
     assert late and not ready_in_hang, hang
     assert all(s == 503 and "NATS does not answer a PING" in text for _, s, text in late), hang
-    # after: "settling" until FENCE_S + 1 s after the PONG, then ready
+    # after: ready once the PING is answered (within FENCE_S / 2 + a poll), not after the settle
     assert after[-1][1] == 200, after
-    assert all(s == 503 and ("settling after NATS answered a PING again" in text or "NATS does not answer a PING" in text)
-               for _, s, text in after[:-1]), after  # fmt: skip
-    assert any("settling after NATS answered a PING again after a stall: node states may be stale" in text for _, _, text in after), after
-    assert FENCE_S + 1.0 - 0.3 <= after[-1][0] <= FENCE_S + 1.0 + 1.0 and ready_after, after
+    assert all(s == 503 and "NATS does not answer a PING" in text for _, s, text in after[:-1]), after
+    assert after[-1][0] <= FENCE_S / 2 + 0.5 and ready_after, after
