@@ -180,6 +180,12 @@ class PlannerCore:
         """Nodes whose latest state came less than ``silent_after`` after the one before: only these
         take a dead phase (:meth:`_rescue`). After a stall of the planner's bus every node's first
         state is a comeback, so the first nodes back cannot take the phase of those a moment behind."""
+        self.since: dict[str, float] = {}
+        """node → when (``now``) its current run of states began (its first, or its first after a silence
+        of ``silent_after`` or more): a taker's run must have begun before the dead phase went silent
+        (:meth:`_rescue`), or a node back first after a stall longer than ``silent_after`` (of the bus,
+        or of the planner's loop: its backlog is read at one ``now``) and steady by its second state
+        would take the phase of nodes a moment behind."""
         self.reports: dict[str, tuple[int, Phase, bool]] = {}
         """node → (epoch, phase, accepting) of its latest ``node.state``: what the cluster serves."""
         self.adoptions = 0
@@ -246,6 +252,7 @@ class PlannerCore:
                 self.steady.add(node)
             else:
                 self.steady.discard(node)
+                self.since[node] = now
         self.heard[node] = now
         if self.adopt_until is None:
             if node in self._unsure and state.accepting:
@@ -462,7 +469,9 @@ class PlannerCore:
         prefill, the last one for decode (as ``assign_min_change`` takes them), if that phase
         keeps a live node (2 or more live), among the ``steady`` ones (not just back from a silence
         of their own: a stall of the planner's bus silences every node, and the first ones back must
-        not take the phase of the others). The split (``xPyD``) stays as it was; one live node
+        not take the phase of the others) whose run of states began before the phase went silent
+        (``since``: a node back first after a stall longer than ``silent_after`` is steady by its
+        second state, 0.05 wall s later when busy, yet was not live when the others fell silent). The split (``xPyD``) stays as it was; one live node
         switches; a ``both`` node serves either phase, so a command with one is left alone.
         Deterministic: the same states and ``now`` give the same command.
         """
@@ -482,7 +491,8 @@ class PlannerCore:
             if not mine or any(n not in heard or live(n) for n in mine):
                 continue
             theirs = [n for n in self.nodes if phases[n] == other and live(n)]
-            takers = [n for n in theirs if n in self.steady]
+            went_silent = max(heard[n] for n in mine) + self.silent_after  # type: ignore[operator]
+            takers = [n for n in theirs if n in self.steady and self.since[n] < went_silent]
             if len(theirs) < 2 or not takers:
                 return None
             dead, taker = mine[0], takers[0] if phase == "prefill" else takers[-1]

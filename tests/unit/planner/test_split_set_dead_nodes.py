@@ -151,3 +151,26 @@ def test_the_first_nodes_back_after_a_stall_of_the_bus_take_no_phase() -> None:
     assert core.tick(6.0) is None and core.command.epoch == 1
     _states(core, 6.2, "w0", "w1")
     assert core.tick(6.5) is None and core.command.epoch == 1
+
+
+def test_nodes_back_first_after_a_stall_take_no_phase_even_once_steady() -> None:
+    """A stall of the planner's bus (or of the planner's own loop: the queued states are then read
+    at one ``now``) longer than ``silent_after``: the decode nodes' states come back first, and two
+    of them (a busy node sends one every 0.05 wall s, a backlog holds many) make them steady before
+    the prefill nodes' states arrive. They were not live when prefill went silent (their own run
+    of states began after it), so they take nothing: before, w2 took prefill from w0 at 6.1 and
+    the cluster switched two live nodes for a stall."""
+    core = PlannerCore(NODES, "2P2D", silent_after=3.0)
+    _states(core, 1.0, *NODES)
+    _states(core, 2.0, *NODES)
+    assert core.tick(5.5) is None  # every node silent: nothing live
+    _states(core, 6.0, "w2", "w3")
+    _states(core, 6.05, "w2", "w3")  # steady now (0.05 after their comeback)
+    assert core.tick(6.1) is None and core.command.epoch == 1  # a policy tick: before, a swap
+    backlog = PlannerCore(NODES, "2P2D", silent_after=3.0)
+    _states(backlog, 2.0, *NODES)
+    _states(backlog, 6.0, "w2", "w3")
+    _states(backlog, 6.0, "w2", "w3")  # the planner's loop stalled: its backlog read at one now
+    assert backlog.tick(6.0) is None and backlog.command.epoch == 1
+    _states(backlog, 6.01, "w0", "w1")
+    assert backlog.tick(6.5) is None and backlog.command.epoch == 1
