@@ -174,3 +174,20 @@ def test_nodes_back_first_after_a_stall_take_no_phase_even_once_steady() -> None
     assert backlog.tick(6.0) is None and backlog.command.epoch == 1
     _states(backlog, 6.01, "w0", "w1")
     assert backlog.tick(6.5) is None and backlog.command.epoch == 1
+
+
+def test_the_service_reads_silent_after_s_in_wall_seconds_on_the_cluster_clock() -> None:
+    """``--silent-after-s`` is wall s; the core's ``now`` is the cluster clock (simulated s at
+    ``--speedup``): at the demo's speedup 50 the core must count 3 wall s as 150 s, as the router's
+    ``--fence-after-s`` (``fence_after_s * speedup``), or a node silent 0.06 wall s (one missed
+    heartbeat is 1 wall s) would look dead and be swapped."""
+    from types import SimpleNamespace
+
+    from services.planner.config import PlannerConfig
+    from services.planner.service import PlannerService
+    from shared.clock import SimClock
+
+    cfg = PlannerConfig(nodes=NODES, split="2P2D", speedup=50.0)
+    svc = PlannerService(cfg, SimpleNamespace(), SimClock(50.0))  # type: ignore[arg-type]
+    assert cfg.silent_after_s == 3.0
+    assert svc.core.silent_after == pytest.approx(150.0) and svc.core.wall_per_s == pytest.approx(0.02)
