@@ -197,7 +197,7 @@ class FencedNode(FrozenValue):
 
     __slots__ = __match_args__ = ("node", "age", "rids", "cause")
 
-    def __init__(self, node: str, age: float, rids: tuple[str, ...] = (), *, cause: Literal["silent", "restarted"]) -> None:
+    def __init__(self, node: str, age: float, rids: tuple[str, ...] = (), cause: Literal["silent", "restarted"] = "silent") -> None:
         set_field(self, "node", node)
         set_field(self, "age", age)
         set_field(self, "rids", rids)
