@@ -213,7 +213,10 @@ def test_up_whose_terminal_closed_stops_on_sighup_and_removes_its_nats_store(tmp
     env = _env(tmp_path, TMPDIR=str(tmp))
     cmd = _small_up(tmp_path, 1)
     terminal, tty = pty.openpty()
-    proc = subprocess.Popen(cmd, stdout=tty, stderr=tty, env=env, start_new_session=True)
+    # the child starts with SIGHUP at its default whatever the runner's is: under nohup it is ignored, an ignored
+    # SIGHUP is inherited, and `up` keeps running under nohup by design (tests/e2e/test_up_signals.py)
+    proc = subprocess.Popen(cmd, stdout=tty, stderr=tty, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     os.close(tty)
     try:
         seen, deadline = b"", time.monotonic() + 120
