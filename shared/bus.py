@@ -93,6 +93,15 @@ def _span_attrs(subject: str, template: str, msg: Any, operation: str) -> dict[s
         attrs["ei.rid"] = rid
     return attrs
 
+_CLOSED_TRANSPORT: tuple[type[Exception], ...] = (RuntimeError, OSError)
+"""What nats-py lets escape when its connection drops while it writes: uvloop's ``RuntimeError: unable to perform
+operation on <TCPTransport closed=True ...>; the handler is closed`` (``_flush_pending`` writing into a transport the
+server's death just closed: a router's ``kv.lookup`` while nats-server was killed escaped it as an HTTP 500,
+tests/e2e/test_faults_live.py), or an ``OSError`` of the socket. :meth:`Bus.publish` and :meth:`Bus.request` turn
+them into a :class:`BusError` as they do nats-py's own errors (:class:`BusError` itself, a ``RuntimeError``, is
+re-raised as it is)."""
+
+
 class BusError(RuntimeError):
     """A request got no (decodable) reply in time, or the bus could not take a message."""
 
@@ -496,7 +505,9 @@ class Bus:
                 await self.nc.publish(full, data, headers={**headers, **hdr} if headers else hdr)
             else:
                 await self.nc.publish(full, data, headers=headers)
-        except nats.errors.Error as e:
+        except BusError:
+            raise
+        except (nats.errors.Error, *_CLOSED_TRANSPORT) as e:
             self.counters["publish_failed." + subject.template] += 1
             raise BusUnavailable(f"cannot publish on {subject.template}: {type(e).__name__}: {e}") from e
         self.counters["published." + subject.template] += 1
@@ -800,7 +811,7 @@ class Bus:
         self._requesting[full] += 1
         try:
             raw = await self.nc.request(full, m.encode(self._stamp(msg)), timeout=timeout, headers=headers)
-        except (nats.errors.Error, asyncio.TimeoutError) as e:  # timeout, no responders, closed, buffer full
+        except (nats.errors.Error, asyncio.TimeoutError, *_CLOSED_TRANSPORT) as e:  # timeout, no responders, closed, buffer full
             self.counters[_unanswered + subject.template] += 1
             if (denied := self._permission_error(full)) is not None:
                 raise denied from e
