@@ -102,7 +102,7 @@ async def test_one_request_is_one_trace_across_router_directory_and_both_workers
                     text = (await r.aread()).decode()
             assert "[DONE]" in text and '"error"' not in text
             # a client that goes away mid-stream: the trace keeps the decode node's span and says why it ended
-            long = {"prompt": list(range(1000, 1200)), "max_tokens": 4000, "stream": True}
+            long = {"prompt": list(range(1000, 1200)), "max_tokens": 60000, "stream": True}  # 15x the 4,000 tokens that once finished before the abort reached the node under load
             async with httpx.AsyncClient(timeout=60) as http:
                 async with http.stream("POST", cluster.router_url + "/v1/completions", json=long, headers={"X-Request-ID": GONE}) as r:
                     seen = 0
