@@ -25,6 +25,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,11 +69,12 @@ async def _replay(args: argparse.Namespace) -> int:
         print(f"error: {unreachable}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get("EI_API_KEY") or None
-    refused = await router_refuses_key(args.router_url, api_key)
+    answers = await router_answers(args.router_url, api_key)  # each body once; the checks below read their fields
+    refused = router_refuses_key(args.router_url, api_key, answers)
     if refused:  # every request would be a 401, each agent waiting its pauses (12 of 12 in 105 s wall)
         print(f"error: {refused}", file=sys.stderr)
         return 2
-    served = await router_speedup(args.router_url, api_key)
+    served = router_speedup(answers)
     if served is not None and args.speedup_from == "default":  # a compose or Slurm stack: no state file to read it from
         args.speedup = served
         print(f"replay: --speedup {served:g}, the router's (GET /v1/cluster)", file=sys.stderr)
@@ -102,13 +104,13 @@ async def _replay(args: argparse.Namespace) -> int:
 
         trace = sample_sessions(trace, args.sessions or 10**9, seed=args.seed, max_requests_per_branch=args.max_requests_per_branch)
     if getattr(args, "model_from", "flag") == "default":  # no state file (compose, Slurm, --router-url): the router's name
-        named = await router_model(args.router_url, api_key)  # (a torch router 404s the sim's evolving-infra-sim)
+        named = router_model(answers)  # (a torch router 404s the sim's evolving-infra-sim)
         if named is not None and named != args.model:
             args.model = named
             print(f"replay: --model {named}, the router's (GET /v1/models)", file=sys.stderr)
     if vocab_size is None:  # the router's vocabulary (a torch model's 512 ids: the trace's ids are up to 100,000)
-        vocab_size = await router_vocab_size(args.router_url, api_key)
-    max_model_len = await router_max_model_len(args.router_url, api_key)
+        vocab_size = router_vocab_size(answers)
+    max_model_len = router_max_model_len(answers)
     try:
         requests, token_block, note = fit_to_router(trace.requests, trace.header.block_size, max_model_len,
                                                     scale=args.scale_to_model, max_output=args.max_output)
@@ -246,121 +248,113 @@ async def router_unreachable(router_url: str, timeout_s: float = 5.0) -> str | N
     return None
 
 
-async def router_refuses_key(router_url: str, api_key: str | None, timeout_s: float = 5.0,
-                             transport: object = None) -> str | None:
+@dataclass(frozen=True, slots=True)
+class RouterAnswers:
+    """What the router said at the replay's start: ``GET /v1/models`` and ``GET /v1/cluster``, each asked once
+    (:func:`router_answers`); the replay's checks read their fields from here (:func:`router_refuses_key`,
+    :func:`router_speedup`, :func:`router_model`, :func:`router_vocab_size`, :func:`router_max_model_len`)."""
+
+    models_status: int | None  # HTTP status of GET /v1/models; None: no answer (timeout, refused connection, bad URL)
+    models: Any  # its JSON body when the status was 200 and the body JSON, else None
+    cluster_status: int | None  # HTTP status of GET /v1/cluster; None: no answer
+    cluster: Any  # its JSON body when the status was 200 and the body JSON, else None
+
+
+async def router_answers(router_url: str, api_key: str | None, timeout_s: float = 5.0,
+                         transport: object = None) -> RouterAnswers:
+    """Ask the router ``GET /v1/models`` and ``GET /v1/cluster`` once each, together (a bearer token sent when
+    ``api_key`` is set). Each check of the replay's start reads its field from these two bodies: it asked each
+    twice before, up to 4 x ``timeout_s`` of waiting on a router that does not answer.
+
+    Args:
+        router_url: the router's base URL.
+        api_key: sent as a bearer token when set.
+        timeout_s: wall seconds for each answer (the two are asked at once).
+        transport: an httpx transport (tests).
+
+    Returns:
+        The statuses and JSON bodies; a body is None when there is none to read (no answer, a bad URL, a status
+        other than 200, a body that is not JSON). Never raises for the router's answers.
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def get(http: httpx.AsyncClient, path: str) -> tuple[int | None, Any]:
+        try:
+            reply = await http.get(router_url.rstrip("/") + path, headers=headers)
+        except (httpx.HTTPError, httpx.InvalidURL):
+            return None, None
+        try:
+            return reply.status_code, reply.json() if reply.status_code == 200 else None
+        except ValueError:  # not JSON
+            return reply.status_code, None
+
+    async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:  # type: ignore[arg-type]
+        (ms, models), (cs, cluster) = await asyncio.gather(get(http, "/v1/models"), get(http, "/v1/cluster"))
+    return RouterAnswers(ms, models, cs, cluster)
+
+
+def router_refuses_key(router_url: str, api_key: str | None, answers: RouterAnswers) -> str | None:
     """Whether the router refuses this replay's API key (or its lack of one): ``GET /v1/models`` answered 401 or 403
     (a router run with ``EI_API_KEYS`` / ``--api-keys-file``). No answer, or any other status, is not a refusal.
 
     Args:
-        router_url: the router's base URL.
-        api_key: sent as a bearer token when set.
-        timeout_s: wall seconds for the answer.
-        transport: an httpx transport (tests).
+        router_url: the router's base URL (named in the message).
+        api_key: the key sent, if any (named in the message).
+        answers: the router's answers (:func:`router_answers`).
 
     Returns:
         None when not refused, else the reason and what to do, for the user.
     """
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:  # type: ignore[arg-type]
-            reply = await http.get(router_url.rstrip("/") + "/v1/models", headers=headers)
-    except (httpx.HTTPError, httpx.InvalidURL):
-        return None
-    if reply.status_code not in (401, 403):
+    if answers.models_status not in (401, 403):
         return None
     what = "refuses the API key given" if api_key else "needs an API key and none was given"
-    return (f"the router at {router_url} {what} (GET /v1/models: HTTP {reply.status_code}); pass --api-key KEY or set "
+    return (f"the router at {router_url} {what} (GET /v1/models: HTTP {answers.models_status}); pass --api-key KEY or set "
             "EI_API_KEY to one of the router's keys (its EI_API_KEYS / --api-keys-file)")
 
 
-async def _router_json(router_url: str, path: str, api_key: str | None, timeout_s: float, transport: object) -> Any:
-    """The JSON body of the router's ``GET <path>`` (a bearer token sent when ``api_key`` is set), or None when
-    there is none to read: no answer within ``timeout_s`` wall seconds, a bad URL, a status other than 200, a
-    body that is not JSON. ``transport``: an httpx transport (tests)."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as http:  # type: ignore[arg-type]
-            reply = await http.get(router_url.rstrip("/") + path, headers=headers)
-        return reply.json() if reply.status_code == 200 else None
-    except (httpx.HTTPError, httpx.InvalidURL, ValueError):
-        return None
-
-
-async def router_speedup(router_url: str, api_key: str | None = None, timeout_s: float = 5.0,
-                         transport: object = None) -> float | None:
+def router_speedup(answers: RouterAnswers) -> float | None:
     """The router's ``speedup`` (simulated s per wall s: its ``--speedup`` / ``EI_SPEEDUP``) from ``GET /v1/cluster``.
     None when the router does not say (a router older than the field, an error status such as 401 without an
-    API key, no answer within ``timeout_s``): the replay then keeps its ``--speedup`` (given, the state file's, or 1).
-
-    Args:
-        router_url: the router's base URL.
-        api_key: sent as a bearer token when set.
-        timeout_s: wall seconds for the answer.
-        transport: an httpx transport (tests).
+    API key, no answer, a value no clock has): the replay then keeps its ``--speedup`` (given, the state file's, or 1).
     """
-    body = await _router_json(router_url, "/v1/cluster", api_key, timeout_s, transport)
+    body = answers.cluster
     value = body.get("speedup") if isinstance(body, dict) else None  # not an object: says nothing
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
         return None
     return float(value)
 
 
-async def router_max_model_len(router_url: str, api_key: str | None = None, timeout_s: float = 5.0,
-                               transport: object = None) -> int | None:
+def router_max_model_len(answers: RouterAnswers) -> int | None:
     """The router's ``max_model_len`` (tokens: the longest prompt + ``max_tokens`` it serves) from ``GET /v1/models``
     (vLLM's ``ModelCard`` field; ``up --engine torch``'s router: the model's context lowered to a node's GPU KV memory).
     None when the router does not say (no field, an error status, no answer): the replay then checks nothing.
-
-    Args:
-        router_url: the router's base URL.
-        api_key: sent as a bearer token when set.
-        timeout_s: wall seconds for the answer.
-        transport: an httpx transport (tests).
     """
-    body = await _router_json(router_url, "/v1/models", api_key, timeout_s, transport)
     try:
-        value = body["data"][0].get("max_model_len")  # type: ignore[index]
+        value = answers.models["data"][0].get("max_model_len")
     except (KeyError, IndexError, TypeError, AttributeError):  # no answer (None), not the shape of a model list
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-async def router_model(router_url: str, api_key: str | None = None, timeout_s: float = 5.0,
-                       transport: object = None) -> str | None:
+def router_model(answers: RouterAnswers) -> str | None:
     """The model name the router serves: the first ``id`` of ``GET /v1/models`` (``up --served-model-name``'s first,
     a torch cluster's model folder name, the sim's ``evolving-infra-sim``). None when the router does not say.
-
-    Args:
-        router_url: the router's base URL.
-        api_key: sent as a bearer token when set.
-        timeout_s: wall seconds for the answer.
-        transport: an httpx transport (tests).
     """
-    body = await _router_json(router_url, "/v1/models", api_key, timeout_s, transport)
     try:
-        value = body["data"][0].get("id")  # type: ignore[index]
+        value = answers.models["data"][0].get("id")
     except (KeyError, IndexError, TypeError, AttributeError):
         return None
     return value if isinstance(value, str) and value else None
 
 
-async def router_vocab_size(router_url: str, api_key: str | None = None, timeout_s: float = 5.0,
-                            transport: object = None) -> int | None:
+def router_vocab_size(answers: RouterAnswers) -> int | None:
     """The router's ``vocab_size`` (prompt token ids must be below it) from ``GET /v1/cluster``; None when it does not
     say (an older router, an error status, no answer): the replay then sends the trace's ids as they are (below
     100,000, the sim tokenizer's vocabulary).
-
-    Args:
-        router_url: the router's base URL.
-        api_key: sent as a bearer token when set.
-        timeout_s: wall seconds for the answer.
-        transport: an httpx transport (tests).
     """
-    body = await _router_json(router_url, "/v1/cluster", api_key, timeout_s, transport)
+    body = answers.cluster
     value = body.get("vocab_size") if isinstance(body, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 

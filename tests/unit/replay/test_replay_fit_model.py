@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from evolving_infra.cli import UsageError, build_parser
-from evolving_infra.replay.cli import fit_to_router, router_max_model_len
+from evolving_infra.replay.cli import fit_to_router, router_answers, router_max_model_len
 from evolving_infra.traces.sample import scale_trace_for_model
 from evolving_infra.traces.schema import TraceRequest
 
@@ -22,12 +22,13 @@ def _req(i: int, blocks: int, out: int = 100) -> TraceRequest:
 
 def test_the_router_says_its_max_model_len():
     def answer(body, status=200):
-        return httpx.MockTransport(lambda request: httpx.Response(status, json=body))
+        transport = httpx.MockTransport(lambda request: httpx.Response(status, json=body))
+        return asyncio.run(router_answers("http://r", None, transport=transport))
 
     ok = {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 1024}]}
-    assert asyncio.run(router_max_model_len("http://r", transport=answer(ok))) == 1024
-    assert asyncio.run(router_max_model_len("http://r", transport=answer({"data": [{"id": "sim"}]}))) is None
-    assert asyncio.run(router_max_model_len("http://r", transport=answer({"error": "no"}, 401))) is None
+    assert router_max_model_len(answer(ok)) == 1024
+    assert router_max_model_len(answer({"data": [{"id": "sim"}]})) is None
+    assert router_max_model_len(answer({"error": "no"}, 401)) is None
 
 
 def test_requests_over_the_context_are_counted_up_front_with_the_flag_that_fixes_them():

@@ -301,12 +301,24 @@ def test_router_speedup_is_none_when_the_router_does_not_say():
     """An older router (no `speedup` in /v1/cluster), an error status or a value no clock has: the replay keeps its --speedup."""
     import httpx
 
-    from evolving_infra.replay.cli import router_speedup
+    from evolving_infra.replay.cli import router_answers, router_speedup
 
     def answer(body, status=200):
-        return httpx.MockTransport(lambda request: httpx.Response(status, json=body))
+        transport = httpx.MockTransport(lambda request: httpx.Response(status, json=body))
+        return asyncio.run(router_answers("http://r", None, transport=transport))
 
-    assert asyncio.run(router_speedup("http://r", transport=answer({"speedup": 50}))) == 50.0
+    assert router_speedup(answer({"speedup": 50})) == 50.0
     for body, status in (({"policy": "x"}, 200), ({"speedup": 50}, 401), ({"speedup": True}, 200), ({"speedup": 0}, 200),
                          ({"speedup": "50"}, 200), ([50], 200)):
-        assert asyncio.run(router_speedup("http://r", transport=answer(body, status))) is None, body
+        assert router_speedup(answer(body, status)) is None, body
+
+
+def test_replay_start_asks_the_router_each_of_its_answers_once(tmp_path, monkeypatch):
+    """The start of a replay asked GET /v1/models three times (the key check, the model, max_model_len) and
+    GET /v1/cluster twice (speedup, vocabulary): against a router that does not answer, each a wait of up to 5 s."""
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))  # no state file: the model and vocabulary are asked too
+    with stub_router_thread(speedup=1000.0) as (url, stub):
+        rc, report = _replay_cli(url, tmp_path / "a")
+        assert rc == 0 and report["requests_failed"] == 0
+        asked = [target for target, _ in stub.seen if target in ("/v1/models", "/v1/cluster")]
+    assert sorted(asked) == ["/v1/cluster", "/v1/models"], asked

@@ -14,7 +14,7 @@ import pytest
 import evolving_infra.replay.cli as replay_cli
 import evolving_infra.replay.live as live
 from evolving_infra.cli import main as top_main
-from evolving_infra.replay.cli import router_model, router_vocab_size
+from evolving_infra.replay.cli import RouterAnswers, router_answers, router_model, router_vocab_size
 
 SAMPLE = Path(__file__).resolve().parents[3] / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
 
@@ -23,13 +23,19 @@ def _answer(body: object, status: int = 200) -> httpx.MockTransport:
     return httpx.MockTransport(lambda request: httpx.Response(status, json=body))
 
 
+def _answers(body: object, status: int = 200) -> RouterAnswers:
+    """The router's answers when both GET /v1/models and GET /v1/cluster answer ``status`` with ``body``."""
+    return asyncio.run(router_answers("http://r", None, transport=_answer(body, status)))
+
+
 def test_the_router_says_its_model_and_vocabulary():
     models = {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 1024}]}
-    assert asyncio.run(router_model("http://r", transport=_answer(models))) == "tiny"
-    assert asyncio.run(router_model("http://r", transport=_answer({"data": []}))) is None
-    assert asyncio.run(router_model("http://r", transport=_answer({"error": "no"}, 401))) is None
-    assert asyncio.run(router_vocab_size("http://r", transport=_answer({"speedup": 1.0, "vocab_size": 512}))) == 512
-    assert asyncio.run(router_vocab_size("http://r", transport=_answer({"speedup": 1.0}))) is None  # an older router
+    assert router_model(_answers(models)) == "tiny"
+    assert router_model(_answers({"data": []})) is None
+    assert router_model(_answers({"error": "no"}, 401)) is None
+    assert router_vocab_size(_answers({"speedup": 1.0, "vocab_size": 512})) == 512
+    assert router_vocab_size(_answers({"speedup": 1.0})) is None  # an older router
+    assert router_vocab_size(_answers({"vocab_size": 512}, 401)) is None
 
 
 class _Sent(Exception):
@@ -42,11 +48,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: list[str]) -> di
     async def nothing(*a: object, **k: object) -> None:
         return None
 
-    async def model(*a: object, **k: object) -> str:
-        return "tiny"
-
-    async def vocab(*a: object, **k: object) -> int:
-        return 512
+    async def answers(*a: object, **k: object) -> RouterAnswers:  # a router that says its model and vocabulary
+        return RouterAnswers(200, {"data": [{"id": "tiny"}]}, 200, {"vocab_size": 512})
 
     def replayer(*a: object, **k: object) -> None:
         seen.update(k)
@@ -54,9 +57,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: list[str]) -> di
 
     monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.chdir(tmp_path)
-    for name, fn in (("router_unreachable", nothing), ("router_speedup", nothing), ("router_max_model_len", nothing),
-                     ("router_model", model), ("router_vocab_size", vocab)):
-        monkeypatch.setattr(replay_cli, name, fn, raising=False)
+    monkeypatch.setattr(replay_cli, "router_unreachable", nothing)
+    monkeypatch.setattr(replay_cli, "router_answers", answers)
     monkeypatch.setattr(live, "LiveReplayer", replayer)
     with pytest.raises(_Sent):
         top_main(["replay", str(SAMPLE), "--sessions", "1", "--router-url", "http://127.0.0.1:9", "--out", "r", *argv])
@@ -100,17 +102,20 @@ def test_a_router_that_refuses_the_key_is_named_before_any_request(monkeypatch, 
         ok = request.headers.get("authorization") == "Bearer k1"
         return httpx.Response(200 if ok else 401, json={"data": [{"id": "evolving-infra-sim"}]} if ok else {"error": {}})
 
+    def refuses(key: str | None, transport: httpx.MockTransport) -> str | None:
+        return router_refuses_key("http://r", key, asyncio.run(router_answers("http://r", key, transport=transport)))
+
     t = httpx.MockTransport(keyed)
-    assert asyncio.run(router_refuses_key("http://r", "k1", transport=t)) is None
-    assert "needs an API key and none was given" in asyncio.run(router_refuses_key("http://r", None, transport=t))
-    assert "refuses the API key given" in asyncio.run(router_refuses_key("http://r", "k2", transport=t))
-    assert asyncio.run(router_refuses_key("http://r", None, transport=_answer({}, 404))) is None
+    assert refuses("k1", t) is None
+    assert "needs an API key and none was given" in refuses(None, t)
+    assert "refuses the API key given" in refuses("k2", t)
+    assert refuses(None, _answer({}, 404)) is None
 
     async def nothing(*a: object, **k: object) -> None:
         return None
 
-    async def refused(*a: object, **k: object) -> str:
-        return "the router at http://127.0.0.1:9 needs an API key and none was given (GET /v1/models: HTTP 401)"
+    async def refused(*a: object, **k: object) -> RouterAnswers:
+        return RouterAnswers(401, None, 401, None)
 
     def replayer(*a: object, **k: object) -> None:
         raise _Sent
@@ -119,7 +124,7 @@ def test_a_router_that_refuses_the_key_is_named_before_any_request(monkeypatch, 
     monkeypatch.delenv("EI_API_KEY", raising=False)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(replay_cli, "router_unreachable", nothing)
-    monkeypatch.setattr(replay_cli, "router_refuses_key", refused, raising=False)
+    monkeypatch.setattr(replay_cli, "router_answers", refused)
     monkeypatch.setattr(live, "LiveReplayer", replayer)
     assert top_main(["replay", str(SAMPLE), "--sessions", "1", "--router-url", "http://127.0.0.1:9", "--out", "r"]) == 2
     assert "needs an API key" in capsys.readouterr().err

@@ -594,8 +594,11 @@ def test_a_trace_of_no_request_is_refused_by_every_command_that_replays_it(
     async def nothing(*a: object, **k: object) -> None:
         return None
 
+    async def silent(*a: object, **k: object) -> replay_cli.RouterAnswers:  # a router that says nothing
+        return replay_cli.RouterAnswers(None, None, None, None)
+
     monkeypatch.setattr(replay_cli, "router_unreachable", nothing)
-    monkeypatch.setattr(replay_cli, "router_speedup", nothing)
+    monkeypatch.setattr(replay_cli, "router_answers", silent)
     for argv in (["simulate", "--trace", name, "--out", "o"], ["demo", "--trace", name, "--out", "d"],
                  ["fidelity", "--trace", name, "--out", "f"],
                  ["replay", name, "--router-url", "http://127.0.0.1:9", "--speedup", "1", "--out", "r"]):
