@@ -81,7 +81,8 @@ def _add_cluster_args(
         help=f"node profile: a shipped name ({', '.join(available_profiles()) or 'none found'}) or a TOML path "
         f"(default {DEFAULT_PROFILE}: simulated GB300 nodes serving GLM-5.2; --engine torch: {TORCH_PROFILE})",
     )
-    g.add_argument("--speedup", type=float, default=speedup, help=f"simulated seconds per wall second (default {speedup:g})")
+    g.add_argument("--speedup", type=float, default=speedup, help=f"simulated seconds per wall second (default {speedup:g}); "
+                   "--engine torch: every time reported, the workers' iteration records too, is N x the wall time")
     g.add_argument("--host", default="127.0.0.1", help="router HTTP bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=port, help=f"router HTTP port; 0 = any free port (default {port})")
     g.add_argument(

@@ -56,7 +56,7 @@ class CommonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     ] = "console"
     log_level: typing.Annotated[str, Meta(description="debug, info, warning or error")] = "info"
     speedup: typing.Annotated[
-        float, Meta(gt=0, description="simulated seconds per wall second (sim engine, clocks)")
+        float, Meta(gt=0, description="simulated seconds per wall second (sim engine, clocks; a torch engine's measured times x this)")
     ] = 1.0
     clock_origin: typing.Annotated[
         float, Meta(ge=0, description="wall time (epoch s) that is simulated time 0; 0 = process start")

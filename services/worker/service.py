@@ -130,8 +130,10 @@ skew. Times of this node compared with each other (a first token's ``ts`` and it
 are converted with one offset and keep their order."""
 
 
-def make_torch_engine(cfg: WorkerConfig, profile: Profile) -> Engine:
-    """The ``torch`` engine of ``cfg`` (imported lazily: torch is an extra).
+def make_torch_engine(cfg: WorkerConfig, profile: Profile, speedup: float | None = None) -> Engine:
+    """The ``torch`` engine of ``cfg`` (imported lazily: torch is an extra). Its durations are
+    in cluster seconds: the measured wall time x ``speedup`` (the shell's clock's; None =
+    ``cfg.speedup``), as the shell takes them (plan ends, ``IterationRecord.duration_s``).
 
     Raises:
         ValueError: no ``--model``, the torch extra missing, or a model folder the engine
@@ -147,7 +149,8 @@ def make_torch_engine(cfg: WorkerConfig, profile: Profile) -> Engine:
         import torch
 
         torch.set_num_threads(cfg.torch_threads)
-    return TorchEngine(profile, cfg.model, dtype=cfg.dtype or None, device=cfg.device or None, check=cfg.check_invariants)
+    return TorchEngine(profile, cfg.model, dtype=cfg.dtype or None, device=cfg.device or None, check=cfg.check_invariants,
+                       speedup=cfg.speedup if speedup is None else speedup)
 
 
 class _BadCountSnapshot(Exception):
@@ -289,7 +292,7 @@ class WorkerService:
         )
         if vocab is None and cfg.tokenizer != "sim":
             vocab = output_vocabulary(load_tokenizer(cfg.tokenizer))
-        self.engine: Engine = make_torch_engine(cfg, self.profile) if cfg.engine == "torch" else ENGINES[cfg.engine](self.profile, vocab)
+        self.engine: Engine = make_torch_engine(cfg, self.profile, clock.speedup) if cfg.engine == "torch" else ENGINES[cfg.engine](self.profile, vocab)
         self.counters: Counter[str] = Counter()
         self.counts = CountStream(cfg.count_sync_buffer_entries)
         """Sequence check of ``kv.counts.<node>``: gaps, stale messages, directory restarts, syncs."""
