@@ -67,7 +67,8 @@ def _add_cluster_args(
     g.add_argument(
         "--split",
         default=None,
-        help=f"initial PD split: 'collocated' or xPyD with x+y = nodes (default: a static:xPyD policy's, else {split} on "
+        help=f"initial PD split: 'collocated' or xPyD with x+y = nodes (default: a static:xPyD policy's; another one given "
+        f"is served and names the set: static:5P1D --split 3P1D is static:3P1D; else {split} on "
         f"the default {nodes} nodes and, for another --nodes, round(2N/3) prefill nodes as simulate's (3 nodes: 2P1D, "
         "2: 1P1D, 1: collocated). The default policy's evolving planner serves every node collocated for its warm-up "
         f"first (t_learn_s: {warmup}; the paper's policy fits each node's models collocated) and this split only "

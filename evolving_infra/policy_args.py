@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from evolving_infra.sim.policies import DECODE_BINDINGS, EVICTIONS, SET_NAMES, PolicyError, policy_set, with_overrides
+from evolving_infra.sim.policies import DECODE_BINDINGS, EVICTIONS, SET_NAMES, PolicyError, policy_set, serving, with_overrides
 from shared.config import parse_key_values
 from shared.values import FrozenValue, set_field
 
@@ -137,13 +137,17 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
         router_args = routing_option_args(parse_key_values(args.routing_opt or [], "--routing-opt"))
     except (PolicyError, ValueError) as e:
         raise UsageError(f"error: {e}") from None
+    notes = []
+    given = getattr(args, "split", None)
+    if given is not None and (served := serving(ps, given)) is not ps:  # static:5P1D --split 3P1D serves static:3P1D
+        notes.append(f"--split {served.split} overrides policy {ps.name}'s split: served and named {served.name}")
+        ps = served
     if ps.routing not in policy_names():
         raise UsageError(f"error: routing policy {ps.routing!r} is not registered; known: {', '.join(policy_names())}")
     if ps.planner not in PLANNERS:
         raise UsageError(f"error: planner {ps.planner!r} is not known; known: {', '.join(PLANNERS)}")
     if ps.planner == "evolving" and planner_defaults:
         opts = {**planner_defaults, **opts}
-    notes = []
     if ps.switch_mode not in ("decoupled", "none"):
         notes.append(f"switch mode {ps.switch_mode}: live workers switch in place keeping their KV (decoupled)")
     if ps.decode_routing == "round-robin":  # "decode routing round-robin: ..." read as what the router does

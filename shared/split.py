@@ -43,6 +43,21 @@ def parse_split(spec: str, n_nodes: int) -> tuple[int, int] | None:
     return p, d
 
 
+def canonical_split(spec: str) -> str:
+    """``spec`` as the cluster names it: ``xPyD`` (``3p1d`` → ``3P1D``) or ``collocated`` (also for its
+    aliases ``both``, ``agg``, ``aggregated``). The node count is not checked (:func:`parse_split` does).
+
+    Raises:
+        SplitError: if the spec is malformed.
+    """
+    if spec.strip().lower() in ("collocated", "both", "agg", "aggregated"):
+        return "collocated"
+    m = _XPYD.match(spec)
+    if not m:
+        raise SplitError(f"split {spec!r} must look like '4P5D' or 'collocated'")
+    return f"{int(m.group(1))}P{int(m.group(2))}D"
+
+
 def split_phases(spec: str, nodes: Sequence[str]) -> dict[str, Phase]:
     """Node → phase for a split spec, first ``x`` nodes prefill (see module docstring).
 

@@ -352,7 +352,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gpus-per-node", type=int, default=None,
                    help="must equal the profile's gpus_per_node (a profile is one node; write a profile for another size)")
     c.add_argument("--profile", default="gb300-glm52", help="node profile name or TOML path (default gb300-glm52)")
-    c.add_argument("--split", default=None, help="initial split xPyD (default: the policy set's, else round(2N/3) prefill)")
+    c.add_argument("--split", default=None, help="initial split xPyD (default: the policy set's, else round(2N/3) prefill); "
+                   "one other than a static:xPyD set's own is served and names the set (static:5P1D --split 3P1D: static:3P1D)")
     c.add_argument("--host-capacity-tokens", type=int, default=None, help="per-node L2 capacity in tokens (default: the profile's)")
     c.add_argument("--block-size", type=int, default=None,
                    help="simulation block size in tokens; the trace is converted (e.g. 512 for speed; default: the profile's)")

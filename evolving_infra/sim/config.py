@@ -26,6 +26,7 @@ from evolving_infra.sim.policies import (
     PolicySet,
     default_split,
     policy_set,
+    serving,
     with_overrides,
 )
 from shared.profile import Profile, ProfileError, load_profile
@@ -296,6 +297,7 @@ def resolve(cfg: SimConfig) -> Resolved:
                 f"split {split!r} does not fit a partition of {n} nodes ({e}); use --split or --nodes"
                 + (" divisible by --partitions" if cfg.partitions > 1 else "")
             ) from e
+    ps = serving(ps, split)  # static:5P1D --split 3P1D: labelled static:3P1D, the split it serves
     if ps.switch_mode == "none" and (cfg.forced_switches or cfg.switch_every_s is not None):
         raise SimConfigError("forced switches need a switch mode (policy set or --switch-mode decoupled|relaunch|strand)")
     if not cfg.switch_control_s >= 0:

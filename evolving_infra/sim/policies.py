@@ -215,6 +215,27 @@ def policy_set(name: str) -> PolicySet:
     return fn()
 
 
+def serving(ps: PolicySet, split: str) -> PolicySet:
+    """``ps`` as it serves ``split`` (``--split``'s, or the set's own): a set that names its split
+    (``static:5P1D``) run at another (``--split 3P1D``) is named and split by the one served
+    (``static:3P1D``), so the label the commands print and the reports keep (``meta.policy``,
+    ``simulate``'s ``label``) tells what ran; it said ``static:5P1D`` of a 3P1D run. Any other set
+    (its split only the initial one, ``split`` None) is returned as it is, as is ``ps`` for a
+    malformed ``split``, which the caller refuses (``shared.split.parse_split``).
+    """
+    from shared.split import SplitError, canonical_split
+
+    if ps.split is None:
+        return ps
+    try:
+        served = canonical_split(split)
+    except SplitError:
+        return ps
+    if served == ps.split:
+        return ps
+    return replace(ps, name=f"{ps.name.partition(':')[0]}:{served}", split=served)
+
+
 def with_overrides(ps: PolicySet, **over: str | None) -> PolicySet:
     """``ps`` with the non-None overrides applied (explicit flags win over the set).
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from evolving_infra.sim.config import SimConfig, SimConfigError
+from evolving_infra.sim.policies import PolicyError, policy_set, serving
 from evolving_infra.sim.pool import fork_pool
 from evolving_infra.traces.schema import TraceRequest
 
@@ -73,7 +74,13 @@ def sweep_items(cfg: SimConfig, spec: Sequence[str]) -> list[tuple[str, SimConfi
         if not rest:
             raise SimConfigError("--sweep policies needs a list, e.g. 'policies dynamo,arrow,static:4P5D'")
         for name in rest:
-            items.append((name.strip(), replace(cfg, policy=name.strip(), label=name.strip())))
+            label = name.strip()
+            if cfg.split is not None:  # static:5P1D under --split 3P1D serves, and is labelled, static:3P1D
+                try:
+                    label = serving(policy_set(label), cfg.split).name
+                except PolicyError:  # an unknown set: refused with its reason when the run is resolved
+                    pass
+            items.append((label, replace(cfg, policy=name.strip(), label=label)))
     else:
         raise SimConfigError(f"unknown --sweep kind {kind!r}: use 'splits' or 'policies'")
     seen: set[str] = set()

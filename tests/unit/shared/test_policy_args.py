@@ -195,3 +195,35 @@ def test_the_round_robin_decode_note_says_what_the_live_router_does_instead(tmp_
     args = build_parser().parse_args(["up", "--nodes", "3", "--policy", "static:1P2D", "--routing", "ttft", "--log-dir", str(tmp_path)])
     _spec(args)
     assert any("routing ttft's rule instead: the least loaded decode node with KV room" in n for n in args.live_policy.notes)
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_a_static_set_run_at_another_split_is_named_by_the_split_served(command, tmp_path):
+    """`up --policy static:5P1D --split 3P1D` served 3P1D but its banner, deploy-args' EI_DEPLOY_POLICY and the demo
+    report's meta.policy said static:5P1D. The set is now named by the split served (static:3P1D), with a note."""
+    args = build_parser().parse_args([command, "--nodes", "4", "--policy", "static:5P1D", "--split", "3p1d",
+                                      "--log-dir", str(tmp_path)])
+    _spec(args)
+    pol = args.live_policy
+    assert (pol.name, pol.split, pol.meta()["name"]) == ("static:3P1D", "3P1D", "static:3P1D")
+    assert pol.describe().startswith("policy static:3P1D: ")
+    assert any("--split 3P1D overrides policy static:5P1D's split" in n for n in pol.notes), pol.notes
+    same = build_parser().parse_args([command, "--policy", "static:2P2D", "--split", "2P2D", "--log-dir", str(tmp_path)])
+    _spec(same)
+    assert same.live_policy.name == "static:2P2D"  # the set's own split: as it was, without the note
+    assert not any("overrides" in n for n in same.live_policy.notes), same.live_policy.notes
+    free = build_parser().parse_args([command, "--policy", "dynamo", "--split", "3P1D", "--log-dir", str(tmp_path)])
+    _spec(free)
+    assert free.live_policy.name == "dynamo"  # an adaptive set's split is only its initial one
+
+
+def test_simulate_names_a_static_set_by_the_split_it_serves():
+    from evolving_infra.sim.sweep import sweep_items
+
+    args = build_parser().parse_args(["simulate", "--workload", "claude-code", "--nodes", "4", "--policy", "static:5P1D",
+                                      "--split", "3P1D", "--out", "x"])
+    run = resolve(config_from_args(args))
+    assert (run.split, run.policy.name, run.policy.split) == ("3P1D", "static:3P1D", "3P1D")
+    args = build_parser().parse_args(["simulate", "--workload", "claude-code", "--nodes", "4", "--split", "3P1D",
+                                      "--sweep", "policies", "static:5P1D,dynamo", "--out", "x"])
+    assert [label for label, _ in sweep_items(config_from_args(args), args.sweep)] == ["static:3P1D", "dynamo"]
