@@ -149,8 +149,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Every service's ``--otlp-traces-endpoint`` (OTLP/HTTP collector URL; empty = each process's own
     ``OTEL_EXPORTER_OTLP_*`` environment, inherited from the launcher)."""
     fence_after_s: float = 0.0
-    """Router ``--fence-after-s`` (wall seconds without a node.state before a node is fenced out);
-    0 = the router's default (3 s)."""
+    """Router ``--fence-after-s`` and planner ``--silent-after-s`` (wall seconds without a node.state before the
+    router fences a node out and the planner counts it dead: one time, so the planner never moves a phase off a
+    node the router still routes to); 0 = the services' defaults (3 s both)."""
 
     def node_ids(self) -> list[str]:
         return [f"w{i}" for i in range(self.nodes)]
@@ -303,7 +304,8 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     """The flags of ``service`` that say which serving system and engine the cluster runs: its policy set's part
     (router ``--routing``/``--decode-binding``/routing options, planner ``--planner``/``--planner-args``/``--split``,
     workers ``--host-eviction``), the profile (and the workers' KV sizes over it), block size, tokenizer, served
-    model name, for the torch engine the model folder, dtype, context limit and vocabulary size, and the
+    model name, for the torch engine the model folder, dtype, context limit and vocabulary size, the liveness
+    time (the router's ``--fence-after-s`` and the planner's ``--silent-after-s``, one value), and the
     observability flags (every service's ``--otlp-traces-endpoint``, the router's and workers' ``--log-requests``).
     ``up`` (:class:`LocalCluster`) and the deploy scripts (``evolving-infra deploy-args``: compose's entrypoint,
     the Slurm batch script) start each service with these, so that all three run one system for one ``--policy``;
@@ -328,7 +330,8 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
         return ["--block-size", str(s.block_size)] + traces
     if service == "planner":
         return (["--nodes", ",".join(s.node_ids()), "--split", s.split, "--planner", s.planner, "--profile", s.profile]
-                + (["--planner-args", ",".join(s.planner_args)] if s.planner_args else []) + traces)
+                + (["--planner-args", ",".join(s.planner_args)] if s.planner_args else [])
+                + (["--silent-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else []) + traces)
     if service == "worker":
         return (["--profile", s.profile, "--tokenizer", s.tokenizer, "--host-eviction", s.eviction]
                 + (["--gpu-kv-tokens", str(s.gpu_kv_tokens)] if s.gpu_kv_tokens else [])
@@ -342,6 +345,7 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
                 + (["--model-aliases", ",".join(s.model_aliases)] if s.model_aliases else [])
                 + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])
                 + (["--model-vocab-size", str(s.model_vocab_size)] if s.model_vocab_size else [])
+                + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else [])
                 + list(s.router_args) + traces + requests)
     raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
 
@@ -493,8 +497,7 @@ class LocalCluster:
                 + ["services.router"]
                 + self._common("router")
                 + ["--host", s.host, "--port", str(s.port), "--port-file", str(self._port_file)]
-                + service_flags(s, "router")
-                + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else []),
+                + service_flags(s, "router"),
                 self.log_dir / "router.log",
                 env=dict(s.router_env) or None,
             )

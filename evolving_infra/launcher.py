@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import math
 import os
 import re
 import shlex
@@ -60,7 +61,7 @@ def demo_trace_path() -> Path:
 
 def _add_cluster_args(
     p: argparse.ArgumentParser, *, nodes: int, split: str, speedup: float, port: int = 8000, log_dir: str = "a temp dir",
-    warmup: str = "1800 s of simulated time, the paper's",
+    warmup: str = "1800 s of simulated time, the paper's", fence_after_s: float | None = None,
 ) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--nodes", type=int, default=nodes, help=f"worker nodes, one process each (default {nodes})")
@@ -212,6 +213,18 @@ def _add_cluster_args(
         "(default sim; --engine torch: the --model folder's own, hf:MODEL_DIR, and sim is refused: its ids are not "
         "the model's)",
     )
+    g.add_argument(
+        "--fence-after-s",
+        type=float,
+        default=fence_after_s,
+        metavar="S",
+        help="wall seconds without a node's state after which the router fences the node (routes nothing to it and "
+        "re-dispatches what it held: its --fence-after-s) and the planner counts it dead (its --silent-after-s: an "
+        "operator's split set lays the phases over the live nodes, and a phase left on dead nodes only moves to a "
+        "live one); one time for both, so the planner never moves work off a node the router still routes to "
+        + (f"(default {fence_after_s:g}: on one shared machine a worker starved of CPU for a few seconds is slow, not dead)"
+           if fence_after_s else "(default 3, both services' own)"),
+    )
     g.add_argument("--ready-timeout", type=float, default=90.0, help="wall seconds to wait for all services (default 90)")
     g.add_argument(
         "--metrics",
@@ -260,7 +273,8 @@ the replay's requests, and the rest is served at the split; ``--planner-opt t_le
 
 
 DEMO_FENCE_S = 10.0
-"""The demo's router fences a node after 10 wall seconds without its state (3 s elsewhere): the demo
+"""The demo's router fences a node, and its planner counts it dead, after 10 wall seconds without its state (``up``:
+3 s, the services' default; ``--fence-after-s`` sets both): the demo
 shows the policies on one shared machine, where a worker process starved of CPU for a few seconds
 (load averages of 10+ on 2 cores were seen) is slow, not dead; with one prefill node (a 1P3D the
 planner may pick) a fence would fail the requests that arrive meanwhile."""
@@ -541,6 +555,9 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
             f"unset it and pass --metrics (free ports, in the READY line and LOG_DIR/prometheus-targets.json) or "
             f"--metrics-base-port {env_port} (the KV directory on {env_port}, planner +1, router +2, worker wN +3+N)"
         )
+    fence = getattr(args, "fence_after_s", None)
+    if fence is not None and not (math.isfinite(fence) and fence > 0):  # the router and planner would exit 2 after the cluster started
+        raise UsageError(f"error: --fence-after-s {fence:g}: wall seconds, a number > 0")
     base = getattr(args, "metrics_base_port", 0)
     if base and not 1024 <= base <= 65535 - (args.nodes + 2):
         raise UsageError(f"error: --metrics-base-port {base}: {args.nodes + 3} ports from it must lie within 1024-65535")
@@ -611,6 +628,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         tokenizer=args.tokenizer,
         restart=args.restart,
         max_restarts=args.max_restarts,
+        fence_after_s=fence or 0.0,
         **kv,
     )
     values.update(torch_values)
@@ -885,7 +903,7 @@ async def _demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     log_dir = Path(args.log_dir) if args.log_dir else out / "logs"
     if torch_engine:  # the engine's page size (and the model's context) rule; the trace is scaled to fit
-        spec = _spec(args, log_dir=str(log_dir), fence_after_s=DEMO_FENCE_S)
+        spec = _spec(args, log_dir=str(log_dir))
         # prompts cut so that two requests fit the node's L1 together (and the model's context)
         limit = min(spec.max_context_tokens, spec.node_profile().memory.gpu_kv_tokens // 2)
         requests = scale_trace_for_model(requests, limit, args.max_output)
@@ -895,7 +913,7 @@ async def _demo(args: argparse.Namespace) -> int:
     else:
         # the cluster's blocks are the profile's (the workers'); each trace block is sent as trace.header.block_size
         # tokens, so equal block prefixes stay equal token prefixes at any cluster block size
-        spec = _spec(args, log_dir=str(log_dir), fence_after_s=DEMO_FENCE_S)
+        spec = _spec(args, log_dir=str(log_dir))
         token_block = trace.header.block_size
         # a node refuses a request whose prompt alone exceeds its L1 (WorkRejected: 'request needs N KV blocks
         # but node has M in GPU memory'): with none that fits (demo --profile tiny: 256 tokens, prompts of
@@ -1205,7 +1223,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "them, and the services' logs under OUT/logs.",
     )
     _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs; the NATS credentials the demo generates in it are deleted when it stops",
-                      warmup="900 s of simulated time in the demo, --engine torch 240 s")
+                      warmup="900 s of simulated time in the demo, --engine torch 240 s", fence_after_s=DEMO_FENCE_S)
     d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots and report.html (default demo-out)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample (- reads stdin)")
     d.add_argument("--sessions", type=int, default=None, help="sessions (agents) to replay (default 60; --engine torch: 4)")
