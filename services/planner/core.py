@@ -9,8 +9,9 @@ s), and publishes what they return or what the outboxes hold:
 * ``tick(now)`` at ``next_tick()`` → a new :class:`SplitCommand` (new epoch) when
   the policy changes the phases;
 * ``set_split`` is the operator's override (``split.set``), laid over the live nodes first;
-  a phase left on dead nodes only is swapped with a live node at the next ``tick``
-  (``silent_after``; "Splits and dead nodes" in ``README.md``);
+  a phase left on dead nodes only is swapped with a live node at the next ``tick``, and a
+  policy's switch that would leave one so is applied with that swap made (``silent_after``;
+  "Splits and dead nodes" in ``README.md``);
 * adoption (``adopt_until``): a (re)started planner first observes the node states
   and takes over the split the cluster serves (:meth:`PlannerCore.tick` returns it)
   instead of announcing its configured one; see "Restart" in ``README.md``;
@@ -122,7 +123,8 @@ class PlannerCore:
         silent_after: a node whose last ``node.state`` is older than this (s, the clock of ``now``),
             or that never sent one, is *silent*: an operator's :meth:`set_split` lays its phases over
             the live nodes first (:meth:`_place`), and :meth:`tick` swaps a phase left on dead nodes
-            only (:meth:`_rescue`). None: no liveness, splits go by position, nothing is swapped.
+            only (:meth:`_rescue`), in the current split or in a policy's switch (:meth:`_dead_swap`).
+            None: no liveness, splits go by position, nothing is swapped.
         wall_per_s: wall seconds per second of ``now`` (``1 / speedup``), for the silences a
             refusal names (in wall s, as ``--silent-after-s``).
 
@@ -335,7 +337,10 @@ class PlannerCore:
         return due if nxt is None or (due is not None and due < nxt) else nxt
 
     def tick(self, now: float) -> SplitCommand | None:
-        """Run the policy; a new command (epoch + 1) when it changes the phases. While adopting:
+        """Run the policy; a new command (epoch + 1) when it changes the phases (a phase its switch would
+        leave on dead nodes only swapped onto a live node first: :meth:`_dead_swap`, the policy told by its
+        ``on_placed``). First, a phase of the current split left on dead nodes only is swapped
+        (:meth:`_rescue`: that command, and no policy tick). While adopting:
         None until the grace ends (or :meth:`adopt_due`), then the command to announce (the
         adopted split, or the configured one in a fresh cluster); the policy runs from the next tick."""
         if self.adopt_until is not None:
@@ -354,17 +359,27 @@ class PlannerCore:
         self.ticks += 1
         d = self.policy.tick(now, dict(self.command.phases), frozenset(self.busy(now)))
         cmd = None
+        placed = ""
         if d is not None and dict(d.phases) != dict(self.command.phases):
             if set(d.phases) != set(self.nodes):
                 raise ValueError(f"policy {self.policy.name} returned phases for {sorted(d.phases)}, nodes are {self.nodes}")
-            cmd = self._adopt(d.phases, now, d.reason)
+            phases: dict[str, Phase] = dict(d.phases)
+            swap = self._dead_swap(phases, now, self.command.phases)
+            if swap is not None:  # the policy placed a phase on dead nodes only: laid over the live ones, one switch
+                phases, why = swap
+                placed = f"laid over the live nodes: {why}"
+                hook = getattr(self.policy, "on_placed", None)
+                if hook is not None:
+                    hook(dict(phases), now)
+            if phases != dict(self.command.phases):
+                cmd = self._adopt(phases, now, f"{d.reason} ({placed})" if placed else d.reason)
         take_note = getattr(self.policy, "take_split_note", None)
         note = take_note() if take_note is not None else None
         if cmd is None and note and note != self.command.reason:
             # same phases, same epoch, a truer reason (a warm-up extended): split.get answers it and the next
             # announcement carries it to the routers; nothing switches, no split change is counted
             self.command = msgspec.structs.replace(self.command, reason=note)
-        self._collect_decisions()
+        self._collect_decisions(placed)
         return cmd
 
     def set_split(self, spec: str, now: float, reason: str = "operator") -> SplitCommand:
@@ -463,23 +478,47 @@ class PlannerCore:
     def _rescue(self, now: float) -> SplitCommand | None:
         """A new command when a phase of the current one is left on dead nodes only, else None. O(N).
 
-        Dead: every node of the phase has reported and none within ``silent_after`` (a node that
-        never reported, e.g. at a cold start, does not count: it may only be late). Then its first
-        node (cluster order) swaps phases with a live node of the other phase: the first one for
-        prefill, the last one for decode (as ``assign_min_change`` takes them), if that phase
-        keeps a live node (2 or more live), among the ``steady`` ones (not just back from a silence
-        of their own: a stall of the planner's bus silences every node, and the first ones back must
-        not take the phase of the others) whose run of states began before the phase went silent
-        (``since``: a node back first after a stall longer than ``silent_after`` is steady by its
-        second state, 0.05 wall s later when busy, yet was not live when the others fell silent). The split (``xPyD``) stays as it was; one live node
-        switches; a ``both`` node serves either phase, so a command with one is left alone.
-        Deterministic: the same states and ``now`` give the same command.
+        The swap is :meth:`_dead_swap`'s over the current phases: the phase's first node (cluster order)
+        swaps phases with a live node of the other phase, the first one for prefill, the last one for
+        decode (as ``assign_min_change`` takes them). The split (``xPyD``) stays as it was; one live node
+        switches. The command's reason and a decision (policy ``liveness``) name the silent nodes and the taker.
         """
         self._rescue_checked = now
-        if self.silent_after is None:
+        before = dict(self.command.phases)
+        swap = self._dead_swap(before, now, before)
+        if swap is None:
             return None
-        phases = dict(self.command.phases)
-        if any(ph == "both" for ph in phases.values()):
+        phases, why = swap
+        reason = why.replace(" would have been on ", " was left on ", 1)
+        cmd = self._adopt(phases, now, reason)
+        self._decisions.append(
+            PlannerDecision(seq=0, ts=now, policy="liveness", action="switch", split_before=split_name(before),
+                            split_after=split_name(phases), epoch=cmd.epoch, reason=reason)  # fmt: skip
+        )
+        return cmd
+
+    def _dead_swap(
+        self, phases: dict[str, Phase], now: float, base: dict[str, Phase]
+    ) -> tuple[dict[str, Phase], str] | None:
+        """``phases`` with a phase left on dead nodes only swapped with a live node, and why; None when no
+        phase is (or no swap may be made). ``base``: the phases the nodes serve now. O(N).
+
+        Dead: every node of the phase has reported and none within ``silent_after`` (a node that
+        never reported, e.g. at a cold start, does not count: it may only be late). Then one of its
+        nodes swaps phases with a live node of the other phase, if that phase keeps a live node (2 or
+        more live), among the ``steady`` ones (not just back from a silence of their own: a stall of the
+        planner's bus silences every node, and the first ones back must not take the phase of the others)
+        whose run of states began before the phase went silent (``since``: a node back first after a stall
+        longer than ``silent_after`` is steady by its second state, 0.05 wall s later when busy, yet was
+        not live when the others fell silent). Of those pairs, the one that leaves the fewest live nodes
+        switching from ``base``, then the fewest nodes: a taker that serves that phase in ``base`` (a policy
+        moved it off), a dead node that serves the other phase in ``base``; else the dead phase's first node
+        (cluster order) and the first taker for prefill, the last one for decode (as ``assign_min_change``
+        takes them). With ``phases`` = ``base`` (:meth:`_rescue`) every pair switches one live node: that
+        order decides. A ``both`` node serves either phase, so phases with one are left alone.
+        Deterministic: the same states and ``now`` give the same phases.
+        """
+        if self.silent_after is None or any(ph == "both" for ph in phases.values()):
             return None
         heard = self.heard
 
@@ -491,21 +530,18 @@ class PlannerCore:
             if not mine or any(n not in heard or live(n) for n in mine):
                 continue
             theirs = [n for n in self.nodes if phases[n] == other and live(n)]
-            went_silent = max(heard[n] for n in mine) + self.silent_after  # type: ignore[operator]
+            went_silent = max(heard[n] for n in mine) + self.silent_after
             takers = [n for n in theirs if n in self.steady and self.since[n] < went_silent]
             if len(theirs) < 2 or not takers:
                 return None
-            dead, taker = mine[0], takers[0] if phase == "prefill" else takers[-1]
-            phases[dead], phases[taker] = other, phase
+            if phase == "decode":
+                takers.reverse()
+            taker = next((n for n in takers if base.get(n) == phase), takers[0])
+            dead = next((n for n in mine if base.get(n) == other), mine[0])
+            out = dict(phases)
+            out[dead], out[taker] = other, phase
             silence = ", ".join(f"{n} silent {(now - heard[n]) * self.wall_per_s:.1f} s" for n in mine)
-            reason = f"{phase} was left on silent nodes only ({silence}): {taker} takes it from {dead}"
-            before = split_name(self.command.phases)
-            cmd = self._adopt(phases, now, reason)
-            self._decisions.append(
-                PlannerDecision(seq=0, ts=now, policy="liveness", action="switch", split_before=before,
-                                split_after=split_name(phases), epoch=cmd.epoch, reason=reason)  # fmt: skip
-            )
-            return cmd
+            return out, f"{phase} would have been on silent nodes only ({silence}): {taker} takes it from {dead}"
         return None
 
     def on_foreign_command(self, cmd: SplitCommand, now: float, max_step: int) -> SplitCommand | None:
@@ -623,11 +659,15 @@ class PlannerCore:
         self._unsure.clear()
         return self.command
 
-    def _collect_decisions(self) -> None:
+    def _collect_decisions(self, placed: str = "") -> None:
+        """The policy's decisions, under the current epoch; ``placed`` (the core laid the policy's switch over
+        the live nodes, :meth:`tick`) is added to its switch's reason, as to the command's."""
         take = getattr(self.policy, "take_decisions", None)
         if take is None:
             return
         for ev in take():
+            if placed and ev.action == "switch":
+                ev = msgspec.structs.replace(ev, reason=f"{ev.reason} ({placed})")
             self._decisions.append(msgspec.structs.replace(ev, epoch=self.command.epoch))
 
     def take_decisions(self) -> list[PlannerDecision]:

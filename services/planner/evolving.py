@@ -252,6 +252,12 @@ class EvolvingPlanner(PolicyBase):
         """A node finished switching: the cooldown runs from the last switch completion too."""
         self.last_switch_at = max(self.last_switch_at, now)
 
+    def on_placed(self, phases: Mapping[str, Phase], now: float) -> None:
+        """The core applied the last decision as ``phases`` (a phase it left on dead nodes only moved
+        to a live node, same split): they are this planner's own, not a change made outside it (which
+        restarts the cooldown, or ends the warm-up early, and is logged as such). O(N)."""
+        self.expected = dict(phases)
+
     def on_adopted(self, phases: Mapping[str, Phase], now: float) -> None:
         """A restarted live planner found the cluster serving ``phases`` (``core.PlannerCore``
         adoption, before this policy's first :meth:`tick`): plan onward from them.

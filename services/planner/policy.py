@@ -20,8 +20,11 @@ Contract::
 
 Additive extensions beyond the interface the simulator was given:
 :meth:`take_decisions` (every decision, including "no switch", as
-``PlannerDecision`` messages) and :meth:`models` (the per-node Eq. 1–4 models
-for ``planner.models``); both have defaults on :class:`PolicyBase`.
+``PlannerDecision`` messages), :meth:`models` (the per-node Eq. 1–4 models
+for ``planner.models``) and ``on_placed`` (the live planner's core applied a
+decision's split count with other nodes: it lays a phase left on dead nodes
+only over live ones); all have defaults on :class:`PolicyBase`. The simulator
+calls none of them.
 """
 
 from __future__ import annotations
@@ -159,6 +162,13 @@ class PolicyBase:
         return None
 
     def on_switch_done(self, node: str, phase: Phase, now: float) -> None:
+        return None
+
+    def on_placed(self, phases: Mapping[str, Phase], now: float) -> None:
+        """The live planner's core applied this policy's last decision as ``phases``: the same prefill
+        count, with a phase the decision left on dead nodes only swapped onto a live node
+        (``core.PlannerCore._dead_swap``). Called after :meth:`tick` returned that decision; never
+        by the simulator (no node dies there)."""
         return None
 
     # -- outputs ---------------------------------------------------------- #

@@ -1,0 +1,149 @@
+"""A policy's split is laid over the live nodes as the core applies it (``PlannerCore.tick``; session 43).
+
+Before, the core applied a policy's phases as the policy placed them (``assign_min_change``, which knows
+nothing of liveness): a decision could leave a phase on dead nodes only, and the liveness swap
+(``_rescue``) corrected it at a later tick — a second switch, with a live node drained there and back.
+Now the core applies the decision with its dead phase swapped as ``_rescue`` would (same dead/steady
+rules), choosing the pair that switches the fewest live nodes: one command, the policy's split count.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.messages import NodeState, SplitApplied
+from shared.profile import load_profile
+from shared.split import assign_min_change, split_name
+from services.planner.core import PlannerCore
+from services.planner.policy import PolicyBase, make_planner
+
+from .helpers import state
+
+NODES = ["w0", "w1", "w2", "w3"]
+TINY = load_profile("tiny")
+
+
+def _drive(core: PlannerCore, t_end: float, dead: dict[str, float], *, kv_used: float = 0.3, queue: int = 0):
+    """Every 0.5 s each live node reports (a node in ``dead`` stops after its time); the core ticks when due;
+    a live node confirms a switch at once. Returns the commands issued, with their times."""
+    cmds = []
+    for k in range(int(t_end * 2) + 1):
+        t = k * 0.5
+        phases = core.command.phases
+        for n in NODES:
+            if n in dead and t > dead[n]:
+                continue
+            if phases[n] == "prefill":
+                st = state(n, "prefill", waiting=queue, queue=queue)
+            else:
+                used = int(round(kv_used * 100))
+                st = state(n, "decode", decoding=10, free=100 - used, total=100)
+            core.on_node_state(msgspec.structs.replace(st, epoch=core.command.epoch), t)
+        nxt = core.next_tick()
+        if nxt is not None and nxt <= t:
+            cmd = core.tick(t)
+            if cmd is not None:
+                cmds.append((t, dict(cmd.phases), cmd.reason))
+                for n in NODES:
+                    if n not in dead or t <= dead[n]:
+                        core.on_split_applied(SplitApplied(node=n, epoch=cmd.epoch, phase=cmd.phases[n], status="serving"), t)
+    return cmds
+
+
+def test_a_policy_switch_that_would_leave_prefill_on_a_dead_node_switches_no_live_node() -> None:
+    """Dynamo, 2P2D, w0 (prefill) dead since t=100; at its 180-s adjustment the decode KV load votes a
+    prefill node to decode: ``assign_min_change`` takes w1, the only live prefill node. Before: 1P3D with
+    prefill on the dead w0 alone (w1 drained to decode), then the liveness swap at the next tick gave
+    prefill back to w1 (drained again): 2 commands. Now one command, w0 → decode, every live node keeps
+    its phase, and the reason says why."""
+    core = PlannerCore(NODES, "2P2D", policy=make_planner("dynamo", NODES, TINY), silent_after=3.0)
+    cmds = _drive(core, 230.0, {"w0": 100.0}, kv_used=0.95)
+    assert len(cmds) == 1 and core.switches == 1
+    t, phases, reason = cmds[0]
+    assert t == 180.0 and split_name(phases) == "1P3D"
+    assert phases == {"w0": "decode", "w1": "prefill", "w2": "decode", "w3": "decode"}
+    assert reason.endswith(
+        "(laid over the live nodes: prefill would have been on silent nodes only (w0 silent 80.0 s): w1 takes it from w0)"
+    )
+    switch = [d for d in core.take_decisions() if d.action == "switch"]
+    assert [(d.policy, d.split_after) for d in switch] == [("dynamo", "1P3D")] and switch[0].reason == reason
+
+
+class _Once(PolicyBase):
+    """Switches to ``count`` prefill nodes (``assign_min_change``, as every policy) at ``at``."""
+
+    name = "once"
+
+    def __init__(self, count: int, at: float) -> None:
+        super().__init__(NODES, TINY)
+        self.count, self.at, self.placed = count, at, []
+
+    def next_tick(self) -> float | None:
+        return self.at
+
+    def tick(self, now, phases, busy):
+        if now < self.at:
+            return None
+        self.at = now + 1000.0
+        return self._decide(now, "switch", phases, assign_min_change(phases, self.count), "once")
+
+    def on_placed(self, phases, now) -> None:
+        self.placed.append((now, dict(phases)))
+
+
+def _core(count: int, at: float = 10.0) -> PlannerCore:
+    return PlannerCore(NODES, "2P2D", policy=_Once(count, at), silent_after=3.0)
+
+
+def _states(core: PlannerCore, t: float, *nodes: str) -> None:
+    for n in nodes:
+        core.on_node_state(NodeState(node=n, phase=core.command.phases[n], epoch=core.command.epoch), t)
+
+
+def test_decode_left_on_a_dead_node_goes_to_the_live_node_the_policy_moved() -> None:
+    """3P1D from 2P2D takes w2 (first decode node) to prefill, leaving decode on the dead w3: w2 keeps
+    decode and the dead w3 takes the prefill place (no live node switches); the policy is told."""
+    core = _core(3)
+    for t in (1.0, 2.0):
+        _states(core, t, *NODES)
+    for t in (4.0, 6.0, 8.0, 10.0):
+        _states(core, t, "w0", "w1", "w2")
+    cmd = core.tick(10.0)
+    assert cmd is not None and dict(cmd.phases) == {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "prefill"}
+    assert core.policy.placed == [(10.0, dict(cmd.phases))]  # type: ignore[attr-defined]
+    assert core.tick(10.5) is None and core.switches == 1
+
+
+def test_the_policys_placement_stands_when_no_node_is_dead_or_the_swap_rules_say_no() -> None:
+    live = _core(1)
+    _states(live, 9.0, *NODES)
+    assert dict(live.tick(10.0).phases) == assign_min_change(dict(live.command.phases), 1) == {  # type: ignore[union-attr]
+        "w0": "prefill", "w1": "decode", "w2": "decode", "w3": "decode"}
+    never = _core(1)  # w0 never reported (a cold start: it may only be late)
+    _states(never, 9.0, "w1", "w2", "w3")
+    assert dict(never.tick(10.0).phases)["w0"] == "prefill"  # type: ignore[union-attr]
+    stall = _core(1, at=6.1)  # a bus stall: w2, w3 back first (steady by 6.05) were not live when w0 fell silent
+    _states(stall, 1.0, *NODES)
+    _states(stall, 2.0, *NODES)
+    _states(stall, 6.0, "w1", "w2", "w3")
+    _states(stall, 6.05, "w1", "w2", "w3")
+    cmd = stall.tick(6.1)
+    assert cmd is not None and dict(cmd.phases)["w0"] == "prefill" and stall.policy.placed == []  # type: ignore[attr-defined]
+
+
+def test_the_evolving_planner_sees_the_placed_split_as_its_own() -> None:
+    """The evolving planner compares the phases with the ones it decided (``expected``): without being told
+    of the placement it took the core's swap for an operator's change ("split changed externally",
+    its cooldown restarted). Its freeze (no warm-up) goes to 1P3D with w0, the first node, dead."""
+    pol = make_planner("evolving", NODES, TINY, t_learn_s=0.0, initial_split="1P3D")
+    core = PlannerCore(NODES, "2P2D", policy=pol, silent_after=3.0)
+    for t in (1.0, 2.0):
+        _states(core, t, *NODES)
+    for t in (4.0, 6.0):
+        _states(core, t, "w1", "w2", "w3")
+    cmd = core.tick(6.0)
+    assert cmd is not None and dict(cmd.phases) == {"w0": "decode", "w1": "prefill", "w2": "decode", "w3": "decode"}
+    core.take_decisions()
+    _states(core, 10.0, "w1", "w2", "w3")
+    assert core.tick(10.0) is None
+    assert not [d.reason for d in core.take_decisions() if "externally" in d.reason]
