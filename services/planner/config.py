@@ -45,7 +45,8 @@ class PlannerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fiel
         float, Meta(gt=0, description="wall seconds the tick loop sleeps at most before asking the policy again")
     ] = 1.0
     busy_timeout_s: Annotated[
-        float, Meta(gt=0, description="simulated seconds a node may take to confirm a phase switch before it stops blocking planning")
+        float, Meta(gt=0, description="simulated seconds a node may take to confirm a phase switch before it stops blocking "
+                    "planning (a node silent past --silent-after-s blocks none: it is dead, not switching)")
     ] = 900.0
     silent_after_s: Annotated[
         float,

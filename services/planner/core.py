@@ -305,11 +305,20 @@ class PlannerCore:
             self.policy.on_switch_done(msg.node, msg.phase, now)
 
     def busy(self, now: float) -> set[str]:
-        """Nodes draining or still switching to a phase a command gave them (timed out after ``busy_timeout_s``)."""
+        """Nodes draining or still switching to a phase a command gave them (timed out after ``busy_timeout_s``),
+        the policies' reason not to plan (dynamo restarts its adjustment interval, the evolving planner skips
+        its window). A *dead* node (heard, then silent for ``silent_after`` or more) is none of them: it is not
+        switching, and it never confirms (a phase a liveness swap or a split laid over the live nodes gave it)
+        nor ends its drain (``draining`` has no timeout), so it held every policy back for ``busy_timeout_s``,
+        or for good. It stays pending: busy again once it reports, until it serves. O(N)."""
         for n, (_, since) in list(self.pending.items()):
             if now - since > self.busy_timeout_s:
                 del self.pending[n]
-        return set(self.pending) | self.draining
+        out = set(self.pending) | self.draining
+        if self.silent_after is not None:
+            heard = self.heard
+            out = {n for n in out if n not in heard or now - heard[n] < self.silent_after}
+        return out
 
     # -- decisions ------------------------------------------------------------ #
 

@@ -147,3 +147,46 @@ def test_the_evolving_planner_sees_the_placed_split_as_its_own() -> None:
     _states(core, 10.0, "w1", "w2", "w3")
     assert core.tick(10.0) is None
     assert not [d.reason for d in core.take_decisions() if "externally" in d.reason]
+
+
+def test_a_liveness_swap_does_not_hold_dynamos_adjustments_back() -> None:
+    """Dynamo adjusts every 180 s and restarts that interval while a node is busy (switching). The
+    liveness swap at t=103 (prefill w0, w1 dead since 100: w0 → decode, w3 → prefill) gave the dead w0
+    a phase it never confirms: it counted as busy until ``busy_timeout_s`` (900 s), and dynamo's next
+    adjustment came at t=1180 instead of 180. A dead node is not switching: now it does not count as busy,
+    and dynamo adjusts at 180 and 360 as scheduled (w3 confirmed before its next tick). An early policy tick
+    at a deadline of the swap that swaps nothing (decode dead, one live prefill node left) leaves the
+    schedule alone, as before: dynamo's interval restarts only at an adjustment or while a node is busy."""
+    core = PlannerCore(NODES, "2P2D", policy=make_planner("dynamo", NODES, TINY), silent_after=3.0)
+    cmds = _drive(core, 400.0, {"w0": 100.0, "w1": 100.0}, kv_used=0.6)
+    assert [(t, r.split(" (")[0]) for t, _, r in cmds] == [(103.0, "prefill was left on silent nodes only")]
+    adjusted = [d.ts for d in core.take_decisions() if d.policy == "dynamo" and d.action != "skip"]
+    assert adjusted == [180.0, 360.0]
+    early = PlannerCore(NODES, "2P2D", policy=make_planner("dynamo", NODES, TINY), silent_after=3.0)
+    ticks = []
+    tick = early.tick
+    early.tick = lambda now: ticks.append(now) or tick(now)  # type: ignore[method-assign]
+    assert _drive(early, 400.0, {"w1": 95.0, "w2": 100.0, "w3": 100.0}, kv_used=0.7, queue=1) == []  # within thresholds
+    assert 103.0 in ticks  # decode's deadline: a policy tick between dynamo's own (every 10 s)
+    assert [d.ts for d in early.take_decisions() if d.policy == "dynamo" and d.action != "skip"] == [180.0, 360.0]
+
+
+def test_a_node_that_dies_while_draining_or_switching_stops_counting_as_busy() -> None:
+    """``draining`` has no timeout (a node's next state or ``split.applied`` ends it): a node killed during
+    its drain held every policy back (dynamo's adjustments, the evolving planner's windows) until it came
+    back, and one killed before it confirmed a switch for ``busy_timeout_s``. Busy now leaves out a silent
+    node; a live one, and one never heard (a cold start), still count."""
+    core = PlannerCore(NODES, "2P2D", silent_after=3.0)
+    _states(core, 50.0, *NODES)
+    core.on_split_applied(SplitApplied(node="w1", epoch=2, phase="decode", status="draining"), 50.0)
+    core.pending["w2"] = (2, 50.0)
+    assert core.busy(52.0) == {"w1", "w2"}
+    _states(core, 53.0, "w0", "w3")
+    assert core.busy(53.0) == set()
+    _states(core, 54.0, "w2")  # back (restarted, or its bus returned): busy again until it reports serving
+    core.on_node_state(NodeState(node="w1", phase="prefill", epoch=1, accepting=False), 54.0)  # still draining
+    assert core.busy(54.0) == {"w1", "w2"}
+    cold = PlannerCore(NODES, "2P2D", silent_after=3.0)
+    cold.pending["w0"] = (2, 0.0)
+    assert cold.busy(10.0) == {"w0"}
+    assert PlannerCore(NODES, "2P2D").busy(0.0) == set()
