@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,6 +122,23 @@ def _then(first: Injector, service: str, after_s: float) -> Injector:
     return inject
 
 
+def _kill_wiping_store(service: str = "nats-server") -> Injector:
+    """SIGKILL nats-server and remove its JetStream store before the supervisor starts it again: a server
+    that comes back empty (a new container without a volume). The store is the ``js`` folder next to the
+    config file its command line names (``-c``)."""
+
+    async def inject(run: FaultRun) -> str | None:
+        pid = run.pid(service)
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        store = Path(argv[argv.index(b"-c") + 1].decode()).parent / "js"
+        run.kill(service)
+        await asyncio.sleep(0.02)  # gone before its store is (up restarts it 0.1 s after it exits)
+        shutil.rmtree(store, ignore_errors=True)
+        return service
+
+    return inject
+
+
 FAULTS: dict[str, Injector] = {
     "nats-kill": _kill("nats-server"),
     "directory-kill": _kill("kvdirectory"),
@@ -133,11 +151,13 @@ FAULTS: dict[str, Injector] = {
     "decode-worker-stop": _stop("worker-w3", 8.0),
     "worker-kill-then-nats-kill": _then(_kill("worker-w3"), "nats-server", 0.3),
     "directory-kill-then-worker-kill": _then(_kill("kvdirectory"), "worker-w0", 0.2),
+    "nats-kill-store-lost": _kill_wiping_store(),
 }
 """Fault name -> injector. With ``--split 2P2D`` on 4 nodes, w0/w1 prefill and w2/w3 decode. ``*-stop``: the
 process hangs 8 s (SIGSTOP, then SIGCONT); ``router-kill``: a single router's clients lose its open streams and
 what they send before ``up`` restarts it (connection errors, no hang); ``a-then-b``: b is SIGKILLed while a is
-being restarted."""
+being restarted; ``nats-kill-store-lost``: nats-server comes back without its JetStream store (the stream is
+made again by the launcher, every consumer resumes at its start)."""
 
 LOSSY = frozenset({"router-kill"})
 """Faults whose victim's clients lose requests by design (its open streams, what they send while it is down): they

@@ -23,7 +23,9 @@ placements) are captured by a JetStream stream (``EI_<partition>``, file
 storage, kept ``STREAM_MAX_AGE_S``), and a subscription to one of them is an
 ordered JetStream consumer: after a reconnect it resumes from the last stream
 sequence it handled (from the stream's new end when a killed server came back
-without its last writes). What a client wrote in the moments before the server
+without its last writes; from the start of a new stream when the server came back without its
+store at all, e.g. a new container without a volume: the stream is made again after the
+reconnect, by the first bus allowed to). What a client wrote in the moments before the server
 died may never have been stored: each reliable message carries a
 ``Nats-Msg-Id``, the publisher keeps the last ``RESEND_WINDOW_S`` of them and
 publishes them again on reconnect; the stream drops the copies it already has
@@ -172,6 +174,9 @@ RESEND_WINDOW_S = 2.0
 on reconnect (they may have died in the socket or in the server's write buffer)."""
 RESEND_MAX_MSGS = 50_000
 """Bound of the resend window in messages."""
+STREAM_BACK_WAIT_S = 60.0
+"""After a reconnect to a server that lost the stream (its store gone), how long a bus that may not
+make it again (under credentials only the launcher may) waits for another to make it (wall seconds)."""
 SEEN_IDS = 200_000
 """Message ids a reliable subscription remembers to drop duplicates (per subscription)."""
 MSG_ID = "Nats-Msg-Id"
@@ -268,6 +273,9 @@ class Bus:
         self.jetstream = False
         """True once the partition's stream exists: reliable subjects are consumed from it."""
         self._stream_checked = False
+        self._stream_created: object = None
+        """The stream's creation time as the server reported it (``StreamInfo.created``) when this bus first
+        saw it: a different one after a reconnect is a new stream (the server lost its store)."""
         self.reconnected_at: float | None = None
         """``time.monotonic()`` of the last reconnect (None: never disconnected)."""
         self._pings: set[asyncio.Future[None]] = set()
@@ -409,8 +417,28 @@ class Bus:
         )
 
     async def _after_reconnect(self) -> None:
-        """Publish the resend window again; resume consumers whose stream came back shorter."""
+        """Find the stream again (make it when the server lost it), publish the resend window again,
+        resume consumers whose stream came back shorter or new."""
         resend, self._resend = self._resend, []
+        info = await self._stream_after_reconnect() if self.jetstream else None
+        if info is not None and self._stream_created is not None and info.created is not None and info.created != self._stream_created:
+            # a new stream (the server came back without its store): what was published since the reconnect,
+            # before the stream was there, went nowhere: published again with the window (ids drop any copy)
+            self._stream_created = info.created
+            self.counters["stream_recreated"] += 1
+            ids = {hdr.get(MSG_ID) for _t, _s, _d, hdr in resend}
+            resend += [r for r in self._recent if r[3].get(MSG_ID) not in ids]
+            first = max(0, int(info.state.first_seq) - 1)
+            self.log.warning("stream is new after the reconnect (the server lost its store); consumers resume at its start",
+                             consumers=len(self._js_subs), stream_first=first + 1)  # fmt: skip
+            for sub, pos in self._js_subs:
+                jsi = _ordered_state(sub)
+                if jsi is None:
+                    continue
+                pos.rewind(first)
+                jsi._sseq = first
+                await jsi.reset_ordered_consumer(first + 1)
+            info = None  # the consumers are placed
         for _t, subject, data, hdr in resend:
             try:
                 await self.nc.publish(subject, data, headers=hdr)
@@ -418,12 +446,7 @@ class Bus:
             except nats.errors.Error as e:
                 self.log.warning("resend after reconnect failed", error=repr(e))
                 break
-        if not self._js_subs:
-            return
-        try:
-            info = await self.nc.jetstream(timeout=5.0).stream_info(stream_name(self.subjects))
-        except (nats.errors.Error, asyncio.TimeoutError) as e:
-            self.log.warning("stream info after reconnect failed", error=repr(e))
+        if info is None:
             return
         last = int(info.state.last_seq)
         for sub, pos in self._js_subs:
@@ -438,6 +461,50 @@ class Bus:
             jsi._sseq = last
             await jsi.reset_ordered_consumer(last + 1)
 
+    async def _stream_after_reconnect(self) -> Any:
+        """The stream's info after a reconnect; a stream the server lost is made again (or, when this bus may
+        not, waited for up to ``STREAM_BACK_WAIT_S``). None when it cannot be read (logged)."""
+        jsm = self.nc.jetstream(timeout=5.0)
+        name = stream_name(self.subjects)
+        deadline = time.monotonic() + STREAM_BACK_WAIT_S
+        while not self._closing:
+            try:
+                return await jsm.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                pass
+            except (nats.errors.Error, asyncio.TimeoutError) as e:
+                self.log.warning("stream info after reconnect failed", error=repr(e))
+                return None
+            try:  # a short wait: under credentials the server refuses it unanswered (only the launcher may make it)
+                info = await self.nc.jetstream(timeout=1.0).add_stream(self._stream_config())
+                self.counters["stream_made_again"] += 1
+                self.log.warning("the server lost the stream (its store); made it again", stream=name)
+                return info
+            except (nats.errors.Error, asyncio.TimeoutError) as e:  # not allowed (credentials), or made meanwhile
+                if time.monotonic() > deadline:
+                    self.log.warning("the server lost the stream and it was not made again in time", stream=name,
+                                     waited_s=STREAM_BACK_WAIT_S, error=repr(e))  # fmt: skip
+                    return None
+            await asyncio.sleep(0.25)
+        return None
+
+    def _stream_config(self) -> Any:
+        """The partition's stream over every reliable subject (file storage, bounded by age and bytes)."""
+        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+        from shared.subjects import ALL
+
+        return StreamConfig(
+            name=stream_name(self.subjects),
+            subjects=[self.subjects.wildcard(s) for s in ALL if s.reliable],
+            storage=StorageType.FILE,
+            retention=RetentionPolicy.LIMITS,
+            discard=DiscardPolicy.OLD,
+            max_age=STREAM_MAX_AGE_S,
+            max_bytes=STREAM_MAX_BYTES,
+            num_replicas=1,
+        )
+
     async def ensure_stream(self) -> bool:
         """Find or create the partition's stream over every reliable subject; idempotent.
         Without it (no JetStream, no permission) reliable subjects fall back to core NATS.
@@ -449,27 +516,16 @@ class Bus:
         if self._stream_checked:
             return self.jetstream
         self._stream_checked = True
-        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-
-        from shared.subjects import ALL
-
-        config = StreamConfig(
-            name=stream_name(self.subjects),
-            subjects=[self.subjects.wildcard(s) for s in ALL if s.reliable],
-            storage=StorageType.FILE,
-            retention=RetentionPolicy.LIMITS,
-            discard=DiscardPolicy.OLD,
-            max_age=STREAM_MAX_AGE_S,
-            max_bytes=STREAM_MAX_BYTES,
-            num_replicas=1,
-        )
+        config = self._stream_config()
         jsm = self.nc.jetstream(timeout=5.0)
         try:
             try:
                 # under auth only the launcher may create it (shared.auth); the others find it
-                await jsm.stream_info(config.name)
+                info = await jsm.stream_info(config.name)
             except nats.js.errors.NotFoundError:
-                await jsm.add_stream(config)
+                info = await jsm.add_stream(config)
+            if self._stream_created is None:
+                self._stream_created = info.created
         except (nats.errors.Error, asyncio.TimeoutError) as e:
             self.jetstream = False
             self.log.warning("no JetStream stream: reliable subjects fall back to core NATS (at most once)", error=repr(e))

@@ -169,6 +169,57 @@ async def test_a_stream_that_comes_back_shorter_loses_no_new_message(backlog):
             await sub.close()
 
 
+@pytest.mark.timeout(60)
+async def test_a_server_back_without_its_store_gets_the_stream_again_and_loses_no_message():
+    """A nats-server that comes back without its JetStream store (a new container without a volume,
+    the store dir wiped) has no stream: before, nobody made it again, every reliable message (work,
+    hand-offs, token chunks) went nowhere and the live cluster hung every request for good (seen:
+    SIGKILL, store removed, restart during a faultkit load: 8 of 8 streams hung, a new request after
+    20 s too, NotFoundError every second). Now the first bus back makes the stream again; a
+    subscriber resumes at its start, and what was published after the reconnect but before the
+    stream was there is published again: every message arrives once."""
+    with EmbeddedNatsServer() as srv:
+        subj = Subjects("p0")
+        pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
+        sub = await Bus.connect(srv.url, subj, service="router", instance="router")
+        got: list[int] = []
+
+        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
+            got.append(c.index)
+
+        async def send(a: int, b: int) -> None:
+            for i in range(a, b):
+                await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
+
+        async def until(done, what: str) -> None:
+            for _ in range(200):
+                if done():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"no {what} in 10 s: got {got}, {dict(sub.counters)}")
+
+        try:
+            await sub.subscribe(REQ_OUT, on_chunk)
+            await send(0, 5)
+            await until(lambda: len(got) == 5, "first 5")
+            os.kill(srv.pid, signal.SIGKILL)
+            srv.proc.wait()
+            shutil.rmtree(Path(srv._tmp) / "js")
+            srv.restart()
+            await until(lambda: pub.nc.is_connected, "reconnect")
+            await send(5, 10)  # at once: maybe before the stream is there again
+            await until(lambda: len(got) >= 10, "the 5 sent at the reconnect")
+            await send(10, 15)
+            await until(lambda: len(got) >= 15, "all 15")
+            await asyncio.sleep(0.5)
+            assert got == list(range(15)), got
+            assert pub.counters["stream_made_again"] + sub.counters["stream_made_again"] >= 1
+            assert sub.counters["stream_recreated"] == 1 and pub.counters["stream_recreated"] == 1
+        finally:
+            await pub.close()
+            await sub.close()
+
+
 @pytest.mark.timeout(120)
 async def test_core_subscription_loses_messages_across_the_same_kill():
     """The control: the same traffic on a core (at-most-once) subscription loses what was sent
