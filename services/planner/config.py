@@ -46,7 +46,8 @@ class PlannerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fiel
     ] = 1.0
     busy_timeout_s: Annotated[
         float, Meta(gt=0, description="simulated seconds a node may take to confirm a phase switch before it stops blocking "
-                    "planning (a node silent past --silent-after-s blocks none: it is dead, not switching)")
+                    "planning (a node silent past --silent-after-s while another kept reporting blocks none: it is dead, "
+                    "not switching)")
     ] = 900.0
     silent_after_s: Annotated[
         float,

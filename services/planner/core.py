@@ -310,14 +310,21 @@ class PlannerCore:
         its window). A *dead* node (heard, then silent for ``silent_after`` or more) is none of them: it is not
         switching, and it never confirms (a phase a liveness swap or a split laid over the live nodes gave it)
         nor ends its drain (``draining`` has no timeout), so it held every policy back for ``busy_timeout_s``,
-        or for good. It stays pending: busy again once it reports, until it serves. O(N)."""
+        or for good. It stays pending: busy again once it reports, until it serves. Dead needs a witness, as
+        the liveness swap's takers (:meth:`_dead_swap`): a live, ``steady`` node whose run of states began
+        before the node went silent. When every node is silent at once (a stall of the planner's bus or loop,
+        a step of its clock) nothing is known and nobody is left out; before, a node still draining or
+        switching then stopped holding the policies back (dynamo switched mid-stall on stale states). O(N)."""
         for n, (_, since) in list(self.pending.items()):
             if now - since > self.busy_timeout_s:
                 del self.pending[n]
         out = set(self.pending) | self.draining
-        if self.silent_after is not None:
-            heard = self.heard
-            out = {n for n in out if n not in heard or now - heard[n] < self.silent_after}
+        if self.silent_after is not None and out:
+            heard, after = self.heard, self.silent_after
+            # the earliest start of a witness's run of states (a live, steady node), None without one
+            first = min((self.since[m] for m in self.steady if m in heard and now - heard[m] < after), default=None)
+            if first is not None:
+                out = {n for n in out if n not in heard or now - heard[n] < after or first >= heard[n] + after}
         return out
 
     # -- decisions ------------------------------------------------------------ #

@@ -180,8 +180,10 @@ def test_a_node_that_dies_while_draining_or_switching_stops_counting_as_busy() -
     _states(core, 50.0, *NODES)
     core.on_split_applied(SplitApplied(node="w1", epoch=2, phase="decode", status="draining"), 50.0)
     core.pending["w2"] = (2, 50.0)
+    _states(core, 51.0, "w0", "w3")
+    _states(core, 52.0, "w0", "w3")
     assert core.busy(52.0) == {"w1", "w2"}
-    _states(core, 53.0, "w0", "w3")
+    _states(core, 53.0, "w0", "w3")  # w0, w3 reported all along: witnesses (a silence of every node is a stall)
     assert core.busy(53.0) == set()
     _states(core, 54.0, "w2")  # back (restarted, or its bus returned): busy again until it reports serving
     core.on_node_state(NodeState(node="w1", phase="prefill", epoch=1, accepting=False), 54.0)  # still draining
@@ -190,3 +192,34 @@ def test_a_node_that_dies_while_draining_or_switching_stops_counting_as_busy() -
     cold.pending["w0"] = (2, 0.0)
     assert cold.busy(10.0) == {"w0"}
     assert PlannerCore(NODES, "2P2D").busy(0.0) == set()
+
+
+def test_a_stall_that_silences_every_node_does_not_free_a_switching_node_from_busy() -> None:
+    """Dead needs a witness: a node that kept reporting across the silence (live, steady, its run of
+    states begun before the silent node went quiet), as for the liveness swap's takers. When every node is
+    silent at once (a stall of the planner's bus or loop, a step of its clock) nothing is known: before,
+    ``busy`` dropped every silent node, so a node still draining or switching stopped holding the policies
+    back, and dynamo (2P2D, w1 draining from t=100, no state from any node after t=150) switched at t=330
+    mid-stall on the states of t=150 while w1 still drained. Nodes back first after the stall (not steady
+    yet) do not witness the others either."""
+    core = PlannerCore(NODES, "2P2D", silent_after=3.0)
+    _states(core, 49.0, *NODES)
+    _states(core, 50.0, *NODES)
+    core.on_split_applied(SplitApplied(node="w1", epoch=2, phase="decode", status="draining"), 50.0)
+    core.pending["w2"] = (2, 50.0)
+    assert core.busy(60.0) == {"w1", "w2"}  # every node silent: nothing is known
+    _states(core, 60.0, "w0", "w3")  # back first after the stall: not steady, no witness
+    assert core.busy(60.0) == {"w1", "w2"}
+    dyn = PlannerCore(NODES, "2P2D", policy=make_planner("dynamo", NODES, TINY), silent_after=3.0)
+    for k in range(801):
+        t = k * 0.5
+        if t <= 150.0:
+            for n in NODES:
+                if dyn.command.phases[n] == "prefill":
+                    st = state(n, "prefill")
+                else:
+                    st = state(n, "decode", decoding=10, free=5, total=100)
+                draining = n == "w1" and t >= 100.0
+                dyn.on_node_state(msgspec.structs.replace(st, epoch=dyn.command.epoch, accepting=not draining), t)
+        nxt = dyn.next_tick()
+        assert nxt is None or nxt > t or dyn.tick(t) is None, f"switched at t={t} during the stall"
