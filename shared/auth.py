@@ -22,7 +22,7 @@ identity          may publish (relative to ``ei.<partition>.``)
 ================  ==============================================================================
 
 Subscriptions follow the same table (a worker receives only its own ``work.<n>.*``,
-``kv.counts.<n>``, ``kv.resync.<n>``, ``kv.pool.<n>``; only the router and the planner
+``kv.counts.<n>``, ``kv.resync.<n>``, ``kv.pool.<n>``, ``node.state.<n>``; only the router and the planner
 (completions for w̄) read ``req.*.out``). Every identity publishes its own
 heartbeat and answers ``svc.stats.<its name>``; replies go back through
 ``allow_responses`` and each identity reads only its own inbox prefix
@@ -171,7 +171,8 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
             f"kv.events.{n}", f"node.state.{n}", f"node.iters.{n}", "split.applied", "req.*.out",
             "work.*.decode", "work.requeue.*", "route.bind.*", "route.held.*", "kv.pool.*", "split.get", f"kv.countsync.{n}",
         ]
-        sub = [f"work.{n}.prefill", f"work.{n}.decode", f"work.{n}.abort", "split.commands", f"kv.counts.{n}", f"kv.resync.{n}", f"kv.pool.{n}"]
+        sub = [f"work.{n}.prefill", f"work.{n}.decode", f"work.{n}.abort", "split.commands", f"kv.counts.{n}", f"kv.resync.{n}", f"kv.pool.{n}",
+               f"node.state.{n}"]  # its own: a process that started later under its node id supersedes it (services/worker)
     elif ident.kind == "operator":
         pub = ["split.set", "split.get", "svc.stats.*"]
         sub = ["svc.heartbeat.*", "split.applied", "split.commands", "planner.decisions", "node.state.*"]

@@ -408,6 +408,23 @@ class NodeState(Msg, frozen=True, kw_only=True):
     gpu_total_blocks: NonNeg = 0
     host_used_blocks: NonNeg = 0
     host_total_blocks: NonNeg = 0
+    boot: str = ""
+    """The publishing process's incarnation (:func:`new_boot`): a later start compares greater, so two
+    processes that announce one node id (a worker restarted while the old process was frozen, then
+    resumed) are told apart: the older one stops (``services/worker``) and the router skips its states.
+    Empty: not known (an older publisher)."""
+
+
+def new_boot(now_ns: int, rand: bytes) -> str:
+    """A process incarnation id for :attr:`NodeState.boot`: its start in wall nanoseconds (20 digits), ``-``,
+    ``rand`` in hex (the tie-break of two starts in one nanosecond). Ordered as strings by start time
+    (across machines as far as their clocks agree)."""
+    return f"{now_ns:020d}-{rand.hex()}"
+
+
+def boot_older(boot: str, than: str) -> bool:
+    """Whether incarnation ``boot`` started before ``than`` (False when either is unknown, empty)."""
+    return bool(boot) and bool(than) and boot < than
 
 
 class IterationRecord(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):

@@ -318,6 +318,7 @@ def _node_state(s: m.NodeState, p: dict[str, str], nodes: Collection[str] | None
         for f in (q.uncached_tokens, q.cached_tokens, q.restore_tokens):
             _int(f, "queue[] tokens", MAX_TOKENS)
     _text(s.engine, "engine", 64)
+    _text(s.boot, "boot", 64)
 
 
 def _iters(r: m.IterationRecords, p: dict[str, str], nodes: Collection[str] | None) -> None:

@@ -187,9 +187,12 @@ class RouterCore:
     # -- inputs ---------------------------------------------------------- #
 
     def apply_state(self, state: NodeState, now: float) -> bool:
-        """See :meth:`NodeLoadView.apply_state` (True = node let back in); the policy sees the state too."""
+        """See :meth:`NodeLoadView.apply_state` (True = node let back in); the policy sees the state too, unless the
+        view skipped it (a superseded process's, :attr:`NodeLoadView.superseded_states`)."""
+        skipped = self.view.superseded_states
         back = self.view.apply_state(state, now)
-        self.policy.on_state(state, now)
+        if self.view.superseded_states == skipped:
+            self.policy.on_state(state, now)
         return back
 
     def apply_models(self, msg: PlannerModels, now: float) -> int:

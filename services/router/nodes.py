@@ -51,7 +51,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Literal
 
-from shared.messages import NodeState, Phase, SplitCommand
+from shared.messages import NodeState, Phase, SplitCommand, boot_older
 from shared.subjects import check_token
 from shared.values import FACTORY, FrozenValue, Value, set_field
 
@@ -284,10 +284,13 @@ class NodeLoadView(Value):
     """The receiving side's clock for state ages (see Args), or None: each call's ``now``."""
     wall_per_s: float | None
     """Wall s per second of ``clock`` for the reasons' ages (see Args), or None."""
+    superseded_states: int
+    """States skipped because a process that started later (``NodeState.boot``) reports under the same node id and
+    is not fenced: the older process (frozen, replaced, resumed) until it stops itself."""
 
     __slots__ = __match_args__ = (
         "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists", "_tokens",
-        "_usable_gen", "_kv_bounds", "_split_phases", "_forgotten", "clock", "wall_per_s",
+        "_usable_gen", "_kv_bounds", "_split_phases", "_forgotten", "clock", "wall_per_s", "superseded_states",
     )
 
     def __init__(
@@ -295,7 +298,7 @@ class NodeLoadView(Value):
         kv_stale: frozenset[str] = frozenset(), _flights: Any = FACTORY, _gen: int = 0,
         _by_id: list[NodeRecord] | None = None, _lists: Any = FACTORY, _tokens: Any = FACTORY,
         _usable_gen: int = -1, _kv_bounds: tuple[int, int] | None = None, _split_phases: Any = FACTORY, _forgotten: Any = FACTORY,
-        clock: Callable[[], float] | None = None, wall_per_s: float | None = None,
+        clock: Callable[[], float] | None = None, wall_per_s: float | None = None, superseded_states: int = 0,
     ) -> None:
         self.fence_after = fence_after
         self.nodes = {} if nodes is FACTORY else nodes
@@ -313,6 +316,7 @@ class NodeLoadView(Value):
         self._forgotten = set() if _forgotten is FACTORY else _forgotten
         self.clock = clock
         self.wall_per_s = wall_per_s
+        self.superseded_states = superseded_states
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -354,8 +358,15 @@ class NodeLoadView(Value):
             check_token(state.node, "node")
             self._tokens.add(state.node)
         rec = self.nodes.get(state.node) or self._record(state.node)
-        self._forgotten.discard(state.node)
         old, seen = rec.state, rec.last_seen
+        if old is not None and not rec.fenced and boot_older(state.boot, old.boot):
+            # a process superseded under this node id (frozen, restarted, then resumed) until it stops itself:
+            # its states would read as a restart of the node at each alternation (fence, re-dispatch). Once the
+            # later one is fenced (silent) the earlier one's states count again (a restart on a host whose clock
+            # is behind is then let in after fence_after, not never)
+            self.superseded_states += 1
+            return False
+        self._forgotten.discard(state.node)
         if old is not None and not rec.fenced and state.seq < old.seq:
             rec.restarted = True  # a new process: what the old one held is gone (issue #22)
         rec.state = state

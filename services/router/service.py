@@ -852,11 +852,17 @@ class RouterService(WatchedService):
     async def _on_state(self, st: m.NodeState, _subject: str) -> None:
         rec = self.core.view.nodes.get(st.node)
         known = rec.state.gpu_total_blocks if rec is not None and rec.state is not None else None
+        skipped = self.core.view.superseded_states
         try:
             back = self.core.apply_state(st, self.clock.now())
         except ValueError as e:
             self.counters["states_bad_node_id"] += 1
             self.log.warning("node state with an unusable node id dropped", error=str(e))
+            return
+        if self.core.view.superseded_states != skipped:
+            self.counters["states_superseded"] += 1
+            self.bus.droplog.event("states_superseded", "node state of a superseded process skipped (a process that started "
+                                   "later reports under its node id)", node=st.node, boot=st.boot)  # fmt: skip
             return
         if back:
             self.counters["unfenced"] += 1

@@ -63,6 +63,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import os
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -151,6 +152,11 @@ def make_torch_engine(cfg: WorkerConfig, profile: Profile, speedup: float | None
         torch.set_num_threads(cfg.torch_threads)
     return TorchEngine(profile, cfg.model, dtype=cfg.dtype or None, device=cfg.device or None, check=cfg.check_invariants,
                        speedup=cfg.speedup if speedup is None else speedup)
+
+
+class Superseded(RuntimeError):
+    """Another process announces this node id and started later (its ``NodeState.boot`` is greater): this one
+    was replaced (restarted while it was frozen, then resumed) and stops, so one node id is served once."""
 
 
 class _BadCountSnapshot(Exception):
@@ -315,6 +321,8 @@ class WorkerService:
         self.epoch = 0
         self.kv_seq = 0
         self.state_seq = 0
+        self.boot = m.new_boot(time.time_ns(), os.urandom(4))
+        """This process's incarnation (``NodeState.boot``): a later process under the same node id supersedes it."""
         self.accepting = False
         self._streams: dict[str, _Stream] = {}
         self._records: list[m.IterationRecord] = []
@@ -395,6 +403,7 @@ class WorkerService:
         await b.subscribe(WORK_DECODE, self._on_decode, node=node)
         await b.subscribe(WORK_ABORT, self._on_abort, node=node)
         await b.subscribe(SPLIT_COMMANDS, self._on_split)
+        await b.subscribe(NODE_STATE, self._on_own_state, node=node)  # another process under this node id
         if self.counts_on:
             await b.subscribe(KV_COUNTS, self._on_counts, node=node)
         await b.serve(KV_RESYNC, self._on_resync, node=node)
@@ -458,7 +467,8 @@ class WorkerService:
         """Stop the loop, flush iteration records, announce ``accepting=False`` and that the node's KV
         is gone (``AllBlocksCleared``, as at start): the directory drops its blocks, so a node that
         left is no longer counted in ``ei_kvdirectory_copies`` / ``blocks_indexed`` or offered in
-        lookups (a SIGKILLed node cannot say so: its blocks stay until it comes back)."""
+        lookups (a SIGKILLed node cannot say so: its blocks stay until it comes back). A superseded process
+        (:class:`Superseded`) announces neither: they would clear the later process's blocks."""
         self.accepting = False
         self._stopped = True
         if self.watchdog is not None:
@@ -479,9 +489,10 @@ class WorkerService:
             self._executor.shutdown(wait=False)  # a thread still in a forward ends with it (or the watchdog ends the process)
         try:
             await self._flush_iters()
-            await self._publish_state(self.clock.local_now())
-            self.kv_seq += 1
-            await self._publish_kv(self.kv_seq, [m.AllBlocksCleared()], self.clock.local_now())
+            if not isinstance(self.fatal_error, Superseded):  # the node's state and KV are the later process's
+                await self._publish_state(self.clock.local_now())
+                self.kv_seq += 1
+                await self._publish_kv(self.kv_seq, [m.AllBlocksCleared()], self.clock.local_now())
             if self.watchdog is not None and (self.watchdog.fired is not None or self._step_abandoned):
                 await self.bus.flush(1.0)  # the watchdog exits the process next (or may, any moment): these must be out
         except Exception as e:  # connection already gone: nothing more to say
@@ -568,7 +579,7 @@ class WorkerService:
     async def _on_prefill(self, work: m.PrefillWork, _subject: str) -> None:
         self.counters["requests.received"] += 1
         self.counters["requests.received.prefill"] += 1
-        if not self._valid_rid(work.rid):
+        if not self._valid_rid(work.rid) or self._superseded(work.rid):
             return
         now = self.clock.local_now()
         if not await self._newest_attempt(work.rid, work.attempt, now):
@@ -615,7 +626,7 @@ class WorkerService:
     async def _on_decode(self, work: m.DecodeWork, _subject: str) -> None:
         self.counters["requests.received"] += 1
         self.counters["requests.received.decode"] += 1
-        if not self._valid_rid(work.rid):
+        if not self._valid_rid(work.rid) or self._superseded(work.rid):
             return
         now = self.clock.local_now()
         if not await self._newest_attempt(work.rid, work.attempt, now):
@@ -729,6 +740,23 @@ class WorkerService:
             bind.cancel()
         self._streams.pop(rid, None)
         self._owners.pop(rid, None)
+
+    def _superseded(self, rid: str) -> bool:
+        """This process was superseded (:class:`Superseded`): work for the node (delivered to both processes) is
+        the later one's, so it is dropped unanswered here: a rejection would fail the request the other serves."""
+        if not isinstance(self.fatal_error, Superseded):
+            return False
+        self.counters["work.superseded"] += 1
+        return True
+
+    async def _on_own_state(self, msg: m.NodeState, _subject: str) -> None:
+        """A ``node.state`` under this node id: from another process that started later, this one is superseded
+        (it was restarted while frozen, then resumed): it stops serving and exits (:meth:`_fail`), so the node's
+        work, KV events and states come from one process. One that started earlier is left to stop itself."""
+        if msg.boot != self.boot and m.boot_older(self.boot, msg.boot):
+            self.counters["superseded"] += 1
+            self._fail(Superseded(f"another process announces node {self.node} and started later (boot {msg.boot}; "
+                                  f"this one {self.boot})"), "node.state")  # fmt: skip
 
     async def _on_abort(self, msg: m.RequestAbort, _subject: str) -> None:
         held = self._owners.get(msg.rid)
@@ -1760,12 +1788,15 @@ class WorkerService:
             if isinstance(e, StepHung)
             else "node failed: the event loop was blocked past --watchdog-timeout-s"
             if isinstance(e, LoopBlocked)
+            else "node superseded: a process started later serves this node id"
+            if isinstance(e, Superseded)
             else "engine failed: an unexpected error left the node unable to make progress"
         )
         rids = list(dict.fromkeys((*self.core.requests, *self._owners)))  # with one the core handed off, not yet sent
         self.log.error(
-            f"{why}; the node exits to be restarted", where=where, error=repr(e), requests=len(rids), rids=rids[:64], exc_info=e
-        )
+            f"{why}; the node exits" + ("" if isinstance(e, Superseded) else " to be restarted"), where=where, error=repr(e),
+            requests=len(rids), rids=rids[:64], exc_info=None if isinstance(e, Superseded) else e,
+        )  # fmt: skip
         self.fatal.set()
 
     def _on_hang(self, e: StepHung | LoopBlocked, stacks: str) -> None:
@@ -1857,6 +1888,7 @@ class WorkerService:
             epoch=self.epoch,
             accepting=self.accepting and self._switch is None,
             engine=self.engine.name,
+            boot=self.boot,
         )
         self._last_state_mono = time.monotonic()
         self._last_state_counts = (st.running, st.waiting, st.decoding)
