@@ -97,12 +97,21 @@ def _ratio(v: Any, base: Any) -> float | None:
     return None
 
 
+def _shows_as_zero(key: str, value: Any) -> bool:
+    """Whether ``value`` prints as zero in the table (:func:`fmt_key`: no digit but 0)."""
+    return isinstance(value, (int, float)) and not any(c in "123456789" for c in fmt_key(key, value))
+
+
 def compare_table(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per metric that at least one report has.
 
     Each row: ``key``, ``label``, ``values`` (one per report, None where absent),
     ``ratios`` (value / first report's value; None for the first, for
-    non-numbers, or when the first is 0 or None), ``lower_is_better``.
+    non-numbers, or when the first is None or shows as zero in the table: ``0.000 s``,
+    ``0.00%``), ``lower_is_better``. A first value that is not 0 but prints as 0 (a
+    simulated run's TTFT prediction error, ~1e-14 s of float rounding; a lost KV reuse of
+    0.0004 %) gave ratios such as ``316679000242923.00x`` and ``149.82x`` beside a ``0.000 s``
+    and a ``0.00%``: a ratio to a value the table cannot tell from 0 measures nothing.
     """
     rows: list[dict[str, Any]] = []
     reports = [with_derived(r) for r in reports]
@@ -112,7 +121,8 @@ def compare_table(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         values = [r.get(key) if key != "wall_s" else (r.get("wall_s") or (r.get("meta") or {}).get("wall_s")) for r in reports]
         if all(v is None for v in values):
             continue
-        ratios = [None] + [_ratio(v, values[0]) for v in values[1:]]
+        base = None if _shows_as_zero(key, values[0]) else values[0]
+        ratios = [None] + [_ratio(v, base) for v in values[1:]]
         rows.append({"key": key, "label": label, "values": values, "ratios": ratios, "lower_is_better": lib})
     return rows
 

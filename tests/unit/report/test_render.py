@@ -459,3 +459,16 @@ def test_report_show_recompute_keeps_a_live_runs_measured_window(tmp_path: Path)
     fresh = json.loads((run / "report.json").read_text())
     assert fresh["duration_s"] == pytest.approx(report["duration_s"]) == pytest.approx(last - first + 105.0)
     assert fresh["throughput_rps"] == pytest.approx(report["throughput_rps"])
+
+
+def test_compare_table_gives_no_ratio_to_a_first_value_that_shows_as_zero():
+    """``report compare`` of a simulated run (its TTFT prediction error median 5.9e-14 s, float
+    rounding) against the live demo printed ``0.000 s`` then ``18.660 s (316679000242923.00x)``,
+    and a sweep ``0.00%`` then ``0.06% (149.82x)`` for a lost KV reuse of 0.0004 %: no ratio now."""
+    rows = {r["key"]: r for r in compare_table([
+        {"ttft_prediction_abs_error_median_s": 5.892335230850421e-14, "lost_kv_reuse": 4e-6, "ttft_mean_s": 0.004},
+        {"ttft_prediction_abs_error_median_s": 18.66, "lost_kv_reuse": 0.0006, "ttft_mean_s": 0.02},
+    ])}  # fmt: skip
+    assert rows["ttft_prediction_abs_error_median_s"]["ratios"] == [None, None]
+    assert rows["lost_kv_reuse"]["ratios"] == [None, None]
+    assert rows["ttft_mean_s"]["ratios"] == [None, pytest.approx(5.0)]  # 0.004 s shows as such: kept
