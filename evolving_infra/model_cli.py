@@ -95,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="write into a non-empty folder: its *.safetensors, pytorch_model*.bin and shard index files are "
         "deleted first (an old shard would be loaded with the new weights); other files of the same name are replaced",
     )
-    i.add_argument("--arch", choices=("llama", "qwen3"), default="llama", help="llama (Llama 3 RoPE scaling, untied) or qwen3 (q/k norm, tied)")
+    i.add_argument("--arch", choices=("llama", "qwen3"), default="llama", help="llama (Llama 3 RoPE scaling, untied; the default) or qwen3 (q/k norm, tied)")
     i.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     i.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
     i.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")

@@ -47,7 +47,8 @@ def add_policy_args(p: argparse.ArgumentParser, *, live: bool, default: str = DE
         default=None,
         choices=DECODE_BINDINGS,
         help="when the decode node is chosen: enqueue (at dispatch, KV reserved while queued: SGLang PD), prefill-start "
-        "(when the prefill starts: paper Eq. 7), route (at dispatch, reserved at hand-off)"
+        "(when the prefill starts: paper Eq. 7), route (at dispatch, reserved at hand-off) (default: the set's: prefill-start "
+        "for evolving and arrow, enqueue for static and dynamo)"
         + ("; live: enqueue and route = the router's dispatch binding" if live else ""),
     )
     pol.add_argument("--planner-opt", action="append", metavar="K=V",

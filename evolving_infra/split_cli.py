@@ -140,7 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                 "never heard, is placed after the live ones, and with x or fewer live nodes the last live one serves "
                 "decode; with one live node left an xPyD is refused (exit 2) naming the silent nodes",
             )
-            q.add_argument("--reason", default="operator", help="reason recorded with the decision")
+            q.add_argument("--reason", default="operator", help="reason recorded with the decision (default 'operator')")
         q.add_argument(
             "--nats-url",
             default=None,

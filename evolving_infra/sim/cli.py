@@ -341,12 +341,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--agents", type=int, default=None, help="--workload: agents to generate (default per workload)")
     src.add_argument("--agent-duration", type=float, default=None, help="--workload: busy seconds per generated agent")
     src.add_argument("--workload-seed", type=int, default=0, help="--workload: generator seed (default 0)")
-    src.add_argument("--max-agents", type=int, default=None, help="replay only the first N agents of the input")
+    src.add_argument("--max-agents", type=int, default=None, help="replay only the first N agents of the input (default: all)")
     src.add_argument("--tile", type=int, default=1,
                      help="replay every agent this many times as distinct agents (private block ids per copy), "
-                     "for clusters larger than the trace")
+                     "for clusters larger than the trace (default 1: each agent once)")
     src.add_argument("--max-pause", type=float, default=None,
-                     help="cap every pause (tool/think time) at this many seconds (30 s reproduces the paper's CC mean pause)")
+                     help="cap every pause (tool/think time) at this many seconds (30 s reproduces the paper's CC mean pause; default: the recorded pauses, uncapped)")
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, default=9, help="nodes (default 9)")
     c.add_argument("--gpus-per-node", type=int, default=None,
@@ -357,7 +357,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--host-capacity-tokens", type=int, default=None, help="per-node L2 capacity in tokens (default: the profile's)")
     c.add_argument("--block-size", type=int, default=None,
                    help="simulation block size in tokens; the trace is converted (e.g. 512 for speed; default: the profile's)")
-    c.add_argument("--partitions", type=int, default=1, help="partitions (paper D.2): agents bound by hash, one cluster slice each")
+    c.add_argument("--partitions", type=int, default=1, help="partitions (paper D.2): agents bound by hash, one cluster slice each (default 1)")
     c.add_argument("--workers", type=int, default=1, help="processes running partitions in parallel (default 1)")
     c.add_argument("--slow-node", action="append", metavar="NODE:FACTOR",
                    help="that node's engine runs FACTOR times slower than the profile (router and planner not told; "
