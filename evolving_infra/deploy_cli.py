@@ -85,14 +85,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Print, one a line, the flags that `evolving-infra up` would give SERVICE for the same flags: the "
         "policy set's part (--policy SET and its overrides: router --routing and --decode-binding, planner --planner, "
         "--planner-args and the split, workers --host-eviction), the profile, block size, tokenizer, served name, the "
-        "workers' KV sizes, request logging and trace export and, with --engine torch --model DIR, the model folder, "
+        "workers' KV sizes, request logging, trace export, the liveness time (--fence-after-s: router --fence-after-s, "
+        "planner --silent-after-s) and, with --engine torch --model DIR, the model folder, "
         "dtype, context limit and vocabulary size. `env` prints EI_DEPLOY_SPLIT, "
         "EI_DEPLOY_PROFILE, EI_DEPLOY_BLOCK_SIZE and EI_DEPLOY_POLICY as sh assignments. The policy line goes to "
         "stderr (not for env). deploy/docker/entrypoint.sh and deploy/slurm/evolving-infra.sbatch start every service with these.",
         epilog="UP_FLAGS: any of `evolving-infra up --help`'s; those that pick the system matter here (--policy, "
         "--routing, --planner, --eviction, --decode-binding, --planner-opt, --routing-opt, --nodes, --split, "
         "--profile, --block-size, --engine, --model, --tokenizer, --served-model-name, --dtype, --gpu-kv-tokens, "
-        "--host-kv-tokens, --log-requests, --otlp-traces-endpoint). Example: evolving-infra deploy-args planner "
+        "--host-kv-tokens, --log-requests, --otlp-traces-endpoint, --fence-after-s). Example: evolving-infra deploy-args planner "
         "--policy static:2P2D --nodes 4",
     )
     p.add_argument("service", choices=(*SERVICES, "env"), help="the service whose flags to print, or env")

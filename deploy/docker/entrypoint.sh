@@ -35,6 +35,9 @@
 #   EI_DTYPE           up --dtype (EI_ENGINE=torch): float32 | bfloat16 | float16
 #   EI_LOG_REQUESTS    up --log-requests: 1/true/yes/on (router and workers log each request), 0/false/no/off
 #   EI_OTLP_TRACES_ENDPOINT  up --otlp-traces-endpoint URL: every service exports OTLP/HTTP traces there
+#   EI_FENCE_AFTER_S   up --fence-after-s S: wall seconds without a node's state after which the router fences the
+#                      node and the planner counts it dead (router --fence-after-s, planner --silent-after-s: one
+#                      time); unset: both services' default, 3
 #   worker --profile P: refused unless P's block_size is that profile's
 #   auth checks EI_POLICY / SPLIT / EI_ENGINE and the settings above first (deploy-args env): a refused one ends
 #   it with status 2, before NATS or any service (which restart on failure) starts
@@ -56,7 +59,7 @@ CREDS=${EI_CREDS_DIR:-/creds}
 CREDS_OUT=${EI_CREDS_OUT:-/creds-out}  # auth: one folder per identity (router, planner, kvdirectory, launcher, workers)
 AUTH=${EI_NATS_AUTH:-nkeys}
 
-UP_SETTINGS="EI_GPU_KV_TOKENS EI_HOST_KV_TOKENS EI_SERVED_MODEL_NAME EI_DTYPE EI_LOG_REQUESTS EI_OTLP_TRACES_ENDPOINT"
+UP_SETTINGS="EI_GPU_KV_TOKENS EI_HOST_KV_TOKENS EI_SERVED_MODEL_NAME EI_DTYPE EI_LOG_REQUESTS EI_OTLP_TRACES_ENDPOINT EI_FENCE_AFTER_S"
 # compose passes an unset one as empty; a service reads EI_<FIELD> itself, and an empty number or boolean is
 # an invalid value there (EI_GPU_KV_TOKENS, EI_LOG_REQUESTS, the router's EI_LOOKUP_TIMEOUT_S)
 for var in EI_BLOCK_SIZE EI_LOOKUP_TIMEOUT_S $UP_SETTINGS; do
@@ -104,7 +107,8 @@ deploy_args() {  # deploy_args SERVICE: SERVICE's flags for EI_POLICY/EI_ENGINE/
     set -- "$1" --policy "$POLICY" --nodes "$WORKERS" ${SPLIT:+--split "$SPLIT"} \
         --profile "${EI_PROFILE:-gb300-glm52}" --engine "$ENGINE" ${model:+--model "$model"} \
         ${EI_GPU_KV_TOKENS:+--gpu-kv-tokens "$EI_GPU_KV_TOKENS"} ${EI_HOST_KV_TOKENS:+--host-kv-tokens "$EI_HOST_KV_TOKENS"} \
-        ${EI_DTYPE:+--dtype "$EI_DTYPE"} ${EI_OTLP_TRACES_ENDPOINT:+--otlp-traces-endpoint "$EI_OTLP_TRACES_ENDPOINT"} $lr
+        ${EI_DTYPE:+--dtype "$EI_DTYPE"} ${EI_OTLP_TRACES_ENDPOINT:+--otlp-traces-endpoint "$EI_OTLP_TRACES_ENDPOINT"} \
+        ${EI_FENCE_AFTER_S:+--fence-after-s "$EI_FENCE_AFTER_S"} $lr
     if [ -n "${EI_SERVED_MODEL_NAME:-}" ]; then  # comma-separated (a served name has no comma): one argument each
         set -f; IFS=,
         # shellcheck disable=SC2086

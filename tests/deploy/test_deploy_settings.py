@@ -183,3 +183,31 @@ def test_slurm_job_log_hides_the_password_of_a_nats_user_with_an_at_sign():
     for url in ("nats://alice@corp.example:pw-5e1d@head:4222", "nats://h:1,nats://alice@corp.example:pw-5e1d@h2:2"):
         r = _sbatch('shown_url "$URL"', URL=url)
         assert r.returncode == 0 and "pw-5e1d" not in r.stdout and r.stdout.count("***") >= 1, (url, r)
+
+
+def test_compose_and_slurm_reach_up_s_liveness_time():
+    """``up --fence-after-s S`` (8b468d5) gives the router its ``--fence-after-s`` and the planner its
+    ``--silent-after-s`` through ``cluster.service_flags``, which deploy-args prints, but neither the entrypoint nor
+    the Slurm job passed it to deploy-args: a compose or Slurm stack could set neither (a router given
+    ``EI_FENCE_AFTER_S`` by hand would fence at S while its planner counted the node dead at 3 s). Now compose's
+    ``EI_FENCE_AFTER_S`` and Slurm's ``FENCE_AFTER_S`` are up's flag, both services get the one time, and a bad
+    value ends the auth job (compose) or the job (Slurm) once."""
+    import tempfile
+
+    CONFIGS.setdefault("planner", "services.planner.config:PlannerConfig")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        for role, field in (("router", "fence_after_s"), ("planner", "silent_after_s")):
+            argv, env = _started(tmp_path, role, EI_FENCE_AFTER_S="7.5")
+            assert getattr(_config(role, argv, env), field) == 7.5, (role, argv)
+        argv, env = _started(tmp_path, "planner", EI_FENCE_AFTER_S="")  # compose's value when unset: the default
+        assert "EI_FENCE_AFTER_S" not in env and "--silent-after-s" not in argv, (argv, env)
+        creds = tmp_path / "creds"
+        creds.mkdir()
+        r = _run(tmp_path, "auth", EI_CREDS_DIR=str(creds), EI_CREDS_OUT=str(tmp_path / "out"), EI_FENCE_AFTER_S="0")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--fence-after-s 0" in r.stderr, r
+    r = _sbatch('up_flags || exit; printf "%s\\n" "${UP_FLAGS[@]}"', FENCE_AFTER_S="7.5")
+    assert r.returncode == 0, r.stderr
+    flags = r.stdout.splitlines()
+    assert flags[flags.index("--fence-after-s") + 1] == "7.5", flags
+    assert "--silent-after-s" in deploy_args(flags, "planner")[0], flags
