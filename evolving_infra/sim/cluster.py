@@ -995,7 +995,7 @@ class ClusterSim:
             if isinstance(bound, NoRoute):
                 raise SimError(f"{f.req.id}: the router refused its decode binding: {bound.reason}")
         dname = bound.node
-        pnode.sched.bind_decode(f.req.id, dname)
+        pnode.sched.bind_decode(f.req.id, dname, t)  # at its prefill's start: nothing to hand off yet
         d = self.nodes[dname]
         f.decode = dname
         d.bound += 1

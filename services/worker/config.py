@@ -118,8 +118,7 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     watchdog_timeout_s: Annotated[
         float,
         Meta(ge=0, description="wall seconds one engine step (a plan from schedule() to its end: the engine's KV drain, "
-             "its forward, the outputs and hand-offs; not a wait for a decode binding nor the sim engine's wait for "
-             "the plan's end) may run; past it the step is hung "
+             "its forward, the outputs and hand-offs; not the sim engine's wait for the plan's end) may run; past it the step is hung "
              "(a stuck CUDA kernel or collective): the worker logs the step's requests and every thread's Python "
              "stack, stops serving and exits 1, so its supervisor restarts it and the router re-dispatches its "
              "requests (SGLang's --watchdog-timeout, 300 s). The same applies when, with no step in flight, the "

@@ -60,6 +60,7 @@ PREFILLING = "prefilling"  # running: prompt partly computed
 DECODE_QUEUED = "decode_queued"  # hand-off received, waiting for L1 room
 TRANSFERRING = "transferring"  # L1 reserved, KV arriving (kv_ready_at) or waiting for a running slot
 DECODING = "decoding"  # running: producing output tokens
+PARKED = "parked"  # prefill done, first token and hand-off held until bind_decode names its decode node; holds its prompt KV
 DONE = "done"
 
 PHASES: tuple[str, ...] = ("prefill", "decode", "both")
@@ -224,6 +225,12 @@ class EngineScheduler:
         """Prefill requests waiting for :meth:`open_gate` (decode KV reserved elsewhere)."""
         self.reserved: OrderedDict[str, _Request] = OrderedDict()
         """Decode reservations made by :meth:`reserve` whose hand-off has not arrived."""
+        self.parked: OrderedDict[str, _Request] = OrderedDict()
+        """``decode_later`` requests whose prefill finished before :meth:`bind_decode` named their
+        decode node: out of the running batch, their prompt pages held (they count against L1 as
+        a running request's do; counted in neither ``NodeState.running`` nor ``waiting``: they
+        take no batch slot and no compute), their first token and hand-off returned by
+        :meth:`bind_decode`."""
         self.granted: list[str] = []
         """rids whose queued :meth:`reserve` got its L1 room since the last :meth:`take_granted` (read
         it to skip an empty drain; never change it)."""
@@ -299,8 +306,9 @@ class EngineScheduler:
                 KV, paper D.1); it then joins the waiting queue at its tail.
             decode_later: the request is handed off after prefill but its decode node is
                 chosen when the prefill starts (paper Eq. 7): ``work.decode_node`` must be
-                None and the caller binds it with :meth:`bind_decode` for every rid in
-                ``IterationPlan.admitted`` before finishing that plan.
+                None and the caller binds it with :meth:`bind_decode` once its first chunk
+                is admitted (``IterationPlan.admitted``). A prefill that finishes before
+                then is parked (:attr:`parked`) until the binding comes.
 
         A non-empty ``work.fetch`` (the router's fetch plan) starts a peer fetch of the
         prefix pages this node lacks (see :meth:`_start_fetch`); the request keeps its
@@ -361,11 +369,16 @@ class EngineScheduler:
         r.seq = self._seq
         self.waiting[r.rid] = r
 
-    def bind_decode(self, rid: str, decode_node: str) -> None:
-        """Name the decode node of a ``decode_later`` request (at its prefill start).
+    def bind_decode(self, rid: str, decode_node: str, now: float) -> list[OutputEvent]:
+        """Name the decode node of a ``decode_later`` request (at its prefill start), at ``now``
+        (simulated s). Returns nothing while its prefill runs (the plan that completes it hands it
+        off); for a request :attr:`parked` (its prefill finished first) its first token and its
+        :class:`HandOff` at ``now``, as :meth:`finish_iteration` returns them: it leaves the node,
+        its pages unreferenced. O(1).
 
         Raises:
-            SchedulerError: if ``rid`` is not a prefill request of this node waiting for a binding.
+            SchedulerError: if ``rid`` is not a prefill request of this node waiting for a binding,
+                or ``decode_node`` is empty or this node.
         """
         r = self.requests.get(rid)
         if r is None or r.handoff_to != _UNBOUND:
@@ -373,6 +386,12 @@ class EngineScheduler:
         if not decode_node or decode_node == self.node:
             raise SchedulerError(f"{rid}: decode node must be another node, got {decode_node!r}")
         r.handoff_to = decode_node
+        if r.state != PARKED:
+            return []
+        out: list[OutputEvent] = [self._first_token(r, now, False, None), self._handoff(r, now)]
+        self._remove(r)
+        self._check()
+        return out
 
     def reserve(self, rid: str, prompt_tokens: int, max_tokens: int, now: float) -> bool:
         """Reserve this decode node's L1 for a request before its prefill runs elsewhere
@@ -819,7 +838,7 @@ class EngineScheduler:
         if (  # _check's O(1) checks, inline (one per plan): on a failure, or with the full check on, _check runs
             self.check_invariants
             or len(self.waiting) + len(self.running) + len(self.decode_queue) + len(self.transferring)
-            + len(self.bootstrap) + len(self.reserved) != len(self.requests)
+            + len(self.bootstrap) + len(self.reserved) + len(self.parked) != len(self.requests)
             or len(self.running) > self.max_running
             or gpu.hashed + gpu.reserved > gpu.capacity
         ):
@@ -868,23 +887,14 @@ class EngineScheduler:
             r.generated = 1
             eos = stopped is not None and r.rid in stopped
             done = r.max_tokens <= 1 or eos
-            f = r.fetch
-            out.append(
-                TokensOut(  # positional, in field order (one per first token)
-                    r.rid,  # rid
-                    0,  # index
-                    1,  # count
-                    done,  # finished
-                    ("stop" if eos else "length") if done else None,  # finish_reason
-                    r.prompt_tokens,  # prompt_tokens
-                    r.cached,  # cached_tokens
-                    now,  # at
-                    r.admitted_at - r.arrived_at,  # queue_s
-                    f.fetch_s if f is not None else None,  # fetch_s
-                    f.exposed_s if f is not None else None,  # exposed_fetch_s
-                    f.used * self.block_size if f is not None else 0,  # fetched_tokens
-                )
-            )
+            if not done and r.handoff_to == _UNBOUND:
+                # no decode node named yet (route.bind under way): it waits out of the batch, its
+                # pages held, and bind_decode returns its first token and hand-off
+                del self.running[r.rid]
+                r.state = PARKED
+                self.parked[r.rid] = r
+                continue
+            out.append(self._first_token(r, now, done, ("stop" if eos else "length") if done else None))
             if done:
                 self._remove(r)
             elif r.handoff_to is not None:
@@ -953,7 +963,7 @@ class EngineScheduler:
         if (  # _check's O(1) checks, inline (one per plan end): on a failure, or with the full check on, _check runs
             self.check_invariants
             or len(self.waiting) + len(self.running) + len(self.decode_queue) + len(self.transferring)
-            + len(self.bootstrap) + len(self.reserved) != len(self.requests)
+            + len(self.bootstrap) + len(self.reserved) + len(self.parked) != len(self.requests)
             or len(self.running) > self.max_running
             or gpu.hashed + gpu.reserved > gpu.capacity
         ):
@@ -1091,6 +1101,8 @@ class EngineScheduler:
             return self.bootstrap
         if state == RESERVED:
             return self.reserved
+        if state == PARKED:
+            return self.parked
         raise SchedulerError(f"request in state {state} has no container")
 
     def _admit_waiting(
@@ -1186,6 +1198,24 @@ class EngineScheduler:
             self.n_decoding += 1
             self.running[r.rid] = r
 
+    def _first_token(self, r: _Request, now: float, done: bool, finish_reason: str | None) -> TokensOut:
+        """The first output token of ``r``, whose prompt completed, at ``now``."""
+        f = r.fetch
+        return TokensOut(  # positional, in field order (one per first token)
+            r.rid,  # rid
+            0,  # index
+            1,  # count
+            done,  # finished
+            finish_reason,  # finish_reason
+            r.prompt_tokens,  # prompt_tokens
+            r.cached,  # cached_tokens
+            now,  # at
+            r.admitted_at - r.arrived_at,  # queue_s
+            f.fetch_s if f is not None else None,  # fetch_s
+            f.exposed_s if f is not None else None,  # exposed_fetch_s
+            f.used * self.block_size if f is not None else 0,  # fetched_tokens
+        )
+
     def _handoff(self, r: _Request, now: float) -> HandOff:
         w = r.prefill_work
         assert w is not None and r.handoff_to is not None
@@ -1270,6 +1300,7 @@ class EngineScheduler:
             + len(self.transferring)
             + len(self.bootstrap)
             + len(self.reserved)
+            + len(self.parked)
         )
         if n != len(self.requests):
             raise SchedulerError(f"{len(self.requests)} requests but {n} in state containers")
@@ -1298,6 +1329,7 @@ class EngineScheduler:
             ("transferring", self.transferring, (TRANSFERRING,)),
             ("bootstrap", self.bootstrap, (BOOTSTRAP,)),
             ("reserved", self.reserved, (RESERVED,)),
+            ("parked", self.parked, (PARKED,)),
         ):
             for rid, r in cont.items():
                 if r.state not in states or self.requests.get(rid) is not r or rid in seen:
@@ -1314,7 +1346,7 @@ class EngineScheduler:
                 raise SchedulerError(f"{r.rid} holds KV while {r.state}")
             if (r.awaiting_handoff and r.state not in (RESERVED, DECODE_QUEUED)) or (r.state == RESERVED and not r.awaiting_handoff):
                 raise SchedulerError(f"{r.rid}: awaiting_handoff={r.awaiting_handoff} in state {r.state}")
-            if r.state in (PREFILLING, DECODING, TRANSFERRING, RESERVED) and r.held + r.reserved != r.footprint:
+            if r.state in (PREFILLING, DECODING, TRANSFERRING, RESERVED, PARKED) and r.held + r.reserved != r.footprint:
                 raise SchedulerError(f"{r.rid}: holds {r.held}+{r.reserved} slots, footprint {r.footprint}")
             if r.state == PREFILLING and not 0 <= r.computed < r.prompt_tokens - r.cached:
                 raise SchedulerError(f"{r.rid}: computed {r.computed} out of range")

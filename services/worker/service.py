@@ -210,7 +210,8 @@ def take_fetched(engine: Engine, pool: Any, results: list[Any], fetch_id: int) -
 
 class _Live:
     """The rids the engine must keep registered at a KV drain (``Engine.on_kv_events``'s ``live``,
-    read with ``in`` only): the scheduler's requests, and those of the engine step in flight. A
+    read with ``in`` only): the scheduler's requests, and those of the engine step in flight (and
+    of the hand-offs going out after a late binding, ``WorkerService._handing_off``). A
     request aborted (or superseded) after ``schedule()`` planned it is no longer the scheduler's,
     but the plan still runs it: forgotten by a drain in a bus handler before the execute thread
     took the engine's lock, its registration was gone when the plan ran (``KvMapError``)."""
@@ -349,6 +350,11 @@ class WorkerService:
         """Queued requests whose decode node is chosen at prefill start (``route.bind``)."""
         self._binds: dict[str, asyncio.Task[None]] = {}
         """route.bind in flight per rid (started when the request's first chunk is admitted)."""
+        self._handing_off: dict[str, asyncio.Task[None]] = {}
+        """rid → the :meth:`_bind` task publishing its first token and hand-off: the binding came
+        after its prefill had finished (parked in the core). Out of :attr:`_binds`, so an abort no
+        longer cancels it (as it cannot stop a step publishing a hand-off); a drain, new work of
+        the rid (:meth:`_newest_attempt`) and :meth:`stop` wait for it."""
         self._spawned: set[asyncio.Task[None]] = set()
         self._owners: dict[str, _Owner] = {}
         """rid → attempt, output offset and owning router of every request on this node."""
@@ -473,15 +479,17 @@ class WorkerService:
         self._stopped = True
         if self.watchdog is not None:
             self.watchdog.stop()
-        for t in (*self._tasks, *self._binds.values(), *self._spawned):
+        tasks = (*self._tasks, *self._binds.values(), *self._handing_off.values(), *self._spawned)
+        for t in tasks:
             t.cancel()
-        for t in (*self._tasks, *self._binds.values(), *self._spawned):
+        for t in tasks:
             try:
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks.clear()
         self._binds.clear()
+        self._handing_off.clear()
         self._spawned.clear()
         if self.kvpool is not None:
             await self.kvpool.stop()
@@ -701,7 +709,9 @@ class WorkerService:
         replaced the old attempt's while a plan that ``schedule()`` had taken, but whose execute
         thread had not yet taken the engine's lock, still ran it; the plan then computed the old
         chunk into the new registration and the node failed (``KvMapError``) at the new attempt's
-        first chunk. The fencing is decided again after the wait (another attempt may have come), and
+        first chunk. A hand-off that :meth:`_bind` publishes (the binding came after the prefill
+        finished) is waited for the same way (``requests.waited_for_handoff``). The fencing is
+        decided again after the wait (another attempt may have come), and
         work whose attempt an abort the node did not hold has already ended is dropped (``_aborted``,
         ``requests.aborted_before_arrival``)."""
         while True:
@@ -716,6 +726,12 @@ class WorkerService:
                     self.core.abort(rid, now)
                 self.counters["requests.superseded"] += 1
             if rid not in self._step_rids:
+                handing = self._handing_off.get(rid)
+                if handing is not None:  # its hand-off is going out (bound after its prefill: _bind), as a step's would
+                    self.counters["requests.waited_for_handoff"] += 1
+                    await asyncio.wait({handing})
+                    now = self.clock.local_now()
+                    continue
                 aborted = self._aborted.get(rid)
                 if aborted is not None and attempt <= aborted:
                     # aborted before it was taken: before, it then ran to its last token for nobody
@@ -1009,7 +1025,7 @@ class WorkerService:
         """Finish the switch in progress once nothing runs on the node (``now`` = when it drained,
         simulated s, local)."""
         sw = self._switch
-        if sw is None or not self.core.idle or self._binds:
+        if sw is None or not self.core.idle or self._binds or self._handing_off:
             return
         self._switch = None
         sw.drained_at = max(now, sw.received_at)
@@ -1116,7 +1132,11 @@ class WorkerService:
                 task.add_done_callback(self._task_done)
 
     async def _bind(self, work: m.PrefillWork, started: float) -> None:
-        """``route.bind`` until the router names a decode node (retried while none is eligible).
+        """``route.bind`` until the router names a decode node (retried while none is eligible), beside
+        the step loop: a prefill that finishes first is parked in the core, its KV held, and its first
+        token and hand-off go out from here once it is bound (:meth:`_hand_off_bound`). Before, the
+        step loop waited for the binding (up to ``owner_gone_after_s`` when the owning router hung):
+        a SIGSTOPped router stalled the node's requests of every other router for 30 s.
 
         ``bind_timeout_s`` bounds the time the router answers that no decode node is eligible. A request
         that gets no reply at all (the owning router or NATS hung, NATS down) does not count toward it:
@@ -1163,13 +1183,19 @@ class WorkerService:
                     continue
                 if rep.decode_node is not None:
                     if rid in self.core.requests:
+                        now = self.clock.local_now()
                         try:
                             check_token(rep.decode_node, "decode_node")
-                            self.core.bind_decode(rid, rep.decode_node)
+                            outs = self.core.bind_decode(rid, rep.decode_node, now)
                         except (ValueError, SchedulerError) as e:
                             reason = str(e)
                             break
                         self.counters["bind.ok"] += 1
+                        if outs:  # its prefill finished first (parked): its first token and hand-off now
+                            if span is not None:  # the binding's span ends with the binding
+                                span.end()
+                                span = None
+                            await self._hand_off_bound(rid, outs, now)
                     return
                 reason = rep.reason
                 if "not pending" in reason or "not in flight" in reason or "placed on" in reason or "stale attempt" in reason:
@@ -1188,8 +1214,29 @@ class WorkerService:
         finally:
             if span is not None:
                 span.end()
-            self._binds.pop(rid, None)
-            self._input()
+            me = asyncio.current_task()
+            if self._binds.get(rid) is me:
+                del self._binds[rid]
+            if self._handing_off.get(rid) is me:
+                del self._handing_off[rid]
+            self._input()  # a drain may be over (_maybe_switch), KV freed
+
+    async def _hand_off_bound(self, rid: str, outs: list[Any], now: float) -> None:
+        """Publish ``outs`` (``bind_decode``'s first token, then hand-off, at ``now``: simulated s,
+        local) of ``rid``, parked until its binding came, as the step loop publishes a plan's: the
+        task leaves :attr:`_binds` for :attr:`_handing_off` first (an abort no longer cancels it
+        midway; new work of the rid waits for it; the engine keeps its registration meanwhile)."""
+        task = asyncio.current_task()
+        assert task is not None
+        if self._binds.get(rid) is task:
+            del self._binds[rid]
+        self._handing_off[rid] = task  # type: ignore[assignment]
+        self.counters["bind.after_prefill"] += 1
+        for out in outs:
+            if isinstance(out, TokensOut):
+                await self._emit_tokens(out, now)
+            elif isinstance(out, HandOff):
+                await self._handoff(out)
 
     def _start_transfers(self) -> None:
         """Real-bytes mode: move the bytes of every fetch the core started (Mooncake)."""
@@ -1515,8 +1562,10 @@ class WorkerService:
         """Execute ``plan`` (taken at ``now``, simulated s, local), finish it and publish what it
         produced. ``info``:
         the step the watchdog watches (None: no watchdog); a sim engine's wait for the plan's end on
-        the simulated clock (a sleep, as long as ``--speedup`` makes it) and a wait for decode
-        bindings (``--bind-timeout-s`` bounds it) are not watched (:meth:`_unwatched`)."""
+        the simulated clock (a sleep, as long as ``--speedup`` makes it) is not watched
+        (:meth:`_unwatched`). A prefill that completes before its decode node is bound is parked in
+        the core (its KV held) and handed off by its :meth:`_bind` task: the step never waits for a
+        binding (before, it did, up to ``owner_gone_after_s``, and with it every other request here)."""
         await self._flush_kv(now)
         if plan.admitted and self._bind_later:
             self._bind_started(plan, now)
@@ -1532,15 +1581,9 @@ class WorkerService:
         if self.engine.simulated:
             async with self._unwatched(info):
                 end = await self._wait_for_plan_end(plan, end)
-        waits = None
-        if self._binds:  # a prompt that completes now needs its decode node (route.bind)
-            waits = [self._binds[c.rid] for c in plan.prefill if c.completes and c.rid in self._binds]
-            if waits:
-                async with self._unwatched(info):
-                    await asyncio.gather(*waits, return_exceptions=True)
         # a sim engine's plan ends at its end on the engine's timeline (the shell's lateness is not
-        # GPU time, see _launch_time); a real one, or one that waited for a binding, ends now
-        now = end if self.engine.simulated and not waits else max(self.clock.local_now(), end)
+        # GPU time, see _launch_time); a real one ends now
+        now = end if self.engine.simulated else max(self.clock.local_now(), end)
         if now > self._ready_at:
             self._ready_at = now
         outs = self.core.finish_iteration(plan, now, self.engine.take_stopped())
@@ -1756,7 +1799,8 @@ class WorkerService:
             if self._kv_batches == self.cfg.fault_skip_engine_kv_batch:  # injected fault: the engine misses it
                 self.counters["engine.kv_batches_skipped_by_fault"] += 1
                 given = []
-        live = _Live(self.core.requests, self._step_rids) if self._step_rids else self.core.requests
+        keep = self._step_rids.union(self._handing_off) if self._handing_off else self._step_rids
+        live = _Live(self.core.requests, keep) if keep else self.core.requests
         with self._fatal_on_error("engine KV events"):
             self.engine.on_kv_events(given, live, self.core.snapshot)
             for fetch_id in self.core.take_fetch_ends():

@@ -20,12 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.service import serve_until_stopped
-from shared.subjects import NODE_STATE, REQ_OUT, ROUTE_BIND, SVC_STATS, WORK_ABORT, WORK_DECODE, WORK_PREFILL, Subjects
+from shared.subjects import (
+    KV_RESYNC, NODE_STATE, REQ_OUT, ROUTE_BIND, SPLIT_APPLIED, SPLIT_COMMANDS, SVC_STATS, WORK_ABORT, WORK_DECODE, WORK_PREFILL, Subjects,
+)
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
@@ -288,3 +291,182 @@ async def test_a_prefill_that_starts_with_no_decode_node_left_fails_with_a_503_n
         w1_alive = False
         await beat
         await bus.close()
+
+
+
+@asynccontextmanager
+async def _prefill_node(nats_url: str, routers: dict[str, Any], *, worker_url: str | None = None,
+                        gates: dict[str, asyncio.Event] | None = None, **cfg_kw: Any) -> AsyncIterator[tuple[Bus, WorkerService, list[Any]]]:
+    """An in-process prefill worker ``w0`` (tiny profile, no owner checks, no planner) over a real nats-server
+    (``worker_url``: its own URL, e.g. with credentials); the test's bus serves ``route.bind.<router>`` for each
+    of ``routers`` (router -> handler) and records what the worker publishes (in the worker's order) for clients
+    and decode nodes, and its split announcements: ``(kind, message, monotonic s)``, kind ``chunk``, ``handoff``
+    or ``applied``. ``gates``: rid -> an event the worker's first publish of a chunk of that rid waits for."""
+    seen: list[Any] = []
+    made: dict[str, WorkerService] = {}
+    bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-binds")
+    stop = asyncio.Event()
+    task = None
+    try:
+
+        for router, handler in routers.items():
+            await bus.serve(ROUTE_BIND, handler, router=router)
+        cfg = WorkerConfig(nats_url=worker_url or nats_url, node="w0", phase="prefill", profile="tiny", owner_check_interval_s=0,
+                           split_get_timeout_s=0, check_invariants=True, **cfg_kw)  # fmt: skip
+
+        kinds = {REQ_OUT: "chunk", WORK_DECODE: "handoff", SPLIT_APPLIED: "applied"}
+
+        def factory(c: WorkerConfig, b: Bus, clock: Any) -> WorkerService:
+            publish = b.publish
+
+            async def recorded(subject: Any, msg: Any, **kw: Any) -> None:
+                if gates and subject is REQ_OUT and msg.rid in gates:
+                    await gates.pop(msg.rid).wait()
+                await publish(subject, msg, **kw)
+                if subject in kinds:
+                    seen.append((kinds[subject], msg, time.monotonic()))
+
+            b.publish = recorded  # type: ignore[method-assign]
+            made["w0"] = WorkerService(c, b, clock)
+            return made["w0"]
+
+        task = asyncio.create_task(serve_until_stopped("worker", cfg, factory, instance="worker-w0", stop_event=stop))
+        await until(lambda: "w0" in made and made["w0"].ready(), 10.0, "worker w0 started")
+        yield bus, made["w0"], seen
+    finally:
+        stop.set()
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+        await bus.close()
+
+
+def _bind_work(rid: str, router: str, first: int = 1) -> m.PrefillWork:
+    return m.PrefillWork(rid=rid, prompt_tokens=9, max_tokens=4, block_size=BS, block_hashes=[first, first + 1], decode_binding="start",
+                         router=router)  # fmt: skip
+
+
+def _of(seen: list[Any], rid: str) -> list[tuple[str, int | None]]:
+    """What the worker published for ``rid``: (kind, chunk index or None), in order."""
+    return [(k, getattr(x, "index", None)) for k, x, _ in seen if k != "applied" and x.rid == rid]
+
+
+class _Router:
+    """A router's route.bind as the test plays it: no reply while ``hung`` (SIGSTOPped), else decode node w1."""
+
+    def __init__(self, hung: bool) -> None:
+        self.hung = hung
+        self.asked: list[str] = []
+
+    async def __call__(self, req: m.DecodeBindRequest, _s: str) -> m.DecodeBindReply | None:
+        self.asked.append(req.rid)
+        return None if self.hung else m.DecodeBindReply(rid=req.rid, decode_node="w1")
+
+
+async def _parked(bus: Bus, w0: WorkerService, router: _Router, rid: str = "h") -> None:
+    """Send ``rid`` (owned by the hung ``router``) to w0 and return once its prefill finished, unbound."""
+    await bus.publish(WORK_PREFILL, _bind_work(rid, "hung"), node="w0")
+    await until(lambda: rid in router.asked and rid in w0.core.parked, 5.0, f"{rid}'s prefill over, its route.bind unanswered")
+
+
+def _no_fatal(w0: WorkerService) -> None:
+    assert not {k for k in w0.counters if k in ("node_fatal", "engine_fatal", "task_errors")}, w0.counters
+
+
+async def test_a_hung_owning_router_does_not_stall_the_other_routers_requests(nats_url):
+    """Two routers own requests on one prefill node; one hangs (SIGSTOPped: its route.bind gets no reply)
+    once the node started its request. The other router's request is prefilled and handed off at once; the
+    hung router's request waits beside the step loop, its KV held, until its router answers: then its first
+    token and its hand-off go out, in that order. Before, the node waited for the binding inside its step
+    loop for up to ``owner_gone_after_s`` (10 s here: the healthy router's request was handed off after
+    9.8 s, when the hung one's binding gave up; the fault walk, 2P2D with a router SIGSTOPped: every request
+    of the other routers on that prefill node stalled ~30 s)."""
+    hung, ok = _Router(hung=True), _Router(hung=False)
+    async with _prefill_node(nats_url, {"hung": hung, "ok": ok}, bind_timeout_s=0.3, owner_gone_after_s=10.0) as (bus, w0, seen):
+        await _parked(bus, w0, hung)
+        sent = time.monotonic()
+        await bus.publish(WORK_PREFILL, _bind_work("f", "ok", first=5), node="w0")
+        await until(lambda: ("handoff", None) in _of(seen, "f"), 15.0, "f handed off")
+        waited = next(t for k, x, t in seen if k == "handoff" and x.rid == "f") - sent
+        assert waited < 1.0, f"the healthy router's request waited {waited:.2f} s for the hung router's binding"
+        assert _of(seen, "f") == [("chunk", 0), ("handoff", None)]
+        assert _of(seen, "h") == []  # nothing of h yet: its first token waits for its binding
+        gpu = w0.core.kv.gpu
+        assert "h" in w0.core.parked and gpu.available < gpu.capacity  # its KV is held meanwhile
+        hung.hung = False  # the router answers again
+        await until(lambda: ("handoff", None) in _of(seen, "h"), 10.0, "h handed off")
+        assert _of(seen, "h") == [("chunk", 0), ("handoff", None)]  # the first token, then the hand-off
+        await until(lambda: not w0.core.requests and not w0._handing_off, 5.0, "w0 empty")
+        c = w0.counters  # (f may have parked too: its prefill of a few ms can end before its binding's reply)
+        assert c["bind.ok"] == 2 and c["bind.after_prefill"] >= 1 and c.get("bind.failed", 0) == 0 and c["requests.handed_off"] == 2, c
+        _no_fatal(w0)
+
+
+async def test_a_parked_prefill_whose_binding_fails_is_aborted_and_frees_its_kv(nats_url):
+    """The hung router never answers: at ``owner_gone_after_s`` the parked request fails as a binding that
+    fails while the prefill runs does (an ``abort`` chunk naming the reason, its pages released); the node
+    serves on."""
+    hung = _Router(hung=True)
+    async with _prefill_node(nats_url, {"hung": hung}, bind_timeout_s=0.3, owner_gone_after_s=1.0) as (bus, w0, seen):
+        await _parked(bus, w0, hung)
+        await until(lambda: _of(seen, "h"), 5.0, "h's error chunk")
+        (c,) = [x for k, x, _ in seen if k == "chunk"]
+        assert c.finished and c.finish_reason == "abort" and "no decode node" in (c.error or ""), c
+        assert not w0.core.requests and not w0._binds and w0.core.kv.gpu.reserved == 0
+        assert w0.counters["bind.failed"] == 1 and w0.counters["bind.unanswered"] >= 1
+        _no_fatal(w0)
+
+
+async def test_a_drain_waits_for_a_parked_prefill_and_a_stop_cancels_its_binding(nats_url):
+    """A phase switch of the prefill node waits for the parked request's hand-off before it says
+    ``serving`` (it counts in flight, as while the step loop waited for its binding); a worker stopped
+    with a request parked ends its binding task (no task left pending)."""
+    hung = _Router(hung=True)
+    async with _prefill_node(nats_url, {"hung": hung}, bind_timeout_s=0.3, owner_gone_after_s=10.0) as (bus, w0, seen):
+        await _parked(bus, w0, hung)
+        await bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=1, phases={"w0": "decode", "w2": "prefill"}, reason="to decode", decided_at=w0.clock.now()))
+        await until(lambda: [a.status for k, a, _ in seen if k == "applied"] == ["draining"], 5.0, "w0 draining")
+        await asyncio.sleep(0.5)
+        assert [a.status for k, a, _ in seen if k == "applied"] == ["draining"] and w0.core.phase == "prefill"
+        hung.hung = False
+        await until(lambda: [a.status for k, a, _ in seen if k == "applied"] == ["draining", "serving"], 10.0, "w0 serving decode")
+        kinds = [(k, getattr(x, "status", None) or getattr(x, "index", None)) for k, x, _ in seen]
+        assert kinds.index(("handoff", None)) < kinds.index(("applied", "serving")), kinds
+        assert w0.core.phase == "decode"
+        _no_fatal(w0)
+    hung2 = _Router(hung=True)
+    async with _prefill_node(nats_url, {"hung": hung2}, bind_timeout_s=0.3, owner_gone_after_s=10.0) as (bus, w0, seen):
+        await _parked(bus, w0, hung2)
+        task = w0._binds["h"]
+        await w0.stop()
+        assert task.cancelled() and not w0._binds and not w0._handing_off
+
+
+async def test_new_work_of_a_request_waits_for_its_parked_hand_off_to_go_out(nats_url):
+    """A new attempt of a request arrives while the first token and hand-off of its old attempt (parked,
+    then bound) are being published by the binding's task: it is taken only once they are out, as new work
+    waits for a step that runs its rid. Else the new attempt's first token went out before the old one's
+    hand-off (and the old hand-off took its owner record). A KV drain meanwhile (a ``kv.resync``) keeps the
+    engine's registration of the request being handed off (a torch engine reads its pages for the hand-off)."""
+    hung = _Router(hung=True)
+    gate = asyncio.Event()
+    async with _prefill_node(nats_url, {"hung": hung}, gates={"h": gate}, bind_timeout_s=0.3, owner_gone_after_s=10.0) as (bus, w0, seen):
+        await _parked(bus, w0, hung)
+        hung.hung = False
+        await until(lambda: "h" in w0._handing_off, 5.0, "h bound, its first token held at the gate")
+        await bus.publish(WORK_PREFILL, msgspec.structs.replace(_bind_work("h", "hung"), attempt=1), node="w0")
+        lives: list[bool] = []
+        drain = w0.engine.on_kv_events
+
+        def on_kv_events(events: Any, live: Any, snapshot: Any = None) -> None:
+            lives.append("h" in live)
+            drain(events, live, snapshot)
+
+        w0.engine.on_kv_events = on_kv_events  # type: ignore[method-assign]
+        await bus.request(KV_RESYNC, m.KvResyncRequest(node="w0"), node="w0", timeout=2.0)
+        assert lives == [True], lives
+        await asyncio.sleep(0.3)
+        gate.set()
+        await until(lambda: len([k for k, _, _ in seen if k == "handoff"]) == 2, 10.0, "both attempts handed off")
+        assert [(k, x.attempt) for k, x, _ in seen] == [("chunk", 0), ("handoff", 0), ("chunk", 1), ("handoff", 1)], seen
+        assert w0.counters["requests.waited_for_handoff"] == 1
+        _no_fatal(w0)

@@ -36,12 +36,30 @@ def drive(b, seed: int, ops: int) -> dict[str, int]:
     live: dict[str, str] = {}  # rid -> node
     transfers: list = []  # FetchStarted not yet reported (external_fetch)
     produced: dict[str, int] = {}
-    stats = {"finished": 0, "handoffs": 0, "aborts": 0, "rejected": 0, "folded": 0, "fetch_plans": 0}
+    stats = {"finished": 0, "handoffs": 0, "aborts": 0, "rejected": 0, "folded": 0, "fetch_plans": 0, "parked": 0}
     next_id = 0
+    unbound: set[str] = set()  # decode_later requests not bound yet (route.bind under way)
 
     def check_all():
         for s in nodes.values():
             s.check()
+
+    def take(outs, now):
+        for o in outs:
+            if isinstance(o, TokensOut):
+                assert o.index == produced.get(o.rid, 0), "output positions are contiguous"
+                produced[o.rid] = o.index + o.count
+                if o.finished:
+                    live.pop(o.rid, None)
+                    stats["finished"] += 1
+            elif isinstance(o, HandOff):
+                stats["handoffs"] += 1
+                try:
+                    nodes[o.decode_node].add_decode(o.work, now)
+                    live[o.rid] = o.decode_node
+                except WorkRejected:
+                    live.pop(o.rid, None)
+                    stats["rejected"] += 1
 
     for _ in range(ops):
         op = rng.random()
@@ -50,8 +68,9 @@ def drive(b, seed: int, ops: int) -> dict[str, int]:
             ids = stem[: rng.randint(0, len(stem))] + [rng.randrange(10_000) for _ in range(rng.randint(0, 6))]
             rid = f"r{next_id}"
             next_id += 1
+            target = rng.choice([None, "w1", "later"])  # later: bound at its prefill start or after (parked)
             w = b.prefill(rid, ids, tail=rng.randint(0 if ids else 1, 3), max_tokens=rng.randint(1, 30),
-                          decode_node=rng.choice([None, "w1"]))
+                          decode_node=target if target != "later" else None)
             if ids and rng.random() < 0.3:  # the router's fetch plan: the prefix from a peer's L2
                 cut = rng.randint(0, len(ids))
                 w = msgspec.structs.replace(
@@ -59,8 +78,10 @@ def drive(b, seed: int, ops: int) -> dict[str, int]:
                 )
                 stats["fetch_plans"] += 1
             try:
-                nodes["w0"].add_prefill(w, now)
+                nodes["w0"].add_prefill(w, now, decode_later=target == "later")
                 live[rid] = "w0"
+                if target == "later":
+                    unbound.add(rid)
             except WorkRejected:
                 stats["rejected"] += 1
             transfers.extend(nodes["w0"].take_fetch_starts())
@@ -72,12 +93,19 @@ def drive(b, seed: int, ops: int) -> dict[str, int]:
         elif op < 0.32 and live:  # abort anywhere, possibly while in flight
             rid = rng.choice(sorted(live))
             assert nodes[live.pop(rid)].abort(rid, now)
+            unbound.discard(rid)
             stats["aborts"] += 1
         elif op < 0.36:  # branch counts from the directory
             host = nodes["w0"].kv.host.blocks
             if host:
                 hs = rng.sample(sorted(host), min(len(host), 5))
                 nodes["w0"].update_counts(hs, [rng.choice([0, 0, 1, 2]) for _ in hs])
+        elif op < 0.40 and unbound:  # a decode_later request's route.bind answers: waiting, prefilling or parked
+            rid = rng.choice(sorted(unbound))
+            unbound.discard(rid)
+            if rid in nodes["w0"].requests:
+                stats["parked"] += rid in nodes["w0"].parked
+                take(nodes["w0"].bind_decode(rid, "w1", now), now)
         else:  # advance one node
             name = rng.choice(sorted(nodes))
             s = nodes[name]
@@ -97,21 +125,8 @@ def drive(b, seed: int, ops: int) -> dict[str, int]:
             else:
                 inflight[name] = None
                 now = max(now, plan.end)
-                for o in s.finish_iteration(plan, now):
-                    if isinstance(o, TokensOut):
-                        assert o.index == produced.get(o.rid, 0), "output positions are contiguous"
-                        produced[o.rid] = o.index + o.count
-                        if o.finished:
-                            live.pop(o.rid, None)
-                            stats["finished"] += 1
-                    elif isinstance(o, HandOff):
-                        stats["handoffs"] += 1
-                        try:
-                            nodes[o.decode_node].add_decode(o.work, now)
-                            live[o.rid] = o.decode_node
-                        except WorkRejected:
-                            live.pop(o.rid, None)
-                            stats["rejected"] += 1
+                take(s.finish_iteration(plan, now), now)
+                unbound.intersection_update(nodes["w0"].requests)  # finished at its prefill (one token): nothing to bind
         check_all()
         for s in nodes.values():
             s.take_kv_events()
@@ -122,7 +137,7 @@ def drive(b, seed: int, ops: int) -> dict[str, int]:
 @pytest.mark.parametrize("seed", SEEDS, ids=[f"seed={s}" for s in SEEDS])
 def test_random_operations_keep_invariants(b, seed):
     stats = drive(b, seed, OPS)
-    assert stats["finished"] > 10 and stats["handoffs"] > 0 and stats["aborts"] > 0, stats
+    assert stats["finished"] > 10 and stats["handoffs"] > 0 and stats["aborts"] > 0 and stats["parked"] > 0, stats
     assert stats["fetched"] > 0, stats
 
 
