@@ -75,7 +75,7 @@ import msgspec
 import structlog
 
 from shared import messages as m
-from shared.bus import Bus, BusError, NoResponders
+from shared.bus import Bus, BusError, NoResponders, PermissionDenied
 from shared.clock import SimClock, sleep_until
 from shared.profile import Profile
 from shared.validate import epoch_step_ok
@@ -1143,7 +1143,10 @@ class WorkerService:
         that wait is added to the deadline, up to ``owner_gone_after_s`` from the first request (the same
         bound as for a router cut off from NATS, :meth:`_check_owners`). Before, a 15-s SIGSTOP of
         nats-server failed the 2 prefills that were binding ('no decode node for the request: no reply on
-        route.bind.router: TimeoutError') although the router was alive and every node too."""
+        route.bind.router: TimeoutError') although the router was alive and every node too. A
+        :class:`PermissionDenied` (this identity may not publish ``route.bind.<owner>``) fails the
+        request at once (``bind.denied``): it came at a request's timeout, and was retried as an
+        unanswered one for ``owner_gone_after_s``."""
         rid = work.rid
         first = time.monotonic()
         deadline = first + self.cfg.bind_timeout_s
@@ -1170,6 +1173,9 @@ class WorkerService:
                         # nobody serves route.bind.<owner>: the owning router is gone, and with it the
                         # client's stream; waiting would stall this node's other requests (issue #22)
                         self.counters["bind.owner_gone"] += 1
+                        break
+                    if isinstance(e, PermissionDenied):  # the credentials lack the subject: no retry can help
+                        self.counters["bind.denied"] += 1
                         break
                     unanswered = isinstance(e.__cause__, TimeoutError) or not self.bus.nc.is_connected
                     self.counters["bind.retries"] += 1

@@ -441,6 +441,32 @@ async def test_a_drain_waits_for_a_parked_prefill_and_a_stop_cancels_its_binding
         assert task.cancelled() and not w0._binds and not w0._handing_off
 
 
+async def test_a_bind_this_identity_may_not_publish_fails_at_once(nats_url, tmp_path: Path):
+    """The worker's NATS identity may not publish ``route.bind.<router>`` (a real nats-server's permissions):
+    nats-py reports the violation and the request raises ``PermissionDenied`` at its timeout. The request
+    fails after that one try (``bind.denied``) instead of being retried as an unanswered one for
+    ``owner_gone_after_s`` (10 s here)."""
+    from shared.natsserver import EmbeddedNatsServer
+
+    block = ('authorization { users = [ {user: "test", password: "pw"}, '
+             '{user: "worker", password: "pw", permissions: {publish: {allow: [">"], deny: ["ei.p0.route.bind.>"]}}} ] }')  # fmt: skip
+    with EmbeddedNatsServer(jetstream=False, auth_block=block) as srv:
+        url = srv.url.replace("nats://", "nats://test:pw@")
+        ok = _Router(hung=False)
+        async with _prefill_node(url, {"ok": ok}, worker_url=srv.url.replace("nats://", "nats://worker:pw@"), bind_timeout_s=0.3,
+                                 owner_gone_after_s=10.0) as (bus, w0, seen):  # fmt: skip
+            sent = time.monotonic()
+            await bus.publish(WORK_PREFILL, _bind_work("d", "ok"), node="w0")
+            await until(lambda: _of(seen, "d"), 8.0, "d's error chunk")
+            took = time.monotonic() - sent
+            (c,) = [x for k, x, _ in seen if k == "chunk"]
+            assert c.finish_reason == "abort" and "Permissions Violation" in (c.error or ""), c
+            assert took < 2.0, f"failed after {took:.2f} s"
+            assert ok.asked == [] and w0.counters["bind.denied"] == 1 and w0.counters.get("bind.retries", 0) == 0, w0.counters
+            assert not w0.core.requests
+            _no_fatal(w0)
+
+
 async def test_new_work_of_a_request_waits_for_its_parked_hand_off_to_go_out(nats_url):
     """A new attempt of a request arrives while the first token and hand-off of its old attempt (parked,
     then bound) are being published by the binding's task: it is taken only once they are out, as new work
