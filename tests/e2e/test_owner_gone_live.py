@@ -159,3 +159,44 @@ async def test_a_retry_with_the_same_request_id_after_a_router_restart_is_not_se
             await until(lambda: _empty(fc), 10.0, "workers empty after the retry", every=0.25)
         finally:
             await _cancel(tasks)
+
+
+async def test_a_sigstopped_router_does_not_stall_the_other_routers_requests_on_its_prefill_node(tmp_path: Path) -> None:
+    """1P1D, two routers. router-1's request B waits on prefill node w0 behind router-0's long prompt A; router-1
+    is SIGSTOPped; when w0 starts B, B's route.bind gets no reply. A (its prompt completes in the plan B's
+    does) and C (router-0, sent meanwhile) are served as if nothing happened; B waits, its KV held, until
+    router-1 goes on. Before, w0's step loop waited for B's binding: A and C were answered only when it gave up
+    (up to ``owner_gone_after_s``; here ``--bind-timeout-s`` 10 s bounds it: A 11.8 s, C 11.6 s;
+    with the defaults, 30 s: A 33.6 s at ``--speedup 0.5``)."""
+    spec = FaultSpec(nodes=2, split="1P1D", routers=2, speedup=1.0, extra={"worker": ["--owner-gone-after-s", "8"]})
+
+    async def post(url: str, prompt: list[int]) -> tuple[int, float]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            t = asyncio.get_running_loop().time()
+            r = await c.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+            return r.status_code, asyncio.get_running_loop().time() - t
+
+    async def w0(gauge: str) -> float:
+        st = await fc.stats("worker-w0")
+        return st.gauges.get(gauge, 0.0) if st is not None else 0.0
+
+    async with FaultCluster(spec, tmp_path / "cluster") as fc:
+        u0, u1 = fc.router_url(0), fc.router_url(1)
+        a = asyncio.create_task(post(u0, _prompt(60_000, 7)))  # ≈ 2 s of prefill on w0
+        await until(lambda: w0("running"), 20.0, "A prefilling on w0", every=0.05)
+        b = asyncio.create_task(post(u1, _prompt(300, 11)))
+        await until(lambda: w0("waiting"), 20.0, "B queued on w0 behind A", every=0.05)
+        fc.signal("router-1", signal.SIGSTOP)
+        try:
+            c = asyncio.create_task(post(u0, _prompt(300, 21)))
+            (sa, ta), (sc, tc) = await a, await c
+            assert sa == 200 and sc == 200, (sa, sc)
+            assert ta < 6.0 and tc < 6.0, f"router-0's requests took {ta:.1f} s and {tc:.1f} s: w0 stalled on router-1's binding"
+            st = await fc.stats("worker-w0")
+            assert st is not None and st.counters.get("bind.failed", 0) == 0 and not b.done()
+        finally:
+            fc.signal("router-1", signal.SIGCONT)
+        sb, _ = await b
+        assert sb == 200
+        st = await fc.stats("worker-w0")
+        assert st is not None and st.counters["bind.after_prefill"] >= 1, st.counters
