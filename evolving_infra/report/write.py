@@ -244,16 +244,26 @@ def ttft_split_lines(report: Mapping[str, Any]) -> list[str]:
     plus a warning when the control plane is more than half the mean client TTFT over the same records
     (``ttft_split_client_mean_s``; a report without it, from before, gets no warning: its ``ttft_mean_s`` also
     counts records without a node arrival): under ``--speedup N`` it is N × the real latency of the router, bus
-    and client on this machine, so it measures the machine's load more than the serving policy. Empty for a
-    report without them (simulator runs, older reports)."""
+    and client on this machine, so it measures the machine's load more than the serving policy. A run whose
+    policy binds the decode node at prefill start (``meta.policy.decode_binding`` ``prefill-start``: the
+    evolving and arrow sets) says that its node's part holds the prefill node's ``route.bind`` round trip to
+    the router too: the worker finishes a prompt's last chunk only once the router has named its decode node,
+    so under ``--speedup N`` that hop is N × real latency inside "on node" as well. Measured (demo, 4 nodes,
+    load average 5-7 on 2 cores, 2026-12-05): on-node TTFT mean 3.2 s with ``prefill-start``, 0.59 s with
+    ``--decode-binding enqueue`` and the policy otherwise the same, 1.07 s for the static:2P2D baseline.
+    Empty for a report without them (simulator runs, older reports)."""
     g = report.get
     if g("ttft_node_mean_s") is None:
         return []
-    speedup = (g("meta") or {}).get("speedup")
+    meta = g("meta") or {}
+    speedup = meta.get("speedup")
     times = f" × speedup {speedup:g}" if isinstance(speedup, (int, float)) and speedup != 1 else ""
+    policy = meta.get("policy")
+    binds_at_start = isinstance(policy, Mapping) and policy.get("decode_binding") == "prefill-start"
+    node_part = "queue + prefill + the wait for route.bind, decode binding at prefill start" if binds_at_start else "queue + prefill"
     lines = [
         f"  on node  mean {fmt_seconds(g('ttft_node_mean_s'))}  p50 {fmt_seconds(g('ttft_node_p50_s'))}  "
-        f"p95 {fmt_seconds(g('ttft_node_p95_s'))} (prefill node arrival → first token: queue + prefill)",
+        f"p95 {fmt_seconds(g('ttft_node_p95_s'))} (prefill node arrival → first token: {node_part})",
         f"  control plane mean {fmt_seconds(g('ttft_control_plane_mean_s'))}  p50 {fmt_seconds(g('ttft_control_plane_p50_s'))} "
         f"(router → node, first token → client: real latency{times})",
     ]
@@ -263,6 +273,11 @@ def ttft_split_lines(report: Mapping[str, Any]) -> list[str]:
             f"  note: {100 * control / total:.0f}% of the mean TTFT is control plane, which grows with this machine's "
             f"load{times}: compare policies on the node's TTFT (or with `simulate`), not the client's"
         )
+        if binds_at_start:
+            lines.append(
+                f"  note: the node's TTFT holds route.bind round trips to the router (real latency{times}, decode "
+                "binding at prefill start): against a policy that binds at dispatch, compare with `simulate`"
+            )
     return lines
 
 
