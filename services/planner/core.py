@@ -389,13 +389,15 @@ class PlannerCore:
                     hook(dict(phases), now)
             if phases != dict(self.command.phases):
                 cmd = self._adopt(phases, now, f"{d.reason} ({placed})" if placed else d.reason)
+            elif placed:  # laid over the live nodes, the policy's switch is the split served: nothing switches
+                placed += ": the split served"
         take_note = getattr(self.policy, "take_split_note", None)
         note = take_note() if take_note is not None else None
         if cmd is None and note and note != self.command.reason:
             # same phases, same epoch, a truer reason (a warm-up extended): split.get answers it and the next
             # announcement carries it to the routers; nothing switches, no split change is counted
             self.command = msgspec.structs.replace(self.command, reason=note)
-        self._collect_decisions(placed)
+        self._collect_decisions(placed, switched=cmd is not None)
         return cmd
 
     def set_split(self, spec: str, now: float, reason: str = "operator") -> SplitCommand:
@@ -675,15 +677,19 @@ class PlannerCore:
         self._unsure.clear()
         return self.command
 
-    def _collect_decisions(self, placed: str = "") -> None:
+    def _collect_decisions(self, placed: str = "", *, switched: bool = True) -> None:
         """The policy's decisions, under the current epoch; ``placed`` (the core laid the policy's switch over
-        the live nodes, :meth:`tick`) is added to its switch's reason, as to the command's."""
+        the live nodes, :meth:`tick`) is added to its switch's reason, as to the command's. Not ``switched``
+        (laid over the live nodes, the switch was the split served: no command), that decision is a
+        ``no_switch`` (before, it read ``switch`` 2P2D -> 2P2D under the current epoch, a switch that never was)."""
         take = getattr(self.policy, "take_decisions", None)
         if take is None:
             return
         for ev in take():
             if placed and ev.action == "switch":
                 ev = msgspec.structs.replace(ev, reason=f"{ev.reason} ({placed})")
+                if not switched:
+                    ev = msgspec.structs.replace(ev, action="no_switch", split_after=ev.split_before)
             self._decisions.append(msgspec.structs.replace(ev, epoch=self.command.epoch))
 
     def take_decisions(self) -> list[PlannerDecision]:

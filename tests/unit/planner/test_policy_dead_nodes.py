@@ -223,3 +223,28 @@ def test_a_stall_that_silences_every_node_does_not_free_a_switching_node_from_bu
                 dyn.on_node_state(msgspec.structs.replace(st, epoch=dyn.command.epoch, accepting=not draining), t)
         nxt = dyn.next_tick()
         assert nxt is None or nxt > t or dyn.tick(t) is None, f"switched at t={t} during the stall"
+
+
+def test_a_switch_the_placement_turns_into_the_split_served_is_logged_as_no_switch() -> None:
+    """The evolving planner without warm-up freezes into its initial split by position (2P2D: w0, w1 prefill).
+    Both died before its first tick, and the liveness swap already gave prefill to w2 (w0 -> decode): laid over
+    the live nodes, the freeze's 2P2D is the split served, so no command is issued. Before, its decision still
+    read ``switch`` 2P2D -> 2P2D under the current epoch, a switch that never happened; now ``no_switch``,
+    with the reason saying the placement is the split served."""
+    pol = make_planner("evolving", NODES, TINY, t_learn_s=0.0, initial_split="2P2D")
+    core = PlannerCore(NODES, "2P2D", policy=pol, silent_after=3.0)
+    for t in (1.0, 2.0):
+        _states(core, t, *NODES)
+    for t in (3.0, 4.0, 5.0):
+        _states(core, t, "w2", "w3")
+    rescue = core.tick(5.0)
+    assert rescue is not None and dict(rescue.phases) == {"w0": "decode", "w1": "prefill", "w2": "prefill", "w3": "decode"}
+    core.take_decisions()
+    _states(core, 5.5, "w2", "w3")
+    assert core.tick(5.5) is None and core.command.epoch == rescue.epoch
+    [freeze] = [d for d in core.take_decisions() if d.policy == "evolving"]
+    assert (freeze.action, freeze.split_before, freeze.split_after) == ("no_switch", "2P2D", "2P2D"), freeze
+    assert freeze.reason.endswith("w2 takes it from w0: the split served)"), freeze.reason
+    _states(core, 6.0, "w2", "w3")
+    assert core.tick(6.0) is None
+    assert not [d.reason for d in core.take_decisions() if "externally" in d.reason]
