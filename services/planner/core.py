@@ -499,7 +499,8 @@ class PlannerCore:
         The swap is :meth:`_dead_swap`'s over the current phases: the phase's first node (cluster order)
         swaps phases with a live node of the other phase, the first one for prefill, the last one for
         decode (as ``assign_min_change`` takes them). The split (``xPyD``) stays as it was; one live node
-        switches. The command's reason and a decision (policy ``liveness``) name the silent nodes and the taker.
+        switches. The command's reason and a decision (policy ``liveness``) name the silent nodes and the taker;
+        the policy is told (its ``on_placed``), as of a switch of its own laid over the live nodes.
         """
         self._rescue_checked = now
         before = dict(self.command.phases)
@@ -509,6 +510,9 @@ class PlannerCore:
         phases, why = swap
         reason = why.replace(" would have been on ", " was left on ", 1)
         cmd = self._adopt(phases, now, reason)
+        hook = getattr(self.policy, "on_placed", None)
+        if hook is not None:  # the planner's own change, not an operator's (the evolving planner logged 'externally')
+            hook(dict(phases), now)
         self._decisions.append(
             PlannerDecision(seq=0, ts=now, policy="liveness", action="switch", split_before=split_name(before),
                             split_after=split_name(phases), epoch=cmd.epoch, reason=reason)  # fmt: skip

@@ -253,9 +253,9 @@ class EvolvingPlanner(PolicyBase):
         self.last_switch_at = max(self.last_switch_at, now)
 
     def on_placed(self, phases: Mapping[str, Phase], now: float) -> None:
-        """The core applied the last decision as ``phases`` (a phase it left on dead nodes only moved
-        to a live node, same split): they are this planner's own, not a change made outside it (which
-        restarts the cooldown, or ends the warm-up early, and is logged as such). O(N)."""
+        """The core applied ``phases`` (the last decision, or the current split, with a phase left on dead
+        nodes only moved to a live node, same split): they are this planner's own, not a change made
+        outside it (which restarts the cooldown, or ends the warm-up early, and is logged as such). O(N)."""
         self.expected = dict(phases)
 
     def on_adopted(self, phases: Mapping[str, Phase], now: float) -> None:

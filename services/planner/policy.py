@@ -22,8 +22,8 @@ Additive extensions beyond the interface the simulator was given:
 :meth:`take_decisions` (every decision, including "no switch", as
 ``PlannerDecision`` messages), :meth:`models` (the per-node Eq. 1–4 models
 for ``planner.models``) and ``on_placed`` (the live planner's core applied a
-decision's split count with other nodes: it lays a phase left on dead nodes
-only over live ones); all have defaults on :class:`PolicyBase`. The simulator
+decision's split count with other nodes, or swapped the current split's: it lays
+a phase left on dead nodes only over live ones); all have defaults on :class:`PolicyBase`. The simulator
 calls none of them.
 """
 
@@ -165,10 +165,11 @@ class PolicyBase:
         return None
 
     def on_placed(self, phases: Mapping[str, Phase], now: float) -> None:
-        """The live planner's core applied this policy's last decision as ``phases``: the same prefill
-        count, with a phase the decision left on dead nodes only swapped onto a live node
-        (``core.PlannerCore._dead_swap``). Called after :meth:`tick` returned that decision; never
-        by the simulator (no node dies there)."""
+        """The live planner's core applied ``phases`` of its own: this policy's last decision with a phase
+        it left on dead nodes only swapped onto a live node (the same prefill count), called after
+        :meth:`tick` returned that decision, or the current split with such a swap (the liveness swap,
+        ``core.PlannerCore._rescue``), called after it was issued (``core.PlannerCore._dead_swap`` both).
+        Never called by the simulator (no node dies there)."""
         return None
 
     # -- outputs ---------------------------------------------------------- #

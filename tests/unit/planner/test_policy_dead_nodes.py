@@ -248,3 +248,26 @@ def test_a_switch_the_placement_turns_into_the_split_served_is_logged_as_no_swit
     _states(core, 6.0, "w2", "w3")
     assert core.tick(6.0) is None
     assert not [d.reason for d in core.take_decisions() if "externally" in d.reason]
+
+
+def test_the_evolving_planner_sees_a_liveness_swap_as_the_planners_own() -> None:
+    """The liveness swap (``_rescue``: prefill w0, w1 dead, w2 takes it from w0) is the planner's own change,
+    as a policy's switch laid over the live nodes: the policy is told (``on_placed``). Before, the evolving
+    planner's next tick took it for an operator's: 'split changed externally to 2P2D; cooldown restarts' (and,
+    in a restarted planner's warm-up in the adopted split, 'split changed externally during warm-up': models
+    frozen early). Its cooldown still runs from w2's switch (``on_switch_done``)."""
+    pol = make_planner("evolving", NODES, TINY, t_learn_s=0.0)
+    core = PlannerCore(NODES, "2P2D", policy=pol, silent_after=3.0)
+    for t in (1.0, 2.0):
+        _states(core, t, *NODES)
+    assert core.tick(2.0) is None
+    for t in (3.0, 4.0, 5.0):
+        _states(core, t, "w2", "w3")
+    rescue = core.tick(5.0)
+    assert rescue is not None and rescue.reason.startswith("prefill was left on silent nodes only")
+    assert pol.expected == dict(rescue.phases)  # type: ignore[attr-defined]
+    core.on_split_applied(SplitApplied(node="w2", epoch=rescue.epoch, phase="prefill", status="serving"), 5.2)
+    _states(core, 5.5, "w2", "w3")
+    assert core.tick(5.5) is None
+    assert not [d.reason for d in core.take_decisions() if "externally" in d.reason]
+    assert pol.last_switch_at == 5.2  # type: ignore[attr-defined]
