@@ -504,7 +504,10 @@ def context_line(spec: ClusterSpec) -> str | None:
 def api_keys_line(args: argparse.Namespace) -> str | None:
     """``up``'s ready-banner line saying that the router requires API keys (how many, from where), or, when it is
     open and ``--host`` is not a loopback address, that anyone who reaches the port may send requests (``up --host
-    0.0.0.0`` said nothing of it; compose's README warns of the same); None when open on loopback only."""
+    0.0.0.0`` said nothing of it; compose's README warns of the same); None when open on loopback only. The public
+    paths it names are those the router will serve without a key: its default, or ``EI_API_KEY_PUBLIC_PATHS`` of
+    this environment, which the router inherits (the line said "unless --api-key-public-paths", a router flag
+    that ``up`` refuses as an unrecognized argument)."""
     keys = getattr(args, "router_api_keys", frozenset())
     if not keys:
         host = str(getattr(args, "host", "127.0.0.1"))
@@ -515,8 +518,14 @@ def api_keys_line(args: argparse.Namespace) -> str | None:
     where = " and ".join(w for w, on in ((f"--api-keys-file {args.api_keys_file}", bool(args.api_keys_file)),
                                           ("EI_API_KEYS_FILE", not args.api_keys_file and bool(os.environ.get("EI_API_KEYS_FILE"))),
                                           ("EI_API_KEYS", bool(os.environ.get("EI_API_KEYS", "").strip()))) if on)  # fmt: skip
+    env_paths = os.environ.get("EI_API_KEY_PUBLIC_PATHS")
+    if env_paths is None:
+        public = "/healthz, /health, /ping, /metrics; EI_API_KEY_PUBLIC_PATHS=P1,P2 sets others"
+    else:
+        paths = [q for q in (p.strip() for p in env_paths.split(",")) if q]
+        public = (", ".join(paths) or "none") + " from EI_API_KEY_PUBLIC_PATHS"
     return (f"API keys ON ({len(keys)} from {where}): every request needs 'Authorization: Bearer <key>' (401 without one) "
-            "except the router's public paths (/healthz, /health, /ping, /metrics unless --api-key-public-paths)")
+            f"except the router's public paths ({public})")
 
 
 def _loopback(host: str) -> bool:

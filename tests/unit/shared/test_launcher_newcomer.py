@@ -165,3 +165,25 @@ def test_an_open_router_on_another_interface_is_said_in_the_banner(host, warned,
     monkeypatch.setenv("EI_API_KEYS", "a")
     _spec(args)
     assert api_keys_line(args).startswith("API keys ON (1 from EI_API_KEYS)")
+
+
+def test_api_keys_line_names_the_public_paths_in_effect_and_how_up_sets_them(tmp_path, monkeypatch):
+    """The banner said "... /metrics unless --api-key-public-paths": a router flag, which `up` refuses
+    (unrecognized arguments). `up` passes EI_API_KEY_PUBLIC_PATHS of its environment to the router (measured:
+    with /health,/healthz set, /metrics and /ping answered 401, /health 200); the line now names that variable,
+    and the paths it set."""
+    from evolving_infra.cluster import child_env
+
+    monkeypatch.delenv("EI_API_KEYS_FILE", raising=False)
+    monkeypatch.setenv("EI_API_KEYS", "k")
+    monkeypatch.delenv("EI_API_KEY_PUBLIC_PATHS", raising=False)
+    args = build_parser("up").parse_args(["up", "--log-dir", str(tmp_path)])
+    _spec(args)
+    line = api_keys_line(args)
+    assert line is not None and "--api-key-public-paths" not in line
+    assert "(/healthz, /health, /ping, /metrics; EI_API_KEY_PUBLIC_PATHS=P1,P2 sets others)" in line
+    with pytest.raises(SystemExit):  # what the old line told the user to pass
+        build_parser("up").parse_args(["up", "--api-key-public-paths", "/health"])
+    monkeypatch.setenv("EI_API_KEY_PUBLIC_PATHS", "/health, /healthz")
+    assert "(/health, /healthz from EI_API_KEY_PUBLIC_PATHS)" in str(api_keys_line(args))
+    assert child_env(None)["EI_API_KEY_PUBLIC_PATHS"] == "/health, /healthz"  # the router inherits it
