@@ -881,7 +881,7 @@ async def _demo(args: argparse.Namespace) -> int:
     from evolving_infra.replay.core import Arrival
     from evolving_infra.replay.live import LiveReplayer
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
-    from evolving_infra.report.write import build_report, print_summary, write_report
+    from evolving_infra.report.write import build_report, print_summary, report_line, write_report
     from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace
     from evolving_infra.traces.sample import scale_description, scale_trace_for_model
     from shared.clock import SimClock
@@ -1030,7 +1030,7 @@ async def _demo(args: argparse.Namespace) -> int:
     print_summary(report)
     if late := warmup_outlasted_note(pol, spec.split, str(report.get("final_split") or "")):
         print(late)
-    print(f"report: {path}")
+    print(report_line(path))
     print(_baseline_line(args, out))
     ok = report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"]
     return 0 if ok else 1

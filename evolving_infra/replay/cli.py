@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 async def _replay(args: argparse.Namespace) -> int:
     from evolving_infra.replay.live import LiveReplayer
-    from evolving_infra.report.write import build_report, print_summary, write_report
+    from evolving_infra.report.write import build_report, print_summary, report_line, write_report
     from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace
     from evolving_infra.report.ideal import annotate_ideal
     from shared.clock import SimClock
@@ -219,7 +219,7 @@ async def _replay(args: argparse.Namespace) -> int:
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, start=result.start, end=result.end)
     path = write_report(Path(args.out), report, sorted(result.records, key=lambda r: r.sent_at))
     print_summary(report)
-    print(f"report: {path}")
+    print(report_line(path))
     if result.interrupted:
         sig = signals[0] if signals else "SIGINT"
         return 128 + getattr(signal, sig).value

@@ -234,6 +234,14 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], list[RequestRecord]]:
     return report, records
 
 
+def report_line(path: Path) -> str:
+    """The line a command that wrote a run ends with: ``report: DIR/report.json``, and ``page: DIR/report.html``
+    when that page was written (not with ``--no-plots``, nor after a plotting failure). The demo, simulate and
+    replay named the JSON only; the page with the plots, what a newcomer opens first, was not named."""
+    html = Path(path).with_name(REPORT_HTML)
+    return f"report: {path}" + (f"  page: {html}" if html.is_file() else "")
+
+
 CONTROL_PLANE_DOMINANT = 0.5
 """Share of the mean client TTFT above which the summary says the control plane dominates it."""
 

@@ -265,7 +265,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -> int:
-    from evolving_infra.report.write import print_summary, write_report
+    from evolving_infra.report.write import print_summary, report_line, write_report
     from evolving_infra.replay.core import ReplayError
     from evolving_infra.sim.config import SimConfigError
     from evolving_infra.sim.planners import ComponentMissing
@@ -329,7 +329,7 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
         print(f"warning: pool {w['prefix']!r} ({w['agents']} agents) ran dry at {w['exhausted_at_s']:.0f} s, before its "
               f"period ends at {w['end_s']:.0f} s: its concurrency fell from {w['concurrency']} from then on, so later "
               "windows measure the pool, not the cluster; generate more agents ('trace generate shift')", file=sys.stderr)
-    print(f"report: {path}")
+    print(report_line(path))
     return 0 if r["requests_failed"] == 0 else 1
 
 
