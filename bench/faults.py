@@ -60,6 +60,8 @@ class FaultRun:
     """``time.monotonic()`` when the fault was injected."""
     signalled: dict[str, int] = field(default_factory=dict)
     """Service -> the pid the fault signalled (recovery = a different pid in cluster.json)."""
+    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    """Processes the fault started itself (a twin): killed when the run ends."""
 
     @property
     def router_url(self) -> str:
@@ -139,6 +141,30 @@ def _kill_wiping_store(service: str = "nats-server") -> Injector:
     return inject
 
 
+def _twin(service: str, hold_s: float) -> Injector:
+    """SIGSTOP ``service``, start a second process with its command line and environment (a supervisor that
+    replaced a frozen worker under the same node id), SIGCONT the first ``hold_s`` wall s later: two processes
+    under one node id. The first must stop itself (``node superseded``), after which ``up`` restarts it as the
+    latest process and the twin stops in turn; nothing may be lost."""
+
+    async def inject(run: FaultRun) -> str | None:
+        pid = run.pid(service)
+        argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+        env = dict(kv.decode().split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        run.kill(service, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.0)
+            with open(run.log_dir / f"{service}-twin.log", "ab") as log:
+                run.started.append(subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                                    stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+            await asyncio.sleep(hold_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return None
+
+    return inject
+
+
 FAULTS: dict[str, Injector] = {
     "nats-kill": _kill("nats-server"),
     "directory-kill": _kill("kvdirectory"),
@@ -152,12 +178,14 @@ FAULTS: dict[str, Injector] = {
     "worker-kill-then-nats-kill": _then(_kill("worker-w3"), "nats-server", 0.3),
     "directory-kill-then-worker-kill": _then(_kill("kvdirectory"), "worker-w0", 0.2),
     "nats-kill-store-lost": _kill_wiping_store(),
+    "decode-worker-twin": _twin("worker-w3", 6.0),
 }
 """Fault name -> injector. With ``--split 2P2D`` on 4 nodes, w0/w1 prefill and w2/w3 decode. ``*-stop``: the
 process hangs 8 s (SIGSTOP, then SIGCONT); ``router-kill``: a single router's clients lose its open streams and
 what they send before ``up`` restarts it (connection errors, no hang); ``a-then-b``: b is SIGKILLed while a is
 being restarted; ``nats-kill-store-lost``: nats-server comes back without its JetStream store (the stream is
-made again by the launcher, every consumer resumes at its start)."""
+made again by the launcher, every consumer resumes at its start); ``decode-worker-twin``: w3 frozen, a second
+process started under its node id, the first resumed 6 s later (two processes, one node id)."""
 
 LOSSY = frozenset({"router-kill"})
 """Faults whose victim's clients lose requests by design (its open streams, what they send while it is down): they
@@ -349,9 +377,20 @@ async def run_fault(
             res.restarts = {k: v for k, v in run.cluster_json().get("restarts", {}).items() if v}  # type: ignore[union-attr]
         except (OSError, ValueError):
             pass
+        res.counters.update(await _twin_counters(run) if run.started and res.up_alive else {})
     finally:
+        for twin in run.started:
+            if twin.poll() is None:
+                twin.kill()
+            twin.wait()
         stop_up(run)
     return res
+
+
+async def _twin_counters(run: FaultRun) -> dict[str, dict[str, int]]:
+    """Whether the twin processes a fault started are still running (``twin.running`` 1) and their exit codes."""
+    return {f"twin-{i}": {"running": int(t.poll() is None), "exit": t.returncode if t.returncode is not None else -1}
+            for i, t in enumerate(run.started)}  # fmt: skip
 
 
 async def collect_counters(run: FaultRun, timeout_s: float = 2.0) -> dict[str, dict[str, int]]:
