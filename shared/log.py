@@ -23,13 +23,52 @@ class _CurrentStderr:
     """A file that writes to whatever ``sys.stderr`` is when a line is written, not the object it
     was when logging was configured: a process (a test, an in-process CLI call) that configured
     logging while ``sys.stderr`` was replaced by a capture that is closed since keeps logging to the
-    real stderr instead of raising ``ValueError: I/O operation on closed file``."""
+    real stderr instead of raising ``ValueError: I/O operation on closed file``.
+
+    A write or flush that fails with ``OSError`` (the log's disk full: ``ENOSPC``; a closed pipe) loses
+    the line, not the service: it raised out of every log call, so each service exited 1 at its first
+    line (``up`` writes each child's stderr to ``LOG_DIR/<service>.log``: a full disk there stopped the
+    cluster, restart after restart) and a handler that logged failed. Lost lines are counted
+    (:attr:`lost`); the first line written afterwards is preceded by one saying how many."""
+
+    def __init__(self, fmt: str = "console") -> None:
+        self.fmt = fmt
+        self.lost = 0
+        """Lines (writes) lost since the last one that went out."""
+        self.lost_total = 0
 
     def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+        try:
+            if self.lost:
+                self._note()
+            return sys.stderr.write(text)
+        except OSError:
+            self._lose()
+            return 0
 
     def flush(self) -> None:
-        sys.stderr.flush()
+        try:
+            sys.stderr.flush()
+        except OSError:
+            self._lose()
+
+    def _lose(self) -> None:
+        self.lost += 1
+        self.lost_total += 1
+
+    def _note(self) -> None:
+        """Say how many lines were lost (raises ``OSError`` when it cannot: still lost)."""
+        import json
+        import time
+
+        what = f"{self.lost} log writes lost: the log could not be written (OSError, e.g. its disk full)"
+        if self.fmt == "json":
+            line = json.dumps({"event": what, "level": "warning", "lost": self.lost,
+                               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})  # fmt: skip
+        else:
+            line = f"{time.strftime('%H:%M:%S')} [warning  ] {what}"
+        sys.stderr.write(line + "\n")
+        self.lost = 0
 
 
 def setup_logging(fmt: Literal["console", "json"] = "console", level: str = "info", *, service: str = "") -> None:
@@ -58,16 +97,17 @@ def setup_logging(fmt: Literal["console", "json"] = "console", level: str = "inf
         # default prints every frame's local variables (a request's prompt, an API key, a NATS URL with
         # its password) and took ~1 s per traceback, long enough for a bus handler to miss its reply
         processors += [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback)]
+    out = _CurrentStderr(fmt)
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=True,
     )
     # stdlib logging (libraries: the OTLP exporter's "Transient error ...", nats, uvicorn) goes through the
     # same renderer (structlog's ProcessorFormatter), so with ``json`` every line of a service's log is a
     # JSON object (``logger`` names the library); it was "name LEVEL message" plain text before
-    handler = logging.StreamHandler(_CurrentStderr())  # type: ignore[arg-type]
+    handler = logging.StreamHandler(out)  # type: ignore[arg-type]
     handler.set_name(_HANDLER)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*processors[:-1], structlog.stdlib.add_logger_name],

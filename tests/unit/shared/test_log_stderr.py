@@ -86,3 +86,37 @@ def test_a_console_traceback_shows_no_local_variables(monkeypatch):
     text = out.getvalue()
     assert "handler failed" in text and "RuntimeError: boom" in text and "in handler" in text
     assert "sk-secret-do-not-log" not in text
+
+
+class _Full(io.StringIO):
+    """stderr on a full disk: every write fails with ENOSPC, as a log file under ``up`` does then."""
+
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_an_unwritable_log_loses_lines_not_the_service(monkeypatch):
+    """Every service exited 1 at its first log line when its stderr could not be written (measured: router,
+    worker, planner and KV directory each started with stderr on /dev/full exited 1 at once; under ``up`` a
+    full disk under LOG_DIR did that to every restart). A log write that fails loses its line; the first one
+    written afterwards says how many were lost."""
+    import json
+
+    old = structlog.get_config()
+    out = io.StringIO()
+    try:
+        monkeypatch.setattr(sys, "stderr", _Full())
+        setup_logging("json", "info")
+        log = structlog.get_logger()
+        log.warning("lost one")
+        log.info("lost two", code=1)
+        monkeypatch.setattr(sys, "stderr", out)  # space again
+        log.info("written")
+    finally:
+        structlog.configure(**old)
+    note, line = (json.loads(ln) for ln in out.getvalue().splitlines())
+    assert note["level"] == "warning" and note["lost"] >= 2 and "lost" in note["event"]
+    assert line["event"] == "written"
