@@ -155,5 +155,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
             "else the operator credentials of the local cluster `up` started",
         )
         q.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for NATS and for the planner (default 5)")
-        q.add_argument("--json", action="store_true", help="print the command as JSON")
+        q.add_argument("--json", action="store_true",
+                       help="print the split the planner answered as one JSON object: epoch, split, phases (node: phase), "
+                       "reason, decided_at (cluster-clock seconds: simulated under --speedup)")
     p.set_defaults(func=cmd_split)

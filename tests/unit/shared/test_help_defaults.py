@@ -51,3 +51,11 @@ def test_every_policy_override_says_its_default_is_the_sets(flag):
 def test_simulate_input_caps_say_what_no_cap_is(flag):
     (a,) = [a for cmd, a in OPTIONS if cmd == "evolving-infra simulate" and flag in a.option_strings]
     assert "default" in str(a.help)
+
+
+@pytest.mark.parametrize("action", ["get", "set"])
+def test_split_json_help_says_what_is_printed(action):
+    """``split get --json`` said "print the command as JSON": it prints the planner's answer, whose
+    ``decided_at`` is on the cluster clock (simulated seconds under ``--speedup``)."""
+    (a,) = [a for cmd, a in OPTIONS if cmd == f"evolving-infra split {action}" and "--json" in a.option_strings]
+    assert "decided_at" in str(a.help) and "cluster-clock seconds" in str(a.help)
