@@ -289,6 +289,17 @@ def ttft_split_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _measured_window(report: Mapping[str, Any]) -> str:
+    """`` (t=600-900 s, after --warmup 600)`` for a run whose metrics leave out a warm-up (``meta.warmup_s`` > 0):
+    its duration is the measured window, which the summary gave beside the whole run's wall time with no word of
+    it ("299.8 s simulated, 32.9 s wall" for a 900-s simulate --warmup 600 that ran at 27x); else empty."""
+    warmup = (report.get("meta") or {}).get("warmup_s")
+    start, end = report.get("start_s"), report.get("end_s")
+    if not (isinstance(warmup, (int, float)) and warmup > 0 and isinstance(start, (int, float)) and isinstance(end, (int, float))):
+        return ""
+    return f" (t={start:.0f}-{end:.0f} s, after --warmup {warmup:g})"
+
+
 def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None:
     """Human-readable summary of a report to ``file`` (default stdout); tolerates reports missing newer keys."""
     g = report.get
@@ -301,7 +312,7 @@ def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None
     lines = [
         f"requests   sent {g('requests_sent', 0)}  completed {g('requests_completed', 0)}  failed {g('requests_failed', 0)}",
         f"sessions   {g('sessions', 0)}  (sub-agent branches {g('subagent_branches', 0)}, branches {g('branches', 0)})",
-        f"duration   {fmt_seconds(g('duration_s'))} simulated" + (f", {wall:.1f} s wall" if wall else ""),
+        f"duration   {fmt_seconds(g('duration_s'))} simulated" + _measured_window(report) + (f", {wall:.1f} s wall" if wall else ""),
         f"throughput {g('throughput_rps'):.3f} req/s" if g("throughput_rps") else "throughput -",
         f"TTFT       mean {fmt_seconds(g('ttft_mean_s'))}  p50 {fmt_seconds(g('ttft_p50_s'))}  p95 {fmt_seconds(g('ttft_p95_s'))}",
         *ttft_split_lines(report),
