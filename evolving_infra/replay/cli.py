@@ -59,6 +59,18 @@ async def _replay(args: argparse.Namespace) -> int:
     if args.branch_prefix is not None and (bad := branch_prefix_problem(args.branch_prefix)):
         print(f"error: --branch-prefix {args.branch_prefix!r}: {bad}", file=sys.stderr)
         return 2
+    if args.from_kind == "canonical":  # read before any cluster is looked for: a mistyped path or a raw trace given
+        try:  # without --from is the error, not "no router answers" (nor, after an `up` started, the trace)
+            trace = read_trace(Path(stdin_file(args.input[0])))
+        except TraceError as e:
+            print(f"error: {shown(str(e))}", file=sys.stderr)
+            return 2
+        except OSError as e:  # missing, or a stdin that is a terminal or closed
+            print(f"error: {args.input[0]}: cannot read: {e}", file=sys.stderr)
+            return 2
+        if not trace.requests:  # before a request is sent or a folder made
+            print(f"error: {args.input[0]}: {NO_REQUESTS}", file=sys.stderr)
+            return 2
     try:
         vocab_size = _use_running_cluster(args)
     except SystemExit as e:  # UsageError: several clusters and no --router-url
@@ -83,19 +95,7 @@ async def _replay(args: argparse.Namespace) -> int:
         print(f"error: {given} {args.speedup:g} differs from the router's {served:g} (GET /v1/cluster at {args.router_url}); "
               f"pass --speedup {served:g}, or leave it unset to take the router's", file=sys.stderr)
         return 2
-    if args.from_kind == "canonical":
-        try:
-            trace = read_trace(Path(stdin_file(args.input[0])))
-        except TraceError as e:
-            print(f"error: {shown(str(e))}", file=sys.stderr)
-            return 2
-        except OSError as e:  # missing, or a stdin that is a terminal or closed
-            print(f"error: {args.input[0]}: cannot read: {e}", file=sys.stderr)
-            return 2
-        if not trace.requests:  # before a request is sent or a folder made
-            print(f"error: {args.input[0]}: {NO_REQUESTS}", file=sys.stderr)
-            return 2
-    else:
+    if args.from_kind != "canonical":  # converted after the router answers (a folder of raw traces takes seconds)
         from evolving_infra.traces.convert import convert_inputs
 
         trace = convert_inputs(args.from_kind, [Path(p) for p in args.input], progress=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -81,7 +82,8 @@ def test_two_running_clusters_are_listed_and_replay_asks_for_router_url(tmp_path
     monkeypatch.setenv("EI_STATE_DIR", str(tmp_path))
     for pid, port in ((os.getpid(), 43210), (os.getppid(), 43211)):
         write_state({"router_url": f"http://127.0.0.1:{port}", "nats_url": "nats://x", "speedup": 1.0}, pid=pid)
-    assert main(["replay", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "out")]) == 2
+    sample = Path(__file__).resolve().parents[3] / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
+    assert main(["replay", str(sample), "--out", str(tmp_path / "out")]) == 2  # a trace that reads (it is read first)
     err = capsys.readouterr().err
     assert "2 local clusters are running" in err and "pass --router-url to pick one" in err, err
     assert "http://127.0.0.1:43210" in err and "http://127.0.0.1:43211" in err, err
@@ -89,3 +91,21 @@ def test_two_running_clusters_are_listed_and_replay_asks_for_router_url(tmp_path
     a = _args(router_url="http://127.0.0.1:43211")  # --router-url picks one: nothing to ask
     _use_running_cluster(a)
     assert a.router_url == "http://127.0.0.1:43211"
+
+
+def test_the_trace_is_read_before_any_cluster_is_looked_for(tmp_path, monkeypatch, capsys):
+    """`replay missing.jsonl` with no cluster running said "no router answers at http://127.0.0.1:8000 ...
+    start a cluster with `evolving-infra up`": a newcomer started one only to learn the path was wrong (and a raw
+    trace given without --from, the same). The input is read first now; no router is asked."""
+    from evolving_infra.cli import main
+
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["replay", "missing.jsonl", "--router-url", "http://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: missing.jsonl: cannot read: ") and "no router answers" not in err, err
+    (tmp_path / "raw.jsonl").write_text('{"timestamp": 0, "input_length": 10}\n')
+    assert main(["replay", "raw.jsonl", "--router-url", "http://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "not a canonical trace" in err and "no router answers" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.jsonl"]  # no replay-out made
