@@ -12,6 +12,7 @@ TORCH    := $(VENV)/.torch
 .PHONY: demo test install clean
 
 $(STAMP): pyproject.toml
+	@echo "make: installing the project into $(VENV) (pip --quiet: a minute or two without output)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
@@ -20,11 +21,13 @@ $(STAMP): pyproject.toml
 # Mooncake's CPU transfer engine (+ libibverbs, unpacked into the venv without root)
 # for the real-bytes KV pool tests; see scripts/install-mooncake.sh.
 $(MOONCAKE): $(STAMP) scripts/install-mooncake.sh
+	@echo "make: installing Mooncake's transfer engine into $(VENV) (scripts/install-mooncake.sh)"
 	VENV=$(VENV) scripts/install-mooncake.sh
 	touch $(MOONCAKE)
 
 # real tokenizers (--tokenizer hf:<path>): the project's optional 'hf' extra
 $(HF): $(STAMP)
+	@echo "make: installing the hf extra (tokenizers) into $(VENV), quietly"
 	$(BIN)/python -m pip install --quiet -e '.[hf]'
 	touch $(HF)
 # The torch engine's extra (PyTorch, safetensors, tokenizers, transformers); `make test` needs
@@ -32,6 +35,7 @@ $(HF): $(STAMP)
 # unless told otherwise: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
 # takes the CPU build.
 $(TORCH): $(STAMP)
+	@echo "make: installing the torch extra into $(VENV), quietly: minutes (PyTorch 2.13.0; from PyPI on Linux the CUDA build, several GB, unless PIP_EXTRA_INDEX_URL names the CPU index: README, Engines)"
 	$(BIN)/python -m pip install --quiet -e '.[test,torch]'
 	touch $(TORCH)
 
