@@ -152,9 +152,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "stream", help="create the partition's JetStream stream with the launcher credentials (before the services)",
         description="Find or create the JetStream stream of the partition's must-arrive subjects (EI_<partition>), as up's "
         "launcher does; under auth gen's permissions no service may create it, and without it they fall back to core "
-        "NATS (at most once). Exit 0 when it is there, 1 when it cannot be made or one of that name lacks some of "
-        "those subjects, 2 for unreadable credentials, a "
-        "partition that is not one subject token, a --timeout not > 0 or no server (--nats-url, EI_NATS_URL).",
+        "NATS (at most once). Exit 0 when it is there; 1 when it cannot be made (no connection within --timeout, "
+        "credentials the server refuses, JetStream off or not allowed) or one of that name lacks some of those "
+        "subjects; 2 for unreadable credentials, a partition that is not one subject token, a --timeout not > 0 or "
+        "no server given (neither --nats-url nor EI_NATS_URL).",
     )
     st.add_argument(
         "--nats-url", default="", help="the NATS server, e.g. nats://head:4222; default: env EI_NATS_URL, which keeps a password in "

@@ -59,3 +59,14 @@ def test_split_json_help_says_what_is_printed(action):
     ``decided_at`` is on the cluster clock (simulated seconds under ``--speedup``)."""
     (a,) = [a for cmd, a in OPTIONS if cmd == f"evolving-infra split {action}" and "--json" in a.option_strings]
     assert "decided_at" in str(a.help) and "cluster-clock seconds" in str(a.help)
+
+
+def test_auth_stream_help_puts_each_failure_under_its_exit_status(capsys):
+    """``auth stream`` to a server that is down, or with credentials it refuses, exits 1 (measured: 'no connection
+    to nats://127.0.0.1:1 in 2 s', 'refused the credentials of launcher'); its help gave "2 ... or no server",
+    which reads as the unreachable server (split, tap and replay exit 2 for it). It meant no URL given."""
+    with pytest.raises(SystemExit):
+        build_parser("auth").parse_args(["auth", "stream", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "1 when it cannot be made (no connection within --timeout, credentials the server refuses" in text
+    assert "no server given (neither --nats-url nor EI_NATS_URL)" in text
