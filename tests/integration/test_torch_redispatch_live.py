@@ -8,7 +8,8 @@ fenced off by its ``attempt``. With the simulated engine (``test_router_live``, 
 tokens are synthetic, so only their count and order are checked there; here each token is the model's,
 so a token duplicated, missing or different across the re-dispatch would change the text. Checked:
 text, the chosen tokens of ``logprobs`` (their values within 1e-4: the continuation's prompt is computed
-in other chunks, which moves a logprob by about 1e-6), ``finish_reason``, ``usage.completion_tokens``, and
+in other chunks, which moves a logprob by about 1e-6), ``finish_reason``, ``usage`` (``prompt_tokens`` the
+client's prompt, not prompt + the tokens sent before the re-dispatch), and
 on the bus the token ids of the two attempts, joined at the re-dispatch's offset, = the reference's.
 
 Measured (session 43, 2 busy cores): kills after 5 to 61 tokens of 300, chat and completions, also SIGSTOP
@@ -105,4 +106,5 @@ async def test_decode_node_killed_mid_stream_the_stream_is_the_uninterrupted_gre
     assert lps == pytest.approx(rc["logprobs"]["token_logprobs"], abs=1e-4)
     assert finish == rc["finish_reason"] == "length"
     assert usage["completion_tokens"] == ref["usage"]["completion_tokens"] == MAX_TOKENS
+    assert usage["prompt_tokens"] == ref["usage"]["prompt_tokens"] == len(body["prompt"])  # the client's prompt, not the continuation's
     assert ei["redispatches"] >= 1 and ei["decode_node"] not in (None, killed[0]), ei
