@@ -161,8 +161,10 @@ def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     if args.trace:
         try:  # held compactly (stubs + prefix differences): ~8 bytes per new block id, not ~40 per id
             trace = read_trace_compact(Path(stdin_file(args.trace)), ahead=ahead)
-        except (TraceError, OSError) as e:
+        except TraceError as e:
             raise SimConfigError(shown(f"--trace: {e}")) from e
+        except OSError as e:  # as demo and fidelity say it (simulate gave "--trace: [Errno 2] No such file ...")
+            raise SimConfigError(shown(f"--trace: {args.trace}: cannot read: {e}")) from e
         if not trace.requests:
             raise SimConfigError(f"--trace: {args.trace}: {NO_REQUESTS}")
         trace, remapped = trace.rechained()

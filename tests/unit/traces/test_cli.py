@@ -430,7 +430,8 @@ def test_demo_and_fidelity_name_a_bad_trace_in_one_line(
         assert top_main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: --trace: -: 1 problem(s)") and "Traceback" not in err, (argv, err)
-    for argv in (["demo", "--trace", "missing.jsonl", "--out", "d"], ["fidelity", "--trace", "missing.jsonl", "--out", "f"]):
+    for argv in (["demo", "--trace", "missing.jsonl", "--out", "d"], ["fidelity", "--trace", "missing.jsonl", "--out", "f"],
+                 ["simulate", "--trace", "missing.jsonl", "--out", "s"]):  # simulate said "--trace: [Errno 2] No such file ..."
         assert top_main(argv) == 2, argv
         assert capsys.readouterr().err.startswith("error: --trace: missing.jsonl: cannot read: "), argv
     assert list(tmp_path.iterdir()) == []
