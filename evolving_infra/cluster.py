@@ -303,7 +303,8 @@ def worker_placement(
 def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     """The flags of ``service`` that say which serving system and engine the cluster runs: its policy set's part
     (router ``--routing``/``--decode-binding``/routing options, planner ``--planner``/``--planner-args``/``--split``,
-    workers ``--host-eviction``), the profile (and the workers' KV sizes over it), block size, tokenizer, served
+    workers ``--host-eviction``), the profile (and the workers' KV sizes over it; for the torch engine the router's
+    and planner's ``--profile-clock wall``, as the workers read it from ``--engine``), block size, tokenizer, served
     model name, for the torch engine the model folder, dtype, context limit and vocabulary size, the liveness
     time (the router's ``--fence-after-s`` and the planner's ``--silent-after-s``, one value), and the
     observability flags (every service's ``--otlp-traces-endpoint``, the router's and workers' ``--log-requests``).
@@ -328,8 +329,12 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     requests = ["--log-requests"] if s.log_requests else []
     if service == "kvdirectory":
         return ["--block-size", str(s.block_size)] + traces
+    # a real engine's profile holds wall seconds measured at speed-up 1: the router and planner put it on the cluster
+    # clock (x --speedup) as each torch worker does (shared.profile.on_cluster_clock); a sim profile is simulated time
+    clock = ["--profile-clock", "wall"] if s.engine == "torch" else []
     if service == "planner":
         return (["--nodes", ",".join(s.node_ids()), "--split", s.split, "--planner", s.planner, "--profile", s.profile]
+                + clock
                 + (["--planner-args", ",".join(s.planner_args)] if s.planner_args else [])
                 + (["--silent-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else []) + traces)
     if service == "worker":
@@ -341,6 +346,7 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     if service == "router":
         return (["--routing", s.routing, "--decode-binding", s.decode_binding, "--profile", s.profile, "--block-size",
                  str(s.block_size), "--model", s.model, "--tokenizer", s.tokenizer]
+                + clock
                 + (["--model-names", ",".join(s.model_names)] if s.model_names else [])
                 + (["--model-aliases", ",".join(s.model_aliases)] if s.model_aliases else [])
                 + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -18,6 +18,11 @@ from msgspec import Meta, Struct
 from shared.itermodel import DecodeModel, PrefillModel
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
+
+ProfileClock = Literal["cluster", "wall"]
+"""What a profile's times are: ``cluster`` seconds (a sim engine's profile: its durations are simulated, and
+``--speedup`` only sets how fast they pass) or ``wall`` seconds measured at speed-up 1 (a real engine's,
+``--engine torch``: :func:`on_cluster_clock` puts them on the cluster clock)."""
 
 Pos = Annotated[float, Meta(gt=0)]
 PosInt = Annotated[int, Meta(gt=0)]
@@ -107,6 +112,48 @@ def load_profile(name_or_path: str) -> Profile:
         return msgspec.convert(data, Profile)
     except (tomllib.TOMLDecodeError, msgspec.ValidationError) as e:
         raise ProfileError(f"invalid profile {path}: {e}") from e
+
+
+def on_cluster_clock(profile: Profile, clock: ProfileClock, speedup: float) -> Profile:
+    """``profile`` on the cluster clock of speed-up ``speedup`` (cluster seconds per wall second).
+
+    A ``wall`` profile holds a real engine's times measured in wall seconds at speed-up 1 (``torch-tiny-cpu``,
+    or any ``--profile`` with ``--engine torch``); that engine's durations are wall x ``speedup`` on the
+    cluster clock (``services.worker.engines.torch_engine.TorchEngine``), so every time is multiplied by
+    ``speedup`` and every bandwidth divided by it: the Eq. 1/2 coefficients ``c0``..``c3``, ``d0``..``d2``
+    (s, s/token, s/pair), the link latencies (s) and the link bandwidths (bytes/s). Sizes, counts and the
+    MoE shape are not times and stay. A ``cluster`` profile (a sim engine's: already simulated seconds), or
+    speed-up 1, is returned as it is (the same object).
+
+    Args:
+        profile: the loaded profile (:func:`load_profile`).
+        clock: :data:`ProfileClock`, what the profile's times are.
+        speedup: cluster seconds per wall second (``--speedup``), positive and finite.
+
+    Raises:
+        ProfileError: ``speedup`` not positive finite, or an unknown ``clock``.
+    """
+    if not 0 < speedup < float("inf"):
+        raise ProfileError(f"speedup must be a positive finite number (cluster s per wall s), got {speedup!r}")
+    if clock not in ("cluster", "wall"):
+        raise ProfileError(f"profile clock must be 'cluster' or 'wall', got {clock!r}")
+    if clock == "cluster" or speedup == 1:
+        return profile
+    n = speedup
+    pre, dec, links = profile.prefill, profile.decode, profile.links
+    return msgspec.structs.replace(
+        profile,
+        prefill=msgspec.structs.replace(pre, c0=pre.c0 * n, c1=pre.c1 * n, c2=pre.c2 * n, c3=pre.c3 * n),
+        decode=msgspec.structs.replace(dec, d0=dec.d0 * n, d1=dec.d1 * n, d2=dec.d2 * n),
+        links=msgspec.structs.replace(
+            links,
+            gpu_to_gpu_bytes_per_s=links.gpu_to_gpu_bytes_per_s / n,
+            gpu_to_gpu_latency_s=links.gpu_to_gpu_latency_s * n,
+            peer_fetch_bytes_per_s=links.peer_fetch_bytes_per_s / n,
+            peer_fetch_latency_s=links.peer_fetch_latency_s * n,
+            host_to_gpu_bytes_per_s=links.host_to_gpu_bytes_per_s / n,
+        ),
+    )
 
 
 def with_kv_tokens(profile: Profile, gpu_kv_tokens: int = 0, host_kv_tokens: int = 0) -> Profile:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from msgspec import Meta
 
 from shared.config import CommonConfig
+
+if TYPE_CHECKING:
+    from shared.profile import Profile
 
 
 class PlannerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -28,6 +31,13 @@ class PlannerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fiel
     profile: Annotated[
         str, Meta(description="node profile (shared/profiles name or TOML path): model priors, MoE shape, limits")
     ] = "gb300-glm52"
+    profile_clock: Annotated[
+        Literal["cluster", "wall"],
+        Meta(description="what --profile's times are: cluster = simulated seconds, as written (a sim engine's "
+             "profile); wall = wall seconds measured at speed-up 1 (a real engine's, --engine torch): its Eq. 1/2 "
+             "coefficients and link latencies x --speedup, its link bandwidths / --speedup (evolving-infra up "
+             "passes wall for --engine torch)"),
+    ] = "cluster"
     planner_args: Annotated[
         list[str],
         Meta(
@@ -72,3 +82,16 @@ class PlannerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fiel
             "at once (a majority of nodes above its epoch still makes it adopt)",
         ),
     ] = 3.0
+
+
+def planner_profile(cfg: PlannerConfig) -> "Profile":
+    """The profile the planner starts its node models from (the priors it publishes and seeds its fits with):
+    ``--profile`` on the cluster clock, the records' (``--profile-clock wall``, a torch worker's profile
+    measured at speed-up 1: times x ``--speedup``, bandwidths / ``--speedup``; ``shared.profile.on_cluster_clock``).
+
+    Raises:
+        shared.profile.ProfileError: the profile cannot be loaded.
+    """
+    from shared.profile import load_profile, on_cluster_clock
+
+    return on_cluster_clock(load_profile(cfg.profile), cfg.profile_clock, cfg.speedup)

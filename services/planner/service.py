@@ -34,7 +34,7 @@ import time
 import structlog
 from prometheus_client import Histogram
 
-from services.planner.config import PlannerConfig
+from services.planner.config import PlannerConfig, planner_profile
 from services.planner.prom import SWITCH_BUCKETS_S, planner_families
 from services.planner.core import PlannerCore
 from services.planner.online import OnlineModels
@@ -43,7 +43,6 @@ from shared import messages as m
 from shared.bus import Bus
 from shared.clock import MIN_SLEEP_S, SimClock
 from shared.metrics import FuncCollector, make_registry
-from shared.profile import load_profile
 from shared.service import BackgroundTasks, WatchedService
 from shared.split import SplitError
 from shared.validate import MAX_EPOCH_STEP
@@ -82,7 +81,7 @@ class PlannerService(WatchedService):
         self.cfg = cfg
         self.bus = bus
         self.clock = clock
-        profile = load_profile(cfg.profile)
+        profile = planner_profile(cfg)  # on the cluster clock, as the records it fits (--profile-clock)
         policy = make_planner(cfg.planner, cfg.nodes, profile, **parse_planner_args(cfg.planner_args))
         online = OnlineModels(cfg.nodes, profile, refit_interval_s=cfg.refit_interval_s) if cfg.nodes else None
         adopt_until = clock.now() + cfg.adopt_grace_s * clock.speedup if cfg.adopt_grace_s > 0 else None

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(cfg.log_format, cfg.log_level, service="router")
     try:
-        make_policy(cfg.routing, **cfg.policy_options())  # unknown policy, bad option or profile → exit 2
+        cfg.routing_policy()  # unknown policy, bad option or profile → exit 2
         tokenizer = load_tokenizer(cfg.tokenizer)
     except (ValueError, TokenizerError) as e:
         print(f"router: {e}", file=sys.stderr)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
 from shared.config import CommonConfig
+
+if TYPE_CHECKING:
+    from services.router.policy import RoutingPolicy
 
 
 
@@ -37,6 +40,13 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Meta(description="ttft: hardware/model profile (shared/profiles name or TOML path) whose Eq. 1/2 coefficients "
              "predict a node until the planner publishes its fitted models"),
     ] = "gb300-glm52"
+    profile_clock: Annotated[
+        Literal["cluster", "wall"],
+        Meta(description="ttft: what --profile's times are: cluster = simulated seconds, as written (a sim engine's "
+             "profile); wall = wall seconds measured at speed-up 1 (a real engine's, --engine torch): its Eq. 1/2 "
+             "coefficients and link latencies x --speedup, its link bandwidths / --speedup (evolving-infra up "
+             "passes wall for --engine torch)"),
+    ] = "cluster"
     ttft_chunk_tokens: Annotated[
         int, Meta(ge=0, description="ttft: prefill tokens per iteration in the replay; 0 = the profile's (8192)")
     ] = 0
@@ -228,6 +238,21 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
             # Access-Control-Allow-Credentials: true (a literal * with credentials is refused by
             # browsers, Fetch standard §3.2.5), so every web page could send a visitor's credentials
             raise ValueError("allow_credentials with allowed_origins '*' would let any web page send credentialed requests; list the origins")
+
+    def routing_policy(self, **extra: object) -> "RoutingPolicy":
+        """The ``--routing`` policy the router runs: :meth:`policy_options` with ``--profile-clock`` and
+        ``--speedup``, so that the ttft policy's profile is on the cluster clock (a ``wall`` profile, a torch
+        worker's measured at speed-up 1, predicts its times x ``--speedup``: ``shared.profile.on_cluster_clock``).
+
+        Args:
+            extra: more options for ``make_policy`` (the service's ``ttft_breakdown``).
+
+        Raises:
+            ValueError: an unknown policy, a bad option, or a profile that cannot be loaded (``ProfileError``).
+        """
+        from services.router.policy import make_policy
+
+        return make_policy(self.routing, **self.policy_options(), profile_clock=self.profile_clock, speedup=self.speedup, **extra)
 
     def policy_options(self) -> dict[str, object]:
         """Every policy knob, for ``make_policy(routing, **options)`` (each policy takes its own)."""

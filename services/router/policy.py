@@ -472,12 +472,14 @@ def _cache_aware(**o: Any) -> RoutingPolicy:
 
 
 def _ttft(**o: Any) -> RoutingPolicy:
-    from shared.profile import Profile, load_profile
+    from shared.profile import Profile, load_profile, on_cluster_clock
 
     from services.router.ttft import FetchModel, NodeCoefficients, TtftPolicy, TtftPredictor
 
     prof = o.get("profile", "gb300-glm52")
     profile = prof if isinstance(prof, Profile) else load_profile(str(prof))
+    # a real engine's profile (profile_clock wall: measured at speed-up 1) predicts cluster seconds x speedup
+    profile = on_cluster_clock(profile, o.get("profile_clock", "cluster"), float(o.get("speedup", 1.0)))
     default = NodeCoefficients.from_profile(profile, int(o.get("ttft_chunk_tokens", 0)))
     fetch = FetchModel(
         base_s=float(o.get("ttft_fetch_base_s", 0.45)),

@@ -97,7 +97,7 @@ from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCo
 from services.router.faults import continuation
 from services.router.nodes import FencedNode, kv_blocks
 from services.router.replicas import RemoteSends
-from services.router.policy import RouteRequest, make_policy
+from services.router.policy import RouteRequest
 from services.router.stops import OutputText
 from services.router.prom import router_families
 from shared.tokenizer import Tokenizer, load_tokenizer
@@ -591,7 +591,8 @@ class RouterService(WatchedService):
         self.clock = clock
         self.log = structlog.get_logger("router").bind(instance=bus.instance)
         # at debug level the route log carries every candidate's breakdown: score them all
-        policy = make_policy(cfg.routing, **cfg.policy_options(), ttft_breakdown=self.log.is_enabled_for(logging.DEBUG))
+        # (the ttft policy's profile on the cluster clock: --profile-clock wall, a torch worker's, is x --speedup)
+        policy = cfg.routing_policy(ttft_breakdown=self.log.is_enabled_for(logging.DEBUG))
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
         self.core = RouterCore(
             policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup, decode_binding=cfg.decode_binding,

@@ -223,11 +223,16 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
 
 def worker_profile(cfg: WorkerConfig) -> "Profile":
     """The profile this worker runs: ``cfg.profile`` with ``--gpu-kv-tokens`` / ``--host-kv-tokens`` applied
-    (``shared.profile.with_kv_tokens``).
+    (``shared.profile.with_kv_tokens``), and, for ``--engine torch``, on the cluster clock: a real engine's
+    profile holds wall seconds measured at speed-up 1, so its times are x ``--speedup`` and its bandwidths
+    / ``--speedup`` (``shared.profile.on_cluster_clock``; the KV transfer, peer fetch and plan times the
+    scheduler takes from it are cluster seconds, as the engine's measured durations are). A sim engine's
+    profile is already in simulated (cluster) seconds and is used as written.
 
     Raises:
         shared.profile.ProfileError: the profile cannot be loaded, or a KV size is invalid.
     """
-    from shared.profile import load_profile, with_kv_tokens
+    from shared.profile import load_profile, on_cluster_clock, with_kv_tokens
 
-    return with_kv_tokens(load_profile(cfg.profile), cfg.gpu_kv_tokens, cfg.host_kv_tokens)
+    profile = with_kv_tokens(load_profile(cfg.profile), cfg.gpu_kv_tokens, cfg.host_kv_tokens)
+    return on_cluster_clock(profile, "wall" if cfg.engine == "torch" else "cluster", cfg.speedup)
