@@ -1163,11 +1163,15 @@ def _vocab_size(tokenizer: str) -> int | None:
 
 
 def demo_input_flags(args: argparse.Namespace) -> list[str]:
-    """The demo flags that define what it serves (the sessions, how they arrive, the trace and its scaling) and on what
-    nodes (count, profile, engine, model, KV sizes, device): a comparison command must repeat all of them, or it
-    compares another input (``report compare`` warns). The static demo's comparison line was ``demo --out demo-out``,
-    which dropped ``--engine torch --model DIR --nodes 2 --sessions 4``: a 60-session sim run against a 4-session
-    real-model one."""
+    """The demo flags that define what it serves (the sessions, how they arrive, the trace and its scaling), on what
+    nodes (count, profile, engine, model, KV sizes, device) and how they serve it apart from the policy (the speed-up,
+    ``--fence-after-s``, ``--stream-interval``, a ``--tokenizer`` given): a comparison command must repeat all of
+    them, or it compares another input or another cluster (``report compare`` warns about the input). The static
+    demo's comparison line was ``demo --out demo-out``, which dropped ``--engine torch --model DIR --nodes 2
+    --sessions 4``: a 60-session sim run against a 4-session real-model one; and the baseline line dropped
+    ``--fence-after-s 3``, so the comparison ran at the demo's 10 s. The policy's own flags (``--routing``,
+    ``--planner-opt`` ...) are what the comparison changes, and flags that change no serving (ports, logs, NATS,
+    served names, restarts) are not repeated."""
     same = [f"--sessions {args.sessions}", f"--concurrency {args.concurrency}", f"--speedup {args.speedup:g}", f"--nodes {args.nodes}"]
     if args.trace:
         same.append(f"--trace {shlex.quote(str(args.trace))}")
@@ -1179,6 +1183,14 @@ def demo_input_flags(args: argparse.Namespace) -> list[str]:
         same.append(f"--profile {shlex.quote(str(args.profile))}")
     # the KV sizes set the nodes' memory, and for --engine torch how far prompts are cut (half of L1)
     same += [f"{flag} {value}" for flag, value in (("--gpu-kv-tokens", args.gpu_kv_tokens), ("--host-kv-tokens", args.host_kv_tokens)) if value]
+    # how the cluster serves it: the liveness time (a 3-s run against the demo's 10 s fences starved workers the
+    # other does not), the streamed chunk size, a tokenizer given (the torch engine's default, the model's, is not)
+    if args.fence_after_s is not None and args.fence_after_s != DEMO_FENCE_S:
+        same.append(f"--fence-after-s {args.fence_after_s:g}")
+    if args.stream_interval != 1:
+        same.append(f"--stream-interval {args.stream_interval}")
+    if args.tokenizer not in (None, "sim") and not getattr(args, "tokenizer_of_model", False):
+        same.append(f"--tokenizer {shlex.quote(str(args.tokenizer))}")
     return same
 
 

@@ -126,3 +126,22 @@ def test_the_static_demos_comparison_carries_every_input_flag(make_demo, tmp_pat
     _spec(other)
     line = _baseline_line(other, Path("demo-out"))  # an --out not ending in -static
     assert "--out demo-out-evolving && " in line and "report compare --out demo-out-compare demo-out-evolving demo-out" in line, line
+
+
+def test_the_demos_baseline_line_keeps_how_the_cluster_serves(make_demo, tmp_path):
+    """``demo --fence-after-s 3`` printed a baseline command without it: the comparison ran at the demo's 10 s, a
+    cluster that fences a starved worker later; ``--stream-interval`` and a ``--tokenizer`` given were dropped too."""
+    from evolving_infra.cli import main
+
+    assert main(["model", "init", str(tmp_path / "M")]) in (0, None)
+    args = build_parser().parse_args(["demo", "--log-dir", str(tmp_path / "logs"), "--sessions", "4", "--fence-after-s", "3",
+                                      "--stream-interval", "4", "--tokenizer", f"hf:{tmp_path / 'M'}"])
+    _spec(args)
+    base = _baseline_line(args, Path("demo-out")).split(": ", 1)[1].split(" && ")[0]
+    for flag in ("--fence-after-s 3", "--stream-interval 4", f"--tokenizer hf:{tmp_path / 'M'}"):
+        assert flag in base, (flag, base)
+    # the defaults, and the torch engine's own tokenizer (the model's), are not repeated
+    plain = build_parser().parse_args(["demo", "--log-dir", str(tmp_path / "l2"), "--engine", "torch", "--model", str(tmp_path / "M")])
+    _spec(plain)
+    base = _baseline_line(plain, Path("demo-out")).split(": ", 1)[1].split(" && ")[0]
+    assert "--fence-after-s" not in base and "--stream-interval" not in base and "--tokenizer" not in base, base
