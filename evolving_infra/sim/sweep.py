@@ -48,18 +48,23 @@ def sweep_items(cfg: SimConfig, spec: Sequence[str]) -> list[tuple[str, SimConfi
     """The runs a ``--sweep`` spec stands for, as ``(label, config)``.
 
     Raises:
-        SimConfigError: unknown sweep kind, an empty list, an item listed twice (both runs would write the
-            same OUT/ folder, the second over the first), or ``splits`` with ``--split`` (which it replaces).
+        SimConfigError: unknown sweep kind, an empty list, an item listed twice or two items that become one
+            label (``static:5P1D,static:3P1D`` under ``--split 3P1D``, ``splits 2P1D,2p1d``: the message names
+            both as typed; both runs would write the same OUT/ folder, the second over the first), or
+            ``splits`` with ``--split`` (which it replaces).
     """
     if not spec:
         raise SimConfigError("--sweep needs 'splits' or 'policies SET,SET,...'")
     kind, rest = spec[0], [x for part in spec[1:] for x in part.split(",") if x.strip()]
     items: list[tuple[str, SimConfig]] = []
+    typed_items: list[str] = []
+    """Each item as the user typed it (a duplicate's error names these, not only the labels they became)."""
     if kind == "splits":
         if cfg.split is not None:
             raise SimConfigError(f"--split {cfg.split} and --sweep splits conflict: the sweep sets the split of each run")
         n = cfg.nodes // cfg.partitions
         splits = [s.strip().upper() for s in rest] or [f"{p}P{n - p}D" for p in range(1, n)]
+        typed_items = [s.strip() for s in rest] or splits  # '3p1d' is served as 3P1D
         if not splits:
             raise SimConfigError("--sweep splits needs at least 2 nodes per partition")
         static = cfg.policy == "static" or cfg.policy.startswith("static:")
@@ -75,6 +80,7 @@ def sweep_items(cfg: SimConfig, spec: Sequence[str]) -> list[tuple[str, SimConfi
             raise SimConfigError("--sweep policies needs a list, e.g. 'policies dynamo,arrow,static:4P5D'")
         for name in rest:
             label = name.strip()
+            typed_items.append(label)
             if cfg.split is not None:  # static:5P1D under --split 3P1D serves, and is labelled, static:3P1D
                 try:
                     label = serving(policy_set(label), cfg.split).name
@@ -83,11 +89,19 @@ def sweep_items(cfg: SimConfig, spec: Sequence[str]) -> list[tuple[str, SimConfi
             items.append((label, replace(cfg, policy=name.strip(), label=label)))
     else:
         raise SimConfigError(f"unknown --sweep kind {kind!r}: use 'splits' or 'policies'")
-    seen: set[str] = set()
-    for label, _ in items:
-        if safe_dir(label) in seen:
-            raise SimConfigError(f"--sweep lists {label!r} twice (its runs would share OUT/{safe_dir(label)})")
-        seen.add(safe_dir(label))
+    seen: dict[str, tuple[str, str]] = {}  # OUT/ folder -> (the item as typed, its label)
+    for (label, _), typed in zip(items, typed_items):
+        d = safe_dir(label)
+        if d in seen:
+            first, first_label = seen[d]
+            if first == typed:
+                raise SimConfigError(f"--sweep lists {typed!r} twice (its runs would share OUT/{d})")
+            # static:5P1D and static:3P1D under --split 3P1D both serve (and are labelled) static:3P1D
+            became = f"{first_label!r}" if first_label == label else f"{first_label!r} and {label!r}"
+            why = f" under --split {cfg.split}" if kind == "policies" and cfg.split is not None else ""
+            raise SimConfigError(f"--sweep lists {first!r} and {typed!r}, which become {became}{why}: their runs would "
+                                 f"share OUT/{d}; list one of them")
+        seen[d] = (typed, label)
     return items
 
 

@@ -66,7 +66,10 @@ def test_sweep_refuses_conflicts_before_any_run(tmp_path, capsys):
     common = ["simulate", "--trace", str(trace), "--nodes", "3", "--profile", "tiny", "--duration", "30", "--no-plots"]
     cases = [
         (["--sweep", "policies", "static:2P1D,static:2P1D"], "twice"),
-        (["--sweep", "splits", "2P1D,2p1d"], "twice"),
+        (["--sweep", "splits", "2P1D,2p1d"], "lists '2P1D' and '2p1d', which become 'evolving@2P1D'"),
+        # two sets typed differently that serve one split: the message named the label twice, not what was typed
+        (["--sweep", "policies", "static:1P2D,static:2P1D", "--split", "2P1D"],
+         "lists 'static:1P2D' and 'static:2P1D', which become 'static:2P1D' under --split 2P1D"),
         (["--sweep", "splits", "1P2D,2P1D", "--split", "1P2D"], "conflict"),
         (["--sweep", "splits", "1P2D,2P1D", "--sweep-workers", "0"], "--sweep-workers"),
     ]
