@@ -465,6 +465,10 @@ class SplitCommand(Msg, frozen=True, kw_only=True):
     """node id → phase."""
     reason: str = ""
     decided_at: float = 0.0
+    boot: str = ""
+    """The issuing planner process's incarnation (:func:`new_boot`): a planner that hears a command from one that
+    started later was replaced (restarted while frozen, then resumed) and stops, so two planners never re-issue
+    over each other's commands. Empty: not known (an older planner, an operator's tool)."""
 
 
 class SplitQuery(Msg, frozen=True, kw_only=True):

@@ -372,6 +372,7 @@ def _split(c: m.SplitCommand, p: dict[str, str], nodes: Collection[str] | None) 
         raise Invalid(f"split command {why}")
     _time(c.decided_at, "decided_at")
     _text(c.reason, "reason")
+    _text(c.boot, "boot", 64)
 
 
 def _applied(a: m.SplitApplied, p: dict[str, str], nodes: Collection[str] | None) -> None:

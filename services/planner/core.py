@@ -41,6 +41,7 @@ from shared.messages import (
     SplitApplied,
     SplitCommand,
     TokenChunk,
+    boot_older,
 )
 from shared.split import SplitError, parse_split, split_name, split_phases
 from shared.subjects import check_token
@@ -144,6 +145,7 @@ class PlannerCore:
         adopt_until: float | None = None,
         silent_after: float | None = None,
         wall_per_s: float = 1.0,
+        boot: str = "",
     ) -> None:
         if not nodes:
             raise ValueError("the planner needs at least one node")
@@ -170,6 +172,10 @@ class PlannerCore:
         self.switches = 0
         self.foreign_commands = 0
         """Split commands seen on the bus that this planner did not issue."""
+        self.boot = boot
+        """This planner process's incarnation (``SplitCommand.boot``; empty: not known, never superseded)."""
+        self.superseded_by: str | None = None
+        """The boot of a planner that started later, once a command of its was heard: this one must stop."""
         self.adopt_until = adopt_until
         """Simulated s until which a (re)started core observes before it announces (None: not adopting)."""
         self.silent_after = silent_after
@@ -575,11 +581,21 @@ class PlannerCore:
         round trip and every later command (policy or operator ``split set``) is newer
         than it. An older foreign command is stale everywhere and only counted; one
         more than ``max_step`` above the planner's epoch was refused by every receiver
-        (``shared.validate.epoch_step_ok``) and is only counted too.
+        (``shared.validate.epoch_step_ok``) and is only counted too. One issued by a planner that
+        started later (``cmd.boot`` above :attr:`boot`) sets :attr:`superseded_by` (the shell stops
+        this planner) and is not answered; an earlier planner's is answered as any, and that
+        planner stops when it hears the answer.
 
         Returns:
             The re-issued command to publish, or None.
         """
+        if boot_older(self.boot, cmd.boot):
+            # a planner that started later issued it (also the same split): this one was replaced (frozen, restarted,
+            # resumed). Re-issuing over a different split would start a war: each answers the other's command one
+            # epoch up, and the nodes flip phase each round trip
+            self.foreign_commands += 1
+            self.superseded_by = cmd.boot
+            return None
         if cmd.epoch == self.command.epoch and dict(cmd.phases) == dict(self.command.phases):
             return None  # our own, echoed back
         if any(cmd.epoch == e.epoch and dict(cmd.phases) == dict(e.phases) for e in self._echo):

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import time
 
+import msgspec
 import structlog
 from prometheus_client import Histogram
 
@@ -70,6 +72,10 @@ SCIPY_MODULE = "scipy.optimize"
 """The module :meth:`PlannerService._load_scipy` loads off the start path (the fits' ``nnls``)."""
 
 
+class Superseded(RuntimeError):
+    """A planner that started later issues split commands (``SplitCommand.boot``): this one stops."""
+
+
 class PlannerService(WatchedService):
     """Runs the selected planner policy over the bus (see the module docstring).
 
@@ -88,6 +94,7 @@ class PlannerService(WatchedService):
         self.core = PlannerCore(
             cfg.nodes, cfg.split, history=cfg.history, policy=policy, busy_timeout_s=cfg.busy_timeout_s, online=online,
             adopt_until=adopt_until, silent_after=cfg.silent_after_s * clock.speedup, wall_per_s=clock.to_wall(1.0),
+            boot=m.new_boot(time.time_ns(), os.urandom(4)),
         )
         self.log = structlog.get_logger("planner").bind(policy=cfg.planner)
         self.applied: dict[str, m.SplitApplied] = {}
@@ -128,7 +135,7 @@ class PlannerService(WatchedService):
         if self.core.adopting:
             self.log.info("reading the node states before announcing a split", grace_s=self.cfg.adopt_grace_s)
         else:
-            await self.bus.publish(SPLIT_COMMANDS, self.core.command)
+            await self._publish_command(self.core.command)
             self.log.info("split announced", split=self.core.split, epoch=self.core.command.epoch)
         await self._publish_models(force=True)
         self._bg.start(self._announce_loop(), "planner-announce")
@@ -171,7 +178,7 @@ class PlannerService(WatchedService):
             if self.core.adopting:
                 continue
             try:
-                await self.bus.publish(SPLIT_COMMANDS, self.core.command)
+                await self._publish_command(self.core.command)
                 await self._publish_models(force=True)
             except Exception as e:
                 await self._round_failed("announce", "announce.errors", e)
@@ -207,7 +214,7 @@ class PlannerService(WatchedService):
             await asyncio.sleep(self.cfg.max_tick_wait_s)
             return
         if cmd is not None:
-            await self.bus.publish(SPLIT_COMMANDS, cmd)
+            await self._publish_command(cmd)
             self.log.info("split announced", split=self.core.split, epoch=cmd.epoch, reason=cmd.reason)
         if not self.core.adopting:
             self._adopted.set()
@@ -267,7 +274,7 @@ class PlannerService(WatchedService):
             # an adopted node's entry corrected under the same epoch (core._refine): the routers
             # exclude the node while the split they hold names another phase, so say it now, not
             # at the next announcement (announce_interval_s)
-            await self.bus.publish(SPLIT_COMMANDS, self.core.command)
+            await self._publish_command(self.core.command)
             self.log.info("split announced", split=self.core.split, epoch=self.core.command.epoch, reason="corrected: " + msg.node)
 
     async def _on_chunk(self, msg: m.TokenChunk, _subject: str) -> None:
@@ -287,12 +294,25 @@ class PlannerService(WatchedService):
         self.applied[msg.node] = msg
         self.core.on_split_applied(msg, self.clock.now())
 
+    async def _publish_command(self, cmd: m.SplitCommand) -> None:
+        """Publish ``cmd`` on ``split.commands`` stamped with this process's ``boot``."""
+        await self.bus.publish(SPLIT_COMMANDS, msgspec.structs.replace(cmd, boot=self.core.boot))
+
     async def _on_command(self, cmd: m.SplitCommand, _subject: str) -> None:
         """``split.commands`` as everyone receives it: a command this planner did not issue
-        is answered by re-issuing the planner's split above its epoch (``core.on_foreign_command``)."""
+        is answered by re-issuing the planner's split above its epoch (``core.on_foreign_command``);
+        one from a planner that started later stops this one (exit 1)."""
         again = self.core.on_foreign_command(cmd, self.clock.now(), MAX_EPOCH_STEP)
+        if self.core.superseded_by is not None:
+            if not self.fatal.is_set():
+                self.counters["superseded"] = 1
+                self.log.error("planner superseded: a planner started later issues split commands; this one exits",
+                               boot=self.core.boot, later=self.core.superseded_by, foreign_epoch=cmd.epoch)  # fmt: skip
+                self._bg.fail(Superseded(f"a planner started later (boot {self.core.superseded_by}) issues split commands"),
+                              "split.commands")  # fmt: skip
+            return
         if again is not None:
-            await self.bus.publish(SPLIT_COMMANDS, again)
+            await self._publish_command(again)
             self.bus.droplog.event(
                 "split.foreign", "foreign split command overridden", level="warning", foreign_epoch=cmd.epoch, src=cmd.src, epoch=again.epoch
             )
@@ -316,7 +336,7 @@ class PlannerService(WatchedService):
             self.log.warning("split set refused", split=req.split, error=str(e))
             return m.SplitSetReply(ok=False, error=str(e), retry=not isinstance(e, SplitError))
         self.counters["split.set.ok"] += 1
-        await self.bus.publish(SPLIT_COMMANDS, cmd)
+        await self._publish_command(cmd)
         self.log.info("split set by operator", split=self.core.split, epoch=cmd.epoch)
         await self._flush()
         await self._tick(now)  # the policy sees the new split at once
