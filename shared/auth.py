@@ -22,7 +22,8 @@ identity          may publish (relative to ``ei.<partition>.``)
 ================  ==============================================================================
 
 Subscriptions follow the same table (a worker receives only its own ``work.<n>.*``,
-``kv.counts.<n>``, ``kv.resync.<n>``, ``kv.pool.<n>``, ``node.state.<n>``; only the router and the planner
+``kv.counts.<n>``, ``kv.resync.<n>``, ``kv.pool.<n>``, ``node.state.<n>``; every service its
+kind's ``svc.heartbeat.<kind>``, where a later process under its instance id would beat; only the router and the planner
 (completions for w̄) read ``req.*.out``). Every identity publishes its own
 heartbeat and answers ``svc.stats.<its name>``; replies go back through
 ``allow_responses`` and each identity reads only its own inbox prefix
@@ -182,6 +183,8 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
     else:
         raise AuthError(f"unknown identity kind {ident.kind!r}")
     pub = [p + s for s in pub] + [f"{p}svc.heartbeat.{ident.kind}"]
+    if ident.kind in ("planner", "router", "kvdirectory", "worker"):
+        sub = [*sub, f"svc.heartbeat.{ident.kind}"]  # its kind's beats: a later process under its instance id stops it
     stream = "EI_" + partition
     if ident.kind in ("router", "kvdirectory", "worker"):  # reliable subscriptions (shared.bus)
         # a consumer only on a reliable subject it may read: the create subject carries the filter

@@ -281,6 +281,12 @@ class Bus:
         self._pings: set[asyncio.Future[None]] = set()
         """PINGs of :meth:`flush` that timed out, left to their PONGs (cancelled at :meth:`close`)."""
         self._boot = os.urandom(4).hex()
+        self.boot = m.new_boot(time.time_ns(), os.urandom(4))
+        """This process's incarnation (``Heartbeat.boot``)."""
+        self.superseded = asyncio.Event()
+        """Set when a process that started later beats under this bus's service and instance (:meth:`start_service_plumbing`):
+        this one was replaced while it was frozen and must stop (``shared.service.serve_until_stopped``)."""
+        self.superseded_by = ""
         self._msg_no = 0
         self._recent: deque[tuple[float, str, bytes, dict[str, str]]] = deque()
         """(monotonic time, subject, payload, headers) of recent reliable publishes."""
@@ -960,6 +966,19 @@ class Bus:
 
         await self.serve(SVC_STATS, on_stats, instance=self.instance, query=True)
 
+        async def on_beat(hb: m.Heartbeat, _subject: str) -> None:
+            # another process under this instance id that started later: this one was replaced (restarted while
+            # it was frozen, then resumed); two of one instance answer each other's requests (a router's
+            # route.bind with "not pending", measured: 181 of 230 requests lost) until this one stops
+            if hb.instance == self.instance and hb.boot != self.boot and m.boot_older(self.boot, hb.boot) and not self.superseded.is_set():
+                self.superseded_by = hb.boot
+                self.counters["superseded"] += 1
+                self.log.error("a process that started later runs as this instance; this one stops", boot=self.boot, later=hb.boot,
+                               later_pid=hb.pid)  # fmt: skip
+                self.superseded.set()
+
+        await self.subscribe(SVC_HEARTBEAT, on_beat, service=self.service)
+
         async def beat() -> None:
             while True:
                 try:
@@ -971,6 +990,7 @@ class Bus:
                             pid=os.getpid(),
                             ready=ready() if ready else True,
                             wall_ts=time.time(),
+                            boot=self.boot,
                         ),
                         service=self.service,
                     )

@@ -907,6 +907,9 @@ class Heartbeat(Msg, frozen=True, kw_only=True):
     pid: NonNeg = 0
     ready: bool = True
     wall_ts: float = 0.0
+    boot: str = ""
+    """The process's incarnation (:func:`new_boot`): a service that hears its own instance id beat from a later
+    process was replaced while it was frozen, then resumed, and stops (``shared.service``). Empty: not known."""
 
 
 class StatsRequest(Msg, frozen=True, kw_only=True):

@@ -66,6 +66,11 @@ class ServiceFailed(RuntimeError):
     """The service set its ``fatal`` event; it was stopped and the process must exit non-zero."""
 
 
+class Superseded(RuntimeError):
+    """A process that started later runs under this service's instance id (its heartbeat's ``boot``): this one was
+    replaced while it was frozen (SIGSTOP, a paused VM), then resumed; it stops and exits non-zero."""
+
+
 class WatchedService:
     """For a service whose background tasks a :class:`BackgroundTasks` (``self._bg``) watches (the
     router, the planner, the KV directory): :attr:`fatal_error` and :attr:`fatal_where`, which
@@ -220,6 +225,7 @@ async def serve_until_stopped(
         if (ignored := tracing.protocol_ignored()) is not None:
             log.warning(ignored, protocol="http/protobuf")
     started: list[Any] = []
+    buses: list[Bus] = []
     failed: BaseException | None = None
     async with AsyncExitStack() as stack:
         stack.callback(tracing.shutdown)
@@ -235,6 +241,7 @@ async def serve_until_stopped(
                 log.error("nats refused the connection", error=str(e))
                 raise ServiceFailed(f"{service_name} {instance}: {e}") from e
             stack.push_async_callback(bus.close)
+            buses.append(bus)
             svc = factory(cfg, bus, clock)
             started.append(svc)
             await svc.start()
@@ -257,19 +264,23 @@ async def serve_until_stopped(
         waits = [asyncio.ensure_future(stop.wait())]
         if isinstance(fatal, asyncio.Event):
             waits.append(asyncio.ensure_future(fatal.wait()))
+        waits.append(asyncio.ensure_future(buses[0].superseded.wait()))
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
                 w.cancel()
-        if isinstance(fatal, asyncio.Event) and fatal.is_set() and not stop.is_set():
+        if buses[0].superseded.is_set() and not stop.is_set():
+            failed = Superseded(f"a process that started later (boot {buses[0].superseded_by}) runs as {service_name} {instance}")
+            log.error("service superseded; stopping, then exiting non-zero", error=repr(failed))
+        elif isinstance(fatal, asyncio.Event) and fatal.is_set() and not stop.is_set():
             failed = getattr(started[0], "fatal_error", None) or RuntimeError("fatal")
             log.error("service failed; stopping, then exiting non-zero", error=repr(failed))
         else:
             log.info("service stopping")
     if failed is not None:
         log.error("service stopped after a fatal error", error=repr(failed))
-        where = getattr(started[0], "fatal_where", None)
+        where = None if isinstance(failed, Superseded) else getattr(started[0], "fatal_where", None)
         raise ServiceFailed(f"{service_name} {instance}: {f'{where} failed: ' if where else ''}{failed!r}") from failed
     log.info("service stopped")
 

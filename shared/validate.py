@@ -623,6 +623,7 @@ def _heartbeat(h: m.Heartbeat, p: dict[str, str], nodes: Collection[str] | None)
     _text(h.instance, "instance", 256)
     _int(h.pid, "pid", 2**32)
     _time(h.wall_ts, "wall_ts")
+    _text(h.boot, "boot", 64)
 
 
 def _stats_reply(r: m.StatsReply, p: dict[str, str], nodes: Collection[str] | None) -> None:

@@ -497,7 +497,7 @@ class WorkerService:
             self._executor.shutdown(wait=False)  # a thread still in a forward ends with it (or the watchdog ends the process)
         try:
             await self._flush_iters()
-            if not isinstance(self.fatal_error, Superseded):  # the node's state and KV are the later process's
+            if not isinstance(self.fatal_error, Superseded) and not self.bus.superseded.is_set():  # the later process's
                 await self._publish_state(self.clock.local_now())
                 self.kv_seq += 1
                 await self._publish_kv(self.kv_seq, [m.AllBlocksCleared()], self.clock.local_now())
@@ -760,7 +760,7 @@ class WorkerService:
     def _superseded(self, rid: str) -> bool:
         """This process was superseded (:class:`Superseded`): work for the node (delivered to both processes) is
         the later one's, so it is dropped unanswered here: a rejection would fail the request the other serves."""
-        if not isinstance(self.fatal_error, Superseded):
+        if not isinstance(self.fatal_error, Superseded) and not self.bus.superseded.is_set():
             return False
         self.counters["work.superseded"] += 1
         return True
