@@ -145,6 +145,18 @@ class Job:
         self.proc.wait(10)
 
 
+@contextlib.contextmanager
+def take_after_the_port_check(job: Job, port: int):
+    """A listener on ``port`` (backlog 64: the kernel accepts, nobody answers), bound once the job has checked
+    the ports it was given (its ``ports:`` line; a given port taken then stops the job, exit 2) and before its
+    router starts (after nats-server and the stream, seconds later): a port taken while the job runs."""
+    job.wait_for("ports: router", 60)
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", port))
+        s.listen(64)
+        yield s
+
+
 @pytest.mark.timeout(300)
 def test_a_router_and_a_worker_killed_are_restarted_and_sigterm_stops_everything(tmp_path):
     job = Job(tmp_path)
@@ -192,12 +204,12 @@ def test_a_router_and_a_worker_killed_are_restarted_and_sigterm_stops_everything
 
 @pytest.mark.timeout(240)
 def test_a_service_that_keeps_dying_fails_the_job_with_its_name(tmp_path):
-    """The router's port is taken: the router exits at start each time; after MAX_RESTARTS the
-    job says which service gave up, stops the others and exits 1 (Slurm: state FAILED)."""
-    with socket.socket() as blocker:
-        blocker.bind(("0.0.0.0", 0))
-        blocker.listen()
-        job = Job(tmp_path, MAX_RESTARTS="1", ROUTER_PORT=str(blocker.getsockname()[1]))
+    """The router's port is taken once the job has started (past its check of the ports given): the router
+    exits at start each time; after MAX_RESTARTS the job says which service gave up, stops the others and
+    exits 1 (Slurm: state FAILED)."""
+    port = free_port()
+    job = Job(tmp_path, MAX_RESTARTS="1", ROUTER_PORT=str(port))
+    with take_after_the_port_check(job, port):
         try:
             rc = job.proc.wait(180)
             text = job.text()
@@ -212,35 +224,22 @@ def test_a_service_that_keeps_dying_fails_the_job_with_its_name(tmp_path):
             job.close()
 
 
-def free_port_run(n: int) -> int:
-    """A first port of ``n`` consecutive TCP ports free on every interface now."""
-    for _ in range(200):
-        base = free_port()
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("0.0.0.0", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError(f"no {n} consecutive free ports")
-
-
 @pytest.mark.timeout(300)
 def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(tmp_path):
     """Before, the job ran a static planner with LRU eviction (the services' defaults; `up` runs the evolving
     set) and only the router's /metrics existed (no EI_METRICS_PORT): the dashboard's split, queue, KV and
     directory panels stayed empty. Now: POLICY (default evolving) through `deploy-args`, and kvdirectory,
     planner, router on METRICS_PORT+0..2, worker wN on METRICS_PORT+3+N, listed in a file_sd targets file."""
-    base = free_port_run(5)
-    job = Job(tmp_path, METRICS_PORT=str(base))
+    # no port given: the job's own (deploy/slurm/README.md, Ports), in its output and $EI_RUN_DIR/ports
+    job = Job(tmp_path, NATS_PORT="", ROUTER_PORT="", METRICS_PORT="")
     try:
+        job.wait_for("ports: router", 60)
+        ports = dict(line.split("=", 1) for line in (job.run / "ports").read_text().splitlines() if not line.startswith("#"))
+        base, job.port = int(ports["METRICS_PORT"]), int(ports["ROUTER_PORT"])
+        assert ports["ROUTER_URL"] == f"http://127.0.0.1:{job.port}" and 10000 <= job.port < 32000, ports
+        assert f"ports: router :{job.port}, nats :{ports['NATS_PORT']}, metrics :{base}.." in job.text()
         job.wait_for("READY", 150)
+        assert f"READY router http://127.0.0.1:{job.port}  nats nats://127.0.0.1:{ports['NATS_PORT']}" in job.text()
         assert json.loads(get(f"http://127.0.0.1:{job.port}/v1/cluster"))["policy"] == "ttft"
         assert "policy evolving: routing ttft, planner evolving, eviction branch-count, decode binding prefill-start" in job.text()
         assert '"policy": "evolving"' in (job.run / "planner.log").read_text()
@@ -324,10 +323,9 @@ def test_ready_timeout_is_wall_seconds_even_when_each_probe_hangs(tmp_path):
     made 8, whatever the machine's load. The wall bound has to leave room for the last round, whose Python
     start took ~5 s under ``make test -n 2`` (this lane at nice +5 beside the live lane's clusters): 8 + 8 s
     could reach 16."""
-    with socket.socket() as blocker:
-        blocker.bind(("0.0.0.0", 0))
-        blocker.listen(64)  # connections are accepted by the kernel and never answered
-        job = Job(tmp_path, MAX_RESTARTS="100", READY_TIMEOUT="8", ROUTER_PORT=str(blocker.getsockname()[1]))
+    port = free_port()
+    job = Job(tmp_path, MAX_RESTARTS="100", READY_TIMEOUT="8", ROUTER_PORT=str(port))
+    with take_after_the_port_check(job, port) as blocker:  # connections are accepted by the kernel, never answered
         try:
             job.wait_for("JetStream stream EI_p0 on", 60)  # the line just before the services start
             t0 = time.monotonic()
