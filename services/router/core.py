@@ -329,7 +329,9 @@ class RouterCore:
         ``node``: bind to this node instead of asking the policy (the simulator's
         fallback when no decode node is eligible at a prefill start that cannot wait);
         it must be known to the view and not the prefill node, else ``ValueError``.
-        The policy still sees the binding (``on_decode_bound``).
+        The policy still sees the binding (``on_decode_bound``); a first binding that comes after
+        the request's first token (its prefill node parked it, its first token already sent) is
+        followed by the policy's ``on_first_token`` again, as the hand-off follows at once.
 
         Returns:
             :class:`DecodeBinding`, or :class:`NoRoute` when ``rid`` is not in flight,
@@ -341,6 +343,7 @@ class RouterCore:
             return NoRoute(f"request {rid} is not in flight")
         if prefill_node is not None and placement[0] != prefill_node:
             return NoRoute(f"request {rid} is placed on {placement[0]}, not {prefill_node}")
+        first = req is None
         if req is None:
             req = self._unbound.get(rid)
             if req is None:
@@ -365,6 +368,11 @@ class RouterCore:
         self._unbound.pop(rid, None)
         self.view.rebind(rid, choice.node)
         self.policy.on_decode_bound(req, choice.node, now)
+        if first and self.view.first_token_seen(rid):
+            # its prefill ended before this binding (the prefill node parked it, its first token sent
+            # at once): its hand-off follows now, so the policy hears again that the prefill's part is
+            # over (the ttft policy frees the decode KV it reserved; the decode node's state shows it)
+            self.policy.on_first_token(rid, now)
         placed: list[RoutePlaced] = []
         if req.branch_id is not None:
             placed.append(

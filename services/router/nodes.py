@@ -684,6 +684,11 @@ class NodeLoadView(Value):
         p.inflight_prefill -= 1
         p.load = None  # _changed(p)
 
+    def first_token_seen(self, rid: str) -> bool:
+        """True when in-flight ``rid``'s first output token has arrived (:meth:`on_first_token`). O(1)."""
+        fl = self._flights.get(rid)
+        return fl is not None and fl.first_token
+
     def on_handoff(self, rid: str, node: str) -> bool:
         """``node`` showed it holds the prefill → decode hand-off of ``rid`` (it streamed output
         of ``rid``, or handed the decode work back to the router): from now on ``rid`` no longer

@@ -226,7 +226,9 @@ class RoutingPolicy(abc.ABC):
         one handed the request back. Replaces any earlier decode binding of ``req.rid``."""
 
     def on_first_token(self, rid: str, now: float) -> None:
-        """The first output token of ``rid`` arrived: its prefill is done (called at most once per rid)."""
+        """The first output token of ``rid`` arrived: its prefill is done (called once per rid, and again
+        when its decode node is bound after it, ``RouterCore.bind_decode``: its prefill node parked it
+        until then, and the hand-off, the end of the prefill's part, follows that binding)."""
 
     def on_finish(self, rid: str, now: float) -> None:
         """``rid`` is over: finished, failed or aborted (called at most once per rid)."""

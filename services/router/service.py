@@ -1643,6 +1643,7 @@ class RouterService(WatchedService):
         """
         now = self.clock.now()
         old = p.attempt
+        unbound = self.core.pending_binding(p.rid)  # its decode node not bound yet (route.bind): no decode started
         for n, msg in self.core.abort(p.rid, reason, now=now):
             self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=old), node=n))
         p.attempt += 1
@@ -1669,8 +1670,9 @@ class RouterService(WatchedService):
             p.cur, p.offset = cont, len(p.tokens)
             # its decode node died, or its collocated node (no decode node of its own: it was decoding), or
             # its prefill node died after the first token, before the hand-off reached the decode node (the
-            # decode node is told to drop it: abort above)
-            lost_handoff = node == p.prefill_node and p.decode_node not in (None, node)
+            # decode node is told to drop it: abort above), or before its decode node was bound (the prefill
+            # node sends a parked request's first token before its route.bind is answered)
+            lost_handoff = node == p.prefill_node and (unbound or p.decode_node not in (None, node))
             self.counters["redispatch.handoff" if lost_handoff else "redispatch.decode"] += 1
         else:
             self.counters["redispatch.prefill"] += 1
@@ -2547,11 +2549,6 @@ class RouterService(WatchedService):
             fail = self._chunk_failure(first) if first.finished else None
             if fail is not None:
                 return self._error(fail.status, fail.reason)
-            # placement as of the first token: a handed-back request was placed again, and the
-            # decode node of a request bound at prefill start is known only from then on
-            headers = {"x-request-id": shown, "x-ei-prefill-node": p.prefill_node}
-            if p.decode_node is not None:
-                headers["x-ei-decode-node"] = p.decode_node
             ids: list[int] = list(first.token_ids)
             lp_top = api.logprobs_asked(req)
             lps: list[api.LogprobEntry] = _lp_entries(first) if lp_top is not None else []
@@ -2600,6 +2597,12 @@ class RouterService(WatchedService):
                 body = api.completion_response(oid, created, model, echo + text, finish_reason, use, stop_reason=stop_reason, logprobs=lp_body)
             body["ei"] = self._ei(p)
             self.core.metrics.observe_delivered(n_out)
+            # placement as of the response's end, as its ``ei``: a handed-back request was placed again, and
+            # the decode node of a request bound at prefill start may be bound after its first token (its
+            # prefill node sends that token at the prompt's end, before route.bind is answered)
+            headers = {"x-request-id": shown, "x-ei-prefill-node": p.prefill_node}
+            if p.decode_node is not None:
+                headers["x-ei-decode-node"] = p.decode_node
             return self._json(body, headers=headers)
         except _ClientGone:
             self._abandon(p, "client disconnected", "client_disconnect")

@@ -89,8 +89,8 @@ class IterationPlan(Value):
     admitted: list[str]
     """rids whose prefill *starts* in this plan (first chunk admitted), in admission order.
     A caller that binds the decode node at prefill start (paper Eq. 7, DESIGN §4) binds
-    these with ``EngineScheduler.bind_decode``; one whose prefill finishes first waits,
-    parked, for that call (``EngineScheduler.parked``)."""
+    these with ``EngineScheduler.bind_decode``; one whose prefill finishes first gives its
+    first token then and waits, parked, for that call to be handed off (``EngineScheduler.parked``)."""
 
     __slots__ = __match_args__ = (
         "start", "iterations", "iteration_s", "end", "prefill", "decode", "prefill_s", "decode_s", "sum_uncached",

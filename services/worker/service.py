@@ -351,8 +351,8 @@ class WorkerService:
         self._binds: dict[str, asyncio.Task[None]] = {}
         """route.bind in flight per rid (started when the request's first chunk is admitted)."""
         self._handing_off: dict[str, asyncio.Task[None]] = {}
-        """rid → the :meth:`_bind` task publishing its first token and hand-off: the binding came
-        after its prefill had finished (parked in the core). Out of :attr:`_binds`, so an abort no
+        """rid → the :meth:`_bind` task publishing its hand-off: the binding came after its prefill
+        had finished (parked in the core; its first token went out then). Out of :attr:`_binds`, so an abort no
         longer cancels it (as it cannot stop a step publishing a hand-off); a drain, new work of
         the rid (:meth:`_newest_attempt`) and :meth:`stop` wait for it."""
         self._spawned: set[asyncio.Task[None]] = set()
@@ -1133,10 +1133,13 @@ class WorkerService:
 
     async def _bind(self, work: m.PrefillWork, started: float) -> None:
         """``route.bind`` until the router names a decode node (retried while none is eligible), beside
-        the step loop: a prefill that finishes first is parked in the core, its KV held, and its first
-        token and hand-off go out from here once it is bound (:meth:`_hand_off_bound`). Before, the
-        step loop waited for the binding (up to ``owner_gone_after_s`` when the owning router hung):
-        a SIGSTOPped router stalled the node's requests of every other router for 30 s.
+        the step loop: a prefill that finishes first is parked in the core, its KV held; its first
+        token goes out with the step that completed it, and its hand-off from here once it is bound
+        (:meth:`_hand_off_bound`), never before that first token (a binding that comes while that
+        step still publishes waits for the step's end). Before, the step loop waited for the binding
+        (up to ``owner_gone_after_s`` when the owning router hung): a SIGSTOPped router stalled the
+        node's requests of every other router for 30 s; then (77f120e) a parked request's first
+        token waited for it, so its TTFT held the round trip to the router.
 
         ``bind_timeout_s`` bounds the time the router answers that no decode node is eligible. A request
         that gets no reply at all (the owning router or NATS hung, NATS down) does not count toward it:
@@ -1188,6 +1191,11 @@ class WorkerService:
                         deadline = min(cap, deadline + (time.monotonic() - sent))
                     continue
                 if rep.decode_node is not None:
+                    if rid in self.core.parked:
+                        # its first token is out once the step that completed its prompt has ended
+                        # (that step publishes it): its hand-off never goes out before it
+                        while rid in self._step_rids:
+                            await self._step_over.wait()
                     if rid in self.core.requests:
                         now = self.clock.local_now()
                         try:
@@ -1197,7 +1205,7 @@ class WorkerService:
                             reason = str(e)
                             break
                         self.counters["bind.ok"] += 1
-                        if outs:  # its prefill finished first (parked): its first token and hand-off now
+                        if outs:  # its prefill finished first (parked, its first token out): its hand-off now
                             if span is not None:  # the binding's span ends with the binding
                                 span.end()
                                 span = None
@@ -1228,8 +1236,9 @@ class WorkerService:
             self._input()  # a drain may be over (_maybe_switch), KV freed
 
     async def _hand_off_bound(self, rid: str, outs: list[Any], now: float) -> None:
-        """Publish ``outs`` (``bind_decode``'s first token, then hand-off, at ``now``: simulated s,
-        local) of ``rid``, parked until its binding came, as the step loop publishes a plan's: the
+        """Publish ``outs`` (``bind_decode``'s hand-off, at ``now``: simulated s, local) of ``rid``,
+        parked until its binding came (its first token went out at its prefill's end), as the step
+        loop publishes a plan's: the
         task leaves :attr:`_binds` for :attr:`_handing_off` first (an abort no longer cancels it
         midway; new work of the rid waits for it; the engine keeps its registration meanwhile)."""
         task = asyncio.current_task()
@@ -1570,8 +1579,9 @@ class WorkerService:
         the step the watchdog watches (None: no watchdog); a sim engine's wait for the plan's end on
         the simulated clock (a sleep, as long as ``--speedup`` makes it) is not watched
         (:meth:`_unwatched`). A prefill that completes before its decode node is bound is parked in
-        the core (its KV held) and handed off by its :meth:`_bind` task: the step never waits for a
-        binding (before, it did, up to ``owner_gone_after_s``, and with it every other request here)."""
+        the core (its KV held): its first token goes out here, its hand-off from its :meth:`_bind`
+        task: the step never waits for a binding (before, it did, up to ``owner_gone_after_s``, and
+        with it every other request here)."""
         await self._flush_kv(now)
         if plan.admitted and self._bind_later:
             self._bind_started(plan, now)

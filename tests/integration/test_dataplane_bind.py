@@ -77,10 +77,11 @@ class _Live:
 
 @asynccontextmanager
 async def _live(nats_url: str, tmp_path: Path, workers: dict[str, dict[str, Any]], *, fake_nodes: int = 0,
-                **router_kw: Any) -> AsyncIterator[_Live]:
+                bind_delay_s: float = 0.0, **router_kw: Any) -> AsyncIterator[_Live]:
     """In-process workers (node -> extra ``WorkerConfig`` fields; the slow-prefill profile) and a router over a
     real nats-server, on one clock origin; yields once the router is ready and every node (workers and
-    ``fake_nodes`` the test reports itself) has a state."""
+    ``fake_nodes`` the test reports itself) has a state. ``bind_delay_s``: each worker's route.bind is sent
+    that many wall seconds late (a slow control plane: its prefills end before their binding)."""
     profile = tmp_path / "slow.toml"
     profile.write_text(SLOW_PREFILL)
     origin = time.time()
@@ -100,7 +101,8 @@ async def _live(nats_url: str, tmp_path: Path, workers: dict[str, dict[str, Any]
             cfg = WorkerConfig(nats_url=nats_url, clock_origin=origin, node=node, profile=str(profile),
                                idle_state_interval_s=0.2, state_interval_s=0.01, **kw)  # fmt: skip
             stops.append(asyncio.Event())
-            tasks.append(asyncio.create_task(serve_until_stopped("worker", cfg, WorkerService, instance=f"worker-{node}", stop_event=stops[-1])))
+            tasks.append(asyncio.create_task(serve_until_stopped("worker", cfg, _late_binds(bind_delay_s), instance=f"worker-{node}",
+                                                                 stop_event=stops[-1])))  # fmt: skip
         rcfg = RouterConfig(
             nats_url=nats_url, clock_origin=origin, port=0, port_file=str(port_file), block_size=BS,
             **{"split_get_timeout_s": 0.2, "lookup_timeout_s": 0.05, "fence_after_s": 5.0, "request_timeout_s": 30.0, **router_kw},
@@ -120,6 +122,24 @@ async def _live(nats_url: str, tmp_path: Path, workers: dict[str, dict[str, Any]
             st.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await bus.close()
+
+
+def _late_binds(delay_s: float) -> Any:
+    """A worker factory whose route.bind requests leave ``delay_s`` wall seconds late."""
+
+    def factory(c: WorkerConfig, b: Bus, clock: Any) -> WorkerService:
+        if delay_s:
+            request = b.request
+
+            async def late(subject: Any, msg: Any, **kw: Any) -> Any:
+                if subject is ROUTE_BIND:
+                    await asyncio.sleep(delay_s)
+                return await request(subject, msg, **kw)
+
+            b.request = late  # type: ignore[method-assign]
+        return WorkerService(c, b, clock)
+
+    return factory
 
 
 async def _complete(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
@@ -154,6 +174,27 @@ async def test_decode_node_is_chosen_when_the_prefill_starts(nats_url, tmp_path:
             assert w0["bind.ok"] == 1 and w0.get("bind.failed", 0) == 0
         await bus.publish(WORK_ABORT, m.RequestAbort(rid="x-load", reason="test over"), node="w2")
         await until(lambda: states["w2"].running == 0, 15.0, "the load aborted")
+
+
+async def test_a_slow_binding_is_not_in_the_first_token_and_the_response_names_its_decode_node(nats_url, tmp_path: Path):
+    """route.bind answered 1 s after the prefill starts (a slow control plane: × the speed-up in a demo) while
+    the prompt takes ~0.1 s: the prefill node sends the first token at the prompt's end, parks the request
+    (its KV held) and hands it off once bound; the client gets every token, and the non-streamed response's
+    ``x-ei-decode-node`` names the decode node bound after the first token. Before, the first token waited for
+    the binding (on-node TTFT ≥ 1 s: the evolving demo's on-node TTFT mean 3.2 s against 0.59 s with
+    ``--decode-binding enqueue``), and the header was read at the first token (no decode node then)."""
+    workers = {"w0": {"phase": "prefill"}, "w1": {"phase": "decode"}}
+    async with _live(nats_url, tmp_path, workers, decode_binding="prefill-start", routing="ttft", bind_delay_s=1.0) as live:
+        r = await _complete(live.url, list(range(1, 41)), 4)  # ≈ 0.08 s of prefill on w0
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 4
+        assert body["ei"]["decode_node"] == r.headers["x-ei-decode-node"] == "w1"
+        on_node = body["ei"]["first_token_at"] - body["ei"]["arrived_at"]
+        assert on_node < 0.7, f"on-node TTFT {on_node:.3f} s holds the 1-s binding"
+        w0 = (await live.bus.request(SVC_STATS, m.StatsRequest(), instance="worker-w0", timeout=5.0)).counters
+        assert w0["bind.ok"] == 1 and w0["bind.after_prefill"] == 1 and w0["requests.handed_off"] == 1, w0
+        assert live.router.core.view.inflight_total == 0 and live.router.core.policy._decode_reserved == {}  # type: ignore[attr-defined]
 
 
 async def test_prefill_fails_cleanly_when_no_router_binds_a_decode_node(nats_url):
@@ -296,12 +337,13 @@ async def test_a_prefill_that_starts_with_no_decode_node_left_fails_with_a_503_n
 
 @asynccontextmanager
 async def _prefill_node(nats_url: str, routers: dict[str, Any], *, worker_url: str | None = None,
-                        gates: dict[str, asyncio.Event] | None = None, **cfg_kw: Any) -> AsyncIterator[tuple[Bus, WorkerService, list[Any]]]:
+                        gates: dict[tuple[str, str], asyncio.Event] | None = None, **cfg_kw: Any) -> AsyncIterator[tuple[Bus, WorkerService, list[Any]]]:
     """An in-process prefill worker ``w0`` (tiny profile, no owner checks, no planner) over a real nats-server
     (``worker_url``: its own URL, e.g. with credentials); the test's bus serves ``route.bind.<router>`` for each
     of ``routers`` (router -> handler) and records what the worker publishes (in the worker's order) for clients
     and decode nodes, and its split announcements: ``(kind, message, monotonic s)``, kind ``chunk``, ``handoff``
-    or ``applied``. ``gates``: rid -> an event the worker's first publish of a chunk of that rid waits for."""
+    or ``applied``. ``gates``: (kind, rid) -> an event the worker's first publish of that kind (``chunk`` or
+    ``handoff``) of that rid waits for."""
     seen: list[Any] = []
     made: dict[str, WorkerService] = {}
     bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="test-binds")
@@ -320,8 +362,8 @@ async def _prefill_node(nats_url: str, routers: dict[str, Any], *, worker_url: s
             publish = b.publish
 
             async def recorded(subject: Any, msg: Any, **kw: Any) -> None:
-                if gates and subject is REQ_OUT and msg.rid in gates:
-                    await gates.pop(msg.rid).wait()
+                if gates and subject in kinds and (kinds[subject], getattr(msg, "rid", None)) in gates:
+                    await gates.pop((kinds[subject], msg.rid)).wait()
                 await publish(subject, msg, **kw)
                 if subject in kinds:
                     seen.append((kinds[subject], msg, time.monotonic()))
@@ -375,8 +417,9 @@ def _no_fatal(w0: WorkerService) -> None:
 async def test_a_hung_owning_router_does_not_stall_the_other_routers_requests(nats_url):
     """Two routers own requests on one prefill node; one hangs (SIGSTOPped: its route.bind gets no reply)
     once the node started its request. The other router's request is prefilled and handed off at once; the
-    hung router's request waits beside the step loop, its KV held, until its router answers: then its first
-    token and its hand-off go out, in that order. Before, the node waited for the binding inside its step
+    hung router's request gives its first token at its prompt's end and waits beside the step loop, its KV
+    held, until its router answers: then its hand-off goes out. Before 77f120e its first token waited for
+    the binding too (its TTFT held the route.bind round trip), and the node waited for the binding inside its step
     loop for up to ``owner_gone_after_s`` (10 s here: the healthy router's request was handed off after
     9.8 s, when the hung one's binding gave up; the fault walk, 2P2D with a router SIGSTOPped: every request
     of the other routers on that prefill node stalled ~30 s)."""
@@ -389,7 +432,7 @@ async def test_a_hung_owning_router_does_not_stall_the_other_routers_requests(na
         waited = next(t for k, x, t in seen if k == "handoff" and x.rid == "f") - sent
         assert waited < 1.0, f"the healthy router's request waited {waited:.2f} s for the hung router's binding"
         assert _of(seen, "f") == [("chunk", 0), ("handoff", None)]
-        assert _of(seen, "h") == []  # nothing of h yet: its first token waits for its binding
+        assert _of(seen, "h") == [("chunk", 0)]  # h's first token is out; its hand-off waits for its binding
         gpu = w0.core.kv.gpu
         assert "h" in w0.core.parked and gpu.available < gpu.capacity  # its KV is held meanwhile
         hung.hung = False  # the router answers again
@@ -403,13 +446,15 @@ async def test_a_hung_owning_router_does_not_stall_the_other_routers_requests(na
 
 async def test_a_parked_prefill_whose_binding_fails_is_aborted_and_frees_its_kv(nats_url):
     """The hung router never answers: at ``owner_gone_after_s`` the parked request fails as a binding that
-    fails while the prefill runs does (an ``abort`` chunk naming the reason, its pages released); the node
+    fails while the prefill runs does (an ``abort`` chunk naming the reason, its pages released): its stream,
+    whose first token went out at its prompt's end, ends with that error (the router's 503); the node
     serves on."""
     hung = _Router(hung=True)
     async with _prefill_node(nats_url, {"hung": hung}, bind_timeout_s=0.3, owner_gone_after_s=1.0) as (bus, w0, seen):
         await _parked(bus, w0, hung)
-        await until(lambda: _of(seen, "h"), 5.0, "h's error chunk")
-        (c,) = [x for k, x, _ in seen if k == "chunk"]
+        await until(lambda: len(_of(seen, "h")) == 2, 5.0, "h's error chunk")
+        first, c = [x for k, x, _ in seen if k == "chunk"]
+        assert (first.index, len(first.token_ids), first.finished) == (0, 1, False), first
         assert c.finished and c.finish_reason == "abort" and "no decode node" in (c.error or ""), c
         assert not w0.core.requests and not w0._binds and w0.core.kv.gpu.reserved == 0
         assert w0.counters["bind.failed"] == 1 and w0.counters["bind.unanswered"] >= 1
@@ -457,9 +502,10 @@ async def test_a_bind_this_identity_may_not_publish_fails_at_once(nats_url, tmp_
                                  owner_gone_after_s=10.0) as (bus, w0, seen):  # fmt: skip
             sent = time.monotonic()
             await bus.publish(WORK_PREFILL, _bind_work("d", "ok"), node="w0")
-            await until(lambda: _of(seen, "d"), 8.0, "d's error chunk")
+            await until(lambda: any(x.finished for k, x, _ in seen if k == "chunk"), 8.0, "d's error chunk")
             took = time.monotonic() - sent
-            (c,) = [x for k, x, _ in seen if k == "chunk"]
+            *first, c = [x for k, x, _ in seen if k == "chunk"]  # its first token goes out at its prompt's end
+            assert [(x.index, x.finished) for x in first] in ([], [(0, False)]), first
             assert c.finish_reason == "abort" and "Permissions Violation" in (c.error or ""), c
             assert took < 2.0, f"failed after {took:.2f} s"
             assert ok.asked == [] and w0.counters["bind.denied"] == 1 and w0.counters.get("bind.retries", 0) == 0, w0.counters
@@ -468,17 +514,18 @@ async def test_a_bind_this_identity_may_not_publish_fails_at_once(nats_url, tmp_
 
 
 async def test_new_work_of_a_request_waits_for_its_parked_hand_off_to_go_out(nats_url):
-    """A new attempt of a request arrives while the first token and hand-off of its old attempt (parked,
-    then bound) are being published by the binding's task: it is taken only once they are out, as new work
-    waits for a step that runs its rid. Else the new attempt's first token went out before the old one's
-    hand-off (and the old hand-off took its owner record). A KV drain meanwhile (a ``kv.resync``) keeps the
+    """A new attempt of a request arrives while the hand-off of its old attempt (parked, then bound) is
+    being published by the binding's task: it is taken only once it is out, as new work waits for a step
+    that runs its rid. Else the new attempt's first token went out before the old one's hand-off (and the
+    old hand-off took its owner record). A KV drain meanwhile (a ``kv.resync``) keeps the
     engine's registration of the request being handed off (a torch engine reads its pages for the hand-off)."""
     hung = _Router(hung=True)
     gate = asyncio.Event()
-    async with _prefill_node(nats_url, {"hung": hung}, gates={"h": gate}, bind_timeout_s=0.3, owner_gone_after_s=10.0) as (bus, w0, seen):
+    async with _prefill_node(nats_url, {"hung": hung}, gates={("handoff", "h"): gate}, bind_timeout_s=0.3,
+                             owner_gone_after_s=10.0) as (bus, w0, seen):  # fmt: skip
         await _parked(bus, w0, hung)
         hung.hung = False
-        await until(lambda: "h" in w0._handing_off, 5.0, "h bound, its first token held at the gate")
+        await until(lambda: "h" in w0._handing_off, 5.0, "h bound, its hand-off held at the gate")
         await bus.publish(WORK_PREFILL, msgspec.structs.replace(_bind_work("h", "hung"), attempt=1), node="w0")
         lives: list[bool] = []
         drain = w0.engine.on_kv_events
@@ -495,4 +542,27 @@ async def test_new_work_of_a_request_waits_for_its_parked_hand_off_to_go_out(nat
         await until(lambda: len([k for k, _, _ in seen if k == "handoff"]) == 2, 10.0, "both attempts handed off")
         assert [(k, x.attempt) for k, x, _ in seen] == [("chunk", 0), ("handoff", 0), ("chunk", 1), ("handoff", 1)], seen
         assert w0.counters["requests.waited_for_handoff"] == 1
+        _no_fatal(w0)
+
+
+async def test_a_binding_that_comes_while_the_first_token_is_being_published_waits_for_it(nats_url):
+    """The router answers route.bind while the step that completed the (parked) prompt is still publishing
+    its first token (held here at a gate): the hand-off goes out only after that first token, so the decode
+    node's output can never reach the client before the first token. Without the wait the hand-off went
+    out first ([handoff, chunk 0]): the router would have taken the decode node's tokens for positions 0..
+    and dropped the first token as a duplicate."""
+    hung = _Router(hung=True)
+    gate = asyncio.Event()
+    async with _prefill_node(nats_url, {"hung": hung}, gates={("chunk", "h"): gate}, bind_timeout_s=0.3,
+                             owner_gone_after_s=10.0) as (bus, w0, seen):  # fmt: skip
+        await _parked(bus, w0, hung)  # parked, its first token's publish held at the gate
+        asked = len(hung.asked)
+        hung.hung = False
+        await until(lambda: len(hung.asked) > asked, 5.0, "route.bind answered")
+        await asyncio.sleep(0.3)  # time enough for a hand-off that does not wait
+        assert _of(seen, "h") == []
+        gate.set()
+        await until(lambda: ("handoff", None) in _of(seen, "h"), 5.0, "h handed off")
+        assert _of(seen, "h") == [("chunk", 0), ("handoff", None)]
+        assert w0.counters["bind.after_prefill"] == 1
         _no_fatal(w0)

@@ -632,12 +632,16 @@ async def test_decode_node_dies_mid_stream_and_the_stream_continues(nats_url, tm
         assert st.counters["redispatch.decode"] == 1 and st.counters.get("finish.error", 0) == 0
 
 
-async def test_prefill_node_dies_between_first_token_and_hand_off_and_the_stream_continues(nats_url, tmp_path):
+@pytest.mark.parametrize("binding", ["dispatch", "prefill-start"])
+async def test_prefill_node_dies_between_first_token_and_hand_off_and_the_stream_continues(nats_url, tmp_path, binding):
     """The prefill node publishes the first token and dies before its hand-off reaches the
     decode node (no output from the decode node): when it is fenced, prompt + that token are
     prefilled again elsewhere (attempt 1, output position 1) instead of waiting for the
-    request timeout; the decode node is told to drop attempt 0; no token repeated or lost."""
-    async with router_env(nats_url, tmp_path, {"p0": "prefill", "p1": "prefill", "d0": "decode"}) as env:
+    request timeout; the decode node is told to drop attempt 0; no token repeated or lost.
+    ``prefill-start``: the node dies with the request parked, its first token sent before its
+    route.bind was answered (the fake node never asks): the same continuation, counted as a lost
+    hand-off (it was counted ``redispatch.decode``: no decode node was bound)."""
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "p1": "prefill", "d0": "decode"}, decode_binding=binding) as env:
         env.cluster.stall_after_first.update({"p0", "p1"})  # attempt 0: first token, then nothing (no hand-off)
         prompt = [5] * 70
         async with env.http.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "stream": True}) as r:
@@ -657,7 +661,8 @@ async def test_prefill_node_dies_between_first_token_and_hand_off_and_the_stream
         assert again.rid == rid and again.attempt == 1 and again.output_offset == 1 and again.max_tokens == 5
         assert again.prompt_tokens == 71 and unpack_tokens(again.token_ids).tolist() == prompt + [output_token(0)]
         assert env.service.core.view.placement(rid) is None  # finished
-        await _wait_for(lambda: ("d0", rid, 0) in {(n, a.rid, a.attempt) for n, a in env.cluster.aborts}, what="abort of attempt 0 on d0")
+        if binding == "dispatch":
+            await _wait_for(lambda: ("d0", rid, 0) in {(n, a.rid, a.attempt) for n, a in env.cluster.aborts}, what="abort of attempt 0 on d0")
         assert events[-2]["ei"]["redispatches"] == 1
         st = await env.stats()
         assert st.counters["redispatch.handoff"] == 1 and st.counters["redispatched"] == 1

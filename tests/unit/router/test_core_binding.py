@@ -154,6 +154,29 @@ def test_ttft_binding_reserves_kv_room_until_the_first_token():
     assert c.bind_decode("r2", 0.1).node == "d2"  # type: ignore[union-attr]  # d1: 4 − 3 reserved < 3 → no room
 
 
+def test_a_binding_after_the_first_token_frees_the_decode_room_the_ttft_policy_reserved():
+    """The prefill node sends a parked request's first token before its route.bind is answered: the
+    binding that follows reserves decode KV room (ttft) and the hand-off goes out at once, so that room is
+    the decode node's to show (its state) from then on, as for a binding before the first token. Before,
+    it stayed reserved in the router until the request finished: d1 (room 4, footprint 3) was refused to
+    r2 for r1's whole decode."""
+    c = core("ttft", profile="tiny")
+    c.apply_state(state("p1"), 0.0)
+    c.apply_state(state("d1", "decode", gpu_free_blocks=4), 0.0)
+    c.apply_state(state("d2", "decode", running=2, gpu_free_blocks=100), 0.0)
+    c.route(rq("r1", blocks=2, max_tokens=3), None, 0.0)  # footprint ceil(12/4) = 3 blocks
+    c.on_first_token("r1", 0.1)  # parked on p1, its first token out
+    assert c.view.nodes["p1"].inflight_prefill == 0 and c.pending_binding("r1")
+    assert c.bind_decode("r1", 0.2, prefill_node="p1").node == "d1"  # type: ignore[union-attr]
+    assert c.policy._decode_reserved == {} and c.policy._rid_decode == {}  # type: ignore[attr-defined]
+    c.route(rq("r2", blocks=2, max_tokens=3), None, 0.3)
+    assert c.bind_decode("r2", 0.3).node == "d1"  # type: ignore[union-attr]  # fewest requests, room 4 ≥ 3 (d1's next state shows r1)
+    assert c.view.nodes["p1"].inflight_prefill == 1 and c.view.nodes["d1"].inflight_decode == 2
+    c.finish("r1", 1.0)
+    c.finish("r2", 1.0)
+    assert c.policy._decode_reserved == {}  # type: ignore[attr-defined]
+
+
 def test_keep_metrics_false_returns_the_first_token_sample_but_accumulates_no_metrics():
     # the simulator's router: it reads the samples on_first_token returns, never core.metrics
     for keep in (True, False):

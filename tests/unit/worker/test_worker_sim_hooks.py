@@ -103,7 +103,7 @@ def test_decode_later_binds_at_prefill_start(b):
     with pytest.raises(SchedulerError, match="another node"):
         pre.bind_decode("c", "w0", 0.0)
     outs = pre.finish_iteration(plan, plan.end)
-    assert [(type(o), o.rid) for o in outs] == [(TokensOut, "a"), (HandOff, "a")]  # c is parked: nothing of it yet
+    assert [(type(o), o.rid) for o in outs] == [(TokensOut, "a"), (HandOff, "a"), (TokensOut, "c")]  # c parked: its first token only
     assert list(pre.parked) == ["c"] and "c" in pre.requests
 
 
@@ -173,28 +173,29 @@ def test_state_without_queue_keeps_the_counts(b):
 
 def test_a_prefill_that_finishes_before_its_binding_is_parked_with_its_kv_held(b):
     """A ``decode_later`` request whose prompt completes before ``bind_decode`` (its route.bind is still
-    under way) leaves the running batch but keeps its prompt pages: they count against L1, so a request
-    that needs them waits; ``bind_decode`` then returns its first token and hand-off at the binding's time
-    and frees them. An abort of a parked request frees them too. Before, ``finish_iteration`` raised
-    ``SchedulerError`` (the live shell waited for the binding inside its step loop instead)."""
+    under way) gives its first token at once and leaves the running batch but keeps its prompt pages: they
+    count against L1, so a request that needs them waits; ``bind_decode`` then returns its hand-off at the
+    binding's time and frees them. An abort of a parked request frees them too. Before 77f120e,
+    ``finish_iteration`` raised ``SchedulerError`` (the live shell waited for the binding inside its step
+    loop instead); then the first token waited for ``bind_decode`` too (the router's round trip in TTFT)."""
     p = b.profile(memory__gpu_kv_tokens=64, scheduler__chunk_tokens=64)  # 16 pages of 4 tokens; a prompt in one chunk
     pre = b.sched(p, phase="prefill", node="w0")
     pre.add_prefill(b.prefill("a", list(range(1, 11)), max_tokens=3), 0.0, decode_later=True)  # 10 pages
     plan = pre.schedule(0.0)
     assert plan.admitted == ["a"] and plan.prefill[0].completes
-    assert pre.finish_iteration(plan, plan.end) == []  # no first token before the binding: it waits
+    (tok,) = pre.finish_iteration(plan, plan.end)  # its first token at its prompt's end: it needs no decode node
+    assert isinstance(tok, TokensOut) and (tok.rid, tok.index, tok.count, tok.finished, tok.at) == ("a", 0, 1, False, plan.end)
     assert list(pre.parked) == ["a"] and not pre.running and not pre.idle
     st = pre.state(plan.end)
     assert (st.running, st.waiting, st.decoding) == (0, 0, 0) and st.gpu_free_blocks == 6  # its 10 pages stay held
     pre.add_prefill(b.prefill("x", list(range(20, 28)), max_tokens=3), 1.0, decode_later=True)  # 8 pages: no room
     assert pre.schedule(1.0) is None and list(pre.waiting) == ["x"]
-    tok, h = pre.bind_decode("a", "w1", 2.0)
-    assert isinstance(tok, TokensOut) and (tok.rid, tok.index, tok.count, tok.finished, tok.at) == ("a", 0, 1, False, 2.0)
+    (h,) = pre.bind_decode("a", "w1", 2.0)  # the hand-off only: its first token is out
     assert isinstance(h, HandOff) and (h.decode_node, h.at, h.work.generated) == ("w1", 2.0, 1)
     assert h.work.kv_ready_at == pytest.approx(2.0 + p.kv_transfer_s(40))  # the transfer starts at the binding
     assert "a" not in pre.requests and not pre.parked
     plan = pre.schedule(2.0)  # a's pages are unreferenced now: x fits
     assert plan is not None and plan.admitted == ["x"]
-    assert pre.finish_iteration(plan, plan.end) == [] and list(pre.parked) == ["x"]
+    assert [(o.rid, o.index) for o in pre.finish_iteration(plan, plan.end)] == [("x", 0)] and list(pre.parked) == ["x"]
     assert pre.abort("x", 3.0) and pre.idle and pre.state(3.0).gpu_free_blocks == 16
     pre.check()
