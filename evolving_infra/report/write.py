@@ -254,11 +254,13 @@ def ttft_split_lines(report: Mapping[str, Any]) -> list[str]:
     counts records without a node arrival): under ``--speedup N`` it is N × the real latency of the router, bus
     and client on this machine, so it measures the machine's load more than the serving policy. A run whose
     policy binds the decode node at prefill start (``meta.policy.decode_binding`` ``prefill-start``: the
-    evolving and arrow sets) says that its node's part holds the prefill node's ``route.bind`` round trip to
-    the router too: the worker finishes a prompt's last chunk only once the router has named its decode node,
-    so under ``--speedup N`` that hop is N × real latency inside "on node" as well. Measured (demo, 4 nodes,
-    load average 5-7 on 2 cores, 2026-12-05): on-node TTFT mean 3.2 s with ``prefill-start``, 0.59 s with
-    ``--decode-binding enqueue`` and the policy otherwise the same, 1.07 s for the static:2P2D baseline.
+    evolving and arrow sets) then also says where the prefill node's ``route.bind`` round trip to the router
+    went: a prefill that ends before its binding sends its first token at once and waits, parked, only for its
+    hand-off, so under ``--speedup N`` that hop (N × real latency) delays its decode (TPOT, end-to-end latency), not
+    its first token. Before (until 2026-12-05), the first token waited for the binding too and the summary
+    said "on node" held it: two evolving demos side by side (4 nodes, load average 7-11 on 2 cores), before
+    and after, gave on-node TTFT mean 16.9 s and 0.67 s, E2E mean 128 s and 130 s, TPOT mean 0.039 s and
+    0.127 s (the round trip moved from the first token to the second).
     Empty for a report without them (simulator runs, older reports)."""
     g = report.get
     if g("ttft_node_mean_s") is None:
@@ -268,10 +270,9 @@ def ttft_split_lines(report: Mapping[str, Any]) -> list[str]:
     times = f" × speedup {speedup:g}" if isinstance(speedup, (int, float)) and speedup != 1 else ""
     policy = meta.get("policy")
     binds_at_start = isinstance(policy, Mapping) and policy.get("decode_binding") == "prefill-start"
-    node_part = "queue + prefill + the wait for route.bind, decode binding at prefill start" if binds_at_start else "queue + prefill"
     lines = [
         f"  on node  mean {fmt_seconds(g('ttft_node_mean_s'))}  p50 {fmt_seconds(g('ttft_node_p50_s'))}  "
-        f"p95 {fmt_seconds(g('ttft_node_p95_s'))} (prefill node arrival → first token: {node_part})",
+        f"p95 {fmt_seconds(g('ttft_node_p95_s'))} (prefill node arrival → first token: queue + prefill)",
         f"  control plane mean {fmt_seconds(g('ttft_control_plane_mean_s'))}  p50 {fmt_seconds(g('ttft_control_plane_p50_s'))} "
         f"(router → node, first token → client: real latency{times})",
     ]
@@ -283,8 +284,10 @@ def ttft_split_lines(report: Mapping[str, Any]) -> list[str]:
         )
         if binds_at_start:
             lines.append(
-                f"  note: the node's TTFT holds route.bind round trips to the router (real latency{times}, decode "
-                "binding at prefill start): against a policy that binds at dispatch, compare with `simulate`"
+                f"  note: decode binding at prefill start: a prefill that ends before its route.bind round trip to the "
+                f"router (real latency{times}) sends its first token and waits for the binding only to hand off: it "
+                "delays the decode (TPOT, end-to-end latency), not the TTFT; against a policy that binds at dispatch, "
+                "compare end-to-end latency with `simulate`"
             )
     return lines
 
