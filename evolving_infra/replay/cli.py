@@ -552,7 +552,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--arrival", choices=["closed", "open", "trace"], default="closed", help="arrival process: closed (--concurrency agents at a time), open (Poisson --rate), trace (agents start at their recorded arrival_s) (default closed)")
     p.add_argument("--concurrency", type=int, default=16, help="closed loop: concurrent agents (default 16)")
     p.add_argument("--rate", type=float, default=10.0, help="open loop: agent arrivals per minute (default 10)")
-    p.add_argument("--cap", type=int, default=0, help="open loop: admission cap (0 = none)")
+    p.add_argument("--cap", type=int, default=0, help="open loop: most agents running at once, as simulate's --cap; a later arrival waits for admission "
+                   "(its admission_wait_s in requests.jsonl) (0 = no cap)")
     p.add_argument("--sessions", type=int, default=0, help="replay at most this many agents (0 = all)")
     p.add_argument("--max-requests-per-branch", type=int, default=0, help="cap each branch to its first K requests (0 = no cap)")
     p.add_argument("--scale-to-model", action="store_true",

@@ -70,3 +70,11 @@ def test_auth_stream_help_puts_each_failure_under_its_exit_status(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "1 when it cannot be made (no connection within --timeout, credentials the server refuses" in text
     assert "no server given (neither --nats-url nor EI_NATS_URL)" in text
+
+
+def test_replay_and_simulate_say_the_same_of_cap():
+    """replay's --cap said "open loop: admission cap (0 = none)" (a cap of what?); simulate's said "most agents
+    running at once", which is what both do (ReplayCore admits an open-loop agent only below it)."""
+    helps = {cmd: str(a.help) for cmd, a in OPTIONS if "--cap" in a.option_strings}
+    assert set(helps) == {"evolving-infra replay", "evolving-infra simulate"}
+    assert all("most agents running at once" in h and "0 = no cap" in h for h in helps.values()), helps
