@@ -152,7 +152,10 @@ class EvolvingParams:
     """A check whose backlog is below (1 − this) × the previous check's restarts the streak (ours)."""
     no_data_retry_s: float = 600.0
     """Warm-up end without fitted data (no node with ``min_fit_samples`` prefill and decode
-    records): the warm-up is extended by this long and nothing is frozen or switched (ours)."""
+    records): the warm-up is extended by this long and nothing is frozen or switched (ours).
+    When not one usable record had arrived, the warm-up instead restarts at the first one
+    (``t_learn_s`` from it, on the slice grid; :meth:`EvolvingPlanner.on_iterations`), this retry
+    only the end in case none comes."""
     sample_interval_s: float = 5.0
     """Extra ticks this often so that a caller that reports node states only at ticks (the
     simulator) gives the time averages q̄_i enough samples (ours; 0 = no extra ticks)."""
@@ -229,6 +232,11 @@ class EvolvingPlanner(PolicyBase):
         """Backlogs (s) of the current streak of consecutive guard checks that found a violation."""
         self._resumed = False
         """:meth:`on_adopted` before the first tick: the warm-up runs in the adopted split."""
+        self._await_first_record = False
+        """The warm-up ended before any node published a usable iteration record (the nodes were
+        not serving yet: a real engine loading its model, ~23 wall s for ``demo --engine torch``
+        on a busy 2-core machine, 1,150 s of cluster clock at speed-up 50, against its 240-s
+        warm-up): the first record restarts the warm-up (:meth:`on_iterations`)."""
 
     # -- inputs ------------------------------------------------------------ #
 
@@ -239,7 +247,37 @@ class EvolvingPlanner(PolicyBase):
             return
         if not self.frozen:
             s.add(records)
+            if self._await_first_record and s.seen:
+                self._restart_warmup(node, now)
         self.obs.on_iterations(node, records, now)
+
+    def _restart_warmup(self, node: str, now: float) -> None:
+        """The first usable iteration record after a warm-up that ended without any: the warm-up
+        counts from now, ``t_learn_s`` to the next slice boundary as at the first tick (:meth:`_start`),
+        so the fit gets the collocated records the warm-up is for, not only those of the remainder
+        of a ``no_data_retry_s`` timer that began before the nodes served. O(N)."""
+        self._await_first_record = False
+        if self.stage != "warmup":
+            return
+        self.warmup_end = max(now, self.obs.start_of(self.obs.ceil_index(now + self.p.t_learn_s)))
+        phases = self.expected
+        kept = (
+            "every node serves both phases" if all(p == "both" for p in phases.values())
+            else f"in the split the cluster serves ({split_name(phases)})"
+        )
+        self._split_note = (
+            f"warm-up: {kept} until t={self.warmup_end:.0f}s to fit the iteration-time models "
+            f"(restarted at the first iteration record, t={now:.0f}s)"
+        )
+        self._decide(
+            now,
+            "warmup",
+            phases,
+            None,
+            f"first iteration record ({node}, t={now:.0f}s) after a warm-up without any: warm-up restarted, "
+            f"{kept} until t={self.warmup_end:.0f}s to fit the iteration-time models",
+            metrics={"warmup_end": self.warmup_end},
+        )
 
     def on_node_state(self, state: NodeState, now: float) -> None:
         if state.node in self.samples:
@@ -385,15 +423,26 @@ class EvolvingPlanner(PolicyBase):
         return {n: fit_node(self.samples[n], prof.prefill, prof.decode, min_samples=self.p.min_fit_samples) for n in self.nodes}
 
     @staticmethod
-    def no_data(fits: Mapping[str, Any]) -> str:
+    def no_data(fits: Mapping[str, Any], min_samples: int = 8, records: int | None = None) -> str:
         """Why ``fits`` cannot be frozen ("" when they can): no node fitted its prefill side,
-        or none its decode side (each needs ``min_fit_samples`` records with that part)."""
+        or none its decode side (each needs ``min_samples``, the planner's ``min_fit_samples``,
+        records with that part). The reason says how many usable records arrived (``records``, all
+        nodes; None: the larger side's count per node, summed), how many a side needs, and the most
+        any node had of each part."""
         n_pre = sum(1 for f in fits.values() if f.prefill is not None)
         n_dec = sum(1 for f in fits.values() if f.decode is not None)
         if n_pre and n_dec:
             return ""
-        recs = sum(max(f.prefill_samples, f.decode_samples) for f in fits.values()) if fits else 0
-        return f"no data: {n_pre} node(s) with a fitted prefill model, {n_dec} with a fitted decode model ({recs} usable iteration records)"
+        recs = records if records is not None else sum(max(f.prefill_samples, f.decode_samples) for f in fits.values())
+        head = f"no data: {n_pre} node(s) with a fitted prefill model, {n_dec} with a fitted decode model"
+        if not recs:
+            return f"{head} (0 usable iteration records: no node has published one yet)"
+        most_p = max((f.prefill_samples for f in fits.values()), default=0)
+        most_d = max((f.decode_samples for f in fits.values()), default=0)
+        return (
+            f"{head} ({recs} usable iteration records; a node needs {min_samples} with a prefill part and "
+            f"{min_samples} with a decode part (min_fit_samples), the most on one node: {most_p} with a prefill part, {most_d} with a decode part)"
+        )
 
     def _fit(self, fits: Mapping[str, Any]) -> dict[str, float]:
         """Apply ``fits``, fill the unfitted from peers or the profile, freeze. Returns summary metrics.
@@ -444,10 +493,14 @@ class EvolvingPlanner(PolicyBase):
         k_end = self.obs.index(now + 1e-9)
         k_start = max(self.obs.index(now - self.p.t_learn_s + 1e-9), k_end - self.obs.keep)
         fits = self._fits()
-        missing = self.no_data(fits)
+        missing = self.no_data(fits, self.p.min_fit_samples, sum(len(s) for s in self.samples.values()))
         if missing and not priors:  # issue 21 (llm-d-autoscaling #1212): never freeze, never switch on the priors alone
             self._external_reason = reason  # the extended warm-up's end keeps an operator's split
             before, self.warmup_end = self.warmup_end, now + self.p.no_data_retry_s
+            # nothing arrived: the nodes did not serve yet, the warm-up restarts at the first record
+            self._await_first_record = not any(s.seen for s in self.samples.values())
+            if self._await_first_record:
+                missing += f"; the warm-up restarts at the first record ({self.p.t_learn_s:.0f} s from it)"
             # an operator's split early in the warm-up asks to freeze now: the retry may come before the first end
             moved = "extended" if self.warmup_end >= before else "brought forward"
             self.expected = dict(phases)

@@ -120,10 +120,15 @@ def test_a_warm_up_extended_for_want_of_data_says_so_in_the_split_the_planner_an
     assert end > 60.0 and f"until t={end:.0f}s" in now.reason and "extended: no data" in now.reason, now.reason
     assert now.reason.startswith("warm-up: every node serves both phases")
     assert core.on_foreign_command(cmd, 61.0, 1000) is None  # the old text's echo is still its own
-    for n in NODES:  # data arrives: the next check freezes and serves 2P2D, with its own reason
+    for n in NODES:  # data arrives: the warm-up restarts at the first record (test_warmup_first_record), and says so
         core.add_records(IterationRecords(node=n, records=records(100, GB.prefill, GB.decode, seed=1)), end - 1.0)
-    cmd = core.tick(end)
-    assert cmd is not None and cmd.epoch == 3 and split_name(cmd.phases) == "2P2D" and "extended" not in cmd.reason
+    assert core.tick(end) is None
+    now = core.command
+    assert now.epoch == 2 and pol.warmup_end == 720.0, pol.warmup_end  # 659 + 60 s, to the slice boundary
+    assert "until t=720s" in now.reason and "restarted at the first iteration record" in now.reason, now.reason
+    cmd = core.tick(pol.warmup_end)  # its end freezes and serves 2P2D, with its own reason
+    assert cmd is not None and cmd.epoch == 3 and split_name(cmd.phases) == "2P2D"
+    assert "extended" not in cmd.reason and "restarted" not in cmd.reason
 
 
 def test_foreign_split_command_is_overridden_above_its_epoch():

@@ -421,9 +421,10 @@ def test_no_iteration_records_no_freeze_no_switch_and_the_decision_says_no_data(
     assert ev.action == "no_switch" and ev.reason.startswith("no data") and "not frozen" in ev.reason
     assert ev.split_after == "" or ev.split_after == ev.split_before
     assert pl.next_tick() == 1200.0  # the warm-up is extended by no_data_retry_s
-    for k, n in enumerate(NODES):  # data arrives: the next check fits, freezes and serves the initial split
-        pl.on_iterations(n, records(100, GB.prefill, GB.decode, seed=k), 900.0)
-    d = pl.tick(1200.0, both, set())
+    for k, n in enumerate(NODES):  # data arrives: the warm-up restarts (test_warmup_first_record), its end fits,
+        pl.on_iterations(n, records(100, GB.prefill, GB.decode, seed=k), 900.0)  # freezes, serves the initial split
+    assert pl.next_tick() == 1500.0  # t_learn_s from the first record
+    d = pl.tick(1500.0, both, set())
     assert d is not None and split_name(d.phases) == "6P3D" and pl.frozen
     ev = pl.take_decisions()[-1]
     assert ev.action == "switch" and ev.metrics["nodes_fitted"] == 9.0
