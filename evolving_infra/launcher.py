@@ -269,7 +269,10 @@ first tick, ~300-360 s of cluster clock into the start-up (7-9 wall s at speed-u
 ~355-470 s: with :data:`DEMO_PLANNER`'s 900 s it ended at t=1260 s, after the replay (~840-965 s), so the demo said the
 planner would move nodes and served collocated throughout; with 120 s it ended (t=480 s) before the first request,
 found no iteration records and was extended by a window (to t=1080 s). 240 s ends it at t≈600 s, after ~130-250 s of
-the replay's requests, and the rest is served at the split; ``--planner-opt t_learn_s=...`` overrides."""
+the replay's requests, and the rest is served at the split; ``--planner-opt t_learn_s=...`` overrides. On a busier
+machine (load 10-12, 2026-12-05) the workers serve only ~20-23 wall s in (first record t≈1000-1240 s; the planner's
+first tick t≈480-604 s): the warm-up ends with no record, and the planner restarts it at the first one (240 s from
+it), so the models are still fitted partway through the replay."""
 
 
 DEMO_FENCE_S = 10.0
