@@ -940,6 +940,8 @@ async def _demo(args: argparse.Namespace) -> int:
                   "trace to its node", file=sys.stderr)  # fmt: skip
             return 2
     out.mkdir(parents=True, exist_ok=True)  # after the checks of _spec: a refused demo leaves no folder
+    if not args.log_dir:  # OUT/logs belongs to this run, as OUT/report.json does: an earlier demo's lines go
+        clear_run_logs(log_dir)
     pol: LivePolicy = args.live_policy
     print(
         f"demo: {len(agents)} Claude Code sessions, {len(requests)} requests from {Path(trace_name).name}; "
@@ -1165,6 +1167,24 @@ def _vocab_size(tokenizer: str) -> int | None:
     return load_tokenizer(tokenizer).vocab_size
 
 
+
+def clear_run_logs(log_dir: Path) -> list[Path]:
+    """Remove the service logs (``*.log``) an earlier run left in ``log_dir``, a folder the run owns
+    (``demo``'s ``OUT/logs``): each service opens its log for appending, so a second run's lines were
+    written after the first's. Other files and folders stay. Returns the removed paths; a missing
+    folder removes nothing.
+
+    Raises:
+        OSError: a log that exists cannot be removed.
+    """
+    if not log_dir.is_dir():
+        return []
+    gone = sorted(f for f in log_dir.glob("*.log") if f.is_file())
+    for f in gone:
+        f.unlink()
+    return gone
+
+
 def demo_input_flags(args: argparse.Namespace) -> list[str]:
     """The demo flags that define what it serves (the sessions, how they arrive, the trace and its scaling), on what
     nodes (count, profile, engine, model, KV sizes, device) and how they serve it apart from the policy (the speed-up,
@@ -1246,7 +1266,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "router, and write OUT/report.json, OUT/requests.jsonl, the plots (OUT/*.png) with OUT/report.html that shows "
         "them, and the services' logs under OUT/logs.",
     )
-    _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs; the NATS credentials the demo generates in it are deleted when it stops",
+    _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs, whose *.log files a new demo replaces; the NATS credentials the demo generates in it are deleted when it stops",
                       warmup="900 s of simulated time in the demo, --engine torch 240 s", fence_after_s=DEMO_FENCE_S)
     d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots and report.html (default demo-out)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample (- reads stdin)")

@@ -14,6 +14,11 @@ def test_a_cluster_that_is_not_ready_in_time_is_one_line_and_leaves_no_seeds(tmp
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "evolving_infra.cli", "demo", "--ready-timeout", "0.2", "--sessions", "1", "--out", str(out)]
     env = {**os.environ, "EI_STATE_DIR": str(tmp_path / "state")}
+    # an earlier demo's logs in OUT/logs: each service appends to its log, so a rerun's lines followed the old ones
+    (out / "logs").mkdir(parents=True)
+    for name in ("router.log", "worker-w0.log", "gone-node.log"):
+        (out / "logs" / name).write_text("a line of an earlier demo\n")
+    (out / "logs" / "notes.txt").write_text("not a log\n")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 1, (p.stdout + p.stderr)[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
@@ -21,3 +26,5 @@ def test_a_cluster_that_is_not_ready_in_time_is_one_line_and_leaves_no_seeds(tmp
     assert f"logs in {out / 'logs'}" in p.stderr
     assert list((out / "logs").glob("*.log")) and not list(out.rglob("*.nk"))
     assert not (out / "report.json").exists()
+    assert not (out / "logs" / "gone-node.log").exists() and (out / "logs" / "notes.txt").exists()
+    assert not any("earlier demo" in f.read_text() for f in (out / "logs").glob("*.log"))
