@@ -175,8 +175,8 @@ on reconnect (they may have died in the socket or in the server's write buffer).
 RESEND_MAX_MSGS = 50_000
 """Bound of the resend window in messages."""
 STREAM_BACK_WAIT_S = 60.0
-"""After a reconnect to a server that lost the stream (its store gone), how long a bus that may not
-make it again (under credentials only the launcher may) waits for another to make it (wall seconds)."""
+"""After a reconnect to a server that lost the stream (its store gone), a bus that may not make it again (under
+credentials only the launcher may) waits for another to make it, with a warning every this many wall seconds."""
 SEEN_IDS = 200_000
 """Message ids a reliable subscription remembers to drop duplicates (per subscription)."""
 MSG_ID = "Nats-Msg-Id"
@@ -273,6 +273,8 @@ class Bus:
         self.jetstream = False
         """True once the partition's stream exists: reliable subjects are consumed from it."""
         self._stream_checked = False
+        self._reconnects_seen = 0
+        """Reconnects whose stream check began (:meth:`_stream_after_reconnect`): a wait gives way to a later one."""
         self._stream_created: object = None
         """The stream's creation time as the server reported it (``StreamInfo.created``) when this bus first
         saw it: a different one after a reconnect is a new stream (the server lost its store)."""
@@ -468,12 +470,16 @@ class Bus:
             await jsi.reset_ordered_consumer(last + 1)
 
     async def _stream_after_reconnect(self) -> Any:
-        """The stream's info after a reconnect; a stream the server lost is made again (or, when this bus may
-        not, waited for up to ``STREAM_BACK_WAIT_S``). None when it cannot be read (logged)."""
+        """The stream's info after a reconnect; a stream the server lost is made again or, when this bus may not
+        (under credentials only the launcher may), waited for until another bus makes it (a warning every
+        ``STREAM_BACK_WAIT_S``: under compose the one-shot ``stream`` job must run again). None when it cannot
+        be read (logged), the bus closes, or a later reconnect took over."""
         jsm = self.nc.jetstream(timeout=5.0)
         name = stream_name(self.subjects)
-        deadline = time.monotonic() + STREAM_BACK_WAIT_S
-        while not self._closing:
+        self._reconnects_seen += 1
+        mine = self._reconnects_seen
+        warn_at = time.monotonic() + STREAM_BACK_WAIT_S
+        while not self._closing and mine == self._reconnects_seen:
             try:
                 return await jsm.stream_info(name)
             except nats.js.errors.NotFoundError:
@@ -486,12 +492,14 @@ class Bus:
                 self.counters["stream_made_again"] += 1
                 self.log.warning("the server lost the stream (its store); made it again", stream=name)
                 return info
-            except (nats.errors.Error, asyncio.TimeoutError) as e:  # not allowed (credentials), or made meanwhile
-                if time.monotonic() > deadline:
-                    self.log.warning("the server lost the stream and it was not made again in time", stream=name,
-                                     waited_s=STREAM_BACK_WAIT_S, error=repr(e))  # fmt: skip
-                    return None
-            await asyncio.sleep(0.25)
+            except Exception as e:  # not allowed (credentials), made meanwhile, refused: look again, warn now and then
+                if time.monotonic() >= warn_at:
+                    warn_at = time.monotonic() + STREAM_BACK_WAIT_S
+                    self.counters["stream_missing_warnings"] += 1
+                    self.log.warning("the server lost the stream and nobody made it again yet: reliable messages go nowhere "
+                                     "until the launcher makes it (under docker compose: docker compose run stream)", stream=name,
+                                     error=repr(e))  # fmt: skip
+            await asyncio.sleep(0.5)
         return None
 
     def _stream_config(self) -> Any:

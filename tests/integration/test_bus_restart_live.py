@@ -220,6 +220,60 @@ async def test_a_server_back_without_its_store_gets_the_stream_again_and_loses_n
             await sub.close()
 
 
+@pytest.mark.timeout(60)
+async def test_a_bus_that_may_not_make_the_lost_stream_waits_until_another_does(monkeypatch):
+    """Under credentials only the launcher may make the stream; under docker compose its one-shot ``stream`` job
+    made it once. A bus that could not make it again gave up after STREAM_BACK_WAIT_S and its consumers stayed
+    on the lost stream for good; now it keeps looking (a warning each STREAM_BACK_WAIT_S) and resumes once
+    another makes it. Here the two buses' attempts fail (a config the server refuses) and a third bus (the
+    launcher) makes the stream 1.5 s after the restart, past the (shortened) wait."""
+    import shared.bus as busmod
+    from nats.js.api import StreamConfig
+
+    monkeypatch.setattr(busmod, "STREAM_BACK_WAIT_S", 0.3)
+    with EmbeddedNatsServer() as srv:
+        subj = Subjects("p0")
+        pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
+        sub = await Bus.connect(srv.url, subj, service="router", instance="router")
+        got: list[int] = []
+
+        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
+            got.append(c.index)
+
+        async def until(done, what: str) -> None:
+            for _ in range(200):
+                if done():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"no {what} in 10 s: got {got}, {dict(sub.counters)}")
+
+        launcher = None
+        try:
+            await sub.subscribe(REQ_OUT, on_chunk)
+            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=0, token_ids=[0]), rid="r")
+            await until(lambda: got == [0], "first")
+            for bus in (pub, sub):  # neither may make it (as under nkeys)
+                monkeypatch.setattr(bus, "_stream_config", lambda: StreamConfig(name="not allowed"))
+            os.kill(srv.pid, signal.SIGKILL)
+            srv.proc.wait()
+            shutil.rmtree(Path(srv._tmp) / "js")
+            srv.restart()
+            await until(lambda: pub.nc.is_connected and sub.nc.is_connected, "reconnect")
+            await asyncio.sleep(1.5)  # past the wait
+            launcher = await Bus.connect(srv.url, subj, service="launcher", instance="launcher")
+            assert await launcher.ensure_stream()
+            await until(lambda: sub.counters["stream_recreated"] == 1 and pub.counters["stream_recreated"] == 1, "resume")
+            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=1, token_ids=[1]), rid="r")
+            await until(lambda: len(got) >= 2, "the next")
+            await asyncio.sleep(0.3)
+            assert got == [0, 1], got
+            assert sub.counters["stream_missing_warnings"] >= 1
+        finally:
+            for bus in (pub, sub, launcher):
+                if bus is not None:
+                    await bus.close()
+
+
 @pytest.mark.timeout(120)
 async def test_core_subscription_loses_messages_across_the_same_kill():
     """The control: the same traffic on a core (at-most-once) subscription loses what was sent
