@@ -1712,6 +1712,11 @@ class WorkerService:
             if alone:
                 self.counters["requests.completed"] += 1
                 return
+            if rid not in self.core.requests:
+                # handed off by this step (its stream ends here), or dropped while this first token went
+                # out (an abort, a failed binding): no stream record to keep. Before, one was made after the
+                # publish for a request already dropped, and nothing removed it
+                return
             st = self._streams[rid] = _Stream(start=1)
             tokens = tokens[1:]
             lps = lps[1:] if lps is not None else None

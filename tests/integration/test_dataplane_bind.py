@@ -566,3 +566,24 @@ async def test_a_binding_that_comes_while_the_first_token_is_being_published_wai
         assert _of(seen, "h") == [("chunk", 0), ("handoff", None)]
         assert w0.counters["bind.after_prefill"] == 1
         _no_fatal(w0)
+
+
+async def test_a_request_aborted_while_its_first_token_is_being_published_leaves_no_stream_behind(nats_url):
+    """A client's abort lands while the step that completed its (parked) prompt is still publishing its
+    first token (held here at a gate): the abort drops it (its binding cancelled, its KV freed, an abort
+    chunk), and the step, resumed, leaves no stream record of it. Before, the step made the record
+    (``_Stream(start=1)``) after the publish for a request already dropped: nothing ever removed it (no
+    hand-off, no more output), one record left behind per such abort."""
+    hung = _Router(hung=True)
+    gate = asyncio.Event()
+    async with _prefill_node(nats_url, {"hung": hung}, gates={("chunk", "h"): gate}, bind_timeout_s=0.3,
+                             owner_gone_after_s=10.0) as (bus, w0, seen):  # fmt: skip
+        await _parked(bus, w0, hung)  # parked, its first token's publish held at the gate
+        await bus.publish(WORK_ABORT, m.RequestAbort(rid="h", reason="client gone"), node="w0")
+        await until(lambda: any(k == "chunk" and x.finish_reason == "abort" for k, x, _ in seen), 5.0, "h's abort chunk")
+        assert not w0.core.requests and not w0._binds
+        gate.set()
+        await until(lambda: ("chunk", 0) in _of(seen, "h") and "h" not in w0._step_rids, 5.0, "h's first token out, its step over")
+        assert "h" not in w0._streams, w0._streams
+        assert w0.counters["requests.aborted"] == 1 and w0.core.kv.gpu.reserved == 0
+        _no_fatal(w0)
