@@ -9,6 +9,9 @@ name                                       type     meaning
 ``ei_node_queue_depth{node}``              gauge    requests queued for prefill (or waiting for decode KV room)
 ``ei_node_running_batch{node}``            gauge    requests in the running batch (prefilling or decoding)
 ``ei_node_decoding{node}``                 gauge    requests decoding
+``ei_node_parked{node}``                   gauge    prefills done whose hand-off waits for their decode binding
+                                                    (``route.bind``), their prompt KV held: in neither the running
+                                                    batch nor the queue depth
 ``ei_node_kv_l1_used_blocks{node}``        gauge    KV blocks in use in GPU memory (L1)
 ``ei_node_kv_l1_capacity_blocks{node}``    gauge    KV blocks GPU memory holds
 ``ei_node_kv_l2_used_blocks{node}``        gauge    KV blocks in host memory (L2)
@@ -59,6 +62,8 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
         "ei_node_queue_depth": ("Requests queued for prefill (or waiting for decode KV room)", st.waiting),
         "ei_node_running_batch": ("Requests in the running batch (prefilling or decoding)", st.running),
         "ei_node_decoding": ("Requests decoding", st.decoding),
+        "ei_node_parked": ("Prefills done whose hand-off waits for their decode binding (route.bind); their KV held",
+                           len(svc.core.parked)),
         "ei_node_kv_l1_used_blocks": ("KV blocks in use in GPU memory (L1)", st.gpu_total_blocks - st.gpu_free_blocks),
         "ei_node_kv_l1_capacity_blocks": ("KV blocks GPU memory (L1) holds", st.gpu_total_blocks),
         "ei_node_kv_l2_used_blocks": ("KV blocks held in host memory (L2)", st.host_used_blocks),

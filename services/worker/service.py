@@ -525,6 +525,7 @@ class WorkerService:
             "running": float(st.running),
             "waiting": float(st.waiting),
             "decoding": float(st.decoding),
+            "parked": float(len(self.core.parked)),  # prefills done, KV held, hand-off waiting for route.bind
             "epoch": float(self.epoch),
             "kv_seq": float(self.kv_seq),
         }

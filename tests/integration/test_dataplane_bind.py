@@ -32,6 +32,7 @@ from shared.subjects import (
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
+from services.worker.prom import worker_families
 from services.worker.service import WorkerService
 from tests.integration.polling import until
 
@@ -435,10 +436,15 @@ async def test_a_hung_owning_router_does_not_stall_the_other_routers_requests(na
         assert _of(seen, "h") == [("chunk", 0)]  # h's first token is out; its hand-off waits for its binding
         gpu = w0.core.kv.gpu
         assert "h" in w0.core.parked and gpu.available < gpu.capacity  # its KV is held meanwhile
+        # NodeState counts it neither running nor waiting: the parked gauge shows it (before: no gauge said so)
+        gauges = w0.stats()[1]
+        assert (gauges["parked"], gauges["running"], gauges["waiting"]) == (1.0, 0.0, 0.0), gauges
+        assert {f.name: f.samples[0].value for f in worker_families(w0)}["ei_node_parked"] == 1.0
         hung.hung = False  # the router answers again
         await until(lambda: ("handoff", None) in _of(seen, "h"), 10.0, "h handed off")
         assert _of(seen, "h") == [("chunk", 0), ("handoff", None)]  # the first token, then the hand-off
         await until(lambda: not w0.core.requests and not w0._handing_off, 5.0, "w0 empty")
+        assert w0.stats()[1]["parked"] == 0.0
         c = w0.counters  # (f may have parked too: its prefill of a few ms can end before its binding's reply)
         assert c["bind.ok"] == 2 and c["bind.after_prefill"] >= 1 and c.get("bind.failed", 0) == 0 and c["requests.handed_off"] == 2, c
         _no_fatal(w0)
