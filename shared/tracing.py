@@ -33,7 +33,7 @@ attributes (``messaging.system`` ``nats``, ``messaging.destination.name`` the su
 
 A request that ends on a node otherwise than by its last token or a hand-off (aborted, rejected,
 handed back) still ends that node's span of the stage it was in (``worker.queue_wait``,
-``worker.prefill`` or ``worker.decode``) with ``ei.ended`` (``aborted`` / ``rejected`` /
+``worker.prefill``, ``worker.handoff_wait`` or ``worker.decode``) with ``ei.ended`` (``aborted`` / ``rejected`` /
 ``handed_back``) and ``ei.end_reason``; a node's engine error is status ERROR.
 
 Spans of one request (names; attributes prefixed ``ei.``):
@@ -63,6 +63,10 @@ span                               process     covers
 ``worker.decode_binding``          prefill     ``route.bind`` request → ``router route.bind.{router}`` (server span,
                                                ``ei.decode_node``)
 ``worker.handoff``                 prefill     the PD hand-off to the decode node (``ei.decode_node``)
+``worker.handoff_wait``            prefill     a prefill parked (its first token out before its decode binding came) that
+                                               ended there otherwise (aborted, its binding failed): first token → its
+                                               end (``ei.ended``); one handed off has none (``worker.decode_binding``
+                                               covers its wait)
 ``worker work.{node}.decode``      decode      receipt of the hand-off (consumer)
 ``worker.decode``                  decode      arrival → last token (``ei.output_tokens``)
 ``router.stream_out``              router      first chunk → response end

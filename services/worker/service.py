@@ -1674,6 +1674,7 @@ class WorkerService:
             self._traces.tokens(
                 rid, out.index, out.finished, fetch_s=out.fetch_s, exposed_fetch_s=out.exposed_fetch_s,
                 fetched_tokens=out.fetched_tokens or 0, output_tokens=out.index + out.count,
+                parked=out.index == 0 and rid in self.core.parked,
             )
         owner = self._owners.get(rid) or _Owner()
         base = owner.offset  # output position of this node's first output (a re-dispatched decode continues)

@@ -26,6 +26,8 @@ class _Req:
     admitted_ns: int = 0
     decode_from_ns: int = 0
     """Decode starts here: arrival of a hand-off, or the first token on a collocated node."""
+    parked_from_ns: int = 0
+    """First token of a prefill parked here (its decode binding had not come: its hand-off waits for it)."""
 
 
 class WorkerTraces:
@@ -62,9 +64,12 @@ class WorkerTraces:
         return None if r is None else r.ctx
 
     def tokens(self, rid: str, index: int, finished: bool, *, fetch_s: float | None = None,
-               exposed_fetch_s: float | None = None, fetched_tokens: int = 0, output_tokens: int = 0) -> None:
+               exposed_fetch_s: float | None = None, fetched_tokens: int = 0, output_tokens: int = 0,
+               parked: bool = False) -> None:
         """Output of ``rid``: the first token ends ``worker.prefill`` (and records ``worker.fetch``);
-        the last ends ``worker.decode``."""
+        the last ends ``worker.decode``. ``parked``: the first token of a prefill parked here (its
+        hand-off waits for its decode binding, ``EngineScheduler.parked``): no decode starts here, so
+        one that ends here otherwise (:meth:`forget`) ends ``worker.handoff_wait``, not ``worker.decode``."""
         r = self._reqs.get(rid)
         if r is None:
             return
@@ -78,7 +83,10 @@ class WorkerTraces:
                     "ei.node": self.node, "ei.fetch_s": fetch_s, "ei.exposed_fetch_s": exposed_fetch_s or 0.0,
                     "ei.fetched_tokens": fetched_tokens,
                 })
-            r.decode_from_ns = now
+            if parked:
+                r.parked_from_ns = now
+            else:
+                r.decode_from_ns = now
         if finished:
             del self._reqs[rid]
             if r.decode_from_ns and (index > 0 or output_tokens > 1):
@@ -127,7 +135,9 @@ class WorkerTraces:
         now, so an aborted or failed request's trace keeps its node's part.
 
         The span is ``worker.decode`` once decoding (after its first token here, or a hand-off's arrival),
-        else ``worker.prefill`` once admitted, else ``worker.queue_wait``; it carries ``ei.ended`` (how it
+        else ``worker.handoff_wait`` once parked (first token out, its decode binding not come: before,
+        ``worker.decode``, though a prefill node never decoded it), else ``worker.prefill`` once
+        admitted, else ``worker.queue_wait``; it carries ``ei.ended`` (how it
         ended: ``aborted``, ``rejected``, ``handed_back``) and ``ei.end_reason`` (the reason given, when
         one is); ``error``: status ERROR with ``reason`` (the node failed the request, an engine error).
         Nothing for a request not traced here.
@@ -138,6 +148,8 @@ class WorkerTraces:
         now = time.time_ns()
         if r.decode_from_ns:
             name, start = "worker.decode", r.decode_from_ns
+        elif r.parked_from_ns:
+            name, start = "worker.handoff_wait", r.parked_from_ns
         elif r.admitted_ns:
             name, start = "worker.prefill", r.admitted_ns
         else:

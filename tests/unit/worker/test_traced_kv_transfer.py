@@ -82,3 +82,21 @@ def test_a_request_the_node_failed_is_an_error_span(spans):
     (s,) = spans.get_finished_spans()[1:]
     assert s.name == "worker.queue_wait" and s.attributes["ei.ended"] == "rejected"
     assert s.status.status_code == trace.StatusCode.ERROR and s.status.description == "request needs 90 KV blocks"
+
+
+def test_a_parked_prefill_that_ends_on_its_node_is_a_handoff_wait_not_a_decode(spans):
+    """A prefill parked on its node (first token out, its decode binding not come: ``EngineScheduler.parked``)
+    that is aborted there, or whose binding fails, ends ``worker.handoff_wait`` from its first token. Before, its
+    first token started ``worker.decode`` (as on a collocated node), so the prefill node's part of the trace
+    showed a decode span for a request it never decoded."""
+    traces = WorkerTraces("w0", speedup=1.0)
+    with tracing.tracer().start_as_current_span("worker work.{node}.prefill"):
+        traces.arrived("r1", decode=False)
+    traces.admitted(["r1"])
+    traces.tokens("r1", 0, False, output_tokens=1, parked=True)
+    traces.forget("r1", "aborted", "client disconnected")
+    names = [s.name for s in spans.get_finished_spans()]
+    assert names[-3:] == ["worker.queue_wait", "worker.prefill", "worker.handoff_wait"], names
+    (s,) = [s for s in spans.get_finished_spans() if s.name == "worker.handoff_wait"]
+    assert (s.attributes["ei.rid"], s.attributes["ei.ended"]) == ("r1", "aborted")
+    assert "worker.decode" not in names
