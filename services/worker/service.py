@@ -952,7 +952,9 @@ class WorkerService:
         sw = _Switch(epoch=cmd.epoch, target=phase, decided_at=cmd.decided_at, received_at=now,
                      since=max(self._to_local(cmd.decided_at), self._started_local))
         self.counters["split.switches"] += 1
-        if not _drain_needed(self.core.phase, phase) or self.core.idle:  # nothing to drain
+        if not _drain_needed(self.core.phase, phase) or (self.core.idle and not self._handing_off):  # nothing to drain
+            # (a parked prefill's hand-off going out is not in the core any more, but it is this phase's
+            # work: the drain waits for it, as _maybe_switch does; before, 'serving' went out meanwhile)
             sw.drained_at = now
             await self._serving(sw, now)
             return

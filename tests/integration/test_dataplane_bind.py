@@ -597,3 +597,26 @@ async def test_a_request_aborted_while_its_first_token_is_being_published_leaves
         assert "h" not in w0._streams, w0._streams
         assert w0.counters["requests.aborted"] == 1 and w0.core.kv.gpu.reserved == 0
         _no_fatal(w0)
+
+
+async def test_a_switch_that_comes_while_a_parked_hand_off_goes_out_waits_for_it(nats_url):
+    """The parked request was bound and its hand-off is being published (held here at a gate) when a phase
+    switch comes: the core holds no request any more, but the switch drains for the hand-off as for one still
+    parked, and says ``serving`` only once it is out. Before, a core with no request was taken for a drained
+    node: ``serving`` (decode) went out while the prefill's hand-off was still going out."""
+    hung = _Router(hung=True)
+    gate = asyncio.Event()
+    async with _prefill_node(nats_url, {"hung": hung}, gates={("handoff", "h"): gate}, bind_timeout_s=0.3,
+                             owner_gone_after_s=10.0) as (bus, w0, seen):  # fmt: skip
+        await _parked(bus, w0, hung)
+        hung.hung = False
+        await until(lambda: "h" in w0._handing_off and not w0.core.requests, 5.0, "h bound, its hand-off held at the gate")
+        await bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=1, phases={"w0": "decode", "w2": "prefill"}, reason="to decode", decided_at=w0.clock.now()))
+        await until(lambda: any(k == "applied" for k, _, _ in seen), 5.0, "w0's split.applied")
+        await asyncio.sleep(0.2)
+        assert [a.status for k, a, _ in seen if k == "applied"] == ["draining"] and w0.core.phase == "prefill", seen
+        gate.set()
+        await until(lambda: [a.status for k, a, _ in seen if k == "applied"] == ["draining", "serving"], 5.0, "w0 serving decode")
+        kinds = [(k, getattr(x, "status", None) or getattr(x, "index", None)) for k, x, _ in seen]
+        assert kinds.index(("handoff", None)) < kinds.index(("applied", "serving")), kinds
+        _no_fatal(w0)
