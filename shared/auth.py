@@ -22,8 +22,9 @@ identity          may publish (relative to ``ei.<partition>.``)
 ================  ==============================================================================
 
 Subscriptions follow the same table (a worker receives only its own ``work.<n>.*``,
-``kv.counts.<n>``, ``kv.resync.<n>``, ``kv.pool.<n>``, ``node.state.<n>``; every service its
-kind's ``svc.heartbeat.<kind>``, where a later process under its instance id would beat; only the router and the planner
+``kv.counts.<n>``, ``kv.resync.<n>``, ``kv.pool.<n>``, ``node.state.<n>``; the planner, router and directory their
+kind's ``svc.heartbeat.<kind>``, where a later process under their instance id would beat (:data:`BEAT_WATCHERS`; not
+a worker, whose kind's beats every node may publish); only the router and the planner
 (completions for w̄) read ``req.*.out``). Every identity publishes its own
 heartbeat and answers ``svc.stats.<its name>``; replies go back through
 ``allow_responses`` and each identity reads only its own inbox prefix
@@ -79,6 +80,13 @@ from shared.subjects import ALL, check_token
 AuthMode = Literal["nkeys", "password", "off"]
 
 KINDS = ("planner", "router", "kvdirectory", "worker", "operator", "launcher", "admin")
+
+BEAT_WATCHERS = ("planner", "router", "kvdirectory")
+"""Service kinds whose bus reads its kind's ``svc.heartbeat.<kind>`` and stops when a process that started later beats
+under its instance id (``shared.bus.Bus.start_service_plumbing``). Not ``worker``: every node's identity may publish
+``svc.heartbeat.worker`` (one subject per kind), so a worker stopped by such a beat could be stopped by any other node,
+at every restart with a boot in the future; a worker learns it was replaced from ``node.state.<n>``, which only its own
+node's identity may publish (``services/worker``)."""
 
 
 class AuthError(ValueError):
@@ -183,7 +191,7 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
     else:
         raise AuthError(f"unknown identity kind {ident.kind!r}")
     pub = [p + s for s in pub] + [f"{p}svc.heartbeat.{ident.kind}"]
-    if ident.kind in ("planner", "router", "kvdirectory", "worker"):
+    if ident.kind in BEAT_WATCHERS:
         sub = [*sub, f"svc.heartbeat.{ident.kind}"]  # its kind's beats: a later process under its instance id stops it
     stream = "EI_" + partition
     if ident.kind in ("router", "kvdirectory", "worker"):  # reliable subscriptions (shared.bus)

@@ -59,7 +59,7 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription
 
 from shared import messages as m
-from shared.auth import NatsAuth, client_options, redact_url, subject_matches
+from shared.auth import BEAT_WATCHERS, NatsAuth, client_options, redact_url, subject_matches
 from shared.ratelog import RateLimitedLog
 from shared import tracing
 from shared.subjects import SVC_HEARTBEAT, SVC_STATS, Subject, Subjects
@@ -286,7 +286,8 @@ class Bus:
         self.boot = m.new_boot(time.time_ns(), os.urandom(4))
         """This process's incarnation (``Heartbeat.boot``)."""
         self.superseded = asyncio.Event()
-        """Set when a process that started later beats under this bus's service and instance (:meth:`start_service_plumbing`):
+        """Set when a process that started later beats under this bus's service and instance (:meth:`start_service_plumbing`;
+        never for a worker, ``shared.auth.BEAT_WATCHERS``):
         this one was replaced while it was frozen and must stop (``shared.service.serve_until_stopped``)."""
         self.superseded_by = ""
         self._msg_no = 0
@@ -960,7 +961,9 @@ class Bus:
         heartbeat_interval_s: float = 1.0,
         ready: Callable[[], bool] | None = None,
     ) -> None:
-        """Answer ``svc.stats.<instance>`` and publish a heartbeat every interval.
+        """Answer ``svc.stats.<instance>`` and publish a heartbeat every interval; a planner, router or directory
+        (``shared.auth.BEAT_WATCHERS``) also reads its kind's heartbeats and sets :attr:`superseded` at one of its
+        instance id from a process that started later (a worker, whose kind's beats any node may publish, does not).
 
         ``stats`` returns the service's own counters and gauges; the bus adds its
         own counters (published/received/dropped per subject template).
@@ -985,7 +988,8 @@ class Bus:
                                later_pid=hb.pid)  # fmt: skip
                 self.superseded.set()
 
-        await self.subscribe(SVC_HEARTBEAT, on_beat, service=self.service)
+        if self.service in BEAT_WATCHERS:  # not a worker: any node may beat as it (node.state.<n> tells it, services/worker)
+            await self.subscribe(SVC_HEARTBEAT, on_beat, service=self.service)
 
         async def beat() -> None:
             while True:

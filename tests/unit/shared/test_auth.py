@@ -45,8 +45,9 @@ def test_roles_are_confined():
     assert not allowed(w0, "publish", p + "node.state.w1") and allowed(w0, "publish", p + "node.state.w0")
     # its own node.state: a later process under its node id supersedes it (services/worker)
     assert allowed(w0, "subscribe", p + "node.state.w0") and not allowed(w0, "subscribe", p + "node.state.w1")
-    # its kind's heartbeats: a later process under its instance id stops it (shared.bus)
-    assert allowed(w0, "subscribe", p + "svc.heartbeat.worker") and not allowed(w0, "subscribe", p + "svc.heartbeat.router")
+    # not its kind's heartbeats: every node's identity may publish svc.heartbeat.worker, so a worker that stopped at a
+    # later beat under its instance id could be stopped by any other (node.state.<n> above tells it instead)
+    assert not allowed(w0, "subscribe", p + "svc.heartbeat.worker") and not allowed(w0, "subscribe", p + "svc.heartbeat.router")
     assert not allowed(w0, "publish", p + "kv.countsync.w1") and allowed(w0, "publish", p + "kv.countsync.w0")  # its own counts only
     assert not allowed(w0, "publish", p + "work.w1.prefill")
     assert not allowed(w0, "subscribe", p + "req.x.out") and not allowed(w0, "subscribe", p + "work.w1.prefill")
