@@ -16,8 +16,10 @@ insertion order, so runs are deterministic):
 * ``PLAN_END`` of a node's plan (lazily deleted: a plan cut by ``truncate`` gets a new
   token, the old event is skipped);
 * ``WAKE`` of an idle node at its ``next_deadline`` (decode KV arriving);
-* ``TICK`` of the planner (``next_tick``), ``RELAUNCH_END``, ``FORCED`` switches,
-  ``CALL`` (a message delivered after ``msg_latency_s``), ``STOP`` (``duration_s``).
+* ``TICK`` of the planner (``next_tick``; lazily deleted too: a ``next_tick`` brought forward by
+  iteration records, the evolving planner's warm-up restarted at the first one, gets a new token),
+  ``RELAUNCH_END``, ``FORCED`` switches, ``CALL`` (a message delivered after ``msg_latency_s``),
+  ``STOP`` (``duration_s``).
 
 New work reaching a node with a plan in flight cuts a folded decode plan at
 the next iteration boundary (``EngineScheduler.truncate``); an idle node is
@@ -586,9 +588,16 @@ class ClusterSim:
         if self.switch_every is not None:
             self._push(self.switch_every, PERIODIC, 1, None)
         self._decode_cap = sum(self.profile.gpu_blocks for p in self.phases.values() if p == "decode")
+        self._tick_at = math.inf
+        """Time of the pending planner ``TICK`` (inf: none), the one whose token is :attr:`_tick_token`."""
+        self._tick_token = 0
+        self._tick_floor = -math.inf
+        """The earliest the next ``TICK`` may be: 1 µs after the last one (as :meth:`_on_tick` pushes it)."""
+        self._tick_movable = hasattr(self.planner, "tick_moved")
+        """The planner says when an input brought its next tick forward (``PolicyBase.tick_moved``)."""
         nt = self.planner.next_tick()
         if nt is not None:
-            self._push(max(nt, 0.0), TICK, None, None)
+            self._schedule_tick(max(nt, 0.0))
         if self.duration is not None:
             self._push(self.duration, STOP, None, None)
 
@@ -630,7 +639,8 @@ class ClusterSim:
                 elif kind == CALL:
                     a(t, *b)
                 elif kind == TICK:
-                    self._on_tick(t)
+                    if a == self._tick_token:  # else superseded by an earlier one (_schedule_tick)
+                        self._on_tick(t)
                 elif kind == RELAUNCH_END:
                     self._on_relaunch_end(a, t)
                 elif kind == FORCED:
@@ -1025,6 +1035,8 @@ class ClusterSim:
             records = sched.take_records()
             if self._feed_planner and records:
                 self.planner.on_iterations(n.name, records, t)
+                if self._tick_movable and self.planner.tick_moved:
+                    self._tick_moved(t)
             online = self._online
             if online is not None and records:
                 online.add(n.name, records)
@@ -1220,7 +1232,26 @@ class ClusterSim:
     # planner and phase switches
     # ------------------------------------------------------------------ #
 
+    def _tick_moved(self, t: float) -> None:
+        """Records brought the planner's next tick forward (``PolicyBase.tick_moved``: the evolving planner's
+        warm-up that ended before any record restarts at the first, ``t_learn_s`` from it): the live planner
+        asks ``next_tick`` every round; here the pending ``TICK``, at the old time, would have ended it late.
+        Asked only on the flag: a ``next_tick`` per plan end cost 4 % of the loop (sim_ab, 9 nodes)."""
+        self.planner.tick_moved = False
+        nt = self.planner.next_tick()
+        if nt is not None and max(nt, t, self._tick_floor) < self._tick_at:
+            self._schedule_tick(max(nt, t, self._tick_floor))
+
+    def _schedule_tick(self, t: float) -> None:
+        """Push the planner's ``TICK`` at ``t`` (simulated s), superseding the pending one (its event is
+        skipped when popped: a new token)."""
+        self._tick_token += 1
+        self._tick_at = t
+        self._push(t, TICK, self._tick_token, None)
+
     def _on_tick(self, t: float) -> None:
+        self._tick_at = math.inf
+        self._tick_floor = t + 1e-6
         self.stats.planner_ticks += 1
         planner = self.planner
         for n in self.nodes.values():
@@ -1246,7 +1277,7 @@ class ClusterSim:
                 self._apply_models(msg, t)
         nt = planner.next_tick()
         if nt is not None:
-            self._push(max(nt, t + 1e-6), TICK, None, None)
+            self._schedule_tick(max(nt, t + 1e-6))
 
     def _start_switch(self, n: _Node, phase: Phase, t: float, reason: str) -> None:
         """Stop routing to ``n``, hand back its queued prefill requests, let running ones finish."""

@@ -260,6 +260,7 @@ class EvolvingPlanner(PolicyBase):
         if self.stage != "warmup":
             return
         self.warmup_end = max(now, self.obs.start_of(self.obs.ceil_index(now + self.p.t_learn_s)))
+        self.tick_moved = True  # before the no-data retry, mostly: a caller that schedules ticks asks again
         phases = self.expected
         kept = (
             "every node serves both phases" if all(p == "both" for p in phases.values())

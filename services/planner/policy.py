@@ -149,6 +149,10 @@ class PolicyBase:
         self.switches = 0
         """Decisions returned that changed the phase map."""
         self._split_note: str | None = None
+        self.tick_moved = False
+        """Set by an input (:meth:`on_iterations`, ...) that brought :meth:`next_tick` forward between ticks (the
+        evolving planner's warm-up restarted at the first iteration record): a caller that asks ``next_tick``
+        only after a tick (the simulator) asks again and clears it; the live core asks every round."""
 
     # -- default no-op inputs --------------------------------------------- #
 

@@ -188,3 +188,19 @@ def test_simulate_writes_every_planner_evaluation_with_its_reason(profile, tmp_p
     by = res.report["planner_evaluations_by_action"]
     assert sum(by.values()) == len(rows) and by["no_switch"] >= 1
     assert res.report["planner_decisions_file"] == DECISIONS_JSONL
+
+
+def test_a_warmup_restarted_by_the_first_record_ends_on_time_without_sample_ticks(profile):
+    """The evolving planner restarts a warm-up that ended before any iteration record at the first one
+    (aca3183): ``on_iterations`` brings ``next_tick`` forward from the no-data retry. The simulator pushed its
+    planner TICK only after a tick, at the ``next_tick`` of then, so without the sample ticks
+    (``sample_interval_s`` 0) the restarted warm-up ended at the retry instead (t=6.0 here, not 4.5)."""
+    res = run(profile, steady(), "2P2D", (Window("s", 3.0, 1e9, 16),), sample_interval_s=0.0, no_data_retry_s=5.0)
+    ds = res.stats.planner_decisions
+    assert ds[1]["action"] == "no_switch" and "no node has published one yet" in ds[1]["reason"], ds[1]
+    restart = ds[2]
+    assert restart["action"] == "warmup" and restart["ts"] > 3.0, restart
+    end = restart["metrics"]["warmup_end"]
+    assert end < 6.0, "the restart ends before the retry's t=6 (1 + no_data_retry_s)"
+    over = next(d for d in ds if d["reason"].startswith("warm-up over"))
+    assert over["ts"] == pytest.approx(end), (over["ts"], end)
