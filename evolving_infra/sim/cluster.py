@@ -661,6 +661,8 @@ class ClusterSim:
             else:
                 break
         stats.end_time = self.now
+        if self._feed_planner:
+            self._take_decisions()  # one made between ticks (a warm-up restarted at the first record) after the last
         if isinstance(self.replay, ScheduledReplay):
             stats.schedule_exhausted = self.replay.exhausted()
         self._meter(self.now)
@@ -1249,6 +1251,15 @@ class ClusterSim:
         self._tick_at = t
         self._push(t, TICK, self._tick_token, None)
 
+    def _take_decisions(self) -> Any:
+        """Move the planner's decisions (``take_decisions``, every evaluation) to ``stats.planner_decisions``;
+        returns ``take_decisions`` (None: the planner has none)."""
+        take = getattr(self.planner, "take_decisions", None)
+        if callable(take):
+            for ev in take():  # as JSON has it: an inf (an overloaded candidate) is null, report.json stays valid JSON
+                self.stats.planner_decisions.append(msgspec.json.decode(msgspec.json.encode(ev)))
+        return take
+
     def _on_tick(self, t: float) -> None:
         self._tick_at = math.inf
         self._tick_floor = t + 1e-6
@@ -1258,10 +1269,7 @@ class ClusterSim:
             planner.on_node_state(n.sched.state(t), t)
         busy = frozenset(n.name for n in self.nodes.values() if n.status != SERVING)
         decision = planner.tick(t, dict(self.phases), busy)
-        take = getattr(planner, "take_decisions", None)
-        if callable(take):
-            for ev in take():  # as JSON has it: an inf (an overloaded candidate) is null, report.json stays valid JSON
-                self.stats.planner_decisions.append(msgspec.json.decode(msgspec.json.encode(ev)))
+        take = self._take_decisions()
         if decision is not None:
             changes = {k: v for k, v in decision.phases.items() if k in self.nodes and v != self.phases[k] and k not in busy}
             if not callable(take):

@@ -204,3 +204,17 @@ def test_a_warmup_restarted_by_the_first_record_ends_on_time_without_sample_tick
     assert end < 6.0, "the restart ends before the retry's t=6 (1 + no_data_retry_s)"
     over = next(d for d in ds if d["reason"].startswith("warm-up over"))
     assert over["ts"] == pytest.approx(end), (over["ts"], end)
+
+
+def test_a_run_that_ends_inside_a_restarted_warmup_reports_the_restart(profile):
+    """The restart decision is made between ticks (on_iterations); the simulator moved decisions to its report only
+    at a tick, so a run that ended before the next one (no sample ticks here) lost it, and ``warmup_outlasted``
+    named the no-data retry's end (t=6) instead of the restart's (4.5)."""
+    from evolving_infra.sim.run import warmup_outlasted
+
+    res = run(profile, steady(agents=8, n=8), "2P2D", (Window("s", 3.0, 1e9, 8),), sample_interval_s=0.0, no_data_retry_s=5.0)
+    end = res.report["simulated_s"]
+    last = res.stats.planner_decisions[-1]
+    assert last["action"] == "warmup" and "warm-up restarted" in last["reason"] and last["ts"] > 3.0, last
+    assert end < last["metrics"]["warmup_end"] < 6.0
+    assert warmup_outlasted(res.stats.planner_decisions, end) == last["metrics"]["warmup_end"]
