@@ -86,6 +86,14 @@ from services.planner.throughput import (
 )
 
 
+def _warmup_kept(phases: dict[str, str]) -> str:
+    """How a warm-up note words the phases kept while models are fitted: collocated, or the split served
+    (``phases``: node → "prefill" | "decode" | "both")."""
+    if all(p == "both" for p in phases.values()):
+        return "every node serves both phases"
+    return f"in the split the cluster serves ({split_name(phases)})"
+
+
 @dataclass(frozen=True, slots=True)
 class EvolvingParams:
     """Parameters of :class:`EvolvingPlanner` (defaults: paper App. E.3 unless noted)."""
@@ -262,10 +270,7 @@ class EvolvingPlanner(PolicyBase):
         self.warmup_end = max(now, self.obs.start_of(self.obs.ceil_index(now + self.p.t_learn_s)))
         self.tick_moved = True  # before the no-data retry, mostly: a caller that schedules ticks asks again
         phases = self.expected
-        kept = (
-            "every node serves both phases" if all(p == "both" for p in phases.values())
-            else f"in the split the cluster serves ({split_name(phases)})"
-        )
+        kept = _warmup_kept(phases)
         self._split_note = (
             f"warm-up: {kept} until t={self.warmup_end:.0f}s to fit the iteration-time models "
             f"(restarted at the first iteration record, t={now:.0f}s)"
@@ -505,10 +510,7 @@ class EvolvingPlanner(PolicyBase):
             # an operator's split early in the warm-up asks to freeze now: the retry may come before the first end
             moved = "extended" if self.warmup_end >= before else "brought forward"
             self.expected = dict(phases)
-            kept = (
-                "every node serves both phases" if all(p == "both" for p in phases.values())
-                else f"in the split the cluster serves ({split_name(phases)})"
-            )
+            kept = _warmup_kept(phases)
             self._split_note = (
                 f"warm-up: {kept} until t={self.warmup_end:.0f}s to fit the iteration-time models "
                 f"({moved}: {missing}{'; ' + reason if reason else ''})"
