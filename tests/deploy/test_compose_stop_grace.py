@@ -5,7 +5,9 @@ up to 10 s for its HTTP connections to close (uvicorn's own 5 s, then forced), u
 server and up to 5 s for the NATS drain: 17 s by its own bounds. Measured, the sbatch harness's real
 services (the process compose's entrypoint execs), SIGTERM to exit: 14.05 s for the router with 32
 streamed completions in flight on this 2-core host under other load (0.5-1.2 s when it was idle, 16 or 64
-streams), 0.4-1.4 s for a worker. A worker SIGKILLed mid-stop never announces that its KV is gone, and the
+streams), 0.4-1.4 s for a worker; in compose itself (docker-compose 1.29 on a private dockerd, the sim image,
+32 streams in flight, the host less loaded) the router's 'service stopping' to its container's end 1.6 s and
+a worker's 1.3 s, both exit 0. A worker SIGKILLed mid-stop never announces that its KV is gone, and the
 directory keeps offering its blocks. docker-compose.yml now sets ``stop_grace_period: 30s`` (Slurm's
 default ``KillWait`` is 30 s too) on every service that drains.
 """
