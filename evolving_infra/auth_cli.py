@@ -53,7 +53,7 @@ async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: floa
     subjects = Subjects(partition)
     bus = await asyncio.wait_for(Bus.connect(nats_url, subjects, service="launcher", instance="launcher", auth=auth), timeout_s)
     try:
-        if not await bus.ensure_stream():
+        if not await bus.ensure_stream(wait=False):  # a service's credentials: refused at once, not waited on
             raise RuntimeError("no JetStream stream (JetStream off, or these credentials may not create it: the launcher's may)")
         name = stream_name(subjects)
         info = await bus.nc.jetstream(timeout=5.0).stream_info(name)

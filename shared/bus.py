@@ -31,7 +31,9 @@ died may never have been stored: each reliable message carries a
 publishes them again on reconnect; the stream drops the copies it already has
 (its duplicate window) and each consumer drops an id it has handled, so nothing
 is lost or handled twice. Without JetStream on the server (``--nats-url`` to a plain server) the
-bus falls back to core subscriptions and says so in the log.
+bus falls back to core subscriptions and says so in the log; a server with JetStream that lacks the
+stream while this bus may not make it (under credentials only the launcher may) is waited for
+(:meth:`Bus.ensure_stream`), so a service that starts first does not stay on core NATS.
 
 Tracing (``shared/tracing.py``): ``publish``/``request`` take optional NATS
 ``headers`` (the W3C ``traceparent`` from ``tracing.inject``); with tracing on,
@@ -174,6 +176,9 @@ RESEND_WINDOW_S = 2.0
 on reconnect (they may have died in the socket or in the server's write buffer)."""
 RESEND_MAX_MSGS = 50_000
 """Bound of the resend window in messages."""
+PUBLISH_STREAM_WAIT_S = 5.0
+"""How long the first reliable publish of a bus that has not looked for the stream yet waits for it (seconds);
+past that it is sent over core NATS and the search goes on in the background (:meth:`Bus.publish`)."""
 STREAM_BACK_WAIT_S = 60.0
 """After a reconnect to a server that lost the stream (its store gone), a bus that may not make it again (under
 credentials only the launcher may) waits for another to make it, with a warning every this many wall seconds."""
@@ -273,6 +278,10 @@ class Bus:
         self.jetstream = False
         """True once the partition's stream exists: reliable subjects are consumed from it."""
         self._stream_checked = False
+        self._stream_lock = asyncio.Lock()
+        """One stream check at a time (:meth:`ensure_stream`): a second reliable subscription waits for the first's."""
+        self._publish_check: asyncio.Task[bool] | None = None
+        """The stream check a reliable publish began (:meth:`publish`), going on in the background past its wait."""
         self._reconnects_seen = 0
         """Reconnects whose stream check began (:meth:`_stream_after_reconnect`): a wait gives way to a later one."""
         self._stream_created: object = None
@@ -472,35 +481,60 @@ class Bus:
 
     async def _stream_after_reconnect(self) -> Any:
         """The stream's info after a reconnect; a stream the server lost is made again or, when this bus may not
-        (under credentials only the launcher may), waited for until another bus makes it (a warning every
-        ``STREAM_BACK_WAIT_S``: under compose the one-shot ``stream`` job must run again). None when it cannot
-        be read (logged), the bus closes, or a later reconnect took over."""
+        (under credentials only the launcher may), waited for until another bus makes it (:meth:`_await_stream`).
+        None when it cannot be read (logged), the bus closes, or a later reconnect took over."""
         jsm = self.nc.jetstream(timeout=5.0)
         name = stream_name(self.subjects)
         self._reconnects_seen += 1
         mine = self._reconnects_seen
-        warn_at = time.monotonic() + STREAM_BACK_WAIT_S
-        while not self._closing and mine == self._reconnects_seen:
-            try:
-                return await jsm.stream_info(name)
-            except nats.js.errors.NotFoundError:
-                pass
-            except (nats.errors.Error, asyncio.TimeoutError) as e:
-                self.log.warning("stream info after reconnect failed", error=repr(e))
-                return None
+        try:
+            return await jsm.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            pass
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            self.log.warning("stream info after reconnect failed", error=repr(e))
+            return None
+        return await self._await_stream(lambda: mine == self._reconnects_seen, again=True)
+
+    async def _await_stream(self, go_on: Callable[[], bool], *, again: bool) -> Any:
+        """Make the partition's stream, which the server (it has JetStream: it answered "not found") lacks, or,
+        when this bus may not (under credentials only the launcher may: the server refuses the create unanswered),
+        wait until another bus makes it: each 0.5 s the stream is looked up and the create tried again (any failure
+        is a retry), with a warning at once (a start, ``again=False``) and every ``STREAM_BACK_WAIT_S`` wall seconds
+        (counter ``stream_missing_warnings``) naming the fix: the launcher makes it (``up``, the Slurm job,
+        ``evolving-infra auth stream``; under docker compose ``docker compose run stream``).
+
+        ``again``: the server lost the stream after a reconnect (counter ``stream_made_again`` when made here).
+        Returns the stream's info, or None once ``go_on()`` is false or the bus closes."""
+        name = stream_name(self.subjects)
+        warn_at = time.monotonic() if not again else time.monotonic() + STREAM_BACK_WAIT_S
+        may_make = True
+        while not self._closing and go_on():
+            violations = self.counters["nats.permission_violations"]
             try:  # a short wait: under credentials the server refuses it unanswered (only the launcher may make it)
+                if not may_make:
+                    raise PermissionDenied(f"this identity may not create stream {name} (Permissions Violation)")
                 info = await self.nc.jetstream(timeout=1.0).add_stream(self._stream_config())
-                self.counters["stream_made_again"] += 1
-                self.log.warning("the server lost the stream (its store); made it again", stream=name)
+                if again:
+                    self.counters["stream_made_again"] += 1
+                    self.log.warning("the server lost the stream (its store); made it again", stream=name)
                 return info
             except Exception as e:  # not allowed (credentials), made meanwhile, refused: look again, warn now and then
+                # a create the server refused for permissions is not tried again (each refusal is a server error line
+                # and a permission-violation count): the stream is only looked up until another bus made it
+                may_make = may_make and self.counters["nats.permission_violations"] == violations
                 if time.monotonic() >= warn_at:
                     warn_at = time.monotonic() + STREAM_BACK_WAIT_S
                     self.counters["stream_missing_warnings"] += 1
-                    self.log.warning("the server lost the stream and nobody made it again yet: reliable messages go nowhere "
-                                     "until the launcher makes it (under docker compose: docker compose run stream)", stream=name,
+                    what = "the server lost the stream and nobody made it again yet" if again else "the stream is not there yet"
+                    self.log.warning(f"{what}: reliable messages go nowhere until the launcher makes it (evolving-infra auth "
+                                     "stream; under docker compose: docker compose run stream); waiting for it", stream=name,
                                      error=repr(e))  # fmt: skip
             await asyncio.sleep(0.5)
+            try:
+                return await self.nc.jetstream(timeout=1.0).stream_info(name)
+            except Exception:  # not there yet, or the connection is down a moment: look again
+                pass
         return None
 
     def _stream_config(self) -> Any:
@@ -520,33 +554,56 @@ class Bus:
             num_replicas=1,
         )
 
-    async def ensure_stream(self) -> bool:
-        """Find or create the partition's stream over every reliable subject; idempotent.
-        Without it (no JetStream, no permission) reliable subjects fall back to core NATS.
-        Called by the first reliable subscription (and by the launcher, before any service starts).
+    async def ensure_stream(self, *, wait: bool = True) -> bool:
+        """Find or create the partition's stream over every reliable subject; idempotent (concurrent callers
+        share one check). Called by the first reliable subscription or publish (and by the launcher, before
+        any service starts).
+
+        A server without JetStream (its stream lookup is not answered "not found": no responders, JetStream
+        not enabled, a timeout) makes reliable subjects fall back to core NATS (at most once, one warning).
+        A server with JetStream that lacks the stream while this bus may not create it (under credentials only
+        the launcher may: a service started before compose's ``stream`` job or the Slurm job made it) is
+        waited for (``wait``, :meth:`_await_stream`: a warning at once, then every ``STREAM_BACK_WAIT_S``), so
+        the caller (a service's start, the readiness it holds back) goes on on JetStream once the stream is
+        there. Before, such a bus stayed on core NATS for its whole life. ``wait=False`` (``auth stream``):
+        one create (5 s), and False when it is refused.
 
         Returns:
-            Whether the stream is there (``self.jetstream``).
+            Whether the stream is there (``self.jetstream``); False only without JetStream, with
+            ``wait=False``, or when the bus closed while it waited.
         """
-        if self._stream_checked:
-            return self.jetstream
-        self._stream_checked = True
-        config = self._stream_config()
-        jsm = self.nc.jetstream(timeout=5.0)
-        try:
+        async with self._stream_lock:
+            if self._stream_checked:
+                return self.jetstream
+            config = self._stream_config()
+            jsm = self.nc.jetstream(timeout=5.0)
             try:
                 # under auth only the launcher may create it (shared.auth); the others find it
                 info = await jsm.stream_info(config.name)
-            except nats.js.errors.NotFoundError:
-                info = await jsm.add_stream(config)
+            except nats.js.errors.NotFoundError:  # the server has JetStream: the stream is not there yet
+                info = None
+            except (nats.errors.Error, asyncio.TimeoutError) as e:
+                self._stream_checked = True
+                self.jetstream = False
+                self.log.warning("no JetStream stream: reliable subjects fall back to core NATS (at most once)", error=repr(e))
+                return False
+            if info is None and not wait:
+                try:
+                    info = await jsm.add_stream(config)
+                except (nats.errors.Error, asyncio.TimeoutError) as e:
+                    self._stream_checked = True
+                    self.jetstream = False
+                    self.log.warning("no JetStream stream: this bus may not create it", stream=config.name, error=repr(e))
+                    return False
+            elif info is None:
+                info = await self._await_stream(lambda: True, again=False)
+                if info is None:  # the bus closed while it waited
+                    return False
             if self._stream_created is None:
                 self._stream_created = info.created
-        except (nats.errors.Error, asyncio.TimeoutError) as e:
-            self.jetstream = False
-            self.log.warning("no JetStream stream: reliable subjects fall back to core NATS (at most once)", error=repr(e))
-            return False
-        self.jetstream = True
-        return True
+            self._stream_checked = True
+            self.jetstream = True
+            return True
 
     # -- publish / subscribe --------------------------------------------- #
 
@@ -558,7 +615,10 @@ class Bus:
     async def publish(self, subject: Subject, msg: msgspec.Struct, *, headers: dict[str, str] | None = None, **params: str) -> None:
         """Publish ``msg`` on ``subject`` formatted with ``params`` (``headers``: NATS headers, e.g. ``traceparent``).
 
-        While disconnected the message waits in the client's buffer (flushed on reconnect).
+        While disconnected the message waits in the client's buffer (flushed on reconnect). The first reliable
+        publish of a bus that has not looked for the stream yet waits up to ``PUBLISH_STREAM_WAIT_S`` for it
+        (:meth:`ensure_stream`); a reliable message published while the stream is not known goes over core NATS
+        without a message id (a stream there stores it all the same).
 
         Raises:
             BusUnavailable (a :class:`BusError`): the client refused the message (reconnect
@@ -566,8 +626,15 @@ class Bus:
         """
         full = self.subjects.format(subject, **params)
         data = m.encode(self._stamp(msg))
+        if subject.reliable and not self._stream_checked and self._publish_check is None and not self._closing:
+            # the first reliable publish before any reliable subscription: wait a moment for the stream (found or made
+            # at once as a rule); one this bus waits for (another must make it) is searched on in the background
+            check = self._publish_check = asyncio.create_task(self.ensure_stream(), name=f"bus-stream-{self.instance}")
+            check.add_done_callback(lambda t: t.cancelled() or t.exception())  # its errors are logged by ensure_stream
+            self._tasks.append(check)
+            await asyncio.wait({check}, timeout=PUBLISH_STREAM_WAIT_S)
         try:
-            if subject.reliable and (self.jetstream or (not self._stream_checked and await self.ensure_stream())):
+            if subject.reliable and self.jetstream:
                 self._msg_no += 1
                 hdr = {MSG_ID: f"{self.instance}-{self._boot}-{self._msg_no}"}
                 now = time.monotonic()

@@ -1,19 +1,24 @@
 """``evolving-infra auth stream`` creates the partition's JetStream stream as the launcher, on a real
 nats-server with ``auth gen``'s permissions: a deployment outside ``up`` (Slurm, compose) needs it,
-as no service identity may create the stream there and each would fall back to core NATS (at most
-once). A service's credentials are refused (exit 1, one line); a missing file is a usage error (2)."""
+as no service identity may create the stream there and each would wait for it at start. A service's credentials are refused (exit 1, one line); a missing file is a usage error (2)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
+from shared import messages as m
 from shared.auth import generate
 from shared.bus import Bus
 from shared.natsserver import EmbeddedNatsServer
-from shared.subjects import Subjects
+from shared.subjects import KV_EVENTS, REQ_OUT, Subjects
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -109,3 +114,81 @@ def test_covers_is_nats_subject_matching_of_patterns():
     assert not covers("ei.p0.work.w1.prefill", "ei.p0.work.*.prefill")  # one node's, not every node's
     assert not covers("ei.p0.work.*", "ei.p0.work.*.prefill") and not covers("ei.p0.work.*.prefill.>", "ei.p0.work.*.prefill")
     assert not covers("ei.p0.*", "ei.p0.>") and not covers("ei.p1.>", "ei.p0.work.*.prefill") and not covers("ei.p0.work.>", "ei.p0.work")
+
+
+@pytest.mark.timeout(60)
+async def test_a_service_started_before_the_stream_waits_for_it_then_consumes_through_jetstream(tmp_path):
+    """A service that starts before the launcher made the stream (compose starts it beside the one-shot
+    ``stream`` job; a nats-server back without its store) finds no stream and may not make it. Before, its
+    first reliable subscription fell back to core NATS for the bus's whole life (one warning), so a message
+    published while it was reconnecting was lost. Now it waits (a warning at once) and, once the launcher
+    made the stream, consumes through JetStream: a chunk published while the router is still away after a
+    nats-server SIGKILL and restart arrives once it is back."""
+    creds = generate(tmp_path / "creds", ["router", "worker-w0"], partition="p7")
+    with EmbeddedNatsServer(auth_block=creds.server_block) as srv:
+        subj = Subjects("p7")
+        router = await Bus.connect(srv.url, subj, service="router", instance="router", auth=creds.auth_for("router"))
+        worker = await Bus.connect(srv.url, subj, service="worker", instance="worker-w0", auth=creds.auth_for("worker-w0"))
+        launcher = None
+        got: list[int] = []
+
+        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
+            got.append(c.index)
+
+        async def until(done, what: str, within_s: float = 8.0) -> None:
+            end = time.monotonic() + within_s
+            while not done():
+                assert time.monotonic() < end, f"no {what} in {within_s} s: got {got}, router {dict(router.counters)}"
+                await asyncio.sleep(0.05)
+
+        try:
+            subscribing = asyncio.create_task(router.subscribe(REQ_OUT, on_chunk))
+            # a bus whose first reliable act is a publish waits a moment, then searches on in the background
+            publishing = asyncio.create_task(worker.publish(KV_EVENTS, m.KvEventBatch(node="w0", seq=1), node="w0"))
+            await asyncio.sleep(1.0)
+            assert not subscribing.done()  # the router waits for the stream: its start is held back
+            launcher = await Bus.connect(srv.url, subj, service="launcher", instance="launcher", auth=creds.auth_for("launcher"))
+            assert await launcher.ensure_stream()
+            await asyncio.wait_for(subscribing, 8.0)
+            assert router.jetstream, "the router fell back to core NATS"
+            assert router.counters["stream_missing_warnings"] == 1  # at once, then each STREAM_BACK_WAIT_S
+            await asyncio.wait_for(publishing, 8.0)
+            assert worker.jetstream, "the worker fell back to core NATS"
+            await worker.publish(REQ_OUT, m.TokenChunk(rid="r", index=0, token_ids=[0]), rid="r")
+            await until(lambda: got == [0], "first chunk")
+
+            router.nc.options["reconnect_time_wait"] = 3.0  # the router comes back after the worker published
+            os.kill(srv.pid, signal.SIGKILL)
+            srv.proc.wait()
+            await until(lambda: not router.nc.is_connected and not worker.nc.is_connected, "disconnect")
+            await asyncio.sleep(0.3)  # each client's first reconnect attempt failed: the router's next is 3 s away
+            srv.restart()
+            await until(lambda: worker.nc.is_connected, "worker reconnect")
+            for _ in range(50):  # JetStream reads its store a moment after the port opens
+                try:
+                    await worker.nc.jetstream(timeout=1.0).stream_info("EI_p7")
+                    break
+                except Exception:
+                    await asyncio.sleep(0.1)
+            assert not router.nc.is_connected
+            await worker.publish(REQ_OUT, m.TokenChunk(rid="r", index=1, token_ids=[1]), rid="r")
+            await worker.flush()
+            await until(lambda: len(got) >= 2, "the chunk published while the router was away")
+            await asyncio.sleep(0.3)
+            assert got == [0, 1], got
+        finally:
+            for bus in (router, worker, launcher):
+                if bus is not None:
+                    await bus.close()
+
+
+async def test_a_server_without_jetstream_still_falls_back_to_core_nats_at_once():
+    """No JetStream on the server (not a missing stream): reliable subjects go over core NATS, as before, without waiting."""
+    with EmbeddedNatsServer(jetstream=False) as srv:
+        bus = await Bus.connect(srv.url, Subjects("p7"), service="router", instance="router")
+        try:
+            t0 = time.monotonic()
+            assert not await asyncio.wait_for(bus.ensure_stream(), 10.0)
+            assert time.monotonic() - t0 < 6.0 and not bus.jetstream and not bus.counters["stream_missing_warnings"]
+        finally:
+            await bus.close()
