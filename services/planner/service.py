@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import os
 import time
 
 import msgspec
@@ -94,7 +93,7 @@ class PlannerService(WatchedService):
         self.core = PlannerCore(
             cfg.nodes, cfg.split, history=cfg.history, policy=policy, busy_timeout_s=cfg.busy_timeout_s, online=online,
             adopt_until=adopt_until, silent_after=cfg.silent_after_s * clock.speedup, wall_per_s=clock.to_wall(1.0),
-            boot=m.new_boot(time.time_ns(), os.urandom(4)),
+            boot=bus.boot,  # one incarnation for its heartbeats and its split commands (Bus.boot)
         )
         self.log = structlog.get_logger("planner").bind(policy=cfg.planner)
         self.applied: dict[str, m.SplitApplied] = {}

@@ -188,6 +188,21 @@ def test_the_service_reads_silent_after_s_in_wall_seconds_on_the_cluster_clock()
     from shared.clock import SimClock
 
     cfg = PlannerConfig(nodes=NODES, split="2P2D", speedup=50.0)
-    svc = PlannerService(cfg, SimpleNamespace(), SimClock(50.0))  # type: ignore[arg-type]
+    svc = PlannerService(cfg, SimpleNamespace(boot=""), SimClock(50.0))  # type: ignore[arg-type]
     assert cfg.silent_after_s == 3.0
     assert svc.core.silent_after == pytest.approx(150.0) and svc.core.wall_per_s == pytest.approx(0.02)
+
+
+def test_the_planner_has_one_boot_for_its_heartbeats_and_its_split_commands():
+    """Two planners of one instance started at almost the same moment: with a boot of its own for
+    ``SplitCommand`` beside its bus's for heartbeats, each could be the older on one check and both
+    would stop. The core takes the bus's boot."""
+    from types import SimpleNamespace
+
+    from services.planner.config import PlannerConfig
+    from services.planner.service import PlannerService
+    from shared.clock import SimClock
+
+    boot = "1796403068366000000-0a0b0c0d"
+    svc = PlannerService(PlannerConfig(nodes=NODES, split="2P2D"), SimpleNamespace(boot=boot), SimClock(1.0))  # type: ignore[arg-type]
+    assert svc.core.boot == boot
