@@ -1213,12 +1213,20 @@ class WorkerService:
                                 span.end()
                                 span = None
                             await self._hand_off_bound(rid, outs, now)
+                    else:  # it ended here at its first token (end-of-sequence) before its binding came
+                        self.counters["bind.after_end"] += 1
                     return
                 reason = rep.reason
                 if "not pending" in reason or "not in flight" in reason or "placed on" in reason or "stale attempt" in reason:
                     break  # the router gave up on it (aborted, re-routed): nothing to bind
                 self.counters["bind.retries"] += 1
                 await asyncio.sleep(0.05)
+            if rid not in self.core.requests:
+                # it ended here at its first token (end-of-sequence, finish_reason stop) while its binding
+                # was under way: the router, which has its end, answers "not pending"; nothing failed and
+                # there is nothing to abort. Before, counted bind.failed (a torch node's EOS at the first token)
+                self.counters["bind.after_end"] += 1
+                return
             self.counters["bind.failed"] += 1
             now = self.clock.local_now()
             if self.core.abort(rid, now):

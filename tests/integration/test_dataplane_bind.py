@@ -471,6 +471,29 @@ async def test_a_parked_prefill_whose_binding_fails_is_aborted_and_frees_its_kv(
         _no_fatal(w0)
 
 
+async def test_a_request_that_ends_at_its_first_token_while_binding_is_not_a_failed_binding(nats_url):
+    """A real engine ends the request at its first token (end-of-sequence: ``take_stopped``) while its
+    route.bind is under way; the router, which has its end, then answers "not pending". Nothing failed:
+    the client got ``stop``, no abort chunk follows, and the node counts ``bind.after_end``. Before, it
+    counted ``bind.failed`` (read as a binding that failed a request)."""
+    ended = asyncio.Event()
+
+    async def router(req: m.DecodeBindRequest, _s: str) -> m.DecodeBindReply:
+        await ended.wait()  # the router answers once the request's end reached it
+        return m.DecodeBindReply(rid=req.rid, reason="request is not pending at the router")
+
+    async with _prefill_node(nats_url, {"r": router}, bind_timeout_s=2.0) as (bus, w0, seen):
+        w0.engine.take_stopped = lambda: {"e": 1}  # type: ignore[method-assign]  # EOS as its first token
+        await bus.publish(WORK_PREFILL, _bind_work("e", "r"), node="w0")
+        await until(lambda: any(k == "chunk" and x.finished for k, x, _ in seen), 5.0, "e's end")
+        ended.set()
+        await until(lambda: not w0._binds, 5.0, "e's binding over")
+        [c] = [x for k, x, _ in seen if k == "chunk"]
+        assert (c.index, c.finished, c.finish_reason) == (0, True, "stop"), c
+        assert w0.counters["bind.after_end"] == 1 and w0.counters.get("bind.failed", 0) == 0, w0.counters
+        _no_fatal(w0)
+
+
 async def test_a_drain_waits_for_a_parked_prefill_and_a_stop_cancels_its_binding(nats_url):
     """A phase switch of the prefill node waits for the parked request's hand-off before it says
     ``serving`` (it counts in flight, as while the step loop waited for its binding); a worker stopped
