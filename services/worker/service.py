@@ -497,7 +497,9 @@ class WorkerService:
             self._executor.shutdown(wait=False)  # a thread still in a forward ends with it (or the watchdog ends the process)
         try:
             await self._flush_iters()
-            if not isinstance(self.fatal_error, Superseded) and not self.bus.superseded.is_set():  # the later process's
+            # a worker learns it was superseded from node.state.<n> only (_on_own_state): its bus reads no
+            # heartbeats (shared.auth.BEAT_WATCHERS, 4aab717), so bus.superseded is never set for it
+            if not isinstance(self.fatal_error, Superseded):  # the later process's
                 await self._publish_state(self.clock.local_now())
                 self.kv_seq += 1
                 await self._publish_kv(self.kv_seq, [m.AllBlocksCleared()], self.clock.local_now())
@@ -760,8 +762,9 @@ class WorkerService:
 
     def _superseded(self, rid: str) -> bool:
         """This process was superseded (:class:`Superseded`): work for the node (delivered to both processes) is
-        the later one's, so it is dropped unanswered here: a rejection would fail the request the other serves."""
-        if not isinstance(self.fatal_error, Superseded) and not self.bus.superseded.is_set():
+        the later one's, so it is dropped unanswered here: a rejection would fail the request the other serves.
+        Only :meth:`_on_own_state` finds that out (the bus's heartbeat check is not a worker's, ``BEAT_WATCHERS``)."""
+        if not isinstance(self.fatal_error, Superseded):
             return False
         self.counters["work.superseded"] += 1
         return True

@@ -61,8 +61,8 @@ def test_a_worker_that_sees_a_later_process_under_its_node_id_stops_and_drops_it
         shell.fatal_error = e
         failed.append(e)
 
-    shell = SimpleNamespace(boot=OLD, node="w3", counters={"superseded": 0, "work.superseded": 0}, fatal_error=None, _fail=fail,
-                            bus=SimpleNamespace(superseded=asyncio.Event()))
+    shell = SimpleNamespace(boot=OLD, node="w3", counters={"superseded": 0, "work.superseded": 0}, fatal_error=None, _fail=fail)
+    # no bus: a worker's bus reads no heartbeats (shared.auth.BEAT_WATCHERS), node.state.<n> alone tells it
     for boot in (OLD, "", new_boot(1, b"\x00")):  # its own state, an older publisher's, an earlier process's
         asyncio.run(WorkerService._on_own_state(shell, _state(1, boot), "ei.p0.node.state.w3"))
     assert failed == [] and not WorkerService._superseded(shell, "r1")
