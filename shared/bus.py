@@ -308,8 +308,10 @@ class Bus:
         """Name of the NATS identity this bus connected as (``NatsAuth.name``); empty = no credentials."""
         self._requesting: Counter[str] = Counter()
         """Full subjects of requests in flight (a permission violation on one is the request's error, not a log line)."""
-        self._denied: dict[str, str] = {}
-        """Full subject of an in-flight request -> the server's permission violation for it."""
+        self._denied: dict[str, float] = {}
+        """Full subject of an in-flight request -> when (monotonic s) the server's permission violation for it
+        came; dropped when no request on it is in flight, or when one sent after it gets a reply (the
+        permission is there now: a later timeout on the subject is a timeout, not :class:`PermissionDenied`)."""
 
     # -- construction ---------------------------------------------------- #
 
@@ -353,7 +355,7 @@ class Bus:
                 bus.counters["nats.permission_violations"] += 1
                 denied = denied_subject(str(e))
                 if denied is not None and denied[0] == "publish" and bus._requesting[denied[1]]:
-                    bus._denied[denied[1]] = str(e)  # the request reports it (PermissionDenied), once
+                    bus._denied[denied[1]] = time.monotonic()  # the request reports it (PermissionDenied), once
                     return
             if not bus.nc.is_connected and ("authorization violation" in text or "authentication" in text):
                 refused.set()  # wrong or missing credentials: retrying cannot help
@@ -425,8 +427,7 @@ class Bus:
 
     def _permission_error(self, full: str) -> PermissionDenied | None:
         """The error of a request on ``full`` whose publish the server refused, else None."""
-        text = self._denied.get(full)
-        if text is None:
+        if full not in self._denied:
             return None
         who = f"identity {self.identity!r}" if self.identity else "a client without credentials"
         return PermissionDenied(
@@ -947,6 +948,7 @@ class Bus:
         """
         full = self.subjects.format(subject, **params)
         self._requesting[full] += 1
+        sent = time.monotonic()
         try:
             raw = await self.nc.request(full, m.encode(self._stamp(msg)), timeout=timeout, headers=headers)
         except (nats.errors.Error, asyncio.TimeoutError, *_CLOSED_TRANSPORT) as e:  # timeout, no responders, closed, buffer full
@@ -960,6 +962,13 @@ class Bus:
             if not self._requesting[full]:
                 del self._requesting[full]
                 self._denied.pop(full, None)
+        seen = self._denied.get(full)
+        if seen is not None and seen <= sent:
+            # this publish went through after the violation came (one connection: the server took the denied
+            # publish first), so the credentials allow the subject now (permissions reloaded). Before, the
+            # entry stayed while requests on it overlapped (a worker's route.bind under load), and each later
+            # timeout there was reported as PermissionDenied, which callers do not retry (bind.denied)
+            del self._denied[full]
         if raw.headers and REFUSED_HEADER in raw.headers:
             self.counters["request_refused." + subject.template] += 1
             raise BusError(f"request refused on {full}: {raw.headers[REFUSED_HEADER]}")

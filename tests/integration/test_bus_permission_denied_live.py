@@ -1,0 +1,75 @@
+"""A request's :class:`PermissionDenied` (real nats-server; the server's "Permissions Violation" is handed to the
+bus as nats-py hands it, through the client's ``error_cb``) is not reported for requests on that subject once
+the permission is back: a later timeout there is a timeout, which callers retry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared import messages as m
+from shared.bus import Bus, BusError, PermissionDenied
+from shared.subjects import ROUTE_BIND, Subjects
+from tests.integration.polling import until
+
+pytestmark = pytest.mark.timeout(30)
+
+VIOLATION = "nats: permissions violation: Permissions Violation for Publish to \"ei.p0.route.bind.r\""
+
+
+def _bind(rid: str) -> m.DecodeBindRequest:
+    return m.DecodeBindRequest(rid=rid, prefill_node="w0", prompt_tokens=9, max_tokens=4)
+
+
+async def test_a_timeout_after_the_permission_came_back_is_not_a_permission_denied(nats_url):
+    """Request a is denied while in flight; the permissions are fixed (a server reload) and b, sent after the
+    violation, gets its reply; c, sent then and still overlapping a, times out because its router does not
+    answer. c's error is a plain timeout. Before, the violation stayed recorded while any request on the
+    subject was in flight, and c raised PermissionDenied (a worker's route.bind: bind.denied, no retry)."""
+    router = await Bus.connect(nats_url, Subjects("p0"), service="router", instance="r")
+    worker = await Bus.connect(nats_url, Subjects("p0"), service="worker", instance="worker-w0")
+    a = None
+    try:
+
+        async def answer(req: m.DecodeBindRequest, _s: str) -> m.DecodeBindReply | None:
+            return m.DecodeBindReply(rid=req.rid, decode_node="w1") if req.rid == "b" else None  # a, c: no reply
+
+        await router.serve(ROUTE_BIND, answer, router="r")
+        a = asyncio.create_task(worker.request(ROUTE_BIND, _bind("a"), timeout=1.0, router="r"))
+        await until(lambda: worker._requesting, 5.0, "a in flight")
+        await worker.nc._error_cb(Exception(VIOLATION))  # as nats-py reports the server's -ERR for a's publish
+        assert (await worker.request(ROUTE_BIND, _bind("b"), timeout=2.0, router="r")).decode_node == "w1"
+        with pytest.raises(BusError) as c:
+            await worker.request(ROUTE_BIND, _bind("c"), timeout=0.3, router="r")
+        assert not isinstance(c.value, PermissionDenied) and "TimeoutError" in str(c.value), repr(c.value)
+        with pytest.raises(BusError):
+            await a
+        assert worker.counters["nats.permission_violations"] == 1
+    finally:
+        if a is not None:
+            a.cancel()
+            await asyncio.gather(a, return_exceptions=True)
+        await worker.close()
+        await router.close()
+
+
+async def test_a_request_in_flight_when_the_violation_comes_is_permission_denied(nats_url):
+    """Without a reply since, the violation is the error of the requests in flight on the subject."""
+    router = await Bus.connect(nats_url, Subjects("p0"), service="router", instance="r")
+    worker = await Bus.connect(nats_url, Subjects("p0"), service="worker", instance="worker-w0")
+    try:
+
+        async def silent(_req: m.DecodeBindRequest, _s: str) -> None:
+            return None
+
+        await router.serve(ROUTE_BIND, silent, router="r")
+        a = asyncio.create_task(worker.request(ROUTE_BIND, _bind("a"), timeout=0.5, router="r"))
+        await until(lambda: worker._requesting, 5.0, "a in flight")
+        await worker.nc._error_cb(Exception(VIOLATION))
+        with pytest.raises(PermissionDenied):
+            await a
+        assert not worker._denied  # no request in flight on it: forgotten
+    finally:
+        await worker.close()
+        await router.close()
