@@ -179,6 +179,8 @@ RESEND_MAX_MSGS = 50_000
 PUBLISH_STREAM_WAIT_S = 5.0
 """How long the first reliable publish of a bus that has not looked for the stream yet waits for it (seconds);
 past that it is sent over core NATS and the search goes on in the background (:meth:`Bus.publish`)."""
+STREAM_SUBJECT_OVERLAP = 10065
+"""JetStream's ``err_code`` for a stream whose subjects overlap another stream's (``JSStreamSubjectOverlapErr``)."""
 STREAM_BACK_WAIT_S = 60.0
 """After a reconnect to a server that lost the stream (its store gone), a bus that may not make it again (under
 credentials only the launcher may) waits for another to make it, with a warning every this many wall seconds."""
@@ -503,7 +505,8 @@ class Bus:
         wait until another bus makes it: each 0.5 s the stream is looked up and the create tried again (any failure
         is a retry), with a warning at once (a start, ``again=False``) and every ``STREAM_BACK_WAIT_S`` wall seconds
         (counter ``stream_missing_warnings``) naming the fix: the launcher makes it (``up``, the Slurm job,
-        ``evolving-infra auth stream``; under docker compose ``docker compose run stream``).
+        ``evolving-infra auth stream``; under docker compose ``docker compose run stream``), or, when the server
+        answered the create with a refusal (subjects that overlap another stream's), its reason.
 
         ``again``: the server lost the stream after a reconnect (counter ``stream_made_again`` when made here).
         Returns the stream's info, or None once ``go_on()`` is false or the bus closes."""
@@ -528,9 +531,16 @@ class Bus:
                     warn_at = time.monotonic() + STREAM_BACK_WAIT_S
                     self.counters["stream_missing_warnings"] += 1
                     what = "the server lost the stream and nobody made it again yet" if again else "the stream is not there yet"
-                    self.log.warning(f"{what}: reliable messages go nowhere until the launcher makes it (evolving-infra auth "
-                                     "stream; under docker compose: docker compose run stream); waiting for it", stream=name,
-                                     error=repr(e))  # fmt: skip
+                    if isinstance(e, nats.js.errors.APIError):  # answered: this bus may create it, the server refuses the config
+                        fix = f"the server refused to create it ({e.description}"
+                        if e.err_code == STREAM_SUBJECT_OVERLAP:
+                            fix += "; another stream already takes some of its subjects: delete that stream or use another partition"
+                        fix += ")"
+                    else:
+                        fix = ("reliable messages go nowhere until the launcher makes it (evolving-infra auth stream; "
+                               "under docker compose: docker compose run stream)")  # fmt: skip
+                    # str, not repr: nats-py's API errors have an empty repr (BadRequestError()), their str names the reason
+                    self.log.warning(f"{what}: {fix}; waiting for it", stream=name, error=str(e) or repr(e))
             await asyncio.sleep(0.5)
             try:
                 return await self.nc.jetstream(timeout=1.0).stream_info(name)

@@ -192,3 +192,34 @@ async def test_a_server_without_jetstream_still_falls_back_to_core_nats_at_once(
             assert time.monotonic() - t0 < 6.0 and not bus.jetstream and not bus.counters["stream_missing_warnings"]
         finally:
             await bus.close()
+
+
+async def test_a_create_the_server_refuses_for_overlapping_subjects_is_named_in_the_wait_warning():
+    """A bus that may make the stream (here no auth; ``up``'s launcher) but whose create the server refuses
+    because another stream already takes the partition's subjects waits like one that may not (a821ec1). Its
+    warning said "until the launcher makes it" with ``error=BadRequestError()`` (nats-py's API errors have an
+    empty repr): nothing named the overlap, and ``up`` (the launcher itself) hung on it. Now the warning
+    names the server's reason and the fix, and the wait ends once the other stream is gone."""
+    import structlog
+    from nats.js.api import StreamConfig
+
+    with EmbeddedNatsServer() as srv, structlog.testing.capture_logs() as logs:
+        other = await Bus.connect(srv.url, Subjects("p7"), service="x", instance="x")
+        bus = await Bus.connect(srv.url, Subjects("p7"), service="launcher", instance="launcher")
+        try:
+            await other.nc.jetstream(timeout=5.0).add_stream(StreamConfig(name="OTHER", subjects=["ei.p7.>"]))
+            ensuring = asyncio.create_task(bus.ensure_stream())
+            end = time.monotonic() + 5.0
+            while not bus.counters["stream_missing_warnings"]:
+                assert time.monotonic() < end and not ensuring.done(), dict(bus.counters)
+                await asyncio.sleep(0.05)
+            warned = [e for e in logs if e.get("log_level") == "warning" and e.get("stream") == "EI_p7"]
+            assert len(warned) == 1, warned
+            text = f"{warned[0]['event']} {warned[0]['error']}"
+            assert "overlap" in text and "delete that stream or use another partition" in text, text
+            assert "until the launcher makes it" not in text, text  # the launcher may: the server refuses the config
+            await other.nc.jetstream(timeout=5.0).delete_stream("OTHER")
+            assert await asyncio.wait_for(ensuring, 5.0) and bus.jetstream
+        finally:
+            await bus.close()
+            await other.close()
