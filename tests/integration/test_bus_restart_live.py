@@ -41,8 +41,14 @@ async def _stream_through_restart(srv: EmbeddedNatsServer, *, reliable: bool, n:
                 srv.restart()
             await pub.publish(REQ_OUT, m.TokenChunk(rid=f"r{i % 7}", index=i, token_ids=[i]), rid=f"r{i % 7}")
             await asyncio.sleep(0.001)
+        seen, still = 0, 0.0
         for _ in range(300):  # let the consumer resume and drain (bounded: 30 s)
             if len(set(got)) >= n:
+                break
+            # a core subscription loses for good what came while it was away: 3 s with nothing new ends
+            # its wait (it ran out the 30 s every time); a reliable one waits for all, as redelivery may pause
+            seen, still = len(got), (still + 0.1 if len(got) == seen else 0.0)
+            if not reliable and still >= 3.0:
                 break
             await asyncio.sleep(0.1)
         return got, pub.counters["resent"]
