@@ -43,7 +43,8 @@ async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: floa
 
     Raises:
         AuthError: unreadable credentials; TimeoutError: no connection in ``timeout_s``;
-        RuntimeError: the server has no JetStream or refused the stream, or the stream there does not
+        RuntimeError: the server has no JetStream or refused the stream (its reason when it gave one: another
+            stream takes some of the subjects, ``shared.bus.stream_refusal``), or the stream there does not
             take every reliable subject (made by another version or by hand: what it lacks would not be kept).
     """
     from shared.bus import Bus, stream_name
@@ -53,9 +54,11 @@ async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: floa
     subjects = Subjects(partition)
     bus = await asyncio.wait_for(Bus.connect(nats_url, subjects, service="launcher", instance="launcher", auth=auth), timeout_s)
     try:
-        if not await bus.ensure_stream(wait=False):  # a service's credentials: refused at once, not waited on
-            raise RuntimeError("no JetStream stream (JetStream off, or these credentials may not create it: the launcher's may)")
         name = stream_name(subjects)
+        if not await bus.ensure_stream(wait=False):  # a service's credentials: refused at once, not waited on
+            if bus.stream_refused:  # the server answered the create with its reason (e.g. subjects overlap another stream's)
+                raise RuntimeError(f"no JetStream stream {name}: {bus.stream_refused}")
+            raise RuntimeError("no JetStream stream (JetStream off, or these credentials may not create it: the launcher's may)")
         info = await bus.nc.jetstream(timeout=5.0).stream_info(name)
         have = list(info.config.subjects or ())
         lacks = [w for w in (subjects.wildcard(x) for x in ALL if x.reliable) if not any(covers(h, w) for h in have)]

@@ -181,6 +181,23 @@ PUBLISH_STREAM_WAIT_S = 5.0
 past that it is sent over core NATS and the search goes on in the background (:meth:`Bus.publish`)."""
 STREAM_SUBJECT_OVERLAP = 10065
 """JetStream's ``err_code`` for a stream whose subjects overlap another stream's (``JSStreamSubjectOverlapErr``)."""
+
+
+def stream_refusal(e: BaseException) -> str:
+    """Why the server refused to create the stream, as words for a warning or an error line, from its
+    JetStream API answer (``description`` and ``err_code``), with the fix for subjects that overlap
+    another stream's (``STREAM_SUBJECT_OVERLAP``); empty when ``e`` is no such answer (a timeout: under
+    credentials only the launcher may create it, the server leaves the create unanswered).
+
+    nats-py's API errors have an empty repr (``BadRequestError()``): use this, or ``str(e)``, to show one."""
+    if not isinstance(e, nats.js.errors.APIError) or isinstance(e, nats.js.errors.ServiceUnavailableError):
+        return ""
+    why = f"the server refused to create it ({e.description or 'no description'}, err_code {e.err_code}"
+    if e.err_code == STREAM_SUBJECT_OVERLAP:
+        why += "; another stream already takes some of its subjects: delete that stream or use another partition"
+    return why + ")"
+
+
 STREAM_BACK_WAIT_S = 60.0
 """After a reconnect to a server that lost the stream (its store gone), a bus that may not make it again (under
 credentials only the launcher may) waits for another to make it, with a warning every this many wall seconds."""
@@ -280,6 +297,9 @@ class Bus:
         self.jetstream = False
         """True once the partition's stream exists: reliable subjects are consumed from it."""
         self._stream_checked = False
+        self.stream_refused = ""
+        """Why the server refused the create of :meth:`ensure_stream` ``(wait=False)`` (:func:`stream_refusal`);
+        empty when it did not answer one (no JetStream, or credentials that may not create it)."""
         self._stream_lock = asyncio.Lock()
         """One stream check at a time (:meth:`ensure_stream`): a second reliable subscription waits for the first's."""
         self._publish_check: asyncio.Task[bool] | None = None
@@ -531,14 +551,11 @@ class Bus:
                     warn_at = time.monotonic() + STREAM_BACK_WAIT_S
                     self.counters["stream_missing_warnings"] += 1
                     what = "the server lost the stream and nobody made it again yet" if again else "the stream is not there yet"
-                    if isinstance(e, nats.js.errors.APIError):  # answered: this bus may create it, the server refuses the config
-                        fix = f"the server refused to create it ({e.description}"
-                        if e.err_code == STREAM_SUBJECT_OVERLAP:
-                            fix += "; another stream already takes some of its subjects: delete that stream or use another partition"
-                        fix += ")"
-                    else:
-                        fix = ("reliable messages go nowhere until the launcher makes it (evolving-infra auth stream; "
-                               "under docker compose: docker compose run stream)")  # fmt: skip
+                    # answered: this bus may create it, the server refuses the config
+                    fix = stream_refusal(e) or (
+                        "reliable messages go nowhere until the launcher makes it (evolving-infra auth stream; "
+                        "under docker compose: docker compose run stream)"
+                    )
                     # str, not repr: nats-py's API errors have an empty repr (BadRequestError()), their str names the reason
                     self.log.warning(f"{what}: {fix}; waiting for it", stream=name, error=str(e) or repr(e))
             await asyncio.sleep(0.5)
@@ -596,7 +613,9 @@ class Bus:
             except (nats.errors.Error, asyncio.TimeoutError) as e:
                 self._stream_checked = True
                 self.jetstream = False
-                self.log.warning("no JetStream stream: reliable subjects fall back to core NATS (at most once)", error=repr(e))
+                self.log.warning(
+                    "no JetStream stream: reliable subjects fall back to core NATS (at most once)", error=str(e) or repr(e)
+                )
                 return False
             if info is None and not wait:
                 try:
@@ -604,7 +623,11 @@ class Bus:
                 except (nats.errors.Error, asyncio.TimeoutError) as e:
                     self._stream_checked = True
                     self.jetstream = False
-                    self.log.warning("no JetStream stream: this bus may not create it", stream=config.name, error=repr(e))
+                    self.stream_refused = stream_refusal(e)
+                    self.log.warning(
+                        f"no JetStream stream: {self.stream_refused or 'this bus may not create it'}",
+                        stream=config.name, error=str(e) or repr(e),
+                    )  # fmt: skip
                     return False
             elif info is None:
                 info = await self._await_stream(lambda: True, again=False)

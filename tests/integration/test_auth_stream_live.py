@@ -223,3 +223,29 @@ async def test_a_create_the_server_refuses_for_overlapping_subjects_is_named_in_
         finally:
             await bus.close()
             await other.close()
+
+
+def test_auth_stream_names_the_servers_reason_when_it_refuses_the_create(tmp_path):
+    """A create the server answers with a refusal (here another stream already takes ei.p7.>: err_code 10065)
+    is exit 1 with the server's reason and the fix. Before: 'no JetStream stream (JetStream off, or these
+    credentials may not create it ...)', which sent one to the credentials, and the bus's warning showed
+    the reason as BadRequestError() (nats-py's API errors have an empty repr)."""
+    from nats.js.api import StreamConfig
+
+    server = EmbeddedNatsServer().start()
+    try:
+
+        async def other() -> None:
+            bus = await Bus.connect(server.url, Subjects("p7"), service="test", instance="test")
+            try:
+                await bus.nc.jetstream(timeout=5.0).add_stream(StreamConfig(name="OTHER", subjects=["ei.p7.>"]))
+            finally:
+                await bus.close()
+
+        asyncio.run(other())
+        r = auth_stream(server.url, "")
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and not r.stdout, r
+        assert "EI_p7" in r.stderr and "overlap" in r.stderr and "err_code 10065" in r.stderr, r
+        assert "delete that stream or use another partition" in r.stderr and "credentials" not in r.stderr, r
+    finally:
+        server.stop()
