@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Bring the compose stack up on a private Docker engine, replay real Claude Code sessions against
-# the published router port, take it down and check that nothing is left running.
+# the published router port, recreate the nats container (its JetStream stream must outlive it), take it
+# down and check that nothing is left running.
 #
 # Needs root, Debian's docker.io + docker-compose (+ debootstrap for the base image) and the
 # project's venv (evolving-infra on PATH or $EI). No registry is needed: the image is built from a
@@ -245,6 +246,19 @@ assert r["requests_sent"] > 0 and r["requests_completed"] == r["requests_sent"] 
 PYEOF
 curl -fsS "http://127.0.0.1:$ROUTER_PORT/metrics" >"$OUT/metrics.txt"
 grep -q '^ei_router_ttft_seconds_count' "$OUT/metrics.txt" || { log "no TTFT histogram on the router's /metrics"; exit 1; }
+
+# the stream outlives a recreated nats container (its JetStream store is the nats-store volume): the one-shot
+# stream job made it once, and without the store the services would wait for it, warning, until someone ran it again
+streams() {  # the JetStream streams nats-server holds (its monitoring port, inside the container)
+    $COMPOSE exec -T nats python -c 'import json, urllib.request as u; print(json.load(u.urlopen("http://127.0.0.1:8222/jsz", timeout=2))["streams"])' | tr -d '\r'
+}
+before=$(streams)
+log "recreate nats (the stream job not run again; $before stream(s) before)"
+$COMPOSE up -d --no-deps --force-recreate nats >/dev/null 2>&1
+# (nats-server answers on its monitoring port before JetStream has read its store back: 0 streams a moment)
+for _ in $(seq 60); do after=$(streams 2>/dev/null) && [ "$after" = "$before" ] && break; sleep 1; done
+[ "${after:-0}" -ge 1 ] && [ "$after" = "$before" ] || { log "after nats was recreated: ${after:-no} stream(s), $before before"; $COMPOSE logs --tail 20 nats; exit 1; }
+log "nats recreated: $after stream(s) kept"
 
 log "down"
 $COMPOSE down -v --remove-orphans
