@@ -297,6 +297,9 @@ class Bus:
         self.jetstream = False
         """True once the partition's stream exists: reliable subjects are consumed from it."""
         self._stream_checked = False
+        self.stream_waiting = ""
+        """The stream's name while :meth:`_await_stream` waits for it (another must make it, or the server refuses
+        the create), else empty: a service's ``/readyz`` reason while its start waits (``shared.service``)."""
         self.stream_refused = ""
         """Why the server refused the create of :meth:`ensure_stream` ``(wait=False)`` (:func:`stream_refusal`);
         empty when it did not answer one (no JetStream, or credentials that may not create it)."""
@@ -533,6 +536,14 @@ class Bus:
         name = stream_name(self.subjects)
         warn_at = time.monotonic() if not again else time.monotonic() + STREAM_BACK_WAIT_S
         may_make = True
+        self.stream_waiting = name
+        try:
+            return await self._await_stream_loop(go_on, again=again, name=name, warn_at=warn_at, may_make=may_make)
+        finally:
+            self.stream_waiting = ""
+
+    async def _await_stream_loop(self, go_on: Callable[[], bool], *, again: bool, name: str, warn_at: float, may_make: bool) -> Any:
+        """:meth:`_await_stream`'s loop (its wait marked in ``stream_waiting``)."""
         while not self._closing and go_on():
             violations = self.counters["nats.permission_violations"]
             try:  # a short wait: under credentials the server refuses it unanswered (only the launcher may make it)

@@ -24,8 +24,13 @@ Served:
 * ``GET /metrics`` on ``--metrics-host:--metrics-port`` of every service when
   ``--metrics-port`` is non-zero (0 = off, the default);
 * ``GET /healthz`` on that metrics port: 200 ``{"status":"ok"}`` whenever the process
-  is alive and its event loop answers (a liveness check: compose's healthcheck of the
-  KV directory, planner and workers). It says nothing of NATS or of the cluster;
+  is alive and its event loop answers (a liveness check), from before the service's start
+  (which may wait: for the JetStream stream, ``shared.bus``), so that a liveness probe
+  does not see a service that waits as a dead one;
+* ``GET /readyz`` on that metrics port: 503 ``{"status":"not ready","reason":...}`` until
+  the service's start completed (e.g. "waiting for the JetStream stream EI_p0"), then 200
+  while its ``ready()`` holds (503 "not ready" otherwise): compose's healthcheck of the KV
+  directory, planner and workers. Neither says anything of the cluster;
   readiness to serve requests is the router's ``GET /health`` (or ``/healthz``) on
   its HTTP port: 503 with the reason until NATS is connected and a collocated node,
   or a prefill and a decode node, are live, and while NATS is down or hung.
@@ -222,17 +227,22 @@ def _quiet_server_type() -> type[uvicorn.Server]:
 
 
 class MetricsServer:
-    """``GET /metrics`` (and ``GET /healthz``: liveness only, always 200 while the process runs; see the
-    module docstring) on its own port, inside the running event loop.
+    """``GET /metrics``, ``GET /healthz`` (liveness only, always 200 while the process runs) and ``GET /readyz``
+    (503 with ``not_ready()``'s reason, else 200; see the module docstring) on its own port, inside the
+    running event loop.
 
     Args:
         registry: what to expose.
         host: bind address (``0.0.0.0`` inside a container).
         port: TCP port (1-65535; the caller does not start it for 0).
+        not_ready: why the service is not ready, or None when it is; None (the argument): always ready.
     """
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, host: str, port: int, not_ready: Callable[[], str | None] | None = None
+    ) -> None:
         self.registry = registry
+        self.not_ready = not_ready
         self.host = host
         self.port = port
         self._server: uvicorn.Server | None = None
@@ -255,7 +265,21 @@ class MetricsServer:
         async def healthz(_request: Request) -> Response:
             return Response(b'{"status":"ok"}', media_type="application/json")
 
-        app = Starlette(routes=[Route("/metrics", metrics, methods=["GET"]), Route("/healthz", healthz, methods=["GET"])])
+        async def readyz(_request: Request) -> Response:
+            from starlette.responses import JSONResponse
+
+            why = self.not_ready() if self.not_ready is not None else None
+            if why is None:
+                return Response(b'{"status":"ok"}', media_type="application/json")
+            return JSONResponse({"status": "not ready", "reason": why}, status_code=503)
+
+        app = Starlette(
+            routes=[
+                Route("/metrics", metrics, methods=["GET"]),
+                Route("/healthz", healthz, methods=["GET"]),
+                Route("/readyz", readyz, methods=["GET"]),
+            ]
+        )
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

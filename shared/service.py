@@ -244,14 +244,26 @@ async def serve_until_stopped(
             buses.append(bus)
             svc = factory(cfg, bus, clock)
             started.append(svc)
-            await svc.start()
-            stack.push_async_callback(svc.stop)
             ready = getattr(svc, "ready", None)
-            await bus.start_service_plumbing(svc.stats, ready=ready)
             if cfg.metrics_port:
-                metrics = MetricsServer(service_registry(svc, bus), cfg.metrics_host, cfg.metrics_port)
+                # before start, which may wait (for the JetStream stream): /healthz (liveness) answers meanwhile
+                # and /readyz says why it is not ready; before, the port opened only after start, so a liveness
+                # probe saw a service that waited for the stream as a dead one
+                starting = [True]
+
+                def not_ready() -> str | None:
+                    if starting[0]:
+                        return f"waiting for the JetStream stream {bus.stream_waiting}" if bus.stream_waiting else "starting"
+                    return None if ready is None or ready() else "not ready"
+
+                metrics = MetricsServer(service_registry(svc, bus), cfg.metrics_host, cfg.metrics_port, not_ready)
                 await metrics.start()
                 stack.push_async_callback(metrics.stop)
+            await svc.start()
+            stack.push_async_callback(svc.stop)
+            await bus.start_service_plumbing(svc.stats, ready=ready)
+            if cfg.metrics_port:
+                starting[0] = False
             return auth
 
         # A signal during start-up (NATS unreachable: the connect retries forever) cancels

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -249,3 +250,55 @@ def test_auth_stream_names_the_servers_reason_when_it_refuses_the_create(tmp_pat
         assert "delete that stream or use another partition" in r.stderr and "credentials" not in r.stderr, r
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_service_waiting_for_the_stream_answers_liveness_and_says_why_it_is_not_ready():
+    """While a service's start waits for the stream (here the server refuses the create: another stream takes
+    ei.p7.>), its metrics port answers /healthz 200 (liveness) and /readyz 503 naming the stream, then /readyz
+    200 once the start completed. Before, the port opened only after start: a liveness probe (Kubernetes)
+    saw a dead service and would restart it in a loop."""
+    import httpx
+    from nats.js.api import StreamConfig
+
+    from services.kvdirectory.config import DirectoryConfig
+    from services.kvdirectory.service import DirectoryService
+    from shared.service import serve_until_stopped
+
+    with EmbeddedNatsServer() as srv:
+        other = await Bus.connect(srv.url, Subjects("p7"), service="test", instance="test")
+        stop = asyncio.Event()
+        task = None
+        try:
+            await other.nc.jetstream(timeout=5.0).add_stream(StreamConfig(name="OTHER", subjects=["ei.p7.>"]))
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cfg = DirectoryConfig(nats_url=srv.url, partition="p7", metrics_port=port, metrics_host="127.0.0.1")
+            task = asyncio.create_task(serve_until_stopped("kvdirectory", cfg, DirectoryService, instance="kvdirectory", stop_event=stop))
+            async with httpx.AsyncClient(timeout=2.0) as http:
+                url = f"http://127.0.0.1:{port}"
+                end = time.monotonic() + 10.0
+                while True:
+                    assert time.monotonic() < end and not task.done(), "the metrics port did not open while start waited"
+                    try:
+                        live = await http.get(url + "/healthz")
+                        break
+                    except httpx.TransportError:
+                        await asyncio.sleep(0.05)
+                assert live.status_code == 200, live
+                assert (await http.get(url + "/metrics")).status_code == 200  # its registry is read before start too
+                ready = await http.get(url + "/readyz")
+                assert ready.status_code == 503 and ready.json() == {
+                    "status": "not ready", "reason": "waiting for the JetStream stream EI_p7"}, ready.text  # fmt: skip
+                await other.nc.jetstream(timeout=5.0).delete_stream("OTHER")
+                end = time.monotonic() + 10.0
+                while (ready := await http.get(url + "/readyz")).status_code != 200:
+                    assert time.monotonic() < end and not task.done(), ready.text
+                    await asyncio.sleep(0.1)
+                assert (await http.get(url + "/healthz")).status_code == 200
+        finally:
+            stop.set()
+            if task is not None:
+                await asyncio.wait_for(task, 10)
+            await other.close()
