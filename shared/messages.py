@@ -59,6 +59,10 @@ BranchKind = Literal["main", "fork", "subagent"]
 
 NonNeg = Annotated[int, Meta(ge=0)]
 NonNegF = Annotated[float, Meta(ge=0.0)]
+Boot = Annotated[str, Meta(pattern=r"^(\d{20}-[0-9a-f]{1,32})?$")]
+"""A process incarnation (:func:`new_boot`: 20 digits of wall ns, ``-``, hex), or empty (not known). Any other
+text is refused at decode (counted and dropped): compared as a string, a malformed boot such as ``w-invented``
+sorts after every real one, so one bad message would make a live service take itself for superseded."""
 
 
 class Msg(Struct, frozen=True, kw_only=True):
@@ -408,7 +412,7 @@ class NodeState(Msg, frozen=True, kw_only=True):
     gpu_total_blocks: NonNeg = 0
     host_used_blocks: NonNeg = 0
     host_total_blocks: NonNeg = 0
-    boot: str = ""
+    boot: Boot = ""
     """The publishing process's incarnation (:func:`new_boot`): a later start compares greater, so two
     processes that announce one node id (a worker restarted while the old process was frozen, then
     resumed) are told apart: the older one stops (``services/worker``) and the router skips its states.
@@ -465,7 +469,7 @@ class SplitCommand(Msg, frozen=True, kw_only=True):
     """node id → phase."""
     reason: str = ""
     decided_at: float = 0.0
-    boot: str = ""
+    boot: Boot = ""
     """The issuing planner process's incarnation (:func:`new_boot`): a planner that hears a command from one that
     started later was replaced (restarted while frozen, then resumed) and stops, so two planners never re-issue
     over each other's commands. Empty: not known (an older planner, an operator's tool)."""
@@ -907,7 +911,7 @@ class Heartbeat(Msg, frozen=True, kw_only=True):
     pid: NonNeg = 0
     ready: bool = True
     wall_ts: float = 0.0
-    boot: str = ""
+    boot: Boot = ""
     """The process's incarnation (:func:`new_boot`): a service that hears its own instance id beat from a later
     process was replaced while it was frozen, then resumed, and stops (``shared.service``). Empty: not known."""
 

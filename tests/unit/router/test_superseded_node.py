@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from services.router.nodes import NodeLoadView
 from shared.messages import NodeState, boot_older, new_boot
 
@@ -69,3 +71,22 @@ def test_a_worker_that_sees_a_later_process_under_its_node_id_stops_and_drops_it
     asyncio.run(WorkerService._on_own_state(shell, _state(1, NEW), "ei.p0.node.state.w3"))
     assert len(failed) == 1 and isinstance(failed[0], Superseded) and shell.counters["superseded"] == 1
     assert WorkerService._superseded(shell, "r1") and shell.counters["work.superseded"] == 1
+
+
+def test_a_malformed_boot_is_refused_at_decode_not_taken_for_a_later_process():
+    """The every-subject fuzz (worker w0's own credentials) sent ``node.state.w0`` with boot ``w-invented``: as a
+    string it sorts after every real boot, so w0 took itself for superseded and exited (the full suite's
+    test_fuzz_every_subject_live: no reply on svc.stats.worker-w0). A boot that is not :func:`new_boot`'s shape is
+    now refused at decode, counted and dropped as any malformed message, in each message that carries one."""
+    import msgspec
+
+    from shared.messages import Heartbeat, SplitCommand
+
+    good = new_boot(1_796_464_475_152_062_829, b"\x9b\xe0Y~")
+    for typ, base in ((NodeState, {"node": "w0"}), (Heartbeat, {"service": "worker", "instance": "worker-w0"}),
+                      (SplitCommand, {"epoch": 1, "phases": {"w0": "prefill"}})):  # fmt: skip
+        for boot in ("", good):
+            assert msgspec.msgpack.decode(msgspec.msgpack.encode({**base, "boot": boot}), type=typ).boot == boot
+        for boot in ("w-invented", "x" * 5000, "a.b", "\x00\xff", good + "-", "9" * 21 + "-00"):
+            with pytest.raises(msgspec.ValidationError, match="boot"):
+                msgspec.msgpack.decode(msgspec.msgpack.encode({**base, "boot": boot}), type=typ)
