@@ -482,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         p.error(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS)}")
+    # SIGTERM (``timeout``, a CI runner's stop) as Ctrl-C: asyncio.run cancels the run, whose ``finally`` stops ``up``
+    # (started in a session of its own, so nothing else would): a terminated run left the whole cluster running
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: signal.raise_signal(signal.SIGINT))
     results: list[FaultResult] = []
     if args.from_json:
         results = [FaultResult(**d) for d in json.loads(Path(args.from_json).read_text())]
