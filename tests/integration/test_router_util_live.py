@@ -365,6 +365,8 @@ async def test_a_chat_with_big_tools_is_rendered_off_the_event_loop(nats_url, tm
         env.service.tokenizer = Recording()
         env.cluster.gpu_blocks = {"c0": 1000}  # room for the ~24k-token prompt (else a 400 before dispatch)
         await env.cluster.publish_states()
+        # applied before the request (under the full suite's load the request came first: a 400, 100 blocks)
+        await _wait_for(lambda: env.service.core.view.nodes["c0"].state.gpu_total_blocks == 1000, what="states applied")
         tools = [{"type": "function", "function": {"name": f"f{i}", "description": "does a thing " * 10}} for i in range(400)]
         tok = await env.http.post("/tokenize", json={"messages": USER, "tools": tools})
         assert tok.status_code == 200, tok.text
@@ -472,6 +474,8 @@ async def test_a_big_completion_body_is_parsed_tokenized_and_hashed_off_the_even
         bs = env.service.cfg.block_size
         env.cluster.gpu_blocks = {"c0": 1000}  # room for the 20k-token prompts (else a 400 before dispatch)
         await env.cluster.publish_states()
+        # applied before the request (under the full suite's load the request came first: a 400, 100 blocks)
+        await _wait_for(lambda: env.service.core.view.nodes["c0"].state.gpu_total_blocks == 1000, what="states applied")
         ids = [(i * 7919) % tok.vocab_size for i in range(20_000)]  # ~120 KB of body
         text = "alpha beta gamma delta " * 2000  # 46 KB, 8000 tokens
         for prompt, want in ((ids, ids), ([ids], ids), (text, tok.encode(text))):
