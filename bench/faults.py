@@ -484,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS)}")
     # SIGTERM (``timeout``, a CI runner's stop) as Ctrl-C: asyncio.run cancels the run, whose ``finally`` stops ``up``
     # (started in a session of its own, so nothing else would): a terminated run left the whole cluster running
+    # SIGINT at its default first: a parent that ignores it (a pytest-xdist worker, nohup) passes SIG_IGN on, and then
+    # neither Ctrl-C nor this SIGTERM reached the run, and up, started with it ignored too, outlived stop_up's SIGINT
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda _signum, _frame: signal.raise_signal(signal.SIGINT))
     results: list[FaultResult] = []
     if args.from_json:
