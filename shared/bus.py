@@ -667,7 +667,9 @@ class Bus:
 
         Raises:
             BusUnavailable (a :class:`BusError`): the client refused the message (reconnect
-                buffer full, ``PENDING_BYTES``; connection closed), so no NATS exception escapes bare.
+                buffer full, ``PENDING_BYTES``; connection closed), so no NATS exception escapes bare. A
+                reliable message on JetStream whose write met a transport the server's death just closed is
+                not refused: it is in the resend window the reconnect publishes again (``publish_deferred``).
         """
         full = self.subjects.format(subject, **params)
         data = m.encode(self._stamp(msg))
@@ -690,7 +692,17 @@ class Bus:
                 await self.nc.publish(full, data, headers=headers)
         except BusError:
             raise
-        except (nats.errors.Error, *_CLOSED_TRANSPORT) as e:
+        except _CLOSED_TRANSPORT as e:
+            if subject.reliable and self.jetstream:
+                # the server's connection died under nats-py's write, before nats-py saw it: the message is in the
+                # resend window (_recent), which the disconnect that follows keeps and the reconnect publishes again
+                # (its id drops a copy). Raised, it failed a request the reconnect would have carried: the router
+                # answered 503 'cannot dispatch ... route.placed: RuntimeError' during a nats-server kill
+                self.counters["publish_deferred." + subject.template] += 1
+                return
+            self.counters["publish_failed." + subject.template] += 1
+            raise BusUnavailable(f"cannot publish on {subject.template}: {type(e).__name__}: {e}") from e
+        except nats.errors.Error as e:
             self.counters["publish_failed." + subject.template] += 1
             raise BusUnavailable(f"cannot publish on {subject.template}: {type(e).__name__}: {e}") from e
         self.counters["published." + subject.template] += 1

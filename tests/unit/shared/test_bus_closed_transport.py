@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
 from shared import messages as m
 from shared.bus import Bus, BusError, BusUnavailable
-from shared.subjects import KV_LOOKUP, NODE_STATE, Subjects
+from shared.subjects import KV_LOOKUP, NODE_STATE, ROUTE_PLACED, Subjects
 
 CLOSED = "unable to perform operation on <TCPTransport closed=True reading=False 0x5564>; the handler is closed"
 
@@ -45,3 +46,18 @@ def test_a_publish_on_a_closed_transport_is_bus_unavailable_and_counted() -> Non
     with pytest.raises(BusUnavailable, match="RuntimeError"):
         asyncio.run(bus.publish(NODE_STATE, m.NodeState(node="w0", phase="both"), node="w0"))
     assert bus.counters["publish_failed." + NODE_STATE.template] == 1
+
+
+def test_a_reliable_publish_on_a_closed_transport_is_kept_for_the_resend_not_raised() -> None:
+    """The full suite's nats-kill (this session's third run): the router's publish of route.placed hit the closed
+    transport and the request got a 503 ('cannot dispatch to node w3: cannot publish on route.placed: RuntimeError').
+    A reliable message is in the resend window before nats-py writes it, and the disconnect that follows keeps that
+    window for the reconnect: the publish returns, counted as deferred, and the message waits there."""
+    bus = _bus()
+    bus.jetstream, bus._stream_checked = True, True
+    placed = m.RoutePlaced(rid="r1", branch_id="b1", node="w3", phase="prefill", block_hashes=[1, 2], src="router")
+    asyncio.run(bus.publish(ROUTE_PLACED, placed))
+    assert bus.counters["publish_deferred." + ROUTE_PLACED.template] == 1
+    assert bus.counters["publish_failed." + ROUTE_PLACED.template] == 0
+    (_t, subject, data, hdr), = bus._recent
+    assert subject.endswith("route.placed") and msgspec.msgpack.decode(data, type=m.RoutePlaced) == placed and hdr
