@@ -536,45 +536,41 @@ class Bus:
         name = stream_name(self.subjects)
         warn_at = time.monotonic() if not again else time.monotonic() + STREAM_BACK_WAIT_S
         may_make = True
-        self.stream_waiting = name
+        self.stream_waiting = name  # the wait as a service's /readyz reason
         try:
-            return await self._await_stream_loop(go_on, again=again, name=name, warn_at=warn_at, may_make=may_make)
+            while not self._closing and go_on():
+                violations = self.counters["nats.permission_violations"]
+                try:  # a short wait: under credentials the server refuses it unanswered (only the launcher may make it)
+                    if not may_make:
+                        raise PermissionDenied(f"this identity may not create stream {name} (Permissions Violation)")
+                    info = await self.nc.jetstream(timeout=1.0).add_stream(self._stream_config())
+                    if again:
+                        self.counters["stream_made_again"] += 1
+                        self.log.warning("the server lost the stream (its store); made it again", stream=name)
+                    return info
+                except Exception as e:  # not allowed (credentials), made meanwhile, refused: look again, warn now and then
+                    # a create the server refused for permissions is not tried again (each refusal is a server error line
+                    # and a permission-violation count): the stream is only looked up until another bus made it
+                    may_make = may_make and self.counters["nats.permission_violations"] == violations
+                    if time.monotonic() >= warn_at:
+                        warn_at = time.monotonic() + STREAM_BACK_WAIT_S
+                        self.counters["stream_missing_warnings"] += 1
+                        what = "the server lost the stream and nobody made it again yet" if again else "the stream is not there yet"
+                        # answered: this bus may create it, the server refuses the config
+                        fix = stream_refusal(e) or (
+                            "reliable messages go nowhere until the launcher makes it (evolving-infra auth stream; "
+                            "under docker compose: docker compose run stream)"
+                        )
+                        # str, not repr: nats-py's API errors have an empty repr (BadRequestError()), their str names the reason
+                        self.log.warning(f"{what}: {fix}; waiting for it", stream=name, error=str(e) or repr(e))
+                await asyncio.sleep(0.5)
+                try:
+                    return await self.nc.jetstream(timeout=1.0).stream_info(name)
+                except Exception:  # not there yet, or the connection is down a moment: look again
+                    pass
+            return None
         finally:
             self.stream_waiting = ""
-
-    async def _await_stream_loop(self, go_on: Callable[[], bool], *, again: bool, name: str, warn_at: float, may_make: bool) -> Any:
-        """:meth:`_await_stream`'s loop (its wait marked in ``stream_waiting``)."""
-        while not self._closing and go_on():
-            violations = self.counters["nats.permission_violations"]
-            try:  # a short wait: under credentials the server refuses it unanswered (only the launcher may make it)
-                if not may_make:
-                    raise PermissionDenied(f"this identity may not create stream {name} (Permissions Violation)")
-                info = await self.nc.jetstream(timeout=1.0).add_stream(self._stream_config())
-                if again:
-                    self.counters["stream_made_again"] += 1
-                    self.log.warning("the server lost the stream (its store); made it again", stream=name)
-                return info
-            except Exception as e:  # not allowed (credentials), made meanwhile, refused: look again, warn now and then
-                # a create the server refused for permissions is not tried again (each refusal is a server error line
-                # and a permission-violation count): the stream is only looked up until another bus made it
-                may_make = may_make and self.counters["nats.permission_violations"] == violations
-                if time.monotonic() >= warn_at:
-                    warn_at = time.monotonic() + STREAM_BACK_WAIT_S
-                    self.counters["stream_missing_warnings"] += 1
-                    what = "the server lost the stream and nobody made it again yet" if again else "the stream is not there yet"
-                    # answered: this bus may create it, the server refuses the config
-                    fix = stream_refusal(e) or (
-                        "reliable messages go nowhere until the launcher makes it (evolving-infra auth stream; "
-                        "under docker compose: docker compose run stream)"
-                    )
-                    # str, not repr: nats-py's API errors have an empty repr (BadRequestError()), their str names the reason
-                    self.log.warning(f"{what}: {fix}; waiting for it", stream=name, error=str(e) or repr(e))
-            await asyncio.sleep(0.5)
-            try:
-                return await self.nc.jetstream(timeout=1.0).stream_info(name)
-            except Exception:  # not there yet, or the connection is down a moment: look again
-                pass
-        return None
 
     def _stream_config(self) -> Any:
         """The partition's stream over every reliable subject (file storage, bounded by age and bytes)."""
