@@ -476,11 +476,15 @@ class RouterCore:
 
     # -- other routers' sends (router replicas) ------------------------------ #
 
-    def remote_dispatch(self, msg: RouteSent, now: float) -> bool:
+    def remote_dispatch(self, msg: RouteSent, now: float, *, first_token: bool = False) -> bool:
         """Count another router's placement in the view and the policy (issue #22): its
         request loads ``msg.prefill_node`` until its first token and ``msg.decode_node`` until
         its end, like this router's own. A rid already counted (a re-dispatch, a decode
-        binding) replaces its placement. Returns False for an unusable node id. O(1) + policy."""
+        binding) replaces its placement. ``first_token``: this attempt's first token was seen
+        already (``RemoteSends.first_token``: a decode node bound after it, the prefill node having
+        sent a parked request's first token first): the prefill's part is over at once, as in
+        :meth:`bind_decode` for this router's own (no prefill load, no decode room reserved).
+        Returns False for an unusable node id. O(1) + policy."""
         try:
             check_token(msg.prefill_node, "node")
             if msg.decode_node is not None:
@@ -493,6 +497,8 @@ class RouterCore:
         req = RouteRequest(rid=msg.rid, prompt_tokens=max(1, msg.prompt_tokens), max_tokens=max(1, msg.max_tokens))
         self.view.on_dispatch(msg.rid, msg.prefill_node, msg.decode_node)
         self.policy.on_dispatch(req, PrefillChoice(node=msg.prefill_node, path="remote"), msg.decode_node, now)
+        if first_token:
+            self.remote_first_token(msg.rid, now)
         return True
 
     def remote_first_token(self, rid: str, now: float) -> None:

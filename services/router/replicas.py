@@ -4,7 +4,12 @@ Pure bookkeeping; no I/O. Several routers serve one partition; each publishes a
 ``RouteSent`` on ``route.sent`` for every placement it makes, and every router counts the
 others' placements in its ``NodeLoadView`` and policy (``RouterCore.remote_dispatch``)
 until the request's first token (prefill load) and its end (decode load), which it sees on
-``req.<rid>.out`` like its own. :class:`RemoteSends` remembers which rids are another
+``req.<rid>.out`` like its own. The owner sends it again when it binds the decode node at prefill
+start (``route.bind``); a prefill node sends a parked request's first token at the prompt's end,
+before that binding, so the first token a re-sent placement of the same attempt already had is kept
+(:meth:`RemoteSends.first_token`): the peer then counts it as its owner does (prefill done, no decode
+room reserved: ``RouterCore.bind_decode``), not afresh on its prefill node until the decode node's
+first output. :class:`RemoteSends` remembers which rids are another
 router's, with their attempt, so that their chunks update the view, a fence never aborts
 them (only the owner re-dispatches its requests), and a request whose owner vanished
 without an end ever reaching the bus is forgotten after ``ttl`` (the router's request
@@ -42,12 +47,19 @@ class RemoteSends:
 
     def sent(self, rid: str, router: str, attempt: int, now: float) -> bool:
         """A ``RouteSent`` arrived at ``now`` (s, the clock :meth:`expired` is given): True when it
-        should be counted (newer or equal attempt than known)."""
+        should be counted (newer or equal attempt than known). The same attempt sent again (its decode
+        node bound) keeps its first token; a newer attempt (a re-dispatch) starts without one."""
         old = self._sends.get(rid)
         if old is not None and attempt < old.attempt:
             return False
-        self._sends[rid] = RemoteSend(router, attempt, now)
+        seen = old is not None and old.attempt == attempt and old.first_token
+        self._sends[rid] = RemoteSend(router, attempt, now, first_token=seen)
         return True
+
+    def first_token(self, rid: str) -> bool:
+        """True when counted ``rid``'s current attempt has had its first token (its prefill is done)."""
+        s = self._sends.get(rid)
+        return s is not None and s.first_token
 
     def chunk(self, rid: str, attempt: int, finished: bool) -> str | None:
         """A chunk of another router's request: ``"first"`` (its first token: free its prefill

@@ -1613,7 +1613,7 @@ class RouterService(WatchedService):
         if msg.router == self.bus.instance or msg.rid in self._pending:
             return
         if self._remote.sent(msg.rid, msg.router, msg.attempt, time.monotonic()):
-            if self.core.remote_dispatch(msg, self.clock.now()):
+            if self.core.remote_dispatch(msg, self.clock.now(), first_token=self._remote.first_token(msg.rid)):
                 self.counters["remote.sent"] += 1
             else:
                 self._remote.forget(msg.rid)

@@ -40,3 +40,49 @@ def test_another_routers_send_loads_the_view_until_its_first_token_and_end():
     assert core.finish("a", 0.2) == ("p0", "d0")
     assert core.view.inflight_total == 0 and core.view.nodes["d0"].inflight == 0
     assert not core.remote_dispatch(RouteSent(router="r1", rid="b", prefill_node="bad node"), 0.0)
+
+
+def _peer_sent(remote: RemoteSends, core: RouterCore, msg: RouteSent, now: float) -> None:
+    """What ``RouterService._on_route_sent`` does with a ``RouteSent`` of another router."""
+    if remote.sent(msg.rid, msg.router, msg.attempt, now):
+        assert core.remote_dispatch(msg, now, first_token=remote.first_token(msg.rid))
+
+
+def _peer_chunk(remote: RemoteSends, core: RouterCore, rid: str, now: float) -> None:
+    """What ``RouterService._remote_chunk`` does with a (not last) chunk of another router's request."""
+    if remote.chunk(rid, 0, False) == "first":
+        core.remote_first_token(rid, now)
+
+
+def test_a_peer_counts_a_parked_request_as_its_owner_once_its_decode_node_is_bound_after_its_first_token():
+    """The prefill node sends a parked request's first token at the prompt's end, before route.bind is
+    answered (ea82da0); the owner's binding then re-announces the placement (route.sent with the decode
+    node). The owner's own view has the prefill done and no decode room reserved from then on
+    (``RouterCore.bind_decode``); a peer must count it the same. Before, the re-announcement counted it
+    afresh on its prefill node (inflight_prefill 1, the ttft predictor's queue charged with its prompt)
+    and reserved its decode KV room until the decode node's first output."""
+    from .helpers import state
+    from services.router.policy import RouteRequest
+
+    owner = RouterCore(make_policy("ttft", block_size=4, profile="tiny"), block_size=4, fence_after=3.0, decode_binding="prefill-start")
+    peer = RouterCore(make_policy("ttft", block_size=4, profile="tiny"), block_size=4, fence_after=3.0, decode_binding="prefill-start")
+    remote = RemoteSends()
+    for c in (owner, peer):
+        c.apply_state(state("p1"), 0.0)
+        c.apply_state(state("d1", "decode", gpu_free_blocks=4), 0.0)
+    req = RouteRequest(rid="r1", prompt_tokens=9, block_hashes=[0, 1], max_tokens=3)
+    owner.route(req, None, 0.0)
+    _peer_sent(remote, peer, RouteSent(router="r-own", rid="r1", prefill_node="p1", prompt_tokens=9, max_tokens=3), 0.0)
+    owner.on_first_token("r1", 0.1)  # parked on p1, its first token out (from p1)
+    _peer_chunk(remote, peer, "r1", 0.1)
+    assert owner.bind_decode("r1", 0.2, prefill_node="p1").node == "d1"  # type: ignore[union-attr]
+    _peer_sent(remote, peer, RouteSent(router="r-own", rid="r1", prefill_node="p1", decode_node="d1", prompt_tokens=9, max_tokens=3), 0.2)
+    for c in (owner, peer):
+        assert c.view.nodes["p1"].inflight_prefill == 0 and c.view.nodes["p1"].inflight == 1
+        assert c.view.nodes["d1"].inflight_decode == 1
+        assert c.policy._decode_reserved == {} and c.policy._rid_decode == {}  # type: ignore[attr-defined]
+    _peer_chunk(remote, peer, "r1", 0.3)  # the decode node's first output: nothing more to free
+    assert peer.view.nodes["p1"].inflight_prefill == 0
+    # a re-dispatch (a new attempt) is a new prefill: counted on its prefill node until its first token
+    _peer_sent(remote, peer, RouteSent(router="r-own", rid="r1", prefill_node="p1", decode_node="d1", prompt_tokens=9, max_tokens=3, attempt=1), 0.4)
+    assert peer.view.nodes["p1"].inflight_prefill == 1 and not remote.first_token("r1")
