@@ -114,6 +114,23 @@ def load_profile(name_or_path: str) -> Profile:
         raise ProfileError(f"invalid profile {path}: {e}") from e
 
 
+def cluster_seconds_per(clock: ProfileClock, speedup: float) -> float:
+    """Cluster seconds per second of a time given on ``clock``: ``speedup`` for ``wall`` (wall seconds
+    measured at speed-up 1: a real engine's, whose durations are wall x ``speedup`` on the cluster clock),
+    1 for ``cluster`` (simulated seconds, as written). The factor :func:`on_cluster_clock` multiplies a
+    profile's times by; also the router's ``--ttft-fetch-base-s``, ``--ttft-fetch-per-token-s`` and
+    ``--ttft-copy-price-s-per-token``, given on ``--profile-clock``'s clock as the profile's times.
+
+    Raises:
+        ProfileError: ``speedup`` not positive finite, or an unknown ``clock``.
+    """
+    if not 0 < speedup < float("inf"):
+        raise ProfileError(f"speedup must be a positive finite number (cluster s per wall s), got {speedup!r}")
+    if clock not in ("cluster", "wall"):
+        raise ProfileError(f"profile clock must be 'cluster' or 'wall', got {clock!r}")
+    return speedup if clock == "wall" else 1.0
+
+
 def on_cluster_clock(profile: Profile, clock: ProfileClock, speedup: float) -> Profile:
     """``profile`` on the cluster clock of speed-up ``speedup`` (cluster seconds per wall second).
 
@@ -133,13 +150,9 @@ def on_cluster_clock(profile: Profile, clock: ProfileClock, speedup: float) -> P
     Raises:
         ProfileError: ``speedup`` not positive finite, or an unknown ``clock``.
     """
-    if not 0 < speedup < float("inf"):
-        raise ProfileError(f"speedup must be a positive finite number (cluster s per wall s), got {speedup!r}")
-    if clock not in ("cluster", "wall"):
-        raise ProfileError(f"profile clock must be 'cluster' or 'wall', got {clock!r}")
-    if clock == "cluster" or speedup == 1:
+    n = cluster_seconds_per(clock, speedup)
+    if n == 1:
         return profile
-    n = speedup
     pre, dec, links = profile.prefill, profile.decode, profile.links
     return msgspec.structs.replace(
         profile,

@@ -44,19 +44,27 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Literal["cluster", "wall"],
         Meta(description="ttft: what --profile's times are: cluster = simulated seconds, as written (a sim engine's "
              "profile); wall = wall seconds measured at speed-up 1 (a real engine's, --engine torch): its Eq. 1/2 "
-             "coefficients and link latencies x --speedup, its link bandwidths / --speedup (evolving-infra up "
+             "coefficients and link latencies x --speedup, its link bandwidths / --speedup, and so are "
+             "--ttft-fetch-base-s, --ttft-fetch-per-token-s and --ttft-copy-price-s-per-token (evolving-infra up "
              "passes wall for --engine torch)"),
     ] = "cluster"
     ttft_chunk_tokens: Annotated[
         int, Meta(ge=0, description="ttft: prefill tokens per iteration in the replay; 0 = the profile's (8192)")
     ] = 0
-    ttft_fetch_base_s: Annotated[float, Meta(ge=0, description="ttft: τ(x) fixed part, s (paper: 0.45)")] = 0.45
-    ttft_fetch_per_token_s: Annotated[float, Meta(ge=0, description="ttft: τ(x) per fetched token, s (paper: 1e-6)")] = 1e-6
+    ttft_fetch_base_s: Annotated[
+        float, Meta(ge=0, description="ttft: τ(x) fixed part, s on --profile-clock's clock (wall: x --speedup, as the "
+                    "profile's times; paper: 0.45)")
+    ] = 0.45
+    ttft_fetch_per_token_s: Annotated[
+        float, Meta(ge=0, description="ttft: τ(x) per fetched token, s on --profile-clock's clock (wall: x --speedup; "
+                    "paper: 1e-6)")
+    ] = 1e-6
     ttft_fetch_min_tokens: Annotated[
         int, Meta(ge=0, description="ttft: no fetch below this many tokens (recomputed instead; paper: 512)")
     ] = 512
     ttft_copy_price_s_per_token: Annotated[
-        float, Meta(ge=0, description="ttft: κ, copy price charged per fetched token, s (the paper gives no value)")
+        float, Meta(ge=0, description="ttft: κ, copy price charged per fetched token, s on --profile-clock's clock "
+                    "(wall: x --speedup, as τ; the paper gives no value)")
     ] = 1e-7
     ttft_state_max_age_s: Annotated[
         float, Meta(gt=0, description="ttft: simulated seconds after which a node's state is not trusted (paper: 5)")

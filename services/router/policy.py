@@ -474,24 +474,28 @@ def _cache_aware(**o: Any) -> RoutingPolicy:
 
 
 def _ttft(**o: Any) -> RoutingPolicy:
-    from shared.profile import Profile, load_profile, on_cluster_clock
+    from shared.profile import Profile, cluster_seconds_per, load_profile, on_cluster_clock
 
     from services.router.ttft import FetchModel, NodeCoefficients, TtftPolicy, TtftPredictor
 
     prof = o.get("profile", "gb300-glm52")
     profile = prof if isinstance(prof, Profile) else load_profile(str(prof))
     # a real engine's profile (profile_clock wall: measured at speed-up 1) predicts cluster seconds x speedup
-    profile = on_cluster_clock(profile, o.get("profile_clock", "cluster"), float(o.get("speedup", 1.0)))
+    clock, speedup = o.get("profile_clock", "cluster"), float(o.get("speedup", 1.0))
+    profile = on_cluster_clock(profile, clock, speedup)
     default = NodeCoefficients.from_profile(profile, int(o.get("ttft_chunk_tokens", 0)))
+    # τ(x) and κ are seconds on the profile's clock too (the paper's are a real cluster's, as a wall profile's
+    # times): x speedup with it, so every term of Eq. 7's score scales alike and the choice does not change
+    n = cluster_seconds_per(clock, speedup)
     fetch = FetchModel(
-        base_s=float(o.get("ttft_fetch_base_s", 0.45)),
-        per_token_s=float(o.get("ttft_fetch_per_token_s", 1e-6)),
+        base_s=float(o.get("ttft_fetch_base_s", 0.45)) * n,
+        per_token_s=float(o.get("ttft_fetch_per_token_s", 1e-6)) * n,
         min_tokens=int(o.get("ttft_fetch_min_tokens", 512)),
     )
     predictor = TtftPredictor(
         default,
         fetch=fetch,
-        copy_price_s_per_token=float(o.get("ttft_copy_price_s_per_token", 1e-7)),
+        copy_price_s_per_token=float(o.get("ttft_copy_price_s_per_token", 1e-7)) * n,
         state_max_age_s=float(o.get("ttft_state_max_age_s", 5.0)),
         prune_above=int(o.get("ttft_prune_above", 16)),
         breakdown=bool(o.get("ttft_breakdown", False)),

@@ -131,6 +131,29 @@ skew. Times of this node compared with each other (a first token's ``ts`` and it
 are converted with one offset and keep their order."""
 
 
+KV_READY_SLACK_WALL_S = 1.0
+"""Wall seconds a received hand-off's ``kv_ready_at`` may lie past twice its transfer time (:func:`kv_ready_bound`)."""
+
+
+def kv_ready_bound(now: float, transfer_s: float, speedup: float) -> float:
+    """Latest ``kv_ready_at`` (simulated s, this node's local timeline) a received hand-off keeps; a later
+    one is clamped to it (``decode.kv_ready_clamped``: its KV arrives within its transfer time, and a later
+    one would hold its reservation idle, or forever for a bogus far-future value).
+
+    ``now + 2·transfer_s`` (simulated s, the profile's, on the cluster clock) plus a slack of
+    :data:`KV_READY_SLACK_WALL_S` wall seconds x ``speedup``: the slack covers what lies between the
+    prefill node's clock and this one's, the two hosts' clock offsets (``WALL_STEP_S`` x speedup each, NTP
+    skew) and the bus's delay, which are wall time whatever the engine; at speed-up 50 a 1-s slack of the
+    cluster clock was 20 ms of them.
+
+    Args:
+        now: this node's local time (simulated s).
+        transfer_s: the hand-off's KV transfer time (simulated s, ``Profile.kv_transfer_s``).
+        speedup: cluster seconds per wall second (``--speedup``).
+    """
+    return now + 2.0 * transfer_s + KV_READY_SLACK_WALL_S * speedup
+
+
 def make_torch_engine(cfg: WorkerConfig, profile: Profile, speedup: float | None = None) -> Engine:
     """The ``torch`` engine of ``cfg`` (imported lazily: torch is an extra). Its durations are
     in cluster seconds: the measured wall time x ``speedup`` (the shell's clock's; None =
@@ -652,7 +675,7 @@ class WorkerService:
         # the prefill node's kv_ready_at is on the wall-based cluster clock: the core waits for it
         # on this node's local one (a step of the wall clock meanwhile neither stalls nor hurries it)
         work = msgspec.structs.replace(work, kv_ready_at=self._to_local(work.kv_ready_at))
-        latest = now + 2.0 * self.profile.kv_transfer_s(work.prompt_tokens) + 1.0
+        latest = kv_ready_bound(now, self.profile.kv_transfer_s(work.prompt_tokens), self.clock.speedup)
         if work.kv_ready_at > latest:
             # a hand-off's KV arrives within its transfer time: a later kv_ready_at would hold
             # the reservation (L1 blocks) idle for that long

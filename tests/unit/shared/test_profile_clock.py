@@ -92,3 +92,37 @@ def test_up_gives_the_router_and_planner_a_wall_clock_for_the_torch_engine_only(
         assert flags[flags.index("--profile-clock") + 1] == "wall"
         assert load_config(cls, flags).profile_clock == "wall"
         assert "--profile-clock" not in service_flags(ClusterSpec(speedup=N), svc)
+
+
+def _fetch_estimate(cfg: RouterConfig):
+    pol = cfg.routing_policy()
+    return pol.predictor.estimate("w0", 0.0, uncached_tokens=300, cached_tokens=2048, fetch_tokens=2048)
+
+
+def test_the_routers_fetch_model_and_copy_price_are_on_the_profiles_clock():
+    """τ(x) (--ttft-fetch-base-s, --ttft-fetch-per-token-s) and κ (--ttft-copy-price-s-per-token) are seconds
+    given as the profile's are: with a wall profile at --speedup N, x N like its Eq. 1/2 coefficients, so the
+    whole score (prefill + exposed fetch + copy price) is N x the speed-up-1 one and the choice does not
+    change. Before, they stayed cluster seconds: at N = 20 a fetch cost 1/20 of its wall time against the
+    prefill's, and the router fetched where recomputing was cheaper."""
+    base = ["--routing", "ttft", "--profile", "torch-tiny-cpu", "--profile-clock", "wall", "--ttft-fetch-base-s", "0.02"]
+    e1 = _fetch_estimate(load_config(RouterConfig, base + ["--speedup", "1"]))
+    en = _fetch_estimate(load_config(RouterConfig, base + ["--speedup", str(N)]))
+    assert e1.fetch_s == pytest.approx(0.02 + 2048 * 1e-6) and e1.copy_s == pytest.approx(2048 * 1e-7)
+    for f in ("score_s", "ttft_s", "fetch_s", "exposed_fetch_s", "copy_s"):
+        assert getattr(en, f) == pytest.approx(N * getattr(e1, f)), f
+    # a sim profile's (cluster clock) values are simulated seconds: as given at any speed-up
+    sim = ["--routing", "ttft", "--profile", "torch-tiny-cpu", "--ttft-fetch-base-s", "0.02", "--speedup", str(N)]
+    assert _fetch_estimate(load_config(RouterConfig, sim)) == e1
+
+
+def test_a_hand_offs_kv_ready_slack_is_wall_time():
+    """The slack past twice the transfer time that a received kv_ready_at keeps covers the hosts' clock offsets
+    and the bus's delay, wall time: x --speedup on the cluster clock. Before, 1 cluster s: at speed-up 50 a
+    hand-off whose prefill node's clock ran 0.1 wall s ahead (5 cluster s) was clamped, its decode started
+    before its KV could have arrived."""
+    from services.worker.service import kv_ready_bound
+
+    assert kv_ready_bound(100.0, 2.0, 1.0) == pytest.approx(105.0)
+    assert kv_ready_bound(100.0, 2.0, 50.0) == pytest.approx(154.0)
+    assert 100.0 + 2.0 + 5.0 <= kv_ready_bound(100.0, 2.0, 50.0)  # 0.1 wall s ahead at speed-up 50: kept
