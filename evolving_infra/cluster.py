@@ -31,7 +31,7 @@ import structlog
 
 from shared import messages as m
 from shared.auth import AuthError, Credentials, NatsAuth, generate
-from shared.bus import Bus, BusError
+from shared.bus import Bus, BusError, PermissionDenied
 from shared.config import ENV_PREFIX, CommonConfig
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent
 from shared.profile import Profile, load_profile, with_kv_tokens
@@ -44,6 +44,11 @@ log = structlog.get_logger("cluster")
 
 class ClusterError(RuntimeError):
     """A service failed to start or died."""
+
+
+class ClusterConfigError(ClusterError):
+    """The deployment ``up`` was given cannot work as configured, and waiting cannot mend it (``--nats-url``
+    credentials the server refuses the JetStream stream): ``up`` exits 2, as for other configuration errors."""
 
 
 class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -536,7 +541,8 @@ class LocalCluster:
         Raises:
             ClusterError: if a service exits early or is not healthy within ``ready_timeout_s``; the
                 launcher's NATS connection is refused or its ``--nats-url`` is unusable (an empty server
-                in the list).
+                in the list). :class:`ClusterConfigError` when the server refuses the launcher's credentials
+                the JetStream stream (its lookup or create: ``--nats-url`` with an identity not granted it).
         """
         try:
             await self._start()
@@ -574,7 +580,10 @@ class LocalCluster:
             )
         except (AuthError, BusError) as e:  # a bad --nats-url list, refused credentials: one line, not a traceback
             raise ClusterError(f"cannot connect to NATS: {e}") from e
-        await self._bus.ensure_stream()  # the JetStream stream of must-arrive subjects (shared.bus), before any service
+        try:  # the JetStream stream of must-arrive subjects (shared.bus), before any service; nobody else makes it
+            await self._bus.ensure_stream(maker=True)
+        except PermissionDenied as e:  # the server refuses these credentials the stream: waiting cannot help
+            raise ClusterConfigError(f"{e}") from e
         seen: dict[str, m.Heartbeat] = {}
 
         async def on_beat(hb: m.Heartbeat, _subject: str) -> None:

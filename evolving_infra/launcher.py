@@ -38,7 +38,7 @@ from typing import Any
 from evolving_infra.cli import UsageError, command_name
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
-from evolving_infra.cluster import THREAD_ENV, ClusterError, ClusterSpec, LocalCluster, worker_placement, write_json
+from evolving_infra.cluster import THREAD_ENV, ClusterConfigError, ClusterError, ClusterSpec, LocalCluster, worker_placement, write_json
 from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
@@ -689,7 +689,7 @@ async def _up(args: argparse.Namespace) -> int:
     except ClusterError as e:
         cluster.remove_generated_creds()
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ClusterConfigError) else 1  # credentials refused the stream: a configuration error
     info = cluster.describe()
     write_json(cluster.log_dir / "cluster.json", _shown(info))
     state = _write_state({**info, **_state_fields(cluster.spec)})  # the URL whole: split and tap connect with it (0600)
@@ -970,7 +970,7 @@ async def _demo(args: argparse.Namespace) -> int:
     except ClusterError as e:  # as up's: one line, not a traceback (e.g. not healthy within --ready-timeout)
         cluster.remove_generated_creds(own_log_dir=own_logs)
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ClusterConfigError) else 1
     if started is None:
         cluster.remove_generated_creds(own_log_dir=own_logs)
         return _demo_interrupted(signals)

@@ -331,6 +331,13 @@ class Bus:
         self._js_subs: list[tuple[Subscription, _StreamPosition]] = []
         self.identity = ""
         """Name of the NATS identity this bus connected as (``NatsAuth.name``); empty = no credentials."""
+        self.url_user = ""
+        """The user named in the connect URL (``nats://user:pass@host``) when no ``NatsAuth`` credentials were
+        given, else empty: who the server's refusals are for, in an error line (:meth:`_who`)."""
+        self.last_denied: tuple[str, str] | None = None
+        self._stream_maker = False
+        """True while :meth:`ensure_stream` ``(maker=True)`` runs: it reports a stream API permission violation itself."""
+        """``("publish" | "subscription", subject)`` of the server's latest "Permissions Violation" (:func:`denied_subject`)."""
         self._requesting: Counter[str] = Counter()
         """Full subjects of requests in flight (a permission violation on one is the request's error, not a log line)."""
         self._denied: dict[str, float] = {}
@@ -378,10 +385,12 @@ class Bus:
             text = str(e).lower()
             if "permissions violation" in text:
                 bus.counters["nats.permission_violations"] += 1
-                denied = denied_subject(str(e))
+                denied = bus.last_denied = denied_subject(str(e))
                 if denied is not None and denied[0] == "publish" and bus._requesting[denied[1]]:
                     bus._denied[denied[1]] = time.monotonic()  # the request reports it (PermissionDenied), once
                     return
+                if denied is not None and bus._stream_maker and denied[1].startswith("$js.api.stream."):
+                    return  # ensure_stream(maker=True) reports it (PermissionDenied, naming the fix), once
             if not bus.nc.is_connected and ("authorization violation" in text or "authentication" in text):
                 refused.set()  # wrong or missing credentials: retrying cannot help
                 if not connected:
@@ -408,6 +417,7 @@ class Bus:
             bus.log.debug("nats connection closed")
 
         options = client_options(url, auth)  # the servers of a list, its credentials percent-decoded
+        bus.url_user = str(options.get("user") or "") if not bus.identity else ""
         connecting = asyncio.ensure_future(bus.nc.connect(
             name=f"{service}:{instance}",
             connect_timeout=connect_timeout,
@@ -454,10 +464,28 @@ class Bus:
         """The error of a request on ``full`` whose publish the server refused, else None."""
         if full not in self._denied:
             return None
-        who = f"identity {self.identity!r}" if self.identity else "a client without credentials"
         return PermissionDenied(
-            f"NATS refused {who} permission to publish to {full} (Permissions Violation): "
+            f"NATS refused {self._who()} permission to publish to {full} (Permissions Violation): "
             "its credentials do not allow this subject; use an identity that may publish it"
+        )
+
+    def _who(self) -> str:
+        """Who this bus is to the server, for an error line: its identity, the URL's user, or no credentials."""
+        if self.identity:
+            return f"identity {self.identity!r}"
+        return f"user {self.url_user!r}" if self.url_user else "a client without credentials"
+
+    def _stream_denied(self, name: str, api: str) -> PermissionDenied:
+        """The error of a stream ``api`` (``CREATE``, ``INFO``) on stream ``name`` that the server refused this bus
+        (Permissions Violation): the refused subject as the server named it (:attr:`last_denied`, which nats-py
+        lowercases: named here in its own case), the fix."""
+        denied = self.last_denied[1] if self.last_denied is not None and self.last_denied[0] == "publish" else ""
+        api = next((a for a in (api, "INFO", "CREATE") if denied == f"$JS.API.STREAM.{a}.{name}".lower()), api)
+        subject = f"$JS.API.STREAM.{api}.{name}"
+        return PermissionDenied(
+            f"NATS refused {self._who()} permission to publish to {subject} (Permissions Violation), so it cannot "
+            f"make the JetStream stream {name}: grant it {subject} (the launcher identity of 'evolving-infra auth gen' "
+            f"has it), or create the stream first with 'evolving-infra auth stream --creds <launcher credentials>'"
         )
 
     async def _after_reconnect(self) -> None:
@@ -522,7 +550,7 @@ class Bus:
             return None
         return await self._await_stream(lambda: mine == self._reconnects_seen, again=True)
 
-    async def _await_stream(self, go_on: Callable[[], bool], *, again: bool) -> Any:
+    async def _await_stream(self, go_on: Callable[[], bool], *, again: bool, maker: bool = False) -> Any:
         """Make the partition's stream, which the server (it has JetStream: it answered "not found") lacks, or,
         when this bus may not (under credentials only the launcher may: the server refuses the create unanswered),
         wait until another bus makes it: each 0.5 s the stream is looked up and the create tried again (any failure
@@ -532,7 +560,13 @@ class Bus:
         answered the create with a refusal (subjects that overlap another stream's), its reason.
 
         ``again``: the server lost the stream after a reconnect (counter ``stream_made_again`` when made here).
-        Returns the stream's info, or None once ``go_on()`` is false or the bus closes."""
+        ``maker``: this bus is the one that makes the stream (the launcher of ``up``): nobody else will, so a create
+        the server refuses for permissions raises instead of waiting.
+        Returns the stream's info, or None once ``go_on()`` is false or the bus closes.
+
+        Raises:
+            PermissionDenied: ``maker``, and the server refused this identity the create ("Permissions Violation",
+                seen by the error callback: the create itself only times out), naming the identity, the subject and the fix."""
         name = stream_name(self.subjects)
         warn_at = time.monotonic() if not again else time.monotonic() + STREAM_BACK_WAIT_S
         may_make = True
@@ -552,6 +586,8 @@ class Bus:
                     # a create the server refused for permissions is not tried again (each refusal is a server error line
                     # and a permission-violation count): the stream is only looked up until another bus made it
                     may_make = may_make and self.counters["nats.permission_violations"] == violations
+                    if maker and not may_make:
+                        raise self._stream_denied(name, "CREATE") from e
                     if time.monotonic() >= warn_at:
                         warn_at = time.monotonic() + STREAM_BACK_WAIT_S
                         self.counters["stream_missing_warnings"] += 1
@@ -589,7 +625,7 @@ class Bus:
             num_replicas=1,
         )
 
-    async def ensure_stream(self, *, wait: bool = True) -> bool:
+    async def ensure_stream(self, *, wait: bool = True, maker: bool = False) -> bool:
         """Find or create the partition's stream over every reliable subject; idempotent (concurrent callers
         share one check). Called by the first reliable subscription or publish (and by the launcher, before
         any service starts).
@@ -601,7 +637,13 @@ class Bus:
         waited for (``wait``, :meth:`_await_stream`: a warning at once, then every ``STREAM_BACK_WAIT_S``), so
         the caller (a service's start, the readiness it holds back) goes on on JetStream once the stream is
         there. Before, such a bus stayed on core NATS for its whole life. ``wait=False`` (``auth stream``):
-        one create (5 s), and False when it is refused.
+        one create (5 s), and False when it is refused. ``maker=True`` (``up``'s launcher, which makes the stream
+        before any service starts): a lookup or create the server refuses this identity raises instead of waiting
+        for another to make it (nobody will): before, ``up --nats-url`` with credentials that may not create the
+        stream waited forever, a warning each minute.
+
+        Raises:
+            PermissionDenied: ``maker``, and the server refused this identity the stream's lookup or create.
 
         Returns:
             Whether the stream is there (``self.jetstream``); False only without JetStream, with
@@ -610,41 +652,52 @@ class Bus:
         async with self._stream_lock:
             if self._stream_checked:
                 return self.jetstream
-            config = self._stream_config()
-            jsm = self.nc.jetstream(timeout=5.0)
+            self._stream_maker = maker
             try:
-                # under auth only the launcher may create it (shared.auth); the others find it
-                info = await jsm.stream_info(config.name)
-            except nats.js.errors.NotFoundError:  # the server has JetStream: the stream is not there yet
-                info = None
+                return await self._ensure_stream(wait=wait, maker=maker)
+            finally:
+                self._stream_maker = False
+
+    async def _ensure_stream(self, *, wait: bool, maker: bool) -> bool:
+        """:meth:`ensure_stream` under its lock, once the stream was not checked yet."""
+        config = self._stream_config()
+        jsm = self.nc.jetstream(timeout=5.0)
+        violations = self.counters["nats.permission_violations"]
+        try:
+            # under auth only the launcher may create it (shared.auth); the others find it
+            info = await jsm.stream_info(config.name)
+        except nats.js.errors.NotFoundError:  # the server has JetStream: the stream is not there yet
+            info = None
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            if maker and self.counters["nats.permission_violations"] != violations:
+                raise self._stream_denied(config.name, "INFO") from e
+            self._stream_checked = True
+            self.jetstream = False
+            self.log.warning(
+                "no JetStream stream: reliable subjects fall back to core NATS (at most once)", error=str(e) or repr(e)
+            )
+            return False
+        if info is None and not wait:
+            try:
+                info = await jsm.add_stream(config)
             except (nats.errors.Error, asyncio.TimeoutError) as e:
                 self._stream_checked = True
                 self.jetstream = False
+                self.stream_refused = stream_refusal(e)
                 self.log.warning(
-                    "no JetStream stream: reliable subjects fall back to core NATS (at most once)", error=str(e) or repr(e)
-                )
+                    f"no JetStream stream: {self.stream_refused or 'this bus may not create it'}",
+                    stream=config.name, error=str(e) or repr(e),
+                )  # fmt: skip
                 return False
-            if info is None and not wait:
-                try:
-                    info = await jsm.add_stream(config)
-                except (nats.errors.Error, asyncio.TimeoutError) as e:
-                    self._stream_checked = True
-                    self.jetstream = False
-                    self.stream_refused = stream_refusal(e)
-                    self.log.warning(
-                        f"no JetStream stream: {self.stream_refused or 'this bus may not create it'}",
-                        stream=config.name, error=str(e) or repr(e),
-                    )  # fmt: skip
-                    return False
-            elif info is None:
-                info = await self._await_stream(lambda: True, again=False)
-                if info is None:  # the bus closed while it waited
-                    return False
-            if self._stream_created is None:
-                self._stream_created = info.created
-            self._stream_checked = True
-            self.jetstream = True
-            return True
+        elif info is None:
+            info = await self._await_stream(lambda: True, again=False, maker=maker)
+            if info is None:  # the bus closed while it waited
+                return False
+        if self._stream_created is None:
+            self._stream_created = info.created
+        self._stream_checked = True
+        self.jetstream = True
+        return True
 
     # -- publish / subscribe --------------------------------------------- #
 
