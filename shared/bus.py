@@ -120,6 +120,12 @@ class PermissionDenied(BusError):
     its credentials lack the subject, so waiting or retrying cannot help."""
 
 
+class RequestRefused(BusError):
+    """The responder refused the request as malformed or invalid (its empty reply's ``Ei-Refused`` header,
+    :data:`REFUSED_HEADER`, names why): the same request is refused again, so retrying cannot help, unlike a
+    timeout or no responders."""
+
+
 class NoCredentials(BusError):
     """The NATS server requires credentials and the client connected without any."""
 
@@ -1049,7 +1055,7 @@ class Bus:
         Raises:
             BusError: on timeout, no responders (:class:`NoResponders`), a publish this identity may not
                 make (:class:`PermissionDenied`, at the timeout), an undecodable reply, or a request the
-                server refused as malformed or invalid (the reason is in the message).
+                server refused as malformed or invalid (:class:`RequestRefused`, the reason in the message).
         """
         full = self.subjects.format(subject, **params)
         self._requesting[full] += 1
@@ -1076,7 +1082,7 @@ class Bus:
             del self._denied[full]
         if raw.headers and REFUSED_HEADER in raw.headers:
             self.counters["request_refused." + subject.template] += 1
-            raise BusError(f"request refused on {full}: {raw.headers[REFUSED_HEADER]}")
+            raise RequestRefused(f"request refused on {full}: {raw.headers[REFUSED_HEADER]}")
         try:
             reply = decoder_for(subject.reply_type).decode(raw.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

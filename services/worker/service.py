@@ -75,7 +75,7 @@ import msgspec
 import structlog
 
 from shared import messages as m
-from shared.bus import Bus, BusError, NoResponders, PermissionDenied
+from shared.bus import Bus, BusError, NoResponders, PermissionDenied, RequestRefused
 from shared.clock import SimClock, sleep_until
 from shared.profile import Profile
 from shared.validate import epoch_step_ok
@@ -1178,7 +1178,9 @@ class WorkerService:
         route.bind.router: TimeoutError') although the router was alive and every node too. A
         :class:`PermissionDenied` (this identity may not publish ``route.bind.<owner>``) fails the
         request at once (``bind.denied``): it came at a request's timeout, and was retried as an
-        unanswered one for ``owner_gone_after_s``."""
+        unanswered one for ``owner_gone_after_s``. So does a :class:`RequestRefused` (the router refused the
+        request as malformed or invalid, e.g. a ``prefill_node`` outside its node set: ``bind.refused``), which
+        was retried until ``bind_timeout_s``."""
         rid = work.rid
         first = time.monotonic()
         deadline = first + self.cfg.bind_timeout_s
@@ -1208,6 +1210,9 @@ class WorkerService:
                         break
                     if isinstance(e, PermissionDenied):  # the credentials lack the subject: no retry can help
                         self.counters["bind.denied"] += 1
+                        break
+                    if isinstance(e, RequestRefused):  # the router refused it as malformed or invalid: so it will again
+                        self.counters["bind.refused"] += 1
                         break
                     unanswered = isinstance(e.__cause__, TimeoutError) or not self.bus.nc.is_connected
                     self.counters["bind.retries"] += 1

@@ -546,6 +546,26 @@ async def test_a_bind_this_identity_may_not_publish_fails_at_once(nats_url, tmp_
             _no_fatal(w0)
 
 
+async def test_a_bind_the_router_refuses_as_invalid_fails_at_once(nats_url):
+    """The router refuses the worker's ``route.bind`` as invalid (its node set lacks ``w0``, the request's
+    ``prefill_node``): its reply says so at once (``Ei-Refused``), and the same request would be refused again.
+    The request fails after that one try (``bind.refused``). Before, the refusal was a plain ``BusError``,
+    retried until ``bind_timeout_s`` (2 s here) and the request failed then."""
+    ok = _Router(hung=False)
+    async with _prefill_node(nats_url, {"ok": ok}, bind_timeout_s=2.0, owner_gone_after_s=10.0) as (bus, w0, seen):
+        bus.known_nodes = frozenset({"w9"})  # the router's node set, without w0
+        sent = time.monotonic()
+        await bus.publish(WORK_PREFILL, _bind_work("r", "ok"), node="w0")
+        await until(lambda: any(x.finished for k, x, _ in seen if k == "chunk"), 8.0, "r's error chunk")
+        took = time.monotonic() - sent
+        c = [x for k, x, _ in seen if k == "chunk"][-1]
+        assert c.finish_reason == "abort" and "refused" in (c.error or "") and "prefill_node" in (c.error or ""), c
+        assert took < 1.0, f"failed after {took:.2f} s"
+        assert ok.asked == [] and w0.counters["bind.refused"] == 1 and w0.counters.get("bind.retries", 0) == 0, w0.counters
+        assert not w0.core.requests
+        _no_fatal(w0)
+
+
 async def test_new_work_of_a_request_waits_for_its_parked_hand_off_to_go_out(nats_url):
     """A new attempt of a request arrives while the hand-off of its old attempt (parked, then bound) is
     being published by the binding's task: it is taken only once it is out, as new work waits for a step
