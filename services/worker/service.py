@@ -1655,15 +1655,19 @@ class WorkerService:
         if self._switch is not None:
             await self._maybe_switch(now)
 
+    def _execute_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The execute thread (one), made at its first use."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"worker-{self.node}-execute")
+        return self._executor
+
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` in the execute thread (as ``asyncio.to_thread``, with the context); returns
         its result. When the step is cancelled (stop, SIGTERM) while ``fn`` still runs, the
         watchdog keeps the step until ``fn`` returns: a forward that hangs then still ends the
         process at ``--watchdog-timeout-s`` (before, the stop left the hung thread, and Python's
         exit waited for it forever)."""
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"worker-{self.node}-execute")
-        cf = self._executor.submit(contextvars.copy_context().run, fn, *args)
+        cf = self._execute_thread().submit(contextvars.copy_context().run, fn, *args)
         try:
             return await asyncio.wrap_future(cf)
         except asyncio.CancelledError:
@@ -1672,6 +1676,12 @@ class WorkerService:
                 self._step_abandoned = True
                 cf.add_done_callback(lambda _: wd.end())
             raise
+
+    async def _beside_step(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` (a threaded engine's method, under the engine's lock) in the execute thread, queued after
+        the plan it runs, if any; returns its result. The event loop runs on meanwhile. Not the step's: the
+        watchdog watches the plan, and a cancelled caller leaves ``fn`` to run (or to have run) in the thread."""
+        return await asyncio.wrap_future(self._execute_thread().submit(contextvars.copy_context().run, fn, *args))
 
     @contextlib.asynccontextmanager
     async def _unwatched(self, info: StepInfo | None) -> Any:
@@ -1801,7 +1811,12 @@ class WorkerService:
     async def _handoff(self, h: HandOff) -> None:
         self._streams.pop(h.rid, None)
         headers = self._traces.handoff(h.rid, h.decode_node) if self._traces else None
-        work = self.engine.handoff(h.work)
+        # A threaded engine's hand-off takes the engine's lock, which execute holds for a whole plan, and copies the
+        # prompt's K/V into bytes: in the execute thread, after the plan in flight. Before, a hand-off published
+        # beside the step loop (_hand_off_bound) waited for the lock on the loop: heartbeats, NATS pings and the
+        # metrics endpoint stopped for the rest of the forward (a 256-token chunk of a hidden-512, 8-layer llama on
+        # CPU: 20-140 ms). The rid stays registered meanwhile (_step_rids or _handing_off keep it at a drain).
+        work = await self._beside_step(self.engine.handoff, h.work) if self.engine.threaded else self.engine.handoff(h.work)
         work = msgspec.structs.replace(work, kv_ready_at=self._to_wall(work.kv_ready_at))  # the decode node's clock is wall-based
         try:
             await self.bus.publish(WORK_DECODE, work, node=h.decode_node, headers=headers)
