@@ -204,6 +204,30 @@ def stream_refusal(e: BaseException) -> str:
     return why + ")"
 
 
+JETSTREAM_NOT_ENABLED = frozenset({10076, 10039})
+"""JetStream API ``err_code`` of a server or account without JetStream (``JSNotEnabledErr``,
+``JSNotEnabledForAccountErr``): the stream lookup's answer then, when the server answers at all."""
+STREAM_LOOKUP_TIMEOUT_S = 5.0
+"""How long :meth:`Bus.ensure_stream` waits for one answer to its stream lookup (seconds); without one it looks
+again (a loaded server), it does not take the silence for a server without JetStream."""
+
+
+def no_jetstream(e: BaseException) -> bool:
+    """Whether ``e``, the error of a JetStream API request (the stream lookup), says the server has no JetStream:
+    nobody serves the API (nats-py's bare ``ServiceUnavailableError``, from "no responders": what a nats-server
+    started without ``-js`` answers, at once, measured), or an answer "JetStream not enabled" (for the account)
+    (:data:`JETSTREAM_NOT_ENABLED`). False for a timeout, a connection down a moment, or a 503 answered by
+    JetStream itself ("temporarily unavailable": it is there, not ready): JetStream may well be there, so the
+    caller looks again rather than fall back to core NATS (at most once) for the bus's whole life."""
+    if isinstance(e, nats.errors.NoRespondersError):
+        return True
+    if not isinstance(e, nats.js.errors.APIError):
+        return False
+    if e.err_code in JETSTREAM_NOT_ENABLED or "not enabled" in str(e.description or "").lower():
+        return True
+    return isinstance(e, nats.js.errors.ServiceUnavailableError) and e.code is None and e.err_code is None
+
+
 STREAM_BACK_WAIT_S = 60.0
 """After a reconnect to a server that lost the stream (its store gone), a bus that may not make it again (under
 credentials only the launcher may) waits for another to make it, with a warning every this many wall seconds."""
@@ -636,8 +660,9 @@ class Bus:
         share one check). Called by the first reliable subscription or publish (and by the launcher, before
         any service starts).
 
-        A server without JetStream (its stream lookup is not answered "not found": no responders, JetStream
-        not enabled, a timeout) makes reliable subjects fall back to core NATS (at most once, one warning).
+        A server without JetStream (its stream lookup answered "no responders" or "JetStream not enabled",
+        :func:`no_jetstream`) makes reliable subjects fall back to core NATS (at most once, one warning); a lookup
+        that gets no answer in time (a loaded server) is made again (:meth:`_look_up_stream`), with ``wait``.
         A server with JetStream that lacks the stream while this bus may not create it (under credentials only
         the launcher may: a service started before compose's ``stream`` job or the Slurm job made it) is
         waited for (``wait``, :meth:`_await_stream`: a warning at once, then every ``STREAM_BACK_WAIT_S``), so
@@ -667,22 +692,10 @@ class Bus:
     async def _ensure_stream(self, *, wait: bool, maker: bool) -> bool:
         """:meth:`ensure_stream` under its lock, once the stream was not checked yet."""
         config = self._stream_config()
-        jsm = self.nc.jetstream(timeout=5.0)
-        violations = self.counters["nats.permission_violations"]
-        try:
-            # under auth only the launcher may create it (shared.auth); the others find it
-            info = await jsm.stream_info(config.name)
-        except nats.js.errors.NotFoundError:  # the server has JetStream: the stream is not there yet
-            info = None
-        except (nats.errors.Error, asyncio.TimeoutError) as e:
-            if maker and self.counters["nats.permission_violations"] != violations:
-                raise self._stream_denied(config.name, "INFO") from e
-            self._stream_checked = True
-            self.jetstream = False
-            self.log.warning(
-                "no JetStream stream: reliable subjects fall back to core NATS (at most once)", error=str(e) or repr(e)
-            )
+        info = await self._look_up_stream(config.name, wait=wait, maker=maker)
+        if info is False:
             return False
+        jsm = self.nc.jetstream(timeout=STREAM_LOOKUP_TIMEOUT_S)
         if info is None and not wait:
             try:
                 info = await jsm.add_stream(config)
@@ -704,6 +717,49 @@ class Bus:
         self._stream_checked = True
         self.jetstream = True
         return True
+
+    async def _look_up_stream(self, name: str, *, wait: bool, maker: bool) -> Any:
+        """The stream's info, None when the server (it has JetStream) answers that it is not there, or False when
+        this bus goes on without it: the server has no JetStream (:func:`no_jetstream`; reliable subjects fall back
+        to core NATS, one warning), it refuses this identity the lookup (a permission violation), ``wait`` is False
+        and the lookup got no answer, or the bus closed. With ``wait``, a lookup that gets no answer in
+        ``STREAM_LOOKUP_TIMEOUT_S`` (a loaded server) is made again each 0.5 s (counter ``stream_lookup_retries``;
+        a warning at once, then every ``STREAM_BACK_WAIT_S``, while :attr:`stream_waiting` names the stream):
+        before, that one timeout put the bus on core NATS (at most once) for its whole life.
+
+        Raises:
+            PermissionDenied: ``maker``, and the server refused this identity the lookup (:meth:`_stream_denied`)."""
+        warn_at = time.monotonic()
+        try:
+            while True:
+                violations = self.counters["nats.permission_violations"]
+                try:  # under auth only the launcher may create it (shared.auth); the others find it
+                    return await self.nc.jetstream(timeout=STREAM_LOOKUP_TIMEOUT_S).stream_info(name)
+                except nats.js.errors.NotFoundError:  # the server has JetStream: the stream is not there yet
+                    return None
+                except (nats.errors.Error, asyncio.TimeoutError) as e:
+                    denied = self.counters["nats.permission_violations"] != violations
+                    if maker and denied:
+                        raise self._stream_denied(name, "INFO") from e
+                    if self._closing:
+                        return False
+                    if denied or not wait or no_jetstream(e) or self.nc.is_closed:
+                        self._stream_checked = True
+                        self.jetstream = False
+                        self.log.warning(
+                            "no JetStream stream: reliable subjects fall back to core NATS (at most once)", error=str(e) or repr(e)
+                        )
+                        return False
+                    # no answer in time (a loaded server), or the connection down a moment: JetStream may be there
+                    self.counters["stream_lookup_retries"] += 1
+                    self.stream_waiting = name
+                    if time.monotonic() >= warn_at:
+                        warn_at = time.monotonic() + STREAM_BACK_WAIT_S
+                        self.log.warning("the stream lookup got no answer; looking again (reliable subjects wait for JetStream)",
+                                         stream=name, error=str(e) or repr(e))  # fmt: skip
+                await asyncio.sleep(0.5)
+        finally:
+            self.stream_waiting = ""
 
     # -- publish / subscribe --------------------------------------------- #
 
