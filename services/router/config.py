@@ -173,6 +173,22 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     request_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds a request may wait for its next output chunk before it fails with 504")
     ] = 600.0
+    max_buffered_output_tokens: Annotated[
+        int,
+        Meta(ge=0, description="output tokens the router holds for their clients, across all requests, that the clients "
+             "have not taken yet (a stream whose client reads slower than its tokens come, or not at all: its socket "
+             "and the HTTP server's write buffer full); above it the request with the most unread tokens is aborted on "
+             "its nodes as a client disconnect is, its stream ends with an error event 'client too slow: N output "
+             "tokens unread' (--slow-client-grace-s) and ei_router_slow_client_aborts_total counts it; a client that "
+             "keeps up has at most a chunk unread and is never chosen while a slower one holds more; a token held "
+             "takes ~660 bytes at one token per chunk (the workers' --stream-interval 1), ~75 at 16 (the default cap: "
+             "~43 MB at most); 0 = no cap (each stream buffers up to its max_tokens)"),
+    ] = 65_536
+    slow_client_grace_s: Annotated[
+        float,
+        Meta(gt=0, description="wall seconds a stream aborted for --max-buffered-output-tokens has to read what its "
+             "connection still holds and the error event; then its connection is reset"),
+    ] = 10.0
     max_prompt_tokens: Annotated[int, Meta(ge=1, description="longest accepted prompt (tokens)")] = 1_048_576
     max_output_tokens: Annotated[int, Meta(ge=1, description="largest accepted max_tokens (a default one is cut to it)")] = 131_072
     max_context_tokens: Annotated[

@@ -13,6 +13,10 @@
   connection that has not sent a complete request head within
   ``header_timeout_s`` of opening (or of its previous response) is closed
   (slowloris). Body read time is bounded by the router (``body_timeout_s``).
+  Each request's scope carries ``scope["extensions"][RESET_EXTENSION]``: a
+  callable that resets its connection at once (the router's end of a stream
+  whose client stopped reading, ``--max-buffered-output-tokens``: a plain
+  close would wait for the client to read what is buffered first).
 
 Keys come from a file (one per line, ``#`` comments) and/or a comma-separated
 value (``EI_API_KEYS``); see :func:`load_api_keys`.
@@ -32,6 +36,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 _JSON = msgspec.json.Encoder()
+
+RESET_EXTENSION = "evolving_infra.connection_reset"
+"""Key, in a request's ``scope["extensions"]`` (:func:`guarded_h11`), of the callable that resets its connection."""
 
 
 class ApiKeyError(ValueError):
@@ -174,7 +181,9 @@ class IngressGuard:
 
 def guarded_h11(header_timeout_s: float, counters: Counter[str]) -> type[H11Protocol]:
     """uvicorn's h11 protocol closing connections whose request head is not complete
-    within ``header_timeout_s`` wall seconds (counted as ``http.header_timeouts``)."""
+    within ``header_timeout_s`` wall seconds (counted as ``http.header_timeouts``), and giving each
+    request's scope a :data:`RESET_EXTENSION` (``transport.abort``: the buffered output is dropped
+    and uvicorn sees the connection lost, as when its client goes away)."""
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: Any = None
@@ -205,6 +214,8 @@ def guarded_h11(header_timeout_s: float, counters: Counter[str]) -> type[H11Prot
             super().handle_events()
             if self.cycle is not before:  # a request head arrived
                 self._disarm()
+                if self.cycle is not None:  # its app task has not run yet: the scope it gets is this dict
+                    self.cycle.scope.setdefault("extensions", {})[RESET_EXTENSION] = self.transport.abort
 
         def on_response_complete(self) -> None:
             self._arm()  # the next request's head must come in time too (a pipelined one disarms it)

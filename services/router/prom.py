@@ -49,6 +49,10 @@ name                                                type       meaning
 ``ei_router_node_fences_total{node}``               counter    times the router fenced the node out: no ``node.state``
                                                                within ``--fence-after-s``, or restarted (its state
                                                                sequence went back: a worker killed and restarted)
+``ei_router_slow_client_aborts_total``              counter    requests aborted because their client did not take its
+                                                               output: the most unread when the unread output of all
+                                                               requests passed ``--max-buffered-output-tokens``
+``ei_router_buffered_output_tokens``                gauge      output tokens held for clients that have not taken them
 ==================================================  =========  ==========================================================
 
 ``ei_router_requests_finished_total``: every request the router accepted (placed) counts once
@@ -57,7 +61,8 @@ token id matched at the router; ``length`` also for a request whose last tokens 
 whose node died before its end; ``error`` for a node's error chunk and the router's 5xx
 (continuation impossible, parked work expired, node fenced, request timeout, dispatch failed) and
 for a node's abort chunk, which its client gets as a 503 (a prefill node that found no decode node
-to bind: the failure parked work that expires is); ``abort`` for a client that went away and a
+to bind: the failure parked work that expires is); ``abort`` for a client that went away or was too slow
+(``--max-buffered-output-tokens``) and a
 router shutting down. Requests
 refused before placement (4xx, no route) are only in ``ei_router_requests_total{code}``, which
 counts a stream's status when its headers go out (200 also for a stream that later fails).
@@ -164,4 +169,16 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         "--fence-after-s, or restarted (its state sequence went back); every node the router knows, from 0",
         {(rec.node,): float(rec.fence_events) for rec in view.nodes.values()},
         ["node"],
+    )
+    yield counter_family(
+        "ei_router_slow_client_aborts",
+        "Requests aborted because their client did not take its output (a stream read slower than it came, or not "
+        "at all): the one with the most unread tokens, each time the unread output of all requests passed "
+        "--max-buffered-output-tokens; its stream ends with an error event 'client too slow'",
+        {(): float(c.get("slow_client_aborts", 0))},
+    )
+    yield gauge_family(
+        "ei_router_buffered_output_tokens",
+        "Output tokens the router holds for clients that have not taken them yet (at most --max-buffered-output-tokens)",
+        {(): float(svc.buffered_output_tokens)},
     )

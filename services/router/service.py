@@ -90,7 +90,7 @@ from shared.subjects import (
 )
 
 from services.router import api
-from services.router.ingress import IngressGuard, guarded_h11, load_api_keys
+from services.router.ingress import RESET_EXTENSION, IngressGuard, guarded_h11, load_api_keys
 from services.router.branches import BranchError, BranchTable
 from services.router.config import LOOKUP_TIMEOUT_HINT, RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
@@ -219,6 +219,12 @@ class _Pending:
     ``abort``) while not yet counted: chunks queued before it may still end the response at a stop."""
     counted: str | None = None
     """The finish reason it is counted under in ``ei_router_requests_finished_total`` (once; None: not yet)."""
+    unread: int = 0
+    """Output tokens in :attr:`queue` its response has not taken yet (``--max-buffered-output-tokens``)."""
+    reset: Callable[[], None] | None = None
+    """Resets its client's connection (a stream's, ``ingress.RESET_EXTENSION``); None: not a stream, or no such hook."""
+    http_closed: bool = False
+    """Its response is over (a stream's: :meth:`RouterService._close_stream` ran)."""
 
 
 def _error_message(resp: Response | None) -> str | None:
@@ -619,6 +625,9 @@ class RouterService(WatchedService):
         """The API-key guard (its ``inflight`` per key)."""
         self.app: ASGIApp = _StatusCounter(_RequestIdHeader(_with_cors(guard, cfg)), self.counters)
         self._pending: dict[str, _Pending] = {}
+        self._unread = 0
+        """Output tokens queued for all pending responses, not taken yet (sum of ``_Pending.unread``;
+        at most ``--max-buffered-output-tokens`` once :meth:`_shed_slow_clients` has run)."""
         self._routing: set[str] = set()
         """rids of requests being routed (waiting up to ``no_route_wait_s`` / ``bus_outage_wait_s``
         for a node), not pending yet: another request with that ``X-Request-ID`` is a duplicate too."""
@@ -1001,6 +1010,61 @@ class RouterService(WatchedService):
                 if p.ttft_s is not None:
                     self.core.metrics.observe_finished(p.ttft_s, now - p.t_in, p.out_tokens)
         p.queue.put_nowait(chunk)
+        if chunk.token_ids:
+            p.unread += len(chunk.token_ids)
+            self._unread += len(chunk.token_ids)
+            cap = self.cfg.max_buffered_output_tokens
+            if cap and self._unread > cap:
+                self._shed_slow_clients(cap)
+
+    @property
+    def buffered_output_tokens(self) -> int:
+        """Output tokens held for responses that have not taken them yet (``ei_router_buffered_output_tokens``)."""
+        return self._unread
+
+    def _took(self, p: _Pending, item: m.TokenChunk | _Failure) -> m.TokenChunk | _Failure:
+        """``item`` left ``p``'s queue for its response: its tokens are no longer unread."""
+        if isinstance(item, m.TokenChunk) and item.token_ids:
+            n = min(len(item.token_ids), p.unread)
+            p.unread -= n
+            self._unread -= n
+        return item
+
+    def _shed_slow_clients(self, cap: int) -> None:
+        """Output unread by clients is above ``cap`` tokens (``--max-buffered-output-tokens``): abort the request
+        with the most unread tokens until it is not (O(pending) per request aborted). Its queued output is
+        dropped, its nodes are told to drop it (as for a client that went away), its response gets a 503
+        error event 'client too slow: N output tokens unread' (what it has not read yet still comes first)
+        and its connection is reset if it has not taken that within ``--slow-client-grace-s``; counted
+        ``slow_client_aborts`` (``ei_router_slow_client_aborts_total``) and finished as ``abort``."""
+        while self._unread > cap:
+            victim = max(self._pending.values(), key=lambda q: q.unread, default=None)
+            if victim is None or victim.unread == 0:
+                return  # (cannot happen: the sum is the pending requests' unread)
+            n = victim.unread
+            while not victim.queue.empty():
+                victim.queue.get_nowait()
+            self._unread -= n
+            victim.unread = 0
+            why = (f"client too slow: {n} output tokens unread (the router holds at most {cap} unread across its "
+                   "requests: --max-buffered-output-tokens); request aborted")
+            self.counters["slow_client_aborts"] += 1
+            self.log.warning("client too slow; request aborted", rid=victim.rid, unread_tokens=n, cap_tokens=cap)
+            if victim.done:  # its output all came: nothing on a node to abort; its client sees this error, not its end
+                if victim.counted is None:
+                    victim.end_reason = "abort"
+            else:
+                self._abandon(victim, "client too slow", "slow_client")
+            victim.queue.put_nowait(_Failure(503, why))
+            if victim.reset is not None:
+                asyncio.get_running_loop().call_later(self.cfg.slow_client_grace_s, self._reset_slow_client, victim)
+
+    def _reset_slow_client(self, p: _Pending) -> None:
+        """``--slow-client-grace-s`` after ``p`` was aborted as too slow: reset its connection unless its
+        response ended (its client read the error event)."""
+        if not p.http_closed and p.reset is not None:
+            self.counters["slow_client_resets"] += 1
+            p.reset()
 
     def _stale_chunk(self, p: _Pending, chunk: m.TokenChunk) -> None:
         """A chunk of another attempt than ``p``'s current one (a fenced node that came back):
@@ -1740,12 +1804,12 @@ class RouterService(WatchedService):
         else:
             self._count_end(p, reason)
 
-    _ABANDON_REASON = {"client_disconnect": "abort", "shutdown": "abort"}
+    _ABANDON_REASON = {"client_disconnect": "abort", "shutdown": "abort", "slow_client": "abort"}
     """``_abandon``'s ``why`` → the finish reason it is counted under (others: ``error``)."""
 
     def _abandon(self, p: _Pending, reason: str, why: str) -> None:
         """Stop counting ``p`` and tell its nodes to drop it (idempotent, never awaits); counted finished
-        as ``abort`` (client disconnect, shutdown) or ``error`` (timeout, fenced, parked too long, dispatch failed)."""
+        as ``abort`` (client disconnect or too slow, shutdown) or ``error`` (timeout, fenced, parked too long, dispatch failed)."""
         if p.done:
             return
         p.done = True
@@ -2230,7 +2294,7 @@ class RouterService(WatchedService):
             _ClientGone: if ``watcher`` (the disconnect watcher) fires first.
         """
         if not p.queue.empty():
-            return p.queue.get_nowait()
+            return self._took(p, p.queue.get_nowait())
         get = asyncio.ensure_future(p.queue.get())
         waiters: set[asyncio.Future[Any]] = {get} if watcher is None else {get, watcher}
         try:
@@ -2239,7 +2303,7 @@ class RouterService(WatchedService):
             if not get.done():
                 get.cancel()
         if get in done:
-            return get.result()
+            return self._took(p, get.result())
         if watcher is not None and watcher in done:
             raise _ClientGone
         reason = f"no output for {self.cfg.request_timeout_s:g}s (request_timeout_s)"
@@ -2531,6 +2595,7 @@ class RouterService(WatchedService):
             headers = {"x-request-id": shown, "x-ei-prefill-node": p.prefill_node}
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
+            p.reset = request.scope.get("extensions", {}).get(RESET_EXTENSION)
             gen = self._stream(
                 p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req), api.logprobs_asked(req), echo,
                 api.reply_role(req) if chat else "assistant",
@@ -2738,6 +2803,7 @@ class RouterService(WatchedService):
 
     def _close_stream(self, p: _Pending) -> None:
         """After an SSE response: forget ``p`` if its body never ran (the client left before it started)."""
+        p.http_closed = True
         if self._pending.get(p.rid) is p:
             self._abandon(p, "client disconnected", "client_disconnect")
             self._forget(p)
@@ -2759,6 +2825,9 @@ class RouterService(WatchedService):
         end not counted yet (a request with stops whose router did not stop it: :meth:`_end_decided`) is counted now."""
         if p.end_reason is not None:
             self._count_end(p, p.end_reason)
+        if p.unread:  # output its client never took
+            self._unread -= p.unread
+            p.unread = 0
         if self._pending.get(p.rid) is p:
             del self._pending[p.rid]
             if p.rid in self._parked:  # its client went (or it timed out) while parked

@@ -17,7 +17,7 @@ from .helpers import state
 
 
 def scrape(core: RouterCore, now: float, counters: Counter | None = None) -> dict[tuple[str, tuple], float]:
-    svc = SimpleNamespace(core=core, counters=counters or Counter(), clock=SimpleNamespace(now=lambda: now))
+    svc = SimpleNamespace(core=core, counters=counters or Counter(), clock=SimpleNamespace(now=lambda: now), buffered_output_tokens=0)
     reg = make_registry()
     reg.register(FuncCollector(lambda: router_families(svc)))  # type: ignore[arg-type]
     return {

@@ -1,0 +1,140 @@
+"""Clients that do not read their streams (``--max-buffered-output-tokens``), live.
+
+Real nats-server and router; workers played by ``FakeCluster`` of ``test_router_live``, which sends a
+request's whole output at once. A stream whose client does not read fills its socket and the HTTP
+server's write buffer; the rest waited in the router's per-request queue with no bound across
+requests (40 readers stalled 25 s on 8,000-token streams grew the router from 65 to 75 MB). Now the
+router holds at most ``--max-buffered-output-tokens`` unread: beyond, the request with the most unread
+tokens is aborted on its node, its client gets an error event when it reads on, or its connection is
+reset after ``--slow-client-grace-s``; a client that reads is served whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from typing import Any
+
+import msgspec
+import pytest
+
+from services.router.service import RouterService
+from tests.integration.test_router_live import _wait_for, router_env, sse_events
+
+pytestmark = pytest.mark.timeout(60)
+
+CAP = 8_000
+"""--max-buffered-output-tokens of the test's router."""
+STALLED_TOKENS = 6_000
+"""max_tokens of A and B, streams that are not read: one alone fits under CAP, two do not."""
+BIG_TOKENS = 12_000
+"""max_tokens of C, a stream that is not read: more than CAP alone."""
+GRACE_S = 1.0
+
+
+async def _stalled_stream(svc: RouterService, rid: str, max_tokens: int = STALLED_TOKENS) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream request whose client does not read: a 4 KiB receive buffer, nothing read after the request.
+
+    The router's end of its connection gets a 16 KiB send buffer: on loopback (64 KiB segments) the kernel's
+    send-buffer autotuning took ~3.5 MB (57,000 of 60,000 tokens here) of a stalled stream before the
+    router held any, which a test of a few seconds cannot outrun; elsewhere the kernel's part is as bounded
+    (net.ipv4.tcp_wmem), and it is not the router's memory."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window it offers stays small
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", svc.port))
+    here = sock.getsockname()
+    assert svc._server is not None
+
+    def server_end() -> Any:
+        for proto in svc._server.server_state.connections:  # type: ignore[union-attr]
+            if proto.transport.get_extra_info("peername") == here:
+                return proto.transport.get_extra_info("socket")
+        return None
+
+    await _wait_for(lambda: server_end() is not None, what="connection accepted")
+    server_end().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1024)  # it stops reading the socket at 2 KiB unread
+    body = msgspec.json.encode({"prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True})
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"x-request-id: {rid}\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n")  # fmt: skip
+    writer.write(head.encode() + body)
+    await writer.drain()
+    return reader, writer
+
+
+async def _read_rest(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
+    """Everything until the connection ends: (bytes, True when it was reset rather than closed)."""
+    out = bytearray()
+    try:
+        while chunk := await asyncio.wait_for(reader.read(1 << 16), timeout=10):
+            out += chunk
+    except ConnectionResetError:
+        return bytes(out), True
+    return bytes(out), False
+
+
+async def test_stalled_streams_are_aborted_at_the_cap_and_a_reader_is_served_whole(nats_url, tmp_path):
+    async with router_env(
+        nats_url, tmp_path, {"c0": "both"}, max_buffered_output_tokens=CAP, slow_client_grace_s=GRACE_S
+    ) as env:
+        svc, cluster = env.service, env.cluster
+        cluster.gpu_blocks = {"c0": 1000}  # 64,000 tokens: room for every request here
+        await cluster.publish_states()
+        await _wait_for(lambda: svc.core.view.nodes["c0"].state.gpu_total_blocks == 1000, what="states applied")
+        most = 0
+
+        async def watch() -> None:
+            nonlocal most
+            while True:
+                most = max(most, svc.buffered_output_tokens)
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+
+        def held(rid: str) -> int:
+            """Unread output tokens of ``rid`` once its node ended it, else 0."""
+            p = svc._pending.get(rid)
+            return p.unread if p is not None and p.done else 0
+
+        # A's whole output comes, most of it unread; then B's: past the cap A, the most unread, is aborted,
+        # not B, whose chunk crossed it
+        a = await _stalled_stream(svc, "stall-a")
+        await _wait_for(lambda: held("stall-a") > STALLED_TOKENS // 2, what="A's output held")
+        b = await _stalled_stream(svc, "stall-b")
+        await _wait_for(lambda: svc.counters["slow_client_aborts"] == 1, what="A aborted")
+        unread = {rid: q.unread for rid, q in svc._pending.items()}
+        assert unread.get("stall-a", 0) == 0 and unread["stall-b"] > 0, unread
+        # A reads on (within the grace): what its connection held, then the error event and the end
+        raw, reset = await _read_rest(a[0])
+        assert not reset and b"client too slow: " in raw and b"output tokens unread" in raw, raw[-400:]
+        assert raw.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), raw[-400:]
+        # C (more than the cap alone) and a reader at once: past the cap B (done, all unread) goes, then C,
+        # still running, is aborted on its node; the reader is served whole
+        await _wait_for(lambda: held("stall-b") > STALLED_TOKENS // 2, what="B's output held")
+        c = await _stalled_stream(svc, "stall-c", max_tokens=BIG_TOKENS)
+        t0 = time.monotonic()
+        r = await env.http.post(
+            "/v1/completions", json={"prompt": [4, 5], "max_tokens": 1000, "stream": True, "stream_options": {"include_usage": True}}
+        )
+        assert r.status_code == 200
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 1000, events[-3:]
+        assert not any("error" in e for e in events[:-1])
+        await _wait_for(lambda: svc.counters["slow_client_aborts"] == 3, what="B and C aborted")
+        assert sorted(msg.rid for _, msg in cluster.aborts) == ["stall-c"]  # A and B had ended on their node
+        assert cluster.aborts[0][1].reason == "client too slow"
+        # B does not read within the grace: its connection is reset (what the kernel had taken, then the end)
+        await asyncio.sleep(max(0.0, GRACE_S + 0.2 - (time.monotonic() - t0)))
+        await _wait_for(lambda: svc.counters["slow_client_resets"] == 2, what="B and C reset")
+        raw, _ = await _read_rest(b[0])
+        assert b"client too slow" not in raw and b"[DONE]" not in raw
+        watcher.cancel()
+        # the cap held throughout, and every aborted request's output is let go
+        assert most <= CAP and svc.buffered_output_tokens == 0, (most, svc.buffered_output_tokens)
+        metrics = (await env.http.get("/metrics")).text
+        assert "ei_router_slow_client_aborts_total 3.0" in metrics and "ei_router_buffered_output_tokens 0.0" in metrics
+        assert svc.counters["finish.abort"] == 1  # C; A and B were counted served (length) when their node ended them
+        for _, w in (a, b, c):
+            w.close()
