@@ -181,7 +181,11 @@ RESEND_WINDOW_S = 2.0
 """Reliable messages published this many seconds before a disconnect are published again
 on reconnect (they may have died in the socket or in the server's write buffer)."""
 RESEND_MAX_MSGS = 50_000
-"""Bound of the resend window in messages."""
+"""Bound of the resend window in messages, and of the reliable publishes kept while the stream may be lost (``HELD_MAX_BYTES``)."""
+HELD_MAX_BYTES = 64 * 1024 * 1024
+"""Byte bound (payloads) of the reliable publishes a bus keeps from a disconnect until it knows the stream is there
+after the reconnect (:meth:`Bus._hold`): published again, in order, when the server came back without its store.
+Past it (or ``RESEND_MAX_MSGS``) the oldest are dropped, counted ``stream_held_dropped``."""
 PUBLISH_STREAM_WAIT_S = 5.0
 """How long the first reliable publish of a bus that has not looked for the stream yet waits for it (seconds);
 past that it is sent over core NATS and the search goes on in the background (:meth:`Bus.publish`)."""
@@ -338,7 +342,7 @@ class Bus:
         self._publish_check: asyncio.Task[bool] | None = None
         """The stream check a reliable publish began (:meth:`publish`), going on in the background past its wait."""
         self._reconnects_seen = 0
-        """Reconnects whose stream check began (:meth:`_stream_after_reconnect`): a wait gives way to a later one."""
+        """Reconnects whose stream check began (:meth:`_after_reconnect`): a wait gives way to a later one."""
         self._stream_created: object = None
         """The stream's creation time as the server reported it (``StreamInfo.created``) when this bus first
         saw it: a different one after a reconnect is a new stream (the server lost its store)."""
@@ -358,6 +362,11 @@ class Bus:
         self._recent: deque[tuple[float, str, bytes, dict[str, str]]] = deque()
         """(monotonic time, subject, payload, headers) of recent reliable publishes."""
         self._resend: list[tuple[float, str, bytes, dict[str, str]]] = []
+        self._holding = False
+        """True from a disconnect (on JetStream) until the stream is known to be there after the reconnect: reliable
+        publishes are kept in ``_held`` meanwhile (:meth:`_hold`), since a server back without its store drops them."""
+        self._held: deque[tuple[float, str, bytes, dict[str, str]]] = deque()
+        self._held_bytes = 0
         self._js_subs: list[tuple[Subscription, _StreamPosition]] = []
         self.identity = ""
         """Name of the NATS identity this bus connected as (``NatsAuth.name``); empty = no credentials."""
@@ -435,6 +444,9 @@ class Bus:
             # cut here too, not only on publish: after a quiet spell _recent still holds older messages)
             bus._trim_recent(time.monotonic())
             bus._resend = list(bus._recent)
+            # until the stream is known to be there after the reconnect, keep what is published (nats-py's reconnect
+            # buffer flushes it into a server that may have come back without its store, where it goes nowhere)
+            bus._holding = bus._holding or bus.jetstream
             bus.log.warning("nats disconnected")
 
         async def reconnected_cb() -> None:
@@ -522,14 +534,19 @@ class Bus:
         """Find the stream again (make it when the server lost it), publish the resend window again,
         resume consumers whose stream came back shorter or new."""
         resend, self._resend = self._resend, []
-        info = await self._stream_after_reconnect() if self.jetstream else None
-        if info is not None and self._stream_created is not None and info.created is not None and info.created != self._stream_created:
-            # a new stream (the server came back without its store): what was published since the reconnect,
-            # before the stream was there, went nowhere: published again with the window (ids drop any copy)
+        self._reconnects_seen += 1
+        mine = self._reconnects_seen
+        info = await self._stream_after_reconnect(lambda: mine == self._reconnects_seen) if self.jetstream else None
+        if mine != self._reconnects_seen:  # a later reconnect took over: its check ends the holding
+            for r in (resend if self._holding else ()):
+                self._hold(r)
+        elif info is not None and self._stream_created is not None and info.created is not None and info.created != self._stream_created:
+            # a new stream (the server came back without its store): what was published since the disconnect, before
+            # the stream was there, went nowhere: published again, in order, with the window (ids drop any copy).
+            # Before, only the last RESEND_WINDOW_S of it was: a longer wait for the stream lost the rest
             self._stream_created = info.created
             self.counters["stream_recreated"] += 1
-            ids = {hdr.get(MSG_ID) for _t, _s, _d, hdr in resend}
-            resend += [r for r in self._recent if r[3].get(MSG_ID) not in ids]
+            resend = self._in_order([*resend, *self._stop_holding(), *self._recent])
             first = max(0, int(info.state.first_seq) - 1)
             self.log.warning("stream is new after the reconnect (the server lost its store); consumers resume at its start",
                              consumers=len(self._js_subs), stream_first=first + 1)  # fmt: skip
@@ -541,6 +558,8 @@ class Bus:
                 jsi._sseq = first
                 await jsi.reset_ordered_consumer(first + 1)
             info = None  # the consumers are placed
+        else:  # the same stream (what was published meanwhile is in it), or none to be found: nothing to keep
+            self._stop_holding()
         for _t, subject, data, hdr in resend:
             try:
                 await self.nc.publish(subject, data, headers=hdr)
@@ -563,14 +582,45 @@ class Bus:
             jsi._sseq = last
             await jsi.reset_ordered_consumer(last + 1)
 
-    async def _stream_after_reconnect(self) -> Any:
+    def _hold(self, entry: tuple[float, str, bytes, dict[str, str]]) -> None:
+        """Keep a reliable publish ``(monotonic s, subject, payload, headers)`` until the stream is known to be there
+        after a reconnect (:attr:`_holding`), bounded by ``RESEND_MAX_MSGS`` and ``HELD_MAX_BYTES``: the oldest
+        go first, counted ``stream_held_dropped`` (a line now and then)."""
+        self._held.append(entry)
+        self._held_bytes += len(entry[2])
+        while len(self._held) > RESEND_MAX_MSGS or self._held_bytes > HELD_MAX_BYTES:
+            old = self._held.popleft()
+            self._held_bytes -= len(old[2])
+            self.counters["stream_held_dropped"] += 1
+            self.droplog.event("stream_held", "reliable publish dropped: too many kept while the stream may be lost",
+                               subject=old[1], kept=len(self._held), kept_bytes=self._held_bytes)  # fmt: skip
+
+    def _stop_holding(self) -> list[tuple[float, str, bytes, dict[str, str]]]:
+        """End :attr:`_holding`; return what was kept (oldest first)."""
+        held = list(self._held)
+        self._held.clear()
+        self._held_bytes = 0
+        self._holding = False
+        return held
+
+    @staticmethod
+    def _in_order(entries: list[tuple[float, str, bytes, dict[str, str]]]) -> list[tuple[float, str, bytes, dict[str, str]]]:
+        """``entries`` (reliable publishes) once each (by ``Nats-Msg-Id``), in the order they were published."""
+        seen: set[str | None] = set()
+        once = []
+        for e in entries:
+            mid = e[3].get(MSG_ID)
+            if mid not in seen:
+                seen.add(mid)
+                once.append(e)
+        return sorted(once, key=lambda e: e[0])  # stable: one bus's publishes have rising monotonic times
+
+    async def _stream_after_reconnect(self, go_on: Callable[[], bool]) -> Any:
         """The stream's info after a reconnect; a stream the server lost is made again or, when this bus may not
         (under credentials only the launcher may), waited for until another bus makes it (:meth:`_await_stream`).
-        None when it cannot be read (logged), the bus closes, or a later reconnect took over."""
+        None when it cannot be read (logged), the bus closes, or ``go_on()`` turns false (a later reconnect took over)."""
         jsm = self.nc.jetstream(timeout=5.0)
         name = stream_name(self.subjects)
-        self._reconnects_seen += 1
-        mine = self._reconnects_seen
         try:
             return await jsm.stream_info(name)
         except nats.js.errors.NotFoundError:
@@ -578,7 +628,7 @@ class Bus:
         except (nats.errors.Error, asyncio.TimeoutError) as e:
             self.log.warning("stream info after reconnect failed", error=repr(e))
             return None
-        return await self._await_stream(lambda: mine == self._reconnects_seen, again=True)
+        return await self._await_stream(go_on, again=True)
 
     async def _await_stream(self, go_on: Callable[[], bool], *, again: bool, maker: bool = False) -> Any:
         """Make the partition's stream, which the server (it has JetStream: it answered "not found") lacks, or,
@@ -624,9 +674,10 @@ class Bus:
                         what = "the server lost the stream and nobody made it again yet" if again else "the stream is not there yet"
                         # answered: this bus may create it, the server refuses the config
                         fix = stream_refusal(e) or (
-                            "reliable messages go nowhere until the launcher makes it (evolving-infra auth stream; "
-                            "under docker compose: docker compose run stream)"
-                        )
+                            (f"reliable messages published meanwhile are kept (the latest {RESEND_MAX_MSGS}) and published "
+                             "once it is there; the launcher makes it" if again else "reliable messages go nowhere until the launcher makes it")
+                            + " (evolving-infra auth stream; under docker compose: docker compose run stream)"
+                        )  # fmt: skip
                         # str, not repr: nats-py's API errors have an empty repr (BadRequestError()), their str names the reason
                         self.log.warning(f"{what}: {fix}; waiting for it", stream=name, error=str(e) or repr(e))
                 await asyncio.sleep(0.5)
@@ -798,6 +849,8 @@ class Bus:
                 now = time.monotonic()
                 self._recent.append((now, full, data, hdr))
                 self._trim_recent(now)
+                if self._holding:
+                    self._hold((now, full, data, hdr))
                 await self.nc.publish(full, data, headers={**headers, **hdr} if headers else hdr)
             else:
                 await self.nc.publish(full, data, headers=headers)

@@ -280,6 +280,61 @@ async def test_a_bus_that_may_not_make_the_lost_stream_waits_until_another_does(
                     await bus.close()
 
 
+@pytest.mark.timeout(60)
+async def test_what_is_published_during_a_long_wait_for_the_lost_stream_arrives_once_it_is_back(monkeypatch):
+    """A server back without its store, and buses that may not make the stream again (under credentials only the
+    launcher may): what the publisher sends while it waits for the stream, for longer than the resend window, is
+    kept and published, in order and once each, when the launcher has made it. Before, only the last
+    ``RESEND_WINDOW_S`` of it was published again (0.3 s here: 1.5 s of publishes, 12 of 15 lost) and the rest
+    "went nowhere"."""
+    import shared.bus as busmod
+    from nats.js.api import StreamConfig
+
+    monkeypatch.setattr(busmod, "STREAM_BACK_WAIT_S", 0.3)
+    monkeypatch.setattr(busmod, "RESEND_WINDOW_S", 0.3)
+    with EmbeddedNatsServer() as srv:
+        subj = Subjects("p0")
+        pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
+        sub = await Bus.connect(srv.url, subj, service="router", instance="router")
+        got: list[int] = []
+
+        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
+            got.append(c.index)
+
+        async def until(done, what: str) -> None:
+            for _ in range(200):
+                if done():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"no {what} in 10 s: got {got}, {dict(pub.counters)}")
+
+        launcher = None
+        try:
+            await sub.subscribe(REQ_OUT, on_chunk)
+            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=0, token_ids=[0]), rid="r")
+            await until(lambda: got == [0], "first")
+            for bus in (pub, sub):  # neither may make it (as under nkeys)
+                monkeypatch.setattr(bus, "_stream_config", lambda: StreamConfig(name="not allowed"))
+            os.kill(srv.pid, signal.SIGKILL)
+            srv.proc.wait()
+            shutil.rmtree(Path(srv._tmp) / "js")
+            srv.restart()
+            await until(lambda: pub.nc.is_connected and sub.nc.is_connected, "reconnect")
+            for i in range(1, 16):  # 1.5 s of publishes while the stream is missing: 5 resend windows
+                await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
+                await asyncio.sleep(0.1)
+            launcher = await Bus.connect(srv.url, subj, service="launcher", instance="launcher")
+            assert await launcher.ensure_stream()
+            await until(lambda: len(got) >= 16, "every chunk")
+            await asyncio.sleep(0.3)
+            assert got == list(range(16)), got
+            assert pub.counters["stream_recreated"] == 1 and not pub.counters["stream_held_dropped"] and not pub._held
+        finally:
+            for bus in (pub, sub, launcher):
+                if bus is not None:
+                    await bus.close()
+
+
 @pytest.mark.timeout(120)
 async def test_core_subscription_loses_messages_across_the_same_kill():
     """The control: the same traffic on a core (at-most-once) subscription loses what was sent
