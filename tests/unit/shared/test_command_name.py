@@ -27,6 +27,18 @@ def _clone(tmp_path: Path) -> Path:
     return repo
 
 
+def _tiny_model(folder: Path) -> Path:
+    """``evolving-infra model init FOLDER``: needs the torch extra (torch, and tokenizers for the tokenizer), as
+    ``--engine torch`` and ``--tokenizer hf:`` do at ``_spec``; the test is skipped without it (before, a
+    ``pytest tests/unit`` without the extra failed three tests here: ``model init`` exited 1)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("tokenizers")
+    from evolving_infra.cli import main
+
+    assert main(["model", "init", str(folder)]) in (0, None)
+    return folder
+
+
 @pytest.fixture
 def make_demo(tmp_path, monkeypatch):
     """``make demo``'s process: ``.venv/bin/evolving-infra demo`` run in the clone, the venv not activated."""
@@ -86,11 +98,8 @@ def test_the_demos_baseline_line_keeps_the_profile_and_the_engine(make_demo, ext
     """'Same input' means the same nodes: the baseline command dropped ``--profile`` (a ``--profile
     tiny`` demo was compared with a gb300-glm52 baseline) and ``--engine torch --model DIR
     --max-output N`` (a real-model demo with a simulated GLM-5.2 one)."""
-    from evolving_infra.cli import main
-
     if "--engine" in extra:
-        assert main(["model", "init", str(tmp_path / "MODEL")]) in (0, None)
-        extra = [str(tmp_path / "MODEL") if a == "MODEL" else a for a in extra]
+        extra = [str(_tiny_model(tmp_path / "MODEL")) if a == "MODEL" else a for a in extra]
     args = build_parser().parse_args(["demo", "--log-dir", str(tmp_path / "logs"), "--sessions", "4", "--concurrency", "2", *extra])
     _spec(args)
     line = _baseline_line(args, Path("demo-out"))
@@ -105,9 +114,7 @@ def test_the_static_demos_comparison_carries_every_input_flag(make_demo, tmp_pat
     """After ``demo --policy static:1P1D --engine torch --model DIR --nodes 2 --sessions 3`` the comparison command
     was ``demo --out demo-out``: the default 4-node, 60-session sim demo, not the same input; and ``report compare``
     without ``--out`` wrote ./compare-out wherever the user stood."""
-    from evolving_infra.cli import main
-
-    assert main(["model", "init", str(tmp_path / "M")]) in (0, None)
+    _tiny_model(tmp_path / "M")
     args = build_parser().parse_args(["demo", "--policy", "static:1P1D", "--engine", "torch", "--model", str(tmp_path / "M"),
                                       "--nodes", "2", "--sessions", "3", "--concurrency", "2", "--max-output", "4",
                                       "--gpu-kv-tokens", "2048", "--trace", "t.jsonl.gz", "--out", "runs/x-static",
@@ -131,15 +138,17 @@ def test_the_static_demos_comparison_carries_every_input_flag(make_demo, tmp_pat
 def test_the_demos_baseline_line_keeps_how_the_cluster_serves(make_demo, tmp_path):
     """``demo --fence-after-s 3`` printed a baseline command without it: the comparison ran at the demo's 10 s, a
     cluster that fences a starved worker later; ``--stream-interval`` and a ``--tokenizer`` given were dropped too."""
-    from evolving_infra.cli import main
-
-    assert main(["model", "init", str(tmp_path / "M")]) in (0, None)
     args = build_parser().parse_args(["demo", "--log-dir", str(tmp_path / "logs"), "--sessions", "4", "--fence-after-s", "3",
-                                      "--stream-interval", "4", "--tokenizer", f"hf:{tmp_path / 'M'}"])
+                                      "--stream-interval", "4"])
     _spec(args)
     base = _baseline_line(args, Path("demo-out")).split(": ", 1)[1].split(" && ")[0]
-    for flag in ("--fence-after-s 3", "--stream-interval 4", f"--tokenizer hf:{tmp_path / 'M'}"):
+    for flag in ("--fence-after-s 3", "--stream-interval 4"):
         assert flag in base, (flag, base)
+    _tiny_model(tmp_path / "M")  # a --tokenizer given, and the torch engine's own: with the torch extra only
+    args = build_parser().parse_args(["demo", "--log-dir", str(tmp_path / "l1"), "--sessions", "4", "--tokenizer", f"hf:{tmp_path / 'M'}"])
+    _spec(args)
+    base = _baseline_line(args, Path("demo-out")).split(": ", 1)[1].split(" && ")[0]
+    assert f"--tokenizer hf:{tmp_path / 'M'}" in base, base
     # the defaults, and the torch engine's own tokenizer (the model's), are not repeated
     plain = build_parser().parse_args(["demo", "--log-dir", str(tmp_path / "l2"), "--engine", "torch", "--model", str(tmp_path / "M")])
     _spec(plain)
