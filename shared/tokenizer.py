@@ -87,6 +87,12 @@ _SYLLABLES = [c + v for c in _CONSONANTS for v in _VOWELS]  # 80; 80**3 = 512000
 _SYL_INDEX = {s: i for i, s in enumerate(_SYLLABLES)}
 _NSYL = len(_SYLLABLES)
 _WORD = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+_NON_WORD = re.compile(r"\W", re.UNICODE)
+_SIM_CHUNK_CHARS = 65_536
+"""Characters of a text above which :meth:`SimTokenizer.encode` splits it into pieces of about this size:
+one ``findall`` is one C call that holds the GIL for the whole text (a 60 MB prompt of 30M words: 12.5 s
+here, during which the router's event loop, every stream, stopped although the call ran in a worker thread);
+a piece takes ~10 ms, and the GIL is handed over between pieces."""
 _SIM_WORD = re.compile(r"^(?:[bdfghjklmnprstvz][aeiou]){3}$")
 
 
@@ -241,9 +247,21 @@ class SimTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Ids of the words and punctuation of ``text`` (whitespace is dropped; the sim vocabulary has no
-        special tokens: ``add_special_tokens`` changes nothing)."""
+        special tokens: ``add_special_tokens`` changes nothing). A text over ``_SIM_CHUNK_CHARS`` characters
+        is scanned in pieces cut between tokens (the same ids), so that a caller's other threads run meanwhile."""
         tid = self.token_id
-        return [tid(m) for m in _WORD.findall(text)]
+        if len(text) <= _SIM_CHUNK_CHARS:
+            return [tid(m) for m in _WORD.findall(text)]
+        ids: list[int] = []
+        start, n = 0, len(text)
+        while start < n:
+            # cut just after a non-word character (a space, in no token; or punctuation, a token of its own),
+            # so that no word is split: the pieces' tokens are the whole text's
+            cut = _NON_WORD.search(text, min(start + _SIM_CHUNK_CHARS, n))
+            end = cut.end() if cut is not None else n
+            ids.extend([tid(m) for m in _WORD.findall(text, start, end)])
+            start = end
+        return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Placeholder words joined by single spaces (the sim vocabulary has no special tokens:
