@@ -519,7 +519,7 @@ def parse_chat(body: bytes) -> ChatRequest:
 
     Raises:
         ApiError: 400 with the reason (invalid JSON, wrong type or value,
-            no messages, non-text content part, unsupported option).
+            no messages, non-text content part, a malformed tool, unsupported option).
     """
     try:
         req = _CHAT_DEC.decode(body)
@@ -531,6 +531,7 @@ def parse_chat(body: bytes) -> ChatRequest:
     if req.top_logprobs and not req.logprobs:  # top_logprobs 0 (vLLM's default) asks for nothing
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     _check_content_parts(req.messages)
+    _check_tools(req.tools)
     _check_generation_prompt(req)
     _check_no_output_constraint(req)
     return req
@@ -605,13 +606,42 @@ def _check_content_parts(messages: list[ChatMessage]) -> None:
     for i, msg in enumerate(messages):
         if isinstance(msg.content, list):
             for j, part in enumerate(msg.content):
-                text_part = part.type == "text" and part.text is not None
-                refusal_part = part.type == "refusal" and part.refusal is not None and msg.role == "assistant"
-                if not (text_part or refusal_part):
-                    raise ApiError(
-                        400, f"content part type {part.type!r} is not supported (text only; refusal in assistant messages)",
-                        param=f"messages[{i}].content[{j}]",
-                    )
+                where = f"messages[{i}].content[{j}]"
+                if part.type == "refusal" and msg.role != "assistant":
+                    raise ApiError(400, f"a refusal content part is only allowed in an assistant message, not a {msg.role!r} one", param=where)
+                if part.type in ("text", "refusal"):
+                    if getattr(part, part.type) is None:  # the type is known, its field is missing (or null)
+                        raise ApiError(400, f"a content part of type {part.type!r} needs a {part.type!r} string", param=f"{where}.{part.type}")
+                    continue
+                raise ApiError(
+                    400, f"content part type {part.type!r} is not supported (text only; refusal in assistant messages)", param=where,
+                )
+
+
+def _check_tools(tools: list[dict[str, Any]] | None) -> None:
+    """Each of ``tools`` is OpenAI's (and vLLM's ``ChatCompletionToolsParam``): ``{"type": "function"`` (the
+    default when absent)``, "function": {"name": str, "description": str | null, "parameters": object | null}}``.
+    vLLM refuses another shape with a 400; here the tools were rendered into the prompt as sent, so a malformed
+    list (``[{}]``, a name that is a number) was served as if the model had been told of tools.
+
+    Raises:
+        ApiError: 400 naming the field (``tools[i].function.name``).
+    """
+    for i, tool in enumerate(tools or ()):
+        where = f"tools[{i}]"
+        kind = tool.get("type", "function")
+        if kind != "function":
+            raise ApiError(400, f"{where}.type must be 'function', got {str(kind)[:64]!r}", param=f"{where}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise ApiError(400, f"{where}.function must be an object with a name", param=f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
+        if not isinstance(fn.get("description", ""), (str, type(None))):
+            raise ApiError(400, f"{where}.function.description must be a string", param=f"{where}.function.description")
+        if not isinstance(fn.get("parameters", {}), (dict, type(None))):
+            raise ApiError(400, f"{where}.function.parameters must be an object (a JSON Schema)", param=f"{where}.function.parameters")
 
 
 def _content_text(content: str | list[ContentPart] | None) -> str:
@@ -992,6 +1022,7 @@ def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatReque
     if "messages" in head:
         chat = _convert(head, TokenizeChatRequest)
         _check_content_parts(chat.messages)
+        _check_tools(chat.tools)
         _check_generation_prompt(chat)
         return chat
     return _convert(head, TokenizeCompletionRequest)

@@ -269,7 +269,33 @@ def test_refusal_content_part_of_an_assistant_message_is_text():
                          {"role": "user", "content": "b"}]}
     req = api.parse_chat(msgspec.json.encode(body))
     assert api.chat_messages(req)[1]["content"] == "no"
-    bad(api.parse_chat, {"messages": [{"role": "user", "content": [{"type": "refusal"}]}]}, "text only")
+    bad(api.parse_chat, {"messages": [{"role": "user", "content": [{"type": "refusal"}]}]}, "only allowed in an assistant message")
+
+
+def test_a_content_part_missing_its_text_or_a_malformed_tool_is_a_400_saying_so():
+    """A text part without ``text`` was told "content part type 'text' is not supported" (it is; its field is
+    missing); ``tools`` of any shape (``[{}]``, a numeric name) were served, rendered into the prompt as sent,
+    where vLLM answers 400. Each now names the field."""
+    def says(body: dict, match: str, param: str) -> None:
+        with pytest.raises(api.ApiError, match=match) as ei:
+            api.parse_chat(msgspec.json.encode(body))
+        assert ei.value.status == 400 and ei.value.param == param, ei.value.param
+        if "tools" in body:  # /tokenize of the same chat is refused the same way
+            with pytest.raises(api.ApiError, match=match):
+                api.parse_tokenize(msgspec.json.encode(body))
+
+    user = [{"role": "user", "content": "x"}]
+    says({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "needs a 'text' string", "messages[0].content[0].text")
+    says({"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": None}]}]}, "needs a 'refusal' string",
+         "messages[0].content[0].refusal")
+    says({"messages": user, "tools": [{}]}, r"tools\[0\]\.function must be an object", "tools[0].function")
+    says({"messages": user, "tools": [{"type": "function", "function": {"name": 1}}]}, "name must be a non-empty string",
+         "tools[0].function.name")
+    says({"messages": user, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "must be 'function'", "tools[0].type")
+    says({"messages": user, "tools": [{"function": {"name": "f", "parameters": "x"}}]}, "must be an object", "tools[0].function.parameters")
+    ok = {"messages": user, "tools": [{"type": "function", "function": {"name": "f", "description": None, "parameters": {"type": "object"}}},
+                                      {"function": {"name": "g"}}]}
+    assert len(api.parse_chat(msgspec.json.encode(ok)).tools) == 2
 
 
 def test_chat_top_logprobs_zero_without_logprobs_is_the_default():
