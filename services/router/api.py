@@ -811,14 +811,22 @@ def parse_branch_headers(headers: Any, max_len: int) -> BranchHeaders:
     """Read ``X-Branch-Id``, ``X-Parent-Branch-Id``, ``X-Branch-Kind`` (fork | subagent | main) and ``X-Agent-Id``.
 
     Args:
-        headers: a case-insensitive mapping (Starlette ``Headers``).
+        headers: a case-insensitive mapping (Starlette ``Headers``; with its ``getlist``, a header repeated
+            with different values is refused: which branch the request is of would be a guess).
         max_len: longest accepted id.
 
     Raises:
-        ApiError: 400 for an empty, too long or control-character value, an
-            unknown kind, kind/parent without a branch id, or a branch that is
-            its own parent.
+        ApiError: 400 for an empty, too long or control-character value, one of the four headers sent
+            again with another value, an unknown kind, kind/parent without a branch id, or a branch that
+            is its own parent.
     """
+    getlist = getattr(headers, "getlist", None)  # Starlette's Headers: every value of a repeated header
+    if getlist is not None:
+        for name, shown in (("x-branch-id", "X-Branch-Id"), ("x-parent-branch-id", "X-Parent-Branch-Id"),
+                            ("x-branch-kind", "X-Branch-Kind"), ("x-agent-id", "X-Agent-Id")):
+            values = getlist(name)
+            if len(set(values)) > 1:  # the same value twice (a proxy's copy) is one value
+                raise ApiError(400, f"{shown} is sent {len(values)} times with different values; send it once", param=shown)
     bid = headers.get("x-branch-id")
     parent = headers.get("x-parent-branch-id")
     kind = headers.get("x-branch-kind")

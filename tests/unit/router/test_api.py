@@ -154,6 +154,23 @@ def test_branch_headers():
         assert ei.value.status == 400
 
 
+def test_an_agent_header_repeated_with_another_value_is_a_400():
+    """Two ``X-Branch-Id`` values (a client's default header and its per-call one) were served as the first's
+    branch, silently; each agent header repeated with another value is now a 400 naming it. The same value
+    twice (a proxy's copy) is one value."""
+    from starlette.datastructures import Headers
+
+    for name, values in (("x-branch-id", ("main", "b7")), ("x-parent-branch-id", ("p1", "p2")),
+                         ("x-branch-kind", ("fork", "subagent")), ("x-agent-id", ("a", "b"))):
+        raw = [(b"x-branch-id", b"b1")] if name != "x-branch-id" else []
+        raw += [(name.encode(), v.encode()) for v in values]
+        with pytest.raises(api.ApiError, match="sent 2 times with different values") as ei:
+            api.parse_branch_headers(Headers(raw=raw), 16)
+        assert ei.value.status == 400 and ei.value.param.lower() == name, ei.value.param
+    same = Headers(raw=[(b"x-branch-id", b"b1"), (b"x-branch-id", b"b1"), (b"x-branch-kind", b"fork"), (b"x-branch-kind", b"fork")])
+    assert api.parse_branch_headers(same, 16) == api.BranchHeaders(branch_id="b1", kind="fork")
+
+
 def test_response_shapes():
     use = api.usage(10, 3, 4)
     assert use == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 4}}
