@@ -110,7 +110,18 @@ _BIG_TEXT = 32_768
 _T = TypeVar("_T")
 
 
-async def _off_loop_if_big(body: bytes, run: Callable[[bytes], _T]) -> _T:
+_HUGE_BODY = 4 * 1024 * 1024
+"""Body bytes above which a request's parse and tokenization wait for the router's gate (:data:`_HUGE_AT_ONCE`).
+4 MiB is an agent's 100K-token context (~0.4 MB of text) ten times over: those never wait behind a huge
+body; a prompt near ``max_prompt_tokens`` (1M tokens, ~4 MB of English text) may wait its turn."""
+_HUGE_AT_ONCE = 2
+"""Bodies over ``_HUGE_BODY`` bytes parsed and tokenized at once (:func:`_off_loop_if_big`'s ``gate``); the
+others wait their turn, their bodies read. Each takes memory several times its size (a 60 MB prompt of 30M
+words: ~360 MB at its peak, measured here): four at once took the router from 70 MB to 1.5 GB, and
+``asyncio.to_thread``'s pool runs min(32, cores + 4) of them."""
+
+
+async def _off_loop_if_big(body: bytes, run: Callable[[bytes], _T], gate: asyncio.Semaphore | None = None) -> _T:
     """``run(body)``: in a worker thread when ``body`` is over ``_BIG_TEXT`` bytes, so that the event
     loop (every stream, every bus message) does not stop for it; here, with no thread hop, when small.
     Used by ``/tokenize``, ``/detokenize`` and the generation endpoints (``_prepare``): a 59 MB body of
@@ -118,8 +129,15 @@ async def _off_loop_if_big(body: bytes, run: Callable[[bytes], _T]) -> _T:
     Python-level work (the block hashes, one call per block) gives the loop the GIL every switch interval;
     one C call that holds the GIL does not, and still stops the loop for its length: msgspec's parse
     (44 ms for a 6.2 MB body of 1M ids, 0.45 s for 59 MB), ``tokenizers``' ``Tokenizer.encode`` (a 6 MB
-    text: 5.1 s with a toy BPE; ``HFTokenizer`` calls ``encode_batch_fast``, which releases it: 0.09 s)."""
-    return await asyncio.to_thread(run, body) if len(body) > _BIG_TEXT else run(body)
+    text: 5.1 s with a toy BPE; ``HFTokenizer`` calls ``encode_batch_fast``, which releases it: 0.09 s).
+    ``gate``: held around the thread of a body over :data:`_HUGE_BODY` bytes (the router's: :data:`_HUGE_AT_ONCE`
+    at once), so that their memory is bounded by the gate, not by how many clients send one at once."""
+    if len(body) <= _BIG_TEXT:
+        return run(body)
+    if gate is None or len(body) <= _HUGE_BODY:
+        return await asyncio.to_thread(run, body)
+    async with gate:
+        return await asyncio.to_thread(run, body)
 
 
 _DUPLICATE_GRACE_S = 0.5
@@ -607,6 +625,8 @@ class RouterService(WatchedService):
         )
         self.branches = BranchTable(cfg.max_ended_branches, ttl_s=cfg.branch_ttl_s, max_hold_s=cfg.max_tool_hold_s)
         self.counters: Counter[str] = Counter()
+        self._big_gate = asyncio.Semaphore(_HUGE_AT_ONCE)
+        """Huge bodies parsed and tokenized at once (:func:`_off_loop_if_big`)."""
         self.registry = make_registry(bus)
         """Prometheus registry (``GET /metrics`` here and on ``--metrics-port``)."""
         self.registry.register(FuncCollector(lambda: router_families(self)))
@@ -1972,7 +1992,7 @@ class RouterService(WatchedService):
         try:
             body = await self._read_body(request)
             # the body's size, not the contents': a chat's tools are rendered too
-            ids, strs = await _off_loop_if_big(body, run)
+            ids, strs = await _off_loop_if_big(body, run, self._big_gate)
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
         return self._json(api.tokenize_response(ids, self.max_model_len, strs))
@@ -1991,7 +2011,7 @@ class RouterService(WatchedService):
 
         try:
             body = await self._read_body(request)
-            text = await _off_loop_if_big(body, run)
+            text = await _off_loop_if_big(body, run, self._big_gate)
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
         return self._json({"prompt": text})
@@ -2150,7 +2170,7 @@ class RouterService(WatchedService):
         # 0.5 s on the loop when only contents were counted), and a prompt of ids is parsed, made an array,
         # packed and hashed (1M ids, 6.2 MB: 140 ms on the loop at block_size 16, 90 ms at 64)
         ctx = self.context_limit()  # read here, on the loop: the node view is not read from a worker thread
-        req, arr, max_tokens, packed, hashes, echo = await _off_loop_if_big(body, lambda b: self._prepare_body(b, chat, ctx))
+        req, arr, max_tokens, packed, hashes, echo = await _off_loop_if_big(body, lambda b: self._prepare_body(b, chat, ctx), self._big_gate)
         return hdrs, req, arr, max_tokens, packed, hashes, echo
 
     def _prepare_body(self, body: bytes, chat: bool, ctx: int) -> tuple[Any, np.ndarray, int, bytes, list[int], str]:

@@ -11,6 +11,7 @@ import time
 
 import httpx
 
+from services.router import api
 from tests.integration.test_router_live import _wait_for, router_env
 
 BODY = {"prompt": [1, 2, 3], "max_tokens": 2}
@@ -179,3 +180,40 @@ async def test_ping_answers_as_health_on_get_and_post_without_a_key(nats_url, tm
                 assert r.json() == health.json() and "c0: fenced" in r.json()["error"]["message"], r.text
             assert (await http.put("/ping")).status_code == 405
         assert env.service.counters["http.unauthorized"] == 1
+
+
+async def test_huge_bodies_are_parsed_two_at_a_time_and_small_ones_never_wait(nats_url, tmp_path):
+    """Each huge body's parse and tokenization, in a worker thread, takes memory several times its size (a 60 MB
+    prompt: ~360 MB); four sent at once took a live router from 70 MB to 1.5 GB, and asyncio's thread pool
+    runs min(32, cores + 4) of them. Bodies over 4 MiB now go two at a time; a smaller body is not held behind them."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        inside: list[int] = []  # body sizes of the parses running now
+        most = [0]
+        small_saw_huge = []
+        prepare = env.service._prepare_body
+
+        def counted(body: bytes, chat: bool, ctx: int):
+            inside.append(len(body))
+            try:
+                if len(body) > 4 * 1024 * 1024:
+                    most[0] = max(most[0], sum(n > 4 * 1024 * 1024 for n in inside))
+                    time.sleep(0.5)
+                    raise api.ApiError(400, "huge")
+                small_saw_huge.append(sum(n > 4 * 1024 * 1024 for n in inside))
+                return prepare(body, chat, ctx)
+            finally:
+                inside.remove(len(body))
+
+        env.service._prepare_body = counted
+        huge = b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
+        posts = [asyncio.create_task(env.http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}))
+                 for _ in range(4)]
+        for _ in range(400):  # until two are inside (the bodies take a while to arrive on a loaded box)
+            if sum(n > 4 * 1024 * 1024 for n in inside) >= 2:
+                break
+            await asyncio.sleep(0.005)
+        small = await env.http.post("/v1/completions", json={"prompt": "a " * 20_000, "max_tokens": 2})  # 40 KB: off the loop, ungated
+        results = await asyncio.gather(*posts)
+        assert [r.status_code for r in results] == [400] * 4 and small.status_code < 500, small.text
+        assert most[0] == 2, most[0]
+        assert small_saw_huge and small_saw_huge[0] >= 1, small_saw_huge  # it ran while huge ones were inside
