@@ -378,11 +378,14 @@ class Bus:
         """True while :meth:`ensure_stream` ``(maker=True)`` runs: it reports a stream API permission violation itself."""
         """``("publish" | "subscription", subject)`` of the server's latest "Permissions Violation" (:func:`denied_subject`)."""
         self._requesting: Counter[str] = Counter()
-        """Full subjects of requests in flight (a permission violation on one is the request's error, not a log line)."""
+        """Full subjects of requests in flight, lowercased (a permission violation on one is the request's error, not a
+        log line): nats-py lowercases the server's -ERR text (``nats/protocol/parser.py``), so the violation names
+        ``ei.p0.route.bind.r1`` for a request on ``ei.P0.route.bind.R1``. Before, the index was in the subject's own
+        case, and a denial on a partition or router id with a capital looked like a plain timeout (retried)."""
         self._denied: dict[str, float] = {}
-        """Full subject of an in-flight request -> when (monotonic s) the server's permission violation for it
-        came; dropped when no request on it is in flight, or when one sent after it gets a reply (the
-        permission is there now: a later timeout on the subject is a timeout, not :class:`PermissionDenied`)."""
+        """Full subject (lowercased, as :attr:`_requesting`) of an in-flight request -> when (monotonic s) the server's
+        permission violation for it came; dropped when no request on it is in flight, or when one sent after it gets a
+        reply (the permission is there now: a later timeout on the subject is a timeout, not :class:`PermissionDenied`)."""
 
     # -- construction ---------------------------------------------------- #
 
@@ -425,10 +428,11 @@ class Bus:
             if "permissions violation" in text:
                 bus.counters["nats.permission_violations"] += 1
                 denied = bus.last_denied = denied_subject(str(e))
-                if denied is not None and denied[0] == "publish" and bus._requesting[denied[1]]:
-                    bus._denied[denied[1]] = time.monotonic()  # the request reports it (PermissionDenied), once
+                # compared lowercased: nats-py lowercases the server's text, the subject's own case is lost (_requesting)
+                if denied is not None and denied[0] == "publish" and bus._requesting[denied[1].lower()]:
+                    bus._denied[denied[1].lower()] = time.monotonic()  # the request reports it (PermissionDenied), once
                     return
-                if denied is not None and bus._stream_maker and denied[1].startswith("$js.api.stream."):
+                if denied is not None and bus._stream_maker and denied[1].lower().startswith("$js.api.stream."):
                     return  # ensure_stream(maker=True) reports it (PermissionDenied, naming the fix), once
             if not bus.nc.is_connected and ("authorization violation" in text or "authentication" in text):
                 refused.set()  # wrong or missing credentials: retrying cannot help
@@ -504,7 +508,7 @@ class Bus:
 
     def _permission_error(self, full: str) -> PermissionDenied | None:
         """The error of a request on ``full`` whose publish the server refused, else None."""
-        if full not in self._denied:
+        if full.lower() not in self._denied:
             return None
         return PermissionDenied(
             f"NATS refused {self._who()} permission to publish to {full} (Permissions Violation): "
@@ -1167,7 +1171,8 @@ class Bus:
                 server refused as malformed or invalid (:class:`RequestRefused`, the reason in the message).
         """
         full = self.subjects.format(subject, **params)
-        self._requesting[full] += 1
+        key = full.lower()  # as the server's violation names it, once nats-py lowercased it (_requesting)
+        self._requesting[key] += 1
         sent = time.monotonic()
         try:
             raw = await self.nc.request(full, m.encode(self._stamp(msg)), timeout=timeout, headers=headers)
@@ -1178,17 +1183,17 @@ class Bus:
             cls = NoResponders if isinstance(e, nats.errors.NoRespondersError) else BusError
             raise cls(f"no reply on {full}: {type(e).__name__}") from e
         finally:
-            self._requesting[full] -= 1
-            if not self._requesting[full]:
-                del self._requesting[full]
-                self._denied.pop(full, None)
-        seen = self._denied.get(full)
+            self._requesting[key] -= 1
+            if not self._requesting[key]:
+                del self._requesting[key]
+                self._denied.pop(key, None)
+        seen = self._denied.get(key)
         if seen is not None and seen <= sent:
             # this publish went through after the violation came (one connection: the server took the denied
             # publish first), so the credentials allow the subject now (permissions reloaded). Before, the
             # entry stayed while requests on it overlapped (a worker's route.bind under load), and each later
             # timeout there was reported as PermissionDenied, which callers do not retry (bind.denied)
-            del self._denied[full]
+            del self._denied[key]
         if raw.headers and REFUSED_HEADER in raw.headers:
             self.counters["request_refused." + subject.template] += 1
             raise RequestRefused(f"request refused on {full}: {raw.headers[REFUSED_HEADER]}")

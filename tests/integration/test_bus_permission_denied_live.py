@@ -9,8 +9,10 @@ import asyncio
 import pytest
 
 from shared import messages as m
+from shared.auth import generate
 from shared.bus import Bus, BusError, PermissionDenied
-from shared.subjects import ROUTE_BIND, Subjects
+from shared.natsserver import EmbeddedNatsServer
+from shared.subjects import ROUTE_BIND, SPLIT_GET, Subjects
 from tests.integration.polling import until
 
 pytestmark = pytest.mark.timeout(30)
@@ -73,3 +75,21 @@ async def test_a_request_in_flight_when_the_violation_comes_is_permission_denied
     finally:
         await worker.close()
         await router.close()
+
+
+async def test_a_denied_request_on_a_capitalised_partition_is_permission_denied(tmp_path):
+    """A real nats-server with per-identity permissions (``auth gen``'s table) for partition ``P0``: the launcher
+    may not publish ``split.get``, so the server answers the request's publish with -ERR 'Permissions Violation for
+    Publish to "ei.P0.split.get"', which nats-py lowercases before the bus sees it. Before, the bus looked the
+    lowercased subject up among its requests in flight (``ei.P0.split.get``), missed, and the request ended as a
+    plain timeout (retried by callers); now it is :class:`PermissionDenied`, naming the subject in its own case."""
+    creds = generate(tmp_path / "creds", ["launcher"], partition="P0")
+    with EmbeddedNatsServer(auth_block=creds.server_block) as srv:
+        bus = await Bus.connect(srv.url, Subjects("P0"), service="launcher", instance="launcher", auth=creds.auth_for("launcher"))
+        try:
+            with pytest.raises(PermissionDenied) as e:
+                await bus.request(SPLIT_GET, m.SplitQuery(), timeout=1.0)
+            assert "ei.P0.split.get" in str(e.value) and "identity 'launcher'" in str(e.value), str(e.value)
+            assert bus.counters["nats.permission_violations"] == 1 and not bus._denied
+        finally:
+            await bus.close()
