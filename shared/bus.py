@@ -1226,7 +1226,9 @@ class Bus:
         true before a try ends the wait without a reply (the state arrived another way).
 
         Returns ``(reply or None, attempts made, last error or None)``: None and the last error
-        when the deadline passed; None and no error when ``done()`` ended it. Never raises
+        when the deadline passed; None and the :class:`RequestRefused` at once when the responder
+        refused the request as malformed or invalid (the same request is refused again: before, it was
+        retried until the deadline); None and no error when ``done()`` ended it. Never raises
         :class:`BusError`.
 
         Counted: each try without a reply under ``request_retried.<template>``
@@ -1243,6 +1245,8 @@ class Bus:
             unanswered = self.counters.get(key, 0)
             try:
                 return await self.request(subject, msg, timeout=attempt_timeout_s, _unanswered="request_retried."), attempt, None
+            except RequestRefused as e:  # answered: a retry is refused again (counted request_refused.<template>)
+                return None, attempt, e
             except BusError as e:
                 if time.monotonic() >= deadline:
                     if self.counters.get(key, 0) != unanswered:  # no reply (not a refusal or a bad reply, counted apart)

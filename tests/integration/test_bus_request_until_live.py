@@ -10,7 +10,7 @@ import time
 import pytest
 
 from shared import messages as m
-from shared.bus import Bus, BusError
+from shared.bus import REFUSED_HEADER, Bus, BusError, RequestRefused
 from shared.metrics import make_registry, metrics_payload
 from shared.subjects import SPLIT_GET, Subjects
 
@@ -88,3 +88,29 @@ async def test_done_ends_the_wait_without_a_reply(nats_url):
         assert reply is None and err is None and attempts >= 1
     finally:
         await asker.close()
+
+
+async def test_a_refusal_ends_the_wait_at_once(nats_url):
+    """A responder that refuses the request as malformed or invalid (its empty reply's ``Ei-Refused`` header, what
+    ``Bus.serve`` answers to a request it cannot decode) refuses it again on every try: the wait ends at the first
+    refusal with :class:`RequestRefused`. Before, it was retried until the deadline (here 5 s)."""
+    asker = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="asker")
+    planner = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="planner")
+    try:
+
+        async def refuse(msg) -> None:  # as Bus.serve refuses a request that does not decode
+            await planner.nc.publish(msg.reply, b"", headers={REFUSED_HEADER: "malformed: expected `object`"})
+
+        await planner.nc.subscribe(Subjects("p0").format(SPLIT_GET), cb=refuse)
+        await planner.nc.flush()
+        t0 = time.monotonic()
+        reply, attempts, err = await asker.request_until(
+            SPLIT_GET, m.SplitQuery(), deadline_s=5.0, attempt_timeout_s=0.5, retry_every_s=0.1
+        )
+        assert reply is None and isinstance(err, RequestRefused) and "malformed" in str(err), err
+        assert attempts == 1 and time.monotonic() - t0 < 1.0
+        assert asker.counters["request_refused.split.get"] == 1
+        assert asker.counters["request_failed.split.get"] == 0 and asker.counters["request_retried.split.get"] == 0
+    finally:
+        await asker.close()
+        await planner.close()
