@@ -44,7 +44,8 @@ async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: floa
     Raises:
         AuthError: unreadable credentials; TimeoutError: no connection in ``timeout_s``;
         RuntimeError: the server has no JetStream or refused the stream (its reason when it gave one: another
-            stream takes some of the subjects, ``shared.bus.stream_refusal``), or the stream there does not
+            stream takes some of the subjects, ``shared.bus.stream_refusal``), did not answer the stream's lookup or
+            create in ``shared.bus.STREAM_LOOKUP_TIMEOUT_S`` (5 s: a loaded or hung server), or the stream there does not
             take every reliable subject (made by another version or by hand: what it lacks would not be kept).
     """
     from shared.bus import Bus, stream_name
@@ -58,6 +59,8 @@ async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: floa
         if not await bus.ensure_stream(wait=False):  # a service's credentials: refused at once, not waited on
             if bus.stream_refused:  # the server answered the create with its reason (e.g. subjects overlap another stream's)
                 raise RuntimeError(f"no JetStream stream {name}: {bus.stream_refused}")
+            if bus.stream_unanswered:  # silence is not "JetStream off": a loaded or hung server
+                raise RuntimeError(f"the server did not answer {bus.stream_unanswered} (loaded or hung?); try again")
             raise RuntimeError("no JetStream stream (JetStream off, or these credentials may not create it: the launcher's may)")
         info = await bus.nc.jetstream(timeout=5.0).stream_info(name)
         have = list(info.config.subjects or ())
@@ -156,7 +159,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Find or create the JetStream stream of the partition's must-arrive subjects (EI_<partition>), as up's "
         "launcher does; under auth gen's permissions no service may create it, and without it they fall back to core "
         "NATS (at most once). Exit 0 when it is there; 1 when it cannot be made (no connection within --timeout, "
-        "credentials the server refuses, JetStream off or not allowed) or one of that name lacks some of those "
+        "no answer to the stream's lookup or create in 5 s, credentials the server refuses, JetStream off or not allowed) or one of that name lacks some of those "
         "subjects; 2 for unreadable credentials, a partition that is not one subject token, a --timeout not > 0 or "
         "no server given (neither --nats-url nor EI_NATS_URL).",
     )

@@ -337,6 +337,10 @@ class Bus:
         self.stream_refused = ""
         """Why the server refused the create of :meth:`ensure_stream` ``(wait=False)`` (:func:`stream_refusal`);
         empty when it did not answer one (no JetStream, or credentials that may not create it)."""
+        self.stream_unanswered = ""
+        """What got no answer in time with :meth:`ensure_stream` ``(wait=False)`` (``auth stream``): "the stream lookup
+        ($JS.API.STREAM.INFO.<stream>) in 5 s" (or the create, without a permission violation), a loaded or hung
+        server; empty when it answered. Before, that silence was reported as "no JetStream stream"."""
         self._stream_lock = asyncio.Lock()
         """One stream check at a time (:meth:`ensure_stream`): a second reliable subscription waits for the first's."""
         self._publish_check: asyncio.Task[bool] | None = None
@@ -752,12 +756,15 @@ class Bus:
             return False
         jsm = self.nc.jetstream(timeout=STREAM_LOOKUP_TIMEOUT_S)
         if info is None and not wait:
+            violations = self.counters["nats.permission_violations"]
             try:
                 info = await jsm.add_stream(config)
             except (nats.errors.Error, asyncio.TimeoutError) as e:
                 self._stream_checked = True
                 self.jetstream = False
                 self.stream_refused = stream_refusal(e)
+                if isinstance(e, asyncio.TimeoutError) and self.counters["nats.permission_violations"] == violations:
+                    self.stream_unanswered = f"the stream create ($JS.API.STREAM.CREATE.{config.name}) in {STREAM_LOOKUP_TIMEOUT_S:g} s"
                 self.log.warning(
                     f"no JetStream stream: {self.stream_refused or 'this bus may not create it'}",
                     stream=config.name, error=str(e) or repr(e),
@@ -797,6 +804,12 @@ class Bus:
                     if maker and denied:
                         raise self._stream_denied(name, "INFO") from e
                     if self._closing:
+                        return False
+                    if not wait and not denied and isinstance(e, asyncio.TimeoutError):  # auth stream: its one lookup
+                        self._stream_checked = True
+                        self.jetstream = False
+                        self.stream_unanswered = f"the stream lookup ($JS.API.STREAM.INFO.{name}) in {STREAM_LOOKUP_TIMEOUT_S:g} s"
+                        self.log.warning("the server did not answer " + self.stream_unanswered, stream=name)
                         return False
                     if denied or not wait or no_jetstream(e) or self.nc.is_closed:
                         self._stream_checked = True

@@ -302,3 +302,36 @@ async def test_a_service_waiting_for_the_stream_answers_liveness_and_says_why_it
             if task is not None:
                 await asyncio.wait_for(task, 10)
             await other.close()
+
+
+async def test_auth_stream_says_the_server_did_not_answer_when_the_lookup_times_out(monkeypatch, capsys):
+    """The stream lookup gets no answer in time (a hung or loaded JetStream: here a server without JetStream where a
+    silent client takes the lookup, so nats-py waits, as it does for a SIGSTOPped server): ``auth stream`` says the
+    server did not answer in N s (exit 1, as its --help documents for a stream that cannot be made). Before, it said
+    'no JetStream stream (JetStream off, or these credentials may not create it: the launcher's may)', naming two
+    causes that were not it; a service's log said reliable subjects fall back to core NATS."""
+    import argparse
+
+    from evolving_infra.auth_cli import cmd_stream
+
+    monkeypatch.setattr("shared.bus.STREAM_LOOKUP_TIMEOUT_S", 0.5)  # the 5 s, shorter for the test
+    monkeypatch.setattr("shared.log.setup_logging", lambda *a, **k: None)  # the command's, process-wide otherwise
+    with EmbeddedNatsServer(jetstream=False) as srv:
+        hung = await Bus.connect(srv.url, Subjects("p7"), service="test", instance="hung")
+        try:
+
+            async def silent(_msg: object) -> None:  # takes the lookup, never answers
+                return None
+
+            await hung.nc.subscribe("$JS.API.STREAM.INFO.EI_p7", cb=silent)
+            await hung.nc.flush()
+            args = argparse.Namespace(partition="p7", timeout=10.0, nats_url=srv.url, creds="")
+            t0 = time.monotonic()
+            rc = await asyncio.to_thread(cmd_stream, args)
+            waited = time.monotonic() - t0
+        finally:
+            await hung.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, (rc, err)
+    assert "did not answer" in err[0] and "0.5 s" in err[0] and "JetStream off" not in err[0], err
+    assert waited < 5.0, waited
