@@ -333,7 +333,7 @@ class Bus:
         self._stream_checked = False
         self.stream_waiting = ""
         """The stream's name while :meth:`_await_stream` waits for it (another must make it, or the server refuses
-        the create), else empty: a service's ``/readyz`` reason while its start waits (``shared.service``)."""
+        the create, or the server lost it), else empty: a service's ``/readyz`` reason while it waits (``shared.service``)."""
         self.stream_refused = ""
         """Why the server refused the create of :meth:`ensure_stream` ``(wait=False)`` (:func:`stream_refusal`);
         empty when it did not answer one (no JetStream, or credentials that may not create it)."""

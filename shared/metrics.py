@@ -29,7 +29,9 @@ Served:
   does not see a service that waits as a dead one;
 * ``GET /readyz`` on that metrics port: 503 ``{"status":"not ready","reason":...}`` until
   the service's start completed (e.g. "waiting for the JetStream stream EI_p0"), then 200
-  while its ``ready()`` holds (503 "not ready" otherwise): compose's healthcheck of the KV
+  while its ``ready()`` holds (503 "not ready" otherwise), its bus is connected to NATS and
+  not waiting for a stream the server lost, until its stop begins (the reasons:
+  ``shared.service.Readiness``): compose's healthcheck of the KV
   directory, planner and workers. Neither says anything of the cluster;
   readiness to serve requests is the router's ``GET /health`` (or ``/healthz``) on
   its HTTP port: 503 with the reason until NATS is connected and a collocated node,

@@ -192,6 +192,50 @@ class BackgroundTasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class Readiness:
+    """Why a service is not ready: the reason its ``/readyz`` (``--metrics-port``, ``shared.metrics``) answers
+    503 with, or None (200). Reads the bus's connection and stream state and the service's ``ready()`` at each
+    call (no I/O). In order:
+
+    * ``stopping``: the service's stop began (SIGTERM, ``fatal``);
+    * ``not connected to NATS at <url> (reconnecting)``: the bus lost its connection (nats-server down or
+      restarting; the bus reconnects forever);
+    * ``waiting for the JetStream stream <name>``: the bus waits for the partition's stream (at start, or after a
+      reconnect to a server that lost its store, until it or the launcher makes it again: ``shared.bus``);
+    * ``starting``: the service's start has not completed;
+    * ``not ready``: its ``ready()`` is false (a loop it needs ended, a worker that does not accept).
+
+    Before, only the start's wait for the stream was a reason: once started, ``/readyz`` followed ``ready()``
+    alone and said 200 while NATS was down or the stream lost, when the service could not do its job.
+    Liveness (``/healthz``) is not this: it is 200 whenever the process answers.
+
+    Args:
+        nats_url: the ``--nats-url`` the bus connects to (shown with its secrets redacted).
+    """
+
+    def __init__(self, nats_url: str) -> None:
+        self.url = redact_url(nats_url)
+        self.phase = "starting"
+        """``starting`` until the service's start completed, then ``serving``, then ``stopping``."""
+        self.bus: Any = None
+        """The service's :class:`~shared.bus.Bus` once connected (its ``nc.is_connected``, ``stream_waiting``)."""
+        self.ready: Callable[[], bool] | None = None
+        """The service's ``ready()``, when it has one."""
+
+    def reason(self) -> str | None:
+        """Why not ready (see the class), or None when ready."""
+        if self.phase == "stopping":
+            return "stopping"
+        bus = self.bus
+        if bus is not None and not bus.nc.is_connected:
+            return f"not connected to NATS at {self.url} (reconnecting)"
+        if bus is not None and bus.stream_waiting:
+            return f"waiting for the JetStream stream {bus.stream_waiting}"
+        if self.phase != "serving":
+            return "starting"
+        return None if self.ready is None or self.ready() else "not ready"
+
+
 def instance_name(service: str, cfg: CommonConfig, suffix: str = "") -> str:
     """The instance id: ``cfg.instance`` or ``<service>[-suffix]``."""
     if cfg.instance:
@@ -226,6 +270,7 @@ async def serve_until_stopped(
             log.warning(ignored, protocol="http/protobuf")
     started: list[Any] = []
     buses: list[Bus] = []
+    readiness = Readiness(cfg.nats_url)
     failed: BaseException | None = None
     async with AsyncExitStack() as stack:
         stack.callback(tracing.shutdown)
@@ -245,25 +290,18 @@ async def serve_until_stopped(
             svc = factory(cfg, bus, clock)
             started.append(svc)
             ready = getattr(svc, "ready", None)
+            readiness.bus, readiness.ready = bus, ready
             if cfg.metrics_port:
                 # before start, which may wait (for the JetStream stream): /healthz (liveness) answers meanwhile
                 # and /readyz says why it is not ready; before, the port opened only after start, so a liveness
                 # probe saw a service that waited for the stream as a dead one
-                starting = [True]
-
-                def not_ready() -> str | None:
-                    if starting[0]:
-                        return f"waiting for the JetStream stream {bus.stream_waiting}" if bus.stream_waiting else "starting"
-                    return None if ready is None or ready() else "not ready"
-
-                metrics = MetricsServer(service_registry(svc, bus), cfg.metrics_host, cfg.metrics_port, not_ready)
+                metrics = MetricsServer(service_registry(svc, bus), cfg.metrics_host, cfg.metrics_port, readiness.reason)
                 await metrics.start()
                 stack.push_async_callback(metrics.stop)
             await svc.start()
             stack.push_async_callback(svc.stop)
             await bus.start_service_plumbing(svc.stats, ready=ready)
-            if cfg.metrics_port:
-                starting[0] = False
+            readiness.phase = "serving"
             return auth
 
         # A signal during start-up (NATS unreachable: the connect retries forever) cancels
@@ -282,6 +320,7 @@ async def serve_until_stopped(
         finally:
             for w in waits:
                 w.cancel()
+            readiness.phase = "stopping"
         if buses[0].superseded.is_set() and not stop.is_set():
             failed = Superseded(f"a process that started later (boot {buses[0].superseded_by}) runs as {service_name} {instance}")
             log.error("service superseded; stopping, then exiting non-zero", error=repr(failed))

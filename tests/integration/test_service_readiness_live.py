@@ -1,0 +1,98 @@
+"""A service's ``/readyz`` (its ``--metrics-port``, ``shared.service``) follows its NATS connection, on a real
+nats-server: 503 with the reason while NATS cannot be reached at start (the health port opens before the
+connect: ``/healthz`` answers 200 meanwhile), while the bus is disconnected later, and while it waits for a
+JetStream stream the server lost; 200 again once the bus is back. A Kubernetes or compose user expects
+readiness to drop while the service cannot do its job; liveness (``/healthz``) stays 200 throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.bus import Bus
+from shared.natsserver import EmbeddedNatsServer
+from shared.subjects import Subjects
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _until(http, url: str, ok, what: str, task: asyncio.Task, within_s: float = 10.0):
+    """GET ``url`` every 0.05 s until ``ok(response)``; the response. A transport error (port closed) is retried."""
+    import httpx
+
+    end = time.monotonic() + within_s
+    last = None
+    while True:
+        assert not task.done(), f"the service ended while waiting for {what}: {task}"
+        try:
+            last = await http.get(url)
+            if ok(last):
+                return last
+        except httpx.TransportError as e:
+            last = e
+        assert time.monotonic() < end, f"no {what} in {within_s} s: last {getattr(last, 'text', last)!r}"
+        await asyncio.sleep(0.05)
+
+
+def _not_ready(reason: str):
+    return lambda r: r.status_code == 503 and r.json() == {"status": "not ready", "reason": reason}
+
+
+def _ok(r) -> bool:
+    return r.status_code == 200
+
+
+@pytest.mark.timeout(60)
+async def test_readyz_drops_while_nats_is_down_or_the_stream_is_lost_and_comes_back(monkeypatch):
+    """Started and ready (200); nats-server SIGKILLed: /readyz 503 "not connected to NATS at URL (reconnecting)",
+    /healthz 200; back without its store, where this bus may not make the stream again (its create is refused,
+    as under credentials only the launcher may): 503 "waiting for the JetStream stream EI_p6"; the launcher
+    makes it: 200. Before, /readyz said 200 through all of it once the start had completed."""
+    import httpx
+
+    from services.kvdirectory.config import DirectoryConfig
+    from services.kvdirectory.service import DirectoryService
+    from shared.service import serve_until_stopped
+
+    with EmbeddedNatsServer() as srv:
+        port = _free_port()
+        cfg = DirectoryConfig(nats_url=srv.url, partition="p6", metrics_port=port, metrics_host="127.0.0.1")
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve_until_stopped("kvdirectory", cfg, DirectoryService, instance="kvdirectory", stop_event=stop))
+        launcher = None
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as http:
+                base = f"http://127.0.0.1:{port}"
+                await _until(http, base + "/readyz", _ok, "ready", task)
+                real = Bus._stream_config
+                monkeypatch.setattr(Bus, "_stream_config", lambda self: real(self).__class__(name="not allowed"))
+                os.kill(srv.pid, signal.SIGKILL)
+                srv.proc.wait()
+                down = f"not connected to NATS at {srv.url} (reconnecting)"
+                await _until(http, base + "/readyz", _not_ready(down), "503 while NATS is down", task)
+                assert (await http.get(base + "/healthz")).status_code == 200  # liveness is not readiness
+                shutil.rmtree(Path(srv._tmp) / "js")
+                srv.restart()
+                await _until(http, base + "/readyz", _not_ready("waiting for the JetStream stream EI_p6"),
+                             "503 while the stream is lost", task)  # fmt: skip
+                launcher = await Bus.connect(srv.url, Subjects("p6"), service="launcher", instance="launcher")
+                await launcher.nc.jetstream(timeout=5.0).add_stream(real(launcher))
+                await _until(http, base + "/readyz", _ok, "ready again", task)
+                assert (await http.get(base + "/healthz")).status_code == 200
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+            if launcher is not None:
+                await launcher.close()
+

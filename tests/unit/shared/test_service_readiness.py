@@ -1,0 +1,40 @@
+"""``shared.service.Readiness``: the reason a service's ``/readyz`` gives, from its bus's state and ``ready()``
+(the live check, a real nats-server killed and restarted: ``tests/integration/test_service_readiness_live.py``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from shared.service import Readiness
+
+
+def _bus(connected: bool = True, waiting: str = "") -> SimpleNamespace:
+    return SimpleNamespace(nc=SimpleNamespace(is_connected=connected), stream_waiting=waiting)
+
+
+def test_a_served_service_is_not_ready_while_its_bus_is_disconnected_or_waits_for_the_stream():
+    r = Readiness("nats://planner:s3cret@nats:4222")
+    r.bus, r.ready, r.phase = _bus(), lambda: True, "serving"
+    assert r.reason() is None
+    r.bus = _bus(connected=False)
+    assert r.reason() == "not connected to NATS at nats://planner:***@nats:4222 (reconnecting)"  # no secret shown
+    r.bus = _bus(waiting="EI_p0")  # back, on a server that lost its store
+    assert r.reason() == "waiting for the JetStream stream EI_p0"
+    r.bus = _bus()
+    assert r.reason() is None
+    r.ready = lambda: False
+    assert r.reason() == "not ready"
+
+
+def test_start_and_stop_are_not_ready():
+    r = Readiness("nats://nats:4222")
+    r.bus = _bus()
+    assert r.reason() == "starting"
+    r.bus = _bus(waiting="EI_p0")
+    assert r.reason() == "waiting for the JetStream stream EI_p0"
+    r.bus, r.phase = _bus(), "serving"
+    assert r.reason() is None  # no ready(): ready once started
+    r.phase = "stopping"
+    assert r.reason() == "stopping"
+    r.bus = _bus(connected=False)  # the bus closing is the stop, not an outage
+    assert r.reason() == "stopping"
