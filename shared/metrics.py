@@ -24,11 +24,13 @@ Served:
 * ``GET /metrics`` on ``--metrics-host:--metrics-port`` of every service when
   ``--metrics-port`` is non-zero (0 = off, the default);
 * ``GET /healthz`` on that metrics port: 200 ``{"status":"ok"}`` whenever the process
-  is alive and its event loop answers (a liveness check), from before the service's start
-  (which may wait: for the JetStream stream, ``shared.bus``), so that a liveness probe
-  does not see a service that waits as a dead one;
+  is alive and its event loop answers (a liveness check), from before the connection to NATS
+  and the service's start (either may wait: for an unreachable NATS, for the JetStream stream,
+  ``shared.bus``), so that a liveness probe does not see a service that waits as a dead one
+  (``/metrics`` holds the process's families only until the bus is connected);
 * ``GET /readyz`` on that metrics port: 503 ``{"status":"not ready","reason":...}`` until
-  the service's start completed (e.g. "waiting for the JetStream stream EI_p0"), then 200
+  the service's start completed (e.g. "connecting to NATS at nats://nats:4222", "waiting for
+  the JetStream stream EI_p0"), then 200
   while its ``ready()`` holds (503 "not ready" otherwise), its bus is connected to NATS and
   not waiting for a stream the server lost, until its stop begins (the reasons:
   ``shared.service.Readiness``): compose's healthcheck of the KV

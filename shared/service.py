@@ -18,7 +18,8 @@ e.g. ``task router-fence``): it is stopped the same way and
 :func:`serve_until_stopped` raises :class:`ServiceFailed` (the process exits non-zero, so its
 supervisor restarts it). With ``--metrics-port N`` (N > 0) the shell also serves the
 service's Prometheus registry (its ``registry`` attribute, see ``shared.metrics``)
-on ``GET http://<metrics-host>:N/metrics``.
+on ``GET http://<metrics-host>:N/metrics``, with ``/healthz`` (liveness) and ``/readyz``
+(:class:`Readiness`) there from before the connection to NATS.
 
 :class:`BackgroundTasks` watches a service's background tasks (loops, per-node tasks): one the
 service needs that ends is logged with its traceback, counted, and fails the service through
@@ -42,7 +43,7 @@ from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.config import CommonConfig
 from shared import tracing
-from shared.metrics import MetricsServer, service_registry
+from shared.metrics import MetricsServer, make_registry, service_registry
 from shared.subjects import Subjects
 
 try:  # uvloop is a core dependency on Linux/macOS; plain asyncio elsewhere.
@@ -198,6 +199,7 @@ class Readiness:
     call (no I/O). In order:
 
     * ``stopping``: the service's stop began (SIGTERM, ``fatal``);
+    * ``connecting to NATS at <url>``: the first connect has not succeeded (NATS unreachable: it retries forever);
     * ``not connected to NATS at <url> (reconnecting)``: the bus lost its connection (nats-server down or
       restarting; the bus reconnects forever);
     * ``waiting for the JetStream stream <name>``: the bus waits for the partition's stream (at start, or after a
@@ -227,9 +229,11 @@ class Readiness:
         if self.phase == "stopping":
             return "stopping"
         bus = self.bus
-        if bus is not None and not bus.nc.is_connected:
+        if bus is None:
+            return f"connecting to NATS at {self.url}"
+        if not bus.nc.is_connected:
             return f"not connected to NATS at {self.url} (reconnecting)"
-        if bus is not None and bus.stream_waiting:
+        if bus.stream_waiting:
             return f"waiting for the JetStream stream {bus.stream_waiting}"
         if self.phase != "serving":
             return "starting"
@@ -280,6 +284,16 @@ async def serve_until_stopped(
                 creds=cfg.nats_creds, user=cfg.nats_user, password=cfg.nats_password,
                 tls_ca=cfg.nats_tls_ca, tls_cert=cfg.nats_tls_cert, tls_key=cfg.nats_tls_key, name=instance,
             )
+            metrics = None
+            if cfg.metrics_port:
+                # before the connect, which retries forever while NATS is unreachable, and the start, which may wait
+                # (for the JetStream stream): /healthz (liveness) answers meanwhile and /readyz says why it is not
+                # ready. Before, the port opened only after start, then only after the connect: a liveness probe saw
+                # a service that waited for NATS or the stream as a dead one. Until the bus exists the registry holds
+                # the process's families only; the service's (and its bus's) replace it then.
+                metrics = MetricsServer(make_registry(), cfg.metrics_host, cfg.metrics_port, readiness.reason)
+                await metrics.start()
+                stack.push_async_callback(metrics.stop)
             try:
                 bus = await Bus.connect(cfg.nats_url, Subjects(cfg.partition), service=service_name, instance=instance, auth=auth)
             except BusError as e:  # the server refused the credentials (or none were given): retrying cannot help
@@ -291,13 +305,8 @@ async def serve_until_stopped(
             started.append(svc)
             ready = getattr(svc, "ready", None)
             readiness.bus, readiness.ready = bus, ready
-            if cfg.metrics_port:
-                # before start, which may wait (for the JetStream stream): /healthz (liveness) answers meanwhile
-                # and /readyz says why it is not ready; before, the port opened only after start, so a liveness
-                # probe saw a service that waited for the stream as a dead one
-                metrics = MetricsServer(service_registry(svc, bus), cfg.metrics_host, cfg.metrics_port, readiness.reason)
-                await metrics.start()
-                stack.push_async_callback(metrics.stop)
+            if metrics is not None:
+                metrics.registry = service_registry(svc, bus)
             await svc.start()
             stack.push_async_callback(svc.stop)
             await bus.start_service_plumbing(svc.stats, ready=ready)

@@ -96,3 +96,39 @@ async def test_readyz_drops_while_nats_is_down_or_the_stream_is_lost_and_comes_b
             if launcher is not None:
                 await launcher.close()
 
+
+@pytest.mark.timeout(60)
+async def test_the_health_port_opens_before_nats_is_reached():
+    """NATS unreachable at start (nothing listens on its port): the metrics port answers /healthz 200 and
+    /readyz 503 "connecting to NATS at URL", /metrics the process's families only; once a server listens
+    there, /readyz 200 and /metrics has the bus's. Before, ``Bus.connect`` came first and the port stayed
+    closed: a liveness probe saw a dead service."""
+    import httpx
+
+    from services.kvdirectory.config import DirectoryConfig
+    from services.kvdirectory.service import DirectoryService
+    from shared.service import serve_until_stopped
+
+    nats_port = _free_port()
+    url = f"nats://127.0.0.1:{nats_port}"
+    port = _free_port()
+    cfg = DirectoryConfig(nats_url=url, partition="p6", metrics_port=port, metrics_host="127.0.0.1")
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_until_stopped("kvdirectory", cfg, DirectoryService, instance="kvdirectory", stop_event=stop))
+    srv = EmbeddedNatsServer(port=nats_port)
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            base = f"http://127.0.0.1:{port}"
+            live = await _until(http, base + "/healthz", _ok, "the health port", task)
+            assert live.json() == {"status": "ok"}
+            await _until(http, base + "/readyz", _not_ready(f"connecting to NATS at {url}"), "503 while connecting", task)
+            metrics = (await http.get(base + "/metrics")).text
+            assert "process_" in metrics or not Path("/proc/self").exists()
+            assert "ei_bus_" not in metrics  # no bus yet
+            srv.start()
+            await _until(http, base + "/readyz", _ok, "ready", task, within_s=20.0)
+            assert "ei_bus_messages_received_total" in (await http.get(base + "/metrics")).text
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        srv.stop()

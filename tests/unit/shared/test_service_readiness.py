@@ -28,6 +28,7 @@ def test_a_served_service_is_not_ready_while_its_bus_is_disconnected_or_waits_fo
 
 def test_start_and_stop_are_not_ready():
     r = Readiness("nats://nats:4222")
+    assert r.reason() == "connecting to NATS at nats://nats:4222"  # no bus yet: the health port opens before the connect
     r.bus = _bus()
     assert r.reason() == "starting"
     r.bus = _bus(waiting="EI_p0")
