@@ -626,16 +626,41 @@ class Bus:
     async def _stream_after_reconnect(self, go_on: Callable[[], bool]) -> Any:
         """The stream's info after a reconnect; a stream the server lost is made again or, when this bus may not
         (under credentials only the launcher may), waited for until another bus makes it (:meth:`_await_stream`).
-        None when it cannot be read (logged), the bus closes, or ``go_on()`` turns false (a later reconnect took over)."""
-        jsm = self.nc.jetstream(timeout=5.0)
+        A lookup without an answer in ``STREAM_LOOKUP_TIMEOUT_S`` (a loaded or hung server), or on a connection down
+        a moment, is made again each 0.5 s (counter ``stream_lookup_retries``, a warning at once then every
+        ``STREAM_BACK_WAIT_S``, :attr:`stream_waiting` names the stream meanwhile), as at start (:meth:`_look_up_stream`):
+        before, that one timeout was logged and given up, so the consumers were not checked, the stream not made again
+        and the publishes kept since the disconnect (:meth:`_hold`) dropped.
+        None when the server says it has no JetStream (:func:`no_jetstream`), refuses this identity the lookup (a
+        permission violation), the connection is closed (each logged), the bus closes, or ``go_on()`` turns false
+        (a later reconnect took over)."""
         name = stream_name(self.subjects)
+        warn_at = time.monotonic()
         try:
-            return await jsm.stream_info(name)
-        except nats.js.errors.NotFoundError:
-            pass
-        except (nats.errors.Error, asyncio.TimeoutError) as e:
-            self.log.warning("stream info after reconnect failed", error=repr(e))
-            return None
+            while True:
+                if self._closing or not go_on():
+                    return None
+                violations = self.counters["nats.permission_violations"]
+                try:
+                    return await self.nc.jetstream(timeout=STREAM_LOOKUP_TIMEOUT_S).stream_info(name)
+                except nats.js.errors.NotFoundError:
+                    break
+                except (nats.errors.Error, asyncio.TimeoutError) as e:
+                    if self._closing or not go_on():
+                        return None
+                    if no_jetstream(e) or self.nc.is_closed or self.counters["nats.permission_violations"] != violations:
+                        self.log.warning("stream info after reconnect failed", error=str(e) or repr(e))
+                        return None
+                    # no answer in time, or the connection down a moment: the stream may well be there (or lost)
+                    self.counters["stream_lookup_retries"] += 1
+                    self.stream_waiting = name
+                    if time.monotonic() >= warn_at:
+                        warn_at = time.monotonic() + STREAM_BACK_WAIT_S
+                        self.log.warning("the stream lookup after the reconnect got no answer; looking again "
+                                         "(reliable publishes are kept meanwhile)", stream=name, error=str(e) or repr(e))  # fmt: skip
+                await asyncio.sleep(0.5)
+        finally:
+            self.stream_waiting = ""
         return await self._await_stream(go_on, again=True)
 
     async def _await_stream(self, go_on: Callable[[], bool], *, again: bool, maker: bool = False) -> Any:

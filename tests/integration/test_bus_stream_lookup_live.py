@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 import shared.bus as busmod
+from shared import messages as m
 from shared.bus import Bus
 from shared.natsserver import EmbeddedNatsServer
-from shared.subjects import Subjects
+from shared.subjects import REQ_OUT, Subjects
+from tests.integration.polling import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -48,4 +52,53 @@ async def test_a_server_without_jetstream_still_makes_the_bus_fall_back_at_once(
             assert await bus.ensure_stream() is False
             assert time.monotonic() - t < 1.0 and not bus.jetstream and not bus.counters["stream_lookup_retries"]
         finally:
+            await bus.close()
+
+
+async def test_a_lookup_after_a_reconnect_without_an_answer_is_made_again_and_the_held_messages_arrive(monkeypatch):
+    """The server comes back without its store (SIGKILL, store removed, restart) and hangs (SIGSTOP, 1.5 s) just as
+    the bus's reconnect looks the stream up (0.5-s lookups here). The lookup is made again until the server answers:
+    the stream is made again, and what was published during the outage (kept, 64a6f3b) reaches the bus's own
+    reliable subscription. Before, the one timeout was logged and given up: the held messages were dropped, the
+    stream not made again, the consumer not checked: none of them, nor any later publish, arrived."""
+    monkeypatch.setattr(busmod, "STREAM_LOOKUP_TIMEOUT_S", 0.5)
+    with EmbeddedNatsServer() as srv:
+        bus = await Bus.connect(srv.url, Subjects("p0"), service="test", instance="test-reconnect")
+        got: list[int] = []
+
+        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
+            got.append(c.index)
+
+        look_up = bus._stream_after_reconnect
+        stopped: list[float] = []
+
+        async def hung_as_it_looks(go_on):  # the real lookup, on a server stopped when it starts
+            assert srv.pid is not None
+            os.kill(srv.pid, signal.SIGSTOP)
+            stopped.append(time.monotonic())
+            asyncio.get_running_loop().call_later(1.5, os.kill, srv.pid, signal.SIGCONT)
+            return await look_up(go_on)
+
+        try:
+            await bus.subscribe(REQ_OUT, on_chunk)
+            await bus.publish(REQ_OUT, m.TokenChunk(rid="r", index=0, token_ids=[0]), rid="r")
+            await until(lambda: got == [0], 5.0, "the first chunk")
+            monkeypatch.setattr(bus, "_stream_after_reconnect", hung_as_it_looks)
+            assert srv.pid is not None and srv.proc is not None and srv._tmp is not None
+            os.kill(srv.pid, signal.SIGKILL)
+            srv.proc.wait()
+            await until(lambda: not bus.nc.is_connected, 5.0, "the disconnect")
+            for i in (1, 2, 3):  # held (and in nats-py's reconnect buffer, flushed into the storeless server)
+                await bus.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
+            shutil.rmtree(Path(srv._tmp) / "js")
+            srv.restart()
+            await until(lambda: stopped, 10.0, "the reconnect's lookup")
+            await until(lambda: got == [0, 1, 2, 3], 10.0, "the chunks published during the outage")
+            await bus.publish(REQ_OUT, m.TokenChunk(rid="r", index=4, token_ids=[4]), rid="r")
+            await until(lambda: got == [0, 1, 2, 3, 4], 5.0, "a chunk published after")
+            assert bus.counters["stream_lookup_retries"] >= 1 and bus.counters["stream_made_again"] == 1, dict(bus.counters)
+            assert not bus._held and not bus._holding and not bus.stream_waiting
+        finally:
+            if stopped:
+                os.kill(srv.pid, signal.SIGCONT)
             await bus.close()
