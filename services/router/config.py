@@ -67,7 +67,9 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
                     "(wall: x --speedup, as τ; the paper gives no value)")
     ] = 1e-7
     ttft_state_max_age_s: Annotated[
-        float, Meta(gt=0, description="ttft: simulated seconds after which a node's state is not trusted (paper: 5)")
+        float, Meta(gt=0, description="ttft: wall seconds (x --speedup on the router's clock, as --fence-after-s: "
+                    "workers publish node.state on wall-clock timers) after which a node's state is not trusted "
+                    "(paper: 5)")
     ] = 5.0
     ttft_prune_above: Annotated[
         int,

@@ -496,7 +496,10 @@ def _ttft(**o: Any) -> RoutingPolicy:
         default,
         fetch=fetch,
         copy_price_s_per_token=float(o.get("ttft_copy_price_s_per_token", 1e-7)) * n,
-        state_max_age_s=float(o.get("ttft_state_max_age_s", 5.0)),
+        # a state's age is measured against the workers' publication cadence (wall seconds: node.state at
+        # least every --idle-state-interval-s = 1 wall s), whatever the profile's clock: x speedup, as
+        # --fence-after-s (at speed-up 50, 5 cluster s were 0.1 wall s: nearly every idle node untrusted)
+        state_max_age_s=float(o.get("ttft_state_max_age_s", 5.0)) * speedup,
         prune_above=int(o.get("ttft_prune_above", 16)),
         breakdown=bool(o.get("ttft_breakdown", False)),
     )

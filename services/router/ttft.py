@@ -50,7 +50,8 @@ For a request r and every prefill candidate n the predictor computes
   Otherwise the request cannot join an iteration that launches before its KV
   has arrived: Ŵ_n is the end of the whole queue, T_P^req(w_n) is the request
   computed alone and the exposed fetch is ``max(0, τ(x_n) − Ŵ_n)``.
-* **stale state** (older than ``state_max_age_s`` = 5 s by its ``ts``): not
+* **stale state** (older than ``state_max_age_s`` = 5 s by its ``ts``; the live
+  router's is 5 wall s x ``--speedup``, as workers publish on wall-clock timers): not
   trusted. The node is then treated as unknown: its reported queue and
   remaining time are ignored and the wait is the replay of every request this
   router sent to n that has not produced its first token (reported or not),
@@ -498,7 +499,9 @@ class TtftPredictor:
         copy_price_s_per_token: κ, seconds charged per fetched token (the
             duplicate KV a fetch creates; the paper gives no value — 1e-7 s/token,
             i.e. a tenth of the fetch's per-token time, is our default).
-        state_max_age_s: a state older than this (``now − state.ts``) is not trusted (5 s).
+        state_max_age_s: a state older than this (``now − state.ts``, the unit of ``now``) is not
+            trusted (5 s; the live router's ``make_policy`` passes ``--ttft-state-max-age-s`` x
+            ``--speedup``: workers publish their states on wall-clock timers).
         tie_eps_s: scores within this of the minimum are ties.
         prune_above: with more candidates than this, score only those whose lower
             bound can still win (:meth:`predict`); the decision is the same.

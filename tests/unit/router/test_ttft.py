@@ -214,6 +214,36 @@ def test_stale_state_is_not_trusted_only_router_sends_count():
     assert not e.trusted and e.wait_s == 0.0 and e.ttft_s == pytest.approx(it(100))
 
 
+@pytest.mark.parametrize("speedup", [1.0, 5.0, 50.0, 200.0])
+def test_the_live_routers_state_max_age_follows_the_workers_wall_clock_publications(speedup):
+    """Workers publish node.state on wall-clock timers (an idle one every --idle-state-interval-s = 1 wall s,
+    a busy one at launches at least --state-interval-s = 0.05 wall s apart); the router's ``now`` and a
+    state's ``ts`` are cluster seconds (wall x --speedup). Before, --ttft-state-max-age-s was 5 cluster s:
+    at speed-up 50 (up's demo) 0.1 wall s, so an idle node's state went untrusted 0.1 wall s after each
+    publication (live, `up --speedup 50`, 20 requests 1.5 s apart: 66 of 70 candidates untrusted); at 200
+    even a busy node's. Now 5 wall s x --speedup, as --fence-after-s: the trust decision is the one made at
+    speed-up 1, whatever the profile's clock, and the simulator (no speedup) is unchanged."""
+    from services.router.config import RouterConfig
+    from services.worker.config import WorkerConfig
+    from shared.config import load_config
+
+    worker = WorkerConfig()
+    for clock in ("cluster", "wall"):
+        cfg = load_config(RouterConfig, ["--routing", "ttft", "--profile", "tiny", "--profile-clock", clock, "--speedup", str(speedup)])
+        pred = cfg.routing_policy().predictor
+        pred.apply_state(st("n", 100.0, phase="prefill"), 100.0)
+
+        def trusted(wall_age: float) -> bool:
+            return pred.estimate("n", 100.0 + wall_age * speedup, uncached_tokens=10, cached_tokens=0).trusted
+
+        # a state as old as the longest gap between publications is trusted, at every speed-up
+        assert trusted(worker.idle_state_interval_s) and trusted(worker.state_interval_s)
+        assert trusted(4.9) and not trusted(5.1)  # --ttft-state-max-age-s's 5 s, on the wall clock
+    # the simulator builds the policy with no speedup: 5 of its seconds, as before
+    sim = make_policy("ttft", profile="tiny", block_size=4).predictor
+    assert sim.state_max_age_s == 5.0
+
+
 def test_unreported_sends_extend_the_queue_and_are_deduplicated_by_rid():
     p = predictor()
     p.apply_state(st("n", 1.0, queue=[q("a", 100)]), 1.0)
