@@ -1974,9 +1974,10 @@ class RouterService(WatchedService):
         """``POST /tokenize`` (vLLM's): a prompt or chat messages tokenized as the router tokenizes them for
         ``/v1/completions`` / ``/v1/chat/completions`` (``count`` = that request's ``usage.prompt_tokens``).
         A body over ``_BIG_TEXT`` bytes is parsed, tokenized and (``return_token_strs``, one decode per id:
-        1.2 s for the 1M ids of a 5.5 MB prompt) decoded in a worker thread, off the event loop."""
+        1.2 s for the 1M ids of a 5.5 MB prompt) decoded, and the answer encoded (``api.tokenize_response_json``),
+        in a worker thread, off the event loop."""
 
-        def run(body: bytes) -> tuple[list[int], list[str] | None]:
+        def run(body: bytes) -> bytes:
             req = api.parse_tokenize(body)
             self._check_model(req.model)
             try:
@@ -1987,15 +1988,17 @@ class RouterService(WatchedService):
             except Exception as e:  # a chat template may raise on a malformed conversation
                 raise api.ApiError(400, f"cannot tokenize: {e}", param="messages" if isinstance(req, api.TokenizeChatRequest) else "prompt") from e
             ids = [int(t) for t in ids]
-            return ids, [self._token_text(t) for t in ids] if req.return_token_strs else None
+            strs = [self._token_text(t) for t in ids] if req.return_token_strs else None
+            return api.tokenize_response_json(ids, max_model_len, strs)
 
+        max_model_len = self.max_model_len  # read here, on the loop: the node view is not read from a worker thread
         try:
             body = await self._read_body(request)
             # the body's size, not the contents': a chat's tools are rendered too
-            ids, strs = await _off_loop_if_big(body, run, self._big_gate)
+            answer = await _off_loop_if_big(body, run, self._big_gate)  # encoded there too: 31M ids took 1 s
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
-        return self._json(api.tokenize_response(ids, self.max_model_len, strs))
+        return Response(answer, media_type="application/json")
 
     async def _detokenize(self, request: Request) -> Response:
         """``POST /detokenize`` (vLLM's): ``{"prompt": text}`` of ``tokens``, special tokens shown, as vLLM (its
