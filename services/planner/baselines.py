@@ -44,7 +44,7 @@ from shared.messages import IterationRecord, NodeState, Phase
 from shared.profile import Profile
 from shared.split import assign_min_change
 from services.planner.observe import Observer
-from services.planner.policy import PolicyBase, RequestDone, SplitDecision
+from services.planner.policy import PolicyBase, RequestDone, SplitDecision, dead_note as _dead_note
 
 
 def _pd_counts(phases: Mapping[str, Phase]) -> tuple[int, int, bool]:
@@ -112,7 +112,9 @@ class DynamoPlanner(PolicyBase):
         return min(self._next_sample, self._next_adjust or math.inf)
 
     def sample(self, phases: Mapping[str, Phase]) -> tuple[float, float] | None:
-        """(prefill queue per prefill node, mean decode KV load) from the latest states, or None."""
+        """(prefill queue per prefill node, mean decode KV load) from the latest states of the live nodes
+        (:meth:`~services.planner.policy.PolicyBase.on_liveness`: a dead node's last state is stale), or None."""
+        phases = self.live(phases)
         pre = [n for n, v in phases.items() if v == "prefill"]
         dec = [n for n, v in phases.items() if v == "decode"]
         if not pre or not dec:
@@ -158,10 +160,12 @@ class DynamoPlanner(PolicyBase):
         return decision
 
     def adjust(self, now: float, phases: Mapping[str, Phase]) -> SplitDecision | None:
-        """One adjustment from the samples gathered since the last one."""
-        n_p, n_d, pd = _pd_counts(phases)
+        """One adjustment from the samples gathered since the last one; the counts a phase keeps
+        (``min_endpoint``) and the node moved are the live nodes' (a dead node keeps its phase)."""
+        live = self.live(phases)
+        n_p, n_d, pd = _pd_counts(live)
         if not pd or not self.queue_load:
-            self._decide(now, "skip", phases, None, "no samples" if pd else "not a PD split")
+            self._decide(now, "skip", phases, None, ("no samples" if pd else "not a PD split") + _dead_note(self.dead))
             return None
         q = sum(self.queue_load) / len(self.queue_load)
         kv = sum(self.kv_load) / len(self.kv_load)
@@ -182,15 +186,15 @@ class DynamoPlanner(PolicyBase):
         target: dict[str, Phase] | None = None
         reason = f"queue {q:.2f}/node, KV load {kv:.2f}: within thresholds or tie"
         if vote_p > vote_d and n_d > self.p.min_endpoint:
-            target = assign_min_change(phases, n_p + 1)
+            target = {**phases, **assign_min_change(live, n_p + 1)}
             reason = f"prefill queue {q:.2f}/node (up > {self.p.prefill_queue_scale_up}), KV load {kv:.2f}: one decode node → prefill"
         elif vote_d > vote_p and n_p > self.p.min_endpoint:
-            target = assign_min_change(phases, n_p - 1)
+            target = {**phases, **assign_min_change(live, n_p - 1)}
             reason = f"KV load {kv:.2f} (up > {self.p.decode_kv_scale_up}), prefill queue {q:.2f}/node: one prefill node → decode"
             self.grace = self.p.decode_grace_intervals
         elif vote_p != vote_d:
             reason = f"queue {q:.2f}/node, KV load {kv:.2f}: would move a node but a phase is at min_endpoint"
-        return self._decide(now, "switch" if target else "no_switch", phases, target, reason, metrics=metrics)
+        return self._decide(now, "switch" if target else "no_switch", phases, target, reason + _dead_note(self.dead), metrics=metrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +252,13 @@ class ArrowPlanner(PolicyBase):
     def on_request_done(self, done: RequestDone, now: float) -> None:
         self.obs.on_request_done(done, now)
 
+    def on_liveness(self, dead: Set[str], now: float) -> None:
+        """As the base (plan over the live nodes); a node newly dead leaves the observer's populations."""
+        newly = [n for n in dead if n not in self.dead]
+        super().on_liveness(dead, now)
+        for n in newly:
+            self.obs.forget(n, now)
+
     def next_tick(self) -> float | None:
         return 0.0 if self._next is None else self._next
 
@@ -283,15 +294,16 @@ class ArrowPlanner(PolicyBase):
             self._next += self.p.interval_s
         if busy:
             return None
-        n_p, n_d, pd = _pd_counts(phases)
+        live = self.live(phases)  # a dead node's last state is no measurement, its capacity none (on_liveness)
+        n_p, n_d, pd = _pd_counts(live)
         if not pd:
             return None
         k1 = self.obs.index(now + 1e-9) + 1
         k0 = k1 - math.ceil(self.p.prompt_lookback_s / self.p.interval_s) - 1
         pooled = self.obs.pooled(k0, k1)
         prompt = pooled.prompt if pooled.n else 0.0
-        ttfts = [t for n, v in phases.items() if v == "prefill" and (t := self.predicted_ttft(n, prompt)) is not None]
-        tpots = [t for n, v in phases.items() if v == "decode" and (t := self.tpot(n, now)) is not None]
+        ttfts = [t for n, v in live.items() if v == "prefill" and (t := self.predicted_ttft(n, prompt)) is not None]
+        tpots = [t for n, v in live.items() if v == "decode" and (t := self.tpot(n, now)) is not None]
         ttft = min(ttfts) if ttfts else 0.0
         tpot = max(tpots) if tpots else 0.0
         r_p = ttft / self.p.ttft_slo_s
@@ -301,14 +313,14 @@ class ArrowPlanner(PolicyBase):
             return None  # both SLOs met: nothing to decide, nothing to log every 10 s
         if r_p > 1.0 and (r_d <= 1.0 or r_p >= r_d):
             if n_d <= self.p.min_nodes:
-                self._decide(now, "no_switch", phases, None, f"TTFT {ttft:.2f}s > SLO but decode is at its minimum", metrics=metrics)
+                self._decide(now, "no_switch", phases, None, f"TTFT {ttft:.2f}s > SLO but decode is at its minimum{_dead_note(self.dead)}", metrics=metrics)
                 return None
-            target = assign_min_change(phases, n_p + 1)
+            target = {**phases, **assign_min_change(live, n_p + 1)}
             reason = f"predicted TTFT {ttft:.2f}s (full input) > SLO {self.p.ttft_slo_s:.2f}s: one decode node → prefill"
         else:
             if n_p <= self.p.min_nodes:
-                self._decide(now, "no_switch", phases, None, f"TPOT {tpot * 1000:.1f}ms > SLO but prefill is at its minimum", metrics=metrics)
+                self._decide(now, "no_switch", phases, None, f"TPOT {tpot * 1000:.1f}ms > SLO but prefill is at its minimum{_dead_note(self.dead)}", metrics=metrics)
                 return None
-            target = assign_min_change(phases, n_p - 1)
+            target = {**phases, **assign_min_change(live, n_p - 1)}
             reason = f"TPOT {tpot * 1000:.1f}ms > SLO {self.p.tpot_slo_s * 1000:.1f}ms: one prefill node → decode"
-        return self._decide(now, "switch", phases, target, reason, metrics=metrics)
+        return self._decide(now, "switch", phases, target, reason + _dead_note(self.dead), metrics=metrics)

@@ -325,13 +325,25 @@ class PlannerCore:
             if now - since > self.busy_timeout_s:
                 del self.pending[n]
         out = set(self.pending) | self.draining
-        if self.silent_after is not None and out:
-            heard, after = self.heard, self.silent_after
-            # the earliest start of a witness's run of states (a live, steady node), None without one
-            first = min((self.since[m] for m in self.steady if m in heard and now - heard[m] < after), default=None)
-            if first is not None:
-                out = {n for n in out if n not in heard or now - heard[n] < after or first >= heard[n] + after}
+        if out:
+            out -= self.dead(now)
         return out
+
+    def dead(self, now: float) -> set[str]:
+        """Nodes heard, then silent for ``silent_after`` or more, with a witness: a live, ``steady`` node whose
+        run of states began before the node went silent (as the liveness swap's takers, :meth:`_dead_swap`).
+        When every node is silent at once (a stall of the planner's bus or loop, a step of its clock) nothing
+        is known: none is dead. A node never heard is not dead (unknown). Empty without liveness
+        (``silent_after`` None). What :meth:`busy` leaves out and the policy is told before each tick (its
+        ``on_liveness``: it values the live nodes' capacity only). O(N)."""
+        if self.silent_after is None:
+            return set()
+        heard, after = self.heard, self.silent_after
+        # the earliest start of a witness's run of states (a live, steady node), None without one
+        first = min((self.since[m] for m in self.steady if m in heard and now - heard[m] < after), default=None)
+        if first is None:
+            return set()
+        return {n for n in self.nodes if n in heard and now - heard[n] >= after and first < heard[n] + after}
 
     # -- decisions ------------------------------------------------------------ #
 
@@ -379,6 +391,9 @@ class PlannerCore:
         if cmd is not None:
             return cmd
         self.ticks += 1
+        liveness = getattr(self.policy, "on_liveness", None)
+        if liveness is not None:  # the policy values the live nodes' capacity only
+            liveness(frozenset(self.dead(now)), now)
         d = self.policy.tick(now, dict(self.command.phases), frozenset(self.busy(now)))
         cmd = None
         placed = ""

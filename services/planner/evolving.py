@@ -72,7 +72,7 @@ from shared.profile import Profile
 from shared.split import SplitError, assign_min_change, split_name, split_phases
 from services.planner.fit import FitSamples, fit_node, median_decode, median_prefill
 from services.planner.observe import Observer, SliceStats
-from services.planner.policy import PolicyBase, RequestDone, SplitDecision
+from services.planner.policy import PolicyBase, RequestDone, SplitDecision, dead_note as _dead_note
 from services.planner.throughput import (
     ModelTable,
     NodeModelState,
@@ -291,6 +291,15 @@ class EvolvingPlanner(PolicyBase):
 
     def on_request_done(self, done: RequestDone, now: float) -> None:
         self.obs.on_request_done(done, now)
+
+    def on_liveness(self, dead: Set[str], now: float) -> None:
+        """As the base: the window decision, the guard and the freeze's choice plan over the live nodes (Θ,
+        latency, backlog and the candidate splits of theirs; a dead node keeps its phase); a node newly dead
+        leaves the observer's populations (q̄, the prefill queue). O(N)."""
+        newly = [n for n in dead if n not in self.dead]
+        super().on_liveness(dead, now)
+        for n in newly:
+            self.obs.forget(n, now)
 
     def on_switch_done(self, node: str, phase: Phase, now: float) -> None:
         """A node finished switching: the cooldown runs from the last switch completion too."""
@@ -560,20 +569,21 @@ class EvolvingPlanner(PolicyBase):
         with the ``latency`` objective, the lowest mean predicted latency (Θ when every split is
         predicted overloaded)."""
         w = [s for s in self.obs.slices(k0, max(1, k1 - k0)) if s.n > 0 and s.q > 0]
-        base: dict[str, Phase] = {n: "decode" for n in phases}
+        full: dict[str, Phase] = {n: "decode" for n in phases}  # a dead node decodes (the core lays a phase over live ones)
+        base = self.live(full)
         n_nodes = len(base)
         if not w or n_nodes < 2:
             p = max(1, n_nodes // 2)
-            return assign_min_change(base, p) if n_nodes >= 2 else dict(phases), {"best_p": float(p)}
+            return {**full, **assign_min_change(base, p)} if n_nodes >= 2 else dict(phases), {"best_p": float(p)}
         counts, mask, _ = candidate_masks(base)
         if self.p.objective == "latency":
             lat = self._latency(list(base), mask, counts, w).mean(axis=1)
             if np.isfinite(lat).any():  # the split with the lowest predicted mean latency
                 p = int(counts[int(np.argmin(lat))])
-                return assign_min_change(base, p), {"best_p": float(p), "best_latency_s": float(lat.min())}
+                return {**full, **assign_min_change(base, p)}, {"best_p": float(p), "best_latency_s": float(lat.min())}
         th = self._theta(list(base), mask, counts, w)
         p = int(counts[int(np.argmax(th.mean(axis=1)))])
-        return assign_min_change(base, p), {"best_p": float(p)}
+        return {**full, **assign_min_change(base, p)}, {"best_p": float(p)}
 
     # -- measurement ---------------------------------------------------------- #
 
@@ -755,6 +765,10 @@ class EvolvingPlanner(PolicyBase):
         if any(v == "both" for v in phases.values()) or not 1 <= sum(v == "prefill" for v in phases.values()) < len(phases):
             self._decide(now, "skip", phases, None, f"split {split_name(phases)} is not a PD split", metrics=remeasured)
             return None
+        live = self.live(phases)  # the candidates are the live nodes' splits (on_liveness); a dead node keeps its phase
+        if not 1 <= sum(v == "prefill" for v in live.values()) < len(live):
+            self._decide(now, "skip", phases, None, f"the live nodes' split is not a PD split{_dead_note(self.dead)}", metrics=remeasured)
+            return None
         w = self.obs.slices(k0, self.p.slices)
         valid = [s for s in w if s.n >= self.p.min_requests_per_slice and s.q > 0]
         if len(valid) < self.p.min_slices:
@@ -763,16 +777,16 @@ class EvolvingPlanner(PolicyBase):
             )
             return None
         lam = self.obs.arrival_rate(k0, k1) if self.p.slo_guard else None
-        cands, metrics, best = self.evaluate(phases, w, lam)
+        cands, metrics, best = self.evaluate(live, w, lam)
         metrics.update(remeasured)
         if best is None:
             vetoed = [c.split for c in cands if c.vetoed]
             why = "no candidate is significantly better"
             if vetoed:
                 why += f"; SLO guard vetoed {', '.join(vetoed)}"
-            self._decide(now, "no_switch", phases, None, why, candidates=cands, metrics=metrics)
+            self._decide(now, "no_switch", phases, None, why + _dead_note(self.dead), candidates=cands, metrics=metrics)
             return None
-        target = assign_min_change(phases, best)
+        target = {**phases, **assign_min_change(live, best)}
         chosen = next(c for c in cands if c.prefill_nodes == best)
         self.expected = dict(target)
         self.last_switch_at = now
@@ -787,7 +801,7 @@ class EvolvingPlanner(PolicyBase):
                 if chosen.objective == "latency"
                 else f"{chosen.split}: mean gain {chosen.mean_gain:.3f} req/s > {chosen.threshold:.3f} "
                 f"(max of z·σ/√m and {self.p.min_gain_share:g}·Θ) over {int(metrics['slices'])} slices"
-            ),
+            ) + _dead_note(self.dead),
             candidates=cands,
             metrics=metrics,
         )
@@ -820,6 +834,10 @@ class EvolvingPlanner(PolicyBase):
         n_p = sum(v == "prefill" for v in phases.values())
         if any(v == "both" for v in phases.values()) or not 1 <= n_p < len(phases):
             return None
+        full, phases = phases, self.live(phases)  # the live nodes' pools and backlog (on_liveness)
+        n_p = sum(v == "prefill" for v in phases.values())
+        if not 1 <= n_p < len(phases):
+            return None
         k1 = self.obs.index(now + 1e-9)
         k0 = k1 - self.lookback
         w = self.obs.pooled(k0, k1)
@@ -846,7 +864,7 @@ class EvolvingPlanner(PolicyBase):
             self._decide(
                 now,
                 "no_switch",
-                phases,
+                full,
                 None,
                 f"SLO guard: predicted TTFT {ttft_cur:.1f}s > {self.p.ttft_target_s:.1f}s and backlog {backlog:.1f}s, "
                 f"not yet sustained: {streak} of {k_sus} consecutive slice checks"
@@ -900,23 +918,23 @@ class EvolvingPlanner(PolicyBase):
             self._decide(
                 now,
                 "no_switch",
-                phases,
+                full,
                 None,
                 f"SLO guard: predicted TTFT {ttft_cur:.1f}s > {self.p.ttft_target_s:.1f}s but no split with more prefill nodes meets it",
                 candidates=cands,
                 metrics=metrics,
             )
             return None
-        target = assign_min_change(phases, target_p)
+        target = {**full, **assign_min_change(phases, target_p)}
         self.expected = dict(target)
         self.last_switch_at = now
         return self._decide(
             now,
             "switch",
-            phases,
+            full,
             target,
             f"SLO guard: predicted P{round(self.p.ttft_quantile * 100)} TTFT {ttft_cur:.1f}s > {self.p.ttft_target_s:.1f}s "
-            f"and backlog {backlog:.1f}s; reverse to {split_name(target)}",
+            f"and backlog {backlog:.1f}s; reverse to {split_name(target)}" + _dead_note(self.dead),
             candidates=cands,
             metrics=metrics,
         )

@@ -296,6 +296,16 @@ class Observer:
         if len(log) >= _REPLAY_LEN:
             self._replay()
 
+    def forget(self, node: str, now: float) -> None:
+        """``node`` died (the live planner's core found it silent, ``PolicyBase.on_liveness``): from ``now`` it
+        adds no requests in decode and no prefill queue (its last state's would count forever: nothing replaces
+        it), as if it had reported an empty state; its next state counts again. :attr:`latest` keeps its last
+        state (the planners leave dead nodes out). O(1): logged."""
+        log = self._log
+        log += _STATE, node, (0.0, 0.0), now
+        if len(log) >= _REPLAY_LEN:
+            self._replay()
+
     def on_request_done(self, done: RequestDone, now: float) -> None:
         """A finished request, for the bucket of ``now`` (w̄) and of its first token. O(1): logged."""
         log = self._log

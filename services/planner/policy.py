@@ -21,10 +21,12 @@ Contract::
 Additive extensions beyond the interface the simulator was given:
 :meth:`take_decisions` (every decision, including "no switch", as
 ``PlannerDecision`` messages), :meth:`models` (the per-node Eq. 1–4 models
-for ``planner.models``) and ``on_placed`` (the live planner's core applied a
+for ``planner.models``), ``on_placed`` (the live planner's core applied a
 decision's split count with other nodes, or swapped the current split's: it lays
-a phase left on dead nodes only over live ones); all have defaults on :class:`PolicyBase`. The simulator
-calls none of them.
+a phase left on dead nodes only over live ones) and ``on_liveness`` (the live planner's core says which
+nodes are dead before each tick: the policies value the capacity of the live nodes only, see
+:meth:`PolicyBase.on_liveness`); all have defaults on :class:`PolicyBase`. The simulator
+calls none of them (no node dies there: every policy plans over every node, as before).
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ class PolicyBase:
         self.switches = 0
         """Decisions returned that changed the phase map."""
         self._split_note: str | None = None
+        self.dead: frozenset[str] = frozenset()
+        """Nodes the live planner's core found dead at its last :meth:`on_liveness` (empty in the simulator)."""
         self.tick_moved = False
         """Set by an input (:meth:`on_iterations`, ...) that brought :meth:`next_tick` forward between ticks (the
         evolving planner's warm-up restarted at the first iteration record): a caller that asks ``next_tick``
@@ -175,6 +179,24 @@ class PolicyBase:
         ``core.PlannerCore._rescue``), called after it was issued (``core.PlannerCore._dead_swap`` both).
         Never called by the simulator (no node dies there)."""
         return None
+
+    def on_liveness(self, dead: Set[str], now: float) -> None:
+        """The live planner's core (``core.PlannerCore.dead``), before each :meth:`tick`: ``dead`` are the nodes
+        heard and then silent for ``--silent-after-s`` while a live node was heard (fenced by the routers too,
+        ``--fence-after-s``, the same time under ``up``). A policy plans over the live nodes only
+        (:meth:`live`): a dead node's capacity is not counted in a phase's throughput, nor in the counts
+        a phase keeps, and its last state (a stale queue, KV load, decode batch) is no measurement. A dead
+        node keeps its phase in a decision (the core lays a phase left on dead nodes only over a live
+        one); it counts again once it reports. Before, every policy counted it: the evolving planner's Θ
+        (Eq. 5) and predicted latency of each candidate summed its μP or μD and spread q̄ over it, its
+        guard's backlog averaged its last queue; Dynamo averaged its last queue and KV load; Arrow took
+        its last queue as the best prefill node's. Never called by the simulator. O(N)."""
+        self.dead = frozenset(n for n in dead if n in self.nodes)
+
+    def live(self, phases: Mapping[str, Phase]) -> dict[str, Phase]:
+        """``phases`` without the dead nodes (:meth:`on_liveness`), in their order; ``phases`` as a dict when none is."""
+        dead = self.dead
+        return {n: ph for n, ph in phases.items() if n not in dead} if dead else dict(phases)
 
     # -- outputs ---------------------------------------------------------- #
 
@@ -227,6 +249,12 @@ class PolicyBase:
             return None
         self.switches += 1
         return SplitDecision(phases=dict(after), reason=reason, diagnostics={"decision": _as_dict(ev)})
+
+
+def dead_note(dead: Set[str]) -> str:
+    """`` (live nodes only; dead: w0, w3)`` for a decision's reason when nodes are dead (the policy planned
+    without them, :meth:`PolicyBase.on_liveness`), else ``""``."""
+    return f" (live nodes only; dead: {', '.join(sorted(dead))})" if dead else ""
 
 
 def _as_dict(ev: PlannerDecision) -> dict[str, Any]:
