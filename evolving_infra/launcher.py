@@ -375,15 +375,17 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
         return {"block_size": profile_block_size(args), **served}
     if not args.model_dir:
         raise UsageError("error: --engine torch needs --model DIR (evolving-infra model init DIR writes a tiny one)")
-    try:
-        from services.worker.engines.torch_engine.model import ModelConfig, ModelConfigError
-    except ModuleNotFoundError as e:  # a runtime failure (status 1): the options are right, the install lacks a package
-        raise SystemExit(f"error: --engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'")
+    from services.worker.engines.torch_engine.config import ModelConfig, ModelConfigError  # no torch: a bad --model is exit 2 either way
+
     try:
         model_cfg = ModelConfig.load(args.model_dir)
         context = model_cfg.max_position_embeddings
     except ModelConfigError as e:
         raise UsageError(f"error: --model {args.model_dir}: {e}") from None
+    try:
+        import services.worker.engines.torch_engine.model  # noqa: F401 (torch: what every worker imports)
+    except ModuleNotFoundError as e:  # a runtime failure (status 1): the options are right, the install lacks a package
+        raise SystemExit(f"error: --engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'")
     if args.profile == DEFAULT_PROFILE:  # the sim default: a GLM-5.2 node is not this model
         args.profile = TORCH_PROFILE
     page = profile_block_size(args)

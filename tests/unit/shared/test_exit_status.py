@@ -6,6 +6,7 @@ while ``up --block-size 16`` and ``simulate``'s split mismatch exited 2.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def test_help_lists_the_exit_statuses():
 @pytest.mark.parametrize(
     "argv, module",
     [
-        (["up", "--engine", "torch", "--model", "m"], "services.worker.engines.torch_engine.model"),
+        (["up", "--engine", "torch", "--model", "m"], "services.worker.engines.torch_engine.model"),  # m: a config.json
         # torch itself missing: init_model imports it lazily, so it was a raw traceback from checkpoint.py
         (["model", "init", "m"], "torch"),
     ],
@@ -92,6 +93,8 @@ def test_a_missing_torch_extra_is_a_runtime_failure(argv, module, tmp_path, monk
 
     monkeypatch.setitem(sys.modules, module, None)  # import raises ModuleNotFoundError
     monkeypatch.chdir(tmp_path)
+    if argv[0] == "up":  # a folder that passes the --model check (which needs no torch: a usage error before it)
+        _config_only(tmp_path / "m")
     try:
         rc = main([*argv, *(["--log-dir", str(tmp_path / "logs"), "--port", "0"] if argv[0] == "up" else [])])
     except SystemExit as e:  # up: SystemExit("error: ..."), which Python prints and exits 1 with
@@ -112,6 +115,38 @@ def test_model_init_without_torch_says_which_extra_in_one_line(tmp_path):
     assert (p.returncode, p.stderr.splitlines()) == (
         RUNTIME_FAILURE, ["error: model init needs the torch extra (torch missing): pip install -e '.[torch]'"]), p.stderr
     assert not (tmp_path / "tiny").exists()
+
+
+def _config_only(folder: Path) -> Path:
+    """A model folder with only a valid ``config.json`` (a tiny llama's): enough for ``up``'s ``--model`` check."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+    }))  # fmt: skip
+    return folder
+
+
+def test_up_checks_the_model_folder_without_the_torch_extra(tmp_path):
+    """``up --engine torch --model DIR`` on an install without the torch extra (torch unimportable in a fresh
+    interpreter): a folder that is no model is a usage error (status 2) naming it, as with the extra; a model
+    folder then needs the extra (status 1). Before, both said 'needs the torch extra' (``ModelConfig`` lived in
+    the torch decoder's module): the sbatch job's check of a bad ``MODEL_DIR`` failed without the extra."""
+    entry = "import sys; sys.modules['torch'] = None; " + ENTRY.split("; ", 1)[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EI_STATE_DIR": str(tmp_path / "state")}
+
+    def up(model: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", entry, "up", "--engine", "torch", "--model", str(model), "--port", "0",
+                               "--log-dir", str(tmp_path / "logs")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+
+    p = up(tmp_path / "nope")
+    assert (p.returncode, p.stderr.splitlines()[-1:]) == (USAGE_ERROR, [f"error: --model {tmp_path / 'nope'}: {tmp_path / 'nope'}: no such folder "
+                                                                         "(--model takes a local Hugging Face model folder; evolving-infra model "
+                                                                         "init DIR writes a tiny one)"]), p.stderr  # fmt: skip
+    p = up(_config_only(tmp_path / "m"))
+    assert (p.returncode, p.stderr.splitlines()[-1:]) == (
+        RUNTIME_FAILURE, ["error: --engine torch needs the torch extra (torch missing): pip install -e '.[torch]'"]), p.stderr
 
 
 @pytest.mark.parametrize(
