@@ -55,6 +55,12 @@ async def test_a_server_without_jetstream_still_makes_the_bus_fall_back_at_once(
             await bus.close()
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (``T`` in ``/proc/<pid>/task/*/stat``)."""
+    tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    return bool(tasks) and all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
+
+
 async def test_a_lookup_after_a_reconnect_without_an_answer_is_made_again_and_the_held_messages_arrive(monkeypatch):
     """The server comes back without its store (SIGKILL, store removed, restart) and hangs (SIGSTOP, 1.5 s) just as
     the bus's reconnect looks the stream up (0.5-s lookups here). The lookup is made again until the server answers:
@@ -75,6 +81,7 @@ async def test_a_lookup_after_a_reconnect_without_an_answer_is_made_again_and_th
         async def hung_as_it_looks(go_on):  # the real lookup, on a server stopped when it starts
             assert srv.pid is not None
             os.kill(srv.pid, signal.SIGSTOP)
+            await until(lambda: _stopped(srv.pid), 2.0, "the server stopped")  # the signal takes a moment (2 vCPUs)
             stopped.append(time.monotonic())
             asyncio.get_running_loop().call_later(1.5, os.kill, srv.pid, signal.SIGCONT)
             return await look_up(go_on)
