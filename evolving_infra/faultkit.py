@@ -60,7 +60,10 @@ class FaultSpec:
         speedup: simulated seconds per wall second.
         profile: node profile (shared name or TOML path).
         block_size: tokens per KV block.
-        fence_after_s: router: wall seconds without a node.state before a node is fenced.
+        fence_after_s: wall seconds without a node.state before a node is dead: the routers' ``--fence-after-s``
+            (fenced) and the planner's ``--silent-after-s`` (splits laid over the live nodes, the policies value
+            the live nodes only), one liveness time as ``up --fence-after-s`` gives them. Before, the planner kept
+            its default 3 s while the routers fenced at 1.5 s.
         idle_state_interval_s: worker: wall seconds between liveness states.
         extra: extra flags per service name prefix (``worker``, ``router``, ``kvdirectory``, ``planner``).
     """
@@ -139,7 +142,7 @@ class FaultCluster:
             self.procs[name] = _Proc(name, py + [module] + self._common(name) + args + extra, self.workdir / f"{name}.log")
 
         add("kvdirectory", "services.kvdirectory", ["--block-size", str(s.block_size)])
-        add("planner", "services.planner", ["--nodes", ",".join(nodes), "--split", s.split])
+        add("planner", "services.planner", ["--nodes", ",".join(nodes), "--split", s.split, "--silent-after-s", repr(s.fence_after_s)])
         for node, phase in zip(nodes, phases):
             add(f"worker-{node}", "services.worker", ["--node", node, "--profile", s.profile, "--phase", phase,
                                                       "--idle-state-interval-s", repr(s.idle_state_interval_s)])  # fmt: skip
