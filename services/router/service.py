@@ -43,7 +43,7 @@ import socket
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -121,7 +121,9 @@ words: ~360 MB at its peak, measured here): four at once took the router from 70
 ``asyncio.to_thread``'s pool runs min(32, cores + 4) of them."""
 
 
-async def _off_loop_if_big(body: bytes, run: Callable[[bytes], _T], gate: asyncio.Semaphore | None = None) -> _T:
+async def _off_loop_if_big(
+    body: bytes, run: Callable[[bytes], _T], gate: asyncio.Semaphore | None = None, gone: Callable[[], Awaitable[None]] | None = None,
+) -> _T:
     """``run(body)``: in a worker thread when ``body`` is over ``_BIG_TEXT`` bytes, so that the event
     loop (every stream, every bus message) does not stop for it; here, with no thread hop, when small.
     Used by ``/tokenize``, ``/detokenize`` and the generation endpoints (``_prepare``): a 59 MB body of
@@ -131,13 +133,60 @@ async def _off_loop_if_big(body: bytes, run: Callable[[bytes], _T], gate: asynci
     (44 ms for a 6.2 MB body of 1M ids, 0.45 s for 59 MB), ``tokenizers``' ``Tokenizer.encode`` (a 6 MB
     text: 5.1 s with a toy BPE; ``HFTokenizer`` calls ``encode_batch_fast``, which releases it: 0.09 s).
     ``gate``: held around the thread of a body over :data:`_HUGE_BODY` bytes (the router's: :data:`_HUGE_AT_ONCE`
-    at once), so that their memory is bounded by the gate, not by how many clients send one at once."""
+    at once), so that their memory is bounded by the gate, not by how many clients send one at once.
+    ``gone``: returns when the client closed the connection; one that goes while its body waits for the gate
+    leaves the line (:func:`_acquire_unless_gone`) instead of being parsed for nobody once a slot is free.
+
+    Raises:
+        _GoneAtGate: ``gone`` returned while the body waited for the gate (``run`` was not called).
+        Exception: what ``run`` raised.
+    """
     if len(body) <= _BIG_TEXT:
         return run(body)
     if gate is None or len(body) <= _HUGE_BODY:
         return await asyncio.to_thread(run, body)
-    async with gate:
+    if gone is None:
+        await gate.acquire()
+    elif not await _acquire_unless_gone(gate, gone):
+        raise _GoneAtGate
+    try:
         return await asyncio.to_thread(run, body)
+    finally:
+        gate.release()
+
+
+class _GoneAtGate(Exception):
+    """The client closed the connection while its body waited for the gate (:func:`_off_loop_if_big`)."""
+
+
+async def _acquire_unless_gone(gate: asyncio.Semaphore, gone: Callable[[], Awaitable[None]]) -> bool:
+    """Acquire ``gate`` unless ``gone()`` returns (or fails: the connection is broken) first. True: acquired;
+    False: gone, not acquired (its place in line, or a slot granted at the same moment, goes to the next).
+    A caller cancelled meanwhile holds nothing either."""
+    if not gate.locked():  # a free slot: taken at once, no task made
+        await gate.acquire()
+        return True
+    acquire = asyncio.ensure_future(gate.acquire())
+    watch = asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({acquire, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled: let go of the slot, granted or not
+        watch.cancel()
+        if acquire.done() and not acquire.cancelled():
+            gate.release()
+        else:
+            acquire.cancel()  # Semaphore.acquire hands a slot granted meanwhile to the next waiter
+        raise
+    if not watch.done():
+        watch.cancel()
+        return True
+    if not watch.cancelled():
+        watch.exception()  # retrieved: a broken connection counts as gone
+    if acquire.done() and not acquire.cancelled():
+        gate.release()
+    else:
+        acquire.cancel()
+    return False
 
 
 _DUPLICATE_GRACE_S = 0.5
@@ -1995,7 +2044,7 @@ class RouterService(WatchedService):
         try:
             body = await self._read_body(request)
             # the body's size, not the contents': a chat's tools are rendered too
-            answer = await _off_loop_if_big(body, run, self._big_gate)  # encoded there too: 31M ids took 1 s
+            answer = await self._off_loop(request, body, run)  # encoded there too: 31M ids took 1 s
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
         return Response(answer, media_type="application/json")
@@ -2014,7 +2063,7 @@ class RouterService(WatchedService):
 
         try:
             body = await self._read_body(request)
-            text = await _off_loop_if_big(body, run, self._big_gate)
+            text = await self._off_loop(request, body, run)
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
         return self._json({"prompt": text})
@@ -2116,6 +2165,21 @@ class RouterService(WatchedService):
         self.counters["branch_tool_calls"] += 1
         return self._json({"branch_id": branch_id, "outstanding": outstanding, "expected_s": expected_s})
 
+    async def _off_loop(self, request: Request, body: bytes, run: Callable[[bytes], _T]) -> _T:
+        """:func:`_off_loop_if_big` with the router's gate of huge bodies; a client that closes the connection
+        while its body waits for the gate leaves the line (``http.gate_disconnects``): before, its body was parsed
+        and tokenized once a slot was free (seconds and hundreds of MB for a 60 MB prompt, for nobody), ahead of
+        the clients still waiting, and a generation request was then dispatched before its abort.
+
+        Raises:
+            ApiError: 499 (gone while it waited: the answer is never read), or what ``run`` raised.
+        """
+        try:
+            return await _off_loop_if_big(body, run, self._big_gate, lambda: self._wait_disconnect(request.receive))
+        except _GoneAtGate:
+            self.counters["http.gate_disconnects"] += 1
+            raise api.ApiError(499, "client closed the connection while its body waited for a parse slot") from None
+
     async def _read_body(self, request: Request) -> bytes:
         """The request's body, at most ``max_body_bytes``, received within ``body_timeout_s``.
 
@@ -2173,7 +2237,7 @@ class RouterService(WatchedService):
         # 0.5 s on the loop when only contents were counted), and a prompt of ids is parsed, made an array,
         # packed and hashed (1M ids, 6.2 MB: 140 ms on the loop at block_size 16, 90 ms at 64)
         ctx = self.context_limit()  # read here, on the loop: the node view is not read from a worker thread
-        req, arr, max_tokens, packed, hashes, echo = await _off_loop_if_big(body, lambda b: self._prepare_body(b, chat, ctx), self._big_gate)
+        req, arr, max_tokens, packed, hashes, echo = await self._off_loop(request, body, lambda b: self._prepare_body(b, chat, ctx))
         return hdrs, req, arr, max_tokens, packed, hashes, echo
 
     def _prepare_body(self, body: bytes, chat: bool, ctx: int) -> tuple[Any, np.ndarray, int, bytes, list[int], str]:

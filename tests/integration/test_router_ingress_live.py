@@ -217,3 +217,58 @@ async def test_huge_bodies_are_parsed_two_at_a_time_and_small_ones_never_wait(na
         assert [r.status_code for r in results] == [400] * 4 and small.status_code < 500, small.text
         assert most[0] == 2, most[0]
         assert small_saw_huge and small_saw_huge[0] >= 1, small_saw_huge  # it ran while huge ones were inside
+
+
+async def test_a_client_gone_while_its_huge_body_waits_for_a_parse_slot_leaves_the_line(nats_url, tmp_path):
+    """A huge body waits for one of the router's two parse slots with its body read. A client that closed the
+    connection meanwhile kept its place: once a slot was free its body was parsed and tokenized anyway (seconds,
+    hundreds of MB for a 60 MB prompt, for nobody), ahead of the clients still waiting, and only after its
+    dispatch to a node did the disconnect watcher abort it. Now it leaves the line when it goes (a 499,
+    ``http.gate_disconnects``); the slots go to those still there."""
+    huge_at = 4 * 1024 * 1024
+
+    class Gate(asyncio.Semaphore):
+        asked = 0
+
+        async def acquire(self) -> bool:
+            Gate.asked += 1
+            return await super().acquire()
+
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        env.service._big_gate = Gate(2)
+        parsed: list[int] = []
+        inside = [0]
+        prepare = env.service._prepare_body
+
+        def counted(body: bytes, chat: bool, ctx: int):
+            if len(body) <= huge_at:
+                return prepare(body, chat, ctx)
+            parsed.append(len(body))
+            inside[0] += 1
+            try:
+                time.sleep(0.6)
+                raise api.ApiError(400, "huge")
+            finally:
+                inside[0] -= 1
+
+        env.service._prepare_body = counted
+        huge = b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
+        posts = [asyncio.create_task(env.http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}))
+                 for _ in range(2)]
+        await _wait_for(lambda: inside[0] == 2, what="both slots taken")
+        # a third client sends its whole body, waits for a slot, and goes
+        reader, writer = await asyncio.open_connection("127.0.0.1", env.service.port)
+        gone = b'{"prompt": "' + b"b" * (5 * 1024 * 1024 + 7) + b'"}'  # its own size: a parse of it is told apart
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(gone) + gone)
+        await writer.drain()
+        await _wait_for(lambda: Gate.asked == 3, what="the third body waiting for a slot")
+        writer.close()
+        await writer.wait_closed()
+        await _wait_for(lambda: env.service.counters["http.gate_disconnects"] == 1, what="the gone client leaving the line")
+        assert inside[0] == 2  # it left while both slots were still taken
+        results = await asyncio.gather(*posts)
+        assert [r.status_code for r in results] == [400] * 2
+        await asyncio.sleep(0.3)  # a slot is free: before, the gone client's body was parsed now
+        assert len(gone) not in parsed and len(parsed) == 2, parsed
+        assert not env.service._big_gate.locked()
