@@ -16,7 +16,9 @@
   Each request's scope carries ``scope["extensions"][RESET_EXTENSION]``: a
   callable that resets its connection at once (the router's end of a stream
   whose client stopped reading, ``--max-buffered-output-tokens``: a plain
-  close would wait for the client to read what is buffered first).
+  close would wait for the client to read what is buffered first), while that
+  request's response is on; after it, a no-op (the connection may carry the
+  next request).
 
 Keys come from a file (one per line, ``#`` comments) and/or a comma-separated
 value (``EI_API_KEYS``); see :func:`load_api_keys`.
@@ -38,7 +40,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 _JSON = msgspec.json.Encoder()
 
 RESET_EXTENSION = "evolving_infra.connection_reset"
-"""Key, in a request's ``scope["extensions"]`` (:func:`guarded_h11`), of the callable that resets its connection."""
+"""Key, in a request's ``scope["extensions"]`` (:func:`guarded_h11`), of the callable that resets its connection
+while its response is on (returns True when it did)."""
 
 
 class ApiKeyError(ValueError):
@@ -182,8 +185,9 @@ class IngressGuard:
 def guarded_h11(header_timeout_s: float, counters: Counter[str]) -> type[H11Protocol]:
     """uvicorn's h11 protocol closing connections whose request head is not complete
     within ``header_timeout_s`` wall seconds (counted as ``http.header_timeouts``), and giving each
-    request's scope a :data:`RESET_EXTENSION` (``transport.abort``: the buffered output is dropped
-    and uvicorn sees the connection lost, as when its client goes away)."""
+    request's scope a :data:`RESET_EXTENSION` (``transport.abort`` while that request's response is
+    on: the buffered output is dropped and uvicorn sees the connection lost, as when its client goes
+    away; a no-op once its response is complete)."""
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: Any = None
@@ -215,7 +219,21 @@ def guarded_h11(header_timeout_s: float, counters: Counter[str]) -> type[H11Prot
             if self.cycle is not before:  # a request head arrived
                 self._disarm()
                 if self.cycle is not None:  # its app task has not run yet: the scope it gets is this dict
-                    self.cycle.scope.setdefault("extensions", {})[RESET_EXTENSION] = self.transport.abort
+                    self.cycle.scope.setdefault("extensions", {})[RESET_EXTENSION] = self._reset_hook(self.cycle)
+
+        def _reset_hook(self, cycle: Any) -> Callable[[], bool]:
+            """``cycle``'s :data:`RESET_EXTENSION`: aborts the connection only while ``cycle`` is its current
+            request and its response is not complete, and says whether it did. Once complete, the connection
+            may carry the next request (keep-alive; a pipelined one starts at the completion, before the
+            app's call returns), which a reset would kill."""
+
+            def reset() -> bool:
+                if self.cycle is not cycle or cycle.response_complete or self.transport.is_closing():
+                    return False
+                self.transport.abort()
+                return True
+
+            return reset
 
         def on_response_complete(self) -> None:
             self._arm()  # the next request's head must come in time too (a pipelined one disarms it)

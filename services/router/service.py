@@ -288,7 +288,7 @@ class _Pending:
     """The finish reason it is counted under in ``ei_router_requests_finished_total`` (once; None: not yet)."""
     unread: int = 0
     """Output tokens in :attr:`queue` its response has not taken yet (``--max-buffered-output-tokens``)."""
-    reset: Callable[[], None] | None = None
+    reset: Callable[[], bool] | None = None
     """Resets its client's connection (a stream's, ``ingress.RESET_EXTENSION``); None: not a stream, or no such hook."""
     http_closed: bool = False
     """Its response is over (a stream's: :meth:`RouterService._close_stream` ran)."""
@@ -1131,9 +1131,8 @@ class RouterService(WatchedService):
     def _reset_slow_client(self, p: _Pending) -> None:
         """``--slow-client-grace-s`` after ``p`` was aborted as too slow: reset its connection unless its
         response ended (its client read the error event)."""
-        if not p.http_closed and p.reset is not None:
+        if not p.http_closed and p.reset is not None and p.reset():  # (a no-op once its response is complete)
             self.counters["slow_client_resets"] += 1
-            p.reset()
 
     def _stale_chunk(self, p: _Pending, chunk: m.TokenChunk) -> None:
         """A chunk of another attempt than ``p``'s current one (a fenced node that came back):
