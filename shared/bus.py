@@ -1357,7 +1357,8 @@ class Bus:
         self._tasks.append(asyncio.create_task(beat(), name=f"heartbeat-{self.instance}"))
 
     async def close(self) -> None:
-        """Stop background tasks, drain subscriptions (in-flight handlers finish), close."""
+        """Stop background tasks, drain subscriptions (in-flight handlers finish), close. A connection lost meanwhile
+        (NATS down) is logged, not raised: what was buffered for it is dropped."""
         self._closing = True
         for t in self._tasks:
             t.cancel()
@@ -1371,6 +1372,13 @@ class Bus:
             try:
                 await asyncio.wait_for(self.nc.drain(), timeout=5.0)
             except Exception:
-                await self.nc.close()
+                try:
+                    await self.nc.close()
+                except Exception as e:
+                    # the server is gone (nats-py refuses to drain a reconnecting client): its close flushes what was
+                    # buffered meanwhile (heartbeats, publishes) into the lost connection and raises ConnectionResetError.
+                    # Those messages could not be delivered anyway; before, the error ended a service stopped during a
+                    # NATS outage in a traceback (exit 1) instead of a clean stop
+                    self.log.warning("nats connection lost at close; messages buffered while disconnected dropped", error=repr(e))
         for ping in list(self._pings):  # the client no longer reads: no PONG can reach them now
             ping.cancel()

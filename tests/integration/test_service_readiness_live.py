@@ -132,3 +132,29 @@ async def test_the_health_port_opens_before_nats_is_reached():
         stop.set()
         await asyncio.wait_for(task, 10)
         srv.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_service_stopped_while_nats_is_down_stops_cleanly():
+    """SIGTERM (the stop event) while nats-server is down: the service stops and ``serve_until_stopped`` returns
+    (exit 0). Before, the bus's close raised: nats-py's drain refuses a reconnecting client, and the close that
+    followed flushed the messages buffered meanwhile (a heartbeat a second) into the lost connection and raised
+    ``ConnectionResetError('Connection lost')``: the process ended in a traceback, exit 1."""
+    from services.kvdirectory.config import DirectoryConfig
+    from services.kvdirectory.service import DirectoryService
+    from shared.service import serve_until_stopped
+
+    with EmbeddedNatsServer() as srv:
+        port = _free_port()
+        cfg = DirectoryConfig(nats_url=srv.url, partition="p6", metrics_port=port, metrics_host="127.0.0.1")
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve_until_stopped("kvdirectory", cfg, DirectoryService, instance="kvdirectory", stop_event=stop))
+        import httpx
+
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            await _until(http, f"http://127.0.0.1:{port}/readyz", _ok, "ready", task)
+        os.kill(srv.pid, signal.SIGKILL)
+        srv.proc.wait()
+        await asyncio.sleep(1.5)  # a heartbeat or more buffered while disconnected
+        stop.set()
+        await asyncio.wait_for(task, 15)  # returns: no exception
