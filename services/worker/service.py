@@ -1684,7 +1684,8 @@ class WorkerService:
     async def _beside_step(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` (a threaded engine's method, under the engine's lock) in the execute thread, queued after
         the plan it runs, if any; returns its result. The event loop runs on meanwhile. Not the step's: the
-        watchdog watches the plan, and a cancelled caller leaves ``fn`` to run (or to have run) in the thread."""
+        watchdog watches the plan. A cancelled caller (:meth:`stop`) leaves ``fn`` to finish when it has started
+        in the thread; one still queued is cancelled there and never runs (``asyncio.wrap_future``)."""
         return await asyncio.wrap_future(self._execute_thread().submit(contextvars.copy_context().run, fn, *args))
 
     @contextlib.asynccontextmanager
