@@ -56,7 +56,9 @@ def add_policy_args(p: argparse.ArgumentParser, *, live: bool, default: str = DE
     pol.add_argument("--routing-opt", action="append", metavar="K=V",
                      help="routing policy option, repeatable: a knob of the router's policies as `python -m services.router "
                      "--help` lists it, e.g. ttft_fetch_min_tokens=64 ttft_fetch_base_s=0.02 (paper Eq. 7's fetch model "
-                     "τ(x)) cache_threshold=0.5")
+                     "τ(x)) cache_threshold=0.5"
+                     + ("; units as the router's --help gives them (ttft_state_max_age_s: wall s x --speedup)" if live
+                        else "; *_s in simulated seconds"))
     return pol
 
 

@@ -184,7 +184,7 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
              "tokens unread' (--slow-client-grace-s) and ei_router_slow_client_aborts_total counts it; a client that "
              "keeps up has at most a chunk unread and is never chosen while a slower one holds more; a token held "
              "takes ~660 bytes at one token per chunk (the workers' --stream-interval 1), ~75 at 16 (the default cap: "
-             "~43 MB at most); 0 = no cap (each stream buffers up to its max_tokens)"),
+             "~43 MB at most without logprobs; a chunk with top_logprobs holds more per token); 0 = no cap (each stream buffers up to its max_tokens)"),
     ] = 65_536
     slow_client_grace_s: Annotated[
         float,
