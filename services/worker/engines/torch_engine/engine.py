@@ -59,6 +59,7 @@ import itertools
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,12 +80,19 @@ from services.worker.plan import IterationPlan
 def _locked(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run a method under the engine's lock: the live shell runs :meth:`TorchEngine.execute`
     in a worker thread (so the event loop keeps publishing heartbeats) while its handlers
-    register work and apply KV events."""
+    register work and apply KV events. The outermost locked call first applies the
+    registrations deferred while the lock was busy (:meth:`TorchEngine._register`), in order."""
 
     @functools.wraps(fn)
     def wrapper(self: TorchEngine, *args: Any, **kw: Any) -> Any:
         with self._lock:
-            return fn(self, *args, **kw)
+            self._held += 1
+            try:
+                if self._held == 1 and self._deferred:
+                    self._run_deferred()
+                return fn(self, *args, **kw)
+            finally:
+                self._held -= 1
 
     return wrapper
 
@@ -295,6 +303,11 @@ class TorchEngine(Engine):
         self.speedup = float(speedup)
         """Cluster seconds per measured second (:meth:`execute`)."""
         self._lock = threading.RLock()
+        self._held = 0
+        """Depth of the locked calls of the thread holding :attr:`_lock` (only that thread changes it)."""
+        self._deferred: deque[Callable[[], None]] = deque()
+        """Registrations (:meth:`accept_prefill` / :meth:`accept_decode`) made while another thread held
+        :attr:`_lock` (a plan running in the execute thread), applied in order by the next locked call."""
         self.counters: dict[str, int] = {}
         """``restored_pages``, ``written_through``, ``handoff_pages_in``, ``fetched_pages``,
         ``fetched_unstored_pages`` (fetched, dropped without being stored), ``dedup_pages``,
@@ -314,9 +327,39 @@ class TorchEngine(Engine):
             return f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds the model's context of {limit} tokens"
         return None
 
-    @_locked
+    def _register(self, apply: Callable[[], None]) -> None:
+        """Apply the registration ``apply`` (it changes :attr:`seqs` and the maps of the requests' pages)
+        under the engine's lock, now if the lock is free (or this thread holds it), else at the start of
+        the next locked call (:func:`_locked`: after the plan in flight, before any later call, in order).
+
+        A plan that :meth:`execute` runs in the execute thread holds the lock for all its forwards; an
+        ``accept_prefill`` / ``accept_decode`` of arriving work, called by a handler on the event loop,
+        waited for the rest of that forward there: heartbeats, NATS pings and ``/metrics`` with it (a
+        hidden-512, 8-layer llama on CPU, a 256-token chunk: 40-615 ms on a busy 2-core box). The plan in
+        flight does not run the request: the scheduler takes the work only after it is accepted, and the
+        worker waits for a step that runs an older attempt of the rid before it accepts a new one
+        (``WorkerService._newest_attempt``). Every reader of the registrations takes the lock, so it sees
+        the deferred ones applied."""
+        if self._lock.acquire(blocking=False):
+            self._held += 1
+            try:
+                if self._held == 1 and self._deferred:
+                    self._run_deferred()
+                apply()
+            finally:
+                self._held -= 1
+                self._lock.release()
+        else:
+            self._deferred.append(apply)
+
+    def _run_deferred(self) -> None:
+        """Apply the deferred registrations in order (the caller holds the lock)."""
+        while self._deferred:
+            self._deferred.popleft()()
+
     def accept_prefill(self, work: PrefillWork) -> None:
-        """Register the prompt of ``work`` (before the scheduler queues it).
+        """Register the prompt of ``work`` (before the scheduler queues it). Checked at once; the
+        registration waits for no plan in flight (:meth:`_register`).
 
         Raises:
             ValueError: token ids missing, not matching ``prompt_tokens``, out of the
@@ -332,15 +375,20 @@ class TorchEngine(Engine):
             ids, work.sampling, serial=next(self._serials), offset=work.output_offset, ignore_eos=work.ignore_eos,
             stats_from=work.token_ids,
         )  # fmt: skip
-        self._forget_seq(work.rid)  # an older attempt's registration (see _forget_seq)
-        self.seqs[work.rid] = s
+        rid = work.rid
 
-    @_locked
+        def apply() -> None:
+            self._forget_seq(rid)  # an older attempt's registration (see _forget_seq)
+            self.seqs[rid] = s
+
+        self._register(apply)
+
     def accept_decode(self, work: DecodeWork) -> None:
         """Register a hand-off: ``work.token_ids`` holds the prompt, ``work.output_ids`` the
         output produced so far, ``work.kv`` the prompt's K/V pages (as :meth:`handoff`
         writes them): ``ceil(prompt / block_size)`` pages of ``[layers, 2, block_size,
-        kv_heads, head_dim]`` in this engine's dtype.
+        kv_heads, head_dim]`` in this engine's dtype. Checked at once; the registration waits for no
+        plan in flight (:meth:`_register`).
 
         Raises:
             ValueError: token ids or KV missing or of the wrong size; a ``logit_bias`` id outside the
@@ -366,10 +414,15 @@ class TorchEngine(Engine):
         )  # fmt: skip
         s.incoming = {i: kv[i] for i in range(pages)}
         s.path = list(work.block_hashes)
-        self._forget_seq(work.rid)  # an older attempt's registration (see _forget_seq)
-        for i, h in enumerate(work.block_hashes):
-            self._incoming.setdefault(h, {})[work.rid] = kv[i]
-        self.seqs[work.rid] = s
+        rid = work.rid
+
+        def apply() -> None:
+            self._forget_seq(rid)  # an older attempt's registration (see _forget_seq)
+            for i, h in enumerate(s.path):
+                self._incoming.setdefault(h, {})[rid] = kv[i]
+            self.seqs[rid] = s
+
+        self._register(apply)
 
     def _ids(self, rid: str, packed: bytes, lo: int, hi: int) -> list[int]:
         try:
