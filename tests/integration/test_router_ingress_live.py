@@ -7,6 +7,7 @@ fake cluster of ``test_router_live`` answering on the bus.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -238,6 +239,7 @@ async def test_a_client_gone_while_its_huge_body_waits_for_a_parse_slot_leaves_t
         env.service._big_gate = Gate(2)
         parsed: list[int] = []
         inside = [0]
+        release = threading.Event()  # the two slots are held until the third client has gone
         prepare = env.service._prepare_body
 
         def counted(body: bytes, chat: bool, ctx: int):
@@ -246,29 +248,33 @@ async def test_a_client_gone_while_its_huge_body_waits_for_a_parse_slot_leaves_t
             parsed.append(len(body))
             inside[0] += 1
             try:
-                time.sleep(0.6)
+                assert release.wait(20.0)
                 raise api.ApiError(400, "huge")
             finally:
                 inside[0] -= 1
 
         env.service._prepare_body = counted
-        huge = b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
-        posts = [asyncio.create_task(env.http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}))
-                 for _ in range(2)]
-        await _wait_for(lambda: inside[0] == 2, what="both slots taken")
-        # a third client sends its whole body, waits for a slot, and goes
-        reader, writer = await asyncio.open_connection("127.0.0.1", env.service.port)
-        gone = b'{"prompt": "' + b"b" * (5 * 1024 * 1024 + 7) + b'"}'  # its own size: a parse of it is told apart
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n" % len(gone) + gone)
-        await writer.drain()
-        await _wait_for(lambda: Gate.asked == 3, what="the third body waiting for a slot")
-        writer.close()
-        await writer.wait_closed()
-        await _wait_for(lambda: env.service.counters["http.gate_disconnects"] == 1, what="the gone client leaving the line")
-        assert inside[0] == 2  # it left while both slots were still taken
-        results = await asyncio.gather(*posts)
-        assert [r.status_code for r in results] == [400] * 2
-        await asyncio.sleep(0.3)  # a slot is free: before, the gone client's body was parsed now
-        assert len(gone) not in parsed and len(parsed) == 2, parsed
-        assert not env.service._big_gate.locked()
+        try:
+            huge = b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
+            posts = [asyncio.create_task(env.http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}))
+                     for _ in range(2)]
+            await _wait_for(lambda: inside[0] == 2, what="both slots taken")
+            # a third client sends its whole body, waits for a slot, and goes
+            reader, writer = await asyncio.open_connection("127.0.0.1", env.service.port)
+            gone = b'{"prompt": "' + b"b" * (5 * 1024 * 1024 + 7) + b'"}'  # its own size: a parse of it is told apart
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % len(gone) + gone)
+            await writer.drain()
+            await _wait_for(lambda: Gate.asked == 3, what="the third body waiting for a slot")
+            writer.close()
+            await writer.wait_closed()
+            await _wait_for(lambda: env.service.counters["http.gate_disconnects"] == 1, what="the gone client leaving the line")
+            assert inside[0] == 2  # it left while both slots were still taken
+            release.set()
+            results = await asyncio.gather(*posts)
+            assert [r.status_code for r in results] == [400] * 2
+            await asyncio.sleep(0.3)  # a slot is free: before, the gone client's body was parsed now
+            assert len(gone) not in parsed and len(parsed) == 2, parsed
+            assert not env.service._big_gate.locked()
+        finally:
+            release.set()  # a failed check leaves no thread waiting
