@@ -38,6 +38,7 @@ async def test_a_timeout_after_the_permission_came_back_is_not_a_permission_deni
             return m.DecodeBindReply(rid=req.rid, decode_node="w1") if req.rid == "b" else None  # a, c: no reply
 
         await router.serve(ROUTE_BIND, answer, router="r")
+        await router.flush()  # the server has the router's SUB before the worker's request (see below)
         a = asyncio.create_task(worker.request(ROUTE_BIND, _bind("a"), timeout=1.0, router="r"))
         await until(lambda: worker._requesting, 5.0, "a in flight")
         await worker.nc._error_cb(Exception(VIOLATION))  # as nats-py reports the server's -ERR for a's publish
@@ -66,6 +67,9 @@ async def test_a_request_in_flight_when_the_violation_comes_is_permission_denied
             return None
 
         await router.serve(ROUTE_BIND, silent, router="r")
+        # serve only queues the SUB on the router's connection; the server reads two connections apart, so without
+        # this the worker's request could reach it first: NoResponders at once, and 'a in flight' never seen (under load)
+        await router.flush()
         a = asyncio.create_task(worker.request(ROUTE_BIND, _bind("a"), timeout=0.5, router="r"))
         await until(lambda: worker._requesting, 5.0, "a in flight")
         await worker.nc._error_cb(Exception(VIOLATION))
