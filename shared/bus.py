@@ -871,12 +871,14 @@ class Bus:
 
         Raises:
             BusUnavailable (a :class:`BusError`): the client refused the message (reconnect
-                buffer full, ``PENDING_BYTES``; connection closed), so no NATS exception escapes bare. A
+                buffer full, ``PENDING_BYTES``; connection closed), so no NATS exception escapes bare; a reliable
+                message refused so is not published again after a reconnect (:meth:`_unkeep`). A
                 reliable message on JetStream whose write met a transport the server's death just closed is
                 not refused: it is in the resend window the reconnect publishes again (``publish_deferred``).
         """
         full = self.subjects.format(subject, **params)
         data = m.encode(self._stamp(msg))
+        kept: tuple[float, str, bytes, dict[str, str]] | None = None
         if subject.reliable and not self._stream_checked and self._publish_check is None and not self._closing:
             # the first reliable publish before any reliable subscription: wait a moment for the stream (found or made
             # at once as a rule); one this bus waits for (another must make it) is searched on in the background
@@ -889,10 +891,11 @@ class Bus:
                 self._msg_no += 1
                 hdr = {MSG_ID: f"{self.instance}-{self._boot}-{self._msg_no}"}
                 now = time.monotonic()
-                self._recent.append((now, full, data, hdr))
+                kept = (now, full, data, hdr)
+                self._recent.append(kept)
                 self._trim_recent(now)
                 if self._holding:
-                    self._hold((now, full, data, hdr))
+                    self._hold(kept)
                 await self.nc.publish(full, data, headers={**headers, **hdr} if headers else hdr)
             else:
                 await self.nc.publish(full, data, headers=headers)
@@ -909,9 +912,28 @@ class Bus:
             self.counters["publish_failed." + subject.template] += 1
             raise BusUnavailable(f"cannot publish on {subject.template}: {type(e).__name__}: {e}") from e
         except nats.errors.Error as e:
+            if kept is not None:
+                self._unkeep(kept)
             self.counters["publish_failed." + subject.template] += 1
             raise BusUnavailable(f"cannot publish on {subject.template}: {type(e).__name__}: {e}") from e
         self.counters["published." + subject.template] += 1
+
+    def _unkeep(self, entry: tuple[float, str, bytes, dict[str, str]]) -> None:
+        """Take a reliable publish the client refused (:class:`BusUnavailable`: reconnect buffer full, connection
+        closed) out of the resend window and :attr:`_held`: its caller was told it failed (and may send it again, or
+        answer its client 503), so it is not published again after a reconnect. Before, it was: on a stream the
+        server lost, it ran anyway, and at full load during a long outage the refused publishes pushed the accepted
+        ones (in nats-py's reconnect buffer, which flushed into a server without the stream) out of ``_held``."""
+        for kept in (self._recent, self._held):
+            if kept and kept[-1] is entry:  # as a rule the latest (one event loop; nats-py refuses before it awaits)
+                kept.pop()
+            else:
+                try:
+                    kept.remove(entry)
+                except ValueError:  # trimmed meanwhile, or never held
+                    continue
+            if kept is self._held:
+                self._held_bytes -= len(entry[2])
 
     async def publish_raw(self, full_subject: str, payload: bytes) -> None:
         """Publish bytes as they are (fuzz tests and bridges only)."""

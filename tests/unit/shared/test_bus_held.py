@@ -4,11 +4,13 @@ published again is each message once, in the order it was published (``Bus._in_o
 
 from __future__ import annotations
 
+import nats.errors
 from nats.aio.client import Client as NatsClient
 
 import shared.bus as busmod
-from shared.bus import MSG_ID, Bus
-from shared.subjects import Subjects
+from shared import messages as m
+from shared.bus import MSG_ID, Bus, BusUnavailable
+from shared.subjects import WORK_ABORT, Subjects
 
 
 def _entry(i: int, size: int = 10) -> tuple[float, str, bytes, dict[str, str]]:
@@ -30,3 +32,35 @@ def test_the_oldest_kept_publishes_are_dropped_past_the_bounds_and_counted(monke
 def test_what_is_published_again_is_each_message_once_in_publish_order():
     a, b, c = _entry(1), _entry(2), _entry(3)
     assert Bus._in_order([b, a, c, b, a]) == [a, b, c]
+
+
+class _FullBuffer:
+    """A client reconnecting with its reconnect buffer full past ``accepted`` publishes: nats-py then refuses each
+    publish (``OutboundBufferLimitError``), before queueing it."""
+
+    def __init__(self, accepted: int) -> None:
+        self.accepted = accepted
+        self.sent: list[bytes] = []
+
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        if len(self.sent) >= self.accepted:
+            raise nats.errors.OutboundBufferLimitError
+        self.sent.append(data)
+
+
+async def test_a_publish_the_client_refused_is_neither_kept_nor_in_the_window():
+    """A reliable publish refused as :class:`BusUnavailable` (its caller is told it failed, may send it again or
+    answer a client 503) is not kept for the stream's return nor left in the resend window: published again on a
+    new stream, it would run anyway (a second copy under another message id if the caller sent it again), and at
+    full load during a long outage the refused ones pushed the accepted ones (queued in nats-py's reconnect buffer,
+    which went nowhere) out of the bounded ``_held``. Before, both kept it."""
+    nc = _FullBuffer(accepted=2)
+    bus = Bus(nc, Subjects("p0"), service="router", instance="r")  # type: ignore[arg-type]
+    bus.jetstream = bus._stream_checked = bus._holding = True
+    for i in range(4):
+        try:
+            await bus.publish(WORK_ABORT, m.RequestAbort(rid=f"r{i}"), node="w0")
+        except BusUnavailable:
+            assert i >= 2
+    assert [e[2] for e in bus._held] == nc.sent and [e[2] for e in bus._recent] == nc.sent, (bus._held, nc.sent)
+    assert bus._held_bytes == sum(map(len, nc.sent)) and bus.counters["publish_failed.work.{node}.abort"] == 2
