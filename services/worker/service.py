@@ -378,6 +378,9 @@ class WorkerService:
         had finished (parked in the core; its first token went out then). Out of :attr:`_binds`, so an abort no
         longer cancels it (as it cannot stop a step publishing a hand-off); a drain, new work of
         the rid (:meth:`_newest_attempt`) and :meth:`stop` wait for it."""
+        self._sending_handoffs = 0
+        """Hand-offs :meth:`_handoff` is sending now (a threaded engine's awaits the execute thread): a drain
+        waits for them as for :attr:`_handing_off` (a step's requests have left the core by then)."""
         self._spawned: set[asyncio.Task[None]] = set()
         self._owners: dict[str, _Owner] = {}
         """rid → attempt, output offset and owning router of every request on this node."""
@@ -978,9 +981,10 @@ class WorkerService:
         sw = _Switch(epoch=cmd.epoch, target=phase, decided_at=cmd.decided_at, received_at=now,
                      since=max(self._to_local(cmd.decided_at), self._started_local))
         self.counters["split.switches"] += 1
-        if not _drain_needed(self.core.phase, phase) or (self.core.idle and not self._handing_off):  # nothing to drain
-            # (a parked prefill's hand-off going out is not in the core any more, but it is this phase's
-            # work: the drain waits for it, as _maybe_switch does; before, 'serving' went out meanwhile)
+        if not _drain_needed(self.core.phase, phase) or (self.core.idle and not self._handing_off and not self._sending_handoffs):
+            # nothing to drain (a parked prefill's hand-off going out is not in the core any more, but it is this
+            # phase's work: the drain waits for it, as _maybe_switch does; before, 'serving' went out meanwhile;
+            # so is a step's hand-off, awaited in the execute thread since 4b7ea0a)
             sw.drained_at = now
             await self._serving(sw, now)
             return
@@ -1054,7 +1058,7 @@ class WorkerService:
         """Finish the switch in progress once nothing runs on the node (``now`` = when it drained,
         simulated s, local)."""
         sw = self._switch
-        if sw is None or not self.core.idle or self._binds or self._handing_off:
+        if sw is None or not self.core.idle or self._binds or self._handing_off or self._sending_handoffs:
             return
         self._switch = None
         sw.drained_at = max(now, sw.received_at)
@@ -1810,6 +1814,14 @@ class WorkerService:
                 break
 
     async def _handoff(self, h: HandOff) -> None:
+        """Send ``h`` (its K/V from the engine) to its decode node; a drain waits for it (:attr:`_sending_handoffs`)."""
+        self._sending_handoffs += 1
+        try:
+            await self._send_handoff(h)
+        finally:
+            self._sending_handoffs -= 1
+
+    async def _send_handoff(self, h: HandOff) -> None:
         self._streams.pop(h.rid, None)
         headers = self._traces.handoff(h.rid, h.decode_node) if self._traces else None
         # A threaded engine's hand-off takes the engine's lock, which execute holds for a whole plan, and copies the

@@ -43,21 +43,27 @@ def _drain(svc: WorkerService, keep: set[str]) -> None:
     svc.engine.on_kv_events(svc.core.take_kv_events(), set(svc.core.requests) | keep)
 
 
+def _prefilled(svc: WorkerService) -> tuple[HandOff, float]:
+    """Request a prefilled here and handed off to d (its hand-off not yet published); (the hand-off, its time)."""
+    svc.engine.accept_prefill(work("a", prompt(1, 40), decode_node="d", n=4))
+    svc.core.add_prefill(work("a", prompt(1, 40), decode_node="d", n=4), 0.0)
+    handoff, now = None, 0.0
+    while handoff is None:
+        plan = svc.core.schedule(now)
+        _drain(svc, {"a"})
+        svc.engine.execute(plan)
+        now = plan.end
+        handoff = next((o for o in svc.core.finish_iteration(plan, now, svc.engine.take_stopped()) if isinstance(o, HandOff)), None)
+    _drain(svc, {"a"})  # a left the core; the worker keeps it registered while its hand-off goes out
+    return handoff, now
+
+
 async def test_a_hand_off_beside_a_forward_keeps_the_loop_running(tiny_llama):
     bus = _Bus()
     svc = WorkerService(WorkerConfig(node="p", phase="both", profile="torch-tiny-cpu", engine="torch", model=tiny_llama), bus, SimClock())
     try:
         # request a prefills here and is handed off to d (its hand-off not yet published, as when parked for its binding)
-        svc.engine.accept_prefill(work("a", prompt(1, 40), decode_node="d", n=4))
-        svc.core.add_prefill(work("a", prompt(1, 40), decode_node="d", n=4), 0.0)
-        handoff, now = None, 0.0
-        while handoff is None:
-            plan = svc.core.schedule(now)
-            _drain(svc, {"a"})
-            svc.engine.execute(plan)
-            now = plan.end
-            handoff = next((o for o in svc.core.finish_iteration(plan, now, svc.engine.take_stopped()) if isinstance(o, HandOff)), None)
-        _drain(svc, {"a"})  # a left the core; the worker keeps it registered while its hand-off goes out
+        handoff, now = _prefilled(svc)
         # request b's prefill runs in the execute thread, its forward slowed to FORWARD_S under the engine's lock
         svc.engine.accept_prefill(work("b", prompt(2, 200), n=4))
         svc.core.add_prefill(work("b", prompt(2, 200), n=4), now)
@@ -96,6 +102,45 @@ async def test_a_hand_off_beside_a_forward_keeps_the_loop_running(tiny_llama):
         (subject, sent, kw), = bus.published
         assert kw["node"] == "d" and sent.rid == "a" and len(sent.kv) > 0 and sent.output_ids == svc.engine.seqs["a"].out[: handoff.work.generated]
         assert svc.counters["requests.handed_off"] == 1
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
+
+
+async def test_a_switch_waits_for_the_hand_off_a_step_sends(tiny_llama):
+    """A step's hand-off (``_run_plan``) awaits the execute thread since the hand-off left the event loop; a
+    switch command handled meanwhile found the core idle (the request had left it) and announced ``serving`` in
+    the new phase at once, before this phase's last hand-off went out: the drain that waits for a parked
+    prefill's hand-off (``_handing_off``) did not see a step's. Now the switch drains until it is out."""
+    from shared import messages as m
+    from shared.subjects import SPLIT_APPLIED, WORK_DECODE
+
+    bus = _Bus()
+    svc = WorkerService(WorkerConfig(node="p", phase="both", profile="torch-tiny-cpu", engine="torch", model=tiny_llama), bus, SimClock())
+    try:
+        handoff, _ = _prefilled(svc)
+        assert svc.core.idle
+        handoff_of = svc.engine.handoff
+
+        def slow_handoff(w):
+            time.sleep(0.3)  # a long prompt's K/V copied into bytes
+            return handoff_of(w)
+
+        svc.engine.handoff = slow_handoff  # type: ignore[method-assign]
+        going = asyncio.create_task(svc._handoff(handoff))  # as _run_plan sends it, in the execute thread
+        await asyncio.sleep(0.05)
+        assert not going.done()
+        await svc._on_split(m.SplitCommand(epoch=1, phases={"p": "decode"}, decided_at=time.time()), "split.cmd")
+        await going
+
+        def statuses() -> list[str]:
+            return [f"{msg.status}:{msg.phase}" if subject == SPLIT_APPLIED else subject
+                    for subject, msg, _ in bus.published if subject in (SPLIT_APPLIED, WORK_DECODE)]
+
+        assert statuses() == ["draining:decode", WORK_DECODE], statuses()
+        assert svc.core.phase == "both" and svc._switch is not None
+        await svc._maybe_switch(svc.clock.local_now())  # the step's end (_run_plan)
+        assert statuses() == ["draining:decode", WORK_DECODE, "serving:decode"] and svc.core.phase == "decode", statuses()
     finally:
         if svc._executor is not None:
             svc._executor.shutdown(wait=True)
