@@ -324,7 +324,7 @@ async def test_auth_stream_says_the_server_did_not_answer_when_the_lookup_times_
                 return None
 
             await hung.nc.subscribe("$JS.API.STREAM.INFO.EI_p7", cb=silent)
-            await hung.nc.flush()
+            await hung.flush()  # Bus.flush: nats-py's writes its PING ahead of the queued SUB
             args = argparse.Namespace(partition="p7", timeout=10.0, nats_url=srv.url, creds="")
             t0 = time.monotonic()
             rc = await asyncio.to_thread(cmd_stream, args)

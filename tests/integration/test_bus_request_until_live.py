@@ -102,7 +102,7 @@ async def test_a_refusal_ends_the_wait_at_once(nats_url):
             await planner.nc.publish(msg.reply, b"", headers={REFUSED_HEADER: "malformed: expected `object`"})
 
         await planner.nc.subscribe(Subjects("p0").format(SPLIT_GET), cb=refuse)
-        await planner.nc.flush()
+        await planner.flush()  # Bus.flush: nats-py's writes its PING ahead of the queued SUB (a first try NoResponders)
         t0 = time.monotonic()
         reply, attempts, err = await asker.request_until(
             SPLIT_GET, m.SplitQuery(), deadline_s=5.0, attempt_timeout_s=0.5, retry_every_s=0.1
