@@ -712,7 +712,10 @@ class WorkerService:
         concerns this request alone: it is refused with the error (the client gets it), and the
         node serves on. An unexpected one is counted (``requests.accept_errors``) and logged with
         its traceback. Before, an exception other than ``ValueError`` escaped to the bus handler:
-        the request was dropped with no answer, and its client waited for its timeout.
+        the request was dropped with no answer, and its client waited for its timeout. An
+        ``EngineFatal`` is not the request's: a threaded engine applies a KV event batch given while
+        a plan held its lock at its next call (``TorchEngine.on_kv_events``), and that batch failed;
+        the node fails (:meth:`_fail`), as at a batch applied at once.
 
         Raises:
             WorkRejected: the hook refused the work (``ValueError``) or failed.
@@ -721,6 +724,9 @@ class WorkerService:
             hook(work)
         except ValueError as e:
             raise WorkRejected(work.rid, str(e)) from None
+        except EngineFatal as e:  # a threaded engine's deferred KV batch failed (TorchEngine._run_deferred): its KV is wrong
+            self._fail(e, "engine KV events")
+            raise WorkRejected(work.rid, f"node {self.node} failed: {e!r}") from None
         except Exception as e:
             self.counters["requests.accept_errors"] += 1
             self.log.error("engine failed to accept work: request refused", rid=work.rid, error=repr(e), exc_info=e)
@@ -1892,7 +1898,12 @@ class WorkerService:
                 self.counters["engine.kv_batches_skipped_by_fault"] += 1
                 given = []
         keep = self._step_rids.union(self._handing_off) if self._handing_off else self._step_rids
-        live = _Live(self.core.requests, keep) if keep else self.core.requests
+        if self.engine.threaded:
+            # a threaded engine applies the batch after the plan in flight when that plan holds its lock
+            # (TorchEngine.on_kv_events): the live rids as they are now, not when it gets to them
+            live: Any = frozenset(self.core.requests).union(keep)
+        else:
+            live = _Live(self.core.requests, keep) if keep else self.core.requests
         with self._fatal_on_error("engine KV events"):
             self.engine.on_kv_events(given, live, self.core.snapshot)
             for fetch_id in self.core.take_fetch_ends():

@@ -1,12 +1,13 @@
-"""A torch worker's handlers register arriving work without waiting for the forward in flight.
+"""A torch worker's handlers register arriving work and drain KV events without waiting for the forward in flight.
 
 ``TorchEngine.execute`` holds the engine's lock for the whole plan in the execute thread. A bus handler
 (``WorkerService._on_prefill`` / ``_on_decode``) registered arriving work with ``accept_prefill`` /
 ``accept_decode`` on the event loop under that lock: the loop waited for the rest of the forward, and
 heartbeats, NATS pings and the metrics endpoint waited with it (measured on CPU: a 256-token chunk of a
-hidden-512, 8-layer llama held the loop 40-615 ms per call on a busy 2-core box). The registration is now
-deferred to the next locked call when the lock is busy (``TorchEngine._register``); the work is still checked
-at once, and the next plan runs it. Needs the ``torch`` extra; skipped without it.
+hidden-512, 8-layer llama held the loop 40-615 ms per call on a busy 2-core box); so did a KV drain in a
+handler (``_engine_kv_events``: ``on_kv_events``, ``drop_fetched``; 47-266 ms). Registrations and KV batches are
+now applied by the engine's next locked call when the lock is busy (``TorchEngine._register``), in order; the
+work is still checked at once, and the next plan runs it. Needs the ``torch`` extra; skipped without it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import pytest
 pytest.importorskip("torch")
 
 from services.worker.config import WorkerConfig  # noqa: E402
+from services.worker.engines.base import EngineFatal  # noqa: E402
 from services.worker.plan import HandOff, WorkRejected  # noqa: E402
+from shared.messages import BlockRemoved  # noqa: E402
 from services.worker.service import WorkerService  # noqa: E402
 from shared.clock import SimClock  # noqa: E402
 from tests.unit.worker.torch_tiny import prompt, work  # noqa: E402
@@ -42,8 +45,36 @@ def _run(svc: WorkerService, now: float, keep: set[str]) -> tuple[float, list]:
     return plan.end, svc.core.finish_iteration(plan, plan.end, svc.engine.take_stopped())
 
 
-async def test_accepts_beside_a_forward_keep_the_loop_running(tiny_llama):
-    svc = WorkerService(WorkerConfig(node="p", phase="both", profile="torch-tiny-cpu", engine="torch", model=tiny_llama), SimpleNamespace(reconnected_at=0.0), SimClock())
+def _svc(model: str) -> WorkerService:
+    return WorkerService(
+        WorkerConfig(node="p", phase="both", profile="torch-tiny-cpu", engine="torch", model=model), SimpleNamespace(reconnected_at=0.0), SimClock()
+    )
+
+
+async def _slow_step(svc: WorkerService, now: float, rid: str) -> tuple[asyncio.Task, object]:
+    """Start request ``rid``'s 200-token prefill in the execute thread, its forward slowed to FORWARD_S under the
+    engine's lock; returns once that thread holds the lock: the step's task and its plan."""
+    svc.engine.accept_prefill(work(rid, prompt(2, 200), n=4))
+    svc.core.add_prefill(work(rid, prompt(2, 200), n=4), now)
+    plan = svc.core.schedule(now)
+    _drain(svc, set())
+    forward = svc.engine._forward
+
+    def slow_forward(*args, **kw):
+        time.sleep(FORWARD_S)
+        return forward(*args, **kw)
+
+    svc.engine._forward = slow_forward  # type: ignore[method-assign]
+    step = asyncio.create_task(svc._in_thread(svc.engine.execute, plan))
+    while svc.engine._lock.acquire(blocking=False):  # until the execute thread holds it
+        svc.engine._lock.release()
+        await asyncio.sleep(0.001)
+    svc.engine._forward = forward  # type: ignore[method-assign]  # the plan's call already has the slow one
+    return step, plan
+
+
+async def test_accepts_and_kv_drains_beside_a_forward_keep_the_loop_running(tiny_llama):
+    svc = _svc(tiny_llama)
     try:
         # request a prefills here for decode node d: its hand-off is the decode work accepted below
         svc.engine.accept_prefill(work("a", prompt(1, 40), decode_node="d", n=4))
@@ -54,46 +85,58 @@ async def test_accepts_beside_a_forward_keep_the_loop_running(tiny_llama):
             handoff = next((o for o in outs if isinstance(o, HandOff)), None)
         sent = svc.engine.handoff(handoff.work)
         _drain(svc, set())
-        # request b's prefill runs in the execute thread, its forward slowed to FORWARD_S under the engine's lock
-        svc.engine.accept_prefill(work("b", prompt(2, 200), n=4))
-        svc.core.add_prefill(work("b", prompt(2, 200), n=4), now)
-        plan = svc.core.schedule(now)
-        _drain(svc, set())
-        forward = svc.engine._forward
-
-        def slow_forward(*args, **kw):
-            time.sleep(FORWARD_S)
-            return forward(*args, **kw)
-
-        svc.engine._forward = slow_forward  # type: ignore[method-assign]
-        step = asyncio.create_task(svc._in_thread(svc.engine.execute, plan))
-        while svc.engine._lock.acquire(blocking=False):  # until the execute thread holds it
-            svc.engine._lock.release()
-            await asyncio.sleep(0.001)
+        step, plan = await _slow_step(svc, now, "b")
         took = {}
         t0 = time.perf_counter()
         svc._accept(svc.engine.accept_prefill, work("c", prompt(3, 30), n=4))
+        svc.core.add_prefill(work("c", prompt(3, 30), n=4), now)
         took["accept_prefill"] = time.perf_counter() - t0
+        a2 = msgspec.structs.replace(sent, rid="a2", kv_ready_at=now)
         t0 = time.perf_counter()
-        svc._accept(svc.engine.accept_decode, msgspec.structs.replace(sent, rid="a2"))
+        svc._accept(svc.engine.accept_decode, a2)
+        svc.core.add_decode(a2, now)
         took["accept_decode"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        svc._engine_kv_events(svc.core.take_kv_events())  # a decode arrival's drain (_on_decode's _flush_kv)
+        svc.engine.drop_fetched(7)
+        took["kv drain"] = time.perf_counter() - t0
         with pytest.raises(WorkRejected, match="outside the model's vocabulary"):  # still checked at once
             svc._accept(svc.engine.accept_prefill, work("x", [10**6], n=4))
         assert not step.done()
         assert all(t < FORWARD_S / 4 for t in took.values()), f"the loop waited for the forward: {took} (forward {FORWARD_S} s)"
         await step
-        svc.engine._forward = forward  # type: ignore[method-assign]
         now, _ = plan.end, svc.core.finish_iteration(plan, plan.end, svc.engine.take_stopped())
-        # the registrations were applied after the plan, before anything that reads them: c's prefill runs
-        svc.core.add_prefill(work("c", prompt(3, 30), n=4), now)
+        # applied after the plan, in order, before anything that reads them: the maps equal the pools
+        svc._engine_kv_events(svc.core.take_kv_events())
+        svc.engine.check(*svc.core.snapshot())
         assert svc.engine.output_tokens("a2", 0, handoff.work.generated) == list(sent.output_ids)
-        assert set(svc.engine._incoming) == set(sent.block_hashes)
-        done = False
-        while not done:
-            now, outs = _run(svc, now, {"a2"})
-            done = "c" not in svc.core.requests
-        assert len(svc.engine.seqs["c"].out) == 4  # forgotten at the next drain
-        assert "x" not in svc.engine.seqs and not svc.engine._deferred
+        made = {}
+        for _ in range(50):
+            if not {"c", "a2"} & set(svc.core.requests):
+                break
+            now, outs = _run(svc, now, set())
+            made.update((r, len(svc.engine.seqs[r].out)) for r in ("c", "a2") if r in svc.engine.seqs)
+        assert not {"c", "a2"} & set(svc.core.requests)
+        assert made == {"c": 4, "a2": 4}
+        assert "x" not in svc.engine.seqs and not svc.engine._deferred and not svc.fatal.is_set()
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
+
+
+async def test_a_deferred_kv_batch_that_fails_fails_the_node(tiny_llama):
+    svc = _svc(tiny_llama)
+    try:
+        step, plan = await _slow_step(svc, 0.0, "b")
+        svc._engine_kv_events([BlockRemoved(block_hashes=[12345], tier="gpu")])  # a page the engine never had
+        await step  # the plan ran before the batch
+        svc.core.finish_iteration(plan, plan.end, {})
+        assert not svc.fatal.is_set()
+        with pytest.raises(WorkRejected, match="KvMapError"):  # the next locked call applies it: the node fails
+            svc._accept(svc.engine.accept_prefill, work("c", prompt(3, 30), n=4))
+        assert svc.fatal.is_set() and svc.counters["engine_fatal"] == 1
+        with pytest.raises(EngineFatal, match="12345"):  # and every later one raises it
+            svc.engine.take_stopped()
     finally:
         if svc._executor is not None:
             svc._executor.shutdown(wait=True)

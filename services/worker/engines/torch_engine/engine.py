@@ -88,7 +88,7 @@ def _locked(fn: Callable[..., Any]) -> Callable[..., Any]:
         with self._lock:
             self._held += 1
             try:
-                if self._held == 1 and self._deferred:
+                if self._held == 1 and (self._deferred or self._broken is not None):
                     self._run_deferred()
                 return fn(self, *args, **kw)
             finally:
@@ -306,8 +306,11 @@ class TorchEngine(Engine):
         self._held = 0
         """Depth of the locked calls of the thread holding :attr:`_lock` (only that thread changes it)."""
         self._deferred: deque[Callable[[], None]] = deque()
-        """Registrations (:meth:`accept_prefill` / :meth:`accept_decode`) made while another thread held
-        :attr:`_lock` (a plan running in the execute thread), applied in order by the next locked call."""
+        """Registrations (:meth:`accept_prefill` / :meth:`accept_decode`), KV event batches (:meth:`on_kv_events`)
+        and ended fetches (:meth:`drop_fetched`) given while another thread held :attr:`_lock` (a plan running
+        in the execute thread), applied in order by the next locked call (:meth:`_register`)."""
+        self._broken: EngineFatal | None = None
+        """What a deferred operation raised: every later locked call raises it (the maps are out of step)."""
         self.counters: dict[str, int] = {}
         """``restored_pages``, ``written_through``, ``handoff_pages_in``, ``fetched_pages``,
         ``fetched_unstored_pages`` (fetched, dropped without being stored), ``dedup_pages``,
@@ -343,7 +346,7 @@ class TorchEngine(Engine):
         if self._lock.acquire(blocking=False):
             self._held += 1
             try:
-                if self._held == 1 and self._deferred:
+                if self._held == 1 and (self._deferred or self._broken is not None):
                     self._run_deferred()
                 apply()
             finally:
@@ -353,9 +356,23 @@ class TorchEngine(Engine):
             self._deferred.append(apply)
 
     def _run_deferred(self) -> None:
-        """Apply the deferred registrations in order (the caller holds the lock)."""
+        """Apply the deferred operations in order (the caller holds the lock).
+
+        Raises:
+            EngineFatal: one raised (a ``KvMapError`` of a KV event batch; anything else is wrapped), now
+                and at every later locked call: the engine's maps may have taken part of it, as a batch
+                applied at once that raised fails the node.
+        """
+        if self._broken is not None:
+            raise self._broken
         while self._deferred:
-            self._deferred.popleft()()
+            op = self._deferred.popleft()
+            try:
+                op()
+            except Exception as e:
+                self._deferred.clear()
+                self._broken = e if isinstance(e, EngineFatal) else EngineFatal(f"a deferred engine operation failed: {e!r}")
+                raise self._broken from (None if self._broken is e else e)
 
     def accept_prefill(self, work: PrefillWork) -> None:
         """Register the prompt of ``work`` (before the scheduler queues it). Checked at once; the
@@ -452,17 +469,26 @@ class TorchEngine(Engine):
         raw = kv.contiguous().view(torch.uint8).numpy().tobytes()
         return msgspec.structs.replace(work, output_ids=s.out[: work.generated], kv=raw)
 
-    @_locked
     def on_kv_events(self, events: list[KvEvent], live: Any, snapshot: Any = None) -> None:
         """The shell's hook: :meth:`apply_kv_events` with gc, then (``check`` mode, with
-        the pools' ``snapshot``) :meth:`check`.
+        the pools' ``snapshot``) :meth:`check`. Applied now if the engine's lock is free (or this
+        thread holds it), else by the next locked call, after the plan in flight (:meth:`_register`):
+        ``live`` is then read later, so pass one that does not change (the worker passes a
+        ``frozenset``); ``snapshot()`` is read now. Before, a drain in a bus handler (a decode work's
+        reservation, a resync) waited on the event loop for the rest of the forward.
 
         Raises:
-            KvMapError: see :meth:`apply_kv_events` and :meth:`check`.
+            KvMapError: see :meth:`apply_kv_events` and :meth:`check` (a deferred batch's: raised by
+                the locked call that applies it, and every later one).
         """
-        self.apply_kv_events(events, live)
-        if self.check_each and snapshot is not None:
-            self.check(*snapshot())
+        snap = snapshot() if self.check_each and snapshot is not None else None
+
+        def apply() -> None:
+            self.apply_kv_events(events, live)
+            if snap is not None:
+                self.check(*snap)
+
+        self._register(apply)
 
     @_locked
     def put_fetched(self, h: int, kv: torch.Tensor, fetch_id: int) -> None:
@@ -478,12 +504,18 @@ class TorchEngine(Engine):
             f.holders.add(fetch_id)
         self._fetch_pages.setdefault(fetch_id, set()).add(h)
 
-    @_locked
     def drop_fetched(self, fetch_id: int) -> int:
         """Fetch ``fetch_id`` ended (the scheduler stored what it would, or the request left): let
         go of the pages it brought that no other open fetch holds (by fetch, not rid: a request
         re-dispatched here has a new fetch open while its old one's transfer ends). Call after the
-        KV events of the fetch's completion were applied. Returns the pages freed (0 if it has none)."""
+        KV events of the fetch's completion were given (:meth:`on_kv_events`). Returns the pages freed
+        (0 if it has none); when a plan in flight holds the lock, it is done after it, in order
+        (:meth:`_register`), and returns 0."""
+        freed: list[int] = []
+        self._register(lambda: freed.append(self._drop_fetched(fetch_id)))
+        return freed[0] if freed else 0
+
+    def _drop_fetched(self, fetch_id: int) -> int:
         freed = 0
         for h in self._fetch_pages.pop(fetch_id, ()):
             f = self._fetched.get(h)
