@@ -371,6 +371,12 @@ class Bus:
         publishes are kept in ``_held`` meanwhile (:meth:`_hold`), since a server back without its store drops them."""
         self._held: deque[tuple[float, str, bytes, dict[str, str]]] = deque()
         self._held_bytes = 0
+        self._stream_lost = False
+        """True while a reconnect's lookup has found the stream lost (the server answered "not found") and the bus waits
+        for it (:meth:`_await_stream` ``again``): reliable publishes are then only kept, not sent, and go out with the
+        rest in publish order once it is back. Before, they were sent too: nowhere, unless another bus had just made the
+        stream, where they were stored ahead of the older kept ones published again after it, and a consumer got a
+        token stream out of order (the router takes the older chunks for duplicates: their tokens were lost)."""
         self._js_subs: list[tuple[Subscription, _StreamPosition]] = []
         self.identity = ""
         """Name of the NATS identity this bus connected as (``NatsAuth.name``); empty = no credentials."""
@@ -684,6 +690,7 @@ class Bus:
         warn_at = time.monotonic() if not again else time.monotonic() + STREAM_BACK_WAIT_S
         may_make = True
         self.stream_waiting = name  # the wait as a service's /readyz reason
+        self._stream_lost = again and self._holding
         try:
             while not self._closing and go_on():
                 violations = self.counters["nats.permission_violations"]
@@ -721,6 +728,7 @@ class Bus:
             return None
         finally:
             self.stream_waiting = ""
+            self._stream_lost = False
 
     def _stream_config(self) -> Any:
         """The partition's stream over every reliable subject (file storage, bounded by age and bytes)."""
@@ -867,7 +875,8 @@ class Bus:
         While disconnected the message waits in the client's buffer (flushed on reconnect). The first reliable
         publish of a bus that has not looked for the stream yet waits up to ``PUBLISH_STREAM_WAIT_S`` for it
         (:meth:`ensure_stream`); a reliable message published while the stream is not known goes over core NATS
-        without a message id (a stream there stores it all the same).
+        without a message id (a stream there stores it all the same). After a reconnect to a server that lost the
+        stream, a reliable message is only kept until the stream is back (:attr:`_stream_lost`), then sent in order.
 
         Raises:
             BusUnavailable (a :class:`BusError`): the client refused the message (reconnect
@@ -896,6 +905,9 @@ class Bus:
                 self._trim_recent(now)
                 if self._holding:
                     self._hold(kept)
+                    if self._stream_lost:  # sent with the kept ones, in order, once the stream is back (_stream_lost)
+                        self.counters["published." + subject.template] += 1
+                        return
                 await self.nc.publish(full, data, headers={**headers, **hdr} if headers else hdr)
             else:
                 await self.nc.publish(full, data, headers=headers)

@@ -414,3 +414,57 @@ async def test_only_the_last_resend_window_is_published_again_after_a_disconnect
             assert bus.counters["resent"] == 0
         finally:
             await bus.close()
+
+
+@pytest.mark.timeout(60)
+async def test_what_is_published_while_the_lost_stream_is_awaited_arrives_in_order_when_another_made_it(monkeypatch):
+    """As above, and the publisher sends one more chunk just after the launcher made the stream, before its own next
+    look finds it there (each 0.5 s). Before, that chunk was sent at once and stored ahead of the older kept chunks,
+    published again only once the publisher saw the stream: the consumer got ..., 6, 1, 2, ... and a router, which
+    takes output it already has for a duplicate (``next_index``), lost the tokens. Now a publish made while the
+    stream is known lost is only kept, and all go out in publish order."""
+    import shared.bus as busmod
+    from nats.js.api import StreamConfig
+
+    monkeypatch.setattr(busmod, "STREAM_BACK_WAIT_S", 0.3)
+    with EmbeddedNatsServer() as srv:
+        subj = Subjects("p0")
+        pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
+        sub = await Bus.connect(srv.url, subj, service="router", instance="router")
+        got: list[int] = []
+
+        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
+            got.append(c.index)
+
+        async def until(done, what: str) -> None:
+            for _ in range(200):
+                if done():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"no {what} in 10 s: got {got}, {dict(pub.counters)}")
+
+        launcher = None
+        try:
+            await sub.subscribe(REQ_OUT, on_chunk)
+            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=0, token_ids=[0]), rid="r")
+            await until(lambda: got == [0], "first")
+            for bus in (pub, sub):  # neither may make it (as under nkeys)
+                monkeypatch.setattr(bus, "_stream_config", lambda: StreamConfig(name="not allowed"))
+            os.kill(srv.pid, signal.SIGKILL)
+            srv.proc.wait()
+            shutil.rmtree(Path(srv._tmp) / "js")
+            srv.restart()
+            await until(lambda: pub.stream_waiting and sub.stream_waiting, "both waiting for the lost stream")
+            for i in range(1, 6):
+                await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
+            launcher = await Bus.connect(srv.url, subj, service="launcher", instance="launcher")
+            assert await launcher.ensure_stream()
+            # at once: the publisher looks again only each 0.5 s (a look in these few ms is a pass either way)
+            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=6, token_ids=[6]), rid="r")
+            await until(lambda: len(got) >= 7, "every chunk")
+            await asyncio.sleep(0.3)
+            assert got == list(range(7)), got
+        finally:
+            for bus in (pub, sub, launcher):
+                if bus is not None:
+                    await bus.close()
