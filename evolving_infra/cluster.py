@@ -30,8 +30,8 @@ import msgspec
 import structlog
 
 from shared import messages as m
-from shared.auth import AuthError, Credentials, NatsAuth, generate
-from shared.bus import Bus, BusError, PermissionDenied
+from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url
+from shared.bus import Bus, BusError, PermissionDenied, stream_name
 from shared.config import ENV_PREFIX, CommonConfig
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent
 from shared.profile import Profile, load_profile, with_kv_tokens
@@ -574,16 +574,26 @@ class LocalCluster:
             if self.creds:
                 log.info("embedded NATS with per-service credentials", mode=s.nats_auth, creds=str(self.creds.directory))
         self._wire_children()
+        # the launcher gives up on NATS after ready_timeout_s (each of the connect and the stream); the services keep
+        # retrying (supervised: compose, Slurm; their /readyz says why), Bus.connect and ensure_stream wait forever
+        wait_s = s.ready_timeout_s
         try:
-            self._bus = await Bus.connect(
+            self._bus = await asyncio.wait_for(Bus.connect(
                 self.nats_url, Subjects(s.partition), service="launcher", instance="launcher", auth=self.client_auth("launcher")
-            )
+            ), wait_s)  # fmt: skip
         except (AuthError, BusError) as e:  # a bad --nats-url list, refused credentials: one line, not a traceback
             raise ClusterError(f"cannot connect to NATS: {e}") from e
+        except asyncio.TimeoutError as e:  # nothing listens there (Bus.connect retries forever): a wrong --nats-url
+            raise (ClusterConfigError if s.nats_url else ClusterError)(
+                f"no NATS server answered at {redact_url(self.nats_url)} within {wait_s:g} s (--ready-timeout): "
+                + ("start it, or give --nats-url the address it listens on" if s.nats_url else "the embedded nats-server is not serving")
+            ) from e
         try:  # the JetStream stream of must-arrive subjects (shared.bus), before any service; nobody else makes it
-            await self._bus.ensure_stream(maker=True)
+            await asyncio.wait_for(self._bus.ensure_stream(maker=True), wait_s)
         except PermissionDenied as e:  # the server refuses these credentials the stream: waiting cannot help
             raise ClusterConfigError(f"{e}") from e
+        except asyncio.TimeoutError as e:  # a loaded or hung server: the lookup gets no answer, or the create fails
+            raise ClusterError(self._stream_timeout(wait_s)) from e
         seen: dict[str, m.Heartbeat] = {}
 
         async def on_beat(hb: m.Heartbeat, _subject: str) -> None:
@@ -752,6 +762,20 @@ class LocalCluster:
                         f" (logs in {self.log_dir})"
                     )
                 await asyncio.sleep(0.1)
+
+    def _stream_timeout(self, wait_s: float) -> str:
+        """The error line of a launcher that did not get the partition's JetStream stream within ``wait_s`` seconds:
+        the URL, and what got no answer (the lookup) or did not succeed (the create; the bus logged why)."""
+        assert self._bus is not None
+        name = stream_name(self._bus.subjects)
+        if self._bus.counters["stream_missing_warnings"]:  # the lookup answered "not found"; the create failed
+            what = (f"the JetStream stream {name} is not there and its create ($JS.API.STREAM.CREATE.{name}) did not "
+                    f"succeed within {wait_s:g} s (--ready-timeout); the warning above says why")
+        else:
+            what = (f"its JetStream did not answer the stream lookup ($JS.API.STREAM.INFO.{name}) within {wait_s:g} s "
+                    "(--ready-timeout); a server without JetStream answers at once (the services then fall back to core "
+                    "NATS): this one is loaded or hung")
+        return f"NATS at {redact_url(self.nats_url)}: {what}"
 
     def creds_file(self, name: str) -> str | None:
         """Credentials file of identity ``name`` (generated, or from ``nats_creds_dir``), or None."""

@@ -225,7 +225,11 @@ def _add_cluster_args(
         + (f"(default {fence_after_s:g}: on one shared machine a worker starved of CPU for a few seconds is slow, not dead)"
            if fence_after_s else "(default 3, both services' own)"),
     )
-    g.add_argument("--ready-timeout", type=float, default=90.0, help="wall seconds to wait for all services (default 90)")
+    g.add_argument(
+        "--ready-timeout", type=float, default=90.0,
+        help="wall seconds to wait for NATS (its connect, then the JetStream stream: each given up after this long), "
+        "then for all services to be healthy (default 90)",
+    )  # fmt: skip
     g.add_argument(
         "--metrics",
         action="store_true",
@@ -1248,12 +1252,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- registration
 
 
+UP_EXIT_STATUSES = (
+    "exit status: 0 stopped (Ctrl-C, SIGTERM, SIGHUP; also during start-up); 1 runtime failure: --port taken, a "
+    "service died (or its restarts gave up), the cluster not healthy within --ready-timeout, NATS refused the "
+    "launcher's credentials, a NATS server whose JetStream did not answer the stream lookup (or whose create did "
+    "not succeed) within --ready-timeout; 2 usage or configuration error: a bad option, no NATS server answered at "
+    "--nats-url within --ready-timeout, the server refuses the launcher's credentials the JetStream stream. One line "
+    "on stderr says why."
+)
+"""The epilog of ``up --help``: the statuses :func:`_up` returns."""
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "up",
         help="start NATS and every service as its own process; Ctrl-C stops all",
         description="Start an embedded nats-server (unless --nats-url) and the directory, planner, workers and router, "
         "each as its own OS process; wait until all are healthy; Ctrl-C stops everything cleanly.",
+        epilog=UP_EXIT_STATUSES,
     )
     _add_cluster_args(
         p, nodes=4, split="2P2D", speedup=1.0,
