@@ -62,6 +62,8 @@ class FaultRun:
     """Service -> the pid the fault signalled (recovery = a different pid in cluster.json)."""
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
     """Processes the fault started itself (a twin): killed when the run ends."""
+    notes: dict[str, object] = field(default_factory=dict)
+    """What the injector measured (a SIGTERM's exit time, the node seen parked, split exit statuses)."""
 
     @property
     def router_url(self) -> str:
@@ -165,6 +167,101 @@ def _twin(service: str, hold_s: float) -> Injector:
     return inject
 
 
+def _term(service: str) -> Injector:
+    """SIGTERM ``service`` under load (a graceful stop: compose's ``docker stop``, Kubernetes' pod deletion): it must
+    exit within compose's 30-s stop grace; ``up`` restarts it. ``run.notes['exit_s']``: wall s from the signal to
+    the process gone (-1: still there after 35 s)."""
+
+    async def inject(run: FaultRun) -> str | None:
+        pid = run.kill(service, signal.SIGTERM)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 35.0:
+            if not Path(f"/proc/{pid}").exists() or _zombie(pid):
+                run.notes["exit_s"] = round(time.monotonic() - t0, 3)
+                break
+            await asyncio.sleep(0.02)
+        else:
+            run.notes["exit_s"] = -1
+        return service
+
+    return inject
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits for its parent to reap it (``State: Z`` in /proc)."""
+    try:
+        return "\tZ" in Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0]
+    except (OSError, IndexError):
+        return True
+
+
+async def _parked_node(run: FaultRun, among: tuple[str, ...], timeout_s: float) -> str | None:
+    """The first worker of ``among`` (node ids) whose ``ei_node_parked`` is above 0 on its /metrics, polled every
+    20 ms for up to ``timeout_s`` wall s (None if none ever was)."""
+    urls = {n: u for n, u in _metrics_urls(run).items() if n in among}
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=1.0) as http:
+        while time.monotonic() < deadline:
+            for node, url in urls.items():
+                try:
+                    if _gauges((await http.get(url)).text).get("ei_node_parked", 0.0) > 0:
+                        return node
+                except httpx.HTTPError:
+                    pass
+            await asyncio.sleep(0.02)
+    return None
+
+
+def _park_then_kill(victim: str) -> Injector:
+    """Phase switches under load (``split set`` 3P1D, 1P3D, 2P2D, one a second, as :func:`_split_flips`): a request
+    whose decode node is chosen at its prefill's start (``route.bind``) and whose prefill ends first is PARKED on
+    its prefill node, its first token out, its KV held. At the first parked request seen on a worker's /metrics
+    (polled every 20 ms, up to 12 s) SIGKILL ``victim``: ``"router"`` (its clients lose their streams, by
+    design; the workers must release what they parked) or ``"parked-worker"`` (the worker seen parked: the
+    router must re-dispatch or fail its requests, not hang them or stream a first token twice).
+    ``run.notes['parked_on']``: the node seen parked (``none``: ``victim`` killed after 12 s anyway, w0 for
+    ``parked-worker``)."""
+
+    async def inject(run: FaultRun) -> str | None:
+        flips = asyncio.ensure_future(_split_flips(("3P1D", "1P3D", "2P2D"), parallel=1)(run))
+        try:
+            node = await _parked_node(run, ("w0", "w1", "w2", "w3"), 12.0)
+            run.notes["parked_on"] = node or "none"
+            target = "router" if victim == "router" else f"worker-{node or 'w0'}"
+            run.kill(target)
+        finally:
+            await flips
+        return target
+
+    return inject
+
+
+def _split_flips(splits: tuple[str, ...], parallel: int = 2) -> Injector:
+    """``evolving-infra split set`` of each of ``splits`` in turn, ``parallel`` at once from separate processes (two
+    terminals), each a new phase switch under load; ``run.notes['split_exit']``: their exit statuses."""
+
+    async def inject(run: FaultRun) -> str | None:
+        run.t_fault = time.monotonic()
+        codes: list[int] = []
+        env = dict(os.environ, EI_STATE_DIR=str(run.log_dir))
+        creds = next((str(f) for f in (run.log_dir / "nats-creds").glob("operator.*")), "")
+        for i in range(0, len(splits), parallel):
+            procs = [await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "evolving_infra.cli", "split", "set", sp, "--nats-url", str(run.info["nats_url"]),
+                "--nats-creds", creds, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                for sp in splits[i:i + parallel]]  # fmt: skip
+            for pr in procs:
+                _, err = await pr.communicate()
+                codes.append(pr.returncode if pr.returncode is not None else -1)
+                if pr.returncode:
+                    run.notes.setdefault("split_errors", []).append(err.decode(errors="replace")[-200:])
+            await asyncio.sleep(1.0)
+        run.notes["split_exit"] = codes
+        return None
+
+    return inject
+
+
 FAULTS: dict[str, Injector] = {
     "nats-kill": _kill("nats-server"),
     "directory-kill": _kill("kvdirectory"),
@@ -179,15 +276,30 @@ FAULTS: dict[str, Injector] = {
     "directory-kill-then-worker-kill": _then(_kill("kvdirectory"), "worker-w0", 0.2),
     "nats-kill-store-lost": _kill_wiping_store(),
     "decode-worker-twin": _twin("worker-w3", 6.0),
+    "nats-stop-long": _stop("nats-server", 40.0),
+    "router-term": _term("router"),
+    "prefill-worker-term": _term("worker-w0"),
+    "decode-worker-term": _term("worker-w3"),
+    "planner-term": _term("planner"),
+    "directory-term": _term("kvdirectory"),
+    "nats-term": _term("nats-server"),
+    "router-kill-parked": _park_then_kill("router"),
+    "parked-prefill-kill": _park_then_kill("parked-worker"),
+    "split-flips": _split_flips(("1P3D", "3P1D", "3P1D", "1P3D", "2P2D", "2P2D")),
 }
 """Fault name -> injector. With ``--split 2P2D`` on 4 nodes, w0/w1 prefill and w2/w3 decode. ``*-stop``: the
 process hangs 8 s (SIGSTOP, then SIGCONT); ``router-kill``: a single router's clients lose its open streams and
 what they send before ``up`` restarts it (connection errors, no hang); ``a-then-b``: b is SIGKILLed while a is
 being restarted; ``nats-kill-store-lost``: nats-server comes back without its JetStream store (the stream is
 made again by the launcher, every consumer resumes at its start); ``decode-worker-twin``: w3 frozen, a second
-process started under its node id, the first resumed 6 s later (two processes, one node id)."""
+process started under its node id, the first resumed 6 s later (two processes, one node id); ``nats-stop-long``:
+nats-server hung 40 s (TCP open, nothing answers), then SIGCONT; ``*-term``: SIGTERM (a graceful stop, as
+``docker compose stop``), ``notes.exit_s`` the time to exit (compose allows 30 s), ``up`` restarts the service;
+``router-kill-parked`` / ``parked-prefill-kill``: SIGKILL of the router / of the prefill worker at the moment a
+worker holds a PARKED request (phase switches under load make them), ``leftover`` must show nothing parked,
+queued or running afterwards; ``split-flips``: six ``split set`` commands under load, two at once."""
 
-LOSSY = frozenset({"router-kill"})
+LOSSY = frozenset({"router-kill", "router-kill-parked", "router-term"})
 """Faults whose victim's clients lose requests by design (its open streams, what they send while it is down): they
 pass with requests lost as long as the replay ends (no hang: ``lost`` is -1 when it did not end in time)."""
 
@@ -206,8 +318,16 @@ class FaultResult:
     replay_wall_s: float = 0.0
     errors: list[str] = field(default_factory=list)
     """First few error texts of lost requests."""
+    token_mismatch: int = 0
+    """Completed requests whose ``usage.completion_tokens`` is not the length the replay asked for (``ignore_eos``):
+    tokens lost or counted twice."""
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     """Instance -> its counters (``svc.stats``) at the end of the run (bus resends, duplicates, binds ...)."""
+    leftover: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Worker node -> its work gauges (/metrics) ``--leftover-after`` s after the replay ended: parked, queued, running
+    and decoding are 0 on a cluster that lost nothing in its workers (L1 blocks may stay: the prefix cache)."""
+    notes: dict[str, object] = field(default_factory=dict)
+    """:attr:`FaultRun.notes` of the run."""
     log_dir: str = ""
 
 
@@ -218,7 +338,7 @@ def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s
         RuntimeError: when ``up`` exits or prints no READY line within ``timeout_s``.
     """
     argv = [sys.executable, "-m", "evolving_infra.cli", "up", "--port", "0", "--nodes", str(nodes), "--split", split,
-            "--speedup", repr(speedup), "--log-dir", str(log_dir), "--ready-timeout", str(timeout_s)]
+            "--speedup", repr(speedup), "--log-dir", str(log_dir), "--ready-timeout", str(timeout_s), "--metrics"]
     out = open(log_dir / "up.out", "wb")
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out, start_new_session=True)
     assert proc.stdout is not None
@@ -304,6 +424,7 @@ async def run_fault(
     replay_timeout_s: float = 300.0,
     max_pause_s: float | None = None,
     log_dir: Path | None = None,
+    leftover_after_s: float | None = None,
 ) -> FaultResult:
     """Start ``up``, replay ``sessions`` Claude Code sessions, inject ``fault`` after ``fault_at_s``
     wall seconds of replay, and count what it cost.
@@ -318,6 +439,8 @@ async def run_fault(
         replay_timeout_s: wall bound of the replay (requests still open then count as lost).
         max_pause_s: clip each request's recorded pause (tool time) to this many simulated
             seconds, so a short run keeps requests in flight (None: pauses as recorded).
+        leftover_after_s: read every worker's work gauges (:attr:`FaultResult.leftover`) this many wall s
+            after the replay ended (None: not read, no wait).
 
     Raises:
         KeyError: unknown ``fault``. RuntimeError: ``up`` did not start.
@@ -367,10 +490,16 @@ async def run_fault(
             res.completed = sum(1 for r in result.records if r.ok)
             res.lost = res.sent - res.completed
             res.errors = [r.error or "" for r in result.records if not r.ok][:5]
+            res.token_mismatch = sum(1 for r in result.records if r.ok and r.expected_completion_tokens
+                                     and r.completion_tokens != r.expected_completion_tokens)
         else:
             res.errors = [f"replay did not finish within {replay_timeout_s} s"]
             res.lost = -1
         res.up_alive = run.proc.poll() is None
+        res.notes = dict(run.notes)
+        if res.up_alive and leftover_after_s is not None:
+            await asyncio.sleep(leftover_after_s)
+            res.leftover = await worker_gauges(run)
         if res.up_alive:
             res.counters = await collect_counters(run)
         try:
@@ -385,6 +514,47 @@ async def run_fault(
             twin.wait()
         stop_up(run)
     return res
+
+
+LEFTOVER = ("ei_node_parked", "ei_node_queue_depth", "ei_node_running_batch", "ei_node_decoding",
+            "ei_node_kv_l1_used_blocks", "ei_node_kv_fetched_held_bytes", "ei_node_split_epoch")
+
+
+def _metrics_urls(run: FaultRun) -> dict[str, str]:
+    """Worker node -> its /metrics URL (``up --metrics`` lists them in cluster.json under ``metrics``)."""
+    urls = run.cluster_json().get("metrics", {})  # type: ignore[union-attr]
+    out = {}
+    for name, url in dict(urls).items():  # type: ignore[call-overload]
+        if str(name).startswith("worker-"):
+            u = str(url)
+            out[str(name)[len("worker-"):]] = u if u.endswith("/metrics") else u.rstrip("/") + "/metrics"
+    return out
+
+
+def _gauges(text: str) -> dict[str, float]:
+    """``name -> value`` of a Prometheus text page's samples (labels dropped; the last sample of a name wins)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, rest = line.partition(" ")
+            try:
+                out[name.split("{", 1)[0]] = float(rest.split()[0])
+            except (ValueError, IndexError):
+                pass
+    return out
+
+
+async def worker_gauges(run: FaultRun) -> dict[str, dict[str, float]]:
+    """Every worker's :data:`LEFTOVER` gauges from its /metrics (empty for one that does not answer)."""
+    out: dict[str, dict[str, float]] = {}
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        for node, url in _metrics_urls(run).items():
+            try:
+                g = _gauges((await http.get(url)).text)
+                out[node] = {k[len("ei_node_"):]: g[k] for k in LEFTOVER if k in g}
+            except httpx.HTTPError:
+                out[node] = {}
+    return out
 
 
 async def _twin_counters(run: FaultRun) -> dict[str, dict[str, int]]:
@@ -423,6 +593,20 @@ async def collect_counters(run: FaultRun, timeout_s: float = 2.0) -> dict[str, d
     return out
 
 
+def _left_in_workers(r: FaultResult) -> float:
+    """Requests still parked, queued, running or decoding over every worker in :attr:`FaultResult.leftover`."""
+    return sum(g.get(k, 0.0) for g in r.leftover.values() for k in ("parked", "queue_depth", "running_batch", "decoding"))
+
+
+def _passed(r: FaultResult) -> bool:
+    """Nothing lost (a :data:`LOSSY` fault: the replay ended), ``up`` alive, no token count off, nothing left in a
+    worker, and a SIGTERMed service gone within compose's 30-s stop grace."""
+    lost_ok = r.lost == 0 or (r.fault in LOSSY and r.lost > 0)
+    exit_s = r.notes.get("exit_s")
+    term_ok = not isinstance(exit_s, (int, float)) or 0 <= exit_s <= 30.0
+    return lost_ok and r.up_alive and r.token_mismatch == 0 and _left_in_workers(r) == 0 and term_ok
+
+
 def _results_section(results: list[FaultResult], args: argparse.Namespace) -> str:
     sys.path.insert(0, str(REPO / "bench"))
     from _common import commit_label
@@ -445,8 +629,13 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         "- re-dispatched: the routers' `redispatched` counter; bus resends: reliable messages published again after "
         "a reconnect (all services)",
         "",
-        "| fault | sent | completed | lost | re-dispatched | recover s | restarts | bus resends | up alive | replay wall s | first error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "- left in workers: parked + queued + running + decoding requests over every worker, `--leftover-after` s after the "
+        "replay (/metrics; blank: not read); token mismatch: completed requests whose usage.completion_tokens is not the "
+        "length asked for; notes: what the fault measured (`exit_s`: SIGTERM → exit)",
+        "",
+        "| fault | sent | completed | lost | re-dispatched | recover s | restarts | bus resends | up alive | replay wall s "
+        "| left in workers | token mismatch | notes | first error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         rec = "" if r.recover_s is None else f"{r.recover_s:.2f}"
@@ -454,8 +643,10 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         err = (r.errors[0][:80].replace("|", "/") if r.errors else "")
         redis = sum(c.get("redispatched", 0) for k, c in r.counters.items() if k.startswith("router"))
         resent = sum(c.get("resent", 0) for c in r.counters.values())
+        left = "" if not r.leftover else f"{_left_in_workers(r):g}"
+        notes = ", ".join(f"{k} {v}" for k, v in r.notes.items() if k != "split_errors").replace("|", "/")
         lines.append(f"| {r.fault} | {r.sent} | {r.completed} | {r.lost} | {redis} | {rec} | {rs} | {resent} | "
-                     f"{'yes' if r.up_alive else 'NO'} | {r.replay_wall_s:.1f} | {err} |")
+                     f"{'yes' if r.up_alive else 'NO'} | {r.replay_wall_s:.1f} | {left} | {r.token_mismatch} | {notes} | {err} |")
     return "\n".join(lines) + "\n"
 
 
@@ -471,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", default="2P2D")
     p.add_argument("--max-pause", type=float, default=None, help="clip recorded pauses to this many simulated s (default: as recorded)")
     p.add_argument("--fault-at", type=float, default=3.0, help="wall seconds into the replay when the fault hits (default 3)")
+    p.add_argument("--leftover-after", type=float, default=5.0,
+                   help="read every worker's parked / queued / running gauges this many wall s after the replay (default 5; "
+                   "a negative value: not read)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument("--from-json", default=None, help="render the section from a file written by --out instead of running")
     p.add_argument("--no-results", action="store_true", help="do not append a section to bench/RESULTS-history.md")
@@ -496,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
         r = asyncio.run(
             run_fault(f, sessions=args.sessions, max_requests_per_branch=args.max_requests_per_branch, concurrency=args.concurrency,
                       speedup=args.speedup, nodes=args.nodes, split=args.split, fault_at_s=args.fault_at,
-                      max_pause_s=args.max_pause)
+                      max_pause_s=args.max_pause, leftover_after_s=None if args.leftover_after < 0 else args.leftover_after)
         )
         print(json.dumps(asdict(r)), flush=True)
         results.append(r)
@@ -507,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_results:
         with open(REPO / "bench" / "RESULTS-history.md", "a") as fh:
             fh.write("\n" + section)
-    return 0 if all((r.lost == 0 or (r.fault in LOSSY and r.lost > 0)) and r.up_alive for r in results) else 1
+    return 0 if all(_passed(r) for r in results) else 1
 
 
 if __name__ == "__main__":
