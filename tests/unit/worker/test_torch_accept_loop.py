@@ -24,10 +24,11 @@ pytest.importorskip("torch")
 from services.worker.config import WorkerConfig  # noqa: E402
 from services.worker.engines.base import EngineFatal  # noqa: E402
 from services.worker.plan import HandOff, WorkRejected  # noqa: E402
-from shared.messages import BlockRemoved  # noqa: E402
+from shared.hashing import block_hashes, pack_tokens  # noqa: E402
+from shared.messages import BlockRemoved, DecodeWork  # noqa: E402
 from services.worker.service import WorkerService  # noqa: E402
 from shared.clock import SimClock  # noqa: E402
-from tests.unit.worker.torch_tiny import prompt, work  # noqa: E402
+from tests.unit.worker.torch_tiny import BS, prompt, work  # noqa: E402
 
 FORWARD_S = 0.4
 """How long the test's slowed forward holds the engine's lock (wall s)."""
@@ -137,6 +138,40 @@ async def test_a_deferred_kv_batch_that_fails_fails_the_node(tiny_llama):
         assert svc.fatal.is_set() and svc.counters["engine_fatal"] == 1
         with pytest.raises(EngineFatal, match="12345"):  # and every later one raises it
             svc.engine.take_stopped()
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
+
+
+def _decode_work(svc: WorkerService, rid: str, tokens: list[int], hashes: list[int]) -> DecodeWork:
+    """A hand-off of ``tokens`` (zero K/V of the right size, one output token) carrying ``hashes``."""
+    pages = -(-len(tokens) // BS)
+    return DecodeWork(
+        rid=rid, prompt_tokens=len(tokens), max_tokens=4, block_size=BS, generated=1, block_hashes=hashes,
+        token_ids=pack_tokens(tokens), output_ids=[1], kv=bytes(pages * svc.engine.pool_slot_bytes()), ignore_eos=True,
+    )  # fmt: skip
+
+
+async def test_a_bad_hand_off_beside_a_forward_is_refused_and_the_node_serves_on(tiny_llama):
+    """A hand-off with more block hashes than K/V pages is the request's fault: refused at once, as when the lock
+    is free. Before, the engine checked no hash count: with the lock free the registration raised IndexError
+    midway (refused as an unexpected error, its first hashes' K/V left registered); deferred behind the plan,
+    the next locked call (the step's take_stopped) raised it as an EngineFatal, and the node failed."""
+    svc = _svc(tiny_llama)
+    try:
+        tokens = prompt(4, 40)
+        bad = _decode_work(svc, "bad", tokens, [*block_hashes(tokens, BS), 11, 12])  # 5 pages of K/V, 7 hashes
+        with pytest.raises(WorkRejected, match="block hashes"):  # the lock free: refused
+            svc._accept(svc.engine.accept_decode, bad)
+        step, plan = await _slow_step(svc, 0.0, "b")
+        with pytest.raises(WorkRejected, match="block hashes"):  # a plan holding the lock: refused the same way
+            svc._accept(svc.engine.accept_decode, bad)
+        assert not step.done()
+        await step
+        svc.core.finish_iteration(plan, plan.end, svc.engine.take_stopped())
+        svc._accept(svc.engine.accept_prefill, work("c", prompt(3, 30), n=4))  # the next locked call: the node serves on
+        assert not svc.fatal.is_set() and svc.counters["engine_fatal"] == 0
+        assert "bad" not in svc.engine.seqs and not any("bad" in held for held in svc.engine._incoming.values())
     finally:
         if svc._executor is not None:
             svc._executor.shutdown(wait=True)

@@ -408,8 +408,8 @@ class TorchEngine(Engine):
         plan in flight (:meth:`_register`).
 
         Raises:
-            ValueError: token ids or KV missing or of the wrong size; a ``logit_bias`` id outside the
-                model's vocabulary.
+            ValueError: token ids or KV missing or of the wrong size; block hashes other than one per
+                full page of the prompt; a ``logit_bias`` id outside the model's vocabulary.
         """
         n = work.prompt_tokens
         ids = self._ids(work.rid, work.token_ids, n, n)
@@ -417,6 +417,10 @@ class TorchEngine(Engine):
         if len(work.output_ids) != work.generated or any(not 0 <= t < self.cfg.vocab_size for t in work.output_ids):
             raise ValueError(f"{work.rid}: hand-off has {len(work.output_ids)} output ids in the vocabulary, expected {work.generated}")
         pages = -(-work.prompt_tokens // self.page_size)
+        if len(work.block_hashes) != n // self.page_size:
+            # checked here, not only by the scheduler after it: the registration maps each hash to its K/V page,
+            # and one deferred behind a plan (_register) that failed would fail the node, not refuse the request
+            raise ValueError(f"{work.rid}: {len(work.block_hashes)} block hashes for {n} prompt tokens (expected {n // self.page_size})")
         per_page = self.host[0].numel() * self.host.element_size()
         if len(work.kv) != pages * per_page:
             raise ValueError(
