@@ -387,6 +387,11 @@ class Bus:
         self._stream_maker = False
         """True while :meth:`ensure_stream` ``(maker=True)`` runs: it reports a stream API permission violation itself."""
         """``("publish" | "subscription", subject)`` of the server's latest "Permissions Violation" (:func:`denied_subject`)."""
+        self._publish_denials: Counter[str] = Counter()
+        """Full subject (lowercased, as nats-py passes the server's text) -> the "Permissions Violation for Publish" the
+        server reported on it: a stream lookup or create counts as refused only when its own subject was
+        (:meth:`_stream_api_denied`). Before, any violation during it did (a count compared): an unrelated one made the
+        launcher exit 2 naming the stream lookup, a service fall back to core NATS, a reconnect drop what it held."""
         self._requesting: Counter[str] = Counter()
         """Full subjects of requests in flight, lowercased (a permission violation on one is the request's error, not a
         log line): nats-py lowercases the server's -ERR text (``nats/protocol/parser.py``), so the violation names
@@ -438,6 +443,8 @@ class Bus:
             if "permissions violation" in text:
                 bus.counters["nats.permission_violations"] += 1
                 denied = bus.last_denied = denied_subject(str(e))
+                if denied is not None and denied[0] == "publish":
+                    bus._publish_denials[denied[1].lower()] += 1
                 # compared lowercased: nats-py lowercases the server's text, the subject's own case is lost (_requesting)
                 if denied is not None and denied[0] == "publish" and bus._requesting[denied[1].lower()]:
                     bus._denied[denied[1].lower()] = time.monotonic()  # the request reports it (PermissionDenied), once
@@ -530,6 +537,11 @@ class Bus:
         if self.identity:
             return f"identity {self.identity!r}"
         return f"user {self.url_user!r}" if self.url_user else "a client without credentials"
+
+    def _stream_api_denials(self, api: str) -> int:
+        """How many permission violations the server reported on the stream ``api`` (``INFO``, ``CREATE``) subject of
+        the partition's stream (``$JS.API.STREAM.<api>.<stream>``): compared before and after a lookup or create."""
+        return self._publish_denials[f"$JS.API.STREAM.{api}.{stream_name(self.subjects)}".lower()]
 
     def _stream_denied(self, name: str, api: str) -> PermissionDenied:
         """The error of a stream ``api`` (``CREATE``, ``INFO``) on stream ``name`` that the server refused this bus
@@ -646,7 +658,7 @@ class Bus:
             while True:
                 if self._closing or not go_on():
                     return None
-                violations = self.counters["nats.permission_violations"]
+                violations = self._stream_api_denials("INFO")
                 try:
                     return await self.nc.jetstream(timeout=STREAM_LOOKUP_TIMEOUT_S).stream_info(name)
                 except nats.js.errors.NotFoundError:
@@ -654,7 +666,7 @@ class Bus:
                 except (nats.errors.Error, asyncio.TimeoutError) as e:
                     if self._closing or not go_on():
                         return None
-                    if no_jetstream(e) or self.nc.is_closed or self.counters["nats.permission_violations"] != violations:
+                    if no_jetstream(e) or self.nc.is_closed or self._stream_api_denials("INFO") != violations:
                         self.log.warning("stream info after reconnect failed", error=str(e) or repr(e))
                         return None
                     # no answer in time, or the connection down a moment: the stream may well be there (or lost)
@@ -693,7 +705,7 @@ class Bus:
         self._stream_lost = again and self._holding
         try:
             while not self._closing and go_on():
-                violations = self.counters["nats.permission_violations"]
+                violations = self._stream_api_denials("CREATE")
                 try:  # a short wait: under credentials the server refuses it unanswered (only the launcher may make it)
                     if not may_make:
                         raise PermissionDenied(f"this identity may not create stream {name} (Permissions Violation)")
@@ -705,7 +717,7 @@ class Bus:
                 except Exception as e:  # not allowed (credentials), made meanwhile, refused: look again, warn now and then
                     # a create the server refused for permissions is not tried again (each refusal is a server error line
                     # and a permission-violation count): the stream is only looked up until another bus made it
-                    may_make = may_make and self.counters["nats.permission_violations"] == violations
+                    may_make = may_make and self._stream_api_denials("CREATE") == violations
                     if maker and not may_make:
                         raise self._stream_denied(name, "CREATE") from e
                     if time.monotonic() >= warn_at:
@@ -789,14 +801,14 @@ class Bus:
             return False
         jsm = self.nc.jetstream(timeout=STREAM_LOOKUP_TIMEOUT_S)
         if info is None and not wait:
-            violations = self.counters["nats.permission_violations"]
+            violations = self._stream_api_denials("CREATE")
             try:
                 info = await jsm.add_stream(config)
             except (nats.errors.Error, asyncio.TimeoutError) as e:
                 self._stream_checked = True
                 self.jetstream = False
                 self.stream_refused = stream_refusal(e)
-                if isinstance(e, asyncio.TimeoutError) and self.counters["nats.permission_violations"] == violations:
+                if isinstance(e, asyncio.TimeoutError) and self._stream_api_denials("CREATE") == violations:
                     self.stream_unanswered = f"the stream create ($JS.API.STREAM.CREATE.{config.name}) in {STREAM_LOOKUP_TIMEOUT_S:g} s"
                 self.log.warning(
                     f"no JetStream stream: {self.stream_refused or 'this bus may not create it'}",
@@ -827,13 +839,13 @@ class Bus:
         warn_at = time.monotonic()
         try:
             while True:
-                violations = self.counters["nats.permission_violations"]
+                violations = self._stream_api_denials("INFO")
                 try:  # under auth only the launcher may create it (shared.auth); the others find it
                     return await self.nc.jetstream(timeout=STREAM_LOOKUP_TIMEOUT_S).stream_info(name)
                 except nats.js.errors.NotFoundError:  # the server has JetStream: the stream is not there yet
                     return None
                 except (nats.errors.Error, asyncio.TimeoutError) as e:
-                    denied = self.counters["nats.permission_violations"] != violations
+                    denied = self._stream_api_denials("INFO") != violations
                     if maker and denied:
                         raise self._stream_denied(name, "INFO") from e
                     if self._closing:
