@@ -60,7 +60,10 @@ async def test_worker_identity_is_confined_to_its_own_subjects(secured):
         seen.append(msg.subject)
 
     raw = await admin.nc.subscribe("ei.p0.>", cb=on_any)
-    await admin.nc.flush()
+    # Bus.flush, not nc.flush: nats-py's flush writes its PING ahead of the queued SUB (Bus.flush's docstring), so the
+    # server could get w0's publishes (another connection) before the SUB. Same below for each SUB another connection
+    # publishes to
+    await admin.flush()
     # forbidden: a split command, w1's KV events and state
     await w0.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=10**15, phases={"w0": "decode", "w1": "decode"}))
     await w0.publish(KV_EVENTS, m.KvEventBatch(node="w1", seq=10**12), node="w1")
@@ -83,7 +86,9 @@ async def test_worker_identity_is_confined_to_its_own_subjects(secured):
         leaked.append(msg.data)
 
     await w0.nc.subscribe("ei.p0.req.*.out", cb=on_out)
-    await w0.nc.flush()
+    await w0.flush()
+    # the server saw the SUB (its refusal came before the PONG): leaked == [] below is not an unregistered SUB's
+    assert w0.last_denied == ("subscription", "ei.p0.req.*.out"), w0.last_denied
     await admin.publish(REQ_OUT, m.TokenChunk(rid="secret", node="w1", token_ids=[1, 2]), rid="secret")
     await admin.nc.flush()
     with pytest.raises(Exception):
@@ -110,14 +115,14 @@ async def test_a_request_cannot_aim_a_services_reply_outside_the_inboxes(secured
         return m.DecodeBindReply(rid=req.rid, reason="no decode node")
 
     await router.serve(ROUTE_BIND, on_bind, router="router")
-    await router.nc.flush()
+    await router.flush()  # the server has the SUB before w0's requests (nats-py's flush did not promise it)
     reflected: list[str] = []
 
     async def on_any(msg) -> None:
         reflected.append(msg.subject)
 
     await admin.nc.subscribe("ei.p0.kv.events.>", cb=on_any)
-    await admin.nc.flush()
+    await admin.flush()  # registered before w0's requests: reflected == [] below is not a SUB that came late
     bind = "ei.p0.route.bind.router"
     await w0.nc.publish(bind, m.encode(m.DecodeBindRequest(rid="r1", prefill_node="w0")), reply="ei.p0.kv.events.w1")
     await w0.nc.publish(bind, b"garbage", reply="$JS.API.STREAM.DELETE.EI_p0")
@@ -211,7 +216,7 @@ async def test_a_consumer_delivering_onto_a_core_subject_is_not_taken_for_its_me
         commands.append(msg.epoch)
 
     await router.subscribe(SPLIT_COMMANDS, on_command)
-    await router.nc.flush()
+    await router.flush()  # a core SUB, registered before w0's consumer delivers there (nats-py's flush did not promise it)
     cfg = {"name": "relay", "filter_subject": "ei.p0.work.w0.decode", "deliver_subject": "ei.p0.split.commands"}
     assert await _create_consumer(w0, "$JS.API.CONSUMER.CREATE.EI_p0.relay.ei.p0.work.w0.decode", cfg)
     await w0.nc.publish("ei.p0.work.w0.decode", m.encode(m.SplitCommand(epoch=10**15, phases={"w0": "decode", "w1": "prefill"})))
