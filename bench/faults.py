@@ -169,13 +169,14 @@ def _twin(service: str, hold_s: float) -> Injector:
 
 def _term(service: str) -> Injector:
     """SIGTERM ``service`` under load (a graceful stop: compose's ``docker stop``, Kubernetes' pod deletion): it must
-    exit within compose's 30-s stop grace; ``up`` restarts it. ``run.notes['exit_s']``: wall s from the signal to
-    the process gone (-1: still there after 35 s)."""
+    exit within its compose stop grace (:data:`STOP_GRACE_S`: the router's drain, ``--shutdown-grace-s``, lets its
+    open requests finish first); ``up`` restarts it. ``run.notes['exit_s']``: wall s from the signal to the process
+    gone (-1: still there 5 s past its grace)."""
 
     async def inject(run: FaultRun) -> str | None:
         pid = run.kill(service, signal.SIGTERM)
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 35.0:
+        while time.monotonic() - t0 < STOP_GRACE_S.get(service, 30.0) + 5.0:
             if not Path(f"/proc/{pid}").exists() or _zombie(pid):
                 run.notes["exit_s"] = round(time.monotonic() - t0, 3)
                 break
@@ -294,10 +295,14 @@ being restarted; ``nats-kill-store-lost``: nats-server comes back without its Je
 made again by the launcher, every consumer resumes at its start); ``decode-worker-twin``: w3 frozen, a second
 process started under its node id, the first resumed 6 s later (two processes, one node id); ``nats-stop-long``:
 nats-server hung 40 s (TCP open, nothing answers), then SIGCONT; ``*-term``: SIGTERM (a graceful stop, as
-``docker compose stop``), ``notes.exit_s`` the time to exit (compose allows 30 s), ``up`` restarts the service;
+``docker compose stop``), ``notes.exit_s`` the time to exit (compose allows 30 s, the router 50: it drains its
+open requests first), ``up`` restarts the service;
 ``router-kill-parked`` / ``parked-prefill-kill``: SIGKILL of the router / of the prefill worker at the moment a
 worker holds a PARKED request (phase switches under load make them), ``leftover`` must show nothing parked,
 queued or running afterwards; ``split-flips``: six ``split set`` commands under load, two at once."""
+
+STOP_GRACE_S = {"router": 50.0}
+"""docker-compose.yml's ``stop_grace_period`` where it is not 30 s: the router's (its SIGTERM drains first)."""
 
 LOSSY = frozenset({"router-kill", "router-kill-parked", "router-term"})
 """Faults whose victim's clients lose requests by design (its open streams, what they send while it is down): they
@@ -600,10 +605,11 @@ def _left_in_workers(r: FaultResult) -> float:
 
 def _passed(r: FaultResult) -> bool:
     """Nothing lost (a :data:`LOSSY` fault: the replay ended), ``up`` alive, no token count off, nothing left in a
-    worker, and a SIGTERMed service gone within compose's 30-s stop grace."""
+    worker, and a SIGTERMed service gone within its compose stop grace (:data:`STOP_GRACE_S`, else 30 s)."""
     lost_ok = r.lost == 0 or (r.fault in LOSSY and r.lost > 0)
     exit_s = r.notes.get("exit_s")
-    term_ok = not isinstance(exit_s, (int, float)) or 0 <= exit_s <= 30.0
+    grace = STOP_GRACE_S.get(r.fault.removesuffix("-term"), 30.0)
+    term_ok = not isinstance(exit_s, (int, float)) or 0 <= exit_s <= grace
     return lost_ok and r.up_alive and r.token_mismatch == 0 and _left_in_workers(r) == 0 and term_ok
 
 

@@ -832,7 +832,11 @@ class LocalCluster:
         return out
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop supervising; SIGTERM every service (router first, workers last), wait, SIGKILL stragglers, stop NATS."""
+        """Stop supervising; signal every service (router first, workers last), wait, SIGKILL stragglers, stop NATS.
+
+        The router gets SIGINT, its quick stop: what is in flight fails at once with "router shutting down" (Ctrl-C of
+        ``up`` is a fast stop, within ``timeout_s``); its SIGTERM would first drain up to ``--shutdown-grace-s`` (20 s),
+        past this 10-s wait. The other services get SIGTERM (SIGINT is the same stop for them)."""
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(BaseException):
@@ -841,7 +845,7 @@ class LocalCluster:
         order = sorted(self.children, key=lambda c: {"router": 0, "planner": 1, "kvdirectory": 2}.get(c.name, 3))
         for c in order:
             if c.proc and c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
+                c.proc.send_signal(signal.SIGINT if c.name == "router" else signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for c in order:
             if c.proc is None:

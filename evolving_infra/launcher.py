@@ -8,6 +8,9 @@ services die with it if it is killed outright). It supervises: a
 service that exits is restarted (exponential backoff, a log line, a restart
 counter in ``LOG_DIR/cluster.json``), a dead nats-server is started again on the
 same port; ``--no-restart`` stops the whole cluster on the first exit instead.
+Its stop is a fast one: the router gets SIGINT (no ``--shutdown-grace-s`` drain: what is open
+fails with "router shutting down"); a SIGTERM sent to the router process alone drains it, and
+the supervisor restarts it once it has exited.
 
 ``demo`` does the same, replays real Claude Code sessions through the router
 (closed loop, N concurrent agents), writes ``OUT/report.json`` plus

@@ -10,7 +10,11 @@ A service's ``__main__`` is three lines::
 and ``stats() -> (counters, gauges)``; ``ready()`` is optional. SIGTERM and
 SIGINT set a stop event; the service is then stopped and the bus drained
 (in-flight handlers finish) before the connection closes (nats.py's graceful
-shutdown example). A signal during start-up (NATS unreachable: the connect
+shutdown example). A service with ``async drain(now: asyncio.Event)`` (the router's:
+``--shutdown-grace-s``) is drained first after a SIGTERM, its bus, heartbeats and handlers
+still running and ``/readyz`` already 503 ``stopping``; SIGINT (Ctrl-C), or a second signal
+during the drain, sets ``now``: the drain returns at once (as gunicorn's TERM graceful,
+INT quick). A signal during start-up (NATS unreachable: the connect
 retries forever) cancels the start-up instead, closes what was set up and
 exits 0. A service that fails beyond repair sets its ``fatal`` event (an ``asyncio.Event``,
 optional, with the cause in ``fatal_error`` and, optionally, where it came from in ``fatal_where``,
@@ -263,10 +267,21 @@ async def serve_until_stopped(
     """
     log = structlog.get_logger(service_name).bind(instance=instance)
     stop = stop_event or asyncio.Event()
+    now = asyncio.Event()  # SIGINT, or a second signal: a drain (SIGTERM's, the service's ``drain``) ends at once
+    drain_asked = False
     loop = asyncio.get_running_loop()
     if stop_event is None:
+
+        def on_signal(sig: int) -> None:
+            nonlocal drain_asked
+            if stop.is_set() or sig != signal.SIGTERM:
+                now.set()
+            else:
+                drain_asked = True
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
     clock = SimClock(cfg.speedup, cfg.clock_origin)
     if tracing.setup(service_name, instance, endpoint=cfg.otlp_traces_endpoint):
         log.info("tracing on: OTLP/HTTP export", endpoint=redact_url(tracing.URL or ""), service_name=f"evolving-infra-{service_name}")
@@ -338,6 +353,9 @@ async def serve_until_stopped(
             log.error("service failed; stopping, then exiting non-zero", error=repr(failed))
         else:
             log.info("service stopping")
+            drain = getattr(started[0], "drain", None)
+            if drain_asked and not now.is_set() and callable(drain):
+                await drain(now)  # the bus, its heartbeats and the service's handlers run on meanwhile
     if failed is not None:
         log.error("service stopped after a fatal error", error=repr(failed))
         where = None if isinstance(failed, Superseded) else getattr(started[0], "fatal_where", None)

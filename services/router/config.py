@@ -175,6 +175,18 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     request_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds a request may wait for its next output chunk before it fails with 504")
     ] = 600.0
+    shutdown_grace_s: Annotated[
+        float,
+        Meta(ge=0, description="wall seconds a SIGTERM lets the requests in flight finish (a drain): from the signal "
+             "new requests get 503 'router draining' and /healthz (and /readyz on --metrics-port) 503, while the "
+             "requests already taken stream on (route.bind and hand-backs answered, heartbeats sent); then, or when none "
+             "is left, the router stops, what is still open failing with 503 'router shutting down' (its work aborted on "
+             "its nodes). A second SIGTERM, or SIGINT (Ctrl-C) at any time, stops at once; 0 = stop at once on SIGTERM "
+             "too. The default fits the router's stop_grace_period in docker-compose.yml (50 s: this, then the stop's "
+             "17 s at most) and Slurm's usual KillWait (30 s: the job's workers stop at the same time, ending what "
+             "they serve); under `evolving-infra up` a killed router is restarted once it exited, and Ctrl-C of up "
+             "stops it with SIGINT"),
+    ] = 20.0
     max_buffered_output_tokens: Annotated[
         int,
         Meta(ge=0, description="output tokens the router holds for their clients, across all requests, that the clients "

@@ -14,7 +14,8 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 ``POST /tokenize``, ``/detokenize``    vLLM's: the router's tokenizer and chat formatting
 ``GET /healthz``, ``GET /health``      readiness: 200 when the fence loop and HTTP server run, NATS is connected,
                                        answers the router's PINGs and has settled, and a placement is possible,
-                                       else 503 with the reason ("router stopping" during a stop)
+                                       else 503 with the reason ("router draining" during a SIGTERM's drain,
+                                       ``--shutdown-grace-s``; "router stopping" during the stop)
 ``GET /ping``, ``POST /ping``          the same answer (vLLM's: the SageMaker-style health check, GET or POST)
 ``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts, the clock's speedup
 ``GET /metrics``                       Prometheus text format (``services/router/prom.py`` lists the metrics)
@@ -742,6 +743,11 @@ class RouterService(WatchedService):
         self._server: _Server | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._draining = False
+        """A SIGTERM's drain (:meth:`drain`) runs: new requests get 503, the ones taken finish."""
+        self._handling = 0
+        """Generation requests taken and not yet pending or answered (reading, tokenizing, routing): a drain waits for
+        them too."""
         self._have_split = False
         self._split_logged: tuple[int, tuple[tuple[str, str], ...]] | None = None
         """(epoch, phases) of the split last logged as applied (a repeat of it is logged at debug)."""
@@ -833,6 +839,32 @@ class RouterService(WatchedService):
             model=self.cfg.model,
             block_size=self.cfg.block_size,
         )
+
+    def _open_requests(self) -> int:
+        """Generation requests taken and not ended: pending (streaming, parked, awaiting a bind) or still in their
+        handler before that."""
+        return len(self._pending) + self._handling
+
+    async def drain(self, now: asyncio.Event) -> None:
+        """A SIGTERM's graceful part, before :meth:`stop` (``shared.service`` calls it; SIGINT skips it): new generation
+        requests get 503 "router draining" (with ``Retry-After``), ``/healthz`` 503, while the requests already taken
+        run on (their chunks, ``route.bind``, hand-backs and parked retries are served as before) until none is left,
+        ``--shutdown-grace-s`` wall seconds passed, or ``now`` is set (a second signal); :meth:`stop` then fails what
+        is still open, as before. Returns at once when nothing is open or the grace is 0. Before, a SIGTERM failed
+        every open request at once: a rolling restart of the only router lost 49 of 67 requests in flight."""
+        grace = self.cfg.shutdown_grace_s
+        if grace <= 0 or self._open_requests() == 0:
+            return
+        self._draining = True
+        t0 = time.monotonic()
+        self.log.info("router draining", open_requests=self._open_requests(), grace_s=grace)
+        while self._open_requests() and not now.is_set() and not self.fatal.is_set() and time.monotonic() - t0 < grace:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(now.wait(), timeout=0.05)
+        left = self._open_requests()
+        why = "second signal" if now.is_set() else "failed" if self.fatal.is_set() else "grace over" if left else "all done"
+        self.counters["drain_left_open"] += left
+        self.log.info("router drained", why=why, open_requests=left, waited_s=round(time.monotonic() - t0, 3))
 
     async def stop(self) -> None:
         """Refuse new requests, fail the in-flight ones (aborting them on their nodes), stop HTTP."""
@@ -2083,8 +2115,8 @@ class RouterService(WatchedService):
         why. During a stop (SIGTERM: :meth:`stop`): 503 "router stopping", as vLLM's ``/health`` answers 503 while
         its server shuts down; before, the tasks the stop cancels (or that end at it) read as "router failing:
         task(s) ended" for the up to 5 s uvicorn drains open connections."""
-        if self._stopping:
-            return self._error(503, "router stopping")
+        if self._stopping or self._draining:
+            return self._error(503, "router draining" if self._draining and not self._stopping else "router stopping")
         reason = self._not_ready()
         if reason is not None:
             return self._error(503, reason)
@@ -2569,6 +2601,18 @@ class RouterService(WatchedService):
         t_in = self.clock.now()
         if self._stopping:
             return self._error(503, "router is shutting down")
+        if self._draining:  # a SIGTERM's drain: the requests taken finish, a new one goes to another router
+            self.counters["drain_refused"] += 1
+            return self._json(api.error_body(503, "router draining for a shutdown; retry on another router"), 503,
+                              headers={"retry-after": "1"})
+        self._handling += 1
+        try:
+            return await self._generate_taken(request, chat, tr, rl, t_in)
+        finally:
+            self._handling -= 1
+
+    async def _generate_taken(self, request: Request, chat: bool, tr: _ReqTrace | None, rl: _ReqLog | None, t_in: float) -> Response:
+        """:meth:`_generate_traced` for a request taken (not refused for a stop or drain)."""
         try:
             # the rid is a function of the id as sent that never gives two ids one rid (api.request_rid):
             # a duplicate in flight is the same id as sent, whatever characters it holds; the header was

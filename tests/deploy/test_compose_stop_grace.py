@@ -10,6 +10,10 @@ streams), 0.4-1.4 s for a worker; in compose itself (docker-compose 1.29 on a pr
 a worker's 1.3 s, both exit 0. A worker SIGKILLed mid-stop never announces that its KV is gone, and the
 directory keeps offering its blocks. docker-compose.yml now sets ``stop_grace_period: 30s`` (Slurm's
 default ``KillWait`` is 30 s too) on every service that drains.
+
+Since the router's SIGTERM first lets its requests in flight finish, up to ``--shutdown-grace-s`` (20 s by
+default, ``services/router/config.py``), the router's own ``stop_grace_period`` is 50 s: that drain, then
+the stop's 17 s, and a margin.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.router.config import RouterConfig
+
 REPO = Path(__file__).resolve().parents[2]
 DRAINING = ("nats", "kvdirectory", "planner", "router", "worker")
 ROUTER_STOP_BOUND_S = 10 + 2 + 5  # HTTP connections, metrics server, NATS drain (see the module docstring)
+ROUTER_DRAIN_S = RouterConfig().shutdown_grace_s  # before that stop, on SIGTERM
 
 
 def _seconds(value: str) -> float:
@@ -41,10 +48,11 @@ def test_every_service_that_drains_has_a_stop_grace_period_beyond_the_router_s_d
         grace = services[name].get("stop_grace_period")
         assert grace is not None, f"{name}: no stop_grace_period (compose's default 10 s, SIGKILL after)"
         assert _seconds(grace) >= ROUTER_STOP_BOUND_S + 10, (name, grace)
+    assert _seconds(services["router"]["stop_grace_period"]) >= ROUTER_DRAIN_S + ROUTER_STOP_BOUND_S + 10
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="needs docker-compose (.ci/run installs it)")
 def test_docker_compose_reads_the_stop_grace_period():
     out = subprocess.run(["docker-compose", "-f", str(REPO / "docker-compose.yml"), "config"], capture_output=True,
                          text=True, timeout=60, check=True).stdout
-    assert out.count("stop_grace_period: 30s") == len(DRAINING), out
+    assert out.count("stop_grace_period: 30s") == len(DRAINING) - 1 and out.count("stop_grace_period: 50s") == 1, out

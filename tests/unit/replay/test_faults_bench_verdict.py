@@ -47,6 +47,8 @@ def test_lost_requests_token_mismatch_and_slow_sigterm_exits_fail():
     assert not faults._passed(_result(fault="router-term", lost=-1))  # the replay did not end
     assert not faults._passed(_result(token_mismatch=1))
     assert faults._passed(_result(fault="router-term", notes={"exit_s": 3.8}))
+    assert faults._passed(_result(fault="router-term", notes={"exit_s": 40.0}))  # its drain: compose gives it 50 s
+    assert not faults._passed(_result(fault="router-term", notes={"exit_s": 51.0}))
     assert not faults._passed(_result(fault="planner-term", notes={"exit_s": 31.0}))
     assert not faults._passed(_result(fault="planner-term", notes={"exit_s": -1}))  # still running after 35 s
 
