@@ -109,7 +109,7 @@ class Job:
         self.run = tmp / "run"
         self.port = free_port()
         self.out = tmp / "job.out"
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("EI_", "SLURM_"))}
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("EI_", "SLURM_")) and k != "GOMEMLIMIT"}
         base.update(
             PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(REPO), EI_HOME=str(REPO), EI_PYTHON=sys.executable,
             EI_RUN_DIR=str(self.run), SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="3", SLURM_JOB_NODELIST="n[1-3]",
@@ -247,6 +247,9 @@ def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(
         assert "--host-eviction branch-count" in worker and "--phase prefill" in worker, worker
         router = job_pids(job.run)[service_pid(job.run, "services.router")]
         assert "--decode-binding prefill-start" in router, router
+        # nats-server's soft heap cap, as under up and compose (shared.natsserver.server_env); before, none
+        (nats,) = [pid for pid, cmd in job_pids(job.run).items() if "nats-server" in cmd and "nats.conf" in cmd and not cmd.startswith("env ")]
+        assert b"GOMEMLIMIT=512MiB" in Path(f"/proc/{nats}/environ").read_bytes().split(b"\0")
         targets = json.loads((job.run / "prometheus-targets.json").read_text())
         by_service = [(t["labels"]["service"], t["labels"].get("node"), t["targets"]) for t in targets]
         assert by_service == [
