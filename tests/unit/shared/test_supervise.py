@@ -1,10 +1,11 @@
 """The supervisor of ``LocalCluster`` on real child processes (``sleep``), without NATS:
-an exited service is restarted after its backoff, counted, and a crash loop gives up."""
+an exited service is restarted after its backoff, counted, and a crash loop gives up; the stop's signals."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -123,3 +124,34 @@ def test_a_failing_restart_callback_does_not_end_supervision(tmp_path):
         child.proc.kill()
         child.proc.wait()
         child.log_file.close()
+
+
+_SIGNAL_RECORDER = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+def got(sig, _frame):
+    out.write_text(signal.Signals(sig).name)
+    sys.exit(0)
+signal.signal(signal.SIGINT, got)
+signal.signal(signal.SIGTERM, got)
+out.with_suffix(".ready").write_text("")
+time.sleep(30)
+"""
+
+
+async def test_stop_gives_the_router_sigint_its_quick_stop(tmp_path):
+    """``up``'s stop (Ctrl-C) sends the router SIGINT, which skips its ``--shutdown-grace-s`` drain (20 s, past the
+    stop's 10-s wait: a router with streams open would be SIGKILLed); the other services SIGTERM."""
+    c = LocalCluster(ClusterSpec())
+    c.log_dir = tmp_path
+    c.children = [_Child(name, [sys.executable, "-c", _SIGNAL_RECORDER, str(tmp_path / f"{name}.sig")], tmp_path / f"{name}.log")
+                  for name in ("planner", "router")]
+    for child in c.children:
+        c._spawn(child)
+    deadline = time.monotonic() + 20
+    while not all((tmp_path / f"{name}.ready").exists() for name in ("planner", "router")):
+        assert time.monotonic() < deadline, "the recorders did not start"
+        time.sleep(0.02)
+    await c.stop(timeout_s=10.0)
+    assert (tmp_path / "router.sig").read_text() == "SIGINT"
+    assert (tmp_path / "planner.sig").read_text() == "SIGTERM"
