@@ -31,7 +31,9 @@ died may never have been stored: each reliable message carries a
 publishes them again on reconnect; the stream drops the copies it already has
 (its duplicate window) and each consumer drops an id it has handled, so nothing
 is lost or handled twice. Without JetStream on the server (``--nats-url`` to a plain server) the
-bus falls back to core subscriptions and says so in the log; a server with JetStream that lacks the
+bus falls back to core subscriptions and says so in the log (at the bus's first stream check; a bus on JetStream
+that reconnects to a server restarted without it keeps its reliable publishes until JetStream is back,
+:meth:`Bus._await_jetstream`, its ``/readyz`` 503 meanwhile); a server with JetStream that lacks the
 stream while this bus may not make it (under credentials only the launcher may) is waited for
 (:meth:`Bus.ensure_stream`), so a service that starts first does not stay on core NATS.
 
@@ -334,6 +336,9 @@ class Bus:
         self.stream_waiting = ""
         """The stream's name while :meth:`_await_stream` waits for it (another must make it, or the server refuses
         the create, or the server lost it), else empty: a service's ``/readyz`` reason while it waits (``shared.service``)."""
+        self.jetstream_missing = ""
+        """The stream's name while the server this bus reconnected to has no JetStream (:meth:`_await_jetstream`):
+        reliable publishes are kept until it is back; a service's ``/readyz`` reason meanwhile (``shared.service``)."""
         self.stream_refused = ""
         """Why the server refused the create of :meth:`ensure_stream` ``(wait=False)`` (:func:`stream_refusal`);
         empty when it did not answer one (no JetStream, or credentials that may not create it)."""
@@ -371,6 +376,9 @@ class Bus:
         publishes are kept in ``_held`` meanwhile (:meth:`_hold`), since a server back without its store drops them."""
         self._held: deque[tuple[float, str, bytes, dict[str, str]]] = deque()
         self._held_bytes = 0
+        self._held_unsent = False
+        """True once a reliable publish was only kept (:attr:`_stream_lost`), not sent: a stream found again after the
+        reconnect (the same one) lacks it, so what is kept is published again then, not dropped."""
         self._stream_lost = False
         """True while a reconnect's lookup has found the stream lost (the server answered "not found") and the bus waits
         for it (:meth:`_await_stream` ``again``): reliable publishes are then only kept, not sent, and go out with the
@@ -562,7 +570,11 @@ class Bus:
         resend, self._resend = self._resend, []
         self._reconnects_seen += 1
         mine = self._reconnects_seen
+        self.jetstream_missing = ""  # this reconnect's check says again (an earlier one's wait gives way, go_on)
         info = await self._stream_after_reconnect(lambda: mine == self._reconnects_seen) if self.jetstream else None
+        if mine == self._reconnects_seen:  # this check is over: what it found decides below (an earlier wait's state too)
+            self._stream_lost = False
+            self.jetstream_missing = ""
         if mine != self._reconnects_seen:  # a later reconnect took over: its check ends the holding
             for r in (resend if self._holding else ()):
                 self._hold(r)
@@ -584,8 +596,13 @@ class Bus:
                 jsi._sseq = first
                 await jsi.reset_ordered_consumer(first + 1)
             info = None  # the consumers are placed
-        else:  # the same stream (what was published meanwhile is in it), or none to be found: nothing to keep
-            self._stop_holding()
+        else:  # the same stream (what was published meanwhile is in it, unless only kept), or none to be found
+            unsent = self._held_unsent
+            held = self._stop_holding()
+            if info is not None and unsent:
+                # published while the server had no JetStream (or lacked the stream), only kept: the stream lacks
+                # them. Before, they were dropped here (ids drop a copy of any the stream has)
+                resend = self._in_order([*resend, *held])
         for _t, subject, data, hdr in resend:
             try:
                 await self.nc.publish(subject, data, headers=hdr)
@@ -627,6 +644,7 @@ class Bus:
         self._held.clear()
         self._held_bytes = 0
         self._holding = False
+        self._held_unsent = False
         return held
 
     @staticmethod
@@ -649,9 +667,11 @@ class Bus:
         ``STREAM_BACK_WAIT_S``, :attr:`stream_waiting` names the stream meanwhile), as at start (:meth:`_look_up_stream`):
         before, that one timeout was logged and given up, so the consumers were not checked, the stream not made again
         and the publishes kept since the disconnect (:meth:`_hold`) dropped.
-        None when the server says it has no JetStream (:func:`no_jetstream`), refuses this identity the lookup (a
-        permission violation), the connection is closed (each logged), the bus closes, or ``go_on()`` turns false
-        (a later reconnect took over)."""
+        A server that says it has no JetStream (:func:`no_jetstream`: restarted without it) is waited for until it has
+        (:meth:`_await_jetstream`, the reliable publishes kept meanwhile); before, the lookup was given up and the bus
+        went on as if on JetStream: what it published then was lost.
+        None when the server refuses this identity the lookup (a permission violation on its subject), the connection
+        is closed (each logged), the bus closes, or ``go_on()`` turns false (a later reconnect took over)."""
         name = stream_name(self.subjects)
         warn_at = time.monotonic()
         try:
@@ -666,9 +686,11 @@ class Bus:
                 except (nats.errors.Error, asyncio.TimeoutError) as e:
                     if self._closing or not go_on():
                         return None
-                    if no_jetstream(e) or self.nc.is_closed or self._stream_api_denials("INFO") != violations:
+                    if self.nc.is_closed or self._stream_api_denials("INFO") != violations:
                         self.log.warning("stream info after reconnect failed", error=str(e) or repr(e))
                         return None
+                    if no_jetstream(e):  # the server came back without JetStream: kept until it is back
+                        return await self._await_jetstream(go_on, e)
                     # no answer in time, or the connection down a moment: the stream may well be there (or lost)
                     self.counters["stream_lookup_retries"] += 1
                     self.stream_waiting = name
@@ -679,6 +701,50 @@ class Bus:
                 await asyncio.sleep(0.5)
         finally:
             self.stream_waiting = ""
+        return await self._await_stream(go_on, again=True)
+
+    async def _await_jetstream(self, go_on: Callable[[], bool], first: BaseException) -> Any:
+        """After a reconnect to a server without JetStream (its stream lookup answered "no responders" or "JetStream not
+        enabled", ``first``), while this bus is on JetStream: its reliable subscriptions are JetStream consumers, which
+        get nothing then, and a reliable publish sent would go to core NATS, where nobody listens. So reliable publishes
+        are only kept (:attr:`_stream_lost`, bounded as :meth:`_hold`), :attr:`jetstream_missing` names the stream (a
+        service's ``/readyz`` 503), a warning comes at once and every ``STREAM_BACK_WAIT_S`` (counter
+        ``jetstream_missing_warnings``), and the stream is looked up each 0.5 s until JetStream answers: its info (the
+        same stream, or one another bus made), or, when it answers "not found" (a store lost), :meth:`_await_stream`
+        (made again). A restart with JetStream is a later reconnect, whose own check takes over (``go_on()`` false).
+        Before, the lookup's failure was logged and given up with ``jetstream`` still True: silent loss.
+
+        Returns the stream's info, or None once ``go_on()`` is false or the bus closes."""
+        name = stream_name(self.subjects)
+        self.jetstream_missing = name
+        self._stream_lost = self._holding
+        # what was kept since the disconnect went (nats-py's reconnect buffer) to this server, where nobody got it
+        self._held_unsent = self._holding
+        warn_at = time.monotonic()
+        error: BaseException = first
+        try:
+            while not self._closing and go_on():
+                if time.monotonic() >= warn_at:
+                    warn_at = time.monotonic() + STREAM_BACK_WAIT_S
+                    self.counters["jetstream_missing_warnings"] += 1
+                    self.log.warning(
+                        "the NATS server came back without JetStream: reliable messages cannot be delivered; those published "
+                        f"meanwhile are kept (the latest {RESEND_MAX_MSGS}) and published once JetStream is back",
+                        stream=name, error=str(error) or repr(error),
+                    )  # fmt: skip
+                await asyncio.sleep(0.5)
+                try:
+                    return await self.nc.jetstream(timeout=STREAM_LOOKUP_TIMEOUT_S).stream_info(name)
+                except nats.js.errors.NotFoundError:  # JetStream is back without the stream
+                    break
+                except (nats.errors.Error, asyncio.TimeoutError) as e:  # still none, or no answer: look again
+                    error = e
+            else:
+                return None
+        finally:
+            if go_on():  # else a later reconnect's check owns them (_after_reconnect)
+                self.jetstream_missing = ""
+                self._stream_lost = False
         return await self._await_stream(go_on, again=True)
 
     async def _await_stream(self, go_on: Callable[[], bool], *, again: bool, maker: bool = False) -> Any:
@@ -740,7 +806,8 @@ class Bus:
             return None
         finally:
             self.stream_waiting = ""
-            self._stream_lost = False
+            if go_on():  # else a later reconnect's check owns it (_after_reconnect); before, this wait's end cleared the later one's
+                self._stream_lost = False
 
     def _stream_config(self) -> Any:
         """The partition's stream over every reliable subject (file storage, bounded by age and bytes)."""
@@ -918,6 +985,7 @@ class Bus:
                 if self._holding:
                     self._hold(kept)
                     if self._stream_lost:  # sent with the kept ones, in order, once the stream is back (_stream_lost)
+                        self._held_unsent = True
                         self.counters["published." + subject.template] += 1
                         return
                 await self.nc.publish(full, data, headers={**headers, **hdr} if headers else hdr)

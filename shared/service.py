@@ -206,6 +206,8 @@ class Readiness:
     * ``connecting to NATS at <url>``: the first connect has not succeeded (NATS unreachable: it retries forever);
     * ``not connected to NATS at <url> (reconnecting)``: the bus lost its connection (nats-server down or
       restarting; the bus reconnects forever);
+    * ``the NATS server at <url> has no JetStream (stream <name>): reliable messages wait for it``: the bus, on
+      JetStream, reconnected to a server restarted without it; reliable publishes are kept until it is back;
     * ``waiting for the JetStream stream <name>``: the bus waits for the partition's stream (at start, or after a
       reconnect to a server that lost its store, until it or the launcher makes it again: ``shared.bus``);
     * ``starting``: the service's start has not completed;
@@ -237,6 +239,8 @@ class Readiness:
             return f"connecting to NATS at {self.url}"
         if not bus.nc.is_connected:
             return f"not connected to NATS at {self.url} (reconnecting)"
+        if bus.jetstream_missing:
+            return f"the NATS server at {self.url} has no JetStream (stream {bus.jetstream_missing}): reliable messages wait for it"
         if bus.stream_waiting:
             return f"waiting for the JetStream stream {bus.stream_waiting}"
         if self.phase != "serving":

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 from shared.service import Readiness
 
 
-def _bus(connected: bool = True, waiting: str = "") -> SimpleNamespace:
-    return SimpleNamespace(nc=SimpleNamespace(is_connected=connected), stream_waiting=waiting)
+def _bus(connected: bool = True, waiting: str = "", no_jetstream: str = "") -> SimpleNamespace:
+    return SimpleNamespace(nc=SimpleNamespace(is_connected=connected), stream_waiting=waiting, jetstream_missing=no_jetstream)
 
 
 def test_a_served_service_is_not_ready_while_its_bus_is_disconnected_or_waits_for_the_stream():
@@ -20,6 +20,8 @@ def test_a_served_service_is_not_ready_while_its_bus_is_disconnected_or_waits_fo
     assert r.reason() == "not connected to NATS at nats://planner:***@nats:4222 (reconnecting)"  # no secret shown
     r.bus = _bus(waiting="EI_p0")  # back, on a server that lost its store
     assert r.reason() == "waiting for the JetStream stream EI_p0"
+    r.bus = _bus(no_jetstream="EI_p0")  # back, on a server restarted without JetStream
+    assert r.reason() == "the NATS server at nats://planner:***@nats:4222 has no JetStream (stream EI_p0): reliable messages wait for it"
     r.bus = _bus()
     assert r.reason() is None
     r.ready = lambda: False
