@@ -218,10 +218,15 @@ class BranchStart(Msg, frozen=True, kw_only=True, tag=True):
 
 
 class BranchEnd(Msg, frozen=True, kw_only=True, tag=True):
-    """The harness ended a branch: none of its blocks will be read by it again."""
+    """The harness ended a branch: none of its blocks will be read by it again.
+
+    ``expired=True``: not an end but a router's eviction (its ``--max-active-branches`` cap): the
+    directory expires the branch as its TTL does (counts released, the id resumable: a later
+    ``BranchStart`` or placement of it is a resume, never refused)."""
 
     branch_id: str
     ts: float = 0.0
+    expired: bool = False
 
 
 class BranchToolCall(Msg, frozen=True, kw_only=True, tag=True):

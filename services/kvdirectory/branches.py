@@ -34,6 +34,9 @@ Transitions (one method each):
 ``expire``                       a branch silent for ``ttl_s`` is ended and counted (a start or
                                  placement of a fork / sub-agent counts as activity of its parents;
                                  a branch with a tool call outstanding is kept until its hold ends)
+``evict``                        a router dropped the branch to cap its table (``BranchEnd`` with
+                                 ``expired=True``): expired now, as by the TTL (same release and
+                                 memory, resumable), counted in ``branch.evicted``
 ``resume`` (issue 21)            a start or placement of an *expired* branch re-creates it (v = 1,
                                  π = ∅, its kind / parent / agent remembered) and is counted in
                                  ``branch.resumed``: an agent back from a pause longer than the
@@ -969,11 +972,7 @@ class BranchTable:
                 self.counters["branch.hold_kept"] += 1
                 continue
             del self.branches[bid]
-            self._drop_branch(b)
-            self.expired[bid] = (b.kind, b.parent, b.agent)
-            self.expired.move_to_end(bid)
-            while len(self.expired) > self.ended_memory:
-                self.expired.popitem(last=False)
+            self._forget_expired(b)
             gone.append(bid)
         if gone:
             self.counters["branch.expired"] += len(gone)
@@ -983,6 +982,36 @@ class BranchTable:
                 break
             del self.ended[bid]
         return gone
+
+    def _forget_expired(self, b: Branch) -> None:
+        """``b``, just removed from :attr:`branches`, is expired: its counts released on every node,
+        its kind / parent / agent remembered (``ended_memory`` ids) for a resume."""
+        self._drop_branch(b)
+        self.expired[b.bid] = (b.kind, b.parent, b.agent)
+        self.expired.move_to_end(b.bid)
+        while len(self.expired) > self.ended_memory:
+            self.expired.popitem(last=False)
+
+    def evict(self, bid: str, now: float) -> str:
+        """A router forgot ``bid`` to keep its branch table under its cap (``BranchEnd`` with
+        ``expired=True``; the router's ``--max-active-branches``): the branch is expired now, as a
+        TTL expiry does (counts released on every node, resumable: its next start or placement is a
+        resume), counted in ``branch.evicted``. ``now``: unused (the expiry path reads no time);
+        kept for the signature of :meth:`end`.
+
+        Returns:
+            ``evicted``; ``ended`` (it was ended: nothing to do); ``unknown`` (not active: already
+            expired here, or never started; nothing to do).
+        """
+        b = self.branches.pop(bid, None)
+        if b is None:
+            if bid in self.ended:
+                return "ended"
+            self.counters["branch.unknown_evict"] += 1
+            return "unknown"
+        self._forget_expired(b)
+        self.counters["branch.evicted"] += 1
+        return "evicted"
 
     def check(self) -> None:
         """Invariants (O(Σ counted blocks); for tests): every ``C_{β,n}`` is a prefix

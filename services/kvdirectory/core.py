@@ -687,6 +687,11 @@ class KvDirectory:
         """End a branch: release its counts everywhere. Returns ``ended``/``duplicate_end``/``unknown``."""
         return self.branches.end(branch_id, now)
 
+    def branch_evict(self, branch_id: str, now: float) -> str:
+        """A router evicted the branch from its capped table: expire it now, as the TTL does (counts
+        released everywhere, resumable). Returns ``evicted``/``ended``/``unknown`` (see ``BranchTable.evict``)."""
+        return self.branches.evict(branch_id, now)
+
     def place(
         self,
         branch_id: str,
@@ -749,6 +754,8 @@ class KvDirectory:
                 return self.apply_snapshot(msg, now)
             case BranchStart():
                 return self.branch_start(msg.branch_id, now, kind=msg.kind, parent=msg.parent_branch_id, agent=msg.agent_id)
+            case BranchEnd(expired=True):
+                return self.branch_evict(msg.branch_id, now)
             case BranchEnd():
                 return self.branch_end(msg.branch_id, now)
             case BranchToolCall():

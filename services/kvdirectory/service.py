@@ -235,6 +235,10 @@ class DirectoryService(WatchedService):
             verdict = self.core.branch_start(ev.branch_id, now, kind=ev.kind, parent=ev.parent_branch_id, agent=ev.agent_id)
             if verdict in ("duplicate", "ended"):
                 self.log.warning("branch start refused", branch=ev.branch_id, verdict=verdict)
+        elif ev.expired:  # a router's table cap evicted it: expired, as by the TTL (resumable)
+            verdict = self.core.branch_evict(ev.branch_id, now)
+            if verdict != "evicted":
+                self.log.debug("branch eviction for no active branch", branch=ev.branch_id, verdict=verdict)
         else:
             verdict = self.core.branch_end(ev.branch_id, now)
             if verdict != "ended":

@@ -27,6 +27,16 @@ is published so that the directory counts the branch again::
     active  --ttl_s silent--> expired (remembered up to max_ended)
     expired --observe-------> active   (emits BranchStart; resumed += 1)
     expired --end-----------> ended    (emits BranchEnd)
+
+Cap: at most ``max_active`` active branches. A new branch past it evicts the least recently
+active branch with no request in flight (:meth:`BranchTable.observe` counts a request in flight
+until :meth:`BranchTable.done`): it becomes expired, as by the TTL (resumable), is counted
+(``evicted``), and :meth:`BranchTable.take_evicted` hands its id to the shell, which publishes
+``BranchEnd(expired=True)`` so the directory expires it too and releases its counts. When every
+active branch has a request in flight the table holds them all (no branch of a running request
+is forgotten: the in-flight requests bound it)::
+
+    active (none in flight, least recent) --cap--> expired (evicted += 1)
 """
 
 from __future__ import annotations
@@ -70,6 +80,8 @@ class _Branch:
     """``BranchStart.ts`` of its (re)start: the wall-based cluster time, sent again by :meth:`BranchTable.republish`."""
     requests: int = 0
     last_seen: float = 0.0
+    in_flight: int = 0
+    """Requests observed and not yet :meth:`BranchTable.done`: a branch with one is never evicted."""
     hold_until: float = 0.0
     placed: list[RoutePlaced] = field(default_factory=list)
     """``RoutePlaced`` of the branch's latest request (prefill, then decode): what a restarted
@@ -84,19 +96,27 @@ class BranchTable:
         ttl_s: a branch without a request this long (simulated s) expires (the directory's
             ``--branch-ttl-s``); ``math.inf`` = never.
         max_hold_s: longest "tool call outstanding" hold (the directory's ``--max-tool-hold-s``).
+        max_active: most active branches (>= 1; the router's ``--max-active-branches``): a new
+            branch past it evicts the least recently active idle one (see the module docstring).
 
     Raises:
-        ValueError: a negative ``max_ended`` or a non-positive ``ttl_s`` / ``max_hold_s``.
+        ValueError: a negative ``max_ended``, a non-positive ``ttl_s`` / ``max_hold_s`` or a
+            ``max_active`` below 1.
     """
 
-    def __init__(self, max_ended: int = 100_000, *, ttl_s: float = 1800.0, max_hold_s: float = 14400.0) -> None:
+    def __init__(
+        self, max_ended: int = 100_000, *, ttl_s: float = 1800.0, max_hold_s: float = 14400.0, max_active: int = 65_536
+    ) -> None:
         if max_ended < 0:
             raise ValueError(f"max_ended must be >= 0, got {max_ended}")
+        if max_active < 1:
+            raise ValueError(f"max_active must be >= 1, got {max_active}")
         if not ttl_s > 0 or not max_hold_s > 0:
             raise ValueError("ttl_s and max_hold_s must be > 0")
         self.max_ended = max_ended
         self.ttl_s = ttl_s
         self.max_hold_s = max_hold_s
+        self.max_active = max_active
         self._active: OrderedDict[str, _Branch] = OrderedDict()
         """Active branches, least recently active first."""
         self._ended: OrderedDict[str, float] = OrderedDict()
@@ -105,6 +125,10 @@ class BranchTable:
         """Branches expired so far."""
         self.resumed = 0
         """Requests of an expired branch accepted as a resume."""
+        self.evicted = 0
+        """Branches evicted by the ``max_active`` cap so far."""
+        self._evicted: list[str] = []
+        """Ids evicted since the last :meth:`take_evicted`."""
 
     def _touch(self, branch_id: str, b: _Branch, now: float) -> None:
         b.last_seen = max(b.last_seen, now)
@@ -132,13 +156,48 @@ class BranchTable:
                 self._active.move_to_end(bid)
                 continue
             del self._active[bid]
-            if self.max_ended:
-                self._expired[bid] = b
-                while len(self._expired) > self.max_ended:
-                    self._expired.popitem(last=False)
+            self._remember_expired(bid, b)
             gone.append(bid)
         self.expired += len(gone)
         return gone
+
+    def _remember_expired(self, bid: str, b: _Branch) -> None:
+        """``bid``, just removed from the active table, is expired (resumable while remembered)."""
+        if self.max_ended:
+            self._expired[bid] = b
+            while len(self._expired) > self.max_ended:
+                self._expired.popitem(last=False)
+
+    def _evict_over_cap(self) -> None:
+        """Past ``max_active``: expire the least recently active branches with no request in
+        flight (the TTL's path), ids queued for :meth:`take_evicted`. O(evicted + busy branches
+        passed over), the busy ones staying in place."""
+        over = len(self._active) - self.max_active
+        if over <= 0:
+            return
+        victims = []
+        for bid, b in self._active.items():
+            if b.in_flight == 0:
+                victims.append(bid)
+                if len(victims) == over:
+                    break
+        for bid in victims:
+            self._remember_expired(bid, self._active.pop(bid))
+        self.evicted += len(victims)
+        self._evicted.extend(victims)
+
+    def take_evicted(self) -> list[str]:
+        """The ids evicted by the cap since the last call (oldest first): each to be published as
+        ``BranchEnd(expired=True)``, so the directory expires it and releases its counts."""
+        out, self._evicted = self._evicted, []
+        return out
+
+    def done(self, branch_id: str) -> None:
+        """A request :meth:`observe` counted for ``branch_id`` is over (answered, failed or
+        abandoned): one fewer in flight. No-op for a branch no longer active (ended, expired)."""
+        b = self._active.get(branch_id) or self._expired.get(branch_id)  # the TTL may expire a branch with one running
+        if b is not None and b.in_flight > 0:
+            b.in_flight -= 1
 
     def observe(
         self,
@@ -154,6 +213,9 @@ class BranchTable:
         monotonic ``SimClock.local_now``); ``ts``: the ``BranchStart.ts`` (the wall-based cluster
         time another process reads; None: ``now``).
 
+        The request counts as in flight on the branch until :meth:`done`. A new branch past
+        ``max_active`` evicts idle ones (:meth:`take_evicted`).
+
         Returns:
             The ``BranchStart`` to publish when the branch is new, else None
             (kind/parent/agent of later requests are ignored).
@@ -165,18 +227,21 @@ class BranchTable:
         b = self._active.get(branch_id)
         if b is not None:
             b.requests += 1
+            b.in_flight += 1
             b.hold_until = 0.0  # the tool returned
             self._touch(branch_id, b, now)
             return None
         if branch_id in self._ended:
             raise BranchEnded(f"branch {branch_id!r} was ended; start a new branch id")
         old = self._expired.pop(branch_id, None)
+        running = 0
         if old is not None:  # a resume after a pause longer than the TTL: accepted, announced again
             self.resumed += 1
-            kind, parent, agent_id = old.kind, old.parent, old.agent_id
-        b = _Branch(kind, parent, agent_id, now if ts is None else ts, 1, now)  # started_at: a BranchStart.ts again (republish)
+            kind, parent, agent_id, running = old.kind, old.parent, old.agent_id, old.in_flight
+        b = _Branch(kind, parent, agent_id, now if ts is None else ts, 1, now, running + 1)  # started_at: a BranchStart.ts again (republish)
         self._active[branch_id] = b
         self._touch(branch_id, b, now)
+        self._evict_over_cap()
         return BranchStart(branch_id=branch_id, kind=kind, parent_branch_id=parent, agent_id=agent_id, ts=now if ts is None else ts)
 
     def tool_call(
@@ -208,6 +273,7 @@ class BranchTable:
             self._active[branch_id] = b
             self.resumed += 1
         self._touch(branch_id, b, now)
+        self._evict_over_cap()
         span = expected_s if 0 < expected_s <= self.max_hold_s else self.max_hold_s
         b.hold_until = max(b.hold_until, now + span) if outstanding else 0.0
         return BranchToolCall(branch_id=branch_id, outstanding=outstanding, expected_s=expected_s, ts=now if ts is None else ts)
@@ -257,6 +323,11 @@ class BranchTable:
     @property
     def active_count(self) -> int:
         return len(self._active)
+
+    @property
+    def in_flight_count(self) -> int:
+        """Requests in flight over the active branches (observed, not yet :meth:`done`). O(active)."""
+        return sum(b.in_flight for b in self._active.values())
 
     @property
     def ended_count(self) -> int:

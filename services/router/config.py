@@ -251,6 +251,12 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     ] = 30.0
     max_id_len: Annotated[int, Meta(ge=1, le=4096, description="longest accepted X-Branch-Id / X-Parent-Branch-Id / X-Agent-Id")] = 256
     max_ended_branches: Annotated[int, Meta(ge=0, description="ended branch ids remembered (duplicate end -> 409)")] = 100_000
+    max_active_branches: Annotated[
+        int,
+        Meta(ge=1, description="most active branches (X-Branch-Id) kept: a new branch past it evicts the least recently "
+             "active one with no request in flight, expired as by --branch-ttl-s (resumable; the directory is told to "
+             "release its counts; gauge branches_evicted)"),
+    ] = 65_536
     branch_ttl_s: Annotated[
         float,
         Meta(gt=0, description="simulated seconds without a request after which a branch expires (as the directory's "

@@ -673,7 +673,9 @@ class RouterService(WatchedService):
             state_clock=clock.local_now,  # node-state ages on the monotonic clock: a wall-clock step fences no node
             state_wall_per_s=clock.to_wall(1.0),  # a fenced node's reason in wall s, as /v1/cluster's fence_after_s
         )
-        self.branches = BranchTable(cfg.max_ended_branches, ttl_s=cfg.branch_ttl_s, max_hold_s=cfg.max_tool_hold_s)
+        self.branches = BranchTable(
+            cfg.max_ended_branches, ttl_s=cfg.branch_ttl_s, max_hold_s=cfg.max_tool_hold_s, max_active=cfg.max_active_branches
+        )
         self.counters: Counter[str] = Counter()
         self._big_gate = asyncio.Semaphore(_HUGE_AT_ONCE)
         """Huge bodies parsed and tokenized at once (:func:`_off_loop_if_big`)."""
@@ -931,6 +933,7 @@ class RouterService(WatchedService):
             "branches_active": float(self.branches.active_count),
             "branches_expired": float(self.branches.expired),
             "branches_resumed": float(self.branches.resumed),
+            "branches_evicted": float(self.branches.evicted),
             "http_port": float(self.port or 0),
             "parked": float(len(self._parked)),
             "remote_inflight": float(len(self._remote)),
@@ -1753,6 +1756,12 @@ class RouterService(WatchedService):
         self.branches.note_placed(placed)
         await self.bus.publish(ROUTE_PLACED, placed)
 
+    async def _publish_evicted(self) -> None:
+        """Branches the table's cap (``--max-active-branches``) evicted: ``BranchEnd(expired=True)`` each, so
+        the directory expires them as its TTL does (counts released, resumable)."""
+        for bid in self.branches.take_evicted():
+            await self.bus.publish(BRANCH_EVENTS, m.BranchEnd(branch_id=bid, ts=self.clock.now(), expired=True))
+
     async def _on_branch_sync(self, msg: m.BranchSync, _subject: str) -> None:
         """A directory started (issue #22): republish every active branch and its latest
         placements, so its branch table and counts are rebuilt (it rebuilds its block index
@@ -2194,6 +2203,7 @@ class RouterService(WatchedService):
             return self._error(e.status, e.reason)
         await self.bus.publish(BRANCH_EVENTS, ev)
         self.counters["branch_tool_calls"] += 1
+        await self._publish_evicted()  # a resumed branch past the cap
         return self._json({"branch_id": branch_id, "outstanding": outstanding, "expected_s": expected_s})
 
     async def _off_loop(self, request: Request, body: bytes, run: Callable[[bytes], _T]) -> _T:
@@ -2643,59 +2653,66 @@ class RouterService(WatchedService):
             return self._error(e.status, e.reason, "X-Branch-Id")
         if tr is not None:
             tr.asked(self.cfg.model, req, max_tokens)
-        if start is not None:
-            await self.bus.publish(BRANCH_EVENTS, start)
-            self.counters["branches_started"] += 1
-
-        # the client's X-Request-ID (api.request_rid of it when it is not one NATS subject token) is the rid
-        # on every node and in every log line, so records join; the response's x-request-id is the id as
-        # sent and the body's id chatcmpl-/cmpl-<id as sent> (api.response_id, vLLM's)
-        rid, shown = ident.rid, ident.shown  # the id of its x-request-id: the client's as sent, or one the router made
-        if tr is not None:
-            tr.span.set_attribute("ei.rid", rid)
-        lookup, lookup_status = await self._lookup(hashes, tr, rid)
-        if self._in_flight(rid):  # the same X-Request-ID arrived while this one was tokenized
-            return self._error(409, f"X-Request-ID {shown!r} is already in flight", "X-Request-ID")
-        if rl is not None:
-            rl.rid, rl.client_id, rl.prompt_tokens = rid, client_id, int(arr.size)
-            self.log.info(
-                "request accepted", rid=rid, **_client_id_fields(rid, client_id), branch=hdrs.branch_id,
-                prompt_tokens=rl.prompt_tokens, max_tokens=max_tokens, stream=bool(req.stream), api="chat" if chat else "completions",
-            )  # fmt: skip
-        rreq = RouteRequest(
-            rid=rid,
-            prompt_tokens=int(arr.size),
-            block_hashes=hashes,
-            max_tokens=max_tokens,
-            token_ids=packed,
-            branch_id=hdrs.branch_id,
-            ignore_eos=req.ignore_eos,
-            sampling=api.sampling(req),
-        )
-        self._routing.add(rid)  # until it is pending (no await between): a duplicate in the meantime is a 409
+        branch_held = hdrs.branch_id  # observe counted a request in flight on it: done() once it is over
         try:
-            out = await self._route_new(rreq, lookup, lookup_status, tr)
+            if start is not None:
+                await self.bus.publish(BRANCH_EVENTS, start)
+                self.counters["branches_started"] += 1
+                await self._publish_evicted()
+
+            # the client's X-Request-ID (api.request_rid of it when it is not one NATS subject token) is the rid
+            # on every node and in every log line, so records join; the response's x-request-id is the id as
+            # sent and the body's id chatcmpl-/cmpl-<id as sent> (api.response_id, vLLM's)
+            rid, shown = ident.rid, ident.shown  # the id of its x-request-id: the client's as sent, or one the router made
+            if tr is not None:
+                tr.span.set_attribute("ei.rid", rid)
+            lookup, lookup_status = await self._lookup(hashes, tr, rid)
+            if self._in_flight(rid):  # the same X-Request-ID arrived while this one was tokenized
+                return self._error(409, f"X-Request-ID {shown!r} is already in flight", "X-Request-ID")
+            if rl is not None:
+                rl.rid, rl.client_id, rl.prompt_tokens = rid, client_id, int(arr.size)
+                self.log.info(
+                    "request accepted", rid=rid, **_client_id_fields(rid, client_id), branch=hdrs.branch_id,
+                    prompt_tokens=rl.prompt_tokens, max_tokens=max_tokens, stream=bool(req.stream), api="chat" if chat else "completions",
+                )  # fmt: skip
+            rreq = RouteRequest(
+                rid=rid,
+                prompt_tokens=int(arr.size),
+                block_hashes=hashes,
+                max_tokens=max_tokens,
+                token_ids=packed,
+                branch_id=hdrs.branch_id,
+                ignore_eos=req.ignore_eos,
+                sampling=api.sampling(req),
+            )
+            self._routing.add(rid)  # until it is pending (no await between): a duplicate in the meantime is a 409
+            try:
+                out = await self._route_new(rreq, lookup, lookup_status, tr)
+            finally:
+                self._routing.discard(rid)
+            if isinstance(out, NoRoute):
+                self.counters["no_route"] += 1
+                self.log.warning("no route", rid=rid, reason=out.reason)
+                return self._error(503, out.reason)
+            self._log_route(rreq, out, lookup_status)
+            p = _Pending(
+                rid=rid, prefill_node=out.prefill.node, decode_node=out.decode_node, predicted_ttft_s=out.predicted_ttft_s, t_in=t_in,
+                tr=tr,
+            )
+            p.rreq = p.cur = rreq
+            if tr is not None:
+                tr.p = p
+            p.stops = bool(api.stop_strings(req) or req.stop_token_ids)
+            if rl is not None:
+                rl.p = p
+            if client_rid is not None:  # a retry of an ended request with this id starts past its attempts
+                p.client_rid, p.client_id = True, client_id
+                p.attempt = p.first_attempt = self._retried.next_attempt(rid)
+            self._pending[rid] = p
+            branch_held = None  # from here _forget(p) ends it (BranchTable.done)
         finally:
-            self._routing.discard(rid)
-        if isinstance(out, NoRoute):
-            self.counters["no_route"] += 1
-            self.log.warning("no route", rid=rid, reason=out.reason)
-            return self._error(503, out.reason)
-        self._log_route(rreq, out, lookup_status)
-        p = _Pending(
-            rid=rid, prefill_node=out.prefill.node, decode_node=out.decode_node, predicted_ttft_s=out.predicted_ttft_s, t_in=t_in,
-            tr=tr,
-        )
-        p.rreq = p.cur = rreq
-        if tr is not None:
-            tr.p = p
-        p.stops = bool(api.stop_strings(req) or req.stop_token_ids)
-        if rl is not None:
-            rl.p = p
-        if client_rid is not None:  # a retry of an ended request with this id starts past its attempts
-            p.client_rid, p.client_id = True, client_id
-            p.attempt = p.first_attempt = self._retried.next_attempt(rid)
-        self._pending[rid] = p
+            if branch_held is not None:
+                self.branches.done(branch_held)
         try:
             for placed in out.placed:
                 await self._publish_placed(placed)
@@ -2960,6 +2977,8 @@ class RouterService(WatchedService):
             p.unread = 0
         if self._pending.get(p.rid) is p:
             del self._pending[p.rid]
+            if p.rreq is not None and p.rreq.branch_id is not None:
+                self.branches.done(p.rreq.branch_id)  # its branch may be evicted again (--max-active-branches)
             if p.rid in self._parked:  # its client went (or it timed out) while parked
                 self._publish_parked_end(p, "request ended while its work was parked")
             self._unpark(p.rid)

@@ -383,6 +383,41 @@ async def test_branch_headers_events_and_end_endpoint(nats_url, tmp_path):
         assert st.counters["http_status.400"] == 5 and st.counters["http_status.409"] == 2 and st.counters["http_status.404"] == 1
 
 
+async def test_minted_branch_ids_are_capped_keeping_the_one_in_flight(nats_url, tmp_path):
+    """A client minting a new X-Branch-Id per request: the router's table stays at
+    --max-active-branches, each evicted id published as BranchEnd(expired=True) (the directory
+    releases its counts), a branch whose request is in flight kept; once that one is answered it
+    is evicted in turn, and an evicted id's next request is a resume. Before, the table grew by
+    one per request until the TTL (30 min)."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, max_active_branches=2) as env:
+        env.cluster.answering.discard("c0")
+        held = asyncio.create_task(
+            env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, headers={"X-Branch-Id": "held"})
+        )
+        await _wait_for(lambda: len(env.cluster.works) == 1, what="the held request dispatched")
+        w = env.cluster.works[0]
+        env.cluster.answering.add("c0")
+        for i in range(6):
+            r = await env.http.post("/v1/completions", json={"prompt": [3, i], "max_tokens": 1}, headers={"X-Branch-Id": f"u{i}"})
+            assert r.status_code == 200, r.text
+        st = await env.stats()
+        assert st.gauges["branches_active"] == 2.0 and st.gauges["branches_evicted"] == 5.0
+        await _wait_for(lambda: sum(isinstance(e, m.BranchEnd) for e in env.cluster.branch_events) == 5, what="evictions")
+        ends = [e for e in env.cluster.branch_events if isinstance(e, m.BranchEnd)]
+        assert [(e.branch_id, e.expired) for e in ends] == [(f"u{i}", True) for i in range(5)]
+        await env.bus.publish(
+            REQ_OUT, m.TokenChunk(rid=w.rid, node="c0", index=0, token_ids=[5], prompt_tokens=2, finished=True,
+                                  finish_reason="length", attempt=w.attempt), rid=w.rid,
+        )  # fmt: skip
+        assert (await held).status_code == 200
+        r = await env.http.post("/v1/completions", json={"prompt": [4], "max_tokens": 1}, headers={"X-Branch-Id": "u0"})
+        assert r.status_code == 200, r.text  # an evicted id: a resume, not a 409
+        await _wait_for(lambda: sum(isinstance(e, m.BranchEnd) for e in env.cluster.branch_events) == 6, what="eviction of held")
+        assert env.cluster.branch_events[-1] == m.BranchEnd(branch_id="held", ts=env.cluster.branch_events[-1].ts, expired=True, src="router")
+        st = await env.stats()
+        assert st.gauges["branches_active"] == 2.0 and st.gauges["branches_resumed"] == 1.0
+
+
 async def test_branch_resumed_after_expiry_and_tool_call_hint(nats_url, tmp_path):
     """Issue 21: a branch idle longer than the TTL is expired by the router as by the directory;
     its next request is served (a resume, re-announced with BranchStart), never refused; the

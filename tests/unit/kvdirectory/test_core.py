@@ -786,3 +786,30 @@ def test_pod_churn_keeps_the_branch_table_and_index_consistent(seed):
         d.branches.check()
         d.index.check()
     assert len(d.names) == 3 and d.counters["nodes.reclaimed"] == nxt - 3
+
+
+def test_a_router_eviction_expires_the_branch_as_the_ttl_does(d):
+    """A router's --max-active-branches evicted "a" (BranchEnd expired=True): the directory
+    releases its counts at once, exactly as the TTL's expiry would, and keeps it resumable (an
+    end would refuse its next placement)."""
+    from shared.messages import BranchEnd, BranchStart
+
+    d.apply(BranchStart(branch_id="a", kind="fork", parent_branch_id="m", agent_id="ag"), 0.0)
+    d.place("a", "p0", "prefill", P[:3], 0.0)
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", P[:2], 0.0)
+    assert counts(d, "p0", P[:3]) == [2, 2, 1]
+    assert d.apply(BranchEnd(branch_id="a", expired=True), 1.0) == "evicted"
+    assert counts(d, "p0", P[:3]) == [1, 1, 0] and d.branch("a") is None
+    d.branches.check()
+    assert d.counters["branch.evicted"] == 1 and d.counters["branch.ended"] == 0
+    assert d.apply(BranchEnd(branch_id="a", expired=True), 2.0) == "unknown"  # a second one changes nothing
+    assert d.counters["branch.unknown_evict"] == 1
+    r = d.place("a", "p0", "prefill", P[:4], 3.0)  # its next request: a resume, not refused
+    assert r.rejected is None and counts(d, "p0", P[:4]) == [2, 2, 1, 1]
+    assert (d.branch("a").kind, d.branch("a").parent, d.branch("a").agent) == ("fork", "m", "ag")
+    assert d.counters["branch.resumed"] == 1
+    d.branches.check()
+    d.branch_end("b", 4.0)
+    assert d.apply(BranchEnd(branch_id="b", expired=True), 5.0) == "ended"  # an ended branch stays ended
+    assert d.place("b", "p0", "prefill", P[:2], 6.0).rejected == "ended_branch"

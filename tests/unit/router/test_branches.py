@@ -107,3 +107,43 @@ def test_the_ttl_runs_on_the_callers_clock_and_messages_carry_the_ts_given():
     [again] = [x for x in t.republish() if isinstance(x, BranchStart)]
     assert again.ts == 1_000_000.0
     assert t.end("b", 160.0, ts=2_000_002.0).ts == 2_000_002.0
+
+
+def test_the_active_table_is_capped_keeping_branches_with_a_request_in_flight():
+    """A client minting a new branch id per request: the table stays at ``max_active``, the least
+    recently active idle branch goes first (expired, resumable, handed out for the directory), and
+    a branch with a request in flight is never evicted however old."""
+    t = BranchTable(max_active=3, ttl_s=1e9)  # the cap alone (no TTL expiry in this test)
+    t.observe("busy", 0.0)  # its request runs on (no done)
+    t.observe("idle", 1.0)
+    t.done("idle")
+    for i in range(1000):
+        t.observe(f"u{i}", 2.0 + i)
+        t.done(f"u{i}")
+        assert t.active_count <= 3
+    assert t.is_active("busy") and not t.is_active("idle")
+    assert t.evicted == 999 and t.in_flight_count == 1
+    out = t.take_evicted()
+    assert out[:2] == ["idle", "u0"] and len(out) == 999 and t.take_evicted() == []
+    assert t.observe("idle", 2000.0) is not None and t.resumed == 1  # a resume: re-announced
+    assert t.take_evicted() == ["u998"]
+    t.done("busy")
+    t.observe("n", 2001.0)
+    assert t.take_evicted() == ["busy"]  # idle now: the least recently active
+    with pytest.raises(ValueError):
+        BranchTable(max_active=0)
+
+
+def test_a_cap_full_of_requests_in_flight_holds_them_all():
+    t = BranchTable(max_active=1)
+    t.observe("a", 0.0)
+    t.observe("b", 1.0)
+    assert t.active_count == 2 and t.take_evicted() == []
+    t.done("a")
+    t.done("a")  # a second done is no underflow
+    t.observe("c", 2.0)
+    assert t.take_evicted() == ["a"] and t.active_count == 2  # b still running
+    t.done("b")
+    t.done("c")
+    t.observe("d", 3.0)
+    assert sorted(t.take_evicted()) == ["b", "c"] and t.active_count == 1
