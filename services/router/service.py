@@ -1913,12 +1913,13 @@ class RouterService(WatchedService):
         else:
             self._count_end(p, reason)
 
-    _ABANDON_REASON = {"client_disconnect": "abort", "shutdown": "abort", "slow_client": "abort"}
+    _ABANDON_REASON = {"client_disconnect": "abort", "gone_before_dispatch": "abort", "shutdown": "abort", "slow_client": "abort"}
     """``_abandon``'s ``why`` → the finish reason it is counted under (others: ``error``)."""
 
-    def _abandon(self, p: _Pending, reason: str, why: str) -> None:
+    def _abandon(self, p: _Pending, reason: str, why: str, *, tell_nodes: bool = True) -> None:
         """Stop counting ``p`` and tell its nodes to drop it (idempotent, never awaits); counted finished
-        as ``abort`` (client disconnect or too slow, shutdown) or ``error`` (timeout, fenced, parked too long, dispatch failed)."""
+        as ``abort`` (client disconnect or too slow, shutdown) or ``error`` (timeout, fenced, parked too long, dispatch failed).
+        ``tell_nodes=False``: no ``work.abort`` (the work was never sent to them)."""
         if p.done:
             return
         p.done = True
@@ -1927,7 +1928,7 @@ class RouterService(WatchedService):
         if aborts:
             self.counters["aborts"] += 1
             self.counters[f"aborts.{why}"] += 1
-        for node, msg in aborts:
+        for node, msg in aborts if tell_nodes else ():
             self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node))
 
     # ------------------------------------------------------------------ #
@@ -2409,6 +2410,11 @@ class RouterService(WatchedService):
             return None, "block_size_mismatch"
         return rep, "ok"
 
+    def _gone_before_dispatch(self) -> Response:
+        """The client closed the connection before its request was sent to a node: nothing is sent (499, never read)."""
+        self.counters["http.gone_before_dispatch"] += 1
+        return self._error(499, "client closed the connection before its request was dispatched")
+
     async def _wait_disconnect(self, receive: Receive) -> None:
         while True:
             msg = await receive()
@@ -2654,6 +2660,10 @@ class RouterService(WatchedService):
         if tr is not None:
             tr.asked(self.cfg.model, req, max_tokens)
         branch_held = hdrs.branch_id  # observe counted a request in flight on it: done() once it is over
+        # the body is read: receive() now returns only at a disconnect. A client gone while its body was parsed and
+        # tokenized (or during the lookup, or the wait for a node) is not dispatched (http.gone_before_dispatch)
+        watcher = asyncio.ensure_future(self._wait_disconnect(request.receive))
+        watching = False  # True once it is the non-streamed response's watcher
         try:
             if start is not None:
                 await self.bus.publish(BRANCH_EVENTS, start)
@@ -2667,6 +2677,8 @@ class RouterService(WatchedService):
             if tr is not None:
                 tr.span.set_attribute("ei.rid", rid)
             lookup, lookup_status = await self._lookup(hashes, tr, rid)
+            if watcher.done():  # nothing routed yet: nothing to undo
+                return self._gone_before_dispatch()
             if self._in_flight(rid):  # the same X-Request-ID arrived while this one was tokenized
                 return self._error(409, f"X-Request-ID {shown!r} is already in flight", "X-Request-ID")
             if rl is not None:
@@ -2710,9 +2722,18 @@ class RouterService(WatchedService):
                 p.attempt = p.first_attempt = self._retried.next_attempt(rid)
             self._pending[rid] = p
             branch_held = None  # from here _forget(p) ends it (BranchTable.done)
+            if not watcher.done():
+                await asyncio.sleep(0)  # a watcher that has not run yet reads a disconnect already received
+            if watcher.done():  # gone while it waited for a route: placed, not sent
+                self._forget(p)
+                self._abandon(p, "client disconnected before dispatch", "gone_before_dispatch", tell_nodes=False)
+                return self._gone_before_dispatch()
+            watching = True
         finally:
             if branch_held is not None:
                 self.branches.done(branch_held)
+            if not watching:
+                watcher.cancel()
         try:
             for placed in out.placed:
                 await self._publish_placed(placed)
@@ -2720,6 +2741,7 @@ class RouterService(WatchedService):
                 WORK_PREFILL, self._work(p, out), node=out.prefill.node, headers=None if tr is None else tracing.inject(tr.span)
             )
         except Exception as e:
+            watcher.cancel()
             self._forget(p)
             self._abandon(p, "dispatch failed", "dispatch_failed")
             self.log.error("dispatch failed", rid=rid, error=repr(e))
@@ -2742,6 +2764,7 @@ class RouterService(WatchedService):
             headers = {"x-request-id": shown, "x-ei-prefill-node": p.prefill_node}
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
+            watcher.cancel()  # the SSE response watches the connection itself
             p.reset = request.scope.get("extensions", {}).get(RESET_EXTENSION)
             gen = self._stream(
                 p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req), api.logprobs_asked(req), echo,
@@ -2753,7 +2776,6 @@ class RouterService(WatchedService):
                 media_type="text/event-stream",
                 headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
             )
-        watcher = asyncio.ensure_future(self._wait_disconnect(request.receive))
         try:
             first = await self._next_item(p, watcher)
             if isinstance(first, _Failure):

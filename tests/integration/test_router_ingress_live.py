@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from services.router import api
 from tests.integration.test_router_live import _wait_for, router_env
@@ -278,3 +279,54 @@ async def test_a_client_gone_while_its_huge_body_waits_for_a_parse_slot_leaves_t
             assert not env.service._big_gate.locked()
         finally:
             release.set()  # a failed check leaves no thread waiting
+
+
+@pytest.mark.parametrize("gone_in", ["parse", "route"])
+async def test_a_client_gone_before_dispatch_is_never_dispatched(nats_url, tmp_path, gone_in):
+    """A client that closes the connection while the router parses and tokenizes its body (or while its
+    request waits for a route): before, the disconnect watcher started only after dispatch, so its work was
+    sent to a node and then aborted (work for nobody). Now the router sees the disconnect before dispatch: a
+    499 that is never read, counted (``http.gone_before_dispatch``), no work and no abort sent, and a request
+    already placed is taken off its node's count."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        held_at, release = threading.Event(), threading.Event()
+        prepare, route_new = env.service._prepare_body, env.service._route_new
+
+        def held_parse(body: bytes, chat: bool, ctx: int):
+            held_at.set()
+            release.wait(10.0)  # in a worker thread (the body is over 32 KB): the loop goes on
+            return prepare(body, chat, ctx)
+
+        async def held_route(*a, **kw):
+            out = await route_new(*a, **kw)
+            held_at.set()
+            while not release.is_set():  # placed: the node counts it in flight
+                await asyncio.sleep(0.01)
+            return out
+
+        if gone_in == "parse":
+            env.service._prepare_body = held_parse
+        else:
+            env.service._route_new = held_route
+        body = b'{"prompt": [1, 2, 3], "max_tokens": 1' + b" " * 40_000 + b"}"
+        reader, writer = await asyncio.open_connection("127.0.0.1", env.service.port)
+        try:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % len(body) + body)
+            await writer.drain()
+            await _wait_for(held_at.is_set, what=f"its request held in {gone_in}")
+            if gone_in == "route":
+                assert env.service.core.view.inflight_total == 1
+            writer.close()
+            await writer.wait_closed()
+            await asyncio.sleep(0.05)  # loop turns in which the server reads the close (an EOF ready on its socket)
+        finally:
+            release.set()
+        await _wait_for(lambda: env.service.counters["http.gone_before_dispatch"] == 1 or env.cluster.works, what="the outcome")
+        await asyncio.sleep(0.1)
+        assert env.cluster.works == [] and env.cluster.aborts == [], (env.cluster.works, env.cluster.aborts)
+        assert env.service.counters["http.gone_before_dispatch"] == 1 and not env.service._pending
+        assert env.service.core.view.inflight_total == 0
+        env.service._prepare_body, env.service._route_new = prepare, route_new
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+        assert r.status_code == 200, r.text  # the next client is served
