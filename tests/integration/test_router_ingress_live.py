@@ -187,38 +187,57 @@ async def test_ping_answers_as_health_on_get_and_post_without_a_key(nats_url, tm
 async def test_huge_bodies_are_parsed_two_at_a_time_and_small_ones_never_wait(nats_url, tmp_path):
     """Each huge body's parse and tokenization, in a worker thread, takes memory several times its size (a 60 MB
     prompt: ~360 MB); four sent at once took a live router from 70 MB to 1.5 GB, and asyncio's thread pool
-    runs min(32, cores + 4) of them. Bodies over 4 MiB now go two at a time; a smaller body is not held behind them."""
+    runs min(32, cores + 4) of them. Bodies over 4 MiB now go two at a time; a smaller body is not held behind them.
+    The huge parses are held on an event (not a sleep: on a loaded box the small one could start only after they
+    had ended) until all four asked for a slot and the small one was answered."""
+    huge_at = 4 * 1024 * 1024
+
     async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        gate, asked = env.service._big_gate, [0]  # the router's own gate (its size is what is tested), acquires counted
+        acquire = gate.acquire
+
+        async def counted_acquire() -> bool:
+            asked[0] += 1
+            return await acquire()
+
+        gate.acquire = counted_acquire  # type: ignore[method-assign]
         inside: list[int] = []  # body sizes of the parses running now
         most = [0]
         small_saw_huge = []
+        release = threading.Event()  # the huge parses are held until the small one is answered
         prepare = env.service._prepare_body
 
         def counted(body: bytes, chat: bool, ctx: int):
             inside.append(len(body))
             try:
-                if len(body) > 4 * 1024 * 1024:
-                    most[0] = max(most[0], sum(n > 4 * 1024 * 1024 for n in inside))
-                    time.sleep(0.5)
+                if len(body) > huge_at:
+                    most[0] = max(most[0], sum(n > huge_at for n in inside))
+                    assert release.wait(20.0)
                     raise api.ApiError(400, "huge")
-                small_saw_huge.append(sum(n > 4 * 1024 * 1024 for n in inside))
+                small_saw_huge.append(sum(n > huge_at for n in inside))
                 return prepare(body, chat, ctx)
             finally:
                 inside.remove(len(body))
 
         env.service._prepare_body = counted
-        huge = b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
-        posts = [asyncio.create_task(env.http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}))
-                 for _ in range(4)]
-        for _ in range(400):  # until two are inside (the bodies take a while to arrive on a loaded box)
-            if sum(n > 4 * 1024 * 1024 for n in inside) >= 2:
-                break
-            await asyncio.sleep(0.005)
-        small = await env.http.post("/v1/completions", json={"prompt": "a " * 20_000, "max_tokens": 2})  # 40 KB: off the loop, ungated
-        results = await asyncio.gather(*posts)
-        assert [r.status_code for r in results] == [400] * 4 and small.status_code < 500, small.text
-        assert most[0] == 2, most[0]
-        assert small_saw_huge and small_saw_huge[0] >= 1, small_saw_huge  # it ran while huge ones were inside
+        try:
+            huge = b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
+            posts = [asyncio.create_task(env.http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}))
+                     for _ in range(4)]
+            # all four read and asking for a slot (or, with no gate, more than two parsing at once)
+            await _wait_for(lambda: asked[0] == 4 or most[0] > 2, timeout=20.0, what="four huge bodies asking for a slot")
+            await _wait_for(lambda: sum(n > huge_at for n in inside) >= 2, what="two huge parses inside")
+            assert most[0] == 2, most[0]
+            # 40 KB: off the loop, ungated; before the gate was bypassed for it, it would wait here for the held slots
+            small = await asyncio.wait_for(env.http.post("/v1/completions", json={"prompt": "a " * 20_000, "max_tokens": 2}), 10.0)
+            assert sum(n > huge_at for n in inside) == 2  # the other two still wait for a slot
+            release.set()
+            results = await asyncio.gather(*posts)
+            assert [r.status_code for r in results] == [400] * 4 and small.status_code < 500, small.text
+            assert most[0] == 2, most[0]
+            assert small_saw_huge == [2], small_saw_huge  # it ran while both huge ones were inside
+        finally:
+            release.set()  # a failed check leaves no thread waiting
 
 
 async def test_a_client_gone_while_its_huge_body_waits_for_a_parse_slot_leaves_the_line(nats_url, tmp_path):
