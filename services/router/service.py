@@ -2657,14 +2657,14 @@ class RouterService(WatchedService):
             return self._error(e.status, e.reason, e.param)
         except BranchError as e:
             return self._error(e.status, e.reason, "X-Branch-Id")
-        if tr is not None:
-            tr.asked(self.cfg.model, req, max_tokens)
         branch_held = hdrs.branch_id  # observe counted a request in flight on it: done() once it is over
         # the body is read: receive() now returns only at a disconnect. A client gone while its body was parsed and
         # tokenized (or during the lookup, or the wait for a node) is not dispatched (http.gone_before_dispatch)
         watcher = asyncio.ensure_future(self._wait_disconnect(request.receive))
         watching = False  # True once it is the non-streamed response's watcher
         try:
+            if tr is not None:
+                tr.asked(self.cfg.model, req, max_tokens)
             if start is not None:
                 await self.bus.publish(BRANCH_EVENTS, start)
                 self.counters["branches_started"] += 1

@@ -330,7 +330,7 @@ async def test_a_client_gone_before_dispatch_is_never_dispatched(nats_url, tmp_p
         body = b'{"prompt": [1, 2, 3], "max_tokens": 1' + b" " * 40_000 + b"}"
         reader, writer = await asyncio.open_connection("127.0.0.1", env.service.port)
         try:
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-branch-id: g1\r\n"
                          b"content-length: %d\r\n\r\n" % len(body) + body)
             await writer.drain()
             await _wait_for(held_at.is_set, what=f"its request held in {gone_in}")
@@ -346,6 +346,7 @@ async def test_a_client_gone_before_dispatch_is_never_dispatched(nats_url, tmp_p
         assert env.cluster.works == [] and env.cluster.aborts == [], (env.cluster.works, env.cluster.aborts)
         assert env.service.counters["http.gone_before_dispatch"] == 1 and not env.service._pending
         assert env.service.core.view.inflight_total == 0
+        assert env.service.branches.in_flight_count == 0  # its branch may be evicted (--max-active-branches)
         env.service._prepare_body, env.service._route_new = prepare, route_new
         r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
         assert r.status_code == 200, r.text  # the next client is served

@@ -416,6 +416,11 @@ async def test_minted_branch_ids_are_capped_keeping_the_one_in_flight(nats_url, 
         assert env.cluster.branch_events[-1] == m.BranchEnd(branch_id="held", ts=env.cluster.branch_events[-1].ts, expired=True, src="router")
         st = await env.stats()
         assert st.gauges["branches_active"] == 2.0 and st.gauges["branches_resumed"] == 1.0
+        r = await env.http.post("/v1/completions", json={"prompt": [4], "max_tokens": 1}, headers={"X-Branch-Id": "held"})
+        assert r.status_code == 200, r.text  # the evicted held branch resumes too
+        bad = await env.http.post("/v1/completions", json={"prompt": [4], "max_tokens": 0}, headers={"X-Branch-Id": "held"})
+        assert bad.status_code == 400
+        assert env.service.branches.in_flight_count == 0  # every observed request ended its count
 
 
 async def test_branch_resumed_after_expiry_and_tool_call_hint(nats_url, tmp_path):
