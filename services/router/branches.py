@@ -30,7 +30,8 @@ is published so that the directory counts the branch again::
 
 Cap: at most ``max_active`` active branches. A new branch past it evicts the least recently
 active branch with no request in flight (:meth:`BranchTable.observe` counts a request in flight
-until :meth:`BranchTable.done`): it becomes expired, as by the TTL (resumable), is counted
+until :meth:`BranchTable.done`) and no tool-call hold running (one with a hold goes only when no
+other idle branch is left; the branch just observed or given a tool call never): it becomes expired, as by the TTL (resumable), is counted
 (``evicted``), and :meth:`BranchTable.take_evicted` hands its id to the shell, which publishes
 ``BranchEnd(expired=True)`` so the directory expires it too and releases its counts. When every
 active branch has a request in flight the table holds them all (no branch of a running request
@@ -168,23 +169,38 @@ class BranchTable:
             while len(self._expired) > self.max_ended:
                 self._expired.popitem(last=False)
 
-    def _evict_over_cap(self) -> None:
+    def _evict_over_cap(self, now: float, keep: str) -> None:
         """Past ``max_active``: expire the least recently active branches with no request in
-        flight (the TTL's path), ids queued for :meth:`take_evicted`. O(evicted + busy branches
-        passed over), the busy ones staying in place."""
+        flight (the TTL's path), ids queued for :meth:`take_evicted`. ``keep`` (the branch just
+        observed or given a tool call) is never one. A branch whose tool-call hold runs past ``now``
+        (its agent waits for a tool: the TTL keeps it too) goes only when no other idle branch is
+        left, the oldest first; one passed over is moved to the recent end, its ``last_seen`` set to
+        ``now``, as :meth:`expire` does with a held branch (so a flood of new ids passes each held
+        branch once, not at every eviction). O(evicted + busy and held branches passed over), the
+        busy ones staying in place."""
         over = len(self._active) - self.max_active
         if over <= 0:
             return
-        victims = []
+        victims: list[str] = []
+        held: list[str] = []
         for bid, b in self._active.items():
-            if b.in_flight == 0:
-                victims.append(bid)
-                if len(victims) == over:
-                    break
-        for bid in victims:
+            if b.in_flight or bid == keep:
+                continue
+            if b.hold_until > now:
+                held.append(bid)
+                continue
+            victims.append(bid)
+            if len(victims) == over:
+                break
+        taken = held[: over - len(victims)]
+        for bid in victims + taken:
             self._remember_expired(bid, self._active.pop(bid))
-        self.evicted += len(victims)
-        self._evicted.extend(victims)
+        for bid in held[len(taken):]:
+            self._active[bid].last_seen = max(self._active[bid].last_seen, now)
+            self._active.move_to_end(bid)
+        self._active.move_to_end(keep)  # still the most recent (it was touched just before)
+        self.evicted += len(victims) + len(taken)
+        self._evicted.extend(victims + taken)
 
     def take_evicted(self) -> list[str]:
         """The ids evicted by the cap since the last call (oldest first): each to be published as
@@ -241,7 +257,7 @@ class BranchTable:
         b = _Branch(kind, parent, agent_id, now if ts is None else ts, 1, now, running + 1)  # started_at: a BranchStart.ts again (republish)
         self._active[branch_id] = b
         self._touch(branch_id, b, now)
-        self._evict_over_cap()
+        self._evict_over_cap(now, branch_id)
         return BranchStart(branch_id=branch_id, kind=kind, parent_branch_id=parent, agent_id=agent_id, ts=now if ts is None else ts)
 
     def tool_call(
@@ -273,9 +289,9 @@ class BranchTable:
             self._active[branch_id] = b
             self.resumed += 1
         self._touch(branch_id, b, now)
-        self._evict_over_cap()
         span = expected_s if 0 < expected_s <= self.max_hold_s else self.max_hold_s
         b.hold_until = max(b.hold_until, now + span) if outstanding else 0.0
+        self._evict_over_cap(now, branch_id)
         return BranchToolCall(branch_id=branch_id, outstanding=outstanding, expected_s=expected_s, ts=now if ts is None else ts)
 
     def end(self, branch_id: str, now: float, *, ts: float | None = None) -> BranchEnd:

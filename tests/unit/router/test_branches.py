@@ -147,3 +147,42 @@ def test_a_cap_full_of_requests_in_flight_holds_them_all():
     t.done("c")
     t.observe("d", 3.0)
     assert sorted(t.take_evicted()) == ["b", "c"] and t.active_count == 1
+
+
+def test_the_cap_evicts_a_branch_waiting_for_a_tool_only_when_no_other_idle_branch_is_left():
+    """A tool-call hold keeps a branch's KV for the agent that waits on the tool (as the TTL keeps
+    it): the cap evicts idle branches without a hold first. Before, the held branch, idle the
+    longest, was the least recently active and went first: the directory released its counts while
+    its agent waited."""
+    t = BranchTable(max_active=2, ttl_s=1e9)
+    t.observe("agent", 0.0)
+    t.done("agent")
+    t.tool_call("agent", 1.0, expected_s=600.0)  # waits up to 600 s for its tool
+    t.observe("u0", 2.0)
+    t.done("u0")
+    t.observe("u1", 3.0)  # past the cap: u0 (no hold) goes, not the held agent
+    assert t.take_evicted() == ["u0"] and t.is_active("agent")
+    t.done("u1")
+    for i in range(2, 50):  # a flood of minted ids: the held branch stays, each passes once
+        t.observe(f"u{i}", 2.0 + i)
+        t.done(f"u{i}")
+        assert t.take_evicted() == [f"u{i - 1}"]
+    assert t.is_active("agent") and t.active_count == 2
+    t.observe("v", 700.0)  # the hold is over (1 + 600 s): an idle branch like the others
+    assert t.take_evicted() == ["agent"]
+
+
+def test_a_tool_call_never_evicts_its_own_branch():
+    """A tool call resuming an evicted branch while every other active branch has a request in
+    flight: the cap is held over (as for a table full of requests), the branch the call is for stays.
+    Before, the resumed branch was the only idle one and was evicted by its own tool call: the
+    directory got the hold, then ``BranchEnd(expired=True)``, which dropped it, while the client was
+    told its hold was kept."""
+    t = BranchTable(max_active=2, ttl_s=1e9)
+    t.observe("x", 0.0)
+    t.done("x")
+    t.observe("a", 1.0)
+    t.observe("b", 2.0)  # a and b run on: x (idle) is evicted
+    assert t.take_evicted() == ["x"]
+    t.tool_call("x", 3.0, expected_s=60.0)  # resumed by the hint
+    assert t.take_evicted() == [] and t.is_active("x") and t.resumed == 1
