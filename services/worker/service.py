@@ -1661,7 +1661,11 @@ class WorkerService:
             elif isinstance(out, HandOff):
                 await self._handoff(out)
         self._take_records()
-        await self._flush_kv(now)
+        # the plan has run and its hand-offs are out: its requests that left the core (aborted meanwhile, handed
+        # off) are forgotten now, their private L1 pages freed. Before, this drain kept them (_step_rids) until the
+        # next step's, which applies its batch first: a restore there (or the next forward) found no free page the
+        # scheduler had planned again (KvMapError; tests/unit/worker/test_torch_interleave_random.py)
+        await self._flush_kv(now, step_done=True)
         if self._switch is not None:
             await self._maybe_switch(now)
 
@@ -1881,9 +1885,11 @@ class WorkerService:
             rid=e.rid,
         )
 
-    def _engine_kv_events(self, events: list[m.KvEvent]) -> None:
+    def _engine_kv_events(self, events: list[m.KvEvent], *, step_done: bool = False) -> None:
         """Hand the engine a drained KV event batch, then free the fetched bytes of the fetches
         that ended (after the events: a completed fetch's ``BlockStored(host)`` takes them first).
+        The engine keeps the registrations of the scheduler's requests, of the step in flight's
+        (``_step_rids``; not once ``step_done``: its plan has run) and of the hand-offs going out.
 
         Raises:
             EngineFatal: the engine's KV is out of step (the node is failed first: :meth:`_fail`).
@@ -1897,7 +1903,8 @@ class WorkerService:
             if self._kv_batches == self.cfg.fault_skip_engine_kv_batch:  # injected fault: the engine misses it
                 self.counters["engine.kv_batches_skipped_by_fault"] += 1
                 given = []
-        keep = self._step_rids.union(self._handing_off) if self._handing_off else self._step_rids
+        step = frozenset() if step_done else self._step_rids
+        keep = step.union(self._handing_off) if self._handing_off else step
         if self.engine.threaded:
             # a threaded engine applies the batch after the plan in flight when that plan holds its lock
             # (TorchEngine.on_kv_events): the live rids as they are now, not when it gets to them
@@ -2009,9 +2016,11 @@ class WorkerService:
             self._fail(e, where)
             raise
 
-    async def _flush_kv(self, now: float) -> None:
+    async def _flush_kv(self, now: float, *, step_done: bool = False) -> None:
+        """Drain the core's KV events into the engine (:meth:`_engine_kv_events`; ``step_done``: the step in
+        flight has run, its requests are no longer kept), the real-bytes pool and the bus."""
         events = self.core.take_kv_events()
-        self._engine_kv_events(events)
+        self._engine_kv_events(events, step_done=step_done)
         if not events:
             return
         self._mirror_pool(events)  # the real-bytes pool mirrors L2 (host-tier events)

@@ -971,6 +971,21 @@ class TorchEngine(Engine):
                 s = self.seqs[r.rid]
                 n = -(-len(s.prompt) // ps)
                 self._handoffs[r.rid] = self._pages_kv(s.table[:n]).cpu()
+                self._free_private(r.rid, s)
+
+    def _free_private(self, rid: str, s: _Seq) -> None:
+        """Free the private pages of ``rid`` (its K/V captured for its hand-off: it runs here no more) but those
+        awaiting their ``BlockStored(gpu)`` (:attr:`_pending`: the page becomes the stored one). The scheduler frees
+        them when the request leaves it (its hand-off, at once or at its binding); the registration stays until
+        the hand-off is out (:meth:`handoff` reads its output), kept past that by the worker (``_step_rids``,
+        ``_handing_off``; a parked prefill's hand-off waits for the plan in flight since 4b7ea0a) while the
+        scheduler planned those pages again: the next forward or restore found no free page (``KvMapError``:
+        the node failed; ``tests/unit/worker/test_torch_interleave_random.py``)."""
+        pending = {p for cands in self._pending.values() for r, p in cands if r == rid}
+        freed = s.own - pending
+        if freed:
+            self._free.extend(freed)
+            s.own -= freed
 
     @_locked
     def take_stopped(self) -> dict[str, int]:
