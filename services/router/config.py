@@ -183,8 +183,9 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
              "is left, the router stops, what is still open failing with 503 'router shutting down' (its work aborted on "
              "its nodes). A second SIGTERM, or SIGINT (Ctrl-C) at any time, stops at once; 0 = stop at once on SIGTERM "
              "too. The default fits the router's stop_grace_period in docker-compose.yml (50 s: this, then the stop's "
-             "17 s at most) and Slurm's usual KillWait (30 s: the job's workers stop at the same time, ending what "
-             "they serve); under `evolving-infra up` a killed router is restarted once it exited, and Ctrl-C of up "
+             "17 s at most). Requests whose nodes stopped cannot finish, yet are waited for: a scancel (the job's "
+             "workers stop at the same moment) keeps the router up for the whole grace, then the stop, against Slurm's "
+             "KillWait (30 s by default); under `evolving-infra up` a killed router is restarted once it exited, and Ctrl-C of up "
              "stops it with SIGINT"),
     ] = 20.0
     max_buffered_output_tokens: Annotated[
