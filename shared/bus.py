@@ -398,8 +398,10 @@ class Bus:
         self._publish_denials: Counter[str] = Counter()
         """Full subject (lowercased, as nats-py passes the server's text) -> the "Permissions Violation for Publish" the
         server reported on it: a stream lookup or create counts as refused only when its own subject was
-        (:meth:`_stream_api_denied`). Before, any violation during it did (a count compared): an unrelated one made the
-        launcher exit 2 naming the stream lookup, a service fall back to core NATS, a reconnect drop what it held."""
+        (:meth:`_stream_api_denials`); only those two subjects are kept (a denial of any other subject, a per-request
+        one say, would add an entry for the life of the process). Before, any violation during it did (a count
+        compared): an unrelated one made the launcher exit 2 naming the stream lookup, a service fall back to core
+        NATS, a reconnect drop what it held."""
         self._requesting: Counter[str] = Counter()
         """Full subjects of requests in flight, lowercased (a permission violation on one is the request's error, not a
         log line): nats-py lowercases the server's -ERR text (``nats/protocol/parser.py``), so the violation names
@@ -451,8 +453,8 @@ class Bus:
             if "permissions violation" in text:
                 bus.counters["nats.permission_violations"] += 1
                 denied = bus.last_denied = denied_subject(str(e))
-                if denied is not None and denied[0] == "publish":
-                    bus._publish_denials[denied[1].lower()] += 1
+                if denied is not None and denied[0] == "publish" and denied[1].lower() in bus._stream_api_subjects():
+                    bus._publish_denials[denied[1].lower()] += 1  # only the two subjects read (bounded)
                 # compared lowercased: nats-py lowercases the server's text, the subject's own case is lost (_requesting)
                 if denied is not None and denied[0] == "publish" and bus._requesting[denied[1].lower()]:
                     bus._denied[denied[1].lower()] = time.monotonic()  # the request reports it (PermissionDenied), once
@@ -545,6 +547,12 @@ class Bus:
         if self.identity:
             return f"identity {self.identity!r}"
         return f"user {self.url_user!r}" if self.url_user else "a client without credentials"
+
+    def _stream_api_subjects(self) -> tuple[str, str]:
+        """The partition's stream ``INFO`` and ``CREATE`` API subjects, lowercased (as nats-py passes a violation's
+        text): the only subjects whose denials :attr:`_publish_denials` counts."""
+        name = stream_name(self.subjects)
+        return (f"$JS.API.STREAM.INFO.{name}".lower(), f"$JS.API.STREAM.CREATE.{name}".lower())
 
     def _stream_api_denials(self, api: str) -> int:
         """How many permission violations the server reported on the stream ``api`` (``INFO``, ``CREATE``) subject of

@@ -93,3 +93,21 @@ async def test_an_unrelated_denial_during_the_reconnect_lookup_does_not_give_it_
             assert info is not None and info.config.name == "EI_p0" and len(lookups) == 2
         finally:
             await bus.close()
+
+
+async def test_denials_of_other_subjects_are_not_kept_one_entry_each():
+    """The per-subject count of denials (8060459) is only read for the stream API subjects: a steady stream of
+    denials on other subjects (a per-request subject this identity may not publish) must not grow it. Before, each
+    distinct denied subject stayed in ``Bus._publish_denials`` for the life of the process (1,000 denials: 1,000
+    entries)."""
+    with EmbeddedNatsServer() as srv:
+        bus = await Bus.connect(srv.url, Subjects("p0"), service="test", instance="test-denial")
+        try:
+            for i in range(1000):
+                await bus.nc._error_cb(nats.errors.Error(f"nats: permissions violation for publish to \"ei.p0.req.out.r{i}\""))
+            await bus.nc._error_cb(nats.errors.Error("nats: permissions violation for publish to \"$JS.API.STREAM.INFO.EI_p0\""))
+            assert bus.counters["nats.permission_violations"] == 1001
+            assert bus._stream_api_denials("INFO") == 1 and bus._stream_api_denials("CREATE") == 0
+            assert len(bus._publish_denials) <= 2, len(bus._publish_denials)
+        finally:
+            await bus.close()
