@@ -12,6 +12,7 @@ The entrypoint runs here with ``/bin/sh`` and a ``python`` shim that records the
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -263,6 +264,12 @@ def test_a_torch_stack_on_the_sim_image_says_to_start_it_with_ei_target_torch(tm
     (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
     model = tmp_path / "model"
     model.mkdir()
+    # a valid config.json: the --model check needs no torch and comes first (b7b0dc2), so an empty folder
+    # would be refused as no model before torch is looked for
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+    }))  # fmt: skip
     r = _run(tmp_path, "auth", EI_ENGINE="torch", EI_MODEL_DIR=str(model), EI_CREDS_DIR=str(tmp_path),
              PYTHONPATH=f"{fake.parent}{os.pathsep}{REPO}")
     assert r.returncode == 2 and "started" not in r.stdout, (r.stdout, r.stderr)

@@ -68,7 +68,8 @@ def test_auth_stream_help_puts_each_failure_under_its_exit_status(capsys):
     with pytest.raises(SystemExit):
         build_parser("auth").parse_args(["auth", "stream", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "1 when it cannot be made (no connection within --timeout, credentials the server refuses" in text
+    assert "1 when it cannot be made (no connection within --timeout, " in text
+    assert "credentials the server refuses, JetStream off or not allowed)" in text
     assert "no server given (neither --nats-url nor EI_NATS_URL)" in text
 
 
