@@ -53,6 +53,16 @@ name                                                type       meaning
                                                                output: the most unread when the unread output of all
                                                                requests passed ``--max-buffered-output-tokens``
 ``ei_router_buffered_output_tokens``                gauge      output tokens held for clients that have not taken them
+``ei_router_branches_active``                       gauge      ``X-Branch-Id`` branches active (not ended, not expired)
+``ei_router_branches_expired_total``                counter    branches expired silent past ``--branch-ttl-s`` (resumable)
+``ei_router_branches_evicted_total``                counter    branches expired early by the ``--max-active-branches`` cap
+``ei_router_branches_resumed_total``                counter    requests of an expired branch accepted as its resume
+``ei_router_drain_refused_total``                   counter    generation requests refused (503, ``retry-after``) while
+                                                               the router drained after a SIGTERM
+``ei_router_gone_before_dispatch_total``            counter    requests whose client closed the connection before they
+                                                               were sent to a node (499, nothing dispatched)
+``ei_router_gate_disconnects_total``                counter    requests whose client closed the connection while their
+                                                               big body waited for a parse slot (499)
 ==================================================  =========  ==========================================================
 
 ``ei_router_requests_finished_total``: every request the router accepted (placed) counts once
@@ -71,6 +81,10 @@ counts a stream's status when its headers go out (200 also for a stream that lat
 report's "KV hit"). It is not the directory's ``ei_kv_hit_ratio`` (h/h*: the share of the
 *reusable* prefix tokens the cluster held, ``services/kvdirectory/prom.py``), which is higher
 whenever prompts carry new tokens.
+
+Not exported: ``drain_left_open`` (requests still open when a drain ended: grace over or a second
+signal), counted just before the process stops, so no scrape sees it: the ``router drained`` log line
+carries it (``open_requests``). The rest of the JSON counters (``/v1/stats``) are there only.
 """
 
 from __future__ import annotations
@@ -181,4 +195,40 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         "ei_router_buffered_output_tokens",
         "Output tokens the router holds for clients that have not taken them yet (at most --max-buffered-output-tokens)",
         {(): float(svc.buffered_output_tokens)},
+    )
+    branches = svc.branches
+    yield gauge_family(
+        "ei_router_branches_active", "X-Branch-Id branches active: started or resumed, not ended, not expired",
+        {(): float(branches.active_count)},
+    )
+    yield counter_family(
+        "ei_router_branches_expired",
+        "X-Branch-Id branches expired silent past --branch-ttl-s (resumable while remembered); those the "
+        "--max-active-branches cap expired are ei_router_branches_evicted_total",
+        {(): float(branches.expired)},
+    )
+    yield counter_family(
+        "ei_router_branches_evicted",
+        "X-Branch-Id branches expired early (resumable) by the --max-active-branches cap: the least recent idle ones, "
+        "each time a new or resumed branch passed it",
+        {(): float(branches.evicted)},
+    )
+    yield counter_family(
+        "ei_router_branches_resumed", "Requests of an expired X-Branch-Id branch accepted as its resume", {(): float(branches.resumed)}
+    )
+    yield counter_family(
+        "ei_router_drain_refused",
+        "Generation requests refused with 503 (retry-after 1) while the router drained open requests after a SIGTERM "
+        "(--shutdown-grace-s)",
+        {(): float(c.get("drain_refused", 0))},
+    )
+    yield counter_family(
+        "ei_router_gone_before_dispatch",
+        "Generation requests whose client closed the connection before they were sent to a node (499, nothing dispatched)",
+        {(): float(c.get("http.gone_before_dispatch", 0))},
+    )
+    yield counter_family(
+        "ei_router_gate_disconnects",
+        "Requests whose client closed the connection while their big body waited for a parse slot (499, never parsed)",
+        {(): float(c.get("http.gate_disconnects", 0))},
     )

@@ -893,9 +893,13 @@ class RouterService(WatchedService):
         self.log.info("router stopped")
 
     def ready(self) -> bool:
-        """HTTP up and :meth:`_not_ready` None: the tasks the router needs (fence loop, HTTP server)
-        running (a router whose fence loop died would leave dead nodes' requests waiting
-        ``request_timeout_s``), NATS connected and answering PINGs, a placement possible."""
+        """HTTP up, not draining or stopping, and :meth:`_not_ready` None: the tasks the router needs (fence loop,
+        HTTP server) running (a router whose fence loop died would leave dead nodes' requests waiting
+        ``request_timeout_s``), NATS connected and answering PINGs, a placement possible. What its heartbeat
+        says (``Heartbeat.ready``), as ``/healthz`` does: before, a SIGTERM's drain left it true while
+        ``/healthz`` answered 503 "router draining"."""
+        if self._draining or self._stopping:
+            return False
         return self._server is not None and self._server.started and self._not_ready() is None
 
     def _not_ready(self) -> str | None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared import messages as m
 from shared.bus import Bus
@@ -110,11 +111,11 @@ async def _exited(proc: subprocess.Popen[bytes], within_s: float) -> float:
 
 async def test_sigterm_drains_open_streams_and_refuses_new_requests(nats_url, tmp_path):
     async with _router(nats_url, tmp_path, "--shutdown-grace-s", "20", pd=True) as (proc, http, cluster):
-        beats: list[float] = []
+        beats: list[tuple[float, bool]] = []
 
         async def on_beat(hb: m.Heartbeat, _subject: str) -> None:
             if hb.service == "router":
-                beats.append(time.monotonic())
+                beats.append((time.monotonic(), hb.ready))
 
         await cluster.bus.subscribe(SVC_HEARTBEAT, on_beat)
         streams = await _open_streams(http, cluster)
@@ -127,6 +128,13 @@ async def test_sigterm_drains_open_streams_and_refuses_new_requests(nats_url, tm
         assert hz.status_code == 503 and hz.json()["error"]["message"] == "router draining"
         r = await http.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
         assert r.status_code == 503 and "router draining" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"
+        # Prometheus sees the drain's refusal (before: only /v1/stats' JSON had it), and the other counters this
+        # session added, at 0 (nothing of theirs happened here)
+        scraped = {s.name: s.value for f in text_string_to_metric_families((await http.get("/metrics")).text) for s in f.samples}
+        assert scraped["ei_router_drain_refused_total"] == 1.0, sorted(k for k in scraped if k.startswith("ei_router_"))
+        for name in ("ei_router_gone_before_dispatch_total", "ei_router_gate_disconnects_total", "ei_router_branches_active",
+                     "ei_router_branches_expired_total", "ei_router_branches_evicted_total", "ei_router_branches_resumed_total"):
+            assert scraped[name] == 0.0, name
         # the router answers route.bind for its requests (their prefill node binding their decode node) meanwhile
         for w in cluster.works:
             assert w.decode_node is None  # bound at the prefill's start
@@ -135,9 +143,11 @@ async def test_sigterm_drains_open_streams_and_refuses_new_requests(nats_url, tm
             reply = await cluster.bus.request(ROUTE_BIND, bind, timeout=5.0, router="router")
             assert reply.rid == w.rid and reply.decode_node == "d0", reply
         deadline = time.monotonic() + 5
-        while not any(t > signalled + 1.0 for t in beats):  # heartbeats go on (once a second): not taken for dead
+        while not any(t > signalled + 1.0 for t, _ in beats):  # heartbeats go on (once a second): not taken for dead
             assert time.monotonic() < deadline, f"no router heartbeat in the drain: {beats} (signal at {signalled})"
             await asyncio.sleep(0.05)
+        # ... saying not ready, as /healthz does (before: ready=True through the drain)
+        assert not any(ready for t, ready in beats if t > signalled + 1.0), (beats, signalled)
         assert proc.poll() is None and not any(t.done() for t in streams), "the drain ended the open streams"
         await _finish(cluster, "d0")
         bodies = await asyncio.wait_for(asyncio.gather(*streams), 10)

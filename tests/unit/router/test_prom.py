@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.router.branches import BranchTable
 from services.router.core import RouterCore
 from services.router.policy import make_policy
 from services.router.prom import router_families
@@ -16,8 +17,11 @@ from shared.metrics import FuncCollector, make_registry
 from .helpers import state
 
 
-def scrape(core: RouterCore, now: float, counters: Counter | None = None) -> dict[tuple[str, tuple], float]:
-    svc = SimpleNamespace(core=core, counters=counters or Counter(), clock=SimpleNamespace(now=lambda: now), buffered_output_tokens=0)
+def scrape(
+    core: RouterCore, now: float, counters: Counter | None = None, branches: BranchTable | None = None
+) -> dict[tuple[str, tuple], float]:
+    svc = SimpleNamespace(core=core, counters=counters or Counter(), clock=SimpleNamespace(now=lambda: now), buffered_output_tokens=0,
+                          branches=branches or BranchTable())  # fmt: skip
     reg = make_registry()
     reg.register(FuncCollector(lambda: router_families(svc)))  # type: ignore[arg-type]
     return {
@@ -58,3 +62,23 @@ def test_requests_re_dispatched_off_a_fenced_node_are_counted_by_what_was_lost()
     m = scrape(c, 0.0, counters)
     got = {dict(k[1])["lost"]: v for k, v in m.items() if k[0] == "ei_router_redispatches_total"}
     assert got == {"prefill": 2.0, "decode": 1.0, "handoff": 0.0}
+
+
+def test_branch_table_and_client_gone_counts_are_exported():
+    """The branch table's active gauge and expired / evicted / resumed counts, and the shell's ``drain_refused``,
+    ``http.gone_before_dispatch`` and ``http.gate_disconnects``, were only in ``/v1/stats``' JSON."""
+    t = BranchTable(ttl_s=10.0, max_active=2)
+    for i, bid in enumerate(("a", "b", "c")):  # c evicts a (the cap), then the TTL expires b and c
+        t.observe(bid, float(i))
+        t.done(bid)
+    t.expire(100.0)
+    t.observe("b", 101.0)  # a resume
+    counters = Counter({"drain_refused": 4, "http.gone_before_dispatch": 2, "http.gate_disconnects": 1})
+    m = scrape(RouterCore(make_policy("cache-aware"), block_size=4, fence_after=3.0), 0.0, counters, t)
+    assert m[("ei_router_branches_active", ())] == 1.0
+    assert m[("ei_router_branches_evicted_total", ())] == 1.0
+    assert m[("ei_router_branches_expired_total", ())] == 2.0
+    assert m[("ei_router_branches_resumed_total", ())] == 1.0
+    assert m[("ei_router_drain_refused_total", ())] == 4.0
+    assert m[("ei_router_gone_before_dispatch_total", ())] == 2.0
+    assert m[("ei_router_gate_disconnects_total", ())] == 1.0
