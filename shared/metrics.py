@@ -199,6 +199,36 @@ def bus_families(counters: Mapping[str, int], subscribed: Iterable[str] = ()) ->
     yield counter_family(
         "ei_nats_reconnects", "Reconnections to the NATS server", {(): float(counters.get("nats.reconnects", 0))}
     )
+    yield counter_family(
+        "ei_nats_permission_violations",
+        "Operations the NATS server refused this service's identity (a publish or subscribe its permissions do not "
+        "allow: a wrong or stale credential set, shared/auth.py)",
+        {(): float(counters.get("nats.permission_violations", 0))},
+    )
+    yield counter_family(
+        "ei_bus_publishes_deferred",
+        "Reliable publishes whose connection died under the write, left to the reconnect's resend (not failed), by "
+        "subject template",
+        by_prefix(counters, "publish_deferred."), ["subject"],
+    )
+    yield counter_family(
+        "ei_bus_stream_held_dropped",
+        "Reliable publishes lost: dropped, oldest first, from those kept while the JetStream stream may be lost (past "
+        "RESEND_MAX_MSGS or HELD_MAX_BYTES, shared/bus.py)",
+        {(): float(counters.get("stream_held_dropped", 0))},
+    )
+    yield counter_family(
+        "ei_bus_stream_lookup_retries",
+        "JetStream stream lookups after a reconnect made again (no answer in time: a loaded or hung server, or the "
+        "connection down a moment); reliable publishes are kept meanwhile",
+        {(): float(counters.get("stream_lookup_retries", 0))},
+    )
+    yield counter_family(
+        "ei_bus_jetstream_missing_warnings",
+        "Warnings (one at once, then one per STREAM_BACK_WAIT_S) that the NATS server came back without JetStream: "
+        "reliable messages cannot be delivered until it has it again (/readyz is 503 meanwhile)",
+        {(): float(counters.get("jetstream_missing_warnings", 0))},
+    )
 
 
 def metrics_payload(registry: CollectorRegistry) -> bytes:

@@ -33,6 +33,10 @@ name                                       type     meaning
                                                     ``--watchdog-timeout-s``); past the timeout the node exits
 ``ei_node_watchdog_timeouts_total{node}``  counter  engine steps (or, between steps, the event loop) found hung by the
                                                     watchdog (the node exits right after)
+``ei_node_bind_failures_total{node}``      counter  prefills whose decode binding (``route.bind``) failed: the request
+                                                    aborted here, its client answered an error
+``ei_node_bind_refused_total{node}``       counter  of those, refused by the router as malformed or invalid (e.g. a
+                                                    node outside its node set: a configuration or version mismatch)
 =========================================  =======  ===============================================================
 """
 
@@ -93,4 +97,16 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
                        {(n,): wd.running_s() if wd is not None else 0.0}, ["node"])
     yield counter_family("ei_node_watchdog_timeouts", "Engine steps (or, between steps, the event loop) found hung by the watchdog (the node exits)",
                          {(n,): float(svc.counters["watchdog.timeouts"])}, ["node"])
+    yield counter_family(
+        "ei_node_bind_failures",
+        "Prefills whose decode binding (route.bind) failed: no router or no decode node in time, the owning router gone, "
+        "a permission refused, or the router's refusal; the request is aborted and its client answered an error",
+        {(n,): float(svc.counters["bind.failed"])}, ["node"],
+    )
+    yield counter_family(
+        "ei_node_bind_refused",
+        "Decode bindings the router refused as malformed or invalid (e.g. a prefill node outside its node set: a "
+        "configuration or version mismatch), failed at once",
+        {(n,): float(svc.counters["bind.refused"])}, ["node"],
+    )
     yield gauge_family("ei_node_count_syncing", "1 while the node's counts await a kv.countsync snapshot", {(n,): float(svc.counts.syncing)}, ["node"])

@@ -563,6 +563,9 @@ async def test_a_bind_the_router_refuses_as_invalid_fails_at_once(nats_url):
         assert took < 1.0, f"failed after {took:.2f} s"
         assert ok.asked == [] and w0.counters["bind.refused"] == 1 and w0.counters.get("bind.retries", 0) == 0, w0.counters
         assert not w0.core.requests
+        # and its /metrics says so (before: only its JSON stats)
+        fams = {f.name: f.samples[0].value for f in worker_families(w0)}
+        assert fams["ei_node_bind_refused"] == 1.0 and fams["ei_node_bind_failures"] == 1.0, fams
         _no_fatal(w0)
 
 

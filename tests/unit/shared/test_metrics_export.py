@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -53,6 +54,20 @@ def test_bus_counters_become_per_subject_families():
     counters["dropped.kv.events.{node}"] += 1  # read at scrape time
     assert {s.value for s in next(iter(text_string_to_metric_families(generate_latest(reg).decode()))).samples} == {3}
     assert list(bus_families(Counter()))  # empty families still parse
+
+
+def test_the_bus_s_outage_counters_are_exported():
+    """A reliable message lost while the stream may be gone, a stream lookup retried, a publish left to the reconnect's
+    resend, a server back without JetStream, a permission the server refused: each was only in ``/v1/stats``' JSON
+    (``Bus.counters``), which no alert reads."""
+    counters = Counter({"stream_held_dropped": 7, "stream_lookup_retries": 3, "publish_deferred.route.placed": 2,
+                        "jetstream_missing_warnings": 1, "nats.permission_violations": 4})  # fmt: skip
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(make_registry(SimpleNamespace(counters=counters))).decode())}
+    assert [s.value for s in fams["ei_bus_stream_held_dropped"].samples] == [7]
+    assert [s.value for s in fams["ei_bus_stream_lookup_retries"].samples] == [3]
+    assert {s.labels["subject"]: s.value for s in fams["ei_bus_publishes_deferred"].samples} == {"route.placed": 2}
+    assert [s.value for s in fams["ei_bus_jetstream_missing_warnings"].samples] == [1]
+    assert [s.value for s in fams["ei_nats_permission_violations"].samples] == [4]
 
 
 async def test_metrics_server_serves_the_registry_and_refuses_a_taken_port():
