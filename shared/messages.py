@@ -222,11 +222,17 @@ class BranchEnd(Msg, frozen=True, kw_only=True, tag=True):
 
     ``expired=True``: not an end but a router's eviction (its ``--max-active-branches`` cap): the
     directory expires the branch as its TTL does (counts released, the id resumable: a later
-    ``BranchStart`` or placement of it is a resume, never refused)."""
+    ``BranchStart`` or placement of it is a resume, never refused).
+
+    ``rid`` (with ``expired=True``): the evicting router's latest placed request of the branch
+    (``RoutePlaced.rid``; ``""`` = it placed none). The directory ignores the eviction when its own
+    latest placement of the branch was another request (another router serves the branch now,
+    ``branch.stale_evict``). None (a sender from before the field): expired whatever the placement."""
 
     branch_id: str
     ts: float = 0.0
     expired: bool = False
+    rid: str | None = None
 
 
 class BranchToolCall(Msg, frozen=True, kw_only=True, tag=True):

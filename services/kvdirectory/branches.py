@@ -36,7 +36,9 @@ Transitions (one method each):
                                  a branch with a tool call outstanding is kept until its hold ends)
 ``evict``                        a router dropped the branch to cap its table (``BranchEnd`` with
                                  ``expired=True``): expired now, as by the TTL (same release and
-                                 memory, resumable), counted in ``branch.evicted``
+                                 memory, resumable), counted in ``branch.evicted``; ignored when
+                                 its ``rid`` is not the branch's latest placement (another router
+                                 placed it since: ``branch.stale_evict``)
 ``resume`` (issue 21)            a start or placement of an *expired* branch re-creates it (v = 1,
                                  π = ∅, its kind / parent / agent remembered) and is counted in
                                  ``branch.resumed``: an agent back from a pause longer than the
@@ -111,17 +113,20 @@ class Branch(IdentityValue):
     last_prefill_node: int | None
     hold_until: float
     """A tool call is outstanding until this time (simulated s; 0 = none): no expiry before it."""
+    last_rid: str | None
+    """``RoutePlaced.rid`` of its latest placement (None: placed without one, as the simulator does):
+    a router's eviction naming another rid is stale (:meth:`BranchTable.evict`)."""
 
     __slots__ = __match_args__ = (
         "bid", "kind", "parent", "agent", "version", "path", "counted", "pending", "watch", "last_seen", "implicit",
-        "requests", "last_prefill_node", "hold_until",
+        "requests", "last_prefill_node", "hold_until", "last_rid",
     )
 
     def __init__(
         self, bid: str, kind: str = "main", parent: str | None = None, agent: str | None = None, version: int = 1,
         path: Any = FACTORY, counted: Any = FACTORY, pending: Any = FACTORY, watch: Any = FACTORY,
         last_seen: float = 0.0, implicit: bool = False, requests: int = 0, last_prefill_node: int | None = None,
-        hold_until: float = 0.0,
+        hold_until: float = 0.0, last_rid: str | None = None,
     ) -> None:
         self.bid = bid
         self.kind = kind
@@ -137,6 +142,7 @@ class Branch(IdentityValue):
         self.requests = requests
         self.last_prefill_node = last_prefill_node
         self.hold_until = hold_until
+        self.last_rid = last_rid
 
 
 class PlaceOutcome(Value):
@@ -858,12 +864,16 @@ class BranchTable:
             self._unwatch(b, t)
         b.pending.clear()
 
-    def place(self, bid: str, n: int, phase: str, path: list[int], now: float) -> PlaceOutcome:
+    def place(
+        self, bid: str, n: int, phase: str, path: list[int], now: float, rid: str | None = None
+    ) -> PlaceOutcome:
         """RoutePlaced: Alg. E.1 on the path, then Alg. E.2 placement of β on node n.
 
         Args:
             phase: ``prefill`` (prefill routing), ``decode`` (decode binding) or ``both``.
             path: the request's full-block path π_new (chained hashes).
+            rid: the placed request (``RoutePlaced.rid``), remembered as the branch's latest
+                placement for :meth:`evict`; None (the simulator) keeps the one remembered.
         """
         b = self.branches.get(bid)
         if b is None:
@@ -877,6 +887,8 @@ class BranchTable:
                 self.counters["branch.implicit_start"] += 1
         self._touch(b, now)
         b.hold_until = 0.0  # the tool returned: the branch made its next request
+        if rid is not None:
+            b.last_rid = rid
         out = PlaceOutcome(branch=b, prev_prefill_node=b.last_prefill_node)
         # -- Alg. E.1 ------------------------------------------------------
         old = b.path
@@ -992,23 +1004,34 @@ class BranchTable:
         while len(self.expired) > self.ended_memory:
             self.expired.popitem(last=False)
 
-    def evict(self, bid: str, now: float) -> str:
+    def evict(self, bid: str, now: float, rid: str | None = None) -> str:
         """A router forgot ``bid`` to keep its branch table under its cap (``BranchEnd`` with
         ``expired=True``; the router's ``--max-active-branches``): the branch is expired now, as a
         TTL expiry does (counts released on every node, resumable: its next start or placement is a
         resume), counted in ``branch.evicted``. ``now``: unused (the expiry path reads no time);
         kept for the signature of :meth:`end`.
 
+        Args:
+            rid: the evicting router's latest placed request of the branch (``""``: it placed none).
+                When it is not the directory's latest placement (:attr:`Branch.last_rid`, ``""`` for
+                none) another router placed the branch since, and may have its request in flight:
+                the eviction is ignored (``branch.stale_evict``). None: no check (older senders).
+
         Returns:
-            ``evicted``; ``ended`` (it was ended: nothing to do); ``unknown`` (not active: already
-            expired here, or never started; nothing to do).
+            ``evicted``; ``stale`` (another router placed it since: nothing done); ``ended`` (it
+            was ended: nothing to do); ``unknown`` (not active: already expired here, or never
+            started; nothing to do).
         """
-        b = self.branches.pop(bid, None)
+        b = self.branches.get(bid)
         if b is None:
             if bid in self.ended:
                 return "ended"
             self.counters["branch.unknown_evict"] += 1
             return "unknown"
+        if rid is not None and rid != (b.last_rid or ""):
+            self.counters["branch.stale_evict"] += 1
+            return "stale"
+        del self.branches[bid]
         self._forget_expired(b)
         self.counters["branch.evicted"] += 1
         return "evicted"

@@ -687,10 +687,12 @@ class KvDirectory:
         """End a branch: release its counts everywhere. Returns ``ended``/``duplicate_end``/``unknown``."""
         return self.branches.end(branch_id, now)
 
-    def branch_evict(self, branch_id: str, now: float) -> str:
+    def branch_evict(self, branch_id: str, now: float, rid: str | None = None) -> str:
         """A router evicted the branch from its capped table: expire it now, as the TTL does (counts
-        released everywhere, resumable). Returns ``evicted``/``ended``/``unknown`` (see ``BranchTable.evict``)."""
-        return self.branches.evict(branch_id, now)
+        released everywhere, resumable), unless ``rid`` (``BranchEnd.rid``, the router's latest
+        placed request) is not the branch's latest placement here (another router serves it).
+        Returns ``evicted``/``stale``/``ended``/``unknown`` (see ``BranchTable.evict``)."""
+        return self.branches.evict(branch_id, now, rid)
 
     def place(
         self,
@@ -701,10 +703,14 @@ class KvDirectory:
         now: float,
         *,
         lookup: LookupResult | None = None,
+        rid: str | None = None,
     ) -> PlaceResult:
         """Branch placed on a node for a phase with this block path (``RoutePlaced``).
 
         Args:
+            rid: ``RoutePlaced.rid``, remembered as the branch's latest placement (a router's
+                eviction naming another is ignored: ``branch_evict``); None (the simulator) keeps
+                the one remembered.
             lookup: :meth:`lookup` of ``block_hashes`` made with no KV event or snapshot
                 applied since (a caller that has just looked the path up to route it, as the
                 simulator does); a prefill placement's lost-reuse record reads it instead of
@@ -713,7 +719,7 @@ class KvDirectory:
         """
         n = self._slot(node)
         path = list(block_hashes)
-        out = self.branches.place(branch_id, n, phase, path, now)
+        out = self.branches.place(branch_id, n, phase, path, now, rid)
         res = PlaceResult(branch_id=branch_id, node=node, version=out.version, bumped=out.bumped, rejected=out.rejected)
         if out.rejected:
             return res
@@ -755,13 +761,13 @@ class KvDirectory:
             case BranchStart():
                 return self.branch_start(msg.branch_id, now, kind=msg.kind, parent=msg.parent_branch_id, agent=msg.agent_id)
             case BranchEnd(expired=True):
-                return self.branch_evict(msg.branch_id, now)
+                return self.branch_evict(msg.branch_id, now, msg.rid)
             case BranchEnd():
                 return self.branch_end(msg.branch_id, now)
             case BranchToolCall():
                 return self.branch_hold(msg.branch_id, msg.outstanding, msg.expected_s, now)
             case RoutePlaced():
-                return self.place(msg.branch_id, msg.node, msg.phase, msg.block_hashes, now)
+                return self.place(msg.branch_id, msg.node, msg.phase, msg.block_hashes, now, rid=msg.rid)
         raise TypeError(f"KvDirectory.apply: unsupported message {type(msg).__name__}")
 
     def branch(self, branch_id: str) -> Branch | None:

@@ -236,9 +236,9 @@ class DirectoryService(WatchedService):
             if verdict in ("duplicate", "ended"):
                 self.log.warning("branch start refused", branch=ev.branch_id, verdict=verdict)
         elif ev.expired:  # a router's table cap evicted it: expired, as by the TTL (resumable)
-            verdict = self.core.branch_evict(ev.branch_id, now)
+            verdict = self.core.branch_evict(ev.branch_id, now, ev.rid)
             if verdict != "evicted":
-                self.log.debug("branch eviction for no active branch", branch=ev.branch_id, verdict=verdict)
+                self.log.debug("branch eviction not applied", branch=ev.branch_id, verdict=verdict, rid=ev.rid)
         else:
             verdict = self.core.branch_end(ev.branch_id, now)
             if verdict != "ended":
@@ -248,7 +248,7 @@ class DirectoryService(WatchedService):
     async def _on_placed(self, msg: m.RoutePlaced, subject: str) -> None:
         if self._new_over_limit(msg.node, "placed"):
             return
-        res = self.core.place(msg.branch_id, msg.node, msg.phase, msg.block_hashes, self.clock.local_now())
+        res = self.core.place(msg.branch_id, msg.node, msg.phase, msg.block_hashes, self.clock.local_now(), rid=msg.rid)
         self._drop_reclaimed()
         if res.rejected:
             self.log.warning("placement refused", branch=msg.branch_id, node=msg.node, rid=msg.rid, reason=res.rejected)

@@ -32,8 +32,9 @@ Cap: at most ``max_active`` active branches. A new branch past it evicts the lea
 active branch with no request in flight (:meth:`BranchTable.observe` counts a request in flight
 until :meth:`BranchTable.done`) and no tool-call hold running (one with a hold goes only when no
 other idle branch is left; the branch just observed or given a tool call never): it becomes expired, as by the TTL (resumable), is counted
-(``evicted``), and :meth:`BranchTable.take_evicted` hands its id to the shell, which publishes
-``BranchEnd(expired=True)`` so the directory expires it too and releases its counts. When every
+(``evicted``), and :meth:`BranchTable.take_evicted` hands its id and latest placed rid to the
+shell, which publishes ``BranchEnd(expired=True, rid=...)`` so the directory expires it too and
+releases its counts (unless another router placed the branch since: the rid tells). When every
 active branch has a request in flight the table holds them all (no branch of a running request
 is forgotten: the in-flight requests bound it)::
 
@@ -128,8 +129,8 @@ class BranchTable:
         """Requests of an expired branch accepted as a resume."""
         self.evicted = 0
         """Branches evicted by the ``max_active`` cap so far."""
-        self._evicted: list[str] = []
-        """Ids evicted since the last :meth:`take_evicted`."""
+        self._evicted: list[tuple[str, str]] = []
+        """(id, latest placed rid or ``""``) evicted since the last :meth:`take_evicted`."""
 
     def _touch(self, branch_id: str, b: _Branch, now: float) -> None:
         b.last_seen = max(b.last_seen, now)
@@ -194,17 +195,21 @@ class BranchTable:
                 break
         taken = held[: over - len(victims)]
         for bid in victims + taken:
-            self._remember_expired(bid, self._active.pop(bid))
+            b = self._active.pop(bid)
+            self._remember_expired(bid, b)
+            self._evicted.append((bid, b.placed[0].rid if b.placed else ""))
         for bid in held[len(taken):]:
             self._active[bid].last_seen = max(self._active[bid].last_seen, now)
             self._active.move_to_end(bid)
         self._active.move_to_end(keep)  # still the most recent (it was touched just before)
         self.evicted += len(victims) + len(taken)
-        self._evicted.extend(victims + taken)
 
-    def take_evicted(self) -> list[str]:
-        """The ids evicted by the cap since the last call (oldest first): each to be published as
-        ``BranchEnd(expired=True)``, so the directory expires it and releases its counts."""
+    def take_evicted(self) -> list[tuple[str, str]]:
+        """The branches evicted by the cap since the last call (oldest first), each as (id, the
+        rid of its latest placement here or ``""`` if none): each to be published as
+        ``BranchEnd(expired=True, rid=rid)``, so the directory expires it and releases its counts
+        unless another router placed the branch since (the directory's latest placement is
+        another rid)."""
         out, self._evicted = self._evicted, []
         return out
 

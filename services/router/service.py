@@ -1763,8 +1763,8 @@ class RouterService(WatchedService):
     async def _publish_evicted(self) -> None:
         """Branches the table's cap (``--max-active-branches``) evicted: ``BranchEnd(expired=True)`` each, so
         the directory expires them as its TTL does (counts released, resumable)."""
-        for bid in self.branches.take_evicted():
-            await self.bus.publish(BRANCH_EVENTS, m.BranchEnd(branch_id=bid, ts=self.clock.now(), expired=True))
+        for bid, rid in self.branches.take_evicted():  # rid: the directory ignores it if another router placed bid since
+            await self.bus.publish(BRANCH_EVENTS, m.BranchEnd(branch_id=bid, ts=self.clock.now(), expired=True, rid=rid))
 
     async def _on_branch_sync(self, msg: m.BranchSync, _subject: str) -> None:
         """A directory started (issue #22): republish every active branch and its latest

@@ -405,6 +405,8 @@ async def test_minted_branch_ids_are_capped_keeping_the_one_in_flight(nats_url, 
         await _wait_for(lambda: sum(isinstance(e, m.BranchEnd) for e in env.cluster.branch_events) == 5, what="evictions")
         ends = [e for e in env.cluster.branch_events if isinstance(e, m.BranchEnd)]
         assert [(e.branch_id, e.expired) for e in ends] == [(f"u{i}", True) for i in range(5)]
+        rid_of = {p.branch_id: p.rid for p in env.cluster.placed}  # each with its latest placed rid
+        assert [e.rid for e in ends] == [rid_of[f"u{i}"] for i in range(5)]
         await env.bus.publish(
             REQ_OUT, m.TokenChunk(rid=w.rid, node="c0", index=0, token_ids=[5], prompt_tokens=2, finished=True,
                                   finish_reason="length", attempt=w.attempt), rid=w.rid,
@@ -413,7 +415,7 @@ async def test_minted_branch_ids_are_capped_keeping_the_one_in_flight(nats_url, 
         r = await env.http.post("/v1/completions", json={"prompt": [4], "max_tokens": 1}, headers={"X-Branch-Id": "u0"})
         assert r.status_code == 200, r.text  # an evicted id: a resume, not a 409
         await _wait_for(lambda: sum(isinstance(e, m.BranchEnd) for e in env.cluster.branch_events) == 6, what="eviction of held")
-        assert env.cluster.branch_events[-1] == m.BranchEnd(branch_id="held", ts=env.cluster.branch_events[-1].ts, expired=True, src="router")
+        assert env.cluster.branch_events[-1] == m.BranchEnd(branch_id="held", ts=env.cluster.branch_events[-1].ts, expired=True, src="router", rid=w.rid)
         st = await env.stats()
         assert st.gauges["branches_active"] == 2.0 and st.gauges["branches_resumed"] == 1.0
         r = await env.http.post("/v1/completions", json={"prompt": [4], "max_tokens": 1}, headers={"X-Branch-Id": "held"})

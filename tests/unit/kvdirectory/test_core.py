@@ -788,6 +788,36 @@ def test_pod_churn_keeps_the_branch_table_and_index_consistent(seed):
     assert len(d.names) == 3 and d.counters["nodes.reclaimed"] == nxt - 3
 
 
+def test_a_router_eviction_is_ignored_when_another_router_placed_the_branch_since(d):
+    """Two routers serve branch "x": router A placed request a1, router B then placed b1 (its
+    request may still run). A's cap evicts "x" (BranchEnd expired=True, rid=a1): the directory's
+    latest placement is b1, so it keeps the branch, its counts, path and version
+    (``branch.stale_evict``). Before, it expired "x" at once: its counts dropped to 0 on every node
+    while B served it. B's own eviction (rid=b1) expires it; an old sender's (no rid) still does."""
+    import msgspec
+
+    from shared.messages import BranchEnd, RoutePlaced
+
+    d.branch_start("x", 0.0)
+    d.apply(RoutePlaced(rid="a1", branch_id="x", node="p0", phase="prefill", block_hashes=P[:2]), 0.0)
+    d.apply(RoutePlaced(rid="b1", branch_id="x", node="p0", phase="prefill", block_hashes=P[:3]), 1.0)
+    d.apply(RoutePlaced(rid="b1", branch_id="x", node="d0", phase="decode", block_hashes=P[:3]), 1.0)
+    before = (counts(d, "p0", P[:3]), counts(d, "d0", P[:3]), d.branch("x").version, list(d.branch("x").path))
+    assert before[0] == [1, 1, 1] and before[1] == [1, 1, 1]
+    assert d.apply(BranchEnd(branch_id="x", expired=True, rid="a1"), 2.0) == "stale"
+    assert d.apply(BranchEnd(branch_id="x", expired=True, rid=""), 2.0) == "stale"  # A never placed it
+    after = (counts(d, "p0", P[:3]), counts(d, "d0", P[:3]), d.branch("x").version, list(d.branch("x").path))
+    assert after == before and d.counters["branch.stale_evict"] == 2 and d.counters["branch.evicted"] == 0
+    d.branches.check()
+    assert d.apply(BranchEnd(branch_id="x", expired=True, rid="b1"), 3.0) == "evicted"
+    assert counts(d, "p0", P[:3]) == [0, 0, 0] and d.branch("x") is None
+    d.apply(RoutePlaced(rid="b2", branch_id="x", node="p0", phase="prefill", block_hashes=P[:2]), 4.0)  # a resume
+    assert d.apply(BranchEnd(branch_id="x", expired=True), 5.0) == "evicted"  # no rid: unchecked
+    assert d.counters["branch.evicted"] == 2
+    d.branches.check()
+    assert msgspec.json.decode(b'{"type":"BranchEnd","branch_id":"x","expired":true}', type=BranchEnd).rid is None
+
+
 def test_a_router_eviction_expires_the_branch_as_the_ttl_does(d):
     """A router's --max-active-branches evicted "a" (BranchEnd expired=True): the directory
     releases its counts at once, exactly as the TTL's expiry would, and keeps it resumable (an

@@ -9,6 +9,11 @@ from shared.messages import BranchEnd, BranchStart, BranchToolCall
 from services.router.branches import BranchAlreadyEnded, BranchEnded, BranchTable, UnknownBranch
 
 
+def _evicted(t: BranchTable) -> list[str]:
+    """The ids :meth:`BranchTable.take_evicted` hands out (without their rids)."""
+    return [bid for bid, _rid in t.take_evicted()]
+
+
 def test_start_once_then_end():
     t = BranchTable()
     s = t.observe("b1", 1.0, kind="fork", parent="b0", agent_id="a")
@@ -123,13 +128,13 @@ def test_the_active_table_is_capped_keeping_branches_with_a_request_in_flight():
         assert t.active_count <= 3
     assert t.is_active("busy") and not t.is_active("idle")
     assert t.evicted == 999 and t.in_flight_count == 1
-    out = t.take_evicted()
-    assert out[:2] == ["idle", "u0"] and len(out) == 999 and t.take_evicted() == []
+    out = _evicted(t)
+    assert out[:2] == ["idle", "u0"] and len(out) == 999 and _evicted(t) == []
     assert t.observe("idle", 2000.0) is not None and t.resumed == 1  # a resume: re-announced
-    assert t.take_evicted() == ["u998"]
+    assert _evicted(t) == ["u998"]
     t.done("busy")
     t.observe("n", 2001.0)
-    assert t.take_evicted() == ["busy"]  # idle now: the least recently active
+    assert _evicted(t) == ["busy"]  # idle now: the least recently active
     with pytest.raises(ValueError):
         BranchTable(max_active=0)
 
@@ -138,15 +143,15 @@ def test_a_cap_full_of_requests_in_flight_holds_them_all():
     t = BranchTable(max_active=1)
     t.observe("a", 0.0)
     t.observe("b", 1.0)
-    assert t.active_count == 2 and t.take_evicted() == []
+    assert t.active_count == 2 and _evicted(t) == []
     t.done("a")
     t.done("a")  # a second done is no underflow
     t.observe("c", 2.0)
-    assert t.take_evicted() == ["a"] and t.active_count == 2  # b still running
+    assert _evicted(t) == ["a"] and t.active_count == 2  # b still running
     t.done("b")
     t.done("c")
     t.observe("d", 3.0)
-    assert sorted(t.take_evicted()) == ["b", "c"] and t.active_count == 1
+    assert sorted(_evicted(t)) == ["b", "c"] and t.active_count == 1
 
 
 def test_the_cap_evicts_a_branch_waiting_for_a_tool_only_when_no_other_idle_branch_is_left():
@@ -161,15 +166,15 @@ def test_the_cap_evicts_a_branch_waiting_for_a_tool_only_when_no_other_idle_bran
     t.observe("u0", 2.0)
     t.done("u0")
     t.observe("u1", 3.0)  # past the cap: u0 (no hold) goes, not the held agent
-    assert t.take_evicted() == ["u0"] and t.is_active("agent")
+    assert _evicted(t) == ["u0"] and t.is_active("agent")
     t.done("u1")
     for i in range(2, 50):  # a flood of minted ids: the held branch stays, each passes once
         t.observe(f"u{i}", 2.0 + i)
         t.done(f"u{i}")
-        assert t.take_evicted() == [f"u{i - 1}"]
+        assert _evicted(t) == [f"u{i - 1}"]
     assert t.is_active("agent") and t.active_count == 2
     t.observe("v", 700.0)  # the hold is over (1 + 600 s): an idle branch like the others
-    assert t.take_evicted() == ["agent"]
+    assert _evicted(t) == ["agent"]
 
 
 def test_a_tool_call_never_evicts_its_own_branch():
@@ -183,6 +188,23 @@ def test_a_tool_call_never_evicts_its_own_branch():
     t.done("x")
     t.observe("a", 1.0)
     t.observe("b", 2.0)  # a and b run on: x (idle) is evicted
-    assert t.take_evicted() == ["x"]
+    assert _evicted(t) == ["x"]
     t.tool_call("x", 3.0, expected_s=60.0)  # resumed by the hint
-    assert t.take_evicted() == [] and t.is_active("x") and t.resumed == 1
+    assert _evicted(t) == [] and t.is_active("x") and t.resumed == 1
+
+
+def test_an_evicted_branch_is_handed_out_with_its_latest_placed_rid():
+    """The shell publishes ``BranchEnd(expired=True, rid=...)``: the directory ignores an eviction
+    whose rid is not its latest placement (another router placed the branch since). A branch never
+    placed here goes with ``""``."""
+    from shared.messages import RoutePlaced
+
+    t = BranchTable(max_active=1, ttl_s=1e9)
+    t.observe("a", 0.0)
+    t.note_placed(RoutePlaced(rid="r1", branch_id="a", node="p0", phase="prefill"))
+    t.note_placed(RoutePlaced(rid="r2", branch_id="a", node="p0", phase="prefill"))
+    t.done("a")
+    t.observe("b", 1.0)
+    t.done("b")
+    t.observe("c", 2.0)
+    assert t.take_evicted() == [("a", "r2"), ("b", "")]
