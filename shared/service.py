@@ -267,7 +267,8 @@ async def serve_until_stopped(
 
     Raises:
         Whatever the factory or ``start()`` raise (a service that cannot start exits non-zero).
-        ServiceFailed: the service set its ``fatal`` event while serving (it was stopped first).
+        ServiceFailed: the service set its ``fatal`` event while serving or during the ``drain`` a SIGTERM
+            asks for, or that drain raised (it was stopped first).
     """
     log = structlog.get_logger(service_name).bind(instance=instance)
     stop = stop_event or asyncio.Event()
@@ -295,6 +296,7 @@ async def serve_until_stopped(
     buses: list[Bus] = []
     readiness = Readiness(cfg.nats_url)
     failed: BaseException | None = None
+    drain_error: BaseException | None = None
     async with AsyncExitStack() as stack:
         stack.callback(tracing.shutdown)
 
@@ -359,10 +361,23 @@ async def serve_until_stopped(
             log.info("service stopping")
             drain = getattr(started[0], "drain", None)
             if drain_asked and not now.is_set() and callable(drain):
-                await drain(now)  # the bus, its heartbeats and the service's handlers run on meanwhile
+                try:
+                    await drain(now)  # the bus, its heartbeats and the service's handlers run on meanwhile
+                except Exception as e:  # a drain that fails is a failed service (the supervisor restarts on failure)
+                    failed = drain_error = e
+                    log.error("service drain failed; stopping, then exiting non-zero", error=repr(e), exc_info=e)
+                else:
+                    # a task the service needs failed during the drain (the router's drain ends on it): the exit
+                    # status says so. Before, the process exited 0 after a fatal error met while draining.
+                    if isinstance(fatal, asyncio.Event) and fatal.is_set():
+                        failed = getattr(started[0], "fatal_error", None) or RuntimeError("fatal")
+                        log.error("service failed during its drain; stopping, then exiting non-zero", error=repr(failed))
     if failed is not None:
         log.error("service stopped after a fatal error", error=repr(failed))
-        where = None if isinstance(failed, Superseded) else getattr(started[0], "fatal_where", None)
+        if failed is drain_error:
+            where = "drain"
+        else:
+            where = None if isinstance(failed, Superseded) else getattr(started[0], "fatal_where", None)
         raise ServiceFailed(f"{service_name} {instance}: {f'{where} failed: ' if where else ''}{failed!r}") from failed
     log.info("service stopped")
 

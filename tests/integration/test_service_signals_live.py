@@ -5,7 +5,8 @@ initial connect and ignored SIGTERM (the signal only set an event nobody waited
 on until start-up had finished): it had to be SIGKILLed. Here each service is
 started against a loopback port nothing listens on, signalled while it retries,
 and must exit 0 within seconds; and a started service whose server then dies
-(the bus reconnecting) must exit on SIGTERM too.
+(the bus reconnecting) must exit on SIGTERM too. A service that fails during the drain a SIGTERM
+asks for exits non-zero.
 """
 
 from __future__ import annotations
@@ -103,3 +104,69 @@ def test_sigterm_while_reconnecting_after_the_server_died(tmp_path):
         rc = _signal_and_wait(proc, signal.SIGTERM, log)
     assert rc == 0, log.read_text(errors="replace")[-2000:]
     assert "service stopped" in log.read_text(errors="replace")
+
+
+_DRAINING_SERVICE = """
+import asyncio, sys
+from shared.config import CommonConfig
+from shared.service import run_service_main
+
+MODE = sys.argv[2]
+
+
+class Draining:
+    '''A service whose SIGTERM drain raises (MODE raise), meets a fatal error (fatal: as the router's
+    drain ends when a task it needs fails) or ends cleanly (ok).'''
+
+    def __init__(self, cfg, bus, clock):
+        self.fatal = asyncio.Event()
+        self.fatal_error = None
+        self.fatal_where = None
+
+    async def start(self):
+        pass
+
+    async def stop(self):
+        pass
+
+    def stats(self):
+        return {}, {}
+
+    async def drain(self, now):
+        await asyncio.sleep(0.1)
+        if MODE == "raise":
+            raise RuntimeError("drain broke")
+        if MODE == "fatal":
+            self.fatal_error, self.fatal_where = RuntimeError("loop died"), "task fence"
+            self.fatal.set()
+
+
+sys.exit(run_service_main("draining", CommonConfig(nats_url=sys.argv[1]), Draining))
+"""
+
+
+@pytest.mark.parametrize(("mode", "rc", "line"), [
+    ("raise", 1, "draining: draining draining: drain failed: RuntimeError('drain broke')"),
+    ("fatal", 1, "draining: draining draining: task fence failed: RuntimeError('loop died')"),
+    ("ok", 0, None),
+], ids=["drain-raises", "fatal-during-drain", "clean-drain"])
+def test_a_failure_during_the_sigterm_drain_exits_non_zero(mode, rc, line, nats_url, tmp_path):
+    """A service that fails while draining after SIGTERM (its drain raised, or a task it needs failed:
+    its ``fatal`` event) exits 1 with one line saying what failed, so a supervisor restarting on
+    failure restarts it; a clean drain exits 0. Before, a fatal error during the drain exited 0."""
+    log = tmp_path / "draining.log"
+    script = tmp_path / "draining.py"
+    script.write_text(_DRAINING_SERVICE)
+    proc = subprocess.Popen([sys.executable, str(script), nats_url, mode], cwd=REPO, env=_env(),
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        _wait_for(log, "service started", proc)
+        got = _signal_and_wait(proc, signal.SIGTERM, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert got == rc, text[-2000:]
+    if line is not None:
+        assert line in text.splitlines(), text[-2000:]
