@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +66,20 @@ def test_a_base_port_whose_range_does_not_fit_is_a_usage_error(port, tmp_path):
     args = build_parser("up").parse_args(["up", "--metrics-base-port", port, "--log-dir", str(tmp_path)])
     with pytest.raises(UsageError, match=f"--metrics-base-port {port}"):
         _spec(args)
+
+
+def test_the_state_files_paths_are_absolute_for_tools_run_from_another_folder(tmp_path, monkeypatch):
+    """``make demo`` (``--out demo-out``) wrote ``demo-out/logs/nats-creds/operator.nk`` into its state file, so
+    ``split get`` or ``tap`` run from another folder failed: cannot read NATS credentials (newcomer walk, s44)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "creds").mkdir()
+    for name in ("operator", "admin"):
+        (tmp_path / "creds" / f"{name}.nk").write_text("seed\n")
+    c = LocalCluster(ClusterSpec(log_dir="demo-out/logs", nats_url="nats://127.0.0.1:4222", nats_creds_dir="creds"))
+    c.log_dir = Path("demo-out/logs")
+    c.metrics_urls = {"router": "http://127.0.0.1:1/metrics"}
+    info = c.describe()
+    assert info["log_dir"] == str(tmp_path / "demo-out" / "logs")
+    assert info["nats_operator_creds"] == str(tmp_path / "creds" / "operator.nk")
+    assert info["nats_admin_creds"] == str(tmp_path / "creds" / "admin.nk")
+    assert info["prometheus_targets"] == str(tmp_path / "demo-out" / "logs" / TARGETS_FILE)
