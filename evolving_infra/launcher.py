@@ -62,6 +62,21 @@ def demo_trace_path() -> Path:
     return Path(str(resources.files("evolving_infra") / "data" / DEMO_TRACE))
 
 
+def tcp_port(text: str) -> int:
+    """``--port``'s argparse type: a TCP port, 0-65535 (0 = any free one).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or out of range. Before, ``up --port 99999`` started NATS and
+            every service, then failed (exit 1) on the router's "Expected `int` <= 65535 - at `$.port`".
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: give 0-65535 (0 = any free port)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port: give 0-65535 (0 = any free port)")
+    return port
+
 def _add_cluster_args(
     p: argparse.ArgumentParser, *, nodes: int, split: str, speedup: float, port: int = 8000, log_dir: str = "a temp dir",
     warmup: str = "1800 s of simulated time, the paper's", fence_after_s: float | None = None,
@@ -89,7 +104,7 @@ def _add_cluster_args(
     g.add_argument("--speedup", type=float, default=speedup, help=f"simulated seconds per wall second (default {speedup:g}); "
                    "--engine torch: every time reported, the workers' iteration records too, is N x the wall time")
     g.add_argument("--host", default="127.0.0.1", help="router HTTP bind address (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=port, help=f"router HTTP port; 0 = any free port (default {port})")
+    g.add_argument("--port", type=tcp_port, default=port, help=f"router HTTP port; 0 = any free port (default {port})")
     g.add_argument(
         "--block-size",
         type=int,

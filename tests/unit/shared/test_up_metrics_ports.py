@@ -83,3 +83,13 @@ def test_the_state_files_paths_are_absolute_for_tools_run_from_another_folder(tm
     assert info["nats_operator_creds"] == str(tmp_path / "creds" / "operator.nk")
     assert info["nats_admin_creds"] == str(tmp_path / "creds" / "admin.nk")
     assert info["prometheus_targets"] == str(tmp_path / "demo-out" / "logs" / TARGETS_FILE)
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_port_out_of_range_is_a_usage_error_before_anything_starts(port, capsys):
+    """``up --port 99999`` started NATS and every service, then exited 1 on the router's msgspec error."""
+    for cmd in ("up", "demo"):
+        with pytest.raises(SystemExit) as e:
+            build_parser(cmd).parse_args([cmd, "--port", port])
+        assert e.value.code == 2
+        assert "0-65535 (0 = any free port)" in capsys.readouterr().err
