@@ -1273,10 +1273,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 UP_EXIT_STATUSES = (
     "exit status: 0 stopped (Ctrl-C, SIGTERM, SIGHUP; also during start-up); 1 runtime failure: --port taken, a "
     "service died (or its restarts gave up), the cluster not healthy within --ready-timeout, NATS refused the "
-    "launcher's credentials, a NATS server whose JetStream did not answer the stream lookup (or whose create did "
-    "not succeed) within --ready-timeout; 2 usage or configuration error: a bad option, no NATS server answered at "
-    "--nats-url within --ready-timeout, the server refuses the launcher's credentials the JetStream stream. One line "
-    "on stderr says why."
+    "launcher's connection (its credentials), a NATS server whose JetStream did not answer the stream lookup (or "
+    "whose create did not succeed) within --ready-timeout; 2 usage or configuration error: a bad option, no NATS "
+    "server answered at --nats-url within --ready-timeout, the server denies the launcher's identity the JetStream "
+    "stream's lookup or create (grant it, or make the stream first with `evolving-infra auth stream`). One line on "
+    "stderr says why."
 )
 """The epilog of ``up --help``: the statuses :func:`_up` returns."""
 
