@@ -33,6 +33,28 @@ from shared.subjects import KV_EVENTS, Subjects
 
 SESSIONS = 3
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "evolving-infra.json"
+ALERTS = DASHBOARD.parents[2] / "prometheus" / "alerts.yml"
+FAULT_METRICS = (
+    "ei_bus_stream_held_dropped_total", "ei_nats_reconnects_total", "ei_bus_stream_lookup_retries_total",
+    "ei_bus_jetstream_missing_warnings_total", "ei_router_slow_client_aborts_total", "ei_router_buffered_output_tokens",
+    "ei_router_drain_refused_total", "ei_node_bind_failures_total", "ei_node_bind_refused_total", "ei_node_parked",
+    "ei_nats_permission_violations_total", "ei_router_gone_before_dispatch_total", "ei_router_gate_disconnects_total",
+    "ei_router_branches_active", "ei_router_branches_evicted_total",
+)
+"""What the dashboard's "Faults & health" row shows: lost reliable messages, NATS reconnects and stream waits,
+slow and gone clients, buffered tokens, drains, failed decode bindings, parked prefills, permission violations."""
+
+
+def graphs(dash: dict) -> list[dict]:
+    """The dashboard's graph panels: every panel but its rows (``type: row``, a heading without queries)."""
+    return [p for p in dash["panels"] if p["type"] != "row"]
+
+
+def alert_rules() -> list[dict]:
+    """Every rule of ``deploy/prometheus/alerts.yml`` (Prometheus rule-file format)."""
+    import yaml
+
+    return [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
 
 
 SCRAPE_LABELS = {"job", "instance", "slurm_job"}
@@ -56,9 +78,9 @@ def test_dashboard_filters_every_query_by_its_variables_and_seconds_axes_draw_on
         assert re.fullmatch(rf"label_values\(ei_\w+(\{{[^}}]*\}})?, {name}\)", v["query"]["query"]), v["query"]
     sbatch = (DASHBOARD.parents[2] / "slurm" / "evolving-infra.sbatch").read_text()
     assert '"slurm_job": "%s"' in sbatch
-    titles = set()
-    for p in dash["panels"]:
-        titles.add(p["title"])
+    titles = {p["title"] for p in dash["panels"]}
+    for p in graphs(dash):
+        assert p["targets"], p["title"]
         for t in p["targets"]:
             e = t["expr"]
             uses = re.findall(r"\bei_[a-z0-9_]+(\{[^}]*\})?", e)
@@ -68,7 +90,7 @@ def test_dashboard_filters_every_query_by_its_variables_and_seconds_axes_draw_on
         if p["fieldConfig"]["defaults"]["unit"] == "s":
             assert not any(o["properties"] for o in p["fieldConfig"].get("overrides", ())), p["title"]
     # what a vLLM / Dynamo operator looks for first
-    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    exprs = " ".join(t["expr"] for p in graphs(dash) for t in p["targets"])
     for name in ("ei_router_e2e_seconds_bucket", "ei_router_generation_tokens_total", "ei_router_cached_prompt_tokens_total",
                  "ei_router_inter_token_latency_seconds_bucket", "ei_split_changes_total",
                  # a worker killed mid-run: the requests it failed, and its fence (back within a second, between scrapes)
@@ -76,9 +98,24 @@ def test_dashboard_filters_every_query_by_its_variables_and_seconds_axes_draw_on
         assert name in exprs, name
     # every router fences a silent node on its own (router replicas: tests/e2e/test_faults.py): one kill is one fence
     # per router, so a sum over routers counted it once per router; the panel takes the most any router counted
-    fences = [t["expr"] for p in dash["panels"] for t in p["targets"] if "ei_router_node_fences_total" in t["expr"]]
+    fences = [t["expr"] for p in graphs(dash) for t in p["targets"] if "ei_router_node_fences_total" in t["expr"]]
     assert fences and all(e.startswith("max by (node) (increase(ei_router_node_fences_total") for e in fences), fences
     assert len(titles) == len(dash["panels"]) and len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    # the faults an operator looks for, under their own row: the panels below the "Faults & health" row (up to the
+    # next row) together query each of them
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    (faults,) = [r for r in rows if r["title"] == "Faults & health"]
+    below = [r["gridPos"]["y"] for r in rows if r["gridPos"]["y"] > faults["gridPos"]["y"]]
+    y0, y1 = faults["gridPos"]["y"], min(below, default=float("inf"))
+    fault_exprs = [t["expr"] for p in graphs(dash) if y0 < p["gridPos"]["y"] < y1 for t in p["targets"]]
+    assert not [n for n in FAULT_METRICS if not any(re.search(rf"\b{n}\b", e) for e in fault_exprs)]
+    # and no two panels overlap (Grafana moves one of two overlapping panels, out of the row it was put under)
+    boxes = [(p["title"], p["gridPos"]) for p in dash["panels"]]
+    for i, (a, g) in enumerate(boxes):
+        for b, h in boxes[i + 1 :]:
+            overlap = (g["x"] < h["x"] + h["w"] and h["x"] < g["x"] + g["w"]
+                       and g["y"] < h["y"] + h["h"] and h["y"] < g["y"] + g["h"])
+            assert not overlap, (a, b)
 
 
 def sample(name: str, families: dict, labels: dict | None = None, suffix: str = "") -> float:
@@ -215,14 +252,21 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
             for smp in f.samples:
                 exported.setdefault(smp.name, set()).update(smp.labels)
                 kinds[smp.name] = f.type
-    targets = [t for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
-    assert targets
-    for t in targets:
-        e = t["expr"]
+    targets = [(t["expr"], set(re.findall(r"\{\{\s*(\w+)\s*\}\}", t.get("legendFormat", ""))))
+               for p in graphs(json.loads(DASHBOARD.read_text())) for t in p["targets"]]
+    # and so does every series the alerting rules (deploy/prometheus/alerts.yml) evaluate, with the labels their
+    # annotations name ({{ $labels.node }})
+    rules = alert_rules()
+    targets += [(r["expr"], set(re.findall(r"\$labels\.(\w+)", " ".join(r.get("annotations", {}).values())))) for r in rules]
+    assert targets and rules
+    for e, legend in targets:
         names = set(re.findall(r"\bei_[a-z0-9_]+", e))
+        if not names:  # Prometheus's own `up` (a failed scrape): what it adds, not what a service exports
+            assert re.fullmatch(r'up\{job=~"evolving-infra\.\*"\} == 0', e), e
+            continue
         labels = {x.strip() for g in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", e) for x in g.split(",") if x.strip()}
         labels |= {x.split("=")[0].strip(" !~") for g in re.findall(r"\{([^}]*)\}", e) for x in g.split(",") if x.strip()}
-        labels |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", t.get("legendFormat", "")))
+        labels |= legend
         labels -= SCRAPE_LABELS  # Prometheus adds these at scrape (test_dashboard_filters_every_query_by_its_variables)
         assert names and names <= set(exported), (e, sorted(names - set(exported)))
         for n in names:
