@@ -256,7 +256,7 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         int,
         Meta(ge=1, description="most active branches (X-Branch-Id) kept: a new branch past it evicts the least recently "
              "active one with no request in flight (one with a tool-call hint running only when no other is idle), expired as by --branch-ttl-s (resumable; the directory is told to "
-             "release its counts; gauge branches_evicted)"),
+             "release its counts; counted branches_evicted, ei_router_branches_evicted_total)"),
     ] = 65_536
     branch_ttl_s: Annotated[
         float,
