@@ -997,7 +997,7 @@ async def _demo(args: argparse.Namespace) -> int:
         return 2 if isinstance(e, ClusterConfigError) else 1
     if started is None:
         cluster.remove_generated_creds(own_log_dir=own_logs)
-        return _demo_interrupted(signals)
+        return _demo_interrupted(signals, Path(log_dir))
     state: Path | None = None
     try:
         print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, profile {spec.profile}, "
@@ -1028,7 +1028,7 @@ async def _demo(args: argparse.Namespace) -> int:
         cluster.remove_generated_creds(own_log_dir=own_logs)
         _default_signals()  # nothing left to stop: Ctrl-C while the report and plots are written interrupts them
     if signals:
-        return _demo_interrupted(signals)
+        return _demo_interrupted(signals, Path(log_dir))
     by_id = {r.id: r for r in requests}
     ideal = annotate_ideal(result.records, by_id, token_block)
     annotate_lost_reuse(result.records, by_id)
@@ -1141,12 +1141,13 @@ def _default_signals() -> None:
         loop.remove_signal_handler(sig)  # False (nothing done) for one not installed: SIGHUP under nohup
 
 
-def _demo_interrupted(signals: list[int]) -> int:
+def _demo_interrupted(signals: list[int], log_dir: Path) -> int:
     """The line and status of a demo a signal stopped (its cluster already stopped): 130 for Ctrl-C
-    (:data:`evolving_infra.cli.INTERRUPTED`), 143 for SIGTERM, 129 for SIGHUP, as a shell reports them."""
+    (:data:`evolving_infra.cli.INTERRUPTED`), 143 for SIGTERM, 129 for SIGHUP, as a shell reports them. The line
+    names ``log_dir``, the services' logs, which stay (a newcomer found ``demo-out/`` holding only ``logs/``)."""
     name = signal.Signals(signals[0]).name
-    print(f"demo: {name}: stopped the cluster (its state file and NATS store removed); no report written",
-          file=sys.stderr, flush=True)
+    print(f"demo: {name}: stopped the cluster (its state file and NATS store removed); no report written; "
+          f"logs in {log_dir}", file=sys.stderr, flush=True)
     return 128 + signals[0]
 
 

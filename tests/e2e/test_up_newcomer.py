@@ -114,7 +114,8 @@ def test_an_interrupted_demo_stops_its_cluster_and_removes_its_state_and_nats_st
             proc.kill()
             proc.wait()
     assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
-    assert err.splitlines()[-1] == f"demo: {sig.name}: stopped the cluster (its state file and NATS store removed); no report written", err
+    assert err.splitlines()[-1] == (f"demo: {sig.name}: stopped the cluster (its state file and NATS store removed); "
+                                    f"no report written; logs in {tmp_path / 'demo' / 'logs'}"), err
     assert not list(state_dir.glob("up-*.json"))
     assert not list(tmp.glob("ei-nats-*"))
     deadline = time.monotonic() + 10

@@ -5,6 +5,7 @@ no ``evolving-infra --version``."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 
 from evolving_infra.cli import UsageError, build_parser, main
 from evolving_infra.cluster import LocalCluster
-from evolving_infra.launcher import _spec, api_keys_line, default_split_for, demo_client_key
+from evolving_infra.launcher import _demo_interrupted, _spec, api_keys_line, default_split_for, demo_client_key
 from evolving_infra.sim.policies import default_split
 from services.router.ingress import load_api_keys
 from shared import package_version
@@ -187,3 +188,12 @@ def test_api_keys_line_names_the_public_paths_in_effect_and_how_up_sets_them(tmp
     monkeypatch.setenv("EI_API_KEY_PUBLIC_PATHS", "/health, /healthz")
     assert "(/health, /healthz from EI_API_KEY_PUBLIC_PATHS)" in str(api_keys_line(args))
     assert child_env(None)["EI_API_KEY_PUBLIC_PATHS"] == "/health, /healthz"  # the router inherits it
+
+
+def test_an_interrupted_demo_names_the_logs_it_keeps(tmp_path, capsys):
+    """A demo stopped by Ctrl-C left ``demo-out/`` holding only ``logs/``, and its last line did not say so."""
+    assert _demo_interrupted([signal.SIGINT], tmp_path / "demo-out" / "logs") == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "demo: SIGINT: stopped the cluster (its state file and NATS store removed); no report written; "
+        f"logs in {tmp_path / 'demo-out' / 'logs'}"
+    )
