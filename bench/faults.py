@@ -6,7 +6,9 @@ sample shipped in ``evolving_infra/data/``) through its router, injects ONE faul
 while requests are in flight, waits for the replay to finish and reports:
 
 * requests sent / completed / lost (failed at the client: any non-200, error event or
-  a stream that ended without tokens), with the first error texts;
+  a stream that ended without tokens), with the first error texts; the replayer retries as agent
+  harnesses do (``LiveReplayer``'s default ``RetryPolicy``: twice, a refusal before any answer), so a
+  request that completed on a retry is not lost: ``retried`` counts those sent again;
 * time to recover: from the fault to the moment the supervisor restarted the victim
   (its pid in ``LOG_DIR/cluster.json`` changed) and the router's ``/healthz`` said 200;
 * whether ``up`` was still running at the end, and the supervisor's restart counts.
@@ -316,6 +318,9 @@ class FaultResult:
     sent: int = 0
     completed: int = 0
     lost: int = 0
+    retried: int = 0
+    """Requests the replayer sent again after a refusal before any answer (429 / 503, connection refused or
+    reset before the first byte: ``evolving_infra.replay.retry``), completed or not."""
     recover_s: float | None = None
     """Fault -> victim restarted (new pid) and router /healthz 200 (wall s)."""
     up_alive: bool = False
@@ -494,6 +499,7 @@ async def run_fault(
             res.sent = len(result.records)
             res.completed = sum(1 for r in result.records if r.ok)
             res.lost = res.sent - res.completed
+            res.retried = sum(1 for r in result.records if r.retries)
             res.errors = [r.error or "" for r in result.records if not r.ok][:5]
             res.token_mismatch = sum(1 for r in result.records if r.ok and r.expected_completion_tokens
                                      and r.completion_tokens != r.expected_completion_tokens)
@@ -629,7 +635,9 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         + (f", each branch capped to {args.max_requests_per_branch} requests" if args.max_requests_per_branch else "")
         + (f", pauses clipped to {args.max_pause:g} simulated s" if args.max_pause is not None else "")
         + f"; the fault {args.fault_at:g} s into the replay",
-        "- lost = failed at the client (non-200, error event, or a stream without tokens); recover = fault → the victim's new "
+        "- lost = failed at the client (non-200, error event, or a stream without tokens) after the replayer's retries "
+        "(twice, as the OpenAI SDK: a 429 / 503 or a connection refused or reset before any answer); retried = requests "
+        "sent again (completed or not); recover = fault → the victim's new "
         "pid in cluster.json and router /healthz 200",
         "",
         "- re-dispatched: the routers' `redispatched` counter; bus resends: reliable messages published again after "
@@ -639,9 +647,9 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         "replay (/metrics; blank: not read); token mismatch: completed requests whose usage.completion_tokens is not the "
         "length asked for; notes: what the fault measured (`exit_s`: SIGTERM → exit)",
         "",
-        "| fault | sent | completed | lost | re-dispatched | recover s | restarts | bus resends | up alive | replay wall s "
+        "| fault | sent | completed | lost | retried | re-dispatched | recover s | restarts | bus resends | up alive | replay wall s "
         "| left in workers | token mismatch | notes | first error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         rec = "" if r.recover_s is None else f"{r.recover_s:.2f}"
@@ -651,7 +659,7 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         resent = sum(c.get("resent", 0) for c in r.counters.values())
         left = "" if not r.leftover else f"{_left_in_workers(r):g}"
         notes = ", ".join(f"{k} {v}" for k, v in r.notes.items() if k != "split_errors").replace("|", "/")
-        lines.append(f"| {r.fault} | {r.sent} | {r.completed} | {r.lost} | {redis} | {rec} | {rs} | {resent} | "
+        lines.append(f"| {r.fault} | {r.sent} | {r.completed} | {r.lost} | {r.retried} | {redis} | {rec} | {rs} | {resent} | "
                      f"{'yes' if r.up_alive else 'NO'} | {r.replay_wall_s:.1f} | {left} | {r.token_mismatch} | {notes} | {err} |")
     return "\n".join(lines) + "\n"
 

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 async def _replay(args: argparse.Namespace) -> int:
     from evolving_infra.replay.live import LiveReplayer
+    from evolving_infra.replay.retry import RetryPolicy
     from evolving_infra.report.write import build_report, print_summary, report_line, write_report
     from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace
     from evolving_infra.report.ideal import annotate_ideal
@@ -143,7 +144,7 @@ async def _replay(args: argparse.Namespace) -> int:
               file=sys.stderr)
     clock = SimClock(args.speedup)
     replayer = LiveReplayer(args.router_url, clock, block_size=token_block, model=args.model, vocab_size=vocab_size,
-                            api_key=api_key, branch_prefix=prefix)
+                            api_key=api_key, branch_prefix=prefix, retry=RetryPolicy(max_retries=args.max_retries))
     stop = asyncio.Event()
     signals: list[str] = []
     loop = asyncio.get_running_loop()
@@ -194,6 +195,7 @@ async def _replay(args: argparse.Namespace) -> int:
         "duration_s": None,  # until every session is done (or the replay is stopped)
         "warmup_s": 0.0,  # every request is measured
         "seed": args.seed,
+        "max_retries": args.max_retries,
         "wall_s": time.monotonic() - wall0,
         "notes": list(trace.header.meta.get("notes", []) or []),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -512,6 +514,17 @@ def set_aside_previous_run(out: Path) -> list[str]:
     return names
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (``--max-retries``). Raises argparse.ArgumentTypeError otherwise."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     setup_logging("console", "warning")
     return asyncio.run(_replay(args))
@@ -572,5 +585,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "so each run needs ids of its own: default '<run id>:' (meta.run_id); '' sends the trace's ids "
                    f"as they are (once per cluster). Printable ASCII only; a router refuses ids over {ROUTER_MAX_ID_LEN} characters (its "
                    "max_id_len), which the run warns of. Records and the report keep the trace's ids")
+    p.add_argument("--max-retries", type=non_negative_int, default=2, metavar="N",
+                   help="send a request again up to N times when it was refused before any answer, as agent harnesses "
+                   "do (the OpenAI SDK's default is 2): a 429 / 503 (a draining router's 'retry on another router'), "
+                   "waiting its Retry-After (at most 60 s; without one 0.5 s, doubling, at most 8 s), or a connection "
+                   "refused or reset before the first byte (a router restarting). A stream that started is never "
+                   "sent again (it would duplicate output): it fails. Each record's retries and the report's "
+                   "requests_retried / retries count them; 0 = never retry (default 2)")
     p.add_argument("--out", default="replay-out", type=folder, help="output directory for report.json, requests.jsonl, plots and report.html (default replay-out)")
     p.set_defaults(func=cmd_replay)

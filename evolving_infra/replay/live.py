@@ -23,12 +23,18 @@ Each request carries an ``X-Request-ID`` made from ``branch_prefix`` + its recor
 (:func:`request_id_for`), so the router keeps it as the request's ``rid`` in its logs and traces
 (``ei.rid``); the record keeps the id sent (``x_request_id``) and the router's ``x-request-id``
 response header (``request_id``), so ``requests.jsonl`` joins with the server's records.
+
+A request refused before any answer (429 / 503, e.g. a draining router's; a connection refused or reset
+before the first byte, e.g. a router restarting) is sent again, with the same ``X-Request-ID``, as an agent
+harness would (:mod:`evolving_infra.replay.retry`: twice by default, waiting ``Retry-After``); one whose stream
+started is never sent again (the record's ``retries`` counts the sends after the first).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
 import re
 import sys
 import time
@@ -42,6 +48,7 @@ import structlog
 from tqdm import tqdm
 
 from evolving_infra.replay.core import Arrival, EndBranch, ReplayCore, SendRequest
+from evolving_infra.replay.retry import RETRY_STATUSES, RetryPolicy, parse_retry_after
 from evolving_infra.report.records import RequestRecord
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import prompt_token_ids
@@ -52,6 +59,10 @@ log = structlog.get_logger("replay")
 
 _JSON = msgspec.json.Encoder()
 _DEC = msgspec.json.Decoder()
+
+_RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+"""Transport errors sent again when no byte of the answer came (a router down or restarting: refused, reset, closed
+before the status line); not a timeout, whose request the server may still be working on."""
 
 
 @dataclass
@@ -123,6 +134,9 @@ class LiveReplayer:
             API keys answers 401 without it); None = no header.
         branch_prefix: put in front of every branch, parent branch and agent id sent to the
             cluster (headers and branch-end calls); ``""`` = the trace's own ids.
+        retry: when a request refused before any answer (429 / 503, connection refused or reset before
+            the first byte) is sent again (:class:`~evolving_infra.replay.retry.RetryPolicy`; default: twice,
+            as the OpenAI SDK); ``RetryPolicy(max_retries=0)``: never. A stream that started is never resent.
     """
 
     def __init__(
@@ -138,8 +152,10 @@ class LiveReplayer:
         vocab_size: int | None = None,
         api_key: str | None = None,
         branch_prefix: str = "",
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.branch_prefix = branch_prefix
+        self.retry = RetryPolicy() if retry is None else retry
         self.router_url = router_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.vocab_size = vocab_size
@@ -325,6 +341,8 @@ class LiveReplayer:
         )
 
     async def _send(self, http: httpx.AsyncClient, action: SendRequest) -> RequestRecord:
+        """Send ``action``'s request, again while :attr:`retry` allows when it was refused before any answer
+        (:mod:`evolving_infra.replay.retry`); its record: TTFT and E2E from the first send, waits included."""
         req = action.req
         tokens = prompt_token_ids(req, self.block_size)
         if self.vocab_size is not None:
@@ -340,69 +358,49 @@ class LiveReplayer:
         wait = action.admission_wait_s
         rec = self._record(action)
         t0 = self.clock.local_now()  # TTFT / E2E: local durations (a wall-clock step does not lengthen them)
-        first: float | None = None
-        n_out = 0
-        try:
-            async with http.stream(
-                "POST",
-                "/v1/completions",
-                content=_JSON.encode(body),
-                headers={**self._headers(action), "Content-Type": "application/json", "X-Request-ID": rec.x_request_id or ""},
-            ) as resp:
-                rec.status = resp.status_code
-                rec.request_id = resp.headers.get("x-request-id")
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")
-                    rec.ok = False
-                    rec.error = f"HTTP {resp.status_code}: {text[:300]}"
-                    rec.finished_at = self.clock.now()
-                    return rec
-                rec.prefill_node = resp.headers.get("x-ei-prefill-node")
-                rec.decode_node = resp.headers.get("x-ei-decode-node")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    obj = _DEC.decode(data)
-                    if "error" in obj:
+        while True:
+            first: float | None = None
+            got_response = refused = retryable = False
+            retry_after: float | None = None
+            try:
+                async with http.stream(
+                    "POST",
+                    "/v1/completions",
+                    content=_JSON.encode(body),
+                    headers={**self._headers(action), "Content-Type": "application/json", "X-Request-ID": rec.x_request_id or ""},
+                ) as resp:
+                    got_response = True
+                    rec.status = resp.status_code
+                    rec.request_id = resp.headers.get("x-request-id")
+                    if resp.status_code != 200:
+                        text = (await resp.aread()).decode(errors="replace")
                         rec.ok = False
-                        rec.error = str(obj["error"].get("message", obj["error"]) if isinstance(obj["error"], dict) else obj["error"])
-                        break
-                    for choice in obj.get("choices") or ():
-                        if choice.get("text") or choice.get("finish_reason"):
-                            if first is None and choice.get("text"):
-                                first = self.clock.local_now()
-                    ei = obj.get("ei")
-                    if ei:
-                        rec.prefill_node = ei.get("prefill_node") or rec.prefill_node
-                        rec.decode_node = ei.get("decode_node") or rec.decode_node
-                        if ei.get("queue_s") is not None:
-                            rec.queue_s = float(ei["queue_s"])
-                        if ei.get("first_token_at") is not None:  # the prefill node's times (control plane)
-                            rec.first_token_at = float(ei["first_token_at"])
-                            if ei.get("arrived_at") is not None:
-                                rec.node_arrived_at = float(ei["arrived_at"])
-                        if ei.get("predicted_ttft_s") is not None:
-                            rec.predicted_ttft_s = float(ei["predicted_ttft_s"])
-                        if ei.get("fetch_s") is not None:  # a peer fetch (RequestRecord.fetch_*)
-                            rec.fetch_s = float(ei["fetch_s"])
-                            rec.exposed_fetch_s = float(ei.get("exposed_fetch_s") or 0.0)
-                            rec.fetched_tokens = int(ei.get("fetched_tokens") or 0)
-                            rec.fetch_sources = [str(n) for n in ei.get("fetch_sources") or ()]
-                    usage = obj.get("usage")
-                    if usage:
-                        rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
-                        n_out = int(usage.get("completion_tokens", 0))
-                        details = usage.get("prompt_tokens_details") or {}
-                        rec.cached_tokens = int(details.get("cached_tokens") or 0)
-        except (httpx.HTTPError, msgspec.DecodeError) as e:
-            rec.ok = False
-            rec.error = f"{type(e).__name__}: {e}"
+                        rec.error = f"HTTP {resp.status_code}: {text[:300]}"
+                        refused = True
+                        if resp.status_code in RETRY_STATUSES:
+                            retryable = True
+                            retry_after = parse_retry_after(resp.headers.get("retry-after"), time.time())
+                    else:
+                        first = await self._read_stream(resp, rec)
+            except (httpx.HTTPError, msgspec.DecodeError) as e:
+                rec.ok = False
+                rec.error = f"{type(e).__name__}: {e}"
+                # no byte of an answer yet (refused, reset before the status line): nothing reached the agent
+                retryable = not got_response and isinstance(e, _RETRY_ERRORS)
+            if retryable:
+                delay = self.retry.delay_s(rec.retries, retry_after, random.random())
+                if delay is not None:
+                    log.info("request retried", request=req.id, error=rec.error, retry=rec.retries + 1, wait_s=round(delay, 3))
+                    rec.retries += 1
+                    await asyncio.sleep(delay)
+                    rec.ok, rec.error, rec.status, rec.request_id = True, None, 200, None
+                    continue
+            break
+        if refused:
+            rec.finished_at = self.clock.now()
+            return rec
         done = self.clock.local_now()
         rec.finished_at = self.clock.now()
-        rec.completion_tokens = n_out
         if rec.ok:
             if first is None:
                 rec.ok = False
@@ -411,3 +409,53 @@ class LiveReplayer:
                 rec.ttft_s = first - t0 + wait
                 rec.e2e_s = done - t0 + wait
         return rec
+
+    async def _read_stream(self, resp: httpx.Response, rec: RequestRecord) -> float | None:
+        """Read a 200 answer's SSE stream into ``rec`` (nodes, queue, fetch, usage; ``ok`` / ``error`` on an
+        error event, ``completion_tokens`` from the usage as it comes); returns the local time of the first token, None without one.
+
+        Raises:
+            httpx.HTTPError: the stream broke. msgspec.DecodeError: an event that is not JSON.
+        """
+        first: float | None = None
+        rec.prefill_node = resp.headers.get("x-ei-prefill-node")
+        rec.decode_node = resp.headers.get("x-ei-decode-node")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            obj = _DEC.decode(data)
+            if "error" in obj:
+                rec.ok = False
+                rec.error = str(obj["error"].get("message", obj["error"]) if isinstance(obj["error"], dict) else obj["error"])
+                break
+            for choice in obj.get("choices") or ():
+                if choice.get("text") or choice.get("finish_reason"):
+                    if first is None and choice.get("text"):
+                        first = self.clock.local_now()
+            ei = obj.get("ei")
+            if ei:
+                rec.prefill_node = ei.get("prefill_node") or rec.prefill_node
+                rec.decode_node = ei.get("decode_node") or rec.decode_node
+                if ei.get("queue_s") is not None:
+                    rec.queue_s = float(ei["queue_s"])
+                if ei.get("first_token_at") is not None:  # the prefill node's times (control plane)
+                    rec.first_token_at = float(ei["first_token_at"])
+                    if ei.get("arrived_at") is not None:
+                        rec.node_arrived_at = float(ei["arrived_at"])
+                if ei.get("predicted_ttft_s") is not None:
+                    rec.predicted_ttft_s = float(ei["predicted_ttft_s"])
+                if ei.get("fetch_s") is not None:  # a peer fetch (RequestRecord.fetch_*)
+                    rec.fetch_s = float(ei["fetch_s"])
+                    rec.exposed_fetch_s = float(ei.get("exposed_fetch_s") or 0.0)
+                    rec.fetched_tokens = int(ei.get("fetched_tokens") or 0)
+                    rec.fetch_sources = [str(n) for n in ei.get("fetch_sources") or ()]
+            usage = obj.get("usage")
+            if usage:
+                rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                rec.completion_tokens = int(usage.get("completion_tokens", 0))
+                details = usage.get("prompt_tokens_details") or {}
+                rec.cached_tokens = int(details.get("cached_tokens") or 0)
+        return first

@@ -40,7 +40,7 @@ _STRUCTURED = {
 }
 
 _SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Requests", ("requests_sent", "requests_completed", "requests_failed", "requests_unfinished",
+    ("Requests", ("requests_sent", "requests_completed", "requests_failed", "requests_retried", "retries", "requests_unfinished",
                   "requests_warmup_excluded", "sessions", "subagent_branches", "fork_branches", "branches",
                   "closed_loop_exhausted_at_s", "duration_s", "throughput_rps")),
     # a live run's TTFT split (ttft_node_*, ttft_control_plane_*) and the router's prediction error sit with TTFT
@@ -67,6 +67,8 @@ _LABELS = {k: label for k, label, _, _ in HEADLINE_METRICS} | {
     "requests_sent": "Requests sent",
     "requests_completed": "Requests completed",
     "requests_failed": "Requests failed",
+    "requests_retried": "Requests retried (refused before any answer)",
+    "retries": "Retries (sends after the first)",
     "sessions": "Sessions (agents)",
     "subagent_branches": "Sub-agent branches",
     "fork_branches": "Fork branches",

@@ -303,6 +303,8 @@ def summarize(
         "requests_sent": len(records),
         "requests_completed": len(ok),
         "requests_failed": len(records) - len(ok),
+        "requests_retried": sum(1 for r in records if r.retries),
+        "retries": sum(r.retries for r in records),
         "start_s": start,
         "end_s": end,
         "duration_s": duration,

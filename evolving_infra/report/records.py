@@ -81,6 +81,11 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Peer fetch time: fetch start → blocks in the prefill node's L2 (s), when it fetched."""
     exposed_fetch_s: float | None = None
     """The part of ``fetch_s`` that outlasted the queue wait (s), when it fetched."""
+    retries: int = 0
+    """Live: times the replayer sent the request again after it was refused before any answer (429 / 503, a
+    connection refused or reset before the first byte: ``evolving_infra.replay.retry``); ``ok`` and ``error`` are the
+    last send's, ``sent_at``, TTFT and E2E count from the first (the waits included, as the agent waited). 0 when
+    the first send was answered (or simulated)."""
 
     @property
     def tpot_s(self) -> float | None:

@@ -313,7 +313,8 @@ def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None
 
     wall = g("wall_s") or meta.get("wall_s")
     lines = [
-        f"requests   sent {g('requests_sent', 0)}  completed {g('requests_completed', 0)}  failed {g('requests_failed', 0)}",
+        f"requests   sent {g('requests_sent', 0)}  completed {g('requests_completed', 0)}  failed {g('requests_failed', 0)}"
+        + (f"  retried {g('requests_retried')} ({g('retries', 0)} retries)" if g("requests_retried") else ""),
         f"sessions   {g('sessions', 0)}  (sub-agent branches {g('subagent_branches', 0)}, branches {g('branches', 0)})",
         f"duration   {fmt_seconds(g('duration_s'))} simulated" + _measured_window(report) + (f", {wall:.1f} s wall" if wall else ""),
         f"throughput {g('throughput_rps'):.3f} req/s" if g("throughput_rps") else "throughput -",

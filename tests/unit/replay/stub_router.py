@@ -5,7 +5,8 @@
 router's answer has none). Branch ids go through the router's own
 :class:`services.router.branches.BranchTable`: a request for a branch that was ended is
 answered 409 with the router's message, an end of an unknown or ended branch 404 / 409.
-Every request's path and agent headers are kept in ``seen``.
+Every request's path and agent headers are kept in ``seen``. ``faults`` scripts how the next completions
+are refused or broken (a retrying client's cases).
 """
 
 from __future__ import annotations
@@ -28,10 +29,17 @@ class StubRouter:
         speedup: reported by ``GET /v1/cluster`` when given (simulated s per wall s).
         hold: when given, a completion is answered only once it is set (``received`` is set
             when the first completion arrives).
+        faults: what the next completions get instead of their answer, one per completion in order (the
+            ones after are answered): ``"503"`` (a draining router's refusal, ``Retry-After: 0.05``),
+            ``"503-bare"`` (no Retry-After), ``"429"`` (``Retry-After: 0.05``), ``"drop"`` (the connection
+            closed before any byte of the answer), ``"break"`` (200 and the first token, then the
+            connection closed mid-stream).
     """
 
-    def __init__(self, hold: asyncio.Event | None = None, speedup: float | None = None) -> None:
+    def __init__(self, hold: asyncio.Event | None = None, speedup: float | None = None,
+                 faults: list[str] | None = None) -> None:
         self.speedup = speedup
+        self.faults = list(faults or ())
         self.branches = BranchTable()
         self.seen: list[tuple[str, dict[str, str]]] = []
         self.hold = hold
@@ -39,9 +47,9 @@ class StubRouter:
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> str:
-        """Listen; returns the base URL."""
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+    async def start(self, port: int = 0) -> str:
+        """Listen on ``port`` (0: a free one); returns the base URL."""
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", port)
         port = self._server.sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"
 
@@ -69,6 +77,23 @@ class StubRouter:
                     headers[k.strip().lower()] = v.strip()
                 n = int(headers.get("content-length", "0"))
                 body = await reader.readexactly(n) if n else b""
+                if target == "/v1/completions" and self.faults:
+                    fault = self.faults.pop(0)
+                    self.seen.append((target, {k: v for k, v in headers.items() if k.startswith("x-")}))
+                    if fault == "drop":
+                        return
+                    if fault == "break":
+                        sse = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+                        writer.write(b"HTTP/1.1 200 X\r\nContent-Type: text/event-stream\r\nContent-Length: 1000\r\n\r\n" + sse)
+                        await writer.drain()
+                        return
+                    code, after = {"503": (503, "0.05"), "503-bare": (503, None), "429": (429, "0.05")}[fault]
+                    msg = b'{"error": {"message": "router draining; retry on another router"}}'
+                    writer.write(f"HTTP/1.1 {code} X\r\nContent-Type: application/json\r\n".encode()
+                                 + (f"Retry-After: {after}\r\n".encode() if after else b"")
+                                 + f"Content-Length: {len(msg)}\r\n\r\n".encode() + msg)
+                    await writer.drain()
+                    continue
                 status, ctype, payload = await self._answer(method, target, headers, body)
                 rid = headers.get("x-request-id")  # the router keeps a valid X-Request-ID as the rid and echoes it
                 extra = f"x-request-id: {rid}\r\n" if rid and status == 200 and target == "/v1/completions" else ""
@@ -120,16 +145,16 @@ class StubRouter:
 
 
 @contextmanager
-def stub_router_thread(speedup: float | None = None) -> Iterator[tuple[str, StubRouter]]:
+def stub_router_thread(speedup: float | None = None, faults: list[str] | None = None) -> Iterator[tuple[str, StubRouter]]:
     """A :class:`StubRouter` served by its own event loop in a thread (for code that runs ``asyncio.run``
-    itself, such as the ``replay`` command); yields ``(base URL, stub)``. ``speedup``: as :class:`StubRouter`'s."""
+    itself, such as the ``replay`` command); yields ``(base URL, stub)``. ``speedup``, ``faults``: as :class:`StubRouter`'s."""
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     box: dict[str, object] = {}
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        stub = StubRouter(speedup=speedup)
+        stub = StubRouter(speedup=speedup, faults=faults)
         box["stub"] = stub
         box["url"] = loop.run_until_complete(stub.start())
         ready.set()
