@@ -11,8 +11,9 @@ its hash). Each service then gets its file with ``--nats-creds`` (or
 
 ``auth stream`` creates the partition's JetStream stream of must-arrive subjects
 (``shared.bus``) with the ``launcher`` credentials, as ``up``'s launcher does
-before any service starts: under these permissions no service may create it,
-and without it they fall back to core NATS (at most once). Its server is
+before any service starts: under these permissions no service may create it, and
+a service started before it waits for it (only a server without JetStream makes the
+services fall back to core NATS). Its server is
 ``--nats-url`` or else ``EI_NATS_URL`` (as the services read it): a password in the URL
 (``nats://user:pass@host``) stays out of the process list, and out of what it prints.
 """
@@ -157,8 +158,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     st = ss.add_parser(
         "stream", help="create the partition's JetStream stream with the launcher credentials (before the services)",
         description="Find or create the JetStream stream of the partition's must-arrive subjects (EI_<partition>), as up's "
-        "launcher does; under auth gen's permissions no service may create it, and without it they fall back to core "
-        "NATS (at most once). Exit 0 when it is there; 1 when it cannot be made (no connection within --timeout, "
+        "launcher does; under auth gen's permissions no service may create it: a service started before it waits for it "
+        "(its /readyz 503 'waiting for the JetStream stream EI_<partition>', a warning each minute), and only a server "
+        "without JetStream makes them fall back to core NATS. Exit 0 when it is there; 1 when it cannot be made (no connection within --timeout, "
         "no answer to the stream's lookup or create in 5 s, credentials the server refuses, JetStream off or not allowed) or one of that name lacks some of those "
         "subjects; 2 for unreadable credentials, a partition that is not one subject token, a --timeout not > 0 or "
         "no server given (neither --nats-url nor EI_NATS_URL).",
