@@ -528,6 +528,14 @@ def context_line(spec: ClusterSpec) -> str | None:
             f"holds {kv} tokens ({source}); longer requests get 400; pass --gpu-kv-tokens {need} to serve the whole context")
 
 
+def nats_auth_line(mode: str, info: dict[str, object]) -> str:
+    """``up``'s banner line on its generated NATS identities: ``mode`` is ``--nats-auth``, ``info`` the cluster's
+    :meth:`LocalCluster.describe`, whose credentials paths are absolute (the line named ``rel/nats-creds/operator.nk``
+    under a relative ``--log-dir``, which worked only from up's own folder)."""
+    return (f"NATS auth {mode}: each service its own identity; split and tap on this machine find the operator / admin "
+            f"credentials through the state file; elsewhere: EI_NATS_CREDS={info['nats_operator_creds']}")
+
+
 def api_keys_line(args: argparse.Namespace) -> str | None:
     """``up``'s ready-banner line saying that the router requires API keys (how many, from where), or, when it is
     open and ``--host`` is not a loopback address, that anyone who reaches the port may send requests (``up --host
@@ -728,10 +736,7 @@ async def _up(args: argparse.Namespace) -> int:
             print(f"  {deferred}")
         print(f"  NATS {redact_url(cluster.nats_url)}   logs {cluster.log_dir}   trace with: {command_name()} tap (or split get)")
         if cluster.creds is not None:
-            print(
-                f"  NATS auth {args.nats_auth}: each service its own identity; split and tap on this machine find the "
-                f"operator / admin credentials through the state file; elsewhere: EI_NATS_CREDS={cluster.creds_file('operator')}"
-            )
+            print(f"  {nats_auth_line(args.nats_auth, info)}")
         elif not args.nats_url:
             print("  NATS is OPEN (--nats-auth off): any local process can publish and read every subject (loopback only)")
         for line in (context_line(cluster.spec), placement_line(cluster.spec)):

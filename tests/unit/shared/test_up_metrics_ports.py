@@ -13,7 +13,7 @@ import pytest
 
 from evolving_infra.cli import UsageError, build_parser
 from evolving_infra.cluster import TARGETS_FILE, ClusterSpec, LocalCluster, _Child
-from evolving_infra.launcher import _spec
+from evolving_infra.launcher import _spec, nats_auth_line
 
 
 def test_ei_metrics_port_in_ups_environment_is_a_usage_error_naming_it(tmp_path, monkeypatch):
@@ -83,6 +83,8 @@ def test_the_state_files_paths_are_absolute_for_tools_run_from_another_folder(tm
     assert info["nats_operator_creds"] == str(tmp_path / "creds" / "operator.nk")
     assert info["nats_admin_creds"] == str(tmp_path / "creds" / "admin.nk")
     assert info["prometheus_targets"] == str(tmp_path / "demo-out" / "logs" / TARGETS_FILE)
+    # up's banner says the same path, for a shell elsewhere
+    assert nats_auth_line("nkeys", info).endswith(f"elsewhere: EI_NATS_CREDS={tmp_path / 'creds' / 'operator.nk'}")
 
 
 @pytest.mark.parametrize("port", ["99999", "-1", "http"])
