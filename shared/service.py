@@ -267,8 +267,8 @@ async def serve_until_stopped(
 
     Raises:
         Whatever the factory or ``start()`` raise (a service that cannot start exits non-zero).
-        ServiceFailed: the service set its ``fatal`` event while serving or during the ``drain`` a SIGTERM
-            asks for, or that drain raised (it was stopped first).
+        ServiceFailed: the service set its ``fatal`` event while serving, during the ``drain`` a SIGTERM
+            asks for, with the stop signal or during its ``stop()``, or that drain raised (it was stopped first).
     """
     log = structlog.get_logger(service_name).bind(instance=instance)
     stop = stop_event or asyncio.Event()
@@ -372,6 +372,12 @@ async def serve_until_stopped(
                     if isinstance(fatal, asyncio.Event) and fatal.is_set():
                         failed = getattr(started[0], "fatal_error", None) or RuntimeError("fatal")
                         log.error("service failed during its drain; stopping, then exiting non-zero", error=repr(failed))
+    # a fatal error that came with the stop signal (SIGINT, a second signal, no drain) or during ``svc.stop()`` (the
+    # exit stack's): a failed service exits non-zero, so a supervisor restarting on failure restarts it. Before,
+    # only one met while serving (before any stop) or during SIGTERM's drain was checked: these exited 0.
+    if failed is None and isinstance(fatal, asyncio.Event) and fatal.is_set():
+        failed = getattr(started[0], "fatal_error", None) or RuntimeError("fatal")
+        log.error("service failed while stopping; exiting non-zero", error=repr(failed))
     if failed is not None:
         log.error("service stopped after a fatal error", error=repr(failed))
         if failed is drain_error:

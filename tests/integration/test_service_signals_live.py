@@ -127,7 +127,9 @@ class Draining:
         pass
 
     async def stop(self):
-        pass
+        if MODE == "fatal-in-stop":  # a needed task that fails as the service stops, before it marks itself stopping
+            self.fatal_error, self.fatal_where = RuntimeError("flush failed"), "task flush"
+            self.fatal.set()
 
     def stats(self):
         return {}, {}
@@ -170,3 +172,25 @@ def test_a_failure_during_the_sigterm_drain_exits_non_zero(mode, rc, line, nats_
     assert got == rc, text[-2000:]
     if line is not None:
         assert line in text.splitlines(), text[-2000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_fatal_error_while_stopping_exits_non_zero(sig, nats_url, tmp_path):
+    """A service whose ``fatal`` event is set as it stops (its ``stop()``; after SIGINT no drain runs) exits 1 with
+    the line saying what failed. Before, ``fatal`` was checked only while serving and after SIGTERM's drain: a
+    fatal error met with the stop signal or in ``stop()`` exited 0, and a supervisor restarting on failure did not."""
+    log = tmp_path / "draining.log"
+    script = tmp_path / "draining.py"
+    script.write_text(_DRAINING_SERVICE)
+    proc = subprocess.Popen([sys.executable, str(script), nats_url, "fatal-in-stop"], cwd=REPO, env=_env(),
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        _wait_for(log, "service started", proc)
+        got = _signal_and_wait(proc, sig, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert got == 1, text[-2000:]
+    assert "draining: draining draining: task flush failed: RuntimeError('flush failed')" in text.splitlines(), text[-2000:]
