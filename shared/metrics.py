@@ -38,6 +38,11 @@ Served:
   readiness to serve requests is the router's ``GET /health`` (or ``/healthz``) on
   its HTTP port: 503 with the reason until NATS is connected and a collocated node,
   or a prefill and a decode node, are live, and while NATS is down or hung.
+
+The same readiness is a metric on that metrics port, so that Prometheus sees a service that is up but not
+ready (``up`` says only that the scrape answered): ``ei_service_ready`` (gauge, 1 ready, 0 not), read at each
+scrape from the very state ``/readyz`` reads, with a ``reason`` label while not ready, one of a fixed set
+(:data:`READY_REASONS`; ``/readyz``'s text names the URL and stream), empty (no label) while ready.
 """
 
 from __future__ import annotations
@@ -231,6 +236,33 @@ def bus_families(counters: Mapping[str, int], subscribed: Iterable[str] = ()) ->
     )
 
 
+READY_REASONS = ("stopping", "connecting", "disconnected", "no_jetstream", "stream", "starting", "not_ready")
+"""The ``reason`` label values of ``ei_service_ready`` (``shared.service.Readiness`` says which is which):
+the stop began; the first connect to NATS has not succeeded; the bus lost its connection; the server has no
+JetStream; the bus waits for its JetStream stream; the start has not completed; the service's ``ready()`` is false."""
+
+
+def ready_family(state: tuple[str, str] | None) -> GaugeMetricFamily:
+    """``ei_service_ready`` for one readiness ``state``: None (ready) is 1 with an empty ``reason``, ``(kind,
+    reason)`` is 0 with ``reason=kind``.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`READY_REASONS` (a label value must come from a fixed set).
+    """
+    if state is None:
+        return gauge_family("ei_service_ready", _READY_HELP, {("",): 1.0}, ["reason"])
+    kind = state[0]
+    if kind not in READY_REASONS:
+        raise ValueError(f"readiness kind {kind!r} is not one of {READY_REASONS}")
+    return gauge_family("ei_service_ready", _READY_HELP, {(kind,): 0.0}, ["reason"])
+
+
+_READY_HELP = (
+    "1 while the service is ready (its /readyz answers 200), 0 while not, with reason: "
+    + "|".join(READY_REASONS) + " (its /readyz gives the details); read at each scrape"
+)
+
+
 def metrics_payload(registry: CollectorRegistry) -> bytes:
     """The registry in the Prometheus text exposition format (version 0.0.4)."""
     return generate_latest(registry)
@@ -263,20 +295,25 @@ def _quiet_server_type() -> type[uvicorn.Server]:
 class MetricsServer:
     """``GET /metrics``, ``GET /healthz`` (liveness only, always 200 while the process runs) and ``GET /readyz``
     (503 with ``not_ready()``'s reason, else 200; see the module docstring) on its own port, inside the
-    running event loop.
+    running event loop. ``/metrics`` serves ``registry`` and ``ei_service_ready`` (:func:`ready_family`), from
+    the same ``not_ready()`` at each scrape: the metric and ``/readyz`` never disagree.
 
     Args:
         registry: what to expose.
         host: bind address (``0.0.0.0`` inside a container).
         port: TCP port (1-65535; the caller does not start it for 0).
-        not_ready: why the service is not ready, or None when it is; None (the argument): always ready.
+        not_ready: why the service is not ready, ``(kind, reason)`` (kind one of :data:`READY_REASONS`, reason
+            the text ``/readyz`` answers with), or None when it is; None (the argument): always ready.
     """
 
     def __init__(
-        self, registry: CollectorRegistry, host: str, port: int, not_ready: Callable[[], str | None] | None = None
-    ) -> None:
+        self, registry: CollectorRegistry, host: str, port: int,
+        not_ready: Callable[[], tuple[str, str] | None] | None = None,
+    ) -> None:  # fmt: skip
         self.registry = registry
         self.not_ready = not_ready
+        self._ready_registry = CollectorRegistry(auto_describe=False)
+        self._ready_registry.register(FuncCollector(lambda: [ready_family(self.not_ready() if self.not_ready else None)]))
         self.host = host
         self.port = port
         self._server: uvicorn.Server | None = None
@@ -294,7 +331,7 @@ class MetricsServer:
         from starlette.routing import Route
 
         async def metrics(_request: Request) -> Response:
-            return metrics_response(self.registry)
+            return Response(metrics_payload(self.registry) + metrics_payload(self._ready_registry), media_type=CONTENT_TYPE_LATEST)
 
         async def healthz(_request: Request) -> Response:
             return Response(b'{"status":"ok"}', media_type="application/json")
@@ -305,7 +342,7 @@ class MetricsServer:
             why = self.not_ready() if self.not_ready is not None else None
             if why is None:
                 return Response(b'{"status":"ok"}', media_type="application/json")
-            return JSONResponse({"status": "not ready", "reason": why}, status_code=503)
+            return JSONResponse({"status": "not ready", "reason": why[1]}, status_code=503)
 
         app = Starlette(
             routes=[

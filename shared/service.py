@@ -232,20 +232,28 @@ class Readiness:
 
     def reason(self) -> str | None:
         """Why not ready (see the class), or None when ready."""
+        state = self.state()
+        return None if state is None else state[1]
+
+    def state(self) -> tuple[str, str] | None:
+        """``(kind, reason)``: why not ready (see the class) and its kind, one of ``shared.metrics.READY_REASONS``
+        (``stopping``, ``connecting``, ``disconnected``, ``no_jetstream``, ``stream``, ``starting``, ``not_ready``:
+        the ``reason`` label of ``ei_service_ready``, a fixed set where the reason names URLs and streams), or None
+        when ready."""
         if self.phase == "stopping":
-            return "stopping"
+            return "stopping", "stopping"
         bus = self.bus
         if bus is None:
-            return f"connecting to NATS at {self.url}"
+            return "connecting", f"connecting to NATS at {self.url}"
         if not bus.nc.is_connected:
-            return f"not connected to NATS at {self.url} (reconnecting)"
+            return "disconnected", f"not connected to NATS at {self.url} (reconnecting)"
         if bus.jetstream_missing:
-            return f"the NATS server at {self.url} has no JetStream (stream {bus.jetstream_missing}): reliable messages wait for it"
+            return "no_jetstream", f"the NATS server at {self.url} has no JetStream (stream {bus.jetstream_missing}): reliable messages wait for it"
         if bus.stream_waiting:
-            return f"waiting for the JetStream stream {bus.stream_waiting}"
+            return "stream", f"waiting for the JetStream stream {bus.stream_waiting}"
         if self.phase != "serving":
-            return "starting"
-        return None if self.ready is None or self.ready() else "not ready"
+            return "starting", "starting"
+        return None if self.ready is None or self.ready() else ("not_ready", "not ready")
 
 
 def instance_name(service: str, cfg: CommonConfig, suffix: str = "") -> str:
@@ -312,7 +320,7 @@ async def serve_until_stopped(
                 # ready. Before, the port opened only after start, then only after the connect: a liveness probe saw
                 # a service that waited for NATS or the stream as a dead one. Until the bus exists the registry holds
                 # the process's families only; the service's (and its bus's) replace it then.
-                metrics = MetricsServer(make_registry(), cfg.metrics_host, cfg.metrics_port, readiness.reason)
+                metrics = MetricsServer(make_registry(), cfg.metrics_host, cfg.metrics_port, readiness.state)
                 await metrics.start()
                 stack.push_async_callback(metrics.stop)
             try:

@@ -36,7 +36,7 @@ def test_the_alerting_rules_are_well_formed_and_cover_the_faults_an_operator_pag
     a description; ``for`` is a Prometheus duration; a ``$labels.X`` its annotations name survives its aggregation
     (``sum by (job)`` drops ``node``: "{{ $labels.node }}" rendered empty); and the faults this session exported
     counters for each have a rule (a message lost, JetStream missing, a service down, a refused identity, slow
-    clients, failed decode bindings, TTFT)."""
+    clients, failed decode bindings, TTFT, a service not ready)."""
     rs = rules()
     names = [r["alert"] for r in rs]
     assert len(set(names)) == len(names), names
@@ -60,6 +60,10 @@ def test_the_alerting_rules_are_well_formed_and_cover_the_faults_an_operator_pag
     for metric, severity in wanted.items():
         hits = [r for r in rs if re.search(rf"\b{metric}\b", r["expr"])]
         assert hits and all(r["labels"]["severity"] == severity for r in hits), (metric, hits)
+    # a service up but not ready (shared.metrics' ei_service_ready, /readyz's state): 2 minutes, whatever the reason
+    (unready,) = [r for r in rs if re.search(r"\bei_service_ready\b", r["expr"])]
+    assert unready["for"] == "2m" and unready["labels"]["severity"] == "page", unready
+    assert re.search(r"without \(reason\)", unready["expr"]) and unready["expr"].endswith("== 0"), unready
     # a service gone: Prometheus's failed scrape of it, held 2 minutes (not one missed scrape)
     (down,) = [r for r in rs if re.search(r"\bup\b", r["expr"])]
     assert down["for"] == "2m" and down["labels"]["severity"] == "page", down

@@ -39,10 +39,11 @@ FAULT_METRICS = (
     "ei_bus_jetstream_missing_warnings_total", "ei_router_slow_client_aborts_total", "ei_router_buffered_output_tokens",
     "ei_router_drain_refused_total", "ei_node_bind_failures_total", "ei_node_bind_refused_total", "ei_node_parked",
     "ei_nats_permission_violations_total", "ei_router_gone_before_dispatch_total", "ei_router_gate_disconnects_total",
-    "ei_router_branches_active", "ei_router_branches_evicted_total",
+    "ei_router_branches_active", "ei_router_branches_evicted_total", "ei_service_ready",
 )
 """What the dashboard's "Faults & health" row shows: lost reliable messages, NATS reconnects and stream waits,
-slow and gone clients, buffered tokens, drains, failed decode bindings, parked prefills, permission violations."""
+slow and gone clients, buffered tokens, drains, failed decode bindings, parked prefills, permission violations,
+services up but not ready."""
 
 
 def graphs(dash: dict) -> list[dict]:

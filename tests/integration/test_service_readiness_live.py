@@ -1,7 +1,8 @@
 """A service's ``/readyz`` (its ``--metrics-port``, ``shared.service``) follows its NATS connection, on a real
 nats-server: 503 with the reason while NATS cannot be reached at start (the health port opens before the
 connect: ``/healthz`` answers 200 meanwhile), while the bus is disconnected later, and while it waits for a
-JetStream stream the server lost; 200 again once the bus is back. A Kubernetes or compose user expects
+JetStream stream the server lost; 200 again once the bus is back. ``/metrics`` says the same: ``ei_service_ready``
+0 with the reason's kind, then 1. A Kubernetes or compose user expects
 readiness to drop while the service cannot do its job; liveness (``/healthz``) stays 200 throughout."""
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ def _ok(r) -> bool:
     return r.status_code == 200
 
 
+async def _ready_metric(http, base: str) -> dict[str, float]:
+    """``ei_service_ready`` in the service's ``/metrics``: {reason label: value} (one sample)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await http.get(base + "/metrics")).text
+    (fam,) = [f for f in text_string_to_metric_families(text) if f.name == "ei_service_ready"]
+    assert fam.type == "gauge", fam
+    return {smp.labels["reason"]: smp.value for smp in fam.samples}
+
+
 @pytest.mark.timeout(60)
 async def test_readyz_drops_while_nats_is_down_or_the_stream_is_lost_and_comes_back(monkeypatch):
     """Started and ready (200); nats-server SIGKILLed: /readyz 503 "not connected to NATS at URL (reconnecting)",
@@ -75,20 +86,25 @@ async def test_readyz_drops_while_nats_is_down_or_the_stream_is_lost_and_comes_b
             async with httpx.AsyncClient(timeout=2.0) as http:
                 base = f"http://127.0.0.1:{port}"
                 await _until(http, base + "/readyz", _ok, "ready", task)
+                assert await _ready_metric(http, base) == {"": 1.0}  # ready: 1, no reason
                 real = Bus._stream_config
                 monkeypatch.setattr(Bus, "_stream_config", lambda self: real(self).__class__(name="not allowed"))
                 os.kill(srv.pid, signal.SIGKILL)
                 srv.proc.wait()
                 down = f"not connected to NATS at {srv.url} (reconnecting)"
                 await _until(http, base + "/readyz", _not_ready(down), "503 while NATS is down", task)
+                # the same readiness, for Prometheus: 0, with a reason from a fixed set (no URL in a label)
+                assert await _ready_metric(http, base) == {"disconnected": 0.0}
                 assert (await http.get(base + "/healthz")).status_code == 200  # liveness is not readiness
                 shutil.rmtree(Path(srv._tmp) / "js")
                 srv.restart()
                 await _until(http, base + "/readyz", _not_ready("waiting for the JetStream stream EI_p6"),
                              "503 while the stream is lost", task)  # fmt: skip
+                assert await _ready_metric(http, base) == {"stream": 0.0}
                 launcher = await Bus.connect(srv.url, Subjects("p6"), service="launcher", instance="launcher")
                 await launcher.nc.jetstream(timeout=5.0).add_stream(real(launcher))
                 await _until(http, base + "/readyz", _ok, "ready again", task)
+                assert await _ready_metric(http, base) == {"": 1.0}
                 assert (await http.get(base + "/healthz")).status_code == 200
         finally:
             stop.set()
@@ -123,11 +139,13 @@ async def test_the_health_port_opens_before_nats_is_reached():
             assert live.json() == {"status": "ok"}
             await _until(http, base + "/readyz", _not_ready(f"connecting to NATS at {url}"), "503 while connecting", task)
             metrics = (await http.get(base + "/metrics")).text
+            assert await _ready_metric(http, base) == {"connecting": 0.0}  # up (scraped) but not ready
             assert "process_" in metrics or not Path("/proc/self").exists()
             assert "ei_bus_" not in metrics  # no bus yet
             srv.start()
             await _until(http, base + "/readyz", _ok, "ready", task, within_s=20.0)
             assert "ei_bus_messages_received_total" in (await http.get(base + "/metrics")).text
+            assert await _ready_metric(http, base) == {"": 1.0}
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)

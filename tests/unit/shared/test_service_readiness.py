@@ -41,3 +41,30 @@ def test_start_and_stop_are_not_ready():
     assert r.reason() == "stopping"
     r.bus = _bus(connected=False)  # the bus closing is the stop, not an outage
     assert r.reason() == "stopping"
+
+
+def test_every_reason_has_a_kind_from_the_fixed_set_the_metric_labels_with():
+    """``ei_service_ready``'s ``reason`` label is the state's kind, one of ``READY_REASONS`` whatever the URL or
+    stream (a free-text label would make a series per URL); a kind outside the set is refused."""
+    import pytest
+
+    from shared.metrics import READY_REASONS, ready_family
+
+    r = Readiness("nats://planner:s3cret@nats:4222")
+    seen = {r.state()[0]}
+    for bus, phase, ready in [
+        (_bus(), "starting", None), (_bus(connected=False), "serving", None), (_bus(no_jetstream="EI_p0"), "serving", None),
+        (_bus(waiting="EI_p9"), "serving", None), (_bus(), "serving", lambda: False), (_bus(), "stopping", None),
+    ]:
+        r.bus, r.phase, r.ready = bus, phase, ready
+        kind, reason = r.state()
+        assert reason == r.reason() and "s3cret" not in reason
+        seen.add(kind)
+    assert seen == set(READY_REASONS)
+    r.ready = lambda: True
+    r.phase = "serving"
+    assert r.state() is None
+    assert [(s.labels, s.value) for s in ready_family(None).samples] == [({"reason": ""}, 1.0)]
+    assert [(s.labels, s.value) for s in ready_family(("stream", "waiting for the JetStream stream EI_p9")).samples] == [({"reason": "stream"}, 0.0)]
+    with pytest.raises(ValueError, match="not one of"):
+        ready_family(("waiting for the JetStream stream EI_p9", "x"))
