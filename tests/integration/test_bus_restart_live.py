@@ -9,6 +9,7 @@ import contextlib
 import os
 import shutil
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,21 +20,76 @@ from shared.natsserver import EmbeddedNatsServer
 from shared.subjects import NODE_STATE, REQ_OUT, Subjects
 
 
-async def _stream_through_restart(srv: EmbeddedNatsServer, *, reliable: bool, n: int = 1500) -> tuple[list[int], int]:
-    """Publish ``n`` token chunks at ~1 per ms while the server is SIGKILLed and restarted."""
+class _Pair:
+    """A publisher (``worker`` w0) and a subscriber (``router``) on one server, what the subscriber's
+    ``on_chunk`` got (token chunk indexes, in arrival order), and a launcher once ``launch`` made one."""
+
+    def __init__(self, srv: EmbeddedNatsServer, subj: Subjects, pub: Bus, sub: Bus) -> None:
+        self.srv, self.subj, self.pub, self.sub = srv, subj, pub, sub
+        self.got: list[int] = []
+        self.launcher: Bus | None = None
+
+    async def on_chunk(self, c: m.TokenChunk, _s: str) -> None:
+        self.got.append(c.index)
+
+    async def send(self, a: int, b: int) -> None:
+        """Publish the chunks ``a`` .. ``b - 1`` of request ``r``."""
+        for i in range(a, b):
+            await self.pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
+
+    async def until(self, done, what: str, *, within_s: float = 10.0) -> None:
+        """Wait (0.05 s steps) until ``done()``; AssertionError naming ``what`` after ``within_s`` seconds."""
+        for _ in range(round(within_s / 0.05)):
+            if done():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(
+            f"no {what} in {within_s:g} s: got {self.got}, pub {dict(self.pub.counters)}, sub {dict(self.sub.counters)}"
+        )
+
+    def refuse_stream(self, monkeypatch) -> None:
+        """Neither bus may make the stream again (as under nkeys): their config is one the server refuses."""
+        from nats.js.api import StreamConfig
+
+        for bus in (self.pub, self.sub):
+            monkeypatch.setattr(bus, "_stream_config", lambda: StreamConfig(name="not allowed"))
+
+    def restart_without_store(self) -> None:
+        """SIGKILL the server, remove its JetStream store and start it again on the same port."""
+        os.kill(self.srv.pid, signal.SIGKILL)
+        self.srv.proc.wait()
+        shutil.rmtree(Path(self.srv._tmp) / "js")
+        self.srv.restart()
+
+    async def launch(self) -> None:
+        """A third bus, the launcher, makes the stream."""
+        self.launcher = await Bus.connect(self.srv.url, self.subj, service="launcher", instance="launcher")
+        assert await self.launcher.ensure_stream()
+
+
+@contextlib.asynccontextmanager
+async def _pair(srv: EmbeddedNatsServer, *, sub_instance: str = "router") -> AsyncIterator[_Pair]:
+    """The two buses of a ``_Pair`` on subjects ``p0``; every bus (the launcher too) closed on the way out."""
     subj = Subjects("p0")
     pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
-    sub = await Bus.connect(srv.url, subj, service="router", instance="router")
-    got: list[int] = []
-
-    async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-        got.append(c.index)
-
-    await sub.subscribe(REQ_OUT, on_chunk, reliable=reliable)
-    # the subscriber reconnects later than the publisher (as one of several services does):
-    # what the publisher flushes on its reconnect reaches the server before the subscriber is back
-    sub.nc.options["reconnect_time_wait"] = 1.5
+    sub = await Bus.connect(srv.url, subj, service="router", instance=sub_instance)
+    p = _Pair(srv, subj, pub, sub)
     try:
+        yield p
+    finally:
+        for bus in (pub, sub, p.launcher):
+            if bus is not None:
+                await bus.close()
+
+
+async def _stream_through_restart(srv: EmbeddedNatsServer, *, reliable: bool, n: int = 1500) -> tuple[list[int], int]:
+    """Publish ``n`` token chunks at ~1 per ms while the server is SIGKILLed and restarted."""
+    async with _pair(srv) as p:
+        pub, sub, got = p.pub, p.sub, p.got
+        await sub.subscribe(REQ_OUT, p.on_chunk, reliable=reliable)
+        # the subscriber reconnects later than the publisher (as one of several services does):
+        # what the publisher flushes on its reconnect reaches the server before the subscriber is back
+        sub.nc.options["reconnect_time_wait"] = 1.5
         for i in range(n):
             if i == n // 3:
                 os.kill(srv.pid, signal.SIGKILL)
@@ -52,9 +108,6 @@ async def _stream_through_restart(srv: EmbeddedNatsServer, *, reliable: bool, n:
                 break
             await asyncio.sleep(0.1)
         return got, pub.counters["resent"]
-    finally:
-        await pub.close()
-        await sub.close()
 
 
 @pytest.mark.timeout(120)
@@ -75,37 +128,21 @@ async def test_a_reset_consumer_comes_back_under_a_new_name_while_the_old_one_li
     the same name the server took the new one for an update of its start sequence, refused it,
     and nothing arrived after the reset."""
     with EmbeddedNatsServer() as srv:
-        subj = Subjects("p0")
-        pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
-        sub = await Bus.connect(srv.url, subj, service="router", instance="router.a b")  # cut to a valid name
-        got: list[int] = []
-
-        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-            got.append(c.index)
-
-        async def wait_for(k: int) -> None:
-            for _ in range(250):
-                if len(got) >= k:
-                    return
-                await asyncio.sleep(0.02)
-
-        js_sub = await sub.subscribe(REQ_OUT, on_chunk)
-        info = await sub.nc.jetstream().stream_info(stream_name(subj))
-        names = [c.name for c in await sub.nc.jetstream().consumers_info(stream_name(subj))]
-        assert info.state.consumer_count == 1 and names[0].startswith("router_a_b_"), names
-        for i in range(5):
-            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
-        await wait_for(5)
-        jsi = js_sub._sub._jsi
-        await jsi.reset_ordered_consumer(jsi._sseq + 1)
-        for i in range(5, 10):
-            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
-        await wait_for(10)
-        await asyncio.sleep(0.2)
-        assert got == list(range(10))
-        assert js_sub._consumer not in names  # the new incarnation's name
-        await pub.close()
-        await sub.close()
+        async with _pair(srv, sub_instance="router.a b") as p:  # cut to a valid name
+            sub, got = p.sub, p.got
+            js_sub = await sub.subscribe(REQ_OUT, p.on_chunk)
+            info = await sub.nc.jetstream().stream_info(stream_name(p.subj))
+            names = [c.name for c in await sub.nc.jetstream().consumers_info(stream_name(p.subj))]
+            assert info.state.consumer_count == 1 and names[0].startswith("router_a_b_"), names
+            await p.send(0, 5)
+            await p.until(lambda: len(got) >= 5, "first 5")
+            jsi = js_sub._sub._jsi
+            await jsi.reset_ordered_consumer(jsi._sseq + 1)
+            await p.send(5, 10)
+            await p.until(lambda: len(got) >= 10, "the 5 after the reset")
+            await asyncio.sleep(0.2)
+            assert got == list(range(10))
+            assert js_sub._consumer not in names  # the new incarnation's name
 
 
 @pytest.mark.timeout(90)
@@ -118,61 +155,52 @@ async def test_a_stream_that_comes_back_shorter_loses_no_new_message(backlog):
     raised the floor back and the new messages were dropped as redeliveries, 10..14 lost).
 
     The lost tail is made exact: the store is copied after 5 messages and put back after 10."""
+    gate = asyncio.Event()
+    gate.set()
     with EmbeddedNatsServer() as srv:
-        subj = Subjects("p0")
-        pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
-        sub = await Bus.connect(srv.url, subj, service="router", instance="router")
-        got: list[int] = []
-        gate = asyncio.Event()
-        gate.set()
+        async with _pair(srv) as p:
+            pub, sub, got = p.pub, p.sub, p.got
 
-        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-            await gate.wait()
-            got.append(c.index)
+            async def on_chunk(c: m.TokenChunk, s: str) -> None:
+                await gate.wait()
+                await p.on_chunk(c, s)
 
-        async def send(a: int, b: int) -> None:
-            for i in range(a, b):
-                await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
-            await pub.nc.flush()
+            async def send(a: int, b: int) -> None:
+                await p.send(a, b)
+                await pub.nc.flush()
 
-        async def until(done, what: str) -> None:
-            for _ in range(300):
-                if done():
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(f"no {what} in 15 s: got {got}, {dict(sub.counters)}")
+            def until(done, what: str):
+                return p.until(done, what, within_s=15.0)
 
-        try:
-            await sub.subscribe(REQ_OUT, on_chunk)
-            await send(0, 5)
-            await until(lambda: len(got) == 5, "first 5")
-            store = Path(srv._tmp) / "js"
-            srv.proc.send_signal(signal.SIGTERM)  # a clean stop: the store holds sequences 1..5
-            srv.proc.wait()
-            shutil.copytree(store, store.with_name("js.5"))
-            srv.restart()
-            await until(lambda: pub.nc.is_connected and sub.nc.is_connected, "reconnect")
-            await asyncio.sleep(1.5)  # the lost ephemeral consumer is made again (missed heartbeats)
-            if backlog:
-                gate.clear()  # 5..9 wait in the subscription (the handler is busy)
-            await send(5, 10)
-            await until(lambda: len(got) == 10 or (backlog and sub.counters["received.req.{rid}.out"] >= 6), "next 5")
-            pub._recent.clear()  # no resend: the lost tail stays lost (the test is about the reused numbers)
-            os.kill(srv.pid, signal.SIGKILL)
-            srv.proc.wait()
-            shutil.rmtree(store)
-            shutil.copytree(store.with_name("js.5"), store)
-            srv.restart()
-            await until(lambda: sub.counters["stream_rewound"] == 1, "rewind")
-            gate.set()
-            await send(10, 15)  # stored as sequences 6..10 again
-            await until(lambda: len(got) >= 15, "new 5")
-            await asyncio.sleep(0.5)
-            assert got == list(range(15)), got
-        finally:
-            gate.set()
-            await pub.close()
-            await sub.close()
+            try:
+                await sub.subscribe(REQ_OUT, on_chunk)
+                await send(0, 5)
+                await until(lambda: len(got) == 5, "first 5")
+                store = Path(srv._tmp) / "js"
+                srv.proc.send_signal(signal.SIGTERM)  # a clean stop: the store holds sequences 1..5
+                srv.proc.wait()
+                shutil.copytree(store, store.with_name("js.5"))
+                srv.restart()
+                await until(lambda: pub.nc.is_connected and sub.nc.is_connected, "reconnect")
+                await asyncio.sleep(1.5)  # the lost ephemeral consumer is made again (missed heartbeats)
+                if backlog:
+                    gate.clear()  # 5..9 wait in the subscription (the handler is busy)
+                await send(5, 10)
+                await until(lambda: len(got) == 10 or (backlog and sub.counters["received.req.{rid}.out"] >= 6), "next 5")
+                pub._recent.clear()  # no resend: the lost tail stays lost (the test is about the reused numbers)
+                os.kill(srv.pid, signal.SIGKILL)
+                srv.proc.wait()
+                shutil.rmtree(store)
+                shutil.copytree(store.with_name("js.5"), store)
+                srv.restart()
+                await until(lambda: sub.counters["stream_rewound"] == 1, "rewind")
+                gate.set()
+                await send(10, 15)  # stored as sequences 6..10 again
+                await until(lambda: len(got) >= 15, "new 5")
+                await asyncio.sleep(0.5)
+                assert got == list(range(15)), got
+            finally:
+                gate.set()
 
 
 @pytest.mark.timeout(60)
@@ -185,45 +213,21 @@ async def test_a_server_back_without_its_store_gets_the_stream_again_and_loses_n
     subscriber resumes at its start, and what was published after the reconnect but before the
     stream was there is published again: every message arrives once."""
     with EmbeddedNatsServer() as srv:
-        subj = Subjects("p0")
-        pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
-        sub = await Bus.connect(srv.url, subj, service="router", instance="router")
-        got: list[int] = []
-
-        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-            got.append(c.index)
-
-        async def send(a: int, b: int) -> None:
-            for i in range(a, b):
-                await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
-
-        async def until(done, what: str) -> None:
-            for _ in range(200):
-                if done():
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(f"no {what} in 10 s: got {got}, {dict(sub.counters)}")
-
-        try:
-            await sub.subscribe(REQ_OUT, on_chunk)
-            await send(0, 5)
-            await until(lambda: len(got) == 5, "first 5")
-            os.kill(srv.pid, signal.SIGKILL)
-            srv.proc.wait()
-            shutil.rmtree(Path(srv._tmp) / "js")
-            srv.restart()
-            await until(lambda: pub.nc.is_connected, "reconnect")
-            await send(5, 10)  # at once: maybe before the stream is there again
-            await until(lambda: len(got) >= 10, "the 5 sent at the reconnect")
-            await send(10, 15)
-            await until(lambda: len(got) >= 15, "all 15")
+        async with _pair(srv) as p:
+            pub, sub, got = p.pub, p.sub, p.got
+            await sub.subscribe(REQ_OUT, p.on_chunk)
+            await p.send(0, 5)
+            await p.until(lambda: len(got) == 5, "first 5")
+            p.restart_without_store()
+            await p.until(lambda: pub.nc.is_connected, "reconnect")
+            await p.send(5, 10)  # at once: maybe before the stream is there again
+            await p.until(lambda: len(got) >= 10, "the 5 sent at the reconnect")
+            await p.send(10, 15)
+            await p.until(lambda: len(got) >= 15, "all 15")
             await asyncio.sleep(0.5)
             assert got == list(range(15)), got
             assert pub.counters["stream_made_again"] + sub.counters["stream_made_again"] >= 1
             assert sub.counters["stream_recreated"] == 1 and pub.counters["stream_recreated"] == 1
-        finally:
-            await pub.close()
-            await sub.close()
 
 
 @pytest.mark.timeout(60)
@@ -234,50 +238,25 @@ async def test_a_bus_that_may_not_make_the_lost_stream_waits_until_another_does(
     another makes it. Here the two buses' attempts fail (a config the server refuses) and a third bus (the
     launcher) makes the stream 1.5 s after the restart, past the (shortened) wait."""
     import shared.bus as busmod
-    from nats.js.api import StreamConfig
 
     monkeypatch.setattr(busmod, "STREAM_BACK_WAIT_S", 0.3)
     with EmbeddedNatsServer() as srv:
-        subj = Subjects("p0")
-        pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
-        sub = await Bus.connect(srv.url, subj, service="router", instance="router")
-        got: list[int] = []
-
-        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-            got.append(c.index)
-
-        async def until(done, what: str) -> None:
-            for _ in range(200):
-                if done():
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(f"no {what} in 10 s: got {got}, {dict(sub.counters)}")
-
-        launcher = None
-        try:
-            await sub.subscribe(REQ_OUT, on_chunk)
-            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=0, token_ids=[0]), rid="r")
+        async with _pair(srv) as p:
+            pub, sub, got, until = p.pub, p.sub, p.got, p.until
+            await sub.subscribe(REQ_OUT, p.on_chunk)
+            await p.send(0, 1)
             await until(lambda: got == [0], "first")
-            for bus in (pub, sub):  # neither may make it (as under nkeys)
-                monkeypatch.setattr(bus, "_stream_config", lambda: StreamConfig(name="not allowed"))
-            os.kill(srv.pid, signal.SIGKILL)
-            srv.proc.wait()
-            shutil.rmtree(Path(srv._tmp) / "js")
-            srv.restart()
+            p.refuse_stream(monkeypatch)
+            p.restart_without_store()
             await until(lambda: pub.nc.is_connected and sub.nc.is_connected, "reconnect")
             await asyncio.sleep(1.5)  # past the wait
-            launcher = await Bus.connect(srv.url, subj, service="launcher", instance="launcher")
-            assert await launcher.ensure_stream()
+            await p.launch()
             await until(lambda: sub.counters["stream_recreated"] == 1 and pub.counters["stream_recreated"] == 1, "resume")
-            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=1, token_ids=[1]), rid="r")
+            await p.send(1, 2)
             await until(lambda: len(got) >= 2, "the next")
             await asyncio.sleep(0.3)
             assert got == [0, 1], got
             assert sub.counters["stream_missing_warnings"] >= 1
-        finally:
-            for bus in (pub, sub, launcher):
-                if bus is not None:
-                    await bus.close()
 
 
 @pytest.mark.timeout(60)
@@ -288,51 +267,26 @@ async def test_what_is_published_during_a_long_wait_for_the_lost_stream_arrives_
     ``RESEND_WINDOW_S`` of it was published again (0.3 s here: 1.5 s of publishes, 12 of 15 lost) and the rest
     "went nowhere"."""
     import shared.bus as busmod
-    from nats.js.api import StreamConfig
 
     monkeypatch.setattr(busmod, "STREAM_BACK_WAIT_S", 0.3)
     monkeypatch.setattr(busmod, "RESEND_WINDOW_S", 0.3)
     with EmbeddedNatsServer() as srv:
-        subj = Subjects("p0")
-        pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
-        sub = await Bus.connect(srv.url, subj, service="router", instance="router")
-        got: list[int] = []
-
-        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-            got.append(c.index)
-
-        async def until(done, what: str) -> None:
-            for _ in range(200):
-                if done():
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(f"no {what} in 10 s: got {got}, {dict(pub.counters)}")
-
-        launcher = None
-        try:
-            await sub.subscribe(REQ_OUT, on_chunk)
-            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=0, token_ids=[0]), rid="r")
+        async with _pair(srv) as p:
+            pub, sub, got, until = p.pub, p.sub, p.got, p.until
+            await sub.subscribe(REQ_OUT, p.on_chunk)
+            await p.send(0, 1)
             await until(lambda: got == [0], "first")
-            for bus in (pub, sub):  # neither may make it (as under nkeys)
-                monkeypatch.setattr(bus, "_stream_config", lambda: StreamConfig(name="not allowed"))
-            os.kill(srv.pid, signal.SIGKILL)
-            srv.proc.wait()
-            shutil.rmtree(Path(srv._tmp) / "js")
-            srv.restart()
+            p.refuse_stream(monkeypatch)
+            p.restart_without_store()
             await until(lambda: pub.nc.is_connected and sub.nc.is_connected, "reconnect")
             for i in range(1, 16):  # 1.5 s of publishes while the stream is missing: 5 resend windows
                 await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
                 await asyncio.sleep(0.1)
-            launcher = await Bus.connect(srv.url, subj, service="launcher", instance="launcher")
-            assert await launcher.ensure_stream()
+            await p.launch()
             await until(lambda: len(got) >= 16, "every chunk")
             await asyncio.sleep(0.3)
             assert got == list(range(16)), got
             assert pub.counters["stream_recreated"] == 1 and not pub.counters["stream_held_dropped"] and not pub._held
-        finally:
-            for bus in (pub, sub, launcher):
-                if bus is not None:
-                    await bus.close()
 
 
 @pytest.mark.timeout(120)
@@ -424,47 +378,21 @@ async def test_what_is_published_while_the_lost_stream_is_awaited_arrives_in_ord
     takes output it already has for a duplicate (``next_index``), lost the tokens. Now a publish made while the
     stream is known lost is only kept, and all go out in publish order."""
     import shared.bus as busmod
-    from nats.js.api import StreamConfig
 
     monkeypatch.setattr(busmod, "STREAM_BACK_WAIT_S", 0.3)
     with EmbeddedNatsServer() as srv:
-        subj = Subjects("p0")
-        pub = await Bus.connect(srv.url, subj, service="worker", instance="w0")
-        sub = await Bus.connect(srv.url, subj, service="router", instance="router")
-        got: list[int] = []
-
-        async def on_chunk(c: m.TokenChunk, _s: str) -> None:
-            got.append(c.index)
-
-        async def until(done, what: str) -> None:
-            for _ in range(200):
-                if done():
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(f"no {what} in 10 s: got {got}, {dict(pub.counters)}")
-
-        launcher = None
-        try:
-            await sub.subscribe(REQ_OUT, on_chunk)
-            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=0, token_ids=[0]), rid="r")
+        async with _pair(srv) as p:
+            pub, sub, got, until = p.pub, p.sub, p.got, p.until
+            await sub.subscribe(REQ_OUT, p.on_chunk)
+            await p.send(0, 1)
             await until(lambda: got == [0], "first")
-            for bus in (pub, sub):  # neither may make it (as under nkeys)
-                monkeypatch.setattr(bus, "_stream_config", lambda: StreamConfig(name="not allowed"))
-            os.kill(srv.pid, signal.SIGKILL)
-            srv.proc.wait()
-            shutil.rmtree(Path(srv._tmp) / "js")
-            srv.restart()
+            p.refuse_stream(monkeypatch)
+            p.restart_without_store()
             await until(lambda: pub.stream_waiting and sub.stream_waiting, "both waiting for the lost stream")
-            for i in range(1, 6):
-                await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
-            launcher = await Bus.connect(srv.url, subj, service="launcher", instance="launcher")
-            assert await launcher.ensure_stream()
+            await p.send(1, 6)
+            await p.launch()
             # at once: the publisher looks again only each 0.5 s (a look in these few ms is a pass either way)
             await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=6, token_ids=[6]), rid="r")
             await until(lambda: len(got) >= 7, "every chunk")
             await asyncio.sleep(0.3)
             assert got == list(range(7)), got
-        finally:
-            for bus in (pub, sub, launcher):
-                if bus is not None:
-                    await bus.close()
