@@ -10,6 +10,8 @@ server's ``-ERR``) while the first lookup is in flight, then that lookup times o
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -20,6 +22,17 @@ from shared.natsserver import EmbeddedNatsServer
 from shared.subjects import Subjects
 
 pytestmark = pytest.mark.timeout(30)
+
+
+@contextlib.asynccontextmanager
+async def _bus() -> AsyncIterator[Bus]:
+    """A bus (partition ``p0``, no auth) on a fresh nats-server; closed, and the server stopped, on the way out."""
+    with EmbeddedNatsServer() as srv:
+        bus = await Bus.connect(srv.url, Subjects("p0"), service="test", instance="test-denial")
+        try:
+            yield bus
+        finally:
+            await bus.close()
 
 
 def _deny_during_first_lookup(bus: Bus, subject: str, call: str = "stream_info") -> list[Any]:
@@ -51,48 +64,32 @@ def _deny_during_first_lookup(bus: Bus, subject: str, call: str = "stream_info")
 
 @pytest.mark.parametrize("maker", [True, False])
 async def test_an_unrelated_denial_during_the_start_lookup_is_not_a_stream_denial(maker):
-    with EmbeddedNatsServer() as srv:
-        bus = await Bus.connect(srv.url, Subjects("p0"), service="test", instance="test-denial")
-        try:
-            lookups = _deny_during_first_lookup(bus, "ei.p0.svc.heartbeat.test")
-            assert await asyncio.wait_for(bus.ensure_stream(maker=maker), 10.0) is True
-            assert bus.jetstream and len(lookups) >= 2 and bus.counters["nats.permission_violations"] == 1
-        finally:
-            await bus.close()
+    async with _bus() as bus:
+        lookups = _deny_during_first_lookup(bus, "ei.p0.svc.heartbeat.test")
+        assert await asyncio.wait_for(bus.ensure_stream(maker=maker), 10.0) is True
+        assert bus.jetstream and len(lookups) >= 2 and bus.counters["nats.permission_violations"] == 1
 
 
 async def test_an_unrelated_denial_during_the_launchers_create_is_not_a_stream_denial():
-    with EmbeddedNatsServer() as srv:
-        bus = await Bus.connect(srv.url, Subjects("p0"), service="test", instance="test-denial")
-        try:
-            creates = _deny_during_first_lookup(bus, "ei.p0.svc.heartbeat.test", call="add_stream")
-            assert await asyncio.wait_for(bus.ensure_stream(maker=True), 10.0) is True
-            assert bus.jetstream and len(creates) == 2
-        finally:
-            await bus.close()
+    async with _bus() as bus:
+        creates = _deny_during_first_lookup(bus, "ei.p0.svc.heartbeat.test", call="add_stream")
+        assert await asyncio.wait_for(bus.ensure_stream(maker=True), 10.0) is True
+        assert bus.jetstream and len(creates) == 2
 
 
 async def test_the_stream_lookup_denied_still_raises_for_the_launcher():
-    with EmbeddedNatsServer() as srv:
-        bus = await Bus.connect(srv.url, Subjects("p0"), service="test", instance="test-denial")
-        try:
-            _deny_during_first_lookup(bus, "$js.api.stream.info.ei_p0")  # nats-py lowercases the server's text
-            with pytest.raises(PermissionDenied, match=r"\$JS\.API\.STREAM\.INFO\.EI_p0"):
-                await asyncio.wait_for(bus.ensure_stream(maker=True), 10.0)
-        finally:
-            await bus.close()
+    async with _bus() as bus:
+        _deny_during_first_lookup(bus, "$js.api.stream.info.ei_p0")  # nats-py lowercases the server's text
+        with pytest.raises(PermissionDenied, match=r"\$JS\.API\.STREAM\.INFO\.EI_p0"):
+            await asyncio.wait_for(bus.ensure_stream(maker=True), 10.0)
 
 
 async def test_an_unrelated_denial_during_the_reconnect_lookup_does_not_give_it_up():
-    with EmbeddedNatsServer() as srv:
-        bus = await Bus.connect(srv.url, Subjects("p0"), service="test", instance="test-denial")
-        try:
-            assert await bus.ensure_stream() is True
-            lookups = _deny_during_first_lookup(bus, "ei.p0.svc.heartbeat.test")
-            info = await asyncio.wait_for(bus._stream_after_reconnect(lambda: True), 10.0)
-            assert info is not None and info.config.name == "EI_p0" and len(lookups) == 2
-        finally:
-            await bus.close()
+    async with _bus() as bus:
+        assert await bus.ensure_stream() is True
+        lookups = _deny_during_first_lookup(bus, "ei.p0.svc.heartbeat.test")
+        info = await asyncio.wait_for(bus._stream_after_reconnect(lambda: True), 10.0)
+        assert info is not None and info.config.name == "EI_p0" and len(lookups) == 2
 
 
 async def test_denials_of_other_subjects_are_not_kept_one_entry_each():
@@ -100,14 +97,10 @@ async def test_denials_of_other_subjects_are_not_kept_one_entry_each():
     denials on other subjects (a per-request subject this identity may not publish) must not grow it. Before, each
     distinct denied subject stayed in ``Bus._publish_denials`` for the life of the process (1,000 denials: 1,000
     entries)."""
-    with EmbeddedNatsServer() as srv:
-        bus = await Bus.connect(srv.url, Subjects("p0"), service="test", instance="test-denial")
-        try:
-            for i in range(1000):
-                await bus.nc._error_cb(nats.errors.Error(f"nats: permissions violation for publish to \"ei.p0.req.out.r{i}\""))
-            await bus.nc._error_cb(nats.errors.Error("nats: permissions violation for publish to \"$JS.API.STREAM.INFO.EI_p0\""))
-            assert bus.counters["nats.permission_violations"] == 1001
-            assert bus._stream_api_denials("INFO") == 1 and bus._stream_api_denials("CREATE") == 0
-            assert len(bus._publish_denials) <= 2, len(bus._publish_denials)
-        finally:
-            await bus.close()
+    async with _bus() as bus:
+        for i in range(1000):
+            await bus.nc._error_cb(nats.errors.Error(f"nats: permissions violation for publish to \"ei.p0.req.out.r{i}\""))
+        await bus.nc._error_cb(nats.errors.Error("nats: permissions violation for publish to \"$JS.API.STREAM.INFO.EI_p0\""))
+        assert bus.counters["nats.permission_violations"] == 1001
+        assert bus._stream_api_denials("INFO") == 1 and bus._stream_api_denials("CREATE") == 0
+        assert len(bus._publish_denials) <= 2, len(bus._publish_denials)
