@@ -9,6 +9,8 @@ rules), choosing the pair that switches the fewest live nodes: one command, the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from shared.messages import NodeState, SplitApplied
@@ -23,9 +25,12 @@ NODES = ["w0", "w1", "w2", "w3"]
 TINY = load_profile("tiny")
 
 
-def _drive(core: PlannerCore, t_end: float, dead: dict[str, float], *, kv_used: float = 0.3, queue: int = 0):
-    """Every 0.5 s each live node reports (a node in ``dead`` stops after its time); the core ticks when due;
-    a live node confirms a switch at once. Returns the commands issued, with their times."""
+def _drive(
+    core: PlannerCore, t_end: float, dead: dict[str, float], *, kv_used: float = 0.3, queue: int | Callable[[str], int] = 0
+):
+    """Every 0.5 s each live node reports (a node in ``dead`` stops after its time): a prefill node ``queue`` waiting
+    and queued requests (or ``queue(node)``), a decode node 10 decoding at KV use ``kv_used``; the core ticks when
+    due; a live node confirms a switch at once. Returns the commands issued, with their times."""
     cmds = []
     for k in range(int(t_end * 2) + 1):
         t = k * 0.5
@@ -34,7 +39,8 @@ def _drive(core: PlannerCore, t_end: float, dead: dict[str, float], *, kv_used: 
             if n in dead and t > dead[n]:
                 continue
             if phases[n] == "prefill":
-                st = state(n, "prefill", waiting=queue, queue=queue)
+                q = queue(n) if callable(queue) else queue
+                st = state(n, "prefill", waiting=q, queue=q)
             else:
                 used = int(round(kv_used * 100))
                 st = state(n, "decode", decoding=10, free=100 - used, total=100)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.messages import SplitApplied
 from shared.split import split_name
 from services.planner.core import PlannerCore
 from services.planner.evolving import EvolvingPlanner
@@ -31,27 +30,7 @@ def test_dynamo_averages_the_prefill_queue_over_the_live_prefill_nodes() -> None
     decode node goes to prefill at the 180-s adjustment
     (w2, the first decode node: live 2P1D), and the decision names the dead node."""
     core = PlannerCore(FOUR, "2P2D", policy=make_planner("dynamo", FOUR, TINY), silent_after=3.0)
-    cmds = []
-    for k in range(int(230 * 2) + 1):
-        t = k * 0.5
-        phases = core.command.phases
-        for n in FOUR:
-            if n == "w0" and t > 100.0:
-                continue
-            if phases[n] == "prefill":
-                q = 0 if n == "w0" else 8
-                st = state(n, "prefill", waiting=q, queue=q)
-            else:
-                st = state(n, "decode", decoding=10, free=30, total=100)
-            core.on_node_state(msgspec.structs.replace(st, epoch=core.command.epoch), t)
-        nxt = core.next_tick()
-        if nxt is not None and nxt <= t:
-            cmd = core.tick(t)
-            if cmd is not None:
-                cmds.append((t, dict(cmd.phases), cmd.reason))
-                for n in FOUR:
-                    if n != "w0" or t <= 100.0:
-                        core.on_split_applied(SplitApplied(node=n, epoch=cmd.epoch, phase=cmd.phases[n], status="serving"), t)
+    cmds = _drive(core, 230.0, {"w0": 100.0}, kv_used=0.7, queue=lambda n: 0 if n == "w0" else 8)
     assert [(t, ph) for t, ph, _ in cmds] == [(180.0, {"w0": "prefill", "w1": "prefill", "w2": "prefill", "w3": "decode"})]
     # the mean over the samples since t=0: 4 per node while w0 lived, 8 per live node after
     assert cmds[0][2].startswith("prefill queue 5.68/node (up > 5.0)") and cmds[0][2].endswith("(live nodes only; dead: w0)")
