@@ -183,16 +183,8 @@ async def test_a_service_started_before_the_stream_waits_for_it_then_consumes_th
                     await bus.close()
 
 
-async def test_a_server_without_jetstream_still_falls_back_to_core_nats_at_once():
-    """No JetStream on the server (not a missing stream): reliable subjects go over core NATS, as before, without waiting."""
-    with EmbeddedNatsServer(jetstream=False) as srv:
-        bus = await Bus.connect(srv.url, Subjects("p7"), service="router", instance="router")
-        try:
-            t0 = time.monotonic()
-            assert not await asyncio.wait_for(bus.ensure_stream(), 10.0)
-            assert time.monotonic() - t0 < 6.0 and not bus.jetstream and not bus.counters["stream_missing_warnings"]
-        finally:
-            await bus.close()
+# A server without JetStream (not a missing stream) falls back at once, without a wait warning:
+# test_bus_stream_lookup_live.py::test_a_server_without_jetstream_still_makes_the_bus_fall_back_at_once.
 
 
 async def test_a_create_the_server_refuses_for_overlapping_subjects_is_named_in_the_wait_warning():

@@ -54,12 +54,16 @@ async def test_a_stream_lookup_without_an_answer_is_made_again_and_the_bus_stays
 
 
 async def test_a_server_without_jetstream_still_makes_the_bus_fall_back_at_once():
+    """No JetStream on the server (not a missing stream): reliable subjects go over core NATS, as before, without
+    waiting: no lookup made again, no wait for the stream (its warning) either (a821ec1's test in
+    test_auth_stream_live.py, merged here)."""
     with EmbeddedNatsServer(jetstream=False) as srv:
-        bus = await Bus.connect(srv.url, Subjects("p0"), service="test", instance="test-nojs")
+        bus = await Bus.connect(srv.url, Subjects("p0"), service="router", instance="router")
         try:
             t = time.monotonic()
-            assert await bus.ensure_stream() is False
+            assert await asyncio.wait_for(bus.ensure_stream(), 10.0) is False
             assert time.monotonic() - t < 1.0 and not bus.jetstream and not bus.counters["stream_lookup_retries"]
+            assert not bus.counters["stream_missing_warnings"]
         finally:
             await bus.close()
 
