@@ -394,6 +394,7 @@ class LiveReplayer:
                     rec.retries += 1
                     await asyncio.sleep(delay)
                     rec.ok, rec.error, rec.status, rec.request_id = True, None, 200, None
+                    rec.retry_wait_s = self.clock.local_now() - t0  # first send -> this one (not the control plane's)
                     continue
             break
         if refused:

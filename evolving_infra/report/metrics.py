@@ -33,7 +33,8 @@ simulated seconds.
   :func:`timeline_metrics`.
 * per period of a shifting run (§6.3, Table C.4): :func:`period_metrics`.
 * TTFT prediction error (``ttft`` routing, paper Eq. 7): ``ttft_prediction_abs_error_*`` =
-  |client TTFT − admission wait − ``predicted_ttft_s``| (in a live run the client TTFT adds the
+  |client TTFT − admission wait − retry wait − ``predicted_ttft_s``| (retry wait: a live request's
+  ``retry_wait_s``, its refused sends and the waits before it was sent again; in a live run the client TTFT adds the
   control plane: router, dispatch to the node, first token back to the client, none of which the
   predictor models); ``ttft_prediction_node_abs_error_*``, only when records carry
   ``node_arrived_at`` and ``first_token_at`` (live runs) = |(``first_token_at`` −
@@ -42,7 +43,7 @@ simulated seconds.
 * TTFT on the node vs the control plane (live runs only, records with ``node_arrived_at`` and
   ``first_token_at``): ``ttft_node_*`` = ``first_token_at`` − ``node_arrived_at`` (the prefill
   node's queue + prefill, what a serving system's own TTFT counts); ``ttft_control_plane_*`` =
-  client TTFT − admission wait − that (router, bus, dispatch to the node, first token back to the
+  client TTFT − admission wait − retry wait − that (router, bus, dispatch to the node, first token back to the
   client); ``ttft_split_client_mean_s`` = the mean client TTFT over those same records (the
   control plane's share is ``ttft_control_plane_mean_s`` / it). Under ``--speedup N`` the control
   plane is N × its real latency, so on a loaded machine it can dominate the client TTFT and swamp a
@@ -261,7 +262,7 @@ def summarize(
         lost = max(0.0, 1.0 - h / ideal_kv_hit_rate)
     queue = [r.queue_s for r in records if r.queue_s is not None]
     pred_err = [
-        abs(r.ttft_s - r.admission_wait_s - r.predicted_ttft_s)
+        abs(r.ttft_s - r.admission_wait_s - r.retry_wait_s - r.predicted_ttft_s)
         for r in ok
         if r.predicted_ttft_s is not None and r.ttft_s is not None
     ]
@@ -282,7 +283,8 @@ def summarize(
     # live: client TTFT = admission wait + control plane + the node's part; a live run at --speedup N
     # multiplies the control plane's real latency (and its lateness on a loaded machine) by N
     split = [
-        (r.first_token_at - r.node_arrived_at, r.ttft_s - r.admission_wait_s - (r.first_token_at - r.node_arrived_at), r.ttft_s)
+        (r.first_token_at - r.node_arrived_at,
+         r.ttft_s - r.admission_wait_s - r.retry_wait_s - (r.first_token_at - r.node_arrived_at), r.ttft_s)
         for r in ok
         if r.ttft_s is not None and r.first_token_at is not None and r.node_arrived_at is not None
     ]

@@ -86,6 +86,11 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     connection refused or reset before the first byte: ``evolving_infra.replay.retry``); ``ok`` and ``error`` are the
     last send's, ``sent_at``, TTFT and E2E count from the first (the waits included, as the agent waited). 0 when
     the first send was answered (or simulated)."""
+    retry_wait_s: float = 0.0
+    """Live, a retried request: local s (simulated, as ``ttft_s``) from its first send to its last one, the refused
+    sends and the waits between them (``Retry-After``, backoff), part of ``ttft_s`` and ``e2e_s`` (the agent waited) but
+    neither the router's control plane nor its node's TTFT: the report's ``ttft_control_plane_*`` and TTFT
+    prediction errors leave it out, as the admission wait. 0 when not retried."""
 
     @property
     def tpot_s(self) -> float | None:

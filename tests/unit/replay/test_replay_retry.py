@@ -22,6 +22,7 @@ from evolving_infra.replay.core import Arrival
 from evolving_infra.replay.live import LiveReplayer
 from evolving_infra.replay.retry import RetryPolicy, parse_retry_after
 from evolving_infra.report.metrics import summarize
+from evolving_infra.report.records import RequestRecord
 from evolving_infra.traces.schema import TraceRequest
 from shared.clock import SimClock
 from tests.unit.replay.stub_router import StubRouter, stub_router_thread
@@ -50,6 +51,26 @@ async def test_a_request_refused_before_any_answer_is_sent_again_and_completes(f
     assert rec.completion_tokens == 1 and rec.ttft_s is not None
     s = summarize([rec])
     assert (s["requests_failed"], s["requests_retried"], s["retries"]) == (0, 1, len(faults))
+
+
+async def test_a_retried_requests_record_keeps_the_retry_wait_out_of_the_control_plane():
+    """The 503's Retry-After (0.05 wall s, 50 s at --speedup 1000) and the refused send are the record's
+    retry_wait_s, inside its TTFT; the report's control-plane share and TTFT prediction error leave it out.
+    Before, they were none of the record's: a request that waited out a draining router's Retry-After: 1 at
+    --speedup 50 added 50 s to ttft_control_plane_* and to the prediction error."""
+    rec, _ = await _run(["503"])
+    assert rec.ok and rec.retries == 1 and rec.ttft_s is not None
+    assert 50.0 <= rec.retry_wait_s <= rec.ttft_s, rec
+    plain, _ = await _run([])
+    assert plain.ok and plain.retry_wait_s == 0.0
+    # a request routed with a predicted TTFT of 8 s, 8 s on its node, 2 s of control plane, after 50 s of retries
+    recs = [RequestRecord(id=f"r{i}", agent="a", branch="a:main", sent_at=0.0, ttft_s=60.0, e2e_s=61.0, retries=1,
+                          retry_wait_s=50.0, predicted_ttft_s=8.0, node_arrived_at=100.0, first_token_at=108.0,
+                          completion_tokens=2, prompt_tokens=4, finished_at=61.0) for i in range(2)]
+    s = summarize(recs)
+    assert s["ttft_control_plane_mean_s"] == pytest.approx(2.0) and s["ttft_node_mean_s"] == pytest.approx(8.0)
+    assert s["ttft_prediction_abs_error_median_s"] == pytest.approx(2.0)  # the control plane, as without retries
+    assert s["ttft_mean_s"] == pytest.approx(60.0)  # the client's TTFT keeps the wait: the agent waited
 
 
 async def test_the_retries_stop_at_max_retries_and_the_request_fails_with_the_last_refusal():
