@@ -12,7 +12,6 @@ work is still checked at once, and the next plan runs it. Needs the ``torch`` ex
 
 from __future__ import annotations
 
-import asyncio
 import time
 from types import SimpleNamespace
 
@@ -28,14 +27,8 @@ from shared.hashing import block_hashes, pack_tokens  # noqa: E402
 from shared.messages import BlockRemoved, DecodeWork  # noqa: E402
 from services.worker.service import WorkerService  # noqa: E402
 from shared.clock import SimClock  # noqa: E402
-from tests.unit.worker.torch_tiny import BS, prompt, work  # noqa: E402
-
-FORWARD_S = 0.4
-"""How long the test's slowed forward holds the engine's lock (wall s)."""
-
-
-def _drain(svc: WorkerService, keep: set[str]) -> None:
-    svc.engine.on_kv_events(svc.core.take_kv_events(), set(svc.core.requests) | keep)
+from tests.unit.worker.torch_tiny import BS, FORWARD_S, prompt, work  # noqa: E402
+from tests.unit.worker.torch_tiny import drain as _drain, slow_step as _slow_step  # noqa: E402
 
 
 def _run(svc: WorkerService, now: float, keep: set[str]) -> tuple[float, list]:
@@ -50,28 +43,6 @@ def _svc(model: str) -> WorkerService:
     return WorkerService(
         WorkerConfig(node="p", phase="both", profile="torch-tiny-cpu", engine="torch", model=model), SimpleNamespace(reconnected_at=0.0), SimClock()
     )
-
-
-async def _slow_step(svc: WorkerService, now: float, rid: str) -> tuple[asyncio.Task, object]:
-    """Start request ``rid``'s 200-token prefill in the execute thread, its forward slowed to FORWARD_S under the
-    engine's lock; returns once that thread holds the lock: the step's task and its plan."""
-    svc.engine.accept_prefill(work(rid, prompt(2, 200), n=4))
-    svc.core.add_prefill(work(rid, prompt(2, 200), n=4), now)
-    plan = svc.core.schedule(now)
-    _drain(svc, set())
-    forward = svc.engine._forward
-
-    def slow_forward(*args, **kw):
-        time.sleep(FORWARD_S)
-        return forward(*args, **kw)
-
-    svc.engine._forward = slow_forward  # type: ignore[method-assign]
-    step = asyncio.create_task(svc._in_thread(svc.engine.execute, plan))
-    while svc.engine._lock.acquire(blocking=False):  # until the execute thread holds it
-        svc.engine._lock.release()
-        await asyncio.sleep(0.001)
-    svc.engine._forward = forward  # type: ignore[method-assign]  # the plan's call already has the slow one
-    return step, plan
 
 
 async def test_accepts_and_kv_drains_beside_a_forward_keep_the_loop_running(tiny_llama):

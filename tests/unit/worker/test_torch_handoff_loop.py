@@ -21,10 +21,8 @@ from services.worker.config import WorkerConfig  # noqa: E402
 from services.worker.plan import HandOff  # noqa: E402
 from services.worker.service import WorkerService  # noqa: E402
 from shared.clock import SimClock  # noqa: E402
-from tests.unit.worker.torch_tiny import prompt, work  # noqa: E402
-
-FORWARD_S = 0.4
-"""How long the test's slowed forward holds the engine's lock (wall s)."""
+from tests.unit.worker.torch_tiny import FORWARD_S, prompt, work  # noqa: E402
+from tests.unit.worker.torch_tiny import drain as _drain, slow_step  # noqa: E402
 
 
 class _Bus:
@@ -37,10 +35,6 @@ class _Bus:
 
     async def publish(self, subject: str, msg: object, **kw: object) -> None:
         self.published.append((subject, msg, kw))
-
-
-def _drain(svc: WorkerService, keep: set[str]) -> None:
-    svc.engine.on_kv_events(svc.core.take_kv_events(), set(svc.core.requests) | keep)
 
 
 def _prefilled(svc: WorkerService) -> tuple[HandOff, float]:
@@ -65,21 +59,7 @@ async def test_a_hand_off_beside_a_forward_keeps_the_loop_running(tiny_llama):
         # request a prefills here and is handed off to d (its hand-off not yet published, as when parked for its binding)
         handoff, now = _prefilled(svc)
         # request b's prefill runs in the execute thread, its forward slowed to FORWARD_S under the engine's lock
-        svc.engine.accept_prefill(work("b", prompt(2, 200), n=4))
-        svc.core.add_prefill(work("b", prompt(2, 200), n=4), now)
-        plan = svc.core.schedule(now)
-        _drain(svc, {"a"})
-        forward = svc.engine._forward
-
-        def slow_forward(*args, **kw):
-            time.sleep(FORWARD_S)
-            return forward(*args, **kw)
-
-        svc.engine._forward = slow_forward  # type: ignore[method-assign]
-        step = asyncio.create_task(svc._in_thread(svc.engine.execute, plan))
-        while svc.engine._lock.acquire(blocking=False):  # until the execute thread holds it
-            svc.engine._lock.release()
-            await asyncio.sleep(0.001)
+        step, _ = await slow_step(svc, now, "b", keep={"a"})
         lags: list[float] = []
         done = False
 
