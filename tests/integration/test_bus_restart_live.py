@@ -54,6 +54,15 @@ class _Pair:
         for bus in (self.pub, self.sub):
             monkeypatch.setattr(bus, "_stream_config", lambda: StreamConfig(name="not allowed"))
 
+    async def first_then_a_lost_stream_none_may_make(self, monkeypatch) -> None:
+        """The subscriber (reliable) gets chunk 0; then neither bus may make the stream (:meth:`refuse_stream`)
+        and the server comes back without its store (:meth:`restart_without_store`)."""
+        await self.sub.subscribe(REQ_OUT, self.on_chunk)
+        await self.send(0, 1)
+        await self.until(lambda: self.got == [0], "first")
+        self.refuse_stream(monkeypatch)
+        self.restart_without_store()
+
     def restart_without_store(self) -> None:
         """SIGKILL the server, remove its JetStream store and start it again on the same port."""
         os.kill(self.srv.pid, signal.SIGKILL)
@@ -243,11 +252,7 @@ async def test_a_bus_that_may_not_make_the_lost_stream_waits_until_another_does(
     with EmbeddedNatsServer() as srv:
         async with _pair(srv) as p:
             pub, sub, got, until = p.pub, p.sub, p.got, p.until
-            await sub.subscribe(REQ_OUT, p.on_chunk)
-            await p.send(0, 1)
-            await until(lambda: got == [0], "first")
-            p.refuse_stream(monkeypatch)
-            p.restart_without_store()
+            await p.first_then_a_lost_stream_none_may_make(monkeypatch)
             await until(lambda: pub.nc.is_connected and sub.nc.is_connected, "reconnect")
             await asyncio.sleep(1.5)  # past the wait
             await p.launch()
@@ -273,11 +278,7 @@ async def test_what_is_published_during_a_long_wait_for_the_lost_stream_arrives_
     with EmbeddedNatsServer() as srv:
         async with _pair(srv) as p:
             pub, sub, got, until = p.pub, p.sub, p.got, p.until
-            await sub.subscribe(REQ_OUT, p.on_chunk)
-            await p.send(0, 1)
-            await until(lambda: got == [0], "first")
-            p.refuse_stream(monkeypatch)
-            p.restart_without_store()
+            await p.first_then_a_lost_stream_none_may_make(monkeypatch)
             await until(lambda: pub.nc.is_connected and sub.nc.is_connected, "reconnect")
             for i in range(1, 16):  # 1.5 s of publishes while the stream is missing: 5 resend windows
                 await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
@@ -383,11 +384,7 @@ async def test_what_is_published_while_the_lost_stream_is_awaited_arrives_in_ord
     with EmbeddedNatsServer() as srv:
         async with _pair(srv) as p:
             pub, sub, got, until = p.pub, p.sub, p.got, p.until
-            await sub.subscribe(REQ_OUT, p.on_chunk)
-            await p.send(0, 1)
-            await until(lambda: got == [0], "first")
-            p.refuse_stream(monkeypatch)
-            p.restart_without_store()
+            await p.first_then_a_lost_stream_none_may_make(monkeypatch)
             await until(lambda: pub.stream_waiting and sub.stream_waiting, "both waiting for the lost stream")
             await p.send(1, 6)
             await p.launch()
