@@ -70,6 +70,21 @@ def _session_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
         yield
 
 
+def bench_faults():
+    """``bench/faults.py`` as a module (``bench/`` is no package), loaded once per process under the name
+    ``bench_faults`` (its dataclasses need it in ``sys.modules``) and shared by the tests that drive it."""
+    import importlib.util
+    import sys
+
+    if (mod := sys.modules.get("bench_faults")) is None:
+        repo = Path(__file__).resolve().parents[1]
+        spec = importlib.util.spec_from_file_location("bench_faults", repo / "bench" / "faults.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["bench_faults"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
 def shared_traces_or_skip(*parts: str) -> Path:
     """Path under ../shared/traces, or skip the test when that folder is absent."""
     path = SHARED_TRACES.joinpath(*parts)

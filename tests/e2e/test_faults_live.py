@@ -8,24 +8,12 @@ capped to 8 requests, pauses clipped to 2 simulated s): ~20-40 s per test on 2 c
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import bench_faults
 
 
-def _faults():
-    spec = importlib.util.spec_from_file_location("bench_faults", REPO / "bench" / "faults.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_faults"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-faults = _faults()
+faults = bench_faults()
 SMALL = dict(sessions=6, max_requests_per_branch=8, concurrency=6, max_pause_s=2.0, fault_at_s=2.0, replay_timeout_s=180.0)
 
 

@@ -8,7 +8,6 @@ shipped Claude Code sample; the replay runs as its own process, as a user runs i
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -18,15 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import bench_faults
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _faults():
-    spec = importlib.util.spec_from_file_location("bench_faults_replay", REPO / "bench" / "faults.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_faults_replay"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _replay_until(router_url: str, out: Path, sig: int, after_records: int, started: Path | None = None) -> tuple[int, str]:
@@ -54,7 +47,7 @@ def _replay_until(router_url: str, out: Path, sig: int, after_records: int, star
 def start_small_cluster(tmp_path: Path):
     """``evolving-infra up`` at speedup 50, 2 nodes 1P1D, logs under ``tmp_path/logs``; returns
     ``(bench/faults.py module, its FaultRun)`` (stop it with ``faults.stop_up(run)``)."""
-    faults = _faults()
+    faults = bench_faults()
     logs = tmp_path / "logs"
     logs.mkdir()
     return faults, faults.start_up(logs, speedup=50.0, nodes=2, split="1P1D")

@@ -4,22 +4,10 @@ parked, queued or running work after the replay, and a SIGTERMed service exited 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.conftest import bench_faults
 
 
-def _faults():
-    spec = importlib.util.spec_from_file_location("bench_faults_verdict", REPO / "bench" / "faults.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_faults_verdict"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-faults = _faults()
+faults = bench_faults()
 IDLE = {"parked": 0.0, "queue_depth": 0.0, "running_batch": 0.0, "decoding": 0.0, "kv_l1_used_blocks": 12.0}
 
 
