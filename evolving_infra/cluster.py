@@ -31,7 +31,7 @@ import structlog
 
 from shared import messages as m
 from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url
-from shared.bus import Bus, BusError, PermissionDenied, stream_name
+from shared.bus import Bus, BusError, PermissionDenied, stream_api_subject, stream_name
 from shared.config import ENV_PREFIX, CommonConfig
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent
 from shared.profile import Profile, load_profile, with_kv_tokens
@@ -769,10 +769,10 @@ class LocalCluster:
         assert self._bus is not None
         name = stream_name(self._bus.subjects)
         if self._bus.counters["stream_missing_warnings"]:  # the lookup answered "not found"; the create failed
-            what = (f"the JetStream stream {name} is not there and its create ($JS.API.STREAM.CREATE.{name}) did not "
+            what = (f"the JetStream stream {name} is not there and its create ({stream_api_subject('CREATE', name)}) did not "
                     f"succeed within {wait_s:g} s (--ready-timeout); the warning above says why")
         else:
-            what = (f"its JetStream did not answer the stream lookup ($JS.API.STREAM.INFO.{name}) within {wait_s:g} s "
+            what = (f"its JetStream did not answer the stream lookup ({stream_api_subject('INFO', name)}) within {wait_s:g} s "
                     "(--ready-timeout); a server without JetStream answers at once (the services then fall back to core "
                     "NATS): this one is loaded or hung")
         return f"NATS at {redact_url(self.nats_url)}: {what}"

@@ -254,6 +254,12 @@ def stream_name(subjects: Subjects) -> str:
     return "EI_" + subjects.partition
 
 
+def stream_api_subject(api: str, name: str) -> str:
+    """The JetStream API subject of ``api`` (``INFO``, ``CREATE``) on stream ``name``: ``$JS.API.STREAM.<api>.<name>``
+    (what a lookup or create publishes to, and what a permission refusal names)."""
+    return f"$JS.API.STREAM.{api}.{name}"
+
+
 def _ordered_state(sub: Subscription) -> Any:
     """nats-py's state of the ordered consumer behind ``sub`` (``_JSI``: next stream sequence, the
     consumer's config, its reset), or None. ``js.subscribe`` returns a ``PushSubscription`` that
@@ -392,9 +398,9 @@ class Bus:
         """The user named in the connect URL (``nats://user:pass@host``) when no ``NatsAuth`` credentials were
         given, else empty: who the server's refusals are for, in an error line (:meth:`_who`)."""
         self.last_denied: tuple[str, str] | None = None
+        """``("publish" | "subscription", subject)`` of the server's latest "Permissions Violation" (:func:`denied_subject`)."""
         self._stream_maker = False
         """True while :meth:`ensure_stream` ``(maker=True)`` runs: it reports a stream API permission violation itself."""
-        """``("publish" | "subscription", subject)`` of the server's latest "Permissions Violation" (:func:`denied_subject`)."""
         self._publish_denials: Counter[str] = Counter()
         """Full subject (lowercased, as nats-py passes the server's text) -> the "Permissions Violation for Publish" the
         server reported on it: a stream lookup or create counts as refused only when its own subject was
@@ -552,20 +558,20 @@ class Bus:
         """The partition's stream ``INFO`` and ``CREATE`` API subjects, lowercased (as nats-py passes a violation's
         text): the only subjects whose denials :attr:`_publish_denials` counts."""
         name = stream_name(self.subjects)
-        return (f"$JS.API.STREAM.INFO.{name}".lower(), f"$JS.API.STREAM.CREATE.{name}".lower())
+        return (stream_api_subject("INFO", name).lower(), stream_api_subject("CREATE", name).lower())
 
     def _stream_api_denials(self, api: str) -> int:
         """How many permission violations the server reported on the stream ``api`` (``INFO``, ``CREATE``) subject of
         the partition's stream (``$JS.API.STREAM.<api>.<stream>``): compared before and after a lookup or create."""
-        return self._publish_denials[f"$JS.API.STREAM.{api}.{stream_name(self.subjects)}".lower()]
+        return self._publish_denials[stream_api_subject(api, stream_name(self.subjects)).lower()]
 
     def _stream_denied(self, name: str, api: str) -> PermissionDenied:
         """The error of a stream ``api`` (``CREATE``, ``INFO``) on stream ``name`` that the server refused this bus
         (Permissions Violation): the refused subject as the server named it (:attr:`last_denied`, which nats-py
         lowercases: named here in its own case), the fix."""
         denied = self.last_denied[1] if self.last_denied is not None and self.last_denied[0] == "publish" else ""
-        api = next((a for a in (api, "INFO", "CREATE") if denied == f"$JS.API.STREAM.{a}.{name}".lower()), api)
-        subject = f"$JS.API.STREAM.{api}.{name}"
+        api = next((a for a in (api, "INFO", "CREATE") if denied == stream_api_subject(a, name).lower()), api)
+        subject = stream_api_subject(api, name)
         return PermissionDenied(
             f"NATS refused {self._who()} permission to publish to {subject} (Permissions Violation), so it cannot "
             f"make the JetStream stream {name}: grant it {subject} (the launcher identity of 'evolving-infra auth gen' "
@@ -700,12 +706,8 @@ class Bus:
                     if no_jetstream(e):  # the server came back without JetStream: kept until it is back
                         return await self._await_jetstream(go_on, e)
                     # no answer in time, or the connection down a moment: the stream may well be there (or lost)
-                    self.counters["stream_lookup_retries"] += 1
-                    self.stream_waiting = name
-                    if time.monotonic() >= warn_at:
-                        warn_at = time.monotonic() + STREAM_BACK_WAIT_S
-                        self.log.warning("the stream lookup after the reconnect got no answer; looking again "
-                                         "(reliable publishes are kept meanwhile)", stream=name, error=str(e) or repr(e))  # fmt: skip
+                    warn_at = self._lookup_unanswered(name, e, warn_at, "the stream lookup after the reconnect got no "
+                                                      "answer; looking again (reliable publishes are kept meanwhile)")
                 await asyncio.sleep(0.5)
         finally:
             self.stream_waiting = ""
@@ -868,6 +870,17 @@ class Bus:
             finally:
                 self._stream_maker = False
 
+    def _lookup_unanswered(self, name: str, e: BaseException, warn_at: float, warning: str) -> float:
+        """A lookup of stream ``name`` that got no answer in time (``e``) and is made again: counted
+        ``stream_lookup_retries``, :attr:`stream_waiting` names the stream (``/readyz``), ``warning`` logged when
+        ``warn_at`` (monotonic s) has come, and then not for ``STREAM_BACK_WAIT_S``. Returns the next ``warn_at``."""
+        self.counters["stream_lookup_retries"] += 1
+        self.stream_waiting = name
+        if time.monotonic() < warn_at:
+            return warn_at
+        self.log.warning(warning, stream=name, error=str(e) or repr(e))
+        return time.monotonic() + STREAM_BACK_WAIT_S
+
     async def _ensure_stream(self, *, wait: bool, maker: bool) -> bool:
         """:meth:`ensure_stream` under its lock, once the stream was not checked yet."""
         config = self._stream_config()
@@ -881,10 +894,9 @@ class Bus:
                 info = await jsm.add_stream(config)
             except (nats.errors.Error, asyncio.TimeoutError) as e:
                 self._stream_checked = True
-                self.jetstream = False
                 self.stream_refused = stream_refusal(e)
                 if isinstance(e, asyncio.TimeoutError) and self._stream_api_denials("CREATE") == violations:
-                    self.stream_unanswered = f"the stream create ($JS.API.STREAM.CREATE.{config.name}) in {STREAM_LOOKUP_TIMEOUT_S:g} s"
+                    self.stream_unanswered = f"the stream create ({stream_api_subject('CREATE', config.name)}) in {STREAM_LOOKUP_TIMEOUT_S:g} s"
                 self.log.warning(
                     f"no JetStream stream: {self.stream_refused or 'this bus may not create it'}",
                     stream=config.name, error=str(e) or repr(e),
@@ -927,24 +939,18 @@ class Bus:
                         return False
                     if not wait and not denied and isinstance(e, asyncio.TimeoutError):  # auth stream: its one lookup
                         self._stream_checked = True
-                        self.jetstream = False
-                        self.stream_unanswered = f"the stream lookup ($JS.API.STREAM.INFO.{name}) in {STREAM_LOOKUP_TIMEOUT_S:g} s"
+                        self.stream_unanswered = f"the stream lookup ({stream_api_subject('INFO', name)}) in {STREAM_LOOKUP_TIMEOUT_S:g} s"
                         self.log.warning("the server did not answer " + self.stream_unanswered, stream=name)
                         return False
                     if denied or not wait or no_jetstream(e) or self.nc.is_closed:
                         self._stream_checked = True
-                        self.jetstream = False
                         self.log.warning(
                             "no JetStream stream: reliable subjects fall back to core NATS (at most once)", error=str(e) or repr(e)
                         )
                         return False
                     # no answer in time (a loaded server), or the connection down a moment: JetStream may be there
-                    self.counters["stream_lookup_retries"] += 1
-                    self.stream_waiting = name
-                    if time.monotonic() >= warn_at:
-                        warn_at = time.monotonic() + STREAM_BACK_WAIT_S
-                        self.log.warning("the stream lookup got no answer; looking again (reliable subjects wait for JetStream)",
-                                         stream=name, error=str(e) or repr(e))  # fmt: skip
+                    warn_at = self._lookup_unanswered(name, e, warn_at, "the stream lookup got no answer; looking again "
+                                                      "(reliable subjects wait for JetStream)")
                 await asyncio.sleep(0.5)
         finally:
             self.stream_waiting = ""
