@@ -123,7 +123,7 @@ words: ~360 MB at its peak, measured here): four at once took the router from 70
 
 
 async def _off_loop_if_big(
-    body: bytes, run: Callable[[bytes], _T], gate: asyncio.Semaphore | None = None, gone: Callable[[], Awaitable[None]] | None = None,
+    body: bytes, run: Callable[[bytes], _T], gate: asyncio.Semaphore, gone: Callable[[], Awaitable[None]],
 ) -> _T:
     """``run(body)``: in a worker thread when ``body`` is over ``_BIG_TEXT`` bytes, so that the event
     loop (every stream, every bus message) does not stop for it; here, with no thread hop, when small.
@@ -144,11 +144,9 @@ async def _off_loop_if_big(
     """
     if len(body) <= _BIG_TEXT:
         return run(body)
-    if gate is None or len(body) <= _HUGE_BODY:
+    if len(body) <= _HUGE_BODY:
         return await asyncio.to_thread(run, body)
-    if gone is None:
-        await gate.acquire()
-    elif not await _acquire_unless_gone(gate, gone):
+    if not await _acquire_unless_gone(gate, gone):
         raise _GoneAtGate
     try:
         return await asyncio.to_thread(run, body)
@@ -169,24 +167,25 @@ async def _acquire_unless_gone(gate: asyncio.Semaphore, gone: Callable[[], Await
         return True
     acquire = asyncio.ensure_future(gate.acquire())
     watch = asyncio.ensure_future(gone())
-    try:
-        done, _ = await asyncio.wait({acquire, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # cancelled: let go of the slot, granted or not
-        watch.cancel()
+
+    def let_go() -> None:  # the slot, granted or not
         if acquire.done() and not acquire.cancelled():
             gate.release()
         else:
             acquire.cancel()  # Semaphore.acquire hands a slot granted meanwhile to the next waiter
+
+    try:
+        await asyncio.wait({acquire, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled
+        watch.cancel()
+        let_go()
         raise
     if not watch.done():
         watch.cancel()
         return True
     if not watch.cancelled():
         watch.exception()  # retrieved: a broken connection counts as gone
-    if acquire.done() and not acquire.cancelled():
-        gate.release()
-    else:
-        acquire.cancel()
+    let_go()
     return False
 
 
