@@ -530,9 +530,7 @@ def parse_chat(body: bytes) -> ChatRequest:
         raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs")
     if req.top_logprobs and not req.logprobs:  # top_logprobs 0 (vLLM's default) asks for nothing
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    _check_content_parts(req.messages)
-    _check_tools(req.tools)
-    _check_generation_prompt(req)
+    _check_chat(req)
     _check_no_output_constraint(req)
     return req
 
@@ -563,6 +561,14 @@ def _check_no_output_constraint(req: ChatRequest) -> None:
             "send 'auto' (the model may call a tool) or 'none'", param="tool_choice",
         )
     raise ApiError(400, f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}", param="tool_choice")
+
+
+def _check_chat(req: ChatRequest | TokenizeChatRequest) -> None:
+    """The checks a chat request and a chat ``/tokenize`` share (in this order): its content parts, its tools,
+    its generation prompt. Raises :class:`ApiError` (400) naming the field."""
+    _check_content_parts(req.messages)
+    _check_tools(req.tools)
+    _check_generation_prompt(req)
 
 
 def _check_generation_prompt(req: ChatRequest | TokenizeChatRequest) -> None:
@@ -1029,9 +1035,7 @@ def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatReque
         raise ApiError(400, f"invalid request body: Expected `object`, got `{type(head).__name__}`")
     if "messages" in head:
         chat = _convert(head, TokenizeChatRequest)
-        _check_content_parts(chat.messages)
-        _check_tools(chat.tools)
-        _check_generation_prompt(chat)
+        _check_chat(chat)
         return chat
     return _convert(head, TokenizeCompletionRequest)
 
