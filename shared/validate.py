@@ -284,6 +284,8 @@ def _branch(e: m.BranchStart | m.BranchEnd | m.BranchToolCall, p: dict[str, str]
         _text(e.agent_id, "agent_id", MAX_ID_LEN)
     if isinstance(e, m.BranchToolCall):
         _dur(e.expected_s, "expected_s")
+    if isinstance(e, m.BranchEnd):  # an eviction's latest placed rid (RoutePlaced.rid); "" or None: none
+        _tok(e.rid, "rid", optional=True)
 
 
 def _placed(r: m.RoutePlaced, p: dict[str, str], nodes: Collection[str] | None) -> None:

@@ -59,6 +59,17 @@ def test_ids_used_as_subject_tokens_refuse_a_trailing_newline():
         Subjects("p0").format(REQ_OUT, rid="fz-1\n")
 
 
+def test_a_branch_eviction_names_a_rid_as_a_route_placed_does():
+    """``BranchEnd.rid`` (d250733: the evicting router's latest placed request, which the directory compares with
+    its own) was not checked, while ``RoutePlaced.rid`` is: a 100 KB or non-token rid was kept by the directory."""
+    ok = m.BranchEnd(branch_id="b", ts=1.0, expired=True, rid="r-1")
+    assert check(ok) is None
+    assert check(m.BranchEnd(branch_id="b", ts=1.0, expired=True, rid="")) is None  # it placed none
+    assert check(m.BranchEnd(branch_id="b", ts=1.0)) is None  # an older router's: no rid
+    for bad in ("x" * 100_000, "a b", "r\n"):
+        assert "rid" in (check(m.BranchEnd(branch_id="b", ts=1.0, expired=True, rid=bad)) or ""), bad
+
+
 def test_known_nodes_are_enforced_when_given():
     batch = m.KvEventBatch(node="x123", seq=1)
     assert check(batch, {"node": "x123"}) is None
