@@ -710,7 +710,8 @@ class Bus:
                                                       "answer; looking again (reliable publishes are kept meanwhile)")
                 await asyncio.sleep(0.5)
         finally:
-            self.stream_waiting = ""
+            if go_on():  # else a later reconnect's check owns it (as in _await_stream)
+                self.stream_waiting = ""
         return await self._await_stream(go_on, again=True)
 
     async def _await_jetstream(self, go_on: Callable[[], bool], first: BaseException) -> Any:
@@ -815,8 +816,10 @@ class Bus:
                     pass
             return None
         finally:
-            self.stream_waiting = ""
-            if go_on():  # else a later reconnect's check owns it (_after_reconnect); before, this wait's end cleared the later one's
+            # else a later reconnect's check owns them (_after_reconnect); before, this wait's end cleared the later one's
+            # stream_waiting (its /readyz 200 while it still waited: the later wait names it only once, on entry)
+            if go_on():
+                self.stream_waiting = ""
                 self._stream_lost = False
 
     def _stream_config(self) -> Any:

@@ -265,6 +265,35 @@ async def test_a_bus_that_may_not_make_the_lost_stream_waits_until_another_does(
 
 
 @pytest.mark.timeout(60)
+async def test_an_earlier_reconnects_wait_for_the_lost_stream_leaves_a_later_ones_wait_named(monkeypatch):
+    """A bus that may not make the lost stream waits for it (:meth:`Bus._await_stream`, ``stream_waiting`` its
+    ``/readyz`` reason); the server restarts again without its store, and the second reconnect's check waits in
+    turn. The first wait then gives way (its ``go_on`` turned false) and, before, cleared ``stream_waiting`` on its
+    way out: the second one, still waiting, was not named any more, and ``/readyz`` said ready (200) while the
+    stream was missing and reliable publishes were only kept. Now a wait that gave way leaves the state to the later
+    check, which clears it when it is over (here: once the launcher made the stream)."""
+    from shared.service import Readiness
+
+    with EmbeddedNatsServer() as srv:
+        async with _pair(srv) as p:
+            sub, until = p.sub, p.until
+            readiness = Readiness(srv.url)
+            readiness.bus, readiness.phase = sub, "serving"
+            await p.first_then_a_lost_stream_none_may_make(monkeypatch)
+            await until(lambda: sub.counters["nats.reconnects"] == 1 and sub.stream_waiting, "the first reconnect's wait")
+            first = [t for t in sub._tasks if t.get_name().startswith("bus-reconnect-")]
+            assert len(first) == 1 and not first[0].done(), first
+            p.restart_without_store()
+            await until(lambda: sub.counters["nats.reconnects"] == 2 and sub.nc.is_connected, "the second reconnect")
+            await until(first[0].done, "the first reconnect's check to give way")  # each 0.5 s it asks go_on()
+            assert sub._reconnects_seen == 2 and sub.stream_waiting == stream_name(p.subj), (sub.stream_waiting, dict(sub.counters))
+            assert readiness.reason() == f"waiting for the JetStream stream {stream_name(p.subj)}"
+            await p.launch()
+            await until(lambda: sub.counters["stream_recreated"] == 1, "the second check to find the launcher's stream")
+            assert not sub.stream_waiting and readiness.reason() is None, (sub.stream_waiting, dict(sub.counters))
+
+
+@pytest.mark.timeout(60)
 async def test_what_is_published_during_a_long_wait_for_the_lost_stream_arrives_once_it_is_back(monkeypatch):
     """A server back without its store, and buses that may not make the stream again (under credentials only the
     launcher may): what the publisher sends while it waits for the stream, for longer than the resend window, is
