@@ -341,10 +341,13 @@ class Bus:
         self._stream_checked = False
         self.stream_waiting = ""
         """The stream's name while :meth:`_await_stream` waits for it (another must make it, or the server refuses
-        the create, or the server lost it), else empty: a service's ``/readyz`` reason while it waits (``shared.service``)."""
+        the create, or the server lost it), or a lookup of it gets no answer, else empty: a service's ``/readyz``
+        reason while it waits (``shared.service``). Set and cleared only by :meth:`_wait_for_stream` and
+        :meth:`_wait_over` (a later reconnect's check owns it once it began)."""
         self.jetstream_missing = ""
         """The stream's name while the server this bus reconnected to has no JetStream (:meth:`_await_jetstream`):
-        reliable publishes are kept until it is back; a service's ``/readyz`` reason meanwhile (``shared.service``)."""
+        reliable publishes are kept until it is back; a service's ``/readyz`` reason meanwhile (``shared.service``).
+        Set by :meth:`_wait_for_jetstream`, cleared by :meth:`_reconnect_check` and :meth:`_wait_over`."""
         self.stream_refused = ""
         """Why the server refused the create of :meth:`ensure_stream` ``(wait=False)`` (:func:`stream_refusal`);
         empty when it did not answer one (no JetStream, or credentials that may not create it)."""
@@ -357,7 +360,7 @@ class Bus:
         self._publish_check: asyncio.Task[bool] | None = None
         """The stream check a reliable publish began (:meth:`publish`), going on in the background past its wait."""
         self._reconnects_seen = 0
-        """Reconnects whose stream check began (:meth:`_after_reconnect`): a wait gives way to a later one."""
+        """Reconnects whose stream check began (:meth:`_reconnect_check`): a wait gives way to a later one."""
         self._stream_created: object = None
         """The stream's creation time as the server reported it (``StreamInfo.created``) when this bus first
         saw it: a different one after a reconnect is a new stream (the server lost its store)."""
@@ -390,7 +393,9 @@ class Bus:
         for it (:meth:`_await_stream` ``again``): reliable publishes are then only kept, not sent, and go out with the
         rest in publish order once it is back. Before, they were sent too: nowhere, unless another bus had just made the
         stream, where they were stored ahead of the older kept ones published again after it, and a consumer got a
-        token stream out of order (the router takes the older chunks for duplicates: their tokens were lost)."""
+        token stream out of order (the router takes the older chunks for duplicates: their tokens were lost).
+        True too while a reconnect's check waits for JetStream with publishes held. Set by :meth:`_wait_for_stream` and
+        :meth:`_wait_for_jetstream`, cleared by :meth:`_wait_over`."""
         self._js_subs: list[tuple[Subscription, _StreamPosition]] = []
         self.identity = ""
         """Name of the NATS identity this bus connected as (``NatsAuth.name``); empty = no credentials."""
@@ -582,14 +587,10 @@ class Bus:
         """Find the stream again (make it when the server lost it), publish the resend window again,
         resume consumers whose stream came back shorter or new."""
         resend, self._resend = self._resend, []
-        self._reconnects_seen += 1
-        mine = self._reconnects_seen
-        self.jetstream_missing = ""  # this reconnect's check says again (an earlier one's wait gives way, go_on)
-        info = await self._stream_after_reconnect(lambda: mine == self._reconnects_seen) if self.jetstream else None
-        if mine == self._reconnects_seen:  # this check is over: what it found decides below (an earlier wait's state too)
-            self._stream_lost = False
-            self.jetstream_missing = ""
-        if mine != self._reconnects_seen:  # a later reconnect took over: its check ends the holding
+        go_on = self._reconnect_check()
+        # its end clears the waits' state, an earlier check's too, unless a later reconnect took over (_wait_over)
+        info = await self._stream_after_reconnect(go_on) if self.jetstream else None
+        if not go_on():  # a later reconnect took over: its check ends the holding
             for r in (resend if self._holding else ()):
                 self._hold(r)
         elif info is not None and self._stream_created is not None and info.created is not None and info.created != self._stream_created:
@@ -638,6 +639,42 @@ class Bus:
             pos.rewind(last)
             jsi._sseq = last
             await jsi.reset_ordered_consumer(last + 1)
+
+    def _reconnect_check(self) -> Callable[[], bool]:
+        """A reconnect's stream check begins (:meth:`_after_reconnect`) and takes over from any earlier one's: returns
+        its ``go_on()``, true until a later reconnect's check begins. An earlier check's wait for JetStream gives way at
+        once (:attr:`jetstream_missing` cleared: this check says again); its wait for the stream and what it only keeps
+        (:attr:`stream_waiting`, :attr:`_stream_lost`) stand until this check is over (:meth:`_wait_over`)."""
+        self._reconnects_seen += 1
+        mine = self._reconnects_seen
+        self.jetstream_missing = ""
+        return lambda: mine == self._reconnects_seen
+
+    def _wait_for_stream(self, name: str, *, lost: bool | None = None) -> None:
+        """A stream check waits for stream ``name`` (a lookup without an answer, :meth:`_lookup_unanswered`, or a
+        stream the server lacks, :meth:`_await_stream`): :attr:`stream_waiting` names it (``/readyz``); ``lost`` (None:
+        as it is): reliable publishes are only kept meanwhile (:attr:`_stream_lost`)."""
+        self.stream_waiting = name
+        if lost is not None:
+            self._stream_lost = lost
+
+    def _wait_for_jetstream(self, name: str) -> None:
+        """A reconnect's check waits for JetStream (:meth:`_await_jetstream`): :attr:`jetstream_missing` names the
+        stream (``/readyz``); reliable publishes are only kept meanwhile when the bus holds them (:attr:`_holding`),
+        and what it kept since the disconnect counts as unsent (nats-py's reconnect buffer sent it to this server,
+        where nobody got it)."""
+        self.jetstream_missing = name
+        self._stream_lost = self._holding
+        self._held_unsent = self._holding
+
+    def _wait_over(self, go_on: Callable[[], bool]) -> None:
+        """A stream check's wait (or the check) is over: :attr:`stream_waiting`, :attr:`jetstream_missing` and
+        :attr:`_stream_lost` are cleared, unless ``go_on()`` is false: a later reconnect's check took over
+        (:meth:`_reconnect_check`) and owns them until its own is over. Before, a wait of reconnect 1 that gave way
+        cleared ``stream_waiting`` all the same, the name reconnect 2's wait had set: ``/readyz`` 200 while it waited."""
+        if go_on():
+            self.stream_waiting = self.jetstream_missing = ""
+            self._stream_lost = False
 
     def _hold(self, entry: tuple[float, str, bytes, dict[str, str]]) -> None:
         """Keep a reliable publish ``(monotonic s, subject, payload, headers)`` until the stream is known to be there
@@ -710,8 +747,7 @@ class Bus:
                                                       "answer; looking again (reliable publishes are kept meanwhile)")
                 await asyncio.sleep(0.5)
         finally:
-            if go_on():  # else a later reconnect's check owns it (as in _await_stream)
-                self.stream_waiting = ""
+            self._wait_over(go_on)
         return await self._await_stream(go_on, again=True)
 
     async def _await_jetstream(self, go_on: Callable[[], bool], first: BaseException) -> Any:
@@ -727,10 +763,7 @@ class Bus:
 
         Returns the stream's info, or None once ``go_on()`` is false or the bus closes."""
         name = stream_name(self.subjects)
-        self.jetstream_missing = name
-        self._stream_lost = self._holding
-        # what was kept since the disconnect went (nats-py's reconnect buffer) to this server, where nobody got it
-        self._held_unsent = self._holding
+        self._wait_for_jetstream(name)
         warn_at = time.monotonic()
         error: BaseException = first
         try:
@@ -753,9 +786,7 @@ class Bus:
             else:
                 return None
         finally:
-            if go_on():  # else a later reconnect's check owns them (_after_reconnect)
-                self.jetstream_missing = ""
-                self._stream_lost = False
+            self._wait_over(go_on)
         return await self._await_stream(go_on, again=True)
 
     async def _await_stream(self, go_on: Callable[[], bool], *, again: bool, maker: bool = False) -> Any:
@@ -778,8 +809,7 @@ class Bus:
         name = stream_name(self.subjects)
         warn_at = time.monotonic() if not again else time.monotonic() + STREAM_BACK_WAIT_S
         may_make = True
-        self.stream_waiting = name  # the wait as a service's /readyz reason
-        self._stream_lost = again and self._holding
+        self._wait_for_stream(name, lost=again and self._holding)  # the wait as a service's /readyz reason
         try:
             while not self._closing and go_on():
                 violations = self._stream_api_denials("CREATE")
@@ -816,11 +846,7 @@ class Bus:
                     pass
             return None
         finally:
-            # else a later reconnect's check owns them (_after_reconnect); before, this wait's end cleared the later one's
-            # stream_waiting (its /readyz 200 while it still waited: the later wait names it only once, on entry)
-            if go_on():
-                self.stream_waiting = ""
-                self._stream_lost = False
+            self._wait_over(go_on)
 
     def _stream_config(self) -> Any:
         """The partition's stream over every reliable subject (file storage, bounded by age and bytes)."""
@@ -878,7 +904,7 @@ class Bus:
         ``stream_lookup_retries``, :attr:`stream_waiting` names the stream (``/readyz``), ``warning`` logged when
         ``warn_at`` (monotonic s) has come, and then not for ``STREAM_BACK_WAIT_S``. Returns the next ``warn_at``."""
         self.counters["stream_lookup_retries"] += 1
-        self.stream_waiting = name
+        self._wait_for_stream(name)
         if time.monotonic() < warn_at:
             return warn_at
         self.log.warning(warning, stream=name, error=str(e) or repr(e))
@@ -956,7 +982,7 @@ class Bus:
                                                       "(reliable subjects wait for JetStream)")
                 await asyncio.sleep(0.5)
         finally:
-            self.stream_waiting = ""
+            self._wait_over(lambda: True)  # at start: no reconnect's check runs before the stream is known (jetstream)
 
     # -- publish / subscribe --------------------------------------------- #
 
