@@ -271,6 +271,8 @@ def _check_common(req: _Sampling) -> None:
         raise ApiError(400, f"stop has {len(stops)} strings; at most {MAX_STOP} are supported", param="stop")
     if any(len(x) > MAX_STOP_LEN for x in stops):
         raise ApiError(400, f"a stop string is longer than {MAX_STOP_LEN} characters", param="stop")
+    if any(not x for x in stops):  # it would end every output at once; vLLM's SamplingParams refuses it too
+        raise ApiError(400, "stop cannot contain an empty string", param="stop")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     max_tokens = getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
@@ -318,13 +320,14 @@ def check_logit_bias(req: _Sampling, vocab_size: int, what: str = "the vocabular
 
 
 def stop_strings(req: _Sampling) -> list[str]:
-    """The request's stop strings (``stop``: a string or a list), empty ones dropped (they would
-    end every output at once; vLLM's ``SamplingParams`` drops them too), duplicates once."""
+    """The request's stop strings (``stop``: a string or a list), duplicates once. None is empty: a parsed
+    request (:func:`parse_completion`, :func:`parse_chat`) holds no empty one (a 400, as vLLM's
+    ``SamplingParams``: it would end every output at once); one in an unchecked request is left out."""
     stop = req.stop
     if stop is None:
         return []
     items = [stop] if isinstance(stop, str) else stop
-    return list(dict.fromkeys(x for x in items if x))
+    return list(dict.fromkeys(x for x in items if x))  # "" kept out all the same: StopMatcher takes non-empty ones
 
 
 def sampling(req: _Sampling) -> Sampling | None:

@@ -405,7 +405,8 @@ def test_sampling_parameters_go_to_the_nodes_and_bad_ones_are_named():
     chat = api.parse_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "x"}], "temperature": 1, "top_k": 4}))
     assert api.sampling(chat) == Sampling(temperature=1.0, top_k=4)
     assert api.stop_strings(parse(stop="END")) == ["END"]
-    assert api.stop_strings(parse(stop=["a", "", "b", "a"])) == ["a", "b"]
+    assert api.stop_strings(parse(stop=["a", "b", "a"])) == ["a", "b"]
+    assert api.stop_strings(parse(stop=[])) == []
     assert api.stop_strings(parse()) == []
 
     def param(**kw) -> str | None:
@@ -425,6 +426,12 @@ def test_sampling_parameters_go_to_the_nodes_and_bad_ones_are_named():
     assert param(stop=["x"] * (api.MAX_STOP + 1)) == "stop"
     assert param(stop="y" * (api.MAX_STOP_LEN + 1)) == "stop"
     assert param(stop=3) == "stop"
+    # an empty stop string is a 400 (vLLM's SamplingParams: "stop cannot contain an empty string."); it used to be
+    # dropped silently, and this test pinned that, on a wrong claim that vLLM drops it too
+    for stop in ("", [""], ["a", ""]):
+        assert param(stop=stop) == "stop", stop
+        with pytest.raises(api.ApiError, match="empty string"):
+            api.parse_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "x"}], "stop": stop}))
 
 
 def test_echo_is_accepted_alone_and_include_stop_str_in_output_is_a_strict_bool():
