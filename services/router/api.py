@@ -522,7 +522,7 @@ def parse_chat(body: bytes) -> ChatRequest:
 
     Raises:
         ApiError: 400 with the reason (invalid JSON, wrong type or value,
-            no messages, non-text content part, a malformed tool, unsupported option).
+            no messages, non-text content part, a malformed tool or tool call, unsupported option).
     """
     try:
         req = _CHAT_DEC.decode(body)
@@ -567,9 +567,10 @@ def _check_no_output_constraint(req: ChatRequest) -> None:
 
 
 def _check_chat(req: ChatRequest | TokenizeChatRequest) -> None:
-    """The checks a chat request and a chat ``/tokenize`` share (in this order): its content parts, its tools,
-    its generation prompt. Raises :class:`ApiError` (400) naming the field."""
+    """The checks a chat request and a chat ``/tokenize`` share (in this order): its content parts, its messages'
+    tool calls, its tools, its generation prompt. Raises :class:`ApiError` (400) naming the field."""
     _check_content_parts(req.messages)
+    _check_tool_calls(req.messages)
     _check_tools(req.tools)
     _check_generation_prompt(req)
 
@@ -651,6 +652,50 @@ def _check_tools(tools: list[dict[str, Any]] | None) -> None:
             raise ApiError(400, f"{where}.function.description must be a string", param=f"{where}.function.description")
         if not isinstance(fn.get("parameters", {}), (dict, type(None))):
             raise ApiError(400, f"{where}.function.parameters must be an object (a JSON Schema)", param=f"{where}.function.parameters")
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type, for a 400's message (``null`` for a missing key too)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _check_tool_calls(messages: list[ChatMessage]) -> None:
+    """Each of a message's ``tool_calls`` is OpenAI's ``ChatCompletionMessageToolCallParam`` (vLLM's requests take
+    the same TypedDict, all keys required): ``{"id": str, "type": "function", "function": {"name": str,
+    "arguments": str}}``; ``arguments`` is the call's JSON text, not parsed here (OpenAI: the model does not
+    always generate valid JSON). Other keys are ignored, as vLLM's. The name must be non-empty, as a tool's
+    (:func:`_check_tools`): a call to no function. Unchecked, any shape (``[{}]``, arguments as an object) was
+    served, rendered into the prompt as sent (or a template's error, a 400 naming only ``messages``).
+
+    Raises:
+        ApiError: 400 naming the message and the field (``messages[i].tool_calls[j].function.arguments``).
+    """
+    for i, msg in enumerate(messages):
+        for j, call in enumerate(msg.tool_calls or ()):
+            where = f"messages[{i}].tool_calls[{j}]"
+            if not isinstance(call.get("id"), str):
+                raise ApiError(400, f"{where}.id must be a string (the call's id, which the tool message's tool_call_id names)", param=f"{where}.id")
+            kind = call.get("type")
+            if kind != "function":
+                raise ApiError(400, f"{where}.type must be 'function', got {str(kind)[:64]!r}", param=f"{where}.type")
+            fn = call.get("function")
+            if not isinstance(fn, dict):
+                raise ApiError(400, f"{where}.function must be an object with a name and arguments", param=f"{where}.function")
+            name = fn.get("name")
+            if not isinstance(name, str) or not name:
+                raise ApiError(400, f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
+            args = fn.get("arguments")
+            if not isinstance(args, str):
+                raise ApiError(
+                    400, f"{where}.function.arguments must be a string (the arguments' JSON text), got {_json_type(args)}",
+                    param=f"{where}.function.arguments",
+                )
 
 
 def _content_text(content: str | list[ContentPart] | None) -> str:

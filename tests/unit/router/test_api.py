@@ -108,7 +108,8 @@ def test_chat_body():
                 "messages": [
                     {"role": "system", "content": "s"},
                     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                    {"role": "assistant", "content": None, "tool_calls": [{"id": "t1", "type": "function"}]},
+                    {"role": "assistant", "content": None,
+                     "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                     {"role": "tool", "content": "out", "tool_call_id": "t1"},
                 ],
                 "max_completion_tokens": 7,
@@ -313,6 +314,43 @@ def test_a_content_part_missing_its_text_or_a_malformed_tool_is_a_400_saying_so(
     ok = {"messages": user, "tools": [{"type": "function", "function": {"name": "f", "description": None, "parameters": {"type": "object"}}},
                                       {"function": {"name": "g"}}]}
     assert len(api.parse_chat(msgspec.json.encode(ok)).tools) == 2
+
+
+def test_a_malformed_tool_call_of_a_message_is_a_400_naming_the_message():
+    """``tool_calls`` of a message (OpenAI's ``ChatCompletionMessageToolCallParam``, vLLM takes the same: ``id``
+    string, ``type`` ``"function"``, ``function`` ``{name, arguments}`` with ``arguments`` a string of JSON text)
+    were not checked: ``[{}]``, a call without a function or with its arguments as an object were served 200
+    with the sim tokenizer (rendered into the prompt as sent) and failed an HF chat template with a 400 that
+    named only ``messages``. Each is now a 400 naming the message, the call and the field, on
+    ``/v1/chat/completions`` and ``/tokenize`` alike."""
+    def says(calls: object, match: str, param: str) -> None:
+        msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "content": "out", "tool_call_id": "c1"}]
+        for parse in (api.parse_chat, api.parse_tokenize):
+            with pytest.raises(api.ApiError, match=match) as ei:
+                parse(msgspec.json.encode({"messages": msgs}))
+            assert ei.value.status == 400 and ei.value.param == param, (parse, ei.value.param)
+            assert "messages[1]" in ei.value.reason, ei.value.reason
+
+    good = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{\"path\": \"/\"}"}}
+    says([{}], r"messages\[1\]\.tool_calls\[0\]\.id must be a string", "messages[1].tool_calls[0].id")
+    says([good, {**good, "id": 7}], "id must be a string", "messages[1].tool_calls[1].id")
+    says([{**good, "type": None}], "type must be 'function'", "messages[1].tool_calls[0].type")
+    says([{k: v for k, v in good.items() if k != "type"}], "type must be 'function'", "messages[1].tool_calls[0].type")
+    says([{**good, "type": "retrieval"}], "type must be 'function'", "messages[1].tool_calls[0].type")
+    says([{"id": "c1", "type": "function"}], "function must be an object", "messages[1].tool_calls[0].function")
+    says([{**good, "function": "ls"}], "function must be an object", "messages[1].tool_calls[0].function")
+    says([{**good, "function": {"arguments": "{}"}}], "name must be a non-empty string", "messages[1].tool_calls[0].function.name")
+    says([{**good, "function": {"name": 3, "arguments": "{}"}}], "name must be a non-empty string", "messages[1].tool_calls[0].function.name")
+    says([{**good, "function": {"name": "ls"}}], "arguments must be a string .* got null", "messages[1].tool_calls[0].function.arguments")
+    says([{**good, "function": {"name": "ls", "arguments": {"path": "/"}}}], "arguments must be a string .* got object",
+         "messages[1].tool_calls[0].function.arguments")
+    # the OpenAI shape is served (unknown keys too, as vLLM's TypedDicts ignore them); arguments are not parsed
+    # (OpenAI: "the model does not always generate valid JSON"); an empty list is no call
+    for calls in ([good], [good, {**good, "id": "", "extra": 1, "function": {"name": "f", "arguments": "not json"}}], []):
+        body = msgspec.json.encode({"messages": [{"role": "assistant", "content": None, "tool_calls": calls}]})
+        assert api.parse_chat(body).messages[0].tool_calls == calls
+        assert api.parse_tokenize(body).messages[0].tool_calls == calls
 
 
 def test_chat_top_logprobs_zero_without_logprobs_is_the_default():
