@@ -3,7 +3,8 @@
 * :class:`IngressGuard` (ASGI middleware): with API keys configured, every path
   except the public ones (``/healthz``, ``/health``, ``/ping``, ``/metrics`` by default)
   needs ``Authorization: Bearer <key>``; a missing or unknown key gets 401 with
-  ``WWW-Authenticate: Bearer``. Keys are compared as SHA-256 digests (no key
+  ``WWW-Authenticate: Bearer``; ``Authorization`` sent twice with different values gets 400
+  (:func:`authorization_of`: which one counts would be a guess). Keys are compared as SHA-256 digests (no key
   text is kept in memory in the clear beyond loading, and the lookup takes the
   same time for every wrong key). Each key may have at most ``max_inflight``
   requests in flight (a stream counts until it ends); one more gets 429 with
@@ -96,9 +97,31 @@ def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key if isinstance(key, bytes) else key.encode()).digest()
 
 
-def _error(status: int, message: str, code: str) -> bytes:
-    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "error")
-    return _JSON.encode({"error": {"message": message, "type": kind, "param": None, "code": code}})
+def _error(status: int, message: str, code: str, param: str | None = None) -> bytes:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}.get(status, "error")
+    return _JSON.encode({"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+class RepeatedAuthorization(ValueError):
+    """A request's ``Authorization`` header is sent more than once with different values."""
+
+
+def authorization_of(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The one ``Authorization`` value of a request's ASGI ``headers`` (names lowercase), None without one.
+
+    The same value sent again (a proxy's copy) is one value, as the agent headers' rule
+    (``api.parse_branch_headers``). Different values are refused: proxies and servers disagree which one
+    counts (the first, the last, or all joined), so a gateway in front may authorize a request by one
+    credential while this router takes the other (the request-smuggling class; RFC 9110 allows the
+    header once). The first was taken here, silently.
+
+    Raises:
+        RepeatedAuthorization: two different values; its message counts them.
+    """
+    values = [value for name, value in headers if name == b"authorization"]
+    if len(set(values)) > 1:
+        raise RepeatedAuthorization(f"Authorization is sent {len(values)} times with different values; send it once")
+    return values[0] if values else None
 
 
 class IngressGuard:
@@ -109,9 +132,9 @@ class IngressGuard:
         keys: accepted API keys; empty = no authentication (and no per-key limit).
         public_paths: paths served without a key.
         max_inflight: requests in flight per key; 0 = unlimited.
-        counters: where ``http.unauthorized``, ``http.key_limited`` are counted.
+        counters: where ``http.unauthorized``, ``http.key_limited``, ``http.auth_header_repeated`` are counted.
         on_refused: called as ``on_refused(scope, status, message)`` for each request refused here
-            (401, 429) before it is answered (the router's ``--log-requests`` line); never given the key.
+            (400, 401, 429) before it is answered (the router's ``--log-requests`` line); never given the key.
     """
 
     def __init__(self, app: ASGIApp, keys: Iterable[str], *, public_paths: Iterable[str] = ("/healthz", "/health", "/ping", "/metrics"),
@@ -146,13 +169,19 @@ class IngressGuard:
         if not self._digests or scope["path"] in self.public:
             await self.app(scope, receive, closing_send)
             return
+        try:
+            value = authorization_of(scope["headers"])
+        except RepeatedAuthorization as e:
+            self.counters["http.auth_header_repeated"] += 1
+            if self.on_refused is not None:
+                self.on_refused(scope, 400, str(e))
+            await self._reply(send, 400, _error(400, str(e), "invalid_request", "Authorization"), [(b"connection", b"close")])
+            return
         who = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer" and token.strip():
-                    who = self._digests.get(_digest(token.strip()))
-                break
+        if value is not None:
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                who = self._digests.get(_digest(token.strip()))
         if who is None:
             self.counters["http.unauthorized"] += 1
             message = "missing or invalid API key: send 'Authorization: Bearer <key>'"

@@ -2494,7 +2494,8 @@ class RouterService(WatchedService):
         return resp
 
     def _refused(self, scope: Scope, status: int, error: str) -> None:
-        """A request the ingress guard refused (401: no or unknown API key; 429: its key's requests in flight):
+        """A request the ingress guard refused (400: Authorization sent twice with different values; 401: no or unknown
+        API key; 429: its key's requests in flight):
         with ``--log-requests`` a ``request rejected`` line (status, the id of the response's ``x-request-id``:
         a valid client ``X-Request-ID`` or the one the router made, the error message; never the key; on a path
         other than the generation paths also ``path`` and ``method``; before, those were not logged); a

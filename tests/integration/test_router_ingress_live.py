@@ -38,6 +38,20 @@ async def test_api_keys_401_without_or_with_a_wrong_key(nats_url, tmp_path):
         assert env.service.counters["http.unauthorized"] == 6 and env.service.api_keys_on
 
 
+async def test_two_different_authorization_headers_are_a_400_over_real_http(nats_url, tmp_path):
+    """Live: a request with ``Authorization: Bearer k1`` and ``Authorization: Bearer k2`` (h11 and uvicorn pass
+    both) was served as k1's; now a 400 naming the header, the connection closed. Once with the key: 200."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, api_keys="k1,k2") as env:
+        url = f"http://127.0.0.1:{env.service.port}"
+        async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+            r = await http.post("/v1/completions", json=BODY, headers=[("Authorization", "Bearer k1"), ("Authorization", "Bearer k2")])
+            assert r.status_code == 400 and r.json()["error"]["param"] == "Authorization", r.text
+            assert r.headers["connection"] == "close"
+            r = await http.post("/v1/completions", json=BODY, headers=[("Authorization", "Bearer k1"), ("Authorization", "Bearer k1")])
+            assert r.status_code == 200, r.text
+        assert env.service.counters["http.auth_header_repeated"] == 1 and env.service.counters["http_status.400"] == 1
+
+
 async def test_deep_json_is_400_never_500(nats_url, tmp_path):
     async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
         deep = b"[" * 100_000 + b"]" * 100_000

@@ -1,0 +1,62 @@
+"""The router's API-key guard (``ingress.IngressGuard``) on the ``Authorization`` headers of one request,
+driven as ASGI (no socket): the live proof is ``tests/integration/test_router_ingress_live.py``."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+from services.router.ingress import IngressGuard
+
+
+async def _call(guard: IngressGuard, headers: list[tuple[bytes, bytes]], path: str = "/v1/completions") -> tuple[int, dict[str, Any], dict[bytes, bytes]]:
+    """One request through ``guard``: (status, JSON body or {}, response headers)."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    await guard(scope, receive, send)
+    start = sent[0]
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return start["status"], json.loads(body) if body.startswith(b"{") else {}, dict(start.get("headers", []))
+
+
+async def _ok(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def test_two_authorization_headers_with_different_values_are_a_400_not_the_first_ones_key():
+    """Only the first ``Authorization`` header was read: ``Bearer good`` then ``Bearer other`` was served as
+    the first key's (200), while a proxy in front that takes the last one (or joins them) saw another
+    identity: which credential counts was a guess, the request-smuggling class. Two different values are now
+    a 400 naming the header, whatever their order or validity, counted as ``http.auth_header_repeated``, the
+    connection closed; the same value twice (a proxy's copy) is one value, as the agent headers' rule
+    (``api.parse_branch_headers``). Without keys the router reads no ``Authorization`` at all, and a
+    public path needs none: both are served as before."""
+    refused: list[tuple[int, str]] = []
+    counters: Counter[str] = Counter()
+    guard = IngressGuard(_ok, ["good", "other"], counters=counters, on_refused=lambda scope, status, msg: refused.append((status, msg)))
+    good, other = (b"authorization", b"Bearer good"), (b"authorization", b"Bearer other")
+    for headers in ([good, other], [other, good], [good, (b"authorization", b"Bearer nope")], [(b"authorization", b"Basic x"), good],
+                    [good, (b"x-other", b"1"), (b"authorization", b"")]):
+        status, body, head = await _call(guard, headers)
+        assert status == 400, headers
+        assert body["error"]["param"] == "Authorization" and "sent 2 times with different values" in body["error"]["message"]
+        assert body["error"]["type"] == "invalid_request_error" and head[b"connection"] == b"close"
+    assert counters["http.auth_header_repeated"] == 5 and counters["http.unauthorized"] == 0
+    assert [s for s, _ in refused] == [400] * 5
+    assert guard.inflight == Counter()  # no key was charged a slot
+    assert (await _call(guard, [good, good]))[0] == 200
+    assert (await _call(guard, [good]))[0] == 200
+    assert (await _call(guard, [(b"authorization", b"Bearer nope"), (b"authorization", b"Bearer nope")]))[0] == 401
+    assert (await _call(guard, [good, other], path="/healthz"))[0] == 200  # public: not read
+    open_guard = IngressGuard(_ok, [], counters=counters)
+    assert (await _call(open_guard, [good, other]))[0] == 200  # no keys: not read
+    assert counters["http.auth_header_repeated"] == 5
