@@ -144,11 +144,13 @@ case "$role" in
     if [ -n "${EI_IMAGE:-}" ]; then  # compose passes it (docker-compose.yml) so that this can say so
         # EI_IMAGE (REPO:TAG) became EI_IMAGE_REPO + EI_TARGET: a stack started with EI_IMAGE set ran the default
         # image without a word; the value split as the two new variables (a registry's port is no tag)
-        repo=$EI_IMAGE tag=""
+        repo=$EI_IMAGE tag="" its_tag=""
         case ${EI_IMAGE##*/} in *:*) repo=${EI_IMAGE%:*} tag=${EI_IMAGE##*:} ;; esac
+        # not "${tag:+ ... image's ...}": a ' inside a quoted ${...} is a literal to dash but opens a quote to bash
+        [ -n "$tag" ] && its_tag=" (its tag $tag: EI_TARGET=sim or torch, the image's variant)"
         echo "auth: EI_IMAGE=$EI_IMAGE is no longer read (renamed EI_IMAGE_REPO: the repository, without a tag; the" \
             "tag is EI_TARGET, sim or torch): this stack runs ${EI_IMAGE_REPO:-evolving-infra}:${EI_TARGET:-sim};" \
-            "unset EI_IMAGE and set EI_IMAGE_REPO=$repo${tag:+ (its tag $tag: EI_TARGET=sim or torch, the image's variant)}" >&2
+            "unset EI_IMAGE and set EI_IMAGE_REPO=$repo$its_tag" >&2
         exit 2
     fi
     case $AUTH in  # every role tests `!= off`: another value (password, a typo) ran nkeys without a word

@@ -36,7 +36,9 @@ def test_auth_refuses_ei_image_and_names_its_replacement(tmp_path: Path):
     assert len(line.splitlines()) == 1, line
     assert "EI_IMAGE=registry.example:5000/ei:torch is no longer read" in line, line
     assert "this stack runs evolving-infra:sim" in line and "set EI_IMAGE_REPO=registry.example:5000/ei " in line, line
-    assert "its tag torch" in line, line
+    assert line.endswith("set EI_IMAGE_REPO=registry.example:5000/ei (its tag torch: EI_TARGET=sim or torch, the image's variant)"), line
+    r = _run(tmp_path, "auth", EI_IMAGE="registry.example:5000/ei", EI_CREDS_DIR=str(tmp_path))  # no tag: no "(its tag ...)"
+    assert r.returncode == 2 and r.stderr.strip().endswith("set EI_IMAGE_REPO=registry.example:5000/ei"), r.stderr
     r = _run(tmp_path, "auth", EI_IMAGE="", EI_CREDS_DIR=str(tmp_path))  # compose's value when it is not set
     assert r.returncode == 0 and "no longer read" not in r.stderr, (r.stdout, r.stderr)
 
