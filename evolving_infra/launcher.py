@@ -42,6 +42,7 @@ from evolving_infra.cli import UsageError, command_name
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
 from evolving_infra.cluster import THREAD_ENV, ClusterConfigError, ClusterError, ClusterSpec, LocalCluster, worker_placement, write_json
+from evolving_infra.replay.retry import RetryPolicy
 from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
@@ -1004,6 +1005,7 @@ async def _demo(args: argparse.Namespace) -> int:
         cluster.remove_generated_creds(own_log_dir=own_logs)
         return _demo_interrupted(signals, Path(log_dir))
     state: Path | None = None
+    retry = RetryPolicy()  # the OpenAI SDK's default, as `replay` without --max-retries; recorded in the meta
     try:
         print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, profile {spec.profile}, "
               f"logs {cluster.log_dir}", flush=True)
@@ -1013,7 +1015,7 @@ async def _demo(args: argparse.Namespace) -> int:
         clock = SimClock(spec.speedup, cluster.clock_origin)
         replayer = LiveReplayer(
             cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer),
-            api_key=api_key,
+            api_key=api_key, retry=retry,
         )
         state = _write_state({**cluster.describe(), **_state_fields(spec)})  # tap, split get, replay
 
@@ -1051,7 +1053,7 @@ async def _demo(args: argparse.Namespace) -> int:
         "policy": pol.meta(),
         "speedup": spec.speedup,
         **demo_input_meta(concurrency=args.concurrency, agents=len(agents), block_size=load_profile(spec.profile).block_size,
-                          trace_block_size=trace.header.block_size),
+                          trace_block_size=trace.header.block_size, max_retries=retry.max_retries),
         "wall_s": time.monotonic() - wall0,
         "replay_wall_s": result.wall_s,
         "branch_end_failures": result.branch_end_failures,
@@ -1156,7 +1158,8 @@ def _demo_interrupted(signals: list[int], log_dir: Path) -> int:
     return 128 + signals[0]
 
 
-def demo_input_meta(*, concurrency: int, agents: int, block_size: int, trace_block_size: int) -> dict[str, object]:
+def demo_input_meta(*, concurrency: int, agents: int, block_size: int, trace_block_size: int,
+                    max_retries: int = RetryPolicy().max_retries) -> dict[str, object]:
     """The ``meta`` keys of a demo's report that say what it served, in the keys and shapes
     ``simulate`` records, so that ``report compare`` (``compare.INPUT_KEYS``) checks a demo against
     a simulation of the same input and warns only about what differs.
@@ -1166,10 +1169,13 @@ def demo_input_meta(*, concurrency: int, agents: int, block_size: int, trace_blo
         agents: sessions replayed.
         block_size: the cluster's tokens per KV block: the profile's (the workers').
         trace_block_size: tokens per block of the replayed trace.
+        max_retries: sends after the first of a request refused before any answer (the demo's
+            replayer's :class:`~evolving_infra.replay.retry.RetryPolicy`: the OpenAI SDK's default, 2),
+            as ``replay --max-retries`` records it.
 
     Returns:
         ``arrival`` (closed, ``rate_per_min`` and ``cap`` None as in ``simulate``), ``agents``,
-        ``block_size``, ``trace_block_size``, ``tile`` 1, ``max_pause_s`` None (the trace's pauses
+        ``block_size``, ``trace_block_size``, ``max_retries``, ``tile`` 1, ``max_pause_s`` None (the trace's pauses
         as recorded, scaled by the speedup, none capped), ``duration_s`` None (until every session
         is done), ``warmup_s`` 0.0 (every request is measured), and ``inputs_not_applicable``
         ``["seed"]`` (agents enter in trace order on a closed loop: nothing is drawn, so no seed
@@ -1180,6 +1186,7 @@ def demo_input_meta(*, concurrency: int, agents: int, block_size: int, trace_blo
         "agents": agents,
         "block_size": block_size,
         "trace_block_size": trace_block_size,
+        "max_retries": max_retries,
         "tile": 1,
         "max_pause_s": None,
         "duration_s": None,

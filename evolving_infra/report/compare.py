@@ -25,9 +25,12 @@ COMPARE_JSON = "compare.json"
 
 INPUT_KEYS: tuple[str, ...] = (
     "trace", "agents", "tile", "max_pause_s", "arrival", "duration_s", "warmup_s", "seed", "block_size", "agent_order",
+    "max_retries",
 )
 """``meta`` keys that define what a run served and for how long: runs that differ in one of
-them answer different questions, and their ratios (requests completed, throughput) mislead."""
+them answer different questions, and their ratios (requests completed, throughput) mislead.
+``max_retries``: how often a live replay sends again a request refused before any answer
+(``replay --max-retries``, the demo's default 2): with 0 a router's restart loses what 2 serves."""
 
 # Rows beyond the headline metrics: (key, lower_is_better)
 _MORE_ROWS: tuple[tuple[str, bool | None], ...] = (
@@ -147,20 +150,31 @@ NOT_APPLICABLE = "inputs_not_applicable"
 """``meta`` key: the :data:`INPUT_KEYS` that cannot change what this run served (a live demo's
 ``seed``: its agents enter in trace order on a closed loop, nothing is drawn)."""
 
+SIMULATED_COMMANDS = frozenset({"simulate", "fidelity (sim)"})
+"""``meta["command"]`` of a simulated run (``sweep`` runs ``simulate``)."""
+
+LIVE_ONLY_KEYS = frozenset({"max_retries"})
+""":data:`INPUT_KEYS` that do not apply to a simulated run (:data:`SIMULATED_COMMANDS`), which
+records none of them: its harness is never refused (a request no node can take waits until one
+can), so a replay's ``--max-retries`` cannot change what it served. Left out of that key's check
+as :data:`NOT_APPLICABLE` keys are, every simulation's report, older ones included."""
+
 
 def input_differences(reports: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> list[str]:
     """One line per :data:`INPUT_KEYS` key whose ``meta`` value differs between runs that record
     it (a key no run records is skipped), naming each run's value: ``not recorded`` for a run whose
     ``meta`` lacks the key. A run that lists the key in ``meta["inputs_not_applicable"]`` is left
     out of that key's comparison (a live demo has no seed: ``seed: demo=None, sim=0`` would read as
-    a missing setting), and is shown as ``n/a`` when the others differ.
+    a missing setting), and is shown as ``n/a`` when the others differ; so is a simulated run for
+    :data:`LIVE_ONLY_KEYS`.
     ``trace`` values naming the same file (one run recorded it relative, the other absolute, or a
     copy with the same bytes) are equal: :func:`trace_identities`.
     Empty when the runs served the same input for the same time."""
     out = []
     metas = [r.get("meta") if isinstance(r.get("meta"), Mapping) else {} for r in reports]
     for key in INPUT_KEYS:
-        na = [key in (m.get(NOT_APPLICABLE) or ()) for m in metas]
+        na = [key in (m.get(NOT_APPLICABLE) or ()) or (key in LIVE_ONLY_KEYS and m.get("command") in SIMULATED_COMMANDS)
+              for m in metas]
         vals = [m.get(key) for m, skip in zip(metas, na) if not skip]
         if key == "trace":
             vals = trace_identities(vals)

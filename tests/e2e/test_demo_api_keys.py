@@ -33,6 +33,7 @@ def test_demo_completes_every_request_with_api_keys_in_the_environment(tmp_path)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     report = json.loads((tmp_path / "demo" / "report.json").read_text())
     assert report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"] > 0
+    assert report["meta"]["max_retries"] == 2  # its replayer's (the OpenAI SDK's default): report compare checks it
     # the report folder keeps the logs, not the stopped cluster's NATS seeds (demo-out/logs/nats-creds/*.nk, the
     # operator's and admin's included, stayed in the folder users share)
     assert list((tmp_path / "demo" / "logs").glob("*.log")) and not list((tmp_path / "demo").rglob("*.nk"))

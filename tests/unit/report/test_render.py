@@ -308,6 +308,44 @@ def test_compare_of_a_demo_and_a_simulation_of_its_input_warns_about_nothing(tmp
     assert input_differences([{"meta": {}}, sims["sim"]], ["old", "sim"])[0].startswith("trace: old=not recorded, sim=")
 
 
+def test_compare_flags_runs_that_retried_a_refused_request_a_different_number_of_times(tmp_path: Path):
+    """``max_retries`` (``replay --max-retries``; the demo's replayer: the OpenAI SDK's default, 2)
+    decides whether a request refused before any answer (a router restarting) is lost or served:
+    two replays with ``--max-retries 0`` and ``4`` served different loads, and compare said nothing,
+    and a demo's meta did not record its own. A simulation's harness is never refused (a request no
+    node can take waits until one can): the key does not apply to it, and a demo against a
+    simulation of its input still warns about nothing."""
+    import subprocess
+    import sys
+
+    from evolving_infra.launcher import demo_input_meta
+    from evolving_infra.replay.retry import RetryPolicy
+    from evolving_infra.report.compare import input_differences
+    from evolving_infra.report.write import load_run
+
+    demo = {"meta": demo_input_meta(concurrency=16, agents=60, block_size=64, trace_block_size=64)}
+    assert demo["meta"]["max_retries"] == RetryPolicy().max_retries == 2
+    replay = {"meta": {**demo["meta"], "max_retries": 0}}
+    assert input_differences([demo, replay], ["demo-out", "replay"]) == ["max_retries: demo-out=2, replay=0"]
+    assert input_differences([replay, {"meta": {**replay["meta"], "max_retries": 4}}], ["r0", "r4"]) == ["max_retries: r0=0, r4=4"]
+    assert input_differences([replay, {"meta": {**replay["meta"]}}], ["r0", "again"]) == []
+
+    repo = Path(__file__).resolve().parents[3]
+    sample = "evolving_infra/data/claude-code-sample.jsonl.gz"
+    subprocess.run([sys.executable, "-m", "evolving_infra.cli", "simulate", "--trace", sample, "--nodes", "4",
+                    "--concurrency", "16", "--no-plots", "--duration", "300", "--out", str(tmp_path / "sim")],
+                   cwd=repo, check=True, capture_output=True)
+    sim, _ = load_run(tmp_path / "sim")
+    assert "max_retries" not in sim["meta"]
+    for live in (demo, replay):
+        live = {"meta": {**live["meta"], "trace": sample, "duration_s": 300.0}}
+        assert input_differences([live, sim], ["live", "sim"]) == []
+    assert input_differences([demo, sim, replay], ["demo-out", "sim", "replay"])[-1] == "max_retries: demo-out=2, sim=n/a, replay=0"
+    # a run that records no command is not taken for a simulation: an old replay's, which never retried
+    old = {k: v for k, v in demo["meta"].items() if k != "max_retries"}
+    assert input_differences([demo, {"meta": old}], ["demo-out", "old"]) == ["max_retries: demo-out=2, old=not recorded"]
+
+
 def test_compare_takes_a_relative_and_an_absolute_path_to_one_trace_as_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """`report compare` warned 'different traces' for a replay that recorded the trace's absolute path
     and a simulation of the same file given relative."""
