@@ -1240,22 +1240,21 @@ class WorkerService:
                         # (that step publishes it): its hand-off never goes out before it
                         while rid in self._step_rids:
                             await self._step_over.wait()
-                    if rid in self.core.requests:
-                        now = self.clock.local_now()
-                        try:
-                            check_token(rep.decode_node, "decode_node")
-                            outs = self.core.bind_decode(rid, rep.decode_node, now)
-                        except (ValueError, SchedulerError) as e:
-                            reason = str(e)
-                            break
-                        self.counters["bind.ok"] += 1
-                        if outs:  # its prefill finished first (parked, its first token out): its hand-off now
-                            if span is not None:  # the binding's span ends with the binding
-                                span.end()
-                                span = None
-                            await self._hand_off_bound(rid, outs, now)
-                    else:  # it ended here at its first token (end-of-sequence) before its binding came
-                        self.counters["bind.after_end"] += 1
+                    if rid not in self.core.requests:
+                        break  # it ended here at its first token (end-of-sequence) before its binding came: below
+                    now = self.clock.local_now()
+                    try:
+                        check_token(rep.decode_node, "decode_node")
+                        outs = self.core.bind_decode(rid, rep.decode_node, now)
+                    except (ValueError, SchedulerError) as e:
+                        reason = str(e)
+                        break
+                    self.counters["bind.ok"] += 1
+                    if outs:  # its prefill finished first (parked, its first token out): its hand-off now
+                        if span is not None:  # the binding's span ends with the binding
+                            span.end()
+                            span = None
+                        await self._hand_off_bound(rid, outs, now)
                     return
                 reason = rep.reason
                 if "not pending" in reason or "not in flight" in reason or "placed on" in reason or "stale attempt" in reason:
@@ -1264,8 +1263,9 @@ class WorkerService:
                 await asyncio.sleep(0.05)
             if rid not in self.core.requests:
                 # it ended here at its first token (end-of-sequence, finish_reason stop) while its binding
-                # was under way: the router, which has its end, answers "not pending"; nothing failed and
-                # there is nothing to abort. Before, counted bind.failed (a torch node's EOS at the first token)
+                # was under way: the router, which has its end, answers "not pending", or names a decode node
+                # when the end had not reached it yet; nothing failed and there is nothing to abort or bind.
+                # Before, counted bind.failed (a torch node's EOS at the first token)
                 self.counters["bind.after_end"] += 1
                 return
             self.counters["bind.failed"] += 1

@@ -494,6 +494,28 @@ async def test_a_request_that_ends_at_its_first_token_while_binding_is_not_a_fai
         _no_fatal(w0)
 
 
+async def test_a_binding_that_names_a_decode_node_after_the_request_ended_counts_one_after_end(nats_url):
+    """The other order of the test above: the router names a decode node (it had not seen the end yet) for a
+    request that ended here at its first token. Nothing to bind or hand off, nothing failed: one
+    ``bind.after_end``, no ``bind.ok``, ``bind.failed`` nor hand-off, and the binding task is gone."""
+    ended = asyncio.Event()
+
+    async def router(req: m.DecodeBindRequest, _s: str) -> m.DecodeBindReply:
+        await ended.wait()
+        return m.DecodeBindReply(rid=req.rid, decode_node="w1")
+
+    async with _prefill_node(nats_url, {"r": router}, bind_timeout_s=2.0) as (bus, w0, seen):
+        w0.engine.take_stopped = lambda: {"e": 1}  # type: ignore[method-assign]  # EOS as its first token
+        await bus.publish(WORK_PREFILL, _bind_work("e", "r"), node="w0")
+        await until(lambda: any(k == "chunk" and x.finished for k, x, _ in seen), 5.0, "e's end")
+        ended.set()
+        await until(lambda: not w0._binds, 5.0, "e's binding over")
+        assert _of(seen, "e") == [("chunk", 0)] and not w0.core.requests
+        assert w0.counters["bind.after_end"] == 1, w0.counters
+        assert not {k: v for k, v in w0.counters.items() if k in ("bind.ok", "bind.failed") and v}, w0.counters
+        _no_fatal(w0)
+
+
 async def test_a_drain_waits_for_a_parked_prefill_and_a_stop_cancels_its_binding(nats_url):
     """A phase switch of the prefill node waits for the parked request's hand-off before it says
     ``serving`` (it counts in flight, as while the step loop waited for its binding); a worker stopped
