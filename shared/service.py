@@ -374,18 +374,13 @@ async def serve_until_stopped(
                 except Exception as e:  # a drain that fails is a failed service (the supervisor restarts on failure)
                     failed = drain_error = e
                     log.error("service drain failed; stopping, then exiting non-zero", error=repr(e), exc_info=e)
-                else:
-                    # a task the service needs failed during the drain (the router's drain ends on it): the exit
-                    # status says so. Before, the process exited 0 after a fatal error met while draining.
-                    if isinstance(fatal, asyncio.Event) and fatal.is_set():
-                        failed = getattr(started[0], "fatal_error", None) or RuntimeError("fatal")
-                        log.error("service failed during its drain; stopping, then exiting non-zero", error=repr(failed))
-    # a fatal error that came with the stop signal (SIGINT, a second signal, no drain) or during ``svc.stop()`` (the
-    # exit stack's): a failed service exits non-zero, so a supervisor restarting on failure restarts it. Before,
-    # only one met while serving (before any stop) or during SIGTERM's drain was checked: these exited 0.
+    # a fatal error that came with the stop signal (SIGINT, a second signal), during SIGTERM's drain (the router's
+    # drain ends on it) or during ``svc.stop()`` (the exit stack's): a failed service exits non-zero, so a supervisor
+    # restarting on failure restarts it. Before, one met with the signal or in stop() exited 0 (7008d2e), and one met
+    # during the drain had a check of its own after the drain, which set the same ``failed`` as this one does.
     if failed is None and isinstance(fatal, asyncio.Event) and fatal.is_set():
         failed = getattr(started[0], "fatal_error", None) or RuntimeError("fatal")
-        log.error("service failed while stopping; exiting non-zero", error=repr(failed))
+        log.error("service failed while draining or stopping; exiting non-zero", error=repr(failed))
     if failed is not None:
         log.error("service stopped after a fatal error", error=repr(failed))
         if failed is drain_error:
