@@ -894,11 +894,13 @@ class LocalCluster:
 
         Its paths (log folder, credentials, file_sd list) are absolute: the state file written from it is read by
         ``split``, ``tap`` and ``replay`` run from any folder (a relative ``--log-dir``, ``demo``'s ``demo-out/logs``,
-        made ``split get`` from another folder fail on ``demo-out/logs/nats-creds/operator.nk``).
+        made ``split get`` from another folder fail on ``demo-out/logs/nats-creds/operator.nk``), and resolved
+        (``Path.resolve``: no ``..``, symlinks followed): ``--log-dir ../logs`` run in ``work/`` was shown as
+        ``/.../work/../logs``, a level deeper than the folder it names.
         """
 
-        def absolute(path: str | None) -> str | None:
-            return str(Path(path).absolute()) if path else None
+        def absolute(path: str | Path | None) -> str | None:
+            return str(Path(path).resolve()) if path else None
 
         return {
             "router_url": self.router_url,
@@ -906,11 +908,11 @@ class LocalCluster:
             "nats_auth": self.spec.nats_auth if not self.spec.nats_url else ("creds" if self.spec.nats_creds_dir else "none"),
             "nats_operator_creds": absolute(self.creds_file("operator")),
             "nats_admin_creds": absolute(self.creds_file("admin")),
-            "log_dir": str(self.log_dir.absolute()),
+            "log_dir": absolute(self.log_dir),
             "split": self.spec.split,
             "speedup": self.spec.speedup,
             "pids": self.pids(),
-            **({"metrics": dict(self.metrics_urls), "prometheus_targets": str((self.log_dir / TARGETS_FILE).absolute())} if self.metrics_urls else {}),
+            **({"metrics": dict(self.metrics_urls), "prometheus_targets": absolute(self.log_dir / TARGETS_FILE)} if self.metrics_urls else {}),
             "restarts": self.restarts(),
         }
 

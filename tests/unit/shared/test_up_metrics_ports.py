@@ -87,6 +87,31 @@ def test_the_state_files_paths_are_absolute_for_tools_run_from_another_folder(tm
     assert nats_auth_line("nkeys", info).endswith(f"elsewhere: EI_NATS_CREDS={tmp_path / 'creds' / 'operator.nk'}")
 
 
+def test_the_state_files_paths_name_their_folder_without_dot_dot(tmp_path, monkeypatch):
+    """``up --log-dir ../logs`` run in ``work/`` wrote ``/.../work/../logs`` into READY, cluster.json and the state file
+    (``Path.absolute`` keeps ``..``): a path one level deeper than the folder it names, which a reader (or a
+    lexical clean-up such as ``os.path.abspath``) takes for another folder when a component is a symlink
+    (``link/../../creds``). Each path is now the folder itself, symlinks resolved."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "elsewhere" / "deep" / "er").mkdir(parents=True)
+    (tmp_path / "work" / "link").symlink_to(tmp_path / "elsewhere" / "deep" / "er")
+    (tmp_path / "elsewhere" / "creds").mkdir()
+    for name in ("operator", "admin"):
+        (tmp_path / "elsewhere" / "creds" / f"{name}.nk").write_text("seed\n")
+    monkeypatch.chdir(tmp_path / "work")
+    c = LocalCluster(ClusterSpec(log_dir="../logs", nats_url="nats://127.0.0.1:4222", nats_creds_dir="link/../../creds"))
+    c.log_dir = Path("../logs")
+    c.metrics_urls = {"router": "http://127.0.0.1:1/metrics"}
+    info = c.describe()
+    root = tmp_path.resolve()
+    assert info["log_dir"] == str(root / "logs")
+    assert info["prometheus_targets"] == str(root / "logs" / TARGETS_FILE)
+    # link/../../creds is elsewhere/creds for the kernel (link is elsewhere/deep/er), the file the cluster reads; a
+    # lexical clean-up (os.path.abspath) would name tmp_path/creds, which does not exist
+    assert info["nats_operator_creds"] == str(root / "elsewhere" / "creds" / "operator.nk")
+    assert info["nats_admin_creds"] == str(root / "elsewhere" / "creds" / "admin.nk")
+
+
 @pytest.mark.parametrize("port", ["99999", "-1", "http"])
 def test_a_port_out_of_range_is_a_usage_error_before_anything_starts(port, capsys):
     """``up --port 99999`` started NATS and every service, then exited 1 on the router's msgspec error."""
