@@ -1004,12 +1004,11 @@ class BranchTable:
         while len(self.expired) > self.ended_memory:
             self.expired.popitem(last=False)
 
-    def evict(self, bid: str, now: float, rid: str | None = None) -> str:
+    def evict(self, bid: str, rid: str | None = None) -> str:
         """A router forgot ``bid`` to keep its branch table under its cap (``BranchEnd`` with
         ``expired=True``; the router's ``--max-active-branches``): the branch is expired now, as a
         TTL expiry does (counts released on every node, resumable: its next start or placement is a
-        resume), counted in ``branch.evicted``. ``now``: unused (the expiry path reads no time);
-        kept for the signature of :meth:`end`.
+        resume), counted in ``branch.evicted``. It takes no time: the expiry path reads none.
 
         Args:
             rid: the evicting router's latest placed request of the branch (``""``: it placed none).

@@ -687,12 +687,13 @@ class KvDirectory:
         """End a branch: release its counts everywhere. Returns ``ended``/``duplicate_end``/``unknown``."""
         return self.branches.end(branch_id, now)
 
-    def branch_evict(self, branch_id: str, now: float, rid: str | None = None) -> str:
+    def branch_evict(self, branch_id: str, rid: str | None = None) -> str:
         """A router evicted the branch from its capped table: expire it now, as the TTL does (counts
         released everywhere, resumable), unless ``rid`` (``BranchEnd.rid``, the router's latest
         placed request) is not the branch's latest placement here (another router serves it).
+        Takes no time (nothing in it reads one).
         Returns ``evicted``/``stale``/``ended``/``unknown`` (see ``BranchTable.evict``)."""
-        return self.branches.evict(branch_id, now, rid)
+        return self.branches.evict(branch_id, rid)
 
     def place(
         self,
@@ -761,7 +762,7 @@ class KvDirectory:
             case BranchStart():
                 return self.branch_start(msg.branch_id, now, kind=msg.kind, parent=msg.parent_branch_id, agent=msg.agent_id)
             case BranchEnd(expired=True):
-                return self.branch_evict(msg.branch_id, now, msg.rid)
+                return self.branch_evict(msg.branch_id, msg.rid)
             case BranchEnd():
                 return self.branch_end(msg.branch_id, now)
             case BranchToolCall():

@@ -236,7 +236,7 @@ class DirectoryService(WatchedService):
             if verdict in ("duplicate", "ended"):
                 self.log.warning("branch start refused", branch=ev.branch_id, verdict=verdict)
         elif ev.expired:  # a router's table cap evicted it: expired, as by the TTL (resumable)
-            verdict = self.core.branch_evict(ev.branch_id, now, ev.rid)
+            verdict = self.core.branch_evict(ev.branch_id, ev.rid)
             if verdict != "evicted":
                 self.log.debug("branch eviction not applied", branch=ev.branch_id, verdict=verdict, rid=ev.rid)
         else:

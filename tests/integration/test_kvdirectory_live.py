@@ -225,6 +225,33 @@ async def test_counts_are_pushed_to_workers_and_follow_branch_events(nats_url):
         await eventually(dup_counted)
 
 
+async def test_a_routers_eviction_of_a_branch_expires_it_in_the_directory_service(nats_url):
+    """BranchEnd(expired=True) (a router's --max-active-branches evicted the branch) through the service's
+    handler: an eviction naming another request than the branch's latest placement is ignored
+    (``branch.stale_evict``), one naming it releases the branch's counts (``branch.evicted``)."""
+    async with running_directory(nats_url) as c:
+        got: dict[int, int] = {}
+
+        async def on_counts(cu: m.CountUpdates, subject: str) -> None:
+            got.update(zip(cu.hashes, cu.counts))
+
+        await c.subscribe(KV_COUNTS, on_counts)
+        await c.publish(BRANCH_EVENTS, m.BranchStart(branch_id="a1"))
+        await asyncio.sleep(0.05)
+        await c.publish(ROUTE_PLACED, m.RoutePlaced(rid="r1", branch_id="a1", node="w0", phase="prefill", block_hashes=PATH[:3]))
+        await eventually(lambda: got.get(101) == 1)
+
+        async def counted(key: str) -> bool:
+            return (await stats(c)).counters.get(key, 0) == 1
+
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a1", expired=True, rid="r0"))  # another router's view
+        await eventually(lambda: counted("branch.stale_evict"))
+        assert got.get(101) == 1
+        await c.publish(BRANCH_EVENTS, m.BranchEnd(branch_id="a1", expired=True, rid="r1"))
+        await eventually(lambda: counted("branch.evicted"))
+        await eventually(lambda: got.get(101) == 0)
+
+
 async def test_each_directory_process_stamps_its_counts_with_its_own_epoch(nats_url):
     """A restarted directory starts from empty counts and sends only changes; its messages carry
     a new ``epoch`` so workers reset the counts the old process set (worker: ``reset_counts``)."""
