@@ -289,9 +289,9 @@ class _Pending:
     unread: int = 0
     """Output tokens in :attr:`queue` its response has not taken yet (``--max-buffered-output-tokens``)."""
     reset: Callable[[], bool] | None = None
-    """Resets its client's connection (a stream's, ``ingress.RESET_EXTENSION``); None: not a stream, or no such hook."""
-    http_closed: bool = False
-    """Its response is over (a stream's: :meth:`RouterService._close_stream` ran)."""
+    """Resets its client's connection (a stream's, ``ingress.RESET_EXTENSION``) while its response is on, and says
+    whether it did (a no-op once the response is complete or the connection closing); None: not a stream, or no
+    such hook."""
 
 
 def _error_message(resp: Response | None) -> str | None:
@@ -1168,8 +1168,11 @@ class RouterService(WatchedService):
 
     def _reset_slow_client(self, p: _Pending) -> None:
         """``--slow-client-grace-s`` after ``p`` was aborted as too slow: reset its connection unless its
-        response ended (its client read the error event)."""
-        if not p.http_closed and p.reset is not None and p.reset():  # (a no-op once its response is complete)
+        response ended (its client read the error event): the hook resets only while its own request's response
+        is on (9ff3e38). Before, a ``_Pending.http_closed`` flag, set when the response's ASGI call returned, was
+        checked here too: it stopped no reset the hook would do (by then the response is complete, or uvicorn
+        closes the connection before any other callback runs)."""
+        if p.reset is not None and p.reset():
             self.counters["slow_client_resets"] += 1
 
     def _stale_chunk(self, p: _Pending, chunk: m.TokenChunk) -> None:
@@ -2976,7 +2979,6 @@ class RouterService(WatchedService):
 
     def _close_stream(self, p: _Pending) -> None:
         """After an SSE response: forget ``p`` if its body never ran (the client left before it started)."""
-        p.http_closed = True
         if self._pending.get(p.rid) is p:
             self._abandon(p, "client disconnected", "client_disconnect")
             self._forget(p)

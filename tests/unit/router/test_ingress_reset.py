@@ -47,8 +47,8 @@ class _Transport(asyncio.Transport):
 
 def test_a_requests_reset_hook_spares_the_next_request_on_its_connection():
     """The router calls a stream's hook ``--slow-client-grace-s`` after it aborted it as too slow, unless its
-    response ended first (``_Pending.http_closed``, set once the response's ASGI call has returned). Its
-    response is complete a little before that call returns (Starlette's stream ends its disconnect listener
+    response ended first (before 9ff3e38 a ``_Pending.http_closed``, set once the response's ASGI call had
+    returned, said so; now the hook itself). Its response is complete a little before that call returns (Starlette's stream ends its disconnect listener
     first), and uvicorn starts a pipelined next request on the same connection at the completion: a hook
     that is the connection's ``transport.abort`` then killed that other request. Now a hook resets only while
     its own request's response is on (it is the connection's current one, not complete)."""
