@@ -1125,11 +1125,6 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str = "tokens", what
             raise ApiError(400, f"token id {t} is outside {what} [0, {vocab_size})", param=f"{param}[{i}]")
 
 
-def tokenize_response(ids: list[int], max_model_len: int, token_strs: list[str] | None = None) -> dict[str, Any]:
-    """vLLM's ``TokenizeResponse``: ``count``, ``max_model_len`` (tokens), ``tokens``, ``token_strs`` (null unless asked)."""
-    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}
-
-
 _JSON_PIECE = 262_144
 """Items of a list :func:`tokenize_response_json` encodes per ``msgspec`` call (~10 ms each)."""
 _LIST_ENCODER = msgspec.json.Encoder()
@@ -1149,10 +1144,11 @@ def _json_list(items: list[Any]) -> bytes:
 
 
 def tokenize_response_json(ids: list[int], max_model_len: int, token_strs: list[str] | None = None) -> bytes:
-    """:func:`tokenize_response` encoded as JSON (the same bytes as ``msgspec.json.encode`` of it), its lists a
-    piece at a time (:func:`_json_list`), so that it may run in a worker thread without stopping the event
-    loop: ``/tokenize`` of a 60 MB prompt (31M ids, a 189 MB answer) was encoded on the loop in one call, which
-    stopped every other request for 1.0 s (2.5 s on a loaded box)."""
+    """vLLM's ``TokenizeResponse`` as JSON: ``count``, ``max_model_len`` (tokens), ``tokens``, ``token_strs`` (null
+    unless asked), the same bytes as ``msgspec.json.encode`` of that dict, its lists encoded a piece at a time
+    (:func:`_json_list`), so that it may run in a worker thread without stopping the event loop: ``/tokenize`` of
+    a 60 MB prompt (31M ids, a 189 MB answer) was encoded on the loop in one call, which stopped every other
+    request for 1.0 s (2.5 s on a loaded box)."""
     head = _LIST_ENCODER.encode({"count": len(ids), "max_model_len": max_model_len})[:-1]
     strs = b"null" if token_strs is None else _json_list(token_strs)
     return b"".join([head, b',"tokens":', _json_list(ids), b',"token_strs":', strs, b"}"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+from typing import Any
 
 import pytest
 
@@ -112,9 +113,16 @@ def test_detokenize_body_and_vocabulary_check():
     assert ei.value.status == 400 and ei.value.param == "tokens[2]" and "[0, 10)" in ei.value.reason
 
 
+def _tokenize_response(ids: list[int], max_model_len: int, token_strs: list[str] | None = None) -> dict[str, Any]:
+    """vLLM's ``TokenizeResponse``: what ``api.tokenize_response_json`` encodes (the reference it is checked against)."""
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}
+
+
 def test_tokenize_response_is_vllms_shape():
-    assert api.tokenize_response([4, 5], 100) == {"count": 2, "max_model_len": 100, "tokens": [4, 5], "token_strs": None}
-    assert api.tokenize_response([4], 100, ["a"])["token_strs"] == ["a"]
+    import msgspec
+
+    assert msgspec.json.decode(api.tokenize_response_json([4, 5], 100)) == _tokenize_response([4, 5], 100)
+    assert msgspec.json.decode(api.tokenize_response_json([4], 100, ["a"]))["token_strs"] == ["a"]
 
 
 def test_tokenize_answer_is_encoded_a_piece_at_a_time_as_the_one_call_encodes_it():
@@ -129,7 +137,7 @@ def test_tokenize_answer_is_encoded_a_piece_at_a_time_as_the_one_call_encodes_it
     piece = router_api._JSON_PIECE
     for ids, strs in (([], None), ([4, 5], ["a", 'q"\\ é\n']), (list(range(2 * piece + 3)), None),
                       (list(range(piece + 1)), [f"<{i}>\u2028" for i in range(piece + 1)])):
-        want = msgspec.json.encode(api.tokenize_response(ids, 100, strs))
+        want = msgspec.json.encode(_tokenize_response(ids, 100, strs))
         assert api.tokenize_response_json(ids, 100, strs) == want
     ids = [92928] * 12_000_000
     stall, wall = _longest_stall_s(api.tokenize_response_json, ids, 256)
