@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from shared.itermodel import PrefillModel, qk_pairs
 from shared.messages import IterationRecord, NodeState, Phase
 from shared.profile import Profile
-from shared.split import assign_min_change
 from services.planner.observe import Observer
 from services.planner.policy import PolicyBase, RequestDone, SplitDecision, dead_note as _dead_note
 
@@ -186,10 +185,10 @@ class DynamoPlanner(PolicyBase):
         target: dict[str, Phase] | None = None
         reason = f"queue {q:.2f}/node, KV load {kv:.2f}: within thresholds or tie"
         if vote_p > vote_d and n_d > self.p.min_endpoint:
-            target = {**phases, **assign_min_change(live, n_p + 1)}
+            target = self.assign_live(phases, n_p + 1)
             reason = f"prefill queue {q:.2f}/node (up > {self.p.prefill_queue_scale_up}), KV load {kv:.2f}: one decode node → prefill"
         elif vote_d > vote_p and n_p > self.p.min_endpoint:
-            target = {**phases, **assign_min_change(live, n_p - 1)}
+            target = self.assign_live(phases, n_p - 1)
             reason = f"KV load {kv:.2f} (up > {self.p.decode_kv_scale_up}), prefill queue {q:.2f}/node: one prefill node → decode"
             self.grace = self.p.decode_grace_intervals
         elif vote_p != vote_d:
@@ -252,13 +251,6 @@ class ArrowPlanner(PolicyBase):
     def on_request_done(self, done: RequestDone, now: float) -> None:
         self.obs.on_request_done(done, now)
 
-    def on_liveness(self, dead: Set[str], now: float) -> None:
-        """As the base (plan over the live nodes); a node newly dead leaves the observer's populations."""
-        newly = [n for n in dead if n not in self.dead]
-        super().on_liveness(dead, now)
-        for n in newly:
-            self.obs.forget(n, now)
-
     def next_tick(self) -> float | None:
         return 0.0 if self._next is None else self._next
 
@@ -315,12 +307,12 @@ class ArrowPlanner(PolicyBase):
             if n_d <= self.p.min_nodes:
                 self._decide(now, "no_switch", phases, None, f"TTFT {ttft:.2f}s > SLO but decode is at its minimum{_dead_note(self.dead)}", metrics=metrics)
                 return None
-            target = {**phases, **assign_min_change(live, n_p + 1)}
+            target = self.assign_live(phases, n_p + 1)
             reason = f"predicted TTFT {ttft:.2f}s (full input) > SLO {self.p.ttft_slo_s:.2f}s: one decode node → prefill"
         else:
             if n_p <= self.p.min_nodes:
                 self._decide(now, "no_switch", phases, None, f"TPOT {tpot * 1000:.1f}ms > SLO but prefill is at its minimum{_dead_note(self.dead)}", metrics=metrics)
                 return None
-            target = {**phases, **assign_min_change(live, n_p - 1)}
+            target = self.assign_live(phases, n_p - 1)
             reason = f"TPOT {tpot * 1000:.1f}ms > SLO {self.p.tpot_slo_s * 1000:.1f}ms: one prefill node → decode"
         return self._decide(now, "switch", phases, target, reason + _dead_note(self.dead), metrics=metrics)

@@ -69,7 +69,7 @@ import numpy as np
 
 from shared.messages import CandidateGain, IterationRecord, NodeModels, NodeState, Phase, PlannerModels
 from shared.profile import Profile
-from shared.split import SplitError, assign_min_change, split_name, split_phases
+from shared.split import SplitError, split_name, split_phases
 from services.planner.fit import FitSamples, fit_node, median_decode, median_prefill
 from services.planner.observe import Observer, SliceStats
 from services.planner.policy import PolicyBase, RequestDone, SplitDecision, dead_note as _dead_note
@@ -291,15 +291,6 @@ class EvolvingPlanner(PolicyBase):
 
     def on_request_done(self, done: RequestDone, now: float) -> None:
         self.obs.on_request_done(done, now)
-
-    def on_liveness(self, dead: Set[str], now: float) -> None:
-        """As the base: the window decision, the guard and the freeze's choice plan over the live nodes (Θ,
-        latency, backlog and the candidate splits of theirs; a dead node keeps its phase); a node newly dead
-        leaves the observer's populations (q̄, the prefill queue). O(N)."""
-        newly = [n for n in dead if n not in self.dead]
-        super().on_liveness(dead, now)
-        for n in newly:
-            self.obs.forget(n, now)
 
     def on_switch_done(self, node: str, phase: Phase, now: float) -> None:
         """A node finished switching: the cooldown runs from the last switch completion too."""
@@ -574,16 +565,16 @@ class EvolvingPlanner(PolicyBase):
         n_nodes = len(base)
         if not w or n_nodes < 2:
             p = max(1, n_nodes // 2)
-            return {**full, **assign_min_change(base, p)} if n_nodes >= 2 else dict(phases), {"best_p": float(p)}
+            return self.assign_live(full, p) if n_nodes >= 2 else dict(phases), {"best_p": float(p)}
         counts, mask, _ = candidate_masks(base)
         if self.p.objective == "latency":
             lat = self._latency(list(base), mask, counts, w).mean(axis=1)
             if np.isfinite(lat).any():  # the split with the lowest predicted mean latency
                 p = int(counts[int(np.argmin(lat))])
-                return {**full, **assign_min_change(base, p)}, {"best_p": float(p), "best_latency_s": float(lat.min())}
+                return self.assign_live(full, p), {"best_p": float(p), "best_latency_s": float(lat.min())}
         th = self._theta(list(base), mask, counts, w)
         p = int(counts[int(np.argmax(th.mean(axis=1)))])
-        return {**full, **assign_min_change(base, p)}, {"best_p": float(p)}
+        return self.assign_live(full, p), {"best_p": float(p)}
 
     # -- measurement ---------------------------------------------------------- #
 
@@ -786,7 +777,7 @@ class EvolvingPlanner(PolicyBase):
                 why += f"; SLO guard vetoed {', '.join(vetoed)}"
             self._decide(now, "no_switch", phases, None, why + _dead_note(self.dead), candidates=cands, metrics=metrics)
             return None
-        target = {**phases, **assign_min_change(live, best)}
+        target = self.assign_live(phases, best)
         chosen = next(c for c in cands if c.prefill_nodes == best)
         self.expected = dict(target)
         self.last_switch_at = now
@@ -925,7 +916,7 @@ class EvolvingPlanner(PolicyBase):
                 metrics=metrics,
             )
             return None
-        target = {**full, **assign_min_change(phases, target_p)}
+        target = self.assign_live(full, target_p)
         self.expected = dict(target)
         self.last_switch_at = now
         return self._decide(

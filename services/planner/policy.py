@@ -33,13 +33,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence, Set
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from shared.config import parse_key_values
 from shared.messages import CandidateGain, IterationRecord, NodeState, Phase, PlannerDecision
 from shared.profile import Profile
-from shared.split import split_name
+from shared.split import assign_min_change, split_name
 from shared.values import FACTORY, FrozenValue, Value, set_field
+
+if TYPE_CHECKING:
+    from services.planner.observe import Observer
 
 
 PLANNERS: tuple[str, ...] = ("static", "evolving", "dynamo", "arrow")
@@ -139,6 +142,10 @@ class PolicyBase:
 
     name = "base"
 
+    obs: Observer | None = None
+    """The observer a policy keeps its measurements in (evolving, arrow), or None (static, dynamo): a node
+    newly dead leaves its populations (:meth:`on_liveness`)."""
+
     def __init__(self, nodes: Sequence[str], profile: Profile) -> None:
         if not nodes:
             raise ValueError("a planner needs at least one node")
@@ -190,13 +197,29 @@ class PolicyBase:
         one); it counts again once it reports. Before, every policy counted it: the evolving planner's Θ
         (Eq. 5) and predicted latency of each candidate summed its μP or μD and spread q̄ over it, its
         guard's backlog averaged its last queue; Dynamo averaged its last queue and KV load; Arrow took
-        its last queue as the best prefill node's. Never called by the simulator. O(N)."""
+        its last queue as the best prefill node's. A node newly dead leaves the populations of the policy's
+        observer (:attr:`obs`: the evolving planner's q̄ and prefill queue, Arrow's), as if it had reported an
+        empty state (``Observer.forget``); its next state counts again. Never called by the simulator. O(N)."""
+        newly = [n for n in dead if n not in self.dead]
         self.dead = frozenset(n for n in dead if n in self.nodes)
+        obs = self.obs
+        if obs is not None:
+            for n in newly:
+                obs.forget(n, now)
 
     def live(self, phases: Mapping[str, Phase]) -> dict[str, Phase]:
         """``phases`` without the dead nodes (:meth:`on_liveness`), in their order; ``phases`` as a dict when none is."""
         dead = self.dead
         return {n: ph for n, ph in phases.items() if n not in dead} if dead else dict(phases)
+
+    def assign_live(self, phases: Mapping[str, Phase], prefill_count: int) -> dict[str, Phase]:
+        """``phases`` with the live nodes' (:meth:`live`) given ``prefill_count`` prefill nodes, the rest decode,
+        by ``shared.split.assign_min_change`` (the fewest switches); a dead node keeps its phase (the core lays a
+        phase left on dead nodes only over a live one). Every node of ``phases``, in its order. O(N).
+
+        Raises:
+            SplitError: as ``assign_min_change``: ``prefill_count`` outside ``1 .. len(live) - 1``."""
+        return {**phases, **assign_min_change(self.live(phases), prefill_count)}
 
     # -- outputs ---------------------------------------------------------- #
 

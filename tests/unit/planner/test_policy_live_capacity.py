@@ -99,3 +99,30 @@ def test_the_evolving_window_decides_over_the_live_nodes_as_a_planner_of_those_n
     assert ev[0].split_before == "6P3D" and ev[0].reason.endswith("(live nodes only; dead: w0, w8)")
     assert split_name({n: got[0][1][n] for n in NODES}) == ev[0].split_after
     assert core.dead(600.0) == {"w0", "w8"}
+
+
+def test_a_node_newly_dead_leaves_the_observer_of_every_policy_that_keeps_one() -> None:
+    """``PolicyBase.on_liveness`` (one copy for every policy; the evolving planner and Arrow had one each): a node
+    newly dead leaves the populations of the policy's observer (its last decode batch and prefill queue counted
+    in q̄ and the queue for good otherwise), once; its next state counts again. A policy without an observer
+    (static, dynamo) only learns who is dead."""
+    for name in ("evolving", "arrow"):
+        pl = make_planner(name, FOUR, TINY)
+        pl.on_node_state(state("w0", "prefill", queue=40), 0.0)
+        pl.on_node_state(state("w1", "prefill", queue=2), 0.0)
+        pl.on_node_state(state("w3", "decode", decoding=80), 0.0)
+        pl.on_node_state(state("w2", "decode", decoding=5), 0.0)
+        obs = pl.obs  # type: ignore[attr-defined]
+        assert (obs.decode_now, obs.queue_now) == (85.0, 42.0), name
+        pl.on_liveness(frozenset({"w0", "w3"}), 10.0)
+        assert pl.dead == {"w0", "w3"} and (obs.decode_now, obs.queue_now) == (5.0, 2.0), name
+        pl.on_node_state(state("w3", "decode", decoding=7), 20.0)  # back: counts again; still dead to the core
+        pl.on_liveness(frozenset({"w0", "w3"}), 25.0)  # not newly dead: its new state stays
+        assert (obs.decode_now, obs.queue_now) == (12.0, 2.0), name
+        pl.on_liveness(frozenset(), 30.0)
+        assert pl.dead == frozenset() and (obs.decode_now, obs.queue_now) == (12.0, 2.0), name
+    for name in ("static", "dynamo"):
+        pl = make_planner(name, FOUR, TINY)
+        assert getattr(pl, "obs", None) is None, name
+        pl.on_liveness(frozenset({"w0", "x9"}), 10.0)  # an unknown node is left out
+        assert pl.dead == {"w0"}, name
