@@ -310,7 +310,7 @@ class PlannerCore:
             del self.pending[msg.node]
             self.policy.on_switch_done(msg.node, msg.phase, now)
 
-    def busy(self, now: float) -> set[str]:
+    def busy(self, now: float, dead: set[str] | None = None) -> set[str]:
         """Nodes draining or still switching to a phase a command gave them (timed out after ``busy_timeout_s``),
         the policies' reason not to plan (dynamo restarts its adjustment interval, the evolving planner skips
         its window). A *dead* node (heard, then silent for ``silent_after`` or more) is none of them: it is not
@@ -320,13 +320,14 @@ class PlannerCore:
         the liveness swap's takers (:meth:`_dead_swap`): a live, ``steady`` node whose run of states began
         before the node went silent. When every node is silent at once (a stall of the planner's bus or loop,
         a step of its clock) nothing is known and nobody is left out; before, a node still draining or
-        switching then stopped holding the policies back (dynamo switched mid-stall on stale states). O(N)."""
+        switching then stopped holding the policies back (dynamo switched mid-stall on stale states).
+        ``dead``: :meth:`dead` at ``now`` when the caller has it (:meth:`tick`), else computed here. O(N)."""
         for n, (_, since) in list(self.pending.items()):
             if now - since > self.busy_timeout_s:
                 del self.pending[n]
         out = set(self.pending) | self.draining
         if out:
-            out -= self.dead(now)
+            out -= self.dead(now) if dead is None else dead
         return out
 
     def dead(self, now: float) -> set[str]:
@@ -391,10 +392,11 @@ class PlannerCore:
         if cmd is not None:
             return cmd
         self.ticks += 1
+        dead = self.dead(now)  # once: the policy is told it, and busy leaves it out
         liveness = getattr(self.policy, "on_liveness", None)
         if liveness is not None:  # the policy values the live nodes' capacity only
-            liveness(frozenset(self.dead(now)), now)
-        d = self.policy.tick(now, dict(self.command.phases), frozenset(self.busy(now)))
+            liveness(frozenset(dead), now)
+        d = self.policy.tick(now, dict(self.command.phases), frozenset(self.busy(now, dead)))
         cmd = None
         placed = ""
         if d is not None and dict(d.phases) != dict(self.command.phases):

@@ -189,6 +189,34 @@ def test_a_node_that_dies_while_draining_or_switching_stops_counting_as_busy() -
     assert PlannerCore(NODES, "2P2D").busy(0.0) == set()
 
 
+def test_a_tick_finds_the_dead_nodes_once_for_the_policy_and_for_busy() -> None:
+    """One policy tick reads the nodes' silences once (``PlannerCore.dead``, O(N)): the policy is told the dead
+    nodes (``on_liveness``) and ``busy`` leaves the same ones out. Before, a tick with a node switching or draining
+    computed them twice."""
+    seen: list[tuple[frozenset[str], frozenset[str]]] = []
+
+    class Spy(PolicyBase):
+        name = "spy"
+
+        def tick(self, now, phases, busy):
+            seen.append((self.dead, busy))
+            return None
+
+        def next_tick(self):
+            return 0.0
+
+    core = PlannerCore(NODES, "2P2D", policy=Spy(NODES, TINY), silent_after=3.0)
+    _states(core, 49.0, *NODES)
+    _states(core, 50.0, *NODES)
+    core.pending.update({"w1": (2, 50.0), "w2": (2, 50.0)})  # switching: busy while live
+    _states(core, 52.0, "w0", "w1", "w3")
+    _states(core, 53.0, "w0", "w1", "w3")  # w2 silent since 50: dead at 53
+    dead, calls = core.dead, []
+    core.dead = lambda now: calls.append(now) or dead(now)  # type: ignore[method-assign]
+    assert core.tick(53.0) is None
+    assert calls == [53.0] and seen == [(frozenset({"w2"}), frozenset({"w1"}))]
+
+
 def test_a_stall_that_silences_every_node_does_not_free_a_switching_node_from_busy() -> None:
     """Dead needs a witness: a node that kept reporting across the silence (live, steady, its run of
     states begun before the silent node went quiet), as for the liveness swap's takers. When every node is
