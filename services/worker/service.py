@@ -218,17 +218,39 @@ def _drain_needed(old: str, new: str) -> bool:
     return new != "both" and new != old
 
 
+def pin_fetched(pool: Any, results: list[Any]) -> list[tuple[int, int | None]]:
+    """The pages each ``FetchResult`` of ``results`` (exceptions skipped) fetched or found held already, with
+    their slot in ``pool``, pinned (``HostKvBuffer.pin``: no other block's bytes land there until
+    :func:`unpin_fetched`), or None for a page the pool no longer holds."""
+    return [
+        (h, pool.buffer.pin(h)) for res in results if not isinstance(res, BaseException) for h in (*res.fetched, *res.already)
+    ]
+
+
+def unpin_fetched(pool: Any, pinned: list[tuple[int, int | None]]) -> None:
+    """Let go of the pins of :func:`pin_fetched`."""
+    for _, slot in pinned:
+        if slot is not None:
+            pool.unpin(slot)
+
+
+def fetched_pages(pool: Any, pinned: list[tuple[int, int | None]]) -> list[tuple[int, Any]]:
+    """``Engine.on_fetched``'s pages: each pinned page with its slot's bytes (a view), or None."""
+    return [(h, None if slot is None else pool.buffer.slot_view(slot)) for h, slot in pinned]
+
+
 def take_fetched(engine: Engine, pool: Any, results: list[Any], fetch_id: int) -> set[int]:
     """A real engine takes the bytes of fetch ``fetch_id`` before the core stores its pages: those
     each ``FetchResult`` (exceptions skipped) fetched and those the pool held already (another open
     fetch brought them: the engine holds them for this fetch too, or the completion of this one,
     after the other ended and L2 evicted them, would store a page without bytes). Returns the
-    pages the engine could not take (the pool let them go meanwhile): reported missing."""
-    lost: set[int] = set()
-    for res in results:
-        if not isinstance(res, BaseException) and (res.fetched or res.already):
-            lost.update(engine.on_fetched(pool, (*res.fetched, *res.already), fetch_id))
-    return lost
+    pages the engine could not take (the pool let them go meanwhile): reported missing. Here, at
+    once; the worker runs the engine's copies in its execute thread (``WorkerService._take_fetched``)."""
+    pinned = pin_fetched(pool, results)
+    try:
+        return set(engine.on_fetched(fetched_pages(pool, pinned), fetch_id)) if pinned else set()
+    finally:
+        unpin_fetched(pool, pinned)
 
 
 class _Live:
@@ -1345,7 +1367,7 @@ class WorkerService:
                     c[f"kvfetch.failed.{why}"] += n
                 self.log.warning("real-bytes fetch failed; the missing pages are recomputed", rid=fs.rid, peer=peer, error=res.error)
             missing.update(res.missing)
-        missing |= take_fetched(self.engine, self.kvpool, results, fs.fetch_id)
+        missing |= await self._take_fetched(results, fs.fetch_id)
         now = self.clock.local_now()
         path = [h for _, hs in fs.sources for h in hs]
         cut = next((i for i, h in enumerate(path) if h in missing), len(path))
@@ -1356,6 +1378,30 @@ class WorkerService:
         for h in self.core.kv.host.absent(path[cut:]):  # pages L2 will never hold (past a missing one, or unused): free their slots
             self.kvpool.evict(h)
         self._input()
+
+    async def _take_fetched(self, results: list[Any], fetch_id: int) -> set[int]:
+        """:func:`take_fetched` with a threaded engine's copies in the execute thread, after the plan in flight:
+        the pages' slots are pinned here (the pool's bookkeeping stays on the loop), the engine copies them there
+        (``on_fetched`` takes the engine's lock, which ``execute`` holds for a whole plan), the pins go here.
+        Before, the loop waited for the rest of the forward, then for the copy of every page (127-323 ms measured
+        on CPU; ``tests/unit/worker/test_torch_pool_loop.py``). Returns the pages the engine could not take."""
+        pool = self.kvpool
+        pinned = pin_fetched(pool, results)
+        if not pinned:
+            return set()
+        pages = fetched_pages(pool, pinned)
+        try:
+            if self.engine.threaded:
+                lost = await self._beside_step(self.engine.on_fetched, pages, fetch_id)
+            else:
+                lost = self.engine.on_fetched(pages, fetch_id)
+        except asyncio.CancelledError:
+            raise  # stop(): the copies may still run in the thread; the pool goes with the node, pinned
+        except BaseException:
+            unpin_fetched(pool, pinned)
+            raise
+        unpin_fetched(pool, pinned)
+        return set(lost)
 
     async def _on_counts(self, msg: m.CountUpdates, _subject: str) -> None:
         if msg.seq and not msg.beacon and msg.seq in self._drop_counts:  # injected fault: NATS lost this message
@@ -1917,13 +1963,61 @@ class WorkerService:
                 self.engine.drop_fetched(fetch_id)
 
     def _mirror_pool(self, events: list[m.KvEvent]) -> None:
-        """``--kv-pool real``: the pool follows the host-tier ``events`` (the engine's L2 bytes, or
-        synthetic payloads). Raises what the engine or the pool raised, after failing the node
-        (:meth:`_fail`): a pool that took part of a batch serves pages L2 no longer holds."""
-        if events and self.kvpool is not None:
-            with self._fatal_on_error("real-bytes pool mirror"):
-                if not self.engine.mirror_pool(self.kvpool, events):
-                    self.kvpool.apply_kv_events(events)
+        """``--kv-pool real``: the pool follows the host-tier ``events``: synthetic payloads at once, the
+        engine's L2 bytes (external payloads) in two steps: the bookkeeping here (evictions, clears, a slot
+        claimed for each stored page: ``HostKvPool.claim_events``), the copies and their checksums in the
+        execute thread after the plan in flight (:meth:`_fill_pool`), so the loop waits neither for the forward
+        (the engine's lock) nor for the copies of a big batch; a page is offered to peers once filled. Raises
+        what the pool raised, after failing the node (:meth:`_fail`): a pool that took part of a batch serves
+        pages L2 no longer holds."""
+        if not events or self.kvpool is None:
+            return
+        with self._fatal_on_error("real-bytes pool mirror"):
+            if self.kvpool.buffer.payload == "synthetic":
+                self.kvpool.apply_kv_events(events)
+                return
+            claims = self.kvpool.claim_events(events)
+        if not claims:
+            return
+        if self._stopped:  # the pool goes with the node (the execute thread may be shut down)
+            for h, slot in claims:
+                self.kvpool.fill(h, slot, None)
+            return
+        self._spawn(self._fill_pool(claims), name="pool-fill", fatal=True)
+
+    async def _fill_pool(self, claims: list[tuple[int, int]]) -> None:
+        """Copy the engine's L2 bytes of the claimed pages into their pool slots and checksum them, in the execute
+        thread after the plan in flight (:meth:`_fill_slots`; a threaded engine's ``copy_to_pool`` takes its lock
+        and applies the KV batches given before it first, this claim's among them), then make them held here
+        (``HostKvPool.fill``: a page evicted or cleared meanwhile is not). Before, ``TorchEngine.mirror_pool``
+        ran on the loop: it waited for the rest of the forward, then for the copy and CRC of every page (127-323
+        ms measured on CPU; ``tests/unit/worker/test_torch_pool_loop.py``)."""
+        pool = self.kvpool
+        assert pool is not None
+        try:
+            if self.engine.threaded:
+                crcs = await self._beside_step(self._fill_slots, claims)
+            else:
+                crcs = self._fill_slots(claims)
+        except asyncio.CancelledError:
+            raise  # stop(): the copies may still run in the thread; the pool goes with the node, claimed
+        except BaseException:
+            for h, slot in claims:
+                pool.fill(h, slot, None)
+            raise
+        for (h, slot), crc in zip(claims, crcs):
+            pool.fill(h, slot, crc)
+
+    def _fill_slots(self, claims: list[tuple[int, int]]) -> list[int | None]:
+        """The bytes of :meth:`_fill_pool` (in the execute thread for a threaded engine): the engine's
+        ``copy_to_pool`` into the claimed slots (pinned: never another block's meanwhile), then each slot's
+        CRC-32 (None for a page L2 no longer held)."""
+        from services.worker.kvpool.payload import checksum
+
+        assert self.kvpool is not None
+        views = [self.kvpool.buffer.slot_view(slot) for _, slot in claims]
+        done = self.engine.copy_to_pool([(h, v) for (h, _), v in zip(claims, views)])
+        return [checksum(v) if ok else None for v, ok in zip(views, done)]
 
     def _fail(self, e: BaseException, where: str) -> None:
         """The node cannot serve on (``where``: the step, a handler, a background task): stop taking

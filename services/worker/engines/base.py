@@ -86,19 +86,19 @@ class Engine(ABC):
         """The hand-off message to publish for a request whose prefill finished here."""
         return work
 
-    def mirror_pool(self, pool: Any, events: list[KvEvent]) -> bool:
-        """Real-bytes pool (``--kv-pool real``): put this engine's L2 bytes of the host-tier
-        events into ``pool`` (a ``HostKvPool`` with external payloads). Returns False when the
-        engine has no bytes of its own (sim): the pool then follows the events with synthetic
-        payloads."""
-        return False
+    def copy_to_pool(self, pages: list[tuple[int, Any]]) -> list[bool]:
+        """Real-bytes pool (``--kv-pool real``, an external-payload pool: an engine whose
+        :meth:`pool_slot_bytes` is not 0): copy this engine's L2 bytes of each page ``h`` into its
+        ``(h, dst)`` slot (``HostKvPool.claim_events``). Returns, per page, whether L2 holds it. The sim
+        engine has no bytes (its pool is synthetic and follows the events itself): none copied."""
+        return [False] * len(pages)
 
-    def on_fetched(self, pool: Any, hashes: Any, fetch_id: int) -> list[int]:
-        """Pages ``hashes`` are in ``pool`` for fetch ``fetch_id`` (``FetchStarted.fetch_id``;
-        fetched, checksum-verified, or held already), before the scheduler stores them in L2: an
-        engine with real KV takes their bytes and holds them until :meth:`drop_fetched`. Returns
-        the pages it could not take (the caller reports them missing); the sim engine holds no
-        bytes (none)."""
+    def on_fetched(self, pages: list[tuple[int, Any]], fetch_id: int) -> list[int]:
+        """Pages fetched for fetch ``fetch_id`` (``FetchStarted.fetch_id``; fetched, checksum-verified, or
+        held already), before the scheduler stores them in L2: ``(h, src)``, ``src`` the pool's pinned slot of
+        ``h`` or None when the pool let it go. An engine with real KV takes their bytes and holds them until
+        :meth:`drop_fetched`. Returns the pages it could not take (the caller reports them missing); the sim
+        engine holds no bytes (none)."""
         return []
 
     def drop_fetched(self, fetch_id: int) -> int:

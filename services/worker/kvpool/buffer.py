@@ -9,27 +9,38 @@ and never logs.
 
 Slot states (every slot is in exactly one)::
 
-    free ──put / reserve──▶ held / pending
+    free ──put / reserve / claim──▶ held / pending / claimed
     pending ──commit──▶ held        pending ──abort──▶ free
-    held ──evict──▶ free            (no lease left)
+    claimed ──fill──▶ held          claimed ──fill without bytes──▶ free
+    held ──evict──▶ free            (no lease left, not pinned)
     held ──evict──▶ released ──lease ends (next allocation)──▶ free
+    held (pinned) / claimed ──evict──▶ let go ──last unpin / fill──▶ free or released
 
 * **held**: committed block, visible to ``has``/``locate``; its CRC-32 is kept.
 * **pending**: reserved for a block being fetched from a peer; written by the
   transfer, invisible until ``commit`` (after the checksum matched).
+* **claimed**: reserved for a block this node's engine writes (an external
+  buffer's ``put`` in two steps, so the copy and its CRC can run off the event
+  loop): invisible until ``fill``; it wins over a fetch of the block in flight,
+  as ``put`` does. The claim pins its slot.
 * **released**: evicted while a peer may still be reading it (``locate``
   granted a lease); reused only after the lease ends, so a peer never reads a
   slot that was rewritten under it within its lease. A read after the lease is
   caught by the checksum.
+* **let go**: evicted (or a claim cancelled) while pinned: the slot is not
+  reused until its last ``unpin``, so a copy out of a pinned slot (a fetched
+  page the engine takes in another thread) or into a claimed one never meets
+  another block's bytes. ``occupancy`` counts claimed slots as pending and
+  let-go ones as released.
 
 Operations (n = blocks in the call):
 
 | operation | cost |
 |---|---|
 | ``put`` | O(slot_bytes) write + CRC (synthetic payload: + generation) |
-| ``evict``, ``has``, ``reserve``, ``abort`` | O(1) (+ O(log r) when a lease is pending, r = released slots) |
-| ``commit`` | O(1) |
-| ``locate``, ``apply_kv_events`` | O(n) (+ a put's cost per stored block) |
+| ``evict``, ``has``, ``reserve``, ``abort``, ``claim``, ``pin``, ``unpin`` | O(1) (+ O(log r) when a lease is pending, r = released slots) |
+| ``commit``, ``fill`` | O(1) (the caller wrote the claimed slot and computed its CRC) |
+| ``locate``, ``apply_kv_events``, ``claim_events`` | O(n) (+ a put's cost per stored block; none for a claim) |
 | ``check`` | O(num_slots) |
 """
 
@@ -93,6 +104,12 @@ class HostKvBuffer:
         self._released: list[tuple[float, int]] = []  # heap of (lease end, slot)
         self._checksum = np.zeros(num_slots, dtype=np.uint32)
         self._lease_until = np.zeros(num_slots, dtype=np.float64)
+        self._claimed: dict[int, int] = {}
+        """Claimed blocks (:meth:`claim`) → their slot, until :meth:`fill`."""
+        self._pins: dict[int, int] = {}
+        """Pinned slots (:meth:`pin`, and a claim's) → how many pins."""
+        self._let_go: set[int] = set()
+        """Pinned slots whose block was evicted (or whose claim was cancelled): freed at the last unpin."""
         self.counters: Counter[str] = Counter()
 
     # -- geometry --------------------------------------------------------- #
@@ -156,7 +173,8 @@ class HostKvBuffer:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Slots reserved for a fetch in flight or claimed for the engine's bytes."""
+        return len(self._pending) + len(self._claimed)
 
     @property
     def free(self) -> int:
@@ -165,7 +183,8 @@ class HostKvBuffer:
 
     @property
     def released(self) -> int:
-        return len(self._released)
+        """Slots evicted but not reusable yet: leased to a peer, or pinned."""
+        return len(self._released) + len(self._let_go)
 
     # -- writes ----------------------------------------------------------- #
 
@@ -215,19 +234,31 @@ class HostKvBuffer:
         """
         slot = self._slot_of.pop(block_hash, None)
         if slot is None:
+            slot = self._claimed.pop(block_hash, None)
+            if slot is not None:  # not held yet: the claim is cancelled, its slot freed once written (fill)
+                self._let_go.add(slot)
+                self.counters["claim_cancelled"] += 1
             return False
         self.counters["evict"] += 1
+        if slot in self._pins:
+            self._let_go.add(slot)
+        else:
+            self._release(slot, now)
+        return True
+
+    def _release(self, slot: int, now: float) -> None:
+        """``slot`` holds no block and is not pinned: free, or released until a peer's lease on it ends."""
         if self._lease_until[slot] > now:
             heapq.heappush(self._released, (float(self._lease_until[slot]), slot))
             self.counters["evict_leased"] += 1
         else:
             self._free.append(slot)
-        return True
 
     def clear(self, now: float) -> int:
-        """Evict every held block (AllBlocksCleared of the host tier); returns how many."""
+        """Evict every held block and cancel every claim (AllBlocksCleared of the host tier); returns how many
+        blocks were held."""
         hashes = list(self._slot_of)
-        for h in hashes:
+        for h in (*hashes, *self._claimed):
             self.evict(h, now)
         return len(hashes)
 
@@ -267,6 +298,43 @@ class HostKvBuffer:
                     changed += self.clear(now)
         return changed
 
+    def claim_events(self, events: Iterable[object], now: float) -> list[tuple[int, int]]:
+        """The bookkeeping of an external buffer following a worker's KV events (as :meth:`apply_kv_events`
+        for a synthetic one): ``BlockStored(tier="host")`` → :meth:`claim` (a block held or claimed already is
+        skipped; no free slot: counted ``put_full``, skipped), ``BlockRemoved(tier="host")`` → evict (a claim is
+        cancelled), ``AllBlocksCleared`` of the host tier or of every tier → clear. GPU events are ignored.
+        Returns the claims made, ``(block hash, slot)`` in order: the caller writes each block's bytes into
+        :meth:`slot_view` and calls :meth:`fill` (with the CRC-32, or None when it has no bytes) for every one.
+
+        Raises:
+            ValueError: for a synthetic buffer (it writes its payloads itself: :meth:`apply_kv_events`).
+        """
+        from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored
+
+        if self.payload != "external":
+            raise ValueError("only an external buffer claims slots for the engine's bytes (a synthetic one: apply_kv_events)")
+        claims: list[tuple[int, int]] = []
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                if ev.tier != "host":
+                    continue
+                for h in ev.block_hashes:
+                    try:
+                        slot = self.claim(h, now)
+                    except PoolFull:
+                        self.counters["put_full"] += 1
+                        continue
+                    if slot is not None:
+                        claims.append((h, slot))
+            elif isinstance(ev, BlockRemoved):
+                if ev.tier == "host":
+                    for h in ev.block_hashes:
+                        self.evict(h, now)
+            elif isinstance(ev, AllBlocksCleared):
+                if ev.tier in (None, "host"):
+                    self.clear(now)
+        return claims
+
     # -- peer side: what a holder answers --------------------------------- #
 
     def locate(self, hashes: Iterable[int], now: float, lease_s: float) -> list[tuple[int, int] | None]:
@@ -298,7 +366,7 @@ class HostKvBuffer:
         Raises:
             PoolFull: no slot can be allocated at ``now``.
         """
-        if block_hash in self._slot_of or block_hash in self._pending:
+        if block_hash in self._slot_of or block_hash in self._pending or block_hash in self._claimed:
             return None
         slot = self._alloc(now)
         self._pending[block_hash] = slot
@@ -308,13 +376,13 @@ class HostKvBuffer:
         """Make a fetched block held, recording its verified CRC-32.
 
         Returns False (and frees the reserved slot) if the block became held
-        meanwhile through ``put``: the local copy wins.
+        (or claimed) meanwhile through ``put`` (``claim``): the local copy wins.
 
         Raises:
             KeyError: if the block was not reserved.
         """
         slot = self._pending.pop(block_hash)
-        if block_hash in self._slot_of:
+        if block_hash in self._slot_of or block_hash in self._claimed:
             self._free.append(slot)
             self.counters["commit_superseded"] += 1
             return False
@@ -342,6 +410,72 @@ class HostKvBuffer:
         """
         return self._pending[block_hash]
 
+    # -- the engine's bytes, copied off the event loop --------------------- #
+
+    def claim(self, block_hash: int, now: float) -> int | None:
+        """Claim a slot for a block the caller writes itself (an external buffer's :meth:`put` in two steps:
+        the copy and its CRC may run in another thread while this bookkeeping stays on the event loop). The
+        block is invisible (``has``, ``locate``) until :meth:`fill`; its slot is pinned until then, so an evict
+        meanwhile only cancels the claim. None if the block is held or claimed already. A fetch of the block
+        in flight loses to the claim (its ``commit`` is superseded), as to ``put``.
+
+        Raises:
+            PoolFull: no slot can be allocated at ``now``.
+        """
+        if block_hash in self._slot_of or block_hash in self._claimed:
+            return None
+        slot = self._alloc(now)
+        self._claimed[block_hash] = slot
+        self._pins[slot] = 1
+        return slot
+
+    def fill(self, block_hash: int, slot: int, crc: int | None, now: float) -> bool:
+        """The claim of ``block_hash`` on ``slot`` (:meth:`claim`) was written: ``crc`` is the CRC-32 of the whole
+        slot, or None when the caller had no bytes for it. The block is held from now on when it was written and
+        its claim still stands (no evict or clear came meanwhile, no ``put`` made it held); else the slot goes
+        back. Returns whether it is held.
+
+        Raises:
+            KeyError: ``slot`` is not pinned (no claim made it).
+        """
+        held = False
+        if self._claimed.get(block_hash) == slot:
+            del self._claimed[block_hash]
+            if crc is not None and block_hash not in self._slot_of:
+                self._slot_of[block_hash] = slot
+                self._checksum[slot] = crc & 0xFFFF_FFFF
+                self._lease_until[slot] = 0.0
+                self.counters["put"] += 1
+                held = True
+            else:
+                self._let_go.add(slot)
+                self.counters["claim_unfilled"] += 1
+        self.unpin(slot, now)
+        return held
+
+    def pin(self, block_hash: int) -> int | None:
+        """Pin the slot of a held block: its bytes stay as they are until :meth:`unpin` (an evict meanwhile
+        makes the block invisible but does not reuse the slot). Returns the slot, or None if not held."""
+        slot = self._slot_of.get(block_hash)
+        if slot is not None:
+            self._pins[slot] = self._pins.get(slot, 0) + 1
+        return slot
+
+    def unpin(self, slot: int, now: float) -> None:
+        """Drop one pin of ``slot`` (:meth:`pin`); a slot let go while pinned is freed at its last one.
+
+        Raises:
+            KeyError: ``slot`` is not pinned.
+        """
+        n = self._pins[slot] - 1
+        if n:
+            self._pins[slot] = n
+            return
+        del self._pins[slot]
+        if slot in self._let_go:
+            self._let_go.discard(slot)
+            self._release(slot, now)
+
     # -- internals -------------------------------------------------------- #
 
     def _alloc(self, now: float) -> int:
@@ -362,13 +496,19 @@ class HostKvBuffer:
         Raises:
             AssertionError: on a violation.
         """
-        seen: list[int] = list(self._slot_of.values()) + list(self._pending.values()) + self._free + [
-            s for _, s in self._released
-        ]
+        seen: list[int] = [
+            *self._slot_of.values(), *self._pending.values(), *self._claimed.values(), *self._let_go, *self._free,
+            *(s for _, s in self._released),
+        ]  # fmt: skip
         assert len(seen) == self.num_slots, f"{len(seen)} slots accounted for, {self.num_slots} exist"
         assert sorted(seen) == list(range(self.num_slots)), "a slot is in two states or missing"
+        held = set(self._slot_of.values())
+        assert all(n > 0 and (s in held or s in self._let_go or s in self._claimed.values()) for s, n in self._pins.items()), (
+            "a pinned slot is free, released or pending"
+        )
+        assert self._let_go <= self._pins.keys(), "a let-go slot is not pinned"
 
     def occupancy(self) -> dict[str, int]:
-        """Slots per state: held, pending, free, released."""
+        """Slots per state: held, pending (claimed too), free, released (let go while pinned too)."""
         return {"held": self.held, "pending": self.pending, "free": self.free, "released": self.released}
 

@@ -212,6 +212,26 @@ class HostKvPool:
         """
         return self.buffer.apply_kv_events(events, self.clock())
 
+    def claim_events(self, events: Iterable[m.BlockStored | m.BlockRemoved | m.AllBlocksCleared]) -> list[tuple[int, int]]:
+        """An external-payload pool's bookkeeping of a worker's KV events (:meth:`HostKvBuffer.claim_events`): the
+        evictions and clears done, a slot claimed for every page stored in L2 that the pool does not hold. Returns
+        the claims ``(block hash, slot)``: the engine copies each page's bytes into ``buffer.slot_view(slot)``
+        (outside the event loop if it likes), then :meth:`fill` makes it held.
+
+        Raises:
+            ValueError: for a synthetic-payload pool (:meth:`apply_kv_events`).
+        """
+        return self.buffer.claim_events(events, self.clock())
+
+    def fill(self, block_hash: int, slot: int, crc: int | None) -> bool:
+        """A claim of :meth:`claim_events` written (``crc``: the slot's CRC-32) or not (None): held from now on
+        when written and still claimed (:meth:`HostKvBuffer.fill`). Returns whether it is held."""
+        return self.buffer.fill(block_hash, slot, crc, self.clock())
+
+    def unpin(self, slot: int) -> None:
+        """Drop a pin of ``slot`` (:meth:`HostKvBuffer.pin`, :meth:`HostKvBuffer.unpin`)."""
+        self.buffer.unpin(slot, self.clock())
+
     # -- holder side ------------------------------------------------------ #
 
     async def _on_locate(self, req: m.PoolLocate, _subject: str) -> m.PoolLocation:

@@ -244,6 +244,139 @@ def test_kv_events_of_the_host_tier_drive_residency():
         HostKvBuffer(1, SB, payload="external").apply_kv_events([], 0.0)
 
 
+def test_a_claimed_block_is_invisible_until_filled_and_wins_over_a_fetch():
+    buf = HostKvBuffer(4, SB, payload="external")
+    assert buf.reserve(7, 0.0) is not None  # a fetch of 7 in flight
+    s = buf.claim(7, 0.0)
+    assert s is not None and buf.claim(7, 0.0) is None
+    assert not buf.has(7) and buf.locate([7], 0.0, 5.0) == [None] and buf.reserve(7, 0.0) is None
+    assert buf.occupancy() == {"held": 0, "pending": 2, "free": 2, "released": 0}
+    buf.slot_view(s)[:] = 3
+    assert buf.fill(7, s, checksum(buf.slot_view(s)), 0.0) is True
+    assert buf.has(7) and buf.slot(7) == s and buf.verify(7)
+    assert buf.commit(7, 0) is False  # the fetch lost: the engine's copy stays
+    assert buf.claim(7, 0.0) is None  # held already
+    buf.check()
+    assert buf.occupancy() == {"held": 1, "pending": 0, "free": 3, "released": 0}
+
+
+def test_an_evicted_claim_keeps_its_slot_until_filled():
+    buf = HostKvBuffer(2, SB, payload="external")
+    s = buf.claim(7, 0.0)
+    assert buf.evict(7, 0.0) is False and buf.counters["claim_cancelled"] == 1
+    assert buf.free == 1 and buf.released == 1  # the copy may still be writing it
+    t = buf.claim(7, 0.0)  # stored again: a new claim, another slot
+    assert t != s
+    with pytest.raises(PoolFull):
+        buf.claim(8, 0.0)
+    assert buf.fill(7, s, 123, 0.0) is False  # the old claim's copy: not held, its slot back
+    assert not buf.has(7) and buf.free == 1
+    assert buf.fill(7, t, 456, 0.0) is True and buf.stored_checksum(7) == 456
+    u = buf.claim(9, 0.0)
+    assert buf.fill(9, u, None, 0.0) is False and buf.counters["claim_unfilled"] == 1  # no bytes: freed
+    buf.check()
+    assert buf.occupancy() == {"held": 1, "pending": 0, "free": 1, "released": 0}
+
+
+def test_a_pinned_slot_is_not_reused_until_its_last_unpin():
+    buf = HostKvBuffer(2, SB, payload="external")
+    s = buf.put(7, 0.0, b"\x05" * SB)
+    assert buf.pin(7) == s and buf.pin(7) == s and buf.pin(8) is None
+    buf.locate([7], 0.0, 5.0)  # a peer's lease, too
+    assert buf.evict(7, 1.0)
+    assert not buf.has(7) and buf.released == 1
+    t = buf.put(8, 1.0, b"\x06" * SB)
+    assert t != s
+    with pytest.raises(PoolFull):
+        buf.reserve(9, 1.0)
+    assert (buf.slot_view(s) == 5).all()  # the pinned bytes are still the block's
+    buf.unpin(s, 1.0)
+    with pytest.raises(PoolFull):
+        buf.reserve(9, 1.0)
+    buf.unpin(s, 2.0)  # the last pin: the lease (until 5.0) still holds it
+    assert buf.released == 1
+    assert buf.reserve(9, 6.0) == s
+    with pytest.raises(KeyError):
+        buf.unpin(s, 6.0)
+    buf.check()
+
+
+def test_claim_events_of_the_host_tier_claim_evict_and_clear():
+    from shared import messages as m
+
+    buf = HostKvBuffer(3, SB, payload="external")
+    claims = buf.claim_events(
+        [
+            m.BlockStored(block_hashes=[1, 2], tier="gpu"),
+            m.BlockStored(block_hashes=[1, 2], tier="host"),
+            m.BlockStored(block_hashes=[2, 3, 4], tier="host"),  # 2 claimed already; 4 finds no slot
+            m.BlockRemoved(block_hashes=[3], tier="host"),  # 3's claim cancelled
+        ],
+        0.0,
+    )
+    assert [h for h, _ in claims] == [1, 2, 3] and buf.counters["put_full"] == 1
+    assert [buf.fill(h, slot, 0, 0.0) for h, slot in claims] == [True, True, False]
+    [(h5, s5)] = buf.claim_events([m.AllBlocksCleared(tier="host"), m.BlockStored(block_hashes=[5], tier="host")], 0.0)
+    assert h5 == 5 and buf.held == 0 and buf.pending == 1
+    buf.claim_events([m.AllBlocksCleared()], 0.0)
+    assert buf.pending == 0 and buf.released == 1  # the claim of 5 cancelled, its slot kept until filled
+    assert buf.fill(5, s5, 0, 0.0) is False
+    assert buf.occupancy() == {"held": 0, "pending": 0, "free": 3, "released": 0}
+    buf.check()
+    with pytest.raises(ValueError):
+        HostKvBuffer(1, SB).claim_events([], 0.0)
+
+
+def test_random_claims_and_pins_never_hand_out_a_slot_in_use():
+    """Claims, fills, pins and unpins among puts, evictions, fetches and leases: the slots partition, and no
+    allocation hands out a slot that is pinned or claimed (a copy in another thread may be reading or writing it)."""
+    rng = random.Random(11)
+    buf = HostKvBuffer(8, 64, payload="external")
+    now = 0.0
+    claims: list[tuple[int, int]] = []
+    pins: list[int] = []
+    for _ in range(4000):
+        now += rng.random()
+        h = rng.randrange(20)
+        op = rng.randrange(9)
+        busy = set(pins) | {slot for _, slot in claims}
+        try:
+            if op == 0:
+                got = None if buf.has(h) else buf.put(h, now, b"\x01")
+            elif op == 1:
+                buf.evict(h, now)
+                got = None
+            elif op == 2:
+                buf.locate([h], now, rng.random() * 3)
+                got = None
+            elif op == 3:
+                got = buf.reserve(h, now)
+            elif op == 4 and h in buf._pending:
+                buf.commit(h, 0) if rng.random() < 0.5 else buf.abort(h)
+                got = None
+            elif op == 5:
+                got = buf.claim(h, now)
+                if got is not None:
+                    claims.append((h, got))
+            elif op == 6 and claims:
+                ch, cs = claims.pop(rng.randrange(len(claims)))
+                buf.fill(ch, cs, None if rng.random() < 0.2 else 0, now)
+                got = None
+            elif op == 7:
+                got = None
+                if (slot := buf.pin(h)) is not None:
+                    pins.append(slot)
+            elif op == 8 and pins:
+                buf.unpin(pins.pop(rng.randrange(len(pins))), now)
+                got = None
+            else:
+                got = None
+        except PoolFull:
+            got = None
+        assert got is None or got not in busy, f"slot {got} handed out while pinned or claimed"
+        buf.check()
+
+
 def test_pool_messages_roundtrip():
     from shared import messages as m
     from shared.bus import decoder_for

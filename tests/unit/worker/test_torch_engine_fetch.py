@@ -193,14 +193,17 @@ def test_redispatched_request_is_not_completed_by_its_old_transfer(model):
 
 
 class BufferPool:
-    """The surface of ``HostKvPool`` that ``on_fetched`` reads (``has``, ``buffer``) over a real
-    ``HostKvBuffer``: a pool without its Mooncake endpoint."""
+    """The surface of ``HostKvPool`` that ``take_fetched`` uses (``buffer``: its pins and slots, ``unpin``)
+    over a real ``HostKvBuffer``: a pool without its Mooncake endpoint."""
 
     def __init__(self, slots: int, slot_bytes: int) -> None:
         self.buffer = HostKvBuffer(slots, slot_bytes, payload="external")
 
     def has(self, h: int) -> bool:
         return self.buffer.has(h)
+
+    def unpin(self, slot: int) -> None:
+        self.buffer.unpin(slot, 0.0)
 
 
 def two_fetches(folder: str, prompt: list[int]):

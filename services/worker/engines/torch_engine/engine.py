@@ -542,41 +542,44 @@ class TorchEngine(Engine):
         return self.host[0].numel() * self.host.element_size()
 
     @_locked
-    def mirror_pool(self, pool: Any, events: list[KvEvent]) -> bool:
-        """Copy the real bytes of the host-tier events into ``pool`` (a ``HostKvPool`` with
-        ``payload="external"``, registered with Mooncake), which serves them to peers: a
-        ``BlockStored(host)`` page is put (unless the pool already holds it: a page fetched
-        from a peer lands there first), a ``BlockRemoved(host)`` page is evicted,
-        ``AllBlocksCleared`` of the host tier clears it. A page the pool has no slot for
-        (``put_full``) is simply not offered to peers. Call after :meth:`apply_kv_events`."""
-        for ev in events:
-            if isinstance(ev, BlockStored) and ev.tier == "host":
-                for h in ev.block_hashes:
-                    if not pool.has(h) and h in self.host_slot:
-                        pool.put(h, self.host[self.host_slot[h]].reshape(-1).view(torch.uint8).numpy())
-            elif isinstance(ev, BlockRemoved) and ev.tier == "host":
-                for h in ev.block_hashes:
-                    pool.evict(h)
-            elif isinstance(ev, AllBlocksCleared) and ev.tier in (None, "host"):
-                pool.buffer.clear(pool.clock())
-        return True
+    def copy_to_pool(self, pages: list[tuple[int, Any]]) -> list[bool]:
+        """Copy the L2 bytes of each page ``h`` into its destination (``(h, dst)``: ``dst`` a writable ``uint8``
+        array of at least :meth:`pool_slot_bytes`, the real-bytes pool's slot that ``HostKvPool.claim_events``
+        claimed for a ``BlockStored(host)``; the rest of it zeroed), which serves them to peers. Returns, per
+        page, whether L2 holds it (False: nothing written; a later event of the batches applied first removed
+        it). The worker calls it in the execute thread (the copies of a big batch do not hold the event loop),
+        after the plan in flight; this locked call applies the KV event batches given before it first, so it
+        copies what L2 holds after them."""
+        n = self.pool_slot_bytes()
+        done: list[bool] = []
+        for h, dst in pages:
+            slot = self.host_slot.get(h)
+            if slot is not None:
+                dst[:n] = self.host[slot].reshape(-1).view(torch.uint8).numpy()
+                dst[n:] = 0
+            done.append(slot is not None)
+        return done
 
     @_locked
-    def on_fetched(self, pool: Any, hashes: Any, fetch_id: int) -> list[int]:
-        """Hold the bytes of the pages fetch ``fetch_id`` got (``FetchResult.fetched`` and
-        ``already``: pages the pool held when it started, e.g. brought by another open fetch) for
-        their coming ``BlockStored(host)`` (:meth:`put_fetched`; freed by :meth:`drop_fetched`):
-        the copy another open fetch holds, else the pool's (CRC-verified). Returns the pages it has
-        no bytes for (the pool let them go meanwhile): the caller reports them missing, so the core
-        never stores a page without bytes (``KvMapError``)."""
+    def on_fetched(self, pages: list[tuple[int, Any]], fetch_id: int) -> list[int]:
+        """Hold the bytes of the pages fetch ``fetch_id`` got (``FetchResult.fetched`` and ``already``: pages
+        the pool held when it started, e.g. brought by another open fetch) for their coming
+        ``BlockStored(host)`` (:meth:`put_fetched`; freed by :meth:`drop_fetched`): ``(h, src)`` with ``src``
+        the pool's slot of ``h`` (CRC-verified; pinned by the caller until this returns, so no other block's
+        bytes land there meanwhile) or None when the pool no longer held it. Takes the copy another open fetch
+        holds, else a copy of ``src``. Returns the pages it has no bytes for (the pool let them go meanwhile):
+        the caller reports them missing, so the core never stores a page without bytes (``KvMapError``). The
+        worker calls it in the execute thread, after the plan in flight (the copies of a big fetch do not hold
+        the event loop)."""
         shape = tuple(self.host.shape[1:])
+        n = self.pool_slot_bytes()
         lost: list[int] = []
-        for h in hashes:
+        for h, src in pages:
             f = self._fetched.get(h)
             if f is not None:
                 self.put_fetched(h, f.kv, fetch_id)
-            elif pool.has(h):
-                raw = torch.from_numpy(pool.buffer.view(h).copy())
+            elif src is not None:
+                raw = torch.from_numpy(src[:n].copy())
                 self.put_fetched(h, raw.view(self.host.dtype).reshape(shape), fetch_id)
             else:
                 lost.append(h)

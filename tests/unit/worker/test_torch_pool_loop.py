@@ -1,0 +1,204 @@
+"""A torch worker's real-bytes pool (``--kv-pool real``) moves KV pages without waiting for the forward on the loop.
+
+Two pool paths of the worker ran on the event loop under the engine's lock, which ``TorchEngine.execute`` holds
+for a whole plan in the execute thread: ``_mirror_pool`` (every drain with host-tier KV events: each page stored
+in L2 copied into the Mooncake-registered buffer and checksummed, ``TorchEngine.mirror_pool``) and a finished
+fetch's ``take_fetched`` (``TorchEngine.on_fetched``: each fetched page copied out of the buffer). The loop waited
+for the rest of the forward and then for the copies of every page (measured on CPU with a hidden-512, 8-layer
+llama: 127-323 ms per call); heartbeats, NATS pings and ``/metrics`` waited with it. Now the pool's bookkeeping
+stays on the loop (a stored page's slot is claimed, a fetched page's slot pinned, so neither is reused under a
+copy) and the copies run in the execute thread after the plan in flight. Here the forward is slowed to
+``FORWARD_S``; the pool is a real :class:`HostKvPool` whose Mooncake endpoint and peer transfer are stand-ins
+(the buffer, its slots and checksums are the real ones). Needs the ``torch`` extra; skipped without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from services.worker.config import WorkerConfig  # noqa: E402
+from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
+from services.worker.kvpool.pool import FetchResult, HostKvPool  # noqa: E402
+from services.worker.service import WorkerService  # noqa: E402
+from shared.clock import SimClock  # noqa: E402
+from shared.messages import BlockStored, FetchRange  # noqa: E402
+from tests.unit.worker.torch_tiny import BS, FORWARD_S, PROFILE, prompt, work  # noqa: E402
+from tests.unit.worker.torch_tiny import slow_step  # noqa: E402
+
+PAGES = 75
+"""Full pages of the prompts here (600 tokens: 75 of the 128 L1 pages, 75 of the 512 L2 slots)."""
+
+
+class _Endpoint:
+    """What :class:`HostKvPool` asks of its Mooncake endpoint without a transfer (the buffer's registration)."""
+
+    protocol = "tcp"
+    session = "127.0.0.1:0"
+
+    def register(self, memory: object) -> None:
+        pass
+
+    def unregister(self, addr: int) -> None:
+        pass
+
+
+class _NoBus:
+    """The worker's bus where nothing here publishes."""
+
+    reconnected_at = 0.0
+
+
+def _svc(model: str) -> WorkerService:
+    """Node p (torch, ``--kv-pool real``, invariants checked) with a real-bytes pool of its L2's geometry."""
+    svc = WorkerService(
+        WorkerConfig(node="p", phase="both", profile="torch-tiny-cpu", engine="torch", model=model, kv_pool="real", check_invariants=True),
+        _NoBus(), SimClock(),
+    )  # fmt: skip
+    svc.kvpool = HostKvPool(
+        "p", None, num_slots=PROFILE.host_blocks, slot_bytes=svc.engine.pool_slot_bytes(), payload="external", endpoint=_Endpoint()
+    )  # type: ignore[arg-type]
+    return svc
+
+
+def _page_bytes(engine, h: int):
+    """Page ``h``'s L2 bytes as the pool holds them (``uint8``, one slot)."""
+    return engine.host_page(h).reshape(-1).view(torch.uint8).numpy()
+
+
+class _Lag:
+    """The event loop's longest wait past a 5-ms sleep while running (seconds)."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._done = False
+        self._task = asyncio.create_task(self._probe())
+
+    async def _probe(self) -> None:
+        while not self._done:
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            self.lags.append(time.perf_counter() - t - 0.005)
+
+    async def stop(self) -> float:
+        self._done = True
+        await self._task
+        return max(self.lags)
+
+
+def _finish(svc: WorkerService, now: float, rid: str) -> tuple[float, list[int]]:
+    """Run ``svc``'s plans here (drained as the worker drains) until ``rid`` left the core; its output tokens."""
+    out: list[int] = []
+    for _ in range(500):
+        if rid not in svc.core.requests:
+            return now, out
+        plan = svc.core.schedule(now)
+        svc._engine_kv_events(svc.core.take_kv_events())
+        if plan is None:
+            due = svc.core.next_deadline()
+            now = max(now + 0.01, due if due is not None else now)
+            continue
+        svc.engine.execute(plan)
+        now = plan.end
+        svc.core.finish_iteration(plan, now, svc.engine.take_stopped())
+        if rid in svc.engine.seqs:
+            out = list(svc.engine.seqs[rid].out)
+    raise AssertionError(f"{rid} did not finish")
+
+
+async def test_a_mirror_of_many_l2_pages_beside_a_forward_keeps_the_loop_running(tiny_llama):
+    svc = _svc(tiny_llama)
+    try:
+        svc.engine.accept_prefill(work("a", prompt(1, PAGES * BS), n=1))
+        svc.core.add_prefill(work("a", prompt(1, PAGES * BS), n=1), 0.0)
+        stored: list = []  # the drains' events, applied to the engine, not yet mirrored
+        now = 0.0
+        for _ in range(50):
+            if "a" not in svc.core.requests:
+                break
+            plan = svc.core.schedule(now)
+            events = svc.core.take_kv_events()
+            svc._engine_kv_events(events)
+            stored += events
+            svc.engine.execute(plan)
+            now = plan.end
+            svc.core.finish_iteration(plan, now, svc.engine.take_stopped())
+        events = svc.core.take_kv_events()
+        svc._engine_kv_events(events)
+        stored += events
+        l2 = [h for ev in stored if isinstance(ev, BlockStored) and ev.tier == "host" for h in ev.block_hashes]
+        assert len(l2) == PAGES and not svc.kvpool.buffer.held
+        step, plan = await slow_step(svc, now, "b", keep=set())
+        lag = _Lag()
+        await asyncio.sleep(0.02)
+        t0 = time.perf_counter()
+        svc._mirror_pool(stored)  # a drain's mirror (_flush_kv): 75 pages stored in L2
+        took = time.perf_counter() - t0
+        assert not step.done()
+        worst = await lag.stop()
+        await step
+        svc.core.finish_iteration(plan, plan.end, svc.engine.take_stopped())
+        assert took < FORWARD_S / 4 and worst < FORWARD_S / 4, f"the loop waited for the forward: call {took * 1e3:.0f} ms, lag {worst * 1e3:.0f} ms"
+        await asyncio.gather(*svc._spawned)  # the copies, in the execute thread after the plan
+        buf = svc.kvpool.buffer
+        for h in l2:  # bit-exact: the pool serves the engine's L2 bytes, with their checksum
+            assert buf.has(h) and buf.verify(h) and (buf.view(h)[: svc.engine.pool_slot_bytes()] == _page_bytes(svc.engine, h)).all()
+        buf.check()
+        assert buf.occupancy() == {"held": PAGES, "pending": 0, "free": PROFILE.host_blocks - PAGES, "released": 0}
+        assert not svc.fatal.is_set()
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
+
+
+async def test_a_big_fetch_that_ends_beside_a_forward_keeps_the_loop_running(tiny_llama):
+    peer = LocalNode("a", PROFILE, tiny_llama)
+    tokens = prompt(5, PAGES * BS + 3)
+    peer.add_prefill(work("w", tokens, n=4))
+    peer.run()
+    svc = _svc(tiny_llama)
+    pool = svc.kvpool
+    moved: list[int] = []
+
+    async def fetch(node: str, hashes):  # the Mooncake read: the peer's L2 bytes land in this pool, verified
+        assert node == "a"
+        for h in hashes:
+            pool.put(h, _page_bytes(peer.engine, h))
+        moved.extend(hashes)
+        return FetchResult(node, len(hashes), fetched=tuple(hashes), bytes=len(hashes) * pool.buffer.slot_bytes)
+
+    pool.fetch = fetch  # type: ignore[method-assign]
+    try:
+        step, plan = await slow_step(svc, 0.0, "b", keep=set())
+        lag = _Lag()
+        r = msgspec.structs.replace(work("r", tokens, n=4), fetch=[FetchRange(node="a", start=0, end=PAGES)])
+        svc._accept(svc.engine.accept_prefill, r)  # arrives during the forward
+        svc.core.add_prefill(r, 0.0)
+        [fs] = svc.core.take_fetch_starts()
+        svc._engine_kv_events(svc.core.take_kv_events())
+        t0 = time.perf_counter()
+        await svc._transfer(fs)  # the fetch's task: bytes moved, the engine takes them, the core is told
+        took = time.perf_counter() - t0
+        worst = await lag.stop()
+        assert not step.done() or took > FORWARD_S / 2  # it waited for the plan in flight, beside it
+        assert worst < FORWARD_S / 4, f"the loop stalled {worst * 1e3:.0f} ms while the fetch ended (forward {FORWARD_S} s)"
+        assert len(moved) == PAGES and svc.counters["kvfetch.blocks_fetched"] == PAGES
+        for h in moved:  # the engine holds the fetched bytes bit for bit, the pool let go of its pins
+            assert torch.equal(svc.engine._fetched[h].kv, peer.engine.host_page(h))
+        pool.buffer.check()
+        assert not pool.buffer._pins
+        await step
+        now = plan.end
+        svc.core.finish_iteration(plan, now, svc.engine.take_stopped())
+        now, out = _finish(svc, now, "r")
+        assert out == peer.finished["w"].tokens
+        assert svc.engine.counters["fetched_pages"] == PAGES and svc.counters["kvfetch.blocks_missing"] == 0
+        assert not svc.engine._fetched and not svc.fatal.is_set()
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
