@@ -86,13 +86,7 @@ def _locked(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(self: TorchEngine, *args: Any, **kw: Any) -> Any:
         with self._lock:
-            self._held += 1
-            try:
-                if self._held == 1 and (self._deferred or self._broken is not None):
-                    self._run_deferred()
-                return fn(self, *args, **kw)
-            finally:
-                self._held -= 1
+            return self._run_held(fn, self, *args, **kw)
 
     return wrapper
 
@@ -344,16 +338,24 @@ class TorchEngine(Engine):
         (``WorkerService._newest_attempt``). Every reader of the registrations takes the lock, so it sees
         the deferred ones applied."""
         if self._lock.acquire(blocking=False):
-            self._held += 1
             try:
-                if self._held == 1 and (self._deferred or self._broken is not None):
-                    self._run_deferred()
-                apply()
+                self._run_held(apply)
             finally:
-                self._held -= 1
                 self._lock.release()
         else:
             self._deferred.append(apply)
+
+    def _run_held(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``fn(*args, **kw)`` as a locked call (the caller holds :attr:`_lock`): the outermost one first applies
+        the operations deferred while the lock was busy (:meth:`_run_deferred`), in order. What :func:`_locked`
+        and :meth:`_register` both run."""
+        self._held += 1
+        try:
+            if self._held == 1 and (self._deferred or self._broken is not None):
+                self._run_deferred()
+            return fn(*args, **kw)
+        finally:
+            self._held -= 1
 
     def _run_deferred(self) -> None:
         """Apply the deferred operations in order (the caller holds the lock).
