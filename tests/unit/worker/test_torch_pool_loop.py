@@ -27,7 +27,7 @@ from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
 from services.worker.kvpool.pool import FetchResult, HostKvPool  # noqa: E402
 from services.worker.service import WorkerService  # noqa: E402
 from shared.clock import SimClock  # noqa: E402
-from shared.messages import BlockStored, FetchRange  # noqa: E402
+from shared.messages import BlockRemoved, BlockStored, FetchRange  # noqa: E402
 from tests.unit.worker.torch_tiny import BS, FORWARD_S, PROFILE, prompt, work  # noqa: E402
 from tests.unit.worker.torch_tiny import slow_step  # noqa: E402
 
@@ -199,6 +199,57 @@ async def test_a_big_fetch_that_ends_beside_a_forward_keeps_the_loop_running(tin
         assert out == peer.finished["w"].tokens
         assert svc.engine.counters["fetched_pages"] == PAGES and svc.counters["kvfetch.blocks_missing"] == 0
         assert not svc.engine._fetched and not svc.fatal.is_set()
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
+
+
+async def test_pages_evicted_while_their_copy_waits_are_not_offered_and_their_slots_not_reused(tiny_llama):
+    """The copies wait for the plan in flight: the pages' slots are claimed meanwhile. A page evicted from L2 in
+    that window (a later drain's ``BlockRemoved(host)``) is not offered once its copy is done, and no fetch's
+    reservation gets a slot a copy still writes (the peer's bytes would land under the engine's, or the reverse)."""
+    svc = _svc(tiny_llama)
+    try:
+        svc.engine.accept_prefill(work("a", prompt(1, PAGES * BS), n=1))
+        svc.core.add_prefill(work("a", prompt(1, PAGES * BS), n=1), 0.0)
+        stored: list = []
+        now = 0.0
+        while "a" in svc.core.requests:
+            plan = svc.core.schedule(now)
+            events = svc.core.take_kv_events()
+            svc._engine_kv_events(events)
+            stored += events
+            svc.engine.execute(plan)
+            now = plan.end
+            svc.core.finish_iteration(plan, now, svc.engine.take_stopped())
+        events = svc.core.take_kv_events()
+        svc._engine_kv_events(events)
+        stored += events
+        l2 = [h for ev in stored if isinstance(ev, BlockStored) and ev.tier == "host" for h in ev.block_hashes]
+        step, plan = await slow_step(svc, now, "b", keep=set())
+        buf = svc.kvpool.buffer
+        svc._mirror_pool(stored)
+        claimed = set(buf._claimed.values())
+        assert len(claimed) == PAGES and not buf.held
+        svc._mirror_pool([BlockRemoved(block_hashes=l2[:10], tier="host")])  # evicted before their copy ran
+        reserved = []
+        while (slot := buf.reserve(10**9 + len(reserved), now)) is not None:  # a fetch takes every slot it can get
+            reserved.append(slot)
+            buf.slot_view(slot)[:] = 0xEE  # the peer's bytes land
+            if buf.free == 0:
+                break
+        assert len(reserved) == PROFILE.host_blocks - PAGES and not claimed & set(reserved)
+        assert not step.done()
+        await step
+        svc.core.finish_iteration(plan, plan.end, svc.engine.take_stopped())
+        await asyncio.gather(*svc._spawned)
+        assert not any(buf.has(h) for h in l2[:10])
+        for h in l2[10:]:
+            assert buf.verify(h) and (buf.view(h)[: svc.engine.pool_slot_bytes()] == _page_bytes(svc.engine, h)).all()
+        for i in range(len(reserved)):
+            buf.abort(10**9 + i)
+        buf.check()
+        assert buf.occupancy() == {"held": PAGES - 10, "pending": 0, "free": PROFILE.host_blocks - PAGES + 10, "released": 0}
     finally:
         if svc._executor is not None:
             svc._executor.shutdown(wait=True)
