@@ -855,6 +855,11 @@ class RouteSent(Msg, frozen=True, kw_only=True):
     """Prompt tokens the prefill node computes or restores (tokens)."""
     max_tokens: NonNeg = 0
     attempt: NonNeg = 0
+    first_token: bool = False
+    """The owner has seen this attempt's first token (its prefill is done): a decode binding made after it (a
+    parked request's prefill node sends that token at the prompt's end, before ``route.bind`` is answered). A
+    router that started after that token, so that it was not counting the request when the token went by,
+    counts the prefill as done from this (as its owner does), not afresh until the decode node's output."""
 
 
 class RequestAbort(Msg, frozen=True, kw_only=True):

@@ -481,7 +481,8 @@ class RouterCore:
         request loads ``msg.prefill_node`` until its first token and ``msg.decode_node`` until
         its end, like this router's own. A rid already counted (a re-dispatch, a decode
         binding) replaces its placement. ``first_token``: this attempt's first token was seen
-        already (``RemoteSends.first_token``: a decode node bound after it, the prefill node having
+        already (``RemoteSends.first_token``, or the owner's ``RouteSent.first_token`` for a router that
+        started after that token: a decode node bound after it, the prefill node having
         sent a parked request's first token first): the prefill's part is over at once, as in
         :meth:`bind_decode` for this router's own (no prefill load, no decode room reserved).
         Returns False for an unusable node id. O(1) + policy."""

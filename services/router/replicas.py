@@ -7,9 +7,13 @@ until the request's first token (prefill load) and its end (decode load), which 
 ``req.<rid>.out`` like its own. The owner sends it again when it binds the decode node at prefill
 start (``route.bind``); a prefill node sends a parked request's first token at the prompt's end,
 before that binding, so the first token a re-sent placement of the same attempt already had is kept
-(:meth:`RemoteSends.first_token`): the peer then counts it as its owner does (prefill done, no decode
-room reserved: ``RouterCore.bind_decode``), not afresh on its prefill node until the decode node's
-first output. :class:`RemoteSends` remembers which rids are another
+(:meth:`RemoteSends.first_token`), and the owner says it has seen it (``RouteSent.first_token``: a router
+that started after that token went by has not): the peer then counts it as its owner does (prefill done, no
+decode room reserved: ``RouterCore.bind_decode``), not afresh on its prefill node until the decode node's
+first output. A router that starts while others have requests in flight counts none of them until their
+next ``RouteSent`` (a decode binding, a re-dispatch): their load is in the nodes' states, and their chunks
+are not its business (:meth:`RemoteSends.chunk`: unknown rid), so nothing it did not hear is ever counted
+nor left over. :class:`RemoteSends` remembers which rids are another
 router's, with their attempt, so that their chunks update the view, a fence never aborts
 them (only the owner re-dispatches its requests), and a request whose owner vanished
 without an end ever reaching the bus is forgotten after ``ttl`` (the router's request
@@ -45,14 +49,17 @@ class RemoteSends:
     def __contains__(self, rid: object) -> bool:
         return rid in self._sends
 
-    def sent(self, rid: str, router: str, attempt: int, now: float) -> bool:
+    def sent(self, rid: str, router: str, attempt: int, now: float, *, first_token: bool = False) -> bool:
         """A ``RouteSent`` arrived at ``now`` (s, the clock :meth:`expired` is given): True when it
         should be counted (newer or equal attempt than known). The same attempt sent again (its decode
-        node bound) keeps its first token; a newer attempt (a re-dispatch) starts without one."""
+        node bound) keeps its first token; a newer attempt (a re-dispatch) starts without one.
+        ``first_token``: the message's (``RouteSent.first_token``: its owner saw this attempt's first
+        token): a router that was not counting the request when that token went by (it started later)
+        has it too."""
         old = self._sends.get(rid)
         if old is not None and attempt < old.attempt:
             return False
-        seen = old is not None and old.attempt == attempt and old.first_token
+        seen = first_token or (old is not None and old.attempt == attempt and old.first_token)
         self._sends[rid] = RemoteSend(router, attempt, now, first_token=seen)
         return True
 

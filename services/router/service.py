@@ -1754,6 +1754,7 @@ class RouterService(WatchedService):
         sent = m.RouteSent(
             router=self.bus.instance, rid=p.rid, prefill_node=p.prefill_node, decode_node=p.decode_node, attempt=p.attempt,
             prompt_tokens=prompt_tokens or (c.prompt_tokens if c else 0), max_tokens=max_tokens or (c.max_tokens if c else 0),
+            first_token=self.core.view.first_token_seen(p.rid),  # a binding after a parked request's first token
         )  # fmt: skip
         self._spawn(self.bus.publish(ROUTE_SENT, sent))
 
@@ -1791,7 +1792,7 @@ class RouterService(WatchedService):
     async def _on_route_sent(self, msg: m.RouteSent, _subject: str) -> None:
         if msg.router == self.bus.instance or msg.rid in self._pending:
             return
-        if self._remote.sent(msg.rid, msg.router, msg.attempt, time.monotonic()):
+        if self._remote.sent(msg.rid, msg.router, msg.attempt, time.monotonic(), first_token=msg.first_token):
             if self.core.remote_dispatch(msg, self.clock.now(), first_token=self._remote.first_token(msg.rid)):
                 self.counters["remote.sent"] += 1
             else:

@@ -20,7 +20,7 @@ from services.router.nodes import NodeLoadView
 from services.router.service import RouterService
 from shared import messages as m
 from shared.service import serve_until_stopped
-from shared.subjects import WORK_REQUEUE
+from shared.subjects import REQ_OUT, ROUTE_BIND, WORK_REQUEUE
 from tests.integration.test_router_live import _wait_for, output_token, router_env, sse_events
 
 pytestmark = pytest.mark.timeout(60)
@@ -260,6 +260,63 @@ async def test_a_parked_request_that_fails_ends_in_the_other_routers_view_too(na
             await _wait_for(lambda: len(b._remote) == 0 and b.core.view.inflight_total == 0, timeout=2.0, what="B stops counting it")
             assert b.counters["remote.ended"] == 1
         finally:
+            stop_b.set()
+            await asyncio.wait_for(task_b, 20)
+
+
+async def test_a_router_started_while_a_request_is_parked_counts_it_as_its_owner_once_its_decode_node_is_bound(nats_url, tmp_path):
+    """Router B starts after router A placed a request whose decode node is bound at prefill start. Its prefill
+    node sends the first token at the prompt's end, before ``route.bind`` is answered (the request is parked
+    there); B is not counting the request then (it never heard its placement), so that chunk is not its business.
+    A's binding re-announces the placement (``route.sent``), now with ``first_token``: B counts the prefill as
+    done and the decode node as loaded, as A does. Before, B counted the prefill afresh on p0 (its
+    ``inflight_prefill`` 1, its policy charged with the prompt) until the decode node's first output. Both stop
+    counting it at its end."""
+    async with router_env(nats_url, tmp_path, PD, decode_binding="prefill-start") as env:
+        svc = env.service
+        env.cluster.answering.discard("p0")  # p0 records the work; the test plays its output
+        task = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [5] * 70, "max_tokens": 3}))
+        await _wait_for(lambda: env.cluster.works, what="the work dispatched")
+        rid = env.cluster.works[-1].rid
+        holder: dict[str, RouterService] = {}
+
+        def factory(c, b, clock):
+            holder["b"] = RouterService(c, b, clock)
+            return holder["b"]
+
+        cfg_b = msgspec.structs.replace(svc.cfg, port_file=str(tmp_path / "b.port"))
+        stop_b = asyncio.Event()
+        task_b = asyncio.create_task(serve_until_stopped("router", cfg_b, factory, instance="router-b", stop_event=stop_b))
+        try:
+            await _wait_for(lambda: "b" in holder and holder["b"].ready() and holder["b"].core.view.epoch == 1, what="router B ready")
+            b = holder["b"]
+            assert b.core.view.inflight_total == 0  # it never heard A's placement
+
+            async def out(node: str, i: int, finished: bool = False) -> None:
+                chunk = m.TokenChunk(rid=rid, node=node, index=i, token_ids=[output_token(i)], prompt_tokens=70, finished=finished,
+                                     finish_reason="length" if finished else None)  # fmt: skip
+                await env.cluster.bus.publish(REQ_OUT, chunk, rid=rid)
+
+            await out("p0", 0)  # the prompt's end on p0: its first token, before the binding
+            await _wait_for(lambda: svc.core.view.first_token_seen(rid) and b.counters["chunks_unknown_rid"] == 1, what="first token seen")
+            bind = m.DecodeBindRequest(rid=rid, prefill_node="p0", prompt_tokens=70, max_tokens=3)
+            assert (await env.cluster.bus.request(ROUTE_BIND, bind, timeout=2.0, router="router")).decode_node == "d0"
+            await _wait_for(lambda: b.core.view.placement(rid) == ("p0", "d0"), what="B counts A's request")
+
+            def counts(core) -> dict[str, tuple[int, int, int]]:
+                return {n: (r.inflight, r.inflight_prefill, r.inflight_decode) for n, r in sorted(core.view.nodes.items())}
+
+            assert counts(b.core) == counts(svc.core) == {"d0": (1, 0, 1), "p0": (1, 0, 0)}
+            assert b._remote.first_token(rid)
+            await out("d0", 1)
+            await out("d0", 2, finished=True)
+            r = await asyncio.wait_for(task, 10)
+            assert r.status_code == 200, r.text
+            await _wait_for(lambda: len(b._remote) == 0 and b.core.view.inflight_total == 0, timeout=2.0, what="B stops counting it")
+            assert b.counters["remote.ended"] == 1 and svc.core.view.inflight_total == 0
+        finally:
+            if not task.done():
+                task.cancel()
             stop_b.set()
             await asyncio.wait_for(task_b, 20)
 

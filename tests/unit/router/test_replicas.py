@@ -44,7 +44,7 @@ def test_another_routers_send_loads_the_view_until_its_first_token_and_end():
 
 def _peer_sent(remote: RemoteSends, core: RouterCore, msg: RouteSent, now: float) -> None:
     """What ``RouterService._on_route_sent`` does with a ``RouteSent`` of another router."""
-    if remote.sent(msg.rid, msg.router, msg.attempt, now):
+    if remote.sent(msg.rid, msg.router, msg.attempt, now, first_token=msg.first_token):
         assert core.remote_dispatch(msg, now, first_token=remote.first_token(msg.rid))
 
 
@@ -86,3 +86,64 @@ def test_a_peer_counts_a_parked_request_as_its_owner_once_its_decode_node_is_bou
     # a re-dispatch (a new attempt) is a new prefill: counted on its prefill node until its first token
     _peer_sent(remote, peer, RouteSent(router="r-own", rid="r1", prefill_node="p1", decode_node="d1", prompt_tokens=9, max_tokens=3, attempt=1), 0.4)
     assert peer.view.nodes["p1"].inflight_prefill == 1 and not remote.first_token("r1")
+
+
+def _ttft_core() -> RouterCore:
+    from .helpers import state
+
+    core = RouterCore(make_policy("ttft", block_size=4, profile="tiny"), block_size=4, fence_after=3.0, decode_binding="prefill-start")
+    core.apply_state(state("p1"), 0.0)
+    core.apply_state(state("d1", "decode", gpu_free_blocks=4), 0.0)
+    return core
+
+
+def _load(core: RouterCore) -> tuple[object, ...]:
+    """What a router counts of the requests in flight: per node (in flight, waiting for their first token,
+    bound for decode), the ttft predictor's sends per prefill node, its decode KV reservations and the wait it
+    predicts on the prefill node."""
+    v, pol = core.view, core.policy
+    return (
+        {n: (r.inflight, r.inflight_prefill, r.inflight_decode) for n, r in sorted(v.nodes.items())},
+        pol.predictor.tracked("p1"),  # type: ignore[attr-defined]
+        dict(pol._decode_reserved),  # type: ignore[attr-defined]
+        round(pol.predictor.wait("p1", 0.3), 9),  # type: ignore[attr-defined]
+    )
+
+
+def test_a_router_that_joins_while_a_parked_request_waits_for_its_decode_node_counts_it_as_one_there_from_the_start():
+    """A router that starts (or restarts) after another router placed a request has no record of it: it never
+    counts a placement it did not hear (the nodes' states show that load), and the chunks it sees of such a
+    request are not its business (``RemoteSends.chunk``: unknown rid). It hears of the request again when the
+    owner binds its decode node (``route.sent`` at ``route.bind``). When that binding comes after the first token
+    (a parked request: its prefill node sends the first token at the prompt's end, before the binding), the
+    joiner, which has not seen that first token as belonging to a request it counts, counted the prefill again on
+    its prefill node (inflight_prefill 1, the ttft predictor's queue charged with its prompt: a longer wait
+    predicted on p1) and reserved its decode KV room, until the decode node's first output; a router there from
+    the start counts the prefill done (it saw the first token, ``RemoteSends.first_token``). The owner now says
+    so in the ``RouteSent`` (``first_token``): the joiner counts it as the others do. Both stop counting it at
+    its end."""
+    from services.router.policy import RouteRequest
+
+    owner, peer = _ttft_core(), _ttft_core()
+    remote_peer = RemoteSends()
+    req = RouteRequest(rid="r1", prompt_tokens=9, block_hashes=[0, 1], max_tokens=3)
+    owner.route(req, None, 0.0)
+    _peer_sent(remote_peer, peer, RouteSent(router="r-own", rid="r1", prefill_node="p1", prompt_tokens=9, max_tokens=3), 0.0)
+    joiner, remote_joiner = _ttft_core(), RemoteSends()  # starts now: it never heard the placement above
+    assert _load(joiner) != _load(peer)  # it does not count a placement it did not hear
+    owner.on_first_token("r1", 0.1)  # parked on p1, its first token out (from p1)
+    _peer_chunk(remote_peer, peer, "r1", 0.1)
+    _peer_chunk(remote_joiner, joiner, "r1", 0.1)  # not a request it counts
+    assert "r1" not in remote_joiner and joiner.view.inflight_total == 0
+    assert owner.bind_decode("r1", 0.2, prefill_node="p1").node == "d1"  # type: ignore[union-attr]
+    sent = RouteSent(router="r-own", rid="r1", prefill_node="p1", decode_node="d1", prompt_tokens=9, max_tokens=3,
+                     first_token=owner.view.first_token_seen("r1"))  # fmt: skip
+    _peer_sent(remote_peer, peer, sent, 0.2)
+    _peer_sent(remote_joiner, joiner, sent, 0.2)
+    assert _load(joiner) == _load(peer) == _load(owner)
+    assert joiner.view.nodes["p1"].inflight_prefill == 0 and joiner.view.nodes["d1"].inflight_decode == 1
+    for c, r in ((peer, remote_peer), (joiner, remote_joiner)):  # the decode node's first output, then its end
+        _peer_chunk(r, c, "r1", 0.3)
+        assert r.chunk("r1", 0, True) == "end" and c.finish("r1", 0.4) == ("p1", "d1")
+    owner.finish("r1", 0.4)
+    assert _load(joiner) == _load(peer) == _load(owner) == _load(_ttft_core())  # nothing left counted anywhere
