@@ -212,14 +212,22 @@ def _split_steps(timeline: RunTimeline, t0: float, t_end: float) -> tuple[list[f
     return xs + [end], ys + [ys[-1]]
 
 
-def _split_ticks(ax: Any, timelines: Sequence[RunTimeline]) -> None:
-    labels: dict[int, str] = {}
-    for tl in timelines:
-        for p in tl.split_timeline:
-            labels.setdefault(p.prefill, p.split if p.switching == 0 else f"{p.prefill}P{p.decode}D")
-    if labels:
-        ks = sorted(labels)
-        ax.set_yticks(ks, [labels[k] for k in ks])
+def _split_ticks(ax: Any, timelines: Sequence[tuple[RunTimeline, float]]) -> None:
+    """Name each prefill-node count on the y axis after the split held there longest, over every
+    ``(timeline, end_s)`` drawn (ties: the first seen). Several splits share a count (``collocated`` and
+    ``1P0D+3B`` are 4 prefill nodes of 4); the first seen was often a state a switch passed through in
+    milliseconds, which then named a 900-s warm-up, or another run's 3P1D in a comparison."""
+    held: dict[int, dict[str, float]] = {}
+    for tl, end in timelines:
+        pts = tl.split_timeline
+        ends = [q.t for q in pts[1:]] + [max(end, pts[-1].t)] if pts else []
+        for p, until in zip(pts, ends):
+            label = p.split if p.switching == 0 else f"{p.prefill}P{p.decode}D"
+            at = held.setdefault(p.prefill, {})
+            at[label] = at.get(label, 0.0) + max(0.0, until - p.t)
+    if held:
+        ks = sorted(held)
+        ax.set_yticks(ks, [max(held[k].items(), key=lambda kv: kv[1])[0] for k in ks])
         ax.set_ylim(min(ks) - 0.5, max(ks) + 0.5)
 
 
@@ -235,7 +243,8 @@ def plot_split(out: Path, report: Mapping[str, Any], timeline: RunTimeline | Non
     if timeline is None or not timeline.split_timeline:
         return None
     t0 = _t0(report)
-    xs, ys = _split_steps(timeline, t0, float(report.get("end_s") or t0))
+    t_end = float(report.get("end_s") or t0)
+    xs, ys = _split_steps(timeline, t0, t_end)
     fig = Figure(figsize=(6.4, 3.6))
     ax = fig.add_subplot()
     ax.step(xs, ys, where="post", color="C0", linewidth=2, label="prefill nodes")
@@ -246,7 +255,7 @@ def plot_split(out: Path, report: Mapping[str, Any], timeline: RunTimeline | Non
         since, nodes = pending
         ax.axvspan((since - t0) / 60, xs[-1], facecolor="none", edgecolor="C3", hatch="//", linewidth=0,
                    label=f"{nodes} node{'s' if nodes != 1 else ''} still switching at the run's end")
-    _split_ticks(ax, [timeline])
+    _split_ticks(ax, [(timeline, t_end)])
     ax.set_xlabel("time since first request (min)")
     ax.set_ylabel("PD split")
     ax.grid(alpha=0.3)
@@ -463,7 +472,7 @@ def compare_split(out: Path, runs: Sequence[RunData]) -> PlotFile | None:
         t0 = _t0(run.report)
         xs, ys = _split_steps(run.timeline, t0, float(run.report.get("end_s") or t0))
         ax.step(xs, ys, where="post", color=f"C{i % 10}", linewidth=2, alpha=0.8, label=f"{run.label} ({switch_counts(run.timeline)})")
-    _split_ticks(ax, [r.timeline for _, r in with_tl if r.timeline is not None])
+    _split_ticks(ax, [(r.timeline, float(r.report.get("end_s") or _t0(r.report))) for _, r in with_tl if r.timeline is not None])
     ax.set_xlabel("time since first request (min)")
     ax.set_ylabel("PD split")
     ax.grid(alpha=0.3)

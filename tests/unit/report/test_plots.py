@@ -12,7 +12,7 @@ from matplotlib.mathtext import MathTextParser
 
 from evolving_infra.report.metrics import cdf
 from evolving_infra.report.plots import DPI, LogTickFormatter, RunData, cdf_steps, plain_tick_label, plot_compare, plot_run
-from evolving_infra.report.timeline import timeline_from_builtins
+from evolving_infra.report.timeline import RunTimeline, SplitPoint, timeline_from_builtins
 from evolving_infra.report.write import build_report
 
 from .helpers import rec, switching_timeline
@@ -146,3 +146,40 @@ def test_split_plot_hatches_a_switch_still_under_way_at_the_end(tmp_path: Path, 
     labels = [t.get_text() for t in figs[-1].axes[0].get_legend().get_texts()]
     assert "1 node still switching at the run's end" in labels, labels
     assert plots_mod.pending_switch(switching_timeline()) is None  # every switch applied: nothing hatched
+
+
+def _demo_warmup_timeline() -> RunTimeline:
+    """`make demo`'s split as its workers applied it (2026-12-05): 2P2D, the four nodes turned collocated one by
+    one within 0.2 s (2P1D+1B, 1P1D+2B, 1P0D+3B on the way), collocated for the 948-s warm-up, then back to
+    2P2D through 1P0D+3B, 2P0D+2B and 2P1D+1B within 6 s, and 2P2D to the end (7,389 s)."""
+    w = [f"w{i}" for i in range(4)]
+    pts = [(0.0, "2P2D", 2, 2), (133.25, "2P1D+1B", 3, 1), (133.34, "1P1D+2B", 3, 1), (133.35, "1P0D+3B", 4, 0),
+           (133.41, "collocated", 4, 0), (1081.37, "1P0D+3B", 4, 0), (1081.42, "2P0D+2B", 4, 0),
+           (1086.18, "2P1D+1B", 3, 1), (1087.01, "2P2D", 2, 2)]
+    return RunTimeline(split_timeline=[SplitPoint(t=t, split=s, epoch=2 if t < 1000 else 3, prefill=p, decode=d,
+                                                  prefill_nodes=w[:p]) for t, s, p, d in pts])
+
+
+def _y_labels(fig: Figure) -> dict[float, str]:
+    ax = fig.axes[0]
+    return {float(t.get_position()[1]): t.get_text() for t in ax.yaxis.get_majorticklabels()}
+
+
+def test_split_plot_labels_each_level_with_the_split_held_there_longest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The y axis named each prefill-node count after the first split seen at it: `make demo`'s 948-s collocated
+    warm-up was labelled '1P0D+3B' (a state of 0.06 s on the way to it), and in `report compare` beside it a
+    simulated run's 510 s at 3P1D read '2P1D+1B' (the demo's 0.1-s passing state)."""
+    from evolving_infra.report import plots as plots_mod
+
+    figs: list[Figure] = []
+    real_save = plots_mod._save
+    monkeypatch.setattr(plots_mod, "_save", lambda fig, out, name: (figs.append(fig), real_save(fig, out, name))[1])
+    demo = _demo_warmup_timeline()
+    assert plots_mod.plot_split(tmp_path, {"start_s": 0.0, "end_s": 7389.0}, demo) is not None
+    assert _y_labels(figs[-1]) == {2.0: "2P2D", 3.0: "2P1D+1B", 4.0: "collocated"}
+    sim = RunTimeline(split_timeline=[SplitPoint(t=0.0, split="collocated", prefill=4, decode=0),
+                                      SplitPoint(t=240.0, split="3P1D", epoch=2, prefill=3, decode=1)])
+    runs = [RunData("demo-out (evolving)", {"start_s": 0.0, "end_s": 7389.0}, [], demo),
+            RunData("sample (evolving)", {"start_s": 0.0, "end_s": 751.0}, [], sim)]
+    assert plots_mod.compare_split(tmp_path, runs) is not None
+    assert _y_labels(figs[-1]) == {2.0: "2P2D", 3.0: "3P1D", 4.0: "collocated"}
