@@ -147,6 +147,7 @@ class _Node(IdentityValue):
     """Phase the node is switching to (draining / relaunching)."""
     decided_at: float
     epoch: int
+    """The timeline epoch (``ClusterSim.decision``) of the node's current switch."""
     token: int
     """Current PLAN_END token (lazy deletion)."""
     plan_end: float
@@ -544,6 +545,11 @@ class ClusterSim:
         )
         self._apply_models = getattr(self.router, "apply_models", None)
         self.epoch = 1
+        """The router's split epoch: one more for each node's switch (its own ``SplitCommand``)."""
+        self.decision = 1
+        """The timeline's epoch (``SplitApplied.epoch``): one more per decision (a planner tick's, a forced
+        switch, a periodic change), whatever number of nodes it switches, as the live planner's command
+        carries one epoch for all of them; the report counts a run's split decisions by it."""
         self.router.apply_split(SplitCommand(epoch=1, phases=dict(self.phases), reason="initial", decided_at=0.0))
         self._feed_planner = ps.planner != "static"
         self._online: OnlineModels | None = None
@@ -644,6 +650,7 @@ class ClusterSim:
                 elif kind == RELAUNCH_END:
                     self._on_relaunch_end(a, t)
                 elif kind == FORCED:
+                    self.decision += 1
                     self._start_switch(self.nodes[a], b, t, "forced")
                 elif kind == PERIODIC:
                     self._on_periodic(a, t)
@@ -1276,6 +1283,8 @@ class ClusterSim:
                 self.stats.planner_decisions.append({"ts": t, "reason": getattr(decision, "reason", ""), "changes": dict(changes)})
             if changes and self.switch_mode == "none":
                 raise SimError(f"planner {planner.name!r} decided a switch but the switch mode is 'none'")
+            if changes:
+                self.decision += 1
             for node, phase in changes.items():
                 self._start_switch(self.nodes[node], phase, t, getattr(decision, "reason", "planner"))
         models = getattr(planner, "models", None)
@@ -1288,7 +1297,8 @@ class ClusterSim:
             self._schedule_tick(max(nt, t + 1e-6))
 
     def _start_switch(self, n: _Node, phase: Phase, t: float, reason: str) -> None:
-        """Stop routing to ``n``, hand back its queued prefill requests, let running ones finish."""
+        """Stop routing to ``n``, hand back its queued prefill requests, let running ones finish (a switch of
+        decision :attr:`decision`, which the caller has counted)."""
         if n.status != SERVING or phase == n.phase:
             return
         self.epoch += 1
@@ -1297,10 +1307,10 @@ class ClusterSim:
         n.status = DRAINING
         n.target = phase
         n.decided_at = t
-        n.epoch = self.epoch
+        n.epoch = self.decision
         n.dirty = True
         self.timeline.on_applied(
-            SplitApplied(epoch=self.epoch, node=n.name, phase=phase, status="draining", decided_at=t, applied_at=t)
+            SplitApplied(epoch=self.decision, node=n.name, phase=phase, status="draining", decided_at=t, applied_at=t)
         )
         own = set(n.sched.snapshot()[1])
         others: set[int] = set()
@@ -1375,6 +1385,7 @@ class ClusterSim:
         changes = {name: ph for name, ph in want.items() if ph != free[name]}
         reason = f"periodic {spec}"
         self.stats.planner_decisions.append({"ts": t, "reason": reason, "changes": dict(changes), "action": "switch"})
+        self.decision += 1
         for name, ph in changes.items():
             self._start_switch(self.nodes[name], ph, t, reason)  # type: ignore[arg-type]
 

@@ -238,3 +238,19 @@ def test_reservations_while_queued_only_with_enqueue_binding():
     assert enq["decode_kv_reserved_share"] >= enq["decode_kv_reserved_waiting_share"]
     assert start["decode_kv_reserved_waiting_share"] == 0.0 < start["decode_kv_reserved_share"]
     assert route["decode_kv_reserved_share"] == 0.0, "route binding reserves at the hand-off"
+
+
+def test_a_decision_that_switches_several_nodes_counts_as_one_split_decision():
+    """The simulator gave each node's switch an epoch of its own, so a run's "split decisions" (the distinct
+    epochs of its switches, as the live workers report the planner's command) counted node switches:
+    `simulate` of the shipped sample with --planner-opt t_learn_s=240 printed 'split decisions 4  node phase
+    switches 4' for its one decision (collocated to 3P1D). The router's epochs stay one per node switch."""
+    from evolving_infra.report.metrics import split_decisions
+
+    cfg = SimConfig(nodes=4, profile="tiny", policy="static:3P1D", switch_mode="decoupled", switch_every_s=0.5,
+                    switch_to="1P3D", concurrency=8)
+    res = simulate(cfg, small_trace(8, 12, pause=0.2), BS)
+    decided = [d for d in res.report["planner_decisions"] if d["changes"]]
+    assert len(decided) >= 2 and all(len(d["changes"]) == 2 for d in decided)
+    switched = {s["decided_at"] for s in res.report["timeline"]["switches"]}
+    assert split_decisions(res.report) == len(switched) <= len(decided) < res.report["switches"]
