@@ -124,7 +124,8 @@ EXIT_STATUSES = (
     f"died, requests failed, a package is missing; the reason on stderr); {USAGE_ERROR} usage error (a bad option "
     "value or options that conflict, one line on stderr, before anything starts; also an unreadable input or an "
     "unwritable output, and for split, tap and replay no running cluster or NATS server to talk to); "
-    f"{INTERRUPTED} interrupted (Ctrl-C); {READER_GONE} stdout's reader went away (| head)"
+    f"{INTERRUPTED} interrupted (Ctrl-C); 143 stopped by SIGTERM (demo and replay, which stop as for Ctrl-C; "
+    f"demo 129 for SIGHUP; up and tap exit 0); {READER_GONE} stdout's reader went away (| head)"
 )
 """The epilog of ``evolving-infra --help``: the statuses :func:`main` returns."""
 

@@ -77,6 +77,8 @@ def test_help_lists_the_exit_statuses():
     assert " ".join(EXIT_STATUSES.split()) in text
     for status in (0, RUNTIME_FAILURE, USAGE_ERROR, INTERRUPTED, READER_GONE):
         assert f"{status} " in EXIT_STATUSES
+    # demo and replay end 128 + the signal (the README: demo "exits 130 / 143"); --help named 130 alone
+    assert "143 stopped by SIGTERM (demo and replay" in EXIT_STATUSES and "129 for SIGHUP" in EXIT_STATUSES
 
 
 @pytest.mark.parametrize(
