@@ -18,6 +18,7 @@ KV kept — the decoupled plane — and bind decode by the router's own rule).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from evolving_infra.sim.policies import DECODE_BINDINGS, EVICTIONS, SET_NAMES, PolicyError, policy_set, serving, with_overrides
@@ -167,6 +168,34 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
 ROUTER_OWN_FLAGS = frozenset({"profile", "block_size"})
 """Policy options the live cluster sets from its own flags (``--profile``, ``--block-size``)."""
 
+UP_SETS_FOR_ITS_ROUTER = frozenset({
+    "instance", "clock_origin", "port_file", "nats_creds", "metrics_port", "metrics_host", "log_format", "profile_clock",
+    "model_names", "model_aliases", "max_context_tokens", "model_vocab_size",
+})
+"""Router settings without a flag of ``up``'s own name that ``up`` gives its router on the command line (from its
+other flags, or one per process): an ``EI_*`` variable of the same name would not reach it."""
+
+
+def _not_a_policy_option(key: str, value: Any, known: Sequence[str]) -> str:
+    """The reason ``--routing-opt key=value`` is refused when ``key`` is not a routing policy option: a newcomer
+    reaching for the router's ``--shutdown-grace-s`` (which the README sends to ``EI_SHUTDOWN_GRACE_S``) was told
+    only that it is not an option, with the list of those that are."""
+    from evolving_infra.cli import build_parser
+    from services.router.config import RouterConfig
+    from shared.config import env_name, flag_name
+
+    tail = f"routing policy options: {', '.join(known)}"
+    if key not in RouterConfig.__struct_fields__:
+        return f"--routing-opt {key}: not a routing policy option; known: {', '.join(known)}"
+    sub = next(a for a in build_parser("up")._actions if isinstance(a, argparse._SubParsersAction))
+    if flag_name(key) in {s for a in sub.choices["up"]._actions for s in a.option_strings}:
+        return f"--routing-opt {key}: a router setting, not a routing policy option: set it with {flag_name(key)}; {tail}"
+    if key in UP_SETS_FOR_ITS_ROUTER:
+        return f"--routing-opt {key}: a router setting that up and demo set for their router themselves; {tail}"
+    env = env_name(key)
+    return (f"--routing-opt {key}: a router setting ({flag_name(key)}), not a routing policy option: the router up and "
+            f"demo start reads it from the environment it inherits, {env}={_fmt(value)} evolving-infra up; {tail}")
+
 
 def routing_option_args(options: dict[str, Any]) -> tuple[str, ...]:
     """The router's command-line flags for routing policy options (``--routing-opt K=V``).
@@ -191,7 +220,7 @@ def routing_option_args(options: dict[str, Any]) -> tuple[str, ...]:
         if key in ROUTER_OWN_FLAGS:
             raise ValueError(f"--routing-opt {key}: set it with --{key.replace('_', '-')}")
         if key not in known:
-            raise ValueError(f"--routing-opt {key}: not a routing policy option; known: {', '.join(known)}")
+            raise ValueError(_not_a_policy_option(key, options[key], known))
     try:
         cfg = resolve_config(RouterConfig, dict(options), env={})
     except ConfigError as e:

@@ -84,6 +84,12 @@ def test_routing_options_reach_the_live_router_as_its_flags(tmp_path):
     (["--planner", "static", "--planner-opt", "x=1"], "takes no parameters"),
     (["--routing-opt", "nope=1"], "not a routing policy option"),
     (["--routing-opt", "block_size=8"], "set it with --block-size"),
+    # the router's own settings (README: they reach up's router through EI_*); the refusal said only "not a
+    # routing policy option" with the list of those that are
+    (["--routing-opt", "shutdown_grace_s=5"], r"^error: --routing-opt shutdown_grace_s: a router setting \(--shutdown-grace-s\), "
+                                              r"not a routing policy option: .* EI_SHUTDOWN_GRACE_S=5 evolving-infra up; routing policy options: .*ttft_fetch_min_tokens"),
+    (["--routing-opt", "speedup=5"], "a router setting, not a routing policy option: set it with --speedup;"),
+    (["--routing-opt", "max_context_tokens=64"], "a router setting that up and demo set for their router themselves"),
     (["--routing-opt", "ttft_fetch_min_tokens=-1"], ">= 0"),
     (["--routing-opt", "ttft_fetch_base_s=fast"], "ttft_fetch_base_s"),
     (["--nodes", "3", "--policy", "static:2P2D"], r"split '2P2D' covers 4 nodes but the cluster has 3; pass --split xPyD with x \+ y = 3"),  # a policy's split; --nodes 3 alone now defaults to 2P1D
