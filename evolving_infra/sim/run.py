@@ -266,10 +266,27 @@ class ProgressLine:
             self.stream.flush()
 
 
+def _decision_epochs(timelines: Sequence[RunTimeline]) -> dict[tuple[int, int], int]:
+    """``(partition index, its epoch)`` → the merged timeline's epoch. Each partition's planner numbers its own
+    decisions from the launch split's epoch (1) on, so two partitions' epoch 2 are two decisions: every epoch above
+    1 gets a number of its own, 2, 3, ... in the order of its first decision (or point), ties by partition; the
+    launch epochs stay."""
+    first: dict[tuple[int, int], float] = {}
+    for i, tl in enumerate(timelines):
+        for key, t in [((i, p.epoch), p.t) for p in tl.split_timeline] + [((i, s.epoch), s.decided_at) for s in tl.switches]:
+            first[key] = min(first.get(key, t), t)
+    out = {key: key[1] for key in first if key[1] <= 1}
+    later = sorted((t, i, e) for (i, e), t in first.items() if e > 1)
+    out.update({(i, e): 2 + n for n, (_, i, e) in enumerate(later)})
+    return out
+
+
 def merge_timelines(timelines: Sequence[RunTimeline]) -> RunTimeline:
-    """One cluster-wide timeline from the partitions' timelines (counts summed at every change)."""
+    """One cluster-wide timeline from the partitions' timelines (counts summed at every change; epochs renumbered
+    so that each partition's decisions stay apart, :func:`_decision_epochs`)."""
     if len(timelines) == 1:
         return timelines[0]
+    epochs = _decision_epochs(timelines)
     events: list[tuple[float, int, int, SplitPoint]] = []
     for i, tl in enumerate(timelines):
         for j, p in enumerate(tl.split_timeline):
@@ -289,14 +306,17 @@ def merge_timelines(timelines: Sequence[RunTimeline]) -> RunTimeline:
             SplitPoint(
                 t=t,
                 split=name,
-                epoch=max(c.epoch for c in live),
+                epoch=max(epochs[(j, c.epoch)] for j, c in enumerate(current) if c is not None),
                 prefill=pre,
                 decode=dec,
                 switching=sum(c.switching for c in live),
                 prefill_nodes=[n for c in live for n in c.prefill_nodes],
             )
         )
-    switches: list[SwitchRecord] = sorted((s for tl in timelines for s in tl.switches), key=lambda s: (s.applied_at, s.node))
+    switches: list[SwitchRecord] = sorted(
+        (msgspec.structs.replace(s, epoch=epochs[(i, s.epoch)]) for i, tl in enumerate(timelines) for s in tl.switches),
+        key=lambda s: (s.applied_at, s.node),
+    )
     return RunTimeline(split_timeline=points, switches=switches)
 
 

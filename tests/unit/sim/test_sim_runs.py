@@ -259,3 +259,25 @@ def test_the_summary_says_a_node_was_out_of_service_not_the_cluster(tmp_path, ca
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("simulated "))
     assert "relaunches 1, a node out of service " in line and " node-s)" in line, line
+
+
+def test_merge_timelines_counts_every_partitions_decisions():
+    """Each partition's planner numbers its own decisions (epoch 2 is each one's first): `simulate --partitions 2`
+    of the shipped sample printed 'split decisions 1  node phase switches 8' for the two planners' two
+    decisions, whose switches all carried epoch 2."""
+    from evolving_infra.report.timeline import SwitchRecord
+
+    def sw(node: str, t: float, epoch: int, to: str) -> SwitchRecord:
+        return SwitchRecord(node=node, from_phase="both", to_phase=to, decided_at=t, applied_at=t + 1, switch_s=1.0, epoch=epoch)  # type: ignore[arg-type]
+
+    a = RunTimeline(split_timeline=[SplitPoint(t=0, split="collocated", epoch=1, prefill=2, prefill_nodes=["p0w0", "p0w1"]),
+                                    SplitPoint(t=241, split="1P1D", epoch=2, prefill=1, decode=1, prefill_nodes=["p0w0"])],
+                    switches=[sw("p0w0", 240, 2, "prefill"), sw("p0w1", 240, 2, "decode")])
+    b = RunTimeline(split_timeline=[SplitPoint(t=0, split="collocated", epoch=1, prefill=2, prefill_nodes=["p1w0", "p1w1"]),
+                                    SplitPoint(t=201, split="1P1D", epoch=2, prefill=1, decode=1, prefill_nodes=["p1w0"])],
+                    switches=[sw("p1w0", 200, 2, "prefill"), sw("p1w1", 200, 2, "decode")])
+    m = merge_timelines([a, b])
+    assert m.split_decisions() == 2 and len(m.switches) == 4
+    # numbered in the order they were decided (b's at 200 s first), the launch split's epoch kept
+    assert [(s.node, s.epoch) for s in m.switches] == [("p1w0", 2), ("p1w1", 2), ("p0w0", 3), ("p0w1", 3)]
+    assert [(p.t, p.split, p.epoch) for p in m.split_timeline] == [(0, "collocated", 1), (201, "3P1D", 2), (241, "2P2D", 3)]
