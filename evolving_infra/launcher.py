@@ -398,7 +398,11 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
         return {"block_size": profile_block_size(args), **served}
     if not args.model_dir:
         raise UsageError("error: --engine torch needs --model DIR (evolving-infra model init DIR writes a tiny one)")
-    from services.worker.engines.torch_engine.config import ModelConfig, ModelConfigError  # no torch: a bad --model is exit 2 either way
+    from services.worker.engines.torch_engine.config import (  # no torch: a bad --model is exit 2 either way
+        TORCH_EXTRA_INSTALL,
+        ModelConfig,
+        ModelConfigError,
+    )
 
     try:
         model_cfg = ModelConfig.load(args.model_dir)
@@ -408,7 +412,7 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
     try:
         import services.worker.engines.torch_engine.model  # noqa: F401 (torch: what every worker imports)
     except ModuleNotFoundError as e:  # a runtime failure (status 1): the options are right, the install lacks a package
-        raise SystemExit(f"error: --engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'")
+        raise SystemExit(f"error: --engine torch needs the torch extra ({e.name} missing): {TORCH_EXTRA_INSTALL}")
     if args.profile == DEFAULT_PROFILE:  # the sim default: a GLM-5.2 node is not this model
         args.profile = TORCH_PROFILE
     page = profile_block_size(args)

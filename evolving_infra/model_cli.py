@@ -38,7 +38,9 @@ def missing_torch_extra(command: str) -> str | None:
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as e:
-            return f"error: {command} needs the torch extra ({e.name or name} missing): pip install -e '.[torch]'"
+            from services.worker.engines.torch_engine.config import TORCH_EXTRA_INSTALL  # imports no torch
+
+            return f"error: {command} needs the torch extra ({e.name or name} missing): {TORCH_EXTRA_INSTALL}"
     return None
 
 

@@ -168,7 +168,9 @@ def make_torch_engine(cfg: WorkerConfig, profile: Profile, speedup: float | None
     try:
         from services.worker.engines.torch_engine.engine import TorchEngine
     except ModuleNotFoundError as e:
-        raise ValueError(f"--engine torch needs the torch extra ({e.name} missing): pip install -e '.[torch]'") from e
+        from services.worker.engines.torch_engine.config import TORCH_EXTRA_INSTALL
+
+        raise ValueError(f"--engine torch needs the torch extra ({e.name} missing): {TORCH_EXTRA_INSTALL}") from e
     if cfg.torch_threads:  # before the model loads: several workers on one machine share its cores
         import torch
 

@@ -106,6 +106,12 @@ def test_a_missing_torch_extra_is_a_runtime_failure(argv, module, tmp_path, monk
     assert rc == RUNTIME_FAILURE and "torch extra" in err, (rc, err)
 
 
+TORCH_HINT = ("pip install -e '.[torch]' (without a GPU, first pip install torch==2.13.0 --index-url "
+              "https://download.pytorch.org/whl/cpu: PyPI's Linux torch is the CUDA build, several GB)")
+"""What the missing-extra line tells to run: a newcomer on a CPU machine who ran the bare install it named
+pulled the multi-GB CUDA build (README, Engines, says to take the CPU build first)."""
+
+
 def test_model_init_without_torch_says_which_extra_in_one_line(tmp_path):
     """``model init`` on an install without the torch extra (torch unimportable in a fresh interpreter): one
     line in ``up --engine torch``'s words, status 1, no folder made. It was a traceback ending in
@@ -115,7 +121,7 @@ def test_model_init_without_torch_says_which_extra_in_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-c", entry, "model", "init", str(tmp_path / "tiny"), "--arch", "llama"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert (p.returncode, p.stderr.splitlines()) == (
-        RUNTIME_FAILURE, ["error: model init needs the torch extra (torch missing): pip install -e '.[torch]'"]), p.stderr
+        RUNTIME_FAILURE, [f"error: model init needs the torch extra (torch missing): {TORCH_HINT}"]), p.stderr
     assert not (tmp_path / "tiny").exists()
 
 
@@ -148,7 +154,7 @@ def test_up_checks_the_model_folder_without_the_torch_extra(tmp_path):
                                                                          "init DIR writes a tiny one)"]), p.stderr  # fmt: skip
     p = up(_config_only(tmp_path / "m"))
     assert (p.returncode, p.stderr.splitlines()[-1:]) == (
-        RUNTIME_FAILURE, ["error: --engine torch needs the torch extra (torch missing): pip install -e '.[torch]'"]), p.stderr
+        RUNTIME_FAILURE, [f"error: --engine torch needs the torch extra (torch missing): {TORCH_HINT}"]), p.stderr
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,14 @@ SUPPORTED_ARCHS = {
 """``config.json`` ``architectures[0]`` values this module implements."""
 
 
+TORCH_EXTRA_INSTALL = (
+    "pip install -e '.[torch]' (without a GPU, first pip install torch==2.13.0 --index-url "
+    "https://download.pytorch.org/whl/cpu: PyPI's Linux torch is the CUDA build, several GB)"
+)
+"""How to install the ``torch`` extra, for the one line of ``up`` / ``model init`` / a worker that lacks it
+(README, Engines): the bare install alone took a CPU machine to the multi-GB CUDA build."""
+
+
 class ModelConfigError(ValueError):
     """A model folder that cannot be served: missing file, unsupported architecture or setting."""
 
