@@ -476,6 +476,8 @@ class Bus:
                 refused.set()  # wrong or missing credentials: retrying cannot help
                 if not connected:
                     return  # connect() raises it: one message, not a log line too
+            if not connected and not allow_reconnect:
+                return  # a fail-fast tool's one connect (split get): connect() raises why, its one line; a log line per try came first
             bus.droplog.event("nats.errors", "nats error", error=repr(e)[:300])
 
         async def disconnected_cb() -> None:

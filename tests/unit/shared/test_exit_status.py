@@ -43,6 +43,10 @@ def _run(argv: list[str], tmp_path: Path, *, module: bool = False) -> subprocess
         (["split", "get", "--nats-url", "nats://127.0.0.1:1", "--timeout", "0"], "--timeout must be a number of seconds > 0"),
         (["split", "set", "1P1D", "--nats-url", "nats://127.0.0.1:1", "--timeout", "-1"], "--timeout must be"),
         (["split", "get", "--nats-url", "nats://127.0.0.1:1", "--timeout", "nan"], "--timeout must be"),
+        # no server: the bus also logged each failed connect try ("[warning ] nats error ... ConnectionRefusedError"),
+        # two lines before this one
+        (["split", "get", "--nats-url", "nats://127.0.0.1:1"], "cannot connect to NATS at nats://127.0.0.1:1: no server answered"),
+        (["split", "set", "2P2D", "--nats-url", "nats://127.0.0.1:1"], "cannot connect to NATS at nats://127.0.0.1:1"),
     ],
 )
 def test_a_usage_error_exits_2_with_one_line(argv, fragment, tmp_path):
