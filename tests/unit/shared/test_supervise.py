@@ -59,6 +59,39 @@ def test_exited_service_is_restarted_after_its_backoff_and_counted(tmp_path):
         child.log_file.close()
 
 
+def test_a_clean_exit_is_restarted_at_once_and_a_second_one_backs_off(tmp_path):
+    """A service that exited 0 (its SIGTERM stop: a rolling restart of the router, after its drain) is started again in
+    the pass that saw it gone; before, it waited the crash backoff (0.5 s) and the next pass, a quarter of the router's
+    restart gap under SIGTERM (bench/RESULTS.md, router-term). A second clean exit before a stable run waits one step
+    behind a crash (0.5 s, not 1 s), so a service exiting 0 in a loop still gives up; a crash's first restart still
+    waits 0.5 s."""
+    c = _cluster(tmp_path)
+    child = c.children[0]
+    child.argv = [sys.executable, "-c", "import time; time.sleep(0.2)"]  # runs a moment, then exits 0
+    c._spawn(child)
+    try:
+        first = child.proc.pid
+        assert child.proc.wait(timeout=20) == 0
+        t = time.monotonic()
+        assert c.supervise_once(t) == ["svc"]  # exit noticed and restarted in one pass
+        assert child.proc.pid != first and c.restarts() == {"svc": 1}
+        assert child.proc.wait(timeout=20) == 0  # exits 0 again, before a stable run
+        t = time.monotonic()
+        assert c.supervise_once(t) == []
+        assert child.restart_at == pytest.approx(t + 0.5)
+        assert c.supervise_once(t + 0.6) == ["svc"]
+        child.argv = ["sleep", "30"]
+        child.streak = 0
+        c._spawn(child)
+        _kill(child)  # a crash: its backoff as before
+        t = time.monotonic()
+        assert c.supervise_once(t) == [] and child.restart_at == pytest.approx(t + 0.5)
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+        child.log_file.close()
+
+
 def test_crash_loop_gives_up_after_max_restarts(tmp_path):
     c = _cluster(tmp_path, max_restarts=2)
     child = c.children[0]
