@@ -16,12 +16,12 @@ from shared.service import run_service_main
 
 from services.router.config import RouterConfig
 from services.router.policy import make_policy
-from services.router.service import RouterService
+from services.router.service import RouterService, inherited_socket
 from shared.tokenizer import TokenizerError, load_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the config, check policy and tokenizer, run the service; returns the exit status: 0 after
+    """Parse the config, check policy, tokenizer and ``--listen-fd``, run the service; returns the exit status: 0 after
     SIGINT/SIGTERM, 2 on a bad configuration, 1 when a task the router needs ended (``ServiceFailed``:
     one line on stderr naming the task; the traceback is in the router's log)."""
     try:
@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TokenizerError) as e:
         print(f"router: {e}", file=sys.stderr)
         return 2
+    if cfg.listen_fd >= 0:
+        try:  # before NATS and the services' start: a bad descriptor is one line and exit 2, not a traceback later
+            inherited_socket(cfg.listen_fd).detach()
+        except OSError as e:
+            print(f"router: {e.strerror}", file=sys.stderr)
+            return 2
     for note in getattr(tokenizer, "notes", []):
         print(f"router: note: {note}", file=sys.stderr)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -630,6 +631,24 @@ def _with_cors(app: ASGIApp, cfg: RouterConfig) -> ASGIApp:
     )
 
 
+def inherited_socket(fd: int) -> socket.socket:
+    """The listening TCP socket a supervisor passed as file descriptor ``fd`` (``--listen-fd``; ``evolving-infra up``
+    holds the router's port across restarts), set non-blocking for the event loop.
+
+    Raises:
+        OSError: ``fd`` is not open, not a socket, or a socket that does not listen (``listen(2)`` not called).
+    """
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise OSError(e.errno, f"--listen-fd {fd} is not an open socket: {e.strerror or e}") from e
+    if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sock.detach()  # not ours to close
+        raise OSError(errno.EINVAL, f"--listen-fd {fd} is not a listening TCP socket")
+    sock.setblocking(False)
+    return sock
+
+
 def _bind_socket(host: str, port: int) -> socket.socket:
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, stype, proto, _, addr = infos[0]
@@ -804,10 +823,13 @@ class RouterService(WatchedService):
             raise
 
     async def _start_http(self) -> None:
-        try:
-            sock = _bind_socket(self.cfg.host, self.cfg.port)
-        except OSError as e:
-            raise OSError(e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror or e}") from e
+        if self.cfg.listen_fd >= 0:  # a supervisor's socket: the port stays open between this router and the next
+            sock = inherited_socket(self.cfg.listen_fd)
+        else:
+            try:
+                sock = _bind_socket(self.cfg.host, self.cfg.port)
+            except OSError as e:
+                raise OSError(e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror or e}") from e
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
@@ -852,13 +874,20 @@ class RouterService(WatchedService):
         run on (their chunks, ``route.bind``, hand-backs and parked retries are served as before) until none is left,
         ``--shutdown-grace-s`` wall seconds passed, or ``now`` is set (a second signal); :meth:`stop` then fails what
         is still open, as before. Returns at once when nothing is open or the grace is 0. Before, a SIGTERM failed
-        every open request at once: a rolling restart of the only router lost 49 of 67 requests in flight."""
+        every open request at once: a rolling restart of the only router lost 49 of 67 requests in flight.
+
+        With ``--listen-fd`` (a supervisor holds the port and starts the next router on it) the drain first stops
+        accepting connections (:meth:`_stop_accepting`): a client connecting meanwhile waits in the socket's accept
+        queue and is served by the next router, where a 503 would have cost it one of its few retries (the OpenAI
+        SDK's two) for every second of the drain and restart."""
         grace = self.cfg.shutdown_grace_s
         if grace <= 0 or self._open_requests() == 0:
             return
         self._draining = True
         t0 = time.monotonic()
-        self.log.info("router draining", open_requests=self._open_requests(), grace_s=grace)
+        handed = self._stop_accepting() if self.cfg.listen_fd >= 0 else None
+        self.log.info("router draining", open_requests=self._open_requests(), grace_s=grace,
+                      **({} if handed is None else {"accepting": False, "connections_closing": handed}))
         while self._open_requests() and not now.is_set() and not self.fatal.is_set() and time.monotonic() - t0 < grace:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(now.wait(), timeout=0.05)
@@ -866,6 +895,21 @@ class RouterService(WatchedService):
         why = "second signal" if now.is_set() else "failed" if self.fatal.is_set() else "grace over" if left else "all done"
         self.counters["drain_left_open"] += left
         self.log.info("router drained", why=why, open_requests=left, waited_s=round(time.monotonic() - t0, 3))
+
+    def _stop_accepting(self) -> int:
+        """Stop taking connections while the socket stays open (its supervisor holds it): new ones wait in the accept
+        queue for the next router; a connection waiting for its next request (keep-alive) is closed, so that its client
+        connects again, into that queue; one with a request on finishes that request, then closes (uvicorn's own
+        shutdown step, done here at the drain's start instead of after it). Returns the connections told to close."""
+        server = self._server
+        if server is None:
+            return 0
+        for srv in server.servers:
+            srv.close()  # closes this process's copy of the listening socket only
+        conns = list(server.server_state.connections)
+        for conn in conns:
+            conn.shutdown()
+        return len(conns)
 
     async def stop(self) -> None:
         """Refuse new requests, fail the in-flight ones (aborting them on their nodes), stop HTTP."""

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,33 +37,49 @@ MAX_TOKENS = 4
 pytestmark = pytest.mark.timeout(60)
 
 
+def _spawn_router(nats_url: str, tmp_path: Path, *args: str, pd: bool = False, name: str = "router",
+                  sock: socket.socket | None = None) -> subprocess.Popen[bytes]:
+    """``python -m services.router`` writing its port to ``tmp_path/<name>.port`` and its log to ``<name>.log``;
+    ``sock``: serve on that listening socket (``--listen-fd``, as ``evolving-infra up`` passes the one it holds)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
+    env["PYTHONPATH"] = str(REPO)
+    fd = ["--listen-fd", str(sock.fileno())] if sock is not None else []
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.router", "--nats-url", nats_url, "--port", "0", "--port-file",
+         str(tmp_path / f"{name}.port"), "--model", "m1", "--fence-after-s", "1.5",
+         "--decode-binding", "prefill-start" if pd else "dispatch", "--log-format", "json", *fd, *args],
+        cwd=REPO, env=env, stdout=(tmp_path / f"{name}.log").open("wb"), stderr=subprocess.STDOUT,
+        pass_fds=(sock.fileno(),) if sock is not None else (),
+    )  # fmt: skip
+
+
+async def _listening(proc: subprocess.Popen[bytes], tmp_path: Path, name: str = "router") -> int:
+    """The port ``proc`` wrote to ``<name>.port`` (fails if it exits first or takes over 20 s)."""
+    port_file = tmp_path / f"{name}.port"
+    deadline = time.monotonic() + 20
+    while not (port_file.exists() and port_file.read_text().strip()):
+        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
+        assert time.monotonic() < deadline, "router did not write its port file"
+        await asyncio.sleep(0.05)
+    return int(port_file.read_text())
+
+
 @contextlib.asynccontextmanager
 async def _router(
-    nats_url: str, tmp_path: Path, *args: str, pd: bool = False
+    nats_url: str, tmp_path: Path, *args: str, pd: bool = False, sock: socket.socket | None = None
 ) -> AsyncIterator[tuple[subprocess.Popen[bytes], httpx.AsyncClient, FakeCluster]]:
     """A router process over a fake collocated node c0 (``pd``: prefill node p0 and decode node d0, the decode node
-    bound at the prefill's start, ``route.bind``) whose first node stalls every stream after its first token."""
+    bound at the prefill's start, ``route.bind``) whose first node stalls every stream after its first token;
+    ``sock``: the router serves on it (``--listen-fd``)."""
     bus = await Bus.connect(nats_url, Subjects("p0"), service="fake", instance="fake-cluster")
     phases = {"p0": "prefill", "d0": "decode"} if pd else {"c0": "both"}
     cluster = FakeCluster(bus=bus, phases=phases, stall_after_first={next(iter(phases))})
     await cluster.start()
-    port_file = tmp_path / "router.port"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_")}
-    env["PYTHONPATH"] = str(REPO)
-    log = tmp_path / "router.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.router", "--nats-url", nats_url, "--port", "0", "--port-file", str(port_file),
-         "--model", "m1", "--fence-after-s", "1.5", "--decode-binding", "prefill-start" if pd else "dispatch",
-         "--log-format", "json", *args],
-        cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    proc = _spawn_router(nats_url, tmp_path, *args, pd=pd, sock=sock)
     try:
         deadline = time.monotonic() + 20
-        while not port_file.exists():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "router did not write its port file"
-            await asyncio.sleep(0.05)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{int(port_file.read_text())}", timeout=10) as http:
+        port = await _listening(proc, tmp_path)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
             while (await http.get("/healthz")).status_code != 200:
                 assert time.monotonic() < deadline, "router never ready"
                 await asyncio.sleep(0.05)
@@ -183,3 +200,74 @@ async def test_immediate_stop_fails_open_streams(nats_url, tmp_path, args, signa
         for body in await asyncio.wait_for(asyncio.gather(*streams), 10):
             assert "router shutting down" in body, body
         assert {a.rid for _node, a in cluster.aborts} == {w.rid for w in cluster.works}  # their work aborted on the node
+
+
+async def test_sigterm_on_a_held_socket_leaves_new_connections_to_the_next_router(nats_url, tmp_path):
+    """Under a supervisor that holds the router's listening socket (``evolving-infra up``, ``--listen-fd``) a SIGTERM's
+    drain stops accepting at once and closes idle keep-alive connections: a client connecting during the drain, the
+    exit and the restart waits in the socket's accept queue and the next router serves it, where it got 503 "router
+    draining" and then, from the exit until the restart listened, a refused connection (SIGTERM of the only router
+    under load: 16-20 of 67 requests lost, bench/RESULTS.md router-term). The open streams drain as before."""
+    held = socket.socket()  # as evolving-infra up holds its router's (evolving_infra.cluster.listen_socket)
+    held.bind(("127.0.0.1", 0))
+    held.listen(64)
+    port = held.getsockname()[1]
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        async with _router(nats_url, tmp_path, "--shutdown-grace-s", "20", sock=held) as (proc, http, cluster):
+            assert int(http.base_url.port or 0) == port  # it serves on the socket it was given, not one of its own
+            streams = await _open_streams(http, cluster)
+            idle = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30)
+            assert (await idle.get("/v1/models")).status_code == 200  # a keep-alive connection, idle from here
+            proc.send_signal(signal.SIGTERM)
+            log = tmp_path / "router.log"
+            deadline = time.monotonic() + 10
+            while '"router draining"' not in log.read_text():
+                assert time.monotonic() < deadline, "no drain"
+                await asyncio.sleep(0.02)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as late_client:
+                late = asyncio.create_task(late_client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2}))
+                again = asyncio.create_task(idle.get("/v1/models"))  # its idle connection was closed: a new one
+                await asyncio.sleep(0.5)
+                assert not late.done() and not again.done(), "the draining router answered a new connection"
+                assert proc.poll() is None and not any(t.done() for t in streams), "the drain ended the open streams"
+                await _finish(cluster)
+                for body in await asyncio.wait_for(asyncio.gather(*streams), 10):
+                    assert sse_events(body)[-1] == "[DONE]" and "error" not in body, body
+                assert await _exited(proc, 10) < 10 and proc.returncode == 0
+                await asyncio.sleep(0.3)
+                assert not late.done(), "a connection made during the drain was refused or answered by the old router"
+                # the supervisor's restart: the next router on the same socket takes what waited in its queue
+                second = _spawn_router(nats_url, tmp_path, name="router2", sock=held)
+                assert await _listening(second, tmp_path, "router2") == port
+                deadline = time.monotonic() + 20
+                while len(cluster.works) < STREAMS + 1:
+                    assert time.monotonic() < deadline and not late.done(), "the late request never reached a node"
+                    await asyncio.sleep(0.05)
+                await _finish(cluster)
+                r = await asyncio.wait_for(late, 20)
+                assert r.status_code == 200, r.text
+                assert (await asyncio.wait_for(again, 20)).status_code == 200
+            await idle.aclose()
+        out = (tmp_path / "router.log").read_text()
+        assert '"accepting": false' in out and '"all done"' in out, out[-3000:]
+    finally:
+        if second is not None and second.poll() is None:
+            second.send_signal(signal.SIGINT)
+            try:
+                second.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                second.kill()
+                second.wait()
+        held.close()
+
+
+async def test_listen_fd_that_is_not_a_listening_socket_is_a_clear_startup_error(nats_url, tmp_path):
+    """A ``--listen-fd`` naming a socket that does not listen stops the router before it connects to NATS: exit 2 and
+    one line naming the flag, not a traceback or a server that never accepts."""
+    with socket.socket() as unbound:
+        fd = unbound.fileno()
+        proc = _spawn_router(nats_url, tmp_path, sock=unbound)
+        assert proc.wait(timeout=30) == 2
+    out = (tmp_path / "router.log").read_text()
+    assert f"router: --listen-fd {fd} is not a listening TCP socket" in out and "Traceback" not in out, out[-2000:]
