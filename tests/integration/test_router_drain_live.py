@@ -262,12 +262,16 @@ async def test_sigterm_on_a_held_socket_leaves_new_connections_to_the_next_route
         held.close()
 
 
-async def test_listen_fd_that_is_not_a_listening_socket_is_a_clear_startup_error(nats_url, tmp_path):
-    """A ``--listen-fd`` naming a socket that does not listen stops the router before it connects to NATS: exit 2 and
-    one line naming the flag, not a traceback or a server that never accepts."""
-    with socket.socket() as unbound:
-        fd = unbound.fileno()
-        proc = _spawn_router(nats_url, tmp_path, sock=unbound)
+@pytest.mark.parametrize("kind", ["tcp-not-listening", "unix-listening"])
+async def test_listen_fd_that_is_not_a_listening_socket_is_a_clear_startup_error(nats_url, tmp_path, kind):
+    """A ``--listen-fd`` naming a socket that does not listen, or one that is not TCP, stops the router before it
+    connects to NATS: exit 2 and one line naming the flag, not a traceback or a server that never accepts."""
+    with socket.socket(socket.AF_UNIX if kind.startswith("unix") else socket.AF_INET) as bad:
+        if kind.startswith("unix"):
+            bad.bind(str(tmp_path / "s"))
+            bad.listen()
+        fd = bad.fileno()
+        proc = _spawn_router(nats_url, tmp_path, sock=bad)
         assert proc.wait(timeout=30) == 2
     out = (tmp_path / "router.log").read_text()
     assert f"router: --listen-fd {fd} is not a listening TCP socket" in out and "Traceback" not in out, out[-2000:]
