@@ -51,7 +51,8 @@ class _TickShell:
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_the_tick_loop_waits_for_each_tick_without_spinning(loop, period):
     """Each tick runs when due (not before), after one wait, and one of at least 1 ms after an
-    early wake (rarely one more: a 1-ms timer counts from uvloop's cached clock too). Before the
+    early wake (rarely one or two more: a 1-ms timer counts from uvloop's cached clock too, and a loaded
+    box wakes late and early). Before the
     fix uvloop went round once per early wake: up to 8 to 13 waits for one tick (30 ticks of
     2.2 ms or 50.4 ms)."""
     from services.planner.service import PlannerService
@@ -68,4 +69,6 @@ def test_the_tick_loop_waits_for_each_tick_without_spinning(loop, period):
 
     shell = run(tick_loop())
     assert len(shell.ticked) == ticks and all(t >= due for due, t in shell.ticked), shell.ticked
-    assert max(shell.per_tick) <= 3 and shell.waits <= 2 * ticks, shell.per_tick
+    # the bound leaves a loaded box room (make test beside other work: 61 waits for 30 ticks, one tick's
+    # third wait); spinning made 8 to 13 waits for one tick
+    assert max(shell.per_tick) <= 4 and shell.waits <= 2 * ticks + ticks // 2, shell.per_tick
