@@ -33,7 +33,11 @@ async def test_sigkill_of_a_prefill_worker_loses_no_request(tmp_path):
     _no_loss(run)
     c = run.router_counters["router"]
     assert c["fenced"] == 1 and run.fence_s is not None and run.fence_s < 5.0
-    assert run.redispatched >= 1 and c.get("redispatch.prefill", 0) >= 1, c
+    # a request on the killed prefill node was still prefilling (redispatch.prefill) or had its first token out
+    # with the hand-off in flight (redispatch.handoff): which, the kill's timing decides (a loaded box made all
+    # 4 hand-offs); none is a decode node's re-dispatch, the prefill node never decodes
+    assert run.redispatched >= 1 and c.get("redispatch.prefill", 0) + c.get("redispatch.handoff", 0) >= 1, c
+    assert c.get("redispatch.decode", 0) == 0, c
     assert c.get("fenced_requests_failed", 0) == 0
 
 
