@@ -432,6 +432,10 @@ class WorkerService:
         self._step_over.set()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         """The execute thread (threaded engines, ``--fault-hang-step``), made at the first use."""
+        self._plan_reads: list[tuple[asyncio.Future[Any], contextvars.Context, Any, tuple[Any, ...]]] | None = None
+        """While :meth:`_run_plan` runs a threaded engine's plan and reads its results on the loop (None otherwise):
+        the real-bytes pool's copies asked meanwhile (:meth:`_beside_plan`), queued in the execute thread once
+        those reads are done (:meth:`_plan_read`)."""
         self._step_abandoned = False
         """The step in flight was cancelled (stop) while its thread still ran: the watchdog keeps
         watching it until the thread returns (:meth:`_in_thread`)."""
@@ -1382,9 +1386,10 @@ class WorkerService:
         self._input()
 
     async def _take_fetched(self, results: list[Any], fetch_id: int) -> set[int]:
-        """:func:`take_fetched` with a threaded engine's copies in the execute thread, after the plan in flight:
-        the pages' slots are pinned here (the pool's bookkeeping stays on the loop), the engine copies them there
-        (``on_fetched`` takes the engine's lock, which ``execute`` holds for a whole plan), the pins go here.
+        """:func:`take_fetched` with a threaded engine's copies in the execute thread, after the plan in flight and
+        the loop's reads of it (:meth:`_beside_plan`): the pages' slots are pinned here (the pool's bookkeeping stays
+        on the loop), the engine copies them there (``on_fetched`` takes the engine's lock, which ``execute`` holds
+        for a whole plan), the pins go here.
         Before, the loop waited for the rest of the forward, then for the copy of every page (127-323 ms measured
         on CPU; ``tests/unit/worker/test_torch_pool_loop.py``). Returns the pages the engine could not take."""
         pool = self.kvpool
@@ -1394,7 +1399,7 @@ class WorkerService:
         pages = fetched_pages(pool, pinned)
         try:
             if self.engine.threaded:
-                lost = await self._beside_step(self.engine.on_fetched, pages, fetch_id)
+                lost = await self._beside_plan(self.engine.on_fetched, pages, fetch_id)
             else:
                 lost = self.engine.on_fetched(pages, fetch_id)
         except asyncio.CancelledError:
@@ -1689,6 +1694,25 @@ class WorkerService:
             self._traces.admitted(plan.admitted)
         if time.monotonic() - self._last_state_mono >= self.cfg.state_interval_s:
             await self._publish_state(now)
+        if self.engine.threaded:
+            self._plan_reads = []  # the pool's copies asked from now on wait for the plan's reads below (_beside_plan)
+        try:
+            now = await self._execute_plan(plan, now, info)
+        finally:
+            self._plan_read()
+        self._take_records()
+        # the plan has run and its hand-offs are out: its requests that left the core (aborted meanwhile, handed
+        # off) are forgotten now, their private L1 pages freed. Before, this drain kept them (_step_rids) until the
+        # next step's, which applies its batch first: a restore there (or the next forward) found no free page the
+        # scheduler had planned again (KvMapError; tests/unit/worker/test_torch_interleave_random.py)
+        await self._flush_kv(now, step_done=True)
+        if self._switch is not None:
+            await self._maybe_switch(now)
+
+    async def _execute_plan(self, plan: IterationPlan, now: float, info: StepInfo | None) -> float:
+        """:meth:`_run_plan`'s forward (in the execute thread for a threaded engine) and its results: the engine's
+        stopped requests and tokens read on the loop (locked calls), the tokens and hand-offs published. Returns
+        the plan's end (simulated s, local)."""
         if self._steps == self.cfg.fault_hang_step:  # injected fault: this forward never returns
             self.counters["engine.steps_hung_by_fault"] += 1
             await self._in_thread(self._hang_forever)
@@ -1708,14 +1732,7 @@ class WorkerService:
                 await self._emit_tokens(out, now)
             elif isinstance(out, HandOff):
                 await self._handoff(out)
-        self._take_records()
-        # the plan has run and its hand-offs are out: its requests that left the core (aborted meanwhile, handed
-        # off) are forgotten now, their private L1 pages freed. Before, this drain kept them (_step_rids) until the
-        # next step's, which applies its batch first: a restore there (or the next forward) found no free page the
-        # scheduler had planned again (KvMapError; tests/unit/worker/test_torch_interleave_random.py)
-        await self._flush_kv(now, step_done=True)
-        if self._switch is not None:
-            await self._maybe_switch(now)
+        return now
 
     def _execute_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         """The execute thread (one), made at its first use."""
@@ -1745,6 +1762,38 @@ class WorkerService:
         watchdog watches the plan. A cancelled caller (:meth:`stop`) leaves ``fn`` to finish when it has started
         in the thread; one still queued is cancelled there and never runs (``asyncio.wrap_future``)."""
         return await asyncio.wrap_future(self._execute_thread().submit(contextvars.copy_context().run, fn, *args))
+
+    async def _beside_plan(self, fn: Any, *args: Any) -> Any:
+        """:meth:`_beside_step` for the real-bytes pool's copies (:meth:`_fill_pool`, :meth:`_take_fetched`): one asked
+        while :meth:`_run_plan` runs a plan is queued in the execute thread only once the loop has read that plan's
+        results (:meth:`_plan_read`), still before the next plan. Queued behind the plan at once, the copies took the
+        engine's lock as soon as the forward ended, and the loop's first read of the plan (``take_stopped``, a locked
+        call) waited for all of them: a big batch's copies held the loop after all
+        (``tests/unit/worker/test_torch_pool_loop.py``: 300 ms of copies, the loop stalled 300 ms at the plan's end)."""
+        queue = self._plan_reads
+        if queue is None:
+            return await self._beside_step(fn, *args)
+        slot: asyncio.Future[concurrent.futures.Future[Any]] = asyncio.get_running_loop().create_future()
+        queue.append((slot, contextvars.copy_context(), fn, args))
+        try:
+            cf = await slot
+        except asyncio.CancelledError:  # stop(): queued by _plan_read meanwhile, it never runs
+            if slot.done() and not slot.cancelled() and slot.exception() is None:
+                slot.result().cancel()
+            raise
+        return await asyncio.wrap_future(cf)
+
+    def _plan_read(self) -> None:
+        """The loop has read the plan's results (or the step failed, or stop cancelled it): the copies
+        :meth:`_beside_plan` held back are queued in the execute thread now, in order, before any later plan."""
+        queue, self._plan_reads = self._plan_reads, None
+        for slot, ctx, fn, args in queue or ():
+            if slot.done():  # its caller was cancelled (stop)
+                continue
+            try:
+                slot.set_result(self._execute_thread().submit(ctx.run, fn, *args))
+            except RuntimeError as e:  # the executor is shut down (stop)
+                slot.set_exception(e)
 
     @contextlib.asynccontextmanager
     async def _unwatched(self, info: StepInfo | None) -> Any:
@@ -1989,8 +2038,9 @@ class WorkerService:
 
     async def _fill_pool(self, claims: list[tuple[int, int]]) -> None:
         """Copy the engine's L2 bytes of the claimed pages into their pool slots and checksum them, in the execute
-        thread after the plan in flight (:meth:`_fill_slots`; a threaded engine's ``copy_to_pool`` takes its lock
-        and applies the KV batches given before it first, this claim's among them), then make them held here
+        thread after the plan in flight and the loop's reads of it (:meth:`_beside_plan`, :meth:`_fill_slots`; a
+        threaded engine's ``copy_to_pool`` takes its lock and applies the KV batches given before it first, this
+        claim's among them), then make them held here
         (``HostKvPool.fill``: a page evicted or cleared meanwhile is not). Before, ``TorchEngine.mirror_pool``
         ran on the loop: it waited for the rest of the forward, then for the copy and CRC of every page (127-323
         ms measured on CPU; ``tests/unit/worker/test_torch_pool_loop.py``)."""
@@ -1998,7 +2048,7 @@ class WorkerService:
         assert pool is not None
         try:
             if self.engine.threaded:
-                crcs = await self._beside_step(self._fill_slots, claims)
+                crcs = await self._beside_plan(self._fill_slots, claims)
             else:
                 crcs = self._fill_slots(claims)
         except asyncio.CancelledError:

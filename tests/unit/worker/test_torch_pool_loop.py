@@ -253,3 +253,159 @@ async def test_pages_evicted_while_their_copy_waits_are_not_offered_and_their_sl
     finally:
         if svc._executor is not None:
             svc._executor.shutdown(wait=True)
+
+
+COPY_S = 0.3
+"""How long the stand-in of a big batch's copies holds the engine's lock (wall s)."""
+
+
+class _Bus(_NoBus):
+    """The worker's bus where a step publishes (its tokens, its KV batch, its state): recorded."""
+
+    def __init__(self) -> None:
+        self.published: list[object] = []
+
+    async def publish(self, subject: str, msg: object, **kw: object) -> None:
+        self.published.append(msg)
+
+
+async def test_copies_asked_during_a_plan_do_not_hold_the_loop_at_its_end(tiny_llama):
+    """The copies asked while a plan runs wait for the plan; queued behind it at once, they took the engine's lock
+    the moment the forward ended, and the loop's first read of the plan (``take_stopped``, then ``output_tokens``:
+    locked calls, ``_run_plan``) waited for all of them. Here a batch's copies hold the lock ``COPY_S`` (a big
+    batch of real pages) and the loop reaches its reads 20 ms after the forward (busy with other callbacks): the
+    reads must not wait for the copies, which still run before the next plan."""
+    from services.worker.watchdog import StepInfo
+
+    svc = _svc(tiny_llama)
+    svc.bus = _Bus()  # type: ignore[assignment]
+    try:
+        svc.engine.accept_prefill(work("a", prompt(1, PAGES * BS), n=1))
+        svc.core.add_prefill(work("a", prompt(1, PAGES * BS), n=1), 0.0)
+        stored: list = []
+        now = 0.0
+        while "a" in svc.core.requests:
+            plan = svc.core.schedule(now)
+            events = svc.core.take_kv_events()
+            svc._engine_kv_events(events)
+            stored += events
+            svc.engine.execute(plan)
+            now = plan.end
+            svc.core.finish_iteration(plan, now, svc.engine.take_stopped())
+        events = svc.core.take_kv_events()
+        svc._engine_kv_events(events)
+        stored += events
+        l2 = [h for ev in stored if isinstance(ev, BlockStored) and ev.tier == "host" for h in ev.block_hashes]
+        engine = svc.engine
+        copy, reads = engine.copy_to_pool, {}
+
+        def big_copy(pages):  # the copies of a big batch: the engine's lock held COPY_S
+            with engine._lock:
+                time.sleep(COPY_S)
+                return copy(pages)
+
+        def read(name, fn):  # a locked read of the plan on the loop, reached 20 ms after the forward ended
+            def call(*args):
+                time.sleep(0.02)
+                t = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    reads[name] = max(reads.get(name, 0.0), time.perf_counter() - t)
+
+            return call
+
+        engine.copy_to_pool = big_copy  # type: ignore[method-assign]
+        engine.take_stopped = read("take_stopped", engine.take_stopped)  # type: ignore[method-assign]
+        engine.output_tokens = read("output_tokens", engine.output_tokens)  # type: ignore[method-assign]
+        svc.engine.accept_prefill(work("b", prompt(2, 200), n=4))
+        svc.core.add_prefill(work("b", prompt(2, 200), n=4), now)
+        plan = svc.core.schedule(now)
+        forward = engine._forward
+
+        def slow_forward(*args, **kw):
+            time.sleep(FORWARD_S)
+            return forward(*args, **kw)
+
+        engine._forward = slow_forward  # type: ignore[method-assign]
+        svc._steps += 1  # the step loop's step (WorkerService._step)
+        svc._step_rids = frozenset(StepInfo.of(plan, svc._steps).rids)
+        svc._step_over.clear()
+        step = asyncio.ensure_future(svc._run_plan(plan, now, None))
+        while engine._lock.acquire(blocking=False):  # until the execute thread runs the plan
+            engine._lock.release()
+            await asyncio.sleep(0.001)
+        engine._forward = forward  # type: ignore[method-assign]
+        svc._mirror_pool(stored)  # a drain in a handler during the forward: 75 pages stored in L2
+        await asyncio.sleep(0.02)
+        assert not step.done()
+        await step
+        svc._step_rids = frozenset()
+        svc._step_over.set()
+        assert reads.keys() == {"take_stopped", "output_tokens"}
+        assert max(reads.values()) < COPY_S / 2, f"the plan's reads on the loop waited for the copies: {reads}"
+        await asyncio.gather(*svc._spawned)
+        buf = svc.kvpool.buffer
+        for h in l2:  # the copies ran after all, bit-exact
+            assert buf.has(h) and buf.verify(h) and (buf.view(h)[: engine.pool_slot_bytes()] == _page_bytes(engine, h)).all()
+        buf.check()
+        assert not buf._claimed and not buf._pins and not svc.fatal.is_set()
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
+
+
+def _l2_of_a(svc: WorkerService) -> tuple[list, float]:
+    """Request a's 600-token prefill run here (its KV events applied to the engine, not mirrored): the events and the
+    time after it."""
+    svc.engine.accept_prefill(work("a", prompt(1, PAGES * BS), n=1))
+    svc.core.add_prefill(work("a", prompt(1, PAGES * BS), n=1), 0.0)
+    stored: list = []
+    now = 0.0
+    while "a" in svc.core.requests:
+        plan = svc.core.schedule(now)
+        events = svc.core.take_kv_events()
+        svc._engine_kv_events(events)
+        stored += events
+        svc.engine.execute(plan)
+        now = plan.end
+        svc.core.finish_iteration(plan, now, svc.engine.take_stopped())
+    events = svc.core.take_kv_events()
+    svc._engine_kv_events(events)
+    return stored + events, now
+
+
+async def test_a_stop_while_copies_wait_for_the_plan_drops_them(tiny_llama):
+    """``stop()`` while the copies asked during a plan wait for its reads: the stop does not wait for them (nor hang),
+    and they never run (the pool goes with the node), while the plan in flight ends in its thread."""
+    from services.worker.watchdog import StepInfo
+
+    svc = _svc(tiny_llama)
+    svc.bus = _Bus()  # type: ignore[assignment]
+    try:
+        stored, now = _l2_of_a(svc)
+        copied: list[int] = []
+        copy = svc.engine.copy_to_pool
+
+        def counted(pages):
+            copied.append(len(pages))
+            return copy(pages)
+
+        svc.engine.copy_to_pool = counted  # type: ignore[method-assign]
+        step, plan = await slow_step(svc, now, "b", keep=set())
+        step.cancel()  # slow_step's own task: the plan below is _run_plan's
+        svc._plan_reads = []  # as _run_plan holds them back while its plan runs
+        svc._mirror_pool(stored)
+        await asyncio.sleep(0.01)
+        assert len(svc._plan_reads) == 1 and not copied
+        run = asyncio.ensure_future(asyncio.sleep(3600))  # the step loop, cancelled by stop
+        svc._tasks.append(run)
+        t0 = time.perf_counter()
+        await svc.stop()
+        svc._plan_read()  # the plan's end (_run_plan's finally): the cancelled copy is not queued
+        assert time.perf_counter() - t0 < FORWARD_S / 2
+        await asyncio.sleep(FORWARD_S + 0.1)
+        assert not copied and svc.kvpool.buffer.pending == PAGES  # claimed for good: the pool went with the node
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
