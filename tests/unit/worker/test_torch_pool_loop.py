@@ -15,6 +15,7 @@ copy) and the copies run in the execute thread after the plan in flight. Here th
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import msgspec
@@ -373,6 +374,70 @@ def _l2_of_a(svc: WorkerService) -> tuple[list, float]:
     events = svc.core.take_kv_events()
     svc._engine_kv_events(events)
     return stored + events, now
+
+
+async def test_a_pool_copy_that_raises_gives_its_slots_back_and_fails_the_node(tiny_llama):
+    """An exception in the engine's copy (in the execute thread) after it wrote part of the batch: every claimed
+    slot goes back (none held, none left claimed or pinned: a leak would shrink the pool for good) and the node
+    fails (the pool would not serve what L2 holds)."""
+    svc = _svc(tiny_llama)
+    try:
+        stored, _ = _l2_of_a(svc)
+        copy = svc.engine.copy_to_pool
+
+        def broken(pages):
+            copy(pages[: len(pages) // 2])
+            raise RuntimeError("a copy failed halfway")
+
+        svc.engine.copy_to_pool = broken  # type: ignore[method-assign]
+        svc._mirror_pool(stored)
+        buf = svc.kvpool.buffer
+        assert buf.pending == PAGES
+        await asyncio.wait(svc._spawned)
+        buf.check()
+        assert buf.occupancy() == {"held": 0, "pending": 0, "free": PROFILE.host_blocks, "released": 0}
+        assert not buf._claimed and not buf._pins and not buf._let_go
+        assert svc.fatal.is_set() and svc.counters["node_fatal"] == 1 and svc.counters["task_errors"] == 1
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
+
+
+async def test_a_fetch_copy_that_raises_gives_its_pins_back(tiny_llama):
+    """An exception in the engine's copy of a finished fetch's pages (``on_fetched``, in the execute thread): the
+    pins of the pages' slots go (an evicted page's slot is freed, not kept for good) and the exception reaches the
+    fetch's task (which fails the node)."""
+    peer = LocalNode("a", PROFILE, tiny_llama)
+    peer.add_prefill(work("w", prompt(5, 10 * BS), n=1))
+    peer.run()
+    svc = _svc(tiny_llama)
+    pool, buf = svc.kvpool, svc.kvpool.buffer
+    try:
+        hashes = [h for h in peer.engine.host_slot][:10]
+        for h in hashes:
+            pool.put(h, _page_bytes(peer.engine, h))
+
+        evicted = threading.Event()
+
+        def broken(pages, fetch_id):
+            assert all(src is not None for _, src in pages) and evicted.wait(5)
+            raise RuntimeError("a copy failed")
+
+        svc.engine.on_fetched = broken  # type: ignore[method-assign]
+        taking = asyncio.create_task(svc._take_fetched([FetchResult("a", len(hashes), fetched=tuple(hashes))], 1))
+        while not buf._pins:
+            await asyncio.sleep(0.001)
+        pool.evict(hashes[0])  # L2 dropped it meanwhile: its slot is let go, kept while pinned
+        assert buf.released == 1
+        evicted.set()
+        with pytest.raises(RuntimeError, match="a copy failed"):
+            await taking
+        buf.check()
+        assert not buf._pins and not buf._let_go
+        assert buf.occupancy() == {"held": len(hashes) - 1, "pending": 0, "free": PROFILE.host_blocks - len(hashes) + 1, "released": 0}
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
 
 
 async def test_a_stop_while_copies_wait_for_the_plan_drops_them(tiny_llama):
