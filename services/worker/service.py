@@ -255,6 +255,24 @@ def take_fetched(engine: Engine, pool: Any, results: list[Any], fetch_id: int) -
         unpin_fetched(pool, pinned)
 
 
+def _chain(src: asyncio.Future[Any], dst: asyncio.Future[Any]) -> None:
+    """``dst`` ends as ``src`` does (result, exception or cancelled); cancelling ``dst`` cancels ``src``."""
+
+    def done(f: asyncio.Future[Any]) -> None:
+        e = None if f.cancelled() else f.exception()  # retrieved even when dst is done: no "never retrieved" log
+        if dst.done():
+            return
+        if f.cancelled():
+            dst.cancel()
+        elif e is not None:
+            dst.set_exception(e)
+        else:
+            dst.set_result(f.result())
+
+    src.add_done_callback(done)
+    dst.add_done_callback(lambda f: src.cancel() if f.cancelled() else None)
+
+
 class _Live:
     """The rids the engine must keep registered at a KV drain (``Engine.on_kv_events``'s ``live``,
     read with ``in`` only): the scheduler's requests, and those of the engine step in flight (and
@@ -1763,37 +1781,38 @@ class WorkerService:
         in the thread; one still queued is cancelled there and never runs (``asyncio.wrap_future``)."""
         return await asyncio.wrap_future(self._execute_thread().submit(contextvars.copy_context().run, fn, *args))
 
-    async def _beside_plan(self, fn: Any, *args: Any) -> Any:
-        """:meth:`_beside_step` for the real-bytes pool's copies (:meth:`_fill_pool`, :meth:`_take_fetched`): one asked
-        while :meth:`_run_plan` runs a plan is queued in the execute thread only once the loop has read that plan's
-        results (:meth:`_plan_read`), still before the next plan. Queued behind the plan at once, the copies took the
-        engine's lock as soon as the forward ended, and the loop's first read of the plan (``take_stopped``, a locked
-        call) waited for all of them: a big batch's copies held the loop after all
-        (``tests/unit/worker/test_torch_pool_loop.py``: 300 ms of copies, the loop stalled 300 ms at the plan's end)."""
+    def _beside_plan(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
+        """Queue ``fn(*args)`` (the real-bytes pool's copies: :meth:`_fill_pool`, :meth:`_take_fetched`) in the execute
+        thread now, as :meth:`_beside_step` does, or, while :meth:`_run_plan` runs a plan, once the loop has read that
+        plan's results (:meth:`_plan_read`), still before the next plan; returns a future of its result (cancelling
+        it drops ``fn`` while queued). Queued behind the plan at once, the copies took the engine's lock as soon as
+        the forward ended, and the loop's first read of the plan (``take_stopped``, a locked call) waited for all of
+        them: a big batch's copies held the loop after all (``tests/unit/worker/test_torch_pool_loop.py``: 300 ms of
+        copies, the loop stalled 281 ms at the plan's end). Queued here, when asked, not when a task asking for it
+        first runs: a drain's copies at a step's end go before the next step's forward (a task started then ran
+        after the next plan was queued, and the pages stored at a step's end were offered to peers one forward
+        late)."""
+        ctx = contextvars.copy_context()
         queue = self._plan_reads
         if queue is None:
-            return await self._beside_step(fn, *args)
-        slot: asyncio.Future[concurrent.futures.Future[Any]] = asyncio.get_running_loop().create_future()
-        queue.append((slot, contextvars.copy_context(), fn, args))
-        try:
-            cf = await slot
-        except asyncio.CancelledError:  # stop(): queued by _plan_read meanwhile, it never runs
-            if slot.done() and not slot.cancelled() and slot.exception() is None:
-                slot.result().cancel()
-            raise
-        return await asyncio.wrap_future(cf)
+            return asyncio.wrap_future(self._execute_thread().submit(ctx.run, fn, *args))
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        queue.append((fut, ctx, fn, args))
+        return fut
 
     def _plan_read(self) -> None:
         """The loop has read the plan's results (or the step failed, or stop cancelled it): the copies
         :meth:`_beside_plan` held back are queued in the execute thread now, in order, before any later plan."""
         queue, self._plan_reads = self._plan_reads, None
-        for slot, ctx, fn, args in queue or ():
-            if slot.done():  # its caller was cancelled (stop)
+        for fut, ctx, fn, args in queue or ():
+            if fut.done():  # cancelled (stop)
                 continue
             try:
-                slot.set_result(self._execute_thread().submit(ctx.run, fn, *args))
+                cf = self._execute_thread().submit(ctx.run, fn, *args)
             except RuntimeError as e:  # the executor is shut down (stop)
-                slot.set_exception(e)
+                fut.set_exception(e)
+                continue
+            _chain(asyncio.wrap_future(cf), fut)
 
     @contextlib.asynccontextmanager
     async def _unwatched(self, info: StepInfo | None) -> Any:
@@ -2034,23 +2053,23 @@ class WorkerService:
             for h, slot in claims:
                 self.kvpool.fill(h, slot, None)
             return
-        self._spawn(self._fill_pool(claims), name="pool-fill", fatal=True)
+        copies = self._beside_plan(self._fill_slots, claims) if self.engine.threaded else None
+        task = self._spawn(self._fill_pool(claims, copies), name="pool-fill", fatal=True)
+        if copies is not None:  # stop() cancelled it before it ran: its copies do not run either
+            task.add_done_callback(lambda t: copies.cancel() if t.cancelled() else None)
 
-    async def _fill_pool(self, claims: list[tuple[int, int]]) -> None:
-        """Copy the engine's L2 bytes of the claimed pages into their pool slots and checksum them, in the execute
-        thread after the plan in flight and the loop's reads of it (:meth:`_beside_plan`, :meth:`_fill_slots`; a
-        threaded engine's ``copy_to_pool`` takes its lock and applies the KV batches given before it first, this
-        claim's among them), then make them held here
-        (``HostKvPool.fill``: a page evicted or cleared meanwhile is not). Before, ``TorchEngine.mirror_pool``
+    async def _fill_pool(self, claims: list[tuple[int, int]], copies: asyncio.Future[list[int | None]] | None) -> None:
+        """Copy the engine's L2 bytes of the claimed pages into their pool slots and checksum them (:meth:`_fill_slots`):
+        ``copies``, the future of that call that :meth:`_mirror_pool` queued in the execute thread (after the plan in
+        flight and the loop's reads of it, :meth:`_beside_plan`; a threaded engine's ``copy_to_pool`` takes its lock
+        and applies the KV batches given before it first, this claim's among them), or None: here, at once (an
+        unthreaded engine). Then make them held here (``HostKvPool.fill``: a page evicted or cleared meanwhile is not). Before, ``TorchEngine.mirror_pool``
         ran on the loop: it waited for the rest of the forward, then for the copy and CRC of every page (127-323
         ms measured on CPU; ``tests/unit/worker/test_torch_pool_loop.py``)."""
         pool = self.kvpool
         assert pool is not None
         try:
-            if self.engine.threaded:
-                crcs = await self._beside_plan(self._fill_slots, claims)
-            else:
-                crcs = self._fill_slots(claims)
+            crcs = await copies if copies is not None else self._fill_slots(claims)
         except asyncio.CancelledError:
             raise  # stop(): the copies may still run in the thread; the pool goes with the node, claimed
         except BaseException:

@@ -474,3 +474,53 @@ async def test_a_stop_while_copies_wait_for_the_plan_drops_them(tiny_llama):
     finally:
         if svc._executor is not None:
             svc._executor.shutdown(wait=True)
+
+
+async def test_a_steps_stored_pages_are_copied_before_the_next_forward(tiny_llama):
+    """The step loop runs one step after the other without yielding to other tasks in between (``WorkerService._run``):
+    the copies of a step's last drain (its computed pages written through to L2) are queued when asked, so they run
+    before the next step's forward. Queued by the task the drain spawned, they were queued only once that task first
+    ran: behind the next plan, the pages offered to peers a whole forward late."""
+    from services.worker.watchdog import StepInfo
+
+    svc = _svc(tiny_llama)
+    svc.bus = _Bus()  # type: ignore[assignment]
+    engine, pool = svc.engine, svc.kvpool
+    order: list[tuple[str, int]] = []  # appended by the loop (claims) and the execute thread (forwards, copies)
+    execute, copy, claim = engine.execute, engine.copy_to_pool, pool.claim_events
+
+    def logged(name, fn, n):
+        def call(*args):
+            out = fn(*args)
+            order.append((name, n(args, out)))
+            return out
+
+        return call
+
+    engine.execute = logged("forward", execute, lambda a, out: 0)  # type: ignore[method-assign]
+    engine.copy_to_pool = logged("copy", copy, lambda a, out: len(a[0]))  # type: ignore[method-assign]
+    pool.claim_events = logged("claim", claim, lambda a, out: len(out))  # type: ignore[method-assign]
+    try:
+        for i in range(2):
+            w = work(f"r{i}", prompt(10 + i, 20 * BS), n=2)
+            engine.accept_prefill(w)
+            svc.core.add_prefill(w, 0.0)
+        now, steps = 0.0, 0
+        while (plan := svc.core.schedule(now)) is not None:  # the step loop's steps (WorkerService._step)
+            steps += 1
+            svc._steps += 1
+            svc._step_rids = frozenset(StepInfo.of(plan, svc._steps).rids)
+            svc._step_over.clear()
+            await svc._run_plan(plan, now, None)
+            svc._step_rids = frozenset()
+            svc._step_over.set()
+            now = plan.end
+        await asyncio.gather(*svc._spawned)
+        claims = [i for i, (name, n) in enumerate(order) if name == "claim" and n]
+        assert steps >= 2 and claims and svc.kvpool.buffer.held == 40
+        for i in claims:  # each claim's copy runs before the next forward
+            later = [name for name, _ in order[i + 1 :]]
+            assert "copy" in later and ("forward" not in later or later.index("copy") < later.index("forward")), order
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
