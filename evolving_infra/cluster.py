@@ -423,7 +423,9 @@ class LocalCluster:
     (``--listen-fd``): the port stays open while a router drains, exits and is restarted, so a client connecting
     meanwhile waits in its accept queue and is served by the next router. Before, it was refused for the whole gap
     (SIGTERM of the only router under load: 16-20 of 67 requests lost, the 2-6 s gap outlasting the OpenAI SDK's
-    retries)."""
+    retries). None without ``spec.restart`` (``--no-restart``): no next router would take that queue (a client
+    connecting during the drain waited it out and was then reset), so the router binds its port itself and answers
+    such a client 503 "router draining" at once."""
     made_log_dir: bool = False
     """``log_dir`` is a temporary folder (``ei-logs-*``) this cluster made, ``spec.log_dir`` being unset."""
     _supervisor: asyncio.Task[None] | None = None
@@ -592,10 +594,11 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.clock_origin = time.time()
         self.nats_url = s.nats_url or ""
-        try:
-            self.router_socket = listen_socket(s.host, s.port)
-        except OSError as e:
-            raise ClusterError(f"the router cannot listen on {s.host}:{s.port}: {e.strerror or e}") from e
+        if s.restart:  # held for the next router; without restarts none comes, and the router binds its own port
+            try:
+                self.router_socket = listen_socket(s.host, s.port)
+            except OSError as e:
+                raise ClusterError(f"the router cannot listen on {s.host}:{s.port}: {e.strerror or e}") from e
         self.children = self._plan_children()
         instances = [_flag(c.argv, "--instance") for c in self.children]
         if s.nats_url:

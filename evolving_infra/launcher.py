@@ -12,7 +12,8 @@ Its stop is a fast one: the router gets SIGINT (no ``--shutdown-grace-s`` drain:
 fails with "router shutting down"); a SIGTERM sent to the router process alone drains it, and
 the supervisor restarts it once it has exited (at once: a clean exit has no backoff). ``up`` holds the
 router's listening socket (``LocalCluster.router_socket``, the router's ``--listen-fd``), so clients that
-connect while the router drains, exits and starts again wait for the next one instead of being refused.
+connect while the router drains, exits and starts again wait for the next one instead of being refused
+(not with ``--no-restart``: no next router comes, so the router binds its port and answers 503 while it drains).
 
 ``demo`` does the same, replays real Claude Code sessions through the router
 (closed loop, N concurrent agents), writes ``OUT/report.json`` plus
@@ -270,7 +271,8 @@ def _add_cluster_args(
         "--no-restart",
         dest="restart",
         action="store_false",
-        help="stop the whole cluster when any service (or nats-server) exits, instead of restarting it",
+        help="stop the whole cluster when any service (or nats-server) exits, instead of restarting it (the router then binds "
+        "its port itself: up holds it only for a next router, and a client connecting while a SIGTERMed router drains gets 503)",
     )
     g.add_argument(
         "--max-restarts",

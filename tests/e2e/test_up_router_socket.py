@@ -1,0 +1,96 @@
+"""`evolving-infra up` and its router's listening socket (``LocalCluster.router_socket``, the router's ``--listen-fd``).
+
+Real processes: ``up`` with its embedded nats-server, workers on the simulated engine, the router. ``up`` holds the
+router's socket so that a client connecting while a SIGTERMed router drains, exits and is started again waits in the
+accept queue for the next router (``tests/e2e/test_faults_live.py``, router-term). These cases are where nothing
+would take that queue, and the address the socket is bound to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    """``up`` on a free port with ``extra`` flags, once it printed READY: the process and the READY line's JSON."""
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "2", "--split", "1P1D", "--profile", "tiny",
+           "--port", "0", "--policy", "static", "--log-dir", str(tmp_path / "logs"), *extra]  # fmt: skip
+    env = {**os.environ, "EI_STATE_DIR": str(tmp_path / "state")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    seen: list[str] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if line.startswith("READY "):
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
+            return proc, json.loads(line[len("READY "):])
+    _stop(proc)
+    pytest.fail("up never READY:\n" + "".join(seen)[-3000:])
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_no_restart_router_drain_answers_a_new_connection_at_once(tmp_path):
+    """``up --no-restart``: no router comes after a SIGTERMed one (the cluster stops when it exits), so ``up`` does
+    not hold its socket and the router binds its own: a client connecting during the drain gets the router's 503
+    "router draining" at once. Before, ``up`` held the socket whatever --no-restart said, the draining router stopped
+    accepting for a next router that never came: the client waited out the whole drain (7 s here) and then had its
+    connection reset when the cluster stopped."""
+    proc, ready = _up(tmp_path, "--no-restart", "--speedup", "0.05")  # a slow clock: a 200-token stream runs ~7 s
+    try:
+        url = str(ready["router_url"])
+        pid = int(ready["pids"]["router"])  # type: ignore[index]
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        first = threading.Event()
+        streamed: list[str] = []
+
+        def stream() -> None:
+            body = {"model": model, "prompt": "a long one", "max_tokens": 200, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    streamed.append(line)
+                    first.set()
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        assert first.wait(20), "the stream never started"
+        os.kill(pid, signal.SIGTERM)
+        log = tmp_path / "logs" / "router.log"
+        deadline = time.monotonic() + 10
+        while '"router draining"' not in log.read_text():
+            assert time.monotonic() < deadline, "no drain: " + log.read_text()[-2000:]
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        try:
+            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "late", "max_tokens": 2}, timeout=5)
+        except httpx.HTTPError as e:
+            pytest.fail(f"a connection made during the drain got {e!r} after {time.monotonic() - t0:.1f} s, not the 503")
+        assert r.status_code == 503 and "router draining" in r.text, r.text
+        t.join(30)
+        assert "data: [DONE]" in streamed, streamed[-3:]  # the drain finished the open stream
+    finally:
+        _stop(proc)
