@@ -226,10 +226,17 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return sock
 
 
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (``--host ::1``: ``http://[::1]:8000``; unbracketed, httpx
+    read ``:1:8000`` as the port and ``up`` died in its readiness wait)."""
+    return f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
+
+
 def _free_port(host: str) -> int:
     """A TCP port free on ``host`` now (the kernel's choice; the service binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+    family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind(addr)
         return int(sock.getsockname()[1])
 
 
@@ -449,7 +456,7 @@ class LocalCluster:
         if s.metrics:
             # fixed ports in the Slurm job's order (kvdirectory, planner, router, w0, w1, ...), else free ones
             port = s.metrics_base_port + self._metrics_index(instance) if s.metrics_base_port else _free_port(s.host)
-            self.metrics_urls[instance] = f"http://{s.host}:{port}/metrics"
+            self.metrics_urls[instance] = http_url(s.host, port) + "/metrics"
             extra = ["--metrics-port", str(port), "--metrics-host", s.host]
         return extra + [  # no --nats-url: the URL goes through the environment (_wire_children)
             "--partition",
@@ -790,7 +797,7 @@ class LocalCluster:
                 self.check_alive()
                 ready = {name for name, hb in seen.items() if hb.ready}
                 if expected <= ready and self._port_file.exists() and self._port_file.read_text().strip():
-                    self.router_url = f"http://{self.spec.host}:{self._port_file.read_text().strip()}"
+                    self.router_url = http_url(self.spec.host, int(self._port_file.read_text()))
                     try:
                         r = await http.get(self.router_url + "/healthz")
                         if r.status_code == 200:

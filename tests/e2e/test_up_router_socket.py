@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -92,5 +93,32 @@ def test_no_restart_router_drain_answers_a_new_connection_at_once(tmp_path):
         assert r.status_code == 503 and "router draining" in r.text, r.text
         t.join(30)
         assert "data: [DONE]" in streamed, streamed[-3:]  # the drain finished the open stream
+    finally:
+        _stop(proc)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_up_on_an_ipv6_address_serves_at_a_bracketed_url(tmp_path):
+    """``up --host ::1 --metrics``: the router's socket is bound on the IPv6 loopback, and ``up`` reaches it at
+    ``http://[::1]:PORT``; the metrics ports are found on that address too. Before, the URL was ``http://::1:PORT``:
+    ``up`` died with a traceback (httpx.InvalidURL: Invalid port ':1:PORT') in its readiness wait, after NATS and
+    every service had started; with ``--metrics`` it died sooner, its free-port probe binding ``::1`` on IPv4."""
+    proc, ready = _up(tmp_path, "--host", "::1", "--metrics")
+    try:
+        url = str(ready["router_url"])
+        assert url.startswith("http://[::1]:"), url
+        assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+        metrics = str(ready["metrics"]["router"])  # type: ignore[index]
+        assert metrics.startswith("http://[::1]:"), metrics
+        assert httpx.get(metrics, timeout=10).status_code == 200
     finally:
         _stop(proc)
