@@ -33,8 +33,9 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Meta(ge=-1, description="serve HTTP on this inherited listening TCP socket (a file descriptor) instead of binding "
              "--host/--port: a supervisor that holds the port across restarts (evolving-infra up does) keeps it open while "
              "the router drains, exits and starts again, so connections made meanwhile wait in its accept queue and are "
-             "served by the next router instead of being refused; with it a SIGTERM's drain stops accepting connections "
-             "at once (they wait for the next router) and closes idle keep-alive ones; -1 = bind --host/--port"),
+             "served by the next router instead of being refused; with it a SIGTERM's drain (or the stop, with nothing "
+             "open or on SIGINT) stops accepting connections at once (they wait for the next router) and closes idle "
+             "keep-alive ones; -1 = bind --host/--port"),
     ] = -1
     routing: Annotated[
         str,

@@ -275,3 +275,48 @@ async def test_listen_fd_that_is_not_a_listening_socket_is_a_clear_startup_error
         assert proc.wait(timeout=30) == 2
     out = (tmp_path / "router.log").read_text()
     assert f"router: --listen-fd {fd} is not a listening TCP socket" in out and "Traceback" not in out, out[-2000:]
+
+
+async def test_sigterm_of_an_idle_router_on_a_held_socket_answers_no_connection_with_its_stop(nats_url, tmp_path):
+    """With nothing open a SIGTERM skips the drain and stops at once; on a held socket (``--listen-fd``) that stop
+    first stops accepting, as the drain's start does: a client connecting from the signal on waits in the accept
+    queue for the next router. Before, the stop set "stopping" and left the socket accepting until uvicorn's next
+    tick (up to 0.1 s, longer on a loaded box): connections made then got 503 "router stopping", a retry spent for
+    nothing (the OpenAI SDK has two)."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(512)
+    port = held.getsockname()[1]
+    answers: list[str] = []
+
+    async def one() -> None:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            data = await reader.read()
+            writer.close()
+        except OSError:
+            return  # a connection closed unread at the stop: its client connects again
+        if data:
+            answers.append(data.decode(errors="replace"))
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        async with _router(nats_url, tmp_path, "--shutdown-grace-s", "20", sock=held) as (proc, _http, _cluster):
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while proc.poll() is None:  # new connections, one every 2 ms, until the router has exited
+                assert time.monotonic() < deadline, "the idle router did not exit"
+                tasks.append(asyncio.create_task(one()))
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.3)
+            assert proc.returncode == 0
+        stopping = [a for a in answers if "router stopping" in a or "router draining" in a]
+        assert not stopping, f"{len(stopping)} of {len(tasks)} connections made after the SIGTERM were answered by the stop"
+        assert len(tasks) > 10, len(tasks)
+    finally:
+        held.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
