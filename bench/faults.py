@@ -19,7 +19,13 @@ marks recovery, or None when the cluster recovers without a restart) and registe
 
     python bench/faults.py                          # every fault, appends a section to bench/RESULTS-history.md
     python bench/faults.py --fault nats-kill --no-results
+    python bench/faults.py --fault decode-worker-kill --policy static:2P2D   # the split served from the start
+    python bench/faults.py --fault decode-worker-kill --engine torch         # the tiny random llama on CPU
     python bench/faults.py --list
+
+Under ``up``'s default policy (the evolving planner) every node serves collocated for the planner's 1,800-s warm-up,
+36 wall s at ``--speedup 50``: a short replay never sees ``--split``, so ``prefill-worker-*`` / ``decode-worker-*``
+then hit a collocated node; ``--policy static:2P2D`` makes w0/w1 prefill and w2/w3 decode from the start.
 
 The live tests (``tests/e2e/test_faults_live.py``) call :func:`run_fault` with a small
 replay; the numbers in ``bench/RESULTS.md`` come from this script's defaults.
@@ -246,21 +252,74 @@ def _split_flips(splits: tuple[str, ...], parallel: int = 2) -> Injector:
     async def inject(run: FaultRun) -> str | None:
         run.t_fault = time.monotonic()
         codes: list[int] = []
-        env = dict(os.environ, EI_STATE_DIR=str(run.log_dir))
-        creds = next((str(f) for f in (run.log_dir / "nats-creds").glob("operator.*")), "")
         for i in range(0, len(splits), parallel):
-            procs = [await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "evolving_infra.cli", "split", "set", sp, "--nats-url", str(run.info["nats_url"]),
-                "--nats-creds", creds, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                for sp in splits[i:i + parallel]]  # fmt: skip
-            for pr in procs:
-                _, err = await pr.communicate()
-                codes.append(pr.returncode if pr.returncode is not None else -1)
-                if pr.returncode:
-                    run.notes.setdefault("split_errors", []).append(err.decode(errors="replace")[-200:])
+            codes += [code for code, _ in await asyncio.gather(*(_split_cli(run, "set", sp) for sp in splits[i:i + parallel]))]
             await asyncio.sleep(1.0)
         run.notes["split_exit"] = codes
         return None
+
+    return inject
+
+
+async def _split_cli(run: FaultRun, *argv: str) -> tuple[int, str]:
+    """``evolving-infra split <argv>`` against ``run``'s cluster as its operator: (exit status, stdout); a failure's
+    stderr is added to ``run.notes['split_errors']``."""
+    env = dict(os.environ, EI_STATE_DIR=str(run.log_dir))
+    creds = next((str(f) for f in (run.log_dir / "nats-creds").glob("operator.*")), "")
+    pr = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "evolving_infra.cli", "split", *argv, "--nats-url", str(run.info["nats_url"]),
+        "--nats-creds", creds, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    out, err = await pr.communicate()
+    code = pr.returncode if pr.returncode is not None else -1
+    if code:
+        run.notes.setdefault("split_errors", []).append(err.decode(errors="replace")[-200:])
+    return code, out.decode(errors="replace").strip()
+
+
+def _in_split(split: str, then: Injector, settle_s: float = 1.0) -> Injector:
+    """``split set split`` under load, ``settle_s`` wall s for the nodes to switch, then ``then`` (a fault in a split
+    where the victim is its phase's only node). ``run.notes['split_exit']``: the ``split set``'s status."""
+
+    async def inject(run: FaultRun) -> str | None:
+        run.notes["split_exit"] = [(await _split_cli(run, "set", split))[0]]
+        await asyncio.sleep(settle_s)
+        return await then(run)
+
+    return inject
+
+
+def _switch_then_kill(first: str, then: tuple[str, ...], service: str = "planner") -> Injector:
+    """``split set first`` under load and, the moment it has returned (the planner published the new epoch; the
+    nodes it moves are draining), SIGKILL ``service``; once ``up`` has restarted it and it answers ``split get``,
+    ``split set`` each of ``then``
+    (one a second) and ``split get``. The restarted planner must adopt the split the nodes serve (not revert it,
+    not leave a node switching) and take the next ``split set`` commands. ``run.notes``: ``split_exit`` (every ``split
+    set``'s status, ``first``'s first), ``split_after`` (``split get``'s line at the end)."""
+
+    async def inject(run: FaultRun) -> str | None:
+        code, _ = await _split_cli(run, "set", first)
+        old = run.kill(service)
+        codes = [code]
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            try:
+                if run.pid(service) != old:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(0.05)
+        errors = list(run.notes.get("split_errors", []))  # split get's while the restarted one is not up are not kept
+        while time.monotonic() < deadline and (await _split_cli(run, "get"))[0]:  # until the restarted one answers
+            await asyncio.sleep(0.2)
+        run.notes["split_errors"] = errors
+        t_fault, signalled = run.t_fault, dict(run.signalled)
+        for sp in then:
+            codes.append((await _split_cli(run, "set", sp))[0])
+            await asyncio.sleep(1.0)
+        run.notes["split_exit"] = codes
+        run.notes["split_after"] = (await _split_cli(run, "get"))[1]
+        run.t_fault, run.signalled = t_fault, signalled
+        return service
 
     return inject
 
@@ -289,8 +348,18 @@ FAULTS: dict[str, Injector] = {
     "router-kill-parked": _park_then_kill("router"),
     "parked-prefill-kill": _park_then_kill("parked-worker"),
     "split-flips": _split_flips(("1P3D", "3P1D", "3P1D", "1P3D", "2P2D", "2P2D")),
+    "decode-worker-stop-long": _stop("worker-w3", 40.0),
+    "switch-planner-kill": _switch_then_kill("1P3D", ("3P1D", "2P2D")),
+    "lone-decode-stop-long": _in_split("3P1D", _stop("worker-w3", 40.0)),
+    "lone-prefill-kill": _in_split("1P3D", _kill("worker-w0")),
+    "planner-stop-long": _stop("planner", 40.0),
+    "router-stop": _stop("router", 8.0),
+    "router-stop-long": _stop("router", 40.0),
+    "directory-stop-long": _stop("kvdirectory", 40.0),
+    "switch-worker-kill": _in_split("1P3D", _kill("worker-w1"), settle_s=0.0),
 }
-"""Fault name -> injector. With ``--split 2P2D`` on 4 nodes, w0/w1 prefill and w2/w3 decode. ``*-stop``: the
+"""Fault name -> injector. With ``--split 2P2D`` on 4 nodes, w0/w1 prefill and w2/w3 decode (once the split is served:
+from the start with ``--policy static:2P2D``, after the evolving planner's warm-up otherwise). ``*-stop``: the
 process hangs 8 s (SIGSTOP, then SIGCONT); ``router-kill``: a single router's clients lose its open streams and
 what they send before ``up`` restarts it (connection errors, no hang); ``a-then-b``: b is SIGKILLed while a is
 being restarted; ``nats-kill-store-lost``: nats-server comes back without its JetStream store (the stream is
@@ -301,7 +370,19 @@ nats-server hung 40 s (TCP open, nothing answers), then SIGCONT; ``*-term``: SIG
 open requests first), ``up`` restarts the service;
 ``router-kill-parked`` / ``parked-prefill-kill``: SIGKILL of the router / of the prefill worker at the moment a
 worker holds a PARKED request (phase switches under load make them), ``leftover`` must show nothing parked,
-queued or running afterwards; ``split-flips``: six ``split set`` commands under load, two at once."""
+queued or running afterwards; ``split-flips``: six ``split set`` commands under load, two at once;
+``decode-worker-stop-long``: w3 hung 40 s, past the workers' ``--bind-timeout-s`` (10 s) and the router's
+``--requeue-wait-s`` (30 s); ``switch-planner-kill``: the planner SIGKILLed the moment ``split set 1P3D`` returned (its
+switch in flight), then ``split set 3P1D`` and ``2P2D`` to the restarted planner; ``lone-decode-stop-long`` /
+``lone-prefill-kill``: ``split set 3P1D`` / ``1P3D`` first, then the only decode node hung 40 s / the only prefill node
+SIGKILLed (the planner must give its phase to another node, or the router wait for it); ``planner-stop-long`` /
+``directory-stop-long``: hung 40 s; ``router-stop`` / ``router-stop-long``: the one router hung 8 s / 40 s (its
+streams wait; the workers must not drop its requests as a router gone); ``switch-worker-kill``: w1 SIGKILLed the
+moment ``split set 1P3D`` returned (its switch from prefill to decode in flight)."""
+
+TORCH_MAX_OUTPUT = 128
+"""``--engine torch``: output tokens per request at most (the trace scaled to the tiny model): enough decode steps
+that a decode node killed 3 s in holds streams mid-decode."""
 
 STOP_GRACE_S = {"router": 50.0}
 """docker-compose.yml's ``stop_grace_period`` where it is not 30 s: the router's (its SIGTERM drains first)."""
@@ -341,14 +422,27 @@ class FaultResult:
     log_dir: str = ""
 
 
-def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0) -> FaultRun:
-    """Start ``evolving-infra up`` (router on a free port) and wait for its READY line.
+def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
+            model_dir: Path | None = None, policy: str | None = None) -> list[str]:
+    """The ``evolving-infra up`` command line of a run (router on a free port, ``--metrics``); with ``model_dir``,
+    its workers run ``--engine torch`` on that Hugging Face folder (CPU); with ``policy``, ``up --policy policy``."""
+    argv = [sys.executable, "-m", "evolving_infra.cli", "up", "--port", "0", "--nodes", str(nodes), "--split", split,
+            "--speedup", repr(speedup), "--log-dir", str(log_dir), "--ready-timeout", str(timeout_s), "--metrics"]
+    if model_dir is not None:
+        argv += ["--engine", "torch", "--model", str(model_dir), "--device", "cpu"]
+    if policy is not None:
+        argv += ["--policy", policy]
+    return argv
+
+
+def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
+             model_dir: Path | None = None, policy: str | None = None) -> FaultRun:
+    """Start ``evolving-infra up`` (:func:`up_argv`) and wait for its READY line.
 
     Raises:
         RuntimeError: when ``up`` exits or prints no READY line within ``timeout_s``.
     """
-    argv = [sys.executable, "-m", "evolving_infra.cli", "up", "--port", "0", "--nodes", str(nodes), "--split", split,
-            "--speedup", repr(speedup), "--log-dir", str(log_dir), "--ready-timeout", str(timeout_s), "--metrics"]
+    argv = up_argv(log_dir, speedup=speedup, nodes=nodes, split=split, timeout_s=timeout_s, model_dir=model_dir, policy=policy)
     out = open(log_dir / "up.out", "wb")
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out, start_new_session=True)
     assert proc.stdout is not None
@@ -435,6 +529,9 @@ async def run_fault(
     max_pause_s: float | None = None,
     log_dir: Path | None = None,
     leftover_after_s: float | None = None,
+    engine: str = "sim",
+    max_output: int = TORCH_MAX_OUTPUT,
+    policy: str | None = None,
 ) -> FaultResult:
     """Start ``up``, replay ``sessions`` Claude Code sessions, inject ``fault`` after ``fault_at_s``
     wall seconds of replay, and count what it cost.
@@ -451,6 +548,10 @@ async def run_fault(
             seconds, so a short run keeps requests in flight (None: pauses as recorded).
         leftover_after_s: read every worker's work gauges (:attr:`FaultResult.leftover`) this many wall s
             after the replay ended (None: not read, no wait).
+        engine: ``sim`` (profile-timed workers) or ``torch``: the workers run the tiny random llama of
+            ``evolving-infra model init`` (written to ``log_dir``/model, 1,024-token KV per node) on CPU, and the
+            trace is scaled to it as ``replay --scale-to-model`` does (one token per trace block, prompts cut to
+            half the router's ``max_model_len``, outputs to ``max_output`` tokens), ids below its vocabulary.
 
     Raises:
         KeyError: unknown ``fault``. RuntimeError: ``up`` did not start.
@@ -474,12 +575,27 @@ async def run_fault(
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"ei-fault-{fault}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     res = FaultResult(fault=fault, sessions=len(agents), log_dir=str(log_dir))
-    run = start_up(log_dir, speedup=speedup, nodes=nodes, split=split)
+    if engine not in ("sim", "torch"):
+        raise ValueError(f"engine {engine!r}: sim or torch")
+    model_dir = None
+    if engine == "torch":
+        from services.worker.engines.torch_engine.checkpoint import init_model
+
+        model_dir = log_dir / "model"
+        init_model(model_dir, arch="llama")  # `evolving-infra model init`'s defaults: vocabulary 512, context 2048
+    run = start_up(log_dir, speedup=speedup, nodes=nodes, split=split, model_dir=model_dir, policy=policy)
     try:
-        replayer = LiveReplayer(run.router_url, SimClock(speedup), block_size=trace.header.block_size, progress=False,
-                                request_timeout_s=replay_timeout_s)
+        requests, block, model, vocab = trace.requests, trace.header.block_size, "evolving-infra-sim", None
+        if model_dir is not None:
+            from evolving_infra.replay.cli import fit_to_router, router_answers, router_max_model_len, router_vocab_size
+
+            answers = await router_answers(run.router_url, None)
+            requests, block, _ = fit_to_router(requests, block, router_max_model_len(answers), scale=True, max_output=max_output)
+            model, vocab = model_dir.name, router_vocab_size(answers)
+        replayer = LiveReplayer(run.router_url, SimClock(speedup), block_size=block, progress=False, model=model,
+                                vocab_size=vocab, request_timeout_s=replay_timeout_s)
         wall0 = time.monotonic()
-        replay = asyncio.ensure_future(replayer.run(trace.requests, Arrival(kind="closed", concurrency=concurrency)))
+        replay = asyncio.ensure_future(replayer.run(requests, Arrival(kind="closed", concurrency=concurrency)))
         await asyncio.wait({replay}, timeout=fault_at_s)
         recover: asyncio.Future[float | None] | None = None
         if not replay.done():
@@ -630,8 +746,11 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         f"- command: `python bench/faults.py {' '.join(sys.argv[1:])}`",
         f"- commit: {commit_label(REPO)}",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, load average {load:.1f} at the end",
-        f"- workload: `evolving-infra up --nodes {args.nodes} --split {args.split} --speedup {args.speedup:g}`, the shipped Claude Code "
-        f"sample, {args.sessions} sessions closed-loop at concurrency {args.concurrency}"
+        f"- workload: `evolving-infra up --nodes {args.nodes} --split {args.split} --speedup {args.speedup:g}"
+        + (f" --policy {args.policy}" if args.policy else "")
+        + (" --engine torch` (the tiny random llama on CPU; the trace scaled to it as `replay --scale-to-model`, at most "
+           f"{args.max_output} output tokens)" if args.engine == "torch" else "`")
+        + f", the shipped Claude Code sample, {args.sessions} sessions closed-loop at concurrency {args.concurrency}"
         + (f", each branch capped to {args.max_requests_per_branch} requests" if args.max_requests_per_branch else "")
         + (f", pauses clipped to {args.max_pause:g} simulated s" if args.max_pause is not None else "")
         + f"; the fault {args.fault_at:g} s into the replay",
@@ -679,6 +798,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leftover-after", type=float, default=5.0,
                    help="read every worker's parked / queued / running gauges this many wall s after the replay (default 5; "
                    "a negative value: not read)")
+    p.add_argument("--engine", choices=("sim", "torch"), default="sim",
+                   help="workers' engine (default sim); torch: the tiny random llama of `evolving-infra model init` on CPU, "
+                   "the trace scaled to it as `replay --scale-to-model` (needs the torch extra)")
+    p.add_argument("--max-output", type=int, default=TORCH_MAX_OUTPUT,
+                   help=f"--engine torch: output tokens per request at most (default {TORCH_MAX_OUTPUT})")
+    p.add_argument("--policy", default=None,
+                   help="`up --policy` (default: up's, the evolving planner, which serves every node collocated for its "
+                   "1,800-s warm-up: 36 wall s at --speedup 50, so a short replay never sees --split; static:2P2D serves it "
+                   "from the start)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument("--from-json", default=None, help="render the section from a file written by --out instead of running")
     p.add_argument("--no-results", action="store_true", help="do not append a section to bench/RESULTS-history.md")
@@ -690,6 +818,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         p.error(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS)}")
+    if args.engine == "torch" and not args.from_json:
+        import importlib.util
+
+        from services.worker.engines.torch_engine.config import TORCH_EXTRA_INSTALL  # imports no torch
+
+        if importlib.util.find_spec("torch") is None:  # before an `up` starts and its workers fail to import it
+            p.error(f"--engine torch needs the torch extra (torch missing): {TORCH_EXTRA_INSTALL}")
+        if args.max_output < 1:
+            p.error(f"--max-output must be at least 1, not {args.max_output}")
     # SIGTERM (``timeout``, a CI runner's stop) as Ctrl-C: asyncio.run cancels the run, whose ``finally`` stops ``up``
     # (started in a session of its own, so nothing else would): a terminated run left the whole cluster running
     # SIGINT at its default first: a parent that ignores it (a pytest-xdist worker, nohup) passes SIG_IGN on, and then
@@ -704,7 +841,8 @@ def main(argv: list[str] | None = None) -> int:
         r = asyncio.run(
             run_fault(f, sessions=args.sessions, max_requests_per_branch=args.max_requests_per_branch, concurrency=args.concurrency,
                       speedup=args.speedup, nodes=args.nodes, split=args.split, fault_at_s=args.fault_at,
-                      max_pause_s=args.max_pause, leftover_after_s=None if args.leftover_after < 0 else args.leftover_after)
+                      max_pause_s=args.max_pause, leftover_after_s=None if args.leftover_after < 0 else args.leftover_after,
+                      engine=args.engine, max_output=args.max_output, policy=args.policy)
         )
         print(json.dumps(asdict(r)), flush=True)
         results.append(r)

@@ -1,0 +1,136 @@
+"""``bench/faults.py``'s fourth-walk additions without a cluster: the ``up`` command line a run starts (``--policy``,
+``--engine torch``), the order of the planner-kill-during-a-switch injector (``switch-planner-kill``: kill at the
+first ``split set``'s return, the next ones only once the restarted planner answers), ``_in_split``'s order, and
+``--engine torch`` refused before anything starts when torch is missing."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import bench_faults
+
+faults = bench_faults()
+
+
+def test_up_argv_adds_policy_and_the_torch_engine_only_when_asked(tmp_path):
+    plain = faults.up_argv(tmp_path, speedup=50.0, nodes=4, split="2P2D")
+    assert "--policy" not in plain and "--engine" not in plain
+    assert plain[plain.index("--split") + 1] == "2P2D" and plain[plain.index("--speedup") + 1] == "50.0"
+    argv = faults.up_argv(tmp_path, speedup=50.0, nodes=4, split="2P2D", model_dir=tmp_path / "model", policy="static:2P2D")
+    assert argv[argv.index("--policy") + 1] == "static:2P2D"
+    assert argv[argv.index("--engine") + 1] == "torch" and argv[argv.index("--model") + 1] == str(tmp_path / "model")
+    assert argv[argv.index("--device") + 1] == "cpu"
+
+
+class _Run:
+    """What the injectors use of a ``FaultRun``: a planner whose pid changes a few polls after its SIGKILL (``up``
+    restarting it) and a ``split`` CLI that answers no responders until the restarted planner is up."""
+
+    def __init__(self, *, restart_after_polls: int, answers_after_gets: int) -> None:
+        self.log: list[str] = []
+        self.notes: dict[str, object] = {}
+        self.signalled: dict[str, int] = {}
+        self.t_fault: float | None = None
+        self._pid = 100
+        self._polls_left = restart_after_polls
+        self._gets_left = answers_after_gets
+        self.killed = False
+
+    def pid(self, service: str) -> int:
+        if self.killed and self._pid == 100:
+            self._polls_left -= 1
+            if self._polls_left <= 0:
+                self._pid = 200
+                self.log.append(f"{service} restarted")
+        return self._pid
+
+    def kill(self, service: str, sig: int = signal.SIGKILL) -> int:
+        self.log.append(f"kill {service}")
+        self.killed = True
+        self.t_fault = 1.0
+        self.signalled[service] = self._pid
+        return self._pid
+
+    async def split_cli(self, run: object, *argv: str) -> tuple[int, str]:
+        assert run is self
+        if self.killed and self._pid == 200 and argv[0] == "get" and self._gets_left > 0:
+            self._gets_left -= 1
+            self.log.append("get: no responders")
+            return 2, ""
+        if self.killed and self._pid == 100:
+            raise AssertionError(f"split {' '.join(argv)} sent before the planner was restarted")
+        self.log.append(" ".join(argv))
+        return 0, "epoch 9: 2P2D" if argv[0] == "get" else ""
+
+
+def test_switch_planner_kill_kills_at_the_first_set_and_sets_again_only_once_the_new_planner_answers(monkeypatch):
+    run = _Run(restart_after_polls=3, answers_after_gets=2)
+    monkeypatch.setattr(faults, "_split_cli", run.split_cli)
+    monkeypatch.setattr(asyncio, "sleep", _no_sleep)
+    victim = asyncio.run(faults._switch_then_kill("1P3D", ("3P1D", "2P2D"))(run))
+    assert victim == "planner"
+    assert run.log == ["set 1P3D", "kill planner", "planner restarted", "get: no responders", "get: no responders", "get",
+                       "set 3P1D", "set 2P2D", "get"]  # fmt: skip
+    assert run.notes["split_exit"] == [0, 0, 0] and run.notes["split_after"] == "epoch 9: 2P2D"
+    assert run.notes["split_errors"] == []  # the gets while the new planner was not up are not errors of the walk
+    assert run.signalled == {"planner": 100} and run.t_fault == 1.0  # recovery timed from the kill
+
+
+def test_in_split_sets_the_split_before_the_fault(monkeypatch):
+    run = _Run(restart_after_polls=1, answers_after_gets=0)
+    monkeypatch.setattr(faults, "_split_cli", run.split_cli)
+    order: list[str] = []
+
+    async def fault(r: object) -> str:
+        order.extend(run.log)
+        return "worker-w3"
+
+    assert asyncio.run(faults._in_split("3P1D", fault, settle_s=0.0)(run)) == "worker-w3"
+    assert order == ["set 3P1D"] and run.notes["split_exit"] == [0]
+
+
+_REAL_SLEEP = asyncio.sleep
+
+
+async def _no_sleep(_s: float) -> None:
+    """``asyncio.sleep`` without the wait (the injectors' pauses and polls), still a yield to the loop."""
+    await _REAL_SLEEP(0)
+
+
+def test_engine_torch_without_torch_is_refused_before_up_starts(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    monkeypatch.setattr(faults, "run_fault", _must_not_run)
+    with pytest.raises(SystemExit) as e:
+        faults.main(["--engine", "torch", "--fault", "decode-worker-kill", "--no-results"])
+    assert e.value.code == 2
+    assert "--engine torch needs the torch extra (torch missing)" in capsys.readouterr().err
+
+
+def test_results_section_names_the_policy_and_the_torch_engine():
+    args = argparse.Namespace(nodes=4, split="2P2D", speedup=50.0, sessions=8, concurrency=8, max_requests_per_branch=8,
+                              max_pause=2.0, fault_at=3.0, policy="static:2P2D", engine="torch", max_output=128)  # fmt: skip
+    head = faults._results_section([], args)
+    assert "`evolving-infra up --nodes 4 --split 2P2D --speedup 50 --policy static:2P2D --engine torch`" in head
+    assert "at most 128 output tokens" in head
+    plain = faults._results_section([], argparse.Namespace(**{**vars(args), "policy": None, "engine": "sim"}))
+    assert "`evolving-infra up --nodes 4 --split 2P2D --speedup 50`, the shipped" in plain
+
+
+async def _must_not_run(*_a: object, **_k: object) -> None:
+    raise AssertionError("a run started")
+
+
+def test_every_fault_is_listed(capsys):
+    assert faults.main(["--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    for name in ("decode-worker-stop-long", "switch-planner-kill", "lone-decode-stop-long", "lone-prefill-kill",
+                 "planner-stop-long", "router-stop", "router-stop-long", "directory-stop-long", "switch-worker-kill"):
+        assert name in listed and name in faults.FAULTS
+    assert Path(faults.__file__).name == "faults.py"
