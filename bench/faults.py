@@ -357,6 +357,8 @@ FAULTS: dict[str, Injector] = {
     "router-stop-long": _stop("router", 40.0),
     "directory-stop-long": _stop("kvdirectory", 40.0),
     "switch-worker-kill": _in_split("1P3D", _kill("worker-w1"), settle_s=0.0),
+    "nats-kill-twice": _then(_kill("nats-server"), "nats-server", 0.6),
+    "nats-store-lost-twice": _then(_kill_wiping_store(), "nats-server", 0.6),
 }
 """Fault name -> injector. With ``--split 2P2D`` on 4 nodes, w0/w1 prefill and w2/w3 decode (once the split is served:
 from the start with ``--policy static:2P2D``, after the evolving planner's warm-up otherwise). ``*-stop``: the
@@ -378,7 +380,9 @@ switch in flight), then ``split set 3P1D`` and ``2P2D`` to the restarted planner
 SIGKILLed (the planner must give its phase to another node, or the router wait for it); ``planner-stop-long`` /
 ``directory-stop-long``: hung 40 s; ``router-stop`` / ``router-stop-long``: the one router hung 8 s / 40 s (its
 streams wait; the workers must not drop its requests as a router gone); ``switch-worker-kill``: w1 SIGKILLed the
-moment ``split set 1P3D`` returned (its switch from prefill to decode in flight)."""
+moment ``split set 1P3D`` returned (its switch from prefill to decode in flight); ``nats-kill-twice`` /
+``nats-store-lost-twice``: nats-server SIGKILLed (its store removed) and its restarted process SIGKILLed again 0.6 s
+later, while every service's reconnect check (and stream wait) of the first restart runs."""
 
 TORCH_MAX_OUTPUT = 128
 """``--engine torch``: output tokens per request at most (the trace scaled to the tiny model): enough decode steps

@@ -131,6 +131,7 @@ def test_every_fault_is_listed(capsys):
     assert faults.main(["--list"]) == 0
     listed = capsys.readouterr().out.split()
     for name in ("decode-worker-stop-long", "switch-planner-kill", "lone-decode-stop-long", "lone-prefill-kill",
-                 "planner-stop-long", "router-stop", "router-stop-long", "directory-stop-long", "switch-worker-kill"):
+                 "planner-stop-long", "router-stop", "router-stop-long", "directory-stop-long", "switch-worker-kill",
+                 "nats-kill-twice", "nats-store-lost-twice"):
         assert name in listed and name in faults.FAULTS
     assert Path(faults.__file__).name == "faults.py"
