@@ -171,6 +171,10 @@ bus bounds the wait itself and leaves the PING to its PONG (:meth:`Bus.flush`)."
 
 RECONNECT_WAIT_S = 0.25
 """Seconds between reconnect attempts to the same server."""
+ABANDON_S = 5.0
+"""Seconds a cancelled :meth:`Bus.connect` keeps cancelling nats-py's connect (every 0.05 s) until it ends: one
+cancel can be lost (Python 3.11's ``asyncio.wait_for`` and a refusal in one loop turn; a later one lands within
+a ``RECONNECT_WAIT_S``)."""
 STREAM_MAX_AGE_S = 120.0
 """How long the JetStream stream keeps a reliable message (seconds): it only has to
 bridge an outage and a consumer's resume."""
@@ -521,9 +525,18 @@ class Bus:
 
         async def abandon() -> None:  # stop nats-py's connect retries and close the client
             bus._closing = True
-            connecting.cancel()
-            with contextlib.suppress(BaseException):
-                await connecting
+            # cancelled again until it ends: Python 3.11's asyncio.wait_for (nats-py's transport connect) answers a
+            # cancel that comes after its inner connect finished with that connect's outcome, a refusal nats-py
+            # retries (every RECONNECT_WAIT_S), so one cancel can be lost. It was one cancel and an unbounded wait:
+            # a service stopped while NATS refused (the Slurm job's stop_all, which stops NATS too, on a loaded
+            # node) logged "nats error" forever and never exited (tests/unit/shared/test_bus_connect_cancel.py)
+            deadline = time.monotonic() + ABANDON_S
+            while not connecting.done() and time.monotonic() < deadline:
+                connecting.cancel()
+                with contextlib.suppress(BaseException):  # this task cancelled again: it is stopping anyway
+                    await asyncio.wait({connecting}, timeout=0.05)
+            if not connecting.done():
+                bus.log.error("nats connect still running after its cancel; left behind", waited_s=ABANDON_S)
             with contextlib.suppress(Exception):
                 await bus.nc.close()
 

@@ -337,8 +337,13 @@ def test_ready_timeout_is_wall_seconds_even_when_each_probe_hangs(tmp_path):
             job.wait_for("FAILED: the router did not answer /healthz within 8 s", 60)
             took = time.monotonic() - t0
             rc = job.proc.wait(60)
+            stop_s = time.monotonic() - t0 - took
             text = job.text()
             assert rc == 1, text
+            # the stop after the FAILED line, within Slurm's default KillWait (30 s). Before, a service stopped while
+            # NATS (stopped with it) refused its connect could lose the cancel and never exit (shared.bus
+            # Bus.connect, tests/unit/shared/test_bus_connect_cancel.py): this wait ran out at 60 s on a loaded box
+            assert stop_s < 30.0, f"the stop took {stop_s:.1f} s:\n{text}"
             blocker.setblocking(False)
             probes = 0
             with contextlib.suppress(BlockingIOError):
