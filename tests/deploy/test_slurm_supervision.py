@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,7 @@ class Job:
             PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(REPO), EI_HOME=str(REPO), EI_PYTHON=sys.executable,
             EI_RUN_DIR=str(self.run), SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="3", SLURM_JOB_NODELIST="n[1-3]",
             ROUTER_PORT=str(self.port), NATS_PORT=str(free_port()), SPLIT="1P1D", SPEEDUP="20", PROFILE="tiny",
+            TZ="UTC",  # nats-server's log times are local: UTC as the services' (stopped_before_nats compares them)
         )
         base.update(env)
         self.proc = subprocess.Popen(
@@ -143,6 +145,21 @@ class Job:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(10)
+
+
+def stopped_before_nats(run: Path) -> dict[str, float]:
+    """Seconds from each service's "service stopped" line to nats-server's SIGTERM line ("Trapped "terminated"
+    signal"), by log name: positive when the service had stopped before the job stopped nats-server."""
+    (trapped,) = [line for line in (run / "nats.log").read_text().splitlines() if 'Trapped "terminated" signal' in line]
+    day, clock = trapped.split()[1:3]
+    nats_at = datetime.strptime(f"{day} {clock}", "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
+    out = {}
+    for log in run.glob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"service stopped"' in line:
+                at = datetime.fromisoformat(json.loads(line)["timestamp"].replace("Z", "+00:00")).timestamp()
+                out[log.name] = nats_at - at
+    return out
 
 
 @contextlib.contextmanager
@@ -198,6 +215,12 @@ def test_a_router_and_a_worker_killed_are_restarted_and_sigterm_stops_everything
         time.sleep(0.5)
         assert job_pids(job.run) == {}, job_pids(job.run)
         assert "stopped" in job.text()
+        # nats-server is stopped after the others, whose drain goes through it: before, all at once, and a
+        # drain that met it gone waited out the bus's 5-s timeout ("nats connection lost at close")
+        order = stopped_before_nats(job.run)
+        # (w1, killed above, may still be in its restart's 0.5-s wait: then it has no stop to log; w0 served alone)
+        assert {"kvdirectory.log", "planner.log", "router.log", "worker-w0.log"} <= set(order), order
+        assert all(s > 0 for s in order.values()), order
     finally:
         job.close()
 
