@@ -4,13 +4,17 @@
 validates it against its node list and, when it fits, publishes the split under
 a new epoch on ``split.commands`` and replies with that command. ``split get``
 asks ``split.get``. Without ``--nats-url`` (or ``EI_NATS_URL``) the NATS server is the one of the running
-``evolving-infra up`` cluster (its state file, :mod:`evolving_infra.state`). Nothing is
-retried past ``--timeout``. Exit status (:data:`EXIT_STATUSES`; ``split get``: never 1,
-:data:`GET_EXIT_STATUSES`): 0 on success; 1 when the planner refused for now (it is starting: the same ``split set`` may succeed in a few seconds);
+``evolving-infra up`` cluster (its state file, :mod:`evolving_infra.state`). A request nobody
+serves yet (NATS "no responders": the planner is restarting, ~1.5 s under ``up``'s supervisor,
+or not started) is asked again, after 0.05 s doubling to at most 0.5 s, until ``--timeout``
+(counted from the connect); nothing else is asked again (a request that got no reply in its time
+may have been applied). Exit status (:data:`EXIT_STATUSES`; ``split get``: :data:`GET_EXIT_STATUSES`):
+0 on success; 1 when no planner answered within ``--timeout`` (absent, restarting or hung: try again),
+or (``split set`` only) the planner refused for now (it is starting: the same ``split set`` may succeed in a few seconds);
 2 when the planner refused the split itself (it does not cover the cluster's nodes, 0 prefill
 or decode nodes, or one live node left so a phase would be on dead nodes only: the user's error, as every usage error), the input is malformed, no cluster
 is found, NATS refused the credentials (or wanted some and none were given), the identity may
-not publish the request's subject, or no planner answered. The reason is printed on stderr.
+not publish the request's subject, or the planner's reply was malformed. The reason is printed on stderr.
 """
 
 from __future__ import annotations
@@ -21,25 +25,68 @@ import json
 import math
 import re
 import sys
+from typing import Any
+
+import msgspec
 
 from shared import messages as m
 from evolving_infra.auth_cli import CREDS_HINT, tool_auth
 from shared.auth import AuthError, redact_url
-from shared.bus import Bus, BusError, NoCredentials, PermissionDenied
+from shared.bus import Bus, BusError, NoCredentials, NoReply, NoResponders, PermissionDenied
 from shared.split import split_name
-from shared.subjects import SPLIT_GET, SPLIT_SET, Subjects
+from shared.subjects import SPLIT_GET, SPLIT_SET, Subject, Subjects
 
 EXIT_STATUSES = (
-    "exit status: 0 ok; 1 the planner refused for now (it is starting; try again in a few seconds); 2 the planner "
+    "exit status: 0 ok; 1 no planner answered within --timeout (asked again while none is subscribed: it may be "
+    "restarting), or the planner refused for now (it is starting); try again in a few seconds; 2 the planner "
     "refused the split (it does not cover the cluster's nodes, or only one node is live), a malformed SPLIT or --timeout, no running cluster "
-    "or NATS server found, credentials refused or not allowed the subject, or no planner answered"
+    "or NATS server found, credentials refused or not allowed the subject"
 )
 """``split set``'s (and ``split``'s) exit statuses, the end of their ``--help`` (and the module docstring's)."""
 GET_EXIT_STATUSES = (
-    "exit status: 0 ok; 2 a malformed --timeout, no running cluster or NATS server found, credentials refused or "
-    "not allowed the subject, or no planner answered (a starting planner answers once it has read the nodes' split)"
+    "exit status: 0 ok; 1 no planner answered within --timeout (asked again while none is subscribed: it may be "
+    "restarting; a starting planner answers once it has read the nodes' split); try again in a few seconds; 2 a "
+    "malformed --timeout, no running cluster or NATS server found, credentials refused or not allowed the subject"
 )
-"""``split get``'s: it is never refused (a starting planner holds the question until it knows the split), so never 1."""
+"""``split get``'s: it is never refused (a starting planner holds the question until it knows the split), so 1 only
+when no planner answered."""
+
+RETRY_FIRST_S = 0.05
+"""Seconds before a request that found no responders is asked again; doubled each time up to :data:`RETRY_MAX_S`."""
+RETRY_MAX_S = 0.5
+
+
+async def _ask(bus: Bus, subject: Subject, msg: msgspec.Struct, timeout: float) -> tuple[Any, int]:
+    """``bus.request`` until a reply, asked again while nobody serves ``subject`` (:class:`NoResponders`: the
+    planner restarting or not started), for at most ``timeout`` s. Returns (reply, tries).
+
+    Raises:
+        _Unanswered: no reply within ``timeout`` (no responders the whole time, or a try timed out or lost the
+            connection: not asked again, the planner may have received it).
+        BusError: refused (:class:`RequestRefused`), denied (:class:`PermissionDenied`) or a malformed reply.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pause, tries = RETRY_FIRST_S, 0
+    while True:
+        tries += 1
+        try:
+            return await bus.request(subject, msg, timeout=max(deadline - loop.time(), 0.01)), tries
+        except NoResponders as e:
+            if (left := deadline - loop.time()) <= 0:
+                raise _Unanswered(tries, e) from e
+            await asyncio.sleep(min(pause, left))
+            pause = min(2 * pause, RETRY_MAX_S)
+        except NoReply as e:
+            raise _Unanswered(tries, e) from e
+
+
+class _Unanswered(Exception):
+    """No planner answered within ``--timeout`` after ``tries`` requests (exit 1: try again)."""
+
+    def __init__(self, tries: int, last: BusError) -> None:
+        super().__init__(f"{tries} {'try' if tries == 1 else 'tries'}, the last: {last}")
+        self.tries = tries
 
 _SPEC = re.compile(r"^\s*(\d+\s*[pP]\s*\d+\s*[dD]|collocated|both|agg|aggregated)\s*$", re.IGNORECASE)
 
@@ -83,15 +130,19 @@ async def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.split_command == "get":
-            cmd = await bus.request(SPLIT_GET, m.SplitQuery(), timeout=args.timeout)
+            cmd, _ = await _ask(bus, SPLIT_GET, m.SplitQuery(), args.timeout)
             _print_command(cmd, args.json)
             return 0
-        reply = await bus.request(SPLIT_SET, m.SplitSetRequest(split=args.split, reason=args.reason), timeout=args.timeout)
+        reply, _ = await _ask(bus, SPLIT_SET, m.SplitSetRequest(split=args.split, reason=args.reason), args.timeout)
+    except _Unanswered as e:  # absent, restarting or hung: not the user's error (1, try again)
+        print(f"error: no planner answered on partition {args.partition!r} within {args.timeout:g} s ({e}); "
+              "try again once it is up (`up` restarts a dead one within seconds)", file=sys.stderr)
+        return 1
     except PermissionDenied as e:  # the credentials, not the planner: name the subject and the identity
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except BusError as e:
-        print(f"error: no planner answered on partition {args.partition!r} ({e})", file=sys.stderr)
+    except BusError as e:  # refused as malformed, or a reply that does not decode
+        print(f"error: the planner on partition {args.partition!r} did not answer usably ({e})", file=sys.stderr)
         return 2
     finally:
         await bus.close()
@@ -154,7 +205,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
             help="credentials of the operator identity; default: env EI_NATS_CREDS (or EI_NATS_USER/EI_NATS_PASSWORD), "
             "else the operator credentials of the local cluster `up` started",
         )
-        q.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for NATS and for the planner (default 5)")
+        q.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for NATS, then as long for the planner's answer, asked again while "
+                       "no planner is subscribed (restarting); none in that time: exit 1 (default 5)")
         q.add_argument("--json", action="store_true",
                        help="print the split the planner answered as one JSON object: epoch, split, phases (node: phase), "
                        "reason, decided_at (cluster-clock seconds: simulated under --speedup)")

@@ -112,7 +112,13 @@ class BusError(RuntimeError):
     """A request got no (decodable) reply in time, or the bus could not take a message."""
 
 
-class NoResponders(BusError):
+class NoReply(BusError):
+    """A request got no reply: its timeout passed, nobody serves its subject (:class:`NoResponders`), or the
+    connection closed or its buffer filled under it. Unlike a refused, malformed or denied request, the same
+    request may be answered later (a responder restarting, a hung one resumed)."""
+
+
+class NoResponders(NoReply):
     """A request found nobody serving its subject (NATS "no responders"): the service that answers it
     is gone or not subscribed yet, unlike a timeout, where it may only be slow."""
 
@@ -1376,7 +1382,8 @@ class Bus:
         :meth:`request_until`'s tries under ``_unanswered`` = ``request_retried.``).
 
         Raises:
-            BusError: on timeout, no responders (:class:`NoResponders`), a publish this identity may not
+            BusError: on timeout or a closed connection (:class:`NoReply`), no responders (:class:`NoResponders`,
+                a :class:`NoReply`), a publish this identity may not
                 make (:class:`PermissionDenied`, at the timeout), an undecodable reply, or a request the
                 server refused as malformed or invalid (:class:`RequestRefused`, the reason in the message).
         """
@@ -1390,7 +1397,7 @@ class Bus:
             self.counters[_unanswered + subject.template] += 1
             if (denied := self._permission_error(full)) is not None:
                 raise denied from e
-            cls = NoResponders if isinstance(e, nats.errors.NoRespondersError) else BusError
+            cls = NoResponders if isinstance(e, nats.errors.NoRespondersError) else NoReply
             raise cls(f"no reply on {full}: {type(e).__name__}") from e
         finally:
             self._requesting[key] -= 1

@@ -379,3 +379,57 @@ async def test_the_switch_histogram_counts_phase_switches_not_confirmations_of_a
                      if f.name == "ei_planner_decisions" for smp in f.samples}
         assert by_action["switch"] >= 1 and {"no_switch", "skip", "warmup", "adopt"} <= set(by_action), by_action
     await c.bus.close()
+
+
+def _split_args(nats_url: str, action: str, timeout: float, split: str = "1P3D") -> argparse.Namespace:
+    extra = dict(split=split, reason="operator") if action == "set" else {}
+    return argparse.Namespace(split_command=action, nats_url=nats_url, partition="p0", timeout=timeout, json=True, nats_creds="", **extra)
+
+
+async def test_split_set_and_get_sent_while_no_planner_is_up_wait_for_one(nats_url, capsys):
+    """The fourth fault walk: a ``split set 1P3D`` sent in the ~1.5 s while ``up`` restarts the
+    planner exited 2 "no planner answered" at once, though given ``--timeout 10``: NATS answers a
+    request nobody subscribed to with "no responders" at once. Now it asks again (short backoff)
+    until its ``--timeout``: a planner started 1 s later answers it; ``split get`` the same."""
+    c = await Client.connect(nats_url)
+    put = asyncio.create_task(split_cli._run(_split_args(nats_url, "set", 10.0)))
+    get = asyncio.create_task(split_cli._run(_split_args(nats_url, "get", 10.0)))
+    await asyncio.sleep(1.0)
+    assert not put.done() and not get.done(), (put.done() and put.result(), get.done() and get.result())
+    async with planner(nats_url):
+        assert await asyncio.wait_for(put, 8.0) == 0
+        assert await asyncio.wait_for(get, 8.0) == 0
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+        assert any(x["split"] == "1P3D" for x in lines), lines
+        got = await c.bus.request(SPLIT_GET, m.SplitQuery())
+        assert split_name(got.phases) == "1P3D"
+        stats = await c.stats()
+        assert stats.counters["split.set.ok"] == 1 and stats.counters["split.set.refused"] == 0
+    await c.bus.close()
+
+
+async def test_split_set_and_get_with_no_planner_the_whole_timeout_exit_1_try_again(nats_url, capsys):
+    """No planner for the whole ``--timeout``: asked again until it ends (not given up at the first
+    "no responders"), then exit 1, "try again" (the planner may be restarting), not 2 (the
+    user's error: a refused split, a malformed argument)."""
+    for action in ("set", "get"):
+        t0 = time.monotonic()
+        assert await split_cli._run(_split_args(nats_url, action, 1.0)) == 1
+        assert time.monotonic() - t0 >= 0.9
+        err = capsys.readouterr().err
+        assert "no planner answered on partition 'p0' within 1 s" in err and "try again" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+
+
+async def test_a_refused_split_is_not_asked_again(nats_url, capsys):
+    """A split the planner refuses (5P1D on 4 nodes) ends at its first answer, exit 2: only no
+    responders is asked again."""
+    c = await Client.connect(nats_url)
+    async with planner(nats_url):
+        t0 = time.monotonic()
+        assert await split_cli._run(_split_args(nats_url, "set", 10.0, split="5P1D")) == 2
+        assert time.monotonic() - t0 < 3.0
+        assert "covers 6 nodes" in capsys.readouterr().err
+        stats = await c.stats()
+        assert stats.counters["split.set.refused"] == 1 and stats.counters["split.set.ok"] == 0
+    await c.bus.close()

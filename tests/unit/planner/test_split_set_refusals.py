@@ -96,15 +96,18 @@ def test_split_set_help_lists_its_exit_statuses(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         build_parser("split").parse_args(["split", "set", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "exit status: 0 ok; 1 the planner refused for now" in text and "2 the planner refused the split" in text
+    assert "exit status: 0 ok; 1 no planner answered within --timeout" in text and "or the planner refused for now" in text
+    assert "2 the planner refused the split" in text and "answered within --timeout (asked again" in text
 
 
 def test_split_get_help_does_not_promise_a_refusal_it_never_gives(capsys: pytest.CaptureFixture[str]) -> None:
     """``split get --help`` ended with set's statuses ('1 the planner refused for now'): get is never
-    refused (a starting planner holds it until it knows the split) and exits 0 or 2 only."""
+    refused (a starting planner holds it until it knows the split): 1 only when no planner answered
+    within --timeout (as ``split set``'s), 2 the user's (or the credentials') error."""
     from evolving_infra.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser("split").parse_args(["split", "get", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "exit status: 0 ok; 2 " in text and "1 the planner refused" not in text, text
+    assert "exit status: 0 ok; 1 no planner answered within --timeout" in text and "refused for now" not in text, text
+    assert "; 2 a malformed --timeout" in text, text
