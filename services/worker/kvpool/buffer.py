@@ -69,7 +69,10 @@ MIN_SLOT_BYTES = 64
 
 
 class PoolFull(RuntimeError):
-    """No free slot: every slot is held, pending, or released but still leased."""
+    """No free slot: every slot is held, pending (a fetch in flight), claimed (the engine's bytes being copied),
+    let go while pinned (evicted, or its claim cancelled: freed at the last unpin), or evicted but still leased
+    to a peer. The message counts each: ``all N slots in use (H held, P pending, C claimed, L let go while pinned[,
+    R evicted but leased until >= T])``."""
 
 
 class HostKvBuffer:
@@ -484,7 +487,10 @@ class HostKvBuffer:
             self._free.append(slot)
         if not self._free:
             self.counters["pool_full"] += 1
-            msg = f"all {self.num_slots} slots in use ({len(self._slot_of)} held, {len(self._pending)} pending"
+            msg = (
+                f"all {self.num_slots} slots in use ({len(self._slot_of)} held, {len(self._pending)} pending, "
+                f"{len(self._claimed)} claimed, {len(self._let_go)} let go while pinned"
+            )
             if self._released:
                 msg += f", {len(self._released)} evicted but leased until >= {self._released[0][0]:.3f}"
             raise PoolFull(msg + ")")

@@ -389,3 +389,33 @@ def test_pool_messages_roundtrip():
     )  # fmt: skip
     assert decoder_for(KV_POOL.msg_type).decode(m.encode(req)) == req
     assert decoder_for(KV_POOL.reply_type).decode(m.encode(rep)) == rep
+
+
+def test_pool_full_names_every_state_that_fills_the_pool():
+    """A pool filled by claimed slots (the engine's bytes being copied) and let-go ones (evicted while
+    pinned, or a claim cancelled before its fill) read "0 held, 0 pending": the message counted held and
+    reserved slots only. Now it names each state, and the counts add up to the pool."""
+    buf = HostKvBuffer(6, SB, payload="external")
+    buf.put(1, 0.0, b"x")  # held
+    assert buf.reserve(2, 0.0) is not None  # a fetch in flight
+    assert buf.claim(3, 0.0) is not None  # claimed, not filled yet
+    assert buf.claim(4, 0.0) is not None
+    buf.evict(4, 0.0)  # claim cancelled: let go, freed at its fill
+    buf.put(5, 0.0, b"y")
+    buf.pin(5)
+    buf.evict(5, 0.0)  # evicted while pinned: let go, freed at its unpin
+    buf.put(6, 0.0, b"z")
+    buf.locate([6], now=0.0, lease_s=5.0)
+    buf.evict(6, 1.0)  # evicted, leased to a peer until t=5
+    buf.check()
+    with pytest.raises(PoolFull) as e:
+        buf.put(7, 2.0, b"w")
+    assert str(e.value) == (
+        "all 6 slots in use (1 held, 1 pending, 1 claimed, 2 let go while pinned, 1 evicted but leased until >= 5.000)"
+    )
+    only = HostKvBuffer(2, SB, payload="external")
+    only.claim(1, 0.0)
+    only.claim(2, 0.0)
+    only.evict(2, 0.0)
+    with pytest.raises(PoolFull, match=r"^all 2 slots in use \(0 held, 0 pending, 1 claimed, 1 let go while pinned\)$"):
+        only.claim(3, 0.0)
