@@ -120,16 +120,41 @@ def _stop(service: str, hold_s: float) -> Injector:
     return inject
 
 
-def _then(first: Injector, service: str, after_s: float) -> Injector:
-    """``first``, then SIGKILL of ``service`` ``after_s`` wall s later (two faults at once); recovery is ``first``'s."""
+def _then(first: Injector, service: str, after_s: float, new_pid_wait_s: float = 10.0) -> Injector:
+    """``first``, then SIGKILL of ``service`` ``after_s`` wall s later (two faults at once). When ``first`` hit
+    ``service`` itself (``nats-kill-twice``) the second kill waits (polled every 50 ms, up to ``new_pid_wait_s``
+    wall s) for ``up`` to have started it again: cluster.json's pid no longer the one ``first`` signalled (that one
+    is reaped; its number may be reused). A process gone before the signal (``ProcessLookupError``) is waited for
+    again. Recovery is timed from the second kill (``run.t_fault``, ``run.signalled[service]``: its pid) and is
+    ``service``'s restart; ``run.notes``: ``second_kill_s`` (wall s from the first fault to the second), or
+    ``second_kill`` = ``"no new pid"`` when none came in time (then recovery stays ``first``'s)."""
 
     async def inject(run: FaultRun) -> str | None:
         victim = await first(run)
-        t_fault, signalled = run.t_fault, dict(run.signalled)
+        t_first = run.t_fault
+        old = run.signalled.get(service)
         await asyncio.sleep(after_s)
-        os.kill(run.pid(service), signal.SIGKILL)
-        run.t_fault, run.signalled = t_fault, signalled
-        return victim
+        deadline = time.monotonic() + new_pid_wait_s
+        while True:
+            try:
+                pid: int | None = run.pid(service)
+            except (OSError, ValueError, KeyError):
+                pid = None  # cluster.json being rewritten
+            if pid is not None and pid != old:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    old = pid  # exited before the signal: wait for up's next one
+                else:
+                    run.t_fault = time.monotonic()
+                    run.signalled[service] = pid
+                    if t_first is not None:
+                        run.notes["second_kill_s"] = round(run.t_fault - t_first, 3)
+                    return service
+            if time.monotonic() >= deadline:
+                run.notes["second_kill"] = "no new pid"
+                return victim
+            await asyncio.sleep(0.05)
 
     return inject
 
@@ -382,7 +407,8 @@ SIGKILLed (the planner must give its phase to another node, or the router wait f
 streams wait; the workers must not drop its requests as a router gone); ``switch-worker-kill``: w1 SIGKILLed the
 moment ``split set 1P3D`` returned (its switch from prefill to decode in flight); ``nats-kill-twice`` /
 ``nats-store-lost-twice``: nats-server SIGKILLed (its store removed) and its restarted process SIGKILLed again 0.6 s
-later, while every service's reconnect check (and stream wait) of the first restart runs."""
+later (or once ``up`` has restarted it, if later), while every service's reconnect check (and stream wait) of the
+first restart runs. ``a-then-b``'s recovery is timed from b's kill."""
 
 TORCH_MAX_OUTPUT = 128
 """``--engine torch``: output tokens per request at most (the trace scaled to the tiny model): enough decode steps

@@ -135,3 +135,71 @@ def test_every_fault_is_listed(capsys):
                  "nats-kill-twice", "nats-store-lost-twice"):
         assert name in listed and name in faults.FAULTS
     assert Path(faults.__file__).name == "faults.py"
+
+
+class _Restarting:
+    """A ``FaultRun`` whose cluster.json names each of ``pids`` in turn for ``polls`` reads of ``service``'s pid (the
+    first: the process the first fault kills; then ``up``'s restarts); ``alive`` are the pids ``os.kill`` may reach."""
+
+    def __init__(self, pids: list[int], polls: int, alive: set[int]) -> None:
+        self.notes: dict[str, object] = {}
+        self.signalled: dict[str, int] = {}
+        self.t_fault: float | None = None
+        self._pids, self._polls, self._reads = pids, polls, 0
+        self.alive = alive
+        self.sent: list[int] = []
+
+    def pid(self, service: str) -> int:
+        pid = self._pids[min(self._reads // self._polls, len(self._pids) - 1)]
+        self._reads += 1
+        return pid
+
+    def kill(self, service: str, sig: int = signal.SIGKILL) -> int:
+        pid = self.pid(service)
+        self.t_fault = 1.0
+        self.signalled[service] = pid
+        self._os_kill(pid, sig)
+        return pid
+
+    def _os_kill(self, pid: int, sig: int) -> None:
+        self.sent.append(pid)
+        if pid not in self.alive:
+            raise ProcessLookupError(pid)
+        self.alive.discard(pid)
+
+
+def _kill_first(run: _Restarting) -> object:
+    async def first(r: object) -> str:
+        run.kill("nats-server")
+        return "nats-server"
+
+    return first
+
+
+def test_then_kills_the_restarted_process_not_the_reaped_one(monkeypatch):
+    # cluster.json still names the killed pid 100 for a while (up not restarted yet), then 200: the second SIGKILL
+    # must wait for 200 (before: os.kill(100) -> ProcessLookupError out of run_fault, or a reused pid killed)
+    run = _Restarting([100, 200], polls=4, alive={100, 200})
+    monkeypatch.setattr(faults.os, "kill", run._os_kill)
+    monkeypatch.setattr(asyncio, "sleep", _no_sleep)
+    clock = iter(range(10, 10_000))
+    monkeypatch.setattr(faults.time, "monotonic", lambda: float(next(clock)) * 0.001)
+    victim = asyncio.run(faults._then(_kill_first(run), "nats-server", 0.6)(run))
+    assert victim == "nats-server" and run.sent == [100, 200]
+    assert run.signalled == {"nats-server": 200}  # recovery: a pid other than the second one
+    assert run.t_fault is not None and run.t_fault != 1.0  # timed from the second kill, not the first's (1.0)
+    assert run.notes["second_kill_s"] == round(run.t_fault - 1.0, 3)
+
+
+def test_then_waits_again_when_the_restarted_process_is_gone_and_gives_up_bounded(monkeypatch):
+    monkeypatch.setattr(asyncio, "sleep", _no_sleep)
+    clock = iter(range(10, 100_000))
+    monkeypatch.setattr(faults.time, "monotonic", lambda: float(next(clock)) * 0.01)
+    run = _Restarting([100, 200, 300], polls=3, alive={100, 300})  # 200 exited on its own before the signal
+    monkeypatch.setattr(faults.os, "kill", run._os_kill)
+    assert asyncio.run(faults._then(_kill_first(run), "nats-server", 0.6)(run)) == "nats-server"
+    assert run.sent == [100, 200, 300] and run.signalled == {"nats-server": 300}
+    stuck = _Restarting([100], polls=1, alive={100})  # up never restarts it: no signal to pid 100 again, no hang
+    monkeypatch.setattr(faults.os, "kill", stuck._os_kill)
+    assert asyncio.run(faults._then(_kill_first(stuck), "nats-server", 0.6, new_pid_wait_s=2.0)(stuck)) == "nats-server"
+    assert stuck.sent == [100] and stuck.notes["second_kill"] == "no new pid" and stuck.t_fault == 1.0
