@@ -18,12 +18,15 @@ KV kept — the decoupled plane — and bind decode by the router's own rule).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from evolving_infra.sim.policies import DECODE_BINDINGS, EVICTIONS, SET_NAMES, PolicyError, policy_set, serving, with_overrides
 from shared.config import parse_key_values
 from shared.values import FrozenValue, set_field
+
+if TYPE_CHECKING:
+    from services.router.config import RouterConfig
 
 DEFAULT_POLICY = "evolving"
 
@@ -58,8 +61,10 @@ def add_policy_args(p: argparse.ArgumentParser, *, live: bool, default: str = DE
                      help="routing policy option, repeatable: a knob of the router's policies as `python -m services.router "
                      "--help` lists it, e.g. ttft_fetch_min_tokens=64 ttft_fetch_base_s=0.02 (paper Eq. 7's fetch model "
                      "τ(x)) cache_threshold=0.5"
-                     + ("; units as the router's --help gives them (ttft_state_max_age_s: wall s x --speedup)" if live
-                        else "; *_s in simulated seconds"))
+                     + ("; units as the router's --help gives them (ttft_state_max_age_s: wall s x --speedup); profile "
+                        "and block_size come from --profile and --block-size" if live
+                        else "; *_s in simulated seconds; profile, block_size and seed come from --profile, --block-size "
+                        "and --seed"))
     return pol
 
 
@@ -165,8 +170,8 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
                       decode_binding=binding, router_args=router_args, split=ps.split, notes=tuple(notes))
 
 
-ROUTER_OWN_FLAGS = frozenset({"profile", "block_size"})
-"""Policy options the live cluster sets from its own flags (``--profile``, ``--block-size``)."""
+ROUTER_OWN_FLAGS = {"profile": "--profile", "block_size": "--block-size"}
+"""Policy options the live cluster sets from its own flags (``--profile``, ``--block-size``) → that flag."""
 
 UP_SETS_FOR_ITS_ROUTER = frozenset({
     "instance", "clock_origin", "port_file", "nats_creds", "metrics_port", "metrics_host", "log_format", "profile_clock",
@@ -197,6 +202,45 @@ def _not_a_policy_option(key: str, value: Any, known: Sequence[str]) -> str:
             f"demo start reads it from the environment it inherits, {env}={_fmt(value)} evolving-infra up; {tail}")
 
 
+def resolve_routing_options(
+    options: dict[str, Any],
+    own: Mapping[str, str],
+    not_an_option: Callable[[str, Any, Sequence[str]], str] | None = None,
+) -> RouterConfig:
+    """Check routing policy options (``--routing-opt K=V``) the way the router's config reads them; the one check
+    behind ``up``/``demo`` (:func:`routing_option_args`) and ``simulate`` (``evolving_infra.sim.config``).
+
+    Args:
+        options: option name (a key of ``RouterConfig.policy_options``) → value (``parse_key_values``'s types).
+        own: options the command sets from its own flags → that flag (refused here: it would override the
+            command's value in the router alone).
+        not_an_option: the reason for a name that is not a policy option, given ``(key, value, known)``;
+            None: ``"not a routing policy option; known: ..."``.
+
+    Returns:
+        The router's config with ``options`` applied over its defaults (no environment read).
+
+    Raises:
+        ValueError: a name that is not a routing policy option, one of ``own``, or a value the router's config
+            refuses (wrong type, out of range), with the reason.
+    """
+    from services.router.config import RouterConfig
+    from shared.config import ConfigError, resolve_config
+
+    known = sorted(set(RouterConfig().policy_options()) - set(own))
+    for key in options:
+        if key in own:
+            raise ValueError(f"--routing-opt {key}: set it with {own[key]}")
+        if key not in known:
+            if not_an_option is not None:
+                raise ValueError(not_an_option(key, options[key], known))
+            raise ValueError(f"--routing-opt {key}: not a routing policy option; known: {', '.join(known)}")
+    try:
+        return resolve_config(RouterConfig, dict(options), env={})
+    except ConfigError as e:
+        raise ValueError(f"--routing-opt: {e}") from None
+
+
 def routing_option_args(options: dict[str, Any]) -> tuple[str, ...]:
     """The router's command-line flags for routing policy options (``--routing-opt K=V``).
 
@@ -210,21 +254,12 @@ def routing_option_args(options: dict[str, Any]) -> tuple[str, ...]:
 
     Raises:
         ValueError: a name that is not a routing policy option (or one the cluster sets from
-            its own flag), or a value the router's config refuses (wrong type, out of range).
+            its own flag, :data:`ROUTER_OWN_FLAGS`), or a value the router's config refuses (wrong type, out of range).
     """
     from services.router.config import RouterConfig
-    from shared.config import ConfigError, flag_name, resolve_config
+    from shared.config import flag_name
 
-    known = sorted(set(RouterConfig().policy_options()) - ROUTER_OWN_FLAGS)
-    for key in options:
-        if key in ROUTER_OWN_FLAGS:
-            raise ValueError(f"--routing-opt {key}: set it with --{key.replace('_', '-')}")
-        if key not in known:
-            raise ValueError(_not_a_policy_option(key, options[key], known))
-    try:
-        cfg = resolve_config(RouterConfig, dict(options), env={})
-    except ConfigError as e:
-        raise ValueError(f"--routing-opt: {e}") from None
+    cfg = resolve_routing_options(options, ROUTER_OWN_FLAGS, _not_a_policy_option)
     return tuple(a for k in RouterConfig.__struct_fields__ if k in options for a in (flag_name(k), str(getattr(cfg, k))))
 
 

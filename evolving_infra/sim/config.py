@@ -215,34 +215,28 @@ def _split_nodes(total: int, k: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(k)]
 
 
-SIM_OWN_ROUTING_OPTIONS = {"profile": "--profile", "block_size": "--block-size"}
-"""Routing policy options ``simulate`` sets from its own flags (the router takes the simulation's profile and block size)."""
+SIM_OWN_ROUTING_OPTIONS = {"profile": "--profile", "block_size": "--block-size", "seed": "--seed"}
+"""Routing policy options ``simulate`` sets from its own flags (the router takes the simulation's profile, block size
+and seed: ``meta.seed`` is the seed its randomized policies ran with)."""
 
 
 def check_routing_options(options: dict[str, Any]) -> None:
     """``--routing-opt``: each a knob of the router's policies (``RouterConfig.policy_options``) with a value the
-    router's config takes, as ``up`` checks them (``evolving_infra.policy_args.routing_option_args``). The values
-    go to the policies as given.
+    router's config takes, checked as ``up`` checks them (``evolving_infra.policy_args.resolve_routing_options``).
+    The values go to the policies as given.
 
     Raises:
         SimConfigError: a name that is not a routing policy option (a typo, or a router setting such as
             ``shutdown_grace_s``: the run went on with the policy's defaults, saying nothing), one of
-            :data:`SIM_OWN_ROUTING_OPTIONS` (it overrode the block size in the router alone), or a value the
-            router refuses (the reason).
+            :data:`SIM_OWN_ROUTING_OPTIONS` (it overrode the block size or seed in the router alone, with ``meta``
+            recording the simulation's), or a value the router refuses (the reason).
     """
-    from services.router.config import RouterConfig
-    from shared.config import ConfigError, resolve_config
+    from evolving_infra.policy_args import resolve_routing_options
 
-    known = sorted(set(RouterConfig().policy_options()) - set(SIM_OWN_ROUTING_OPTIONS))
-    for key in options:
-        if key in SIM_OWN_ROUTING_OPTIONS:
-            raise SimConfigError(f"--routing-opt {key}: set it with {SIM_OWN_ROUTING_OPTIONS[key]}")
-        if key not in known:
-            raise SimConfigError(f"--routing-opt {key}: not a routing policy option; known: {', '.join(known)}")
     try:
-        resolve_config(RouterConfig, dict(options), env={})
-    except ConfigError as e:
-        raise SimConfigError(f"--routing-opt: {e}") from None
+        resolve_routing_options(options, SIM_OWN_ROUTING_OPTIONS)
+    except ValueError as e:
+        raise SimConfigError(str(e)) from None
 
 
 def resolve(cfg: SimConfig) -> Resolved:

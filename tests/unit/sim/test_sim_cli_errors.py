@@ -72,13 +72,14 @@ def test_a_report_that_cannot_be_written_is_an_error_line_and_leaves_nothing(
         ("nope=1", "error: --routing-opt nope: not a routing policy option; known: balance_abs_threshold, "),
         ("shutdown_grace_s=5", "error: --routing-opt shutdown_grace_s: not a routing policy option"),
         ("block_size=8", "error: --routing-opt block_size: set it with --block-size"),
+        ("seed=5", "error: --routing-opt seed: set it with --seed"),
         ("ttft_fetch_min_tokens=-1", "error: --routing-opt: "),
     ],
 )
 def test_a_routing_option_the_router_does_not_take_is_an_error_line(tmp_path: Path, capsys, opt: str, frag: str) -> None:
     """``simulate --routing-opt nope=1`` (a typo, or a router setting such as ``shutdown_grace_s``) ran the
     policy's defaults and said nothing, where ``up`` refuses the same option (exit 2); ``block_size`` overrode
-    the simulation's block size in the router alone."""
+    the simulation's block size in the router alone, ``seed`` the router's seed with ``meta.seed`` saying ``--seed``'s."""
     argv = ["simulate", "--trace", str(SAMPLE), "--routing-opt", opt, "--duration", "5", "--no-plots", "--out", str(tmp_path / "o")]
     assert main(argv) == 2
     err = capsys.readouterr().err
