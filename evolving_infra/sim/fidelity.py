@@ -198,6 +198,7 @@ async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path)
         "cluster": {"nodes": s.nodes, "split": s.split, "profile": s.profile, "routing": s.routing},
         "speedup": s.speedup,
         "arrival": {"kind": "closed", "concurrency": s.concurrency},
+        "max_retries": replayer.retry.max_retries,  # an input report compare checks (compare.INPUT_KEYS), as the demo's
         "wall_s": time.monotonic() - wall0,
         "replay_wall_s": result.wall_s,
     }
