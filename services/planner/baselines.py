@@ -236,6 +236,9 @@ class ArrowPlanner(PolicyBase):
 
     name = "arrow"
 
+    obs: Observer
+    """Its measurements (set in ``__init__``; ``PolicyBase.obs`` is None only for the planners without one)."""
+
     def __init__(self, nodes: Sequence[str], profile: Profile, params: ArrowParams | None = None) -> None:
         super().__init__(nodes, profile)
         self.p = params or ArrowParams()

@@ -204,6 +204,9 @@ class EvolvingPlanner(PolicyBase):
 
     name = "evolving"
 
+    obs: Observer
+    """Its measurements (set in ``__init__``; ``PolicyBase.obs`` is None only for the planners without one)."""
+
     def __init__(self, nodes: Sequence[str], profile: Profile, params: EvolvingParams | None = None) -> None:
         super().__init__(nodes, profile)
         self.p = params or EvolvingParams()
