@@ -72,6 +72,10 @@ class FaultRun:
     """Processes the fault started itself (a twin): killed when the run ends."""
     notes: dict[str, object] = field(default_factory=dict)
     """What the injector measured (a SIGTERM's exit time, the node seen parked, split exit statuses)."""
+    recover_s: float | None = None
+    """Set by an injector that measures recovery itself while it runs (``switch-planner-kill``: the kill to the restarted
+    planner's first answered ``split get``): :attr:`FaultResult.recover_s` is this, not the wait that starts once the
+    injector has returned."""
 
     @property
     def router_url(self) -> str:
@@ -318,7 +322,9 @@ def _switch_then_kill(first: str, then: tuple[str, ...], service: str = "planner
     nodes it moves are draining), SIGKILL ``service``; once ``up`` has restarted it and it answers ``split get``,
     ``split set`` each of ``then``
     (one a second) and ``split get``. The restarted planner must adopt the split the nodes serve (not revert it,
-    not leave a node switching) and take the next ``split set`` commands. ``run.notes``: ``split_exit`` (every ``split
+    not leave a node switching) and take the next ``split set`` commands. ``run.recover_s`` (and ``run.notes``'
+    ``planner_answer_s``): wall s from the kill to the restarted planner's first answered ``split get`` (None: none
+    in 30 s), not the injector's whole run (its later sets and pauses). ``run.notes``: ``split_exit`` (every ``split
     set``'s status, ``first``'s first), ``split_after`` (``split get``'s line at the end)."""
 
     async def inject(run: FaultRun) -> str | None:
@@ -334,16 +340,19 @@ def _switch_then_kill(first: str, then: tuple[str, ...], service: str = "planner
                 pass
             await asyncio.sleep(0.05)
         errors = list(run.notes.get("split_errors", []))  # split get's while the restarted one is not up are not kept
-        while time.monotonic() < deadline and (await _split_cli(run, "get"))[0]:  # until the restarted one answers
+        while time.monotonic() < deadline:  # until the restarted one answers
+            if not (await _split_cli(run, "get"))[0]:
+                assert run.t_fault is not None
+                run.recover_s = round(time.monotonic() - run.t_fault, 3)
+                run.notes["planner_answer_s"] = run.recover_s
+                break
             await asyncio.sleep(0.2)
         run.notes["split_errors"] = errors
-        t_fault, signalled = run.t_fault, dict(run.signalled)
         for sp in then:
             codes.append((await _split_cli(run, "set", sp))[0])
             await asyncio.sleep(1.0)
         run.notes["split_exit"] = codes
         run.notes["split_after"] = (await _split_cli(run, "get"))[1]
-        run.t_fault, run.signalled = t_fault, signalled
         return service
 
     return inject
@@ -433,7 +442,9 @@ class FaultResult:
     """Requests the replayer sent again after a refusal before any answer (429 / 503, connection refused or
     reset before the first byte: ``evolving_infra.replay.retry``), completed or not."""
     recover_s: float | None = None
-    """Fault -> victim restarted (new pid) and router /healthz 200 (wall s)."""
+    """Fault -> victim restarted (new pid) and router /healthz 200 (wall s); where the injector measured it itself
+    (:attr:`FaultRun.recover_s`), that: ``switch-planner-kill``'s is the kill -> the restarted planner's first answered
+    ``split get``."""
     up_alive: bool = False
     restarts: dict[str, int] = field(default_factory=dict)
     replay_wall_s: float = 0.0
@@ -641,6 +652,8 @@ async def run_fault(
         res.replay_wall_s = time.monotonic() - wall0
         if recover is not None:
             res.recover_s = await recover
+            if run.recover_s is not None:
+                res.recover_s = run.recover_s  # the injector's own measure (it ran past the recovery)
         if result is not None:
             res.sent = len(result.records)
             res.completed = sum(1 for r in result.records if r.ok)

@@ -37,6 +37,8 @@ class _Run:
         self.notes: dict[str, object] = {}
         self.signalled: dict[str, int] = {}
         self.t_fault: float | None = None
+        self.recover_s: float | None = None
+        self.now = 0.0
         self._pid = 100
         self._polls_left = restart_after_polls
         self._gets_left = answers_after_gets
@@ -59,6 +61,7 @@ class _Run:
 
     async def split_cli(self, run: object, *argv: str) -> tuple[int, str]:
         assert run is self
+        self.now += 1.0  # each split CLI takes a wall second
         if self.killed and self._pid == 200 and argv[0] == "get" and self._gets_left > 0:
             self._gets_left -= 1
             self.log.append("get: no responders")
@@ -80,6 +83,22 @@ def test_switch_planner_kill_kills_at_the_first_set_and_sets_again_only_once_the
     assert run.notes["split_exit"] == [0, 0, 0] and run.notes["split_after"] == "epoch 9: 2P2D"
     assert run.notes["split_errors"] == []  # the gets while the new planner was not up are not errors of the walk
     assert run.signalled == {"planner": 100} and run.t_fault == 1.0  # recovery timed from the kill
+
+
+def test_switch_planner_kill_recovery_is_the_first_answered_get_not_the_injector_run(monkeypatch):
+    run = _Run(restart_after_polls=3, answers_after_gets=2)
+    monkeypatch.setattr(faults, "_split_cli", run.split_cli)
+    monkeypatch.setattr(asyncio, "sleep", _no_sleep)
+    monkeypatch.setattr(faults.time, "monotonic", lambda: run.now)
+    asyncio.run(faults._switch_then_kill("1P3D", ("3P1D", "2P2D"))(run))
+    # set 1P3D ends at 1 s, kill at t_fault 1.0, two unanswered gets, the third answered at 4 s; the two sets and
+    # the last get after it (to 7 s) are not recovery
+    assert run.recover_s == 3.0 and run.notes["planner_answer_s"] == 3.0 and run.now == 7.0
+    never = _Run(restart_after_polls=1, answers_after_gets=10_000)
+    monkeypatch.setattr(faults, "_split_cli", never.split_cli)
+    monkeypatch.setattr(faults.time, "monotonic", lambda: never.now)
+    asyncio.run(faults._switch_then_kill("1P3D", ())(never))
+    assert never.recover_s is None and "planner_answer_s" not in never.notes  # no answer in 30 s: not recovered
 
 
 def test_in_split_sets_the_split_before_the_fault(monkeypatch):
