@@ -175,10 +175,19 @@ ROUTER_OWN_FLAGS = {"profile": "--profile", "block_size": "--block-size"}
 
 UP_SETS_FOR_ITS_ROUTER = frozenset({
     "instance", "clock_origin", "port_file", "nats_creds", "metrics_port", "metrics_host", "log_format", "profile_clock",
-    "model_names", "model_aliases", "max_context_tokens", "model_vocab_size",
+    "model_names", "model_aliases", "listen_fd",
 })
 """Router settings without a flag of ``up``'s own name that ``up`` gives its router on the command line (from its
-other flags, or one per process): an ``EI_*`` variable of the same name would not reach it."""
+other flags, or one per process; ``listen_fd``: the listening socket it holds): an ``EI_*`` variable of the same
+name would not reach it."""
+
+UP_SETS_WITH_TORCH = frozenset({"max_context_tokens", "model_vocab_size"})
+"""Router settings ``up`` gives its router on the command line only with ``--engine torch`` (from the model's
+config); with the simulated engine the router reads them from the environment it inherits."""
+
+NATS_CONNECTION_KEYS = frozenset({"nats_user", "nats_password", "nats_tls_ca", "nats_tls_cert", "nats_tls_key"})
+"""Every service's NATS connection settings that ``up`` drops from its services' environment under its embedded
+nats-server (``evolving_infra.cluster.NATS_CONNECTION_ENV``) and passes on with ``--nats-url``."""
 
 
 def _not_a_policy_option(key: str, value: Any, known: Sequence[str]) -> str:
@@ -198,6 +207,16 @@ def _not_a_policy_option(key: str, value: Any, known: Sequence[str]) -> str:
     if key in UP_SETS_FOR_ITS_ROUTER:
         return f"--routing-opt {key}: a router setting that up and demo set for their router themselves; {tail}"
     env = env_name(key)
+    if key in NATS_CONNECTION_KEYS:
+        shown = "..." if key == "nats_password" else _fmt(value)
+        return (f"--routing-opt {key}: a NATS connection setting of every service, not a routing policy option: with "
+                f"the embedded nats-server up and demo drop {env} from their services' environment (the cluster's own "
+                f"credentials are used); for a server of your own, {env}={shown} evolving-infra up --nats-url URL "
+                f"passes it on; {tail}")
+    if key in UP_SETS_WITH_TORCH:
+        return (f"--routing-opt {key}: a router setting ({flag_name(key)}), not a routing policy option: up and demo "
+                f"set it for their router from the model with --engine torch; with the simulated engine the router "
+                f"reads it from the environment it inherits, {env}={_fmt(value)} evolving-infra up; {tail}")
     return (f"--routing-opt {key}: a router setting ({flag_name(key)}), not a routing policy option: the router up and "
             f"demo start reads it from the environment it inherits, {env}={_fmt(value)} evolving-infra up; {tail}")
 

@@ -89,7 +89,18 @@ def test_routing_options_reach_the_live_router_as_its_flags(tmp_path):
     (["--routing-opt", "shutdown_grace_s=5"], r"^error: --routing-opt shutdown_grace_s: a router setting \(--shutdown-grace-s\), "
                                               r"not a routing policy option: .* EI_SHUTDOWN_GRACE_S=5 evolving-infra up; routing policy options: .*ttft_fetch_min_tokens"),
     (["--routing-opt", "speedup=5"], "a router setting, not a routing policy option: set it with --speedup;"),
-    (["--routing-opt", "max_context_tokens=64"], "a router setting that up and demo set for their router themselves"),
+    # up sets max_context_tokens only with --engine torch; it passes --listen-fd itself; it drops the NATS connection
+    # settings from its services under the embedded server (the advice to export them was wrong for all three)
+    (["--routing-opt", "max_context_tokens=64"], r"a router setting \(--max-context-tokens\), not a routing policy option: up and "
+                                                 r"demo set it for their router from the model with --engine torch; with the "
+                                                 r"simulated engine .* EI_MAX_CONTEXT_TOKENS=64 evolving-infra up;"),
+    (["--routing-opt", "listen_fd=3"], "listen_fd: a router setting that up and demo set for their router themselves;"),
+    (["--routing-opt", "nats_tls_ca=/ca.pem"], r"nats_tls_ca: a NATS connection setting of every service, not a routing policy "
+                                               r"option: with the embedded nats-server up and demo drop EI_NATS_TLS_CA from "
+                                               r"their services' environment .* EI_NATS_TLS_CA=/ca.pem evolving-infra up "
+                                               r"--nats-url URL passes it on;"),
+    (["--routing-opt", "nats_password=hunter2"], r"nats_password: .*drop EI_NATS_PASSWORD .* EI_NATS_PASSWORD=\.\.\. evolving-infra up --nats-url"),
+    (["--routing-opt", "nats_user=bob"], r"EI_NATS_USER=bob evolving-infra up --nats-url URL"),
     (["--routing-opt", "ttft_fetch_min_tokens=-1"], ">= 0"),
     (["--routing-opt", "ttft_fetch_base_s=fast"], "ttft_fetch_base_s"),
     (["--nodes", "3", "--policy", "static:2P2D"], r"split '2P2D' covers 4 nodes but the cluster has 3; pass --split xPyD with x \+ y = 3"),  # a policy's split; --nodes 3 alone now defaults to 2P1D
