@@ -34,6 +34,7 @@ from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url
 from shared.bus import Bus, BusError, PermissionDenied, stream_api_subject, stream_name
 from shared.config import ENV_PREFIX, CommonConfig
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent
+from shared.net import http_url
 from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from shared.split import parse_split, split_phases
@@ -224,12 +225,6 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def http_url(host: str, port: int) -> str:
-    """``http://host:port``, an IPv6 address in brackets (``--host ::1``: ``http://[::1]:8000``; unbracketed, httpx
-    read ``:1:8000`` as the port and ``up`` died in its readiness wait)."""
-    return f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
 
 
 def _free_port(host: str) -> int:

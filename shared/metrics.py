@@ -60,6 +60,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from shared.net import http_url
+
 if TYPE_CHECKING:
     import uvicorn
     from starlette.requests import Request
@@ -369,7 +371,7 @@ class MetricsServer:
                 exc = self._task.exception() if not self._task.cancelled() else None
                 raise OSError(f"metrics server failed to start: {exc!r}")
             await asyncio.sleep(0.01)
-        structlog.get_logger("metrics").info("metrics listening", url=f"http://{self.host}:{self.port}/metrics")
+        structlog.get_logger("metrics").info("metrics listening", url=http_url(self.host, self.port) + "/metrics")
 
     async def stop(self) -> None:
         """Stop serving (waits up to 5 s, then cancels)."""

@@ -69,6 +69,7 @@ from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.hashing import block_hashes_packed
 from shared.metrics import FuncCollector, make_registry, metrics_response
+from shared.net import http_url
 from shared.service import BackgroundTasks, WatchedService
 from shared.validate import epoch_step_ok
 from shared.subjects import (
@@ -857,7 +858,7 @@ class RouterService(WatchedService):
             "router listening",
             host=self.cfg.host,
             port=self.port,
-            url=f"http://{self.cfg.host}:{self.port}",
+            url=http_url(self.cfg.host, self.port),
             routing=self.core.policy.name,
             tokenizer=self.tokenizer.name,
             model=self.cfg.model,

@@ -111,7 +111,8 @@ def test_up_on_an_ipv6_address_serves_at_a_bracketed_url(tmp_path):
     """``up --host ::1 --metrics``: the router's socket is bound on the IPv6 loopback, and ``up`` reaches it at
     ``http://[::1]:PORT``; the metrics ports are found on that address too. Before, the URL was ``http://::1:PORT``:
     ``up`` died with a traceback (httpx.InvalidURL: Invalid port ':1:PORT') in its readiness wait, after NATS and
-    every service had started; with ``--metrics`` it died sooner, its free-port probe binding ``::1`` on IPv4."""
+    every service had started; with ``--metrics`` it died sooner, its free-port probe binding ``::1`` on IPv4. The
+    router's and the metrics endpoints' "listening" log lines bracket it too."""
     proc, ready = _up(tmp_path, "--host", "::1", "--metrics")
     try:
         url = str(ready["router_url"])
@@ -120,5 +121,9 @@ def test_up_on_an_ipv6_address_serves_at_a_bracketed_url(tmp_path):
         metrics = str(ready["metrics"]["router"])  # type: ignore[index]
         assert metrics.startswith("http://[::1]:"), metrics
         assert httpx.get(metrics, timeout=10).status_code == 200
+        # the "router listening" / "metrics listening" log lines give the same URLs (they were http://::1:PORT)
+        logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log"))
+        assert f'"{url}"' in logs and f'"{metrics}"' in logs, logs[-2000:]
+        assert "http://::1:" not in logs
     finally:
         _stop(proc)
