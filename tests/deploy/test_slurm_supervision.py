@@ -277,11 +277,14 @@ def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(
         by_service = [(t["labels"]["service"], t["labels"].get("node"), t["targets"]) for t in targets]
         assert by_service == [
             ("kvdirectory", None, [f"127.0.0.1:{base}"]), ("planner", None, [f"127.0.0.1:{base + 1}"]),
-            ("router", None, [f"127.0.0.1:{base + 2}"]), ("worker", "w0", [f"n2:{base + 3}"]), ("worker", "w1", [f"n3:{base + 4}"]),
+            ("router", None, [f"127.0.0.1:{base + 2}"]), ("worker", "w0", [f"127.0.0.1:{base + 3}"]),
+            ("worker", "w1", [f"127.0.0.1:{base + 4}"]),
         ], by_service
+        # each target scraped as Prometheus would, at the address the file gives: a worker's is its node's NodeAddr,
+        # as the head's is (before, the node's name: n2, n3, which need not resolve; here they do not)
         families = {}
-        for k in range(5):
-            text = get(f"http://127.0.0.1:{base + k}/metrics").decode()
+        for k, t in enumerate(targets):
+            text = get(f"http://{t['targets'][0]}/metrics").decode()
             families[k] = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
         assert all(families.values()), families
         assert len({frozenset(f) for f in list(families.values())[:4]}) == 4, "the head's services serve one port each"
