@@ -38,6 +38,8 @@ import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from services.router.api import error_body
+
 _JSON = msgspec.json.Encoder()
 
 RESET_EXTENSION = "evolving_infra.connection_reset"
@@ -98,6 +100,8 @@ def _digest(key: str | bytes) -> bytes:
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> bytes:
+    """The 401 / 429 of the key guard: OpenAI's error shape with a string ``code`` (``invalid_api_key``, as OpenAI's
+    own 401; ``too_many_requests``). Its 400 is the API's (``api.error_body``: ``code`` 400, as vLLM)."""
     kind = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}.get(status, "error")
     return _JSON.encode({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
@@ -175,7 +179,8 @@ class IngressGuard:
             self.counters["http.auth_header_repeated"] += 1
             if self.on_refused is not None:
                 self.on_refused(scope, 400, str(e))
-            await self._reply(send, 400, _error(400, str(e), "invalid_request", "Authorization"), [(b"connection", b"close")])
+            body = _JSON.encode(error_body(400, str(e), "Authorization"))  # the API's other 400s' shape: code 400
+            await self._reply(send, 400, body, [(b"connection", b"close")])
             return
         who = None
         if value is not None:

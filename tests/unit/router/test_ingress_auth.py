@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from typing import Any
 
+from services.router.api import error_body
 from services.router.ingress import IngressGuard
 
 
@@ -50,6 +51,8 @@ async def test_two_authorization_headers_with_different_values_are_a_400_not_the
         assert status == 400, headers
         assert body["error"]["param"] == "Authorization" and "sent 2 times with different values" in body["error"]["message"]
         assert body["error"]["type"] == "invalid_request_error" and head[b"connection"] == b"close"
+        assert body["error"]["code"] == 400  # the API's other 400s' shape (api.error_body), not "invalid_request"
+        assert body == {"error": error_body(400, body["error"]["message"], "Authorization")["error"]}
     assert counters["http.auth_header_repeated"] == 5 and counters["http.unauthorized"] == 0
     assert [s for s, _ in refused] == [400] * 5
     assert guard.inflight == Counter()  # no key was charged a slot
