@@ -34,7 +34,7 @@ from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url
 from shared.bus import Bus, BusError, PermissionDenied, stream_api_subject, stream_name
 from shared.config import ENV_PREFIX, CommonConfig
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent
-from shared.net import http_url
+from shared.net import http_url, listen_socket
 from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from shared.split import parse_split, split_phases
@@ -205,26 +205,6 @@ def child_env(
     out = {k: v for k, v in (os.environ if base is None else base).items() if k not in drop}
     out.update(env or {})
     return out
-
-
-def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (0: a free port), as the router's own bind makes it (``SO_REUSEADDR``),
-    with uvicorn's default accept-queue length: the one :class:`LocalCluster` holds for its router (``--listen-fd``).
-
-    Raises:
-        OSError: the address cannot be bound (in use, not on this machine).
-    """
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, stype, proto, _, addr = infos[0]
-    sock = socket.socket(family, stype, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(backlog)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _free_port(host: str) -> int:

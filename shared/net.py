@@ -1,9 +1,48 @@
-"""TCP addresses of the services' HTTP listeners: the URL of a host and port, IPv6 included.
+"""TCP listeners of the services' HTTP servers: the router's socket (bound by the router itself, or held by ``up``
+and passed as ``--listen-fd``) and the URL of a host and port, IPv6 included.
 
 ``up``'s URLs, the router's and the metrics endpoint's "listening" log lines use one spelling, so a URL copied from a
-log line works as given (``http://::1:8000`` does not: httpx reads ``:1:8000`` as the port)."""
+log line works as given (``http://::1:8000`` does not: httpx reads ``:1:8000`` as the port). ``up`` and the router
+bind the router's port one way (:func:`bind_socket`), so ``--host`` / ``--port`` mean the same to both."""
 
 from __future__ import annotations
+
+import socket
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port; the first address ``getaddrinfo`` gives, so a hostname or
+    an IPv6 address binds in its own family), ``SO_REUSEADDR`` set (a restarted router rebinds a port whose old
+    connections are in TIME_WAIT), not yet listening, blocking.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not on this machine); the socket is closed.
+    """
+    family, stype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, stype, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """:func:`bind_socket`, listening with uvicorn's default accept-queue length: the socket ``up`` holds for its
+    router (``--listen-fd``), open across the router's restarts.
+
+    Raises:
+        OSError: the address cannot be bound or listened on; the socket is closed.
+    """
+    sock = bind_socket(host, port)
+    try:
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def http_url(host: str, port: int) -> str:

@@ -69,7 +69,7 @@ from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.hashing import block_hashes_packed
 from shared.metrics import FuncCollector, make_registry, metrics_response
-from shared.net import http_url
+from shared.net import bind_socket, http_url
 from shared.service import BackgroundTasks, WatchedService
 from shared.validate import epoch_step_ok
 from shared.subjects import (
@@ -651,20 +651,6 @@ def inherited_socket(fd: int) -> socket.socket:
     return sock
 
 
-def _bind_socket(host: str, port: int) -> socket.socket:
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, stype, proto, _, addr = infos[0]
-    sock = socket.socket(family, stype, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
-
-
 class RouterService(WatchedService):
     """HTTP ingress and request routing over NATS (see the module docstring).
 
@@ -829,7 +815,8 @@ class RouterService(WatchedService):
             sock = inherited_socket(self.cfg.listen_fd)
         else:
             try:
-                sock = _bind_socket(self.cfg.host, self.cfg.port)
+                sock = bind_socket(self.cfg.host, self.cfg.port)
+                sock.setblocking(False)
             except OSError as e:
                 raise OSError(e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror or e}") from e
         self.port = sock.getsockname()[1]

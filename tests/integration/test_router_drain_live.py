@@ -208,7 +208,7 @@ async def test_sigterm_on_a_held_socket_leaves_new_connections_to_the_next_route
     exit and the restart waits in the socket's accept queue and the next router serves it, where it got 503 "router
     draining" and then, from the exit until the restart listened, a refused connection (SIGTERM of the only router
     under load: 16-20 of 67 requests lost, bench/RESULTS.md router-term). The open streams drain as before."""
-    held = socket.socket()  # as evolving-infra up holds its router's (evolving_infra.cluster.listen_socket)
+    held = socket.socket()  # as evolving-infra up holds its router's (shared.net.listen_socket)
     held.bind(("127.0.0.1", 0))
     held.listen(64)
     port = held.getsockname()[1]

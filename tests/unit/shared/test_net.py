@@ -1,0 +1,45 @@
+"""``shared.net``: the one bind of the router's port (the router's own, and the socket ``up`` holds for it) and the
+bracketed URL of an IPv6 host."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from shared.net import bind_socket, http_url, listen_socket
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def test_bind_socket_binds_reusable_and_not_listening_and_listen_socket_listens():
+    with bind_socket("127.0.0.1", 0) as bound, listen_socket("127.0.0.1", 0) as held:
+        for s in (bound, held):
+            assert s.family == socket.AF_INET and s.getsockname()[1] > 0
+            assert s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+            assert s.getblocking()
+        assert not bound.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        assert held.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+
+
+def test_a_busy_port_is_an_oserror():
+    with listen_socket("127.0.0.1", 0) as held:
+        port = held.getsockname()[1]
+        for make in (bind_socket, listen_socket):
+            with pytest.raises(OSError):
+                make("127.0.0.1", port)
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_an_ipv6_host_binds_in_its_family_and_its_url_is_bracketed():
+    with listen_socket("::1", 0) as held:
+        assert held.family == socket.AF_INET6
+        assert http_url("::1", held.getsockname()[1]) == f"http://[::1]:{held.getsockname()[1]}"
+    assert http_url("[::1]", 80) == "http://[::1]:80" and http_url("127.0.0.1", 80) == "http://127.0.0.1:80"
