@@ -63,6 +63,7 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription
 
 from shared import messages as m
+from shared.cancel import cancel_until_done
 from shared.auth import BEAT_WATCHERS, NatsAuth, client_options, redact_url, subject_matches
 from shared.ratelog import RateLimitedLog
 from shared import tracing
@@ -536,11 +537,8 @@ class Bus:
             # retries (every RECONNECT_WAIT_S), so one cancel can be lost. It was one cancel and an unbounded wait:
             # a service stopped while NATS refused (the Slurm job's stop_all, which stops NATS too, on a loaded
             # node) logged "nats error" forever and never exited (tests/unit/shared/test_bus_connect_cancel.py)
-            deadline = time.monotonic() + ABANDON_S
-            while not connecting.done() and time.monotonic() < deadline:
-                connecting.cancel()
-                with contextlib.suppress(BaseException):  # this task cancelled again: it is stopping anyway
-                    await asyncio.wait({connecting}, timeout=0.05)
+            with contextlib.suppress(asyncio.CancelledError):  # this task cancelled again: it is stopping anyway
+                await cancel_until_done([connecting], limit_s=ABANDON_S)
             if not connecting.done():
                 bus.log.error("nats connect still running after its cancel; left behind", waited_s=ABANDON_S)
             with contextlib.suppress(Exception):
@@ -1539,13 +1537,10 @@ class Bus:
         """Stop background tasks, drain subscriptions (in-flight handlers finish), close. A connection lost meanwhile
         (NATS down) is logged, not raised: what was buffered for it is dropped."""
         self._closing = True
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        # cancelled again until they end (shared.cancel): a task cancelled in the turn its nats-py call's answer came
+        # loses that cancel (Python 3.11's wait_for) and goes on (the heartbeat's while True); one cancel and an
+        # unbounded await kept a stopping service alive (tests/unit/shared/test_stop_lost_cancel.py)
+        await cancel_until_done(self._tasks)
         self._tasks.clear()
         if not self.nc.is_closed:
             try:

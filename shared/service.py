@@ -44,6 +44,7 @@ import structlog
 
 from shared.auth import AuthError, NatsAuth, redact_url
 from shared.bus import Bus, BusError
+from shared.cancel import cancel_until_done
 from shared.clock import SimClock
 from shared.config import CommonConfig
 from shared import tracing
@@ -190,11 +191,10 @@ class BackgroundTasks:
     async def stop(self) -> None:
         """Cancel every task still running and wait for them (their errors are already logged)."""
         self.stopping = True
-        tasks = list(self._all)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        # cancelled again until they end (shared.cancel): a loop cancelled in the turn its nats-py request's reply came
+        # loses that cancel (Python 3.11's wait_for) and goes on; one cancel and a gather waited for it forever
+        # (tests/unit/shared/test_stop_lost_cancel.py)
+        await cancel_until_done(list(self._all))
 
 
 class Readiness:
@@ -410,16 +410,11 @@ async def until_stopped(coro: Any, stop: asyncio.Event) -> Any:
     finally:
         waiter.cancel()
     if not task.done():
-        # cancelled again (every 0.05 s) until it ends: a start inside a nats-py call can lose one cancel (Python
-        # 3.11's asyncio.wait_for hands back what finished in the cancel's turn, a refusal or a reply, and the call
-        # goes on or is retried). One cancel and an unbounded wait left such a service running after SIGTERM, and a
-        # second SIGTERM did not end it (tests/unit/shared/test_bus_connect_cancel.py)
-        while not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):  # stopping anyway
-                await asyncio.wait({task}, timeout=0.05)
-        with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome, retrieved
-            task.result()
+        # cancelled again (every 0.05 s) until it ends (shared.cancel): a start inside a nats-py call can lose one
+        # cancel (Python 3.11's asyncio.wait_for hands back what finished in the cancel's turn, a refusal or a reply,
+        # and the call goes on or is retried). One cancel and an unbounded wait left such a service running after
+        # SIGTERM, and a second SIGTERM did not end it (tests/unit/shared/test_bus_connect_cancel.py)
+        await cancel_until_done([task])
         return None
     return task.result()
 

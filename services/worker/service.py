@@ -76,6 +76,7 @@ import structlog
 
 from shared import messages as m
 from shared.bus import Bus, BusError, NoResponders, PermissionDenied, RequestRefused
+from shared.cancel import cancel_until_done
 from shared.clock import SimClock, sleep_until
 from shared.profile import Profile
 from shared.validate import epoch_step_ok
@@ -551,14 +552,10 @@ class WorkerService:
         self._stopped = True
         if self.watchdog is not None:
             self.watchdog.stop()
-        tasks = (*self._tasks, *self._binds.values(), *self._handing_off.values(), *self._spawned)
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        # cancelled again until they end (shared.cancel): a task cancelled in the turn its nats-py request's reply
+        # came loses that cancel (Python 3.11's wait_for; the requeue's retry loop, a bind) and goes on; one cancel
+        # and an unbounded await kept the stopping worker alive (tests/unit/shared/test_stop_lost_cancel.py)
+        await cancel_until_done((*self._tasks, *self._binds.values(), *self._handing_off.values(), *self._spawned))
         self._tasks.clear()
         self._binds.clear()
         self._handing_off.clear()

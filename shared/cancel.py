@@ -1,0 +1,79 @@
+"""Cancelling tasks so that they end, when one cancel can be lost.
+
+Python 3.11's ``asyncio.wait_for`` answers a cancel that comes in the loop turn its inner future finished with that
+future's outcome (a reply, a refusal, a timeout), not with ``CancelledError``: nats-py runs its requests, flushes,
+JetStream calls and connect attempts in ``wait_for``, so a task cancelled at that moment goes on (its retry loop, its
+``while True``), and whoever cancelled it once and then awaited it without bound waited forever (a service's connect
+during the Slurm job's stop, 0277de5; a background loop at a service's stop). :func:`cancel_until_done` cancels again
+every ``every_s`` until the tasks end: a lost cancel is followed by one that lands at the task's next await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+
+CANCEL_EVERY_S = 0.05
+"""Seconds between the cancels of :func:`cancel_until_done` (a lost cancel costs at most this much)."""
+
+
+async def cancel_until_done(
+    tasks: Iterable[asyncio.Future], *, every_s: float = CANCEL_EVERY_S, limit_s: float | None = None,
+) -> set[asyncio.Future]:
+    """Cancel ``tasks`` and wait until each has ended, cancelling those still running again every ``every_s``
+    seconds (one cancel can be lost: module docstring). Each ended task's outcome (its exception, a cancel) is
+    retrieved and dropped: the caller is stopping them.
+
+    A cancel of the caller itself while it waits does not stop the wait (the tasks are cancelled all the same, and
+    they must end first: the caller's cancel is stopping anyway); it is raised once they have ended (or ``limit_s``
+    passed), so it is not lost here either.
+
+    Args:
+        tasks: the tasks (futures) to end; ones already done are only retrieved.
+        every_s: seconds between cancels (positive).
+        limit_s: give up after this many seconds (None: wait until all ended).
+
+    Returns:
+        The tasks still running when ``limit_s`` passed (empty when all ended).
+
+    Raises:
+        ValueError: ``every_s`` not positive.
+        asyncio.CancelledError: the caller was cancelled meanwhile (after the wait).
+    """
+    if not every_s > 0:
+        raise ValueError(f"every_s must be positive seconds, got {every_s!r}")
+    every = list(tasks)
+    pending = set(every)
+    deadline = None if limit_s is None else time.monotonic() + limit_s
+    cancelled = False
+    while True:
+        pending = {t for t in pending if not t.done()}
+        if not pending or (deadline is not None and time.monotonic() >= deadline):
+            break
+        for t in pending:
+            t.cancel()
+        wait = every_s if deadline is None else max(0.0, min(every_s, deadline - time.monotonic()))
+        try:
+            await asyncio.wait(pending, timeout=wait)
+        except asyncio.CancelledError:
+            cancelled = True
+    for t in every:
+        if t.done() and not t.cancelled():
+            t.exception()  # retrieved: no "exception was never retrieved" at garbage collection
+    if cancelled:
+        raise asyncio.CancelledError()
+    return pending
+
+
+def raise_if_cancel_lost() -> None:
+    """Raise ``CancelledError`` in a task that was cancelled and goes on all the same: a cancel lost in a
+    ``wait_for`` (module docstring) leaves the task's :meth:`asyncio.Task.cancelling` above 0 (``wait_for`` does
+    not uncancel it). For a retry loop whose one cancel is all that ends it (a task cancelled once, then not
+    awaited): called at the top of each round, the round after a lost cancel raises it. No-op outside a task.
+
+    Raises:
+        asyncio.CancelledError: the running task was cancelled and has not ended."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling() > 0:
+        raise asyncio.CancelledError()

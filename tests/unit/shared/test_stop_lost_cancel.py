@@ -1,0 +1,166 @@
+"""A service's stop ends its background loops even when a loop loses its cancel.
+
+Python 3.11's ``asyncio.wait_for`` (nats-py's request, flush, JetStream calls run in one) answers a cancel that comes
+in the loop turn its inner future finished with that future's outcome, not ``CancelledError``: a loop cancelled as its
+request's reply came (a kvdirectory resync, a worker's requeue, the bus's stream lookups, any ``while True`` over a
+nats-py call) goes on round after round. The stops cancelled each task once and then awaited it without bound:
+``BackgroundTasks.stop`` (router, planner, KV directory), ``Bus.close`` (heartbeats, reconnect checks) and the
+worker's ``stop`` waited forever, and the process outlived its SIGTERM. 0277de5 found the same loss in
+``Bus.connect``; these cases are the stop side of it. Here the reply and the cancel are put in one turn on purpose:
+the reply is set, and the stop called, before the loop runs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+import structlog
+
+from shared.cancel import cancel_until_done
+
+
+class LossyLoop:
+    """A loop over a request made with ``asyncio.wait_for`` (as nats-py's), whose reply is answered by the test
+    (:meth:`reply`): the cancel that the stop sends in that same turn is lost, and the loop goes on."""
+
+    def __init__(self) -> None:
+        self.waiting = asyncio.Event()
+        self.reply_to: asyncio.Future | None = None
+        self.rounds = 0
+
+    async def run(self) -> None:
+        while True:
+            self.reply_to = asyncio.get_running_loop().create_future()
+            self.waiting.set()
+            await asyncio.wait_for(self.reply_to, 3600)  # nats-py's request
+            self.waiting.clear()
+            self.rounds += 1
+            await asyncio.sleep(0.01)  # the next round
+
+    async def reply_with(self, stop) -> asyncio.Task:
+        """Wait until the loop waits for a reply; then answer it and start ``stop()`` in one turn."""
+        await self.waiting.wait()
+        assert self.reply_to is not None
+        self.reply_to.set_result(b"reply")
+        stopping = asyncio.ensure_future(stop())
+        await asyncio.sleep(0)
+        return stopping
+
+
+async def _ends(stopping: asyncio.Future, loop: LossyLoop, what: str) -> None:
+    done, _ = await asyncio.wait({stopping}, timeout=5)
+    leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+    for t in leftover:  # before the fix: the loop, going on, and the stop awaiting it
+        t.cancel()
+    assert stopping in done, f"{what} still waiting 5 s after the stop ({loop.rounds} rounds after the lost cancel)"
+    stopping.result()
+
+
+async def test_a_cancel_in_the_turn_of_a_reply_is_lost_on_this_python():
+    """The premise (Python 3.11's wait_for): if this fails, the Python in use no longer loses such a cancel."""
+    loop = LossyLoop()
+    task = asyncio.ensure_future(loop.run())
+
+    async def cancel_once() -> None:
+        task.cancel()
+
+    await loop.reply_with(cancel_once)
+    await asyncio.sleep(0.1)
+    lost = not task.done()
+    task.cancel()
+    await asyncio.wait({task}, timeout=1)
+    if not lost:
+        pytest.skip("this Python's asyncio.wait_for does not lose a cancel that comes with the reply")
+    assert loop.rounds >= 1
+
+
+@pytest.mark.timeout(60)
+async def test_background_tasks_stop_ends_a_loop_that_lost_its_cancel():
+    from shared.service import BackgroundTasks
+
+    bg = BackgroundTasks(structlog.get_logger("test"), Counter())
+    loop = LossyLoop()
+    bg.start(loop.run(), name="lossy-loop")
+    stopping = await loop.reply_with(bg.stop)
+    await _ends(stopping, loop, "BackgroundTasks.stop")
+    assert not bg.fatal.is_set()
+
+
+@pytest.mark.timeout(60)
+async def test_bus_close_ends_a_task_that_lost_its_cancel():
+    from nats.aio.client import Client as NatsClient
+
+    from shared.bus import Bus
+    from shared.subjects import Subjects
+
+    bus = Bus(NatsClient(), Subjects("p0"), service="router", instance="router")
+    loop = LossyLoop()
+    bus._tasks.append(asyncio.ensure_future(loop.run()))
+    stopping = await loop.reply_with(bus.close)
+    await _ends(stopping, loop, "Bus.close")
+
+
+@pytest.mark.timeout(60)
+async def test_worker_stop_ends_a_task_that_lost_its_cancel():
+    from services.worker.service import WorkerService
+
+    worker = object.__new__(WorkerService)  # only what stop() reads before its final publishes
+    worker.accepting = True
+    worker._stopped = False
+    worker.watchdog = None
+    worker.kvpool = None
+    worker._executor = None
+    worker.fatal_error = None
+    worker._binds, worker._handing_off, worker._spawned = {}, {}, set()
+    worker.log = structlog.get_logger("test")
+
+    async def no_publish(*_a, **_k) -> None:
+        return None
+
+    worker._flush_iters = no_publish
+    worker._publish_state = no_publish
+    worker._publish_kv = no_publish
+    worker.kv_seq = 0
+    worker.clock = type("Clock", (), {"local_now": staticmethod(lambda: 0.0)})()
+    loop = LossyLoop()
+    worker._tasks = [asyncio.ensure_future(loop.run())]
+    stopping = await loop.reply_with(worker.stop)
+    await _ends(stopping, loop, "WorkerService.stop")
+
+
+@pytest.mark.timeout(60)
+async def test_cancel_until_done_ends_what_one_cancel_does_not():
+    loop = LossyLoop()
+    task = asyncio.ensure_future(loop.run())
+    stopping = await loop.reply_with(lambda: cancel_until_done([task]))
+    await _ends(stopping, loop, "cancel_until_done")
+    assert task.cancelled()
+
+
+@pytest.mark.timeout(60)
+async def test_cancel_until_done_gives_up_at_its_limit_and_keeps_the_callers_cancel():
+    deafness = True
+
+    async def deaf() -> None:  # does not end on a cancel while deafness lasts
+        while deafness:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass
+
+    task = asyncio.ensure_future(deaf())
+    await asyncio.sleep(0)
+    left = await cancel_until_done([task], limit_s=0.2)
+    assert left == {task}
+
+    waiting = asyncio.ensure_future(cancel_until_done([task], limit_s=0.3))
+    await asyncio.sleep(0.05)
+    waiting.cancel()  # the caller's own cancel: the wait goes on, then the cancel is raised
+    done, _ = await asyncio.wait({waiting}, timeout=5)
+    assert waiting in done and waiting.cancelled()
+    with pytest.raises(ValueError):
+        await cancel_until_done([task], every_s=0)
+    deafness = False
+    assert await cancel_until_done([task], limit_s=5) == set()
