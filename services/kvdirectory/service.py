@@ -26,6 +26,7 @@ from prometheus_client import Histogram
 
 from shared import messages as m
 from shared.bus import Bus, BusError
+from shared.cancel import raise_if_cancel_lost
 from shared.clock import SimClock, sleep_until
 from shared.metrics import HANDLER_BUCKETS_S, FuncCollector, make_registry
 from shared.service import BackgroundTasks, WatchedService
@@ -413,6 +414,10 @@ class DirectoryService(WatchedService):
     async def _resync(self, node: str) -> None:
         delay = 0.1
         while self.core.awaiting_resync(node) and not self._stopping:
+            # a forgotten node's resync is cancelled once (_forget, _drop_marks) and no longer tracked; a cancel that
+            # came in the turn its request's answer did (Python 3.11's wait_for; a dead node's "no responders") was
+            # lost and the task retried for the directory's lifetime (tests/unit/kvdirectory/test_resync_lost_cancel.py)
+            raise_if_cancel_lost()
             allowed = self._last_resync.get(node, -1e18) + self.cfg.resync_min_interval_s
             if time.monotonic() < allowed:  # rate limit: one request per node per interval, whatever the batches say
                 self.counters["resync.rate_limited"] += 1
