@@ -15,14 +15,16 @@ Slot states (every slot is in exactly one)::
     held ──evict──▶ free            (no lease left, not pinned)
     held ──evict──▶ released ──lease ends (next allocation)──▶ free
     held (pinned) / claimed ──evict──▶ let go ──last unpin / fill──▶ free or released
+    claimed ──commit of the block's fetch──▶ let go (the fetched slot is held) ──fill──▶ free or released
 
 * **held**: committed block, visible to ``has``/``locate``; its CRC-32 is kept.
 * **pending**: reserved for a block being fetched from a peer; written by the
   transfer, invisible until ``commit`` (after the checksum matched).
 * **claimed**: reserved for a block this node's engine writes (an external
   buffer's ``put`` in two steps, so the copy and its CRC can run off the event
-  loop): invisible until ``fill``; it wins over a fetch of the block in flight,
-  as ``put`` does. The claim pins its slot.
+  loop): invisible until ``fill``. The claim pins its slot. A fetch of the
+  block that lands and verifies before the fill wins over the claim: its slot
+  is held at once, the claim is cancelled (as by an evict) and its slot let go.
 * **released**: evicted while a peer may still be reading it (``locate``
   granted a lease); reused only after the lease ends, so a peer never reads a
   slot that was rewritten under it within its lease. A read after the lease is
@@ -233,7 +235,11 @@ class HostKvBuffer:
         """Drop a held block (the node evicted it from L2). False if it was not held.
 
         The slot is free at once unless a peer holds a lease on it; then it is
-        reused only after the lease ends.
+        reused only after the lease ends. A pinned slot (:meth:`pin`) is let go
+        instead: the block is invisible at once, the slot reused only after its
+        last :meth:`unpin` (then free, or released while leased). A block that is
+        claimed, not held (:meth:`claim`), returns False: its claim is cancelled
+        (counted ``claim_cancelled``), its slot let go until :meth:`fill`.
         """
         slot = self._slot_of.pop(block_hash, None)
         if slot is None:
@@ -379,16 +385,25 @@ class HostKvBuffer:
         """Make a fetched block held, recording its verified CRC-32.
 
         Returns False (and frees the reserved slot) if the block became held
-        (or claimed) meanwhile through ``put`` (``claim``): the local copy wins.
+        meanwhile through ``put`` (or a ``fill``): the local copy wins. A block
+        only claimed meanwhile (:meth:`claim`, its bytes not written yet) is
+        held from now on in the fetched slot, and the claim is cancelled
+        (counted ``claim_superseded``; its slot let go until its :meth:`fill`):
+        the verified bytes are usable at once (a caller pins them), where
+        before they were thrown away for a claim that may still fill with none.
 
         Raises:
             KeyError: if the block was not reserved.
         """
         slot = self._pending.pop(block_hash)
-        if block_hash in self._slot_of or block_hash in self._claimed:
+        if block_hash in self._slot_of:
             self._free.append(slot)
             self.counters["commit_superseded"] += 1
             return False
+        claimed = self._claimed.pop(block_hash, None)
+        if claimed is not None:  # pinned by the claim: freed once its copy is done (fill)
+            self._let_go.add(claimed)
+            self.counters["claim_superseded"] += 1
         self._checksum[slot] = crc & 0xFFFF_FFFF
         self._lease_until[slot] = 0.0
         self._slot_of[block_hash] = slot
@@ -420,7 +435,7 @@ class HostKvBuffer:
         the copy and its CRC may run in another thread while this bookkeeping stays on the event loop). The
         block is invisible (``has``, ``locate``) until :meth:`fill`; its slot is pinned until then, so an evict
         meanwhile only cancels the claim. None if the block is held or claimed already. A fetch of the block
-        in flight loses to the claim (its ``commit`` is superseded), as to ``put``.
+        in flight whose ``commit`` comes before the fill wins: its bytes are held, the claim is cancelled.
 
         Raises:
             PoolFull: no slot can be allocated at ``now``.
@@ -435,8 +450,8 @@ class HostKvBuffer:
     def fill(self, block_hash: int, slot: int, crc: int | None, now: float) -> bool:
         """The claim of ``block_hash`` on ``slot`` (:meth:`claim`) was written: ``crc`` is the CRC-32 of the whole
         slot, or None when the caller had no bytes for it. The block is held from now on when it was written and
-        its claim still stands (no evict or clear came meanwhile, no ``put`` made it held); else the slot goes
-        back. Returns whether it is held.
+        its claim still stands (no evict, clear or committed fetch cancelled it, no ``put`` made it held); else
+        the slot goes back. Returns whether it is held.
 
         Raises:
             KeyError: ``slot`` is not pinned (no claim made it).
@@ -509,7 +524,8 @@ class HostKvBuffer:
         assert len(seen) == self.num_slots, f"{len(seen)} slots accounted for, {self.num_slots} exist"
         assert sorted(seen) == list(range(self.num_slots)), "a slot is in two states or missing"
         held = set(self._slot_of.values())
-        assert all(n > 0 and (s in held or s in self._let_go or s in self._claimed.values()) for s, n in self._pins.items()), (
+        claimed = set(self._claimed.values())
+        assert all(n > 0 and (s in held or s in self._let_go or s in claimed) for s, n in self._pins.items()), (
             "a pinned slot is free, released or pending"
         )
         assert self._let_go <= self._pins.keys(), "a let-go slot is not pinned"

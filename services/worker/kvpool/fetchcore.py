@@ -15,7 +15,9 @@ Rules:
   one this node derives from the hash for synthetic payloads), that one too;
   otherwise it is **mismatched**: counted, its slot freed, reported missing,
   never used;
-* a block that became held locally during the transfer keeps the local copy.
+* a block that became held locally during the transfer keeps the local copy;
+  one only claimed meanwhile (its bytes not written yet) takes the fetched
+  copy, and its claim is cancelled (``HostKvBuffer.commit``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class FetchOutcome:
 
     fetched: list[int] = field(default_factory=list)
     superseded: list[int] = field(default_factory=list)
-    """Transferred and verified, but a local ``put`` made the block held meanwhile."""
+    """Transferred and verified, but a local ``put`` (or ``fill``) made the block held meanwhile."""
     missing: list[int] = field(default_factory=list)
     mismatched: list[int] = field(default_factory=list)
     reasons: dict[str, int] = field(default_factory=dict)

@@ -424,7 +424,7 @@ class HostKvPool:
         if identity:
             for h in out.fetched:
                 self._remember_expected(h, expected[h])
-        already.extend(out.superseded)  # a local put won the race; the local copy stays
+        already.extend(out.superseded)  # a local put (or fill) made it held meanwhile: that copy stays, pinnable
         order = {h: i for i, h in enumerate(uniq)}
         return FetchResult(
             peer=peer,

@@ -260,6 +260,29 @@ def test_a_claimed_block_is_invisible_until_filled_and_wins_over_a_fetch():
     assert buf.occupancy() == {"held": 1, "pending": 0, "free": 3, "released": 0}
 
 
+def test_a_fetch_that_lands_before_a_claim_is_filled_is_held_and_the_claim_cancelled():
+    """A verified fetched page whose block was claimed (not held) meanwhile: before, the commit lost to the claim,
+    so the fetch reported it held already while ``pin`` found nothing (the page cut, recomputed), and a claim
+    filled without bytes then left the pool without it. Now the fetched bytes are held, the claim cancelled."""
+    buf = HostKvBuffer(4, SB, payload="external")
+    r = buf.reserve(42, 0.0)
+    c = buf.claim(42, 0.0)  # the engine stores 42 in L2 while the fetch is in flight
+    assert r is not None and c is not None and r != c
+    buf.slot_view(r)[:] = 9
+    assert buf.commit(42, checksum(buf.slot_view(r))) is True
+    assert buf.has(42) and buf.slot(42) == r and buf.verify(42) and buf.pin(42) == r
+    assert buf.counters["claim_superseded"] == 1 and buf.counters["commit_superseded"] == 0
+    assert buf.occupancy() == {"held": 1, "pending": 0, "free": 2, "released": 1}  # the claim's copy may still run
+    assert buf.fill(42, c, None, 0.0) is False  # the claim's copy, without bytes: the fetched page stays
+    assert buf.has(42) and buf.slot(42) == r and buf.free == 3
+    buf.unpin(r, 0.0)
+    c2 = buf.claim(43, 0.0)
+    d = buf.reserve(43, 0.0)
+    assert c2 is not None and d is None  # a claim made before the fetch's reserve: no fetch at all
+    assert buf.fill(43, c2, 7, 0.0) is True
+    buf.check()
+
+
 def test_an_evicted_claim_keeps_its_slot_until_filled():
     buf = HostKvBuffer(2, SB, payload="external")
     s = buf.claim(7, 0.0)

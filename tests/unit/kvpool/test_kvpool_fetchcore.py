@@ -103,6 +103,23 @@ def test_local_put_during_transfer_supersedes_the_fetched_copy():
     dst.check()
 
 
+def test_a_claim_during_the_transfer_loses_to_the_verified_fetched_copy():
+    """The reviewer's case: reserve(42), claim(42), settle_fetch. Before: fetched [], superseded [42] while
+    the pool held nothing to pin; now the fetched bytes are held (and pinnable) and the claim is cancelled."""
+    src, dst = _holder([42]), HostKvBuffer(4, SB, payload="external")
+    offs, crcs = _locate(src, [42])
+    plan = plan_fetch(dst, [42], offs, crcs, 0.0)
+    c = dst.claim(42, 0.0)
+    landed = _copy(src, dst, plan)
+    out = settle_fetch(dst, plan, failed=set(), crcs=landed)
+    assert out.fetched == [42] and not out.superseded and not out.missing
+    s = dst.pin(42)
+    assert s is not None and dst.has(42) and dst.verify(42)
+    assert dst.fill(42, c, None, 0.0) is False and dst.has(42)  # the claim filled without bytes: the fetch stays
+    dst.unpin(s, 0.0)
+    dst.check()
+
+
 def test_cancel_plan_frees_reservations_and_bad_inputs_are_refused():
     src, dst = _holder([1, 2]), HostKvBuffer(4, SB)
     offs, crcs = _locate(src, [1, 2])
