@@ -67,7 +67,7 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,18 +242,35 @@ def fetched_pages(pool: Any, pinned: list[tuple[int, int | None]]) -> list[tuple
     return [(h, None if slot is None else pool.buffer.slot_view(slot)) for h, slot in pinned]
 
 
-def take_fetched(engine: Engine, pool: Any, results: list[Any], fetch_id: int) -> set[int]:
+async def take_fetched(
+    engine: Engine, pool: Any, results: list[Any], fetch_id: int, copy: Callable[..., Awaitable[Any]] | None = None
+) -> set[int]:
     """A real engine takes the bytes of fetch ``fetch_id`` before the core stores its pages: those
     each ``FetchResult`` (exceptions skipped) fetched and those the pool held already (another open
     fetch brought them: the engine holds them for this fetch too, or the completion of this one,
-    after the other ended and L2 evicted them, would store a page without bytes). Returns the
-    pages the engine could not take (the pool let them go meanwhile): reported missing. Here, at
-    once; the worker runs the engine's copies in its execute thread (``WorkerService._take_fetched``)."""
+    after the other ended and L2 evicted them, would store a page without bytes). The pages' slots
+    are pinned here (the pool's bookkeeping stays on the caller's loop), ``engine.on_fetched`` copies
+    them, the pins go here. ``copy(fn, *args)`` runs that copy and returns an awaitable of its result
+    (the worker: ``WorkerService._beside_plan``, in the execute thread after the plan in flight); None:
+    here, at once. Returns the pages the engine could not take (the pool let them go meanwhile):
+    reported missing. Cancelled while awaiting ``copy`` (the worker's stop), the pins stay: the copy
+    may still run in the thread, and the pool goes with the node.
+
+    Raises:
+        what ``on_fetched`` (or ``copy``) raised, after the pins went."""
     pinned = pin_fetched(pool, results)
+    if not pinned:
+        return set()
+    pages = fetched_pages(pool, pinned)
     try:
-        return set(engine.on_fetched(fetched_pages(pool, pinned), fetch_id)) if pinned else set()
-    finally:
+        lost = await copy(engine.on_fetched, pages, fetch_id) if copy is not None else engine.on_fetched(pages, fetch_id)
+    except asyncio.CancelledError:
+        raise
+    except BaseException:
         unpin_fetched(pool, pinned)
+        raise
+    unpin_fetched(pool, pinned)
+    return set(lost)
 
 
 def _chain(src: asyncio.Future[Any], dst: asyncio.Future[Any]) -> None:
@@ -1401,29 +1418,12 @@ class WorkerService:
         self._input()
 
     async def _take_fetched(self, results: list[Any], fetch_id: int) -> set[int]:
-        """:func:`take_fetched` with a threaded engine's copies in the execute thread, after the plan in flight and
-        the loop's reads of it (:meth:`_beside_plan`): the pages' slots are pinned here (the pool's bookkeeping stays
-        on the loop), the engine copies them there (``on_fetched`` takes the engine's lock, which ``execute`` holds
-        for a whole plan), the pins go here.
+        """:func:`take_fetched` with a threaded engine's copies in the execute thread, after the plan in flight
+        (:meth:`_beside_plan`): the pages' slots are pinned on the loop, the engine copies them there
+        (``on_fetched`` takes the engine's lock, which ``execute`` holds for a whole plan), the pins go on the loop.
         Before, the loop waited for the rest of the forward, then for the copy of every page (127-323 ms measured
         on CPU; ``tests/unit/worker/test_torch_pool_loop.py``). Returns the pages the engine could not take."""
-        pool = self.kvpool
-        pinned = pin_fetched(pool, results)
-        if not pinned:
-            return set()
-        pages = fetched_pages(pool, pinned)
-        try:
-            if self.engine.threaded:
-                lost = await self._beside_plan(self.engine.on_fetched, pages, fetch_id)
-            else:
-                lost = self.engine.on_fetched(pages, fetch_id)
-        except asyncio.CancelledError:
-            raise  # stop(): the copies may still run in the thread; the pool goes with the node, pinned
-        except BaseException:
-            unpin_fetched(pool, pinned)
-            raise
-        unpin_fetched(pool, pinned)
-        return set(lost)
+        return await take_fetched(self.engine, self.kvpool, results, fetch_id, self._beside_plan if self.engine.threaded else None)
 
     async def _on_counts(self, msg: m.CountUpdates, _subject: str) -> None:
         if msg.seq and not msg.beacon and msg.seq in self._drop_counts:  # injected fault: NATS lost this message

@@ -11,6 +11,7 @@ or pages the core did not store (past a missing page, no L2 room) stayed for the
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import msgspec
@@ -25,7 +26,7 @@ from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: 
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
 from services.worker.kvpool.buffer import HostKvBuffer  # noqa: E402
 from services.worker.kvpool.pool import FetchResult  # noqa: E402
-from services.worker.service import take_fetched  # noqa: E402
+from services.worker.service import take_fetched as _take_fetched  # noqa: E402
 from tests.unit.worker.test_torch_engine import Ref, toks, work  # noqa: E402
 
 PROFILE = load_profile("torch-tiny-cpu")
@@ -190,6 +191,11 @@ def test_redispatched_request_is_not_completed_by_its_old_transfer(model):
     assert b.finished["r"].tokens == Ref(hf)(prompt, 4)
     assert b.engine.counters["fetched_pages"] == 5
     assert not b.engine._fetched and b.engine.fetched_bytes() == 0
+
+
+def take_fetched(engine, pool, results, fetch_id: int) -> set[int]:
+    """The worker's ``take_fetched`` (the one ``WorkerService._take_fetched`` runs), its copy here at once."""
+    return asyncio.run(_take_fetched(engine, pool, results, fetch_id))
 
 
 class BufferPool:

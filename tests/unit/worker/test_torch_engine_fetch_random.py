@@ -28,8 +28,7 @@ from shared.messages import FetchRange  # noqa: E402
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
 from services.worker.kvpool.pool import FetchResult  # noqa: E402
 from services.worker.plan import WorkRejected  # noqa: E402
-from services.worker.service import take_fetched  # noqa: E402
-from tests.unit.worker.test_torch_engine_fetch import BufferPool  # noqa: E402
+from tests.unit.worker.test_torch_engine_fetch import BufferPool, take_fetched  # noqa: E402
 from tests.unit.worker.test_torch_engine_random import FullForward, sized  # noqa: E402
 from tests.unit.worker.torch_tiny import BS, PROFILE, work  # noqa: E402
 
