@@ -469,9 +469,9 @@ class WorkerService:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         """The execute thread (threaded engines, ``--fault-hang-step``), made at the first use."""
         self._plan_reads: list[tuple[asyncio.Future[Any], contextvars.Context, Any, tuple[Any, ...]]] | None = None
-        """While :meth:`_run_plan` runs a threaded engine's plan and reads its results on the loop (None otherwise):
-        the real-bytes pool's copies asked meanwhile (:meth:`_beside_plan`), queued in the execute thread once
-        those reads are done (:meth:`_plan_read`)."""
+        """While :meth:`_run_plan` runs a threaded engine's plan through :meth:`_execute_plan` (None otherwise): the
+        real-bytes pool's copies asked meanwhile (:meth:`_beside_plan`), queued in the execute thread once
+        :meth:`_execute_plan` is over (:meth:`_plan_read`, in ``_run_plan``'s ``finally``)."""
         self._step_abandoned = False
         """The step in flight was cancelled (stop) while its thread still ran: the watchdog keeps
         watching it until the thread returns (:meth:`_in_thread`)."""
@@ -1710,7 +1710,7 @@ class WorkerService:
         if time.monotonic() - self._last_state_mono >= self.cfg.state_interval_s:
             await self._publish_state(now)
         if self.engine.threaded:
-            self._plan_reads = []  # the pool's copies asked from now on wait for the plan's reads below (_beside_plan)
+            self._plan_reads = []  # the pool's copies asked from now on wait for _execute_plan's end (_beside_plan)
         try:
             now = await self._execute_plan(plan, now, info)
         finally:
@@ -1780,9 +1780,11 @@ class WorkerService:
 
     def _beside_plan(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
         """Queue ``fn(*args)`` (the real-bytes pool's copies: :meth:`_fill_pool`, :meth:`_take_fetched`) in the execute
-        thread now, as :meth:`_beside_step` does, or, while :meth:`_run_plan` runs a plan, once the loop has read that
-        plan's results (:meth:`_plan_read`), still before the next plan; returns a future of its result (cancelling
-        it drops ``fn`` while queued). Queued behind the plan at once, the copies took the engine's lock as soon as
+        thread now, as :meth:`_beside_step` does, or, while :meth:`_run_plan` runs a plan, once its
+        :meth:`_execute_plan` is over (:meth:`_plan_read`, in ``_run_plan``'s ``finally``): the forward, the loop's
+        locked reads of its results (``take_stopped``, ``output_tokens`` of each token publish), the tokens and
+        hand-offs published (or the step failed, or stop cancelled it); still before the next plan. Returns a future
+        of its result (cancelling it drops ``fn`` while queued). Queued behind the plan at once, the copies took the engine's lock as soon as
         the forward ended, and the loop's first read of the plan (``take_stopped``, a locked call) waited for all of
         them: a big batch's copies held the loop after all (``tests/unit/worker/test_torch_pool_loop.py``: 300 ms of
         copies, the loop stalled 281 ms at the plan's end). Queued here, when asked, not when a task asking for it
@@ -1798,8 +1800,9 @@ class WorkerService:
         return fut
 
     def _plan_read(self) -> None:
-        """The loop has read the plan's results (or the step failed, or stop cancelled it): the copies
-        :meth:`_beside_plan` held back are queued in the execute thread now, in order, before any later plan."""
+        """:meth:`_execute_plan` is over (the forward, its results read on the loop, its tokens and hand-offs
+        published; or the step failed, or stop cancelled it): the copies :meth:`_beside_plan` held back are queued
+        in the execute thread now, in order, before any later plan."""
         queue, self._plan_reads = self._plan_reads, None
         for fut, ctx, fn, args in queue or ():
             if fut.done():  # cancelled (stop)
@@ -2058,7 +2061,7 @@ class WorkerService:
     async def _fill_pool(self, claims: list[tuple[int, int]], copies: asyncio.Future[list[int | None]] | None) -> None:
         """Copy the engine's L2 bytes of the claimed pages into their pool slots and checksum them (:meth:`_fill_slots`):
         ``copies``, the future of that call that :meth:`_mirror_pool` queued in the execute thread (after the plan in
-        flight and the loop's reads of it, :meth:`_beside_plan`; a threaded engine's ``copy_to_pool`` takes its lock
+        flight and its :meth:`_execute_plan`, :meth:`_beside_plan`; a threaded engine's ``copy_to_pool`` takes its lock
         and applies the KV batches given before it first, this claim's among them), or None: here, at once (an
         unthreaded engine). Then make them held here (``HostKvPool.fill``: a page evicted or cleared meanwhile is not). Before, ``TorchEngine.mirror_pool``
         ran on the loop: it waited for the rest of the forward, then for the copy and CRC of every page (127-323
