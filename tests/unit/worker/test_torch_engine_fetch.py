@@ -25,6 +25,7 @@ from shared.profile import load_profile  # noqa: E402
 from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
 from services.worker.kvpool.buffer import HostKvBuffer  # noqa: E402
+from services.worker.kvpool.payload import checksum  # noqa: E402
 from services.worker.kvpool.pool import FetchResult  # noqa: E402
 from services.worker.service import take_fetched as _take_fetched  # noqa: E402
 from tests.unit.worker.test_torch_engine import Ref, toks, work  # noqa: E402
@@ -269,3 +270,36 @@ def test_pages_the_pool_let_go_are_reported_missing(model):
     assert b.finished["r2"].tokens == Ref(hf)(prompt, 4)
     assert b.engine.counters["fetched_pages"] == 3 and b.engine.counters["fetched_unstored_pages"] == 5 + 1
     assert not b.engine._fetched
+
+
+def test_a_fetched_page_whose_block_the_engine_claimed_meanwhile_reaches_the_engine(model):
+    """A fetch's page lands and verifies while this node's own store of the same block is claimed in the pool
+    (``claim_events``: its copy in the execute thread not done yet). Before, the commit lost to the claim: the
+    page came back in ``already`` with no slot to pin, ``take_fetched`` reported it missing (the fetch cut
+    there, the page recomputed) and a claim filled without bytes left the pool without it. Now the fetched
+    bytes are held: the engine takes all 5, ``r`` gets the reference tokens, the pool keeps the page."""
+    folder, hf = model
+    prompt = toks(random.Random(9), 6 * BS + 3)
+    a, b, hashes = peer_and_fetch(folder, prompt, 5)
+    pool = BufferPool(16, b.engine.pool_slot_bytes())
+    buf = pool.buffer
+    fetched, already, claim = [], [], None
+    for i, h in enumerate(hashes):  # HostKvPool.fetch's reserve, Mooncake's read, settle_fetch's commit
+        s = buf.reserve(h, b.now)
+        raw = a.engine.host_page(h).contiguous().view(torch.uint8).numpy().reshape(-1)
+        view = buf.slot_view(s)
+        view[: raw.shape[0]] = raw
+        view[raw.shape[0] :] = 0
+        if i == 2:
+            claim = buf.claim(h, b.now)
+        (fetched if buf.commit(h, checksum(view)) else already).append(h)
+    res = FetchResult("a", 5, fetched=tuple(fetched), already=tuple(already))
+    assert take_fetched(b.engine, pool, [res], 1) == set()
+    assert buf.fill(hashes[2], claim, None, b.now) is False and pool.has(hashes[2])  # its copy had no bytes
+    buf.check()
+    assert b.core.fetch_done("r", (), b.now, 1)
+    b.now += 1.0
+    b.run()
+    assert b.finished["r"].tokens == Ref(hf)(prompt, 4)
+    assert b.engine.counters["fetched_pages"] == 5
+
