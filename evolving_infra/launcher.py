@@ -310,6 +310,11 @@ shows the policies on one shared machine, where a worker process starved of CPU 
 planner may pick) a fence would fail the requests that arrive meanwhile."""
 
 
+CLUSTER_STOP_GRACE_S = 15.0
+"""Seconds ``up``/``demo`` let a start cancelled by a signal run its clean-up (``LocalCluster.stop`` of what it
+started: up to 10 s for the services to exit, then SIGKILL, then NATS) before ``until_stopped`` cancels it again."""
+
+
 def default_split_for(nodes: int, *, default_nodes: int, default_split: str) -> str:
     """The initial split of ``up``/``demo`` when neither ``--split`` nor the policy names one: ``default_split``
     (2P2D) on the default node count, else simulate's rule for ``nodes`` (round(2N/3) prefill nodes, at least
@@ -723,7 +728,7 @@ async def _up(args: argparse.Namespace) -> int:
         return True
 
     try:  # a signal during start-up (e.g. --nats-url unreachable) cancels it; start() stops what it started
-        if await until_stopped(start(), stop) is None:
+        if await until_stopped(start(), stop, grace_s=CLUSTER_STOP_GRACE_S) is None:
             cluster.remove_generated_creds()
             print("stopped during start-up", flush=True)
             return 0
@@ -1004,7 +1009,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
     own_logs = not args.log_dir  # OUT/logs: the report's folder, shared with it; its NATS seeds go when the cluster stops
     try:
-        started = await until_stopped(start(), stop)
+        started = await until_stopped(start(), stop, grace_s=CLUSTER_STOP_GRACE_S)
     except ClusterError as e:  # as up's: one line, not a traceback (e.g. not healthy within --ready-timeout)
         cluster.remove_generated_creds(own_log_dir=own_logs)
         print(f"error: {e}", file=sys.stderr)

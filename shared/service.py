@@ -391,15 +391,36 @@ async def serve_until_stopped(
     log.info("service stopped")
 
 
-async def until_stopped(coro: Any, stop: asyncio.Event) -> Any:
+STOP_GRACE_S = 3.0
+"""Seconds :func:`until_stopped` lets a cancelled start run (its clean-up: ``RouterService.start``'s stop,
+``Bus.connect``'s close of the abandoned client) before it cancels it again, every 0.05 s: the bound on what a lost
+cancel costs a stop (0277de5) and on a start's clean-up after its cancel."""
+
+
+async def until_stopped(coro: Any, stop: asyncio.Event, *, grace_s: float = STOP_GRACE_S) -> Any:
     """Run ``coro`` unless ``stop`` is set first; then cancel it and return None.
+
+    After that cancel, ``coro`` runs until it ends (its clean-up on cancellation runs to its end) for up to
+    ``grace_s`` seconds; one still running then is cancelled again every 0.05 s until it ends (a cancel lost in a
+    nats-py call: below).
+
+    Args:
+        coro: the start (a coroutine or future).
+        stop: set to stop it.
+        grace_s: seconds a cancelled ``coro`` may take to end before it is cancelled again (>= 0).
 
     Returns:
         ``coro``'s result, or None when ``stop`` was set before it finished.
 
     Raises:
+        ValueError: ``grace_s`` negative or not a number (``coro`` is not run).
+        asyncio.CancelledError: this coroutine was cancelled (while stopping ``coro``: once ``coro`` has ended).
         Whatever ``coro`` raises.
     """
+    if not grace_s >= 0:
+        if asyncio.iscoroutine(coro):
+            coro.close()  # not run: no "never awaited" warning
+        raise ValueError(f"grace_s must be seconds >= 0, got {grace_s!r}")
     task = asyncio.ensure_future(coro)
     waiter = asyncio.ensure_future(stop.wait())
     try:
@@ -410,11 +431,25 @@ async def until_stopped(coro: Any, stop: asyncio.Event) -> Any:
     finally:
         waiter.cancel()
     if not task.done():
-        # cancelled again (every 0.05 s) until it ends (shared.cancel): a start inside a nats-py call can lose one
+        # one cancel, then up to grace_s for the start to end: a delivered cancel's clean-up (a service's stop after
+        # a half-done start, a cluster's stop of what it started) runs to its end. Cancelled again from the first
+        # 0.05 s on (0277de5), a 0.2-s clean-up was cut short (tests/unit/shared/test_bus_connect_cancel.py)
+        loop = asyncio.get_running_loop()
+        task.cancel()
+        deadline = loop.time() + grace_s
+        caller_cancelled = False
+        while not task.done() and (left := deadline - loop.time()) > 0:
+            try:
+                await asyncio.wait({task}, timeout=left)
+            except asyncio.CancelledError:  # the caller's own cancel: raised once the start has ended, as below
+                caller_cancelled = True
+        # then cancelled again (every 0.05 s) until it ends (shared.cancel): a start inside a nats-py call can lose one
         # cancel (Python 3.11's asyncio.wait_for hands back what finished in the cancel's turn, a refusal or a reply,
         # and the call goes on or is retried). One cancel and an unbounded wait left such a service running after
         # SIGTERM, and a second SIGTERM did not end it (tests/unit/shared/test_bus_connect_cancel.py)
         await cancel_until_done([task])
+        if caller_cancelled:
+            raise asyncio.CancelledError()
         return None
     return task.result()
 

@@ -90,3 +90,98 @@ async def test_until_stopped_ends_a_start_that_lost_its_first_cancel():
             t.cancel()
     assert run in done, f"until_stopped still waiting 5 s after the stop ({cancels} cancel(s) reached the start)"
     assert run.result() is None and cancels == 2
+
+
+@pytest.mark.timeout(60)
+async def test_until_stopped_lets_a_cancelled_start_finish_its_clean_up():
+    """A start whose cancel was delivered runs its clean-up to its end (``RouterService.start``'s ``await
+    self.stop()``, ``Bus.connect``'s close of the abandoned client, ``LocalCluster.start``'s stop of what it
+    started): ``until_stopped`` cancels again only after its grace. Before, the re-cancel every 0.05 s (0277de5)
+    cut a 0.2-s clean-up short at 0.05 s; with one cancel (before 0277de5) it finished."""
+    from shared.service import until_stopped
+
+    cleaned: list[str] = []
+
+    async def start_with_a_clean_up():
+        try:
+            await asyncio.sleep(3600)
+        except BaseException:
+            cleaned.append("begun")
+            await asyncio.sleep(0.2)  # e.g. a service's stop after a half-done start
+            cleaned.append("done")
+            raise
+
+    stop = asyncio.Event()
+    run = asyncio.ensure_future(until_stopped(start_with_a_clean_up(), stop))
+    await asyncio.sleep(0.1)
+    stop.set()
+    done, _ = await asyncio.wait({run}, timeout=5)
+    assert run in done and run.result() is None
+    assert cleaned == ["begun", "done"], cleaned
+
+
+@pytest.mark.timeout(60)
+async def test_until_stopped_cancels_again_a_clean_up_past_its_grace():
+    """The grace is a bound: a start still running ``grace_s`` after the cancel is cancelled again until it ends."""
+    from shared.service import until_stopped
+
+    loop = asyncio.get_running_loop()
+    cancels = 0
+
+    async def start_with_an_endless_clean_up():
+        nonlocal cancels
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancels += 1
+                if cancels > 1:
+                    raise
+
+    stop = asyncio.Event()
+    run = asyncio.ensure_future(until_stopped(start_with_an_endless_clean_up(), stop, grace_s=0.3))
+    await asyncio.sleep(0.05)
+    stop.set()
+    t0 = loop.time()
+    done, _ = await asyncio.wait({run}, timeout=5)
+    assert run in done and run.result() is None and cancels == 2
+    assert 0.25 <= loop.time() - t0 < 3.0, loop.time() - t0  # the second cancel waited for the grace
+
+
+async def test_until_stopped_refuses_a_negative_grace():
+    from shared.service import until_stopped
+
+    async def start():
+        return 1
+
+    with pytest.raises(ValueError, match="grace_s"):
+        await until_stopped(start(), asyncio.Event(), grace_s=-1.0)
+    with pytest.raises(ValueError, match="grace_s"):
+        await until_stopped(start(), asyncio.Event(), grace_s=float("nan"))
+
+
+@pytest.mark.timeout(60)
+async def test_until_stopped_cancelled_while_stopping_waits_for_the_clean_up_then_raises():
+    """until_stopped's own cancel during the start's clean-up does not cut that clean-up short; it is raised once
+    the start has ended (shared.cancel.cancel_until_done's rule: not swallowed)."""
+    from shared.service import until_stopped
+
+    cleaned: list[str] = []
+
+    async def start_with_a_clean_up():
+        try:
+            await asyncio.sleep(3600)
+        except BaseException:
+            await asyncio.sleep(0.3)
+            cleaned.append("done")
+            raise
+
+    stop = asyncio.Event()
+    run = asyncio.ensure_future(until_stopped(start_with_a_clean_up(), stop))
+    await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.sleep(0.1)  # the start is cleaning up
+    run.cancel()
+    done, _ = await asyncio.wait({run}, timeout=5)
+    assert run in done and run.cancelled()
+    assert cleaned == ["done"]
