@@ -296,11 +296,57 @@ def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(
         job.close()
 
 
+# EI_PYTHON for test_a_service_that_ignores_sigterm_...: the planner and worker w1 run under a shell that ignores
+# SIGTERM (the service itself, its child, serves and never gets one), everything else is the real Python
+IGNORES_TERM = """#!/bin/bash
+case " $* " in
+  *" -m services.planner "*|*" -m services.worker "*" --node w1 "*) trap '' TERM; {python} "$@" & wait; exit ;;
+esac
+exec {python} "$@"
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_service_that_ignores_sigterm_is_killed_after_stop_grace_and_the_job_ends(tmp_path):
+    """After a FAILED line the job stops itself, and no Slurm KillWait bounds that stop (scancel's does). Before,
+    stop_all waited for every service without a limit: one that ignored its SIGTERM (here the planner and worker
+    w1) kept the job RUNNING until its time limit (here: not ended 25 s after the FAILED line). Now, STOP_GRACE s
+    after the SIGTERM, what is left is named in the job's log and SIGKILLed with what it started (the supervise
+    loop, its child; the worker step, its tasks), then nats-server is stopped and the job exits 1."""
+    python = tmp_path / "python"
+    python.write_text(IGNORES_TERM.format(python=sys.executable))
+    python.chmod(0o755)
+    job = Job(tmp_path, EI_PYTHON=str(python), MAX_RESTARTS="0", STOP_GRACE="4")
+    try:
+        job.wait_for("READY", 150)
+        os.kill(service_pid(job.run, "services.router"), signal.SIGKILL)  # MAX_RESTARTS=0: the job fails at once
+        job.wait_for("FAILED: router ended", 30)
+        t0 = time.monotonic()
+        try:
+            rc = job.proc.wait(25)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job still runs 25 s after its FAILED line (STOP_GRACE=4):\n{job.text()}")
+        took = time.monotonic() - t0
+        text = job.text()
+        assert rc == 1, text
+        assert "still running 4 s after SIGTERM (STOP_GRACE): planner, worker step; SIGKILL" in text, text
+        assert took < 4 + 10, f"the stop took {took:.1f} s:\n{text}"
+        assert text.index("SIGKILL to them") < text.index("] stopped"), text
+        time.sleep(0.5)
+        assert job_pids(job.run) == {}, job_pids(job.run)  # the services under the shells too: not left to init
+        # the others stopped in their drain, before nats-server (the SIGKILL waited for nothing of theirs)
+        order = stopped_before_nats(job.run)
+        assert {"kvdirectory.log", "worker-w0.log"} <= set(order) and all(s > 0 for s in order.values()), order
+    finally:
+        job.close()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("env, frag", [
     ({"POLICY": "nope"}, "unknown policy set"),
     ({"ENGINE": "torch", "MODEL_DIR": "/nonexistent/model"}, "--model /nonexistent/model"),
     ({"EI_NATS_AUTH": "password"}, "EI_NATS_AUTH=password: nkeys"),  # ran nkeys without a word (every test is != off)
+    ({"STOP_GRACE": "5s"}, "STOP_GRACE=5s: whole seconds"),
 ])
 def test_a_policy_or_model_up_refuses_fails_the_job_before_anything_starts(tmp_path, env, frag):
     job = Job(tmp_path, **env)
