@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -60,7 +59,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from shared.net import http_url
+from shared.net import bind_socket, http_url
 
 if TYPE_CHECKING:
     import uvicorn
@@ -353,13 +352,9 @@ class MetricsServer:
                 Route("/readyz", readyz, methods=["GET"]),
             ]
         )
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self.port))
+        try:  # the router's bind (SO_REUSEADDR, the family getaddrinfo gives: a name that resolves only to IPv6 too)
+            sock = bind_socket(self.host, self.port)
         except OSError as e:
-            sock.close()
             raise OSError(e.errno, f"cannot listen for metrics on {self.host}:{self.port}: {e.strerror or e}") from e
         sock.setblocking(False)
         self.port = sock.getsockname()[1]

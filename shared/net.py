@@ -3,7 +3,8 @@ and passed as ``--listen-fd``) and the URL of a host and port, IPv6 included.
 
 ``up``'s URLs, the router's and the metrics endpoint's "listening" log lines use one spelling, so a URL copied from a
 log line works as given (``http://::1:8000`` does not: httpx reads ``:1:8000`` as the port). ``up`` and the router
-bind the router's port one way (:func:`bind_socket`), so ``--host`` / ``--port`` mean the same to both."""
+bind the router's port one way (:func:`bind_socket`), so ``--host`` / ``--port`` mean the same to both; every service's
+metrics port (``--metrics-host`` / ``--metrics-port``) is bound the same way."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram as PromHistogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+import shared.net
 from services.router.metrics import Histogram
 from shared.metrics import FuncCollector, MetricsServer, bus_families, histogram_family, make_registry
 
@@ -83,6 +85,47 @@ async def test_metrics_server_serves_the_registry_and_refuses_a_taken_port():
         assert r.status_code == 200 and 'ei_y_seconds_bucket{le="1.0"} 1.0' in r.text
         with pytest.raises(OSError, match="cannot listen for metrics"):
             await MetricsServer(reg, "127.0.0.1", srv.port).start()
+    finally:
+        await srv.stop()
+    await asyncio.sleep(0)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+class _V6OnlyName:
+    """``shared.net``'s ``socket`` module, whose ``getaddrinfo`` resolves ``v6only.test`` to ``::1`` only (as
+    ``ip6-localhost`` does where /etc/hosts lists it); everything else is the real module, so only the bind under
+    test sees the name."""
+
+    NAME = "v6only.test"
+
+    def __getattr__(self, name: str):
+        return getattr(socket, name)
+
+    def getaddrinfo(self, host, port, *args, **kwargs):
+        return socket.getaddrinfo("::1" if host == self.NAME else host, port, *args, **kwargs)
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+async def test_metrics_server_binds_a_name_that_resolves_only_to_ipv6_in_that_family(monkeypatch):
+    """The metrics server chose IPv4 or IPv6 by whether ``--metrics-host`` held a ":", so a hostname that resolves
+    only to an IPv6 address was bound as IPv4 and the service did not start; it now binds as the router does
+    (``shared.net.bind_socket``: the family ``getaddrinfo`` gives)."""
+    monkeypatch.setattr(shared.net, "socket", _V6OnlyName())
+    srv = MetricsServer(CollectorRegistry(), _V6OnlyName.NAME, 0)
+    await srv.start()
+    try:
+        assert srv.port > 0
+        async with httpx.AsyncClient(timeout=5) as http:
+            r = await http.get(f"http://[::1]:{srv.port}/healthz")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
     finally:
         await srv.stop()
     await asyncio.sleep(0)
