@@ -76,7 +76,7 @@ import structlog
 
 from shared import messages as m
 from shared.bus import Bus, BusError, NoResponders, PermissionDenied, RequestRefused
-from shared.cancel import cancel_until_done
+from shared.cancel import cancel_until_done, raise_if_cancel_lost
 from shared.clock import SimClock, sleep_until
 from shared.profile import Profile
 from shared.validate import epoch_step_ok
@@ -1266,6 +1266,10 @@ class WorkerService:
         headers = None if span is None else tracing.inject(span)
         try:
             while time.monotonic() < deadline:
+                # an abort or _forget cancels this task once and stops tracking it; a cancel that came in the turn
+                # the request's reply did (Python 3.11's wait_for returns the reply) was lost and the binding
+                # retried until bind_timeout_s / owner_gone_after_s (tests/unit/worker/test_bind_lost_cancel.py)
+                raise_if_cancel_lost()
                 sent = time.monotonic()
                 try:
                     rep = await self.bus.request(
@@ -1321,6 +1325,7 @@ class WorkerService:
                     break  # the router gave up on it (aborted, re-routed): nothing to bind
                 self.counters["bind.retries"] += 1
                 await asyncio.sleep(0.05)
+            raise_if_cancel_lost()  # a lost cancel and a reply that ends the loop: aborted here, not ended or failed
             if rid not in self.core.requests:
                 # it ended here at its first token (end-of-sequence, finish_reason stop) while its binding
                 # was under way: the router, which has its end, answers "not pending", or names a decode node
