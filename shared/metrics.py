@@ -352,8 +352,9 @@ class MetricsServer:
                 Route("/readyz", readyz, methods=["GET"]),
             ]
         )
-        try:  # the router's bind (SO_REUSEADDR, the family getaddrinfo gives: a name that resolves only to IPv6 too)
-            sock = bind_socket(self.host, self.port)
+        try:  # the router's bind (SO_REUSEADDR, the family getaddrinfo gives: a name that resolves only to IPv6 too);
+            # "" is every IPv4 interface, as bind(("", port)) made it before (getaddrinfo cannot resolve "")
+            sock = bind_socket(self.host or "0.0.0.0", self.port)
         except OSError as e:
             raise OSError(e.errno, f"cannot listen for metrics on {self.host}:{self.port}: {e.strerror or e}") from e
         sock.setblocking(False)

@@ -16,8 +16,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     an IPv6 address binds in its own family), ``SO_REUSEADDR`` set (a restarted router rebinds a port whose old
     connections are in TIME_WAIT), not yet listening, blocking.
 
+    ``host`` ``""`` is refused here (``getaddrinfo`` cannot resolve it, so the router's ``--host ''`` never started);
+    the metrics port maps its ``""`` to ``0.0.0.0`` first (:class:`shared.metrics.MetricsServer`).
+
     Raises:
-        OSError: the address cannot be bound (in use, not on this machine); the socket is closed.
+        OSError: the address cannot be resolved or bound (in use, not on this machine); the socket is closed.
     """
     family, stype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, stype, proto)

@@ -131,6 +131,22 @@ async def test_metrics_server_binds_a_name_that_resolves_only_to_ipv6_in_that_fa
     await asyncio.sleep(0)
 
 
+async def test_an_empty_metrics_host_binds_every_ipv4_interface_as_before():
+    """``--metrics-host ''`` (``EI_METRICS_HOST=``) bound every interface (``bind(("", port))`` on IPv4: 0.0.0.0);
+    since the metrics port is bound by ``shared.net.bind_socket`` ``getaddrinfo('')`` failed (Name or service not
+    known) and the service did not start. ``""`` is again 0.0.0.0, reachable on the loopback."""
+    srv = MetricsServer(CollectorRegistry(), "", 0)
+    await srv.start()
+    try:
+        assert srv.port > 0
+        async with httpx.AsyncClient(timeout=5) as http:
+            r = await http.get(f"http://127.0.0.1:{srv.port}/healthz")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    finally:
+        await srv.stop()
+    await asyncio.sleep(0)
+
+
 def test_every_service_registry_exports_the_process_start_time_so_a_restart_shows():
     """A worker killed (``kill -9``) and restarted by ``up`` within a second showed nothing in Prometheus:
     its ``ei_*`` counters restarted from 0 (which ``rate()`` hides) and no series said the process was new.

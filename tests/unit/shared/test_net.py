@@ -37,6 +37,14 @@ def test_a_busy_port_is_an_oserror():
                 make("127.0.0.1", port)
 
 
+def test_an_empty_host_is_an_oserror_as_the_routers_own_bind_was():
+    """The router's ``--host ''`` (and ``up``'s) failed before the one bind too (``getaddrinfo('')``); only the
+    metrics port maps ``""`` to 0.0.0.0 (:class:`shared.metrics.MetricsServer`), as its own bind did."""
+    for make in (bind_socket, listen_socket):
+        with pytest.raises(OSError):
+            make("", 0)
+
+
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_an_ipv6_host_binds_in_its_family_and_its_url_is_bracketed():
     with listen_socket("::1", 0) as held:
