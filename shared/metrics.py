@@ -354,10 +354,9 @@ class MetricsServer:
         )
         try:  # the router's bind (SO_REUSEADDR, the family getaddrinfo gives: a name that resolves only to IPv6 too);
             # "" is every IPv4 interface, as bind(("", port)) made it before (getaddrinfo cannot resolve "")
-            sock = bind_socket(self.host or "0.0.0.0", self.port)
+            sock = bind_socket(self.host or "0.0.0.0", self.port, blocking=False)
         except OSError as e:
             raise OSError(e.errno, f"cannot listen for metrics on {self.host}:{self.port}: {e.strerror or e}") from e
-        sock.setblocking(False)
         self.port = sock.getsockname()[1]
         cfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="none", timeout_graceful_shutdown=2)
         self._server = _quiet_server_type()(cfg)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import socket
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, *, blocking: bool = True) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0: a free port; the first address ``getaddrinfo`` gives, so a hostname or
     an IPv6 address binds in its own family), ``SO_REUSEADDR`` set (a restarted router rebinds a port whose old
-    connections are in TIME_WAIT), not yet listening, blocking.
+    connections are in TIME_WAIT), not yet listening; blocking unless ``blocking=False`` (what a server on the
+    asyncio loop is given).
 
     ``host`` ``""`` is refused here (``getaddrinfo`` cannot resolve it, so the router's ``--host ''`` never started);
     the metrics port maps its ``""`` to ``0.0.0.0`` first (:class:`shared.metrics.MetricsServer`).
@@ -27,6 +28,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
+        sock.setblocking(blocking)
     except OSError:
         sock.close()
         raise

@@ -815,8 +815,7 @@ class RouterService(WatchedService):
             sock = inherited_socket(self.cfg.listen_fd)
         else:
             try:
-                sock = bind_socket(self.cfg.host, self.cfg.port)
-                sock.setblocking(False)
+                sock = bind_socket(self.cfg.host, self.cfg.port, blocking=False)
             except OSError as e:
                 raise OSError(e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror or e}") from e
         self.port = sock.getsockname()[1]

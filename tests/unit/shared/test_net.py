@@ -27,6 +27,8 @@ def test_bind_socket_binds_reusable_and_not_listening_and_listen_socket_listens(
             assert s.getblocking()
         assert not bound.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
         assert held.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    with bind_socket("127.0.0.1", 0, blocking=False) as loop_side:  # the router's and the metrics port's
+        assert not loop_side.getblocking() and loop_side.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
 
 
 def test_a_busy_port_is_an_oserror():
