@@ -244,7 +244,9 @@ def test_kv_events_of_the_host_tier_drive_residency():
         HostKvBuffer(1, SB, payload="external").apply_kv_events([], 0.0)
 
 
-def test_a_claimed_block_is_invisible_until_filled_and_wins_over_a_fetch():
+def test_a_claimed_block_is_invisible_until_filled_and_a_filled_claim_wins_over_a_fetch():
+    """Filled before the fetch commits, the claim is held and the fetch loses; a claim still unfilled when the
+    verified fetch commits loses to it (the next test)."""
     buf = HostKvBuffer(4, SB, payload="external")
     assert buf.reserve(7, 0.0) is not None  # a fetch of 7 in flight
     s = buf.claim(7, 0.0)
