@@ -728,7 +728,8 @@ async def _up(args: argparse.Namespace) -> int:
         return True
 
     try:  # a signal during start-up (e.g. --nats-url unreachable) cancels it; start() stops what it started
-        if await until_stopped(start(), stop, grace_s=CLUSTER_STOP_GRACE_S) is None:
+        # discard: a start that finished despite its cancel (lost in a nats-py wait_for) is stopped, not left running
+        if await until_stopped(start(), stop, grace_s=CLUSTER_STOP_GRACE_S, discard=lambda _: cluster.stop()) is None:
             cluster.remove_generated_creds()
             print("stopped during start-up", flush=True)
             return 0
@@ -1009,7 +1010,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
     own_logs = not args.log_dir  # OUT/logs: the report's folder, shared with it; its NATS seeds go when the cluster stops
     try:
-        started = await until_stopped(start(), stop, grace_s=CLUSTER_STOP_GRACE_S)
+        started = await until_stopped(start(), stop, grace_s=CLUSTER_STOP_GRACE_S, discard=lambda _: cluster.stop())
     except ClusterError as e:  # as up's: one line, not a traceback (e.g. not healthy within --ready-timeout)
         cluster.remove_generated_creds(own_log_dir=own_logs)
         print(f"error: {e}", file=sys.stderr)

@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import Callable, Coroutine, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from contextlib import AsyncExitStack
 from typing import Any, Protocol
 
@@ -397,17 +397,24 @@ STOP_GRACE_S = 3.0
 cancel costs a stop (0277de5) and on a start's clean-up after its cancel."""
 
 
-async def until_stopped(coro: Any, stop: asyncio.Event, *, grace_s: float = STOP_GRACE_S) -> Any:
+async def until_stopped(
+    coro: Any, stop: asyncio.Event, *, grace_s: float = STOP_GRACE_S,
+    discard: Callable[[Any], Awaitable[Any]] | None = None,
+) -> Any:
     """Run ``coro`` unless ``stop`` is set first; then cancel it and return None.
 
     After that cancel, ``coro`` runs until it ends (its clean-up on cancellation runs to its end) for up to
     ``grace_s`` seconds; one still running then is cancelled again every 0.05 s until it ends (a cancel lost in a
-    nats-py call: below).
+    nats-py call: below). A ``coro`` that returns a result all the same (its cancel was lost and it finished) has
+    started what the stop should not leave running: ``discard`` is awaited with that result to stop it, then None is
+    returned as for any stopped start.
 
     Args:
         coro: the start (a coroutine or future).
         stop: set to stop it.
         grace_s: seconds a cancelled ``coro`` may take to end before it is cancelled again (>= 0).
+        discard: awaited with the result of a ``coro`` that finished after its cancel (e.g. ``up``'s cluster stop);
+            None: that result is dropped (the caller stops what it started otherwise, e.g. an exit stack).
 
     Returns:
         ``coro``'s result, or None when ``stop`` was set before it finished.
@@ -437,19 +444,26 @@ async def until_stopped(coro: Any, stop: asyncio.Event, *, grace_s: float = STOP
         loop = asyncio.get_running_loop()
         task.cancel()
         deadline = loop.time() + grace_s
-        caller_cancelled = False
+        caller_cancel: asyncio.CancelledError | None = None
         while not task.done() and (left := deadline - loop.time()) > 0:
             try:
                 await asyncio.wait({task}, timeout=left)
-            except asyncio.CancelledError:  # the caller's own cancel: raised once the start has ended, as below
-                caller_cancelled = True
+            except asyncio.CancelledError as e:  # the caller's own cancel: raised once the start has ended, as below
+                caller_cancel = e
         # then cancelled again (every 0.05 s) until it ends (shared.cancel): a start inside a nats-py call can lose one
         # cancel (Python 3.11's asyncio.wait_for hands back what finished in the cancel's turn, a refusal or a reply,
         # and the call goes on or is retried). One cancel and an unbounded wait left such a service running after
         # SIGTERM, and a second SIGTERM did not end it (tests/unit/shared/test_bus_connect_cancel.py)
-        await cancel_until_done([task])
-        if caller_cancelled:
-            raise asyncio.CancelledError()
+        try:
+            await cancel_until_done([task])
+        except asyncio.CancelledError as e:
+            caller_cancel = e
+        # a start whose cancel was lost may have finished all the same: what it started is stopped here. Before, its
+        # result was dropped and ``up`` printed "stopped during start-up" with its services and nats-server running
+        if discard is not None and not task.cancelled() and task.exception() is None:
+            await discard(task.result())
+        if caller_cancel is not None:
+            raise caller_cancel
         return None
     return task.result()
 

@@ -185,3 +185,59 @@ async def test_until_stopped_cancelled_while_stopping_waits_for_the_clean_up_the
     done, _ = await asyncio.wait({run}, timeout=5)
     assert run in done and run.cancelled()
     assert cleaned == ["done"]
+
+
+async def test_until_stopped_discards_a_start_that_finished_despite_its_cancel():
+    """A start whose one cancel was lost and that then finished: its result goes to ``discard`` (what it started
+    is stopped) and None is returned. Before, the result was dropped with nothing stopped (/tmp/rr-h/a2.py)."""
+    from shared.service import until_stopped
+
+    discarded: list[object] = []
+
+    async def start_that_loses_its_cancel():
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # the cancel a nats-py wait_for swallowed
+        await asyncio.sleep(0.1)
+        return "cluster"
+
+    async def discard(result):
+        discarded.append(result)
+
+    stop = asyncio.Event()
+    run = asyncio.ensure_future(until_stopped(start_that_loses_its_cancel(), stop, grace_s=5, discard=discard))
+    await asyncio.sleep(0.05)
+    stop.set()
+    assert await asyncio.wait_for(run, 5) is None
+    assert discarded == ["cluster"]
+
+
+async def test_until_stopped_reraises_the_callers_cancel_with_its_message():
+    from shared.service import until_stopped
+
+    async def start_with_a_clean_up():
+        try:
+            await asyncio.sleep(3600)
+        except BaseException:
+            await asyncio.sleep(0.2)
+            raise
+
+    raised: list[tuple] = []
+
+    async def caller(stop):
+        try:
+            await until_stopped(start_with_a_clean_up(), stop)
+        except asyncio.CancelledError as e:  # what until_stopped raised, as its caller sees it
+            raised.append(e.args)
+            raise
+
+    stop = asyncio.Event()
+    run = asyncio.ensure_future(caller(stop))
+    await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.sleep(0.05)
+    run.cancel("second signal")
+    await asyncio.wait({run}, timeout=5)
+    assert run.cancelled()
+    assert raised == [("second signal",)]
