@@ -434,6 +434,8 @@ class DirectoryService(WatchedService):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.cfg.resync_backoff_max_s)
                 continue
+            # a cancel lost in the turn a real snapshot came: applied, the forgotten node's blocks came back
+            raise_if_cancel_lost()
             if snap.node != node:
                 self.counters["resync.wrong_node"] += 1
                 self.log.error("resync reply for another node ignored", node=node, got=snap.node)

@@ -73,3 +73,34 @@ async def test_a_resync_cancelled_as_its_no_responders_comes_ends():
     await asyncio.wait({task}, timeout=2)
     assert task in done, f"the forgotten node's resync still runs 2 s after its cancel ({retried} failed tries)"
     assert task.cancelled()
+
+
+@pytest.mark.timeout(30)
+async def test_a_resync_cancelled_as_its_snapshot_comes_does_not_apply_it():
+    """The cancel lost in the turn a real snapshot came: before, the round went on, applied it and flushed, so the
+    forgotten node's KV blocks came back into the directory (/tmp/rr-h/b.py). Now the task ends with its cancel."""
+    shell = _Shell()
+    applied: list[str] = []
+
+    async def request(subject: Any, req: Any, **kw: Any) -> Any:
+        shell.answer = asyncio.get_running_loop().create_future()
+        shell.asking.set()
+        await asyncio.wait_for(shell.answer, kw["timeout"])  # nats-py's request
+        return SimpleNamespace(node=req.node, seq=1, block_size=16)
+
+    def apply_snapshot(snap: Any, now: float) -> Any:
+        applied.append(snap.node)
+        return SimpleNamespace(status="resynced", blocks_stored=5, blocks_removed=0)
+
+    shell.bus.request = request  # type: ignore[method-assign]
+    shell.core.apply_snapshot = apply_snapshot  # type: ignore[attr-defined]
+    task = asyncio.ensure_future(DirectoryService._resync(shell, "w0"))  # type: ignore[arg-type]
+    await shell.asking.wait()
+    assert shell.answer is not None
+    shell.answer.set_result(b"snapshot")  # the node's snapshot, read in this turn
+    task.cancel()  # _forget
+    done, _ = await asyncio.wait({task}, timeout=2)
+    task.cancel()
+    await asyncio.wait({task}, timeout=2)
+    assert applied == [], "the forgotten node's snapshot was applied after its cancel"
+    assert task in done and task.cancelled()
