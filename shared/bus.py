@@ -1535,17 +1535,32 @@ class Bus:
 
     async def close(self) -> None:
         """Stop background tasks, drain subscriptions (in-flight handlers finish), close. A connection lost meanwhile
-        (NATS down) is logged, not raised: what was buffered for it is dropped."""
+        (NATS down) is logged, not raised: what was buffered for it is dropped.
+
+        Raises:
+            asyncio.CancelledError: the caller was cancelled meanwhile; raised after the connection is closed (the
+                tasks ended, the drain cut short), so a cancelled close still closes."""
         self._closing = True
+        caller_cancel: asyncio.CancelledError | None = None
         # cancelled again until they end (shared.cancel): a task cancelled in the turn its nats-py call's answer came
         # loses that cancel (Python 3.11's wait_for) and goes on (the heartbeat's while True); one cancel and an
-        # unbounded await kept a stopping service alive (tests/unit/shared/test_stop_lost_cancel.py)
-        await cancel_until_done(self._tasks)
-        self._tasks.clear()
+        # unbounded await kept a stopping service alive (tests/unit/shared/test_stop_lost_cancel.py). Tasks added
+        # meanwhile (reconnected_cb's bus-reconnect) are cancelled too, not cleared away still running
+        while self._tasks:
+            tasks = list(self._tasks)
+            self._tasks.clear()
+            try:
+                await cancel_until_done(tasks)
+            except asyncio.CancelledError as e:  # the caller's: the tasks have ended; close first, then raise it
+                caller_cancel = e
         if not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), timeout=5.0)
+            except asyncio.CancelledError as e:  # the caller's cancel during the drain: the connection is closed below
+                caller_cancel = e
             except Exception:
+                pass
+            if not self.nc.is_closed:
                 try:
                     await self.nc.close()
                 except Exception as e:
@@ -1556,3 +1571,5 @@ class Bus:
                     self.log.warning("nats connection lost at close; messages buffered while disconnected dropped", error=repr(e))
         for ping in list(self._pings):  # the client no longer reads: no PONG can reach them now
             ping.cancel()
+        if caller_cancel is not None:
+            raise caller_cancel

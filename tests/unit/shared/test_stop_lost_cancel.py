@@ -164,3 +164,80 @@ async def test_cancel_until_done_gives_up_at_its_limit_and_keeps_the_callers_can
         await cancel_until_done([task], every_s=0)
     deafness = False
     assert await cancel_until_done([task], limit_s=5) == set()
+
+
+class _RecordingNats:
+    """nats-py's client as ``Bus.close`` uses it: ``drain`` and ``close`` recorded."""
+
+    def __init__(self) -> None:
+        self.is_closed = False
+        self.calls: list[str] = []
+
+    async def drain(self) -> None:
+        self.calls.append("drain")
+        self.is_closed = True
+
+    async def close(self) -> None:
+        self.calls.append("close")
+        self.is_closed = True
+
+
+@pytest.mark.timeout(60)
+async def test_bus_close_cancelled_while_its_tasks_end_still_closes_the_connection():
+    """The caller's cancel while a task's clean-up runs: before, it escaped close() before the drain and nc.close()
+    (the connection left open); now the connection is drained/closed, then the cancel is raised."""
+    from shared.bus import Bus
+    from shared.subjects import Subjects
+
+    nc = _RecordingNats()
+    bus = Bus(nc, Subjects("p0"), service="router", instance="router")  # type: ignore[arg-type]
+
+    async def slow_to_end() -> None:  # deaf to cancels for 0.3 s (cancel_until_done cancels it every 0.05 s)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 0.3
+        while loop.time() < until:
+            try:
+                await asyncio.sleep(until - loop.time())
+            except asyncio.CancelledError:
+                pass
+
+    bus._tasks.append(asyncio.ensure_future(slow_to_end()))
+    await asyncio.sleep(0)
+    closing = asyncio.ensure_future(bus.close())
+    await asyncio.sleep(0.1)
+    closing.cancel()
+    done, _ = await asyncio.wait({closing}, timeout=5)
+    assert closing in done and closing.cancelled()
+    assert nc.calls == ["drain"] and nc.is_closed
+
+
+@pytest.mark.timeout(60)
+async def test_bus_close_cancels_a_task_added_while_it_waits():
+    """A bus-reconnect task added (reconnected_cb) while close() waits for the tasks it had: before, it was cleared
+    from the list still running, never cancelled; now it is cancelled and ended too."""
+    from shared.bus import Bus
+    from shared.subjects import Subjects
+
+    nc = _RecordingNats()
+    bus = Bus(nc, Subjects("p0"), service="router", instance="router")  # type: ignore[arg-type]
+    added: list[asyncio.Task] = []
+
+    async def after_reconnect() -> None:
+        await asyncio.sleep(3600)
+
+    async def heartbeat() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:  # the reconnect came while this task ended
+            added.append(asyncio.ensure_future(after_reconnect()))
+            bus._tasks.append(added[-1])
+            await asyncio.sleep(0.1)
+
+    bus._tasks.append(asyncio.ensure_future(heartbeat()))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(bus.close(), 5)
+    assert len(added) == 1
+    done = added[0].done()
+    added[0].cancel()
+    assert done, "the task added during close() is still running after it"
+    assert bus._tasks == []
