@@ -32,7 +32,8 @@ async def cancel_until_done(
     Args:
         tasks: the tasks (futures) to end; ones already done are only retrieved.
         every_s: seconds between cancels (positive).
-        limit_s: give up after this many seconds (None: wait until all ended).
+        limit_s: give up after this many seconds (None: wait until all ended); each task is cancelled at least
+            once even when it is 0 or less.
 
     Returns:
         The tasks still running when ``limit_s`` passed (empty when all ended).
@@ -46,23 +47,26 @@ async def cancel_until_done(
     every = list(tasks)
     pending = set(every)
     deadline = None if limit_s is None else time.monotonic() + limit_s
-    cancelled = False
+    caller_cancel: asyncio.CancelledError | None = None
+    first = True
     while True:
         pending = {t for t in pending if not t.done()}
-        if not pending or (deadline is not None and time.monotonic() >= deadline):
+        # each task is cancelled at least once, whatever limit_s (one <= 0: one cancel, one loop turn to end in)
+        if not pending or (not first and deadline is not None and time.monotonic() >= deadline):
             break
+        first = False
         for t in pending:
             t.cancel()
         wait = every_s if deadline is None else max(0.0, min(every_s, deadline - time.monotonic()))
         try:
             await asyncio.wait(pending, timeout=wait)
-        except asyncio.CancelledError:
-            cancelled = True
+        except asyncio.CancelledError as e:
+            caller_cancel = e
     for t in every:
         if t.done() and not t.cancelled():
             t.exception()  # retrieved: no "exception was never retrieved" at garbage collection
-    if cancelled:
-        raise asyncio.CancelledError()
+    if caller_cancel is not None:
+        raise caller_cancel  # the caller's own, its message kept
     return pending
 
 

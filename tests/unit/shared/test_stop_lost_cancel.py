@@ -241,3 +241,46 @@ async def test_bus_close_cancels_a_task_added_while_it_waits():
     added[0].cancel()
     assert done, "the task added during close() is still running after it"
     assert bus._tasks == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("limit_s", [0.0, -1.0])
+async def test_cancel_until_done_cancels_at_least_once_whatever_its_limit(limit_s):
+    """limit_s <= 0: before, the loop gave up before its first cancel and the tasks were never cancelled."""
+    task = asyncio.ensure_future(asyncio.sleep(3600))
+    await asyncio.sleep(0)
+    left = await cancel_until_done([task], limit_s=limit_s)
+    await asyncio.sleep(0)
+    ended = task.done()
+    task.cancel()
+    assert ended and task.cancelled(), f"not cancelled (left: {left})"
+
+
+@pytest.mark.timeout(60)
+async def test_cancel_until_done_raises_the_callers_own_cancel():
+    """The caller's cancel is raised after the wait as it came (its message kept), not as a fresh CancelledError."""
+    raised: list[tuple] = []
+
+    async def slow() -> None:  # deaf to cancels for 0.2 s
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 0.2
+        while loop.time() < until:
+            try:
+                await asyncio.sleep(until - loop.time())
+            except asyncio.CancelledError:
+                pass
+
+    async def caller(task) -> None:
+        try:
+            await cancel_until_done([task])
+        except asyncio.CancelledError as e:
+            raised.append(e.args)
+            raise
+
+    task = asyncio.ensure_future(slow())
+    waiting = asyncio.ensure_future(caller(task))
+    await asyncio.sleep(0.05)
+    waiting.cancel("stop now")
+    await asyncio.wait({waiting}, timeout=5)
+    assert waiting.cancelled() and task.done()
+    assert raised == [("stop now",)]
