@@ -6,6 +6,14 @@ JetStream calls and connect attempts in ``wait_for``, so a task cancelled at tha
 ``while True``), and whoever cancelled it once and then awaited it without bound waited forever (a service's connect
 during the Slurm job's stop, 0277de5; a background loop at a service's stop). :func:`cancel_until_done` cancels again
 every ``every_s`` until the tasks end: a lost cancel is followed by one that lands at the task's next await.
+
+Its users: ``BackgroundTasks.stop`` (router, planner, KV directory), ``Bus.close``, the worker's stop and
+``Bus.connect``'s abandon (ABANDON_S limit) cancel every ``CANCEL_EVERY_S`` from the first cancel on;
+``shared.service.until_stopped`` first lets a cancelled start run its clean-up for a grace (``STOP_GRACE_S``, 3 s,
+for a service; ``CLUSTER_STOP_GRACE_S``, 15 s, for ``up`` and ``demo``) and only then cancels it every 0.05 s here.
+Being cancelled again, a task's clean-up on cancellation (its ``except CancelledError``/``finally`` awaits) is cut
+short at its first await past 0.05 s: the tasks stopped here have no such clean-up today; one that gets one must be
+stopped with a grace first, as until_stopped does.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ import time
 from collections.abc import Iterable
 
 CANCEL_EVERY_S = 0.05
-"""Seconds between the cancels of :func:`cancel_until_done` (a lost cancel costs at most this much)."""
+"""Seconds between the cancels of :func:`cancel_until_done` (a lost cancel costs at most this much; a clean-up on
+cancellation longer than this is cut short). ``until_stopped`` starts these cancels only after its grace (module
+docstring)."""
 
 
 async def cancel_until_done(
