@@ -20,6 +20,7 @@ everything in one process as before.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,6 +84,16 @@ def bench_faults():
         sys.modules["bench_faults"] = mod
         spec.loader.exec_module(mod)
     return mod
+
+
+def ipv6_loopback() -> bool:
+    """Whether this machine can bind a TCP socket on ``::1`` (IPv6 loopback): tests of IPv6 hosts skip without it."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
 
 
 def shared_traces_or_skip(*parts: str) -> Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.conftest import ipv6_loopback
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -97,16 +97,7 @@ def test_no_restart_router_drain_answers_a_new_connection_at_once(tmp_path):
         _stop(proc)
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_up_on_an_ipv6_address_serves_at_a_bracketed_url(tmp_path):
     """``up --host ::1 --metrics``: the router's socket is bound on the IPv6 loopback, and ``up`` reaches it at
     ``http://[::1]:PORT``; the metrics ports are found on that address too. Before, the URL was ``http://::1:PORT``:

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import shared.net
 from services.router.metrics import Histogram
 from shared.metrics import FuncCollector, MetricsServer, bus_families, histogram_family, make_registry
+from tests.conftest import ipv6_loopback
 
 IMPORTED_AT = time.time()
 
@@ -90,15 +91,6 @@ async def test_metrics_server_serves_the_registry_and_refuses_a_taken_port():
     await asyncio.sleep(0)
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
 class _V6OnlyName:
     """``shared.net``'s ``socket`` module, whose ``getaddrinfo`` resolves ``v6only.test`` to ``::1`` only (as
     ``ip6-localhost`` does where /etc/hosts lists it); everything else is the real module, so only the bind under
@@ -113,7 +105,7 @@ class _V6OnlyName:
         return socket.getaddrinfo("::1" if host == self.NAME else host, port, *args, **kwargs)
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
 async def test_metrics_server_binds_a_name_that_resolves_only_to_ipv6_in_that_family(monkeypatch):
     """The metrics server chose IPv4 or IPv6 by whether ``--metrics-host`` held a ":", so a hostname that resolves
     only to an IPv6 address was bound as IPv4 and the service did not start; it now binds as the router does

@@ -8,15 +8,7 @@ import socket
 import pytest
 
 from shared.net import bind_socket, http_url, listen_socket
-
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
+from tests.conftest import ipv6_loopback
 
 
 def test_bind_socket_binds_reusable_and_not_listening_and_listen_socket_listens():
@@ -47,7 +39,7 @@ def test_an_empty_host_is_an_oserror_as_the_routers_own_bind_was():
             make("", 0)
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_an_ipv6_host_binds_in_its_family_and_its_url_is_bracketed():
     with listen_socket("::1", 0) as held:
         assert held.family == socket.AF_INET6
