@@ -30,10 +30,11 @@ docstring)."""
 
 async def cancel_until_done(
     tasks: Iterable[asyncio.Future], *, every_s: float = CANCEL_EVERY_S, limit_s: float | None = None,
+    grace_s: float = 0.0,
 ) -> set[asyncio.Future]:
     """Cancel ``tasks`` and wait until each has ended, cancelling those still running again every ``every_s``
-    seconds (one cancel can be lost: module docstring). Each ended task's outcome (its exception, a cancel) is
-    retrieved and dropped: the caller is stopping them.
+    seconds (one cancel can be lost: module docstring), the first time ``grace_s`` after the first cancel. Each
+    ended task's outcome (its exception, a cancel) is retrieved and dropped: the caller is stopping them.
 
     A cancel of the caller itself while it waits does not stop the wait (the tasks are cancelled all the same, and
     they must end first: the caller's cancel is stopping anyway); it is raised once they have ended (or ``limit_s``
@@ -44,16 +45,20 @@ async def cancel_until_done(
         every_s: seconds between cancels (positive).
         limit_s: give up after this many seconds (None: wait until all ended); each task is cancelled at least
             once even when it is 0 or less.
+        grace_s: seconds the tasks may take to end after the first cancel (their clean-up on cancellation runs to
+            its end) before they are cancelled again (>= 0; ``until_stopped``'s grace).
 
     Returns:
         The tasks still running when ``limit_s`` passed (empty when all ended).
 
     Raises:
-        ValueError: ``every_s`` not positive.
+        ValueError: ``every_s`` not positive, or ``grace_s`` negative.
         asyncio.CancelledError: the caller was cancelled meanwhile (after the wait).
     """
     if not every_s > 0:
         raise ValueError(f"every_s must be positive seconds, got {every_s!r}")
+    if not grace_s >= 0:
+        raise ValueError(f"grace_s must be seconds >= 0, got {grace_s!r}")
     every = list(tasks)
     pending = set(every)
     deadline = None if limit_s is None else time.monotonic() + limit_s
@@ -64,14 +69,22 @@ async def cancel_until_done(
         # each task is cancelled at least once, whatever limit_s (one <= 0: one cancel, one loop turn to end in)
         if not pending or (not first and deadline is not None and time.monotonic() >= deadline):
             break
-        first = False
         for t in pending:
             t.cancel()
-        wait = every_s if deadline is None else max(0.0, min(every_s, deadline - time.monotonic()))
-        try:
-            await asyncio.wait(pending, timeout=wait)
-        except asyncio.CancelledError as e:
-            caller_cancel = e
+        until = time.monotonic() + (grace_s if first else every_s)
+        if deadline is not None:
+            until = min(until, deadline)
+        first = False
+        # the wait to the next cancel (one loop turn at least, for the cancel to land): the tasks ending end it
+        # sooner; a cancel of the caller does not (below)
+        while True:
+            try:
+                await asyncio.wait(pending, timeout=max(0.0, until - time.monotonic()))
+            except asyncio.CancelledError as e:
+                caller_cancel = e
+            pending = {t for t in pending if not t.done()}
+            if not pending or time.monotonic() >= until:
+                break
     for t in every:
         if t.done() and not t.cancelled():
             t.exception()  # retrieved: no "exception was never retrieved" at garbage collection

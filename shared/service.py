@@ -440,23 +440,15 @@ async def until_stopped(
     if not task.done():
         # one cancel, then up to grace_s for the start to end: a delivered cancel's clean-up (a service's stop after
         # a half-done start, a cluster's stop of what it started) runs to its end. Cancelled again from the first
-        # 0.05 s on (0277de5), a 0.2-s clean-up was cut short (tests/unit/shared/test_bus_connect_cancel.py)
-        loop = asyncio.get_running_loop()
-        task.cancel()
-        deadline = loop.time() + grace_s
-        caller_cancel: asyncio.CancelledError | None = None
-        while not task.done() and (left := deadline - loop.time()) > 0:
-            try:
-                await asyncio.wait({task}, timeout=left)
-            except asyncio.CancelledError as e:  # the caller's own cancel: raised once the start has ended, as below
-                caller_cancel = e
-        # then cancelled again (every 0.05 s) until it ends (shared.cancel): a start inside a nats-py call can lose one
+        # 0.05 s on (0277de5), a 0.2-s clean-up was cut short (tests/unit/shared/test_bus_connect_cancel.py).
+        # Then cancelled again (every 0.05 s) until it ends (shared.cancel): a start inside a nats-py call can lose one
         # cancel (Python 3.11's asyncio.wait_for hands back what finished in the cancel's turn, a refusal or a reply,
         # and the call goes on or is retried). One cancel and an unbounded wait left such a service running after
         # SIGTERM, and a second SIGTERM did not end it (tests/unit/shared/test_bus_connect_cancel.py)
+        caller_cancel: asyncio.CancelledError | None = None
         try:
-            await cancel_until_done([task])
-        except asyncio.CancelledError as e:
+            await cancel_until_done([task], grace_s=grace_s)
+        except asyncio.CancelledError as e:  # the caller's own cancel: raised once the start has ended
             caller_cancel = e
         # a start whose cancel was lost may have finished all the same: what it started is stopped here. Before, its
         # result was dropped and ``up`` printed "stopped during start-up" with its services and nats-server running
