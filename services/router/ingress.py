@@ -99,11 +99,11 @@ def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key if isinstance(key, bytes) else key.encode()).digest()
 
 
-def _error(status: int, message: str, code: str, param: str | None = None) -> bytes:
+def _error(status: int, message: str, code: str) -> bytes:
     """The 401 / 429 of the key guard: OpenAI's error shape with a string ``code`` (``invalid_api_key``, as OpenAI's
     own 401; ``too_many_requests``). Its 400 is the API's (``api.error_body``: ``code`` 400, as vLLM)."""
-    kind = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}.get(status, "error")
-    return _JSON.encode({"error": {"message": message, "type": kind, "param": param, "code": code}})
+    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "error")
+    return _JSON.encode({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
 
 class RepeatedAuthorization(ValueError):
