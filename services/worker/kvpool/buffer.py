@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import numpy as np
@@ -282,30 +282,16 @@ class HostKvBuffer:
         Raises:
             ValueError: for an external buffer (its payloads come from the engine, not from events).
         """
-        from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored
-
         if self.payload != "synthetic":
             raise ValueError("only a synthetic buffer can follow KV events (an external one needs the bytes)")
-        changed = 0
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                if ev.tier != "host":
-                    continue
-                for h in ev.block_hashes:
-                    if h in self._slot_of:
-                        continue
-                    try:
-                        self.put(h, now)
-                        changed += 1
-                    except PoolFull:
-                        self.counters["put_full"] += 1
-            elif isinstance(ev, BlockRemoved):
-                if ev.tier == "host":
-                    changed += sum(self.evict(h, now) for h in ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
-                if ev.tier in (None, "host"):
-                    changed += self.clear(now)
-        return changed
+
+        def put(h: int) -> int:
+            if h in self._slot_of:
+                return 0
+            self.put(h, now)
+            return 1
+
+        return self._follow_host_events(events, now, put)
 
     def claim_events(self, events: Iterable[object], now: float) -> list[tuple[int, int]]:
         """The bookkeeping of an external buffer following a worker's KV events (as :meth:`apply_kv_events`
@@ -318,31 +304,44 @@ class HostKvBuffer:
         Raises:
             ValueError: for a synthetic buffer (it writes its payloads itself: :meth:`apply_kv_events`).
         """
-        from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored
-
         if self.payload != "external":
             raise ValueError("only an external buffer claims slots for the engine's bytes (a synthetic one: apply_kv_events)")
         claims: list[tuple[int, int]] = []
+
+        def claim(h: int) -> int:
+            slot = self.claim(h, now)
+            if slot is not None:
+                claims.append((h, slot))
+            return 0
+
+        self._follow_host_events(events, now, claim)
+        return claims
+
+    def _follow_host_events(self, events: Iterable[object], now: float, store: Callable[[int], int]) -> int:
+        """The host tier of KV events, in order: ``store(h)`` for each block of a ``BlockStored(tier="host")``
+        (one raising :class:`PoolFull` is counted ``put_full`` and skipped), evict for a ``BlockRemoved(tier="host")``,
+        clear for ``AllBlocksCleared`` of the host tier or of every tier; GPU events ignored. What
+        :meth:`apply_kv_events` (``store``: put) and :meth:`claim_events` (``store``: claim) share. Returns the
+        blocks stored (``store``'s returns summed), evicted or cleared."""
+        from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored
+
+        changed = 0
         for ev in events:
             if isinstance(ev, BlockStored):
                 if ev.tier != "host":
                     continue
                 for h in ev.block_hashes:
                     try:
-                        slot = self.claim(h, now)
+                        changed += store(h)
                     except PoolFull:
                         self.counters["put_full"] += 1
-                        continue
-                    if slot is not None:
-                        claims.append((h, slot))
             elif isinstance(ev, BlockRemoved):
                 if ev.tier == "host":
-                    for h in ev.block_hashes:
-                        self.evict(h, now)
+                    changed += sum(self.evict(h, now) for h in ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 if ev.tier in (None, "host"):
-                    self.clear(now)
-        return claims
+                    changed += self.clear(now)
+        return changed
 
     # -- peer side: what a holder answers --------------------------------- #
 
