@@ -273,6 +273,71 @@ def test_write_through_copies_a_page_before_the_batch_reuses_it(model):
     assert eng.counters["written_through"] == 1
 
 
+class _Event:
+    """Stands in for the engine's ``torch.cuda.Event`` (``TorchEngine._l2_read``) on CPU: logs each call
+    and, at ``synchronize``, whether the L2 slot under watch still held its restored bytes."""
+
+    def __init__(self, eng: TorchEngine) -> None:
+        self.eng = eng
+        self.calls: list[object] = []
+        self.watch: tuple[int, torch.Tensor] | None = None
+
+    def record(self, stream: object) -> None:
+        self.calls.append("record")
+
+    def synchronize(self) -> None:
+        slot, kv = self.watch if self.watch is not None else (None, None)
+        self.calls.append(("wait", slot is None or torch.equal(self.eng.host[slot], kv)))
+
+
+def test_cpu_write_into_l2_waits_for_enqueued_restores(model, monkeypatch):
+    """On CUDA a restore's host → device copy from the pinned L2 is only enqueued; the CPU must not
+    write that slot (freed and refilled with a fetched page) before the device ran it
+    (``TorchEngine._await_l2_reads``). Pinned on CPU with a stand-in event: the fetched page's write
+    waits once, before it writes, when a restore (or a recomputed page's L2 copy) is pending, and not
+    otherwise; the write-through needs no wait (its blocking device → host copy orders it). Failed
+    before the wait was added (no event was ever recorded or waited for)."""
+    folder, _ = model
+    eng = TorchEngine(PROFILE, folder, device="cpu")
+    ev = eng._l2_read = _Event(eng)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    shape = tuple(eng.host.shape[1:])
+    gen = torch.Generator().manual_seed(0)
+    kv = {h: torch.randn(shape, generator=gen) for h in range(1, 6)}
+    for h in kv:
+        eng.put_fetched(h, kv[h], fetch_id=1)
+
+    def stored(tier: str, *hs: int) -> BlockStored:
+        return BlockStored(block_hashes=list(hs), parent_block_hash=None, tier=tier, block_size=BS)
+
+    eng.apply_kv_events([stored("host", 1)])  # no restore pending: no wait
+    assert ev.calls == []
+    slot = eng.host_slot[1]
+    ev.watch = (slot, kv[1])
+    # restore 1 from its slot, free the slot, refill it with fetched page 2: one wait, before the write
+    eng.apply_kv_events([stored("gpu", 1), BlockRemoved(block_hashes=[1], tier="host"), stored("host", 2)])
+    assert eng.host_slot[2] == slot and torch.equal(eng.host_page(2), kv[2])
+    assert ev.calls == ["record", ("wait", True)]
+    eng.apply_kv_events([stored("host", 3)])  # nothing enqueued since: no second wait
+    assert ev.calls == ["record", ("wait", True)]
+    # a restore, then the write-through of an L1 page into a freed slot (device → host, blocking): no wait
+    ev.calls.clear()
+    ev.watch = None
+    eng.apply_kv_events([stored("gpu", 3), BlockRemoved(block_hashes=[3], tier="host"), stored("host", 1)])
+    assert ev.calls == ["record"] and torch.equal(eng.host_page(1), kv[1])
+    eng.apply_kv_events([stored("host", 4)])  # ... but the next fetched page's write waits for that restore
+    assert ev.calls == ["record", ("wait", True)]
+    # a page recomputed while in L2 gets its L2 bytes copied into L1: a read of L2 like a restore
+    ev.calls.clear()
+    page = eng._alloc()
+    eng._write_page(page, torch.randn(shape, generator=gen))
+    eng._pending[4] = [("r", page)]
+    eng.apply_kv_events([stored("gpu", 4)])
+    assert eng.counters["recomputed_kept_l2"] == 1 and ev.calls == ["record"]
+    eng.apply_kv_events([stored("host", 5)])
+    assert ev.calls == ["record", ("wait", True)]
+
+
 class _EagerWriteThrough(TorchEngine):
     """The write-through as it was before it was batched: each page copied at its own event."""
 

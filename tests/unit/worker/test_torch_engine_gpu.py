@@ -3,8 +3,10 @@
 Same checks as the CPU tests, on ``cuda``: greedy outputs of the paged engine in
 float32 equal transformers' ``generate()`` on the same device, on the
 recompute, L1-hit, L2-restore and hand-off paths; bfloat16 (the CUDA default)
-runs the same plans and produces in-vocabulary tokens. ``bench/gpu_check.sh``
-runs this file on a lent GPU machine.
+runs the same plans and produces in-vocabulary tokens; a restore's host → device copy
+from the pinned L2 reads its slot's bytes even when the CPU refills the slot while the
+copy still waits behind other work on the stream. ``bench/gpu_check.sh`` runs this file
+on a lent GPU machine.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ pytestmark = [
 ]
 
 from shared.hashing import block_hashes, pack_tokens  # noqa: E402
-from shared.messages import PrefillWork  # noqa: E402
+from shared.messages import BlockRemoved, BlockStored, PrefillWork  # noqa: E402
 from shared.profile import load_profile  # noqa: E402
 from services.worker.engines.torch_engine.checkpoint import init_model  # noqa: E402
+from services.worker.engines.torch_engine.engine import TorchEngine  # noqa: E402
 from services.worker.engines.torch_engine.local import LocalNode  # noqa: E402
 
 PROFILE = load_profile("torch-tiny-cpu")
@@ -84,3 +87,38 @@ def test_cuda_bfloat16_default(model):
     node.run()
     toks = node.finished["x"].tokens
     assert len(toks) == 6 and all(0 <= t < eng.cfg.vocab_size for t in toks)
+
+
+def test_restore_reads_l2_before_the_cpu_refills_its_slot(model):
+    """A restore (L2 slot S → L1 page) is enqueued behind ~0.3 s of matmuls on the stream; in the same
+    batch S is freed and the CPU writes a fetched page into it (``TorchEngine._store_host``). The
+    restored page must hold the bytes S had at the restore: the CPU write waits for the enqueued copy
+    (``TorchEngine._await_l2_reads``). Without that wait the copy read the fetched page's bytes.
+    Written without a CUDA device at hand: not yet run on one."""
+    folder, _ = model
+    eng = TorchEngine(PROFILE, folder, device="cuda", dtype="float32")
+    assert eng.host.is_pinned()
+    shape = tuple(eng.host.shape[1:])
+    gen = torch.Generator().manual_seed(0)
+    kv_a, kv_b = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    eng.put_fetched(1, kv_a, fetch_id=1)
+    eng.put_fetched(2, kv_b, fetch_id=1)
+
+    def stored(tier, *hs):
+        return BlockStored(block_hashes=list(hs), parent_block_hash=None, tier=tier, block_size=BS)
+
+    eng.apply_kv_events([stored("host", 1)])
+    slot = eng.host_slot[1]
+    x = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(12):  # ~1.1 TFLOP each in float32: work queued ahead of the restore's copy
+        y = x @ x
+    ahead = torch.cuda.Event()
+    ahead.record()
+    assert not ahead.query(), "the matmuls finished before the restore was enqueued: no race to test"
+    eng.apply_kv_events([stored("gpu", 1), BlockRemoved(block_hashes=[1], tier="host"), stored("host", 2)])
+    assert eng.host_slot[2] == slot  # the restored slot was refilled by the CPU in the batch
+    torch.cuda.synchronize()
+    del y
+    assert torch.equal(eng.host_page(2), kv_b)
+    assert torch.equal(eng._page_kv(eng.page_of[1]).cpu(), kv_a)

@@ -268,6 +268,12 @@ class TorchEngine(Engine):
             dtype=dt,
             pin_memory=dev.type == "cuda",
         )
+        self._l2_read: Any = torch.cuda.Event() if dev.type == "cuda" else None
+        """CUDA: recorded on the device's current stream after each L2 → L1 copy (:meth:`_restore_page`),
+        waited for before the CPU writes an L2 slot (:meth:`_await_l2_reads`); None on CPU, where a copy
+        is done when it returns."""
+        self._l2_read_pending = False
+        """An L2 → L1 copy was enqueued since the last :meth:`_await_l2_reads` (CUDA only)."""
         self.page_of: dict[int, int] = {}
         self.host_slot: dict[int, int] = {}
         self._free = list(range(self.pages - 1, -1, -1))
@@ -631,14 +637,49 @@ class TorchEngine(Engine):
         wt, self._wt = self._wt, []
         for lo in range(0, len(wt), self._WRITE_THROUGH_BATCH):
             part = wt[lo : lo + self._WRITE_THROUGH_BATCH]
-            kv = self._pages_kv([p for p, _ in part]).to(self.host.device)
+            kv = self._pages_kv([p for p, _ in part]).to(self.host.device)  # blocking: see _await_l2_reads
             self.host.index_copy_(0, torch.tensor([s for _, s in part], dtype=torch.int64), kv)
 
     def _write_page(self, page: int, kv: torch.Tensor) -> None:
+        """Copy ``kv`` (``[layers, 2, block_size, kv_heads, head_dim]``, any device) into L1 page ``page``.
+        On CUDA the host → device copy is only enqueued (``non_blocking``): from pinned memory (an L2 slot,
+        :meth:`_restore_page`) the device reads the source when it reaches the copy, so a source in L2 must
+        stay unwritten until then (:meth:`_await_l2_reads`); from pageable memory (a hand-off's or a fetched
+        page's own tensor) CUDA stages it before the call returns."""
         kv = kv.to(self.device, non_blocking=True)
         for i in range(self.cfg.num_layers):
             self.k_cache[i][page].copy_(kv[i, 0])
             self.v_cache[i][page].copy_(kv[i, 1])
+
+    def _restore_page(self, page: int, slot: int) -> None:
+        """Copy L2 slot ``slot`` into L1 page ``page`` (:meth:`_write_page`); on CUDA mark the read pending."""
+        self._write_page(page, self.host[slot])
+        if self._l2_read is not None:
+            self._l2_read.record(torch.cuda.current_stream(self.device))
+            self._l2_read_pending = True
+
+    def _await_l2_reads(self) -> None:
+        """Wait until the device ran every L2 → L1 copy enqueued so far; call before the CPU writes an L2 slot.
+
+        Invariant: the CPU writes into ``self.host`` only after every L2 read enqueued before the write ran.
+        A restore (:meth:`_restore_page`) enqueues a copy from the pinned ``self.host`` on CUDA that reads the
+        slot when the device reaches it, maybe behind a long forward; a slot freed meanwhile
+        (``BlockRemoved(host)``, ``AllBlocksCleared``) and refilled by the CPU would be read with the new
+        bytes: the restored L1 page would silently hold another page's K/V. The writers of ``self.host``:
+
+        * :meth:`_store_host`, a fetched page (``copy_`` on the CPU): calls this first.
+        * :meth:`_flush_write_through` (``index_copy_`` on the CPU): needs no wait, as its bytes come from a
+          blocking device → host copy (``.to(self.host.device)``: into pageable memory, enqueued on the same
+          current stream behind every restore enqueued before it, and the stream is synchronized before it
+          returns), so those restores ran before the CPU writes. Keep that copy blocking.
+
+        Nothing else writes ``self.host``: hand-off pages (``_Seq.incoming``) and fetched pages
+        (``_Fetched.kv``) are tensors of their own, the real-bytes pool (``kvpool``) has its own buffer
+        (:meth:`copy_to_pool` reads L2 into it, :meth:`on_fetched` copies its slots into new tensors).
+        On CPU (no event) and with no restore since the last wait, this does nothing."""
+        if self._l2_read_pending:
+            self._l2_read.synchronize()
+            self._l2_read_pending = False
 
     @_locked
     def apply_kv_events(self, events: list[KvEvent], live: set[str] | dict[str, Any] | None = None) -> None:
@@ -714,13 +755,13 @@ class TorchEngine(Engine):
                 # request compute its last page): the same tokens' K/V in other chunks or batches
                 # differ in the last bits (1e-6 of 3 on the tiny model). Keep the L2 version, the
                 # one peers fetch and later restores read: L1 = L2 bytes, one version per hash.
-                self._write_page(page, self.host[slot])
+                self._restore_page(page, slot)
                 self._count("recomputed_kept_l2")
             self.page_of[h] = page
             return
         if h in self.host_slot:  # restore L2 → L1
             page = self._alloc()
-            self._write_page(page, self.host[self.host_slot[h]])
+            self._restore_page(page, self.host_slot[h])
             self.page_of[h] = page
             self._count("restored_pages")
             return
@@ -749,6 +790,7 @@ class TorchEngine(Engine):
             if f is None:
                 self._host_free.append(slot)
                 raise KvMapError(f"BlockStored(host) of {h}: not in L1 and not fetched")
+            self._await_l2_reads()  # a restore enqueued before may still read this slot (freed since)
             self.host[slot].copy_(f.kv)
             f.stored = True
             self._count("fetched_pages")
