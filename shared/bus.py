@@ -352,9 +352,15 @@ class Bus:
         self._stream_checked = False
         self.stream_waiting = ""
         """The stream's name while :meth:`_await_stream` waits for it (another must make it, or the server refuses
-        the create, or the server lost it), or a lookup of it gets no answer, else empty: a service's ``/readyz``
-        reason while it waits (``shared.service``). Set and cleared only by :meth:`_wait_for_stream` and
-        :meth:`_wait_over` (a later reconnect's check owns it once it began)."""
+        the create, or the server lost it), or a lookup of it gets no answer, or, on JetStream, from a disconnect until
+        the reconnect's check found the stream again (:meth:`_stream_unconfirmed`), else empty: a service's ``/readyz``
+        reason while it waits (``shared.service``). Set by :meth:`_wait_for_stream` and :meth:`_stream_unconfirmed`,
+        cleared only by :meth:`_wait_over` (a later reconnect's check owns it once it began; after a disconnect only
+        the check that began after it clears it)."""
+        self._js_disconnects = 0
+        """Disconnects while on JetStream (:meth:`_stream_unconfirmed`); :attr:`_check_disconnects` the count when the
+        latest reconnect's check began: a check clears :attr:`stream_waiting` only while they are equal."""
+        self._check_disconnects = 0
         self.jetstream_missing = ""
         """The stream's name while the server this bus reconnected to has no JetStream (:meth:`_await_jetstream`):
         reliable publishes are kept until it is back; a service's ``/readyz`` reason meanwhile (``shared.service``).
@@ -502,6 +508,7 @@ class Bus:
             # until the stream is known to be there after the reconnect, keep what is published (nats-py's reconnect
             # buffer flushes it into a server that may have come back without its store, where it goes nowhere)
             bus._holding = bus._holding or bus.jetstream
+            bus._stream_unconfirmed(disconnect=True)
             bus.log.warning("nats disconnected")
 
         async def reconnected_cb() -> None:
@@ -663,11 +670,30 @@ class Bus:
         """A reconnect's stream check begins (:meth:`_after_reconnect`) and takes over from any earlier one's: returns
         its ``go_on()``, true until a later reconnect's check begins. An earlier check's wait for JetStream gives way at
         once (:attr:`jetstream_missing` cleared: this check says again); its wait for the stream and what it only keeps
-        (:attr:`stream_waiting`, :attr:`_stream_lost`) stand until this check is over (:meth:`_wait_over`)."""
+        (:attr:`stream_waiting`, :attr:`_stream_lost`) stand until this check is over (:meth:`_wait_over`), and
+        :attr:`stream_waiting` names the stream until this check found it (:meth:`_stream_unconfirmed`)."""
         self._reconnects_seen += 1
         mine = self._reconnects_seen
         self.jetstream_missing = ""
+        self._stream_unconfirmed(disconnect=False)
         return lambda: mine == self._reconnects_seen
+
+    def _stream_unconfirmed(self, *, disconnect: bool) -> None:
+        """On JetStream, the stream is not known to be there from a disconnect (``disconnect``) until the reconnect's
+        check found it: :attr:`stream_waiting` names it (``/readyz`` 503, reliable publishes are kept meanwhile,
+        :attr:`_holding`) from the disconnect on (nats-py's reconnect flushes and PINGs the new server, connected,
+        before the check begins), through the check's first lookup, until :meth:`_wait_over` of the check that
+        began after the latest disconnect (a check that began before it, still looking, may get its answer from the
+        old server). Before, the check cleared :attr:`jetstream_missing` at its start but set ``stream_waiting`` only
+        once a lookup had gone ``STREAM_LOOKUP_TIMEOUT_S`` unanswered: ``/readyz`` 200 for up to 5 s after a reconnect
+        to a server that had not answered whether it has the stream (or JetStream)."""
+        if not self.jetstream:  # on core NATS (or the start's check, which holds readiness back itself): no check
+            return
+        if disconnect:
+            self._js_disconnects += 1
+        else:
+            self._check_disconnects = self._js_disconnects
+        self.stream_waiting = stream_name(self.subjects)
 
     def _wait_for_stream(self, name: str, *, lost: bool | None = None) -> None:
         """A stream check waits for stream ``name`` (a lookup without an answer, :meth:`_lookup_unanswered`, or a
@@ -690,10 +716,13 @@ class Bus:
         """A stream check's wait (or the check) is over: :attr:`stream_waiting`, :attr:`jetstream_missing` and
         :attr:`_stream_lost` are cleared, unless ``go_on()`` is false: a later reconnect's check took over
         (:meth:`_reconnect_check`) and owns them until its own is over. Before, a wait of reconnect 1 that gave way
-        cleared ``stream_waiting`` all the same, the name reconnect 2's wait had set: ``/readyz`` 200 while it waited."""
+        cleared ``stream_waiting`` all the same, the name reconnect 2's wait had set: ``/readyz`` 200 while it waited.
+        ``stream_waiting`` stays too after a disconnect since the check began (:meth:`_stream_unconfirmed`)."""
         if go_on():
-            self.stream_waiting = self.jetstream_missing = ""
+            self.jetstream_missing = ""
             self._stream_lost = False
+            if self._js_disconnects == self._check_disconnects:
+                self.stream_waiting = ""
 
     def _hold(self, entry: tuple[float, str, bytes, dict[str, str]]) -> None:
         """Keep a reliable publish ``(monotonic s, subject, payload, headers)`` until the stream is known to be there

@@ -208,8 +208,10 @@ class Readiness:
       restarting; the bus reconnects forever);
     * ``the NATS server at <url> has no JetStream (stream <name>): reliable messages wait for it``: the bus, on
       JetStream, reconnected to a server restarted without it; reliable publishes are kept until it is back;
-    * ``waiting for the JetStream stream <name>``: the bus waits for the partition's stream (at start, or after a
-      reconnect to a server that lost its store, until it or the launcher makes it again: ``shared.bus``);
+    * ``waiting for the JetStream stream <name>``: the bus waits for the partition's stream (at start; after a
+      reconnect until the server has answered that it has it, the reliable publishes kept meanwhile; or, to a server
+      that lost its store, until it or the launcher makes it again: ``shared.bus``). Before, a reconnect's first
+      lookup, up to 5 s unanswered, was 200;
     * ``starting``: the service's start has not completed;
     * ``not ready``: its ``ready()`` is false (a loop it needs ended, a worker that does not accept).
 

@@ -19,6 +19,7 @@ import shared.bus as busmod
 from shared import messages as m
 from shared.bus import Bus
 from shared.natsserver import EmbeddedNatsServer
+from shared.service import Readiness
 from shared.subjects import REQ_OUT, Subjects
 from tests.integration.polling import until
 
@@ -113,6 +114,68 @@ async def test_a_lookup_after_a_reconnect_without_an_answer_is_made_again_and_th
             assert bus.counters["stream_lookup_retries"] >= 1 and bus.counters["stream_made_again"] == 1, dict(bus.counters)
             assert not bus._held and not bus._holding and not bus.stream_waiting
         finally:
+            if stopped:
+                os.kill(srv.pid, signal.SIGCONT)
+            await bus.close()
+
+
+@pytest.mark.parametrize("before", ["with_jetstream", "without_jetstream"])
+async def test_readiness_says_not_ready_until_the_reconnects_lookup_answers(before):
+    """The server restarts (its store kept), with JetStream (``with_jetstream``), or after a spell without it, while
+    ``jetstream_missing`` was the bus's ``/readyz`` reason (``without_jetstream``), and hangs (SIGSTOP, 2 s, less than
+    the 5-s lookup) just as the reconnect's check looks the stream up. ``/readyz`` (``Readiness``, sampled each 20 ms)
+    must say "waiting for the JetStream stream EI_p0" from the disconnect until that lookup answers, and 200 once it
+    has. Before, the check cleared ``jetstream_missing`` at its start and named the stream only once its lookup had
+    gone 5 s unanswered: ``Readiness.reason()`` was None (200) throughout the hang (seen failing, both cases)."""
+    with EmbeddedNatsServer() as srv:
+        bus = await Bus.connect(srv.url, Subjects("p0"), service="test", instance="test-ready")
+        readiness = Readiness(srv.url)
+        readiness.bus, readiness.phase = bus, "serving"
+        samples: list[tuple[float, str | None]] = []
+
+        async def sample() -> None:
+            while True:
+                samples.append((time.monotonic(), readiness.reason()))
+                await asyncio.sleep(0.02)
+
+        look_up = bus._stream_after_reconnect
+        answered: list[float] = []
+        stopped: list[float] = []
+
+        async def hung_as_it_looks(go_on):  # the real lookup, on a server stopped when it starts
+            assert srv.pid is not None
+            os.kill(srv.pid, signal.SIGSTOP)
+            await until(lambda: _stopped(srv.pid), 2.0, "the server stopped")  # type: ignore[arg-type]
+            stopped.append(time.monotonic())
+            asyncio.get_running_loop().call_later(2.0, os.kill, srv.pid, signal.SIGCONT)
+            try:
+                return await look_up(go_on)
+            finally:
+                answered.append(time.monotonic())
+
+        sampler = asyncio.create_task(sample())
+        try:
+            assert await bus.ensure_stream() is True and readiness.reason() is None
+            if before == "without_jetstream":
+                srv.jetstream = False
+                srv.restart()
+                await until(lambda: bus.jetstream_missing == "EI_p0", 10.0, "the reconnect without JetStream")
+                assert readiness.reason() == f"the NATS server at {srv.url} has no JetStream (stream EI_p0): reliable messages wait for it"
+                srv.jetstream = True
+            bus._stream_after_reconnect = hung_as_it_looks  # type: ignore[method-assign]
+            restarted = time.monotonic()
+            srv.restart()
+            await until(lambda: answered, 15.0, "the reconnect's lookup answered")
+            await until(lambda: readiness.reason() is None, 2.0, "ready again once the lookup answered")
+            during = [(t, r) for t, r in samples if restarted <= t < answered[0]]
+            first = next(i for i, (_t, r) in enumerate(during) if r is not None)  # the bus saw the disconnect
+            gaps = [(round(t - restarted, 2), r) for t, r in during[first:] if r is None]
+            assert not gaps, f"/readyz 200 before the reconnect's lookup answered: {gaps[:5]} (stopped at {stopped})"
+            hung = [r for t, r in during if stopped[0] <= t]
+            assert len(hung) >= 20 and set(hung) == {"waiting for the JetStream stream EI_p0"}, set(hung)
+            assert not bus.jetstream_missing and bus.jetstream and bus.counters["stream_lookup_retries"] == 0, dict(bus.counters)
+        finally:
+            sampler.cancel()
             if stopped:
                 os.kill(srv.pid, signal.SIGCONT)
             await bus.close()
