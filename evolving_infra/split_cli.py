@@ -6,11 +6,14 @@ a new epoch on ``split.commands`` and replies with that command. ``split get``
 asks ``split.get``. Without ``--nats-url`` (or ``EI_NATS_URL``) the NATS server is the one of the running
 ``evolving-infra up`` cluster (its state file, :mod:`evolving_infra.state`). A request nobody
 serves yet (NATS "no responders": the planner is restarting, ~1.5 s under ``up``'s supervisor,
-or not started) is asked again, after 0.05 s doubling to at most 0.5 s, until ``--timeout``
-(counted from the connect); nothing else is asked again (a request that got no reply in its time
-may have been applied). Exit status (:data:`EXIT_STATUSES`; ``split get``: :data:`GET_EXIT_STATUSES`):
+or not started), and a ``split set`` the planner refused for now (it is starting: it has not read the split
+the nodes serve yet; nothing was applied), is asked again, after 0.05 s doubling to at most 0.5 s, until
+``--timeout`` (counted from the connect); nothing else is asked again: a request that got no reply in its time
+may have been received, and a set applied, so it is never sent again (the error says so; ``split get`` shows
+whether it was). Exit status (:data:`EXIT_STATUSES`; ``split get``: :data:`GET_EXIT_STATUSES`):
 0 on success; 1 when no planner answered within ``--timeout`` (absent, restarting or hung: try again),
-or (``split set`` only) the planner refused for now (it is starting: the same ``split set`` may succeed in a few seconds);
+or (``split set`` only) the planner was still starting the whole ``--timeout`` (refused for now each time: the
+same ``split set`` may succeed in a few seconds); the error says what it waited on;
 2 when the planner refused the split itself (it does not cover the cluster's nodes, 0 prefill
 or decode nodes, or one live node left so a phase would be on dead nodes only: the user's error, as every usage error), the input is malformed, no cluster
 is found, NATS refused the credentials (or wanted some and none were given), the identity may
@@ -25,6 +28,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -38,7 +42,9 @@ from shared.subjects import SPLIT_GET, SPLIT_SET, Subject, Subjects
 
 EXIT_STATUSES = (
     "exit status: 0 ok; 1 no planner answered within --timeout (asked again while none is subscribed: it may be "
-    "restarting), or the planner refused for now (it is starting); try again in a few seconds; 2 the planner "
+    "restarting), or the planner refused for now (it is starting: asked again until --timeout); try again in a few "
+    "seconds, but a last try that got no answer in its time is never sent again (the planner may still apply it: "
+    "`split get` shows the split); 2 the planner "
     "refused the split (it does not cover the cluster's nodes, or only one node is live), a malformed SPLIT or --timeout, no running cluster "
     "or NATS server found, credentials refused or not allowed the subject"
 )
@@ -56,37 +62,56 @@ RETRY_FIRST_S = 0.05
 RETRY_MAX_S = 0.5
 
 
-async def _ask(bus: Bus, subject: Subject, msg: msgspec.Struct, timeout: float) -> tuple[Any, int]:
-    """``bus.request`` until a reply, asked again while nobody serves ``subject`` (:class:`NoResponders`: the
-    planner restarting or not started), for at most ``timeout`` s. Returns (reply, tries).
+async def _ask(
+    bus: Bus, subject: Subject, msg: msgspec.Struct, timeout: float, *, not_yet: Callable[[Any], bool] | None = None
+) -> tuple[Any, int, int]:
+    """``bus.request`` until a reply, for at most ``timeout`` s, asked again while nobody serves ``subject``
+    (:class:`NoResponders`: the planner restarting or not started) and while the reply says "not yet"
+    (``not_yet(reply)``: a ``split set`` refused for now, the planner is starting: nothing was applied), after
+    :data:`RETRY_FIRST_S` doubling to :data:`RETRY_MAX_S`. Returns (reply, tries, "not yet" replies): the reply
+    may be a "not yet" one when it came with no time left. Before, a "not yet" reply ended ``split set`` at once
+    (exit 1) with seconds of its ``--timeout`` left, though the planner would take the split a moment later.
 
     Raises:
         _Unanswered: no reply within ``timeout`` (no responders the whole time, or a try timed out or lost the
-            connection: not asked again, the planner may have received it).
+            connection: not asked again, the planner may have received it and may apply it).
         BusError: refused (:class:`RequestRefused`), denied (:class:`PermissionDenied`) or a malformed reply.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    pause, tries = RETRY_FIRST_S, 0
+    pause, tries, refused = RETRY_FIRST_S, 0, 0
     while True:
         tries += 1
         try:
-            return await bus.request(subject, msg, timeout=max(deadline - loop.time(), 0.01)), tries
+            reply = await bus.request(subject, msg, timeout=max(deadline - loop.time(), 0.01))
         except NoResponders as e:
             if (left := deadline - loop.time()) <= 0:
-                raise _Unanswered(tries, e) from e
-            await asyncio.sleep(min(pause, left))
-            pause = min(2 * pause, RETRY_MAX_S)
+                raise _Unanswered(tries, e, refused) from e
         except NoReply as e:
-            raise _Unanswered(tries, e) from e
+            raise _Unanswered(tries, e, refused) from e
+        else:
+            if not_yet is None or not not_yet(reply):
+                return reply, tries, refused
+            refused += 1
+            if (left := deadline - loop.time()) <= 0:
+                return reply, tries, refused
+        await asyncio.sleep(min(pause, left))
+        pause = min(2 * pause, RETRY_MAX_S)
 
 
 class _Unanswered(Exception):
-    """No planner answered within ``--timeout`` after ``tries`` requests (exit 1: try again)."""
+    """No planner answered within ``--timeout`` after ``tries`` requests (exit 1: try again); ``refused`` of them
+    were answered "refused for now" (the planner is starting); ``last`` is the last try's error
+    (:class:`NoResponders`: nobody got it; else the planner may have received it)."""
 
-    def __init__(self, tries: int, last: BusError) -> None:
+    def __init__(self, tries: int, last: BusError, refused: int = 0) -> None:
         super().__init__(f"{tries} {'try' if tries == 1 else 'tries'}, the last: {last}")
-        self.tries = tries
+        self.tries, self.last, self.refused = tries, last, refused
+
+
+def _not_taken(tries: int, refused: int) -> str:
+    """What a ``split set`` that ends refused for now (or unanswered after such refusals) waited on."""
+    return f"refused for now {refused} {'time' if refused == 1 else 'times'} in {tries} {'try' if tries == 1 else 'tries'}"
 
 _SPEC = re.compile(r"^\s*(\d+\s*[pP]\s*\d+\s*[dD]|collocated|both|agg|aggregated)\s*$", re.IGNORECASE)
 
@@ -130,13 +155,23 @@ async def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.split_command == "get":
-            cmd, _ = await _ask(bus, SPLIT_GET, m.SplitQuery(), args.timeout)
+            cmd, _, _ = await _ask(bus, SPLIT_GET, m.SplitQuery(), args.timeout)
             _print_command(cmd, args.json)
             return 0
-        reply, _ = await _ask(bus, SPLIT_SET, m.SplitSetRequest(split=args.split, reason=args.reason), args.timeout)
-    except _Unanswered as e:  # absent, restarting or hung: not the user's error (1, try again)
-        print(f"error: no planner answered on partition {args.partition!r} within {args.timeout:g} s ({e}); "
-              "try again once it is up (`up` restarts a dead one within seconds)", file=sys.stderr)
+        # a refusal for now (the planner is starting) is asked again; a refusal of the split itself is the answer
+        ask = m.SplitSetRequest(split=args.split, reason=args.reason)
+        reply, tries, refused = await _ask(bus, SPLIT_SET, ask, args.timeout, not_yet=lambda r: not r.ok and r.retry)
+    except _Unanswered as e:  # absent, restarting, starting or hung: not the user's error (1, try again)
+        # a set whose last try got no answer in its time is not sent again: the planner may have it and apply it
+        maybe = "" if args.split_command == "get" or isinstance(e.last, NoResponders) else (
+            "; its last try was not sent again (the planner may still apply it: `evolving-infra split get` shows the split)")
+        if e.refused:
+            print(f"error: the planner on partition {args.partition!r} is starting: split {args.split!r} "
+                  f"{_not_taken(e.tries, e.refused)} within {args.timeout:g} s, the last try got no "
+                  f"answer ({e.last}){maybe}; try again in a few seconds", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"error: no planner answered on partition {args.partition!r} within {args.timeout:g} s ({e}){maybe}; "
+                  "try again once it is up (`up` restarts a dead one within seconds)", file=sys.stderr)
         return 1
     except PermissionDenied as e:  # the credentials, not the planner: name the subject and the identity
         print(f"error: {e}", file=sys.stderr)
@@ -146,9 +181,14 @@ async def _run(args: argparse.Namespace) -> int:
         return 2
     finally:
         await bus.close()
-    if not reply.ok or reply.command is None:  # the user's split (2, a usage error), or not yet (1: try again)
+    if not reply.ok and reply.retry:  # still starting when --timeout ran out (asked again until then): 1, try again
+        again = "" if "try again" in (reply.error or "") else "; try again in a few seconds"
+        print(f"error: the planner on partition {args.partition!r} is starting: split {args.split!r} "
+              f"{_not_taken(tries, refused)} within {args.timeout:g} s; its last answer: {reply.error}{again}", file=sys.stderr)
+        return 1
+    if not reply.ok or reply.command is None:  # the user's split (2, a usage error)
         print(f"error: planner refused split {args.split!r}: {reply.error}", file=sys.stderr)
-        return 1 if reply.retry else 2
+        return 2
     _print_command(reply.command, args.json)
     return 0
 
@@ -206,7 +246,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
             "else the operator credentials of the local cluster `up` started",
         )
         q.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for NATS, then as long for the planner's answer, asked again while "
-                       "no planner is subscribed (restarting); none in that time: exit 1 (default 5)")
+                       "no planner is subscribed (restarting)" + (" or it refuses for now (starting)" if name == "set" else "")
+                       + "; none in that time: exit 1 (default 5)")  # fmt: skip
         q.add_argument("--json", action="store_true",
                        help="print the split the planner answered as one JSON object: epoch, split, phases (node: phase), "
                        "reason, decided_at (cluster-clock seconds: simulated under --speedup)")

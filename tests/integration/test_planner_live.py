@@ -433,3 +433,60 @@ async def test_a_refused_split_is_not_asked_again(nats_url, capsys):
         stats = await c.stats()
         assert stats.counters["split.set.refused"] == 1 and stats.counters["split.set.ok"] == 0
     await c.bus.close()
+
+
+def _late_ticks(monkeypatch, delay_s: float) -> None:
+    """The planner's tick loop (which ends its start-up adoption) begins ``delay_s`` late, as on a loaded box: a
+    ``split set`` it holds while adopting outlasts its wait (the grace left + 1 s) and is refused for now (``retry``)."""
+    real = PlannerService._tick_loop
+
+    async def late(self) -> None:
+        await asyncio.sleep(delay_s)
+        await real(self)
+
+    monkeypatch.setattr(PlannerService, "_tick_loop", late)
+
+
+@pytest.mark.parametrize("split, status", [("1P3D", 0), ("5P1D", 2)])
+async def test_a_split_set_refused_for_now_by_a_starting_planner_is_asked_again(nats_url, capsys, monkeypatch, split, status):
+    """A starting planner (its adoption not over 3 s after its start) answers ``split set`` "refused for now"
+    (``retry``: services/planner/service.py ``_on_set``). Before, ``split set --timeout 10`` exited 1 at that first
+    answer, ~1.3 s in (seen failing). Now it asks again, as while no planner is subscribed: 1P3D is applied once
+    the adoption ended (exit 0); 5P1D on 4 nodes, refused for good then (the user's split), exits 2 at that answer."""
+    _late_ticks(monkeypatch, 3.0)
+    c = await Client.connect(nats_url)
+    async with planner(nats_url, adopt_grace_s=0.3):
+        t0 = time.monotonic()
+        assert await split_cli._run(_split_args(nats_url, "set", 10.0, split=split)) == status
+        took = time.monotonic() - t0
+        err = capsys.readouterr().err
+        stats = await c.stats()
+        assert stats.counters["split.set.refused"] >= 2, (stats.counters, err)  # one for now at least, then its answer
+        assert stats.counters["split.set.ok"] == (status == 0), stats.counters
+        assert took < 6.0, took  # the answer once adopted, not the whole --timeout
+        if status == 0:
+            assert err == "", err
+            got = await c.bus.request(SPLIT_GET, m.SplitQuery())
+            assert split_name(got.phases) == "1P3D"
+        else:
+            assert err.startswith("error: planner refused split '5P1D': ") and "covers 6 nodes" in err, err
+    await c.bus.close()
+
+
+async def test_a_split_set_refused_for_now_the_whole_timeout_exits_1_saying_the_planner_was_starting(nats_url, capsys, monkeypatch):
+    """The planner still starting the whole ``--timeout 2``: asked again until then, exit 1, one line that says it
+    was starting (refused for now, how often) and that the last try, unanswered in its time, was not sent again
+    (the planner may apply it: ``split get`` tells). Before, exit 1 at the first refusal, ~1.3 s in (seen failing)."""
+    _late_ticks(monkeypatch, 10.0)
+    c = await Client.connect(nats_url)
+    async with planner(nats_url, adopt_grace_s=0.3):
+        t0 = time.monotonic()
+        assert await split_cli._run(_split_args(nats_url, "set", 2.0)) == 1
+        assert time.monotonic() - t0 >= 1.9
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert "the planner on partition 'p0' is starting" in err and "refused for now" in err, err
+        assert "split get" in err and "try again" in err, err
+        stats = await c.stats()
+        assert stats.counters["split.set.refused"] >= 1 and stats.counters["split.set.ok"] == 0, stats.counters
+    await c.bus.close()

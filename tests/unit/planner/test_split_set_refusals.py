@@ -61,8 +61,10 @@ def test_a_split_with_too_many_digits_is_the_users_error_not_a_retry() -> None:
 class _Bus:
     def __init__(self, reply: m.SplitSetReply) -> None:
         self.reply = reply
+        self.asked = 0
 
     async def request(self, *a: Any, **k: Any) -> m.SplitSetReply:
+        self.asked += 1
         return self.reply
 
     async def close(self) -> None:
@@ -73,6 +75,8 @@ class _Bus:
 def test_split_set_exits_2_on_a_refused_split_and_1_on_a_refusal_for_now(
     retry: bool, status: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
 ) -> None:
+    """A refusal of the split: exit 2 at the first answer. A refusal for now each time: asked again until
+    ``--timeout`` (0.3 s here), then exit 1 saying so (before: exit 1 at the first, with the refusal's text)."""
     from evolving_infra import split_cli
 
     monkeypatch.setenv("EI_STATE_DIR", str(tmp_path))
@@ -80,14 +84,24 @@ def test_split_set_exits_2_on_a_refused_split_and_1_on_a_refusal_for_now(
         monkeypatch.delenv(var, raising=False)
     reply = m.SplitSetReply(ok=False, error="split '5P1D' covers 6 nodes but the cluster has 4", retry=retry)
 
+    bus = _Bus(reply)
+
     async def connect(*a: Any, **k: Any) -> _Bus:
-        return _Bus(reply)
+        return bus
 
     monkeypatch.setattr(split_cli.Bus, "connect", connect)
     args = argparse.Namespace(split_command="set", split="5P1D", reason="operator", nats_url="nats://127.0.0.1:4222",
-                              partition="p0", timeout=5.0, json=False, nats_creds="")
+                              partition="p0", timeout=0.3, json=False, nats_creds="")
     assert asyncio.run(split_cli._run(args)) == status
-    assert capsys.readouterr().err == "error: planner refused split '5P1D': split '5P1D' covers 6 nodes but the cluster has 4\n"
+    err = capsys.readouterr().err
+    if not retry:
+        assert bus.asked == 1
+        assert err == "error: planner refused split '5P1D': split '5P1D' covers 6 nodes but the cluster has 4\n"
+    else:  # 0.05, 0.1, 0.2 s apart (the last cut to what is left): 4 or 5 tries in 0.3 s
+        assert bus.asked >= 4, bus.asked
+        assert err == (f"error: the planner on partition 'p0' is starting: split '5P1D' refused for now {bus.asked} times "
+                       f"in {bus.asked} tries within 0.3 s; its last answer: split '5P1D' covers 6 nodes but the cluster "
+                       "has 4; try again in a few seconds\n")
 
 
 def test_split_set_help_lists_its_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
