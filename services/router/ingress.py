@@ -19,7 +19,10 @@
   whose client stopped reading, ``--max-buffered-output-tokens``: a plain
   close would wait for the client to read what is buffered first), while that
   request's response is on; after it, a no-op (the connection may carry the
-  next request).
+  next request). For a drain on a held socket it can answer each request with
+  ``Connection: close`` (``closing``; :meth:`close_after_response`), say whether a
+  connection has a request on (``idle``) and close it only when it has none
+  (``close_if_idle``).
 
 Keys come from a file (one per line, ``#`` comments) and/or a comma-separated
 value (``EI_API_KEYS``); see :func:`load_api_keys`.
@@ -34,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import h11
 import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -216,12 +220,21 @@ class IngressGuard:
                 del self.inflight[who]
 
 
-def guarded_h11(header_timeout_s: float, counters: Counter[str]) -> type[H11Protocol]:
+_CLOSE = (b"connection", b"close")
+
+
+def guarded_h11(header_timeout_s: float, counters: Counter[str], closing: Callable[[], bool] = lambda: False) -> type[H11Protocol]:
     """uvicorn's h11 protocol closing connections whose request head is not complete
     within ``header_timeout_s`` wall seconds (counted as ``http.header_timeouts``), and giving each
     request's scope a :data:`RESET_EXTENSION` (``transport.abort`` while that request's response is
     on: the buffered output is dropped and uvicorn sees the connection lost, as when its client goes
-    away; a no-op once its response is complete)."""
+    away; a no-op once its response is complete).
+
+    ``closing()`` is asked as each request head is read: True answers that request with ``Connection: close``
+    (:meth:`close_after_response`; the router's drain on a held socket, whose next router takes the client's
+    next connection). Keep-alive connections are not closed by it while idle: :meth:`close_if_idle` does that,
+    when the caller chooses (a close races a request the client is sending on the connection meanwhile, RFC 9112
+    §9.3.1; one right after a response that said ``Connection: close`` races nothing)."""
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: Any = None
@@ -254,6 +267,43 @@ def guarded_h11(header_timeout_s: float, counters: Counter[str]) -> type[H11Prot
                 self._disarm()
                 if self.cycle is not None:  # its app task has not run yet: the scope it gets is this dict
                     self.cycle.scope.setdefault("extensions", {})[RESET_EXTENSION] = self._reset_hook(self.cycle)
+                    if closing():
+                        self.close_after_response()
+
+        def close_after_response(self) -> bool:
+            """Answer the request on now with ``Connection: close`` (uvicorn then closes the connection right after
+            the response, and its client connects again for its next request). True when it will be; False when
+            there is none or its response has started (its head is out without the header: the connection stays
+            open, and its next request gets it if ``closing()`` says so then)."""
+            cycle = self.cycle
+            if cycle is None or cycle.response_started or self.transport.is_closing():
+                return False
+            if _CLOSE not in cycle.default_headers:  # the headers uvicorn puts before the app's at the response's start
+                cycle.default_headers = [*cycle.default_headers, _CLOSE]
+                counters["http.closed_after_response"] += 1
+            return True
+
+        def idle(self) -> bool:
+            """No request on: none since connecting or since the last response ended, and no byte of a next one
+            read (a request head partly read is a request on); or closing (it carries no further request)."""
+            if self.transport.is_closing():
+                return True
+            if self.cycle is not None and not self.cycle.response_complete:
+                return False
+            return self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]
+
+        def close_if_idle(self) -> bool:
+            """Close the connection if :meth:`idle` (as uvicorn's own shutdown closes an idle one); True when closed.
+            A request the client is sending meanwhile, not read yet, is lost with it (its client sees the connection
+            closed or reset): call it when no client is expected to send on the connection."""
+            if self.transport.is_closing() or not self.idle():
+                return False
+            try:
+                self.conn.send(h11.ConnectionClosed())
+            except h11.LocalProtocolError:  # the connection's state forbids a clean close: closed all the same
+                pass
+            self.transport.close()
+            return True
 
         def _reset_hook(self, cycle: Any) -> Callable[[], bool]:
             """``cycle``'s :data:`RESET_EXTENSION`: aborts the connection only while ``cycle`` is its current

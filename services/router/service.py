@@ -483,6 +483,13 @@ class _SseResponse(StreamingResponse):
             self._on_close()
 
 
+def _conn_idle(conn: Any) -> bool:
+    """Whether one of uvicorn's connections has no request on (``ingress.guarded_h11``'s ``idle``); one of another
+    protocol (a websocket upgrade, with websockets installed: the router serves none) is not waited for."""
+    idle = getattr(conn, "idle", None)
+    return True if idle is None else bool(idle())
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: the service shell owns SIGINT/SIGTERM."""
 
@@ -752,7 +759,11 @@ class RouterService(WatchedService):
         self._server_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._draining = False
-        """A SIGTERM's drain (:meth:`drain`) runs: new requests get 503, the ones taken finish."""
+        """A SIGTERM's drain (:meth:`drain`) runs: new requests get 503 (served, on a held socket), the ones taken
+        finish."""
+        self._handing_over = False
+        """The router stopped accepting on a held socket (:meth:`_stop_accepting`): every request read from here is
+        answered with ``Connection: close``, so that its client's next connection waits for the next router."""
         self._handling = 0
         """Generation requests taken and not yet pending or answered (reading, tokenizing, routing): a drain waits for
         them too."""
@@ -826,7 +837,7 @@ class RouterService(WatchedService):
             lifespan="off",
             timeout_graceful_shutdown=5,
             loop="none",
-            http=guarded_h11(self.cfg.header_timeout_s, self.counters),
+            http=guarded_h11(self.cfg.header_timeout_s, self.counters, closing=lambda: self._handing_over),
         )
         self._server = _Server(config)
         self._server_task = self._bg.start(self._server.serve(sockets=[sock]), "router-http")
@@ -867,40 +878,80 @@ class RouterService(WatchedService):
         With ``--listen-fd`` (a supervisor holds the port and starts the next router on it) the drain first stops
         accepting connections (:meth:`_stop_accepting`): a client connecting meanwhile waits in the socket's accept
         queue and is served by the next router, where a 503 would have cost it one of its few retries (the OpenAI
-        SDK's two) for every second of the drain and restart."""
+        SDK's two) for every second of the drain and restart. A request that comes on a connection already open
+        (keep-alive) is served, not refused (nothing else could serve it: the next router starts after this one
+        exits), with ``Connection: close`` (its client's next request connects again, into the queue); the drain
+        waits for those too, and at its end closes the connections left idle (:meth:`_close_idle`). Before, the
+        drain's start closed the idle ones, some under a request already sent on them, and a busy one right after
+        a response that had not said so: steady keep-alive clients had 1-5 requests reset in each run of three restarts
+        (``test_sigterm_on_a_held_socket_serves_keep_alive_clients_without_an_error``)."""
         grace = self.cfg.shutdown_grace_s
-        if grace <= 0 or self._open_requests() == 0:
+        if grace <= 0 or not self._drain_busy():
             return
         self._draining = True
         t0 = time.monotonic()
-        handed = self._stop_accepting() if self.cfg.listen_fd >= 0 else None
+        handed = self._stop_accepting(close_idle=False) if self.cfg.listen_fd >= 0 else None
         self.log.info("router draining", open_requests=self._open_requests(), grace_s=grace,
-                      **({} if handed is None else {"accepting": False, "connections_closing": handed}))
-        while self._open_requests() and not now.is_set() and not self.fatal.is_set() and time.monotonic() - t0 < grace:
+                      **({} if handed is None else {"accepting": False, "connections_open": handed}))
+        while self._drain_busy() and not now.is_set() and not self.fatal.is_set() and time.monotonic() - t0 < grace:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(now.wait(), timeout=0.05)
+        # in the tick of the last look: a connection idle then has no request, read or partly read, to lose
+        closed = self._close_idle() if handed is not None else None
         left = self._open_requests()
         why = "second signal" if now.is_set() else "failed" if self.fatal.is_set() else "grace over" if left else "all done"
         self.counters["drain_left_open"] += left
-        self.log.info("router drained", why=why, open_requests=left, waited_s=round(time.monotonic() - t0, 3))
+        self.log.info("router drained", why=why, open_requests=left, waited_s=round(time.monotonic() - t0, 3),
+                      **({} if closed is None else {"idle_connections_closed": closed}))
 
-    def _stop_accepting(self) -> int:
+    def _drain_busy(self) -> bool:
+        """What a drain waits for: generation requests open and, on a held socket (``--listen-fd``), a connection with
+        a request on (any path; read and not yet in its handler; its head partly read), which the drain serves."""
+        if self._open_requests():
+            return True
+        if self.cfg.listen_fd < 0 or self._server is None:
+            return False
+        return any(not _conn_idle(conn) for conn in list(self._server.server_state.connections))
+
+    def _stop_accepting(self, *, close_idle: bool = True) -> int:
         """Stop taking connections while the socket stays open (its supervisor holds it): new ones wait in the accept
-        queue for the next router; a connection waiting for its next request (keep-alive) is closed, so that its client
-        connects again, into that queue; one with a request on finishes that request, then closes (uvicorn's own
-        shutdown step, done here at the drain's start instead of after it). Returns the connections told to close."""
+        queue for the next router, and every request read from here is answered with ``Connection: close``.
+        ``close_idle`` (the stop): a connection waiting for its next request (keep-alive) is closed, so that its
+        client connects again, into that queue; one with a request on finishes that request, then closes (uvicorn's
+        own shutdown step, done here instead of after it). Not ``close_idle`` (the drain's start): every connection
+        stays open, the request on each (if its response has not started) and the next on each are answered with
+        ``Connection: close``; :meth:`_close_idle` closes those left at the drain's end. Returns the connections open."""
         server = self._server
         if server is None:
             return 0
+        self._handing_over = True
         for srv in getattr(server, "servers", ()):  # none before uvicorn's startup (a stop during the start)
             srv.close()  # closes this process's copy of the listening socket only
         conns = list(server.server_state.connections)
         for conn in conns:
             try:
-                conn.shutdown()
+                if close_idle:
+                    conn.shutdown()
+                elif hasattr(conn, "close_after_response"):  # not a websocket upgrade's (uvicorn's own protocol)
+                    conn.close_after_response()
             except Exception as e:  # one connection in an odd state must not fail the drain: uvicorn's stop retries it
-                self.log.warning("connection not closed at the drain's start", error=repr(e))
+                self.log.warning("connection not handed over at the drain's start", error=repr(e))
         return len(conns)
+
+    def _close_idle(self) -> int:
+        """Close the connections with no request on (``close_if_idle``), at a held socket's drain's end; returns how
+        many. A client sending on one at this moment sees it closed (RFC 9112 §9.3.1's race, as at any keep-alive
+        timeout), which is why the drain leaves them open until here rather than closing them at its start."""
+        server = self._server
+        if server is None:
+            return 0
+        closed = 0
+        for conn in list(server.server_state.connections):
+            try:
+                closed += bool(getattr(conn, "close_if_idle", bool)())  # a websocket upgrade's connection: left to the stop
+            except Exception as e:  # as _stop_accepting: the stop's own shutdown closes it
+                self.log.warning("idle connection not closed at the drain's end", error=repr(e))
+        return closed
 
     async def stop(self) -> None:
         """Refuse new requests, fail the in-flight ones (aborting them on their nodes), stop HTTP.
@@ -2668,10 +2719,14 @@ class RouterService(WatchedService):
         t_in = self.clock.now()
         if self._stopping:
             return self._error(503, "router is shutting down")
-        if self._draining:  # a SIGTERM's drain: the requests taken finish, a new one goes to another router
+        if self._draining and self.cfg.listen_fd < 0:  # a SIGTERM's drain: the requests taken finish, a new one goes
+            # to another router; on a held socket (the next router comes after this one exits) it is served here, with
+            # Connection: close (_stop_accepting), counted drain_served
             self.counters["drain_refused"] += 1
             return self._json(api.error_body(503, "router draining for a shutdown; retry on another router"), 503,
                               headers={"retry-after": "1"})
+        if self._draining:
+            self.counters["drain_served"] += 1
         self._handling += 1
         try:
             return await self._generate_taken(request, chat, tr, rl, t_in)
