@@ -102,22 +102,37 @@ class ApiError(Exception):
         self.param = param
 
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    500: "internal_error",
-    503: "service_unavailable",
-    504: "timeout_error",
+_OPENAI_CODES: dict[int, tuple[str, str]] = {
+    401: ("invalid_request_error", "invalid_api_key"),
+    429: ("requests", "rate_limit_exceeded"),
 }
+"""The statuses whose ``type`` and ``code`` are OpenAI's own strings (:func:`error_body`)."""
 
 
-def error_body(status: int, reason: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": reason, "type": _ERROR_TYPES.get(status, "error"), "param": param, "code": status}}
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """The one error body of the router's HTTP API, every status and every path alike (the API's refusals,
+    the API-key guard's 401 / 400 / 429, an unknown path's 404 or 405, a 503, a stream's ``data: {"error": ...}``
+    event): OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+
+    * ``type``: OpenAI's: ``invalid_request_error`` for a 4xx (OpenAI's 400, its 404 for an unknown model
+      or URL, its 401 for a bad key), ``requests`` for the 429 (OpenAI's requests-per-minute limit),
+      ``server_error`` for a 5xx (OpenAI's 500 and its 503 "overloaded"). vLLM's types differ among its own
+      paths (``BadRequestError``, ``NotFoundError``, the status phrase ``Service Unavailable`` / ``Not Found``
+      of an HTTP exception: ``vllm/entrypoints/serve/exception_handling``), so no client can rely on them.
+    * ``code``: the HTTP status as an int (vLLM's ``ErrorInfo.code``: clients of vLLM read it, e.g. a
+      stream's error event, which has no status line), except where vLLM sends no such body and OpenAI's
+      string code is the only one a client knows: 401 ``invalid_api_key`` (vLLM's 401 is
+      ``{"error": "Unauthorized"}``) and 429 ``rate_limit_exceeded`` (vLLM has no per-key limit).
+    * ``param``: the field at fault (a request field, a header such as ``Authorization``,
+      ``model`` for an unknown model, as both OpenAI and vLLM), else null.
+
+    Raises:
+        ValueError: ``status`` is not an error status (below 400 or above 599).
+    """
+    if not 400 <= status <= 599:
+        raise ValueError(f"an error body needs a 4xx or 5xx status, got {status}")
+    kind, code = _OPENAI_CODES.get(status, ("server_error" if status >= 500 else "invalid_request_error", status))
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 # --------------------------------------------------------------------------- #

@@ -4,7 +4,8 @@
   except the public ones (``/healthz``, ``/health``, ``/ping``, ``/metrics`` by default)
   needs ``Authorization: Bearer <key>``; a missing or unknown key gets 401 with
   ``WWW-Authenticate: Bearer``; ``Authorization`` sent twice with different values gets 400
-  (:func:`authorization_of`: which one counts would be a guess). Keys are compared as SHA-256 digests (no key
+  (:func:`authorization_of`: which one counts would be a guess); each body is the API's
+  (``api.error_body``: OpenAI's 401 ``invalid_api_key`` and 429 ``rate_limit_exceeded``). Keys are compared as SHA-256 digests (no key
   text is kept in memory in the clear beyond loading, and the lookup takes the
   same time for every wrong key). Each key may have at most ``max_inflight``
   requests in flight (a stream counts until it ends); one more gets 429 with
@@ -103,13 +104,6 @@ def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key if isinstance(key, bytes) else key.encode()).digest()
 
 
-def _error(status: int, message: str, code: str) -> bytes:
-    """The 401 / 429 of the key guard: OpenAI's error shape with a string ``code`` (``invalid_api_key``, as OpenAI's
-    own 401; ``too_many_requests``). Its 400 is the API's (``api.error_body``: ``code`` 400, as vLLM)."""
-    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "error")
-    return _JSON.encode({"error": {"message": message, "type": kind, "param": None, "code": code}})
-
-
 class RepeatedAuthorization(ValueError):
     """A request's ``Authorization`` header is sent more than once with different values."""
 
@@ -183,8 +177,7 @@ class IngressGuard:
             self.counters["http.auth_header_repeated"] += 1
             if self.on_refused is not None:
                 self.on_refused(scope, 400, str(e))
-            body = _JSON.encode(error_body(400, str(e), "Authorization"))  # the API's other 400s' shape: code 400
-            await self._reply(send, 400, body, [(b"connection", b"close")])
+            await self._reply(send, 400, _JSON.encode(error_body(400, str(e), "Authorization")), [(b"connection", b"close")])
             return
         who = None
         if value is not None:
@@ -197,7 +190,7 @@ class IngressGuard:
             if self.on_refused is not None:
                 self.on_refused(scope, 401, message)
             await self._reply(
-                send, 401, _error(401, message, "invalid_api_key"),
+                send, 401, _JSON.encode(error_body(401, message)),
                 [(b"www-authenticate", b'Bearer realm="evolving-infra"'), (b"connection", b"close")],
             )
             return
@@ -207,7 +200,7 @@ class IngressGuard:
             if self.on_refused is not None:
                 self.on_refused(scope, 429, message)
             await self._reply(
-                send, 429, _error(429, message, "too_many_requests"),
+                send, 429, _JSON.encode(error_body(429, message)),
                 [(b"retry-after", b"1"), (b"connection", b"close")],
             )
             return

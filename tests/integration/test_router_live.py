@@ -501,7 +501,7 @@ async def test_bad_requests_get_4xx_with_reasons(nats_url, tmp_path):
         r = await env.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
         assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
         r = await env.http.get("/v1/nothing")
-        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
         r = await env.http.get("/v1/completions")
         assert r.status_code == 405 and "method not allowed" in r.json()["error"]["message"]
         assert env.cluster.works == []  # nothing bad was dispatched

@@ -179,7 +179,7 @@ def test_response_shapes():
     assert r["object"] == "chat.completion" and r["choices"][0]["message"] == {"role": "assistant", "content": "t"}
     c = api.completion_chunk("id", 1, "m", "t", None, True)
     assert c["usage"] is None and c["choices"][0]["text"] == "t"
-    assert api.error_body(404, "nope")["error"]["type"] == "not_found_error"
+    assert api.error_body(404, "nope")["error"] == {"message": "nope", "type": "invalid_request_error", "param": None, "code": 404}
 
 
 def test_response_id_is_vllms_prefix_on_the_bare_request_id():

@@ -1,0 +1,91 @@
+"""Every error body of the router's HTTP API comes from ``api.error_body``, one shape for every status: OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` with OpenAI's ``type``, vLLM's int ``code`` (the HTTP status),
+and OpenAI's string ``code`` where vLLM sends no such body (401 ``invalid_api_key``, 429 ``rate_limit_exceeded``).
+
+Before: the API-key guard wrote its own 401 / 429 (``type`` ``authentication_error`` / ``rate_limit_error``, ``code``
+``too_many_requests``: neither OpenAI's nor vLLM's), and ``error_body`` gave made-up types (``not_found_error``,
+``service_unavailable``, ``timeout_error``, ``conflict_error``, ``internal_error``). The live proof over real HTTP is
+``tests/integration/test_router_error_bodies_live.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from services.router.api import error_body
+from services.router.ingress import IngressGuard
+
+# status -> (type, code): the router sends each of these statuses with an error body
+BODIES = {
+    400: ("invalid_request_error", 400),  # OpenAI's type; vLLM's code
+    401: ("invalid_request_error", "invalid_api_key"),  # OpenAI's 401 (an unknown or missing key)
+    404: ("invalid_request_error", 404),  # OpenAI's unknown model / "Invalid URL"; vLLM's code
+    405: ("invalid_request_error", 405),
+    408: ("invalid_request_error", 408),
+    409: ("invalid_request_error", 409),
+    413: ("invalid_request_error", 413),
+    429: ("requests", "rate_limit_exceeded"),  # OpenAI's requests-per-minute limit
+    499: ("invalid_request_error", 499),
+    500: ("server_error", 500),  # OpenAI's 5xx type
+    503: ("server_error", 503),
+    504: ("server_error", 504),
+}
+
+
+@pytest.mark.parametrize("status", sorted(BODIES))
+def test_each_status_has_one_pinned_body(status):
+    kind, code = BODIES[status]
+    assert error_body(status, "why") == {"error": {"message": "why", "type": kind, "param": None, "code": code}}
+    assert error_body(status, "why", "model")["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("status", [0, 200, 302, 399, 600])
+def test_a_status_that_is_no_error_is_refused(status):
+    with pytest.raises(ValueError, match="4xx or 5xx"):
+        error_body(status, "why")
+
+
+async def _call(guard: IngressGuard, key: str | None) -> tuple[int, dict[str, Any], dict[bytes, bytes]]:
+    """One request through ``guard`` with ``Authorization: Bearer <key>`` (none when None): (status, body, headers)."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    headers = [] if key is None else [(b"authorization", f"Bearer {key}".encode())]
+    await guard({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive, send)
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return sent[0]["status"], json.loads(body), dict(sent[0].get("headers", []))
+
+
+async def test_the_key_guards_401_and_429_are_openais_bodies():
+    release = asyncio.Event()
+
+    async def held(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard = IngressGuard(held, ["k1"], max_inflight=1, counters=Counter())
+    for key in (None, "nope"):
+        status, body, head = await _call(guard, key)
+        assert status == 401 and head[b"www-authenticate"].startswith(b"Bearer")
+        assert body == {"error": {"message": "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                  "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}  # fmt: skip
+        assert body == error_body(401, body["error"]["message"])
+    first = asyncio.create_task(_call(guard, "k1"))
+    while not guard.inflight["key0"]:
+        await asyncio.sleep(0)
+    status, body, head = await _call(guard, "k1")
+    assert status == 429 and head[b"retry-after"] == b"1"
+    assert body == {"error": {"message": "this API key has 1 requests in flight; retry when one ends",
+                              "type": "requests", "param": None, "code": "rate_limit_exceeded"}}  # fmt: skip
+    release.set()
+    assert (await first)[0] == 200
