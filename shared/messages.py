@@ -901,6 +901,11 @@ class TokenChunk(Msg, frozen=True, kw_only=True):
     used (restored at the request's start; fetched pages evicted before it are not counted)."""
     attempt: NonNeg = 0
     """The work's ``attempt`` (the router drops chunks of an older attempt)."""
+    router: str = ""
+    """Instance id of the router that owns the request, as its work named it (``PrefillWork.router``): every
+    router hears ``req.<rid>.out``, and one that never heard the placement (it started after it) tells another
+    router's request (``chunks_peer_rid``) from an id nobody placed (``chunks_unknown_rid``). Empty: the node
+    holds no owner record (a rejected or aborted work it never took), or an older writer."""
     arrived_at: float | None = None
     """On the first chunk: when the work reached this node (simulated s; the control plane's
     share of TTFT is the client's TTFT minus ``ts − arrived_at``, see ``evolving-infra fidelity``)."""

@@ -12,7 +12,8 @@ that started after that token went by has not): the peer then counts it as its o
 decode room reserved: ``RouterCore.bind_decode``), not afresh on its prefill node until the decode node's
 first output. A router that starts while others have requests in flight counts none of them until their
 next ``RouteSent`` (a decode binding, a re-dispatch): their load is in the nodes' states, and their chunks
-are not its business (:meth:`RemoteSends.chunk`: unknown rid), so nothing it did not hear is ever counted
+are not its business (:meth:`RemoteSends.chunk`: unknown rid; the router counts them ``chunks_peer_rid``, told
+by ``TokenChunk.router``, not ``chunks_unknown_rid``), so nothing it did not hear is ever counted
 nor left over. :class:`RemoteSends` remembers which rids are another
 router's, with their attempt, so that their chunks update the view, a fence never aborts
 them (only the owner re-dispatches its requests), and a request whose owner vanished

@@ -1545,7 +1545,8 @@ class RouterService(WatchedService):
         ended. Publish that end on its output subject: an ``abort`` chunk from this router (``node`` =
         its instance), which this router ignores (:meth:`_on_chunk`). Before, the other routers counted
         it on the nodes it had left until ``request_timeout_s`` after its last ``route.sent``."""
-        end = m.TokenChunk(rid=p.rid, node=self.bus.instance, index=p.next_index, finished=True, finish_reason="abort", error=why, attempt=p.attempt)
+        end = m.TokenChunk(rid=p.rid, node=self.bus.instance, index=p.next_index, finished=True, finish_reason="abort", error=why,
+                           attempt=p.attempt, router=self.bus.instance)  # fmt: skip
         self.counters["parked_end_published"] += 1
         self._spawn(self.bus.publish(REQ_OUT, end, rid=p.rid))
 
@@ -1894,7 +1895,12 @@ class RouterService(WatchedService):
                 self.counters["remote.bad_node"] += 1
 
     def _remote_chunk(self, chunk: m.TokenChunk) -> None:
-        """A chunk of a request this router does not own: another router's (load view) or unknown."""
+        """A chunk of a request this router does not own: another router's (load view) or unknown. One of another
+        router's requests this router does not count (it started after the placement: :mod:`replicas`) is
+        counted ``chunks_peer_rid`` (its ``TokenChunk.router`` names another router), so that ``chunks_unknown_rid``
+        counts only ids no router here placed (a chunk naming this router or none: a request this router has
+        forgotten, or a stray publisher). Before, every chunk of the requests in flight on the other routers
+        when this one started was counted ``chunks_unknown_rid``."""
         what = self._remote.chunk(chunk.rid, chunk.attempt, chunk.finished)
         if what != "end" and self._remote.current(chunk.rid, chunk.attempt):
             self.core.view.on_handoff(chunk.rid, chunk.node)  # output of its decode node: the hand-off reached it
@@ -1904,7 +1910,8 @@ class RouterService(WatchedService):
             self.core.finish(chunk.rid, self.clock.now())
             self.counters["remote.ended"] += 1
         elif chunk.rid not in self._remote:
-            self.counters["chunks_unknown_rid"] += 1
+            peer = chunk.router and chunk.router != self.bus.instance
+            self.counters["chunks_peer_rid" if peer else "chunks_unknown_rid"] += 1
 
     def _redispatch(self, p: _Pending, node: str, reason: str) -> None:
         """``p`` depends on fenced ``node``: route it again instead of failing it (issue #22).

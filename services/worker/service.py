@@ -705,7 +705,7 @@ class WorkerService:
             with self._fatal_on_error("add prefill work", allowed=(WorkRejected,)):
                 self.core.add_prefill(work, now, decode_later=late)
         except WorkRejected as e:
-            await self._reject(e, now, attempt=work.attempt)
+            await self._reject(e, now, attempt=work.attempt, router=work.router)
             return
         self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router, arrived_at=now)
         if self.cfg.log_requests:
@@ -751,7 +751,7 @@ class WorkerService:
             with self._fatal_on_error("add decode work", allowed=(WorkRejected,)):
                 self.core.add_decode(work, now)
         except WorkRejected as e:
-            await self._reject(e, now, attempt=work.attempt)
+            await self._reject(e, now, attempt=work.attempt, router=work.router)
             return
         self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router)
         if self.cfg.log_requests:
@@ -915,6 +915,7 @@ class WorkerService:
                     error=reason or None,
                     ts=self._to_wall(now),
                     attempt=owner.attempt,
+                    router=owner.router,
                 ),
                 rid=rid,
             )
@@ -1893,6 +1894,7 @@ class WorkerService:
                     exposed_fetch_s=out.exposed_fetch_s,
                     fetched_tokens=out.fetched_tokens,
                     attempt=owner.attempt,
+                    router=owner.router,
                     arrived_at=None if owner.arrived_at is None else owner.arrived_at + off,
                     **_lp_fields(lps[:1] if lps is not None else None),
                 ),
@@ -1934,6 +1936,7 @@ class WorkerService:
                     finish_reason=out.finish_reason if last else None,
                     ts=ts,
                     attempt=owner.attempt,
+                    router=owner.router,
                     **_lp_fields(lp_part),
                 ),
                 rid=rid,
@@ -1988,8 +1991,10 @@ class WorkerService:
             return False
         return True
 
-    async def _reject(self, e: WorkRejected, now: float, *, attempt: int | None = None, finish_reason: str = "error") -> None:
-        """Fail ``e.rid`` with an error chunk at ``now`` (simulated s, local) (of ``attempt``; default: the attempt held here). ``finish_reason``
+    async def _reject(self, e: WorkRejected, now: float, *, attempt: int | None = None, router: str | None = None,
+                      finish_reason: str = "error") -> None:
+        """Fail ``e.rid`` with an error chunk at ``now`` (simulated s, local) (of ``attempt``; default: the attempt held here;
+        owned by ``router``, default: the owner held here, ``TokenChunk.router``). ``finish_reason``
         ``abort`` instead: the node could serve it but the cluster cannot now (no decode node to bind), which
         the router answers with 503, not the 500 of an engine error."""
         self.counters["requests.errored"] += 1
@@ -2002,7 +2007,7 @@ class WorkerService:
         await self.bus.publish(
             REQ_OUT,
             m.TokenChunk(rid=e.rid, node=self.node, finished=True, finish_reason=finish_reason, error=e.reason, ts=self._to_wall(now),
-                         attempt=attempt),  # fmt: skip
+                         attempt=attempt, router=router if router is not None else owner.router if owner is not None else ""),  # fmt: skip
             rid=e.rid,
         )
 

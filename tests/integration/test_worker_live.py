@@ -190,11 +190,15 @@ async def test_token_stream_kv_events_state_iters_and_resync(nats_url):
 async def test_pd_handoff_between_two_workers(nats_url):
     c = await Client.connect(nats_url)
     async with workers(nats_url, {"node": "w0", "phase": "prefill"}, {"node": "w1", "phase": "decode", "stream_interval": 3}):
-        await c.bus.publish(WORK_PREFILL, prompt("pd1", [5, 6, 7], tail=2, max_tokens=12, decode_node="w1"), node="w0")
+        work = msgspec.structs.replace(prompt("pd1", [5, 6, 7], tail=2, max_tokens=12, decode_node="w1"), router="router-7")
+        await c.bus.publish(WORK_PREFILL, work, node="w0")
         await until(lambda: c.finished("pd1"), what="pd1 to finish")
         chunks = c.chunks["pd1"]
         check_stream(chunks, "pd1", 12)
         assert chunks[0].node == "w0" and all(ch.node == "w1" for ch in chunks[1:])
+        # both nodes name the owner (the hand-off carries it to the decode node): a router that never heard
+        # the placement counts these chunks as another router's (chunks_peer_rid), not as unknown ids
+        assert {ch.router for ch in chunks} == {"router-7"}
         assert all(len(ch.token_ids) >= 3 for ch in chunks[1:-1]), "stream_interval coalesces"
         s0, s1 = await c.stats("w0"), await c.stats("w1")
         assert s0.counters["requests.handed_off"] == 1 and s0.counters.get("requests.completed", 0) == 0
