@@ -35,7 +35,8 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
              "the router drains, exits and starts again, so connections made meanwhile wait in its accept queue and are "
              "served by the next router instead of being refused; with it a SIGTERM's drain (or the stop, with nothing "
              "open or on SIGINT) stops accepting connections at once (they wait for the next router); a request on a "
-             "keep-alive connection already open is served during the drain (not 503) with 'Connection: close', and the "
+             "keep-alive connection already open is served in the drain's first half (half of --shutdown-grace-s; later: "
+             "503 'router draining' with Retry-After, as it could not finish) with 'Connection: close', and the "
              "connections left idle are closed at the drain's end (the stop closes them at once); -1 = bind --host/--port"),
     ] = -1
     routing: Annotated[
@@ -189,7 +190,7 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         float,
         Meta(ge=0, description="wall seconds a SIGTERM lets the requests in flight finish (a drain): from the signal "
              "new requests get 503 'router draining' (on a --listen-fd socket new connections wait for the next router "
-             "and requests on open ones are served, see --listen-fd) and /healthz (and /readyz on --metrics-port) 503, while the "
+             "and requests on open ones are served in the drain's first half, see --listen-fd) and /healthz (and /readyz on --metrics-port) 503, while the "
              "requests already taken stream on (route.bind and hand-backs answered, heartbeats sent); then, or when none "
              "is left, the router stops, what is still open failing with 503 'router shutting down' (its work aborted on "
              "its nodes). A second SIGTERM, or SIGINT (Ctrl-C) at any time, stops at once; 0 = stop at once on SIGTERM "

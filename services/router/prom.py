@@ -83,8 +83,9 @@ report's "KV hit"). It is not the directory's ``ei_kv_hit_ratio`` (h/h*: the sha
 whenever prompts carry new tokens.
 
 Not exported: ``drain_left_open`` (requests still open when a drain ended: grace over or a second
-signal), counted just before the process stops, so no scrape sees it: the ``router drained`` log line
-carries it (``open_requests``). The rest of the JSON counters (``/v1/stats``) are there only.
+signal) and ``drain_left_busy_connections`` (on a held socket, connections with a request partly read
+then), counted just before the process stops, so no scrape sees them: the ``router drained`` log line
+carries them (``open_requests``, ``busy_connections``). The rest of the JSON counters (``/v1/stats``) are there only.
 """
 
 from __future__ import annotations

@@ -485,9 +485,25 @@ class _SseResponse(StreamingResponse):
 
 def _conn_idle(conn: Any) -> bool:
     """Whether one of uvicorn's connections has no request on (``ingress.guarded_h11``'s ``idle``); one of another
-    protocol (a websocket upgrade, with websockets installed: the router serves none) is not waited for."""
+    protocol (a websocket upgrade, with websockets installed: the router serves none) is not waited for.
+
+    Raises:
+        Exception: what ``idle`` raised (a uvicorn whose protocol renamed the attributes it reads); the caller
+            (:meth:`RouterService._busy_connections`) counts it and does not wait for that connection.
+    """
     idle = getattr(conn, "idle", None)
     return True if idle is None else bool(idle())
+
+
+DRAIN_SERVE_FRACTION = 0.5
+"""The part of ``--shutdown-grace-s``, from a drain's start, in which a router on a held socket (``--listen-fd``)
+serves a request that comes on a connection already open; after it such a request gets 503 "router draining" with
+``Retry-After`` and ``Connection: close``. A request served must finish before the grace's end, where the stop fails
+it after its first token (the OpenAI SDK does not retry a stream then; the node's work is lost), and the router
+cannot know its length beforehand: one taken in the first half has at least the other half, as long as the grace
+gives the requests open at the signal, which it is sized for (the default 30 s; bench/faults.py's router-term). A
+503 with ``Retry-After: 1`` costs its client one retry (the SDK's two) and about a second, and the retry connects
+into the accept queue the next router takes."""
 
 
 class _Server(uvicorn.Server):
@@ -759,8 +775,11 @@ class RouterService(WatchedService):
         self._server_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._draining = False
-        """A SIGTERM's drain (:meth:`drain`) runs: new requests get 503 (served, on a held socket), the ones taken
-        finish."""
+        """A SIGTERM's drain (:meth:`drain`) runs: new requests get 503 (served in its first half, on a held socket),
+        the ones taken finish."""
+        self._drain_serve_until = 0.0
+        """Monotonic seconds until which a drain on a held socket serves the requests on open connections
+        (:data:`DRAIN_SERVE_FRACTION` of ``--shutdown-grace-s`` from its start); 503 from then."""
         self._handing_over = False
         """The router stopped accepting on a held socket (:meth:`_stop_accepting`): every request read from here is
         answered with ``Connection: close``, so that its client's next connection waits for the next router."""
@@ -879,17 +898,21 @@ class RouterService(WatchedService):
         accepting connections (:meth:`_stop_accepting`): a client connecting meanwhile waits in the socket's accept
         queue and is served by the next router, where a 503 would have cost it one of its few retries (the OpenAI
         SDK's two) for every second of the drain and restart. A request that comes on a connection already open
-        (keep-alive) is served, not refused (nothing else could serve it: the next router starts after this one
-        exits), with ``Connection: close`` (its client's next request connects again, into the queue); the drain
-        waits for those too, and at its end closes the connections left idle (:meth:`_close_idle`). Before, the
+        (keep-alive) in the drain's first half (:data:`DRAIN_SERVE_FRACTION`) is served, not refused (nothing else
+        could serve it: the next router starts after this one exits), with ``Connection: close`` (its client's next
+        request connects again, into the queue); later it gets 503 with ``Connection: close`` (it could not finish
+        before the grace's end; its client's retry goes into the queue). The drain waits for those too (a connection
+        with a request partly read counts: ``busy_connections`` in the log line), and at its end closes the
+        connections left idle (:meth:`_close_idle`). Before, the
         drain's start closed the idle ones, some under a request already sent on them, and a busy one right after
         a response that had not said so: steady keep-alive clients had 1-5 requests reset in each run of three restarts
         (``test_sigterm_on_a_held_socket_serves_keep_alive_clients_without_an_error``)."""
         grace = self.cfg.shutdown_grace_s
         if grace <= 0 or not self._drain_busy():
             return
-        self._draining = True
         t0 = time.monotonic()
+        self._drain_serve_until = t0 + grace * DRAIN_SERVE_FRACTION
+        self._draining = True
         handed = self._stop_accepting(close_idle=False) if self.cfg.listen_fd >= 0 else None
         self.log.info("router draining", open_requests=self._open_requests(), grace_s=grace,
                       **({} if handed is None else {"accepting": False, "connections_open": handed}))
@@ -899,19 +922,36 @@ class RouterService(WatchedService):
         # in the tick of the last look: a connection idle then has no request, read or partly read, to lose
         closed = self._close_idle() if handed is not None else None
         left = self._open_requests()
-        why = "second signal" if now.is_set() else "failed" if self.fatal.is_set() else "grace over" if left else "all done"
+        busy = self._busy_connections()  # a request on none of those above: a slow body, a head partly read
+        why = ("second signal" if now.is_set() else "failed" if self.fatal.is_set()
+               else "grace over" if left or busy else "all done")  # fmt: skip
         self.counters["drain_left_open"] += left
-        self.log.info("router drained", why=why, open_requests=left, waited_s=round(time.monotonic() - t0, 3),
-                      **({} if closed is None else {"idle_connections_closed": closed}))
+        self.counters["drain_left_busy_connections"] += busy
+        held = {} if closed is None else {
+            "idle_connections_closed": closed, "busy_connections": busy, "served": self.counters["drain_served"],
+            "refused_late": self.counters["drain_refused_late"]}  # fmt: skip
+        self.log.info("router drained", why=why, open_requests=left, waited_s=round(time.monotonic() - t0, 3), **held)
 
     def _drain_busy(self) -> bool:
         """What a drain waits for: generation requests open and, on a held socket (``--listen-fd``), a connection with
         a request on (any path; read and not yet in its handler; its head partly read), which the drain serves."""
-        if self._open_requests():
-            return True
+        return bool(self._open_requests()) or self._busy_connections() > 0
+
+    def _busy_connections(self) -> int:
+        """On a held socket (``--listen-fd``), the connections with a request on (:func:`_conn_idle` false); 0 without
+        one. A connection whose state cannot be read (``idle`` raised: a uvicorn that renamed what it reads) is not
+        waited for: each look counted ``drain_conn_state_errors``, the first logged; the stop's shutdown closes it as before."""
         if self.cfg.listen_fd < 0 or self._server is None:
-            return False
-        return any(not _conn_idle(conn) for conn in list(self._server.server_state.connections))
+            return 0
+        busy = 0
+        for conn in list(self._server.server_state.connections):
+            try:
+                busy += not _conn_idle(conn)
+            except Exception as e:  # one connection in an odd state must not fail the drain (as _stop_accepting)
+                if not self.counters["drain_conn_state_errors"]:
+                    self.log.warning("connection state not readable; the drain does not wait for it", error=repr(e))
+                self.counters["drain_conn_state_errors"] += 1
+        return busy
 
     def _stop_accepting(self, *, close_idle: bool = True) -> int:
         """Stop taking connections while the socket stays open (its supervisor holds it): new ones wait in the accept
@@ -935,7 +975,8 @@ class RouterService(WatchedService):
                 elif hasattr(conn, "close_after_response"):  # not a websocket upgrade's (uvicorn's own protocol)
                     conn.close_after_response()
             except Exception as e:  # one connection in an odd state must not fail the drain: uvicorn's stop retries it
-                self.log.warning("connection not handed over at the drain's start", error=repr(e))
+                self.log.warning("connection not handed over to the next router", at="stop" if close_idle else "drain start",
+                                 error=repr(e))  # fmt: skip
         return len(conns)
 
     def _close_idle(self) -> int:
@@ -2726,10 +2767,14 @@ class RouterService(WatchedService):
         t_in = self.clock.now()
         if self._stopping:
             return self._error(503, "router is shutting down")
-        if self._draining and self.cfg.listen_fd < 0:  # a SIGTERM's drain: the requests taken finish, a new one goes
-            # to another router; on a held socket (the next router comes after this one exits) it is served here, with
-            # Connection: close (_stop_accepting), counted drain_served
+        if self._draining and (self.cfg.listen_fd < 0 or time.monotonic() >= self._drain_serve_until):
+            # a SIGTERM's drain: the requests taken finish, a new one goes to another router; on a held socket (the
+            # next router comes after this one exits) it is served here in the drain's first half (DRAIN_SERVE_FRACTION),
+            # counted drain_served, and after it refused too, counted drain_refused_late: its retry connects into the
+            # accept queue (every response there says Connection: close, _stop_accepting)
             self.counters["drain_refused"] += 1
+            if self.cfg.listen_fd >= 0:
+                self.counters["drain_refused_late"] += 1
             return self._json(api.error_body(503, "router draining for a shutdown; retry on another router"), 503,
                               headers={"retry-after": "1"})
         if self._draining:

@@ -269,6 +269,48 @@ async def test_sigterm_on_a_held_socket_leaves_new_connections_to_the_next_route
         held.close()
 
 
+async def test_sigterm_on_a_held_socket_refuses_a_request_late_in_the_drain(nats_url, tmp_path):
+    """On a held socket (``--listen-fd``) a request on an already open keep-alive connection is served only in the
+    drain's first half (``--shutdown-grace-s`` / 2): one that comes later gets 503 "router draining" with
+    ``Retry-After`` and ``Connection: close``, so that its client's retry connects into the accept queue the next
+    router takes. Before, it was served whenever it came: one taken 2.5 s into a 3 s grace got its first token, then
+    the stop at the grace's end ended its stream with an error event "router shutting down" (the OpenAI SDK does not
+    retry after the first token, the node's work was lost). Streams the node holds open keep the drain going for the
+    whole grace. Seen failing before the fix (a 200 stream ending in that error), passing after."""
+    grace = 6.0  # the request below comes 4 s after the log line (2/3 of the grace): 1 s past the half, 2 s before the end
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(64)
+    try:
+        async with _router(nats_url, tmp_path, "--shutdown-grace-s", str(grace), sock=held) as (proc, http, cluster):
+            port = held.getsockname()[1]
+            streams = await _open_streams(http, cluster)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as kept:
+                assert (await kept.get("/v1/models")).status_code == 200  # a keep-alive connection, idle from here
+                proc.send_signal(signal.SIGTERM)
+                log = tmp_path / "router.log"
+                deadline = time.monotonic() + 10
+                while '"router draining"' not in log.read_text():
+                    assert time.monotonic() < deadline, "no drain"
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(grace * 2 / 3)
+                assert proc.poll() is None, "the drain ended before the late request"
+                body = {"prompt": "late", "max_tokens": MAX_TOKENS, "stream": True}
+                async with kept.stream("POST", "/v1/completions", json=body) as r:
+                    text = (await r.aread()).decode()
+                assert r.status_code == 503, (r.status_code, text)
+                assert "router draining" in text and r.headers["retry-after"] == "1", (r.headers, text)
+                assert r.headers["connection"] == "close", r.headers
+            await _exited(proc, 20)
+            for body in await asyncio.gather(*streams, return_exceptions=True):
+                assert isinstance(body, BaseException) or "router shutting down" in body  # the grace ran out on them
+        out = log.read_text()
+        drained = next(line for line in out.splitlines() if '"router drained"' in line)
+        assert '"grace over"' in drained and '"refused_late": 1' in drained and '"served": 0' in drained, drained
+    finally:
+        held.close()
+
+
 @pytest.mark.parametrize("kind", ["tcp-not-listening", "unix-listening"])
 async def test_listen_fd_that_is_not_a_listening_socket_is_a_clear_startup_error(nats_url, tmp_path, kind):
     """A ``--listen-fd`` naming a socket that does not listen, or one that is not TCP, stops the router before it

@@ -116,3 +116,86 @@ def test_close_if_idle_closes_an_idle_connection_only():
         assert proto.idle() and not proto.close_if_idle()  # closing: nothing more to close
 
     asyncio.run(main())
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict[str, Any]]] = []
+
+    def info(self, event: str, **kw: Any) -> None:
+        self.lines.append(("info", event, kw))
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self.lines.append(("warning", event, kw))
+
+
+class _Unreadable:
+    """A connection whose state cannot be read: ``idle`` reads attributes a future uvicorn renamed."""
+
+    def idle(self) -> bool:
+        raise AttributeError("'H11Protocol' object has no attribute 'cycle'")
+
+
+def _drain_shell(conns: list[Any], grace_s: float) -> Any:
+    """A RouterService with only what :meth:`RouterService.drain` reads on a held socket (no bus, no HTTP server)."""
+    from types import SimpleNamespace
+
+    from services.router.config import RouterConfig
+    from services.router.service import RouterService
+
+    svc = RouterService.__new__(RouterService)
+    svc.cfg = RouterConfig(shutdown_grace_s=grace_s, listen_fd=3)
+    svc.counters = Counter()
+    svc.log = _Log()
+    svc.fatal = asyncio.Event()
+    svc._pending, svc._handling = {}, 0
+    svc._draining = svc._handing_over = False
+    svc._server = SimpleNamespace(server_state=SimpleNamespace(connections=set(conns)), servers=())
+    return svc
+
+
+def test_a_drain_whose_grace_runs_out_on_a_busy_connection_says_grace_over():
+    """On a held socket the drain waits for a connection with a request partly read (a slow head or body); when the
+    grace runs out on it the "router drained" line says "grace over" with ``busy_connections`` 1 (counted
+    ``drain_left_busy_connections``). Before, it said "all done" (no generation request was open). Seen failing
+    before the fix."""
+
+    async def main() -> None:
+        proto, transport = _proto(_released_app({}), [False], Counter())
+        proto.data_received(b"POST /v1/completions HTTP/1.1\r\nHo")  # a head partly read: a request on
+        svc = _drain_shell([proto], grace_s=0.3)
+        t0 = asyncio.get_running_loop().time()
+        await svc.drain(asyncio.Event())
+        assert asyncio.get_running_loop().time() - t0 >= 0.3  # waited the grace for the busy connection
+        (drained,) = [kw for level, ev, kw in svc.log.lines if ev == "router drained"]
+        assert drained["why"] == "grace over" and drained["busy_connections"] == 1, drained
+        assert svc.counters["drain_left_busy_connections"] == 1
+        assert not transport.is_closing()  # busy: left to the stop
+
+    asyncio.run(main())
+
+
+def test_a_drain_survives_a_connection_it_cannot_read():
+    """A connection whose ``idle`` raises (a uvicorn that renamed what it reads) is counted
+    (``drain_conn_state_errors``), logged once and not waited for; the drain goes on for the others. Before, it made
+    the drain raise (the service then exited non-zero, skipping the drain). Seen failing before the fix
+    (AttributeError from the drain)."""
+
+    async def main() -> None:
+        proto, _ = _proto(_released_app({}), [False], Counter())
+        proto.data_received(b"POST /v1/completions HTTP/1.1\r\nHo")
+        svc = _drain_shell([proto, _Unreadable()], grace_s=0.3)
+        await svc.drain(asyncio.Event())
+        (drained,) = [kw for level, ev, kw in svc.log.lines if ev == "router drained"]
+        assert drained["busy_connections"] == 1 and svc.counters["drain_conn_state_errors"] >= 2, drained
+        warned = [ev for level, ev, kw in svc.log.lines if level == "warning"]
+        assert warned == ["connection state not readable; the drain does not wait for it"], svc.log.lines
+
+    asyncio.run(main())
+
+
+def test_a_drain_ends_at_once_when_the_only_connection_cannot_be_read():
+    """Nothing open but a connection whose state cannot be read: no drain (it is not waited for), no error."""
+    svc = _drain_shell([_Unreadable()], grace_s=5.0)
+    asyncio.run(asyncio.wait_for(svc.drain(asyncio.Event()), 2.0))
+    assert not svc._draining and svc.counters["drain_conn_state_errors"] == 1
