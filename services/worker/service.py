@@ -1211,7 +1211,8 @@ class WorkerService:
                 self.counters["requeue.failed"] += 1
                 why = f"{msg.reason}; the router did not take the request back: {e}"
                 try:
-                    await self._reject(WorkRejected(msg.rid, why), self.clock.local_now(), attempt=owner.attempt)
+                    await self._reject(WorkRejected(msg.rid, why), self.clock.local_now(), attempt=owner.attempt,
+                                       router=owner.router)  # popped above: _reject finds no owner
                 except BusError as e2:  # NATS refuses even the error chunk: say so, and let the other hand-backs go on
                     self.counters["requeue.lost"] += 1
                     self.log.error("handed-back request neither taken back nor failed: NATS refused both", rid=msg.rid,
@@ -1341,7 +1342,7 @@ class WorkerService:
                 owner = self._owners.pop(rid, None)
                 await self._reject(  # nothing failed in an engine: the router answers an abort with 503
                     WorkRejected(rid, f"no decode node for the request: {reason}"), now, attempt=owner.attempt if owner else work.attempt,
-                    finish_reason="abort",
+                    router=owner.router if owner else work.router, finish_reason="abort",  # popped above: _reject finds no owner
                 )
         finally:
             if span is not None:

@@ -466,6 +466,9 @@ async def test_a_parked_prefill_whose_binding_fails_is_aborted_and_frees_its_kv(
         first, c = [x for k, x, _ in seen if k == "chunk"]
         assert (first.index, len(first.token_ids), first.finished) == (0, 1, False), first
         assert c.finished and c.finish_reason == "abort" and "no decode node" in (c.error or ""), c
+        # stamped with its owner, as its first token was (a peer router counts it chunks_peer_rid); before, the
+        # failed binding had forgotten the owner when it rejected the request: router ""
+        assert (first.router, c.router) == ("hung", "hung"), c
         assert not w0.core.requests and not w0._binds and w0.core.kv.gpu.reserved == 0
         assert w0.counters["bind.failed"] == 1 and w0.counters["bind.unanswered"] >= 1
         _no_fatal(w0)

@@ -495,6 +495,24 @@ async def test_collocated_work_at_a_prefill_only_node_is_handed_back(nats_url):
     await c.bus.close()
 
 
+async def test_a_hand_back_no_router_takes_fails_with_an_error_chunk_naming_its_router(nats_url):
+    """Collocated work at a prefill-only node goes back to its router (``work.requeue.<router>``); nobody
+    answers there (the router is gone) for ``requeue_timeout_s``: the request fails with an error chunk,
+    stamped with the owning router (``TokenChunk.router``), so a peer router counts it as another router's
+    (``chunks_peer_rid``). Before, the hand-back had already forgotten the owner, and ``_reject`` stamped ""."""
+    c = await Client.connect(nats_url)
+    async with workers(nats_url, {"node": "w0", "phase": "prefill", "requeue_timeout_s": 0.3}):
+        work = msgspec.structs.replace(prompt("r-gone", [1, 2, 3], 1, 4), router="router-b")
+        await c.bus.publish(WORK_PREFILL, work, node="w0")
+        await until(lambda: c.finished("r-gone"), what="the error chunk")
+        [ch] = c.chunks["r-gone"]
+        assert (ch.finish_reason, ch.router) == ("error", "router-b"), ch
+        assert "did not take the request back" in (ch.error or ""), ch
+        st = await c.stats("w0")
+        assert st.counters["requeue.failed"] == 1 and st.counters["requests.errored"] == 1, st.counters
+    await c.bus.close()
+
+
 async def test_a_worker_that_stops_clears_its_blocks_from_the_directory(nats_url):
     """A node that leaves (SIGTERM: compose scale-down, scancel, ``up`` stopping) says its KV is
     gone, as it does at start (``AllBlocksCleared``): the directory's index and its gauges
