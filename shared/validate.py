@@ -508,6 +508,7 @@ def _chunk(c: m.TokenChunk, p: dict[str, str], nodes: Collection[str] | None) ->
     _dur(c.fetch_s, "fetch_s")
     _dur(c.exposed_fetch_s, "exposed_fetch_s")
     _int(c.attempt, "attempt", MAX_SEQ)
+    _tok(c.router, "router", optional=True)  # its owner, stamped by the worker ("": an older writer's)
     _chunk_logprobs(c)
 
 

@@ -70,6 +70,16 @@ def test_a_branch_eviction_names_a_rid_as_a_route_placed_does():
         assert "rid" in (check(m.BranchEnd(branch_id="b", ts=1.0, expired=True, rid=bad)) or ""), bad
 
 
+def test_a_chunk_names_its_router_as_a_work_does():
+    """``TokenChunk.router`` (f2afc83: the owning router, stamped by the worker; a router counts a peer's chunk
+    by it) was not checked, while ``PrefillWork.router`` is: a 200 kB or non-token router passed."""
+    chunk = m.TokenChunk(rid="a", node="w0", router="router-b")
+    assert check(chunk, {"rid": "a"}) is None
+    assert check(msgspec.structs.replace(chunk, router=""), {"rid": "a"}) is None  # an older writer's: none
+    for bad in ("x" * 200_000, "\x00\xff", "a b", "r\n"):
+        assert "router" in (check(msgspec.structs.replace(chunk, router=bad), {"rid": "a"}) or ""), repr(bad)
+
+
 def test_known_nodes_are_enforced_when_given():
     batch = m.KvEventBatch(node="x123", seq=1)
     assert check(batch, {"node": "x123"}) is None
