@@ -111,8 +111,9 @@ _OPENAI_CODES: dict[int, tuple[str, str]] = {
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     """The one error body of the router's HTTP API, every status and every path alike (the API's refusals,
-    the API-key guard's 401 / 400 / 429, an unknown path's 404 or 405, a 503, a stream's ``data: {"error": ...}``
-    event): OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+    the API-key guard's 401 / 400 / 429, an unknown path's 404 or 405, a 503, a refused CORS preflight's 400, an
+    unexpected exception's 500, a stream's ``data: {"error": ...}`` event; not uvicorn's own 400 for malformed
+    HTTP): OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
     * ``type``: OpenAI's: ``invalid_request_error`` for a 4xx (OpenAI's 400, its 404 for an unknown model
       or URL, its 401 for a bad key), ``requests`` for the 429 (OpenAI's requests-per-minute limit),

@@ -56,6 +56,7 @@ import numpy as np
 import structlog
 import uvicorn
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
@@ -636,6 +637,25 @@ CORS_EXPOSE_HEADERS = ("x-request-id", "x-ei-prefill-node", "x-ei-decode-node", 
 CORS-safelisted response headers (``Content-Type`` and a few more) and those listed here."""
 
 
+class _JsonCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS middleware whose refused preflight (400: an origin, method or header not allowed) is the
+    API's JSON error body (:func:`api.error_body`, ``param`` the request header at fault) with Starlette's CORS
+    headers, not its text/plain ``Disallowed CORS origin``."""
+
+    _HEADER_OF = {"origin": "Origin", "method": "Access-Control-Request-Method", "headers": "Access-Control-Request-Headers",
+                  "private-network": "Access-Control-Request-Private-Network"}  # fmt: skip
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        r = super().preflight_response(request_headers)
+        if r.status_code < 400:
+            return r
+        reason = bytes(r.body).decode()  # "Disallowed CORS origin, method"
+        first = reason.removeprefix("Disallowed CORS ").split(",")[0].strip()
+        headers = {k: v for k, v in r.headers.items() if k not in ("content-length", "content-type")}
+        body = api.error_body(r.status_code, f"CORS preflight refused: {reason}", self._HEADER_OF.get(first))
+        return Response(_JSON.encode(body), status_code=r.status_code, media_type="application/json", headers=headers)
+
+
 def _with_cors(app: ASGIApp, cfg: RouterConfig) -> ASGIApp:
     """``app`` behind Starlette's CORS middleware when ``--allowed-origins`` is set (vLLM's flags), else as is.
 
@@ -645,7 +665,7 @@ def _with_cors(app: ASGIApp, cfg: RouterConfig) -> ASGIApp:
     exposed (before, none: a page could not read a response's ``x-request-id``)."""
     if not cfg.allowed_origins:
         return app
-    return CORSMiddleware(
+    return _JsonCORSMiddleware(
         app,
         allow_origins=cfg.allowed_origins,
         allow_methods=cfg.allowed_methods,
@@ -2103,6 +2123,18 @@ class RouterService(WatchedService):
                 api.error_body(503, f"message bus unavailable, retry later: {exc}"), 503, headers={"retry-after": "1"}
             )
 
+        async def unexpected(request: Request, exc: Exception) -> Response:
+            # a bug (no handler caught it): the client gets the API's JSON 500, not Starlette's text/plain
+            # "Internal Server Error" (before); Starlette raises the exception again after this answer, so
+            # uvicorn logs it too. A stream that already started ends without this body (headers sent)
+            self.counters["http_errors_500"] += 1
+            ident = request_id_of(request.scope)
+            self.log.error(
+                "unexpected error answered as 500", rid=ident.rid, **_client_id_fields(ident.rid, ident.client),
+                path=request.url.path, error=repr(exc), exc_info=exc,
+            )  # fmt: skip
+            return self._json(api.error_body(500, f"internal error in the router: {type(exc).__name__}"), 500)
+
         return Starlette(
             routes=[
                 Route("/v1/completions", self._completions, methods=["POST"]),
@@ -2120,7 +2152,8 @@ class RouterService(WatchedService):
                 Route("/tokenize", self._tokenize, methods=["POST"]),
                 Route("/detokenize", self._detokenize, methods=["POST"]),
             ],
-            exception_handlers={404: not_found, 405: not_found, BusError: bus_failed, nats.errors.Error: bus_failed},
+            exception_handlers={404: not_found, 405: not_found, BusError: bus_failed, nats.errors.Error: bus_failed,
+                                Exception: unexpected},  # fmt: skip
         )
 
     @staticmethod

@@ -64,3 +64,24 @@ async def test_each_status_has_openais_body_over_http(nats_url, tmp_path):
                 assert r.headers["retry-after"] == "1"
             finally:
                 svc._draining = False
+
+
+async def test_an_unexpected_exception_is_the_apis_json_500_logged_and_counted(nats_url, tmp_path, monkeypatch):
+    """A bug no handler catches (here ``GET /v1/models`` raising) is answered with the API's body
+    (``server_error``, 500), counted ``http_errors_500`` and logged at error with the traceback; the router
+    serves on. Before, Starlette answered a text/plain ``Internal Server Error``."""
+    from services.router import api
+
+    def broken(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        svc = env.service
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{svc.port}", timeout=30.0) as http:
+            monkeypatch.setattr(api, "models_response", broken)
+            r = await http.get("/v1/models")
+            assert r.headers["content-type"] == "application/json", r.text
+            _is(r, 500, "server_error", 500, None, "internal error in the router: RuntimeError")
+            assert svc.counters["http_errors_500"] == 1
+            monkeypatch.undo()
+            assert (await http.get("/v1/models")).status_code == 200  # it serves on

@@ -226,6 +226,10 @@ async def test_cors_is_off_by_default_and_answers_preflights_when_set(nats_url, 
         assert r.headers["access-control-allow-credentials"] == "true"
         r = await env.http.options("/tokenize", headers={**PREFLIGHT, "Origin": "https://evil.example"})
         assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        # the API's JSON error body naming the header at fault (before: Starlette's text/plain "Disallowed CORS origin")
+        assert r.headers["content-type"] == "application/json", r.text
+        assert r.json() == {"error": {"message": "CORS preflight refused: Disallowed CORS origin", "type": "invalid_request_error",
+                                      "param": "Origin", "code": 400}}, r.text  # fmt: skip
 
 
 async def test_api_keys_guard_the_new_paths(nats_url, tmp_path):
