@@ -904,8 +904,9 @@ class TokenChunk(Msg, frozen=True, kw_only=True):
     router: str = ""
     """Instance id of the router that owns the request, as its work named it (``PrefillWork.router``): every
     router hears ``req.<rid>.out``, and one that never heard the placement (it started after it) tells another
-    router's request (``chunks_peer_rid``) from an id nobody placed (``chunks_unknown_rid``). Empty: the node
-    holds no owner record (a rejected or aborted work it never took), or an older writer."""
+    router's request (``chunks_peer_rid``) from an id nobody placed (``chunks_unknown_rid``). Work the node refuses
+    (a rejection, a failed binding or hand-back) is stamped from the work or its owner record too. Empty: an older
+    writer, or an abort (``RequestAbort``) of a request the node holds no owner record of."""
     arrived_at: float | None = None
     """On the first chunk: when the work reached this node (simulated s; the control plane's
     share of TTFT is the client's TTFT minus ``ts − arrived_at``, see ``evolving-infra fidelity``)."""
