@@ -292,13 +292,21 @@ async def test_a_router_started_while_a_request_is_parked_counts_it_as_its_owner
             b = holder["b"]
             assert b.core.view.inflight_total == 0  # it never heard A's placement
 
-            async def out(node: str, i: int, finished: bool = False) -> None:
-                chunk = m.TokenChunk(rid=rid, node=node, index=i, token_ids=[output_token(i)], prompt_tokens=70, finished=finished,
-                                     finish_reason="length" if finished else None)  # fmt: skip
-                await env.cluster.bus.publish(REQ_OUT, chunk, rid=rid)
+            owner = env.cluster.works[-1].router
+            assert owner == "router"  # A's instance id, as a real worker stamps its chunks (TokenChunk.router)
+
+            async def out(node: str, i: int, finished: bool = False, of: str = rid, router: str = owner) -> None:
+                chunk = m.TokenChunk(rid=of, node=node, index=i, token_ids=[output_token(i)], prompt_tokens=70, finished=finished,
+                                     finish_reason="length" if finished else None, router=router)  # fmt: skip
+                await env.cluster.bus.publish(REQ_OUT, chunk, rid=of)
 
             await out("p0", 0)  # the prompt's end on p0: its first token, before the binding
-            await _wait_for(lambda: svc.core.view.first_token_seen(rid) and b.counters["chunks_unknown_rid"] == 1, what="first token seen")
+            # another router's request B never heard of: a peer's chunk, not an unknown id
+            await _wait_for(lambda: svc.core.view.first_token_seen(rid) and b.counters["chunks_peer_rid"] == 1, what="first token seen")
+            assert b.counters.get("chunks_unknown_rid", 0) == 0, b.counters
+            await out("p0", 0, of="nobody-placed", router="")  # an id no router placed (a stray publisher): unknown
+            await _wait_for(lambda: b.counters["chunks_unknown_rid"] == 1, what="the unknown id counted")
+            assert b.counters["chunks_peer_rid"] == 1, b.counters
             bind = m.DecodeBindRequest(rid=rid, prefill_node="p0", prompt_tokens=70, max_tokens=3)
             assert (await env.cluster.bus.request(ROUTE_BIND, bind, timeout=2.0, router="router")).decode_node == "d0"
             await _wait_for(lambda: b.core.view.placement(rid) == ("p0", "d0"), what="B counts A's request")
