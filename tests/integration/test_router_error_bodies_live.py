@@ -13,6 +13,7 @@ import asyncio
 from typing import Any
 
 import httpx
+import structlog
 
 from tests.integration.test_router_live import _wait_for, router_env
 
@@ -75,13 +76,16 @@ async def test_an_unexpected_exception_is_the_apis_json_500_logged_and_counted(n
     def broken(*_a: Any, **_k: Any) -> Any:
         raise RuntimeError("a bug")
 
-    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
-        svc = env.service
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{svc.port}", timeout=30.0) as http:
-            monkeypatch.setattr(api, "models_response", broken)
-            r = await http.get("/v1/models")
-            assert r.headers["content-type"] == "application/json", r.text
-            _is(r, 500, "server_error", 500, None, "internal error in the router: RuntimeError")
-            assert svc.counters["http_errors_500"] == 1
-            monkeypatch.undo()
-            assert (await http.get("/v1/models")).status_code == 200  # it serves on
+    with structlog.testing.capture_logs() as logs:
+        async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+            svc = env.service
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{svc.port}", timeout=30.0) as http:
+                monkeypatch.setattr(api, "models_response", broken)
+                r = await http.get("/v1/models")
+                assert r.headers["content-type"] == "application/json", r.text
+                _is(r, 500, "server_error", 500, None, "internal error in the router: RuntimeError")
+                assert svc.counters["http_errors_500"] == 1
+                monkeypatch.undo()
+                assert (await http.get("/v1/models")).status_code == 200  # it serves on
+    [line] = [e for e in logs if e.get("event") == "unexpected error answered as 500"]
+    assert line["log_level"] == "error" and line["path"] == "/v1/models" and isinstance(line["exc_info"], RuntimeError), line
