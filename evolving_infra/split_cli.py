@@ -8,12 +8,14 @@ asks ``split.get``. Without ``--nats-url`` (or ``EI_NATS_URL``) the NATS server 
 serves yet (NATS "no responders": the planner is restarting, ~1.5 s under ``up``'s supervisor,
 or not started), and a ``split set`` the planner refused for now (it is starting: it has not read the split
 the nodes serve yet; nothing was applied), is asked again, after 0.05 s doubling to at most 0.5 s, until
-``--timeout`` (counted from the connect); nothing else is asked again: a request that got no reply in its time
+``--timeout`` (counted from the connect; a refused ``split set`` only while 1.5 s of it are left: a starting planner
+holds a try up to 1 s, :data:`shared.messages.ADOPTING_HOLD_S`, and applies it if it has started meanwhile, so a try
+sent later could be applied after the CLI gave up on it); nothing else is asked again: a request that got no reply in its time
 may have been received, and a set applied, so it is never sent again (the error says so; ``split get`` shows
 whether it was). Exit status (:data:`EXIT_STATUSES`; ``split get``: :data:`GET_EXIT_STATUSES`):
 0 on success; 1 when no planner answered within ``--timeout`` (absent, restarting or hung: try again),
-or (``split set`` only) the planner was still starting the whole ``--timeout`` (refused for now each time: the
-same ``split set`` may succeed in a few seconds); the error says what it waited on;
+or (``split set`` only) the planner was still starting (refused for now each time until too little of ``--timeout``
+was left for another try: the same ``split set`` may succeed in a few seconds; nothing is left held); the error says what it waited on;
 2 when the planner refused the split itself (it does not cover the cluster's nodes, 0 prefill
 or decode nodes, or one live node left so a phase would be on dead nodes only: the user's error, as every usage error), the input is malformed, no cluster
 is found, NATS refused the credentials (or wanted some and none were given), the identity may
@@ -42,7 +44,8 @@ from shared.subjects import SPLIT_GET, SPLIT_SET, Subject, Subjects
 
 EXIT_STATUSES = (
     "exit status: 0 ok; 1 no planner answered within --timeout (asked again while none is subscribed: it may be "
-    "restarting), or the planner refused for now (it is starting: asked again until --timeout); try again in a few "
+    "restarting), or the planner refused for now (it is starting: asked again while 1.5 s of --timeout are left, as it "
+    "holds a try up to 1 s); try again in a few "
     "seconds, but a last try that got no answer in its time is never sent again (the planner may still apply it: "
     "`split get` shows the split); 2 the planner "
     "refused the split (it does not cover the cluster's nodes, or only one node is live), a malformed SPLIT or --timeout, no running cluster "
@@ -60,17 +63,27 @@ when no planner answered."""
 RETRY_FIRST_S = 0.05
 """Seconds before a request that found no responders is asked again; doubled each time up to :data:`RETRY_MAX_S`."""
 RETRY_MAX_S = 0.5
+HELD_MARGIN_S = 0.5
+"""Seconds of ``--timeout`` beyond the planner's hold (:data:`shared.messages.ADOPTING_HOLD_S`) a ``split set``
+needs left to be asked again after a refusal for now: the round trips and a planner slow on a loaded box."""
 
 
 async def _ask(
-    bus: Bus, subject: Subject, msg: msgspec.Struct, timeout: float, *, not_yet: Callable[[Any], bool] | None = None
+    bus: Bus, subject: Subject, msg: msgspec.Struct, timeout: float, *, not_yet: Callable[[Any], bool] | None = None,
+    not_yet_held_s: float = 0.0,
 ) -> tuple[Any, int, int]:
     """``bus.request`` until a reply, for at most ``timeout`` s, asked again while nobody serves ``subject``
     (:class:`NoResponders`: the planner restarting or not started) and while the reply says "not yet"
     (``not_yet(reply)``: a ``split set`` refused for now, the planner is starting: nothing was applied), after
     :data:`RETRY_FIRST_S` doubling to :data:`RETRY_MAX_S`. Returns (reply, tries, "not yet" replies): the reply
-    may be a "not yet" one when it came with no time left. Before, a "not yet" reply ended ``split set`` at once
-    (exit 1) with seconds of its ``--timeout`` left, though the planner would take the split a moment later.
+    may be a "not yet" one when too little time was left to ask again. Before, a "not yet" reply ended ``split set``
+    at once (exit 1) with seconds of its ``--timeout`` left, though the planner would take the split a moment later.
+
+    After a "not yet" reply the next try is sent only when, after the pause, at least ``not_yet_held_s`` s are left
+    (the asker may hold a try that long, then act on it: a starting planner applies a held ``split set`` when its
+    adoption ends, whether or not the asker still waits); else that reply is returned, and nothing is left held.
+    Before, the last try went with what was left (down to 0.01 s), timed out at the CLI (exit 1, "no answer") and
+    the planner applied it a moment later.
 
     Raises:
         _Unanswered: no reply within ``timeout`` (no responders the whole time, or a try timed out or lost the
@@ -93,7 +106,8 @@ async def _ask(
             if not_yet is None or not not_yet(reply):
                 return reply, tries, refused
             refused += 1
-            if (left := deadline - loop.time()) <= 0:
+            left = deadline - loop.time()
+            if left <= 0 or left - min(pause, left) < not_yet_held_s:  # the next try could be held past the deadline
                 return reply, tries, refused
         await asyncio.sleep(min(pause, left))
         pause = min(2 * pause, RETRY_MAX_S)
@@ -160,7 +174,8 @@ async def _run(args: argparse.Namespace) -> int:
             return 0
         # a refusal for now (the planner is starting) is asked again; a refusal of the split itself is the answer
         ask = m.SplitSetRequest(split=args.split, reason=args.reason)
-        reply, tries, refused = await _ask(bus, SPLIT_SET, ask, args.timeout, not_yet=lambda r: not r.ok and r.retry)
+        reply, tries, refused = await _ask(bus, SPLIT_SET, ask, args.timeout, not_yet=lambda r: not r.ok and r.retry,
+                                           not_yet_held_s=m.ADOPTING_HOLD_S + HELD_MARGIN_S)
     except _Unanswered as e:  # absent, restarting, starting or hung: not the user's error (1, try again)
         # a set whose last try got no answer in its time is not sent again: the planner may have it and apply it
         maybe = "" if args.split_command == "get" or isinstance(e.last, NoResponders) else (
@@ -181,10 +196,12 @@ async def _run(args: argparse.Namespace) -> int:
         return 2
     finally:
         await bus.close()
-    if not reply.ok and reply.retry:  # still starting when --timeout ran out (asked again until then): 1, try again
+    if not reply.ok and reply.retry:  # still starting with too little --timeout left to ask again: 1, try again
         again = "" if "try again" in (reply.error or "") else "; try again in a few seconds"
         print(f"error: the planner on partition {args.partition!r} is starting: split {args.split!r} "
-              f"{_not_taken(tries, refused)} within {args.timeout:g} s; its last answer: {reply.error}{again}", file=sys.stderr)
+              f"{_not_taken(tries, refused)} within {args.timeout:g} s (not asked again with under "
+              f"{m.ADOPTING_HOLD_S + HELD_MARGIN_S:g} s of it left: a starting planner holds a try up to "
+              f"{m.ADOPTING_HOLD_S:g} s, then may apply it); its last answer: {reply.error}{again}", file=sys.stderr)
         return 1
     if not reply.ok or reply.command is None:  # the user's split (2, a usage error)
         print(f"error: planner refused split {args.split!r}: {reply.error}", file=sys.stderr)

@@ -596,6 +596,14 @@ class SplitSetReply(Msg, frozen=True, kw_only=True):
     exits 1 on a refusal with ``retry``, 2 on one without (a usage error)."""
 
 
+ADOPTING_HOLD_S = 1.0
+"""Wall seconds a starting planner holds a ``split.get`` or ``split.set`` past what is left of its adoption grace
+(``services/planner/service.py`` ``_adoption_ended``) before it answers; a held ``split.set`` is applied when the
+adoption ends meanwhile, whether or not its asker still waits. After a refusal for now the grace is over, so the
+planner holds the next try up to this long: ``evolving-infra split set`` asks again only while its ``--timeout``
+has that (and a margin) left."""
+
+
 # --------------------------------------------------------------------------- #
 # work.<node>.prefill / work.<node>.decode / work.<node>.abort ; req.<rid>.out
 # --------------------------------------------------------------------------- #

@@ -220,12 +220,12 @@ class PlannerService(WatchedService):
         await self._flush()
 
     async def _adoption_ended(self) -> bool:
-        """Wait (at most the grace left, + 1 wall s) until the start-up adoption has ended: a
+        """Wait (at most the grace left, + :data:`~shared.messages.ADOPTING_HOLD_S` wall s) until the start-up adoption has ended: a
         ``split.get`` or ``split set`` sent meanwhile is answered once the planner knows the
         split the nodes serve, instead of timing out at the asker (``evolving-infra split get``
         asks once) or being refused. True when it has ended."""
         if self.core.adopt_until is not None:
-            left = self.clock.to_wall(max(0.0, self.core.adopt_until - self.clock.now())) + 1.0
+            left = self.clock.to_wall(max(0.0, self.core.adopt_until - self.clock.now())) + m.ADOPTING_HOLD_S
             try:
                 await asyncio.wait_for(self._adopted.wait(), timeout=left)
             except asyncio.TimeoutError:
