@@ -500,16 +500,7 @@ class Bus:
         async def disconnected_cb() -> None:
             if bus._closing:
                 return
-            bus.counters["nats.disconnects"] += 1
-            # the last RESEND_WINDOW_S may have died unstored: published again on reconnect (the window is
-            # cut here too, not only on publish: after a quiet spell _recent still holds older messages)
-            bus._trim_recent(time.monotonic())
-            bus._resend = list(bus._recent)
-            # until the stream is known to be there after the reconnect, keep what is published (nats-py's reconnect
-            # buffer flushes it into a server that may have come back without its store, where it goes nowhere)
-            bus._holding = bus._holding or bus.jetstream
-            bus._stream_unconfirmed(disconnect=True)
-            bus.log.warning("nats disconnected")
+            bus._disconnected()
 
         async def reconnected_cb() -> None:
             bus.counters["nats.reconnects"] += 1
@@ -609,16 +600,42 @@ class Bus:
             f"has it), or create the stream first with 'evolving-infra auth stream --creds <launcher credentials>'"
         )
 
+    def _disconnected(self) -> None:
+        """The connection to the server is lost (nats-py's disconnected callback; it reconnects on its own): the resend
+        window is taken for the reconnect, and on JetStream reliable publishes are kept (:attr:`_holding`) and the
+        stream is unconfirmed (:meth:`_stream_unconfirmed`) until the reconnect's check found it."""
+        self.counters["nats.disconnects"] += 1
+        # the last RESEND_WINDOW_S may have died unstored: published again on reconnect (the window is
+        # cut here too, not only on publish: after a quiet spell _recent still holds older messages)
+        self._trim_recent(time.monotonic())
+        self._resend = list(self._recent)
+        # until the stream is known to be there after the reconnect, keep what is published (nats-py's reconnect
+        # buffer flushes it into a server that may have come back without its store, where it goes nowhere)
+        self._holding = self._holding or self.jetstream
+        self._stream_unconfirmed(disconnect=True)
+        self.log.warning("nats disconnected")
+
     async def _after_reconnect(self) -> None:
         """Find the stream again (make it when the server lost it), publish the resend window again,
-        resume consumers whose stream came back shorter or new."""
+        resume consumers whose stream came back shorter or new.
+
+        A check that a later disconnect outlived (its lookup answered after the connection dropped again) leaves all
+        that to the next reconnect's check, as one a later reconnect took over: it keeps holding (what it would
+        publish again is kept too), sends nothing and resumes no consumer. Before, it stopped holding and published into nats-py's
+        reconnect buffer, and so did every reliable publish for the rest of that outage, unkept: the buffer is
+        flushed into the next server before its check, and one back without its store lost them
+        (:meth:`_wait_over` keeps :attr:`stream_waiting` by the same test)."""
         resend, self._resend = self._resend, []
         go_on = self._reconnect_check()
         # its end clears the waits' state, an earlier check's too, unless a later reconnect took over (_wait_over)
         info = await self._stream_after_reconnect(go_on) if self.jetstream else None
-        if not go_on():  # a later reconnect took over: its check ends the holding
+        # a disconnect since the latest check began (this one while go_on()): its answer may be the old server's
+        outlived = self._js_disconnects != self._check_disconnects
+        if not go_on() or outlived:  # a later reconnect took over, or will: its check ends the holding
             for r in (resend if self._holding else ()):
                 self._hold(r)
+            if outlived:  # disconnected: nothing sent (nats-py's reconnect buffer), the consumers left to that check
+                return
         elif info is not None and self._stream_created is not None and info.created is not None and info.created != self._stream_created:
             # a new stream (the server came back without its store): what was published since the disconnect, before
             # the stream was there, went nowhere: published again, in order, with the window (ids drop any copy).
