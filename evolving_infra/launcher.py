@@ -180,6 +180,24 @@ def _add_cluster_args(
         "--gpu-kv-tokens when that is more)",
     )
     g.add_argument(
+        "--kv-pool",
+        choices=("off", "real"),
+        default="off",
+        help="workers' host KV pool: off (L2 is bookkeeping only; the default) or real (every L2 block has bytes in a "
+        "Mooncake-registered host buffer and peer fetches pull them over TCP, verified by CRC-32; needs "
+        "scripts/install-mooncake.sh). up gives each worker its own Mooncake port pair (--kv-pool-ports), the same "
+        "after a restart; the pool mirrors the whole L2, at most 1 GiB per worker: gb300 profiles need "
+        "--kv-pool-slot-bytes 4096 (or a smaller --host-kv-tokens)",
+    )
+    g.add_argument(
+        "--kv-pool-slot-bytes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--kv-pool real: bytes per block slot; 0 = the profile's block bytes up to 64 KiB (--engine torch: its "
+        "page size, the only one it takes)",
+    )
+    g.add_argument(
         "--api-keys-file",
         default=None,
         metavar="FILE",
@@ -588,6 +606,45 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: bool) -> dict[str, object]:
+    """Cluster fields for ``--kv-pool real``: every worker's ``--kv-pool real`` (and ``--kv-pool-slot-bytes``), and,
+    each worker its own Mooncake port pair (``--kv-pool-ports``: two workers drawing from Mooncake's 15000-17000 at
+    random may take the same port), drawn free now and kept across restarts. ``sized``: a spec with the profile and KV
+    sizes the workers run. Empty for ``--kv-pool off``.
+
+    Raises:
+        UsageError: Mooncake not installed, the pool would not fit (``pool_geometry``: the workers would exit 2 after
+            the cluster started), or ``one_host`` False (``deploy-args``: its flags carry no worker extras).
+    """
+    if getattr(args, "kv_pool", "off") != "real":
+        return {}
+    import importlib.util
+
+    from services.worker.kvpool.config import pool_geometry
+    from services.worker.kvpool.transport import pick_port_range
+
+    if importlib.util.find_spec("mooncake") is None:
+        raise UsageError("error: --kv-pool real needs Mooncake's transfer engine: scripts/install-mooncake.sh (VENV=<venv>)")
+    slot = int(getattr(args, "kv_pool_slot_bytes", 0) or 0)
+    if slot < 0:
+        raise UsageError(f"error: --kv-pool-slot-bytes {slot}: bytes, 0 or more")
+    if args.engine == "sim":  # a torch worker's slot is its page (checked by the worker against its model)
+        try:
+            pool_geometry(sized.node_profile(), slot)
+        except ValueError as e:
+            raise UsageError(f"error: --kv-pool real: {e} (--kv-pool-slot-bytes N, or a smaller --host-kv-tokens)") from None
+    if not one_host:  # deploy-args prints service_flags, which carry no worker_args: refused, not dropped
+        raise UsageError("error: --kv-pool real is up's and demo's (one host, a port pair per worker); in a deployment "
+                         "give each worker --kv-pool real and its own --kv-pool-ports")
+    worker = ("--kv-pool", "real") + (("--kv-pool-slot-bytes", str(slot)) if slot else ())
+    ranges: list[tuple[int, int]] = []
+    while len(ranges) < args.nodes:  # each draw is free on its own; two may overlap
+        lo, hi = pick_port_range()
+        if all(hi < a or lo > b for a, b in ranges):
+            ranges.append((lo, hi))
+    return {"worker_args": worker, "node_args": {f"w{i}": ("--kv-pool-ports", f"{lo}-{hi}") for i, (lo, hi) in enumerate(ranges)}}
+
+
 def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: object) -> ClusterSpec:
     """The :class:`ClusterSpec` for ``up``'s parsed flags ``args`` (``overrides`` replace its fields).
 
@@ -657,6 +714,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     except ProfileError as e:
         raise UsageError(f"error: {e}") from None
     values = dict(
+        **_kv_pool_values(args, ClusterSpec(profile=str(torch_values.get("profile", args.profile)), **kv), one_host=one_host),
         nodes=args.nodes,
         split=args.split,
         profile=args.profile,

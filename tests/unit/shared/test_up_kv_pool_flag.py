@@ -1,0 +1,76 @@
+"""``up``/``demo --kv-pool real``: the workers' real-bytes host KV pool from the launcher (session 46, fifth fault walk).
+
+``LocalCluster`` could give workers ``--kv-pool real`` (``ClusterSpec.worker_args``; the torch live test does), but
+``up`` had no flag for it, so ``bench/faults.py`` could not run a cluster whose workers move KV bytes. Now
+``--kv-pool real`` gives every worker ``--kv-pool real`` (and ``--kv-pool-slot-bytes``) and its own Mooncake port pair
+(``--kv-pool-ports``, disjoint: two workers drawing from Mooncake's 15000-17000 at random may take the same port),
+the same after a restart (the flags are the child's command line). A pool that would not fit, or no Mooncake, is
+refused before anything starts (the workers would exit 2 one by one); ``deploy-args`` refuses it (its flags carry no
+worker extras: it would drop it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from evolving_infra.cli import UsageError, build_parser
+from evolving_infra.cluster import LocalCluster
+from evolving_infra.launcher import _spec
+from services.worker.config import WorkerConfig
+from services.worker.kvpool.config import parse_port_range
+from shared.config import load_config
+
+
+@pytest.fixture
+def mooncake_found(monkeypatch):
+    """``find_spec("mooncake")`` answers as where it is installed (these tests run without it too)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "mooncake" else real(name, *a))
+
+
+def _workers(command: str, tmp_path, *flags: str) -> dict[str, list[str]]:
+    args = build_parser(command).parse_args([command, "--log-dir", str(tmp_path), *flags])
+    kids = LocalCluster(_spec(args))._plan_children()
+    return {k.name: k.argv[k.argv.index("-m") + 2 :] for k in kids if k.name.startswith("worker-")}
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_kv_pool_real_reaches_every_worker_with_its_own_port_pair(command, tmp_path, mooncake_found):
+    workers = _workers(command, tmp_path, "--kv-pool", "real", "--kv-pool-slot-bytes", "4096")
+    assert sorted(workers) == ["worker-w0", "worker-w1", "worker-w2", "worker-w3"]
+    ranges = []
+    for name, argv in workers.items():
+        cfg = load_config(WorkerConfig, argv, prog="worker", env={})
+        assert (cfg.kv_pool, cfg.kv_pool_slot_bytes) == ("real", 4096), name
+        assert argv.count("--kv-pool-ports") == 1
+        ranges.append(parse_port_range(cfg.kv_pool_ports))
+    for i, (lo, hi) in enumerate(ranges):  # no port shared by two workers
+        assert all(hi < a or lo > b for a, b in ranges[:i]), ranges
+
+
+def test_without_the_flag_no_worker_gets_a_pool(tmp_path):
+    for argv in _workers("up", tmp_path).values():
+        assert not any(a.startswith("--kv-pool") for a in argv)
+        assert load_config(WorkerConfig, argv, prog="worker", env={}).kv_pool == "off"
+
+
+def test_a_pool_over_its_limit_is_refused_before_the_start_naming_the_knobs(tmp_path, mooncake_found):
+    args = build_parser("up").parse_args(["up", "--log-dir", str(tmp_path), "--kv-pool", "real"])  # gb300: 7.9 GiB at 64 KiB
+    with pytest.raises(UsageError, match=r"--kv-pool real: real-bytes pool of 128750 host blocks .*--kv-pool-slot-bytes N"):
+        _spec(args)
+
+
+def test_without_mooncake_it_is_refused_naming_the_install_script(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mooncake" else real(name, *a))
+    args = build_parser("up").parse_args(["up", "--log-dir", str(tmp_path), "--kv-pool", "real", "--kv-pool-slot-bytes", "4096"])
+    with pytest.raises(UsageError, match="scripts/install-mooncake.sh"):
+        _spec(args)
+
+
+def test_deploy_args_refuse_it_rather_than_drop_it(mooncake_found):
+    args = build_parser("up").parse_args(["up", "--kv-pool", "real", "--kv-pool-slot-bytes", "4096"])
+    with pytest.raises(UsageError, match="give each worker --kv-pool real and its own --kv-pool-ports"):
+        _spec(args, one_host=False)
