@@ -67,6 +67,7 @@ async def _demo(*args: str) -> asyncio.subprocess.Process:
         env=_env(),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        limit=1 << 22,  # a fetch of thousands of blocks prints their hashes on one line (6,000: ~120 KB)
     )
 
 
@@ -82,8 +83,8 @@ async def _json_line(proc: asyncio.subprocess.Process, timeout: float = 60.0) ->
 class Holder:
     """``demo hold`` in its own process; stop() sends SIGTERM and returns its final stats line."""
 
-    def __init__(self, url: str, node: str, blocks: int, corrupt: int = 0) -> None:
-        self.args = ["hold", "--nats-url", url, "--node", node, "--blocks", str(blocks), "--slot-bytes", str(SB)]
+    def __init__(self, url: str, node: str, blocks: int, corrupt: int = 0, slot_bytes: int = SB) -> None:
+        self.args = ["hold", "--nats-url", url, "--node", node, "--blocks", str(blocks), "--slot-bytes", str(slot_bytes)]
         self.args += ["--corrupt", str(corrupt)]
         self.proc: asyncio.subprocess.Process | None = None
         self.ready: dict = {}
@@ -107,8 +108,8 @@ class Holder:
             await self.proc.wait()
 
 
-async def _fetch(url: str, node: str, peer: str, blocks: int) -> tuple[int, dict]:
-    proc = await _demo("fetch", "--nats-url", url, "--node", node, "--peer", peer, "--blocks", str(blocks), "--slot-bytes", str(SB))
+async def _fetch(url: str, node: str, peer: str, blocks: int, slot_bytes: int = SB) -> tuple[int, dict]:
+    proc = await _demo("fetch", "--nats-url", url, "--node", node, "--peer", peer, "--blocks", str(blocks), "--slot-bytes", str(slot_bytes))
     out = await _json_line(proc)
     return await asyncio.wait_for(proc.wait(), 30), out
 
@@ -129,6 +130,22 @@ async def test_two_processes_every_fetched_block_checksum_matches(nats_url, moon
     assert res["counters"]["kvpool.fetch_blocks"] == n
     assert "kvpool.fetch_mismatch" not in res["counters"]
     assert final["counters"]["kvpool.locate_hit"] == n  # the holder served exactly one locate of n blocks
+
+
+async def test_a_fetch_of_thousands_of_blocks_loses_none(nats_url, mooncake_or_skip):
+    """A Claude Code prefix is thousands of blocks (100k tokens: 1,600 at 64 a block); the fifth fault walk's
+    peer fetches moved up to 6,000 at once. Mooncake's TCP transport rejects what does not fit its lane queue
+    (2,048): in one batch, 6,000 blocks from this live, idle peer came back with 581-1,377 missing (``transfer``)
+    and their one-by-one retries failed in the same full queue. Read in batches of ``READ_BATCH``, none is lost."""
+    n = 6000
+    async with Holder(nats_url, "hold-many", n, slot_bytes=256) as holder:
+        rc, res = await _fetch(nats_url, "fetch-many", "hold-many", n, slot_bytes=256)
+        await holder.stop()
+    assert rc == 0, res
+    assert res["error"] is None
+    assert res["reasons"] == {} and res["missing"] == [], (res["reasons"], len(res["missing"]))
+    assert res["fetched"] == demo_hashes(0, n)
+    assert res["local_verify_ok"] is True
 
 
 async def test_corrupted_block_is_detected_and_not_used(nats_url, mooncake_or_skip):
