@@ -21,6 +21,7 @@ marks recovery, or None when the cluster recovers without a restart) and registe
     python bench/faults.py --fault nats-kill --no-results
     python bench/faults.py --fault decode-worker-kill --policy static:2P2D   # the split served from the start
     python bench/faults.py --fault decode-worker-kill --engine torch         # the tiny random llama on CPU
+    python bench/faults.py --fault decode-worker-kill --kv-pool real          # KV bytes moved between workers (Mooncake)
     python bench/faults.py --list
 
 Under ``up``'s default policy (the evolving planner) every node serves collocated for the planner's 1,800-s warm-up,
@@ -38,6 +39,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -419,6 +421,11 @@ moment ``split set 1P3D`` returned (its switch from prefill to decode in flight)
 later (or once ``up`` has restarted it, if later), while every service's reconnect check (and stream wait) of the
 first restart runs. ``a-then-b``'s recovery is timed from b's kill."""
 
+SIM_POOL_SLOT_BYTES = 4096
+"""``--kv-pool real`` with the sim engine: bytes per pool slot (``up --kv-pool-slot-bytes``). The pool mirrors the
+whole L2, and gb300-glm52's 128,750 host blocks at the default 64 KiB (7.9 GiB) are over its 1 GiB limit: 4 KiB
+makes 0.49 GiB per worker, of which only the blocks stored are touched."""
+
 TORCH_MAX_OUTPUT = 128
 """``--engine torch``: output tokens per request at most (the trace scaled to the tiny model): enough decode steps
 that a decode node killed 3 s in holds streams mid-decode."""
@@ -461,29 +468,42 @@ class FaultResult:
     notes: dict[str, object] = field(default_factory=dict)
     """:attr:`FaultRun.notes` of the run."""
     log_dir: str = ""
+    kv_pool: str = "off"
+    """The workers' host KV pool (``up --kv-pool``): ``real`` moves KV bytes between workers (Mooncake)."""
+    log_problems: dict[str, int] = field(default_factory=dict)
+    """:func:`worker_log_problems` at the end of the run: warning / error lines and tracebacks in the workers' logs."""
 
 
 def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
-            model_dir: Path | None = None, policy: str | None = None) -> list[str]:
+            model_dir: Path | None = None, policy: str | None = None, kv_pool: str = "off",
+            routing_opts: tuple[str, ...] = ()) -> list[str]:
     """The ``evolving-infra up`` command line of a run (router on a free port, ``--metrics``); with ``model_dir``,
-    its workers run ``--engine torch`` on that Hugging Face folder (CPU); with ``policy``, ``up --policy policy``."""
+    its workers run ``--engine torch`` on that Hugging Face folder (CPU); with ``policy``, ``up --policy policy``;
+    with ``kv_pool`` ``real``, ``up --kv-pool real`` (the sim's slots :data:`SIM_POOL_SLOT_BYTES`, a torch worker's
+    its page); each of ``routing_opts`` (``K=V``) as ``up --routing-opt``."""
     argv = [sys.executable, "-m", "evolving_infra.cli", "up", "--port", "0", "--nodes", str(nodes), "--split", split,
             "--speedup", repr(speedup), "--log-dir", str(log_dir), "--ready-timeout", str(timeout_s), "--metrics"]
     if model_dir is not None:
         argv += ["--engine", "torch", "--model", str(model_dir), "--device", "cpu"]
     if policy is not None:
         argv += ["--policy", policy]
+    if kv_pool == "real":
+        argv += ["--kv-pool", "real"] + (["--kv-pool-slot-bytes", str(SIM_POOL_SLOT_BYTES)] if model_dir is None else [])
+    for opt in routing_opts:
+        argv += ["--routing-opt", opt]
     return argv
 
 
 def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
-             model_dir: Path | None = None, policy: str | None = None) -> FaultRun:
+             model_dir: Path | None = None, policy: str | None = None, kv_pool: str = "off",
+             routing_opts: tuple[str, ...] = ()) -> FaultRun:
     """Start ``evolving-infra up`` (:func:`up_argv`) and wait for its READY line.
 
     Raises:
         RuntimeError: when ``up`` exits or prints no READY line within ``timeout_s``.
     """
-    argv = up_argv(log_dir, speedup=speedup, nodes=nodes, split=split, timeout_s=timeout_s, model_dir=model_dir, policy=policy)
+    argv = up_argv(log_dir, speedup=speedup, nodes=nodes, split=split, timeout_s=timeout_s, model_dir=model_dir, policy=policy,
+                   kv_pool=kv_pool, routing_opts=routing_opts)
     out = open(log_dir / "up.out", "wb")
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out, start_new_session=True)
     assert proc.stdout is not None
@@ -573,6 +593,8 @@ async def run_fault(
     engine: str = "sim",
     max_output: int = TORCH_MAX_OUTPUT,
     policy: str | None = None,
+    kv_pool: str = "off",
+    routing_opts: tuple[str, ...] = (),
 ) -> FaultResult:
     """Start ``up``, replay ``sessions`` Claude Code sessions, inject ``fault`` after ``fault_at_s``
     wall seconds of replay, and count what it cost.
@@ -593,6 +615,10 @@ async def run_fault(
             ``evolving-infra model init`` (written to ``log_dir``/model, 1,024-token KV per node) on CPU, and the
             trace is scaled to it as ``replay --scale-to-model`` does (one token per trace block, prompts cut to
             half the router's ``max_model_len``, outputs to ``max_output`` tokens), ids below its vocabulary.
+        kv_pool: ``off`` or ``real``: the workers' real-bytes host KV pool (``up --kv-pool real``, Mooncake): peer
+            fetches move bytes over TCP, a killed or stopped peer can be mid-fetch.
+        routing_opts: ``up --routing-opt`` items (``K=V``), e.g. ``ttft_fetch_base_s=0.001`` for a router that
+            plans peer fetches wherever a prefix is on another node.
 
     Raises:
         KeyError: unknown ``fault``. RuntimeError: ``up`` did not start.
@@ -624,7 +650,11 @@ async def run_fault(
 
         model_dir = log_dir / "model"
         init_model(model_dir, arch="llama")  # `evolving-infra model init`'s defaults: vocabulary 512, context 2048
-    run = start_up(log_dir, speedup=speedup, nodes=nodes, split=split, model_dir=model_dir, policy=policy)
+    if kv_pool not in ("off", "real"):
+        raise ValueError(f"kv_pool {kv_pool!r}: off or real")
+    res.kv_pool = kv_pool
+    run = start_up(log_dir, speedup=speedup, nodes=nodes, split=split, model_dir=model_dir, policy=policy, kv_pool=kv_pool,
+                   routing_opts=routing_opts)
     try:
         requests, block, model, vocab = trace.requests, trace.header.block_size, "evolving-infra-sim", None
         if model_dir is not None:
@@ -677,6 +707,7 @@ async def run_fault(
         except (OSError, ValueError):
             pass
         res.counters.update(await _twin_counters(run) if run.started and res.up_alive else {})
+        res.log_problems = worker_log_problems(Path(log_dir))
     finally:
         for twin in run.started:
             if twin.poll() is None:
@@ -763,6 +794,53 @@ async def collect_counters(run: FaultRun, timeout_s: float = 2.0) -> dict[str, d
     return out
 
 
+FETCH_WAIT_BOUND_MS = 15_000
+"""``--kv-pool real``: the longest a request may wait on its peer fetches (``kvfetch.wait_ms_max``): the workers'
+locate timeout (``--kv-pool-locate-timeout-s``, 2 s) plus their read timeout (``--kv-pool-fetch-timeout-s``, 10 s)
+and 3 s for a loaded machine's loop. Longer: a remote wait without its bound (a dead or stopped peer holding the
+request)."""
+
+MOONCAKE_HARMLESS = ("Local segment descriptor not found",)
+"""Mooncake's glog error lines every worker prints at start (services/worker/kvpool/README.md: harmless)."""
+
+
+def worker_log_problems(log_dir: Path) -> dict[str, int]:
+    """Lines of the workers' logs (``worker-*.log``, every process of a node, twins too) at level warning
+    (``warning``) or error (``error``; Mooncake's glog ``E`` / ``F`` lines too), ``Traceback`` lines (``traceback``), and the real-bytes fetches that failed
+    (``fetch_failed``: the ``real-bytes fetch failed`` warnings)."""
+    out = {"warning": 0, "error": 0, "traceback": 0, "fetch_failed": 0}
+    for f in sorted(log_dir.glob("worker-*.log")):
+        for line in f.read_text(errors="replace").splitlines():
+            if '"level": "warning"' in line:
+                out["warning"] += 1
+            elif '"level": "error"' in line or '"level": "critical"' in line or (
+                    re.match(r"[EF]\d{4} ", line) and not any(h in line for h in MOONCAKE_HARMLESS)):
+                out["error"] += 1  # the service's error lines, Mooncake's (glog) E and F ones
+            if line.startswith("Traceback"):
+                out["traceback"] += 1
+            if "real-bytes fetch failed" in line:
+                out["fetch_failed"] += 1
+    return out
+
+
+def kv_fetch_summary(r: FaultResult) -> dict[str, int]:
+    """The workers' real-bytes fetches (``kvfetch.*`` counters of every worker that answered at the end; a worker
+    restarted during the run counts from its restart): calls, blocks fetched, errors (fetches that failed), timeouts
+    (of those, the ones past ``--kv-pool-fetch-timeout-s``), mismatched blocks, and the longest a request waited on its
+    sources (ms)."""
+    out = {"calls": 0, "fetched": 0, "errors": 0, "timeouts": 0, "mismatched": 0, "wait_ms_max": 0}
+    for inst, c in r.counters.items():
+        if not inst.startswith("worker"):
+            continue
+        out["calls"] += c.get("kvfetch.calls", 0)
+        out["fetched"] += c.get("kvfetch.blocks_fetched", 0)
+        out["errors"] += c.get("kvfetch.errors", 0)
+        out["timeouts"] += c.get("kvpool.fetch_failed.timeout", 0)  # fetches (kvfetch.failed.timeout counts blocks)
+        out["mismatched"] += c.get("kvfetch.blocks_mismatched", 0)
+        out["wait_ms_max"] = max(out["wait_ms_max"], c.get("kvfetch.wait_ms_max", 0))
+    return out
+
+
 def _left_in_workers(r: FaultResult) -> float:
     """Requests still parked, queued, running or decoding over every worker in :attr:`FaultResult.leftover`."""
     return sum(g.get(k, 0.0) for g in r.leftover.values() for k in ("parked", "queue_depth", "running_batch", "decoding"))
@@ -770,12 +848,14 @@ def _left_in_workers(r: FaultResult) -> float:
 
 def _passed(r: FaultResult) -> bool:
     """Nothing lost (a :data:`LOSSY` fault: the replay ended), ``up`` alive, no token count off, nothing left in a
-    worker, and a SIGTERMed service gone within its compose stop grace (:data:`STOP_GRACE_S`, else 30 s)."""
+    worker, a SIGTERMed service gone within its compose stop grace (:data:`STOP_GRACE_S`, else 30 s), and no request
+    waiting on a real-bytes fetch longer than :data:`FETCH_WAIT_BOUND_MS` (``--kv-pool real``)."""
     lost_ok = r.lost == 0 or (r.fault in LOSSY and r.lost > 0)
+    fetch_ok = kv_fetch_summary(r)["wait_ms_max"] <= FETCH_WAIT_BOUND_MS
     exit_s = r.notes.get("exit_s")
     grace = STOP_GRACE_S.get(r.fault.removesuffix("-term"), 30.0)
     term_ok = not isinstance(exit_s, (int, float)) or 0 <= exit_s <= grace
-    return lost_ok and r.up_alive and r.token_mismatch == 0 and _left_in_workers(r) == 0 and term_ok
+    return lost_ok and fetch_ok and r.up_alive and r.token_mismatch == 0 and _left_in_workers(r) == 0 and term_ok
 
 
 def _results_section(results: list[FaultResult], args: argparse.Namespace) -> str:
@@ -783,6 +863,7 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
     from _common import commit_label
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    pool = getattr(args, "kv_pool", "off") == "real"
     lines = [
         f"## faults: live cluster under fault injection — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
@@ -791,6 +872,8 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, load average {load:.1f} at the end",
         f"- workload: `evolving-infra up --nodes {args.nodes} --split {args.split} --speedup {args.speedup:g}"
         + (f" --policy {args.policy}" if args.policy else "")
+        + (" --kv-pool real" if pool else "")
+        + "".join(f" --routing-opt {o}" for o in (getattr(args, "routing_opt", None) or ()))
         + (" --engine torch` (the tiny random llama on CPU; the trace scaled to it as `replay --scale-to-model`, at most "
            f"{args.max_output} output tokens)" if args.engine == "torch" else "`")
         + f", the shipped Claude Code sample, {args.sessions} sessions closed-loop at concurrency {args.concurrency}"
@@ -809,9 +892,14 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         "replay (/metrics; blank: not read); token mismatch: completed requests whose usage.completion_tokens is not the "
         "length asked for; notes: what the fault measured (`exit_s`: SIGTERM → exit)",
         "",
+        *([] if not pool else [
+            "- kv fetch (`--kv-pool real`): the workers' `kvfetch.*` counters at the end: calls / blocks fetched / errors "
+            "(timeouts) / mismatched blocks / the longest a request waited on its sources (ms); a restarted worker counts "
+            "from its restart. worker log: warning / error lines and tracebacks in every worker log",
+            ""]),
         "| fault | sent | completed | lost | retried | re-dispatched | recover s | restarts | bus resends | up alive | replay wall s "
-        "| left in workers | token mismatch | notes | first error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| left in workers | token mismatch | notes | first error |" + (" kv fetch | worker log |" if pool else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if pool else ""),
     ]
     for r in results:
         rec = "" if r.recover_s is None else f"{r.recover_s:.2f}"
@@ -821,8 +909,13 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         resent = sum(c.get("resent", 0) for c in r.counters.values())
         left = "" if not r.leftover else f"{_left_in_workers(r):g}"
         notes = ", ".join(f"{k} {v}" for k, v in r.notes.items() if k != "split_errors").replace("|", "/")
+        kv = ""
+        if pool:
+            k, lp = kv_fetch_summary(r), r.log_problems
+            kv = (f" {k['calls']} / {k['fetched']} / {k['errors']} ({k['timeouts']}) / {k['mismatched']} / {k['wait_ms_max']} |"
+                  f" {lp.get('warning', 0)} / {lp.get('error', 0)} / {lp.get('traceback', 0)} |")
         lines.append(f"| {r.fault} | {r.sent} | {r.completed} | {r.lost} | {r.retried} | {redis} | {rec} | {rs} | {resent} | "
-                     f"{'yes' if r.up_alive else 'NO'} | {r.replay_wall_s:.1f} | {left} | {r.token_mismatch} | {notes} | {err} |")
+                     f"{'yes' if r.up_alive else 'NO'} | {r.replay_wall_s:.1f} | {left} | {r.token_mismatch} | {notes} | {err} |" + kv)
     return "\n".join(lines) + "\n"
 
 
@@ -850,6 +943,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="`up --policy` (default: up's, the evolving planner, which serves every node collocated for its "
                    "1,800-s warm-up: 36 wall s at --speedup 50, so a short replay never sees --split; static:2P2D serves it "
                    "from the start)")
+    p.add_argument("--kv-pool", choices=("off", "real"), default="off",
+                   help="workers' host KV pool (`up --kv-pool`): real = every L2 block has bytes in a Mooncake buffer and "
+                   f"peer fetches pull them over TCP (needs scripts/install-mooncake.sh; sim slots {SIM_POOL_SLOT_BYTES} B)")
+    p.add_argument("--routing-opt", action="append", metavar="K=V",
+                   help="`up --routing-opt` (repeatable), e.g. ttft_fetch_base_s=0.001 ttft_fetch_min_tokens=64: the ttft "
+                   "router plans a peer fetch wherever a prefix is on another node (a peer-fetch heavy run)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument("--from-json", default=None, help="render the section from a file written by --out instead of running")
     p.add_argument("--no-results", action="store_true", help="do not append a section to bench/RESULTS-history.md")
@@ -885,7 +984,8 @@ def main(argv: list[str] | None = None) -> int:
             run_fault(f, sessions=args.sessions, max_requests_per_branch=args.max_requests_per_branch, concurrency=args.concurrency,
                       speedup=args.speedup, nodes=args.nodes, split=args.split, fault_at_s=args.fault_at,
                       max_pause_s=args.max_pause, leftover_after_s=None if args.leftover_after < 0 else args.leftover_after,
-                      engine=args.engine, max_output=args.max_output, policy=args.policy)
+                      engine=args.engine, max_output=args.max_output, policy=args.policy, kv_pool=args.kv_pool,
+                      routing_opts=tuple(args.routing_opt or ()))
         )
         print(json.dumps(asdict(r)), flush=True)
         results.append(r)

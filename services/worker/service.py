@@ -1387,6 +1387,7 @@ class WorkerService:
         t1 = time.time_ns()
         missing: set[int] = set()
         c = self.counters
+        c["kvfetch.wait_ms_max"] = max(c["kvfetch.wait_ms_max"], (t1 - t0) // 1_000_000)  # the longest a request waited on its sources
         for (peer, hashes), res in zip(fs.sources, results):
             c["kvfetch.calls"] += 1
             c["kvfetch.blocks_requested"] += len(hashes)

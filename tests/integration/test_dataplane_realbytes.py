@@ -172,6 +172,7 @@ async def _pull_with_mooncake(nats_url: str, tmp_path: Path, otlp: OtlpReceiver)
         assert c1["kvpool.fetch_blocks"] == 40  # ... and kept only after its CRC-32 matched
         assert c1.get("kvpool.fetch_mismatch", 0) == 0 and c1.get("kvfetch.errors", 0) == 0
         assert c1["kvfetch.bytes"] == 40 * int(s1.gauges["kvpool.slot_bytes"])
+        assert 0 <= c1["kvfetch.wait_ms_max"] < 10_000  # the longest a request waited on its sources (bench/faults.py reads it)
         assert c1["fetch.started"] == 1 and c1["fetch.completed"] == 1 and c1["fetch.blocks"] == 40
         c0 = (await _stats(bus, "worker-w0")).counters
         assert c0["kvpool.locate_hit"] == 40 and c0["kvpool.put"] >= 40

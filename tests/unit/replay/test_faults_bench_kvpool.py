@@ -1,0 +1,79 @@
+"""``bench/faults.py --kv-pool real`` (the fifth fault walk, session 46), sans-IO: the ``up`` command line it starts,
+what it reads from the workers' logs and counters, the verdict's bound on a request's wait for its peer fetches, and
+the table's extra columns."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tests.conftest import bench_faults
+
+
+faults = bench_faults()
+
+
+def test_up_argv_gives_the_pool_with_sim_slots_and_routing_options(tmp_path):
+    argv = faults.up_argv(tmp_path, speedup=50, nodes=4, split="2P2D", kv_pool="real",
+                          routing_opts=("ttft_fetch_base_s=0.001", "ttft_fetch_min_tokens=64"))
+    i = argv.index("--kv-pool")
+    assert argv[i : i + 4] == ["--kv-pool", "real", "--kv-pool-slot-bytes", str(faults.SIM_POOL_SLOT_BYTES)]
+    assert [argv[j + 1] for j, a in enumerate(argv) if a == "--routing-opt"] == ["ttft_fetch_base_s=0.001", "ttft_fetch_min_tokens=64"]
+    torch = faults.up_argv(tmp_path, speedup=50, nodes=4, split="2P2D", model_dir=tmp_path / "m", kv_pool="real")
+    assert "--kv-pool" in torch and "--kv-pool-slot-bytes" not in torch  # a torch worker's slot is its page
+    off = faults.up_argv(tmp_path, speedup=50, nodes=4, split="2P2D")
+    assert "--kv-pool" not in off and "--routing-opt" not in off
+
+
+def test_worker_log_problems_counts_levels_tracebacks_fetch_failures_not_mooncake_start_lines(tmp_path: Path):
+    lines = [
+        json.dumps({"event": "worker started", "level": "info"}),
+        json.dumps({"event": "real-bytes fetch failed; the missing pages are recomputed", "level": "warning"}),
+        json.dumps({"event": "task failed", "level": "error"}),
+        "Traceback (most recent call last):",
+        "E1206 00:30:37.616008 22112 transfer_metadata.cpp:1098] Local segment descriptor not found",  # every start
+        "E1206 00:31:02.000000 22112 tcp_transport.cpp:77] connection refused",
+        "W1206 00:32:06.025480 26241 tcp_transport_lane_impl.h:1330] TCP lane queue-full rejection count: 2",
+    ]
+    (tmp_path / "worker-w0.log").write_text("\n".join(lines) + "\n")
+    (tmp_path / "worker-w3-twin.log").write_text(json.dumps({"event": "x", "level": "warning"}) + "\n")
+    (tmp_path / "router.log").write_text(json.dumps({"event": "y", "level": "error"}) + "\n")  # not a worker's
+    assert faults.worker_log_problems(tmp_path) == {"warning": 2, "error": 2, "traceback": 1, "fetch_failed": 1}
+
+
+def _result(**kw):
+    base = dict(fault="decode-worker-stop", sessions=8, sent=67, completed=67, up_alive=True, kv_pool="real",
+                counters={"worker-w0": {"kvfetch.calls": 4, "kvfetch.blocks_fetched": 900, "kvfetch.errors": 1,
+                                        "kvpool.fetch_failed.timeout": 1, "kvfetch.failed.timeout": 300,
+                                        "kvfetch.wait_ms_max": 10_240},
+                          "worker-w1": {"kvfetch.calls": 2, "kvfetch.blocks_fetched": 100, "kvfetch.blocks_mismatched": 3,
+                                        "kvfetch.wait_ms_max": 80},
+                          "router": {"kvfetch.calls": 99}})  # fmt: skip
+    base.update(kw)
+    return faults.FaultResult(**base)
+
+
+def test_kv_fetch_summary_adds_the_workers_and_takes_the_longest_wait():
+    assert faults.kv_fetch_summary(_result()) == {"calls": 6, "fetched": 1000, "errors": 1, "timeouts": 1, "mismatched": 3,
+                                                  "wait_ms_max": 10_240}
+
+
+def test_a_request_waiting_past_the_fetch_timeouts_fails_the_run():
+    assert faults._passed(_result())  # a 10-s read timeout plus the locate: bounded
+    late = _result(counters={"worker-w0": {"kvfetch.wait_ms_max": faults.FETCH_WAIT_BOUND_MS + 1}})
+    assert not faults._passed(late)
+    assert faults._passed(_result(kv_pool="off", counters={}))
+
+
+def test_the_table_has_the_pool_columns_only_with_kv_pool_real():
+    args = argparse.Namespace(nodes=4, split="2P2D", speedup=50.0, policy="static:2P2D", engine="sim", sessions=8,
+                              concurrency=8, max_requests_per_branch=8, max_pause=2.0, fault_at=3.0, kv_pool="real",
+                              routing_opt=["ttft_fetch_base_s=0.001"])  # fmt: skip
+    r = _result(log_problems={"warning": 5, "error": 0, "traceback": 0, "fetch_failed": 1})
+    text = faults._results_section([r], args)
+    assert "--kv-pool real --routing-opt ttft_fetch_base_s=0.001" in text
+    row = next(line for line in text.splitlines() if line.startswith("| decode-worker-stop"))
+    assert row.endswith("| 6 / 1000 / 1 (1) / 3 / 10240 | 5 / 0 / 0 |"), row
+    plain = faults._results_section([_result(kv_pool="off")], argparse.Namespace(**dict(vars(args), kv_pool="off", routing_opt=None)))
+    assert "kv fetch" not in plain
