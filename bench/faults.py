@@ -476,11 +476,11 @@ class FaultResult:
 
 def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
             model_dir: Path | None = None, policy: str | None = None, kv_pool: str = "off",
-            routing_opts: tuple[str, ...] = ()) -> list[str]:
+            routing_opts: tuple[str, ...] = (), routing: str | None = None) -> list[str]:
     """The ``evolving-infra up`` command line of a run (router on a free port, ``--metrics``); with ``model_dir``,
     its workers run ``--engine torch`` on that Hugging Face folder (CPU); with ``policy``, ``up --policy policy``;
     with ``kv_pool`` ``real``, ``up --kv-pool real`` (the sim's slots :data:`SIM_POOL_SLOT_BYTES`, a torch worker's
-    its page); each of ``routing_opts`` (``K=V``) as ``up --routing-opt``."""
+    its page); ``routing``: ``up --routing`` (over the policy's); each of ``routing_opts`` (``K=V``) as ``up --routing-opt``."""
     argv = [sys.executable, "-m", "evolving_infra.cli", "up", "--port", "0", "--nodes", str(nodes), "--split", split,
             "--speedup", repr(speedup), "--log-dir", str(log_dir), "--ready-timeout", str(timeout_s), "--metrics"]
     if model_dir is not None:
@@ -489,6 +489,8 @@ def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s:
         argv += ["--policy", policy]
     if kv_pool == "real":
         argv += ["--kv-pool", "real"] + (["--kv-pool-slot-bytes", str(SIM_POOL_SLOT_BYTES)] if model_dir is None else [])
+    if routing is not None:
+        argv += ["--routing", routing]
     for opt in routing_opts:
         argv += ["--routing-opt", opt]
     return argv
@@ -496,14 +498,14 @@ def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s:
 
 def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
              model_dir: Path | None = None, policy: str | None = None, kv_pool: str = "off",
-             routing_opts: tuple[str, ...] = ()) -> FaultRun:
+             routing_opts: tuple[str, ...] = (), routing: str | None = None) -> FaultRun:
     """Start ``evolving-infra up`` (:func:`up_argv`) and wait for its READY line.
 
     Raises:
         RuntimeError: when ``up`` exits or prints no READY line within ``timeout_s``.
     """
     argv = up_argv(log_dir, speedup=speedup, nodes=nodes, split=split, timeout_s=timeout_s, model_dir=model_dir, policy=policy,
-                   kv_pool=kv_pool, routing_opts=routing_opts)
+                   kv_pool=kv_pool, routing_opts=routing_opts, routing=routing)
     out = open(log_dir / "up.out", "wb")
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out, start_new_session=True)
     assert proc.stdout is not None
@@ -595,6 +597,7 @@ async def run_fault(
     policy: str | None = None,
     kv_pool: str = "off",
     routing_opts: tuple[str, ...] = (),
+    routing: str | None = None,
 ) -> FaultResult:
     """Start ``up``, replay ``sessions`` Claude Code sessions, inject ``fault`` after ``fault_at_s``
     wall seconds of replay, and count what it cost.
@@ -619,6 +622,7 @@ async def run_fault(
             fetches move bytes over TCP, a killed or stopped peer can be mid-fetch.
         routing_opts: ``up --routing-opt`` items (``K=V``), e.g. ``ttft_fetch_base_s=0.001`` for a router that
             plans peer fetches wherever a prefix is on another node.
+        routing: ``up --routing`` (None: the policy's; ``static:2P2D``'s is cache-aware, which plans no fetch).
 
     Raises:
         KeyError: unknown ``fault``. RuntimeError: ``up`` did not start.
@@ -654,7 +658,7 @@ async def run_fault(
         raise ValueError(f"kv_pool {kv_pool!r}: off or real")
     res.kv_pool = kv_pool
     run = start_up(log_dir, speedup=speedup, nodes=nodes, split=split, model_dir=model_dir, policy=policy, kv_pool=kv_pool,
-                   routing_opts=routing_opts)
+                   routing_opts=routing_opts, routing=routing)
     try:
         requests, block, model, vocab = trace.requests, trace.header.block_size, "evolving-infra-sim", None
         if model_dir is not None:
@@ -873,6 +877,7 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         f"- workload: `evolving-infra up --nodes {args.nodes} --split {args.split} --speedup {args.speedup:g}"
         + (f" --policy {args.policy}" if args.policy else "")
         + (" --kv-pool real" if pool else "")
+        + (f" --routing {args.routing}" if getattr(args, "routing", None) else "")
         + "".join(f" --routing-opt {o}" for o in (getattr(args, "routing_opt", None) or ()))
         + (" --engine torch` (the tiny random llama on CPU; the trace scaled to it as `replay --scale-to-model`, at most "
            f"{args.max_output} output tokens)" if args.engine == "torch" else "`")
@@ -946,6 +951,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-pool", choices=("off", "real"), default="off",
                    help="workers' host KV pool (`up --kv-pool`): real = every L2 block has bytes in a Mooncake buffer and "
                    f"peer fetches pull them over TCP (needs scripts/install-mooncake.sh; sim slots {SIM_POOL_SLOT_BYTES} B)")
+    p.add_argument("--routing", default=None,
+                   help="`up --routing` over the policy's (static:xPyD's cache-aware plans no peer fetch; ttft does)")
     p.add_argument("--routing-opt", action="append", metavar="K=V",
                    help="`up --routing-opt` (repeatable), e.g. ttft_fetch_base_s=0.001 ttft_fetch_min_tokens=64: the ttft "
                    "router plans a peer fetch wherever a prefix is on another node (a peer-fetch heavy run)")
@@ -985,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
                       speedup=args.speedup, nodes=args.nodes, split=args.split, fault_at_s=args.fault_at,
                       max_pause_s=args.max_pause, leftover_after_s=None if args.leftover_after < 0 else args.leftover_after,
                       engine=args.engine, max_output=args.max_output, policy=args.policy, kv_pool=args.kv_pool,
-                      routing_opts=tuple(args.routing_opt or ()))
+                      routing_opts=tuple(args.routing_opt or ()), routing=args.routing)
         )
         print(json.dumps(asdict(r)), flush=True)
         results.append(r)

@@ -15,15 +15,16 @@ faults = bench_faults()
 
 
 def test_up_argv_gives_the_pool_with_sim_slots_and_routing_options(tmp_path):
-    argv = faults.up_argv(tmp_path, speedup=50, nodes=4, split="2P2D", kv_pool="real",
+    argv = faults.up_argv(tmp_path, speedup=50, nodes=4, split="2P2D", kv_pool="real", routing="ttft",
                           routing_opts=("ttft_fetch_base_s=0.001", "ttft_fetch_min_tokens=64"))
+    assert argv[argv.index("--routing") + 1] == "ttft"
     i = argv.index("--kv-pool")
     assert argv[i : i + 4] == ["--kv-pool", "real", "--kv-pool-slot-bytes", str(faults.SIM_POOL_SLOT_BYTES)]
     assert [argv[j + 1] for j, a in enumerate(argv) if a == "--routing-opt"] == ["ttft_fetch_base_s=0.001", "ttft_fetch_min_tokens=64"]
     torch = faults.up_argv(tmp_path, speedup=50, nodes=4, split="2P2D", model_dir=tmp_path / "m", kv_pool="real")
     assert "--kv-pool" in torch and "--kv-pool-slot-bytes" not in torch  # a torch worker's slot is its page
     off = faults.up_argv(tmp_path, speedup=50, nodes=4, split="2P2D")
-    assert "--kv-pool" not in off and "--routing-opt" not in off
+    assert "--kv-pool" not in off and "--routing-opt" not in off and "--routing" not in off
 
 
 def test_worker_log_problems_counts_levels_tracebacks_fetch_failures_not_mooncake_start_lines(tmp_path: Path):
@@ -69,11 +70,11 @@ def test_a_request_waiting_past_the_fetch_timeouts_fails_the_run():
 def test_the_table_has_the_pool_columns_only_with_kv_pool_real():
     args = argparse.Namespace(nodes=4, split="2P2D", speedup=50.0, policy="static:2P2D", engine="sim", sessions=8,
                               concurrency=8, max_requests_per_branch=8, max_pause=2.0, fault_at=3.0, kv_pool="real",
-                              routing_opt=["ttft_fetch_base_s=0.001"])  # fmt: skip
+                              routing="ttft", routing_opt=["ttft_fetch_base_s=0.001"])  # fmt: skip
     r = _result(log_problems={"warning": 5, "error": 0, "traceback": 0, "fetch_failed": 1})
     text = faults._results_section([r], args)
-    assert "--kv-pool real --routing-opt ttft_fetch_base_s=0.001" in text
+    assert "--policy static:2P2D --kv-pool real --routing ttft --routing-opt ttft_fetch_base_s=0.001" in text
     row = next(line for line in text.splitlines() if line.startswith("| decode-worker-stop"))
     assert row.endswith("| 6 / 1000 / 1 (1) / 3 / 10240 | 5 / 0 / 0 |"), row
-    plain = faults._results_section([_result(kv_pool="off")], argparse.Namespace(**dict(vars(args), kv_pool="off", routing_opt=None)))
+    plain = faults._results_section([_result(kv_pool="off")], argparse.Namespace(**dict(vars(args), kv_pool="off", routing=None, routing_opt=None)))
     assert "kv fetch" not in plain
