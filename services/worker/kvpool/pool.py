@@ -156,6 +156,8 @@ class HostKvPool:
         self.counters = self.buffer.counters
         self._sub: Subscription | None = None
         self._expected: dict[int, int] = {}
+        self._read_from: dict[str, int] = {}
+        """Mooncake session -> the holder's ``base_addr`` when this pool first read from it (:meth:`fetch`)."""
 
     # -- lifecycle -------------------------------------------------------- #
 
@@ -371,6 +373,19 @@ class HostKvPool:
         bad = self._incompatible(loc)
         if bad:
             return failed(bad, locate_s)
+        first = self._read_from.get(loc.session)
+        if first is not None and first != loc.base_addr:
+            # Another process answers on a session this engine read from (the peer restarted on its predecessor's
+            # RPC port): Mooncake keeps the first process's segment (its data port) per session and has no call to
+            # drop it, so a read retries the dead port and blocks: measured, the read past fetch_timeout_s and its
+            # thread and slots held on, every later fetch of those blocks "busy". Refused at once instead.
+            return failed(
+                f"{peer} restarted on Mooncake session {loc.session}, which this worker read from before (buffer at "
+                f"{first:#x}, now {loc.base_addr:#x}): its transfer engine keeps the old process's segment, so no "
+                "read from this session can succeed until this worker restarts; the pages are recomputed",
+                locate_s,
+                "stale_session",
+            )
 
         plan = plan_fetch(self.buffer, want, loc.offsets, loc.checksums, self.clock())
         sb = self.buffer.slot_bytes
@@ -408,6 +423,7 @@ class HostKvPool:
         expected: dict[int, int] = {}
         transfer_s = verify_s = 0.0
         if reads:
+            self._read_from.setdefault(loc.session, loc.base_addr)  # Mooncake opens (and keeps) the segment now
             # bounded wait: a peer that stops answering mid-read must not hold the request
             # (issue #22). The thread cannot be interrupted: on timeout the plan's slots are
             # released only when the read returns (they are its target until then).
