@@ -185,8 +185,8 @@ def _add_cluster_args(
         default="off",
         help="workers' host KV pool: off (L2 is bookkeeping only; the default) or real (every L2 block has bytes in a "
         "Mooncake-registered host buffer and peer fetches pull them over TCP, verified by CRC-32; needs "
-        "scripts/install-mooncake.sh). up gives each worker its own Mooncake port pair (--kv-pool-ports), the same "
-        "after a restart; the pool mirrors the whole L2, at most 1 GiB per worker: gb300 profiles need "
+        "scripts/install-mooncake.sh). up gives each worker its own range of 32 Mooncake ports (--kv-pool-ports), the "
+        "same after a restart; the pool mirrors the whole L2, at most 1 GiB per worker: gb300 profiles need "
         "--kv-pool-slot-bytes 4096 (or a smaller --host-kv-tokens)",
     )
     g.add_argument(
@@ -606,10 +606,18 @@ def _loopback(host: str) -> bool:
         return False
 
 
+KV_POOL_PORTS_PER_WORKER = 32
+"""``--kv-pool real``: ports in each worker's Mooncake range (``--kv-pool-ports``; Mooncake takes its RPC and its TCP data
+port in it at random). With two, a worker SIGKILLed while a peer read from it could not start again: its ports were
+in TIME_WAIT and ``TransferEngine.initialize`` returned -1, restart after restart (the fifth fault walk: w1 restarted
+4 times in 31 s; two processes: 6 tries of 6 failed). With 32 a restart finds free ones, and takes its predecessor's
+RPC port, which a peer's Mooncake still maps to the dead process (``kvpool.pool``: ``stale_session``), 1 time in 31."""
+
+
 def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: bool) -> dict[str, object]:
     """Cluster fields for ``--kv-pool real``: every worker's ``--kv-pool real`` (and ``--kv-pool-slot-bytes``), and,
-    each worker its own Mooncake port pair (``--kv-pool-ports``: two workers drawing from Mooncake's 15000-17000 at
-    random may take the same port), drawn free now and kept across restarts. ``sized``: a spec with the profile and KV
+    each worker its own range of :data:`KV_POOL_PORTS_PER_WORKER` Mooncake ports (``--kv-pool-ports``: two workers
+    drawing from Mooncake's 15000-17000 at random may take the same port), drawn free now and kept across restarts. ``sized``: a spec with the profile and KV
     sizes the workers run. Empty for ``--kv-pool off``.
 
     Raises:
@@ -639,7 +647,7 @@ def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: b
     worker = ("--kv-pool", "real") + (("--kv-pool-slot-bytes", str(slot)) if slot else ())
     ranges: list[tuple[int, int]] = []
     while len(ranges) < args.nodes:  # each draw is free on its own; two may overlap
-        lo, hi = pick_port_range()
+        lo, hi = pick_port_range(width=KV_POOL_PORTS_PER_WORKER)
         if all(hi < a or lo > b for a, b in ranges):
             ranges.append((lo, hi))
     return {"worker_args": worker, "node_args": {f"w{i}": ("--kv-pool-ports", f"{lo}-{hi}") for i, (lo, hi) in enumerate(ranges)}}

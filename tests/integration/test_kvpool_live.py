@@ -148,6 +148,71 @@ async def test_a_fetch_of_thousands_of_blocks_loses_none(nats_url, mooncake_or_s
     assert res["local_verify_ok"] is True
 
 
+PULLER = """
+import asyncio, json, sys
+from services.worker.kvpool.demo import demo_hashes
+from services.worker.kvpool.transport import pick_port_range, set_port_range
+from shared.bus import Bus
+from shared.subjects import Subjects
+
+async def main(url, peer):
+    set_port_range(*pick_port_range())
+    from services.worker.kvpool.pool import HostKvPool
+    bus = await Bus.connect(url, Subjects("p0"), service="worker", instance="kvpool-puller")
+    pool = HostKvPool("puller", bus, num_slots=256, slot_bytes=%d)
+    await pool.start()
+    for line in iter(sys.stdin.readline, ""):
+        res = await pool.fetch(peer, demo_hashes(int(line), 32))
+        print(json.dumps({"fetched": len(res.fetched), "reasons": res.reasons, "error": res.error}), flush=True)
+    await pool.stop()
+    await bus.close()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+""" % SB
+"""A pool that stays up and fetches 32 blocks of chain ``seed`` from ``peer`` for each ``seed`` line on its stdin
+(its Mooncake connection to the peer stays open between fetches, as a worker's)."""
+
+
+async def test_a_holder_killed_mid_service_starts_again_in_the_port_range_up_gives_it(nats_url, mooncake_or_skip, tmp_path):
+    """``up --kv-pool real`` keeps each worker's ``--kv-pool-ports`` across a restart. SIGKILLed while a peer's
+    connection to it was open, the worker's ports stay in TIME_WAIT: in a two-port range (as up gave before) its
+    next process could not initialise Mooncake (-1), restart after restart (the fifth fault walk: w1 restarted 4
+    times in 31 s). In the range up gives now it starts at once, and the peer reads from it again."""
+    import argparse
+
+    from evolving_infra.launcher import _kv_pool_values
+    from evolving_infra.cluster import ClusterSpec
+
+    args = argparse.Namespace(kv_pool="real", kv_pool_slot_bytes=SB, engine="sim", nodes=1)
+    ports = _kv_pool_values(args, ClusterSpec(profile="tiny"), one_host=True)["node_args"]["w0"][1]  # type: ignore[index]
+    hold = ["hold", "--nats-url", nats_url, "--node", "hk", "--blocks", "32", "--slot-bytes", str(SB), "--ports", ports]
+    first = await _demo(*hold)
+    puller = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", PULLER, nats_url, "hk", cwd=REPO, env=_env(),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)  # fmt: skip
+    second = None
+    try:
+        assert (await _json_line(first))["event"] == "ready"
+        assert puller.stdin is not None
+        puller.stdin.write(b"0\n")
+        got = await _json_line(puller)
+        assert got["fetched"] == 32, got  # a connection open from the puller to the holder
+        first.kill()
+        await first.wait()
+        second = await _demo(*hold[:-4], "--seed", "1", "--slot-bytes", str(SB), "--ports", ports)
+        ready = await _json_line(second)  # before: the demo exited with TransferError (initialize returned -1)
+        assert ready["event"] == "ready", ready
+        puller.stdin.write(b"1\n")
+        again = await _json_line(puller, timeout=30)
+        # read from, or refused at once when the new process took its predecessor's RPC port (stale_session)
+        assert again["fetched"] == 32 or again["reasons"] == {"stale_session": 32}, again
+    finally:
+        for proc in (first, second, puller):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
 async def test_corrupted_block_is_detected_and_not_used(nats_url, mooncake_or_skip):
     n = 48
     async with Holder(nats_url, "hold-c", n, corrupt=3) as holder:

@@ -122,8 +122,8 @@ def set_port_range(lo: int, hi: int) -> None:
     _LOADED["ports"] = (lo, hi)
 
 
-def pick_port_range(rng: random.Random | None = None, *, low: int = 20000, high: int = PORT_MAX) -> tuple[int, int]:
-    """Two adjacent ports in ``[low, high]`` that are free on all interfaces right now.
+def pick_port_range(rng: random.Random | None = None, *, low: int = 20000, high: int = PORT_MAX, width: int = 2) -> tuple[int, int]:
+    """``width`` (at least 2) adjacent ports in ``[low, high]`` that are free on all interfaces right now: ``(first, last)``.
 
     Mooncake binds ``0.0.0.0``, so both ports are probed there. The kernel's
     ephemeral range (32768+) is out of reach (see module doc), so ports are
@@ -133,22 +133,24 @@ def pick_port_range(rng: random.Random | None = None, *, low: int = 20000, high:
     Raises:
         TransferError: if no free pair is found in 200 draws.
     """
+    if width < 2 or high - low + 1 < width:
+        raise ValueError(f"port range width {width}: at least 2, at most {high - low + 1} in [{low}, {high}]")
     rng = rng or random.Random()
     for _ in range(200):
-        lo = rng.randrange(low, high)
+        lo = rng.randrange(low, high - width + 2)
         socks: list[socket.socket] = []
         try:
-            for port in (lo, lo + 1):
+            for port in range(lo, lo + width):
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 socks.append(s)
                 s.bind(("0.0.0.0", port))
-            return lo, lo + 1
+            return lo, lo + width - 1
         except OSError:
             continue
         finally:
             for s in socks:
                 s.close()
-    raise TransferError(f"no two adjacent free TCP ports found in [{low}, {high}]")
+    raise TransferError(f"no {width} adjacent free TCP ports found in [{low}, {high}]")
 
 
 def load_mooncake() -> ModuleType:

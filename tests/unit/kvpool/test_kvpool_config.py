@@ -42,6 +42,10 @@ def test_port_ranges():
             parse_port_range(bad)
     lo, hi = pick_port_range()
     assert hi == lo + 1 and 20000 <= lo < 32767
+    lo, hi = pick_port_range(width=32, low=32700)  # a worker's range under up --kv-pool real, its end at most PORT_MAX
+    assert hi == lo + 31 and 32700 <= lo and hi <= 32767
+    with pytest.raises(ValueError, match="width 1"):
+        pick_port_range(width=1)
 
 
 def test_settings_default_to_off():

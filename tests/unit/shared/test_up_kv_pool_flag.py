@@ -3,8 +3,8 @@
 ``LocalCluster`` could give workers ``--kv-pool real`` (``ClusterSpec.worker_args``; the torch live test does), but
 ``up`` had no flag for it, so ``bench/faults.py`` could not run a cluster whose workers move KV bytes. Now
 ``--kv-pool real`` gives every worker ``--kv-pool real`` (and ``--kv-pool-slot-bytes``) and its own Mooncake port pair
-(``--kv-pool-ports``, disjoint: two workers drawing from Mooncake's 15000-17000 at random may take the same port),
-the same after a restart (the flags are the child's command line). A pool that would not fit, or no Mooncake, is
+(``--kv-pool-ports``, 32 ports, disjoint: two workers drawing from Mooncake's 15000-17000 at random may take the same
+port), the same after a restart (the flags are the child's command line). A pool that would not fit, or no Mooncake, is
 refused before anything starts (the workers would exit 2 one by one); ``deploy-args`` refuses it (its flags carry no
 worker extras: it would drop it).
 """
@@ -17,7 +17,7 @@ import pytest
 
 from evolving_infra.cli import UsageError, build_parser
 from evolving_infra.cluster import LocalCluster
-from evolving_infra.launcher import _spec
+from evolving_infra.launcher import KV_POOL_PORTS_PER_WORKER, _spec
 from services.worker.config import WorkerConfig
 from services.worker.kvpool.config import parse_port_range
 from shared.config import load_config
@@ -46,6 +46,8 @@ def test_kv_pool_real_reaches_every_worker_with_its_own_port_pair(command, tmp_p
         assert (cfg.kv_pool, cfg.kv_pool_slot_bytes) == ("real", 4096), name
         assert argv.count("--kv-pool-ports") == 1
         ranges.append(parse_port_range(cfg.kv_pool_ports))
+        lo, hi = ranges[-1]
+        assert hi - lo + 1 == KV_POOL_PORTS_PER_WORKER == 32  # room for a restart beside its predecessor's TIME_WAIT ports
     for i, (lo, hi) in enumerate(ranges):  # no port shared by two workers
         assert all(hi < a or lo > b for a, b in ranges[:i]), ranges
 
