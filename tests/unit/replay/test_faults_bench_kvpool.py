@@ -65,6 +65,10 @@ def test_a_request_waiting_past_the_fetch_timeouts_fails_the_run():
     late = _result(counters={"worker-w0": {"kvfetch.wait_ms_max": faults.FETCH_WAIT_BOUND_MS + 1}})
     assert not faults._passed(late)
     assert faults._passed(_result(kv_pool="off", counters={}))
+    frozen = {"worker-w3": {"kvfetch.wait_ms_max": 42_418}, "worker-w0": {"kvfetch.wait_ms_max": 10_032}}
+    assert not faults._passed(_result(counters=frozen))
+    assert faults._passed(_result(counters=frozen, frozen=["worker-w3"]))  # w3's own 40-s freeze, not a peer's hold
+    assert faults.kv_fetch_summary(_result(counters=frozen, frozen=["worker-w3"]))["wait_ms_max"] == 10_032
 
 
 def test_the_table_has_the_pool_columns_only_with_kv_pool_real():
