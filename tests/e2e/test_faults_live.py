@@ -65,3 +65,25 @@ async def test_router_sigterm_under_load_loses_no_request(tmp_path):
     assert r.sent > 0 and r.lost == 0 and r.errors == [], r
     assert r.completed == r.sent and r.token_mismatch == 0, r
     assert "backoff_s=0.0" in (tmp_path / "up.out").read_text()  # a clean exit restarted at once
+
+
+@pytest.mark.timeout(400)
+async def test_real_kv_pool_worker_killed_mid_fetches_restarts_once_and_nothing_waits_unbounded(tmp_path):
+    """``--kv-pool real`` (Mooncake moves the KV bytes of peer fetches), a ttft router that plans a fetch wherever a
+    prefix is on another node, and w1 SIGKILLed as ``split set 1P3D`` moves it: nothing lost, w1 restarted ONCE (in
+    the fifth fault walk, before its fix, its two-port Mooncake range was in TIME_WAIT from its peers' connections and
+    it failed to start, restart after restart: 3 and 4 restarts), no request waited on a fetch past the locate + read
+    timeouts, no mismatched block kept."""
+    import importlib.util
+
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("mooncake.engine is not installed (scripts/install-mooncake.sh)")
+    r = await faults.run_fault("switch-worker-kill", log_dir=tmp_path, kv_pool="real", leftover_after_s=2.0,
+                               routing_opts=("ttft_fetch_base_s=0.001", "ttft_fetch_min_tokens=64"), **SMALL)  # fmt: skip
+    assert r.up_alive, r
+    assert r.sent > 0 and r.lost == 0, r.errors
+    assert r.restarts.get("worker-w1") == 1, r.restarts
+    k = faults.kv_fetch_summary(r)
+    assert k["calls"] > 0, r.counters  # the pool moved bytes between workers
+    assert k["mismatched"] == 0 and k["wait_ms_max"] <= faults.FETCH_WAIT_BOUND_MS, k
+    assert faults._passed(r), r
