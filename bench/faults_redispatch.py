@@ -83,7 +83,7 @@ def main() -> int:
         print(f"    fences per router: {fenced}", flush=True)
     header = "| fault | sent | completed | re-dispatched (prefill / decode) | lost | time to fence, s | time to recover, s | wrong output length |\n|---|---|---|---|---|---|---|---|"
     lines = [header]
-    for k, title, run, red, extra in rows:
+    for _k, title, run, red, extra in rows:
         lost = f"{run.lost}" + (f" ({extra})" if extra else "")
         lines.append(f"| {title} | {run.sent} | {run.completed} | {run.redispatched} ({red[0]} / {red[1]}) | {lost} | {fmt(run.fence_s)} | {fmt(run.recover_s)} | {run.wrong_length} |")
     table = "\n".join(lines)

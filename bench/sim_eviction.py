@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         f"`--duration {duration:.0f} --warmup {WARMUP:.0f}`; pauses capped at 30 s (`--max-pause 30`: the paper's CC "
         f"load) or as recorded (tool calls and users away: p50 10 s, mean 154 s); only the pauses, "
         f"`--host-capacity-tokens` and `--eviction` vary. L1 = 2.06M tokens per node (L2 ⊇ L1)",
-        f"- verdicts (target: branch-count's lost KV reuse ≤ ½ LRU's; n/a where under 10% of LRU's lost reuse is due to eviction): " + "; ".join(verdicts),
+        "- verdicts (target: branch-count's lost KV reuse ≤ ½ LRU's; n/a where under 10% of LRU's lost reuse is due to eviction): " + "; ".join(verdicts),
         f"- branches expired by the directory's TTL over all runs: {expired}; plot: "
         f"[`bench/figures/{fig.name}`](figures/{fig.name})",
         "",

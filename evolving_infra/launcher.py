@@ -439,7 +439,7 @@ def _torch_values(args: argparse.Namespace) -> dict[str, object]:
     try:
         import services.worker.engines.torch_engine.model  # noqa: F401 (torch: what every worker imports)
     except ModuleNotFoundError as e:  # a runtime failure (status 1): the options are right, the install lacks a package
-        raise SystemExit(f"error: --engine torch needs the torch extra ({e.name} missing): {TORCH_EXTRA_INSTALL}")
+        raise SystemExit(f"error: --engine torch needs the torch extra ({e.name} missing): {TORCH_EXTRA_INSTALL}") from None
     if args.profile == DEFAULT_PROFILE:  # the sim default: a GLM-5.2 node is not this model
         args.profile = TORCH_PROFILE
     page = profile_block_size(args)
@@ -670,7 +670,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     try:
         parse_split(args.split, args.nodes)
     except SplitError as e:  # the split may be a policy's (static:2P2D) the user did not size: say what to change
-        raise UsageError(f"error: {e}; pass --split xPyD with x + y = {args.nodes} (or 'collocated'), or --nodes")
+        raise UsageError(f"error: {e}; pass --split xPyD with x + y = {args.nodes} (or 'collocated'), or --nodes") from None
     env_port = os.environ.get("EI_METRICS_PORT", "").strip()
     if one_host and env_port not in ("", "0"):  # every service would take it: the second to bind it exited 1 and the cluster stopped
         raise UsageError(

@@ -33,7 +33,6 @@ service needs that ends is logged with its traceback, counted, and fails the ser
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping

@@ -808,7 +808,7 @@ def read_header(path: str | os.PathLike[str]) -> TraceHeader:
     """
     lines = _lines(path)
     try:
-        for n, raw in lines:
+        for _n, raw in lines:
             if raw == PACK_MAGIC:
                 raise TraceError(path, [TraceProblem(1, _PACKED)])
             try:

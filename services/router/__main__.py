@@ -15,7 +15,6 @@ from shared.log import setup_logging
 from shared.service import run_service_main
 
 from services.router.config import RouterConfig
-from services.router.policy import make_policy
 from services.router.service import RouterService, inherited_socket
 from shared.tokenizer import TokenizerError, load_tokenizer
 

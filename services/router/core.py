@@ -31,7 +31,7 @@ The discrete-event simulator drives the same object in virtual time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shared.messages import KvLookupReply, NodeState, PlannerModels, PrefillWork, RequestAbort, RoutePlaced, RouteSent, SplitCommand

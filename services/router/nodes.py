@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import Any, Literal
 
 from shared.messages import NodeState, Phase, SplitCommand, boot_older
 from shared.subjects import check_token

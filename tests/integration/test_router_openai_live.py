@@ -248,7 +248,7 @@ async def test_stop_reason_and_include_stop_str_in_output_as_in_vllm(nats_url, t
                     ({"stop_token_ids": [output_token(2)]}, " ".join(words[:2]), "stop", output_token(2), 3),
                     ({"stop_token_ids": [output_token(2)], "include_stop_str_in_output": True}, " ".join(words[:3]), "stop", output_token(2), 3),
                 )
-                for extra, text, finish, reason, n_out in cases:
+                for extra, text, finish, reason, _n_out in cases:
                     status, got, fin, choice, chunks = await _ask(env, path, {**base, **extra}, stream)
                     where = (path, stream, extra)
                     assert status == 200, (where, got)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
 from collections import defaultdict

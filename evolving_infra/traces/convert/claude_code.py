@@ -327,7 +327,7 @@ class _Converter:
                 main_entries.append((pos, e))
         if not main_entries:
             raise ConvertError(f"{path}: session has no top-level requests")
-        for pos, e in main_entries + [(p, q) for _, m in markers for p, q in enumerate(m.requests or ())]:
+        for _pos, e in main_entries + [(p, q) for _, m in markers for p, q in enumerate(m.requests or ())]:
             if e.in_ < 0 or e.out < 0:
                 raise ConvertError(f"{path}: request at t={e.t} lacks 'in' or 'out'")
             if len(e.hash_ids) != e.in_ // src_bs:

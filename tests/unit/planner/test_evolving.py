@@ -163,7 +163,7 @@ def test_busy_and_cooldown_skip_the_window():
 
 def test_an_external_split_change_restarts_the_cooldown():
     pl = planner(cooldown_s=300.0)
-    phases = start(pl, "4P5D")
+    start(pl, "4P5D")
     other = split_phases("5P4D", NODES)
     feed(pl, other, 0.0, 600.0, rate=3.0, t_uc=3000, t_c=97_000, t_out=2000, q=90)
     assert pl.tick(400.0, other, set()) is None

@@ -15,7 +15,7 @@ import msgspec
 
 from shared.messages import NodeState, SplitApplied
 from shared.profile import load_profile
-from shared.split import assign_min_change, split_name
+from shared.split import assign_min_change
 from services.planner.core import PlannerCore
 from services.planner.policy import PolicyBase, make_planner
 

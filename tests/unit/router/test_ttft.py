@@ -582,7 +582,7 @@ def test_pruned_scoring_picks_what_scoring_every_candidate_picks(cluster, params
     if ties:
         look = None
     else:
-        for name, state in states.items():
+        for state in states.values():
             p.apply_state(state, 0.0)
         for j, (name, uc) in enumerate(sends):
             p.on_dispatch(f"s{j}", name, uncached_tokens=uc)
@@ -604,7 +604,7 @@ def test_one_pass_scoring_equals_works_then_score(cluster, params):
     work, same floats."""
     names, look, states, sends, prompt, _ = cluster
     p = TtftPredictor(**params)
-    for name, state in states.items():
+    for state in states.values():
         p.apply_state(state, 0.0)
     for j, (name, uc) in enumerate(sends):
         p.on_dispatch(f"s{j}", name, uncached_tokens=uc)

@@ -445,7 +445,6 @@ async def test_a_fetch_copy_that_raises_gives_its_pins_back(tiny_llama):
 async def test_a_stop_while_copies_wait_for_the_plan_drops_them(tiny_llama):
     """``stop()`` while the copies asked during a plan wait for its reads: the stop does not wait for them (nor hang),
     and they never run (the pool goes with the node), while the plan in flight ends in its thread."""
-    from services.worker.watchdog import StepInfo
 
     svc = _svc(tiny_llama)
     svc.bus = _Bus()  # type: ignore[assignment]

@@ -226,7 +226,7 @@ def test_skip_ahead_stops_at_a_fetch_completion(b, run):
     p = b.profile(links__peer_fetch_latency_s=0.05)
     s = b.sched(p, phase="both")
     s.add_prefill(b.prefill("d", [1], tail=1, max_tokens=200), 0.0)
-    outs, plans, t = [], [], 0.0
+    t = 0.0
     plan = s.schedule(t)
     s.finish_iteration(plan, plan.end)
     t = plan.end
