@@ -48,7 +48,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from evolving_infra.traces.io import TraceError
     from evolving_infra.traces.stats import format_stats, trace_stats_file
 
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, Any]] = {}
     status = 0
     for path in args.files:  # a file that cannot be read is named and skipped; the others are still reported
         # on unless --no-progress: a bar on a terminal, else a line every 5 s, as trace convert (a 17-s run was silent)

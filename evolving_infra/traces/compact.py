@@ -762,7 +762,7 @@ class _TextBuilder(_Builder):
         return stub, text, new, k, j
 
 
-def _store_ids(flat: array, ids: list[int]) -> None:
+def _store_ids(flat: array[int], ids: list[int]) -> None:
     """Append ``ids`` (int64, checked by the decoder) to ``flat``: one ``struct.pack`` (~110
     instructions an id) instead of ``array.fromlist`` (~220: it parses each item with
     ``PyArg_Parse``)."""

@@ -36,7 +36,7 @@ import os
 import zlib
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import repeat
 from pathlib import Path
@@ -367,7 +367,7 @@ _BOM = b"\xef\xbb\xbf"
 write it before the first line; JSON has no place for it (msgspec: 'invalid character (byte 0)')."""
 
 
-def _line_runs(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Iterator[Run]:
+def _line_runs(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Generator[Run, None, None]:
     """:func:`_file_line_runs` with a UTF-8 byte order mark (:data:`_BOM`) before the first line
     left out. Only the first run is looked at; the others are the reader's own (``yield from``:
     no Python step per run)."""
@@ -384,7 +384,7 @@ def _line_runs(path: str | os.PathLike[str], ahead: InflateAhead | None = None) 
         runs.close()  # the file (and ``ahead``) closed now, whenever this is closed
 
 
-def _file_line_runs(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Iterator[Run]:
+def _file_line_runs(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Generator[Run, None, None]:
     """The lines of a trace file, gzip or plain, in order, as :data:`Run` s. A compressed file
     that is one clean gzip member (what :func:`write_trace` writes) is inflated by zlib in large
     chunks; any other (several members, padding, truncated or corrupt data) is read on by
@@ -436,13 +436,13 @@ def _file_line_runs(path: str | os.PathLike[str], ahead: InflateAhead | None = N
                 yield raw, [0], [len(raw)]
 
 
-def _line_spans(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Iterator[Span]:
+def _line_spans(path: str | os.PathLike[str], ahead: InflateAhead | None = None) -> Generator[Span, None, None]:
     """:func:`_line_runs`, line by line, as :data:`Span` s."""
     for buf, starts, ends in _line_runs(path, ahead):
         yield from zip(repeat(buf), starts, ends)
 
 
-def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
+def _lines(path: str | os.PathLike[str]) -> Generator[tuple[int, bytes], None, None]:
     """``(line number, line without its end)`` of a trace file (:func:`_line_spans`)."""
     for n, (buf, s, e) in enumerate(_line_spans(path), start=1):
         yield n, buf[s:e]
@@ -1003,7 +1003,7 @@ def write_trace(path: str | os.PathLike[str] | IO[bytes], header: TraceHeader, r
     return _write_lines(path, header, requests)
 
 
-def _write_lines(f: IO[bytes], header: TraceHeader, requests: Iterable[TraceRequest]) -> int:
+def _write_lines(f: IO[bytes] | gzip.GzipFile, header: TraceHeader, requests: Iterable[TraceRequest]) -> int:
     enc = _ENCODER.encode
     f.write(enc(header) + b"\n")
     n = 0

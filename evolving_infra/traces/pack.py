@@ -83,7 +83,7 @@ def is_packed(path: str | os.PathLike[str]) -> bool:
         return f.read(len(MAGIC)) == MAGIC
 
 
-def _le_bytes(a: array) -> bytes:
+def _le_bytes(a: array[int]) -> bytes:
     if sys.byteorder == "little":
         return a.tobytes()
     b = array(a.typecode, a)
@@ -148,7 +148,7 @@ def _bad(path: str | os.PathLike[str], reason: str) -> TraceError:
     return TraceError(path, [TraceProblem(1, f"packed trace (trace pack): {reason}")])
 
 
-def _int64s(path: str | os.PathLike[str], name: str, raw: bytes) -> array:
+def _int64s(path: str | os.PathLike[str], name: str, raw: bytes) -> array[int]:
     if len(raw) % 8:
         raise _bad(path, f"the {name} array is {len(raw)} bytes, not a whole number of int64s")
     a = array("q", raw)
@@ -198,7 +198,7 @@ def _store(path: str | os.PathLike[str], pl: _Payload) -> tuple[BlockStore, list
 
 
 def _prevs(st: BlockStore, flat: np.ndarray, off: np.ndarray, ref: np.ndarray, k: np.ndarray, has_ref: np.ndarray,
-           refs: list[int], ks: list[int]) -> array:
+           refs: list[int], ks: list[int]) -> array[int]:
     """``BlockStore._prev``: the id before each request's stored segment, ``st.id_at(ref, k - 1)``
     (-1 for a keyframe), for every request at once (the references followed with numpy,
     :func:`~evolving_infra.traces.compact.holder_of`, as :meth:`BlockStore.coarsened` does: ~15,800 ``id_at`` calls were ~10 ms of loading a packed

@@ -104,7 +104,7 @@ def cap_branches(requests: list[TraceRequest], k: int) -> tuple[list[TraceReques
     return out, len(requests) - len(out), len(all_branches) - len(kept_branches)
 
 
-def scale_trace_for_model(requests: list, context: int, max_output: int) -> list:
+def scale_trace_for_model(requests: list[TraceRequest], context: int, max_output: int) -> list[TraceRequest]:
     """The trace scaled down for a small real model (``demo --engine torch``, ``replay --scale-to-model``): each trace
     block becomes one token (``LiveReplayer(block_size=1)``; equal block prefixes stay equal
     token prefixes, so cache reuse, forks and sub-agents keep their shape), prompts are cut

@@ -20,11 +20,11 @@ Reading, validation and writing: ``evolving_infra.traces.io``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from msgspec import Meta, Struct
 
-FORMAT = "evolving-infra-trace"
+FORMAT: Final = "evolving-infra-trace"  # Final: its type is the Literal TraceHeader.format takes
 VERSION = 1
 
 MAX_BLOCK_ID = (1 << 48) - 1

@@ -19,7 +19,7 @@ so counting it would make h* unreachable.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from evolving_infra.traces.schema import TraceHeader, TraceRequest
 __all__ = ["StatsAccumulator", "format_stats", "ideal_kv_hit_rate", "trace_stats", "trace_stats_file"]
 
 
-def _dist(values: list[float] | np.ndarray) -> dict[str, float]:
+def _dist(values: Sequence[float] | np.ndarray) -> dict[str, float]:
     """mean / p50 / p95 / max of ``values`` (zeros when empty)."""
     if len(values) == 0:
         return {"count": 0, "mean": 0.0, "p50": 0.0, "p95": 0.0, "max": 0.0}

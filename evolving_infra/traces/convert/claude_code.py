@@ -364,7 +364,7 @@ class _Converter:
                 continue
             self.counts["subagents"] += 1
             background = m.duration_ms is None
-            if background:
+            if m.duration_ms is None:  # background; tested on the field, which mypy narrows, not on the flag
                 # a background sub-agent: its duration and totals are unknown at launch; the marker's
                 # t is its launch, nested t count from it, and the parent does not wait for it
                 self.counts["subagents_background"] += 1

@@ -138,9 +138,9 @@ class Skipped:
             raise ConvertError(f"none of the input files could be converted ({self.files_count} skipped); "
                                f"first: {first['file']}: {first['reason']}")
         if self.rows:
-            first = self.rows[0]
+            row = self.rows[0]
             raise ConvertError(f"no row of the inputs could be converted ({self.rows_count} skipped); "
-                               f"first: {first['file']}: line {first['line']}: {first['reason']}")
+                               f"first: {row['file']}: line {row['line']}: {row['reason']}")
 
     def meta(self) -> dict[str, Any]:
         """``{"count": n, "files": [{"file", "reason"}, ...]}`` (the first :attr:`META_FILES`) for

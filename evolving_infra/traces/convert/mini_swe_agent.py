@@ -43,6 +43,7 @@ import re
 import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -306,7 +307,7 @@ def convert(
         return reqs
 
     def gen() -> Iterator[TraceRequest]:
-        per_file = [r for p in progress_iter(files, enabled=progress, desc=KIND) if (r := skipped.call(p, lambda p=p: one(p)))]
+        per_file = [r for p in progress_iter(files, enabled=progress, desc=KIND) if (r := skipped.call(p, partial(one, p)))]
         if not per_file:
             skipped.none_converted()
         # all trajectories share the unix clock: write requests in send order (stable per agent)

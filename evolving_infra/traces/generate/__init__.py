@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evolving_infra.traces.generate.common import GenerateError, Target, check_targets
+
+if TYPE_CHECKING:  # for annotations only: generate() imports it when called, as before
+    from evolving_infra.traces.io import Trace
 
 __all__ = ["GENERATORS", "GenerateError", "Target", "check_targets", "generate", "targets_of"]
 
@@ -46,7 +49,7 @@ def generate(
     duration_s: float | None = None,
     requests_per_agent: int | None = None,
     block_size: int = 64,
-):  # type: ignore[no-untyped-def]
+) -> Trace:
     """Generate a workload (an :class:`evolving_infra.traces.io.Trace`); same arguments, same trace.
 
     Raises:

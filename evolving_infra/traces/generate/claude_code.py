@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -55,6 +55,9 @@ from evolving_infra.traces.generate.common import (
     make_header,
 )
 from evolving_infra.traces.schema import TraceRequest
+
+if TYPE_CHECKING:  # for annotations only: generate() imports it when called, as before
+    from evolving_infra.traces.io import Trace
 
 KIND = "claude-code"
 DEFAULT_AGENTS = 90
@@ -192,7 +195,7 @@ def build_agent(
     return out
 
 
-def generate(*, seed: int = 0, agents: int | None = None, duration_s: float | None = None, requests_per_agent: int | None = None, block_size: int = 64):  # type: ignore[no-untyped-def]
+def generate(*, seed: int = 0, agents: int | None = None, duration_s: float | None = None, requests_per_agent: int | None = None, block_size: int = 64) -> Trace:
     """A Claude-Code-like trace: ``agents`` sessions (default 90), seeded; see the module docstring."""
     from evolving_infra.traces.io import Trace
 

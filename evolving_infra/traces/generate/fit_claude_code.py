@@ -167,8 +167,8 @@ def fit(inputs: list[str], progress: bool = False) -> dict[str, Any]:
         prev = last_in.get(r.branch)
         n_req[r.branch] += 1
         shared = 0
-        for b in r.blocks:
-            if b >= SHARED_ID_LIMIT:
+        for block in r.blocks:
+            if block >= SHARED_ID_LIMIT:
                 break
             shared += 1
         if k == "main":

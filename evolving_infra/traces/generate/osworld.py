@@ -69,6 +69,8 @@ What the paper pins down and how this compares (default options, seed 0):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from evolving_infra.traces.generate.common import (
@@ -85,11 +87,15 @@ from evolving_infra.traces.generate.common import (
 )
 from evolving_infra.traces.schema import TraceRequest
 
+if TYPE_CHECKING:  # for annotations only: generate() imports it when called, as before
+    from evolving_infra.traces.io import Trace
+
 KIND = "osworld"
 DEFAULT_AGENTS = 128
 """Paper §6.1: 128, 144 and 160 concurrent OSWorld agents; the lowest is the default."""
 
-PARAMS = {
+# Any: numbers, the fan-out table ({fan-out: weight}) and, for screenshots_kept, None (keep all: tests set it)
+PARAMS: dict[str, Any] = {
     "system_prompt_tokens": 2000,
     "task_tokens_mean": 150.0,
     "screenshot_tokens": 2691,
@@ -139,7 +145,7 @@ class _Agent:
     def __init__(self, rng: np.random.Generator):
         p = PARAMS
         self.spawns = RateEvents(float(p["subagent_spawns_per_step"]), rng)
-        self.fanout = Deck(dict(p["subagent_fanout_counts"]), rng)  # type: ignore[arg-type]
+        self.fanout = Deck(dict(p["subagent_fanout_counts"]), rng)
 
 
 def _obs_text(rng: np.random.Generator) -> int:
@@ -276,7 +282,7 @@ def build_agent(
     return out
 
 
-def generate(*, seed: int = 0, agents: int | None = None, duration_s: float | None = None, requests_per_agent: int | None = None, block_size: int = 64):  # type: ignore[no-untyped-def]
+def generate(*, seed: int = 0, agents: int | None = None, duration_s: float | None = None, requests_per_agent: int | None = None, block_size: int = 64) -> Trace:
     """An OSWorld-like trace: ``agents`` tasks (default 128), seeded; see the module docstring."""
     from evolving_infra.traces.io import Trace
 

@@ -41,6 +41,8 @@ tests/unit/traces/test_generate.py (default options, within 10 %).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from evolving_infra.traces.generate.common import (
@@ -54,6 +56,9 @@ from evolving_infra.traces.generate.common import (
     make_header,
 )
 from evolving_infra.traces.schema import TraceRequest
+
+if TYPE_CHECKING:  # for annotations only: generate() imports it when called, as before
+    from evolving_infra.traces.io import Trace
 
 KIND = "putnam"
 DEFAULT_AGENTS = 224
@@ -132,7 +137,7 @@ def build_agent(
     return out
 
 
-def generate(*, seed: int = 0, agents: int | None = None, duration_s: float | None = None, requests_per_agent: int | None = None, block_size: int = 64):  # type: ignore[no-untyped-def]
+def generate(*, seed: int = 0, agents: int | None = None, duration_s: float | None = None, requests_per_agent: int | None = None, block_size: int = 64) -> Trace:
     """A Putnam-like trace: ``agents`` problems (default 224), seeded; see the module docstring."""
     from evolving_infra.traces.io import Trace
 

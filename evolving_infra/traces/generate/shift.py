@@ -37,12 +37,16 @@ measured the pool, not the split.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import numpy as np
 
 from evolving_infra.traces.generate import osworld, putnam
 from evolving_infra.traces.generate.common import GenerateError, IdPool, Target, finish_branches, make_header
 from evolving_infra.traces.schema import TraceRequest
+
+if TYPE_CHECKING:  # for annotations only: generate() imports it when called, as before
+    from evolving_infra.traces.io import Trace
 
 KIND = "shift"
 PAPER_AGENTS = 288
@@ -57,7 +61,17 @@ POOL_SPEEDUP = 10.0
 
 
 
-def periods(agents: int, period_s: float) -> list[dict[str, object]]:
+class Period(TypedDict):
+    """One row of :func:`periods` (written as is into the header's ``meta``)."""
+
+    name: str
+    start_s: float
+    end_s: float
+    concurrency: dict[str, int]  # workload kind -> concurrent agents
+    agents: NotRequired[dict[str, dict[str, object]]]  # kind -> {prefix, count}: generate() adds it
+
+
+def periods(agents: int, period_s: float) -> list[Period]:
     """The period table (paper §6.3) for a first-hour Putnam concurrency of ``agents``."""
     half, quarter = max(1, agents // 2), max(1, agents // 4)
     warm = period_s / 2
@@ -67,7 +81,7 @@ def periods(agents: int, period_s: float) -> list[dict[str, object]]:
         ("mixed", warm + period_s, warm + 2 * period_s, {"putnam": half, "osworld": quarter}),
         ("osworld", warm + 2 * period_s, warm + 3 * period_s, {"osworld": half}),
     ]
-    return [{"name": n, "start_s": s, "end_s": e, "concurrency": c} for n, s, e, c in rows]
+    return [Period(name=n, start_s=s, end_s=e, concurrency=c) for n, s, e, c in rows]
 
 
 def _lifetime(kind: str) -> float:
@@ -80,7 +94,7 @@ def pool_size(kind: str, concurrency: int, window_s: float) -> int:
     return math.ceil(POOL_MARGIN * concurrency * window_s / _lifetime(kind)) + concurrency
 
 
-def generate(*, seed: int = 0, agents: int | None = None, duration_s: float | None = None, requests_per_agent: int | None = None, block_size: int = 64):  # type: ignore[no-untyped-def]
+def generate(*, seed: int = 0, agents: int | None = None, duration_s: float | None = None, requests_per_agent: int | None = None, block_size: int = 64) -> Trace:
     """The shifting-composition trace (module docstring); seeded, byte-identical for the same options."""
     from evolving_infra.traces.io import Trace
 
@@ -100,9 +114,9 @@ def generate(*, seed: int = 0, agents: int | None = None, duration_s: float | No
     windows: dict[str, list[float]] = {}
     counts: dict[str, int] = {"putnam": 0, "osworld": 0}
     for row in table:
-        window = float(row["end_s"]) - float(row["start_s"])  # type: ignore[arg-type]
+        window = float(row["end_s"]) - float(row["start_s"])
         row_agents: dict[str, dict[str, object]] = {}
-        for kind, conc in row["concurrency"].items():  # type: ignore[union-attr]
+        for kind, conc in row["concurrency"].items():
             k = pool_size(kind, int(conc), window)
             prefix = f"shift.{row['name']}.{kind}."
             for a in range(k):
@@ -112,7 +126,7 @@ def generate(*, seed: int = 0, agents: int | None = None, duration_s: float | No
                 else:
                     reqs.extend(osworld.build_agent(rng, pool, agent, block_size, os_state, requests_per_agent=requests_per_agent))
             row_agents[kind] = {"prefix": prefix, "count": k}
-            windows[prefix] = [float(row["start_s"]), float(row["end_s"])]  # type: ignore[arg-type]
+            windows[prefix] = [float(row["start_s"]), float(row["end_s"])]
             counts[kind] += k
         row["agents"] = row_agents
     total = sum(counts.values())
@@ -143,8 +157,8 @@ def targets_for(agents: int, period_s: float) -> tuple[Target, ...]:
     }
     out: list[Target] = []
     for row in periods(agents, period_s):
-        window = float(row["end_s"]) - float(row["start_s"])  # type: ignore[arg-type]
-        for kind, conc in row["concurrency"].items():  # type: ignore[union-attr]
+        window = float(row["end_s"]) - float(row["start_s"])
+        for kind, conc in row["concurrency"].items():
             prefix = f"shift.{row['name']}.{kind}."
             out.append(Target("sessions", float(pool_size(kind, int(conc), window)), "paper §6.3 schedule: closed-loop pool size (module docstring)", rel=0.0, subset=prefix))
             out.extend(Target(t.key, t.value, t.source, t.rel, t.abs_tol, prefix) for t in comp[kind])
