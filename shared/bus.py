@@ -76,10 +76,10 @@ Handler = Callable[[Any, str], Awaitable[None]]
 ReplyHandler = Callable[[Any, str], Awaitable[msgspec.Struct | None]]
 """``async def handler(request, subject) -> reply or None (no reply)``."""
 
-_DECODERS: dict[Any, msgspec.msgpack.Decoder] = {}
+_DECODERS: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
 
 
-def decoder_for(msg_type: Any) -> msgspec.msgpack.Decoder:
+def decoder_for(msg_type: Any) -> msgspec.msgpack.Decoder[Any]:
     """The shared msgpack decoder for a message type (built on first use)."""
     dec = _DECODERS.get(msg_type)
     if dec is None:
@@ -101,6 +101,7 @@ def _span_attrs(subject: str, template: str, msg: Any, operation: str) -> dict[s
     return attrs
 
 _CLOSED_TRANSPORT: tuple[type[Exception], ...] = (RuntimeError, OSError)
+_REQUEST_FAILED: tuple[type[Exception], ...] = (nats.errors.Error, asyncio.TimeoutError, *_CLOSED_TRANSPORT)
 """What nats-py lets escape when its connection drops while it writes: uvloop's ``RuntimeError: unable to perform
 operation on <TCPTransport closed=True ...>; the handler is closed`` (``_flush_pending`` writing into a transport the
 server's death just closed: a router's ``kv.lookup`` while nats-server was killed escaped it as an HTTP 500,
@@ -340,7 +341,7 @@ class Bus:
         self.subscribed: set[str] = set()
         """Subject templates this bus subscribes to or serves: their per-subject Prometheus
         series (dropped, handler errors, received) start at 0 (``shared.metrics.bus_families``)."""
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[Any]] = []
         self._closing = False
         self.droplog = RateLimitedLog(self.log, first=5, interval_s=10.0)
         """Bounds the lines written for dropped messages and handler errors."""
@@ -515,10 +516,10 @@ class Bus:
         bus.url_user = str(options.get("user") or "") if not bus.identity else ""
         connecting = asyncio.ensure_future(bus.nc.connect(
             name=f"{service}:{instance}",
-            connect_timeout=connect_timeout,
+            connect_timeout=connect_timeout,  # type: ignore[arg-type]  # nats-py annotates int seconds; a float works
             max_reconnect_attempts=max_reconnect_attempts,
             allow_reconnect=allow_reconnect,
-            reconnect_time_wait=RECONNECT_WAIT_S,
+            reconnect_time_wait=RECONNECT_WAIT_S,  # type: ignore[arg-type]  # as connect_timeout
             pending_size=PENDING_BYTES,
             error_cb=error_cb,
             disconnected_cb=disconnected_cb,
@@ -1307,7 +1308,7 @@ class Bus:
             if left <= 0:
                 raise BusUnavailable(f"flush: commands still queued after {timeout_s} s")
             # also lets nats-py's flusher write what is queued; nats-py's timeout is never reached (see above)
-            ping = asyncio.ensure_future(self.nc.flush(timeout=PING_NO_TIMEOUT_S))
+            ping = asyncio.ensure_future(self.nc.flush(timeout=PING_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
             try:
                 await asyncio.wait_for(asyncio.shield(ping), left)
             except (nats.errors.Error, asyncio.TimeoutError) as e:
@@ -1437,7 +1438,7 @@ class Bus:
         sent = time.monotonic()
         try:
             raw = await self.nc.request(full, m.encode(self._stamp(msg)), timeout=timeout, headers=headers)
-        except (nats.errors.Error, asyncio.TimeoutError, *_CLOSED_TRANSPORT) as e:  # timeout, no responders, closed, buffer full
+        except _REQUEST_FAILED as e:  # timeout, no responders, closed, buffer full
             self.counters[_unanswered + subject.template] += 1
             if (denied := self._permission_error(full)) is not None:
                 raise denied from e

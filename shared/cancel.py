@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from typing import Any
 
 CANCEL_EVERY_S = 0.05
 """Seconds between the cancels of :func:`cancel_until_done` (a lost cancel costs at most this much; a clean-up on
@@ -29,9 +30,9 @@ docstring)."""
 
 
 async def cancel_until_done(
-    tasks: Iterable[asyncio.Future], *, every_s: float = CANCEL_EVERY_S, limit_s: float | None = None,
+    tasks: Iterable[asyncio.Future[Any]], *, every_s: float = CANCEL_EVERY_S, limit_s: float | None = None,
     grace_s: float = 0.0,
-) -> set[asyncio.Future]:
+) -> set[asyncio.Future[Any]]:
     """Cancel ``tasks`` and wait until each has ended, cancelling those still running again every ``every_s``
     seconds (one cancel can be lost: module docstring), the first time ``grace_s`` after the first cancel. Each
     ended task's outcome (its exception, a cancel) is retrieved and dropped: the caller is stopping them.

@@ -19,7 +19,7 @@ import os
 import tomllib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -208,7 +208,7 @@ def resolve_config(
     Raises:
         ConfigError: on an unknown file key or an invalid value.
     """
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     names = {f.name for f in _field_infos(cls)}
     values: dict[str, Any] = {}
     config_file = cli_values.get("config")
@@ -230,7 +230,7 @@ def resolve_config(
             if key in names:
                 values[key] = val
     for name in names:
-        text = env.get(env_name(name))
+        text = environ.get(env_name(name))
         if text is not None:
             values[name] = _from_text(_base_type(cls, name), text)
     for name in names:

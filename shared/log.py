@@ -101,13 +101,13 @@ def setup_logging(fmt: Literal["console", "json"] = "console", level: str = "inf
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        logger_factory=structlog.PrintLoggerFactory(file=out),  # type: ignore[arg-type]  # a TextIO in what it does: write, flush
         cache_logger_on_first_use=True,
     )
     # stdlib logging (libraries: the OTLP exporter's "Transient error ...", nats, uvicorn) goes through the
     # same renderer (structlog's ProcessorFormatter), so with ``json`` every line of a service's log is a
     # JSON object (``logger`` names the library); it was "name LEVEL message" plain text before
-    handler = logging.StreamHandler(out)  # type: ignore[arg-type]
+    handler = logging.StreamHandler(out)
     handler.set_name(_HANDLER)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*processors[:-1], structlog.stdlib.add_logger_name],

@@ -168,7 +168,7 @@ def bus_families(counters: Mapping[str, int], subscribed: Iterable[str] = ()) ->
     ``subscribed`` (``Bus.subscribed``): templates whose dropped / handler-error / received
     series exist from the start at 0, so ``rate()`` reads 0, not "no data", until the first one.
     """
-    zero = {(t,): 0.0 for t in sorted(subscribed)}
+    zero: dict[tuple[str, ...], float] = {(t,): 0.0 for t in sorted(subscribed)}
 
     def by_subject(prefix: str) -> dict[tuple[str, ...], float]:
         return {**zero, **by_prefix(counters, prefix)}
@@ -284,7 +284,7 @@ def _quiet_server_type() -> type[uvicorn.Server]:
 
     class _QuietServer(uvicorn.Server):
         @contextlib.contextmanager
-        def capture_signals(self):  # type: ignore[no-untyped-def, override]
+        def capture_signals(self) -> Iterator[None]:
             yield
 
         def install_signal_handlers(self) -> None:  # uvicorn < 0.29

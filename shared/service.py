@@ -385,7 +385,7 @@ async def serve_until_stopped(
     if failed is not None:
         log.error("service stopped after a fatal error", error=repr(failed))
         if failed is drain_error:
-            where = "drain"
+            where: str | None = "drain"
         else:
             where = None if isinstance(failed, Superseded) else getattr(started[0], "fatal_where", None)
         raise ServiceFailed(f"{service_name} {instance}: {f'{where} failed: ' if where else ''}{failed!r}") from failed

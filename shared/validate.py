@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from shared import messages as m
@@ -336,7 +336,7 @@ def _iters(r: m.IterationRecords, p: dict[str, str], nodes: Collection[str] | No
         _int(rec.sum_qk_pairs, "records[].sum_qk_pairs", MAX_BIG)
 
 
-def split_problem(phases: dict[str, str], nodes: Collection[str] | None = None) -> str | None:
+def split_problem(phases: Mapping[str, str], nodes: Collection[str] | None = None) -> str | None:
     """Why a split's ``phases`` cannot be served, or None.
 
     A split must name between 1 and :data:`MAX_NODES` nodes (NATS tokens; known

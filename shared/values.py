@@ -79,7 +79,7 @@ class Value:
 
     def __eq__(self, other: object) -> bool:
         if other.__class__ is self.__class__:
-            return _compared(self) == _compared(other)  # type: ignore[arg-type]
+            return _compared(self) == _compared(other)
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]
@@ -93,7 +93,7 @@ class FrozenValue(Value):
 
     __slots__ = ()
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # type: ignore[override]  # Value's is None (unhashable): a frozen value hashes
         return hash(_compared(self))
 
     def __setattr__(self, name: str, value: Any) -> None:
