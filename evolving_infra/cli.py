@@ -93,8 +93,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_PackageVersion,
                         help="print the installed package's version (what a router's GET /version serves) and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    one = command in COMMANDS
-    for name in (COMMANDS[command],) if one else COMMAND_MODULES:
+    one = command is not None and command in COMMANDS
+    for name in (COMMANDS[command],) if command is not None and one else COMMAND_MODULES:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 import msgspec
@@ -221,7 +222,7 @@ class _Child:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
-    log_file: object = None
+    log_file: IO[bytes] | None = None
     restarts: int = 0
     """Restarts by the supervisor so far."""
     streak: int = 0
@@ -884,7 +885,7 @@ class LocalCluster:
                 c.proc.kill()
                 c.proc.wait()
             if c.log_file:
-                c.log_file.close()  # type: ignore[attr-defined]
+                c.log_file.close()
                 c.log_file = None
         if (self.log_dir / TARGETS_FILE).exists():
             self.write_targets(empty=True)

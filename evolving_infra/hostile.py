@@ -89,7 +89,7 @@ def samples(nodes: tuple[str, ...] = ("w0", "w1")) -> dict[str, tuple[dict[str, 
         ``{template: (params, message)}`` covering every subject of ``ALL``.
     """
     a, b = nodes[0], nodes[1]
-    phases = {a: "prefill", b: "decode"}
+    phases: dict[str, m.Phase] = {a: "prefill", b: "decode"}
     out: dict[str, tuple[dict[str, str], msgspec.Struct]] = {
         KV_EVENTS.template: (
             {"node": a},
@@ -418,7 +418,7 @@ async def flood(cluster: Any, count: int, *, seed: int = 18, rate: float = 20_00
                     cluster.nats_url, subj, service=who.split("-")[0], instance=f"fuzz-{who}", auth=cluster.client_auth(who)
                 )
             bus = buses[who]
-            entry = {"publisher": who, "sent": 0, "refused_by_server": 0, "kinds": {k: 0 for k in KINDS}, "expected_drops": {}}
+            entry: dict[str, Any] = {"publisher": who, "sent": 0, "refused_by_server": 0, "kinds": {k: 0 for k in KINDS}, "expected_drops": {}}
             exp: dict[str, int] = {}
             acct = DropAccount(subject, perms[who], {svc: (sp, known.get(svc)) for svc, sp in sub_perm.items()
                                                      if counts_read or subject is not KV_COUNTS or not svc.startswith("worker-")})  # fmt: skip

@@ -575,7 +575,7 @@ def api_keys_line(args: argparse.Namespace) -> str | None:
     paths it names are those the router will serve without a key: its default, or ``EI_API_KEY_PUBLIC_PATHS`` of
     this environment, which the router inherits (the line said "unless --api-key-public-paths", a router flag
     that ``up`` refuses as an unrecognized argument)."""
-    keys = getattr(args, "router_api_keys", frozenset())
+    keys: frozenset[str] = getattr(args, "router_api_keys", frozenset())
     if not keys:
         host = str(getattr(args, "host", "127.0.0.1"))
         if _loopback(host):
@@ -757,7 +757,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     )
     values.update(torch_values)
     values.update(overrides)
-    return ClusterSpec(**values)  # type: ignore[arg-type]
+    return ClusterSpec(**values)
 
 
 # ----------------------------------------------------------------------------- up

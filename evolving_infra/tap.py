@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 import nats
+from nats.aio.msg import Msg
 
 from evolving_infra.auth_cli import CREDS_HINT, tool_auth
 from shared.auth import AuthError, client_options, redact_url
@@ -135,7 +136,7 @@ async def _tap(args: argparse.Namespace) -> int:
     count = 0
     reader_gone: list[BrokenPipeError] = []
 
-    async def cb(msg: nats.aio.msg.Msg) -> None:
+    async def cb(msg: Msg) -> None:
         nonlocal count
         if reader_gone or any(msg.subject.startswith(e.rstrip(">*")) for e in excluded):
             return

@@ -223,8 +223,8 @@ async def _replay(args: argparse.Namespace) -> int:
     print_summary(report)
     print(report_line(path))
     if result.interrupted:
-        sig = signals[0] if signals else "SIGINT"
-        return 128 + getattr(signal, sig).value
+        sig_name = signals[0] if signals else "SIGINT"
+        return 128 + getattr(signal, sig_name).value
     return 0 if report["requests_failed"] == 0 else 1
 
 
@@ -451,7 +451,7 @@ def _use_running_cluster(args: argparse.Namespace) -> int | None:
     """
     from evolving_infra.state import running_clusters
 
-    info: dict = {}
+    info: dict[str, Any] = {}
     if args.router_url is None:
         found = running_clusters()
         if len(found) == 1:

@@ -238,8 +238,8 @@ class ReplayCore:
                 missing = [a for a, v in firsts.items() if v is None][:3]
                 raise ReplayError(f"arrival 'trace' needs arrival_s on every agent's first request (missing for {missing})")
             t0 = min(known) if known else 0.0
-            for agent_id, t in firsts.items():
-                self._push_arrival(self.start + float(t) - t0, agent_id)
+            for agent_id, first in zip(firsts, known):  # known: every agent's (checked above), in firsts' order
+                self._push_arrival(self.start + float(first) - t0, agent_id)
 
     def _push_arrival(self, t: float, agent_id: str) -> None:
         self._seq += 1

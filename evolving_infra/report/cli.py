@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from evolving_infra.stdio_args import folder
 from evolving_infra.report.write import REPORT_JSON, build_report, load_run, print_summary, render_run
@@ -50,11 +51,11 @@ def recompute(report: dict, records: list) -> dict:  # type: ignore[type-arg]
     meta = report.get("meta") or {}
     # the stored measured window: a live run's is its replay's (start → end of the replay, not first send → last
     # finish), which the records alone cannot give (demo-out: 7,772.9 s recomputed as 7,769.3 s)
-    start, end = report.get("start_s"), report.get("end_s")
-    window = {"start": float(start), "end": float(end)} if all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in (start, end)) else {}
+    start: Any = report.get("start_s")  # JSON: checked below
+    end: Any = report.get("end_s")
+    known = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (start, end))
     fresh = build_report(records, meta=meta, ideal_kv_hit_rate=report.get("ideal_kv_hit_rate"), timeline=timeline,
-                         window_s=window_s, **window)
+                         window_s=window_s, start=float(start) if known else None, end=float(end) if known else None)
     extra = {k: v for k, v in report.items() if k not in fresh}
     fresh.update(extra)
     return fresh

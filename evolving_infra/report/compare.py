@@ -171,7 +171,7 @@ def input_differences(reports: Sequence[Mapping[str, Any]], labels: Sequence[str
     copy with the same bytes) are equal: :func:`trace_identities`.
     Empty when the runs served the same input for the same time."""
     out = []
-    metas = [r.get("meta") if isinstance(r.get("meta"), Mapping) else {} for r in reports]
+    metas: list[Mapping[str, Any]] = [meta if isinstance(meta := r.get("meta"), Mapping) else {} for r in reports]
     for key in INPUT_KEYS:
         na = [key in (m.get(NOT_APPLICABLE) or ()) or (key in LIVE_ONLY_KEYS and m.get("command") in SIMULATED_COMMANDS)
               for m in metas]
@@ -238,7 +238,7 @@ def write_compare(dirs: Sequence[Path], out: Path, *, plots: bool = True) -> tup
     info = []
     for d, r in zip(dirs, runs):
         meta = r.report.get("meta") or {}
-        cluster = meta.get("cluster") if isinstance(meta.get("cluster"), Mapping) else {}
+        cluster = c if isinstance(c := meta.get("cluster"), Mapping) else {}
         info.append({"label": r.label, "dir": str(d), "command": meta.get("command"),
                      "split": cluster.get("split"), "date": meta.get("date")})
     diffs = input_differences([r.report for r in runs], [r.label for r in runs])

@@ -374,8 +374,9 @@ def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None
         )
     for note in meta.get("notes", []) or []:
         lines.append(f"note       {note}")
-    if g("errors"):
-        for err, n in sorted(g("errors").items(), key=lambda kv: -kv[1])[:5]:
+    errors = g("errors")
+    if errors:
+        for err, n in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
             lines.append(f"error      {n}× {err}")
     pol = meta.get("policy")
     if isinstance(pol, dict) and pol.get("name"):  # which serving system ran (live: launcher; sim: the policy set)

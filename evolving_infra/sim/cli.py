@@ -177,7 +177,7 @@ def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     from evolving_infra.traces.generate import GenerateError, generate
 
     try:
-        trace = generate(
+        made = generate(
             args.workload,
             seed=args.workload_seed,
             agents=args.agents,
@@ -186,8 +186,8 @@ def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None) -
         )
     except GenerateError as e:
         raise SimConfigError(f"--workload: {e}") from e
-    return trace.requests, trace.header.block_size, _with_periods(
-        {"workload": args.workload, "workload_seed": args.workload_seed, "trace_source": trace.header.source}, trace.header.meta
+    return made.requests, made.header.block_size, _with_periods(
+        {"workload": args.workload, "workload_seed": args.workload_seed, "trace_source": made.header.source}, made.header.meta
     )
 
 

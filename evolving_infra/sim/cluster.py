@@ -559,11 +559,11 @@ class ClusterSim:
             self._online = OnlineModels(names, self.profile)
         self._RequestDone = request_done_type()
         self._take_records = self._feed_planner or self._online is not None
-        for n in self.nodes.values():
+        for node in self.nodes.values():
             # the simulator forwards only first tokens and ends, and reads iteration records only
             # for a planner or the online refit: the engines build nothing else (same results)
-            n.sched.partial_outputs = False
-            n.sched.keep_records = self._take_records
+            node.sched.partial_outputs = False
+            node.sched.keep_records = self._take_records
         self.replay: Any = (
             ScheduledReplay(requests, cfg.schedule, seed=cfg.seed)
             if cfg.schedule
@@ -898,7 +898,7 @@ class ClusterSim:
         rec.error = reason
         self.records.append(rec)
         for follow in self.replay.on_complete(f.req.agent, f.req.id, t, ok=False):
-            self._end_branch(follow, t)  # type: ignore[arg-type]
+            self._end_branch(follow, t)
 
     def _unbind(self, f: _Flight, t: float) -> None:
         """Remove ``f`` from its nodes (not started anywhere): prefill queue, decode reservation."""
@@ -1044,7 +1044,7 @@ class ClusterSim:
             records = sched.take_records()
             if self._feed_planner and records:
                 self.planner.on_iterations(n.name, records, t)
-                if self._tick_movable and self.planner.tick_moved:
+                if self._tick_movable and self.planner.tick_moved:  # type: ignore[attr-defined]  # hasattr: _tick_movable
                     self._tick_moved(t)
             online = self._online
             if online is not None and records:
@@ -1106,7 +1106,7 @@ class ClusterSim:
                 rec.ok, rec.status, rec.error = False, 500, e.reason
                 self.records.append(rec)
                 for follow in self.replay.on_complete(f.req.agent, f.req.id, t, ok=False):
-                    self._end_branch(follow, t)  # type: ignore[arg-type]
+                    self._end_branch(follow, t)
             return
         d.dirty = True
         self._flush_kv(d, t)
@@ -1153,7 +1153,7 @@ class ClusterSim:
             )
         replay = self.replay
         for follow in replay.on_complete(f.req.agent, rid, t, ok=True):
-            self._end_branch(follow, t)  # type: ignore[arg-type]
+            self._end_branch(follow, t)
         if (
             self.stats.closed_loop_exhausted_at is None
             and replay.arrival.kind == "closed"
@@ -1246,7 +1246,7 @@ class ClusterSim:
         warm-up that ended before any record restarts at the first, ``t_learn_s`` from it): the live planner
         asks ``next_tick`` every round; here the pending ``TICK``, at the old time, would have ended it late.
         Asked only on the flag: a ``next_tick`` per plan end cost 4 % of the loop (sim_ab, 9 nodes)."""
-        self.planner.tick_moved = False
+        self.planner.tick_moved = False  # type: ignore[attr-defined]  # only when _tick_movable (hasattr)
         nt = self.planner.next_tick()
         if nt is not None and max(nt, t, self._tick_floor) < self._tick_at:
             self._schedule_tick(max(nt, t, self._tick_floor))
@@ -1387,7 +1387,7 @@ class ClusterSim:
         self.stats.planner_decisions.append({"ts": t, "reason": reason, "changes": dict(changes), "action": "switch"})
         self.decision += 1
         for name, ph in changes.items():
-            self._start_switch(self.nodes[name], ph, t, reason)  # type: ignore[arg-type]
+            self._start_switch(self.nodes[name], ph, t, reason)
 
     # ------------------------------------------------------------------ #
     # decode-reservation meter (paper D.1)

@@ -96,7 +96,7 @@ except ImportError:  # pragma: no cover - older router tree
     _WrapperBase = RoutingPolicy  # type: ignore[misc,assignment]
 
 
-class RoundRobinDecode(_WrapperBase):  # type: ignore[misc,valid-type]
+class RoundRobinDecode(_WrapperBase):
     """Wraps a routing policy: its prefill choice, decode nodes bound round-robin.
 
     Source: SGLang Model Gateway PD mode, which picks the decode worker with its
@@ -111,7 +111,7 @@ class RoundRobinDecode(_WrapperBase):  # type: ignore[misc,valid-type]
             self.inner = inner
             self.name = inner.name  # type: ignore[misc]
         else:
-            super().__init__(inner)  # type: ignore[call-arg]
+            super().__init__(inner)
         self._next = 0
 
     def choose_prefill(self, req: RouteRequest, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> PrefillChoice:

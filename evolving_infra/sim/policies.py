@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import Any
 
 ROUTING_DECODE = ("round-robin", "least-loaded")
 DECODE_BINDINGS = ("enqueue", "prefill-start", "route")
@@ -242,7 +243,7 @@ def with_overrides(ps: PolicySet, **over: str | None) -> PolicySet:
     Raises:
         PolicyError: on a value outside the allowed choices.
     """
-    clean = {k: v for k, v in over.items() if v is not None}
+    clean: dict[str, Any] = {k: v for k, v in over.items() if v is not None}
     checks = {
         "decode_routing": ROUTING_DECODE,
         "decode_binding": DECODE_BINDINGS,
@@ -253,5 +254,5 @@ def with_overrides(ps: PolicySet, **over: str | None) -> PolicySet:
         if k in clean and clean[k] not in allowed:
             raise PolicyError(f"--{k.replace('_', '-')} must be one of {', '.join(allowed)}, got {clean[k]!r}")
     if "switch_mode" in clean:
-        clean["switch_mode"] = SWITCH_MODE_ALIASES.get(clean["switch_mode"], clean["switch_mode"])  # type: ignore[arg-type]
+        clean["switch_mode"] = SWITCH_MODE_ALIASES.get(clean["switch_mode"], clean["switch_mode"])
     return replace(ps, **clean) if clean else ps

@@ -335,9 +335,10 @@ def merge_stats(stats: Sequence[SimStats]) -> SimStats:
         out.counted_samples += s.counted_samples
         out.counted_sum += s.counted_sum
         out.counted_max = max(out.counted_max, s.counted_max)
-        for src, dst in ((s.host_evictions, out.host_evictions), (s.directory, out.directory)):
-            for key, v in src.items():
-                dst[key] = dst.get(key, 0) + v
+        for key, n in s.host_evictions.items():
+            out.host_evictions[key] = out.host_evictions.get(key, 0) + n
+        for key, v in s.directory.items():
+            out.directory[key] = out.directory.get(key, 0) + v
         for k, row in s.directory_size.items():  # partitions: one directory each, sizes add up
             acc = out.directory_size.get(k)
             out.directory_size[k] = list(row) if acc is None else [a + b for a, b in zip(acc, row)]

@@ -124,7 +124,7 @@ class TiledWorkload:
                 )
         return out
 
-    def blocks_of(self, req: TraceRequest) -> list[int]:
+    def blocks_of(self, req: TraceRequest) -> Sequence[int]:
         """Block ids of a stub: the template's, private ones offset by its copy."""
         tid, _, c = req.id.rpartition(SEP)
         tpl = self.by_id[tid]
