@@ -480,8 +480,8 @@ class BranchTable:
             head = _values_or_none(R, blocks[:z]) if z else []
             if head is not None and 1 not in head:
                 tail = blocks[z:] if z else blocks
-                gone = list(map(R.pop, tail, _REPEAT_NONE))
-                if gone.count(1) == len(gone):  # verified: the usual release (z = 0) or a shared head staying counted
+                popped = list(map(R.pop, tail, _REPEAT_NONE))
+                if popped.count(1) == len(popped):  # verified: the usual release (z = 0) or a shared head staying counted
                     if z:
                         new = list(map(_sub, head, _REPEAT1))
                         R.update(zip(blocks, new))
@@ -496,7 +496,7 @@ class BranchTable:
                     out.append((blocks, -1, new))
                     self.out_len[n] += L
                     return
-                R.update(compress(zip(tail, gone), gone))  # another shape: put back, count per block
+                R.update(compress(zip(tail, popped), popped))  # type: ignore[arg-type]  # another shape: put back, count per block (compress drops the Nones)
         old = list(map(R.get, blocks, _REPEAT0))
         if 0 in old:  # never counted here: refused, counted
             zeros = old.count(0)

@@ -382,7 +382,7 @@ class BlockIndex:
             head.children = {keys[0]: r}
             p = head.parent
             if p is not None and p is not UNKNOWN:
-                where[p].children[head.keys[0]] = head  # type: ignore[index]
+                where[p].children[head.keys[0]] = head
             where.update(zip(head.keys, repeat(head)))
             return head, r
         tail = self._new(keys[j:], keys[j - 1], r.pc, -r[0])
@@ -414,7 +414,7 @@ class BlockIndex:
         b.parent = a.parent
         p = a.parent
         if p is not None and p is not UNKNOWN:
-            where[p].children[a.keys[0]] = b  # type: ignore[index]
+            where[p].children[a.keys[0]] = b
         where.update(zip(a.keys, repeat(b)))
         self._gone(a, b)
         return b
@@ -432,7 +432,7 @@ class BlockIndex:
             if p is None or p is UNKNOWN:
                 break
             a = where[p]
-            if a.pc != r.pc or len(a.children) != 1 or a is r:  # type: ignore[arg-type]
+            if a.pc != r.pc or len(a.children) != 1 or a is r:
                 break
             r = self._join(a, r)
         while True:
@@ -496,7 +496,7 @@ class BlockIndex:
             self._attach(parent, r)
         return r
 
-    def _fresh_run(self, hashes: list[int], parent: int | None, pr: _Run | None, pc: int) -> _Run | None:
+    def _fresh_run(self, hashes: Sequence[int], parent: int | None, pr: _Run | None, pc: int) -> _Run | None:
         """Index a new chain ``hashes`` below ``parent`` (``pr``: its run, None when not
         indexed) as one new run with presence ``pc``, as :meth:`_new_run` does; None, with
         nothing changed, when a block is indexed already or a hash repeats inside the chain
@@ -524,7 +524,7 @@ class BlockIndex:
                 return
             a = where[p]
             ch = a.children
-            del ch[keys[0]]  # type: ignore[union-attr]
+            del ch[keys[0]]
             if ch:
                 if len(ch) == 1:
                     self._settle(a)
@@ -863,7 +863,7 @@ class BlockIndex:
         for h in fresh:
             p = parents[h]
             if p in fs:
-                children.setdefault(p, []).append(h)  # type: ignore[arg-type]
+                children.setdefault(p, []).append(h)
         out: list[list[int]] = []
         done = 0
         for root in fresh:

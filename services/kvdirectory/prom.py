@@ -55,7 +55,7 @@ def directory_families(svc: "DirectoryService") -> Iterator[Metric]:
     hit = float(c.get("reuse.hit_tokens", 0))
     yield counter_family("ei_kv_reuse_ideal_tokens", "Prompt tokens an ideal shared cache would reuse (h*)", {(): ideal})
     yield counter_family("ei_kv_reuse_hit_tokens", "Prompt tokens reused from a cache somewhere in the cluster (h)", {(): hit})
-    lost = {(cause,): 0.0 for cause in LOSS_CAUSES}  # every cause from the start: rate() sees its first increase
+    lost: dict[tuple[str, ...], float] = {(cause,): 0.0 for cause in LOSS_CAUSES}  # every cause from the start: rate() sees its first increase
     lost.update(by_prefix(c, "reuse.lost_tokens."))
     yield counter_family("ei_kv_reuse_lost_tokens", "Lost KV reuse (h* - h) in tokens, by cause", lost, ["cause"])
     yield gauge_family("ei_kv_lost_reuse_ratio", "Lost KV reuse: 1 - h/h*", {(): (1.0 - hit / ideal) if ideal else 0.0})

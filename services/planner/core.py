@@ -43,6 +43,7 @@ from shared.messages import (
     TokenChunk,
     boot_older,
 )
+from shared.profile import Profile
 from shared.split import SplitError, parse_split, split_name, split_phases
 from shared.subjects import check_token
 from shared.validate import MAX_EPOCH_STEP, split_problem
@@ -570,7 +571,8 @@ class PlannerCore:
         def live(n: str) -> bool:
             return n in heard and now - heard[n] < self.silent_after  # type: ignore[operator]
 
-        for phase, other in (("prefill", "decode"), ("decode", "prefill")):
+        pairs: tuple[tuple[Phase, Phase], ...] = (("prefill", "decode"), ("decode", "prefill"))
+        for phase, other in pairs:
             mine = [n for n in self.nodes if phases[n] == phase]
             if not mine or any(n not in heard or live(n) for n in mine):
                 continue
@@ -758,7 +760,7 @@ class PlannerCore:
         return m if isinstance(m, PlannerModels) else None
 
 
-def _no_profile():  # pragma: no cover - trivial
+def _no_profile() -> Profile:  # pragma: no cover - trivial
     """A static planner needs no profile; give it the tiny one so the type is complete."""
     from shared.profile import load_profile
 

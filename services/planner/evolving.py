@@ -86,7 +86,7 @@ from services.planner.throughput import (
 )
 
 
-def _warmup_kept(phases: dict[str, str]) -> str:
+def _warmup_kept(phases: Mapping[str, Phase]) -> str:
     """How a warm-up note words the phases kept while models are fitted: collocated, or the split served
     (``phases``: node → "prefill" | "decode" | "both")."""
     if all(p == "both" for p in phases.values()):

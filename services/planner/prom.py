@@ -49,7 +49,7 @@ def planner_families(svc: "PlannerService") -> Iterator[Metric]:
     )
     yield gauge_family("ei_split_epoch", "Epoch of the current split command", {(): float(cmd.epoch)})
     yield counter_family("ei_split_changes", "Split changes the planner decided (policy or operator)", {(): float(svc.core.switches)})
-    actions = {(a,): 0.0 for a in DECISION_ACTIONS}  # every action from 0: rate() sees its first increase
+    actions: dict[tuple[str, ...], float] = {(a,): 0.0 for a in DECISION_ACTIONS}  # every action from 0: rate() sees its first increase
     actions.update(by_prefix(svc.counters, "decisions."))
     yield counter_family(
         "ei_planner_decisions",

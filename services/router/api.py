@@ -678,7 +678,8 @@ def _json_type(value: Any) -> str:
         return "boolean"
     if isinstance(value, (int, float)):
         return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+    names: dict[type[Any], str] = {str: "string", list: "array", dict: "object"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _check_tool_calls(messages: list[ChatMessage]) -> None:
@@ -913,7 +914,7 @@ def parse_branch_headers(headers: Any, max_len: int) -> BranchHeaders:
         raise ApiError(400, "X-Parent-Branch-Id and X-Branch-Kind need an X-Branch-Id", param="X-Branch-Id")
     if bid is not None and parent == bid:
         raise ApiError(400, "a branch cannot be its own parent", param="X-Parent-Branch-Id")
-    return BranchHeaders(branch_id=bid, parent_branch_id=parent, kind=kind or "main", agent_id=agent)  # type: ignore[arg-type]
+    return BranchHeaders(branch_id=bid, parent_branch_id=parent, kind=kind or "main", agent_id=agent)
 
 
 # --------------------------------------------------------------------------- #

@@ -249,7 +249,7 @@ def guarded_h11(header_timeout_s: float, counters: Counter[str], closing: Callab
                 counters["http.header_timeouts"] += 1
                 self.transport.close()
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
 
@@ -259,7 +259,8 @@ def guarded_h11(header_timeout_s: float, counters: Counter[str], closing: Callab
             if self.cycle is not before:  # a request head arrived
                 self._disarm()
                 if self.cycle is not None:  # its app task has not run yet: the scope it gets is this dict
-                    self.cycle.scope.setdefault("extensions", {})[RESET_EXTENSION] = self._reset_hook(self.cycle)
+                    ext: dict[Any, Any] = self.cycle.scope.setdefault("extensions", {})
+                    ext[RESET_EXTENSION] = self._reset_hook(self.cycle)
                     if closing():
                         self.close_after_response()
 

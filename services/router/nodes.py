@@ -413,9 +413,9 @@ class NodeLoadView(Value):
         self._gen += 1
         self._forgotten &= cmd.phases.keys()
         for node, phase in cmd.phases.items():
-            rec = self.nodes.get(node)
-            if rec is not None:
-                rec.split_phase = phase
+            known = self.nodes.get(node)
+            if known is not None:
+                known.split_phase = phase
             elif node not in self._forgotten:  # a forgotten one gets its phase from _split_phases if it reports again
                 self._record(node).split_phase = phase
         self._split_phases = dict(cmd.phases)
@@ -483,8 +483,8 @@ class NodeLoadView(Value):
         wanted = phases if isinstance(phases, frozenset) else frozenset(phases)
         hit = self._lists.get(wanted)
         if hit is not None and hit[0] == self._gen and hit[1] <= now and now - hit[2] <= self.fence_after:
-            recs = hit[3]
-            return [rec.load or self._load(rec) for rec in recs] if recs else []
+            listed = hit[3]
+            return [rec.load or self._load(rec) for rec in listed] if listed else []
         by_id = self._by_id
         if by_id is None:
             by_id = self._by_id = sorted(self.nodes.values(), key=lambda r: r.node)

@@ -155,7 +155,7 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         "ei_router_prompt_tokens_total); not the directory's ei_kv_hit_ratio (h/h*, reusable prefix tokens only)",
         {(): mt.kv_hit_rate or 0.0},
     )
-    routed = {("prefill", k[0]): v for k, v in by_prefix(c, "routed.prefill.").items()}
+    routed: dict[tuple[str, ...], float] = {("prefill", k[0]): v for k, v in by_prefix(c, "routed.prefill.").items()}
     routed.update({("decode", k[0]): v for k, v in by_prefix(c, "routed.decode.").items()})
     yield counter_family("ei_router_routed", "Placements per node and phase", routed, ["phase", "node"])
     view = svc.core.view
@@ -169,7 +169,7 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         {("prefill",): float(len(view.prefill_candidates(now))), ("decode",): float(len(view.decode_candidates(now)))},
         ["phase"],
     )
-    redispatched = {(k,): float(c.get(f"redispatch.{k}", 0)) for k in REDISPATCH_KINDS}
+    redispatched: dict[tuple[str, ...], float] = {(k,): float(c.get(f"redispatch.{k}", 0)) for k in REDISPATCH_KINDS}
     yield counter_family(
         "ei_router_redispatches",
         "Requests placed again after a node they depended on was fenced (its client sees one response), by what was "

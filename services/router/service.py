@@ -45,7 +45,7 @@ import socket
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -511,7 +511,7 @@ class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: the service shell owns SIGINT/SIGTERM."""
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
+    def capture_signals(self) -> Iterator[None]:
         yield
 
     def install_signal_handlers(self) -> None:  # uvicorn < 0.29
@@ -1697,7 +1697,7 @@ class RouterService(WatchedService):
                 await asyncio.sleep(interval)
                 continue
             sent, conn = time.monotonic(), self.bus.reconnected_at
-            probe = asyncio.ensure_future(self.bus.nc.flush(timeout=_PROBE_NO_TIMEOUT_S))
+            probe = asyncio.ensure_future(self.bus.nc.flush(timeout=_PROBE_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
             done, _ = await asyncio.wait({probe}, timeout=self._bus_stall_s)
             if not done:  # a PONG already read but not processed yet (a busy loop ran this timer first) is no stall
                 done, _ = await asyncio.wait({probe}, timeout=0.01)
@@ -1889,10 +1889,11 @@ class RouterService(WatchedService):
         self.counters["route_waits"] += 1
         while time.monotonic() < deadline and not self._stopping:
             await asyncio.sleep(0.05)
-            out = self.core.route(rreq, lookup, self.clock.now())
-            if not isinstance(out, NoRoute):
+            got = self.core.route(rreq, lookup, self.clock.now())
+            if not isinstance(got, NoRoute):
                 self.counters["route_waits.recovered"] += 1
-                return out
+                return got
+            out = got
         return out
 
     def _work(self, p: _Pending, out: RouteDecision) -> m.PrefillWork:
@@ -2157,7 +2158,7 @@ class RouterService(WatchedService):
         )
 
     @staticmethod
-    def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    def _json(obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
         return Response(_JSON.encode(obj), status_code=status, media_type="application/json", headers=headers)
 
     def _error(self, status: int, reason: str, param: str | None = None) -> Response:

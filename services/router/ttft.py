@@ -893,9 +893,9 @@ class TtftPredictor:
         priced: list[tuple[Any, ...]] = []
         append = priced.append
         if view is None or lookup is None:  # nothing cached: the whole prompt on every node
-            w = self._priced(t_in, 0, 0, 0, 0)
+            whole = self._priced(t_in, 0, 0, 0, 0)
             for _ in names:
-                append(w)
+                append(whole)
             return self._rows(names, priced, now)
         prefixes, srcs, _ = view
         src_nodes = {r[0] for r in srcs}
@@ -906,7 +906,7 @@ class TtftPredictor:
         memo: dict[tuple[int, int], tuple[Any, ...]] = {}
         for node in names:
             key = prefixes.get(node, _NO_PREFIX)
-            w = None if node in src_nodes else memo.get(key)
+            w: tuple[Any, ...] | None = None if node in src_nodes else memo.get(key)
             if w is None:
                 w = self._priced(*_node_work(node, key, srcs, t_in, bs, cap, longest_t, f_min))
                 if node not in src_nodes:
