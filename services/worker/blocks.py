@@ -384,7 +384,7 @@ class GpuBlockPool:
         (≥ n). Inside a run every block has one resident child, so only first hashes are looked up."""
         runs: list[_GpuRun] = []
         pos = 0
-        children = self.roots
+        children: dict[int, _GpuRun] | None = self.roots
         while pos < n:
             r = children.get(path[pos]) if children is not None else None
             if r is None:
@@ -572,7 +572,7 @@ class GpuBlockPool:
                         del roots[keys[0]]
                     else:
                         ch = p.children
-                        del ch[keys[0]]  # type: ignore[union-attr]
+                        del ch[keys[0]]
                         if not ch:
                             p.children = None
                     evicted.extend(reversed(keys))
@@ -1377,6 +1377,7 @@ class RunHostPool:
         """
         seen: set[int] = set()
         n_runs = 0
+        r: _HostRun  # what the queues hold (they iterate as Any)
         for g, q in enumerate(self.queues):
             total = 0
             last_stamp = 0
@@ -1828,7 +1829,9 @@ class BranchRunHostPool(RunHostPool):
             c0 = c + 1
             h, d, k, g, p, _l, _i = chain[0]
             if len(chain) == 1:
-                r = self._run_at(h, d)  # type: ignore[assignment]
+                r = self._run_at(h, d)
+                if r is None:  # _moves found it queued
+                    raise KvInvariantError(f"queued page {h} at depth {d} is in no L2 run")
                 o = d - r.depth
                 if o + k <= len(r.keys) and r.keys[o + k - 1] == _l:
                     run = self._requeue([(r, o, k)], d, p, g)
@@ -1874,9 +1877,10 @@ class BranchRunHostPool(RunHostPool):
             if hashes[pos:end] != keys:
                 return pos
             pos = end
-            children = r.children
-            if children is None:
+            below = r.children
+            if below is None:
                 return pos
+            children = below
 
     def _moves(self, hashes: list[int], counts: Sequence[int], n: int) -> list[tuple[int, int, int, int, int | None, int, int]] | None:
         """The stretches of queued pages a count message moves (their group changes), in
@@ -1925,7 +1929,7 @@ class BranchRunHostPool(RunHostPool):
                 span.append((off, k))
             if k >= _RESTART:  # the stretch's other entries are queued: look on after it
                 rest = iter(hashes)
-                rest.__setstate__(i + k)
+                rest.__setstate__(i + k)  # type: ignore[attr-defined]  # a list iterator's: start at i + k, no copy
                 queued = compress(count(i + k), map(queued_set.__contains__, rest))
             elif k > 1:  # a short stretch: skip its entries in C
                 _drain(islice(queued, k - 1))
@@ -1965,6 +1969,8 @@ class BranchRunHostPool(RunHostPool):
         out = []
         while k:
             r = self._run_at(hashes[i], d)
+            if r is None:  # queued (the caller's stretch): some run holds it
+                raise KvInvariantError(f"queued page {hashes[i]} at depth {d} is in no L2 run")
             o = d - r.depth
             m = min(k, len(r.keys) - o)
             out.append((r, o, m))

@@ -19,7 +19,9 @@ each (O(k·n) when k fetches drain between two calls).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)  # a fetch's key: the scheduler's request ids
 
 from shared.values import FACTORY, FrozenValue, IdentityValue, set_field
 
@@ -28,7 +30,7 @@ _EPS_BYTES = 1e-6
 """Remaining bytes at or below this count as drained (float round-off)."""
 
 
-class FetchLink:
+class FetchLink(Generic[K]):
     """One node's inbound peer link shared by concurrent fetches (processor sharing).
 
     Args:
@@ -56,9 +58,9 @@ class FetchLink:
             raise ValueError(f"latency_s must be >= 0, got {latency_s}")
         self.bytes_per_s = float(bytes_per_s)
         self.latency_s = float(latency_s)
-        self._active: dict[Hashable, float] = {}
+        self._active: dict[K, float] = {}
         """key → bytes still to move (insertion order = start order)."""
-        self._drained: dict[Hashable, float] = {}
+        self._drained: dict[K, float] = {}
         """key → completion time (last byte moved + latency)."""
         self._last = 0.0
         """Time up to which ``_active`` is accounted."""
@@ -66,7 +68,7 @@ class FetchLink:
     def __len__(self) -> int:
         return len(self._active) + len(self._drained)
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._active or key in self._drained
 
     @property
@@ -102,7 +104,7 @@ class FetchLink:
             last = now
         self._last = last
 
-    def start(self, key: Hashable, nbytes: float, now: float) -> None:
+    def start(self, key: K, nbytes: float, now: float) -> None:
         """A fetch of ``nbytes`` starts at ``now``; the others slow down from now on.
 
         Raises:
@@ -118,7 +120,7 @@ class FetchLink:
         else:
             self._active[key] = float(nbytes)
 
-    def cancel(self, key: Hashable, now: float) -> bool:
+    def cancel(self, key: K, now: float) -> bool:
         """Drop a fetch (its request left); the others speed up from ``now``. False if unknown."""
         self._advance(now)
         if self._active.pop(key, None) is not None:
@@ -138,7 +140,7 @@ class FetchLink:
             best = t if best is None or t < best else best
         return best
 
-    def pop_done(self, now: float) -> list[tuple[Hashable, float]]:
+    def pop_done(self, now: float) -> list[tuple[K, float]]:
         """Remove and return ``(key, completion time)`` of every fetch complete at ``now``,
         in completion order (ties: start order)."""
         self._advance(now)

@@ -235,7 +235,7 @@ class EngineScheduler:
         """rids whose queued :meth:`reserve` got its L1 room since the last :meth:`take_granted` (read
         it to skip an empty drain; never change it)."""
         links = profile.links
-        self.link = FetchLink(links.peer_fetch_bytes_per_s, links.peer_fetch_latency_s)
+        self.link: FetchLink[str] = FetchLink(links.peer_fetch_bytes_per_s, links.peer_fetch_latency_s)
         """The node's inbound peer link, shared by the fetches of queued requests."""
         self.external_fetch = external_fetch
         self._fetching: set[str] = set()
@@ -926,7 +926,7 @@ class EngineScheduler:
                 r.generated = start + left
                 out.append(TokensOut(r.rid, start, left, True, "length", r.prompt_tokens, r.cached, now))
                 self._remove(r)
-            decoding = ()
+            decoding = []
         for r in decoding:  # a real engine's (``stopped`` given): one TokensOut per request per iteration
             if r.state != DECODING:
                 continue
@@ -1361,7 +1361,7 @@ class EngineScheduler:
                 raise SchedulerError(f"{r.rid}: fetch incomplete={incomplete} but fetching set says {r.rid in self._fetching}")
             if incomplete and r.state not in (WAITING, BOOTSTRAP):
                 raise SchedulerError(f"{r.rid}: {r.state} with an incomplete fetch")
-            if incomplete and (f.sim_done_at is None) != (r.rid in self.link):
+            if f is not None and incomplete and (f.sim_done_at is None) != (r.rid in self.link):
                 raise SchedulerError(f"{r.rid}: fetch on the link={r.rid in self.link}, link done at {f.sim_done_at}")
         if len(self._fetching) > len(self.requests) or len(self.link) > len(self._fetching):
             raise SchedulerError(f"{len(self._fetching)} fetching, {len(self.link)} on the link, {len(self.requests)} requests")

@@ -69,7 +69,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -113,6 +113,9 @@ from services.worker.fetch import FetchStarted
 from services.worker.plan import HandOff, IterationPlan, SchedulerError, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
 from services.worker.watchdog import LoopBlocked, StepHung, StepInfo, StepWatchdog
+
+if TYPE_CHECKING:  # imported where --kv-pool real needs it: Mooncake is optional
+    from services.worker.kvpool.pool import HostKvPool
 
 ABORTED_KEPT = 4096
 """Aborts of requests a node did not hold that it remembers (``WorkerService._aborted``), newest first."""
@@ -448,7 +451,7 @@ class WorkerService:
         """No-responder streaks of owning routers (``route.held``): a router gone drops its requests here."""
         self._traces = WorkerTraces(cfg.node, clock.speedup)
         """Spans of traced requests (empty unless tracing is on and requests carry ``traceparent``)."""
-        self.kvpool = None  # HostKvPool with --kv-pool real (imported lazily: Mooncake is optional)
+        self.kvpool: HostKvPool | None = None  # HostKvPool with --kv-pool real (imported lazily: Mooncake is optional)
         self.fatal = asyncio.Event()
         """Set when the engine failed beyond repair (:class:`EngineFatal`, e.g. ``KvMapError``): the
         process shell (``shared.service``) then stops the node and exits non-zero (``fatal_error``)."""
@@ -1364,7 +1367,7 @@ class WorkerService:
         assert task is not None
         if self._binds.get(rid) is task:
             del self._binds[rid]
-        self._handing_off[rid] = task  # type: ignore[assignment]
+        self._handing_off[rid] = task
         self.counters["bind.after_prefill"] += 1
         for out in outs:
             if isinstance(out, TokensOut):
@@ -1914,9 +1917,10 @@ class WorkerService:
             tokens = tokens[1:]
             lps = lps[1:] if lps is not None else None
         else:
-            st = self._streams.get(rid)
-            if st is None:
-                st = self._streams[rid] = _Stream(start=out.index)
+            known = self._streams.get(rid)
+            if known is None:
+                known = self._streams[rid] = _Stream(start=out.index)
+            st = known
         st.pending.extend(tokens)
         if lps is not None:
             st.lps = (st.lps or []) + lps

@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from services.worker.kvpool.buffer import DEFAULT_CPU_SLOT_BYTES
 from services.worker.kvpool.config import parse_port_range
@@ -55,7 +56,7 @@ def corrupt_indices(n: int, k: int) -> list[int]:
     return sorted({(i * n) // k + (n // (2 * k)) for i in range(k)})
 
 
-def _emit(obj: dict) -> None:
+def _emit(obj: dict[str, Any]) -> None:
     print(json.dumps(obj), flush=True)
 
 

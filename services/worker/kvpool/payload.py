@@ -64,7 +64,7 @@ def payload(block_hash: int, nbytes: int) -> np.ndarray:
 def checksum(data: np.ndarray | bytes | memoryview) -> int:
     """CRC-32 of ``data`` as an unsigned int in [0, 2**32). Releases the GIL on large buffers."""
     if isinstance(data, np.ndarray):
-        data = memoryview(np.ascontiguousarray(data)).cast("B")
+        data = np.ascontiguousarray(data).data.cast("B")  # .data: the array's memoryview
     return zlib.crc32(data) & 0xFFFF_FFFF
 
 

@@ -248,7 +248,7 @@ class HostKvPool:
     # -- holder side ------------------------------------------------------ #
 
     async def _on_locate(self, req: m.PoolLocate, _subject: str) -> m.PoolLocation:
-        base = dict(
+        base: dict[str, Any] = dict(
             node=self.node,
             session=self.session,
             protocol=self.endpoint.protocol,

@@ -270,6 +270,8 @@ def init_model(
     from tokenizers import Tokenizer
 
     eos = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id("<|im_end|>")
+    if eos is None:  # SPECIAL_TOKENS has it: train_tokenizer wrote some other tokenizer
+        raise RuntimeError(f"{folder / 'tokenizer.json'}: no <|im_end|> token (the eos)")
     cfg = model_config(arch, layers, hidden, heads, kv_heads, n_vocab, context, eos)
     g = torch.Generator().manual_seed(seed)
     D = cfg["head_dim"]
@@ -309,7 +311,7 @@ def init_model(
     weights.chmod(_umask_mode())
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}, indent=2) + "\n")
-    tok_cfg = {
+    tok_cfg: dict[str, Any] = {
         "chat_template": CHATML_TEMPLATE,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",

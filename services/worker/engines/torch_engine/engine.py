@@ -937,9 +937,10 @@ class TorchEngine(Engine):
         for r in plan.reqs[n_chunks:]:
             if r.rid in self._stopped:  # ended at EOS in an earlier iteration of this plan
                 continue
-            s = self.seqs.get(r.rid)
-            if s is None:
+            known = self.seqs.get(r.rid)
+            if known is None:
                 raise KvMapError(f"{r.rid}: decode without registered tokens")
+            s = known
             if s.incoming is not None:  # hand-off: prompt pages are in L1 now; copy the partial one
                 full = len(s.prompt) // ps
                 try:

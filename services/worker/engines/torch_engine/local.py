@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.messages import DecodeWork, PrefillWork
+from shared.messages import DecodeWork, IterationRecord, PrefillWork
 from shared.profile import Profile
 from services.worker.engines.torch_engine.engine import TorchEngine
 from services.worker.plan import HandOff, TokensOut
@@ -69,7 +69,7 @@ class LocalNode:
     """Hand-offs this node produced; their ``work.kv`` carries the prompt's K/V."""
     finished: dict[str, Finished] = field(default_factory=dict)
     cached: dict[str, int] = field(default_factory=dict)
-    records: list = field(default_factory=list)
+    records: list[IterationRecord] = field(default_factory=list)
     handoff_logprobs: dict[str, dict[int, tuple[float, list[int], list[float]]]] = field(default_factory=dict)
     """With ``Sampling.logprobs``: the logprobs of each handed-off request's first token (index 0)."""
     offsets: dict[str, int] = field(default_factory=dict)

@@ -433,7 +433,7 @@ class PagedDecoder(torch.nn.Module):
         return ks, vs
 
     @torch.inference_mode()
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
@@ -525,7 +525,7 @@ class PagedDecoder(torch.nn.Module):
             kc.view(-1, nkv, D).index_copy_(0, slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
             vc.view(-1, nkv, D).index_copy_(0, slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
             kd = vd = kch = vch = None
-            if reuse:
+            if reuse and prev is not None:  # reuse implies prev: the test is for mypy
                 kd, vd = prev[3][li], prev[4][li]
                 ks_new = k[dec_rows] if isinstance(dec_rows, slice) else k.index_select(0, dec_rows)
                 vs_new = v[dec_rows] if isinstance(dec_rows, slice) else v.index_select(0, dec_rows)

@@ -244,21 +244,22 @@ def penalize(logits: torch.Tensor, stats: Sequence[TokenStats | None], params: S
     for i, st in enumerate(stats):
         if st is not None and st.bias_ids is not None and st.bias is not None:
             x[i, st.bias_ids] += st.bias  # ids are distinct (dict keys): no accumulation needed
-    pen = [i for i, st in enumerate(stats) if st is not None and st.counts is not None]
+    pen_stats = [(i, st) for i, st in enumerate(stats) if st is not None and st.counts is not None]
+    pen = [i for i, _ in pen_stats]
     if pen:
         sps: list[Sampling] = [params[i] for i in pen]  # type: ignore[misc]
         whole = len(pen) == x.shape[0]
         sub = x if whole else x[pen]  # x is our copy: in place is fine
         # each term only when some row sets it (an unset one is exact no-op: / 1, - 0)
         if any(sp.repetition_penalty != 1.0 for sp in sps):
-            seen = torch.stack([stats[i].seen for i in pen])  # type: ignore[union-attr,misc]
+            seen = torch.stack([st.seen for _, st in pen_stats])
             rep = torch.tensor([sp.repetition_penalty for sp in sps], dtype=torch.float32, device=dev)[:, None]
             r = torch.where(seen, rep, 1.0)
             sub = torch.where(sub > 0, sub / r, sub * r)
         f_on = any(sp.frequency_penalty != 0.0 for sp in sps)
         p_on = any(sp.presence_penalty != 0.0 for sp in sps)
         if f_on or p_on:
-            counts = torch.stack([stats[i].counts for i in pen])  # type: ignore[union-attr,misc]
+            counts = torch.stack([st.counts for _, st in pen_stats])
             if f_on:
                 freq = torch.tensor([sp.frequency_penalty for sp in sps], dtype=torch.float32, device=dev)[:, None]
                 sub = sub.sub_(freq * counts)
