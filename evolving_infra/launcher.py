@@ -186,8 +186,9 @@ def _add_cluster_args(
         help="workers' host KV pool: off (L2 is bookkeeping only; the default) or real (every L2 block has bytes in a "
         "Mooncake-registered host buffer and peer fetches pull them over TCP, verified by CRC-32; needs "
         "scripts/install-mooncake.sh). up gives each worker its own range of 32 Mooncake ports (--kv-pool-ports), the "
-        "same after a restart; the pool mirrors the whole L2, at most 1 GiB per worker: gb300 profiles need "
-        "--kv-pool-slot-bytes 4096 (or a smaller --host-kv-tokens)",
+        "same after a restart; the pool mirrors the whole L2, at most 1 GiB per worker (EI_KV_POOL_MAX_BYTES, "
+        "which the workers inherit, raises it): gb300 profiles need --kv-pool-slot-bytes 4096 (or a smaller "
+        "--host-kv-tokens)",
     )
     g.add_argument(
         "--kv-pool-slot-bytes",
@@ -628,19 +629,31 @@ def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: b
         return {}
     import importlib.util
 
-    from services.worker.kvpool.config import pool_geometry
+    from services.worker.kvpool.config import DEFAULT_MAX_POOL_BYTES, pool_geometry
     from services.worker.kvpool.transport import pick_port_range
+    from shared.config import env_name
 
     if importlib.util.find_spec("mooncake") is None:
         raise UsageError("error: --kv-pool real needs Mooncake's transfer engine: scripts/install-mooncake.sh (VENV=<venv>)")
     slot = int(getattr(args, "kv_pool_slot_bytes", 0) or 0)
     if slot < 0:
         raise UsageError(f"error: --kv-pool-slot-bytes {slot}: bytes, 0 or more")
+    # the limit the workers apply: their kv_pool_max_bytes, which up gives them only through the environment they inherit
+    limit_text = os.environ.get(env_name("kv_pool_max_bytes"), "").strip()
+    limit = DEFAULT_MAX_POOL_BYTES
+    if limit_text:
+        try:
+            limit = int(limit_text)
+        except ValueError:
+            limit = 0
+        if limit <= 0:
+            raise UsageError(f"error: {env_name('kv_pool_max_bytes')} {limit_text!r}: bytes, an integer > 0")
     if args.engine == "sim":  # a torch worker's slot is its page (checked by the worker against its model)
         try:
-            pool_geometry(sized.node_profile(), slot)
+            pool_geometry(sized.node_profile(), slot, limit)
         except ValueError as e:
-            raise UsageError(f"error: --kv-pool real: {e} (--kv-pool-slot-bytes N, or a smaller --host-kv-tokens)") from None
+            raise UsageError(f"error: --kv-pool real: {e} (--kv-pool-slot-bytes N, a smaller --host-kv-tokens, "
+                             f"or {env_name('kv_pool_max_bytes')}, which every worker inherits)") from None
     if not one_host:  # deploy-args prints service_flags, which carry no worker_args: refused, not dropped
         raise UsageError("error: --kv-pool real is up's and demo's (one host, a port pair per worker); in a deployment "
                          "give each worker --kv-pool real and its own --kv-pool-ports")

@@ -76,3 +76,17 @@ def test_deploy_args_refuse_it_rather_than_drop_it(mooncake_found):
     args = build_parser("up").parse_args(["up", "--kv-pool", "real", "--kv-pool-slot-bytes", "4096"])
     with pytest.raises(UsageError, match="give each worker --kv-pool real and its own --kv-pool-ports"):
         _spec(args, one_host=False)
+
+
+def test_the_limit_is_the_one_the_workers_read_from_the_environment(tmp_path, mooncake_found, monkeypatch):
+    """The refusal says "raise the limit"; for ``up`` that is ``EI_KV_POOL_MAX_BYTES``, which every worker it starts
+    inherits. Before, ``up`` checked the pool against the 1 GiB default whatever the variable said (refused, exit 2,
+    a pool its workers would have taken) and its message named no way to raise the limit."""
+    args = build_parser("up").parse_args(["up", "--log-dir", str(tmp_path), "--kv-pool", "real"])  # gb300: 7.86 GiB
+    with pytest.raises(UsageError, match=r"or EI_KV_POOL_MAX_BYTES"):
+        _spec(args)
+    monkeypatch.setenv("EI_KV_POOL_MAX_BYTES", str(8 * 2**30))
+    assert _spec(args) is not None  # 7.86 GiB <= 8 GiB: started, each worker with --kv-pool real and its ports
+    monkeypatch.setenv("EI_KV_POOL_MAX_BYTES", "lots")
+    with pytest.raises(UsageError, match=r"EI_KV_POOL_MAX_BYTES 'lots': bytes, an integer > 0"):
+        _spec(args)
