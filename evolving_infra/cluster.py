@@ -655,11 +655,19 @@ class LocalCluster:
         child.started_at = time.monotonic()
         child.restart_at = None
 
-    def _log_tail(self, child: _Child) -> str:
+    def _log_tail(self, child: _Child, chars: int = 1500) -> str:
+        """The end of ``child``'s log, at most ``chars`` characters, from the first whole line in them (a last line
+        longer than that: its end, cut); "" when the log cannot be read."""
         try:
-            return child.log_path.read_text(errors="replace")[-1500:]
+            text = child.log_path.read_text(errors="replace")
         except OSError:
             return ""
+        tail = text[-chars:]
+        if len(text) > chars and text[-chars - 1] != "\n":  # cut inside a line: start at the next one
+            nl = tail.find("\n")
+            if 0 <= nl < len(tail) - 1:
+                tail = tail[nl + 1 :]
+        return tail
 
     def supervise_once(self, now: float | None = None) -> list[str]:
         """One supervision pass: schedule restarts of exited services, start those that are due.

@@ -124,6 +124,30 @@ def test_without_supervision_an_exit_fails_the_cluster(tmp_path):
         child.log_file.close()
 
 
+def test_the_exit_error_quotes_whole_log_lines(tmp_path):
+    """``up --no-restart``'s "router exited with code 0; log ...:" quoted the log's last 1,500 characters, cut
+    mid-line (the newcomer walk: its first line was 'imestamp": "2026-12-06T01:46:41.964618Z"}'). It starts at the
+    first whole line of that tail now; a longer last line is quoted cut, as before."""
+    c = _cluster(tmp_path)
+    child = c.children[0]
+    try:
+        _kill(child)
+        child.proc.wait()
+        lines = [f'{{"event": "line {i}", "timestamp": "2026-12-06T01:46:{i % 60:02d}.000000Z"}}' for i in range(100)]
+        child.log_path.write_text("\n".join(lines) + "\n")
+        with pytest.raises(ClusterError) as e:
+            c.check_alive()
+        quoted = str(e.value).split(":\n", 1)[1]
+        assert quoted.endswith(lines[-1] + "\n") and 1000 < len(quoted) <= 1500
+        assert quoted.split("\n")[0] in lines  # a whole line, not the end of one
+        child.log_path.write_text("x" * 4000)  # one line longer than the tail: its end, cut
+        with pytest.raises(ClusterError) as e:
+            c.check_alive()
+        assert str(e.value).split(":\n", 1)[1] == "x" * 1500
+    finally:
+        child.log_file.close()
+
+
 def test_a_failing_restart_callback_does_not_end_supervision(tmp_path):
     """``up``'s on_restart rewrites cluster.json and prints a line: a full disk or a closed stdout
     (``up | head``) raised out of the supervisor task, and the cluster failed ('supervisor crashed')."""
