@@ -1317,7 +1317,7 @@ def clear_run_logs(log_dir: Path) -> list[Path]:
 
 def demo_input_flags(args: argparse.Namespace) -> list[str]:
     """The demo flags that define what it serves (the sessions, how they arrive, the trace and its scaling), on what
-    nodes (count, profile, engine, model, KV sizes, device) and how they serve it apart from the policy (the speed-up,
+    nodes (count, profile, engine, model, KV sizes, device, a real-bytes KV pool) and how they serve it apart from the policy (the speed-up,
     ``--fence-after-s``, ``--stream-interval``, a ``--tokenizer`` given): a comparison command must repeat all of
     them, or it compares another input or another cluster (``report compare`` warns about the input). The static
     demo's comparison line was ``demo --out demo-out``, which dropped ``--engine torch --model DIR --nodes 2
@@ -1336,6 +1336,12 @@ def demo_input_flags(args: argparse.Namespace) -> list[str]:
         same.append(f"--profile {shlex.quote(str(args.profile))}")
     # the KV sizes set the nodes' memory, and for --engine torch how far prompts are cut (half of L1)
     same += [f"{flag} {value}" for flag, value in (("--gpu-kv-tokens", args.gpu_kv_tokens), ("--host-kv-tokens", args.host_kv_tokens)) if value]
+    # the real-bytes host KV pool: its peer fetches pull bytes over TCP on the wall clock (x the speed-up); without it
+    # they move none, another cluster
+    if getattr(args, "kv_pool", "off") == "real":
+        same.append("--kv-pool real")
+        if getattr(args, "kv_pool_slot_bytes", 0):
+            same.append(f"--kv-pool-slot-bytes {args.kv_pool_slot_bytes}")
     # how the cluster serves it: the liveness time (a 3-s run against the demo's 10 s fences starved workers the
     # other does not), the streamed chunk size, a tokenizer given (the torch engine's default, the model's, is not)
     if args.fence_after_s is not None and args.fence_after_s != DEMO_FENCE_S:

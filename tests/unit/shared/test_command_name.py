@@ -6,6 +6,7 @@ The demo's last line suggested ``evolving-infra demo --policy static:2P2D ...`` 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -154,3 +155,20 @@ def test_the_demos_baseline_line_keeps_how_the_cluster_serves(make_demo, tmp_pat
     _spec(plain)
     base = _baseline_line(plain, Path("demo-out")).split(": ", 1)[1].split(" && ")[0]
     assert "--fence-after-s" not in base and "--stream-interval" not in base and "--tokenizer" not in base, base
+
+
+def test_the_demos_baseline_line_keeps_the_real_bytes_kv_pool(make_demo, tmp_path, monkeypatch):
+    """``demo --kv-pool real --kv-pool-slot-bytes 4096`` printed a baseline command without either (the newcomer walk,
+    session 46): the baseline's peer fetches moved no bytes, the demo's pulled them over TCP on the wall clock (× the
+    speed-up), so the two compared another cluster as well as another policy. The static demo's comparison too."""
+    real = importlib.util.find_spec  # Mooncake need not be installed: the launcher only looks for it
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "mooncake" else real(name, *a))
+    for policy, out in ((None, "demo-out"), ("static:2P2D", "demo-out-static")):
+        argv = ["demo", "--log-dir", str(tmp_path / f"l{out}"), "--kv-pool", "real", "--kv-pool-slot-bytes", "4096"]
+        args = build_parser().parse_args(argv + (["--policy", policy] if policy else []))
+        _spec(args)
+        base = _baseline_line(args, Path(out)).split(": ", 2)[-1].split(" && ")[0]
+        assert "--kv-pool real --kv-pool-slot-bytes 4096" in base, (policy, base)
+    plain = build_parser().parse_args(["demo", "--log-dir", str(tmp_path / "lp")])
+    _spec(plain)
+    assert "--kv-pool" not in _baseline_line(plain, Path("demo-out"))
