@@ -380,6 +380,9 @@ class PoolLocation(Msg, frozen=True, kw_only=True):
     """``synthetic``: payloads derive from the block hash (puller can recompute them)."""
     error: str | None = None
     """Set when the holder refused the request; the lists are then empty."""
+    instance: str = ""
+    """The holder pool's process (a random nonce drawn at its start): a puller tells a restarted holder by it even
+    where the new buffer lands at the old ``base_addr`` (ASLR off); "" from a holder older than this field."""
 
 
 # --------------------------------------------------------------------------- #

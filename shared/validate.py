@@ -272,6 +272,7 @@ def _pool_location(r: m.PoolLocation, p: dict[str, str], nodes: Collection[str] 
             raise Invalid("offsets / checksums do not match block_hashes")
     _text(r.error, "error")
     _text(r.session, "session", 256)
+    _text(r.instance, "instance", 64)
 
 
 def _branch(e: m.BranchStart | m.BranchEnd | m.BranchToolCall, p: dict[str, str], nodes: Collection[str] | None) -> None:

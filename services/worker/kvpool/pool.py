@@ -23,6 +23,8 @@ missing: it is never used.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,16 +41,23 @@ from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.subjects import KV_POOL, check_token
 
+log = logging.getLogger(__name__)
+
 MAX_LOCATE_BLOCKS = 4096
+"""Most hashes per PoolLocate (≈ 40 KB of msgpack each way); fetch splits longer lists."""
 
 READ_BATCH = 256
 """Transfers per Mooncake batch read: a fetch of more blocks reads them in batches of this many, one after another.
 Mooncake 0.3.13's TCP transport queues a batch's transfers on its lanes and rejects what does not fit (``TCP lane
-queue-full rejection``, at 2,048 queued): one batch of 6,000 4-KiB blocks from a live, idle peer lost 581-1,377 of
+queue-full rejection``, at 2,048 queued): one batch of 6,000 4-KiB blocks from a live, idle peer lost 242-1,377 of
 them (``transfer``, recomputed), and their one-by-one retries ran into the same full queue; 2,048-block batches lost
-none. 256 keeps a worker's concurrent fetches (one thread each, asyncio's default executor: at most 6 threads on 2
-cores) under 2,048 queued together; 6,000 blocks took 1.3 s in 256-block batches against 1.7 s in one (loopback)."""
-"""Most hashes per PoolLocate (≈ 40 KB of msgpack each way); fetch splits longer lists."""
+none. Each read has a thread of its own (no pool caps how many run at once), so 256 per batch keeps about eight
+concurrent fetches of one worker under 2,048 queued together; 6,000 blocks took 1.3 s in 256-block batches against
+1.7 s in one (loopback)."""
+STUCK_READS_WARN = 4
+"""``kvpool.reads_in_flight`` at which the pool logs one warning: reads stuck on dead peers hold their thread and
+their slots until they return, which Mooncake 0.3.13 does not do for a peer that died mid-read (the slots come back
+when this worker restarts; by design, docs/architecture.md)."""
 MAX_LEASE_S = 60.0
 """Longest lease a holder grants, whatever a peer asks."""
 
@@ -84,7 +93,8 @@ class FetchResult:
     verify_s: float = 0.0
     error: str | None = None
     reasons: dict[str, int] = field(default_factory=dict)
-    """Missing blocks per reason: ``not_held``, ``no_room``, ``busy``, ``transfer``, ``mismatch``, ``error``."""
+    """Missing blocks per reason: ``not_held``, ``no_room``, ``busy``, ``transfer``, ``mismatch``, ``error``,
+    ``timeout``, ``stale_session``, ``no_thread``."""
 
     @property
     def verified(self) -> bool:
@@ -157,10 +167,14 @@ class HostKvPool:
         self.counters = self.buffer.counters
         self._sub: Subscription | None = None
         self._expected: dict[int, int] = {}
-        self._read_from: dict[str, int] = {}
+        self.instance = os.urandom(8).hex()
+        """This pool's process, a random nonce told to pullers in every ``PoolLocation`` (``instance``): a restarted
+        holder is another instance even where its buffer lands at its predecessor's address (ASLR off)."""
+        self._read_from: dict[str, tuple[int, str]] = {}
+        """Mooncake session -> the holder's ``(base_addr, instance)`` when this pool first read from it (:meth:`fetch`)."""
         self._reads_in_flight = 0
         """Mooncake reads whose thread has not returned (:meth:`_in_own_thread`)."""
-        """Mooncake session -> the holder's ``base_addr`` when this pool first read from it (:meth:`fetch`)."""
+        self._stuck_warned = False
 
     # -- lifecycle -------------------------------------------------------- #
 
@@ -256,6 +270,7 @@ class HostKvPool:
             slot_bytes=self.buffer.slot_bytes,
             checksum_algo=CHECKSUM_ALGO,
             payload=self.buffer.payload,
+            instance=self.instance,
         )
         if req.node != self.node:
             self.counters["locate_refused"] += 1
@@ -294,10 +309,11 @@ class HostKvPool:
                 raise ValueError(f"peer {peer} refused: {rep.error}")
             if rep.block_hashes != chunk or len(rep.offsets) != len(chunk) or len(rep.checksums) != len(chunk):
                 raise ValueError(f"peer {peer} answered for other blocks or with ragged lists")
-            if replies and (rep.session, rep.base_addr, rep.slot_bytes) != (
+            if replies and (rep.session, rep.base_addr, rep.slot_bytes, rep.instance) != (
                 replies[0].session,
                 replies[0].base_addr,
                 replies[0].slot_bytes,
+                replies[0].instance,
             ):
                 raise ValueError(f"peer {peer} changed its transfer endpoint between requests")
             replies.append(rep)
@@ -315,6 +331,7 @@ class HostKvPool:
             checksums=[c for r in replies for c in r.checksums],
             checksum_algo=first.checksum_algo,
             payload=first.payload,
+            instance=first.instance,
         )
 
     def _in_own_thread(self, fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
@@ -325,7 +342,10 @@ class HostKvPool:
         reconnects to the dead data port with backoff; measured: 6,000 slots still pending 26 s after the kill, no
         knob of Mooncake 0.3.13 ended it), and each one held a thread of the loop's default executor for good
         (min(32, cores + 4): 6 on 2 cores). Past that, every later read, and the loop's ``getaddrinfo`` (a NATS
-        reconnect), waited behind them. A thread of its own costs only itself."""
+        reconnect), waited behind them. A thread of its own costs only itself.
+
+        Raises:
+            RuntimeError: the thread could not start (``can't start new thread``); nothing is counted then."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
 
@@ -350,8 +370,21 @@ class HostKvPool:
             except RuntimeError:  # the loop closed meanwhile (the process is stopping): nobody waits
                 pass
 
+        thread = threading.Thread(target=run, name=name, daemon=True)
         self._reads_in_flight += 1
-        threading.Thread(target=run, name=name, daemon=True).start()
+        try:
+            thread.start()
+        except BaseException:
+            self._reads_in_flight -= 1
+            raise
+        if self._reads_in_flight >= STUCK_READS_WARN and not self._stuck_warned:
+            self._stuck_warned = True
+            log.warning(
+                "%s: %d Mooncake reads in flight at once (kvpool.reads_in_flight); reads stuck on a peer that died "
+                "mid-read hold their thread and slots until this worker restarts (logged once)",
+                self.node,
+                self._reads_in_flight,
+            )
         return fut
 
     def _incompatible(self, loc: m.PoolLocation) -> str | None:
@@ -414,14 +447,14 @@ class HostKvPool:
         if bad:
             return failed(bad, locate_s)
         first = self._read_from.get(loc.session)
-        if first is not None and first != loc.base_addr:
+        if first is not None and first != (loc.base_addr, loc.instance):
             # Another process answers on a session this engine read from (the peer restarted on its predecessor's
             # RPC port): Mooncake keeps the first process's segment (its data port) per session and has no call to
             # drop it, so a read retries the dead port and blocks: measured, the read past fetch_timeout_s and its
             # thread and slots held on, every later fetch of those blocks "busy". Refused at once instead.
             return failed(
                 f"{peer} restarted on Mooncake session {loc.session}, which this worker read from before (buffer at "
-                f"{first:#x}, now {loc.base_addr:#x}): its transfer engine keeps the old process's segment, so no "
+                f"{first[0]:#x}, instance {first[1] or '?'}; now {loc.base_addr:#x}, {loc.instance or '?'}): its transfer engine keeps the old process's segment, so no "
                 "read from this session can succeed until this worker restarts; the pages are recomputed",
                 locate_s,
                 "stale_session",
@@ -433,6 +466,7 @@ class HostKvPool:
         reads = plan.reads
         identity = self.verify_identity
         known = {r.block_hash: self._expected[r.block_hash] for r in reads if r.block_hash in self._expected}
+        stop = threading.Event()  # set when the fetch gave up on the read (fetch_timeout_s): no further batch starts
 
         def transfer_and_verify() -> tuple[set[int], list[int], dict[int, int], float, float]:
             # Runs in a worker thread: Mooncake's sync read and zlib.crc32 release the GIL.
@@ -443,6 +477,9 @@ class HostKvPool:
             step = READ_BATCH
             for lo in range(0, len(reads), step):
                 hi = min(lo + step, len(reads))
+                if stop.is_set():  # nobody waits for the rest: the plan is cancelled when this returns
+                    failed_idx.update(range(lo, len(reads)))
+                    break
                 if self.endpoint.read(session, local[lo:hi], remote[lo:hi], [sb] * (hi - lo)) != 0:
                     # The batch API does not say which transfer failed: retry one by one.
                     for i in range(lo, hi):
@@ -463,11 +500,15 @@ class HostKvPool:
         expected: dict[int, int] = {}
         transfer_s = verify_s = 0.0
         if reads:
-            self._read_from.setdefault(loc.session, loc.base_addr)  # Mooncake opens (and keeps) the segment now
             # bounded wait: a peer that stops answering mid-read must not hold the request
             # (issue #22). The thread cannot be interrupted: on timeout the plan's slots are
             # released only when the read returns (they are its target until then).
-            read = self._in_own_thread(transfer_and_verify, f"kvpool-read-{peer}")
+            try:
+                read = self._in_own_thread(transfer_and_verify, f"kvpool-read-{peer}")
+            except RuntimeError as e:  # no thread to be had (the process's limit): nothing was read
+                cancel_plan(self.buffer, plan)
+                return failed(f"no thread for a Mooncake read from {peer}: {e}", locate_s, "no_thread")
+            self._read_from.setdefault(loc.session, (loc.base_addr, loc.instance))  # Mooncake opens (and keeps) the segment now
 
             def release(_f: asyncio.Future[Any]) -> None:
                 cancel_plan(self.buffer, plan)
@@ -480,6 +521,7 @@ class HostKvPool:
                 read.add_done_callback(release)
                 raise
             if not done:
+                stop.set()
                 read.add_done_callback(release)
                 return failed(f"Mooncake read from {peer} took more than {self.fetch_timeout_s:g} s (fetch_timeout_s)", locate_s, "timeout")
             try:

@@ -13,10 +13,12 @@ and ``kvpool.reads_in_flight`` counts them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 
 from services.worker.kvpool.payload import expected_checksum
-from services.worker.kvpool.pool import HostKvPool
+from services.worker.kvpool.pool import READ_BATCH, STUCK_READS_WARN, HostKvPool
 from shared import messages as m
 
 SB = 128
@@ -79,3 +81,72 @@ def test_reads_stuck_on_a_dead_peer_leave_the_default_executor_free():
         assert pool.buffer.occupancy()["pending"] == 0
 
     asyncio.run(main())
+
+
+def test_a_read_thread_that_cannot_start_fails_the_fetch_and_frees_its_slots(monkeypatch):
+    """``Thread.start`` raises ``RuntimeError`` (the process's thread limit) after the plan reserved slots: the fetch
+    fails (``no_thread``), counted, its slots freed and ``kvpool.reads_in_flight`` back to 0; nothing escapes."""
+    ep = _DeadPeer()
+    ep.release.set()
+    pool = HostKvPool("b", None, num_slots=8, slot_bytes=SB, endpoint=ep, fetch_timeout_s=0.3)  # type: ignore[arg-type]
+    pool.locate = _locate  # type: ignore[method-assign]
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    r = asyncio.run(pool.fetch("a", [1, 2, 3]))
+    assert r.reasons == {"no_thread": 3} and r.missing == (1, 2, 3) and "can't start new thread" in (r.error or "")
+    assert pool.counters["fetch_failed.no_thread"] == 1 and pool.counters["fetch_errors"] == 1
+    assert pool.buffer.occupancy()["pending"] == 0 and pool.stats()[1]["kvpool.reads_in_flight"] == 0
+    assert ep.started == 0
+    assert pool._read_from == {}  # no read was issued: the session is not marked as read from
+
+
+class _SlowBatches(_DeadPeer):
+    """Each batch read takes ``delay`` s and succeeds."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def read(self, session, local, remote, lengths) -> int:
+        self.started += 1
+        time.sleep(self.delay)
+        return 0
+
+
+def test_a_timed_out_read_starts_no_further_batch():
+    ep = _SlowBatches(0.2)
+    pool = HostKvPool("b", None, num_slots=4 * READ_BATCH, slot_bytes=SB, endpoint=ep, fetch_timeout_s=0.1)  # type: ignore[arg-type]
+    pool.locate = _locate  # type: ignore[method-assign]
+
+    async def main() -> None:
+        r = await pool.fetch("a", list(range(1, 4 * READ_BATCH + 1)))
+        assert r.reasons == {"timeout": 4 * READ_BATCH}
+        for _ in range(200):
+            if pool.stats()[1]["kvpool.reads_in_flight"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert pool.stats()[1]["kvpool.reads_in_flight"] == 0 and pool.buffer.occupancy()["pending"] == 0
+
+    asyncio.run(main())
+    assert ep.started == 1  # the batch under way when the fetch gave up, not the other three
+
+
+def test_reads_stuck_past_the_threshold_are_logged_once(caplog):
+    ep = _DeadPeer()
+    pool = HostKvPool("b", None, num_slots=64, slot_bytes=SB, endpoint=ep, fetch_timeout_s=0.05)  # type: ignore[arg-type]
+    pool.locate = _locate  # type: ignore[method-assign]
+
+    async def main() -> None:
+        try:
+            for i in range(STUCK_READS_WARN + 2):
+                await pool.fetch("a", [500 + i])
+        finally:
+            ep.release.set()
+
+    with caplog.at_level(logging.WARNING, logger="services.worker.kvpool.pool"):
+        asyncio.run(main())
+    warned = [r for r in caplog.records if "Mooncake reads in flight" in r.getMessage()]
+    assert len(warned) == 1 and f"{STUCK_READS_WARN} Mooncake reads" in warned[0].getMessage()

@@ -52,14 +52,16 @@ def _pool() -> tuple[HostKvPool, _Endpoint]:
     return pool, ep
 
 
-def _answer(pool: HostKvPool, ep: _Endpoint, hashes: list[int], base_addr: int, session: str = "127.0.0.1:27951"):
+def _answer(pool: HostKvPool, ep: _Endpoint, hashes: list[int], base_addr: int, session: str = "127.0.0.1:27951",
+            instance: str = ""):
     """``pool.locate`` answers as peer ``a`` (session, buffer at ``base_addr``) holding ``hashes``."""
     sums = [expected_checksum(h, SB) for h in hashes]
     ep.landing = [(h, i) for i, h in enumerate(hashes)]
 
     async def locate(peer, want):
         return m.PoolLocation(node=peer, session=session, base_addr=base_addr, slot_bytes=SB, block_hashes=list(want),
-                              offsets=[i * SB for i in range(len(want))], checksums=sums[: len(want)])  # fmt: skip
+                              offsets=[i * SB for i in range(len(want))], checksums=sums[: len(want)],
+                              instance=instance)  # fmt: skip
 
     pool.locate = locate  # type: ignore[method-assign]
 
@@ -102,3 +104,33 @@ def test_a_session_only_located_before_is_not_held_against_its_next_process():
     assert asyncio.run(pool.fetch("a", [31])).reasons == {"not_held": 1}  # no read: Mooncake opened no segment
     _answer(pool, ep, [32], base_addr=0x7F5500000000)
     assert asyncio.run(pool.fetch("a", [32])).fetched == (32,)
+
+
+def test_a_peer_restarted_at_the_same_buffer_address_is_told_by_its_instance():
+    """ASLR off (setarch -R, randomize_va_space=0): the restarted holder's buffer lands at its predecessor's
+    address, so only its ``instance`` nonce tells the two processes apart."""
+    pool, ep = _pool()
+    _answer(pool, ep, [41], base_addr=0x7F0000000000, instance="aaaa")
+    assert asyncio.run(pool.fetch("a", [41])).fetched == (41,)
+    _answer(pool, ep, [42], base_addr=0x7F0000000000, instance="aaaa")  # the same process
+    assert asyncio.run(pool.fetch("a", [42])).fetched == (42,)
+    _answer(pool, ep, [43], base_addr=0x7F0000000000, instance="bbbb")  # restarted, same port, same address
+    again = asyncio.run(pool.fetch("a", [43]))
+    assert again.reasons == {"stale_session": 1} and len(ep.reads) == 2
+    assert "instance aaaa; now 0x7f0000000000, bbbb" in (again.error or "")
+
+
+def test_a_holder_tells_its_instance_and_pools_differ():
+    pool, _ = _pool()
+    other, _ = _pool()
+    assert len(pool.instance) == 16 and pool.instance != other.instance
+    rep = asyncio.run(pool._on_locate(m.PoolLocate(node="b", block_hashes=[1]), "kv.pool.b"))
+    assert rep.instance == pool.instance
+
+
+def test_a_location_from_a_holder_without_instance_decodes():
+    import msgspec
+
+    old = msgspec.msgpack.encode({"node": "a", "session": "127.0.0.1:1", "base_addr": 4096, "slot_bytes": SB})
+    loc = msgspec.msgpack.decode(old, type=m.PoolLocation)
+    assert loc.instance == "" and loc.base_addr == 4096

@@ -236,3 +236,10 @@ def test_rate_limited_log_writes_first_n_then_one_summary_per_interval():
     assert len(log.lines) == 5 and rl.lines == 5
     rl.event("other", "x")
     assert len(log.lines) == 6
+
+
+def test_a_pool_location_instance_is_bounded():
+    ok = m.PoolLocation(node="a", session="127.0.0.1:1", instance="0123456789abcdef")
+    assert check(ok, {"node": "a"}) is None
+    assert check(m.PoolLocation(node="a"), {"node": "a"}) is None  # a holder older than the field
+    assert "instance" in (check(m.PoolLocation(node="a", instance="x" * 65), {"node": "a"}) or "")
