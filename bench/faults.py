@@ -76,6 +76,9 @@ class FaultRun:
     """What the injector measured (a SIGTERM's exit time, the node seen parked, split exit statuses)."""
     frozen: set[str] = field(default_factory=set)
     """Services the fault SIGSTOPped (their own clocks ran on while they were frozen)."""
+    frozen_s: dict[str, float] = field(default_factory=dict)
+    """Service -> wall seconds it was frozen, SIGSTOP to SIGCONT (:meth:`thaw`; summed over freezes)."""
+    _stopped_at: dict[str, float] = field(default_factory=dict)
     recover_s: float | None = None
     """Set by an injector that measures recovery itself while it runs (``switch-planner-kill``: the kill to the restarted
     planner's first answered ``split get``): :attr:`FaultResult.recover_s` is this, not the wait that starts once the
@@ -100,8 +103,16 @@ class FaultRun:
         self.signalled[service] = pid
         if sig == signal.SIGSTOP:
             self.frozen.add(service)
+            self._stopped_at[service] = time.monotonic()
         os.kill(pid, sig)
         return pid
+
+    def thaw(self, service: str, pid: int) -> None:
+        """SIGCONT ``pid`` (``service``'s frozen process) and add the freeze's length to :attr:`frozen_s`."""
+        os.kill(pid, signal.SIGCONT)
+        t = self._stopped_at.pop(service, None)
+        if t is not None:
+            self.frozen_s[service] = self.frozen_s.get(service, 0.0) + time.monotonic() - t
 
 
 Injector = Callable[[FaultRun], Awaitable[str | None]]
@@ -124,7 +135,7 @@ def _stop(service: str, hold_s: float) -> Injector:
         try:
             await asyncio.sleep(hold_s)
         finally:
-            os.kill(run.signalled[service], signal.SIGCONT)
+            run.thaw(service, run.signalled[service])
         return None
 
     return inject
@@ -204,7 +215,7 @@ def _twin(service: str, hold_s: float) -> Injector:
                                                     stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
             await asyncio.sleep(hold_s)
         finally:
-            os.kill(pid, signal.SIGCONT)
+            run.thaw(service, pid)
         return None
 
     return inject
@@ -476,7 +487,11 @@ class FaultResult:
     """The workers' host KV pool (``up --kv-pool``): ``real`` moves KV bytes between workers (Mooncake)."""
     frozen: list[str] = field(default_factory=list)
     """Services the fault SIGSTOPped: their ``kvfetch.wait_ms_max`` includes their own freeze, so
-    :func:`kv_fetch_summary` leaves it out."""
+    :func:`kv_fetch_summary` leaves it out, and :func:`_passed` allows them :data:`FETCH_WAIT_BOUND_MS` plus their
+    :attr:`frozen_s`."""
+    frozen_s: dict[str, float] = field(default_factory=dict)
+    """Service -> wall seconds the fault kept it frozen (:attr:`FaultRun.frozen_s`); a frozen service missing here
+    is allowed no more than any other."""
     log_problems: dict[str, int] = field(default_factory=dict)
     """:func:`worker_log_problems` at the end of the run: warning / error lines and tracebacks in the workers' logs."""
 
@@ -720,6 +735,7 @@ async def run_fault(
         res.counters.update(await _twin_counters(run) if run.started and res.up_alive else {})
         res.log_problems = worker_log_problems(Path(log_dir))
         res.frozen = sorted(run.frozen)
+        res.frozen_s = {k: round(v, 3) for k, v in sorted(run.frozen_s.items())}
     finally:
         for twin in run.started:
             if twin.poll() is None:
@@ -807,8 +823,9 @@ async def collect_counters(run: FaultRun, timeout_s: float = 2.0) -> dict[str, d
 
 
 FETCH_WAIT_BOUND_MS = 30_000
-"""``--kv-pool real``: the longest a request may wait on its peer fetches (``kvfetch.wait_ms_max``, workers the fault did
-not freeze): two locates (``--kv-pool-locate-timeout-s``, 2 s each: one per 4,096 blocks) and the read
+"""``--kv-pool real``: the longest a request may wait on its peer fetches (``kvfetch.wait_ms_max``; a worker the fault
+froze: this plus its freeze, :func:`_frozen_waits_ok`): its locates (``--kv-pool-locate-timeout-s``, 2 s each, one per
+4,096 blocks: a fetch of the walk's sizes, up to 8,192 blocks, sends at most two) and the read
 (``--kv-pool-fetch-timeout-s``, 10 s), 14 s, and as much again for a loaded machine's loop (18.3 s seen at load 15 on 2
 cores). Longer: a remote wait without its bound (a stopped peer holds the request for its whole 40-s freeze)."""
 
@@ -859,12 +876,23 @@ def _left_in_workers(r: FaultResult) -> float:
     return sum(g.get(k, 0.0) for g in r.leftover.values() for k in ("parked", "queue_depth", "running_batch", "decoding"))
 
 
+def _frozen_waits_ok(r: FaultResult) -> bool:
+    """Whether every worker the fault froze waited on its fetches no longer than :data:`FETCH_WAIT_BOUND_MS` plus its
+    own freeze (:attr:`FaultResult.frozen_s`, wall s; none recorded: no allowance)."""
+    return all(
+        r.counters.get(inst, {}).get("kvfetch.wait_ms_max", 0) <= FETCH_WAIT_BOUND_MS + 1000 * r.frozen_s.get(inst, 0.0)
+        for inst in r.frozen
+        if inst.startswith("worker")
+    )
+
+
 def _passed(r: FaultResult) -> bool:
     """Nothing lost (a :data:`LOSSY` fault: the replay ended), ``up`` alive, no token count off, nothing left in a
     worker, a SIGTERMed service gone within its compose stop grace (:data:`STOP_GRACE_S`, else 30 s), and no request
-    waiting on a real-bytes fetch longer than :data:`FETCH_WAIT_BOUND_MS` (``--kv-pool real``)."""
+    waiting on a real-bytes fetch longer than :data:`FETCH_WAIT_BOUND_MS` (``--kv-pool real``; a worker the fault
+    froze: that plus its freeze, :func:`_frozen_waits_ok`)."""
     lost_ok = r.lost == 0 or (r.fault in LOSSY and r.lost > 0)
-    fetch_ok = kv_fetch_summary(r)["wait_ms_max"] <= FETCH_WAIT_BOUND_MS
+    fetch_ok = kv_fetch_summary(r)["wait_ms_max"] <= FETCH_WAIT_BOUND_MS and _frozen_waits_ok(r)
     exit_s = r.notes.get("exit_s")
     grace = STOP_GRACE_S.get(r.fault.removesuffix("-term"), 30.0)
     term_ok = not isinstance(exit_s, (int, float)) or 0 <= exit_s <= grace

@@ -67,7 +67,8 @@ def test_a_request_waiting_past_the_fetch_timeouts_fails_the_run():
     assert faults._passed(_result(kv_pool="off", counters={}))
     frozen = {"worker-w3": {"kvfetch.wait_ms_max": 42_418}, "worker-w0": {"kvfetch.wait_ms_max": 10_032}}
     assert not faults._passed(_result(counters=frozen))
-    assert faults._passed(_result(counters=frozen, frozen=["worker-w3"]))  # w3's own 40-s freeze, not a peer's hold
+    # w3's own 40-s freeze, not a peer's hold: allowed the bound plus its freeze
+    assert faults._passed(_result(counters=frozen, frozen=["worker-w3"], frozen_s={"worker-w3": 40.0}))
     assert faults.kv_fetch_summary(_result(counters=frozen, frozen=["worker-w3"]))["wait_ms_max"] == 10_032
 
 
@@ -82,3 +83,28 @@ def test_the_table_has_the_pool_columns_only_with_kv_pool_real():
     assert row.endswith("| 6 / 1000 / 1 (1) / 3 / 10240 | 5 / 0 / 0 |"), row
     plain = faults._results_section([_result(kv_pool="off")], argparse.Namespace(**dict(vars(args), kv_pool="off", routing=None, routing_opt=None)))
     assert "kv fetch" not in plain
+
+
+def test_a_frozen_worker_is_allowed_the_bound_plus_its_freeze_not_any_wait():
+    """A frozen worker's fetch wait is not exempt for the whole run (review of the fifth walk): 10,000 s fails."""
+    stuck = {"worker-w3": {"kvfetch.wait_ms_max": 10**7}, "worker-w0": {"kvfetch.wait_ms_max": 100}}
+    assert not faults._passed(_result(counters=stuck, frozen=["worker-w3"]))
+    assert not faults._passed(_result(counters=stuck, frozen=["worker-w3"], frozen_s={"worker-w3": 40.0}))
+    edge = faults.FETCH_WAIT_BOUND_MS + 8_000
+    at = {"worker-w3": {"kvfetch.wait_ms_max": edge}}
+    assert faults._passed(_result(counters=at, frozen=["worker-w3"], frozen_s={"worker-w3": 8.0}))
+    at["worker-w3"]["kvfetch.wait_ms_max"] = edge + 1
+    assert not faults._passed(_result(counters=at, frozen=["worker-w3"], frozen_s={"worker-w3": 8.0}))
+
+
+def test_a_freeze_is_timed_from_sigstop_to_sigcont(monkeypatch):
+    sent = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    clock = iter([100.0, 100.0, 108.5])
+    monkeypatch.setattr(faults.time, "monotonic", lambda: next(clock))
+    run = faults.FaultRun(proc=None, info={}, log_dir=Path("."))  # type: ignore[arg-type]
+    monkeypatch.setattr(run, "pid", lambda service: 4242)
+    run.kill("worker-w3", faults.signal.SIGSTOP)
+    run.thaw("worker-w3", 4242)
+    assert sent == [(4242, faults.signal.SIGSTOP), (4242, faults.signal.SIGCONT)]
+    assert run.frozen == {"worker-w3"} and run.frozen_s == {"worker-w3": 8.5}
