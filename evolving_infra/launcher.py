@@ -187,8 +187,9 @@ def _add_cluster_args(
         "Mooncake-registered host buffer and peer fetches pull them over TCP, verified by CRC-32; needs "
         "scripts/install-mooncake.sh). up gives each worker its own range of 32 Mooncake ports (--kv-pool-ports), the "
         "same after a restart; the pool mirrors the whole L2, at most 1 GiB per worker (EI_KV_POOL_MAX_BYTES, "
-        "which the workers inherit, raises it): gb300 profiles need --kv-pool-slot-bytes 4096 (or a smaller "
-        "--host-kv-tokens)",
+        "which the workers inherit, raises it; checked before the start with --engine sim, a torch worker checks "
+        "its own at start): gb300 profiles need --kv-pool-slot-bytes 4096 (or a smaller --host-kv-tokens). "
+        "deploy-args does not support it",
     )
     g.add_argument(
         "--kv-pool-slot-bytes",
@@ -196,7 +197,7 @@ def _add_cluster_args(
         default=0,
         metavar="N",
         help="--kv-pool real: bytes per block slot; 0 = the profile's block bytes up to 64 KiB (--engine torch: its "
-        "page size, the only one it takes)",
+        "page size, the only one it takes); refused without --kv-pool real",
     )
     g.add_argument(
         "--api-keys-file",
@@ -618,24 +619,33 @@ RPC port, which a peer's Mooncake still maps to the dead process (``kvpool.pool`
 def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: bool) -> dict[str, object]:
     """Cluster fields for ``--kv-pool real``: every worker's ``--kv-pool real`` (and ``--kv-pool-slot-bytes``), and,
     each worker its own range of :data:`KV_POOL_PORTS_PER_WORKER` Mooncake ports (``--kv-pool-ports``: two workers
-    drawing from Mooncake's 15000-17000 at random may take the same port), drawn free now and kept across restarts. ``sized``: a spec with the profile and KV
-    sizes the workers run. Empty for ``--kv-pool off``.
+    drawing from Mooncake's 15000-17000 at random may take the same port), free now, sharing no port
+    (:func:`~services.worker.kvpool.transport.pick_port_ranges`) and kept across restarts. ``sized``: a spec with the
+    profile and KV sizes the workers run. Empty for ``--kv-pool off``.
 
     Raises:
-        UsageError: Mooncake not installed, the pool would not fit (``pool_geometry``: the workers would exit 2 after
-            the cluster started), or ``one_host`` False (``deploy-args``: its flags carry no worker extras).
+        UsageError: ``--kv-pool-slot-bytes`` without ``--kv-pool real``; ``one_host`` False (``deploy-args``: its
+            flags carry no worker extras), said before anything is checked on this host; Mooncake not installed; the
+            pool would not fit (``pool_geometry``, ``--engine sim`` only: a torch worker's slot is its model's page,
+            checked by the worker); not enough free port ranges on this host.
     """
+    slot = int(getattr(args, "kv_pool_slot_bytes", 0) or 0)
     if getattr(args, "kv_pool", "off") != "real":
+        if slot:  # it would be dropped without a word
+            raise UsageError(f"error: --kv-pool-slot-bytes {slot} sizes the real-bytes pool: give --kv-pool real too")
         return {}
+    if not one_host:  # deploy-args prints service_flags, which carry no worker_args: refused, not dropped
+        raise UsageError("error: deploy-args does not support --kv-pool real (up's and demo's: one host, a range of "
+                         f"{KV_POOL_PORTS_PER_WORKER} ports per worker); in a deployment give each worker --kv-pool real "
+                         "and its own --kv-pool-ports")
     import importlib.util
 
     from services.worker.kvpool.config import DEFAULT_MAX_POOL_BYTES, pool_geometry
-    from services.worker.kvpool.transport import pick_port_range
+    from services.worker.kvpool.transport import TransferError, pick_port_ranges
     from shared.config import env_name
 
     if importlib.util.find_spec("mooncake") is None:
         raise UsageError("error: --kv-pool real needs Mooncake's transfer engine: scripts/install-mooncake.sh (VENV=<venv>)")
-    slot = int(getattr(args, "kv_pool_slot_bytes", 0) or 0)
     if slot < 0:
         raise UsageError(f"error: --kv-pool-slot-bytes {slot}: bytes, 0 or more")
     # the limit the workers apply: their kv_pool_max_bytes, which up gives them only through the environment they inherit
@@ -654,15 +664,12 @@ def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: b
         except ValueError as e:
             raise UsageError(f"error: --kv-pool real: {e} (--kv-pool-slot-bytes N, a smaller --host-kv-tokens, "
                              f"or {env_name('kv_pool_max_bytes')}, which every worker inherits)") from None
-    if not one_host:  # deploy-args prints service_flags, which carry no worker_args: refused, not dropped
-        raise UsageError("error: --kv-pool real is up's and demo's (one host, a port pair per worker); in a deployment "
-                         "give each worker --kv-pool real and its own --kv-pool-ports")
     worker = ("--kv-pool", "real") + (("--kv-pool-slot-bytes", str(slot)) if slot else ())
-    ranges: list[tuple[int, int]] = []
-    while len(ranges) < args.nodes:  # each draw is free on its own; two may overlap
-        lo, hi = pick_port_range(width=KV_POOL_PORTS_PER_WORKER)
-        if all(hi < a or lo > b for a, b in ranges):
-            ranges.append((lo, hi))
+    try:
+        ranges = pick_port_ranges(args.nodes, width=KV_POOL_PORTS_PER_WORKER)
+    except TransferError as e:
+        raise UsageError(f"error: --kv-pool real with --nodes {args.nodes}: each worker needs {KV_POOL_PORTS_PER_WORKER} "
+                         f"Mooncake ports of its own, and {e}; run fewer workers on this host") from None
     return {"worker_args": worker, "node_args": {f"w{i}": ("--kv-pool-ports", f"{lo}-{hi}") for i, (lo, hi) in enumerate(ranges)}}
 
 

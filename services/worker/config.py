@@ -202,7 +202,8 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         str, Meta(description="real pool: address peers reach this worker's transfer engine on (its session host)")
     ] = "127.0.0.1"
     kv_pool_ports: Annotated[
-        str, Meta(description="real pool: Mooncake RPC+TCP port range 'lo-hi' within 1024-32767 (>= 2 ports); "
+        str, Meta(description="real pool: Mooncake RPC+TCP port range 'lo-hi' within 1024-32767 (>= 2 ports; give 32, "
+        "as up does: with 2 a worker SIGKILLed while a peer read from it cannot start again, its ports in TIME_WAIT); "
         "empty = Mooncake's 15000-17000")
     ] = ""
     kv_pool_lease_s: Annotated[

@@ -37,7 +37,9 @@ class KvPoolSettings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         str, Meta(description="address peers reach this worker's transfer engine on (its session host)")
     ] = "127.0.0.1"
     kv_pool_ports: Annotated[
-        str, Meta(description="Mooncake RPC+TCP port range 'lo-hi' within 1024-32767 (>= 2 ports); empty = Mooncake's 15000-17000")
+        str, Meta(description="Mooncake RPC+TCP port range 'lo-hi' within 1024-32767 (>= 2 ports; give 32, as up does: "
+        "with 2 a process SIGKILLed while a peer read from it cannot start again, its ports in TIME_WAIT); "
+        "empty = Mooncake's 15000-17000")
     ] = ""
     kv_pool_lease_s: Annotated[
         float, Meta(ge=0, description="wall seconds a holder keeps located slots from reuse")

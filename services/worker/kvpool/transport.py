@@ -122,35 +122,77 @@ def set_port_range(lo: int, hi: int) -> None:
     _LOADED["ports"] = (lo, hi)
 
 
+def _free(lo: int, width: int) -> bool:
+    """Whether ports ``lo`` .. ``lo + width - 1`` can all be bound on ``0.0.0.0`` right now (each closed at once)."""
+    socks: list[socket.socket] = []
+    try:
+        for port in range(lo, lo + width):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("0.0.0.0", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
+
+
 def pick_port_range(rng: random.Random | None = None, *, low: int = 20000, high: int = PORT_MAX, width: int = 2) -> tuple[int, int]:
     """``width`` (at least 2) adjacent ports in ``[low, high]`` that are free on all interfaces right now: ``(first, last)``.
 
-    Mooncake binds ``0.0.0.0``, so both ports are probed there. The kernel's
+    Mooncake binds ``0.0.0.0``, so every port of the range is probed there. The kernel's
     ephemeral range (32768+) is out of reach (see module doc), so ports are
     drawn at random below it; a port taken between this probe and Mooncake's
     bind makes ``initialize`` fail with a clear :class:`TransferError`.
 
     Raises:
-        TransferError: if no free pair is found in 200 draws.
+        ValueError: ``width`` below 2 or wider than ``[low, high]``.
+        TransferError: if no free range is found in 200 draws.
     """
     if width < 2 or high - low + 1 < width:
         raise ValueError(f"port range width {width}: at least 2, at most {high - low + 1} in [{low}, {high}]")
     rng = rng or random.Random()
     for _ in range(200):
         lo = rng.randrange(low, high - width + 2)
-        socks: list[socket.socket] = []
-        try:
-            for port in range(lo, lo + width):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("0.0.0.0", port))
+        if _free(lo, width):
             return lo, lo + width - 1
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
     raise TransferError(f"no {width} adjacent free TCP ports found in [{low}, {high}]")
+
+
+def pick_port_ranges(
+    count: int, rng: random.Random | None = None, *, low: int = 20000, high: int = PORT_MAX, width: int = 2
+) -> list[tuple[int, int]]:
+    """``count`` ranges of ``width`` adjacent ports in ``[low, high]``, free on all interfaces right now and sharing no
+    port: ``[(first, last), ...]``, one per worker of a host (``up --kv-pool real``).
+
+    The ranges are the ``(high - low + 1) // width`` aligned ones of ``[low, high]``, tried in order from a random one
+    (wrapping around), so a second ``up`` on the host most likely starts elsewhere, and the search ends: at most every
+    aligned range probed once (:func:`pick_port_range` drawn again until its ranges did not overlap never ended past
+    about 300 workers of 32 ports: ``[20000, 32767]`` holds 399).
+
+    Raises:
+        ValueError: ``count`` below 0, or ``width`` below 2 or wider than ``[low, high]``.
+        TransferError: ``count`` ranges do not fit in ``[low, high]``, or fewer are free (says how many).
+    """
+    if width < 2 or high - low + 1 < width:
+        raise ValueError(f"port range width {width}: at least 2, at most {high - low + 1} in [{low}, {high}]")
+    if count < 0:
+        raise ValueError(f"{count} port ranges: 0 or more")
+    slots = (high - low + 1) // width
+    if count > slots:
+        raise TransferError(f"{count} ranges of {width} ports do not fit in [{low}, {high}] ({slots} do)")
+    first = (rng or random.Random()).randrange(slots)
+    out: list[tuple[int, int]] = []
+    for k in range(slots):
+        if len(out) == count:
+            break
+        lo = low + (first + k) % slots * width
+        if _free(lo, width):
+            out.append((lo, lo + width - 1))
+    if len(out) < count:
+        raise TransferError(f"only {len(out)} of {count} ranges of {width} free TCP ports found in [{low}, {high}]")
+    return out
 
 
 def load_mooncake() -> ModuleType:

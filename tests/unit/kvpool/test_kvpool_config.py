@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.worker.kvpool.config import DEFAULT_MAX_POOL_BYTES, KvPoolSettings, parse_port_range, pool_geometry
-from services.worker.kvpool.transport import pick_port_range
+from services.worker.kvpool.transport import TransferError, pick_port_range, pick_port_ranges
 from shared.profile import load_profile
 
 REPO = Path(__file__).resolve().parents[3]
@@ -46,6 +46,29 @@ def test_port_ranges():
     assert hi == lo + 31 and 32700 <= lo and hi <= 32767
     with pytest.raises(ValueError, match="width 1"):
         pick_port_range(width=1)
+
+
+def test_port_ranges_for_a_host_are_free_disjoint_and_bounded():
+    import random
+    import socket
+
+    got = pick_port_ranges(4, random.Random(7), width=32)
+    assert len(got) == 4 and all(hi - lo == 31 and 20000 <= lo and hi <= 32767 for lo, hi in got)
+    assert len({p for lo, hi in got for p in range(lo, hi + 1)}) == 4 * 32
+    with socket.socket() as s:  # a taken port's range is skipped, whichever range the search starts from
+        for port in range(29001, 29400, 4):
+            try:
+                s.bind(("0.0.0.0", port))
+                break
+            except OSError:
+                continue
+        for seed in range(4):
+            assert pick_port_ranges(1, random.Random(seed), low=port - 1, high=port + 2) == [(port + 1, port + 2)]
+    assert pick_port_ranges(0) == []
+    with pytest.raises(TransferError, match="3 ranges of 2 ports do not fit in"):
+        pick_port_ranges(3, low=30000, high=30004)
+    with pytest.raises(ValueError, match="width 1"):
+        pick_port_ranges(1, width=1)
 
 
 def test_settings_default_to_off():

@@ -2,8 +2,8 @@
 
 ``LocalCluster`` could give workers ``--kv-pool real`` (``ClusterSpec.worker_args``; the torch live test does), but
 ``up`` had no flag for it, so ``bench/faults.py`` could not run a cluster whose workers move KV bytes. Now
-``--kv-pool real`` gives every worker ``--kv-pool real`` (and ``--kv-pool-slot-bytes``) and its own Mooncake port pair
-(``--kv-pool-ports``, 32 ports, disjoint: two workers drawing from Mooncake's 15000-17000 at random may take the same
+``--kv-pool real`` gives every worker ``--kv-pool real`` (and ``--kv-pool-slot-bytes``) and its own range of Mooncake
+ports (``--kv-pool-ports``, 32 ports, disjoint: two workers drawing from Mooncake's 15000-17000 at random may take the same
 port), the same after a restart (the flags are the child's command line). A pool that would not fit, or no Mooncake, is
 refused before anything starts (the workers would exit 2 one by one); ``deploy-args`` refuses it (its flags carry no
 worker extras: it would drop it).
@@ -37,7 +37,7 @@ def _workers(command: str, tmp_path, *flags: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("command", ["up", "demo"])
-def test_kv_pool_real_reaches_every_worker_with_its_own_port_pair(command, tmp_path, mooncake_found):
+def test_kv_pool_real_reaches_every_worker_with_its_own_port_range(command, tmp_path, mooncake_found):
     workers = _workers(command, tmp_path, "--kv-pool", "real", "--kv-pool-slot-bytes", "4096")
     assert sorted(workers) == ["worker-w0", "worker-w1", "worker-w2", "worker-w3"]
     ranges = []
@@ -74,7 +74,8 @@ def test_without_mooncake_it_is_refused_naming_the_install_script(tmp_path, monk
 
 def test_deploy_args_refuse_it_rather_than_drop_it(mooncake_found):
     args = build_parser("up").parse_args(["up", "--kv-pool", "real", "--kv-pool-slot-bytes", "4096"])
-    with pytest.raises(UsageError, match="give each worker --kv-pool real and its own --kv-pool-ports"):
+    with pytest.raises(UsageError, match="deploy-args does not support --kv-pool real.*give each worker --kv-pool real "
+                                         "and its own --kv-pool-ports"):
         _spec(args, one_host=False)
 
 
@@ -90,3 +91,45 @@ def test_the_limit_is_the_one_the_workers_read_from_the_environment(tmp_path, mo
     monkeypatch.setenv("EI_KV_POOL_MAX_BYTES", "lots")
     with pytest.raises(UsageError, match=r"EI_KV_POOL_MAX_BYTES 'lots': bytes, an integer > 0"):
         _spec(args)
+
+
+def test_deploy_args_say_they_do_not_support_it_before_looking_for_mooncake_here(monkeypatch):
+    """The host running deploy-args need not have Mooncake: the workers' hosts do."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mooncake" else real(name, *a))
+    args = build_parser("up").parse_args(["up", "--kv-pool", "real", "--kv-pool-slot-bytes", "4096"])
+    with pytest.raises(UsageError, match="deploy-args does not support --kv-pool real"):
+        _spec(args, one_host=False)
+
+
+def test_slot_bytes_without_the_real_pool_is_refused_not_dropped(tmp_path):
+    args = build_parser("up").parse_args(["up", "--log-dir", str(tmp_path), "--kv-pool-slot-bytes", "4096"])
+    with pytest.raises(UsageError, match="--kv-pool-slot-bytes 4096 sizes the real-bytes pool: give --kv-pool real"):
+        _spec(args)
+
+
+@pytest.mark.timeout(60)
+def test_hundreds_of_workers_get_disjoint_ranges_at_once_and_too_many_a_usage_error(mooncake_found, monkeypatch):
+    """Drawing random 32-port ranges until none overlapped never ended at ~300+ workers (review: 400 nodes looped
+    40 s): the ranges are taken in order from a random one, so the search ends, and past what the port space holds
+    (399 ranges of 32 in 20000-32767) up says so."""
+    import argparse
+
+    from evolving_infra.cluster import ClusterSpec
+    from evolving_infra.launcher import _kv_pool_values
+    from services.worker.kvpool import transport
+
+    monkeypatch.setattr(transport, "_free", lambda lo, width: True)  # a quiet host: every port free
+    spec = ClusterSpec(profile="tiny")
+    for n in (8, 399):
+        args = argparse.Namespace(kv_pool="real", kv_pool_slot_bytes=256, engine="sim", nodes=n)
+        ranges = [parse_port_range(v[1]) for v in _kv_pool_values(args, spec, one_host=True)["node_args"].values()]
+        assert len(ranges) == n and all(hi - lo + 1 == KV_POOL_PORTS_PER_WORKER for lo, hi in ranges)
+        assert len({p for lo, hi in ranges for p in range(lo, hi + 1)}) == n * KV_POOL_PORTS_PER_WORKER  # disjoint
+    args = argparse.Namespace(kv_pool="real", kv_pool_slot_bytes=256, engine="sim", nodes=400)
+    with pytest.raises(UsageError, match=r"--nodes 400: each worker needs 32 Mooncake ports.*run fewer workers"):
+        _kv_pool_values(args, spec, one_host=True)
+    monkeypatch.setattr(transport, "_free", lambda lo, width: lo % 64 == 0)  # a busy host: about half taken
+    args = argparse.Namespace(kv_pool="real", kv_pool_slot_bytes=256, engine="sim", nodes=300)
+    with pytest.raises(UsageError, match=r"only \d+ of 300 ranges of 32 free TCP ports"):
+        _kv_pool_values(args, spec, one_host=True)
