@@ -55,9 +55,9 @@ none. Each read has a thread of its own (no pool caps how many run at once), so 
 concurrent fetches of one worker under 2,048 queued together; 6,000 blocks took 1.3 s in 256-block batches against
 1.7 s in one (loopback)."""
 STUCK_READS_WARN = 4
-"""``kvpool.reads_in_flight`` at which the pool logs one warning: reads stuck on dead peers hold their thread and
-their slots until they return, which Mooncake 0.3.13 does not do for a peer that died mid-read (the slots come back
-when this worker restarts; by design, docs/architecture.md)."""
+"""``kvpool.reads_stuck`` (reads past ``fetch_timeout_s`` that have not returned) at which the pool logs one warning:
+they hold their thread and their slots until they return, which Mooncake 0.3.13 does not do for a peer that died
+mid-read (the slots come back when this worker restarts; by design, services/worker/kvpool/README.md)."""
 MAX_LEASE_S = 60.0
 """Longest lease a holder grants, whatever a peer asks."""
 
@@ -174,6 +174,8 @@ class HostKvPool:
         """Mooncake session -> the holder's ``(base_addr, instance)`` when this pool first read from it (:meth:`fetch`)."""
         self._reads_in_flight = 0
         """Mooncake reads whose thread has not returned (:meth:`_in_own_thread`)."""
+        self._reads_stuck = 0
+        """Of those, the reads :meth:`fetch` gave up on (``fetch_timeout_s``)."""
         self._stuck_warned = False
 
     # -- lifecycle -------------------------------------------------------- #
@@ -377,14 +379,6 @@ class HostKvPool:
         except BaseException:
             self._reads_in_flight -= 1
             raise
-        if self._reads_in_flight >= STUCK_READS_WARN and not self._stuck_warned:
-            self._stuck_warned = True
-            log.warning(
-                "%s: %d Mooncake reads in flight at once (kvpool.reads_in_flight); reads stuck on a peer that died "
-                "mid-read hold their thread and slots until this worker restarts (logged once)",
-                self.node,
-                self._reads_in_flight,
-            )
         return fut
 
     def _incompatible(self, loc: m.PoolLocation) -> str | None:
@@ -522,6 +516,21 @@ class HostKvPool:
                 raise
             if not done:
                 stop.set()
+                self._reads_stuck += 1
+                if self._reads_stuck >= STUCK_READS_WARN and not self._stuck_warned:
+                    self._stuck_warned = True
+                    log.warning(
+                        "%s: %d Mooncake reads past fetch_timeout_s have not returned (kvpool.reads_stuck); a read "
+                        "from a peer that died mid-read holds its thread and slots until this worker restarts "
+                        "(logged once)",
+                        self.node,
+                        self._reads_stuck,
+                    )
+
+                def unstuck(_f: asyncio.Future[Any]) -> None:
+                    self._reads_stuck -= 1
+
+                read.add_done_callback(unstuck)
                 read.add_done_callback(release)
                 return failed(f"Mooncake read from {peer} took more than {self.fetch_timeout_s:g} s (fetch_timeout_s)", locate_s, "timeout")
             try:
@@ -565,5 +574,6 @@ class HostKvPool:
         gauges = {f"kvpool.slots_{k}": float(v) for k, v in self.buffer.occupancy().items()}
         gauges["kvpool.slot_bytes"] = float(self.buffer.slot_bytes)
         gauges["kvpool.reads_in_flight"] = float(self._reads_in_flight)
+        gauges["kvpool.reads_stuck"] = float(self._reads_stuck)
         gauges["kvpool.pool_bytes"] = float(self.buffer.nbytes)
         return counters, gauges

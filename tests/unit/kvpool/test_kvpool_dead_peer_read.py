@@ -67,6 +67,7 @@ def test_reads_stuck_on_a_dead_peer_leave_the_default_executor_free():
             results = await asyncio.gather(*(pool.fetch("a", [1000 + i]) for i in range(STUCK)))
             assert all(r.reasons == {"timeout": 1} for r in results)  # each bounded by fetch_timeout_s
             assert ep.started == STUCK and pool.stats()[1]["kvpool.reads_in_flight"] == STUCK
+            assert pool.stats()[1]["kvpool.reads_stuck"] == STUCK
             assert pool.buffer.occupancy()["pending"] == STUCK  # still the stuck reads' targets
             # the loop's default executor (getaddrinfo, to_thread) still runs at once
             assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 2.0) == "free"
@@ -77,7 +78,7 @@ def test_reads_stuck_on_a_dead_peer_leave_the_default_executor_free():
             if pool.stats()[1]["kvpool.reads_in_flight"] == 0:
                 break
             await asyncio.sleep(0.02)
-        assert pool.stats()[1]["kvpool.reads_in_flight"] == 0
+        assert pool.stats()[1]["kvpool.reads_in_flight"] == 0 and pool.stats()[1]["kvpool.reads_stuck"] == 0
         assert pool.buffer.occupancy()["pending"] == 0
 
     asyncio.run(main())
@@ -148,5 +149,27 @@ def test_reads_stuck_past_the_threshold_are_logged_once(caplog):
 
     with caplog.at_level(logging.WARNING, logger="services.worker.kvpool.pool"):
         asyncio.run(main())
-    warned = [r for r in caplog.records if "Mooncake reads in flight" in r.getMessage()]
-    assert len(warned) == 1 and f"{STUCK_READS_WARN} Mooncake reads" in warned[0].getMessage()
+    warned = [r for r in caplog.records if "kvpool.reads_stuck" in r.getMessage()]
+    assert len(warned) == 1 and f"{STUCK_READS_WARN} Mooncake reads past fetch_timeout_s" in warned[0].getMessage()
+
+
+def test_reads_in_flight_that_are_not_stuck_are_not_warned_of(caplog):
+    """Concurrent reads that return within the timeout are load, not stuck reads: no warning, ``reads_stuck`` 0."""
+    ep = _SlowBatches(0.05)
+    pool = HostKvPool("b", None, num_slots=64, slot_bytes=SB, endpoint=ep, fetch_timeout_s=5.0)  # type: ignore[arg-type]
+    pool.locate = _locate  # type: ignore[method-assign]
+
+    async def main() -> None:
+        seen = []
+
+        async def watch() -> None:
+            for _ in range(20):
+                seen.append(pool.stats()[1]["kvpool.reads_in_flight"])
+                await asyncio.sleep(0.005)
+
+        await asyncio.gather(watch(), *(pool.fetch("a", [700 + i]) for i in range(2 * STUCK_READS_WARN)))
+        assert max(seen) >= STUCK_READS_WARN and pool.stats()[1]["kvpool.reads_stuck"] == 0
+
+    with caplog.at_level(logging.WARNING, logger="services.worker.kvpool.pool"):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if "kvpool.reads_stuck" in r.getMessage()]
