@@ -7,15 +7,12 @@ while ``up --block-size 16`` and ``simulate``'s split mismatch exited 2.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 
 from evolving_infra.cli import EXIT_STATUSES, INTERRUPTED, RUNTIME_FAILURE, USAGE_ERROR, UsageError, build_parser
 from evolving_infra.stdio_args import READER_GONE
@@ -24,22 +21,6 @@ ROOT = Path(__file__).resolve().parents[3]
 
 ENTRY = "import sys; from evolving_infra.cli import main; sys.exit(main())"
 """What the ``evolving-infra`` console script runs (pyproject's ``evolving_infra.cli:main``)."""
-
-
-@pytest.fixture(autouse=True)
-def _logging_restored() -> Iterator[None]:
-    """The in-process ``main`` calls here run ``shared.log.setup_logging`` (structlog, and a root handler, to stderr,
-    for the whole process): both are put back after each test. Before, a later test in the same process found its
-    services' log lines in its captured stderr: tests/integration/test_planner_live.py's checks of ``split set``'s
-    stderr (the planner's "split set refused" warnings there) failed when it ran after this file (seen: 3 failed)."""
-    old = structlog.get_config()
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    structlog.configure(**old)
-    for h in [h for h in root.handlers if h not in handlers and h.get_name() == "evolving-infra"]:  # shared.log's
-        root.removeHandler(h)
-    root.setLevel(level)
 
 
 def _run(argv: list[str], tmp_path: Path, *, module: bool = False) -> subprocess.CompletedProcess[str]:
