@@ -179,6 +179,11 @@ bus bounds the wait itself and leaves the PING to its PONG (:meth:`Bus.flush`)."
 
 RECONNECT_WAIT_S = 0.25
 """Seconds between reconnect attempts to the same server."""
+CLOSE_DRAIN_S = 5.0
+"""Seconds :meth:`Bus.close` lets nats-py drain the connection (in-flight handlers finish, what was published goes
+out) before it cancels the drain (at most 1 s more for the cancel to land) and closes the connection."""
+CLOSE_POLL_S = 0.05
+"""Seconds between :meth:`Bus.close`'s looks at the connection while it drains (lost: the drain ends then)."""
 ABANDON_S = 5.0
 """Seconds a cancelled :meth:`Bus.connect` keeps cancelling nats-py's connect (every 0.05 s) until it ends: one
 cancel can be lost (Python 3.11's ``asyncio.wait_for`` and a refusal in one loop turn; a later one lands within
@@ -1581,8 +1586,9 @@ class Bus:
         self._tasks.append(asyncio.create_task(beat(), name=f"heartbeat-{self.instance}"))
 
     async def close(self) -> None:
-        """Stop background tasks, drain subscriptions (in-flight handlers finish), close. A connection lost meanwhile
-        (NATS down) is logged, not raised: what was buffered for it is dropped.
+        """Stop background tasks, drain subscriptions (in-flight handlers finish), close. The drain takes at most
+        ``CLOSE_DRAIN_S`` (about 5 s) and ends when the connection is lost. A connection lost meanwhile (NATS down) is
+        logged, not raised: what was buffered for it is dropped.
 
         Raises:
             asyncio.CancelledError: the caller was cancelled meanwhile; raised after the connection is closed (the
@@ -1601,12 +1607,26 @@ class Bus:
             except asyncio.CancelledError as e:  # the caller's: the tasks have ended; close first, then raise it
                 caller_cancel = e
         if not self.nc.is_closed:
+            # at most CLOSE_DRAIN_S for the drain, then it is cancelled until it ends (shared.cancel). Not wait_for:
+            # nats-py 2.16's drain swallows the cancel wait_for sends at its timeout, then flushes with its own 10-s
+            # timeout, and wait_for waits for the cancelled drain to end: a server that stopped answering (frozen, or
+            # dying under a loaded box, as all of a killed owner's services and its nats-server get SIGTERM at once)
+            # held the close 15 s, not 5 (tests/integration/test_bus_close_stalled_nats_live.py: 15.3 s before)
+            # A connection lost during the drain (the client reconnecting) ends it too: nats-py drops the flush's PONG
+            # wait on reconnect without an answer, so the drain could only wait out CLOSE_DRAIN_S, and nothing can be
+            # delivered now (a killed FaultCluster owner's services took 5 s to stop in 8 runs of 14, its nats-server
+            # dying under them: test_bus_close_stalled_nats_live)
+            drain = asyncio.ensure_future(self.nc.drain())
+            deadline = time.monotonic() + CLOSE_DRAIN_S
             try:
-                await asyncio.wait_for(self.nc.drain(), timeout=5.0)
+                while not drain.done() and not self.nc.is_reconnecting and (left := deadline - time.monotonic()) > 0:
+                    await asyncio.wait({drain}, timeout=min(left, CLOSE_POLL_S))
             except asyncio.CancelledError as e:  # the caller's cancel during the drain: the connection is closed below
                 caller_cancel = e
-            except Exception:
-                pass
+            try:
+                await cancel_until_done([drain], limit_s=1.0)  # its outcome (an error) is retrieved, dropped
+            except asyncio.CancelledError as e:
+                caller_cancel = e
             if not self.nc.is_closed:
                 try:
                     await self.nc.close()

@@ -167,10 +167,11 @@ async def test_cancel_until_done_gives_up_at_its_limit_and_keeps_the_callers_can
 
 
 class _RecordingNats:
-    """nats-py's client as ``Bus.close`` uses it: ``drain`` and ``close`` recorded."""
+    """nats-py's client as ``Bus.close`` uses it: ``drain`` and ``close`` recorded, ``is_reconnecting`` read."""
 
     def __init__(self) -> None:
         self.is_closed = False
+        self.is_reconnecting = False
         self.calls: list[str] = []
 
     async def drain(self) -> None:
