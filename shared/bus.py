@@ -1587,8 +1587,8 @@ class Bus:
 
     async def close(self) -> None:
         """Stop background tasks, drain subscriptions (in-flight handlers finish), close. The drain takes at most
-        ``CLOSE_DRAIN_S`` (about 5 s) and ends when the connection is lost. A connection lost meanwhile (NATS down) is
-        logged, not raised: what was buffered for it is dropped.
+        ``CLOSE_DRAIN_S`` (about 5 s), then is cut short (handlers still running are cancelled). A connection lost
+        meanwhile (NATS down) is logged, not raised: what was buffered for it is dropped.
 
         Raises:
             asyncio.CancelledError: the caller was cancelled meanwhile; raised after the connection is closed (the
@@ -1611,15 +1611,16 @@ class Bus:
             # nats-py 2.16's drain swallows the cancel wait_for sends at its timeout, then flushes with its own 10-s
             # timeout, and wait_for waits for the cancelled drain to end: a server that stopped answering (frozen, or
             # dying under a loaded box, as all of a killed owner's services and its nats-server get SIGTERM at once)
-            # held the close 15 s, not 5 (tests/integration/test_bus_close_stalled_nats_live.py: 15.3 s before)
-            # A connection lost during the drain (the client reconnecting) ends it too: nats-py drops the flush's PONG
-            # wait on reconnect without an answer, so the drain could only wait out CLOSE_DRAIN_S, and nothing can be
-            # delivered now (a killed FaultCluster owner's services took 5 s to stop in 8 runs of 14, its nats-server
-            # dying under them: test_bus_close_stalled_nats_live)
+            # held the close 15 s, not 5 (tests/integration/test_bus_close_stalled_nats_live.py: 15.3 s before).
+            # A connection lost during the drain does not end it: handlers still run locally and what they publish
+            # while the client reconnects is sent when it is back (a nats-server restarted at once, or the next URL
+            # of a list); ending the drain there cancelled such a handler (test_bus_close_stalled_nats_live). When the
+            # server is gone for good the drain waits out CLOSE_DRAIN_S (nats-py drops the flush's PONG wait on
+            # reconnect without an answer)
             drain = asyncio.ensure_future(self.nc.drain())
             deadline = time.monotonic() + CLOSE_DRAIN_S
             try:
-                while not drain.done() and not self.nc.is_reconnecting and (left := deadline - time.monotonic()) > 0:
+                while not drain.done() and (left := deadline - time.monotonic()) > 0:
                     await asyncio.wait({drain}, timeout=min(left, CLOSE_POLL_S))
             except asyncio.CancelledError as e:  # the caller's cancel during the drain: the connection is closed below
                 caller_cancel = e

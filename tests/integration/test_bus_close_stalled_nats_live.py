@@ -47,28 +47,53 @@ async def test_close_with_a_server_that_stopped_answering_takes_the_drain_bound_
 
 
 @pytest.mark.timeout(60)
-async def test_close_with_a_server_that_dies_during_the_drain_ends_without_waiting_out_the_drain_bound():
-    """All of a killed owner's services and its nats-server get SIGTERM at once: the server dies while a service's
-    drain waits for its PONG. nats-py drops that wait on reconnect without an answer, so the close waited out
-    ``CLOSE_DRAIN_S`` (5.0 s measured before) though nothing could be delivered any more."""
-    srv = EmbeddedNatsServer().start()
+async def test_a_handler_running_at_close_finishes_across_a_short_nats_restart():
+    """A drain lets in-flight handlers finish; what one publishes while the client reconnects is sent when the server
+    is back. 1cc61c8 ended the drain as soon as the client was reconnecting: the handler was cancelled and its reply
+    never sent (observer got 0; a read-only review's reproduction, kept here)."""
+    import nats
+
+    srv = EmbeddedNatsServer(jetstream=False).start()
+    obs = None
     try:
         bus = await Bus.connect(srv.url, Subjects("p0"), service="kvdirectory", instance="kvdirectory")
+        done: list[float] = []
 
         async def on_msg(_msg: object) -> None:
-            pass
+            await asyncio.sleep(1.0)  # still running when the server dies and comes back
+            done.append(time.monotonic())
+            await bus.nc.publish("test.close.out", b"x")
 
-        await bus.nc.subscribe("test.close.dies", cb=on_msg)
-        os.kill(srv.pid, signal.SIGSTOP)  # the drain's PING stays unanswered ...
+        await bus.nc.subscribe("test.close.in", cb=on_msg)
+        got: list[object] = []
+
+        async def on_out(m: object) -> None:
+            got.append(m)
+
+        obs = await nats.connect(srv.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+        await obs.subscribe("test.close.out", cb=on_out)
+        await obs.flush()
+        await bus.nc.publish("test.close.in", b"1")
+        await bus.nc.flush()
+        await asyncio.sleep(0.1)  # the handler is in flight
         loop = asyncio.get_running_loop()
-        loop.call_later(0.3, os.kill, srv.pid, signal.SIGKILL)  # ... then the server dies under it
-        t0 = time.monotonic()
+
+        def bounce() -> None:
+            os.kill(srv.pid, signal.SIGKILL)
+            loop.call_later(0.15, srv.restart)
+
+        loop.call_later(0.05, bounce)
         await bus.close()
-        took = time.monotonic() - t0
-        assert bus.nc.is_closed
-        assert took < CLOSE_DRAIN_S - 2.0, f"Bus.close took {took:.1f} s though the connection was lost at 0.3 s"
+        assert done, "the handler was cancelled by the close"
+        for _ in range(100):  # the observer reconnects too
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        assert len(got) == 1, "the handler's publish, made while the bus reconnected, never arrived"
     finally:
+        if obs is not None:
+            with contextlib.suppress(Exception):
+                await obs.close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(srv.pid, signal.SIGKILL)
-            os.kill(srv.pid, signal.SIGCONT)
         srv.stop()
