@@ -182,8 +182,6 @@ RECONNECT_WAIT_S = 0.25
 CLOSE_DRAIN_S = 5.0
 """Seconds :meth:`Bus.close` lets nats-py drain the connection (in-flight handlers finish, what was published goes
 out) before it cancels the drain (at most 1 s more for the cancel to land) and closes the connection."""
-CLOSE_POLL_S = 0.05
-"""Seconds between :meth:`Bus.close`'s looks at the connection while it drains (lost: the drain ends then)."""
 ABANDON_S = 5.0
 """Seconds a cancelled :meth:`Bus.connect` keeps cancelling nats-py's connect (every 0.05 s) until it ends: one
 cancel can be lost (Python 3.11's ``asyncio.wait_for`` and a refusal in one loop turn; a later one lands within
@@ -1618,10 +1616,8 @@ class Bus:
             # server is gone for good the drain waits out CLOSE_DRAIN_S (nats-py drops the flush's PONG wait on
             # reconnect without an answer)
             drain = asyncio.ensure_future(self.nc.drain())
-            deadline = time.monotonic() + CLOSE_DRAIN_S
             try:
-                while not drain.done() and (left := deadline - time.monotonic()) > 0:
-                    await asyncio.wait({drain}, timeout=min(left, CLOSE_POLL_S))
+                await asyncio.wait({drain}, timeout=CLOSE_DRAIN_S)
             except asyncio.CancelledError as e:  # the caller's cancel during the drain: the connection is closed below
                 caller_cancel = e
             try:
