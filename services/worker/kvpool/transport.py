@@ -139,25 +139,19 @@ def _free(lo: int, width: int) -> bool:
 
 
 def pick_port_range(rng: random.Random | None = None, *, low: int = 20000, high: int = PORT_MAX, width: int = 2) -> tuple[int, int]:
-    """``width`` (at least 2) adjacent ports in ``[low, high]`` that are free on all interfaces right now: ``(first, last)``.
+    """``width`` (at least 2) adjacent ports in ``[low, high]`` that are free on all interfaces right now: ``(first, last)``;
+    :func:`pick_port_ranges`' one range (the search ends: each aligned range probed at most once).
 
     Mooncake binds ``0.0.0.0``, so every port of the range is probed there. The kernel's
     ephemeral range (32768+) is out of reach (see module doc), so ports are
-    drawn at random below it; a port taken between this probe and Mooncake's
+    taken below it; a port taken between this probe and Mooncake's
     bind makes ``initialize`` fail with a clear :class:`TransferError`.
 
     Raises:
         ValueError: ``width`` below 2 or wider than ``[low, high]``.
-        TransferError: if no free range is found in 200 draws.
+        TransferError: if no range of ``width`` free ports is found.
     """
-    if width < 2 or high - low + 1 < width:
-        raise ValueError(f"port range width {width}: at least 2, at most {high - low + 1} in [{low}, {high}]")
-    rng = rng or random.Random()
-    for _ in range(200):
-        lo = rng.randrange(low, high - width + 2)
-        if _free(lo, width):
-            return lo, lo + width - 1
-    raise TransferError(f"no {width} adjacent free TCP ports found in [{low}, {high}]")
+    return pick_port_ranges(1, rng, low=low, high=high, width=width)[0]
 
 
 def pick_port_ranges(
@@ -168,7 +162,7 @@ def pick_port_ranges(
 
     The ranges are the ``(high - low + 1) // width`` aligned ones of ``[low, high]``, tried in order from a random one
     (wrapping around), so a second ``up`` on the host most likely starts elsewhere, and the search ends: at most every
-    aligned range probed once (:func:`pick_port_range` drawn again until its ranges did not overlap never ended past
+    aligned range probed once (one range drawn at random again until the ranges did not overlap never ended past
     about 300 workers of 32 ports: ``[20000, 32767]`` holds 399).
 
     Raises:
