@@ -126,6 +126,14 @@ def authorization_of(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     return values[0] if values else None
 
 
+def inflight_limit_message(limit: int) -> str:
+    """The 429's message for a key at its ``limit`` (>= 1) of requests in flight, in words for one and for more:
+    "1 request ... when it ends", "4 requests ... when one ends" (it said "1 requests")."""
+    if limit == 1:
+        return "this API key has 1 request in flight, its limit; retry when it ends"
+    return f"this API key has {limit} requests in flight, its limit; retry when one ends"
+
+
 class IngressGuard:
     """ASGI middleware in front of the router's app (see the module docstring).
 
@@ -196,7 +204,7 @@ class IngressGuard:
             return
         if self.max_inflight and self.inflight[who] >= self.max_inflight:
             self.counters["http.key_limited"] += 1
-            message = f"this API key has {self.max_inflight} requests in flight; retry when one ends"
+            message = inflight_limit_message(self.max_inflight)
             if self.on_refused is not None:
                 self.on_refused(scope, 429, message)
             await self._reply(

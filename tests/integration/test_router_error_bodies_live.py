@@ -51,7 +51,7 @@ async def test_each_status_has_openais_body_over_http(nats_url, tmp_path):
             try:
                 await _wait_for(lambda: env.cluster.works, what="the first request dispatched")
                 r = await http.post("/v1/completions", json={"prompt": [1], "max_tokens": 2}, headers=KEY)
-                _is(r, 429, "requests", "rate_limit_exceeded", None, "1 requests in flight")
+                _is(r, 429, "requests", "rate_limit_exceeded", None, "1 request in flight, its limit; retry when it ends")
                 assert r.headers["retry-after"] == "1"
             finally:
                 held.cancel()

@@ -85,7 +85,27 @@ async def test_the_key_guards_401_and_429_are_openais_bodies():
         await asyncio.sleep(0)
     status, body, head = await _call(guard, "k1")
     assert status == 429 and head[b"retry-after"] == b"1"
-    assert body == {"error": {"message": "this API key has 1 requests in flight; retry when one ends",
+    assert body == {"error": {"message": "this API key has 1 request in flight, its limit; retry when it ends",
                               "type": "requests", "param": None, "code": "rate_limit_exceeded"}}  # fmt: skip
     release.set()
     assert (await first)[0] == 200
+
+
+async def test_the_429_says_request_for_one_and_requests_for_more():
+    """The limit in words: "1 request ... when it ends", "2 requests ... when one ends" (it said "1 requests")."""
+    release = asyncio.Event()
+
+    async def held(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard = IngressGuard(held, ["k1"], max_inflight=2, counters=Counter())
+    first = [asyncio.create_task(_call(guard, "k1")) for _ in range(2)]
+    while guard.inflight["key0"] < 2:
+        await asyncio.sleep(0)
+    status, body, _ = await _call(guard, "k1")
+    assert status == 429
+    assert body == error_body(429, "this API key has 2 requests in flight, its limit; retry when one ends")
+    release.set()
+    assert [(await f)[0] for f in first] == [200, 200]
