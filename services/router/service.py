@@ -2406,7 +2406,8 @@ class RouterService(WatchedService):
             raise api.ApiError(499, "client closed the connection while its body waited for a parse slot") from None
 
     async def _read_body(self, request: Request) -> bytes:
-        """The request's body, at most ``max_body_bytes``, received within ``body_timeout_s``.
+        """The request's body, at most ``max_body_bytes``, received within ``body_timeout_s``; a refusal names the
+        flag (``--max-body-bytes``, ``--body-timeout-s``) and the limit, in bytes or seconds.
 
         Raises:
             ApiError: 413 (too big), 408 (not received in time; ``http.body_timeouts``), 499 (the client
@@ -2415,7 +2416,7 @@ class RouterService(WatchedService):
         limit = self.cfg.max_body_bytes
         cl = request.headers.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > limit:
-            raise api.ApiError(413, f"request body of {cl} bytes exceeds max_body_bytes={limit}")
+            raise api.ApiError(413, f"request body of {cl} bytes exceeds the router's limit of {limit} bytes (--max-body-bytes)")
         parts: list[bytes] = []
         size = 0
         try:
@@ -2423,11 +2424,11 @@ class RouterService(WatchedService):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
-                        raise api.ApiError(413, f"request body exceeds max_body_bytes={limit}")
+                        raise api.ApiError(413, f"request body exceeds the router's limit of {limit} bytes (--max-body-bytes)")
                     parts.append(chunk)
         except TimeoutError:
             self.counters["http.body_timeouts"] += 1
-            raise api.ApiError(408, f"request body not received within body_timeout_s={self.cfg.body_timeout_s:g} s") from None
+            raise api.ApiError(408, f"request body not received within the router's limit of {self.cfg.body_timeout_s:g} s (--body-timeout-s)") from None
         except ClientDisconnect:  # escaped as a 500 with a traceback in the log (Starlette's ServerErrorMiddleware)
             self.counters["http.body_disconnects"] += 1
             raise api.ApiError(499, f"client closed the connection after {size} of its body's bytes") from None
