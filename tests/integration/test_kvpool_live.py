@@ -83,16 +83,25 @@ async def _json_line(proc: asyncio.subprocess.Process, timeout: float = 60.0) ->
 class Holder:
     """``demo hold`` in its own process; stop() sends SIGTERM and returns its final stats line."""
 
-    def __init__(self, url: str, node: str, blocks: int, corrupt: int = 0, slot_bytes: int = SB) -> None:
+    def __init__(
+        self, url: str, node: str, blocks: int, corrupt: int = 0, slot_bytes: int = SB, ready_timeout_s: float = 60.0
+    ) -> None:
         self.args = ["hold", "--nats-url", url, "--node", node, "--blocks", str(blocks), "--slot-bytes", str(slot_bytes)]
         self.args += ["--corrupt", str(corrupt)]
+        self.ready_timeout_s = ready_timeout_s
         self.proc: asyncio.subprocess.Process | None = None
         self.ready: dict = {}
 
     async def __aenter__(self) -> "Holder":
+        """Start ``demo hold`` and wait up to ``ready_timeout_s`` for its ready line; a start that fails (a timeout,
+        another line, a cancel) kills and reaps the process before it raises (no ``__aexit__`` follows it)."""
         self.proc = await _demo(*self.args)
-        self.ready = await _json_line(self.proc)
-        assert self.ready["event"] == "ready", self.ready
+        try:
+            self.ready = await _json_line(self.proc, timeout=self.ready_timeout_s)
+            assert self.ready["event"] == "ready", self.ready
+        except BaseException:
+            await self.__aexit__()
+            raise
         return self
 
     async def stop(self) -> dict:
@@ -106,6 +115,30 @@ class Holder:
         if self.proc is not None and self.proc.returncode is None:
             self.proc.kill()
             await self.proc.wait()
+
+
+async def test_a_holder_that_never_gets_ready_leaves_no_process(monkeypatch):
+    """A holder whose start fails (no ready line within its timeout; a start that raises) is killed and reaped,
+    not left running behind the failed test: ``async with`` calls no ``__aexit__`` when ``__aenter__`` raised."""
+    started: list[asyncio.subprocess.Process] = []
+
+    async def never_ready(*_args: str) -> asyncio.subprocess.Process:
+        started.append(await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import time; time.sleep(60)",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))  # fmt: skip
+        return started[-1]
+
+    monkeypatch.setitem(globals(), "_demo", never_ready)
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            async with Holder("nats://127.0.0.1:1", "never", 1, ready_timeout_s=0.5):
+                raise AssertionError("not ready: the body must not run")
+        assert len(started) == 1 and started[0].returncode is not None  # killed and waited for
+    finally:
+        for proc in started:  # before the fix: this test's own process, not left behind either
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
 
 async def _fetch(url: str, node: str, peer: str, blocks: int, slot_bytes: int = SB) -> tuple[int, dict]:
