@@ -37,6 +37,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -616,6 +617,29 @@ in TIME_WAIT and ``TransferEngine.initialize`` returned -1, restart after restar
 RPC port, which a peer's Mooncake still maps to the dead process (``kvpool.pool``: ``stale_session``), 1 time in 31."""
 
 
+def kv_pool_max_bytes(environ: Mapping[str, str]) -> int:
+    """The real pool's size limit (bytes) that the workers ``up`` starts apply: their ``kv_pool_max_bytes``, which
+    ``up`` gives them only through the environment they inherit (``EI_KV_POOL_MAX_BYTES`` in ``environ``), read by
+    the worker's own config (:func:`~shared.config.field_from_text` on ``WorkerConfig``): the same accepted values
+    and value; unset, the worker's default.
+
+    Raises:
+        UsageError: a value every worker would refuse (exit 2), with the worker's message.
+    """
+    from services.worker.config import WorkerConfig
+    from services.worker.kvpool.config import DEFAULT_MAX_POOL_BYTES
+    from shared.config import ConfigError, env_name, field_from_text
+
+    name = env_name("kv_pool_max_bytes")
+    text = environ.get(name)
+    if text is None:
+        return DEFAULT_MAX_POOL_BYTES  # WorkerConfig's default
+    try:
+        return int(field_from_text(WorkerConfig, "kv_pool_max_bytes", text))
+    except ConfigError as e:
+        raise UsageError(f"error: {name}={text!r}: {e} (every worker inherits it)") from None
+
+
 def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: bool) -> dict[str, object]:
     """Cluster fields for ``--kv-pool real``: every worker's ``--kv-pool real`` (and ``--kv-pool-slot-bytes``), and,
     each worker its own range of :data:`KV_POOL_PORTS_PER_WORKER` Mooncake ports (``--kv-pool-ports``: two workers
@@ -640,7 +664,7 @@ def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: b
                          "and its own --kv-pool-ports")
     import importlib.util
 
-    from services.worker.kvpool.config import DEFAULT_MAX_POOL_BYTES, pool_geometry
+    from services.worker.kvpool.config import pool_geometry
     from services.worker.kvpool.transport import TransferError, pick_port_ranges
     from shared.config import env_name
 
@@ -648,16 +672,7 @@ def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: b
         raise UsageError("error: --kv-pool real needs Mooncake's transfer engine: scripts/install-mooncake.sh (VENV=<venv>)")
     if slot < 0:
         raise UsageError(f"error: --kv-pool-slot-bytes {slot}: bytes, 0 or more")
-    # the limit the workers apply: their kv_pool_max_bytes, which up gives them only through the environment they inherit
-    limit_text = os.environ.get(env_name("kv_pool_max_bytes"), "").strip()
-    limit = DEFAULT_MAX_POOL_BYTES
-    if limit_text:
-        try:
-            limit = int(limit_text)
-        except ValueError:
-            limit = 0
-        if limit <= 0:
-            raise UsageError(f"error: {env_name('kv_pool_max_bytes')} {limit_text!r}: bytes, an integer > 0")
+    limit = kv_pool_max_bytes(os.environ)
     if args.engine == "sim":  # a torch worker's slot is its page (checked by the worker against its model)
         try:
             pool_geometry(sized.node_profile(), slot, limit)

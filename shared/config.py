@@ -242,6 +242,25 @@ def resolve_config(
         raise ConfigError(f"invalid configuration: {e}") from e
 
 
+def field_from_text(cls: type[Struct], name: str, text: str) -> Any:
+    """Field ``name`` of ``cls`` from one environment or flag string ``text``, as :func:`resolve_config` takes it:
+    the same accepted values, the same value, the same error (``invalid configuration: ... - at `$.<name>```).
+    For a program that reads one service setting without building the service's whole config (``up`` checking
+    the ``EI_KV_POOL_MAX_BYTES`` its workers will inherit).
+
+    Raises:
+        ConfigError: ``name`` is not a field of ``cls``, or ``text`` fails its type or constraints.
+    """
+    hints = typing.get_type_hints(cls, include_extras=True)
+    if name not in hints or name not in cls.__struct_fields__:
+        raise ConfigError(f"{cls.__name__} has no setting {name!r}")
+    one = msgspec.defstruct(cls.__name__, [(name, hints[name])])
+    try:
+        return getattr(msgspec.convert({name: _from_text(_base_type(cls, name), text)}, one, strict=False), name)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid configuration: {e}") from e
+
+
 def to_argv(cfg: Struct, *, skip_defaults: bool = True) -> list[str]:
     """CLI flags that reproduce ``cfg``: ``load_config(type(cfg), to_argv(cfg))`` gives it back
     (for a program that starts a service with a given configuration).

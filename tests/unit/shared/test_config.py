@@ -4,7 +4,7 @@ import msgspec
 import pytest
 from msgspec import Meta
 
-from shared.config import CommonConfig, ConfigError, load_config, to_argv
+from shared.config import CommonConfig, ConfigError, env_name, field_from_text, load_config, resolve_config, to_argv
 
 
 class DemoConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -66,3 +66,26 @@ def test_help_shows_list_defaults_as_the_flag_takes_them():
     add_arguments(parser, Paths)
     text = " ".join(parser.format_help().split())
     assert "default '/a,/b'" in text and "default ''" in text and "default None" not in text
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("metrics_port", "9100"), ("metrics_port", "70000"), ("metrics_port", "-1"), ("metrics_port", "x"), ("metrics_port", "1e2"),
+     ("speedup", "2.5"), ("speedup", "fast"), ("log_level", "debug"), ("log_level", "loud"),
+     ("otlp_traces_endpoint", "http://c:4318"), ("otlp_traces_endpoint", "ftp://c")],
+)  # fmt: skip
+def test_one_field_from_text_is_what_the_whole_config_makes_of_it(name, text):
+    """``field_from_text`` takes a value as ``resolve_config`` does from ``EI_<NAME>``: the same value, or the same error."""
+    try:
+        whole = getattr(resolve_config(CommonConfig, {}, env={env_name(name): text}), name)
+    except ConfigError as e:
+        with pytest.raises(ConfigError) as one:
+            field_from_text(CommonConfig, name, text)
+        assert str(one.value) == str(e)
+    else:
+        assert field_from_text(CommonConfig, name, text) == whole
+
+
+def test_field_from_text_refuses_a_name_that_is_no_field():
+    with pytest.raises(ConfigError, match="CommonConfig has no setting 'metrics_prot'"):
+        field_from_text(CommonConfig, "metrics_prot", "1")

@@ -17,10 +17,10 @@ import pytest
 
 from evolving_infra.cli import UsageError, build_parser
 from evolving_infra.cluster import LocalCluster
-from evolving_infra.launcher import KV_POOL_PORTS_PER_WORKER, _spec
+from evolving_infra.launcher import KV_POOL_PORTS_PER_WORKER, _spec, kv_pool_max_bytes
 from services.worker.config import WorkerConfig
-from services.worker.kvpool.config import parse_port_range
-from shared.config import load_config
+from services.worker.kvpool.config import DEFAULT_MAX_POOL_BYTES, parse_port_range
+from shared.config import ConfigError, load_config, resolve_config
 
 
 @pytest.fixture
@@ -89,8 +89,36 @@ def test_the_limit_is_the_one_the_workers_read_from_the_environment(tmp_path, mo
     monkeypatch.setenv("EI_KV_POOL_MAX_BYTES", str(8 * 2**30))
     assert _spec(args) is not None  # 7.86 GiB <= 8 GiB: started, each worker with --kv-pool real and its ports
     monkeypatch.setenv("EI_KV_POOL_MAX_BYTES", "lots")
-    with pytest.raises(UsageError, match=r"EI_KV_POOL_MAX_BYTES 'lots': bytes, an integer > 0"):
+    with pytest.raises(UsageError, match=r"EI_KV_POOL_MAX_BYTES='lots': invalid configuration: Expected `int`, got `str`"):
         _spec(args)
+
+
+# what a user may write, and what the worker's config made of it: up's own int(text) > 0 took ' 5 ', '+7' and '1_000'
+# (every worker then exited 2) and refused '1e3' and '1.0' (which the workers take), and took '' as unset
+LIMIT_TEXTS = ["1GiB", "0", "-1", "x", "", " 5 ", "+7", "1_000", "1e3", "1.0", "0x10", "4096", str(8 * 2**30)]
+
+
+@pytest.mark.parametrize("text", LIMIT_TEXTS)
+def test_up_reads_the_limit_as_the_worker_does(text):
+    """``up`` parses ``EI_KV_POOL_MAX_BYTES`` with the worker's config (shared.config.field_from_text on
+    ``WorkerConfig.kv_pool_max_bytes``): it takes what every worker takes, as the same number, and refuses what
+    they refuse, with their message."""
+    env = {"EI_KV_POOL_MAX_BYTES": text}
+    try:
+        worker: int | str = resolve_config(WorkerConfig, {}, env=env).kv_pool_max_bytes
+    except ConfigError as e:
+        worker = str(e)
+    try:
+        up: int | str = kv_pool_max_bytes(env)
+    except UsageError as e:
+        assert isinstance(worker, str), (text, worker, str(e))
+        assert str(e) == f"error: EI_KV_POOL_MAX_BYTES={text!r}: {worker} (every worker inherits it)"
+    else:
+        assert up == worker, text
+
+
+def test_unset_the_limit_is_the_workers_default():
+    assert kv_pool_max_bytes({}) == resolve_config(WorkerConfig, {}, env={}).kv_pool_max_bytes == DEFAULT_MAX_POOL_BYTES
 
 
 def test_deploy_args_say_they_do_not_support_it_before_looking_for_mooncake_here(monkeypatch):
