@@ -48,6 +48,11 @@ class ClusterError(RuntimeError):
     """A service failed to start or died."""
 
 
+class ServiceStopped(ClusterError):
+    """Without supervision (``--no-restart``), a service exited with code 0: it stopped as asked (a SIGTERM sent to
+    it, after its drain), so the cluster ends, but nothing failed (``up`` says so and exits 0, not "error:")."""
+
+
 class ClusterConfigError(ClusterError):
     """The deployment ``up`` was given cannot work as configured, and waiting cannot mend it (``--nats-url``
     credentials the server refuses the JetStream stream): ``up`` exits 2, as for other configuration errors."""
@@ -765,7 +770,8 @@ class LocalCluster:
         return out
 
     async def wait_failed(self) -> ClusterError:
-        """Wait until the cluster fails for good (without supervision: a service exits) and return why."""
+        """Wait until the cluster fails for good (without supervision: a service exits) and return why
+        (:class:`ServiceStopped` when that service exited with code 0)."""
         while True:
             try:
                 self.check_alive()
@@ -841,6 +847,7 @@ class LocalCluster:
         exited; with it, the supervisor gave up on a service that kept dying.
 
         Raises:
+            ServiceStopped: without supervision, a service exited with code 0 (naming it and its log).
             ClusterError: naming the dead service, its exit code and its log's tail.
         """
         if self._failure is not None:
@@ -851,6 +858,8 @@ class LocalCluster:
             return
         for c in self.children:
             if c.proc is not None and c.proc.poll() is not None:
+                if c.proc.returncode == 0:
+                    raise ServiceStopped(f"{c.name} exited cleanly (code 0); log {c.log_path}")
                 raise ClusterError(f"{c.name} exited with code {c.proc.returncode}; log {c.log_path}:\n{self._log_tail(c)}")
 
     def timeline(self) -> RunTimeline | None:

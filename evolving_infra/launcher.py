@@ -45,7 +45,9 @@ from typing import Any
 from evolving_infra.cli import UsageError, command_name
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
-from evolving_infra.cluster import THREAD_ENV, ClusterConfigError, ClusterError, ClusterSpec, LocalCluster, worker_placement, write_json
+from evolving_infra.cluster import (
+    THREAD_ENV, ClusterConfigError, ClusterError, ClusterSpec, LocalCluster, ServiceStopped, worker_placement, write_json,
+)
 from evolving_infra.replay.retry import RetryPolicy
 from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
@@ -292,7 +294,8 @@ def _add_cluster_args(
         "--no-restart",
         dest="restart",
         action="store_false",
-        help="stop the whole cluster when any service (or nats-server) exits, instead of restarting it (the router then binds "
+        help="stop the whole cluster when any service (or nats-server) exits, instead of restarting it (exit status 0 when "
+        "the service exited 0, e.g. after a SIGTERM sent to it, else 1; the router then binds "
         "its port itself: up holds it only for a next router, and a client connecting while a SIGTERMed router drains gets 503)",
     )
     g.add_argument(
@@ -878,9 +881,14 @@ async def _up(args: argparse.Namespace) -> int:
         await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         if failed.done():
-            print(f"error: {failed.result()}", file=sys.stderr)
-            await cluster.stop()
-            return 1
+            ended = failed.result()
+            if not isinstance(ended, ServiceStopped):
+                print(f"error: {ended}", file=sys.stderr)
+                await cluster.stop()
+                return 1
+            # --no-restart: a service that exited 0 stopped as asked (a SIGTERM sent to it, after its drain); the
+            # cluster stops with it, as after a crash, but nothing failed: said on stdout, status 0
+            print(f"{ended}; --no-restart: stopping the cluster", flush=True)
         failed.cancel()
         print("stopping ...", flush=True)
         await cluster.stop()
@@ -1405,8 +1413,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 UP_EXIT_STATUSES = (
-    "exit status: 0 stopped (Ctrl-C, SIGTERM, SIGHUP; also during start-up); 1 runtime failure: --port taken, a "
-    "service died (or its restarts gave up), the cluster not healthy within --ready-timeout, NATS refused the "
+    "exit status: 0 stopped (Ctrl-C, SIGTERM, SIGHUP; also during start-up; with --no-restart, a service that exited 0, "
+    "e.g. after a SIGTERM sent to it); 1 runtime failure: --port taken, a "
+    "service died (with --no-restart: exited non-zero or by a signal; else its restarts gave up), the cluster not healthy within --ready-timeout, NATS refused the "
     "launcher's connection (its credentials), a NATS server whose JetStream did not answer the stream lookup (or "
     "whose create did not succeed) within --ready-timeout; 2 usage or configuration error: a bad option, no NATS "
     "server answered at --nats-url within --ready-timeout, the server denies the launcher's identity the JetStream "

@@ -144,3 +144,37 @@ def test_sighup_stops_a_ready_cluster_cleanly_unless_ignored(tmp_path, ignored):
             proc.wait()
     assert rc == 0 and "stopped" in out, (rc, out[-2000:])
     assert not list((tmp_path / "state").glob("up-*.json"))
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 0), (signal.SIGKILL, 1)])
+def test_no_restart_a_service_that_exits_cleanly_is_no_error(tmp_path, sig, status):
+    """``up --no-restart`` stops the cluster when a service exits. A router SIGTERMed on its own drains and exits 0:
+    ``up`` says it exited cleanly (stdout, no "error:"), stops the rest and exits 0. Before, it printed "error: router
+    exited with code 0" (and the log's tail) and exited 1, as for a crash; a crash (SIGKILL) still is one."""
+    import json
+
+    proc = _up(tmp_path, "--no-restart")
+    try:
+        ready = None
+        deadline = time.monotonic() + 120
+        while ready is None and time.monotonic() < deadline:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("READY "):
+                ready = json.loads(line[len("READY "):])
+        assert ready is not None, proc.poll()
+        os.kill(int(ready["pids"]["router"]), sig)
+        out, _ = proc.communicate(timeout=EXIT_WITHIN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == status, out[-3000:]
+    if status == 0:
+        assert "router exited cleanly (code 0); log " in out and "--no-restart: stopping the cluster" in out, out[-3000:]
+        assert "error:" not in out and "stopped; logs in" in out, out[-3000:]
+    else:
+        assert "error: router exited with code -9" in out, out[-3000:]
+    assert not list((tmp_path / "state").glob("up-*.json"))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, _Child, restart_delay
+from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, ServiceStopped, _Child, restart_delay
 
 
 def test_restart_delay_doubles_up_to_the_cap():
@@ -122,6 +122,29 @@ def test_without_supervision_an_exit_fails_the_cluster(tmp_path):
             c.check_alive()  # no supervisor task running (start() was not called): fail fast
     finally:
         child.log_file.close()
+
+
+def test_without_supervision_a_clean_exit_ends_the_cluster_as_no_failure(tmp_path):
+    """A service that exited 0 (stopped as asked: a SIGTERM sent to it, after its drain) ends an unsupervised
+    cluster with ``ServiceStopped`` (``up --no-restart`` says so and exits 0); one exiting non-zero is a failure."""
+    for argv, code in ((["true"], 0), (["false"], 1)):
+        c = LocalCluster(ClusterSpec(restart=False))
+        c.log_dir = tmp_path
+        c.children = [_Child("svc", argv, tmp_path / "svc.log")]
+        child = c.children[0]
+        c._spawn(child)
+        try:
+            assert child.proc.wait(10) == code
+            with pytest.raises(ClusterError) as e:
+                c.check_alive()
+            if code == 0:
+                assert isinstance(e.value, ServiceStopped)
+                assert str(e.value) == f"svc exited cleanly (code 0); log {child.log_path}"
+            else:
+                assert not isinstance(e.value, ServiceStopped)
+                assert str(e.value).startswith(f"svc exited with code 1; log {child.log_path}:")
+        finally:
+            child.log_file.close()
 
 
 def test_the_exit_error_quotes_whole_log_lines(tmp_path):
