@@ -178,12 +178,12 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
         return with_kv_tokens(load_profile(self.profile), self.gpu_kv_tokens, self.host_kv_tokens)
 
 
-PER_SERVICE_ENV = ("EI_METRICS_PORT", "EI_PORT", "EI_PORT_FILE", "EI_INSTANCE", "EI_NODE", "EI_PHASE")
+PER_SERVICE_ENV = ("EI_METRICS_PORT", "EI_METRICS_FD", "EI_PORT", "EI_PORT_FILE", "EI_INSTANCE", "EI_NODE", "EI_PHASE")
 """Variables that configure one process (a port it binds, its identity): never passed from the launcher's
 environment to its children, where every service would take the same value (``EI_METRICS_PORT``: the second
 one to bind it exited 1, Address already in use, and the cluster stopped). ``up`` refuses ``EI_METRICS_PORT``
-itself (``--metrics-base-port`` is what gives fixed ports); the others it always sets per service on the
-command line."""
+itself (``--metrics-base-port`` is what gives fixed ports); ``EI_METRICS_FD`` names a descriptor of the shell's
+process, not the child's; the others it always sets per service on the command line."""
 
 TARGETS_FILE = "prometheus-targets.json"
 """The Prometheus ``file_sd`` list ``LocalCluster`` writes in its log folder (the Slurm job's name and labels)."""
@@ -211,14 +211,6 @@ def child_env(
     out = {k: v for k, v in (os.environ if base is None else base).items() if k not in drop}
     out.update(env or {})
     return out
-
-
-def _free_port(host: str) -> int:
-    """A TCP port free on ``host`` now (the kernel's choice; the service binds it moments later)."""
-    family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind(addr)
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -398,6 +390,9 @@ class LocalCluster:
     """Collects ``split.applied`` events into the run's PD-split timeline."""
     metrics_urls: dict[str, str] = field(default_factory=dict)
     """instance (``router``, ``planner``, ``kvdirectory``, ``worker-w0`` ...) → its ``/metrics`` URL (``spec.metrics``)."""
+    metrics_sockets: dict[str, socket.socket] = field(default_factory=dict)
+    """instance → its metrics port's listening socket (``spec.metrics``), held from the plan to the stop and passed to
+    every run of the service (``--metrics-fd``)."""
     nats_restarts: int = 0
     """Times the supervisor restarted the embedded nats-server."""
     on_restart: object = None
@@ -435,10 +430,18 @@ class LocalCluster:
         s = self.spec
         extra: list[str] = []
         if s.metrics:
-            # fixed ports in the Slurm job's order (kvdirectory, planner, router, w0, w1, ...), else free ones
-            port = s.metrics_base_port + self._metrics_index(instance) if s.metrics_base_port else _free_port(s.host)
+            # fixed ports in the Slurm job's order (kvdirectory, planner, router, w0, w1, ...), else free ones; bound and
+            # listening here, held until the stop and passed to the service (--metrics-fd): a free port the service bound
+            # itself moments later could be taken in between (it then exited 1 at its start and at every restart)
+            port = s.metrics_base_port + self._metrics_index(instance) if s.metrics_base_port else 0
+            try:
+                held = listen_socket(s.host, port, backlog=128)
+            except OSError as e:
+                raise ClusterError(f"{instance}: cannot listen for metrics on {s.host}:{port}: {e.strerror or e}") from e
+            self.metrics_sockets[instance] = held
+            port = held.getsockname()[1]
             self.metrics_urls[instance] = http_url(s.host, port) + "/metrics"
-            extra = ["--metrics-port", str(port), "--metrics-host", s.host]
+            extra = ["--metrics-port", str(port), "--metrics-host", s.host, "--metrics-fd", str(held.fileno())]
         return extra + [  # no --nats-url: the URL goes through the environment (_wire_children)
             "--partition",
             s.partition,
@@ -537,6 +540,9 @@ class LocalCluster:
                 pass_fds=fds,
             )
         )
+        for kid in kids:  # each service inherits its metrics socket (--metrics-fd)
+            if (held := self.metrics_sockets.get(_flag(kid.argv, "--instance"))) is not None:
+                kid.pass_fds = (*kid.pass_fds, held.fileno())
         return kids
 
     def _wire_children(self) -> None:
@@ -904,6 +910,9 @@ class LocalCluster:
             if c.log_file:
                 c.log_file.close()
                 c.log_file = None
+        for held in self.metrics_sockets.values():  # every service has exited: nothing serves on them any more
+            held.close()
+        self.metrics_sockets.clear()
         if (self.log_dir / TARGETS_FILE).exists():
             self.write_targets(empty=True)
         if self._bus is not None:

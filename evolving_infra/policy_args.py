@@ -175,10 +175,10 @@ ROUTER_OWN_FLAGS = {"profile": "--profile", "block_size": "--block-size"}
 
 UP_SETS_FOR_ITS_ROUTER = frozenset({
     "instance", "clock_origin", "port_file", "nats_creds", "metrics_port", "metrics_host", "log_format", "profile_clock",
-    "model_names", "model_aliases", "listen_fd",
+    "model_names", "model_aliases", "listen_fd", "metrics_fd",
 })
 """Router settings without a flag of ``up``'s own name that ``up`` gives its router on the command line (from its
-other flags, or one per process; ``listen_fd``: the listening socket it holds): an ``EI_*`` variable of the same
+other flags, or one per process; ``listen_fd``, ``metrics_fd``: the listening sockets it holds): an ``EI_*`` variable of the same
 name would not reach it."""
 
 UP_SETS_WITH_TORCH = frozenset({"max_context_tokens", "model_vocab_size"})

@@ -67,6 +67,13 @@ class CommonConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     metrics_host: typing.Annotated[
         str, Meta(description="bind address of the metrics port (0.0.0.0 inside a container)")
     ] = "127.0.0.1"
+    metrics_fd: typing.Annotated[
+        int,
+        Meta(ge=-1, description="serve the metrics endpoints on this inherited listening TCP socket (a file descriptor) "
+             "instead of binding --metrics-host/--metrics-port: a supervisor that chose the port holds it from its choice "
+             "on, across the service's restarts (evolving-infra up --metrics does), so no other process takes it in "
+             "between; -1 = bind --metrics-port"),
+    ] = -1
     otlp_traces_endpoint: typing.Annotated[
         str,
         Meta(

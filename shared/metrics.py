@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -305,12 +306,15 @@ class MetricsServer:
         port: TCP port (1-65535; the caller does not start it for 0).
         not_ready: why the service is not ready, ``(kind, reason)`` (kind one of :data:`READY_REASONS`, reason
             the text ``/readyz`` answers with), or None when it is; None (the argument): always ready.
+        sock: a listening socket to serve on instead of binding ``host:port`` (``--metrics-fd``: one a supervisor
+            holds; ``port`` is then the one it is bound to).
     """
 
     def __init__(
         self, registry: CollectorRegistry, host: str, port: int,
-        not_ready: Callable[[], tuple[str, str] | None] | None = None,
+        not_ready: Callable[[], tuple[str, str] | None] | None = None, sock: socket.socket | None = None,
     ) -> None:  # fmt: skip
+        self._sock = sock
         self.registry = registry
         self.not_ready = not_ready
         self._ready_registry = CollectorRegistry(auto_describe=False)
@@ -352,11 +356,14 @@ class MetricsServer:
                 Route("/readyz", readyz, methods=["GET"]),
             ]
         )
-        try:  # the router's bind (SO_REUSEADDR, the family getaddrinfo gives: a name that resolves only to IPv6 too);
-            # "" is every IPv4 interface, as bind(("", port)) made it before (getaddrinfo cannot resolve "")
-            sock = bind_socket(self.host or "0.0.0.0", self.port, blocking=False)
-        except OSError as e:
-            raise OSError(e.errno, f"cannot listen for metrics on {self.host}:{self.port}: {e.strerror or e}") from e
+        if self._sock is not None:  # held by the supervisor (--metrics-fd), listening since before this process
+            sock = self._sock
+        else:
+            try:  # the router's bind (SO_REUSEADDR, the family getaddrinfo gives: a name that resolves only to IPv6 too);
+                # "" is every IPv4 interface, as bind(("", port)) made it before (getaddrinfo cannot resolve "")
+                sock = bind_socket(self.host or "0.0.0.0", self.port, blocking=False)
+            except OSError as e:
+                raise OSError(e.errno, f"cannot listen for metrics on {self.host}:{self.port}: {e.strerror or e}") from e
         self.port = sock.getsockname()[1]
         cfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", loop="none", timeout_graceful_shutdown=2)
         self._server = _quiet_server_type()(cfg)

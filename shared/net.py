@@ -1,5 +1,6 @@
 """TCP listeners of the services' HTTP servers: the router's socket (bound by the router itself, or held by ``up``
-and passed as ``--listen-fd``) and the URL of a host and port, IPv6 included.
+and passed as ``--listen-fd``), a metrics port's (bound by the service, or held by ``up`` and passed as
+``--metrics-fd``) and the URL of a host and port, IPv6 included.
 
 ``up``'s URLs, the router's and the metrics endpoint's "listening" log lines use one spelling, so a URL copied from a
 log line works as given (``http://::1:8000`` does not: httpx reads ``:1:8000`` as the port). ``up`` and the router
@@ -8,6 +9,7 @@ metrics port (``--metrics-host`` / ``--metrics-port``) is bound the same way."""
 
 from __future__ import annotations
 
+import errno
 import socket
 
 
@@ -32,6 +34,26 @@ def bind_socket(host: str, port: int, *, blocking: bool = True) -> socket.socket
     except OSError:
         sock.close()
         raise
+    return sock
+
+
+def inherited_socket(fd: int, flag: str = "--listen-fd") -> socket.socket:
+    """The listening TCP socket a supervisor passed as file descriptor ``fd`` (``evolving-infra up`` holds the
+    router's port, ``--listen-fd``, and every service's metrics port, ``--metrics-fd``, across restarts), set
+    non-blocking for the event loop. ``flag`` names the setting in the errors.
+
+    Raises:
+        OSError: ``fd`` is not open, not a socket, or a socket that does not listen (``listen(2)`` not called).
+    """
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise OSError(e.errno, f"{flag} {fd} is not an open socket: {e.strerror or e}") from e
+    if (sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM
+            or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):  # fmt: skip
+        sock.detach()  # not ours to close
+        raise OSError(errno.EINVAL, f"{flag} {fd} is not a listening TCP socket")
+    sock.setblocking(False)
     return sock
 
 

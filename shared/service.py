@@ -48,6 +48,7 @@ from shared.clock import SimClock
 from shared.config import CommonConfig
 from shared import tracing
 from shared.metrics import MetricsServer, make_registry, service_registry
+from shared.net import inherited_socket
 from shared.subjects import Subjects
 
 try:  # uvloop is a core dependency on Linux/macOS; plain asyncio elsewhere.
@@ -315,14 +316,19 @@ async def serve_until_stopped(
                 tls_ca=cfg.nats_tls_ca, tls_cert=cfg.nats_tls_cert, tls_key=cfg.nats_tls_key, name=instance,
             )
             metrics = None
-            if cfg.metrics_port:
+            if cfg.metrics_port or cfg.metrics_fd >= 0:
                 # before the connect, which retries forever while NATS is unreachable, and the start, which may wait
                 # (for the JetStream stream): /healthz (liveness) answers meanwhile and /readyz says why it is not
                 # ready. Before, the port opened only after start, then only after the connect: a liveness probe saw
                 # a service that waited for NATS or the stream as a dead one. Until the bus exists the registry holds
                 # the process's families only; the service's (and its bus's) replace it then.
-                metrics = MetricsServer(make_registry(), cfg.metrics_host, cfg.metrics_port, readiness.state)
-                await metrics.start()
+                try:  # a port in use, a --metrics-fd that is no listening socket: one line and exit 1, not a traceback
+                    held = inherited_socket(cfg.metrics_fd, "--metrics-fd") if cfg.metrics_fd >= 0 else None
+                    metrics = MetricsServer(make_registry(), cfg.metrics_host, cfg.metrics_port, readiness.state, sock=held)
+                    await metrics.start()
+                except OSError as e:
+                    log.error("cannot serve metrics", error=str(e))
+                    raise ServiceFailed(f"{service_name} {instance}: {e}") from e
                 stack.push_async_callback(metrics.stop)
             try:
                 bus = await Bus.connect(cfg.nats_url, Subjects(cfg.partition), service=service_name, instance=instance, auth=auth)

@@ -15,7 +15,8 @@ from shared.log import setup_logging
 from shared.service import run_service_main
 
 from services.router.config import RouterConfig
-from services.router.service import RouterService, inherited_socket
+from services.router.service import RouterService
+from shared.net import inherited_socket
 from shared.tokenizer import TokenizerError, load_tokenizer
 
 

@@ -36,12 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import math
 import os
 import re
-import socket
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -70,7 +68,7 @@ from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.hashing import block_hashes_packed
 from shared.metrics import FuncCollector, make_registry, metrics_response
-from shared.net import bind_socket, http_url
+from shared.net import bind_socket, http_url, inherited_socket
 from shared.service import BackgroundTasks, WatchedService
 from shared.validate import epoch_step_ok
 from shared.subjects import (
@@ -673,25 +671,6 @@ def _with_cors(app: ASGIApp, cfg: RouterConfig) -> ASGIApp:
         allow_credentials=cfg.allow_credentials,
         expose_headers=CORS_EXPOSE_HEADERS,
     )
-
-
-def inherited_socket(fd: int) -> socket.socket:
-    """The listening TCP socket a supervisor passed as file descriptor ``fd`` (``--listen-fd``; ``evolving-infra up``
-    holds the router's port across restarts), set non-blocking for the event loop.
-
-    Raises:
-        OSError: ``fd`` is not open, not a socket, or a socket that does not listen (``listen(2)`` not called).
-    """
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError as e:
-        raise OSError(e.errno, f"--listen-fd {fd} is not an open socket: {e.strerror or e}") from e
-    if (sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM
-            or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
-        sock.detach()  # not ours to close
-        raise OSError(errno.EINVAL, f"--listen-fd {fd} is not a listening TCP socket")
-    sock.setblocking(False)
-    return sock
 
 
 class RouterService(WatchedService):

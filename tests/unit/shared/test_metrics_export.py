@@ -91,6 +91,32 @@ async def test_metrics_server_serves_the_registry_and_refuses_a_taken_port():
     await asyncio.sleep(0)
 
 
+async def test_metrics_server_serves_on_a_held_socket_and_refuses_one_that_does_not_listen():
+    """``--metrics-fd``: the server serves on the listening socket a supervisor holds (``up --metrics``), on its
+    port; a descriptor that is no listening TCP socket is refused naming the flag."""
+    import os
+
+    from shared.net import inherited_socket, listen_socket
+
+    held = listen_socket("127.0.0.1", 0)
+    srv = MetricsServer(CollectorRegistry(), "127.0.0.1", 0, sock=inherited_socket(os.dup(held.fileno()), "--metrics-fd"))
+    await srv.start()
+    try:
+        assert srv.port == held.getsockname()[1]
+        async with httpx.AsyncClient(timeout=5) as http:
+            r = await http.get(f"http://127.0.0.1:{srv.port}/metrics")
+        assert r.status_code == 200 and "ei_service_ready" in r.text
+    finally:
+        await srv.stop()
+        held.close()
+    with socket.socket() as bound:  # bound, not listening
+        bound.bind(("127.0.0.1", 0))
+        with pytest.raises(OSError, match=f"--metrics-fd {bound.fileno()} is not a listening TCP socket"):
+            inherited_socket(bound.fileno(), "--metrics-fd")
+        assert bound.fileno() >= 0  # left open: not the caller's to close
+    await asyncio.sleep(0)
+
+
 class _V6OnlyName:
     """``shared.net``'s ``socket`` module, whose ``getaddrinfo`` resolves ``v6only.test`` to ``::1`` only (as
     ``ip6-localhost`` does where /etc/hosts lists it); everything else is the real module, so only the bind under

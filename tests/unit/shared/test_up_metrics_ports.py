@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -120,3 +121,60 @@ def test_a_port_out_of_range_is_a_usage_error_before_anything_starts(port, capsy
             build_parser(cmd).parse_args([cmd, "--port", port])
         assert e.value.code == 2
         assert "0-65535 (0 = any free port)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("base", [0, 19470])
+def test_up_holds_each_metrics_port_from_its_choice_until_the_stop(tmp_path, monkeypatch, base):
+    """``up --metrics`` chose a free port per service and the service bound it moments later: a process that took
+    the port in between made the service exit 1 (Address already in use) at its start, and, its argv naming the same
+    port, at every restart until the supervisor gave up (seen once). Now ``up`` binds and listens on each port when it
+    plans the services (a fixed ``--metrics-base-port`` one too) and passes the socket (``--metrics-fd``): nobody else
+    can take it, before the start or between two runs of the service, and it is closed at the stop."""
+    import errno
+    import socket
+
+    monkeypatch.delenv("EI_METRICS_PORT", raising=False)
+    c = LocalCluster(ClusterSpec(nodes=2, split="1P1D", metrics=True, metrics_base_port=base, log_dir=str(tmp_path)))
+    c.log_dir = tmp_path
+    kids = c._plan_children()
+    ports = {k: int(v.rsplit(":", 1)[1].split("/")[0]) for k, v in c.metrics_urls.items()}
+    assert len(set(ports.values())) == 5 and (not base or sorted(ports.values()) == list(range(base, base + 5)))
+    try:
+        for kid in kids:
+            instance = kid.argv[kid.argv.index("--instance") + 1]
+            fd = int(kid.argv[kid.argv.index("--metrics-fd") + 1])
+            assert fd in kid.pass_fds, kid.name  # the service inherits it
+            with socket.socket(fileno=os.dup(fd)) as held:
+                assert held.getsockname()[1] == ports[instance] == int(kid.argv[kid.argv.index("--metrics-port") + 1])
+                assert held.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            with socket.socket() as other, pytest.raises(OSError) as e:  # what took the port before: it cannot now
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                other.bind(("127.0.0.1", ports[instance]))
+            assert e.value.errno == errno.EADDRINUSE
+    finally:
+        asyncio.run(c.stop())
+    for port in ports.values():  # closed at the stop
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_fixed_metrics_port_that_is_taken_is_one_error_before_any_service_starts(tmp_path, monkeypatch):
+    """A ``--metrics-base-port`` port in use: one ``ClusterError`` naming the service and the port when the cluster
+    plans its services (``up``: "error: ...", status 1), not a service exiting 1 at its start and at every restart."""
+    import socket
+
+    from evolving_infra.cluster import ClusterError
+
+    monkeypatch.delenv("EI_METRICS_PORT", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        base = taken.getsockname()[1] - 2  # the router's port (base + 2) is taken
+        c = LocalCluster(ClusterSpec(nodes=1, split="collocated", metrics=True, metrics_base_port=base, log_dir=str(tmp_path)))
+        c.log_dir = tmp_path
+        try:
+            with pytest.raises(ClusterError, match=f"router: cannot listen for metrics on 127.0.0.1:{base + 2}: Address already in use"):
+                c._plan_children()
+        finally:
+            asyncio.run(c.stop())
