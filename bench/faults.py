@@ -22,6 +22,7 @@ marks recovery, or None when the cluster recovers without a restart) and registe
     python bench/faults.py --fault decode-worker-kill --policy static:2P2D   # the split served from the start
     python bench/faults.py --fault decode-worker-kill --engine torch         # the tiny random llama on CPU
     python bench/faults.py --fault decode-worker-kill --kv-pool real          # KV bytes moved between workers (Mooncake)
+    python bench/faults.py --fault router-kill --fault router-term --routers 2   # `up --routers 2`: the other router serves
     python bench/faults.py --list
 
 Under ``up``'s default policy (the evolving planner) every node serves collocated for the planner's 1,800-s warm-up,
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,8 @@ if str(REPO) not in sys.path:
 
 import httpx  # noqa: E402
 import msgspec  # noqa: E402
+
+from evolving_infra.report.records import RequestRecord  # noqa: E402
 
 
 @dataclass
@@ -494,17 +497,22 @@ class FaultResult:
     is allowed no more than any other."""
     log_problems: dict[str, int] = field(default_factory=dict)
     """:func:`worker_log_problems` at the end of the run: warning / error lines and tracebacks in the workers' logs."""
+    routers: int = 1
+    """Router processes on the one port (``up --routers N``)."""
 
 
 def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
             model_dir: Path | None = None, policy: str | None = None, kv_pool: str = "off",
-            routing_opts: tuple[str, ...] = (), routing: str | None = None) -> list[str]:
+            routing_opts: tuple[str, ...] = (), routing: str | None = None, routers: int = 1) -> list[str]:
     """The ``evolving-infra up`` command line of a run (router on a free port, ``--metrics``); with ``model_dir``,
     its workers run ``--engine torch`` on that Hugging Face folder (CPU); with ``policy``, ``up --policy policy``;
     with ``kv_pool`` ``real``, ``up --kv-pool real`` (the sim's slots :data:`SIM_POOL_SLOT_BYTES`, a torch worker's
-    its page); ``routing``: ``up --routing`` (over the policy's); each of ``routing_opts`` (``K=V``) as ``up --routing-opt``."""
+    its page); ``routing``: ``up --routing`` (over the policy's); each of ``routing_opts`` (``K=V``) as ``up --routing-opt``;
+    ``routers`` > 1: ``up --routers N`` (router processes on the one port)."""
     argv = [sys.executable, "-m", "evolving_infra.cli", "up", "--port", "0", "--nodes", str(nodes), "--split", split,
             "--speedup", repr(speedup), "--log-dir", str(log_dir), "--ready-timeout", str(timeout_s), "--metrics"]
+    if routers != 1:
+        argv += ["--routers", str(routers)]
     if model_dir is not None:
         argv += ["--engine", "torch", "--model", str(model_dir), "--device", "cpu"]
     if policy is not None:
@@ -520,14 +528,14 @@ def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s:
 
 def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
              model_dir: Path | None = None, policy: str | None = None, kv_pool: str = "off",
-             routing_opts: tuple[str, ...] = (), routing: str | None = None) -> FaultRun:
+             routing_opts: tuple[str, ...] = (), routing: str | None = None, routers: int = 1) -> FaultRun:
     """Start ``evolving-infra up`` (:func:`up_argv`) and wait for its READY line.
 
     Raises:
         RuntimeError: when ``up`` exits or prints no READY line within ``timeout_s``.
     """
     argv = up_argv(log_dir, speedup=speedup, nodes=nodes, split=split, timeout_s=timeout_s, model_dir=model_dir, policy=policy,
-                   kv_pool=kv_pool, routing_opts=routing_opts, routing=routing)
+                   kv_pool=kv_pool, routing_opts=routing_opts, routing=routing, routers=routers)
     out = open(log_dir / "up.out", "wb")
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out, start_new_session=True)
     assert proc.stdout is not None
@@ -578,9 +586,16 @@ def stop_up(run: FaultRun, timeout_s: float = 30.0) -> int | None:
 
 
 async def _wait_recovered(run: FaultRun, victim: str | None, old_pid: int | None, timeout_s: float) -> float | None:
-    """Wall seconds from the fault until ``victim`` has a new pid and the router answers /healthz 200."""
+    """Wall seconds from the fault until ``victim`` has a new pid and the router answers /healthz 200. With several
+    routers (``up --routers N``) a router victim's own ``/readyz`` (on its metrics port) must answer 200 too: the
+    shared port's /healthz is answered by whichever router accepts, the others included."""
     assert run.t_fault is not None
     deadline = run.t_fault + timeout_s
+    own = None
+    if victim is not None and victim.startswith("router"):
+        urls = dict(run.cluster_json().get("metrics", {}))  # type: ignore[call-overload]
+        if sum(1 for k in urls if str(k).startswith("router")) > 1 and victim in urls:
+            own = str(urls[victim]).removesuffix("/metrics") + "/readyz"
     async with httpx.AsyncClient(timeout=2.0) as http:
         while time.monotonic() < deadline:
             restarted = True
@@ -592,7 +607,7 @@ async def _wait_recovered(run: FaultRun, victim: str | None, old_pid: int | None
             if restarted:
                 try:
                     r = await http.get(run.router_url + "/healthz")
-                    if r.status_code == 200:
+                    if r.status_code == 200 and (own is None or (await http.get(own)).status_code == 200):
                         return time.monotonic() - run.t_fault
                 except httpx.HTTPError:
                     pass
@@ -620,6 +635,7 @@ async def run_fault(
     kv_pool: str = "off",
     routing_opts: tuple[str, ...] = (),
     routing: str | None = None,
+    routers: int = 1,
 ) -> FaultResult:
     """Start ``up``, replay ``sessions`` Claude Code sessions, inject ``fault`` after ``fault_at_s``
     wall seconds of replay, and count what it cost.
@@ -645,6 +661,8 @@ async def run_fault(
         routing_opts: ``up --routing-opt`` items (``K=V``), e.g. ``ttft_fetch_base_s=0.001`` for a router that
             plans peer fetches wherever a prefix is on another node.
         routing: ``up --routing`` (None: the policy's; ``static:2P2D``'s is cache-aware, which plans no fetch).
+        routers: ``up --routers N``: router processes on the one port (the faults hit ``router``, the first; the
+            replay's clients reach whichever router the kernel hands each connection).
 
     Raises:
         KeyError: unknown ``fault``. RuntimeError: ``up`` did not start.
@@ -679,8 +697,9 @@ async def run_fault(
     if kv_pool not in ("off", "real"):
         raise ValueError(f"kv_pool {kv_pool!r}: off or real")
     res.kv_pool = kv_pool
+    res.routers = routers
     run = start_up(log_dir, speedup=speedup, nodes=nodes, split=split, model_dir=model_dir, policy=policy, kv_pool=kv_pool,
-                   routing_opts=routing_opts, routing=routing)
+                   routing_opts=routing_opts, routing=routing, routers=routers)
     try:
         requests, block, model, vocab = trace.requests, trace.header.block_size, "evolving-infra-sim", None
         if model_dir is not None:
@@ -689,13 +708,16 @@ async def run_fault(
             answers = await router_answers(run.router_url, None)
             requests, block, _ = fit_to_router(requests, block, router_max_model_len(answers), scale=True, max_output=max_output)
             model, vocab = model_dir.name, router_vocab_size(answers)
-        replayer = LiveReplayer(run.router_url, SimClock(speedup), block_size=block, progress=False, model=model,
+        clock = SimClock(speedup)
+        replayer = LiveReplayer(run.router_url, clock, block_size=block, progress=False, model=model,
                                 vocab_size=vocab, request_timeout_s=replay_timeout_s)
         wall0 = time.monotonic()
         replay = asyncio.ensure_future(replayer.run(requests, Arrival(kind="closed", concurrency=concurrency)))
         await asyncio.wait({replay}, timeout=fault_at_s)
         recover: asyncio.Future[float | None] | None = None
+        fault_sim: float | None = None
         if not replay.done():
+            fault_sim = clock.now()
             victim = await inject(run)
             if run.t_fault is None:
                 run.t_fault = time.monotonic()
@@ -718,11 +740,13 @@ async def run_fault(
             res.errors = [r.error or "" for r in result.records if not r.ok][:5]
             res.token_mismatch = sum(1 for r in result.records if r.ok and r.expected_completion_tokens
                                      and r.completion_tokens != r.expected_completion_tokens)
+            if fault_sim is not None:
+                res.notes.update(ttft_after_fault(result.records, fault_sim, speedup))
         else:
             res.errors = [f"replay did not finish within {replay_timeout_s} s"]
             res.lost = -1
         res.up_alive = run.proc.poll() is None
-        res.notes = dict(run.notes)
+        res.notes = {**run.notes, **res.notes}
         if res.up_alive and leftover_after_s is not None:
             await asyncio.sleep(leftover_after_s)
             res.leftover = await worker_gauges(run)
@@ -743,6 +767,37 @@ async def run_fault(
             twin.wait()
         stop_up(run)
     return res
+
+
+AFTER_FAULT_S = 3.0
+"""Wall seconds after the fault whose requests :func:`ttft_after_fault` looks at (a router's restart gap is 1.1-1.6 s)."""
+
+
+def ttft_after_fault(records: Sequence[RequestRecord], fault_sim: float, speedup: float,
+                     window_s: float = AFTER_FAULT_S) -> dict[str, object]:
+    """How long the requests sent in the ``window_s`` wall seconds after the fault waited for their first token,
+    against the whole run's median: the gap a client sees while a router restarts (with one router: new
+    connections wait in the accept queue, or are refused and retried; with several: the others serve at once).
+
+    Args:
+        records: the replay's request records (``sent_at`` and ``ttft_s`` in simulated s of the cluster clock).
+        fault_sim: the cluster clock (simulated s) when the fault was injected.
+        speedup: simulated s per wall s.
+
+    Returns:
+        ``after_fault_sent`` (requests sent in the window), ``after_fault_ttft_max_s`` (the longest first-token
+        wait of those that completed, wall s; absent when none did) and ``ttft_p50_s`` (every completed
+        request's median, wall s; absent when none completed).
+    """
+    ok = sorted(r.ttft_s / speedup for r in records if r.ok and r.ttft_s is not None)
+    after = [r for r in records if fault_sim <= r.sent_at <= fault_sim + window_s * speedup]
+    waits = [r.ttft_s / speedup for r in after if r.ok and r.ttft_s is not None]
+    out: dict[str, object] = {"after_fault_sent": len(after)}
+    if waits:
+        out["after_fault_ttft_max_s"] = round(max(waits), 3)
+    if ok:
+        out["ttft_p50_s"] = round(ok[len(ok) // 2], 3)
+    return out
 
 
 LEFTOVER = ("ei_node_parked", "ei_node_queue_depth", "ei_node_running_batch", "ei_node_decoding",
@@ -915,6 +970,7 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         + (f" --policy {args.policy}" if args.policy else "")
         + (" --kv-pool real" if pool else "")
         + (f" --routing {args.routing}" if getattr(args, "routing", None) else "")
+        + (f" --routers {args.routers}" if getattr(args, "routers", 1) != 1 else "")
         + "".join(f" --routing-opt {o}" for o in (getattr(args, "routing_opt", None) or ()))
         + (" --engine torch` (the tiny random llama on CPU; the trace scaled to it as `replay --scale-to-model`, at most "
            f"{args.max_output} output tokens)" if args.engine == "torch" else "`")
@@ -956,7 +1012,8 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
             k, lp = kv_fetch_summary(r), r.log_problems
             kv = (f" {k['calls']} / {k['fetched']} / {k['errors']} ({k['timeouts']}) / {k['mismatched']} / {k['wait_ms_max']} |"
                   f" {lp.get('warning', 0)} / {lp.get('error', 0)} / {lp.get('traceback', 0)} |")
-        lines.append(f"| {r.fault} | {r.sent} | {r.completed} | {r.lost} | {r.retried} | {redis} | {rec} | {rs} | {resent} | "
+        name = r.fault + (f" ({r.routers} routers)" if r.routers != 1 else "")
+        lines.append(f"| {name} | {r.sent} | {r.completed} | {r.lost} | {r.retried} | {redis} | {rec} | {rs} | {resent} | "
                      f"{'yes' if r.up_alive else 'NO'} | {r.replay_wall_s:.1f} | {left} | {r.token_mismatch} | {notes} | {err} |" + kv)
     return "\n".join(lines) + "\n"
 
@@ -993,6 +1050,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routing-opt", action="append", metavar="K=V",
                    help="`up --routing-opt` (repeatable), e.g. ttft_fetch_base_s=0.001 ttft_fetch_min_tokens=64: the ttft "
                    "router plans a peer fetch wherever a prefix is on another node (a peer-fetch heavy run)")
+    p.add_argument("--routers", type=int, default=1, metavar="N",
+                   help="`up --routers N`: N router processes on the one port (default 1); router-kill / router-term hit "
+                   "the first (`router`) while the others keep serving")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument("--from-json", default=None, help="render the section from a file written by --out instead of running")
     p.add_argument("--no-results", action="store_true", help="do not append a section to bench/RESULTS-history.md")
@@ -1004,6 +1064,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         p.error(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS)}")
+    if args.routers < 1:
+        p.error(f"--routers {args.routers}: at least 1")
     if args.engine == "torch" and not args.from_json:
         import importlib.util
 
@@ -1029,7 +1091,7 @@ def main(argv: list[str] | None = None) -> int:
                       speedup=args.speedup, nodes=args.nodes, split=args.split, fault_at_s=args.fault_at,
                       max_pause_s=args.max_pause, leftover_after_s=None if args.leftover_after < 0 else args.leftover_after,
                       engine=args.engine, max_output=args.max_output, policy=args.policy, kv_pool=args.kv_pool,
-                      routing_opts=tuple(args.routing_opt or ()), routing=args.routing)
+                      routing_opts=tuple(args.routing_opt or ()), routing=args.routing, routers=args.routers)
         )
         print(json.dumps(asdict(r)), flush=True)
         results.append(r)

@@ -71,6 +71,11 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     """Router HTTP port (0 = any free port)."""
+    routers: int = 1
+    """Router processes (``router``, ``router-1``, ...), all serving the one listening socket the cluster holds
+    (:attr:`LocalCluster.router_socket`, each router's ``--listen-fd``): the kernel hands each connection to one of
+    them, so while one drains, exits or is restarted the others accept and serve (no gap). Each is its own NATS
+    identity (peer routers on one bus) and is supervised on its own. At least 1."""
     routing: str = "cache-aware"
     """Router ``--routing`` (``up``/``demo`` set it from ``--policy``, ``evolving_infra.policy_args``)."""
     planner: str = "static"
@@ -110,7 +115,8 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     ``<log_dir>/prometheus-targets.json`` (:meth:`LocalCluster.prometheus_targets`)."""
     metrics_base_port: int = 0
     """With ``metrics``: fixed metrics ports, as the Slurm job's: the KV directory on this port, the planner on +1,
-    the router on +2, worker ``wN`` on +3+N; 0 = free ports chosen at start."""
+    the router on +2, worker ``wN`` on +3+N, and with ``routers`` > 1 router ``router-K`` after the workers, on
+    +3+nodes+(K-1); 0 = free ports chosen at start."""
     tokenizer: str = "sim"
     """Router tokenizer (``sim`` | ``hf:<local path>``); the workers draw output ids from its vocabulary."""
     nats_auth: str = "nkeys"
@@ -169,6 +175,17 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     def node_ids(self) -> list[str]:
         return [f"w{i}" for i in range(self.nodes)]
 
+    def router_names(self) -> list[str]:
+        """The router instances in order: ``router``, ``router-1``, ... (``routers`` of them; the names
+        ``evolving_infra.faultkit`` and ``shared.auth.identity`` know)."""
+        return router_names(self.routers)
+
+    def holds_router_socket(self) -> bool:
+        """Whether the cluster holds the routers' listening socket (:attr:`LocalCluster.router_socket`): with
+        ``restart`` (a next router takes the accept queue of one that drains or exits) or several routers (the
+        others take it); not for one router under ``--no-restart``, which binds its port itself."""
+        return self.restart or self.routers > 1
+
     def node_profile(self) -> Profile:
         """The profile every worker runs: ``profile`` with ``gpu_kv_tokens`` / ``host_kv_tokens`` applied.
 
@@ -176,6 +193,22 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
             ProfileError: the profile cannot be loaded or a KV size is invalid (``shared.profile.with_kv_tokens``).
         """
         return with_kv_tokens(load_profile(self.profile), self.gpu_kv_tokens, self.host_kv_tokens)
+
+
+def router_names(n: int) -> list[str]:
+    """Names of ``n`` router instances: ``router``, ``router-1``, ..., ``router-{n-1}``.
+
+    Raises:
+        ValueError: ``n`` below 1 (a cluster needs a router).
+    """
+    if n < 1:
+        raise ValueError(f"routers {n}: a cluster needs at least one router")
+    return ["router" if i == 0 else f"router-{i}" for i in range(n)]
+
+
+def is_router(name: str) -> bool:
+    """Whether the service instance ``name`` is one of the cluster's routers (``router``, ``router-1``, ...)."""
+    return name == "router" or (name.startswith("router-") and name[len("router-"):].isdigit())
 
 
 PER_SERVICE_ENV = ("EI_METRICS_PORT", "EI_METRICS_FD", "EI_PORT", "EI_PORT_FILE", "EI_INSTANCE", "EI_NODE", "EI_PHASE")
@@ -406,9 +439,12 @@ class LocalCluster:
     (``--listen-fd``): the port stays open while a router drains, exits and is restarted, so a client connecting
     meanwhile waits in its accept queue and is served by the next router. Before, it was refused for the whole gap
     (SIGTERM of the only router under load: 16-20 of 67 requests lost, the 2-6 s gap outlasting the OpenAI SDK's
-    retries). None without ``spec.restart`` (``--no-restart``): no next router would take that queue (a client
-    connecting during the drain waited it out and was then reset), so the router binds its port itself and answers
-    such a client 503 "router draining" at once."""
+    retries). With ``spec.routers`` > 1 every router serves on it (each its own ``--listen-fd`` copy): a router that
+    drains or exits closes only its copy, and the others accept what comes meanwhile. None with one router and
+    without ``spec.restart`` (``--no-restart``): no next router would take that queue (a client connecting during
+    the drain waited it out and was then reset), so the router binds its port itself and answers such a client 503
+    "router draining" at once. ``--no-restart`` with several routers holds it: the other routers take that queue
+    while one drains (the cluster still stops when any service exits)."""
     made_log_dir: bool = False
     """``log_dir`` is a temporary folder (``ei-logs-*``) this cluster made, ``spec.log_dir`` being unset."""
     _supervisor: asyncio.Task[None] | None = None
@@ -458,15 +494,19 @@ class LocalCluster:
         ]
 
     def _metrics_index(self, instance: str) -> int:
-        """Offset of ``instance``'s metrics port from ``metrics_base_port`` (the Slurm job's layout)."""
+        """Offset of ``instance``'s metrics port from ``metrics_base_port`` (the Slurm job's layout: the KV directory
+        0, the planner 1, the router 2, worker ``wN`` 3+N; then the other routers, ``router-K`` at 3+nodes+(K-1))."""
         fixed = {"kvdirectory": 0, "planner": 1, "router": 2}
         if instance in fixed:
             return fixed[instance]
+        if is_router(instance):
+            return 3 + self.spec.nodes + self.spec.router_names().index(instance) - 1
         return 3 + self.spec.node_ids().index(instance.removeprefix("worker-"))
 
     def prometheus_targets(self) -> list[dict[str, object]]:
         """The services' metrics ports as a Prometheus ``file_sd`` list, with the Slurm job's labels: ``service``,
-        and ``node`` for a worker (``deploy/slurm/evolving-infra.sbatch``); empty without ``metrics``. A wildcard
+        and ``node`` for a worker (``deploy/slurm/evolving-infra.sbatch``); with several routers each is ``service``
+        ``router`` with its instance as ``router`` (``router``, ``router-1``, ...); empty without ``metrics``. A wildcard
         ``host`` (0.0.0.0, ::) is listed as this machine's host name, which a Prometheus elsewhere can reach."""
         out: list[dict[str, object]] = []
         for instance, url in self.metrics_urls.items():
@@ -474,7 +514,12 @@ class LocalCluster:
             host, port = hostport.rsplit(":", 1)
             if host in ("0.0.0.0", "::", "[::]", ""):
                 host = socket.gethostname()
-            labels = {"service": "worker", "node": instance.removeprefix("worker-")} if instance.startswith("worker-") else {"service": instance}
+            if instance.startswith("worker-"):
+                labels = {"service": "worker", "node": instance.removeprefix("worker-")}
+            elif is_router(instance) and self.spec.routers > 1:
+                labels = {"service": "router", "router": instance}
+            else:
+                labels = {"service": instance}
             out.append({"targets": [f"{host}:{port}"], "labels": labels})
         return out
 
@@ -523,23 +568,24 @@ class LocalCluster:
                 )
             )
         self._port_file = self.log_dir / "router.port"
-        held = self.router_socket  # set by start(): the router serves on the socket the cluster holds
+        held = self.router_socket  # set by start(): the routers serve on the socket the cluster holds
         port, fds = (held.getsockname()[1], (held.fileno(),)) if held is not None else (s.port, ())
-        kids.append(
-            _Child(
-                "router",
-                py
-                + ["services.router"]
-                + self._common("router")
-                + ["--host", s.host, "--port", str(port)]
-                + [a for fd in fds for a in ("--listen-fd", str(fd))]
-                + ["--port-file", str(self._port_file)]
-                + service_flags(s, "router"),
-                self.log_dir / "router.log",
-                env=dict(s.router_env) or None,
-                pass_fds=fds,
+        for name in s.router_names():  # each writes its own port file once its HTTP server runs (_wait_ready reads them)
+            kids.append(
+                _Child(
+                    name,
+                    py
+                    + ["services.router"]
+                    + self._common(name)
+                    + ["--host", s.host, "--port", str(port)]
+                    + [a for fd in fds for a in ("--listen-fd", str(fd))]
+                    + ["--port-file", str(self.log_dir / f"{name}.port")]
+                    + service_flags(s, "router"),
+                    self.log_dir / f"{name}.log",
+                    env=dict(s.router_env) or None,
+                    pass_fds=fds,
+                )
             )
-        )
         for kid in kids:  # each service inherits its metrics socket (--metrics-fd)
             if (held := self.metrics_sockets.get(_flag(kid.argv, "--instance"))) is not None:
                 kid.pass_fds = (*kid.pass_fds, held.fileno())
@@ -588,13 +634,23 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.clock_origin = time.time()
         self.nats_url = s.nats_url or ""
-        if s.restart:  # held for the next router; without restarts none comes, and the router binds its own port
+        if s.routers < 1:  # fail fast: no router, nothing serves
+            raise ClusterError(f"routers {s.routers}: a cluster needs at least one router")
+        # held for the next router, and for the other routers while one drains; one router without restarts binds its own
+        if s.holds_router_socket():
             try:
                 self.router_socket = listen_socket(s.host, s.port)
             except OSError as e:
                 raise ClusterError(f"the router cannot listen on {s.host}:{s.port}: {e.strerror or e}") from e
         self.children = self._plan_children()
         instances = [_flag(c.argv, "--instance") for c in self.children]
+        if s.nats_url and s.nats_creds_dir and self.creds_file("router") is not None:
+            # routers beyond the first need their own identities (auth gen's default makes `router` only): without a
+            # file one would connect with none, be refused by the server, and up wait out --ready-timeout for it
+            if missing := [name for name in s.router_names() if self.creds_file(name) is None]:
+                raise ClusterConfigError(
+                    f"--nats-creds-dir {s.nats_creds_dir} has no credentials for {', '.join(missing)} (--routers {s.routers}): "
+                    f"make them with `evolving-infra auth gen --routers {','.join(s.router_names())} ...`")
         if s.nats_url:
             self.creds = None
         elif s.nats_auth == "off":
@@ -791,8 +847,11 @@ class LocalCluster:
         async with httpx.AsyncClient(timeout=2.0) as http:
             while True:
                 self.check_alive()
+                # every router (they share one port, so /healthz there reaches any one of them): its heartbeat says ready,
+                # which is /healthz's own test (RouterService.ready), and its port file says its HTTP server runs
                 ready = {name for name, hb in seen.items() if hb.ready}
-                if expected <= ready and self._port_file.exists() and self._port_file.read_text().strip():
+                ports = [self.log_dir / f"{name}.port" for name in self.spec.router_names()]
+                if expected <= ready and all(p.exists() and p.read_text().strip() for p in ports):
                     self.router_url = http_url(self.spec.host, int(self._port_file.read_text()))
                     try:
                         r = await http.get(self.router_url + "/healthz")
@@ -801,7 +860,7 @@ class LocalCluster:
                     except httpx.HTTPError:
                         pass
                 if time.monotonic() > deadline:
-                    missing = sorted(expected - ready)
+                    missing = sorted(expected - ready) or [f"{p.stem} port file" for p in ports if not p.exists()]
                     raise ClusterError(
                         f"cluster not healthy after {self.spec.ready_timeout_s:.0f} s; waiting for {missing or ['router /healthz']}"
                         f" (logs in {self.log_dir})"
@@ -880,9 +939,9 @@ class LocalCluster:
         return out
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop supervising; signal every service (router first, workers last), wait, SIGKILL stragglers, stop NATS.
+        """Stop supervising; signal every service (routers first, workers last), wait, SIGKILL stragglers, stop NATS.
 
-        The router gets SIGINT, its quick stop: what is in flight fails at once with "router shutting down" (Ctrl-C of
+        Each router gets SIGINT, its quick stop: what is in flight fails at once with "router shutting down" (Ctrl-C of
         ``up`` is a fast stop, within ``timeout_s``); its SIGTERM would first drain up to ``--shutdown-grace-s`` (20 s),
         past this 10-s wait. The other services get SIGTERM (SIGINT is the same stop for them)."""
         if self._supervisor is not None:
@@ -890,11 +949,11 @@ class LocalCluster:
             with contextlib.suppress(BaseException):
                 await self._supervisor
             self._supervisor = None
-        order = sorted(self.children, key=lambda c: {"router": 0, "planner": 1, "kvdirectory": 2}.get(c.name, 3))
+        order = sorted(self.children, key=lambda c: 0 if is_router(c.name) else {"planner": 1, "kvdirectory": 2}.get(c.name, 3))
         for c in order:
             if c.proc and c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGINT if c.name == "router" else signal.SIGTERM)
-        if self.router_socket is not None:  # the stopping router holds its own copy: once it exited, a client is refused, not held
+                c.proc.send_signal(signal.SIGINT if is_router(c.name) else signal.SIGTERM)
+        if self.router_socket is not None:  # each stopping router holds its own copy: once they exited, a client is refused, not held
             self.router_socket.close()
             self.router_socket = None
         deadline = time.monotonic() + timeout_s

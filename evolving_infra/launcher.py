@@ -14,6 +14,9 @@ the supervisor restarts it once it has exited (at once: a clean exit has no back
 router's listening socket (``LocalCluster.router_socket``, the router's ``--listen-fd``), so clients that
 connect while the router drains, exits and starts again wait for the next one instead of being refused
 (not with ``--no-restart``: no next router comes, so the router binds its port and answers 503 while it drains).
+``--routers N`` runs N router processes (``router``, ``router-1``, ...) on that one held socket: the kernel hands
+each connection to one of them, so while one drains, exits or is restarted the others serve (no gap); a SIGKILLed one
+loses only the streams it held.
 
 ``demo`` does the same, replays real Claude Code sessions through the router
 (closed loop, N concurrent agents), writes ``OUT/report.json`` plus
@@ -112,6 +115,14 @@ def _add_cluster_args(
                    "--engine torch: every time reported, the workers' iteration records too, is N x the wall time")
     g.add_argument("--host", default="127.0.0.1", help="router HTTP bind address (default 127.0.0.1)")
     g.add_argument("--port", type=tcp_port, default=port, help=f"router HTTP port; 0 = any free port (default {port})")
+    g.add_argument(
+        "--routers", type=int, default=1, metavar="N",
+        help="router processes (router, router-1, ...) all serving --port (up holds the one listening socket, each "
+        "router gets it as --listen-fd): the kernel hands each connection to one of them, so while one drains "
+        "(SIGTERM), exits or is restarted the others keep accepting and serving, with no gap; a SIGKILLed router loses "
+        "only the streams open on it. Each is supervised and restarted on its own, has its own NATS identity and its "
+        "own log (LOG_DIR/router-K.log); up is ready when every one is (default 1)",
+    )  # fmt: skip
     g.add_argument(
         "--block-size",
         type=int,
@@ -288,7 +299,8 @@ def _add_cluster_args(
         default=0,
         metavar="PORT",
         help="--metrics on fixed ports, as the Slurm job's: the KV directory on PORT, the planner on PORT+1, the router "
-        "on PORT+2, worker wN on PORT+3+N (EI_METRICS_PORT is one service's port: up refuses it)",
+        "on PORT+2, worker wN on PORT+3+N, and with --routers N the other routers after the workers (router-K on "
+        "PORT+3+NODES+K-1) (EI_METRICS_PORT is one service's port: up refuses it)",
     )
     g.add_argument(
         "--no-restart",
@@ -296,7 +308,9 @@ def _add_cluster_args(
         action="store_false",
         help="stop the whole cluster when any service (or nats-server) exits, instead of restarting it (exit status 0 when "
         "the service exited 0, e.g. after a SIGTERM sent to it, else 1; the router then binds "
-        "its port itself: up holds it only for a next router, and a client connecting while a SIGTERMed router drains gets 503)",
+        "its port itself: up holds it only for a next router, and a client connecting while a SIGTERMed router drains gets 503; "
+        "with --routers N > 1 up still holds it, and the other routers serve such a client until the drained one exits "
+        "and the cluster stops)",
     )
     g.add_argument(
         "--max-restarts",
@@ -544,6 +558,18 @@ def router_api_keys(args: argparse.Namespace) -> frozenset[str]:
     return keys
 
 
+def routers_line(spec: ClusterSpec) -> str | None:
+    """``up``/``demo``'s ready-banner line for ``--routers N`` > 1: the router processes, that they share the one
+    port, and what that buys; None for one router."""
+    if spec.routers <= 1:
+        return None
+    names = spec.router_names()
+    shown = ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
+    how = ("each restarted on its own, so one draining, exiting or restarting leaves the others serving"
+           if spec.restart else "--no-restart: the cluster stops when one exits; while one drains the others serve")
+    return f"{spec.routers} routers ({shown}) on one port: each connection goes to one of them; {how}"
+
+
 def context_line(spec: ClusterSpec) -> str | None:
     """``up``'s ready-banner line with the served model and its ``max_model_len`` (tokens), for a cluster with a
     model context (``--engine torch``); None without one. ``max_model_len`` is what the router serves: the model's
@@ -703,6 +729,9 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     """
     if args.nodes < 1:  # before the default split (collocated for any N < 2) and the planner check (sized >= 1)
         raise UsageError(f"error: --nodes {args.nodes}: a cluster needs at least one worker node")
+    routers = getattr(args, "routers", 1)
+    if routers < 1:
+        raise UsageError(f"error: --routers {routers}: a cluster needs at least one router process")
     pol = args.live_policy if getattr(args, "live_policy", None) else _policy(args)
     args.live_policy = pol
     try:
@@ -712,7 +741,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     env_port = os.environ.get("EI_METRICS_PORT", "").strip()
     if one_host and env_port not in ("", "0"):  # every service would take it: the second to bind it exited 1 and the cluster stopped
         raise UsageError(
-            f"error: EI_METRICS_PORT={env_port} is one service's metrics port, and up starts {args.nodes + 3} services; "
+            f"error: EI_METRICS_PORT={env_port} is one service's metrics port, and up starts {args.nodes + 2 + routers} services; "
             f"unset it and pass --metrics (free ports, in the READY line and LOG_DIR/prometheus-targets.json) or "
             f"--metrics-base-port {env_port} (the KV directory on {env_port}, planner +1, router +2, worker wN +3+N)"
         )
@@ -720,8 +749,8 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     if fence is not None and not (math.isfinite(fence) and fence > 0):  # the router and planner would exit 2 after the cluster started
         raise UsageError(f"error: --fence-after-s {fence:g}: wall seconds, a number > 0")
     base = getattr(args, "metrics_base_port", 0)
-    if base and not 1024 <= base <= 65535 - (args.nodes + 2):
-        raise UsageError(f"error: --metrics-base-port {base}: {args.nodes + 3} ports from it must lie within 1024-65535")
+    if base and not 1024 <= base <= 65535 - (args.nodes + 1 + routers):
+        raise UsageError(f"error: --metrics-base-port {base}: {args.nodes + 2 + routers} ports from it must lie within 1024-65535")
     otlp = getattr(args, "otlp_traces_endpoint", "")
     if otlp and not re.fullmatch(r"https?://\S+", otlp):  # each service would refuse it (exit 2) after the cluster started
         raise UsageError(f"error: --otlp-traces-endpoint {otlp!r}: an http:// or https:// URL of an OTLP/HTTP collector (e.g. http://127.0.0.1:4318)")
@@ -767,6 +796,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         speedup=args.speedup,
         host=args.host,
         port=args.port,
+        routers=routers,
         routing=pol.routing,
         planner=pol.planner,
         planner_args=pol.planner_args,
@@ -858,7 +888,7 @@ async def _up(args: argparse.Namespace) -> int:
             print(f"  {nats_auth_line(args.nats_auth, info)}")
         elif not args.nats_url:
             print("  NATS is OPEN (--nats-auth off): any local process can publish and read every subject (loopback only)")
-        for line in (context_line(cluster.spec), placement_line(cluster.spec)):
+        for line in (routers_line(cluster.spec), context_line(cluster.spec), placement_line(cluster.spec)):
             if line:
                 print(f"  {line}")
         if keys_line := api_keys_line(args):
@@ -1132,7 +1162,7 @@ async def _demo(args: argparse.Namespace) -> int:
     try:
         print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, profile {spec.profile}, "
               f"logs {cluster.log_dir}", flush=True)
-        for line in (context_line(spec), placement_line(spec)):
+        for line in (routers_line(spec), context_line(spec), placement_line(spec)):
             if line:
                 print(f"  {line}", flush=True)
         clock = SimClock(spec.speedup, cluster.clock_origin)

@@ -1,0 +1,259 @@
+"""`evolving-infra up --routers N`: several router processes on the one listening socket ``up`` holds.
+
+Real processes: ``up`` with its embedded nats-server (nkeys credentials, one identity per router), workers on the
+simulated engine, two routers. Clients connect anew for each request (as the OpenAI SDK does after an error), so
+the kernel hands each connection to whichever router accepts it first. A SIGTERMed router drains what it holds while
+the other takes every new connection: nothing is lost. A SIGKILLed router loses only the streams open on it, and the
+other serves what comes next at once, while the killed one is still being restarted: with one router those requests
+waited in the accept queue for its restart (1.1-1.6 s of imports) or failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.test_up_router_socket import _stop, _up
+
+pytestmark = pytest.mark.timeout(300)
+
+TOKENS = 60
+"""Output tokens per stream: ~2 wall s at ``--speedup 0.05`` on the tiny profile, so streams are open when a router is hit."""
+
+
+@dataclass
+class Outcome:
+    t0: float
+    """``time.monotonic()`` before the connection was made."""
+    t1: float
+    ok: bool
+    error: str = ""
+
+
+class Clients:
+    """``n`` threads, each sending streaming completions one after another, each on a new connection, until stopped."""
+
+    def __init__(self, url: str, model: str, n: int) -> None:
+        self.url, self.model = url, model
+        self.done: list[Outcome] = []
+        self.open: dict[int, float] = {}
+        """Thread index -> start of the request it has open."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(n)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+            assert not t.is_alive(), "a client hung"
+
+    def _loop(self, i: int) -> None:
+        body = {"model": self.model, "prompt": f"agent {i} says hello", "max_tokens": TOKENS, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            with self._lock:
+                self.open[i] = t0
+            ok, error, chunks = False, "", 0
+            try:
+                with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
+                    if r.status_code != 200:
+                        error = f"{r.status_code} {r.read()[:200]!r}"
+                    else:
+                        for line in r.iter_lines():
+                            if line == "data: [DONE]":
+                                ok = chunks > 0
+                            elif line.startswith("data: "):
+                                chunk = json.loads(line[6:])
+                                if "error" in chunk:
+                                    error = str(chunk["error"])[:200]
+                                chunks += 1
+                        error = error or ("" if ok else f"no [DONE] after {chunks} chunks")
+            except httpx.HTTPError as e:
+                error = repr(e)[:200]
+            with self._lock:
+                self.open.pop(i, None)
+                self.done.append(Outcome(t0, time.monotonic(), ok and not error, error))
+
+    def failed(self) -> list[Outcome]:
+        with self._lock:
+            return [o for o in self.done if not o.ok]
+
+    def completed_since(self, t: float) -> int:
+        with self._lock:
+            return sum(1 for o in self.done if o.ok and o.t0 >= t)
+
+
+def _inflight(metrics_url: str) -> float:
+    """The router's ``ei_router_inflight_requests`` on its own metrics port (each router has one; they share HTTP)."""
+    m = re.search(r"^ei_router_inflight_requests (\S+)$", httpx.get(metrics_url, timeout=5).text, re.M)
+    assert m, "no ei_router_inflight_requests on " + metrics_url
+    return float(m.group(1))
+
+
+def _wait_holding(metrics_url: str, timeout_s: float = 30.0) -> None:
+    """Wait until the router behind ``metrics_url`` has a request open (the fault must hit streams)."""
+    deadline = time.monotonic() + timeout_s
+    while _inflight(metrics_url) < 1:
+        assert time.monotonic() < deadline, f"{metrics_url}: no request open on it in {timeout_s:g} s"
+        time.sleep(0.02)
+
+
+def _listening(log: Path) -> int:
+    """How many times the router whose log is ``log`` started listening (one per process it ran as)."""
+    return log.read_text(errors="replace").count('"router listening"')
+
+
+def _cluster(tmp_path: Path) -> dict[str, object]:
+    return json.loads((tmp_path / "logs" / "cluster.json").read_text())
+
+
+def test_two_routers_sigterm_loses_nothing_and_sigkill_only_its_streams_with_no_gap(tmp_path):
+    proc, ready = _up(tmp_path, "--routers", "2", "--metrics", "--speedup", "0.05")
+    try:
+        url = str(ready["router_url"])
+        pids: dict[str, int] = ready["pids"]  # type: ignore[assignment]
+        metrics: dict[str, str] = ready["metrics"]  # type: ignore[assignment]
+        assert {"router", "router-1"} <= set(pids) and pids["router"] != pids["router-1"]
+        creds = {p.stem for p in (tmp_path / "logs" / "nats-creds").iterdir()}
+        assert {"router", "router-1"} <= creds, creds  # one NATS identity per router
+        targets = json.loads((tmp_path / "logs" / "prometheus-targets.json").read_text())
+        assert sorted(t["labels"].get("router", "") for t in targets if t["labels"]["service"] == "router") == ["router", "router-1"]
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        clients = Clients(url, model, 6)
+        clients.start()
+        try:
+            # --- SIGTERM of `router` while it holds streams: it drains them, the other takes every new connection
+            _wait_holding(metrics["router"])
+            t_term = time.monotonic()
+            os.kill(pids["router"], signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while int(_cluster(tmp_path)["pids"]["router"]) == pids["router"]:  # type: ignore[index]
+                assert time.monotonic() < deadline, "router not restarted after its SIGTERM"
+                time.sleep(0.05)
+            drain = [ln for ln in (tmp_path / "logs" / "router.log").read_text().splitlines() if '"router draining"' in ln]
+            assert drain and json.loads(drain[-1])["open_requests"] >= 1, drain  # it held streams when signalled
+            deadline = time.monotonic() + 60
+            while _listening(tmp_path / "logs" / "router.log") < 2:
+                assert time.monotonic() < deadline, "the restarted router never listened"
+                time.sleep(0.05)
+            deadline = time.monotonic() + 60
+            while clients.completed_since(t_term) < 6:  # requests made after the SIGTERM are served
+                assert time.monotonic() < deadline, "no request made after the SIGTERM completed"
+                time.sleep(0.05)
+            assert clients.failed() == [], clients.failed()  # SIGTERM: 0 lost
+
+            # --- SIGKILL of `router-1` while it holds streams
+            log1 = tmp_path / "logs" / "router-1.log"
+            before = _listening(log1)
+            _wait_holding(metrics["router-1"])
+            t_kill = time.monotonic()
+            os.kill(pids["router-1"], signal.SIGKILL)
+            with clients._lock:
+                held_at_kill = len(clients.open)
+            probes: list[Outcome] = []
+            restarted_at = None
+            deadline = time.monotonic() + 60
+            while restarted_at is None:  # short requests on new connections until the killed one listens again
+                t0 = time.monotonic()
+                try:
+                    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "probe", "max_tokens": 1}, timeout=30)
+                    probes.append(Outcome(t0, time.monotonic(), r.status_code == 200, "" if r.status_code == 200 else r.text[:200]))
+                except httpx.HTTPError as e:
+                    probes.append(Outcome(t0, time.monotonic(), False, repr(e)))
+                if _listening(log1) > before:
+                    restarted_at = time.monotonic()
+                assert time.monotonic() < deadline, "router-1 not restarted after its SIGKILL"
+            assert [p for p in probes if not p.ok] == [], probes
+            served_meanwhile = [p for p in probes if p.t1 < restarted_at]
+            # no gap: the survivor served requests made after the kill while router-1 was still down (backoff + imports)
+            assert served_meanwhile, probes
+            time.sleep(2.0 + 1.0)  # the streams begun meanwhile end
+        finally:
+            clients.stop()
+        lost = clients.failed()
+        # only the streams router-1 held may fail: each began before the kill, and there were no more than were open
+        assert all(o.t0 < t_kill for o in lost), [(o.t0 - t_kill, o.error) for o in lost]
+        assert len(lost) <= held_at_kill, lost
+        assert sum(1 for o in clients.done if o.ok and o.t0 > t_kill) > 0
+        restarts = _cluster(tmp_path)["restarts"]
+        assert restarts["router"] == 1 and restarts["router-1"] == 1, restarts  # type: ignore[index]
+        # the restarted router-1 serves again: it takes its share of new connections
+        served = float(re.search(r'ei_router_requests_total\{code="200"\} (\S+)', httpx.get(metrics["router-1"], timeout=5).text).group(1))  # type: ignore[union-attr]
+        deadline = time.monotonic() + 30
+        while True:
+            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "after", "max_tokens": 1}, timeout=30)
+            assert r.status_code == 200, r.text
+            text = httpx.get(metrics["router-1"], timeout=5).text
+            if float(re.search(r'ei_router_requests_total\{code="200"\} (\S+)', text).group(1)) > served:  # type: ignore[union-attr]
+                break
+            assert time.monotonic() < deadline, "the restarted router-1 took no request"
+    finally:
+        _stop(proc)
+
+
+def test_routers_below_one_is_a_usage_error(tmp_path):
+    import subprocess
+    import sys
+
+    for n in ("0", "-2"):
+        r = subprocess.run([sys.executable, "-m", "evolving_infra.cli", "up", "--routers", n, "--log-dir", str(tmp_path)],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2, r
+        assert r.stderr.strip() == f"error: --routers {n}: a cluster needs at least one router process", r.stderr
+
+
+def test_no_restart_with_two_routers_holds_the_socket_so_the_other_serves_while_one_drains(tmp_path):
+    """``up --no-restart --routers 2``: ``up`` still holds the socket (one router alone would bind its own and answer
+    503 "router draining" during its drain), so a connection made while one router drains is served by the other;
+    the drained router's exit (code 0, as asked) then stops the cluster, as ``--no-restart`` says, with status 0."""
+    proc, ready = _up(tmp_path, "--no-restart", "--routers", "2", "--metrics", "--speedup", "0.05")
+    try:
+        url = str(ready["router_url"])
+        pids: dict[str, int] = ready["pids"]  # type: ignore[assignment]
+        metrics: dict[str, str] = ready["metrics"]  # type: ignore[assignment]
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        streamed: list[str] = []
+
+        def stream() -> None:
+            body = {"model": model, "prompt": "a long one", "max_tokens": 200, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    streamed.append(line)
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 20
+        holder = None
+        while holder is None:  # the router the kernel gave the stream's connection to
+            holder = next((name for name in ("router", "router-1") if _inflight(metrics[name]) >= 1), None)
+            assert time.monotonic() < deadline, "the stream never started"
+            time.sleep(0.02)
+        os.kill(pids[holder], signal.SIGTERM)
+        log = tmp_path / "logs" / f"{holder}.log"
+        deadline = time.monotonic() + 10
+        while '"router draining"' not in log.read_text():
+            assert time.monotonic() < deadline, "no drain: " + log.read_text()[-2000:]
+            time.sleep(0.02)
+        for _ in range(4):  # new connections during the drain: the other router serves each
+            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "late", "max_tokens": 2}, timeout=10)
+            assert r.status_code == 200, r.text
+        t.join(30)
+        assert "data: [DONE]" in streamed, streamed[-3:]  # the drain finished the open stream
+        assert proc.wait(60) == 0  # the drained router exited 0: --no-restart stops the cluster, no error
+    finally:
+        _stop(proc)
