@@ -988,7 +988,11 @@ def _results_section(results: list[FaultResult], args: argparse.Namespace) -> st
         "",
         "- left in workers: parked + queued + running + decoding requests over every worker, `--leftover-after` s after the "
         "replay (/metrics; blank: not read); token mismatch: completed requests whose usage.completion_tokens is not the "
-        "length asked for; notes: what the fault measured (`exit_s`: SIGTERM → exit)",
+        "length asked for; notes: what the fault measured (`exit_s`: SIGTERM → exit; `after_fault_sent` / "
+        f"`after_fault_ttft_max_s`: requests sent in the {AFTER_FAULT_S:g} wall s after the fault and the longest first-token "
+        "wait among those that completed, wall s, a retry's wait included; `ttft_p50_s`: every completed request's median)"
+        + ("; with several routers (`--routers`) recover waits for the victim's own `/readyz` (its metrics port) too: "
+           "the shared port's /healthz is answered by the others" if getattr(args, "routers", 1) > 1 else ""),
         "",
         *([] if not pool else [
             "- kv fetch (`--kv-pool real`): the workers' `kvfetch.*` counters at the end: calls / blocks fetched / errors "
