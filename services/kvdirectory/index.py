@@ -726,7 +726,7 @@ class BlockIndex:
         keep_both = keep & ~(1 << (3 + 3 * node))  # ~local_bit(node)
         hashes = hashes if type(hashes) is list else list(hashes)
         k = len(hashes)
-        removed: list[int] = []
+        removed: list[int] | None = None  # None while no block was unknown: hashes[:i] so far
         touched: list[_Run] = []
         unknown = 0
         i = 0
@@ -734,6 +734,8 @@ class BlockIndex:
             h = hashes[i]
             r = where.get(h)
             if r is None or not r.pc & tb:
+                if removed is None:
+                    removed = hashes[:i]
                 unknown += 1
                 i += 1
                 continue
@@ -749,9 +751,10 @@ class BlockIndex:
                 a, b = j - m + 1, j + 1
                 down = True
             if spans is not None:
-                s0 = len(removed)
+                s0 = i - unknown  # blocks removed so far: each one before i was removed or unknown
                 spans.append((s0, s0 + m, down))
-            removed.extend(hashes[i : i + m])
+            if removed is not None:
+                removed.extend(hashes[i : i + m])
             i += m
             pc = r.pc
             pc &= keep if pc & other else keep_both
@@ -774,6 +777,8 @@ class BlockIndex:
                 s.pc = pc
                 p = s.parent
                 touched.append(self._set_comp(s, pc & (-1 if p is None else 0 if p is UNKNOWN else -where[p][0])))
+        if removed is None:
+            removed = hashes[:]  # every block was removed (a copy: the list may be the caller's)
         if unknown:
             self.counters["removed.unknown_blocks"] += unknown
         self.copies[node][tier] -= len(removed)
