@@ -40,7 +40,8 @@ def bind_socket(host: str, port: int, *, blocking: bool = True) -> socket.socket
 def inherited_socket(fd: int, flag: str = "--listen-fd") -> socket.socket:
     """The listening TCP socket a supervisor passed as file descriptor ``fd`` (``evolving-infra up`` holds the
     router's port, ``--listen-fd``, and every service's metrics port, ``--metrics-fd``, across restarts), set
-    non-blocking for the event loop. ``flag`` names the setting in the errors.
+    non-blocking for the event loop and not inheritable (the supervisor passed it inheritable: a process this one
+    starts would hold the port on, past this one's exit). ``flag`` names the setting in the errors.
 
     Raises:
         OSError: ``fd`` is not open, not a socket, or a socket that does not listen (``listen(2)`` not called).
@@ -54,6 +55,7 @@ def inherited_socket(fd: int, flag: str = "--listen-fd") -> socket.socket:
         sock.detach()  # not ours to close
         raise OSError(errno.EINVAL, f"{flag} {fd} is not a listening TCP socket")
     sock.setblocking(False)
+    sock.set_inheritable(False)
     return sock
 
 

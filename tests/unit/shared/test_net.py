@@ -45,3 +45,27 @@ def test_an_ipv6_host_binds_in_its_family_and_its_url_is_bracketed():
         assert held.family == socket.AF_INET6
         assert http_url("::1", held.getsockname()[1]) == f"http://[::1]:{held.getsockname()[1]}"
     assert http_url("[::1]", 80) == "http://[::1]:80" and http_url("127.0.0.1", 80) == "http://127.0.0.1:80"
+
+
+def test_an_inherited_socket_is_adopted_non_blocking_and_not_inheritable():
+    """``up`` passes the router's and each metrics port's socket inheritable (``pass_fds``); the service adopting
+    it left it so, and any process it starts (``close_fds=False``: e.g. a shell-out) held the port on past the
+    service's exit. Adopted, it is no longer inherited."""
+    import os
+    import subprocess
+    import sys
+
+    from shared.net import inherited_socket
+
+    with listen_socket("127.0.0.1", 0) as held:
+        fd = os.dup(held.fileno())
+        os.set_inheritable(fd, True)  # as a child of up's finds it
+        sock = inherited_socket(fd)
+        try:
+            assert sock.fileno() == fd and not sock.getblocking()
+            assert not os.get_inheritable(fd)
+            probe = f"import os\ntry:\n    os.fstat({fd})\nexcept OSError:\n    print('closed')\nelse:\n    print('open')"
+            out = subprocess.run([sys.executable, "-c", probe], close_fds=False, capture_output=True, text=True, timeout=30)
+            assert out.stdout.strip() == "closed", out
+        finally:
+            sock.close()
