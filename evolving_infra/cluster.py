@@ -211,12 +211,15 @@ def is_router(name: str) -> bool:
     return name == "router" or (name.startswith("router-") and name[len("router-"):].isdigit())
 
 
-PER_SERVICE_ENV = ("EI_METRICS_PORT", "EI_METRICS_FD", "EI_PORT", "EI_PORT_FILE", "EI_INSTANCE", "EI_NODE", "EI_PHASE")
+PER_SERVICE_ENV = (
+    "EI_METRICS_PORT", "EI_METRICS_FD", "EI_LISTEN_FD", "EI_PORT", "EI_PORT_FILE", "EI_INSTANCE", "EI_NODE", "EI_PHASE",
+)
 """Variables that configure one process (a port it binds, its identity): never passed from the launcher's
 environment to its children, where every service would take the same value (``EI_METRICS_PORT``: the second
 one to bind it exited 1, Address already in use, and the cluster stopped). ``up`` refuses ``EI_METRICS_PORT``
-itself (``--metrics-base-port`` is what gives fixed ports); ``EI_METRICS_FD`` names a descriptor of the shell's
-process, not the child's; the others it always sets per service on the command line."""
+itself (``--metrics-base-port`` is what gives fixed ports); ``EI_METRICS_FD`` and ``EI_LISTEN_FD`` name a descriptor
+of the shell's process, not the child's (an exported ``EI_LISTEN_FD`` reached a ``--no-restart`` router, which binds
+its port itself then, and it exited 2); the others it always sets per service on the command line."""
 
 TARGETS_FILE = "prometheus-targets.json"
 """The Prometheus ``file_sd`` list ``LocalCluster`` writes in its log folder (the Slurm job's name and labels)."""

@@ -178,3 +178,21 @@ def test_a_fixed_metrics_port_that_is_taken_is_one_error_before_any_service_star
                 c._plan_children()
         finally:
             asyncio.run(c.stop())
+
+
+def test_every_inherited_descriptor_setting_is_per_service():
+    """A descriptor number (``EI_LISTEN_FD``, ``EI_METRICS_FD``) names a file of the shell's process, not a child's:
+    ``EI_LISTEN_FD`` exported where ``up --no-restart`` ran reached the router (it binds its port itself then), which
+    exited 2 (not a listening socket). Every ``*_fd`` setting of a service is in ``PER_SERVICE_ENV`` and dropped."""
+    from evolving_infra.cluster import PER_SERVICE_ENV, child_env
+    from services.kvdirectory.config import DirectoryConfig
+    from services.planner.config import PlannerConfig
+    from services.router.config import RouterConfig
+    from services.worker.config import WorkerConfig
+    from shared.config import env_name
+
+    fds = {env_name(f) for cls in (DirectoryConfig, PlannerConfig, RouterConfig, WorkerConfig)
+           for f in cls.__struct_fields__ if f.endswith("_fd")}  # fmt: skip
+    assert {"EI_LISTEN_FD", "EI_METRICS_FD"} <= fds
+    assert fds <= set(PER_SERVICE_ENV)
+    assert child_env(None, base={**dict.fromkeys(fds, "5"), "EI_LOG_LEVEL": "info"}) == {"EI_LOG_LEVEL": "info"}
