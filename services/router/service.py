@@ -66,6 +66,7 @@ from shared import messages as m
 from shared import tracing
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
+from shared.config import env_name, flag_name
 from shared.hashing import block_hashes_packed
 from shared.metrics import FuncCollector, make_registry, metrics_response
 from shared.net import bind_socket, http_url, inherited_socket
@@ -110,6 +111,12 @@ _BIG_TEXT = 32_768
 """Body bytes above which a request's parse, tokenization and per-token work run in a worker thread
 (:func:`_off_loop_if_big`)."""
 _T = TypeVar("_T")
+
+MAX_BODY_SETTING = f"{flag_name('max_body_bytes')} / {env_name('max_body_bytes')}"
+"""How a 413 names the body-size limit's setting: the router's flag and its variable (``up`` and ``demo`` have no
+such flag; the router they start reads ``EI_MAX_BODY_BYTES``)."""
+BODY_TIMEOUT_SETTING = f"{flag_name('body_timeout_s')} / {env_name('body_timeout_s')}"
+"""How a 408 names the body-timeout's setting (as :data:`MAX_BODY_SETTING`: ``--body-timeout-s / EI_BODY_TIMEOUT_S``)."""
 
 
 _HUGE_BODY = 4 * 1024 * 1024
@@ -2386,7 +2393,9 @@ class RouterService(WatchedService):
 
     async def _read_body(self, request: Request) -> bytes:
         """The request's body, at most ``max_body_bytes``, received within ``body_timeout_s``; a refusal names the
-        flag (``--max-body-bytes``, ``--body-timeout-s``) and the limit, in bytes or seconds.
+        limit, in bytes or seconds, and its setting as the router's flag and as its variable (``--max-body-bytes /
+        EI_MAX_BODY_BYTES``, ``--body-timeout-s / EI_BODY_TIMEOUT_S``: ``up`` and ``demo`` have no such flag, the
+        router they start reads the variable).
 
         Raises:
             ApiError: 413 (too big), 408 (not received in time; ``http.body_timeouts``), 499 (the client
@@ -2395,7 +2404,7 @@ class RouterService(WatchedService):
         limit = self.cfg.max_body_bytes
         cl = request.headers.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > limit:
-            raise api.ApiError(413, f"request body of {cl} bytes exceeds the router's limit of {limit} bytes (--max-body-bytes)")
+            raise api.ApiError(413, f"request body of {cl} bytes exceeds the router's limit of {limit} bytes ({MAX_BODY_SETTING})")
         parts: list[bytes] = []
         size = 0
         try:
@@ -2403,11 +2412,11 @@ class RouterService(WatchedService):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
-                        raise api.ApiError(413, f"request body exceeds the router's limit of {limit} bytes (--max-body-bytes)")
+                        raise api.ApiError(413, f"request body exceeds the router's limit of {limit} bytes ({MAX_BODY_SETTING})")
                     parts.append(chunk)
         except TimeoutError:
             self.counters["http.body_timeouts"] += 1
-            raise api.ApiError(408, f"request body not received within the router's limit of {self.cfg.body_timeout_s:g} s (--body-timeout-s)") from None
+            raise api.ApiError(408, f"request body not received within the router's limit of {self.cfg.body_timeout_s:g} s ({BODY_TIMEOUT_SETTING})") from None
         except ClientDisconnect:  # escaped as a 500 with a traceback in the log (Starlette's ServerErrorMiddleware)
             self.counters["http.body_disconnects"] += 1
             raise api.ApiError(499, f"client closed the connection after {size} of its body's bytes") from None

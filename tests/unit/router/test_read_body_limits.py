@@ -1,6 +1,7 @@
 """The router's 413 and 408 of a request body name what the operator sets: the flag (``--max-body-bytes``,
-``--body-timeout-s``) and the limit in its unit. Before, they named the config fields (``max_body_bytes=1024``,
-``body_timeout_s=1``), not the flags a user sets."""
+``--body-timeout-s``) and the variable (``EI_MAX_BODY_BYTES``, ``EI_BODY_TIMEOUT_S``: ``up`` and ``demo`` have no such
+flag), and the limit in its unit. Before, they named the config fields (``max_body_bytes=1024``, ``body_timeout_s=1``),
+then only the router's flags, which ``up --max-body-bytes`` refuses (unrecognized arguments)."""
 
 from __future__ import annotations
 
@@ -47,14 +48,14 @@ async def test_the_413_of_a_declared_length_names_the_flag_and_the_limit_in_byte
     with pytest.raises(ApiError) as e:
         await _read(_router(limit=1024), _request([b"x"], 2000))
     assert e.value.status == 413
-    assert str(e.value) == "request body of 2000 bytes exceeds the router's limit of 1024 bytes (--max-body-bytes)"
+    assert str(e.value) == "request body of 2000 bytes exceeds the router's limit of 1024 bytes (--max-body-bytes / EI_MAX_BODY_BYTES)"
 
 
 async def test_the_413_of_a_streamed_body_names_the_flag_and_the_limit_in_bytes():
     with pytest.raises(ApiError) as e:
         await _read(_router(limit=1024), _request([b"a" * 1000, b"b" * 1000], None))
     assert e.value.status == 413
-    assert str(e.value) == "request body exceeds the router's limit of 1024 bytes (--max-body-bytes)"
+    assert str(e.value) == "request body exceeds the router's limit of 1024 bytes (--max-body-bytes / EI_MAX_BODY_BYTES)"
 
 
 async def test_the_408_names_the_flag_and_the_limit_in_seconds():
@@ -62,5 +63,19 @@ async def test_the_408_names_the_flag_and_the_limit_in_seconds():
     with pytest.raises(ApiError) as e:
         await _read(router, _request([b"a" * 10], 1000, stall=True))
     assert e.value.status == 408
-    assert str(e.value) == "request body not received within the router's limit of 0.05 s (--body-timeout-s)"
+    assert str(e.value) == "request body not received within the router's limit of 0.05 s (--body-timeout-s / EI_BODY_TIMEOUT_S)"
     assert router.counters["http.body_timeouts"] == 1
+
+
+def test_the_named_variables_set_the_routers_limits_and_up_has_no_such_flags(tmp_path):
+    """What the 413/408 name works where it is named: the router reads ``EI_MAX_BODY_BYTES`` and
+    ``EI_BODY_TIMEOUT_S`` (the router ``up`` starts inherits its environment); ``up`` has neither flag."""
+    from evolving_infra.cli import build_parser
+    from services.router.config import RouterConfig
+    from shared.config import resolve_config
+
+    cfg = resolve_config(RouterConfig, {}, env={"EI_MAX_BODY_BYTES": "2048", "EI_BODY_TIMEOUT_S": "7.5"})
+    assert (cfg.max_body_bytes, cfg.body_timeout_s) == (2048, 7.5)
+    for flag in ("--max-body-bytes", "--body-timeout-s"):
+        with pytest.raises(SystemExit):
+            build_parser("up").parse_args(["up", "--log-dir", str(tmp_path), flag, "5"])
