@@ -69,7 +69,14 @@ ServiceFactory = Callable[[Any, Bus, SimClock], Service]
 
 
 class ServiceFailed(RuntimeError):
-    """The service set its ``fatal`` event; it was stopped and the process must exit non-zero."""
+    """The service set its ``fatal`` event (or could not start); it was stopped and the process must exit non-zero.
+    Its message starts with the process's :func:`process_label` and a colon: the line ``run_service_main`` prints."""
+
+
+def process_label(service_name: str, instance: str) -> str:
+    """How a service process names itself in its one-line errors: ``kvdirectory``, or ``worker worker-w0`` where its
+    instance is not the service's name (before, ``kvdirectory: kvdirectory kvdirectory: ...``)."""
+    return service_name if instance in ("", service_name) else f"{service_name} {instance}"
 
 
 class Superseded(RuntimeError):
@@ -328,13 +335,13 @@ async def serve_until_stopped(
                     await metrics.start()
                 except OSError as e:
                     log.error("cannot serve metrics", error=str(e))
-                    raise ServiceFailed(f"{service_name} {instance}: {e}") from e
+                    raise ServiceFailed(f"{process_label(service_name, instance)}: {e.strerror or e}") from e
                 stack.push_async_callback(metrics.stop)
             try:
                 bus = await Bus.connect(cfg.nats_url, Subjects(cfg.partition), service=service_name, instance=instance, auth=auth)
             except BusError as e:  # the server refused the credentials (or none were given): retrying cannot help
                 log.error("nats refused the connection", error=str(e))
-                raise ServiceFailed(f"{service_name} {instance}: {e}") from e
+                raise ServiceFailed(f"{process_label(service_name, instance)}: {e}") from e
             stack.push_async_callback(bus.close)
             buses.append(bus)
             svc = factory(cfg, bus, clock)
@@ -394,7 +401,7 @@ async def serve_until_stopped(
             where: str | None = "drain"
         else:
             where = None if isinstance(failed, Superseded) else getattr(started[0], "fatal_where", None)
-        raise ServiceFailed(f"{service_name} {instance}: {f'{where} failed: ' if where else ''}{failed!r}") from failed
+        raise ServiceFailed(f"{process_label(service_name, instance)}: {f'{where} failed: ' if where else ''}{failed!r}") from failed
     log.info("service stopped")
 
 
@@ -483,17 +490,26 @@ def run_service_main(service_name: str, cfg: CommonConfig, factory: ServiceFacto
     Returns:
         0 after SIGINT/SIGTERM; 1 when the service failed (:class:`ServiceFailed`: a task or loop
         it needs ended, already logged at error with the traceback; or NATS refused its credentials), after one
-        line on stderr (``<service>: <what failed>``) in place of a Python traceback; the supervisor restarts it.
-        2 after one such line when its NATS settings are unusable (:class:`~shared.auth.AuthError`: an
-        unreadable credentials file, an empty server in ``EI_NATS_URL``'s list, servers with different
-        credentials a URL cannot carry); before, those two cases ended in a Python traceback.
+        line on stderr (``<service>: <what failed>``, :func:`process_label`) in place of a Python traceback; the
+        supervisor restarts it. 2 after one such line when ``--metrics-fd`` is no listening TCP socket (checked
+        before anything starts, as the router's ``--listen-fd``) or when its NATS settings are unusable
+        (:class:`~shared.auth.AuthError`: an unreadable credentials file, an empty server in ``EI_NATS_URL``'s
+        list, servers with different credentials a URL cannot carry); before, those two cases ended in a Python
+        traceback.
     """
+    label = process_label(service_name, instance or instance_name(service_name, cfg))
+    if cfg.metrics_fd >= 0:
+        try:  # before NATS and the start: a bad descriptor is a configuration error, as the router's --listen-fd
+            inherited_socket(cfg.metrics_fd, "--metrics-fd").detach()
+        except OSError as e:
+            print(f"{label}: {e.strerror or e}", file=sys.stderr)
+            return 2
     try:
         run_service(service_name, cfg, factory, instance=instance)
     except ServiceFailed as e:
-        print(f"{service_name}: {e}", file=sys.stderr)
+        print(str(e), file=sys.stderr)  # it names the process (process_label)
         return 1
     except AuthError as e:
-        print(f"{service_name}: {e}", file=sys.stderr)
+        print(f"{label}: {e}", file=sys.stderr)
         return 2
     return 0

@@ -171,7 +171,7 @@ async def test_a_task_the_router_needs_that_ends_fails_the_router(nats_url, tmp_
                 with pytest.raises(ServiceFailed, match=error) as failed:
                     await asyncio.wait_for(run, 10.0)
                 # the one line the process prints at exit (services/router/__main__.py) names the task
-                assert str(failed.value).startswith(f"router router: task {task} failed: "), str(failed.value)
+                assert str(failed.value).startswith(f"router: task {task} failed: "), str(failed.value)
                 if req is not None:  # the in-flight request is answered at the stop, not left waiting
                     r = await asyncio.wait_for(req, 5.0)
                     assert r.status_code == 503 and "shutting down" in r.text

@@ -22,7 +22,8 @@ from shared.service import ServiceFailed
 ])  # fmt: skip
 def test_a_failed_service_exits_1_with_one_line_naming_the_task(service: str, argv: list[str], monkeypatch, capsys) -> None:
     mod = importlib.import_module(f"services.{service}.__main__")
-    why = f"{service} {service}: task {service}-loop failed: RuntimeError('injected')"
+    label = "worker worker-w0" if service == "worker" else service  # the process, named once (process_label)
+    why = f"{label}: task {service}-loop failed: RuntimeError('injected')"
 
     def failing(*_a: Any, **_k: Any) -> None:
         try:
@@ -34,7 +35,7 @@ def test_a_failed_service_exits_1_with_one_line_naming_the_task(service: str, ar
     monkeypatch.setattr(mod, "setup_logging", lambda *a, **k: None)  # no process-wide logging set up in the test run
     assert mod.main(argv) == 1
     out = capsys.readouterr()
-    assert out.err == f"{service}: {why}\n" and out.out == ""
+    assert out.err == f"{why}\n" and out.out == ""
 
 
 @pytest.mark.parametrize("service", ["planner", "kvdirectory"])
@@ -72,3 +73,45 @@ def test_unusable_nats_settings_are_one_line_not_a_traceback(argv: list[str], co
     last = err.splitlines()[-1]
     assert last.startswith("kvdirectory: ") and why in last and "Traceback" not in err, err
     assert sum(line.startswith("kvdirectory: ") for line in err.splitlines()) == 1, err
+
+
+def _kvdirectory(*argv: str, pass_fds: tuple[int, ...] = ()) -> Any:
+    """``python -m services.kvdirectory`` with ``argv`` (NATS unreachable: what is tested fails before the connect)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "services.kvdirectory", "--nats-url", "nats://127.0.0.1:1", "--nodes", "w0", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, pass_fds=pass_fds)
+
+
+def test_a_bad_metrics_fd_is_a_configuration_error_naming_the_service_once():
+    """A ``--metrics-fd`` that is no listening socket exited 1 (a runtime failure, as a crash) with the name doubled
+    ("kvdirectory: kvdirectory kvdirectory: [Errno 88] --metrics-fd 9 is not an open socket: ..."), while the
+    router's bad ``--listen-fd`` exits 2. Now the same: one line naming the service once, exit 2, before NATS."""
+    import socket
+
+    done = _kvdirectory("--metrics-fd", "987")  # not open in the child (close_fds)
+    assert done.returncode == 2, done
+    assert done.stderr == "kvdirectory: --metrics-fd 987 is not an open socket: Bad file descriptor\n", done.stderr
+    with socket.socket() as bound:  # bound, not listening
+        bound.bind(("127.0.0.1", 0))
+        fd = bound.fileno()
+        done = _kvdirectory("--metrics-fd", str(fd), "--instance", "dir-a", pass_fds=(fd,))
+    assert done.returncode == 2, done
+    assert done.stderr == f"kvdirectory dir-a: --metrics-fd {fd} is not a listening TCP socket\n", done.stderr
+
+
+def test_a_metrics_port_in_use_is_one_line_naming_the_service_once_and_exit_1():
+    """The runtime failure (the port taken: exit 1, the supervisor's restart may find it free) said the name three
+    times and the errno ("kvdirectory: kvdirectory kvdirectory: [Errno 98] cannot listen ..."); one line now."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _kvdirectory("--metrics-port", str(port), "--metrics-host", "127.0.0.1")
+    assert done.returncode == 1, done
+    last = done.stderr.splitlines()[-1]
+    assert last == f"kvdirectory: cannot listen for metrics on 127.0.0.1:{port}: Address already in use", done.stderr
+    assert "kvdirectory kvdirectory" not in done.stderr and "Errno" not in last and "Traceback" not in done.stderr
