@@ -914,9 +914,15 @@ class LocalCluster:
         """Raise if the cluster is broken: without supervision, any service process has
         exited; with it, the supervisor gave up on a service that kept dying.
 
+        Every process that exited since the last poll counts: a clean exit (0) seen in the same poll as a crash does
+        not hide the crash (before, the first in the list was reported, and a worker's 0 beside the router's 3 read as
+        a clean stop).
+
         Raises:
-            ServiceStopped: without supervision, a service exited with code 0 (naming it and its log).
-            ClusterError: naming the dead service, its exit code and its log's tail.
+            ClusterError: naming the first service that exited non-zero or by a signal, its exit code and its log's
+                tail (and the others that exited).
+            ServiceStopped: without supervision, every service that exited exited with code 0 (naming them and
+                the first one's log).
         """
         if self._failure is not None:
             raise self._failure
@@ -924,11 +930,20 @@ class LocalCluster:
             if self._supervisor.done() and not self._supervisor.cancelled() and self._supervisor.exception():
                 raise ClusterError(f"supervisor crashed: {self._supervisor.exception()!r}")
             return
-        for c in self.children:
-            if c.proc is not None and c.proc.poll() is not None:
-                if c.proc.returncode == 0:
-                    raise ServiceStopped(f"{c.name} exited cleanly (code 0); log {c.log_path}")
-                raise ClusterError(f"{c.name} exited with code {c.proc.returncode}; log {c.log_path}:\n{self._log_tail(c)}")
+        dead = [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
+        if not dead:
+            return
+        crashed = [c for c in dead if c.proc is not None and c.proc.returncode != 0]
+        if crashed:
+            c = crashed[0]
+            assert c.proc is not None
+            also = [f"{o.name} code {o.proc.returncode}" for o in dead if o is not c and o.proc is not None]
+            with_others = f" (also exited: {', '.join(also)})" if also else ""
+            raise ClusterError(f"{c.name} exited with code {c.proc.returncode}{with_others}; log {c.log_path}:\n{self._log_tail(c)}")
+        c = dead[0]
+        also = [o.name for o in dead[1:]]
+        with_others = f" (also exited cleanly: {', '.join(also)})" if also else ""
+        raise ServiceStopped(f"{c.name} exited cleanly (code 0){with_others}; log {c.log_path}")
 
     def timeline(self) -> RunTimeline | None:
         """The PD split over time as the workers reported it (``split.applied``)."""

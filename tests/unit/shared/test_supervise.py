@@ -235,3 +235,40 @@ async def test_stop_gives_the_router_sigint_its_quick_stop(tmp_path):
     await c.stop(timeout_s=10.0)
     assert (tmp_path / "router.sig").read_text() == "SIGINT"
     assert (tmp_path / "planner.sig").read_text() == "SIGTERM"
+
+
+def _unsupervised(tmp_path, *programs: tuple[str, list[str]]) -> LocalCluster:
+    """A ``--no-restart`` cluster of these (name, argv) processes, started and all exited."""
+    c = LocalCluster(ClusterSpec(restart=False))
+    c.log_dir = tmp_path
+    c.children = [_Child(name, argv, tmp_path / f"{name}.log") for name, argv in programs]
+    for child in c.children:
+        c._spawn(child)
+    for child in c.children:
+        assert child.proc is not None
+        child.proc.wait(20)
+    return c
+
+
+def test_without_supervision_a_clean_exit_in_the_same_poll_does_not_hide_a_crash(tmp_path):
+    """check_alive reported the first dead service in the list: a worker's exit 0 seen in the same 0.2-s poll as the
+    router's exit 3 read as a clean stop (ServiceStopped; up exited as for one). Every exit counts now: any crash is
+    the failure, named with its log's tail and the others; only when all exited 0 is it ServiceStopped."""
+    c = _unsupervised(tmp_path, ("worker-w0", ["true"]), ("router", ["sh", "-c", "echo boom; exit 3"]))
+    try:
+        with pytest.raises(ClusterError) as e:
+            c.check_alive()
+        assert not isinstance(e.value, ServiceStopped)
+        assert str(e.value) == (f"router exited with code 3 (also exited: worker-w0 code 0); "
+                                f"log {tmp_path / 'router.log'}:\nboom\n")
+    finally:
+        for child in c.children:
+            child.log_file.close()
+    (tmp_path / "clean").mkdir()
+    c = _unsupervised(tmp_path / "clean", ("a", ["true"]), ("b", ["true"]))  # all clean: a stop, naming both
+    try:
+        with pytest.raises(ServiceStopped, match=r"^a exited cleanly \(code 0\) \(also exited cleanly: b\); log "):
+            c.check_alive()
+    finally:
+        for child in c.children:
+            child.log_file.close()
