@@ -911,7 +911,7 @@ class LocalCluster:
         return NatsAuth.from_file(path)
 
     def check_alive(self) -> None:
-        """Raise if the cluster is broken: without supervision, any service process has
+        """Raise if the cluster is broken: without supervision, any service process or the embedded nats-server has
         exited; with it, the supervisor gave up on a service that kept dying.
 
         Every process that exited since the last poll counts: a clean exit (0) seen in the same poll as a crash does
@@ -920,7 +920,8 @@ class LocalCluster:
 
         Raises:
             ClusterError: naming the first service that exited non-zero or by a signal, its exit code and its log's
-                tail (and the others that exited).
+                tail (and the others that exited); else the embedded nats-server that exited (nothing restarts it
+                without supervision, and every service waits on it).
             ServiceStopped: without supervision, every service that exited exited with code 0 (naming them and
                 the first one's log).
         """
@@ -931,15 +932,23 @@ class LocalCluster:
                 raise ClusterError(f"supervisor crashed: {self._supervisor.exception()!r}")
             return
         dead = [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
-        if not dead:
+        nats_dead = self.nats is not None and not self.nats.alive()
+        if not dead and not nats_dead:
             return
+        nats_exit = [f"nats-server code {self.nats.returncode}"] if self.nats is not None and nats_dead else []
         crashed = [c for c in dead if c.proc is not None and c.proc.returncode != 0]
         if crashed:
             c = crashed[0]
             assert c.proc is not None
-            also = [f"{o.name} code {o.proc.returncode}" for o in dead if o is not c and o.proc is not None]
+            also = [f"{o.name} code {o.proc.returncode}" for o in dead if o is not c and o.proc is not None] + nats_exit
             with_others = f" (also exited: {', '.join(also)})" if also else ""
             raise ClusterError(f"{c.name} exited with code {c.proc.returncode}{with_others}; log {c.log_path}:\n{self._log_tail(c)}")
+        if nats_dead:
+            assert self.nats is not None
+            also = [f"{c.name} code 0" for c in dead]
+            with_others = f" (also exited: {', '.join(also)})" if also else ""
+            raise ClusterError(f"nats-server exited with code {self.nats.returncode}{with_others}; without supervision "
+                               "(--no-restart) nothing restarts it, and every service needs it")
         c = dead[0]
         also = [o.name for o in dead[1:]]
         with_others = f" (also exited cleanly: {', '.join(also)})" if also else ""

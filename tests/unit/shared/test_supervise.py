@@ -272,3 +272,29 @@ def test_without_supervision_a_clean_exit_in_the_same_poll_does_not_hide_a_crash
     finally:
         for child in c.children:
             child.log_file.close()
+
+
+def test_without_supervision_a_dead_embedded_nats_server_fails_the_cluster(tmp_path):
+    """``up --no-restart`` says the cluster stops when nats-server exits, but nothing watched it: SIGKILLed, the
+    cluster ran on (every service alive, reconnecting forever) and wait_failed never returned. check_alive fails on
+    it now, as on a dead service (a real nats-server)."""
+    from shared.natsserver import EmbeddedNatsServer
+
+    c = _unsupervised(tmp_path)
+    c.children = [_Child("svc", ["sleep", "30"], tmp_path / "svc.log")]
+    c._spawn(c.children[0])
+    c.nats = EmbeddedNatsServer(jetstream=False).start()
+    try:
+        c.check_alive()  # all running
+        assert c.nats.proc is not None
+        os.kill(c.nats.proc.pid, signal.SIGKILL)
+        c.nats.proc.wait(20)
+        with pytest.raises(ClusterError) as e:
+            c.check_alive()
+        assert not isinstance(e.value, ServiceStopped)
+        assert str(e.value).startswith("nats-server exited with code -9; without supervision (--no-restart) nothing restarts it")
+    finally:
+        c.nats.stop()
+        c.children[0].proc.kill()
+        c.children[0].proc.wait()
+        c.children[0].log_file.close()
