@@ -49,8 +49,23 @@ class ClusterError(RuntimeError):
 
 
 class ServiceStopped(ClusterError):
-    """Without supervision (``--no-restart``), a service exited with code 0: it stopped as asked (a SIGTERM sent to
-    it, after its drain), so the cluster ends, but nothing failed (``up`` says so and exits 0, not "error:")."""
+    """Without supervision (``--no-restart``), a service exited with code 0 (every service that exited did): it stopped
+    on a SIGTERM that reached it, after its drain, so the cluster ends without a crash (``up`` says so without
+    "error:", and exits 0). During the start-up it is a failed start:
+    :meth:`LocalCluster.start` raises a :class:`ClusterError` naming it, with the log's tail.
+
+    Args:
+        message: the line (the service, "exited cleanly (code 0)", its log).
+        service: the service that exited (the first, where several did).
+        log_path: its log.
+        log_tail: the end of its log (:meth:`LocalCluster._log_tail`).
+    """
+
+    def __init__(self, message: str, *, service: str, log_path: Path, log_tail: str) -> None:
+        super().__init__(message)
+        self.service = service
+        self.log_path = log_path
+        self.log_tail = log_tail
 
 
 class ClusterConfigError(ClusterError):
@@ -618,13 +633,18 @@ class LocalCluster:
         On any failure or cancellation on the way, what was started (NATS included) is stopped.
 
         Raises:
-            ClusterError: if a service exits early or is not healthy within ``ready_timeout_s``; the
+            ClusterError: if a service exits early (with code 0 too: "start-up failed: ...", with its log's tail)
+                or is not healthy within ``ready_timeout_s``; the
                 launcher's NATS connection is refused or its ``--nats-url`` is unusable (an empty server
                 in the list). :class:`ClusterConfigError` when the server refuses the launcher's credentials
                 the JetStream stream (its lookup or create: ``--nats-url`` with an identity not granted it).
         """
         try:
             await self._start()
+        except ServiceStopped as e:  # exited 0 before the cluster was ready: a failed start, not a stop (its log says why)
+            await self.stop()
+            raise ClusterError(f"start-up failed: {e.service} exited with code 0 before the cluster was ready; "
+                               f"log {e.log_path}:\n{e.log_tail}") from e
         except BaseException:
             await self.stop()
             raise
@@ -952,7 +972,8 @@ class LocalCluster:
         c = dead[0]
         also = [o.name for o in dead[1:]]
         with_others = f" (also exited cleanly: {', '.join(also)})" if also else ""
-        raise ServiceStopped(f"{c.name} exited cleanly (code 0){with_others}; log {c.log_path}")
+        raise ServiceStopped(f"{c.name} exited cleanly (code 0){with_others}; log {c.log_path}",
+                             service=c.name, log_path=c.log_path, log_tail=self._log_tail(c))
 
     def timeline(self) -> RunTimeline | None:
         """The PD split over time as the workers reported it (``split.applied``)."""

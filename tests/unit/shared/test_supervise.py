@@ -298,3 +298,33 @@ def test_without_supervision_a_dead_embedded_nats_server_fails_the_cluster(tmp_p
         c.children[0].proc.kill()
         c.children[0].proc.wait()
         c.children[0].log_file.close()
+
+
+def test_a_clean_exit_during_the_start_up_is_a_failed_start_with_the_logs_tail(tmp_path, monkeypatch):
+    """A service exiting 0 before the cluster was ready said "error: router exited cleanly (code 0); log ..." (a
+    stop's wording, no log tail) and up exited 1. start() words it as the failed start it is, with the log's tail,
+    as for a crash; what it started is stopped."""
+    import asyncio
+
+    c = LocalCluster(ClusterSpec(restart=False))
+    c.log_dir = tmp_path
+    child = _Child("router", ["sh", "-c", "echo cannot load the tokenizer; exit 0"], tmp_path / "router.log")
+
+    async def start_up() -> None:  # what _start does to the point of its readiness wait: spawn, then check
+        c.children = [child]
+        c._spawn(child)
+        assert child.proc is not None
+        while child.proc.poll() is None:
+            await asyncio.sleep(0.02)
+        c.check_alive()
+
+    monkeypatch.setattr(c, "_start", start_up)
+    try:
+        with pytest.raises(ClusterError) as e:
+            asyncio.run(c.start())
+        assert not isinstance(e.value, ServiceStopped)
+        assert str(e.value) == (f"start-up failed: router exited with code 0 before the cluster was ready; "
+                                f"log {child.log_path}:\ncannot load the tokenizer\n")
+    finally:
+        if child.log_file is not None:
+            child.log_file.close()
