@@ -51,7 +51,7 @@ class ClusterError(RuntimeError):
 class ServiceStopped(ClusterError):
     """Without supervision (``--no-restart``), a service exited with code 0 (every service that exited did): it stopped
     on a SIGTERM that reached it, after its drain, so the cluster ends without a crash (``up`` says so without
-    "error:", and exits 0). During the start-up it is a failed start:
+    "error:", and exits 3: nobody asked ``up`` to stop). During the start-up it is a failed start:
     :meth:`LocalCluster.start` raises a :class:`ClusterError` naming it, with the log's tail.
 
     Args:

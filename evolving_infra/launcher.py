@@ -306,8 +306,8 @@ def _add_cluster_args(
         "--no-restart",
         dest="restart",
         action="store_false",
-        help="stop the whole cluster when any service (or nats-server) exits, instead of restarting it (exit status 0 when "
-        "the service exited 0, e.g. after a SIGTERM sent to it, else 1; the router then binds "
+        help="stop the whole cluster when any service (or nats-server) exits, instead of restarting it (exit status 3 when "
+        "the service exited 0, e.g. after a SIGTERM sent to it, not to up; else 1; the router then binds "
         "its port itself: up holds it only for a next router, and a client connecting while a SIGTERMed router drains gets 503; "
         "with --routers N > 1 up still holds it, and the other routers serve such a client until the drained one exits "
         "and the cluster stops)",
@@ -847,6 +847,11 @@ def port_unavailable(host: str, port: int) -> str | None:
     return None
 
 
+SERVICE_STOPPED_STATUS = 3
+"""``up``'s and ``demo``'s exit status when, under ``--no-restart``, a service exited 0 on its own (a SIGTERM sent
+to it, not to ``up``): no crash (one calm line, no "error:"), but not the stop that was asked of ``up`` (status 0)."""
+
+
 async def _up(args: argparse.Namespace) -> int:
     spec = _spec(args)  # usage errors (status 2) before the port's state (a runtime failure, status 1)
     if unavailable := port_unavailable(args.host, args.port):
@@ -906,6 +911,7 @@ async def _up(args: argparse.Namespace) -> int:
             print(f"restarted {name} (restarts: {cluster.restarts().get(name, 0)})", flush=True)
 
         cluster.on_restart = restarted
+        status = 0  # up's own stop was asked (Ctrl-C, SIGTERM, SIGHUP)
         stopped = asyncio.ensure_future(stop.wait())
         failed = asyncio.ensure_future(cluster.wait_failed())
         await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
@@ -916,9 +922,11 @@ async def _up(args: argparse.Namespace) -> int:
                 print(f"error: {ended}", file=sys.stderr)
                 await cluster.stop()
                 return 1
-            # --no-restart: a service that exited 0 stopped as asked (a SIGTERM sent to it, after its drain); the
-            # cluster stops with it, as after a crash, but nothing failed: said on stdout, status 0
+            # --no-restart: a service that exited 0 stopped on a SIGTERM that reached it (after its drain), no crash:
+            # said on stdout, no "error:"; the cluster stops with it, but up was not asked to stop, so its status says
+            # the cluster ended on its own (a supervisor restarting on failure, a CI step, can tell)
             print(f"{ended}; --no-restart: stopping the cluster", flush=True)
+            status = SERVICE_STOPPED_STATUS
         failed.cancel()
         print("stopping ...", flush=True)
         await cluster.stop()
@@ -926,7 +934,7 @@ async def _up(args: argparse.Namespace) -> int:
         # (secrets, useless once the nats-server that trusted them is gone)
         removed = cluster.remove_generated_creds()
         print(f"stopped; logs in {cluster.log_dir}" + (" (its generated NATS credentials removed)" if removed else ""), flush=True)
-        return 0
+        return status
     finally:  # also when a print failed (up | head: BrokenPipeError): the nats-server's store goes with it
         await cluster.stop()  # a second stop does nothing
         cluster.remove_generated_creds()
@@ -1443,14 +1451,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 UP_EXIT_STATUSES = (
-    "exit status: 0 stopped (Ctrl-C, SIGTERM, SIGHUP; also during start-up; with --no-restart, a service that exited 0, "
-    "e.g. after a SIGTERM sent to it); 1 runtime failure: --port taken, a "
-    "service died (with --no-restart: exited non-zero or by a signal; else its restarts gave up), the cluster not healthy within --ready-timeout, NATS refused the "
+    "exit status: 0 stopped as asked (Ctrl-C, SIGTERM, SIGHUP to up; also during start-up); 1 runtime failure: --port "
+    "taken, a service died (with --no-restart: exited non-zero or by a signal, or nats-server exited; else its restarts "
+    "gave up), a service exited during start-up (any code), the cluster not healthy within --ready-timeout, NATS refused the "
     "launcher's connection (its credentials), a NATS server whose JetStream did not answer the stream lookup (or "
     "whose create did not succeed) within --ready-timeout; 2 usage or configuration error: a bad option, no NATS "
     "server answered at --nats-url within --ready-timeout, the server denies the launcher's identity the JetStream "
-    "stream's lookup or create (grant it, or make the stream first with `evolving-infra auth stream`). One line on "
-    "stderr says why."
+    "stream's lookup or create (grant it, or make the stream first with `evolving-infra auth stream`); 3 with "
+    "--no-restart, a service exited 0 on its own (e.g. a SIGTERM sent to it, not to up): the cluster stopped, no crash. "
+    "One line on stderr says why (for 3: on stdout)."
 )
 """The epilog of ``up --help``: the statuses :func:`_up` returns."""
 
