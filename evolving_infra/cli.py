@@ -125,8 +125,8 @@ EXIT_STATUSES = (
     "value or options that conflict, one line on stderr, before anything starts; also an unreadable input or an "
     "unwritable output, and for split, tap and replay no running cluster or NATS server to talk to); "
     f"{INTERRUPTED} interrupted (Ctrl-C); 143 stopped by SIGTERM (demo and replay, which stop as for Ctrl-C; "
-    f"demo 129 for SIGHUP; up and tap exit 0); 3 up --no-restart: a service exited 0 on its own (no crash; see up "
-    f"--help); {READER_GONE} stdout's reader went away (| head)"
+    f"demo 129 for SIGHUP; up and tap exit 0); 3 up or demo --no-restart: a service exited 0 on its own (no crash; "
+    f"see up --help); {READER_GONE} stdout's reader went away (| head)"
 )
 """The epilog of ``evolving-infra --help``: the statuses :func:`main` returns."""
 

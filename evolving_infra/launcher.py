@@ -1166,6 +1166,7 @@ async def _demo(args: argparse.Namespace) -> int:
         cluster.remove_generated_creds(own_log_dir=own_logs)
         return _demo_interrupted(signals, Path(log_dir))
     state: Path | None = None
+    ended: ClusterError | None = None  # the cluster ended during the replay (--no-restart: a service exited)
     retry = RetryPolicy()  # the OpenAI SDK's default, as `replay` without --max-retries; recorded in the meta
     try:
         print(f"cluster ready in {time.monotonic() - wall0:.1f} s: router {cluster.router_url}, profile {spec.profile}, "
@@ -1187,7 +1188,10 @@ async def _demo(args: argparse.Namespace) -> int:
         cluster.on_restart = restarted
         result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency), stop=stop)
         if not signals:
-            cluster.check_alive()
+            try:
+                cluster.check_alive()
+            except ClusterError as e:  # as up's: one line (and a crash's log tail), not a traceback
+                ended = e
         timeline = cluster.timeline()
     finally:
         if state is not None:
@@ -1197,6 +1201,8 @@ async def _demo(args: argparse.Namespace) -> int:
         _default_signals()  # nothing left to stop: Ctrl-C while the report and plots are written interrupts them
     if signals:
         return _demo_interrupted(signals, Path(log_dir))
+    if ended is not None:
+        return _demo_ended(ended, Path(log_dir))
     by_id = {r.id: r for r in requests}
     ideal = annotate_ideal(result.records, by_id, token_block)
     annotate_lost_reuse(result.records, by_id)
@@ -1317,6 +1323,21 @@ def _demo_interrupted(signals: list[int], log_dir: Path) -> int:
     print(f"demo: {name}: stopped the cluster (its state file and NATS store removed); no report written; "
           f"logs in {log_dir}", file=sys.stderr, flush=True)
     return 128 + signals[0]
+
+
+def _demo_ended(ended: ClusterError, log_dir: Path) -> int:
+    """The lines and status of a demo whose cluster ended during the replay (its cluster already stopped; no report):
+    as ``up``'s, a service that exited 0 on its own under ``--no-restart`` (:class:`ServiceStopped`) is one line on
+    stdout and status :data:`SERVICE_STOPPED_STATUS` (3); a crash (or a supervisor that gave up) is "error: ..."
+    (with the log's tail) and status 1. A last line names ``log_dir``, where the services' logs stay."""
+    if isinstance(ended, ServiceStopped):
+        print(f"{ended}; --no-restart: stopped the cluster", flush=True)
+        status = SERVICE_STOPPED_STATUS
+    else:
+        print(f"error: {ended}", file=sys.stderr, flush=True)
+        status = 1
+    print(f"demo: no report written (the cluster ended during the replay); logs in {log_dir}", file=sys.stderr, flush=True)
+    return status
 
 
 def demo_input_meta(*, concurrency: int, agents: int, block_size: int, trace_block_size: int,
