@@ -751,6 +751,24 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     base = getattr(args, "metrics_base_port", 0)
     if base and not 1024 <= base <= 65535 - (args.nodes + 1 + routers):
         raise UsageError(f"error: --metrics-base-port {base}: {args.nodes + 2 + routers} ports from it must lie within 1024-65535")
+    port = getattr(args, "port", 0)
+    last = base + args.nodes + 1 + routers
+    if one_host and base and port and base <= port <= last:
+        # up binds --port for the routers, then the metrics ports: one of them was taken by its own router socket and
+        # that service exited 1 ("cannot listen for metrics ... Address already in use"); the Slurm job's job_ports
+        # refuses the same overlap up front
+        offset = port - base
+        if offset < 3:
+            owner = ("the KV directory", "the planner", "the router")[offset]
+        elif offset < 3 + args.nodes:
+            owner = f"worker w{offset - 3}"
+        else:
+            owner = f"router-{offset - 2 - args.nodes}"
+        raise UsageError(
+            f"error: --port {port} is {owner}'s metrics port under --metrics-base-port {base} (the KV directory on {base}, "
+            f"planner +1, router +2, worker wN +3+N, router-K +3+NODES+K-1: {base}-{last}); pick a --port outside that "
+            "range or another --metrics-base-port"
+        )
     otlp = getattr(args, "otlp_traces_endpoint", "")
     if otlp and not re.fullmatch(r"https?://\S+", otlp):  # each service would refuse it (exit 2) after the cluster started
         raise UsageError(f"error: --otlp-traces-endpoint {otlp!r}: an http:// or https:// URL of an OTLP/HTTP collector (e.g. http://127.0.0.1:4318)")

@@ -196,3 +196,20 @@ def test_every_inherited_descriptor_setting_is_per_service():
     assert {"EI_LISTEN_FD", "EI_METRICS_FD"} <= fds
     assert fds <= set(PER_SERVICE_ENV)
     assert child_env(None, base={**dict.fromkeys(fds, "5"), "EI_LOG_LEVEL": "info"}) == {"EI_LOG_LEVEL": "info"}
+
+
+@pytest.mark.parametrize(("port", "owner"), [(19650, "the KV directory"), (19652, "the router"), (19654, "worker w1"),
+                                             (19655, "router-1"), (19656, "router-2")])  # fmt: skip
+def test_a_router_port_inside_the_metrics_range_is_a_usage_error(port, owner, tmp_path):
+    """``up --port 19652 --metrics-base-port 19650``: up bound the router's port, then the router's metrics port was
+    the same one, and the router exited 1 ('cannot listen for metrics on 127.0.0.1:19652: Address already in use')
+    after NATS and every service had started. Refused up front now (exit 2), as the Slurm job's job_ports does."""
+    def args(p: int):  # type: ignore[no-untyped-def]
+        return build_parser("up").parse_args(["up", "--nodes", "2", "--routers", "3", "--port", str(p),
+                                              "--metrics-base-port", "19650", "--log-dir", str(tmp_path)])  # fmt: skip
+
+    with pytest.raises(UsageError, match=rf"--port {port} is {owner}'s metrics port under --metrics-base-port 19650 "
+                                         r"\(.*19650-19656\)"):  # fmt: skip
+        _spec(args(port))
+    for outside in (19649, 19657):  # just below and past the range (2 workers, 2 more routers: 19650..19656)
+        assert _spec(args(outside)).port == outside
