@@ -9,7 +9,8 @@ identity          may publish (relative to ``ei.<partition>.``)
 ``planner``       ``split.commands`` (it alone issues epochs), ``planner.decisions``, ``planner.models``
 ``router``        ``work.*.prefill``, ``work.*.decode`` (re-bound hand-offs), ``work.*.abort``,
                   ``branch.events``, ``route.placed``, ``route.sent`` (read by the other routers);
-                  requests ``kv.lookup``, ``split.get``
+                  requests ``kv.lookup``, ``split.get``, ``route.held.*`` (does the router that placed an
+                  ``X-Request-ID`` sent here still have it?)
 ``kvdirectory``   ``kv.counts.*``, ``kv.liveness``, ``branch.sync``; requests ``kv.resync.*`` (reads ``node.state.*``;
                   answers ``kv.countsync.*``)
 ``worker-<n>``    ``kv.events.<n>``, ``node.state.<n>``, ``node.iters.<n>`` (its own node only),
@@ -167,7 +168,9 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
         pub = ["split.commands", "planner.decisions", "planner.models"]
         sub = ["node.iters.*", "node.state.*", "req.*.out", "split.applied", "split.get", "split.set", "split.commands"]
     elif ident.kind == "router":
-        pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "route.sent", "kv.lookup", "split.get"]
+        # route.held.*: a request with an X-Request-ID another router placed asks that router whether it still has it
+        pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "route.sent", "kv.lookup", "split.get",
+               "route.held.*"]  # fmt: skip
         sub = ["node.state.*", "split.commands", "planner.models", "req.*.out", "route.sent", "kv.liveness", "branch.sync",
                f"route.bind.{ident.name}", f"work.requeue.{ident.name}", f"route.held.{ident.name}"]  # fmt: skip
     elif ident.kind == "kvdirectory":

@@ -64,6 +64,10 @@ class RemoteSends:
         self._sends[rid] = RemoteSend(router, attempt, now, first_token=seen)
         return True
 
+    def get(self, rid: str) -> RemoteSend | None:
+        """The counted placement of ``rid`` (its owning router and attempt), or None. O(1)."""
+        return self._sends.get(rid)
+
     def first_token(self, rid: str) -> bool:
         """True when counted ``rid``'s current attempt has had its first token (its prefill is done)."""
         s = self._sends.get(rid)

@@ -203,6 +203,16 @@ its 409: a client that closes a request and retries at once with the same id rea
 before the close does (on a local 4-node cluster 3 of 5 such retries got a 409, each gone a few
 ms later)."""
 
+_PEER_HELD_TIMEOUT_S = 1.0
+"""Wall seconds a router waits for another router's answer to ``route.held`` when a request arrives
+with an ``X-Request-ID`` that router placed (:meth:`RouterService._duplicate_answer`): none within
+it (no responders, or a timeout) means that router is gone."""
+
+
+class _PeerPlaced(Exception):
+    """Another router placed this request's rid (its ``route.sent`` arrived while it was being routed
+    here): placing it too would count one rid twice and give two streams one id."""
+
 
 @dataclass(slots=True)
 class _Failure:
@@ -1178,7 +1188,8 @@ class RouterService(WatchedService):
         p = self._pending.get(chunk.rid)
         if chunk.node == self.bus.instance and chunk.finish_reason == "abort" and (p is None or p.done or chunk.attempt != p.attempt):
             return  # this router's own end of a request that ended parked (_publish_parked_end)
-        if p is None:
+        if p is None or (chunk.router and chunk.router != self.bus.instance):
+            # no request of this router's, or one with the rid of another router's (_placed_twice): not this stream's
             self._remote_chunk(chunk)
             return
         if p.done:
@@ -1838,16 +1849,16 @@ class RouterService(WatchedService):
         is eligible (``no_route_wait_s``); its ``router.route`` span when tracing is on."""
         now = self.clock.now()
         route_span = None if tr is None else tracing.start("router.route", tr.span)
-        out = self.core.route(rreq, lookup, now)
+        out = self._route_core(rreq, lookup, now, route_span)
         if isinstance(out, NoRoute) and self._bus_settling():
             # a NATS outage silences node states: wait for them instead of failing the request
             self.counters["routes_waited_bus_down"] += 1
             wait_until = time.monotonic() + self.cfg.bus_outage_wait_s
             while isinstance(out, NoRoute) and self._bus_settling() and time.monotonic() < wait_until:
                 await asyncio.sleep(0.1)
-                out = self.core.route(rreq, lookup, self.clock.now())
+                out = self._route_core(rreq, lookup, self.clock.now(), route_span)
         if isinstance(out, NoRoute) and self.cfg.no_route_wait_s > 0:
-            out = await self._route_when_possible(rreq, lookup, out)
+            out = await self._route_when_possible(rreq, lookup, out, route_span)
         if route_span is not None:
             assert tr is not None
             tr.span.set_attribute("ei.rid", rreq.rid)
@@ -1867,7 +1878,24 @@ class RouterService(WatchedService):
             route_span.end()
         return out
 
-    async def _route_when_possible(self, rreq: RouteRequest, lookup: m.KvLookupReply | None, out: NoRoute) -> RouteDecision | NoRoute:
+    def _route_core(self, rreq: RouteRequest, lookup: m.KvLookupReply | None, now: float, span: Any) -> RouteDecision | NoRoute:
+        """``core.route``, unless another router placed ``rreq.rid`` meanwhile (its ``route.sent`` counted it in the
+        view, where a second count raises ValueError).
+
+        Raises:
+            _PeerPlaced: ``rreq.rid`` is another router's in-flight request (``span``, the ``router.route`` span or
+                None, is ended first).
+        """
+        if rreq.rid in self._remote:
+            if span is not None:
+                span.set_attribute("ei.no_route", "X-Request-ID in flight on another router")
+                span.end()
+            raise _PeerPlaced(rreq.rid)
+        return self.core.route(rreq, lookup, now)
+
+    async def _route_when_possible(
+        self, rreq: RouteRequest, lookup: m.KvLookupReply | None, out: NoRoute, span: Any = None
+    ) -> RouteDecision | NoRoute:
         """No node can take the request now (the last prefill node fenced, a split in flight):
         wait up to ``no_route_wait_s`` for one, retrying every 50 ms, before answering 503 —
         a node's failure costs latency, not requests (issue #22)."""
@@ -1875,7 +1903,7 @@ class RouterService(WatchedService):
         self.counters["route_waits"] += 1
         while time.monotonic() < deadline and not self._stopping:
             await asyncio.sleep(0.05)
-            got = self.core.route(rreq, lookup, self.clock.now())
+            got = self._route_core(rreq, lookup, self.clock.now(), span)
             if not isinstance(got, NoRoute):
                 self.counters["route_waits.recovered"] += 1
                 return got
@@ -1933,14 +1961,37 @@ class RouterService(WatchedService):
             self.core.view.kv_stale = stale
 
     async def _on_route_sent(self, msg: m.RouteSent, _subject: str) -> None:
-        if msg.router == self.bus.instance or msg.rid in self._pending:
+        if msg.router == self.bus.instance:
             return
+        p = self._pending.get(msg.rid)
+        if p is not None:
+            if p.done or not self._placed_twice(p, msg):
+                return
         if self._remote.sent(msg.rid, msg.router, msg.attempt, time.monotonic(), first_token=msg.first_token):
             if self.core.remote_dispatch(msg, self.clock.now(), first_token=self._remote.first_token(msg.rid)):
                 self.counters["remote.sent"] += 1
             else:
                 self._remote.forget(msg.rid)
                 self.counters["remote.bad_node"] += 1
+
+    def _placed_twice(self, p: _Pending, msg: m.RouteSent) -> bool:
+        """Router ``msg.router`` placed ``p.rid`` too: the same ``X-Request-ID`` reached both routers before either's
+        ``route.sent`` reached the other. Both see the other's, and the one whose instance name sorts after the
+        other's gives way: its request ends (409 to its client, an ``error`` event on a stream already started; its
+        nodes told to drop it) and from then on it counts the other's as another router's. Each router takes only the
+        chunks naming it (:meth:`_on_chunk`), so the two streams never mix meanwhile. Counted
+        ``duplicate_rid.placed_twice`` (both routers) and ``duplicate_rid.gave_way``. Returns True when this router
+        gave way (the caller counts ``msg`` as the other router's)."""
+        self.counters["duplicate_rid.placed_twice"] += 1
+        if self.bus.instance < msg.router:
+            self.log.warning("request id placed by two routers at once; the other gives way", rid=p.rid, router=msg.router)
+            return False
+        why = f"X-Request-ID in flight on router {msg.router} too (sent to both at once); this one gave way"
+        self.log.warning("request id placed by two routers at once; this one gives way", rid=p.rid, router=msg.router)
+        self.counters["duplicate_rid.gave_way"] += 1
+        self._abandon(p, why, "duplicate_rid")
+        p.queue.put_nowait(_Failure(409, why))
+        return True
 
     def _remote_chunk(self, chunk: m.TokenChunk) -> None:
         """A chunk of a request this router does not own: another router's (load view) or unknown. One of another
@@ -2820,7 +2871,7 @@ class RouterService(WatchedService):
             client_id = ident.client
             client_rid = None if client_id is None else ident.rid
             if client_rid is not None and self._in_flight(client_rid) and not await self._rid_freed(client_rid):
-                raise api.ApiError(409, f"X-Request-ID {client_id!r} is already in flight", param="X-Request-ID")
+                return await self._duplicate_answer(client_rid, repr(client_id))
             hdrs, req, arr, max_tokens, packed, hashes, echo = await self._prepare(request, chat)
             if api.logprobs_asked(req) is not None:
                 self._check_model_engines("logprobs")
@@ -2861,7 +2912,7 @@ class RouterService(WatchedService):
             if watcher.done():  # nothing routed yet: nothing to undo
                 return self._gone_before_dispatch()
             if self._in_flight(rid):  # the same X-Request-ID arrived while this one was tokenized
-                return self._error(409, f"X-Request-ID {shown!r} is already in flight", "X-Request-ID")
+                return await self._duplicate_answer(rid, repr(shown))
             if rl is not None:
                 rl.rid, rl.client_id, rl.prompt_tokens = rid, client_id, int(arr.size)
                 self.log.info(
@@ -2881,6 +2932,9 @@ class RouterService(WatchedService):
             self._routing.add(rid)  # until it is pending (no await between): a duplicate in the meantime is a 409
             try:
                 out = await self._route_new(rreq, lookup, lookup_status, tr)
+            except _PeerPlaced:  # another router placed it while this one waited (a lookup, a wait for a node)
+                self.counters["duplicate_rid.peer_placed"] += 1
+                return await self._duplicate_answer(rid, repr(shown))
             finally:
                 self._routing.discard(rid)
             if isinstance(out, NoRoute):
@@ -3158,8 +3212,39 @@ class RouterService(WatchedService):
             self._forget(p)
 
     def _in_flight(self, rid: str) -> bool:
-        """A request with ``rid`` is pending, or being routed (not pending yet)."""
-        return rid in self._pending or rid in self._routing
+        """A request with ``rid`` is pending, or being routed (not pending yet), here or on another router (its
+        ``route.sent`` counted, its end not seen yet: :class:`RemoteSends`). Before, only this router's own were
+        checked: an id in flight on another router (a client's retry after its router died, reaching the next
+        one) was placed again, and the view's second count of one rid raised: a 500 "internal error"."""
+        return rid in self._pending or rid in self._routing or rid in self._remote
+
+    async def _duplicate_answer(self, rid: str, shown: str) -> Response:
+        """The answer to a request whose ``rid`` is in flight (:meth:`_in_flight`; ``shown``: its id as sent,
+        quoted): 409 when this router holds it, or another router that still has it (asked on
+        ``route.held.<router>``, :data:`_PEER_HELD_TIMEOUT_S`); 503 with ``Retry-After: 1`` when that router is
+        gone (no answer: the nodes drop its work within their ``--owner-gone-after-s``, and its end frees the id)
+        or no longer has it (a restarted router: its nodes drop it at their next ``route.held``). Counted
+        ``duplicate_rid.{here,peer,peer_gone,peer_dropped}``. Never raises (a bus error reads as a gone router)."""
+        sent = self._remote.get(rid)
+        if sent is None or rid in self._pending or rid in self._routing:
+            self.counters["duplicate_rid.here"] += 1
+            return self._error(409, f"X-Request-ID {shown} is already in flight", "X-Request-ID")
+        q = m.HeldQuery(node=self.bus.instance, rids=[rid], attempts=[sent.attempt])
+        try:
+            rep = await self.bus.request(ROUTE_HELD, q, timeout=_PEER_HELD_TIMEOUT_S, router=sent.router)
+        except BusError:
+            rep = None
+        if rep is not None and rid not in rep.dropped:
+            self.counters["duplicate_rid.peer"] += 1
+            return self._error(409, f"X-Request-ID {shown} is already in flight (on router {sent.router})", "X-Request-ID")
+        if rep is None:
+            self.counters["duplicate_rid.peer_gone"] += 1
+            why = (f"X-Request-ID {shown} is in flight on router {sent.router}, which does not answer (gone?); its nodes "
+                   "drop that request soon: retry")
+        else:
+            self.counters["duplicate_rid.peer_dropped"] += 1
+            why = f"X-Request-ID {shown} was in flight on router {sent.router}, which no longer has it; its nodes drop it soon: retry"
+        return self._json(api.error_body(503, why, "X-Request-ID"), 503, headers={"retry-after": "1"})
 
     async def _rid_freed(self, rid: str) -> bool:
         """A request with ``rid`` is in flight: True if it ends within ``_DUPLICATE_GRACE_S``

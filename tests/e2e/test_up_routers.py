@@ -10,6 +10,7 @@ waited in the accept queue for its restart (1.1-1.6 s of imports) or failed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -260,5 +261,54 @@ def test_no_restart_with_two_routers_holds_the_socket_so_the_other_serves_while_
         t.join(30)
         assert "data: [DONE]" in streamed, streamed[-3:]  # the drain finished the open stream
         assert proc.wait(60) == 3  # the drained router exited 0: --no-restart stops the cluster, no crash (up: status 3)
+    finally:
+        _stop(proc)
+
+
+def test_an_id_in_flight_on_another_router_is_409_and_503_once_that_router_died_never_500(tmp_path):
+    """An ``X-Request-ID`` in flight on one router, sent again: whichever router the connection reaches answers 409
+    (the other asks the owner on ``route.held.<router>``); once the owner is SIGKILLed, the client's retry gets 503
+    with ``Retry-After`` until the dead router's nodes drop the request, then 200. Before, the other router checked
+    only its own requests, placed the id again and its view's second count of the rid raised: 500 "internal error in
+    the router: ValueError" with a traceback in its log."""
+    proc, ready = _up(tmp_path, "--routers", "2", "--log-requests", "--speedup", "0.05")
+    try:
+        url = str(ready["router_url"])
+        pids: dict[str, int] = ready["pids"]  # type: ignore[assignment]
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        hdr = {"X-Request-ID": "dup-1"}
+
+        def stream() -> None:
+            body = {"model": model, "prompt": "a long one", "max_tokens": 200, "stream": True, "ignore_eos": True}
+            with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", url + "/v1/completions", json=body, headers=hdr, timeout=60) as r:
+                for _ in r.iter_lines():
+                    pass
+
+        threading.Thread(target=stream, daemon=True).start()
+        deadline = time.monotonic() + 20
+        holder = None
+        while holder is None:
+            holder = next((name for name in ("router", "router-1") if _holding(tmp_path / "logs" / f"{name}.log") >= 1), None)
+            assert time.monotonic() < deadline, "the stream never started"
+            time.sleep(0.02)
+        time.sleep(0.3)  # its route.sent reached the other router
+        short = {"model": model, "prompt": "again", "max_tokens": 2}
+        answers = [httpx.post(url + "/v1/completions", json=short, headers=hdr, timeout=30) for _ in range(12)]
+        assert [r.status_code for r in answers] == [409] * 12, [(r.status_code, r.text[:200]) for r in answers]
+        # the kernel gave some of the 12 connections to the other router: it answered for its peer
+        assert any(f"on router {holder}" in r.text for r in answers), [r.text for r in answers]
+
+        os.kill(pids[holder], signal.SIGKILL)
+        seen: list[tuple[int, str, str | None]] = []
+        deadline = time.monotonic() + 60
+        while not seen or seen[-1][0] != 200:
+            assert time.monotonic() < deadline, seen
+            r = httpx.post(url + "/v1/completions", json=short, headers=hdr, timeout=30)
+            seen.append((r.status_code, r.text[:200], r.headers.get("retry-after")))
+            time.sleep(0.2)
+        # until the dead router's request is dropped: 503 with Retry-After (or 409 while the kill was not seen yet)
+        assert all(s == 409 or (s == 503 and ra == "1") for s, _t, ra in seen[:-1]), seen
+        for name in ("router", "router-1"):
+            assert "Traceback" not in (tmp_path / "logs" / f"{name}.log").read_text(errors="replace"), name
     finally:
         _stop(proc)
