@@ -57,8 +57,10 @@ consecutive requests of a branch share almost all of them, so the pools store
   entry. Python steps per message, per unpin and per fetch are O(runs
   touched); per named hash there is C-level work only (set probes and
   updates, slice compares). Pages that move between runs stay in the queued
-  set untouched; a page pays one set insert when it enters the queue and one
-  delete when it leaves it.
+  set untouched; a page enters it only when the set is read after the page
+  entered the queue (a run queued since the last read is flagged ``lazy``), so
+  a page that leaves the queue before that (an L1 restore, an eviction) costs
+  the set nothing, and one set insert and one delete otherwise.
 * Holds (both pools) are kept whole: a held path prefix under its last hash,
   counted per page only around a broken hold (``RunHostPool.prefixes``).
 
@@ -759,7 +761,7 @@ class GpuBlockPool:
 class _HostRun:
     """Consecutive unpinned L2 pages of one sequence, queued together (in one group)."""
 
-    __slots__ = ("keys", "depth", "parent", "stamp", "group", "prev", "next")
+    __slots__ = ("keys", "depth", "parent", "stamp", "group", "prev", "next", "lazy")
 
     def __init__(self, keys: list[int], depth: int, parent: int | None, stamp: int, group: int = 0) -> None:
         self.keys = keys
@@ -774,6 +776,9 @@ class _HostRun:
         """Eviction group of every page of the run (the pool's ``queues[group]`` holds it)."""
         self.prev: Any = None
         self.next: Any = None
+        self.lazy = False
+        """:class:`BranchRunHostPool`: the run's pages are not yet in its queued-page set
+        (``_queued``): they entered the queue since the set was last read."""
 
 
 _PINNED, _RUN, _MISSING = 0, 1, 2
@@ -1484,13 +1489,19 @@ class BranchRunHostPool(RunHostPool):
         if not isinstance(policy, BranchCountPolicy):
             raise ValueError(f"BranchRunHostPool serves the branch-count policy, not {policy.name!r}")
         super().__init__(capacity, block_size, events, gpu, policy)
-        self.queued: set[int] = set()
-        """Every queued (unpinned) page. A set, not a page → run map: a page moving between runs
-        (a count message's moves, a lift, a cut run) stays in it untouched, and the pages L1
-        evicts and later restores (most queued pages, at 64-token blocks ~4.5M in a 600-s
-        evolving run) cost one set insert and one delete each; a run is found by its first hash
-        (most stretches of a directory message start one), else by a scan of the runs
+        self._queued: set[int] = set()
+        """Every queued (unpinned) page but those of the runs in :attr:`_lazy` (:attr:`queued`
+        is the whole set). A set, not a page → run map: a page moving between runs (a count
+        message's moves, a lift, a cut run) stays in it untouched; a run is found by its first
+        hash (most stretches of a directory message start one), else by a scan of the runs
         (:meth:`_run_of`, :meth:`_run_at`)."""
+        self._lazy: list[_HostRun] = []
+        """Runs queued since the set was last read (each flagged ``lazy``), whose pages are not
+        in :attr:`_queued` yet: they enter it when it is next read (:meth:`_flush`), so the
+        pages that leave the queue before that (restored to L1, evicted) never enter or leave
+        it. The pages L1 evicts and later restores are most queued pages (at 64-token blocks
+        ~4.2M of 5.5M in a 600-s evolving run); the set is read by a count message that may
+        name a queued page, ~1.3 s apart per node there."""
         self._counted: set[int] = set()
         """:attr:`counted`, less the discards still owed to :attr:`_fresh` (read it through
         :attr:`counted` or after :meth:`_settle`)."""
@@ -1508,15 +1519,47 @@ class BranchRunHostPool(RunHostPool):
     # -- run bookkeeping with the queued-page set -------------------------- #
 
     def _take_shallow(self, r: _HostRun, c: int) -> None:
-        keys = r.keys
-        self.queued.difference_update(keys if c >= len(keys) else islice(keys, c))
+        if not r.lazy:
+            keys = r.keys
+            self._queued.difference_update(keys if c >= len(keys) else islice(keys, c))
         super()._take_shallow(r, c)
 
     def _index(self, r: _HostRun) -> None:
-        self.queued.update(r.keys)
+        lazy = self._lazy
+        if len(lazy) > 2 * len(self.first) + 1024:  # bounded while the set goes unread (dead runs)
+            self._flush()
+        r.lazy = True
+        lazy.append(r)
 
     def _evicted(self, evicted: list[int]) -> None:
-        self.queued.difference_update(evicted)
+        self._queued.difference_update(evicted)  # a page of a lazy run is not in it: no change
+
+    def _evict_holes(self, r: _HostRun, c: int, lim: int, out: list[int]) -> int:
+        if r.lazy:  # the pieces left are new runs: give them their pages in the set first
+            self._flush()
+        return super()._evict_holes(r, c, lim, out)
+
+    def _flush(self) -> None:
+        """Put the pages of the runs in :attr:`_lazy` that are still queued into
+        :attr:`_queued` (a run left the queue when its first hash no longer names it: its keys
+        are those it had when it left). O(their pages) in C."""
+        first = self.first
+        queued = self._queued
+        for r in self._lazy:
+            if r.lazy:
+                r.lazy = False
+                keys = r.keys
+                if keys and first.get(keys[0]) is r:
+                    queued.update(keys)
+        self._lazy.clear()
+
+    @property
+    def queued(self) -> set[int]:
+        """Every queued (unpinned) page: the set itself, once the runs queued since it was
+        last read are put in (:meth:`_flush`); not to be changed."""
+        if self._lazy:
+            self._flush()
+        return self._queued
 
     def _added(self, run: list[int]) -> None:
         self._counted.difference_update(run)  # fetched pages: none is in a run of :attr:`_fresh` (pinned)
@@ -1636,7 +1679,7 @@ class BranchRunHostPool(RunHostPool):
                 else:
                     for i, j, g in _stretches(list(map(bool, counts))):
                         (counted.update if g else counted.difference_update)(islice(hashes, i, j))
-        if len(counted) > 2 * (self.pinned + len(self.queued)) + 1024:
+        if len(counted) > 2 * self.used + 1024:
             counted.intersection_update(self._members())
 
     def _excise(self, r: _HostRun, o: int, k: int) -> None:
@@ -1676,7 +1719,7 @@ class BranchRunHostPool(RunHostPool):
         nearest first, up to the first one that is pinned, absent or in the other group
         (every such ancestor is older than ``run``). O(runs)."""
         g = run.group
-        queued = self.queued
+        queued = self._queued  # read after :meth:`_flush` (:meth:`update_counts`)
         p = run.parent
         d = run.depth - 1
         pieces: list[tuple[_HostRun, int]] = []
@@ -1898,7 +1941,7 @@ class BranchRunHostPool(RunHostPool):
         set of the whole message (~1.16M entries per 300 s of the 64-token evolving run)."""
         # stretches of moved blocks: (first hash, its depth, length, new group, parent hash, last hash,
         # its index in the message)
-        queued_set = self.queued
+        queued_set = self._queued  # read after :meth:`_flush` (:meth:`update_counts`)
         moves: list[tuple[int, int, int, int, int | None, int, int]] = []
         places: dict[_HostRun, dict[int, int]] = {}
         spans: dict[_HostRun, list[tuple[int, int]]] = {}  # each run's stretches: (offset, length)
