@@ -48,3 +48,36 @@ def test_the_lazy_list_stays_bounded_while_the_set_goes_unread():
     assert len(host._lazy) <= 2 * len(host.first) + 1025
     assert host.queued == {1, 2, 3, 4}
     kv.check([])
+
+
+SUFFIX_MESSAGES = {
+    # L1 pages from mid-path to the end of their run: answered from L1, the set is not read
+    "l1-tail": ([3, 4], [1, 1], False),
+    # a queued page, then L1 pages ending the run: the run matches from the end, not the first entry
+    "queued-then-l1-tail": ([52, 3, 4], [1, 1, 1], True),
+    # a queued page amid the L1 stretch (not a path): every entry is compared
+    "queued-inside-l1-tail": ([2, 53, 4], [1, 1, 1], True),
+    # across two L1 runs (a split one), upward from the last
+    "across-runs": ([3, 4, 5, 6], [1, 1, 1, 1], False),
+}
+
+
+def test_a_message_of_l1_pages_ending_a_run_reads_no_set_and_moves_as_the_model():
+    for name, (hashes, counts, reads) in SUFFIX_MESSAGES.items():
+
+        def run(impl):
+            kv = impl(8, 40, 4, "branch-count")
+            compute(kv, [50, 51, 52, 53])
+            compute(kv, [1, 2, 3, 4])
+            compute(kv, [1, 2, 3, 4, 5, 6])
+            compute(kv, [1, 2, 3, 4, 7, 8])  # [50..53] leaves L1 (lazily queued); L1: [1 2 3 4] over [5 6], [7 8]
+            moved = kv.update_counts(hashes, counts)
+            return kv, moved, order(kv)
+
+        kv, moved, got = run(KvBlockManager)
+        assert sorted(r.keys for r in kv.gpu.ends.values()) == [[1, 2, 3, 4], [5, 6], [7, 8]], name
+        assert (not kv.host._lazy) == reads, name  # a read puts the lazy run in the set
+        _, want_moved, want = run(ref_blocks.KvBlockManager)
+        assert (moved, got) == (want_moved, want), name
+        assert moved == (1 if reads else 0), name
+        kv.check([])
