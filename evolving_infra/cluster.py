@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -986,18 +987,35 @@ class LocalCluster:
             out["nats-server"] = self.nats.pid
         return out
 
-    async def stop(self, timeout_s: float = 10.0) -> None:
+    async def stop(self, timeout_s: float = 10.0, *, drain_routers: bool = False, interrupt: asyncio.Event | None = None) -> None:
         """Stop supervising; signal every service (routers first, workers last), wait, SIGKILL stragglers, stop NATS.
 
         Each router gets SIGINT, its quick stop: what is in flight fails at once with "router shutting down" (Ctrl-C of
         ``up`` is a fast stop, within ``timeout_s``); its SIGTERM would first drain up to ``--shutdown-grace-s`` (20 s),
-        past this 10-s wait. The other services get SIGTERM (SIGINT is the same stop for them)."""
+        past this 10-s wait. The other services get SIGTERM (SIGINT is the same stop for them).
+
+        ``drain_routers``: the cluster stops on its own (``--no-restart``: a service exited), nobody asked for a quick
+        stop: each router still running gets SIGTERM first and the others keep serving while they drain, up to the
+        routers' ``--shutdown-grace-s`` (:meth:`router_grace_s`) + 5 s, so the streams open on them finish; then the
+        rest stop as above (a router still draining gets SIGINT; so does every router at once when ``interrupt`` is set
+        meanwhile: ``up``'s Ctrl-C during that drain is the quick stop). Before, they got SIGINT at once: with
+        ``--routers 2`` and one router SIGTERMed, the other's open streams ended with 503 "router shutting down"."""
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(BaseException):
                 await self._supervisor
             self._supervisor = None
         order = sorted(self.children, key=lambda c: 0 if is_router(c.name) else {"planner": 1, "kvdirectory": 2}.get(c.name, 3))
+        draining = [c for c in order if drain_routers and is_router(c.name) and c.proc and c.proc.poll() is None]
+        for c in draining:
+            assert c.proc is not None
+            c.proc.send_signal(signal.SIGTERM)
+        if draining:
+            log.info("routers draining before the cluster stops", routers=[c.name for c in draining], grace_s=self.router_grace_s())
+            deadline = time.monotonic() + self.router_grace_s() + 5.0
+            while (any(c.proc is not None and c.proc.poll() is None for c in draining) and time.monotonic() < deadline
+                   and not (interrupt is not None and interrupt.is_set())):  # fmt: skip
+                await asyncio.sleep(0.05)
         for c in order:
             if c.proc and c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGINT if is_router(c.name) else signal.SIGTERM)
@@ -1028,6 +1046,26 @@ class LocalCluster:
         if self.nats:
             self.nats.stop()
             self.nats = None
+
+    def router_grace_s(self) -> float:
+        """The routers' ``--shutdown-grace-s`` (wall s): the last one in the spec's ``router_args``, else
+        ``EI_SHUTDOWN_GRACE_S`` of this process's environment (the routers inherit it), else the router's default. A
+        value that is not a number reads as the default (the router itself refuses it at its start)."""
+        from services.router.config import RouterConfig
+
+        default = float(next(f.default for f in msgspec.structs.fields(RouterConfig) if f.name == "shutdown_grace_s"))
+        given = os.environ.get("EI_SHUTDOWN_GRACE_S")
+        args = list(self.spec.router_args)
+        for i, a in enumerate(args):
+            if a == "--shutdown-grace-s" and i + 1 < len(args):
+                given = args[i + 1]
+            elif a.startswith("--shutdown-grace-s="):
+                given = a.split("=", 1)[1]
+        try:
+            value = float(given) if given is not None else default
+        except ValueError:
+            return default
+        return value if math.isfinite(value) and value >= 0 else default
 
     def remove_generated_creds(self, *, own_log_dir: bool | None = None) -> Path | None:
         """Delete the NATS credentials this cluster generated (``<log_dir>/nats-creds``: every identity's

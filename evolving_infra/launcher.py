@@ -9,7 +9,8 @@ service that exits is restarted (exponential backoff, a log line, a restart
 counter in ``LOG_DIR/cluster.json``), a dead nats-server is started again on the
 same port; ``--no-restart`` stops the whole cluster on the first exit instead.
 Its stop is a fast one: the router gets SIGINT (no ``--shutdown-grace-s`` drain: what is open
-fails with "router shutting down"); a SIGTERM sent to the router process alone drains it, and
+fails with "router shutting down"), but when ``--no-restart`` stops the cluster because a service exited (nobody asked
+for a quick stop) the routers get SIGTERM and drain first, the other services serving meanwhile; a SIGTERM sent to the router process alone drains it, and
 the supervisor restarts it once it has exited (at once: a clean exit has no backoff). ``up`` holds the
 router's listening socket (``LocalCluster.router_socket``, the router's ``--listen-fd``), so clients that
 connect while the router drains, exits and starts again wait for the next one instead of being refused
@@ -938,7 +939,7 @@ async def _up(args: argparse.Namespace) -> int:
             ended = failed.result()
             if not isinstance(ended, ServiceStopped):
                 print(f"error: {ended}", file=sys.stderr)
-                await cluster.stop()
+                await cluster.stop(drain_routers=True, interrupt=stop)  # the other routers' open streams finish (not Ctrl-C: no quick stop)
                 return 1
             # --no-restart: a service that exited 0 stopped on a SIGTERM that reached it (after its drain), no crash:
             # said on stdout, no "error:"; the cluster stops with it, but up was not asked to stop, so its status says
@@ -947,7 +948,7 @@ async def _up(args: argparse.Namespace) -> int:
             status = SERVICE_STOPPED_STATUS
         failed.cancel()
         print("stopping ...", flush=True)
-        await cluster.stop()
+        await cluster.stop(drain_routers=status == SERVICE_STOPPED_STATUS, interrupt=stop)  # stopped on its own: the routers drain
         # the logs stay for the user to read; credentials up generated into its own temp folder do not
         # (secrets, useless once the nats-server that trusted them is gone)
         removed = cluster.remove_generated_creds()

@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 
+import msgspec
 import pytest
 
 from evolving_infra.cli import UsageError, build_parser
@@ -113,3 +114,22 @@ def test_given_credentials_without_the_other_routers_identities_are_refused_befo
     c = LocalCluster(spec)
     c.log_dir = tmp_path / "logs"
     assert all(c.creds_file(n) for n in spec.router_names())
+
+
+def test_the_drain_wait_of_a_stop_on_its_own_is_the_routers_shutdown_grace(tmp_path, monkeypatch):
+    """``LocalCluster.stop(drain_routers=True)`` waits up to the routers' ``--shutdown-grace-s`` (+ 5 s): the last one
+    in ``router_args``, else ``EI_SHUTDOWN_GRACE_S``, else the router's default (20 s); a value the router would refuse
+    reads as the default here (the router itself says why at its start)."""
+    monkeypatch.delenv("EI_SHUTDOWN_GRACE_S", raising=False)
+    spec = _spec(_args(tmp_path))
+    assert LocalCluster(spec).router_grace_s() == 20.0
+    monkeypatch.setenv("EI_SHUTDOWN_GRACE_S", "7.5")
+    assert LocalCluster(spec).router_grace_s() == 7.5
+    cases: list[tuple[tuple[str, ...], float]] = [
+        (("--shutdown-grace-s", "3"), 3.0),
+        (("--shutdown-grace-s=4", "--shutdown-grace-s", "2"), 2.0),
+        (("--shutdown-grace-s", "x"), 20.0),
+        (("--shutdown-grace-s=-1",), 20.0),
+    ]
+    for args, want in cases:
+        assert LocalCluster(msgspec.structs.replace(spec, router_args=args)).router_grace_s() == want, args
