@@ -726,13 +726,17 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
 
     Raises:
         UsageError: (status 2) flags ``up`` refuses: a split that does not fit the nodes, a bad metrics port,
-            trace endpoint, tokenizer, model folder or KV size.
+            trace endpoint, tokenizer, model folder or KV size; with ``one_host`` False, ``--routers`` other than 1.
     """
     if args.nodes < 1:  # before the default split (collocated for any N < 2) and the planner check (sized >= 1)
         raise UsageError(f"error: --nodes {args.nodes}: a cluster needs at least one worker node")
     routers = getattr(args, "routers", 1)
     if routers < 1:
         raise UsageError(f"error: --routers {routers}: a cluster needs at least one router process")
+    if not one_host and routers != 1:  # deploy-args prints one router service's flags: refused, not ignored
+        raise UsageError(f"error: deploy-args does not support --routers {routers} (up's and demo's: N router processes "
+                         "on the one socket up holds); in a deployment run more router services, each with its own "
+                         "--instance (and NATS identity), behind one load balancer")
     pol = args.live_policy if getattr(args, "live_policy", None) else _policy(args)
     args.live_policy = pol
     try:

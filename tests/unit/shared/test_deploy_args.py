@@ -35,3 +35,14 @@ def test_without_a_service_the_error_names_only_the_service(capsys):
     err = capsys.readouterr().err
     assert "required: service\n" in err, err
     assert main(["deploy-args", "kvdirectory"]) == 0
+
+
+@pytest.mark.parametrize("service", ["env", "router", "worker"])
+def test_routers_other_than_one_is_refused_not_ignored(service, capsys):
+    """``deploy-args`` took ``--routers 2`` and printed one router's flags as for 1 (compose and the Slurm job run one
+    router service): refused with a line naming what to do instead, as ``--kv-pool real`` is; ``--routers 1`` is fine."""
+    assert main(["deploy-args", service, "--nodes", "2", "--routers", "1"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["deploy-args", service, "--nodes", "2", "--routers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "deploy-args does not support --routers 2" in err and "own --instance" in err, err
