@@ -3,9 +3,12 @@
 Pure bookkeeping; no I/O; every call takes ``now`` in seconds (the directory passes
 ``time.monotonic()`` through its clock: durations of its own, which a step of the wall clock must
 not move).
-A node that runs requests stores and frees KV blocks, so it sends ``kv.events`` batches;
-one that serves and sends none has a broken KV publisher (the failure of Dynamo #11984 and
-TensorRT-LLM #14882), and the directory's view of it silently rots. Per node this keeps:
+A node that runs requests stores and frees KV blocks, so it sends ``kv.events`` batches; while
+it serves and stores none (a long decode: output tokens store no block) it sends an empty
+*alive* batch every ``--kv-alive-interval-s`` (1 s, ``services/worker``; before, a healthy node
+decoding past ``stale_after`` was called stale). One that serves and sends none has a broken
+KV publisher (the failure of Dynamo #11984 and TensorRT-LLM #14882), and the directory's view
+of it silently rots. Per node this keeps:
 
 * ``silent_s(now)``: seconds it has *served* since its last KV batch — the time between
   consecutive ``node.state`` reports during which it had running or waiting requests

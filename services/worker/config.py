@@ -89,6 +89,13 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     idle_state_interval_s: Annotated[
         float, Meta(gt=0, description="wall seconds between node.state publications when no iteration launches (liveness)")
     ] = 1.0
+    kv_alive_interval_s: Annotated[
+        float,
+        Meta(gt=0, description="wall seconds a node may serve (running or waiting requests) without a kv.events batch "
+             "before it publishes an empty one (its next seq, no events): output tokens store no blocks, so a long "
+             "decode sends none, and the directory would call the view of a healthy node stale; keep it below the "
+             "directory's --kv-stale-after-s (10 s)"),
+    ] = 1.0
     fold_wall_s: Annotated[
         float,
         Meta(

@@ -407,6 +407,9 @@ class WorkerService:
         self.log = structlog.get_logger("worker").bind(node=cfg.node)
         self.epoch = 0
         self.kv_seq = 0
+        self._last_kv_mono = time.monotonic()
+        """When the last ``kv.events`` batch was published (or, with ``--fault-drop-kv-events``, dropped): monotonic s.
+        A node serving this long past ``--kv-alive-interval-s`` with no KV event publishes an empty batch (:meth:`_flush_kv`)."""
         self.state_seq = 0
         self.boot = m.new_boot(time.time_ns(), os.urandom(4))
         """This process's incarnation (``NodeState.boot``): a later process under the same node id supersedes it."""
@@ -2203,12 +2206,24 @@ class WorkerService:
         events = self.core.take_kv_events()
         self._engine_kv_events(events, step_done=step_done)
         if not events:
+            # alive batch: a node that serves and stores no block (a long decode: output tokens store none) tells
+            # the directory its publisher works, or the directory's liveness check (services/kvdirectory/
+            # liveness.py, issue #22) called a healthy node's view stale after --kv-stale-after-s of decoding and
+            # left its cache out of lookups. It goes through _publish_kv, so a broken publisher sends none either
+            running, waiting, _ = self._last_state_counts
+            if running + waiting > 0 and time.monotonic() - self._last_kv_mono >= self.cfg.kv_alive_interval_s:
+                self.kv_seq += 1
+                self.counters["kv.alive_batches"] += 1
+                await self._publish_kv(self.kv_seq, [], now)
             return
         self._mirror_pool(events)  # the real-bytes pool mirrors L2 (host-tier events)
         self.kv_seq += 1
         await self._publish_kv(self.kv_seq, events, now)
 
     async def _publish_kv(self, seq: int, events: list[m.KvEvent], now: float) -> None:
+        """Publish batch ``seq`` of ``events`` (empty: an alive batch, :meth:`_flush_kv`) on ``kv.events.<node>``
+        stamped ``now`` (simulated s, local; sent wall-based). Raises what the bus raises."""
+        self._last_kv_mono = time.monotonic()
         if self.cfg.fault_drop_kv_events:  # injected fault: a broken KV publisher (the directory must notice)
             self.counters["kv.batches_dropped_by_fault"] += 1
             return

@@ -122,6 +122,50 @@ async def test_a_worker_silent_on_kv_events_is_marked_stale_within_the_threshold
     _no_loss(run)
 
 
+async def test_a_healthy_worker_decoding_past_the_threshold_keeps_its_kv_view(tmp_path):
+    """Newcomer walk: one stream decoding longer than --kv-stale-after-s on a healthy worker. Output tokens
+    store no blocks, so it sends no KV events while it decodes: the directory called its view stale
+    (``KV VIEW STALE``), asked a needless resync and the router stopped counting its cache. The worker now
+    sends an empty alive batch every --kv-alive-interval-s (1 s) while it serves with no KV event, so the
+    view stays fresh throughout (the broken publisher above still goes stale: it drops those too)."""
+    import asyncio
+    import time
+
+    import httpx
+
+    stale_after = 2.0
+    spec = FaultSpec(split="collocated", nodes=1, speedup=1.0,  # 2,500 tokens: ~5 s of decode, 2.5 x stale_after
+                     extra={"kvdirectory": ["--kv-stale-after-s", repr(stale_after), "--liveness-interval-s", "0.1"]})  # fmt: skip
+    async with FaultCluster(spec, tmp_path / "cluster") as fc:
+        async with httpx.AsyncClient(base_url=fc.router_url(), timeout=60) as http:
+            views: list[dict] = []
+
+            async def watch() -> None:
+                while True:
+                    views.append({n["node"]: n for n in (await http.get("/v1/cluster")).json()["nodes"]}.get("w0", {}))
+                    await asyncio.sleep(0.1)
+
+            watcher = asyncio.create_task(watch())
+            t0, chunks = time.monotonic(), 0
+            try:
+                body = {"prompt": "hello world " * 150, "max_tokens": 2500, "stream": True}
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        chunks += line.startswith("data: ")
+            finally:
+                watcher.cancel()
+            wall = time.monotonic() - t0
+        d = (await fc.stats("kvdirectory")).counters
+        w0 = (await fc.stats("worker-w0")).counters
+    assert chunks == 2501 and wall > stale_after + 1.0, (chunks, wall)  # the decode outlasted the threshold
+    assert d.get("kv_view.stale", 0) == 0 and d.get("kv.stale_resyncs", 0) == 0 and w0.get("kv.resyncs", 0) == 0, d
+    assert w0["kv.alive_batches"] >= wall / 2, w0  # ~1 a second while it decoded with no KV event
+    seen = [v for v in views if "kv_silent_s" in v]
+    assert seen and not any(v["kv_stale"] for v in seen)
+    assert max(v["kv_silent_s"] for v in seen) < stale_after, seen
+
+
 @pytest.mark.timeout(420)
 async def test_directory_sigkill_loses_nothing_and_gets_index_and_branches_back(tmp_path):
     """Issue #22: the KV directory is SIGKILLed mid-run and started again. 0 requests lost; its
