@@ -1956,8 +1956,13 @@ class RouterService(WatchedService):
         """The directory's view of each node's KV: shown in ``/v1/cluster``; a stale node's cache is not counted on."""
         self._kv_liveness = {n.node: n for n in msg.nodes}
         stale = frozenset(n.node for n in msg.nodes if n.stale)
-        if stale != self.core.view.kv_stale:
-            self.log.warning("KV views the directory calls stale changed; their caches are not counted on", stale=sorted(stale))
+        was = self.core.view.kv_stale
+        if stale != was:
+            if stale - was:
+                self.log.warning("KV views the directory calls stale; their caches are not counted on",
+                                 nodes=sorted(stale - was), stale=sorted(stale))  # fmt: skip
+            if was - stale:  # the node sends KV events again (a resync or a batch): a recovery, not a warning
+                self.log.info("KV views fresh again; their caches are counted on", nodes=sorted(was - stale), stale=sorted(stale))
             self.core.view.kv_stale = stale
 
     async def _on_route_sent(self, msg: m.RouteSent, _subject: str) -> None:

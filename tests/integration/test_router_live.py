@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import structlog
 
 from shared import messages as m
 from shared.bus import Bus
@@ -26,6 +27,7 @@ from shared.clock import SimClock
 from shared.hashing import block_hashes, unpack_tokens
 from shared.subjects import (
     BRANCH_EVENTS,
+    KV_LIVENESS,
     KV_LOOKUP,
     NODE_STATE,
     REQ_OUT,
@@ -622,6 +624,27 @@ async def test_a_forgotten_node_leaves_the_routed_metrics(nats_url, tmp_path):
         assert 'node="c1"' not in text and 'ei_router_routed_total{node="c0",phase="prefill"}' in text
         st = await env.stats()
         assert "routed.prefill.c1" not in st.counters and "routed.decode.c1" not in st.counters
+
+
+async def test_a_stale_kv_view_is_a_warning_and_its_recovery_an_info_of_its_own(nats_url, tmp_path):
+    """The directory's kv.liveness: a node newly stale is a warning naming it; the same node fresh again
+    is an info line saying so (before: the same "not counted on" warning, with ``stale: []``)."""
+
+    def liveness(**stale: bool) -> m.KvLiveness:
+        return m.KvLiveness(nodes=[m.NodeKvLiveness(node=n, stale=s) for n, s in stale.items()], stale_after_s=10.0)
+
+    with structlog.testing.capture_logs() as logs:
+        async with router_env(nats_url, tmp_path, {"c0": "both", "c1": "both"}) as env:
+            view = env.service.core.view
+            await env.cluster.bus.publish(KV_LIVENESS, liveness(c0=True, c1=False))
+            await _wait_for(lambda: view.kv_stale == {"c0"}, what="c0 stale")
+            await env.cluster.bus.publish(KV_LIVENESS, liveness(c0=False, c1=False))
+            await _wait_for(lambda: not view.kv_stale, what="c0 fresh again")
+    kv = [(e["log_level"], e["event"], e.get("nodes")) for e in logs if "KV view" in e["event"]]
+    assert kv == [
+        ("warning", "KV views the directory calls stale; their caches are not counted on", ["c0"]),
+        ("info", "KV views fresh again; their caches are counted on", ["c0"]),
+    ], kv
 
 
 async def test_stale_attempt_output_is_dropped_and_its_node_told_to_stop(nats_url, tmp_path):
