@@ -36,7 +36,10 @@ name                                                type       meaning
 ``ei_router_kv_hit_ratio``                          gauge      cached / prompt tokens so far (served KV hit rate)
 ``ei_router_routed_total{phase,node}``              counter    placements (prefill / decode) per node (a node the router
                                                                forgets, ``--forget-node-after-s``, leaves with its series)
-``ei_router_inflight_requests``                     gauge      requests placed and not finished
+``ei_router_inflight_requests``                     gauge      requests placed and not finished, as this router's load
+                                                               view counts them: its own and, with several routers, the
+                                                               others' it heard of (``route.sent``): the same on each
+                                                               router, not a per-router share to sum
 ``ei_router_split_epoch``                           gauge      epoch of the split the router applies
 ``ei_router_live_nodes{phase}``                     gauge      nodes routable now: prefill = prefill and collocated
                                                                nodes, decode = decode-only nodes
@@ -160,7 +163,12 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
     yield counter_family("ei_router_routed", "Placements per node and phase", routed, ["phase", "node"])
     view = svc.core.view
     now = svc.clock.now()
-    yield gauge_family("ei_router_inflight_requests", "Requests placed and not finished", {(): float(view.inflight_total)})
+    yield gauge_family(
+        "ei_router_inflight_requests",
+        "Requests placed and not finished, as this router's load view counts them: its own and, with several routers "
+        "on the partition, the other routers' it heard of (route.sent); about the same on every router, not its share",
+        {(): float(view.inflight_total)},
+    )
     yield gauge_family("ei_router_split_epoch", "Epoch of the PD split the router applies", {(): float(view.epoch)})
     yield gauge_family(
         "ei_router_live_nodes",

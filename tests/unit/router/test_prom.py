@@ -82,3 +82,19 @@ def test_branch_table_and_client_gone_counts_are_exported():
     assert m[("ei_router_drain_refused_total", ())] == 4.0
     assert m[("ei_router_gone_before_dispatch_total", ())] == 2.0
     assert m[("ei_router_gate_disconnects_total", ())] == 1.0
+
+
+def test_inflight_requests_counts_other_routers_placements_and_its_help_says_so():
+    """``ei_router_inflight_requests`` is the load view's total: another router's placement (``route.sent``,
+    ``RouterCore.remote_dispatch``) counts as this router's own does. Its help said "Requests placed and not
+    finished", read as this router's own: with ``up --routers 2`` a dashboard summing it over routers doubled."""
+    from shared import messages as m
+
+    c = RouterCore(make_policy("cache-aware"), block_size=4, fence_after=3.0)
+    c.apply_state(state("p1", seq=1), 0.0)
+    assert c.remote_dispatch(m.RouteSent(router="router-1", rid="r1", prefill_node="p1", prompt_tokens=8, max_tokens=4), 0.0)
+    assert scrape(c, 0.0)[("ei_router_inflight_requests", ())] == 1.0
+    svc = SimpleNamespace(core=c, counters=Counter(), clock=SimpleNamespace(now=lambda: 0.0), buffered_output_tokens=0,
+                          branches=BranchTable())  # fmt: skip
+    help_text = next(f.documentation for f in router_families(svc) if f.name == "ei_router_inflight_requests")  # type: ignore[arg-type]
+    assert "other routers" in help_text, help_text
