@@ -297,11 +297,12 @@ def _add_cluster_args(
     g.add_argument(
         "--metrics-base-port",
         type=int,
-        default=0,
+        default=None,
         metavar="PORT",
         help="--metrics on fixed ports, as the Slurm job's: the KV directory on PORT, the planner on PORT+1, the router "
         "on PORT+2, worker wN on PORT+3+N, and with --routers N the other routers after the workers (router-K on "
-        "PORT+3+NODES+K-1) (EI_METRICS_PORT is one service's port: up refuses it)",
+        "PORT+3+NODES+K-1); all within 1024-65535 (0 is refused: --metrics alone gives free ports) (EI_METRICS_PORT is "
+        "one service's port: up refuses it)",
     )
     g.add_argument(
         "--no-restart",
@@ -753,9 +754,12 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     fence = getattr(args, "fence_after_s", None)
     if fence is not None and not (math.isfinite(fence) and fence > 0):  # the router and planner would exit 2 after the cluster started
         raise UsageError(f"error: --fence-after-s {fence:g}: wall seconds, a number > 0")
-    base = getattr(args, "metrics_base_port", 0)
-    if base and not 1024 <= base <= 65535 - (args.nodes + 1 + routers):
-        raise UsageError(f"error: --metrics-base-port {base}: {args.nodes + 2 + routers} ports from it must lie within 1024-65535")
+    base = getattr(args, "metrics_base_port", None)
+    if base is not None and not 1024 <= base <= 65535 - (args.nodes + 1 + routers):
+        # 0 too: it read as "no base port" and silently turned metrics off while 80 was refused (newcomer walk)
+        free = "; --metrics alone gives every service a free port" if base == 0 else ""
+        raise UsageError(f"error: --metrics-base-port {base}: {args.nodes + 2 + routers} ports from it must lie within 1024-65535{free}")
+    base = base or 0
     port = getattr(args, "port", 0)
     last = base + args.nodes + 1 + routers
     if one_host and base and port and base <= port <= last:
@@ -838,8 +842,8 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         stream_interval=args.stream_interval,
         ready_timeout_s=args.ready_timeout,
-        metrics=args.metrics or bool(getattr(args, "metrics_base_port", 0)),
-        metrics_base_port=getattr(args, "metrics_base_port", 0),
+        metrics=args.metrics or getattr(args, "metrics_base_port", None) is not None,
+        metrics_base_port=getattr(args, "metrics_base_port", None) or 0,
         tokenizer=args.tokenizer,
         restart=args.restart,
         max_restarts=args.max_restarts,

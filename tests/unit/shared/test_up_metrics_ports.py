@@ -62,10 +62,11 @@ def test_metrics_base_port_gives_the_slurm_jobs_ports_and_a_file_sd_list_emptied
     assert json.loads(path.read_text()) == []  # as the Slurm job leaves it: a file_sd glob scrapes nothing
 
 
-@pytest.mark.parametrize("port", ["80", "65534"])
+@pytest.mark.parametrize("port", ["0", "80", "65534"])
 def test_a_base_port_whose_range_does_not_fit_is_a_usage_error(port, tmp_path):
+    """0 as well: it silently turned metrics off while 80 was refused (newcomer walk)."""
     args = build_parser("up").parse_args(["up", "--metrics-base-port", port, "--log-dir", str(tmp_path)])
-    with pytest.raises(UsageError, match=f"--metrics-base-port {port}"):
+    with pytest.raises(UsageError, match=rf"--metrics-base-port {port}: \d+ ports from it must lie within 1024-65535"):
         _spec(args)
 
 
