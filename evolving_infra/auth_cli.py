@@ -125,7 +125,15 @@ def cmd_auth(args: argparse.Namespace) -> int:
     if args.auth_command == "stream":
         return cmd_stream(args)
     nodes = [n for n in args.nodes.split(",") if n]
-    names = ["planner", "kvdirectory", *args.routers.split(","), *(f"worker-{n}" for n in nodes)]
+    routers = args.routers.split(",")
+    if args.routers.strip().isdigit():  # a count, as up's --routers N: up's names (router, router-1, ...)
+        count = int(args.routers)
+        if count < 1:
+            print(f"error: --routers {args.routers}: a count of at least 1 (up's names: router, router-1, ...) or "
+                  "router instance names, comma-separated (e.g. router,router-1)", file=sys.stderr)  # fmt: skip
+            return 2
+        routers = ["router" if i == 0 else f"router-{i}" for i in range(count)]  # evolving_infra.cluster.router_names
+    names = ["planner", "kvdirectory", *routers, *(f"worker-{n}" for n in nodes)]
     try:
         creds = generate(args.dir, [n for n in names if n], partition=args.partition, mode=args.mode)
     except AuthError as e:
@@ -152,7 +160,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     g = ss.add_parser("gen", help="generate credentials into a folder")
     g.add_argument("--dir", required=True, type=folder, help="output folder (created, mode 0700)")
     g.add_argument("--nodes", required=True, help="worker node ids, comma-separated, each [A-Za-z0-9_-]+ (e.g. w0,w1,w2,w3)")
-    g.add_argument("--routers", default="router", help="router instance names, comma-separated (default router)")
+    g.add_argument("--routers", default="router", help="router instance names, comma-separated (default router), or "
+                   "a count N as up's --routers N: router, router-1, ..., router-{N-1}")
     g.add_argument("--partition", default="p0", help="partition the permissions cover (default p0)")
     g.add_argument("--mode", choices=("nkeys", "password"), default="nkeys", help="nkeys (default) or user/password")
     st = ss.add_parser(

@@ -270,3 +270,19 @@ def test_nats_servers_forms_and_errors():
     opts = client_options("nats://u:p@h1,nats://u:p@h2", NatsAuth(name="x", user="x", password="y"))
     assert (opts["servers"], opts["user"], opts["password"]) == (["nats://h1", "nats://h2"], "x", "y")
     assert client_options("nats://t%40k@h") == {"servers": ["nats://h"], "token": "t@k"}
+
+
+def test_auth_gen_routers_takes_a_count_as_up_does_or_names(tmp_path, capsys):
+    """``up --routers 2`` is a count and ``auth gen --routers`` took names only: ``--routers 2`` was the identity "2"
+    ("no NATS identity kind for '2'", exit 2). A count now gives up's names (router, router-1); names still work;
+    a count below 1 is refused naming both forms."""
+    from evolving_infra.cli import main
+
+    assert main(["auth", "gen", "--dir", str(tmp_path / "n"), "--nodes", "w0", "--routers", "2"]) == 0
+    assert {"router", "router-1"} <= {p.stem for p in (tmp_path / "n").iterdir()}, capsys.readouterr().out
+    assert main(["auth", "gen", "--dir", str(tmp_path / "m"), "--nodes", "w0", "--routers", "router,router-b"]) == 0
+    assert {"router", "router-b"} <= {p.stem for p in (tmp_path / "m").iterdir()}
+    capsys.readouterr()
+    assert main(["auth", "gen", "--dir", str(tmp_path / "z"), "--nodes", "w0", "--routers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--routers 0" in err and "router,router-1" in err, err
