@@ -14,6 +14,7 @@ import shlex
 import shutil
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from evolving_infra.stdio_args import READER_GONE
 
@@ -85,7 +86,7 @@ class _PackageVersion(argparse.Action):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The command line parser: only ``command``'s subcommand when it is a known command
     (:data:`COMMANDS`), else every module's."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="evolving-infra",
         description="Agent-adaptive LLM serving on a prefill-decode disaggregated cluster.",
         epilog=OBSERVABILITY + " " + EXIT_STATUSES,
@@ -104,6 +105,41 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         register = getattr(module, f"register_{command}", None) if one else None
         (register or module.register)(sub)
     return parser
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line on stderr, as ``--help`` says of a usage error:
+    ``evolving-infra up: error: argument --routers: invalid int value: 'x' (see 'evolving-infra up --help')``,
+    exit status :data:`USAGE_ERROR`. argparse printed its whole usage block first (25 lines for ``up``), and an
+    unknown flag of a subcommand (``up --bogus``) was reported by the top parser as ``evolving-infra: error:``;
+    :meth:`parse_args` reports it as the subcommand's. Subparsers are of this class too (``add_subparsers``
+    makes its parser's own class), so every subcommand, nested ones (``trace validate``) included, answers so.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``PROG: error: MESSAGE (see 'PROG --help')`` (newlines in ``message`` folded) and exit 2."""
+        text = " ".join(message.split())
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {text} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> argparse.Namespace:  # type: ignore[override]
+        """As argparse's, but arguments no parser took are an error of the innermost subcommand named in ``args``."""
+        argv = list(sys.argv[1:] if args is None else args)
+        ns, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            self._innermost(argv).error("unrecognized arguments: " + " ".join(extras))
+        return ns
+
+    def _innermost(self, argv: Sequence[str]) -> argparse.ArgumentParser:
+        """The parser of the deepest subcommand ``argv`` names (``self`` when none): each token that is a choice
+        of the current parser's subcommands descends into it."""
+        p: argparse.ArgumentParser = self
+        for tok in argv:
+            subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+            if not subs:
+                break
+            if tok in subs[0].choices:
+                p = subs[0].choices[tok]
+        return p
 
 
 RUNTIME_FAILURE = 1

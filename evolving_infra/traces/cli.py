@@ -342,7 +342,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``trace`` group alone (``python -m evolving_infra.traces.cli ...``)."""
-    parser = argparse.ArgumentParser(prog="evolving-infra")
+    from evolving_infra.cli import OneLineErrorParser  # its usage errors read as evolving-infra's: one line
+
+    parser = OneLineErrorParser(prog="evolving-infra")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
     args = parser.parse_args(["trace", *(argv if argv is not None else sys.argv[1:])])

@@ -33,7 +33,7 @@ def test_without_a_service_the_error_names_only_the_service(capsys):
         main(["deploy-args"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "required: service\n" in err, err
+    assert err == "evolving-infra deploy-args: error: the following arguments are required: service (see 'evolving-infra deploy-args --help')\n", err
     assert main(["deploy-args", "kvdirectory"]) == 0
 
 

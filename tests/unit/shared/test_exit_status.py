@@ -64,9 +64,26 @@ def test_python_m_reports_the_message_too(tmp_path):
     assert (p.returncode, p.stderr.splitlines()) == (2, ["error: unknown policy set 'foo'; known: static:<x>P<y>D, dynamo, arrow, evolving"])
 
 
-def test_argparse_errors_exit_2_as_before(tmp_path):
-    p = _run(["up", "--nodes", "many"], tmp_path)
-    assert p.returncode == 2 and p.stderr.splitlines()[-1] == "evolving-infra up: error: argument --nodes: invalid int value: 'many'"
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["up", "--nodes", "many"], "evolving-infra up: error: argument --nodes: invalid int value: 'many' (see 'evolving-infra up --help')"),
+        (["up", "--routers", "x"], "evolving-infra up: error: argument --routers: invalid int value: 'x' (see 'evolving-infra up --help')"),
+        # an unknown flag of a subcommand was the top parser's: "evolving-infra: error: unrecognized arguments"
+        (["up", "--bogus"], "evolving-infra up: error: unrecognized arguments: --bogus (see 'evolving-infra up --help')"),
+        (["simulate", "--nodes", "q"], "evolving-infra simulate: error: argument --nodes: invalid int value: 'q' (see 'evolving-infra simulate --help')"),
+        (["trace", "validate", "t.jsonl", "--bogus"],
+         "evolving-infra trace validate: error: unrecognized arguments: --bogus (see 'evolving-infra trace validate --help')"),
+        (["split", "set"], "evolving-infra split set: error: the following arguments are required: SPLIT (see 'evolving-infra split set --help')"),
+        (["bogus"], "evolving-infra: error: argument COMMAND: invalid choice: 'bogus' (choose from 'up', 'demo', 'replay', 'trace', "
+                    "'tap', 'report', 'split', 'simulate', 'fidelity', 'model', 'auth', 'deploy-args') (see 'evolving-infra --help')"),
+    ],
+)  # fmt: skip
+def test_argparse_errors_are_one_line_naming_the_subcommand_and_exit_2(argv, line, tmp_path):
+    """--help and the README say a usage error is one line on stderr; argparse printed its usage block first
+    (25 lines for up) and named no subcommand for an unknown flag (newcomer walk)."""
+    p = _run(argv, tmp_path)
+    assert (p.returncode, p.stderr.splitlines(), p.stdout) == (2, [line], ""), p.stderr
 
 
 def test_a_usage_error_is_a_system_exit_with_its_message():

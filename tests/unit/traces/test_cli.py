@@ -292,7 +292,7 @@ def test_dash_is_a_usage_error_where_a_folder_or_a_raw_input_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An output folder, a run folder or a raw ``convert`` input cannot be a stream: ``-`` there
-    exits with status 2 and the usage line, and no folder or file named ``-`` is made."""
+    exits with status 2 and one line naming the command (and its --help), and no folder or file named ``-`` is made."""
     monkeypatch.chdir(tmp_path)
     cases = [
         ["simulate", "--workload", "putnam", "--out", "-"],
@@ -310,7 +310,9 @@ def test_dash_is_a_usage_error_where_a_folder_or_a_raw_input_is_named(
         with pytest.raises(SystemExit) as ei:
             top_main(argv)
         err = capsys.readouterr().err
-        assert ei.value.code == 2 and "usage: " in err and "'-' (stdin" in err, (argv, err)
+        cmd = " ".join(argv[:2] if argv[0] in ("report", "auth", "model", "trace") else argv[:1])
+        assert ei.value.code == 2 and err.startswith(f"evolving-infra {cmd}: error: ") and "'-' (stdin" in err, (argv, err)
+        assert err.endswith(f" (see 'evolving-infra {cmd} --help')\n") and err.count("\n") == 1, (argv, err)
     assert list(tmp_path.iterdir()) == []
 
 
