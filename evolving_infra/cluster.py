@@ -45,6 +45,30 @@ from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
 log = structlog.get_logger("cluster")
 
 
+def exit_text(code: int | None) -> str:
+    """How a child process ended, from its ``returncode``: ``exited with code 1``, or for a negative code (POSIX:
+    ended by that signal) ``was killed by signal 9 (SIGKILL)`` ("exited with code -9" read as a code the service
+    chose); ``exited`` when the code is not known (None)."""
+    if code is None:
+        return "exited"
+    return f"was killed by {signal_text(-code)}" if code < 0 else f"exited with code {code}"
+
+
+def signal_text(signum: int) -> str:
+    """``signal 9 (SIGKILL)``; ``signal N`` for a number this platform has no name for."""
+    try:
+        return f"signal {signum} ({signal.Signals(signum).name})"
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _short_exit(code: int | None) -> str:
+    """``code 1`` or ``killed by signal 9 (SIGKILL)``: one service's end in a list of those that ended with another."""
+    if code is None:
+        return "code unknown"
+    return f"killed by {signal_text(-code)}" if code < 0 else f"code {code}"
+
+
 class ClusterError(RuntimeError):
     """A service failed to start or died."""
 
@@ -786,8 +810,9 @@ class LocalCluster:
                     raise ClusterError(f"nats-server exited {self._nats_streak} times in a row; giving up")
                 delay = restart_delay(self._nats_streak, 0.1, s.restart_backoff_max_s)
                 self._nats_restart_at = now + delay
-                log.warning("nats-server exited; restarting on the same port", code=self.nats.returncode, port=self.nats.port,
-                            restart=self.nats_restarts + 1, backoff_s=delay)
+                code = self.nats.returncode
+                log.warning("nats-server exited; restarting on the same port", code=code, port=self.nats.port,
+                            exit=exit_text(code), restart=self.nats_restarts + 1, backoff_s=delay)
             elif now >= self._nats_restart_at:
                 try:
                     self.nats.restart()
@@ -811,7 +836,7 @@ class LocalCluster:
                 c.streak += 1
                 if c.streak > s.max_restarts:
                     raise ClusterError(
-                        f"{c.name} exited {c.streak} times in a row (last code {c.proc.returncode}); giving up; "
+                        f"{c.name} exited {c.streak} times in a row (last: {_short_exit(c.proc.returncode)}); giving up; "
                         f"log {c.log_path}:\n{self._log_tail(c)}"
                     )
                 # a clean exit (0: the service stopped on SIGTERM, e.g. a rolling restart's, after its drain) is no crash
@@ -821,8 +846,8 @@ class LocalCluster:
                 steps = c.streak - (1 if c.proc.returncode == 0 else 0)
                 delay = restart_delay(steps, s.restart_backoff_s, s.restart_backoff_max_s) if steps else 0.0
                 c.restart_at = now + delay
-                log.warning("service exited; restarting", service=c.name, code=c.proc.returncode, restart=c.restarts + 1,
-                            backoff_s=delay, log=str(c.log_path))
+                log.warning("service exited; restarting", service=c.name, code=c.proc.returncode, exit=exit_text(c.proc.returncode),
+                            restart=c.restarts + 1, backoff_s=delay, log=str(c.log_path))
             if c.restart_at is not None and now >= c.restart_at:
                 self._spawn(c)
                 c.restarts += 1
@@ -956,19 +981,19 @@ class LocalCluster:
         nats_dead = self.nats is not None and not self.nats.alive()
         if not dead and not nats_dead:
             return
-        nats_exit = [f"nats-server code {self.nats.returncode}"] if self.nats is not None and nats_dead else []
+        nats_exit = [f"nats-server {_short_exit(self.nats.returncode)}"] if self.nats is not None and nats_dead else []
         crashed = [c for c in dead if c.proc is not None and c.proc.returncode != 0]
         if crashed:
             c = crashed[0]
             assert c.proc is not None
-            also = [f"{o.name} code {o.proc.returncode}" for o in dead if o is not c and o.proc is not None] + nats_exit
+            also = [f"{o.name} {_short_exit(o.proc.returncode)}" for o in dead if o is not c and o.proc is not None] + nats_exit
             with_others = f" (also exited: {', '.join(also)})" if also else ""
-            raise ClusterError(f"{c.name} exited with code {c.proc.returncode}{with_others}; log {c.log_path}:\n{self._log_tail(c)}")
+            raise ClusterError(f"{c.name} {exit_text(c.proc.returncode)}{with_others}; log {c.log_path}:\n{self._log_tail(c)}")
         if nats_dead:
             assert self.nats is not None
             also = [f"{c.name} code 0" for c in dead]
             with_others = f" (also exited: {', '.join(also)})" if also else ""
-            raise ClusterError(f"nats-server exited with code {self.nats.returncode}{with_others}; without supervision "
+            raise ClusterError(f"nats-server {exit_text(self.nats.returncode)}{with_others}; without supervision "
                                "(--no-restart) nothing restarts it, and every service needs it")
         c = dead[0]
         also = [o.name for o in dead[1:]]

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from evolving_infra.cluster import exit_text
 from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
@@ -183,7 +184,7 @@ class FaultCluster:
                 while True:
                     for p in self.procs.values():
                         if p.proc is not None and p.proc.poll() is not None:
-                            raise FaultError(f"{p.name} exited with {p.proc.returncode}: {self.log_tail(p.name)}")
+                            raise FaultError(f"{p.name} {exit_text(p.proc.returncode)}: {self.log_tail(p.name)}")
                     if (self.workdir / f"{name}.port").exists():
                         try:
                             if (await http.get(self.router_url(i) + "/healthz")).status_code == 200:

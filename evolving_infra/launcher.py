@@ -946,17 +946,17 @@ async def _up(args: argparse.Namespace) -> int:
         if failed.done():
             ended = failed.result()
             if not isinstance(ended, ServiceStopped):
-                print(f"error: {ended}", file=sys.stderr)
-                await cluster.stop(drain_routers=True, interrupt=stop)  # the other routers' open streams finish (not Ctrl-C: no quick stop)
-                return 1
-            # --no-restart: a service that exited 0 stopped on a SIGTERM that reached it (after its drain), no crash:
-            # said on stdout, no "error:"; the cluster stops with it, but up was not asked to stop, so its status says
-            # the cluster ended on its own (a supervisor restarting on failure, a CI step, can tell)
-            print(f"{ended}; --no-restart: stopping the cluster", flush=True)
-            status = SERVICE_STOPPED_STATUS
+                print(f"error: {ended}", file=sys.stderr, flush=True)
+                status = 1  # stopped as below (stdout says so, as on any stop); the other routers' open streams finish
+            else:
+                # --no-restart: a service that exited 0 stopped on a SIGTERM that reached it (after its drain), no crash:
+                # said on stdout, no "error:"; the cluster stops with it, but up was not asked to stop, so its status says
+                # the cluster ended on its own (a supervisor restarting on failure, a CI step, can tell)
+                print(f"{ended}; --no-restart: stopping the cluster", flush=True)
+                status = SERVICE_STOPPED_STATUS
         failed.cancel()
         print("stopping ...", flush=True)
-        await cluster.stop(drain_routers=status == SERVICE_STOPPED_STATUS, interrupt=stop)  # stopped on its own: the routers drain
+        await cluster.stop(drain_routers=status != 0, interrupt=stop)  # stopped on its own (not Ctrl-C: no quick stop): the routers drain
         # the logs stay for the user to read; credentials up generated into its own temp folder do not
         # (secrets, useless once the nats-server that trusted them is gone)
         removed = cluster.remove_generated_creds()

@@ -104,7 +104,7 @@ def test_crash_loop_gives_up_after_max_restarts(tmp_path):
             child.started_at = t
             assert c.supervise_once(t) == ["svc"]
         _kill(child)
-        with pytest.raises(ClusterError, match="svc exited 3 times in a row"):
+        with pytest.raises(ClusterError, match=r"svc exited 3 times in a row \(last: killed by signal 9 \(SIGKILL\)\); giving up"):
             c.supervise_once(t)
     finally:
         child.proc.kill()
@@ -118,7 +118,7 @@ def test_without_supervision_an_exit_fails_the_cluster(tmp_path):
     try:
         c.check_alive()
         _kill(child)
-        with pytest.raises(ClusterError, match="svc exited with code -9"):
+        with pytest.raises(ClusterError, match=r"svc was killed by signal 9 \(SIGKILL\); log "):
             c.check_alive()  # no supervisor task running (start() was not called): fail fast
     finally:
         child.log_file.close()
@@ -292,7 +292,7 @@ def test_without_supervision_a_dead_embedded_nats_server_fails_the_cluster(tmp_p
         with pytest.raises(ClusterError) as e:
             c.check_alive()
         assert not isinstance(e.value, ServiceStopped)
-        assert str(e.value).startswith("nats-server exited with code -9; without supervision (--no-restart) nothing restarts it")
+        assert str(e.value).startswith("nats-server was killed by signal 9 (SIGKILL); without supervision (--no-restart) nothing restarts it")
     finally:
         c.nats.stop()
         c.children[0].proc.kill()
@@ -328,3 +328,13 @@ def test_a_clean_exit_during_the_start_up_is_a_failed_start_with_the_logs_tail(t
     finally:
         if child.log_file is not None:
             child.log_file.close()
+
+
+def test_exit_text_says_a_signal_for_a_negative_code():
+    """A child's ``returncode`` -9 read "exited with code -9" (newcomer walk): a negative code is the signal that
+    ended it."""
+    from evolving_infra.cluster import exit_text
+
+    assert exit_text(-9) == "was killed by signal 9 (SIGKILL)" and exit_text(-15) == "was killed by signal 15 (SIGTERM)"
+    assert exit_text(1) == "exited with code 1" and exit_text(0) == "exited with code 0" and exit_text(None) == "exited"
+    assert exit_text(-200) == "was killed by signal 200"  # no name on this platform
