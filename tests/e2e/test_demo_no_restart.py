@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 3), (signal.SIGKILL, 1)])
 def test_a_service_that_exits_during_the_replay_ends_the_demo_in_one_line(tmp_path, sig, status):
     """The planner SIGTERMed (it exits 0: no crash, status 3, a calm line on stdout, as ``up --no-restart``) or
-    SIGKILLed (a crash: "error: planner exited with code -9 ..." and its log's tail, status 1) while the demo
+    SIGKILLed (a crash: "error: planner was killed by signal 9 (SIGKILL) ..." and its log's tail, status 1) while the demo
     replays: the replay ends (the router serves on), then the cluster stops, no report, one line naming the logs."""
     state_dir = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(state_dir)}
@@ -50,5 +50,5 @@ def test_a_service_that_exits_during_the_replay_ends_the_demo_in_one_line(tmp_pa
         assert "error:" not in err, err[-3000:]
     else:
         assert sum(line.startswith("error: ") for line in err.splitlines()) == 1, err[-3000:]
-        assert f"error: planner exited with code -9; log {logs / 'planner.log'}:" in err, err[-3000:]
+        assert f"error: planner was killed by signal 9 (SIGKILL); log {logs / 'planner.log'}:" in err, err[-3000:]
     assert not (out_dir / "report.json").exists() and not list(state_dir.glob("up-*.json"))
