@@ -1961,8 +1961,12 @@ class RouterService(WatchedService):
             if stale - was:
                 self.log.warning("KV views the directory calls stale; their caches are not counted on",
                                  nodes=sorted(stale - was), stale=sorted(stale))  # fmt: skip
-            if was - stale:  # the node sends KV events again (a resync or a batch): a recovery, not a warning
-                self.log.info("KV views fresh again; their caches are counted on", nodes=sorted(was - stale), stale=sorted(stale))
+            fresh = {n for n in was - stale if n in self._kv_liveness}  # reported again, not stale: a recovery
+            if fresh:  # the node sends KV events again (a resync or a batch): a recovery, not a warning
+                self.log.info("KV views fresh again; their caches are counted on", nodes=sorted(fresh), stale=sorted(stale))
+            if gone := was - stale - fresh:  # the directory forgot the node (silent past its threshold): not a recovery
+                self.log.info("stale KV views no longer reported (the directory forgot their nodes)",
+                              nodes=sorted(gone), stale=sorted(stale))  # fmt: skip
             self.core.view.kv_stale = stale
 
     async def _on_route_sent(self, msg: m.RouteSent, _subject: str) -> None:

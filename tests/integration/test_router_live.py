@@ -647,6 +647,29 @@ async def test_a_stale_kv_view_is_a_warning_and_its_recovery_an_info_of_its_own(
     ], kv
 
 
+async def test_a_stale_node_the_directory_forgets_is_not_announced_fresh_again(nats_url, tmp_path):
+    """A stale node the directory forgets (SIGKILLed: silent past its forget threshold) drops out of
+    kv.liveness: the router logs it as no longer reported, not as "fresh again" (before: a dead node
+    was announced recovered). A node still reported and no longer stale is the only "fresh again"."""
+
+    def liveness(**stale: bool) -> m.KvLiveness:
+        return m.KvLiveness(nodes=[m.NodeKvLiveness(node=n, stale=s) for n, s in stale.items()], stale_after_s=10.0)
+
+    with structlog.testing.capture_logs() as logs:
+        async with router_env(nats_url, tmp_path, {"c0": "both", "c1": "both"}) as env:
+            view = env.service.core.view
+            await env.cluster.bus.publish(KV_LIVENESS, liveness(c0=True, c1=True))
+            await _wait_for(lambda: view.kv_stale == {"c0", "c1"}, what="c0, c1 stale")
+            await env.cluster.bus.publish(KV_LIVENESS, liveness(c1=False))  # c0 forgotten, c1 recovered
+            await _wait_for(lambda: not view.kv_stale, what="c0 forgotten, c1 fresh again")
+    kv = [(e["log_level"], e["event"], e.get("nodes")) for e in logs if "KV view" in e["event"]]
+    assert kv == [
+        ("warning", "KV views the directory calls stale; their caches are not counted on", ["c0", "c1"]),
+        ("info", "KV views fresh again; their caches are counted on", ["c1"]),
+        ("info", "stale KV views no longer reported (the directory forgot their nodes)", ["c0"]),
+    ], kv
+
+
 async def test_stale_attempt_output_is_dropped_and_its_node_told_to_stop(nats_url, tmp_path):
     """A fenced node that comes back and still sends output of the old attempt never reaches the client."""
     async with router_env(nats_url, tmp_path, {"p0": "prefill", "p1": "prefill", "d0": "decode"}) as env:
