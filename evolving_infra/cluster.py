@@ -35,7 +35,7 @@ from shared import messages as m
 from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url
 from shared.bus import Bus, BusError, PermissionDenied, stream_api_subject, stream_name
 from shared.config import ENV_PREFIX, CommonConfig
-from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent
+from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent, exit_text, signal_text
 from shared.net import http_url, listen_socket
 from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
@@ -43,23 +43,6 @@ from shared.split import parse_split, split_phases
 from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
 
 log = structlog.get_logger("cluster")
-
-
-def exit_text(code: int | None) -> str:
-    """How a child process ended, from its ``returncode``: ``exited with code 1``, or for a negative code (POSIX:
-    ended by that signal) ``was killed by signal 9 (SIGKILL)`` ("exited with code -9" read as a code the service
-    chose); ``exited`` when the code is not known (None)."""
-    if code is None:
-        return "exited"
-    return f"was killed by {signal_text(-code)}" if code < 0 else f"exited with code {code}"
-
-
-def signal_text(signum: int) -> str:
-    """``signal 9 (SIGKILL)``; ``signal N`` for a number this platform has no name for."""
-    try:
-        return f"signal {signum} ({signal.Signals(signum).name})"
-    except ValueError:
-        return f"signal {signum}"
 
 
 def _short_exit(code: int | None) -> str:

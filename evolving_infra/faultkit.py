@@ -33,11 +33,10 @@ from typing import Any
 
 import httpx
 
-from evolving_infra.cluster import exit_text
 from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
-from shared.natsserver import EmbeddedNatsServer, die_with_parent
+from shared.natsserver import EmbeddedNatsServer, die_with_parent, exit_text
 from shared.split import parse_split
 from shared.subjects import SVC_STATS, Subjects
 

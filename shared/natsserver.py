@@ -54,6 +54,23 @@ def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def exit_text(code: int | None) -> str:
+    """How a child process ended, from its ``returncode``: ``exited with code 1``, or for a negative code (POSIX:
+    ended by that signal) ``was killed by signal 9 (SIGKILL)`` ("exited with code -9" read as a code the service
+    chose); ``exited`` when the code is not known (None)."""
+    if code is None:
+        return "exited"
+    return f"was killed by {signal_text(-code)}" if code < 0 else f"exited with code {code}"
+
+
+def signal_text(signum: int) -> str:
+    """``signal 9 (SIGKILL)``; ``signal N`` for a number this platform has no name for."""
+    try:
+        return f"signal {signum} ({signal.Signals(signum).name})"
+    except ValueError:
+        return f"signal {signum}"
+
+
 class NatsServerError(RuntimeError):
     """The server binary is missing or did not start."""
 
@@ -200,7 +217,7 @@ class EmbeddedNatsServer:
                 text = log_file.read_text() if log_file.exists() else ""
                 if not self.restarts:
                     self._cleanup()
-                raise NatsServerError(f"nats-server exited with {self.proc.returncode}: {text[-2000:]}")
+                raise NatsServerError(f"nats-server {exit_text(self.proc.returncode)}: {text[-2000:]}")
             if log_file.exists():
                 match = _LISTEN.search(log_file.read_text())
                 if match:

@@ -333,8 +333,22 @@ def test_a_clean_exit_during_the_start_up_is_a_failed_start_with_the_logs_tail(t
 def test_exit_text_says_a_signal_for_a_negative_code():
     """A child's ``returncode`` -9 read "exited with code -9" (newcomer walk): a negative code is the signal that
     ended it."""
-    from evolving_infra.cluster import exit_text
+    from shared.natsserver import exit_text
 
     assert exit_text(-9) == "was killed by signal 9 (SIGKILL)" and exit_text(-15) == "was killed by signal 15 (SIGTERM)"
     assert exit_text(1) == "exited with code 1" and exit_text(0) == "exited with code 0" and exit_text(None) == "exited"
     assert exit_text(-200) == "was killed by signal 200"  # no name on this platform
+
+
+def test_a_nats_server_killed_during_start_up_says_the_signal(tmp_path, monkeypatch):
+    """A nats-server ended by a signal before it listened read "nats-server exited with -9": the same "was killed
+    by signal 9 (SIGKILL)" as any other child (:func:`shared.natsserver.exit_text`, which ``evolving_infra`` uses)."""
+    from shared import natsserver
+
+    fake = tmp_path / "nats-server"
+    fake.write_text("#!/bin/sh\nkill -9 $$\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(natsserver, "find_nats_server", lambda: str(fake))
+    with pytest.raises(natsserver.NatsServerError) as e:
+        natsserver.EmbeddedNatsServer(jetstream=False, startup_timeout_s=5.0).start()
+    assert str(e.value).startswith("nats-server was killed by signal 9 (SIGKILL)"), e.value
