@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -117,29 +118,49 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> NoReturn:
-        """Print ``PROG: error: MESSAGE (see 'PROG --help')`` (newlines in ``message`` folded) and exit 2."""
-        text = " ".join(message.split())
+        """Print ``PROG: error: MESSAGE (see 'PROG --help')`` and exit 2. Only the newlines in ``message`` (and the
+        indentation after them) are folded: a user's value quoted in it keeps its own spaces."""
+        text = _NEWLINES.sub(" ", message).strip()
         self.exit(USAGE_ERROR, f"{self.prog}: error: {text} (see '{self.prog} --help')\n")
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> argparse.Namespace:  # type: ignore[override]
-        """As argparse's, but arguments no parser took are an error of the innermost subcommand named in ``args``."""
+        """As argparse's, but arguments no parser took are an error of the parser whose part of ``args`` they are in
+        (:meth:`_owner`)."""
         argv = list(sys.argv[1:] if args is None else args)
         ns, extras = self.parse_known_args(argv, namespace)
         if extras:
-            self._innermost(argv).error("unrecognized arguments: " + " ".join(extras))
+            self._owner(argv, extras).error("unrecognized arguments: " + " ".join(extras))
         return ns
 
-    def _innermost(self, argv: Sequence[str]) -> argparse.ArgumentParser:
-        """The parser of the deepest subcommand ``argv`` names (``self`` when none): each token that is a choice
-        of the current parser's subcommands descends into it."""
+    def _owner(self, argv: Sequence[str], extras: Sequence[str]) -> argparse.ArgumentParser:
+        """The parser whose part of ``argv`` holds ``extras``: ``argv`` splits at each subcommand it names (a token
+        that is a choice of the current parser's subcommands descends into it); what comes before the first is
+        ``self``'s (``evolving-infra --bogus up`` is the top parser's error, not ``up``'s). Extras spread over more
+        than one part are ``self``'s. argparse returns the extras in ``argv`` order, so each is found at or after
+        the previous one; one not found as a token (argparse rewrote it) counts in the deepest part."""
+        starts: list[tuple[int, argparse.ArgumentParser]] = [(0, self)]  # (first index of the part, its parser)
         p: argparse.ArgumentParser = self
-        for tok in argv:
+        for i, tok in enumerate(argv):
             subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
             if not subs:
                 break
             if tok in subs[0].choices:
                 p = subs[0].choices[tok]
-        return p
+                starts.append((i + 1, p))
+        owners: list[argparse.ArgumentParser] = []
+        at = 0
+        for x in extras:
+            found = next((j for j in range(at, len(argv)) if argv[j] == x), None)
+            if found is None:
+                owners.append(starts[-1][1])
+                continue
+            owners.append(next(q for first, q in reversed(starts) if first <= found))
+            at = found + 1
+        return owners[0] if all(o is owners[0] for o in owners) else self
+
+
+_NEWLINES = re.compile(r"[ \t]*\n\s*")
+"""A newline in an argparse message, with the blanks around it (its wrapped help text): folded to one space."""
 
 
 RUNTIME_FAILURE = 1

@@ -75,6 +75,13 @@ def test_python_m_reports_the_message_too(tmp_path):
         (["trace", "validate", "t.jsonl", "--bogus"],
          "evolving-infra trace validate: error: unrecognized arguments: --bogus (see 'evolving-infra trace validate --help')"),
         (["split", "set"], "evolving-infra split set: error: the following arguments are required: SPLIT (see 'evolving-infra split set --help')"),
+        # a user's value keeps its own spaces (only argparse's newlines are folded): was 'a b'
+        (["up", "--routers", "a    b"], "evolving-infra up: error: argument --routers: invalid int value: 'a    b' (see 'evolving-infra up --help')"),
+        # a flag before the subcommand is the top parser's, not the subcommand's: was "evolving-infra up: error"
+        (["--bogus", "up"], "evolving-infra: error: unrecognized arguments: --bogus (see 'evolving-infra --help')"),
+        (["trace", "--bogus", "validate", "t.jsonl"],
+         "evolving-infra trace: error: unrecognized arguments: --bogus (see 'evolving-infra trace --help')"),
+        (["--bogus", "up", "--bad"], "evolving-infra: error: unrecognized arguments: --bogus --bad (see 'evolving-infra --help')"),
         (["bogus"], "evolving-infra: error: argument COMMAND: invalid choice: 'bogus' (choose from 'up', 'demo', 'replay', 'trace', "
                     "'tap', 'report', 'split', 'simulate', 'fidelity', 'model', 'auth', 'deploy-args') (see 'evolving-infra --help')"),
     ],
