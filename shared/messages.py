@@ -881,6 +881,10 @@ class RequestAbort(Msg, frozen=True, kw_only=True):
     attempt: NonNeg = 0
     """Drop attempts <= this one only: a stale abort (sent when an earlier attempt was fenced)
     never kills a newer attempt that was re-dispatched to the same node."""
+    router: str = ""
+    """Instance id of the router that sends it (the owner of its request, ``PrefillWork.router``): a node drops only
+    a request that router owns, so a router that gave way (one ``X-Request-ID`` placed by two routers at once)
+    never ends the other router's request of the same id. Empty: an older sender (attempt checked only)."""
 
 
 class TokenChunk(Msg, frozen=True, kw_only=True):

@@ -489,6 +489,7 @@ def _abort(a: m.RequestAbort, p: dict[str, str], nodes: Collection[str] | None) 
     _tok(a.rid, "rid")
     _text(a.reason, "reason")
     _int(a.attempt, "attempt", MAX_SEQ)
+    _tok(a.router, "router", optional=True)  # its sender, the request's owner ("": an older sender's)
 
 
 def _chunk(c: m.TokenChunk, p: dict[str, str], nodes: Collection[str] | None) -> None:

@@ -73,11 +73,14 @@ class RemoteSends:
         s = self._sends.get(rid)
         return s is not None and s.first_token
 
-    def chunk(self, rid: str, attempt: int, finished: bool) -> str | None:
+    def chunk(self, rid: str, attempt: int, finished: bool, router: str = "") -> str | None:
         """A chunk of another router's request: ``"first"`` (its first token: free its prefill
-        node), ``"end"`` (forget it), or None (nothing to do: unknown rid, other attempt, later token)."""
+        node), ``"end"`` (forget it), or None (nothing to do: unknown rid, other attempt, later token,
+        or a chunk naming a router (``TokenChunk.router``; "" = an older writer's: not checked) other than the
+        owner counted: the same id placed by two routers at once, and the one that gave way sees its own
+        request's end, which must not end the other's in its view)."""
         s = self._sends.get(rid)
-        if s is None or attempt != s.attempt:
+        if s is None or attempt != s.attempt or (router and router != s.router):
             return None
         if finished:
             del self._sends[rid]
@@ -87,10 +90,11 @@ class RemoteSends:
             return "first"
         return None
 
-    def current(self, rid: str, attempt: int) -> bool:
-        """True when ``rid`` is counted here and ``attempt`` is its owner's current attempt."""
+    def current(self, rid: str, attempt: int, router: str = "") -> bool:
+        """True when ``rid`` is counted here and ``attempt`` is its owner's current attempt (and ``router``, when
+        given, is its owner)."""
         s = self._sends.get(rid)
-        return s is not None and s.attempt == attempt
+        return s is not None and s.attempt == attempt and (not router or router == s.router)
 
     def forget(self, rid: str) -> bool:
         """Drop ``rid`` (its node was fenced: the owner re-dispatches it and says so again)."""

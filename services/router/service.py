@@ -1262,7 +1262,7 @@ class RouterService(WatchedService):
                 # bind): error, as the router's own 503s; abort is a client that went away, or a shutdown
                 self._end_decided(p, "error")
                 for node, msg in self.core.abort(chunk.rid, f"{chunk.finish_reason} on {chunk.node}", skip=chunk.node, now=now):
-                    await self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node)
+                    await self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt, router=self.bus.instance), node=node)
             else:
                 self.core.finish(chunk.rid, now)
                 self._end_decided(p, chunk.finish_reason or "length")
@@ -1336,7 +1336,8 @@ class RouterService(WatchedService):
             p.stale_aborted.add(key)
             self.counters["aborts.superseded"] += 1
             self.log.info("output of a superseded attempt dropped; node told to stop", rid=p.rid, node=chunk.node, attempt=chunk.attempt)
-            abort = m.RequestAbort(rid=p.rid, reason=f"attempt {chunk.attempt} superseded by attempt {p.attempt}", attempt=chunk.attempt)
+            abort = m.RequestAbort(rid=p.rid, reason=f"attempt {chunk.attempt} superseded by attempt {p.attempt}", attempt=chunk.attempt,
+                                     router=self.bus.instance)  # fmt: skip
             self._spawn(self.bus.publish(WORK_ABORT, abort, node=chunk.node))
 
     # -- decode binding at prefill start, work handed back ------------------ #
@@ -1824,7 +1825,7 @@ class RouterService(WatchedService):
             p.queue.put_nowait(_Failure(503, reason + "; request failed"))
         else:
             for n, msg in self.core.abort(rid, reason, now=self.clock.now()):
-                self._spawn(self.bus.publish(WORK_ABORT, msg, node=n))
+                self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, router=self.bus.instance), node=n))
         self.counters["fenced_requests_failed"] += 1
 
     def _fence_request_failed(self, rid: str, node: str, reason: str, e: Exception) -> None:
@@ -2009,8 +2010,8 @@ class RouterService(WatchedService):
         counts only ids no router here placed (a chunk naming this router or none: a request this router has
         forgotten, or a stray publisher). Before, every chunk of the requests in flight on the other routers
         when this one started was counted ``chunks_unknown_rid``."""
-        what = self._remote.chunk(chunk.rid, chunk.attempt, chunk.finished)
-        if what != "end" and self._remote.current(chunk.rid, chunk.attempt):
+        what = self._remote.chunk(chunk.rid, chunk.attempt, chunk.finished, chunk.router)
+        if what != "end" and self._remote.current(chunk.rid, chunk.attempt, chunk.router):
             self.core.view.on_handoff(chunk.rid, chunk.node)  # output of its decode node: the hand-off reached it
         if what == "first":
             self.core.remote_first_token(chunk.rid, self.clock.now())
@@ -2034,7 +2035,7 @@ class RouterService(WatchedService):
         old = p.attempt
         unbound = self.core.pending_binding(p.rid)  # its decode node not bound yet (route.bind): no decode started
         for n, msg in self.core.abort(p.rid, reason, now=now):
-            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=old), node=n))
+            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=old, router=self.bus.instance), node=n))
         p.attempt += 1
         assert p.rreq is not None and p.cur is not None
         if p.attempt_first:  # its decode (or collocated) node died while decoding
@@ -2098,7 +2099,7 @@ class RouterService(WatchedService):
         if aborts:
             self.counters["aborts.stop"] += 1
         for node, msg in aborts:
-            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node))
+            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt, router=self.bus.instance), node=node))
 
     def _output_text(self, req: Any) -> OutputText:
         """The request's :class:`OutputText` (its ``stop`` strings, ``stop_token_ids``, ``min_tokens``,
@@ -2145,7 +2146,7 @@ class RouterService(WatchedService):
             self.counters["aborts"] += 1
             self.counters[f"aborts.{why}"] += 1
         for node, msg in aborts if tell_nodes else ():
-            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt), node=node))
+            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt, router=self.bus.instance), node=node))
 
     # ------------------------------------------------------------------ #
     # HTTP

@@ -484,10 +484,12 @@ class WorkerService:
         self._unannounced: m.SplitApplied | None = None
         """The last ``split.applied`` NATS refused, published again until it goes out (:meth:`_announce_applied`)."""
         self._announcing: asyncio.Task[None] | None = None
-        self._aborted: OrderedDict[str, int] = OrderedDict()
-        """Aborts of requests this node did not hold (``aborts.unknown``): rid → the attempt aborted, the
-        newest :data:`ABORTED_KEPT`. Work of that attempt or an older one that arrives later is dropped
-        (:meth:`_newest_attempt`): the abort overtook it on the bus, or came while it waited for a step."""
+        self._aborted: OrderedDict[tuple[str, str], int] = OrderedDict()
+        """Aborts of requests this node did not hold (``aborts.unknown``, ``aborts.other_router``): (rid, the
+        aborting router's instance id, "" from an older sender that names none) → the attempt aborted, the newest
+        :data:`ABORTED_KEPT`. Work of that router (any router's for "") of that attempt or an older one that arrives
+        later is dropped (:meth:`_newest_attempt`): the abort overtook it on the bus, or came while it waited for a
+        step."""
         self._stop_done = False
         """:meth:`stop` has published its last messages (:meth:`_on_hang` exits at once then)."""
         self.watchdog = StepWatchdog(cfg.watchdog_timeout_s, self._on_hang) if cfg.watchdog_timeout_s > 0 else None
@@ -685,7 +687,7 @@ class WorkerService:
         if not self._valid_rid(work.rid) or self._superseded(work.rid):
             return
         now = self.clock.local_now()
-        if not await self._newest_attempt(work.rid, work.attempt, now):
+        if not await self._newest_attempt(work.rid, work.attempt, work.router, now):
             return
         now = self.clock.local_now()  # it may have waited for a step (_newest_attempt)
         # decode node bound when the prefill starts (paper D.1), on a prefill-only node
@@ -732,7 +734,7 @@ class WorkerService:
         if not self._valid_rid(work.rid) or self._superseded(work.rid):
             return
         now = self.clock.local_now()
-        if not await self._newest_attempt(work.rid, work.attempt, now):
+        if not await self._newest_attempt(work.rid, work.attempt, work.router, now):
             return
         now = self.clock.local_now()  # it may have waited for a step (_newest_attempt)
         if self.accepting and self.core.phase == "prefill" and work.rid not in self.core.requests:
@@ -798,10 +800,17 @@ class WorkerService:
             self.log.error("engine failed to accept work: request refused", rid=work.rid, error=repr(e), exc_info=e)
             raise WorkRejected(work.rid, f"the {self.engine.name} engine failed to accept the work: {e!r}") from None
 
-    async def _newest_attempt(self, rid: str, attempt: int, now: float) -> bool:
-        """Fencing: True if work of ``attempt`` may be served here. An older attempt than the
-        one this node holds is dropped (counted); a newer one replaces the held one (the router
-        re-dispatched the request after fencing this node, and dispatched it here again).
+    async def _newest_attempt(self, rid: str, attempt: int, router: str, now: float) -> bool:
+        """Fencing: True if work of ``attempt`` sent by router ``router`` (``PrefillWork.router``) may be served
+        here. Of one router's, an older attempt than the one this node holds is dropped (counted); a newer one
+        replaces the held one (the router re-dispatched the request after fencing this node, and dispatched it here
+        again). Attempts are each router's own (its wall clock in ms), so work for the id of another router's request
+        held here (one ``X-Request-ID`` placed by two routers at once) is decided as the routers decide it
+        (``RouterService._placed_twice``): the router whose instance id sorts first keeps it. The other's work is
+        refused, or the other's held request dropped, with an ``abort`` chunk naming that router
+        (``TokenChunk.router``), so that router ends its side (counted ``requests.duplicate_rid_refused`` /
+        ``requests.duplicate_rid_dropped``). Before, a higher attempt from the other router silently replaced the
+        held request, whose client then waited for its timeout.
 
         Returns only once no engine step in flight runs ``rid`` (counted ``requests.waited_for_step``;
         the old attempt is aborted in the core first, so no later plan takes it, and the step loop is
@@ -815,8 +824,21 @@ class WorkerService:
         decided again after the wait (another attempt may have come), and
         work whose attempt an abort the node did not hold has already ended is dropped (``_aborted``,
         ``requests.aborted_before_arrival``)."""
+        mine = _Owner(router=router).router_id
         while True:
             held = self._owners.get(rid)
+            if held is not None and rid in self.core.requests and held.router_id != mine:
+                why = (f"X-Request-ID {rid} in flight on node {self.node} for router {min(mine, held.router_id)} too "
+                       f"(placed by two routers at once); router {max(mine, held.router_id)} gave way")  # fmt: skip
+                self.log.warning("request id placed by two routers at once", rid=rid, held=held.router_id, router=mine)
+                if mine > held.router_id:
+                    self.counters["requests.duplicate_rid_refused"] += 1
+                    await self._publish_end(rid, "abort", why, now, attempt=attempt, router=router)
+                    return False
+                self.counters["requests.duplicate_rid_dropped"] += 1
+                await self._drop(rid, why)
+                now = self.clock.local_now()
+                continue
             if held is not None and rid in self.core.requests:
                 if attempt <= held.attempt:
                     self.counters["requests.stale_attempt"] += 1
@@ -833,8 +855,8 @@ class WorkerService:
                     await asyncio.wait({handing})
                     now = self.clock.local_now()
                     continue
-                aborted = self._aborted.get(rid)
-                if aborted is not None and attempt <= aborted:
+                aborted = max(self._aborted.get((rid, mine), -1), self._aborted.get((rid, ""), -1))
+                if attempt <= aborted:
                     # aborted before it was taken: before, it then ran to its last token for nobody
                     self.counters["requests.aborted_before_arrival"] += 1
                     self.log.info("work of an aborted attempt dropped", rid=rid, attempt=attempt, aborted=aborted)
@@ -877,25 +899,44 @@ class WorkerService:
                                   f"this one {self.boot})"), "node.state")  # fmt: skip
 
     async def _on_abort(self, msg: m.RequestAbort, _subject: str) -> None:
+        """``work.<node>.abort``: drop ``msg.rid`` if this node holds it at ``msg.attempt`` or an older attempt, of
+        the router that sent the abort (``RequestAbort.router``; "" from an older sender: any router's). An abort
+        from another router than the held request's owner (one id placed by two routers at once: the one that gave
+        way tells its nodes to drop its request) leaves it alone (``aborts.other_router``); before, it ended the
+        other router's request (a 503 to its client). Unheld: remembered, so that its work, if it comes later,
+        is dropped (``_aborted``)."""
         held = self._owners.get(msg.rid)
+        sender = _Owner(router=msg.router).router_id if msg.router else ""
+        if held is not None and sender and sender != held.router_id:
+            self.counters["aborts.other_router"] += 1
+            self.log.info("abort from a router that does not own the request ignored", rid=msg.rid, router=sender,
+                          owner=held.router_id)  # fmt: skip
+            self._remember_abort(msg.rid, sender, msg.attempt)
+            return
         if held is not None and held.attempt > msg.attempt:
             self.counters["aborts.stale_attempt"] += 1  # aimed at an attempt this node no longer holds
             return
-        if not await self._drop(msg.rid, msg.reason, attempt=msg.attempt):
+        if not await self._drop(msg.rid, msg.reason, attempt=msg.attempt, router=msg.router):
             self.counters["aborts.unknown"] += 1
             # its work may still come (behind a wait for a step, or overtaken on the bus): dropped then
-            self._aborted[msg.rid] = max(msg.attempt, self._aborted.pop(msg.rid, msg.attempt))
-            if len(self._aborted) > ABORTED_KEPT:
-                self._aborted.popitem(last=False)
+            self._remember_abort(msg.rid, sender, msg.attempt)
             return
         self.counters["requests.aborted"] += 1
 
-    async def _drop(self, rid: str, reason: str, *, attempt: int = 0) -> bool:
+    def _remember_abort(self, rid: str, router: str, attempt: int) -> None:
+        """Remember an abort of ``rid`` by ``router`` ("" = unnamed) at ``attempt`` this node did not act on
+        (``_aborted``, the newest :data:`ABORTED_KEPT`)."""
+        key = (rid, router)
+        self._aborted[key] = max(attempt, self._aborted.pop(key, attempt))
+        if len(self._aborted) > ABORTED_KEPT:
+            self._aborted.popitem(last=False)
+
+    async def _drop(self, rid: str, reason: str, *, attempt: int = 0, router: str = "") -> bool:
         """Drop ``rid`` wherever it is on this node, free its KV, and end its stream with an
         ``abort`` chunk (so every router's count of it ends). False if the node does not hold it.
-        ``attempt``: the attempt to stamp when the node has no owner record of it."""
+        ``attempt``, ``router``: the attempt and owner to stamp when the node has no owner record of it."""
         now = self.clock.local_now()
-        owner = self._owners.pop(rid, None) or _Owner(attempt=attempt)
+        owner = self._owners.pop(rid, None) or _Owner(attempt=attempt, router=router)
         self._bind_later.pop(rid, None)
         if self._traces:
             self._traces.forget(rid, "aborted", reason)
@@ -2013,11 +2054,18 @@ class WorkerService:
         owner = self._owners.pop(e.rid, None)
         if attempt is None:
             attempt = owner.attempt if owner is not None else 0
+        await self._publish_end(e.rid, finish_reason, e.reason, now, attempt=attempt,
+                                router=router if router is not None else owner.router if owner is not None else "")  # fmt: skip
+
+    async def _publish_end(self, rid: str, finish_reason: str, error: str, now: float, *, attempt: int, router: str) -> None:
+        """Publish the last chunk of ``rid``'s stream (``finish_reason`` ``error`` or ``abort``, with ``error``) at
+        ``now`` (simulated s, local) for ``attempt`` of router ``router`` (``TokenChunk.router``), touching none of
+        this node's state of ``rid`` (it may hold another router's request of that id: :meth:`_newest_attempt`)."""
         await self.bus.publish(
             REQ_OUT,
-            m.TokenChunk(rid=e.rid, node=self.node, finished=True, finish_reason=finish_reason, error=e.reason, ts=self._to_wall(now),
-                         attempt=attempt, router=router if router is not None else owner.router if owner is not None else ""),  # fmt: skip
-            rid=e.rid,
+            m.TokenChunk(rid=rid, node=self.node, finished=True, finish_reason=finish_reason, error=error, ts=self._to_wall(now),
+                         attempt=attempt, router=router),  # fmt: skip
+            rid=rid,
         )
 
     def _engine_kv_events(self, events: list[m.KvEvent], *, step_done: bool = False) -> None:

@@ -25,6 +25,19 @@ def test_remote_sends_follow_attempts_first_token_and_end():
     assert r.forget("z") and not r.forget("z")
 
 
+def test_a_chunk_naming_another_router_than_the_counted_owner_neither_starts_nor_ends_its_request():
+    """One id placed by two routers at once, at the same attempt: the one that gave way (router-z) counts router-a's
+    placement; its own request's end (the abort chunk its node sends, naming router-z) must not end router-a's in
+    its view. Before, ``chunk`` matched on rid and attempt alone: router-a's request was forgotten there."""
+    r = RemoteSends()
+    assert r.sent("x", "router-a", 7, now=0.0)
+    assert r.chunk("x", 7, False, "router-z") is None and not r.current("x", 7, "router-z")
+    assert r.chunk("x", 7, True, "router-z") is None and "x" in r
+    assert r.current("x", 7, "router-a") and r.current("x", 7)
+    assert r.chunk("x", 7, False, "router-a") == "first"
+    assert r.chunk("x", 7, True, "") == "end" and "x" not in r  # an older writer's chunk (no router) still ends it
+
+
 def test_another_routers_send_loads_the_view_until_its_first_token_and_end():
     core = RouterCore(make_policy("cache-aware"), block_size=4, fence_after=3.0, decode_binding="prefill-start")
     for n, ph in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):

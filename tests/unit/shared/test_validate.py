@@ -80,6 +80,18 @@ def test_a_chunk_names_its_router_as_a_work_does():
         assert "router" in (check(msgspec.structs.replace(chunk, router=bad), {"rid": "a"}) or ""), repr(bad)
 
 
+def test_an_abort_names_its_router_as_a_chunk_does():
+    """``RequestAbort.router`` (its sender: a node drops only that router's request of the id) is a NATS token;
+    an older sender's abort names none and is still taken."""
+    abort = m.RequestAbort(rid="a", reason="gave way", attempt=3, router="router-b")
+    assert check(abort) is None
+    # an older sender's (msgpack without the field): decoded with no router, and taken
+    old = decoder_for(m.RequestAbort).decode(msgspec.msgpack.encode({"rid": "a", "reason": "x", "attempt": 3}))
+    assert old.router == "" and check(old) is None
+    for bad in ("x" * 200_000, "\x00\xff", "a b", "r\n"):
+        assert "router" in (check(msgspec.structs.replace(abort, router=bad)) or ""), repr(bad)
+
+
 def test_known_nodes_are_enforced_when_given():
     batch = m.KvEventBatch(node="x123", seq=1)
     assert check(batch, {"node": "x123"}) is None
