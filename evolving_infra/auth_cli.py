@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import math
 import os
+import re
 import sys
 
 from evolving_infra.stdio_args import folder
@@ -126,7 +127,9 @@ def cmd_auth(args: argparse.Namespace) -> int:
         return cmd_stream(args)
     nodes = [n for n in args.nodes.split(",") if n]
     routers = args.routers.split(",")
-    if args.routers.strip().isdigit():  # a count, as up's --routers N: up's names (router, router-1, ...)
+    # a count, as up's --routers N: up's names (router, router-1, ...); ASCII digits only (str.isdigit() took '²',
+    # which int() refuses: a traceback)
+    if re.fullmatch(r"[0-9]+", args.routers.strip()):
         count = int(args.routers)
         if count < 1:
             print(f"error: --routers {args.routers}: a count of at least 1 (up's names: router, router-1, ...) or "

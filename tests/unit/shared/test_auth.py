@@ -286,3 +286,7 @@ def test_auth_gen_routers_takes_a_count_as_up_does_or_names(tmp_path, capsys):
     assert main(["auth", "gen", "--dir", str(tmp_path / "z"), "--nodes", "w0", "--routers", "0"]) == 2
     err = capsys.readouterr().err
     assert "--routers 0" in err and "router,router-1" in err, err
+    # a digit that is not an ASCII one ('²'.isdigit() is True) is a name, refused as such: exit 2, never a traceback
+    assert main(["auth", "gen", "--dir", str(tmp_path / "s"), "--nodes", "w0", "--routers", "\u00b2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err, err
