@@ -813,6 +813,10 @@ class HeldQuery(Msg, frozen=True, kw_only=True):
     node: str
     rids: list[str] = []
     attempts: list[NonNeg] = []
+    peer: bool = False
+    """True: another router asks (``node`` is its instance id), about an ``X-Request-ID`` it counts as this router's
+    (``RouterService._duplicate_answer``); the answer is the same, but nothing is dropped for it, so the router
+    counts and logs it apart (``held.peer_dropped``). False: a node (an older router's query, too)."""
 
 
 class HeldReply(Msg, frozen=True, kw_only=True):

@@ -1377,13 +1377,18 @@ class RouterService(WatchedService):
     async def _on_held(self, q: m.HeldQuery, _subject: str) -> m.HeldReply:
         """``route.held``: a node asks which of the requests it holds for this router are no longer
         in flight here (finished, failed, aborted, another attempt, or never this router's: a
-        restarted router has none of its predecessor's); it drops those (no client reads them)."""
+        restarted router has none of its predecessor's); it drops those (no client reads them).
+        A peer router's query (``HeldQuery.peer``: is an id it counts as this router's still in flight?) is
+        answered the same, but counted ``held.peer_dropped`` and logged naming the router, not as a node's."""
         dropped = []
         for rid, attempt in zip(q.rids, q.attempts):
             p = self._pending.get(rid)
             if p is None or p.done or p.attempt != attempt:
                 dropped.append(rid)
-        if dropped:
+        if dropped and q.peer:  # another router asking about an id (_duplicate_answer): no node drops anything
+            self.counters["held.peer_dropped"] += len(dropped)
+            self.log.info("router asked about request ids no longer in flight here", router=q.node, requests=len(dropped))
+        elif dropped:
             self.counters["held.dropped"] += len(dropped)
             self.log.info("node holds requests no longer in flight here; it drops them", node=q.node, requests=len(dropped))
         return m.HeldReply(dropped=dropped)
@@ -3239,7 +3244,7 @@ class RouterService(WatchedService):
         if sent is None or rid in self._pending or rid in self._routing:
             self.counters["duplicate_rid.here"] += 1
             return self._error(409, f"X-Request-ID {shown} is already in flight", "X-Request-ID")
-        q = m.HeldQuery(node=self.bus.instance, rids=[rid], attempts=[sent.attempt])
+        q = m.HeldQuery(node=self.bus.instance, rids=[rid], attempts=[sent.attempt], peer=True)
         try:
             rep = await self.bus.request(ROUTE_HELD, q, timeout=_PEER_HELD_TIMEOUT_S, router=sent.router)
         except BusError:

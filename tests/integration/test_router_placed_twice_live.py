@@ -20,7 +20,7 @@ import pytest
 from shared import messages as m
 from shared.bus import Bus
 from shared.service import serve_until_stopped
-from shared.subjects import NODE_STATE, REQ_OUT, ROUTE_SENT, Subjects
+from shared.subjects import NODE_STATE, REQ_OUT, ROUTE_HELD, ROUTE_SENT, Subjects
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
@@ -92,6 +92,17 @@ async def test_a_rid_placed_by_two_routers_at_once_one_gives_way_and_streams_nev
             # from now on the rid is router-a's: the same id sent here again is refused, never placed a second time
             again = await http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Request-ID": "yield-1"})
             assert again.status_code in (409, 503), again.text
+
+            # 3. route.held: a peer router's query (HeldQuery.peer) is counted apart from a node's (rr-mr2: a peer's
+            # "dropped" answer was counted held.dropped and logged as a node dropping requests, the router named as node)
+            held = dict(r.counters)
+            rep = await bus.request(ROUTE_HELD, m.HeldQuery(node="router-a", rids=["gone-1"], attempts=[1], peer=True), timeout=5.0,
+                                    router="router-m")  # fmt: skip
+            assert rep.dropped == ["gone-1"], rep
+            assert r.counters["held.peer_dropped"] == held.get("held.peer_dropped", 0) + 1, dict(r.counters)
+            assert r.counters["held.dropped"] == held.get("held.dropped", 0), dict(r.counters)
+            rep = await bus.request(ROUTE_HELD, m.HeldQuery(node="w0", rids=["gone-1"], attempts=[1]), timeout=5.0, router="router-m")
+            assert rep.dropped == ["gone-1"] and r.counters["held.dropped"] == held.get("held.dropped", 0) + 1, dict(r.counters)
     finally:
         for s in stops:
             s.set()
