@@ -6,7 +6,8 @@ per-block index it replaced (one tuple per block, per-(node, tier) held sets). B
 the same random operation streams on 3 nodes — stores of path segments (parents right,
 missing, wrong or unknown; a hash repeated inside one store, also inside a new chain
 written through), removals deepest first,
-parent first, in random order and with unknown hashes, clears of one or both tiers,
+parent first, in random order and with unknown hashes (the spans ``remove`` reports are
+checked against their definition), clears of one or both tiers,
 snapshots with and without parents — some under a small ``max_blocks`` cap, and after
 every operation:
 
@@ -78,6 +79,20 @@ def _compare(a: ref_index.BlockIndex, b: run_index.BlockIndex, paths: list[list[
         assert a.prefix_drops(p) == b.prefix_drops(p), where
 
 
+def _check_spans(removed: list[int], spans: list[tuple[int, int, bool]], links: dict[int, object], where: str) -> None:
+    """``BlockIndex.remove``'s spans, by their definition: they cut the returned list into
+    consecutive stretches, in order (every removed block is in one), and each stretch is a
+    chain of the parent links the per-block model holds (``links``: hash → parent, read
+    before the removal): parent first, or deepest first when flagged."""
+    pos = 0
+    for s0, s1, down in spans:
+        assert s0 == pos and s1 > s0, (where, spans, removed)
+        chain = removed[s0:s1][::-1] if down else removed[s0:s1]
+        assert all(links[y] == x for x, y in zip(chain, chain[1:])), (where, spans, removed)
+        pos = s1
+    assert pos == len(removed), (where, spans, removed)
+
+
 def _run(seed: int, ops: int, written_through: bool = False) -> None:
     rng = random.Random(seed)
     cap = {"max_blocks": 30} if seed % 5 == 0 else {}
@@ -134,7 +149,13 @@ def _run(seed: int, ops: int, written_through: bool = False) -> None:
                 hs = rng.sample(hs, len(hs))
             if rng.random() < 0.1:
                 hs = hs + [424_242] + hs[:1]  # an unknown hash and a repeated one
-            assert a.remove(node, tier, hs) == b.remove(node, tier, hs), where
+            if rng.random() < 0.1:
+                hs = [424_243] + hs  # unknown first: every span starts after it
+            links = {h: a.entries[h][1] for h in hs if h in a.entries}  # before the removal drops entries
+            spans: list[tuple[int, int, bool]] = []
+            removed = b.remove(node, tier, hs, spans)
+            assert a.remove(node, tier, hs) == removed, where
+            _check_spans(removed, spans, links, where)
         elif op < 0.9:
             t = rng.choice([None, 0, 1])
             ra, rb = a.clear(node, t), b.clear(node, t)
