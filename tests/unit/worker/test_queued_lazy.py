@@ -5,7 +5,7 @@ pool moves pages as the per-block reference model does."""
 
 from __future__ import annotations
 
-from services.worker.blocks import KvBlockManager
+from services.worker.blocks import BranchRunHostPool, KvBlockManager
 from tests.unit.worker import ref_blocks
 from tests.unit.worker.test_count_message_cut import compute, order
 
@@ -81,3 +81,44 @@ def test_a_message_of_l1_pages_ending_a_run_reads_no_set_and_moves_as_the_model(
         assert (moved, got) == (want_moved, want), name
         assert moved == (1 if reads else 0), name
         kv.check([])
+
+
+def test_a_lazy_run_evicted_around_a_held_page_puts_the_pages_left_in_the_set(monkeypatch):
+    """A write-through that evicts around a held page (``_evict_holes``: a broken hold's page
+    stored again above a held one) cuts the run it evicts from into pieces, new runs. When
+    that run is still lazy (queued since the set was last read), its pages are put in the set
+    first (``BranchRunHostPool._evict_holes``' flush): else the pieces, no longer lazy nor
+    named by the lazy list, never enter it, and a later count message naming one of their
+    pages finds it unqueued and moves nothing (here 3 stays in group 1; the model moves it to
+    group 0). No set is read between the eviction and the message (``check`` reads it)."""
+    holes = BranchRunHostPool._evict_holes
+    lazy_cut: list[list[int]] = []
+
+    def spy(self, r, c, lim, out):
+        if r.lazy:
+            lazy_cut.append(list(r.keys))
+        return holes(self, r, c, lim, out)
+
+    monkeypatch.setattr(BranchRunHostPool, "_evict_holes", spy)
+
+    def run(impl):
+        kv = impl(4, 6, 4, "branch-count")
+        compute(kv, [1, 2, 3])
+        kv.hold([1, 2, 3], 3)  # a queued request holds [1 2 3] (never unheld here)
+        kv.update_counts([3], [1])  # 3 counted: queued in group 1, [1 2] in group 0
+        # L1 evicts [1 2 3]; the write-through of [7..10] finds every queued page held and
+        # takes 2 (group 0's deep end): its hold breaks (owed by the holder), 1 and 3 stay held
+        compute(kv, [7, 8, 9, 10])
+        compute(kv, [1, 2, 3])  # 2 stored again, unheld, between held 1 and 3
+        kv.update_counts([2], [1])  # 2 counted too: [2 3] will be one group-1 run
+        # L1 evicts [1 2 3] and 7: lazy runs [1] and [2 3]; the write-through of [20..23]
+        # evicts 9, 8, 7 (unheld), then 2 from around held 3 (the run's held deep end)
+        compute(kv, [20, 21, 22, 23])
+        moved = kv.update_counts([3], [0])  # 3 (queued) back to count 0: to group 0
+        return kv, moved, order(kv)
+
+    kv, moved, got = run(KvBlockManager)
+    assert lazy_cut == [[2, 3]]  # the eviction did cut a lazy run around a held page
+    _, want_moved, want = run(ref_blocks.KvBlockManager)
+    assert (moved, got) == (want_moved, want) == (1, [(1, 0), (3, 0)])
+    kv.check([])
