@@ -1525,6 +1525,10 @@ class BranchRunHostPool(RunHostPool):
         it. The pages L1 evicts and later restores are most queued pages (at 64-token blocks
         ~4.2M of 5.5M in a 600-s evolving run); the set is read by a count message that may
         name a queued page, ~4 s apart per node there (1,438 in 600 s on 9 nodes)."""
+        self._lazy_pages = 0
+        """Pages of the runs in :attr:`_lazy` when each was queued: the list is flushed once
+        they pass twice L2's capacity (:meth:`_index`), as the runs that left the queue keep
+        their keys until then."""
         self._counted: set[int] = set()
         """:attr:`counted`, less the discards still owed to :attr:`_fresh` (read it through
         :attr:`counted` or after :meth:`_settle`)."""
@@ -1549,8 +1553,12 @@ class BranchRunHostPool(RunHostPool):
 
     def _index(self, r: _HostRun) -> None:
         lazy = self._lazy
-        if len(lazy) > 2 * len(self.first) + 1024:  # bounded while the set goes unread (dead runs)
+        n = self._lazy_pages + len(r.keys)
+        # bounded while the set goes unread: in runs (dead ones) and in the pages they keep
+        if n > 2 * self.capacity or len(lazy) > 2 * len(self.first) + 1024:
             self._flush()
+            n = len(r.keys)
+        self._lazy_pages = n
         r.lazy = True
         lazy.append(r)
 
@@ -1575,6 +1583,7 @@ class BranchRunHostPool(RunHostPool):
                 if keys and first.get(keys[0]) is r:
                     queued.update(keys)
         self._lazy.clear()
+        self._lazy_pages = 0
 
     @property
     def queued(self) -> set[int]:

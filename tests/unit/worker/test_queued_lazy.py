@@ -50,6 +50,23 @@ def test_the_lazy_list_stays_bounded_while_the_set_goes_unread():
     kv.check([])
 
 
+def test_the_lazy_list_stays_bounded_in_pages_too():
+    """Runs of many pages, restored to L1 before a read: the lazy list's runs keep their keys,
+    so it is bounded by pages too (flushed past twice L2's capacity), not only by runs (1,028
+    runs here; at 64-token blocks 1,534 lazy runs held 91,050 page refs with 40,000 in L2)."""
+    kv = KvBlockManager(8, 40, 4, "branch-count")
+    host = kv.host
+    a, b = list(range(1, 9)), list(range(11, 19))
+    most = 0
+    for _ in range(200):  # each path evicts the other from L1 (8 pages) and is restored: no read
+        compute(kv, a)
+        compute(kv, b)
+        most = max(most, sum(len(r.keys) for r in host._lazy))
+    assert most <= 2 * 40 + 8
+    assert host.queued == set(a)
+    kv.check([])
+
+
 SUFFIX_MESSAGES = {
     # L1 pages from mid-path to the end of their run: answered from L1, the set is not read
     "l1-tail": ([3, 4], [1, 1], False),
