@@ -1007,14 +1007,19 @@ class LocalCluster:
         routers' ``--shutdown-grace-s`` (:meth:`router_grace_s`) + 5 s, so the streams open on them finish; then the
         rest stop as above (a router still draining gets SIGINT; so does every router at once when ``interrupt`` is set
         meanwhile: ``up``'s Ctrl-C during that drain is the quick stop). Before, they got SIGINT at once: with
-        ``--routers 2`` and one router SIGTERMed, the other's open streams ended with 503 "router shutting down"."""
+        ``--routers 2`` and one router SIGTERMed, the other's open streams ended with 503 "router shutting down".
+        No drain when the embedded nats-server is what exited (or exited meanwhile): without the bus no stream can
+        finish, and the drain waited out the whole grace (21 s with the default 20 s; ~1 s before that drain)."""
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(BaseException):
                 await self._supervisor
             self._supervisor = None
         order = sorted(self.children, key=lambda c: 0 if is_router(c.name) else {"planner": 1, "kvdirectory": 2}.get(c.name, 3))
-        draining = [c for c in order if drain_routers and is_router(c.name) and c.proc and c.proc.poll() is None]
+        bus_down = self.nats is not None and not self.nats.alive()
+        if drain_routers and bus_down:
+            log.info("nats-server exited: the routers stop without a drain (no stream can finish without the bus)")
+        draining = [c for c in order if drain_routers and not bus_down and is_router(c.name) and c.proc and c.proc.poll() is None]
         for c in draining:
             assert c.proc is not None
             c.proc.send_signal(signal.SIGTERM)
@@ -1022,7 +1027,8 @@ class LocalCluster:
             log.info("routers draining before the cluster stops", routers=[c.name for c in draining], grace_s=self.router_grace_s())
             deadline = time.monotonic() + self.router_grace_s() + 5.0
             while (any(c.proc is not None and c.proc.poll() is None for c in draining) and time.monotonic() < deadline
-                   and not (interrupt is not None and interrupt.is_set())):  # fmt: skip
+                   and not (interrupt is not None and interrupt.is_set())
+                   and not (self.nats is not None and not self.nats.alive())):  # fmt: skip
                 await asyncio.sleep(0.05)
         for c in order:
             if c.proc and c.proc.poll() is None:

@@ -10,7 +10,7 @@ counter in ``LOG_DIR/cluster.json``), a dead nats-server is started again on the
 same port; ``--no-restart`` stops the whole cluster on the first exit instead.
 Its stop is a fast one: the router gets SIGINT (no ``--shutdown-grace-s`` drain: what is open
 fails with "router shutting down"), but when ``--no-restart`` stops the cluster because a service exited (nobody asked
-for a quick stop) the routers get SIGTERM and drain first, the other services serving meanwhile; a SIGTERM sent to the router process alone drains it, and
+for a quick stop) the routers get SIGTERM and drain first, the other services serving meanwhile (not when the nats-server is what exited: no stream finishes without it); a SIGTERM sent to the router process alone drains it, and
 the supervisor restarts it once it has exited (at once: a clean exit has no backoff). ``up`` holds the
 router's listening socket (``LocalCluster.router_socket``, the router's ``--listen-fd``), so clients that
 connect while the router drains, exits and starts again wait for the next one instead of being refused

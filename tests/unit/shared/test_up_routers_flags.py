@@ -7,13 +7,19 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from evolving_infra.cli import UsageError, build_parser
-from evolving_infra.cluster import ClusterSpec, LocalCluster, is_router, router_names
+from evolving_infra.cluster import ClusterSpec, LocalCluster, _Child, is_router, router_names
 from evolving_infra.launcher import _spec, routers_line
+from shared.natsserver import EmbeddedNatsServer
 
 
 def _args(tmp_path, *extra: str):  # type: ignore[no-untyped-def]
@@ -133,3 +139,43 @@ def test_the_drain_wait_of_a_stop_on_its_own_is_the_routers_shutdown_grace(tmp_p
     ]
     for args, want in cases:
         assert LocalCluster(msgspec.structs.replace(spec, router_args=args)).router_grace_s() == want, args
+
+
+def _draining_router(tmp_path: Path) -> _Child:
+    """A process named ``router`` that keeps draining: SIGTERM ignored (a router with streams open), SIGINT (its quick
+    stop) ends it."""
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+    router = _Child("router", [sys.executable, "-c", code], tmp_path / "router.log")
+    router.proc = subprocess.Popen(router.argv, stdout=subprocess.PIPE)
+    assert router.proc.stdout is not None and router.proc.stdout.readline() == b"up\n"  # its SIGTERM is ignored now
+    return router
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_stop_on_its_own_does_not_wait_out_the_routers_drain_once_the_nats_server_died(tmp_path, monkeypatch, when):
+    """rr-mr2: ``up --no-restart`` stopping because its nats-server died (``drain_routers=True``) SIGTERMed the routers
+    and waited their whole ``--shutdown-grace-s`` (+ 5 s: 21.4 s in a review's run, ~1 s before that drain), though no
+    stream can finish without the bus. Now no drain when the embedded nats-server is dead, and a drain ends when it
+    dies meanwhile. Real nats-server, real processes; grace 20 s: before, this stop took 25 s."""
+    monkeypatch.setenv("EI_SHUTDOWN_GRACE_S", "20")
+    c = LocalCluster(_spec(_args(tmp_path)))
+    c.log_dir = tmp_path
+    router = _draining_router(tmp_path)
+    c.children = [router]
+    c.nats = EmbeddedNatsServer(jetstream=False).start()
+    assert c.nats.proc is not None
+    if when == "before":
+        c.nats.proc.kill()
+        c.nats.proc.wait()
+    else:
+        threading.Timer(0.5, c.nats.proc.kill).start()
+    t0 = time.monotonic()
+    try:
+        asyncio.run(c.stop(drain_routers=True))
+    finally:
+        if router.proc.poll() is None:
+            router.proc.kill()
+        router.proc.wait()
+    took = time.monotonic() - t0
+    assert took < 5.0, took
+    assert router.proc.returncode != 0  # ended by its quick stop (SIGINT), not a drain
