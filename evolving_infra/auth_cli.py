@@ -122,6 +122,11 @@ def cmd_stream(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_ROUTER_COUNT = 1024
+"""``auth gen --routers N``: the largest count taken (one identity per router; a typo such as 99999999999 would
+otherwise build that many names before anything is written)."""
+
+
 def cmd_auth(args: argparse.Namespace) -> int:
     if args.auth_command == "stream":
         return cmd_stream(args)
@@ -130,7 +135,11 @@ def cmd_auth(args: argparse.Namespace) -> int:
     # a count, as up's --routers N: up's names (router, router-1, ...); ASCII digits only (str.isdigit() took '²',
     # which int() refuses: a traceback)
     if re.fullmatch(r"[0-9]+", args.routers.strip()):
-        count = int(args.routers)
+        count = int(args.routers[:12])  # a longer count is refused below without building it (e.g. 99999999999 names)
+        if len(args.routers.strip()) > 4 or count > MAX_ROUTER_COUNT:
+            print(f"error: --routers {args.routers}: at most {MAX_ROUTER_COUNT} routers by count (or name them, "
+                  "comma-separated)", file=sys.stderr)  # fmt: skip
+            return 2
         if count < 1:
             print(f"error: --routers {args.routers}: a count of at least 1 (up's names: router, router-1, ...) or "
                   "router instance names, comma-separated (e.g. router,router-1)", file=sys.stderr)  # fmt: skip

@@ -290,3 +290,18 @@ def test_auth_gen_routers_takes_a_count_as_up_does_or_names(tmp_path, capsys):
     assert main(["auth", "gen", "--dir", str(tmp_path / "s"), "--nodes", "w0", "--routers", "\u00b2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err, err
+
+
+def test_auth_gen_routers_count_is_capped(tmp_path, capsys):
+    """A count past ``MAX_ROUTER_COUNT`` (a typo such as 99999999999) is refused at once, exit 2, before any name is
+    built or file written (review: it built that many names, running out of memory); the cap itself is taken."""
+    from evolving_infra.auth_cli import MAX_ROUTER_COUNT
+    from evolving_infra.cli import main
+
+    for bad in ("99999999999", str(MAX_ROUTER_COUNT + 1), "00001025"):
+        assert main(["auth", "gen", "--dir", str(tmp_path / "x"), "--nodes", "w0", "--routers", bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert err.startswith("error: --routers ") and f"at most {MAX_ROUTER_COUNT}" in err, err
+        assert not (tmp_path / "x").exists()
+    assert main(["auth", "gen", "--dir", str(tmp_path / "ok"), "--nodes", "w0", "--routers", "3"]) == 0
+    assert {"router", "router-1", "router-2"} <= {p.stem for p in (tmp_path / "ok").iterdir()}
