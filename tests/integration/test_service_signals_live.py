@@ -148,8 +148,8 @@ sys.exit(run_service_main("draining", CommonConfig(nats_url=sys.argv[1]), Draini
 
 
 @pytest.mark.parametrize(("mode", "rc", "line"), [
-    ("raise", 1, "draining: draining draining: drain failed: RuntimeError('drain broke')"),
-    ("fatal", 1, "draining: draining draining: task fence failed: RuntimeError('loop died')"),
+    ("raise", 1, "draining: drain failed: RuntimeError('drain broke')"),
+    ("fatal", 1, "draining: task fence failed: RuntimeError('loop died')"),
     ("ok", 0, None),
 ], ids=["drain-raises", "fatal-during-drain", "clean-drain"])
 def test_a_failure_during_the_sigterm_drain_exits_non_zero(mode, rc, line, nats_url, tmp_path):
@@ -193,4 +193,4 @@ def test_a_fatal_error_while_stopping_exits_non_zero(sig, nats_url, tmp_path):
             proc.wait()
     text = log.read_text(errors="replace")
     assert got == 1, text[-2000:]
-    assert "draining: draining draining: task flush failed: RuntimeError('flush failed')" in text.splitlines(), text[-2000:]
+    assert "draining: task flush failed: RuntimeError('flush failed')" in text.splitlines(), text[-2000:]
