@@ -28,7 +28,7 @@ import re
 import sys
 
 from evolving_infra.stdio_args import folder
-from shared.auth import AuthError, NatsAuth, auth_from_env, generate, redact_url, write_private
+from shared.auth import AuthError, NatsAuth, auth_from_env, generate, redact_url, router_names, write_private
 
 
 async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: float) -> str:
@@ -144,7 +144,7 @@ def cmd_auth(args: argparse.Namespace) -> int:
             print(f"error: --routers {args.routers}: a count of at least 1 (up's names: router, router-1, ...) or "
                   "router instance names, comma-separated (e.g. router,router-1)", file=sys.stderr)  # fmt: skip
             return 2
-        routers = ["router" if i == 0 else f"router-{i}" for i in range(count)]  # evolving_infra.cluster.router_names
+        routers = router_names(count)
     names = ["planner", "kvdirectory", *routers, *(f"worker-{n}" for n in nodes)]
     try:
         creds = generate(args.dir, [n for n in names if n], partition=args.partition, mode=args.mode)

@@ -32,7 +32,7 @@ import msgspec
 import structlog
 
 from shared import messages as m
-from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url
+from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url, router_names
 from shared.bus import Bus, BusError, PermissionDenied, stream_api_subject, stream_name
 from shared.config import ENV_PREFIX, CommonConfig
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent, exit_text, signal_text
@@ -216,17 +216,6 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
             ProfileError: the profile cannot be loaded or a KV size is invalid (``shared.profile.with_kv_tokens``).
         """
         return with_kv_tokens(load_profile(self.profile), self.gpu_kv_tokens, self.host_kv_tokens)
-
-
-def router_names(n: int) -> list[str]:
-    """Names of ``n`` router instances: ``router``, ``router-1``, ..., ``router-{n-1}``.
-
-    Raises:
-        ValueError: ``n`` below 1 (a cluster needs a router).
-    """
-    if n < 1:
-        raise ValueError(f"routers {n}: a cluster needs at least one router")
-    return ["router" if i == 0 else f"router-{i}" for i in range(n)]
 
 
 def is_router(name: str) -> bool:

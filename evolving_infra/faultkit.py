@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from shared import messages as m
+from shared.auth import router_names
 from shared.bus import Bus, BusError
 from shared.clock import SimClock
 from shared.natsserver import EmbeddedNatsServer, die_with_parent, exit_text
@@ -119,7 +120,7 @@ class FaultCluster:
         return SimClock(self.spec.speedup, self.origin)
 
     def router_names(self) -> list[str]:
-        return ["router" if i == 0 else f"router-{i}" for i in range(self.spec.routers)]
+        return router_names(self.spec.routers)
 
     def router_url(self, i: int = 0) -> str:
         """HTTP base URL of router ``i`` (read from its port file)."""

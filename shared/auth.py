@@ -128,6 +128,18 @@ def identity(name: str) -> Identity:
     return Identity(name, kind)
 
 
+def router_names(n: int) -> list[str]:
+    """Names of ``n`` router instances: ``router``, ``router-1``, ..., ``router-{n-1}`` (identities of kind router,
+    :func:`identity`): ``up --routers N``'s processes, ``auth gen --routers N``'s identities, the fault kit's routers.
+
+    Raises:
+        ValueError: ``n`` below 1 (a cluster needs a router).
+    """
+    if n < 1:
+        raise ValueError(f"routers {n}: a cluster needs at least one router")
+    return ["router" if i == 0 else f"router-{i}" for i in range(n)]
+
+
 def subject_matches(pattern: str, subject: str) -> bool:
     """NATS wildcard match: ``*`` is one token, a final ``>`` one or more."""
     pt, st = pattern.split("."), subject.split(".")
