@@ -34,7 +34,7 @@ import structlog
 from shared import messages as m
 from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url, router_names
 from shared.bus import Bus, BusError, PermissionDenied, stream_api_subject, stream_name
-from shared.config import ENV_PREFIX, CommonConfig
+from shared.config import ENV_PREFIX, CommonConfig, ConfigError, field_from_text
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent, exit_text, signal_text
 from shared.net import http_url, listen_socket
 from shared.profile import Profile, load_profile, with_kv_tokens
@@ -1064,9 +1064,9 @@ class LocalCluster:
                 given = args[i + 1]
             elif a.startswith("--shutdown-grace-s="):
                 given = a.split("=", 1)[1]
-        try:
-            value = float(given) if given is not None else default
-        except ValueError:
+        try:  # read as the router reads it (shared.config: its type and constraints), not a parser of our own
+            value = float(field_from_text(RouterConfig, "shutdown_grace_s", given)) if given is not None else default
+        except ConfigError:
             return default
         return value if math.isfinite(value) and value >= 0 else default
 
