@@ -1098,6 +1098,15 @@ class RouterService(WatchedService):
         gauges.update(mg)
         return counters, gauges
 
+    async def _publish_abort(self, node: str, msg: m.RequestAbort, attempt: int | None = None) -> None:
+        """Tell ``node`` to drop ``msg.rid`` (``work.abort``), stamped with this router's instance id
+        (``RequestAbort.router``: a node drops only a request this router owns) and, when ``attempt``
+        is given, that attempt (the node drops attempts <= it). The one place the router sends an
+        abort; raises what ``bus.publish`` raises (a caller in the background runs it under
+        :meth:`_spawn`, which counts and logs a failure)."""
+        msg = msgspec.structs.replace(msg, attempt=msg.attempt if attempt is None else attempt, router=self.bus.instance)
+        await self.bus.publish(WORK_ABORT, msg, node=node)
+
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run a publish in the background (used where awaiting is not possible, e.g. under cancellation).
         One that raises is counted (``publish_errors``) and logged at warning with its traceback (before:
@@ -1262,7 +1271,7 @@ class RouterService(WatchedService):
                 # bind): error, as the router's own 503s; abort is a client that went away, or a shutdown
                 self._end_decided(p, "error")
                 for node, msg in self.core.abort(chunk.rid, f"{chunk.finish_reason} on {chunk.node}", skip=chunk.node, now=now):
-                    await self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt, router=self.bus.instance), node=node)
+                    await self._publish_abort(node, msg, p.attempt)
             else:
                 self.core.finish(chunk.rid, now)
                 self._end_decided(p, chunk.finish_reason or "length")
@@ -1336,9 +1345,8 @@ class RouterService(WatchedService):
             p.stale_aborted.add(key)
             self.counters["aborts.superseded"] += 1
             self.log.info("output of a superseded attempt dropped; node told to stop", rid=p.rid, node=chunk.node, attempt=chunk.attempt)
-            abort = m.RequestAbort(rid=p.rid, reason=f"attempt {chunk.attempt} superseded by attempt {p.attempt}", attempt=chunk.attempt,
-                                     router=self.bus.instance)  # fmt: skip
-            self._spawn(self.bus.publish(WORK_ABORT, abort, node=chunk.node))
+            abort = m.RequestAbort(rid=p.rid, reason=f"attempt {chunk.attempt} superseded by attempt {p.attempt}")
+            self._spawn(self._publish_abort(chunk.node, abort, chunk.attempt))
 
     # -- decode binding at prefill start, work handed back ------------------ #
 
@@ -1830,7 +1838,7 @@ class RouterService(WatchedService):
             p.queue.put_nowait(_Failure(503, reason + "; request failed"))
         else:
             for n, msg in self.core.abort(rid, reason, now=self.clock.now()):
-                self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, router=self.bus.instance), node=n))
+                self._spawn(self._publish_abort(n, msg))
         self.counters["fenced_requests_failed"] += 1
 
     def _fence_request_failed(self, rid: str, node: str, reason: str, e: Exception) -> None:
@@ -2040,7 +2048,7 @@ class RouterService(WatchedService):
         old = p.attempt
         unbound = self.core.pending_binding(p.rid)  # its decode node not bound yet (route.bind): no decode started
         for n, msg in self.core.abort(p.rid, reason, now=now):
-            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=old, router=self.bus.instance), node=n))
+            self._spawn(self._publish_abort(n, msg, old))
         p.attempt += 1
         assert p.rreq is not None and p.cur is not None
         if p.attempt_first:  # its decode (or collocated) node died while decoding
@@ -2104,7 +2112,7 @@ class RouterService(WatchedService):
         if aborts:
             self.counters["aborts.stop"] += 1
         for node, msg in aborts:
-            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt, router=self.bus.instance), node=node))
+            self._spawn(self._publish_abort(node, msg, p.attempt))
 
     def _output_text(self, req: Any) -> OutputText:
         """The request's :class:`OutputText` (its ``stop`` strings, ``stop_token_ids``, ``min_tokens``,
@@ -2151,7 +2159,7 @@ class RouterService(WatchedService):
             self.counters["aborts"] += 1
             self.counters[f"aborts.{why}"] += 1
         for node, msg in aborts if tell_nodes else ():
-            self._spawn(self.bus.publish(WORK_ABORT, msgspec.structs.replace(msg, attempt=p.attempt, router=self.bus.instance), node=node))
+            self._spawn(self._publish_abort(node, msg, p.attempt))
 
     # ------------------------------------------------------------------ #
     # HTTP

@@ -562,7 +562,7 @@ async def test_silent_prefill_node_is_fenced_and_its_request_redispatched(nats_u
         again = [w for w in env.cluster.works if w.rid == rid]
         assert [(w.attempt, w.prompt_tokens, w.output_offset) for w in again] == [(0, 3, 0), (1, 3, 0)]
         await _wait_for(lambda: len(env.cluster.aborts) >= 2, what="aborts")
-        assert sorted((n, a.rid, a.attempt) for n, a in env.cluster.aborts) == [("d0", rid, 0), ("p0", rid, 0)]
+        assert sorted((n, a.rid, a.attempt, a.router) for n, a in env.cluster.aborts) == [("d0", rid, 0, "router"), ("p0", rid, 0, "router")]
         cl = (await env.http.get("/v1/cluster")).json()
         p0 = next(n for n in cl["nodes"] if n["node"] == "p0")
         assert p0["fenced"] is True and p0["eligible"] is False and p0["fence_events"] == 1
@@ -684,6 +684,7 @@ async def test_stale_attempt_output_is_dropped_and_its_node_told_to_stop(nats_ur
         env.cluster.alive.add(node0)  # back: it sends the old attempt's output
         await env.bus.publish(REQ_OUT, m.TokenChunk(rid=first.rid, node=node0, index=0, token_ids=[5, 6], attempt=0), rid=first.rid)
         await _wait_for(lambda: any(a.attempt == 0 and n == node0 and "superseded" in a.reason for n, a in env.cluster.aborts), what="abort")
+        assert {a.router for _, a in env.cluster.aborts} == {"router"}  # stamped: a node drops only a request this router owns
         other = env.service.core.view.placement(first.rid)[0]
         ids = [output_token(i) for i in range(4)]
         for i, t in enumerate(ids):
@@ -812,6 +813,7 @@ async def test_client_disconnect_publishes_aborts(nats_url, tmp_path):
             with contextlib.suppress(asyncio.CancelledError):
                 await req
             await _wait_for(lambda rid=rid: {x for x, a in env.cluster.aborts if a.rid == rid} == {"p0", "d0"}, what="aborts")
+            assert {a.router for _, a in env.cluster.aborts if a.rid == rid} == {"router"}
             await _wait_for(lambda: env.service.core.view.inflight_total == 0, what="request forgotten")
         st = await env.stats()
         assert st.counters["aborts.client_disconnect"] == 2
