@@ -679,7 +679,9 @@ def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: b
     profile and KV sizes the workers run. Empty for ``--kv-pool off``.
 
     Raises:
-        UsageError: ``--kv-pool-slot-bytes`` without ``--kv-pool real``; ``one_host`` False (``deploy-args``: its
+        UsageError: ``--kv-pool-slot-bytes`` without ``--kv-pool real``; with ``one_host`` (``up``, ``demo``), with
+            or without the pool, an ``EI_KV_POOL_MAX_BYTES`` every worker would refuse (:func:`kv_pool_max_bytes`: every
+            worker reads it from the environment it inherits, and exited 2 at start); ``one_host`` False (``deploy-args``: its
             flags carry no worker extras), said before anything is checked on this host; Mooncake not installed; the
             pool would not fit (``pool_geometry``, ``--engine sim`` only: a torch worker's slot is its model's page,
             checked by the worker); not enough free port ranges on this host.
@@ -688,6 +690,8 @@ def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: b
     if getattr(args, "kv_pool", "off") != "real":
         if slot:  # it would be dropped without a word
             raise UsageError(f"error: --kv-pool-slot-bytes {slot} sizes the real-bytes pool: give --kv-pool real too")
+        if one_host:  # every worker reads it from the environment it inherits, pool or not: a bad one kills each at start
+            kv_pool_max_bytes(os.environ)
         return {}
     if not one_host:  # deploy-args prints service_flags, which carry no worker_args: refused, not dropped
         raise UsageError("error: deploy-args does not support --kv-pool real (up's and demo's: one host, a range of "
@@ -727,7 +731,8 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
 
     Raises:
         UsageError: (status 2) flags ``up`` refuses: a split that does not fit the nodes, a bad metrics port,
-            trace endpoint, tokenizer, model folder or KV size; with ``one_host`` False, ``--routers`` other than 1.
+            trace endpoint, tokenizer, model folder or KV size; with ``one_host``, an ``EI_KV_POOL_MAX_BYTES`` the workers
+            would refuse; with ``one_host`` False, ``--routers`` other than 1.
     """
     if args.nodes < 1:  # before the default split (collocated for any N < 2) and the planner check (sized >= 1)
         raise UsageError(f"error: --nodes {args.nodes}: a cluster needs at least one worker node")

@@ -161,3 +161,21 @@ def test_hundreds_of_workers_get_disjoint_ranges_at_once_and_too_many_a_usage_er
     args = argparse.Namespace(kv_pool="real", kv_pool_slot_bytes=256, engine="sim", nodes=300)
     with pytest.raises(UsageError, match=r"only \d+ of 300 ranges of 32 free TCP ports"):
         _kv_pool_values(args, spec, one_host=True)
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_a_bad_limit_is_refused_without_the_pool_too(command, tmp_path, monkeypatch):
+    """Every worker reads ``EI_KV_POOL_MAX_BYTES`` from the environment it inherits, with the pool off too: a value
+    they refuse killed each worker at start (exit 2, in its own log). ``up`` checked it only with ``--kv-pool real``;
+    now always, with the worker's parser and message. ``deploy-args`` leaves it (its workers run elsewhere, in
+    another environment)."""
+    args = build_parser(command).parse_args([command, "--log-dir", str(tmp_path)])
+    monkeypatch.setenv("EI_KV_POOL_MAX_BYTES", "0")
+    with pytest.raises(ConfigError):  # what each worker does with it
+        resolve_config(WorkerConfig, {}, env={"EI_KV_POOL_MAX_BYTES": "0"})
+    with pytest.raises(UsageError, match=r"^error: EI_KV_POOL_MAX_BYTES='0': invalid configuration: Expected `int` >= 1 "
+                                         r".*\(every worker inherits it\)$"):
+        _spec(args)
+    assert _spec(args, one_host=False) is not None
+    monkeypatch.setenv("EI_KV_POOL_MAX_BYTES", "4096")
+    assert _spec(args) is not None
