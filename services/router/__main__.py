@@ -12,7 +12,7 @@ import sys
 
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
-from shared.service import run_service_main
+from shared.service import process_label, run_service_main
 
 from services.router.config import RouterConfig
 from services.router.service import RouterService
@@ -23,32 +23,37 @@ from shared.tokenizer import TokenizerError, load_tokenizer
 def main(argv: list[str] | None = None) -> int:
     """Parse the config, check policy, tokenizer and ``--listen-fd``, run the service; returns the exit status: 0 after
     SIGINT/SIGTERM, 2 on a bad configuration, 1 when a task the router needs ended (``ServiceFailed``:
-    one line on stderr naming the task; the traceback is in the router's log)."""
+    one line on stderr naming the task; the traceback is in the router's log). A line after the configuration is read
+    names the instance where it is not ``router`` (``router router-2: --listen-fd 9 is not ...``, as every service's
+    exit line, :func:`~shared.service.process_label`): ``up --routers N`` runs router, router-1, ...; each said
+    ``router:``."""
     try:
         cfg = load_config(RouterConfig, argv, prog="router", description="Evolving Infra router: OpenAI-compatible HTTP ingress and PD routing")
     except ConfigError as e:
         print(f"router: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_format, cfg.log_level, service="router")
+    instance = cfg.instance or "router"
+    label = process_label("router", instance)
     try:
         cfg.routing_policy()  # unknown policy, bad option or profile → exit 2
         tokenizer = load_tokenizer(cfg.tokenizer)
     except (ValueError, TokenizerError) as e:
-        print(f"router: {e}", file=sys.stderr)
+        print(f"{label}: {e}", file=sys.stderr)
         return 2
     if cfg.listen_fd >= 0:
         try:  # before NATS and the services' start: a bad descriptor is one line and exit 2, not a traceback later
             inherited_socket(cfg.listen_fd).detach()
         except OSError as e:
-            print(f"router: {e.strerror}", file=sys.stderr)
+            print(f"{label}: {e.strerror}", file=sys.stderr)
             return 2
     for note in getattr(tokenizer, "notes", []):
-        print(f"router: note: {note}", file=sys.stderr)
+        print(f"{label}: note: {note}", file=sys.stderr)
 
     def factory(c, bus, clock):  # type: ignore[no-untyped-def]
         return RouterService(c, bus, clock, tokenizer=tokenizer)
 
-    return run_service_main("router", cfg, factory, instance=cfg.instance or "router")
+    return run_service_main("router", cfg, factory, instance=instance)
 
 
 if __name__ == "__main__":
