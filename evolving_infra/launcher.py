@@ -671,6 +671,50 @@ def kv_pool_max_bytes(environ: Mapping[str, str]) -> int:
         raise UsageError(f"error: {name}={text!r}: {e} (every worker inherits it)") from None
 
 
+def kv_liveness_times(environ: Mapping[str, str]) -> tuple[float, float]:
+    """The KV directory's ``--kv-stale-after-s`` and the workers' ``--kv-alive-interval-s`` (wall s) in the cluster
+    ``up`` starts: ``up`` sets neither flag, so each service reads its own from the environment it inherits
+    (``EI_KV_STALE_AFTER_S``, ``EI_KV_ALIVE_INTERVAL_S`` in ``environ``) with its own config
+    (:func:`~shared.config.field_from_text`); unset, the service's default (10 s, 1 s).
+
+    A serving worker that stores no block (a long decode) sends an empty KV batch every ``--kv-alive-interval-s``
+    and nothing between: with ``--kv-stale-after-s`` at or below that, the directory called a healthy decoding
+    node's view stale between two of them (left out of lookups, a needless resync). Nothing checked the relation.
+
+    Returns:
+        (stale_after_s, alive_interval_s).
+
+    Raises:
+        UsageError: a value the service would refuse (with its message), or ``stale_after_s <= alive_interval_s``:
+            one line naming both flags and their variables.
+    """
+    import msgspec
+
+    from services.kvdirectory.config import DirectoryConfig
+    from services.worker.config import WorkerConfig
+    from shared.config import ConfigError, env_name, field_from_text
+
+    def read(cls: Any, name: str, who: str) -> float:
+        text = environ.get(env_name(name))
+        if text is None:
+            return float(next(f.default for f in msgspec.structs.fields(cls) if f.name == name))
+        try:
+            return float(field_from_text(cls, name, text))
+        except ConfigError as e:
+            raise UsageError(f"error: {env_name(name)}={text!r}: {e} ({who} inherits it)") from None
+
+    stale = read(DirectoryConfig, "kv_stale_after_s", "the KV directory")
+    alive = read(WorkerConfig, "kv_alive_interval_s", "every worker")
+    if stale <= alive:
+        raise UsageError(
+            f"error: the KV directory's --kv-stale-after-s ({env_name('kv_stale_after_s')}) is {stale:g} s, not more than "
+            f"the workers' --kv-alive-interval-s ({env_name('kv_alive_interval_s')}) {alive:g} s: a healthy decoding "
+            "node sends a KV batch only every --kv-alive-interval-s and would be called stale between two; give "
+            "--kv-stale-after-s a few times --kv-alive-interval-s (defaults 10 s and 1 s)"
+        )
+    return stale, alive
+
+
 def _kv_pool_values(args: argparse.Namespace, sized: ClusterSpec, *, one_host: bool) -> dict[str, object]:
     """Cluster fields for ``--kv-pool real``: every worker's ``--kv-pool real`` (and ``--kv-pool-slot-bytes``), and,
     each worker its own range of :data:`KV_POOL_PORTS_PER_WORKER` Mooncake ports (``--kv-pool-ports``: two workers
@@ -732,7 +776,8 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     Raises:
         UsageError: (status 2) flags ``up`` refuses: a split that does not fit the nodes, a bad metrics port,
             trace endpoint, tokenizer, model folder or KV size; with ``one_host``, an ``EI_KV_POOL_MAX_BYTES`` the workers
-            would refuse; with ``one_host`` False, ``--routers`` other than 1.
+            would refuse, or a KV directory ``--kv-stale-after-s`` not above the workers' ``--kv-alive-interval-s``
+            (:func:`kv_liveness_times`); with ``one_host`` False, ``--routers`` other than 1.
     """
     if args.nodes < 1:  # before the default split (collocated for any N < 2) and the planner check (sized >= 1)
         raise UsageError(f"error: --nodes {args.nodes}: a cluster needs at least one worker node")
@@ -786,6 +831,8 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     otlp = getattr(args, "otlp_traces_endpoint", "")
     if otlp and not re.fullmatch(r"https?://\S+", otlp):  # each service would refuse it (exit 2) after the cluster started
         raise UsageError(f"error: --otlp-traces-endpoint {otlp!r}: an http:// or https:// URL of an OTLP/HTTP collector (e.g. http://127.0.0.1:4318)")
+    if one_host:  # both read from the environment every service inherits (deploy-args: each host's own)
+        kv_liveness_times(os.environ)
     torch_values = _torch_values(args)
     args.router_api_keys = router_api_keys(args)
     # the keys read here go to the router in its environment: a path to read again broke a pipe
