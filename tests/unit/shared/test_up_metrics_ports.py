@@ -17,6 +17,15 @@ from evolving_infra.cluster import TARGETS_FILE, ClusterSpec, LocalCluster, _Chi
 from evolving_infra.launcher import _spec, nats_auth_line
 
 
+def _free_base(width: int) -> int:
+    """The first of ``width`` adjacent ports free now (in 20000-32767, ``kvpool.transport.pick_port_ranges``): a
+    fixed ``--metrics-base-port`` that the cluster binds and listens on. The tests that bind took fixed ports
+    19450-19454 and 19470-19474, and failed (Address already in use) wherever a process held one."""
+    from services.worker.kvpool.transport import pick_port_ranges
+
+    return pick_port_ranges(1, width=width)[0][0]
+
+
 def test_ei_metrics_port_in_ups_environment_is_a_usage_error_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("EI_METRICS_PORT", "19450")
     args = build_parser("up").parse_args(["up", "--log-dir", str(tmp_path)])
@@ -41,21 +50,22 @@ def test_no_child_inherits_a_per_service_variable_of_the_launcher(tmp_path, monk
 
 def test_metrics_base_port_gives_the_slurm_jobs_ports_and_a_file_sd_list_emptied_at_stop(tmp_path, monkeypatch):
     monkeypatch.delenv("EI_METRICS_PORT", raising=False)
-    args = build_parser("up").parse_args(["up", "--nodes", "2", "--metrics-base-port", "19450", "--log-dir", str(tmp_path)])
+    b = _free_base(5)  # the cluster binds them (_plan_children holds each service's port)
+    args = build_parser("up").parse_args(["up", "--nodes", "2", "--metrics-base-port", str(b), "--log-dir", str(tmp_path)])
     spec = _spec(args)
-    assert spec.metrics and spec.metrics_base_port == 19450
+    assert spec.metrics and spec.metrics_base_port == b
     c = LocalCluster(spec)
     c.log_dir = tmp_path
     c._plan_children()
     assert {k: int(v.rsplit(":", 1)[1].split("/")[0]) for k, v in c.metrics_urls.items()} == {
-        "kvdirectory": 19450, "planner": 19451, "router": 19452, "worker-w0": 19453, "worker-w1": 19454,
+        "kvdirectory": b, "planner": b + 1, "router": b + 2, "worker-w0": b + 3, "worker-w1": b + 4,
     }
     path = c.write_targets()
     assert path == tmp_path / TARGETS_FILE
     listed = json.loads(path.read_text())
     assert sorted((t["labels"].get("node", ""), t["labels"]["service"], t["targets"][0]) for t in listed) == [
-        ("", "kvdirectory", "127.0.0.1:19450"), ("", "planner", "127.0.0.1:19451"), ("", "router", "127.0.0.1:19452"),
-        ("w0", "worker", "127.0.0.1:19453"), ("w1", "worker", "127.0.0.1:19454"),
+        ("", "kvdirectory", f"127.0.0.1:{b}"), ("", "planner", f"127.0.0.1:{b + 1}"), ("", "router", f"127.0.0.1:{b + 2}"),
+        ("w0", "worker", f"127.0.0.1:{b + 3}"), ("w1", "worker", f"127.0.0.1:{b + 4}"),
     ]
     assert c.describe()["prometheus_targets"] == str(path)
     asyncio.run(c.stop())
@@ -124,8 +134,8 @@ def test_a_port_out_of_range_is_a_usage_error_before_anything_starts(port, capsy
         assert "0-65535 (0 = any free port)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("base", [0, 19470])
-def test_up_holds_each_metrics_port_from_its_choice_until_the_stop(tmp_path, monkeypatch, base):
+@pytest.mark.parametrize("fixed", [False, True])
+def test_up_holds_each_metrics_port_from_its_choice_until_the_stop(tmp_path, monkeypatch, fixed):
     """``up --metrics`` chose a free port per service and the service bound it moments later: a process that took
     the port in between made the service exit 1 (Address already in use) at its start, and, its argv naming the same
     port, at every restart until the supervisor gave up (seen once). Now ``up`` binds and listens on each port when it
@@ -135,6 +145,7 @@ def test_up_holds_each_metrics_port_from_its_choice_until_the_stop(tmp_path, mon
     import socket
 
     monkeypatch.delenv("EI_METRICS_PORT", raising=False)
+    base = _free_base(5) if fixed else 0
     c = LocalCluster(ClusterSpec(nodes=2, split="1P1D", metrics=True, metrics_base_port=base, log_dir=str(tmp_path)))
     c.log_dir = tmp_path
     kids = c._plan_children()
