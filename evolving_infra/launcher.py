@@ -680,13 +680,15 @@ def kv_liveness_times(environ: Mapping[str, str]) -> tuple[float, float]:
     A serving worker that stores no block (a long decode) sends an empty KV batch every ``--kv-alive-interval-s``
     and nothing between: with ``--kv-stale-after-s`` at or below that, the directory called a healthy decoding
     node's view stale between two of them (left out of lookups, a needless resync). Nothing checked the relation.
+    An infinite ``stale_after_s`` (``EI_KV_STALE_AFTER_S=inf``: the directory calls no view stale) is taken whatever
+    the interval (``inf`` too: alive batches off as well).
 
     Returns:
         (stale_after_s, alive_interval_s).
 
     Raises:
-        UsageError: a value the service would refuse (with its message), or ``stale_after_s <= alive_interval_s``:
-            one line naming both flags and their variables.
+        UsageError: a value the service would refuse (with its message), or a finite ``stale_after_s <=
+            alive_interval_s``: one line naming both flags and their variables.
     """
     import msgspec
 
@@ -694,10 +696,13 @@ def kv_liveness_times(environ: Mapping[str, str]) -> tuple[float, float]:
     from services.worker.config import WorkerConfig
     from shared.config import ConfigError, env_name, field_from_text
 
+    def default(cls: Any, name: str) -> float:
+        return float(next(f.default for f in msgspec.structs.fields(cls) if f.name == name))
+
     def read(cls: Any, name: str, who: str) -> float:
         text = environ.get(env_name(name))
         if text is None:
-            return float(next(f.default for f in msgspec.structs.fields(cls) if f.name == name))
+            return default(cls, name)
         try:
             return float(field_from_text(cls, name, text))
         except ConfigError as e:
@@ -705,12 +710,14 @@ def kv_liveness_times(environ: Mapping[str, str]) -> tuple[float, float]:
 
     stale = read(DirectoryConfig, "kv_stale_after_s", "the KV directory")
     alive = read(WorkerConfig, "kv_alive_interval_s", "every worker")
-    if stale <= alive:
-        raise UsageError(
-            f"error: the KV directory's --kv-stale-after-s ({env_name('kv_stale_after_s')}) is {stale:g} s, not more than "
-            f"the workers' --kv-alive-interval-s ({env_name('kv_alive_interval_s')}) {alive:g} s: a healthy decoding "
-            "node sends a KV batch only every --kv-alive-interval-s and would be called stale between two; give "
-            "--kv-stale-after-s a few times --kv-alive-interval-s (defaults 10 s and 1 s)"
+    if stale <= alive and not math.isinf(stale):  # inf: staleness off, nothing to be stale between two batches
+        stale_var, alive_var = env_name("kv_stale_after_s"), env_name("kv_alive_interval_s")
+        raise UsageError(  # up and demo have neither flag: the fix is named by the variables they pass on
+            f"error: the KV directory's --kv-stale-after-s ({stale_var}) is {stale:g} s, not more than "
+            f"the workers' --kv-alive-interval-s ({alive_var}) {alive:g} s: a healthy decoding "
+            "node sends a KV batch only every --kv-alive-interval-s and would be called stale between two; set "
+            f"{stale_var} to a few times {alive_var} (defaults {default(DirectoryConfig, 'kv_stale_after_s'):g} and "
+            f"{default(WorkerConfig, 'kv_alive_interval_s'):g})"
         )
     return stale, alive
 

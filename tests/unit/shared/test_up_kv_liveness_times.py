@@ -39,9 +39,39 @@ def test_a_stale_after_not_above_the_alive_interval_is_refused_naming_both_flags
     assert "\n" not in str(e.value)
 
 
+def test_the_refusal_says_what_to_set_by_the_variables_up_and_demo_pass_on(capsys):
+    """``up``/``demo`` have no ``--kv-stale-after-s`` or ``--kv-alive-interval-s`` (the services read them from the
+    environment): the advice names the variables and the services' defaults, not flags the command would reject."""
+    with pytest.raises(UsageError) as e:
+        kv_liveness_times({"EI_KV_STALE_AFTER_S": "1"})
+    defaults = (resolve_config(DirectoryConfig, {}, env={}).kv_stale_after_s, resolve_config(WorkerConfig, {}, env={}).kv_alive_interval_s)
+    assert str(e.value).endswith(
+        f"; set EI_KV_STALE_AFTER_S to a few times EI_KV_ALIVE_INTERVAL_S (defaults {defaults[0]:g} and {defaults[1]:g})"
+    ), str(e.value)
+    assert defaults == (10.0, 1.0)
+    for command in ("up", "demo"):  # what the old advice said to give: neither command has it
+        for flag in ("--kv-stale-after-s", "--kv-alive-interval-s"):
+            with pytest.raises(SystemExit):
+                build_parser(command).parse_args([command, flag, "5"])
+            assert f"unrecognized arguments: {flag} 5" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("env", [{"EI_KV_STALE_AFTER_S": "0.5", "EI_KV_ALIVE_INTERVAL_S": "0.1"}, {"EI_KV_STALE_AFTER_S": "1.5"}])
 def test_a_stale_after_above_the_alive_interval_is_taken(env):
     assert kv_liveness_times(env) == (float(env["EI_KV_STALE_AFTER_S"]), float(env.get("EI_KV_ALIVE_INTERVAL_S", 1.0)))
+
+
+@pytest.mark.parametrize("env", [
+    {"EI_KV_STALE_AFTER_S": "inf", "EI_KV_ALIVE_INTERVAL_S": "inf"},  # staleness off, alive batches off
+    {"EI_KV_STALE_AFTER_S": "inf"}, {"EI_KV_STALE_AFTER_S": "inf", "EI_KV_ALIVE_INTERVAL_S": "1e300"},
+])  # fmt: skip
+def test_an_infinite_stale_after_is_taken_whatever_the_interval(env):
+    """Both services take ``inf`` (the directory then calls no view stale): no interval makes a healthy node stale."""
+    for cls, name in ((DirectoryConfig, "kv_stale_after_s"), (WorkerConfig, "kv_alive_interval_s")):
+        var = "EI_" + name.upper()
+        if var in env:
+            assert getattr(resolve_config(cls, {}, env={var: env[var]}), name) == float(env[var])
+    assert kv_liveness_times(env) == (float("inf"), float(env.get("EI_KV_ALIVE_INTERVAL_S", 1.0)))
 
 
 @pytest.mark.parametrize(("cls", "name", "who"), [
@@ -75,4 +105,7 @@ def test_up_and_demo_refuse_it_before_the_start_and_deploy_args_leaves_it(comman
         _spec(args)
     assert _spec(args, one_host=False) is not None  # deploy-args: the services' hosts have their own environment
     monkeypatch.setenv("EI_KV_ALIVE_INTERVAL_S", "0.25")
+    assert _spec(args) is not None
+    monkeypatch.setenv("EI_KV_STALE_AFTER_S", "inf")
+    monkeypatch.setenv("EI_KV_ALIVE_INTERVAL_S", "inf")
     assert _spec(args) is not None
