@@ -819,6 +819,32 @@ async def test_client_disconnect_publishes_aborts(nats_url, tmp_path):
         assert st.counters["aborts.client_disconnect"] == 2
 
 
+async def test_a_client_disconnect_after_a_redispatch_aborts_the_current_attempt(nats_url, tmp_path):
+    """The request was fenced off its prefill node and re-dispatched (attempt 1) when its client goes away: each
+    node of attempt 1 is told to drop attempt 1, stamped with the router. A node drops attempts <= the abort's
+    (``RequestAbort.attempt``): an abort left at attempt 0 would leave attempt 1 running on its new node."""
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "p1": "prefill", "d0": "decode"}) as env:
+        env.cluster.answering.clear()  # nodes take work and never answer
+        req = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}))
+        await _wait_for(lambda: len(env.cluster.works) == 1, what="work dispatched")
+        rid = env.cluster.works[0].rid
+        node0 = env.service.core.view.placement(rid)[0]
+        env.cluster.alive.discard(node0)  # ... and its prefill node stops reporting: fenced, re-dispatched
+        await _wait_for(lambda: len(env.cluster.works) == 2, what="re-dispatch")
+        again = env.cluster.works[1]
+        node1 = env.service.core.view.placement(rid)[0]
+        assert (again.rid, again.attempt, node1 != node0) == (rid, 1, True)
+        await _wait_for(lambda: len(env.cluster.aborts) >= 2, what="aborts of attempt 0")
+        assert sorted((n, a.attempt, a.router) for n, a in env.cluster.aborts) == sorted([(node0, 0, "router"), ("d0", 0, "router")])
+        req.cancel()  # the client goes away
+        with contextlib.suppress(asyncio.CancelledError):
+            await req
+        await _wait_for(lambda: len(env.cluster.aborts) >= 4, what="aborts of attempt 1")
+        assert sorted((n, a.rid, a.attempt, a.router) for n, a in env.cluster.aborts[2:]) == sorted([(node1, rid, 1, "router"), ("d0", rid, 1, "router")])
+        st = await env.stats()
+        assert st.counters["redispatched"] == 1 and st.counters["aborts.client_disconnect"] == 1
+
+
 async def test_malformed_payloads_are_counted_and_router_keeps_serving(nats_url, tmp_path):
     async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
         subj = Subjects("p0")
