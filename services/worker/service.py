@@ -135,6 +135,11 @@ skew. Times of this node compared with each other (a first token's ``ts`` and it
 are converted with one offset and keep their order."""
 
 
+ALIVE_EARLY_S = 0.002
+"""Wall seconds before it is due that :meth:`WorkerService._flush_kv` sends an alive batch: the step loop's wait for
+it (uvloop rounds a timer to whole ms of its cached clock) wakes up to ~1 ms early, and without this margin the loop
+went round without sending until the batch was due (a spin, as the heartbeat's in 4c88d96)."""
+
 KV_READY_SLACK_WALL_S = 1.0
 """Wall seconds a received hand-off's ``kv_ready_at`` may lie past twice its transfer time (:func:`kv_ready_bound`)."""
 
@@ -1727,10 +1732,17 @@ class WorkerService:
             deadline = self.core.next_deadline()
             # wall s until the deadline, read now and waited on the loop's (monotonic) clock
             timeout = None if deadline is None else max(0.0, self.clock.to_wall(deadline - self.clock.local_now()))
+            # a node whose work all waits (for its KV: a peer fetch, a hand-off's transfer, the pool's bytes) runs no plan,
+            # and only this loop sends the alive batch (_flush_kv, the one publisher of kv.events beside a resync): it
+            # wakes when one is due, so the directory does not call a healthy node's view stale while it waits
+            alive = self._alive_due_s()
+            by_alive = alive is not None and (timeout is None or alive < timeout)
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                await asyncio.wait_for(self._wake.wait(), alive if by_alive else timeout)
             except TimeoutError:
-                if deadline is not None and deadline > self._ready_at:
+                if by_alive:
+                    self.counters["kv.alive_wakes"] += 1
+                elif deadline is not None and deadline > self._ready_at:
                     self._ready_at = deadline  # a KV arrival or fetch completion: the engine acts at it
             return
         self._steps += 1
@@ -2258,8 +2270,8 @@ class WorkerService:
             # the directory its publisher works, or the directory's liveness check (services/kvdirectory/
             # liveness.py, issue #22) called a healthy node's view stale after --kv-stale-after-s of decoding and
             # left its cache out of lookups. It goes through _publish_kv, so a broken publisher sends none either
-            running, waiting, _ = self._last_state_counts
-            if running + waiting > 0 and time.monotonic() - self._last_kv_mono >= self.cfg.kv_alive_interval_s:
+            due = self._alive_due_s()
+            if due is not None and due <= ALIVE_EARLY_S:
                 self.kv_seq += 1
                 self.counters["kv.alive_batches"] += 1
                 await self._publish_kv(self.kv_seq, [], now)
@@ -2267,6 +2279,15 @@ class WorkerService:
         self._mirror_pool(events)  # the real-bytes pool mirrors L2 (host-tier events)
         self.kv_seq += 1
         await self._publish_kv(self.kv_seq, events, now)
+
+    def _alive_due_s(self) -> float | None:
+        """Wall seconds (monotonic) until this node's next alive ``kv.events`` batch is due (:meth:`_flush_kv`):
+        ``--kv-alive-interval-s`` after its last batch, 0 when past; None while its last ``node.state`` held no
+        running or waiting request (an idle node rightly sends none). O(1)."""
+        running, waiting, _ = self._last_state_counts
+        if running + waiting == 0:
+            return None
+        return max(0.0, self._last_kv_mono + self.cfg.kv_alive_interval_s - time.monotonic())
 
     async def _publish_kv(self, seq: int, events: list[m.KvEvent], now: float) -> None:
         """Publish batch ``seq`` of ``events`` (empty: an alive batch, :meth:`_flush_kv`) on ``kv.events.<node>``

@@ -659,3 +659,59 @@ async def test_a_wall_clock_step_back_keeps_a_switchs_times_in_order(nats_url):
         assert drain_s - 0.05 < s.switch_s / speedup < drain_s + 0.5, (s.switch_s / speedup, drain_s)  # the step is not in it
         await c.stats("w0")
     await c.bus.close()
+
+
+@pytest.mark.parametrize("wait", ["peer fetch", "hand-off"])
+async def test_a_worker_whose_only_work_waits_for_its_kv_still_sends_alive_batches(nats_url, tmp_path, wait):
+    """A node whose only request waits for its KV (a prefill's peer fetch: 2.5 s of link latency here; a decode's
+    hand-off whose KV arrives in 2.5 s) runs no plan meanwhile, yet it holds work (its node.state says so: the KV
+    directory counts that time against its view, ``services/kvdirectory/liveness.py``). It must send an empty alive
+    ``kv.events`` batch every ``--kv-alive-interval-s`` all the same. Before, only a plan's start and end or a new
+    input ran the check (``_flush_kv``), so the node's loop slept out the whole wait with nothing sent and the
+    directory called a healthy node's view stale after ``--kv-stale-after-s``."""
+    from shared.profile import PROFILE_DIR
+
+    c = await Client.connect(nats_url)
+    wait_s, interval, speedup = 2.5, 0.25, 1.0
+    tiny = (PROFILE_DIR / "tiny.toml").read_text()
+    assert "peer_fetch_latency_s = 0.001" in tiny and "gpu_to_gpu_latency_s = 0.001" in tiny
+    slow = tmp_path / "slow-kv.toml"  # a hand-off's kv_ready_at is kept up to twice its transfer time (kv_ready_bound)
+    slow.write_text(tiny.replace("peer_fetch_latency_s = 0.001", f"peer_fetch_latency_s = {wait_s}")
+                    .replace("gpu_to_gpu_latency_s = 0.001", f"gpu_to_gpu_latency_s = {wait_s}"))
+    got: list[float] = []  # monotonic s at which each of w0's kv.events batches arrived
+
+    async def on_kv(msg: m.KvEventBatch, _subject: str) -> None:
+        if msg.node == "w0":
+            got.append(time.monotonic())
+
+    await c.bus.subscribe(KV_EVENTS, on_kv)
+    await c.bus.flush()
+    origin = time.time()
+    phase = "both" if wait == "peer fetch" else "decode"
+    async with workers(nats_url, {"node": "w0", "speedup": speedup, "kv_alive_interval_s": interval, "profile": str(slow),
+                                  "phase": phase, "clock_origin": origin, "idle_state_interval_s": 0.2}):
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        if wait == "peer fetch":  # the prompt's 10 pages are on w9 (as the directory's lookup says): fetched first
+            w = msgspec.structs.replace(prompt("f1", list(range(1, 11)), tail=1, max_tokens=2),
+                                        fetch=[m.FetchRange(node="w9", start=0, end=10)])
+            await c.bus.publish(WORK_PREFILL, w, node="w0")
+            rid = "f1"
+        else:
+            kv_at = SimClock(speedup, origin).now() + wait_s * speedup
+            await c.bus.publish(WORK_DECODE, m.DecodeWork(rid="d1", prompt_tokens=9, max_tokens=2, block_size=BS,
+                                                          block_hashes=[11, 12], prefill_node="w9", kv_ready_at=kv_at), node="w0")
+            rid = "d1"
+        await until(lambda: c.chunks[rid], timeout=wait_s + 10, what=f"{rid}'s first token")
+        t1 = time.monotonic()
+        await until(lambda: c.finished(rid), timeout=5, what=f"{rid} to finish")
+        stats = await c.stats("w0")
+    await c.bus.close()
+    assert t1 - t0 > wait_s - 0.2, (t1 - t0, "the request did not wait for its KV")
+    if wait == "peer fetch":
+        assert stats.counters["fetch.started"] == 1, stats.counters
+    # the longest stretch of the wait with no batch from w0: an alive batch at least every interval (+ loop slack)
+    marks = [t0, *(t for t in got if t0 < t < t1), t1]
+    longest = max(b - a for a, b in zip(marks, marks[1:]))
+    assert longest < interval + 0.5, (longest, [round(t - t0, 2) for t in marks])
+    assert stats.counters["kv.alive_batches"] >= (wait_s - 0.5) / interval / 2, stats.counters
