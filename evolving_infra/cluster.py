@@ -53,7 +53,20 @@ def _short_exit(code: int | None) -> str:
 
 
 class ClusterError(RuntimeError):
-    """A service failed to start or died."""
+    """A service failed to start or died.
+
+    Args:
+        message: the error (may hold the log's tail after its first line).
+        service: the service that ended the cluster (``nats-server`` for the embedded server), when one did; None
+            for a failure of no one service (a start-up's configuration, a crashed supervisor).
+        reason: how it ended, in a few words (``planner was killed by signal 9 (SIGKILL)``), for a line that names it
+            (the demo's partial report); None: the message's first line.
+    """
+
+    def __init__(self, message: str, *, service: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.service = service
+        self.reason = reason if reason is not None else message.split("\n", 1)[0]
 
 
 class ServiceStopped(ClusterError):
@@ -67,11 +80,11 @@ class ServiceStopped(ClusterError):
         service: the service that exited (the first, where several did).
         log_path: its log.
         log_tail: the end of its log (:meth:`LocalCluster._log_tail`).
+        reason: how the cluster ended, in a few words (:class:`ClusterError`); default ``SERVICE exited cleanly (code 0)``.
     """
 
-    def __init__(self, message: str, *, service: str, log_path: Path, log_tail: str) -> None:
-        super().__init__(message)
-        self.service = service
+    def __init__(self, message: str, *, service: str, log_path: Path, log_tail: str, reason: str | None = None) -> None:
+        super().__init__(message, service=service, reason=reason if reason is not None else f"{service} exited cleanly (code 0)")
         self.log_path = log_path
         self.log_tail = log_tail
 
@@ -779,7 +792,8 @@ class LocalCluster:
             elif self._nats_restart_at is None:
                 self._nats_streak += 1
                 if self._nats_streak > s.max_restarts:
-                    raise ClusterError(f"nats-server exited {self._nats_streak} times in a row; giving up")
+                    raise ClusterError(f"nats-server exited {self._nats_streak} times in a row; giving up", service="nats-server",
+                                       reason=f"nats-server exited {self._nats_streak} times in a row (restarts gave up)")
                 delay = restart_delay(self._nats_streak, 0.1, s.restart_backoff_max_s)
                 self._nats_restart_at = now + delay
                 code = self.nats.returncode
@@ -809,7 +823,9 @@ class LocalCluster:
                 if c.streak > s.max_restarts:
                     raise ClusterError(
                         f"{c.name} exited {c.streak} times in a row (last: {_short_exit(c.proc.returncode)}); giving up; "
-                        f"log {c.log_path}:\n{self._log_tail(c)}"
+                        f"log {c.log_path}:\n{self._log_tail(c)}",
+                        service=c.name,
+                        reason=f"{c.name} exited {c.streak} times in a row (last: {_short_exit(c.proc.returncode)}; restarts gave up)",
                     )
                 # a clean exit (0: the service stopped on SIGTERM, e.g. a rolling restart's, after its drain) is no crash
                 # to slow down: the first is restarted at once, in this pass (its clients wait for it: the router's 0.5 s
@@ -960,18 +976,20 @@ class LocalCluster:
             assert c.proc is not None
             also = [f"{o.name} {_short_exit(o.proc.returncode)}" for o in dead if o is not c and o.proc is not None] + nats_exit
             with_others = f" (also exited: {', '.join(also)})" if also else ""
-            raise ClusterError(f"{c.name} {exit_text(c.proc.returncode)}{with_others}; log {c.log_path}:\n{self._log_tail(c)}")
+            raise ClusterError(f"{c.name} {exit_text(c.proc.returncode)}{with_others}; log {c.log_path}:\n{self._log_tail(c)}",
+                               service=c.name, reason=f"{c.name} {exit_text(c.proc.returncode)}{with_others}")
         if nats_dead:
             assert self.nats is not None
             also = [f"{c.name} code 0" for c in dead]
             with_others = f" (also exited: {', '.join(also)})" if also else ""
             raise ClusterError(f"nats-server {exit_text(self.nats.returncode)}{with_others}; without supervision "
-                               "(--no-restart) nothing restarts it, and every service needs it")
+                               "(--no-restart) nothing restarts it, and every service needs it", service="nats-server",
+                               reason=f"nats-server {exit_text(self.nats.returncode)}{with_others}")
         c = dead[0]
         also = [o.name for o in dead[1:]]
         with_others = f" (also exited cleanly: {', '.join(also)})" if also else ""
-        raise ServiceStopped(f"{c.name} exited cleanly (code 0){with_others}; log {c.log_path}",
-                             service=c.name, log_path=c.log_path, log_tail=self._log_tail(c))
+        raise ServiceStopped(f"{c.name} exited cleanly (code 0){with_others}; log {c.log_path}", service=c.name,
+                             log_path=c.log_path, log_tail=self._log_tail(c), reason=f"{c.name} exited cleanly (code 0){with_others}")
 
     def timeline(self) -> RunTimeline | None:
         """The PD split over time as the workers reported it (``split.applied``)."""

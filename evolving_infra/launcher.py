@@ -25,6 +25,11 @@ loses only the streams it held.
 they stop ``up`` (cluster, nats-server store and state file gone; one line on
 stderr; status 128 + the signal; no report); once its cluster has stopped they act
 as their defaults (Ctrl-C while the report is written: "interrupted", status 130).
+A cluster that ends for good during the replay (``--no-restart``: a service or the nats-server exited; else a
+service whose restarts gave up) stops the replay at once (no new request; those in flight cancelled) and the
+cluster; the demo then writes and prints the report of what was answered, headed ``PARTIAL REPORT: ...`` (the
+service, how it ended, the requests sent, cancelled and never sent: ``meta.partial``), and exits as ``up`` does
+(3 for a clean exit, else 1).
 """
 
 from __future__ import annotations
@@ -309,7 +314,8 @@ def _add_cluster_args(
         dest="restart",
         action="store_false",
         help="stop the whole cluster when any service (or nats-server) exits, instead of restarting it (exit status 3 when "
-        "the service exited 0, e.g. after a SIGTERM sent to it, not to up; else 1; the router then binds "
+        "the service exited 0, e.g. after a SIGTERM sent to it, not to up; else 1; demo then stops its replay and writes "
+        "a partial report of what was answered; the router then binds "
         "its port itself: up holds it only for a next router, and a client connecting while a SIGTERMed router drains gets 503; "
         "with --routers N > 1 up still holds it, and the other routers serve such a client until the drained one exits "
         "and the cluster stops)",
@@ -1272,10 +1278,21 @@ async def _demo(args: argparse.Namespace) -> int:
                 _write_state({**cluster.describe(), **_state_fields(spec)})
 
         cluster.on_restart = restarted
-        result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency), stop=stop)
-        if not signals:
+
+        async def watch() -> None:  # a cluster that ends for good stops the replay: nothing serves the rest
+            nonlocal ended
+            ended = await cluster.wait_failed()
+            stop.set()  # no new request; those in flight are cancelled (their services are going) and counted apart
+
+        watcher = asyncio.create_task(watch())
+        try:
+            result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency), stop=stop)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        if not signals and ended is None:
             try:
-                cluster.check_alive()
+                cluster.check_alive()  # an end within the watcher's last poll (0.2 s)
             except ClusterError as e:  # as up's: one line (and a crash's log tail), not a traceback
                 ended = e
         timeline = cluster.timeline()
@@ -1287,8 +1304,8 @@ async def _demo(args: argparse.Namespace) -> int:
         _default_signals()  # nothing left to stop: Ctrl-C while the report and plots are written interrupts them
     if signals:
         return _demo_interrupted(signals, Path(log_dir))
-    if ended is not None:
-        return _demo_ended(ended, Path(log_dir))
+    if ended is not None:  # its line first (and a crash's log tail), then the partial report of what the replay got
+        _demo_ended_line(ended)
     by_id = {r.id: r for r in requests}
     ideal = annotate_ideal(result.records, by_id, token_block)
     annotate_lost_reuse(result.records, by_id)
@@ -1313,10 +1330,22 @@ async def _demo(args: argparse.Namespace) -> int:
         "notes": notes,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    partial = None if ended is None else demo_partial(ended, total=len(requests), answered=len(result.records),
+                                                      in_flight=result.in_flight_at_stop)
+    if partial is not None:
+        meta["partial"] = partial
+        notes.append(f"partial report: {partial_line(partial)}")
     # duration: the replay's own window (wall x speedup), not the span of the answered requests
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, timeline=timeline, start=result.start, end=result.end)
     path = write_report(out, report, sorted(result.records, key=lambda r: r.sent_at))
+    if partial is not None:
+        print(f"PARTIAL REPORT: {partial_line(partial)}", flush=True)
     print_summary(report)
+    if ended is not None:
+        print(report_line(path))
+        print(f"demo: partial report written (the cluster ended during the replay: {ended.reason}); logs in {log_dir}",
+              file=sys.stderr, flush=True)
+        return SERVICE_STOPPED_STATUS if isinstance(ended, ServiceStopped) else 1
     if late := warmup_outlasted_note(pol, spec.split, str(report.get("final_split") or "")):
         print(late)
     print(report_line(path))
@@ -1411,19 +1440,57 @@ def _demo_interrupted(signals: list[int], log_dir: Path) -> int:
     return 128 + signals[0]
 
 
-def _demo_ended(ended: ClusterError, log_dir: Path) -> int:
-    """The lines and status of a demo whose cluster ended during the replay (its cluster already stopped; no report):
-    as ``up``'s, a service that exited 0 on its own under ``--no-restart`` (:class:`ServiceStopped`) is one line on
-    stdout and status :data:`SERVICE_STOPPED_STATUS` (3); a crash (or a supervisor that gave up) is "error: ..."
-    (with the log's tail) and status 1. A last line names ``log_dir``, where the services' logs stay."""
+def _demo_ended_line(ended: ClusterError) -> None:
+    """The line of a demo whose cluster ended during the replay (its cluster already stopped), before its partial
+    report: as ``up``'s, a service that exited 0 on its own under ``--no-restart`` (:class:`ServiceStopped`) is one
+    line on stdout (the demo then exits :data:`SERVICE_STOPPED_STATUS`, 3); a crash (or a supervisor that gave up, or
+    nats-server that exited) is "error: ..." on stderr with the log's tail (status 1)."""
     if isinstance(ended, ServiceStopped):
         print(f"{ended}; --no-restart: stopped the cluster", flush=True)
-        status = SERVICE_STOPPED_STATUS
     else:
         print(f"error: {ended}", file=sys.stderr, flush=True)
-        status = 1
-    print(f"demo: no report written (the cluster ended during the replay); logs in {log_dir}", file=sys.stderr, flush=True)
-    return status
+
+
+def demo_partial(ended: ClusterError, *, total: int, answered: int, in_flight: int) -> dict[str, object]:
+    """``meta.partial`` of a demo whose cluster ended during the replay: the replay stopped there (no new request;
+    those in flight cancelled, as a signal's stop cancels them), so the report covers what was answered before. A
+    benchmark client's figures when its server dies (vLLM's ``benchmark_serving``, genai-perf): what was sent,
+    answered (completed or failed: the report's own counts) and never sent, and why the run stopped.
+
+    Args:
+        ended: why the cluster ended (:meth:`LocalCluster.wait_failed`; its ``service`` and ``reason``).
+        total: requests the demo meant to replay (>= 0).
+        answered: records the replay returned (its requests answered, completed or failed; <= ``total``).
+        in_flight: requests cancelled unanswered at the stop (``ReplayResult.in_flight_at_stop``; not in the records).
+
+    Returns:
+        ``service`` (None for no one service: a crashed supervisor), ``reason``, ``clean`` (the service exited 0:
+        ``--no-restart`` status 3), ``requests_total``, ``requests_sent`` (answered + in flight),
+        ``in_flight_cancelled``, ``requests_not_sent``.
+
+    Raises:
+        ValueError: a negative count, or more requests sent than ``total``.
+    """
+    if min(total, answered, in_flight) < 0 or answered + in_flight > total:
+        raise ValueError(f"partial demo counts: {answered} answered + {in_flight} in flight of {total} requests")
+    return {
+        "service": ended.service,
+        "reason": ended.reason,
+        "clean": isinstance(ended, ServiceStopped),
+        "requests_total": total,
+        "requests_sent": answered + in_flight,
+        "in_flight_cancelled": in_flight,
+        "requests_not_sent": total - answered - in_flight,
+    }
+
+
+def partial_line(partial: Mapping[str, Any]) -> str:
+    """One line for :func:`demo_partial`'s dict: how the cluster ended (naming the service), then what the replay sent,
+    its requests cancelled in flight (not in the report's counts) and those it never sent; the report's ``note``
+    and the line above the demo's summary (``PARTIAL REPORT: ...``)."""
+    return (f"the cluster ended during the replay ({partial['reason']}): {partial['requests_sent']} of "
+            f"{partial['requests_total']} requests sent, {partial['in_flight_cancelled']} of them in flight at the end "
+            f"(cancelled, not in the counts), {partial['requests_not_sent']} never sent")
 
 
 def demo_input_meta(*, concurrency: int, agents: int, block_size: int, trace_block_size: int,

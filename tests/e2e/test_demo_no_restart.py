@@ -1,6 +1,8 @@
-"""``demo --no-restart`` whose cluster ends during the replay (a service exits: nothing restarts it) says so as
-``up`` does and writes no report. Before, the check after the replay raised its ``ClusterError`` out of ``demo``:
-a Python traceback (``cli`` catches only usage errors and a closed stdout), status 1."""
+"""``demo --no-restart`` whose cluster ends during the replay (a service or nats-server exits: nothing restarts it)
+says so as ``up`` does, stops the replay there and writes and prints the report of what was answered, marked
+partial and naming the service (as a benchmark client does when its server dies: vLLM's ``benchmark_serving``,
+genai-perf), with ``up``'s non-zero status. Before, the check after the replay raised its ``ClusterError`` out of
+``demo`` (a Python traceback, status 1); then the demo replayed on to the end and discarded every figure (no report)."""
 
 from __future__ import annotations
 
@@ -10,32 +12,51 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 3), (signal.SIGKILL, 1)])
-def test_a_service_that_exits_during_the_replay_ends_the_demo_in_one_line(tmp_path, sig, status):
+def _finished_ok(router_url: str) -> float:
+    """Requests the router finished with a completion (``ei_router_requests_finished_total``, reason length or
+    stop); 0 when it does not answer."""
+    try:
+        with urllib.request.urlopen(router_url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("ei_router_requests_finished_total{reason=\"length\"",
+                                   "ei_router_requests_finished_total{reason=\"stop\"")))  # fmt: skip
+
+
+@pytest.mark.parametrize(("service", "sig", "status"), [("planner", signal.SIGTERM, 3), ("planner", signal.SIGKILL, 1),
+                                                        ("nats-server", signal.SIGKILL, 1)])  # fmt: skip
+def test_a_service_that_exits_during_the_replay_ends_the_demo_with_a_partial_report(tmp_path, service, sig, status):
     """The planner SIGTERMed (it exits 0: no crash, status 3, a calm line on stdout, as ``up --no-restart``) or
-    SIGKILLed (a crash: "error: planner was killed by signal 9 (SIGKILL) ..." and its log's tail, status 1) while the demo
-    replays: the replay ends (the router serves on), then the cluster stops, no report, one line naming the logs."""
+    SIGKILLed (a crash: "error: planner was killed by signal 9 (SIGKILL) ..." and its log's tail, status 1), or the
+    embedded nats-server SIGKILLed (status 1), once the replay has completed requests: the replay stops, the cluster
+    stops, and the demo prints ``PARTIAL REPORT: ...`` naming the service, the summary of what was answered (its
+    latencies), writes ``report.json`` with ``meta.partial``, and ends with one line naming the report and the logs."""
     state_dir = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(state_dir)}
     out_dir = tmp_path / "demo"
     cmd = [sys.executable, "-m", "evolving_infra.cli", "demo", "--no-restart", "--sessions", "2", "--concurrency", "2",
            "--speedup", "25", "--nodes", "1", "--out", str(out_dir)]  # fmt: skip
-    # speed-up 25: the replay takes ~15 wall s (7 s at 50, measured quiet), so the SIGTERMed planner's exit (its drain,
-    # ~0.5 s; up to Bus.close's 5-s bound) lands well inside it on a loaded box, where the check after the replay sees it
+    # speed-up 25: the replay takes ~15 wall s (7 s at 50, measured quiet); the service dies once 2 requests are done
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 120
         while not list(state_dir.glob("up-*.json")):  # written once the cluster is ready, before the replay
             assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
             time.sleep(0.05)
-        pids = json.loads(next(state_dir.glob("up-*.json")).read_text())["pids"]
-        os.kill(int(pids["planner"]), sig)
+        state = json.loads(next(state_dir.glob("up-*.json")).read_text())
+        while _finished_ok(state["router_url"]) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+            time.sleep(0.1)
+        os.kill(int(state["pids"][service]), sig)
         out, err = proc.communicate(timeout=150)
     finally:
         if proc.poll() is None:
@@ -44,11 +65,28 @@ def test_a_service_that_exits_during_the_replay_ends_the_demo_in_one_line(tmp_pa
     assert proc.returncode == status, (proc.returncode, out[-2000:], err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     logs = out_dir / "logs"
-    assert err.splitlines()[-1] == f"demo: no report written (the cluster ended during the replay); logs in {logs}", err
+    how = {signal.SIGTERM: "exited cleanly (code 0)", signal.SIGKILL: "was killed by signal 9 (SIGKILL)"}[sig]
+    report = json.loads((out_dir / "report.json").read_text())
+    partial = report["meta"]["partial"]
+    assert partial["service"] == service and partial["reason"].startswith(f"{service} {how}"), partial
+    assert partial["clean"] is (status == 3)
+    assert err.splitlines()[-1] == (f"demo: partial report written (the cluster ended during the replay: {partial['reason']}); "
+                                    f"logs in {logs}"), err  # fmt: skip
+    head = [line for line in out.splitlines() if line.startswith("PARTIAL REPORT: ")]
+    assert len(head) == 1 and head[0].startswith(f"PARTIAL REPORT: the cluster ended during the replay ({service} {how}"), out
+    assert f"report: {out_dir / 'report.json'}" in out
     if status == 3:
         assert f"planner exited cleanly (code 0); log {logs / 'planner.log'}; --no-restart: stopped the cluster" in out
         assert "error:" not in err, err[-3000:]
     else:
         assert sum(line.startswith("error: ") for line in err.splitlines()) == 1, err[-3000:]
-        assert f"error: planner was killed by signal 9 (SIGKILL); log {logs / 'planner.log'}:" in err, err[-3000:]
-    assert not (out_dir / "report.json").exists() and not list(state_dir.glob("up-*.json"))
+        assert f"error: {service} was killed by signal 9 (SIGKILL)" in err, err[-3000:]
+    # what was sent, answered (completed or failed), cancelled in flight and never sent add up; what completed has latencies
+    assert partial["requests_sent"] == report["requests_sent"] + partial["in_flight_cancelled"], (partial, report["requests_sent"])
+    assert partial["requests_total"] == partial["requests_sent"] + partial["requests_not_sent"] > partial["requests_sent"], partial
+    assert report["requests_completed"] >= 2 and report["requests_completed"] + report["requests_failed"] == report["requests_sent"]
+    assert report["ttft_mean_s"] > 0 and report["e2e_mean_s"] > 0, report
+    assert f"requests   sent {report['requests_sent']}  completed {report['requests_completed']}" in out
+    lines = (out_dir / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == report["requests_sent"]
+    assert not list(state_dir.glob("up-*.json"))

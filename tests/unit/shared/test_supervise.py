@@ -104,8 +104,10 @@ def test_crash_loop_gives_up_after_max_restarts(tmp_path):
             child.started_at = t
             assert c.supervise_once(t) == ["svc"]
         _kill(child)
-        with pytest.raises(ClusterError, match=r"svc exited 3 times in a row \(last: killed by signal 9 \(SIGKILL\)\); giving up"):
+        with pytest.raises(ClusterError, match=r"svc exited 3 times in a row \(last: killed by signal 9 \(SIGKILL\)\); giving up") as e:
             c.supervise_once(t)
+        # the service and a short reason, for the demo's partial report (no log tail in it)
+        assert (e.value.service, e.value.reason) == ("svc", "svc exited 3 times in a row (last: killed by signal 9 (SIGKILL); restarts gave up)")
     finally:
         child.proc.kill()
         child.proc.wait()
@@ -118,8 +120,9 @@ def test_without_supervision_an_exit_fails_the_cluster(tmp_path):
     try:
         c.check_alive()
         _kill(child)
-        with pytest.raises(ClusterError, match=r"svc was killed by signal 9 \(SIGKILL\); log "):
+        with pytest.raises(ClusterError, match=r"svc was killed by signal 9 \(SIGKILL\); log ") as e:
             c.check_alive()  # no supervisor task running (start() was not called): fail fast
+        assert (e.value.service, e.value.reason) == ("svc", "svc was killed by signal 9 (SIGKILL)")
     finally:
         child.log_file.close()
 
@@ -140,9 +143,11 @@ def test_without_supervision_a_clean_exit_ends_the_cluster_as_no_failure(tmp_pat
             if code == 0:
                 assert isinstance(e.value, ServiceStopped)
                 assert str(e.value) == f"svc exited cleanly (code 0); log {child.log_path}"
+                assert (e.value.service, e.value.reason) == ("svc", "svc exited cleanly (code 0)")
             else:
                 assert not isinstance(e.value, ServiceStopped)
                 assert str(e.value).startswith(f"svc exited with code 1; log {child.log_path}:")
+                assert (e.value.service, e.value.reason) == ("svc", "svc exited with code 1")
         finally:
             child.log_file.close()
 

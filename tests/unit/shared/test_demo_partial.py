@@ -1,0 +1,37 @@
+"""``launcher.demo_partial`` / ``partial_line``: the figures of a demo whose cluster ended during the replay
+(live: ``tests/e2e/test_demo_no_restart.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.cluster import ClusterError, ServiceStopped
+from evolving_infra.launcher import demo_partial, partial_line
+
+
+def test_a_crash_names_the_service_and_the_requests_sent_cancelled_and_never_sent():
+    e = ClusterError("worker-w1 was killed by signal 9 (SIGKILL); log /x/worker-w1.log:\n...tail...", service="worker-w1",
+                     reason="worker-w1 was killed by signal 9 (SIGKILL)")  # fmt: skip
+    p = demo_partial(e, total=34, answered=9, in_flight=2)
+    assert p == {"service": "worker-w1", "reason": "worker-w1 was killed by signal 9 (SIGKILL)", "clean": False,
+                 "requests_total": 34, "requests_sent": 11, "in_flight_cancelled": 2, "requests_not_sent": 23}  # fmt: skip
+    assert partial_line(p) == ("the cluster ended during the replay (worker-w1 was killed by signal 9 (SIGKILL)): 11 of 34 "
+                               "requests sent, 2 of them in flight at the end (cancelled, not in the counts), 23 never sent")  # fmt: skip
+
+
+def test_a_clean_exit_is_marked_clean_and_an_error_without_reason_gives_its_first_line():
+    stopped = ServiceStopped("planner exited cleanly (code 0); log /x/planner.log", service="planner",
+                             log_path=Path("/x/planner.log"), log_tail="")  # fmt: skip
+    p = demo_partial(stopped, total=5, answered=5, in_flight=0)
+    assert (p["service"], p["reason"], p["clean"], p["requests_not_sent"]) == ("planner", "planner exited cleanly (code 0)", True, 0)
+    bare = ClusterError("supervisor crashed: RuntimeError('x')\nmore")
+    assert (bare.service, bare.reason) == (None, "supervisor crashed: RuntimeError('x')")
+    assert demo_partial(bare, total=1, answered=0, in_flight=0)["service"] is None
+
+
+@pytest.mark.parametrize(("total", "answered", "in_flight"), [(3, 2, 2), (-1, 0, 0), (3, -1, 0), (3, 0, -1)])
+def test_counts_that_do_not_add_up_are_refused(total, answered, in_flight):
+    with pytest.raises(ValueError, match="partial demo counts"):
+        demo_partial(ClusterError("x"), total=total, answered=answered, in_flight=in_flight)
