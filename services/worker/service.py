@@ -2283,9 +2283,10 @@ class WorkerService:
     def _alive_due_s(self) -> float | None:
         """Wall seconds (monotonic) until this node's next alive ``kv.events`` batch is due (:meth:`_flush_kv`):
         ``--kv-alive-interval-s`` after its last batch, 0 when past; None while its last ``node.state`` held no
-        running or waiting request (an idle node rightly sends none). O(1)."""
+        running or waiting request (an idle node rightly sends none), and with ``EI_KV_ALIVE_INTERVAL_S=inf`` (no alive
+        batch ever: the directory's staleness turned off). O(1)."""
         running, waiting, _ = self._last_state_counts
-        if running + waiting == 0:
+        if running + waiting == 0 or self.cfg.kv_alive_interval_s == float("inf"):
             return None
         return max(0.0, self._last_kv_mono + self.cfg.kv_alive_interval_s - time.monotonic())
 

@@ -95,3 +95,20 @@ def test_the_heartbeat_keeps_its_beat_when_the_wall_clock_steps(monkeypatch, ste
     shell = pytest.importorskip("uvloop").run(heartbeat())
     gaps = [b[1] - a[1] for a, b in zip(shell.sent, shell.sent[1:])]
     assert len(shell.sent) == beats and max(gaps) < 0.5, gaps
+
+
+@pytest.mark.parametrize(("counts", "interval", "since", "due"), [
+    ((1, 0, 1), 1.0, 0.25, 0.75),  # decoding: due an interval after the last batch
+    ((0, 2, 0), 1.0, 3.0, 0.0),  # its work waits (for its KV): overdue, at once
+    ((0, 0, 0), 1.0, 3.0, None),  # idle: none
+    ((1, 1, 0), float("inf"), 3.0, None),  # EI_KV_ALIVE_INTERVAL_S=inf: never (no infinite timer for the step loop)
+])  # fmt: skip
+def test_when_the_next_alive_kv_batch_is_due(counts, interval, since, due):
+    """``WorkerService._alive_due_s``: the step loop's idle wait ends then, so a node whose work all waits still
+    sends its alive batch (``tests/integration/test_worker_live.py`` shows it live)."""
+    from services.worker.service import WorkerService
+
+    now = time.monotonic()
+    shell = SimpleNamespace(_last_state_counts=counts, _last_kv_mono=now - since, cfg=SimpleNamespace(kv_alive_interval_s=interval))
+    got = WorkerService._alive_due_s(shell)  # type: ignore[arg-type]
+    assert got == due if due is None or due == 0.0 else got == pytest.approx(due, abs=0.05)
