@@ -180,8 +180,15 @@ bus bounds the wait itself and leaves the PING to its PONG (:meth:`Bus.flush`)."
 RECONNECT_WAIT_S = 0.25
 """Seconds between reconnect attempts to the same server."""
 CLOSE_DRAIN_S = 5.0
-"""Seconds :meth:`Bus.close` lets nats-py drain the connection (in-flight handlers finish, what was published goes
-out) before it cancels the drain (at most 1 s more for the cancel to land) and closes the connection."""
+"""Seconds :meth:`Bus.close` drains the connection (in-flight handlers finish, what was published goes out) before it
+cancels the drain (at most 1 s more for the cancel to land) and closes the connection."""
+CLOSE_LOST_GRACE_S = 0.3
+"""Seconds :meth:`Bus.close`'s drain waits for a lost connection to come back once no handler is running or queued
+(more than one ``RECONNECT_WAIT_S``: one reconnect try at least); then it ends, what was published meanwhile dropped.
+A nats-server gone for good held every service's close the whole ``CLOSE_DRAIN_S`` before (5.0 s; now about
+this grace, ``tests/integration/test_bus_close_nats_gone_live.py``)."""
+CLOSE_POLL_S = 0.05
+"""Seconds between :meth:`Bus.close`'s looks at the connection and the handlers while it drains."""
 ABANDON_S = 5.0
 """Seconds a cancelled :meth:`Bus.connect` keeps cancelling nats-py's connect (every 0.05 s) until it ends: one
 cancel can be lost (Python 3.11's ``asyncio.wait_for`` and a refusal in one loop turn; a later one lands within
@@ -1314,10 +1321,12 @@ class Bus:
             ping = asyncio.ensure_future(self.nc.flush(timeout=PING_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
             try:
                 await asyncio.wait_for(asyncio.shield(ping), left)
-            except (nats.errors.Error, asyncio.TimeoutError) as e:
+            except (nats.errors.Error, asyncio.TimeoutError, asyncio.CancelledError) as e:
                 if not ping.done():  # left to its PONG; a reconnect forgets it (no PONG then): cancelled at close
                     self._pings.add(ping)
                     ping.add_done_callback(self._pings.discard)
+                if isinstance(e, asyncio.CancelledError):  # the caller's (Bus.close's drain cut short): its PING kept
+                    raise
                 raise BusUnavailable(f"flush: no answer from NATS within {timeout_s} s: {type(e).__name__}") from e
             if clean:
                 return
@@ -1585,8 +1594,9 @@ class Bus:
 
     async def close(self) -> None:
         """Stop background tasks, drain subscriptions (in-flight handlers finish), close. The drain takes at most
-        ``CLOSE_DRAIN_S`` (about 5 s), then is cut short (handlers still running are cancelled). A connection lost
-        meanwhile (NATS down) is logged, not raised: what was buffered for it is dropped.
+        ``CLOSE_DRAIN_S`` (about 5 s), then is cut short (handlers still running are cancelled); with the connection
+        lost and no handler running, at most ``CLOSE_LOST_GRACE_S`` (:meth:`_drain`). A connection lost meanwhile
+        (NATS down) is logged, not raised: what was buffered for it is dropped.
 
         Raises:
             asyncio.CancelledError: the caller was cancelled meanwhile; raised after the connection is closed (the
@@ -1605,30 +1615,15 @@ class Bus:
             except asyncio.CancelledError as e:  # the caller's: the tasks have ended; close first, then raise it
                 caller_cancel = e
         if not self.nc.is_closed:
-            # at most CLOSE_DRAIN_S for the drain, then it is cancelled until it ends (shared.cancel). Not wait_for:
-            # nats-py 2.16's drain swallows the cancel wait_for sends at its timeout, then flushes with its own 10-s
-            # timeout, and wait_for waits for the cancelled drain to end: a server that stopped answering (frozen, or
-            # dying under a loaded box, as all of a killed owner's services and its nats-server get SIGTERM at once)
-            # held the close 15 s, not 5 (tests/integration/test_bus_close_stalled_nats_live.py: 15.3 s before).
-            # A connection lost during the drain does not end it: handlers still run locally and what they publish
-            # while the client reconnects is sent when it is back (a nats-server restarted at once, or the next URL
-            # of a list); ending the drain there cancelled such a handler (test_bus_close_stalled_nats_live). When the
-            # server is gone for good the drain waits out CLOSE_DRAIN_S (nats-py drops the flush's PONG wait on
-            # reconnect without an answer)
-            drain = asyncio.ensure_future(self.nc.drain())
             try:
-                await asyncio.wait({drain}, timeout=CLOSE_DRAIN_S)
+                await self._drain(CLOSE_DRAIN_S)
             except asyncio.CancelledError as e:  # the caller's cancel during the drain: the connection is closed below
-                caller_cancel = e
-            try:
-                await cancel_until_done([drain], limit_s=1.0)  # its outcome (an error) is retrieved, dropped
-            except asyncio.CancelledError as e:
                 caller_cancel = e
             if not self.nc.is_closed:
                 try:
                     await self.nc.close()
                 except Exception as e:
-                    # the server is gone (nats-py refuses to drain a reconnecting client): its close flushes what was
+                    # the server is gone (the drain ended, or found no connection): its close flushes what was
                     # buffered meanwhile (heartbeats, publishes) into the lost connection and raises ConnectionResetError.
                     # Those messages could not be delivered anyway; before, the error ended a service stopped during a
                     # NATS outage in a traceback (exit 1) instead of a clean stop
@@ -1637,3 +1632,92 @@ class Bus:
             ping.cancel()
         if caller_cancel is not None:
             raise caller_cancel
+
+    def _connection_subscriptions(self) -> list[Subscription]:
+        """Every subscription of the connection, as nats-py's ``Client.drain`` drains them: its ``Client._subs``
+        (the bus's, the subscription behind each JetStream consumer as it stands after a reset, a request's reply
+        inbox, one made on ``nc`` directly). Only the bus's own when that nats-py internal is missing."""
+        subs = getattr(self.nc, "_subs", None)
+        if isinstance(subs, dict):
+            return [s for s in subs.values() if isinstance(s, Subscription)]
+        return list(self._subs)
+
+    async def _drain(self, limit_s: float) -> None:
+        """Drain the connection before :meth:`close` closes it, for at most ``limit_s`` seconds: every subscription of
+        the connection stops taking messages and handles those already received (nats-py ``Subscription.drain``:
+        UNSUB, a PING round trip, then its queue is handled), then what was published goes out (:meth:`flush`).
+
+        A lost connection does not end it while a handler is running or has a message queued (handlers run locally;
+        what they publish while the client reconnects is sent when the server is back,
+        ``tests/integration/test_bus_close_stalled_nats_live.py``). Once the connection has been lost for
+        ``CLOSE_LOST_GRACE_S`` with none, it ends: the subscriptions' PINGs are never answered by a server gone for
+        good, and waiting out ``limit_s`` held every service's stop 5 s (``test_bus_close_nats_gone_live``).
+
+        The bus drains each subscription in a task it owns, not with nats-py's ``Client.drain``: that one gathers the
+        subscriptions' drains with ``asyncio.gather`` inside ``wait_for`` and, cancelled at the bound, leaves the
+        gather's exception unretrieved ("_GatheringFuture exception was never retrieved" at the service's exit,
+        nats-py 2.16). Here every drain's outcome is retrieved: one that failed on its own (not one this bus cut
+        short) is logged, one line for all. The bound is this loop's, and what it cuts short is cancelled until it
+        ends (``shared.cancel``): with ``wait_for`` around nats-py's drain, which swallowed the timeout's cancel and
+        flushed with its own 10-s timeout, a server that stopped answering held the close 15 s
+        (``test_bus_close_stalled_nats_live``).
+
+        Raises:
+            asyncio.CancelledError: the caller was cancelled; the drains still running are cancelled first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        subs = self._connection_subscriptions()
+        lost_since: float | None = None
+
+        async def wait(futs: list[asyncio.Future[Any]]) -> bool:
+            """Wait for ``futs``: True when all ended, False at the deadline or when the connection has stayed lost
+            with no handler busy for CLOSE_LOST_GRACE_S (logged)."""
+            nonlocal lost_since
+            while True:
+                pending = [f for f in futs if not f.done()]
+                now = loop.time()
+                if not pending:
+                    return True
+                if now >= deadline:
+                    return False
+                if self.nc.is_connected or _handlers_busy(subs):
+                    lost_since = None
+                elif lost_since is None:
+                    lost_since = now
+                elif now - lost_since >= CLOSE_LOST_GRACE_S:
+                    self.log.warning("nats connection lost at close; drain ended, what was published meanwhile dropped",
+                                     waited_s=round(now - lost_since, 2))  # fmt: skip
+                    return False
+                await asyncio.wait(pending, timeout=min(CLOSE_POLL_S, deadline - now))
+
+        drains: list[asyncio.Future[Any]] = [asyncio.ensure_future(_drain_subscription(sub)) for sub in subs]
+        flushing: list[asyncio.Future[Any]] = []
+        try:
+            if await wait(drains) and not self.nc.is_closed and deadline > loop.time():
+                flushing.append(asyncio.ensure_future(self.flush(timeout_s=deadline - loop.time())))
+                await wait(flushing)
+        finally:
+            failed = [f.exception() for f in drains + flushing if f.done() and not f.cancelled() and f.exception()]
+            running = [f for f in drains + flushing if not f.done()]
+            if failed:
+                self.log.warning("nats drain at close failed", failed=len(failed), error=repr(failed[0])[:300])
+            if running:  # cut short: their outcomes are retrieved and dropped
+                await cancel_until_done(running, limit_s=1.0)
+
+
+def _handlers_busy(subs: list[Subscription]) -> bool:
+    """Whether a handler of one of ``subs`` is running or has a message queued. nats-py has no public count of that:
+    its message loop marks each message of ``Subscription._pending_queue`` (an ``asyncio.Queue``) done after the
+    handler returns, so the queue's unfinished count is read. A nats-py without those counts as busy: the drain then
+    keeps to ``CLOSE_DRAIN_S``, as before ``CLOSE_LOST_GRACE_S``."""
+    for sub in subs:
+        unfinished = getattr(getattr(sub, "_pending_queue", None), "_unfinished_tasks", None)
+        if not isinstance(unfinished, int) or unfinished > 0:
+            return True
+    return False
+
+
+async def _drain_subscription(sub: Subscription) -> None:
+    """Drain one subscription (nats-py ``Subscription.drain``); one already closed (unsubscribed, drained) is done."""
+    with contextlib.suppress(nats.errors.BadSubscriptionError):
+        await sub.drain()

@@ -167,16 +167,18 @@ async def test_cancel_until_done_gives_up_at_its_limit_and_keeps_the_callers_can
 
 
 class _RecordingNats:
-    """nats-py's client as ``Bus.close`` uses it: ``drain`` and ``close`` recorded, ``is_reconnecting`` read."""
+    """nats-py's client as ``Bus.close`` uses it: no subscriptions (``_subs``) to drain, its ``flush`` (what was
+    published goes out) and ``close`` recorded, ``is_connected`` and ``pending_data_size`` read."""
 
     def __init__(self) -> None:
         self.is_closed = False
-        self.is_reconnecting = False
+        self.is_connected = True
+        self.pending_data_size = 0
+        self._subs: dict[int, object] = {}
         self.calls: list[str] = []
 
-    async def drain(self) -> None:
-        self.calls.append("drain")
-        self.is_closed = True
+    async def flush(self, timeout: float) -> None:
+        self.calls.append("flush")
 
     async def close(self) -> None:
         self.calls.append("close")
@@ -186,7 +188,7 @@ class _RecordingNats:
 @pytest.mark.timeout(60)
 async def test_bus_close_cancelled_while_its_tasks_end_still_closes_the_connection():
     """The caller's cancel while a task's clean-up runs: before, it escaped close() before the drain and nc.close()
-    (the connection left open); now the connection is drained/closed, then the cancel is raised."""
+    (the connection left open); now the connection is drained (flushed) and closed, then the cancel is raised."""
     from shared.bus import Bus
     from shared.subjects import Subjects
 
@@ -209,7 +211,7 @@ async def test_bus_close_cancelled_while_its_tasks_end_still_closes_the_connecti
     closing.cancel()
     done, _ = await asyncio.wait({closing}, timeout=5)
     assert closing in done and closing.cancelled()
-    assert nc.calls == ["drain"] and nc.is_closed
+    assert nc.calls == ["flush", "close"] and nc.is_closed
 
 
 @pytest.mark.timeout(60)
