@@ -36,7 +36,7 @@ from nats.aio.subscription import Subscription
 from services.worker.kvpool.buffer import DEFAULT_CPU_SLOT_BYTES, HostKvBuffer, PayloadKind, PoolFull
 from services.worker.kvpool.fetchcore import cancel_plan, plan_fetch, settle_fetch
 from services.worker.kvpool.payload import CHECKSUM_ALGO, checksum, expected_checksum
-from services.worker.kvpool.transport import MooncakeEndpoint
+from services.worker.kvpool.transport import MooncakeEndpoint, MooncakeUnavailable, TransferError
 from shared import messages as m
 from shared.bus import Bus, BusError
 from shared.subjects import KV_POOL, check_token
@@ -54,6 +54,19 @@ them (``transfer``, recomputed), and their one-by-one retries ran into the same 
 none. Each read has a thread of its own (no pool caps how many run at once), so 256 per batch keeps about eight
 concurrent fetches of one worker under 2,048 queued together; 6,000 blocks took 1.3 s in 256-block batches against
 1.7 s in one (loopback)."""
+READ_ENGINES_MAX = 4
+"""Mooncake transfer engines one pool reads with, at most: its own and up to three more (:meth:`HostKvPool.fetch`).
+Mooncake 0.3.13 keeps, per engine, the segment of the first process it read from on a session (``host:rpc_port``) and
+its Python binding has no call to drop it (it closes a segment only when a submit fails and a probe of the peer fails
+too; a peer restarted on its predecessor's RPC port answers the probe), so that engine's reads from the restarted peer
+go to the dead process's data port. Another engine of this process has a segment cache of its own and reads the new
+process (measured, two processes, the holder SIGKILLed and started again on its RPC port: the old engine's read -1,
+or blocked past ``fetch_timeout_s`` as 822297f measured; a new engine's read 0 with the new process's bytes, its start
+under 0.04 s on the event loop; ``tests/integration/test_kvpool_live.py``, the holder restarted on its predecessor's
+session: 32 of 32 fetched, 32 ``stale_session`` before). Mooncake has no call to
+shut an engine down either: each one made stays for the process's life (two ports of ``--kv-pool-ports``, two
+threads), hence the bound. Past it, a fetch from a session every engine has read from another process is refused
+(``stale_session``) until this worker restarts."""
 STUCK_READS_WARN = 4
 """``kvpool.reads_stuck`` (reads past ``fetch_timeout_s`` that have not returned) at which the pool logs one warning:
 they hold their thread and their slots until they return, which Mooncake 0.3.13 does not do for a peer that died
@@ -107,6 +120,15 @@ class FetchResult:
         return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
 
 
+@dataclass
+class _Reader:
+    """A transfer engine the pool reads with, and the holder process it first read from on each session."""
+
+    endpoint: MooncakeEndpoint
+    read_from: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Mooncake session -> the holder's ``(base_addr, instance)`` when this engine first read from it."""
+
+
 class HostKvPool:
     """Real-bytes host KV pool of one node (issue 6 part 2).
 
@@ -131,11 +153,16 @@ class HostKvPool:
             holder's advertised CRC.
         endpoint: an existing :class:`MooncakeEndpoint` (one per process).
         clock: wall clock for leases (monotonic seconds).
+        read_engine: makes another transfer engine to read with, when a peer restarted on a session every engine
+            read from before (:data:`READ_ENGINES_MAX`); default a :class:`MooncakeEndpoint` on ``host`` with the
+            endpoint's protocol. It may raise :class:`TransferError` (no free port in the range): the fetch is then
+            refused (``stale_session``), as when the bound is reached.
+        max_read_engines: transfer engines this pool reads with at most, its own included (>= 1; 1: none made).
 
     Raises:
         MooncakeUnavailable: Mooncake is not installed (names the install script).
         TransferError: the transfer engine failed to start or register the buffer.
-        ValueError: bad node id or sizes.
+        ValueError: bad node id or sizes, or max_read_engines below 1.
     """
 
     def __init__(
@@ -153,8 +180,12 @@ class HostKvPool:
         verify_identity: bool = True,
         endpoint: MooncakeEndpoint | None = None,
         clock: Callable[[], float] = time.monotonic,
+        read_engine: Callable[[], MooncakeEndpoint] | None = None,
+        max_read_engines: int = READ_ENGINES_MAX,
     ) -> None:
         self.node = check_token(node, "node")
+        if max_read_engines < 1:
+            raise ValueError(f"max_read_engines must be >= 1 (the pool's own engine), got {max_read_engines}")
         self.bus = bus
         self.buffer = HostKvBuffer(num_slots, slot_bytes, payload=payload)
         self.endpoint = endpoint if endpoint is not None else MooncakeEndpoint(host=host)
@@ -170,8 +201,12 @@ class HostKvPool:
         self.instance = os.urandom(8).hex()
         """This pool's process, a random nonce told to pullers in every ``PoolLocation`` (``instance``): a restarted
         holder is another instance even where its buffer lands at its predecessor's address (ASLR off)."""
-        self._read_from: dict[str, tuple[int, str]] = {}
-        """Mooncake session -> the holder's ``(base_addr, instance)`` when this pool first read from it (:meth:`fetch`)."""
+        self._readers: list[_Reader] = [_Reader(self.endpoint)]
+        """The transfer engines this pool reads with: its own first, then those made for restarted peers (:meth:`_reader_for`)."""
+        self._new_engine = read_engine or (lambda: MooncakeEndpoint(host=host, protocol=self.endpoint.protocol))
+        self.max_read_engines = max_read_engines
+        self._engines_made = 0
+        """Engines made or tried after the pool's own (a failed try counts: bounded all the same)."""
         self._reads_in_flight = 0
         """Mooncake reads whose thread has not returned (:meth:`_in_own_thread`)."""
         self._reads_stuck = 0
@@ -197,7 +232,8 @@ class HostKvPool:
             except Exception:  # connection already closed: nothing left to stop
                 pass
             self._sub = None
-        self.endpoint.unregister(self.buffer.base_addr)
+        for reader in self._readers:
+            reader.endpoint.unregister(self.buffer.base_addr)
 
     def ready(self) -> bool:
         return self._sub is not None
@@ -440,23 +476,13 @@ class HostKvPool:
         bad = self._incompatible(loc)
         if bad:
             return failed(bad, locate_s)
-        first = self._read_from.get(loc.session)
-        if first is not None and first != (loc.base_addr, loc.instance):
-            # Another process answers on a session this engine read from (the peer restarted on its predecessor's
-            # RPC port): Mooncake keeps the first process's segment (its data port) per session and has no call to
-            # drop it, so a read retries the dead port and blocks: measured, the read past fetch_timeout_s and its
-            # thread and slots held on, every later fetch of those blocks "busy". Refused at once instead.
-            return failed(
-                f"{peer} restarted on Mooncake session {loc.session}, which this worker read from before (buffer at "
-                f"{first[0]:#x}, instance {first[1] or '?'}; now {loc.base_addr:#x}, {loc.instance or '?'}): its transfer engine keeps the old process's segment, so no "
-                "read from this session can succeed until this worker restarts; the pages are recomputed",
-                locate_s,
-                "stale_session",
-            )
+        reader = self._reader_for(loc)
+        if isinstance(reader, str):
+            return failed(f"{peer} {reader}; the pages are recomputed", locate_s, "stale_session")
 
         plan = plan_fetch(self.buffer, want, loc.offsets, loc.checksums, self.clock())
         sb = self.buffer.slot_bytes
-        base, peer_base, session = self.buffer.base_addr, loc.base_addr, loc.session
+        base, peer_base, session, engine = self.buffer.base_addr, loc.base_addr, loc.session, reader.endpoint
         reads = plan.reads
         identity = self.verify_identity
         known = {r.block_hash: self._expected[r.block_hash] for r in reads if r.block_hash in self._expected}
@@ -474,10 +500,10 @@ class HostKvPool:
                 if stop.is_set():  # nobody waits for the rest: the plan is cancelled when this returns
                     failed_idx.update(range(lo, len(reads)))
                     break
-                if self.endpoint.read(session, local[lo:hi], remote[lo:hi], [sb] * (hi - lo)) != 0:
+                if engine.read(session, local[lo:hi], remote[lo:hi], [sb] * (hi - lo)) != 0:
                     # The batch API does not say which transfer failed: retry one by one.
                     for i in range(lo, hi):
-                        if self.endpoint.read_one(session, local[i], remote[i], sb) != 0:
+                        if engine.read_one(session, local[i], remote[i], sb) != 0:
                             failed_idx.add(i)
             t2 = time.perf_counter()
             crcs = [-1 if i in failed_idx else checksum(self.buffer.slot_view(r.local_slot)) for i, r in enumerate(reads)]
@@ -502,7 +528,7 @@ class HostKvPool:
             except RuntimeError as e:  # no thread to be had (the process's limit): nothing was read
                 cancel_plan(self.buffer, plan)
                 return failed(f"no thread for a Mooncake read from {peer}: {e}", locate_s, "no_thread")
-            self._read_from.setdefault(loc.session, (loc.base_addr, loc.instance))  # Mooncake opens (and keeps) the segment now
+            reader.read_from.setdefault(loc.session, (loc.base_addr, loc.instance))  # Mooncake opens (and keeps) the segment now
 
             def release(_f: asyncio.Future[Any]) -> None:
                 cancel_plan(self.buffer, plan)
@@ -559,6 +585,49 @@ class HostKvPool:
             reasons=out.reasons,
         )
 
+    def _reader_for(self, loc: m.PoolLocation) -> "_Reader | str":
+        """The engine to read ``loc`` with: the first that has not read from its session, or read from it the same
+        process (``base_addr`` and ``instance``); else a new one (:data:`READ_ENGINES_MAX`), or why none (a text
+        that follows the peer's name).
+
+        Another process answering on a session an engine read from is the peer restarted on its predecessor's RPC
+        port: that engine keeps the old process's segment (its data port) and its read blocks on the dead port
+        (measured before: past ``fetch_timeout_s``, its thread and slots held on, every later fetch of those blocks
+        ``busy``); it is not used for that session again."""
+        now = (loc.base_addr, loc.instance)
+        for reader in self._readers:
+            seen = reader.read_from.get(loc.session)
+            if seen is None or seen == now:
+                return reader
+        first = self._readers[-1].read_from[loc.session]
+        why = (
+            f"restarted on Mooncake session {loc.session}, which this worker read from before (buffer at {first[0]:#x}, "
+            f"instance {first[1] or '?'}; now {loc.base_addr:#x}, {loc.instance or '?'})"
+        )
+        if 1 + self._engines_made >= self.max_read_engines:
+            return (
+                f"{why}: each of this worker's {len(self._readers)} transfer engines keeps an old process's segment for "
+                f"it and no more are made (max_read_engines {self.max_read_engines}), so no read from this session can "
+                "succeed until this worker restarts"
+            )
+        self._engines_made += 1
+        try:
+            endpoint = self._new_engine()
+        except (TransferError, MooncakeUnavailable) as e:
+            self.counters["read_engine_failed"] += 1
+            return f"{why}: another transfer engine to read it with could not start ({e})"
+        try:
+            endpoint.register(self.buffer.memory)
+        except (TransferError, ValueError) as e:
+            self.counters["read_engine_failed"] += 1
+            return f"{why}: another transfer engine to read it with could not register this pool's buffer ({e})"
+        reader = _Reader(endpoint)
+        self._readers.append(reader)
+        self.counters["read_engines_made"] += 1
+        log.warning("%s: %s; reading it with another transfer engine (%d of at most %d)",
+                    self.node, why, len(self._readers), self.max_read_engines)  # fmt: skip
+        return reader
+
     def _remember_expected(self, block_hash: int, crc: int) -> None:
         # Bounded memo of hash-derived CRCs (FIFO, at most one entry per slot).
         if len(self._expected) >= self.buffer.num_slots:
@@ -575,5 +644,6 @@ class HostKvPool:
         gauges["kvpool.slot_bytes"] = float(self.buffer.slot_bytes)
         gauges["kvpool.reads_in_flight"] = float(self._reads_in_flight)
         gauges["kvpool.reads_stuck"] = float(self._reads_stuck)
+        gauges["kvpool.read_engines"] = float(len(self._readers))
         gauges["kvpool.pool_bytes"] = float(self.buffer.nbytes)
         return counters, gauges

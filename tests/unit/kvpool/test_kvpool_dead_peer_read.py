@@ -101,7 +101,7 @@ def test_a_read_thread_that_cannot_start_fails_the_fetch_and_frees_its_slots(mon
     assert pool.counters["fetch_failed.no_thread"] == 1 and pool.counters["fetch_errors"] == 1
     assert pool.buffer.occupancy()["pending"] == 0 and pool.stats()[1]["kvpool.reads_in_flight"] == 0
     assert ep.started == 0
-    assert pool._read_from == {}  # no read was issued: the session is not marked as read from
+    assert pool._readers[0].read_from == {}  # no read was issued: the session is not marked as read from
 
 
 class _SlowBatches(_DeadPeer):

@@ -1,53 +1,76 @@
-"""A peer that restarted on the Mooncake session its predecessor had is refused at once, not read (fifth fault walk).
+"""A peer that restarted on the Mooncake session its predecessor had is read with another transfer engine of this
+process, or refused at once when no more may be made; never read with the engine that read its predecessor.
 
-Mooncake 0.3.13 (P2PHANDSHAKE) keeps the segment of the first process it read from per session (``ip:rpc_port``), with
-no call to drop it. Up's workers keep their port range across a restart, so a restarted worker may take its
-predecessor's RPC port: a puller's read then retries the dead process's data port and blocks (measured with two
-processes: the read ran past ``fetch_timeout_s``, 10 s, its thread and slots held on, the next fetch of those blocks
-``busy``). The new process answers the locate with another buffer address (``base_addr``): the pool refuses the
-fetch then (reason ``stale_session``, the pages recomputed) without a read. A first read, or a session seen before
-with the same buffer, reads as before.
+Mooncake 0.3.13 (P2PHANDSHAKE) keeps, per engine, the segment of the first process it read from on a session
+(``ip:rpc_port``), and its Python binding has no call to drop it. Up's workers keep their port range across a restart,
+so a restarted worker may take its predecessor's RPC port: that engine's read then goes to the dead process's data
+port and blocks (measured with two processes: the read ran past ``fetch_timeout_s``, 10 s, its thread and slots held
+on, the next fetch of those blocks ``busy``). The new process answers the locate with another buffer address
+(``base_addr``) or ``instance``. Before, the pool refused every later fetch from that session (reason
+``stale_session``, the pages recomputed) until this worker restarted; another engine of the same process reads the
+new process (two real processes: the old engine's read -1, a new engine's read 0 with the new bytes), so the pool now
+makes one, up to ``max_read_engines`` in all (Mooncake cannot shut one down), and refuses past that.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from services.worker.kvpool.payload import expected_checksum, fill_payload
-from services.worker.kvpool.pool import HostKvPool
+from services.worker.kvpool.pool import READ_ENGINES_MAX, HostKvPool
+from services.worker.kvpool.transport import TransferError
 from shared import messages as m
 
 SB = 256
+OLD, NEW = 0x7F0000000000, 0x7F5500000000
 
 
 class _Endpoint:
-    """Mooncake stand-in: records the reads and writes each block's hash-derived payload where it lands."""
+    """Mooncake stand-in: records the reads (which engine, session, how many) and writes each block's hash-derived
+    payload where it lands. Engines made for restarted peers share the first one's record and landing."""
 
     protocol = "tcp"
     session = "127.0.0.1:1"
 
-    def __init__(self) -> None:
-        self.reads: list[tuple[str, int]] = []
+    def __init__(self, name: str = "e0", first: "_Endpoint | None" = None) -> None:
+        self.name = name
+        self.first = first or self
+        self.reads: list[tuple[str, str, int]] = [] if first is None else first.reads
+        self.registered: list[int] = []
         self.pool: HostKvPool | None = None
+        self.landing: list[tuple[int, int]] = []
 
-    def register(self, memory: object) -> None:
-        pass
+    def register(self, memory) -> int:
+        self.registered.append(int(memory.ctypes.data))
+        return self.registered[-1]
 
     def unregister(self, addr: int) -> None:
-        pass
+        self.registered.remove(addr)
 
     def read(self, session, local, remote, lengths) -> int:
-        self.reads.append((session, len(local)))
-        assert self.pool is not None
-        base = self.pool.buffer.base_addr
-        for addr, (h, _) in zip(local, self.landing):
-            fill_payload(self.pool.buffer.memory[addr - base : addr - base + SB], h)
+        self.reads.append((self.name, session, len(local)))
+        pool = self.first.pool
+        assert pool is not None
+        base = pool.buffer.base_addr
+        for addr, (h, _) in zip(local, self.first.landing):
+            fill_payload(pool.buffer.memory[addr - base : addr - base + SB], h)
         return 0
 
 
-def _pool() -> tuple[HostKvPool, _Endpoint]:
+def _pool(max_read_engines: int = READ_ENGINES_MAX, fail: bool = False) -> tuple[HostKvPool, _Endpoint]:
     ep = _Endpoint()
-    pool = HostKvPool("b", None, num_slots=16, slot_bytes=SB, endpoint=ep)  # type: ignore[arg-type]
+    made: list[_Endpoint] = []
+
+    def read_engine() -> _Endpoint:
+        if fail:
+            raise TransferError("TransferEngine.initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp') returned -1")
+        made.append(_Endpoint(f"e{len(made) + 1}", ep))
+        return made[-1]
+
+    pool = HostKvPool("b", None, num_slots=16, slot_bytes=SB, endpoint=ep, read_engine=read_engine,  # type: ignore[arg-type]
+                      max_read_engines=max_read_engines)  # fmt: skip
     ep.pool = pool
     return pool, ep
 
@@ -66,24 +89,78 @@ def _answer(pool: HostKvPool, ep: _Endpoint, hashes: list[int], base_addr: int, 
     pool.locate = locate  # type: ignore[method-assign]
 
 
-def test_a_peer_restarted_on_the_same_session_is_refused_without_a_read():
+def test_a_peer_restarted_on_the_same_session_is_read_with_another_engine():
+    """Fail-before: the second fetch was refused (stale_session) until this worker restarted."""
     pool, ep = _pool()
-    _answer(pool, ep, [11, 12], base_addr=0x7F0000000000)
+    _answer(pool, ep, [11, 12], base_addr=OLD)
     first = asyncio.run(pool.fetch("a", [11, 12]))
-    assert first.fetched == (11, 12) and first.error is None and len(ep.reads) == 1
+    assert first.fetched == (11, 12) and first.error is None and ep.reads == [("e0", "127.0.0.1:27951", 2)]
     # a's process killed and restarted on port 27951 again: another buffer
-    _answer(pool, ep, [13, 14], base_addr=0x7F5500000000)
+    _answer(pool, ep, [13, 14], base_addr=NEW)
     second = asyncio.run(pool.fetch("a", [13, 14]))
-    assert len(ep.reads) == 1  # no read: it would block on the dead process's data port
-    assert second.fetched == () and second.missing == (13, 14) and second.reasons == {"stale_session": 2}
-    assert "restarted on Mooncake session 127.0.0.1:27951" in (second.error or "")
-    assert pool.counters["fetch_failed.stale_session"] == 1
+    assert second.fetched == (13, 14) and second.error is None and second.reasons == {}
+    assert ep.reads[1:] == [("e1", "127.0.0.1:27951", 2)]  # not with e0: it keeps the dead process's segment
+    assert pool.counters["read_engines_made"] == 1 and pool.stats()[1]["kvpool.read_engines"] == 2.0
+    assert pool.buffer.has(13) and pool.buffer.has(14)
+    # the new process again: read with the engine that read it, no third engine; the old engine reads other peers
+    _answer(pool, ep, [15], base_addr=NEW)
+    assert asyncio.run(pool.fetch("a", [15])).fetched == (15,) and ep.reads[-1][0] == "e1"
+    _answer(pool, ep, [16], base_addr=OLD, session="127.0.0.1:27960")
+    assert asyncio.run(pool.fetch("a", [16])).fetched == (16,) and ep.reads[-1][0] == "e0"
+    assert pool.counters["read_engines_made"] == 1
+    # the new engine has this pool's buffer registered, and stop() unregisters it from every engine
+    e1 = pool._readers[1].endpoint
+    assert e1.registered == [pool.buffer.base_addr]  # type: ignore[attr-defined]
+    asyncio.run(pool.stop())
+    assert e1.registered == [] and ep.registered == []  # type: ignore[attr-defined]
+
+
+def test_past_max_read_engines_a_restarted_peer_is_refused_without_a_read():
+    pool, ep = _pool(max_read_engines=2)
+    bases = [OLD, NEW, 0x7F6600000000]
+    for i, base in enumerate(bases[:2]):  # the first process, then the first restart: read
+        _answer(pool, ep, [100 + i], base_addr=base)
+        assert asyncio.run(pool.fetch("a", [100 + i])).fetched == (100 + i,)
+    _answer(pool, ep, [13, 14], base_addr=bases[2])  # a second restart on the same port: both engines are stale
+    third = asyncio.run(pool.fetch("a", [13, 14]))
+    assert len(ep.reads) == 2  # no read: it would block on a dead process's data port
+    assert third.fetched == () and third.missing == (13, 14) and third.reasons == {"stale_session": 2}
+    assert "a restarted on Mooncake session 127.0.0.1:27951" in (third.error or "")
+    assert "no more are made (max_read_engines 2)" in (third.error or "")
+    assert pool.counters["fetch_failed.stale_session"] == 1 and pool.counters["read_engines_made"] == 1
     assert not pool.buffer.has(13) and pool.buffer.occupancy()["pending"] == 0  # nothing reserved, nothing held
+
+
+def test_one_engine_only_refuses_as_before():
+    pool, ep = _pool(max_read_engines=1)
+    _answer(pool, ep, [11], base_addr=OLD)
+    assert asyncio.run(pool.fetch("a", [11])).fetched == (11,)
+    _answer(pool, ep, [12], base_addr=NEW)
+    again = asyncio.run(pool.fetch("a", [12]))
+    assert again.reasons == {"stale_session": 1} and len(ep.reads) == 1 and pool.counters["read_engines_made"] == 0
+
+
+def test_an_engine_that_cannot_start_refuses_the_fetch_and_counts_against_the_bound():
+    pool, ep = _pool(max_read_engines=2, fail=True)
+    _answer(pool, ep, [11], base_addr=OLD)
+    assert asyncio.run(pool.fetch("a", [11])).fetched == (11,)
+    _answer(pool, ep, [12], base_addr=NEW)
+    r = asyncio.run(pool.fetch("a", [12]))
+    assert r.reasons == {"stale_session": 1} and "could not start (TransferEngine.initialize(" in (r.error or "")
+    assert pool.counters["read_engine_failed"] == 1 and len(ep.reads) == 1
+    r = asyncio.run(pool.fetch("a", [12]))  # bounded: no second try past max_read_engines
+    assert r.reasons == {"stale_session": 1} and "no more are made" in (r.error or "")
+    assert pool.counters["read_engine_failed"] == 1
+
+
+def test_max_read_engines_below_one_is_refused():
+    with pytest.raises(ValueError, match="max_read_engines"):
+        HostKvPool("b", None, num_slots=4, slot_bytes=SB, endpoint=_Endpoint(), max_read_engines=0)  # type: ignore[arg-type]
 
 
 def test_the_same_process_and_another_session_read_as_before():
     pool, ep = _pool()
-    _answer(pool, ep, [21], base_addr=0x7F0000000000)
+    _answer(pool, ep, [21], base_addr=OLD)
     assert asyncio.run(pool.fetch("a", [21])).fetched == (21,)
     _answer(pool, ep, [22], base_addr=0x7F0000000000)  # the same holder process
     assert asyncio.run(pool.fetch("a", [22])).fetched == (22,)
@@ -116,8 +193,14 @@ def test_a_peer_restarted_at_the_same_buffer_address_is_told_by_its_instance():
     assert asyncio.run(pool.fetch("a", [42])).fetched == (42,)
     _answer(pool, ep, [43], base_addr=0x7F0000000000, instance="bbbb")  # restarted, same port, same address
     again = asyncio.run(pool.fetch("a", [43]))
-    assert again.reasons == {"stale_session": 1} and len(ep.reads) == 2
-    assert "instance aaaa; now 0x7f0000000000, bbbb" in (again.error or "")
+    assert again.fetched == (43,) and [r[0] for r in ep.reads] == ["e0", "e0", "e1"]  # another engine reads it
+    one, ep1 = _pool(max_read_engines=1)
+    _answer(one, ep1, [41], base_addr=0x7F0000000000, instance="aaaa")
+    assert asyncio.run(one.fetch("a", [41])).fetched == (41,)
+    _answer(one, ep1, [43], base_addr=0x7F0000000000, instance="bbbb")
+    refused = asyncio.run(one.fetch("a", [43]))
+    assert refused.reasons == {"stale_session": 1} and len(ep1.reads) == 1
+    assert "instance aaaa; now 0x7f0000000000, bbbb" in (refused.error or "")
 
 
 def test_a_holder_tells_its_instance_and_pools_differ():
