@@ -353,6 +353,9 @@ class Bus:
         series (dropped, handler errors, received) start at 0 (``shared.metrics.bus_families``)."""
         self._tasks: list[asyncio.Task[Any]] = []
         self._closing = False
+        self._lost_at: float | None = None
+        """When the connection was last lost (monotonic seconds; None while connected): :meth:`_drain`'s grace counts
+        from it."""
         self.droplog = RateLimitedLog(self.log, first=5, interval_s=10.0)
         """Bounds the lines written for dropped messages and handler errors."""
         self.known_nodes: frozenset[str] | None = None
@@ -509,11 +512,13 @@ class Bus:
             bus.droplog.event("nats.errors", "nats error", error=repr(e)[:300])
 
         async def disconnected_cb() -> None:
+            bus._lost_at = time.monotonic()
             if bus._closing:
                 return
             bus._disconnected()
 
         async def reconnected_cb() -> None:
+            bus._lost_at = None
             bus.counters["nats.reconnects"] += 1
             bus.reconnected_at = time.monotonic()
             bus.log.warning("nats reconnected", resend=len(bus._resend))
@@ -1664,37 +1669,39 @@ class Bus:
 
         Raises:
             asyncio.CancelledError: the caller was cancelled; the drains still running are cancelled first."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + limit_s
+        deadline = time.monotonic() + limit_s
         subs = self._connection_subscriptions()
-        lost_since: float | None = None
+        quiet_since: float | None = None  # lost, and no handler busy, since
+        first_look = True
 
         async def wait(futs: list[asyncio.Future[Any]]) -> bool:
             """Wait for ``futs``: True when all ended, False at the deadline or when the connection has stayed lost
-            with no handler busy for CLOSE_LOST_GRACE_S (logged)."""
-            nonlocal lost_since
+            with no handler busy for CLOSE_LOST_GRACE_S (logged; counted from the loss itself when the connection
+            was already lost, with no handler busy, as the drain began)."""
+            nonlocal quiet_since, first_look
             while True:
                 pending = [f for f in futs if not f.done()]
-                now = loop.time()
+                now = time.monotonic()
                 if not pending:
                     return True
                 if now >= deadline:
                     return False
                 if self.nc.is_connected or _handlers_busy(subs):
-                    lost_since = None
-                elif lost_since is None:
-                    lost_since = now
-                elif now - lost_since >= CLOSE_LOST_GRACE_S:
+                    quiet_since = None
+                elif quiet_since is None:
+                    quiet_since = min(now, self._lost_at or now) if first_look else now
+                first_look = False
+                if quiet_since is not None and now - quiet_since >= CLOSE_LOST_GRACE_S:
                     self.log.warning("nats connection lost at close; drain ended, what was published meanwhile dropped",
-                                     waited_s=round(now - lost_since, 2))  # fmt: skip
+                                     lost_s=round(now - quiet_since, 2))  # fmt: skip
                     return False
                 await asyncio.wait(pending, timeout=min(CLOSE_POLL_S, deadline - now))
 
         drains: list[asyncio.Future[Any]] = [asyncio.ensure_future(_drain_subscription(sub)) for sub in subs]
         flushing: list[asyncio.Future[Any]] = []
         try:
-            if await wait(drains) and not self.nc.is_closed and deadline > loop.time():
-                flushing.append(asyncio.ensure_future(self.flush(timeout_s=deadline - loop.time())))
+            if await wait(drains) and not self.nc.is_closed and deadline > time.monotonic():
+                flushing.append(asyncio.ensure_future(self.flush(timeout_s=deadline - time.monotonic())))
                 await wait(flushing)
         finally:
             failed = [f.exception() for f in drains + flushing if f.done() and not f.cancelled() and f.exception()]

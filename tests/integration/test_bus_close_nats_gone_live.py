@@ -36,7 +36,11 @@ def _collect_loop_errors() -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("jetstream", [True, False])
-async def test_close_after_the_server_was_killed_returns_at_once_and_leaves_no_unretrieved_error(jetstream: bool):
+@pytest.mark.parametrize("noticed", [False, True], ids=["at-once", "after-the-client-noticed"])
+async def test_close_after_the_server_was_killed_returns_at_once_and_leaves_no_unretrieved_error(jetstream: bool, noticed: bool):
+    """At once: the close begins before the client has read the lost connection (it is still "connected"); the drain
+    ends ``CLOSE_LOST_GRACE_S`` after the loss. After the client noticed (reconnecting): the grace counts from the
+    loss, so the close takes next to nothing (as nats-py's drain, which refuses a reconnecting client, did)."""
     srv = EmbeddedNatsServer(jetstream=jetstream).start()
     try:
         errors = _collect_loop_errors()
@@ -49,6 +53,11 @@ async def test_close_after_the_server_was_killed_returns_at_once_and_leaves_no_u
         await bus.nc.subscribe("test.close.gone.b", cb=on_msg)
         await bus.flush()
         os.kill(srv.pid, signal.SIGKILL)  # gone for good; the client has not noticed yet (still "connected")
+        for _ in range(100 if noticed else 0):
+            if bus.nc.is_reconnecting:
+                break
+            await asyncio.sleep(0.02)
+        assert bus.nc.is_reconnecting == noticed
         t0 = time.monotonic()
         await bus.close()
         took = time.monotonic() - t0
