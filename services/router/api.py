@@ -54,13 +54,14 @@ import math
 import re
 import functools
 import hashlib
+import urllib.parse
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 from msgspec import Meta, Struct
 
-from shared.messages import Sampling
+from shared.messages import BranchKind, Sampling
 from shared.validate import (  # the nodes' bounds of a work's Sampling: the API takes no more than they do
     MAX_ABS_LOGIT_BIAS,
     MAX_LOGIT_BIAS,
@@ -764,6 +765,48 @@ def check_header_value(name: str, value: str, max_len: int) -> str:
     return value
 
 
+def path_branch_id(branch_id: str, raw_path: bytes | None, max_len: int) -> str:
+    """The branch id of ``/v1/branches/{id}/end`` or ``/tool-call``: ``branch_id`` as the server percent-decoded it
+    (as UTF-8: the id an ``X-Branch-Id`` header of the same UTF-8 bytes names, :func:`header_text`), checked as a
+    header's id (:func:`check_header_value`, ``param`` ``branch_id``). ``raw_path``: the ASGI scope's
+    ``raw_path`` (None if the server gives none); percent-escapes that are not UTF-8 (which the server turned
+    into U+FFFD, another branch's id) are refused.
+
+    Raises:
+        ApiError: 400 for an id whose escapes are not UTF-8, or that is empty, too long or holds a control character.
+    """
+    if raw_path is not None and "\ufffd" in branch_id:
+        try:
+            urllib.parse.unquote_to_bytes(raw_path).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ApiError(400, "the branch id in the path is not valid UTF-8 once percent-decoded", param="branch_id") from None
+    return check_header_value("branch_id", branch_id, max_len)
+
+
+def header_text(name: str, value: str) -> str:
+    """A header value as text: the header's bytes decoded as UTF-8.
+
+    ``value`` is the value as an ASGI server and Starlette hand it on, one latin-1 character per byte
+    (``Headers.get``), so ``X-Branch-Id: zweig-ä`` sent as UTF-8 arrives as ``'zweig-Ã¤'``; this gives
+    ``'zweig-ä'``, the same string as the id in a path (``/v1/branches/zweig-%C3%A4/end``: the server
+    percent-decodes a path as UTF-8). An ASCII value is returned as is.
+
+    Raises:
+        ApiError: 400 naming the header when its bytes are not UTF-8.
+        UnicodeEncodeError: ``value`` holds a character above U+00FF (never one made of a header's bytes).
+    """
+    if value.isascii():
+        return value
+    raw = value.encode("latin-1")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(
+            400, f"{name} is not valid UTF-8 (byte 0x{raw[e.start]:02X} at offset {e.start}); send the id as UTF-8 text",
+            param=name,
+        ) from None
+
+
 REQUEST_ID_MAX_LEN = 256
 """Longest accepted ``X-Request-ID`` (characters)."""
 RID_MAX_LEN = 128
@@ -881,15 +924,21 @@ class BranchHeaders(Struct, frozen=True, kw_only=True):
 def parse_branch_headers(headers: Any, max_len: int) -> BranchHeaders:
     """Read ``X-Branch-Id``, ``X-Parent-Branch-Id``, ``X-Branch-Kind`` (fork | subagent | main) and ``X-Agent-Id``.
 
+    Ids may hold any character but control characters (C0, DEL, C1): the header's bytes are read as UTF-8
+    (:func:`header_text`), so an id in a header is the same string as that id percent-encoded as UTF-8 in
+    ``/v1/branches/{id}/end`` and ``/tool-call``; the length and control-character rules
+    (:func:`check_header_value`) apply to that text.
+
     Args:
-        headers: a case-insensitive mapping (Starlette ``Headers``; with its ``getlist``, a header repeated
-            with different values is refused: which branch the request is of would be a guess).
-        max_len: longest accepted id.
+        headers: a case-insensitive mapping of header values, each byte one latin-1 character, as ASGI
+            servers give them (Starlette ``Headers``; with its ``getlist``, a header repeated with different
+            values is refused: which branch the request is of would be a guess).
+        max_len: longest accepted id, in characters.
 
     Raises:
-        ApiError: 400 for an empty, too long or control-character value, one of the four headers sent
-            again with another value, an unknown kind, kind/parent without a branch id, or a branch that
-            is its own parent.
+        ApiError: 400 for a value that is not UTF-8, an empty, too long or control-character value, one of
+            the four headers sent again with another value, an unknown kind, kind/parent without a branch id,
+            or a branch that is its own parent.
     """
     getlist = getattr(headers, "getlist", None)  # Starlette's Headers: every value of a repeated header
     if getlist is not None:
@@ -898,10 +947,12 @@ def parse_branch_headers(headers: Any, max_len: int) -> BranchHeaders:
             values = getlist(name)
             if len(set(values)) > 1:  # the same value twice (a proxy's copy) is one value
                 raise ApiError(400, f"{shown} is sent {len(values)} times with different values; send it once", param=shown)
-    bid = headers.get("x-branch-id")
-    parent = headers.get("x-parent-branch-id")
-    kind = headers.get("x-branch-kind")
-    agent = headers.get("x-agent-id")
+    texts: list[str | None] = []
+    for name, shown in (("x-branch-id", "X-Branch-Id"), ("x-parent-branch-id", "X-Parent-Branch-Id"),
+                        ("x-branch-kind", "X-Branch-Kind"), ("x-agent-id", "X-Agent-Id")):
+        value = headers.get(name)
+        texts.append(None if value is None else header_text(shown, value))
+    bid, parent, kind, agent = texts
     if bid is not None:
         check_header_value("X-Branch-Id", bid, max_len)
     if parent is not None:
@@ -914,7 +965,7 @@ def parse_branch_headers(headers: Any, max_len: int) -> BranchHeaders:
         raise ApiError(400, "X-Parent-Branch-Id and X-Branch-Kind need an X-Branch-Id", param="X-Branch-Id")
     if bid is not None and parent == bid:
         raise ApiError(400, "a branch cannot be its own parent", param="X-Parent-Branch-Id")
-    return BranchHeaders(branch_id=bid, parent_branch_id=parent, kind=kind or "main", agent_id=agent)
+    return BranchHeaders(branch_id=bid, parent_branch_id=parent, kind=cast(BranchKind, kind or "main"), agent_id=agent)
 
 
 # --------------------------------------------------------------------------- #

@@ -2416,7 +2416,7 @@ class RouterService(WatchedService):
     async def _end_branch(self, request: Request) -> Response:
         branch_id = request.path_params["branch_id"]
         try:
-            api.check_header_value("branch_id", branch_id, self.cfg.max_id_len)
+            api.path_branch_id(branch_id, request.scope.get("raw_path"), self.cfg.max_id_len)
             end = self.branches.end(branch_id, self.clock.local_now(), ts=self.clock.now())
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
@@ -2435,7 +2435,7 @@ class RouterService(WatchedService):
         """``POST /v1/branches/{id}/tool-call``: the branch waits for a tool (issue 21)."""
         branch_id = request.path_params["branch_id"]
         try:
-            api.check_header_value("branch_id", branch_id, self.cfg.max_id_len)
+            api.path_branch_id(branch_id, request.scope.get("raw_path"), self.cfg.max_id_len)
             body = await self._read_body(request)
             outstanding, expected_s = api.parse_tool_call(body)
             ev = self.branches.tool_call(

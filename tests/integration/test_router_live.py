@@ -385,6 +385,45 @@ async def test_branch_headers_events_and_end_endpoint(nats_url, tmp_path):
         assert st.counters["http_status.400"] == 5 and st.counters["http_status.409"] == 2 and st.counters["http_status.404"] == 1
 
 
+async def test_non_ascii_branch_and_agent_ids_are_utf8_in_headers_and_paths(nats_url, tmp_path):
+    """A newcomer's ``X-Branch-Id: zweig-ä`` was served as branch ``zweig-Ã¤`` (the header's bytes read as latin-1):
+    ``POST /v1/branches/zweig-%C3%A4/end`` answered 404 and the branch lived until the TTL; ``X-Agent-Id:
+    agent-ü`` was announced as ``agent-Ã¼``; ``X-Branch-Id: task…1`` was a 400 for a "control character
+    (U+0080)". The header's UTF-8 text is now the id, the path's id the same string."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        h = {"X-Branch-Id": "zweig-ä".encode(), "X-Agent-Id": "agent-ü".encode(), "X-Branch-Kind": b"fork",
+             "X-Parent-Branch-Id": "haupt-ß".encode()}
+        r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, headers=h)
+        assert r.status_code == 200, r.text
+        await _wait_for(lambda: any(isinstance(e, m.BranchStart) for e in env.cluster.branch_events), what="BranchStart")
+        s = next(e for e in env.cluster.branch_events if isinstance(e, m.BranchStart))
+        assert (s.branch_id, s.agent_id, s.parent_branch_id) == ("zweig-ä", "agent-ü", "haupt-ß")
+        await _wait_for(lambda: len(env.cluster.placed) == 1, what="placement")
+        assert env.cluster.placed[0].branch_id == "zweig-ä"
+        tc = await env.http.post("/v1/branches/zweig-%C3%A4/tool-call", json={"expected_s": 5})
+        assert tc.status_code == 200 and tc.json()["branch_id"] == "zweig-ä", tc.text
+        end = await env.http.post("/v1/branches/zweig-%C3%A4/end")
+        assert end.status_code == 200 and end.json() == {"branch_id": "zweig-ä", "ended": True}, end.text
+        await _wait_for(lambda: any(isinstance(e, m.BranchEnd) for e in env.cluster.branch_events), what="BranchEnd")
+        assert [e.branch_id for e in env.cluster.branch_events if isinstance(e, m.BranchEnd)] == ["zweig-ä"]
+        again = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Branch-Id": "zweig-ä".encode()})
+        assert again.status_code == 409, again.text  # the header names the branch the path ended
+        r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Branch-Id": "task…1".encode()})
+        assert r.status_code == 200, r.text
+        for headers, frag, param in [
+            ({"X-Branch-Id": b"zweig-\xe4"}, "X-Branch-Id is not valid UTF-8", "X-Branch-Id"),
+            ({"X-Branch-Id": b"b", "X-Agent-Id": b"\xff"}, "X-Agent-Id is not valid UTF-8", "X-Agent-Id"),
+            ({"X-Branch-Id": b"a\xc2\x80b"}, "control character (U+0080)", "X-Branch-Id"),
+        ]:
+            r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers=headers)
+            err = r.json()["error"]
+            assert r.status_code == 400 and frag in err["message"] and err["param"] == param, (headers, r.text)
+        bad = await env.http.post("/v1/branches/zweig-%E4/end")
+        assert bad.status_code == 400 and "not valid UTF-8" in bad.json()["error"]["message"], bad.text
+        ctrl = await env.http.post("/v1/branches/a%C2%80b/tool-call")
+        assert ctrl.status_code == 400 and "control character (U+0080)" in ctrl.json()["error"]["message"], ctrl.text
+
+
 async def test_minted_branch_ids_are_capped_keeping_the_one_in_flight(nats_url, tmp_path):
     """A client minting a new X-Branch-Id per request: the router's table stays at
     --max-active-branches, each evicted id published as BranchEnd(expired=True) (the directory

@@ -172,6 +172,45 @@ def test_an_agent_header_repeated_with_another_value_is_a_400():
     assert api.parse_branch_headers(same, 16) == api.BranchHeaders(branch_id="b1", kind="fork")
 
 
+def test_agent_headers_are_read_as_utf8_text():
+    """Ids may hold any character but control characters (services/router/README.md). The headers' bytes were
+    read as latin-1 (Starlette's str), so ``X-Branch-Id: zweig-ä`` (UTF-8) became ``zweig-Ã¤``: not the id of
+    ``/v1/branches/zweig-%C3%A4/end`` (a 404: the harness could not end its branch), and ``task…1`` was refused
+    for a control character U+0080 (the middle byte of ``…``). Now the bytes are UTF-8 text; bytes that are
+    not UTF-8 are a 400 saying so; the control-character rule applies to the text (a UTF-8 C1 control still
+    refused)."""
+    from starlette.datastructures import Headers
+
+    raw = [(b"x-branch-id", "zweig-ä".encode()), (b"x-parent-branch-id", "haupt-ß".encode()),
+           (b"x-agent-id", "agent-ü".encode()), (b"x-branch-kind", b"fork")]
+    h = api.parse_branch_headers(Headers(raw=raw), 16)
+    assert (h.branch_id, h.parent_branch_id, h.agent_id, h.kind) == ("zweig-ä", "haupt-ß", "agent-ü", "fork")
+    assert api.parse_branch_headers(Headers(raw=[(b"x-branch-id", "task…1".encode())]), 16).branch_id == "task…1"
+    assert api.parse_branch_headers(Headers(raw=[(b"x-branch-id", "枝".encode() * 16)]), 16).branch_id == "枝" * 16  # characters
+    for value, match in [
+        (b"zweig-\xe4", r"X-Branch-Id is not valid UTF-8 \(byte 0xE4 at offset 6\)"),  # latin-1 bytes
+        (b"a\xc2\x80b", r"control character \(U\+0080\)"),
+        ("枝".encode() * 17, "at most 16"),
+    ]:
+        with pytest.raises(api.ApiError, match=match) as ei:
+            api.parse_branch_headers(Headers(raw=[(b"x-branch-id", value)]), 16)
+        assert ei.value.status == 400 and ei.value.param == "X-Branch-Id"
+    with pytest.raises(api.ApiError, match="X-Agent-Id is not valid UTF-8") as ei:
+        api.parse_branch_headers(Headers(raw=[(b"x-agent-id", b"\xff")]), 16)
+    assert ei.value.param == "X-Agent-Id"
+    assert api.header_text("X", "plain") == "plain"
+
+
+def test_path_branch_id_refuses_escapes_that_are_not_utf8():
+    assert api.path_branch_id("zweig-ä", b"/v1/branches/zweig-%C3%A4/end", 16) == "zweig-ä"
+    assert api.path_branch_id("ok-\ufffd", b"/v1/branches/ok-%EF%BF%BD/end", 16) == "ok-\ufffd"  # a real U+FFFD
+    with pytest.raises(api.ApiError, match="not valid UTF-8") as ei:
+        api.path_branch_id("zweig-\ufffd", b"/v1/branches/zweig-%E4/end", 16)
+    assert ei.value.status == 400 and ei.value.param == "branch_id"
+    with pytest.raises(api.ApiError, match=r"control character \(U\+0080\)"):
+        api.path_branch_id("a\x80b", b"/v1/branches/a%C2%80b/end", 16)
+
+
 def test_response_shapes():
     use = api.usage(10, 3, 4)
     assert use == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 4}}
