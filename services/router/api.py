@@ -23,8 +23,10 @@ the text at a stop string or stop token id); ``logit_bias`` is refused there, as
 *Accepted, validated and ignored*: ``user``, ``parallel_tool_calls``, ``skip_special_tokens``, ``response_format``
 ``{"type": "text"}`` and ``tool_choice`` ``none`` / ``auto``. Rejected with 400 because no engine here
 constrains the output (vLLM does, by guided decoding; :func:`_check_no_output_constraint`): any other
-``response_format`` type (``json_object``, ``json_schema``) and a ``tool_choice`` that forces a tool call
-(``required``, a named function). ``tools`` are rendered into
+``response_format`` type (``json_object``, ``json_schema``), a ``tool_choice`` that forces a tool call
+(``required``, a named function) and vLLM's guided-decoding extras ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar``, ``structured_outputs``; vLLM's ``prompt_logprobs`` too (no engine here
+computes the prompt's logprobs; :func:`_check_no_vllm_extras`). ``tools`` are rendered into
 the chat prompt. Rejected with 400 because they would change the response
 shape: ``n`` > 1, ``best_of`` > 1, ``suffix``, batched prompts, completions ``echo`` with
 ``logprobs`` (vLLM adds the prompt's logprobs, which no engine here computes); ``echo`` alone
@@ -172,6 +174,17 @@ class _Sampling(Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    prompt_logprobs: Any = None
+    """vLLM's extras none of the engines here can honour (:func:`_check_no_vllm_extras`): any value but null is a 400."""
+
+
+_GUIDED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+"""vLLM's guided-decoding extras (both endpoints): they constrain the output, which no engine here does."""
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -280,7 +293,30 @@ def _decode_error(e: Exception, body: bytes | None = None) -> ApiError:
     return ApiError(400, f"invalid request body: {e}", param=_param_of(str(e)))
 
 
+def _check_no_vllm_extras(req: _Sampling) -> None:
+    """Refuse vLLM's extras that no engine here honours, as ``response_format`` ``json_object`` and ``suffix`` are:
+    the guided-decoding ones (:data:`_GUIDED_EXTRAS`: the output would not follow the schema, regex, choices or
+    grammar, and a client would take free text for it) and ``prompt_logprobs`` (no engine computes the prompt's
+    logprobs). Before, they were unknown fields, ignored: a 200 without what was asked. ``null`` is their default.
+
+    Raises:
+        ApiError: 400 naming the field (``param``).
+    """
+    for name in _GUIDED_EXTRAS:
+        if getattr(req, name) is not None:
+            raise ApiError(
+                400, f"{name} is not supported: this server does not constrain the output (no guided decoding); omit {name}",
+                param=name,
+            )
+    if req.prompt_logprobs is not None:
+        raise ApiError(
+            400, "prompt_logprobs is not supported: no engine here computes the prompt's logprobs; omit prompt_logprobs",
+            param="prompt_logprobs",
+        )
+
+
 def _check_common(req: _Sampling) -> None:
+    _check_no_vllm_extras(req)
     if req.n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported; send one request per sample", param="n")
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []

@@ -579,6 +579,35 @@ def test_a_huge_top_k_is_off_and_the_work_passes_the_nodes_check():
     assert sp is not None and sp.top_k == 2**32  # the largest the nodes take: sent as is
 
 
+def test_vllm_extras_no_engine_honours_are_a_400_naming_the_field():
+    """vLLM's guided-decoding extras and prompt_logprobs were unknown fields, ignored: a 200 with free text (or no
+    prompt logprobs), while response_format json_object and suffix got a 400. Each is now a 400 naming it, on both
+    endpoints (the [text] prompt form too); null, their default, is accepted."""
+    msgs = [{"role": "user", "content": "x"}]
+    for field, value in (
+        ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {"type": "object"}}), ("prompt_logprobs", 0),
+        ("guided_choice", []),
+    ):
+        for parse, body in ((api.parse_chat, {"messages": msgs}), (api.parse_completion, {"prompt": "hi"}),
+                            (api.parse_completion, {"prompt": ["hi"]})):
+            with pytest.raises(api.ApiError) as e:
+                parse(msgspec.json.encode({**body, field: value}))
+            assert e.value.status == 400 and e.value.param == field, (field, value, parse)
+            assert str(e.value).startswith(f"{field} is not supported") and f"omit {field}" in str(e.value)
+        assert api.parse_chat(msgspec.json.encode({"messages": msgs, field: None})).messages
+        assert api.parse_completion(msgspec.json.encode({"prompt": "hi", field: None}))[1] == "hi"
+    assert "guided decoding" in _reason(api.parse_chat, {"messages": msgs, "guided_regex": "a"})
+    assert "prompt's logprobs" in _reason(api.parse_completion, {"prompt": "hi", "prompt_logprobs": 1})
+    assert api.parse_chat(msgspec.json.encode({"messages": msgs, "guided_decoding_backend": "xgrammar"})).messages  # no effect alone
+
+
+def _reason(parse, body: dict) -> str:
+    with pytest.raises(api.ApiError) as e:
+        parse(msgspec.json.encode(body))
+    return str(e.value)
+
+
 def test_an_output_constraint_no_engine_enforces_is_a_400_naming_the_field():
     """vLLM enforces response_format json_object / json_schema and a forced tool_choice by guided decoding; no
     engine here does, so they are refused (were validated and ignored: a JSON-mode client got free text).
