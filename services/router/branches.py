@@ -131,6 +131,11 @@ class BranchTable:
         """Branches evicted by the ``max_active`` cap so far."""
         self._evicted: list[tuple[str, str]] = []
         """(id, latest placed rid or ``""``) evicted since the last :meth:`take_evicted`."""
+        self.parents_missing: dict[str, int] = {"unknown": 0, "ended": 0}
+        """New branches whose ``X-Parent-Branch-Id`` this table does not hold (``unknown``: never seen, or forgotten;
+        another router may hold it) or holds as ended (``ended``), counted at the branch's start."""
+        self._parents_missing: list[tuple[str, str, str]] = []
+        """(branch id, parent id, ``unknown`` | ``ended``) since the last :meth:`take_parents_missing`."""
 
     def _touch(self, branch_id: str, b: _Branch, now: float) -> None:
         b.last_seen = max(b.last_seen, now)
@@ -213,6 +218,21 @@ class BranchTable:
         out, self._evicted = self._evicted, []
         return out
 
+    def take_parents_missing(self) -> list[tuple[str, str, str]]:
+        """The new branches whose parent was unknown or ended at their start (:meth:`observe`) since the last
+        call, oldest first, each as (branch id, parent id, ``"unknown"`` | ``"ended"``)."""
+        out, self._parents_missing = self._parents_missing, []
+        return out
+
+    def parent_state(self, parent: str) -> str:
+        """What this table holds of ``parent``: ``active``, ``expired`` (resumable), ``ended`` or ``unknown``
+        (never seen here, or forgotten past ``max_ended``). O(1)."""
+        if parent in self._active:
+            return "active"
+        if parent in self._ended:
+            return "ended"
+        return "expired" if parent in self._expired else "unknown"
+
     def done(self, branch_id: str) -> None:
         """A request :meth:`observe` counted for ``branch_id`` is over (answered, failed or
         abandoned): one fewer in flight. No-op for a branch no longer active (ended, expired)."""
@@ -237,6 +257,10 @@ class BranchTable:
         The request counts as in flight on the branch until :meth:`done`. A new branch past
         ``max_active`` evicts idle ones (:meth:`take_evicted`).
 
+        A new branch (not a resume) whose ``parent`` is unknown here or ended is counted in
+        :attr:`parents_missing` (its ``BranchStart`` names the parent all the same: the parent may be another
+        router's) and queued for :meth:`take_parents_missing`, once per branch (the shell logs it).
+
         Returns:
             The ``BranchStart`` to publish when the branch is new, else None
             (kind/parent/agent of later requests are ignored).
@@ -259,6 +283,11 @@ class BranchTable:
         if old is not None:  # a resume after a pause longer than the TTL: accepted, announced again
             self.resumed += 1
             kind, parent, agent_id, running = old.kind, old.parent, old.agent_id, old.in_flight
+        elif parent is not None:
+            state = self.parent_state(parent)
+            if state in self.parents_missing:
+                self.parents_missing[state] += 1
+                self._parents_missing.append((branch_id, parent, state))
         b = _Branch(kind, parent, agent_id, now if ts is None else ts, 1, now, running + 1)  # started_at: a BranchStart.ts again (republish)
         self._active[branch_id] = b
         self._touch(branch_id, b, now)

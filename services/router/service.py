@@ -328,6 +328,18 @@ def _client_id_fields(rid: str, client_id: str | None, key: str = "client_reques
     return {key: client_id} if client_id is not None and client_id != rid else {}
 
 
+def _hint_fields(hdrs: api.BranchHeaders) -> dict[str, str]:
+    """The agent hints of a request for its ``request accepted`` line beside ``branch``: ``kind`` (the
+    ``X-Branch-Kind`` sent, ``main`` by default; it counts on the branch's first request only), ``parent`` and
+    ``agent`` when sent; empty for a request without ``X-Branch-Id`` (an ``X-Agent-Id`` alone is logged too)."""
+    out: dict[str, str] = {} if hdrs.branch_id is None else {"kind": hdrs.kind}
+    if hdrs.parent_branch_id is not None:
+        out["parent"] = hdrs.parent_branch_id
+    if hdrs.agent_id is not None:
+        out["agent"] = hdrs.agent_id
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class _RequestId:
     """A request's id, as :class:`_RequestIdHeader` read it once from its ``X-Request-ID`` header
@@ -2858,6 +2870,19 @@ class RouterService(WatchedService):
             param=part if alone else "max_tokens",
         )
 
+    def _log_parents_missing(self) -> None:
+        """A warning per new branch whose ``X-Parent-Branch-Id`` this router does not know or has ended
+        (``BranchTable.take_parents_missing``; counted in ``ei_router_branch_parents_missing_total{state}``): the
+        request is served (the parent may be another router's, or this router restarted), but a harness that sends
+        a wrong parent id or ends the parent first loses the fork's sharing hint silently otherwise."""
+        for bid, parent, state in self.branches.take_parents_missing():
+            self.log.warning(
+                "branch parent unknown" if state == "unknown" else "branch parent ended", branch=bid, parent=parent,
+                hint="served; the parent's prefix is not known to this router to be shared (it may be another "
+                "router's, or this router restarted)" if state == "unknown" else "served; the parent branch was ended "
+                "here before its fork or sub-agent started",
+            )  # fmt: skip
+
     async def _generate_traced(self, request: Request, chat: bool, tr: _ReqTrace | None, rl: _ReqLog | None) -> Response:
         """The generation endpoints; ``tr``: the request's spans (None when tracing is off); ``rl``: its
         ``--log-requests`` record (None when off)."""
@@ -2908,6 +2933,7 @@ class RouterService(WatchedService):
                     hdrs.branch_id, self.clock.local_now(), kind=hdrs.kind, parent=hdrs.parent_branch_id,
                     agent_id=hdrs.agent_id, ts=self.clock.now(),
                 )
+                self._log_parents_missing()
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
         except BranchError as e:
@@ -2939,7 +2965,7 @@ class RouterService(WatchedService):
             if rl is not None:
                 rl.rid, rl.client_id, rl.prompt_tokens = rid, client_id, int(arr.size)
                 self.log.info(
-                    "request accepted", rid=rid, **_client_id_fields(rid, client_id), branch=hdrs.branch_id,
+                    "request accepted", rid=rid, **_client_id_fields(rid, client_id), branch=hdrs.branch_id, **_hint_fields(hdrs),
                     prompt_tokens=rl.prompt_tokens, max_tokens=max_tokens, stream=bool(req.stream), api="chat" if chat else "completions",
                 )  # fmt: skip
             rreq = RouteRequest(

@@ -332,3 +332,41 @@ async def test_a_bus_failure_on_another_path_logs_the_rid_and_the_id_as_sent(nat
         assert r.status_code == 503 and r.headers["x-request-id"] == "gw/e:5", r.text
     (line,) = _events(logs, "bus error answered as 503")
     assert (line["rid"], line["client_request_id"], line["path"]) == (api.request_rid("gw/e:5"), "gw/e:5", "/v1/branches/b1/end"), line
+
+
+async def test_an_unknown_or_ended_parent_is_served_counted_and_warned_once_and_accepted_lines_carry_the_hints(nats_url, tmp_path, logs):
+    """A fork whose ``X-Parent-Branch-Id`` the router never saw, or had ended, was accepted silently: a harness
+    sending a wrong parent id lost the sharing hint unnoticed. It is still served (the parent may be another
+    router's) but counted (``ei_router_branch_parents_missing_total{state}``) and warned once per branch. The
+    ``request accepted`` line carried ``branch`` only: now also ``kind``, ``parent`` and ``agent`` when sent."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, log_requests=True, log_level="info") as env:
+        async def post(rid: str, **h: str) -> None:
+            r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1},
+                                    headers={"X-Request-ID": rid, **{k.replace("_", "-"): v for k, v in h.items()}})
+            assert r.status_code == 200, r.text
+
+        await post("r-main", X_Branch_Id="main-1", X_Agent_Id="ag")
+        await post("r-fork", X_Branch_Id="fork-1", X_Branch_Kind="fork", X_Parent_Branch_Id="main-1", X_Agent_Id="ag")
+        for i in range(2):  # the same orphan twice: one warning, one count
+            await post(f"r-orphan-{i}", X_Branch_Id="sub-1", X_Branch_Kind="subagent", X_Parent_Branch_Id="nobody")
+        assert (await env.http.post("/v1/branches/main-1/end")).status_code == 200
+        await post("r-late", X_Branch_Id="fork-2", X_Branch_Kind="fork", X_Parent_Branch_Id="main-1")
+        await post("r-plain")
+        metrics = (await env.http.get("/metrics")).text
+
+    warned = [e for e in logs if e["event"] in ("branch parent unknown", "branch parent ended")]
+    assert [(e["event"], e["log_level"], e["branch"], e["parent"]) for e in warned] == [
+        ("branch parent unknown", "warning", "sub-1", "nobody"), ("branch parent ended", "warning", "fork-2", "main-1"),
+    ]
+    assert 'ei_router_branch_parents_missing_total{state="unknown"} 1.0' in metrics
+    assert 'ei_router_branch_parents_missing_total{state="ended"} 1.0' in metrics
+    acc = {e["rid"]: e for e in _events(logs, "request accepted")}
+    hints = {rid: {k: e[k] for k in ("branch", "kind", "parent", "agent") if k in e} for rid, e in acc.items()}
+    assert hints == {
+        "r-main": {"branch": "main-1", "kind": "main", "agent": "ag"},
+        "r-fork": {"branch": "fork-1", "kind": "fork", "parent": "main-1", "agent": "ag"},
+        "r-orphan-0": {"branch": "sub-1", "kind": "subagent", "parent": "nobody"},
+        "r-orphan-1": {"branch": "sub-1", "kind": "subagent", "parent": "nobody"},
+        "r-late": {"branch": "fork-2", "kind": "fork", "parent": "main-1"},
+        "r-plain": {"branch": None},
+    }

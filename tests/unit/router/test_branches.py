@@ -208,3 +208,25 @@ def test_an_evicted_branch_is_handed_out_with_its_latest_placed_rid():
     t.done("b")
     t.observe("c", 2.0)
     assert t.take_evicted() == [("a", "r2"), ("b", "")]
+
+
+def test_a_new_branch_whose_parent_is_unknown_or_ended_is_counted_once_and_queued():
+    """A fork or sub-agent whose parent this table never saw, or ended, is still started (the parent may be
+    another router's) but counted by state and queued once for the shell's warning; a known, active or
+    expired parent is not; a resume or a later request of the branch is not counted again."""
+    t = BranchTable(ttl_s=10.0)
+    t.observe("m", 0.0)
+    assert t.observe("f", 1.0, kind="fork", parent="m") is not None
+    assert t.observe("s", 1.0, kind="subagent", parent="ghost") is not None
+    t.observe("s", 2.0, kind="subagent", parent="ghost")  # a later request: ignored
+    t.end("m", 3.0)
+    t.observe("g", 4.0, kind="fork", parent="m")
+    assert t.parents_missing == {"unknown": 1, "ended": 1}
+    assert t.take_parents_missing() == [("s", "ghost", "unknown"), ("g", "m", "ended")]
+    assert t.take_parents_missing() == []
+    t.expire(100.0)  # every branch expires
+    assert t.parent_state("f") == "expired" and t.parent_state("m") == "ended" and t.parent_state("zz") == "unknown"
+    t.observe("s", 101.0)  # a resume of the orphan: not counted again
+    t.observe("h", 101.0, kind="fork", parent="f")  # an expired parent is known (resumable)
+    assert t.parents_missing == {"unknown": 1, "ended": 1} and t.take_parents_missing() == []
+    assert t.parent_state("s") == "active"
