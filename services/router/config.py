@@ -278,8 +278,8 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     ] = 1800.0
     log_requests: Annotated[
         bool,
-        Meta(description="log one info line per request when it is accepted (request accepted: rid, branch, prompt_tokens, "
-             "max_tokens, stream) and one when it ends (request finished: rid, status, finish_reason as counted in "
+        Meta(description="log one info line per request when it is accepted (request accepted: rid, branch and its kind, parent "
+             "and agent when sent, prompt_tokens, max_tokens, stream) and one when it ends (request finished: rid, status, finish_reason as counted in "
              "ei_router_requests_finished_total, prompt/cached/output tokens, ttft_s and e2e_s in router-clock seconds (wall "
              "seconds x --speedup, as ei_router_ttft_seconds; wall seconds at --speedup 1), prefill and decode node; "
              "request rejected: a request refused before it was accepted, and a 401 / 404 / 429 on another path, with its "
