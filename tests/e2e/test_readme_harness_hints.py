@@ -1,0 +1,107 @@
+"""README.md's "Agent harness hints" commands, run as written against a real cluster (every service its own OS
+process over a real nats-server), and what the section says they do.
+
+A newcomer found the hints only in services/router/README.md, and the top-level README promised a hint for
+compactions that does not exist (a compaction is the same branch id with rewritten messages: the directory
+bumps the branch's version, DESIGN.md Alg. E.1). The section's ``bash`` block is taken from README.md itself,
+so a command edited into something that fails fails here; only the router's URL is replaced (the test's
+cluster listens on a free port). The tiny profile's 4-token blocks make the section's short prompts hold full
+blocks, so the compaction has a block path to rewrite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from evolving_infra.cluster import ClusterSpec, LocalCluster
+from shared import messages as m
+from shared.bus import Bus
+from shared.subjects import SVC_STATS, Subjects
+
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.skipif(shutil.which("curl") is None, reason="the README's commands are curl commands: curl is not installed"),
+]
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+DOC_URL = "http://127.0.0.1:8000"
+
+
+def section_commands() -> list[tuple[str, str]]:
+    """(comment, command) of each command of the section's bash block, continuation lines joined."""
+    text = README.read_text()
+    sec = text.split("## Agent harness hints", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", sec, re.S)
+    assert block, "README.md's Agent harness hints section has no bash block"
+    out: list[tuple[str, str]] = []
+    comment = ""
+    for line in block.group(1).replace("\\\n", " ").splitlines():
+        if line.startswith("#"):
+            comment = line
+        elif line.strip():
+            out.append((comment, line))
+    return out
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(tmp_path_factory):
+    spec = ClusterSpec(nodes=2, split="1P1D", profile="tiny", speedup=5.0, port=0, block_size=4,
+                       log_dir=str(tmp_path_factory.mktemp("logs")), ready_timeout_s=60.0)  # fmt: skip
+    async with LocalCluster(spec) as c:
+        yield c
+
+
+async def directory_counters(bus: Bus) -> dict[str, int]:
+    rep = await bus.request(SVC_STATS, m.StatsRequest(), instance="kvdirectory", timeout=5.0)
+    return dict(rep.counters)
+
+
+async def counter_reaches(bus: Bus, key: str, value: int) -> dict[str, int]:
+    """The directory's counters once ``key`` is ``value`` (the router's events reach it over the bus), within 10 s."""
+    for _ in range(100):
+        got = await directory_counters(bus)
+        if got.get(key, 0) >= value:
+            return got
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"directory counter {key} never reached {value}: {got}")
+
+
+async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(cluster):
+    cmds = section_commands()
+    kinds = [c for c, _ in cmds]
+    assert [k.split(":")[0] for k in kinds] == ["# a main branch", "# a sub-agent", "# a fork", "# a tool call",
+                                                "# a compaction", "# the end of a branch (here the sub-agent's, which returned)"]
+    assert all(DOC_URL in cmd for _, cmd in cmds), "every command names up's default URL"
+    bus = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="readme-hints", auth=cluster.client_auth("admin"))
+    try:
+        for comment, cmd in cmds:
+            if comment.startswith("# a compaction"):
+                before = await directory_counters(bus)
+                assert before.get("branch.version_bumps", 0) == 0, before  # extensions and forks bump nothing
+            run = subprocess.run(["bash", "-c", cmd.replace(DOC_URL, cluster.router_url) + ' -w "\\n%{http_code}"'],
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+            body, _, code = run.stdout.rpartition("\n")
+            assert run.returncode == 0 and code == "200", (comment, cmd, run.stdout, run.stderr)
+            assert '"error"' not in body, (comment, body)
+        got = await counter_reaches(bus, "branch.version_bumps", 1)  # the compaction: same id, rewritten messages
+        assert got["branch.version_bumps"] == 1 and got.get("branch.started") == 3, got
+        await counter_reaches(bus, "branch.ended", 1)
+        async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as http:
+            again = await http.post("/v1/chat/completions", headers={"X-Branch-Id": "task-42-explore"},
+                                    json={"messages": [{"role": "user", "content": "more"}], "max_tokens": 2})  # fmt: skip
+            assert again.status_code == 409
+            assert again.json()["error"]["message"] == "branch 'task-42-explore' was ended; start a new branch id"  # as quoted
+            assert (await http.post("/v1/branches/task-42-explore/end")).status_code == 409
+            assert (await http.post("/v1/branches/never-seen/tool-call")).status_code == 404
+            metrics = (await http.get("/metrics")).text
+        assert 'ei_router_branch_parents_missing_total{state="unknown"} 0.0' in metrics  # the section's parents are known
+    finally:
+        await bus.close()
