@@ -1454,43 +1454,49 @@ def _demo_ended_line(ended: ClusterError) -> None:
 def demo_partial(ended: ClusterError, *, total: int, answered: int, in_flight: int) -> dict[str, object]:
     """``meta.partial`` of a demo whose cluster ended during the replay: the replay stopped there (no new request;
     those in flight cancelled, as a signal's stop cancels them), so the report covers what was answered before. A
-    benchmark client's figures when its server dies (vLLM's ``benchmark_serving``, genai-perf): what was sent,
-    answered (completed or failed: the report's own counts) and never sent, and why the run stopped.
+    benchmark client's figures when its server dies (vLLM's ``benchmark_serving``, genai-perf): what was answered
+    (completed or failed: the report's own ``requests_sent``), cancelled in flight and never sent, and why the run
+    stopped.
+
+    Never raises on its counts: this is the report of a run that already went wrong, and a traceback here lost it.
+    Counts that do not add up (a defect) are clamped, with a warning on stderr: none below 0, and in flight at most
+    the requests not answered; ``answered`` (the report's records) is kept.
 
     Args:
         ended: why the cluster ended (:meth:`LocalCluster.wait_failed`; its ``service`` and ``reason``).
         total: requests the demo meant to replay (>= 0).
         answered: records the replay returned (its requests answered, completed or failed; <= ``total``).
-        in_flight: requests cancelled unanswered at the stop (``ReplayResult.in_flight_at_stop``; not in the records).
+        in_flight: requests sent and cancelled unanswered at the stop (``ReplayResult.in_flight_at_stop``; not in
+            the records; <= ``total - answered``).
 
     Returns:
         ``service`` (None for no one service: a crashed supervisor), ``reason``, ``clean`` (the service exited 0:
-        ``--no-restart`` status 3), ``requests_total``, ``requests_sent`` (answered + in flight),
-        ``in_flight_cancelled``, ``requests_not_sent``.
-
-    Raises:
-        ValueError: a negative count, or more requests sent than ``total``.
+        ``--no-restart`` status 3), ``requests_total``, ``requests_answered`` (the report's ``requests_sent``),
+        ``in_flight_cancelled``, ``requests_not_sent`` (``total - answered - in_flight``, the three adding up to
+        ``total`` when the counts are consistent).
     """
-    if min(total, answered, in_flight) < 0 or answered + in_flight > total:
-        raise ValueError(f"partial demo counts: {answered} answered + {in_flight} in flight of {total} requests")
+    t, a, f = max(0, total), max(0, answered), max(0, min(in_flight, total - answered))
+    if (t, a, f) != (total, answered, in_flight) or answered > total:
+        print(f"warning: partial report counts do not add up ({answered} answered + {in_flight} in flight of {total} "
+              f"requests): taken as {a} answered + {f} in flight of {t}", file=sys.stderr, flush=True)
     return {
         "service": ended.service,
         "reason": ended.reason,
         "clean": isinstance(ended, ServiceStopped),
-        "requests_total": total,
-        "requests_sent": answered + in_flight,
-        "in_flight_cancelled": in_flight,
-        "requests_not_sent": total - answered - in_flight,
+        "requests_total": t,
+        "requests_answered": a,
+        "in_flight_cancelled": f,
+        "requests_not_sent": max(0, t - a - f),
     }
 
 
 def partial_line(partial: Mapping[str, Any]) -> str:
-    """One line for :func:`demo_partial`'s dict: how the cluster ended (naming the service), then what the replay sent,
-    its requests cancelled in flight (not in the report's counts) and those it never sent; the report's ``note``
-    and the line above the demo's summary (``PARTIAL REPORT: ...``)."""
-    return (f"the cluster ended during the replay ({partial['reason']}): {partial['requests_sent']} of "
-            f"{partial['requests_total']} requests sent, {partial['in_flight_cancelled']} of them in flight at the end "
-            f"(cancelled, not in the counts), {partial['requests_not_sent']} never sent")
+    """One line for :func:`demo_partial`'s dict: how the cluster ended (naming the service), then the requests
+    answered (the summary's ``requests   sent``), those cancelled in flight (not in the report's counts) and those
+    never sent, of the total; the report's ``note`` and the line above the demo's summary (``PARTIAL REPORT: ...``)."""
+    return (f"the cluster ended during the replay ({partial['reason']}): {partial['requests_answered']} answered + "
+            f"{partial['in_flight_cancelled']} cancelled in flight (not in the counts) of {partial['requests_total']} "
+            f"requests; {partial['requests_not_sent']} never sent")
 
 
 def demo_input_meta(*, concurrency: int, agents: int, block_size: int, trace_block_size: int,

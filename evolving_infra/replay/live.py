@@ -78,7 +78,7 @@ class ReplayResult:
     interrupted: bool = False
     """The run was stopped (``stop`` set: SIGINT / SIGTERM) before the trace was done."""
     in_flight_at_stop: int = 0
-    """Requests cancelled unanswered at the stop (not in ``records``)."""
+    """Requests sent and cancelled unanswered at the stop (not in ``records``); branch ends cancelled are not counted."""
 
 
 _NOT_IN_RID = re.compile(r"[^A-Za-z0-9_-]")
@@ -185,7 +185,8 @@ class LiveReplayer:
 
         Args:
             stop: when set, no new request is sent and the ones in flight are cancelled
-                (not recorded); the result says ``interrupted``.
+                (not recorded; counted in ``in_flight_at_stop``), as are the branch ends in flight; the result says
+                ``interrupted``.
             on_record: called with each record as its request completes (e.g. to append it
                 to ``requests.jsonl`` so an interrupted or killed run keeps what it measured).
         """
@@ -201,6 +202,9 @@ class LiveReplayer:
         records: list[RequestRecord] = []
         wake = asyncio.Event()
         tasks: set[asyncio.Task[None]] = set()
+        sends: set[asyncio.Task[None]] = set()
+        """The tasks in ``tasks`` that send a request (its record, once answered): those unfinished at a stop are the
+        requests cancelled in flight, not the branch ends that ``tasks`` holds too."""
         end_failures = 0
         # on a terminal the bar redraws in place; in a log (CI, make demo > file) every redraw is a
         # new line, so there it updates every 10 s instead of every 0.1 s
@@ -245,13 +249,16 @@ class LiveReplayer:
 
             closing = False
 
-            def spawn(coro: Coroutine[object, object, None]) -> None:
+            def spawn(coro: Coroutine[object, object, None], *, request: bool = False) -> None:
                 if closing:  # run() is unwinding: nothing new may start on a client about to close
                     coro.close()
                     return
                 t = asyncio.create_task(coro)
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
+                if request:  # a request's send (the others are branch ends, not requests)
+                    sends.add(t)
+                    t.add_done_callback(sends.discard)
 
             stopped = False
             in_flight = 0
@@ -262,7 +269,7 @@ class LiveReplayer:
                         break
                     for action in core.poll(local()):
                         if isinstance(action, SendRequest):
-                            spawn(send(action))
+                            spawn(send(action), request=True)
                         else:
                             spawn(end(action))
                     nxt = core.next_time()
@@ -281,7 +288,7 @@ class LiveReplayer:
                 if stop is not None and stop.is_set():
                     stopped = True
                 if stopped:
-                    in_flight = len(tasks)
+                    in_flight = sum(1 for t in sends if not t.done())  # requests only, not branch ends
                     for t in list(tasks):
                         t.cancel()
                 while tasks:  # an answered send may spawn its branch's end

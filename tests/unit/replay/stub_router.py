@@ -34,11 +34,15 @@ class StubRouter:
             ``"503-bare"`` (no Retry-After), ``"429"`` (``Retry-After: 0.05``), ``"drop"`` (the connection
             closed before any byte of the answer), ``"break"`` (200 and the first token, then the
             connection closed mid-stream).
+        hold_ends: when given, a branch end (``POST /v1/branches/{id}/end``) is answered only once it is set (a
+            router whose bus is gone); ``ends_received`` counts those that arrived.
     """
 
     def __init__(self, hold: asyncio.Event | None = None, speedup: float | None = None,
-                 faults: list[str] | None = None) -> None:
+                 faults: list[str] | None = None, hold_ends: asyncio.Event | None = None) -> None:
         self.speedup = speedup
+        self.hold_ends = hold_ends
+        self.ends_received = 0
         self.faults = list(faults or ())
         self.branches = BranchTable()
         self.seen: list[tuple[str, dict[str, str]]] = []
@@ -114,6 +118,9 @@ class StubRouter:
             cluster = {"policy": "stub", "nodes": []} | ({} if self.speedup is None else {"speedup": self.speedup})
             return 200, "application/json", json.dumps(cluster).encode()
         if target.startswith("/v1/branches/") and target.endswith("/end"):
+            self.ends_received += 1
+            if self.hold_ends is not None:
+                await self.hold_ends.wait()
             try:
                 self.branches.end(unquote(target[len("/v1/branches/"):-len("/end")]), 0.0)
             except UnknownBranch as e:
