@@ -40,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -185,8 +186,8 @@ class LiveReplayer:
 
         Args:
             stop: when set, no new request is sent and the ones in flight are cancelled
-                (not recorded; counted in ``in_flight_at_stop``), as are the branch ends in flight; the result says
-                ``interrupted``.
+                (not recorded; counted in ``in_flight_at_stop``), as are the branch ends in flight, also once every
+                request was answered; the result says ``interrupted``.
             on_record: called with each record as its request completes (e.g. to append it
                 to ``requests.jsonl`` so an interrupted or killed run keeps what it measured).
         """
@@ -285,13 +286,26 @@ class LiveReplayer:
                     finally:
                         for w in waiters:
                             w.cancel()
+                while tasks and not stopped:  # the last branch ends (an answered send may spawn its branch's end)
+                    if stop is not None and stop.is_set():
+                        stopped = True
+                        break
+                    tail: list[asyncio.Future[Any]] = [asyncio.ensure_future(asyncio.wait(list(tasks)))]
+                    if stop is not None:  # raced against the stop, as the loop above: a router whose bus is gone
+                        # answers no branch end, and each would be waited for up to request_timeout_s
+                        tail.append(asyncio.ensure_future(stop.wait()))
+                    try:
+                        await asyncio.wait(tail, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        for f in tail:
+                            f.cancel()
                 if stop is not None and stop.is_set():
                     stopped = True
                 if stopped:
                     in_flight = sum(1 for t in sends if not t.done())  # requests only, not branch ends
                     for t in list(tasks):
                         t.cancel()
-                while tasks:  # an answered send may spawn its branch's end
+                while tasks:
                     await asyncio.gather(*tasks, return_exceptions=True)
             finally:
                 # no task outlives the client: run() cancelled (Ctrl-C on `demo`) while a send was answered,

@@ -5,7 +5,9 @@ answer them):
 * ``in_flight_at_stop`` counts the requests cancelled unanswered, not the branch-end POSTs: it counted every
   unfinished task, so a demo whose cluster ended said a request never sent had been sent (``1 in flight``), and with
   more branch ends in flight than requests unsent ``demo_partial`` raised (a traceback and no report: the case the
-  partial report exists for).
+  partial report exists for);
+* once every request is answered, a stop ends the wait for the branch ends at once: it waited up to
+  ``request_timeout_s`` (600 s) for POSTs nobody answers.
 """
 
 from __future__ import annotations
@@ -82,6 +84,14 @@ async def test_a_request_in_flight_at_the_stop_is_counted_once_besides_the_branc
     assert (sorted(r.id for r in res.records), res.in_flight_at_stop, res.interrupted) == (["r1", "r3"], 1, True)
     p = demo_partial(ClusterError("x", service="worker-w0"), total=3, answered=len(res.records), in_flight=res.in_flight_at_stop)
     assert (p["requests_answered"], p["in_flight_cancelled"], p["requests_not_sent"]) == (2, 1, 0)
+
+
+async def test_a_stop_after_every_request_was_answered_does_not_wait_for_the_branch_ends():
+    """Every request answered, the branch ends unanswered: the stop returns at once (it waited for the ends, up to
+    ``request_timeout_s``), no request in flight."""
+    res, waited_s = await _stopped_once_an_end_is_held([_req("r1", "a1:x"), _req("r2", "a2:x")], ends=2)
+    assert waited_s < 2.0
+    assert (len(res.records), res.in_flight_at_stop, res.interrupted) == (2, 0, True)
 
 
 @pytest.mark.parametrize("hold", [False, True])
