@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from evolving_infra.cluster import ClusterError, ServiceStopped
-from evolving_infra.launcher import demo_partial, partial_line
+from evolving_infra.launcher import demo_partial, partial_line, watch_cluster
 
 
 def test_a_crash_names_the_service_and_the_requests_answered_cancelled_and_never_sent():
@@ -48,3 +49,42 @@ def test_counts_that_add_up_give_no_warning(capsys):
     assert (p["requests_answered"], p["in_flight_cancelled"], p["requests_not_sent"]) == (1, 2, 0)
     assert capsys.readouterr().err == ""
 
+
+class _Cluster:
+    """What :func:`watch_cluster` uses of a ``LocalCluster``: ``wait_failed`` returns ``ended`` or raises ``error``."""
+
+    def __init__(self, ended: ClusterError | None = None, error: Exception | None = None) -> None:
+        self.ended, self.error = ended, error
+
+    async def wait_failed(self) -> ClusterError:
+        await asyncio.sleep(0.01)
+        if self.error is not None:
+            raise self.error
+        assert self.ended is not None
+        return self.ended
+
+
+async def test_the_watcher_stops_the_replay_when_the_cluster_ends_and_says_why(capsys):
+    stop = asyncio.Event()
+    e = ClusterError("worker-w0 was killed by signal 9 (SIGKILL)", service="worker-w0")
+    assert await asyncio.wait_for(watch_cluster(_Cluster(ended=e), stop), 5) is e  # type: ignore[arg-type]
+    assert stop.is_set() and capsys.readouterr().err == ""
+
+
+async def test_a_watcher_that_fails_otherwise_says_so_and_leaves_the_replay_running(capsys):
+    """An error other than the cluster's end (a defect) was swallowed by the demo's ``gather(watcher,
+    return_exceptions=True)``: the replay went on unwatched without a word."""
+    stop = asyncio.Event()
+    assert await asyncio.wait_for(watch_cluster(_Cluster(error=OSError(24, "Too many open files")), stop), 5) is None  # type: ignore[arg-type]
+    assert not stop.is_set()
+    err = capsys.readouterr().err
+    assert err.startswith("warning: the demo's cluster watcher failed (OSError: [Errno 24] Too many open files); "), err
+
+
+async def test_a_cancelled_watcher_sets_no_stop():
+    stop = asyncio.Event()
+    task = asyncio.create_task(watch_cluster(_Cluster(ended=ClusterError("x")), stop))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled() and not stop.is_set()
