@@ -91,10 +91,11 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     ] = 1.0
     kv_alive_interval_s: Annotated[
         float,
-        Meta(gt=0, description="wall seconds a node may serve (running or waiting requests) without a kv.events batch "
+        Meta(ge=0.01, description="wall seconds a node may serve (running or waiting requests) without a kv.events batch "
              "before it publishes an empty one (its next seq, no events): output tokens store no blocks, so a long "
              "decode sends none, and the directory would call the view of a healthy node stale; keep it below the "
-             "directory's --kv-stale-after-s (10 s)"),
+             "directory's --kv-stale-after-s (10 s); at least 0.01 (below the step loop's 2-ms early margin every "
+             "pass would send one: ~1,000 batches a second)"),
     ] = 1.0
     fold_wall_s: Annotated[
         float,

@@ -77,7 +77,7 @@ def test_an_infinite_stale_after_is_taken_whatever_the_interval(env):
 @pytest.mark.parametrize(("cls", "name", "who"), [
     (DirectoryConfig, "kv_stale_after_s", "the KV directory"), (WorkerConfig, "kv_alive_interval_s", "every worker"),
 ])  # fmt: skip
-@pytest.mark.parametrize("text", ["x", "0", "-1", "", "inf", "nan", "2.5"])
+@pytest.mark.parametrize("text", ["x", "0", "-1", "", "inf", "nan", "2.5", "0.001"])
 def test_each_is_read_as_its_service_reads_it(cls, name, who, text):
     """What the service refuses is refused with its message; what it takes is the same number."""
     var = "EI_" + name.upper()

@@ -112,3 +112,20 @@ def test_when_the_next_alive_kv_batch_is_due(counts, interval, since, due):
     shell = SimpleNamespace(_last_state_counts=counts, _last_kv_mono=now - since, cfg=SimpleNamespace(kv_alive_interval_s=interval))
     got = WorkerService._alive_due_s(shell)  # type: ignore[arg-type]
     assert got == due if due is None or due == 0.0 else got == pytest.approx(due, abs=0.05)
+
+
+@pytest.mark.parametrize(("text", "taken"), [("0.001", None), ("0.0099", None), ("0", None), ("0.01", 0.01), ("1", 1.0),
+                                             ("inf", float("inf"))])  # fmt: skip
+def test_an_alive_interval_below_the_step_loops_early_margin_is_refused(text, taken):
+    """``--kv-alive-interval-s`` at least 0.01 s: below ``ALIVE_EARLY_S`` (2 ms) every pass of the step loop found the
+    alive batch due (``_flush_kv`` sends it that early), so 0.001 (which ``gt=0`` took) published ~1,000 a second."""
+    from services.worker.config import WorkerConfig
+    from services.worker.service import ALIVE_EARLY_S
+    from shared.config import ConfigError, resolve_config
+
+    assert 0.01 >= 5 * ALIVE_EARLY_S
+    if taken is None:
+        with pytest.raises(ConfigError, match=r"Expected `float` >= 0.01 - at `\$.kv_alive_interval_s`"):
+            resolve_config(WorkerConfig, {}, env={"EI_KV_ALIVE_INTERVAL_S": text})
+    else:
+        assert resolve_config(WorkerConfig, {}, env={"EI_KV_ALIVE_INTERVAL_S": text}).kv_alive_interval_s == taken
