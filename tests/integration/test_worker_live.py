@@ -706,6 +706,7 @@ async def test_a_worker_whose_only_work_waits_for_its_kv_still_sends_alive_batch
         t1 = time.monotonic()
         await until(lambda: c.finished(rid), timeout=5, what=f"{rid} to finish")
         stats = await c.stats("w0")
+        t2 = time.monotonic()
     await c.bus.close()
     assert t1 - t0 > wait_s - 0.2, (t1 - t0, "the request did not wait for its KV")
     if wait == "peer fetch":
@@ -715,3 +716,7 @@ async def test_a_worker_whose_only_work_waits_for_its_kv_still_sends_alive_batch
     longest = max(b - a for a, b in zip(marks, marks[1:]))
     assert longest < interval + 0.5, (longest, [round(t - t0, 2) for t in marks])
     assert stats.counters["kv.alive_batches"] >= (wait_s - 0.5) / interval / 2, stats.counters
+    # and no more than one wake (and alive batch) per interval of the work's life (t0 .. the stats read): a wait that
+    # woke early without sending (a busy loop: ~1,000 wakes a second) ran up the counter and sent nothing more
+    most = (t2 - t0) / interval + 3
+    assert stats.counters["kv.alive_wakes"] <= most and stats.counters["kv.alive_batches"] <= most, (most, stats.counters)
