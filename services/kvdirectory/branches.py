@@ -11,7 +11,8 @@ State:
   an extension keeps prefixes prefixes), so it is stored as its length ``k_{β,n}`` and every
   Count is one path slice (:meth:`BranchTable.check` asserts it);
 * counts ``R[n][b]`` = number of active branches β with ``b ∈ C_{β,n}``; along a path they
-  never grow with depth;
+  never grow with depth (a dict per node; with ``chained`` one forest of runs of equal counts for
+  all nodes, :class:`_CountRuns`, so a Count walks runs, not blocks);
 * an outbox of count changes per node, drained by :meth:`BranchTable.take_count_updates` in
   the order the changes happened, each change's blocks parent first.
 
@@ -62,10 +63,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter, OrderedDict, deque
 from collections import _count_elements  # type: ignore[attr-defined]  # Counter.update's C loop (pure-Python fallback there)
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress, count, repeat
 from operator import add as _add
-from operator import attrgetter, itemgetter
+from operator import attrgetter, contains, itemgetter
 from operator import ge as _ge
 from operator import ne as _ne
 from operator import not_ as _not
@@ -82,6 +83,7 @@ _REPEAT1 = repeat(1)
 _REPEAT_M1 = repeat(-1)
 _REPEAT_NONE = repeat(None)
 _PC = attrgetter("pc")
+_CNT = attrgetter("cnt")
 
 
 def _drain(it: Iterable[object]) -> None:
@@ -199,7 +201,9 @@ class BranchTable:
             or evicted chain (parent first), so the presence hooks find a chain's counted
             blocks and their counts by bisection, O(distinct counts · log L) probes, instead of
             a probe per block (:meth:`_resend`, :meth:`on_removed`), and a placement tells
-            whether the old path is a prefix of the new one from its last hash (:meth:`place`).
+            whether the old path is a prefix of the new one from its last hash (:meth:`place`),
+            and R is kept in runs (:attr:`runs`): a Count, a move's count-up and release
+            included, is O(runs of the path) Python steps with no per-block count update.
             For a caller that builds paths and stores from one chained id space (the simulator);
             False (the default): every block is probed, whole paths compared.
     """
@@ -234,8 +238,12 @@ class BranchTable:
         self.branches: OrderedDict[str, Branch] = OrderedDict()
         """Active branches in order of last activity (oldest first)."""
         self.ended: OrderedDict[str, float] = OrderedDict()
-        self.R: list[dict[int, int]] = []
-        """R[node][block] > 0: number of active branches counting block on node."""
+        self.R: list[Any] = []
+        """R[node][block] > 0: number of active branches counting block on node (a dict per node;
+        with ``chained`` a read-only :class:`_NodeCounts` view of :attr:`runs`)."""
+        self.runs = _CountRuns()
+        """With ``chained``: every node's counts in runs of chains, so a Count walks runs, not
+        blocks (issue 23: a move is O(runs of the path)); unused otherwise."""
         self.node_branches: list[dict[str, None]] = []
         """[node]: ids of branches with a non-empty C_{β,node}, in the order they started counting
         there (a dict, not a set: a D→P reset releases them in this order, the same in every
@@ -269,7 +277,11 @@ class BranchTable:
 
     def add_node(self, name: str) -> None:
         """Register the next node index (called by the core, dense from 0)."""
-        self.R.append({})
+        if self.chained:
+            self.runs.total.append(0)
+            self.R.append(_NodeCounts(self.runs, len(self.R)))
+        else:
+            self.R.append({})
         self._cc.append([0, 0])
         self.node_branches.append({})
         self.outbox.append([])
@@ -302,7 +314,10 @@ class BranchTable:
             b.watch.pop(n, None)
             if b.last_prefill_node == n:
                 b.last_prefill_node = None
-        self.R[n] = {}
+        if self.chained:
+            self.runs.drop_node(n)
+        else:
+            self.R[n] = {}
         self._cc[n] = [0, 0]
         self.node_branches[n] = {}
         self.watch[n] = {}
@@ -377,9 +392,16 @@ class BranchTable:
     def _set_k(self, b: Branch, n: int, k: int) -> None:
         """Make branch b count exactly ``b.path[:k]`` on node n (its count there is a prefix of
         ``b.path``). O(changed blocks) C-level dict work (+ O(index runs crossing 0) with
-        ``keep_counted_copies``)."""
+        ``keep_counted_copies``); with :attr:`chained` O(runs of the slice) (:meth:`_count_runs`)."""
         cur = b.counted.get(n, 0)
-        if k > cur:
+        if self.chained:  # the runs the slice spans, not its blocks
+            if k > cur:
+                self._count_runs(n, b.path, cur, k, 1)
+            elif k < cur:
+                self._count_runs(n, b.path, k, cur, -1)
+            else:
+                return
+        elif k > cur:
             self._count_up(n, b.path[cur:k])
         elif k < cur:
             self._count_down(n, b.path[k:cur])
@@ -392,6 +414,32 @@ class BranchTable:
         else:
             del b.counted[n]
             self.node_branches[n].pop(b.bid, None)
+
+    def _count_runs(self, n: int, path: list[int], a: int, k: int, step: int) -> None:
+        """:meth:`_count_up` (``step`` +1) or :meth:`_count_down` (-1) of the slice ``path[a:k]``
+        with :attr:`chained`, in :attr:`runs`: O(runs the slice spans) Python steps (~11 per
+        count-up and ~17 per release in the 600-s ``evolving`` simulation at 64-token blocks,
+        whose Counts name ~950 and ~1,700 blocks), plus the outbox's lists (a slice copy and the
+        counts after, one list repeat per run). The same counts, outbox entries and counters as
+        the per-block methods (``tests/unit/kvdirectory/test_count_runs.py``)."""
+        after, crossed, refused = self.runs.count(n, path, a, k, step)
+        if refused:
+            keep = [True] * (k - a)
+            for i, j in zip(refused[::2], refused[1::2]):
+                keep[i - a : j - a] = [False] * (j - i)
+            self.counters["count.negative_prevented"] += keep.count(False)
+            if not after:
+                return
+            blocks = list(compress(path[a:k], keep))
+        else:
+            blocks = path[a:k]
+        if self.keep_counted_copies and crossed:
+            self._crossed(n, chain.from_iterable(path[i:j] for i, j in zip(crossed[::2], crossed[1::2])), step)
+        out = self.outbox[n]
+        if not out:
+            self.out_nodes.append(n)
+        out.append((blocks, step, after))
+        self.out_len[n] += len(blocks)
 
     def _count_up(self, n: int, blocks: list[int]) -> None:
         """One more branch counts ``blocks`` (a path slice, parent first) on node n.
@@ -496,7 +544,7 @@ class BranchTable:
                     out.append((blocks, -1, new))
                     self.out_len[n] += L
                     return
-                R.update(compress(zip(tail, popped), popped))  # type: ignore[arg-type]  # another shape: put back, count per block (compress drops the Nones)
+                R.update(compress(zip(tail, popped), popped))  # another shape: put back, count per block (compress drops the Nones)
         old = list(map(R.get, blocks, _REPEAT0))
         if 0 in old:  # never counted here: refused, counted
             zeros = old.count(0)
@@ -724,7 +772,7 @@ class BranchTable:
             pos = 0
             for a, b, down in spans:
                 if b - a < _CHAIN_MIN:
-                    pos += sum(map(R.__contains__, removed[a:b]))
+                    pos += R.how_many(removed[a:b]) if type(R) is _NodeCounts else sum(map(R.__contains__, removed[a:b]))
                 elif down:
                     pos += b - _counted_tail(R, removed, a, b)
                 else:
@@ -1060,6 +1108,8 @@ class BranchTable:
                 k = b.counted.get(n, 0)
                 c = list(map(R.__getitem__, b.path[:k]))
                 assert all(map(_ge, c, c[1:])), f"counts grow along branch {b.bid}'s prefix on node {n}"
+        if self.chained:
+            self.runs.check()
         if self.keep_counted_copies:
             assert self._cc == self._count_copies(), f"counted_copies {self._cc} != {self._count_copies()}"
         assert self.out_len == [sum(len(o[0]) for o in out) for out in self.outbox], "out_len"
@@ -1390,3 +1440,259 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     if not a or not b or a[0] != b[0]:
         return 0
     return _match(a, 0, b, 0)
+
+
+class _CRun:
+    """A run of the counted-block forest (:class:`_CountRuns`): consecutive blocks of one chain
+    (``keys``, parent first; ``keys[0]`` at path position ``depth``) with the same count on every
+    node (``cnt``: node index → count > 0; empty only while a new run is being counted)."""
+
+    __slots__ = ("keys", "depth", "cnt")
+
+    def __init__(self, keys: list[int], depth: int, cnt: dict[int, int]) -> None:
+        self.keys = keys
+        self.depth = depth
+        self.cnt = cnt
+
+
+class _CountRuns:
+    """R[n][b] for every node at once, in runs (``BranchTable`` with ``chained``; issue 23).
+
+    Every block counted on some node is in exactly one run (``where``: block → run); a run's
+    blocks have equal counts on every node, so a Count of a path slice on a node (+1 or -1 per
+    block) walks the runs the slice spans and changes one count per run, cutting a run in two
+    only where the slice starts or ends inside it or the path leaves it, and joining two runs it
+    walks in a row once their counts are equal (:meth:`join`). A move (a count-up on the new node, a
+    count-down on the old) then costs O(runs of the path) Python steps, not a dict update per
+    block per node; a block enters ``where`` once when first counted anywhere and leaves it when
+    counted nowhere. Relies on chained paths (a hash names its whole prefix, so a block's path
+    position is the same in every path naming it, and the blocks counted anywhere are closed
+    under parents): a run found where a path does not continue it raises ValueError.
+
+    ``total[n]``: blocks counted > 0 on node n (``len(R[n])``), kept per run crossing 0;
+    ``runs``: every run, in the order made (a node's counted blocks are listed run by run).
+    """
+
+    __slots__ = ("where", "total", "runs")
+
+    def __init__(self) -> None:
+        self.where: dict[int, _CRun] = {}
+        self.total: list[int] = []
+        self.runs: dict[_CRun, None] = {}
+
+    def split(self, r: _CRun, o: int) -> tuple[_CRun, _CRun]:
+        """Cut run ``r`` before its offset ``o`` (0 < o < len): ``(head, tail)``, both with r's
+        counts; the smaller part is the new run, its blocks re-pointed in ``where`` (C-level)."""
+        keys = r.keys
+        if o <= len(keys) - o:
+            head = _CRun(keys[:o], r.depth, r.cnt.copy())
+            self.runs[head] = None
+            self.where.update(zip(head.keys, repeat(head)))
+            del keys[:o]
+            r.depth += o
+            return head, r
+        tail = _CRun(keys[o:], r.depth + o, r.cnt.copy())
+        self.runs[tail] = None
+        self.where.update(zip(tail.keys, repeat(tail)))
+        del keys[o:]
+        return r, tail
+
+    def join(self, up: _CRun, down: _CRun) -> _CRun:
+        """One run of ``up`` and ``down`` (``down`` continues ``up`` on a path, their counts equal:
+        no other counted run hangs below ``up``'s end, as its counts would add to ``up``'s): the
+        smaller one's blocks re-pointed (C-level), so a path counted alike by the same branches
+        is walked as few runs (each request's new blocks enter as a run of their own). Returns
+        the run kept."""
+        where = self.where
+        if len(up.keys) >= len(down.keys):
+            up.keys += down.keys
+            where.update(zip(down.keys, repeat(up)))
+            del self.runs[down]
+            return up
+        down.keys[:0] = up.keys
+        down.depth = up.depth
+        where.update(zip(up.keys, repeat(down)))
+        del self.runs[up]
+        return down
+
+    def ensure(self, path: list[int], a: int, k: int) -> None:
+        """Put the blocks of ``path[a:k]`` counted nowhere (a tail of it: what is counted
+        anywhere is closed under parents) into ``where`` as one new run with no count yet (the
+        caller counts it at once). O(log) probes + O(new blocks) C-level.
+
+        Raises:
+            ValueError: a block of that tail is counted already (the paths are not chains).
+        """
+        where = self.where
+        if path[k - 1] in where:
+            return
+        if path[a] in where:  # the first block counted nowhere, by bisection
+            lo, hi = a + 1, k - 1
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if path[mid] in where:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            a = lo
+        keys = path[a:k]
+        if not where.keys().isdisjoint(keys):
+            raise ValueError(f"path position {a} on names blocks counted elsewhere in a path: paths are not chains")
+        r = _CRun(keys, a, {})
+        self.runs[r] = None
+        where.update(zip(keys, repeat(r)))
+
+    def count(self, n: int, path: list[int], a: int, k: int, step: int) -> tuple[list[int], list[int], list[int]]:
+        """Add ``step`` (+1 or -1) to node n's count of every block of ``path[a:k]`` (a < k): one
+        count change per run walked, a run cut where the slice starts, ends or leaves it, two
+        runs walked in a row joined once their counts are equal. O(runs) Python steps + O(blocks
+        counted nowhere before, or re-pointed by a cut or a join) C-level.
+
+        Returns:
+            ``(after, crossed, refused)``: the counts after, one per block that changed (all of
+            the slice unless some were refused), and the path positions ``[i, j, ...]`` of the
+            stretches ``path[i:j]`` whose count crossed 0, and of those a -1 found uncounted on
+            n (left unchanged and out of ``after``: ``count.negative_prevented``).
+
+        Raises:
+            ValueError: a run found does not follow the path (the paths are not chains).
+        """
+        where = self.where
+        total = self.total
+        if step > 0:
+            self.ensure(path, a, k)
+        after: list[int] = []
+        crossed: list[int] = []
+        refused: list[int] = []
+        prev: _CRun | None = None  # the run just before, on the path, if this walk left it counted
+        i = a
+        while i < k:
+            h = path[i]
+            r = where.get(h)
+            if r is None:  # a -1 on a block counted nowhere (an inconsistent caller): refused
+                refused += (i, i + 1)
+                prev = None
+                i += 1
+                continue
+            o = i - r.depth
+            keys = r.keys
+            if not 0 <= o < len(keys) or keys[o] != h:
+                raise ValueError(f"block {h} at path position {i} lies elsewhere in a counted run: paths are not chains")
+            L = len(keys) - o
+            if L > k - i:
+                L = k - i
+            if keys[o + L - 1] != path[i + L - 1]:  # the path leaves the run (a fork): where, by bisection
+                lo, hi = 1, L - 1  # keys[o] agrees, keys[o + L - 1] does not (chains: agreement is a head)
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    if keys[o + mid] == path[i + mid]:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                L = lo
+            if o:
+                r = self.split(r, o)[1]
+            if len(r.keys) > L:
+                r = self.split(r, L)[0]
+            cnt = r.cnt
+            old = cnt.get(n, 0)
+            new = old + step
+            if new < 0:
+                refused += (i, i + L)
+                prev = None
+                i += L
+                continue
+            if new:
+                cnt[n] = new
+                if not old:
+                    total[n] += L
+                    crossed += (i, i + L)
+                if prev is not None and prev.cnt == cnt:  # equal counts on every node: one run
+                    prev = self.join(prev, r)
+                else:
+                    prev = r
+            else:
+                del cnt[n]
+                total[n] -= L
+                crossed += (i, i + L)
+                if cnt:
+                    if prev is not None and prev.cnt == cnt:
+                        prev = self.join(prev, r)
+                    else:
+                        prev = r
+                else:  # counted nowhere now: out of the forest
+                    _drain(map(where.pop, r.keys))
+                    del self.runs[r]
+                    prev = None
+            if after:
+                after += [new] * L
+            else:  # the first piece (the usual move: the only one)
+                after = [new] * L
+            i += L
+        return after, crossed, refused
+
+    def drop_node(self, n: int) -> None:
+        """Node n counts nothing any more (``BranchTable.reset_node``). O(counted blocks) C-level
+        + O(runs) Python steps."""
+        where = self.where
+        for r in list(self.runs):
+            if r.cnt.pop(n, None) is not None and not r.cnt:
+                _drain(map(where.pop, r.keys))
+                del self.runs[r]
+        self.total[n] = 0
+
+    def check(self) -> None:
+        """Every block in ``where`` lies in its run at its place, runs have counts, and ``total``
+        adds up. O(counted blocks)."""
+        total = [0] * len(self.total)
+        for h, r in self.where.items():
+            assert r.cnt and all(c > 0 for c in r.cnt.values()), f"run of {h}: counts {r.cnt}"
+            for n in r.cnt:
+                total[n] += 1
+        seen = {id(r): r for r in self.where.values()}
+        assert seen.keys() == {id(r) for r in self.runs}, "runs listed are not the runs in use"
+        for r in seen.values():
+            assert r.keys and all(self.where.get(h) is r for h in r.keys), f"a run's blocks not all pointing to it (depth {r.depth})"
+        assert total == self.total, f"counted totals {self.total} != {total}"
+
+
+class _NodeCounts(Mapping[int, int]):
+    """R[n] as a read-only mapping (block → count > 0) over :class:`_CountRuns`: one ``where``
+    probe and one count lookup per block; ``len`` O(1)."""
+
+    __slots__ = ("_where", "_n", "_total", "_runs")
+
+    def __init__(self, runs: _CountRuns, n: int) -> None:
+        self._where = runs.where
+        self._runs = runs.runs
+        self._n = n
+        self._total = runs.total
+
+    def __getitem__(self, h: int) -> int:
+        r = self._where.get(h)
+        c = None if r is None else r.cnt.get(self._n)
+        if c is None:
+            raise KeyError(h)
+        return c
+
+    def get(self, h: int, default: Any = None) -> Any:
+        r = self._where.get(h)
+        if r is None:
+            return default
+        return r.cnt.get(self._n, default)
+
+    def __contains__(self, h: object) -> bool:
+        r = self._where.get(h)  # type: ignore[call-overload]
+        return r is not None and self._n in r.cnt
+
+    def __len__(self) -> int:
+        return self._total[self._n]
+
+    def how_many(self, keys: Iterable[int]) -> int:
+        """How many of ``keys`` are counted on the node: ``sum(map(self.__contains__, keys))``
+        in C (a ``where`` probe and a membership test of the node in its run's counts per key)."""
+        return sum(map(contains, map(_CNT, filter(None, map(self._where.get, keys))), repeat(self._n)))
+
+    def __iter__(self) -> Iterator[int]:
+        n = self._n
+        return chain.from_iterable([r.keys for r in self._runs if n in r.cnt])

@@ -790,7 +790,8 @@ class KvDirectory:
         """:meth:`counted_blocks` of every node, in node-id order (the order of :attr:`names`, in
         which :meth:`node_id` registered them): one call per caller's sample of all nodes instead
         of one per node (the simulator samples every prefill node per request sent). O(nodes)."""
-        return list(map(len, self.branches.R))
+        t = self.branches
+        return t.runs.total[:] if t.chained else list(map(len, t.R))
 
     # ------------------------------------------------------------------ #
     # time, outbox, observability

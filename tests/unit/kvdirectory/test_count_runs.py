@@ -1,0 +1,165 @@
+"""Branch counts in runs (``BranchTable`` with ``chained``, issue 23 deliverable 3): a Count walks the
+runs of the counted-block forest its slice spans, so a move costs O(runs of the path), and every
+count, outbox entry, drain and counter is the one the per-block dicts give."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.kvdirectory.core import KvDirectory
+from tests.unit.kvdirectory.helpers import BS, drained, store
+
+
+def _runs(d: KvDirectory) -> list[tuple[int, int, dict[int, int]]]:
+    """The forest's runs as ``(depth, blocks, counts per node)``, in depth order."""
+    seen = {id(r): r for r in d.branches.runs.where.values()}
+    return sorted((r.depth, len(r.keys), dict(r.cnt)) for r in seen.values())
+
+
+def test_a_move_of_a_long_path_changes_one_count_per_run() -> None:
+    """A 2,000-block path placed on p0 and moved to p1: one run, its counts {p0: 1} → {p0: 1, p1: 1}
+    (the move's count-up) → {p1: 1} (p0 released once p1 holds the path); the messages are the
+    per-block ones (every block listed with its count)."""
+    path = list(range(10_000, 12_000))
+    d = KvDirectory(BS, chained=True)
+    p0, p1 = d.node_id("p0"), d.node_id("p1")
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", path, 1.0)
+    assert _runs(d) == [(0, 2000, {p0: 1})]
+    assert drained(d) == [("p0", path, [1] * 2000)]
+    d.place("b", "p1", "prefill", path, 2.0)  # a move: p0 released once p1 holds the last block
+    assert _runs(d) == [(0, 2000, {p0: 1, p1: 1})]
+    store(d, "p1", path, "host")
+    assert _runs(d) == [(0, 2000, {p1: 1})]
+    assert drained(d) == [("p0", path, [0] * 2000), ("p1", path, [1] * 2000)]
+    assert len(d.branches.R[p0]) == 0 and len(d.branches.R[p1]) == 2000
+    d.branch_end("b", 3.0)
+    assert _runs(d) == [] and not d.branches.runs.where  # counted nowhere: out of the forest
+    assert drained(d) == [("p1", path, [0] * 2000)]
+    d.branches.check()
+
+
+def test_a_walk_joins_runs_counted_alike() -> None:
+    """Each request's new blocks enter as a run of their own (3 placements: 3 runs); the move's
+    count-up walks them and leaves one run, as every block of the path is counted alike."""
+    path = list(range(500, 530))
+    d = KvDirectory(BS, chained=True)
+    p0, p1 = d.node_id("p0"), d.node_id("p1")
+    d.branch_start("b", 0.0)
+    for k in (10, 20, 30):
+        d.place("b", "p0", "prefill", path[:k], 1.0)
+    assert _runs(d) == [(0, 10, {p0: 1}), (10, 10, {p0: 1}), (20, 10, {p0: 1})]
+    d.place("b", "p1", "prefill", path, 2.0)
+    assert _runs(d) == [(0, 30, {p0: 1, p1: 1})]
+    assert [d.count("p1", h) for h in path] == [1] * 30
+    d.branches.check()
+
+
+def test_a_fork_cuts_the_run_where_the_paths_part() -> None:
+    """Two branches sharing 5 blocks: the shared head and each tail are runs of their own, the head
+    counted 2 on the node; a version bump cuts at the common prefix."""
+    a = list(range(100, 110))
+    b = a[:5] + list(range(200, 205))
+    d = KvDirectory(BS, chained=True)
+    n = d.node_id("p0")
+    d.branch_start("a", 0.0)
+    d.branch_start("b", 0.0)
+    d.place("a", "p0", "prefill", a, 1.0)
+    d.place("b", "p0", "prefill", b, 1.0)
+    assert _runs(d) == [(0, 5, {n: 2}), (5, 5, {n: 1}), (5, 5, {n: 1})]
+    assert drained(d) == [("p0", a[:5] + a[5:] + b[5:], [2] * 5 + [1] * 10)]
+    d.place("a", "p0", "prefill", a[:3] + [300, 301], 2.0)  # a rewrite: C_a cut to a[:3], then the new tail
+    assert _runs(d) == [(0, 3, {n: 2}), (3, 2, {n: 1}), (3, 2, {n: 1}), (5, 5, {n: 1})]
+    assert [d.count("p0", h) for h in a] == [2, 2, 2, 1, 1, 0, 0, 0, 0, 0]
+    d.branches.check()
+
+
+def test_a_path_that_is_not_a_chain_is_refused() -> None:
+    """``chained`` promises that a hash names its whole prefix: a path naming a counted block at
+    another position is refused with a clear error, not miscounted."""
+    d = KvDirectory(BS, chained=True)
+    d.branch_start("a", 0.0)
+    d.branch_start("b", 0.0)
+    d.place("a", "p0", "prefill", [1, 2, 3, 4], 1.0)
+    with pytest.raises(ValueError, match="not chains"):
+        d.place("b", "p0", "prefill", [7, 3, 9], 1.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_runs_give_the_per_block_counts_messages_and_counters(seed: int) -> None:
+    """Random chained paths (forks, extensions, rewrites), placements on 4 nodes of two phases,
+    stores that finish moves, ends, expiry, D→P switches and a node taken over: a directory
+    counting in runs and one counting per block (``chained`` off) give the same R, drains,
+    counters and branch rows after every step."""
+    rng = random.Random(seed)
+    worlds = [KvDirectory(BS, chained=True, branch_ttl_s=8.0), KvDirectory(BS, branch_ttl_s=8.0)]
+    nodes = ["p0", "p1", "p2", "d0"]
+    for w in worlds:
+        for nm in nodes:
+            w.node_id(nm)
+    fresh = iter(range(1_000_000, 2_000_000))
+    paths: dict[str, list[int]] = {}
+    last: dict[str, str] = {}
+    t = 0.0
+    for step in range(400):
+        t += rng.random()
+        op = rng.random()
+        bid = f"b{rng.randrange(12)}"
+        calls: list[tuple[str, tuple[object, ...]]] = []
+        if op < 0.55:
+            old = paths.get(bid) or paths.get(f"b{rng.randrange(12)}") or []
+            keep = rng.randrange(len(old) + 1) if old and rng.random() < 0.3 else len(old)  # a rewrite or a fork
+            path = old[:keep] + [next(fresh) for _ in range(rng.randrange(1, 40))]
+            paths[bid] = path
+            nm = last[bid] = rng.choice(nodes)
+            calls.append(("place", (bid, nm, "decode" if nm == "d0" else "prefill", path, t)))
+        elif op < 0.75 and paths:
+            bid = rng.choice(sorted(paths))
+            p = paths[bid]
+            if rng.random() < 0.5:  # the whole path where it was placed last: a move there finishes
+                calls.append(("_store", (last[bid], p)))
+            else:
+                calls.append(("_store", (rng.choice(nodes), p[: rng.randrange(1, len(p) + 1)])))
+        elif op < 0.85:
+            calls.append(("branch_end", (bid, t)))
+            paths.pop(bid, None)
+        elif op < 0.93:
+            calls.append(("expire", (t,)))
+        elif op < 0.96:
+            calls.append(("node_phase_changed", (rng.choice(nodes[:3]), rng.choice(["prefill", "decode"]))))
+        elif op < 0.97:
+            calls.append(("reset_node", ("p2",)))  # the slot taken over by a new node (KvDirectory._take_over)
+        else:
+            calls.append(("drain", ()))
+        got = []
+        for w in worlds:
+            out: list[object] = []
+            for name, args in calls:
+                if name == "_store":
+                    node, hashes = args
+                    store(w, node, hashes, "host")  # type: ignore[arg-type]
+                    out.append(len(w.index.where))
+                elif name == "drain":
+                    out.append(drained(w))
+                elif name == "node_phase_changed":
+                    node, new = args
+                    out.append(w.node_phase_changed(node, w.branches.phase_of(w.node_id(node)), new, t))  # type: ignore[arg-type]
+                elif name == "reset_node":
+                    w.branches.reset_node(w.node_id("p2"), "p2")
+                elif name == "expire":
+                    out.append(w.expire(*args))  # type: ignore[arg-type]
+                else:
+                    getattr(w, name)(*args)
+            w.branches.check()
+            tb = w.branches
+            got.append((
+                out, [dict(R) for R in tb.R], dict(tb.counters), tb.out_len, tb.out_seq,
+                {b.bid: (b.version, b.path, dict(b.counted), {k: sorted(v) for k, v in b.pending.items()}) for b in tb.branches.values()},
+                [[(list(c[0]), c[1], list(c[2])) for c in o] for o in tb.outbox],
+            ))
+        assert got[0] == got[1], f"step {step}: {calls}"
+    assert drained(worlds[0]) == drained(worlds[1])
+    c = worlds[0].counters
+    assert c["branch.version_bumps"] and c["moves.released_sources"] and c["branch.expired"]  # the test's reach
