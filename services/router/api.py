@@ -819,16 +819,19 @@ def path_branch_id(branch_id: str, raw_path: bytes | None, max_len: int) -> str:
     return check_header_value("branch_id", branch_id, max_len)
 
 
-def header_text(name: str, value: str) -> str:
-    """A header value as text: the header's bytes decoded as UTF-8.
+def header_text(value: str) -> str:
+    """A header value as text: the header's bytes decoded as UTF-8, or as latin-1 when they are not UTF-8.
 
     ``value`` is the value as an ASGI server and Starlette hand it on, one latin-1 character per byte
-    (``Headers.get``), so ``X-Branch-Id: zweig-ä`` sent as UTF-8 arrives as ``'zweig-Ã¤'``; this gives
-    ``'zweig-ä'``, the same string as the id in a path (``/v1/branches/zweig-%C3%A4/end``: the server
-    percent-decodes a path as UTF-8). An ASCII value is returned as is.
+    (``Headers.get``), so ``X-Branch-Id: zweig-ä`` sent as UTF-8 (curl, aiohttp, Go's net/http) arrives as
+    ``'zweig-Ã¤'``; this gives ``'zweig-ä'``, the same string as the id in a path
+    (``/v1/branches/zweig-%C3%A4/end``: the server percent-decodes a path as UTF-8). Python's ``requests`` and
+    ``http.client`` and Node's ``fetch`` send a str's U+0080-U+00FF as single latin-1 bytes (``zweig-\xe4``):
+    those bytes are not UTF-8 and are read as latin-1, so they name ``'zweig-ä'`` too (the id those clients put
+    in the path). Bytes that are valid UTF-8 are read as UTF-8 (latin-1 text such as ``Ã¤`` that happens to be
+    UTF-8 is the rare case read the other way). An ASCII value is returned as is; no value is refused here.
 
     Raises:
-        ApiError: 400 naming the header when its bytes are not UTF-8.
         UnicodeEncodeError: ``value`` holds a character above U+00FF (never one made of a header's bytes).
     """
     if value.isascii():
@@ -836,11 +839,8 @@ def header_text(name: str, value: str) -> str:
     raw = value.encode("latin-1")
     try:
         return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(
-            400, f"{name} is not valid UTF-8 (byte 0x{raw[e.start]:02X} at offset {e.start}); send the id as UTF-8 text",
-            param=name,
-        ) from None
+    except UnicodeDecodeError:
+        return value  # the latin-1 reading: what requests / http.client / Node fetch sent for U+0080-U+00FF
 
 
 REQUEST_ID_MAX_LEN = 256
@@ -960,8 +960,9 @@ class BranchHeaders(Struct, frozen=True, kw_only=True):
 def parse_branch_headers(headers: Any, max_len: int) -> BranchHeaders:
     """Read ``X-Branch-Id``, ``X-Parent-Branch-Id``, ``X-Branch-Kind`` (fork | subagent | main) and ``X-Agent-Id``.
 
-    Ids may hold any character but control characters (C0, DEL, C1): the header's bytes are read as UTF-8
-    (:func:`header_text`), so an id in a header is the same string as that id percent-encoded as UTF-8 in
+    Ids may hold any character but control characters (C0, DEL, C1): the header's bytes are read as UTF-8, or
+    as latin-1 when they are not UTF-8 (:func:`header_text`: what Python's ``requests`` and Node's ``fetch``
+    send for U+0080-U+00FF), so an id in a header is the same string as that id percent-encoded as UTF-8 in
     ``/v1/branches/{id}/end`` and ``/tool-call``; the length and control-character rules
     (:func:`check_header_value`) apply to that text.
 
@@ -972,7 +973,7 @@ def parse_branch_headers(headers: Any, max_len: int) -> BranchHeaders:
         max_len: longest accepted id, in characters.
 
     Raises:
-        ApiError: 400 for a value that is not UTF-8, an empty, too long or control-character value, one of
+        ApiError: 400 for an empty, too long or control-character value, one of
             the four headers sent again with another value, an unknown kind, kind/parent without a branch id,
             or a branch that is its own parent.
     """
@@ -984,10 +985,9 @@ def parse_branch_headers(headers: Any, max_len: int) -> BranchHeaders:
             if len(set(values)) > 1:  # the same value twice (a proxy's copy) is one value
                 raise ApiError(400, f"{shown} is sent {len(values)} times with different values; send it once", param=shown)
     texts: list[str | None] = []
-    for name, shown in (("x-branch-id", "X-Branch-Id"), ("x-parent-branch-id", "X-Parent-Branch-Id"),
-                        ("x-branch-kind", "X-Branch-Kind"), ("x-agent-id", "X-Agent-Id")):
+    for name in ("x-branch-id", "x-parent-branch-id", "x-branch-kind", "x-agent-id"):
         value = headers.get(name)
-        texts.append(None if value is None else header_text(shown, value))
+        texts.append(None if value is None else header_text(value))
     bid, parent, kind, agent = texts
     if bid is not None:
         check_header_value("X-Branch-Id", bid, max_len)
