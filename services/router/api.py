@@ -897,7 +897,8 @@ def parse_request_id(value: str | None) -> str | None:
 
     Raises:
         ApiError: 400 naming the header for an empty or too long id or one with a space, control or
-            non-ASCII character (not replaced by one of ours: the client's records could not be joined with ours).
+            non-ASCII character (not replaced by one of ours: the client's records could not be joined with ours);
+            the message names the first such byte of the header (``byte 0xC3`` for a UTF-8 ``é``).
     """
     if value is None:
         return None
@@ -906,10 +907,10 @@ def parse_request_id(value: str | None) -> str | None:
     if len(value) > REQUEST_ID_MAX_LEN:
         raise ApiError(400, f"X-Request-ID is {len(value)} characters long; at most {REQUEST_ID_MAX_LEN} allowed", param="X-Request-ID")
     if not _REQUEST_ID.fullmatch(value):
-        bad = next(ch for ch in value if not "\x21" <= ch <= "\x7e")
-        raise ApiError(
-            400, f"X-Request-ID may hold only visible ASCII characters (0x21-0x7E), not U+{ord(bad):04X}", param="X-Request-ID"
-        )
+        bad = ord(next(ch for ch in value if not "\x21" <= ch <= "\x7e"))
+        # a header's value comes one latin-1 character per byte: name the byte (a UTF-8 'é' is 0xC3 0xA9, not U+00C3)
+        what = f"byte 0x{bad:02X}" + (" (non-ASCII: a UTF-8 or latin-1 character)" if bad > 0x7F else "") if bad <= 0xFF else f"U+{bad:04X}"
+        raise ApiError(400, f"X-Request-ID may hold only visible ASCII characters (0x21-0x7E), not {what}", param="X-Request-ID")
     return value
 
 

@@ -272,8 +272,12 @@ def test_any_visible_ascii_request_id_is_taken_and_its_rid_is_one_nats_subject_t
     assert api.REQUEST_ID_MAX_LEN == 256 and api.RID_MAX_LEN == 128
     with pytest.raises(api.ApiError, match="at most 256"):
         api.parse_request_id("a" * 257)
-    with pytest.raises(api.ApiError, match="U\\+0020"):
+    with pytest.raises(api.ApiError, match="not byte 0x20$"):
         api.parse_request_id("id with space")
+    # a header's bytes come one latin-1 character each: a UTF-8 'é' (0xC3 0xA9) is named by its first byte,
+    # not as the character U+00C3 it was never sent as
+    with pytest.raises(api.ApiError, match=r"not byte 0xC3 \(non-ASCII"):
+        api.parse_request_id("caf\xc3\xa9")
 
 
 def test_request_rid_never_maps_two_client_ids_to_one_rid():
