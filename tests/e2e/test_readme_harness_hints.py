@@ -24,7 +24,7 @@ import pytest_asyncio
 from evolving_infra.cluster import ClusterSpec, LocalCluster
 from shared import messages as m
 from shared.bus import Bus
-from shared.subjects import SVC_STATS, Subjects
+from shared.subjects import BRANCH_EVENTS, SVC_STATS, Subjects
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="module"),
@@ -81,7 +81,13 @@ async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(c
                                                 "# a compaction", "# the end of a branch (here the sub-agent's, which returned)"]
     assert all(DOC_URL in cmd for _, cmd in cmds), "every command names up's default URL"
     bus = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="readme-hints", auth=cluster.client_auth("admin"))
+    events: list[m.BranchEvent] = []
+
+    async def on_branch(msg: m.BranchEvent, _subject: str) -> None:
+        events.append(msg)
+
     try:
+        await bus.subscribe(BRANCH_EVENTS, on_branch)  # the router's announcements, as the directory reads them
         for comment, cmd in cmds:
             if comment.startswith("# a compaction"):
                 before = await directory_counters(bus)
@@ -94,6 +100,16 @@ async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(c
         got = await counter_reaches(bus, "branch.version_bumps", 1)  # the compaction: same id, rewritten messages
         assert got["branch.version_bumps"] == 1 and got.get("branch.started") == 3, got
         await counter_reaches(bus, "branch.ended", 1)
+        for _ in range(100):  # the directory has them: this subscriber's copies come at about the same time
+            if len(events) >= 4:
+                break
+            await asyncio.sleep(0.1)
+        # what the commands' headers told the router: each branch's kind, parent and agent as the section says
+        # (a sub-agent or fork command whose kind or parent header were misspelt starts a main branch with no parent)
+        starts = [(e.branch_id, e.kind, e.parent_branch_id, e.agent_id) for e in events if isinstance(e, m.BranchStart)]
+        assert starts == [("task-42", "main", None, "coder-1"), ("task-42-explore", "subagent", "task-42", "explorer-1"),
+                          ("task-42-retry", "fork", "task-42", "coder-1")], events  # fmt: skip
+        assert [e.branch_id for e in events if isinstance(e, m.BranchEnd)] == ["task-42-explore"], events
         async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as http:
             again = await http.post("/v1/chat/completions", headers={"X-Branch-Id": "task-42-explore"},
                                     json={"messages": [{"role": "user", "content": "more"}], "max_tokens": 2})  # fmt: skip
