@@ -62,7 +62,7 @@ name                                                type       meaning
 ``ei_router_branches_resumed_total``                counter    requests of an expired branch accepted as its resume
 ``ei_router_branch_parents_missing_total{state}``   counter    new branches whose ``X-Parent-Branch-Id`` this router
                                                                does not know (``unknown``: maybe another router's)
-                                                               or has ended (``ended``); served, warned once each
+                                                               or has ended (``ended``); served, warned (rate-limited)
 ``ei_router_drain_refused_total``                   counter    generation requests refused (503, ``retry-after``) while
                                                                the router drained after a SIGTERM
 ``ei_router_gone_before_dispatch_total``            counter    requests whose client closed the connection before they
@@ -231,8 +231,8 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
     yield counter_family(
         "ei_router_branch_parents_missing",
         "New X-Branch-Id branches (fork or sub-agent) whose X-Parent-Branch-Id this router does not know (state "
-        "unknown: never seen here or forgotten; it may be another router's) or has ended (state ended); each served, "
-        "with a warning",
+        "unknown: never seen here or forgotten; it may be another router's) or has ended (state ended); each served; "
+        "the log warns of the first 5 of a state per 10 s, then counts the rest",
         {(state,): float(n) for state, n in branches.parents_missing.items()}, ["state"],
     )
     yield counter_family(

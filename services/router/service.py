@@ -70,6 +70,7 @@ from shared.config import env_name, flag_name
 from shared.hashing import block_hashes_packed
 from shared.metrics import FuncCollector, make_registry, metrics_response
 from shared.net import bind_socket, http_url, inherited_socket
+from shared.ratelog import RateLimitedLog
 from shared.service import BackgroundTasks, WatchedService
 from shared.validate import epoch_step_ok
 from shared.subjects import (
@@ -721,6 +722,9 @@ class RouterService(WatchedService):
         self.bus = bus
         self.clock = clock
         self.log = structlog.get_logger("router").bind(instance=bus.instance)
+        self._parent_log = RateLimitedLog(self.log, first=5, interval_s=10.0)
+        """The parent-missing warnings (:meth:`_log_parents_missing`), keyed by state: behind 2+ routers a fork's
+        parent is often another router's, one warning per branch at the request rate otherwise."""
         # at debug level the route log carries every candidate's breakdown: score them all
         # (the ttft policy's profile on the cluster clock: --profile-clock wall, a torch worker's, is x --speedup)
         policy = cfg.routing_policy(ttft_breakdown=self.log.is_enabled_for(logging.DEBUG))
@@ -1775,6 +1779,7 @@ class RouterService(WatchedService):
                     self._forgotten(node)
                 self._note_context()  # a node silent past --forget-node-after-s no longer counts toward the KV cap
             self._expire_parked(time.monotonic())
+            self._parent_log.flush()  # the parent-missing warnings suppressed in an interval that has ended: one line each
             for rid in self._remote.expired(time.monotonic(), self.cfg.request_timeout_s):
                 self.core.finish(rid, now)  # its owner went away without its end reaching the bus
                 self.counters["remote.expired"] += 1
@@ -2872,12 +2877,15 @@ class RouterService(WatchedService):
 
     def _log_parents_missing(self) -> None:
         """A warning per new branch whose ``X-Parent-Branch-Id`` this router does not know or has ended
-        (``BranchTable.take_parents_missing``; counted in ``ei_router_branch_parents_missing_total{state}``): the
-        request is served (the parent may be another router's, or this router restarted), but a harness that sends
-        a wrong parent id or ends the parent first loses the fork's sharing hint silently otherwise."""
+        (``BranchTable.take_parents_missing``; counted, exactly, in ``ei_router_branch_parents_missing_total{state}``):
+        the request is served (the parent may be another router's, or this router restarted), but a harness that
+        sends a wrong parent id or ends the parent first loses the fork's sharing hint silently otherwise. The lines
+        are rate-limited per state (:attr:`_parent_log`: the first 5 of each 10 s, then one ``log lines suppressed``
+        line with the count, written by the fence loop's flush): behind 2+ routers the parent of most forks is
+        another router's, and a warning per branch was a line per request at the agents' rate."""
         for bid, parent, state in self.branches.take_parents_missing():
-            self.log.warning(
-                "branch parent unknown" if state == "unknown" else "branch parent ended", branch=bid, parent=parent,
+            self._parent_log.event(
+                f"branch parent {state}", f"branch parent {state}", branch=bid, parent=parent,
                 hint="served; the parent's prefix is not known to this router to be shared (it may be another "
                 "router's, or this router restarted)" if state == "unknown" else "served; the parent branch was ended "
                 "here before its fork or sub-agent started",

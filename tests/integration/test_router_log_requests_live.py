@@ -370,3 +370,35 @@ async def test_an_unknown_or_ended_parent_is_served_counted_and_warned_once_and_
         "r-late": {"branch": "fork-2", "kind": "fork", "parent": "main-1"},
         "r-plain": {"branch": None},
     }
+
+
+async def test_parent_missing_warnings_are_rate_limited_per_state_and_the_counts_stay_exact(nats_url, tmp_path, logs):
+    """Behind 2+ routers most forks' parents are another router's: the warning was one line per new branch, at the
+    agents' request rate. Now each state logs its first 5 branches of an interval (the 5th says more are
+    suppressed), then one ``log lines suppressed`` line with the count; the metric counts every branch."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        async def post(bid: str, parent: str) -> None:
+            r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1},
+                                    headers={"X-Branch-Id": bid, "X-Branch-Kind": "fork", "X-Parent-Branch-Id": parent})  # fmt: skip
+            assert r.status_code == 200, r.text
+
+        for i in range(8):
+            await post(f"orphan-{i}", "elsewhere")  # another router's parent
+        assert (await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Branch-Id": "m"})).status_code == 200
+        assert (await env.http.post("/v1/branches/m/end")).status_code == 200
+        await post("late-0", "m")  # another state: its own quota
+        metrics = (await env.http.get("/metrics")).text
+        assert [e["branch"] for e in _events(logs, "branch parent unknown")] == [f"orphan-{i}" for i in range(5)]  # was 8 lines
+        plog = env.service._parent_log
+        now = plog.clock()
+        plog.clock = lambda: now + plog.interval_s  # the interval ends; the fence loop's next round flushes it
+        await _wait_for(lambda: _events(logs, "log lines suppressed"), what="the suppressed-lines summary")
+
+    unknown = _events(logs, "branch parent unknown")
+    assert [e["branch"] for e in unknown] == [f"orphan-{i}" for i in range(5)]
+    assert unknown[-1]["more_suppressed_for_s"] == 10.0 and "more_suppressed_for_s" not in unknown[0]
+    assert [e["branch"] for e in _events(logs, "branch parent ended")] == ["late-0"]
+    (summary,) = _events(logs, "log lines suppressed")
+    assert (summary["key"], summary["suppressed"], summary["log_level"]) == ("branch parent unknown", 3, "warning"), summary
+    assert 'ei_router_branch_parents_missing_total{state="unknown"} 8.0' in metrics
+    assert 'ei_router_branch_parents_missing_total{state="ended"} 1.0' in metrics
