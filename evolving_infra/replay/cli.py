@@ -415,12 +415,16 @@ def fit_to_router(requests: list[TraceRequest], block_size: int, max_model_len: 
 def branch_prefix_problem(prefix: str) -> str | None:
     """Why ``prefix`` cannot go in front of the ids sent as headers, or None when it can.
 
-    Headers are sent as ASCII (a non-ASCII character fails every request in the client) and the
-    router refuses control characters in ids (400).
+    Ids go in the headers as UTF-8 (``LiveReplayer._headers``), so any character can but those the router
+    refuses in ids (control characters: C0, DEL, C1; a 400 on every request) and lone surrogates (an
+    argument's bytes that were not UTF-8: no UTF-8 form, every request would fail in the client).
     """
     for ch in prefix:
-        if not " " <= ch <= "~":
-            return f"holds {ch!r}; only printable ASCII can go in the X-Branch-Id / X-Agent-Id headers"
+        o = ord(ch)
+        if o < 0x20 or 0x7F <= o <= 0x9F:
+            return f"holds the control character {ch!r}; the router refuses ids with control characters (400)"
+        if 0xD800 <= o <= 0xDFFF:
+            return f"holds {ch!r}, which has no UTF-8 form (bytes that were not UTF-8?); the ids go in the headers as UTF-8"
     if len(prefix) >= ROUTER_MAX_ID_LEN:
         return f"is {len(prefix)} characters long; a router refuses ids over {ROUTER_MAX_ID_LEN} (its max_id_len default)"
     return None
@@ -583,7 +587,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="put STR in front of every branch and agent id sent to the cluster (X-Branch-Id, "
                    "X-Parent-Branch-Id, X-Agent-Id, branch ends); the router refuses a branch that was ended (409), "
                    "so each run needs ids of its own: default '<run id>:' (meta.run_id); '' sends the trace's ids "
-                   f"as they are (once per cluster). Printable ASCII only; a router refuses ids over {ROUTER_MAX_ID_LEN} characters (its "
+                   f"as they are (once per cluster). No control characters (sent as UTF-8); a router refuses ids over {ROUTER_MAX_ID_LEN} characters (its "
                    "max_id_len), which the run warns of. Records and the report keep the trace's ids")
     p.add_argument("--max-retries", type=non_negative_int, default=2, metavar="N",
                    help="send a request again up to N times when it was refused before any answer, as agent harnesses "

@@ -327,16 +327,24 @@ class LiveReplayer:
             in_flight_at_stop=in_flight,
         )
 
-    def _headers(self, action: SendRequest) -> dict[str, str]:
+    def _headers(self, action: SendRequest) -> dict[bytes, bytes]:
+        """The agent headers of ``action``'s request, each value the id's UTF-8 bytes: the router reads them as
+        UTF-8 (``services.router.api.header_text``), the same id as the UTF-8 path of its end (:func:`branch_path`).
+        httpx sends a str value as ASCII: a trace or prefix id such as ``zweig-ä`` failed every request in the
+        client (``UnicodeEncodeError``) before.
+
+        Raises:
+            UnicodeEncodeError: an id holds a lone surrogate (no UTF-8 form; the request is counted failed).
+        """
         req = action.req
         pre = self.branch_prefix
-        h = {"X-Branch-Id": pre + req.branch, "X-Agent-Id": pre + req.agent}
+        h = {b"X-Branch-Id": (pre + req.branch).encode(), b"X-Agent-Id": (pre + req.agent).encode()}
         if action.new_branch:
             kind = req.kind or "main"
             if kind in ("fork", "subagent"):
-                h["X-Branch-Kind"] = kind
+                h[b"X-Branch-Kind"] = kind.encode()
             if req.parent_branch:
-                h["X-Parent-Branch-Id"] = pre + req.parent_branch
+                h[b"X-Parent-Branch-Id"] = (pre + req.parent_branch).encode()
         return h
 
     def _request_id(self, trace_id: str) -> str:
@@ -388,7 +396,8 @@ class LiveReplayer:
                     "POST",
                     "/v1/completions",
                     content=_JSON.encode(body),
-                    headers={**self._headers(action), "Content-Type": "application/json", "X-Request-ID": rec.x_request_id or ""},
+                    headers={**self._headers(action), b"Content-Type": b"application/json",
+                             b"X-Request-ID": (rec.x_request_id or "").encode()},  # fmt: skip
                 ) as resp:
                     got_response = True
                     rec.status = resp.status_code
