@@ -59,7 +59,8 @@ MAX_LIST = 2**16
 MAX_CHUNK_TOKENS = 2**20
 """Most token ids in one ``TokenChunk``."""
 MAX_ID_LEN = 4096
-"""Longest branch / agent id, bytes of text (the router's ``max_id_len`` is at most this)."""
+"""Longest branch / agent id (and epoch), in characters (``len`` of the text, not its UTF-8 bytes: a
+4,096-character id of CJK characters is 12,288 bytes); the router's ``max_id_len`` is at most this."""
 MAX_TEXT = 4096
 """Longest free-text field (reason, error), characters."""
 MAX_BIG = 2**62
