@@ -1670,6 +1670,14 @@ class Bus:
         ``CLOSE_LOST_GRACE_S`` with none, it ends: the subscriptions' PINGs are never answered by a server gone for
         good, and waiting out ``limit_s`` held every service's stop 5 s (``test_bus_close_nats_gone_live``).
 
+        A reconnect ends the drains that were sent before it once no handler is running or queued: their
+        subscriptions are unsubscribed, the drains cancelled, and what was published goes out (:meth:`flush`).
+        nats-py forgets the PINGs it waits on when it reconnects (``Client._pongs``, nats-py 2.16), so those drains
+        never end, and the connection is up, so the grace above never starts: NATS restarted during a close that had
+        a handler running held it the whole ``limit_s`` (5.00 s with the handler done at 1.0 s; now about 1.0 s,
+        ``tests/integration/test_bus_close_drain_live.py``). nats-py subscribes them again on the new connection:
+        unsubscribed, a message that reaches one meanwhile is not handled (a handler the close would cut short).
+
         The bus drains each subscription in a task it owns, not with nats-py's ``Client.drain``: that one gathers the
         subscriptions' drains with ``asyncio.gather`` inside ``wait_for`` and, cancelled at the bound, leaves the
         gather's exception unretrieved ("_GatheringFuture exception was never retrieved" at the service's exit,
@@ -1686,10 +1694,20 @@ class Bus:
         quiet_since: float | None = None  # lost, and no handler busy, since
         first_look = True
 
-        async def wait(futs: list[asyncio.Future[Any]]) -> bool:
-            """Wait for ``futs``: True when all ended, False at the deadline or when the connection has stayed lost
-            with no handler busy for CLOSE_LOST_GRACE_S (logged; counted from the loss itself when the connection
-            was already lost, with no handler busy, as the drain began)."""
+        draining: dict[asyncio.Future[Any], Subscription] = {}
+
+        def drain(batch: list[Subscription]) -> float:
+            """Start draining ``batch``; the time it began (monotonic seconds)."""
+            for sub in batch:
+                draining[asyncio.ensure_future(_drain_subscription(sub))] = sub
+            return time.monotonic()
+
+        async def wait(futs: list[asyncio.Future[Any]], since: float | None = None) -> bool:
+            """Wait for ``futs``: True when all ended, or, when they are drains begun at ``since``, the bus has
+            reconnected since and no handler is busy (the rest unsubscribed and cancelled: no PONG answers their
+            PINGs now). False at the deadline or when the connection has stayed lost with no handler busy for
+            CLOSE_LOST_GRACE_S (logged; counted from the loss itself when the connection was already lost, with no
+            handler busy, as the drain began)."""
             nonlocal quiet_since, first_look
             while True:
                 pending = [f for f in futs if not f.done()]
@@ -1698,6 +1716,15 @@ class Bus:
                     return True
                 if now >= deadline:
                     return False
+                back = self.reconnected_at
+                if since is not None and back is not None and back >= since and self.nc.is_connected and not _handlers_busy(subs):
+                    self.log.info("nats reconnected during the close's drain; the drains it left unanswered ended",
+                                  subscriptions=len(pending))  # fmt: skip
+                    for f in pending:
+                        with contextlib.suppress(nats.errors.Error):  # closed meanwhile: nothing to take back
+                            await draining[f].unsubscribe()
+                    await cancel_until_done(pending, limit_s=1.0)
+                    return True
                 if self.nc.is_connected or _handlers_busy(subs):
                     quiet_since = None
                 elif quiet_since is None:
@@ -1710,16 +1737,18 @@ class Bus:
                 await asyncio.wait(pending, timeout=min(CLOSE_POLL_S, deadline - now))
 
         replies = self._reply_subscriptions(subs)
-        drains: list[asyncio.Future[Any]] = [asyncio.ensure_future(_drain_subscription(sub)) for sub in subs if sub not in replies]
         flushing: list[asyncio.Future[Any]] = []
         try:
-            if await wait(drains) and replies:  # the handlers have ended: no request of theirs waits on a reply now
-                drains += [asyncio.ensure_future(_drain_subscription(sub)) for sub in replies]
-                await wait(drains)
-            if all(f.done() for f in drains) and not self.nc.is_closed and deadline > time.monotonic():
+            since = drain([sub for sub in subs if sub not in replies])
+            ended = await wait(list(draining), since)
+            if ended and replies:  # the handlers have ended: no request of theirs waits on a reply now
+                since = drain(replies)
+                ended = await wait(list(draining), since)
+            if ended and not self.nc.is_closed and deadline > time.monotonic():
                 flushing.append(asyncio.ensure_future(self.flush(timeout_s=deadline - time.monotonic())))
                 await wait(flushing)
         finally:
+            drains = list(draining)
             failed = [f.exception() for f in drains + flushing if f.done() and not f.cancelled() and f.exception()]
             running = [f for f in drains + flushing if not f.done()]
             if failed:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 
 import nats
 import pytest
 
-from shared.bus import Bus
+from shared.bus import CLOSE_DRAIN_S, Bus
 from shared.natsserver import EmbeddedNatsServer
 from shared.subjects import Subjects
 
@@ -60,4 +62,67 @@ async def test_a_handlers_request_in_flight_at_close_gets_its_reply():
         if other is not None:
             with contextlib.suppress(Exception):
                 await other.close()
+        srv.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_close_across_a_nats_restart_ends_when_its_handler_has_not_at_the_drain_bound():
+    """NATS restarted during the close while a handler runs: the close ends once the handler has (and what it
+    published went out), not at ``CLOSE_DRAIN_S``. nats-py forgets the PINGs it waits on when it reconnects
+    (``Client._pongs``), so the subscriptions' drains never end; the connection is up again, so the lost-connection
+    grace never starts either. Before: 5.00 s (the handler done at 1.0 s; the review's t7.py)."""
+    srv = EmbeddedNatsServer(jetstream=False).start()
+    obs = None
+    try:
+        bus = await Bus.connect(srv.url, Subjects("p0"), service="kvdirectory", instance="kvdirectory")
+        done: list[float] = []
+        started = asyncio.Event()
+
+        async def on_msg(_msg: object) -> None:
+            started.set()
+            await asyncio.sleep(1.0)  # still running when the server dies and comes back
+            done.append(time.monotonic())
+            await bus.nc.publish("test.close.restart.out", b"x")
+
+        async def idle(_msg: object) -> None:
+            pass
+
+        await bus.nc.subscribe("test.close.restart.in", cb=on_msg)
+        await bus.nc.subscribe("test.close.restart.idle", cb=idle)  # a subscription with no handler running
+        got: list[object] = []
+
+        async def on_out(m: object) -> None:
+            got.append(m)
+
+        obs = await nats.connect(srv.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+        await obs.subscribe("test.close.restart.out", cb=on_out)
+        await obs.flush()
+        await bus.nc.publish("test.close.restart.in", b"1")
+        await asyncio.wait_for(started.wait(), 5.0)
+        os.kill(srv.pid, signal.SIGKILL)
+
+        async def restart() -> None:
+            await asyncio.sleep(0.2)
+            await asyncio.to_thread(srv.restart)
+
+        restarting = asyncio.ensure_future(restart())
+        t0 = time.monotonic()
+        await bus.close()
+        took = time.monotonic() - t0
+        await restarting
+        assert done, "the handler was cancelled by the close"
+        assert bus.counters["nats.reconnects"] == 1, "the bus did not reconnect during the close: nothing tested"
+        assert bus.nc.is_closed
+        assert took < 3.0, f"Bus.close took {took:.2f} s; its handler ended at {done[0] - t0:.2f} s (CLOSE_DRAIN_S {CLOSE_DRAIN_S})"
+        for _ in range(100):  # the observer reconnects too
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        assert len(got) == 1, "the handler's publish, made after the bus reconnected, never arrived"
+    finally:
+        if obs is not None:
+            with contextlib.suppress(Exception):
+                await obs.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(srv.pid, signal.SIGKILL)
         srv.stop()
