@@ -522,6 +522,11 @@ class Bus:
             bus.counters["nats.reconnects"] += 1
             bus.reconnected_at = time.monotonic()
             bus.log.warning("nats reconnected", resend=len(bus._resend))
+            if bus._closing:
+                # close cancelled the bus's tasks before its drain, and nothing would cancel one started now (its
+                # stream lookup could outlive the close): no stream check and no resend, as for a disconnect
+                # during the close (disconnected_cb); the drain's flush sends what nats-py buffered meanwhile
+                return
             bus._tasks.append(asyncio.create_task(bus._after_reconnect(), name=f"bus-reconnect-{instance}"))
 
         async def closed_cb() -> None:
@@ -1611,7 +1616,8 @@ class Bus:
         # cancelled again until they end (shared.cancel): a task cancelled in the turn its nats-py call's answer came
         # loses that cancel (Python 3.11's wait_for) and goes on (the heartbeat's while True); one cancel and an
         # unbounded await kept a stopping service alive (tests/unit/shared/test_stop_lost_cancel.py). Tasks added
-        # meanwhile (reconnected_cb's bus-reconnect) are cancelled too, not cleared away still running
+        # meanwhile (a handler's first reliable publish's bus-stream check) are cancelled too, not cleared away still
+        # running; a reconnect from now on starts none (reconnected_cb)
         while self._tasks:
             tasks = list(self._tasks)
             self._tasks.clear()

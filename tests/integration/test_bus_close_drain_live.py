@@ -66,12 +66,16 @@ async def test_a_handlers_request_in_flight_at_close_gets_its_reply():
 
 
 @pytest.mark.timeout(60)
-async def test_a_close_across_a_nats_restart_ends_when_its_handler_has_not_at_the_drain_bound():
+@pytest.mark.parametrize("jetstream", [False, True])
+async def test_a_close_across_a_nats_restart_ends_when_its_handler_has_not_at_the_drain_bound(jetstream: bool):
     """NATS restarted during the close while a handler runs: the close ends once the handler has (and what it
     published went out), not at ``CLOSE_DRAIN_S``. nats-py forgets the PINGs it waits on when it reconnects
     (``Client._pongs``), so the subscriptions' drains never end; the connection is up again, so the lost-connection
-    grace never starts either. Before: 5.00 s (the handler done at 1.0 s; the review's t7.py)."""
-    srv = EmbeddedNatsServer(jetstream=False).start()
+    grace never starts either. Before: 5.00 s (the handler done at 1.0 s; the review's t7.py).
+
+    The reconnect starts no ``bus-reconnect`` task (the stream check, the resend): close had cancelled the bus's
+    tasks already and nothing would have cancelled that one (with JetStream it looks the stream up)."""
+    srv = EmbeddedNatsServer(jetstream=jetstream).start()
     obs = None
     try:
         bus = await Bus.connect(srv.url, Subjects("p0"), service="kvdirectory", instance="kvdirectory")
@@ -113,6 +117,10 @@ async def test_a_close_across_a_nats_restart_ends_when_its_handler_has_not_at_th
         assert done, "the handler was cancelled by the close"
         assert bus.counters["nats.reconnects"] == 1, "the bus did not reconnect during the close: nothing tested"
         assert bus.nc.is_closed
+        started_at_close = [t.get_name() for t in bus._tasks] + [
+            t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("bus-reconnect")
+        ]
+        assert not started_at_close, f"tasks the bus started after its close began: {started_at_close}"
         assert took < 3.0, f"Bus.close took {took:.2f} s; its handler ended at {done[0] - t0:.2f} s (CLOSE_DRAIN_S {CLOSE_DRAIN_S})"
         for _ in range(100):  # the observer reconnects too
             if got:
